@@ -1,0 +1,3 @@
+from shardline.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,271 @@
+"""Typed configuration: dataclass sections, TOML files, `--section.key=value` overrides.
+
+Each section validates its own values (`check()`); `Config.check()` adds the rules
+that span sections. Every problem is a ConfigError naming the key, the value and
+what would be valid, raised before anything touches the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardline.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+
+
+def _require(ok: bool, key: str, value: Any, valid: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {valid}")
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    resume: str = "auto"  # auto (if the run dir has a checkpoint) | never | <checkpoint dir>
+
+    def check(self) -> None:
+        _require(bool(self.dir), "run.dir", self.dir, "must be a non-empty path")
+        ok = self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        _require(ok, "run.device", self.device, "use auto, cpu, cuda or cuda:N")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    hf_path: str = ""  # start from this HF Llama folder (weights and shape) instead of a preset
+    # Shape overrides on top of the preset (0 / -1 = keep the preset's value).
+    dim: int = 0
+    n_layers: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    ffn_dim: int = 0
+    vocab_size: int = 0
+    rope_theta: float = 0.0
+    tie_embeddings: int = -1  # -1 keep, 0 untied, 1 tied
+
+    def check(self) -> None:
+        from shardline.models.presets import PRESETS
+
+        if not self.hf_path:
+            _require(self.preset in PRESETS, "model.preset", self.preset, f"one of {', '.join(PRESETS)}")
+        _require(self.tie_embeddings in (-1, 0, 1), "model.tie_embeddings", self.tie_embeddings, "-1, 0 or 1")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300  # length of the run (and of the learning-rate schedule)
+    stop_at_step: int = 0  # stop early at this step, e.g. to fit a time slot; 0 = run to train.steps
+    seq_len: int = 256
+    global_batch_size: int = 16  # sequences per optimizer step, over all ranks
+    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    seed: int = 1234
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    compile: bool = False
+    document_mask: bool = True  # tokens attend only within their own packed document
+    eval_interval: int = 100  # 0 disables evaluation
+    eval_batches: int = 4
+
+    def check(self) -> None:
+        _require(self.stop_at_step >= 0, "train.stop_at_step", self.stop_at_step, "must be >= 0 (0 = train.steps)")
+        for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
+            _require(getattr(self, key) > 0, f"train.{key}", getattr(self, key), "must be > 0")
+        _require(self.precision in PRECISIONS, "train.precision", self.precision, f"one of {', '.join(PRECISIONS)}")
+        _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0 (0 disables)")
+        _require(self.eval_interval >= 0, "train.eval_interval", self.eval_interval, "must be >= 0 (0 disables)")
+        _require(self.eval_batches > 0, "train.eval_batches", self.eval_batches, "must be > 0")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    schedule: str = "cosine"  # cosine | linear | wsd | constant, after a linear warmup
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2  # wsd: share of the steps spent decaying at the end
+    implementation: str = "auto"  # auto | fused | foreach | for-loop
+
+    def check(self) -> None:
+        _require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        for key in ("beta1", "beta2"):
+            _require(0 <= getattr(self, key) < 1, f"optim.{key}", getattr(self, key), "must be in [0, 1)")
+        _require(self.schedule in SCHEDULES, "optim.schedule", self.schedule, f"one of {', '.join(SCHEDULES)}")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(0 < self.decay_fraction <= 1, "optim.decay_fraction", self.decay_fraction, "must be in (0, 1]")
+        impls = ("auto", "fused", "foreach", "for-loop")
+        _require(self.implementation in impls, "optim.implementation", self.implementation, f"one of {', '.join(impls)}")
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # "" = the shipped corpus; else a .txt/.jsonl/.parquet file (or .gz) or a folder of them
+    text_field: str = "text"  # field holding the text in .jsonl and .parquet files
+    tokenizer: str = ""  # "" = train a byte-level BPE on the data (cached); else a tokenizer.json
+    vocab_size: int = 4096  # size of the trained BPE
+    val_fraction: float = 0.01  # share of documents held out for evaluation
+
+    def check(self) -> None:
+        _require(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (256 bytes + specials)")
+        _require(0 < self.val_fraction < 0.5, "data.val_fraction", self.val_fraction, "must be in (0, 0.5)")
+        _require(bool(self.text_field), "data.text_field", self.text_field, "must be a field name")
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 100  # save every N steps (and at the end); 0 disables
+    keep: int = 3  # keep the newest K checkpoints
+
+    def check(self) -> None:
+        _require(self.interval >= 0, "checkpoint.interval", self.interval, "must be >= 0 (0 disables)")
+        _require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
+
+
+@dataclass
+class MetricsConfig:
+    log_interval: int = 10
+    progress: str = "auto"  # auto (rich on a terminal, plain lines otherwise) | rich | plain | none
+    tensorboard: bool = True
+    peak_tflops: float = 0.0  # per device; 0 = from the device table
+
+    def check(self) -> None:
+        _require(self.log_interval > 0, "metrics.log_interval", self.log_interval, "must be > 0")
+        modes = ("auto", "rich", "plain", "none")
+        _require(self.progress in modes, "metrics.progress", self.progress, f"one of {', '.join(modes)}")
+        _require(self.peak_tflops >= 0, "metrics.peak_tflops", self.peak_tflops, "must be >= 0 (0 = table)")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def check(self, dp_world: int = 1) -> None:
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).check()
+        t = self.train
+        per_step = t.micro_batch_size * dp_world
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                f"train.micro_batch_size={t.micro_batch_size} x {dp_world} data-parallel rank(s) = {per_step}; "
+                f"use a multiple of {per_step}"
+            )
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // self.train.micro_batch_size
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file, then `section.key=value` overrides; then validated."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    cfg = from_dict(raw)
+    for item in overrides:
+        apply_override(cfg, item)
+    return cfg
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    cfg = Config()
+    for section_name, values in raw.items():
+        section = _section(cfg, section_name)
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section_name}] must be a table of keys, got {values!r}")
+        for key, value in values.items():
+            _set(section, section_name, key, value)
+    return cfg
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    """Apply one `section.key=value` override; value is parsed as TOML, else a string."""
+    item = item.removeprefix("--")
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ConfigError(f"override {item!r} must look like --section.key=value")
+    dotted, text = item.split("=", 1)
+    section_name, key = dotted.split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # bare words such as bf16 or runs/x are strings
+    _set(_section(cfg, section_name), section_name, key, value)
+
+
+def _section(cfg: Config, name: str) -> Any:
+    names = [f.name for f in dataclasses.fields(cfg)]
+    if name not in names:
+        raise ConfigError(f"unknown config section [{name}]; valid sections: {', '.join(names)}")
+    return getattr(cfg, name)
+
+
+def _set(section: Any, section_name: str, key: str, value: Any) -> None:
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields:
+        raise ConfigError(f"unknown config key {section_name}.{key}; valid keys: {', '.join(fields)}")
+    hint = typing.get_type_hints(type(section))[key]
+    setattr(section, key, _coerce(f"{section_name}.{key}", value, hint))
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    if isinstance(hint, types.UnionType):  # e.g. int | None
+        hint = next(h for h in typing.get_args(hint) if h is not type(None))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key}={value!r} has the wrong type: expected {hint.__name__}")
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (saved in the run dir so a run can be repeated)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,50 @@
+"""The layout-independent sampler.
+
+For a seed and a global batch size, the global batch at step k is the same whatever
+the number of ranks: the sample stream is a concatenation of seeded permutations of
+the dataset (one per epoch), and step k takes items [k*G, (k+1)*G). Each rank takes
+its contiguous slice, then splits it into micro-batches. The sampler holds no state
+of its own beyond a cache: its position is the step, saved in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class GlobalBatchSampler:
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int):
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch, self._perm = epoch, rng.permutation(self.num_samples)
+        return self._perm
+
+    def global_batch(self, step: int) -> np.ndarray:
+        """Sample indices of the whole global batch at `step` (0-based)."""
+        first = step * self.global_batch_size
+        positions = np.arange(first, first + self.global_batch_size)
+        out = np.empty(len(positions), dtype=np.int64)
+        epochs = positions // self.num_samples
+        for epoch in np.unique(epochs):
+            sel = epochs == epoch
+            out[sel] = self._permutation(int(epoch))[positions[sel] % self.num_samples]
+        return out
+
+    def rank_micro_batches(self, step: int, rank: int, world: int, micro_batch_size: int) -> list[np.ndarray]:
+        """This rank's slice of the global batch at `step`, split into micro-batches."""
+        per_rank = self.global_batch_size // world
+        mine = self.global_batch(step)[rank * per_rank : (rank + 1) * per_rank]
+        return [mine[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.global_batch_size / self.num_samples
+
+    def state_dict(self, step: int) -> dict:
+        return {"step": step, "seed": self.seed, "num_samples": self.num_samples,
+                "global_batch_size": self.global_batch_size}

@@ -1,0 +1,70 @@
+"""Tokenizer: a byte-level BPE trained on the data (cached), or a user's tokenizer.json."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from shardline.errors import DataError
+
+EOS = "<|endoftext|>"
+# End-of-document tokens of common tokenizers, tried in order for a user's tokenizer.
+_KNOWN_EOS = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SHARDLINE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardline"
+    )
+    return Path(root)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception for bad files
+        raise DataError(f"data.tokenizer={path!r} cannot be read as a tokenizer.json: {e}") from None
+
+
+def get_tokenizer(documents: list[str], tokenizer_path: str, vocab_size: int) -> Tokenizer:
+    """The user's tokenizer if given, else a BPE trained on `documents` and cached by content."""
+    if tokenizer_path:
+        return load_tokenizer(tokenizer_path)
+    digest = hashlib.sha256()
+    for doc in documents:
+        digest.update(hashlib.sha256(doc.encode()).digest())
+    cached = cache_dir() / "tokenizers" / f"bpe{vocab_size}-{digest.hexdigest()[:16]}.json"
+    if cached.exists():
+        return load_tokenizer(str(cached))
+    tok = train_bpe(documents, vocab_size)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".tmp{os.getpid()}")
+    tok.save(str(tmp))
+    tmp.replace(cached)  # atomic: concurrent ranks never read a half-written file
+    return tok
+
+
+def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(documents, trainer=trainer, length=len(documents))
+    return tok
+
+
+def eos_id(tok: Tokenizer) -> int | None:
+    """The end-of-document token id, or None when the tokenizer has none we know."""
+    for name in _KNOWN_EOS:
+        idx = tok.token_to_id(name)
+        if idx is not None:
+            return idx
+    return None

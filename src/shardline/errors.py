@@ -1,0 +1,21 @@
+"""Errors that speak to users.
+
+Each is raised for a mistake the user can fix (a config key, a data file, a
+checkpoint); the CLI prints the message on one line and exits with code 2.
+"""
+
+
+class ShardlineError(Exception):
+    """Base class: a user-facing error with a one-line message."""
+
+
+class ConfigError(ShardlineError):
+    """A config key, value or combination of values that cannot work."""
+
+
+class DataError(ShardlineError):
+    """A data path, data file or tokenizer that cannot be read or used."""
+
+
+class CheckpointError(ShardlineError):
+    """A checkpoint that is missing, incomplete or does not match the run."""

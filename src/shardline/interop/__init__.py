@@ -1,0 +1,1 @@
+"""Reading and writing model formats of other tools (Hugging Face Llama folders)."""

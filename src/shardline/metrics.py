@@ -1,0 +1,126 @@
+"""Metric sinks: a progress display or plain lines, metrics.jsonl, TensorBoard.
+
+Every record is a dict with a `kind`: `train` (step, loss, lr, grad_norm,
+tokens_per_s, mfu, ...), `eval` (step, eval_loss, eval_ppl) or `event` (anything
+notable: resumes, skipped steps, checkpoints). The trainer builds the records; the
+sinks only write them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this rank: allocator peak on GPU, process peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None, n_devices: int) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices."""
+    if not peak_tflops:
+        return None
+    return tokens_per_s * flops_per_token / (peak_tflops * 1e12 * n_devices)
+
+
+def format_line(rec: dict[str, Any], total_steps: int) -> str:
+    if rec["kind"] == "train":
+        parts = [f"step {rec['step']}/{total_steps}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}",
+                 f"gnorm {rec['grad_norm']:.3f}", f"{rec['tokens_per_s']:,.0f} tok/s"]
+        if rec.get("mfu") is not None:
+            parts.append(f"mfu {100 * rec['mfu']:.1f}%")
+        parts += [f"mem {rec['peak_mem_gib']:.2f} GiB", f"{rec['step_time_s']:.3f} s/step"]
+        return " | ".join(parts)
+    if rec["kind"] == "eval":
+        return f"eval step {rec['step']} | loss {rec['eval_loss']:.4f} | ppl {rec['eval_ppl']:.2f}"
+    fields = " ".join(f"{k}={v}" for k, v in rec.items() if k not in ("kind", "event", "time"))
+    return f"[{rec['event']}] {fields}"
+
+
+class Console:
+    """Plain lines, or a rich progress bar on a terminal; silent when mode is "none"."""
+
+    def __init__(self, mode: str, total_steps: int, first_step: int):
+        self.total = total_steps
+        if mode == "auto":
+            mode = "rich" if sys.stdout.isatty() else "plain"
+        self.mode = mode
+        self._progress = self._task = None
+        if mode == "rich":
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TimeRemainingColumn(), TextColumn("{task.description}"))
+            self._task = self._progress.add_task("", total=total_steps, completed=first_step)
+            self._progress.start()
+
+    def write(self, rec: dict[str, Any]) -> None:
+        if self.mode == "none":
+            return
+        line = format_line(rec, self.total)
+        if self._progress is None:
+            print(line, flush=True)
+            return
+        self._progress.console.print(line)
+        if rec["kind"] == "train":
+            self._progress.update(self._task, completed=rec["step"], description=f"loss {rec['loss']:.4f}")
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+class MetricsLogger:
+    """Fans records out to the console, <run_dir>/metrics.jsonl and TensorBoard."""
+
+    def __init__(self, run_dir: Path, mode: str, tensorboard: bool, total_steps: int, first_step: int,
+                 enabled: bool = True):
+        self.enabled = enabled  # only one rank writes; the others keep the same code path
+        self.console = Console(mode if enabled else "none", total_steps, first_step)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self._tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, kind: str, **fields: Any) -> dict[str, Any]:
+        rec = {"kind": kind, "time": round(time.time(), 3), **fields}
+        if not self.enabled:
+            return rec
+        self._jsonl.write(json.dumps(rec, default=_jsonable) + "\n")
+        self._jsonl.flush()
+        self.console.write(rec)
+        if self._tb is not None and kind in ("train", "eval"):
+            for key, value in fields.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"{kind}/{key}", value, fields["step"])
+        return rec
+
+    def event(self, event: str, **fields: Any) -> dict[str, Any]:
+        return self.log("event", event=event, **fields)
+
+    def close(self) -> None:
+        self.console.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"cannot write {type(obj).__name__} to metrics.jsonl")

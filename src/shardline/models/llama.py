@@ -1,0 +1,225 @@
+"""A Llama-family decoder that reads like the paper.
+
+RMSNorm, rotary position embedding (Llama-3 frequency scaling optional), SwiGLU
+feed-forward, multi-head / grouped-query / multi-query attention with an explicit
+head_dim, optional tied embeddings. Attention runs through
+F.scaled_dot_product_attention so GPUs get flash/cuDNN kernels and CPUs the math one.
+
+Rotary embedding uses the "rotate half" layout (first half of each head pairs with
+the second half), the same as HF transformers, so HF weights load without permuting
+q/k projections.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    n_kv_heads: int | None = None  # None: multi-head (n_kv_heads = n_heads)
+    head_dim: int | None = None  # None: dim // n_heads
+    ffn_dim: int = 0  # hidden size of the SwiGLU feed-forward
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama 3.1 frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None leaves frequencies as they are.
+    rope_scaling: tuple[tuple[str, float], ...] | None = None
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    def validate(self) -> list[str]:
+        """Return the problems with this shape (empty when it is buildable)."""
+        problems = []
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_dim"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.n_heads > 0 and self.n_heads % self.kv_heads:
+            problems.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}")
+        if self.head_dim is None and self.n_heads > 0 and self.dim % self.n_heads:
+            problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
+        if self.head_size % 2:
+            problems.append(f"head_dim={self.head_size} must be even for rotary embeddings")
+        return problems
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the autocast dtype: the mean of squares underflows in bf16.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with Llama-3 scaling if configured."""
+    half = args.head_size // 2
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
+    if args.rope_scaling is None:
+        return inv_freq.float()
+    s = dict(args.rope_scaling)
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed down by `factor`, short ones kept,
+    # and the band between is interpolated smoothly (Llama 3.1 report).
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_mid, scaled, out).float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + head_dim/2) of x [b, h, s, d] by the position angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_size
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # The number of heads is read from the tensors, not from the config, so a
+        # tensor-parallel shard (fewer local heads) runs this same code.
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed "0".."L-1" keeps parameter names stable when a pipeline
+        # stage deletes the layers it does not own.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for input_ids [batch, seq].
+
+        doc_ids [batch, seq] (optional) marks which packed document each token belongs to;
+        a token then attends only to earlier tokens of its own document.
+        """
+        h = self.tok_embeddings(input_ids)
+        cos, sin = self._rotary(input_ids.shape[1], h.device)
+        mask = document_causal_mask(doc_ids) if doc_ids is not None else None
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, mask)
+        return self.output(self.norm(h))
+
+    def _rotary(self, seq_len: int, device: torch.device):
+        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+        angles = torch.outer(pos, self.inv_freq.to(device))
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None, device: str | torch.device = "cpu") -> None:
+        """Materialize (if built on meta) and initialise: scaled normal, as in GPT-2/Llama.
+
+        Matmul weights get N(0, 0.02); the projections that write into the residual
+        stream (wo, w2) are scaled by 1/sqrt(2 * n_layers) so the residual variance
+        does not grow with depth. Norm weights start at one.
+        """
+        if any(t.is_meta for t in self.parameters()) or self.inv_freq.is_meta:
+            self.to_empty(device=device)
+        self.inv_freq = rope_frequencies(self.args).to(self.inv_freq.device)
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
+        gens: dict[torch.device, torch.Generator] = {}
+        for name, p in self.named_parameters():
+            gen = None
+            if seed is not None:
+                gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+            if p.ndim == 1:
+                nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, 0.0, out_std, generator=gen)
+            else:
+                nn.init.normal_(p, 0.0, std, generator=gen)
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [b, 1, s, s]: True where query i may attend to key j.
+
+    j <= i (causal) and both tokens belong to the same packed document.
+    """
+    s = doc_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same_doc & causal)[:, None]

@@ -1,0 +1,45 @@
+"""Named model shapes. Published ones match their HF config.json files.
+
+`tiny` takes its vocabulary size from the tokenizer (vocab_size=0 here means
+"fill in from the tokenizer"); the Llama shapes keep their published vocabulary.
+"""
+
+from __future__ import annotations
+
+from shardline.errors import ConfigError
+from shardline.models.llama import ModelArgs
+
+_LLAMA31_SCALING = (
+    ("factor", 8.0),
+    ("low_freq_factor", 1.0),
+    ("high_freq_factor", 4.0),
+    ("original_max_position_embeddings", 8192.0),
+)
+_LLAMA32_SCALING = (
+    ("factor", 32.0),
+    ("low_freq_factor", 1.0),
+    ("high_freq_factor", 4.0),
+    ("original_max_position_embeddings", 8192.0),
+)
+
+PRESETS: dict[str, ModelArgs] = {
+    # ~5.2 M parameters with a 4096-token vocabulary: trains on two CPU cores.
+    "tiny": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=0, ffn_dim=768,
+                      max_seq_len=1024, rope_theta=10000.0),
+    "llama3.2-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                             ffn_dim=8192, rope_theta=500000.0, rope_scaling=_LLAMA32_SCALING,
+                             max_seq_len=131072, tie_embeddings=True),
+    "llama3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                           ffn_dim=14336, rope_theta=500000.0, max_seq_len=8192),
+    "llama3-70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                            ffn_dim=28672, rope_theta=500000.0, max_seq_len=8192),
+    "llama3-405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                             ffn_dim=53248, rope_theta=500000.0, rope_scaling=_LLAMA31_SCALING,
+                             max_seq_len=131072),
+}
+
+
+def get_preset(name: str) -> ModelArgs:
+    if name not in PRESETS:
+        raise ConfigError(f"model.preset={name!r} is not a preset; valid: {', '.join(PRESETS)}")
+    return PRESETS[name]

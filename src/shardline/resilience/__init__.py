@@ -1,0 +1,1 @@
+"""Fault tolerance: checkpoints (and, later, anomaly handling, watchdog, recovery)."""

@@ -1,0 +1,146 @@
+"""Atomic, verifiable checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout of one checkpoint, `<run_dir>/checkpoints/step-000020/`:
+
+    state/              DCP folder: model and optimizer, keyed by parameter name
+                        (so a later run may load it under another parallel layout)
+    trainer/rank0.pt    per-rank trainer state: step, scheduler, loss scaler,
+                        data position, RNG states
+    manifest.json       written last: step, every file with its size and sha256
+
+It is written to `step-000020.tmp/` and renamed when complete, so a crash mid-save
+leaves the previous checkpoints untouched; a folder without a valid manifest is
+never loaded. Only the newest `keep` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from shardline.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """DCP warns when no process group exists; one process is a supported layout here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; CheckpointError naming what is wrong."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST}")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path} has a malformed {MANIFEST}: {e}") from None
+    for rel, meta in files.items():
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is missing {rel}")
+        if f.stat().st_size != meta["size"]:
+            raise CheckpointError(f"checkpoint {path}: {rel} is {f.stat().st_size} bytes, manifest says {meta['size']}")
+        if _sha256(f) != meta["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: {rel} is corrupted (sha256 mismatch)")
+    return manifest
+
+
+class Checkpointer:
+    def __init__(self, run_dir: Path, keep: int, rank: int = 0, is_writer: bool = True):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep, self.rank, self.is_writer = keep, rank, is_writer
+
+    def list(self) -> list[Path]:
+        """Complete-looking checkpoints (renamed, with a manifest), oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
+                 and (p / MANIFEST).is_file()]
+        return sorted(found, key=lambda p: p.name)
+
+    def latest_valid(self, on_invalid=None) -> Path | None:
+        """The newest checkpoint that verifies; `on_invalid(path, error)` hears of the others."""
+        for path in reversed(self.list()):
+            try:
+                verify(path)
+                return path
+            except CheckpointError as e:
+                if on_invalid is not None:
+                    on_invalid(path, e)
+        return None
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             trainer_state: dict[str, Any]) -> tuple[Path, float]:
+        """Write the checkpoint of `step`; returns its path and the seconds it took."""
+        start = time.perf_counter()
+        final = self.root / step_dir_name(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash mid-save
+            tmp.mkdir(parents=True)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with _single_process_ok():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+        (tmp / "trainer").mkdir(exist_ok=True)
+        torch.save(trainer_state, tmp / "trainer" / f"rank{self.rank}.pt")
+        if self.is_writer:
+            files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
+                     for f in sorted(tmp.rglob("*")) if f.is_file()}
+            manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "files": files}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            if final.exists():  # an older save of the same step (e.g. after a rollback)
+                shutil.rmtree(final)
+            tmp.rename(final)
+            self._prune()
+        return final, time.perf_counter() - start
+
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Load model and optimizer in place; returns this rank's trainer state."""
+        verify(path)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        try:
+            with _single_process_ok():
+                dcp.load(state, checkpoint_id=str(path / "state"))
+        except Exception as e:  # DCP reports shape/key mismatches as assorted exceptions
+            raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: "
+                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rank_file = path / "trainer" / f"rank{self.rank}.pt"
+        if not rank_file.is_file():
+            rank_file = path / "trainer" / "rank0.pt"  # resumed with more ranks than were saved
+        return torch.load(rank_file, weights_only=True)
+
+    def _prune(self) -> None:
+        for old in self.list()[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,236 @@
+"""The training loop: data -> forward/backward -> optimizer -> metrics -> checkpoint.
+
+Read `train()` first; everything else is a small step it calls. The loss of a step is
+the mean over every labelled token of the global batch, whatever the micro-batching,
+so gradient accumulation (and, later, data parallelism) changes no number.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from shardline.config import Config, to_toml
+from shardline.data import build_data
+from shardline.data.packing import IGNORE_INDEX
+from shardline.errors import CheckpointError, ConfigError
+from shardline.hardware import peak_tflops
+from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
+from shardline.models.factory import build_meta_model, model_args_from_config
+from shardline.models.flops import flops_per_token
+from shardline.optim import build_optimizer, build_scheduler, init_optimizer_state, lr_multiplier
+from shardline.precision import LossScaler, autocast
+from shardline.resilience.checkpoint import Checkpointer
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"run.device={name!r} but no CUDA device is available; use cpu or auto")
+    return torch.device(name)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        cfg.check()
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.dir)
+        self.device = pick_device(cfg.run.device)
+        self.step = 0  # optimizer updates completed
+        self.rank, self.world = 0, 1  # data-parallel position; set by the parallel layer
+        self._invalid_checkpoints: list[str] = []
+
+    # ---- building -------------------------------------------------------------------
+
+    def build(self) -> "Trainer":
+        """Everything that can fail on user input happens here, before the run dir is touched."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.train.seed)
+        self.data = build_data(cfg)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.rank, self.rank == 0)
+        resume_from = self._resume_path()
+        self.model_args = model_args_from_config(cfg.model, self.data.vocab_size, self._hf_base())
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
+        self.scaler = LossScaler(self.device, cfg.train.precision)
+        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
+        self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)
+        self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
+        resumed = self._load_checkpoint(resume_from) if resume_from else None
+        self._open_run_dir(resumed)
+        return self
+
+    def _hf_base(self):
+        if not self.cfg.model.hf_path:
+            return None
+        from shardline.interop.hf import read_hf_config
+
+        return read_hf_config(self.cfg.model.hf_path)
+
+    def _build_model(self) -> torch.nn.Module:
+        model = build_meta_model(self.model_args)
+        model.init_weights(seed=self.cfg.train.seed, device=self.device)
+        if self.cfg.model.hf_path:
+            from shardline.interop.hf import load_hf_weights
+
+            load_hf_weights(model, self.cfg.model.hf_path)
+        return model
+
+    def _resume_path(self) -> Path | None:
+        mode = self.cfg.run.resume
+        if mode not in ("auto", "latest", "never"):
+            path = Path(mode)
+            if not path.is_dir():
+                raise ConfigError(f"run.resume={mode!r} is not a checkpoint folder")
+            return path
+        invalid = []
+        path = self.checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
+        self._invalid_checkpoints = invalid
+        if mode == "latest" and path is None:
+            raise CheckpointError(f"--resume given but {self.checkpointer.root} holds no valid checkpoint"
+                                  + (f" ({'; '.join(invalid)})" if invalid else ""))
+        if mode == "never" and self.checkpointer.list():
+            raise ConfigError(f"run.resume='never' but {self.run_dir} already holds checkpoints that a new run "
+                              "would overwrite; choose another run.dir or remove them")
+        return path if mode != "never" else None
+
+    def _load_checkpoint(self, path: Path) -> Path:
+        init_optimizer_state(self.optimizer)
+        state = self.checkpointer.load(path, self.model, self.optimizer)
+        data_pos = state["data"]
+        if data_pos["num_samples"] != len(self.data.train) or data_pos["seed"] != self.cfg.train.seed:
+            raise CheckpointError(
+                f"checkpoint {path} was saved for {data_pos['num_samples']} training sequences and seed "
+                f"{data_pos['seed']}; this run has {len(self.data.train)} and seed {self.cfg.train.seed} "
+                "(data, train.seq_len or train.seed changed); use a new run.dir")
+        self.step = state["step"]
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        _set_rng_state(state["rng"])
+        return path
+
+    def _open_run_dir(self, resumed: Path | None) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+        self.data.tokenizer.save(str(self.run_dir / "tokenizer.json"))
+        self.metrics = MetricsLogger(self.run_dir, self.cfg.metrics.progress, self.cfg.metrics.tensorboard,
+                                     self.cfg.train.steps, self.step, enabled=self.rank == 0)
+        for problem in self._invalid_checkpoints:
+            self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
+        if resumed is not None:
+            self.metrics.event("resume", step=self.step, checkpoint=str(resumed))
+
+    # ---- the loop -------------------------------------------------------------------
+
+    def train(self) -> dict:
+        cfg = self.cfg
+        stop = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
+        self.metrics.event("start", step=self.step, params=sum(p.numel() for p in self.model.parameters()),
+                           device=str(self.device), precision=cfg.train.precision,
+                           tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
+        window_start, window_steps, last = time.perf_counter(), 0, {}
+        while self.step < stop:
+            loss, grad_norm, skipped = self.train_step()
+            self.step += 1
+            window_steps += 1
+            if skipped:
+                self.metrics.event("skipped_step", step=self.step, reason="fp16 overflow",
+                                   loss_scale=self.scaler.scaler.get_scale())
+            if self.step % cfg.metrics.log_interval == 0 or self.step == stop:
+                last = self._log_train(loss, grad_norm, time.perf_counter() - window_start, window_steps)
+                window_start, window_steps = time.perf_counter(), 0
+            if cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or self.step == stop):
+                self.evaluate()
+            if cfg.checkpoint.interval and (self.step % cfg.checkpoint.interval == 0 or self.step == stop):
+                self.save_checkpoint()
+        self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps)
+        self.metrics.close()
+        return last
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """One optimizer update over this rank's share of the global batch."""
+        t = self.cfg.train
+        self.model.train()
+        micro = self.data.sampler.rank_micro_batches(self.step, self.rank, self.world, t.micro_batch_size)
+        batches = [self.data.train.batch(idx) for idx in micro]
+        n_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        loss = torch.zeros((), device=self.device)
+        for batch in batches:
+            loss += self.forward_backward(batch, n_tokens)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
+        skipped = self.scaler.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss, grad_norm, skipped
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], n_tokens: int) -> torch.Tensor:
+        """Backward of this micro-batch's share of the global mean loss; returns that share."""
+        loss = self.loss_sum(batch) / n_tokens
+        self.scaler.scale(loss).backward()
+        return loss.detach()
+
+    def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed cross-entropy over the labelled tokens of a batch (fp32 logits)."""
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        doc_ids = batch["doc_ids"] if self.cfg.train.document_mask else None
+        with autocast(self.device, self.cfg.train.precision):
+            logits = self.forward(batch["input_ids"], doc_ids)
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the first eval_batches micro-batches of the held-out split."""
+        t = self.cfg.train
+        self.model.eval()
+        n_val = len(self.data.val)
+        total, count = torch.zeros((), device=self.device), 0
+        for i in range(t.eval_batches):
+            idx = np.arange(i * t.micro_batch_size, (i + 1) * t.micro_batch_size) % n_val
+            batch = self.data.val.batch(idx)
+            total += self.loss_sum(batch)
+            count += int((batch["labels"] != IGNORE_INDEX).sum())
+        loss = total.item() / max(count, 1)
+        self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
+        return loss
+
+    def save_checkpoint(self) -> Path:
+        state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                 "data": self.data.sampler.state_dict(self.step), "rng": _get_rng_state()}
+        path, seconds = self.checkpointer.save(self.step, self.model, self.optimizer, state)
+        self.metrics.event("checkpoint", step=self.step, path=str(path), seconds=round(seconds, 3))
+        return path
+
+    def _log_train(self, loss, grad_norm, seconds: float, steps: int) -> dict:
+        lr = self.cfg.optim.lr * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
+        # The only host sync of the hot path: reading the values at a logging step.
+        tokens_per_s = steps * self.cfg.train.global_batch_size * self.cfg.train.seq_len / seconds
+        return self.metrics.log(
+            "train", step=self.step, loss=loss.item(), lr=lr,
+            grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s,
+            mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.world),
+            peak_mem_gib=peak_memory_gib(self.device), step_time_s=seconds / steps,
+            epoch=self.data.sampler.epoch_of(self.step))
+
+
+def _get_rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

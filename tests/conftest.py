@@ -1,0 +1,49 @@
+"""Shared fixtures: a small slice of the shipped corpus and a tiny, fast config."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from shardline.config import Config, load_config
+from shardline.data.sources import shipped_corpus
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    # Trained tokenizers are cached per session so tests never depend on ~/.cache.
+    os.environ["SHARDLINE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> Path:
+    """The first 150 chapters of the shipped corpus (~500 KB), as a .jsonl file."""
+    lines = gzip.decompress(shipped_corpus().read_bytes()).decode().splitlines()[:150]
+    path = tmp_path_factory.mktemp("data") / "small.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert json.loads(lines[0])["text"].startswith("Genesis 1")
+    return path
+
+
+TINY_OVERRIDES = [
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+    "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=4", "train.steps=12",
+    "train.eval_interval=6", "train.eval_batches=2", "optim.warmup_steps=2", "data.vocab_size=512",
+    "checkpoint.interval=6", "metrics.log_interval=1", "metrics.progress=none", "metrics.tensorboard=false",
+]
+
+
+def tiny_overrides(run_dir: Path, corpus: Path, *extra: str) -> list[str]:
+    return [*TINY_OVERRIDES, f"run.dir={run_dir}", f"data.path={corpus}", *extra]
+
+
+@pytest.fixture
+def tiny_config(tmp_path, small_corpus):
+    def make(*extra: str, run_dir: Path | None = None) -> Config:
+        return load_config(None, tiny_overrides(run_dir or tmp_path / "run", small_corpus, *extra))
+
+    return make
