@@ -63,7 +63,7 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300  # length of the run (and of the learning-rate schedule)
+    steps: int = 200  # length of the run (and of the learning-rate schedule)
     stop_at_step: int = 0  # stop early at this step, e.g. to fit a time slot; 0 = run to train.steps
     seq_len: int = 256
     global_batch_size: int = 16  # sequences per optimizer step, over all ranks
@@ -73,7 +73,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     compile: bool = False
     document_mask: bool = True  # tokens attend only within their own packed document
-    eval_interval: int = 100  # 0 disables evaluation
+    eval_interval: int = 50  # 0 disables evaluation
     eval_batches: int = 4
 
     def check(self) -> None:
@@ -128,7 +128,7 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 100  # save every N steps (and at the end); 0 disables
+    interval: int = 50  # save every N steps (and at the end); 0 disables
     keep: int = 3  # keep the newest K checkpoints
 
     def check(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -169,7 +170,11 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
         skipped = self.scaler.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # A skipped fp16 step still advances the schedule (it is indexed by step); torch
+            # warns about that order, which is intended here.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
         return loss, grad_norm, skipped
 
     def forward_backward(self, batch: dict[str, torch.Tensor], n_tokens: int) -> torch.Tensor:

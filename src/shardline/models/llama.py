@@ -199,6 +199,8 @@ class Llama(nn.Module):
         """
         if any(t.is_meta for t in self.parameters()) or self.inv_freq.is_meta:
             self.to_empty(device=device)
+            if self.args.tie_embeddings:  # to_empty gives each module its own new tensor
+                self.output.weight = self.tok_embeddings.weight
         self.inv_freq = rope_frequencies(self.args).to(self.inv_freq.device)
         std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
         gens: dict[torch.device, torch.Generator] = {}

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from shardline.errors import CheckpointError
@@ -48,6 +49,12 @@ def _single_process_ok():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _last_line(e: BaseException) -> str:
+    """DCP wraps the real error (e.g. a size mismatch) in a multi-line report: keep its last line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 def step_dir_name(step: int) -> str:
@@ -132,9 +139,8 @@ class Checkpointer:
         try:
             with _single_process_ok():
                 dcp.load(state, checkpoint_id=str(path / "state"))
-        except Exception as e:  # DCP reports shape/key mismatches as assorted exceptions
-            raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: "
-                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: {_last_line(e)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rank_file = path / "trainer" / f"rank{self.rank}.pt"
         if not rank_file.is_file():

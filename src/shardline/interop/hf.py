@@ -1,0 +1,499 @@
+"""Hugging Face Llama folders <-> shardline Llama models, without importing transformers.
+
+An HF Llama folder is `config.json` plus safetensors weights: one `model.safetensors`,
+or shards listed in `model.safetensors.index.json`. shardline's Llama uses the same
+"rotate half" rotary layout as transformers, so tensors map one to one by name (no
+q/k permutation); only the names differ:
+
+    tok_embeddings.weight                  model.embed_tokens.weight
+    layers.{i}.attention_norm.weight       model.layers.{i}.input_layernorm.weight
+    layers.{i}.attention.w{q,k,v,o}.weight model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
+    layers.{i}.ffn_norm.weight             model.layers.{i}.post_attention_layernorm.weight
+    layers.{i}.feed_forward.w1.weight      model.layers.{i}.mlp.gate_proj.weight
+    layers.{i}.feed_forward.w3.weight      model.layers.{i}.mlp.up_proj.weight
+    layers.{i}.feed_forward.w2.weight      model.layers.{i}.mlp.down_proj.weight
+    norm.weight                            model.norm.weight
+    output.weight                          lm_head.weight (absent when embeddings are tied)
+
+config.json comes in two layouts. transformers < 5 writes `rope_theta` at the top level
+and the scaling dict (or null) under `rope_scaling`; transformers 5 writes a single
+`rope_parameters` dict holding `rope_type`, `rope_theta` and the scaling keys. Both are
+read here, and both are written, so either generation of transformers loads our folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+import warnings
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from shardline.errors import CheckpointError, DataError
+from shardline.models.factory import build_meta_model
+from shardline.models.llama import Llama, ModelArgs, rope_frequencies
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_NAME = "tokenizer.json"
+DEFAULT_MAX_SHARD_SIZE = 5_000_000_000  # bytes; transformers' long-standing "5GB" default
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PER_LAYER = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def hf_param_name(name: str) -> str:
+    """The HF Llama tensor name of shardline parameter `name`."""
+    if name in _TOP_LEVEL:
+        return _TOP_LEVEL[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _PER_LAYER:
+        return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}"
+    raise CheckpointError(f"model parameter {name!r} has no Hugging Face Llama counterpart")
+
+
+# ---- config.json -> ModelArgs -------------------------------------------------------------
+
+
+def _hf_folder(path: str | os.PathLike) -> Path:
+    folder = Path(path)
+    if not folder.exists():
+        raise CheckpointError(f"Hugging Face folder {folder} does not exist")
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder; expected a Hugging Face Llama folder "
+                              f"holding {CONFIG_NAME} and safetensors weights")
+    return folder
+
+
+def _load_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file} cannot be read as JSON: {e}") from None
+
+
+def _number(cfg: dict, key: str, where: Path, kind: type, default: Any = None) -> Any:
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise CheckpointError(f"{where} lacks {key!r}, which a Llama config needs")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise CheckpointError(f"{where}: {key}={value!r} is not {'an integer' if kind is int else 'a number'}")
+    return kind(value)
+
+
+def _read_rope(cfg: dict, where: Path, max_pos: int) -> tuple[float, tuple[tuple[str, float], ...] | None]:
+    """(rope_theta, Llama-3 scaling pairs or None) from either config layout."""
+    scaling, params = cfg.get("rope_scaling"), cfg.get("rope_parameters")
+    for key, value in (("rope_scaling", scaling), ("rope_parameters", params)):
+        if value is not None and not isinstance(value, dict):
+            raise CheckpointError(f"{where}: {key} must be an object or null, got {value!r}")
+    # Same precedence as transformers: a rope_scaling dict wins over rope_parameters, and a
+    # rope_theta inside the dict wins over the top-level one.
+    rope = dict(scaling or params or {})
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise CheckpointError(f"{where}: rope_parameters given per layer type are not supported "
+                              "(shardline's Llama uses one RoPE for every layer)")
+    theta = _number({"rope_theta": rope.get("rope_theta", cfg.get("rope_theta"))}, "rope_theta", where,
+                    float, default=10000.0)
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        raise CheckpointError(f"{where}: partial_rotary_factor={partial} is not supported; "
+                              "shardline rotates the whole head")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise CheckpointError(f"{where}: RoPE type {rope_type!r} is not supported; "
+                              "shardline reads 'default' and 'llama3' rotary embeddings")
+    # transformers fills a missing original_max_position_embeddings from max_position_embeddings.
+    rope.setdefault("original_max_position_embeddings", max_pos)
+    pairs = tuple((key, _number(rope, key, where, float)) for key in _LLAMA3_KEYS)
+    values = dict(pairs)
+    if values["high_freq_factor"] <= values["low_freq_factor"] or values["factor"] <= 0:
+        raise CheckpointError(f"{where}: llama3 RoPE needs factor > 0 and high_freq_factor > low_freq_factor, "
+                              f"got {values}")
+    return theta, pairs
+
+
+def read_hf_config(path: str | os.PathLike) -> ModelArgs:
+    """ModelArgs of the HF Llama folder `path`, read from its config.json."""
+    folder = _hf_folder(path)
+    where = folder / CONFIG_NAME
+    if not where.is_file():
+        raise CheckpointError(f"{folder} has no {CONFIG_NAME}; it is not a Hugging Face model folder")
+    cfg = _load_json(where)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{where} does not hold a JSON object")
+    if cfg.get("model_type") != "llama":
+        raise CheckpointError(f"{where}: model_type={cfg.get('model_type')!r}; only Llama folders "
+                              "(model_type 'llama') can be read")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise CheckpointError(f"{where}: {key}=true is not supported; shardline's Llama has no bias terms")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{where}: hidden_act={act!r} is not supported; shardline's Llama uses silu")
+
+    dim = _number(cfg, "hidden_size", where, int)
+    n_heads = _number(cfg, "num_attention_heads", where, int)
+    n_kv_heads = _number(cfg, "num_key_value_heads", where, int, default=n_heads)
+    head_dim = _number(cfg, "head_dim", where, int, default=-1)
+    if head_dim == -1 or (n_heads > 0 and dim % n_heads == 0 and head_dim == dim // n_heads):
+        head_dim = None  # the default, dim // n_heads
+    max_pos = _number(cfg, "max_position_embeddings", where, int, default=2048)
+    theta, scaling = _read_rope(cfg, where, max_pos)
+    tie = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise CheckpointError(f"{where}: tie_word_embeddings={tie!r} is not true or false")
+
+    args = ModelArgs(
+        dim=dim,
+        n_layers=_number(cfg, "num_hidden_layers", where, int),
+        n_heads=n_heads,
+        vocab_size=_number(cfg, "vocab_size", where, int),
+        n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
+        head_dim=head_dim,
+        ffn_dim=_number(cfg, "intermediate_size", where, int),
+        norm_eps=_number(cfg, "rms_norm_eps", where, float, default=1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=max_pos,
+        tie_embeddings=tie,
+    )
+    problems = args.validate()
+    if problems:
+        raise CheckpointError(f"{where} describes an unusable Llama shape: {'; '.join(problems)}")
+    return args
+
+
+# ---- safetensors -> model -------------------------------------------------------------------
+
+
+def _unwrap(model: nn.Module) -> Llama:
+    while hasattr(model, "_orig_mod"):  # torch.compile wrapper
+        model = model._orig_mod
+    if not isinstance(model, Llama):
+        raise TypeError(f"expected a shardline Llama model, got {type(model).__name__}")
+    return model
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it (as listed, not yet verified)."""
+    single, index = folder / WEIGHTS_NAME, folder / INDEX_NAME
+    if single.is_file():  # transformers also prefers the single file when both exist
+        with _open_safetensors(single) as f:
+            return {name: single for name in f.keys()}
+    if index.is_file():
+        data = _load_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and Path(v).name == v for k, v in weight_map.items()):
+            raise CheckpointError(f"{index} has no valid weight_map (tensor name -> shard file name)")
+        files = {name: folder / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise CheckpointError(f"{index} lists shard {shard.name}, which is missing from {folder}")
+        return files
+    hint = ""
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pth")):
+        hint = " (it holds PyTorch pickle weights, which shardline does not read; re-save them as safetensors)"
+    raise CheckpointError(f"{folder} holds neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
+
+
+def _open_safetensors(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError, OSError: a truncated or foreign file
+        raise CheckpointError(f"{file} cannot be read as safetensors: {e}") from None
+
+
+def _describe(names: list[str]) -> str:
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return f"{names[0]}{more}"
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
+    """Copy the weights of HF Llama folder `path` into the materialized shardline `model`.
+
+    Every model parameter must be present with the same shape; a tensor the model has no
+    place for is an error too (except rotary inv_freq buffers old transformers saved).
+    Values are cast to each parameter's dtype and device. Nothing is copied unless the
+    whole folder checks out.
+    """
+    model = _unwrap(model)
+    folder = _hf_folder(path)
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("load_hf_weights needs a materialized model; call model.init_weights() first")
+    files = _weight_files(folder)
+
+    embed, output = model.tok_embeddings.weight, model.output.weight
+    tied = output is embed or model.args.tie_embeddings
+    expected: dict[str, tuple[str, torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if tied and name == "output.weight":
+            continue  # filled from the embedding below
+        expected[hf_param_name(name)] = (name, param)
+
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        raise CheckpointError(f"{folder} lacks tensor {_describe(missing)}, which the model needs "
+                              f"(as {expected[missing[0]][0]})")
+    allowed = set(expected) | ({"lm_head.weight"} if tied else set())
+    extra = sorted(n for n in files if n not in allowed and not n.endswith(".rotary_emb.inv_freq"))
+    if extra:
+        raise CheckpointError(f"{folder} holds tensor {_describe(extra)}, which the model has no place for; "
+                              "the folder does not match the model's shape")
+
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(files.values()))}
+        keys = {f: set(h.keys()) for f, h in handles.items()}
+        for hf_name in sorted(allowed & files.keys()):
+            file = files[hf_name]
+            if hf_name not in keys[file]:
+                raise CheckpointError(f"{folder / INDEX_NAME} places tensor {hf_name} in {file.name}, "
+                                      "which does not hold it")
+            info = handles[file].get_slice(hf_name)
+            if info.get_dtype() not in _FLOAT_DTYPES:
+                raise CheckpointError(f"tensor {hf_name} in {file} has dtype {info.get_dtype()}; only "
+                                      "unquantized float weights (F32, F16, BF16) can be loaded")
+            shape = tuple(info.get_shape())
+            want = tuple((expected.get(hf_name) or ("", embed))[1].shape)
+            if shape != want:
+                raise CheckpointError(f"tensor {hf_name} in {file} has shape {list(shape)} but the model "
+                                      f"expects {list(want)}; the folder does not match the model's shape")
+        for hf_name, (_, param) in expected.items():
+            param.copy_(handles[files[hf_name]].get_tensor(hf_name))
+        if tied:
+            if "lm_head.weight" in files:
+                head = handles[files["lm_head.weight"]].get_tensor("lm_head.weight")
+                if not torch.equal(head.to(embed.dtype), embed.detach().cpu()):
+                    raise CheckpointError(f"{folder} holds an lm_head.weight that differs from embed_tokens, "
+                                          "but the model ties its output to the embedding")
+            if output is not embed:  # tie lost (e.g. by to_empty on a meta model): keep values equal
+                output.copy_(embed)
+
+
+def from_hf_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[Llama, ModelArgs]:
+    """Build a shardline Llama (fp32, on `device`) holding the weights of HF folder `path`."""
+    args = read_hf_config(path)
+    _weight_files(_hf_folder(path))  # fail on a folder without weights before allocating anything
+    model = build_meta_model(args)
+    model.to_empty(device=device)  # every parameter is overwritten by load_hf_weights
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight  # to_empty gives each module its own tensor
+    model.inv_freq = rope_frequencies(args).to(model.tok_embeddings.weight.device)
+    load_hf_weights(model, path)
+    return model, args
+
+
+# ---- model -> HF folder ---------------------------------------------------------------------
+
+
+def _is_hf_folder(folder: Path) -> bool:
+    config = folder / CONFIG_NAME
+    if not config.is_file():
+        return False
+    try:
+        cfg = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(cfg, dict) and "model_type" in cfg
+
+
+def _check_destination(dest: Path) -> None:
+    if not dest.exists():
+        return
+    if not dest.is_dir():
+        raise CheckpointError(f"{dest} exists and is not a folder; choose another destination")
+    if any(dest.iterdir()) and not _is_hf_folder(dest):
+        raise CheckpointError(f"{dest} exists, is not empty and is not a Hugging Face model folder; "
+                              "refusing to overwrite it (choose another destination or empty it)")
+
+
+def _tokenizer_file(tokenizer_path: str | os.PathLike) -> Path:
+    file = Path(tokenizer_path)
+    if file.is_dir():
+        file = file / TOKENIZER_NAME
+    if not file.is_file():
+        raise DataError(f"tokenizer file {file} does not exist")
+    return file
+
+
+def _hf_config(args: ModelArgs, tied: bool, dtype: torch.dtype,
+               bos_token_id: int | None, eos_token_id: int | list[int] | None) -> dict[str, Any]:
+    dtype_name = str(dtype).removeprefix("torch.")
+    scaling = None
+    if args.rope_scaling is not None:
+        scaling = {"rope_type": "llama3"}
+        for key, value in args.rope_scaling:
+            scaling[key] = int(value) if key == "original_max_position_embeddings" else float(value)
+    rope_parameters = {"rope_type": "default", "rope_theta": float(args.rope_theta), **(scaling or {})}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_size,
+        "intermediate_size": args.ffn_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "tie_word_embeddings": tied,
+        # transformers < 5 reads these two ...
+        "rope_theta": float(args.rope_theta),
+        "rope_scaling": scaling,
+        # ... transformers 5 this one (it would also convert the two above).
+        "rope_parameters": rope_parameters,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+        "dtype": dtype_name,  # transformers >= 4.56
+        "torch_dtype": dtype_name,  # older transformers
+    }
+
+
+def _plan_shards(tensors: list[tuple[str, torch.Tensor]], itemsize: int, max_bytes: int) -> list[list[int]]:
+    """Greedy split (in order) into shards of at most max_bytes; a bigger tensor gets its own shard."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, (_, t) in enumerate(tensors):
+        nbytes = t.numel() * itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    return shards
+
+
+def _swap_into_place(tmp: Path, dest: Path) -> None:
+    if not dest.exists():
+        os.replace(tmp, dest)
+        return
+    if not any(dest.iterdir()):
+        dest.rmdir()
+        os.replace(tmp, dest)
+        return
+    old = dest.parent / f".{dest.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.replace(dest, old)
+    try:
+        os.replace(tmp, dest)
+    except BaseException:
+        os.replace(old, dest)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@torch.no_grad()
+def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
+                     max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE, *,
+                     tokenizer_path: str | os.PathLike | None = None,
+                     dtype: torch.dtype | None = None,
+                     bos_token_id: int | None = None,
+                     eos_token_id: int | list[int] | None = None) -> Path:
+    """Write `model` as an HF Llama folder at `path` that transformers.LlamaForCausalLM loads.
+
+    Writes config.json, the weights (one model.safetensors, or shards of at most
+    max_shard_size_bytes each plus model.safetensors.index.json) and, when tokenizer_path
+    (a tokenizer.json, or a folder holding one) is given, tokenizer.json. dtype: the
+    weights' dtype on disk (default: the parameters' own). Everything is written to a
+    temporary sibling folder first and renamed into place; an existing HF folder at
+    `path` is replaced as a whole, any other non-empty folder is refused.
+    """
+    model = _unwrap(model)
+    args = model.args
+    dest = Path(path)
+    if max_shard_size_bytes <= 0:
+        raise ValueError(f"max_shard_size_bytes must be > 0, got {max_shard_size_bytes}")
+    _check_destination(dest)
+    tokenizer = _tokenizer_file(tokenizer_path) if tokenizer_path is not None else None
+
+    embed, output = model.tok_embeddings.weight, model.output.weight
+    tied = output is embed
+    if not tied and args.tie_embeddings:
+        tied = torch.equal(output.detach().to(embed.device), embed.detach())
+        if not tied:
+            warnings.warn("the model's args tie the embeddings but its output and embedding weights differ; "
+                          "writing an untied HF model (tie_word_embeddings=false) with its own lm_head.weight",
+                          stacklevel=2)
+
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            raise ValueError(f"parameter {name} is on the meta device; materialize the model first")
+        if tied and name == "output.weight":
+            continue
+        tensors.append((hf_param_name(name), param.detach()))
+    if dtype is None:
+        dtype = tensors[0][1].dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards = _plan_shards(tensors, itemsize, max_shard_size_bytes)
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, shard in enumerate(shards):
+            file = WEIGHTS_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            # Copy into fresh CPU tensors one shard at a time: no views or shared storage
+            # (safetensors refuses them) and host memory bounded by the shard size.
+            chunk = {tensors[j][0]: tensors[j][1].to("cpu", dtype).contiguous().clone() for j in shard}
+            save_file(chunk, str(tmp / file), metadata={"format": "pt"})
+            for name, t in chunk.items():
+                weight_map[name] = file
+                total += t.numel() * t.element_size()
+            del chunk
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        config = _hf_config(args, tied, dtype, bos_token_id, eos_token_id)
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
+        _swap_into_place(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest

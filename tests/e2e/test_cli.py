@@ -1,0 +1,75 @@
+"""The command line as a user runs it, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_overrides
+
+REPO = Path(__file__).parents[2]
+
+
+def shardline(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardline", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def overrides(run_dir, corpus, *extra):
+    return [f"--{o}" for o in tiny_overrides(run_dir, corpus, *extra)]
+
+
+def test_train_writes_metrics_config_and_checkpoints(tmp_path, small_corpus):
+    run = tmp_path / "run"
+    out = shardline("train", *overrides(run, small_corpus, "metrics.progress=plain", "metrics.tensorboard=true"))
+    assert out.returncode == 0, out.stderr
+    assert "step 12/12 | loss" in out.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in records}
+    assert kinds == {"train", "eval", "event"}
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    assert all({"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= r.keys() for r in train)
+    assert any((run / "tensorboard").iterdir())
+    assert 'preset = "tiny"' in (run / "config.toml").read_text()
+
+
+def test_resume_continues_where_it_stopped(tmp_path, small_corpus):
+    run = tmp_path / "run"
+    assert shardline("train", *overrides(run, small_corpus, "train.stop_at_step=6")).returncode == 0
+    out = shardline("train", "--resume", *overrides(run, small_corpus))
+    assert out.returncode == 0, out.stderr
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(l)["kind"] == "train"]
+    assert steps == list(range(1, 13))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--train.bogus=1"], "unknown config key train.bogus"),
+    (["--train.steps=ten"], "wrong type: expected int"),
+    (["--train.global_batch_size=7"], "not divisible"),
+    (["--data.path=/no/such/data"], "does not exist"),
+    (["--data.tokenizer=/no/such/tokenizer.json"], "cannot be read as a tokenizer.json"),
+    (["--config", "/no/such.toml"], "does not exist"),
+])
+def test_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, small_corpus, bad, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("precious\n")
+    base = [o for o in overrides(run, small_corpus) if not any(o.startswith(b.split("=")[0]) for b in bad)]
+    out = shardline("train", *base, *bad)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    assert (run / "metrics.jsonl").read_text() == "precious\n"
+
+
+def test_unknown_argument_is_rejected():
+    out = shardline("train", "--stepz", "3")
+    assert out.returncode == 2 and "config overrides look like --section.key=value" in out.stderr

@@ -1,0 +1,58 @@
+"""Checkpoints: atomic folders, manifests with checksums, fallback to the newest valid one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardline.errors import CheckpointError
+from shardline.resilience.checkpoint import Checkpointer, verify
+from shardline.trainer import Trainer
+
+
+@pytest.fixture
+def trained(tiny_config, tmp_path):
+    Trainer(tiny_config("train.steps=12")).build().train()  # checkpoints at 6 and 12
+    return tmp_path / "run"
+
+
+def test_manifest_lists_every_file_with_checksum(trained):
+    ckpt = trained / "checkpoints" / "step-000012"
+    manifest = verify(ckpt)
+    assert manifest["step"] == 12
+    files = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(manifest["files"]) == files
+    assert any(f.startswith("state/") for f in files) and "trainer/rank0.pt" in files
+
+
+def test_corrupted_checkpoint_is_named_and_skipped(trained, tiny_config):
+    shard = next((trained / "checkpoints" / "step-000012" / "state").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        verify(shard.parent.parent)
+    trainer = Trainer(tiny_config("train.steps=12")).build()
+    assert trainer.step == 6  # fell back to the previous valid checkpoint
+    events = [json.loads(l) for l in (trained / "metrics.jsonl").read_text().splitlines()]
+    invalid = [e for e in events if e.get("event") == "invalid_checkpoint"]
+    assert invalid and "step-000012" in invalid[-1]["error"]
+
+
+def test_truncated_and_unfinished_checkpoints_are_ignored(trained):
+    ckpts = Checkpointer(trained, keep=3)
+    (trained / "checkpoints" / "step-000018.tmp").mkdir()  # a save that died midway
+    assert ckpts.latest_valid().name == "step-000012"
+    trainer_file = trained / "checkpoints" / "step-000012" / "trainer" / "rank0.pt"
+    trainer_file.write_bytes(trainer_file.read_bytes()[:10])
+    with pytest.raises(CheckpointError, match="manifest says"):
+        verify(trainer_file.parents[1])
+    assert ckpts.latest_valid().name == "step-000006"
+    (trained / "checkpoints" / "step-000006" / "manifest.json").write_text("{")
+    assert ckpts.latest_valid() is None
+
+
+def test_checkpoint_of_another_model_is_refused(trained, tiny_config):
+    with pytest.raises(CheckpointError, match="does not match this model"):
+        Trainer(tiny_config("train.steps=12", "model.dim=96")).build()

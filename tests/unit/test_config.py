@@ -1,0 +1,76 @@
+"""Config: TOML + overrides, typed keys, and one clear ConfigError per mistake."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from shardline.config import Config, from_dict, load_config, to_toml
+from shardline.errors import ConfigError
+
+REQUIRED_KEYS = ["model.preset", "train.steps", "train.seq_len", "train.global_batch_size",
+                 "train.micro_batch_size", "train.seed", "train.precision", "optim.lr", "run.dir",
+                 "checkpoint.interval", "checkpoint.keep", "metrics.log_interval", "data.path"]
+
+
+def test_documented_keys_exist():
+    flat = {f"{s}.{k}" for s, keys in Config().to_dict().items() for k in keys}
+    assert set(REQUIRED_KEYS) <= flat
+
+
+def test_toml_then_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsteps = 7\nprecision = "bf16"\n[optim]\nlr = 1e-4\n')
+    cfg = load_config(path, ["--train.steps=9", "run.dir=runs/x", "optim.lr=2", "train.compile=true"])
+    assert cfg.train.steps == 9 and cfg.train.precision == "bf16"
+    assert cfg.optim.lr == 2.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.run.dir == "runs/x" and cfg.train.compile is True
+
+
+def test_resolved_config_round_trips():
+    cfg = load_config(None, ["train.steps=5", 'data.path=a "quoted" path', "train.precision=fp16"])
+    again = from_dict(tomllib.loads(to_toml(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.stepz=3", "unknown config key train.stepz"),
+    ("trian.steps=3", "unknown config section [trian]"),
+    ("train.steps=many", "train.steps='many' has the wrong type: expected int"),
+    ("train.steps=1.5", "expected int"),
+    ("train.compile=1", "expected bool"),
+    ("train.steps=0", "train.steps=0 is invalid: must be > 0"),
+    ("train.precision=fp8", "one of fp32, bf16, fp16"),
+    ("model.preset=gpt5", "model.preset='gpt5' is invalid: one of tiny, llama3.2-1b"),
+    ("optim.schedule=step", "optim.schedule='step'"),
+    ("checkpoint.keep=0", "checkpoint.keep=0"),
+    ("train.global_batch_size=10", "not divisible by train.micro_batch_size=8"),
+    ("steps=3", "must look like --section.key=value"),
+])
+def test_bad_values_raise_config_error(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override]).check()
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_toml_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train\nsteps=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    path.write_text("[train]\nsteps = 3\n[nope]\nx = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown config section \[nope\]"):
+        load_config(path)
+
+
+def test_shipped_configs_are_valid():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
+    assert configs, "configs/ should hold example configs"
+    for path in configs:
+        load_config(path).check()
