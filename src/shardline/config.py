@@ -42,6 +42,7 @@ class RunConfig:
 class ModelConfig:
     preset: str = "tiny"
     hf_path: str = ""  # start from this HF Llama folder (weights and shape) instead of a preset
+    init_from: str = ""  # start from the weights of this shardline checkpoint (fresh optimizer, step 0)
     # Shape overrides on top of the preset (0 / -1 = keep the preset's value).
     dim: int = 0
     n_layers: int = 0
@@ -58,6 +59,8 @@ class ModelConfig:
 
         if not self.hf_path:
             _require(self.preset in PRESETS, "model.preset", self.preset, f"one of {', '.join(PRESETS)}")
+        _require(not (self.hf_path and self.init_from), "model.init_from", self.init_from,
+                 "set model.hf_path or model.init_from, not both")
         _require(self.tie_embeddings in (-1, 0, 1), "model.tie_embeddings", self.tie_embeddings, "-1, 0 or 1")
 
 

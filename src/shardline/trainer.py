@@ -23,11 +23,11 @@ from shardline.data.packing import IGNORE_INDEX
 from shardline.errors import CheckpointError, ConfigError
 from shardline.hardware import peak_tflops
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
-from shardline.models.factory import build_meta_model, model_args_from_config
+from shardline.models.factory import args_from_json, args_to_json, build_meta_model, model_args_from_config
 from shardline.models.flops import flops_per_token
 from shardline.optim import build_optimizer, build_scheduler, init_optimizer_state, lr_multiplier
 from shardline.precision import LossScaler, autocast
-from shardline.resilience.checkpoint import Checkpointer
+from shardline.resilience.checkpoint import Checkpointer, load_weights, read_meta
 
 
 def pick_device(name: str) -> torch.device:
@@ -54,6 +54,9 @@ class Trainer:
         """Everything that can fail on user input happens here, before the run dir is touched."""
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)
+        hf_tokenizer = Path(cfg.model.hf_path) / "tokenizer.json"
+        if cfg.model.hf_path and not cfg.data.tokenizer and hf_tokenizer.is_file():
+            cfg.data.tokenizer = str(hf_tokenizer)  # fine-tuning: keep the model's own tokenizer
         self.data = build_data(cfg)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.rank, self.rank == 0)
         resume_from = self._resume_path()
@@ -70,11 +73,15 @@ class Trainer:
         return self
 
     def _hf_base(self):
-        if not self.cfg.model.hf_path:
-            return None
-        from shardline.interop.hf import read_hf_config
+        """The shape to start from when the run starts from existing weights, else None."""
+        m = self.cfg.model
+        if m.hf_path:
+            from shardline.interop.hf import read_hf_config
 
-        return read_hf_config(self.cfg.model.hf_path)
+            return read_hf_config(m.hf_path)
+        if m.init_from:
+            return args_from_json(read_meta(Path(m.init_from))["model_args"])
+        return None
 
     def _build_model(self) -> torch.nn.Module:
         model = build_meta_model(self.model_args)
@@ -83,6 +90,8 @@ class Trainer:
             from shardline.interop.hf import load_hf_weights
 
             load_hf_weights(model, self.cfg.model.hf_path)
+        if self.cfg.model.init_from:
+            load_weights(Path(self.cfg.model.init_from), model)
         return model
 
     def _resume_path(self) -> Path | None:
@@ -211,7 +220,8 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                  "data": self.data.sampler.state_dict(self.step), "rng": _get_rng_state()}
-        path, seconds = self.checkpointer.save(self.step, self.model, self.optimizer, state)
+        meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict()}
+        path, seconds = self.checkpointer.save(self.step, self.model, self.optimizer, state, meta)
         self.metrics.event("checkpoint", step=self.step, path=str(path), seconds=round(seconds, 3))
         return path
 

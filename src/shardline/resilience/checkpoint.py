@@ -6,7 +6,9 @@ Layout of one checkpoint, `<run_dir>/checkpoints/step-000020/`:
                         (so a later run may load it under another parallel layout)
     trainer/rank0.pt    per-rank trainer state: step, scheduler, loss scaler,
                         data position, RNG states
-    manifest.json       written last: step, every file with its size and sha256
+    meta.json           the model shape and the run's config (for convert and tools)
+    manifest.json       written last: step, kind (full | weights), every file with
+                        its size and sha256
 
 It is written to `step-000020.tmp/` and renamed when complete, so a crash mid-save
 leaves the previous checkpoints untouched; a folder without a valid manifest is
@@ -27,7 +29,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from shardline.errors import CheckpointError
 
@@ -82,6 +89,62 @@ def verify(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def write_checkpoint(final: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                     trainer_state: dict[str, Any] | None, meta: dict[str, Any], rank: int = 0,
+                     is_writer: bool = True) -> None:
+    """Write a checkpoint folder atomically. Without an optimizer it holds weights only.
+
+    `meta` (JSON: the model shape, the config) goes to meta.json so tools such as
+    `shardline convert` can rebuild the model without the run's config.
+    """
+    tmp = final.with_name(final.name + ".tmp")
+    if is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash mid-save
+        tmp.mkdir(parents=True)
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    with _single_process_ok():
+        dcp.save(state, checkpoint_id=str(tmp / "state"))
+    if trainer_state is not None:
+        (tmp / "trainer").mkdir(exist_ok=True)
+        torch.save(trainer_state, tmp / "trainer" / f"rank{rank}.pt")
+    if not is_writer:
+        return
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    files = {f.relative_to(tmp).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
+             for f in sorted(tmp.rglob("*")) if f.is_file()}
+    manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(),
+                "kind": "full" if optimizer is not None else "weights", "files": files}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if final.exists():  # an older save of the same step (e.g. after a rollback)
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    verify(path)
+    return json.loads((path / "meta.json").read_text())
+
+
+def load_weights(path: Path, model: torch.nn.Module) -> None:
+    """Load only the model weights of any checkpoint (full or weights-only) in place."""
+    verify(path)
+    state = {"model": get_model_state_dict(model)}
+    _dcp_load(path, state)
+    set_model_state_dict(model, state["model"])
+
+
+def _dcp_load(path: Path, state: dict[str, Any]) -> None:
+    try:
+        with _single_process_ok():
+            dcp.load(state, checkpoint_id=str(path / "state"))
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: {_last_line(e)}") from None
+
+
 class Checkpointer:
     def __init__(self, run_dir: Path, keep: int, rank: int = 0, is_writer: bool = True):
         self.root = Path(run_dir) / "checkpoints"
@@ -107,40 +170,23 @@ class Checkpointer:
         return None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict[str, Any]) -> tuple[Path, float]:
+             trainer_state: dict[str, Any], meta: dict[str, Any]) -> tuple[Path, float]:
         """Write the checkpoint of `step`; returns its path and the seconds it took."""
-        start = time.perf_counter()
+        begin = time.perf_counter()
         final = self.root / step_dir_name(step)
-        tmp = final.with_name(final.name + ".tmp")
+        write_checkpoint(final, step, model, optimizer, trainer_state, meta, self.rank, self.is_writer)
         if self.is_writer:
-            shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash mid-save
-            tmp.mkdir(parents=True)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        with _single_process_ok():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
-        (tmp / "trainer").mkdir(exist_ok=True)
-        torch.save(trainer_state, tmp / "trainer" / f"rank{self.rank}.pt")
-        if self.is_writer:
-            files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
-                     for f in sorted(tmp.rglob("*")) if f.is_file()}
-            manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "files": files}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            if final.exists():  # an older save of the same step (e.g. after a rollback)
-                shutil.rmtree(final)
-            tmp.rename(final)
             self._prune()
-        return final, time.perf_counter() - start
+        return final, time.perf_counter() - begin
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load model and optimizer in place; returns this rank's trainer state."""
-        verify(path)
+        if verify(path).get("kind", "full") != "full":
+            raise CheckpointError(f"checkpoint {path} holds weights only; start a run from it with "
+                                  f"--model.init_from={path} instead of resuming")
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        try:
-            with _single_process_ok():
-                dcp.load(state, checkpoint_id=str(path / "state"))
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: {_last_line(e)}") from None
+        _dcp_load(path, state)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rank_file = path / "trainer" / f"rank{self.rank}.pt"
         if not rank_file.is_file():

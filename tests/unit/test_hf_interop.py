@@ -1,0 +1,399 @@
+"""HF Llama folders <-> shardline Llama: config mapping, weight mapping, logits parity.
+
+Parity tests build random transformers models of several shapes and compare logits in
+fp32 both ways. Weights are drawn wider than the usual 0.02 init (and norm weights away
+from one) so that every layer, every norm and the rotary frequencies visibly move the
+logits: a wrong name mapping or RoPE detail shows up far above the 1e-4 tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardline.errors import CheckpointError, DataError
+from shardline.interop.hf import (
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    from_hf_pretrained,
+    load_hf_weights,
+    read_hf_config,
+    to_hf_pretrained,
+)
+from shardline.models.factory import build_meta_model
+from shardline.models.llama import Llama, ModelArgs
+
+VOCAB = 128
+SEQ = 24
+ATOL = 1e-4
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+LLAMA3_PAIRS = (("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+                ("original_max_position_embeddings", 32.0))
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+@torch.no_grad()
+def _spread(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        p.copy_(noise * 0.2 if p.ndim == 2 else 1.0 + 0.2 * noise)
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_model(transformers, seed: int = 0, **overrides):
+    kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=VOCAB,
+                  max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="eager")
+    kwargs.update(overrides)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    _spread(model, seed)
+    return model.eval()
+
+
+def _logits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape == (2, SEQ, VOCAB)
+    assert b.abs().max() > 1.0  # the comparison is not between near-zero tensors
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+# ---- HF -> shardline --------------------------------------------------------------------------
+
+HF_CASES = {
+    "gqa-untied-sharded": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "mqa-tied": dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+    "mha-explicit-head-dim": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32),
+    "rope-theta": dict(num_attention_heads=8, num_key_value_heads=2, rope_theta=500000.0),
+    "llama3-scaling-tied": dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+                                rope_scaling=dict(LLAMA3), tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_to_shardline_logits_match(case, tmp_path, transformers):
+    spec = HF_CASES[case]
+    hf = _hf_model(transformers, **spec)
+    sharded = case.endswith("sharded")
+    hf.save_pretrained(tmp_path, max_shard_size="30KB" if sharded else "1GB")
+    if sharded:
+        assert (tmp_path / INDEX_NAME).is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
+    else:
+        assert (tmp_path / WEIGHTS_NAME).is_file()
+
+    model, args = from_hf_pretrained(tmp_path)
+
+    heads, kv = spec["num_attention_heads"], spec["num_key_value_heads"]
+    assert (args.dim, args.n_layers, args.n_heads, args.kv_heads) == (64, 2, heads, kv)
+    assert (args.vocab_size, args.ffn_dim, args.max_seq_len, args.norm_eps) == (VOCAB, 96, 64, 1e-5)
+    assert args.head_size == spec.get("head_dim", 64 // heads)
+    assert args.rope_theta == spec.get("rope_theta", 10000.0)
+    assert args.rope_scaling == (LLAMA3_PAIRS if "rope_scaling" in spec else None)
+    assert args.tie_embeddings == spec.get("tie_word_embeddings", False)
+    if args.tie_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight
+    model.eval()
+    ids = _ids()
+    with torch.no_grad():
+        _logits_equal(model(ids), hf(ids).logits)
+
+
+def test_llama3_scaling_changes_the_logits(tmp_path, transformers):
+    """The llama3 case above really exercises the scaled frequencies."""
+    hf = _hf_model(transformers, num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+                   rope_scaling=dict(LLAMA3))
+    hf.save_pretrained(tmp_path)
+    _, args = from_hf_pretrained(tmp_path)
+    unscaled = Llama(dataclasses.replace(args, rope_scaling=None))
+    load_hf_weights(unscaled, tmp_path)
+    with torch.no_grad():
+        diff = (unscaled(_ids()) - hf(_ids()).logits).abs().max()
+    assert diff > 100 * ATOL
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_into_meta_built_model_as_the_trainer_does(tied, tmp_path, transformers):
+    hf = _hf_model(transformers, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    hf.save_pretrained(tmp_path)
+    model = build_meta_model(read_hf_config(tmp_path))
+    model.init_weights(seed=5)
+    load_hf_weights(model, tmp_path)
+    with torch.no_grad():
+        _logits_equal(model(_ids()), hf(_ids()).logits)
+        if tied:
+            assert torch.equal(model.output.weight, model.tok_embeddings.weight)
+
+
+def test_tied_model_with_a_separate_output_tensor_gets_the_embedding(tmp_path, transformers):
+    hf = _hf_model(transformers, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    hf.save_pretrained(tmp_path)
+    model = Llama(read_hf_config(tmp_path))
+    model.output.weight = torch.nn.Parameter(torch.zeros_like(model.output.weight))  # tie broken
+    load_hf_weights(model, tmp_path)
+    assert torch.equal(model.output.weight, hf.model.embed_tokens.weight)
+    with torch.no_grad():
+        _logits_equal(model(_ids()), hf(_ids()).logits)
+
+
+def test_bf16_weights_load_into_fp32_model(tmp_path, transformers):
+    hf = _hf_model(transformers, num_attention_heads=4, num_key_value_heads=2)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)
+    model, _ = from_hf_pretrained(tmp_path)
+    assert model.tok_embeddings.weight.dtype == torch.float32
+    expected = hf.model.embed_tokens.weight.float()
+    assert torch.equal(model.tok_embeddings.weight, expected)
+
+
+# ---- shardline -> HF --------------------------------------------------------------------------
+
+_BASE = dict(dim=64, n_layers=2, n_heads=4, vocab_size=VOCAB, ffn_dim=96, max_seq_len=64)
+SL_CASES = {
+    "gqa-untied": (ModelArgs(**_BASE, n_kv_heads=2), None),
+    "mqa-tied": (ModelArgs(**_BASE, n_kv_heads=1, tie_embeddings=True), None),
+    "head-dim-llama3": (ModelArgs(**_BASE, n_kv_heads=2, head_dim=32, rope_theta=500000.0,
+                                  rope_scaling=LLAMA3_PAIRS), None),
+    "mha-theta-sharded": (ModelArgs(**_BASE, rope_theta=123456.0, norm_eps=1e-6), 40_000),
+}
+
+
+@pytest.mark.parametrize("case", list(SL_CASES))
+def test_shardline_to_hf_logits_match(case, tmp_path, transformers):
+    args, shard_size = SL_CASES[case]
+    model = Llama(args)
+    model.init_weights(seed=11)
+    _spread(model, seed=11)
+    model.eval()
+    kwargs = {"max_shard_size_bytes": shard_size} if shard_size else {}
+    out = to_hf_pretrained(model, tmp_path / "hf", **kwargs)
+    assert out == tmp_path / "hf"
+    if shard_size:
+        index = json.loads((out / INDEX_NAME).read_text())
+        shards = sorted(out.glob("*.safetensors"))
+        assert len(shards) > 1 and set(index["weight_map"].values()) == {p.name for p in shards}
+        assert all(p.stat().st_size <= shard_size + 4096 for p in shards)  # header slack
+    else:
+        assert (out / WEIGHTS_NAME).is_file() and not (out / INDEX_NAME).exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folders left behind
+
+    hf, info = transformers.LlamaForCausalLM.from_pretrained(out, output_loading_info=True,
+                                                             attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert hf.dtype == torch.float32
+    assert hf.config.tie_word_embeddings == args.tie_embeddings
+    assert hf.config.head_dim == args.head_size and hf.config.num_key_value_heads == args.kv_heads
+    hf.eval()
+    with torch.no_grad():
+        _logits_equal(hf(_ids(1)).logits, model(_ids(1)))
+
+    assert read_hf_config(out) == args  # the config round-trips exactly
+    # Both config layouts are written, so transformers < 5 reads the folder too.
+    cfg = json.loads((out / "config.json").read_text())
+    scaling = {"rope_type": "llama3", **dict(LLAMA3_PAIRS)} if args.rope_scaling else None
+    assert (cfg["rope_theta"], cfg["rope_scaling"]) == (args.rope_theta, scaling)
+    assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": args.rope_theta, **(scaling or {})}
+
+
+def test_export_bf16_and_tokenizer(tmp_path, transformers):
+    model = Llama(ModelArgs(**_BASE, n_kv_heads=2))
+    model.init_weights(seed=2)
+    tok = tmp_path / "tok.json"
+    tok.write_text('{"model": {}}')
+    out = to_hf_pretrained(model, tmp_path / "hf", dtype=torch.bfloat16, tokenizer_path=tok,
+                           bos_token_id=3, eos_token_id=4)
+    assert (out / "tokenizer.json").read_text() == '{"model": {}}'
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["dtype"], cfg["bos_token_id"], cfg["eos_token_id"]) == ("bfloat16", 3, 4)
+    tensors = load_file(out / WEIGHTS_NAME)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert torch.equal(tensors["model.layers.1.mlp.gate_proj.weight"],
+                       model.layers["1"].feed_forward.w1.weight.bfloat16())
+    hf = transformers.LlamaForCausalLM.from_pretrained(out)
+    assert hf.dtype == torch.bfloat16
+
+
+def test_export_keeps_untied_copy_of_tied_model_faithful(tmp_path):
+    """A tied model whose output weight has become a separate, different tensor is
+    written untied, so the HF model computes what the shardline model computes."""
+    model = Llama(ModelArgs(**_BASE, tie_embeddings=True))
+    model.init_weights(seed=0)
+    model.output.weight = torch.nn.Parameter(model.tok_embeddings.weight.detach() + 1.0)
+    with pytest.warns(UserWarning, match="untied"):
+        out = to_hf_pretrained(model, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert "lm_head.weight" in load_file(out / WEIGHTS_NAME)
+
+
+# ---- config.json formats ------------------------------------------------------------------------
+
+
+def _write_config(folder: Path, **fields) -> Path:
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB, "rms_norm_eps": 1e-5,
+           "max_position_embeddings": 4096}
+    cfg.update(fields)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_reads_transformers4_config_layout(tmp_path):
+    """transformers < 5: rope_theta at the top level, scaling under rope_scaling."""
+    scaling = dict(LLAMA3)
+    old = _write_config(tmp_path / "old", rope_theta=500000.0, rope_scaling=scaling, head_dim=None,
+                        tie_word_embeddings=True)
+    args = read_hf_config(old)
+    assert args.rope_theta == 500000.0 and args.rope_scaling == LLAMA3_PAIRS
+    assert args.head_dim is None and args.head_size == 16 and args.tie_embeddings
+    # the pre-"rope_type" spelling, and no original_max_position_embeddings (taken from max_position_embeddings)
+    legacy = {k: v for k, v in scaling.items() if k not in ("rope_type", "original_max_position_embeddings")}
+    legacy["type"] = "llama3"
+    args = read_hf_config(_write_config(tmp_path / "legacy", rope_theta=5e5, rope_scaling=legacy))
+    assert dict(args.rope_scaling)["original_max_position_embeddings"] == 4096.0
+
+
+def test_reads_transformers5_config_layout(tmp_path):
+    """transformers 5: everything under rope_parameters, no top-level rope_theta."""
+    folder = _write_config(tmp_path, rope_parameters={**LLAMA3, "rope_theta": 250000.0})
+    args = read_hf_config(folder)
+    assert args.rope_theta == 250000.0 and args.rope_scaling == LLAMA3_PAIRS
+    folder = _write_config(tmp_path / "plain", rope_parameters={"rope_type": "default", "rope_theta": 7.0e4})
+    args = read_hf_config(folder)
+    assert args.rope_theta == 70000.0 and args.rope_scaling is None
+    assert read_hf_config(_write_config(tmp_path / "none")).rope_theta == 10000.0
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn' is not supported"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear' is not supported"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"mlp_bias": True}, "mlp_bias=true"),
+    ({"model_type": "mistral"}, "model_type='mistral'"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"num_attention_heads": None}, "lacks 'num_attention_heads'"),
+    ({"num_key_value_heads": 3}, "not divisible"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "lacks 'low_freq_factor'"),
+])
+def test_unsupported_configs_are_clear_errors(fields, message, tmp_path):
+    with pytest.raises(CheckpointError, match=message):
+        read_hf_config(_write_config(tmp_path, **fields))
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def _exported(tmp_path: Path, **kw) -> tuple[Llama, Path]:
+    model = Llama(ModelArgs(**_BASE, n_kv_heads=2, **kw))
+    model.init_weights(seed=1)
+    return model, to_hf_pretrained(model, tmp_path / "hf")
+
+
+def test_missing_folder_or_config(tmp_path):
+    for fn in (read_hf_config, from_hf_pretrained):
+        with pytest.raises(CheckpointError, match="does not exist"):
+            fn(tmp_path / "nowhere")
+    model = Llama(ModelArgs(**_BASE))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_hf_weights(model, tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        from_hf_pretrained(tmp_path / "empty")
+    _write_config(tmp_path / "noweights")
+    with pytest.raises(CheckpointError, match="neither model.safetensors"):
+        from_hf_pretrained(tmp_path / "noweights")
+
+
+def test_missing_tensor_is_named(tmp_path):
+    _, folder = _exported(tmp_path)
+    tensors = load_file(folder / WEIGHTS_NAME)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, folder / WEIGHTS_NAME)
+    with pytest.raises(CheckpointError, match=r"lacks tensor model\.layers\.1\.mlp\.up_proj\.weight"):
+        from_hf_pretrained(folder)
+
+
+def test_missing_lm_head_of_untied_model_is_named(tmp_path):
+    _, folder = _exported(tmp_path)
+    tensors = load_file(folder / WEIGHTS_NAME)
+    del tensors["lm_head.weight"]
+    save_file(tensors, folder / WEIGHTS_NAME)
+    with pytest.raises(CheckpointError, match=r"lacks tensor lm_head\.weight"):
+        from_hf_pretrained(folder)
+
+
+def test_extra_tensor_and_missing_shard(tmp_path):
+    model, folder = _exported(tmp_path)
+    tensors = load_file(folder / WEIGHTS_NAME)
+    tensors["model.layers.2.self_attn.q_proj.weight"] = torch.zeros(64, 64)
+    save_file(tensors, folder / WEIGHTS_NAME)
+    with pytest.raises(CheckpointError, match=r"holds tensor model\.layers\.2\.self_attn\.q_proj\.weight"):
+        load_hf_weights(model, folder)
+
+    sharded = to_hf_pretrained(model, tmp_path / "sharded", max_shard_size_bytes=40_000)
+    victim = sorted(sharded.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=f"lists shard {victim.name}, which is missing"):
+        load_hf_weights(model, sharded)
+
+
+def test_shape_mismatch_is_named_and_nothing_is_copied(tmp_path):
+    _, folder = _exported(tmp_path)
+    other = Llama(ModelArgs(**{**_BASE, "ffn_dim": 128}, n_kv_heads=2))
+    other.init_weights(seed=9)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"mlp\.\w+_proj\.weight .* has shape \[\d+, \d+\]"):
+        load_hf_weights(other, folder)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+
+
+def test_tied_model_rejects_a_different_lm_head(tmp_path):
+    _, folder = _exported(tmp_path)  # untied: embed and lm_head differ
+    tied = Llama(ModelArgs(**_BASE, n_kv_heads=2, tie_embeddings=True))
+    with pytest.raises(CheckpointError, match="lm_head.weight that differs"):
+        load_hf_weights(tied, folder)
+
+
+def test_destination_rules(tmp_path):
+    model = Llama(ModelArgs(**_BASE))
+    model.init_weights(seed=0)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="refusing to overwrite"):
+        to_hf_pretrained(model, precious)
+    assert [p.name for p in precious.iterdir()] == ["notes.txt"]
+
+    (tmp_path / "empty").mkdir()
+    to_hf_pretrained(model, tmp_path / "empty")
+    assert (tmp_path / "empty" / WEIGHTS_NAME).is_file()
+
+    # An existing HF folder is replaced as a whole: stale shards of an earlier export go.
+    folder = to_hf_pretrained(model, tmp_path / "hf", max_shard_size_bytes=40_000)
+    assert (folder / INDEX_NAME).is_file()
+    to_hf_pretrained(model, folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", WEIGHTS_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "hf", "precious"]
+
+    with pytest.raises(DataError, match="tokenizer"):
+        to_hf_pretrained(model, tmp_path / "other", tokenizer_path=tmp_path / "missing.json")
+    assert not (tmp_path / "other").exists()
+
+
+def test_module_does_not_import_transformers():
+    code = "import sys, shardline.interop.hf; assert 'transformers' not in sys.modules, 'imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")})
+    assert result.returncode == 0, result.stderr
