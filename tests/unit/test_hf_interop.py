@@ -362,8 +362,10 @@ def test_shape_mismatch_is_named_and_nothing_is_copied(tmp_path):
 def test_tied_model_rejects_a_different_lm_head(tmp_path):
     _, folder = _exported(tmp_path)  # untied: embed and lm_head differ
     tied = Llama(ModelArgs(**_BASE, n_kv_heads=2, tie_embeddings=True))
+    before = tied.tok_embeddings.weight.detach().clone()
     with pytest.raises(CheckpointError, match="lm_head.weight that differs"):
         load_hf_weights(tied, folder)
+    assert torch.equal(tied.tok_embeddings.weight, before)
 
 
 def test_destination_rules(tmp_path):

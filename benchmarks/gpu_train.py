@@ -1,0 +1,403 @@
+#!/usr/bin/env python
+"""Training throughput of shardline next to HF transformers on the same model shape.
+
+Default: the `llama3.2-1b` preset (1.236 B params, tied embeddings) at sequence 4096,
+batch 4 (16,384 tokens per step), fp32 master weights with bf16 autocast, fused
+AdamW, gradient clipping at 1.0, on one CUDA device. Variants, run one after the
+other in one process, memory freed in between:
+
+* shardline-compile  `Trainer.train_step()` with train.compile=true (what `shardline
+                     train` runs), on batches from shardline's own data pipeline
+                     (the shipped corpus, packed; causal attention, no document mask)
+* shardline-eager    the same with train.compile=false (not in the default set on GPU)
+* hf-eager           `transformers.LlamaForCausalLM` built from a LlamaConfig of the
+                     same shape, random init, attn_implementation="sdpa", loss from
+                     `labels=`; synthetic random token batches (token values do not
+                     change the cost of a dense step)
+* hf-compile         the same under torch.compile
+
+Reported per variant: tokens/s over the measured steps (after warm-up, which
+includes compilation), MFU = tokens/s x flops_per_token(args, seq) / peak, where
+peak is shardline.hardware.peak_tflops (989 TFLOP/s bf16 on H100/H200) or
+--peak-tflops, and the peak allocated GPU memory of the variant. A variant that
+runs out of memory is reported as "oom" and the others still run.
+
+    python benchmarks/gpu_train.py                  # GPU, default shape and variants
+    python benchmarks/gpu_train.py --json out.json
+    python benchmarks/gpu_train.py --tiny           # CPU smoke run: dim 64, 2 layers, seq 64
+
+Needs torch >= 2.11; transformers only for the hf-* variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+from shardline.config import load_config
+from shardline.hardware import peak_tflops
+from shardline.models import flops_per_token, get_preset, num_params
+from shardline.models.factory import model_args_from_config
+from shardline.models.llama import ModelArgs
+
+ALL_VARIANTS = ("shardline-compile", "shardline-eager", "hf-eager", "hf-compile")
+TINY_SHAPE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128"]
+
+
+class InjectedOOM(torch.cuda.OutOfMemoryError):
+    """Raised by --inject-oom to exercise the out-of-memory path without a GPU."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny shape (dim 64, 2 layers, seq 64, batch 4, 5 steps) that runs on a CPU in seconds")
+    p.add_argument("--preset", default=None, help="model preset (default llama3.2-1b; tiny with --tiny)")
+    p.add_argument("--seq-len", type=int, default=None, help="default 4096 (64 with --tiny)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 4)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per variant (default 10; 5 with --tiny)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="unmeasured steps first, compilation included (default 3; 2 with --tiny)")
+    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="autocast dtype: auto = bf16 on GPU, fp32 on CPU")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the compiled variants (default: yes on GPU, no on CPU)")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated subset of {', '.join(ALL_VARIANTS)} (default: shardline-compile, "
+                        "hf-eager, hf-compile when compiling; shardline-eager, hf-eager otherwise)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="peak TFLOP/s for MFU (default: shardline.hardware.peak_tflops of the device)")
+    p.add_argument("--document-mask", action="store_true",
+                   help="shardline attends within packed documents (default off: plain causal, like HF)")
+    p.add_argument("--data", default="", help="data.path for shardline (default: the shipped corpus)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the results as JSON to PATH, or to stdout with no PATH (the table then "
+                        "goes to stderr)")
+    p.add_argument("--inject-oom", default="", metavar="VARIANT", help=argparse.SUPPRESS)  # for the tests
+    args = p.parse_args(argv)
+
+    args.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                               else "cpu" if args.device == "auto" else args.device)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device} but torch sees no CUDA device")
+    if args.device.type == "cpu" and not args.tiny and args.preset in (None, "llama3.2-1b"):
+        p.error("no CUDA device: the llama3.2-1b shape is a GPU benchmark; use --tiny for the CPU smoke run "
+                "(or --preset tiny for a small CPU measurement)")
+    args.preset = args.preset or ("tiny" if args.tiny else "llama3.2-1b")
+    args.seq_len = args.seq_len or (64 if args.tiny else 4096)
+    args.batch = args.batch or 4
+    args.steps = args.steps or (5 if args.tiny else 10)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 3)
+    if args.precision == "auto":
+        args.precision = "bf16" if args.device.type == "cuda" else "fp32"
+    if args.compile is None:
+        args.compile = args.device.type == "cuda"
+    if args.variants is None:
+        chosen = ["shardline-compile", "hf-eager", "hf-compile"] if args.compile else ["shardline-eager", "hf-eager"]
+    else:
+        chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = [v for v in chosen if v not in ALL_VARIANTS]
+        if unknown:
+            p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(ALL_VARIANTS)}")
+    args.variants = chosen
+    return args
+
+
+# ---- shape and bookkeeping ----------------------------------------------------------
+
+def data_vocab(args) -> int:
+    """data.vocab_size of the tokenizer shardline trains for its variants."""
+    return 512 if args.tiny else 4096
+
+
+def shape_overrides(args) -> list[str]:
+    out = [f"model.preset={args.preset}", *(TINY_SHAPE if args.tiny else [])]
+    if not get_preset(args.preset).vocab_size:
+        # Presets sized by the tokenizer (tiny) get its size fixed here, so the HF
+        # variants know the shape without training a tokenizer.
+        out.append(f"model.vocab_size={data_vocab(args)}")
+    return out
+
+
+def model_args(args) -> ModelArgs:
+    """The shape every variant trains: the preset (+ tiny overrides), as shardline resolves it."""
+    return model_args_from_config(load_config(None, shape_overrides(args)).model, tokenizer_vocab=0)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def autocast(args):
+    if args.precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=args.device.type, dtype=torch.bfloat16)
+
+
+def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.AdamW:
+    """AdamW as shardline builds it: decay on matrices only, fused on GPU, foreach on CPU."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=3e-4, betas=(0.9, 0.95), eps=1e-8, **kernel)
+
+
+def measure(step_fn, args, name: str) -> dict:
+    """Warm-up (compilation included), then the measured steps timed as one window."""
+    device = args.device
+    if args.inject_oom == name:
+        raise InjectedOOM(f"CUDA out of memory (injected by --inject-oom {name})")
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        step_fn()
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step_fn()
+    sync(device)
+    seconds = time.perf_counter() - t0
+    return {"warmup_s": warmup_s, "seconds": seconds, "step_s": seconds / args.steps,
+            "tokens_per_s": args.steps * args.batch * args.seq_len / seconds, "loss": float(loss)}
+
+
+# ---- variants -----------------------------------------------------------------------
+
+def run_shardline(args, compiled: bool, name: str) -> dict:
+    from shardline.trainer import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="shardline-gpu-bench-") as run_dir:
+        overrides = [
+            *shape_overrides(args),
+            f"train.seq_len={args.seq_len}", f"train.global_batch_size={args.batch}",
+            f"train.micro_batch_size={args.batch}", f"train.steps={args.warmup + args.steps}",
+            f"train.precision={args.precision}", f"train.compile={'true' if compiled else 'false'}",
+            f"train.document_mask={'true' if args.document_mask else 'false'}", f"train.seed={args.seed}",
+            "train.eval_interval=0", "checkpoint.interval=0", "metrics.progress=none", "metrics.tensorboard=false",
+            f"data.path={args.data}", f"run.device={args.device}", f"run.dir={run_dir}",
+            f"data.vocab_size={data_vocab(args)}",
+        ]
+        trainer = Trainer(load_config(None, overrides)).build()
+
+        def step():
+            loss, _, _ = trainer.train_step()
+            trainer.step += 1
+            return loss
+
+        try:
+            out = measure(step, args, name)
+        finally:
+            trainer.metrics.close()
+        out["params"] = sum(p.numel() for p in trainer.model.parameters())
+        out["data"] = "shardline pipeline (" + (args.data or "shipped corpus") + ")"
+        return out
+
+
+def hf_config(a: ModelArgs):
+    import transformers
+    from transformers import LlamaConfig
+
+    rope = {"rope_theta": a.rope_theta}
+    if a.rope_scaling is not None:
+        rope.update({"rope_type": "llama3", **dict(a.rope_scaling)})
+        rope["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
+    else:
+        rope["rope_type"] = "default"
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        rope_kwargs = {"rope_parameters": rope}
+    else:  # transformers 4.x: rope_theta plus a rope_scaling dict
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if a.rope_scaling is not None else None
+        rope_kwargs = {"rope_theta": a.rope_theta, "rope_scaling": scaling}
+    return LlamaConfig(
+        vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.ffn_dim, num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads, num_key_value_heads=a.kv_heads, head_dim=a.head_size,
+        rms_norm_eps=a.norm_eps, max_position_embeddings=a.max_seq_len, tie_word_embeddings=a.tie_embeddings,
+        use_cache=False, attn_implementation="sdpa", **rope_kwargs)
+
+
+def run_hf(args, shape: ModelArgs, compiled: bool, name: str) -> dict:
+    from transformers import LlamaForCausalLM
+
+    device = args.device
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_config(shape))
+    model.train()
+    opt = adamw(model, device)
+    forward = torch.compile(model) if compiled else model
+    gen = torch.Generator(device).manual_seed(args.seed)
+    # A few synthetic batches, cycled; labels = inputs (HF shifts them inside).
+    pool = [torch.randint(0, shape.vocab_size, (args.batch, args.seq_len), device=device, generator=gen)
+            for _ in range(4)]
+    state = {"i": 0}
+
+    def step():
+        x = pool[state["i"] % len(pool)]
+        state["i"] += 1
+        with autocast(args):
+            loss = forward(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    out = measure(step, args, name)
+    out["params"] = sum(p.numel() for p in model.parameters())
+    out["data"] = "synthetic random tokens"
+    return out
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def run_variant(args, shape: ModelArgs, name: str) -> dict:
+    compiled = name.endswith("-compile")
+    if name.startswith("hf-"):
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            return {"status": "skipped", "error": "transformers is not installed"}
+        return run_hf(args, shape, compiled, name)
+    return run_shardline(args, compiled, name)
+
+
+# ---- driver -------------------------------------------------------------------------
+
+def run(args) -> tuple[dict, bool]:
+    shape = model_args(args)
+    fpt = flops_per_token(shape, args.seq_len)
+    peak = args.peak_tflops or peak_tflops(args.device, args.precision)
+    device_name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else cpu_name()
+    results, failed = {}, False
+    for name in args.variants:
+        free_memory(args.device)
+        print(f"[gpu_train] running {name} ...", file=sys.stderr, flush=True)
+        try:
+            res = {"status": "ok", **run_variant(args, shape, name)}
+        except Exception as e:  # one variant failing must not lose the others' figures
+            oom = is_oom(e)
+            failed |= not oom
+            res = {"status": "oom" if oom else "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            if not oom:
+                traceback.print_exc(file=sys.stderr)
+            print(f"[gpu_train] {name}: {res['status']}: {res['error']}", file=sys.stderr, flush=True)
+        if res["status"] == "ok":
+            res["mfu"] = res["tokens_per_s"] * fpt / (peak * 1e12) if peak else None
+            res["peak_mem_gib"] = (torch.cuda.max_memory_allocated(args.device) / 2**30
+                                   if args.device.type == "cuda" else None)
+        results[name] = res
+        if name.endswith("-compile"):
+            torch._dynamo.reset()
+    free_memory(args.device)
+    try:
+        import transformers
+
+        hf_version = transformers.__version__
+    except ImportError:
+        hf_version = None
+    report = {
+        "benchmark": "gpu_train",
+        "date": datetime.date.today().isoformat(),
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        "machine": {"device": str(args.device), "device_name": device_name, "cpu_count": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "cuda": torch.version.cuda, "transformers": hf_version, "python": platform.python_version()},
+        "config": {"tiny": args.tiny, "preset": args.preset, "model_args": dataclasses.asdict(shape),
+                   "params": num_params(shape), "seq_len": args.seq_len, "batch": args.batch,
+                   "tokens_per_step": args.batch * args.seq_len, "precision": args.precision,
+                   "compile": args.compile, "document_mask": args.document_mask, "warmup": args.warmup,
+                   "steps": args.steps, "flops_per_token": fpt, "peak_tflops": peak},
+        "variants": results,
+    }
+    return report, failed
+
+
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
+
+
+def format_table(rep: dict) -> str:
+    c, m = rep["config"], rep["machine"]
+    a = c["model_args"]
+    lines = [
+        f"gpu_train: preset {c['preset']}{' (--tiny)' if c['tiny'] else ''}: dim {a['dim']}, {a['n_layers']} layers, "
+        f"{a['n_heads']}/{a['n_kv_heads'] or a['n_heads']} heads, ffn {a['ffn_dim']}, vocab {a['vocab_size']} "
+        f"({c['params'] / 1e6:,.1f} M params); seq {c['seq_len']} x batch {c['batch']} = "
+        f"{c['tokens_per_step']:,} tokens/step; {c['precision']}",
+        f"device {m['device']} ({m['device_name']}), torch {m['torch']}, transformers {m['transformers']}; "
+        f"{c['warmup']} warm-up + {c['steps']} measured steps; FLOPs/token {c['flops_per_token']:.4g}; "
+        f"peak {_fmt(c['peak_tflops'], '.1f', '?')} TFLOP/s",
+        "",
+        f"{'variant':<18} {'status':<7} {'tokens/s':>12} {'MFU':>7} {'peak GiB':>9} {'s/step':>8} "
+        f"{'warm-up s':>9} {'loss':>7}",
+    ]
+    for name, r in rep["variants"].items():
+        if r["status"] != "ok":
+            lines.append(f"{name:<18} {r['status']:<7} {r.get('error', '')}")
+            continue
+        mfu = _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f")
+        lines.append(f"{name:<18} {'ok':<7} {r['tokens_per_s']:>12,.0f} {mfu + ('%' if r['mfu'] else ''):>7} "
+                     f"{_fmt(r['peak_mem_gib'], '.1f', 'n/a'):>9} {r['step_s']:>8.3f} {r['warmup_s']:>9.1f} "
+                     f"{r['loss']:>7.3f}")
+    lines.append("")
+    lines.append("shardline-*: shardline's data pipeline; hf-*: synthetic random tokens (throughput only).")
+    if m["device"] == "cpu":
+        lines.append("CPU: MFU is against shardline's rough CPU peak estimate; peak memory is not measured.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    report, failed = run(args)
+    table = format_table(report)
+    if args.json == "-":
+        print(table, file=sys.stderr)
+        print(json.dumps(report, indent=2))
+    else:
+        print(table)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

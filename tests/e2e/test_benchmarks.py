@@ -1,0 +1,76 @@
+"""The benchmark scripts run end to end and write well-formed JSON.
+
+No timing thresholds: a shared 2-core machine makes them meaningless here. What is
+checked is that every variant produced a finite, positive throughput and that the
+comparison (ratio, overhead) is computed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_benchmark(script: str, args: list[str], tmp_path: Path) -> tuple[dict, subprocess.CompletedProcess]:
+    out = tmp_path / f"{Path(script).stem}.json"
+    env = {**os.environ, "SHARDLINE_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args, "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text()), proc
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_step_overhead_reports_both_variants_and_a_ratio(tmp_path, small_corpus):
+    res, proc = run_benchmark("step_overhead.py",
+                              ["--steps", "4", "--warmup", "1", "--block", "2", "--seq-len", "64", "--batch", "4",
+                               "--vocab-size", "512", "--data", str(small_corpus)], tmp_path)
+    assert set(res["variants"]) == {"shardline", "plain"}
+    for name, v in res["variants"].items():
+        assert positive(v["tokens_per_s"]), (name, v)
+        assert positive(v["median_s"]) and v["steps"] == 4, (name, v)
+    assert positive(res["ratio"]) and positive(res["paired_ratio"])
+    assert math.isclose(res["overhead_pct"], (res["ratio"] - 1) * 100)
+    # The comparison is fair only if both sides start from the same weights and see the same data.
+    assert res["same_init"] is True
+    assert res["max_loss_diff"] < 1e-3
+    assert "overhead" in proc.stdout
+
+
+def test_gpu_train_tiny_runs_on_cpu(tmp_path, small_corpus):
+    res, proc = run_benchmark("gpu_train.py", ["--tiny", "--data", str(small_corpus)], tmp_path)
+    assert res["config"]["tiny"] is True and res["config"]["tokens_per_step"] == 4 * 64
+    assert positive(res["config"]["flops_per_token"])
+    expected = ["shardline-eager", "hf-eager"] if res["machine"]["device"] == "cpu" else None
+    if expected:
+        assert list(res["variants"]) == expected
+    for name, v in res["variants"].items():
+        assert v["status"] == "ok", (name, v)
+        assert positive(v["tokens_per_s"]), (name, v)
+        assert math.isfinite(v["loss"]), (name, v)
+    # Same shape on both sides: the HF model has exactly shardline's parameter count.
+    params = {v["params"] for v in res["variants"].values()}
+    assert params == {res["config"]["params"]}
+    assert "tokens/s" in proc.stdout
+
+
+def test_gpu_train_reports_oom_and_continues(tmp_path, small_corpus):
+    pytest.importorskip("transformers")
+    res, proc = run_benchmark("gpu_train.py", ["--tiny", "--data", str(small_corpus), "--steps", "2",
+                                               "--warmup", "1", "--inject-oom", "shardline-eager"], tmp_path)
+    assert res["variants"]["shardline-eager"]["status"] == "oom"
+    assert "out of memory" in res["variants"]["shardline-eager"]["error"]
+    assert res["variants"]["hf-eager"]["status"] == "ok"
+    assert positive(res["variants"]["hf-eager"]["tokens_per_s"])
+    assert "oom" in proc.stdout
