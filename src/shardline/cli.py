@@ -8,6 +8,8 @@ can fix (config, data, checkpoint) print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
 
 from shardline.errors import ShardlineError
@@ -33,6 +35,17 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# Subcommands that live beside their feature: each module has `register(subparsers)`,
+# which adds its parser and sets `func(args, overrides) -> int`.
+_FEATURE_COMMANDS = ("shardline.planner.cli", "shardline.simulator.cli")
+
+
+def _register_feature_commands(sub) -> None:
+    for name in _FEATURE_COMMANDS:
+        if importlib.util.find_spec(name.rsplit(".", 1)[0]) is not None:
+            importlib.import_module(name).register(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -49,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("src")
     convert.add_argument("dst")
     convert.set_defaults(func=_convert)
+    _register_feature_commands(sub)
     return parser
 
 

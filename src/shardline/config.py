@@ -153,6 +153,53 @@ class MetricsConfig:
         _require(self.peak_tflops >= 0, "metrics.peak_tflops", self.peak_tflops, "must be >= 0 (0 = table)")
 
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
+AC_MODES = ("none", "full", "selective", "op")
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of each parallel dimension; their product is the world size.
+
+    dp_shard=-1 takes whatever the other degrees leave of the world size.
+    """
+
+    dp_replicate: int = 1  # replicas (DDP, or across groups in HSDP)
+    dp_shard: int = -1  # ranks that shard state (FSDP2); -1 = the rest of the world
+    zero: int = 3  # what dp_shard shards: 1 optimizer states, 2 + gradients, 3 + parameters
+    tp: int = 1  # tensor parallel (Megatron 1-D)
+    pp: int = 1  # pipeline stages
+    cp: int = 1  # context parallel (not yet)
+    ep: int = 1  # expert parallel (not yet)
+    sequence_parallel: bool = True  # with tp > 1: shard the norm regions along the sequence
+    loss_parallel: bool = True  # with tp > 1: cross-entropy on vocab-sharded logits
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv | dualpipev
+    pp_microbatches: int = 0  # 0 = pp
+    pp_virtual_stages: int = 1  # stages per rank (interleaved schedules)
+
+    def check(self) -> None:
+        for key in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_virtual_stages"):
+            _require(getattr(self, key) >= 1, f"parallel.{key}", getattr(self, key), "must be >= 1")
+        _require(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
+                 "must be >= 1, or -1 for the rest of the world size")
+        _require(self.zero in (1, 2, 3), "parallel.zero", self.zero, "1, 2 or 3")
+        _require(self.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
+                 f"one of {', '.join(PP_SCHEDULES)}")
+        _require(self.pp_microbatches >= 0, "parallel.pp_microbatches", self.pp_microbatches, "must be >= 0")
+
+
+@dataclass
+class MemoryConfig:
+    activation_checkpoint: str = "none"  # none | full | selective (every ac_every-th block) | op
+    ac_every: int = 2
+    cpu_offload: bool = False  # FSDP2 CPU offload of parameters, gradients and optimizer states
+
+    def check(self) -> None:
+        _require(self.activation_checkpoint in AC_MODES, "memory.activation_checkpoint",
+                 self.activation_checkpoint, f"one of {', '.join(AC_MODES)}")
+        _require(self.ac_every >= 1, "memory.ac_every", self.ac_every, "must be >= 1")
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -162,6 +209,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def check(self, dp_world: int = 1) -> None:
         for section in dataclasses.fields(self):
