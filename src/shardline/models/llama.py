@@ -13,6 +13,7 @@ q/k projections.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -190,30 +191,38 @@ class Llama(nn.Module):
         return angles.cos(), angles.sin()
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None, device: str | torch.device = "cpu") -> None:
-        """Materialize (if built on meta) and initialise: scaled normal, as in GPT-2/Llama.
+    def init_weights(self, seed: int = 0, device: str | torch.device = "cpu", assign=None) -> None:
+        """Materialize (if built on meta) and initialise every parameter.
 
-        Matmul weights get N(0, 0.02); the projections that write into the residual
-        stream (wo, w2) are scaled by 1/sqrt(2 * n_layers) so the residual variance
-        does not grow with depth. Norm weights start at one.
+        Each parameter's values come from its own generator, seeded by (seed, name) on
+        the CPU, so they do not depend on the device, on the order of parameters, or on
+        which parameters a rank holds: a sharded or pipelined model gets exactly the
+        values of the single-process one. `assign(param, full_value)` stores a full
+        value into a parameter (the parallel layer passes one that keeps only the
+        local shard); by default it is a plain copy.
         """
         if any(t.is_meta for t in self.parameters()) or self.inv_freq.is_meta:
             self.to_empty(device=device)
             if self.args.tie_embeddings:  # to_empty gives each module its own new tensor
                 self.output.weight = self.tok_embeddings.weight
         self.inv_freq = rope_frequencies(self.args).to(self.inv_freq.device)
-        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
-        gens: dict[torch.device, torch.Generator] = {}
+        assign = assign or (lambda p, value: p.copy_(value))
         for name, p in self.named_parameters():
-            gen = None
-            if seed is not None:
-                gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
-            if p.ndim == 1:
-                nn.init.ones_(p)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, 0.0, out_std, generator=gen)
-            else:
-                nn.init.normal_(p, 0.0, std, generator=gen)
+            assign(p, initial_value(name, tuple(p.shape), self.args.n_layers, seed))
+
+
+def initial_value(name: str, shape: tuple[int, ...], n_layers: int, seed: int) -> torch.Tensor:
+    """The initial fp32 value of parameter `name`: scaled normal, as in GPT-2/Llama.
+
+    Matmul weights get N(0, 0.02); the projections that write into the residual stream
+    (wo, w2) are scaled by 1/sqrt(2 * n_layers) so the residual variance does not grow
+    with depth. Norm weights start at one.
+    """
+    if len(shape) == 1:
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
