@@ -42,7 +42,7 @@ _FEATURE_COMMANDS = ("shardline.planner.cli", "shardline.simulator.cli")
 
 def _register_feature_commands(sub) -> None:
     for name in _FEATURE_COMMANDS:
-        if importlib.util.find_spec(name.rsplit(".", 1)[0]) is not None:
+        if importlib.util.find_spec(name.rsplit(".", 1)[0]) and importlib.util.find_spec(name):
             importlib.import_module(name).register(sub)
 
 

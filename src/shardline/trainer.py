@@ -23,11 +23,16 @@ from shardline.data.packing import IGNORE_INDEX
 from shardline.errors import CheckpointError, ConfigError
 from shardline.hardware import peak_tflops
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
-from shardline.models.factory import args_from_json, args_to_json, build_meta_model, model_args_from_config
+from shardline.models.factory import args_from_json, args_to_json, model_args_from_config
 from shardline.models.flops import flops_per_token
 from shardline.optim import build_optimizer, build_scheduler, init_optimizer_state, lr_multiplier
 from shardline.precision import LossScaler, autocast
-from shardline.resilience.checkpoint import Checkpointer, load_weights, read_meta
+from shardline.parallel.collectives import clip_grad_norm, local_value, loss_context, reduce_over
+from shardline.parallel.data_parallel import gradient_sync
+from shardline.parallel.dims import ParallelDims
+from shardline.parallel.distributed import init_distributed
+from shardline.parallel.parallelize import build_model
+from shardline.resilience.checkpoint import Checkpointer, read_meta
 
 
 def pick_device(name: str) -> torch.device:
@@ -40,12 +45,11 @@ def pick_device(name: str) -> torch.device:
 
 class Trainer:
     def __init__(self, cfg: Config):
-        cfg.check()
+        cfg.check()  # per-section checks; those that involve the layout come in build()
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.device = pick_device(cfg.run.device)
         self.step = 0  # optimizer updates completed
-        self.rank, self.world = 0, 1  # data-parallel position; set by the parallel layer
         self._invalid_checkpoints: list[str] = []
 
     # ---- building -------------------------------------------------------------------
@@ -53,19 +57,24 @@ class Trainer:
     def build(self) -> "Trainer":
         """Everything that can fail on user input happens here, before the run dir is touched."""
         cfg = self.cfg
+        self.proc = init_distributed(self.device)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", self.proc.local_rank)
+        self.dims = ParallelDims.from_config(cfg.parallel, self.proc.world_size)
         torch.manual_seed(cfg.train.seed)
         hf_tokenizer = Path(cfg.model.hf_path) / "tokenizer.json"
         if cfg.model.hf_path and not cfg.data.tokenizer and hf_tokenizer.is_file():
             cfg.data.tokenizer = str(hf_tokenizer)  # fine-tuning: keep the model's own tokenizer
         self.data = build_data(cfg)
-        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.rank, self.rank == 0)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
         resume_from = self._resume_path()
         self.model_args = model_args_from_config(cfg.model, self.data.vocab_size, self._hf_base())
-        self.model = self._build_model()
+        self.dims.check_against(self.model_args, cfg)
+        self.model, self.wrapped = build_model(cfg, self.model_args, self.dims, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.scaler = LossScaler(self.device, cfg.train.precision)
-        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
+        self.forward = torch.compile(self.wrapped) if cfg.train.compile else self.wrapped
         self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
         resumed = self._load_checkpoint(resume_from) if resume_from else None
@@ -82,17 +91,6 @@ class Trainer:
         if m.init_from:
             return args_from_json(read_meta(Path(m.init_from))["model_args"])
         return None
-
-    def _build_model(self) -> torch.nn.Module:
-        model = build_meta_model(self.model_args)
-        model.init_weights(seed=self.cfg.train.seed, device=self.device)
-        if self.cfg.model.hf_path:
-            from shardline.interop.hf import load_hf_weights
-
-            load_hf_weights(model, self.cfg.model.hf_path)
-        if self.cfg.model.init_from:
-            load_weights(Path(self.cfg.model.init_from), model)
-        return model
 
     def _resume_path(self) -> Path | None:
         mode = self.cfg.run.resume
@@ -132,7 +130,7 @@ class Trainer:
         (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
         self.data.tokenizer.save(str(self.run_dir / "tokenizer.json"))
         self.metrics = MetricsLogger(self.run_dir, self.cfg.metrics.progress, self.cfg.metrics.tensorboard,
-                                     self.cfg.train.steps, self.step, enabled=self.rank == 0)
+                                     self.cfg.train.steps, self.step, enabled=self.proc.is_main)
         for problem in self._invalid_checkpoints:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
         if resumed is not None:
@@ -169,14 +167,17 @@ class Trainer:
         """One optimizer update over this rank's share of the global batch."""
         t = self.cfg.train
         self.model.train()
-        micro = self.data.sampler.rank_micro_batches(self.step, self.rank, self.world, t.micro_batch_size)
-        batches = [self.data.train.batch(idx) for idx in micro]
-        n_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        sampler, dp_rank, dp = self.data.sampler, self.dims.dp_rank(), self.dims.dp
+        micro = sampler.rank_micro_batches(self.step, dp_rank, dp, t.micro_batch_size)
+        # Every rank counts the labelled tokens of the whole global batch from the data
+        # itself (each holds the dataset), so the global mean needs no collective.
+        n_tokens = self.data.train.count_labels(sampler.global_batch(self.step))
         loss = torch.zeros((), device=self.device)
-        for batch in batches:
-            loss += self.forward_backward(batch, n_tokens)
+        for i, idx in enumerate(micro):
+            with gradient_sync(self.wrapped, enabled=i == len(micro) - 1):
+                loss += self.forward_backward(self.data.train.batch(idx), n_tokens)
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
+        grad_norm = clip_grad_norm(self.model, t.grad_clip)
         skipped = self.scaler.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
@@ -187,10 +188,15 @@ class Trainer:
         return loss, grad_norm, skipped
 
     def forward_backward(self, batch: dict[str, torch.Tensor], n_tokens: int) -> torch.Tensor:
-        """Backward of this micro-batch's share of the global mean loss; returns that share."""
-        loss = self.loss_sum(batch) / n_tokens
-        self.scaler.scale(loss).backward()
-        return loss.detach()
+        """Backward of this micro-batch's share of the global mean loss; returns that share.
+
+        DDP and FSDP average gradients over the dp ranks; scaling by dp turns that
+        average into the sum of shares, i.e. the gradient of the global mean.
+        """
+        with loss_context(self.dims, self.cfg.parallel):  # the backward must run inside it too
+            loss = self.loss_sum(batch) / n_tokens
+            self.scaler.scale(loss * self.dims.dp).backward()
+        return local_value(loss.detach())
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy over the labelled tokens of a batch (fp32 logits)."""
@@ -211,7 +217,8 @@ class Trainer:
         for i in range(t.eval_batches):
             idx = np.arange(i * t.micro_batch_size, (i + 1) * t.micro_batch_size) % n_val
             batch = self.data.val.batch(idx)
-            total += self.loss_sum(batch)
+            with loss_context(self.dims, self.cfg.parallel):
+                total += local_value(self.loss_sum(batch))
             count += int((batch["labels"] != IGNORE_INDEX).sum())
         loss = total.item() / max(count, 1)
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
@@ -229,11 +236,13 @@ class Trainer:
         lr = self.cfg.optim.lr * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
         # The only host sync of the hot path: reading the values at a logging step.
         tokens_per_s = steps * self.cfg.train.global_batch_size * self.cfg.train.seq_len / seconds
+        loss = reduce_over(self.dims, "dp", loss, "sum")  # each dp rank holds its shares
+        memory = reduce_over(self.dims, None, torch.tensor(peak_memory_gib(self.device)), "max")
         return self.metrics.log(
             "train", step=self.step, loss=loss.item(), lr=lr,
             grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s,
-            mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.world),
-            peak_mem_gib=peak_memory_gib(self.device), step_time_s=seconds / steps,
+            mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
+            peak_mem_gib=memory.item(), step_time_s=seconds / steps,
             epoch=self.data.sampler.epoch_of(self.step))
 
 

@@ -126,3 +126,13 @@ def test_trained_tokenizer_round_trips_and_is_cached(small_corpus):
     text = "In the beginning God created the heaven and the earth."
     assert a.tokenizer.decode(a.tokenizer.encode(text).ids) == text
     assert len(a.train) > 100 and len(a.val) >= 1
+
+
+def test_count_labels_matches_batches(small_corpus):
+    cfg = load_config(None, [f"data.path={small_corpus}", "data.vocab_size=512", "train.seq_len=64"])
+    train = build_data(cfg).train
+    idx = np.array([0, 5, 17, len(train) - 1])
+    assert train.count_labels(idx) == int((train.batch(idx)["labels"] != IGNORE_INDEX).sum())
+    every = np.arange(len(train))
+    ignored = len(train) * 64 - train.count_labels(every)
+    assert ignored == int((train.batch(every)["labels"] == IGNORE_INDEX).sum()) > 0

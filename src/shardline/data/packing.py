@@ -28,6 +28,9 @@ class PackedSequences:
                 self.tokens[pos + n - 1] = eos_id
             pos += n
         self.seq_len = seq_len
+        # labelled[i] = how many of the first i positions predict a token of their own
+        # document; a window's label count is then a difference of two entries.
+        self._labelled = np.concatenate([[0], np.cumsum(self.doc_ids[1:] == self.doc_ids[:-1])])
 
     @property
     def num_tokens(self) -> int:
@@ -35,6 +38,11 @@ class PackedSequences:
 
     def __len__(self) -> int:
         return max(0, (self.num_tokens - 1) // self.seq_len)
+
+    def count_labels(self, indices) -> int:
+        """Labelled (not ignored) tokens in the given sequences, without building them."""
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
+        return int((self._labelled[starts + self.seq_len] - self._labelled[starts]).sum())
 
     def batch(self, indices) -> dict[str, torch.Tensor]:
         """Stack sequences: input_ids, labels and doc_ids, each [len(indices), seq_len]."""

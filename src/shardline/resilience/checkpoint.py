@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -101,6 +102,7 @@ def write_checkpoint(final: Path, step: int, model: torch.nn.Module, optimizer: 
     if is_writer:
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash mid-save
         tmp.mkdir(parents=True)
+    _barrier()  # the folder exists before any rank writes into it
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
@@ -111,13 +113,23 @@ def write_checkpoint(final: Path, step: int, model: torch.nn.Module, optimizer: 
     if trainer_state is not None:
         (tmp / "trainer").mkdir(exist_ok=True)
         torch.save(trainer_state, tmp / "trainer" / f"rank{rank}.pt")
-    if not is_writer:
-        return
+    _barrier()  # every rank's files are on disk before the manifest lists them
+    if is_writer:
+        _seal(tmp, final, step, "full" if optimizer is not None else "weights", meta)
+    _barrier()  # nobody moves on (or reads it back) before it is complete
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _seal(tmp: Path, final: Path, step: int, kind: str, meta: dict[str, Any]) -> None:
+    """Write meta and the manifest (last), then rename the folder into place."""
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     files = {f.relative_to(tmp).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
              for f in sorted(tmp.rglob("*")) if f.is_file()}
-    manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(),
-                "kind": "full" if optimizer is not None else "weights", "files": files}
+    manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "kind": kind, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     if final.exists():  # an older save of the same step (e.g. after a rollback)
         shutil.rmtree(final)

@@ -1,0 +1,1 @@
+"""Parallelism applied from outside the model: mesh, data/tensor/pipeline parallel, AC."""

@@ -1,0 +1,56 @@
+"""The few reductions the training loop needs across ranks (no-ops in one process)."""
+
+from __future__ import annotations
+
+import contextlib
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from shardline.config import ParallelConfig
+from shardline.parallel.dims import ParallelDims
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def reduce_over(dims: ParallelDims, dim: str | None, value: torch.Tensor, op: str) -> torch.Tensor:
+    """All-reduce `value` over mesh dimension `dim` (None: every rank); a copy is returned."""
+    value = value.detach().clone()
+    if dims.mesh is None:
+        return value
+    value = value.to(dims.mesh.device_type)
+    group = dims.submesh(dim).get_group() if dim else None
+    dist.all_reduce(value, op=_OPS[op], group=group)
+    return value
+
+
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm (0 = measure only); returns the norm before clipping.
+
+    Each gradient's norm is computed on its shard and, for a DTensor, reduced over its
+    own mesh, so a model mixing sharded and plain parameters (e.g. tensor parallel
+    without sequence parallel keeps the norms replicated) gets the single-process norm.
+    One small reduction per sharded tensor: fine at these sizes; grouping by mesh
+    would cut that to one per mesh.
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norms = [local_value(torch.linalg.vector_norm(g)) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    if max_norm:
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.device))
+    return total
+
+
+def loss_context(dims: ParallelDims, p: ParallelConfig):
+    """Cross-entropy on vocab-sharded logits when tensor parallel uses loss parallelism."""
+    return loss_parallel() if dims.tp > 1 and p.loss_parallel else contextlib.nullcontext()
+
+
+def local_value(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for a (replicated) DTensor result such as a loss-parallel loss."""
+    return value.full_tensor() if isinstance(value, DTensor) else value

@@ -1,0 +1,119 @@
+"""ParallelDims: the one place where parallel degrees are validated and meshes built.
+
+Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, tp. Data-parallel
+ranks (dp_replicate x dp_shard) each see a different slice of the global batch;
+tensor-parallel ranks in one group see the same slice. Every invalid combination is
+a ConfigError raised before any collective runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from shardline.config import Config, ParallelConfig
+from shardline.errors import ConfigError
+from shardline.models.llama import ModelArgs
+
+NOT_YET = {"cp": "context parallel", "ep": "expert parallel"}
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world_size: int
+    zero: int = 3
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+    dp_mesh: DeviceMesh | None = field(default=None, repr=False)  # dp_replicate x dp_shard, flattened
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
+        for key, what in NOT_YET.items():
+            if getattr(p, key) != 1:
+                raise ConfigError(f"parallel.{key}={getattr(p, key)}: {what} is not implemented yet; use 1")
+        fixed = p.dp_replicate * p.tp * p.pp
+        dp_shard = p.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(_product_message(p, world_size, fixed, "dp_replicate x tp x pp"))
+            dp_shard = world_size // fixed
+        if fixed * dp_shard != world_size:
+            raise ConfigError(_product_message(p, world_size, fixed * dp_shard,
+                                               "dp_replicate x dp_shard x tp x pp"))
+        return cls(p.dp_replicate, dp_shard, p.tp, p.pp, world_size, p.zero)
+
+    # ---- derived degrees --------------------------------------------------------------
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def ddp(self) -> bool:
+        return self.dp_replicate > 1 and self.dp_shard == 1
+
+    def check_against(self, args: ModelArgs, cfg: Config) -> None:
+        """Rules that involve the model shape and the batch."""
+        t = self.tp
+        if args.n_heads % t or args.kv_heads % t:
+            raise ConfigError(f"parallel.tp={t} must divide n_heads={args.n_heads} and n_kv_heads={args.kv_heads}; "
+                              f"valid tp: {_divisors_of_both(args.n_heads, args.kv_heads)}")
+        if t > 1 and args.tie_embeddings:
+            raise ConfigError("parallel.tp > 1 with tied embeddings is not supported yet; "
+                              "set model.tie_embeddings=0 or parallel.tp=1")
+        if t > 1 and cfg.parallel.sequence_parallel and cfg.train.seq_len % t:
+            raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be divisible by parallel.tp={t} "
+                              "with sequence_parallel")
+        if self.pp > 1:
+            stages = self.pp * cfg.parallel.pp_virtual_stages
+            if args.n_layers < stages:
+                raise ConfigError(f"model has {args.n_layers} layers, fewer than pp x pp_virtual_stages = {stages} "
+                                  "pipeline stages")
+        if self.zero == 1 and self.dp_shard > 1:
+            raise ConfigError("parallel.zero=1 (optimizer-state sharding only) is not implemented yet; "
+                              "use zero=2 (FSDP without resharding parameters) or zero=3")
+        if cfg.memory.cpu_offload and (cfg.run.device == "cpu" or not torch.cuda.is_available()):
+            raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
+        if cfg.memory.cpu_offload and self.dp_shard == 1:
+            raise ConfigError("memory.cpu_offload=true needs FSDP: set parallel.dp_shard > 1")
+        if cfg.train.precision == "fp16" and (self.dp_shard > 1 or self.tp > 1):
+            raise ConfigError("train.precision='fp16' with sharded parameters (dp_shard or tp > 1) is not "
+                              "supported yet (its loss scaler would need a sharded overflow check); use bf16")
+        cfg.check(dp_world=self.dp)
+
+    # ---- meshes -----------------------------------------------------------------------
+
+    def build_mesh(self, device: torch.device) -> DeviceMesh:
+        names = ("pp", "dp_replicate", "dp_shard", "tp")
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        self.dp_mesh = self.mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        return self.mesh
+
+    def submesh(self, *names: str) -> DeviceMesh:
+        if names == ("dp",):
+            return self.dp_mesh
+        return self.mesh[names if len(names) > 1 else names[0]]
+
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (0 in one process)."""
+        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
+
+
+def _product_message(p: ParallelConfig, world: int, product: int, what: str) -> str:
+    return (f"parallel degrees dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp} pp={p.pp} "
+            f"give {what} = {product}, which does not match the world size {world}; "
+            f"their product must equal the number of processes")
+
+
+def _divisors_of_both(a: int, b: int) -> str:
+    return ", ".join(str(d) for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0)

@@ -1,0 +1,42 @@
+"""Process-group set-up for torchrun launches (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def init_distributed(device: torch.device) -> ProcessInfo:
+    """Join the job's process group if torchrun started us (idempotent); else one process."""
+    if dist.is_initialized():
+        return ProcessInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+    if not launched_by_torchrun():
+        return ProcessInfo(0, 1, 0)
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if world == 1:
+        return ProcessInfo(0, 1, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend, device_id=torch.device("cuda", local_rank)
+                            if device.type == "cuda" else None)
+    return ProcessInfo(dist.get_rank(), world, local_rank)

@@ -1,0 +1,94 @@
+"""`shardline simulate`: goodput of a training run at cluster scale under failures.
+
+Example: shardline simulate --model llama3-405b --gpu h100-sxm --gpus 16384 --days 54
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from shardline.errors import ConfigError
+from shardline.simulator import montecarlo
+from shardline.simulator.job import GPU_TYPES, make_job
+from shardline.simulator.settings import MODES, apply_table, load_settings
+
+# CLI flag dest -> [simulate] key
+_FLAG_KEYS = {
+    "checkpoint_interval": "checkpoint_interval", "checkpoint_mode": "checkpoint_mode",
+    "step_time": "step_time_s", "save_time": "save_s", "snapshot_time": "snapshot_s",
+    "detection_time": "detection_s", "restart_time": "restart_s", "persist_every": "persist_every",
+    "straggler_prob": "straggler_prob", "straggler_slowdown": "straggler_slowdown",
+    "seq_len": "seq_len", "global_batch_tokens": "global_batch_tokens", "mfu": "mfu",
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "simulate", help="simulate a training run under failures: goodput, lost GPU-hours, checkpoint interval",
+        description=__doc__.splitlines()[0],
+        epilog="settings can also come from --config FILE.toml ([simulate], [failures]) or "
+               "--simulate.KEY=VALUE / --failures.CAUSE=RATE overrides; see docs/simulator.md")
+    p.add_argument("--model", required=True, help="model preset or HF model folder")
+    p.add_argument("--gpu", required=True, help=f"accelerator: {', '.join(GPU_TYPES)}")
+    p.add_argument("--gpus", required=True, type=int, help="GPUs in the job")
+    p.add_argument("--days", required=True, type=float, help="wall-clock length of the run")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--checkpoint-interval", metavar="STEPS|optimal", help="default: optimal (Daly)")
+    p.add_argument("--checkpoint-mode", choices=MODES, help="default: async")
+    p.add_argument("--step-time", type=float, metavar="S", help="seconds per step (default: FLOPs at MFU 0.4)")
+    p.add_argument("--seeds", type=int, default=8, help="Monte Carlo runs (default 8)")
+    p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG of goodput vs checkpoint interval (all modes)")
+    p.add_argument("--sweep", action="store_true", help="also sweep the interval and report the simulated optimum")
+    p.add_argument("--config", metavar="FILE", help="TOML with [simulate] settings and [failures] rates")
+    p.add_argument("--save-time", type=float, metavar="S", help="measured persistent save time")
+    p.add_argument("--snapshot-time", type=float, metavar="S", help="measured async snapshot stall")
+    p.add_argument("--detection-time", type=float, metavar="S", help="fault to detection (default 120)")
+    p.add_argument("--restart-time", type=float, metavar="S", help="restart, excluding the load (default 300)")
+    p.add_argument("--persist-every", type=int, metavar="N", help="memory mode: snapshots per persistent save")
+    p.add_argument("--failure-scale", type=float, metavar="X", help="multiply every failure rate")
+    p.add_argument("--straggler-prob", type=float, metavar="P", help="per GPU per step (default 5e-7)")
+    p.add_argument("--straggler-slowdown", type=float, metavar="F", help="slowed step time factor (default 2)")
+    p.add_argument("--seq-len", type=int, help="for the step-time estimate")
+    p.add_argument("--global-batch-tokens", type=int, help="for the step-time estimate")
+    p.add_argument("--mfu", type=float, help="for the step-time estimate (default 0.4)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    if not 1 <= args.seeds <= 10_000:
+        raise ConfigError(f"--seeds {args.seeds} must be between 1 and 10000")
+    job = make_job(args.model, args.gpu, args.gpus, args.gpus_per_node, args.days)
+    settings = load_settings(args.config, overrides, {v: getattr(args, k) for k, v in _FLAG_KEYS.items()})
+    if args.failure_scale is not None:
+        settings = apply_table(settings, "failures", {"scale": args.failure_scale}, "--failure-scale")
+    report = simulate(job, settings, args.seeds, sweep=args.sweep, plot=args.plot)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        from shardline.simulator.report import format_text
+
+        print(format_text(report))
+        if args.plot:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+def simulate(job, settings, seeds: int, sweep: bool = False, plot: str | None = None) -> dict:
+    """Run the Monte Carlo (and the sweeps a plot or --sweep needs); return the report."""
+    from shardline.simulator.report import build_report
+
+    setup = montecarlo.prepare(job, settings)
+    summary = montecarlo.summarize(setup, montecarlo.run_seeds(setup, setup.policy, seeds))
+    mode = setup.policy.mode
+    modes = MODES if plot else (mode,) if sweep else ()
+    grid = montecarlo.interval_grid(setup, modes) if modes else []
+    sweeps = {m: montecarlo.sweep(setup, m, seeds, grid) for m in modes}
+    best = montecarlo.simulated_optimum_s(sweeps[mode]) if sweeps else None
+    if plot:
+        from shardline.simulator.plot import plot_sweeps
+
+        plot_sweeps(plot, setup, sweeps)
+    return build_report(setup, summary, seeds, sweeps or None, None if best is None or math.isinf(best) else best)

@@ -1,0 +1,132 @@
+"""The job being simulated: model, accelerators, step time and checkpoint costs.
+
+`step_time_s` is the single place the simulator learns how long one optimizer step
+takes. Until the planner's cost model is wired in, it is either given (`--step-time`)
+or estimated from model FLOPs at an assumed MFU:
+
+    step_time = flops_per_token(model, seq_len) * tokens_per_step / (gpus * peak * mfu)
+
+Checkpoint costs are estimated from the size of the training state (fp32 weights and
+Adam moments: 12 bytes per parameter), assuming it is sharded evenly over all GPUs.
+Measured costs (`--save-time`, `--snapshot-time`) replace the estimates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from shardline.errors import ConfigError, ShardlineError
+from shardline.hardware import PEAK_TFLOPS, cpu_peak_tflops
+from shardline.models import PRESETS, ModelArgs, flops_per_token, num_params
+from shardline.simulator.settings import Settings
+
+GPU_TYPES = tuple(dict.fromkeys((*PEAK_TFLOPS, "cpu")))  # the planner table may list cpu itself
+MAX_SEQS_PER_STEP = 2048  # Llama 3 405B's final batch: 2048 x 8192 = 16M tokens
+
+
+@dataclass(frozen=True)
+class Job:
+    model_name: str
+    model: ModelArgs
+    gpu: str
+    gpus: int
+    gpus_per_node: int
+    days: float
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // self.gpus_per_node
+
+    @property
+    def duration_s(self) -> float:
+        return self.days * 86400.0
+
+
+def resolve_model(name: str) -> ModelArgs:
+    """A preset name, or a Hugging Face folder holding config.json."""
+    if name in PRESETS:
+        args = PRESETS[name]
+        # `tiny` takes its vocabulary from the tokenizer; assume the shipped 4096-token one.
+        return args if args.vocab_size > 0 else replace(args, vocab_size=4096)
+    if Path(name).is_dir():
+        from shardline.interop.hf_config import read_hf_config
+
+        try:
+            return read_hf_config(name)
+        except ShardlineError as e:
+            raise ConfigError(f"--model {name}: {e}") from None
+    raise ConfigError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a HF model folder")
+
+
+def make_job(model: str, gpu: str, gpus: int, gpus_per_node: int, days: float) -> Job:
+    if gpu not in GPU_TYPES:
+        raise ConfigError(f"--gpu {gpu!r} is not a known accelerator; valid: {', '.join(GPU_TYPES)}")
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus} must be at least 1")
+    if gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node {gpus_per_node} must be at least 1")
+    if gpus % gpus_per_node:
+        lower = gpus - gpus % gpus_per_node
+        fix = f"use {lower} or {lower + gpus_per_node}" if lower else f"use {gpus_per_node}, or --gpus-per-node {gpus}"
+        raise ConfigError(f"--gpus {gpus} is not a multiple of --gpus-per-node {gpus_per_node}: {fix}")
+    if not days > 0:
+        raise ConfigError(f"--days {days} must be > 0")
+    return Job(model, resolve_model(model), gpu, gpus, gpus_per_node, days)
+
+
+def peak_flops(gpu: str) -> float:
+    """Dense peak FLOP/s of one accelerator (bf16; fp32 for `cpu`)."""
+    if gpu == "cpu":
+        return cpu_peak_tflops() * 1e12
+    return PEAK_TFLOPS[gpu][1]["bf16"] * 1e12
+
+
+def seq_len(job: Job, settings: Settings) -> int:
+    return settings.seq_len or min(job.model.max_seq_len, 8192)
+
+
+def tokens_per_step(job: Job, settings: Settings) -> int:
+    return settings.global_batch_tokens or min(job.gpus, MAX_SEQS_PER_STEP) * seq_len(job, settings)
+
+
+def step_time_s(job: Job, settings: Settings) -> tuple[float, str]:
+    """Seconds per optimizer step, and where the number came from.
+
+    The one hook for the planner: replace the estimate below by its plan's step time.
+    """
+    if settings.step_time_s is not None:
+        return settings.step_time_s, "given (--step-time)"
+    flops = flops_per_token(job.model, seq_len(job, settings)) * tokens_per_step(job, settings)
+    seconds = flops / (job.gpus * peak_flops(job.gpu) * settings.mfu)
+    how = (f"estimate: {flops / tokens_per_step(job, settings):.3g} FLOP/token x {tokens_per_step(job, settings):,} "
+           f"tokens / ({job.gpus:,} x {peak_flops(job.gpu) / 1e12:.3g} TFLOP/s x MFU {settings.mfu:.2f})")
+    return seconds, how
+
+
+def state_bytes(job: Job, settings: Settings) -> float:
+    return num_params(job.model) * settings.state_bytes_per_param
+
+
+def save_cost_s(job: Job, settings: Settings) -> float:
+    """Write (or read) one full checkpoint: storage bandwidth is per node, capped in total."""
+    if settings.save_s is not None:
+        return settings.save_s
+    bandwidth = min(job.nodes * settings.storage_gbps_per_node, settings.storage_gbps_total) * 1e9
+    return settings.save_overhead_s + state_bytes(job, settings) / bandwidth
+
+
+def snapshot_cost_s(job: Job, settings: Settings) -> float:
+    """Copy each GPU's shard of the state to pinned host memory (the async stall)."""
+    if settings.snapshot_s is not None:
+        return settings.snapshot_s
+    per_gpu = state_bytes(job, settings) / job.gpus
+    return settings.snapshot_overhead_s + per_gpu / (settings.host_copy_gbps * 1e9)
+
+
+def load_cost_s(job: Job, settings: Settings) -> float:
+    return settings.load_s if settings.load_s is not None else save_cost_s(job, settings)
+
+
+def memory_load_cost_s(job: Job, settings: Settings) -> float:
+    return settings.memory_load_s if settings.memory_load_s is not None else snapshot_cost_s(job, settings)

@@ -1,0 +1,114 @@
+"""What `shardline simulate` prints: a JSON document and a human-readable summary."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from shardline.simulator.failures import LLAMA3_CAUSES
+from shardline.simulator.montecarlo import Setup
+
+_BUCKET_LABELS = {
+    "recompute": "recompute since last checkpoint",
+    "checkpoint": "checkpoint stalls",
+    "detection": "failure detection",
+    "restart": "restart + checkpoint load",
+    "stragglers": "stragglers",
+    "planned": "planned maintenance",
+}
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isinf(x) or math.isnan(x) else x
+
+
+def build_report(setup: Setup, summary: dict, seeds: int, sweeps: dict[str, list] | None = None,
+                 simulated_optimum_s: float | None = None) -> dict[str, Any]:
+    """The `--json` document. Scalars for the keys scripts rely on; details beside them."""
+    job, pol, s = setup.job, setup.policy, setup.settings
+    mode = pol.mode
+    expected_unexpected = job.duration_s / setup.mtbf_s
+    report: dict[str, Any] = {
+        "model": job.model_name, "gpu": job.gpu, "gpus": job.gpus, "gpus_per_node": job.gpus_per_node,
+        "nodes": job.nodes, "days": job.days, "seeds": seeds,
+        "step_time_s": setup.step_s, "step_time_source": setup.step_source,
+        "checkpoint": {"mode": mode, "interval_steps": pol.interval_steps,
+                       "interval_s": pol.interval_steps * setup.step_s, "stall_s": pol.stall_s,
+                       "save_s": setup.save_s, "snapshot_s": setup.snapshot_s,
+                       "persist_every": pol.persist_every},
+        "mtbf_hours": _finite(setup.mtbf_s / 3600.0),
+        "failure_rate_per_gpu_hour": s.failures.per_gpu_hour(job.gpus_per_node),
+        "expected_interruptions": {"unexpected": expected_unexpected,
+                                   "planned": s.failures.planned_per_day * job.days},
+        "interruptions": summary["total"]["mean"],
+        "interruptions_std": summary["total"]["std"],
+        "interruptions_unexpected": summary["unexpected"]["mean"],
+        "interruptions_planned": summary["planned"]["mean"],
+        "interruptions_by_cause": summary["by_cause"],
+        "interruptions_hardware_share": _hardware_share(summary["by_cause"]),
+        "goodput": summary["goodput"]["mean"],
+        "goodput_std": summary["goodput"]["std"],
+        "goodput_min": summary["goodput"]["min"],
+        "goodput_max": summary["goodput"]["max"],
+        "gpu_hours": summary["gpu_hours"],
+        "lost_gpu_hours": sum(summary["lost_gpu_hours"].values()),
+        "lost_gpu_hours_by_cause": summary["lost_gpu_hours"],
+        "lost_gpu_hours_by_failure": summary["lost_gpu_hours_by_failure"],
+        "optimal_checkpoint_interval_s": _finite(setup.optimal_s(mode)),
+        "optimal_checkpoint_interval_steps": setup.steps_for(setup.optimal_s(mode)),
+        "young_interval_s": _finite(setup.young_s(mode)),
+        "daly_interval_s": _finite(setup.daly_s(mode)),
+    }
+    if sweeps:
+        report["sweep"] = sweeps
+        report["simulated_optimum_interval_s"] = simulated_optimum_s
+    return report
+
+
+def _hardware_share(by_cause: dict[str, float]) -> float | None:
+    """Share of unexpected interruptions from confirmed or suspected hardware (the paper's ~78%)."""
+    total = sum(by_cause.values())
+    return sum(by_cause[c.name] for c in LLAMA3_CAUSES if c.hardware) / total if total else None
+
+
+def _secs(x: float | None) -> str:
+    return "none" if x is None else f"{x:.3g} s"
+
+
+def format_text(r: dict[str, Any]) -> str:
+    ck, total = r["checkpoint"], r["gpu_hours"]
+    mtbf = "no unexpected failures" if r["mtbf_hours"] is None else f"job MTBF {r['mtbf_hours']:.3g} h"
+    write = "" if ck["mode"] == "sync" else f", persistent write {ck['save_s']:.3g} s"
+    if ck["mode"] == "memory":
+        write += f" every {ck['persist_every']} snapshot(s)"
+    expected = r["expected_interruptions"]
+    lines = [
+        (f"{r['model']} on {r['gpus']:,} {r['gpu']} ({r['nodes']:,} nodes x {r['gpus_per_node']}), "
+         f"{r['days']:g} days, {r['seeds']} seeds"),
+        f"step time       {r['step_time_s']:.3g} s ({r['step_time_source']})",
+        (f"failures        {mtbf} ({r['failure_rate_per_gpu_hour']:.3g} per GPU-hour; "
+         f"{expected['unexpected']:.1f} unexpected + {expected['planned']:.1f} planned expected)"),
+        (f"checkpoint      {ck['mode']} every {ck['interval_steps']} steps ({ck['interval_s']:.3g} s): "
+         f"stall {ck['stall_s']:.3g} s{write}"),
+        (f"optimal         {_secs(r['optimal_checkpoint_interval_s'])} = {r['optimal_checkpoint_interval_steps']} "
+         f"steps (Young {_secs(r['young_interval_s'])}, Daly {_secs(r['daly_interval_s'])})"),
+    ]
+    if "simulated_optimum_interval_s" in r:
+        lines.append(f"simulated best  {_secs(r['simulated_optimum_interval_s'])} (sweep of {ck['mode']})")
+    lines += [
+        "",
+        (f"goodput         {r['goodput']:.4f} ± {r['goodput_std']:.4f} "
+         f"(min {r['goodput_min']:.4f}, max {r['goodput_max']:.4f})"),
+        (f"interruptions   {r['interruptions']:.1f} ± {r['interruptions_std']:.1f} "
+         f"({r['interruptions_unexpected']:.1f} unexpected, {r['interruptions_planned']:.1f} planned)"),
+        f"lost GPU-hours  {r['lost_gpu_hours']:,.0f} of {total:,.0f} ({100 * r['lost_gpu_hours'] / total:.1f}%)",
+    ]
+    for key, label in _BUCKET_LABELS.items():
+        hours = r["lost_gpu_hours_by_cause"][key]
+        lines.append(f"  {label:<34}{hours:>12,.0f} {100 * hours / total:5.1f}%")
+    lines.append(f"top failure causes {'interruptions':>30} {'GPU-hours lost':>15}")
+    top = sorted(LLAMA3_CAUSES, key=lambda c: -r["lost_gpu_hours_by_failure"][c.name])[:5]
+    for c in top:
+        lines.append(f"  {c.label:<34}{r['interruptions_by_cause'][c.name]:>14.1f} "
+                     f"{r['lost_gpu_hours_by_failure'][c.name]:>15,.0f}")
+    return "\n".join(lines)

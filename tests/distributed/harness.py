@@ -1,0 +1,82 @@
+"""Run trainer layouts on N real gloo processes and compare them with one process.
+
+One spawn per world size runs several layouts in turn (each in its own run dir), so
+the cost of starting processes and importing torch is paid once per world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardline.config import load_config
+from shardline.models.factory import args_from_json, build_meta_model
+from shardline.resilience.checkpoint import Checkpointer, load_weights, read_meta
+
+# optim.eps=1e-6: a layout changes the order of floating-point sums, so gradients differ
+# in their last bits. For an embedding row seen once in a batch the gradient is ~1e-9,
+# and Adam's g / (sqrt(v) + eps) with eps=1e-8 would blow that noise up into a full-size
+# update; eps=1e-6 keeps float noise from being amplified, so what is compared is the
+# layout's math, not Adam's sensitivity to rounding.
+PARITY_OVERRIDES = [
+    "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+    "train.seq_len=32", "train.global_batch_size=16", "train.micro_batch_size=2", "train.steps=4",
+    "train.eval_interval=0", "optim.warmup_steps=1", "optim.lr=3e-3", "optim.eps=1e-6", "data.vocab_size=512",
+    "checkpoint.interval=4", "metrics.log_interval=1", "metrics.progress=none", "metrics.tensorboard=false",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # 8 processes share 2 cores
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from shardline.trainer import Trainer
+
+    try:
+        for run_dir, overrides in jobs:
+            Trainer(load_config(None, [*overrides, f"run.dir={run_dir}"])).build().train()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world: int, jobs: list[tuple[Path, list[str]]]) -> None:
+    """Train every (run_dir, overrides) job on `world` spawned processes."""
+    plain = [(str(d), list(o)) for d, o in jobs]
+    mp.start_processes(_worker, args=(world, free_port(), plain), nprocs=world, start_method="spawn")
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The parameters of the run's newest checkpoint, gathered into one plain model."""
+    ckpt = Checkpointer(Path(run_dir), keep=1).latest_valid()
+    model = build_meta_model(args_from_json(read_meta(ckpt)["model_args"]))
+    model.init_weights()
+    load_weights(ckpt, model)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def assert_same_run(run: Path, reference: Path, rtol: float = 1e-5) -> None:
+    got, want = losses(run), losses(reference)
+    assert sorted(got) == sorted(want), (got, want)
+    for step in want:
+        assert abs(got[step] - want[step]) <= rtol * abs(want[step]), (step, got[step], want[step])
+    ref = final_params(reference)
+    for name, value in final_params(run).items():
+        torch.testing.assert_close(value, ref[name], rtol=rtol, atol=1e-5, msg=lambda m: f"{name}: {m}")

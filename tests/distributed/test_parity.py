@@ -1,0 +1,81 @@
+"""Parity: every layout trains exactly like one process (same seed, same global batch).
+
+Per-step losses within 1e-5 relative and final parameters within 1e-5, on real gloo
+process groups. One spawn per world size runs its layouts one after another.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline.config import load_config
+from shardline.trainer import Trainer
+from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, losses, run_world
+
+LAYOUTS_2 = {
+    "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.loss_parallel=false"],
+    "tp2_sp": ["parallel.tp=2", "parallel.loss_parallel=false"],
+    "tp2_sp_lossparallel": ["parallel.tp=2"],
+    "zero3_ac_full": ["parallel.dp_shard=2", "memory.activation_checkpoint=full"],
+    "zero3_ac_op": ["parallel.dp_shard=2", "memory.activation_checkpoint=op"],
+}
+LAYOUTS_4 = {
+    "ddp": ["parallel.dp_replicate=4", "parallel.dp_shard=1"],
+    "ddp_grad_accum": ["parallel.dp_replicate=4", "parallel.dp_shard=1", "train.micro_batch_size=1"],
+    "zero2": ["parallel.dp_shard=4", "parallel.zero=2"],
+    "zero3": ["parallel.dp_shard=4", "parallel.zero=3"],
+    "hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
+    "fsdp2_tp2": ["parallel.dp_shard=2", "parallel.tp=2"],
+}
+# Resharding resume: the first half under one layout, the second under another.
+RESHARD_4 = [
+    ("zero3_to_tp", ["parallel.dp_shard=4", "train.stop_at_step=2"], ["parallel.dp_shard=2", "parallel.tp=2"]),
+    ("tp_to_ddp", ["parallel.dp_shard=2", "parallel.tp=2", "train.stop_at_step=2"],
+     ["parallel.dp_replicate=4", "parallel.dp_shard=1"]),
+    ("hsdp_to_zero2", ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.stop_at_step=2"],
+     ["parallel.dp_shard=4", "parallel.zero=2"]),
+]
+
+
+def _base(corpus):
+    return [*PARITY_OVERRIDES, f"data.path={corpus}"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_corpus):
+    run = tmp_path_factory.mktemp("reference")
+    Trainer(load_config(None, [*_base(small_corpus), f"run.dir={run}"])).build().train()
+    return run
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, small_corpus):
+    root = tmp_path_factory.mktemp("world2")
+    run_world(2, [(root / name, [*_base(small_corpus), *extra]) for name, extra in LAYOUTS_2.items()])
+    return root
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory, small_corpus):
+    root = tmp_path_factory.mktemp("world4")
+    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in LAYOUTS_4.items()]
+    for name, first, second in RESHARD_4:
+        jobs += [(root / name, [*_base(small_corpus), *first]), (root / name, [*_base(small_corpus), *second])]
+    run_world(4, jobs)
+    return root
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS_2))
+def test_world2_layout_matches_single_process(world2, reference, layout):
+    assert_same_run(world2 / layout, reference)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS_4))
+def test_world4_layout_matches_single_process(world4, reference, layout):
+    assert_same_run(world4 / layout, reference)
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in RESHARD_4])
+def test_resume_under_another_layout_continues_the_run(world4, reference, name):
+    assert sorted(losses(world4 / name)) == [1, 2, 3, 4]  # two halves, one log
+    assert_same_run(world4 / name, reference)

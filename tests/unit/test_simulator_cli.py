@@ -1,0 +1,110 @@
+"""`shardline simulate` from the command line: output contract, config files, user errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import shardline.cli
+from shardline.cli import main
+from shardline.errors import ConfigError
+from shardline.simulator.cli import simulate
+from shardline.simulator.job import make_job
+from shardline.simulator.settings import load_settings
+
+SMALL = ["simulate", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "1024", "--days", "10", "--seeds", "2"]
+
+
+@pytest.fixture(autouse=True)
+def _only_the_simulate_command(monkeypatch):
+    # Other feature commands (the planner) are built beside this one; keep these tests
+    # independent of their state.
+    monkeypatch.setattr(shardline.cli, "_FEATURE_COMMANDS", ("shardline.simulator.cli",))
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main([*SMALL, *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_has_the_keys_scripts_rely_on(capsys):
+    report = run_json(capsys)
+    assert isinstance(report["interruptions"], float) and report["interruptions"] > 0
+    assert 0.0 < report["goodput"] < 1.0
+    assert report["lost_gpu_hours"] == pytest.approx(sum(report["lost_gpu_hours_by_cause"].values()))
+    assert report["lost_gpu_hours"] == pytest.approx(report["gpu_hours"] * (1 - report["goodput"]), rel=1e-6)
+    assert report["optimal_checkpoint_interval_s"] == pytest.approx(report["daly_interval_s"])
+    assert report["checkpoint"]["mode"] == "async"
+    assert report["checkpoint"]["interval_steps"] == report["optimal_checkpoint_interval_steps"]
+
+
+def test_text_output_and_fixed_interval(capsys):
+    assert main([*SMALL, "--checkpoint-interval", "50", "--checkpoint-mode", "sync", "--step-time", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "sync every 50 steps (100 s)" in out
+    assert "step time       2 s (given" in out
+    assert "goodput" in out and "recompute since last checkpoint" in out
+
+
+def test_toml_config_and_overrides_change_the_failure_model(tmp_path, capsys):
+    base = run_json(capsys)
+    config = tmp_path / "flaky.toml"
+    config.write_text("[failures]\nscale = 4.0\n\n[simulate]\ndetection_s = 600\n")
+    flaky = run_json(capsys, "--config", str(config))
+    assert flaky["interruptions_unexpected"] > 2 * base["interruptions_unexpected"]
+    assert flaky["goodput"] < base["goodput"] - 0.02
+    # An explicit flag beats the file; an override beats the file too.
+    assert run_json(capsys, "--config", str(config), "--failure-scale", "1")["mtbf_hours"] == base["mtbf_hours"]
+    no_gpu = run_json(capsys, "--failures.faulty_gpu=0", "--simulate.restart_s=60")
+    assert no_gpu["interruptions_by_cause"]["faulty_gpu"] == 0 and no_gpu["mtbf_hours"] > base["mtbf_hours"]
+
+
+def test_plot_writes_a_png_with_a_sweep(tmp_path, capsys):
+    png = tmp_path / "goodput.png"
+    report = run_json(capsys, "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(report["sweep"]) == {"sync", "async", "memory"}
+    assert report["simulated_optimum_interval_s"] > 0
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"--gpus": "1020"}, "not a multiple of --gpus-per-node 8: use 1016 or 1024"),
+    ({"--days": "-3"}, "--days -3.0 must be > 0"),
+    ({"--gpu": "h300"}, "not a known accelerator"),
+    ({"--model": "llama9-1t"}, "neither a preset"),
+    ({"--checkpoint-interval": "0"}, "positive number of steps or 'optimal'"),
+    ({"--checkpoint-interval": "often"}, "positive number of steps or 'optimal'"),
+    ({"--seeds": "0"}, "--seeds 0"),
+    ({"--failures.flux_capacitor=1e-6": None}, "failures.flux_capacitor is not a failure setting"),
+    ({"--simulate.detection_s=-5": None}, "simulate.detection_s=-5 must be >= 0"),
+    ({"--straggler-slowdown": "0.5"}, "straggler_slowdown=0.5 must be >= 1"),
+    ({"--step-time": "1e-6", "--checkpoint-interval": "1"}, "use an interval of at least"),
+])
+def test_impossible_requests_are_user_errors(capsys, changes, message):
+    flags = dict(zip(SMALL[1::2], SMALL[2::2], strict=True))  # SMALL is "simulate" + flag/value pairs
+    flags.update(changes)
+    argv = ["simulate"] + [item for flag, value in flags.items() for item in (flag, value) if item is not None]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardline: error:") and message in err
+
+
+def test_errors_are_config_errors_in_the_api(tmp_path):
+    with pytest.raises(ConfigError, match="not a multiple"):
+        make_job("llama3-405b", "h100-sxm", 16380, 8, 54)
+    with pytest.raises(ConfigError, match="must be > 0"):
+        make_job("llama3-405b", "h100-sxm", 16384, 8, -1)
+    with pytest.raises(ConfigError, match="h100-pcie"):
+        make_job("llama3-405b", "h100-pcie", 16384, 8, 54)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cluster]\nx = 1\n")
+    with pytest.raises(ConfigError, match="unknown section"):
+        load_settings(bad, [], {})
+
+
+def test_a_16k_gpu_run_reports_llama3_like_numbers():
+    job = make_job("llama3-405b", "h100-sxm", 16384, 8, 54)
+    report = simulate(job, load_settings(None, [], {}), seeds=4)
+    assert report["expected_interruptions"]["unexpected"] == pytest.approx(419)
+    assert report["goodput"] > 0.9
