@@ -70,11 +70,15 @@ class Trainer:
         resume_from = self._resume_path()
         self.model_args = model_args_from_config(cfg.model, self.data.vocab_size, self._hf_base())
         self.dims.check_against(self.model_args, cfg)
-        self.model, self.wrapped = build_model(cfg, self.model_args, self.dims, self.device)
+        built = build_model(cfg, self.model_args, self.dims, self.device)
+        self.model, self.wrapped, self.pipeline = built.model, built.forward, built.pipeline
+        if self.pipeline is not None:
+            pp_group = self.dims.submesh("pp").get_group()
+            self.pipeline.build_schedule(self.device, pp_group, self._pipeline_loss)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.scaler = LossScaler(self.device, cfg.train.precision)
-        self.forward = torch.compile(self.wrapped) if cfg.train.compile else self.wrapped
+        self.forward = torch.compile(self.wrapped) if cfg.train.compile and self.wrapped else self.wrapped
         self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
         resumed = self._load_checkpoint(resume_from) if resume_from else None
@@ -172,12 +176,15 @@ class Trainer:
         # Every rank counts the labelled tokens of the whole global batch from the data
         # itself (each holds the dataset), so the global mean needs no collective.
         n_tokens = self.data.train.count_labels(sampler.global_batch(self.step))
-        loss = torch.zeros((), device=self.device)
-        for i, idx in enumerate(micro):
-            with gradient_sync(self.wrapped, enabled=i == len(micro) - 1):
-                loss += self.forward_backward(self.data.train.batch(idx), n_tokens)
+        if self.pipeline is not None:
+            loss = self.pipeline_step(np.concatenate(micro), n_tokens)
+        else:
+            loss = torch.zeros((), device=self.device)
+            for i, idx in enumerate(micro):
+                with gradient_sync(self.wrapped, enabled=i == len(micro) - 1):
+                    loss += self.forward_backward(self.data.train.batch(idx), n_tokens)
         self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.model, t.grad_clip)
+        grad_norm = clip_grad_norm(self.model, t.grad_clip, self.dims)
         skipped = self.scaler.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
@@ -198,29 +205,56 @@ class Trainer:
             self.scaler.scale(loss * self.dims.dp).backward()
         return local_value(loss.detach())
 
+    def pipeline_step(self, indices: np.ndarray, n_tokens: int) -> torch.Tensor:
+        """Forward and backward of this rank's whole share through the pipeline schedule.
+
+        The schedule splits it into micro-batches; the last stage's loss function
+        returns each one's share of the global mean (scaled by dp, as above).
+        """
+        batch = self._to_device(self.data.train.batch(indices))
+        self._pp_loss_scale = self.dims.dp / n_tokens
+        with loss_context(self.dims, self.cfg.parallel), autocast(self.device, self.cfg.train.precision):
+            losses = self.pipeline.run(batch, self.cfg.train.document_mask)
+        return sum((local_value(x.detach()) for x in losses), torch.zeros((), device=self.device)) / self.dims.dp
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, labels) * self._pp_loss_scale
+
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy over the labelled tokens of a batch (fp32 logits)."""
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        batch = self._to_device(batch)
         doc_ids = batch["doc_ids"] if self.cfg.train.document_mask else None
         with autocast(self.device, self.cfg.train.precision):
             logits = self.forward(batch["input_ids"], doc_ids)
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+        return cross_entropy_sum(logits, batch["labels"])
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the first eval_batches micro-batches of the held-out split."""
+        """Mean loss over the first eval_batches micro-batches of the held-out split.
+
+        Every data-parallel rank evaluates the same batches: simple, and small next to
+        training.
+        """
         t = self.cfg.train
         self.model.eval()
-        n_val = len(self.data.val)
-        total, count = torch.zeros((), device=self.device), 0
-        for i in range(t.eval_batches):
-            idx = np.arange(i * t.micro_batch_size, (i + 1) * t.micro_batch_size) % n_val
-            batch = self.data.val.batch(idx)
+        idx_all = np.arange(t.eval_batches * t.micro_batch_size) % len(self.data.val)
+        total = torch.zeros((), device=self.device)
+        for idx in np.split(idx_all, t.eval_batches):
+            batch = self._to_device(self.data.val.batch(idx))
             with loss_context(self.dims, self.cfg.parallel):
-                total += local_value(self.loss_sum(batch))
-            count += int((batch["labels"] != IGNORE_INDEX).sum())
-        loss = total.item() / max(count, 1)
+                if self.pipeline is None:
+                    total += local_value(self.loss_sum(batch))
+                    continue
+                with autocast(self.device, t.precision):
+                    logits = self.pipeline.forward_only(batch, t.document_mask, self.dims.submesh("pp").get_group())
+                if logits is not None:
+                    total += local_value(cross_entropy_sum(logits, batch["labels"]))
+        if self.pipeline is not None:
+            total = reduce_over(self.dims, "pp", total, "sum")  # only the last stage holds it
+        loss = total.item() / max(self.data.val.count_labels(idx_all), 1)
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
         return loss
 
@@ -236,6 +270,8 @@ class Trainer:
         lr = self.cfg.optim.lr * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
         # The only host sync of the hot path: reading the values at a logging step.
         tokens_per_s = steps * self.cfg.train.global_batch_size * self.cfg.train.seq_len / seconds
+        if self.pipeline is not None:
+            loss = reduce_over(self.dims, "pp", loss, "sum")  # only the last stage holds it
         loss = reduce_over(self.dims, "dp", loss, "sum")  # each dp rank holds its shares
         memory = reduce_over(self.dims, None, torch.tensor(peak_memory_gib(self.device)), "max")
         return self.metrics.log(
@@ -244,6 +280,12 @@ class Trainer:
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
             peak_mem_gib=memory.item(), step_time_s=seconds / steps,
             epoch=self.data.sampler.epoch_of(self.step))
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over labelled tokens, in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 def _get_rng_state() -> dict:

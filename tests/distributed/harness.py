@@ -27,7 +27,7 @@ from shardline.resilience.checkpoint import Checkpointer, load_weights, read_met
 PARITY_OVERRIDES = [
     "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
     "train.seq_len=32", "train.global_batch_size=16", "train.micro_batch_size=2", "train.steps=4",
-    "train.eval_interval=0", "optim.warmup_steps=1", "optim.lr=3e-3", "optim.eps=1e-6", "data.vocab_size=512",
+    "train.eval_interval=4", "train.eval_batches=8", "optim.warmup_steps=1", "optim.lr=3e-3", "optim.eps=1e-6", "data.vocab_size=512",
     "checkpoint.interval=4", "metrics.log_interval=1", "metrics.progress=none", "metrics.tensorboard=false",
 ]
 
@@ -58,9 +58,10 @@ def run_world(world: int, jobs: list[tuple[Path, list[str]]]) -> None:
     mp.start_processes(_worker, args=(world, free_port(), plain), nprocs=world, start_method="spawn")
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def losses(run_dir: Path, kind: str = "train") -> dict[int, float]:
     records = map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+    key = "loss" if kind == "train" else "eval_loss"
+    return {r["step"]: r[key] for r in records if r["kind"] == kind}
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -72,11 +73,16 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def assert_same_run(run: Path, reference: Path, rtol: float = 1e-5) -> None:
+def assert_same_run(run: Path, reference: Path, rtol: float = 1e-5, compare_eval: bool = True) -> None:
     got, want = losses(run), losses(reference)
     assert sorted(got) == sorted(want), (got, want)
     for step in want:
         assert abs(got[step] - want[step]) <= rtol * abs(want[step]), (step, got[step], want[step])
+    got_eval, want_eval = losses(run, "eval"), losses(reference, "eval")
+    # A run stopped early evaluates where it stopped too: compare the reference's steps.
+    assert not compare_eval or (want_eval and want_eval.keys() <= got_eval.keys()), (got_eval, want_eval)
+    for step in want_eval if compare_eval else ():
+        assert abs(got_eval[step] - want_eval[step]) <= rtol * want_eval[step], (step, got_eval, want_eval)
     ref = final_params(reference)
     for name, value in final_params(run).items():
         torch.testing.assert_close(value, ref[name], rtol=rtol, atol=1e-5, msg=lambda m: f"{name}: {m}")

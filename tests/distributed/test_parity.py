@@ -18,6 +18,11 @@ LAYOUTS_2 = {
     "tp2_sp_lossparallel": ["parallel.tp=2"],
     "zero3_ac_full": ["parallel.dp_shard=2", "memory.activation_checkpoint=full"],
     "zero3_ac_op": ["parallel.dp_shard=2", "memory.activation_checkpoint=op"],
+    "pp2_gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    "pp2_1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "pp2_interleaved_v2": ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"],
+    "pp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"],
+    "pp2_dualpipev": ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2"],
 }
 LAYOUTS_4 = {
     "ddp": ["parallel.dp_replicate=4", "parallel.dp_shard=1"],
@@ -26,6 +31,12 @@ LAYOUTS_4 = {
     "zero3": ["parallel.dp_shard=4", "parallel.zero=3"],
     "hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
     "fsdp2_tp2": ["parallel.dp_shard=2", "parallel.tp=2"],
+    "fsdp2_pp2": ["parallel.dp_shard=2", "parallel.pp=2"],
+    "tp2_pp2": ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                "parallel.pp_virtual_stages=2"],
+}
+LAYOUTS_8 = {
+    "fsdp2_tp2_pp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2"],
 }
 # Resharding resume: the first half under one layout, the second under another.
 RESHARD_4 = [
@@ -34,6 +45,7 @@ RESHARD_4 = [
      ["parallel.dp_replicate=4", "parallel.dp_shard=1"]),
     ("hsdp_to_zero2", ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.stop_at_step=2"],
      ["parallel.dp_shard=4", "parallel.zero=2"]),
+    ("zero3_to_pp", ["parallel.dp_shard=4", "train.stop_at_step=2"], ["parallel.dp_shard=2", "parallel.pp=2"]),
 ]
 
 
@@ -65,6 +77,20 @@ def world4(tmp_path_factory, small_corpus):
     return root
 
 
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory, small_corpus):
+    root = tmp_path_factory.mktemp("world8")
+    run_world(8, [(root / name, [*_base(small_corpus), *extra]) for name, extra in LAYOUTS_8.items()])
+    return root
+
+
+def test_harness_detects_a_different_run(tmp_path, small_corpus, reference):
+    other = tmp_path / "other"
+    Trainer(load_config(None, [*_base(small_corpus), "optim.lr=2.9e-3", f"run.dir={other}"])).build().train()
+    with pytest.raises(AssertionError):
+        assert_same_run(other, reference)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
 def test_world2_layout_matches_single_process(world2, reference, layout):
     assert_same_run(world2 / layout, reference)
@@ -72,10 +98,18 @@ def test_world2_layout_matches_single_process(world2, reference, layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
 def test_world4_layout_matches_single_process(world4, reference, layout):
-    assert_same_run(world4 / layout, reference)
+    # With micro-batches of 1 the evaluation covers other sequences (eval_batches x
+    # micro_batch_size), so only training is compared for that layout.
+    assert_same_run(world4 / layout, reference, compare_eval=layout != "ddp_grad_accum")
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in RESHARD_4])
 def test_resume_under_another_layout_continues_the_run(world4, reference, name):
     assert sorted(losses(world4 / name)) == [1, 2, 3, 4]  # two halves, one log
     assert_same_run(world4 / name, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS_8))
+def test_world8_layout_matches_single_process(world8, reference, layout):
+    assert_same_run(world8 / layout, reference)

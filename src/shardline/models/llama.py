@@ -178,13 +178,13 @@ class Llama(nn.Module):
         a token then attends only to earlier tokens of its own document.
         """
         h = self.tok_embeddings(input_ids)
-        cos, sin = self._rotary(input_ids.shape[1], h.device)
+        cos, sin = self.rotary(input_ids.shape[1], h.device)
         mask = document_causal_mask(doc_ids) if doc_ids is not None else None
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))
 
-    def _rotary(self, seq_len: int, device: torch.device):
+    def rotary(self, seq_len: int, device: torch.device):
         pos = torch.arange(seq_len, device=device, dtype=torch.float32)
         angles = torch.outer(pos, self.inv_freq.to(device))
         angles = torch.cat((angles, angles), dim=-1)
@@ -203,8 +203,8 @@ class Llama(nn.Module):
         """
         if any(t.is_meta for t in self.parameters()) or self.inv_freq.is_meta:
             self.to_empty(device=device)
-            if self.args.tie_embeddings:  # to_empty gives each module its own new tensor
-                self.output.weight = self.tok_embeddings.weight
+            if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+                self.output.weight = self.tok_embeddings.weight  # to_empty gives each module its own tensor
         self.inv_freq = rope_frequencies(self.args).to(self.inv_freq.device)
         assign = assign or (lambda p, value: p.copy_(value))
         for name, p in self.named_parameters():

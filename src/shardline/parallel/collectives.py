@@ -27,18 +27,20 @@ def reduce_over(dims: ParallelDims, dim: str | None, value: torch.Tensor, op: st
 
 
 @torch.no_grad()
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims) -> torch.Tensor:
     """Clip the global gradient norm (0 = measure only); returns the norm before clipping.
 
     Each gradient's norm is computed on its shard and, for a DTensor, reduced over its
     own mesh, so a model mixing sharded and plain parameters (e.g. tensor parallel
     without sequence parallel keeps the norms replicated) gets the single-process norm.
     One small reduction per sharded tensor: fine at these sizes; grouping by mesh
-    would cut that to one per mesh.
+    would cut that to one per mesh. Pipeline ranks add their squared norms.
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norms = [local_value(torch.linalg.vector_norm(g)) for g in grads]
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    if dims.pp > 1:  # each pipeline rank holds other parameters: add the squares
+        total = reduce_over(dims, "pp", total.square(), "sum").sqrt()
     if max_norm:
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:

@@ -26,8 +26,10 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, device: torch.device) -> nn.
                                    device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, cpu_offload: bool) -> None:
-    """Shard each block, then the rest, over the data-parallel mesh (in place).
+def apply_fsdp(model: nn.Module, roots: list[nn.Module], dims: ParallelDims, precision: str,
+               cpu_offload: bool) -> None:
+    """Shard each block, then each root (the model, or each pipeline stage), over the
+    data-parallel mesh (in place).
 
     zero=3 frees the gathered parameters after forward (gathers them again in backward);
     zero=2 keeps them until backward. Both shard gradients and optimizer states.
@@ -41,9 +43,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, cpu_offload
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=dims.zero == 3, **kwargs)
-    # The root keeps embedding, final norm and output; they are used last in forward and
+    # A root keeps embedding, final norm and output; they are used last in forward and
     # first in backward, so resharding them after forward would only cost a gather.
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+    for root in roots:
+        fully_shard(root, reshard_after_forward=False, **kwargs)
 
 
 def gradient_sync(wrapped: nn.Module, enabled: bool):

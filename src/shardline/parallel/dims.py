@@ -63,6 +63,7 @@ class ParallelDims:
 
     def check_against(self, args: ModelArgs, cfg: Config) -> None:
         """Rules that involve the model shape and the batch."""
+        cfg.check(dp_world=self.dp)
         t = self.tp
         if args.n_heads % t or args.kv_heads % t:
             raise ConfigError(f"parallel.tp={t} must divide n_heads={args.n_heads} and n_kv_heads={args.kv_heads}; "
@@ -74,10 +75,7 @@ class ParallelDims:
             raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be divisible by parallel.tp={t} "
                               "with sequence_parallel")
         if self.pp > 1:
-            stages = self.pp * cfg.parallel.pp_virtual_stages
-            if args.n_layers < stages:
-                raise ConfigError(f"model has {args.n_layers} layers, fewer than pp x pp_virtual_stages = {stages} "
-                                  "pipeline stages")
+            self._check_pipeline(args, cfg)
         if self.zero == 1 and self.dp_shard > 1:
             raise ConfigError("parallel.zero=1 (optimizer-state sharding only) is not implemented yet; "
                               "use zero=2 (FSDP without resharding parameters) or zero=3")
@@ -85,10 +83,39 @@ class ParallelDims:
             raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
         if cfg.memory.cpu_offload and self.dp_shard == 1:
             raise ConfigError("memory.cpu_offload=true needs FSDP: set parallel.dp_shard > 1")
-        if cfg.train.precision == "fp16" and (self.dp_shard > 1 or self.tp > 1):
-            raise ConfigError("train.precision='fp16' with sharded parameters (dp_shard or tp > 1) is not "
+        if cfg.train.precision == "fp16" and (self.dp_shard > 1 or self.tp > 1 or self.pp > 1):
+            raise ConfigError("train.precision='fp16' with dp_shard, tp or pp > 1 is not "
                               "supported yet (its loss scaler would need a sharded overflow check); use bf16")
-        cfg.check(dp_world=self.dp)
+
+    def pp_microbatches(self, cfg: Config) -> int:
+        """Micro-batches per pipeline step: this rank's share of the batch / micro_batch_size."""
+        return cfg.train.global_batch_size // (self.dp * cfg.train.micro_batch_size)
+
+    def _check_pipeline(self, args: ModelArgs, cfg: Config) -> None:
+        p = cfg.parallel
+        v_shaped = p.pp_schedule in ("zbv", "dualpipev")
+        virtual = 2 if v_shaped else p.pp_virtual_stages
+        if p.pp_schedule in ("gpipe", "1f1b") and virtual != 1:
+            raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} runs one stage per rank; set "
+                              "pp_virtual_stages=1 or use interleaved_1f1b")
+        if p.pp_schedule == "interleaved_1f1b" and virtual < 2:
+            raise ConfigError("parallel.pp_schedule='interleaved_1f1b' needs pp_virtual_stages >= 2")
+        if v_shaped and p.pp_virtual_stages not in (1, 2):
+            raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} places exactly 2 stages per rank; "
+                              "set pp_virtual_stages=2")
+        if args.n_layers < self.pp * virtual:
+            raise ConfigError(f"model has {args.n_layers} layers, fewer than the {self.pp * virtual} pipeline "
+                              f"stages (pp={self.pp} x {virtual} per rank); lower parallel.pp")
+        if args.tie_embeddings:
+            raise ConfigError("parallel.pp > 1 with tied embeddings is not supported (the embedding and the output "
+                              "live on different stages); set model.tie_embeddings=0")
+        n_mb = cfg.train.global_batch_size // (self.dp * cfg.train.micro_batch_size)
+        if p.pp_microbatches and p.pp_microbatches != n_mb:
+            raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches} but global_batch_size / (dp x "
+                              f"micro_batch_size) = {n_mb}; set pp_microbatches=0 or change the batch sizes")
+        if n_mb < self.pp:
+            raise ConfigError(f"{n_mb} micro-batches per step cannot fill {self.pp} pipeline stages; raise "
+                              f"train.global_batch_size or lower train.micro_batch_size (need >= {self.pp})")
 
     # ---- meshes -----------------------------------------------------------------------
 

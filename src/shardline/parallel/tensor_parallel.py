@@ -29,9 +29,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
+        "norm": SequenceParallel() if sequence_parallel else None,
     }
-    if sequence_parallel:
-        top["norm"] = SequenceParallel()
+    # A pipeline stage may lack the embedding or the output head.
+    top = {name: style for name, style in top.items() if style is not None and getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         plan = {

@@ -1,0 +1,188 @@
+"""Pipeline parallelism with torch.distributed.pipelining.
+
+The model is cut into `pp x pp_virtual_stages` stages of whole blocks. Each rank keeps
+one pruned Llama holding exactly the blocks of its stages (plus the embedding on the
+first stage and the norm and output on the last): optimizer, checkpoints, init and
+gradient clipping use it unchanged, and parameter names stay those of the full model,
+so checkpoints reshard to any other layout. The pipeline stages are thin views over
+its modules.
+
+Stage placement: looped (rank r holds stages r, r + pp, ...) for gpipe, 1f1b and
+interleaved 1F1B; V-shaped (rank r holds stages r and 2 pp - 1 - r) for the
+zero-bubble ZBV and DualPipeV schedules, which need the first and last stage together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from shardline.models.llama import Llama, ModelArgs, document_causal_mask
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+V_SHAPED = ("zbv", "dualpipev")
+SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+def split_layers(n_layers: int, n_stages: int, head_cost: float) -> list[list[int]]:
+    """Contiguous blocks per stage, balancing (blocks + head_cost on the last stage).
+
+    head_cost is the output projection's size in units of one block: with a large
+    vocabulary the last stage gets fewer blocks. Every stage keeps at least one block.
+    """
+    counts = [1] * n_stages
+    for _ in range(n_layers - n_stages):
+        loads = [c + (head_cost if i == n_stages - 1 else 0) for i, c in enumerate(counts)]
+        counts[loads.index(min(loads))] += 1  # lightest stage takes the next block
+    bounds = [sum(counts[:i]) for i in range(n_stages + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(n_stages)]
+
+
+def head_cost(args: ModelArgs) -> float:
+    d = args.dim
+    block = 2 * d * args.n_heads * args.head_size + 2 * d * args.kv_heads * args.head_size + 3 * d * args.ffn_dim
+    return args.vocab_size * d / block
+
+
+def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def prune(model: Llama, keep_layers: set[int], first: bool, last: bool) -> None:
+    """Drop (in place, on meta) every block and end piece this rank does not run."""
+    for name in list(model.layers.keys()):
+        if int(name) not in keep_layers:
+            del model.layers[name]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: a view over some modules of the rank's pruned Llama."""
+
+    def __init__(self, model: Llama, layer_ids: list[int], first: bool, last: bool, document_mask: bool,
+                 seq_len: int):
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self._rotary = model.rotary
+        self.document_mask = document_mask
+        # Fixed, not read from h: under sequence parallelism a stage receives only its
+        # slice of the sequence, while rotary tables and masks span all of it.
+        self.seq_len = seq_len
+
+    def forward(self, h, doc_ids=None):
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        cos, sin = self._rotary(self.seq_len, h.device)
+        mask = document_causal_mask(doc_ids) if self.document_mask and doc_ids is not None else None
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, mask)
+        if self.output is not None:
+            h = self.output(self.norm(h))
+        return h
+
+
+class Pipeline:
+    """The stages this rank runs and the schedule that drives them."""
+
+    def __init__(self, model: Llama, args: ModelArgs, pp_rank: int, pp: int, virtual: int, schedule: str,
+                 n_microbatches: int, document_mask: bool, seq_len: int):
+        n_stages = pp * (2 if schedule in V_SHAPED else virtual)
+        self.layer_split = split_layers(args.n_layers, n_stages, head_cost(args))
+        self.stage_ids = stages_of_rank(pp_rank, pp, virtual, schedule)
+        self.n_stages, self.schedule_name, self.n_microbatches = n_stages, schedule, n_microbatches
+        self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
+        local_layers = {i for s in self.stage_ids for i in self.layer_split[s]}
+        prune(model, local_layers, self.has_first, self.has_last)
+        self.modules = [StageModule(model, self.layer_split[s], s == 0, s == n_stages - 1, document_mask, seq_len)
+                        for s in self.stage_ids]
+
+    def build_schedule(self, device, pp_group, loss_fn):
+        stages = [PipelineStage(m, s, self.n_stages, device, group=pp_group)
+                  for m, s in zip(self.modules, self.stage_ids)]
+        cls = SCHEDULES[self.schedule_name]
+        # scale_grads=False: the loss function already returns each micro-batch's share
+        # of the global mean, so the summed gradients need no further division.
+        if self.schedule_name in SINGLE_STAGE:
+            self.schedule = cls(stages[0], self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = cls(stages, self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        return self.schedule
+
+    def run(self, batch: dict, doc_mask: bool) -> list:
+        """Forward and backward of one rank's batch; returns the last stage's losses."""
+        losses: list = []
+        args = (batch["input_ids"],) if self.has_first else ()
+        kwargs = {"doc_ids": batch["doc_ids"]} if doc_mask else {}
+        target = batch["labels"] if self.has_last else None
+        self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        return losses
+
+    def owner(self, stage: int) -> int:
+        """pp rank that runs `stage`."""
+        if self.schedule_name in V_SHAPED:
+            pp = self.n_stages // 2
+            return stage if stage < pp else self.n_stages - 1 - stage
+        return stage % (self.n_stages // (len(self.stage_ids)))
+
+    @torch.no_grad()
+    def forward_only(self, batch: dict, doc_mask: bool, pp_group) -> torch.Tensor | None:
+        """Logits of a batch, stage after stage, on the last stage's rank (None elsewhere).
+
+        Evaluation does not go through the training schedule: not every schedule
+        offers a forward-only mode (the V-shaped ones fail in torch 2.13), and
+        plain point-to-point sends are the same for all of them.
+        """
+        me = dist.get_rank(pp_group)
+        kwargs = {"doc_ids": batch["doc_ids"]} if doc_mask else {}
+        h = batch["input_ids"]
+        for stage in range(self.n_stages):
+            if stage not in self.stage_ids:
+                continue
+            if stage > 0 and self.owner(stage - 1) != me:
+                h = _recv(dist.get_global_rank(pp_group, self.owner(stage - 1)), pp_group, h.device)
+            h = self.modules[self.stage_ids.index(stage)](h, **kwargs)
+            if stage < self.n_stages - 1 and self.owner(stage + 1) != me:
+                _send(h, dist.get_global_rank(pp_group, self.owner(stage + 1)), pp_group)
+        return h if self.has_last else None
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _send(t: torch.Tensor, dst: int, group) -> None:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    header = torch.tensor([_DTYPES.index(t.dtype), t.ndim, *t.shape], dtype=torch.int64, device=t.device)
+    dist.send(torch.tensor([len(header)], device=t.device), dst, group=group)
+    dist.send(header, dst, group=group)
+    dist.send(t.contiguous(), dst, group=group)
+
+
+def _recv(src: int, group, device) -> torch.Tensor:
+    n = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(n, src, group=group)
+    header = torch.empty(int(n), dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    dtype, shape = _DTYPES[int(header[0])], header[2:].tolist()
+    t = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(t, src, group=group)
+    return t

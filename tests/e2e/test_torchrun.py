@@ -1,0 +1,40 @@
+"""`torchrun -m shardline train` as a user launches it, on 2 CPU processes with gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import tiny_overrides
+from tests.distributed.harness import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", "-m", "shardline", "train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_torchrun_fsdp_trains_and_logs_once(tmp_path, small_corpus):
+    run = tmp_path / "run"
+    out = torchrun(2, *[f"--{o}" for o in tiny_overrides(run, small_corpus, "parallel.dp_shard=2")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert steps == list(range(1, 13))  # written by rank 0 only: each step once
+    ckpt = run / "checkpoints" / "step-000012"
+    assert (ckpt / "trainer" / "rank0.pt").is_file() and (ckpt / "trainer" / "rank1.pt").is_file()
+
+
+def test_torchrun_impossible_degrees_fail_clearly(tmp_path, small_corpus):
+    run = tmp_path / "run"
+    out = torchrun(2, *[f"--{o}" for o in tiny_overrides(run, small_corpus, "parallel.tp=3")])
+    assert out.returncode != 0
+    assert "does not match the world size 2" in out.stderr
+    assert "Traceback" not in out.stderr.split("does not match")[0][-500:]
+    assert not run.exists()
