@@ -113,3 +113,18 @@ def test_resume_under_another_layout_continues_the_run(world4, reference, name):
 @pytest.mark.parametrize("layout", list(LAYOUTS_8))
 def test_world8_layout_matches_single_process(world8, reference, layout):
     assert_same_run(world8 / layout, reference)
+
+
+def test_convert_exports_a_pipelined_checkpoint(world4, reference, tmp_path):
+    from safetensors.torch import load_file
+
+    from shardline.interop.convert import checkpoint_to_hf
+    from tests.distributed.harness import final_params
+
+    out = checkpoint_to_hf(world4 / "fsdp2_pp2", tmp_path / "hf")
+    hf = load_file(out / "model.safetensors")
+    ref = final_params(reference)
+    assert hf["model.layers.3.mlp.down_proj.weight"].shape == ref["layers.3.feed_forward.w2.weight"].shape
+    for ours, theirs in [("layers.3.feed_forward.w2.weight", "model.layers.3.mlp.down_proj.weight"),
+                         ("tok_embeddings.weight", "model.embed_tokens.weight"), ("output.weight", "lm_head.weight")]:
+        assert (hf[theirs] - ref[ours]).abs().max() < 1e-5
