@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import sys
 
-from shardline.errors import ShardlineError
+from shardline.errors import AnomalyHalt, ShardlineError
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(bad)} (config overrides look like --section.key=value)")
     try:
         return args.func(args, unknown)
+    except AnomalyHalt as e:
+        print(f"shardline: halted: {e}", file=sys.stderr)
+        return 3
     except ShardlineError as e:
         print(f"shardline: error: {e}", file=sys.stderr)
         return 2

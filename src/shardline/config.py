@@ -15,15 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import ConfigError
+from shardline.errors import ConfigError, require
+from shardline.resilience.settings import AnomalyConfig, FaultsConfig, WatchdogConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 
 
-def _require(ok: bool, key: str, value: Any, valid: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: {valid}")
+_require = require
 
 
 @dataclass
@@ -78,6 +77,7 @@ class TrainConfig:
     document_mask: bool = True  # tokens attend only within their own packed document
     eval_interval: int = 50  # 0 disables evaluation
     eval_batches: int = 4
+    skip_batches: list[int] = field(default_factory=list)  # 0-based global batch indices never to train on
 
     def check(self) -> None:
         _require(self.stop_at_step >= 0, "train.stop_at_step", self.stop_at_step, "must be >= 0 (0 = train.steps)")
@@ -87,6 +87,8 @@ class TrainConfig:
         _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0 (0 disables)")
         _require(self.eval_interval >= 0, "train.eval_interval", self.eval_interval, "must be >= 0 (0 disables)")
         _require(self.eval_batches > 0, "train.eval_batches", self.eval_batches, "must be > 0")
+        _require(all(b >= 0 for b in self.skip_batches), "train.skip_batches", self.skip_batches,
+                 "batch indices must be >= 0")
 
 
 @dataclass
@@ -133,10 +135,12 @@ class DataConfig:
 class CheckpointConfig:
     interval: int = 50  # save every N steps (and at the end); 0 disables
     keep: int = 3  # keep the newest K checkpoints
+    mode: str = "sync"  # sync | async (snapshot to host memory, then write in the background)
 
     def check(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval", self.interval, "must be >= 0 (0 disables)")
         _require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
+        _require(self.mode in ("sync", "async"), "checkpoint.mode", self.mode, "sync or async")
 
 
 @dataclass
@@ -211,6 +215,9 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def check(self, dp_world: int = 1) -> None:
         for section in dataclasses.fields(self):
@@ -291,6 +298,11 @@ def _set(section: Any, section_name: str, key: str, value: Any) -> None:
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     if isinstance(hint, types.UnionType):  # e.g. int | None
         hint = next(h for h in typing.get_args(hint) if h is not type(None))
+    if typing.get_origin(hint) is list:
+        item = typing.get_args(hint)[0]
+        if isinstance(value, list):
+            return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected a list of {item.__name__}")
     if hint is bool:
         if isinstance(value, bool):
             return value

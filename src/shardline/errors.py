@@ -19,3 +19,13 @@ class DataError(ShardlineError):
 
 class CheckpointError(ShardlineError):
     """A checkpoint that is missing, incomplete or does not match the run."""
+
+
+class AnomalyHalt(ShardlineError):
+    """Training stopped on an anomaly with anomaly.action = halt (exit code 3)."""
+
+
+def require(ok: bool, key: str, value, valid: str) -> None:
+    """Raise ConfigError `key=value is invalid: valid` unless ok."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {valid}")

@@ -49,6 +49,11 @@ class LossScaler:
         self.skipped_steps += skipped
         return skipped
 
+    def skip(self) -> None:
+        """Drop this step's update (an anomaly); the scaler still closes its step."""
+        if self.enabled:
+            self.scaler.update()  # unscale_ recorded the overflow check update() needs
+
     def state_dict(self) -> dict:
         return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
 

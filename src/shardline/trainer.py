@@ -8,7 +8,6 @@ so gradient accumulation (and, later, data parallelism) changes no number.
 from __future__ import annotations
 
 import math
-import random
 import time
 import warnings
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from shardline.config import Config, to_toml
 from shardline.data import build_data
 from shardline.data.packing import IGNORE_INDEX
-from shardline.errors import CheckpointError, ConfigError
+from shardline.errors import AnomalyHalt, ConfigError
 from shardline.hardware import peak_tflops
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.factory import args_from_json, args_to_json, model_args_from_config
@@ -32,7 +31,16 @@ from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import init_distributed
 from shardline.parallel.parallelize import build_model
+from shardline.resilience.anomaly import AnomalyDetector
 from shardline.resilience.checkpoint import Checkpointer, read_meta
+from shardline.resilience.faults import FaultInjector
+from shardline.resilience.recovery import (
+    batch_index,
+    check_data_position,
+    get_rng_state,
+    resume_path,
+    set_rng_state,
+)
 
 
 def pick_device(name: str) -> torch.device:
@@ -51,6 +59,7 @@ class Trainer:
         self.device = pick_device(cfg.run.device)
         self.step = 0  # optimizer updates completed
         self._invalid_checkpoints: list[str] = []
+        self.anomaly_events: list[dict] = []
 
     # ---- building -------------------------------------------------------------------
 
@@ -67,7 +76,7 @@ class Trainer:
             cfg.data.tokenizer = str(hf_tokenizer)  # fine-tuning: keep the model's own tokenizer
         self.data = build_data(cfg)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
-        resume_from = self._resume_path()
+        resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
         self.model_args = model_args_from_config(cfg.model, self.data.vocab_size, self._hf_base())
         self.dims.check_against(self.model_args, cfg)
         built = build_model(cfg, self.model_args, self.dims, self.device)
@@ -78,6 +87,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.scaler = LossScaler(self.device, cfg.train.precision)
+        self.anomaly = AnomalyDetector(cfg.anomaly)
+        self.faults = FaultInjector(cfg.faults, self.proc.rank)
+        self.skipped_batches: list[int] = list(cfg.train.skip_batches)
+        self.rollbacks = 0
         self.forward = torch.compile(self.wrapped) if cfg.train.compile and self.wrapped else self.wrapped
         self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
@@ -96,37 +109,17 @@ class Trainer:
             return args_from_json(read_meta(Path(m.init_from))["model_args"])
         return None
 
-    def _resume_path(self) -> Path | None:
-        mode = self.cfg.run.resume
-        if mode not in ("auto", "latest", "never"):
-            path = Path(mode)
-            if not path.is_dir():
-                raise ConfigError(f"run.resume={mode!r} is not a checkpoint folder")
-            return path
-        invalid = []
-        path = self.checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
-        self._invalid_checkpoints = invalid
-        if mode == "latest" and path is None:
-            raise CheckpointError(f"--resume given but {self.checkpointer.root} holds no valid checkpoint"
-                                  + (f" ({'; '.join(invalid)})" if invalid else ""))
-        if mode == "never" and self.checkpointer.list():
-            raise ConfigError(f"run.resume='never' but {self.run_dir} already holds checkpoints that a new run "
-                              "would overwrite; choose another run.dir or remove them")
-        return path if mode != "never" else None
-
     def _load_checkpoint(self, path: Path) -> Path:
+        """Restore everything a checkpoint holds: weights, optimizer, schedule, data, RNG."""
         init_optimizer_state(self.optimizer)
         state = self.checkpointer.load(path, self.model, self.optimizer)
-        data_pos = state["data"]
-        if data_pos["num_samples"] != len(self.data.train) or data_pos["seed"] != self.cfg.train.seed:
-            raise CheckpointError(
-                f"checkpoint {path} was saved for {data_pos['num_samples']} training sequences and seed "
-                f"{data_pos['seed']}; this run has {len(self.data.train)} and seed {self.cfg.train.seed} "
-                "(data, train.seq_len or train.seed changed); use a new run.dir")
+        check_data_position(path, state["data"], len(self.data.train), self.cfg.train.seed)
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        _set_rng_state(state["rng"])
+        self.anomaly.load_state_dict(state.get("anomaly", {}))
+        self.skipped_batches = sorted(set(state["data"].get("skipped_batches", [])) | set(self.skipped_batches))
+        set_rng_state(state["rng"])
         return path
 
     def _open_run_dir(self, resumed: Path | None) -> None:
@@ -150,32 +143,47 @@ class Trainer:
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
         window_start, window_steps, last = time.perf_counter(), 0, {}
         while self.step < stop:
-            loss, grad_norm, skipped = self.train_step()
-            self.step += 1
-            window_steps += 1
-            if skipped:
-                self.metrics.event("skipped_step", step=self.step, reason="fp16 overflow",
-                                   loss_scale=self.scaler.scaler.get_scale())
-            if self.step % cfg.metrics.log_interval == 0 or self.step == stop:
-                last = self._log_train(loss, grad_norm, time.perf_counter() - window_start, window_steps)
+            step = self.step + 1  # the 1-based number of the step being computed, as logged
+            self.faults.before_step(step)
+            started = time.perf_counter()
+            loss, grad_norm = self.compute_gradients()
+            loss_value = self.faults.corrupt_loss(step, self._global_loss(loss).item())
+            anomaly = self._detect_anomaly(loss_value, grad_norm)
+            if anomaly is not None and self._handle_anomaly(step, *anomaly):
                 window_start, window_steps = time.perf_counter(), 0
-            if cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or self.step == stop):
+                continue  # rolled back: self.step moved back to the checkpoint's
+            skipped = self.apply_update() if anomaly is None else True
+            self.step, window_steps = step, window_steps + 1
+            if skipped and anomaly is None:
+                self.metrics.event("skipped_step", step=step, reason="fp16 overflow",
+                                   loss_scale=self.scaler.scaler.get_scale())
+            if step % cfg.metrics.log_interval == 0 or step == stop:
+                last = self._log_train(loss_value, grad_norm, time.perf_counter() - window_start, window_steps)
+                window_start, window_steps = time.perf_counter(), 0
+            if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == stop):
                 self.evaluate()
-            if cfg.checkpoint.interval and (self.step % cfg.checkpoint.interval == 0 or self.step == stop):
+            if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop):
                 self.save_checkpoint()
-        self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps)
+            self.faults.after_step(time.perf_counter() - started)
+        self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
+                           anomalies=len(self.anomaly_events), rollbacks=self.rollbacks)
         self.metrics.close()
         return last
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """One optimizer update over this rank's share of the global batch."""
+    def compute_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over this rank's share of the step's global batch.
+
+        Returns this rank's share of the global mean loss and the global gradient norm
+        (gradients clipped in place).
+        """
         t = self.cfg.train
         self.model.train()
         sampler, dp_rank, dp = self.data.sampler, self.dims.dp_rank(), self.dims.dp
-        micro = sampler.rank_micro_batches(self.step, dp_rank, dp, t.micro_batch_size)
+        batch = batch_index(self.step, self.skipped_batches)
+        micro = sampler.rank_micro_batches(batch, dp_rank, dp, t.micro_batch_size)
         # Every rank counts the labelled tokens of the whole global batch from the data
         # itself (each holds the dataset), so the global mean needs no collective.
-        n_tokens = self.data.train.count_labels(sampler.global_batch(self.step))
+        n_tokens = self.data.train.count_labels(sampler.global_batch(batch))
         if self.pipeline is not None:
             loss = self.pipeline_step(np.concatenate(micro), n_tokens)
         else:
@@ -184,15 +192,76 @@ class Trainer:
                 with gradient_sync(self.wrapped, enabled=i == len(micro) - 1):
                     loss += self.forward_backward(self.data.train.batch(idx), n_tokens)
         self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.model, t.grad_clip, self.dims)
+        return loss, clip_grad_norm(self.model, t.grad_clip, self.dims)
+
+    def apply_update(self) -> bool:
+        """Optimizer and schedule step; True when the fp16 loss scaler skipped the update."""
         skipped = self.scaler.step(self.optimizer)
+        self._end_step()
+        return skipped
+
+    def _end_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
-            # A skipped fp16 step still advances the schedule (it is indexed by step); torch
+            # A skipped update still advances the schedule (it is indexed by step); torch
             # warns about that order, which is intended here.
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
             self.scheduler.step()
-        return loss, grad_norm, skipped
+
+    # ---- anomalies ------------------------------------------------------------------
+
+    def _detect_anomaly(self, loss: float, grad_norm: torch.Tensor) -> tuple[str, float] | None:
+        # Under fp16 an infinite gradient is the loss scaler's business (it skips and
+        # lowers the scale); any other precision treats it as an anomaly.
+        norm = 0.0 if self.scaler.enabled else grad_norm.item()
+        found = self.anomaly.check(loss, norm)
+        if found is None:
+            self.anomaly.accept(loss)
+        return found
+
+    def _handle_anomaly(self, step: int, kind: str, value: float) -> bool:
+        """Apply anomaly.action; True when the run rolled back (the step is redone)."""
+        action = self.cfg.anomaly.action
+        if action == "rollback" and self.rollbacks >= self.cfg.anomaly.max_rollbacks:
+            action = "halt"  # the fault keeps coming back: stop instead of looping
+        event = {"step": step, "anomaly": kind, "value": value, "action": action}
+        self.anomaly_events.append(event)
+        if action == "halt":
+            self._halt(event)
+        if action == "rollback":
+            target = self.checkpointer.latest_valid()
+            if target is not None:
+                started = time.perf_counter()
+                self.skipped_batches = sorted({*self.skipped_batches, batch_index(step - 1, self.skipped_batches)})
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scaler.skip()
+                self._load_checkpoint(target)
+                self.rollbacks += 1
+                self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=str(target),
+                                   skipped_batch=self.skipped_batches[-1],
+                                   cost_s=round(time.perf_counter() - started, 3))
+                return True
+            event["action"] = "skip (no checkpoint to roll back to)"
+        self.metrics.event("anomaly", **event)
+        self.scaler.skip()
+        self._end_step()
+        return False
+
+    def _halt(self, event: dict) -> None:
+        """Save the last consistent state (before the bad update) and stop with a report."""
+        self.metrics.event("anomaly", **event)
+        self.optimizer.zero_grad(set_to_none=True)
+        saved = self.save_checkpoint() if self.cfg.checkpoint.interval else None
+        self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if saved else None)
+        self.metrics.close()
+        raise AnomalyHalt(f"{event['anomaly']} (value {event['value']:.4g}) at step {event['step']}; "
+                          f"state before that step saved to {saved}; anomalies this run: {len(self.anomaly_events)}")
+
+    def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss over the whole global batch (each rank holds shares of it)."""
+        if self.pipeline is not None:
+            loss = reduce_over(self.dims, "pp", loss, "sum")  # only the last stage holds it
+        return reduce_over(self.dims, "dp", loss, "sum")
 
     def forward_backward(self, batch: dict[str, torch.Tensor], n_tokens: int) -> torch.Tensor:
         """Backward of this micro-batch's share of the global mean loss; returns that share.
@@ -259,23 +328,23 @@ class Trainer:
         return loss
 
     def save_checkpoint(self) -> Path:
+        data = {**self.data.sampler.state_dict(self.step), "skipped_batches": self.skipped_batches}
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                 "data": self.data.sampler.state_dict(self.step), "rng": _get_rng_state()}
+                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict()}
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict()}
-        path, seconds = self.checkpointer.save(self.step, self.model, self.optimizer, state, meta)
+        path, seconds = self.checkpointer.save(self.step, self.model, self.optimizer, state, meta,
+                                               before_seal=lambda: self.faults.during_save(self.step))
         self.metrics.event("checkpoint", step=self.step, path=str(path), seconds=round(seconds, 3))
+        self.faults.after_save(self.step, path)
         return path
 
-    def _log_train(self, loss, grad_norm, seconds: float, steps: int) -> dict:
+    def _log_train(self, loss: float, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
         lr = self.cfg.optim.lr * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
         # The only host sync of the hot path: reading the values at a logging step.
         tokens_per_s = steps * self.cfg.train.global_batch_size * self.cfg.train.seq_len / seconds
-        if self.pipeline is not None:
-            loss = reduce_over(self.dims, "pp", loss, "sum")  # only the last stage holds it
-        loss = reduce_over(self.dims, "dp", loss, "sum")  # each dp rank holds its shares
         memory = reduce_over(self.dims, None, torch.tensor(peak_memory_gib(self.device)), "max")
         return self.metrics.log(
-            "train", step=self.step, loss=loss.item(), lr=lr,
+            "train", step=self.step, loss=loss, lr=lr,
             grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
             peak_mem_gib=memory.item(), step_time_s=seconds / steps,
@@ -286,17 +355,3 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """Summed cross-entropy over labelled tokens, in fp32 whatever the compute dtype."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
-
-
-def _get_rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

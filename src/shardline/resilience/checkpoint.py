@@ -92,7 +92,7 @@ def verify(path: Path) -> dict[str, Any]:
 
 def write_checkpoint(final: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                      trainer_state: dict[str, Any] | None, meta: dict[str, Any], rank: int = 0,
-                     is_writer: bool = True) -> None:
+                     is_writer: bool = True, before_seal=None) -> None:
     """Write a checkpoint folder atomically. Without an optimizer it holds weights only.
 
     `meta` (JSON: the model shape, the config) goes to meta.json so tools such as
@@ -114,6 +114,8 @@ def write_checkpoint(final: Path, step: int, model: torch.nn.Module, optimizer: 
         (tmp / "trainer").mkdir(exist_ok=True)
         torch.save(trainer_state, tmp / "trainer" / f"rank{rank}.pt")
     _barrier()  # every rank's files are on disk before the manifest lists them
+    if before_seal is not None:
+        before_seal()  # fault injection: a crash here must leave only a .tmp folder behind
     if is_writer:
         _seal(tmp, final, step, "full" if optimizer is not None else "weights", meta)
     _barrier()  # nobody moves on (or reads it back) before it is complete
@@ -182,11 +184,11 @@ class Checkpointer:
         return None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict[str, Any], meta: dict[str, Any]) -> tuple[Path, float]:
+             trainer_state: dict[str, Any], meta: dict[str, Any], before_seal=None) -> tuple[Path, float]:
         """Write the checkpoint of `step`; returns its path and the seconds it took."""
         begin = time.perf_counter()
         final = self.root / step_dir_name(step)
-        write_checkpoint(final, step, model, optimizer, trainer_state, meta, self.rank, self.is_writer)
+        write_checkpoint(final, step, model, optimizer, trainer_state, meta, self.rank, self.is_writer, before_seal)
         if self.is_writer:
             self._prune()
         return final, time.perf_counter() - begin

@@ -1,0 +1,58 @@
+"""Anomaly detection: non-finite loss or gradient norm, and loss spikes.
+
+A spike is a loss whose robust z-score against the recent healthy losses exceeds
+anomaly.spike_zscore: (loss - median) / (1.4826 * MAD), the median absolute deviation
+scaled to match a standard deviation for normal data. Median and MAD ignore the
+outliers they are meant to find, unlike a mean and standard deviation. Only upward
+jumps count: a sudden drop in loss is not an anomaly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from shardline.resilience.settings import AnomalyConfig
+
+
+class AnomalyDetector:
+    def __init__(self, cfg: AnomalyConfig):
+        self.cfg = cfg
+        self.history: deque[float] = deque(maxlen=cfg.window)
+
+    def check(self, loss: float, grad_norm: float) -> tuple[str, float] | None:
+        """(kind, value) of the anomaly in this step, or None when the step is healthy."""
+        if not math.isfinite(loss):
+            return "nonfinite_loss", loss
+        if not math.isfinite(grad_norm):
+            return "nonfinite_grad_norm", grad_norm
+        z = self.zscore(loss)
+        if self.cfg.spike_zscore and z is not None and z > self.cfg.spike_zscore:
+            return "loss_spike", z
+        return None
+
+    def zscore(self, loss: float) -> float | None:
+        if len(self.history) < self.cfg.min_history:
+            return None
+        values = sorted(self.history)
+        median = _median(values)
+        mad = _median(sorted(abs(v - median) for v in values))
+        # A floor on the spread: a perfectly flat history would make every wiggle a spike.
+        scale = max(1.4826 * mad, 1e-3 * abs(median), 1e-8)
+        return (loss - median) / scale
+
+    def accept(self, loss: float) -> None:
+        """Record a healthy step's loss."""
+        self.history.append(loss)
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = deque(state.get("history", []), maxlen=self.cfg.window)
+
+
+def _median(sorted_values: list[float]) -> float:
+    n = len(sorted_values)
+    mid = n // 2
+    return sorted_values[mid] if n % 2 else 0.5 * (sorted_values[mid - 1] + sorted_values[mid])

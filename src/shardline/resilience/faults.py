@@ -1,0 +1,62 @@
+"""Fault injection ([faults]): the faults a large run meets, on demand, for tests and drills.
+
+Every fault fires on the first attempt of a job only (torchrun's restart count 0) and
+at most once per process, so a restarted or rolled-back run gets past it. Steps are
+the 1-based step numbers of the log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from shardline.resilience.settings import FaultsConfig
+
+
+class FaultInjector:
+    def __init__(self, cfg: FaultsConfig, rank: int):
+        self.cfg, self.rank = cfg, rank
+        self.first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        self.fired: set[str] = set()
+
+    def _fire(self, name: str, step: int, at: int, rank: int | None = None) -> bool:
+        if not (self.first_attempt and at and step == at and name not in self.fired):
+            return False
+        if rank is not None and rank != self.rank:
+            return False
+        self.fired.add(name)
+        return True
+
+    def before_step(self, step: int) -> None:
+        c = self.cfg
+        if self._fire("kill", step, c.kill_step, c.kill_rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._fire("hang", step, c.hang_step, c.hang_rank):
+            while True:  # a rank stuck outside any collective; the watchdog must notice
+                time.sleep(3600)
+
+    def after_step(self, step_time_s: float) -> None:
+        if self.first_attempt and self.rank == self.cfg.slow_rank and self.cfg.slow_factor > 1:
+            time.sleep(step_time_s * (self.cfg.slow_factor - 1))
+
+    def corrupt_loss(self, step: int, loss: float) -> float:
+        if self._fire("nan", step, self.cfg.nan_step):
+            return float("nan")
+        if self._fire("spike", step, self.cfg.spike_step):
+            return loss * 100.0
+        return loss
+
+    def during_save(self, step: int) -> None:
+        """Called after the state is written and before the manifest: die half-saved."""
+        if self._fire("fail_save", step, self.cfg.fail_save_step):
+            os._exit(1)
+
+    def after_save(self, step: int, path: Path) -> None:
+        if self._fire("corrupt", step, self.cfg.corrupt_checkpoint_step) and self.rank == 0:
+            shard = sorted((path / "state").glob("*.distcp"))[0]
+            data = bytearray(shard.read_bytes())
+            for i in range(0, len(data), max(1, len(data) // 64)):
+                data[i] ^= 0xFF
+            shard.write_bytes(bytes(data))

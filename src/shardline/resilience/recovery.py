@@ -1,0 +1,62 @@
+"""Where a run starts, and the trainer state a checkpoint carries beyond the weights."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from shardline.config import Config
+from shardline.errors import CheckpointError, ConfigError
+from shardline.resilience.checkpoint import Checkpointer
+
+
+def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, list[str]]:
+    """(checkpoint to resume from or None, problems with invalid checkpoints skipped)."""
+    mode = cfg.run.resume
+    if mode not in ("auto", "latest", "never"):
+        path = Path(mode)
+        if not path.is_dir():
+            raise ConfigError(f"run.resume={mode!r} is not a checkpoint folder")
+        return path, []
+    invalid: list[str] = []
+    path = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
+    if mode == "latest" and path is None:
+        raise CheckpointError(f"--resume given but {checkpointer.root} holds no valid checkpoint"
+                              + (f" ({'; '.join(invalid)})" if invalid else ""))
+    if mode == "never" and checkpointer.list():
+        raise ConfigError(f"run.resume='never' but {cfg.run.dir} already holds checkpoints that a new run "
+                          "would overwrite; choose another run.dir or remove them")
+    return (None if mode == "never" else path), invalid
+
+
+def check_data_position(path: Path, data_pos: dict, num_samples: int, seed: int) -> None:
+    if data_pos["num_samples"] != num_samples or data_pos["seed"] != seed:
+        raise CheckpointError(
+            f"checkpoint {path} was saved for {data_pos['num_samples']} training sequences and seed "
+            f"{data_pos['seed']}; this run has {num_samples} and seed {seed} "
+            "(data, train.seq_len or train.seed changed); use a new run.dir")
+
+
+def get_rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def batch_index(step: int, skipped: list[int]) -> int:
+    """Global batch index of 0-based optimizer step `step`, stepping over skipped batches."""
+    index = step
+    for s in sorted(skipped):
+        if s <= index:
+            index += 1
+    return index

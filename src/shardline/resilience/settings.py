@@ -1,0 +1,59 @@
+"""Config sections of the resilience features: [anomaly], [watchdog], [faults]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardline.errors import require
+
+ACTIONS = ("skip", "rollback", "halt")
+
+
+@dataclass
+class AnomalyConfig:
+    action: str = "skip"  # skip (drop the update) | rollback (to the newest checkpoint, skip the batch) | halt
+    spike_zscore: float = 8.0  # robust z-score of the loss over the window that counts as a spike; 0 = off
+    window: int = 50  # recent healthy losses the z-score is computed over
+    min_history: int = 20  # no spike verdicts before this many healthy steps
+    max_rollbacks: int = 3  # then halt: the same fault keeps coming back
+
+    def check(self) -> None:
+        require(self.action in ACTIONS, "anomaly.action", self.action, f"one of {', '.join(ACTIONS)}")
+        require(self.spike_zscore >= 0, "anomaly.spike_zscore", self.spike_zscore, "must be >= 0 (0 = off)")
+        require(self.window >= 3, "anomaly.window", self.window, "must be >= 3")
+        require(1 <= self.min_history <= self.window, "anomaly.min_history", self.min_history,
+                "must be in [1, anomaly.window]")
+        require(self.max_rollbacks >= 0, "anomaly.max_rollbacks", self.max_rollbacks, "must be >= 0")
+
+
+@dataclass
+class WatchdogConfig:
+    timeout_s: float = 0.0  # a step or collective longer than this on any rank is a hang; 0 = off
+    straggler_factor: float = 1.5  # slower than this x the median step time ...
+    straggler_steps: int = 5  # ... this many steps in a row: reported
+
+    def check(self) -> None:
+        require(self.timeout_s >= 0, "watchdog.timeout_s", self.timeout_s, "must be >= 0 (0 = off)")
+        require(self.straggler_factor > 1, "watchdog.straggler_factor", self.straggler_factor, "must be > 1")
+        require(self.straggler_steps >= 1, "watchdog.straggler_steps", self.straggler_steps, "must be >= 1")
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection for tests and drills; off by default, fires on the first attempt only."""
+
+    kill_rank: int = -1
+    kill_step: int = 0
+    nan_step: int = 0  # the loss of this step becomes NaN
+    spike_step: int = 0  # the loss of this step is multiplied by 100
+    hang_rank: int = -1
+    hang_step: int = 0
+    slow_rank: int = -1
+    slow_factor: float = 1.0
+    corrupt_checkpoint_step: int = 0  # flip bytes in the checkpoint saved at this step
+    fail_save_step: int = 0  # die in the middle of writing this step's checkpoint
+
+    def check(self) -> None:
+        for key in ("kill_step", "nan_step", "spike_step", "hang_step", "corrupt_checkpoint_step", "fail_save_step"):
+            require(getattr(self, key) >= 0, f"faults.{key}", getattr(self, key), "must be >= 0 (0 = off)")
+        require(self.slow_factor >= 1, "faults.slow_factor", self.slow_factor, "must be >= 1")

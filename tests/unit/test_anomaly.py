@@ -1,0 +1,66 @@
+"""Anomaly detection and handling: skip, rollback (= never seeing the bad batch), halt."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardline.cli import main
+from shardline.resilience.anomaly import AnomalyDetector
+from shardline.resilience.recovery import batch_index
+from shardline.resilience.settings import AnomalyConfig
+from shardline.trainer import Trainer
+from tests.conftest import tiny_overrides
+from tests.unit.test_trainer import params, read_records, train_losses
+
+
+def test_robust_zscore_flags_spikes_not_noise():
+    det = AnomalyDetector(AnomalyConfig(spike_zscore=8.0, window=20, min_history=5))
+    losses = [5.0 - 0.05 * i + 0.02 * math.sin(i) for i in range(20)]
+    for value in losses:
+        assert det.check(value, 1.0) is None
+        det.accept(value)
+    assert det.check(losses[-1] + 0.05, 1.0) is None  # ordinary wiggle
+    assert det.check(losses[-1] * 3, 1.0)[0] == "loss_spike"
+    assert det.check(losses[-1] - 2.0, 1.0) is None  # a drop is not an anomaly
+    assert det.check(float("nan"), 1.0)[0] == "nonfinite_loss"
+    assert det.check(4.0, float("inf"))[0] == "nonfinite_grad_norm"
+
+
+def test_batch_index_steps_over_skipped_batches():
+    assert [batch_index(s, [2, 4]) for s in range(5)] == [0, 1, 3, 5, 6]
+
+
+def test_nan_with_skip_drops_that_update_and_finishes(tiny_config, tmp_path):
+    trainer = Trainer(tiny_config("faults.nan_step=5", "anomaly.action=skip")).build()
+    trainer.train()
+    assert trainer.step == 12
+    events = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "anomaly"]
+    assert [(e["step"], e["anomaly"], e["action"]) for e in events] == [(5, "nonfinite_loss", "skip")]
+
+
+@pytest.mark.parametrize("fault", ["faults.nan_step=5", "faults.spike_step=5"])
+def test_rollback_equals_a_run_that_never_saw_the_bad_batch(tiny_config, tmp_path, fault):
+    common = ["checkpoint.interval=3", "anomaly.min_history=3", "train.eval_interval=0"]
+    rolled = Trainer(tiny_config(*common, fault, "anomaly.action=rollback", run_dir=tmp_path / "rolled")).build()
+    rolled.train()
+    clean = Trainer(tiny_config(*common, "train.skip_batches=[4]", run_dir=tmp_path / "clean")).build()
+    clean.train()
+    assert rolled.rollbacks == 1 and rolled.skipped_batches == [4]
+    assert train_losses(tmp_path / "rolled") == train_losses(tmp_path / "clean")
+    for name, value in params(clean).items():
+        assert torch.equal(params(rolled)[name], value), name
+    event = [r for r in read_records(tmp_path / "rolled", "event") if r["event"] == "anomaly"][0]
+    assert event["action"] == "rollback" and event["to_step"] == 3 and event["skipped_batch"] == 4
+
+
+def test_halt_exits_3_with_a_report_and_keeps_the_state(tmp_path, small_corpus, capsys):
+    run = tmp_path / "run"
+    code = main(["train", *[f"--{o}" for o in tiny_overrides(run, small_corpus, "faults.nan_step=5",
+                                                              "anomaly.action=halt")]])
+    assert code == 3
+    err = capsys.readouterr().err
+    assert "halted: nonfinite_loss" in err and "at step 5" in err
+    assert (run / "checkpoints" / "step-000004" / "manifest.json").is_file()  # state before the bad step
