@@ -22,15 +22,29 @@ from shardline.data.packing import IGNORE_INDEX
 from shardline.errors import AnomalyHalt, ConfigError
 from shardline.hardware import peak_tflops
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
-from shardline.models.factory import args_from_json, args_to_json, model_args_from_config
+from shardline.models.factory import (
+    args_from_json,
+    args_to_json,
+    model_args_from_config,
+)
 from shardline.models.flops import flops_per_token
-from shardline.optim import build_optimizer, build_scheduler, init_optimizer_state, lr_multiplier
-from shardline.precision import LossScaler, autocast
-from shardline.parallel.collectives import clip_grad_norm, local_value, loss_context, reduce_over
+from shardline.optim import (
+    build_optimizer,
+    build_scheduler,
+    init_optimizer_state,
+    lr_multiplier,
+)
+from shardline.parallel.collectives import (
+    clip_grad_norm,
+    local_value,
+    loss_context,
+    reduce_over,
+)
 from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import init_distributed
 from shardline.parallel.parallelize import build_model
+from shardline.precision import LossScaler, autocast
 from shardline.resilience.anomaly import AnomalyDetector
 from shardline.resilience.checkpoint import Checkpointer, read_meta
 from shardline.resilience.faults import FaultInjector
@@ -41,6 +55,9 @@ from shardline.resilience.recovery import (
     resume_path,
     set_rng_state,
 )
+from shardline.resilience.watchdog import Watchdog
+
+WATCHDOG_EXIT = 4  # a hang: distinct from 2 (bad input) and 3 (anomaly halt) so a launcher can tell
 
 
 def pick_device(name: str) -> torch.device:
@@ -132,6 +149,8 @@ class Trainer:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
         if resumed is not None:
             self.metrics.event("resume", step=self.step, checkpoint=str(resumed))
+        self.watchdog = Watchdog(self.cfg.watchdog, self.run_dir, self.proc.rank, self.proc.world_size,
+                                 self.proc.store, on_event=self.metrics.event, exit_code=WATCHDOG_EXIT)
 
     # ---- the loop -------------------------------------------------------------------
 
@@ -142,10 +161,10 @@ class Trainer:
                            device=str(self.device), precision=cfg.train.precision,
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
         window_start, window_steps, last = time.perf_counter(), 0, {}
+        self.watchdog.start()
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
-            self.faults.before_step(step)
-            started = time.perf_counter()
+            started = self._step_start(step)
             loss, grad_norm = self.compute_gradients()
             loss_value = self.faults.corrupt_loss(step, self._global_loss(loss).item())
             anomaly = self._detect_anomaly(loss_value, grad_norm)
@@ -165,10 +184,26 @@ class Trainer:
             if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop):
                 self.save_checkpoint()
             self.faults.after_step(time.perf_counter() - started)
+            self.watchdog.step_end(step, time.perf_counter() - started)
+        self.watchdog.close()
         self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks)
         self.metrics.close()
         return last
+
+    def _step_start(self, step: int) -> float:
+        """Tell the watchdog a step begins; returns the clock this rank's step time runs from.
+
+        Comparing ranks needs each one's own work, not the time it waited for a slow
+        peer inside a collective; with the watchdog on and several ranks, a barrier
+        gives every rank the same start, so waiting lands before the clock starts (one
+        small collective per step: the price of straggler detection).
+        """
+        self.watchdog.step_begin(step)
+        self.faults.before_step(step)  # a killed or hung rank stops here, outside any collective
+        if self.cfg.watchdog.timeout_s and self.proc.world_size > 1:
+            torch.distributed.barrier()
+        return time.perf_counter()
 
     def compute_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over this rank's share of the step's global batch.
@@ -249,6 +284,7 @@ class Trainer:
 
     def _halt(self, event: dict) -> None:
         """Save the last consistent state (before the bad update) and stop with a report."""
+        self.watchdog.close()
         self.metrics.event("anomaly", **event)
         self.optimizer.zero_grad(set_to_none=True)
         saved = self.save_checkpoint() if self.cfg.checkpoint.interval else None

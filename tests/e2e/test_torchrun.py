@@ -14,8 +14,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "-m", "shardline", "train", *args]
+    """`torchrun [--max-restarts=N] --nproc_per_node=nproc -m shardline train args...`"""
+    launcher = [a for a in args if a.startswith("--max-restarts")]
+    args = [a for a in args if a not in launcher]
+    # c10d rendezvous, as the README recommends: a restarted round gets a fresh store, where
+    # the static --master_port rendezvous would hand the new workers the dead ones' addresses.
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *launcher,
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "shardline", "train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 

@@ -14,6 +14,7 @@ class ProcessInfo:
     rank: int
     world_size: int
     local_rank: int
+    store: dist.Store | None = None  # the job's c10d store (a side channel for the watchdog)
 
     @property
     def is_main(self) -> bool:
@@ -26,8 +27,9 @@ def launched_by_torchrun() -> bool:
 
 def init_distributed(device: torch.device) -> ProcessInfo:
     """Join the job's process group if torchrun started us (idempotent); else one process."""
-    if dist.is_initialized():
-        return ProcessInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+    if dist.is_initialized():  # someone (a test harness) set the group up already
+        return ProcessInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
+                           dist.distributed_c10d._get_default_store())
     if not launched_by_torchrun():
         return ProcessInfo(0, 1, 0)
     world = int(os.environ["WORLD_SIZE"])
@@ -37,6 +39,11 @@ def init_distributed(device: torch.device) -> ProcessInfo:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, device_id=torch.device("cuda", local_rank)
-                            if device.type == "cuda" else None)
-    return ProcessInfo(dist.get_rank(), world, local_rank)
+    store, rank, world = next(dist.rendezvous("env://"))
+    # Keys of each restart under their own prefix: a restarted job may otherwise read the
+    # addresses its dead predecessors published and fail to connect.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"shardline/attempt{attempt}/", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)
+    return ProcessInfo(rank, world, local_rank, store)

@@ -1,0 +1,36 @@
+"""The watchdog wired into `shardline train` under torchrun: hangs and stragglers."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import tiny_overrides
+from tests.e2e.test_torchrun import torchrun
+
+
+def events(run) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "event"]
+
+
+def test_hang_is_detected_dumped_and_named(tmp_path, small_corpus):
+    run = tmp_path / "run"
+    out = torchrun(2, *[f"--{o}" for o in tiny_overrides(
+        run, small_corpus, "parallel.dp_replicate=2", "parallel.dp_shard=1", "watchdog.timeout_s=3",
+        "faults.hang_rank=1", "faults.hang_step=5")])
+    assert out.returncode != 0
+    hang = [e for e in events(run) if e["event"] == "hang"]
+    assert hang and hang[0]["stopped_ranks"] == [1] and hang[0]["step"] == 5
+    dump = next(run.glob("hang-*"))
+    report = json.loads((dump / "report.json").read_text())
+    assert report["stopped_ranks"] == [1]
+    assert "before_step" in (dump / "rank1.txt").read_text()  # where the hung rank sleeps
+
+
+def test_slow_rank_is_reported_as_straggler(tmp_path, small_corpus):
+    run = tmp_path / "run"
+    out = torchrun(2, *[f"--{o}" for o in tiny_overrides(
+        run, small_corpus, "parallel.dp_replicate=2", "parallel.dp_shard=1", "watchdog.timeout_s=60",
+        "watchdog.straggler_steps=3", "faults.slow_rank=1", "faults.slow_factor=4", "train.steps=24")])
+    assert out.returncode == 0, out.stderr[-2000:]
+    stragglers = [e for e in events(run) if e["event"] == "straggler"]
+    assert stragglers and {e["rank"] for e in stragglers} == {1}

@@ -1,0 +1,150 @@
+"""The watchdog's verdicts without processes: stragglers, silent peers, who stopped."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+
+import pytest
+
+from shardline.resilience.hangs import is_waiting, stopped_ranks, where
+from shardline.resilience.settings import WatchdogConfig
+from shardline.resilience.stragglers import PeerWatch, StragglerTracker, median_without
+from shardline.resilience.watchdog import Watchdog
+
+
+def test_median_without_matches_brute_force():
+    rng = random.Random(0)
+    for n in range(2, 9):
+        values = sorted(rng.choice([0.1, 0.2, 0.3, rng.random()]) for _ in range(n))
+        for i in range(n):
+            assert median_without(values, i) == pytest.approx(statistics.median(values[:i] + values[i + 1:]))
+
+
+def _feed(tracker, per_step):
+    return {step: [(s.rank, round(s.factor, 2)) for s in tracker.observe(step, times)]
+            for step, times in enumerate(per_step, start=1)}
+
+
+def test_slow_rank_reported_once_per_streak_healthy_never():
+    rng = random.Random(1)
+    healthy = lambda: 0.1 * rng.uniform(0.9, 1.2)  # jitter well under the factor
+    slow = [True] * 5 + [False] + [True] * 3
+    steps = [{0: healthy(), 1: healthy(), 2: healthy(), 3: 0.2 if s else healthy()} for s in slow]
+    got = _feed(StragglerTracker(factor=1.5, steps=3), steps)
+    reported = {step: found for step, found in got.items() if found}
+    # Once when the first streak reaches 3 steps, again when the second one does.
+    assert list(reported) == [3, 9]
+    assert all(rank == 3 and factor > 1.5 for found in reported.values() for rank, factor in found)
+
+
+def test_a_streak_shorter_than_steps_is_not_reported():
+    steps = [{0: 0.1, 1: 0.1, 2: 0.3}] * 2 + [{0: 0.1, 1: 0.1, 2: 0.1}] + [{0: 0.1, 1: 0.1, 2: 0.3}] * 2
+    assert not any(_feed(StragglerTracker(factor=1.5, steps=3), steps).values())
+
+
+def test_two_ranks_the_slow_one_is_found():
+    # With the median of all ranks, 3x slower would be only 1.5x "the median" of two.
+    got = _feed(StragglerTracker(factor=1.5, steps=2), [{0: 0.1, 1: 0.3}] * 2)
+    assert got[2] == [(1, 3.0)]
+
+
+def _rec(step, in_step=True, elapsed=10.0, closed=False):
+    return {"step": step, "in_step": in_step, "elapsed_s": elapsed, "limit_s": 3.0, "closed": closed}
+
+
+WAIT = {"waiting": True}
+BUSY = {"waiting": False}
+
+
+def test_stopped_all_stuck_in_one_step_names_the_rank_not_in_a_collective():
+    records = {0: _rec(4), 1: _rec(4), 2: _rec(4)}
+    assert stopped_ranks(3, records, {0: WAIT, 1: BUSY, 2: WAIT}) == [1]
+
+
+def test_stopped_the_culprit_not_yet_over_the_limit_is_still_named():
+    # It began the step a little after the rank that declared the hang.
+    records = {0: _rec(4), 1: _rec(4, elapsed=2.9), 2: _rec(4)}
+    assert stopped_ranks(3, records, {0: WAIT, 1: BUSY, 2: WAIT}) == [1]
+    # Of two busy ranks (no collective), the one over the limit.
+    assert stopped_ranks(3, records, {0: BUSY, 1: BUSY, 2: WAIT}) == [0]
+
+
+def test_stopped_behind_the_others():
+    records = {0: _rec(9, elapsed=0.1), 1: _rec(4), 2: _rec(9, in_step=False)}
+    assert stopped_ranks(3, records, {0: BUSY, 1: BUSY, 2: BUSY}) == [1]
+
+
+def test_stopped_a_rank_that_could_not_dump_or_never_reported():
+    records = {0: _rec(4), 1: _rec(4), 2: _rec(4)}
+    assert stopped_ranks(3, records, {0: WAIT, 1: WAIT}) == [2]
+    assert stopped_ranks(3, {0: _rec(4), 2: _rec(4)}, {0: WAIT, 2: WAIT}) == [1]
+
+
+def test_stopped_closed_ranks_are_never_named():
+    records = {0: _rec(4), 1: _rec(4, closed=True), 2: _rec(4)}
+    assert stopped_ranks(3, records, {0: WAIT, 2: BUSY}) == [2]
+
+
+def test_stopped_indistinguishable_names_every_stuck_rank():
+    records = {0: _rec(4), 1: _rec(4), 2: _rec(4, elapsed=0.5)}
+    assert stopped_ranks(3, records, {0: WAIT, 1: WAIT, 2: WAIT}) == [0, 1]
+
+
+def test_is_waiting_looks_at_the_innermost_frames_only():
+    inner = ["/x/torch/distributed/distributed_c10d.py:2800 in all_reduce", "/w/train.py:10 in step"]
+    assert is_waiting(inner)
+    # A pipeline schedule wraps all compute: torch/distributed far out must not count.
+    deep = ["/w/model.py:5 in forward", "/x/torch/nn/modules/module.py:1 in _call_impl",
+            "/x/torch/nn/modules/module.py:2 in _wrapped_call_impl",
+            "/x/torch/distributed/pipelining/schedules.py:900 in step"]
+    assert not is_waiting(deep)
+
+
+def test_where_reports_another_threads_frames():
+    started, release = threading.Event(), threading.Event()
+
+    def parked_here():
+        started.set()
+        release.wait()
+
+    t = threading.Thread(target=parked_here)
+    t.start()
+    started.wait()
+    try:
+        assert any("in parked_here" in f for f in where(t.ident))
+    finally:
+        release.set()
+        t.join()
+
+
+def _peer_rec(beat, closed=False):
+    return {"beat": beat, "closed": closed, "times": []}
+
+
+def test_silent_peer_found_after_timeout_closed_peer_never():
+    watch = PeerWatch(WatchdogConfig(timeout_s=3.0))
+    assert watch.silent({1: _peer_rec(1), 2: _peer_rec(1, closed=True)}, now=0.0) == []
+    assert watch.silent({1: _peer_rec(1), 2: _peer_rec(1, closed=True)}, now=2.9) == []
+    assert watch.silent({1: _peer_rec(1), 2: _peer_rec(1, closed=True)}, now=3.1) == [1]
+    assert watch.silent({1: _peer_rec(2), 2: _peer_rec(1, closed=True)}, now=9.0) == []  # it moved again
+
+
+def test_peer_watch_judges_each_common_step_once():
+    watch = PeerWatch(WatchdogConfig(straggler_factor=1.5, straggler_steps=2))
+    recs = lambda n1: {0: {"closed": False, "times": [[s, 0.1] for s in range(1, 5)]},
+                       1: {"closed": False, "times": [[s, 0.4] for s in range(1, n1 + 1)]}}
+    assert watch.stragglers(recs(1)) == []  # only step 1 is common so far
+    found = watch.stragglers(recs(4))
+    assert [(s.step, s.rank) for s in found] == [(2, 1)]
+    assert watch.stragglers(recs(4)) == []  # nothing judged twice
+
+
+def test_off_in_one_process_and_a_store_required_for_many(tmp_path):
+    off = Watchdog(WatchdogConfig(timeout_s=0), tmp_path, 0, 1, None, lambda *a, **k: None)
+    off.start()
+    assert off._thread is None
+    off.step_begin(1), off.step_end(1, 0.1), off.close()
+    with pytest.raises(ValueError, match="needs the c10d store"):
+        Watchdog(WatchdogConfig(timeout_s=5), tmp_path, 0, 2, None, lambda *a, **k: None)
