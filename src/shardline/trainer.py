@@ -46,6 +46,7 @@ from shardline.parallel.distributed import init_distributed
 from shardline.parallel.parallelize import build_model
 from shardline.precision import LossScaler, autocast
 from shardline.resilience.anomaly import AnomalyDetector
+from shardline.resilience.async_checkpoint import AsyncSaver
 from shardline.resilience.checkpoint import Checkpointer, read_meta
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.recovery import (
@@ -104,6 +105,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.scaler = LossScaler(self.device, cfg.train.precision)
+        self.saver = AsyncSaver(self.checkpointer, self.dims.checkpoint_group) if cfg.checkpoint.mode == "async" \
+            else None
         self.anomaly = AnomalyDetector(cfg.anomaly)
         self.faults = FaultInjector(cfg.faults, self.proc.rank)
         self.skipped_batches: list[int] = list(cfg.train.skip_batches)
@@ -186,6 +189,7 @@ class Trainer:
             self.faults.after_step(time.perf_counter() - started)
             self.watchdog.step_end(step, time.perf_counter() - started)
         self.watchdog.close()
+        self.drain_saves()
         self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks)
         self.metrics.close()
@@ -264,6 +268,7 @@ class Trainer:
         if action == "halt":
             self._halt(event)
         if action == "rollback":
+            self.drain_saves()
             target = self.checkpointer.latest_valid()
             if target is not None:
                 started = time.perf_counter()
@@ -288,6 +293,7 @@ class Trainer:
         self.metrics.event("anomaly", **event)
         self.optimizer.zero_grad(set_to_none=True)
         saved = self.save_checkpoint() if self.cfg.checkpoint.interval else None
+        self.drain_saves()
         self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if saved else None)
         self.metrics.close()
         raise AnomalyHalt(f"{event['anomaly']} (value {event['value']:.4g}) at step {event['step']}; "
@@ -368,11 +374,26 @@ class Trainer:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                  "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict()}
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict()}
-        path, seconds = self.checkpointer.save(self.step, self.model, self.optimizer, state, meta,
-                                               before_seal=lambda: self.faults.during_save(self.step))
-        self.metrics.event("checkpoint", step=self.step, path=str(path), seconds=round(seconds, 3))
-        self.faults.after_save(self.step, path)
+        step = self.step
+        fail_midway = lambda: self.faults.during_save(step)  # noqa: E731
+        if self.saver is None:
+            path, seconds = self.checkpointer.save(step, self.model, self.optimizer, state, meta, fail_midway)
+            self.metrics.event("checkpoint", step=step, path=str(path), mode="sync", stall_s=round(seconds, 3))
+            self.faults.after_save(step, path)
+            return path
+        self.drain_saves()
+        path, stall = self.saver.save(step, self.model, self.optimizer, state, meta, fail_midway)
+        self.metrics.event("checkpoint", step=step, path=str(path), mode="async", stall_s=round(stall, 4))
         return path
+
+    def drain_saves(self) -> None:
+        """Wait for the asynchronous save in flight (if any) and log how long it took."""
+        if self.saver is None:
+            return
+        for done in self.saver.wait():
+            self.metrics.event("checkpoint_persisted", step=done["step"], path=done["path"],
+                               background_s=round(done["seconds"], 3))
+            self.faults.after_save(done["step"], Path(done["path"]))
 
     def _log_train(self, loss: float, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
         lr = self.cfg.optim.lr * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)

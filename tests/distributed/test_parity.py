@@ -17,7 +17,7 @@ LAYOUTS_2 = {
     "tp2_sp": ["parallel.tp=2", "parallel.loss_parallel=false"],
     "tp2_sp_lossparallel": ["parallel.tp=2"],
     "zero3_ac_full": ["parallel.dp_shard=2", "memory.activation_checkpoint=full"],
-    "zero3_ac_op": ["parallel.dp_shard=2", "memory.activation_checkpoint=op"],
+    "zero3_ac_op_async_ckpt": ["parallel.dp_shard=2", "memory.activation_checkpoint=op", "checkpoint.mode=async"],
     "pp2_gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
     "pp2_1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
     "pp2_interleaved_v2": ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"],
@@ -30,7 +30,7 @@ LAYOUTS_4 = {
     "zero2": ["parallel.dp_shard=4", "parallel.zero=2"],
     "zero3": ["parallel.dp_shard=4", "parallel.zero=3"],
     "hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
-    "fsdp2_tp2": ["parallel.dp_shard=2", "parallel.tp=2"],
+    "fsdp2_tp2_async_ckpt": ["parallel.dp_shard=2", "parallel.tp=2", "checkpoint.mode=async"],
     "fsdp2_pp2": ["parallel.dp_shard=2", "parallel.pp=2"],
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                 "parallel.pp_virtual_stages=2"],
@@ -40,7 +40,8 @@ LAYOUTS_8 = {
 }
 # Resharding resume: the first half under one layout, the second under another.
 RESHARD_4 = [
-    ("zero3_to_tp", ["parallel.dp_shard=4", "train.stop_at_step=2"], ["parallel.dp_shard=2", "parallel.tp=2"]),
+    ("zero3_to_tp", ["parallel.dp_shard=4", "train.stop_at_step=2", "checkpoint.mode=async"],
+     ["parallel.dp_shard=2", "parallel.tp=2"]),
     ("tp_to_ddp", ["parallel.dp_shard=2", "parallel.tp=2", "train.stop_at_step=2"],
      ["parallel.dp_replicate=4", "parallel.dp_shard=1"]),
     ("hsdp_to_zero2", ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.stop_at_step=2"],

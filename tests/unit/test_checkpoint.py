@@ -56,3 +56,21 @@ def test_truncated_and_unfinished_checkpoints_are_ignored(trained):
 def test_checkpoint_of_another_model_is_refused(trained, tiny_config):
     with pytest.raises(CheckpointError, match="does not match this model"):
         Trainer(tiny_config("train.steps=12", "model.dim=96")).build()
+
+
+def test_async_checkpoints_resume_exactly_and_stall_less(tiny_config, tmp_path):
+    from tests.unit.test_trainer import train_losses
+
+    full = Trainer(tiny_config("train.steps=12", run_dir=tmp_path / "sync")).build()
+    full.train()
+    first = Trainer(tiny_config("train.steps=12", "train.stop_at_step=6", "checkpoint.mode=async",
+                                run_dir=tmp_path / "async")).build()
+    first.train()
+    Trainer(tiny_config("train.steps=12", "checkpoint.mode=async", run_dir=tmp_path / "async")).build().train()
+    assert train_losses(tmp_path / "async") == train_losses(tmp_path / "sync")
+    events = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    saves = [e for e in events if e.get("event") == "checkpoint"]
+    persisted = [e for e in events if e.get("event") == "checkpoint_persisted"]
+    assert {e["step"] for e in saves} == {e["step"] for e in persisted} == {6, 12}
+    # the training-visible stall (a host copy) is below the background write of the same state
+    assert all(s["stall_s"] < p["background_s"] for s, p in zip(saves, persisted))

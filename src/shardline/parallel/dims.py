@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardline.config import Config, ParallelConfig
@@ -30,6 +31,8 @@ class ParallelDims:
     zero: int = 3
     mesh: DeviceMesh | None = field(default=None, repr=False)
     dp_mesh: DeviceMesh | None = field(default=None, repr=False)  # dp_replicate x dp_shard, flattened
+    # A gloo group of all ranks for asynchronous checkpoint writes, apart from training's.
+    checkpoint_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
@@ -124,6 +127,7 @@ class ParallelDims:
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         self.dp_mesh = self.mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        self.checkpoint_group = dist.new_group(backend="gloo")
         return self.mesh
 
     def submesh(self, *names: str) -> DeviceMesh:

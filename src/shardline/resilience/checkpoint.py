@@ -90,6 +90,14 @@ def verify(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Model (and optimizer) state keyed by parameter name, as DCP saves it."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
 def write_checkpoint(final: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                      trainer_state: dict[str, Any] | None, meta: dict[str, Any], rank: int = 0,
                      is_writer: bool = True, before_seal=None) -> None:
@@ -98,32 +106,38 @@ def write_checkpoint(final: Path, step: int, model: torch.nn.Module, optimizer: 
     `meta` (JSON: the model shape, the config) goes to meta.json so tools such as
     `shardline convert` can rebuild the model without the run's config.
     """
+    write_state(final, step, capture_state(model, optimizer), trainer_state, meta, rank, is_writer, before_seal)
+
+
+def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: dict[str, Any] | None,
+                meta: dict[str, Any], rank: int = 0, is_writer: bool = True, before_seal=None,
+                group: dist.ProcessGroup | None = None) -> None:
+    """Write captured state as the checkpoint folder `final` (all ranks call it).
+
+    `group` carries this save's collectives: an asynchronous save passes its own, so
+    its background thread never shares a process group with training.
+    """
     tmp = final.with_name(final.name + ".tmp")
     if is_writer:
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash mid-save
         tmp.mkdir(parents=True)
-    _barrier()  # the folder exists before any rank writes into it
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+    _barrier(group)  # the folder exists before any rank writes into it
     with _single_process_ok():
-        dcp.save(state, checkpoint_id=str(tmp / "state"))
+        dcp.save(state, checkpoint_id=str(tmp / "state"), process_group=group)
     if trainer_state is not None:
         (tmp / "trainer").mkdir(exist_ok=True)
         torch.save(trainer_state, tmp / "trainer" / f"rank{rank}.pt")
-    _barrier()  # every rank's files are on disk before the manifest lists them
+    _barrier(group)  # every rank's files are on disk before the manifest lists them
     if before_seal is not None:
         before_seal()  # fault injection: a crash here must leave only a .tmp folder behind
     if is_writer:
-        _seal(tmp, final, step, "full" if optimizer is not None else "weights", meta)
-    _barrier()  # nobody moves on (or reads it back) before it is complete
+        _seal(tmp, final, step, "full" if "optim" in state else "weights", meta)
+    _barrier(group)  # nobody moves on (or reads it back) before it is complete
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _seal(tmp: Path, final: Path, step: int, kind: str, meta: dict[str, Any]) -> None:
@@ -190,7 +204,7 @@ class Checkpointer:
         final = self.root / step_dir_name(step)
         write_checkpoint(final, step, model, optimizer, trainer_state, meta, self.rank, self.is_writer, before_seal)
         if self.is_writer:
-            self._prune()
+            self.prune()
         return final, time.perf_counter() - begin
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -207,6 +221,6 @@ class Checkpointer:
             rank_file = path / "trainer" / "rank0.pt"  # resumed with more ranks than were saved
         return torch.load(rank_file, weights_only=True)
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
         for old in self.list()[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)

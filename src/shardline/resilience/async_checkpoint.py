@@ -1,0 +1,82 @@
+"""Asynchronous checkpoints (checkpoint.mode = async): snapshot, then persist in the background.
+
+Training stalls only while the state is copied to host memory; a background thread
+then writes the copy with the same atomic, checksummed layout as a synchronous save.
+At most one save is in flight (the next one waits for it), and since the thread
+writes a private copy, a save never races the next optimizer step. Its collectives
+run on a process group of their own, so they never interleave with training's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from shardline.resilience.checkpoint import (
+    Checkpointer,
+    capture_state,
+    step_dir_name,
+    write_state,
+)
+
+
+def snapshot(obj: Any) -> Any:
+    """A host-memory copy of a state dict (DTensors keep their layout, with copied shards)."""
+    if isinstance(obj, DTensor):
+        local = obj.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
+                                  shape=obj.shape, stride=obj.stride())
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
+class AsyncSaver:
+    def __init__(self, checkpointer: Checkpointer, group=None):
+        self.checkpointer, self.group = checkpointer, group
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.finished: list[dict] = []  # {"step", "path", "seconds"} of completed background writes
+
+    def save(self, step: int, model, optimizer, trainer_state: dict, meta: dict, before_seal=None) -> tuple[Path, float]:
+        """Snapshot now, write later; returns the checkpoint's future path and the stall."""
+        self.wait()
+        begin = time.perf_counter()
+        state = snapshot(capture_state(model, optimizer))
+        stall = time.perf_counter() - begin
+        final = self.checkpointer.root / step_dir_name(step)
+        args = (final, step, state, trainer_state, meta, before_seal)
+        self._thread = threading.Thread(target=self._write, args=args, name="shardline-async-save", daemon=True)
+        self._thread.start()
+        return final, stall
+
+    def _write(self, final, step, state, trainer_state, meta, before_seal) -> None:
+        begin = time.perf_counter()
+        try:
+            c = self.checkpointer
+            write_state(final, step, state, trainer_state, meta, c.rank, c.is_writer, before_seal, self.group)
+            if c.is_writer:
+                c.prune()
+            self.finished.append({"step": step, "path": str(final), "seconds": time.perf_counter() - begin})
+        except BaseException as e:  # re-raised in the training thread by wait()
+            self._error = e
+
+    def wait(self) -> list[dict]:
+        """Block until the save in flight is on disk; returns the saves completed since last asked."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        done, self.finished = self.finished, []
+        return done
