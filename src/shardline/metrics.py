@@ -57,7 +57,13 @@ class Console:
         self.mode = mode
         self._progress = self._task = None
         if mode == "rich":
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
 
             self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                       TimeRemainingColumn(), TextColumn("{task.description}"))

@@ -14,7 +14,12 @@ from pathlib import Path
 from shardline.errors import CheckpointError
 from shardline.interop.hf import from_hf_pretrained, to_hf_pretrained
 from shardline.models.factory import args_from_json, args_to_json, build_meta_model
-from shardline.resilience.checkpoint import Checkpointer, load_weights, read_meta, write_checkpoint
+from shardline.resilience.checkpoint import (
+    Checkpointer,
+    load_weights,
+    read_meta,
+    write_checkpoint,
+)
 
 
 def convert(direction: str, src: str, dst: str) -> Path:

@@ -35,8 +35,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shardline.errors import CheckpointError, DataError
+from shardline.interop.hf_config import (
+    CONFIG_NAME,
+    _hf_folder,
+    _load_json,
+    hf_config_dict,
+    read_hf_config,
+)
 from shardline.models.factory import build_meta_model
-from shardline.interop.hf_config import CONFIG_NAME, _hf_folder, _load_json, hf_config_dict, read_hf_config
 from shardline.models.llama import Llama, ModelArgs, rope_frequencies
 
 WEIGHTS_NAME = "model.safetensors"

@@ -18,7 +18,11 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 # Looked up by name because the set of attention kernels differs between builds.
 _SAVE_OP_NAMES = ("mm", "addmm", "bmm", "_scaled_dot_product_efficient_attention",

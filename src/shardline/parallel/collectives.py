@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn

@@ -12,7 +12,12 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from shardline.parallel.dims import ParallelDims

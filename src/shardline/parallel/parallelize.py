@@ -13,7 +13,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardline.config import Config

@@ -11,7 +11,11 @@ from shardline.errors import ConfigError
 from shardline.simulator import job as jobs
 from shardline.simulator.engine import BUCKETS, Ledger, Policy, Scenario, simulate_once
 from shardline.simulator.failures import LLAMA3_CAUSES
-from shardline.simulator.interval import daly_interval_s, optimal_interval_s, young_interval_s
+from shardline.simulator.interval import (
+    daly_interval_s,
+    optimal_interval_s,
+    young_interval_s,
+)
 from shardline.simulator.settings import Settings
 
 MAX_SEGMENTS = 20_000_000  # checkpoints per simulated run; beyond this a run takes too long

@@ -13,7 +13,9 @@ _COLORS = {"sync": "tab:red", "async": "tab:blue", "memory": "tab:green"}
 def plot_sweeps(path: str | Path, setup: Setup, sweeps: dict[str, list[dict[str, float]]]) -> None:
     """One curve per checkpoint mode (mean ± std over seeds), Daly's optimum dashed."""
     try:
-        from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+        from matplotlib.figure import (
+            Figure,  # no pyplot: no global figure state, no GUI backend
+        )
     except ImportError:
         raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
     fig = Figure(figsize=(8, 5), dpi=120)
