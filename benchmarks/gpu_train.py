@@ -6,8 +6,9 @@ batch 4 (16,384 tokens per step), fp32 master weights with bf16 autocast, fused
 AdamW, gradient clipping at 1.0, on one CUDA device. Variants, run one after the
 other in one process, memory freed in between:
 
-* shardline-compile  `Trainer.train_step()` with train.compile=true (what `shardline
-                     train` runs), on batches from shardline's own data pipeline
+* shardline-compile  the trainer's step (`compute_gradients()` + `apply_update()`, as
+                     `Trainer.train()` takes it) with train.compile=true (what
+                     `shardline train` runs), on batches from shardline's own data pipeline
                      (the shipped corpus, packed; causal attention, no document mask)
 * shardline-eager    the same with train.compile=false (not in the default set on GPU)
 * hf-eager           `transformers.LlamaForCausalLM` built from a LlamaConfig of the
@@ -36,6 +37,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -214,19 +216,36 @@ def run_shardline(args, compiled: bool, name: str) -> dict:
             f"data.vocab_size={data_vocab(args)}",
         ]
         trainer = Trainer(load_config(None, overrides)).build()
-
-        def step():
-            loss, _, _ = trainer.train_step()
-            trainer.step += 1
-            return loss
-
         try:
-            out = measure(step, args, name)
+            out = measure(shardline_step_fn(trainer), args, name)
         finally:
             trainer.metrics.close()
         out["params"] = sum(p.numel() for p in trainer.model.parameters())
         out["data"] = "shardline pipeline (" + (args.data or "shipped corpus") + ")"
         return out
+
+
+def shardline_step_fn(trainer):
+    """One optimizer step the way `Trainer.train()` takes it, through public methods.
+
+    Current trainer: `compute_gradients()` (forward, backward, clipping), reading the
+    loss on the host (`train()` does so every step, for anomaly detection), then
+    `apply_update()` (optimizer, zero_grad, schedule). Older trainers: `train_step()`.
+    Either way followed by `trainer.step += 1`, as `train()` does.
+    """
+    if hasattr(trainer, "compute_gradients"):
+        def step():
+            loss, _ = trainer.compute_gradients()
+            loss_value = loss.item()
+            trainer.apply_update()
+            trainer.step += 1
+            return loss_value
+    else:
+        def step():
+            loss, _, _ = trainer.train_step()
+            trainer.step += 1
+            return loss
+    return step
 
 
 def hf_config(a: ModelArgs):
@@ -291,9 +310,7 @@ def is_oom(e: BaseException) -> bool:
 def run_variant(args, shape: ModelArgs, name: str) -> dict:
     compiled = name.endswith("-compile")
     if name.startswith("hf-"):
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("transformers") is None:
             return {"status": "skipped", "error": "transformers is not installed"}
         return run_hf(args, shape, compiled, name)
     return run_shardline(args, compiled, name)
@@ -315,7 +332,8 @@ def run(args) -> tuple[dict, bool]:
         except Exception as e:  # one variant failing must not lose the others' figures
             oom = is_oom(e)
             failed |= not oom
-            res = {"status": "oom" if oom else "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            first_line = (str(e).strip().splitlines() or [""])[0][:300]
+            res = {"status": "oom" if oom else "error", "error": f"{type(e).__name__}: {first_line}"}
             if not oom:
                 traceback.print_exc(file=sys.stderr)
             print(f"[gpu_train] {name}: {res['status']}: {res['error']}", file=sys.stderr, flush=True)

@@ -1,0 +1,175 @@
+"""Activation memory per transformer layer, counted tensor by tensor as Korthikanti et al. did.
+
+Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer
+Models") list every tensor the GPT block saves for backward and add up their bytes
+per token: 34·h + 5·a·s (16-bit values, 1-byte dropout masks). We do the same for
+shardline's Llama block *as implemented* (models/llama.py, eager autograd), and check
+the list against the tensors autograd really saves (tests/unit/test_planner_memory.py
+counts them with saved_tensors_hooks on CPU).
+
+Per token and layer, with h = dim, q = n_heads·head_dim, f = ffn_dim, a = heads,
+c = bytes of the compute dtype (2 under bf16/fp16 autocast, 4 in fp32):
+
+    tensor saved for backward                          bytes        region
+    attention_norm: input x (pow)                      4h           seq   (residual stream is fp32:
+                    x·rsqrt(mean x^2) (mul by weight)  4h           seq    the embedding is fp32)
+                    rsqrt per token                    4            seq
+    wq, wk, wv inputs: autocast casts the fp32 norm    3·c·h        lin_in (fp32: the norm output, 4h,
+        output separately for each linear                                   saved once)
+    RoPE: cos/sin only (need no grad), nothing per token
+    SDPA (flash/efficient kernels): q, k, v, out       4·c·q        tp    (GQA: k, v already repeated
+        and the fp32 logsumexp                         4a           tp     to q heads)
+    wo input: the SDPA output itself (same storage)    0
+    ffn_norm: as attention_norm                        8h + 4       seq
+    w1, w3 inputs: two casts                           2·c·h        lin_in (fp32: 4h once)
+    SwiGLU: w1 out (silu in), silu out, w3 out,        4·c·f        tp
+        product (w2 in)
+
+    total, bf16:  26h + 8q + 8f + 4a + 8    (GPT-shaped q = h, f = 4h: 66h)
+    total, fp32:  24h + 16q + 16f + 4a + 8
+
+Regions say what tensor parallelism divides: `tp` tensors are sharded over heads or
+the ffn dimension; `seq` tensors (the norm region) only under sequence parallelism;
+`lin_in` are the inputs of the column-parallel linears. Megatron's sequence
+parallelism saves its own sequence shard of them and all-gathers again in backward
+(so they are divided by t); DTensor's, which shardline uses, saves the all-gathered
+input (not divided). `score` tensors (a·s per token: attention probabilities) exist
+only in a math-kernel attention such as Korthikanti's GPT; flash kernels keep only
+the logsumexp. The same machinery, fed the GPT block, reproduces the paper's
+formulas exactly (see `gpt_block`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardline.models.llama import ModelArgs
+
+REGIONS = ("seq", "lin_in", "tp", "score")
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor a layer keeps for backward, in bytes per token of the (unsharded) layer."""
+
+    what: str
+    bytes_per_token: float
+    region: str
+
+
+def dtype_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def llama_block(model: ModelArgs, precision: str) -> list[Saved]:
+    """The tensors one shardline Llama block saves for backward (see the module docstring)."""
+    h, q, f, a = model.dim, model.n_heads * model.head_size, model.ffn_dim, model.n_heads
+    c = dtype_bytes(precision)
+    mixed = precision != "fp32"
+    saved = []
+    for norm, consumers in (("attention_norm", 3), ("ffn_norm", 2)):
+        saved += [Saved(f"{norm} input (fp32 residual)", 4 * h, "seq"),
+                  Saved(f"{norm} x*rsqrt", 4 * h, "seq"),
+                  Saved(f"{norm} rsqrt", 4, "seq"),
+                  Saved(f"{norm} output as linear input", (consumers * c if mixed else 4) * h, "lin_in")]
+    saved += [Saved("sdpa q, k, v, out", 4 * c * q, "tp"),
+              Saved("sdpa logsumexp", 4 * a, "tp"),
+              Saved("swiglu w1 out, silu out, w3 out, product", 4 * c * f, "tp")]
+    return saved
+
+
+def llama_op_ac_block(model: ModelArgs, precision: str) -> list[Saved]:
+    """What op-level selective checkpointing keeps: the block input and every matmul/SDPA output.
+
+    Norms, casts, RoPE and SwiGLU's element-wise part are recomputed in backward.
+    """
+    h, q, f, a = model.dim, model.n_heads * model.head_size, model.ffn_dim, model.n_heads
+    kv = model.kv_heads * model.head_size
+    c = dtype_bytes(precision)
+    return [Saved("block input (fp32 residual)", 4 * h, "seq"),
+            Saved("wq, wk, wv outputs", c * (q + 2 * kv), "tp"),
+            Saved("sdpa out + logsumexp", c * q + 4 * a, "tp"),
+            Saved("wo, w2 outputs", 2 * c * h, "seq"),
+            Saved("w1, w3 outputs", 2 * c * f, "tp")]
+
+
+def gpt_block(h: int, a: int, seq_len: int) -> list[Saved]:
+    """Korthikanti et al.'s GPT block (fp16, dropout, GeLU MLP of 4h, math attention), section 4.1."""
+    s = seq_len
+    return [Saved("layernorm inputs", 4 * h, "seq"),
+            Saved("dropout masks (attention out, mlp out)", 2 * h, "seq"),
+            Saved("qkv linear input", 2 * h, "lin_in"),
+            Saved("mlp linear input", 2 * h, "lin_in"),
+            Saved("Q and K for QK^T", 4 * h, "tp"),
+            Saved("V", 2 * h, "tp"),
+            Saved("output projection input", 2 * h, "tp"),
+            Saved("GeLU input", 8 * h, "tp"),
+            Saved("second linear input", 8 * h, "tp"),
+            Saved("softmax output", 2 * a * s, "score"),
+            Saved("softmax dropout mask", a * s, "score"),
+            Saved("dropout output", 2 * a * s, "score")]
+
+
+def block_bytes_per_token(block: list[Saved], tp: int = 1, sp: bool = False, megatron_sp: bool = False,
+                          drop_scores: bool = False) -> float:
+    """Bytes per token one layer keeps on one tensor-parallel rank.
+
+    megatron_sp: under sequence parallelism the linear inputs are kept sharded (Megatron)
+    rather than all-gathered (DTensor). drop_scores: Korthikanti's selective recompute.
+    """
+    total = 0.0
+    for t in block:
+        if t.region == "score" and drop_scores:
+            continue
+        shard = {"tp": tp, "score": tp, "seq": tp if sp else 1,
+                 "lin_in": tp if (sp and megatron_sp) else 1}[t.region]
+        total += t.bytes_per_token / shard
+    return total
+
+
+def boundary_bytes_per_token(model: ModelArgs | None = None, tp: int = 1, sp: bool = False,
+                             h: int | None = None, value_bytes: int = 4) -> float:
+    """A fully checkpointed layer keeps only its input: the residual stream (fp32 in shardline)."""
+    width = h if h is not None else model.dim
+    return value_bytes * width / (tp if sp else 1)
+
+
+def layer_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, mode: str, every: int) -> float:
+    """Average bytes per token per layer kept between forward and backward under an AC mode.
+
+    none: the whole block. full: only its input. selective: every `every`-th block is
+    full-checkpointed, the others keep everything. op: llama_op_ac_block.
+    """
+    whole = block_bytes_per_token(llama_block(model, precision), tp, sp)
+    boundary = boundary_bytes_per_token(model, tp, sp)
+    if mode == "none":
+        return whole
+    if mode == "full":
+        return boundary
+    if mode == "selective":
+        return boundary / every + whole * (1 - 1 / every)
+    if mode == "op":
+        return block_bytes_per_token(llama_op_ac_block(model, precision), tp, sp)
+    raise ValueError(f"unknown activation checkpointing mode {mode!r}")
+
+
+def recompute_transient_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, mode: str) -> float:
+    """Extra bytes while one checkpointed layer is recomputed in backward (its full activations)."""
+    if mode in ("full", "selective"):
+        return block_bytes_per_token(llama_block(model, precision), tp, sp)
+    if mode == "op":
+        return block_bytes_per_token(llama_block(model, precision), tp, sp) - layer_bytes_per_token(
+            model, precision, tp, sp, "op", 1)
+    return 0.0
+
+
+def loss_bytes_per_token(vocab: int, precision: str, tp: int, loss_parallel: bool) -> float:
+    """Peak of the output logits and cross-entropy per token, on top of the layers.
+
+    Forward keeps the fp32 log-softmax output (4 B/entry); at the start of backward the
+    gradient of the loss (4 B) and of the log-softmax input (4 B) coexist with it: 12
+    bytes per vocabulary entry. In forward the compute-dtype logits and their fp32 copy
+    (bf16: 2 + 4 + 4 = 10 B) stay below that. Loss parallelism shards the vocabulary.
+    """
+    shard = tp if (tp > 1 and loss_parallel) else 1
+    return 12.0 * vocab / shard

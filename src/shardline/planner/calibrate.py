@@ -1,0 +1,169 @@
+"""`shardline calibrate`: measure this machine, write a profile the planner uses instead of datasheets.
+
+What is measured and how is in calibrate_ops.py (compute, memory traffic, overheads)
+and calibrate_comm.py (gloo collectives between local processes); here the points
+are fitted to the planner's curves and written as a TOML profile:
+
+* matmul: linear forward + backward rates per dtype over GEMM shapes, fitted to
+  eff_max · Π x/(x + d0) (grid search on d0, geometric mean for eff_max)
+* attention: SDPA forward + backward with a document mask over sequence lengths,
+  fitted the same way (attn_eff, attn_half_len)
+* element-wise bandwidth (mem_bw_gbs), the loss' share of it (loss_eff), per-op
+  overhead, optimizer traffic per parameter
+* the resident memory of a trainer process before the model: torch, shardline and the
+  default data pipeline (shipped corpus, cached tokenizer), in a subprocess
+* collective latency and bandwidth ([network] intra_latency_us, intra_bw_gbs)
+
+On a GPU the same code measures the GPU (the timings synchronise); the profile's
+`base` names the table entry it refines. Raw points go under [measured].
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from shardline.errors import ShardlineError
+from shardline.planner import calibrate_ops as ops
+from shardline.planner.hardware import Hardware, cpu_hardware, get_hardware, to_toml
+
+# (m tokens, n out, k in); the first eight are the quick set
+GEMMS = [(4096, 256, 256), (4096, 768, 256), (4096, 256, 768), (4096, 128, 128), (2048, 64, 256), (512, 128, 128),
+         (1024, 1024, 1024), (2048, 4096, 256), (2048, 512, 512), (4096, 4096, 128), (2048, 2048, 2048)]
+ATTENTION = [(8, 8, 128, 32), (4, 8, 256, 32), (2, 8, 512, 32), (1, 8, 1024, 32)]  # b, heads, s, head_dim
+
+
+def fit_curve(points: list[tuple[float, tuple[float, ...]]], d0: float | None = None) -> tuple[float, float]:
+    """Fit efficiencies e_i ~ e_max · Π_j x_ij/(x_ij + d0): returns (e_max, d0).
+
+    d0 is chosen on a log grid to make the implied e_max of the points most alike (least
+    variance of their logs), unless given; e_max is then their geometric mean.
+    """
+    best = (math.inf, 1.0, 1.0)
+    for half in [d0] if d0 is not None else [2 ** (k / 4) for k in range(37)]:  # 1 .. 512
+        implied = [math.log(e / math.prod(x / (x + half) for x in dims)) for e, dims in points]
+        spread = statistics.pvariance(implied) if len(implied) > 1 else 0.0
+        if spread < best[0]:
+            best = (spread, math.exp(statistics.fmean(implied)), half)
+    return best[1], best[2]
+
+
+def measure_baseline_gib(overrides: list[str] = ()) -> float:
+    """Peak RSS of a process that imports the trainer and builds the data of a config (GiB).
+
+    Without overrides that is the default data: the shipped corpus and its tokenizer.
+    """
+    # VmHWM, the peak of this process image: ru_maxrss would start from the parent's RSS
+    # (Linux carries it across fork + exec), and the parent here is a big Python.
+    code = ("import resource, re; import shardline.trainer; from shardline.config import load_config; "
+            f"from shardline.data import build_data; build_data(load_config(None, {list(overrides)!r})); "
+            "m = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()); "
+            "print(m.group(1) if m else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    try:
+        # Twice: the first run may train and cache the tokenizer, which a training run then only loads.
+        for _ in range(2):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                                 check=True)
+    except (subprocess.SubprocessError, OSError) as e:
+        raise ShardlineError(f"calibrate: could not measure the process baseline: {e}") from None
+    return int(out.stdout.strip().splitlines()[-1]) / 2**20
+
+
+def measure(quick: bool = False, comm: bool = True, dtypes: tuple[str, ...] = ("fp32", "bf16"),
+            baseline: bool = True, clock=time.perf_counter) -> tuple[dict, dict]:
+    """(profile fields, raw measurements) for this machine."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hw: Hardware = cpu_hardware() if device.type == "cpu" else _gpu_entry()
+    gemms, attn = (GEMMS[:8], ATTENTION[:3]) if quick else (GEMMS, ATTENTION)
+    fields: dict = {"base": hw.name, "matmul_eff_max": {}, "attn_eff": {}, "elementwise_eff": {}}
+    raw: dict = {}
+    d0 = s0 = None  # the shape curves are fitted on the first dtype (fp32, training's) and shared
+    for dtype in dtypes:
+        peak = hw.peak(dtype)
+        mm = ops.measure_linear(dtype, device, peak, gemms, clock)
+        fields["matmul_eff_max"][dtype], d0 = fit_curve([(p["eff"], (p["m"], p["n"], p["k"])) for p in mm], d0)
+        at = ops.measure_attention(dtype, device, peak, attn, clock)
+        fields["attn_eff"][dtype], s0 = fit_curve([(p["eff"], (p["s"], p["s"])) for p in at], s0)
+        raw[f"linear_{dtype}_tflops"] = [round(6 * p["m"] * p["n"] * p["k"] / p["seconds"] / 1e12, 5) for p in mm]
+        raw[f"attention_{dtype}_eff"] = [round(p["eff"], 5) for p in at]
+        fields["elementwise_eff"][dtype] = ops.measure_elementwise(device, dtype, clock=clock)
+    fields["matmul_half_dim"], fields["attn_half_len"] = d0, s0
+    raw.update({f"stream_{k}_gbs": round(v, 3) for k, v in ops.measure_bandwidth(device, clock=clock).items()})
+    # mem_bw_gbs is the fp32 element-wise rate; each dtype's rate is expressed as a share of it.
+    fields["mem_bw_gbs"] = fields["elementwise_eff"].get("fp32") or next(iter(fields["elementwise_eff"].values()))
+    fields["elementwise_eff"] = {k: v / fields["mem_bw_gbs"] for k, v in fields["elementwise_eff"].items()}
+    fields["loss_eff"] = ops.measure_loss_eff(device, fields["mem_bw_gbs"], clock=clock)
+    fields["op_overhead_us"] = ops.measure_op_overhead(device, clock=clock)
+    fields["optimizer_bytes_per_param"] = ops.measure_optimizer(device, fields["mem_bw_gbs"], clock=clock)
+    if device.type == "cpu" and baseline:
+        fields["process_baseline_gib"] = measure_baseline_gib()
+    if comm:
+        from shardline.planner.calibrate_comm import measure_collectives
+
+        net, points = measure_collectives(world_sizes=(2,) if quick else (2, 4))
+        fields["network"] = net
+        raw["collectives"] = points
+    return fields, raw
+
+
+def _gpu_entry() -> Hardware:
+    from shardline.planner.hardware import GPUS
+
+    name = torch.cuda.get_device_name()
+    for key, hw in GPUS.items():
+        if hw.marker and hw.marker in name:
+            return get_hardware(key)
+    raise ShardlineError(f"calibrate: {name} is not in the hardware table; add it to planner/hardware.py")
+
+
+def calibrate(out: str | Path, quick: bool = False, comm: bool = True, threads: int | None = None) -> dict:
+    """Measure, write the profile to `out`, print it. CPU: `threads` torch threads (default: torch's)."""
+    if threads:
+        torch.set_num_threads(threads)
+    on_cpu = not torch.cuda.is_available()
+    # One thread on a CPU: time with the thread's CPU clock, which other processes do not stretch.
+    clock = time.thread_time if on_cpu and torch.get_num_threads() == 1 else time.perf_counter
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    start = time.perf_counter()
+    fields, raw = measure(quick=quick, comm=comm, clock=clock)
+    if on_cpu:  # the efficiencies are relative to this thread count's nominal peak: keep it with them
+        fields["peak_tflops"] = dict(cpu_hardware().peak_tflops)
+    busy = (f"\nWARNING: the machine was busy (load average {load:.1f} on {os.cpu_count()} CPUs): multi-threaded "
+            "timings are inflated; calibrate on an idle machine, or with --threads 1") if (
+        on_cpu and load > 0.5 * (os.cpu_count() or 1) and torch.get_num_threads() > 1) else ""
+    comment = (f"shardline hardware profile, written by `shardline calibrate` in {time.perf_counter() - start:.0f} s\n"
+               f"host {platform.node()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+               f"{torch.get_num_threads()} threads, load average {load:.1f}\nuse: shardline plan|estimate ... "
+               f"--gpu {fields['base']} --profile {out}  (train with the same number of threads)\n"
+               f"[measured] holds the raw points; the planner ignores it{busy}")
+    text = to_toml({**_rounded(fields), "measured": _flat(raw)}, comment)
+    try:
+        Path(out).write_text(text)
+    except OSError as e:
+        raise ShardlineError(f"calibrate: cannot write {out}: {e}") from None
+    print(text)
+    return fields
+
+
+def _rounded(fields: dict) -> dict:
+    return {k: ({kk: round(vv, 6) for kk, vv in v.items()} if isinstance(v, dict) else
+                (round(v, 6) if isinstance(v, float) else v)) for k, v in fields.items()}
+
+
+def _flat(raw: dict) -> dict:
+    """[measured] as one TOML table: lists of numbers, and nested dicts flattened into keys."""
+    out = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            out.update({f"{key}_{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out

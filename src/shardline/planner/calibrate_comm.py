@@ -1,0 +1,109 @@
+"""Collective bandwidth and latency of the active backend (gloo on CPU) between local processes.
+
+Spawns `world` processes with torch.multiprocessing, each joining a gloo group over
+127.0.0.1 (a fresh TCP port per world size); rank 0 times all-reduce and all-gather
+at 4 KiB - 4 MiB and writes the fastest of 7 repetitions to a file the parent reads. The points are
+fitted to the ring model of comm.py,
+
+    all_reduce: t = 2(n-1)·alpha + 2(n-1)/n · S/B      all_gather: t = (n-1)·alpha + (n-1)/n · S/B
+
+by least squares on (steps, bytes moved) -> seconds, giving the profile's
+intra_latency_us (alpha) and intra_bw_gbs (B, with bw_efficiency = 1).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardline.errors import ShardlineError
+
+SIZES = (4096, 65536, 1 << 20, 4 << 20)
+REPS = 7
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    # all_gather_into_tensor warns of a rename in newer torch; the name works on 2.11 and 2.13.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        results = []
+        for nbytes in SIZES:
+            x = torch.ones(nbytes // 4)
+            gathered = torch.empty(world * (nbytes // 4 // world))
+            piece = torch.ones(nbytes // 4 // world)
+            for name, fn, args in (("all_reduce", dist.all_reduce, (x,)),
+                                   ("all_gather", dist.all_gather_into_tensor, (gathered, piece))):
+                results.append({"op": name, "world": world, "bytes": nbytes, "seconds": _fastest(fn, args)})
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _fastest(fn, args: tuple) -> float:
+    """Fastest of REPS calls after a warm-up, each started together by a barrier."""
+    fn(*args)
+    times = []
+    for _ in range(REPS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _run(world: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "points.json")
+        try:
+            mp.spawn(_worker, args=(world, _free_port(), out), nprocs=world, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException, RuntimeError, OSError) as e:
+            raise ShardlineError(f"calibrate: gloo measurement with {world} processes failed: {e}") from None
+        return json.loads(Path(out).read_text())
+
+
+def fit_alpha_beta(points: list[dict]) -> tuple[float, float]:
+    """Least squares of t = steps·alpha + volume/B over the points: (alpha s, B bytes/s)."""
+    rows = []
+    for p in points:
+        n, size = p["world"], p["bytes"]
+        k = 2 if p["op"] == "all_reduce" else 1
+        rows.append((k * (n - 1), k * (n - 1) / n * size, p["seconds"]))
+    # Normal equations of the 2-parameter model, weighted by 1/t so small messages count.
+    saa = sum(a * a / t ** 2 for a, _, t in rows)
+    sab = sum(a * b / t ** 2 for a, b, t in rows)
+    sbb = sum(b * b / t ** 2 for _, b, t in rows)
+    sat = sum(a / t for a, _, t in rows)
+    sbt = sum(b / t for _, b, t in rows)
+    det = saa * sbb - sab * sab
+    alpha = (sat * sbb - sbt * sab) / det
+    inv_bw = (saa * sbt - sab * sat) / det
+    return max(alpha, 1e-7), 1.0 / max(inv_bw, 1e-12)
+
+
+def measure_collectives(world_sizes=(2, 4)) -> tuple[dict, list[dict]]:
+    """([network] fields for the profile, the raw points)."""
+    points = [p for world in world_sizes for p in _run(world)]
+    alpha, bw = fit_alpha_beta(points)
+    network = {"intra_latency_us": alpha * 1e6, "intra_bw_gbs": bw / 1e9, "bw_efficiency": 1.0}
+    raw = [[p["world"], p["bytes"], round(p["seconds"] * 1e6, 1)] for p in points if p["op"] == "all_reduce"]
+    return network, raw

@@ -1,0 +1,215 @@
+"""`shardline plan`, `shardline estimate`, `shardline calibrate`.
+
+plan      search layouts for a model on N devices; table or --json; --emit-config FILE
+estimate  memory breakdown and step time of one config (world size = product of its
+          degrees; with dp_shard = -1 give --gpus, else dp_shard is taken as 1)
+calibrate measure this machine; write a profile that --profile FILE applies
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from shardline.config import Config, DataConfig, load_config, to_toml
+from shardline.errors import ConfigError, ShardlineError
+from shardline.models.llama import ModelArgs
+from shardline.models.presets import PRESETS
+from shardline.planner.hardware import DEVICE_NAMES, Hardware, get_hardware
+from shardline.planner.layout import Workload, from_config, parse_fix, to_config
+
+
+def register(sub) -> None:
+    plan = sub.add_parser("plan", help="search parallel layouts for a model on N devices",
+                          description="Rank parallel layouts by predicted throughput. Config overrides "
+                                      "(--section.key=value) go into the --emit-config file.")
+    plan.add_argument("--model", required=True, help="preset name or Hugging Face model folder")
+    _device_args(plan, required=True)
+    plan.add_argument("--seq-len", type=int, required=True)
+    batch = plan.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--global-batch", type=int, metavar="SEQS", help="sequences per optimizer step")
+    batch.add_argument("--global-batch-tokens", type=int, metavar="T", help="tokens per optimizer step")
+    plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"),
+                      help="compute dtype (default bf16 on accelerators, fp32 on cpu)")
+    plan.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=True,
+                      help="attend within packed documents (the trainer's default; an explicit mask)")
+    plan.add_argument("--fix", default="", metavar="KEY=V,...", help="pin [parallel]/[memory] keys (dp = plain DDP)")
+    plan.add_argument("--runnable-only", action="store_true",
+                      help="only layouts `shardline train` runs today (e.g. no cp/ep yet)")
+    plan.add_argument("--top", type=int, default=10, metavar="K")
+    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--emit-config", metavar="FILE", help="write the best plan that `shardline train` runs")
+    plan.set_defaults(func=_plan)
+
+    est = sub.add_parser("estimate", help="memory breakdown and step time of a config")
+    est.add_argument("--config", required=True, help="TOML config (as `shardline train` takes)")
+    _device_args(est, required=False)
+    est.add_argument("--json", action="store_true")
+    est.set_defaults(func=_estimate)
+
+    cal = sub.add_parser("calibrate", help="measure this machine and write a hardware profile")
+    cal.add_argument("--out", default="calibration.toml", help="profile to write (default calibration.toml)")
+    cal.add_argument("--quick", action="store_true", help="fewer sizes (~15 s)")
+    cal.add_argument("--no-comm", action="store_true", help="skip the gloo collective measurements")
+    cal.add_argument("--threads", type=int, metavar="N",
+                     help="torch threads (CPU; default torch's). 1 times with CPU time: robust on a busy machine")
+    cal.set_defaults(func=_calibrate)
+
+
+def _device_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--gpu", required=required, metavar="TYPE", help=f"device type: {', '.join(DEVICE_NAMES)}")
+    p.add_argument("--gpus", type=int, required=required, metavar="N", help="number of devices")
+    p.add_argument("--gpus-per-node", type=int, metavar="G", help="devices per node (default: the table's, 8)")
+    p.add_argument("--profile", metavar="FILE", help="hardware profile/override TOML (e.g. from calibrate)")
+
+
+def _hardware(args: argparse.Namespace, name: str) -> Hardware:
+    hw = get_hardware(name, args.profile)
+    if args.gpus_per_node is not None:
+        if args.gpus_per_node < 1:
+            raise ConfigError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
+        hw = dataclasses.replace(hw, network=dataclasses.replace(hw.network, gpus_per_node=args.gpus_per_node))
+    return hw
+
+
+def resolve_model(name: str) -> tuple[ModelArgs, str, bool]:
+    """(shape, reference for the emitted config, vocabulary sized by the tokenizer?)."""
+    if name in PRESETS:
+        args = PRESETS[name]
+        if args.vocab_size == 0:  # sized by the tokenizer; assume the default BPE size
+            return dataclasses.replace(args, vocab_size=DataConfig().vocab_size), name, True
+        return args, name, False
+    if Path(name).is_dir():
+        from shardline.interop.hf_config import read_hf_config
+
+        return read_hf_config(name), f"hf:{name}", False
+    raise ConfigError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a Hugging Face folder")
+
+
+def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardline.planner import report
+    from shardline.planner.search import explain_no_fit, runnable_problem, search
+
+    base = load_config(None, overrides)  # fails early on a bad override
+    hw = _hardware(args, args.gpu)
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus} must be >= 1")
+    gpn = hw.network.gpus_per_node
+    if args.gpus > gpn and args.gpus % gpn and hw.name != "cpu":
+        raise ConfigError(f"--gpus {args.gpus} is not a whole number of {gpn}-device nodes; "
+                          f"use a multiple of {gpn} or set --gpus-per-node")
+    if args.top < 1:
+        raise ConfigError(f"--top {args.top} must be >= 1")
+    work = _workload(args)
+    result = search(work, hw, args.gpus, parse_fix(args.fix), runnable_only=args.runnable_only)
+    if not result.candidates:
+        raise ConfigError(f"{work.model_ref} on {args.gpus} x {hw.name}: {explain_no_fit(work, hw, args.gpus, result)}")
+    shown = result.candidates[:args.top]
+    not_runnable = {i: p for i, e in enumerate(shown) if (p := runnable_problem(work, e.layout))}
+    if args.emit_config:
+        _emit(args.emit_config, work, result.candidates, base, args)
+    if args.json:
+        print(json.dumps(report.plan_json(work, hw, args.gpus, result, shown, not_runnable), indent=1))
+    else:
+        print(report.plan_table(work, hw, args.gpus, result, shown, not_runnable))
+        if args.emit_config:
+            print(f"\nwrote {args.emit_config}")
+    return 0
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    model, ref, from_tok = resolve_model(args.model)
+    if args.seq_len < 1:
+        raise ConfigError(f"--seq-len {args.seq_len} must be >= 1")
+    if args.global_batch_tokens is not None:
+        if args.global_batch_tokens % args.seq_len or args.global_batch_tokens < args.seq_len:
+            raise ConfigError(f"--global-batch-tokens {args.global_batch_tokens} is not a whole number of "
+                              f"{args.seq_len}-token sequences; use a multiple of {args.seq_len}")
+        batch = args.global_batch_tokens // args.seq_len
+    else:
+        batch = args.global_batch
+    if batch < 1:
+        raise ConfigError(f"--global-batch {batch} must be >= 1")
+    precision = args.precision or ("fp32" if args.gpu == "cpu" else "bf16")
+    return Workload(model, args.seq_len, batch, precision, args.document_mask, ref, from_tok)
+
+
+def _emit(path: str, work: Workload, candidates: list, base: Config, args: argparse.Namespace) -> None:
+    from shardline.planner.search import runnable_problem
+
+    for rank, e in enumerate(candidates, 1):
+        if runnable_problem(work, e.layout) is None:
+            break
+    else:
+        raise ConfigError("no plan that fits is one `shardline train` can run yet; nothing written "
+                          "(see the table's * notes)")
+    cfg = to_config(e.layout, work, base)
+    header = (f"# written by: shardline plan --model {args.model} --gpu {args.gpu} --gpus {args.gpus} "
+              f"--seq-len {args.seq_len} ...\n# plan #{rank}: {e.layout.describe()}; predicted "
+              f"{e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%, "
+              f"{e.memory['total'] / 2**30:.1f} GiB per device\n"
+              f"# run it on {e.layout.world} device(s), e.g. torchrun --nproc-per-node "
+              f"{min(e.layout.world, args.gpus_per_node or 8)} -m shardline train --config {path}\n")
+    try:
+        Path(path).write_text(header + to_toml(cfg))
+    except OSError as err:
+        raise ShardlineError(f"cannot write --emit-config {path}: {err}") from None
+
+
+def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardline.planner import report
+    from shardline.planner.estimate import estimate
+
+    cfg = load_config(args.config, overrides)
+    cfg.check()
+    hw = _hardware(args, args.gpu or _default_device(cfg))
+    layout = from_config(cfg, args.gpus)
+    work = Workload(_config_model(cfg), cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.precision,
+                    cfg.train.document_mask, cfg.model.hf_path or cfg.model.preset)
+    e = estimate(work, layout, hw)
+    print(json.dumps(e.to_json(), indent=1) if args.json else report.estimate_text(work, hw, e))
+    return 0
+
+
+def _default_device(cfg: Config) -> str:
+    """The device the config would train on: cpu, or the table entry of this machine's GPU."""
+    import torch
+
+    if cfg.run.device == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    from shardline.planner.hardware import GPUS
+
+    name = torch.cuda.get_device_name()
+    for key, hw in sorted(GPUS.items(), key=lambda kv: -len(kv[1].marker)):
+        if hw.marker in name:
+            return key
+    raise ConfigError(f"this machine's GPU ({name}) is not in the hardware table; pass --gpu and --profile")
+
+
+def _config_model(cfg: Config) -> ModelArgs:
+    from shardline.models.factory import args_from_json, model_args_from_config
+
+    base = None
+    if cfg.model.hf_path:
+        from shardline.interop.hf_config import read_hf_config
+
+        base = read_hf_config(cfg.model.hf_path)
+    elif cfg.model.init_from:
+        from shardline.resilience.checkpoint import read_meta
+
+        base = args_from_json(read_meta(Path(cfg.model.init_from))["model_args"])
+    # A preset sized by the tokenizer takes data.vocab_size, the size of the BPE it trains.
+    return model_args_from_config(cfg.model, cfg.data.vocab_size, base)
+
+
+def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardline.planner.calibrate import calibrate
+
+    if overrides:
+        raise ConfigError(f"calibrate takes no config overrides, got {' '.join(overrides)}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads {args.threads} must be >= 1")
+    calibrate(args.out, quick=args.quick, comm=not args.no_comm, threads=args.threads)
+    return 0

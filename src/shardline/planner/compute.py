@@ -1,0 +1,169 @@
+"""Compute time of one rank: matmuls by shape, attention, element-wise ops, optimizer.
+
+* Matmuls: 2·m·n·k FLOPs at a shape-dependent efficiency
+      eff(m, n, k) = eff_max · m/(m + d0) · n/(n + d0) · k/(k + d0)
+  (d0 = `matmul_half_dim`): large GEMMs approach eff_max, thin tensor-parallel shards
+  and short micro-batches fall off, as measured GEMM throughput does. The backward runs
+  two GEMMs of the same FLOPs per forward GEMM; the product form is symmetric in the
+  three dimensions, so they get the same efficiency.
+* Attention: 4·b·s_q·s_k·(heads·head_dim) FLOPs forward, 2.5x that backward (flash
+  recomputes the scores), at attn_eff · s_q/(s_q + s0) · s_k/(s_k + s0) of peak
+  (s0 = `attn_half_len`; context parallelism runs kernels on s/cp chunks, which are
+  less efficient, and merges their partial outputs: element-wise work); a causal
+  kernel skips the upper half (factor 0.5), an explicit document mask does not (1).
+* Element-wise ops (norms, casts, RoPE, SwiGLU's product, residual adds, the
+  embedding gradient, autocast's weight casts) are memory-bound: bytes moved /
+  (bandwidth x `elementwise_eff` of the compute dtype); backward moves twice the
+  forward's bytes. The fp32 softmax + cross-entropy moves 32 bytes per vocabulary
+  entry per token (+ the casts), at `loss_eff` of that rate (exp and log make it
+  compute-bound on CPUs). Each launched op also
+  costs `op_overhead_us`.
+* Optimizer: fused AdamW + grad-norm clipping over the rank's (sharded) parameters,
+  `optimizer_bytes_per_param` of memory traffic each.
+
+On a CPU the processes of one node share its cores and memory bandwidth
+(`shared_compute`), so each rank gets a 1/ranks share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardline.planner.activations import dtype_bytes
+from shardline.planner.hardware import Hardware
+from shardline.planner.layout import Layout, Workload
+from shardline.planner.memory import layer_params
+
+FWD_OPS_PER_LAYER, BWD_OPS_PER_LAYER = 45, 75  # launched (non-view) ops of our block, counted
+LOSS_OPS = 12
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds for one micro-batch through one layer on one rank (forward; backward is derived)."""
+
+    matmul: float
+    attention: float
+    elementwise: float
+    overhead: float
+
+    @property
+    def forward(self) -> float:
+        return self.matmul + self.attention + self.elementwise + self.overhead
+
+    @property
+    def backward(self) -> float:
+        return (2 * self.matmul + 2.5 * self.attention + 2 * self.elementwise
+                + self.overhead * BWD_OPS_PER_LAYER / FWD_OPS_PER_LAYER)
+
+
+def share(hw: Hardware, layout: Layout) -> float:
+    """Fraction of a device's compute one rank gets (1, except CPU ranks sharing a node)."""
+    if not hw.shared_compute:
+        return 1.0
+    return 1.0 / min(layout.world, hw.network.gpus_per_node)
+
+
+def matmul_efficiency(hw: Hardware, dtype: str, m: float, n: float, k: float) -> float:
+    d0 = hw.matmul_half_dim
+    return hw.matmul_eff_max.get(dtype, 0.5) * (m / (m + d0)) * (n / (n + d0)) * (k / (k + d0))
+
+
+def attention_efficiency(hw: Hardware, dtype: str, q_len: int, k_len: int) -> float:
+    """Flash-style attention reaches attn_eff on long sequences; short query/key blocks fall off."""
+    half = hw.attn_half_len
+    return hw.attn_eff.get(dtype, 0.3) * (q_len / (q_len + half)) * (k_len / (k_len + half))
+
+
+def matmul_time(hw: Hardware, dtype: str, m: float, n: float, k: float, share_: float = 1.0) -> float:
+    return 2.0 * m * n * k / (hw.peak(dtype) * share_ * matmul_efficiency(hw, dtype, m, n, k))
+
+
+def layer_gemms(work: Workload, tp: int, tokens: int) -> list[tuple[int, float, float]]:
+    """(m, n, k) of the forward GEMMs of one block on one TP rank: wq, wk, wv, wo, w1, w3, w2."""
+    mdl = work.model
+    h, q, kv, f = mdl.dim, mdl.n_heads * mdl.head_size, mdl.kv_heads * mdl.head_size, mdl.ffn_dim
+    return [(tokens, h, q / tp), (tokens, h, kv / tp), (tokens, h, kv / tp), (tokens, q / tp, h),
+            (tokens, h, f / tp), (tokens, h, f / tp), (tokens, f / tp, h)]
+
+
+def elementwise_bytes_per_token(work: Workload, tp: int, sp: bool) -> float:
+    """Forward bytes moved by one block's memory-bound ops, per token, on one TP rank.
+
+    Norms (pow, mean, two muls over fp32: 28h each), autocast casts of the norm outputs
+    (5 x (4 + c)h), RoPE on q and k (6c + 24 per element: the fp32 products of bf16
+    inputs), repeating grouped k and v (GQA), SiLU and the gate product (5c·f), two
+    residual adds (2(8 + c)h). Norm-region ops shrink with sequence parallelism.
+    """
+    m, c = work.model, dtype_bytes(work.precision)
+    h, q, kv, f = m.dim, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_dim
+    mixed = work.precision != "fp32"
+    seq_region = (2 * 28 * h + 2 * (8 + c) * h) / (tp if sp else 1)
+    casts = 5 * (4 + c) * h if mixed else 0.0
+    rope = (6 * c + 24) * (q + kv) / tp
+    repeat = 4 * c * q / tp if m.kv_heads != m.n_heads else 0.0
+    return seq_region + casts + rope + repeat + 5 * c * f / tp
+
+
+def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
+    dtype, s = work.precision, work.seq_len
+    tokens = layout.micro_batch_size * s // layout.cp
+    sh = share(hw, layout)
+    mm = sum(matmul_time(hw, dtype, *g, sh) for g in layer_gemms(work, layout.tp, tokens))
+    q_width = work.model.n_heads * work.model.head_size / layout.tp
+    causal = 1.0 if work.document_mask else 0.5
+    attn_flops = 4.0 * tokens * s * q_width * causal
+    chunk = s // layout.cp  # ring attention runs cp kernels of s/cp queries x s/cp keys
+    attn = attn_flops / (hw.peak(dtype) * sh * attention_efficiency(hw, dtype, chunk, chunk))
+    bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * sh
+    # Ring attention merges each partial result into the running output and logsumexp.
+    attn += (layout.cp - 1) * 8 * dtype_bytes(dtype) * q_width * tokens / bw
+    elem = elementwise_bytes_per_token(work, layout.tp, layout.sp) * tokens / bw
+    if work.precision != "fp32" and layout.dp_mode not in ("fsdp", "zero2", "hsdp"):
+        # Autocast casts each fp32 weight to the compute dtype once per forward (read 4, write 2
+        # bytes); FSDP's mixed precision casts while gathering instead.
+        elem += 6 * layer_params(work, layout.tp) / bw
+    return LayerTimes(mm, attn, elem, FWD_OPS_PER_LAYER * hw.op_overhead_us * 1e-6)
+
+
+def head_times(work: Workload, layout: Layout, hw: Hardware, stage: str) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of the parts outside the blocks.
+
+    The first stage runs the embedding: a gather forward, a dense V x h gradient
+    backward. The last runs the final norm, the output GEMM and the cross-entropy.
+    `stage` is "first", "last" or "both" (no pipeline).
+    """
+    m, dtype = work.model, work.precision
+    tokens = layout.micro_batch_size * work.seq_len // layout.cp
+    sh = share(hw, layout)
+    bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * sh
+    fwd = bwd = 0.0
+    if stage in ("first", "both"):
+        bwd += (4 * m.vocab_size * m.dim / layout.tp + 12 * m.dim * tokens) / bw
+        fwd += 4 * m.dim * tokens / bw
+    if stage in ("last", "both"):
+        c, mixed = dtype_bytes(dtype), dtype != "fp32"
+        vocab = m.vocab_size / (layout.tp if layout.loss_parallel else 1)
+        gemm = matmul_time(hw, dtype, tokens, m.dim, m.vocab_size / layout.tp, sh)
+        cast = c + 4 if mixed else 0
+        loss_bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * sh * hw.loss_eff  # fp32 logits
+        fwd += gemm + (12 + cast) * vocab * tokens / loss_bw + LOSS_OPS * hw.op_overhead_us * 1e-6
+        bwd += 2 * gemm + (20 + cast) * vocab * tokens / loss_bw + LOSS_OPS * hw.op_overhead_us * 1e-6
+    return fwd, bwd
+
+
+def optimizer_time(params: float, hw: Hardware, layout: Layout) -> float:
+    """AdamW + clipping over `params` local parameters (memory-bound)."""
+    bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * share(hw, layout)  # fp32 states
+    return params * hw.optimizer_bytes_per_param / bw
+
+
+def recompute_fraction(mode: str, every: int) -> tuple[float, float]:
+    """(share of a layer's forward GEMM/attention, share of its element-wise ops) recomputed."""
+    if mode == "full":
+        return 1.0, 1.0
+    if mode == "selective":
+        return 1.0 / every, 1.0 / every
+    if mode == "op":
+        return 0.0, 1.0
+    return 0.0, 0.0

@@ -1,0 +1,289 @@
+"""One layout -> step time, tokens/s, MFU, memory per rank, and where the time goes.
+
+A step on the busiest rank is
+
+    micro-batches x (compute + recompute + exposed communication per micro-batch)
+    (x (1 + bubble) with pipelining, on the slowest stage)
+    + the data-parallel communication left after the last backward
+    + the optimizer step (+ ZeRO-1's parameter all-gather).
+
+Which communication overlaps with compute, stated once here and used below:
+
+    FSDP all-gather     prefetched: block i+1's gather runs under block i's compute;
+                        exposed: the first gather, and any gather longer than a block
+    FSDP reduce-scatter (and HSDP's all-reduce across replicas) runs under the backward
+                        of the next block; exposed: the last one, and any excess
+    DDP all-reduce      bucketed under the last micro-batch's backward; exposed: the
+                        excess, plus one bucket at the end
+    ZeRO-1              gradient reduce-scatter like DDP; the parameter all-gather after
+                        the optimizer step is exposed
+    TP collectives      exposed (on the critical path: eager DTensor, no async TP)
+    CP ring exchange    overlapped with the attention of the chunk in hand; excess exposed
+    EP all-to-all       exposed (MoE models only); under DualPipeV hidden behind the paired
+                        micro-batch's compute
+    PP send/receive     exposed (on the critical path of each micro-batch), bubble separate
+    CPU offload copies  exposed (host<->device copies and the host-side optimizer)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardline.errors import ConfigError
+from shardline.models.flops import flops_per_token
+from shardline.planner import comm
+from shardline.planner import compute as cmp
+from shardline.planner.activations import dtype_bytes
+from shardline.planner.hardware import Hardware
+from shardline.planner.layout import Layout, Workload, layout_problem
+from shardline.planner.memory import (
+    DDP_BUCKET_BYTES,
+    GiB,
+    host_fits,
+    layer_params,
+    layers_per_rank,
+    memory_breakdown,
+    params_per_rank,
+    stage_params,
+)
+from shardline.planner.pipeline import bubble_fraction
+
+CPU_ADAM_BYTES_PER_S = 20e9  # host-side AdamW with offload: ~28 B per parameter at this rate
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    memory: dict[str, float]  # bytes on the busiest rank, by component, with "total"
+    capacity: float  # bytes the device offers
+    breakdown: dict[str, float]  # seconds per step by component; they add up to step_time_s
+    info: dict = field(default_factory=dict)  # bubble, total (not only exposed) communication, algorithms
+
+    host_ok: bool = True  # CPU-offloaded states fit the host
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.capacity and self.host_ok
+
+    def reasons(self) -> str:
+        """Why this layout ranks where it does: memory headroom, bubble, exposed communication."""
+        t = self.step_time_s
+        comm_parts = {k.removesuffix("_comm"): v for k, v in self.breakdown.items() if k.endswith("_comm") and v > 0}
+        parts = [f"mem {self.memory['total'] / GiB:.1f}/{self.capacity / GiB:.0f} GiB"]
+        if self.breakdown.get("pp_bubble", 0) > 0:
+            parts.append(f"bubble {100 * self.breakdown['pp_bubble'] / t:.1f}%")
+        if comm_parts:
+            top = sorted(comm_parts.items(), key=lambda kv: -kv[1])[:2]
+            parts.append("comm " + ", ".join(f"{k} {100 * v / t:.1f}%" for k, v in top))
+        if self.breakdown.get("recompute", 0) > 0:
+            parts.append(f"recompute {100 * self.breakdown['recompute'] / t:.1f}%")
+        return "; ".join(parts)
+
+    def to_json(self) -> dict:
+        return {"layout": self.layout.to_json(), "mfu": round(self.mfu, 4),
+                "tokens_per_s": round(self.tokens_per_s, 1), "step_time_s": round(self.step_time_s, 6),
+                "memory_gib_per_gpu": round(self.memory["total"] / GiB, 3),
+                "breakdown": {"time_s": {k: round(v, 6) for k, v in self.breakdown.items()},
+                              "memory_gib": {k: round(v / GiB, 3) for k, v in self.memory.items()},
+                              **self.info},
+                "fits": self.fits, "reasons": self.reasons()}
+
+
+def estimate(work: Workload, layout: Layout, hw: Hardware) -> Estimate:
+    """Predict one layout; ConfigError if the layout cannot run the workload at all."""
+    problem = layout_problem(work, layout)
+    if problem:
+        raise ConfigError(problem[1])
+    memory = memory_breakdown(work, layout, hw)
+    return timed(work, layout, hw, memory)
+
+
+def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]) -> Estimate:
+    n_micro = layout.micro_batches(work.global_batch)
+    stages = ("first", "last") if layout.pp > 1 else ("both",)
+    per_mb = {s: _microbatch(work, layout, hw, s) for s in stages}
+    slow = max(per_mb.values(), key=lambda parts: sum(parts.values()))
+    breakdown = {k: v * n_micro for k, v in slow.items()}
+    bubble = bubble_fraction(layout.pp_schedule, layout.pp, layout.pp_microbatches, layout.pp_virtual_stages)
+    breakdown["pp_bubble"] = bubble * sum(slow.values()) * n_micro
+    dp_tail, dp_total, algos = _dp_tail(work, layout, hw, slow)
+    breakdown["dp_comm"] = breakdown.get("dp_comm", 0.0) + dp_tail
+    breakdown["optimizer"] = _optimizer(work, layout, hw)
+    breakdown = {k: v for k, v in breakdown.items() if v > 0 or k in ("compute", "dp_comm")}
+    step = sum(breakdown.values())
+    tokens_per_s = work.tokens / step
+    peak = hw.peak(work.precision) * layout.world
+    mfu = tokens_per_s * flops_per_token(work.model, work.seq_len) / peak
+    info = {"bubble_fraction": round(bubble, 5), "micro_batches_per_step": n_micro,
+            "dp_comm_total_s": round(dp_total, 6), "algorithms": algos}
+    return Estimate(layout, step, tokens_per_s, mfu, memory, hw.mem_gib * GiB, breakdown, info,
+                    host_fits(memory, layout, hw))
+
+
+def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: str) -> dict[str, float]:
+    """Seconds of one micro-batch on one rank of `stage`, by component."""
+    lt = cmp.layer_times(work, layout, hw)
+    layers = layers_per_rank(work, layout) if layout.pp > 1 else work.model.n_layers
+    head_f, head_b = cmp.head_times(work, layout, hw, stage)
+    rec_mm, rec_el = cmp.recompute_fraction(layout.activation_checkpoint, layout.ac_every)
+    recompute = rec_mm * (lt.matmul + lt.attention) + rec_el * (lt.elementwise + lt.overhead)
+    parts = {"compute": layers * (lt.forward + lt.backward) + head_f + head_b,
+             "recompute": layers * recompute,
+             "tp_comm": layers * _tp_layer(work, layout, hw, rec_mm) + _tp_head(work, layout, hw, stage),
+             "cp_comm": layers * _cp_layer(work, layout, hw, lt),
+             "ep_comm": layers * _ep_layer(work, layout, hw, lt),
+             "fsdp_comm": _fsdp_exposed(work, layout, hw, lt, layers, stage),
+             "pp_comm": _pp_p2p(work, layout, hw),
+             "offload": _offload(work, layout, hw)}
+    return parts
+
+
+def _tokens(work: Workload, layout: Layout) -> int:
+    return layout.micro_batch_size * work.seq_len // layout.cp
+
+
+def _tp_layer(work: Workload, layout: Layout, hw: Hardware, rec_mm: float) -> float:
+    """TP collectives of one block: one entering and one leaving each of attention and MLP.
+
+    With sequence parallelism the norm output is all-gathered in fp32 (the residual
+    stream and norms are fp32; autocast casts after the gather) and the row-parallel
+    output, in the compute dtype, reduce-scattered; backward mirrors the two. Without,
+    the outputs are all-reduced forward and the fp32 input gradients backward.
+    """
+    if layout.tp == 1:
+        return 0.0
+    g, net = comm.group(layout.tp, 1, hw.network.gpus_per_node), hw.network
+    elems = _tokens(work, layout) * work.model.dim
+    c = dtype_bytes(work.precision)
+    if layout.sp:
+        fwd = bwd = comm.all_gather(4 * elems, g, net)[0] + comm.reduce_scatter(c * elems, g, net)[0]
+    else:
+        fwd, bwd = comm.all_reduce(c * elems, g, net)[0], comm.all_reduce(4 * elems, g, net)[0]
+    return 2 * (fwd + bwd) + 2 * rec_mm * fwd  # attention and MLP; a recomputed forward repeats its part
+
+
+def _tp_head(work: Workload, layout: Layout, hw: Hardware, stage: str) -> float:
+    """Vocabulary-parallel embedding (fp32 out) and output projection, each way; loss-parallel sums."""
+    if layout.tp == 1:
+        return 0.0
+    g, net = comm.group(layout.tp, 1, hw.network.gpus_per_node), hw.network
+    tokens = _tokens(work, layout)
+    one = comm.all_reduce(4 * tokens * work.model.dim, g, net)[0]
+    loss = 3 * comm.all_reduce(4 * tokens, g, net)[0] if layout.loss_parallel else 0.0
+    heads = {"first": 1, "last": 1, "both": 2}[stage]
+    return heads * 2 * one + (loss if stage != "first" else 0.0)
+
+
+def _cp_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) -> float:
+    """Ring attention: cp-1 exchanges of a K/V chunk forward, of K/V and their gradients backward."""
+    if layout.cp == 1:
+        return 0.0
+    m = work.model
+    stride = layout.tp
+    g = comm.group(layout.cp, stride, hw.network.gpus_per_node)
+    tokens = _tokens(work, layout)
+    kv_bytes = 2 * tokens * m.kv_heads * m.head_size / layout.tp * dtype_bytes(work.precision)
+    hop = comm.p2p(kv_bytes, g.nodes > 1, hw.network)
+    fwd, bwd = (layout.cp - 1) * hop, 2 * (layout.cp - 1) * hop
+    return max(0.0, fwd - lt.attention) + max(0.0, bwd - 2.5 * lt.attention)
+
+
+def _ep_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) -> float:
+    """Expert parallelism: dispatch and combine all-to-alls of each MoE block, forward and backward.
+
+    Only mixture-of-experts models (a `n_experts` field, `moe_top_k` routed experts per
+    token) have them; shardline's models are dense, so this is the model for when they are
+    not. EP borrows dp_shard x cp ranks (stride tp). DualPipeV pairs one micro-batch's
+    forward with another's backward, hiding the all-to-alls under that compute.
+    """
+    if layout.ep == 1 or not getattr(work.model, "n_experts", 0):
+        return 0.0
+    g = comm.group(layout.ep, layout.tp, hw.network.gpus_per_node)
+    routed = _tokens(work, layout) * getattr(work.model, "moe_top_k", 1)
+    one = comm.all_to_all(routed * work.model.dim * dtype_bytes(work.precision), g, hw.network)[0]
+    total = 4 * one
+    if layout.pp_schedule == "dualpipev" and layout.pp > 1:
+        return max(0.0, total - (lt.forward + lt.backward))
+    return total
+
+
+def _fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes, layers: int,
+                  stage: str) -> float:
+    """Exposed FSDP/HSDP communication of one micro-batch (see the module docstring).
+
+    Blocks overlap as described there; the root module (embedding, final norm, output)
+    is gathered before the first block and reduce-scattered after the last: exposed.
+    """
+    mode = layout.dp_mode
+    if mode not in ("fsdp", "zero2", "hsdp"):
+        return 0.0
+    net, shard = hw.network, layout.shard_degree
+    g = comm.group(shard, layout.tp, net.gpus_per_node)
+    per_layer = layer_params(work, layout.tp)
+    gather = comm.all_gather(dtype_bytes(work.precision) * per_layer, g, net)[0]
+    scatter = comm.reduce_scatter(4 * per_layer, g, net)[0]
+    if layout.dp_replicate > 1:
+        rg = comm.group(layout.dp_replicate, layout.tp * shard, net.gpus_per_node)
+        scatter += comm.all_reduce(4 * per_layer / shard, rg, net)[0]
+    bwd_gather = gather if layout.zero == 3 or mode == "hsdp" else 0.0
+    fwd = gather + (layers - 1) * max(0.0, gather - lt.forward)
+    bwd = bwd_gather + scatter + (layers - 1) * max(0.0, bwd_gather + scatter - lt.backward)
+    # Without a pipeline the one stage holds it all (stage_params of "first" then covers both ends).
+    root = stage_params(work, layout, "first" if stage == "both" else stage) - layers_per_rank(work, layout) * per_layer
+    root_comm = (comm.all_gather(dtype_bytes(work.precision) * root, g, net)[0]
+                 + comm.reduce_scatter(4 * root, g, net)[0])
+    return fwd + bwd + root_comm
+
+
+def _pp_p2p(work: Workload, layout: Layout, hw: Hardware) -> float:
+    """Send the fp32 residual stream forward and its gradient back, per virtual stage."""
+    if layout.pp == 1:
+        return 0.0
+    size = 4 * _tokens(work, layout) * work.model.dim / (layout.tp if layout.sp else 1)
+    crosses = layout.world // layout.pp >= hw.network.gpus_per_node
+    return 2 * layout.pp_virtual_stages * comm.p2p(size, crosses, hw.network)
+
+
+def _offload(work: Workload, layout: Layout, hw: Hardware) -> float:
+    """Host<->device copies per micro-batch: sharded weights in (twice at zero=3), gradients out."""
+    if not layout.cpu_offload:
+        return 0.0
+    shard_params = params_per_rank(work, layout)
+    copies = (2 if layout.zero == 3 else 1) * 4 * shard_params + 4 * shard_params
+    return copies / (hw.network.host_bw_gbs * 1e9)
+
+
+def _dp_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float]) -> tuple[float, float, dict]:
+    """(exposed seconds after the last backward, total seconds, algorithms) of DDP / ZeRO-1."""
+    mode, net = layout.dp_mode, hw.network
+    psi = max(stage_params(work, layout, s) for s in ("first", "last"))
+    if mode in ("ddp", "zero1"):
+        g = comm.group(layout.dp, layout.tp * layout.cp, net.gpus_per_node)
+        op = comm.all_reduce if mode == "ddp" else comm.reduce_scatter
+        total, algo = op(4 * psi, g, net)
+        bucket = op(min(DDP_BUCKET_BYTES, 4 * psi), g, net)[0]
+        exposed = max(0.0, total - slow["compute"] * 2 / 3) + bucket
+        if mode == "zero1":
+            gather, _ = comm.all_gather(4 * psi, g, net)
+            exposed, total = exposed + gather, total + gather
+        return exposed, total, {"dp": algo}
+    if mode in ("fsdp", "zero2", "hsdp"):
+        g = comm.group(layout.shard_degree, layout.tp, net.gpus_per_node)
+        per_layer = layer_params(work, layout.tp)
+        n_micro = layout.micro_batches(work.global_batch)
+        gather, algo = comm.all_gather(dtype_bytes(work.precision) * per_layer, g, net)
+        scatter, _ = comm.reduce_scatter(4 * per_layer, g, net)
+        gathers = 2 if layout.zero == 3 else 1
+        layers = layers_per_rank(work, layout)
+        return 0.0, (gathers * gather + scatter) * layers * n_micro, {"fsdp": algo}
+    return 0.0, 0.0, {}
+
+
+def _optimizer(work: Workload, layout: Layout, hw: Hardware) -> float:
+    params = params_per_rank(work, layout)
+    if layout.cpu_offload:
+        return params * 28 / CPU_ADAM_BYTES_PER_S
+    return cmp.optimizer_time(params, hw, layout)

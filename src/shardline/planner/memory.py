@@ -1,0 +1,169 @@
+"""Memory per rank: model states by ZeRO stage, activations, loss buffers, transients.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020): with Ψ parameters, N
+ranks sharing the states, p/g/o bytes per parameter of compute-dtype weights,
+gradients and optimizer states (K = o: fp32 master + Adam m and v = 12),
+
+    stage 0 (DDP)  (p + g + o)Ψ         stage 2  pΨ + (g + o)Ψ/N
+    stage 1        (p + g)Ψ + oΨ/N      stage 3  (p + g + o)Ψ/N
+
+The paper's mixed precision is p = g = 2, o = 12 (7.5B on 64 GPUs: 120 / 31.4 /
+16.6 / 1.9 GB). shardline keeps fp32 gradients (g = 4); the compute copy p = 2 is
+autocast's cached bf16 weights (single device, DDP) or FSDP2's gathered bf16 weights
+(zero=2 keeps them from forward to backward; zero=3 frees them per block, so only two
+blocks are resident: the current and the prefetched). In fp32 there is no separate
+master (o = 8 for m and v, p = 4 for the weights themselves, sharded at stage 3).
+FSDP shards over dp_shard x cp; HSDP replicates that group dp_replicate times; CPU
+offload moves the sharded states to the host.
+
+Everything else: `activations.py` gives bytes per token per layer, `pipeline.py` how
+many micro-batches are in flight; the last stage adds the output logits and loss
+(12 B per vocabulary entry per token, see `loss_bytes_per_token`); transients are the
+gathered blocks of FSDP, DDP's buckets, the gathered sequence of TP and PP's send and
+receive buffers. A fragmentation allowance (a share of allocated bytes, per device)
+and memory outside the allocator (CUDA context, NCCL; on CPU the process baseline:
+torch, the tokenizer, the dataset) complete the peak.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardline.models.flops import num_params
+from shardline.planner import activations as act
+from shardline.planner.hardware import Hardware
+from shardline.planner.layout import Layout, Workload
+from shardline.planner.pipeline import inflight_microbatches
+
+GB, GiB = 1e9, 2**30
+DDP_BUCKET_BYTES = 25 * 2**20
+_STAGES = {"single": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
+
+
+def zero_model_states(psi: float, n: int, stage: int, p: float = 2, g: float = 2, o: float = 12) -> dict[str, float]:
+    """Bytes of weights, gradients and optimizer states per rank (ZeRO paper, section 5)."""
+    return {"params": p * psi / (n if stage >= 3 else 1),
+            "grads": g * psi / (n if stage >= 2 else 1),
+            "optimizer": o * psi / (n if stage >= 1 else 1)}
+
+
+def layer_params(work: Workload, tp: int) -> float:
+    """Parameters of one transformer block on one tensor-parallel rank (norm weights replicated)."""
+    m = work.model
+    q, kv = m.n_heads * m.head_size, m.kv_heads * m.head_size
+    return (m.dim * (2 * q + 2 * kv) + 3 * m.dim * m.ffn_dim) / tp + 2 * m.dim
+
+
+def layers_per_rank(work: Workload, layout: Layout) -> int:
+    chunks = layout.pp * layout.pp_virtual_stages
+    return math.ceil(work.model.n_layers / chunks) * layout.pp_virtual_stages
+
+
+def stage_params(work: Workload, layout: Layout, stage: str) -> float:
+    """Parameters on one rank of the first or last pipeline stage (the two that differ)."""
+    m = work.model
+    embed = m.vocab_size * m.dim / layout.tp
+    blocks = layers_per_rank(work, layout) * layer_params(work, layout.tp)
+    if layout.pp == 1:
+        return blocks + embed + (0 if m.tie_embeddings else embed) + m.dim
+    if stage == "first":
+        return blocks + embed
+    return blocks + embed + m.dim  # the output (a tied one is a copy on the last stage too) and final norm
+
+
+def state_bytes(work: Workload, layout: Layout, psi: float) -> dict[str, float]:
+    """Weights, gradients and optimizer states of shardline's trainer on one rank."""
+    stage = _STAGES[layout.dp_mode]
+    mixed = work.precision != "fp32"
+    # p: compute-dtype weights besides the fp32 master (the master itself in fp32 at stages
+    # 1-2, where it is replicated or gathered); zero=3 gathers them per block (transient_bytes).
+    # o: Adam m and v, plus the fp32 master wherever it is sharded with them.
+    if stage == 3:
+        p = 0.0
+    elif mixed:
+        p = 2.0
+    else:
+        p = 4.0 if stage in (1, 2) else 0.0
+    o = 8.0 if (stage == 1 and not mixed) else 12.0
+    return zero_model_states(psi, layout.shard_degree, stage, p, 4.0, o)
+
+
+def offloaded(states: dict[str, float], layout: Layout) -> tuple[dict[str, float], float]:
+    """(what stays on the device, bytes moved to host) under CPU offload of the sharded states."""
+    if not layout.cpu_offload:
+        return states, 0.0
+    keep = {k: (v if k == "params" and _STAGES[layout.dp_mode] < 3 else 0.0) for k, v in states.items()}
+    return keep, sum(states.values()) - sum(keep.values())
+
+
+def transient_bytes(work: Workload, layout: Layout, tokens: int) -> float:
+    """Communication and gather buffers alive at the peak."""
+    c = act.dtype_bytes(work.precision)
+    per_layer = layer_params(work, layout.tp)
+    out = 0.0
+    stage = _STAGES[layout.dp_mode]
+    if stage >= 2:
+        # FSDP: gathered compute-dtype weights of the current and the prefetched block
+        # (zero=3), plus one block's unsharded gradient and its fp32 reduce-scatter input.
+        out += (2 * c * per_layer if stage == 3 else 0.0) + (c + 4) * per_layer
+    elif layout.dp > 1:
+        out += 2 * DDP_BUCKET_BYTES
+    h = work.model.dim
+    if layout.tp > 1:
+        out += (4 + c) * tokens * h  # the all-gathered fp32 sequence entering a TP region, a partial output
+    if layout.pp > 1:
+        out += 4 * 4 * tokens * h / (layout.tp if layout.sp else 1)  # fp32 send/recv, forward and backward
+    return out
+
+
+def activation_bytes(work: Workload, layout: Layout, stage: str) -> dict[str, float]:
+    m, s = work.model, work.seq_len
+    tokens = layout.micro_batch_size * s // layout.cp
+    mode, every = layout.activation_checkpoint, layout.ac_every
+    per_layer = act.layer_bytes_per_token(m, work.precision, layout.tp, layout.sp, mode, every) * tokens
+    inflight = inflight_microbatches(layout.pp_schedule, layout.pp, layout.pp_microbatches,
+                                     layout.pp_virtual_stages)
+    layers = layers_per_rank(work, layout)
+    mask = layout.micro_batch_size * (s // layout.cp) * s if work.document_mask else 0.0
+    out = {"activations": inflight * (layers * per_layer + mask),
+           "recompute": act.recompute_transient_bytes_per_token(m, work.precision, layout.tp, layout.sp,
+                                                                mode) * tokens}
+    last = layout.pp == 1 or stage == "last"
+    c = act.dtype_bytes(work.precision)
+    out["logits"] = ((act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel)
+                      + (8 + c) * m.dim / (layout.tp if layout.sp else 1)) * tokens if last else 0.0)
+    return out
+
+
+def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
+    """Peak bytes on the busiest rank, by component, with `total`."""
+    worst: dict[str, float] = {}
+    for stage in ("first", "last") if layout.pp > 1 else ("first",):
+        psi = stage_params(work, layout, stage)
+        tokens = layout.micro_batch_size * work.seq_len // layout.cp
+        states, host = offloaded(state_bytes(work, layout, psi), layout)
+        parts = {**states, **activation_bytes(work, layout, stage), "buffers": transient_bytes(work, layout, tokens)}
+        allocated = sum(parts.values())
+        parts["fragmentation"] = hw.fragmentation * allocated
+        parts["reserved"] = (hw.reserved_gib + hw.process_baseline_gib) * GiB
+        parts["total"] = sum(parts.values())
+        parts["host_offload"] = host  # on the host, not the device: not in the total
+        if parts["total"] > worst.get("total", -1.0):
+            worst = parts
+    return worst
+
+
+def host_fits(memory: dict[str, float], layout: Layout, hw: Hardware) -> bool:
+    """Whether the offloaded states of one node's ranks fit its host memory (90% usable)."""
+    ranks = min(layout.world, hw.network.gpus_per_node)
+    return memory.get("host_offload", 0.0) * ranks <= 0.9 * hw.network.host_mem_gib * GiB
+
+
+def params_per_rank(work: Workload, layout: Layout) -> float:
+    """Largest parameter count any rank updates in its optimizer step."""
+    psi = max(stage_params(work, layout, s) for s in ("first", "last"))
+    return psi / layout.shard_degree
+
+
+def total_params(work: Workload) -> int:
+    return num_params(work.model)

@@ -1,0 +1,82 @@
+"""Text and JSON output of `shardline plan` and `shardline estimate`."""
+
+from __future__ import annotations
+
+from shardline.planner.estimate import Estimate
+from shardline.planner.hardware import Hardware
+from shardline.planner.layout import Workload
+from shardline.planner.memory import GiB, total_params
+from shardline.planner.search import SearchResult
+
+
+def describe_request(work: Workload, hw: Hardware, gpus: int) -> str:
+    gpn = hw.network.gpus_per_node
+    nodes = f" ({gpus // gpn} nodes x {gpn})" if gpus >= gpn and gpus % gpn == 0 and hw.name != "cpu" else ""
+    return (f"{work.model_ref or 'model'} ({total_params(work) / 1e9:.2f} B params) on {gpus:,} x {hw.name}{nodes}, "
+            f"seq {work.seq_len}, global batch {work.global_batch:,} seqs ({work.tokens / 1e6:.2f} M tokens), "
+            f"{work.precision}{', document mask' if work.document_mask else ''}")
+
+
+def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, shown: list[Estimate],
+               not_runnable: dict[int, str]) -> str:
+    pruned = ", ".join(f"{k} {v:,}" for k, v in result.pruned.most_common())
+    lines = [f"plan: {describe_request(work, hw, gpus)}",
+             f"searched {result.evaluated:,} layouts in {result.seconds:.1f} s: {len(result.candidates):,} fit"
+             + (f"; pruned: {pruned}" if pruned else ""),
+             "",
+             ""]
+    width = max([len("layout")] + [len(e.layout.describe()) for e in shown])
+    lines[-1] = f"{'#':>2}  {'layout':<{width}} {'tokens/s':>12} {'MFU':>6} {'step s':>8} {'GiB/dev':>8}  why"
+    for i, e in enumerate(shown, 1):
+        mark = "*" if i - 1 in not_runnable else " "
+        lines.append(f"{i:>2}{mark} {e.layout.describe():<{width}} {e.tokens_per_s:>12,.0f} {100 * e.mfu:>5.1f}% "
+                     f"{e.step_time_s:>8.2f} {e.memory['total'] / GiB:>8.1f}  {_why(e)}")
+    if not_runnable:
+        reasons = sorted(set(not_runnable.values()))
+        lines += ["", "* `shardline train` cannot run this layout yet: " + "; ".join(reasons)]
+    return "\n".join(lines)
+
+
+def _why(e: Estimate) -> str:
+    """The reasons without the memory figure, which has its own column."""
+    return "; ".join(p for p in e.reasons().split("; ") if not p.startswith("mem ")) or "compute-bound"
+
+
+def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
+    lines = [f"estimate: {describe_request(work, hw, e.layout.world)}",
+             f"layout: {e.layout.describe()}  ({e.info['micro_batches_per_step']} micro-batches per rank per step)",
+             "",
+             f"step time {e.step_time_s:.4g} s   tokens/s {e.tokens_per_s:,.0f} (global)   MFU {100 * e.mfu:.1f}%",
+             "",
+             "time per step (s):"]
+    for key, value in sorted(e.breakdown.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {key:<18} {value:10.4f}  {100 * value / e.step_time_s:5.1f}%")
+    lines += ["", f"memory on the busiest rank (GiB), capacity {e.capacity / GiB:.1f}:"]
+    for key, value in e.memory.items():
+        if key not in ("total", "host_offload"):
+            lines.append(f"  {key:<18} {value / GiB:10.3f}")
+    fits = "fits" if e.memory["total"] <= e.capacity else \
+        f"DOES NOT FIT ({e.memory['total'] / GiB:.1f} > {e.capacity / GiB:.1f} GiB)"
+    lines.append(f"  {'total':<18} {e.memory['total'] / GiB:10.3f}  {fits}")
+    if e.memory.get("host_offload"):
+        host = "" if e.host_ok else f"  DOES NOT FIT the host's {hw.network.host_mem_gib:.0f} GiB per node"
+        lines.append(f"  {'on the host':<18} {e.memory['host_offload'] / GiB:10.3f}  (CPU offload){host}")
+    return "\n".join(lines)
+
+
+def plan_json(work: Workload, hw: Hardware, gpus: int, result: SearchResult, shown: list[Estimate],
+              not_runnable: dict[int, str]) -> dict:
+    candidates = []
+    for i, e in enumerate(shown):
+        item = e.to_json()
+        item["runnable"] = i not in not_runnable
+        if i in not_runnable:
+            item["not_runnable_reason"] = not_runnable[i]
+        candidates.append(item)
+    return {"candidates": candidates,
+            "request": {"model": work.model_ref, "params": total_params(work), "gpu": hw.name, "gpus": gpus,
+                        "gpus_per_node": hw.network.gpus_per_node, "seq_len": work.seq_len,
+                        "global_batch": work.global_batch, "global_batch_tokens": work.tokens,
+                        "precision": work.precision, "document_mask": work.document_mask},
+            "search": {"evaluated": result.evaluated, "fit": len(result.candidates),
+                       "pruned": dict(result.pruned), "seconds": round(result.seconds, 3)}}

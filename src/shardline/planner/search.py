@@ -1,0 +1,227 @@
+"""`shardline plan`: enumerate layouts, prune what cannot run or does not fit, rank by throughput.
+
+The space, for N devices of G per node:
+
+    tp        divisors of G that divide heads, kv heads and ffn_dim (TP stays inside a node)
+    cp        1, 2, 4, 8 while each rank keeps >= 1024 tokens of the sequence
+    pp        divisors of N / (tp x cp) up to the number of layers; per pp > 1 every
+              schedule with its virtual stages (gpipe, 1f1b, interleaved_1f1b v2/v4,
+              zbv, dualpipev), one pipeline round per step
+    dp        the rest: DDP, FSDP with zero 1/2/3, HSDP (shard groups of whole nodes
+              or within one), with and without CPU offload (zero 3)
+    mbs       powers of two dividing the per-rank batch (up to 16)
+    AC        none, op, selective (every 2nd block), full
+
+Keys given with `--fix` are pinned (the rest is still searched, so a fully pinned
+layout is evaluated alone). A layout is pruned when a rule forbids it (counted by
+rule: tp, cp, pp, batch, ...) or its peak memory exceeds the device (counted as
+memory; the smallest such footprint is kept to explain a request that fits nowhere).
+Memory is computed before time, so pruned layouts cost little: a 16,384-GPU search
+takes seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from shardline.errors import ConfigError
+from shardline.planner.estimate import Estimate, timed
+from shardline.planner.hardware import Hardware
+from shardline.planner.layout import Layout, Workload, layout_problem
+from shardline.planner.memory import GiB, host_fits, memory_breakdown
+from shardline.planner.pipeline import VIRTUAL_STAGES
+
+AC_OPTIONS = (("none", 1), ("op", 1), ("selective", 2), ("full", 1))
+MAX_MBS = 16
+
+
+@dataclass
+class SearchResult:
+    candidates: list[Estimate]  # layouts that fit, best first
+    evaluated: int
+    pruned: Counter = field(default_factory=Counter)
+    smallest_unfit: tuple[float, Layout, dict] | None = None  # (bytes, layout, memory) of the leanest misfit
+    smallest_host: tuple[float, Layout] | None = None  # (host bytes per node, layout) of the leanest offload
+    first_problem: str = ""  # the message of the first rule a pinned layout broke
+    seconds: float = 0.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _options(key: str, default: list, fixed: dict) -> list:
+    return [fixed[key]] if key in fixed else default
+
+
+def _dp_variants(dp: int, tp: int, cp: int, gpn: int, fixed: dict) -> list[dict]:
+    """(dp_replicate, dp_shard, zero, cpu_offload) combinations for `dp` data-parallel ranks."""
+    if dp == 1:  # with cp > 1 the states can still be sharded over the cp ranks
+        zeros = (1, 2, 3) if cp > 1 else (3,)
+        out = [{"dp_replicate": 1, "dp_shard": 1, "zero": z, "cpu_offload": False} for z in zeros]
+    else:
+        out = [{"dp_replicate": dp, "dp_shard": 1, "zero": 3, "cpu_offload": False}]
+        for zero in (1, 2, 3):
+            out.append({"dp_replicate": 1, "dp_shard": dp, "zero": zero, "cpu_offload": False})
+        out.append({"dp_replicate": 1, "dp_shard": dp, "zero": 3, "cpu_offload": True})
+        for shard in _divisors(dp)[1:-1]:
+            span = shard * tp * cp
+            if span <= gpn or span % gpn == 0:
+                out.append({"dp_replicate": dp // shard, "dp_shard": shard, "zero": 3, "cpu_offload": False})
+    keys = ("dp_replicate", "dp_shard", "zero", "cpu_offload")
+    out = [v for v in out if all(v[k] == fixed[k] for k in keys if k in fixed)]
+    unique = {tuple(v[k] for k in keys): v for v in out}
+    return list(unique.values())
+
+
+def _structures(work: Workload, hw: Hardware, gpus: int, fixed: dict):
+    """(tp, cp, pp) triples that divide the world, with their dp degree."""
+    gpn, m = hw.network.gpus_per_node, work.model
+    tps = _options("tp", [t for t in _divisors(min(gpn, gpus)) if gpus % t == 0], fixed)
+    cps = _options("cp", [c for c in (1, 2, 4, 8) if work.seq_len // c >= 1024 or c == 1], fixed)
+    for tp in tps:
+        for cp in cps:
+            if gpus % (tp * cp):
+                continue
+            rest = gpus // (tp * cp)
+            pps = _options("pp", [p for p in _divisors(rest) if p <= m.n_layers], fixed)
+            for pp in pps:
+                if rest % pp == 0:
+                    yield tp, cp, pp, rest // pp
+
+
+def _schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [(fixed.get("pp_schedule", "1f1b"), fixed.get("pp_virtual_stages", 1))]
+    out = [(s, v) for s, vs in VIRTUAL_STAGES.items() for v in vs if v in (1, 2, 4)]
+    return [(s, v) for s, v in out if fixed.get("pp_schedule", s) == s and fixed.get("pp_virtual_stages", v) == v]
+
+
+def _micro_batches(local_batch: int, pp: int, fixed: dict) -> list[tuple[int, int]]:
+    """(micro_batch_size, pp_microbatches) pairs: one pipeline round per step."""
+    sizes = [b for b in (1, 2, 4, 8, MAX_MBS) if local_batch % b == 0]
+    sizes = _options("micro_batch_size", sizes, fixed)
+    out = []
+    for mbs in sizes:
+        m = local_batch // mbs if pp > 1 else 1
+        out.append((mbs, fixed.get("pp_microbatches", m) if pp > 1 else 1))
+    return out
+
+
+def candidates(work: Workload, hw: Hardware, gpus: int, fixed: dict):
+    """Every layout of the search space (valid or not) for `gpus` devices."""
+    base = {k: fixed[k] for k in ("sequence_parallel", "loss_parallel", "ep", "ac_every") if k in fixed}
+    acs = [(a, fixed.get("ac_every", e)) for a, e in AC_OPTIONS if fixed.get("activation_checkpoint", a) == a]
+    for tp, cp, pp, dp in _structures(work, hw, gpus, fixed):
+        local = work.global_batch // dp if work.global_batch % dp == 0 else 0
+        for dpv in _dp_variants(dp, tp, cp, hw.network.gpus_per_node, fixed):
+            for schedule, v in _schedules(pp, fixed):
+                for mbs, m in _micro_batches(local, pp, fixed) if local else [(1, pp)]:
+                    for ac, every in acs:
+                        yield Layout(tp=tp, cp=cp, pp=pp, pp_schedule=schedule, pp_virtual_stages=v,
+                                     pp_microbatches=m, micro_batch_size=mbs, activation_checkpoint=ac,
+                                     ac_every=every, **dpv, **base)
+
+
+def search(work: Workload, hw: Hardware, gpus: int, fixed: dict | None = None,
+           runnable_only: bool = False) -> SearchResult:
+    """All fitting layouts, best (highest tokens/s) first.
+
+    runnable_only: also prune layouts `shardline train` cannot run yet (reason "trainer").
+    """
+    fixed = dict(fixed or {})
+    _check_fixed(fixed, gpus)
+    start = time.perf_counter()
+    result = SearchResult([], 0)
+    for layout in candidates(work, hw, gpus, fixed):
+        result.evaluated += 1
+        problem = layout_problem(work, layout)
+        if problem:
+            result.pruned[problem[0]] += 1
+            result.first_problem = result.first_problem or problem[1]
+            continue
+        memory = memory_breakdown(work, layout, hw)
+        if memory["total"] > hw.mem_gib * GiB:
+            result.pruned["memory"] += 1
+            _keep_smallest(result, layout, memory, hw)
+            continue
+        if not host_fits(memory, layout, hw):
+            result.pruned["host memory"] += 1
+            _keep_smallest(result, layout, memory, hw)
+            continue
+        if runnable_only and runnable_problem(work, layout):
+            result.pruned["trainer"] += 1
+            continue
+        result.candidates.append(timed(work, layout, hw, memory))
+    result.candidates.sort(key=lambda e: (-e.tokens_per_s, e.memory["total"]))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _keep_smallest(result: SearchResult, layout: Layout, memory: dict, hw: Hardware) -> None:
+    """Remember the leanest misfit without offload (offload's misfits are reported per host)."""
+    if layout.cpu_offload:
+        ranks = min(layout.world, hw.network.gpus_per_node)
+        per_node = memory["host_offload"] * ranks
+        if result.smallest_host is None or per_node < result.smallest_host[0]:
+            result.smallest_host = (per_node, layout)
+    elif result.smallest_unfit is None or memory["total"] < result.smallest_unfit[0]:
+        result.smallest_unfit = (memory["total"], layout, memory)
+
+
+def _check_fixed(fixed: dict, gpus: int) -> None:
+    degrees = {k: fixed[k] for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp") if k in fixed}
+    for key, value in degrees.items():
+        if value < 1:
+            raise ConfigError(f"--fix {key}={value} must be >= 1")
+    product = 1
+    for value in degrees.values():
+        product *= value
+    if gpus % product:
+        raise ConfigError(f"--fix degrees {', '.join(f'{k}={v}' for k, v in degrees.items())} multiply to "
+                          f"{product}, which does not divide --gpus {gpus}")
+
+
+def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult) -> str:
+    """The message for a request no layout satisfies: what is missing, in numbers."""
+    if result.smallest_unfit is None:
+        if result.first_problem:
+            return f"no valid layout for {gpus} devices: {result.first_problem}"
+        return f"no layout of {gpus} devices can run this request ({dict(result.pruned)})"
+    need, layout, mem = result.smallest_unfit
+    have = hw.mem_gib * GiB
+    states = sum(mem.get(k, 0.0) for k in ("params", "grads", "optimizer"))
+    more = max(2, int(-(-need // have)))
+    text = (f"does not fit: the leanest layout ({layout.describe()}) needs {need / GiB:.1f} GiB per device "
+            f"(model states {states / GiB:.1f}, activations {mem['activations'] / GiB:.1f}, logits "
+            f"{mem['logits'] / GiB:.1f}, buffers {mem['buffers'] / GiB:.1f}) but a {hw.name} has "
+            f"{hw.mem_gib:.0f} GiB; use about {more}x more devices, a shorter sequence or a smaller model")
+    if result.smallest_host is not None:
+        per_node, _ = result.smallest_host
+        text += (f"; CPU offload would need {per_node / GiB:,.0f} GiB of host memory per node, which has "
+                 f"{hw.network.host_mem_gib:,.0f} GiB")
+    return text
+
+
+def runnable_problem(work: Workload, layout: Layout) -> str | None:
+    """Why `shardline train` cannot run this layout today (its own checks), or None.
+
+    Uses the parallel package's validation, so the answer follows what the trainer
+    implements; without that package nothing is ruled out here.
+    """
+    try:
+        from shardline.parallel.dims import ParallelDims
+    except ImportError:
+        return None
+    from shardline.planner.layout import to_config
+
+    try:
+        cfg = to_config(layout, work)
+        dims = ParallelDims.from_config(cfg.parallel, layout.world)
+        dims.check_against(work.model, cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+

@@ -1,0 +1,73 @@
+"""Calibration: the fits recover known parameters; measurements and the profile round trip work."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardline.planner import calibrate as cal
+from shardline.planner import calibrate_ops as ops
+from shardline.planner.calibrate_comm import fit_alpha_beta, measure_collectives
+from shardline.planner.hardware import get_hardware
+
+
+def test_fit_curve_recovers_efficiency_and_half_dimension():
+    e_max, d0 = 0.7, 128.0
+    shapes = [(4096, 256, 256), (512, 128, 128), (2048, 2048, 2048), (64, 4096, 512), (1024, 64, 1024)]
+    points = [(e_max * math.prod(x / (x + d0) for x in s), s) for s in shapes]
+    got_e, got_d0 = cal.fit_curve(points)
+    assert got_e == pytest.approx(e_max, rel=0.02)
+    assert got_d0 == pytest.approx(d0, rel=0.1)
+
+
+def test_fit_alpha_beta_recovers_latency_and_bandwidth():
+    alpha, bw = 50e-6, 2e9
+    points = []
+    for world in (2, 4):
+        for size in (4096, 65536, 1 << 20, 4 << 20):
+            for op, k in (("all_reduce", 2), ("all_gather", 1)):
+                t = k * (world - 1) * alpha + k * (world - 1) / world * size / bw
+                points.append({"op": op, "world": world, "bytes": size, "seconds": t})
+    got_alpha, got_bw = fit_alpha_beta(points)
+    assert got_alpha == pytest.approx(alpha, rel=1e-6) and got_bw == pytest.approx(bw, rel=1e-6)
+
+
+def test_measurements_are_positive_and_plausible():
+    cpu = torch.device("cpu")
+    mm = ops.measure_linear("fp32", cpu, 1e11, [(256, 128, 64)])
+    assert mm[0]["seconds"] > 0 and 0 < mm[0]["eff"] < 20
+    bw = ops.measure_bandwidth(cpu, sizes_mib=(2,))
+    assert 0.05 < bw["2MiB"] < 1000
+    elem = ops.measure_elementwise(cpu, "fp32", sizes=((256, 64),))
+    assert 0.01 < elem < 1000
+    assert 0 < ops.measure_loss_eff(cpu, elem, tokens=64, vocab=256) < 10
+    assert 0 < ops.measure_op_overhead(cpu, n_ops=50) < 10_000
+
+
+def test_byte_counter_counts_inputs_and_outputs():
+    x = torch.ones(1000)
+    with ops._ByteCounter() as counter:
+        torch.add(x, x).view(10, 100)
+    assert counter.bytes == 3 * 4000  # two inputs and one output; the view moves nothing
+
+
+def test_gloo_collectives_between_two_processes():
+    net, points = measure_collectives(world_sizes=(2,))
+    assert net["intra_bw_gbs"] > 0.01 and 0 < net["intra_latency_us"] < 1e5
+    assert {p[0] for p in points} == {2} and len(points) == 4
+
+
+def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, monkeypatch, capsys):
+    fields = {"base": "cpu", "matmul_eff_max": {"fp32": 0.41}, "attn_eff": {"fp32": 0.2}, "matmul_half_dim": 90.0,
+              "mem_bw_gbs": 12.5, "op_overhead_us": 7.0, "process_baseline_gib": 0.5,
+              "network": {"intra_bw_gbs": 1.5, "intra_latency_us": 80.0}}
+    monkeypatch.setattr(cal, "measure", lambda **kw: (fields, {"matmul_fp32_tflops": [0.1, 0.2]}))
+    out = tmp_path / "cpu.toml"
+    cal.calibrate(out)
+    hw = get_hardware("cpu", out)
+    assert hw.matmul_eff_max["fp32"] == 0.41 and hw.mem_bw_gbs == 12.5 and hw.network.intra_bw_gbs == 1.5
+    assert "shardline hardware profile" in capsys.readouterr().out
+    with pytest.raises(Exception, match="describes 'cpu'"):
+        get_hardware("h100-sxm", out)

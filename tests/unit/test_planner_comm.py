@@ -1,0 +1,88 @@
+"""Pipeline schedules and the alpha-beta collective model against their closed forms."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline.planner import comm
+from shardline.planner.hardware import Network
+from shardline.planner.pipeline import (
+    bubble_fraction,
+    inflight_microbatches,
+    schedule_problem,
+)
+
+NET = Network(gpus_per_node=8, intra_bw_gbs=400.0, intra_latency_us=2.0, inter_bw_gbs=50.0,
+              inter_latency_us=10.0, bw_efficiency=1.0)
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (8, 32), (16, 64)])
+def test_bubble_fractions_match_the_papers(p, m):
+    assert bubble_fraction("gpipe", p, m) == pytest.approx((p - 1) / m)
+    assert bubble_fraction("1f1b", p, m) == pytest.approx((p - 1) / m)
+    for v in (2, 4):
+        assert bubble_fraction("interleaved_1f1b", p, m, v) == pytest.approx((p - 1) / (v * m))
+    # Zero-bubble schedules sit below 1F1B's bubble.
+    assert bubble_fraction("zbv", p, m, 2) < bubble_fraction("dualpipev", p, m, 2) < bubble_fraction("1f1b", p, m)
+    assert bubble_fraction("1f1b", 1, m) == 0.0
+
+
+def test_inflight_microbatches_per_schedule():
+    assert inflight_microbatches("gpipe", 4, 16) == 16
+    assert inflight_microbatches("1f1b", 4, 16) == 4
+    assert inflight_microbatches("1f1b", 4, 2) == 2
+    # Megatron's interleaved warm-up: 2(p-1) + (v-1)p + 1 chunks of 1/v stage each.
+    assert inflight_microbatches("interleaved_1f1b", 4, 16, 2) == pytest.approx((6 + 4 + 1) / 2)
+    assert inflight_microbatches("zbv", 4, 16, 2) == 4
+
+
+def test_schedule_rules():
+    assert schedule_problem("1f1b", 4, 8, 1, 32) is None
+    assert "stage(s) per rank" in schedule_problem("zbv", 4, 8, 1, 32)
+    assert "exceeds" in schedule_problem("interleaved_1f1b", 8, 16, 8, 32)
+    assert "cannot fill" in schedule_problem("1f1b", 8, 4, 1, 32)
+    assert "divisible" in schedule_problem("interleaved_1f1b", 4, 6, 2, 32)
+
+
+def test_placement_follows_the_mesh_order():
+    assert comm.group(8, 1, 8) == comm.Group(8, 8)  # tp inside a node
+    assert comm.group(16, 8, 8).per_node == 1  # dp over tp=8: one member per node
+    assert comm.group(32, 2, 8).per_node == 4 and comm.group(32, 2, 8).nodes == 8
+
+
+def test_ring_all_reduce_inside_a_node_is_the_textbook_formula():
+    n, size = 8, 256e6
+    t, algo = comm.all_reduce(size, comm.group(n, 1, 8), NET)
+    assert algo == "ring"
+    assert t == pytest.approx(2 * (n - 1) * 2e-6 + 2 * (n - 1) / n * size / 400e9)
+
+
+def test_tree_wins_on_latency_ring_on_bandwidth():
+    many_nodes = comm.group(512, 8, 8)  # one member per node, 512 nodes
+    t_tree, algo = comm.all_reduce(1e3, many_nodes, NET)
+    assert algo == "tree" and t_tree == pytest.approx(2 * 9 * 10e-6 + 2 * 1e3 / 50e9)
+    assert comm.all_reduce(1e9, comm.group(8, 1, 8), NET)[1] == "ring"  # (n-1)/n < 1 wins at size
+
+
+def test_hierarchical_all_reduce_across_nodes():
+    g = comm.group(64, 1, 8)  # 8 nodes x 8
+    t, _ = comm.all_reduce(1e9, g, NET)
+    k, nodes, size = 8, 8, 1e9
+    hier = (2 * ((k - 1) * 2e-6 + (k - 1) / k * size / 400e9)
+            + 2 * (nodes - 1) * 10e-6 + 2 * (nodes - 1) / nodes * (size / k) / 50e9)
+    assert t <= hier + 1e-12
+    # Across nodes, 8 members per node pool 8 NICs: far faster than one NIC's ring.
+    one_nic = comm.all_reduce(1e9, comm.group(64, 8, 8), NET)[0]
+    assert t < one_nic / 4
+
+
+def test_gather_scatter_all_to_all_and_p2p():
+    g = comm.group(4, 1, 8)
+    assert comm.all_gather(4e8, g, NET)[0] == pytest.approx(3 * 2e-6 + 0.75 * 4e8 / 400e9)
+    assert comm.reduce_scatter(4e8, g, NET) == comm.all_gather(4e8, g, NET)
+    assert comm.all_to_all(4e8, g, NET)[0] == pytest.approx(3 * 2e-6 + 0.75 * 4e8 / 400e9)
+    assert comm.p2p(1e8, True, NET) == pytest.approx(10e-6 + 1e8 / 50e9)
+    assert comm.all_reduce(1e9, comm.group(1, 1, 8), NET) == (0.0, "none")
+    oversub = Network(**{**NET.__dict__, "oversubscription": 2.0})
+    far = comm.group(16, 8, 8)
+    assert comm.all_gather(1e9, far, oversub)[0] > 1.9 * comm.all_gather(1e9, far, NET)[0]

@@ -1,0 +1,74 @@
+"""The one hardware table: contents, overrides from TOML, and the trainer's view of it."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+import torch
+
+from shardline import hardware as trainer_hw
+from shardline.errors import ConfigError
+from shardline.planner.hardware import DEVICE_NAMES, GPUS, get_hardware, to_toml
+
+
+def test_table_has_the_issue_devices_with_datasheet_peaks():
+    assert set(DEVICE_NAMES) == {"h100-sxm", "h200", "a100-80gb", "b200", "mi300x", "cpu"}
+    assert GPUS["h100-sxm"].peak_tflops["bf16"] == 989.0
+    assert GPUS["h200"].mem_gib > GPUS["h100-sxm"].mem_gib
+    assert "fp8" not in GPUS["a100-80gb"].peak_tflops
+    with pytest.raises(ConfigError, match="has no fp8 peak"):
+        GPUS["a100-80gb"].peak("fp8")
+    for hw in GPUS.values():
+        assert hw.network.gpus_per_node == 8 and hw.network.intra_bw_gbs > hw.network.inter_bw_gbs
+
+
+def test_matmul_curve_reaches_the_measured_h200_ceiling():
+    # REFERENCE.md: a bf16 8192^3 matmul on H200 runs at 80.9% of the 989 TFLOP/s peak.
+    from shardline.planner.compute import matmul_efficiency
+
+    assert matmul_efficiency(GPUS["h200"], "bf16", 8192, 8192, 8192) == pytest.approx(0.809, abs=0.005)
+    assert matmul_efficiency(GPUS["h200"], "bf16", 8192, 8192, 512) < 0.75  # a thin TP shard runs slower
+
+
+def test_trainer_peak_reads_the_same_table():
+    assert trainer_hw.PEAK_TFLOPS["h100-sxm"][1] == GPUS["h100-sxm"].peak_tflops
+    assert trainer_hw.peak_tflops(torch.device("cpu"), "fp32") == trainer_hw.cpu_peak_tflops()
+    assert get_hardware("cpu").peak_tflops["fp32"] == trainer_hw.cpu_peak_tflops()
+
+
+def test_overrides_from_toml(tmp_path):
+    path = tmp_path / "hw.toml"
+    path.write_text('base = "h100-sxm"\nmem_gib = 94.0\n[peak_tflops]\nbf16 = 800\n'
+                    '[network]\ninter_bw_gbs = 25.0\noversubscription = 2.0\n[measured]\nanything = [1, 2]\n')
+    hw = get_hardware("h100-sxm", path)
+    assert hw.mem_gib == 94.0 and hw.peak_tflops["bf16"] == 800.0 and hw.peak_tflops["fp8"] == 1979.0
+    assert hw.network.inter_bw_gbs == 25.0 and hw.network.oversubscription == 2.0
+    assert hw.network.intra_bw_gbs == GPUS["h100-sxm"].network.intra_bw_gbs
+
+
+@pytest.mark.parametrize("text, message", [
+    ("mem_gbs = 1", "unknown hardware key 'mem_gbs'"),
+    ('base = "b200"', "describes 'b200' but the device is 'h100-sxm'"),
+    ("mem_gib = -3", "must be a number >= 0"),
+    ("[network]\nlatency = 1", "unknown hardware key 'latency'"),
+    ("mem_gib = [", "not valid TOML"),
+])
+def test_bad_overrides_name_the_key(tmp_path, text, message):
+    path = tmp_path / "hw.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        get_hardware("h100-sxm", path)
+
+
+def test_unknown_device_and_missing_profile():
+    with pytest.raises(ConfigError, match="unknown device type 'h300'.*h100-sxm"):
+        get_hardware("h300")
+    with pytest.raises(ConfigError, match="does not exist"):
+        get_hardware("cpu", "/no/such/profile.toml")
+
+
+def test_profile_writer_round_trips():
+    values = {"base": "cpu", "mem_bw_gbs": 12.5, "shared_compute": True, "attn_eff": {"fp32": 0.2},
+              "measured": {"points": [1.0, 2.5]}}
+    assert tomllib.loads(to_toml(values, "a comment\nsecond line")) == values

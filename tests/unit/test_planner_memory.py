@@ -1,0 +1,151 @@
+"""Planner memory model against published figures and against what autograd really saves."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardline.models import PRESETS
+from shardline.models.llama import Llama, ModelArgs
+from shardline.planner import activations as act
+from shardline.planner.hardware import get_hardware
+from shardline.planner.layout import Layout, Workload
+from shardline.planner.memory import (
+    GiB,
+    memory_breakdown,
+    offloaded,
+    state_bytes,
+    zero_model_states,
+)
+
+
+@pytest.mark.parametrize("stage, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_model_states_7_5b_on_64_gpus(stage, expected_gb):
+    # ZeRO paper, figure 1: Psi = 7.5B, N_d = 64, K = 12 (Adam, fp16 mixed precision).
+    states = zero_model_states(7.5e9, 64, stage)
+    assert sum(states.values()) / 1e9 == pytest.approx(expected_gb, abs=0.05)
+
+
+def _gpt(s, b, h, a, **kw) -> float:
+    return act.block_bytes_per_token(act.gpt_block(h, a, s), **kw) * s * b
+
+
+@pytest.mark.parametrize("s, b, h, a, t", [(2048, 1, 12288, 96, 8), (4096, 4, 4096, 32, 4), (1024, 2, 2048, 16, 2)])
+def test_korthikanti_gpt_formulas(s, b, h, a, t):
+    sbh = s * b * h
+    assert _gpt(s, b, h, a) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert _gpt(s, b, h, a, tp=t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert _gpt(s, b, h, a, tp=t, sp=True, megatron_sp=True) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert _gpt(s, b, h, a, tp=t, sp=True, megatron_sp=True, drop_scores=True) == pytest.approx(34 * sbh / t)
+    assert act.boundary_bytes_per_token(h=h, value_bytes=2) * s * b == 2 * sbh  # full recompute
+
+
+def _autograd_saved_bytes_per_token(args: ModelArgs, precision: str, b: int = 2, s: int = 37) -> float:
+    """Bytes of the distinct tensors one real block saves for backward (weights, RoPE tables excluded)."""
+    torch.manual_seed(0)
+    model = Llama(args)
+    block = model.layers["0"]
+    x = torch.randn(b, s, args.dim, requires_grad=True)
+    rotary = getattr(model, "rotary", None) or model._rotary  # renamed across versions
+    cos, sin = rotary(s, x.device)
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    exclude |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in exclude and not (precision != "fp32" and t.dtype == torch.bfloat16 and t.dim() == 2
+                                       and tuple(t.shape) in _weight_shapes(model)):
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else torch.autocast("cpu", enabled=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        block(x, cos, sin, None)
+    return sum(saved.values()) / (b * s)
+
+
+def _weight_shapes(model) -> set[tuple[int, ...]]:
+    shapes = set()
+    for p in model.parameters():
+        if p.dim() == 2:
+            shapes |= {tuple(p.shape), tuple(p.shape[::-1])}
+    return shapes
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("kv_heads, dim, ffn", [(2, 64, 160), (4, 96, 256)])
+def test_llama_block_constants_match_what_autograd_saves(precision, kv_heads, dim, ffn):
+    # The autocast weight copies are not activations (the memory model counts them as
+    # compute copies of the weights); 74 tokens keep activations from having a weight's shape.
+    args = ModelArgs(dim=dim, n_layers=1, n_heads=4, n_kv_heads=kv_heads, vocab_size=97, ffn_dim=ffn)
+    predicted = act.block_bytes_per_token(act.llama_block(args, precision))
+    assert _autograd_saved_bytes_per_token(args, precision) == pytest.approx(predicted, rel=1e-9)
+
+
+def test_llama_constants_in_units_of_h_for_a_gpt_shape():
+    h = 4096
+    args = ModelArgs(dim=h, n_layers=1, n_heads=32, vocab_size=10, ffn_dim=4 * h)
+    bf16 = act.block_bytes_per_token(act.llama_block(args, "bf16"))
+    assert bf16 == pytest.approx((26 + 8 + 32) * h + 4 * 32 + 8)  # 66h: vs GPT's 34h, see the docstring
+    fp32 = act.block_bytes_per_token(act.llama_block(args, "fp32"))
+    assert fp32 == pytest.approx((24 + 16 + 64) * h + 4 * 32 + 8)
+
+
+def test_activation_checkpointing_modes_are_ordered():
+    m = PRESETS["llama3-8b"]
+    per = {mode: act.layer_bytes_per_token(m, "bf16", 1, False, mode, 2) for mode in act_modes()}
+    assert per["full"] < per["op"] < per["selective"] < per["none"]
+    assert per["full"] == 4 * m.dim
+    assert per["selective"] == pytest.approx((per["none"] + per["full"]) / 2)
+
+
+def act_modes():
+    return ("none", "op", "selective", "full")
+
+
+def test_trainer_model_states_by_layout():
+    w = Workload(PRESETS["llama3-8b"], 4096, 64, "bf16")
+    psi = 8.0e9
+    single = state_bytes(w, Layout(), psi)
+    assert sum(single.values()) == pytest.approx(18 * psi)  # fp32 master+m+v 12, fp32 grads 4, bf16 copy 2
+    fsdp = state_bytes(w, Layout(dp_shard=8, zero=3), psi)
+    assert sum(fsdp.values()) == pytest.approx(16 * psi / 8)
+    zero2 = state_bytes(w, Layout(dp_shard=8, zero=2), psi)
+    assert sum(zero2.values()) == pytest.approx(2 * psi + 16 * psi / 8)
+    fp32 = state_bytes(Workload(PRESETS["llama3-8b"], 4096, 64, "fp32"), Layout(), psi)
+    assert sum(fp32.values()) == pytest.approx(16 * psi)
+    lay = Layout(dp_shard=8, zero=3, cpu_offload=True)
+    kept, host = offloaded(state_bytes(w, lay, psi), lay)
+    assert sum(kept.values()) == 0 and host == pytest.approx(16 * psi / 8)
+
+
+def test_memory_breakdown_of_70b_on_h100_layouts():
+    w = Workload(PRESETS["llama3-70b"], 8192, 256, "bf16", document_mask=False)
+    hw = get_hardware("h100-sxm")
+    fsdp = memory_breakdown(w, Layout(dp_shard=256, activation_checkpoint="full"), hw)
+    # 70.6B params: fp32 master + Adam + fp32 grads = 16 B/param over 256 ranks = 4.1 GiB.
+    assert (fsdp["optimizer"] + fsdp["grads"]) / GiB == pytest.approx(16 * 70.55e9 / 256 / GiB, rel=0.01)
+    # Full AC keeps the fp32 residual (4h bytes per token) of 80 layers: 20 GiB at 8192 tokens.
+    assert fsdp["activations"] / GiB == pytest.approx(80 * 8192 * 4 * 8192 / GiB, rel=1e-6)
+    # Logits + loss: 12 B per vocabulary entry per token, plus the final norm.
+    assert fsdp["logits"] / GiB == pytest.approx(8192 * (12 * 128256 + 10 * 8192) / GiB, rel=1e-6)
+    ddp = memory_breakdown(w, Layout(dp_replicate=256, activation_checkpoint="full"), hw)
+    assert ddp["total"] > 18 * 70e9  # a replicated 70B model cannot fit an 80 GB device
+    tp_sp = memory_breakdown(w, Layout(tp=8, dp_shard=32, activation_checkpoint="full"), hw)
+    assert tp_sp["activations"] == pytest.approx(fsdp["activations"] / 8)
+
+
+def test_pipeline_first_stage_holds_p_microbatches():
+    w = Workload(PRESETS["llama3-70b"], 4096, 256, "bf16", document_mask=False)
+    hw = get_hardware("h100-sxm")
+    one = memory_breakdown(w, Layout(tp=8, pp=4, dp_shard=8, pp_microbatches=32), hw)
+    gpipe = memory_breakdown(w, Layout(tp=8, pp=4, dp_shard=8, pp_microbatches=32, pp_schedule="gpipe"), hw)
+    assert gpipe["activations"] / one["activations"] == pytest.approx(32 / 4)
+    inter = memory_breakdown(w, Layout(tp=8, pp=4, dp_shard=8, pp_microbatches=32, pp_schedule="interleaved_1f1b",
+                                       pp_virtual_stages=2), hw)
+    # Korthikanti: interleaving multiplies the first stage's activations by 1 + (p-1)/(p v).
+    assert inter["activations"] / one["activations"] == pytest.approx(1 + 3 / 8)
+    assert math.isfinite(inter["total"])

@@ -1,0 +1,144 @@
+"""`shardline plan` / `estimate`: search results, the CLI contract, errors, emitted configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardline.cli import main
+from shardline.config import load_config
+from shardline.models import PRESETS
+from shardline.planner.hardware import get_hardware
+from shardline.planner.layout import Workload, parse_fix
+from shardline.planner.search import search
+
+REPO = Path(__file__).parents[2]
+PLAN_8B = ["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "16", "--seq-len", "4096",
+           "--global-batch", "64"]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_json_contract(capsys):
+    code, out, _ = run_cli(capsys, *PLAN_8B, "--top", "4", "--json")
+    assert code == 0
+    cands = json.loads(out)["candidates"]
+    assert len(cands) == 4
+    for c in cands:
+        assert {"layout", "mfu", "tokens_per_s", "step_time_s", "memory_gib_per_gpu", "breakdown"} <= c.keys()
+        lay = c["layout"]
+        assert lay["dp_replicate"] * lay["dp_shard"] * lay["tp"] * lay["pp"] * lay["cp"] == 16
+        assert c["tokens_per_s"] * c["step_time_s"] == pytest.approx(64 * 4096, rel=1e-4)  # global tokens/s
+        assert c["memory_gib_per_gpu"] <= 79.6 and 0 < c["mfu"] < 1
+    rates = [c["tokens_per_s"] for c in cands]
+    assert rates == sorted(rates, reverse=True)
+
+
+def test_plan_table_names_the_reasons(capsys):
+    code, out, _ = run_cli(capsys, *PLAN_8B, "--top", "3")
+    assert code == 0
+    assert "searched" in out and "fit" in out and "pruned: memory" in out
+    assert out.count("\n 1") == 1 and "tokens/s" in out and "MFU" in out
+
+
+def test_fix_pins_keys_and_dp_is_plain_data_parallel(capsys):
+    fixed = "tp=2,pp=2,pp_schedule=1f1b,dp_shard=4,zero=3,micro_batch_size=1,activation_checkpoint=full"
+    code, out, _ = run_cli(capsys, *PLAN_8B, "--fix", fixed, "--json", "--top", "50")
+    assert code == 0
+    for c in json.loads(out)["candidates"]:
+        lay = c["layout"]
+        assert (lay["tp"], lay["pp"], lay["pp_schedule"], lay["dp_shard"], lay["activation_checkpoint"]) == \
+            (2, 2, "1f1b", 4, "full")
+    assert parse_fix("dp=8") == {"dp_replicate": 8, "dp_shard": 1}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu", "h300"], "unknown device type 'h300'"),
+    (["--fix", "bogus=1"], "--fix key 'bogus' is unknown"),
+    (["--fix", "tp=3"], "tp=3"),
+    (["--fix", "tp=32"], "does not divide --gpus 16"),
+    (["--fix", "pp_schedule=fast"], "pp_schedule='fast' is invalid"),
+    (["--model", "no-such-model"], "neither a preset"),
+])
+def test_bad_requests_exit_2_with_one_line(capsys, argv, message):
+    args = list(PLAN_8B)
+    for flag, value in zip(argv[::2], argv[1::2]):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2
+    assert message in err and err.count("\n") == 1
+
+
+def test_batch_in_tokens_must_be_whole_sequences(capsys):
+    argv = [a for a in PLAN_8B if a not in ("--global-batch", "64")] + ["--global-batch-tokens", "1000"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "use a multiple of 4096" in err
+
+
+def test_a_model_that_fits_nowhere_says_what_is_missing(capsys):
+    code, _, err = run_cli(capsys, "plan", "--model", "llama3-405b", "--gpu", "h100-sxm", "--gpus", "8",
+                           "--seq-len", "8192", "--global-batch", "8")
+    assert code == 2
+    assert "does not fit" in err and "GiB per device" in err and "80 GiB" in err and "more devices" in err
+
+
+def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
+    path = tmp_path / "plan.toml"
+    code, out, _ = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--emit-config", str(path))
+    assert code == 0
+    best = json.loads(out)["candidates"][0]
+    cfg = load_config(path)
+    assert cfg.model.preset == "llama3-8b" and cfg.train.seq_len == 4096 and cfg.train.global_batch_size == 64
+    assert cfg.parallel.tp == best["layout"]["tp"] and cfg.parallel.dp_shard == best["layout"]["dp_shard"]
+    assert cfg.memory.activation_checkpoint == best["layout"]["activation_checkpoint"]
+    code, out, _ = run_cli(capsys, "estimate", "--config", str(path), "--gpu", "h100-sxm", "--json")
+    assert code == 0
+    assert json.loads(out)["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-6)
+
+
+def test_estimate_needs_a_world_size_for_dp_shard_minus_one(capsys, tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\npreset = "llama3-8b"\n[train]\nseq_len = 2048\nglobal_batch_size = 32\n'
+                    'micro_batch_size = 2\nprecision = "bf16"\n[parallel]\ntp = 2\ndp_shard = -1\n')
+    code, out, _ = run_cli(capsys, "estimate", "--config", str(path), "--gpu", "h100-sxm", "--gpus", "16")
+    assert code == 0 and "tp2 fsdp:8" in out and "memory on the busiest rank" in out
+    code, out, _ = run_cli(capsys, "estimate", "--config", str(path), "--gpu", "h100-sxm")
+    assert code == 0 and "tp2 dp1" in out  # without --gpus, dp_shard=-1 counts as 1
+    code, _, err = run_cli(capsys, "estimate", "--config", str(path), "--gpu", "h100-sxm", "--gpus", "6")
+    assert code == 2 and "not divisible" in err
+
+
+def test_search_over_16384_gpus_finishes_within_a_minute():
+    work = Workload(PRESETS["llama3-405b"], 8192, 2048, "bf16")
+    result = search(work, get_hardware("h100-sxm"), 16384)
+    assert result.seconds < 60
+    assert result.candidates and result.evaluated > 10_000
+    best = result.candidates[0]
+    assert best.layout.world == 16384 and best.fits and 0.2 < best.mfu < 0.6
+
+
+def test_emitted_tiny_plan_trains(tmp_path, small_corpus):
+    path = tmp_path / "tiny.toml"
+    run = tmp_path / "run"
+    code = main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "1", "--seq-len", "64", "--global-batch", "8",
+                 "--emit-config", str(path), f"--data.path={small_corpus}", "--data.vocab_size=512",
+                 f"--run.dir={run}", "--train.steps=2", "--train.eval_interval=0", "--checkpoint.interval=0",
+                 "--metrics.progress=none", "--metrics.tensorboard=false", "--model.dim=64", "--model.n_layers=2"])
+    assert code == 0
+    out = subprocess.run([sys.executable, "-m", "shardline", "train", "--config", str(path)], check=False, cwd=REPO,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if r["kind"] == "train"] == [2]
