@@ -2,7 +2,7 @@
 
 Read `train()` first; everything else is a small step it calls. The loss of a step is
 the mean over every labelled token of the global batch, whatever the micro-batching,
-so gradient accumulation (and, later, data parallelism) changes no number.
+so neither gradient accumulation nor any parallel layout changes a number.
 """
 
 from __future__ import annotations
@@ -19,54 +19,26 @@ import torch.nn.functional as F
 from shardline.config import Config, to_toml
 from shardline.data import build_data
 from shardline.data.packing import IGNORE_INDEX
-from shardline.errors import AnomalyHalt, ConfigError
+from shardline.errors import AnomalyHalt
 from shardline.hardware import peak_tflops
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
-from shardline.models.factory import (
-    args_from_json,
-    args_to_json,
-    model_args_from_config,
-)
+from shardline.models.factory import args_from_json, args_to_json, model_args_from_config
 from shardline.models.flops import flops_per_token
-from shardline.optim import (
-    build_optimizer,
-    build_scheduler,
-    init_optimizer_state,
-    lr_multiplier,
-)
-from shardline.parallel.collectives import (
-    clip_grad_norm,
-    local_value,
-    loss_context,
-    reduce_over,
-)
+from shardline.optim import build_optimizer, build_scheduler, init_optimizer_state, lr_multiplier
+from shardline.parallel.collectives import clip_grad_norm, local_value, loss_context, reduce_over
 from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
-from shardline.parallel.distributed import init_distributed
+from shardline.parallel.distributed import init_distributed, pick_device
 from shardline.parallel.parallelize import build_model
 from shardline.precision import LossScaler, autocast
 from shardline.resilience.anomaly import AnomalyDetector
 from shardline.resilience.async_checkpoint import AsyncSaver
 from shardline.resilience.checkpoint import Checkpointer, read_meta
 from shardline.resilience.faults import FaultInjector
-from shardline.resilience.recovery import (
-    batch_index,
-    check_data_position,
-    get_rng_state,
-    resume_path,
-    set_rng_state,
-)
+from shardline.resilience.recovery import batch_index, check_data_position, get_rng_state, resume_path, set_rng_state
 from shardline.resilience.watchdog import Watchdog
 
 WATCHDOG_EXIT = 4  # a hang: distinct from 2 (bad input) and 3 (anomaly halt) so a launcher can tell
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"run.device={name!r} but no CUDA device is available; use cpu or auto")
-    return torch.device(name)
 
 
 class Trainer:

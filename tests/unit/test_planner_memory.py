@@ -48,7 +48,7 @@ def _autograd_saved_bytes_per_token(args: ModelArgs, precision: str, b: int = 2,
     model = Llama(args)
     block = model.layers["0"]
     x = torch.randn(b, s, args.dim, requires_grad=True)
-    rotary = getattr(model, "rotary", None) or model._rotary  # renamed across versions
+    rotary = model.rotary
     cos, sin = rotary(s, x.device)
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
     exclude |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardline.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ProcessInfo:
@@ -19,6 +21,15 @@ class ProcessInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def pick_device(name: str) -> torch.device:
+    """run.device as a torch device; "auto" takes a GPU when there is one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"run.device={name!r} but no CUDA device is available; use cpu or auto")
+    return torch.device(name)
 
 
 def launched_by_torchrun() -> bool:
