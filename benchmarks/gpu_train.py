@@ -88,6 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="shardline attends within packed documents (default off: plain causal, like HF)")
     p.add_argument("--data", default="", help="data.path for shardline (default: the shipped corpus)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the results as JSON to PATH, or to stdout with no PATH (the table then "
                         "goes to stderr)")
@@ -319,6 +320,8 @@ def run_variant(args, shape: ModelArgs, name: str) -> dict:
 # ---- driver -------------------------------------------------------------------------
 
 def run(args) -> tuple[dict, bool]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     shape = model_args(args)
     fpt = flops_per_token(shape, args.seq_len)
     peak = args.peak_tflops or peak_tflops(args.device, args.precision)

@@ -1,4 +1,4 @@
-"""Command line: `shardline train | convert`.
+"""Command line: `shardline train | convert | plan | estimate | calibrate | simulate`.
 
 `shardline train` with no arguments trains the tiny preset on the shipped corpus.
 Config: `--config FILE.toml` then `--section.key=value` overrides. Mistakes the user
