@@ -24,9 +24,11 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# CPU benchmarks; on a GPU machine also run `benchmarks/gpu_train.py` (see benchmarks/README.md).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_overhead.py
-	$(BIN)/python benchmarks/gpu_train.py
+	$(BIN)/python benchmarks/parallel_overhead.py
+	$(BIN)/python benchmarks/gpu_train.py --tiny
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

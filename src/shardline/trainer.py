@@ -8,6 +8,7 @@ so neither gradient accumulation nor any parallel layout changes a number.
 from __future__ import annotations
 
 import math
+import re
 import time
 import warnings
 from pathlib import Path
@@ -216,7 +217,7 @@ class Trainer:
         with warnings.catch_warnings():
             # A skipped update still advances the schedule (it is indexed by step); torch
             # warns about that order, which is intended here.
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
 
     # ---- anomalies ------------------------------------------------------------------
