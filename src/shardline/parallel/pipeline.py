@@ -109,7 +109,7 @@ class Pipeline:
         n_stages = pp * (2 if schedule in V_SHAPED else virtual)
         self.layer_split = split_layers(args.n_layers, n_stages, head_cost(args))
         self.stage_ids = stages_of_rank(pp_rank, pp, virtual, schedule)
-        self.n_stages, self.schedule_name, self.n_microbatches = n_stages, schedule, n_microbatches
+        self.pp, self.n_stages, self.schedule_name, self.n_microbatches = pp, n_stages, schedule, n_microbatches
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         local_layers = {i for s in self.stage_ids for i in self.layer_split[s]}
         prune(model, local_layers, self.has_first, self.has_last)
@@ -140,9 +140,8 @@ class Pipeline:
     def owner(self, stage: int) -> int:
         """pp rank that runs `stage`."""
         if self.schedule_name in V_SHAPED:
-            pp = self.n_stages // 2
-            return stage if stage < pp else self.n_stages - 1 - stage
-        return stage % (self.n_stages // (len(self.stage_ids)))
+            return stage if stage < self.pp else self.n_stages - 1 - stage
+        return stage % self.pp
 
     @torch.no_grad()
     def forward_only(self, batch: dict, doc_mask: bool, pp_group) -> torch.Tensor | None:
