@@ -6,7 +6,7 @@ batch 4 (16,384 tokens per step), fp32 master weights with bf16 autocast, fused
 AdamW, gradient clipping at 1.0, on one CUDA device. Variants, run one after the
 other in one process, memory freed in between:
 
-* shardline-compile  the trainer's step (`compute_gradients()` + `apply_update()`, as
+* shardline-compile  the trainer's step (`Trainer.train_step()`, as
                      `Trainer.train()` takes it) with train.compile=true (what
                      `shardline train` runs), on batches from shardline's own data pipeline
                      (the shipped corpus, packed; causal attention, no document mask)
@@ -227,25 +227,9 @@ def run_shardline(args, compiled: bool, name: str) -> dict:
 
 
 def shardline_step_fn(trainer):
-    """One optimizer step the way `Trainer.train()` takes it, through public methods.
-
-    Current trainer: `compute_gradients()` (forward, backward, clipping), reading the
-    loss on the host (`train()` does so every step, for anomaly detection), then
-    `apply_update()` (optimizer, zero_grad, schedule). Older trainers: `train_step()`.
-    Either way followed by `trainer.step += 1`, as `train()` does.
-    """
-    if hasattr(trainer, "compute_gradients"):
-        def step():
-            loss, _ = trainer.compute_gradients()
-            loss_value = loss.item()
-            trainer.apply_update()
-            trainer.step += 1
-            return loss_value
-    else:
-        def step():
-            loss, _, _ = trainer.train_step()
-            trainer.step += 1
-            return loss
+    """One step exactly as `Trainer.train()` takes it (anomaly check included)."""
+    def step():
+        return trainer.train_step()[0]
     return step
 
 

@@ -7,9 +7,8 @@ same batches (taken from the trainer's own data pipeline, step by step), with th
 same AdamW settings, gradient clipping and learning-rate value at every step. The
 only difference is the code around the math:
 
-* shardline: one step as `Trainer.train()` takes it: `compute_gradients()`, the loss
-  read on the host, `apply_update()`, `trainer.step += 1` (on trainers that still have
-  it, `train_step()` instead); see `shardline_step_fn`
+* shardline: one step as `Trainer.train()` takes it: `Trainer.train_step()` (gradients,
+  the loss read on the host for the anomaly check, the update); see `shardline_step_fn`
 * plain: a hand-written loop: fetch the batch, F.cross_entropy, backward,
   clip_grad_norm_, AdamW step, zero_grad.
 
@@ -103,25 +102,9 @@ def shardline_overrides(args, run_dir: str) -> list[str]:
 
 
 def shardline_step_fn(trainer):
-    """One optimizer step the way `Trainer.train()` takes it, through public methods.
-
-    Current trainer: `compute_gradients()` (forward, backward, clipping), reading the
-    loss on the host (`train()` does so every step, for anomaly detection), then
-    `apply_update()` (optimizer, zero_grad, schedule). Older trainers: `train_step()`.
-    Either way followed by `trainer.step += 1`, as `train()` does.
-    """
-    if hasattr(trainer, "compute_gradients"):
-        def step():
-            loss, _ = trainer.compute_gradients()
-            loss_value = loss.item()
-            trainer.apply_update()
-            trainer.step += 1
-            return loss_value
-    else:
-        def step():
-            loss, _, _ = trainer.train_step()
-            trainer.step += 1
-            return loss
+    """One step exactly as `Trainer.train()` takes it (anomaly check included)."""
+    def step():
+        return trainer.train_step()[0]
     return step
 
 

@@ -141,15 +141,12 @@ class Trainer:
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
             started = self._step_start(step)
-            loss, grad_norm = self.compute_gradients()
-            loss_value = self.faults.corrupt_loss(step, self._global_loss(loss).item())
-            anomaly = self._detect_anomaly(loss_value, grad_norm)
-            if anomaly is not None and self._handle_anomaly(step, *anomaly):
+            loss_value, grad_norm, outcome = self.train_step()
+            if outcome == "rolled_back":
                 window_start, window_steps = time.perf_counter(), 0
-                continue  # rolled back: self.step moved back to the checkpoint's
-            skipped = self.apply_update() if anomaly is None else True
-            self.step, window_steps = step, window_steps + 1
-            if skipped and anomaly is None:
+                continue  # self.step moved back to the checkpoint's
+            window_steps += 1
+            if outcome == "overflow":
                 self.metrics.event("skipped_step", step=step, reason="fp16 overflow",
                                    loss_scale=self.scaler.scaler.get_scale())
             if step % cfg.metrics.log_interval == 0 or step == stop:
@@ -181,6 +178,26 @@ class Trainer:
         if self.cfg.watchdog.timeout_s and self.proc.world_size > 1:
             torch.distributed.barrier()
         return time.perf_counter()
+
+    def train_step(self) -> tuple[float, torch.Tensor, str]:
+        """One step: gradients, the anomaly check, then the update (or the anomaly's action).
+
+        Returns the global loss, the gradient norm, and the outcome: "updated",
+        "overflow" (fp16 scaler skipped the update), "anomaly" (skipped by
+        anomaly.action) or "rolled_back" (self.step went back to a checkpoint's).
+        """
+        step = self.step + 1
+        loss, grad_norm = self.compute_gradients()
+        loss_value = self.faults.corrupt_loss(step, self._global_loss(loss).item())
+        anomaly = self._detect_anomaly(loss_value, grad_norm)
+        if anomaly is not None:
+            if self._handle_anomaly(step, *anomaly):
+                return loss_value, grad_norm, "rolled_back"
+            outcome = "anomaly"
+        else:
+            outcome = "overflow" if self.apply_update() else "updated"
+        self.step = step
+        return loss_value, grad_norm, outcome
 
     def compute_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over this rank's share of the step's global batch.
