@@ -241,18 +241,20 @@ class Config:
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults, then the TOML file, then `section.key=value` overrides; then validated."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    cfg = from_dict(raw)
+    cfg = from_dict(read_toml(path) if path is not None else {})
     for item in overrides:
         apply_override(cfg, item)
     return cfg
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file as a dict; a missing or malformed file is a ConfigError naming it."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
 
 
 def from_dict(raw: dict[str, Any]) -> Config:

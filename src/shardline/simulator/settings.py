@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from shardline.config import read_toml
 from shardline.errors import ConfigError
 from shardline.simulator.failures import FailureModel
 
@@ -114,12 +115,7 @@ def _parse_scalar(text: str) -> Any:
 
 
 def _read_toml(path: str | Path) -> dict[str, Any]:
-    try:
-        raw = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--config {path}: file not found") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    raw = read_toml(path)
     unknown = set(raw) - {"simulate", "failures"}
     if unknown:
         raise ConfigError(f"--config {path}: unknown section(s) {', '.join(sorted(unknown))}; "
