@@ -7,6 +7,7 @@ so neither gradient accumulation nor any parallel layout changes a number.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -34,8 +35,10 @@ from shardline.parallel.parallelize import build_model
 from shardline.precision import LossScaler, autocast
 from shardline.resilience.anomaly import AnomalyDetector
 from shardline.resilience.async_checkpoint import AsyncSaver
-from shardline.resilience.checkpoint import Checkpointer, read_meta
+from shardline.resilience.checkpoint import Checkpointer, read_meta, verify
 from shardline.resilience.faults import FaultInjector
+from shardline.resilience.goodput import Goodput, process_start_time
+from shardline.resilience.memory_tier import MemoryTier, default_root
 from shardline.resilience.recovery import batch_index, check_data_position, get_rng_state, resume_path, set_rng_state
 from shardline.resilience.watchdog import Watchdog
 
@@ -49,6 +52,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.device = pick_device(cfg.run.device)
         self.step = 0  # optimizer updates completed
+        self.started = process_start_time()
         self._invalid_checkpoints: list[str] = []
         self.anomaly_events: list[dict] = []
 
@@ -80,16 +84,25 @@ class Trainer:
         self.scaler = LossScaler(self.device, cfg.train.precision)
         self.saver = AsyncSaver(self.checkpointer, self.dims.checkpoint_group) if cfg.checkpoint.mode == "async" \
             else None
+        self.memory = self._memory_tier() if cfg.checkpoint.memory_interval else None
         self.anomaly = AnomalyDetector(cfg.anomaly)
-        self.faults = FaultInjector(cfg.faults, self.proc.rank)
+        self.faults = FaultInjector(cfg.faults, self.proc.rank, self.memory.dir if self.memory else None)
         self.skipped_batches: list[int] = list(cfg.train.skip_batches)
         self.rollbacks = 0
         self.forward = torch.compile(self.wrapped) if cfg.train.compile and self.wrapped else self.wrapped
         self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
-        resumed = self._load_checkpoint(resume_from) if resume_from else None
+        resumed = self._resume(resume_from)
         self._open_run_dir(resumed)
         return self
+
+    def _memory_tier(self) -> MemoryTier:
+        c = self.cfg.checkpoint
+        layout = {"world": self.proc.world_size, "parallel": self.cfg.parallel.__dict__,
+                  "model": args_to_json(self.model_args)}
+        fingerprint = json.dumps(layout, sort_keys=True, default=str)
+        return MemoryTier(Path(c.memory_dir) if c.memory_dir else default_root(self.run_dir), self.proc.rank,
+                          self.proc.world_size, self.proc.local_world_size, c.memory_redundancy, fingerprint)
 
     def _hf_base(self):
         """The shape to start from when the run starts from existing weights, else None."""
@@ -102,20 +115,45 @@ class Trainer:
             return args_from_json(read_meta(Path(m.init_from))["model_args"])
         return None
 
-    def _load_checkpoint(self, path: Path) -> Path:
-        """Restore everything a checkpoint holds: weights, optimizer, schedule, data, RNG."""
+    def _resume(self, disk: Path | None) -> str | None:
+        """Restore the newest state: the in-memory tier or the newest valid checkpoint on disk."""
+        if self.memory is not None and self.cfg.run.resume == "never":
+            self.memory.clear()
+        explicit = self.cfg.run.resume not in ("auto", "latest", "never")
+        found = self._newest_state(disk, use_memory=not explicit and self.cfg.run.resume != "never")
+        return self._restore(found) if found is not None else None
+
+    def _newest_state(self, disk: Path | None, use_memory: bool = True):
+        """The in-memory snapshot (step, payload, sources) when it is at least as new as `disk`, else `disk`.
+
+        Collective when the memory tier is on: every rank reports what it holds and
+        lost snapshots are rebuilt from the survivors.
+        """
+        memory = self.memory.recover() if self.memory is not None and use_memory else None
+        if memory is not None and (disk is None or memory[0] >= verify(disk)["step"]):
+            return memory
+        return disk
+
+    def _restore(self, found) -> str:
+        """Load everything a saved state holds (weights, optimizer, schedule, data, RNG); returns its name."""
         init_optimizer_state(self.optimizer)
-        state = self.checkpointer.load(path, self.model, self.optimizer)
-        check_data_position(path, state["data"], len(self.data.train), self.cfg.train.seed)
+        if isinstance(found, Path):
+            name, state = str(found), self.checkpointer.load(found, self.model, self.optimizer)
+        else:
+            step, payload, sources = found
+            rebuilt = {r: src for r, src in sources.items() if src != "own"}
+            name = f"memory tier step {step}" + (f" (rebuilt {rebuilt})" if rebuilt else "")
+            state = MemoryTier.load_into(payload, self.model, self.optimizer)
+        check_data_position(name, state["data"], len(self.data.train), self.cfg.train.seed)
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.anomaly.load_state_dict(state.get("anomaly", {}))
         self.skipped_batches = sorted(set(state["data"].get("skipped_batches", [])) | set(self.skipped_batches))
         set_rng_state(state["rng"])
-        return path
+        return name
 
-    def _open_run_dir(self, resumed: Path | None) -> None:
+    def _open_run_dir(self, resumed: str | None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
         self.data.tokenizer.save(str(self.run_dir / "tokenizer.json"))
@@ -123,8 +161,10 @@ class Trainer:
                                      self.cfg.train.steps, self.step, enabled=self.proc.is_main)
         for problem in self._invalid_checkpoints:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
+        self.goodput = Goodput(self.run_dir, self.proc.is_main, self.started)
         if resumed is not None:
-            self.metrics.event("resume", step=self.step, checkpoint=str(resumed))
+            self.metrics.event("resume", step=self.step, checkpoint=resumed,
+                               recomputed_steps=self.goodput.recomputed_from(self.step))
         self.watchdog = Watchdog(self.cfg.watchdog, self.run_dir, self.proc.rank, self.proc.world_size,
                                  self.proc.store, on_event=self.metrics.event, exit_code=WATCHDOG_EXIT)
 
@@ -137,6 +177,7 @@ class Trainer:
                            device=str(self.device), precision=cfg.train.precision,
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
         window_start, window_steps, last = time.perf_counter(), 0, {}
+        self.goodput.add("startup", time.time() - self.started)
         self.watchdog.start()
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
@@ -145,6 +186,7 @@ class Trainer:
             if outcome == "rolled_back":
                 window_start, window_steps = time.perf_counter(), 0
                 continue  # self.step moved back to the checkpoint's
+            self.goodput.step(step, time.perf_counter() - started, outcome)
             window_steps += 1
             if outcome == "overflow":
                 self.metrics.event("skipped_step", step=step, reason="fp16 overflow",
@@ -153,17 +195,28 @@ class Trainer:
                 last = self._log_train(loss_value, grad_norm, time.perf_counter() - window_start, window_steps)
                 window_start, window_steps = time.perf_counter(), 0
             if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == stop):
-                self.evaluate()
+                self._timed("eval", self.evaluate)
             if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop):
                 self.save_checkpoint()
+            if self.memory is not None and step % cfg.checkpoint.memory_interval == 0:
+                self.snapshot_memory()
             self.faults.after_step(time.perf_counter() - started)
             self.watchdog.step_end(step, time.perf_counter() - started)
         self.watchdog.close()
-        self.drain_saves()
+        self._timed("checkpoint", self.drain_saves)
+        if self.memory is not None:
+            self.memory.clear()  # the run is complete: give the RAM back
+        self.goodput.persist(finished=True)
         self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
-                           anomalies=len(self.anomaly_events), rollbacks=self.rollbacks)
+                           anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **self.goodput.summary())
         self.metrics.close()
         return last
+
+    def _timed(self, category: str, work):
+        begin = time.perf_counter()
+        result = work()
+        self.goodput.add(category, time.perf_counter() - begin)
+        return result
 
     def _step_start(self, step: int) -> float:
         """Tell the watchdog a step begins; returns the clock this rank's step time runs from.
@@ -258,18 +311,19 @@ class Trainer:
         if action == "halt":
             self._halt(event)
         if action == "rollback":
+            started = time.perf_counter()
             self.drain_saves()
-            target = self.checkpointer.latest_valid()
+            target = self._newest_state(self.checkpointer.latest_valid())
             if target is not None:
-                started = time.perf_counter()
                 self.skipped_batches = sorted({*self.skipped_batches, batch_index(step - 1, self.skipped_batches)})
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scaler.skip()
-                self._load_checkpoint(target)
+                name = self._restore(target)
                 self.rollbacks += 1
-                self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=str(target),
-                                   skipped_batch=self.skipped_batches[-1],
-                                   cost_s=round(time.perf_counter() - started, 3))
+                cost = time.perf_counter() - started
+                self.goodput.add("recovery", cost)
+                self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
+                                   skipped_batch=self.skipped_batches[-1], cost_s=round(cost, 3))
                 return True
             event["action"] = "skip (no checkpoint to roll back to)"
         self.metrics.event("anomaly", **event)
@@ -284,6 +338,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         saved = self.save_checkpoint() if self.cfg.checkpoint.interval else None
         self.drain_saves()
+        if self.memory is not None:
+            self.memory.clear()  # the state to investigate is on disk; free the RAM
         self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if saved else None)
         self.metrics.close()
         raise AnomalyHalt(f"{event['anomaly']} (value {event['value']:.4g}) at step {event['step']}; "
@@ -360,21 +416,35 @@ class Trainer:
         return loss
 
     def save_checkpoint(self) -> Path:
-        data = {**self.data.sampler.state_dict(self.step), "skipped_batches": self.skipped_batches}
-        state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict()}
+        state = self._trainer_state()
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict()}
         step = self.step
         fail_midway = lambda: self.faults.during_save(step)  # noqa: E731
         if self.saver is None:
             path, seconds = self.checkpointer.save(step, self.model, self.optimizer, state, meta, fail_midway)
+            self.goodput.add("checkpoint", seconds)
             self.metrics.event("checkpoint", step=step, path=str(path), mode="sync", stall_s=round(seconds, 3))
             self.faults.after_save(step, path)
             return path
-        self.drain_saves()
+        self._timed("checkpoint", self.drain_saves)
         path, stall = self.saver.save(step, self.model, self.optimizer, state, meta, fail_midway)
+        self.goodput.add("checkpoint", stall)
         self.metrics.event("checkpoint", step=step, path=str(path), mode="async", stall_s=round(stall, 4))
         return path
+
+    def snapshot_memory(self) -> None:
+        """In-memory tier: this step's state into host RAM, with a peer replica or parity."""
+        stats = self.memory.save(self.step, self.model, self.optimizer, self._trainer_state())
+        self.goodput.add("checkpoint", stats["stall_s"])
+        self.metrics.event("memory_snapshot", step=self.step, redundancy=self.cfg.checkpoint.memory_redundancy,
+                           stall_s=round(stats["stall_s"], 4), own_mib=round(stats["own_bytes"] / 2**20, 2),
+                           redundancy_mib=round(stats["redundancy_bytes"] / 2**20, 2))
+
+    def _trainer_state(self) -> dict:
+        """Everything beyond model and optimizer that a resumed run needs to continue exactly."""
+        data = {**self.data.sampler.state_dict(self.step), "skipped_batches": self.skipped_batches}
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict()}
 
     def drain_saves(self) -> None:
         """Wait for the asynchronous save in flight (if any) and log how long it took."""

@@ -1,5 +1,7 @@
-"""A rank is killed mid-run under torchrun --max-restarts: the job recovers by itself
-from the newest checkpoint on disk and its losses equal the uninterrupted run's."""
+"""A rank is killed mid-run under torchrun --max-restarts: the job recovers by itself and
+its losses equal the uninterrupted run's, whether it resumes from the newest checkpoint
+on disk or from the in-memory tier (the killed rank's memory wiped as if its node were
+lost, so its snapshot is rebuilt from a peer's replica or from XOR parity)."""
 
 from __future__ import annotations
 
@@ -11,25 +13,50 @@ from tests.conftest import tiny_overrides
 from tests.e2e.test_torchrun import torchrun
 
 LAYOUTS = {"fsdp": (2, ["parallel.dp_shard=2"]), "fsdp_x_tp": (4, ["parallel.dp_shard=2", "parallel.tp=2"])}
+# The memory tier is the only one on (no disk checkpoints), with each redundancy scheme.
+MEMORY = {"fsdp": "replica", "fsdp_x_tp": "xor"}
+
+
+def records(run) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def train_losses(run) -> dict[int, float]:
-    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+    return {r["step"]: r["loss"] for r in records(run) if r["kind"] == "train"}
+
+
+def killed_run(run, corpus, nproc, *extra):
+    kill = [f"faults.kill_rank={nproc - 1}", "faults.kill_step=8"]
+    out = torchrun(nproc, "--max-restarts=1", *[f"--{o}" for o in tiny_overrides(run, corpus, *extra, *kill)])
+    assert out.returncode == 0, out.stderr[-2000:]
+    resumes = [e for e in records(run) if e.get("event") == "resume"]
+    assert len(resumes) == 1, resumes
+    return resumes[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_killed_rank_recovers_from_disk_with_identical_losses(tmp_path, small_corpus, layout):
+def test_killed_rank_recovers_with_identical_losses(tmp_path, small_corpus, layout):
     nproc, extra = LAYOUTS[layout]
-    common = [*extra, "checkpoint.interval=3", "train.eval_interval=0"]
-    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    common = [*extra, "train.eval_interval=0"]
+    clean = tmp_path / "clean"
     out = torchrun(nproc, *[f"--{o}" for o in tiny_overrides(clean, small_corpus, *common)])
     assert out.returncode == 0, out.stderr[-2000:]
-    out = torchrun(nproc, "--max-restarts=1", *[f"--{o}" for o in tiny_overrides(
-        killed, small_corpus, *common, f"faults.kill_rank={nproc - 1}", "faults.kill_step=8")])
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert train_losses(killed) == train_losses(clean)  # bit-identical after recovery
-    events = [json.loads(x) for x in (killed / "metrics.jsonl").read_text().splitlines()]
-    resumes = [e for e in events if e.get("event") == "resume"]
-    assert len(resumes) == 1 and resumes[0]["step"] == 6
+    expected = train_losses(clean)
+
+    disk = killed_run(tmp_path / "disk", small_corpus, nproc, *common, "checkpoint.interval=3")
+    assert disk["step"] == 6 and disk["checkpoint"].endswith("step-000006") and disk["recomputed_steps"] == 1
+    assert train_losses(tmp_path / "disk") == expected  # bit-identical after recovery
+
+    memory = tmp_path / "memory"
+    shm = tmp_path / "shm"
+    resumed = killed_run(memory, small_corpus, nproc, *common, "checkpoint.interval=0",
+                         "checkpoint.memory_interval=3", f"checkpoint.memory_redundancy={MEMORY[layout]}",
+                         f"checkpoint.memory_dir={shm}", "faults.kill_wipes_memory=true")
+    assert resumed["step"] == 6 and resumed["checkpoint"].startswith("memory tier step 6")
+    assert f"{nproc - 1}: '{MEMORY[layout] if MEMORY[layout] == 'replica' else 'parity'}'" in resumed["checkpoint"]
+    assert not (memory / "checkpoints").exists()  # nothing came from disk
+    assert train_losses(memory) == expected
+    assert not shm.exists()  # a finished run gives the memory back
+    end = [e for e in records(memory) if e.get("event") == "end"][-1]
+    assert end["seconds"]["recomputed"] > 0 and end["seconds"]["restart_gap"] > 0 and 0 < end["goodput"] < 1

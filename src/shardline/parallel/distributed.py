@@ -17,6 +17,8 @@ class ProcessInfo:
     world_size: int
     local_rank: int
     store: dist.Store | None = None  # the job's c10d store (a side channel for the watchdog)
+    local_world_size: int = 1  # ranks on this node
+
 
     @property
     def is_main(self) -> bool:
@@ -39,8 +41,9 @@ def launched_by_torchrun() -> bool:
 def init_distributed(device: torch.device) -> ProcessInfo:
     """Join the job's process group if torchrun started us (idempotent); else one process."""
     if dist.is_initialized():  # someone (a test harness) set the group up already
-        return ProcessInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
-                           dist.distributed_c10d._get_default_store())
+        world = dist.get_world_size()
+        return ProcessInfo(dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", 0)),
+                           dist.distributed_c10d._get_default_store(), _local_world_size(world))
     if not launched_by_torchrun():
         return ProcessInfo(0, 1, 0)
     world = int(os.environ["WORLD_SIZE"])
@@ -57,4 +60,8 @@ def init_distributed(device: torch.device) -> ProcessInfo:
     store = dist.PrefixStore(f"shardline/attempt{attempt}/", store)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
                             device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)
-    return ProcessInfo(rank, world, local_rank, store)
+    return ProcessInfo(rank, world, local_rank, store, _local_world_size(world))
+
+
+def _local_world_size(world: int) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -8,6 +8,7 @@ the 1-based step numbers of the log.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -16,8 +17,8 @@ from shardline.resilience.settings import FaultsConfig
 
 
 class FaultInjector:
-    def __init__(self, cfg: FaultsConfig, rank: int):
-        self.cfg, self.rank = cfg, rank
+    def __init__(self, cfg: FaultsConfig, rank: int, memory_dir: Path | None = None):
+        self.cfg, self.rank, self.memory_dir = cfg, rank, memory_dir
         self.first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         self.fired: set[str] = set()
 
@@ -32,6 +33,8 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         c = self.cfg
         if self._fire("kill", step, c.kill_step, c.kill_rank):
+            if c.kill_wipes_memory and self.memory_dir is not None:
+                shutil.rmtree(self.memory_dir, ignore_errors=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fire("hang", step, c.hang_step, c.hang_rank):
             while True:  # a rank stuck outside any collective; the watchdog must notice

@@ -31,7 +31,7 @@ def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, l
     return (None if mode == "never" else path), invalid
 
 
-def check_data_position(path: Path, data_pos: dict, num_samples: int, seed: int) -> None:
+def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int) -> None:
     if data_pos["num_samples"] != num_samples or data_pos["seed"] != seed:
         raise CheckpointError(
             f"checkpoint {path} was saved for {data_pos['num_samples']} training sequences and seed "

@@ -1,0 +1,96 @@
+"""Goodput accounting: where a run's wall-clock time goes, across restarts.
+
+Each attempt adds its seconds by category; rank 0 keeps the running totals and the
+highest step ever completed in `<run_dir>/progress.json` (rewritten atomically every
+step: a few hundred bytes), so a restarted attempt knows which of its steps are
+recomputed work and how long the job was down between attempts.
+
+Categories: useful steps; recomputed steps (steps done again after a restart or a
+rollback); anomaly-skipped steps; checkpoint stalls (disk saves, async snapshots,
+in-memory snapshots); evaluation; startup (launch, build, loading the resumed state);
+recovery (anomaly rollbacks); restart gap (from the previous attempt's last step to
+this attempt's process start: detection, teardown, relaunch); other (logging,
+barriers, whatever the rest do not cover). Goodput = useful / everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+PROGRESS = "progress.json"
+CATEGORIES = ("useful", "recomputed", "anomaly_skipped", "checkpoint", "eval", "startup", "recovery",
+              "restart_gap")
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (imports included), from /proc where there is one."""
+    try:
+        # Process start in clock ticks after boot, against the uptime now (10 ms
+        # resolution; /proc/stat's boot time is whole seconds, too coarse here).
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+class Goodput:
+    def __init__(self, run_dir: Path, enabled: bool, started: float | None = None):
+        self.path, self.enabled = Path(run_dir) / PROGRESS, enabled
+        self.started = started if started is not None else process_start_time()
+        self.seconds = dict.fromkeys(CATEGORIES, 0.0)
+        self.wall_before = 0.0  # wall time of earlier attempts
+        self.high_water = 0
+        previous = self._read()
+        if previous:
+            self.high_water = previous["high_water_step"]
+            self.wall_before = previous["wall_s"]
+            for k, v in previous["seconds"].items():
+                self.seconds[k] = self.seconds.get(k, 0.0) + v
+            if not previous["finished"]:
+                self.seconds["restart_gap"] += max(0.0, self.started - previous["time"])
+
+    def _read(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def add(self, category: str, seconds: float) -> None:
+        self.seconds[category] += seconds
+
+    def step(self, step: int, seconds: float, outcome: str) -> None:
+        """Account one optimizer step (1-based) of `seconds` that ended with `outcome`."""
+        if outcome in ("anomaly", "overflow"):
+            self.add("anomaly_skipped", seconds)
+        elif step <= self.high_water:
+            self.add("recomputed", seconds)
+        else:
+            self.add("useful", seconds)
+        self.high_water = max(self.high_water, step)
+        self.persist()
+
+    def recomputed_from(self, step: int) -> int:
+        """Steps a run resuming after `step` will do again."""
+        return max(0, self.high_water - step)
+
+    def summary(self) -> dict:
+        wall = self.wall_before + time.time() - self.started
+        total = wall + self.seconds["restart_gap"]
+        seconds = {k: round(v, 3) for k, v in self.seconds.items()}
+        seconds["other"] = round(max(0.0, total - sum(self.seconds.values())), 3)
+        return {"goodput": round(self.seconds["useful"] / total, 4) if total > 0 else 0.0,
+                "total_s": round(total, 3), "seconds": seconds}
+
+    def persist(self, finished: bool = False) -> None:
+        if not self.enabled:
+            return
+        record = {"high_water_step": self.high_water, "time": time.time(), "finished": finished,
+                  "wall_s": self.wall_before + time.time() - self.started,
+                  "seconds": dict(self.seconds)}
+        tmp = self.path.with_name(PROGRESS + ".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.path)

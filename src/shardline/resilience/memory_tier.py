@@ -1,0 +1,271 @@
+"""The in-memory checkpoint tier (checkpoint.memory_interval): snapshots in host RAM.
+
+Every k steps each rank serialises its own shard of the state (model, optimizer,
+trainer state) into the node's shared memory (`/dev/shm`, i.e. RAM), so it outlives
+the worker process and a torchrun restart, but not the node. To survive losing the
+node's memory too, a peer keeps a replica, or the ranks keep XOR parity
+(`checkpoint.memory_redundancy`, see redundancy.py). A restarted job asks every rank
+what it still holds and rebuilds the missing snapshots from the survivors, without
+touching disk; persistent checkpoints stay the last line of defence.
+
+Layout, one folder per rank: `<root>/rank<r>/{own,replica,parity}-<step>.bin`, each
+with a `.json` sidecar (size, CRC-32, layout fingerprint) written after it. A
+generation is pruned only after every rank has finished the next one, so a crash
+mid-snapshot leaves the previous complete one. Snapshots hold local shards, so they
+are only used by a job with the same layout (the fingerprint); otherwise disk.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.tensor import DTensor
+
+from shardline.resilience import redundancy
+from shardline.resilience.checkpoint import capture_state
+
+KINDS = ("own", "replica", "parity")
+
+
+def default_root(run_dir: Path) -> Path:
+    """Per-run folder in the node's shared memory (temp dir where there is no /dev/shm)."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    run_id = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return base / f"shardline-{getpass.getuser()}" / run_id
+
+
+def to_local(obj: Any) -> Any:
+    """A host copy of a state tree with every DTensor replaced by this rank's shard."""
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_local(v) for v in obj)
+    return obj
+
+
+def from_local(template: Any, saved: Any) -> Any:
+    """The saved local shards put back into the template's layout (devices, DTensor meshes)."""
+    if isinstance(template, DTensor):
+        return DTensor.from_local(saved.to(template.device), template.device_mesh, template.placements,
+                                  run_check=False, shape=template.shape, stride=template.stride())
+    if isinstance(template, torch.Tensor):
+        return saved.to(template.device)
+    if isinstance(saved, dict) and isinstance(template, dict):
+        return {k: from_local(template.get(k), v) for k, v in saved.items()}
+    if isinstance(saved, (list, tuple)) and isinstance(template, (list, tuple)) and len(saved) == len(template):
+        return type(saved)(from_local(t, s) for t, s in zip(template, saved))
+    return saved
+
+
+def serialize(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+
+
+def deserialize(data: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+
+def choose_step(reports: list[dict], world: int, ranks_per_node: int, mode: str) -> tuple[int | None, dict]:
+    """The newest step whose every rank's snapshot exists or can be rebuilt, and how.
+
+    `reports[r]` maps each kind to the steps rank r holds. Returns (step, {rank:
+    "own" | "replica" | "parity"}) or (None, {}).
+    """
+    steps = sorted({s for rep in reports for s in rep["own"]}, reverse=True)
+    groups = {r: g for g in redundancy.parity_groups(world, ranks_per_node) for r in g}
+    for step in steps:
+        sources = {}
+        for r in range(world):
+            if step in reports[r]["own"]:
+                sources[r] = "own"
+            elif mode == "replica" and world > 1 and \
+                    step in reports[redundancy.replica_holder(r, world, ranks_per_node)]["replica"]:
+                sources[r] = "replica"
+            elif mode == "xor" and world > 1 and all(
+                    step in reports[m]["own"] and step in reports[m]["parity"] for m in groups[r] if m != r):
+                sources[r] = "parity"
+            else:
+                break
+        else:
+            return step, sources
+    return None, {}
+
+
+class MemoryTier:
+    def __init__(self, root: Path, rank: int, world: int, ranks_per_node: int, mode: str, fingerprint: str):
+        self.dir = Path(root) / f"rank{rank}"
+        self.root, self.rank, self.world, self.mode = Path(root), rank, world, mode
+        self.ranks_per_node, self.fingerprint = ranks_per_node, fingerprint
+        self.group = self.parity_members = self.parity_group = None
+        if world > 1:
+            # Host-memory collectives on groups of their own: never interleaved with
+            # training's (NCCL on GPU) or an asynchronous disk save's.
+            self.group = dist.new_group(backend="gloo")
+            groups = redundancy.parity_groups(world, ranks_per_node)
+            self.parity_group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+            self.parity_members = next(g for g in groups if rank in g)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    # ---- files ----------------------------------------------------------------------
+
+    def _path(self, kind: str, step: int, suffix: str) -> Path:
+        return self.dir / f"{kind}-{step:06d}{suffix}"
+
+    def _write(self, kind: str, step: int, data: torch.Tensor, **extra: Any) -> None:
+        view = data.numpy().data
+        tmp = self._path(kind, step, ".bin.tmp")
+        with open(tmp, "wb") as f:
+            f.write(view)
+        os.replace(tmp, self._path(kind, step, ".bin"))
+        side = {"step": step, "size": len(view), "crc": zlib.crc32(view), "fingerprint": self.fingerprint, **extra}
+        self._path(kind, step, ".json.tmp").write_text(json.dumps(side))
+        os.replace(self._path(kind, step, ".json.tmp"), self._path(kind, step, ".json"))
+
+    def _read(self, kind: str, step: int) -> torch.Tensor:
+        return torch.from_numpy(np.fromfile(self._path(kind, step, ".bin"), dtype=np.uint8))
+
+    def _sidecar(self, kind: str, step: int) -> dict:
+        return json.loads(self._path(kind, step, ".json").read_text())
+
+    def inventory(self) -> dict[str, dict[int, dict]]:
+        """What this rank holds intact for this layout: {kind: {step: sidecar}}."""
+        held: dict[str, dict[int, dict]] = {k: {} for k in KINDS}
+        if not self.dir.is_dir():
+            return held
+        for side_path in self.dir.glob("*-*.json"):
+            try:
+                side = json.loads(side_path.read_text())
+                kind, step = side_path.stem.rsplit("-", 1)[0], side["step"]
+                data = np.fromfile(self._path(kind, step, ".bin"), dtype=np.uint8)
+            except (OSError, ValueError, KeyError):
+                continue  # half-written or removed: not a usable snapshot
+            if kind in held and side["fingerprint"] == self.fingerprint and len(data) == side["size"] \
+                    and zlib.crc32(data.data) == side["crc"]:
+                held[kind][step] = side
+        return held
+
+    def _prune(self, keep_step: int) -> None:
+        for f in self.dir.glob("*-*"):
+            try:
+                if int(f.name.split("-")[1].split(".")[0]) < keep_step:
+                    f.unlink(missing_ok=True)
+            except ValueError:
+                continue
+
+    def clear(self) -> None:
+        """Remove this rank's snapshots (the run ended, or a fresh run reuses the run dir)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        for empty in (self.root, self.root.parent):
+            try:
+                empty.rmdir()  # the last rank out removes the run's folder
+            except OSError:
+                break
+
+    # ---- save -----------------------------------------------------------------------
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             trainer_state: dict) -> dict:
+        """Snapshot this step into memory with its redundancy; returns the stall and bytes held."""
+        begin = time.perf_counter()
+        own = serialize({"step": step, "state": to_local(capture_state(model, optimizer)), "trainer": trainer_state})
+        self._write("own", step, own)
+        extra = 0
+        if self.world > 1:
+            sizes = self._all_sizes(own.numel())
+            if self.mode == "replica":
+                held = redundancy.exchange_replicas(own, sizes, self.rank, self.world, self.ranks_per_node,
+                                                    self.group)
+                self._write("replica", step, held)
+                extra = held.numel()
+            else:
+                parity = redundancy.encode_parity(own, sizes, self.parity_members, self.rank, self.parity_group)
+                self._write("parity", step, parity.view(torch.uint8), sizes=sizes)
+                extra = parity.numel() * parity.element_size()
+            dist.barrier(group=self.group)  # every rank holds this generation before any drops the last
+        self._prune(step)
+        return {"stall_s": time.perf_counter() - begin, "own_bytes": own.numel(), "redundancy_bytes": extra}
+
+    def _all_sizes(self, size: int) -> list[int]:
+        sizes = torch.zeros(self.world, dtype=torch.int64)
+        sizes[self.rank] = size
+        dist.all_reduce(sizes, group=self.group)
+        return sizes.tolist()
+
+    # ---- recovery -------------------------------------------------------------------
+
+    def recover(self) -> tuple[int, dict, dict] | None:
+        """(step, payload, sources) of the newest snapshot every rank can get back, else None.
+
+        Collective over all ranks. Lost snapshots are rebuilt from the survivors'
+        replicas or parity.
+        """
+        held = self.inventory()
+        if self.world == 1:
+            if not held["own"]:
+                return None
+            step = max(held["own"])
+            return step, deserialize(self._read("own", step)), {0: "own"}
+        reports: list[Any] = [None] * self.world
+        dist.all_gather_object(reports, {k: sorted(v) for k, v in held.items()}, group=self.group)
+        step, sources = choose_step(reports, self.world, self.ranks_per_node, self.mode)
+        if step is None:
+            return None
+        own = self._read("own", step) if sources[self.rank] == "own" else None
+        if self.mode == "replica":
+            rebuilt = self._recover_replicas(step, sources)
+        else:
+            rebuilt = self._recover_parity(step, sources, own, held)
+        payload = deserialize(own if own is not None else rebuilt)
+        if rebuilt is not None:
+            self._write("own", step, rebuilt)  # held again, for a later failure
+        return step, payload, sources
+
+    def _recover_replicas(self, step: int, sources: dict) -> torch.Tensor | None:
+        w, n = self.world, self.ranks_per_node
+        transfers = [(redundancy.replica_holder(r, w, n), r) for r, src in sorted(sources.items()) if src == "replica"]
+        mine = [lost for holder, lost in transfers if holder == self.rank]
+        held = self._read("replica", step) if mine else None
+        sizes = [0] * w
+        dist.all_gather_object(sizes, held.numel() if held is not None else 0, group=self.group)
+        size = next((sizes[h] for h, lost in transfers if lost == self.rank), 0)
+        return redundancy.send_replicas(transfers, self.rank, held, size, self.group)
+
+    def _recover_parity(self, step: int, sources: dict, own: torch.Tensor | None, held: dict) -> torch.Tensor | None:
+        members = self.parity_members
+        lost = [r for r in members if sources[r] == "parity"]
+        if not lost:
+            return None
+        # The survivors' sidecars carry every rank's snapshot size; share one with the lost member.
+        box = [held["parity"][step]["sizes"] if step in held["parity"] else None]
+        group_sizes: list[Any] = [None] * len(members)
+        dist.all_gather_object(group_sizes, box[0], group=self.parity_group)
+        sizes = next(s for s in group_sizes if s is not None)
+        parity = self._read("parity", step).view(torch.int64) if self.rank != lost[0] else None
+        return redundancy.decode_lost(own, parity, sizes, members, lost[0], self.rank, self.parity_group)
+
+    @staticmethod
+    def load_into(payload: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Put a recovered snapshot into the model and optimizer; returns its trainer state."""
+        state = from_local(capture_state(model, optimizer), payload["state"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return payload["trainer"]
