@@ -114,7 +114,8 @@ class OptimConfig:
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
         _require(0 < self.decay_fraction <= 1, "optim.decay_fraction", self.decay_fraction, "must be in (0, 1]")
         impls = ("auto", "fused", "foreach", "for-loop")
-        _require(self.implementation in impls, "optim.implementation", self.implementation, f"one of {', '.join(impls)}")
+        _require(self.implementation in impls, "optim.implementation", self.implementation,
+                 f"one of {', '.join(impls)}")
 
 
 @dataclass
@@ -138,7 +139,7 @@ class CheckpointConfig:
     mode: str = "sync"  # sync | async (snapshot to host memory, then write in the background)
     memory_interval: int = 0  # in-memory tier: snapshot into host RAM every N steps; 0 disables
     memory_redundancy: str = "replica"  # replica (a peer keeps a copy) | xor (parity across a group)
-    memory_dir: str = ""  # where the in-memory tier lives; "" = /dev/shm/shardline-<user>/<run id>
+    memory_dir: str = ""  # base folder of the in-memory tier (RAM-backed); "" = /dev/shm/shardline-<user>
 
     def check(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval", self.interval, "must be >= 0 (0 disables)")

@@ -38,7 +38,7 @@ from shardline.resilience.async_checkpoint import AsyncSaver
 from shardline.resilience.checkpoint import Checkpointer, read_meta, verify
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.goodput import Goodput, process_start_time
-from shardline.resilience.memory_tier import MemoryTier, default_root
+from shardline.resilience.memory_tier import MemoryTier, run_root
 from shardline.resilience.recovery import batch_index, check_data_position, get_rng_state, resume_path, set_rng_state
 from shardline.resilience.watchdog import Watchdog
 
@@ -101,7 +101,7 @@ class Trainer:
         layout = {"world": self.proc.world_size, "parallel": self.cfg.parallel.__dict__,
                   "model": args_to_json(self.model_args)}
         fingerprint = json.dumps(layout, sort_keys=True, default=str)
-        return MemoryTier(Path(c.memory_dir) if c.memory_dir else default_root(self.run_dir), self.proc.rank,
+        return MemoryTier(run_root(self.run_dir, c.memory_dir), self.proc.rank,
                           self.proc.world_size, self.proc.local_world_size, c.memory_redundancy, fingerprint)
 
     def _hf_base(self):

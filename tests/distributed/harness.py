@@ -27,7 +27,8 @@ from shardline.resilience.checkpoint import Checkpointer, load_weights, read_met
 PARITY_OVERRIDES = [
     "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
     "train.seq_len=32", "train.global_batch_size=16", "train.micro_batch_size=2", "train.steps=4",
-    "train.eval_interval=4", "train.eval_batches=8", "optim.warmup_steps=1", "optim.lr=3e-3", "optim.eps=1e-6", "data.vocab_size=512",
+    "train.eval_interval=4", "train.eval_batches=8", "optim.warmup_steps=1", "optim.lr=3e-3", "optim.eps=1e-6",
+    "data.vocab_size=512",
     "checkpoint.interval=4", "metrics.log_interval=1", "metrics.progress=none", "metrics.tensorboard=false",
 ]
 

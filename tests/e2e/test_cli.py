@@ -44,7 +44,7 @@ def test_resume_continues_where_it_stopped(tmp_path, small_corpus):
     assert shardline("train", *overrides(run, small_corpus, "train.stop_at_step=6")).returncode == 0
     out = shardline("train", "--resume", *overrides(run, small_corpus))
     assert out.returncode == 0, out.stderr
-    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
              if json.loads(l)["kind"] == "train"]
     assert steps == list(range(1, 13))
 

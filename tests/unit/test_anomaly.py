@@ -41,9 +41,14 @@ def test_nan_with_skip_drops_that_update_and_finishes(tiny_config, tmp_path):
     assert [(e["step"], e["anomaly"], e["action"]) for e in events] == [(5, "nonfinite_loss", "skip")]
 
 
-@pytest.mark.parametrize("fault", ["faults.nan_step=5", "faults.spike_step=5"])
-def test_rollback_equals_a_run_that_never_saw_the_bad_batch(tiny_config, tmp_path, fault):
-    common = ["checkpoint.interval=3", "anomaly.min_history=3", "train.eval_interval=0"]
+TIERS = {"disk": ["checkpoint.interval=3"], "memory": ["checkpoint.interval=0", "checkpoint.memory_interval=3"]}
+
+
+@pytest.mark.parametrize("fault,tier", [("faults.nan_step=5", "disk"), ("faults.spike_step=5", "disk"),
+                                        ("faults.spike_step=5", "memory")])
+def test_rollback_equals_a_run_that_never_saw_the_bad_batch(tiny_config, tmp_path, fault, tier):
+    common = [*TIERS[tier], f"checkpoint.memory_dir={tmp_path / 'shm'}", "anomaly.min_history=3",
+              "train.eval_interval=0", "checkpoint.keep=1"]
     rolled = Trainer(tiny_config(*common, fault, "anomaly.action=rollback", run_dir=tmp_path / "rolled")).build()
     rolled.train()
     clean = Trainer(tiny_config(*common, "train.skip_batches=[4]", run_dir=tmp_path / "clean")).build()
@@ -54,6 +59,7 @@ def test_rollback_equals_a_run_that_never_saw_the_bad_batch(tiny_config, tmp_pat
         assert torch.equal(params(rolled)[name], value), name
     event = [r for r in read_records(tmp_path / "rolled", "event") if r["event"] == "anomaly"][0]
     assert event["action"] == "rollback" and event["to_step"] == 3 and event["skipped_batch"] == 4
+    assert event["checkpoint"].startswith("memory tier step 3" if tier == "memory" else str(tmp_path))
 
 
 def test_halt_exits_3_with_a_report_and_keeps_the_state(tmp_path, small_corpus, capsys):

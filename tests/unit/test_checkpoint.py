@@ -35,7 +35,7 @@ def test_corrupted_checkpoint_is_named_and_skipped(trained, tiny_config):
         verify(shard.parent.parent)
     trainer = Trainer(tiny_config("train.steps=12")).build()
     assert trainer.step == 6  # fell back to the previous valid checkpoint
-    events = [json.loads(l) for l in (trained / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     invalid = [e for e in events if e.get("event") == "invalid_checkpoint"]
     assert invalid and "step-000012" in invalid[-1]["error"]
 

@@ -29,7 +29,10 @@ def _feed(tracker, per_step):
 
 def test_slow_rank_reported_once_per_streak_healthy_never():
     rng = random.Random(1)
-    healthy = lambda: 0.1 * rng.uniform(0.9, 1.2)  # jitter well under the factor
+
+    def healthy():
+        return 0.1 * rng.uniform(0.9, 1.2)  # jitter well under the factor
+
     slow = [True] * 5 + [False] + [True] * 3
     steps = [{0: healthy(), 1: healthy(), 2: healthy(), 3: 0.2 if s else healthy()} for s in slow]
     got = _feed(StragglerTracker(factor=1.5, steps=3), steps)
@@ -133,8 +136,11 @@ def test_silent_peer_found_after_timeout_closed_peer_never():
 
 def test_peer_watch_judges_each_common_step_once():
     watch = PeerWatch(WatchdogConfig(straggler_factor=1.5, straggler_steps=2))
-    recs = lambda n1: {0: {"closed": False, "times": [[s, 0.1] for s in range(1, 5)]},
-                       1: {"closed": False, "times": [[s, 0.4] for s in range(1, n1 + 1)]}}
+
+    def recs(n1):
+        return {0: {"closed": False, "times": [[s, 0.1] for s in range(1, 5)]},
+                1: {"closed": False, "times": [[s, 0.4] for s in range(1, n1 + 1)]}}
+
     assert watch.stragglers(recs(1)) == []  # only step 1 is common so far
     found = watch.stragglers(recs(4))
     assert [(s.step, s.rank) for s in found] == [(2, 1)]

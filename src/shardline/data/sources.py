@@ -27,7 +27,8 @@ def read_documents(path: str, text_field: str = "text") -> list[str]:
     """All non-empty documents under `path` ("" = the shipped corpus)."""
     root = Path(path) if path else shipped_corpus()
     if not root.exists():
-        raise DataError(f"data.path={path!r} does not exist; give a file ({', '.join(SUFFIXES)}, optionally .gz) or a folder of them")
+        raise DataError(f"data.path={path!r} does not exist; give a file ({', '.join(SUFFIXES)}, "
+                        "optionally .gz) or a folder of them")
     files = sorted(p for p in root.rglob("*") if _kind(p)) if root.is_dir() else [root]
     if not files:
         raise DataError(f"data.path={path!r} holds no {', '.join(SUFFIXES)} files")

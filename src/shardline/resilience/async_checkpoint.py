@@ -47,7 +47,8 @@ class AsyncSaver:
         self._error: BaseException | None = None
         self.finished: list[dict] = []  # {"step", "path", "seconds"} of completed background writes
 
-    def save(self, step: int, model, optimizer, trainer_state: dict, meta: dict, before_seal=None) -> tuple[Path, float]:
+    def save(self, step: int, model, optimizer, trainer_state: dict, meta: dict,
+             before_seal=None) -> tuple[Path, float]:
         """Snapshot now, write later; returns the checkpoint's future path and the stall."""
         self.wait()
         begin = time.perf_counter()

@@ -41,19 +41,26 @@ from shardline.resilience.checkpoint import capture_state
 KINDS = ("own", "replica", "parity")
 
 
-def default_root(run_dir: Path) -> Path:
-    """Per-run folder in the node's shared memory (temp dir where there is no /dev/shm)."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    run_id = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-    return base / f"shardline-{getpass.getuser()}" / run_id
+def run_root(run_dir: Path, base: str = "") -> Path:
+    """The run's own folder under `base` (default: the node's shared memory, else the temp dir).
+
+    Keyed by the run dir, so two runs sharing a base never read each other's snapshots.
+    """
+    if not base:
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        base = str(shm / f"shardline-{getpass.getuser()}")
+    return Path(base) / hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
 def to_local(obj: Any) -> Any:
-    """A host copy of a state tree with every DTensor replaced by this rank's shard."""
+    """The state tree on the host with every DTensor replaced by this rank's shard.
+
+    Host tensors are not copied: the snapshot is serialised before training moves on.
+    """
     if isinstance(obj, DTensor):
         obj = obj.to_local()
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().to("cpu")
     if isinstance(obj, dict):
         return {k: to_local(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -75,14 +82,8 @@ def from_local(template: Any, saved: Any) -> Any:
     return saved
 
 
-def serialize(obj: Any) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
-
-
 def deserialize(data: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    return torch.load(io.BytesIO(data.numpy().data), weights_only=True)
 
 
 def choose_step(reports: list[dict], world: int, ranks_per_node: int, mode: str) -> tuple[int | None, dict]:
@@ -131,18 +132,33 @@ class MemoryTier:
     def _path(self, kind: str, step: int, suffix: str) -> Path:
         return self.dir / f"{kind}-{step:06d}{suffix}"
 
-    def _write(self, kind: str, step: int, data: torch.Tensor, **extra: Any) -> None:
-        view = data.numpy().data
+    def _write(self, kind: str, step: int, data: torch.Tensor | Any, **extra: Any) -> torch.Tensor:
+        """Write bytes (a uint8 tensor) or, for `own`, serialise an object; returns the bytes.
+
+        Serialising straight into shared memory and mapping the file back avoids a
+        second in-RAM copy of the snapshot; the sidecar is written last, so a torn
+        write is never listed.
+        """
         tmp = self._path(kind, step, ".bin.tmp")
-        with open(tmp, "wb") as f:
-            f.write(view)
+        if isinstance(data, torch.Tensor):
+            with open(tmp, "wb") as f:
+                f.write(data.numpy().data)
+        else:
+            torch.save(data, tmp)
         os.replace(tmp, self._path(kind, step, ".bin"))
+        written = self._read(kind, step)
+        view = written.numpy().data
         side = {"step": step, "size": len(view), "crc": zlib.crc32(view), "fingerprint": self.fingerprint, **extra}
         self._path(kind, step, ".json.tmp").write_text(json.dumps(side))
         os.replace(self._path(kind, step, ".json.tmp"), self._path(kind, step, ".json"))
+        return written
 
     def _read(self, kind: str, step: int) -> torch.Tensor:
-        return torch.from_numpy(np.fromfile(self._path(kind, step, ".bin"), dtype=np.uint8))
+        """The file's bytes, mapped (not copied) from shared memory."""
+        path = self._path(kind, step, ".bin")
+        if path.stat().st_size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r+"))
 
     def _sidecar(self, kind: str, step: int) -> dict:
         return json.loads(self._path(kind, step, ".json").read_text())
@@ -156,7 +172,7 @@ class MemoryTier:
             try:
                 side = json.loads(side_path.read_text())
                 kind, step = side_path.stem.rsplit("-", 1)[0], side["step"]
-                data = np.fromfile(self._path(kind, step, ".bin"), dtype=np.uint8)
+                data = self._read(kind, step).numpy()
             except (OSError, ValueError, KeyError):
                 continue  # half-written or removed: not a usable snapshot
             if kind in held and side["fingerprint"] == self.fingerprint and len(data) == side["size"] \
@@ -187,8 +203,8 @@ class MemoryTier:
              trainer_state: dict) -> dict:
         """Snapshot this step into memory with its redundancy; returns the stall and bytes held."""
         begin = time.perf_counter()
-        own = serialize({"step": step, "state": to_local(capture_state(model, optimizer)), "trainer": trainer_state})
-        self._write("own", step, own)
+        own = self._write("own", step, {"step": step, "state": to_local(capture_state(model, optimizer)),
+                                        "trainer": trainer_state})
         extra = 0
         if self.world > 1:
             sizes = self._all_sizes(own.numel())

@@ -1,0 +1,130 @@
+"""The in-memory checkpoint tier: which snapshot a restarted job can rebuild, the XOR
+parity and replica codes on real gloo ranks, and the files' integrity checks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardline.resilience import redundancy
+from shardline.resilience.memory_tier import MemoryTier, choose_step
+from tests.distributed.harness import free_port
+
+
+def report(own=(), replica=(), parity=()):
+    return {"own": list(own), "replica": list(replica), "parity": list(parity)}
+
+
+def test_choose_step_rebuilds_a_lost_rank_from_its_peer_replica():
+    # 4 ranks, 2 per node: rank r's replica is on rank r+2 (the other node).
+    full = report([3, 6], [3, 6])
+    reports = [full, full, full, report([3], [3, 6])]  # rank 3 lost step 6 (its node's memory)
+    assert choose_step(reports, 4, 2, "replica") == (6, {0: "own", 1: "own", 2: "own", 3: "replica"})
+    # Losing rank 3 and its replica holder (rank 1): step 6 is gone everywhere it matters.
+    reports = [full, report([3], [3]), full, report([3], [3])]
+    assert choose_step(reports, 4, 2, "replica")[0] == 3
+    assert choose_step([report(), report()], 2, 2, "replica") == (None, {})
+
+
+def test_choose_step_with_xor_tolerates_one_loss_per_group():
+    full = report([6], parity=[6])
+    # 4 ranks on 2 nodes: groups {0, 2} and {1, 3}; one loss in each group is fine.
+    assert choose_step([report(), report(), full, full], 4, 2, "xor")[1] == {0: "parity", 1: "parity",
+                                                                            2: "own", 3: "own"}
+    # Two losses in one group are not.
+    assert choose_step([report(), full, report(), full], 4, 2, "xor") == (None, {})
+    # A survivor without its parity cannot help either.
+    assert choose_step([report(), report([6]), report([6], parity=[6])], 3, 3, "xor") == (None, {})
+
+
+def test_parity_groups_take_one_rank_per_node():
+    assert redundancy.parity_groups(8, 4) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert redundancy.parity_groups(4, 4) == [[0, 1, 2, 3]]
+    assert redundancy.replica_holder(1, 8, 4) == 5 and redundancy.replica_holder(3, 4, 4) == 0
+
+
+def _codes_worker(rank: int, world: int, port: int, sizes: list[int], errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        bufs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+                for i, n in enumerate(sizes)]
+        members = list(range(world))
+        parity = redundancy.encode_parity(bufs[rank], sizes, members, rank, dist.group.WORLD)
+        for lost in members:
+            own = None if rank == lost else bufs[rank]
+            got = redundancy.decode_lost(own, None if rank == lost else parity, sizes, members, lost, rank,
+                                         dist.group.WORLD)
+            if rank == lost and not torch.equal(got, bufs[lost]):
+                errors.put(f"xor: rank {lost} rebuilt wrongly")
+        held = redundancy.exchange_replicas(bufs[rank], sizes, rank, world, world, dist.group.WORLD)
+        if not torch.equal(held, bufs[(rank - 1) % world]):
+            errors.put(f"replica on rank {rank} is not rank {(rank - 1) % world}'s buffer")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_xor_parity_and_replicas_rebuild_any_one_rank_on_real_gloo_ranks():
+    sizes = [1000, 37, 4096]  # uneven, not multiples of the word or the chunk
+    errors = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_codes_worker, args=(3, free_port(), sizes, errors), nprocs=3, start_method="spawn")
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert not found, found
+
+
+def _tiny_state():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_snapshot_round_trip_and_integrity(tmp_path):
+    torch.manual_seed(0)
+    model, opt = _tiny_state()
+    tier = MemoryTier(tmp_path / "shm", 0, 1, 1, "replica", fingerprint="layout-a")
+    tier.save(5, model, opt, {"step": 5, "note": "trainer state"})
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    moment = opt.state[model[0].weight]["exp_avg"].clone()
+
+    other, other_opt = _tiny_state()  # different values, same shapes
+    step, payload, sources = tier.recover()
+    assert (step, sources) == (5, {0: "own"})
+    assert MemoryTier.load_into(payload, other, other_opt) == {"step": 5, "note": "trainer state"}
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert torch.equal(other_opt.state[other[0].weight]["exp_avg"], moment)
+
+    # Another layout never reads these local shards.
+    assert MemoryTier(tmp_path / "shm", 0, 1, 1, "replica", fingerprint="layout-b").recover() is None
+    # A flipped byte is caught by the CRC: the snapshot is not used.
+    blob = tier.dir / "own-000005.bin"
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    assert tier.recover() is None
+    tier.clear()
+    assert not (tmp_path / "shm").exists()
+
+
+def test_new_snapshot_replaces_the_previous_generation(tmp_path):
+    model, opt = _tiny_state()
+    tier = MemoryTier(tmp_path / "shm", 0, 1, 1, "xor", fingerprint="x")
+    tier.save(3, model, opt, {})
+    tier.save(6, model, opt, {})
+    assert sorted(p.name for p in tier.dir.iterdir()) == ["own-000006.bin", "own-000006.json"]
+
+
+@pytest.mark.parametrize("key,value", [("checkpoint.memory_interval", -1), ("checkpoint.memory_redundancy", "raid6")])
+def test_bad_memory_tier_settings_are_config_errors(tiny_config, key, value):
+    from shardline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        tiny_config(f"{key}={value}").check()
