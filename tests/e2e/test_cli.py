@@ -45,7 +45,7 @@ def test_resume_continues_where_it_stopped(tmp_path, small_corpus):
     out = shardline("train", "--resume", *overrides(run, small_corpus))
     assert out.returncode == 0, out.stderr
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
-             if json.loads(l)["kind"] == "train"]
+             if json.loads(line)["kind"] == "train"]
     assert steps == list(range(1, 13))
 
 
