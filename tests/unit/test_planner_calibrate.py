@@ -56,7 +56,9 @@ def test_byte_counter_counts_inputs_and_outputs():
 def test_gloo_collectives_between_two_processes():
     net, points = measure_collectives(world_sizes=(2,))
     assert net["intra_bw_gbs"] > 0.01 and 0 < net["intra_latency_us"] < 1e5
-    assert {p[0] for p in points} == {2} and len(points) == 4
+    assert set(points) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all({p[0] for p in pts} == {2} and len(pts) == 4 for pts in points.values())
+    assert net["latency_by_world_us"]["2"] > 0 and net["bw_by_world_gbs"]["2"] > 0.01
 
 
 def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, monkeypatch, capsys):

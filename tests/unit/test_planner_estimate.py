@@ -87,7 +87,10 @@ def test_pipeline_bubble_and_p2p_appear():
     lay = Layout(tp=8, pp=4, dp_shard=8, micro_batch_size=1, pp_microbatches=128, activation_checkpoint="full")
     e = estimate(W70, lay, H100)
     per_mb = (e.step_time_s - e.breakdown["pp_bubble"] - e.breakdown["optimizer"] - e.breakdown["dp_comm"]) / 128
-    assert e.breakdown["pp_bubble"] == pytest.approx(3 / 128 * per_mb * 128, rel=1e-6)
+    # (p-1)/m x m x the other stages' mean micro-batch time: at most the slowest stage's, and
+    # close to it (the trainer's split of 80 layers on 4 stages differs by the head's share).
+    assert e.breakdown["pp_bubble"] <= 3 / 128 * per_mb * 128 * (1 + 1e-9)
+    assert e.breakdown["pp_bubble"] == pytest.approx(3 / 128 * per_mb * 128, rel=0.1)
     assert e.breakdown["pp_comm"] > 0
     inter = estimate(W70, dataclasses.replace(lay, pp_schedule="interleaved_1f1b", pp_virtual_stages=2), H100)
     assert inter.breakdown["pp_bubble"] == pytest.approx(e.breakdown["pp_bubble"] / 2, rel=0.05)

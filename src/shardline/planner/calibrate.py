@@ -12,7 +12,9 @@ are fitted to the planner's curves and written as a TOML profile:
   overhead, optimizer traffic per parameter
 * the resident memory of a trainer process before the model: torch, shardline and the
   default data pipeline (shipped corpus, cached tokenizer), in a subprocess
-* collective latency and bandwidth ([network] intra_latency_us, intra_bw_gbs)
+* collective latency and bandwidth ([network] intra_latency_us, intra_bw_gbs, and per
+  world size 2, 4, 8: latency_by_world_us, bw_by_world_gbs)
+* on a CPU, the thread count the figures are for and the cores ranks share (threads, cores)
 
 On a GPU the same code measures the GPU (the timings synchronise); the profile's
 `base` names the table entry it refines. Raw points go under [measured].
@@ -78,7 +80,7 @@ def measure_baseline_gib(overrides: list[str] = ()) -> float:
 
 
 def measure(quick: bool = False, comm: bool = True, dtypes: tuple[str, ...] = ("fp32", "bf16"),
-            baseline: bool = True, clock=time.perf_counter) -> tuple[dict, dict]:
+            baseline: bool = True, clock=time.perf_counter, comm_worlds: tuple[int, ...] = ()) -> tuple[dict, dict]:
     """(profile fields, raw measurements) for this machine."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hw: Hardware = cpu_hardware() if device.type == "cpu" else _gpu_entry()
@@ -108,7 +110,7 @@ def measure(quick: bool = False, comm: bool = True, dtypes: tuple[str, ...] = ("
     if comm:
         from shardline.planner.calibrate_comm import measure_collectives
 
-        net, points = measure_collectives(world_sizes=(2,) if quick else (2, 4))
+        net, points = measure_collectives(world_sizes=comm_worlds or ((2,) if quick else (2, 4, 8)))
         fields["network"] = net
         raw["collectives"] = points
     return fields, raw
@@ -135,7 +137,8 @@ def calibrate(out: str | Path, quick: bool = False, comm: bool = True, threads: 
     start = time.perf_counter()
     fields, raw = measure(quick=quick, comm=comm, clock=clock)
     if on_cpu:  # the efficiencies are relative to this thread count's nominal peak: keep it with them
-        fields["peak_tflops"] = dict(cpu_hardware().peak_tflops)
+        cpu = cpu_hardware()
+        fields.update(peak_tflops=dict(cpu.peak_tflops), threads=cpu.threads, cores=cpu.cores)
     busy = (f"\nWARNING: the machine was busy (load average {load:.1f} on {os.cpu_count()} CPUs): multi-threaded "
             "timings are inflated; calibrate on an idle machine, or with --threads 1") if (
         on_cpu and load > 0.5 * (os.cpu_count() or 1) and torch.get_num_threads() > 1) else ""
@@ -153,9 +156,10 @@ def calibrate(out: str | Path, quick: bool = False, comm: bool = True, threads: 
     return fields
 
 
-def _rounded(fields: dict) -> dict:
-    return {k: ({kk: round(vv, 6) for kk, vv in v.items()} if isinstance(v, dict) else
-                (round(v, 6) if isinstance(v, float) else v)) for k, v in fields.items()}
+def _rounded(fields):
+    if isinstance(fields, dict):
+        return {k: _rounded(v) for k, v in fields.items()}
+    return round(fields, 6) if isinstance(fields, float) else fields
 
 
 def _flat(raw: dict) -> dict:

@@ -2,13 +2,16 @@
 
 Spawns `world` processes with torch.multiprocessing, each joining a gloo group over
 127.0.0.1 (a fresh TCP port per world size); rank 0 times all-reduce and all-gather
-at 4 KiB - 4 MiB and writes the fastest of 7 repetitions to a file the parent reads. The points are
+at 4 KiB - 4 MiB (all-reduce, all-gather and reduce-scatter, the calls DDP and FSDP2 make)
+and writes the fastest of 7 repetitions to a file the parent reads. The points are
 fitted to the ring model of comm.py,
 
-    all_reduce: t = 2(n-1)·alpha + 2(n-1)/n · S/B      all_gather: t = (n-1)·alpha + (n-1)/n · S/B
+    all_reduce: t = 2(n-1)·alpha + 2(n-1)/n · S/B      all_gather, reduce_scatter: t = (n-1)·alpha + (n-1)/n · S/B
 
 by least squares on (steps, bytes moved) -> seconds, giving the profile's
-intra_latency_us (alpha) and intra_bw_gbs (B, with bw_efficiency = 1).
+intra_latency_us (alpha) and intra_bw_gbs (B, with bw_efficiency = 1), over all world
+sizes and per world size (latency_by_world_us, bw_by_world_gbs; comm.py uses the entry of
+a group's size, or of the nearest smaller world size measured).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             gathered = torch.empty(world * (nbytes // 4 // world))
             piece = torch.ones(nbytes // 4 // world)
             for name, fn, args in (("all_reduce", dist.all_reduce, (x,)),
-                                   ("all_gather", dist.all_gather_into_tensor, (gathered, piece))):
+                                   ("all_gather", dist.all_gather_into_tensor, (gathered, piece)),
+                                   ("reduce_scatter", dist.reduce_scatter_tensor, (piece, gathered))):
                 results.append({"op": name, "world": world, "bytes": nbytes, "seconds": _fastest(fn, args)})
         if rank == 0:
             Path(out).write_text(json.dumps(results))
@@ -100,10 +104,22 @@ def fit_alpha_beta(points: list[dict]) -> tuple[float, float]:
     return max(alpha, 1e-7), 1.0 / max(inv_bw, 1e-12)
 
 
-def measure_collectives(world_sizes=(2, 4)) -> tuple[dict, list[dict]]:
-    """([network] fields for the profile, the raw points)."""
+def measure_collectives(world_sizes=(2, 4)) -> tuple[dict, dict]:
+    """([network] fields for the profile, the raw points by op: [world, bytes, microseconds]).
+
+    Besides one fit over all world sizes (intra_latency_us, intra_bw_gbs), each world size
+    gets its own (latency_by_world_us, bw_by_world_gbs): CPU processes that outnumber the
+    cores wait to be scheduled at every ring step, so alpha grows with the world size
+    faster than the model's (n-1) steps alone.
+    """
     points = [p for world in world_sizes for p in _run(world)]
     alpha, bw = fit_alpha_beta(points)
-    network = {"intra_latency_us": alpha * 1e6, "intra_bw_gbs": bw / 1e9, "bw_efficiency": 1.0}
-    raw = [[p["world"], p["bytes"], round(p["seconds"] * 1e6, 1)] for p in points if p["op"] == "all_reduce"]
+    network = {"intra_latency_us": alpha * 1e6, "intra_bw_gbs": bw / 1e9, "bw_efficiency": 1.0,
+               "latency_by_world_us": {}, "bw_by_world_gbs": {}}
+    for world in world_sizes:
+        a, b = fit_alpha_beta([p for p in points if p["world"] == world])
+        network["latency_by_world_us"][str(world)] = a * 1e6
+        network["bw_by_world_gbs"][str(world)] = b / 1e9
+    raw = {op: [[p["world"], p["bytes"], round(p["seconds"] * 1e6, 1)] for p in points if p["op"] == op]
+           for op in ("all_reduce", "all_gather", "reduce_scatter")}
     return network, raw

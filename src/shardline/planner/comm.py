@@ -47,9 +47,21 @@ def group(size: int, stride: int, gpus_per_node: int) -> Group:
     return Group(size, per_node)
 
 
-def _links(net: Network) -> tuple[tuple[float, float], tuple[float, float]]:
-    """((alpha, B) inside a node, (alpha, B) across nodes), seconds and bytes/s."""
-    intra = (net.intra_latency_us * 1e-6, net.intra_bw_gbs * 1e9 * net.bw_efficiency)
+def _intra_fit(net: Network, n: int) -> tuple[float, float]:
+    """(alpha us, B GB/s) inside a node for a group of n: the calibrated entry of n, else of the
+    largest smaller size measured, else the smallest measured; the scalar fields without entries."""
+    if not net.latency_by_world_us or not net.bw_by_world_gbs:
+        return net.intra_latency_us, net.intra_bw_gbs
+    sizes = sorted(int(k) for k in net.latency_by_world_us if str(k) in net.bw_by_world_gbs)
+    below = [s for s in sizes if s <= n]
+    key = str(below[-1] if below else sizes[0])
+    return net.latency_by_world_us[key], net.bw_by_world_gbs[key]
+
+
+def _links(net: Network, n: int = 2) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((alpha, B) inside a node, (alpha, B) across nodes) for a group of n, seconds and bytes/s."""
+    alpha_us, bw_gbs = _intra_fit(net, n)
+    intra = (alpha_us * 1e-6, bw_gbs * 1e9 * net.bw_efficiency)
     inter = (net.inter_latency_us * 1e-6, net.inter_bw_gbs * 1e9 * net.bw_efficiency / net.oversubscription)
     return intra, inter
 
@@ -60,7 +72,7 @@ def _link(g: Group, net: Network) -> tuple[float, float]:
     Across nodes, a collective library runs one ring per NIC, so the group's members on
     one node pool their NICs: B = min(NVLink share, members per node x NIC share).
     """
-    intra, inter = _links(net)
+    intra, inter = _links(net, g.size if g.nodes == 1 else g.per_node)
     if g.nodes == 1:
         return intra
     return inter[0], min(intra[1], g.per_node * inter[1])
@@ -75,7 +87,7 @@ def all_reduce(nbytes: float, g: Group, net: Network) -> tuple[float, str]:
     options = {"ring": 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bw,
                "tree": 2 * math.ceil(math.log2(n)) * alpha + 2 * nbytes / bw}
     if g.nodes > 1 and g.per_node > 1:
-        (a_in, b_in), (a_out, b_out) = _links(net)
+        (a_in, b_in), (a_out, b_out) = _links(net, g.per_node)
         k, nodes = g.per_node, g.nodes
         inside = 2 * ((k - 1) * a_in + (k - 1) / k * nbytes / b_in)
         across = 2 * (nodes - 1) * a_out + 2 * (nodes - 1) / nodes * (nbytes / k) / b_out
@@ -92,7 +104,7 @@ def all_gather(nbytes: float, g: Group, net: Network) -> tuple[float, str]:
     alpha, bw = _link(g, net)
     options = {"ring": (n - 1) * alpha + (n - 1) / n * nbytes / bw}
     if g.nodes > 1 and g.per_node > 1:
-        (a_in, b_in), (a_out, b_out) = _links(net)
+        (a_in, b_in), (a_out, b_out) = _links(net, g.per_node)
         k, nodes = g.per_node, g.nodes
         options["hierarchical"] = ((nodes - 1) * a_out + (nodes - 1) / nodes * (nbytes / k) / b_out
                                    + (k - 1) * a_in + (k - 1) / k * nbytes / b_in)
@@ -110,7 +122,7 @@ def all_to_all(nbytes: float, g: Group, net: Network) -> tuple[float, str]:
     n = g.size
     if n == 1 or nbytes <= 0:
         return 0.0, "none"
-    (a_in, b_in), (a_out, b_out) = _links(net)
+    (a_in, b_in), (a_out, b_out) = _links(net, min(g.per_node, n))
     k = min(g.per_node, n)
     inside = (k - 1) / n * nbytes / b_in
     across = (n - k) / n * nbytes / b_out if g.nodes > 1 else 0.0

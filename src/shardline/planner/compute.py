@@ -22,7 +22,11 @@
   `optimizer_bytes_per_param` of memory traffic each.
 
 On a CPU the processes of one node share its cores and memory bandwidth
-(`shared_compute`), so each rank gets a 1/ranks share.
+(`shared_compute`). The profile's figures describe one process of `threads` threads
+(as calibrated); N such ranks on C cores each get min(1, C / (N x threads)) of them, and
+that share stretches everything a rank runs on the CPU: kernels, element-wise traffic,
+the per-op dispatcher overhead and the optimizer. With cores = 0 (an old profile) the
+node is split evenly, 1/N each.
 """
 
 from __future__ import annotations
@@ -61,7 +65,22 @@ def share(hw: Hardware, layout: Layout) -> float:
     """Fraction of a device's compute one rank gets (1, except CPU ranks sharing a node)."""
     if not hw.shared_compute:
         return 1.0
-    return 1.0 / min(layout.world, hw.network.gpus_per_node)
+    ranks = min(layout.world, hw.network.gpus_per_node)
+    if hw.cores <= 0:
+        return 1.0 / ranks
+    return min(1.0, hw.cores / (ranks * max(1, hw.threads)))
+
+
+def saturated(hw: Hardware, layout: Layout) -> bool:
+    """CPU ranks that keep every core busy: communication has no idle core to overlap on.
+
+    gloo moves data with the CPU (memcpy over loopback TCP), so a collective "overlapped"
+    with compute takes cores from it; the estimate then charges it in full.
+    """
+    if not hw.shared_compute:
+        return False
+    ranks = min(layout.world, hw.network.gpus_per_node)
+    return hw.cores <= 0 or ranks * max(1, hw.threads) >= hw.cores
 
 
 def matmul_efficiency(hw: Hardware, dtype: str, m: float, n: float, k: float) -> float:
@@ -123,7 +142,7 @@ def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
         # Autocast casts each fp32 weight to the compute dtype once per forward (read 4, write 2
         # bytes); FSDP's mixed precision casts while gathering instead.
         elem += 6 * layer_params(work, layout.tp) / bw
-    return LayerTimes(mm, attn, elem, FWD_OPS_PER_LAYER * hw.op_overhead_us * 1e-6)
+    return LayerTimes(mm, attn, elem, FWD_OPS_PER_LAYER * hw.op_overhead_us * 1e-6 / sh)
 
 
 def head_times(work: Workload, layout: Layout, hw: Hardware, stage: str) -> tuple[float, float]:
@@ -131,7 +150,7 @@ def head_times(work: Workload, layout: Layout, hw: Hardware, stage: str) -> tupl
 
     The first stage runs the embedding: a gather forward, a dense V x h gradient
     backward. The last runs the final norm, the output GEMM and the cross-entropy.
-    `stage` is "first", "last" or "both" (no pipeline).
+    `stage` is "first", "last", "both" (no pipeline) or "middle" (neither end).
     """
     m, dtype = work.model, work.precision
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
@@ -147,8 +166,9 @@ def head_times(work: Workload, layout: Layout, hw: Hardware, stage: str) -> tupl
         gemm = matmul_time(hw, dtype, tokens, m.dim, m.vocab_size / layout.tp, sh)
         cast = c + 4 if mixed else 0
         loss_bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * sh * hw.loss_eff  # fp32 logits
-        fwd += gemm + (12 + cast) * vocab * tokens / loss_bw + LOSS_OPS * hw.op_overhead_us * 1e-6
-        bwd += 2 * gemm + (20 + cast) * vocab * tokens / loss_bw + LOSS_OPS * hw.op_overhead_us * 1e-6
+        ops = LOSS_OPS * hw.op_overhead_us * 1e-6 / sh
+        fwd += gemm + (12 + cast) * vocab * tokens / loss_bw + ops
+        bwd += 2 * gemm + (20 + cast) * vocab * tokens / loss_bw + ops
     return fwd, bwd
 
 

@@ -17,6 +17,7 @@ Which communication overlaps with compute, stated once here and used below:
                         excess, plus one bucket at the end
     ZeRO-1              gradient reduce-scatter like DDP; the parameter all-gather after
                         the optimizer step is exposed
+    (CPU ranks that keep every core busy overlap nothing: gloo copies with the CPU)
     TP collectives      exposed (on the critical path: eager DTensor, no async TP)
     CP ring exchange    overlapped with the attention of the chunk in hand; excess exposed
     EP all-to-all       exposed (MoE models only); under DualPipeV hidden behind the paired
@@ -42,11 +43,13 @@ from shardline.planner.memory import (
     host_fits,
     layer_params,
     layers_per_rank,
+    max_stage_params,
     memory_breakdown,
     params_per_rank,
+    ranks,
     stage_params,
 )
-from shardline.planner.pipeline import bubble_fraction
+from shardline.planner.pipeline import RankStages, bubble_fraction
 
 CPU_ADAM_BYTES_PER_S = 20e9  # host-side AdamW with offload: ~28 B per parameter at this rate
 
@@ -103,12 +106,16 @@ def estimate(work: Workload, layout: Layout, hw: Hardware) -> Estimate:
 
 def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]) -> Estimate:
     n_micro = layout.micro_batches(work.global_batch)
-    stages = ("first", "last") if layout.pp > 1 else ("both",)
-    per_mb = {s: _microbatch(work, layout, hw, s) for s in stages}
-    slow = max(per_mb.values(), key=lambda parts: sum(parts.values()))
+    shapes = {(r.layers, r.label): r for r in ranks(work, layout)}  # pipeline ranks that differ
+    per_mb = {key: _microbatch(work, layout, hw, r) for key, r in shapes.items()}
+    totals = {key: sum(parts.values()) for key, parts in per_mb.items()}
+    slow_key = max(totals, key=totals.get)
+    slow = per_mb[slow_key]
     breakdown = {k: v * n_micro for k, v in slow.items()}
     bubble = bubble_fraction(layout.pp_schedule, layout.pp, layout.pp_microbatches, layout.pp_virtual_stages)
-    breakdown["pp_bubble"] = bubble * sum(slow.values()) * n_micro
+    # The bubble is the other stages' fill and drain: (p-1)/m x m x their mean micro-batch time
+    # (for 1F1B with stage times t_i: (m-1)·max t + sum t, as with equal stages).
+    breakdown["pp_bubble"] = bubble * n_micro * _others_mean(work, layout, totals, slow_key)
     dp_tail, dp_total, algos = _dp_tail(work, layout, hw, slow)
     breakdown["dp_comm"] = breakdown.get("dp_comm", 0.0) + dp_tail
     breakdown["optimizer"] = _optimizer(work, layout, hw)
@@ -119,15 +126,26 @@ def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]
     mfu = tokens_per_s * flops_per_token(work.model, work.seq_len) / peak
     info = {"bubble_fraction": round(bubble, 5), "micro_batches_per_step": n_micro,
             "dp_comm_total_s": round(dp_total, 6), "algorithms": algos}
+    if layout.pp > 1:
+        info["layers_per_stage"] = [r.layers for r in ranks(work, layout)]
     return Estimate(layout, step, tokens_per_s, mfu, memory, hw.mem_gib * GiB, breakdown, info,
                     host_fits(memory, layout, hw))
 
 
-def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: str) -> dict[str, float]:
-    """Seconds of one micro-batch on one rank of `stage`, by component."""
+def _others_mean(work: Workload, layout: Layout, totals: dict, slow_key) -> float:
+    """Mean micro-batch time of the pipeline ranks other than the slowest."""
+    if layout.pp == 1:
+        return 0.0
+    others = [totals[(r.layers, r.label)] for r in ranks(work, layout)]
+    others.remove(totals[slow_key])
+    return sum(others) / len(others)
+
+
+def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: RankStages) -> dict[str, float]:
+    """Seconds of one micro-batch on one rank of pipeline rank `stage`, by component."""
     lt = cmp.layer_times(work, layout, hw)
-    layers = layers_per_rank(work, layout) if layout.pp > 1 else work.model.n_layers
-    head_f, head_b = cmp.head_times(work, layout, hw, stage)
+    layers = stage.layers
+    head_f, head_b = cmp.head_times(work, layout, hw, stage.label)
     rec_mm, rec_el = cmp.recompute_fraction(layout.activation_checkpoint, layout.ac_every)
     recompute = rec_mm * (lt.matmul + lt.attention) + rec_el * (lt.elementwise + lt.overhead)
     parts = {"compute": layers * (lt.forward + lt.backward) + head_f + head_b,
@@ -135,7 +153,7 @@ def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: str) -> dic
              "tp_comm": layers * _tp_layer(work, layout, hw, rec_mm) + _tp_head(work, layout, hw, stage),
              "cp_comm": layers * _cp_layer(work, layout, hw, lt),
              "ep_comm": layers * _ep_layer(work, layout, hw, lt),
-             "fsdp_comm": _fsdp_exposed(work, layout, hw, lt, layers, stage),
+             "fsdp_comm": _fsdp_exposed(work, layout, hw, lt, stage),
              "pp_comm": _pp_p2p(work, layout, hw),
              "offload": _offload(work, layout, hw)}
     return parts
@@ -165,7 +183,7 @@ def _tp_layer(work: Workload, layout: Layout, hw: Hardware, rec_mm: float) -> fl
     return 2 * (fwd + bwd) + 2 * rec_mm * fwd  # attention and MLP; a recomputed forward repeats its part
 
 
-def _tp_head(work: Workload, layout: Layout, hw: Hardware, stage: str) -> float:
+def _tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages) -> float:
     """Vocabulary-parallel embedding (fp32 out) and output projection, each way; loss-parallel sums."""
     if layout.tp == 1:
         return 0.0
@@ -173,8 +191,8 @@ def _tp_head(work: Workload, layout: Layout, hw: Hardware, stage: str) -> float:
     tokens = _tokens(work, layout)
     one = comm.all_reduce(4 * tokens * work.model.dim, g, net)[0]
     loss = 3 * comm.all_reduce(4 * tokens, g, net)[0] if layout.loss_parallel else 0.0
-    heads = {"first": 1, "last": 1, "both": 2}[stage]
-    return heads * 2 * one + (loss if stage != "first" else 0.0)
+    heads = int(stage.first) + int(stage.last)
+    return heads * 2 * one + (loss if stage.last else 0.0)
 
 
 def _cp_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) -> float:
@@ -210,17 +228,18 @@ def _ep_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) 
     return total
 
 
-def _fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes, layers: int,
-                  stage: str) -> float:
+def _fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes, stage: RankStages) -> float:
     """Exposed FSDP/HSDP communication of one micro-batch (see the module docstring).
 
     Blocks overlap as described there; the root module (embedding, final norm, output)
     is gathered before the first block and reduce-scattered after the last: exposed.
+    On saturated CPU ranks nothing overlaps (cmp.saturated).
     """
     mode = layout.dp_mode
     if mode not in ("fsdp", "zero2", "hsdp"):
         return 0.0
-    net, shard = hw.network, layout.shard_degree
+    net, shard, layers = hw.network, layout.shard_degree, stage.layers
+    hide = 0.0 if cmp.saturated(hw, layout) else 1.0
     g = comm.group(shard, layout.tp, net.gpus_per_node)
     per_layer = layer_params(work, layout.tp)
     gather = comm.all_gather(dtype_bytes(work.precision) * per_layer, g, net)[0]
@@ -229,10 +248,9 @@ def _fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTim
         rg = comm.group(layout.dp_replicate, layout.tp * shard, net.gpus_per_node)
         scatter += comm.all_reduce(4 * per_layer / shard, rg, net)[0]
     bwd_gather = gather if layout.zero == 3 or mode == "hsdp" else 0.0
-    fwd = gather + (layers - 1) * max(0.0, gather - lt.forward)
-    bwd = bwd_gather + scatter + (layers - 1) * max(0.0, bwd_gather + scatter - lt.backward)
-    # Without a pipeline the one stage holds it all (stage_params of "first" then covers both ends).
-    root = stage_params(work, layout, "first" if stage == "both" else stage) - layers_per_rank(work, layout) * per_layer
+    fwd = gather + (layers - 1) * max(0.0, gather - hide * lt.forward)
+    bwd = bwd_gather + scatter + (layers - 1) * max(0.0, bwd_gather + scatter - hide * lt.backward)
+    root = stage_params(work, layout, stage) - layers * per_layer
     root_comm = (comm.all_gather(dtype_bytes(work.precision) * root, g, net)[0]
                  + comm.reduce_scatter(4 * root, g, net)[0])
     return fwd + bwd + root_comm
@@ -259,13 +277,14 @@ def _offload(work: Workload, layout: Layout, hw: Hardware) -> float:
 def _dp_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float]) -> tuple[float, float, dict]:
     """(exposed seconds after the last backward, total seconds, algorithms) of DDP / ZeRO-1."""
     mode, net = layout.dp_mode, hw.network
-    psi = max(stage_params(work, layout, s) for s in ("first", "last"))
+    psi = max_stage_params(work, layout)
+    hide = 0.0 if cmp.saturated(hw, layout) else 1.0
     if mode in ("ddp", "zero1"):
         g = comm.group(layout.dp, layout.tp * layout.cp, net.gpus_per_node)
         op = comm.all_reduce if mode == "ddp" else comm.reduce_scatter
         total, algo = op(4 * psi, g, net)
         bucket = op(min(DDP_BUCKET_BYTES, 4 * psi), g, net)[0]
-        exposed = max(0.0, total - slow["compute"] * 2 / 3) + bucket
+        exposed = max(0.0, total - hide * slow["compute"] * 2 / 3) + hide * bucket
         if mode == "zero1":
             gather, _ = comm.all_gather(4 * psi, g, net)
             exposed, total = exposed + gather, total + gather

@@ -49,6 +49,11 @@ class Network:
     bw_efficiency: float = 0.8  # share of link bandwidth a collective library realises
     host_bw_gbs: float = 50.0  # device <-> host (PCIe) for CPU offload
     host_mem_gib: float = 2048.0  # host memory of one node (DGX H100: 2 TB), which CPU offload fills
+    # Calibrated intra-node alpha and B per group size ("2", "4", ...; gloo between CPU
+    # processes, where both depend on how many processes share the cores). Empty: the
+    # scalar intra_* fields for every size.
+    latency_by_world_us: dict[str, float] = field(default_factory=dict)
+    bw_by_world_gbs: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,8 @@ class Hardware:
     op_overhead_us: float = 3.0  # per launched op: launch gap on GPU, dispatcher time on CPU
     optimizer_bytes_per_param: float = 40.0  # fused AdamW (28 B) + grad-norm clip (12 B), memory traffic
     shared_compute: bool = False  # True: processes on one node share its compute (CPU ranks)
+    cores: int = 0  # shared_compute: cores the ranks of one node share (0: the device is split evenly)
+    threads: int = 1  # shared_compute: threads of one rank, which the peak and efficiencies describe
     process_baseline_gib: float = 0.0  # CPU: resident memory before the model (torch, data)
 
     def peak(self, dtype: str) -> float:
@@ -123,8 +130,18 @@ def _host_memory_gib() -> float:
         return 16.0
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def cpu_hardware() -> Hardware:
     """This host as a device: uncalibrated guesses, replaced by `shardline calibrate`."""
+    import torch
+
     peak = cpu_peak_tflops()
     return Hardware(
         name="cpu", marker="", peak_tflops={"fp32": peak, "bf16": peak, "fp16": peak},
@@ -134,7 +151,8 @@ def cpu_hardware() -> Hardware:
         matmul_eff_max={"fp32": 0.5, "bf16": 0.1, "fp16": 0.05}, matmul_half_dim=64.0,
         attn_eff={"fp32": 0.25, "bf16": 0.05, "fp16": 0.03}, elementwise_eff={"fp32": 1.0, "bf16": 0.8, "fp16": 0.5},
         loss_eff=0.2, op_overhead_us=10.0,
-        optimizer_bytes_per_param=120.0, shared_compute=True, process_baseline_gib=0.45)
+        optimizer_bytes_per_param=120.0, shared_compute=True, cores=cpu_cores(),
+        threads=torch.get_num_threads() or 1, process_baseline_gib=0.45)
 
 
 def get_hardware(name: str, profile: str | Path | None = None) -> Hardware:
@@ -223,6 +241,8 @@ def to_toml(values: dict[str, Any], comment: str = "") -> str:
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, dict):  # an inline table
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):

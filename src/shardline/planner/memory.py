@@ -27,13 +27,11 @@ torch, the tokenizer, the dataset) complete the peak.
 
 from __future__ import annotations
 
-import math
-
 from shardline.models.flops import num_params
 from shardline.planner import activations as act
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Layout, Workload
-from shardline.planner.pipeline import inflight_microbatches
+from shardline.planner.pipeline import RankStages, inflight_on_rank, pipeline_ranks
 
 GB, GiB = 1e9, 2**30
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -54,21 +52,36 @@ def layer_params(work: Workload, tp: int) -> float:
     return (m.dim * (2 * q + 2 * kv) + 3 * m.dim * m.ffn_dim) / tp + 2 * m.dim
 
 
+def ranks(work: Workload, layout: Layout):
+    """The pipeline ranks' blocks and model ends, split as the trainer splits them (pipeline.py)."""
+    return pipeline_ranks(work.model, layout.pp, layout.pp_virtual_stages, layout.pp_schedule)
+
+
 def layers_per_rank(work: Workload, layout: Layout) -> int:
-    chunks = layout.pp * layout.pp_virtual_stages
-    return math.ceil(work.model.n_layers / chunks) * layout.pp_virtual_stages
+    """Blocks on the pipeline rank that holds the most."""
+    return max(r.layers for r in ranks(work, layout))
 
 
-def stage_params(work: Workload, layout: Layout, stage: str) -> float:
-    """Parameters on one rank of the first or last pipeline stage (the two that differ)."""
+def stage_params(work: Workload, layout: Layout, stage: RankStages) -> float:
+    """Parameters on one rank of pipeline rank `stage` (all of them without a pipeline).
+
+    The last stage holds the output and final norm; a tied output is a copy of the
+    embedding there, and one shared weight when one rank holds both ends.
+    """
     m = work.model
     embed = m.vocab_size * m.dim / layout.tp
-    blocks = layers_per_rank(work, layout) * layer_params(work, layout.tp)
-    if layout.pp == 1:
-        return blocks + embed + (0 if m.tie_embeddings else embed) + m.dim
-    if stage == "first":
-        return blocks + embed
-    return blocks + embed + m.dim  # the output (a tied one is a copy on the last stage too) and final norm
+    out = stage.layers * layer_params(work, layout.tp)
+    if stage.first:
+        out += embed
+    if stage.last:
+        out += embed + m.dim
+    if stage.first and stage.last and m.tie_embeddings:
+        out -= embed
+    return out
+
+
+def max_stage_params(work: Workload, layout: Layout) -> float:
+    return max(stage_params(work, layout, r) for r in ranks(work, layout))
 
 
 def state_bytes(work: Workload, layout: Layout, psi: float) -> dict[str, float]:
@@ -116,29 +129,34 @@ def transient_bytes(work: Workload, layout: Layout, tokens: int) -> float:
     return out
 
 
-def activation_bytes(work: Workload, layout: Layout, stage: str) -> dict[str, float]:
+def activation_bytes(work: Workload, layout: Layout, stage: RankStages) -> dict[str, float]:
     m, s = work.model, work.seq_len
     tokens = layout.micro_batch_size * s // layout.cp
     mode, every = layout.activation_checkpoint, layout.ac_every
     per_layer = act.layer_bytes_per_token(m, work.precision, layout.tp, layout.sp, mode, every) * tokens
-    inflight = inflight_microbatches(layout.pp_schedule, layout.pp, layout.pp_microbatches,
-                                     layout.pp_virtual_stages)
-    layers = layers_per_rank(work, layout)
+    inflight = inflight_on_rank(layout.pp_schedule, layout.pp, layout.pp_microbatches, layout.pp_virtual_stages,
+                                stage.rank)
     mask = layout.micro_batch_size * (s // layout.cp) * s if work.document_mask else 0.0
-    out = {"activations": inflight * (layers * per_layer + mask),
+    out = {"activations": inflight * (stage.layers * per_layer + mask),
            "recompute": act.recompute_transient_bytes_per_token(m, work.precision, layout.tp, layout.sp,
                                                                 mode) * tokens}
-    last = layout.pp == 1 or stage == "last"
     c = act.dtype_bytes(work.precision)
     out["logits"] = ((act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel)
-                      + (8 + c) * m.dim / (layout.tp if layout.sp else 1)) * tokens if last else 0.0)
+                      + (8 + c) * m.dim / (layout.tp if layout.sp else 1)) * tokens if stage.last else 0.0)
     return out
+
+
+def peak_candidates(work: Workload, layout: Layout) -> list[RankStages]:
+    """Pipeline ranks that may hold the peak: the first (most in flight), the last (logits), the fullest."""
+    rs = ranks(work, layout)
+    fullest = max(rs, key=lambda r: r.layers)
+    return list({r.rank: r for r in (rs[0], rs[-1], fullest)}.values())
 
 
 def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
     """Peak bytes on the busiest rank, by component, with `total`."""
     worst: dict[str, float] = {}
-    for stage in ("first", "last") if layout.pp > 1 else ("first",):
+    for stage in peak_candidates(work, layout):
         psi = stage_params(work, layout, stage)
         tokens = layout.micro_batch_size * work.seq_len // layout.cp
         states, host = offloaded(state_bytes(work, layout, psi), layout)
@@ -161,8 +179,7 @@ def host_fits(memory: dict[str, float], layout: Layout, hw: Hardware) -> bool:
 
 def params_per_rank(work: Workload, layout: Layout) -> float:
     """Largest parameter count any rank updates in its optimizer step."""
-    psi = max(stage_params(work, layout, s) for s in ("first", "last"))
-    return psi / layout.shard_degree
+    return max_stage_params(work, layout) / layout.shard_degree
 
 
 def total_params(work: Workload) -> int:

@@ -1,0 +1,94 @@
+"""The planner's model of CPU ranks and pipelines as the trainer runs them.
+
+Pipeline stages are split by the trainer's rule (the head counts as blocks on the last
+stage); CPU ranks share the node's cores; gloo collectives use the alpha/B calibrated
+for their group size; saturated CPU ranks overlap no communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardline.models.presets import PRESETS
+from shardline.planner import comm
+from shardline.planner import compute as cmp
+from shardline.planner import pipeline as plan_pp
+from shardline.planner.estimate import estimate
+from shardline.planner.hardware import cpu_hardware
+from shardline.planner.layout import Layout, Workload
+from shardline.planner.memory import memory_breakdown
+
+TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=4096)
+WORK = Workload(TINY, 128, 8, "fp32")
+
+
+def cpu(cores=2, threads=1):
+    return dataclasses.replace(cpu_hardware(), cores=cores, threads=threads)
+
+
+@pytest.mark.parametrize("n_layers, stages, head", [(4, 2, 1.33), (16, 4, 0.0), (32, 8, 5.0), (80, 4, 0.9),
+                                                    (7, 3, 2.5), (126, 16, 1.2)])
+def test_stage_split_is_the_trainers(n_layers, stages, head):
+    trainer = pytest.importorskip("shardline.parallel.pipeline")
+    assert [len(s) for s in trainer.split_layers(n_layers, stages, head)] == list(
+        plan_pp.split_layers(n_layers, stages, head))
+    for name in ("tiny", "llama3-8b", "llama3-70b"):
+        args = TINY if name == "tiny" else PRESETS[name]
+        assert plan_pp.head_cost(args) == pytest.approx(trainer.head_cost(args))
+
+
+def test_pipeline_ranks_follow_the_split_and_the_schedule():
+    ranks = plan_pp.pipeline_ranks(TINY, 2, 1, "1f1b")
+    assert [(r.layers, r.label) for r in ranks] == [(3, "first"), (1, "last")]  # tiny's head is 1.33 blocks
+    v = plan_pp.pipeline_ranks(PRESETS["llama3-8b"], 2, 2, "zbv")
+    assert v[0].first and v[0].last and v[0].label == "both" and v[1].label == "middle"
+    assert sum(r.layers for r in v) == 32
+
+
+def test_the_fuller_first_stage_sets_the_pace_and_the_bubble_is_the_other_stage():
+    lay = Layout(pp=2, pp_microbatches=4, micro_batch_size=2)
+    e = estimate(WORK, lay, cpu())
+    assert e.info["layers_per_stage"] == [3, 1]
+    even = dataclasses.replace(TINY, vocab_size=8)  # a negligible head: 2 + 2 layers
+    e_even = estimate(dataclasses.replace(WORK, model=even), lay, cpu())
+    assert e_even.info["layers_per_stage"] == [2, 2]
+    # 1F1B with stage times t0 > t1: m·t0 + t1, so the bubble is one micro-batch of the last stage.
+    assert e.breakdown["pp_bubble"] < e.breakdown["compute"] / 4
+    # Even blocks: the bubble is one micro-batch of the other stage, nearly the slow one's.
+    assert e_even.breakdown["pp_bubble"] == pytest.approx(
+        (e_even.step_time_s - e_even.breakdown["pp_bubble"] - e_even.breakdown["optimizer"]
+         - e_even.breakdown["dp_comm"]) / 4, rel=0.02)
+    # Memory: 1F1B's first rank keeps 2 micro-batches of 3 blocks in flight, more than the last's logits.
+    assert memory_breakdown(WORK, lay, cpu())["activations"] > 0
+
+
+@pytest.mark.parametrize("world, cores, threads, expected", [(1, 2, 1, 1.0), (2, 2, 1, 1.0), (4, 2, 1, 0.5),
+                                                             (8, 2, 1, 0.25), (2, 2, 2, 0.5), (4, 16, 2, 1.0)])
+def test_cpu_ranks_share_the_cores(world, cores, threads, expected):
+    assert cmp.share(cpu(cores, threads), Layout(dp_shard=world)) == pytest.approx(expected)
+    assert cmp.saturated(cpu(cores, threads), Layout(dp_shard=world)) == (world * threads >= cores)
+
+
+def test_oversubscribed_ranks_stretch_compute_including_op_overhead():
+    one = cmp.layer_times(WORK, Layout(dp_shard=2), cpu())
+    four = cmp.layer_times(WORK, Layout(dp_shard=4), cpu())
+    assert four.matmul == pytest.approx(2 * one.matmul) and four.overhead == pytest.approx(2 * one.overhead)
+
+
+def test_collectives_use_the_fit_of_their_group_size():
+    net = dataclasses.replace(cpu().network, latency_by_world_us={"2": 100.0, "4": 300.0, "8": 2000.0},
+                              bw_by_world_gbs={"2": 2.0, "4": 1.0, "8": 0.5})
+    for size, (alpha_us, bw) in {2: (100, 2.0), 3: (100, 2.0), 4: (300, 1.0), 6: (300, 1.0), 16: (2000, 0.5)}.items():
+        t = comm.all_gather(1e6, comm.group(size, 1, net.gpus_per_node), net)[0]
+        assert t == pytest.approx((size - 1) * alpha_us * 1e-6 + (size - 1) / size * 1e6 / (bw * 1e9))
+
+
+def test_saturated_cpu_ranks_expose_all_data_parallel_communication():
+    wide = dataclasses.replace(WORK, model=dataclasses.replace(TINY, dim=1024, ffn_dim=4096))  # 200 MB of grads
+    lay = Layout(dp_replicate=2, micro_batch_size=4)
+    ddp = estimate(wide, lay, cpu(cores=2))
+    assert ddp.breakdown["dp_comm"] == pytest.approx(ddp.info["dp_comm_total_s"], rel=1e-4)  # info is rounded
+    idle = estimate(wide, lay, cpu(cores=16))  # spare cores: the buckets overlap the backward
+    assert idle.breakdown["dp_comm"] < 0.9 * ddp.breakdown["dp_comm"]
