@@ -39,6 +39,12 @@ def test_json_has_the_keys_scripts_rely_on(capsys):
     assert report["checkpoint"]["interval_steps"] == report["optimal_checkpoint_interval_steps"]
 
 
+def test_step_time_source_names_the_planned_layout(capsys):
+    report = run_json(capsys, "--fix", "tp=8")
+    assert report["step_time_source"].startswith("planner: tp8 ")
+    assert report["step_time_s"] > 0
+
+
 def test_text_output_and_fixed_interval(capsys):
     assert main([*SMALL, "--checkpoint-interval", "50", "--checkpoint-mode", "sync", "--step-time", "2"]) == 0
     out = capsys.readouterr().out
@@ -80,6 +86,8 @@ def test_plot_writes_a_png_with_a_sweep(tmp_path, capsys):
     ({"--simulate.detection_s=-5": None}, "simulate.detection_s=-5 must be >= 0"),
     ({"--straggler-slowdown": "0.5"}, "straggler_slowdown=0.5 must be >= 1"),
     ({"--step-time": "1e-6", "--checkpoint-interval": "1"}, "use an interval of at least"),
+    ({"--fix": "tq=8"}, "--fix key 'tq' is unknown"),
+    ({"--simulate.fix=tp=x": None}, "--fix tp='x' must be an integer"),
 ])
 def test_impossible_requests_are_user_errors(capsys, changes, message):
     flags = dict(zip(SMALL[1::2], SMALL[2::2], strict=True))  # SMALL is "simulate" + flag/value pairs

@@ -20,7 +20,7 @@ _FLAG_KEYS = {
     "step_time": "step_time_s", "save_time": "save_s", "snapshot_time": "snapshot_s",
     "detection_time": "detection_s", "restart_time": "restart_s", "persist_every": "persist_every",
     "straggler_prob": "straggler_prob", "straggler_slowdown": "straggler_slowdown",
-    "seq_len": "seq_len", "global_batch_tokens": "global_batch_tokens", "mfu": "mfu",
+    "seq_len": "seq_len", "global_batch_tokens": "global_batch_tokens", "mfu": "mfu", "fix": "fix",
 }
 
 
@@ -37,7 +37,9 @@ def register(subparsers) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--checkpoint-interval", metavar="STEPS|optimal", help="default: optimal (Daly)")
     p.add_argument("--checkpoint-mode", choices=MODES, help="default: async")
-    p.add_argument("--step-time", type=float, metavar="S", help="seconds per step (default: FLOPs at MFU 0.4)")
+    p.add_argument("--step-time", type=float, metavar="S",
+                   help="seconds per step (default: the planner's best layout; FLOPs at --mfu if none fits)")
+    p.add_argument("--fix", metavar="KEY=V,...", help="pin planner layout keys for the step time (as plan --fix)")
     p.add_argument("--seeds", type=int, default=8, help="Monte Carlo runs (default 8)")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of goodput vs checkpoint interval (all modes)")
@@ -51,9 +53,10 @@ def register(subparsers) -> None:
     p.add_argument("--failure-scale", type=float, metavar="X", help="multiply every failure rate")
     p.add_argument("--straggler-prob", type=float, metavar="P", help="per GPU per step (default 5e-7)")
     p.add_argument("--straggler-slowdown", type=float, metavar="F", help="slowed step time factor (default 2)")
-    p.add_argument("--seq-len", type=int, help="for the step-time estimate")
-    p.add_argument("--global-batch-tokens", type=int, help="for the step-time estimate")
-    p.add_argument("--mfu", type=float, help="for the step-time estimate (default 0.4)")
+    p.add_argument("--seq-len", type=int, help="for the step-time estimate (default min(max_seq_len, 8192))")
+    p.add_argument("--global-batch-tokens", type=int,
+                   help="for the step-time estimate (default one sequence per GPU, at most 2048)")
+    p.add_argument("--mfu", type=float, help="fallback step-time estimate when the planner has no plan (default 0.4)")
     p.set_defaults(func=run)
 
 

@@ -1,8 +1,11 @@
 """The job being simulated: model, accelerators, step time and checkpoint costs.
 
 `step_time_s` is the single place the simulator learns how long one optimizer step
-takes. Until the planner's cost model is wired in, it is either given (`--step-time`)
-or estimated from model FLOPs at an assumed MFU:
+takes: given (`--step-time`), else the planner's predicted step time of the best layout
+for this model, accelerator, count, sequence length and batch (`shardline plan`'s
+search; `--fix KEY=V,...` pins keys, as `plan --fix` does; cached per request). If the
+planner has no plan (nothing fits, the batch does not split, the device is not in its
+table) it falls back, saying why, to model FLOPs at an assumed MFU:
 
     step_time = flops_per_token(model, seq_len) * tokens_per_step / (gpus * peak * mfu)
 
@@ -13,6 +16,7 @@ Measured costs (`--save-time`, `--snapshot-time`) replace the estimates.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -91,17 +95,54 @@ def tokens_per_step(job: Job, settings: Settings) -> int:
 
 
 def step_time_s(job: Job, settings: Settings) -> tuple[float, str]:
-    """Seconds per optimizer step, and where the number came from.
-
-    The one hook for the planner: replace the estimate below by its plan's step time.
-    """
+    """Seconds per optimizer step, and where the number came from."""
     if settings.step_time_s is not None:
         return settings.step_time_s, "given (--step-time)"
+    seconds, how = planned_step(job.model, job.gpu, job.gpus, job.gpus_per_node, seq_len(job, settings),
+                                tokens_per_step(job, settings), settings.fix)
+    if seconds is not None:
+        return seconds, how
     flops = flops_per_token(job.model, seq_len(job, settings)) * tokens_per_step(job, settings)
     seconds = flops / (job.gpus * peak_flops(job.gpu) * settings.mfu)
-    how = (f"estimate: {flops / tokens_per_step(job, settings):.3g} FLOP/token x {tokens_per_step(job, settings):,} "
-           f"tokens / ({job.gpus:,} x {peak_flops(job.gpu) / 1e12:.3g} TFLOP/s x MFU {settings.mfu:.2f})")
-    return seconds, how
+    estimate = (f"estimate: {flops / tokens_per_step(job, settings):.3g} FLOP/token x "
+                f"{tokens_per_step(job, settings):,} tokens / ({job.gpus:,} x {peak_flops(job.gpu) / 1e12:.3g} "
+                f"TFLOP/s x MFU {settings.mfu:.2f})")
+    return seconds, f"{estimate}; no planner estimate: {how}"
+
+
+@functools.lru_cache(maxsize=64)
+def planned_step(model: ModelArgs, gpu: str, gpus: int, gpus_per_node: int, seq: int, tokens: int,
+                 fix: str = "") -> tuple[float | None, str]:
+    """(step seconds of the planner's best layout, description), or (None, why there is none).
+
+    bf16 on accelerators, fp32 on `cpu`, with the trainer's document mask, as `shardline
+    plan` assumes by default. The search is the planner's (seconds at 16k GPUs) and is
+    cached, so sweeps and repeated calls pay it once.
+    """
+    import dataclasses
+
+    from shardline.planner.hardware import DEVICE_NAMES, get_hardware
+    from shardline.planner.layout import Workload, parse_fix
+    from shardline.planner.search import explain_no_fit, search
+
+    if gpu not in DEVICE_NAMES:
+        return None, f"{gpu} is not in the planner's hardware table"
+    if tokens % seq:
+        return None, f"{tokens:,} tokens per step is not a whole number of {seq}-token sequences"
+    hw = get_hardware(gpu)
+    hw = dataclasses.replace(hw, network=dataclasses.replace(hw.network, gpus_per_node=gpus_per_node))
+    work = Workload(model, seq, tokens // seq, "fp32" if gpu == "cpu" else "bf16")
+    try:
+        result = search(work, hw, gpus, parse_fix(fix))
+    except ConfigError as e:
+        return None, str(e)
+    if not result.candidates:
+        return None, explain_no_fit(work, hw, gpus, result)
+    best = result.candidates[0]
+    pinned = f", --fix {fix}" if fix else ""
+    return best.step_time_s, (f"planner: {best.layout.describe()}{pinned}, MFU {100 * best.mfu:.1f}%, "
+                              f"{best.memory['total'] / 2**30:.1f} GiB/GPU; best of {len(result.candidates):,} "
+                              f"fitting layouts")
 
 
 def state_bytes(job: Job, settings: Settings) -> float:

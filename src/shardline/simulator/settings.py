@@ -22,11 +22,13 @@ MODES = ("sync", "async", "memory")
 
 @dataclass(frozen=True)
 class Settings:
-    # Step time: given, or estimated from FLOPs (see job.step_time_s).
+    # Step time: given, or the planner's best layout (pinned by `fix`), else FLOPs at `mfu`
+    # (see job.step_time_s).
     step_time_s: float | None = None
+    fix: str = ""  # planner --fix keys, e.g. "tp=8,pp=16"
     seq_len: int | None = None  # None: min(model max_seq_len, 8192)
     global_batch_tokens: int | None = None  # None: one sequence per GPU, at most 2048 sequences
-    mfu: float = 0.40  # Llama 3 405B: 38-43% BF16 MFU (Table 4)
+    mfu: float = 0.40  # fallback only; Llama 3 405B: 38-43% BF16 MFU (Table 4)
     # Failure handling.
     detection_s: float = 120.0  # from the fault to the job noticing it (watchdog/heartbeat)
     restart_s: float = 300.0  # reschedule onto spares, relaunch, init NCCL; excludes the load
@@ -88,6 +90,13 @@ def check_value(key: str, value: Any) -> Any:
         return value
     if key == "checkpoint_interval":
         return parse_interval(value)
+    if key == "fix":
+        from shardline.planner.layout import parse_fix
+
+        if not isinstance(value, str):
+            raise ConfigError(f"simulate.fix={value!r} must be a string like \"tp=8,pp=16\"")
+        parse_fix(value)  # a bad key or value fails here, naming it
+        return value
     if key not in _RULES:
         valid = ", ".join(f.name for f in fields(Settings) if f.name != "failures")
         raise ConfigError(f"simulate.{key} is not a simulator setting; valid keys: {valid}")
