@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardline.config import OptimConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
+                    zero1_mesh: DeviceMesh | None = None) -> torch.optim.AdamW:
+    """AdamW over the model's parameters; with `zero1_mesh`, states sharded over its dp_shard dim."""
     # Norm weights (1-D) are not decayed: shrinking them toward zero only hurts.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
@@ -19,7 +22,12 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
         # The fused kernel is fastest on GPU; on CPU foreach is the well-trodden path.
         impl = "fused" if device.type == "cuda" else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+    hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
+    if zero1_mesh is not None:
+        from shardline.parallel.zero1 import Zero1AdamW
+
+        return Zero1AdamW(model, groups, zero1_mesh, "dp_shard", **hyper)
+    return torch.optim.AdamW(groups, **hyper)
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: OptimConfig) -> float:

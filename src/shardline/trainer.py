@@ -79,7 +79,7 @@ class Trainer:
         if self.pipeline is not None:
             pp_group = self.dims.submesh("pp").get_group()
             self.pipeline.build_schedule(self.device, pp_group, self._pipeline_loss)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.dims.zero1_mesh())
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.scaler = LossScaler(self.device, cfg.train.precision)
         self.saver = AsyncSaver(self.checkpointer, self.dims.checkpoint_group) if cfg.checkpoint.mode == "async" \

@@ -27,6 +27,8 @@ LAYOUTS_2 = {
 LAYOUTS_4 = {
     "ddp": ["parallel.dp_replicate=4", "parallel.dp_shard=1"],
     "ddp_grad_accum": ["parallel.dp_replicate=4", "parallel.dp_shard=1", "train.micro_batch_size=1"],
+    "zero1": ["parallel.dp_shard=4", "parallel.zero=1"],
+    "zero1_hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=1"],
     "zero2": ["parallel.dp_shard=4", "parallel.zero=2"],
     "zero3": ["parallel.dp_shard=4", "parallel.zero=3"],
     "hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
@@ -47,6 +49,10 @@ RESHARD_4 = [
     ("hsdp_to_zero2", ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.stop_at_step=2"],
      ["parallel.dp_shard=4", "parallel.zero=2"]),
     ("zero3_to_pp", ["parallel.dp_shard=4", "train.stop_at_step=2"], ["parallel.dp_shard=2", "parallel.pp=2"]),
+    ("zero1_to_tp", ["parallel.dp_shard=4", "parallel.zero=1", "train.stop_at_step=2"],
+     ["parallel.dp_shard=2", "parallel.tp=2"]),
+    ("zero3_to_zero1", ["parallel.dp_shard=4", "train.stop_at_step=2"],
+     ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=1"]),
 ]
 
 

@@ -26,8 +26,12 @@ _PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims, device: torch.device) -> nn.Module:
-    """Wrap for DDP: bucketed all-reduce overlapped with backward. Returns the wrapper."""
-    return DistributedDataParallel(model, process_group=dims.submesh("dp_replicate").get_group(),
+    """Wrap for DDP: bucketed all-reduce overlapped with backward. Returns the wrapper.
+
+    The reduce spans every data-parallel rank: the replicas, and under ZeRO-1 also the
+    dp_shard ranks (which shard only optimizer states).
+    """
+    return DistributedDataParallel(model, process_group=dims.submesh("dp").get_group(),
                                    device_ids=[device.index] if device.type == "cuda" else None)
 
 

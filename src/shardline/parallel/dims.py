@@ -64,6 +64,16 @@ class ParallelDims:
     def ddp(self) -> bool:
         return self.dp_replicate > 1 and self.dp_shard == 1
 
+    @property
+    def zero1(self) -> bool:
+        """Replicated parameters (DDP over all dp ranks), optimizer states sharded over dp_shard."""
+        return self.zero == 1 and self.dp_shard > 1
+
+    def zero1_mesh(self) -> DeviceMesh | None:
+        if not self.zero1:
+            return None
+        return self.submesh("dp_replicate", "dp_shard") if self.dp_replicate > 1 else self.submesh("dp_shard")
+
     def check_against(self, args: ModelArgs, cfg: Config) -> None:
         """Rules that involve the model shape and the batch."""
         cfg.check(dp_world=self.dp)
@@ -79,9 +89,9 @@ class ParallelDims:
                               "with sequence_parallel")
         if self.pp > 1:
             self._check_pipeline(args, cfg)
-        if self.zero == 1 and self.dp_shard > 1:
-            raise ConfigError("parallel.zero=1 (optimizer-state sharding only) is not implemented yet; "
-                              "use zero=2 (FSDP without resharding parameters) or zero=3")
+        if self.zero1 and (self.tp > 1 or self.pp > 1):
+            raise ConfigError(f"parallel.zero=1 composes with data parallelism only (got tp={self.tp}, "
+                              f"pp={self.pp}); use zero=2 or zero=3 with tp/pp")
         if cfg.memory.cpu_offload and (cfg.run.device == "cpu" or not torch.cuda.is_available()):
             raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
         if cfg.memory.cpu_offload and self.dp_shard == 1:

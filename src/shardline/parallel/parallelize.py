@@ -54,7 +54,7 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     if dims.tp > 1:
         apply_tp(model, dims.submesh("tp"), p.sequence_parallel, p.loss_parallel)
     apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
-    use_ddp = dims.ddp and dims.tp == 1 and dims.pp == 1
+    use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1
     if dims.dp > 1 and not use_ddp:
         roots = pipeline.modules if pipeline else [model]
         apply_fsdp(model, roots, dims, cfg.train.precision, cfg.memory.cpu_offload)

@@ -94,8 +94,19 @@ def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     """Model (and optimizer) state keyed by parameter name, as DCP saves it."""
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
+    if hasattr(optimizer, "checkpoint_state"):  # ZeRO-1 keys its sharded states itself
+        return {"model": get_model_state_dict(model), "optim": optimizer.checkpoint_state()}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
+
+
+def restore_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Put a loaded capture_state() tree back into the model and optimizer."""
+    if hasattr(optimizer, "load_checkpoint_state"):
+        set_model_state_dict(model, state["model"])
+        optimizer.load_checkpoint_state(state["optim"])
+        return
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def write_checkpoint(final: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -212,10 +223,9 @@ class Checkpointer:
         if verify(path).get("kind", "full") != "full":
             raise CheckpointError(f"checkpoint {path} holds weights only; start a run from it with "
                                   f"--model.init_from={path} instead of resuming")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = capture_state(model, optimizer)
         _dcp_load(path, state)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        restore_state(model, optimizer, state)
         rank_file = path / "trainer" / f"rank{self.rank}.pt"
         if not rank_file.is_file():
             rank_file = path / "trainer" / "rank0.pt"  # resumed with more ranks than were saved

@@ -32,11 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.tensor import DTensor
 
 from shardline.resilience import redundancy
-from shardline.resilience.checkpoint import capture_state
+from shardline.resilience.checkpoint import capture_state, restore_state
 
 KINDS = ("own", "replica", "parity")
 
@@ -282,6 +281,5 @@ class MemoryTier:
     @staticmethod
     def load_into(payload: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Put a recovered snapshot into the model and optimizer; returns its trainer state."""
-        state = from_local(capture_state(model, optimizer), payload["state"])
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        restore_state(model, optimizer, from_local(capture_state(model, optimizer), payload["state"]))
         return payload["trainer"]
