@@ -205,6 +205,7 @@ class Trainer:
         self.watchdog.close()
         self._timed("checkpoint", self.drain_saves)
         if self.memory is not None:
+            self._timed("checkpoint", self.drain_memory)
             self.memory.clear()  # the run is complete: give the RAM back
         self.goodput.persist(finished=True)
         self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
@@ -313,6 +314,7 @@ class Trainer:
         if action == "rollback":
             started = time.perf_counter()
             self.drain_saves()
+            self.drain_memory()
             target = self._newest_state(self.checkpointer.latest_valid())
             if target is not None:
                 self.skipped_batches = sorted({*self.skipped_batches, batch_index(step - 1, self.skipped_batches)})
@@ -433,12 +435,30 @@ class Trainer:
         return path
 
     def snapshot_memory(self) -> None:
-        """In-memory tier: this step's state into host RAM, with a peer replica or parity."""
-        stats = self.memory.save(self.step, self.model, self.optimizer, self._trainer_state())
+        """In-memory tier: this step's state into host RAM, with a peer replica or parity.
+
+        It follows checkpoint.mode: async snapshots stall only for a host copy.
+        """
+        background = self.cfg.checkpoint.mode == "async"
+        self._timed("checkpoint", self.drain_memory)
+        stats = self.memory.save(self.step, self.model, self.optimizer, self._trainer_state(), background)
         self.goodput.add("checkpoint", stats["stall_s"])
-        self.metrics.event("memory_snapshot", step=self.step, redundancy=self.cfg.checkpoint.memory_redundancy,
-                           stall_s=round(stats["stall_s"], 4), own_mib=round(stats["own_bytes"] / 2**20, 2),
-                           redundancy_mib=round(stats["redundancy_bytes"] / 2**20, 2))
+        fields = {"step": self.step, "mode": "async" if background else "sync", "stall_s": round(stats["stall_s"], 4)}
+        self.metrics.event("memory_snapshot", **fields)
+        if not background:
+            self._log_memory_held(stats)
+
+    def drain_memory(self) -> None:
+        """Wait for the background memory snapshot in flight (if any) and log what it holds."""
+        for done in self.memory.wait() if self.memory is not None else ():
+            self._log_memory_held(done)
+
+    def _log_memory_held(self, stats: dict) -> None:
+        self.metrics.event("memory_snapshot_held", step=stats["step"],
+                           redundancy=self.cfg.checkpoint.memory_redundancy,
+                           own_mib=round(stats["own_bytes"] / 2**20, 2),
+                           redundancy_mib=round(stats["redundancy_bytes"] / 2**20, 2),
+                           **({"background_s": round(stats["background_s"], 3)} if "background_s" in stats else {}))
 
     def _trainer_state(self) -> dict:
         """Everything beyond model and optimizer that a resumed run needs to continue exactly."""

@@ -128,3 +128,41 @@ def test_bad_memory_tier_settings_are_config_errors(tiny_config, key, value):
 
     with pytest.raises(ConfigError, match=key):
         tiny_config(f"{key}={value}").check()
+
+
+def test_snapshot_format_round_trips_every_kind_of_leaf(tmp_path):
+    from shardline.resilience import snapshot_format
+
+    tree = {"w": torch.randn(3, 5), "half": torch.randn(7).to(torch.bfloat16), "step": torch.tensor(4.0),
+            "empty": torch.zeros(0, 3), "ints": torch.arange(5), "rng": (3, tuple(range(4)), None),
+            "groups": [{"lr": 0.1, "params": ["a", "b"]}], "view": torch.arange(10.0)[2:6]}
+    path = tmp_path / "snap.bin"
+    snapshot_format.write(path, tree)
+    back = snapshot_format.read(torch.from_numpy(__import__("numpy").fromfile(path, dtype="uint8")))
+    assert back["rng"] == tree["rng"] and back["groups"] == tree["groups"]
+    for key in ("w", "half", "step", "empty", "ints", "view"):
+        assert back[key].dtype == tree[key].dtype and torch.equal(back[key], tree[key]), key
+
+
+def test_snapshot_header_refuses_foreign_classes():
+    import pickle
+
+    from shardline.resilience import snapshot_format
+
+    header = pickle.dumps((os.getcwd, []))  # a callable: loading it must not be allowed
+    data = torch.tensor(list(len(header).to_bytes(8, "little")) + list(header), dtype=torch.uint8)
+    with pytest.raises(pickle.UnpicklingError, match="not a shardline snapshot"):
+        snapshot_format.read(data)
+
+
+def test_background_snapshot_stalls_for_the_copy_and_is_recoverable(tmp_path):
+    model, opt = _tiny_state()
+    tier = MemoryTier(tmp_path / "shm", 0, 1, 1, "replica", fingerprint="x")
+    stats = tier.save(7, model, opt, {"step": 7}, background=True)
+    assert set(stats) == {"stall_s"}
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # training moves on: the snapshot must hold the old values
+    done = tier.wait()
+    assert [d["step"] for d in done] == [7] and done[0]["own_bytes"] > 0
+    step, payload, _ = tier.recover()
+    assert step == 7 and torch.equal(payload["state"]["model"]["0.weight"] + 1.0, model[0].weight)

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import getpass
 import hashlib
-import io
 import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shardline.resilience import redundancy
+from shardline.resilience import redundancy, snapshot_format
 from shardline.resilience.checkpoint import capture_state, restore_state
 
 KINDS = ("own", "replica", "parity")
@@ -51,19 +51,20 @@ def run_root(run_dir: Path, base: str = "") -> Path:
     return Path(base) / hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
-def to_local(obj: Any) -> Any:
+def to_local(obj: Any, copy: bool = False) -> Any:
     """The state tree on the host with every DTensor replaced by this rank's shard.
 
-    Host tensors are not copied: the snapshot is serialised before training moves on.
+    Host tensors are copied only with `copy`: a synchronous snapshot is serialised
+    before training moves on, a background one needs a private copy.
     """
     if isinstance(obj, DTensor):
         obj = obj.to_local()
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu")
+        return obj.detach().to("cpu", copy=copy)
     if isinstance(obj, dict):
-        return {k: to_local(v) for k, v in obj.items()}
+        return {k: to_local(v, copy) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_local(v) for v in obj)
+        return type(obj)(to_local(v, copy) for v in obj)
     return obj
 
 
@@ -82,7 +83,7 @@ def from_local(template: Any, saved: Any) -> Any:
 
 
 def deserialize(data: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(data.numpy().data), weights_only=True)
+    return snapshot_format.read(data)
 
 
 def choose_step(reports: list[dict], world: int, ranks_per_node: int, mode: str) -> tuple[int | None, dict]:
@@ -117,6 +118,9 @@ class MemoryTier:
         self.root, self.rank, self.world, self.mode = Path(root), rank, world, mode
         self.ranks_per_node, self.fingerprint = ranks_per_node, fingerprint
         self.group = self.parity_members = self.parity_group = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._finished: list[dict] = []
         if world > 1:
             # Host-memory collectives on groups of their own: never interleaved with
             # training's (NCCL on GPU) or an asynchronous disk save's.
@@ -143,7 +147,7 @@ class MemoryTier:
             with open(tmp, "wb") as f:
                 f.write(data.numpy().data)
         else:
-            torch.save(data, tmp)
+            snapshot_format.write(tmp, data)
         os.replace(tmp, self._path(kind, step, ".bin"))
         written = self._read(kind, step)
         view = written.numpy().data
@@ -189,6 +193,7 @@ class MemoryTier:
 
     def clear(self) -> None:
         """Remove this rank's snapshots (the run ended, or a fresh run reuses the run dir)."""
+        self.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
         for empty in (self.root, self.root.parent):
             try:
@@ -199,11 +204,44 @@ class MemoryTier:
     # ---- save -----------------------------------------------------------------------
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict) -> dict:
-        """Snapshot this step into memory with its redundancy; returns the stall and bytes held."""
+             trainer_state: dict, background: bool = False) -> dict:
+        """Snapshot this step into memory with its redundancy; returns what training waited for.
+
+        In the background (checkpoint.mode = async) training waits only for a host copy
+        of the state; a thread writes it and exchanges the replica or parity, and its
+        figures come back from wait(). At most one snapshot is in flight.
+        """
+        self.wait()
         begin = time.perf_counter()
-        own = self._write("own", step, {"step": step, "state": to_local(capture_state(model, optimizer)),
-                                        "trainer": trainer_state})
+        tree = {"step": step, "state": to_local(capture_state(model, optimizer), copy=background),
+                "trainer": trainer_state}
+        if not background:
+            return {**self._persist(step, tree), "stall_s": time.perf_counter() - begin}
+        self._thread = threading.Thread(target=self._persist_in_background, args=(step, tree),
+                                        name="shardline-memory-snapshot", daemon=True)
+        self._thread.start()
+        return {"stall_s": time.perf_counter() - begin}
+
+    def wait(self) -> list[dict]:
+        """Block until the background snapshot (if any) is held; returns the ones finished since."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        done, self._finished = self._finished, []
+        return done
+
+    def _persist_in_background(self, step: int, tree: dict) -> None:
+        begin = time.perf_counter()
+        try:
+            self._finished.append({**self._persist(step, tree), "background_s": time.perf_counter() - begin})
+        except BaseException as e:  # re-raised in the training thread by wait()
+            self._error = e
+
+    def _persist(self, step: int, tree: dict) -> dict:
+        own = self._write("own", step, tree)
         extra = 0
         if self.world > 1:
             sizes = self._all_sizes(own.numel())
@@ -218,7 +256,7 @@ class MemoryTier:
                 extra = parity.numel() * parity.element_size()
             dist.barrier(group=self.group)  # every rank holds this generation before any drops the last
         self._prune(step)
-        return {"stall_s": time.perf_counter() - begin, "own_bytes": own.numel(), "redundancy_bytes": extra}
+        return {"step": step, "own_bytes": own.numel(), "redundancy_bytes": extra}
 
     def _all_sizes(self, size: int) -> list[int]:
         sizes = torch.zeros(self.world, dtype=torch.int64)
@@ -234,6 +272,7 @@ class MemoryTier:
         Collective over all ranks. Lost snapshots are rebuilt from the survivors'
         replicas or parity.
         """
+        self.wait()
         held = self.inventory()
         if self.world == 1:
             if not held["own"]:
