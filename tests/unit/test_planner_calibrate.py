@@ -73,3 +73,13 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, monkeypatch, cap
     assert "shardline hardware profile" in capsys.readouterr().out
     with pytest.raises(Exception, match="describes 'cpu'"):
         get_hardware("h100-sxm", out)
+
+
+def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
+    from shardline.planner.calibrate_dist import measure_wrappers
+
+    fields, raw = measure_wrappers(world=2)
+    assert set(raw) == {"plain", "tp", "fsdp"} and raw["plain"]["per_layer_s"] > 0
+    # DTensor dispatch of a TP block costs host time beyond the plain block's; so do FSDP2's hooks.
+    assert fields["tp_layer_overhead_us"] > 0 and fields["fsdp_layer_overhead_us"] > 0
+    assert fields["dtensor_param_overhead_us"] > 0

@@ -92,3 +92,44 @@ def test_saturated_cpu_ranks_expose_all_data_parallel_communication():
     assert ddp.breakdown["dp_comm"] == pytest.approx(ddp.info["dp_comm_total_s"], rel=1e-4)  # info is rounded
     idle = estimate(wide, lay, cpu(cores=16))  # spare cores: the buckets overlap the backward
     assert idle.breakdown["dp_comm"] < 0.9 * ddp.breakdown["dp_comm"]
+
+
+def test_parameter_tensors_per_rank_match_the_model():
+    import torch
+
+    from shardline.models.llama import Llama
+    from shardline.planner.memory import stage_tensors
+
+    for args in (TINY, PRESETS["llama3-8b"]):
+        with torch.device("meta"):
+            n = len(list(Llama(args).parameters()))
+        (whole,) = plan_pp.pipeline_ranks(args, 1, 1, "1f1b")
+        assert stage_tensors(Workload(args, 128, 8), whole) == n
+
+
+def test_wrapper_overheads_and_gradient_norm_reductions_are_charged_where_they_run():
+    hw = dataclasses.replace(cpu(), tp_layer_overhead_us=1000.0, fsdp_layer_overhead_us=400.0,
+                             dtensor_param_overhead_us=50.0)
+    ddp = estimate(WORK, Layout(dp_replicate=2, micro_batch_size=4), hw)
+    fsdp = estimate(WORK, Layout(dp_shard=2, micro_batch_size=4), hw)
+    tp = estimate(WORK, Layout(tp=2, micro_batch_size=8), hw)
+    plain = dataclasses.replace(hw, tp_layer_overhead_us=0.0, fsdp_layer_overhead_us=0.0, dtensor_param_overhead_us=0.0)
+    # Per block per micro-batch, on a full core (2 ranks, 2 cores): 4 blocks.
+    assert fsdp.breakdown["compute"] - estimate(WORK, Layout(dp_shard=2, micro_batch_size=4), plain).breakdown[
+        "compute"] == pytest.approx(4 * 400e-6)
+    assert tp.breakdown["compute"] - estimate(WORK, Layout(tp=2, micro_batch_size=8), plain).breakdown[
+        "compute"] == pytest.approx(4 * 1000e-6)
+    # DDP's parameters are plain tensors: no per-tensor optimizer overhead, one loss all-reduce.
+    assert ddp.breakdown["optimizer"] == pytest.approx(
+        estimate(WORK, Layout(dp_replicate=2, micro_batch_size=4), plain).breakdown["optimizer"])
+    one = comm.all_reduce(4, comm.group(2, 1, 1024), hw.network)[0]
+    assert ddp.breakdown["sync_comm"] == pytest.approx(one)
+    n = 9 * 4 + 3  # tiny: 9 tensors per block, embedding, final norm, (untied) output
+    assert fsdp.breakdown["sync_comm"] == pytest.approx(one + n * one)  # the loss + each tensor's norm
+    assert tp.breakdown["sync_comm"] == pytest.approx(n * one)  # dp = 1: no loss reduction
+
+
+def test_ddp_buckets_hold_a_copy_of_every_gradient():
+    wide = dataclasses.replace(WORK, model=dataclasses.replace(TINY, dim=1024, ffn_dim=4096))
+    ddp = memory_breakdown(wide, Layout(dp_replicate=2, micro_batch_size=4), cpu())
+    assert ddp["buffers"] == pytest.approx(ddp["grads"])  # fp32 gradients, bucketed once more

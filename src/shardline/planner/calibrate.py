@@ -113,6 +113,11 @@ def measure(quick: bool = False, comm: bool = True, dtypes: tuple[str, ...] = ("
         net, points = measure_collectives(world_sizes=comm_worlds or ((2,) if quick else (2, 4, 8)))
         fields["network"] = net
         raw["collectives"] = points
+        if device.type == "cpu":
+            from shardline.planner.calibrate_dist import measure_wrappers
+
+            wrappers, raw["wrappers"] = measure_wrappers()
+            fields.update(wrappers)
     return fields, raw
 
 

@@ -20,6 +20,9 @@
   costs `op_overhead_us`.
 * Optimizer: fused AdamW + grad-norm clipping over the rank's (sharded) parameters,
   `optimizer_bytes_per_param` of memory traffic each.
+* Distributed wrappers (host CPU time, calibrate_dist.py): DTensor dispatch of a TP
+  block and FSDP2's per-block hooks and copies per micro-batch; the optimizer step on
+  DTensor parameters per tensor. Zero on GPUs (the host runs ahead of the kernels).
 
 On a CPU the processes of one node share its cores and memory bandwidth
 (`shared_compute`). The profile's figures describe one process of `threads` threads
@@ -172,10 +175,22 @@ def head_times(work: Workload, layout: Layout, hw: Hardware, stage: str) -> tupl
     return fwd, bwd
 
 
-def optimizer_time(params: float, hw: Hardware, layout: Layout) -> float:
-    """AdamW + clipping over `params` local parameters (memory-bound)."""
+def optimizer_time(params: float, hw: Hardware, layout: Layout, tensors: int = 0) -> float:
+    """AdamW + clipping over `params` local parameters (memory-bound) in `tensors` tensors.
+
+    Parameters that are DTensors (FSDP, TP) add `dtensor_param_overhead_us` each.
+    """
     bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * share(hw, layout)  # fp32 states
-    return params * hw.optimizer_bytes_per_param / bw
+    dtensor = layout.tp > 1 or layout.shard_degree > 1
+    host = tensors * hw.dtensor_param_overhead_us * 1e-6 / share(hw, layout) if dtensor else 0.0
+    return params * hw.optimizer_bytes_per_param / bw + host
+
+
+def wrapper_overhead(hw: Hardware, layout: Layout) -> float:
+    """Host seconds of the TP (DTensor) and FSDP2 wrappers per block per micro-batch (forward + backward)."""
+    us = (hw.tp_layer_overhead_us if layout.tp > 1 else 0.0) + (
+        hw.fsdp_layer_overhead_us if layout.dp_mode in ("fsdp", "zero2", "hsdp") else 0.0)
+    return us * 1e-6 / share(hw, layout)
 
 
 def recompute_fraction(mode: str, every: int) -> tuple[float, float]:

@@ -23,6 +23,7 @@ Which communication overlaps with compute, stated once here and used below:
     EP all-to-all       exposed (MoE models only); under DualPipeV hidden behind the paired
                         micro-batch's compute
     PP send/receive     exposed (on the critical path of each micro-batch), bubble separate
+    scalar all-reduces  exposed: the loss, and the gradient norm per DTensor parameter
     CPU offload copies  exposed (host<->device copies and the host-side optimizer)
 """
 
@@ -48,6 +49,7 @@ from shardline.planner.memory import (
     params_per_rank,
     ranks,
     stage_params,
+    stage_tensors,
 )
 from shardline.planner.pipeline import RankStages, bubble_fraction
 
@@ -119,6 +121,7 @@ def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]
     dp_tail, dp_total, algos = _dp_tail(work, layout, hw, slow)
     breakdown["dp_comm"] = breakdown.get("dp_comm", 0.0) + dp_tail
     breakdown["optimizer"] = _optimizer(work, layout, hw)
+    breakdown["sync_comm"] = _sync(work, layout, hw)
     breakdown = {k: v for k, v in breakdown.items() if v > 0 or k in ("compute", "dp_comm")}
     step = sum(breakdown.values())
     tokens_per_s = work.tokens / step
@@ -148,7 +151,7 @@ def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: RankStages)
     head_f, head_b = cmp.head_times(work, layout, hw, stage.label)
     rec_mm, rec_el = cmp.recompute_fraction(layout.activation_checkpoint, layout.ac_every)
     recompute = rec_mm * (lt.matmul + lt.attention) + rec_el * (lt.elementwise + lt.overhead)
-    parts = {"compute": layers * (lt.forward + lt.backward) + head_f + head_b,
+    parts = {"compute": layers * (lt.forward + lt.backward + cmp.wrapper_overhead(hw, layout)) + head_f + head_b,
              "recompute": layers * recompute,
              "tp_comm": layers * _tp_layer(work, layout, hw, rec_mm) + _tp_head(work, layout, hw, stage),
              "cp_comm": layers * _cp_layer(work, layout, hw, lt),
@@ -305,4 +308,21 @@ def _optimizer(work: Workload, layout: Layout, hw: Hardware) -> float:
     params = params_per_rank(work, layout)
     if layout.cpu_offload:
         return params * 28 / CPU_ADAM_BYTES_PER_S
-    return cmp.optimizer_time(params, hw, layout)
+    tensors = max(stage_tensors(work, r) for r in ranks(work, layout))
+    return cmp.optimizer_time(params, hw, layout, tensors)
+
+
+def _sync(work: Workload, layout: Layout, hw: Hardware) -> float:
+    """Scalar all-reduces of every step, on the critical path (parallel/collectives.py):
+
+    the loss over dp (and pp); the gradient norm, one per DTensor parameter per sharded
+    mesh dimension (FSDP's shard group, TP's group: the trainer reduces each tensor's norm
+    on its own mesh), and over pp.
+    """
+    net, gpn = hw.network, hw.network.gpus_per_node
+    one = lambda size, stride: comm.all_reduce(4, comm.group(size, stride, gpn), net)[0]  # noqa: E731
+    tensors = max(stage_tensors(work, r) for r in ranks(work, layout))
+    per_tensor = (one(layout.shard_degree, layout.tp) if layout.shard_degree > 1 else 0.0) + (
+        one(layout.tp, 1) if layout.tp > 1 else 0.0)
+    pp = 2 * one(layout.pp, layout.world // layout.pp) if layout.pp > 1 else 0.0
+    return one(layout.dp, layout.tp * layout.cp) + tensors * per_tensor + pp

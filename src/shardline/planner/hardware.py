@@ -79,6 +79,12 @@ class Hardware:
     cores: int = 0  # shared_compute: cores the ranks of one node share (0: the device is split evenly)
     threads: int = 1  # shared_compute: threads of one rank, which the peak and efficiencies describe
     process_baseline_gib: float = 0.0  # CPU: resident memory before the model (torch, data)
+    # Host CPU time of the distributed wrappers (calibrate_dist.py), per micro-batch: one TP+SP
+    # block's DTensor dispatch, one FSDP2 block's hooks and copies, and per parameter tensor
+    # of the optimizer step on DTensors. 0 on GPUs, where the host runs ahead of the kernels.
+    tp_layer_overhead_us: float = 0.0
+    fsdp_layer_overhead_us: float = 0.0
+    dtensor_param_overhead_us: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s (not TFLOP/s) for a dtype; ConfigError if the device lacks it."""
@@ -152,7 +158,9 @@ def cpu_hardware() -> Hardware:
         attn_eff={"fp32": 0.25, "bf16": 0.05, "fp16": 0.03}, elementwise_eff={"fp32": 1.0, "bf16": 0.8, "fp16": 0.5},
         loss_eff=0.2, op_overhead_us=10.0,
         optimizer_bytes_per_param=120.0, shared_compute=True, cores=cpu_cores(),
-        threads=torch.get_num_threads() or 1, process_baseline_gib=0.45)
+        threads=torch.get_num_threads() or 1, process_baseline_gib=0.45,
+        # As `shardline calibrate` measured them on a 2-core VM (one thread per rank), rounded.
+        tp_layer_overhead_us=10000.0, fsdp_layer_overhead_us=2500.0, dtensor_param_overhead_us=400.0)
 
 
 def get_hardware(name: str, profile: str | Path | None = None) -> Hardware:

@@ -19,8 +19,8 @@ offload moves the sharded states to the host.
 Everything else: `activations.py` gives bytes per token per layer, `pipeline.py` how
 many micro-batches are in flight; the last stage adds the output logits and loss
 (12 B per vocabulary entry per token, see `loss_bytes_per_token`); transients are the
-gathered blocks of FSDP, DDP's buckets, the gathered sequence of TP and PP's send and
-receive buffers. A fragmentation allowance (a share of allocated bytes, per device)
+gathered blocks of FSDP, DDP's buckets (a copy of every gradient), the gathered
+sequence of TP and PP's send and receive buffers. A fragmentation allowance (a share of allocated bytes, per device)
 and memory outside the allocator (CUDA context, NCCL; on CPU the process baseline:
 torch, the tokenizer, the dataset) complete the peak.
 """
@@ -80,6 +80,12 @@ def stage_params(work: Workload, layout: Layout, stage: RankStages) -> float:
     return out
 
 
+def stage_tensors(work: Workload, stage: RankStages) -> int:
+    """Parameter tensors on a rank: 9 per block (7 matmuls, 2 norms) and the ends it holds."""
+    n = 9 * stage.layers + int(stage.first) + 2 * int(stage.last)
+    return n - int(stage.first and stage.last and work.model.tie_embeddings)
+
+
 def max_stage_params(work: Workload, layout: Layout) -> float:
     return max(stage_params(work, layout, r) for r in ranks(work, layout))
 
@@ -109,8 +115,12 @@ def offloaded(states: dict[str, float], layout: Layout) -> tuple[dict[str, float
     return keep, sum(states.values()) - sum(keep.values())
 
 
-def transient_bytes(work: Workload, layout: Layout, tokens: int) -> float:
-    """Communication and gather buffers alive at the peak."""
+def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.0) -> float:
+    """Communication and gather buffers alive at the peak (psi: the rank's parameters).
+
+    DDP's reducer allocates its buckets up front, covering every gradient (25 MiB each,
+    fp32), besides the gradients themselves: 4 bytes per parameter for the whole run.
+    """
     c = act.dtype_bytes(work.precision)
     per_layer = layer_params(work, layout.tp)
     out = 0.0
@@ -120,7 +130,7 @@ def transient_bytes(work: Workload, layout: Layout, tokens: int) -> float:
         # (zero=3), plus one block's unsharded gradient and its fp32 reduce-scatter input.
         out += (2 * c * per_layer if stage == 3 else 0.0) + (c + 4) * per_layer
     elif layout.dp > 1:
-        out += 2 * DDP_BUCKET_BYTES
+        out += 4 * psi
     h = work.model.dim
     if layout.tp > 1:
         out += (4 + c) * tokens * h  # the all-gathered fp32 sequence entering a TP region, a partial output
@@ -160,7 +170,8 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
         psi = stage_params(work, layout, stage)
         tokens = layout.micro_batch_size * work.seq_len // layout.cp
         states, host = offloaded(state_bytes(work, layout, psi), layout)
-        parts = {**states, **activation_bytes(work, layout, stage), "buffers": transient_bytes(work, layout, tokens)}
+        parts = {**states, **activation_bytes(work, layout, stage),
+                 "buffers": transient_bytes(work, layout, tokens, psi)}
         allocated = sum(parts.values())
         parts["fragmentation"] = hw.fragmentation * allocated
         parts["reserved"] = (hw.reserved_gib + hw.process_baseline_gib) * GiB

@@ -1,0 +1,135 @@
+"""CPU cost of the distributed wrappers themselves: DTensor dispatch (TP) and FSDP2's hooks.
+
+On a GPU these run on the host while kernels run on the device; on a CPU they take the
+same cores as the compute, and with small blocks they rival it. Measured between two
+gloo processes with the trainer's own wrappers (parallel/tensor_parallel.apply_tp,
+parallel/data_parallel.apply_fsdp) on blocks so small (dim 64, 32 tokens) that the
+arithmetic is negligible, timed with each rank's thread CPU clock (waiting on a peer
+costs none, so the collectives, costed separately by comm.py, drop out):
+
+* tp_layer_overhead_us:   extra CPU time of one TP+SP block's forward + backward over the
+                          plain block's (slope over 1 and 3 blocks: the ends drop out)
+* fsdp_layer_overhead_us: the same for one FSDP2-wrapped block (zero 3: gathered twice)
+* dtensor_param_overhead_us: extra CPU time per parameter tensor of foreach AdamW +
+                          gradient clipping when parameters are DTensors (FSDP, TP)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardline.errors import ShardlineError
+
+DIM, TOKENS, REPS = 64, 32, 15
+
+
+def _best(fn) -> float:
+    fn()
+    times = []
+    for _ in range(REPS):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return min(times)
+
+
+def _model(layers: int):
+    from shardline.models.llama import Llama, ModelArgs
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=DIM, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=2 * DIM, vocab_size=128)
+    return Llama(args), args
+
+
+def _step_time(model, ids: torch.Tensor) -> float:
+    from torch.distributed.tensor import DTensor
+
+    def step():
+        out = model(ids)
+        out = out.to_local() if isinstance(out, DTensor) else out
+        out.float().square().mean().backward()
+
+    return _best(step)
+
+
+def _optimizer_time(model, dims) -> float:
+    from shardline.parallel.collectives import clip_grad_norm
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def step():
+        clip_grad_norm(model, 1.0, dims)
+        opt.step()
+
+    return _best(step)
+
+
+def _dims(world: int, **degrees):
+    from shardline.config import ParallelConfig
+    from shardline.parallel.dims import ParallelDims
+
+    dims = ParallelDims.from_config(ParallelConfig(**degrees), world)
+    dims.build_mesh(torch.device("cpu"))
+    return dims
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        from shardline.parallel.data_parallel import apply_fsdp
+        from shardline.parallel.tensor_parallel import apply_tp
+
+        ids = torch.randint(0, 128, (1, TOKENS))
+        plain_dims, tp_dims, fsdp_dims = _dims(1), _dims(world, tp=world, dp_shard=1), _dims(world, dp_shard=world)
+        res: dict = {}
+        for name, wrap, dims in (("plain", None, plain_dims), ("tp", "tp", tp_dims), ("fsdp", "fsdp", fsdp_dims)):
+            times, opt = [], 0.0
+            for layers in (1, 3):
+                model, _ = _model(layers)
+                if wrap == "tp":
+                    apply_tp(model, tp_dims.submesh("tp"), sequence_parallel=True, loss_parallel=False)
+                elif wrap == "fsdp":
+                    apply_fsdp(model, [model], fsdp_dims, "fp32", cpu_offload=False)
+                times.append(_step_time(model, ids))
+                if layers == 3:
+                    opt = _optimizer_time(model, dims) / len(list(model.parameters()))
+            res[name] = {"per_layer_s": (times[1] - times[0]) / 2, "per_param_s": opt}
+        if rank == 0:
+            Path(out).write_text(json.dumps(res))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_wrappers(world: int = 2) -> tuple[dict, dict]:
+    """(profile fields in microseconds, raw per-layer and per-parameter seconds)."""
+    from shardline.planner.calibrate_comm import _free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "wrappers.json")
+        try:
+            mp.spawn(_worker, args=(world, _free_port(), out), nprocs=world, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException, RuntimeError, OSError) as e:
+            raise ShardlineError(f"calibrate: measuring the TP/FSDP wrappers with {world} processes "
+                                 f"failed: {e}") from None
+        raw = json.loads(Path(out).read_text())
+    plain = raw["plain"]
+    fields = {"tp_layer_overhead_us": max(0.0, raw["tp"]["per_layer_s"] - plain["per_layer_s"] / world) * 1e6,
+              "fsdp_layer_overhead_us": max(0.0, raw["fsdp"]["per_layer_s"] - plain["per_layer_s"]) * 1e6,
+              "dtensor_param_overhead_us": max(0.0, raw["fsdp"]["per_param_s"] - plain["per_param_s"]) * 1e6}
+    return fields, {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in raw.items()}
