@@ -115,11 +115,14 @@ def offloaded(states: dict[str, float], layout: Layout) -> tuple[dict[str, float
     return keep, sum(states.values()) - sum(keep.values())
 
 
-def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.0) -> float:
-    """Communication and gather buffers alive at the peak (psi: the rank's parameters).
+def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.0, root: float = 0.0) -> float:
+    """Communication and gather buffers alive at the peak (psi: the rank's parameters, root:
+    those outside the blocks: embedding, final norm, output).
 
     DDP's reducer allocates its buckets up front, covering every gradient (25 MiB each,
     fp32), besides the gradients themselves: 4 bytes per parameter for the whole run.
+    FSDP keeps the root gathered from forward to backward (the trainer does not reshard
+    it), and its unsharded gradient exists until the root's reduce-scatter.
     """
     c = act.dtype_bytes(work.precision)
     per_layer = layer_params(work, layout.tp)
@@ -128,7 +131,7 @@ def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.
     if stage >= 2:
         # FSDP: gathered compute-dtype weights of the current and the prefetched block
         # (zero=3), plus one block's unsharded gradient and its fp32 reduce-scatter input.
-        out += (2 * c * per_layer if stage == 3 else 0.0) + (c + 4) * per_layer
+        out += (2 * c * per_layer if stage == 3 else 0.0) + (c + 4) * per_layer + (c + 4) * root
     elif layout.dp > 1:
         out += 4 * psi
     h = work.model.dim
@@ -171,7 +174,8 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
         tokens = layout.micro_batch_size * work.seq_len // layout.cp
         states, host = offloaded(state_bytes(work, layout, psi), layout)
         parts = {**states, **activation_bytes(work, layout, stage),
-                 "buffers": transient_bytes(work, layout, tokens, psi)}
+                 "buffers": transient_bytes(work, layout, tokens, psi,
+                                            psi - stage.layers * layer_params(work, layout.tp))}
         allocated = sum(parts.values())
         parts["fragmentation"] = hw.fragmentation * allocated
         parts["reserved"] = (hw.reserved_gib + hw.process_baseline_gib) * GiB
