@@ -26,7 +26,7 @@ from shardline.hardware import peak_tflops
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.factory import args_from_json, args_to_json, model_args_from_config
 from shardline.models.flops import flops_per_token
-from shardline.optim import build_optimizer, build_scheduler, init_optimizer_state, lr_multiplier
+from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
 from shardline.parallel.collectives import clip_grad_norm, local_value, loss_context, reduce_over
 from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
@@ -34,12 +34,11 @@ from shardline.parallel.distributed import init_distributed, pick_device
 from shardline.parallel.parallelize import build_model
 from shardline.precision import LossScaler, autocast
 from shardline.resilience.anomaly import AnomalyDetector
-from shardline.resilience.async_checkpoint import AsyncSaver
-from shardline.resilience.checkpoint import Checkpointer, read_meta, verify
+from shardline.resilience.checkpoint import Checkpointer, read_meta
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.goodput import Goodput, process_start_time
-from shardline.resilience.memory_tier import MemoryTier, run_root
 from shardline.resilience.recovery import batch_index, check_data_position, get_rng_state, resume_path, set_rng_state
+from shardline.resilience.tiers import StateTiers, memory_rank_dir
 from shardline.resilience.watchdog import Watchdog
 
 WATCHDOG_EXIT = 4  # a hang: distinct from 2 (bad input) and 3 (anomaly halt) so a launcher can tell
@@ -82,27 +81,23 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.dims.zero1_mesh())
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.scaler = LossScaler(self.device, cfg.train.precision)
-        self.saver = AsyncSaver(self.checkpointer, self.dims.checkpoint_group) if cfg.checkpoint.mode == "async" \
-            else None
-        self.memory = self._memory_tier() if cfg.checkpoint.memory_interval else None
+        self.faults = FaultInjector(cfg.faults, self.proc.rank, memory_rank_dir(cfg, self.proc.rank))
+        self.tiers = StateTiers(cfg, self.proc, self.dims, self.checkpointer, self._layout_fingerprint(), self.faults)
         self.anomaly = AnomalyDetector(cfg.anomaly)
-        self.faults = FaultInjector(cfg.faults, self.proc.rank, self.memory.dir if self.memory else None)
         self.skipped_batches: list[int] = list(cfg.train.skip_batches)
         self.rollbacks = 0
         self.forward = torch.compile(self.wrapped) if cfg.train.compile and self.wrapped else self.wrapped
         self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
-        resumed = self._resume(resume_from)
-        self._open_run_dir(resumed)
+        found = self.tiers.resume_source(resume_from)
+        self._open_run_dir(self._restore(found) if found is not None else None)
         return self
 
-    def _memory_tier(self) -> MemoryTier:
-        c = self.cfg.checkpoint
+    def _layout_fingerprint(self) -> str:
+        """What in-memory snapshots (local shards) are only valid for: this layout and model."""
         layout = {"world": self.proc.world_size, "parallel": self.cfg.parallel.__dict__,
                   "model": args_to_json(self.model_args)}
-        fingerprint = json.dumps(layout, sort_keys=True, default=str)
-        return MemoryTier(run_root(self.run_dir, c.memory_dir), self.proc.rank,
-                          self.proc.world_size, self.proc.local_world_size, c.memory_redundancy, fingerprint)
+        return json.dumps(layout, sort_keys=True, default=str)
 
     def _hf_base(self):
         """The shape to start from when the run starts from existing weights, else None."""
@@ -115,35 +110,9 @@ class Trainer:
             return args_from_json(read_meta(Path(m.init_from))["model_args"])
         return None
 
-    def _resume(self, disk: Path | None) -> str | None:
-        """Restore the newest state: the in-memory tier or the newest valid checkpoint on disk."""
-        if self.memory is not None and self.cfg.run.resume == "never":
-            self.memory.clear()
-        explicit = self.cfg.run.resume not in ("auto", "latest", "never")
-        found = self._newest_state(disk, use_memory=not explicit and self.cfg.run.resume != "never")
-        return self._restore(found) if found is not None else None
-
-    def _newest_state(self, disk: Path | None, use_memory: bool = True):
-        """The in-memory snapshot (step, payload, sources) when it is at least as new as `disk`, else `disk`.
-
-        Collective when the memory tier is on: every rank reports what it holds and
-        lost snapshots are rebuilt from the survivors.
-        """
-        memory = self.memory.recover() if self.memory is not None and use_memory else None
-        if memory is not None and (disk is None or memory[0] >= verify(disk)["step"]):
-            return memory
-        return disk
-
     def _restore(self, found) -> str:
         """Load everything a saved state holds (weights, optimizer, schedule, data, RNG); returns its name."""
-        init_optimizer_state(self.optimizer)
-        if isinstance(found, Path):
-            name, state = str(found), self.checkpointer.load(found, self.model, self.optimizer)
-        else:
-            step, payload, sources = found
-            rebuilt = {r: src for r, src in sources.items() if src != "own"}
-            name = f"memory tier step {step}" + (f" (rebuilt {rebuilt})" if rebuilt else "")
-            state = MemoryTier.load_into(payload, self.model, self.optimizer)
+        name, state = self.tiers.restore(found, self.model, self.optimizer)
         check_data_position(name, state["data"], len(self.data.train), self.cfg.train.seed)
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
@@ -162,6 +131,7 @@ class Trainer:
         for problem in self._invalid_checkpoints:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
         self.goodput = Goodput(self.run_dir, self.proc.is_main, self.started)
+        self.tiers.log = self.metrics.event
         if resumed is not None:
             self.metrics.event("resume", step=self.step, checkpoint=resumed,
                                recomputed_steps=self.goodput.recomputed_from(self.step))
@@ -197,16 +167,14 @@ class Trainer:
             if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == stop):
                 self._timed("eval", self.evaluate)
             if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop):
-                self.save_checkpoint()
-            if self.memory is not None and step % cfg.checkpoint.memory_interval == 0:
-                self.snapshot_memory()
+                self._timed("checkpoint", self.save_checkpoint)
+            if cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0:
+                self._timed("checkpoint", lambda: self.tiers.snapshot(self.step, self.model, self.optimizer,
+                                                                       self._trainer_state()))
             self.faults.after_step(time.perf_counter() - started)
             self.watchdog.step_end(step, time.perf_counter() - started)
         self.watchdog.close()
-        self._timed("checkpoint", self.drain_saves)
-        if self.memory is not None:
-            self._timed("checkpoint", self.drain_memory)
-            self.memory.clear()  # the run is complete: give the RAM back
+        self._timed("checkpoint", self.tiers.finish)
         self.goodput.persist(finished=True)
         self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **self.goodput.summary())
@@ -313,9 +281,8 @@ class Trainer:
             self._halt(event)
         if action == "rollback":
             started = time.perf_counter()
-            self.drain_saves()
-            self.drain_memory()
-            target = self._newest_state(self.checkpointer.latest_valid())
+            self.tiers.drain()
+            target = self.tiers.newest(self.checkpointer.latest_valid())
             if target is not None:
                 self.skipped_batches = sorted({*self.skipped_batches, batch_index(step - 1, self.skipped_batches)})
                 self.optimizer.zero_grad(set_to_none=True)
@@ -339,9 +306,7 @@ class Trainer:
         self.metrics.event("anomaly", **event)
         self.optimizer.zero_grad(set_to_none=True)
         saved = self.save_checkpoint() if self.cfg.checkpoint.interval else None
-        self.drain_saves()
-        if self.memory is not None:
-            self.memory.clear()  # the state to investigate is on disk; free the RAM
+        self.tiers.finish()  # the state to investigate is on disk; the memory tier's RAM is freed
         self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if saved else None)
         self.metrics.close()
         raise AnomalyHalt(f"{event['anomaly']} (value {event['value']:.4g}) at step {event['step']}; "
@@ -418,62 +383,14 @@ class Trainer:
         return loss
 
     def save_checkpoint(self) -> Path:
-        state = self._trainer_state()
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict()}
-        step = self.step
-        fail_midway = lambda: self.faults.during_save(step)  # noqa: E731
-        if self.saver is None:
-            path, seconds = self.checkpointer.save(step, self.model, self.optimizer, state, meta, fail_midway)
-            self.goodput.add("checkpoint", seconds)
-            self.metrics.event("checkpoint", step=step, path=str(path), mode="sync", stall_s=round(seconds, 3))
-            self.faults.after_save(step, path)
-            return path
-        self._timed("checkpoint", self.drain_saves)
-        path, stall = self.saver.save(step, self.model, self.optimizer, state, meta, fail_midway)
-        self.goodput.add("checkpoint", stall)
-        self.metrics.event("checkpoint", step=step, path=str(path), mode="async", stall_s=round(stall, 4))
-        return path
-
-    def snapshot_memory(self) -> None:
-        """In-memory tier: this step's state into host RAM, with a peer replica or parity.
-
-        It follows checkpoint.mode: async snapshots stall only for a host copy.
-        """
-        background = self.cfg.checkpoint.mode == "async"
-        self._timed("checkpoint", self.drain_memory)
-        stats = self.memory.save(self.step, self.model, self.optimizer, self._trainer_state(), background)
-        self.goodput.add("checkpoint", stats["stall_s"])
-        fields = {"step": self.step, "mode": "async" if background else "sync", "stall_s": round(stats["stall_s"], 4)}
-        self.metrics.event("memory_snapshot", **fields)
-        if not background:
-            self._log_memory_held(stats)
-
-    def drain_memory(self) -> None:
-        """Wait for the background memory snapshot in flight (if any) and log what it holds."""
-        for done in self.memory.wait() if self.memory is not None else ():
-            self._log_memory_held(done)
-
-    def _log_memory_held(self, stats: dict) -> None:
-        self.metrics.event("memory_snapshot_held", step=stats["step"],
-                           redundancy=self.cfg.checkpoint.memory_redundancy,
-                           own_mib=round(stats["own_bytes"] / 2**20, 2),
-                           redundancy_mib=round(stats["redundancy_bytes"] / 2**20, 2),
-                           **({"background_s": round(stats["background_s"], 3)} if "background_s" in stats else {}))
+        return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
 
     def _trainer_state(self) -> dict:
         """Everything beyond model and optimizer that a resumed run needs to continue exactly."""
         data = {**self.data.sampler.state_dict(self.step), "skipped_batches": self.skipped_batches}
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict()}
-
-    def drain_saves(self) -> None:
-        """Wait for the asynchronous save in flight (if any) and log how long it took."""
-        if self.saver is None:
-            return
-        for done in self.saver.wait():
-            self.metrics.event("checkpoint_persisted", step=done["step"], path=done["path"],
-                               background_s=round(done["seconds"], 3))
-            self.faults.after_save(done["step"], Path(done["path"]))
 
     def _log_train(self, loss: float, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
         lr = self.cfg.optim.lr * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)

@@ -114,7 +114,7 @@ def choose_step(reports: list[dict], world: int, ranks_per_node: int, mode: str)
 
 class MemoryTier:
     def __init__(self, root: Path, rank: int, world: int, ranks_per_node: int, mode: str, fingerprint: str):
-        self.dir = Path(root) / f"rank{rank}"
+        self.dir = self.rank_dir(root, rank)
         self.root, self.rank, self.world, self.mode = Path(root), rank, world, mode
         self.ranks_per_node, self.fingerprint = ranks_per_node, fingerprint
         self.group = self.parity_members = self.parity_group = None
@@ -129,6 +129,10 @@ class MemoryTier:
             self.parity_group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
             self.parity_members = next(g for g in groups if rank in g)
         self.dir.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def rank_dir(root: Path, rank: int) -> Path:
+        return Path(root) / f"rank{rank}"
 
     # ---- files ----------------------------------------------------------------------
 

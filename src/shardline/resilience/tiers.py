@@ -1,0 +1,123 @@
+"""Where a run's state is kept and found again: checkpoints on disk (sync or async) and
+the in-memory tier. The trainer says when to save and hands over its own small state;
+this decides how, logs what each save cost, and finds the newest state to restore.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardline.config import Config
+from shardline.optim import init_optimizer_state
+from shardline.parallel.dims import ParallelDims
+from shardline.parallel.distributed import ProcessInfo
+from shardline.resilience.async_checkpoint import AsyncSaver
+from shardline.resilience.checkpoint import Checkpointer, verify
+from shardline.resilience.faults import FaultInjector
+from shardline.resilience.memory_tier import MemoryTier, run_root
+
+
+def memory_rank_dir(cfg: Config, rank: int) -> Path | None:
+    """This rank's folder of the in-memory tier, or None when the tier is off."""
+    c = cfg.checkpoint
+    return MemoryTier.rank_dir(run_root(Path(cfg.run.dir), c.memory_dir), rank) if c.memory_interval else None
+
+
+class StateTiers:
+    def __init__(self, cfg: Config, proc: ProcessInfo, dims: ParallelDims, checkpointer: Checkpointer,
+                 fingerprint: str, faults: FaultInjector):
+        c = cfg.checkpoint
+        self.cfg, self.checkpointer, self.faults = cfg, checkpointer, faults
+        self.background = c.mode == "async"
+        self.saver = AsyncSaver(checkpointer, dims.checkpoint_group) if self.background else None
+        self.memory = None
+        if c.memory_interval:
+            self.memory = MemoryTier(run_root(Path(cfg.run.dir), c.memory_dir), proc.rank, proc.world_size,
+                                     proc.local_world_size, c.memory_redundancy, fingerprint)
+        self.log = lambda event, **fields: None  # the trainer's metrics.event once the run dir is open
+
+    # ---- saving -----------------------------------------------------------------------
+
+    def save(self, step: int, model, optimizer, trainer_state: dict, meta: dict) -> Path:
+        """A checkpoint on disk; returns once training may go on (async: after the host copy)."""
+        fail_midway = lambda: self.faults.during_save(step)  # noqa: E731
+        if self.saver is None:
+            path, seconds = self.checkpointer.save(step, model, optimizer, trainer_state, meta, fail_midway)
+            self.log("checkpoint", step=step, path=str(path), mode="sync", stall_s=round(seconds, 3))
+            self.faults.after_save(step, path)
+            return path
+        self._drain_disk()
+        path, stall = self.saver.save(step, model, optimizer, trainer_state, meta, fail_midway)
+        self.log("checkpoint", step=step, path=str(path), mode="async", stall_s=round(stall, 4))
+        return path
+
+    def snapshot(self, step: int, model, optimizer, trainer_state: dict) -> None:
+        """An in-memory snapshot with its replica or parity (in the background under async)."""
+        self._drain_memory()
+        stats = self.memory.save(step, model, optimizer, trainer_state, self.background)
+        self.log("memory_snapshot", step=step, mode="async" if self.background else "sync",
+                 stall_s=round(stats["stall_s"], 4))
+        if not self.background:
+            self._log_held(stats)
+
+    def drain(self) -> None:
+        """Wait for every save in flight and log what each one took and holds."""
+        self._drain_disk()
+        self._drain_memory()
+
+    def _drain_disk(self) -> None:
+        for done in self.saver.wait() if self.saver is not None else ():
+            self.log("checkpoint_persisted", step=done["step"], path=done["path"],
+                     background_s=round(done["seconds"], 3))
+            self.faults.after_save(done["step"], Path(done["path"]))
+
+    def _drain_memory(self) -> None:
+        for done in self.memory.wait() if self.memory is not None else ():
+            self._log_held(done)
+
+    def _log_held(self, stats: dict) -> None:
+        extra = {"background_s": round(stats["background_s"], 3)} if "background_s" in stats else {}
+        self.log("memory_snapshot_held", step=stats["step"], redundancy=self.cfg.checkpoint.memory_redundancy,
+                 own_mib=round(stats["own_bytes"] / 2**20, 2),
+                 redundancy_mib=round(stats["redundancy_bytes"] / 2**20, 2), **extra)
+
+    def finish(self) -> None:
+        """The run is over (complete, or halted with its state on disk): give the RAM back."""
+        self.drain()
+        if self.memory is not None:
+            self.memory.clear()
+
+    # ---- restoring --------------------------------------------------------------------
+
+    def resume_source(self, disk: Path | None):
+        """What a starting run restores, honouring run.resume: see newest()."""
+        mode = self.cfg.run.resume
+        if self.memory is not None and mode == "never":
+            self.memory.clear()
+        return self.newest(disk, use_memory=mode in ("auto", "latest"))
+
+    def newest(self, disk: Path | None, use_memory: bool = True):
+        """The in-memory snapshot (step, payload, sources) when it is at least as new as
+        the disk checkpoint `disk`, else `disk` (None when there is neither).
+
+        Collective when the memory tier is on: every rank reports what it holds and
+        lost snapshots are rebuilt from the survivors.
+        """
+        self.drain()
+        memory = self.memory.recover() if self.memory is not None and use_memory else None
+        if memory is not None and (disk is None or memory[0] >= verify(disk)["step"]):
+            return memory
+        return disk
+
+    def restore(self, found, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, dict[str, Any]]:
+        """Load model and optimizer from what newest() found; returns its name and the trainer state."""
+        init_optimizer_state(optimizer)
+        if isinstance(found, Path):
+            return str(found), self.checkpointer.load(found, model, optimizer)
+        step, payload, sources = found
+        rebuilt = {r: src for r, src in sources.items() if src != "own"}
+        name = f"memory tier step {step}" + (f" (rebuilt {rebuilt})" if rebuilt else "")
+        return name, MemoryTier.load_into(payload, model, optimizer)
