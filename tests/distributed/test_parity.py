@@ -24,6 +24,8 @@ LAYOUTS_2 = {
     "pp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"],
     "pp2_dualpipev": ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2"],
 }
+# Against a single-process run with tied input/output embeddings (one vocab-sharded weight).
+TIED_2 = {"tp2_tied": ["parallel.tp=2", "model.tie_embeddings=1"]}
 LAYOUTS_4 = {
     "ddp": ["parallel.dp_replicate=4", "parallel.dp_shard=1"],
     "ddp_grad_accum": ["parallel.dp_replicate=4", "parallel.dp_shard=1", "train.micro_batch_size=1"],
@@ -68,9 +70,17 @@ def reference(tmp_path_factory, small_corpus):
 
 
 @pytest.fixture(scope="module")
+def reference_tied(tmp_path_factory, small_corpus):
+    run = tmp_path_factory.mktemp("reference_tied")
+    Trainer(load_config(None, [*_base(small_corpus), "model.tie_embeddings=1", f"run.dir={run}"])).build().train()
+    return run
+
+
+@pytest.fixture(scope="module")
 def world2(tmp_path_factory, small_corpus):
     root = tmp_path_factory.mktemp("world2")
-    run_world(2, [(root / name, [*_base(small_corpus), *extra]) for name, extra in LAYOUTS_2.items()])
+    layouts = {**LAYOUTS_2, **TIED_2}
+    run_world(2, [(root / name, [*_base(small_corpus), *extra]) for name, extra in layouts.items()])
     return root
 
 
@@ -101,6 +111,11 @@ def test_harness_detects_a_different_run(tmp_path, small_corpus, reference):
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
 def test_world2_layout_matches_single_process(world2, reference, layout):
     assert_same_run(world2 / layout, reference)
+
+
+@pytest.mark.parametrize("layout", list(TIED_2))
+def test_world2_tied_embeddings_match_single_process(world2, reference_tied, layout):
+    assert_same_run(world2 / layout, reference_tied)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))

@@ -81,9 +81,6 @@ class ParallelDims:
         if args.n_heads % t or args.kv_heads % t:
             raise ConfigError(f"parallel.tp={t} must divide n_heads={args.n_heads} and n_kv_heads={args.kv_heads}; "
                               f"valid tp: {_divisors_of_both(args.n_heads, args.kv_heads)}")
-        if t > 1 and args.tie_embeddings:
-            raise ConfigError("parallel.tp > 1 with tied embeddings is not supported yet; "
-                              "set model.tie_embeddings=0 or parallel.tp=1")
         if t > 1 and cfg.parallel.sequence_parallel and cfg.train.seq_len % t:
             raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be divisible by parallel.tp={t} "
                               "with sequence_parallel")
