@@ -24,9 +24,15 @@ processes stretch wall time but not CPU time, so the error against the median pe
 CPU time is the model's error, and the wall-clock median is reported beside it with
 the load average before and after.
 
-Only world size 1 is validated: multi-rank layouts wait for the parallel trainer.
+Multi-rank layouts (world sizes 2-8: DDP, FSDP, HSDP, TP, PP, FSDP x TP; planner_multirank.py)
+run under torchrun, one thread per rank, all ranks sharing this machine's cores; the
+quick calibration then also measures gloo collectives at their world sizes. Their
+measured step time is rank 0's `step_time_s` (wall) and, beside it, the CPU time of all
+ranks per step divided by the cores they can use (min(ranks x threads, cores)): what the
+step would take if the ranks had the cores to themselves. `peak_mem_gib` is the maximum
+over ranks. `--configs` and `--layouts` choose the two sets (`none` skips one).
 
-    .venv/bin/python benchmarks/planner_validation.py                    # 10 configs, ~7 min on 2 cores
+    .venv/bin/python benchmarks/planner_validation.py                    # 10 + 10 runs, ~10 min on 2 cores
     .venv/bin/python benchmarks/planner_validation.py --profile calibration.toml --results benchmarks/RESULTS.md
 """
 
@@ -56,6 +62,9 @@ from shardline.planner.estimate import estimate
 from shardline.planner.hardware import apply_overrides, cpu_hardware, get_hardware
 from shardline.planner.layout import Workload, from_config
 from shardline.planner.memory import GiB
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from planner_multirank import LAYOUTS, measure_torchrun  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +96,10 @@ CONFIGS: dict[str, list[str]] = {
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="single-process configs, comma-separated (or none): " + ", ".join(CONFIGS))
+    p.add_argument("--layouts", default=",".join(LAYOUTS),
+                   help="multi-rank torchrun layouts, comma-separated (or none): " + ", ".join(LAYOUTS))
     p.add_argument("--steps", type=int, default=8,
                    help="training steps per config (default 8; the first 2 are warm-up)")
     p.add_argument("--profile", help="hardware profile from `shardline calibrate` (default: calibrate quickly now)")
@@ -103,25 +115,26 @@ def data_overrides(args: argparse.Namespace) -> list[str]:
     return [f"data.path={args.data}", f"data.vocab_size={args.vocab_size}"]
 
 
-def machine_profile(args: argparse.Namespace, names: list[str]):
+def machine_profile(args: argparse.Namespace, names: list[str], layouts: list[str]):
     """The planner's view of this machine: a calibrated profile plus this run's process baseline."""
     if args.profile:
         hw = get_hardware("cpu", args.profile)
     else:
         bf16 = any("train.precision=bf16" in CONFIGS[n] for n in names)
         clock = time.thread_time if args.threads == 1 else time.perf_counter
-        fields, _ = measure(quick=True, comm=False, dtypes=("fp32", "bf16") if bf16 else ("fp32",), baseline=False,
-                            clock=clock)
+        worlds = tuple(sorted({LAYOUTS[n][0] for n in layouts}))  # gloo at the world sizes to be run
+        fields, _ = measure(quick=True, comm=bool(worlds), dtypes=("fp32", "bf16") if bf16 else ("fp32",),
+                            baseline=False, clock=clock, comm_worlds=worlds)
         hw = apply_overrides(cpu_hardware(), fields, "quick calibration")
     # The data pipeline of these runs (not the default one) sets the resident baseline.
     return replace(hw, process_baseline_gib=measure_baseline_gib(data_overrides(args)))
 
 
-def predict(overrides: list[str], hw) -> dict:
+def predict(overrides: list[str], hw, world: int = 1) -> dict:
     cfg = load_config(None, overrides)
     work = Workload(_config_model(cfg), cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.precision,
                     cfg.train.document_mask, cfg.model.preset)
-    e = estimate(work, from_config(cfg, 1), hw)
+    e = estimate(work, from_config(cfg, world), hw)
     return {"step_time_s": e.step_time_s, "peak_gib": e.memory["total"] / GiB,
             "breakdown_s": e.breakdown, "memory_gib": {k: v / GiB for k, v in e.memory.items()}}
 
@@ -176,45 +189,81 @@ def error_pct(predicted: float, measured: float) -> float:
     return 100.0 * (predicted - measured) / measured
 
 
-def run(args: argparse.Namespace) -> dict:
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
+def _names(text: str, valid: dict, what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip() and n.strip() != "none"]
+    unknown = [n for n in names if n not in valid]
     if unknown:
-        raise SystemExit(f"unknown config(s) {', '.join(unknown)}; valid: {', '.join(CONFIGS)}")
+        raise SystemExit(f"unknown {what}(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+    return names
+
+
+def _compare(pred: dict, meas: dict, cores: float) -> dict:
+    """Errors against wall time and against CPU time (per rank-core: see the docstring)."""
+    world = meas.get("world", 1)
+    if world == 1:
+        cpu = meas["cpu_step_s"]
+    else:
+        cpu = meas["ranks_cpu_step_s"] / min(world, cores) if meas["ranks_cpu_step_s"] else None
+    meas["cpu_equiv_step_s"] = cpu
+    return {"wall_error_pct": error_pct(pred["step_time_s"], meas["step_time_s"]),
+            "time_error_pct": error_pct(pred["step_time_s"], cpu or meas["step_time_s"]),
+            "memory_error_pct": error_pct(pred["peak_gib"], meas["peak_gib"])}
+
+
+def run(args: argparse.Namespace) -> dict:
+    names = _names(args.configs, CONFIGS, "config")
+    layouts = _names(args.layouts, LAYOUTS, "layout")
     load_before = os.getloadavg()
     torch.set_num_threads(args.threads)  # the profile's peak and fits are for this many threads
-    hw = machine_profile(args, names)
+    hw = machine_profile(args, names, layouts)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             overrides = ["model.preset=tiny", *data_overrides(args), *CONFIGS[name]]
             pred = predict(overrides, hw)
+            load = os.getloadavg()[0]
             meas = measure_run(name, overrides, args.steps, Path(tmp), args.threads)
-            rows[name] = {"overrides": CONFIGS[name], "predicted": pred, "measured": meas,
-                          "wall_error_pct": error_pct(pred["step_time_s"], meas["step_time_s"]),
-                          "time_error_pct": error_pct(pred["step_time_s"], meas["cpu_step_s"] or meas["step_time_s"]),
-                          "memory_error_pct": error_pct(pred["peak_gib"], meas["peak_gib"])}
+            meas.update(world=1, load_before=load)
+            rows[name] = {"overrides": CONFIGS[name], "world": 1, "predicted": pred, "measured": meas,
+                          **_compare(pred, meas, hw.cores)}
             print(_row(name, rows[name]), flush=True)
+        for name in layouts:
+            world, overrides = LAYOUTS[name]
+            overrides = [*data_overrides(args), *overrides]
+            pred = predict(overrides, hw, world)
+            meas = measure_torchrun(name, world, overrides, RUN_KEYS, args.steps, Path(tmp), args.threads)
+            rows[name] = {"overrides": LAYOUTS[name][1], "world": world, "predicted": pred, "measured": meas,
+                          **_compare(pred, meas, hw.cores)}
+            print(_row(name, rows[name]), flush=True)
+    med = lambda key, sel=None: statistics.median(  # noqa: E731
+        abs(r[key]) for r in rows.values() if sel is None or (r["world"] > 1) == sel)
+    multi = any(r["world"] > 1 for r in rows.values())
+    single = any(r["world"] == 1 for r in rows.values())
     return {"configs": rows, "profile": args.profile or "quick calibration",
-            "process_baseline_gib": hw.process_baseline_gib,
+            "process_baseline_gib": hw.process_baseline_gib, "cores": hw.cores, "network": vars(hw.network),
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "load_before": load_before,
                         "load_after": os.getloadavg(), "python": platform.python_version()},
             "date": datetime.date.today().isoformat(), "steps": args.steps, "threads": args.threads,
-            "median_abs_time_error_pct": statistics.median(abs(r["time_error_pct"]) for r in rows.values()),
-            "median_abs_wall_error_pct": statistics.median(abs(r["wall_error_pct"]) for r in rows.values()),
-            "median_abs_memory_error_pct": statistics.median(abs(r["memory_error_pct"]) for r in rows.values())}
+            "median_abs_time_error_pct": med("time_error_pct"),
+            "median_abs_wall_error_pct": med("wall_error_pct"),
+            "median_abs_memory_error_pct": med("memory_error_pct"),
+            "by_world": {k: {e: med(e, k == "multi") for e in ("time_error_pct", "wall_error_pct", "memory_error_pct")}
+                         for k, present in (("single", single), ("multi", multi)) if present}}
 
 
 def _row(name: str, r: dict) -> str:
     p, m = r["predicted"], r["measured"]
-    cpu = m["cpu_step_s"] or float("nan")
-    return (f"| {name} | {p['step_time_s']:.3f} | {cpu:.3f} | {r['time_error_pct']:+.1f}% | {m['step_time_s']:.3f} | "
-            f"{r['wall_error_pct']:+.1f}% | {p['peak_gib']:.3f} | {m['peak_gib']:.3f} | "
-            f"{r['memory_error_pct']:+.1f}% |")
+    cpu = m.get("cpu_equiv_step_s") or float("nan")
+    load = m.get("load_before")
+    load = f"{load:.1f}" if load is not None else "-"
+    return (f"| {name} | {r['world']} | {p['step_time_s']:.3f} | {m['step_time_s']:.3f} | "
+            f"{r['wall_error_pct']:+.1f}% | {cpu:.3f} | {r['time_error_pct']:+.1f}% | {p['peak_gib']:.3f} | "
+            f"{m['peak_gib']:.3f} | "
+            f"{r['memory_error_pct']:+.1f}% | {load} |")
 
 
-HEADER = ("| config | predicted s/step | measured CPU s/step | error | measured wall s/step | error | "
-          "predicted peak GiB | measured peak GiB | error |\n|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| config | ranks | predicted s/step | measured wall s/step | error | measured CPU-equiv. s/step | error | "
+          "predicted peak GiB | measured peak GiB | error | load |\n|---|---|---|---|---|---|---|---|---|---|---|")
 START, END = "<!-- planner-validation:start -->", "<!-- planner-validation:end -->"
 
 
@@ -224,27 +273,52 @@ def markdown(res: dict, argv: list[str]) -> str:
     if "--json" in argv:  # where the JSON went is not part of the result
         i = argv.index("--json")
         argv = argv[:i] + argv[i + 2:]
+    net = res["network"]
+    gloo = ", ".join(f"{w} ranks {a:.0f} us / {net['bw_by_world_gbs'][w]:.2f} GB/s"
+                     for w, a in net.get("latency_by_world_us", {}).items())
     setting = (f"`.venv/bin/python benchmarks/planner_validation.py {' '.join(argv)}` on {res['date']}: host "
-               f"{m['host']} ({m['cpus']} CPUs), {res['threads']} torch thread(s), hardware profile: "
-               f"{res['profile']} (run first, ~10 s), {res['steps']} training steps per config, medians of "
-               f"steps 3 on. Load average {m['load_before'][0]:.1f} before / {m['load_after'][0]:.1f} after"
-               f"{shared}.")
-    legend = ("Configs are overrides of the `tiny` preset (dim 256, 4 layers, 8 heads / 4 kv heads, ffn "
-              "768, vocab 4096), listed in the script's CONFIGS: sequence length, micro-batch x "
-              "accumulation, width, depth, heads, bf16 autocast, activation checkpointing (full, op); "
-              "shipped corpus, fp32 unless noted. "
-              "*Measured CPU* is the trainer process' CPU time per step (one thread: equal to wall time "
-              "on an idle machine, and not stretched by other processes); *measured wall* is the "
-              "trainer's own `step_time_s`. Peak memory is the trainer's `peak_mem_gib` (peak RSS); "
-              "the predicted one includes the process baseline (torch, shardline, tokenizer, dataset), "
-              f"measured separately at {res['process_baseline_gib']:.3f} GiB.")
-    summary = (f"Median absolute error: step time {res['median_abs_time_error_pct']:.1f}% against CPU time "
-               f"({res['median_abs_wall_error_pct']:.1f}% against wall time), peak memory "
-               f"{res['median_abs_memory_error_pct']:.1f}%. Not validated yet: multi-rank layouts (DDP, "
-               "FSDP, TP, PP: the planner's predictions for them have no measured counterpart here) and GPUs.")
+               f"{m['host']} ({m['cpus']} CPUs; the planner's profile: {res['cores']} cores), {res['threads']} torch "
+               f"thread(s) per process, hardware profile: {res['profile']} (run first"
+               f"{'; gloo alpha / B: ' + gloo if gloo else ''}), {res['steps']} training steps per config, "
+               f"medians of steps 3 on. Load average {m['load_before'][0]:.1f} before / {m['load_after'][0]:.1f} "
+               f"after{shared}; the *load* column is the 1-minute load average as each run started.")
+    legend = ("Single-process configs (ranks 1) are overrides of the `tiny` preset (dim 256, 4 layers, 8 heads / 4 "
+              "kv heads, ffn 768, vocab 4096) listed in the script's CONFIGS; multi-rank ones (planner_multirank.py "
+              "LAYOUTS, `torchrun --standalone --rdzv_backend=c10d`, gloo) use tiny or `small` (dim 384, 6 layers, "
+              "6 heads / 2 kv heads, ffn 1024) at sequence 128, global batch 8. "
+              "*Measured wall* is the trainer's own `step_time_s` (rank 0; median). *CPU-equiv.* is CPU time per "
+              "step not stretched by other processes: the trainer's for one process; for N ranks the CPU time of "
+              "all ranks (gloo threads included) over min(N x threads, cores), i.e. the step if the ranks had the "
+              "cores to themselves and kept them busy (it leaves out time all ranks wait idle). Peak memory is "
+              "`peak_mem_gib` (peak RSS, maximum over ranks); the predicted one includes the process baseline "
+              f"(torch, shardline, tokenizer, dataset), measured separately at {res['process_baseline_gib']:.3f} GiB.")
+    parts = []
+    for key, label in (("single", "one process"), ("multi", "multi-rank")):
+        if key in res["by_world"]:
+            b = res["by_world"][key]
+            parts.append(f"{label}: step time {b['wall_error_pct']:.1f}% against wall time, "
+                         f"{b['time_error_pct']:.1f}% against CPU-equiv. time, "
+                         f"peak memory {b['memory_error_pct']:.1f}%")
+    summary = "Median absolute error, " + "; ".join(parts) + "."
     rows = [_row(n, r) for n, r in res["configs"].items()]
-    return "\n".join([START, "## Planner: predicted vs measured (CPU, world size 1)", "", setting, "", legend, "",
-                      HEADER, *rows, "", summary, END])
+    return "\n".join([START, "## Planner: predicted vs measured (CPU, world sizes 1-8)", "", setting, "", legend, "",
+                      HEADER, *rows, "", summary, NOTES, END])
+
+
+NOTES = """
+What the multi-rank model knows (planner/compute.py, estimate.py, comm.py, memory.py): N
+ranks of one thread share the profile's cores (each gets min(1, cores / N) of a core,
+dispatcher overhead included); saturated CPU ranks overlap no communication; gloo
+collectives cost the alpha / B calibrated at their group size; the host CPU time of the TP
+(DTensor) and FSDP2 wrappers per block and of the optimizer per DTensor parameter, calibrated
+with the trainer's own wrappers on tiny blocks (calibrate_dist.py); the scalar all-reduces of
+every step (the loss; the gradient norm, one per sharded parameter tensor, as the trainer
+computes it); pipeline stages split as the trainer splits them (the head counts as blocks on
+the last stage); DDP's buckets (a copy of every gradient) and FSDP's gathered root. What it
+does not know: other processes on the machine (they stretch the wall column; CPU-equiv. time
+is less affected, and not at all by idle waiting), the CPU the gloo threads spend beyond the
+calibrated alpha-beta cost, and allocator growth of multi-threaded ranks.
+GPUs are not validated here."""
 
 
 def write_results(path: Path, section: str) -> None:
@@ -262,7 +336,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     print(HEADER, flush=True)
     res = run(args)
-    print(f"\nmedian |error|: time {res['median_abs_time_error_pct']:.1f}% (CPU), "
+    print(f"\nmedian |error|: time {res['median_abs_time_error_pct']:.1f}% (CPU-equiv.), "
           f"{res['median_abs_wall_error_pct']:.1f}% (wall), memory "
           f"{res['median_abs_memory_error_pct']:.1f}%; load {res['machine']['load_before'][0]:.1f} -> "
           f"{res['machine']['load_after'][0]:.1f}")

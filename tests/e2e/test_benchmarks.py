@@ -76,3 +76,28 @@ def test_gpu_train_reports_oom_and_continues(tmp_path, small_corpus):
     assert res["variants"]["hf-eager"]["status"] == "ok"
     assert positive(res["variants"]["hf-eager"]["tokens_per_s"])
     assert "oom" in proc.stdout
+
+
+def test_planner_validation_runs_a_torchrun_layout_and_rewrites_only_its_section(tmp_path, small_corpus):
+    # A given profile skips the calibration: this checks the plumbing, not the model's accuracy
+    # (benchmarks/RESULTS.md holds that, from the full run).
+    profile = tmp_path / "cpu.toml"
+    profile.write_text('base = "cpu"\ncores = 2\nthreads = 1\n')
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\nkept above\n\n<!-- planner-validation:start -->\nold\n"
+                       "<!-- planner-validation:end -->\n\nkept below\n")
+    res, proc = run_benchmark("planner_validation.py",
+                              ["--configs", "none", "--layouts", "tiny-ddp2", "--steps", "3", "--profile", str(profile),
+                               "--data", str(small_corpus), "--vocab-size", "512", "--results", str(results)],
+                              tmp_path)
+    row = res["configs"]["tiny-ddp2"]
+    assert row["world"] == 2 and row["measured"]["world"] == 2
+    assert positive(row["predicted"]["step_time_s"]) and positive(row["measured"]["step_time_s"])
+    assert positive(row["measured"]["ranks_cpu_step_s"]) and len(row["measured"]["step_times_s"]) == 1
+    # Peak memory is the maximum over ranks of whole processes: above the bare process baseline.
+    assert row["measured"]["peak_gib"] > res["process_baseline_gib"] > 0.1
+    assert math.isclose(row["wall_error_pct"],
+                        100 * (row["predicted"]["step_time_s"] / row["measured"]["step_time_s"] - 1))
+    text = results.read_text()
+    assert text.startswith("# Results\n\nkept above\n") and text.endswith("kept below\n")
+    assert "old" not in text and "| tiny-ddp2 | 2 |" in text and "tiny-ddp2" in proc.stdout
