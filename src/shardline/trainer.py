@@ -359,25 +359,30 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches micro-batches of the held-out split.
 
-        Every data-parallel rank evaluates the same batches: simple, and small next to
-        training.
+        The data-parallel ranks share the batches (batch i goes to dp rank i mod dp).
+        Every rank runs the same number of forward passes, since sharded parameters
+        are gathered collectively: a rank short of a batch repeats one and counts it 0.
         """
         t = self.cfg.train
         self.model.eval()
         idx_all = np.arange(t.eval_batches * t.micro_batch_size) % len(self.data.val)
+        batches = np.split(idx_all, t.eval_batches)
+        dp, dp_rank = self.dims.dp, self.dims.dp_rank()
         total = torch.zeros((), device=self.device)
-        for idx in np.split(idx_all, t.eval_batches):
-            batch = self._to_device(self.data.val.batch(idx))
+        for i in range(dp_rank, -(-t.eval_batches // dp) * dp, dp):
+            batch = self._to_device(self.data.val.batch(batches[min(i, len(batches) - 1)]))
+            weight = 1.0 if i < len(batches) else 0.0
             with loss_context(self.dims, self.cfg.parallel):
                 if self.pipeline is None:
-                    total += local_value(self.loss_sum(batch))
+                    total += weight * local_value(self.loss_sum(batch))
                     continue
                 with autocast(self.device, t.precision):
                     logits = self.pipeline.forward_only(batch, t.document_mask, self.dims.submesh("pp").get_group())
                 if logits is not None:
-                    total += local_value(cross_entropy_sum(logits, batch["labels"]))
+                    total += weight * local_value(cross_entropy_sum(logits, batch["labels"]))
         if self.pipeline is not None:
             total = reduce_over(self.dims, "pp", total, "sum")  # only the last stage holds it
+        total = reduce_over(self.dims, "dp", total, "sum")
         loss = total.item() / max(self.data.val.count_labels(idx_all), 1)
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
         return loss
