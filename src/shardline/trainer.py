@@ -33,7 +33,8 @@ from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import init_distributed, pick_device
 from shardline.parallel.parallelize import build_model
 from shardline.precision import LossScaler, autocast
-from shardline.resilience.anomaly import AnomalyDetector
+from shardline.resilience.anomaly import AnomalyDetector, anomaly_check_on_device
+from shardline.resilience.device_anomaly import DeviceAnomalyCheck
 from shardline.resilience.checkpoint import Checkpointer, read_meta
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.goodput import Goodput, process_start_time
@@ -83,7 +84,8 @@ class Trainer:
         self.scaler = LossScaler(self.device, cfg.train.precision)
         self.faults = FaultInjector(cfg.faults, self.proc.rank, memory_rank_dir(cfg, self.proc.rank))
         self.tiers = StateTiers(cfg, self.proc, self.dims, self.checkpointer, self._layout_fingerprint(), self.faults)
-        self.anomaly = AnomalyDetector(cfg.anomaly)
+        on_device = anomaly_check_on_device(cfg, self.dims, self.optimizer, self.device)
+        self.anomaly = DeviceAnomalyCheck(cfg.anomaly, self.device) if on_device else AnomalyDetector(cfg.anomaly)
         self.skipped_batches: list[int] = list(cfg.train.skip_batches)
         self.rollbacks = 0
         self.forward = torch.compile(self.wrapped) if cfg.train.compile and self.wrapped else self.wrapped
@@ -174,6 +176,7 @@ class Trainer:
             self.faults.after_step(time.perf_counter() - started)
             self.watchdog.step_end(step, time.perf_counter() - started)
         self.watchdog.close()
+        self.report_device_anomalies()
         self._timed("checkpoint", self.tiers.finish)
         self.goodput.persist(finished=True)
         self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
@@ -210,6 +213,8 @@ class Trainer:
         """
         step = self.step + 1
         loss, grad_norm = self.compute_gradients()
+        if isinstance(self.anomaly, DeviceAnomalyCheck):
+            return self._step_checked_on_device(step, loss, grad_norm)
         loss_value = self.faults.corrupt_loss(step, self._global_loss(loss).item())
         anomaly = self._detect_anomaly(loss_value, grad_norm)
         if anomaly is not None:
@@ -220,6 +225,28 @@ class Trainer:
             outcome = "overflow" if self.apply_update() else "updated"
         self.step = step
         return loss_value, grad_norm, outcome
+
+    def _step_checked_on_device(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
+        """The update gated by the device's verdict; no host sync. Anomalies are reported
+        when the verdicts are next read (report_device_anomalies)."""
+        loss = self.faults.corrupt_loss(step, self._global_loss(loss))
+        self.optimizer.found_inf = self.anomaly.verdict(step, loss, grad_norm)
+        try:
+            self.apply_update()
+        finally:
+            self.optimizer.found_inf = None
+        self.step = step
+        return loss, grad_norm, "updated"
+
+    def report_device_anomalies(self) -> None:
+        """Read the device's verdicts since last asked (one host sync) and report the anomalies."""
+        if not isinstance(self.anomaly, DeviceAnomalyCheck):
+            return
+        for event in self.anomaly.drain():
+            event["action"] = "skip"
+            self.anomaly_events.append(event)
+            self.goodput.reclassify(event["step"], "anomaly_skipped")
+            self.metrics.event("anomaly", **event, checked_on="device")
 
     def compute_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over this rank's share of the step's global batch.
@@ -388,6 +415,7 @@ class Trainer:
         return loss
 
     def save_checkpoint(self) -> Path:
+        self.report_device_anomalies()  # the saved detector state and events agree
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict()}
         return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
 
@@ -397,13 +425,14 @@ class Trainer:
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict()}
 
-    def _log_train(self, loss: float, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
+    def _log_train(self, loss: float | torch.Tensor, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
+        self.report_device_anomalies()
         lr = self.cfg.optim.lr * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
         # The only host sync of the hot path: reading the values at a logging step.
         tokens_per_s = steps * self.cfg.train.global_batch_size * self.cfg.train.seq_len / seconds
         memory = reduce_over(self.dims, None, torch.tensor(peak_memory_gib(self.device)), "max")
         return self.metrics.log(
-            "train", step=self.step, loss=loss, lr=lr,
+            "train", step=self.step, loss=float(loss), lr=lr,
             grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
             peak_mem_gib=memory.item(), step_time_s=seconds / steps,

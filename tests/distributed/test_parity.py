@@ -29,7 +29,9 @@ TIED_2 = {"tp2_tied": ["parallel.tp=2", "model.tie_embeddings=1"]}
 LAYOUTS_4 = {
     "ddp": ["parallel.dp_replicate=4", "parallel.dp_shard=1"],
     "ddp_grad_accum": ["parallel.dp_replicate=4", "parallel.dp_shard=1", "train.micro_batch_size=1"],
-    "zero1": ["parallel.dp_shard=4", "parallel.zero=1"],
+    # ZeRO-1 with the fused AdamW gated by the device-side anomaly check (no host sync)
+    "zero1_fused_device_check": ["parallel.dp_shard=4", "parallel.zero=1", "optim.implementation=fused",
+                                 "anomaly.check_on=device"],
     "zero1_hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=1"],
     "zero2": ["parallel.dp_shard=4", "parallel.zero=2"],
     "zero3": ["parallel.dp_shard=4", "parallel.zero=3"],

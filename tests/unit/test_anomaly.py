@@ -70,3 +70,53 @@ def test_halt_exits_3_with_a_report_and_keeps_the_state(tmp_path, small_corpus, 
     err = capsys.readouterr().err
     assert "halted: nonfinite_loss" in err and "at step 5" in err
     assert (run / "checkpoints" / "step-000004" / "manifest.json").is_file()  # state before the bad step
+
+
+def test_device_check_gives_the_host_detectors_verdicts():
+    from shardline.resilience.device_anomaly import DeviceAnomalyCheck
+
+    cfg = AnomalyConfig(spike_zscore=6.0, window=8, min_history=4)
+    host, device = AnomalyDetector(cfg), DeviceAnomalyCheck(cfg, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    losses = (5.0 - 0.01 * torch.arange(40) + 0.05 * torch.randn(40, generator=gen)).tolist()
+    losses[12], losses[20], losses[30] = 9.0, float("nan"), 7.5  # two spikes and a NaN
+    norms = [1.0] * 40
+    norms[25] = float("inf")
+    want = []
+    for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
+        found = host.check(loss, norm)
+        if found is None:
+            host.accept(loss)
+        else:
+            want.append((step, found[0]))
+        device.verdict(step, torch.tensor(loss), torch.tensor(norm))
+    got = [(e["step"], e["anomaly"]) for e in device.drain()]
+    assert got == want and len(want) == 4, (got, want)
+    assert device.state_dict()["history"] == pytest.approx(list(host.history))
+
+
+@pytest.mark.parametrize("fault", ["faults.nan_step=5", "faults.spike_step=5"])
+def test_check_on_device_skips_like_the_host_check(tiny_config, tmp_path, fault):
+    common = [fault, "anomaly.action=skip", "anomaly.min_history=3", "optim.implementation=fused",
+              "train.eval_interval=0", "checkpoint.interval=0"]
+    runs = {}
+    for where in ("host", "device"):
+        trainer = Trainer(tiny_config(*common, f"anomaly.check_on={where}", run_dir=tmp_path / where)).build()
+        trainer.train()
+        runs[where] = trainer
+    host, device = train_losses(tmp_path / "host"), train_losses(tmp_path / "device")
+    # The injected spike is x100 of a Python float on the host, of an fp32 tensor here.
+    assert device.pop(5) == pytest.approx(host.pop(5), rel=1e-6, nan_ok=True) and device == host
+    for name, value in params(runs["host"]).items():
+        assert torch.equal(params(runs["device"])[name], value), name
+    events = [r for r in read_records(tmp_path / "device", "event") if r["event"] == "anomaly"]
+    assert [(e["step"], e["action"], e["checked_on"]) for e in events] == [(5, "skip", "device")]
+    end = [r for r in read_records(tmp_path / "device", "event") if r["event"] == "end"][-1]
+    assert end["anomalies"] == 1 and end["seconds"]["anomaly_skipped"] > 0
+
+
+def test_check_on_device_refuses_what_it_cannot_gate(tiny_config):
+    from shardline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="action is not skip.*not fused"):
+        Trainer(tiny_config("anomaly.check_on=device", "anomaly.action=rollback")).build()

@@ -56,3 +56,25 @@ def _median(sorted_values: list[float]) -> float:
     n = len(sorted_values)
     mid = n // 2
     return sorted_values[mid] if n % 2 else 0.5 * (sorted_values[mid - 1] + sorted_values[mid])
+
+
+def anomaly_check_on_device(cfg, dims, optimizer, device) -> bool:
+    """Whether to check on the device (see device_anomaly.py); ConfigError when asked for and impossible.
+
+    The verdict gates the update through the fused AdamW kernel, so it needs: action
+    skip, the fused optimizer, no fp16 loss scaler (it owns that gate), and plain
+    tensors (DTensor parameters of FSDP2 / TP are not gated that way yet). `auto`
+    takes it on GPUs, where a host sync per step costs throughput.
+    """
+    a = cfg.anomaly
+    blockers = [why for why, blocked in (
+        ("anomaly.action is not skip", a.action != "skip"),
+        ("the optimizer is not fused (optim.implementation)", not optimizer.defaults.get("fused")),
+        ("train.precision=fp16 (its loss scaler gates the update)", cfg.train.precision == "fp16"),
+        ("parameters are DTensors (dp_shard with zero >= 2, or tp)", (dims.fsdp and dims.zero >= 2) or dims.tp > 1),
+    ) if blocked]
+    if a.check_on == "device" and blockers:
+        from shardline.errors import ConfigError
+
+        raise ConfigError("anomaly.check_on='device' is not possible here: " + "; ".join(blockers))
+    return a.check_on == "device" or (a.check_on == "auto" and not blockers and device.type == "cuda")

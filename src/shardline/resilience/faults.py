@@ -44,9 +44,10 @@ class FaultInjector:
         if self.first_attempt and self.rank == self.cfg.slow_rank and self.cfg.slow_factor > 1:
             time.sleep(step_time_s * (self.cfg.slow_factor - 1))
 
-    def corrupt_loss(self, step: int, loss: float) -> float:
+    def corrupt_loss(self, step: int, loss):
+        """The loss as the anomaly check sees it (a float, or a device tensor)."""
         if self._fire("nan", step, self.cfg.nan_step):
-            return float("nan")
+            return loss * float("nan")
         if self._fire("spike", step, self.cfg.spike_step):
             return loss * 100.0
         return loss

@@ -44,6 +44,7 @@ class Goodput:
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.wall_before = 0.0  # wall time of earlier attempts
         self.high_water = 0
+        self._recent: dict[int, tuple[str, float]] = {}  # step -> (category, seconds), for reclassify()
         previous = self._read()
         if previous:
             self.high_water = previous["high_water_step"]
@@ -65,13 +66,23 @@ class Goodput:
     def step(self, step: int, seconds: float, outcome: str) -> None:
         """Account one optimizer step (1-based) of `seconds` that ended with `outcome`."""
         if outcome in ("anomaly", "overflow"):
-            self.add("anomaly_skipped", seconds)
+            category = "anomaly_skipped"
         elif step <= self.high_water:
-            self.add("recomputed", seconds)
+            category = "recomputed"
         else:
-            self.add("useful", seconds)
+            category = "useful"
+        self.add(category, seconds)
+        self._recent = {s: v for s, v in self._recent.items() if s > step - 1000}
+        self._recent[step] = (category, seconds)
         self.high_water = max(self.high_water, step)
         self.persist()
+
+    def reclassify(self, step: int, category: str) -> None:
+        """Move a recent step's time to another category (an anomaly found after the fact)."""
+        if step in self._recent:
+            old, seconds = self._recent.pop(step)
+            self.seconds[old] -= seconds
+            self.seconds[category] += seconds
 
     def recomputed_from(self, step: int) -> int:
         """Steps a run resuming after `step` will do again."""

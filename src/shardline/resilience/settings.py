@@ -16,6 +16,7 @@ class AnomalyConfig:
     window: int = 50  # recent healthy losses the z-score is computed over
     min_history: int = 20  # no spike verdicts before this many healthy steps
     max_rollbacks: int = 3  # then halt: the same fault keeps coming back
+    check_on: str = "auto"  # host (reads loss every step) | device (no per-step sync; action=skip) | auto
 
     def check(self) -> None:
         require(self.action in ACTIONS, "anomaly.action", self.action, f"one of {', '.join(ACTIONS)}")
@@ -24,6 +25,8 @@ class AnomalyConfig:
         require(1 <= self.min_history <= self.window, "anomaly.min_history", self.min_history,
                 "must be in [1, anomaly.window]")
         require(self.max_rollbacks >= 0, "anomaly.max_rollbacks", self.max_rollbacks, "must be >= 0")
+        require(self.check_on in ("auto", "host", "device"), "anomaly.check_on", self.check_on,
+                "auto, host or device")
 
 
 @dataclass
