@@ -82,4 +82,4 @@ def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
     assert set(raw) == {"plain", "tp", "fsdp"} and raw["plain"]["per_layer_s"] > 0
     # DTensor dispatch of a TP block costs host time beyond the plain block's; so do FSDP2's hooks.
     assert fields["tp_layer_overhead_us"] > 0 and fields["fsdp_layer_overhead_us"] > 0
-    assert fields["dtensor_param_overhead_us"] > 0
+    assert fields["dtensor_param_overhead_us"] > 0 and fields["tp_head_overhead_us"] > 0

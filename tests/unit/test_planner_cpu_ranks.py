@@ -109,16 +109,17 @@ def test_parameter_tensors_per_rank_match_the_model():
 
 def test_wrapper_overheads_and_gradient_norm_reductions_are_charged_where_they_run():
     hw = dataclasses.replace(cpu(), tp_layer_overhead_us=1000.0, fsdp_layer_overhead_us=400.0,
-                             dtensor_param_overhead_us=50.0)
+                             dtensor_param_overhead_us=50.0, tp_head_overhead_us=300.0, fsdp_root_overhead_us=70.0)
     ddp = estimate(WORK, Layout(dp_replicate=2, micro_batch_size=4), hw)
     fsdp = estimate(WORK, Layout(dp_shard=2, micro_batch_size=4), hw)
     tp = estimate(WORK, Layout(tp=2, micro_batch_size=8), hw)
-    plain = dataclasses.replace(hw, tp_layer_overhead_us=0.0, fsdp_layer_overhead_us=0.0, dtensor_param_overhead_us=0.0)
-    # Per block per micro-batch, on a full core (2 ranks, 2 cores): 4 blocks.
+    plain = dataclasses.replace(hw, tp_layer_overhead_us=0.0, fsdp_layer_overhead_us=0.0, dtensor_param_overhead_us=0.0,
+                                tp_head_overhead_us=0.0, fsdp_root_overhead_us=0.0)
+    # Per block per micro-batch, on a full core (2 ranks, 2 cores): 4 blocks and the model's ends.
     assert fsdp.breakdown["compute"] - estimate(WORK, Layout(dp_shard=2, micro_batch_size=4), plain).breakdown[
-        "compute"] == pytest.approx(4 * 400e-6)
+        "compute"] == pytest.approx(4 * 400e-6 + 70e-6)
     assert tp.breakdown["compute"] - estimate(WORK, Layout(tp=2, micro_batch_size=8), plain).breakdown[
-        "compute"] == pytest.approx(4 * 1000e-6)
+        "compute"] == pytest.approx(4 * 1000e-6 + 300e-6)
     # DDP's parameters are plain tensors: no per-tensor optimizer overhead, one loss all-reduce.
     assert ddp.breakdown["optimizer"] == pytest.approx(
         estimate(WORK, Layout(dp_replicate=2, micro_batch_size=4), plain).breakdown["optimizer"])

@@ -10,6 +10,9 @@ costs none, so the collectives, costed separately by comm.py, drop out):
 * tp_layer_overhead_us:   extra CPU time of one TP+SP block's forward + backward over the
                           plain block's (slope over 1 and 3 blocks: the ends drop out)
 * fsdp_layer_overhead_us: the same for one FSDP2-wrapped block (zero 3: gathered twice)
+* tp_head_overhead_us, fsdp_root_overhead_us: the same for the rest of the model (the
+                          intercept: vocabulary-parallel embedding, output and loss under TP;
+                          the root module's hooks under FSDP)
 * dtensor_param_overhead_us: extra CPU time per parameter tensor of foreach AdamW +
                           gradient clipping when parameters are DTensors (FSDP, TP)
 """
@@ -55,10 +58,17 @@ def _model(layers: int):
 def _step_time(model, ids: torch.Tensor) -> float:
     from torch.distributed.tensor import DTensor
 
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    labels = torch.randint(0, 128, ids.shape)
+
     def step():
         out = model(ids)
-        out = out.to_local() if isinstance(out, DTensor) else out
-        out.float().square().mean().backward()
+        if isinstance(out, DTensor):  # vocabulary-sharded logits: the trainer's loss-parallel cross-entropy
+            with loss_parallel():
+                torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten()).backward()
+        else:
+            torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten()).backward()
 
     return _best(step)
 
@@ -103,13 +113,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             for layers in (1, 3):
                 model, _ = _model(layers)
                 if wrap == "tp":
-                    apply_tp(model, tp_dims.submesh("tp"), sequence_parallel=True, loss_parallel=False)
+                    apply_tp(model, tp_dims.submesh("tp"), sequence_parallel=True, loss_parallel=True)
                 elif wrap == "fsdp":
                     apply_fsdp(model, [model], fsdp_dims, "fp32", cpu_offload=False)
                 times.append(_step_time(model, ids))
                 if layers == 3:
                     opt = _optimizer_time(model, dims) / len(list(model.parameters()))
-            res[name] = {"per_layer_s": (times[1] - times[0]) / 2, "per_param_s": opt}
+            slope = (times[1] - times[0]) / 2
+            res[name] = {"per_layer_s": slope, "ends_s": times[0] - slope, "per_param_s": opt}
         if rank == 0:
             Path(out).write_text(json.dumps(res))
     finally:
@@ -131,5 +142,7 @@ def measure_wrappers(world: int = 2) -> tuple[dict, dict]:
     plain = raw["plain"]
     fields = {"tp_layer_overhead_us": max(0.0, raw["tp"]["per_layer_s"] - plain["per_layer_s"] / world) * 1e6,
               "fsdp_layer_overhead_us": max(0.0, raw["fsdp"]["per_layer_s"] - plain["per_layer_s"]) * 1e6,
+              "tp_head_overhead_us": max(0.0, raw["tp"]["ends_s"] - plain["ends_s"] / world) * 1e6,
+              "fsdp_root_overhead_us": max(0.0, raw["fsdp"]["ends_s"] - plain["ends_s"]) * 1e6,
               "dtensor_param_overhead_us": max(0.0, raw["fsdp"]["per_param_s"] - plain["per_param_s"]) * 1e6}
     return fields, {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in raw.items()}

@@ -193,6 +193,13 @@ def wrapper_overhead(hw: Hardware, layout: Layout) -> float:
     return us * 1e-6 / share(hw, layout)
 
 
+def ends_overhead(hw: Hardware, layout: Layout, first: bool, last: bool) -> float:
+    """Host seconds of the wrappers around the model's ends per micro-batch, half to each end."""
+    us = (hw.tp_head_overhead_us if layout.tp > 1 else 0.0) + (
+        hw.fsdp_root_overhead_us if layout.dp_mode in ("fsdp", "zero2", "hsdp") else 0.0)
+    return us * 1e-6 * (0.5 * first + 0.5 * last) / share(hw, layout)
+
+
 def recompute_fraction(mode: str, every: int) -> tuple[float, float]:
     """(share of a layer's forward GEMM/attention, share of its element-wise ops) recomputed."""
     if mode == "full":

@@ -84,6 +84,8 @@ class Hardware:
     # of the optimizer step on DTensors. 0 on GPUs, where the host runs ahead of the kernels.
     tp_layer_overhead_us: float = 0.0
     fsdp_layer_overhead_us: float = 0.0
+    tp_head_overhead_us: float = 0.0  # the model's ends (embedding, output, loss) under TP
+    fsdp_root_overhead_us: float = 0.0  # FSDP2's root module (embedding, norm, output)
     dtensor_param_overhead_us: float = 0.0
 
     def peak(self, dtype: str) -> float:
@@ -160,7 +162,8 @@ def cpu_hardware() -> Hardware:
         optimizer_bytes_per_param=120.0, shared_compute=True, cores=cpu_cores(),
         threads=torch.get_num_threads() or 1, process_baseline_gib=0.45,
         # As `shardline calibrate` measured them on a 2-core VM (one thread per rank), rounded.
-        tp_layer_overhead_us=10000.0, fsdp_layer_overhead_us=2500.0, dtensor_param_overhead_us=400.0)
+        tp_layer_overhead_us=10000.0, fsdp_layer_overhead_us=2000.0, tp_head_overhead_us=5000.0,
+        fsdp_root_overhead_us=2000.0, dtensor_param_overhead_us=400.0)
 
 
 def get_hardware(name: str, profile: str | Path | None = None) -> Hardware:
