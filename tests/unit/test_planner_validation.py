@@ -26,7 +26,7 @@ def test_predicted_vs_measured_on_cpu(tmp_path, small_corpus):
     out = tmp_path / "validation.json"
     env = {**os.environ, "SHARDLINE_CACHE": os.environ.get("SHARDLINE_CACHE", str(tmp_path / "cache"))}
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "planner_validation.py"),
-                           "--configs", "tiny-s128-b16,narrow-d128-L2-s512", "--steps", "6",
+                           "--configs", "tiny-s128-b16,narrow-d128-L2-s512", "--layouts", "none", "--steps", "6",
                            "--data", str(small_corpus), "--vocab-size", "512", "--json", str(out)],
                           check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
