@@ -31,14 +31,29 @@ def reduce_over(dims: ParallelDims, dim: str | None, value: torch.Tensor, op: st
 def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims) -> torch.Tensor:
     """Clip the global gradient norm (0 = measure only); returns the norm before clipping.
 
-    Each gradient's norm is computed on its shard and, for a DTensor, reduced over its
-    own mesh, so a model mixing sharded and plain parameters (e.g. tensor parallel
-    without sequence parallel keeps the norms replicated) gets the single-process norm.
-    One small reduction per sharded tensor: fine at these sizes; grouping by mesh
-    would cut that to one per mesh. Pipeline ranks add their squared norms.
+    Plain gradients contribute their norms. DTensor gradients are grouped by mesh and
+    placements: each group's squared norm is summed over the local shards and reduced
+    over the mesh dimensions it is sharded on (not those it is replicated on), one
+    small all-reduce per group and dimension instead of one per tensor. So a model
+    mixing sharded and plain or replicated parameters (FSDP x TP, HSDP) gets the
+    single-process norm. Pipeline ranks add their squared norms.
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norms = [local_value(torch.linalg.vector_norm(g)) for g in grads]
+    norms = [torch.linalg.vector_norm(g) for g in grads if not isinstance(g, DTensor)]
+    groups: dict[tuple, list[DTensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            groups.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
+    for (mesh, placements), members in groups.items():
+        if any(p.is_partial() for p in placements):  # not expected after backward; be exact anyway
+            norms += [local_value(torch.linalg.vector_norm(g)) for g in members]
+            continue
+        squares = torch.stack([torch.linalg.vector_norm(g.to_local().float()) for g in members]).square().sum()
+        for dim, placement in enumerate(placements):
+            # Any sharding (FSDP's strided shard on top of TP is not an is_shard() Shard).
+            if not placement.is_replicate():
+                dist.all_reduce(squares, group=mesh.get_group(dim))
+        norms.append(squares.sqrt())
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     if dims.pp > 1:  # each pipeline rank holds other parameters: add the squares
         total = reduce_over(dims, "pp", total.square(), "sum").sqrt()

@@ -31,7 +31,8 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, device: torch.device) -> nn.
     The reduce spans every data-parallel rank: the replicas, and under ZeRO-1 also the
     dp_shard ranks (which shard only optimizer states).
     """
-    return DistributedDataParallel(model, process_group=dims.submesh("dp").get_group(),
+    # gradient_as_bucket_view: gradients live in the all-reduce buckets, not in a copy.
+    return DistributedDataParallel(model, process_group=dims.submesh("dp").get_group(), gradient_as_bucket_view=True,
                                    device_ids=[device.index] if device.type == "cuda" else None)
 
 
