@@ -72,6 +72,16 @@ def measure(name: str, rounds: int, disk: Path, redundancy: str, rank: int, worl
     tier = MemoryTier(run_root(disk / name), rank, world, world, redundancy, fingerprint=name)
     times = {"sync": [], "async": [], "async_background": [], "memory": [], "memory_async": [],
              "memory_background": []}
+    try:
+        _rounds(rounds, model, opt, ckpt, saver, tier, times)
+    finally:  # snapshots live in RAM (/dev/shm): never leave them behind
+        tier.clear()
+        shutil.rmtree(disk / name, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"size": name, "params": num_params(args), "state_gib": num_params(args) * 12 / 2**30, **med}
+
+
+def _rounds(rounds: int, model, opt, ckpt, saver, tier, times: dict) -> None:
     for step in range(1, rounds + 1):
         _, seconds = ckpt.save(step, model, opt, {"step": step}, {})
         times["sync"].append(seconds)
@@ -79,12 +89,10 @@ def measure(name: str, rounds: int, disk: Path, redundancy: str, rank: int, worl
         times["async"].append(stall)
         times["async_background"] += [d["seconds"] for d in saver.wait()]
         times["memory"].append(tier.save(step, model, opt, {"step": step})["stall_s"])
-        times["memory_async"].append(tier.save(step + 1000, model, opt, {"step": step}, background=True)["stall_s"])
+        tier.clear()  # RAM: one snapshot at a time, or the larger sizes do not fit this machine
+        times["memory_async"].append(tier.save(step, model, opt, {"step": step}, background=True)["stall_s"])
         times["memory_background"] += [d["background_s"] for d in tier.wait()]
-    tier.clear()
-    shutil.rmtree(disk / name, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"size": name, "params": num_params(args), "state_gib": num_params(args) * 12 / 2**30, **med}
+        tier.clear()
 
 
 def _worker(rank: int, world: int, port: int, opts, queue) -> None:

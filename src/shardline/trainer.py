@@ -134,6 +134,7 @@ class Trainer:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
         self.goodput = Goodput(self.run_dir, self.proc.is_main, self.started)
         self.tiers.log = self.metrics.event
+        self.tiers.report_stale_memory()
         if resumed is not None:
             self.metrics.event("resume", step=self.step, checkpoint=resumed,
                                recomputed_steps=self.goodput.recomputed_from(self.step))

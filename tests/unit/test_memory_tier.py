@@ -166,3 +166,12 @@ def test_background_snapshot_stalls_for_the_copy_and_is_recoverable(tmp_path):
     assert [d["step"] for d in done] == [7] and done[0]["own_bytes"] > 0
     step, payload, _ = tier.recover()
     assert step == 7 and torch.equal(payload["state"]["model"]["0.weight"] + 1.0, model[0].weight)
+
+
+def test_other_runs_snapshots_are_counted(tmp_path):
+    model, opt = _tiny_state()
+    crashed = MemoryTier(tmp_path / "base" / "run-a", 0, 1, 1, "replica", fingerprint="x")
+    crashed.save(3, model, opt, {})
+    mine = MemoryTier(tmp_path / "base" / "run-b", 0, 1, 1, "replica", fingerprint="x")
+    assert mine.others_bytes() == sum(f.stat().st_size for f in crashed.dir.iterdir()) > 0
+    assert crashed.others_bytes() == 0  # an empty folder of its own holds nothing

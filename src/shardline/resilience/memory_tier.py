@@ -147,6 +147,7 @@ class MemoryTier:
         write is never listed.
         """
         tmp = self._path(kind, step, ".bin.tmp")
+        self.dir.mkdir(parents=True, exist_ok=True)  # clear() may have removed it
         if isinstance(data, torch.Tensor):
             with open(tmp, "wb") as f:
                 f.write(data.numpy().data)
@@ -194,6 +195,17 @@ class MemoryTier:
                     f.unlink(missing_ok=True)
             except ValueError:
                 continue
+
+    def others_bytes(self) -> int:
+        """Bytes held in RAM by other runs' snapshots under the same base (e.g. crashed runs)."""
+        total = 0
+        for f in self.root.parent.glob("*/rank*/*"):
+            if not f.is_relative_to(self.root):
+                try:
+                    total += f.stat().st_size
+                except OSError:
+                    continue
+        return total
 
     def clear(self) -> None:
         """Remove this rank's snapshots (the run ended, or a fresh run reuses the run dir)."""

@@ -84,6 +84,13 @@ class StateTiers:
                  own_mib=round(stats["own_bytes"] / 2**20, 2),
                  redundancy_mib=round(stats["redundancy_bytes"] / 2**20, 2), **extra)
 
+    def report_stale_memory(self) -> None:
+        """Name the RAM other (e.g. crashed, abandoned) runs' snapshots still hold on this node."""
+        held = self.memory.others_bytes() if self.memory is not None else 0
+        if held:
+            self.log("stale_memory_snapshots", gib=round(held / 2**30, 3), folder=str(self.memory.root.parent),
+                     hint="snapshots of other runs in shared memory; remove the folders of runs that are over")
+
     def finish(self) -> None:
         """The run is over (complete, or halted with its state on disk): give the RAM back."""
         self.drain()
