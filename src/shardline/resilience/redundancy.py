@@ -12,7 +12,7 @@ Each rank's snapshot is a byte buffer. Two ways to survive losing one:
   parity and all other chunks alive, so its chunks are XORs of the survivors'. Costs
   1/(g-1) of a snapshot per rank.
 
-Everything runs on a gloo group in host memory; XOR is gloo's BXOR reduction.
+Everything runs point-to-point on a gloo group in host memory; XORs are local.
 """
 
 from __future__ import annotations
@@ -96,38 +96,57 @@ class XorStripes:
         return torch.zeros(self.chunk // WORD, dtype=torch.int64)
 
 
+def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+              group: dist.ProcessGroup) -> None:
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _xor_all(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(like)
+    for part in parts:
+        out.bitwise_xor_(part)
+    return out
+
+
 def encode_parity(own: torch.Tensor, sizes: list[int], members: list[int], rank: int,
                   group: dist.ProcessGroup) -> torch.Tensor:
-    """This member's parity chunk (int64 words) of its group's current buffers."""
+    """This member's parity chunk (int64 words) of its group's current buffers.
+
+    Every member sends each of its chunks to the keeper of that chunk's stripe, and
+    each keeper XORs what it receives (point-to-point: gloo's BXOR reduction runs
+    several times slower than a send and a local XOR).
+    """
     s, me = XorStripes(members, sizes), members.index(rank)
     mine = s.chunks(own)
-    parity = None
-    for stripe, keeper in enumerate(members):
-        part = s.zeros() if stripe == me else mine[s.chunk_index(me, stripe)].clone()
-        dist.reduce(part, dst=keeper, op=dist.ReduceOp.BXOR, group=group)
-        if stripe == me:
-            parity = part
-    return parity
+    sends = [(mine[s.chunk_index(me, stripe)], keeper) for stripe, keeper in enumerate(members) if stripe != me]
+    recvs = [(s.zeros(), m) for i, m in enumerate(members) if i != me]
+    _exchange(sends, recvs, group)
+    return _xor_all([t for t, _ in recvs], s.zeros())
 
 
 def decode_lost(own: torch.Tensor | None, parity: torch.Tensor | None, sizes: list[int], members: list[int],
                 lost: int, rank: int, group: dist.ProcessGroup) -> torch.Tensor | None:
-    """Rebuild member `lost`'s buffer from the survivors; returned on `lost`, None elsewhere."""
+    """Rebuild member `lost`'s buffer from the survivors; returned on `lost`, None elsewhere.
+
+    For each stripe the lost member had a chunk in, every survivor sends its part (the
+    stripe's keeper its parity, the others their chunk of that stripe); their XOR is
+    the lost chunk.
+    """
     s, me, gone = XorStripes(members, sizes), members.index(rank), members.index(lost)
-    mine = s.chunks(own) if own is not None else None
-    rebuilt = [None] * (s.g - 1)
-    for stripe, keeper in enumerate(members):
-        if stripe == gone:
-            continue  # its parity was on the lost member, and the lost member has no chunk in it
-        if me == gone:
-            part = s.zeros()
-        elif me == stripe:
-            part = parity.clone()
-        else:
-            part = mine[s.chunk_index(me, stripe)].clone()
-        dist.reduce(part, dst=lost, op=dist.ReduceOp.BXOR, group=group)
-        if me == gone:
-            rebuilt[s.chunk_index(gone, stripe)] = part
+    stripes = [c for c in range(s.g) if c != gone]  # the lost member kept no parity for its own stripe
     if me != gone:
+        mine = s.chunks(own)
+        parts = [(parity if me == c else mine[s.chunk_index(me, c)], lost) for c in stripes]
+        _exchange(parts, [], group)
         return None
+    received = {(c, m): s.zeros() for c in stripes for i, m in enumerate(members) if i != gone}
+    _exchange([], [(t, m) for (c, m), t in received.items()], group)
+    rebuilt = [None] * (s.g - 1)
+    for c in stripes:
+        rebuilt[s.chunk_index(gone, c)] = _xor_all([received[(c, m)] for i, m in enumerate(members) if i != gone],
+                                                   s.zeros())
     return torch.cat(rebuilt).view(torch.uint8)[: sizes[lost]].clone()
