@@ -139,6 +139,7 @@ class CheckpointConfig:
     mode: str = "sync"  # sync | async (snapshot to host memory, then write in the background)
     memory_interval: int = 0  # in-memory tier: snapshot into host RAM every N steps; 0 disables
     memory_redundancy: str = "replica"  # replica (a peer keeps a copy) | xor (parity across a group)
+    memory_mode: str = "async"  # async (stall only for a host copy) | sync (also wait for the peer exchange)
     memory_dir: str = ""  # base folder of the in-memory tier (RAM-backed); "" = /dev/shm/shardline-<user>
 
     def check(self) -> None:
@@ -149,6 +150,7 @@ class CheckpointConfig:
                  "must be >= 0 (0 disables)")
         _require(self.memory_redundancy in ("replica", "xor"), "checkpoint.memory_redundancy",
                  self.memory_redundancy, "replica or xor")
+        _require(self.memory_mode in ("sync", "async"), "checkpoint.memory_mode", self.memory_mode, "sync or async")
 
 
 @dataclass

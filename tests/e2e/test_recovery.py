@@ -13,8 +13,8 @@ from tests.conftest import tiny_overrides
 from tests.e2e.test_torchrun import torchrun
 
 LAYOUTS = {"fsdp": (2, ["parallel.dp_shard=2"]), "fsdp_x_tp": (4, ["parallel.dp_shard=2", "parallel.tp=2"])}
-# The memory tier is the only one on (no disk checkpoints), with each redundancy scheme;
-# under FSDP x TP its snapshots are taken in the background (checkpoint.mode=async).
+# The memory tier is the only one on (no disk checkpoints), with each redundancy scheme,
+# its snapshots taken synchronously under FSDP and in the background under FSDP x TP.
 MEMORY = {"fsdp": ("replica", "sync"), "fsdp_x_tp": ("xor", "async")}
 
 
@@ -52,7 +52,8 @@ def test_killed_rank_recovers_with_identical_losses(tmp_path, small_corpus, layo
     memory = tmp_path / "memory"
     shm = tmp_path / "shm"
     redundancy, mode = MEMORY[layout]
-    resumed = killed_run(memory, small_corpus, nproc, *common, "checkpoint.interval=0", f"checkpoint.mode={mode}",
+    resumed = killed_run(memory, small_corpus, nproc, *common, "checkpoint.interval=0",
+                         f"checkpoint.memory_mode={mode}",
                          "checkpoint.memory_interval=3", f"checkpoint.memory_redundancy={redundancy}",
                          f"checkpoint.memory_dir={shm}", "faults.kill_wipes_memory=true")
     assert resumed["step"] == 6 and resumed["checkpoint"].startswith("memory tier step 6")

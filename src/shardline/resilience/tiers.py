@@ -31,8 +31,8 @@ class StateTiers:
                  fingerprint: str, faults: FaultInjector):
         c = cfg.checkpoint
         self.cfg, self.checkpointer, self.faults = cfg, checkpointer, faults
-        self.background = c.mode == "async"
-        self.saver = AsyncSaver(checkpointer, dims.checkpoint_group) if self.background else None
+        self.saver = AsyncSaver(checkpointer, dims.checkpoint_group) if c.mode == "async" else None
+        self.memory_background = c.memory_mode == "async"
         self.memory = None
         if c.memory_interval:
             self.memory = MemoryTier(run_root(Path(cfg.run.dir), c.memory_dir), proc.rank, proc.world_size,
@@ -55,12 +55,12 @@ class StateTiers:
         return path
 
     def snapshot(self, step: int, model, optimizer, trainer_state: dict) -> None:
-        """An in-memory snapshot with its replica or parity (in the background under async)."""
+        """An in-memory snapshot with its replica or parity (in the background under memory_mode=async)."""
         self._drain_memory()
-        stats = self.memory.save(step, model, optimizer, trainer_state, self.background)
-        self.log("memory_snapshot", step=step, mode="async" if self.background else "sync",
+        stats = self.memory.save(step, model, optimizer, trainer_state, self.memory_background)
+        self.log("memory_snapshot", step=step, mode="async" if self.memory_background else "sync",
                  stall_s=round(stats["stall_s"], 4))
-        if not self.background:
+        if not self.memory_background:
             self._log_held(stats)
 
     def drain(self) -> None:
