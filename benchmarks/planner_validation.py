@@ -269,7 +269,8 @@ START, END = "<!-- planner-validation:start -->", "<!-- planner-validation:end -
 
 def markdown(res: dict, argv: list[str]) -> str:
     m = res["machine"]
-    shared = " (the machine was shared with other sessions' work)" if m["load_before"][0] > 1 else ""
+    shared = (" (the 1-minute average also counts what ran just before, and this script's own "
+              "multi-rank runs)") if m["load_before"][0] > 1 else ""
     if "--json" in argv:  # where the JSON went is not part of the result
         i = argv.index("--json")
         argv = argv[:i] + argv[i + 2:]

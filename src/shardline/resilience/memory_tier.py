@@ -168,9 +168,6 @@ class MemoryTier:
             return torch.empty(0, dtype=torch.uint8)
         return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r+"))
 
-    def _sidecar(self, kind: str, step: int) -> dict:
-        return json.loads(self._path(kind, step, ".json").read_text())
-
     def inventory(self) -> dict[str, dict[int, dict]]:
         """What this rank holds intact for this layout: {kind: {step: sidecar}}."""
         held: dict[str, dict[int, dict]] = {k: {} for k in KINDS}
@@ -307,7 +304,8 @@ class MemoryTier:
             rebuilt = self._recover_parity(step, sources, own, held)
         payload = deserialize(own if own is not None else rebuilt)
         if rebuilt is not None:
-            self._write("own", step, rebuilt)  # held again, for a later failure
+            # Held again; the peers' replica / parity of it come back with the next snapshot.
+            self._write("own", step, rebuilt)
         return step, payload, sources
 
     def _recover_replicas(self, step: int, sources: dict) -> torch.Tensor | None:
@@ -326,9 +324,9 @@ class MemoryTier:
         if not lost:
             return None
         # The survivors' sidecars carry every rank's snapshot size; share one with the lost member.
-        box = [held["parity"][step]["sizes"] if step in held["parity"] else None]
+        mine = held["parity"][step]["sizes"] if step in held["parity"] else None
         group_sizes: list[Any] = [None] * len(members)
-        dist.all_gather_object(group_sizes, box[0], group=self.parity_group)
+        dist.all_gather_object(group_sizes, mine, group=self.parity_group)
         sizes = next(s for s in group_sizes if s is not None)
         parity = self._read("parity", step).view(torch.int64) if self.rank != lost[0] else None
         return redundancy.decode_lost(own, parity, sizes, members, lost[0], self.rank, self.parity_group)
