@@ -23,7 +23,7 @@ Which communication overlaps with compute, stated once here and used below:
     EP all-to-all       exposed (MoE models only); under DualPipeV hidden behind the paired
                         micro-batch's compute
     PP send/receive     exposed (on the critical path of each micro-batch), bubble separate
-    scalar all-reduces  exposed: the loss, and the gradient norm per DTensor parameter
+    scalar all-reduces  exposed: the loss, and the gradient norm per group of DTensor gradients
     CPU offload copies  exposed (host<->device copies and the host-side optimizer)
 """
 
@@ -316,14 +316,15 @@ def _optimizer(work: Workload, layout: Layout, hw: Hardware) -> float:
 def _sync(work: Workload, layout: Layout, hw: Hardware) -> float:
     """Scalar all-reduces of every step, on the critical path (parallel/collectives.py):
 
-    the loss over dp (and pp); the gradient norm, one per DTensor parameter per sharded
-    mesh dimension (FSDP's shard group, TP's group: the trainer reduces each tensor's norm
-    on its own mesh), and over pp.
+    the loss over dp (and pp); the gradient norm, one reduction per group of DTensor
+    gradients with the same mesh and placements per sharded mesh dimension (FSDP's shard
+    group, TP's group): one group under FSDP alone, three with TP (column-sharded,
+    row-sharded, replicated norms; the last reduced over the shard group only); and over pp.
     """
     net, gpn = hw.network, hw.network.gpus_per_node
     one = lambda size, stride: comm.all_reduce(4, comm.group(size, stride, gpn), net)[0]  # noqa: E731
-    tensors = max(stage_tensors(work, r) for r in ranks(work, layout))
-    per_tensor = (one(layout.shard_degree, layout.tp) if layout.shard_degree > 1 else 0.0) + (
-        one(layout.tp, 1) if layout.tp > 1 else 0.0)
+    shard = one(layout.shard_degree, layout.tp) if layout.shard_degree > 1 else 0.0
+    tp = one(layout.tp, 1) if layout.tp > 1 else 0.0
+    norms = 3 * shard + 2 * tp if layout.tp > 1 else shard
     pp = 2 * one(layout.pp, layout.world // layout.pp) if layout.pp > 1 else 0.0
-    return one(layout.dp, layout.tp * layout.cp) + tensors * per_tensor + pp
+    return one(layout.dp, layout.tp * layout.cp) + norms + pp
