@@ -72,8 +72,9 @@ class Goodput:
         else:
             category = "useful"
         self.add(category, seconds)
-        self._recent = {s: v for s, v in self._recent.items() if s > step - 1000}
         self._recent[step] = (category, seconds)
+        if len(self._recent) > 1000:  # verdicts are read at every log line; older steps are settled
+            self._recent.pop(next(iter(self._recent)))
         self.high_water = max(self.high_water, step)
         self.persist()
 
