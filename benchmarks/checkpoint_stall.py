@@ -87,7 +87,7 @@ def _rounds(rounds: int, model, opt, ckpt, saver, tier, times: dict) -> None:
         times["sync"].append(seconds)
         _, stall = saver.save(step + 1000, model, opt, {"step": step}, {})
         times["async"].append(stall)
-        times["async_background"] += [d["seconds"] for d in saver.wait()]
+        times["async_background"] += [d["background_s"] for d in saver.wait()]
         times["memory"].append(tier.save(step, model, opt, {"step": step})["stall_s"])
         tier.clear()  # RAM: one snapshot at a time, or the larger sizes do not fit this machine
         times["memory_async"].append(tier.save(step, model, opt, {"step": step}, background=True)["stall_s"])

@@ -9,7 +9,6 @@ run on a process group of their own, so they never interleave with training's.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from shardline.resilience.background import BackgroundWork
 from shardline.resilience.checkpoint import (
     Checkpointer,
     capture_state,
@@ -43,9 +43,7 @@ def snapshot(obj: Any) -> Any:
 class AsyncSaver:
     def __init__(self, checkpointer: Checkpointer, group=None):
         self.checkpointer, self.group = checkpointer, group
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self.finished: list[dict] = []  # {"step", "path", "seconds"} of completed background writes
+        self._work = BackgroundWork("shardline-async-save")
 
     def save(self, step: int, model, optimizer, trainer_state: dict, meta: dict,
              before_seal=None) -> tuple[Path, float]:
@@ -55,29 +53,17 @@ class AsyncSaver:
         state = snapshot(capture_state(model, optimizer))
         stall = time.perf_counter() - begin
         final = self.checkpointer.root / step_dir_name(step)
-        args = (final, step, state, trainer_state, meta, before_seal)
-        self._thread = threading.Thread(target=self._write, args=args, name="shardline-async-save", daemon=True)
-        self._thread.start()
+        self._work.start(lambda: self._write(final, step, state, trainer_state, meta, before_seal))
         return final, stall
 
-    def _write(self, final, step, state, trainer_state, meta, before_seal) -> None:
-        begin = time.perf_counter()
-        try:
-            c = self.checkpointer
-            write_state(final, step, state, trainer_state, meta, c.rank, c.is_writer, before_seal, self.group)
-            if c.is_writer:
-                c.prune()
-            self.finished.append({"step": step, "path": str(final), "seconds": time.perf_counter() - begin})
-        except BaseException as e:  # re-raised in the training thread by wait()
-            self._error = e
+    def _write(self, final, step, state, trainer_state, meta, before_seal) -> dict:
+        c = self.checkpointer
+        write_state(final, step, state, trainer_state, meta, c.rank, c.is_writer, before_seal, self.group)
+        if c.is_writer:
+            c.prune()
+        return {"step": step, "path": str(final)}
 
     def wait(self) -> list[dict]:
-        """Block until the save in flight is on disk; returns the saves completed since last asked."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-        done, self.finished = self.finished, []
-        return done
+        """Block until the save in flight is on disk; returns the saves completed since last asked
+        ({"step", "path", "background_s"})."""
+        return self._work.wait()

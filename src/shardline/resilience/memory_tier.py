@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardline.resilience import redundancy, snapshot_format
+from shardline.resilience.background import BackgroundWork
 from shardline.resilience.checkpoint import capture_state, restore_state
 
 KINDS = ("own", "replica", "parity")
@@ -118,9 +118,7 @@ class MemoryTier:
         self.root, self.rank, self.world, self.mode = Path(root), rank, world, mode
         self.ranks_per_node, self.fingerprint = ranks_per_node, fingerprint
         self.group = self.parity_members = self.parity_group = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._finished: list[dict] = []
+        self._work = BackgroundWork("shardline-memory-snapshot")
         if world > 1:
             # Host-memory collectives on groups of their own: never interleaved with
             # training's (NCCL on GPU) or an asynchronous disk save's.
@@ -220,7 +218,7 @@ class MemoryTier:
              trainer_state: dict, background: bool = False) -> dict:
         """Snapshot this step into memory with its redundancy; returns what training waited for.
 
-        In the background (checkpoint.mode = async) training waits only for a host copy
+        In the background (checkpoint.memory_mode = async) training waits only for a host copy
         of the state; a thread writes it and exchanges the replica or parity, and its
         figures come back from wait(). At most one snapshot is in flight.
         """
@@ -230,28 +228,12 @@ class MemoryTier:
                 "trainer": trainer_state}
         if not background:
             return {**self._persist(step, tree), "stall_s": time.perf_counter() - begin}
-        self._thread = threading.Thread(target=self._persist_in_background, args=(step, tree),
-                                        name="shardline-memory-snapshot", daemon=True)
-        self._thread.start()
+        self._work.start(lambda: self._persist(step, tree))
         return {"stall_s": time.perf_counter() - begin}
 
     def wait(self) -> list[dict]:
         """Block until the background snapshot (if any) is held; returns the ones finished since."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-        done, self._finished = self._finished, []
-        return done
-
-    def _persist_in_background(self, step: int, tree: dict) -> None:
-        begin = time.perf_counter()
-        try:
-            self._finished.append({**self._persist(step, tree), "background_s": time.perf_counter() - begin})
-        except BaseException as e:  # re-raised in the training thread by wait()
-            self._error = e
+        return self._work.wait()
 
     def _persist(self, step: int, tree: dict) -> dict:
         own = self._write("own", step, tree)

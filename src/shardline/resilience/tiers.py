@@ -71,7 +71,7 @@ class StateTiers:
     def _drain_disk(self) -> None:
         for done in self.saver.wait() if self.saver is not None else ():
             self.log("checkpoint_persisted", step=done["step"], path=done["path"],
-                     background_s=round(done["seconds"], 3))
+                     background_s=round(done["background_s"], 3))
             self.faults.after_save(done["step"], Path(done["path"]))
 
     def _drain_memory(self) -> None:

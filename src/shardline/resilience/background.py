@@ -1,0 +1,43 @@
+"""One piece of work at a time on a background thread, for saves that must not stall training.
+
+The next start() waits for the work in flight, so at most one runs; its result (with
+the seconds it took as `background_s`) or its exception comes back to the training
+thread from wait().
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+
+class BackgroundWork:
+    def __init__(self, name: str):
+        self.name = name
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._finished: list[dict] = []
+
+    def start(self, work: Callable[[], dict]) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(work,), name=self.name, daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], dict]) -> None:
+        begin = time.perf_counter()
+        try:
+            self._finished.append({**work(), "background_s": time.perf_counter() - begin})
+        except BaseException as e:  # re-raised in the training thread by wait()
+            self._error = e
+
+    def wait(self) -> list[dict]:
+        """Block until the work in flight is done; returns the results finished since last asked."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        done, self._finished = self._finished, []
+        return done
