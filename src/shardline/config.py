@@ -257,14 +257,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return cfg
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
-    """A TOML file as a dict; a missing or malformed file is a ConfigError naming it."""
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A TOML file as a dict; a missing or malformed file is a ConfigError naming it (as `what`)."""
     try:
         return tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
+        raise ConfigError(f"{what} {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        raise ConfigError(f"{what} {path} is not valid TOML: {e}") from None
 
 
 def from_dict(raw: dict[str, Any]) -> Config:

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardline.config import read_toml
 from shardline.errors import ConfigError
 
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
@@ -180,12 +180,7 @@ def get_hardware(name: str, profile: str | Path | None = None) -> Hardware:
 
 
 def read_profile(path: str | Path) -> dict[str, Any]:
-    try:
-        return tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"hardware profile {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"hardware profile {path} is not valid TOML: {e}") from None
+    return read_toml(path, "hardware profile")
 
 
 def apply_overrides(hw: Hardware, raw: dict[str, Any], where: str) -> Hardware:
