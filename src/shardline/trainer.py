@@ -32,6 +32,7 @@ from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import init_distributed, pick_device
 from shardline.parallel.parallelize import build_model
+from shardline.parallel.pipeline import sync_tied_gradient, tied_copy
 from shardline.precision import LossScaler, autocast
 from shardline.resilience.anomaly import AnomalyDetector, anomaly_check_on_device
 from shardline.resilience.device_anomaly import DeviceAnomalyCheck
@@ -265,13 +266,14 @@ class Trainer:
         n_tokens = self.data.train.count_labels(sampler.global_batch(batch))
         if self.pipeline is not None:
             loss = self.pipeline_step(np.concatenate(micro), n_tokens)
+            sync_tied_gradient(self.model, self.dims.embedding_group)
         else:
             loss = torch.zeros((), device=self.device)
             for i, idx in enumerate(micro):
                 with gradient_sync(self.wrapped, enabled=i == len(micro) - 1):
                     loss += self.forward_backward(self.data.train.batch(idx), n_tokens)
         self.scaler.unscale_(self.optimizer)
-        return loss, clip_grad_norm(self.model, t.grad_clip, self.dims)
+        return loss, clip_grad_norm(self.model, t.grad_clip, self.dims, counted_elsewhere=tied_copy(self.model))
 
     def apply_update(self) -> bool:
         """Optimizer and schedule step; True when the fp16 loss scaler skipped the update."""

@@ -59,10 +59,18 @@ def run_world(world: int, jobs: list[tuple[Path, list[str]]]) -> None:
     mp.start_processes(_worker, args=(world, free_port(), plain), nprocs=world, start_method="spawn")
 
 
-def losses(run_dir: Path, kind: str = "train") -> dict[int, float]:
+def losses(run_dir: Path, kind: str = "train", key: str = "") -> dict[int, float]:
     records = map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())
-    key = "loss" if kind == "train" else "eval_loss"
+    key = key or ("loss" if kind == "train" else "eval_loss")
     return {r["step"]: r[key] for r in records if r["kind"] == kind}
+
+
+def assert_same_grad_norms(run: Path, reference: Path, rtol: float = 1e-5) -> None:
+    """The logged global gradient norms (before clipping) of every step agree."""
+    got, want = losses(run, key="grad_norm"), losses(reference, key="grad_norm")
+    assert sorted(got) == sorted(want), (got, want)
+    for step in want:
+        assert abs(got[step] - want[step]) <= rtol * want[step], (step, got[step], want[step])
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -10,7 +10,13 @@ import pytest
 
 from shardline.config import load_config
 from shardline.trainer import Trainer
-from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, losses, run_world
+from tests.distributed.harness import (
+    PARITY_OVERRIDES,
+    assert_same_grad_norms,
+    assert_same_run,
+    losses,
+    run_world,
+)
 
 LAYOUTS_2 = {
     "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.loss_parallel=false"],
@@ -24,8 +30,21 @@ LAYOUTS_2 = {
     "pp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"],
     "pp2_dualpipev": ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2"],
 }
-# Against a single-process run with tied input/output embeddings (one vocab-sharded weight).
-TIED_2 = {"tp2_tied": ["parallel.tp=2", "model.tie_embeddings=1"]}
+# Against a single-process run with tied input/output embeddings: under TP one
+# vocab-sharded weight; under PP a copy on the last stage whose gradient is summed with
+# the first stage's (1f1b), or one weight on the rank holding both ends (zbv).
+TIED_2 = {
+    "tp2_tied": ["parallel.tp=2", "model.tie_embeddings=1"],
+    "pp2_1f1b_tied": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "model.tie_embeddings=1"],
+    "pp2_zbv_tied": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
+                     "model.tie_embeddings=1"],
+}
+# Tied resharding resume: a pipeline checkpoint (one tied weight in it) resumed under
+# FSDP, and the other way round.
+TIED_RESHARD_2 = [
+    ("tied_pp_to_fsdp", ["parallel.pp=2", "train.stop_at_step=2"], ["parallel.dp_shard=2"]),
+    ("tied_fsdp_to_pp", ["parallel.dp_shard=2", "train.stop_at_step=2"], ["parallel.pp=2"]),
+]
 LAYOUTS_4 = {
     "ddp": ["parallel.dp_replicate=4", "parallel.dp_shard=1"],
     "ddp_grad_accum": ["parallel.dp_replicate=4", "parallel.dp_shard=1", "train.micro_batch_size=1"],
@@ -40,6 +59,12 @@ LAYOUTS_4 = {
     "fsdp2_pp2": ["parallel.dp_shard=2", "parallel.pp=2"],
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                 "parallel.pp_virtual_stages=2"],
+}
+# Tied embeddings under PP composed with FSDP and TP; pp 4 sums over a pair of ranks.
+TIED_4 = {
+    "fsdp2_pp2_tied": ["parallel.dp_shard=2", "parallel.pp=2", "model.tie_embeddings=1"],
+    "tp2_pp2_tied": ["parallel.tp=2", "parallel.pp=2", "model.tie_embeddings=1"],
+    "pp4_tied": ["parallel.pp=4", "model.tie_embeddings=1"],
 }
 LAYOUTS_8 = {
     "fsdp2_tp2_pp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2"],
@@ -82,14 +107,18 @@ def reference_tied(tmp_path_factory, small_corpus):
 def world2(tmp_path_factory, small_corpus):
     root = tmp_path_factory.mktemp("world2")
     layouts = {**LAYOUTS_2, **TIED_2}
-    run_world(2, [(root / name, [*_base(small_corpus), *extra]) for name, extra in layouts.items()])
+    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in layouts.items()]
+    tied = [*_base(small_corpus), "model.tie_embeddings=1"]
+    for name, first, second in TIED_RESHARD_2:
+        jobs += [(root / name, [*tied, *first]), (root / name, [*tied, *second])]
+    run_world(2, jobs)
     return root
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory, small_corpus):
     root = tmp_path_factory.mktemp("world4")
-    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in LAYOUTS_4.items()]
+    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in {**LAYOUTS_4, **TIED_4}.items()]
     for name, first, second in RESHARD_4:
         jobs += [(root / name, [*_base(small_corpus), *first]), (root / name, [*_base(small_corpus), *second])]
     run_world(4, jobs)
@@ -118,6 +147,36 @@ def test_world2_layout_matches_single_process(world2, reference, layout):
 @pytest.mark.parametrize("layout", list(TIED_2))
 def test_world2_tied_embeddings_match_single_process(world2, reference_tied, layout):
     assert_same_run(world2 / layout, reference_tied)
+    # The tied weight counts once in the clipped norm (twice would still clip, differently).
+    assert_same_grad_norms(world2 / layout, reference_tied)
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in TIED_RESHARD_2])
+def test_tied_resume_under_another_layout_continues_the_run(world2, reference_tied, name):
+    assert sorted(losses(world2 / name)) == [1, 2, 3, 4]
+    assert_same_run(world2 / name, reference_tied)
+
+
+@pytest.mark.parametrize("layout", list(TIED_4))
+def test_world4_tied_pipeline_compositions_match_single_process(world4, reference_tied, layout):
+    assert_same_run(world4 / layout, reference_tied)
+    assert_same_grad_norms(world4 / layout, reference_tied)
+
+
+def test_convert_exports_a_tied_pipelined_checkpoint(world2, reference_tied, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from shardline.interop.convert import checkpoint_to_hf
+    from tests.distributed.harness import final_params
+
+    out = checkpoint_to_hf(world2 / "pp2_1f1b_tied", tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    hf = load_file(out / "model.safetensors")
+    assert "lm_head.weight" not in hf
+    ref = final_params(reference_tied)
+    assert (hf["model.embed_tokens.weight"] - ref["tok_embeddings.weight"]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))

@@ -52,11 +52,15 @@ def test_invalid_layouts(world, overrides, message):
         dims_for(world, *overrides)
 
 
-def test_tied_embeddings_with_pp_are_refused_with_tp_allowed():
+def test_tied_embeddings_with_pp_are_refused_only_for_v_shapes_with_data_parallelism():
     tied = dataclasses.replace(ARGS, tie_embeddings=True)
     dims_for(2, "parallel.tp=2", args=tied)  # one vocab-sharded weight for both ends
-    with pytest.raises(ConfigError, match="tied embeddings"):
-        dims_for(2, "parallel.pp=2", args=tied)
+    dims_for(2, "parallel.pp=2", args=tied)  # a copy on the last stage, gradients summed
+    dims_for(8, "parallel.pp=2", "parallel.tp=2", args=tied)  # x FSDP 2
+    dims_for(4, "parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zbv", args=tied)  # one rank holds both ends
+    for dp in ("parallel.dp_shard=2", "parallel.dp_replicate=2"):
+        with pytest.raises(ConfigError, match="tied embeddings and data parallelism"):
+            dims_for(4, "parallel.pp=2", "parallel.pp_schedule=dualpipev", dp, args=tied)
 
 
 def test_layer_split_balances_the_output_head():

@@ -208,6 +208,10 @@ class Llama(nn.Module):
         self.inv_freq = rope_frequencies(self.args).to(self.inv_freq.device)
         assign = assign or (lambda p, value: p.copy_(value))
         for name, p in self.named_parameters():
+            # A tied output held apart from its embedding (a model cut into pieces keeps a
+            # copy of it) starts from the embedding's value.
+            if self.args.tie_embeddings and name == "output.weight":
+                name = "tok_embeddings.weight"
             assign(p, initial_value(name, tuple(p.shape), self.args.n_layers, seed))
 
 

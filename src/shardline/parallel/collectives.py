@@ -28,7 +28,8 @@ def reduce_over(dims: ParallelDims, dim: str | None, value: torch.Tensor, op: st
 
 
 @torch.no_grad()
-def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
+                   counted_elsewhere: torch.Tensor | None = None) -> torch.Tensor:
     """Clip the global gradient norm (0 = measure only); returns the norm before clipping.
 
     Plain gradients contribute their norms. DTensor gradients are grouped by mesh and
@@ -36,12 +37,16 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims) -> tor
     over the mesh dimensions it is sharded on (not those it is replicated on), one
     small all-reduce per group and dimension instead of one per tensor. So a model
     mixing sharded and plain or replicated parameters (FSDP x TP, HSDP) gets the
-    single-process norm. Pipeline ranks add their squared norms.
+    single-process norm. Pipeline ranks add their squared norms. `counted_elsewhere`
+    (a tied weight's copy on the last pipeline stage, whose gradient equals the
+    first stage's) is clipped but left out of the norm, so the weight counts once.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norms = [torch.linalg.vector_norm(g) for g in grads if not isinstance(g, DTensor)]
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    measured = [p.grad for p in params if p is not counted_elsewhere]
+    norms = [torch.linalg.vector_norm(g) for g in measured if not isinstance(g, DTensor)]
     groups: dict[tuple, list[DTensor]] = {}
-    for g in grads:
+    for g in measured:
         if isinstance(g, DTensor):
             groups.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
     for (mesh, placements), members in groups.items():

@@ -33,6 +33,9 @@ class ParallelDims:
     dp_mesh: DeviceMesh | None = field(default=None, repr=False)  # dp_replicate x dp_shard, flattened
     # A gloo group of all ranks for asynchronous checkpoint writes, apart from training's.
     checkpoint_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    # Tied embeddings under pp: the first and the last pp rank of this rank's pipeline
+    # (Megatron's "embedding group"), which sum the tied weight's gradient. None elsewhere.
+    embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
@@ -116,9 +119,12 @@ class ParallelDims:
         if args.n_layers < self.pp * virtual:
             raise ConfigError(f"model has {args.n_layers} layers, fewer than the {self.pp * virtual} pipeline "
                               f"stages (pp={self.pp} x {virtual} per rank); lower parallel.pp")
-        if args.tie_embeddings:
-            raise ConfigError("parallel.pp > 1 with tied embeddings is not supported (the embedding and the output "
-                              "live on different stages); set model.tie_embeddings=0")
+        if args.tie_embeddings and v_shaped and self.dp > 1:
+            # Each stage is its own FSDP unit, and FSDP2 cannot share a parameter between units.
+            raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} with tied embeddings and data parallelism "
+                              f"(dp_replicate x dp_shard = {self.dp}) is not supported: the V shape puts the first "
+                              "and the last stage on one rank, where the tied weight would be one parameter in two "
+                              "FSDP units; use pp_schedule=1f1b, gpipe or interleaved_1f1b, or model.tie_embeddings=0")
         n_mb = cfg.train.global_batch_size // (self.dp * cfg.train.micro_batch_size)
         if p.pp_microbatches and p.pp_microbatches != n_mb:
             raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches} but global_batch_size / (dp x "
@@ -129,13 +135,26 @@ class ParallelDims:
 
     # ---- meshes -----------------------------------------------------------------------
 
-    def build_mesh(self, device: torch.device) -> DeviceMesh:
+    def build_mesh(self, device: torch.device, embedding_group: bool = False) -> DeviceMesh:
+        """The mesh and the groups beside it; `embedding_group`: tied embeddings whose two ends
+        sit on the first and the last pp rank."""
         names = ("pp", "dp_replicate", "dp_shard", "tp")
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         self.dp_mesh = self.mesh[("dp_replicate", "dp_shard")]._flatten("dp")
         self.checkpoint_group = dist.new_group(backend="gloo")
+        if embedding_group and self.pp > 1:
+            self.embedding_group = self._build_embedding_group()
         return self.mesh
+
+    def _build_embedding_group(self) -> dist.ProcessGroup | None:
+        """The group of the first and the last pp rank that share this rank's other coordinates."""
+        if self.pp == 2:
+            return self.submesh("pp").get_group()
+        ranks = self.mesh.mesh.reshape(self.pp, -1)  # pp x (every other coordinate)
+        pairs = [[int(ranks[0, i]), int(ranks[-1, i])] for i in range(ranks.shape[1])]
+        mine, _ = dist.new_subgroups_by_enumeration(pairs)  # every rank creates every group; None if in none
+        return mine
 
     def submesh(self, *names: str) -> DeviceMesh:
         if names == ("dp",):

@@ -24,7 +24,7 @@ from shardline.models.llama import Llama, ModelArgs
 from shardline.parallel.activation_checkpoint import apply_ac
 from shardline.parallel.data_parallel import apply_ddp, apply_fsdp
 from shardline.parallel.dims import ParallelDims
-from shardline.parallel.pipeline import Pipeline
+from shardline.parallel.pipeline import V_SHAPED, Pipeline
 from shardline.parallel.tensor_parallel import apply_tp
 
 
@@ -77,7 +77,9 @@ def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, device: torch.
 
     model = build_meta_model(args)
     if dims.world_size > 1:
-        dims.build_mesh(device)
+        # Tied ends on two pp ranks need a group to sum the tied gradient (V-shaped
+        # schedules put both ends on pp rank 0, where the tie stays one parameter).
+        dims.build_mesh(device, embedding_group=args.tie_embeddings and cfg.parallel.pp_schedule not in V_SHAPED)
     built = parallelize(model, args, dims, cfg, device)
     if cfg.model.hf_path:
         _load_hf(model, cfg.model.hf_path, sharded=dims.world_size > 1)

@@ -73,6 +73,50 @@ def prune(model: Llama, keep_layers: set[int], first: bool, last: bool) -> None:
         model.output = None
 
 
+def tied_end(model: Llama) -> nn.Parameter | None:
+    """This rank's end of tied embeddings split over pipeline ranks, else None.
+
+    With tied embeddings the first stage's embedding and the last stage's output head
+    are one weight. A rank holding both keeps one parameter; otherwise the first stage
+    holds `tok_embeddings.weight` and the last a copy as `output.weight`. The copies
+    start equal (init_weights gives a tied output the embedding's value), their
+    gradients are summed (sync_tied_gradient) so identical AdamW updates keep them
+    equal, the norm counts the weight once and checkpoints store its optimizer state
+    under the embedding's name (tied_copy).
+    """
+    if not getattr(getattr(model, "args", None), "tie_embeddings", False):
+        return None
+    if (model.tok_embeddings is None) == (model.output is None):
+        return None
+    return model.tok_embeddings.weight if model.tok_embeddings is not None else model.output.weight
+
+
+def tied_copy(model: Llama) -> nn.Parameter | None:
+    """The output head's copy of a tied embedding held apart from it (see tied_end), else None."""
+    end = tied_end(model)
+    return end if end is not None and model.tok_embeddings is None else None
+
+
+@torch.no_grad()
+def sync_tied_gradient(model: Llama, embedding_group) -> None:
+    """Sum the tied weight's gradient over its two ends (the embedding group's all-reduce).
+
+    Both ends are laid out alike (FSDP shards both over dp_shard by rows, TP splits
+    both by vocabulary rows), so once each gradient has its parameter's layout the
+    local shards hold the same rows and add up elementwise. Ranks holding neither end, or both, have nothing to do.
+    """
+    end = tied_end(model)
+    if end is None or embedding_group is None:
+        return
+    if end.grad is None:  # an end that saw no token still takes its partner's gradient
+        end.grad = torch.zeros_like(end)
+    if isinstance(end.grad, DTensor) and end.grad.placements != end.placements:
+        # TP's vocab-parallel embedding leaves a replicated gradient: keep this rank's rows.
+        end.grad = end.grad.redistribute(end.device_mesh, end.placements)
+    grad = end.grad.to_local() if isinstance(end.grad, DTensor) else end.grad
+    dist.all_reduce(grad, group=embedding_group)
+
+
 class StageModule(nn.Module):
     """One pipeline stage: a view over some modules of the rank's pruned Llama."""
 

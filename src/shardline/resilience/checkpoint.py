@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardline.errors import CheckpointError
+from shardline.parallel.pipeline import tied_copy
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -97,6 +98,8 @@ def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     if hasattr(optimizer, "checkpoint_state"):  # ZeRO-1 keys its sharded states itself
         return {"model": get_model_state_dict(model), "optim": optimizer.checkpoint_state()}
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if tied_copy(model) is not None:
+        optim_sd = _rename_optim_key(optim_sd, *_TIED)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -106,7 +109,24 @@ def restore_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stat
         set_model_state_dict(model, state["model"])
         optimizer.load_checkpoint_state(state["optim"])
         return
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    optim_sd = state["optim"]
+    if tied_copy(model) is not None:
+        optim_sd = _rename_optim_key(optim_sd, *reversed(_TIED))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd)
+
+
+# A pipeline's last stage holds its own copy of a tied embedding as output.weight. Its
+# optimizer state is the embedding's (equal gradients give equal moments), so it is
+# saved under the embedding's name: the checkpoint holds one tied weight's state, as a
+# single process saves it, and any layout can load it. (Model weights keep both names,
+# as a tied single-process model's state dict does.)
+_TIED = ("output.weight", "tok_embeddings.weight")
+
+
+def _rename_optim_key(optim_sd: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    state = {new if k == old else k: v for k, v in optim_sd["state"].items()}
+    groups = [{**g, "params": [new if n == old else n for n in g["params"]]} for g in optim_sd["param_groups"]]
+    return {**optim_sd, "state": state, "param_groups": groups}
 
 
 def write_checkpoint(final: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
