@@ -241,6 +241,7 @@ def run(args: argparse.Namespace) -> dict:
     single = any(r["world"] == 1 for r in rows.values())
     return {"configs": rows, "profile": args.profile or "quick calibration",
             "process_baseline_gib": hw.process_baseline_gib, "cores": hw.cores, "network": vars(hw.network),
+            "corun": {k: getattr(hw, f"corun_{k}_eff") for k in ("matmul", "memory", "dispatch")},
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "load_before": load_before,
                         "load_after": os.getloadavg(), "python": platform.python_version()},
             "date": datetime.date.today().isoformat(), "steps": args.steps, "threads": args.threads,
@@ -277,10 +278,13 @@ def markdown(res: dict, argv: list[str]) -> str:
     net = res["network"]
     gloo = ", ".join(f"{w} ranks {a:.0f} us / {net['bw_by_world_gbs'][w]:.2f} GB/s"
                      for w, a in net.get("latency_by_world_us", {}).items())
+    corun = res.get("corun", {})
+    corun = ("; co-run efficiency with every core busy: " + ", ".join(f"{k} {v:.2f}" for k, v in corun.items())
+             if corun else "")
     setting = (f"`.venv/bin/python benchmarks/planner_validation.py {' '.join(argv)}` on {res['date']}: host "
                f"{m['host']} ({m['cpus']} CPUs; the planner's profile: {res['cores']} cores), {res['threads']} torch "
                f"thread(s) per process, hardware profile: {res['profile']} (run first"
-               f"{'; gloo alpha / B: ' + gloo if gloo else ''}), {res['steps']} training steps per config, "
+               f"{'; gloo alpha / B: ' + gloo if gloo else ''}{corun}), {res['steps']} training steps per config, "
                f"medians of steps 3 on. Load average {m['load_before'][0]:.1f} before / {m['load_after'][0]:.1f} "
                f"after{shared}; the *load* column is the 1-minute load average as each run started.")
     legend = ("Single-process configs (ranks 1) are overrides of the `tiny` preset (dim 256, 4 layers, 8 heads / 4 "
@@ -309,7 +313,8 @@ def markdown(res: dict, argv: list[str]) -> str:
 NOTES = """
 What the multi-rank model knows (planner/compute.py, estimate.py, comm.py, memory.py): N
 ranks of one thread share the profile's cores (each gets min(1, cores / N) of a core,
-dispatcher overhead included); saturated CPU ranks overlap no communication; gloo
+dispatcher overhead included), and busy cores slow each other's GEMMs, memory traffic and
+dispatch by the calibrated co-run efficiencies (calibrate_corun.py); saturated CPU ranks overlap no communication; gloo
 collectives cost the alpha / B calibrated at their group size; the host CPU time of the TP
 (DTensor) and FSDP2 wrappers per block and of the optimizer per DTensor parameter, calibrated
 with the trainer's own wrappers on tiny blocks (calibrate_dist.py); the scalar all-reduces of

@@ -22,6 +22,15 @@ def test_fit_curve_recovers_efficiency_and_half_dimension():
     assert got_d0 == pytest.approx(d0, rel=0.1)
 
 
+def test_rounds_are_combined_point_by_point_before_fitting():
+    # One disturbed round (the third: everything 3x slower) must not move any point.
+    quiet = {"linear_fp32": [0.5, 0.6], "loss_gbs": 4.0, "stream": {"2MiB": 20.0}}
+    disturbed = {"linear_fp32": [0.17, 0.2], "loss_gbs": 1.3, "stream": {"2MiB": 6.7}}
+    other = {"linear_fp32": [0.52, 0.58], "loss_gbs": 4.2, "stream": {"2MiB": 21.0}}
+    assert cal._median_rounds([quiet, other, disturbed]) == {"linear_fp32": [0.5, 0.58], "loss_gbs": 4.0,
+                                                              "stream": {"2MiB": 20.0}}
+
+
 def test_fit_alpha_beta_recovers_latency_and_bandwidth():
     alpha, bw = 50e-6, 2e9
     points = []
@@ -83,3 +92,11 @@ def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
     # DTensor dispatch of a TP block costs host time beyond the plain block's; so do FSDP2's hooks.
     assert fields["tp_layer_overhead_us"] > 0 and fields["fsdp_layer_overhead_us"] > 0
     assert fields["dtensor_param_overhead_us"] > 0 and fields["tp_head_overhead_us"] > 0
+
+
+def test_co_run_efficiency_with_a_busy_neighbour():
+    from shardline.planner.calibrate_corun import KINDS, measure_corun
+
+    assert measure_corun(1) == dict.fromkeys(KINDS, 1.0)  # one core: nothing shared
+    ratios = measure_corun(2, rounds=1)
+    assert set(ratios) == set(KINDS) and all(0 < r <= 1 for r in ratios.values())

@@ -77,6 +77,19 @@ def test_oversubscribed_ranks_stretch_compute_including_op_overhead():
     assert four.matmul == pytest.approx(2 * one.matmul) and four.overhead == pytest.approx(2 * one.overhead)
 
 
+@pytest.mark.parametrize("world, cores, expected", [(1, 2, 1.0), (2, 2, 0.8), (4, 2, 0.4), (2, 4, 1 - 0.2 / 3),
+                                                   (4, 4, 0.8), (8, 4, 0.4)])
+def test_busy_cores_slow_each_other_as_calibrated(world, cores, expected):
+    hw = dataclasses.replace(cpu(cores), corun_matmul_eff=0.8, corun_memory_eff=0.9, corun_dispatch_eff=0.95)
+    lay = Layout(dp_shard=world)
+    assert cmp.share(hw, lay, "matmul") == pytest.approx(expected)
+    assert cmp.share(hw, lay) == pytest.approx(min(1.0, cores / world))  # wrappers: calibrated co-running
+    one, slowed = cmp.layer_times(WORK, lay, cpu(cores)), cmp.layer_times(WORK, lay, hw)
+    assert slowed.matmul == pytest.approx(one.matmul * cmp.share(cpu(cores), lay) / expected)
+    assert slowed.elementwise >= one.elementwise and slowed.overhead >= one.overhead
+    assert (slowed.elementwise > one.elementwise) == (world > 1)
+
+
 def test_collectives_use_the_fit_of_their_group_size():
     net = dataclasses.replace(cpu().network, latency_by_world_us={"2": 100.0, "4": 300.0, "8": 2000.0},
                               bw_by_world_gbs={"2": 2.0, "4": 1.0, "8": 0.5})

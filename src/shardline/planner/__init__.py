@@ -14,7 +14,9 @@ as the trainer and never imports the trainer. The modules, from the bottom up:
     search.py       enumerate layouts, prune, rank (`shardline plan`)
     report.py       the tables and JSON of `plan` and `estimate`
     calibrate.py    measure this machine (`shardline calibrate`), with calibrate_ops.py
-                    (compute, memory traffic) and calibrate_comm.py (gloo collectives)
+                    (compute, memory traffic), calibrate_comm.py (gloo collectives),
+                    calibrate_dist.py (TP/FSDP2 wrapper host time) and calibrate_corun.py
+                    (how much busy CPU cores slow each other)
     cli.py          `plan`, `estimate`, `calibrate` (registered by shardline.cli)
 
 Import the submodules directly; this file stays empty so `shardline.hardware` can

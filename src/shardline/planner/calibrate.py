@@ -14,7 +14,10 @@ are fitted to the planner's curves and written as a TOML profile:
   default data pipeline (shipped corpus, cached tokenizer), in a subprocess
 * collective latency and bandwidth ([network] intra_latency_us, intra_bw_gbs, and per
   world size 2, 4, 8: latency_by_world_us, bw_by_world_gbs)
-* on a CPU, the thread count the figures are for and the cores ranks share (threads, cores)
+* on a CPU, the thread count the figures are for and the cores ranks share (threads, cores),
+  and how much busy cores slow each other (corun_matmul_eff, corun_memory_eff,
+  corun_dispatch_eff; calibrate_corun.py)
+* every compute figure is the median over 3 interleaved rounds of measurements
 
 On a GPU the same code measures the GPU (the timings synchronise); the profile's
 `base` names the table entry it refines. Raw points go under [measured].
@@ -79,32 +82,68 @@ def measure_baseline_gib(overrides: list[str] = ()) -> float:
     return int(out.stdout.strip().splitlines()[-1]) / 2**20
 
 
+ROUNDS = 3  # every compute figure: the median over interleaved rounds
+
+
+def _one_round(device: torch.device, hw: Hardware, dtypes, gemms, attn, clock) -> dict:
+    """Every compute measurement once: raw efficiencies and rates, fitted later."""
+    pts: dict = {}
+    for dtype in dtypes:
+        peak = hw.peak(dtype)
+        pts[f"linear_{dtype}"] = [p["eff"] for p in ops.measure_linear(dtype, device, peak, gemms, clock)]
+        pts[f"attention_{dtype}"] = [p["eff"] for p in ops.measure_attention(dtype, device, peak, attn, clock)]
+        pts[f"elementwise_{dtype}"] = ops.measure_elementwise(device, dtype, clock=clock)
+    pts["stream"] = ops.measure_bandwidth(device, clock=clock)
+    # At a unit bandwidth these return rates (loss GB/s, optimizer seconds x 1e9 per parameter);
+    # they become shares of the median element-wise rate once all rounds are in.
+    pts["loss_gbs"] = ops.measure_loss_eff(device, 1.0, clock=clock)
+    pts["optimizer_ns_per_param"] = ops.measure_optimizer(device, 1.0, clock=clock)
+    pts["op_overhead_us"] = ops.measure_op_overhead(device, clock=clock)
+    return pts
+
+
+def _median_rounds(rounds: list):
+    """Element-wise median of same-shaped measurements (numbers, lists, dicts)."""
+    first = rounds[0]
+    if isinstance(first, dict):
+        return {k: _median_rounds([r[k] for r in rounds]) for k in first}
+    if isinstance(first, list):
+        return [_median_rounds([r[i] for r in rounds]) for i in range(len(first))]
+    return statistics.median(rounds)
+
+
 def measure(quick: bool = False, comm: bool = True, dtypes: tuple[str, ...] = ("fp32", "bf16"),
-            baseline: bool = True, clock=time.perf_counter, comm_worlds: tuple[int, ...] = ()) -> tuple[dict, dict]:
-    """(profile fields, raw measurements) for this machine."""
+            baseline: bool = True, clock=time.perf_counter, comm_worlds: tuple[int, ...] = (),
+            rounds: int = ROUNDS) -> tuple[dict, dict]:
+    """(profile fields, raw measurements) for this machine.
+
+    The compute measurements run `rounds` times, one after another, and each point is the
+    median of its rounds before the curves are fitted: a busy second on a shared machine
+    then shifts one round of one point, not the fit.
+    """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hw: Hardware = cpu_hardware() if device.type == "cpu" else _gpu_entry()
     gemms, attn = (GEMMS[:8], ATTENTION[:3]) if quick else (GEMMS, ATTENTION)
+    pts = _median_rounds([_one_round(device, hw, dtypes, gemms, attn, clock) for _ in range(rounds)])
     fields: dict = {"base": hw.name, "matmul_eff_max": {}, "attn_eff": {}, "elementwise_eff": {}}
     raw: dict = {}
     d0 = s0 = None  # the shape curves are fitted on the first dtype (fp32, training's) and shared
     for dtype in dtypes:
         peak = hw.peak(dtype)
-        mm = ops.measure_linear(dtype, device, peak, gemms, clock)
-        fields["matmul_eff_max"][dtype], d0 = fit_curve([(p["eff"], (p["m"], p["n"], p["k"])) for p in mm], d0)
-        at = ops.measure_attention(dtype, device, peak, attn, clock)
-        fields["attn_eff"][dtype], s0 = fit_curve([(p["eff"], (p["s"], p["s"])) for p in at], s0)
-        raw[f"linear_{dtype}_tflops"] = [round(6 * p["m"] * p["n"] * p["k"] / p["seconds"] / 1e12, 5) for p in mm]
-        raw[f"attention_{dtype}_eff"] = [round(p["eff"], 5) for p in at]
-        fields["elementwise_eff"][dtype] = ops.measure_elementwise(device, dtype, clock=clock)
+        fields["matmul_eff_max"][dtype], d0 = fit_curve([(e, g) for e, g in zip(pts[f"linear_{dtype}"], gemms)], d0)
+        fields["attn_eff"][dtype], s0 = fit_curve([(e, (a[2], a[2])) for e, a in zip(pts[f"attention_{dtype}"], attn)],
+                                                  s0)
+        raw[f"linear_{dtype}_tflops"] = [round(e * peak / 1e12, 5) for e in pts[f"linear_{dtype}"]]
+        raw[f"attention_{dtype}_eff"] = [round(e, 5) for e in pts[f"attention_{dtype}"]]
+        fields["elementwise_eff"][dtype] = pts[f"elementwise_{dtype}"]
     fields["matmul_half_dim"], fields["attn_half_len"] = d0, s0
-    raw.update({f"stream_{k}_gbs": round(v, 3) for k, v in ops.measure_bandwidth(device, clock=clock).items()})
+    raw.update({f"stream_{k}_gbs": round(v, 3) for k, v in pts["stream"].items()})
     # mem_bw_gbs is the fp32 element-wise rate; each dtype's rate is expressed as a share of it.
     fields["mem_bw_gbs"] = fields["elementwise_eff"].get("fp32") or next(iter(fields["elementwise_eff"].values()))
     fields["elementwise_eff"] = {k: v / fields["mem_bw_gbs"] for k, v in fields["elementwise_eff"].items()}
-    fields["loss_eff"] = ops.measure_loss_eff(device, fields["mem_bw_gbs"], clock=clock)
-    fields["op_overhead_us"] = ops.measure_op_overhead(device, clock=clock)
-    fields["optimizer_bytes_per_param"] = ops.measure_optimizer(device, fields["mem_bw_gbs"], clock=clock)
+    fields["loss_eff"] = pts["loss_gbs"] / fields["mem_bw_gbs"]
+    fields["op_overhead_us"] = pts["op_overhead_us"]
+    fields["optimizer_bytes_per_param"] = pts["optimizer_ns_per_param"] * fields["mem_bw_gbs"]
     if device.type == "cpu" and baseline:
         fields["process_baseline_gib"] = measure_baseline_gib()
     if comm:
@@ -114,10 +153,14 @@ def measure(quick: bool = False, comm: bool = True, dtypes: tuple[str, ...] = ("
         fields["network"] = net
         raw["collectives"] = points
         if device.type == "cpu":
+            from shardline.planner.calibrate_corun import measure_corun
             from shardline.planner.calibrate_dist import measure_wrappers
+            from shardline.planner.hardware import cpu_cores
 
             wrappers, raw["wrappers"] = measure_wrappers()
             fields.update(wrappers)
+            # Ranks share the node's cores: how much each slows the others (calibrate_corun.py).
+            fields.update({f"corun_{k}_eff": v for k, v in measure_corun(cpu_cores()).items()})
     return fields, raw
 
 

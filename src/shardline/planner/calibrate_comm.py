@@ -3,7 +3,8 @@
 Spawns `world` processes with torch.multiprocessing, each joining a gloo group over
 127.0.0.1 (a fresh TCP port per world size); rank 0 times all-reduce and all-gather
 at 4 KiB - 4 MiB (all-reduce, all-gather and reduce-scatter, the calls DDP and FSDP2 make)
-and writes the fastest of 7 repetitions to a file the parent reads. The points are
+and writes, per point, the median over 3 sweeps of the fastest of 5 repetitions to a
+file the parent reads. The points are
 fitted to the ring model of comm.py,
 
     all_reduce: t = 2(n-1)·alpha + 2(n-1)/n · S/B      all_gather, reduce_scatter: t = (n-1)·alpha + (n-1)/n · S/B
@@ -20,6 +21,7 @@ import datetime
 import json
 import os
 import socket
+import statistics
 import tempfile
 import time
 import warnings
@@ -32,7 +34,7 @@ import torch.multiprocessing as mp
 from shardline.errors import ShardlineError
 
 SIZES = (4096, 65536, 1 << 20, 4 << 20)
-REPS = 7
+REPS, ROUNDS = 5, 3  # each point: the median over ROUNDS sweeps of the fastest of REPS calls
 
 
 def _free_port() -> int:
@@ -48,15 +50,18 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        results = []
-        for nbytes in SIZES:
-            x = torch.ones(nbytes // 4)
-            gathered = torch.empty(world * (nbytes // 4 // world))
-            piece = torch.ones(nbytes // 4 // world)
-            for name, fn, args in (("all_reduce", dist.all_reduce, (x,)),
-                                   ("all_gather", dist.all_gather_into_tensor, (gathered, piece)),
-                                   ("reduce_scatter", dist.reduce_scatter_tensor, (piece, gathered))):
-                results.append({"op": name, "world": world, "bytes": nbytes, "seconds": _fastest(fn, args)})
+        timings: dict = {}
+        for _ in range(ROUNDS):  # whole sweeps, so a busy moment hits one round of a few points
+            for nbytes in SIZES:
+                x = torch.ones(nbytes // 4)
+                gathered = torch.empty(world * (nbytes // 4 // world))
+                piece = torch.ones(nbytes // 4 // world)
+                for name, fn, args in (("all_reduce", dist.all_reduce, (x,)),
+                                       ("all_gather", dist.all_gather_into_tensor, (gathered, piece)),
+                                       ("reduce_scatter", dist.reduce_scatter_tensor, (piece, gathered))):
+                    timings.setdefault((name, nbytes), []).append(_fastest(fn, args))
+        results = [{"op": name, "world": world, "bytes": nbytes, "seconds": statistics.median(times)}
+                   for (name, nbytes), times in timings.items()]
         if rank == 0:
             Path(out).write_text(json.dumps(results))
     finally:

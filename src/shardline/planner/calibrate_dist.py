@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import json
 import os
+import statistics
 import tempfile
 import time
 import warnings
@@ -34,17 +35,33 @@ import torch.multiprocessing as mp
 
 from shardline.errors import ShardlineError
 
-DIM, TOKENS, REPS = 64, 32, 15
+DIM, TOKENS = 64, 32
+REPS, ROUNDS = 5, 5  # each figure: the median over ROUNDS of the fastest of REPS calls
 
 
-def _best(fn) -> float:
-    fn()
+def _fastest(fn) -> float:
     times = []
     for _ in range(REPS):
         t0 = time.thread_time()
         fn()
         times.append(time.thread_time() - t0)
     return min(times)
+
+
+def _in_rounds(timers: dict) -> dict:
+    """Median over interleaved rounds of each timer's fastest call.
+
+    The figures are differences of nearby timings (wrapped minus plain, 3 blocks minus 1),
+    so a slow second on a shared machine must not land on one side only: every timer
+    runs once per round, and the median drops the rounds a neighbour disturbed.
+    """
+    for fn in timers.values():
+        fn()  # warm-up
+    rounds = {name: [] for name in timers}
+    for _ in range(ROUNDS):
+        for name, fn in timers.items():
+            rounds[name].append(_fastest(fn))
+    return {name: statistics.median(times) for name, times in rounds.items()}
 
 
 def _model(layers: int):
@@ -55,7 +72,7 @@ def _model(layers: int):
     return Llama(args), args
 
 
-def _step_time(model, ids: torch.Tensor) -> float:
+def _step_fn(model, ids: torch.Tensor):
     from torch.distributed.tensor import DTensor
 
     from torch.distributed.tensor.parallel import loss_parallel
@@ -70,10 +87,10 @@ def _step_time(model, ids: torch.Tensor) -> float:
         else:
             torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten()).backward()
 
-    return _best(step)
+    return step
 
 
-def _optimizer_time(model, dims) -> float:
+def _optimizer_fn(model, dims):
     from shardline.parallel.collectives import clip_grad_norm
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
@@ -84,7 +101,7 @@ def _optimizer_time(model, dims) -> float:
         clip_grad_norm(model, 1.0, dims)
         opt.step()
 
-    return _best(step)
+    return step
 
 
 def _dims(world: int, **degrees):
@@ -107,20 +124,25 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
         ids = torch.randint(0, 128, (1, TOKENS))
         plain_dims, tp_dims, fsdp_dims = _dims(1), _dims(world, tp=world, dp_shard=1), _dims(world, dp_shard=world)
-        res: dict = {}
+        # Every rank runs the same timers in the same order: FSDP and TP collectives match up.
+        timers, n_params = {}, {}
         for name, wrap, dims in (("plain", None, plain_dims), ("tp", "tp", tp_dims), ("fsdp", "fsdp", fsdp_dims)):
-            times, opt = [], 0.0
             for layers in (1, 3):
                 model, _ = _model(layers)
                 if wrap == "tp":
                     apply_tp(model, tp_dims.submesh("tp"), sequence_parallel=True, loss_parallel=True)
                 elif wrap == "fsdp":
                     apply_fsdp(model, [model], fsdp_dims, "fp32", cpu_offload=False)
-                times.append(_step_time(model, ids))
+                timers[f"{name}{layers}"] = _step_fn(model, ids)
                 if layers == 3:
-                    opt = _optimizer_time(model, dims) / len(list(model.parameters()))
-            slope = (times[1] - times[0]) / 2
-            res[name] = {"per_layer_s": slope, "ends_s": times[0] - slope, "per_param_s": opt}
+                    timers[f"{name}_opt"] = _optimizer_fn(model, dims)
+                    n_params[name] = len(list(model.parameters()))
+        t = _in_rounds(timers)
+        res: dict = {}
+        for name in n_params:
+            slope = (t[f"{name}3"] - t[f"{name}1"]) / 2
+            res[name] = {"per_layer_s": slope, "ends_s": t[f"{name}1"] - slope,
+                         "per_param_s": t[f"{name}_opt"] / n_params[name]}
         if rank == 0:
             Path(out).write_text(json.dumps(res))
     finally:

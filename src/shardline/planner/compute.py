@@ -28,8 +28,11 @@ On a CPU the processes of one node share its cores and memory bandwidth
 (`shared_compute`). The profile's figures describe one process of `threads` threads
 (as calibrated); N such ranks on C cores each get min(1, C / (N x threads)) of them, and
 that share stretches everything a rank runs on the CPU: kernels, element-wise traffic,
-the per-op dispatcher overhead and the optimizer. With cores = 0 (an old profile) the
-node is split evenly, 1/N each.
+the per-op dispatcher overhead and the optimizer. On top, busy cores slow each other
+(shared caches and memory bandwidth, SMT siblings on cloud VMs): `corun_*_eff`, measured
+by calibrate_corun.py, scales GEMMs, element-wise work and dispatch when more cores are
+busy than the calibration used. With cores = 0 (an old profile) the node is split
+evenly, 1/N each.
 """
 
 from __future__ import annotations
@@ -64,14 +67,27 @@ class LayerTimes:
                 + self.overhead * BWD_OPS_PER_LAYER / FWD_OPS_PER_LAYER)
 
 
-def share(hw: Hardware, layout: Layout) -> float:
-    """Fraction of a device's compute one rank gets (1, except CPU ranks sharing a node)."""
+def share(hw: Hardware, layout: Layout, kind: str | None = None) -> float:
+    """Fraction of a device's compute one rank gets (1, except CPU ranks sharing a node).
+
+    `kind` ("matmul", "memory" or "dispatch") also charges that kind of work's co-run
+    slowdown (Hardware.corun_*_eff, calibrated with one-thread processes): it grows
+    linearly from none, with only the calibrated `threads` cores busy, to the calibrated
+    ratio with every core busy. Without `kind` it is not charged: the wrapper overheads
+    were calibrated with their ranks running side by side already.
+    """
     if not hw.shared_compute:
         return 1.0
     ranks = min(layout.world, hw.network.gpus_per_node)
     if hw.cores <= 0:
         return 1.0 / ranks
-    return min(1.0, hw.cores / (ranks * max(1, hw.threads)))
+    threads = max(1, hw.threads)
+    fraction = min(1.0, hw.cores / (ranks * threads))
+    busy, alone = min(ranks * threads, hw.cores), min(threads, hw.cores)
+    if kind is None or busy <= alone:
+        return fraction
+    corun = getattr(hw, f"corun_{kind}_eff")
+    return fraction * (1.0 - (1.0 - corun) * (busy - alone) / (hw.cores - alone))
 
 
 def saturated(hw: Hardware, layout: Layout) -> bool:
@@ -130,14 +146,14 @@ def elementwise_bytes_per_token(work: Workload, tp: int, sp: bool) -> float:
 def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
     dtype, s = work.precision, work.seq_len
     tokens = layout.micro_batch_size * s // layout.cp
-    sh = share(hw, layout)
+    sh, sh_mem, sh_ops = (share(hw, layout, kind) for kind in ("matmul", "memory", "dispatch"))
     mm = sum(matmul_time(hw, dtype, *g, sh) for g in layer_gemms(work, layout.tp, tokens))
     q_width = work.model.n_heads * work.model.head_size / layout.tp
     causal = 1.0 if work.document_mask else 0.5
     attn_flops = 4.0 * tokens * s * q_width * causal
     chunk = s // layout.cp  # ring attention runs cp kernels of s/cp queries x s/cp keys
     attn = attn_flops / (hw.peak(dtype) * sh * attention_efficiency(hw, dtype, chunk, chunk))
-    bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * sh
+    bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * sh_mem
     # Ring attention merges each partial result into the running output and logsumexp.
     attn += (layout.cp - 1) * 8 * dtype_bytes(dtype) * q_width * tokens / bw
     elem = elementwise_bytes_per_token(work, layout.tp, layout.sp) * tokens / bw
@@ -145,7 +161,7 @@ def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
         # Autocast casts each fp32 weight to the compute dtype once per forward (read 4, write 2
         # bytes); FSDP's mixed precision casts while gathering instead.
         elem += 6 * layer_params(work, layout.tp) / bw
-    return LayerTimes(mm, attn, elem, FWD_OPS_PER_LAYER * hw.op_overhead_us * 1e-6 / sh)
+    return LayerTimes(mm, attn, elem, FWD_OPS_PER_LAYER * hw.op_overhead_us * 1e-6 / sh_ops)
 
 
 def head_times(work: Workload, layout: Layout, hw: Hardware, stage: str) -> tuple[float, float]:
@@ -157,8 +173,8 @@ def head_times(work: Workload, layout: Layout, hw: Hardware, stage: str) -> tupl
     """
     m, dtype = work.model, work.precision
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
-    sh = share(hw, layout)
-    bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * sh
+    sh, sh_mem, sh_ops = (share(hw, layout, kind) for kind in ("matmul", "memory", "dispatch"))
+    bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * sh_mem
     fwd = bwd = 0.0
     if stage in ("first", "both"):
         bwd += (4 * m.vocab_size * m.dim / layout.tp + 12 * m.dim * tokens) / bw
@@ -168,8 +184,8 @@ def head_times(work: Workload, layout: Layout, hw: Hardware, stage: str) -> tupl
         vocab = m.vocab_size / (layout.tp if layout.loss_parallel else 1)
         gemm = matmul_time(hw, dtype, tokens, m.dim, m.vocab_size / layout.tp, sh)
         cast = c + 4 if mixed else 0
-        loss_bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * sh * hw.loss_eff  # fp32 logits
-        ops = LOSS_OPS * hw.op_overhead_us * 1e-6 / sh
+        loss_bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * sh_mem * hw.loss_eff  # fp32 logits
+        ops = LOSS_OPS * hw.op_overhead_us * 1e-6 / sh_ops
         fwd += gemm + (12 + cast) * vocab * tokens / loss_bw + ops
         bwd += 2 * gemm + (20 + cast) * vocab * tokens / loss_bw + ops
     return fwd, bwd
@@ -180,7 +196,7 @@ def optimizer_time(params: float, hw: Hardware, layout: Layout, tensors: int = 0
 
     Parameters that are DTensors (FSDP, TP) add `dtensor_param_overhead_us` each.
     """
-    bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * share(hw, layout)  # fp32 states
+    bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * share(hw, layout, "memory")  # fp32 states
     dtensor = layout.tp > 1 or layout.shard_degree > 1
     host = tensors * hw.dtensor_param_overhead_us * 1e-6 / share(hw, layout) if dtensor else 0.0
     return params * hw.optimizer_bytes_per_param / bw + host

@@ -79,6 +79,12 @@ class Hardware:
     cores: int = 0  # shared_compute: cores the ranks of one node share (0: the device is split evenly)
     threads: int = 1  # shared_compute: threads of one rank, which the peak and efficiencies describe
     process_baseline_gib: float = 0.0  # CPU: resident memory before the model (torch, data)
+    # shared_compute: one core's throughput while every core of the node is busy, relative to
+    # it running alone (shared caches, memory bandwidth, SMT siblings; calibrate_corun.py),
+    # for GEMMs, streaming element-wise work and per-op dispatch. 1: no interference.
+    corun_matmul_eff: float = 1.0
+    corun_memory_eff: float = 1.0
+    corun_dispatch_eff: float = 1.0
     # Host CPU time of the distributed wrappers (calibrate_dist.py), per micro-batch: one TP+SP
     # block's DTensor dispatch, one FSDP2 block's hooks and copies, and per parameter tensor
     # of the optimizer step on DTensors. 0 on GPUs, where the host runs ahead of the kernels.
