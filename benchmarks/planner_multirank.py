@@ -115,15 +115,19 @@ def follow_ranks_cpu(proc: subprocess.Popen, metrics: Path, world: int) -> list[
     too: they run on the same cores.
     """
     tick = os.sysconf("SC_CLK_TCK")
-    seen, marks, ranks = 0, [], []
+    seen, marks, ranks, size = 0, [], [], -1
     while proc.poll() is None:
         time.sleep(0.01)
         try:
             if len(ranks) < world:
                 ranks = [r for t in _children(proc.pid) for r in _children(t) if _is_rank(r)]
                 continue
-            text = metrics.read_text() if metrics.exists() else ""
-            count = text.count('"kind": "train"')
+            # The ranks keep every core busy: read the log only when it grew, so this loop
+            # takes as little CPU from them as it can.
+            if not metrics.exists() or metrics.stat().st_size == size:
+                continue
+            size = metrics.stat().st_size
+            count = metrics.read_text().count('"kind": "train"')
             if count > seen:
                 seen = count
                 marks.append(sum(_cpu_s(r, tick) for r in ranks))

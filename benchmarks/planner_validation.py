@@ -105,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", help="hardware profile from `shardline calibrate` (default: calibrate quickly now)")
     p.add_argument("--data", default="", help="training data (default: the shipped corpus)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE size trained on the data (default 4096)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every config this many times, in whole passes; the run of median step time counts")
     p.add_argument("--threads", type=int, default=1, help="torch threads for calibration and training (default 1)")
     p.add_argument("--json", help="write every figure as JSON to this file")
     p.add_argument("--results", help="rewrite this script's section of a results markdown file")
@@ -210,31 +212,39 @@ def _compare(pred: dict, meas: dict, cores: float) -> dict:
             "memory_error_pct": error_pct(pred["peak_gib"], meas["peak_gib"])}
 
 
+def _result(pred: dict, runs: list[dict], overrides: list[str], world: int, cores: float) -> dict:
+    """One config's row: the run of median step time among its repeats, and the spread of the repeats."""
+    meas = dict(sorted(runs, key=lambda m: m["step_time_s"])[(len(runs) - 1) // 2])
+    meas["repeat_step_times_s"] = [m["step_time_s"] for m in runs]
+    return {"overrides": overrides, "world": world, "predicted": pred, "measured": meas,
+            **_compare(pred, meas, cores)}
+
+
 def run(args: argparse.Namespace) -> dict:
     names = _names(args.configs, CONFIGS, "config")
     layouts = _names(args.layouts, LAYOUTS, "layout")
     load_before = os.getloadavg()
     torch.set_num_threads(args.threads)  # the profile's peak and fits are for this many threads
     hw = machine_profile(args, names, layouts)
-    rows = {}
+    preds = {name: predict(["model.preset=tiny", *data_overrides(args), *CONFIGS[name]], hw) for name in names}
+    preds.update({name: predict([*data_overrides(args), *LAYOUTS[name][1]], hw, LAYOUTS[name][0]) for name in layouts})
+    runs: dict[str, list[dict]] = {name: [] for name in (*names, *layouts)}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            overrides = ["model.preset=tiny", *data_overrides(args), *CONFIGS[name]]
-            pred = predict(overrides, hw)
-            load = os.getloadavg()[0]
-            meas = measure_run(name, overrides, args.steps, Path(tmp), args.threads)
-            meas.update(world=1, load_before=load)
-            rows[name] = {"overrides": CONFIGS[name], "world": 1, "predicted": pred, "measured": meas,
-                          **_compare(pred, meas, hw.cores)}
-            print(_row(name, rows[name]), flush=True)
-        for name in layouts:
-            world, overrides = LAYOUTS[name]
-            overrides = [*data_overrides(args), *overrides]
-            pred = predict(overrides, hw, world)
-            meas = measure_torchrun(name, world, overrides, RUN_KEYS, args.steps, Path(tmp), args.threads)
-            rows[name] = {"overrides": LAYOUTS[name][1], "world": world, "predicted": pred, "measured": meas,
-                          **_compare(pred, meas, hw.cores)}
-            print(_row(name, rows[name]), flush=True)
+        for rep in range(args.repeat):  # whole passes: a busy minute lands on one run of a few configs
+            for name in names:
+                load = os.getloadavg()[0]
+                meas = measure_run(name, ["model.preset=tiny", *data_overrides(args), *CONFIGS[name]], args.steps,
+                                   Path(tmp) / f"pass{rep}", args.threads)
+                runs[name].append({**meas, "world": 1, "load_before": load})
+                print(_row(name, _result(preds[name], runs[name][-1:], CONFIGS[name], 1, hw.cores)), flush=True)
+            for name in layouts:
+                world, overrides = LAYOUTS[name]
+                meas = measure_torchrun(name, world, [*data_overrides(args), *overrides], RUN_KEYS, args.steps,
+                                        Path(tmp) / f"pass{rep}", args.threads)
+                runs[name].append(meas)
+                print(_row(name, _result(preds[name], runs[name][-1:], overrides, world, hw.cores)), flush=True)
+    rows = {name: _result(preds[name], runs[name], (CONFIGS.get(name) or LAYOUTS[name][1]),
+                          LAYOUTS[name][0] if name in LAYOUTS else 1, hw.cores) for name in runs}
     med = lambda key, sel=None: statistics.median(  # noqa: E731
         abs(r[key]) for r in rows.values() if sel is None or (r["world"] > 1) == sel)
     multi = any(r["world"] > 1 for r in rows.values())
@@ -245,6 +255,7 @@ def run(args: argparse.Namespace) -> dict:
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "load_before": load_before,
                         "load_after": os.getloadavg(), "python": platform.python_version()},
             "date": datetime.date.today().isoformat(), "steps": args.steps, "threads": args.threads,
+            "repeat": args.repeat,
             "median_abs_time_error_pct": med("time_error_pct"),
             "median_abs_wall_error_pct": med("wall_error_pct"),
             "median_abs_memory_error_pct": med("memory_error_pct"),
@@ -257,14 +268,17 @@ def _row(name: str, r: dict) -> str:
     cpu = m.get("cpu_equiv_step_s") or float("nan")
     load = m.get("load_before")
     load = f"{load:.1f}" if load is not None else "-"
+    reps = m.get("repeat_step_times_s", [])
+    spread = f"{100 * (max(reps) - min(reps)) / statistics.median(reps):.0f}%" if len(reps) > 1 else "-"
     return (f"| {name} | {r['world']} | {p['step_time_s']:.3f} | {m['step_time_s']:.3f} | "
-            f"{r['wall_error_pct']:+.1f}% | {cpu:.3f} | {r['time_error_pct']:+.1f}% | {p['peak_gib']:.3f} | "
+            f"{r['wall_error_pct']:+.1f}% | {spread} | {cpu:.3f} | {r['time_error_pct']:+.1f}% | {p['peak_gib']:.3f} | "
             f"{m['peak_gib']:.3f} | "
             f"{r['memory_error_pct']:+.1f}% | {load} |")
 
 
-HEADER = ("| config | ranks | predicted s/step | measured wall s/step | error | measured CPU-equiv. s/step | error | "
-          "predicted peak GiB | measured peak GiB | error | load |\n|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| config | ranks | predicted s/step | measured wall s/step | error | spread of runs "
+          "| measured CPU-equiv. s/step | error | predicted peak GiB | measured peak GiB | error | load |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 START, END = "<!-- planner-validation:start -->", "<!-- planner-validation:end -->"
 
 
@@ -285,7 +299,9 @@ def markdown(res: dict, argv: list[str]) -> str:
                f"{m['host']} ({m['cpus']} CPUs; the planner's profile: {res['cores']} cores), {res['threads']} torch "
                f"thread(s) per process, hardware profile: {res['profile']} (run first"
                f"{'; gloo alpha / B: ' + gloo if gloo else ''}{corun}), {res['steps']} training steps per config, "
-               f"medians of steps 3 on. Load average {m['load_before'][0]:.1f} before / {m['load_after'][0]:.1f} "
+               f"medians of steps 3 on; every config run {res.get('repeat', 1)} time(s), in whole passes, the run "
+               f"of median step time shown (*spread of runs*: (slowest - fastest) / median of its runs' step times). "
+               f"Load average {m['load_before'][0]:.1f} before / {m['load_after'][0]:.1f} "
                f"after{shared}; the *load* column is the 1-minute load average as each run started.")
     legend = ("Single-process configs (ranks 1) are overrides of the `tiny` preset (dim 256, 4 layers, 8 heads / 4 "
               "kv heads, ffn 768, vocab 4096) listed in the script's CONFIGS; multi-rank ones (planner_multirank.py "
