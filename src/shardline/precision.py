@@ -2,13 +2,23 @@
 
 Parameters and optimizer states stay fp32 in every mode; autocast runs the matmuls
 in the low-precision dtype.
+
+With several ranks each one sees only part of the gradients (FSDP and TP shards,
+pipeline stages), so an overflow is a verdict of all of them: the scaler's found-inf
+flag is all-reduced (max) over every rank before any rank steps or skips, and DTensor
+gradients are unscaled shard by shard. torch's ShardedGradScaler does the same for
+FSDP1's flat parameters; FSDP2 and TP hold DTensors, and pipeline stages need the
+verdict across stages too, hence the small subclass here.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -19,19 +29,73 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
+class AgreedGradScaler(torch.amp.GradScaler):
+    """A GradScaler whose overflow verdict every rank shares (see the module doc)."""
+
+    def __init__(self, device: torch.device, agree: bool, grad_factor: float = 1.0, **kwargs):
+        super().__init__(device.type, **kwargs)
+        self.agree, self.grad_factor, self.device = agree, grad_factor, device
+
+    def unscale_(self, optimizer) -> None:
+        if self.is_enabled() and self._scale is None:
+            # A pipeline rank without the last stage never scales a loss; it still
+            # unscales, checks and votes, so it creates its scale here.
+            self._lazy_init_scale_growth_tracker(self.device)
+        super().unscale_(optimizer)
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.dtype == torch.float16 and not allow_fp16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # shares storage
+                by_kind[(grad.device, grad.dtype)].append(grad)
+        inv_scale = inv_scale * self.grad_factor
+        with torch.no_grad():
+            for (device, _), grads in by_kind.items():
+                found = torch.zeros_like(found_inf, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+                found_inf.add_(found.to(found_inf.device))
+            if self.agree:  # every rank, even one whose own shards are all finite, gets the verdict
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+            found_inf.clamp_(max=1.0)
+        return {found_inf.device: found_inf}
+
+
 class LossScaler:
     """fp16 dynamic loss scaling (GradScaler) with skipped steps counted.
 
-    Disabled (a pass-through) for fp32 and bf16, whose exponent range needs no scaling.
+    Disabled for fp32 and bf16, whose exponent range needs no scaling. `agree`:
+    several ranks, which all-reduce the overflow verdict.
+
+    It also owns the data-parallel factor: DDP and FSDP average gradients over the
+    `dp` ranks while each rank's loss is its share of the global mean, so what goes
+    into backward is multiplied by dp (the average becomes the sum of shares). Under
+    fp16 that factor is applied at unscale time instead, in fp32 after the reduction,
+    so the fp16 backward sees exactly the values of one process: the same roundings
+    and the same overflows, hence the same skipped steps in every layout.
     """
 
-    def __init__(self, device: torch.device, precision: str):
+    def __init__(self, device: torch.device, precision: str, agree: bool = False, dp: int = 1):
         self.enabled = precision == "fp16"
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.enabled)
+        self.dp = dp
+        self.scaler = AgreedGradScaler(device, agree, grad_factor=dp, enabled=self.enabled)
         self.skipped_steps = 0
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss)
+        """What backward runs on: the loss share x the loss scale (fp16) or x dp."""
+        return self.scaler.scale(loss) if self.enabled else loss * self.dp
+
+    def unscaled(self, value: torch.Tensor) -> torch.Tensor:
+        """The loss share behind a value that scale() returned."""
+        if not self.enabled:
+            return value / self.dp
+        if self.scaler._scale is None:  # nothing was scaled yet (a pipeline rank without the last stage)
+            return value
+        return value / self.scaler._scale.to(value.device)  # no host sync, unlike get_scale()
 
     def unscale_(self, opt: torch.optim.Optimizer) -> None:
         if self.enabled:

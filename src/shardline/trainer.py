@@ -82,7 +82,7 @@ class Trainer:
             self.pipeline.build_schedule(self.device, pp_group, self._pipeline_loss)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.dims.zero1_mesh())
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
-        self.scaler = LossScaler(self.device, cfg.train.precision)
+        self.scaler = LossScaler(self.device, cfg.train.precision, agree=self.proc.world_size > 1, dp=self.dims.dp)
         self.faults = FaultInjector(cfg.faults, self.proc.rank, memory_rank_dir(cfg, self.proc.rank))
         self.tiers = StateTiers(cfg, self.proc, self.dims, self.checkpointer, self._layout_fingerprint(), self.faults)
         on_device = anomaly_check_on_device(cfg, self.dims, self.optimizer, self.device)
@@ -351,28 +351,30 @@ class Trainer:
     def forward_backward(self, batch: dict[str, torch.Tensor], n_tokens: int) -> torch.Tensor:
         """Backward of this micro-batch's share of the global mean loss; returns that share.
 
-        DDP and FSDP average gradients over the dp ranks; scaling by dp turns that
-        average into the sum of shares, i.e. the gradient of the global mean.
+        DDP and FSDP average gradients over the dp ranks; the scaler's dp factor turns
+        that average into the sum of shares, i.e. the gradient of the global mean.
         """
         with loss_context(self.dims, self.cfg.parallel):  # the backward must run inside it too
             loss = self.loss_sum(batch) / n_tokens
-            self.scaler.scale(loss * self.dims.dp).backward()
+            self.scaler.scale(loss).backward()
         return local_value(loss.detach())
 
     def pipeline_step(self, indices: np.ndarray, n_tokens: int) -> torch.Tensor:
         """Forward and backward of this rank's whole share through the pipeline schedule.
 
         The schedule splits it into micro-batches; the last stage's loss function
-        returns each one's share of the global mean (scaled by dp, as above).
+        returns each one's share of the global mean (scaled as above).
         """
         batch = self._to_device(self.data.train.batch(indices))
-        self._pp_loss_scale = self.dims.dp / n_tokens
+        self._pp_tokens = n_tokens
         with loss_context(self.dims, self.cfg.parallel), autocast(self.device, self.cfg.train.precision):
             losses = self.pipeline.run(batch, self.cfg.train.document_mask)
-        return sum((local_value(x.detach()) for x in losses), torch.zeros((), device=self.device)) / self.dims.dp
+        total = sum((local_value(x.detach()) for x in losses), torch.zeros((), device=self.device))
+        return self.scaler.unscaled(total)
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, labels) * self._pp_loss_scale
+        """A micro-batch's share of the global mean, scaled as forward_backward scales it."""
+        return self.scaler.scale(cross_entropy_sum(logits, labels) / self._pp_tokens)
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy over the labelled tokens of a batch (fp32 logits)."""

@@ -82,7 +82,8 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def assert_same_run(run: Path, reference: Path, rtol: float = 1e-5, compare_eval: bool = True) -> None:
+def assert_same_run(run: Path, reference: Path, rtol: float = 1e-5, compare_eval: bool = True,
+                    atol: float = 1e-5) -> None:
     got, want = losses(run), losses(reference)
     assert sorted(got) == sorted(want), (got, want)
     for step in want:
@@ -94,4 +95,4 @@ def assert_same_run(run: Path, reference: Path, rtol: float = 1e-5, compare_eval
         assert abs(got_eval[step] - want_eval[step]) <= rtol * want_eval[step], (step, got_eval, want_eval)
     ref = final_params(reference)
     for name, value in final_params(run).items():
-        torch.testing.assert_close(value, ref[name], rtol=rtol, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(value, ref[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")

@@ -43,7 +43,6 @@ def test_dp_shard_fills_the_rest():
     (2, ["parallel.cp=2", "parallel.dp_shard=1"], "context parallel is not implemented yet"),
     (2, ["parallel.ep=2", "parallel.dp_shard=1"], "expert parallel is not implemented yet"),
     (4, ["parallel.zero=1", "parallel.tp=2"], "zero=1 composes with data parallelism only"),
-    (2, ["train.precision=fp16"], "fp16"),
     (2, ["parallel.tp=2", "train.seq_len=33"], "must be divisible by parallel.tp=2"),
     (2, ["memory.cpu_offload=true", "run.device=cpu"], "needs a GPU"),
 ])

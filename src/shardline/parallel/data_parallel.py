@@ -22,7 +22,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardline.parallel.dims import ParallelDims
 
-_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp16 gathers fp32 parameters and lets autocast cast for the matmuls, as one process
+# does: fp16's narrow range needs the residual stream, norms and embedding in fp32.
+_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": None}
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims, device: torch.device) -> nn.Module:

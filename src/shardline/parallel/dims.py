@@ -96,9 +96,6 @@ class ParallelDims:
             raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
         if cfg.memory.cpu_offload and self.dp_shard == 1:
             raise ConfigError("memory.cpu_offload=true needs FSDP: set parallel.dp_shard > 1")
-        if cfg.train.precision == "fp16" and (self.dp_shard > 1 or self.tp > 1 or self.pp > 1):
-            raise ConfigError("train.precision='fp16' with dp_shard, tp or pp > 1 is not "
-                              "supported yet (its loss scaler would need a sharded overflow check); use bf16")
 
     def pp_microbatches(self, cfg: Config) -> int:
         """Micro-batches per pipeline step: this rank's share of the batch / micro_batch_size."""
