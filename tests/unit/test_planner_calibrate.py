@@ -68,6 +68,7 @@ def test_gloo_collectives_between_two_processes():
     assert set(points) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert all({p[0] for p in pts} == {2} and len(pts) == 4 for pts in points.values())
     assert net["latency_by_world_us"]["2"] > 0 and net["bw_by_world_gbs"]["2"] > 0.01
+    assert set(net["op_factor"]) == set(points) and all(f > 0 for f in net["op_factor"].values())
 
 
 def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, monkeypatch, capsys):
@@ -88,10 +89,12 @@ def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
     from shardline.planner.calibrate_dist import measure_wrappers
 
     fields, raw = measure_wrappers(world=2)
-    assert set(raw) == {"plain", "tp", "fsdp"} and raw["plain"]["per_layer_s"] > 0
+    assert set(raw) == {"plain", "tp", "fsdp", "sizes_mb"} and raw["plain"]["per_layer_s"] > 0
     # DTensor dispatch of a TP block costs host time beyond the plain block's; so do FSDP2's hooks.
     assert fields["tp_layer_overhead_us"] > 0 and fields["fsdp_layer_overhead_us"] > 0
     assert fields["dtensor_param_overhead_us"] > 0 and fields["tp_head_overhead_us"] > 0
+    assert fields["fsdp_layer_overhead_us_per_mb"] >= 0 and raw["fsdp"]["per_layer_large_s"] > raw["fsdp"][
+        "per_layer_s"]  # a wider block with more tokens costs more
 
 
 def test_co_run_efficiency_with_a_busy_neighbour():

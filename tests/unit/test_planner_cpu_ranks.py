@@ -92,10 +92,21 @@ def test_busy_cores_slow_each_other_as_calibrated(world, cores, expected):
 
 def test_collectives_use_the_fit_of_their_group_size():
     net = dataclasses.replace(cpu().network, latency_by_world_us={"2": 100.0, "4": 300.0, "8": 2000.0},
-                              bw_by_world_gbs={"2": 2.0, "4": 1.0, "8": 0.5})
+                              bw_by_world_gbs={"2": 2.0, "4": 1.0, "8": 0.5}, op_factor={})
     for size, (alpha_us, bw) in {2: (100, 2.0), 3: (100, 2.0), 4: (300, 1.0), 6: (300, 1.0), 16: (2000, 0.5)}.items():
         t = comm.all_gather(1e6, comm.group(size, 1, net.gpus_per_node), net)[0]
         assert t == pytest.approx((size - 1) * alpha_us * 1e-6 + (size - 1) / size * 1e6 / (bw * 1e9))
+
+
+def test_each_collective_takes_its_calibrated_factor_inside_a_node():
+    plain = dataclasses.replace(cpu().network, op_factor={})
+    slow_rs = dataclasses.replace(plain, op_factor={"reduce_scatter": 3.0, "all_gather": 0.5})
+    g = comm.group(2, 1, plain.gpus_per_node)
+    assert comm.reduce_scatter(1e6, g, slow_rs)[0] == pytest.approx(3 * comm.reduce_scatter(1e6, g, plain)[0])
+    assert comm.all_gather(1e6, g, slow_rs)[0] == pytest.approx(0.5 * comm.all_gather(1e6, g, plain)[0])
+    assert comm.all_reduce(1e6, g, slow_rs)[0] == comm.all_reduce(1e6, g, plain)[0]  # no entry: 1
+    across = comm.Group(4, 2)  # two nodes: the network's figures, not the node's calibration
+    assert comm.reduce_scatter(1e6, across, slow_rs)[0] == comm.reduce_scatter(1e6, across, plain)[0]
 
 
 def test_saturated_cpu_ranks_expose_all_data_parallel_communication():
@@ -142,6 +153,17 @@ def test_wrapper_overheads_and_gradient_norm_reductions_are_charged_where_they_r
     # FSDP alone has one group; TP two sharded ones (column, row) and replicated norms.
     assert fsdp.breakdown["sync_comm"] == pytest.approx(one + one)  # the loss + the norm group
     assert tp.breakdown["sync_comm"] == pytest.approx(2 * one)  # dp = 1: no loss reduction
+
+
+def test_fsdp_wrapper_overhead_grows_with_the_parameter_bytes_it_copies():
+    hw, base = (dataclasses.replace(cpu(), fsdp_layer_overhead_us_per_mb=x) for x in (10.0, 0.0))
+    block_mb = 4e-6 * (256 * (2 * 256 + 2 * 128) + 3 * 256 * 768 + 2 * 256)  # tiny: dim 256, ffn 768, 8 / 4 heads
+    embed_mb = 4e-6 * 4096 * 256
+    fsdp = Layout(dp_shard=2, micro_batch_size=4)
+    extra = estimate(WORK, fsdp, hw).breakdown["compute"] - estimate(WORK, fsdp, base).breakdown["compute"]
+    assert extra == pytest.approx(10e-6 * (4 * block_mb + 2 * embed_mb))  # 4 blocks, embedding and output
+    ddp = Layout(dp_replicate=2, micro_batch_size=4)  # no FSDP: nothing charged
+    assert estimate(WORK, ddp, hw).breakdown["compute"] == estimate(WORK, ddp, base).breakdown["compute"]
 
 
 def test_ddp_buckets_hold_a_copy_of_every_gradient():

@@ -12,7 +12,9 @@ fitted to the ring model of comm.py,
 by least squares on (steps, bytes moved) -> seconds, giving the profile's
 intra_latency_us (alpha) and intra_bw_gbs (B, with bw_efficiency = 1), over all world
 sizes and per world size (latency_by_world_us, bw_by_world_gbs; comm.py uses the entry of
-a group's size, or of the nearest smaller world size measured).
+a group's size, or of the nearest smaller world size measured). One fit serves all three
+ops, which gloo does not run equally well (its reduce-scatter is the slow one), so each
+op also gets op_factor: the median over its points of measured / fitted time.
 """
 
 from __future__ import annotations
@@ -90,6 +92,12 @@ def _run(world: int) -> list[dict]:
         return json.loads(Path(out).read_text())
 
 
+def _model_seconds(p: dict, alpha: float, bw: float) -> float:
+    """The ring model's time of one measured point under (alpha s, B bytes/s)."""
+    n, k = p["world"], 2 if p["op"] == "all_reduce" else 1
+    return k * (n - 1) * alpha + k * (n - 1) / n * p["bytes"] / bw
+
+
 def fit_alpha_beta(points: list[dict]) -> tuple[float, float]:
     """Least squares of t = steps·alpha + volume/B over the points: (alpha s, B bytes/s)."""
     rows = []
@@ -121,10 +129,15 @@ def measure_collectives(world_sizes=(2, 4)) -> tuple[dict, dict]:
     alpha, bw = fit_alpha_beta(points)
     network = {"intra_latency_us": alpha * 1e6, "intra_bw_gbs": bw / 1e9, "bw_efficiency": 1.0,
                "latency_by_world_us": {}, "bw_by_world_gbs": {}}
+    ratios: dict[str, list[float]] = {}
     for world in world_sizes:
-        a, b = fit_alpha_beta([p for p in points if p["world"] == world])
+        mine = [p for p in points if p["world"] == world]
+        a, b = fit_alpha_beta(mine)
         network["latency_by_world_us"][str(world)] = a * 1e6
         network["bw_by_world_gbs"][str(world)] = b / 1e9
+        for p in mine:
+            ratios.setdefault(p["op"], []).append(p["seconds"] / _model_seconds(p, a, b))
+    network["op_factor"] = {op: statistics.median(r) for op, r in ratios.items()}
     raw = {op: [[p["world"], p["bytes"], round(p["seconds"] * 1e6, 1)] for p in points if p["op"] == op]
            for op in ("all_reduce", "all_gather", "reduce_scatter")}
     return network, raw

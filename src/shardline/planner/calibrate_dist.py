@@ -3,13 +3,15 @@
 On a GPU these run on the host while kernels run on the device; on a CPU they take the
 same cores as the compute, and with small blocks they rival it. Measured between two
 gloo processes with the trainer's own wrappers (parallel/tensor_parallel.apply_tp,
-parallel/data_parallel.apply_fsdp) on blocks so small (dim 64, 32 tokens) that the
-arithmetic is negligible, timed with each rank's thread CPU clock (waiting on a peer
-costs none, so the collectives, costed separately by comm.py, drop out):
+parallel/data_parallel.apply_fsdp) on small blocks (dim 64 with 32 tokens, and dim 192
+with 512 tokens), timed with each rank's thread CPU clock (waiting on a peer costs
+none, so the collectives, costed separately by comm.py, drop out):
 
 * tp_layer_overhead_us:   extra CPU time of one TP+SP block's forward + backward over the
-                          plain block's (slope over 1 and 3 blocks: the ends drop out)
-* fsdp_layer_overhead_us: the same for one FSDP2-wrapped block (zero 3: gathered twice)
+                          plain block's (slope over 1 and 3 blocks: the ends drop out;
+                          the small size: at the large one its growth was within the noise)
+* fsdp_layer_overhead_us: the same for one FSDP2-wrapped block (zero 3: gathered twice),
+                          with fsdp_layer_overhead_us_per_mb per MB of its fp32 parameters
 * tp_head_overhead_us, fsdp_root_overhead_us: the same for the rest of the model (the
                           intercept: vocabulary-parallel embedding, output and loss under TP;
                           the root module's hooks under FSDP)
@@ -35,8 +37,8 @@ import torch.multiprocessing as mp
 
 from shardline.errors import ShardlineError
 
-DIM, TOKENS = 64, 32
-REPS, ROUNDS = 5, 5  # each figure: the median over ROUNDS of the fastest of REPS calls
+SIZES = {"small": (64, 32), "large": (192, 512)}  # block width and tokens of the two measurements
+REPS, ROUNDS = 5, 7  # each figure: the median over ROUNDS of the fastest of REPS calls
 
 
 def _fastest(fn) -> float:
@@ -64,11 +66,11 @@ def _in_rounds(timers: dict) -> dict:
     return {name: statistics.median(times) for name, times in rounds.items()}
 
 
-def _model(layers: int):
+def _model(layers: int, dim: int):
     from shardline.models.llama import Llama, ModelArgs
 
     torch.manual_seed(0)
-    args = ModelArgs(dim=DIM, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=2 * DIM, vocab_size=128)
+    args = ModelArgs(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=2 * dim, vocab_size=128)
     return Llama(args), args
 
 
@@ -122,27 +124,36 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         from shardline.parallel.data_parallel import apply_fsdp
         from shardline.parallel.tensor_parallel import apply_tp
 
-        ids = torch.randint(0, 128, (1, TOKENS))
         plain_dims, tp_dims, fsdp_dims = _dims(1), _dims(world, tp=world, dp_shard=1), _dims(world, dp_shard=world)
         # Every rank runs the same timers in the same order: FSDP and TP collectives match up.
-        timers, n_params = {}, {}
-        for name, wrap, dims in (("plain", None, plain_dims), ("tp", "tp", tp_dims), ("fsdp", "fsdp", fsdp_dims)):
-            for layers in (1, 3):
-                model, _ = _model(layers)
-                if wrap == "tp":
-                    apply_tp(model, tp_dims.submesh("tp"), sequence_parallel=True, loss_parallel=True)
-                elif wrap == "fsdp":
-                    apply_fsdp(model, [model], fsdp_dims, "fp32", cpu_offload=False)
-                timers[f"{name}{layers}"] = _step_fn(model, ids)
-                if layers == 3:
-                    timers[f"{name}_opt"] = _optimizer_fn(model, dims)
-                    n_params[name] = len(list(model.parameters()))
+        timers, n_params, nbytes = {}, {}, {}
+        for size, (dim, tokens) in SIZES.items():
+            ids = torch.randint(0, 128, (1, tokens))
+            for name, wrap, dims in (("plain", None, plain_dims), ("tp", "tp", tp_dims), ("fsdp", "fsdp", fsdp_dims)):
+                if name == "tp" and size == "large":
+                    continue  # TP's cost barely grows with these sizes: within the noise of the difference
+                for layers in (1, 3):
+                    model, _ = _model(layers, dim)
+                    nbytes[size] = {"block_params_mb": 4e-6 * sum(p.numel() for p in model.layers["0"].parameters()),
+                                    "activations_mb": 4e-6 * tokens * dim}
+                    if wrap == "tp":
+                        apply_tp(model, tp_dims.submesh("tp"), sequence_parallel=True, loss_parallel=True)
+                    elif wrap == "fsdp":
+                        apply_fsdp(model, [model], fsdp_dims, "fp32", cpu_offload=False)
+                    timers[f"{name}{layers}-{size}"] = _step_fn(model, ids)
+                    if layers == 3 and size == "small":
+                        timers[f"{name}_opt"] = _optimizer_fn(model, dims)
+                        n_params[name] = len(list(model.parameters()))
         t = _in_rounds(timers)
-        res: dict = {}
+        res: dict = {"sizes_mb": nbytes}
         for name in n_params:
-            slope = (t[f"{name}3"] - t[f"{name}1"]) / 2
-            res[name] = {"per_layer_s": slope, "ends_s": t[f"{name}1"] - slope,
-                         "per_param_s": t[f"{name}_opt"] / n_params[name]}
+            res[name] = {"per_param_s": t[f"{name}_opt"] / n_params[name]}
+            for size in SIZES:
+                if f"{name}1-{size}" not in t:
+                    continue
+                slope = (t[f"{name}3-{size}"] - t[f"{name}1-{size}"]) / 2
+                suffix = "" if size == "small" else "_large"
+                res[name].update({f"per_layer{suffix}_s": slope, f"ends{suffix}_s": t[f"{name}1-{size}"] - slope})
         if rank == 0:
             Path(out).write_text(json.dumps(res))
     finally:
@@ -161,10 +172,20 @@ def measure_wrappers(world: int = 2) -> tuple[dict, dict]:
             raise ShardlineError(f"calibrate: measuring the TP/FSDP wrappers with {world} processes "
                                  f"failed: {e}") from None
         raw = json.loads(Path(out).read_text())
-    plain = raw["plain"]
-    fields = {"tp_layer_overhead_us": max(0.0, raw["tp"]["per_layer_s"] - plain["per_layer_s"] / world) * 1e6,
-              "fsdp_layer_overhead_us": max(0.0, raw["fsdp"]["per_layer_s"] - plain["per_layer_s"]) * 1e6,
-              "tp_head_overhead_us": max(0.0, raw["tp"]["ends_s"] - plain["ends_s"] / world) * 1e6,
-              "fsdp_root_overhead_us": max(0.0, raw["fsdp"]["ends_s"] - plain["ends_s"]) * 1e6,
+    plain, mb = raw["plain"], raw["sizes_mb"]
+
+    def extra(name: str, key: str, plain_share: float) -> float:
+        return max(0.0, raw[name][key] - plain[key] * plain_share) * 1e6
+
+    fields = {"tp_layer_overhead_us": extra("tp", "per_layer_s", 1 / world),
+              "tp_head_overhead_us": extra("tp", "ends_s", 1 / world),
+              "fsdp_root_overhead_us": extra("fsdp", "ends_s", 1.0),
               "dtensor_param_overhead_us": max(0.0, raw["fsdp"]["per_param_s"] - plain["per_param_s"]) * 1e6}
+    # FSDP per block: a fixed part and a part that grows with the block's parameters, which
+    # its hooks copy into and out of the gather and reduce-scatter buffers (the line
+    # through the two sizes).
+    small, large = extra("fsdp", "per_layer_s", 1.0), extra("fsdp", "per_layer_large_s", 1.0)
+    per_mb = max(0.0, (large - small) / (mb["large"]["block_params_mb"] - mb["small"]["block_params_mb"]))
+    fields["fsdp_layer_overhead_us"] = max(0.0, small - per_mb * mb["small"]["block_params_mb"])
+    fields["fsdp_layer_overhead_us_per_mb"] = per_mb
     return fields, {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in raw.items()}

@@ -15,7 +15,8 @@ across nodes, the NIC shares (divided by the fabric's oversubscription) of the g
 members on one node, pooled because the library runs one ring per NIC (an 8-GPU node
 of 400 Gb/s NICs moves ~400 GB/s, as nccl-tests' multi-node bus bandwidth shows);
 times the bandwidth efficiency a collective library reaches. The planner takes the fastest
-algorithm for each call, as NCCL's tuner does, and reports which.
+algorithm for each call, as NCCL's tuner does, and reports which. A calibrated profile
+may scale each intra-node op (Network.op_factor: its measured time over the shared fit).
 
 Where a group sits follows the device mesh, outermost first: pp, dp_replicate,
 dp_shard, cp, tp (tp innermost: consecutive ranks, so it stays inside a node when it
@@ -78,8 +79,29 @@ def _link(g: Group, net: Network) -> tuple[float, float]:
     return inter[0], min(intra[1], g.per_node * inter[1])
 
 
+def _calibrated(op: str, g: Group, net: Network, result: tuple[float, str]) -> tuple[float, str]:
+    """An intra-node collective's time times its calibrated factor (Network.op_factor)."""
+    if g.nodes > 1:
+        return result
+    return result[0] * net.op_factor.get(op, 1.0), result[1]
+
+
 def all_reduce(nbytes: float, g: Group, net: Network) -> tuple[float, str]:
     """(seconds, algorithm) of the fastest all-reduce of `nbytes` per rank."""
+    return _calibrated("all_reduce", g, net, _all_reduce(nbytes, g, net))
+
+
+def all_gather(nbytes: float, g: Group, net: Network) -> tuple[float, str]:
+    """(seconds, algorithm) to gather `nbytes` in total (each rank contributes nbytes/n)."""
+    return _calibrated("all_gather", g, net, _all_gather(nbytes, g, net))
+
+
+def reduce_scatter(nbytes: float, g: Group, net: Network) -> tuple[float, str]:
+    """Same volume and steps as all-gather, in reverse: `nbytes` is the full input."""
+    return _calibrated("reduce_scatter", g, net, _all_gather(nbytes, g, net))
+
+
+def _all_reduce(nbytes: float, g: Group, net: Network) -> tuple[float, str]:
     n = g.size
     if n == 1 or nbytes <= 0:
         return 0.0, "none"
@@ -96,8 +118,7 @@ def all_reduce(nbytes: float, g: Group, net: Network) -> tuple[float, str]:
     return options[algo], algo
 
 
-def all_gather(nbytes: float, g: Group, net: Network) -> tuple[float, str]:
-    """(seconds, algorithm) to gather `nbytes` in total (each rank contributes nbytes/n)."""
+def _all_gather(nbytes: float, g: Group, net: Network) -> tuple[float, str]:
     n = g.size
     if n == 1 or nbytes <= 0:
         return 0.0, "none"
@@ -110,11 +131,6 @@ def all_gather(nbytes: float, g: Group, net: Network) -> tuple[float, str]:
                                    + (k - 1) * a_in + (k - 1) / k * nbytes / b_in)
     algo = min(options, key=options.get)
     return options[algo], algo
-
-
-def reduce_scatter(nbytes: float, g: Group, net: Network) -> tuple[float, str]:
-    """Same volume and steps as all-gather, in reverse: `nbytes` is the full input."""
-    return all_gather(nbytes, g, net)
 
 
 def all_to_all(nbytes: float, g: Group, net: Network) -> tuple[float, str]:

@@ -202,18 +202,33 @@ def optimizer_time(params: float, hw: Hardware, layout: Layout, tensors: int = 0
     return params * hw.optimizer_bytes_per_param / bw + host
 
 
-def wrapper_overhead(hw: Hardware, layout: Layout) -> float:
+def _fsdp(layout: Layout) -> bool:
+    return layout.dp_mode in ("fsdp", "zero2", "hsdp")
+
+
+def wrapper_overhead(hw: Hardware, layout: Layout, work: Workload) -> float:
     """Host seconds of the TP (DTensor) and FSDP2 wrappers per block per micro-batch (forward + backward)."""
-    us = (hw.tp_layer_overhead_us if layout.tp > 1 else 0.0) + (
-        hw.fsdp_layer_overhead_us if layout.dp_mode in ("fsdp", "zero2", "hsdp") else 0.0)
+    us = 0.0
+    if layout.tp > 1:
+        us += hw.tp_layer_overhead_us
+    if _fsdp(layout):
+        us += hw.fsdp_layer_overhead_us + hw.fsdp_layer_overhead_us_per_mb * 4e-6 * layer_params(work, layout.tp)
     return us * 1e-6 / share(hw, layout)
 
 
-def ends_overhead(hw: Hardware, layout: Layout, first: bool, last: bool) -> float:
-    """Host seconds of the wrappers around the model's ends per micro-batch, half to each end."""
-    us = (hw.tp_head_overhead_us if layout.tp > 1 else 0.0) + (
-        hw.fsdp_root_overhead_us if layout.dp_mode in ("fsdp", "zero2", "hsdp") else 0.0)
-    return us * 1e-6 * (0.5 * first + 0.5 * last) / share(hw, layout)
+def ends_overhead(hw: Hardware, layout: Layout, first: bool, last: bool, work: Workload) -> float:
+    """Host seconds of the wrappers around the model's ends per micro-batch, half to each end.
+
+    FSDP's size-dependent part counts each end's weight (embedding, output).
+    """
+    ends = 0.5 * first + 0.5 * last
+    us = 0.0
+    if layout.tp > 1:
+        us += hw.tp_head_overhead_us * ends
+    if _fsdp(layout):
+        embed_mb = 4e-6 * work.model.vocab_size * work.model.dim / layout.tp
+        us += hw.fsdp_root_overhead_us * ends + hw.fsdp_layer_overhead_us_per_mb * embed_mb * 2 * ends
+    return us * 1e-6 / share(hw, layout)
 
 
 def recompute_fraction(mode: str, every: int) -> tuple[float, float]:

@@ -151,7 +151,8 @@ def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: RankStages)
     head_f, head_b = cmp.head_times(work, layout, hw, stage.label)
     rec_mm, rec_el = cmp.recompute_fraction(layout.activation_checkpoint, layout.ac_every)
     recompute = rec_mm * (lt.matmul + lt.attention) + rec_el * (lt.elementwise + lt.overhead)
-    wrappers = layers * cmp.wrapper_overhead(hw, layout) + cmp.ends_overhead(hw, layout, stage.first, stage.last)
+    wrappers = (layers * cmp.wrapper_overhead(hw, layout, work)
+                + cmp.ends_overhead(hw, layout, stage.first, stage.last, work))
     parts = {"compute": layers * (lt.forward + lt.backward) + head_f + head_b + wrappers,
              "recompute": layers * recompute,
              "tp_comm": layers * _tp_layer(work, layout, hw, rec_mm) + _tp_head(work, layout, hw, stage),

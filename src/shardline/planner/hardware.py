@@ -54,6 +54,10 @@ class Network:
     # scalar intra_* fields for every size.
     latency_by_world_us: dict[str, float] = field(default_factory=dict)
     bw_by_world_gbs: dict[str, float] = field(default_factory=dict)
+    # Calibrated time of each intra-node collective ("all_reduce", "all_gather",
+    # "reduce_scatter") over the shared alpha-beta fit: gloo's reduce-scatter, for one,
+    # runs well behind the ring model of its volume. Empty: 1 for every op.
+    op_factor: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,9 @@ class Hardware:
     # of the optimizer step on DTensors. 0 on GPUs, where the host runs ahead of the kernels.
     tp_layer_overhead_us: float = 0.0
     fsdp_layer_overhead_us: float = 0.0
+    # ... and FSDP's part that grows with size, per MB of a block's fp32 parameters (copies into
+    # and out of the gather and reduce-scatter buffers); the model's ends pay it for their weights.
+    fsdp_layer_overhead_us_per_mb: float = 0.0
     tp_head_overhead_us: float = 0.0  # the model's ends (embedding, output, loss) under TP
     fsdp_root_overhead_us: float = 0.0  # FSDP2's root module (embedding, norm, output)
     dtensor_param_overhead_us: float = 0.0
@@ -161,15 +168,16 @@ def cpu_hardware() -> Hardware:
         name="cpu", marker="", peak_tflops={"fp32": peak, "bf16": peak, "fp16": peak},
         mem_gib=_host_memory_gib(), mem_bw_gbs=20.0, reserved_gib=0.0, fragmentation=0.15,
         network=Network(gpus_per_node=1024, intra_bw_gbs=2.0, intra_latency_us=60.0, inter_bw_gbs=1.25,
-                        inter_latency_us=60.0, bw_efficiency=1.0, host_bw_gbs=20.0, host_mem_gib=_host_memory_gib()),
+                        inter_latency_us=60.0, bw_efficiency=1.0, host_bw_gbs=20.0, host_mem_gib=_host_memory_gib(),
+                        op_factor={"all_reduce": 0.9, "all_gather": 1.1, "reduce_scatter": 2.0}),
         matmul_eff_max={"fp32": 0.5, "bf16": 0.1, "fp16": 0.05}, matmul_half_dim=64.0,
         attn_eff={"fp32": 0.25, "bf16": 0.05, "fp16": 0.03}, elementwise_eff={"fp32": 1.0, "bf16": 0.8, "fp16": 0.5},
         loss_eff=0.2, op_overhead_us=10.0,
         optimizer_bytes_per_param=120.0, shared_compute=True, cores=cpu_cores(),
         threads=torch.get_num_threads() or 1, process_baseline_gib=0.45,
         # As `shardline calibrate` measured them on a 2-core VM (one thread per rank), rounded.
-        tp_layer_overhead_us=10000.0, fsdp_layer_overhead_us=2000.0, tp_head_overhead_us=5000.0,
-        fsdp_root_overhead_us=2000.0, dtensor_param_overhead_us=400.0)
+        tp_layer_overhead_us=15000.0, fsdp_layer_overhead_us=2000.0, fsdp_layer_overhead_us_per_mb=1500.0,
+        tp_head_overhead_us=5000.0, fsdp_root_overhead_us=2000.0, dtensor_param_overhead_us=60.0)
 
 
 def get_hardware(name: str, profile: str | Path | None = None) -> Hardware:
