@@ -300,7 +300,8 @@ def markdown(res: dict, argv: list[str]) -> str:
                f"thread(s) per process, hardware profile: {res['profile']} (run first"
                f"{'; gloo alpha / B: ' + gloo if gloo else ''}{corun}), {res['steps']} training steps per config, "
                f"medians of steps 3 on; every config run {res.get('repeat', 1)} time(s), in whole passes, the run "
-               f"of median step time shown (*spread of runs*: (slowest - fastest) / median of its runs' step times). "
+               f"of median step time shown (of an even count, the faster middle one; *spread of runs*: "
+               f"(slowest - fastest) / median of its runs' step times). "
                f"Load average {m['load_before'][0]:.1f} before / {m['load_after'][0]:.1f} "
                f"after{shared}; the *load* column is the 1-minute load average as each run started.")
     legend = ("Single-process configs (ranks 1) are overrides of the `tiny` preset (dim 256, 4 layers, 8 heads / 4 "
@@ -330,17 +331,22 @@ NOTES = """
 What the multi-rank model knows (planner/compute.py, estimate.py, comm.py, memory.py): N
 ranks of one thread share the profile's cores (each gets min(1, cores / N) of a core,
 dispatcher overhead included), and busy cores slow each other's GEMMs, memory traffic and
-dispatch by the calibrated co-run efficiencies (calibrate_corun.py); saturated CPU ranks overlap no communication; gloo
-collectives cost the alpha / B calibrated at their group size; the host CPU time of the TP
-(DTensor) and FSDP2 wrappers per block and of the optimizer per DTensor parameter, calibrated
-with the trainer's own wrappers on tiny blocks (calibrate_dist.py); the scalar all-reduces of
-every step (the loss; the gradient norm, one per sharded parameter tensor, as the trainer
-computes it); pipeline stages split as the trainer splits them (the head counts as blocks on
-the last stage); DDP's buckets (a copy of every gradient) and FSDP's gathered root. What it
-does not know: other processes on the machine (they stretch the wall column; CPU-equiv. time
-is less affected, and not at all by idle waiting), the CPU the gloo threads spend beyond the
-calibrated alpha-beta cost, and allocator growth of multi-threaded ranks.
-GPUs are not validated here."""
+dispatch by the calibrated co-run efficiencies (calibrate_corun.py); saturated CPU ranks
+overlap no communication; gloo collectives cost the alpha / B calibrated at their group
+size, times each op's calibrated factor (reduce-scatter runs about twice its ring model);
+the host CPU time of the TP (DTensor) and FSDP2 wrappers per block (FSDP2's also per MB of
+the block's parameters) and of the optimizer per DTensor parameter, calibrated with the
+trainer's own wrappers (calibrate_dist.py); the scalar all-reduces of every step (the loss;
+the gradient norm, one per group of sharded gradients, as the trainer computes it);
+pipeline stages split as the trainer splits them (the head counts as blocks on the last
+stage); DDP's buckets (a copy of every gradient) and FSDP's gathered root.
+What it does not know: TP on CPU ranks. A TP 2 block between two gloo processes costs
+24-26 ms more wall time than half a plain block at 0.01-0.4 MB of activations and 43 ms
+at 1 MB (the tiny shape), of which only 12-20 ms is CPU time; the rest is waiting on its
+many small collectives beyond their alpha-beta cost, so TP layouts are predicted 23-44%
+low (measured with a scratch two-rank timer, not yet a calibration). Also unknown: other
+processes on the machine (they stretch the wall column) and allocator growth of
+multi-threaded ranks. GPUs are not validated here."""
 
 
 def write_results(path: Path, section: str) -> None:
