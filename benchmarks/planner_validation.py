@@ -340,13 +340,13 @@ trainer's own wrappers (calibrate_dist.py); the scalar all-reduces of every step
 the gradient norm, one per group of sharded gradients, as the trainer computes it);
 pipeline stages split as the trainer splits them (the head counts as blocks on the last
 stage); DDP's buckets (a copy of every gradient) and FSDP's gathered root.
-What it does not know: TP on CPU ranks. A TP 2 block between two gloo processes costs
-24-26 ms more wall time than half a plain block at 0.01-0.4 MB of activations and 43 ms
-at 1 MB (the tiny shape), of which only 12-20 ms is CPU time; the rest is waiting on its
-many small collectives beyond their alpha-beta cost, so TP layouts are predicted 23-44%
-low (measured with a scratch two-rank timer, not yet a calibration). Also unknown: other
-processes on the machine (they stretch the wall column) and allocator growth of
-multi-threaded ranks. GPUs are not validated here."""
+What it does not know well: TP on CPU ranks. Its blocks are charged their calibrated
+wall time (tp_layer_wall_us: host work, collectives and waits on the peer; about 24 ms +
+15 ms per MB of activations here), but the vocabulary-parallel ends are calibrated at a
+vocabulary of 128: at 4096 (the tiny preset) a scratch two-rank timer gave the TP ends
+~67 ms more than half the plain ones, against ~5-12 ms charged, so TP layouts are still
+predicted 23-44% low. Also unknown: other processes on the machine (they stretch the wall
+column) and allocator growth of multi-threaded ranks. GPUs are not validated here."""
 
 
 def write_results(path: Path, section: str) -> None:

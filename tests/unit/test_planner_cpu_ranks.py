@@ -133,7 +133,8 @@ def test_parameter_tensors_per_rank_match_the_model():
 
 def test_wrapper_overheads_and_gradient_norm_reductions_are_charged_where_they_run():
     hw = dataclasses.replace(cpu(), tp_layer_overhead_us=1000.0, fsdp_layer_overhead_us=400.0,
-                             dtensor_param_overhead_us=50.0, tp_head_overhead_us=300.0, fsdp_root_overhead_us=70.0)
+                             dtensor_param_overhead_us=50.0, tp_head_overhead_us=300.0, fsdp_root_overhead_us=70.0,
+                             tp_layer_wall_us=0.0, tp_layer_wall_us_per_mb=0.0, fsdp_layer_overhead_us_per_mb=0.0)
     ddp = estimate(WORK, Layout(dp_replicate=2, micro_batch_size=4), hw)
     fsdp = estimate(WORK, Layout(dp_shard=2, micro_batch_size=4), hw)
     tp = estimate(WORK, Layout(tp=2, micro_batch_size=8), hw)
@@ -164,6 +165,22 @@ def test_fsdp_wrapper_overhead_grows_with_the_parameter_bytes_it_copies():
     assert extra == pytest.approx(10e-6 * (4 * block_mb + 2 * embed_mb))  # 4 blocks, embedding and output
     ddp = Layout(dp_replicate=2, micro_batch_size=4)  # no FSDP: nothing charged
     assert estimate(WORK, ddp, hw).breakdown["compute"] == estimate(WORK, ddp, base).breakdown["compute"]
+
+
+def test_a_wall_time_tp_calibration_replaces_the_tp_wrapper_and_collective_costs_on_cpu():
+    tp = Layout(tp=2, micro_batch_size=8)
+    act_mb = 4e-6 * 8 * 128 * TINY.dim  # a micro-batch's activations
+    none = dataclasses.replace(cpu(), tp_layer_wall_us=0.0, tp_layer_wall_us_per_mb=0.0)
+    wall = dataclasses.replace(none, tp_layer_wall_us=30000.0, tp_layer_wall_us_per_mb=10000.0)
+    before, after = estimate(WORK, tp, none).breakdown, estimate(WORK, tp, wall).breakdown
+    tp_head = after["tp_comm"] - 4 * (30000 + 10000 * act_mb) * 1e-6
+    assert before["tp_comm"] > tp_head > 0  # the blocks' collectives gave way, the ends' stay
+    assert before["compute"] - after["compute"] == pytest.approx(4 * none.tp_layer_overhead_us * 1e-6)
+    four = estimate(WORK, Layout(tp=2, dp_shard=2, micro_batch_size=4), wall).breakdown  # 4 ranks, 2 cores
+    assert four["tp_comm"] > 4 * 2 * (30000 + 10000 * act_mb / 2) * 1e-6  # a half share of the cores
+    gpu = estimate(WORK, tp, dataclasses.replace(wall, shared_compute=False)).breakdown
+    assert gpu["tp_comm"] == pytest.approx(estimate(WORK, tp, dataclasses.replace(none, shared_compute=False))
+                                           .breakdown["tp_comm"])  # accelerators: the alpha-beta model
 
 
 def test_ddp_buckets_hold_a_copy_of_every_gradient():

@@ -8,8 +8,11 @@ with 512 tokens), timed with each rank's thread CPU clock (waiting on a peer cos
 none, so the collectives, costed separately by comm.py, drop out):
 
 * tp_layer_overhead_us:   extra CPU time of one TP+SP block's forward + backward over the
-                          plain block's (slope over 1 and 3 blocks: the ends drop out;
-                          the small size: at the large one its growth was within the noise)
+                          plain block's (slope over 1 and 3 blocks: the ends drop out)
+* tp_layer_wall_us:       the same in wall time, so with TP's collectives and the waits on
+                          the peer, which on CPU ranks run far beyond their alpha-beta
+                          cost; with tp_layer_wall_us_per_mb per MB of the block's fp32
+                          activations (dim 64 x 32 tokens and dim 128 x 8 x 256 tokens)
 * fsdp_layer_overhead_us: the same for one FSDP2-wrapped block (zero 3: gathered twice),
                           with fsdp_layer_overhead_us_per_mb per MB of its fp32 parameters
 * tp_head_overhead_us, fsdp_root_overhead_us: the same for the rest of the model (the
@@ -37,20 +40,22 @@ import torch.multiprocessing as mp
 
 from shardline.errors import ShardlineError
 
-SIZES = {"small": (64, 32), "large": (192, 512)}  # block width and tokens of the two measurements
-REPS, ROUNDS = 5, 7  # each figure: the median over ROUNDS of the fastest of REPS calls
+# The blocks measured: FSDP at small and large, TP's wall time at small and wide (1 MB of
+# activations, the size training runs at, in short sequences to keep attention cheap).
+SIZES = {"small": (64, 1, 32), "large": (192, 1, 512), "wide": (128, 8, 256)}  # dim, sequences, length
+REPS, ROUNDS = 3, 7  # each figure: the median over ROUNDS of the fastest of REPS calls
 
 
-def _fastest(fn) -> float:
+def _fastest(fn, clock=time.thread_time, reps: int = REPS) -> float:
     times = []
-    for _ in range(REPS):
-        t0 = time.thread_time()
+    for _ in range(reps):
+        t0 = clock()
         fn()
-        times.append(time.thread_time() - t0)
+        times.append(clock() - t0)
     return min(times)
 
 
-def _in_rounds(timers: dict) -> dict:
+def _in_rounds(timers: dict, n_rounds: int = ROUNDS) -> dict:
     """Median over interleaved rounds of each timer's fastest call.
 
     The figures are differences of nearby timings (wrapped minus plain, 3 blocks minus 1),
@@ -60,9 +65,10 @@ def _in_rounds(timers: dict) -> dict:
     for fn in timers.values():
         fn()  # warm-up
     rounds = {name: [] for name in timers}
-    for _ in range(ROUNDS):
+    for _ in range(n_rounds):
         for name, fn in timers.items():
-            rounds[name].append(_fastest(fn))
+            # "-wall" timers: wall time, waiting on the peer included (TP's many small collectives)
+            rounds[name].append(_fastest(fn, time.perf_counter if name.endswith("-wall") else time.thread_time))
     return {name: statistics.median(times) for name, times in rounds.items()}
 
 
@@ -115,7 +121,7 @@ def _dims(world: int, **degrees):
     return dims
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -127,11 +133,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         plain_dims, tp_dims, fsdp_dims = _dims(1), _dims(world, tp=world, dp_shard=1), _dims(world, dp_shard=world)
         # Every rank runs the same timers in the same order: FSDP and TP collectives match up.
         timers, n_params, nbytes = {}, {}, {}
-        for size, (dim, tokens) in SIZES.items():
-            ids = torch.randint(0, 128, (1, tokens))
+        for size, (dim, batch, length) in SIZES.items():
+            ids, tokens = torch.randint(0, 128, (batch, length)), batch * length
             for name, wrap, dims in (("plain", None, plain_dims), ("tp", "tp", tp_dims), ("fsdp", "fsdp", fsdp_dims)):
-                if name == "tp" and size == "large":
-                    continue  # TP's cost barely grows with these sizes: within the noise of the difference
+                if (name, size) in (("tp", "large"), ("fsdp", "wide")):
+                    continue
                 for layers in (1, 3):
                     model, _ = _model(layers, dim)
                     nbytes[size] = {"block_params_mb": 4e-6 * sum(p.numel() for p in model.layers["0"].parameters()),
@@ -140,34 +146,37 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                         apply_tp(model, tp_dims.submesh("tp"), sequence_parallel=True, loss_parallel=True)
                     elif wrap == "fsdp":
                         apply_fsdp(model, [model], fsdp_dims, "fp32", cpu_offload=False)
-                    timers[f"{name}{layers}-{size}"] = _step_fn(model, ids)
+                    if size != "wide":
+                        timers[f"{name}{layers}-{size}"] = _step_fn(model, ids)
+                    if name != "fsdp" and size != "large":
+                        timers[f"{name}{layers}-{size}-wall"] = _step_fn(model, ids)
                     if layers == 3 and size == "small":
                         timers[f"{name}_opt"] = _optimizer_fn(model, dims)
                         n_params[name] = len(list(model.parameters()))
-        t = _in_rounds(timers)
+        t = _in_rounds(timers, rounds)
         res: dict = {"sizes_mb": nbytes}
         for name in n_params:
             res[name] = {"per_param_s": t[f"{name}_opt"] / n_params[name]}
-            for size in SIZES:
-                if f"{name}1-{size}" not in t:
+            for key, suffix in (("small", ""), ("large", "_large"), ("small-wall", "_wall"),
+                                ("wide-wall", "_wide_wall")):
+                if f"{name}1-{key}" not in t:
                     continue
-                slope = (t[f"{name}3-{size}"] - t[f"{name}1-{size}"]) / 2
-                suffix = "" if size == "small" else "_large"
-                res[name].update({f"per_layer{suffix}_s": slope, f"ends{suffix}_s": t[f"{name}1-{size}"] - slope})
+                slope = (t[f"{name}3-{key}"] - t[f"{name}1-{key}"]) / 2
+                res[name].update({f"per_layer{suffix}_s": slope, f"ends{suffix}_s": t[f"{name}1-{key}"] - slope})
         if rank == 0:
             Path(out).write_text(json.dumps(res))
     finally:
         dist.destroy_process_group()
 
 
-def measure_wrappers(world: int = 2) -> tuple[dict, dict]:
-    """(profile fields in microseconds, raw per-layer and per-parameter seconds)."""
+def measure_wrappers(world: int = 2, rounds: int = ROUNDS) -> tuple[dict, dict]:
+    """(profile fields in microseconds, raw per-layer and per-parameter seconds); ~35 s on 2 cores."""
     from shardline.planner.calibrate_comm import _free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "wrappers.json")
         try:
-            mp.spawn(_worker, args=(world, _free_port(), out), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, _free_port(), out, rounds), nprocs=world, join=True)
         except (mp.ProcessRaisedException, mp.ProcessExitedException, RuntimeError, OSError) as e:
             raise ShardlineError(f"calibrate: measuring the TP/FSDP wrappers with {world} processes "
                                  f"failed: {e}") from None
@@ -188,4 +197,10 @@ def measure_wrappers(world: int = 2) -> tuple[dict, dict]:
     per_mb = max(0.0, (large - small) / (mb["large"]["block_params_mb"] - mb["small"]["block_params_mb"]))
     fields["fsdp_layer_overhead_us"] = max(0.0, small - per_mb * mb["small"]["block_params_mb"])
     fields["fsdp_layer_overhead_us_per_mb"] = per_mb
+    # TP per block in wall time, its collectives and the waits on the peer included: the
+    # line through the small and the wide size, per MB of the block's fp32 activations.
+    small, wide = extra("tp", "per_layer_wall_s", 1 / world), extra("tp", "per_layer_wide_wall_s", 1 / world)
+    per_mb = max(0.0, (wide - small) / (mb["wide"]["activations_mb"] - mb["small"]["activations_mb"]))
+    fields["tp_layer_wall_us"] = max(0.0, small - per_mb * mb["small"]["activations_mb"])
+    fields["tp_layer_wall_us_per_mb"] = per_mb
     return fields, {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in raw.items()}

@@ -206,10 +206,22 @@ def _fsdp(layout: Layout) -> bool:
     return layout.dp_mode in ("fsdp", "zero2", "hsdp")
 
 
+def tp_block_wall(hw: Hardware, layout: Layout, work: Workload) -> float | None:
+    """CPU ranks with a wall-time TP calibration: one TP block's extra seconds per micro-batch
+    (host work, collectives and waits together; forward + backward), else None."""
+    if layout.tp == 1 or not hw.shared_compute or hw.tp_layer_wall_us <= 0:
+        return None
+    activations_mb = 4e-6 * layout.micro_batch_size * work.seq_len / layout.cp * work.model.dim
+    return (hw.tp_layer_wall_us + hw.tp_layer_wall_us_per_mb * activations_mb) * 1e-6 / share(hw, layout)
+
+
 def wrapper_overhead(hw: Hardware, layout: Layout, work: Workload) -> float:
-    """Host seconds of the TP (DTensor) and FSDP2 wrappers per block per micro-batch (forward + backward)."""
+    """Host seconds of the TP (DTensor) and FSDP2 wrappers per block per micro-batch (forward + backward).
+
+    TP's part is left to tp_block_wall where that is calibrated.
+    """
     us = 0.0
-    if layout.tp > 1:
+    if layout.tp > 1 and tp_block_wall(hw, layout, work) is None:
         us += hw.tp_layer_overhead_us
     if _fsdp(layout):
         us += hw.fsdp_layer_overhead_us + hw.fsdp_layer_overhead_us_per_mb * 4e-6 * layer_params(work, layout.tp)

@@ -155,7 +155,7 @@ def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: RankStages)
                 + cmp.ends_overhead(hw, layout, stage.first, stage.last, work))
     parts = {"compute": layers * (lt.forward + lt.backward) + head_f + head_b + wrappers,
              "recompute": layers * recompute,
-             "tp_comm": layers * _tp_layer(work, layout, hw, rec_mm) + _tp_head(work, layout, hw, stage),
+             "tp_comm": layers * _tp_block(work, layout, hw, rec_mm) + _tp_head(work, layout, hw, stage),
              "cp_comm": layers * _cp_layer(work, layout, hw, lt),
              "ep_comm": layers * _ep_layer(work, layout, hw, lt),
              "fsdp_comm": _fsdp_exposed(work, layout, hw, lt, stage),
@@ -186,6 +186,16 @@ def _tp_layer(work: Workload, layout: Layout, hw: Hardware, rec_mm: float) -> fl
     else:
         fwd, bwd = comm.all_reduce(c * elems, g, net)[0], comm.all_reduce(4 * elems, g, net)[0]
     return 2 * (fwd + bwd) + 2 * rec_mm * fwd  # attention and MLP; a recomputed forward repeats its part
+
+
+def _tp_block(work: Workload, layout: Layout, hw: Hardware, rec_mm: float) -> float:
+    """TP communication of one block per micro-batch: the alpha-beta cost of its collectives,
+    or on CPU ranks with a wall-time calibration the block's whole measured extra (the
+    forward, about a third of it, once more per recomputed forward)."""
+    wall = cmp.tp_block_wall(hw, layout, work)
+    if wall is None:
+        return _tp_layer(work, layout, hw, rec_mm)
+    return wall * (1 + rec_mm / 3)
 
 
 def _tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages) -> float:

@@ -97,6 +97,11 @@ class Hardware:
     # ... and FSDP's part that grows with size, per MB of a block's fp32 parameters (copies into
     # and out of the gather and reduce-scatter buffers); the model's ends pay it for their weights.
     fsdp_layer_overhead_us_per_mb: float = 0.0
+    # CPU ranks: a TP block's whole extra wall time (host work, collectives, waits on the peer)
+    # per micro-batch, fixed + per MB of its fp32 activations; when set it replaces
+    # tp_layer_overhead_us and the alpha-beta cost of the block's TP collectives. 0: not calibrated.
+    tp_layer_wall_us: float = 0.0
+    tp_layer_wall_us_per_mb: float = 0.0
     tp_head_overhead_us: float = 0.0  # the model's ends (embedding, output, loss) under TP
     fsdp_root_overhead_us: float = 0.0  # FSDP2's root module (embedding, norm, output)
     dtensor_param_overhead_us: float = 0.0
@@ -177,7 +182,8 @@ def cpu_hardware() -> Hardware:
         threads=torch.get_num_threads() or 1, process_baseline_gib=0.45,
         # As `shardline calibrate` measured them on a 2-core VM (one thread per rank), rounded.
         tp_layer_overhead_us=15000.0, fsdp_layer_overhead_us=2000.0, fsdp_layer_overhead_us_per_mb=1500.0,
-        tp_head_overhead_us=5000.0, fsdp_root_overhead_us=2000.0, dtensor_param_overhead_us=60.0)
+        tp_head_overhead_us=5000.0, fsdp_root_overhead_us=2000.0, dtensor_param_overhead_us=60.0,
+        tp_layer_wall_us=25000.0, tp_layer_wall_us_per_mb=15000.0)
 
 
 def get_hardware(name: str, profile: str | Path | None = None) -> Hardware:
