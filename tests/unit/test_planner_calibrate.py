@@ -97,6 +97,8 @@ def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
         "per_layer_s"]  # a wider block with more tokens costs more
     # In wall time a TP block also waits on its collectives: more than its CPU time alone.
     assert fields["tp_layer_wall_us"] > fields["tp_layer_overhead_us"] and fields["tp_layer_wall_us_per_mb"] >= 0
+    assert raw["tp"]["ends_vocab_wall_s"] > raw["tp"]["ends_wide_wall_s"]  # a 32x vocabulary costs the ends more
+    assert fields["tp_head_wall_us_per_mb"] >= 0
 
 
 def test_co_run_efficiency_with_a_busy_neighbour():

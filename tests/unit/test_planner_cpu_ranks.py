@@ -171,11 +171,14 @@ def test_a_wall_time_tp_calibration_replaces_the_tp_wrapper_and_collective_costs
     tp = Layout(tp=2, micro_batch_size=8)
     act_mb = 4e-6 * 8 * 128 * TINY.dim  # a micro-batch's activations
     none = dataclasses.replace(cpu(), tp_layer_wall_us=0.0, tp_layer_wall_us_per_mb=0.0)
-    wall = dataclasses.replace(none, tp_layer_wall_us=30000.0, tp_layer_wall_us_per_mb=10000.0)
+    wall = dataclasses.replace(none, tp_layer_wall_us=30000.0, tp_layer_wall_us_per_mb=10000.0,
+                               tp_head_wall_us=5000.0, tp_head_wall_us_per_mb=2000.0)
     before, after = estimate(WORK, tp, none).breakdown, estimate(WORK, tp, wall).breakdown
-    tp_head = after["tp_comm"] - 4 * (30000 + 10000 * act_mb) * 1e-6
-    assert before["tp_comm"] > tp_head > 0  # the blocks' collectives gave way, the ends' stay
-    assert before["compute"] - after["compute"] == pytest.approx(4 * none.tp_layer_overhead_us * 1e-6)
+    logits_mb = 4e-6 * 8 * 128 * TINY.vocab_size / 2  # one rank's share of a micro-batch's logits
+    assert after["tp_comm"] == pytest.approx(4 * (30000 + 10000 * act_mb) * 1e-6 + (5000 + 2000 * logits_mb) * 1e-6)
+    # The wall times hold the wrappers' host time: the blocks' and the ends' thread-time costs go.
+    assert before["compute"] - after["compute"] == pytest.approx(
+        (4 * none.tp_layer_overhead_us + none.tp_head_overhead_us) * 1e-6)
     four = estimate(WORK, Layout(tp=2, dp_shard=2, micro_batch_size=4), wall).breakdown  # 4 ranks, 2 cores
     assert four["tp_comm"] > 4 * 2 * (30000 + 10000 * act_mb / 2) * 1e-6  # a half share of the cores
     gpu = estimate(WORK, tp, dataclasses.replace(wall, shared_compute=False)).breakdown

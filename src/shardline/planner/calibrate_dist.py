@@ -13,6 +13,9 @@ none, so the collectives, costed separately by comm.py, drop out):
                           the peer, which on CPU ranks run far beyond their alpha-beta
                           cost; with tp_layer_wall_us_per_mb per MB of the block's fp32
                           activations (dim 64 x 32 tokens and dim 128 x 8 x 256 tokens)
+* tp_head_wall_us:        the same for TP's ends (vocabulary-parallel embedding, output and
+                          loss), with tp_head_wall_us_per_mb per MB of a rank's fp32 logits
+                          (vocabularies 128 and 4096 at the wide size)
 * fsdp_layer_overhead_us: the same for one FSDP2-wrapped block (zero 3: gathered twice),
                           with fsdp_layer_overhead_us_per_mb per MB of its fp32 parameters
 * tp_head_overhead_us, fsdp_root_overhead_us: the same for the rest of the model (the
@@ -43,6 +46,7 @@ from shardline.errors import ShardlineError
 # The blocks measured: FSDP at small and large, TP's wall time at small and wide (1 MB of
 # activations, the size training runs at, in short sequences to keep attention cheap).
 SIZES = {"small": (64, 1, 32), "large": (192, 1, 512), "wide": (128, 8, 256)}  # dim, sequences, length
+BIG_VOCAB = 4096  # TP's ends are timed at vocabularies of 128 and this
 REPS, ROUNDS = 3, 7  # each figure: the median over ROUNDS of the fastest of REPS calls
 
 
@@ -72,11 +76,11 @@ def _in_rounds(timers: dict, n_rounds: int = ROUNDS) -> dict:
     return {name: statistics.median(times) for name, times in rounds.items()}
 
 
-def _model(layers: int, dim: int):
+def _model(layers: int, dim: int, vocab: int = 128):
     from shardline.models.llama import Llama, ModelArgs
 
     torch.manual_seed(0)
-    args = ModelArgs(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=2 * dim, vocab_size=128)
+    args = ModelArgs(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=2 * dim, vocab_size=vocab)
     return Llama(args), args
 
 
@@ -153,6 +157,15 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
                     if layers == 3 and size == "small":
                         timers[f"{name}_opt"] = _optimizer_fn(model, dims)
                         n_params[name] = len(list(model.parameters()))
+        # TP's ends at a training-sized vocabulary: one block at the wide size, whose ends are
+        # its time less the wide block's slope (the blocks do not depend on the vocabulary).
+        dim, batch, length = SIZES["wide"]
+        for name in ("plain", "tp"):
+            model, _ = _model(1, dim, BIG_VOCAB)
+            if name == "tp":
+                apply_tp(model, tp_dims.submesh("tp"), sequence_parallel=True, loss_parallel=True)
+            timers[f"{name}1-vocab-wall"] = _step_fn(model, torch.randint(0, 128, (batch, length)))
+        nbytes["logits_mb"] = {str(v): 4e-6 * batch * length * v for v in (128, BIG_VOCAB)}
         t = _in_rounds(timers, rounds)
         res: dict = {"sizes_mb": nbytes}
         for name in n_params:
@@ -163,6 +176,8 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
                     continue
                 slope = (t[f"{name}3-{key}"] - t[f"{name}1-{key}"]) / 2
                 res[name].update({f"per_layer{suffix}_s": slope, f"ends{suffix}_s": t[f"{name}1-{key}"] - slope})
+            if f"{name}1-vocab-wall" in t:
+                res[name]["ends_vocab_wall_s"] = t[f"{name}1-vocab-wall"] - res[name]["per_layer_wide_wall_s"]
         if rank == 0:
             Path(out).write_text(json.dumps(res))
     finally:
@@ -203,4 +218,11 @@ def measure_wrappers(world: int = 2, rounds: int = ROUNDS) -> tuple[dict, dict]:
     per_mb = max(0.0, (wide - small) / (mb["wide"]["activations_mb"] - mb["small"]["activations_mb"]))
     fields["tp_layer_wall_us"] = max(0.0, small - per_mb * mb["small"]["activations_mb"])
     fields["tp_layer_wall_us_per_mb"] = per_mb
+    # TP's ends (vocabulary-parallel embedding, output, loss) in wall time, per MB of a rank's
+    # fp32 logits: the line through the two vocabularies at the wide size.
+    logits = {k: v / world for k, v in mb["logits_mb"].items()}
+    few, many = extra("tp", "ends_wide_wall_s", 1 / world), extra("tp", "ends_vocab_wall_s", 1 / world)
+    per_mb = max(0.0, (many - few) / (logits[str(BIG_VOCAB)] - logits["128"]))
+    fields["tp_head_wall_us"] = max(0.0, few - per_mb * logits["128"])
+    fields["tp_head_wall_us_per_mb"] = per_mb
     return fields, {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in raw.items()}

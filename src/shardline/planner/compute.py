@@ -215,6 +215,16 @@ def tp_block_wall(hw: Hardware, layout: Layout, work: Workload) -> float | None:
     return (hw.tp_layer_wall_us + hw.tp_layer_wall_us_per_mb * activations_mb) * 1e-6 / share(hw, layout)
 
 
+def tp_ends_wall(hw: Hardware, layout: Layout, work: Workload, first: bool, last: bool) -> float | None:
+    """CPU ranks with a wall-time TP calibration: seconds of TP's ends per micro-batch (the fixed
+    part half to each end, the logits' part to the last stage), else None."""
+    if tp_block_wall(hw, layout, work) is None:
+        return None
+    logits_mb = 4e-6 * layout.micro_batch_size * work.seq_len / layout.cp * work.model.vocab_size / layout.tp
+    us = hw.tp_head_wall_us * (0.5 * first + 0.5 * last) + hw.tp_head_wall_us_per_mb * logits_mb * last
+    return us * 1e-6 / share(hw, layout)
+
+
 def wrapper_overhead(hw: Hardware, layout: Layout, work: Workload) -> float:
     """Host seconds of the TP (DTensor) and FSDP2 wrappers per block per micro-batch (forward + backward).
 
@@ -235,7 +245,7 @@ def ends_overhead(hw: Hardware, layout: Layout, first: bool, last: bool, work: W
     """
     ends = 0.5 * first + 0.5 * last
     us = 0.0
-    if layout.tp > 1:
+    if layout.tp > 1 and tp_block_wall(hw, layout, work) is None:  # else in the ends' wall time
         us += hw.tp_head_overhead_us * ends
     if _fsdp(layout):
         embed_mb = 4e-6 * work.model.vocab_size * work.model.dim / layout.tp

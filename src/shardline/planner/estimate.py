@@ -202,6 +202,9 @@ def _tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages) ->
     """Vocabulary-parallel embedding (fp32 out) and output projection, each way; loss-parallel sums."""
     if layout.tp == 1:
         return 0.0
+    wall = cmp.tp_ends_wall(hw, layout, work, stage.first, stage.last)
+    if wall is not None:  # CPU ranks: the ends' calibrated wall time, collectives included
+        return wall
     g, net = comm.group(layout.tp, 1, hw.network.gpus_per_node), hw.network
     tokens = _tokens(work, layout)
     one = comm.all_reduce(4 * tokens * work.model.dim, g, net)[0]

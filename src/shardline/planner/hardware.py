@@ -102,6 +102,10 @@ class Hardware:
     # tp_layer_overhead_us and the alpha-beta cost of the block's TP collectives. 0: not calibrated.
     tp_layer_wall_us: float = 0.0
     tp_layer_wall_us_per_mb: float = 0.0
+    # ... and of TP's ends (embedding, output, loss-parallel cross-entropy), fixed + per MB of a
+    # rank's fp32 logits; they replace tp_head_overhead_us and the ends' alpha-beta costs.
+    tp_head_wall_us: float = 0.0
+    tp_head_wall_us_per_mb: float = 0.0
     tp_head_overhead_us: float = 0.0  # the model's ends (embedding, output, loss) under TP
     fsdp_root_overhead_us: float = 0.0  # FSDP2's root module (embedding, norm, output)
     dtensor_param_overhead_us: float = 0.0
@@ -183,7 +187,8 @@ def cpu_hardware() -> Hardware:
         # As `shardline calibrate` measured them on a 2-core VM (one thread per rank), rounded.
         tp_layer_overhead_us=15000.0, fsdp_layer_overhead_us=2000.0, fsdp_layer_overhead_us_per_mb=1500.0,
         tp_head_overhead_us=5000.0, fsdp_root_overhead_us=2000.0, dtensor_param_overhead_us=60.0,
-        tp_layer_wall_us=25000.0, tp_layer_wall_us_per_mb=15000.0)
+        tp_layer_wall_us=25000.0, tp_layer_wall_us_per_mb=15000.0, tp_head_wall_us=10000.0,
+        tp_head_wall_us_per_mb=10000.0)
 
 
 def get_hardware(name: str, profile: str | Path | None = None) -> Hardware:
