@@ -340,13 +340,13 @@ trainer's own wrappers (calibrate_dist.py); the scalar all-reduces of every step
 the gradient norm, one per group of sharded gradients, as the trainer computes it);
 pipeline stages split as the trainer splits them (the head counts as blocks on the last
 stage); DDP's buckets (a copy of every gradient) and FSDP's gathered root.
-What it does not know well: TP on CPU ranks. Its blocks are charged their calibrated
-wall time (tp_layer_wall_us: host work, collectives and waits on the peer; about 24 ms +
-15 ms per MB of activations here), but the vocabulary-parallel ends are calibrated at a
-vocabulary of 128: at 4096 (the tiny preset) a scratch two-rank timer gave the TP ends
-~67 ms more than half the plain ones, against ~5-12 ms charged, so TP layouts are still
-predicted 23-44% low. Also unknown: other processes on the machine (they stretch the wall
-column) and allocator growth of multi-threaded ranks. GPUs are not validated here."""
+On CPU ranks a TP block and TP's ends are charged their calibrated wall time (host work,
+collectives and the waits on the peer together: tp_layer_wall_us per block plus a part per
+MB of activations, tp_head_wall_us plus a part per MB of a rank's logits), since their many
+small gloo collectives wait far beyond their alpha-beta cost.
+What it does not know: other processes on the machine (they stretch the wall column),
+allocator growth of multi-threaded ranks, and how the co-run and wrapper costs change at
+other core counts (calibrated with 2 processes on this 2-core machine). GPUs are not validated here."""
 
 
 def write_results(path: Path, section: str) -> None:
