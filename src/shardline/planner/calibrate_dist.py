@@ -3,21 +3,21 @@
 On a GPU these run on the host while kernels run on the device; on a CPU they take the
 same cores as the compute, and with small blocks they rival it. Measured between two
 gloo processes with the trainer's own wrappers (parallel/tensor_parallel.apply_tp,
-parallel/data_parallel.apply_fsdp) on small blocks (dim 64 with 32 tokens, and dim 192
-with 512 tokens), timed with each rank's thread CPU clock (waiting on a peer costs
-none, so the collectives, costed separately by comm.py, drop out):
+parallel/data_parallel.apply_fsdp) on small blocks (SIZES), mostly timed with each
+rank's thread CPU clock (waiting on a peer costs none, so the collectives, costed
+separately by comm.py, drop out); the size-dependent parts are lines through two sizes:
 
-* tp_layer_overhead_us:   extra CPU time of one TP+SP block's forward + backward over the
-                          plain block's (slope over 1 and 3 blocks: the ends drop out)
-* tp_layer_wall_us:       the same in wall time, so with TP's collectives and the waits on
+* tp_layer_overhead_us:   extra CPU time of one TP+SP block's forward + backward over
+                          half the plain block's (slope over 1 and 3 blocks: the ends drop out)
+* fsdp_layer_overhead_us: the same for one FSDP2-wrapped block (zero 3: gathered twice),
+                          with fsdp_layer_overhead_us_per_mb per MB of its fp32 parameters
+* tp_layer_wall_us:       TP's block in wall time, so with its collectives and the waits on
                           the peer, which on CPU ranks run far beyond their alpha-beta
                           cost; with tp_layer_wall_us_per_mb per MB of the block's fp32
                           activations (dim 64 x 32 tokens and dim 128 x 8 x 256 tokens)
 * tp_head_wall_us:        the same for TP's ends (vocabulary-parallel embedding, output and
                           loss), with tp_head_wall_us_per_mb per MB of a rank's fp32 logits
                           (vocabularies 128 and 4096 at the wide size)
-* fsdp_layer_overhead_us: the same for one FSDP2-wrapped block (zero 3: gathered twice),
-                          with fsdp_layer_overhead_us_per_mb per MB of its fp32 parameters
 * tp_head_overhead_us, fsdp_root_overhead_us: the same for the rest of the model (the
                           intercept: vocabulary-parallel embedding, output and loss under TP;
                           the root module's hooks under FSDP)
@@ -184,8 +184,14 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
         dist.destroy_process_group()
 
 
+def _line(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """(intercept, slope) of the line through two (size, cost) points, both kept >= 0."""
+    slope = max(0.0, (large[1] - small[1]) / (large[0] - small[0]))
+    return max(0.0, small[1] - slope * small[0]), slope
+
+
 def measure_wrappers(world: int = 2, rounds: int = ROUNDS) -> tuple[dict, dict]:
-    """(profile fields in microseconds, raw per-layer and per-parameter seconds); ~35 s on 2 cores."""
+    """(profile fields in microseconds, raw per-layer and per-parameter seconds); ~50 s on 2 cores."""
     from shardline.planner.calibrate_comm import _free_port
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -206,23 +212,18 @@ def measure_wrappers(world: int = 2, rounds: int = ROUNDS) -> tuple[dict, dict]:
               "fsdp_root_overhead_us": extra("fsdp", "ends_s", 1.0),
               "dtensor_param_overhead_us": max(0.0, raw["fsdp"]["per_param_s"] - plain["per_param_s"]) * 1e6}
     # FSDP per block: a fixed part and a part that grows with the block's parameters, which
-    # its hooks copy into and out of the gather and reduce-scatter buffers (the line
-    # through the two sizes).
-    small, large = extra("fsdp", "per_layer_s", 1.0), extra("fsdp", "per_layer_large_s", 1.0)
-    per_mb = max(0.0, (large - small) / (mb["large"]["block_params_mb"] - mb["small"]["block_params_mb"]))
-    fields["fsdp_layer_overhead_us"] = max(0.0, small - per_mb * mb["small"]["block_params_mb"])
-    fields["fsdp_layer_overhead_us_per_mb"] = per_mb
-    # TP per block in wall time, its collectives and the waits on the peer included: the
-    # line through the small and the wide size, per MB of the block's fp32 activations.
-    small, wide = extra("tp", "per_layer_wall_s", 1 / world), extra("tp", "per_layer_wide_wall_s", 1 / world)
-    per_mb = max(0.0, (wide - small) / (mb["wide"]["activations_mb"] - mb["small"]["activations_mb"]))
-    fields["tp_layer_wall_us"] = max(0.0, small - per_mb * mb["small"]["activations_mb"])
-    fields["tp_layer_wall_us_per_mb"] = per_mb
+    # its hooks copy into and out of the gather and reduce-scatter buffers.
+    fields["fsdp_layer_overhead_us"], fields["fsdp_layer_overhead_us_per_mb"] = _line(
+        (mb["small"]["block_params_mb"], extra("fsdp", "per_layer_s", 1.0)),
+        (mb["large"]["block_params_mb"], extra("fsdp", "per_layer_large_s", 1.0)))
+    # TP per block in wall time (its collectives and the waits on the peer included), per MB
+    # of the block's fp32 activations.
+    fields["tp_layer_wall_us"], fields["tp_layer_wall_us_per_mb"] = _line(
+        (mb["small"]["activations_mb"], extra("tp", "per_layer_wall_s", 1 / world)),
+        (mb["wide"]["activations_mb"], extra("tp", "per_layer_wide_wall_s", 1 / world)))
     # TP's ends (vocabulary-parallel embedding, output, loss) in wall time, per MB of a rank's
-    # fp32 logits: the line through the two vocabularies at the wide size.
-    logits = {k: v / world for k, v in mb["logits_mb"].items()}
-    few, many = extra("tp", "ends_wide_wall_s", 1 / world), extra("tp", "ends_vocab_wall_s", 1 / world)
-    per_mb = max(0.0, (many - few) / (logits[str(BIG_VOCAB)] - logits["128"]))
-    fields["tp_head_wall_us"] = max(0.0, few - per_mb * logits["128"])
-    fields["tp_head_wall_us_per_mb"] = per_mb
+    # fp32 logits.
+    fields["tp_head_wall_us"], fields["tp_head_wall_us_per_mb"] = _line(
+        (mb["logits_mb"]["128"] / world, extra("tp", "ends_wide_wall_s", 1 / world)),
+        (mb["logits_mb"][str(BIG_VOCAB)] / world, extra("tp", "ends_vocab_wall_s", 1 / world)))
     return fields, {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in raw.items()}
