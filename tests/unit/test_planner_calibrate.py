@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 
 import pytest
 import torch
@@ -107,3 +108,4 @@ def test_co_run_efficiency_with_a_busy_neighbour():
     assert measure_corun(1) == dict.fromkeys(KINDS, 1.0)  # one core: nothing shared
     ratios = measure_corun(2, rounds=1)
     assert set(ratios) == set(KINDS) and all(0 < r <= 1 for r in ratios.values())
+    assert not multiprocessing.active_children()  # the neighbour processes are gone again

@@ -92,19 +92,21 @@ def _run(world: int) -> list[dict]:
         return json.loads(Path(out).read_text())
 
 
+def _ring_terms(p: dict) -> tuple[float, float]:
+    """(latency steps, bytes moved per rank) of one measured point in the ring model."""
+    n, k = p["world"], 2 if p["op"] == "all_reduce" else 1
+    return k * (n - 1), k * (n - 1) / n * p["bytes"]
+
+
 def _model_seconds(p: dict, alpha: float, bw: float) -> float:
     """The ring model's time of one measured point under (alpha s, B bytes/s)."""
-    n, k = p["world"], 2 if p["op"] == "all_reduce" else 1
-    return k * (n - 1) * alpha + k * (n - 1) / n * p["bytes"] / bw
+    steps, volume = _ring_terms(p)
+    return steps * alpha + volume / bw
 
 
 def fit_alpha_beta(points: list[dict]) -> tuple[float, float]:
     """Least squares of t = steps·alpha + volume/B over the points: (alpha s, B bytes/s)."""
-    rows = []
-    for p in points:
-        n, size = p["world"], p["bytes"]
-        k = 2 if p["op"] == "all_reduce" else 1
-        rows.append((k * (n - 1), k * (n - 1) / n * size, p["seconds"]))
+    rows = [(*_ring_terms(p), p["seconds"]) for p in points]
     # Normal equations of the 2-parameter model, weighted by 1/t so small messages count.
     saa = sum(a * a / t ** 2 for a, _, t in rows)
     sab = sum(a * b / t ** 2 for a, b, t in rows)

@@ -206,10 +206,15 @@ def _fsdp(layout: Layout) -> bool:
     return layout.dp_mode in ("fsdp", "zero2", "hsdp")
 
 
+def tp_wall_calibrated(hw: Hardware, layout: Layout) -> bool:
+    """TP on CPU ranks whose profile times TP's blocks and ends in wall time (calibrate_dist.py)."""
+    return layout.tp > 1 and hw.shared_compute and hw.tp_layer_wall_us > 0
+
+
 def tp_block_wall(hw: Hardware, layout: Layout, work: Workload) -> float | None:
     """CPU ranks with a wall-time TP calibration: one TP block's extra seconds per micro-batch
     (host work, collectives and waits together; forward + backward), else None."""
-    if layout.tp == 1 or not hw.shared_compute or hw.tp_layer_wall_us <= 0:
+    if not tp_wall_calibrated(hw, layout):
         return None
     activations_mb = 4e-6 * layout.micro_batch_size * work.seq_len / layout.cp * work.model.dim
     return (hw.tp_layer_wall_us + hw.tp_layer_wall_us_per_mb * activations_mb) * 1e-6 / share(hw, layout)
@@ -218,7 +223,7 @@ def tp_block_wall(hw: Hardware, layout: Layout, work: Workload) -> float | None:
 def tp_ends_wall(hw: Hardware, layout: Layout, work: Workload, first: bool, last: bool) -> float | None:
     """CPU ranks with a wall-time TP calibration: seconds of TP's ends per micro-batch (the fixed
     part half to each end, the logits' part to the last stage), else None."""
-    if tp_block_wall(hw, layout, work) is None:
+    if not tp_wall_calibrated(hw, layout):
         return None
     logits_mb = 4e-6 * layout.micro_batch_size * work.seq_len / layout.cp * work.model.vocab_size / layout.tp
     us = hw.tp_head_wall_us * (0.5 * first + 0.5 * last) + hw.tp_head_wall_us_per_mb * logits_mb * last
@@ -231,7 +236,7 @@ def wrapper_overhead(hw: Hardware, layout: Layout, work: Workload) -> float:
     TP's part is left to tp_block_wall where that is calibrated.
     """
     us = 0.0
-    if layout.tp > 1 and tp_block_wall(hw, layout, work) is None:
+    if layout.tp > 1 and not tp_wall_calibrated(hw, layout):
         us += hw.tp_layer_overhead_us
     if _fsdp(layout):
         us += hw.fsdp_layer_overhead_us + hw.fsdp_layer_overhead_us_per_mb * 4e-6 * layer_params(work, layout.tp)
@@ -245,7 +250,7 @@ def ends_overhead(hw: Hardware, layout: Layout, first: bool, last: bool, work: W
     """
     ends = 0.5 * first + 0.5 * last
     us = 0.0
-    if layout.tp > 1 and tp_block_wall(hw, layout, work) is None:  # else in the ends' wall time
+    if layout.tp > 1 and not tp_wall_calibrated(hw, layout):  # else in the ends' wall time
         us += hw.tp_head_overhead_us * ends
     if _fsdp(layout):
         embed_mb = 4e-6 * work.model.vocab_size * work.model.dim / layout.tp
