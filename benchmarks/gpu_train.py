@@ -19,7 +19,7 @@ other in one process, memory freed in between:
 
 Reported per variant: tokens/s over the measured steps (after warm-up, which
 includes compilation), MFU = tokens/s x flops_per_token(args, seq) / peak, where
-peak is shardline.hardware.peak_tflops (989 TFLOP/s bf16 on H100/H200) or
+peak is shardline.devices.peak_tflops (989 TFLOP/s bf16 on H100/H200) or
 --peak-tflops, and the peak allocated GPU memory of the variant. A variant that
 runs out of memory is reported as "oom" and the others still run.
 
@@ -50,9 +50,9 @@ import traceback
 import torch
 
 from shardline.config import load_config
-from shardline.hardware import peak_tflops
+from shardline.devices import peak_tflops
 from shardline.models import flops_per_token, get_preset, num_params
-from shardline.models.factory import model_args_from_config
+from shardline.preflight import model_shape
 from shardline.models.llama import ModelArgs
 
 ALL_VARIANTS = ("shardline-compile", "shardline-eager", "hf-eager", "hf-compile")
@@ -83,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "hf-eager, hf-compile when compiling; shardline-eager, hf-eager otherwise)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu")
     p.add_argument("--peak-tflops", type=float, default=0.0,
-                   help="peak TFLOP/s for MFU (default: shardline.hardware.peak_tflops of the device)")
+                   help="peak TFLOP/s for MFU (default: shardline.devices.peak_tflops of the device)")
     p.add_argument("--document-mask", action="store_true",
                    help="shardline attends within packed documents (default off: plain causal, like HF)")
     p.add_argument("--data", default="", help="data.path for shardline (default: the shipped corpus)")
@@ -140,7 +140,7 @@ def shape_overrides(args) -> list[str]:
 
 def model_args(args) -> ModelArgs:
     """The shape every variant trains: the preset (+ tiny overrides), as shardline resolves it."""
-    return model_args_from_config(load_config(None, shape_overrides(args)).model, tokenizer_vocab=0)
+    return model_shape(load_config(None, shape_overrides(args)).model, tokenizer_vocab=0)
 
 
 def cpu_name() -> str:

@@ -5,7 +5,7 @@ Each layout is a set of config overrides and a world size. The run is started as
     torchrun --standalone --nproc_per_node=N --rdzv_backend=c10d -m shardline train ...
 
 with one torch thread per rank (OMP_NUM_THREADS=1), so N ranks share the machine's
-cores; the planner's `cpu` profile models that (Hardware.cores, .threads) and the gloo
+cores; the planner's `cpu` profile models that (Hardware.cpu.cores, .threads) and the gloo
 collectives measured by `shardline calibrate` at world sizes 2, 4 and 8.
 
 Measured: `step_time_s` of rank 0's metrics.jsonl (every step is a collective, so all

@@ -50,7 +50,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -129,7 +128,7 @@ def machine_profile(args: argparse.Namespace, names: list[str], layouts: list[st
                             baseline=False, clock=clock, comm_worlds=worlds)
         hw = apply_overrides(cpu_hardware(), fields, "quick calibration")
     # The data pipeline of these runs (not the default one) sets the resident baseline.
-    return replace(hw, process_baseline_gib=measure_baseline_gib(data_overrides(args)))
+    return hw.with_cpu(process_baseline_gib=measure_baseline_gib(data_overrides(args)))
 
 
 def predict(overrides: list[str], hw, world: int = 1) -> dict:
@@ -236,22 +235,22 @@ def run(args: argparse.Namespace) -> dict:
                 meas = measure_run(name, ["model.preset=tiny", *data_overrides(args), *CONFIGS[name]], args.steps,
                                    Path(tmp) / f"pass{rep}", args.threads)
                 runs[name].append({**meas, "world": 1, "load_before": load})
-                print(_row(name, _result(preds[name], runs[name][-1:], CONFIGS[name], 1, hw.cores)), flush=True)
+                print(_row(name, _result(preds[name], runs[name][-1:], CONFIGS[name], 1, hw.cpu.cores)), flush=True)
             for name in layouts:
                 world, overrides = LAYOUTS[name]
                 meas = measure_torchrun(name, world, [*data_overrides(args), *overrides], RUN_KEYS, args.steps,
                                         Path(tmp) / f"pass{rep}", args.threads)
                 runs[name].append(meas)
-                print(_row(name, _result(preds[name], runs[name][-1:], overrides, world, hw.cores)), flush=True)
+                print(_row(name, _result(preds[name], runs[name][-1:], overrides, world, hw.cpu.cores)), flush=True)
     rows = {name: _result(preds[name], runs[name], (CONFIGS.get(name) or LAYOUTS[name][1]),
-                          LAYOUTS[name][0] if name in LAYOUTS else 1, hw.cores) for name in runs}
+                          LAYOUTS[name][0] if name in LAYOUTS else 1, hw.cpu.cores) for name in runs}
     med = lambda key, sel=None: statistics.median(  # noqa: E731
         abs(r[key]) for r in rows.values() if sel is None or (r["world"] > 1) == sel)
     multi = any(r["world"] > 1 for r in rows.values())
     single = any(r["world"] == 1 for r in rows.values())
     return {"configs": rows, "profile": args.profile or "quick calibration",
-            "process_baseline_gib": hw.process_baseline_gib, "cores": hw.cores, "network": vars(hw.network),
-            "corun": {k: getattr(hw, f"corun_{k}_eff") for k in ("matmul", "memory", "dispatch")},
+            "process_baseline_gib": hw.cpu.process_baseline_gib, "cores": hw.cpu.cores, "network": vars(hw.network),
+            "corun": {k: getattr(hw.cpu, f"corun_{k}_eff") for k in ("matmul", "memory", "dispatch")},
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "load_before": load_before,
                         "load_after": os.getloadavg(), "python": platform.python_version()},
             "date": datetime.date.today().isoformat(), "steps": args.steps, "threads": args.threads,
@@ -331,12 +330,12 @@ NOTES = """
 What the multi-rank model knows (planner/compute.py, estimate.py, comm.py, memory.py): N
 ranks of one thread share the profile's cores (each gets min(1, cores / N) of a core,
 dispatcher overhead included), and busy cores slow each other's GEMMs, memory traffic and
-dispatch by the calibrated co-run efficiencies (calibrate_corun.py); saturated CPU ranks
+dispatch by the calibrated co-run efficiencies (calibrate/corun.py); saturated CPU ranks
 overlap no communication; gloo collectives cost the alpha / B calibrated at their group
 size, times each op's calibrated factor (reduce-scatter runs about twice its ring model);
 the host CPU time of the TP (DTensor) and FSDP2 wrappers per block (FSDP2's also per MB of
 the block's parameters) and of the optimizer per DTensor parameter, calibrated with the
-trainer's own wrappers (calibrate_dist.py); the scalar all-reduces of every step (the loss;
+trainer's own wrappers (calibrate/dist.py); the scalar all-reduces of every step (the loss;
 the gradient norm, one per group of sharded gradients, as the trainer computes it);
 pipeline stages split as the trainer splits them (the head counts as blocks on the last
 stage); DDP's buckets (a copy of every gradient) and FSDP's gathered root.

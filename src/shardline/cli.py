@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 from shardline.errors import AnomalyHalt, ShardlineError
@@ -17,11 +18,19 @@ from shardline.errors import AnomalyHalt, ShardlineError
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.config import load_config
-    from shardline.trainer import Trainer
 
     if args.resume is not None:
         overrides = [*overrides, f"run.resume={args.resume}"]
     cfg = load_config(args.config, overrides)
+    if args.dry_run:
+        from shardline.dry_run import dry_run
+
+        print(dry_run(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", 1)), args.gpu))
+        return 0
+    if args.world_size is not None or args.gpu is not None:
+        raise ShardlineError("--world-size and --gpu go with --dry-run; a launch takes its world size from torchrun")
+    from shardline.trainer import Trainer
+
     Trainer(cfg).build().train()
     return 0
 
@@ -46,6 +55,16 @@ def _register_feature_commands(sub) -> None:
             importlib.import_module(name).register(sub)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                        help="resume from the newest valid checkpoint of run.dir (or the one given); "
                             "without this flag a run resumes automatically when run.dir holds one")
+    train.add_argument("--dry-run", action="store_true",
+                       help="check config, data and layout as a launch would, print the layout, the pipeline "
+                            "placement and the memory per rank, and exit (no process group, no run dir)")
+    train.add_argument("--world-size", type=_positive_int, metavar="N",
+                       help="with --dry-run: the number of ranks to check for (default $WORLD_SIZE or 1)")
+    train.add_argument("--gpu", metavar="TYPE", help="with --dry-run: the device type of the memory estimate")
     train.set_defaults(func=_train)
     convert = sub.add_parser("convert", help="convert between shardline checkpoints and HF folders")
     convert.add_argument("direction", choices=["to-hf", "from-hf"],

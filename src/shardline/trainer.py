@@ -21,22 +21,25 @@ import torch.nn.functional as F
 from shardline.config import Config, to_toml
 from shardline.data import build_data
 from shardline.data.packing import IGNORE_INDEX
+from shardline import layout as layouts
 from shardline.errors import AnomalyHalt
-from shardline.hardware import peak_tflops
+from shardline.devices import peak_tflops
+from shardline.interop.weights import load_starting_weights
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
-from shardline.models.factory import args_from_json, args_to_json, model_args_from_config
+from shardline.models.factory import args_to_json
 from shardline.models.flops import flops_per_token
 from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
 from shardline.parallel.collectives import clip_grad_norm, local_value, loss_context, reduce_over
 from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import init_distributed, pick_device
-from shardline.parallel.parallelize import build_model
+from shardline.models.llama.parallelize import build_model
 from shardline.parallel.pipeline import sync_tied_gradient, tied_copy
 from shardline.precision import LossScaler, autocast
+from shardline.preflight import check_config, check_device, preflight, use_model_tokenizer
 from shardline.resilience.anomaly import AnomalyDetector, anomaly_check_on_device
 from shardline.resilience.device_anomaly import DeviceAnomalyCheck
-from shardline.resilience.checkpoint import Checkpointer, read_meta
+from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.goodput import Goodput, process_start_time
 from shardline.resilience.recovery import batch_index, check_data_position, get_rng_state, resume_path, set_rng_state
@@ -48,7 +51,7 @@ WATCHDOG_EXIT = 4  # a hang: distinct from 2 (bad input) and 3 (anomaly halt) so
 
 class Trainer:
     def __init__(self, cfg: Config):
-        cfg.check()  # per-section checks; those that involve the layout come in build()
+        cfg.check_sections()  # those that involve the layout, the data and the model come in build()
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.device = pick_device(cfg.run.device)
@@ -65,17 +68,18 @@ class Trainer:
         self.proc = init_distributed(self.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", self.proc.local_rank)
-        self.dims = ParallelDims.from_config(cfg.parallel, self.proc.world_size)
+        check_config(cfg)
+        layouts.resolve(cfg, self.proc.world_size)  # a wrong world size fails before the data is read
         torch.manual_seed(cfg.train.seed)
-        hf_tokenizer = Path(cfg.model.hf_path) / "tokenizer.json"
-        if cfg.model.hf_path and not cfg.data.tokenizer and hf_tokenizer.is_file():
-            cfg.data.tokenizer = str(hf_tokenizer)  # fine-tuning: keep the model's own tokenizer
+        use_model_tokenizer(cfg)
         self.data = build_data(cfg)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
         resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
-        self.model_args = model_args_from_config(cfg.model, self.data.vocab_size, self._hf_base())
-        self.dims.check_against(self.model_args, cfg)
+        launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
+        check_device(cfg, torch.cuda.is_available())
+        self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
         built = build_model(cfg, self.model_args, self.dims, self.device)
+        load_starting_weights(cfg.model, built.model, sharded=self.proc.world_size > 1)
         self.model, self.wrapped, self.pipeline = built.model, built.forward, built.pipeline
         if self.pipeline is not None:
             pp_group = self.dims.submesh("pp").get_group()
@@ -101,17 +105,6 @@ class Trainer:
         layout = {"world": self.proc.world_size, "parallel": self.cfg.parallel.__dict__,
                   "model": args_to_json(self.model_args)}
         return json.dumps(layout, sort_keys=True, default=str)
-
-    def _hf_base(self):
-        """The shape to start from when the run starts from existing weights, else None."""
-        m = self.cfg.model
-        if m.hf_path:
-            from shardline.interop.hf import read_hf_config
-
-            return read_hf_config(m.hf_path)
-        if m.init_from:
-            return args_from_json(read_meta(Path(m.init_from))["model_args"])
-        return None
 
     def _restore(self, found) -> str:
         """Load everything a saved state holds (weights, optimizer, schedule, data, RNG); returns its name."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardline.resilience.settings import WatchdogConfig
+from shardline.config.resilience import WatchdogConfig
 from shardline.resilience.watchdog import Watchdog
 
 EXIT = 3

@@ -82,7 +82,7 @@ def test_planner_validation_runs_a_torchrun_layout_and_rewrites_only_its_section
     # A given profile skips the calibration: this checks the plumbing, not the model's accuracy
     # (benchmarks/RESULTS.md holds that, from the full run).
     profile = tmp_path / "cpu.toml"
-    profile.write_text('base = "cpu"\ncores = 2\nthreads = 1\n')
+    profile.write_text('base = "cpu"\n[cpu]\ncores = 2\nthreads = 1\n')
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\nkept above\n\n<!-- planner-validation:start -->\nold\n"
                        "<!-- planner-validation:end -->\n\nkept below\n")

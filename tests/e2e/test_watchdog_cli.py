@@ -29,10 +29,12 @@ def test_hang_is_detected_dumped_and_named(tmp_path, small_corpus):
 
 
 def test_slow_rank_is_reported_as_straggler(tmp_path, small_corpus):
+    # Rank 0's watchdog judges peers once per poll (1 s): the run must last a few polls,
+    # or a fast machine finishes before the slow steps are ever compared.
     run = tmp_path / "run"
     out = torchrun(2, *[f"--{o}" for o in tiny_overrides(
         run, small_corpus, "parallel.dp_replicate=2", "parallel.dp_shard=1", "watchdog.timeout_s=60",
-        "watchdog.straggler_steps=3", "faults.slow_rank=1", "faults.slow_factor=4", "train.steps=24")])
+        "watchdog.straggler_steps=3", "faults.slow_rank=1", "faults.slow_factor=4", "train.steps=60")])
     assert out.returncode == 0, out.stderr[-2000:]
     stragglers = [e for e in events(run) if e["event"] == "straggler"]
     assert stragglers and {e["rank"] for e in stragglers} == {1}

@@ -10,7 +10,7 @@ import torch
 from shardline.cli import main
 from shardline.resilience.anomaly import AnomalyDetector
 from shardline.resilience.recovery import batch_index
-from shardline.resilience.settings import AnomalyConfig
+from shardline.config.resilience import AnomalyConfig
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides
 from tests.unit.test_trainer import params, read_records, train_losses

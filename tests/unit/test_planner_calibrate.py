@@ -8,9 +8,9 @@ import multiprocessing
 import pytest
 import torch
 
-from shardline.planner import calibrate as cal
-from shardline.planner import calibrate_ops as ops
-from shardline.planner.calibrate_comm import fit_alpha_beta, measure_collectives
+from shardline.planner.calibrate import ops
+from shardline.planner.calibrate import run as cal
+from shardline.planner.calibrate.comm import fit_alpha_beta, measure_collectives
 from shardline.planner.hardware import get_hardware
 
 
@@ -74,20 +74,21 @@ def test_gloo_collectives_between_two_processes():
 
 def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, monkeypatch, capsys):
     fields = {"base": "cpu", "matmul_eff_max": {"fp32": 0.41}, "attn_eff": {"fp32": 0.2}, "matmul_half_dim": 90.0,
-              "mem_bw_gbs": 12.5, "op_overhead_us": 7.0, "process_baseline_gib": 0.5,
+              "mem_bw_gbs": 12.5, "op_overhead_us": 7.0, "cpu": {"process_baseline_gib": 0.5},
               "network": {"intra_bw_gbs": 1.5, "intra_latency_us": 80.0}}
     monkeypatch.setattr(cal, "measure", lambda **kw: (fields, {"matmul_fp32_tflops": [0.1, 0.2]}))
     out = tmp_path / "cpu.toml"
     cal.calibrate(out)
     hw = get_hardware("cpu", out)
     assert hw.matmul_eff_max["fp32"] == 0.41 and hw.mem_bw_gbs == 12.5 and hw.network.intra_bw_gbs == 1.5
+    assert hw.cpu.process_baseline_gib == 0.5 and hw.cpu.cores == cal.cpu_hardware().cpu.cores  # the [cpu] table
     assert "shardline hardware profile" in capsys.readouterr().out
     with pytest.raises(Exception, match="describes 'cpu'"):
         get_hardware("h100-sxm", out)
 
 
 def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
-    from shardline.planner.calibrate_dist import measure_wrappers
+    from shardline.planner.calibrate.dist import measure_wrappers
 
     fields, raw = measure_wrappers(world=2, rounds=3)
     assert set(raw) == {"plain", "tp", "fsdp", "sizes_mb"} and raw["plain"]["per_layer_s"] > 0
@@ -103,7 +104,7 @@ def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
 
 
 def test_co_run_efficiency_with_a_busy_neighbour():
-    from shardline.planner.calibrate_corun import KINDS, measure_corun
+    from shardline.planner.calibrate.corun import KINDS, measure_corun
 
     assert measure_corun(1) == dict.fromkeys(KINDS, 1.0)  # one core: nothing shared
     ratios = measure_corun(2, rounds=1)

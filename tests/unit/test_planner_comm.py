@@ -6,11 +6,7 @@ import pytest
 
 from shardline.planner import comm
 from shardline.planner.hardware import Network
-from shardline.planner.pipeline import (
-    bubble_fraction,
-    inflight_microbatches,
-    schedule_problem,
-)
+from shardline.planner.pipeline import bubble_fraction, inflight_microbatches
 
 NET = Network(gpus_per_node=8, intra_bw_gbs=400.0, intra_latency_us=2.0, inter_bw_gbs=50.0,
               inter_latency_us=10.0, bw_efficiency=1.0)
@@ -34,14 +30,6 @@ def test_inflight_microbatches_per_schedule():
     # Megatron's interleaved warm-up: 2(p-1) + (v-1)p + 1 chunks of 1/v stage each.
     assert inflight_microbatches("interleaved_1f1b", 4, 16, 2) == pytest.approx((6 + 4 + 1) / 2)
     assert inflight_microbatches("zbv", 4, 16, 2) == 4
-
-
-def test_schedule_rules():
-    assert schedule_problem("1f1b", 4, 8, 1, 32) is None
-    assert "stage(s) per rank" in schedule_problem("zbv", 4, 8, 1, 32)
-    assert "exceeds" in schedule_problem("interleaved_1f1b", 8, 16, 8, 32)
-    assert "cannot fill" in schedule_problem("1f1b", 8, 4, 1, 32)
-    assert "divisible" in schedule_problem("interleaved_1f1b", 4, 6, 2, 32)
 
 
 def test_placement_follows_the_mesh_order():

@@ -11,10 +11,10 @@ import dataclasses
 
 import pytest
 
+from shardline import layout as layouts
 from shardline.models.presets import PRESETS
 from shardline.planner import comm
 from shardline.planner import compute as cmp
-from shardline.planner import pipeline as plan_pp
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import cpu_hardware
 from shardline.planner.layout import Layout, Workload
@@ -25,24 +25,23 @@ WORK = Workload(TINY, 128, 8, "fp32")
 
 
 def cpu(cores=2, threads=1):
-    return dataclasses.replace(cpu_hardware(), cores=cores, threads=threads)
+    return cpu_hardware().with_cpu(cores=cores, threads=threads)
 
 
 @pytest.mark.parametrize("n_layers, stages, head", [(4, 2, 1.33), (16, 4, 0.0), (32, 8, 5.0), (80, 4, 0.9),
                                                     (7, 3, 2.5), (126, 16, 1.2)])
-def test_stage_split_is_the_trainers(n_layers, stages, head):
-    trainer = pytest.importorskip("shardline.parallel.pipeline")
-    assert [len(s) for s in trainer.split_layers(n_layers, stages, head)] == list(
-        plan_pp.split_layers(n_layers, stages, head))
-    for name in ("tiny", "llama3-8b", "llama3-70b"):
-        args = TINY if name == "tiny" else PRESETS[name]
-        assert plan_pp.head_cost(args) == pytest.approx(trainer.head_cost(args))
+def test_stage_split_is_the_one_the_trainer_cuts(n_layers, stages, head):
+    from shardline.parallel.pipeline import Pipeline  # noqa: F401  the trainer's pipeline uses layout's split
+
+    split = layouts.split_layers(n_layers, stages, head)
+    assert [len(s) for s in split] == list(layouts.stage_layer_counts(n_layers, stages, head))
+    assert [i for s in split for i in s] == list(range(n_layers)) and all(split)
 
 
 def test_pipeline_ranks_follow_the_split_and_the_schedule():
-    ranks = plan_pp.pipeline_ranks(TINY, 2, 1, "1f1b")
+    ranks = layouts.pipeline_ranks(TINY, 2, 1, "1f1b")
     assert [(r.layers, r.label) for r in ranks] == [(3, "first"), (1, "last")]  # tiny's head is 1.33 blocks
-    v = plan_pp.pipeline_ranks(PRESETS["llama3-8b"], 2, 2, "zbv")
+    v = layouts.pipeline_ranks(PRESETS["llama3-8b"], 2, 2, "zbv")
     assert v[0].first and v[0].last and v[0].label == "both" and v[1].label == "middle"
     assert sum(r.layers for r in v) == 32
 
@@ -80,7 +79,7 @@ def test_oversubscribed_ranks_stretch_compute_including_op_overhead():
 @pytest.mark.parametrize("world, cores, expected", [(1, 2, 1.0), (2, 2, 0.8), (4, 2, 0.4), (2, 4, 1 - 0.2 / 3),
                                                    (4, 4, 0.8), (8, 4, 0.4)])
 def test_busy_cores_slow_each_other_as_calibrated(world, cores, expected):
-    hw = dataclasses.replace(cpu(cores), corun_matmul_eff=0.8, corun_memory_eff=0.9, corun_dispatch_eff=0.95)
+    hw = cpu(cores).with_cpu(corun_matmul_eff=0.8, corun_memory_eff=0.9, corun_dispatch_eff=0.95)
     lay = Layout(dp_shard=world)
     assert cmp.share(hw, lay, "matmul") == pytest.approx(expected)
     assert cmp.share(hw, lay) == pytest.approx(min(1.0, cores / world))  # wrappers: calibrated co-running
@@ -127,19 +126,19 @@ def test_parameter_tensors_per_rank_match_the_model():
     for args in (TINY, PRESETS["llama3-8b"]):
         with torch.device("meta"):
             n = len(list(Llama(args).parameters()))
-        (whole,) = plan_pp.pipeline_ranks(args, 1, 1, "1f1b")
+        (whole,) = layouts.pipeline_ranks(args, 1, 1, "1f1b")
         assert stage_tensors(Workload(args, 128, 8), whole) == n
 
 
 def test_wrapper_overheads_and_gradient_norm_reductions_are_charged_where_they_run():
-    hw = dataclasses.replace(cpu(), tp_layer_overhead_us=1000.0, fsdp_layer_overhead_us=400.0,
-                             dtensor_param_overhead_us=50.0, tp_head_overhead_us=300.0, fsdp_root_overhead_us=70.0,
-                             tp_layer_wall_us=0.0, tp_layer_wall_us_per_mb=0.0, fsdp_layer_overhead_us_per_mb=0.0)
+    hw = cpu().with_cpu(tp_layer_overhead_us=1000.0, fsdp_layer_overhead_us=400.0, dtensor_param_overhead_us=50.0,
+                        tp_head_overhead_us=300.0, fsdp_root_overhead_us=70.0, tp_layer_wall_us=0.0,
+                        tp_layer_wall_us_per_mb=0.0, fsdp_layer_overhead_us_per_mb=0.0)
     ddp = estimate(WORK, Layout(dp_replicate=2, micro_batch_size=4), hw)
     fsdp = estimate(WORK, Layout(dp_shard=2, micro_batch_size=4), hw)
     tp = estimate(WORK, Layout(tp=2, micro_batch_size=8), hw)
-    plain = dataclasses.replace(hw, tp_layer_overhead_us=0.0, fsdp_layer_overhead_us=0.0, dtensor_param_overhead_us=0.0,
-                                tp_head_overhead_us=0.0, fsdp_root_overhead_us=0.0)
+    plain = hw.with_cpu(tp_layer_overhead_us=0.0, fsdp_layer_overhead_us=0.0, dtensor_param_overhead_us=0.0,
+                        tp_head_overhead_us=0.0, fsdp_root_overhead_us=0.0)
     # Per block per micro-batch, on a full core (2 ranks, 2 cores): 4 blocks and the model's ends.
     assert fsdp.breakdown["compute"] - estimate(WORK, Layout(dp_shard=2, micro_batch_size=4), plain).breakdown[
         "compute"] == pytest.approx(4 * 400e-6 + 70e-6)
@@ -157,7 +156,7 @@ def test_wrapper_overheads_and_gradient_norm_reductions_are_charged_where_they_r
 
 
 def test_fsdp_wrapper_overhead_grows_with_the_parameter_bytes_it_copies():
-    hw, base = (dataclasses.replace(cpu(), fsdp_layer_overhead_us_per_mb=x) for x in (10.0, 0.0))
+    hw, base = (cpu().with_cpu(fsdp_layer_overhead_us_per_mb=x) for x in (10.0, 0.0))
     block_mb = 4e-6 * (256 * (2 * 256 + 2 * 128) + 3 * 256 * 768 + 2 * 256)  # tiny: dim 256, ffn 768, 8 / 4 heads
     embed_mb = 4e-6 * 4096 * 256
     fsdp = Layout(dp_shard=2, micro_batch_size=4)
@@ -170,19 +169,19 @@ def test_fsdp_wrapper_overhead_grows_with_the_parameter_bytes_it_copies():
 def test_a_wall_time_tp_calibration_replaces_the_tp_wrapper_and_collective_costs_on_cpu():
     tp = Layout(tp=2, micro_batch_size=8)
     act_mb = 4e-6 * 8 * 128 * TINY.dim  # a micro-batch's activations
-    none = dataclasses.replace(cpu(), tp_layer_wall_us=0.0, tp_layer_wall_us_per_mb=0.0)
-    wall = dataclasses.replace(none, tp_layer_wall_us=30000.0, tp_layer_wall_us_per_mb=10000.0,
-                               tp_head_wall_us=5000.0, tp_head_wall_us_per_mb=2000.0)
+    none = cpu().with_cpu(tp_layer_wall_us=0.0, tp_layer_wall_us_per_mb=0.0)
+    wall = none.with_cpu(tp_layer_wall_us=30000.0, tp_layer_wall_us_per_mb=10000.0, tp_head_wall_us=5000.0,
+                         tp_head_wall_us_per_mb=2000.0)
     before, after = estimate(WORK, tp, none).breakdown, estimate(WORK, tp, wall).breakdown
     logits_mb = 4e-6 * 8 * 128 * TINY.vocab_size / 2  # one rank's share of a micro-batch's logits
     assert after["tp_comm"] == pytest.approx(4 * (30000 + 10000 * act_mb) * 1e-6 + (5000 + 2000 * logits_mb) * 1e-6)
     # The wall times hold the wrappers' host time: the blocks' and the ends' thread-time costs go.
     assert before["compute"] - after["compute"] == pytest.approx(
-        (4 * none.tp_layer_overhead_us + none.tp_head_overhead_us) * 1e-6)
+        (4 * none.cpu.tp_layer_overhead_us + none.cpu.tp_head_overhead_us) * 1e-6)
     four = estimate(WORK, Layout(tp=2, dp_shard=2, micro_batch_size=4), wall).breakdown  # 4 ranks, 2 cores
     assert four["tp_comm"] > 4 * 2 * (30000 + 10000 * act_mb / 2) * 1e-6  # a half share of the cores
-    gpu = estimate(WORK, tp, dataclasses.replace(wall, shared_compute=False)).breakdown
-    assert gpu["tp_comm"] == pytest.approx(estimate(WORK, tp, dataclasses.replace(none, shared_compute=False))
+    gpu = estimate(WORK, tp, wall.with_cpu(shared_compute=False)).breakdown
+    assert gpu["tp_comm"] == pytest.approx(estimate(WORK, tp, none.with_cpu(shared_compute=False))
                                            .breakdown["tp_comm"])  # accelerators: the alpha-beta model
 
 

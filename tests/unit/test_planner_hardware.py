@@ -7,7 +7,7 @@ import tomllib
 import pytest
 import torch
 
-from shardline import hardware as trainer_hw
+from shardline import devices as trainer_hw
 from shardline.errors import ConfigError
 from shardline.planner.hardware import DEVICE_NAMES, GPUS, get_hardware, to_toml
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from shardline.resilience.hangs import is_waiting, stopped_ranks, where
-from shardline.resilience.settings import WatchdogConfig
+from shardline.config.resilience import WatchdogConfig
 from shardline.resilience.stragglers import PeerWatch, StragglerTracker, median_without
 from shardline.resilience.watchdog import Watchdog
 

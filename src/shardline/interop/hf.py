@@ -1,9 +1,8 @@
 """Hugging Face Llama folders <-> shardline Llama models, without importing transformers.
 
 An HF Llama folder is `config.json` plus safetensors weights: one `model.safetensors`,
-or shards listed in `model.safetensors.index.json`. shardline's Llama uses the same
-"rotate half" rotary layout as transformers, so tensors map one to one by name (no
-q/k permutation); only the names differ:
+or shards listed in `model.safetensors.index.json`. Tensor names map one to one through
+the model's adapter (models/llama/hf_adapter.py):
 
     tok_embeddings.weight                  model.embed_tokens.weight
     layers.{i}.attention_norm.weight       model.layers.{i}.input_layernorm.weight
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import uuid
 import warnings
@@ -44,6 +42,7 @@ from shardline.interop.hf_config import (
 )
 from shardline.models.factory import build_meta_model
 from shardline.models.llama import Llama, ModelArgs, rope_frequencies
+from shardline.models.llama.hf_adapter import hf_param_name
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -51,38 +50,6 @@ TOKENIZER_NAME = "tokenizer.json"
 DEFAULT_MAX_SHARD_SIZE = 5_000_000_000  # bytes; transformers' long-standing "5GB" default
 
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_PER_LAYER = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-}
-_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
-
-
-def hf_param_name(name: str) -> str:
-    """The HF Llama tensor name of shardline parameter `name`."""
-    if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name]
-    m = _LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _PER_LAYER:
-        return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}"
-    raise CheckpointError(f"model parameter {name!r} has no Hugging Face Llama counterpart")
-
-
-# ---- safetensors -> model -------------------------------------------------------------------
-
 
 def _unwrap(model: nn.Module) -> Llama:
     while hasattr(model, "_orig_mod"):  # torch.compile wrapper

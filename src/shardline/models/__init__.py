@@ -1,4 +1,5 @@
-"""Model definitions only: no process groups, no collectives (DESIGN rule 1)."""
+"""Model definitions: one folder per family (llama/). A model file holds the network only,
+no process groups or collectives; its parallel plan sits beside it in parallelize.py."""
 
 from shardline.models.flops import flops_per_token, num_params
 from shardline.models.llama import Llama, ModelArgs

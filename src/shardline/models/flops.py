@@ -1,6 +1,6 @@
 """Parameter and FLOP counts: the single source for MFU everywhere (trainer, planner).
 
-FLOPs per token for training follow the convention of REFERENCE.md / PaLM:
+FLOPs per token for training follow the PaLM convention:
 6 N + 12 L d s, with N the parameters that take part in matmuls (the embedding
 lookup is not a matmul, the output projection is), L layers, d the attention width
 (heads x head_dim), s the sequence length. No causal discount, no recompute.

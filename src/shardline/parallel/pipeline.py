@@ -7,9 +7,10 @@ gradient clipping use it unchanged, and parameter names stay those of the full m
 so checkpoints reshard to any other layout. The pipeline stages are thin views over
 its modules.
 
-Stage placement: looped (rank r holds stages r, r + pp, ...) for gpipe, 1f1b and
-interleaved 1F1B; V-shaped (rank r holds stages r and 2 pp - 1 - r) for the
-zero-bubble ZBV and DualPipeV schedules, which need the first and last stage together.
+Stage placement (shardline.layout, shared with the planner): looped (rank r holds
+stages r, r + pp, ...) for gpipe, 1f1b and interleaved 1F1B; V-shaped (rank r holds
+stages r and 2 pp - 1 - r) for the zero-bubble ZBV and DualPipeV schedules, which need
+the first and last stage together.
 """
 
 from __future__ import annotations
@@ -27,38 +28,11 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
+from shardline.layout import SINGLE_STAGE, V_SHAPED, head_cost, split_layers, stages_of_rank
 from shardline.models.llama import Llama, ModelArgs, document_causal_mask
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-V_SHAPED = ("zbv", "dualpipev")
-SINGLE_STAGE = ("gpipe", "1f1b")
-
-
-def split_layers(n_layers: int, n_stages: int, head_cost: float) -> list[list[int]]:
-    """Contiguous blocks per stage, balancing (blocks + head_cost on the last stage).
-
-    head_cost is the output projection's size in units of one block: with a large
-    vocabulary the last stage gets fewer blocks. Every stage keeps at least one block.
-    """
-    counts = [1] * n_stages
-    for _ in range(n_layers - n_stages):
-        loads = [c + (head_cost if i == n_stages - 1 else 0) for i, c in enumerate(counts)]
-        counts[loads.index(min(loads))] += 1  # lightest stage takes the next block
-    bounds = [sum(counts[:i]) for i in range(n_stages + 1)]
-    return [list(range(bounds[i], bounds[i + 1])) for i in range(n_stages)]
-
-
-def head_cost(args: ModelArgs) -> float:
-    d = args.dim
-    block = 2 * d * args.n_heads * args.head_size + 2 * d * args.kv_heads * args.head_size + 3 * d * args.ffn_dim
-    return args.vocab_size * d / block
-
-
-def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    if schedule in V_SHAPED:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(virtual)]
 
 
 def prune(model: Llama, keep_layers: set[int], first: bool, last: bool) -> None:

@@ -13,12 +13,12 @@ as the trainer and never imports the trainer. The modules, from the bottom up:
     estimate.py     one layout -> step time, tokens/s, MFU, memory, breakdown
     search.py       enumerate layouts, prune, rank (`shardline plan`)
     report.py       the tables and JSON of `plan` and `estimate`
-    calibrate.py    measure this machine (`shardline calibrate`), with calibrate_ops.py
-                    (compute, memory traffic), calibrate_comm.py (gloo collectives),
-                    calibrate_dist.py (TP/FSDP2 wrapper host time) and calibrate_corun.py
+    calibrate/      measure this machine (`shardline calibrate`): run.py fits and writes
+                    the profile from ops.py (compute, memory traffic), comm.py (gloo
+                    collectives), dist.py (TP/FSDP2 wrapper host time) and corun.py
                     (how much busy CPU cores slow each other)
     cli.py          `plan`, `estimate`, `calibrate` (registered by shardline.cli)
 
-Import the submodules directly; this file stays empty so `shardline.hardware` can
-import the table without pulling in the rest.
+Import the submodules directly; this file stays empty so importing one does not
+pull in the rest.
 """

@@ -19,6 +19,7 @@ from shardline.models.llama import ModelArgs
 from shardline.models.presets import PRESETS
 from shardline.planner.hardware import DEVICE_NAMES, Hardware, get_hardware
 from shardline.planner.layout import Workload, from_config, parse_fix, to_config
+from shardline.preflight import model_shape
 
 
 def register(sub) -> None:
@@ -189,19 +190,8 @@ def _default_device(cfg: Config) -> str:
 
 
 def _config_model(cfg: Config) -> ModelArgs:
-    from shardline.models.factory import args_from_json, model_args_from_config
-
-    base = None
-    if cfg.model.hf_path:
-        from shardline.interop.hf_config import read_hf_config
-
-        base = read_hf_config(cfg.model.hf_path)
-    elif cfg.model.init_from:
-        from shardline.resilience.checkpoint import read_meta
-
-        base = args_from_json(read_meta(Path(cfg.model.init_from))["model_args"])
     # A preset sized by the tokenizer takes data.vocab_size, the size of the BPE it trains.
-    return model_args_from_config(cfg.model, cfg.data.vocab_size, base)
+    return model_shape(cfg.model, cfg.data.vocab_size)
 
 
 def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -1,6 +1,6 @@
 """Collective costs: the alpha-beta model on a two-level (node, network) topology.
 
-A message of S bytes over a link costs alpha + S/beta. For n ranks (REFERENCE.md):
+A message of S bytes over a link costs alpha + S/beta. For n ranks (the ring algorithms' volumes):
 
     ring all-reduce        2(n-1)·alpha + 2(n-1)/n · S/B
     tree all-reduce        2·ceil(log2 n)·alpha + 2·S/B          (NCCL's pipelined double binary tree)

@@ -20,7 +20,7 @@
   costs `op_overhead_us`.
 * Optimizer: fused AdamW + grad-norm clipping over the rank's (sharded) parameters,
   `optimizer_bytes_per_param` of memory traffic each.
-* Distributed wrappers (host CPU time, calibrate_dist.py): DTensor dispatch of a TP
+* Distributed wrappers (host CPU time, calibrate/dist.py): DTensor dispatch of a TP
   block and FSDP2's per-block hooks and copies per micro-batch; the optimizer step on
   DTensor parameters per tensor. Zero on GPUs (the host runs ahead of the kernels).
 
@@ -30,7 +30,7 @@ On a CPU the processes of one node share its cores and memory bandwidth
 that share stretches everything a rank runs on the CPU: kernels, element-wise traffic,
 the per-op dispatcher overhead and the optimizer. On top, busy cores slow each other
 (shared caches and memory bandwidth, SMT siblings on cloud VMs): `corun_*_eff`, measured
-by calibrate_corun.py, scales GEMMs, element-wise work and dispatch when more cores are
+by calibrate/corun.py, scales GEMMs, element-wise work and dispatch when more cores are
 busy than the calibration used. With cores = 0 (an old profile) the node is split
 evenly, 1/N each.
 """
@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 from shardline.planner.activations import dtype_bytes
 from shardline.planner.hardware import Hardware
-from shardline.planner.layout import Layout, Workload
+from shardline.layout import Layout
+from shardline.planner.layout import Workload
 from shardline.planner.memory import layer_params
 
 FWD_OPS_PER_LAYER, BWD_OPS_PER_LAYER = 45, 75  # launched (non-view) ops of our block, counted
@@ -71,23 +72,23 @@ def share(hw: Hardware, layout: Layout, kind: str | None = None) -> float:
     """Fraction of a device's compute one rank gets (1, except CPU ranks sharing a node).
 
     `kind` ("matmul", "memory" or "dispatch") also charges that kind of work's co-run
-    slowdown (Hardware.corun_*_eff, calibrated with one-thread processes): it grows
+    slowdown (CpuRanks.corun_*_eff, calibrated with one-thread processes): it grows
     linearly from none, with only the calibrated `threads` cores busy, to the calibrated
     ratio with every core busy. Without `kind` it is not charged: the wrapper overheads
     were calibrated with their ranks running side by side already.
     """
-    if not hw.shared_compute:
+    if not hw.cpu.shared_compute:
         return 1.0
     ranks = min(layout.world, hw.network.gpus_per_node)
-    if hw.cores <= 0:
+    if hw.cpu.cores <= 0:
         return 1.0 / ranks
-    threads = max(1, hw.threads)
-    fraction = min(1.0, hw.cores / (ranks * threads))
-    busy, alone = min(ranks * threads, hw.cores), min(threads, hw.cores)
+    threads = max(1, hw.cpu.threads)
+    fraction = min(1.0, hw.cpu.cores / (ranks * threads))
+    busy, alone = min(ranks * threads, hw.cpu.cores), min(threads, hw.cpu.cores)
     if kind is None or busy <= alone:
         return fraction
-    corun = getattr(hw, f"corun_{kind}_eff")
-    return fraction * (1.0 - (1.0 - corun) * (busy - alone) / (hw.cores - alone))
+    corun = getattr(hw.cpu, f"corun_{kind}_eff")
+    return fraction * (1.0 - (1.0 - corun) * (busy - alone) / (hw.cpu.cores - alone))
 
 
 def saturated(hw: Hardware, layout: Layout) -> bool:
@@ -96,10 +97,10 @@ def saturated(hw: Hardware, layout: Layout) -> bool:
     gloo moves data with the CPU (memcpy over loopback TCP), so a collective "overlapped"
     with compute takes cores from it; the estimate then charges it in full.
     """
-    if not hw.shared_compute:
+    if not hw.cpu.shared_compute:
         return False
     ranks = min(layout.world, hw.network.gpus_per_node)
-    return hw.cores <= 0 or ranks * max(1, hw.threads) >= hw.cores
+    return hw.cpu.cores <= 0 or ranks * max(1, hw.cpu.threads) >= hw.cpu.cores
 
 
 def matmul_efficiency(hw: Hardware, dtype: str, m: float, n: float, k: float) -> float:
@@ -198,7 +199,7 @@ def optimizer_time(params: float, hw: Hardware, layout: Layout, tensors: int = 0
     """
     bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * share(hw, layout, "memory")  # fp32 states
     dtensor = layout.tp > 1 or layout.shard_degree > 1
-    host = tensors * hw.dtensor_param_overhead_us * 1e-6 / share(hw, layout) if dtensor else 0.0
+    host = tensors * hw.cpu.dtensor_param_overhead_us * 1e-6 / share(hw, layout) if dtensor else 0.0
     return params * hw.optimizer_bytes_per_param / bw + host
 
 
@@ -207,8 +208,8 @@ def _fsdp(layout: Layout) -> bool:
 
 
 def tp_wall_calibrated(hw: Hardware, layout: Layout) -> bool:
-    """TP on CPU ranks whose profile times TP's blocks and ends in wall time (calibrate_dist.py)."""
-    return layout.tp > 1 and hw.shared_compute and hw.tp_layer_wall_us > 0
+    """TP on CPU ranks whose profile times TP's blocks and ends in wall time (calibrate/dist.py)."""
+    return layout.tp > 1 and hw.cpu.shared_compute and hw.cpu.tp_layer_wall_us > 0
 
 
 def tp_block_wall(hw: Hardware, layout: Layout, work: Workload) -> float | None:
@@ -217,7 +218,7 @@ def tp_block_wall(hw: Hardware, layout: Layout, work: Workload) -> float | None:
     if not tp_wall_calibrated(hw, layout):
         return None
     activations_mb = 4e-6 * layout.micro_batch_size * work.seq_len / layout.cp * work.model.dim
-    return (hw.tp_layer_wall_us + hw.tp_layer_wall_us_per_mb * activations_mb) * 1e-6 / share(hw, layout)
+    return (hw.cpu.tp_layer_wall_us + hw.cpu.tp_layer_wall_us_per_mb * activations_mb) * 1e-6 / share(hw, layout)
 
 
 def tp_ends_wall(hw: Hardware, layout: Layout, work: Workload, first: bool, last: bool) -> float | None:
@@ -226,7 +227,7 @@ def tp_ends_wall(hw: Hardware, layout: Layout, work: Workload, first: bool, last
     if not tp_wall_calibrated(hw, layout):
         return None
     logits_mb = 4e-6 * layout.micro_batch_size * work.seq_len / layout.cp * work.model.vocab_size / layout.tp
-    us = hw.tp_head_wall_us * (0.5 * first + 0.5 * last) + hw.tp_head_wall_us_per_mb * logits_mb * last
+    us = hw.cpu.tp_head_wall_us * (0.5 * first + 0.5 * last) + hw.cpu.tp_head_wall_us_per_mb * logits_mb * last
     return us * 1e-6 / share(hw, layout)
 
 
@@ -237,9 +238,10 @@ def wrapper_overhead(hw: Hardware, layout: Layout, work: Workload) -> float:
     """
     us = 0.0
     if layout.tp > 1 and not tp_wall_calibrated(hw, layout):
-        us += hw.tp_layer_overhead_us
+        us += hw.cpu.tp_layer_overhead_us
     if _fsdp(layout):
-        us += hw.fsdp_layer_overhead_us + hw.fsdp_layer_overhead_us_per_mb * 4e-6 * layer_params(work, layout.tp)
+        cpu = hw.cpu
+        us += cpu.fsdp_layer_overhead_us + cpu.fsdp_layer_overhead_us_per_mb * 4e-6 * layer_params(work, layout.tp)
     return us * 1e-6 / share(hw, layout)
 
 
@@ -251,10 +253,10 @@ def ends_overhead(hw: Hardware, layout: Layout, first: bool, last: bool, work: W
     ends = 0.5 * first + 0.5 * last
     us = 0.0
     if layout.tp > 1 and not tp_wall_calibrated(hw, layout):  # else in the ends' wall time
-        us += hw.tp_head_overhead_us * ends
+        us += hw.cpu.tp_head_overhead_us * ends
     if _fsdp(layout):
         embed_mb = 4e-6 * work.model.vocab_size * work.model.dim / layout.tp
-        us += hw.fsdp_root_overhead_us * ends + hw.fsdp_layer_overhead_us_per_mb * embed_mb * 2 * ends
+        us += hw.cpu.fsdp_root_overhead_us * ends + hw.cpu.fsdp_layer_overhead_us_per_mb * embed_mb * 2 * ends
     return us * 1e-6 / share(hw, layout)
 
 

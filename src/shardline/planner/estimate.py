@@ -37,7 +37,8 @@ from shardline.planner import comm
 from shardline.planner import compute as cmp
 from shardline.planner.activations import dtype_bytes
 from shardline.planner.hardware import Hardware
-from shardline.planner.layout import Layout, Workload, layout_problem
+from shardline.layout import Layout
+from shardline.planner.layout import Workload, layout_problem
 from shardline.planner.memory import (
     DDP_BUCKET_BYTES,
     GiB,
@@ -51,7 +52,8 @@ from shardline.planner.memory import (
     stage_params,
     stage_tensors,
 )
-from shardline.planner.pipeline import RankStages, bubble_fraction
+from shardline.layout import RankStages
+from shardline.planner.pipeline import bubble_fraction
 
 CPU_ADAM_BYTES_PER_S = 20e9  # host-side AdamW with offload: ~28 B per parameter at this rate
 

@@ -1,8 +1,8 @@
-"""Accelerators and interconnects: the one table of datasheet figures in shardline.
+"""Accelerators and interconnects as the planner models them.
 
-Every number the planner uses about a machine lives in `Hardware`; the trainer's MFU
-denominator (`shardline.hardware.peak_tflops`) reads `peak_tflops` from the same
-table. Figures are dense (not 2:4 sparse) per device, from the vendors' datasheets:
+Every number the planner uses about a machine lives in `Hardware`: the datasheet of
+`shardline.devices` (which the trainer's MFU denominator reads too) plus networks and
+kernel efficiencies. Figures are dense (not 2:4 sparse) per device, from the vendors' datasheets:
 
 * compute: H100/H200 SXM 989 TFLOP/s bf16, 1979 fp8, 67 fp32 (non-tensor); A100 312 /
   19.5; B200 2250 / 4500 / 80; MI300X 1307 / 2615 / 163.4.
@@ -13,13 +13,18 @@ table. Figures are dense (not 2:4 sparse) per device, from the vendors' datashee
 
 Efficiencies (what fraction of a peak real kernels reach) are not datasheet numbers:
 `matmul_eff_max` and `matmul_half_dim` are set so an 8192^3 bf16 GEMM on H100/H200
-reaches the 80.9% measured in REFERENCE.md; `attn_eff` is a flash-attention fwd+bwd
+reaches the 80.9% we measured on one H200 (torch 2.11, CUDA 13); `attn_eff` is a flash-attention fwd+bwd
 figure. `shardline calibrate` measures all of them for the machine it runs on.
 
+What only CPU ranks need (gloo processes sharing a host's cores: how they share them,
+the host time of the distributed wrappers) is `Hardware.cpu`, a `CpuRanks`, apart from
+the accelerator's figures; on a GPU it stays at its defaults.
+
 Overrides: a TOML file whose top-level keys are field names of `Hardware`, with
-`[network]` for `Network` fields and tables for the per-dtype dicts; a `base` key
-names the table entry it applies to (calibrated profiles carry one). Unknown keys are
-errors, not silently ignored.
+`[network]` for `Network` fields, `[cpu]` for `CpuRanks` fields and tables for the
+per-dtype dicts; a `base` key names the table entry it applies to (calibrated profiles
+carry one). Unknown keys are errors, not silently ignored: a profile written before
+`[cpu]` existed, with those keys at the top level, is refused with a pointer to `[cpu]`.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardline.config import read_toml
+from shardline.config import reader
+from shardline.devices import DATASHEETS, cpu_peak_tflops
 from shardline.errors import ConfigError
 
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
@@ -61,35 +67,27 @@ class Network:
 
 
 @dataclass(frozen=True)
-class Hardware:
-    name: str
-    marker: str  # substring of torch.cuda.get_device_name() that identifies it ("" = none)
-    peak_tflops: dict[str, float]  # dense, per dtype
-    mem_gib: float  # capacity one process can use
-    mem_bw_gbs: float  # device memory bandwidth, GB/s
-    network: Network = field(default_factory=Network)
-    reserved_gib: float = 2.0  # CUDA context, NCCL and cuBLAS workspaces (outside the allocator's count)
-    fragmentation: float = 0.08  # allocator slack as a share of allocated bytes
-    matmul_eff_max: dict[str, float] = field(default_factory=lambda: {d: 0.838 for d in DTYPES})
-    matmul_half_dim: float = 96.0  # a GEMM dimension of this size halves that dimension's efficiency
-    attn_eff: dict[str, float] = field(default_factory=lambda: {d: 0.45 for d in DTYPES})
-    attn_half_len: float = 256.0  # a query or key block of this length halves attention's efficiency
-    elementwise_eff: dict[str, float] = field(default_factory=lambda: {d: 0.7 for d in DTYPES})  # share of
-    # mem_bw_gbs that norms, casts and adds reach when the compute dtype is this one
-    loss_eff: float = 1.0  # share of that rate softmax + cross-entropy reach (exp/log: slower on CPUs)
-    op_overhead_us: float = 3.0  # per launched op: launch gap on GPU, dispatcher time on CPU
-    optimizer_bytes_per_param: float = 40.0  # fused AdamW (28 B) + grad-norm clip (12 B), memory traffic
+class CpuRanks:
+    """What matters only when ranks are processes sharing one host's CPU cores (gloo on CPU).
+
+    The planner is for GPU clusters; CPU ranks are how its method is checked on a machine
+    without one. They need figures a datasheet has no place for (how the ranks share the
+    cores, how busy cores slow each other, the host time of the distributed wrappers that a
+    GPU's host hides behind its kernels), so they live apart from the accelerator's. The
+    defaults describe a GPU: no sharing, no host overheads.
+    """
+
     shared_compute: bool = False  # True: processes on one node share its compute (CPU ranks)
     cores: int = 0  # shared_compute: cores the ranks of one node share (0: the device is split evenly)
     threads: int = 1  # shared_compute: threads of one rank, which the peak and efficiencies describe
     process_baseline_gib: float = 0.0  # CPU: resident memory before the model (torch, data)
     # shared_compute: one core's throughput while every core of the node is busy, relative to
-    # it running alone (shared caches, memory bandwidth, SMT siblings; calibrate_corun.py),
+    # it running alone (shared caches, memory bandwidth, SMT siblings; calibrate/corun.py),
     # for GEMMs, streaming element-wise work and per-op dispatch. 1: no interference.
     corun_matmul_eff: float = 1.0
     corun_memory_eff: float = 1.0
     corun_dispatch_eff: float = 1.0
-    # Host CPU time of the distributed wrappers (calibrate_dist.py), per micro-batch: one TP+SP
+    # Host CPU time of the distributed wrappers (calibrate/dist.py), per micro-batch: one TP+SP
     # block's DTensor dispatch, one FSDP2 block's hooks and copies, and per parameter tensor
     # of the optimizer step on DTensors. 0 on GPUs, where the host runs ahead of the kernels.
     tp_layer_overhead_us: float = 0.0
@@ -110,6 +108,28 @@ class Hardware:
     fsdp_root_overhead_us: float = 0.0  # FSDP2's root module (embedding, norm, output)
     dtensor_param_overhead_us: float = 0.0
 
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    marker: str  # substring of torch.cuda.get_device_name() that identifies it ("" = none)
+    peak_tflops: dict[str, float]  # dense, per dtype
+    mem_gib: float  # capacity one process can use
+    mem_bw_gbs: float  # device memory bandwidth, GB/s
+    network: Network = field(default_factory=Network)
+    reserved_gib: float = 2.0  # CUDA context, NCCL and cuBLAS workspaces (outside the allocator's count)
+    fragmentation: float = 0.08  # allocator slack as a share of allocated bytes
+    matmul_eff_max: dict[str, float] = field(default_factory=lambda: {d: 0.838 for d in DTYPES})
+    matmul_half_dim: float = 96.0  # a GEMM dimension of this size halves that dimension's efficiency
+    attn_eff: dict[str, float] = field(default_factory=lambda: {d: 0.45 for d in DTYPES})
+    attn_half_len: float = 256.0  # a query or key block of this length halves attention's efficiency
+    elementwise_eff: dict[str, float] = field(default_factory=lambda: {d: 0.7 for d in DTYPES})  # share of
+    # mem_bw_gbs that norms, casts and adds reach when the compute dtype is this one
+    loss_eff: float = 1.0  # share of that rate softmax + cross-entropy reach (exp/log: slower on CPUs)
+    op_overhead_us: float = 3.0  # per launched op: launch gap on GPU, dispatcher time on CPU
+    optimizer_bytes_per_param: float = 40.0  # fused AdamW (28 B) + grad-norm clip (12 B), memory traffic
+    cpu: CpuRanks = field(default_factory=CpuRanks)  # [cpu]: ranks sharing a host's cores (gloo on CPU)
+
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s (not TFLOP/s) for a dtype; ConfigError if the device lacks it."""
         if dtype not in self.peak_tflops:
@@ -117,41 +137,27 @@ class Hardware:
                               f"it has {', '.join(self.peak_tflops)}")
         return self.peak_tflops[dtype] * 1e12
 
+    def with_cpu(self, **changes: Any) -> Hardware:
+        """A copy with some `CpuRanks` figures changed (one call for the two nested replaces)."""
+        return dataclasses.replace(self, cpu=dataclasses.replace(self.cpu, **changes))
 
-def _gpu(name: str, marker: str, peaks: tuple[float, float, float | None, float], mem_gib: float,
-         mem_bw: float, net: Network) -> Hardware:
-    bf16, fp16, fp8, fp32 = peaks
-    table = {"bf16": bf16, "fp16": fp16, "fp32": fp32}
-    if fp8 is not None:
-        table["fp8"] = fp8
-    return Hardware(name=name, marker=marker, peak_tflops=table, mem_gib=mem_gib, mem_bw_gbs=mem_bw, network=net)
+
+def _gpu(name: str, net: Network) -> Hardware:
+    """The planner's device: the datasheet (shardline.devices) plus its network."""
+    d = DATASHEETS[name]
+    return Hardware(name=name, marker=d.marker, peak_tflops=dict(d.peak_tflops), mem_gib=d.mem_gib,
+                    mem_bw_gbs=d.mem_bw_gbs, network=net)
 
 
 _NVLINK4 = Network(intra_bw_gbs=450.0, inter_bw_gbs=50.0)
 GPUS: dict[str, Hardware] = {
-    "h100-sxm": _gpu("h100-sxm", "H100", (989.0, 989.0, 1979.0, 67.0), 79.6, 3350.0, _NVLINK4),
-    "h200": _gpu("h200", "H200", (989.0, 989.0, 1979.0, 67.0), 139.8, 4800.0, _NVLINK4),
-    "a100-80gb": _gpu("a100-80gb", "A100", (312.0, 312.0, None, 19.5), 79.2, 2039.0,
-                      Network(intra_bw_gbs=300.0, inter_bw_gbs=25.0, host_bw_gbs=25.0)),
-    "b200": _gpu("b200", "B200", (2250.0, 2250.0, 4500.0, 80.0), 179.0, 8000.0,
-                 Network(intra_bw_gbs=900.0, inter_bw_gbs=50.0, host_mem_gib=4096.0)),
-    "mi300x": _gpu("mi300x", "MI300X", (1307.4, 1307.4, 2614.9, 163.4), 191.5, 5300.0,
-                   Network(intra_bw_gbs=300.0, intra_latency_us=5.0, inter_bw_gbs=50.0)),
+    "h100-sxm": _gpu("h100-sxm", _NVLINK4),
+    "h200": _gpu("h200", _NVLINK4),
+    "a100-80gb": _gpu("a100-80gb", Network(intra_bw_gbs=300.0, inter_bw_gbs=25.0, host_bw_gbs=25.0)),
+    "b200": _gpu("b200", Network(intra_bw_gbs=900.0, inter_bw_gbs=50.0, host_mem_gib=4096.0)),
+    "mi300x": _gpu("mi300x", Network(intra_bw_gbs=300.0, intra_latency_us=5.0, inter_bw_gbs=50.0)),
 }
 DEVICE_NAMES = (*GPUS, "cpu")
-
-# A CPU has no datasheet peak we can read; assume 3 GHz x 32 fp32 FLOP/cycle per core
-# (two AVX2 FMA units) over the threads torch uses. It makes CPU MFU comparable
-# between runs on one machine, not with GPUs.
-_CPU_FLOP_PER_CYCLE, _CPU_HZ = 32, 3.0e9
-
-
-def cpu_peak_tflops() -> float:
-    import torch
-
-    threads = torch.get_num_threads() or os.cpu_count() or 1
-    return threads * _CPU_FLOP_PER_CYCLE * _CPU_HZ / 1e12
-
 
 def _host_memory_gib() -> float:
     try:
@@ -181,14 +187,14 @@ def cpu_hardware() -> Hardware:
                         op_factor={"all_reduce": 0.9, "all_gather": 1.1, "reduce_scatter": 2.0}),
         matmul_eff_max={"fp32": 0.5, "bf16": 0.1, "fp16": 0.05}, matmul_half_dim=64.0,
         attn_eff={"fp32": 0.25, "bf16": 0.05, "fp16": 0.03}, elementwise_eff={"fp32": 1.0, "bf16": 0.8, "fp16": 0.5},
-        loss_eff=0.2, op_overhead_us=10.0,
-        optimizer_bytes_per_param=120.0, shared_compute=True, cores=cpu_cores(),
-        threads=torch.get_num_threads() or 1, process_baseline_gib=0.45,
-        # As `shardline calibrate` measured them on a 2-core VM (one thread per rank), rounded.
-        tp_layer_overhead_us=15000.0, fsdp_layer_overhead_us=2000.0, fsdp_layer_overhead_us_per_mb=1500.0,
-        tp_head_overhead_us=5000.0, fsdp_root_overhead_us=2000.0, dtensor_param_overhead_us=60.0,
-        tp_layer_wall_us=25000.0, tp_layer_wall_us_per_mb=15000.0, tp_head_wall_us=10000.0,
-        tp_head_wall_us_per_mb=10000.0)
+        loss_eff=0.2, op_overhead_us=10.0, optimizer_bytes_per_param=120.0,
+        cpu=CpuRanks(
+            shared_compute=True, cores=cpu_cores(), threads=torch.get_num_threads() or 1, process_baseline_gib=0.45,
+            # As `shardline calibrate` measured them on a 2-core VM (one thread per rank), rounded.
+            tp_layer_overhead_us=15000.0, fsdp_layer_overhead_us=2000.0, fsdp_layer_overhead_us_per_mb=1500.0,
+            tp_head_overhead_us=5000.0, fsdp_root_overhead_us=2000.0, dtensor_param_overhead_us=60.0,
+            tp_layer_wall_us=25000.0, tp_layer_wall_us_per_mb=15000.0, tp_head_wall_us=10000.0,
+            tp_head_wall_us_per_mb=10000.0))
 
 
 def get_hardware(name: str, profile: str | Path | None = None) -> Hardware:
@@ -205,81 +211,57 @@ def get_hardware(name: str, profile: str | Path | None = None) -> Hardware:
 
 
 def read_profile(path: str | Path) -> dict[str, Any]:
-    return read_toml(path, "hardware profile")
+    return reader.read_toml(path, "hardware profile")
 
 
 def apply_overrides(hw: Hardware, raw: dict[str, Any], where: str) -> Hardware:
-    """Return `hw` with the fields of `raw` replaced; raw["measured"] is kept for the record only."""
+    """Return `hw` with the keys of `raw` set; raw["measured"] is kept for the record only.
+
+    The keys are checked here (names, and no figure below 0: every one is a size, rate,
+    time or share) so a profile's mistakes read as hardware keys; the config reader types them.
+    """
     raw = dict(raw)
     base = raw.pop("base", None)
     raw.pop("measured", None)
     if base is not None and base != hw.name:
         raise ConfigError(f"{where} describes {base!r} but the device is {hw.name!r}; "
                           f"use --gpu {base} with this profile, or remove its base key")
-    changes: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key == "network":
-            changes["network"] = _replace_fields(hw.network, value, f"{where} [network]")
-        else:
-            changes.update(_field_values(hw, {key: value}, where))
-    return dataclasses.replace(hw, **changes)
+    _check_keys(hw, raw, where)
+    try:
+        return reader.updated(hw, raw, "hardware", kind="hardware key")
+    except ConfigError as e:  # a wrong type: name the file too
+        raise ConfigError(f"{where}: {e}") from None
 
 
-def _replace_fields(obj: Any, raw: Any, where: str) -> Any:
+_CPU_KEYS = reader.field_names(CpuRanks)  # top-level keys of profiles written before [cpu]
+
+
+def _check_keys(obj: Any, raw: Any, where: str) -> None:
+    """Known keys (`name` is the table's, not a profile's) with values >= 0, in nested tables too."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where} must be a table of keys, got {raw!r}")
-    return dataclasses.replace(obj, **_field_values(obj, raw, where))
-
-
-def _field_values(obj: Any, raw: dict[str, Any], where: str) -> dict[str, Any]:
-    fields = {f.name: f for f in dataclasses.fields(obj) if f.name not in ("name", "network")}
-    out = {}
+        return  # the reader says what it should be
+    valid = [n for n in reader.field_names(obj) if n != "name"]
     for key, value in raw.items():
-        if key not in fields:
-            raise ConfigError(f"{where}: unknown hardware key {key!r}; valid: {', '.join(fields)}, network")
-        current = getattr(obj, key)
-        if isinstance(current, dict):
-            if not isinstance(value, dict) or not all(_is_number(v) for v in value.values()):
-                raise ConfigError(f"{where}: {key} must be a table of numbers per dtype, got {value!r}")
-            out[key] = {**current, **{k: float(v) for k, v in value.items()}}
-        elif isinstance(current, bool):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{where}: {key}={value!r} must be true or false")
-            out[key] = value
-        elif isinstance(current, (int, float)):
-            if not _is_number(value) or value < 0:
-                raise ConfigError(f"{where}: {key}={value!r} must be a number >= 0")
-            out[key] = type(current)(value)
-        else:
-            out[key] = str(value)
-    return out
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+        if key not in valid:
+            moved = " (it belongs in the [cpu] table)" if isinstance(obj, Hardware) and key in _CPU_KEYS else ""
+            raise ConfigError(f"{where}: unknown hardware key {key!r}{moved}; valid: {', '.join(valid)}")
+        if dataclasses.is_dataclass(getattr(obj, key)):
+            _check_keys(getattr(obj, key), value, f"{where} [{key}]")
+            continue
+        named = {f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value}
+        for name, v in named.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+                raise ConfigError(f"{where}: {name}={v!r} must be a number >= 0")
 
 
 def to_toml(values: dict[str, Any], comment: str = "") -> str:
-    """A flat-or-one-level-nested dict of numbers/strings/bools as TOML (for profiles)."""
-    lines = [f"# {line}" for line in comment.splitlines()]
-    tables = {k: v for k, v in values.items() if isinstance(v, dict)}
-    for key, value in values.items():
-        if not isinstance(value, dict):
-            lines.append(f"{key} = {_toml_value(value)}")
-    for name, table in tables.items():
-        lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
-    return "\n".join(lines) + "\n"
+    """A profile as TOML, floats rounded to 6 decimals: measurements carry no more."""
+    return reader.to_toml(_rounded(values), comment)
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, dict):  # an inline table
-        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, float):
-        return repr(round(v, 6))
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return repr(v)
+def _rounded(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return round(value, 6) if isinstance(value, float) else value

@@ -30,8 +30,10 @@ from __future__ import annotations
 from shardline.models.flops import num_params
 from shardline.planner import activations as act
 from shardline.planner.hardware import Hardware
-from shardline.planner.layout import Layout, Workload
-from shardline.planner.pipeline import RankStages, inflight_on_rank, pipeline_ranks
+from shardline.layout import Layout
+from shardline.planner.layout import Workload
+from shardline.layout import RankStages, pipeline_ranks
+from shardline.planner.pipeline import inflight_on_rank
 
 GB, GiB = 1e9, 2**30
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -178,7 +180,7 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
                                             psi - stage.layers * layer_params(work, layout.tp))}
         allocated = sum(parts.values())
         parts["fragmentation"] = hw.fragmentation * allocated
-        parts["reserved"] = (hw.reserved_gib + hw.process_baseline_gib) * GiB
+        parts["reserved"] = (hw.reserved_gib + hw.cpu.process_baseline_gib) * GiB
         parts["total"] = sum(parts.values())
         parts["host_offload"] = host  # on the host, not the device: not in the total
         if parts["total"] > worst.get("total", -1.0):

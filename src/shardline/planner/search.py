@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from shardline.errors import ConfigError
 from shardline.planner.estimate import Estimate, timed
 from shardline.planner.hardware import Hardware
-from shardline.planner.layout import Layout, Workload, layout_problem
+from shardline.layout import Layout
+from shardline.planner.layout import Workload, layout_problem
 from shardline.planner.memory import GiB, host_fits, memory_breakdown
 from shardline.planner.pipeline import VIRTUAL_STAGES
 
@@ -206,22 +207,7 @@ def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult
 
 
 def runnable_problem(work: Workload, layout: Layout) -> str | None:
-    """Why `shardline train` cannot run this layout today (its own checks), or None.
-
-    Uses the parallel package's validation, so the answer follows what the trainer
-    implements; without that package nothing is ruled out here.
-    """
-    try:
-        from shardline.parallel.dims import ParallelDims
-    except ImportError:
-        return None
-    from shardline.planner.layout import to_config
-
-    try:
-        cfg = to_config(layout, work)
-        dims = ParallelDims.from_config(cfg.parallel, layout.world)
-        dims.check_against(work.model, cfg)
-    except ConfigError as e:
-        return str(e)
-    return None
-
+    """Why `shardline train` cannot run this layout today, or None: the trainer's own rules
+    (shardline.layout), which `train --dry-run` applies too."""
+    problem = layout_problem(work, layout, runnable=True)
+    return problem[1] if problem else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from shardline.resilience.settings import AnomalyConfig
+from shardline.config.resilience import AnomalyConfig
 
 
 class AnomalyDetector:

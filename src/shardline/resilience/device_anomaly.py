@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from shardline.resilience.settings import AnomalyConfig
+from shardline.config.resilience import AnomalyConfig
 
 
 class DeviceAnomalyCheck:

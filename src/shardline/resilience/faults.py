@@ -13,7 +13,7 @@ import signal
 import time
 from pathlib import Path
 
-from shardline.resilience.settings import FaultsConfig
+from shardline.config.resilience import FaultsConfig
 
 
 class FaultInjector:

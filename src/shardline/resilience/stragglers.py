@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardline.resilience.settings import WatchdogConfig
+from shardline.config.resilience import WatchdogConfig
 
 
 @dataclass(frozen=True)

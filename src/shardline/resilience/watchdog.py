@@ -40,7 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardline.resilience.hangs import dump_stacks, stopped_ranks, stuck, write_report
-from shardline.resilience.settings import WatchdogConfig
+from shardline.config.resilience import WatchdogConfig
 from shardline.resilience.stragglers import PeerWatch
 
 PREFIX = "shardline/wd"

@@ -20,9 +20,10 @@ switch serves two servers) and for silent data corruption (the snapshot may be b
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+from shardline.config import reader
 from shardline.errors import ConfigError
 
 LLAMA3_DAYS = 54.0
@@ -92,18 +93,17 @@ class FailureModel:
                    for c in LLAMA3_CAUSES)
 
     def with_updates(self, table: dict[str, Any], where: str) -> FailureModel:
-        """Apply a `[failures]` table: `scale`, `planned_per_day`, or a cause name = rate."""
-        rates, out = dict(self.rates), self
+        """Apply a `[failures]` table: `scale`, `planned_per_day`, or a cause name = rate.
+
+        Cause names sit at the table's top level (`faulty_gpu = 0`) for brevity; they go to `rates`.
+        """
+        valid = ["scale", "planned_per_day", *self.rates]
         for key, value in table.items():
-            number = _non_negative(value, f"{where}.{key}")
-            if key in ("scale", "planned_per_day"):
-                out = replace(out, **{key: number})
-            elif key in rates:
-                rates[key] = number
-            else:
-                valid = ", ".join(["scale", "planned_per_day", *rates])
-                raise ConfigError(f"{where}.{key} is not a failure setting; valid keys: {valid}")
-        return replace(out, rates=rates)
+            if key not in valid:
+                raise ConfigError(f"{where}.{key} is not a failure setting; valid keys: {', '.join(valid)}")
+            _non_negative(value, f"{where}.{key}")
+        rates = {k: v for k, v in table.items() if k in self.rates}
+        return reader.updated(self, {**{k: v for k, v in table.items() if k not in rates}, "rates": rates}, where)
 
 
 def _non_negative(value: Any, key: str) -> float:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardline.errors import ConfigError, ShardlineError
-from shardline.hardware import PEAK_TFLOPS, cpu_peak_tflops
+from shardline.devices import PEAK_TFLOPS, cpu_peak_tflops
 from shardline.models import PRESETS, ModelArgs, flops_per_token, num_params
 from shardline.simulator.settings import Settings
 

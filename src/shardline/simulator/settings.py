@@ -2,18 +2,18 @@
 
 Precedence, lowest first: the defaults below, `[simulate]` and `[failures]` tables of
 `--config FILE.toml`, `--simulate.key=value` / `--failures.key=value` overrides, then the
-explicit CLI flags. Every value is checked here and a mistake raises ConfigError naming
-the key. The defaults and their sources are documented in docs/simulator.md.
+explicit CLI flags. Names and types are the dataclass's, read by `shardline.config.reader`
+like every settings file; ranges and choices are checked here. A mistake raises
+ConfigError naming the key. The defaults and their sources are documented in docs/simulator.md.
 """
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from shardline.config import read_toml
+from shardline.config import reader
 from shardline.errors import ConfigError
 from shardline.simulator.failures import FailureModel
 
@@ -54,53 +54,41 @@ class Settings:
     failures: FailureModel = field(default_factory=FailureModel)
 
 
-# key: (lowest allowed, strictly greater?, integer?)
-_RULES: dict[str, tuple[float, bool, bool]] = {
-    "step_time_s": (0, True, False), "seq_len": (0, True, True), "global_batch_tokens": (0, True, True),
-    "mfu": (0, True, False), "detection_s": (0, False, False), "restart_s": (0, False, False),
-    "load_s": (0, False, False), "memory_load_s": (0, False, False), "planned_downtime_s": (0, False, False),
-    "save_s": (0, False, False), "snapshot_s": (0, False, False), "persist_every": (1, False, True),
-    "persist_interval_s": (0, True, False), "state_bytes_per_param": (0, True, False),
-    "storage_gbps_per_node": (0, True, False), "storage_gbps_total": (0, True, False),
-    "host_copy_gbps": (0, True, False), "save_overhead_s": (0, False, False),
-    "snapshot_overhead_s": (0, False, False), "straggler_prob": (0, False, False),
-    "straggler_slowdown": (1, False, False),
+_KEYS = [f.name for f in fields(Settings) if f.name != "failures"]  # of [simulate]; [failures] is its own table
+
+# key: (lowest allowed, strictly greater?); the type (integer, number or None) is the field's
+_RULES: dict[str, tuple[float, bool]] = {
+    "step_time_s": (0, True), "seq_len": (0, True), "global_batch_tokens": (0, True), "mfu": (0, True),
+    "detection_s": (0, False), "restart_s": (0, False), "load_s": (0, False), "memory_load_s": (0, False),
+    "planned_downtime_s": (0, False), "save_s": (0, False), "snapshot_s": (0, False), "persist_every": (1, False),
+    "persist_interval_s": (0, True), "state_bytes_per_param": (0, True), "storage_gbps_per_node": (0, True),
+    "storage_gbps_total": (0, True), "host_copy_gbps": (0, True), "save_overhead_s": (0, False),
+    "snapshot_overhead_s": (0, False), "straggler_prob": (0, False), "straggler_slowdown": (1, False),
 }
 
 
-def _check_number(key: str, value: Any) -> float | int:
-    low, strict, integer = _RULES[key]
-    kind = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise ConfigError(f"simulate.{key}={value!r} must be {kind}")
+def _check_range(key: str, value: Any) -> None:
+    """A number within its rule (the reader has checked its type); named as the user wrote it."""
+    low, strict = _RULES[key]
     if value < low or (strict and value == low):
         raise ConfigError(f"simulate.{key}={value} must be {'>' if strict else '>='} {low}")
     if key == "mfu" and value > 1:
         raise ConfigError(f"simulate.mfu={value} must be in (0, 1]")
     if key == "straggler_prob" and value > 1:
         raise ConfigError(f"simulate.straggler_prob={value} must be a probability in [0, 1]")
-    return value
 
 
-def check_value(key: str, value: Any) -> Any:
-    """Validate one `[simulate]` value; return it as stored."""
+def _check_value(key: str, value: Any, given: Any) -> None:
+    """What a type does not say about one `[simulate]` value: its choices, or its range (shown `given`)."""
     if key == "checkpoint_mode":
         if value not in MODES:
             raise ConfigError(f"checkpoint mode {value!r} is not one of {', '.join(MODES)}")
-        return value
-    if key == "checkpoint_interval":
-        return parse_interval(value)
-    if key == "fix":
+    elif key == "fix":
         from shardline.planner.layout import parse_fix
 
-        if not isinstance(value, str):
-            raise ConfigError(f"simulate.fix={value!r} must be a string like \"tp=8,pp=16\"")
         parse_fix(value)  # a bad key or value fails here, naming it
-        return value
-    if key not in _RULES:
-        valid = ", ".join(f.name for f in fields(Settings) if f.name != "failures")
-        raise ConfigError(f"simulate.{key} is not a simulator setting; valid keys: {valid}")
-    return _check_number(key, value)
+    elif key in _RULES and value is not None:
+        _check_range(key, given)
 
 
 def parse_interval(value: Any) -> int | str:
@@ -116,15 +104,8 @@ def parse_interval(value: Any) -> int | str:
     return steps
 
 
-def _parse_scalar(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
 def _read_toml(path: str | Path) -> dict[str, Any]:
-    raw = read_toml(path)
+    raw = reader.read_toml(path)
     unknown = set(raw) - {"simulate", "failures"}
     if unknown:
         raise ConfigError(f"--config {path}: unknown section(s) {', '.join(sorted(unknown))}; "
@@ -133,9 +114,18 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def apply_table(settings: Settings, section: str, table: dict[str, Any], where: str) -> Settings:
+    """`settings` with one table set: names and types by the config reader, ranges checked here."""
     if section == "failures":
         return replace(settings, failures=settings.failures.with_updates(table, where))
-    return replace(settings, **{k: check_value(k, v) for k, v in table.items()})
+    for key in table:
+        if key not in _KEYS:
+            raise ConfigError(f"simulate.{key} is not a simulator setting; valid keys: {', '.join(_KEYS)}")
+    if "checkpoint_interval" in table:  # "optimal" or steps, as a number or a string (a CLI flag)
+        table = {**table, "checkpoint_interval": parse_interval(table["checkpoint_interval"])}
+    typed = reader.updated(settings, table, "simulate", kind="simulator setting")
+    for key, given in table.items():
+        _check_value(key, getattr(typed, key), given)  # an error shows the value as the user wrote it
+    return typed
 
 
 def load_settings(path: str | Path | None, overrides: list[str], flags: dict[str, Any]) -> Settings:
@@ -147,10 +137,9 @@ def load_settings(path: str | Path | None, overrides: list[str], flags: dict[str
                 raise ConfigError(f"--config {path}: [{section}] must be a table")
             settings = apply_table(settings, section, table, section)
     for item in overrides:
-        name, sep, text = item.removeprefix("--").partition("=")
-        section, _, key = name.partition(".")
-        if not sep or section not in ("simulate", "failures") or not key:
+        section, key, value = reader.split_override(item)
+        if section not in ("simulate", "failures"):
             raise ConfigError(f"override {item!r}: use --simulate.KEY=VALUE or --failures.KEY=VALUE")
-        settings = apply_table(settings, section, {key: _parse_scalar(text)}, section)
+        settings = apply_table(settings, section, {key: value}, section)
     given = {k: v for k, v in flags.items() if v is not None}
     return apply_table(settings, "simulate", given, "simulate")

@@ -1,7 +1,7 @@
 """`shardline calibrate`: measure this machine, write a profile the planner uses instead of datasheets.
 
-What is measured and how is in calibrate_ops.py (compute, memory traffic, overheads)
-and calibrate_comm.py (gloo collectives between local processes); here the points
+What is measured and how is in ops.py (compute, memory traffic, overheads)
+and comm.py (gloo collectives between local processes); here the points
 are fitted to the planner's curves and written as a TOML profile:
 
 * matmul: linear forward + backward rates per dtype over GEMM shapes, fitted to
@@ -14,9 +14,10 @@ are fitted to the planner's curves and written as a TOML profile:
   default data pipeline (shipped corpus, cached tokenizer), in a subprocess
 * collective latency and bandwidth ([network] intra_latency_us, intra_bw_gbs, and per
   world size 2, 4, 8: latency_by_world_us, bw_by_world_gbs)
-* on a CPU, the thread count the figures are for and the cores ranks share (threads, cores),
+* on a CPU, in the [cpu] table: the thread count the figures are for and the cores ranks
+  share (threads, cores), the process baseline (process_baseline_gib),
   and how much busy cores slow each other (corun_matmul_eff, corun_memory_eff,
-  corun_dispatch_eff; calibrate_corun.py)
+  corun_dispatch_eff; corun.py), and the host time of the TP/FSDP2 wrappers (dist.py)
 * every compute figure is the median over 3 interleaved rounds of measurements
 
 On a GPU the same code measures the GPU (the timings synchronise); the profile's
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 
 from shardline.errors import ShardlineError
-from shardline.planner import calibrate_ops as ops
+from shardline.planner.calibrate import ops
 from shardline.planner.hardware import Hardware, cpu_hardware, get_hardware, to_toml
 
 # (m tokens, n out, k in); the first eight are the quick set
@@ -144,23 +145,26 @@ def measure(quick: bool = False, comm: bool = True, dtypes: tuple[str, ...] = ("
     fields["loss_eff"] = pts["loss_gbs"] / fields["mem_bw_gbs"]
     fields["op_overhead_us"] = pts["op_overhead_us"]
     fields["optimizer_bytes_per_param"] = pts["optimizer_ns_per_param"] * fields["mem_bw_gbs"]
+    cpu: dict = {}  # the profile's [cpu] table (CpuRanks): figures only CPU ranks need
     if device.type == "cpu" and baseline:
-        fields["process_baseline_gib"] = measure_baseline_gib()
+        cpu["process_baseline_gib"] = measure_baseline_gib()
     if comm:
-        from shardline.planner.calibrate_comm import measure_collectives
+        from shardline.planner.calibrate.comm import measure_collectives
 
         net, points = measure_collectives(world_sizes=comm_worlds or ((2,) if quick else (2, 4, 8)))
         fields["network"] = net
         raw["collectives"] = points
         if device.type == "cpu":
-            from shardline.planner.calibrate_corun import measure_corun
-            from shardline.planner.calibrate_dist import measure_wrappers
+            from shardline.planner.calibrate.corun import measure_corun
+            from shardline.planner.calibrate.dist import measure_wrappers
             from shardline.planner.hardware import cpu_cores
 
             wrappers, raw["wrappers"] = measure_wrappers()
-            fields.update(wrappers)
-            # Ranks share the node's cores: how much each slows the others (calibrate_corun.py).
-            fields.update({f"corun_{k}_eff": v for k, v in measure_corun(cpu_cores()).items()})
+            cpu.update(wrappers)
+            # Ranks share the node's cores: how much each slows the others (corun.py).
+            cpu.update({f"corun_{k}_eff": v for k, v in measure_corun(cpu_cores()).items()})
+    if cpu:
+        fields["cpu"] = cpu
     return fields, raw
 
 
@@ -185,8 +189,9 @@ def calibrate(out: str | Path, quick: bool = False, comm: bool = True, threads: 
     start = time.perf_counter()
     fields, raw = measure(quick=quick, comm=comm, clock=clock)
     if on_cpu:  # the efficiencies are relative to this thread count's nominal peak: keep it with them
-        cpu = cpu_hardware()
-        fields.update(peak_tflops=dict(cpu.peak_tflops), threads=cpu.threads, cores=cpu.cores)
+        host = cpu_hardware()
+        fields["peak_tflops"] = dict(host.peak_tflops)
+        fields["cpu"] = {**fields.get("cpu", {}), "threads": host.cpu.threads, "cores": host.cpu.cores}
     busy = (f"\nWARNING: the machine was busy (load average {load:.1f} on {os.cpu_count()} CPUs): multi-threaded "
             "timings are inflated; calibrate on an idle machine, or with --threads 1") if (
         on_cpu and load > 0.5 * (os.cpu_count() or 1) and torch.get_num_threads() > 1) else ""
@@ -195,19 +200,13 @@ def calibrate(out: str | Path, quick: bool = False, comm: bool = True, threads: 
                f"{torch.get_num_threads()} threads, load average {load:.1f}\nuse: shardline plan|estimate ... "
                f"--gpu {fields['base']} --profile {out}  (train with the same number of threads)\n"
                f"[measured] holds the raw points; the planner ignores it{busy}")
-    text = to_toml({**_rounded(fields), "measured": _flat(raw)}, comment)
+    text = to_toml({**fields, "measured": _flat(raw)}, comment)
     try:
         Path(out).write_text(text)
     except OSError as e:
         raise ShardlineError(f"calibrate: cannot write {out}: {e}") from None
     print(text)
     return fields
-
-
-def _rounded(fields):
-    if isinstance(fields, dict):
-        return {k: _rounded(v) for k, v in fields.items()}
-    return round(fields, 6) if isinstance(fields, float) else fields
 
 
 def _flat(raw: dict) -> dict:

@@ -1,4 +1,7 @@
-"""Tensor parallelism (Megatron 1-D) with sequence parallelism and loss parallelism.
+"""Llama's parallel plan: pipeline split -> tensor parallel -> activation checkpointing
+-> data parallel (FSDP2 / HSDP, or DDP), in torchtitan's order, then initialisation.
+
+Tensor parallelism (Megatron 1-D) with sequence parallelism and loss parallelism:
 
 q/k/v and w1/w3 are split by output columns, o and w2 by input rows, so each block
 needs one reduction after attention and one after the feed-forward. With sequence
@@ -11,6 +14,7 @@ cross-entropy runs on the vocab-sharded logits without gathering them.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -21,6 +25,47 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from shardline.config import Config
+from shardline.layout import V_SHAPED
+from shardline.models.factory import build_meta_model
+from shardline.models.llama.model import Llama, ModelArgs
+from shardline.parallel.activation_checkpoint import apply_ac
+from shardline.parallel.data_parallel import apply_ddp, apply_fsdp
+from shardline.parallel.dims import ParallelDims
+from shardline.parallel.parallelize import BuiltModel, assign_full_value
+from shardline.parallel.pipeline import Pipeline
+
+
+def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, device: torch.device) -> BuiltModel:
+    """Built on meta, laid out by `dims` and initialised (starting weights are loaded
+    afterwards, by shardline.interop.weights)."""
+    model = build_meta_model(args)
+    if dims.world_size > 1:
+        # Tied ends on two pp ranks need a group to sum the tied gradient (V-shaped
+        # schedules put both ends on pp rank 0, where the tie stays one parameter).
+        dims.build_mesh(device, embedding_group=args.tie_embeddings and cfg.parallel.pp_schedule not in V_SHAPED)
+    return parallelize(model, args, dims, cfg, device)
+
+
+def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, device: torch.device) -> BuiltModel:
+    """Lay out `model` (on meta) in place by `dims`, then initialise it."""
+    p = cfg.parallel
+    pipeline = None
+    if dims.pp > 1:
+        pipeline = Pipeline(model, args, dims.submesh("pp").get_local_rank(), dims.pp, p.pp_virtual_stages,
+                            p.pp_schedule, dims.layout.pp_microbatches, cfg.train.document_mask, cfg.train.seq_len)
+    if dims.tp > 1:
+        apply_tp(model, dims.submesh("tp"), p.sequence_parallel, p.loss_parallel)
+    apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
+    use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1
+    if dims.dp > 1 and not use_ddp:
+        roots = pipeline.modules if pipeline else [model]
+        apply_fsdp(model, roots, dims, cfg.train.precision, cfg.memory.cpu_offload)
+    init_device = "cpu" if cfg.memory.cpu_offload and dims.dp > 1 else device
+    model.init_weights(seed=cfg.train.seed, device=init_device, assign=assign_full_value)
+    forward = None if pipeline else (apply_ddp(model, dims, device) if use_ddp else model)
+    return BuiltModel(model, forward, pipeline)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:

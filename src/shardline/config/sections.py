@@ -1,22 +1,16 @@
-"""Typed configuration: dataclass sections, TOML files, `--section.key=value` overrides.
+"""The sections of the training config: [run] [model] [train] [optim] [data]
+[checkpoint] [metrics] [parallel] [memory].
 
-Each section validates its own values (`check()`); `Config.check()` adds the rules
-that span sections. Every problem is a ConfigError naming the key, the value and
-what would be valid, raised before anything touches the run directory.
+Each section validates its own values (`check()`): a ConfigError naming the key, the
+value and what would be valid. Rules that need the model shape, the data or the
+world size live with the layout (`shardline.layout`) and the launch checks.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-from shardline.errors import ConfigError, require
-from shardline.resilience.settings import AnomalyConfig, FaultsConfig, WatchdogConfig
+from shardline.errors import require
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
@@ -54,10 +48,9 @@ class ModelConfig:
     tie_embeddings: int = -1  # -1 keep, 0 untied, 1 tied
 
     def check(self) -> None:
-        from shardline.models.presets import PRESETS
-
-        if not self.hf_path:
-            _require(self.preset in PRESETS, "model.preset", self.preset, f"one of {', '.join(PRESETS)}")
+        # The preset name is checked against the model table by the launch checks
+        # (config sits below models and cannot see it).
+        _require(bool(self.preset) or bool(self.hf_path), "model.preset", self.preset, "a preset name")
         _require(not (self.hf_path and self.init_from), "model.init_from", self.init_from,
                  "set model.hf_path or model.init_from, not both")
         _require(self.tie_embeddings in (-1, 0, 1), "model.tie_embeddings", self.tie_embeddings, "-1, 0 or 1")
@@ -183,8 +176,8 @@ class ParallelConfig:
     zero: int = 3  # what dp_shard shards: 1 optimizer states, 2 + gradients, 3 + parameters
     tp: int = 1  # tensor parallel (Megatron 1-D)
     pp: int = 1  # pipeline stages
-    cp: int = 1  # context parallel (not yet)
-    ep: int = 1  # expert parallel (not yet)
+    cp: int = 1  # context parallel (not implemented: must be 1)
+    ep: int = 1  # expert parallel (not implemented: must be 1)
     sequence_parallel: bool = True  # with tp > 1: shard the norm regions along the sequence
     loss_parallel: bool = True  # with tp > 1: cross-entropy on vocab-sharded logits
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv | dualpipev
@@ -212,136 +205,3 @@ class MemoryConfig:
         _require(self.activation_checkpoint in AC_MODES, "memory.activation_checkpoint",
                  self.activation_checkpoint, f"one of {', '.join(AC_MODES)}")
         _require(self.ac_every >= 1, "memory.ac_every", self.ac_every, "must be >= 1")
-
-
-@dataclass
-class Config:
-    run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
-    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
-    faults: FaultsConfig = field(default_factory=FaultsConfig)
-
-    def check(self, dp_world: int = 1) -> None:
-        for section in dataclasses.fields(self):
-            getattr(self, section.name).check()
-        t = self.train
-        per_step = t.micro_batch_size * dp_world
-        if t.global_batch_size % per_step:
-            raise ConfigError(
-                f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                f"train.micro_batch_size={t.micro_batch_size} x {dp_world} data-parallel rank(s) = {per_step}; "
-                f"use a multiple of {per_step}"
-            )
-
-    @property
-    def grad_accum_steps(self) -> int:
-        return self.train.global_batch_size // self.train.micro_batch_size
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the TOML file, then `section.key=value` overrides; then validated."""
-    cfg = from_dict(read_toml(path) if path is not None else {})
-    for item in overrides:
-        apply_override(cfg, item)
-    return cfg
-
-
-def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
-    """A TOML file as a dict; a missing or malformed file is a ConfigError naming it (as `what`)."""
-    try:
-        return tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{what} {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{what} {path} is not valid TOML: {e}") from None
-
-
-def from_dict(raw: dict[str, Any]) -> Config:
-    cfg = Config()
-    for section_name, values in raw.items():
-        section = _section(cfg, section_name)
-        if not isinstance(values, dict):
-            raise ConfigError(f"[{section_name}] must be a table of keys, got {values!r}")
-        for key, value in values.items():
-            _set(section, section_name, key, value)
-    return cfg
-
-
-def apply_override(cfg: Config, item: str) -> None:
-    """Apply one `section.key=value` override; value is parsed as TOML, else a string."""
-    item = item.removeprefix("--")
-    if "=" not in item or "." not in item.split("=", 1)[0]:
-        raise ConfigError(f"override {item!r} must look like --section.key=value")
-    dotted, text = item.split("=", 1)
-    section_name, key = dotted.split(".", 1)
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text  # bare words such as bf16 or runs/x are strings
-    _set(_section(cfg, section_name), section_name, key, value)
-
-
-def _section(cfg: Config, name: str) -> Any:
-    names = [f.name for f in dataclasses.fields(cfg)]
-    if name not in names:
-        raise ConfigError(f"unknown config section [{name}]; valid sections: {', '.join(names)}")
-    return getattr(cfg, name)
-
-
-def _set(section: Any, section_name: str, key: str, value: Any) -> None:
-    fields = {f.name: f for f in dataclasses.fields(section)}
-    if key not in fields:
-        raise ConfigError(f"unknown config key {section_name}.{key}; valid keys: {', '.join(fields)}")
-    hint = typing.get_type_hints(type(section))[key]
-    setattr(section, key, _coerce(f"{section_name}.{key}", value, hint))
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    if isinstance(hint, types.UnionType):  # e.g. int | None
-        hint = next(h for h in typing.get_args(hint) if h is not type(None))
-    if typing.get_origin(hint) is list:
-        item = typing.get_args(hint)[0]
-        if isinstance(value, list):
-            return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-        raise ConfigError(f"{key}={value!r} has the wrong type: expected a list of {item.__name__}")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-    raise ConfigError(f"{key}={value!r} has the wrong type: expected {hint.__name__}")
-
-
-def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML (saved in the run dir so a run can be repeated)."""
-    lines = []
-    for section, values in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-            else:
-                text = repr(value)
-            lines.append(f"{key} = {text}")
-        lines.append("")
-    return "\n".join(lines)

@@ -26,7 +26,7 @@ import time
 import torch
 
 from shardline.errors import ShardlineError
-from shardline.planner.calibrate_ops import time_it
+from shardline.planner.calibrate.ops import time_it
 
 KINDS = ("matmul", "memory", "dispatch")
 

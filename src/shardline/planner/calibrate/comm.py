@@ -5,13 +5,13 @@ Spawns `world` processes with torch.multiprocessing, each joining a gloo group o
 at 4 KiB - 4 MiB (all-reduce, all-gather and reduce-scatter, the calls DDP and FSDP2 make)
 and writes, per point, the median over 3 sweeps of the fastest of 5 repetitions to a
 file the parent reads. The points are
-fitted to the ring model of comm.py,
+fitted to the ring model of planner/comm.py,
 
     all_reduce: t = 2(n-1)·alpha + 2(n-1)/n · S/B      all_gather, reduce_scatter: t = (n-1)·alpha + (n-1)/n · S/B
 
 by least squares on (steps, bytes moved) -> seconds, giving the profile's
 intra_latency_us (alpha) and intra_bw_gbs (B, with bw_efficiency = 1), over all world
-sizes and per world size (latency_by_world_us, bw_by_world_gbs; comm.py uses the entry of
+sizes and per world size (latency_by_world_us, bw_by_world_gbs; planner/comm.py uses the entry of
 a group's size, or of the nearest smaller world size measured). One fit serves all three
 ops, which gloo does not run equally well (its reduce-scatter is the slow one), so each
 op also gets op_factor: the median over its points of measured / fitted time.

@@ -2,10 +2,10 @@
 
 On a GPU these run on the host while kernels run on the device; on a CPU they take the
 same cores as the compute, and with small blocks they rival it. Measured between two
-gloo processes with the trainer's own wrappers (parallel/tensor_parallel.apply_tp,
+gloo processes with the trainer's own wrappers (models/llama/parallelize.apply_tp,
 parallel/data_parallel.apply_fsdp) on small blocks (SIZES), mostly timed with each
 rank's thread CPU clock (waiting on a peer costs none, so the collectives, costed
-separately by comm.py, drop out); the size-dependent parts are lines through two sizes:
+separately by planner/comm.py, drop out); the size-dependent parts are lines through two sizes:
 
 * tp_layer_overhead_us:   extra CPU time of one TP+SP block's forward + backward over
                           half the plain block's (slope over 1 and 3 blocks: the ends drop out)
@@ -42,6 +42,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardline.errors import ShardlineError
+from shardline.layout import Layout
+from shardline.parallel.dims import ParallelDims
 
 # The blocks measured: FSDP at small and large, TP's wall time at small and wide (1 MB of
 # activations, the size training runs at, in short sequences to keep attention cheap).
@@ -117,10 +119,9 @@ def _optimizer_fn(model, dims):
 
 
 def _dims(world: int, **degrees):
-    from shardline.config import ParallelConfig
-    from shardline.parallel.dims import ParallelDims
-
-    dims = ParallelDims.from_config(ParallelConfig(**degrees), world)
+    """The trainer's meshes for `degrees` on `world` ranks."""
+    dims = ParallelDims(Layout(**degrees))
+    assert dims.world_size == world, (degrees, world)
     dims.build_mesh(torch.device("cpu"))
     return dims
 
@@ -132,7 +133,7 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
                             timeout=datetime.timedelta(seconds=120))
     try:
         from shardline.parallel.data_parallel import apply_fsdp
-        from shardline.parallel.tensor_parallel import apply_tp
+        from shardline.models.llama.parallelize import apply_tp
 
         plain_dims, tp_dims, fsdp_dims = _dims(1), _dims(world, tp=world, dp_shard=1), _dims(world, dp_shard=world)
         # Every rank runs the same timers in the same order: FSDP and TP collectives match up.
@@ -192,7 +193,7 @@ def _line(small: tuple[float, float], large: tuple[float, float]) -> tuple[float
 
 def measure_wrappers(world: int = 2, rounds: int = ROUNDS) -> tuple[dict, dict]:
     """(profile fields in microseconds, raw per-layer and per-parameter seconds); ~50 s on 2 cores."""
-    from shardline.planner.calibrate_comm import _free_port
+    from shardline.planner.calibrate.comm import _free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "wrappers.json")

@@ -1,0 +1,32 @@
+"""Typed configuration: dataclass sections, TOML files, `--section.key=value` overrides.
+
+`reader` is the typed TOML reader every settings file of shardline goes through;
+`sections` and `resilience` hold the sections of the training config; `job` puts
+them together as `Config`. The config imports no feature: features read it.
+"""
+
+from shardline.config.job import Config, apply_override, from_dict, load_config, to_toml
+from shardline.config.reader import read_toml
+from shardline.config.resilience import AnomalyConfig, FaultsConfig, WatchdogConfig
+from shardline.config.sections import (
+    AC_MODES,
+    PP_SCHEDULES,
+    PRECISIONS,
+    SCHEDULES,
+    CheckpointConfig,
+    DataConfig,
+    MemoryConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "AC_MODES", "PP_SCHEDULES", "PRECISIONS", "SCHEDULES", "AnomalyConfig", "CheckpointConfig", "Config",
+    "DataConfig", "FaultsConfig", "MemoryConfig", "MetricsConfig", "ModelConfig", "OptimConfig",
+    "ParallelConfig", "RunConfig", "TrainConfig", "WatchdogConfig", "apply_override", "from_dict",
+    "load_config", "read_toml", "to_toml",
+]

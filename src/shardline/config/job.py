@@ -1,0 +1,97 @@
+"""The whole training config: every section, loaded from defaults, a TOML file and overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardline.config import reader
+from shardline.config.resilience import AnomalyConfig, FaultsConfig, WatchdogConfig
+from shardline.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    MemoryConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from shardline.errors import ConfigError
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+    def check_sections(self) -> None:
+        """Each section's own rules; those involving the layout are shardline.layout's."""
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).check()
+
+    def check(self, dp_world: int = 1) -> None:
+        """Each section's rules, and a global batch that splits over `dp_world` ranks."""
+        self.check_sections()
+        t = self.train
+        per_step = t.micro_batch_size * dp_world
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                f"train.micro_batch_size={t.micro_batch_size} x {dp_world} data-parallel rank(s) = {per_step}; "
+                f"use a multiple of {per_step}"
+            )
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // self.train.micro_batch_size
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file, then `section.key=value` overrides (validated by check())."""
+    cfg = from_dict(reader.read_toml(path) if path is not None else {})
+    for item in overrides:
+        apply_override(cfg, item)
+    return cfg
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    cfg = Config()
+    for section_name, values in raw.items():
+        _set_section(cfg, section_name, values)
+    return cfg
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    """Apply one `section.key=value` override; the value is parsed as TOML, else taken as a string."""
+    section, key, value = reader.split_override(item)
+    _set_section(cfg, section, {key: value})
+
+
+def _set_section(cfg: Config, name: str, values: Any) -> None:
+    names = reader.field_names(cfg)
+    if name not in names:
+        raise ConfigError(f"unknown config section [{name}]; valid sections: {', '.join(names)}")
+    section = reader.updated(getattr(cfg, name), values, name)
+    setattr(cfg, name, section)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (saved in the run dir so a run can be repeated)."""
+    return reader.to_toml(cfg)

@@ -1,0 +1,140 @@
+"""One reader for typed TOML settings: dataclasses in, dataclasses out.
+
+Used by the training config, hardware profiles and simulator settings alike. A
+dataclass describes the keys (names, types, defaults); this module fills it from a
+TOML table or from `--section.key=value` overrides, coerces each value to the
+field's type, and writes it back as TOML. Every mistake is a ConfigError naming the
+key (with `where`, the file or section it came from) and what would be valid.
+
+Field types understood: bool, int, float, str, `X | None`, `list[X]`, `dict[str, X]`
+(a table; given keys replace those of the current value), and nested dataclasses
+(a sub-table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from shardline.errors import ConfigError
+
+
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A TOML file as a dict; a missing, unreadable or malformed file is a ConfigError naming it (as `what`)."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} {path} is not valid TOML: {e}") from None
+
+
+def parse_scalar(text: str) -> Any:
+    """An override's value: TOML when it parses (3, 1e-4, true, [1, 2]), else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # bare words such as bf16 or runs/x are strings
+
+
+def split_override(item: str) -> tuple[str, str, Any]:
+    """`--section.key=value` -> (section, key, value)."""
+    item = item.removeprefix("--")
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ConfigError(f"override {item!r} must look like --section.key=value")
+    dotted, text = item.split("=", 1)
+    section, key = dotted.split(".", 1)
+    return section, key, parse_scalar(text)
+
+
+def field_names(obj: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def updated(obj: Any, raw: dict[str, Any], where: str, kind: str = "config key") -> Any:
+    """A copy of dataclass `obj` with the keys of `raw` set (typed); `where` prefixes key names.
+
+    Works for frozen dataclasses too. Unknown keys are errors listing the valid ones.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{where}] must be a table of keys, got {raw!r}")
+    hints = typing.get_type_hints(type(obj))
+    names = field_names(obj)
+    changes = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise ConfigError(f"unknown {kind} {where}.{key}; valid keys: {', '.join(names)}")
+        changes[key] = coerce(f"{where}.{key}", value, hints[key], getattr(obj, key))
+    return dataclasses.replace(obj, **changes)
+
+
+def coerce(key: str, value: Any, hint: Any, current: Any = None) -> Any:
+    """`value` as type `hint`, or a ConfigError `key=value has the wrong type`."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:  # e.g. int | None
+        args = [h for h in typing.get_args(hint) if h is not type(None)]
+        for h in args[:-1]:
+            try:
+                return coerce(key, value, h)
+            except ConfigError:
+                pass
+        hint = args[-1]
+    if dataclasses.is_dataclass(hint):
+        return updated(current if current is not None else hint(), value, key)
+    origin = typing.get_origin(hint)
+    if origin is list:
+        item = typing.get_args(hint)[0]
+        if isinstance(value, list):
+            return [coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected a list of {item.__name__}")
+    if origin is dict:
+        item = typing.get_args(hint)[1]
+        if isinstance(value, dict):
+            given = {str(k): coerce(f"{key}.{k}", v, item) for k, v in value.items()}
+            return {**(current or {}), **given}
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected a table of {item.__name__}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif hint is Any:
+        return value
+    raise ConfigError(f"{key}={value!r} has the wrong type: expected {getattr(hint, '__name__', hint)}")
+
+
+
+def to_toml(obj: Any, comment: str = "") -> str:
+    """A dataclass (or a dict) as TOML: scalars first, then one table per nested dataclass or dict."""
+    values = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else dict(obj)
+    lines = [f"# {line}" for line in comment.splitlines()]
+    lines += [f"{k} = {toml_value(v)}" for k, v in values.items() if v is not None and not isinstance(v, dict)]
+    for name, table in values.items():
+        if isinstance(table, dict):
+            if lines:
+                lines.append("")
+            lines.append(f"[{name}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, dict):  # an inline table
+        return "{" + ", ".join(f"{toml_value(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return repr(v)

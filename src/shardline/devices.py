@@ -1,0 +1,74 @@
+"""Accelerator datasheets: peak dense FLOP/s per dtype, memory and its bandwidth.
+
+One table, below both the trainer (the MFU denominator) and the planner (which adds
+networks and measured efficiencies on top, planner/hardware.py). `metrics.peak_tflops`
+overrides the peak the trainer uses.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Datasheet:
+    name: str
+    marker: str  # substring of torch.cuda.get_device_name() that identifies it
+    peak_tflops: dict[str, float]  # dense, per dtype
+    mem_gib: float  # capacity one process can use
+    mem_bw_gbs: float  # device memory bandwidth, GB/s
+
+
+def _sheet(name: str, marker: str, peaks: tuple[float, float, float | None, float], mem_gib: float,
+           mem_bw: float) -> Datasheet:
+    bf16, fp16, fp8, fp32 = peaks
+    table = {"bf16": bf16, "fp16": fp16, "fp32": fp32}
+    if fp8 is not None:
+        table["fp8"] = fp8
+    return Datasheet(name, marker, table, mem_gib, mem_bw)
+
+
+DATASHEETS: dict[str, Datasheet] = {s.name: s for s in (
+    _sheet("h100-sxm", "H100", (989.0, 989.0, 1979.0, 67.0), 79.6, 3350.0),
+    _sheet("h200", "H200", (989.0, 989.0, 1979.0, 67.0), 139.8, 4800.0),
+    _sheet("a100-80gb", "A100", (312.0, 312.0, None, 19.5), 79.2, 2039.0),
+    _sheet("b200", "B200", (2250.0, 2250.0, 4500.0, 80.0), 179.0, 8000.0),
+    _sheet("mi300x", "MI300X", (1307.4, 1307.4, 2614.9, 163.4), 191.5, 5300.0),
+)}
+
+# name: (substring of torch.cuda.get_device_name(), {dtype: TFLOP/s}), derived from the table.
+PEAK_TFLOPS: dict[str, tuple[str, dict[str, float]]] = {
+    name: (s.marker, dict(s.peak_tflops)) for name, s in DATASHEETS.items()
+}
+
+# A CPU has no datasheet peak we can read; assume 3 GHz x 32 fp32 FLOP/cycle per core
+# (two AVX2 FMA units) over the threads torch uses. It makes CPU MFU comparable
+# between runs on one machine, not with GPUs.
+_CPU_FLOP_PER_CYCLE, _CPU_HZ = 32, 3.0e9
+
+
+def cpu_peak_tflops() -> float:
+    threads = torch.get_num_threads() or os.cpu_count() or 1
+    return threads * _CPU_FLOP_PER_CYCLE * _CPU_HZ / 1e12
+
+
+def local_datasheet(name: str) -> Datasheet | None:
+    """The table entry whose marker `name` (a CUDA device name) contains; the longest marker wins."""
+    for sheet in sorted(DATASHEETS.values(), key=lambda s: -len(s.marker)):
+        if sheet.marker and sheet.marker in name:
+            return sheet
+    return None
+
+
+def peak_tflops(device: torch.device, precision: str) -> float | None:
+    """Peak TFLOP/s of one device for the compute dtype, or None if unknown."""
+    if device.type == "cpu":
+        return cpu_peak_tflops()
+    if device.type != "cuda":
+        return None
+    sheet = local_datasheet(torch.cuda.get_device_name(device))
+    dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[precision]
+    return sheet.peak_tflops.get(dtype) if sheet else None

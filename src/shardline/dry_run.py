@@ -1,0 +1,110 @@
+"""`shardline train --dry-run [--world-size N]`: a launch of N ranks checked on this machine.
+
+It runs the launch's own checks (`shardline.preflight`: config, model shape, data path,
+layout) for N ranks without a process group or a run dir, then prints the resolved
+layout, which layers each pipeline rank holds and the planner's memory estimate per
+rank. A mistake is the same one-line error a launch would stop with. What only the
+machines of the real launch can tell (that a GPU is there, the tokenizer a BPE would
+train) is named as not checked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardline import layout as layouts
+from shardline.config import Config
+from shardline.data.sources import read_documents
+from shardline.data.tokenizer import load_tokenizer
+from shardline.models.flops import num_params
+from shardline.planner.estimate import estimate
+from shardline.planner.hardware import GPUS, get_hardware
+from shardline.planner.layout import Workload
+from shardline.planner.memory import GiB
+from shardline.preflight import Preflight, check_config, preflight, use_model_tokenizer
+
+
+def dry_run(cfg: Config, world: int, gpu: str | None = None) -> str:
+    """The report of a checked launch on `world` ranks; raises what the launch would raise."""
+    check_config(cfg)
+    layouts.resolve(cfg, world)
+    use_model_tokenizer(cfg)
+    docs = read_documents(cfg.data.path, cfg.data.text_field)
+    vocab, tokenizer = _tokenizer_vocab(cfg)
+    launch = preflight(cfg, world, vocab)
+    lines = [f"dry run: {world} rank(s); config, data and layout pass the launch checks",
+             _model_line(cfg, launch), f"data      {cfg.data.path or 'the shipped corpus'}: {len(docs):,} documents; "
+             f"tokenizer {tokenizer}", *_layout_lines(cfg, launch), *_memory_lines(cfg, launch, gpu)]
+    return "\n".join(lines)
+
+
+def _tokenizer_vocab(cfg: Config) -> tuple[int, str]:
+    if cfg.data.tokenizer:
+        size = load_tokenizer(cfg.data.tokenizer).get_vocab_size()
+        return size, f"{cfg.data.tokenizer} ({size:,} tokens)"
+    return cfg.data.vocab_size, (f"a byte-level BPE of up to {cfg.data.vocab_size:,} tokens, trained at launch "
+                                 "(not checked here: its exact size)")
+
+
+def _model_line(cfg: Config, launch: Preflight) -> str:
+    a = launch.model_args
+    name = cfg.model.hf_path or cfg.model.init_from or cfg.model.preset
+    return (f"model     {name}: {num_params(a) / 1e6:,.1f} M parameters, {a.n_layers} layers, dim {a.dim}, "
+            f"{a.n_heads} heads ({a.kv_heads} kv), vocab {a.vocab_size:,}")
+
+
+def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
+    lay, t = launch.layout, cfg.train
+    lines = [f"layout    {lay.describe()}",
+             f"          dp_replicate={lay.dp_replicate} dp_shard={lay.dp_shard} cp={lay.cp} tp={lay.tp} "
+             f"pp={lay.pp} ep={lay.ep} zero={lay.zero}",
+             f"batch     {t.global_batch_size} sequences x {t.seq_len} tokens per step; each of {lay.dp} "
+             f"data-parallel rank(s) runs {lay.micro_batches(t.global_batch_size)} micro-batch(es) of "
+             f"{lay.micro_batch_size}"]
+    if lay.pp > 1:
+        lines.append(f"pipeline  {lay.pp_schedule}, {lay.n_stages} stages, {lay.pp_microbatches} micro-batches "
+                     "per round")
+        for r in layouts.pipeline_ranks(launch.model_args, lay.pp, lay.pp_virtual_stages, lay.pp_schedule):
+            ends = " + ".join(e for e, held in (("embedding", r.first), ("output", r.last)) if held)
+            lines.append(f"  pp rank {r.rank}: stages {list(r.stages)}, layers {_ranges(r.layer_ids)}"
+                         + (f" + {ends}" if ends else ""))
+    return lines
+
+
+def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> list[str]:
+    name, note = _device_name(cfg, gpu)
+    hw = get_hardware(name)
+    work = Workload(launch.model_args, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.precision,
+                    cfg.train.document_mask)
+    e = estimate(work, launch.layout, hw)
+    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.memory.items() if k not in ("total", "host_offload"))
+    fits = "fits" if e.fits else "DOES NOT FIT"
+    return [f"memory    per rank on {hw.name}{note}, planner estimate (GiB): {parts}",
+            f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
+            f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"]
+
+
+def _device_name(cfg: Config, gpu: str | None) -> tuple[str, str]:
+    """The hardware table entry to estimate memory for, and a note when it was assumed."""
+    if gpu:
+        return gpu, ""
+    if cfg.run.device == "cpu":
+        return "cpu", ""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, hw in sorted(GPUS.items(), key=lambda kv: -len(kv[1].marker)):
+            if hw.marker and hw.marker in name:
+                return key, ""
+    return "h100-sxm", " (assumed; pass --gpu TYPE)"
+
+
+def _ranges(ids: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5, 6) -> '0-2, 5-6'."""
+    out, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else f"{x}")
+            start = None
+    return ", ".join(out)

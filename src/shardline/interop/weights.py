@@ -1,0 +1,42 @@
+"""Starting weights: the one loader for a run that begins from existing weights.
+
+`model.hf_path` names an HF Llama folder, `model.init_from` a shardline checkpoint.
+The model arrives laid out (sharded, split into pipeline stages) and initialised; the
+loader overwrites its weights, each rank keeping only its own shard. Parallelization
+knows nothing of where weights come from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from shardline.config import ModelConfig
+from shardline.interop.hf import from_hf_pretrained, load_hf_weights
+from shardline.resilience.checkpoint import load_weights
+
+
+def load_starting_weights(m: ModelConfig, model: nn.Module, sharded: bool) -> None:
+    """Load model.hf_path or model.init_from (if set) into the laid-out `model`."""
+    if m.hf_path:
+        _load_hf(model, m.hf_path, sharded)
+    if m.init_from:
+        load_weights(Path(m.init_from), model)  # DCP reshards to any layout
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict, e.g. read from an HF folder, into a sharded model."""
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _load_hf(model: nn.Module, path: str, sharded: bool) -> None:
+    if not sharded:
+        load_hf_weights(model, path)
+        return
+    # Each rank reads the full HF weights on CPU and keeps its shard: simple, and fine for
+    # fine-tuning-sized models; a rank-0 read + broadcast would use less host memory.
+    full, _ = from_hf_pretrained(path)
+    load_full_state_dict(model, full.state_dict())

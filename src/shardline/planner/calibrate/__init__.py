@@ -1,0 +1,11 @@
+"""`shardline calibrate`: measure this machine and write a hardware profile for the planner.
+
+A package of its own because calibration is a program beside the cost model, not part of
+it: `run` fits and writes the profile; `ops` (compute, memory traffic, overheads), `comm`
+(gloo collectives), `dist` (host time of the TP/FSDP2 wrappers) and `corun` (busy cores
+slowing each other) measure. Nothing in the planner's estimates imports it.
+"""
+
+from shardline.planner.calibrate.run import calibrate, measure, measure_baseline_gib
+
+__all__ = ["calibrate", "measure", "measure_baseline_gib"]

@@ -1,0 +1,97 @@
+"""What a launch checks before it starts anything: the config, the model shape, the
+data path and the parallel layout on N ranks.
+
+`shardline train` runs `preflight()` on every rank before a process group exists;
+`shardline train --dry-run --world-size N` runs the same function for N ranks and
+prints what it found. Either way a mistake is the same one-line ConfigError or
+DataError, and nothing has been touched yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardline import layout as layouts
+from shardline.config import Config, ModelConfig
+from shardline.errors import ConfigError
+from shardline.interop.hf_config import read_hf_config
+from shardline.layout import Job, Layout
+from shardline.models.factory import args_from_json
+from shardline.models.llama import ModelArgs
+from shardline.models.presets import PRESETS, get_preset
+from shardline.resilience.checkpoint import read_meta
+
+_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "rope_theta")
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """A launch that passed every check: its layout and model shape."""
+
+    layout: Layout
+    model_args: ModelArgs
+
+
+def use_model_tokenizer(cfg: Config) -> None:
+    """Fine-tuning an HF folder keeps the model's own tokenizer unless data.tokenizer names one."""
+    hf_tokenizer = Path(cfg.model.hf_path) / "tokenizer.json"
+    if cfg.model.hf_path and not cfg.data.tokenizer and hf_tokenizer.is_file():
+        cfg.data.tokenizer = str(hf_tokenizer)
+
+
+def check_config(cfg: Config) -> None:
+    """The checks of the config alone (each section, and a known model)."""
+    cfg.check_sections()
+    if not cfg.model.hf_path and cfg.model.preset not in PRESETS:
+        raise ConfigError(f"model.preset={cfg.model.preset!r} is invalid: one of {', '.join(PRESETS)}")
+
+
+def starting_shape(m: ModelConfig) -> ModelArgs | None:
+    """The shape of the weights a run starts from (an HF folder or a checkpoint), else None."""
+    if m.hf_path:
+        return read_hf_config(m.hf_path)
+    if m.init_from:
+        return args_from_json(read_meta(Path(m.init_from))["model_args"])
+    return None
+
+
+def model_shape(m: ModelConfig, tokenizer_vocab: int) -> ModelArgs:
+    """Preset (or the starting weights' shape) + [model] overrides, checked against the tokenizer."""
+    args = starting_shape(m) or get_preset(m.preset)
+    changes = {k: getattr(m, k) for k in _SHAPE_KEYS if getattr(m, k)}
+    if m.tie_embeddings >= 0:
+        changes["tie_embeddings"] = bool(m.tie_embeddings)
+    if not args.vocab_size and "vocab_size" not in changes:
+        changes["vocab_size"] = tokenizer_vocab  # tiny presets size their vocabulary to the tokenizer
+    args = dataclasses.replace(args, **changes)
+    problems = args.validate()
+    if problems:
+        raise ConfigError(f"[model] shape is invalid: {'; '.join(problems)}")
+    if args.vocab_size < tokenizer_vocab:
+        raise ConfigError(f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer_vocab} tokens; set model.vocab_size >= {tokenizer_vocab}")
+    return args
+
+
+def check_layout(cfg: Config, world: int, args: ModelArgs) -> Layout:
+    """The layout of `cfg` on `world` ranks, or the ConfigError of the first rule it breaks."""
+    lay = layouts.resolve(cfg, world)
+    layouts.check(lay, Job(args, cfg.train.seq_len, cfg.train.global_batch_size))
+    if cfg.memory.cpu_offload and cfg.run.device == "cpu":
+        raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
+    return lay
+
+
+def preflight(cfg: Config, world: int, tokenizer_vocab: int) -> Preflight:
+    """Every check of a launch on `world` ranks once the tokenizer's size is known."""
+    check_config(cfg)
+    args = model_shape(cfg.model, tokenizer_vocab)
+    return Preflight(check_layout(cfg, world, args), args)
+
+
+def check_device(cfg: Config, cuda_available: bool) -> None:
+    """What only the machine that runs can tell (a dry run on a laptop skips it)."""
+    if cfg.memory.cpu_offload and not cuda_available:
+        raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")

@@ -1,0 +1,118 @@
+"""The package's layers point down only: a module imports nothing from a layer above its own.
+
+    errors < config < layout < models < data, parallel < optim, precision, metrics
+           < resilience < interop < preflight < trainer, planner < simulator, dry_run < cli
+
+Modules of one layer do not import each other's packages either (data and parallel are
+independent; so are the trainer and the planner). Every import counts, including those
+inside functions, so no cycle hides in a function body.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[2] / "src" / "shardline"
+
+LAYERS = [
+    {"errors"},
+    {"config"},
+    {"layout"},
+    {"models"},
+    {"data", "parallel"},
+    {"optim", "precision", "metrics", "devices"},
+    {"resilience"},
+    {"interop"},
+    {"preflight"},
+    {"trainer", "planner"},
+    {"simulator", "dry_run"},
+    {"cli"},
+    {"__main__", "__init__"},
+]
+# A model family's own parallel plan is built from parallel/ blocks: it sits just above them.
+MODULE_LAYERS = {"models.llama.parallelize": 5}
+
+
+def layer_of(module: str) -> int:
+    """`module` is dotted below shardline (e.g. "parallel.dims")."""
+    for prefix, layer in MODULE_LAYERS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    top = module.split(".")[0]
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"shardline.{module} is in no layer; add its package to LAYERS")
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module below shardline) of every `shardline` import in the file."""
+    here = path.relative_to(PACKAGE).with_suffix("").parts
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = list(here[:-node.level]) if here[-1] != "__init__" else list(here[:len(here) - node.level + 1])
+                name = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.split(".")[0] == "shardline":
+                name = node.module.removeprefix("shardline").lstrip(".")
+            else:
+                continue
+            targets = [name] if name else [a.name for a in node.names]
+            out += [(node.lineno, t) for t in targets]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name.removeprefix("shardline.")) for a in node.names
+                    if a.name.split(".")[0] == "shardline" and a.name != "shardline"]
+    return out
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def violations() -> list[str]:
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = module_name(path)
+        mine = layer_of(me)
+        for line, target in imports_of(path):
+            if target.split(".")[0] == me.split(".")[0] and not _crosses_model_plan(me, target):
+                continue  # inside one package
+            theirs = layer_of(target)
+            if theirs >= mine:
+                bad.append(f"{path.relative_to(PACKAGE)}:{line} (layer {mine}) imports shardline.{target} "
+                           f"(layer {theirs})")
+    return bad
+
+
+def _crosses_model_plan(me: str, target: str) -> bool:
+    """Inside models/, only the parallel plans sit apart from the rest."""
+    return layer_of(me) != layer_of(target)
+
+
+def test_imports_point_down_only():
+    assert violations() == []
+
+
+def test_the_check_can_fail(tmp_path, monkeypatch):
+    assert layer_of("parallel.dims") > layer_of("models.llama") > layer_of("config")
+    fake = tmp_path / "shardline"
+    (fake / "models").mkdir(parents=True)
+    (fake / "models" / "bad.py").write_text("def f():\n    from shardline.trainer import Trainer\n")
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    assert violations() == ["models/bad.py:2 (layer 3) imports shardline.trainer (layer 9)"]
+
+
+@pytest.mark.parametrize("module", ["layout", "config", "config.reader", "errors"])
+def test_the_layout_and_config_need_no_torch(module):
+    """The layout and config load without torch, so a dry run or a plan starts fast."""
+    import subprocess
+    import sys
+
+    code = (f"import sys, shardline.{module}; "
+            "sys.exit(1 if any(m == 'torch' or m.startswith('torch.') for m in sys.modules) else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,0 +1,210 @@
+"""shardline.layout: every impossible layout is one ConfigError before any collective runs,
+and the trainer, `train --dry-run` and the planner give the same verdict on every layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from shardline import layout as layouts
+from shardline.cli import main
+from shardline.config import PP_SCHEDULES, Config, load_config
+from shardline.errors import ConfigError
+from shardline.layout import Layout
+from shardline.models.llama import ModelArgs
+from shardline.models.presets import PRESETS
+from shardline.planner.layout import Workload, layout_problem
+from shardline.planner.search import runnable_problem
+from shardline.preflight import check_layout, preflight
+
+ARGS = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=128)
+
+
+def layout_for(world: int, *overrides: str, args: ModelArgs = ARGS) -> Layout:
+    cfg = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=2", "train.seq_len=32",
+                             *overrides])
+    cfg.check()
+    return check_layout(cfg, world, args)
+
+
+def test_dp_shard_fills_the_rest():
+    lay = layout_for(8, "parallel.tp=2", "parallel.pp=2")
+    assert (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.dp, lay.world) == (1, 2, 2, 2, 2, 8)
+    assert lay.pp_microbatches == 4  # 0 in the config: global / (dp x micro-batch)
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (4, ["parallel.dp_shard=3"], "does not match the world size 4"),
+    (6, ["parallel.tp=4"], "does not match the world size 6"),
+    (4, ["parallel.tp=4"], "must divide n_heads=4 and n_kv_heads=2; valid tp: 1, 2"),
+    (8, ["parallel.pp=8"], "fewer than the 8 pipeline stages"),
+    (4, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=4"],
+     "fewer than the 8 pipeline stages"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], "needs pp_virtual_stages >= 2"),
+    (2, ["parallel.pp=2", "parallel.pp_virtual_stages=2"], "runs one stage per rank"),
+    (2, ["parallel.pp=2", "parallel.pp_microbatches=3"], "pp_microbatches=3 but"),
+    (2, ["parallel.pp=2", "train.micro_batch_size=16"], "cannot fill 2 pipeline stages"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "train.micro_batch_size=8"],
+     "cannot fill 4 pipeline stages"),
+    (8, ["train.micro_batch_size=4"], "not divisible by train.micro_batch_size=4 x 8"),
+    (2, ["parallel.cp=2", "parallel.dp_shard=1"], "context parallel is not implemented yet"),
+    (2, ["parallel.ep=2"], "expert parallel is not implemented yet"),
+    (4, ["parallel.zero=1", "parallel.tp=2"], "zero=1 composes with data parallelism only"),
+    (2, ["parallel.tp=2", "train.seq_len=33"], "must be divisible by parallel.tp=2"),
+    (2, ["memory.cpu_offload=true", "run.device=cpu"], "needs a GPU"),
+    (1, ["memory.cpu_offload=true"], "needs FSDP"),
+])
+def test_invalid_layouts(world, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        layout_for(world, *overrides)
+
+
+def test_tp_must_divide_the_mlp():
+    with pytest.raises(ConfigError, match="must divide ffn_dim=130"):
+        layout_for(4, "parallel.tp=4", args=dataclasses.replace(ARGS, n_kv_heads=4, ffn_dim=130))
+
+
+def test_interleaved_rounds_follow_torchs_rule():
+    # torch runs n micro-batches in max(1, n // pp) rounds and needs n to be a multiple of them.
+    def problem(pp, m):
+        lay = Layout(pp=pp, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, pp_microbatches=m)
+        return layouts.first_problem(lay, layouts.Job(PRESETS["llama3-8b"], 4096, m))
+
+    assert problem(4, 8) is None and problem(4, 6) is None and problem(4, 10) is None
+    assert "multiple of the 2 rounds" in problem(4, 9)[1]
+
+
+def test_tied_embeddings_with_pp_are_refused_only_for_v_shapes_with_data_parallelism():
+    tied = dataclasses.replace(ARGS, tie_embeddings=True)
+    layout_for(2, "parallel.tp=2", args=tied)  # one vocab-sharded weight for both ends
+    layout_for(2, "parallel.pp=2", args=tied)  # a copy on the last stage, gradients summed
+    layout_for(8, "parallel.pp=2", "parallel.tp=2", args=tied)  # x FSDP 2
+    layout_for(4, "parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zbv", args=tied)  # one rank holds both
+    for dp in ("parallel.dp_shard=2", "parallel.dp_replicate=2"):
+        with pytest.raises(ConfigError, match="tied embeddings and data parallelism"):
+            layout_for(4, "parallel.pp=2", "parallel.pp_schedule=dualpipev", dp, args=tied)
+
+
+def test_layer_split_balances_the_output_head():
+    assert layouts.split_layers(8, 4, 0.0) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # a heavy head (big vocabulary) leaves the last stage fewer blocks
+    assert layouts.split_layers(8, 2, 2.0) == [[0, 1, 2, 3, 4], [5, 6, 7]]
+    assert all(layouts.split_layers(16, 5, 1.5))  # every stage keeps a block
+
+
+def test_stage_placement():
+    assert layouts.stages_of_rank(1, pp=4, virtual=2, schedule="interleaved_1f1b") == [1, 5]
+    assert layouts.stages_of_rank(1, pp=4, virtual=2, schedule="zbv") == [1, 6]
+    assert layouts.stages_of_rank(0, pp=2, virtual=1, schedule="1f1b") == [0]
+    ranks = layouts.pipeline_ranks(PRESETS["llama3-8b"], 2, 2, "zbv")
+    assert ranks[0].stages == (0, 3) and ranks[0].first and ranks[0].last
+    assert sorted(i for r in ranks for i in r.layer_ids) == list(range(32))
+
+
+# ---- the trainer, --dry-run and the planner agree -------------------------------------
+
+SHAPES = [PRESETS["llama3-8b"], PRESETS["llama3.2-1b"], ARGS, dataclasses.replace(ARGS, n_layers=6, ffn_dim=96),
+          dataclasses.replace(ARGS, tie_embeddings=True, n_heads=8, n_kv_heads=8, ffn_dim=120)]
+
+
+def random_case(rng: random.Random):
+    """A layout of up to 4096 ranks with every degree and schedule, valid or not."""
+    pick = rng.choice
+    schedule = pick(PP_SCHEDULES)
+    pp = pick([1, 1, 2, 4, 8, 16])
+    virtual = {"gpipe": 1, "1f1b": 1, "zbv": 2, "dualpipev": 2}.get(schedule, pick([2, 3, 4]))
+    if rng.random() < 0.1:
+        virtual = pick([1, 2, 3])  # sometimes wrong for the schedule
+    lay = Layout(dp_replicate=pick([1, 1, 2, 4]), dp_shard=pick([1, 2, 4, 8, 16, 32]), zero=pick([1, 2, 3]),
+                 tp=pick([1, 2, 3, 4, 8]), pp=pp, cp=pick([1, 1, 1, 2]), ep=pick([1, 1, 1, 2]),
+                 sequence_parallel=pick([True, False]), loss_parallel=pick([True, False]), pp_schedule=schedule,
+                 pp_virtual_stages=virtual, activation_checkpoint=pick(["none", "full", "selective", "op"]),
+                 cpu_offload=rng.random() < 0.1, micro_batch_size=pick([1, 2, 4]))
+    shape = pick(SHAPES)
+    seq_len = pick([32, 96, 128, 4096])
+    global_batch = lay.dp * lay.micro_batch_size * pick([1, 2, 3, 4, 8, 16]) + pick([0, 0, 0, 0, 1])
+    n_mb = max(lay.micro_batches(global_batch), 1)
+    if pp > 1:  # without pp the layout holds 1, as resolve() gives
+        lay = dataclasses.replace(lay, pp_microbatches=n_mb if rng.random() < 0.9 else pick([1, 3, 5]))
+    return lay, shape, seq_len, global_batch
+
+
+def as_config(lay: Layout, shape: ModelArgs, seq_len: int, global_batch: int) -> Config:
+    """The config file a user would write for this layout (pp_microbatches=0 where it is derived)."""
+    cfg = Config()
+    derived = lay.pp > 1 and lay.pp_microbatches == lay.micro_batches(global_batch)
+    for key in ("dp_replicate", "dp_shard", "zero", "tp", "pp", "cp", "ep", "sequence_parallel",
+                "loss_parallel", "pp_schedule", "pp_virtual_stages"):
+        setattr(cfg.parallel, key, getattr(lay, key))
+    cfg.parallel.pp_microbatches = 0 if derived or lay.pp == 1 else lay.pp_microbatches
+    cfg.memory.activation_checkpoint, cfg.memory.cpu_offload = lay.activation_checkpoint, lay.cpu_offload
+    cfg.train.seq_len, cfg.train.global_batch_size = seq_len, global_batch
+    cfg.train.micro_batch_size = lay.micro_batch_size
+    m = cfg.model
+    m.preset, m.dim, m.n_layers, m.n_heads, m.n_kv_heads = "tiny", shape.dim, shape.n_layers, shape.n_heads, \
+        shape.kv_heads
+    m.ffn_dim, m.vocab_size, m.tie_embeddings = shape.ffn_dim, shape.vocab_size, int(shape.tie_embeddings)
+    m.head_dim = shape.head_size
+    cfg.run.device = "cuda"  # the layout is for GPUs; the machine check is the launch's, not the layout's
+    return cfg
+
+
+def test_dry_run_and_planner_give_the_same_verdict_on_random_layouts():
+    rng = random.Random(0)
+    seen = {"valid": 0, "invalid": 0}
+    keys = set()
+    for _ in range(400):
+        lay, shape, seq_len, global_batch = random_case(rng)
+        cfg = as_config(lay, shape, seq_len, global_batch)
+        try:
+            launch = preflight(cfg, lay.world, tokenizer_vocab=256)  # what the trainer and --dry-run call
+            launch_verdict = None
+        except ConfigError as e:
+            launch, launch_verdict = None, str(e)
+        work = Workload(dataclasses.replace(PRESETS["tiny"], **_shape_fields(shape)), seq_len, global_batch)
+        planner = layout_problem(work, lay, runnable=True)
+        assert (planner[1] if planner else None) == launch_verdict == runnable_problem(work, lay), lay
+        if launch is not None:
+            assert launch.layout == lay  # the config round-trips to the same resolved layout
+        seen["valid" if planner is None else "invalid"] += 1
+        keys.add(planner[0] if planner else "ok")
+    assert seen["valid"] >= 20 and seen["invalid"] >= 100, seen
+    assert {"tp", "pp", "batch", "cp", "ep", "zero1", "offload", "ok"} <= keys, keys
+
+
+def _shape_fields(shape: ModelArgs) -> dict:
+    return {"dim": shape.dim, "n_layers": shape.n_layers, "n_heads": shape.n_heads, "n_kv_heads": shape.kv_heads,
+            "ffn_dim": shape.ffn_dim, "vocab_size": shape.vocab_size, "tie_embeddings": shape.tie_embeddings,
+            "head_dim": shape.head_size}
+
+
+# ---- train --dry-run ----------------------------------------------------------------
+
+
+def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(capsys, tmp_path):
+    run = tmp_path / "run"
+    code = main(["train", "--dry-run", "--world-size", "512", f"--run.dir={run}", "--model.preset=llama3-8b",
+                 "--parallel.tp=8", "--parallel.pp=4", "--parallel.pp_schedule=interleaved_1f1b",
+                 "--parallel.pp_virtual_stages=2", "--train.seq_len=8192", "--train.global_batch_size=512",
+                 "--train.micro_batch_size=1", "--train.precision=bf16", "--gpu", "h100-sxm"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "tp8 pp4(interleaved_1f1b v2 m32) fsdp:16" in out
+    assert "pp rank 0: stages [0, 4]" in out and "+ embedding" in out and "+ output" in out
+    assert "per rank on h100-sxm" in out and "fits" in out
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "6", "--parallel.tp=4"], "does not match the world size 6"),
+    (["--world-size", "3", "--parallel.tp=3"], "must divide n_heads=8"),
+    (["--model.preset=gpt5"], "model.preset='gpt5' is invalid: one of tiny, llama3.2-1b"),
+    (["--data.path=/no/such/corpus"], "data.path='/no/such/corpus' does not exist"),
+])
+def test_dry_run_fails_as_a_launch_would(capsys, tmp_path, argv, message):
+    code = main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
