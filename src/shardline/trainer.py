@@ -37,17 +37,11 @@ from shardline.models.llama.parallelize import build_model
 from shardline.parallel.pipeline import sync_tied_gradient, tied_copy
 from shardline.precision import LossScaler, autocast
 from shardline.preflight import check_config, check_device, preflight, use_model_tokenizer
-from shardline.resilience.anomaly import AnomalyDetector, anomaly_check_on_device
-from shardline.resilience.device_anomaly import DeviceAnomalyCheck
 from shardline.resilience.checkpoint import Checkpointer
-from shardline.resilience.faults import FaultInjector
-from shardline.resilience.goodput import Goodput, process_start_time
+from shardline.resilience.anomaly import build_anomaly_check
+from shardline.resilience.goodput import process_start_time
+from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import batch_index, check_data_position, get_rng_state, resume_path, set_rng_state
-from shardline.resilience.tiers import StateTiers, memory_rank_dir
-from shardline.resilience.watchdog import Watchdog
-
-WATCHDOG_EXIT = 4  # a hang: distinct from 2 (bad input) and 3 (anomaly halt) so a launcher can tell
-
 
 class Trainer:
     def __init__(self, cfg: Config):
@@ -80,20 +74,21 @@ class Trainer:
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
         built = build_model(cfg, self.model_args, self.dims, self.device)
         load_starting_weights(cfg.model, built.model, sharded=self.proc.world_size > 1)
-        self.model, self.wrapped, self.pipeline = built.model, built.forward, built.pipeline
+        # The parameters (optimizer, checkpoints, clipping), and how to run them: a module
+        # to call (DDP-wrapped or not, compiled or not) or, under pp, the pipeline schedule.
+        self.model, self.pipeline = built.model, built.pipeline
+        self.forward = torch.compile(built.forward) if cfg.train.compile and built.forward else built.forward
         if self.pipeline is not None:
             pp_group = self.dims.submesh("pp").get_group()
             self.pipeline.build_schedule(self.device, pp_group, self._pipeline_loss)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.dims.zero1_mesh())
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.scaler = LossScaler(self.device, cfg.train.precision, agree=self.proc.world_size > 1, dp=self.dims.dp)
-        self.faults = FaultInjector(cfg.faults, self.proc.rank, memory_rank_dir(cfg, self.proc.rank))
-        self.tiers = StateTiers(cfg, self.proc, self.dims, self.checkpointer, self._layout_fingerprint(), self.faults)
-        on_device = anomaly_check_on_device(cfg, self.dims, self.optimizer, self.device)
-        self.anomaly = DeviceAnomalyCheck(cfg.anomaly, self.device) if on_device else AnomalyDetector(cfg.anomaly)
+        self.guard = RunGuard(cfg, self.proc, self.dims, self.checkpointer, self._layout_fingerprint(), self.started)
+        self.tiers = self.guard.tiers  # where state is saved and found again
+        self.anomaly = build_anomaly_check(cfg, self.dims, self.optimizer, self.device)
         self.skipped_batches: list[int] = list(cfg.train.skip_batches)
         self.rollbacks = 0
-        self.forward = torch.compile(self.wrapped) if cfg.train.compile and self.wrapped else self.wrapped
         self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
         found = self.tiers.resume_source(resume_from)
@@ -126,14 +121,10 @@ class Trainer:
                                      self.cfg.train.steps, self.step, enabled=self.proc.is_main)
         for problem in self._invalid_checkpoints:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
-        self.goodput = Goodput(self.run_dir, self.proc.is_main, self.started)
-        self.tiers.log = self.metrics.event
-        self.tiers.report_stale_memory()
+        self.guard.open(self.run_dir, self.metrics.event)
         if resumed is not None:
             self.metrics.event("resume", step=self.step, checkpoint=resumed,
-                               recomputed_steps=self.goodput.recomputed_from(self.step))
-        self.watchdog = Watchdog(self.cfg.watchdog, self.run_dir, self.proc.rank, self.proc.world_size,
-                                 self.proc.store, on_event=self.metrics.event, exit_code=WATCHDOG_EXIT)
+                               recomputed_steps=self.guard.goodput.recomputed_from(self.step))
 
     # ---- the loop -------------------------------------------------------------------
 
@@ -144,16 +135,15 @@ class Trainer:
                            device=str(self.device), precision=cfg.train.precision,
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
         window_start, window_steps, last = time.perf_counter(), 0, {}
-        self.goodput.add("startup", time.time() - self.started)
-        self.watchdog.start()
+        self.guard.start()
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
-            started = self._step_start(step)
+            started = self.guard.begin_step(step)
             loss_value, grad_norm, outcome = self.train_step()
             if outcome == "rolled_back":
                 window_start, window_steps = time.perf_counter(), 0
                 continue  # self.step moved back to the checkpoint's
-            self.goodput.step(step, time.perf_counter() - started, outcome)
+            self.guard.step_done(step, started, outcome)
             window_steps += 1
             if outcome == "overflow":
                 self.metrics.event("skipped_step", step=step, reason="fp16 overflow",
@@ -162,42 +152,20 @@ class Trainer:
                 last = self._log_train(loss_value, grad_norm, time.perf_counter() - window_start, window_steps)
                 window_start, window_steps = time.perf_counter(), 0
             if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == stop):
-                self._timed("eval", self.evaluate)
+                self.guard.timed("eval", self.evaluate)
             if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop):
-                self._timed("checkpoint", self.save_checkpoint)
+                self.guard.timed("checkpoint", self.save_checkpoint)
             if cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0:
-                self._timed("checkpoint", lambda: self.tiers.snapshot(self.step, self.model, self.optimizer,
-                                                                       self._trainer_state()))
-            self.faults.after_step(time.perf_counter() - started)
-            self.watchdog.step_end(step, time.perf_counter() - started)
-        self.watchdog.close()
+                self.guard.timed("checkpoint", lambda: self.tiers.snapshot(self.step, self.model, self.optimizer,
+                                                                            self._trainer_state()))
+            self.guard.end_step(step, started)
+        self.guard.stop_watching()
         self.report_device_anomalies()
-        self._timed("checkpoint", self.tiers.finish)
-        self.goodput.persist(finished=True)
+        summary = self.guard.finish()
         self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
-                           anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **self.goodput.summary())
+                           anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
         self.metrics.close()
         return last
-
-    def _timed(self, category: str, work):
-        begin = time.perf_counter()
-        result = work()
-        self.goodput.add(category, time.perf_counter() - begin)
-        return result
-
-    def _step_start(self, step: int) -> float:
-        """Tell the watchdog a step begins; returns the clock this rank's step time runs from.
-
-        Comparing ranks needs each one's own work, not the time it waited for a slow
-        peer inside a collective; with the watchdog on and several ranks, a barrier
-        gives every rank the same start, so waiting lands before the clock starts (one
-        small collective per step: the price of straggler detection).
-        """
-        self.watchdog.step_begin(step)
-        self.faults.before_step(step)  # a killed or hung rank stops here, outside any collective
-        if self.cfg.watchdog.timeout_s and self.proc.world_size > 1:
-            torch.distributed.barrier()
-        return time.perf_counter()
 
     def train_step(self) -> tuple[float, torch.Tensor, str]:
         """One step: gradients, the anomaly check, then the update (or the anomaly's action).
@@ -208,9 +176,9 @@ class Trainer:
         """
         step = self.step + 1
         loss, grad_norm = self.compute_gradients()
-        if isinstance(self.anomaly, DeviceAnomalyCheck):
+        if self.anomaly.on_device:
             return self._step_checked_on_device(step, loss, grad_norm)
-        loss_value = self.faults.corrupt_loss(step, self._global_loss(loss).item())
+        loss_value = self.guard.faults.corrupt_loss(step, self._global_loss(loss).item())
         anomaly = self._detect_anomaly(loss_value, grad_norm)
         if anomaly is not None:
             if self._handle_anomaly(step, *anomaly):
@@ -224,8 +192,8 @@ class Trainer:
     def _step_checked_on_device(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
         """The update gated by the device's verdict; no host sync. Anomalies are reported
         when the verdicts are next read (report_device_anomalies)."""
-        loss = self.faults.corrupt_loss(step, self._global_loss(loss))
-        self.optimizer.found_inf = self.anomaly.verdict(step, loss, grad_norm)
+        loss = self.guard.faults.corrupt_loss(step, self._global_loss(loss))
+        self.optimizer.found_inf = self.anomaly.gate(step, loss, grad_norm)
         try:
             self.apply_update()
         finally:
@@ -234,13 +202,12 @@ class Trainer:
         return loss, grad_norm, "updated"
 
     def report_device_anomalies(self) -> None:
-        """Read the device's verdicts since last asked (one host sync) and report the anomalies."""
-        if not isinstance(self.anomaly, DeviceAnomalyCheck):
-            return
+        """Read the device's verdicts since last asked (one host sync) and report the anomalies
+        (the host check has none pending: it reports each one at once)."""
         for event in self.anomaly.drain():
             event["action"] = "skip"
             self.anomaly_events.append(event)
-            self.goodput.reclassify(event["step"], "anomaly_skipped")
+            self.guard.goodput.reclassify(event["step"], "anomaly_skipped")
             self.metrics.event("anomaly", **event, checked_on="device")
 
     def compute_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,24 +216,44 @@ class Trainer:
         Returns this rank's share of the global mean loss and the global gradient norm
         (gradients clipped in place).
         """
-        t = self.cfg.train
         self.model.train()
-        sampler, dp_rank, dp = self.data.sampler, self.dims.dp_rank(), self.dims.dp
-        batch = batch_index(self.step, self.skipped_batches)
-        micro = sampler.rank_micro_batches(batch, dp_rank, dp, t.micro_batch_size)
-        # Every rank counts the labelled tokens of the whole global batch from the data
-        # itself (each holds the dataset), so the global mean needs no collective.
-        n_tokens = self.data.train.count_labels(sampler.global_batch(batch))
-        if self.pipeline is not None:
-            loss = self.pipeline_step(np.concatenate(micro), n_tokens)
-            sync_tied_gradient(self.model, self.dims.embedding_group)
-        else:
+        micro, n_tokens = self._step_batch()
+        loss = self.forward_backward_step(micro, n_tokens)
+        self.scaler.unscale_(self.optimizer)
+        return loss, clip_grad_norm(self.model, self.cfg.train.grad_clip, self.dims,
+                                    counted_elsewhere=tied_copy(self.model))
+
+    def _step_batch(self) -> tuple[list[np.ndarray], int]:
+        """This rank's micro-batches of the step's global batch, and the labelled tokens of all of it.
+
+        Every rank counts the labelled tokens of the whole global batch from the data
+        itself (each holds the dataset), so the global mean needs no collective.
+        """
+        sampler, batch = self.data.sampler, batch_index(self.step, self.skipped_batches)
+        micro = sampler.rank_micro_batches(batch, self.dims.dp_rank(), self.dims.dp, self.cfg.train.micro_batch_size)
+        return micro, self.data.train.count_labels(sampler.global_batch(batch))
+
+    def forward_backward_step(self, micro: list[np.ndarray], n_tokens: int) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches; returns its share of the global mean loss.
+
+        The one place where training runs a pipeline schedule or the model itself. Each
+        micro-batch's loss is its summed cross-entropy / n_tokens, scaled by the scaler
+        (see forward_backward).
+        """
+        if self.pipeline is None:
             loss = torch.zeros((), device=self.device)
             for i, idx in enumerate(micro):
-                with gradient_sync(self.wrapped, enabled=i == len(micro) - 1):
+                with gradient_sync(self.forward, enabled=i == len(micro) - 1):
                     loss += self.forward_backward(self.data.train.batch(idx), n_tokens)
-        self.scaler.unscale_(self.optimizer)
-        return loss, clip_grad_norm(self.model, t.grad_clip, self.dims, counted_elsewhere=tied_copy(self.model))
+            return loss
+        # The schedule splits this rank's share into the micro-batches itself; the last
+        # stage's loss function (_pipeline_loss) returns each one's scaled share.
+        batch = self._to_device(self.data.train.batch(np.concatenate(micro)))
+        with loss_context(self.dims, self.cfg.parallel), autocast(self.device, self.cfg.train.precision):
+            losses = self.pipeline.run(batch, self.cfg.train.document_mask, n_tokens)
+        total = sum((local_value(x.detach()) for x in losses), torch.zeros((), device=self.device))
+        sync_tied_gradient(self.model, self.dims.embedding_group)
+        return self.scaler.unscaled(total)
 
     def apply_update(self) -> bool:
         """Optimizer and schedule step; True when the fp16 loss scaler skipped the update."""
@@ -288,10 +275,7 @@ class Trainer:
         # Under fp16 an infinite gradient is the loss scaler's business (it skips and
         # lowers the scale); any other precision treats it as an anomaly.
         norm = 0.0 if self.scaler.enabled else grad_norm.item()
-        found = self.anomaly.check(loss, norm)
-        if found is None:
-            self.anomaly.accept(loss)
-        return found
+        return self.anomaly.gate(self.step + 1, loss, norm)
 
     def _handle_anomaly(self, step: int, kind: str, value: float) -> bool:
         """Apply anomaly.action; True when the run rolled back (the step is redone)."""
@@ -313,7 +297,7 @@ class Trainer:
                 name = self._restore(target)
                 self.rollbacks += 1
                 cost = time.perf_counter() - started
-                self.goodput.add("recovery", cost)
+                self.guard.goodput.add("recovery", cost)
                 self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
                                    skipped_batch=self.skipped_batches[-1], cost_s=round(cost, 3))
                 return True
@@ -325,7 +309,7 @@ class Trainer:
 
     def _halt(self, event: dict) -> None:
         """Save the last consistent state (before the bad update) and stop with a report."""
-        self.watchdog.close()
+        self.guard.stop_watching()
         self.metrics.event("anomaly", **event)
         self.optimizer.zero_grad(set_to_none=True)
         saved = self.save_checkpoint() if self.cfg.checkpoint.interval else None
@@ -337,7 +321,7 @@ class Trainer:
 
     def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss over the whole global batch (each rank holds shares of it)."""
-        if self.pipeline is not None:
+        if self.dims.pp > 1:
             loss = reduce_over(self.dims, "pp", loss, "sum")  # only the last stage holds it
         return reduce_over(self.dims, "dp", loss, "sum")
 
@@ -352,22 +336,9 @@ class Trainer:
             self.scaler.scale(loss).backward()
         return local_value(loss.detach())
 
-    def pipeline_step(self, indices: np.ndarray, n_tokens: int) -> torch.Tensor:
-        """Forward and backward of this rank's whole share through the pipeline schedule.
-
-        The schedule splits it into micro-batches; the last stage's loss function
-        returns each one's share of the global mean (scaled as above).
-        """
-        batch = self._to_device(self.data.train.batch(indices))
-        self._pp_tokens = n_tokens
-        with loss_context(self.dims, self.cfg.parallel), autocast(self.device, self.cfg.train.precision):
-            losses = self.pipeline.run(batch, self.cfg.train.document_mask)
-        total = sum((local_value(x.detach()) for x in losses), torch.zeros((), device=self.device))
-        return self.scaler.unscaled(total)
-
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
         """A micro-batch's share of the global mean, scaled as forward_backward scales it."""
-        return self.scaler.scale(cross_entropy_sum(logits, labels) / self._pp_tokens)
+        return self.scaler.scale(cross_entropy_sum(logits, labels) / n_tokens)
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy over the labelled tokens of a batch (fp32 logits)."""
@@ -397,20 +368,25 @@ class Trainer:
         for i in range(dp_rank, -(-t.eval_batches // dp) * dp, dp):
             batch = self._to_device(self.data.val.batch(batches[min(i, len(batches) - 1)]))
             weight = 1.0 if i < len(batches) else 0.0
-            with loss_context(self.dims, self.cfg.parallel):
-                if self.pipeline is None:
-                    total += weight * local_value(self.loss_sum(batch))
-                    continue
-                with autocast(self.device, t.precision):
-                    logits = self.pipeline.forward_only(batch, t.document_mask, self.dims.submesh("pp").get_group())
-                if logits is not None:
-                    total += weight * local_value(cross_entropy_sum(logits, batch["labels"]))
-        if self.pipeline is not None:
+            total += weight * self._eval_loss_sum(batch)
+        if self.dims.pp > 1:
             total = reduce_over(self.dims, "pp", total, "sum")  # only the last stage holds it
         total = reduce_over(self.dims, "dp", total, "sum")
         loss = total.item() / max(self.data.val.count_labels(idx_all), 1)
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
         return loss
+
+    def _eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed cross-entropy of an eval batch on this rank (under pp: 0 but on the last stage)."""
+        with loss_context(self.dims, self.cfg.parallel):
+            if self.pipeline is None:
+                return local_value(self.loss_sum(batch))
+            with autocast(self.device, self.cfg.train.precision):
+                logits = self.pipeline.forward_only(batch, self.cfg.train.document_mask,
+                                                    self.dims.submesh("pp").get_group())
+            if logits is None:
+                return torch.zeros((), device=self.device)
+            return local_value(cross_entropy_sum(logits, batch["labels"]))
 
     def save_checkpoint(self) -> Path:
         self.report_device_anomalies()  # the saved detector state and events agree

@@ -84,12 +84,11 @@ def test_device_check_gives_the_host_detectors_verdicts():
     norms[25] = float("inf")
     want = []
     for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
-        found = host.check(loss, norm)
-        if found is None:
-            host.accept(loss)
-        else:
+        found = host.gate(step, loss, norm)  # one interface: gate, then drain
+        if found is not None:
             want.append((step, found[0]))
-        device.verdict(step, torch.tensor(loss), torch.tensor(norm))
+        device.gate(step, torch.tensor(loss), torch.tensor(norm))
+    assert host.drain() == []  # the host check reported each one as it came
     got = [(e["step"], e["anomaly"]) for e in device.drain()]
     assert got == want and len(want) == 4, (got, want)
     assert device.state_dict()["history"] == pytest.approx(list(host.history))

@@ -135,19 +135,31 @@ class Pipeline:
                         for s in self.stage_ids]
 
     def build_schedule(self, device, pp_group, loss_fn):
+        """loss_fn(logits, labels, n_tokens): a micro-batch's loss, given the labelled tokens
+        of the whole step that run() was called with."""
         stages = [PipelineStage(m, s, self.n_stages, device, group=pp_group)
                   for m, s in zip(self.modules, self.stage_ids)]
         cls = SCHEDULES[self.schedule_name]
+        # The schedule's loss function is fixed here, while the step's token count changes:
+        # run() records it for this wrapper to pass on.
+        self.step_tokens = 1
+
+        def step_loss(logits, labels):
+            return loss_fn(logits, labels, self.step_tokens)
+
         # scale_grads=False: the loss function already returns each micro-batch's share
         # of the global mean, so the summed gradients need no further division.
         if self.schedule_name in SINGLE_STAGE:
-            self.schedule = cls(stages[0], self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+            self.schedule = cls(stages[0], self.n_microbatches, loss_fn=step_loss, scale_grads=False)
         else:
-            self.schedule = cls(stages, self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+            self.schedule = cls(stages, self.n_microbatches, loss_fn=step_loss, scale_grads=False)
         return self.schedule
 
-    def run(self, batch: dict, doc_mask: bool) -> list:
-        """Forward and backward of one rank's batch; returns the last stage's losses."""
+    def run(self, batch: dict, doc_mask: bool, n_tokens: int) -> list:
+        """Forward and backward of one rank's batch; returns the last stage's losses.
+
+        n_tokens: labelled tokens of the whole step, which the loss function divides by."""
+        self.step_tokens = n_tokens
         losses: list = []
         args = (batch["input_ids"],) if self.has_first else ()
         kwargs = {"doc_ids": batch["doc_ids"]} if doc_mask else {}

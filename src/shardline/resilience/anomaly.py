@@ -1,5 +1,12 @@
 """Anomaly detection: non-finite loss or gradient norm, and loss spikes.
 
+Two checks with one interface: `gate(step, loss, grad_norm)` judges a step and
+records a healthy loss, `drain()` returns the anomalies not yet reported, and
+`on_device` says which kind it is. AnomalyDetector (here) reads the values on the host
+and answers at once; DeviceAnomalyCheck (device_anomaly.py) keeps the verdict on the
+device, where it gates the optimizer, and reports when drained. `build_anomaly_check`
+picks one.
+
 A spike is a loss whose robust z-score against the recent healthy losses exceeds
 anomaly.spike_zscore: (loss - median) / (1.4826 * MAD), the median absolute deviation
 scaled to match a standard deviation for normal data. Median and MAD ignore the
@@ -13,9 +20,13 @@ import math
 from collections import deque
 
 from shardline.config.resilience import AnomalyConfig
+from shardline.errors import ConfigError
+from shardline.resilience.device_anomaly import DeviceAnomalyCheck
 
 
 class AnomalyDetector:
+    on_device = False
+
     def __init__(self, cfg: AnomalyConfig):
         self.cfg = cfg
         self.history: deque[float] = deque(maxlen=cfg.window)
@@ -30,6 +41,17 @@ class AnomalyDetector:
         if self.cfg.spike_zscore and z is not None and z > self.cfg.spike_zscore:
             return "loss_spike", z
         return None
+
+    def gate(self, step: int, loss: float, grad_norm: float) -> tuple[str, float] | None:
+        """check(), and a healthy loss joins the history; the caller acts on the anomaly at once."""
+        found = self.check(loss, grad_norm)
+        if found is None:
+            self.accept(loss)
+        return found
+
+    def drain(self) -> list[dict]:
+        """Nothing is pending: the host check reports each anomaly when gate() returns it."""
+        return []
 
     def zscore(self, loss: float) -> float | None:
         if len(self.history) < self.cfg.min_history:
@@ -58,6 +80,13 @@ def _median(sorted_values: list[float]) -> float:
     return sorted_values[mid] if n % 2 else 0.5 * (sorted_values[mid - 1] + sorted_values[mid])
 
 
+def build_anomaly_check(cfg, dims, optimizer, device):
+    """The check this run uses: on the device when possible and wanted, else on the host."""
+    if anomaly_check_on_device(cfg, dims, optimizer, device):
+        return DeviceAnomalyCheck(cfg.anomaly, device)
+    return AnomalyDetector(cfg.anomaly)
+
+
 def anomaly_check_on_device(cfg, dims, optimizer, device) -> bool:
     """Whether to check on the device (see device_anomaly.py); ConfigError when asked for and impossible.
 
@@ -74,7 +103,5 @@ def anomaly_check_on_device(cfg, dims, optimizer, device) -> bool:
         ("parameters are DTensors (dp_shard with zero >= 2, or tp)", (dims.fsdp and dims.zero >= 2) or dims.tp > 1),
     ) if blocked]
     if a.check_on == "device" and blockers:
-        from shardline.errors import ConfigError
-
         raise ConfigError("anomaly.check_on='device' is not possible here: " + "; ".join(blockers))
     return a.check_on == "device" or (a.check_on == "auto" and not blockers and device.type == "cuda")

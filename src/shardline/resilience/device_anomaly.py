@@ -18,6 +18,8 @@ from shardline.config.resilience import AnomalyConfig
 
 
 class DeviceAnomalyCheck:
+    on_device = True
+
     def __init__(self, cfg: AnomalyConfig, device: torch.device):
         self.cfg = cfg
         self.history = torch.full((cfg.window,), float("inf"), device=device)  # inf marks an empty slot
@@ -25,7 +27,7 @@ class DeviceAnomalyCheck:
         self.next = torch.zeros((), dtype=torch.long, device=device)  # ring position of the next one
         self.pending: list[tuple[int, torch.Tensor]] = []  # (step, [bad, kind, value]) not yet read
 
-    def verdict(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    def gate(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """1.0 when this step is anomalous, else 0.0 (a device tensor); records a healthy loss."""
         loss, grad_norm = loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())
         bad_loss, bad_norm = ~torch.isfinite(loss), ~torch.isfinite(grad_norm)

@@ -6,7 +6,7 @@ this decides how, logs what each save cost, and finds the newest state to restor
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,7 +28,8 @@ def memory_rank_dir(cfg: Config, rank: int) -> Path | None:
 
 class StateTiers:
     def __init__(self, cfg: Config, proc: ProcessInfo, dims: ParallelDims, checkpointer: Checkpointer,
-                 fingerprint: str, faults: FaultInjector):
+                 fingerprint: str, faults: FaultInjector, log: Callable[..., None]):
+        """log(event, **fields): where save and snapshot events go (the run's metrics)."""
         c = cfg.checkpoint
         self.cfg, self.checkpointer, self.faults = cfg, checkpointer, faults
         self.saver = AsyncSaver(checkpointer, dims.checkpoint_group) if c.mode == "async" else None
@@ -37,7 +38,7 @@ class StateTiers:
         if c.memory_interval:
             self.memory = MemoryTier(run_root(Path(cfg.run.dir), c.memory_dir), proc.rank, proc.world_size,
                                      proc.local_world_size, c.memory_redundancy, fingerprint)
-        self.log = lambda event, **fields: None  # the trainer's metrics.event once the run dir is open
+        self.log = log
 
     # ---- saving -----------------------------------------------------------------------
 
