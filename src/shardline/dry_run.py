@@ -1,11 +1,13 @@
 """`shardline train --dry-run [--world-size N]`: a launch of N ranks checked on this machine.
 
-It runs the launch's own checks (`shardline.preflight`: config, model shape, data path,
-layout) for N ranks without a process group or a run dir, then prints the resolved
-layout, which layers each pipeline rank holds and the planner's memory estimate per
-rank. A mistake is the same one-line error a launch would stop with. What only the
-machines of the real launch can tell (that a GPU is there, the tokenizer a BPE would
-train) is named as not checked.
+It runs the launch's own checks (`shardline.preflight`: config, model shape, data
+files, layout, the machine-dependent rules assuming GPUs unless run.device = cpu, and
+which checkpoint a resume would take) for N ranks without a process group, without
+writing anything, then prints the resolved layout, which layers each pipeline rank
+holds and the planner's memory estimate per rank. A mistake is the one-line error a
+launch would stop with. Not checked: what needs the tokenized corpus (a BPE that
+would be trained at launch, and whether the data fills one sequence) and the
+machines themselves.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from shardline import layout as layouts
 from shardline.config import Config
 from shardline.data.sources import read_documents
 from shardline.data.tokenizer import load_tokenizer
+from shardline.devices import local_datasheet
 from shardline.models.flops import num_params
 from shardline.planner.estimate import estimate
-from shardline.planner.hardware import GPUS, get_hardware
+from shardline.planner.hardware import get_hardware
 from shardline.planner.layout import Workload
 from shardline.planner.memory import GiB
-from shardline.preflight import Preflight, check_config, preflight, use_model_tokenizer
+from shardline.preflight import Preflight, check_config, check_device, check_resume, preflight, use_model_tokenizer
 
 
 def dry_run(cfg: Config, world: int, gpu: str | None = None) -> str:
@@ -30,11 +33,15 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> str:
     layouts.resolve(cfg, world)
     use_model_tokenizer(cfg)
     docs = read_documents(cfg.data.path, cfg.data.text_field)
+    resume = check_resume(cfg)
     vocab, tokenizer = _tokenizer_vocab(cfg)
     launch = preflight(cfg, world, vocab)
+    check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu")
     lines = [f"dry run: {world} rank(s); config, data and layout pass the launch checks",
              _model_line(cfg, launch), f"data      {cfg.data.path or 'the shipped corpus'}: {len(docs):,} documents; "
-             f"tokenizer {tokenizer}", *_layout_lines(cfg, launch), *_memory_lines(cfg, launch, gpu)]
+             f"tokenizer {tokenizer}",
+             f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
+             *_layout_lines(cfg, launch), *_memory_lines(cfg, launch, gpu)]
     return "\n".join(lines)
 
 
@@ -63,7 +70,7 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
              f"{lay.micro_batch_size}"]
     if lay.pp > 1:
         lines.append(f"pipeline  {lay.pp_schedule}, {lay.n_stages} stages, {lay.pp_microbatches} micro-batches "
-                     "per round")
+                     "per step")
         for r in layouts.pipeline_ranks(launch.model_args, lay.pp, lay.pp_virtual_stages, lay.pp_schedule):
             ends = " + ".join(e for e, held in (("embedding", r.first), ("output", r.last)) if held)
             lines.append(f"  pp rank {r.rank}: stages {list(r.stages)}, layers {_ranges(r.layer_ids)}"
@@ -90,11 +97,9 @@ def _device_name(cfg: Config, gpu: str | None) -> tuple[str, str]:
         return gpu, ""
     if cfg.run.device == "cpu":
         return "cpu", ""
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, hw in sorted(GPUS.items(), key=lambda kv: -len(kv[1].marker)):
-            if hw.marker and hw.marker in name:
-                return key, ""
+    sheet = local_datasheet(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    if sheet is not None:
+        return sheet.name, ""
     return "h100-sxm", " (assumed; pass --gpu TYPE)"
 
 

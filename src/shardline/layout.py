@@ -2,9 +2,11 @@
 and which pipeline rank runs which layers.
 
 This module is the one authority on what a layout is. The trainer accepts a layout
-exactly when `problems()` finds nothing; `shardline train --dry-run` and the planner's
-search ask the same function, so the three cannot disagree. It needs no torch, so a
-512-GPU layout is checked on a laptop in microseconds.
+exactly when `first_problem(..., runnable=True)` finds nothing; `shardline train
+--dry-run` asks the same (through shardline.preflight, as a launch does) and so does
+the planner's `--runnable-only`, so the three cannot disagree. The planner's wider
+search drops only the rules of what the trainer does not build yet (`NOT_BUILT`). It
+needs no torch, so a 512-GPU layout is checked on a laptop in microseconds.
 
 World size = dp_replicate x dp_shard x cp x tp x pp. Data-parallel ranks
 (dp = dp_replicate x dp_shard) each take a different slice of the global batch; the
@@ -77,7 +79,10 @@ class Layout:
 
     @property
     def shard_degree(self) -> int:
-        """Ranks that share one copy of the model states (FSDP shards over dp_shard x cp)."""
+        """Ranks that share one copy of the sharded model states: FSDP shards over dp_shard x cp;
+        ZeRO-1 shards optimizer states over every data-parallel rank (x cp), replicas included."""
+        if self.zero == 1 and self.dp_shard > 1:
+            return self.dp * self.cp
         return self.dp_shard * self.cp if self.dp_shard > 1 or self.cp > 1 else 1
 
     @property
@@ -96,9 +101,11 @@ class Layout:
     def dp_mode(self) -> str:
         if self.dp_shard * self.cp == 1:
             return "ddp" if self.dp_replicate > 1 else "single"
+        if self.zero == 1:
+            return "zero1"  # DDP, optimizer states sharded (over the replicas too)
         if self.dp_replicate > 1:
-            return "hsdp"
-        return {1: "zero1", 2: "zero2", 3: "fsdp"}[self.zero]
+            return "hsdp"  # zero=2 too: FSDP2 keeps the parameters sharded at rest either way
+        return {2: "zero2", 3: "fsdp"}[self.zero]
 
     def micro_batches(self, global_batch: int) -> int:
         """Micro-batches each rank runs per optimizer step."""
@@ -160,9 +167,10 @@ def _stages_per_rank(pp: int, schedule: str, virtual: int) -> int:
 def _product_message(cfg: Config, world: int, product: int) -> str:
     p = cfg.parallel
     what = "dp_replicate x dp_shard x cp x tp x pp" if p.dp_shard != -1 else "dp_replicate x cp x tp x pp"
+    hint = "" if p.dp_shard == -1 else " (or set parallel.dp_shard=-1 to take what the others leave)"
     return (f"parallel degrees dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} pp={p.pp} "
             f"give {what} = {product}, which does not match the world size {world}; "
-            f"their product must equal the number of processes")
+            f"their product must equal the number of processes{hint}")
 
 
 # ---- the rules ----------------------------------------------------------------------
@@ -264,19 +272,23 @@ def _pp_microbatches(lay: Layout, job: Job) -> Problem | None:
 def _offload(lay: Layout, job: Job) -> Problem | None:
     if lay.cpu_offload and lay.shard_degree == 1:
         return "offload", "memory.cpu_offload=true needs FSDP: set parallel.dp_shard > 1"
+    if lay.cpu_offload and lay.zero == 1:
+        return "offload", ("memory.cpu_offload=true offloads FSDP's sharded state, but parallel.zero=1 keeps "
+                           "parameters replicated (DDP); use zero=2 or zero=3")
     return None
 
 
-def _not_built_cp(lay: Layout, job: Job) -> Problem | None:
-    if lay.cp != 1:
-        return "cp", f"parallel.cp={lay.cp}: context parallel is not implemented yet; use 1"
+def degree_not_built(cp: int, ep: int) -> Problem | None:
+    """A dimension the trainer does not build yet; checked before anything else at a launch."""
+    if cp != 1:
+        return "cp", f"parallel.cp={cp}: context parallel is not implemented yet; use 1"
+    if ep != 1:
+        return "ep", f"parallel.ep={ep}: expert parallel is not implemented yet; use 1"
     return None
 
 
-def _not_built_ep(lay: Layout, job: Job) -> Problem | None:
-    if lay.ep != 1:
-        return "ep", f"parallel.ep={lay.ep}: expert parallel is not implemented yet; use 1"
-    return None
+def _not_built_degrees(lay: Layout, job: Job) -> Problem | None:
+    return degree_not_built(lay.cp, lay.ep)
 
 
 def _not_built_zero1(lay: Layout, job: Job) -> Problem | None:
@@ -299,7 +311,7 @@ def _not_built_tied_v(lay: Layout, job: Job) -> Problem | None:
 Rule = Callable[[Layout, Job], "Problem | None"]
 RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_chunks, _ep_ranks, _batch, _offload, _pp_stages,
                            _pp_microbatches)
-NOT_BUILT: tuple[Rule, ...] = (_not_built_cp, _not_built_ep, _not_built_zero1, _not_built_tied_v)
+NOT_BUILT: tuple[Rule, ...] = (_not_built_degrees, _not_built_zero1, _not_built_tied_v)
 
 
 def problems(lay: Layout, job: Job, runnable: bool = True) -> list[Problem]:

@@ -8,6 +8,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardline.config import OptimConfig
+from shardline.parallel.zero1 import Zero1AdamW
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
@@ -24,8 +25,6 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
     if zero1_mesh is not None:
-        from shardline.parallel.zero1 import Zero1AdamW
-
         return Zero1AdamW(model, groups, zero1_mesh, "dp_shard", **hyper)
     return torch.optim.AdamW(groups, **hyper)
 

@@ -32,9 +32,9 @@ def autocast(device: torch.device, precision: str):
 class AgreedGradScaler(torch.amp.GradScaler):
     """A GradScaler whose overflow verdict every rank shares (see the module doc)."""
 
-    def __init__(self, device: torch.device, agree: bool, grad_factor: float = 1.0, **kwargs):
+    def __init__(self, device: torch.device, agree: bool, **kwargs):
         super().__init__(device.type, **kwargs)
-        self.agree, self.grad_factor, self.device = agree, grad_factor, device
+        self.agree, self.device = agree, device
 
     def unscale_(self, optimizer) -> None:
         if self.is_enabled() and self._scale is None:
@@ -53,7 +53,6 @@ class AgreedGradScaler(torch.amp.GradScaler):
                     raise ValueError("Attempting to unscale FP16 gradients.")
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # shares storage
                 by_kind[(grad.device, grad.dtype)].append(grad)
-        inv_scale = inv_scale * self.grad_factor
         with torch.no_grad():
             for (device, _), grads in by_kind.items():
                 found = torch.zeros_like(found_inf, device=device)
@@ -69,30 +68,25 @@ class LossScaler:
     """fp16 dynamic loss scaling (GradScaler) with skipped steps counted.
 
     Disabled for fp32 and bf16, whose exponent range needs no scaling. `agree`:
-    several ranks, which all-reduce the overflow verdict.
-
-    It also owns the data-parallel factor: DDP and FSDP average gradients over the
-    `dp` ranks while each rank's loss is its share of the global mean, so what goes
-    into backward is multiplied by dp (the average becomes the sum of shares). Under
-    fp16 that factor is applied at unscale time instead, in fp32 after the reduction,
-    so the fp16 backward sees exactly the values of one process: the same roundings
-    and the same overflows, hence the same skipped steps in every layout.
+    several ranks, which all-reduce the overflow verdict. Data-parallel gradients are
+    summed where they are reduced (parallel/data_parallel.py), so the fp16 backward of
+    each rank sees exactly the values of one process: the same roundings and the same
+    overflows, hence the same skipped steps in every layout.
     """
 
-    def __init__(self, device: torch.device, precision: str, agree: bool = False, dp: int = 1):
+    def __init__(self, device: torch.device, precision: str, agree: bool = False):
         self.enabled = precision == "fp16"
-        self.dp = dp
-        self.scaler = AgreedGradScaler(device, agree, grad_factor=dp, enabled=self.enabled)
+        self.scaler = AgreedGradScaler(device, agree, enabled=self.enabled)
         self.skipped_steps = 0
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """What backward runs on: the loss share x the loss scale (fp16) or x dp."""
-        return self.scaler.scale(loss) if self.enabled else loss * self.dp
+        """What backward runs on: the loss share x the loss scale (fp16), else the share itself."""
+        return self.scaler.scale(loss) if self.enabled else loss
 
     def unscaled(self, value: torch.Tensor) -> torch.Tensor:
         """The loss share behind a value that scale() returned."""
         if not self.enabled:
-            return value / self.dp
+            return value
         if self.scaler._scale is None:  # nothing was scaled yet (a pipeline rank without the last stage)
             return value
         return value / self.scaler._scale.to(value.device)  # no host sync, unlike get_scale()

@@ -1,10 +1,11 @@
-"""What a launch checks before it starts anything: the config, the model shape, the
-data path and the parallel layout on N ranks.
+"""What a launch checks before it builds a model or touches the run dir: the config,
+the model shape, the parallel layout on N ranks, and the machine-dependent rules.
 
-`shardline train` runs `preflight()` on every rank before a process group exists;
-`shardline train --dry-run --world-size N` runs the same function for N ranks and
-prints what it found. Either way a mistake is the same one-line ConfigError or
-DataError, and nothing has been touched yet.
+`shardline train` runs these on every rank (check_config and the world size first,
+then, once the tokenizer's size is known, `preflight()` and `check_device`);
+`shardline train --dry-run --world-size N` runs the same functions for N ranks and
+prints what it found (shardline/dry_run.py). Either way a mistake is the same
+one-line ConfigError, and nothing has been written yet.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from shardline.layout import Job, Layout
 from shardline.models.factory import args_from_json
 from shardline.models.llama import ModelArgs
 from shardline.models.presets import PRESETS, get_preset
-from shardline.resilience.checkpoint import read_meta
+from shardline.resilience.anomaly import check_on_device
+from shardline.resilience.checkpoint import Checkpointer, read_meta
+from shardline.resilience.recovery import resume_path
 
 _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "rope_theta")
 
@@ -42,10 +45,15 @@ def use_model_tokenizer(cfg: Config) -> None:
 
 
 def check_config(cfg: Config) -> None:
-    """The checks of the config alone (each section, and a known model)."""
+    """The checks of the config alone: each section, a known model, what the trainer builds."""
     cfg.check_sections()
     if not cfg.model.hf_path and cfg.model.preset not in PRESETS:
         raise ConfigError(f"model.preset={cfg.model.preset!r} is invalid: one of {', '.join(PRESETS)}")
+    missing = layouts.degree_not_built(cfg.parallel.cp, cfg.parallel.ep)
+    if missing:
+        raise ConfigError(missing[1])
+    if cfg.memory.cpu_offload and cfg.run.device == "cpu":
+        raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
 
 
 def starting_shape(m: ModelConfig) -> ModelArgs | None:
@@ -79,8 +87,6 @@ def check_layout(cfg: Config, world: int, args: ModelArgs) -> Layout:
     """The layout of `cfg` on `world` ranks, or the ConfigError of the first rule it breaks."""
     lay = layouts.resolve(cfg, world)
     layouts.check(lay, Job(args, cfg.train.seq_len, cfg.train.global_batch_size))
-    if cfg.memory.cpu_offload and cfg.run.device == "cpu":
-        raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
     return lay
 
 
@@ -91,7 +97,17 @@ def preflight(cfg: Config, world: int, tokenizer_vocab: int) -> Preflight:
     return Preflight(check_layout(cfg, world, args), args)
 
 
-def check_device(cfg: Config, cuda_available: bool) -> None:
-    """What only the machine that runs can tell (a dry run on a laptop skips it)."""
-    if cfg.memory.cpu_offload and not cuda_available:
+def check_resume(cfg: Config) -> Path | None:
+    """The checkpoint a launch would resume from (None: a new run), or the error it would stop with."""
+    return resume_path(cfg, Checkpointer(Path(cfg.run.dir), cfg.checkpoint.keep))[0]
+
+
+def check_device(cfg: Config, layout: Layout, on_cuda: bool) -> None:
+    """The checks that depend on the machine: a GPU for offload, what the anomaly check can gate.
+
+    A launch passes what it runs on; a dry run assumes GPUs unless run.device = cpu.
+    """
+    if cfg.memory.cpu_offload and not on_cuda:
         raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
+    impl = cfg.optim.implementation
+    check_on_device(cfg, layout, impl == "fused" or (impl == "auto" and on_cuda), on_cuda)

@@ -18,30 +18,31 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from shardline import layout as layouts
 from shardline.config import Config, to_toml
 from shardline.data import build_data
 from shardline.data.packing import IGNORE_INDEX
-from shardline import layout as layouts
-from shardline.errors import AnomalyHalt
 from shardline.devices import peak_tflops
+from shardline.errors import AnomalyHalt
 from shardline.interop.weights import load_starting_weights
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.factory import args_to_json
 from shardline.models.flops import flops_per_token
+from shardline.models.llama.parallelize import build_model
 from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
 from shardline.parallel.collectives import clip_grad_norm, local_value, loss_context, reduce_over
 from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import init_distributed, pick_device
-from shardline.models.llama.parallelize import build_model
 from shardline.parallel.pipeline import sync_tied_gradient, tied_copy
 from shardline.precision import LossScaler, autocast
 from shardline.preflight import check_config, check_device, preflight, use_model_tokenizer
-from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.anomaly import build_anomaly_check
+from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import batch_index, check_data_position, get_rng_state, resume_path, set_rng_state
+
 
 class Trainer:
     def __init__(self, cfg: Config):
@@ -70,7 +71,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
         resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
-        check_device(cfg, torch.cuda.is_available())
+        check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
         built = build_model(cfg, self.model_args, self.dims, self.device)
         load_starting_weights(cfg.model, built.model, sharded=self.proc.world_size > 1)
@@ -83,10 +84,10 @@ class Trainer:
             self.pipeline.build_schedule(self.device, pp_group, self._pipeline_loss)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.dims.zero1_mesh())
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
-        self.scaler = LossScaler(self.device, cfg.train.precision, agree=self.proc.world_size > 1, dp=self.dims.dp)
+        self.scaler = LossScaler(self.device, cfg.train.precision, agree=self.proc.world_size > 1)
         self.guard = RunGuard(cfg, self.proc, self.dims, self.checkpointer, self._layout_fingerprint(), self.started)
         self.tiers = self.guard.tiers  # where state is saved and found again
-        self.anomaly = build_anomaly_check(cfg, self.dims, self.optimizer, self.device)
+        self.anomaly = build_anomaly_check(cfg, launch.layout, self.optimizer, self.device)
         self.skipped_batches: list[int] = list(cfg.train.skip_batches)
         self.rollbacks = 0
         self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)
@@ -328,8 +329,8 @@ class Trainer:
     def forward_backward(self, batch: dict[str, torch.Tensor], n_tokens: int) -> torch.Tensor:
         """Backward of this micro-batch's share of the global mean loss; returns that share.
 
-        DDP and FSDP average gradients over the dp ranks; the scaler's dp factor turns
-        that average into the sum of shares, i.e. the gradient of the global mean.
+        The data-parallel reduction sums the ranks' gradients of their shares: the
+        gradient of the global mean, as one process computes it.
         """
         with loss_context(self.dims, self.cfg.parallel):  # the backward must run inside it too
             loss = self.loss_sum(batch) / n_tokens

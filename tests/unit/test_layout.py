@@ -17,7 +17,7 @@ from shardline.models.llama import ModelArgs
 from shardline.models.presets import PRESETS
 from shardline.planner.layout import Workload, layout_problem
 from shardline.planner.search import runnable_problem
-from shardline.preflight import check_layout, preflight
+from shardline.preflight import check_config, check_layout, preflight
 
 ARGS = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=128)
 
@@ -26,6 +26,7 @@ def layout_for(world: int, *overrides: str, args: ModelArgs = ARGS) -> Layout:
     cfg = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=2", "train.seq_len=32",
                              *overrides])
     cfg.check()
+    check_config(cfg)  # what a launch checks first (the trainer, and --dry-run)
     return check_layout(cfg, world, args)
 
 
@@ -55,6 +56,9 @@ def test_dp_shard_fills_the_rest():
     (2, ["parallel.tp=2", "train.seq_len=33"], "must be divisible by parallel.tp=2"),
     (2, ["memory.cpu_offload=true", "run.device=cpu"], "needs a GPU"),
     (1, ["memory.cpu_offload=true"], "needs FSDP"),
+    (2, ["memory.cpu_offload=true", "parallel.zero=1"], "zero=1 keeps parameters replicated"),
+    (1, ["parallel.cp=2"], "context parallel is not implemented yet"),  # named before the world size
+    (4, ["parallel.dp_shard=2"], "or set parallel.dp_shard=-1"),
 ])
 def test_invalid_layouts(world, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -202,6 +206,10 @@ def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(caps
     (["--world-size", "3", "--parallel.tp=3"], "must divide n_heads=8"),
     (["--model.preset=gpt5"], "model.preset='gpt5' is invalid: one of tiny, llama3.2-1b"),
     (["--data.path=/no/such/corpus"], "data.path='/no/such/corpus' does not exist"),
+    (["--resume"], "holds no valid checkpoint"),
+    (["--world-size", "2", "--anomaly.check_on=device", "--anomaly.action=rollback"],
+     "anomaly.check_on='device' is not possible here: anomaly.action is not skip"),
+    (["--memory.cpu_offload=true", "--run.device=cpu", "--world-size", "2"], "it needs a GPU"),
 ])
 def test_dry_run_fails_as_a_launch_would(capsys, tmp_path, argv, message):
     code = main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", *argv])

@@ -55,10 +55,6 @@ class Config:
                 f"use a multiple of {per_step}"
             )
 
-    @property
-    def grad_accum_steps(self) -> int:
-        return self.train.global_batch_size // self.train.micro_batch_size
-
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 

@@ -1,9 +1,10 @@
 """Data parallelism: DDP for plain replication; FSDP2 (ZeRO-2/3, HSDP) for sharding.
 
-Gradients are averaged over data-parallel ranks by both DDP and FSDP, while the
-trainer's loss is already the mean over the whole global batch: the trainer
-multiplies its loss by the data-parallel degree so the average becomes the sum
-that one process would compute (see Trainer.forward_backward).
+Each rank's loss is its share of the mean over the whole global batch, so the
+gradient one process would compute is the *sum* of the ranks' gradients. Both
+wrappers are set to sum (DDP through a comm hook, FSDP2 with a divide factor of 1
+and sum-only collectives) instead of their default average: no factor of dp appears
+anywhere else, and the fp16 backward sees exactly the values of one process.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -34,8 +36,19 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, device: torch.device) -> nn.
     dp_shard ranks (which shard only optimizer states).
     """
     # gradient_as_bucket_view: gradients live in the all-reduce buckets, not in a copy.
-    return DistributedDataParallel(model, process_group=dims.submesh("dp").get_group(), gradient_as_bucket_view=True,
-                                   device_ids=[device.index] if device.type == "cuda" else None)
+    group = dims.submesh("dp").get_group()
+    ddp = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True,
+                                  device_ids=[device.index] if device.type == "cuda" else None)
+    ddp.register_comm_hook(group, _all_reduce_sum)
+    return ddp
+
+
+def _all_reduce_sum(group, bucket):
+    """DDP's all-reduce without its division by the world size (see the module doc).
+
+    (No annotations: DDP inspects them, and this module's are strings.)"""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def apply_fsdp(model: nn.Module, roots: list[nn.Module], dims: ParallelDims, precision: str,
@@ -54,11 +67,22 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], dims: ParallelDims, pre
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in model.layers.values():
-        fully_shard(block, reshard_after_forward=dims.zero == 3, **kwargs)
+        _sum_gradients(fully_shard(block, reshard_after_forward=dims.zero == 3, **kwargs))
     # A root keeps embedding, final norm and output; they are used last in forward and
     # first in backward, so resharding them after forward would only cost a gather.
     for root in roots:
-        fully_shard(root, reshard_after_forward=False, **kwargs)
+        _sum_gradients(fully_shard(root, reshard_after_forward=False, **kwargs))
+
+
+def _sum_gradients(module: FSDPModule) -> None:
+    """Reduce-scatter (and HSDP's all-reduce) sum instead of average (see the module doc).
+
+    Sum-only collectives: gloo has no pre-multiplied sum, and a divide factor of 1 alone
+    would ask for one.
+    """
+    module.set_gradient_divide_factor(1.0)
+    if hasattr(module, "set_force_sum_reduction_for_comms"):
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def gradient_sync(wrapped: nn.Module, enabled: bool):

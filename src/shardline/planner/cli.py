@@ -14,12 +14,12 @@ import json
 from pathlib import Path
 
 from shardline.config import Config, DataConfig, load_config, to_toml
+from shardline.devices import local_datasheet
 from shardline.errors import ConfigError, ShardlineError
 from shardline.models.llama import ModelArgs
 from shardline.models.presets import PRESETS
 from shardline.planner.hardware import DEVICE_NAMES, Hardware, get_hardware
 from shardline.planner.layout import Workload, from_config, parse_fix, to_config
-from shardline.preflight import model_shape
 
 
 def register(sub) -> None:
@@ -180,16 +180,16 @@ def _default_device(cfg: Config) -> str:
 
     if cfg.run.device == "cpu" or not torch.cuda.is_available():
         return "cpu"
-    from shardline.planner.hardware import GPUS
-
     name = torch.cuda.get_device_name()
-    for key, hw in sorted(GPUS.items(), key=lambda kv: -len(kv[1].marker)):
-        if hw.marker in name:
-            return key
+    sheet = local_datasheet(name)
+    if sheet is not None:
+        return sheet.name
     raise ConfigError(f"this machine's GPU ({name}) is not in the hardware table; pass --gpu and --profile")
 
 
 def _config_model(cfg: Config) -> ModelArgs:
+    from shardline.preflight import model_shape  # reads checkpoints and HF folders: heavy, and only here
+
     # A preset sized by the tokenizer takes data.vocab_size, the size of the BPE it trains.
     return model_shape(cfg.model, cfg.data.vocab_size)
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shardline.config import reader
 from shardline.devices import DATASHEETS, cpu_peak_tflops
 from shardline.errors import ConfigError
@@ -176,8 +178,6 @@ def cpu_cores() -> int:
 
 def cpu_hardware() -> Hardware:
     """This host as a device: uncalibrated guesses, replaced by `shardline calibrate`."""
-    import torch
-
     peak = cpu_peak_tflops()
     return Hardware(
         name="cpu", marker="", peak_tflops={"fp32": peak, "bf16": peak, "fp16": peak},

@@ -80,14 +80,14 @@ def _median(sorted_values: list[float]) -> float:
     return sorted_values[mid] if n % 2 else 0.5 * (sorted_values[mid - 1] + sorted_values[mid])
 
 
-def build_anomaly_check(cfg, dims, optimizer, device):
+def build_anomaly_check(cfg, layout, optimizer, device):
     """The check this run uses: on the device when possible and wanted, else on the host."""
-    if anomaly_check_on_device(cfg, dims, optimizer, device):
+    if check_on_device(cfg, layout, bool(optimizer.defaults.get("fused")), device.type == "cuda"):
         return DeviceAnomalyCheck(cfg.anomaly, device)
     return AnomalyDetector(cfg.anomaly)
 
 
-def anomaly_check_on_device(cfg, dims, optimizer, device) -> bool:
+def check_on_device(cfg, layout, fused: bool, on_cuda: bool) -> bool:
     """Whether to check on the device (see device_anomaly.py); ConfigError when asked for and impossible.
 
     The verdict gates the update through the fused AdamW kernel, so it needs: action
@@ -98,10 +98,11 @@ def anomaly_check_on_device(cfg, dims, optimizer, device) -> bool:
     a = cfg.anomaly
     blockers = [why for why, blocked in (
         ("anomaly.action is not skip", a.action != "skip"),
-        ("the optimizer is not fused (optim.implementation)", not optimizer.defaults.get("fused")),
+        ("the optimizer is not fused (optim.implementation)", not fused),
         ("train.precision=fp16 (its loss scaler gates the update)", cfg.train.precision == "fp16"),
-        ("parameters are DTensors (dp_shard with zero >= 2, or tp)", (dims.fsdp and dims.zero >= 2) or dims.tp > 1),
+        ("parameters are DTensors (dp_shard with zero >= 2, or tp)",
+         (layout.dp_shard > 1 and layout.zero >= 2) or layout.tp > 1),
     ) if blocked]
     if a.check_on == "device" and blockers:
         raise ConfigError("anomaly.check_on='device' is not possible here: " + "; ".join(blockers))
-    return a.check_on == "device" or (a.check_on == "auto" and not blockers and device.type == "cuda")
+    return a.check_on == "device" or (a.check_on == "auto" and not blockers and on_cuda)

@@ -16,6 +16,7 @@ Measured costs (`--save-time`, `--snapshot-time`) replace the estimates.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,6 +24,9 @@ from pathlib import Path
 from shardline.errors import ConfigError, ShardlineError
 from shardline.devices import PEAK_TFLOPS, cpu_peak_tflops
 from shardline.models import PRESETS, ModelArgs, flops_per_token, num_params
+from shardline.planner.hardware import DEVICE_NAMES, get_hardware
+from shardline.planner.layout import Workload, parse_fix
+from shardline.planner.search import explain_no_fit, search
 from shardline.simulator.settings import Settings
 
 GPU_TYPES = tuple(dict.fromkeys((*PEAK_TFLOPS, "cpu")))  # the planner table may list cpu itself
@@ -119,12 +123,6 @@ def planned_step(model: ModelArgs, gpu: str, gpus: int, gpus_per_node: int, seq:
     plan` assumes by default. The search is the planner's (seconds at 16k GPUs) and is
     cached, so sweeps and repeated calls pay it once.
     """
-    import dataclasses
-
-    from shardline.planner.hardware import DEVICE_NAMES, get_hardware
-    from shardline.planner.layout import Workload, parse_fix
-    from shardline.planner.search import explain_no_fit, search
-
     if gpu not in DEVICE_NAMES:
         return None, f"{gpu} is not in the planner's hardware table"
     if tokens % seq:

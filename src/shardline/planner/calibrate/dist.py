@@ -40,10 +40,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from shardline.errors import ShardlineError
 from shardline.layout import Layout
+from shardline.models.llama import Llama, ModelArgs
+from shardline.models.llama.parallelize import apply_tp
+from shardline.parallel.collectives import clip_grad_norm
+from shardline.parallel.data_parallel import apply_fsdp
 from shardline.parallel.dims import ParallelDims
+from shardline.planner.calibrate.comm import _free_port
 
 # The blocks measured: FSDP at small and large, TP's wall time at small and wide (1 MB of
 # activations, the size training runs at, in short sequences to keep attention cheap).
@@ -79,18 +86,12 @@ def _in_rounds(timers: dict, n_rounds: int = ROUNDS) -> dict:
 
 
 def _model(layers: int, dim: int, vocab: int = 128):
-    from shardline.models.llama import Llama, ModelArgs
-
     torch.manual_seed(0)
     args = ModelArgs(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=2 * dim, vocab_size=vocab)
     return Llama(args), args
 
 
 def _step_fn(model, ids: torch.Tensor):
-    from torch.distributed.tensor import DTensor
-
-    from torch.distributed.tensor.parallel import loss_parallel
-
     labels = torch.randint(0, 128, ids.shape)
 
     def step():
@@ -105,8 +106,6 @@ def _step_fn(model, ids: torch.Tensor):
 
 
 def _optimizer_fn(model, dims):
-    from shardline.parallel.collectives import clip_grad_norm
-
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -132,9 +131,6 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        from shardline.parallel.data_parallel import apply_fsdp
-        from shardline.models.llama.parallelize import apply_tp
-
         plain_dims, tp_dims, fsdp_dims = _dims(1), _dims(world, tp=world, dp_shard=1), _dims(world, dp_shard=world)
         # Every rank runs the same timers in the same order: FSDP and TP collectives match up.
         timers, n_params, nbytes = {}, {}, {}
@@ -193,8 +189,6 @@ def _line(small: tuple[float, float], large: tuple[float, float]) -> tuple[float
 
 def measure_wrappers(world: int = 2, rounds: int = ROUNDS) -> tuple[dict, dict]:
     """(profile fields in microseconds, raw per-layer and per-parameter seconds); ~50 s on 2 cores."""
-    from shardline.planner.calibrate.comm import _free_port
-
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "wrappers.json")
         try:

@@ -37,9 +37,13 @@ from pathlib import Path
 
 import torch
 
+from shardline.devices import local_datasheet
 from shardline.errors import ShardlineError
 from shardline.planner.calibrate import ops
-from shardline.planner.hardware import Hardware, cpu_hardware, get_hardware, to_toml
+from shardline.planner.calibrate.comm import measure_collectives
+from shardline.planner.calibrate.corun import measure_corun
+from shardline.planner.calibrate.dist import measure_wrappers
+from shardline.planner.hardware import Hardware, cpu_cores, cpu_hardware, get_hardware, to_toml
 
 # (m tokens, n out, k in); the first eight are the quick set
 GEMMS = [(4096, 256, 256), (4096, 768, 256), (4096, 256, 768), (4096, 128, 128), (2048, 64, 256), (512, 128, 128),
@@ -149,16 +153,10 @@ def measure(quick: bool = False, comm: bool = True, dtypes: tuple[str, ...] = ("
     if device.type == "cpu" and baseline:
         cpu["process_baseline_gib"] = measure_baseline_gib()
     if comm:
-        from shardline.planner.calibrate.comm import measure_collectives
-
         net, points = measure_collectives(world_sizes=comm_worlds or ((2,) if quick else (2, 4, 8)))
         fields["network"] = net
         raw["collectives"] = points
         if device.type == "cpu":
-            from shardline.planner.calibrate.corun import measure_corun
-            from shardline.planner.calibrate.dist import measure_wrappers
-            from shardline.planner.hardware import cpu_cores
-
             wrappers, raw["wrappers"] = measure_wrappers()
             cpu.update(wrappers)
             # Ranks share the node's cores: how much each slows the others (corun.py).
@@ -169,12 +167,10 @@ def measure(quick: bool = False, comm: bool = True, dtypes: tuple[str, ...] = ("
 
 
 def _gpu_entry() -> Hardware:
-    from shardline.planner.hardware import GPUS
-
     name = torch.cuda.get_device_name()
-    for key, hw in GPUS.items():
-        if hw.marker and hw.marker in name:
-            return get_hardware(key)
+    sheet = local_datasheet(name)
+    if sheet is not None:
+        return get_hardware(sheet.name)
     raise ShardlineError(f"calibrate: {name} is not in the hardware table; add it to planner/hardware.py")
 
 
