@@ -77,3 +77,12 @@ def test_shipped_configs_are_valid():
     assert configs, "configs/ should hold example configs"
     for path in configs:
         load_config(path).check()
+
+
+def test_reader_unions_keep_a_members_own_type():
+    from shardline.config.reader import coerce
+
+    assert coerce("k", 5, str | int) == 5 and coerce("k", "optimal", int | str) == "optimal"
+    assert coerce("k", 3, float | None) == 3.0 and isinstance(coerce("k", 3, float | None), float)
+    with pytest.raises(ConfigError, match="k=True has the wrong type"):
+        coerce("k", True, int | None)

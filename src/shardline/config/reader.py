@@ -76,6 +76,9 @@ def coerce(key: str, value: Any, hint: Any, current: Any = None) -> Any:
     """`value` as type `hint`, or a ConfigError `key=value has the wrong type`."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:  # e.g. int | None
         args = [h for h in typing.get_args(hint) if h is not type(None)]
+        exact = [h for h in args if isinstance(h, type) and type(value) is h]
+        if exact:  # a value of one member's own type stays that type (5 in int | str is 5)
+            return coerce(key, value, exact[0], current)
         for h in args[:-1]:
             try:
                 return coerce(key, value, h)
