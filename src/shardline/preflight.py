@@ -94,6 +94,10 @@ def preflight(cfg: Config, world: int, tokenizer_vocab: int) -> Preflight:
     """Every check of a launch on `world` ranks once the tokenizer's size is known."""
     check_config(cfg)
     args = model_shape(cfg.model, tokenizer_vocab)
+    if cfg.train.seq_len > args.max_seq_len:
+        # Rotary positions extend to any length; the recorded maximum (checkpoints, HF
+        # config.json) follows what the model is trained on.
+        args = dataclasses.replace(args, max_seq_len=cfg.train.seq_len)
     return Preflight(check_layout(cfg, world, args), args)
 
 

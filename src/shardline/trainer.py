@@ -105,7 +105,8 @@ class Trainer:
     def _restore(self, found) -> str:
         """Load everything a saved state holds (weights, optimizer, schedule, data, RNG); returns its name."""
         name, state = self.tiers.restore(found, self.model, self.optimizer)
-        check_data_position(name, state["data"], len(self.data.train), self.cfg.train.seed)
+        check_data_position(name, state["data"], len(self.data.train), self.cfg.train.seed,
+                            self.cfg.train.global_batch_size)
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])

@@ -56,12 +56,22 @@ def test_resume_continues_where_it_stopped(tmp_path, small_corpus):
     (["--data.path=/no/such/data"], "does not exist"),
     (["--data.tokenizer=/no/such/tokenizer.json"], "cannot be read as a tokenizer.json"),
     (["--config", "/no/such.toml"], "does not exist"),
+    (["--optim.lr=inf"], "optim.lr=inf is not a finite number"),
+    (["--optim.weight_decay=inf"], "optim.weight_decay=inf is not a finite number"),
+    (["--model.rope_theta=nan"], "model.rope_theta=nan is not a finite number"),
+    (["--optim.eps=-1"], "optim.eps=-1.0 is invalid: must be > 0"),
+    (["--optim.eps=nan"], "not a finite number"),
+    (["--config", "CONFIG_FOLDER"], "is a folder; give a .toml file"),
+    (["--config", "LATIN1_TOML"], "is not UTF-8 text"),
 ])
 def test_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, small_corpus, bad, message):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("precious\n")
     base = [o for o in overrides(run, small_corpus) if not any(o.startswith(b.split("=")[0]) for b in bad)]
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b'[run]\ndir = "caf\xe9"\n')
+    bad = [{"CONFIG_FOLDER": str(tmp_path), "LATIN1_TOML": str(latin1)}.get(b, b) for b in bad]
     out = shardline("train", *base, *bad)
     assert out.returncode == 2, out.stderr
     assert message in out.stderr

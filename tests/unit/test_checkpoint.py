@@ -53,6 +53,17 @@ def test_truncated_and_unfinished_checkpoints_are_ignored(trained):
     assert ckpts.latest_valid() is None
 
 
+def test_a_deleted_manifest_is_reported_like_a_truncated_file(trained, tiny_config):
+    (trained / "checkpoints" / "step-000012" / "manifest.json").unlink()
+    seen = []
+    assert Checkpointer(trained, keep=3).latest_valid(lambda p, e: seen.append(str(e))).name == "step-000006"
+    assert seen == [f"checkpoint {trained / 'checkpoints' / 'step-000012'} is incomplete: no manifest.json"]
+    trainer = Trainer(tiny_config("train.steps=12")).build()
+    assert trainer.step == 6
+    events = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "invalid_checkpoint" and "no manifest.json" in e["error"] for e in events)
+
+
 def test_checkpoint_of_another_model_is_refused(trained, tiny_config):
     with pytest.raises(CheckpointError, match="does not match this model"):
         Trainer(tiny_config("train.steps=12", "model.dim=96")).build()

@@ -58,6 +58,11 @@ def test_bad_values_raise_config_error(override, message):
     assert "\n" not in str(err.value)
 
 
+def test_paths_given_as_numbers_stay_as_written():
+    cfg = load_config(None, ["--run.dir=1.50", "data.path=007", "train.steps=5"])
+    assert cfg.run.dir == "1.50" and cfg.data.path == "007" and cfg.train.steps == 5
+
+
 def test_bad_toml_file(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[train\nsteps=")

@@ -57,6 +57,29 @@ def test_malformed_files_raise_data_error(tmp_path, name, content, message):
     assert name in str(err.value) or "contains no text" in str(err.value)
 
 
+def test_parquet_without_the_text_column_is_one_line(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a", "b"], "id": [1, 2]}), tmp_path / "x.parquet")
+    with pytest.raises(DataError) as err:
+        read_documents(str(tmp_path / "x.parquet"))
+    assert "has no column 'text'" in str(err.value) and "body, id" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_damaged_tokenizer_cache_is_retrained_not_blamed_on_the_user(small_corpus, tmp_path, monkeypatch):
+    from shardline.data.tokenizer import cache_dir, get_tokenizer
+
+    monkeypatch.setenv("SHARDLINE_CACHE", str(tmp_path / "cache"))
+    docs = read_documents(str(small_corpus))[:20]
+    first = get_tokenizer(docs, "", 300)
+    (cached,) = (cache_dir() / "tokenizers").glob("*.json")
+    cached.write_text("{ damaged")
+    again = get_tokenizer(docs, "", 300)
+    assert again.get_vocab() == first.get_vocab() and cached.read_text().startswith("{")
+
+
 def test_missing_path_and_empty_folder(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         read_documents(str(tmp_path / "nope"))

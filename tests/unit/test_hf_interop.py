@@ -225,6 +225,17 @@ def test_export_bf16_and_tokenizer(tmp_path, transformers):
     assert hf.dtype == torch.bfloat16
 
 
+def test_exported_weights_follow_the_umask(tmp_path):
+    model = Llama(ModelArgs(**_BASE, n_kv_heads=2))
+    model.init_weights(seed=1)
+    old = os.umask(0o022)
+    try:
+        out = to_hf_pretrained(model, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    assert (out / WEIGHTS_NAME).stat().st_mode & 0o777 == 0o644  # readable by the group and others
+
+
 def test_export_keeps_untied_copy_of_tied_model_faithful(tmp_path):
     """A tied model whose output weight has become a separate, different tensor is
     written untied, so the HF model computes what the shardline model computes."""

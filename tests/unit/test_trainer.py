@@ -109,3 +109,17 @@ def test_resume_with_other_data_layout_is_refused(tiny_config):
     Trainer(tiny_config("train.steps=6")).build().train()
     with pytest.raises(CheckpointError, match="seq_len or train.seed changed"):
         Trainer(tiny_config("train.seq_len=16")).build()
+    # The sample position is step x global batch: another batch size would skip samples.
+    with pytest.raises(CheckpointError, match="global_batch_size=8 but this run has 16"):
+        Trainer(tiny_config("train.global_batch_size=16")).build()
+
+
+def test_seq_len_beyond_the_presets_maximum_raises_the_recorded_maximum(tiny_config):
+    trainer = Trainer(tiny_config("train.seq_len=32", "train.steps=1", "checkpoint.interval=0",
+                                  "train.eval_interval=0")).build()
+    assert trainer.model_args.max_seq_len == 1024  # tiny's own maximum holds shorter sequences
+    from shardline.config import load_config
+    from shardline.preflight import preflight
+
+    cfg = load_config(None, ["train.seq_len=2048"])
+    assert preflight(cfg, 1, tokenizer_vocab=4096).model_args.max_seq_len == 2048

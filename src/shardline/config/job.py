@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,17 @@ def from_dict(raw: dict[str, Any]) -> Config:
 def apply_override(cfg: Config, item: str) -> None:
     """Apply one `section.key=value` override; the value is parsed as TOML, else taken as a string."""
     section, key, value = reader.split_override(item)
+    if isinstance(value, (int, float)) and _is_text(cfg, section, key):
+        value = reader.split_override(item, raw=True)[2]  # --run.dir=1.50 names the folder "1.50"
     _set_section(cfg, section, {key: value})
+
+
+def _is_text(cfg: Config, section: str, key: str) -> bool:
+    """Whether section.key is a string field (unknown names are reported by _set_section)."""
+    holder = getattr(cfg, section, None)
+    if holder is None or not dataclasses.is_dataclass(holder) or key not in reader.field_names(holder):
+        return False
+    return typing.get_type_hints(type(holder))[key] is str
 
 
 def _set_section(cfg: Config, name: str, values: Any) -> None:

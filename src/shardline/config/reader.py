@@ -14,6 +14,7 @@ Field types understood: bool, int, float, str, `X | None`, `list[X]`, `dict[str,
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -26,11 +27,17 @@ from shardline.errors import ConfigError
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     """A TOML file as a dict; a missing, unreadable or malformed file is a ConfigError naming it (as `what`)."""
     try:
-        return tomllib.loads(Path(path).read_text())
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path} is a folder; give a .toml file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be read: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{what} {path} is not valid TOML: {e}") from None
+        raise ConfigError(f"{what} {path} is not valid TOML: {' '.join(str(e).split())}") from None
 
 
 def parse_scalar(text: str) -> Any:
@@ -41,14 +48,14 @@ def parse_scalar(text: str) -> Any:
         return text  # bare words such as bf16 or runs/x are strings
 
 
-def split_override(item: str) -> tuple[str, str, Any]:
-    """`--section.key=value` -> (section, key, value)."""
+def split_override(item: str, raw: bool = False) -> tuple[str, str, Any]:
+    """`--section.key=value` -> (section, key, value); raw: the value's text, unparsed."""
     item = item.removeprefix("--")
     if "=" not in item or "." not in item.split("=", 1)[0]:
         raise ConfigError(f"override {item!r} must look like --section.key=value")
     dotted, text = item.split("=", 1)
     section, key = dotted.split(".", 1)
-    return section, key, parse_scalar(text)
+    return section, key, text if raw else parse_scalar(text)
 
 
 def field_names(obj: Any) -> list[str]:
@@ -107,6 +114,8 @@ def coerce(key: str, value: Any, hint: Any, current: Any = None) -> Any:
             return value
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}={value!r} is not a finite number")
             return float(value)
     elif hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

@@ -54,6 +54,9 @@ class ModelConfig:
         _require(not (self.hf_path and self.init_from), "model.init_from", self.init_from,
                  "set model.hf_path or model.init_from, not both")
         _require(self.tie_embeddings in (-1, 0, 1), "model.tie_embeddings", self.tie_embeddings, "-1, 0 or 1")
+        _require(self.rope_theta >= 0, "model.rope_theta", self.rope_theta, "must be > 0 (0 keeps the preset's)")
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size"):
+            _require(getattr(self, key) >= 0, f"model.{key}", getattr(self, key), "must be > 0 (0 keeps the preset's)")
 
 
 @dataclass
@@ -99,6 +102,7 @@ class OptimConfig:
 
     def check(self) -> None:
         _require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _require(self.eps > 0, "optim.eps", self.eps, "must be > 0 (e.g. 1e-8)")
         _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
         for key in ("beta1", "beta2"):

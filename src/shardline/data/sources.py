@@ -85,9 +85,13 @@ def _read_parquet(f: Path, text_field: str) -> list[str]:
     import pyarrow.parquet as pq
 
     try:
+        columns = pq.read_schema(f).names
+        if text_field not in columns:
+            raise DataError(f"data file {f} has no column {text_field!r} (set data.text_field; it has "
+                            f"{', '.join(columns[:8])})")
         table = pq.read_table(f, columns=[text_field])
-    except KeyError:
-        raise DataError(f"data file {f} has no column {text_field!r} (set data.text_field)") from None
-    except Exception as e:  # pyarrow raises several types for a damaged file
-        raise DataError(f"cannot read parquet file {f}: {e}") from None
+    except DataError:
+        raise
+    except Exception as e:  # pyarrow raises several types, with multi-line messages, for a damaged file
+        raise DataError(f"cannot read parquet file {f}: {' '.join(str(e).split())}") from None
     return [t for t in table.column(text_field).to_pylist() if isinstance(t, str)]

@@ -38,7 +38,10 @@ def get_tokenizer(documents: list[str], tokenizer_path: str, vocab_size: int) ->
         digest.update(hashlib.sha256(doc.encode()).digest())
     cached = cache_dir() / "tokenizers" / f"bpe{vocab_size}-{digest.hexdigest()[:16]}.json"
     if cached.exists():
-        return load_tokenizer(str(cached))
+        try:
+            return Tokenizer.from_file(str(cached))
+        except Exception:  # a damaged cache entry (the user never named it): train again
+            cached.unlink(missing_ok=True)
     tok = train_bpe(documents, vocab_size)
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_suffix(f".tmp{os.getpid()}")

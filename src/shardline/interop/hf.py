@@ -217,6 +217,13 @@ def _plan_shards(tensors: list[tuple[str, torch.Tensor]], itemsize: int, max_byt
     return shards
 
 
+def _file_mode() -> int:
+    """The mode a plain new file gets under this process's umask (e.g. 0o644)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _swap_into_place(tmp: Path, dest: Path) -> None:
     if not dest.exists():
         os.replace(tmp, dest)
@@ -292,6 +299,7 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
             # (safetensors refuses them) and host memory bounded by the shard size.
             chunk = {tensors[j][0]: tensors[j][1].to("cpu", dtype).contiguous().clone() for j in shard}
             save_file(chunk, str(tmp / file), metadata={"format": "pt"})
+            os.chmod(tmp / file, _file_mode())  # safetensors writes owner-only; exports are shared
             for name, t in chunk.items():
                 weight_map[name] = file
                 total += t.numel() * t.element_size()

@@ -218,8 +218,11 @@ class Checkpointer:
         return sorted(found, key=lambda p: p.name)
 
     def latest_valid(self, on_invalid=None) -> Path | None:
-        """The newest checkpoint that verifies; `on_invalid(path, error)` hears of the others."""
-        for path in reversed(self.list()):
+        """The newest checkpoint that verifies; `on_invalid(path, error)` hears of the others,
+        a finished folder whose manifest is gone included (half-written ones end in .tmp)."""
+        folders = [p for p in self.root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")] \
+            if self.root.is_dir() else []
+        for path in sorted(folders, key=lambda p: p.name, reverse=True):
             try:
                 verify(path)
                 return path

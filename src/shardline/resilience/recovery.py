@@ -31,7 +31,18 @@ def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, l
     return (None if mode == "never" else path), invalid
 
 
-def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int) -> None:
+def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int,
+                        global_batch_size: int) -> None:
+    """The saved sample position means the same in this run, or a CheckpointError saying what changed.
+
+    The position is step x global batch: another batch size would skip or repeat samples.
+    """
+    saved = data_pos.get("global_batch_size", global_batch_size)
+    if saved != global_batch_size:
+        raise CheckpointError(
+            f"checkpoint {path} was saved with train.global_batch_size={saved} but this run has "
+            f"{global_batch_size}: resuming would skip or repeat samples; keep {saved}, or start a new "
+            "run.dir from these weights with model.init_from")
     if data_pos["num_samples"] != num_samples or data_pos["seed"] != seed:
         raise CheckpointError(
             f"checkpoint {path} was saved for {data_pos['num_samples']} training sequences and seed "
