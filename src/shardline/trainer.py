@@ -23,7 +23,7 @@ from shardline.config import Config, to_toml
 from shardline.data import build_data
 from shardline.data.packing import IGNORE_INDEX
 from shardline.devices import peak_tflops
-from shardline.errors import AnomalyHalt
+from shardline.errors import AnomalyHalt, ConfigError
 from shardline.interop.weights import load_starting_weights
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.factory import args_to_json
@@ -42,6 +42,7 @@ from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import batch_index, check_data_position, get_rng_state, resume_path, set_rng_state
+from shardline.resilience.run_lock import RunLock
 
 
 class Trainer:
@@ -92,9 +93,31 @@ class Trainer:
         self.rollbacks = 0
         self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
-        found = self.tiers.resume_source(resume_from)
-        self._open_run_dir(self._restore(found) if found is not None else None)
+        self._lock_run_dir()
+        try:
+            found = self.tiers.resume_source(resume_from)
+            self._open_run_dir(self._restore(found) if found is not None else None)
+        except BaseException:
+            self.lock.release()
+            raise
         return self
+
+    def _lock_run_dir(self) -> None:
+        """Rank 0 takes the run dir's lock (every input check has passed, nothing is written
+        yet); every rank learns the outcome, so all stop with the same one-line error."""
+        self.lock = RunLock(self.run_dir)
+        outcome: list = [("ok", None)]
+        if self.proc.is_main:
+            try:
+                outcome = [("ok", self.lock.acquire())]
+            except ConfigError as e:
+                outcome = [("error", str(e))]
+        if self.proc.world_size > 1:
+            torch.distributed.broadcast_object_list(outcome, src=0)
+        kind, text = outcome[0]
+        if kind == "error":
+            raise ConfigError(text)
+        self._lock_taken_over = text
 
     def _layout_fingerprint(self) -> str:
         """What in-memory snapshots (local shards) are only valid for: this layout and model."""
@@ -124,6 +147,8 @@ class Trainer:
         for problem in self._invalid_checkpoints:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
         self.guard.open(self.run_dir, self.metrics.event)
+        if self._lock_taken_over:
+            self.metrics.event("run_dir_lock_taken_over", step=self.step, reason=self._lock_taken_over)
         if resumed is not None:
             self.metrics.event("resume", step=self.step, checkpoint=resumed,
                                recomputed_steps=self.guard.goodput.recomputed_from(self.step))
@@ -167,6 +192,7 @@ class Trainer:
         self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
         self.metrics.close()
+        self.lock.release()
         return last
 
     def train_step(self) -> tuple[float, torch.Tensor, str]:
@@ -318,6 +344,7 @@ class Trainer:
         self.tiers.finish()  # the state to investigate is on disk; the memory tier's RAM is freed
         self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if saved else None)
         self.metrics.close()
+        self.lock.release()
         raise AnomalyHalt(f"{event['anomaly']} (value {event['value']:.4g}) at step {event['step']}; "
                           f"state before that step saved to {saved}; anomalies this run: {len(self.anomaly_events)}")
 

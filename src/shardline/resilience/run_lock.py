@@ -1,0 +1,125 @@
+"""One job per run dir: a lock file that a second run meets with a one-line error.
+
+Two runs on one run dir overwrite each other's checkpoints and interleave their
+metrics. Rank 0 creates `<run_dir>/.lock` atomically (O_EXCL) after every input
+check has passed and before anything in the run dir is read for a resume or written;
+it holds the job's host, pid, process start time and job id, and is removed when the
+run ends, halts or fails.
+
+A lock left by a dead run is taken over: same host, and its pid is gone or now
+belongs to a process started at another time. A lock of the same job is taken over
+too: torchrun restarts (TORCHELASTIC_RUN_ID) and Slurm requeues (SLURM_JOB_ID) keep
+their id. A lock from another host cannot be checked from here; its error says how to
+remove it once that job is known to be gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from shardline.errors import ConfigError
+
+LOCK = ".lock"
+
+
+def job_id() -> str:
+    """The launcher's id of this job, kept across its restarts ("" when there is none)."""
+    for key in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = os.environ.get(key, "")
+        if value and value != "none":
+            return f"{key}={value}"
+    return ""
+
+
+def start_time_of(pid: int) -> float | None:
+    """When process `pid` started (clock ticks after boot), or None if there is no such process."""
+    try:
+        return float(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        try:
+            os.kill(pid, 0)  # no /proc: we can only tell that the pid is in use
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return -1.0
+
+
+class RunLock:
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK
+        self.held = False
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns what was taken over ("stale ..." / "same job ..."), else None.
+
+        ConfigError (one line) when another live run holds it.
+        """
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "start": start_time_of(os.getpid()),
+              "job": job_id(), "since": time.time()}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"run.dir={str(self.path.parent)!r} cannot be created: {e.strerror}") from None
+        taken_over = None
+        for _ in range(3):  # a racing run may take a stale lock between our read and create
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._read()
+                why = _why_free(holder, me)
+                if why is None:
+                    raise ConfigError(_held_message(self.path, holder)) from None
+                self.path.unlink(missing_ok=True)
+                taken_over = why
+                continue
+            except OSError as e:
+                raise ConfigError(f"run.dir={str(self.path.parent)!r} is not writable: {e.strerror}") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            atexit.register(self.release)  # an exception that ends the process still frees it
+            return taken_over
+        raise ConfigError(_held_message(self.path, self._read()))
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}  # being written, or damaged: treated as held by an unknown run
+
+
+def _why_free(holder: dict, me: dict) -> str | None:
+    """Why `holder`'s lock may be taken over, or None while it may still be running."""
+    if not holder:
+        return None
+    if holder.get("job") and holder["job"] == me["job"]:
+        return f"same job ({me['job']}): a restart"
+    if holder.get("host") != me["host"]:
+        return None
+    if holder.get("pid") == me["pid"] and holder.get("start") == me["start"]:
+        return "this process: an earlier run in it ended without releasing"
+    started = start_time_of(int(holder.get("pid", -1)))
+    if started is None:
+        return f"stale: pid {holder.get('pid')} on {holder['host']} is gone"
+    if holder.get("start") not in (None, -1.0) and started not in (-1.0, holder["start"]):
+        return f"stale: pid {holder.get('pid')} on {holder['host']} is another process now"
+    return None
+
+
+def _held_message(path: Path, holder: dict) -> str:
+    if not holder:
+        return f"run dir {path.parent} is locked by another run ({path} exists); use another run.dir"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+    return (f"run dir {path.parent} is in use by another run (pid {holder.get('pid')} on {holder.get('host')}, "
+            f"since {since}); use another run.dir, or delete {path} if that run is gone")

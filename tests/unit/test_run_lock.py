@@ -1,0 +1,103 @@
+"""One job per run dir: a live holder stops a second run with one line; a dead one's lock,
+or the same job's after a restart, is taken over."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardline.errors import ConfigError
+from shardline.resilience.run_lock import LOCK, RunLock, start_time_of
+from shardline.trainer import Trainer
+from tests.conftest import tiny_overrides
+
+
+def write_lock(run_dir, pid, host=None, job="", start="auto"):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = start_time_of(pid) if start == "auto" else start
+    (run_dir / LOCK).write_text(json.dumps({"host": host or socket.gethostname(), "pid": pid, "start": start,
+                                            "job": job, "since": time.time()}))
+
+
+@pytest.fixture
+def other_process():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_live_holder_stops_a_second_run_with_one_line(tmp_path, other_process):
+    write_lock(tmp_path, other_process.pid)
+    with pytest.raises(ConfigError) as err:
+        RunLock(tmp_path).acquire()
+    text = str(err.value)
+    assert f"in use by another run (pid {other_process.pid} on {socket.gethostname()}" in text
+    assert "\n" not in text and (tmp_path / LOCK).is_file()
+
+
+def test_a_dead_holders_lock_is_taken_over_and_released(tmp_path, other_process):
+    pid = other_process.pid
+    write_lock(tmp_path, pid)
+    other_process.kill()
+    other_process.wait()
+    lock = RunLock(tmp_path)
+    assert lock.acquire().startswith(f"stale: pid {pid}")
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / LOCK).exists()
+
+
+def test_a_reused_pid_is_another_process(tmp_path, other_process):
+    write_lock(tmp_path, other_process.pid, start=1.0)  # the pid's process started at another time
+    assert "is another process now" in RunLock(tmp_path).acquire()
+
+
+def test_the_same_job_restarting_takes_its_lock_other_hosts_are_not_guessed(tmp_path, monkeypatch):
+    write_lock(tmp_path, 1, host="node-7", job="TORCHELASTIC_RUN_ID=job42")
+    with pytest.raises(ConfigError, match=f"delete {tmp_path / LOCK} if that run is gone"):
+        RunLock(tmp_path).acquire()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    assert RunLock(tmp_path).acquire() == "same job (TORCHELASTIC_RUN_ID=job42): a restart"
+
+
+def test_trainer_refuses_a_run_dir_in_use_and_writes_nothing(tiny_config, tmp_path, other_process):
+    run = tmp_path / "run"
+    write_lock(run, other_process.pid)
+    with pytest.raises(ConfigError, match="in use by another run"):
+        Trainer(tiny_config(run_dir=run)).build()
+    assert sorted(p.name for p in run.iterdir()) == [LOCK]
+
+
+def test_two_real_runs_on_one_run_dir(tmp_path, small_corpus):
+    """A runs; B on the same dir exits 2 with one line; A is killed; C takes the stale lock."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "shardline", "train"]
+    args = [f"--{o}" for o in tiny_overrides(run, small_corpus, "checkpoint.interval=0", "train.eval_interval=0")]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    a = subprocess.Popen([*cmd, *args, "--train.steps=100000"], env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (run / LOCK).exists() and time.time() < deadline and a.poll() is None:
+            time.sleep(0.2)
+        assert (run / LOCK).exists(), "the first run never took the lock"
+        b = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=300)
+        assert b.returncode == 2 and "is in use by another run" in b.stderr
+        assert len(b.stderr.strip().splitlines()) == 1
+    finally:
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+    c = subprocess.run([*cmd, *args, "--train.steps=3"], env=env, capture_output=True, text=True, timeout=300)
+    assert c.returncode == 0, c.stderr[-2000:]
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    taken = [e for e in events if e.get("event") == "run_dir_lock_taken_over"]
+    assert taken and taken[-1]["reason"].startswith(f"stale: pid {a.pid}")
+    assert not (run / LOCK).exists()
