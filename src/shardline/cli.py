@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 
-from shardline.errors import AnomalyHalt, ShardlineError
+from shardline.errors import AnomalyHalt, Preempted, ShardlineError
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except AnomalyHalt as e:
         print(f"shardline: halted: {e}", file=sys.stderr)
         return 3
+    except Preempted as e:
+        print(f"shardline: stopped: {e}", file=sys.stderr)
+        return Preempted.exit_code
     except ShardlineError as e:
         print(f"shardline: error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,12 @@ class AnomalyHalt(ShardlineError):
     """Training stopped on an anomaly with anomaly.action = halt (exit code 3)."""
 
 
+class Preempted(ShardlineError):
+    """Training stopped on SIGTERM, SIGUSR1 or Ctrl-C after saving its state (exit code 5)."""
+
+    exit_code = 5
+
+
 def require(ok: bool, key: str, value, valid: str) -> None:
     """Raise ConfigError `key=value is invalid: valid` unless ok."""
     if not ok:

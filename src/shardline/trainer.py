@@ -23,7 +23,7 @@ from shardline.config import Config, to_toml
 from shardline.data import build_data
 from shardline.data.packing import IGNORE_INDEX
 from shardline.devices import peak_tflops
-from shardline.errors import AnomalyHalt, ConfigError
+from shardline.errors import AnomalyHalt, ConfigError, Preempted
 from shardline.interop.weights import load_starting_weights
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.factory import args_to_json
@@ -38,7 +38,7 @@ from shardline.parallel.pipeline import sync_tied_gradient, tied_copy
 from shardline.precision import LossScaler, autocast
 from shardline.preflight import check_config, check_device, preflight, use_model_tokenizer
 from shardline.resilience.anomaly import build_anomaly_check
-from shardline.resilience.checkpoint import Checkpointer
+from shardline.resilience.checkpoint import Checkpointer, step_dir_name
 from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import batch_index, check_data_position, get_rng_state, resume_path, set_rng_state
@@ -186,6 +186,13 @@ class Trainer:
                 self.guard.timed("checkpoint", lambda: self.tiers.snapshot(self.step, self.model, self.optimizer,
                                                                             self._trainer_state()))
             self.guard.end_step(step, started)
+            stopped = self.guard.stop_requested()
+            if stopped:
+                every = cfg.checkpoint.interval
+                stopped = self._stop_on_request(stopped, saved=bool(every) and (step % every == 0 or step == stop))
+                break
+        else:
+            stopped = None
         self.guard.stop_watching()
         self.report_device_anomalies()
         summary = self.guard.finish()
@@ -193,7 +200,22 @@ class Trainer:
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
         self.metrics.close()
         self.lock.release()
+        if stopped:
+            raise Preempted(stopped)
         return last
+
+    def _stop_on_request(self, signal_name: str, saved: bool) -> str:
+        """Every rank agreed to stop after this step: save it (unless just saved); returns the
+        one line to stop with."""
+        if not self.cfg.checkpoint.interval:
+            self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)
+            return f"{signal_name} at step {self.step}; checkpoint.interval=0, so nothing was saved"
+        if not saved:
+            self.guard.timed("checkpoint", self.save_checkpoint)
+        self.tiers.drain()  # an async save must be on disk before the process ends
+        self.metrics.event("preempted", step=self.step, signal=signal_name,
+                           checkpoint=str(self.checkpointer.root / step_dir_name(self.step)))
+        return f"{signal_name} at step {self.step}; state saved; rerun the same command to resume"
 
     def train_step(self) -> tuple[float, torch.Tensor, str]:
         """One step: gradients, the anomaly check, then the update (or the anomaly's action).

@@ -25,6 +25,8 @@ class ParallelDims:
     dp_mesh: DeviceMesh | None = field(default=None, repr=False)  # dp_replicate x dp_shard, flattened
     # A gloo group of all ranks for asynchronous checkpoint writes, apart from training's.
     checkpoint_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    # Another gloo group of all ranks, for host-side agreements (e.g. on a stop request).
+    control_group: dist.ProcessGroup | None = field(default=None, repr=False)
     # Tied embeddings under pp: the first and the last pp rank of this rank's pipeline
     # (Megatron's "embedding group"), which sum the tied weight's gradient. None elsewhere.
     embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
@@ -87,6 +89,7 @@ class ParallelDims:
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         self.dp_mesh = self.mesh[("dp_replicate", "dp_shard")]._flatten("dp")
         self.checkpoint_group = dist.new_group(backend="gloo")
+        self.control_group = dist.new_group(backend="gloo")
         if embedding_group and self.pp > 1:
             self.embedding_group = self._build_embedding_group()
         return self.mesh

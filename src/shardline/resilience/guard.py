@@ -24,6 +24,7 @@ from shardline.parallel.distributed import ProcessInfo
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.goodput import Goodput
+from shardline.resilience.preemption import StopRequests
 from shardline.resilience.tiers import StateTiers, memory_rank_dir
 from shardline.resilience.watchdog import Watchdog
 
@@ -37,6 +38,7 @@ class RunGuard:
         self.cfg, self.proc, self.started = cfg, proc, started
         self.faults = FaultInjector(cfg.faults, proc.rank, memory_rank_dir(cfg, proc.rank))
         self.tiers = StateTiers(cfg, proc, dims, checkpointer, fingerprint, self.faults, log=self.event)
+        self.stops = StopRequests(dims.control_group)
         self.goodput: Goodput | None = None
         self.watchdog: Watchdog | None = None
         self._log: Callable[..., None] | None = None
@@ -64,6 +66,7 @@ class RunGuard:
         """Training begins: the start-up time is accounted and the watchdog runs."""
         self.goodput.add("startup", time.time() - self.started)
         self.watchdog.start()
+        self.stops.install()
 
     def begin_step(self, step: int) -> float:
         """Tell the watchdog a step begins; returns the clock this rank's step time runs from.
@@ -95,8 +98,13 @@ class RunGuard:
         self.goodput.add(category, time.perf_counter() - begin)
         return result
 
+    def stop_requested(self) -> str | None:
+        """A stop signal any rank received (the same answer on every rank; one tiny host collective)."""
+        return self.stops.agreed()
+
     def stop_watching(self) -> None:
         self.watchdog.close()
+        self.stops.restore()
 
     def finish(self) -> dict:
         """The run is over: saves drained, the memory tier's RAM freed; returns goodput's summary."""

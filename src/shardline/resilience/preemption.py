@@ -1,0 +1,54 @@
+"""Stopping on request: SIGTERM, SIGUSR1 or a first Ctrl-C finish the step, save, and exit.
+
+Slurm and Kubernetes send SIGTERM (or a chosen signal, ahead of time) before they kill
+a job. A handler here only records the request; the trainer asks `agreed()` at the end
+of every step, which every rank answers together (a one-int MAX all-reduce on a gloo
+group of its own, on the host: no device sync), so all ranks stop after the same step,
+save the same checkpoint and exit with PREEMPTED_EXIT. A second Ctrl-C stops at once.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+from shardline.errors import Preempted
+
+PREEMPTED_EXIT = Preempted.exit_code  # stopped on request, state saved: rerun the same command to resume
+SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+
+
+class StopRequests:
+    def __init__(self, group: dist.ProcessGroup | None):
+        """group: a gloo group of every rank used for nothing else (None in one process)."""
+        self.group = group
+        self.requested = 0  # the signal number asked for, 0 = none
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        """Handle the stop signals (main thread only: Python delivers signals there)."""
+        for name in SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self.requested = self.requested or signum
+
+    def agreed(self) -> str | None:
+        """The name of a stop signal any rank received, the same answer on every rank."""
+        flag = self.requested
+        if self.group is not None:
+            t = torch.tensor([flag], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            flag = int(t.item())
+        return signal.Signals(flag).name if flag else None

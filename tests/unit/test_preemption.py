@@ -1,0 +1,98 @@
+"""Stop requests: SIGTERM / SIGUSR1 / a first Ctrl-C finish the step, save it and exit 5;
+under torchrun every rank stops after the same step; a second Ctrl-C stops at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardline.resilience.preemption import PREEMPTED_EXIT, StopRequests
+from shardline.resilience.checkpoint import verify
+from tests.conftest import tiny_overrides
+from tests.distributed.harness import free_port
+
+REPO = Path(__file__).parents[2]
+
+
+def test_a_first_ctrl_c_asks_a_second_one_stops_now():
+    stops = StopRequests(None)
+    stops.install()
+    try:
+        assert stops.agreed() is None
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stops.agreed() == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stops.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_for_step(run: Path, proc: subprocess.Popen, step: int) -> None:
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").exists() and any(r.get("kind") == "train" and r["step"] >= step
+                                                    for r in records(run)):
+            return
+        time.sleep(0.2)
+    raise AssertionError("the run never reached step %d" % step)
+
+
+def launch(run: Path, corpus: Path, nproc: int, *extra: str) -> subprocess.Popen:
+    args = [f"--{o}" for o in tiny_overrides(run, corpus, "train.steps=100000", "checkpoint.interval=1000",
+                                             "train.eval_interval=0", *extra)]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "shardline", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+               f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "shardline", "train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_corpus):
+    run = tmp_path / "run"
+    proc = launch(run, small_corpus, 1)
+    wait_for_step(run, proc, 3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT, err[-2000:]
+    assert "stopped: SIGTERM at step" in err and len(err.strip().splitlines()) == 1
+    (event,) = [r for r in records(run) if r.get("event") == "preempted"]
+    assert verify(Path(event["checkpoint"]))["step"] == event["step"] >= 3
+    assert not (run / ".lock").exists()
+    again = subprocess.run([sys.executable, "-m", "shardline", "train",
+                            *[f"--{o}" for o in tiny_overrides(run, small_corpus, "train.steps=100000",
+                                                               "checkpoint.interval=1000", "train.eval_interval=0",
+                                                               f"train.stop_at_step={event['step'] + 2}")]],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    resumed = [r for r in records(run) if r.get("event") == "resume"]
+    assert resumed and resumed[-1]["step"] == event["step"]
+
+
+def test_under_torchrun_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, small_corpus):
+    run = tmp_path / "run"
+    proc = launch(run, small_corpus, 2, "parallel.dp_shard=2")
+    wait_for_step(run, proc, 3)
+    workers = subprocess.run(["pgrep", "-f", f"run.dir={run}"], capture_output=True, text=True).stdout.split()
+    ranks = [int(p) for p in workers if int(p) != proc.pid]
+    assert len(ranks) >= 2, workers
+    os.kill(max(ranks), signal.SIGUSR1)  # one worker only (not torchrun)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0  # torchrun reports the workers' exit code 5 as a failure
+    (event,) = [r for r in records(run) if r.get("event") == "preempted"]
+    manifest = verify(Path(event["checkpoint"]))  # saved collectively: both ranks' shards are in it
+    assert manifest["step"] == event["step"] and event["signal"] == "SIGUSR1"
+    assert {"trainer/rank0.pt", "trainer/rank1.pt"} <= set(manifest["files"])
