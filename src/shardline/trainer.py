@@ -156,6 +156,15 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------
 
     def train(self) -> dict:
+        """Train to train.steps (or stop_at_step); returns the last logged metrics."""
+        try:
+            return self._train()
+        except BaseException:
+            self.guard.stop_watching()  # an error, a halt or Ctrl-C: the watchdog and handlers go
+            self.lock.release()
+            raise
+
+    def _train(self) -> dict:
         cfg = self.cfg
         stop = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
         self.metrics.event("start", step=self.step, params=sum(p.numel() for p in self.model.parameters()),
@@ -213,8 +222,11 @@ class Trainer:
         if not saved:
             self.guard.timed("checkpoint", self.save_checkpoint)
         self.tiers.drain()  # an async save must be on disk before the process ends
-        self.metrics.event("preempted", step=self.step, signal=signal_name,
-                           checkpoint=str(self.checkpointer.root / step_dir_name(self.step)))
+        path = self.checkpointer.root / step_dir_name(self.step)
+        if not path.is_dir():  # the storage refused it (logged as checkpoint_failed)
+            self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)
+            return f"{signal_name} at step {self.step}; its checkpoint could not be written (see checkpoint_failed)"
+        self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=str(path))
         return f"{signal_name} at step {self.step}; state saved; rerun the same command to resume"
 
     def train_step(self) -> tuple[float, torch.Tensor, str]:
@@ -439,7 +451,7 @@ class Trainer:
                 return torch.zeros((), device=self.device)
             return local_value(cross_entropy_sum(logits, batch["labels"]))
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
         self.report_device_anomalies()  # the saved detector state and events agree
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict()}
         return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)

@@ -85,3 +85,13 @@ def test_async_checkpoints_resume_exactly_and_stall_less(tiny_config, tmp_path):
     assert {e["step"] for e in saves} == {e["step"] for e in persisted} == {6, 12}
     # the training-visible stall (a host copy) is below the background write of the same state
     assert all(s["stall_s"] < p["background_s"] for s, p in zip(saves, persisted))
+
+
+def test_an_interrupted_prune_leaves_no_checkpoint_that_looks_complete(trained):
+    ckpts = Checkpointer(trained, keep=1)
+    half = trained / "checkpoints" / "step-000006.deleting"  # renamed, then Ctrl-C before the removal
+    (trained / "checkpoints" / "step-000006").rename(half)
+    assert [p.name for p in ckpts.list()] == ["step-000012"]
+    assert ckpts.latest_valid().name == "step-000012"
+    ckpts.prune()  # the next save's prune removes the leftover
+    assert not half.exists() and [p.name for p in ckpts.list()] == ["step-000012"]

@@ -138,6 +138,7 @@ class CheckpointConfig:
     memory_redundancy: str = "replica"  # replica (a peer keeps a copy) | xor (parity across a group)
     memory_mode: str = "async"  # async (stall only for a host copy) | sync (also wait for the peer exchange)
     memory_dir: str = ""  # base folder of the in-memory tier (RAM-backed); "" = /dev/shm/shardline-<user>
+    on_error: str = "continue"  # a save the disk refuses (full, read-only): continue (retry next time) | stop
 
     def check(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval", self.interval, "must be >= 0 (0 disables)")
@@ -148,6 +149,7 @@ class CheckpointConfig:
         _require(self.memory_redundancy in ("replica", "xor"), "checkpoint.memory_redundancy",
                  self.memory_redundancy, "replica or xor")
         _require(self.memory_mode in ("sync", "async"), "checkpoint.memory_mode", self.memory_mode, "sync or async")
+        _require(self.on_error in ("continue", "stop"), "checkpoint.on_error", self.on_error, "continue or stop")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from shardline.resilience.background import BackgroundWork
@@ -21,6 +22,7 @@ from shardline.resilience.checkpoint import (
     Checkpointer,
     capture_state,
     step_dir_name,
+    storage_error,
     write_state,
 )
 
@@ -58,7 +60,12 @@ class AsyncSaver:
 
     def _write(self, final, step, state, trainer_state, meta, before_seal) -> dict:
         c = self.checkpointer
-        write_state(final, step, state, trainer_state, meta, c.rank, c.is_writer, before_seal, self.group)
+        try:
+            write_state(final, step, state, trainer_state, meta, c.rank, c.is_writer, before_seal, self.group)
+        except (Exception, CheckpointException) as e:
+            if storage_error(e) is None:
+                raise
+            return {"step": step, "path": str(final), "error": e}  # the disk refused it: the caller decides
         if c.is_writer:
             c.prune()
         return {"step": step, "path": str(final)}

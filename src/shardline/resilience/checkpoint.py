@@ -66,6 +66,14 @@ def _last_line(e: BaseException) -> str:
     return lines[-1] if lines else type(e).__name__
 
 
+DELETING = ".deleting"  # an old checkpoint being removed (renamed first)
+
+
+def _finished(folder: Path) -> bool:
+    """Not a save in progress (.tmp) nor a removal in progress (.deleting)."""
+    return not folder.name.endswith((".tmp", DELETING))
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
@@ -149,21 +157,42 @@ def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: di
     its background thread never shares a process group with training.
     """
     tmp = final.with_name(final.name + ".tmp")
-    if is_writer:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash mid-save
-        tmp.mkdir(parents=True)
-    _barrier(group)  # the folder exists before any rank writes into it
-    with _single_process_ok():
-        dcp.save(state, checkpoint_id=str(tmp / "state"), process_group=group)
-    if trainer_state is not None:
-        (tmp / "trainer").mkdir(exist_ok=True)
-        torch.save(trainer_state, tmp / "trainer" / f"rank{rank}.pt")
-    _barrier(group)  # every rank's files are on disk before the manifest lists them
-    if before_seal is not None:
-        before_seal()  # fault injection: a crash here must leave only a .tmp folder behind
-    if is_writer:
-        _seal(tmp, final, step, "full" if "optim" in state else "weights", meta)
+    try:
+        if is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash mid-save
+            tmp.mkdir(parents=True)
+        _barrier(group)  # the folder exists before any rank writes into it
+        with _single_process_ok():
+            dcp.save(state, checkpoint_id=str(tmp / "state"), process_group=group)
+        if trainer_state is not None:
+            (tmp / "trainer").mkdir(exist_ok=True)
+            torch.save(trainer_state, tmp / "trainer" / f"rank{rank}.pt")
+        _barrier(group)  # every rank's files are on disk before the manifest lists them
+        if before_seal is not None:
+            before_seal()  # fault injection: a crash here must leave only a .tmp folder behind
+        if is_writer:
+            _seal(tmp, final, step, "full" if "optim" in state else "weights", meta)
+    except (Exception, CheckpointException) as e:
+        if is_writer and storage_error(e) is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
+        raise
     _barrier(group)  # nobody moves on (or reads it back) before it is complete
+
+
+def storage_error(e: BaseException) -> OSError | None:
+    """The OSError (disk full, read-only, quota, I/O) behind a failed save, else None.
+
+    DCP wraps each rank's error in a CheckpointException; plain writes raise it directly.
+    """
+    seen: list[BaseException] = [e]
+    while seen:
+        err = seen.pop()
+        if isinstance(err, OSError):
+            return err
+        if isinstance(err, CheckpointException):
+            seen += [pair[0] for pair in err.failures.values()]
+        seen += [x for x in (err.__cause__, err.__context__) if x is not None]
+    return None
 
 
 def _barrier(group: dist.ProcessGroup | None = None) -> None:
@@ -213,15 +242,13 @@ class Checkpointer:
         """Complete-looking checkpoints (renamed, with a manifest), oldest first."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
-                 and (p / MANIFEST).is_file()]
+        found = [p for p in self.root.glob("step-*") if p.is_dir() and _finished(p) and (p / MANIFEST).is_file()]
         return sorted(found, key=lambda p: p.name)
 
     def latest_valid(self, on_invalid=None) -> Path | None:
         """The newest checkpoint that verifies; `on_invalid(path, error)` hears of the others,
         a finished folder whose manifest is gone included (half-written ones end in .tmp)."""
-        folders = [p for p in self.root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")] \
-            if self.root.is_dir() else []
+        folders = [p for p in self.root.glob("step-*") if p.is_dir() and _finished(p)] if self.root.is_dir() else []
         for path in sorted(folders, key=lambda p: p.name, reverse=True):
             try:
                 verify(path)
@@ -255,5 +282,9 @@ class Checkpointer:
         return torch.load(rank_file, weights_only=True)
 
     def prune(self) -> None:
+        """Keep the newest `keep`. A folder is renamed before it is removed, so an interruption
+        never leaves a half-deleted checkpoint that looks complete; leftovers go next time."""
         for old in self.list()[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            old.rename(old.with_name(old.name + DELETING))
+        for gone in self.root.glob(f"step-*{DELETING}"):
+            shutil.rmtree(gone, ignore_errors=True)

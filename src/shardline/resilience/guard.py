@@ -103,7 +103,9 @@ class RunGuard:
         return self.stops.agreed()
 
     def stop_watching(self) -> None:
-        self.watchdog.close()
+        """The watchdog thread ends and the stop signals get their previous handlers (idempotent)."""
+        if self.watchdog is not None:
+            self.watchdog.close()
         self.stops.restore()
 
     def finish(self) -> dict:

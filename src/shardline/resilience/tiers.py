@@ -5,17 +5,21 @@ this decides how, logs what each save cost, and finds the newest state to restor
 
 from __future__ import annotations
 
+import errno
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shardline.config import Config
+from shardline.errors import CheckpointError
 from shardline.optim import init_optimizer_state
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import ProcessInfo
 from shardline.resilience.async_checkpoint import AsyncSaver
-from shardline.resilience.checkpoint import Checkpointer, verify
+from shardline.resilience.checkpoint import Checkpointer, storage_error, verify
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.memory_tier import MemoryTier, run_root
 
@@ -42,11 +46,17 @@ class StateTiers:
 
     # ---- saving -----------------------------------------------------------------------
 
-    def save(self, step: int, model, optimizer, trainer_state: dict, meta: dict) -> Path:
-        """A checkpoint on disk; returns once training may go on (async: after the host copy)."""
+    def save(self, step: int, model, optimizer, trainer_state: dict, meta: dict) -> Path | None:
+        """A checkpoint on disk; returns once training may go on (async: after the host copy).
+
+        None when the storage refused a synchronous save and checkpoint.on_error = continue."""
         fail_midway = lambda: self.faults.during_save(step)  # noqa: E731
         if self.saver is None:
-            path, seconds = self.checkpointer.save(step, model, optimizer, trainer_state, meta, fail_midway)
+            try:
+                path, seconds = self.checkpointer.save(step, model, optimizer, trainer_state, meta, fail_midway)
+            except (Exception, CheckpointException) as e:
+                self._refused(step, e, model)
+                return None
             self.log("checkpoint", step=step, path=str(path), mode="sync", stall_s=round(seconds, 3))
             self.faults.after_save(step, path)
             return path
@@ -54,6 +64,32 @@ class StateTiers:
         path, stall = self.saver.save(step, model, optimizer, trainer_state, meta, fail_midway)
         self.log("checkpoint", step=step, path=str(path), mode="async", stall_s=round(stall, 4))
         return path
+
+    def _refused(self, step: int, error: BaseException, model) -> None:
+        """A save the storage refused (disk full, read-only, ...): its partial folder is already
+        gone; log it and go on (the next interval retries), or stop, by checkpoint.on_error.
+        Errors that are not the storage's propagate unchanged."""
+        cause = storage_error(error)
+        if cause is None:
+            raise error
+        root = self.checkpointer.root
+        if cause.errno == errno.ENOSPC:
+            free = shutil.disk_usage(root.parent if not root.exists() else root).free
+            need = self._checkpoint_bytes(model)
+            what = f"no space left on {root} (needs ~{need / 1e9:.2f} GB, {free / 1e9:.2f} GB free)"
+        else:
+            what = f"cannot write {root}: {cause.strerror or cause}"
+        message = f"checkpoint of step {step} failed: {what}"
+        if self.cfg.checkpoint.on_error == "stop":
+            raise CheckpointError(message + "; stopping (checkpoint.on_error=stop), earlier checkpoints are intact")
+        self.log("checkpoint_failed", step=step, error=what, action="continue; retried at the next interval")
+
+    def _checkpoint_bytes(self, model) -> float:
+        """The size of the newest checkpoint, else ~16 bytes per parameter (weights, Adam m and v, slack)."""
+        newest = self.checkpointer.latest_valid()
+        if newest is not None:
+            return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+        return 16.0 * sum(p.numel() for p in model.parameters()) if model is not None else 0.0
 
     def snapshot(self, step: int, model, optimizer, trainer_state: dict) -> None:
         """An in-memory snapshot with its replica or parity (in the background under memory_mode=async)."""
@@ -71,6 +107,9 @@ class StateTiers:
 
     def _drain_disk(self) -> None:
         for done in self.saver.wait() if self.saver is not None else ():
+            if "error" in done:
+                self._refused(done["step"], done["error"], None)
+                continue
             self.log("checkpoint_persisted", step=done["step"], path=done["path"],
                      background_s=round(done["background_s"], 3))
             self.faults.after_save(done["step"], Path(done["path"]))

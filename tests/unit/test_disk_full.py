@@ -1,0 +1,52 @@
+"""A save the disk refuses: one clear line, no partial folder, and training goes on (or stops)
+by checkpoint.on_error; a later run resumes from the last good checkpoint.
+
+A real full disk: a small tmpfs mounted as the run dir (needs root, as on our CI machines;
+skipped elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from shardline.errors import CheckpointError
+from shardline.resilience.checkpoint import Checkpointer
+from shardline.trainer import Trainer
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    # ~2.5 MB: the tiny model's first checkpoint (~1.7 MB with Adam states) fits, a second does not.
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)])
+
+
+def events(run) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "event"]
+
+
+def test_a_full_disk_is_one_line_leaves_nothing_and_training_goes_on(tiny_config, small_disk):
+    run = small_disk / "run"
+    Trainer(tiny_config("train.steps=12", "checkpoint.keep=3", run_dir=run)).build().train()
+    failed = [e for e in events(run) if e["event"] == "checkpoint_failed"]
+    assert failed and failed[0]["step"] == 12
+    assert failed[0]["error"].startswith(f"no space left on {run / 'checkpoints'} (needs ~")
+    assert not list((run / "checkpoints").glob("*.tmp"))  # the partial save is gone
+    assert Checkpointer(run, keep=3).latest_valid().name == "step-000006"
+    resumed = Trainer(tiny_config("train.steps=12", "checkpoint.interval=0", run_dir=run)).build()
+    assert resumed.step == 6
+
+
+def test_on_error_stop_stops_with_the_reason(tiny_config, small_disk):
+    run = small_disk / "run"
+    with pytest.raises(CheckpointError, match="no space left on .*checkpoint.on_error=stop"):
+        Trainer(tiny_config("train.steps=12", "checkpoint.on_error=stop", run_dir=run)).build().train()
+    assert not list((run / "checkpoints").glob("*.tmp"))
+    assert not (run / ".lock").exists()
