@@ -1,4 +1,4 @@
-"""Command line: `shardline train | convert | plan | estimate | calibrate | simulate`.
+"""Command line: `shardline train | check | convert | plan | estimate | calibrate | simulate`.
 
 `shardline train` with no arguments trains the tiny preset on the shipped corpus.
 Config: `--config FILE.toml` then `--section.key=value` overrides. Mistakes the user
@@ -33,6 +33,18 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     Trainer(cfg).build().train()
     return 0
+
+
+def _check(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardline.config import load_config
+    from shardline.resilience.health import CHECK_FAILED_EXIT, check
+
+    cfg = load_config(args.config, overrides)
+    cfg.check_sections()
+    report, healthy = check(cfg, size=args.size, slow_factor=args.slow_factor)
+    if os.environ.get("RANK", "0") == "0":
+        print(report)
+    return 0 if healthy else CHECK_FAILED_EXIT
 
 
 def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -81,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --dry-run: the number of ranks to check for (default $WORLD_SIZE or 1)")
     train.add_argument("--gpu", metavar="TYPE", help="with --dry-run: the device type of the memory estimate")
     train.set_defaults(func=_train)
+    chk = sub.add_parser("check", help="test every rank (GEMM result and speed, all-reduce) before a long job",
+                         epilog="run under torchrun for all ranks; exit code 6 names a faulty or slow rank")
+    chk.add_argument("--config", help="TOML config (its run.device and [faults] drills apply)")
+    chk.add_argument("--size", type=_positive_int, default=512, help="GEMM dimension (default 512; ~8192 on GPUs)")
+    chk.add_argument("--slow-factor", type=float, default=1.5,
+                     help="a rank below the median GEMM throughput / this is slow (default 1.5)")
+    chk.set_defaults(func=_check)
     convert = sub.add_parser("convert", help="convert between shardline checkpoints and HF folders")
     convert.add_argument("direction", choices=["to-hf", "from-hf"],
                          help="to-hf: checkpoint (or run dir) -> HF folder; from-hf: HF folder -> checkpoint")

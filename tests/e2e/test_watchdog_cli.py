@@ -35,6 +35,8 @@ def test_slow_rank_is_reported_as_straggler(tmp_path, small_corpus):
     out = torchrun(2, *[f"--{o}" for o in tiny_overrides(
         run, small_corpus, "parallel.dp_replicate=2", "parallel.dp_shard=1", "watchdog.timeout_s=60",
         "watchdog.straggler_steps=3", "faults.slow_rank=1", "faults.slow_factor=4", "train.steps=60")])
-    assert out.returncode == 0, out.stderr[-2000:]
+    # On failure show the workers' own errors, not only torchrun's summary at the end.
+    clues = [line for line in out.stderr.splitlines() if "rror" in line or "terminate" in line or "what()" in line]
+    assert out.returncode == 0, "\n".join(clues[:20]) + out.stderr[-1500:]
     stragglers = [e for e in events(run) if e["event"] == "straggler"]
     assert stragglers and {e["rank"] for e in stragglers} == {1}

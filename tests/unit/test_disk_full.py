@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from shardline.errors import CheckpointError
+from shardline.errors import CheckpointError, ConfigError
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.trainer import Trainer
 
@@ -50,3 +50,28 @@ def test_on_error_stop_stops_with_the_reason(tiny_config, small_disk):
         Trainer(tiny_config("train.steps=12", "checkpoint.on_error=stop", run_dir=run)).build().train()
     assert not list((run / "checkpoints").glob("*.tmp"))
     assert not (run / ".lock").exists()
+
+
+def test_read_only_run_dir_or_checkpoints_folder_is_one_line_before_training(tiny_config, small_disk):
+    run = small_disk / "run"
+    Trainer(tiny_config("train.steps=6", run_dir=run)).build().train()
+    ckpts = run / "checkpoints"
+    # A read-only file system over checkpoints/ (root ignores permission bits, not a ro mount).
+    ro = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=100k", "tmpfs", str(ckpts)], capture_output=True)
+    if ro.returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        before = sorted(p.name for p in run.iterdir())
+        with pytest.raises(ConfigError) as err:
+            Trainer(tiny_config("train.steps=12", run_dir=run)).build()
+        assert f"{ckpts} is not writable (Read-only file system)" in str(err.value)
+        assert "\n" not in str(err.value) and sorted(p.name for p in run.iterdir()) == before  # lock released
+    finally:
+        subprocess.run(["umount", "-l", str(ckpts)])
+    if subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], capture_output=True).returncode:
+        pytest.skip("cannot remount read-only here")
+    try:
+        with pytest.raises(ConfigError, match=f"run.dir='{run}' is not writable: Read-only file system"):
+            Trainer(tiny_config("train.steps=12", run_dir=run)).build()
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)])

@@ -84,8 +84,23 @@ class RunLock:
                 json.dump(me, f)
             self.held = True
             atexit.register(self.release)  # an exception that ends the process still frees it
+            self._check_writable(self.path.parent / "checkpoints")
             return taken_over
         raise ConfigError(_held_message(self.path, self._read()))
+
+    def _check_writable(self, folder: Path) -> None:
+        """A checkpoints folder the run cannot write (read-only mount, permissions) is one line
+        now, not a traceback at the first save."""
+        if not folder.is_dir():
+            return
+        probe = folder / f".write-probe-{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            self.release()
+            raise ConfigError(f"{folder} is not writable ({e.strerror}); checkpoints cannot be saved there; "
+                              "fix its permissions or use another run.dir") from None
 
     def release(self) -> None:
         if self.held:

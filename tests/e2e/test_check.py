@@ -1,0 +1,39 @@
+"""`shardline check` under torchrun: healthy ranks pass; a slow rank (the [faults] drill) is named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.distributed.harness import free_port
+from tests.e2e.test_torchrun import REPO
+
+
+def check(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "shardline", "check", "--run.device=cpu", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_healthy_ranks_pass_and_a_slow_one_is_named(tmp_path):
+    ok = check(2, "--slow-factor", "3")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "shardline check: 2 rank(s), all ranks ok" in ok.stdout and ok.stdout.count(" ok\n") >= 2
+    slow = check(2, "--faults.slow_rank=1", "--faults.slow_factor=8", "--slow-factor", "3")
+    assert slow.returncode != 0  # torchrun passes on the ranks' exit code 6 as a failure
+    assert "FAILED: rank 1" in slow.stdout
+    (line,) = [x for x in slow.stdout.splitlines() if x.strip().startswith("1 ")]
+    assert "slow:" in line and "x the median GEMM throughput" in line
+
+
+def test_a_wrong_product_or_sum_names_the_rank():
+    from shardline.resilience.health import RankResult, _verdict
+
+    good = [RankResult(r, "h", 1.0, 42.0, True, 1.0) for r in range(3)]
+    report, healthy = _verdict([*good, RankResult(3, "h", 1.0, 41.5, True, 1.0)], slow_factor=1.5)
+    assert not healthy and "FAILED: rank 3" in report and "wrong GEMM result" in report
+    report, healthy = _verdict([*good[:2], RankResult(2, "h", 1.0, 42.0, False, 1.0)], slow_factor=1.5)
+    assert not healthy and "wrong all-reduce sum" in report
+    assert _verdict(good, slow_factor=1.5)[1]
