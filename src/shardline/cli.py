@@ -29,14 +29,21 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     if args.world_size is not None or args.gpu is not None:
         raise ShardlineError("--world-size and --gpu go with --dry-run; a launch takes its world size from torchrun")
+    from shardline.parallel.distributed import shutdown_distributed
     from shardline.trainer import Trainer
 
-    Trainer(cfg).build().train()
+    try:
+        Trainer(cfg).build().train()
+    except Preempted:
+        shutdown_distributed()  # every rank stopped after the same step, together
+        raise
+    shutdown_distributed()
     return 0
 
 
 def _check(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.config import load_config
+    from shardline.parallel.distributed import shutdown_distributed
     from shardline.resilience.health import CHECK_FAILED_EXIT, check
 
     cfg = load_config(args.config, overrides)
@@ -44,6 +51,7 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> int:
     report, healthy = check(cfg, size=args.size, slow_factor=args.slow_factor)
     if os.environ.get("RANK", "0") == "0":
         print(report)
+    shutdown_distributed()
     return 0 if healthy else CHECK_FAILED_EXIT
 
 

@@ -170,7 +170,7 @@ class Trainer:
         self.metrics.event("start", step=self.step, params=sum(p.numel() for p in self.model.parameters()),
                            device=str(self.device), precision=cfg.train.precision,
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
-        window_start, window_steps, last = time.perf_counter(), 0, {}
+        window_start, window_steps, last, stopped = time.perf_counter(), 0, {}, None
         self.guard.start()
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
@@ -195,13 +195,11 @@ class Trainer:
                 self.guard.timed("checkpoint", lambda: self.tiers.snapshot(self.step, self.model, self.optimizer,
                                                                             self._trainer_state()))
             self.guard.end_step(step, started)
-            stopped = self.guard.stop_requested()
-            if stopped:
+            request = self.guard.stop_requested()
+            if request and step < stop:  # on the last step the run simply ends
                 every = cfg.checkpoint.interval
-                stopped = self._stop_on_request(stopped, saved=bool(every) and (step % every == 0 or step == stop))
+                stopped = self._stop_on_request(request, saved=bool(every) and step % every == 0)
                 break
-        else:
-            stopped = None
         self.guard.stop_watching()
         self.report_device_anomalies()
         summary = self.guard.finish()

@@ -63,5 +63,17 @@ def init_distributed(device: torch.device) -> ProcessInfo:
     return ProcessInfo(rank, world, local_rank, store, _local_world_size(world))
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group together once the work is done.
+
+    Without it a rank that exits first can close its connections while a peer's gloo
+    teardown still reads them, and the peer aborts (SIGABRT): a finished job then looks
+    failed to torchrun.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _local_world_size(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world))
