@@ -23,7 +23,7 @@ from shardline.config import Config, to_toml
 from shardline.data import build_data
 from shardline.data.packing import IGNORE_INDEX
 from shardline.devices import peak_tflops
-from shardline.errors import AnomalyHalt, ConfigError, Preempted
+from shardline.errors import AnomalyHalt, Preempted
 from shardline.interop.weights import load_starting_weights
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.factory import args_to_json
@@ -103,21 +103,10 @@ class Trainer:
         return self
 
     def _lock_run_dir(self) -> None:
-        """Rank 0 takes the run dir's lock (every input check has passed, nothing is written
-        yet); every rank learns the outcome, so all stop with the same one-line error."""
+        """One run per run dir: taken once every input check has passed, before anything there
+        is read for a resume or written."""
         self.lock = RunLock(self.run_dir)
-        outcome: list = [("ok", None)]
-        if self.proc.is_main:
-            try:
-                outcome = [("ok", self.lock.acquire())]
-            except ConfigError as e:
-                outcome = [("error", str(e))]
-        if self.proc.world_size > 1:
-            torch.distributed.broadcast_object_list(outcome, src=0)
-        kind, text = outcome[0]
-        if kind == "error":
-            raise ConfigError(text)
-        self._lock_taken_over = text
+        self._lock_taken_over = self.lock.acquire_for_job(self.proc.is_main, self.proc.world_size)
 
     def _layout_fingerprint(self) -> str:
         """What in-memory snapshots (local shards) are only valid for: this layout and model."""

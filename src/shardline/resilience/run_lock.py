@@ -22,6 +22,8 @@ import socket
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from shardline.errors import ConfigError
 
 LOCK = ".lock"
@@ -101,6 +103,22 @@ class RunLock:
             self.release()
             raise ConfigError(f"{folder} is not writable ({e.strerror}); checkpoints cannot be saved there; "
                               "fix its permissions or use another run.dir") from None
+
+    def acquire_for_job(self, is_main: bool, world_size: int) -> str | None:
+        """Rank 0 acquires; every rank learns the outcome (one broadcast), so all stop with the
+        same one-line ConfigError. Returns what was taken over, as acquire()."""
+        outcome: list = [("ok", None)]
+        if is_main:
+            try:
+                outcome = [("ok", self.acquire())]
+            except ConfigError as e:
+                outcome = [("error", str(e))]
+        if world_size > 1:
+            dist.broadcast_object_list(outcome, src=0)
+        kind, text = outcome[0]
+        if kind == "error":
+            raise ConfigError(text)
+        return text
 
     def release(self) -> None:
         if self.held:
