@@ -59,7 +59,8 @@ from shardline.planner.calibrate import measure, measure_baseline_gib
 from shardline.planner.cli import _config_model
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import apply_overrides, cpu_hardware, get_hardware
-from shardline.planner.layout import Workload, from_config
+from shardline.layout import resolve
+from shardline.planner.layout import Workload
 from shardline.planner.memory import GiB
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -135,7 +136,7 @@ def predict(overrides: list[str], hw, world: int = 1) -> dict:
     cfg = load_config(None, overrides)
     work = Workload(_config_model(cfg), cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.precision,
                     cfg.train.document_mask, cfg.model.preset)
-    e = estimate(work, from_config(cfg, world), hw)
+    e = estimate(work, resolve(cfg, world), hw)
     return {"step_time_s": e.step_time_s, "peak_gib": e.memory["total"] / GiB,
             "breakdown_s": e.breakdown, "memory_gib": {k: v / GiB for k, v in e.memory.items()}}
 

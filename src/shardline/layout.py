@@ -314,17 +314,9 @@ RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_chunks, _ep_ranks, _batc
 NOT_BUILT: tuple[Rule, ...] = (_not_built_degrees, _not_built_zero1, _not_built_tied_v)
 
 
-def problems(lay: Layout, job: Job, runnable: bool = True) -> list[Problem]:
-    """Every rule `lay` breaks for `job`; `runnable` adds what the trainer does not build yet.
-
-    The not-built rules come first, so a launch names the missing feature before any
-    consequence of it.
-    """
-    rules = (NOT_BUILT + RULES) if runnable else RULES
-    return [found for rule in rules if (found := rule(lay, job)) is not None]
-
-
 def first_problem(lay: Layout, job: Job, runnable: bool = True) -> Problem | None:
+    """The first rule `lay` breaks for `job`; `runnable` adds what the trainer does not build
+    yet, checked first so a launch names the missing feature before any consequence of it."""
     rules = (NOT_BUILT + RULES) if runnable else RULES
     for rule in rules:
         found = rule(lay, job)

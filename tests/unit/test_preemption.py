@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from shardline.resilience.preemption import PREEMPTED_EXIT, StopRequests
+from shardline.errors import Preempted
+from shardline.resilience.preemption import StopRequests
 from shardline.resilience.checkpoint import verify
 from tests.conftest import tiny_overrides
 from tests.distributed.harness import free_port
@@ -67,7 +68,7 @@ def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_corpus)
     wait_for_step(run, proc, 3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == PREEMPTED_EXIT, err[-2000:]
+    assert proc.returncode == Preempted.exit_code, err[-2000:]
     assert "stopped: SIGTERM at step" in err and len(err.strip().splitlines()) == 1
     (event,) = [r for r in records(run) if r.get("event") == "preempted"]
     assert verify(Path(event["checkpoint"]))["step"] == event["step"] >= 3

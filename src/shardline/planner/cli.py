@@ -19,7 +19,8 @@ from shardline.errors import ConfigError, ShardlineError
 from shardline.models.llama import ModelArgs
 from shardline.models.presets import PRESETS
 from shardline.planner.hardware import DEVICE_NAMES, Hardware, get_hardware
-from shardline.planner.layout import Workload, from_config, parse_fix, to_config
+from shardline.layout import resolve
+from shardline.planner.layout import Workload, parse_fix, to_config
 
 
 def register(sub) -> None:
@@ -166,7 +167,7 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     cfg.check()
     hw = _hardware(args, args.gpu or _default_device(cfg))
-    layout = from_config(cfg, args.gpus)
+    layout = resolve(cfg, args.gpus)
     work = Workload(_config_model(cfg), cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.precision,
                     cfg.train.document_mask, cfg.model.hf_path or cfg.model.preset)
     e = estimate(work, layout, hw)

@@ -2,7 +2,7 @@
 
 A Layout holds exactly the `[parallel]` and `[memory]` keys of the trainer's config
 plus the micro-batch size, so a plan converts to a config `shardline train` accepts
-(`to_config`) and a config converts back (`from_config`) for `shardline estimate`.
+(`to_config`) and a config converts back (`shardline.layout.resolve`) for `shardline estimate`.
 Whether a layout can run is asked of `shardline.layout.problems`, the function the
 trainer and `train --dry-run` use; the batch and degree semantics are written there.
 """
@@ -75,11 +75,6 @@ def _parse_value(key: str, value: str, kind: str):
     if value not in valid:
         raise ConfigError(f"--fix {key}={value!r} is invalid; valid: {', '.join(valid)}")
     return value
-
-
-def from_config(cfg: Config, world: int | None = None) -> Layout:
-    """The Layout a config describes. dp_shard=-1 takes the rest of `world`, or 1 without one."""
-    return layouts.resolve(cfg, world)
 
 
 def to_config(layout: Layout, work: Workload, base: Config | None = None) -> Config:

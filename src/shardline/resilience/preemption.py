@@ -4,7 +4,7 @@ Slurm and Kubernetes send SIGTERM (or a chosen signal, ahead of time) before the
 a job. A handler here only records the request; the trainer asks `agreed()` at the end
 of every step, which every rank answers together (a one-int MAX all-reduce on a gloo
 group of its own, on the host: no device sync), so all ranks stop after the same step,
-save the same checkpoint and exit with PREEMPTED_EXIT. A second Ctrl-C stops at once.
+save the same checkpoint and exit with Preempted.exit_code (5). A second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ import signal
 import torch
 import torch.distributed as dist
 
-from shardline.errors import Preempted
-
-PREEMPTED_EXIT = Preempted.exit_code  # stopped on request, state saved: rerun the same command to resume
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
 
