@@ -95,9 +95,13 @@ class Trainer:
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
         self._lock_run_dir()
         try:
-            found = self.tiers.resume_source(resume_from)
-            self._open_run_dir(self._restore(found) if found is not None else None)
+            self.guard.watch()
+            with self.guard.phase("restore", self.step):
+                found = self.tiers.resume_source(resume_from)
+                resumed = self._restore(found) if found is not None else None
+            self._open_run_dir(resumed)
         except BaseException:
+            self.guard.stop_watching()
             self.lock.release()
             raise
         return self
@@ -189,9 +193,8 @@ class Trainer:
                 every = cfg.checkpoint.interval
                 stopped = self._stop_on_request(request, saved=bool(every) and step % every == 0)
                 break
-        self.guard.stop_watching()
         self.report_device_anomalies()
-        summary = self.guard.finish()
+        summary = self.guard.finish(self.step)
         self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
         self.metrics.close()
@@ -208,7 +211,7 @@ class Trainer:
             return f"{signal_name} at step {self.step}; checkpoint.interval=0, so nothing was saved"
         if not saved:
             self.guard.timed("checkpoint", self.save_checkpoint)
-        self.tiers.drain()  # an async save must be on disk before the process ends
+        self.guard.drain(self.step)  # an async save must be on disk before the process ends
         path = self.checkpointer.root / step_dir_name(self.step)
         if not path.is_dir():  # the storage refused it (logged as checkpoint_failed)
             self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)

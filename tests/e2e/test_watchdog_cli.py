@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from tests.conftest import tiny_overrides
+from tests.e2e.test_cli import shardline
 from tests.e2e.test_torchrun import torchrun
 
 
@@ -40,3 +41,37 @@ def test_slow_rank_is_reported_as_straggler(tmp_path, small_corpus):
     assert out.returncode == 0, "\n".join(clues[:20]) + out.stderr[-1500:]
     stragglers = [e for e in events(run) if e["event"] == "straggler"]
     assert stragglers and {e["rank"] for e in stragglers} == {1}
+
+
+def _report(run) -> dict:
+    return json.loads((next(run.glob("hang-*")) / "report.json").read_text())
+
+
+def test_hang_while_restoring_is_reported_by_phase(tmp_path, small_corpus):
+    # A stuck restore (a hung filesystem, a peer that never answers) used to hang the job
+    # for ever: the watchdog only started with the first step.
+    run = tmp_path / "run"
+    first = shardline("train", *[f"--{o}" for o in tiny_overrides(run, small_corpus, "train.steps=2",
+                                                                   "checkpoint.interval=2", "train.eval_interval=0")])
+    assert first.returncode == 0, first.stderr[-2000:]
+    hung = shardline("train", *[f"--{o}" for o in tiny_overrides(
+        run, small_corpus, "train.steps=4", "checkpoint.interval=2", "train.eval_interval=0",
+        "watchdog.timeout_s=1", "watchdog.long_timeout_s=2", "faults.hang_rank=0", "faults.hang_phase=restore")])
+    assert hung.returncode == 4, hung.stderr[-2000:]
+    assert "stopped in restore (after step 0)" in hung.stderr
+    report = _report(run)
+    assert (report["phase"], report["stopped_ranks"], report["limit_s"]) == ("restore", [0], 2.0)
+    assert "in_phase" in (next(run.glob("hang-*")) / "rank0.txt").read_text()
+
+
+def test_hang_in_the_final_drain_is_reported_by_phase(tmp_path, small_corpus):
+    run = tmp_path / "run"
+    hung = shardline("train", *[f"--{o}" for o in tiny_overrides(
+        run, small_corpus, "train.steps=3", "checkpoint.interval=3", "checkpoint.mode=async",
+        "train.eval_interval=0", "watchdog.timeout_s=30", "watchdog.long_timeout_s=2",
+        "faults.hang_rank=0", "faults.hang_phase=drain")])
+    assert hung.returncode == 4, hung.stderr[-2000:]
+    report = _report(run)
+    assert (report["phase"], report["step"], report["stopped_ranks"]) == ("drain", 3, [0])
+    hang = [e for e in events(run) if e["event"] == "hang"]
+    assert [(e["phase"], e["step"]) for e in hang] == [("drain", 3)]  # the log was open: the event is there

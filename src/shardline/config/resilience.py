@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from shardline.errors import require
 
 ACTIONS = ("skip", "rollback", "halt")
+HANG_PHASES = ("step", "restore", "drain")  # where faults.hang_phase can stop a rank
 
 
 @dataclass
@@ -32,13 +33,22 @@ class AnomalyConfig:
 @dataclass
 class WatchdogConfig:
     timeout_s: float = 0.0  # a step or collective longer than this on any rank is a hang; 0 = off
+    # The limit of the one-off work around the steps: restoring at start-up, the first step
+    # (compilation, warm-up) and the final drain of saves; 0 = 10 x timeout_s.
+    long_timeout_s: float = 0.0
     straggler_factor: float = 1.5  # slower than this x the median step time ...
     straggler_steps: int = 5  # ... this many steps in a row: reported
 
     def check(self) -> None:
         require(self.timeout_s >= 0, "watchdog.timeout_s", self.timeout_s, "must be >= 0 (0 = off)")
+        require(self.long_timeout_s >= 0, "watchdog.long_timeout_s", self.long_timeout_s,
+                "must be >= 0 (0 = 10 x timeout_s)")
         require(self.straggler_factor > 1, "watchdog.straggler_factor", self.straggler_factor, "must be > 1")
         require(self.straggler_steps >= 1, "watchdog.straggler_steps", self.straggler_steps, "must be >= 1")
+
+    @property
+    def long_limit_s(self) -> float:
+        return self.long_timeout_s or 10 * self.timeout_s
 
 
 @dataclass
@@ -52,6 +62,7 @@ class FaultsConfig:
     spike_step: int = 0  # the loss of this step is multiplied by 100
     hang_rank: int = -1
     hang_step: int = 0
+    hang_phase: str = "step"  # where hang_rank hangs: a step (hang_step), "restore" or "drain"
     slow_rank: int = -1
     slow_factor: float = 1.0
     corrupt_checkpoint_step: int = 0  # flip bytes in the checkpoint saved at this step
@@ -61,3 +72,4 @@ class FaultsConfig:
         for key in ("kill_step", "nan_step", "spike_step", "hang_step", "corrupt_checkpoint_step", "fail_save_step"):
             require(getattr(self, key) >= 0, f"faults.{key}", getattr(self, key), "must be >= 0 (0 = off)")
         require(self.slow_factor >= 1, "faults.slow_factor", self.slow_factor, "must be >= 1")
+        require(self.hang_phase in HANG_PHASES, "faults.hang_phase", self.hang_phase, f"must be one of {HANG_PHASES}")

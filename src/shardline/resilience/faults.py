@@ -36,9 +36,13 @@ class FaultInjector:
             if c.kill_wipes_memory and self.memory_dir is not None:
                 shutil.rmtree(self.memory_dir, ignore_errors=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if self._fire("hang", step, c.hang_step, c.hang_rank):
-            while True:  # a rank stuck outside any collective; the watchdog must notice
-                time.sleep(3600)
+        if c.hang_phase == "step" and self._fire("hang", step, c.hang_step, c.hang_rank):
+            _hang()
+
+    def in_phase(self, phase: str) -> None:
+        """Called as a phase outside steps begins ("restore", "drain"): the hang drill there."""
+        if self.cfg.hang_phase == phase and self._fire("hang", 1, 1, self.cfg.hang_rank):
+            _hang()
 
     def after_step(self, step_time_s: float) -> None:
         if self.first_attempt and self.rank == self.cfg.slow_rank and self.cfg.slow_factor > 1:
@@ -64,3 +68,8 @@ class FaultInjector:
             for i in range(0, len(data), max(1, len(data) // 64)):
                 data[i] ^= 0xFF
             shard.write_bytes(bytes(data))
+
+
+def _hang() -> None:
+    while True:  # a rank stuck outside any collective; the watchdog must notice
+        time.sleep(3600)

@@ -5,14 +5,18 @@ tiers (checkpoints on disk and in memory). The trainer calls `begin_step` before
 step, `step_done` once its update is settled, `end_step` after the step's saves and
 evaluation, and `timed` around those; it saves and restores through `tiers`.
 
-The guard is built before the run dir is opened, since a resume needs the tiers;
-`open` starts the parts that write into the run dir (goodput, the watchdog) once the
-metrics log exists. Events the tiers emit before that are held and logged by `open`.
+The guard is built before the run dir is opened, since a resume needs the tiers.
+`watch` starts the watchdog as soon as the run dir is locked, so a hang while
+restoring is caught too (work outside steps runs inside `phase`, under the watchdog's
+long limit); `open` starts goodput once the metrics log exists. Events emitted before
+that are held and logged by `open`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,7 +44,10 @@ class RunGuard:
         self.tiers = StateTiers(cfg, proc, dims, checkpointer, fingerprint, self.faults, log=self.event)
         self.stops = StopRequests(dims.control_group)
         self.goodput: Goodput | None = None
-        self.watchdog: Watchdog | None = None
+        limit = cfg.watchdog.long_limit_s
+        self.watchdog = Watchdog(cfg.watchdog, Path(cfg.run.dir), proc.rank, proc.world_size, proc.store,
+                                 on_event=self.event, exit_code=WATCHDOG_EXIT,
+                                 first_step_timeout_s=limit, phase_timeout_s=limit)
         self._log: Callable[..., None] | None = None
         self._held: list[tuple[str, dict[str, Any]]] = []
 
@@ -51,19 +58,31 @@ class RunGuard:
         else:
             self._log(name, **fields)
 
+    def watch(self) -> None:
+        """The run dir is locked: the watchdog starts (a hang from here on ends with a report)."""
+        self.watchdog.start()
+
+    @contextmanager
+    def phase(self, name: str, step: int) -> Iterator[None]:
+        """Long work outside a step ("restore", "drain"), watched under watchdog.long_timeout_s."""
+        self.watchdog.phase_begin(name, step)
+        try:
+            self.faults.in_phase(name)
+            yield
+        finally:
+            self.watchdog.phase_end()
+
     def open(self, run_dir: Path, log: Callable[..., None]) -> None:
-        """Start goodput accounting and the watchdog in the opened run dir; log held events."""
+        """Start goodput accounting in the opened run dir; log held events."""
         self.goodput = Goodput(run_dir, self.proc.is_main, self.started)
         self._log = log
         for name, fields in self._held:
             log(name, **fields)
         self._held = []
         self.tiers.report_stale_memory()
-        self.watchdog = Watchdog(self.cfg.watchdog, run_dir, self.proc.rank, self.proc.world_size,
-                                 self.proc.store, on_event=log, exit_code=WATCHDOG_EXIT)
 
     def start(self) -> None:
-        """Training begins: the start-up time is accounted and the watchdog runs."""
+        """Training begins: the start-up time is accounted and stop signals are caught."""
         self.goodput.add("startup", time.time() - self.started)
         self.watchdog.start()
         self.stops.install()
@@ -104,12 +123,19 @@ class RunGuard:
 
     def stop_watching(self) -> None:
         """The watchdog thread ends and the stop signals get their previous handlers (idempotent)."""
-        if self.watchdog is not None:
-            self.watchdog.close()
+        self.watchdog.close()
         self.stops.restore()
 
-    def finish(self) -> dict:
-        """The run is over: saves drained, the memory tier's RAM freed; returns goodput's summary."""
-        self.timed("checkpoint", self.tiers.finish)
+    def drain(self, step: int) -> None:
+        """Wait for the saves in flight, watched: a save that never lands ends with a report."""
+        with self.phase("drain", step):
+            self.tiers.drain()
+
+    def finish(self, step: int) -> dict:
+        """The run is over: saves drained (watched), the memory tier's RAM freed, the watchdog
+        stopped; returns goodput's summary."""
+        with self.phase("drain", step):
+            self.timed("checkpoint", self.tiers.finish)
+        self.stop_watching()
         self.goodput.persist(finished=True)
         return self.goodput.summary()

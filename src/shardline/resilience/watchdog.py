@@ -4,8 +4,9 @@ Why a thread and the c10d store, never a collective: a hung collective blocks th
 training thread and every later collective, but the store is a separate TCP channel,
 so a thread that only talks to the store keeps working while the step is stuck.
 
-The training thread only records where it is (step_begin / step_end: no I/O, so the
-hot path pays nothing). Each rank's thread, every poll (min(1 s, timeout / 4)):
+The training thread only records where it is (step_begin / step_end, and
+phase_begin / phase_end around long work outside steps: the start-up restore and the
+final drain of saves; no I/O, so the hot path pays nothing). Each rank's thread, every poll (min(1 s, timeout / 4)):
   - publishes the rank's record under shardline/wd/rec/<rank>: step, inside a step or
     not and for how long (by its own clock: hosts' clocks need not agree), the limit
     of this step, the recent step times, a beat counter;
@@ -57,16 +58,18 @@ class _Progress:
     """Where the training thread is; replaced whole, so the watchdog reads a consistent copy."""
 
     step: int = 0
-    in_step: bool = False
+    in_step: bool = False  # inside watched work: a step, or a phase outside steps
     since: float = 0.0  # time.monotonic() when this state began
-    limit_s: float = 0.0  # how long this step may take
+    limit_s: float = 0.0  # how long this work may take
+    phase: str = "step"  # what the work is: "step", or a phase such as "restore" or "drain"
 
 
 class Watchdog:
     def __init__(self, cfg: WatchdogConfig, run_dir: Path, rank: int, world_size: int,
                  store: dist.Store | None, on_event: Callable[..., None], exit_code: int = 3,
-                 first_step_timeout_s: float | None = None):
-        """first_step_timeout_s: the limit of the first step (compilation, warm-up); default timeout_s."""
+                 first_step_timeout_s: float | None = None, phase_timeout_s: float | None = None):
+        """first_step_timeout_s: the limit of the first step (compilation, warm-up); default timeout_s.
+        phase_timeout_s: the limit of a phase outside steps (phase_begin); default timeout_s."""
         if store is None and world_size > 1:
             raise ValueError(f"a watchdog for {world_size} ranks needs the c10d store (got store=None)")
         self.cfg, self.run_dir, self.rank, self.world = cfg, Path(run_dir), rank, world_size
@@ -75,6 +78,7 @@ class Watchdog:
         self.on_event, self.exit_code = on_event, exit_code
         self.timeout = cfg.timeout_s
         self.first_limit = first_step_timeout_s or cfg.timeout_s
+        self.phase_limit = phase_timeout_s or cfg.timeout_s
         self.poll_s = min(1.0, self.timeout / 4) if self.timeout > 0 else 1.0
         self.grace_s = 2 * self.poll_s + 2.0  # for every live rank to see the flag and dump
         self.host = socket.gethostname()
@@ -103,6 +107,17 @@ class Watchdog:
         limit = self.first_limit if self._steps_begun == 0 else self.timeout
         self._steps_begun += 1
         self._progress = _Progress(step, True, time.monotonic(), limit)
+        self._deliver()
+
+    def phase_begin(self, phase: str, step: int) -> None:
+        """Long work outside a step begins (phase: "restore", "drain", ...), watched like a step
+        under phase_timeout_s; a hang there is reported with the phase's name."""
+        self._train_thread = threading.get_ident()
+        self._progress = _Progress(step, True, time.monotonic(), self.phase_limit, phase)
+        self._deliver()
+
+    def phase_end(self) -> None:
+        self._progress = _Progress(self._progress.step, False, time.monotonic())
         self._deliver()
 
     def step_end(self, step: int, step_time_s: float) -> None:
@@ -154,7 +169,7 @@ class Watchdog:
         with self._lock:
             times = list(self._times)
         return {"beat": self._beat, "host": self.host, "pid": os.getpid(), "step": p.step,
-                "in_step": p.in_step, "elapsed_s": round(now - p.since, 3), "limit_s": p.limit_s,
+                "in_step": p.in_step, "phase": p.phase, "elapsed_s": round(now - p.since, 3), "limit_s": p.limit_s,
                 "times": times, "closed": closed}
 
     def _publish(self, closed: bool = False) -> None:
@@ -215,7 +230,10 @@ class Watchdog:
         # A rank that could not dump left a stale record; then the step is this rank's.
         step = min((records[r]["step"] for r in stopped if r in dumps and r in records),
                    default=self._progress.step)
-        fields = {"step": step, "stopped_ranks": stopped, "dump_dir": str(folder), "detected_by": self.rank}
+        first = next((records[r] for r in stopped if r in records), self._record(time.monotonic()))
+        phase, limit = first.get("phase", "step"), first["limit_s"] or self.timeout
+        fields = {"step": step, "phase": phase, "limit_s": limit, "stopped_ranks": stopped, "dump_dir": str(folder),
+                  "detected_by": self.rank}
         ranks = {r: {**{k: v for k, v in records.get(r, {}).items() if k != "times"},
                      "dumped": r in dumps, **dumps.get(r, {})} for r in range(self.world)}
         write_report(folder, {**fields, "timeout_s": self.timeout, "detected_at": incident["at"],
@@ -256,8 +274,10 @@ class Watchdog:
 
     def _exit(self, leader: bool, incident: dict[str, Any], folder: Path, fields: dict | None) -> None:
         if leader and fields is not None:
-            msg = (f"rank(s) {fields['stopped_ranks']} stopped at step {fields['step']} "
-                   f"(no progress for {self.timeout:g} s); every live rank's stacks are in {folder}")
+            where = f"at step {fields['step']}" if fields["phase"] == "step" else \
+                f"in {fields['phase']} (after step {fields['step']})"
+            msg = (f"rank(s) {fields['stopped_ranks']} stopped {where} "
+                   f"(no progress for {fields['limit_s']:g} s); every live rank's stacks are in {folder}")
         else:
             msg = f"a hang was declared by rank {incident['by']}; this rank's stacks are in {folder}"
         print(f"shardline watchdog (rank {self.rank}): {msg}; exiting with code {self.exit_code} "
