@@ -58,6 +58,9 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    cp_mode: str = "ring"  # ring | ulysses | hybrid
+    cp_ulysses: int = 0  # hybrid: the all-to-all part of cp (see cp_degrees)
+    cp_balance: str = "zigzag"
     ep: int = 1
     sequence_parallel: bool = True
     loss_parallel: bool = True
@@ -84,6 +87,14 @@ class Layout:
         if self.zero == 1 and self.dp_shard > 1:
             return self.dp * self.cp
         return self.dp_shard * self.cp if self.dp_shard > 1 or self.cp > 1 else 1
+
+    @property
+    def cp_degrees(self) -> tuple[int, int]:
+        """(ring, ulysses): the ranks that pass K/V around x the ranks that exchange heads."""
+        if self.cp == 1:
+            return 1, 1
+        u = {"ring": 1, "ulysses": self.cp}.get(self.cp_mode, self.cp_ulysses)
+        return self.cp // max(u, 1), u
 
     @property
     def sp(self) -> bool:
@@ -117,7 +128,9 @@ class Layout:
             sched = self.pp_schedule + (f" v{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else "")
             parts.append(f"pp{self.pp}({sched} m{self.pp_microbatches})")
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            ring, u = self.cp_degrees
+            mode = {"ring": f"ring {self.cp_balance}", "ulysses": "ulysses"}.get(self.cp_mode, f"ring{ring}xu{u}")
+            parts.append(f"cp{self.cp}({mode})")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         shard = self.dp_shard if self.dp_shard > 1 else "cp"  # dp_shard=1 with cp > 1 shards over cp
@@ -151,6 +164,7 @@ def resolve(cfg: Config, world: int | None) -> Layout:
     if world is not None and fixed * dp_shard != world:
         raise ConfigError(_product_message(cfg, world, fixed if p.dp_shard == -1 else fixed * dp_shard))
     lay = Layout(dp_replicate=p.dp_replicate, dp_shard=dp_shard, zero=p.zero, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
+                 cp_mode=p.cp_mode, cp_ulysses=p.cp_ulysses, cp_balance=p.cp_balance,
                  sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, pp_schedule=p.pp_schedule,
                  pp_virtual_stages=_stages_per_rank(p.pp, p.pp_schedule, p.pp_virtual_stages),
                  activation_checkpoint=m.activation_checkpoint, ac_every=m.ac_every, cpu_offload=m.cpu_offload,
@@ -207,10 +221,27 @@ def _tp_sequence(lay: Layout, job: Job) -> Problem | None:
     return None
 
 
-def _cp_chunks(lay: Layout, job: Job) -> Problem | None:
-    if lay.cp > 1 and job.seq_len % (2 * lay.cp):
-        return "cp", (f"train.seq_len={job.seq_len} must split into 2 x parallel.cp={2 * lay.cp} chunks "
-                      "for load-balanced ring attention")
+def _cp_split(lay: Layout, job: Job) -> Problem | None:
+    """The cp grid, the sequence's chunks and the heads Ulysses splits."""
+    if lay.cp == 1:
+        return None
+    if lay.cp_mode == "hybrid" and not (1 < lay.cp_ulysses < lay.cp and lay.cp % lay.cp_ulysses == 0):
+        valid = [u for u in range(2, lay.cp) if lay.cp % u == 0]
+        return "cp", (f"parallel.cp_mode='hybrid' needs parallel.cp_ulysses to divide parallel.cp={lay.cp} and lie "
+                      f"strictly between 1 and it; valid: {valid or 'none (cp is prime: use ring or ulysses)'}")
+    ring, u = lay.cp_degrees
+    chunks = 2 * lay.cp if lay.cp_balance == "zigzag" and ring > 1 else lay.cp
+    if job.seq_len % chunks:
+        why = "2 chunks per rank for zigzag balance" if chunks == 2 * lay.cp else "one chunk per rank"
+        return "cp", (f"train.seq_len={job.seq_len} must be divisible by {chunks} (parallel.cp={lay.cp}, {why}); "
+                      f"use a multiple of {chunks}")
+    local_heads = job.model.n_heads // lay.tp
+    if u > 1 and local_heads % u:
+        return "cp", (f"Ulysses splits the {local_heads} attention heads per tp rank (n_heads={job.model.n_heads} / "
+                      f"tp={lay.tp}) over {u} ranks: they must be divisible by it; lower the Ulysses degree")
+    if lay.sp and (job.seq_len // lay.cp) % lay.tp:
+        return "cp", (f"each cp rank's {job.seq_len // lay.cp} tokens must split over parallel.tp={lay.tp} with "
+                      "sequence_parallel; change train.seq_len")
     return None
 
 
@@ -280,15 +311,19 @@ def _offload(lay: Layout, job: Job) -> Problem | None:
 
 def degree_not_built(cp: int, ep: int) -> Problem | None:
     """A dimension the trainer does not build yet; checked before anything else at a launch."""
-    if cp != 1:
-        return "cp", f"parallel.cp={cp}: context parallel is not implemented yet; use 1"
     if ep != 1:
         return "ep", f"parallel.ep={ep}: expert parallel is not implemented yet; use 1"
     return None
 
 
 def _not_built_degrees(lay: Layout, job: Job) -> Problem | None:
-    return degree_not_built(lay.cp, lay.ep)
+    problem = degree_not_built(lay.cp, lay.ep)
+    if problem is None and lay.cp > 1 and lay.pp > 1:
+        problem = "cp", f"parallel.cp={lay.cp} with pp={lay.pp}: context parallel does not run under pipelines yet"
+    if problem is None and lay.cp > 1 and lay.zero == 1 and lay.dp_shard * lay.cp > 1:
+        problem = "cp", (f"parallel.cp={lay.cp} with zero=1 is not built: cp ranks shard the model with FSDP; "
+                         "use zero=2 or zero=3")
+    return problem
 
 
 def _not_built_zero1(lay: Layout, job: Job) -> Problem | None:
@@ -309,7 +344,7 @@ def _not_built_tied_v(lay: Layout, job: Job) -> Problem | None:
 
 
 Rule = Callable[[Layout, Job], "Problem | None"]
-RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_chunks, _ep_ranks, _batch, _offload, _pp_stages,
+RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_split, _ep_ranks, _batch, _offload, _pp_stages,
                            _pp_microbatches)
 NOT_BUILT: tuple[Rule, ...] = (_not_built_degrees, _not_built_zero1, _not_built_tied_v)
 

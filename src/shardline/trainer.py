@@ -31,6 +31,7 @@ from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
 from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
 from shardline.parallel.collectives import clip_grad_norm, local_value, loss_context, reduce_over
+from shardline.parallel.context.sharding import shard_batch
 from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import init_distributed, pick_device
@@ -78,7 +79,7 @@ class Trainer:
         load_starting_weights(cfg.model, built.model, sharded=self.proc.world_size > 1)
         # The parameters (optimizer, checkpoints, clipping), and how to run them: a module
         # to call (DDP-wrapped or not, compiled or not) or, under pp, the pipeline schedule.
-        self.model, self.pipeline = built.model, built.pipeline
+        self.model, self.pipeline, self.context = built.model, built.pipeline, built.context
         self.forward = torch.compile(built.forward) if cfg.train.compile and built.forward else built.forward
         if self.pipeline is not None:
             pp_group = self.dims.submesh("pp").get_group()
@@ -376,7 +377,7 @@ class Trainer:
         """The step's loss over the whole global batch (each rank holds shares of it)."""
         if self.dims.pp > 1:
             loss = reduce_over(self.dims, "pp", loss, "sum")  # only the last stage holds it
-        return reduce_over(self.dims, "dp", loss, "sum")
+        return reduce_over(self.dims, self.dims.batch_dim, loss, "sum")
 
     def forward_backward(self, batch: dict[str, torch.Tensor], n_tokens: int) -> torch.Tensor:
         """Backward of this micro-batch's share of the global mean loss; returns that share.
@@ -394,11 +395,14 @@ class Trainer:
         return self.scaler.scale(cross_entropy_sum(logits, labels) / n_tokens)
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Summed cross-entropy over the labelled tokens of a batch (fp32 logits)."""
+        """Summed cross-entropy over the labelled tokens of a batch (fp32 logits); under cp,
+        over this rank's tokens of it."""
         batch = self._to_device(batch)
+        if self.context is not None:
+            batch = shard_batch(batch, self.context.local_positions())
         doc_ids = batch["doc_ids"] if self.cfg.train.document_mask else None
         with autocast(self.device, self.cfg.train.precision):
-            logits = self.forward(batch["input_ids"], doc_ids)
+            logits = self.forward(batch["input_ids"], doc_ids, batch.get("positions"))
         return cross_entropy_sum(logits, batch["labels"])
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -424,7 +428,7 @@ class Trainer:
             total += weight * self._eval_loss_sum(batch)
         if self.dims.pp > 1:
             total = reduce_over(self.dims, "pp", total, "sum")  # only the last stage holds it
-        total = reduce_over(self.dims, "dp", total, "sum")
+        total = reduce_over(self.dims, self.dims.batch_dim, total, "sum")
         loss = total.item() / max(self.data.val.count_labels(idx_all), 1)
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
         return loss

@@ -50,14 +50,21 @@ def test_dp_shard_fills_the_rest():
     (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "train.micro_batch_size=8"],
      "cannot fill 4 pipeline stages"),
     (8, ["train.micro_batch_size=4"], "not divisible by train.micro_batch_size=4 x 8"),
-    (2, ["parallel.cp=2", "parallel.dp_shard=1"], "context parallel is not implemented yet"),
+    (4, ["parallel.cp=2", "parallel.pp=2"], "context parallel does not run under pipelines yet"),
+    (2, ["parallel.cp=2", "parallel.zero=1"], "cp=2 with zero=1 is not built"),
+    (2, ["parallel.cp=2", "train.seq_len=30"], "train.seq_len=30 must be divisible by 4 (parallel.cp=2, 2 chunks"),
+    (2, ["parallel.cp=2", "parallel.cp_balance=none", "train.seq_len=31"], "divisible by 2 (parallel.cp=2, one chunk"),
+    (4, ["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=4"], "valid: [2]"),
+    (4, ["parallel.cp=4", "parallel.cp_mode=hybrid"], "needs parallel.cp_ulysses to divide parallel.cp=4"),
+    (8, ["parallel.cp=8", "parallel.cp_mode=ulysses"], "Ulysses splits the 4 attention heads per tp rank"),
+    (8, ["parallel.cp=4", "parallel.tp=2", "parallel.cp_mode=ulysses"], "Ulysses splits the 2 attention heads"),
     (2, ["parallel.ep=2"], "expert parallel is not implemented yet"),
     (4, ["parallel.zero=1", "parallel.tp=2"], "zero=1 composes with data parallelism only"),
     (2, ["parallel.tp=2", "train.seq_len=33"], "must be divisible by parallel.tp=2"),
     (2, ["memory.cpu_offload=true", "run.device=cpu"], "needs a GPU"),
     (1, ["memory.cpu_offload=true"], "needs FSDP"),
     (2, ["memory.cpu_offload=true", "parallel.zero=1"], "zero=1 keeps parameters replicated"),
-    (1, ["parallel.cp=2"], "context parallel is not implemented yet"),  # named before the world size
+    (1, ["parallel.ep=2"], "expert parallel is not implemented yet"),  # named before the world size
     (4, ["parallel.dp_shard=2"], "or set parallel.dp_shard=-1"),
 ])
 def test_invalid_layouts(world, overrides, message):

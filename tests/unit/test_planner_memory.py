@@ -49,7 +49,7 @@ def _autograd_saved_bytes_per_token(args: ModelArgs, precision: str, b: int = 2,
     block = model.layers["0"]
     x = torch.randn(b, s, args.dim, requires_grad=True)
     rotary = model.rotary
-    cos, sin = rotary(s, x.device)
+    cos, sin = rotary(torch.arange(s), x.device)
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
     exclude |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
     saved: dict[int, int] = {}

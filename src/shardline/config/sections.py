@@ -167,6 +167,8 @@ class MetricsConfig:
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
+CP_MODES = ("ring", "ulysses", "hybrid")
+CP_BALANCES = ("zigzag", "none")
 AC_MODES = ("none", "full", "selective", "op")
 
 
@@ -182,7 +184,10 @@ class ParallelConfig:
     zero: int = 3  # what dp_shard shards: 1 optimizer states, 2 + gradients, 3 + parameters
     tp: int = 1  # tensor parallel (Megatron 1-D)
     pp: int = 1  # pipeline stages
-    cp: int = 1  # context parallel (not implemented: must be 1)
+    cp: int = 1  # context parallel: every sequence split over cp ranks
+    cp_mode: str = "ring"  # ring (K/V blocks pass around) | ulysses (all-to-all to heads) | hybrid (both)
+    cp_ulysses: int = 0  # hybrid only: the all-to-all (head) part U of cp; cp / U ranks form the ring
+    cp_balance: str = "zigzag"  # zigzag (rank i holds chunks i and 2R-1-i: equal causal work) | none
     ep: int = 1  # expert parallel (not implemented: must be 1)
     sequence_parallel: bool = True  # with tp > 1: shard the norm regions along the sequence
     loss_parallel: bool = True  # with tp > 1: cross-entropy on vocab-sharded logits
@@ -199,6 +204,10 @@ class ParallelConfig:
         _require(self.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
                  f"one of {', '.join(PP_SCHEDULES)}")
         _require(self.pp_microbatches >= 0, "parallel.pp_microbatches", self.pp_microbatches, "must be >= 0")
+        _require(self.cp_mode in CP_MODES, "parallel.cp_mode", self.cp_mode, f"one of {', '.join(CP_MODES)}")
+        _require(self.cp_balance in CP_BALANCES, "parallel.cp_balance", self.cp_balance,
+                 f"one of {', '.join(CP_BALANCES)}")
+        _require(self.cp_ulysses >= 0, "parallel.cp_ulysses", self.cp_ulysses, "must be >= 0")
 
 
 @dataclass

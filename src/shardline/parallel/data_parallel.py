@@ -59,9 +59,10 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], dims: ParallelDims, pre
     zero=3 frees the gathered parameters after forward (gathers them again in backward);
     zero=2 keeps them until backward. Both shard gradients and optimizer states.
     With dp_replicate > 1 the mesh is 2-D, which FSDP2 runs as HSDP: shard within a
-    group, all-reduce across groups.
+    group, all-reduce across groups. Context-parallel ranks shard too (dp_shard x cp).
     """
-    mesh = dims.submesh("dp_replicate", "dp_shard") if dims.dp_replicate > 1 else dims.submesh("dp_shard")
+    shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+    mesh = dims.submesh("dp_replicate", shard) if dims.dp_replicate > 1 else dims.submesh(shard)
     mp = MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[precision], reduce_dtype=torch.float32)
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:

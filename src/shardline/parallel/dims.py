@@ -2,9 +2,12 @@
 
 What a layout is and which layouts are valid is `shardline.layout`'s business; this
 object takes a resolved, checked Layout and builds its meshes. Mesh dimensions,
-outermost first: pp, dp_replicate, dp_shard, tp. Data-parallel ranks
-(dp_replicate x dp_shard) each see a different slice of the global batch;
-tensor-parallel ranks in one group see the same slice.
+outermost first: pp, dp_replicate, dp_shard, cp_ring, cp_ulysses, tp. Data-parallel
+ranks (dp_replicate x dp_shard) each see a different slice of the global batch;
+context-parallel ranks (cp = cp_ring x cp_ulysses) split each of its sequences, and
+tensor-parallel ranks in one group see the same tokens. FSDP shards over
+dp_shard x cp ("dp_shard_cp"): cp ranks hold the same parameters, so they share
+them as data-parallel ranks would, and their gradients are summed the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class ParallelDims:
     # Tied embeddings under pp: the first and the last pp rank of this rank's pipeline
     # (Megatron's "embedding group"), which sum the tied weight's gradient. None elsewhere.
     embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)  # flattened dimensions by name
 
     # ---- degrees (the layout's) ---------------------------------------------------------
 
@@ -50,6 +54,10 @@ class ParallelDims:
         return self.layout.pp
 
     @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
     def zero(self) -> int:
         return self.layout.zero
 
@@ -63,11 +71,11 @@ class ParallelDims:
 
     @property
     def fsdp(self) -> bool:
-        return self.dp_shard > 1
+        return self.dp_shard * self.cp > 1
 
     @property
     def ddp(self) -> bool:
-        return self.dp_replicate > 1 and self.dp_shard == 1
+        return self.layout.dp_mode == "ddp"
 
     @property
     def zero1(self) -> bool:
@@ -84,10 +92,15 @@ class ParallelDims:
     def build_mesh(self, device: torch.device, embedding_group: bool = False) -> DeviceMesh:
         """The mesh and the groups beside it; `embedding_group`: tied embeddings whose two ends
         sit on the first and the last pp rank."""
-        names = ("pp", "dp_replicate", "dp_shard", "tp")
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        ring, ulysses = self.layout.cp_degrees
+        names = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
+        shape = (self.pp, self.dp_replicate, self.dp_shard, ring, ulysses, self.tp)
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         self.dp_mesh = self.mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        cp = ("cp_ring", "cp_ulysses")
+        self.flat = {"dp": self.dp_mesh, "cp": self.mesh[cp]._flatten("cp"),
+                     "dp_shard_cp": self.mesh[("dp_shard", *cp)]._flatten("dp_shard_cp"),
+                     "dp_cp": self.mesh[("dp_replicate", "dp_shard", *cp)]._flatten("dp_cp")}
         self.checkpoint_group = dist.new_group(backend="gloo")
         self.control_group = dist.new_group(backend="gloo")
         if embedding_group and self.pp > 1:
@@ -104,9 +117,15 @@ class ParallelDims:
         return mine
 
     def submesh(self, *names: str) -> DeviceMesh:
-        if names == ("dp",):
-            return self.dp_mesh
+        if len(names) == 1 and names[0] in self.flat:
+            return self.flat[names[0]]  # a flattened dimension, kept as built
         return self.mesh[names if len(names) > 1 else names[0]]
+
+    @property
+    def batch_dim(self) -> str:
+        """The mesh dimension over which the ranks hold disjoint tokens of a step's batch (their
+        loss shares and gradients are summed over it): dp, and cp beside it."""
+        return "dp_cp" if self.cp > 1 else "dp"
 
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (0 in one process)."""

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardline.models.llama import Llama
+from shardline.parallel.context.attention import ContextParallel
 from shardline.parallel.pipeline import Pipeline
 
 
@@ -22,6 +23,7 @@ class BuiltModel:
     model: Llama  # this rank's parameters (pruned to its stages under pp): optimizer, checkpoints
     forward: nn.Module | None  # the module to call (a DDP wrapper, or model); None under pp
     pipeline: Pipeline | None  # the stages and schedule under pp
+    context: ContextParallel | None = None  # under cp: which tokens of each sequence this rank holds
 
 
 def assign_full_value(param: torch.Tensor, value: torch.Tensor) -> None:

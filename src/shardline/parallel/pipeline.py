@@ -110,7 +110,7 @@ class StageModule(nn.Module):
     def forward(self, h, doc_ids=None):
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
-        cos, sin = self._rotary(self.seq_len, h.device)
+        cos, sin = self._rotary(torch.arange(self.seq_len), h.device)
         mask = document_causal_mask(doc_ids) if self.document_mask and doc_ids is not None else None
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)

@@ -39,7 +39,7 @@ def register(sub) -> None:
                       help="attend within packed documents (the trainer's default; an explicit mask)")
     plan.add_argument("--fix", default="", metavar="KEY=V,...", help="pin [parallel]/[memory] keys (dp = plain DDP)")
     plan.add_argument("--runnable-only", action="store_true",
-                      help="only layouts `shardline train` runs today (e.g. no cp/ep yet)")
+                      help="only layouts `shardline train` runs today (e.g. no ep yet)")
     plan.add_argument("--top", type=int, default=10, metavar="K")
     plan.add_argument("--json", action="store_true")
     plan.add_argument("--emit-config", metavar="FILE", help="write the best plan that `shardline train` runs")

@@ -151,7 +151,12 @@ def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
     mm = sum(matmul_time(hw, dtype, *g, sh) for g in layer_gemms(work, layout.tp, tokens))
     q_width = work.model.n_heads * work.model.head_size / layout.tp
     causal = 1.0 if work.document_mask else 0.5
-    attn_flops = 4.0 * tokens * s * q_width * causal
+    # Under cp the slowest rank sets the pace. The trainer's ring computes chunk pairs
+    # (a chunk: s/2R tokens) and skips those wholly in the future: with zigzag every rank
+    # does 2R + 1 of them, with balance "none" the last rank does 4R.
+    ring = layout.cp_degrees[0]
+    imbalance = 4 * ring / (2 * ring + 1) if layout.cp_balance == "none" and ring > 1 else 1.0
+    attn_flops = 4.0 * tokens * s * q_width * causal * imbalance
     chunk = s // layout.cp  # ring attention runs cp kernels of s/cp queries x s/cp keys
     attn = attn_flops / (hw.peak(dtype) * sh * attention_efficiency(hw, dtype, chunk, chunk))
     bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * sh_mem

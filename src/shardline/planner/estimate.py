@@ -215,18 +215,37 @@ def _tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages) ->
     return heads * 2 * one + (loss if stage.last else 0.0)
 
 
+# How the trainer runs context parallelism, as named assumptions: the ring's forward
+# starts each K/V transfer before the block's attention (overlapped); its backward
+# sends the K/V gradients back synchronously (not overlapped); Ulysses' all-to-alls
+# sit between the projections and attention, with nothing to hide behind.
+RING_FORWARD_OVERLAP = True
+RING_BACKWARD_OVERLAP = False
+
+
 def _cp_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) -> float:
-    """Ring attention: cp-1 exchanges of a K/V chunk forward, of K/V and their gradients backward."""
+    """Context parallelism per layer and micro-batch: the ring's K/V passes (R-1 hops forward,
+    K/V and their gradients R-1 hops backward) and Ulysses' all-to-alls (q, k, v and the
+    output forward, their gradients backward)."""
     if layout.cp == 1:
         return 0.0
-    m = work.model
-    stride = layout.tp
-    g = comm.group(layout.cp, stride, hw.network.gpus_per_node)
-    tokens = _tokens(work, layout)
-    kv_bytes = 2 * tokens * m.kv_heads * m.head_size / layout.tp * dtype_bytes(work.precision)
-    hop = comm.p2p(kv_bytes, g.nodes > 1, hw.network)
-    fwd, bwd = (layout.cp - 1) * hop, 2 * (layout.cp - 1) * hop
-    return max(0.0, fwd - lt.attention) + max(0.0, bwd - 2.5 * lt.attention)
+    m, ring, u = work.model, *layout.cp_degrees
+    width = dtype_bytes(work.precision) / layout.tp
+    tokens = _tokens(work, layout)  # this rank's tokens; a ring shard holds u x as many
+    total = 0.0
+    if u > 1:
+        g = comm.group(u, layout.tp, hw.network.gpus_per_node)
+        kv_heads = m.kv_heads if (m.kv_heads // layout.tp) % u == 0 else m.n_heads  # else repeated
+        per_layer = tokens * (2 * m.n_heads + 2 * kv_heads) * m.head_size * width  # q, out, k, v
+        total += 2 * comm.all_to_all(per_layer, g, hw.network)[0]  # forward and backward
+    if ring > 1:
+        g = comm.group(ring, layout.tp * u, hw.network.gpus_per_node)
+        kv_bytes = 2 * tokens * u * m.kv_heads / u * m.head_size * width  # the ring shard's K/V, 1/u of heads
+        hop = comm.p2p(kv_bytes, g.nodes > 1, hw.network)
+        fwd, bwd = (ring - 1) * hop, 2 * (ring - 1) * hop
+        total += max(0.0, fwd - lt.attention) if RING_FORWARD_OVERLAP else fwd
+        total += max(0.0, bwd - 2.5 * lt.attention) if RING_BACKWARD_OVERLAP else bwd
+    return total
 
 
 def _ep_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) -> float:

@@ -111,6 +111,21 @@ def _micro_batches(local_batch: int, pp: int, fixed: dict) -> list[tuple[int, in
     return out
 
 
+def _cp_modes(work: Workload, tp: int, cp: int, fixed: dict) -> list[dict]:
+    """Ring (zigzag), Ulysses when the heads per tp rank split over cp, and the hybrid with the
+    largest Ulysses part that splits them."""
+    if cp == 1:
+        return [{}]
+    heads = work.model.n_heads // tp
+    modes = [{"cp_mode": "ring"}]
+    if heads % cp == 0:
+        modes.append({"cp_mode": "ulysses"})
+    hybrid = [u for u in range(2, cp) if cp % u == 0 and heads % u == 0]
+    if hybrid:
+        modes.append({"cp_mode": "hybrid", "cp_ulysses": hybrid[-1]})
+    return [m for m in modes if all(fixed.get(k, v) == v for k, v in m.items())]
+
+
 def candidates(work: Workload, hw: Hardware, gpus: int, fixed: dict):
     """Every layout of the search space (valid or not) for `gpus` devices."""
     base = {k: fixed[k] for k in ("sequence_parallel", "loss_parallel", "ep", "ac_every") if k in fixed}
@@ -121,9 +136,10 @@ def candidates(work: Workload, hw: Hardware, gpus: int, fixed: dict):
             for schedule, v in _schedules(pp, fixed):
                 for mbs, m in _micro_batches(local, pp, fixed) if local else [(1, pp)]:
                     for ac, every in acs:
-                        yield Layout(tp=tp, cp=cp, pp=pp, pp_schedule=schedule, pp_virtual_stages=v,
-                                     pp_microbatches=m, micro_batch_size=mbs, activation_checkpoint=ac,
-                                     ac_every=every, **dpv, **base)
+                        for cpv in _cp_modes(work, tp, cp, fixed):
+                            yield Layout(tp=tp, cp=cp, pp=pp, pp_schedule=schedule, pp_virtual_stages=v,
+                                         pp_microbatches=m, micro_batch_size=mbs, activation_checkpoint=ac,
+                                         ac_every=every, **cpv, **dpv, **base)
 
 
 def search(work: Workload, hw: Hardware, gpus: int, fixed: dict | None = None,

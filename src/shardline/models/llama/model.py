@@ -111,6 +111,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        # The attention core (q, k, v, mask) -> out: a parallel plan may replace it (context
+        # parallelism installs one that spans the ranks holding the rest of the sequence).
+        self.core = sdpa_attention
 
     def forward(self, x, cos, sin, mask):
         b, s, _ = x.shape
@@ -118,17 +121,21 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # The number of heads is read from the tensors, not from the config, so a
-        # tensor-parallel shard (fewer local heads) runs this same code.
-        group = q.shape[1] // k.shape[1]
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention of q [b, h, s, d] on k/v [b, hk, s, d]; mask [b, 1, s, s] (None: causal)."""
+    # The number of heads is read from the tensors, not from the config, so a
+    # tensor-parallel shard (fewer local heads) runs this same code.
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class FeedForward(nn.Module):
@@ -171,21 +178,31 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [batch, seq, vocab] for input_ids [batch, seq].
 
         doc_ids [batch, seq] (optional) marks which packed document each token belongs to;
-        a token then attends only to earlier tokens of its own document.
+        a token then attends only to earlier tokens of its own document. positions [seq]
+        (optional, default 0..seq-1) are the tokens' places in the sequence, for the
+        rotary embedding: a rank holding a slice of the sequence passes its own.
         """
         h = self.tok_embeddings(input_ids)
-        cos, sin = self.rotary(input_ids.shape[1], h.device)
-        mask = document_causal_mask(doc_ids) if doc_ids is not None else None
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1])
+        cos, sin = self.rotary(positions, h.device)
+        mask = self.attention_mask(doc_ids)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))
 
-    def rotary(self, seq_len: int, device: torch.device):
-        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    def attention_mask(self, doc_ids: torch.Tensor | None):
+        """What each attention core gets as its mask; a parallel plan may replace this with
+        the mask its core needs (it goes with Attention.core)."""
+        return document_causal_mask(doc_ids) if doc_ids is not None else None
+
+    def rotary(self, positions: torch.Tensor, device: torch.device):
+        pos = positions.to(device=device, dtype=torch.float32)
         angles = torch.outer(pos, self.inv_freq.to(device))
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()

@@ -31,6 +31,8 @@ from shardline.layout import V_SHAPED
 from shardline.models.factory import build_meta_model
 from shardline.models.llama.model import Llama, ModelArgs
 from shardline.parallel.activation_checkpoint import apply_ac
+from shardline.parallel.context.attention import ContextParallel
+from shardline.parallel.context.sharding import SequenceSplit
 from shardline.parallel.data_parallel import apply_ddp, apply_fsdp
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.parallelize import BuiltModel, assign_full_value
@@ -51,21 +53,36 @@ def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, device: torch.
 def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, device: torch.device) -> BuiltModel:
     """Lay out `model` (on meta) in place by `dims`, then initialise it."""
     p = cfg.parallel
-    pipeline = None
+    pipeline = context = None
     if dims.pp > 1:
         pipeline = Pipeline(model, args, dims.submesh("pp").get_local_rank(), dims.pp, p.pp_virtual_stages,
                             p.pp_schedule, dims.layout.pp_microbatches, cfg.train.document_mask, cfg.train.seq_len)
     if dims.tp > 1:
         apply_tp(model, dims.submesh("tp"), p.sequence_parallel, p.loss_parallel)
     apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
+    if dims.cp > 1:
+        context = apply_cp(model, dims, cfg.train.seq_len)
     use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1
-    if dims.dp > 1 and not use_ddp:
+    if dims.dp * dims.cp > 1 and not use_ddp:
         roots = pipeline.modules if pipeline else [model]
         apply_fsdp(model, roots, dims, cfg.train.precision, cfg.memory.cpu_offload)
     init_device = "cpu" if cfg.memory.cpu_offload and dims.dp > 1 else device
     model.init_weights(seed=cfg.train.seed, device=init_device, assign=assign_full_value)
     forward = None if pipeline else (apply_ddp(model, dims, device) if use_ddp else model)
-    return BuiltModel(model, forward, pipeline)
+    return BuiltModel(model, forward, pipeline, context)
+
+
+def apply_cp(model: Llama, dims: ParallelDims, seq_len: int) -> ContextParallel:
+    """Every attention core spans the cp ranks; the mask becomes what that core needs."""
+    lay = dims.layout
+    ring, ulysses = lay.cp_degrees
+    context = ContextParallel(SequenceSplit(seq_len, ring, ulysses, lay.cp_balance), dims.submesh("cp").get_group(),
+                              dims.submesh("cp_ring").get_group() if ring > 1 else None,
+                              dims.submesh("cp_ulysses").get_group() if ulysses > 1 else None)
+    model.attention_mask = context.mask
+    for block in model.layers.values():
+        block.attention.core = context.attend
+    return context
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:

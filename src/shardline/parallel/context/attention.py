@@ -1,0 +1,72 @@
+"""The context-parallel attention core: Ulysses, then the ring, then Ulysses back.
+
+`ContextParallel` is what parallelize installs into a model: `mask` replaces the
+model's attention mask (it gathers the document ids of the whole sequence once per
+forward, so any block's mask can be built locally), `attend` replaces each layer's
+attention core. Modes: ring (U = 1), ulysses (R = 1: after the all-to-all the whole
+sequence is local and the model's own SDPA core runs, fused kernels included), and
+hybrid (R x U, USP / LoongTrain's 2-D attention: heads over the U ranks of a group,
+K/V blocks around the R groups).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardline.models.llama.model import document_causal_mask, sdpa_attention
+from shardline.parallel.context.ring import Ring, ring_attention
+from shardline.parallel.context.sharding import SequenceSplit
+from shardline.parallel.context.ulysses import heads_to_seq, kv_for_ulysses, seq_to_heads
+
+
+@dataclass
+class SequenceMask:
+    """What the cp attention core needs to mask any block: the whole sequence's document
+    ids [b, s] in global order (None: one document per sequence)."""
+
+    doc_ids: torch.Tensor | None
+
+
+class ContextParallel:
+    def __init__(self, split: SequenceSplit, cp_group: dist.ProcessGroup, ring_group: dist.ProcessGroup | None,
+                 ulysses_group: dist.ProcessGroup | None):
+        self.split, self.cp_group, self.ulysses_group = split, cp_group, ulysses_group
+        self.cp_rank = dist.get_rank(cp_group)
+        self.ring = Ring(ring_group) if split.ring > 1 else None
+        self.ring_index = self.cp_rank // split.ulysses
+        self._shards = [split.ring_shard(i) for i in range(split.ring)]  # host positions of each ring shard
+
+    def local_positions(self) -> torch.Tensor:
+        return self.split.positions(self.cp_rank)
+
+    def mask(self, doc_ids: torch.Tensor | None) -> SequenceMask:
+        """Replaces Llama.attention_mask: the document ids of every cp rank's tokens, in place."""
+        if doc_ids is None:
+            return SequenceMask(None)
+        parts = [torch.empty_like(doc_ids) for _ in range(self.split.cp)]
+        dist.all_gather(parts, doc_ids.contiguous(), group=self.cp_group)
+        full = torch.empty(doc_ids.shape[0], self.split.seq_len, dtype=doc_ids.dtype, device=doc_ids.device)
+        for rank, part in enumerate(parts):
+            full[:, self.split.positions(rank).to(full.device)] = part
+        return SequenceMask(full)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SequenceMask) -> torch.Tensor:
+        """Replaces Attention.core: q [b, h, s/cp, d], k/v [b, hk, s/cp, d] of this rank's tokens."""
+        u = self.split.ulysses
+        if u > 1:
+            k, v = kv_for_ulysses(k, v, q.shape[1], u)
+            q, k, v = (seq_to_heads(t, self.ulysses_group) for t in (q, k, v))
+        if self.ring is None:  # the whole sequence is here, in order
+            dense = document_causal_mask(mask.doc_ids) if mask.doc_ids is not None else None
+            out = sdpa_attention(q, k, v, dense)
+        else:
+            docs = mask.doc_ids
+            kv_doc = [docs[:, s.to(docs.device)] for s in self._shards] if docs is not None else None
+            q_doc = kv_doc[self.ring_index] if kv_doc is not None else None
+            out = ring_attention(q, k, v, self.ring, self._shards[self.ring_index], self._shards, q_doc, kv_doc,
+                                 1.0 / math.sqrt(q.shape[-1]))
+        return heads_to_seq(out, self.ulysses_group) if u > 1 else out

@@ -1,0 +1,205 @@
+"""Ring attention (pass-KV): each rank keeps its queries; K/V blocks travel the ring.
+
+At step j, ring rank i holds the K/V of ring shard (i - j) mod R. It starts sending
+that block on to rank i+1 (and receiving the next from rank i-1) before it computes
+attention of its queries against the block, so the transfer overlaps the compute.
+Each block gives a partial output and the log-sum-exp of its scores; partials merge
+exactly (the online softmax of flash attention):
+
+    lse = logaddexp(lse_a, lse_b)
+    out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+The backward (flash attention's, block by block) sends the K/V round the ring once
+more, each with the gradient of it accumulated so far; every rank adds its queries'
+share, and one last hop takes the finished dK/dV home. Only q, k, v, the output and
+its log-sum-exp are kept for it: each block's probabilities are recomputed, so the
+activation memory of attention is O(s/C) per rank, not a score matrix.
+
+A block whose keys all come after every query (causal) or share no document with
+them is skipped: no FLOPs (it still passes on, for the ranks that need it).
+Masked scores use a large finite negative instead of -inf, so a query row with no
+allowed key in a block gives a finite lse that the merge weighs by exp(-1e30) = 0,
+and no NaN reaches the gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+MASKED = -1e30
+
+
+def block_attention(q, k, v, allowed: torch.Tensor | None, scale: float):
+    """Attention of q [b, h, sq, d] on one K/V block [b, hk, sk, d] (GQA: h a multiple of hk).
+
+    allowed [b, sq, sk] (None: all). Returns the output [b, h, sq, d] and the
+    log-sum-exp of the scores [b, h, sq], both fp32.
+    """
+    b, h, sq, d = q.shape
+    hk = k.shape[1]
+    qg = q.float().reshape(b, hk, h // hk, sq, d)  # q head j uses kv head j // (h / hk)
+    scores = torch.matmul(qg, k.float().unsqueeze(2).transpose(-1, -2)) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[:, None, None], MASKED)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float().unsqueeze(2))
+    return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Two partial attentions of the same queries over disjoint keys, as one."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return (out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1)), lse
+
+
+class Ring:
+    """The ring group of one cp ring: neighbours as global ranks."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start_shift(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Send `send` to the next rank and receive the previous rank's; returns the receive
+        buffer and the transfers to wait on before reading it."""
+        recv = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: merge the blocks as they come round. Backward: the blocks come round again
+    (recomputing each one's probabilities from the saved output and log-sum-exp, so no
+    score matrix is kept between forward and backward), each with the gradient of its
+    K/V accumulated so far; after the last step the gradients go one hop further, home."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring, plan):
+        kv = torch.stack([k, v]).contiguous()
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], MASKED, dtype=torch.float32, device=q.device)
+        for step in range(ring.size):
+            if step + 1 < ring.size:
+                nxt, works = ring.start_shift(kv)  # in flight while this block computes
+            for qs, ks, allowed in plan.pairs(step):
+                o, s = block_attention(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], allowed, plan.scale)
+                out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, s)
+            if step + 1 < ring.size:
+                _wait(works)
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.plan = ring, plan
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, plan = ctx.ring, ctx.plan
+        grad_out = grad_out.float()
+        delta = (grad_out * out).sum(-1)  # rowsum(dO * O), the softmax backward's correction
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for step in range(ring.size):
+            if step + 1 < ring.size:
+                nxt, works = ring.start_shift(kv)  # K/V move on while their gradient is computed
+            for qs, ks, allowed in plan.pairs(step):
+                dq_b, dk_b, dv_b = block_backward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], allowed, plan.scale,
+                                                  grad_out[:, :, qs], lse[:, :, qs], delta[:, :, qs])
+                dq[:, :, qs] += dq_b
+                dkv[0][:, :, ks] += dk_b
+                dkv[1][:, :, ks] += dv_b
+            dkv, dworks = ring.start_shift(dkv)  # the block's gradient so far follows it (last: home)
+            _wait(dworks)
+            if step + 1 < ring.size:
+                _wait(works)
+                kv = nxt
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def block_backward(q, k, v, allowed, scale: float, grad_out, lse, delta):
+    """Gradients of one block's share, given the final output's lse and delta (fp32)."""
+    b, h, sq, d = q.shape
+    hk = k.shape[1]
+    g = h // hk
+    qg = q.float().reshape(b, hk, g, sq, d)
+    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
+    scores = torch.matmul(qg, kf.transpose(-1, -2)) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[:, None, None], MASKED)
+    p = torch.exp(scores - lse.reshape(b, hk, g, sq, 1))
+    do = grad_out.reshape(b, hk, g, sq, d)
+    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)  # summed over the query heads of each kv head
+    ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta.reshape(b, hk, g, sq, 1))
+    dq = torch.matmul(ds, kf).reshape(b, h, sq, d) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2) * scale
+    return dq, dk, dv
+
+
+class _Plan:
+    """Which (query run, key run) pairs each ring step computes, and their masks: the same
+    in forward and backward, computed once."""
+
+    def __init__(self, ring: Ring, q_pos, kv_pos, q_doc, kv_doc, device, scale: float):
+        self.scale = scale
+        q_runs = runs(q_pos)
+        self._steps = []
+        for step in range(ring.size):
+            source = (ring.rank - step) % ring.size
+            pairs = []
+            for qa, qb in q_runs:
+                for ka, kb in runs(kv_pos[source]):
+                    allowed = _allowed(q_pos[qa:qb], kv_pos[source][ka:kb],
+                                       q_doc[:, qa:qb] if q_doc is not None else None,
+                                       kv_doc[source][:, ka:kb] if kv_doc is not None else None, device)
+                    if allowed is not False:
+                        pairs.append((slice(qa, qb), slice(ka, kb), allowed))
+            self._steps.append(pairs)
+
+    def pairs(self, step: int) -> list:
+        return self._steps[step]
+
+
+def ring_attention(q, k, v, ring: Ring, q_pos: torch.Tensor, kv_pos: list[torch.Tensor],
+                   q_doc: torch.Tensor | None, kv_doc: list[torch.Tensor] | None, scale: float):
+    """Causal attention of this rank's queries on the keys of every ring shard.
+
+    q [b, h, sq, d], k/v [b, hk, sk, d] of this ring rank's shard; q_pos [sq] global
+    positions; kv_pos[i] the positions of ring shard i (host tensors, to skip empty
+    blocks without a device sync); q_doc [b, sq] and kv_doc[i] [b, sk] document ids
+    (None: one document). Returns the output [b, h, sq, d] in q's dtype.
+
+    Work is done per pair of contiguous runs (a zigzag shard is two chunks): a pair
+    whose keys all follow its queries, or that shares no document, is skipped, so
+    under zigzag every rank computes 2R + 1 chunk pairs, where a contiguous split
+    makes the last rank compute 4R.
+    """
+    plan = _Plan(ring, q_pos, kv_pos, q_doc, kv_doc, q.device, scale)
+    return _RingAttention.apply(q, k, v, ring, plan)
+
+
+def runs(pos: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) index ranges of the contiguous position runs of a shard."""
+    breaks = [0] + [int(i) + 1 for i in torch.nonzero(pos[1:] != pos[:-1] + 1).flatten()] + [len(pos)]
+    return list(zip(breaks[:-1], breaks[1:]))
+
+
+def _allowed(q_pos, k_pos, q_doc, k_doc, device):
+    """The block's mask [b, sq, sk]; None when nothing is masked; False when it allows
+    nothing (the block is skipped)."""
+    if int(k_pos.min()) > int(q_pos.max()):
+        return False  # every key is after every query
+    if q_doc is None and int(k_pos.max()) <= int(q_pos.min()):
+        return None  # every key is at or before every query: nothing to mask
+    causal = (k_pos[None, :] <= q_pos[:, None]).to(device)
+    if q_doc is None:
+        return causal[None]
+    allowed = causal[None] & (q_doc[:, :, None] == k_doc[:, None, :])
+    return allowed if bool(allowed.any()) else False
