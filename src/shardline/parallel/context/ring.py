@@ -88,8 +88,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step + 1 < ring.size:
                 nxt, works = ring.start_shift(kv)  # in flight while this block computes
-            for qs, ks, allowed in plan.pairs(step):
-                o, s = block_attention(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], allowed, plan.scale)
+            for qs, ks, kind in plan.pairs(step):
+                o, s = block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], plan.mask(step, qs, ks, kind),
+                                     kind == CAUSAL, plan.scale)
                 out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, s)
             if step + 1 < ring.size:
                 _wait(works)
@@ -110,9 +111,10 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step + 1 < ring.size:
                 nxt, works = ring.start_shift(kv)  # K/V move on while their gradient is computed
-            for qs, ks, allowed in plan.pairs(step):
-                dq_b, dk_b, dv_b = block_backward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], allowed, plan.scale,
-                                                  grad_out[:, :, qs], lse[:, :, qs], delta[:, :, qs])
+            for qs, ks, kind in plan.pairs(step):
+                dq_b, dk_b, dv_b = block_backward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                                                  plan.mask(step, qs, ks, kind), kind == CAUSAL, plan.scale,
+                                                  grad_out[:, :, qs], out[:, :, qs], lse[:, :, qs], delta[:, :, qs])
                 dq[:, :, qs] += dq_b
                 dkv[0][:, :, ks] += dk_b
                 dkv[1][:, :, ks] += dv_b
@@ -124,8 +126,48 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def block_backward(q, k, v, allowed, scale: float, grad_out, lse, delta):
-    """Gradients of one block's share, given the final output's lse and delta (fp32)."""
+def block_forward(q, k, v, allowed, causal: bool, scale: float):
+    """One block's (output, lse), fp32: the fused CPU flash kernel on CPU, the math path elsewhere
+    (a fused GPU kernel for ring blocks is not wired yet)."""
+    if q.device.type == "cpu":
+        k, v = _repeat_kv(k, v, q.shape[1])
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=_additive(allowed, q.dtype), scale=scale)
+        return out.float(), lse.float()
+    return block_attention(q, k, v, _causal_mask(q, k) if causal else allowed, scale)
+
+
+def block_backward(q, k, v, allowed, causal: bool, scale: float, grad_out, out, lse, delta):
+    """Gradients of one block's share of the attention, given the final output and its lse."""
+    if q.device.type == "cpu":
+        hk = k.shape[1]
+        kr, vr = _repeat_kv(k, v, q.shape[1])
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.to(q.dtype), q, kr, vr, out.to(q.dtype), lse, 0.0, causal,
+            attn_mask=_additive(allowed, q.dtype), scale=scale)
+        b, h, sk, d = dk.shape
+        return dq.float(), dk.float().view(b, hk, h // hk, sk, d).sum(2), dv.float().view(b, hk, h // hk, sk, d).sum(2)
+    return block_backward_math(q, k, v, _causal_mask(q, k) if causal else allowed, scale, grad_out, lse, delta)
+
+
+def _repeat_kv(k, v, n_heads: int):
+    group = n_heads // k.shape[1]
+    return (k, v) if group == 1 else (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
+
+
+def _additive(allowed, dtype):
+    """A boolean block mask [b, sq, sk] as the additive [b, 1, sq, sk] mask the fused kernel takes."""
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, MASKED)[:, None]
+
+
+def _causal_mask(q, k):
+    return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()[None]
+
+
+def block_backward_math(q, k, v, allowed, scale: float, grad_out, lse, delta):
+    """block_backward on the math path (fp32)."""
     b, h, sq, d = q.shape
     hk = k.shape[1]
     g = h // hk
@@ -143,28 +185,51 @@ def block_backward(q, k, v, allowed, scale: float, grad_out, lse, delta):
     return dq, dk, dv
 
 
+FULL, CAUSAL, MASK = "full", "causal", "mask"  # what a block pair needs: nothing masked, the diagonal, a mask
+
+
 class _Plan:
-    """Which (query run, key run) pairs each ring step computes, and their masks: the same
-    in forward and backward, computed once."""
+    """Which (query run, key run) pairs each ring step computes and what each needs masked:
+    the same in forward and backward. Masks are rebuilt from the document ids when used,
+    so none is kept between forward and backward."""
 
     def __init__(self, ring: Ring, q_pos, kv_pos, q_doc, kv_doc, device, scale: float):
-        self.scale = scale
-        q_runs = runs(q_pos)
+        self.scale, self.q_pos, self.q_doc, self.device = scale, q_pos, q_doc, device
+        self.sources = [(ring.rank - step) % ring.size for step in range(ring.size)]
+        self.kv_pos, self.kv_doc = kv_pos, kv_doc
         self._steps = []
-        for step in range(ring.size):
-            source = (ring.rank - step) % ring.size
+        for source in self.sources:
             pairs = []
-            for qa, qb in q_runs:
+            for qa, qb in runs(q_pos):
                 for ka, kb in runs(kv_pos[source]):
-                    allowed = _allowed(q_pos[qa:qb], kv_pos[source][ka:kb],
-                                       q_doc[:, qa:qb] if q_doc is not None else None,
-                                       kv_doc[source][:, ka:kb] if kv_doc is not None else None, device)
-                    if allowed is not False:
-                        pairs.append((slice(qa, qb), slice(ka, kb), allowed))
+                    kind = self._kind(slice(qa, qb), slice(ka, kb), source)
+                    if kind is not None:
+                        pairs.append((slice(qa, qb), slice(ka, kb), kind))
             self._steps.append(pairs)
 
     def pairs(self, step: int) -> list:
         return self._steps[step]
+
+    def _kind(self, qs: slice, ks: slice, source: int) -> str | None:
+        q_pos, k_pos = self.q_pos[qs], self.kv_pos[source][ks]
+        if int(k_pos.min()) > int(q_pos.max()):
+            return None  # every key is after every query
+        if self.q_doc is not None:
+            return MASK if bool(self._allowed(qs, ks, source).any()) else None
+        if int(k_pos.max()) <= int(q_pos.min()):
+            return FULL  # every key is at or before every query
+        return CAUSAL if torch.equal(q_pos, k_pos) else MASK
+
+    def mask(self, step: int, qs: slice, ks: slice, kind: str):
+        return self._allowed(qs, ks, self.sources[step]) if kind == MASK else None
+
+    def _allowed(self, qs: slice, ks: slice, source: int) -> torch.Tensor:
+        """[b, sq, sk]: causal, and within a document when there are documents."""
+        q_pos, k_pos = self.q_pos[qs], self.kv_pos[source][ks]
+        allowed = (k_pos[None, :] <= q_pos[:, None]).to(self.device)[None]
+        if self.q_doc is not None:
+            allowed = allowed & (self.q_doc[:, qs, None] == self.kv_doc[source][:, None, ks])
+        return allowed
 
 
 def ring_attention(q, k, v, ring: Ring, q_pos: torch.Tensor, kv_pos: list[torch.Tensor],
@@ -189,17 +254,3 @@ def runs(pos: torch.Tensor) -> list[tuple[int, int]]:
     """[start, end) index ranges of the contiguous position runs of a shard."""
     breaks = [0] + [int(i) + 1 for i in torch.nonzero(pos[1:] != pos[:-1] + 1).flatten()] + [len(pos)]
     return list(zip(breaks[:-1], breaks[1:]))
-
-
-def _allowed(q_pos, k_pos, q_doc, k_doc, device):
-    """The block's mask [b, sq, sk]; None when nothing is masked; False when it allows
-    nothing (the block is skipped)."""
-    if int(k_pos.min()) > int(q_pos.max()):
-        return False  # every key is after every query
-    if q_doc is None and int(k_pos.max()) <= int(q_pos.min()):
-        return None  # every key is at or before every query: nothing to mask
-    causal = (k_pos[None, :] <= q_pos[:, None]).to(device)
-    if q_doc is None:
-        return causal[None]
-    allowed = causal[None] & (q_doc[:, :, None] == k_doc[:, None, :])
-    return allowed if bool(allowed.any()) else False
