@@ -318,8 +318,6 @@ def degree_not_built(cp: int, ep: int) -> Problem | None:
 
 def _not_built_degrees(lay: Layout, job: Job) -> Problem | None:
     problem = degree_not_built(lay.cp, lay.ep)
-    if problem is None and lay.cp > 1 and lay.pp > 1:
-        problem = "cp", f"parallel.cp={lay.cp} with pp={lay.pp}: context parallel does not run under pipelines yet"
     if problem is None and lay.cp > 1 and lay.zero == 1 and lay.dp_shard * lay.cp > 1:
         problem = "cp", (f"parallel.cp={lay.cp} with zero=1 is not built: cp ranks shard the model with FSDP; "
                          "use zero=2 or zero=3")

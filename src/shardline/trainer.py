@@ -301,7 +301,7 @@ class Trainer:
             return loss
         # The schedule splits this rank's share into the micro-batches itself; the last
         # stage's loss function (_pipeline_loss) returns each one's scaled share.
-        batch = self._to_device(self.data.train.batch(np.concatenate(micro)))
+        batch = self._local(self.data.train.batch(np.concatenate(micro)))
         with loss_context(self.dims, self.cfg.parallel), autocast(self.device, self.cfg.train.precision):
             losses = self.pipeline.run(batch, self.cfg.train.document_mask, n_tokens)
         total = sum((local_value(x.detach()) for x in losses), torch.zeros((), device=self.device))
@@ -397,9 +397,7 @@ class Trainer:
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy over the labelled tokens of a batch (fp32 logits); under cp,
         over this rank's tokens of it."""
-        batch = self._to_device(batch)
-        if self.context is not None:
-            batch = shard_batch(batch, self.context.local_positions())
+        batch = self._local(batch)
         doc_ids = batch["doc_ids"] if self.cfg.train.document_mask else None
         with autocast(self.device, self.cfg.train.precision):
             logits = self.forward(batch["input_ids"], doc_ids, batch.get("positions"))
@@ -407,6 +405,11 @@ class Trainer:
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _local(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch on this rank's device; under cp, only this rank's tokens (and their positions)."""
+        batch = self._to_device(batch)
+        return shard_batch(batch, self.context.local_positions()) if self.context is not None else batch
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -438,6 +441,7 @@ class Trainer:
         with loss_context(self.dims, self.cfg.parallel):
             if self.pipeline is None:
                 return local_value(self.loss_sum(batch))
+            batch = self._local(batch)
             with autocast(self.device, self.cfg.train.precision):
                 logits = self.pipeline.forward_only(batch, self.cfg.train.document_mask,
                                                     self.dims.submesh("pp").get_group())

@@ -50,7 +50,6 @@ def test_dp_shard_fills_the_rest():
     (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "train.micro_batch_size=8"],
      "cannot fill 4 pipeline stages"),
     (8, ["train.micro_batch_size=4"], "not divisible by train.micro_batch_size=4 x 8"),
-    (4, ["parallel.cp=2", "parallel.pp=2"], "context parallel does not run under pipelines yet"),
     (2, ["parallel.cp=2", "parallel.zero=1"], "cp=2 with zero=1 is not built"),
     (2, ["parallel.cp=2", "train.seq_len=30"], "train.seq_len=30 must be divisible by 4 (parallel.cp=2, 2 chunks"),
     (2, ["parallel.cp=2", "parallel.cp_balance=none", "train.seq_len=31"], "divisible by 2 (parallel.cp=2, one chunk"),

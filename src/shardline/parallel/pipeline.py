@@ -29,7 +29,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from shardline.layout import SINGLE_STAGE, V_SHAPED, head_cost, split_layers, stages_of_rank
-from shardline.models.llama import Llama, ModelArgs, document_causal_mask
+from shardline.models.llama import Llama, ModelArgs
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
@@ -95,23 +95,25 @@ class StageModule(nn.Module):
     """One pipeline stage: a view over some modules of the rank's pruned Llama."""
 
     def __init__(self, model: Llama, layer_ids: list[int], first: bool, last: bool, document_mask: bool,
-                 seq_len: int):
+                 positions: torch.Tensor):
         super().__init__()
         self.tok_embeddings = model.tok_embeddings if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
         self.norm = model.norm if last else None
         self.output = model.output if last else None
         self._rotary = model.rotary
+        self._mask = model.attention_mask  # the model's, or the one its parallel plan installed (cp)
         self.document_mask = document_mask
         # Fixed, not read from h: under sequence parallelism a stage receives only its
-        # slice of the sequence, while rotary tables and masks span all of it.
-        self.seq_len = seq_len
+        # slice of the sequence, while rotary tables and masks span all of it; under
+        # context parallelism these are this rank's tokens' places in the sequence.
+        self.positions = positions
 
     def forward(self, h, doc_ids=None):
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
-        cos, sin = self._rotary(torch.arange(self.seq_len), h.device)
-        mask = document_causal_mask(doc_ids) if self.document_mask and doc_ids is not None else None
+        cos, sin = self._rotary(self.positions, h.device)
+        mask = self._mask(doc_ids if self.document_mask else None)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         if self.output is not None:
@@ -123,7 +125,7 @@ class Pipeline:
     """The stages this rank runs and the schedule that drives them."""
 
     def __init__(self, model: Llama, args: ModelArgs, pp_rank: int, pp: int, virtual: int, schedule: str,
-                 n_microbatches: int, document_mask: bool, seq_len: int):
+                 n_microbatches: int, document_mask: bool, positions: torch.Tensor):
         n_stages = pp * (2 if schedule in V_SHAPED else virtual)
         self.layer_split = split_layers(args.n_layers, n_stages, head_cost(args))
         self.stage_ids = stages_of_rank(pp_rank, pp, virtual, schedule)
@@ -131,7 +133,7 @@ class Pipeline:
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         local_layers = {i for s in self.stage_ids for i in self.layer_split[s]}
         prune(model, local_layers, self.has_first, self.has_last)
-        self.modules = [StageModule(model, self.layer_split[s], s == 0, s == n_stages - 1, document_mask, seq_len)
+        self.modules = [StageModule(model, self.layer_split[s], s == 0, s == n_stages - 1, document_mask, positions)
                         for s in self.stage_ids]
 
     def build_schedule(self, device, pp_group, loss_fn):

@@ -54,14 +54,15 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     """Lay out `model` (on meta) in place by `dims`, then initialise it."""
     p = cfg.parallel
     pipeline = context = None
+    if dims.cp > 1:  # before the pipeline cuts the model: its stages take the cp attention and mask
+        context = apply_cp(model, dims, cfg.train.seq_len)
     if dims.pp > 1:
+        positions = context.local_positions() if context else torch.arange(cfg.train.seq_len)
         pipeline = Pipeline(model, args, dims.submesh("pp").get_local_rank(), dims.pp, p.pp_virtual_stages,
-                            p.pp_schedule, dims.layout.pp_microbatches, cfg.train.document_mask, cfg.train.seq_len)
+                            p.pp_schedule, dims.layout.pp_microbatches, cfg.train.document_mask, positions)
     if dims.tp > 1:
         apply_tp(model, dims.submesh("tp"), p.sequence_parallel, p.loss_parallel)
     apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
-    if dims.cp > 1:
-        context = apply_cp(model, dims, cfg.train.seq_len)
     use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1
     if dims.dp * dims.cp > 1 and not use_ddp:
         roots = pipeline.modules if pipeline else [model]
