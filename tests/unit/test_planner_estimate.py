@@ -123,6 +123,22 @@ def test_context_and_expert_parallel_rules():
         estimate(W70, Layout(tp=3, dp_shard=1), H100)
 
 
+def test_context_parallel_costs_follow_the_mode_and_the_balance():
+    from shardline.planner.estimate import _cp_layer
+
+    w = Workload(PRESETS["llama3-8b"], 131072, 8, "bf16", document_mask=False)
+    lays = {name: Layout(cp=8, dp_shard=1, micro_batch_size=1, activation_checkpoint="full", **kw)
+            for name, kw in {"ring": {}, "none": {"cp_balance": "none"}, "ulysses": {"cp_mode": "ulysses"},
+                             "hybrid": {"cp_mode": "hybrid", "cp_ulysses": 4}}.items()}
+    comm = {n: _cp_layer(w, lay, H100, cmp.layer_times(w, lay, H100)) for n, lay in lays.items()}
+    assert all(c > 0 for c in comm.values())  # the ring's gradient hops and the all-to-alls are exposed
+    # Without zigzag the slowest rank's attention kernels take 4R / (2R + 1) times as long (the
+    # merge of partial results, the same in both, dilutes the ratio a little).
+    ring, none = (cmp.layer_times(w, lays[n], H100).attention for n in ("ring", "none"))
+    assert 1.7 < none / ring <= 32 / 17
+    assert estimate(w, lays["none"], H100).step_time_s > estimate(w, lays["ring"], H100).step_time_s
+
+
 def test_expert_parallel_all_to_all_for_moe_shapes():
     # shardline's models are dense; a MoE shape (n_experts, moe_top_k) gets the EP term.
     from shardline.models.llama import ModelArgs

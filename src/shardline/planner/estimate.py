@@ -215,18 +215,19 @@ def _tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages) ->
     return heads * 2 * one + (loss if stage.last else 0.0)
 
 
-# How the trainer runs context parallelism, as named assumptions: the ring's forward
-# starts each K/V transfer before the block's attention (overlapped); its backward
-# sends the K/V gradients back synchronously (not overlapped); Ulysses' all-to-alls
-# sit between the projections and attention, with nothing to hide behind.
-RING_FORWARD_OVERLAP = True
-RING_BACKWARD_OVERLAP = False
+# How the trainer runs context parallelism, as named assumptions: the ring starts each
+# K/V transfer before the block's attention, forward and backward (overlapped); the
+# backward's dK/dV accumulators (fp32) move on only once the block is done (exposed,
+# R hops, the last one home); Ulysses' all-to-alls sit between the projections and
+# attention, with nothing to hide behind.
+RING_KV_OVERLAP = True
+RING_GRAD_OVERLAP = False
 
 
 def _cp_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) -> float:
-    """Context parallelism per layer and micro-batch: the ring's K/V passes (R-1 hops forward,
-    K/V and their gradients R-1 hops backward) and Ulysses' all-to-alls (q, k, v and the
-    output forward, their gradients backward)."""
+    """Context parallelism per layer and micro-batch: the ring's K/V passes (R-1 hops forward
+    and again backward, then R hops of their fp32 gradients) and Ulysses' all-to-alls (q, k,
+    v and the output forward, their gradients backward)."""
     if layout.cp == 1:
         return 0.0
     m, ring, u = work.model, *layout.cp_degrees
@@ -242,9 +243,13 @@ def _cp_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) 
         g = comm.group(ring, layout.tp * u, hw.network.gpus_per_node)
         kv_bytes = 2 * tokens * u * m.kv_heads / u * m.head_size * width  # the ring shard's K/V, 1/u of heads
         hop = comm.p2p(kv_bytes, g.nodes > 1, hw.network)
-        fwd, bwd = (ring - 1) * hop, 2 * (ring - 1) * hop
-        total += max(0.0, fwd - lt.attention) if RING_FORWARD_OVERLAP else fwd
-        total += max(0.0, bwd - 2.5 * lt.attention) if RING_BACKWARD_OVERLAP else bwd
+        grad_hop = comm.p2p(kv_bytes * 4 / dtype_bytes(work.precision), g.nodes > 1, hw.network)
+        kv_passes = (ring - 1) * hop
+        if RING_KV_OVERLAP:  # hidden behind the attention forward, and its ~2.5x backward
+            total += max(0.0, kv_passes - lt.attention) + max(0.0, kv_passes - 2.5 * lt.attention)
+        else:
+            total += 2 * kv_passes
+        total += max(0.0, ring * grad_hop - 2.5 * lt.attention) if RING_GRAD_OVERLAP else ring * grad_hop
     return total
 
 
