@@ -18,17 +18,19 @@ import torch
 import torch.distributed as dist
 
 from shardline.models.llama.model import document_causal_mask, sdpa_attention
-from shardline.parallel.context.ring import Ring, ring_attention
+from shardline.parallel.context.ring import Ring, RingPlan, ring_attention
 from shardline.parallel.context.sharding import SequenceSplit
 from shardline.parallel.context.ulysses import heads_to_seq, kv_for_ulysses, seq_to_heads
 
 
 @dataclass
 class SequenceMask:
-    """What the cp attention core needs to mask any block: the whole sequence's document
-    ids [b, s] in global order (None: one document per sequence)."""
+    """What the cp attention core needs, made once per forward for every layer: the whole
+    sequence's document ids [b, s] in global order (None: one document per sequence), and
+    under a ring the plan of its blocks."""
 
     doc_ids: torch.Tensor | None
+    ring_plan: RingPlan | None = None
 
 
 class ContextParallel:
@@ -44,15 +46,25 @@ class ContextParallel:
         return self.split.positions(self.cp_rank)
 
     def mask(self, doc_ids: torch.Tensor | None) -> SequenceMask:
-        """Replaces Llama.attention_mask: the document ids of every cp rank's tokens, in place."""
-        if doc_ids is None:
-            return SequenceMask(None)
+        """Replaces Llama.attention_mask (doc_ids: this rank's tokens'): the whole sequence's
+        document ids, and the ring's plan."""
+        full = self._gather(doc_ids) if doc_ids is not None else None
+        if self.ring is None:
+            return SequenceMask(full)
+        kv_doc = [full[:, s.to(full.device)] for s in self._shards] if full is not None else None
+        device = full.device if full is not None else doc_ids.device if doc_ids is not None else None
+        plan = RingPlan(self.ring, self._shards[self.ring_index], self._shards,
+                        kv_doc[self.ring_index] if kv_doc is not None else None, kv_doc, device)
+        return SequenceMask(full, plan)
+
+    def _gather(self, doc_ids: torch.Tensor) -> torch.Tensor:
+        """Every cp rank's document ids put back in sequence order (a few KB per forward)."""
         parts = [torch.empty_like(doc_ids) for _ in range(self.split.cp)]
         dist.all_gather(parts, doc_ids.contiguous(), group=self.cp_group)
         full = torch.empty(doc_ids.shape[0], self.split.seq_len, dtype=doc_ids.dtype, device=doc_ids.device)
         for rank, part in enumerate(parts):
             full[:, self.split.positions(rank).to(full.device)] = part
-        return SequenceMask(full)
+        return full
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SequenceMask) -> torch.Tensor:
         """Replaces Attention.core: q [b, h, s/cp, d], k/v [b, hk, s/cp, d] of this rank's tokens."""
@@ -64,9 +76,5 @@ class ContextParallel:
             dense = document_causal_mask(mask.doc_ids) if mask.doc_ids is not None else None
             out = sdpa_attention(q, k, v, dense)
         else:
-            docs = mask.doc_ids
-            kv_doc = [docs[:, s.to(docs.device)] for s in self._shards] if docs is not None else None
-            q_doc = kv_doc[self.ring_index] if kv_doc is not None else None
-            out = ring_attention(q, k, v, self.ring, self._shards[self.ring_index], self._shards, q_doc, kv_doc,
-                                 1.0 / math.sqrt(q.shape[-1]))
+            out = ring_attention(q, k, v, self.ring, mask.ring_plan, 1.0 / math.sqrt(q.shape[-1]))
         return heads_to_seq(out, self.ulysses_group) if u > 1 else out

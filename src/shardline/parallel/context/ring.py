@@ -81,7 +81,7 @@ class _RingAttention(torch.autograd.Function):
     K/V accumulated so far; after the last step the gradients go one hop further, home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, plan):
+    def forward(ctx, q, k, v, ring, plan, scale):
         kv = torch.stack([k, v]).contiguous()
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], MASKED, dtype=torch.float32, device=q.device)
@@ -90,19 +90,19 @@ class _RingAttention(torch.autograd.Function):
                 nxt, works = ring.start_shift(kv)  # in flight while this block computes
             for qs, ks, kind in plan.pairs(step):
                 o, s = block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], plan.mask(step, qs, ks, kind),
-                                     kind == CAUSAL, plan.scale)
+                                     kind == CAUSAL, scale)
                 out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, s)
             if step + 1 < ring.size:
                 _wait(works)
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.plan = ring, plan
+        ctx.ring, ctx.plan, ctx.scale = ring, plan, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, plan = ctx.ring, ctx.plan
+        ring, plan, scale = ctx.ring, ctx.plan, ctx.scale
         grad_out = grad_out.float()
         delta = (grad_out * out).sum(-1)  # rowsum(dO * O), the softmax backward's correction
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -113,7 +113,7 @@ class _RingAttention(torch.autograd.Function):
                 nxt, works = ring.start_shift(kv)  # K/V move on while their gradient is computed
             for qs, ks, kind in plan.pairs(step):
                 dq_b, dk_b, dv_b = block_backward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                                  plan.mask(step, qs, ks, kind), kind == CAUSAL, plan.scale,
+                                                  plan.mask(step, qs, ks, kind), kind == CAUSAL, scale,
                                                   grad_out[:, :, qs], out[:, :, qs], lse[:, :, qs], delta[:, :, qs])
                 dq[:, :, qs] += dq_b
                 dkv[0][:, :, ks] += dk_b
@@ -123,12 +123,13 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < ring.size:
                 _wait(works)
                 kv = nxt
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def block_forward(q, k, v, allowed, causal: bool, scale: float):
     """One block's (output, lse), fp32: the fused CPU flash kernel on CPU, the math path elsewhere
     (a fused GPU kernel for ring blocks is not wired yet)."""
+    allowed = allowed.to(q.device) if allowed is not None else None
     if q.device.type == "cpu":
         k, v = _repeat_kv(k, v, q.shape[1])
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -139,6 +140,7 @@ def block_forward(q, k, v, allowed, causal: bool, scale: float):
 
 def block_backward(q, k, v, allowed, causal: bool, scale: float, grad_out, out, lse, delta):
     """Gradients of one block's share of the attention, given the final output and its lse."""
+    allowed = allowed.to(q.device) if allowed is not None else None
     if q.device.type == "cpu":
         hk = k.shape[1]
         kr, vr = _repeat_kv(k, v, q.shape[1])
@@ -188,13 +190,17 @@ def block_backward_math(q, k, v, allowed, scale: float, grad_out, lse, delta):
 FULL, CAUSAL, MASK = "full", "causal", "mask"  # what a block pair needs: nothing masked, the diagonal, a mask
 
 
-class _Plan:
+class RingPlan:
     """Which (query run, key run) pairs each ring step computes and what each needs masked:
-    the same in forward and backward. Masks are rebuilt from the document ids when used,
-    so none is kept between forward and backward."""
+    the same for every layer of a forward and for the backward, so it is made once per
+    forward (one host sync for document masks, not one per layer and block). Masks are
+    rebuilt from the document ids when used, so none is kept between forward and backward.
+    """
 
-    def __init__(self, ring: Ring, q_pos, kv_pos, q_doc, kv_doc, device, scale: float):
-        self.scale, self.q_pos, self.q_doc, self.device = scale, q_pos, q_doc, device
+    def __init__(self, ring: Ring, q_pos, kv_pos, q_doc, kv_doc, device):
+        """q_pos: this rank's ring shard's positions; kv_pos[i]: ring shard i's (host tensors);
+        q_doc [b, sq], kv_doc[i] [b, sk]: document ids, or None (one document)."""
+        self.q_pos, self.q_doc, self.device = q_pos, q_doc, device or torch.device("cpu")
         self.sources = [(ring.rank - step) % ring.size for step in range(ring.size)]
         self.kv_pos, self.kv_doc = kv_pos, kv_doc
         self._steps = []
@@ -232,22 +238,18 @@ class _Plan:
         return allowed
 
 
-def ring_attention(q, k, v, ring: Ring, q_pos: torch.Tensor, kv_pos: list[torch.Tensor],
-                   q_doc: torch.Tensor | None, kv_doc: list[torch.Tensor] | None, scale: float):
+def ring_attention(q, k, v, ring: Ring, plan: RingPlan, scale: float):
     """Causal attention of this rank's queries on the keys of every ring shard.
 
-    q [b, h, sq, d], k/v [b, hk, sk, d] of this ring rank's shard; q_pos [sq] global
-    positions; kv_pos[i] the positions of ring shard i (host tensors, to skip empty
-    blocks without a device sync); q_doc [b, sq] and kv_doc[i] [b, sk] document ids
-    (None: one document). Returns the output [b, h, sq, d] in q's dtype.
+    q [b, h, sq, d], k/v [b, hk, sk, d] of this ring rank's shard. Returns the output
+    [b, h, sq, d] in q's dtype.
 
     Work is done per pair of contiguous runs (a zigzag shard is two chunks): a pair
     whose keys all follow its queries, or that shares no document, is skipped, so
     under zigzag every rank computes 2R + 1 chunk pairs, where a contiguous split
     makes the last rank compute 4R.
     """
-    plan = _Plan(ring, q_pos, kv_pos, q_doc, kv_doc, q.device, scale)
-    return _RingAttention.apply(q, k, v, ring, plan)
+    return _RingAttention.apply(q, k, v, ring, plan, scale)
 
 
 def runs(pos: torch.Tensor) -> list[tuple[int, int]]:
