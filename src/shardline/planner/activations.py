@@ -17,16 +17,16 @@ c = bytes of the compute dtype (2 under bf16/fp16 autocast, 4 in fp32):
     wq, wk, wv inputs: autocast casts the fp32 norm    3·c·h        lin_in (fp32: the norm output, 4h,
         output separately for each linear                                   saved once)
     RoPE: cos/sin only (need no grad), nothing per token
-    SDPA (flash/efficient kernels): q, k, v, out       c·(2q+2kv)   tp    (GQA through enable_gqa: k, v
-        and the fp32 logsumexp                         4a           tp     stay at kv = kv_heads·head_dim)
+    SDPA (flash/efficient kernels): q, k, v, out       4·c·q        tp    (GQA: k, v already repeated
+        and the fp32 logsumexp                         4a           tp     to q heads)
     wo input: the SDPA output itself (same storage)    0
     ffn_norm: as attention_norm                        8h + 4       seq
     w1, w3 inputs: two casts                           2·c·h        lin_in (fp32: 4h once)
     SwiGLU: w1 out (silu in), silu out, w3 out,        4·c·f        tp
         product (w2 in)
 
-    total, bf16:  26h + 4q + 4kv + 8f + 4a + 8    (GPT-shaped q = kv = h, f = 4h: 66h)
-    total, fp32:  24h + 8q + 8kv + 16f + 4a + 8
+    total, bf16:  26h + 8q + 8f + 4a + 8    (GPT-shaped q = h, f = 4h: 66h)
+    total, fp32:  24h + 16q + 16f + 4a + 8
 
 Regions say what tensor parallelism divides: `tp` tensors are sharded over heads or
 the ffn dimension; `seq` tensors (the norm region) only under sequence parallelism;
@@ -72,8 +72,7 @@ def llama_block(model: ModelArgs, precision: str) -> list[Saved]:
                   Saved(f"{norm} x*rsqrt", 4 * h, "seq"),
                   Saved(f"{norm} rsqrt", 4, "seq"),
                   Saved(f"{norm} output as linear input", (consumers * c if mixed else 4) * h, "lin_in")]
-    kv = model.kv_heads * model.head_size
-    saved += [Saved("sdpa q, k, v, out (GQA: k, v at kv width)", c * (2 * q + 2 * kv), "tp"),
+    saved += [Saved("sdpa q, k, v, out", 4 * c * q, "tp"),
               Saved("sdpa logsumexp", 4 * a, "tp"),
               Saved("swiglu w1 out, silu out, w3 out, product", 4 * c * f, "tp")]
     return saved

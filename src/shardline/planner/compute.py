@@ -131,7 +131,7 @@ def elementwise_bytes_per_token(work: Workload, tp: int, sp: bool) -> float:
 
     Norms (pow, mean, two muls over fp32: 28h each), autocast casts of the norm outputs
     (5 x (4 + c)h), RoPE on q and k (6c + 24 per element: the fp32 products of bf16
-    inputs), SiLU and the gate product (5c·f), two
+    inputs), repeating grouped k and v (GQA), SiLU and the gate product (5c·f), two
     residual adds (2(8 + c)h). Norm-region ops shrink with sequence parallelism.
     """
     m, c = work.model, dtype_bytes(work.precision)
@@ -140,7 +140,8 @@ def elementwise_bytes_per_token(work: Workload, tp: int, sp: bool) -> float:
     seq_region = (2 * 28 * h + 2 * (8 + c) * h) / (tp if sp else 1)
     casts = 5 * (4 + c) * h if mixed else 0.0
     rope = (6 * c + 24) * (q + kv) / tp
-    return seq_region + casts + rope + 5 * c * f / tp  # GQA needs no copy of k, v (enable_gqa)
+    repeat = 4 * c * q / tp if m.kv_heads != m.n_heads else 0.0
+    return seq_region + casts + rope + repeat + 5 * c * f / tp
 
 
 def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:

@@ -127,13 +127,15 @@ class Attention(nn.Module):
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Causal attention of q [b, h, s, d] on k/v [b, hk, s, d]; mask [b, 1, s, s] (None: causal)."""
-    # GQA through SDPA's enable_gqa (kv head j // (h / hk) serves query head j), so K/V are
-    # not copied h / hk times; the number of heads is read from the tensors, so a
+    # The number of heads is read from the tensors, not from the config, so a
     # tensor-parallel shard (fewer local heads) runs this same code.
-    gqa = q.shape[1] != k.shape[1]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class FeedForward(nn.Module):
