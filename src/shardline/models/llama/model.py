@@ -128,8 +128,13 @@ class Attention(nn.Module):
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Causal attention of q [b, h, s, d] on k/v [b, hk, s, d]; mask [b, 1, s, s] (None: causal)."""
     # The number of heads is read from the tensors, not from the config, so a
-    # tensor-parallel shard (fewer local heads) runs this same code.
+    # tensor-parallel shard (fewer local heads) runs this same code. GQA goes through
+    # SDPA's enable_gqa only where the flash kernel takes it (CUDA, half precision, no
+    # mask): elsewhere torch would fall back to the math kernel (O(s^2) memory), so K/V
+    # are repeated to the query heads instead.
     group = q.shape[1] // k.shape[1]
+    if group > 1 and mask is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
