@@ -43,3 +43,23 @@ def test_torchrun_impossible_degrees_fail_clearly(tmp_path, small_corpus):
     assert "does not match the world size 2" in out.stderr
     assert "Traceback" not in out.stderr.split("does not match")[0][-500:]
     assert not run.exists()
+
+
+def test_torchrun_context_parallel_matches_one_process(tmp_path, small_corpus):
+    # The user's path for long sequences: the same command with --parallel.cp=2 under
+    # torchrun splits every sequence over the two ranks and logs one process's losses.
+    from tests.e2e.test_cli import shardline
+
+    single, split = tmp_path / "single", tmp_path / "cp2"
+    out = shardline("train", *[f"--{o}" for o in tiny_overrides(single, small_corpus, "train.eval_interval=0")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = torchrun(2, *[f"--{o}" for o in tiny_overrides(split, small_corpus, "train.eval_interval=0",
+                                                         "parallel.cp=2", "parallel.dp_shard=1")])
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    def losses(run):
+        return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if r["kind"] == "train"]
+
+    a, b = losses(single), losses(split)
+    assert len(a) == len(b) == 12 and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b)), (a, b)

@@ -216,6 +216,8 @@ def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(caps
     (["--world-size", "2", "--anomaly.check_on=device", "--anomaly.action=rollback"],
      "anomaly.check_on='device' is not possible here: anomaly.action is not skip"),
     (["--memory.cpu_offload=true", "--run.device=cpu", "--world-size", "2"], "it needs a GPU"),
+    (["--world-size", "2", "--parallel.cp=2", "--train.seq_len=250"], "train.seq_len=250 must be divisible by 4"),
+    (["--world-size", "2", "--parallel.cp=2", "--parallel.cp_mode=spiral"], "parallel.cp_mode='spiral' is invalid"),
 ])
 def test_dry_run_fails_as_a_launch_would(capsys, tmp_path, argv, message):
     code = main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", *argv])
