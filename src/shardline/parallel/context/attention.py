@@ -30,7 +30,8 @@ class SequenceMask:
     under a ring the plan of its blocks."""
 
     doc_ids: torch.Tensor | None
-    ring_plan: RingPlan | None = None
+    ring_plan: RingPlan | None = None  # under a ring: which blocks to compute, how masked
+    dense: torch.Tensor | None = None  # Ulysses alone, with documents: the [b, 1, s, s] mask of SDPA
 
 
 class ContextParallel:
@@ -49,12 +50,12 @@ class ContextParallel:
         """Replaces Llama.attention_mask (doc_ids: this rank's tokens'): the whole sequence's
         document ids, and the ring's plan."""
         full = self._gather(doc_ids) if doc_ids is not None else None
-        if self.ring is None:
-            return SequenceMask(full)
+        if self.ring is None:  # after the all-to-all the whole sequence is local, in order
+            return SequenceMask(full, dense=document_causal_mask(full) if full is not None else None)
         kv_doc = [full[:, s.to(full.device)] for s in self._shards] if full is not None else None
-        device = full.device if full is not None else doc_ids.device if doc_ids is not None else None
         plan = RingPlan(self.ring, self._shards[self.ring_index], self._shards,
-                        kv_doc[self.ring_index] if kv_doc is not None else None, kv_doc, device)
+                        kv_doc[self.ring_index] if kv_doc is not None else None, kv_doc,
+                        full.device if full is not None else None)
         return SequenceMask(full, plan)
 
     def _gather(self, doc_ids: torch.Tensor) -> torch.Tensor:
@@ -73,8 +74,7 @@ class ContextParallel:
             k, v = kv_for_ulysses(k, v, q.shape[1], u)
             q, k, v = (seq_to_heads(t, self.ulysses_group) for t in (q, k, v))
         if self.ring is None:  # the whole sequence is here, in order
-            dense = document_causal_mask(mask.doc_ids) if mask.doc_ids is not None else None
-            out = sdpa_attention(q, k, v, dense)
+            out = sdpa_attention(q, k, v, mask.dense)
         else:
             out = ring_attention(q, k, v, self.ring, mask.ring_plan, 1.0 / math.sqrt(q.shape[-1]))
         return heads_to_seq(out, self.ulysses_group) if u > 1 else out
