@@ -217,11 +217,11 @@ def _tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages) ->
 
 # How the trainer runs context parallelism, as named assumptions: the ring starts each
 # K/V transfer before the block's attention, forward and backward (overlapped); the
-# backward's dK/dV accumulators (fp32) move on only once the block is done (exposed,
-# R hops, the last one home); Ulysses' all-to-alls sit between the projections and
-# attention, with nothing to hide behind.
+# backward's fp32 dK/dV accumulators travel while the next block computes (overlapped),
+# but the last hop home has nothing left to hide behind; Ulysses' all-to-alls sit
+# between the projections and attention, with nothing to hide behind.
 RING_KV_OVERLAP = True
-RING_GRAD_OVERLAP = False
+RING_GRAD_OVERLAP = True
 
 
 def _cp_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) -> float:
@@ -249,7 +249,10 @@ def _cp_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) 
             total += max(0.0, kv_passes - lt.attention) + max(0.0, kv_passes - 2.5 * lt.attention)
         else:
             total += 2 * kv_passes
-        total += max(0.0, ring * grad_hop - 2.5 * lt.attention) if RING_GRAD_OVERLAP else ring * grad_hop
+        if RING_GRAD_OVERLAP:
+            total += max(0.0, (ring - 1) * grad_hop - 2.5 * lt.attention) + grad_hop
+        else:
+            total += ring * grad_hop
     return total
 
 

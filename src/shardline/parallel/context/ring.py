@@ -10,8 +10,9 @@ exactly (the online softmax of flash attention):
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
 The backward (flash attention's, block by block) sends the K/V round the ring once
-more, each with the gradient of it accumulated so far; every rank adds its queries'
-share, and one last hop takes the finished dK/dV home. Only q, k, v, the output and
+more; each block's dK/dV accumulator follows it one step behind, so it travels while
+the next block computes, every rank adds its queries' share, and one last hop takes
+the finished dK/dV home. Only q, k, v, the output and
 its log-sum-exp are kept for it: each block's probabilities are recomputed, so the
 activation memory of attention is O(s/C) per rank, not a score matrix.
 
@@ -107,10 +108,11 @@ class _RingAttention(torch.autograd.Function):
         delta = (grad_out * out).sum(-1)  # rowsum(dO * O), the softmax backward's correction
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        incoming = None  # the current block's dK/dV accumulated by the ranks before, in flight
         for step in range(ring.size):
             if step + 1 < ring.size:
                 nxt, works = ring.start_shift(kv)  # K/V move on while their gradient is computed
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # this rank's share
             for qs, ks, kind in plan.pairs(step):
                 dq_b, dk_b, dv_b = block_backward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
                                                   plan.mask(step, qs, ks, kind), kind == CAUSAL, scale,
@@ -118,11 +120,17 @@ class _RingAttention(torch.autograd.Function):
                 dq[:, :, qs] += dq_b
                 dkv[0][:, :, ks] += dk_b
                 dkv[1][:, :, ks] += dv_b
-            dkv, dworks = ring.start_shift(dkv)  # the block's gradient so far follows it (last: home)
-            _wait(dworks)
+            if incoming is not None:  # it travelled while this rank computed its share
+                _wait(incoming[1])
+                dkv += incoming[0]
+            # The block's gradient so far follows the block (after the last step: home), and
+            # the next block's arrives, during the next step's compute.
+            incoming = ring.start_shift(dkv)
             if step + 1 < ring.size:
                 _wait(works)
                 kv = nxt
+        _wait(incoming[1])
+        dkv = incoming[0]  # this rank's own K/V: every rank's share, summed round the ring
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
