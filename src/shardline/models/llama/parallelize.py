@@ -67,7 +67,7 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     if dims.dp * dims.cp > 1 and not use_ddp:
         roots = pipeline.modules if pipeline else [model]
         apply_fsdp(model, roots, dims, cfg.train.precision, cfg.memory.cpu_offload)
-    init_device = "cpu" if cfg.memory.cpu_offload and dims.dp > 1 else device
+    init_device = "cpu" if cfg.memory.cpu_offload and dims.dp * dims.cp > 1 else device
     model.init_weights(seed=cfg.train.seed, device=init_device, assign=assign_full_value)
     forward = None if pipeline else (apply_ddp(model, dims, device) if use_ddp else model)
     return BuiltModel(model, forward, pipeline, context)
