@@ -324,13 +324,6 @@ def _not_built_degrees(lay: Layout, job: Job) -> Problem | None:
     return problem
 
 
-def _not_built_zero1(lay: Layout, job: Job) -> Problem | None:
-    if lay.zero == 1 and lay.dp_shard > 1 and (lay.tp > 1 or lay.pp > 1):
-        return "zero1", (f"parallel.zero=1 composes with data parallelism only (got tp={lay.tp}, pp={lay.pp}); "
-                         "use zero=2 or zero=3 with tp/pp")
-    return None
-
-
 def _not_built_tied_v(lay: Layout, job: Job) -> Problem | None:
     if lay.pp > 1 and job.model.tie_embeddings and lay.pp_schedule in V_SHAPED and lay.dp > 1:
         # Each stage is its own FSDP unit, and FSDP2 cannot share a parameter between units.
@@ -344,7 +337,7 @@ def _not_built_tied_v(lay: Layout, job: Job) -> Problem | None:
 Rule = Callable[[Layout, Job], "Problem | None"]
 RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_split, _ep_ranks, _batch, _offload, _pp_stages,
                            _pp_microbatches)
-NOT_BUILT: tuple[Rule, ...] = (_not_built_degrees, _not_built_zero1, _not_built_tied_v)
+NOT_BUILT: tuple[Rule, ...] = (_not_built_degrees, _not_built_tied_v)
 
 
 def first_problem(lay: Layout, job: Job, runnable: bool = True) -> Problem | None:

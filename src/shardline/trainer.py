@@ -36,6 +36,7 @@ from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import init_distributed, pick_device
 from shardline.parallel.pipeline import sync_tied_gradient, tied_copy
+from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler, autocast
 from shardline.preflight import check_config, check_device, preflight, use_model_tokenizer
 from shardline.resilience.anomaly import build_anomaly_check
@@ -272,6 +273,7 @@ class Trainer:
         self.model.train()
         micro, n_tokens = self._step_batch()
         loss = self.forward_backward_step(micro, n_tokens)
+        reduce_gradients(self.optimizer, self.dims.zero1_scatters)  # ZeRO-1: its slices (under tp/pp, summed)
         self.scaler.unscale_(self.optimizer)
         return loss, clip_grad_norm(self.model, self.cfg.train.grad_clip, self.dims,
                                     counted_elsewhere=tied_copy(self.model))

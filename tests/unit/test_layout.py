@@ -58,7 +58,6 @@ def test_dp_shard_fills_the_rest():
     (8, ["parallel.cp=8", "parallel.cp_mode=ulysses"], "Ulysses splits the 4 attention heads per tp rank"),
     (8, ["parallel.cp=4", "parallel.tp=2", "parallel.cp_mode=ulysses"], "Ulysses splits the 2 attention heads"),
     (2, ["parallel.ep=2"], "expert parallel is not implemented yet"),
-    (4, ["parallel.zero=1", "parallel.tp=2"], "zero=1 composes with data parallelism only"),
     (2, ["parallel.tp=2", "train.seq_len=33"], "must be divisible by parallel.tp=2"),
     (2, ["memory.cpu_offload=true", "run.device=cpu"], "needs a GPU"),
     (1, ["memory.cpu_offload=true"], "needs FSDP"),
@@ -69,6 +68,18 @@ def test_dp_shard_fills_the_rest():
 def test_invalid_layouts(world, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         layout_for(world, *overrides)
+
+
+@pytest.mark.parametrize("world, overrides", [
+    (4, ["parallel.zero=1", "parallel.tp=2"]),
+    (4, ["parallel.zero=1", "parallel.pp=2"]),
+    (8, ["parallel.zero=1", "parallel.tp=2", "parallel.pp=2"]),
+    (8, ["parallel.zero=1", "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.tp=2"]),
+])
+def test_zero1_composes_with_tp_and_pp(world, overrides):
+    lay = layout_for(world, *overrides)
+    assert lay.dp_mode == "zero1" and lay.world == world
+    assert layouts.first_problem(lay, layouts.Job(ARGS, 32, 16), runnable=True) is None
 
 
 def test_tp_must_divide_the_mlp():
@@ -181,7 +192,7 @@ def test_dry_run_and_planner_give_the_same_verdict_on_random_layouts():
         seen["valid" if planner is None else "invalid"] += 1
         keys.add(planner[0] if planner else "ok")
     assert seen["valid"] >= 20 and seen["invalid"] >= 100, seen
-    assert {"tp", "pp", "batch", "cp", "ep", "zero1", "offload", "ok"} <= keys, keys
+    assert {"tp", "pp", "batch", "cp", "ep", "offload", "ok"} <= keys, keys
 
 
 def _shape_fields(shape: ModelArgs) -> dict:

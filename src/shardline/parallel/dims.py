@@ -82,9 +82,19 @@ class ParallelDims:
         """Replicated parameters (DDP over all dp ranks), optimizer states sharded over dp_shard."""
         return self.zero == 1 and self.dp_shard > 1
 
+    @property
+    def zero1_scatters(self) -> bool:
+        """ZeRO-1 under tp or pp: no DDP wrapper (it runs neither DTensor parameters nor pipeline
+        stages); the optimizer reduce-scatters the gradients itself (parallel/zero1.py)."""
+        return self.zero1 and (self.tp > 1 or self.pp > 1)
+
     def zero1_mesh(self) -> DeviceMesh | None:
+        """The dims ZeRO-1's states live on: the data-parallel ones and, under tp, tp (the cp dims
+        between them have size 1, as zero=1 excludes cp), so a saved state knows its TP shard."""
         if not self.zero1:
             return None
+        if self.tp > 1:
+            return self.submesh("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
         return self.submesh("dp_replicate", "dp_shard") if self.dp_replicate > 1 else self.submesh("dp_shard")
 
     # ---- meshes -----------------------------------------------------------------------

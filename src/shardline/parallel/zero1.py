@@ -1,24 +1,49 @@
 """ZeRO-1: parameters and gradients replicated, optimizer states sharded (parallel.zero=1).
 
-The pattern of the ZeRO paper's stage 1: gradients are all-reduced as in DDP; each of
-the `dp_shard` ranks then updates only its slice of every parameter with its slice of
-the optimizer states, and the updated slices are all-gathered so every rank holds the
-full parameters again. AdamW is element-wise, so updating slices gives exactly the
-values one process gets.
+The pattern of the ZeRO paper's stage 1 (Rajbhandari et al. 2020): each of the
+`dp_shard` ranks updates only its slice of every parameter with its slice of the
+optimizer states, and the updated slices are all-gathered so every rank holds the full
+parameters again. AdamW is element-wise, so updating slices gives exactly the values
+one process gets.
 
-A slice is a block of rows (dim 0), cut the way DTensor's Shard(0) cuts (chunks of
-ceil(rows / ranks)), so the optimizer states are saved as Shard(0) DTensors: the same
-checkpoint layout FSDP2 writes, which lets DCP reshard between ZeRO-1 and any other
-layout.
+How the gradients reach the slices depends on the layout:
+
+- data parallel alone: DDP all-reduces them during backward, overlapped with it
+  (parallel/data_parallel.py), and each rank reads its slice of the sum.
+- with tp or pp (`ParallelDims.zero1_scatters`): DDP runs neither DTensor parameters
+  nor pipeline stages, so no wrapper is applied. After the step's last backward,
+  `reduce_gradients` reduce-scatters them over dp_shard (and all-reduces the slices
+  over dp_replicate): each rank receives only the sum of its slice. A reduce-scatter
+  moves half the bytes of an all-reduce, so reduce-scatter + parameter all-gather cost
+  what DDP's all-reduce alone costs, where all-reduce + all-gather would cost 1.5x.
+  The other rows of the rank's gradients are zeroed, so the clipping norm (summed over
+  dp_shard, parallel/collectives.py) and the fp16 overflow check see every element
+  once. It runs after backward, not overlapped with it.
+
+Every collective runs on the mesh dimensions of the rank's own (tp, pp) coordinate:
+the dp group of one coordinate holds replicas of the same parameter shards.
+
+A slice is a block of one dimension, cut the way DTensor's Shard cuts (chunks of
+ceil(size / ranks)). Plain parameters are cut by rows. A tensor-parallel DTensor
+parameter is cut in its local shard along a dimension TP does not split (a
+column-parallel weight by columns, a row-parallel one by rows), so the states of each
+(dp, tp) coordinate form one block of the full parameter. They are saved as DTensors
+with Shard placements over (dp_replicate, dp_shard, ..., tp): the checkpoint layout
+FSDP2 writes (FQN keys), which lets DCP reshard between ZeRO-1 and any other layout.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+# torch 2.13 renamed reduce_scatter_tensor (and warns on the old name); 2.11 has only it.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def row_range(rows: int, rank: int, ranks: int) -> tuple[int, int]:
@@ -27,87 +52,194 @@ def row_range(rows: int, rank: int, ranks: int) -> tuple[int, int]:
     return min(rank * per, rows), min((rank + 1) * per, rows)
 
 
+def slice_dim(p: torch.Tensor) -> int:
+    """The dimension ZeRO-1 cuts: the first one the parameter's own (TP) placements leave whole."""
+    if not isinstance(p, DTensor):
+        return 0
+    taken = {pl.dim for pl in p.placements if pl.is_shard()}
+    free = [d for d in range(p.ndim) if d not in taken]
+    if not free:
+        raise ValueError(f"a {p.ndim}-D parameter sharded on every dimension ({p.placements}) cannot be "
+                         "cut further by ZeRO-1; use parallel.zero=2 or 3")
+    return free[0]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own tensor behind a parameter or gradient (shares its storage)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class Slice:
+    """One parameter and the block of its local tensor this rank updates."""
+
+    param: nn.Parameter
+    dim: int  # the dimension cut
+    lo: int
+    hi: int
+    per: int  # the block size every rank pads to (ceil(size / ranks))
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's block of `t` (the parameter's or its gradient's local tensor)."""
+        return local(t).narrow(self.dim, self.lo, self.hi - self.lo)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The local tensor with the cut dimension first (a view)."""
+        return local(t).movedim(self.dim, 0)
+
+
 class Zero1AdamW(torch.optim.AdamW):
-    """AdamW over this rank's row slices of replicated parameters.
+    """AdamW over this rank's slices of replicated parameters.
 
     `groups` are the usual param groups (of full parameters); the optimizer itself
-    holds views of this rank's rows, so states exist only for them.
+    holds views of this rank's slices, so states exist only for them. `mesh` names the
+    data-parallel dimensions and, under tp, the tp one; `shard_dim` the one sharded.
     """
 
     def __init__(self, model: nn.Module, groups: list[dict], mesh: DeviceMesh, shard_dim: str, **kwargs):
         self.mesh, self.shard_dim = mesh, shard_dim
+        names = mesh.mesh_dim_names
         self.group = mesh.get_group(shard_dim)
-        self.ranks, self.rank = mesh.size(mesh.mesh_dim_names.index(shard_dim)), mesh.get_local_rank(shard_dim)
-        self.full: list[nn.Parameter] = []
-        self.slices: list[tuple[int, int]] = []
+        self.ranks, self.rank = mesh.size(names.index(shard_dim)), mesh.get_local_rank(shard_dim)
+        replicas = "dp_replicate" in names and mesh.size(names.index("dp_replicate")) > 1
+        self.replicate_group = mesh.get_group("dp_replicate") if replicas else None
         self.names = {p: n for n, p in model.named_parameters()}
+        self.slices: list[Slice] = []
         shard_groups = []
         for g in groups:
             views = []
             for p in g["params"]:
-                lo, hi = row_range(p.shape[0], self.rank, self.ranks)
-                self.full.append(p)
-                self.slices.append((lo, hi))
-                views.append(p.detach()[lo:hi])
+                self._check_mesh(p)
+                dim = slice_dim(p)
+                size = local(p).shape[dim]
+                self.slices.append(Slice(p, dim, *row_range(size, self.rank, self.ranks), -(-size // self.ranks)))
+                views.append(self.slices[-1].of(p.detach()))
             shard_groups.append({**g, "params": views})
         super().__init__(shard_groups, **kwargs)
         self.views = [v for g in self.param_groups for v in g["params"]]
 
+    def _check_mesh(self, p: torch.Tensor) -> None:
+        """A DTensor parameter is sharded over its own mesh dims (tp): the states may be cut over
+        the data-parallel dim only, where every rank holds the same shard, and saving them
+        needs the parameter's dims in `mesh`."""
+        if not isinstance(p, DTensor):
+            return
+        own = p.device_mesh.mesh_dim_names or ()
+        if self.shard_dim in own:
+            raise ValueError(f"ZeRO-1 would cut optimizer states over {self.shard_dim!r}, which already shards "
+                             f"parameter {self.names.get(p, '?')}; use a data-parallel mesh dimension")
+        if not set(own) <= set(self.mesh.mesh_dim_names):
+            raise ValueError(f"ZeRO-1's mesh {self.mesh.mesh_dim_names} lacks the dims {own} of parameter "
+                             f"{self.names.get(p, '?')}; build it with them (ParallelDims.zero1_mesh)")
+
+    @torch.no_grad()
+    def reduce_gradients(self, scatter: bool) -> None:
+        """Give the optimizer's views their gradients; `scatter`: sum them first over the
+        data-parallel ranks, each receiving only its slices (see the module doc)."""
+        if scatter:
+            self._reduce_scatter()
+        for s, view in zip(self.slices, self.views):
+            view.grad = s.of(s.param.grad) if s.param.grad is not None else None
+
+    def _reduce_scatter(self) -> None:
+        """One reduce-scatter over dp_shard (+ one all-reduce over dp_replicate) for all gradients."""
+        grads = [self._full_grad(s) for s in self.slices]
+        blocks = []
+        for s, g in zip(self.slices, grads):
+            rows = s.rows(g)
+            padded = rows.new_zeros((self.ranks * s.per, *rows.shape[1:]))
+            padded[: rows.shape[0]] = rows
+            blocks.append(padded.view(self.ranks, -1))
+        send = torch.cat(blocks, dim=1).flatten()
+        mine = send.new_empty(send.numel() // self.ranks)
+        _reduce_scatter(mine, send, group=self.group)
+        if self.replicate_group is not None:
+            dist.all_reduce(mine, group=self.replicate_group)
+        offset = 0
+        for s, g, block in zip(self.slices, grads, blocks):
+            rows, n = s.rows(g), block.shape[1]
+            rows.zero_()
+            rows[s.lo: s.hi] = mine[offset: offset + n].view(s.per, *rows.shape[1:])[: s.hi - s.lo]
+            offset += n
+
+    def _full_grad(self, s: Slice) -> torch.Tensor:
+        """The parameter's gradient, laid out as the parameter (a zero one if backward left none:
+        every rank must send the same blocks)."""
+        p = s.param
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            # TP may leave a replicated or partial gradient of a sharded parameter: keep its shard.
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        return p.grad
+
     @torch.no_grad()
     def step(self, closure=None):
-        for p, view, (lo, hi) in zip(self.full, self.views, self.slices):
-            if p.grad is not None:
-                view.grad = p.grad[lo:hi]
+        for s, view in zip(self.slices, self.views):
+            if s.param.grad is not None:
+                view.grad = s.of(s.param.grad)
         loss = super().step(closure)
         self._gather_params()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        for p in self.full:  # the full gradients belong to the model, not to the views
+        for s in self.slices:  # the full gradients belong to the model, not to the views
+            p = s.param
             p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
 
     def _gather_params(self) -> None:
-        """All-gather the updated row slices (one collective for all parameters)."""
+        """All-gather the updated slices (one collective for all parameters)."""
         if self.ranks == 1:
             return
-        per_rank = [-(-p.shape[0] // self.ranks) for p in self.full]  # rows, the last rank's padded
         pieces = []
-        for p, per, (lo, hi) in zip(self.full, per_rank, self.slices):
-            piece = p.new_zeros((per, *p.shape[1:]))
-            piece[: hi - lo] = p[lo:hi]
+        for s in self.slices:
+            rows = s.rows(s.param.detach())
+            piece = rows.new_zeros((s.per, *rows.shape[1:]))
+            piece[: s.hi - s.lo] = rows[s.lo: s.hi]
             pieces.append(piece.flatten())
-        local = torch.cat(pieces)
-        gathered = local.new_empty(local.numel() * self.ranks)
-        dist.all_gather_into_tensor(gathered, local, group=self.group)
+        mine = torch.cat(pieces)
+        gathered = mine.new_empty(mine.numel() * self.ranks)
+        dist.all_gather_into_tensor(gathered, mine, group=self.group)
         by_rank = gathered.view(self.ranks, -1)
         offset = 0
-        for p, per, piece in zip(self.full, per_rank, pieces):
-            rows = by_rank[:, offset: offset + piece.numel()].reshape(self.ranks * per, *p.shape[1:])
-            p.copy_(rows[: p.shape[0]])
+        for s, piece in zip(self.slices, pieces):
+            rows = s.rows(s.param.detach())
+            block = by_rank[:, offset: offset + piece.numel()].reshape(self.ranks * s.per, *rows.shape[1:])
+            rows.copy_(block[: rows.shape[0]])
             offset += piece.numel()
 
-    # ---- checkpoints: the FSDP2 layout (FQN keys, Shard(0) DTensors) ---------------------
+    # ---- checkpoints: the FSDP2 layout (FQN keys, Shard DTensors) ------------------------
 
-    def _placements(self):
-        return [Shard(0) if name == self.shard_dim else Replicate() for name in self.mesh.mesh_dim_names]
+    def _placements(self, s: Slice) -> list:
+        """Where this rank's block sits in the full parameter, per dimension of `mesh`."""
+        p, out = s.param, []
+        own = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+        for name in self.mesh.mesh_dim_names:
+            if name == self.shard_dim:
+                out.append(Shard(s.dim))
+            elif name in own:
+                out.append(p.placements[own.index(name)])
+            else:
+                out.append(Replicate())
+        return out
 
     def checkpoint_state(self) -> dict:
         """Optimizer state keyed by parameter name, states as DTensors of the full shapes."""
         state = {}
-        for p, view in zip(self.full, self.views):
+        for s, view in zip(self.slices, self.views):
             entry = {}
             for key, value in self.state.get(view, {}).items():
                 if key == "step" or value.ndim == 0:
                     entry[key] = value
                 else:
-                    entry[key] = DTensor.from_local(value, self.mesh, self._placements(), run_check=False,
-                                                    shape=p.shape, stride=p.stride())
-            state[self.names[p]] = entry
+                    entry[key] = DTensor.from_local(value, self.mesh, self._placements(s), run_check=False,
+                                                    shape=s.param.shape, stride=s.param.stride())
+            state[self.names[s.param]] = entry
         groups = []
         index = 0
         for g in self.param_groups:
-            names = [self.names[self.full[index + i]] for i in range(len(g["params"]))]
+            names = [self.names[self.slices[index + i].param] for i in range(len(g["params"]))]
             index += len(g["params"])
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
         return {"state": state, "param_groups": groups}
@@ -115,9 +247,16 @@ class Zero1AdamW(torch.optim.AdamW):
     @torch.no_grad()
     def load_checkpoint_state(self, saved: dict) -> None:
         """Copy a loaded checkpoint_state() (same structure, filled by DCP) into the states."""
-        for p, view in zip(self.full, self.views):
-            for key, value in saved["state"][self.names[p]].items():
-                local = value.to_local() if isinstance(value, DTensor) else value
-                self.state[view][key].copy_(local)
+        for s, view in zip(self.slices, self.views):
+            for key, value in saved["state"][self.names[s.param]].items():
+                self.state[view][key].copy_(local(value))
         for g, s in zip(self.param_groups, saved["param_groups"]):
             g.update({k: v for k, v in s.items() if k != "params"})
+
+
+def reduce_gradients(optimizer: torch.optim.Optimizer, scatter: bool) -> None:
+    """After the step's last backward, before clipping: a ZeRO-1 optimizer reduce-scatters the
+    gradients when no wrapper reduced them (`scatter`, ParallelDims.zero1_scatters) and hands
+    its views their slices, which the fp16 overflow check reads. Other optimizers: nothing."""
+    if isinstance(optimizer, Zero1AdamW):
+        optimizer.reduce_gradients(scatter)

@@ -64,7 +64,7 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
         apply_tp(model, dims.submesh("tp"), p.sequence_parallel, p.loss_parallel)
     apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
     use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1
-    if dims.dp * dims.cp > 1 and not use_ddp:
+    if dims.dp * dims.cp > 1 and not use_ddp and not dims.zero1_scatters:  # that optimizer reduces (zero1.py)
         roots = pipeline.modules if pipeline else [model]
         apply_fsdp(model, roots, dims, cfg.train.precision, cfg.memory.cpu_offload)
     init_device = "cpu" if cfg.memory.cpu_offload and dims.dp * dims.cp > 1 else device

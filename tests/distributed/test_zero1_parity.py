@@ -1,0 +1,86 @@
+"""ZeRO-1 composed with tensor and pipeline parallelism trains exactly like one process.
+
+parallel.zero=1 with tp and pp: optimizer states sharded over the dp group of each
+(tp, pp) coordinate, gradients reduce-scattered by the optimizer, parameters
+all-gathered after the update (shardline/parallel/zero1.py). Losses, the clipped
+gradient norms and final parameters are compared with one process (1e-5, fp32), and
+checkpoints are resumed across world sizes both ways: a zero1 x tp2 checkpoint by one
+process, and one process's checkpoint by zero1 x tp2 x pp2 on 8 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline.config import load_config
+from shardline.trainer import Trainer
+from tests.distributed.harness import PARITY_OVERRIDES, assert_same_grad_norms, assert_same_run, losses, run_world
+
+ZERO1 = ["parallel.zero=1", "parallel.dp_shard=2"]
+LAYOUTS_4 = {
+    "zero1_tp2": [*ZERO1, "parallel.tp=2"],
+    "zero1_pp2": [*ZERO1, "parallel.pp=2"],
+    # Tied embeddings: the last stage's copy is reduce-scattered and updated like the first's.
+    "zero1_pp2_tied": [*ZERO1, "parallel.pp=2", "model.tie_embeddings=1"],
+}
+TIED = {"zero1_pp2_tied"}
+LAYOUTS_8 = {"zero1_tp2_pp2": [*ZERO1, "parallel.tp=2", "parallel.pp=2"]}
+HALF = "train.stop_at_step=2"
+
+
+def _base(corpus) -> list[str]:
+    return [*PARITY_OVERRIDES, f"data.path={corpus}"]
+
+
+def _train(corpus, run_dir, *extra: str) -> None:
+    """One single-process run (or half of one) in this process."""
+    Trainer(load_config(None, [*_base(corpus), *extra, f"run.dir={run_dir}"])).build().train()
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, small_corpus):
+    root = tmp_path_factory.mktemp("zero1_reference")
+    _train(small_corpus, root / "plain")
+    _train(small_corpus, root / "tied", "model.tie_embeddings=1")
+    return root
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory, small_corpus):
+    """The layouts of 4 ranks, and a zero1 x tp2 first half that one process then finishes."""
+    root = tmp_path_factory.mktemp("zero1_world4")
+    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in LAYOUTS_4.items()]
+    jobs.append((root / "zero1_tp2_to_single", [*_base(small_corpus), *LAYOUTS_4["zero1_tp2"], HALF]))
+    run_world(4, jobs)
+    _train(small_corpus, root / "zero1_tp2_to_single")
+    return root
+
+
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory, small_corpus):
+    """zero1 x tp2 x pp2, and one process's first half that it finishes."""
+    root = tmp_path_factory.mktemp("zero1_world8")
+    _train(small_corpus, root / "single_to_zero1_tp2_pp2", HALF)
+    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in LAYOUTS_8.items()]
+    jobs.append((root / "single_to_zero1_tp2_pp2", [*_base(small_corpus), *LAYOUTS_8["zero1_tp2_pp2"]]))
+    run_world(8, jobs)
+    return root
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS_4))
+def test_zero1_with_tp_or_pp_matches_single_process(world4, references, layout):
+    reference = references / ("tied" if layout in TIED else "plain")
+    assert_same_run(world4 / layout, reference)
+    assert_same_grad_norms(world4 / layout, reference)  # the norm sums the slices over dp_shard
+
+
+def test_zero1_tp2_pp2_on_8_ranks_matches_single_process(world8, references):
+    assert_same_run(world8 / "zero1_tp2_pp2", references / "plain")
+    assert_same_grad_norms(world8 / "zero1_tp2_pp2", references / "plain")
+
+
+@pytest.mark.parametrize("world, name", [("world4", "zero1_tp2_to_single"), ("world8", "single_to_zero1_tp2_pp2")])
+def test_resume_between_zero1_with_tp_pp_and_one_process(request, references, world, name):
+    run = request.getfixturevalue(world) / name
+    assert sorted(losses(run)) == [1, 2, 3, 4]  # two halves, one log
+    assert_same_run(run, references / "plain")
