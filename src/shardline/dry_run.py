@@ -16,7 +16,7 @@ import torch
 
 from shardline import layout as layouts
 from shardline.config import Config
-from shardline.data.sources import read_documents
+from shardline.data.loader import data_summary
 from shardline.data.tokenizer import load_tokenizer
 from shardline.devices import local_datasheet
 from shardline.models.flops import num_params
@@ -32,23 +32,24 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> str:
     check_config(cfg)
     layouts.resolve(cfg, world)
     use_model_tokenizer(cfg)
-    docs = read_documents(cfg.data.path, cfg.data.text_field)
+    data, folder_tokenizer = data_summary(cfg)
     resume = check_resume(cfg)
-    vocab, tokenizer = _tokenizer_vocab(cfg)
+    vocab, tokenizer = _tokenizer_vocab(cfg, folder_tokenizer)
     launch = preflight(cfg, world, vocab)
     check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu")
     lines = [f"dry run: {world} rank(s); config, data and layout pass the launch checks",
-             _model_line(cfg, launch), f"data      {cfg.data.path or 'the shipped corpus'}: {len(docs):,} documents; "
+             _model_line(cfg, launch), f"data      {data}; "
              f"tokenizer {tokenizer}",
              f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
              *_layout_lines(cfg, launch), *_memory_lines(cfg, launch, gpu)]
     return "\n".join(lines)
 
 
-def _tokenizer_vocab(cfg: Config) -> tuple[int, str]:
-    if cfg.data.tokenizer:
-        size = load_tokenizer(cfg.data.tokenizer).get_vocab_size()
-        return size, f"{cfg.data.tokenizer} ({size:,} tokens)"
+def _tokenizer_vocab(cfg: Config, folder_tokenizer: str = "") -> tuple[int, str]:
+    path = cfg.data.tokenizer or folder_tokenizer  # a prepared folder fixes its tokenizer
+    if path:
+        size = load_tokenizer(path).get_vocab_size()
+        return size, f"{path} ({size:,} tokens)"
     return cfg.data.vocab_size, (f"a byte-level BPE of up to {cfg.data.vocab_size:,} tokens, trained at launch "
                                  "(not checked here: its exact size)")
 

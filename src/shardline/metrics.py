@@ -37,6 +37,8 @@ def format_line(rec: dict[str, Any], total_steps: int) -> str:
     if rec["kind"] == "train":
         parts = [f"step {rec['step']}/{total_steps}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}",
                  f"gnorm {rec['grad_norm']:.3f}", f"{rec['tokens_per_s']:,.0f} tok/s"]
+        if "tokens_by_source" in rec:  # a data mixture: training tokens seen from each source
+            parts.append("tokens " + ", ".join(f"{k} {v:,}" for k, v in rec["tokens_by_source"].items()))
         if rec.get("mfu") is not None:
             parts.append(f"mfu {100 * rec['mfu']:.1f}%")
         parts += [f"mem {rec['peak_mem_gib']:.2f} GiB", f"{rec['step_time_s']:.3f} s/step"]

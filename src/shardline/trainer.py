@@ -469,7 +469,7 @@ class Trainer:
         tokens_per_s = steps * self.cfg.train.global_batch_size * self.cfg.train.seq_len / seconds
         memory = reduce_over(self.dims, None, torch.tensor(peak_memory_gib(self.device)), "max")
         return self.metrics.log(
-            "train", step=self.step, loss=float(loss), lr=lr,
+            "train", step=self.step, loss=float(loss), lr=lr, **self.data.log_fields(self.step),
             grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
             peak_mem_gib=memory.item(), step_time_s=seconds / steps,

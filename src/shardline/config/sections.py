@@ -115,18 +115,38 @@ class OptimConfig:
                  f"one of {', '.join(impls)}")
 
 
+DATA_FORMATS = ("text", "chat")
+
+
+@dataclass
+class MixSource:
+    """One source of a data mixture: a path as data.path takes, and its sampling weight."""
+
+    path: str = ""
+    weight: float = 1.0
+
+
 @dataclass
 class DataConfig:
-    path: str = ""  # "" = the shipped corpus; else a .txt/.jsonl/.parquet file (or .gz) or a folder of them
+    # "" = the shipped corpus; else a .txt/.jsonl/.parquet/.arrow file (or .gz), a folder of them,
+    # or a folder made by `shardline prepare` (memory-mapped; its tokenizer and split are the folder's)
+    path: str = ""
     text_field: str = "text"  # field holding the text in .jsonl and .parquet files
     tokenizer: str = ""  # "" = train a byte-level BPE on the data (cached); else a tokenizer.json
     vocab_size: int = 4096  # size of the trained BPE
     val_fraction: float = 0.01  # share of documents held out for evaluation
+    format: str = "text"  # text | chat (.jsonl "messages"; loss on assistant tokens only)
+    mix: list[MixSource] = field(default_factory=list)  # [{path = "...", weight = 0.7}, ...] instead of path
 
     def check(self) -> None:
         _require(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (256 bytes + specials)")
         _require(0 < self.val_fraction < 0.5, "data.val_fraction", self.val_fraction, "must be in (0, 0.5)")
         _require(bool(self.text_field), "data.text_field", self.text_field, "must be a field name")
+        _require(self.format in DATA_FORMATS, "data.format", self.format, f"one of {', '.join(DATA_FORMATS)}")
+        _require(not (self.mix and self.path), "data.mix", "[...]", "set data.path or data.mix, not both")
+        for i, source in enumerate(self.mix):
+            _require(bool(source.path), f"data.mix[{i}].path", source.path, "a data path or prepared folder")
+            _require(source.weight > 0, f"data.mix[{i}].weight", source.weight, "must be > 0")
 
 
 @dataclass

@@ -1,67 +1,186 @@
-"""Build the train and validation data of a run from its config."""
+"""Build the train and validation data of a run from its config.
+
+A source is raw files (read and tokenized at start-up, as small corpora and tests
+want) or a folder made by `shardline prepare` (memory-mapped; nothing is tokenized at
+start-up). Both give the same sequences for the same text and tokenizer. `data.mix`
+combines several sources by weight (`mixture`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from shardline.config import Config
+from shardline.data.encode import chat_template_for, encode_documents, render_chat
+from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler
+from shardline.data.shards import is_prepared, open_prepared, tokenizer_hash
 from shardline.data.sources import read_documents
-from shardline.data.tokenizer import eos_id, get_tokenizer
+from shardline.data.tokenizer import eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
 
 
 @dataclass
 class DataBundle:
     tokenizer: Tokenizer
-    train: PackedSequences
-    val: PackedSequences
+    train: PackedSequences | MixedSequences
+    val: PackedSequences | MixedSequences
     sampler: GlobalBatchSampler
+    source_names: list[str] = field(default_factory=list)  # a mixture's sources, in data.mix order
+    _seen: tuple[int, np.ndarray] | None = None  # (step, sequences per source before it): a cache
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
+    def log_fields(self, step: int) -> dict:
+        """For a mixture: {"tokens_by_source": {name: training tokens seen before `step`}}, else {}.
 
-def split_documents(docs: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+        Counted from the sampler (batch index = step; skipped batches are counted too), so
+        it is exact after a resume without being saved anywhere.
+        """
+        if not isinstance(self.train, MixedSequences):
+            return {}
+        first, seen = self._seen if self._seen and self._seen[0] <= step else (0, np.zeros(len(self.source_names),
+                                                                                          np.int64))
+        for s in range(first, step):
+            seen = seen + self.train.sequences_per_source(self.sampler.global_batch(s))
+        self._seen = (step, seen)
+        seq_len = self.train.seq_len
+        return {"tokens_by_source": {n: int(c) * seq_len for n, c in zip(self.source_names, seen)}}
+
+
+def split_documents(docs: list, val_fraction: float, seed: int) -> tuple[list, list]:
     """Hold out a seeded random share of documents (at least one) for validation.
 
     A single document is split by characters instead, so one big .txt file still works.
+    `shardline prepare` splits a stream the same way (`held_out`), document by document.
     """
     if len(docs) == 1:
-        cut = int(len(docs[0]) * (1 - val_fraction))
-        return [docs[0][:cut]], [docs[0][cut:]]
-    n_val = max(1, round(len(docs) * val_fraction))
-    order = np.random.default_rng([seed, 0x5EED]).permutation(len(docs))
-    val_set = set(order[:n_val].tolist())
+        train, val = split_single(docs[0], val_fraction)
+        return [train], [val]
+    val_set = set(held_out(len(docs), val_fraction, seed).tolist())
     train = [d for i, d in enumerate(docs) if i not in val_set]
     val = [d for i, d in enumerate(docs) if i in val_set]
     return train, val
 
 
+def held_out(num_docs: int, val_fraction: float, seed: int = 0) -> np.ndarray:
+    """Sorted indices of the held-out documents among `num_docs` (at least one)."""
+    n_val = max(1, round(num_docs * val_fraction))
+    order = np.random.default_rng([seed, 0x5EED]).permutation(num_docs)
+    return np.sort(order[:n_val])
+
+
+def split_single(doc, val_fraction: float):
+    """A lone document's (train, val) parts: its characters cut at 1 - val_fraction."""
+    cut = int(len(doc) * (1 - val_fraction))
+    return doc[:cut], doc[cut:]
+
+
 def build_data(cfg: Config) -> DataBundle:
     d, t = cfg.data, cfg.train
-    docs = read_documents(d.path, d.text_field)
+    if d.mix:
+        return _build_mixture(cfg)
+    tok, train, val = load_source(d.path, cfg)
+    _check_sizes(d.path or "the shipped corpus", train, val, cfg)
+    return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.seed))
+
+
+def load_source(path: str, cfg: Config, tok: Tokenizer | None = None):
+    """(tokenizer, train, val) of one source: a prepared folder or raw files."""
+    d, seq_len = cfg.data, cfg.train.seq_len
+    if is_prepared(path):
+        prepared = open_prepared(path, seq_len, d.tokenizer, d.format)
+        if tok is not None and tokenizer_hash(tok) != prepared.manifest["tokenizer_sha256"]:
+            raise DataError(f"data.mix source {path} was prepared with another tokenizer than the first "
+                            "source; prepare every source with the same --tokenizer")
+        return prepared.tokenizer, prepared.train, prepared.val
+    chat = d.format == "chat"
+    docs = read_documents(path, "messages" if chat else d.text_field)
+    if chat and len(docs) < 2:
+        raise DataError(f"data.path={path!r} holds {len(docs)} conversation; chat data needs at least two "
+                        "(one is held out)")
     # The split depends on the data only (fixed seed), not on train.seed, so runs with
     # different seeds are evaluated on the same held-out documents.
     train_docs, val_docs = split_documents(docs, d.val_fraction, seed=0)
-    tok = get_tokenizer(train_docs, d.tokenizer, d.vocab_size)
+    template = chat_template_for(d.tokenizer) if chat else None
+    if tok is None:
+        texts = [render_chat(m, template) for m in train_docs] if chat else train_docs
+        tok = get_tokenizer(texts, d.tokenizer, d.vocab_size)
     eos = eos_id(tok)
-    train = PackedSequences(_encode(tok, train_docs), t.seq_len, eos)
-    val = PackedSequences(_encode(tok, val_docs), t.seq_len, eos)
-    where = d.path or "the shipped corpus"
+    return tok, *(_pack(tok, part, eos, seq_len, template, chat) for part in (train_docs, val_docs))
+
+
+def _pack(tok: Tokenizer, docs: list, eos: int | None, seq_len: int, template, chat: bool) -> PackedSequences:
+    tokens, lengths, mask = encode_documents(tok, docs, eos, template, chat)
+    return PackedSequences.from_stream(tokens, np.cumsum(lengths) - lengths, seq_len, mask)
+
+
+def _check_sizes(where: str, train, val, cfg: Config) -> None:
+    t = cfg.train
     if len(train) == 0:
         raise DataError(f"{where} has {train.num_tokens} training tokens: too few for one sequence of "
                         f"train.seq_len={t.seq_len}; add data or lower train.seq_len")
     if t.eval_interval and len(val) == 0:
         raise DataError(f"{where} holds out {val.num_tokens} validation tokens: too few for one sequence "
                         f"of train.seq_len={t.seq_len}; raise data.val_fraction or set train.eval_interval=0")
-    return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.seed))
 
 
-def _encode(tok: Tokenizer, docs: list[str]) -> list[list[int]]:
-    return [e.ids for e in tok.encode_batch(docs, add_special_tokens=False)]
+def _build_mixture(cfg: Config) -> DataBundle:
+    """Every source of data.mix, with one tokenizer; train and val mixed by the weights."""
+    t, mix = cfg.train, cfg.data.mix
+    tok = _mixture_tokenizer(cfg)
+    trains, vals = [], []
+    for source in mix:
+        tok, train, val = load_source(source.path, cfg, tok)
+        _check_sizes(source.path, train, val, cfg)
+        trains.append(train)
+        vals.append(val)
+    weights = [s.weight for s in mix]
+    train = MixedSequences(trains, weights)
+    names = _source_names([s.path for s in mix])
+    return DataBundle(tok, train, MixedSequences(vals, weights, interleave=True),
+                      GlobalBatchSampler(len(train), t.global_batch_size, t.seed), names)
+
+
+def _mixture_tokenizer(cfg: Config) -> Tokenizer:
+    """data.tokenizer, else the first prepared source's; raw-only mixtures need data.tokenizer."""
+    if cfg.data.tokenizer:
+        return load_tokenizer(cfg.data.tokenizer)
+    prepared = [s.path for s in cfg.data.mix if is_prepared(s.path)]
+    if prepared:
+        return open_prepared(prepared[0], cfg.train.seq_len, "", cfg.data.format).tokenizer
+    raise DataError("data.mix of raw files needs one tokenizer for all: set data.tokenizer, or prepare the "
+                    "sources with `shardline prepare --tokenizer`")
+
+
+def _source_names(paths: list[str]) -> list[str]:
+    """Short names for the log: each path's last part, numbered when two are alike."""
+    names = [os.path.basename(os.path.normpath(p)) or p for p in paths]
+    return [n if names.count(n) == 1 else f"{i}:{n}" for i, n in enumerate(names)]
+
+
+def data_summary(cfg: Config) -> tuple[str, str]:
+    """(what a launch would read, in words; the tokenizer.json a prepared folder fixes, or ""), untokenized.
+
+    For `--dry-run`: prepared folders are checked as a launch opens them (manifest,
+    file sizes, tokenizer); raw files are read and counted.
+    """
+    d = cfg.data
+    parts, folder_tokenizer = [], ""
+    for path in [s.path for s in d.mix] or [d.path]:
+        if is_prepared(path):
+            p = open_prepared(path, cfg.train.seq_len, d.tokenizer, d.format)
+            parts.append(f"{path}: prepared folder, {p.train.num_documents:,} + {p.val.num_documents:,} held-out "
+                         f"documents, {p.train.num_tokens:,} training tokens")
+            folder_tokenizer = folder_tokenizer or os.path.join(path, "tokenizer.json")
+        else:
+            docs = read_documents(path, "messages" if d.format == "chat" else d.text_field)
+            parts.append(f"{path or 'the shipped corpus'}: {len(docs):,} documents")
+    return "; ".join(parts), folder_tokenizer

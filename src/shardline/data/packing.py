@@ -1,11 +1,18 @@
 """Pack documents into fixed-length training sequences, keeping document boundaries.
 
 All documents of a split are concatenated into one token stream (each followed by
-the end-of-document token when the tokenizer has one); a parallel array records
-which document every token came from. Sequence i is the window
-stream[i*s : i*s + s + 1]: inputs are its first s tokens, labels the last s.
-A label that belongs to another document than its input token is ignored (-100):
-with document masking that prediction has no context to be made from.
+the end-of-document token when the tokenizer has one); `doc_starts` records where
+each document begins, so the document of any token is a binary search away. Sequence
+i is the window stream[i*s : i*s + s + 1]: inputs are its first s tokens, labels the
+last s. A label that belongs to another document than its input token is ignored
+(-100): with document masking that prediction has no context to be made from.
+
+Chat data adds a loss mask (1 = this token is a target, e.g. an assistant's reply);
+a label whose token is not a target is ignored too. The mask travels with the tokens,
+so packing and sampling never separate a token from its mask.
+
+The stream can be a numpy array (raw text, tokenized at start-up) or memory-mapped
+shards of a prepared folder (`TokenShards`): a batch reads only its own windows.
 """
 
 from __future__ import annotations
@@ -17,42 +24,90 @@ IGNORE_INDEX = -100
 
 
 class PackedSequences:
-    def __init__(self, token_lists: list[list[int]], seq_len: int, eos_id: int | None):
-        lengths = [len(t) + (eos_id is not None) for t in token_lists]
-        self.tokens = np.empty(sum(lengths), dtype=np.int64)
-        self.doc_ids = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-        pos = 0
-        for toks, n in zip(token_lists, lengths):
-            self.tokens[pos : pos + len(toks)] = toks
-            if eos_id is not None:
-                self.tokens[pos + n - 1] = eos_id
-            pos += n
-        self.seq_len = seq_len
-        # labelled[i] = how many of the first i positions predict a token of their own
-        # document; a window's label count is then a difference of two entries.
-        self._labelled = np.concatenate([[0], np.cumsum(self.doc_ids[1:] == self.doc_ids[:-1])])
+    def __init__(self, token_lists: list[list[int]], seq_len: int, eos_id: int | None,
+                 masks: list[list[int]] | None = None):
+        tokens, starts, mask = pack_lists(token_lists, eos_id, masks)
+        self._init(tokens, starts, seq_len, mask)
+
+    @classmethod
+    def from_stream(cls, tokens, doc_starts: np.ndarray, seq_len: int, mask=None) -> "PackedSequences":
+        """Sequences over an existing stream (an array or `TokenShards`) and its document starts."""
+        self = cls.__new__(cls)
+        self._init(tokens, doc_starts, seq_len, mask)
+        return self
+
+    def _init(self, tokens, doc_starts, seq_len: int, mask) -> None:
+        self.tokens, self.doc_starts, self.mask, self.seq_len = tokens, doc_starts, mask, seq_len
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_starts)
+
     def __len__(self) -> int:
         return max(0, (self.num_tokens - 1) // self.seq_len)
 
     def count_labels(self, indices) -> int:
-        """Labelled (not ignored) tokens in the given sequences, without building them."""
+        """Labelled (not ignored) tokens in the given sequences, without building them.
+
+        Without a mask: s minus the document starts inside (start, start + s]. With one,
+        the first token of a document is never a target (see `pack_lists`), so the mask
+        alone counts.
+        """
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
-        return int((self._labelled[starts + self.seq_len] - self._labelled[starts]).sum())
+        if self.mask is not None:
+            return int(_take(self.mask, starts + 1, self.seq_len).sum())
+        inside = (np.searchsorted(self.doc_starts, starts + self.seq_len, side="right")
+                  - np.searchsorted(self.doc_starts, starts, side="right"))
+        return int(len(starts) * self.seq_len - inside.sum())
+
+    def doc_ids(self, positions: np.ndarray) -> np.ndarray:
+        """The document (0-based, in stream order) of each token position."""
+        return np.searchsorted(self.doc_starts, positions, side="right") - 1
 
     def batch(self, indices) -> dict[str, torch.Tensor]:
         """Stack sequences: input_ids, labels and doc_ids, each [len(indices), seq_len]."""
         s = self.seq_len
-        starts = np.asarray(indices, dtype=np.int64)[:, None] * s
-        window = starts + np.arange(s + 1)
-        toks, docs = self.tokens[window], self.doc_ids[window]
-        labels = np.where(docs[:, 1:] == docs[:, :-1], toks[:, 1:], IGNORE_INDEX)
+        starts = np.asarray(indices, dtype=np.int64) * s
+        toks = _take(self.tokens, starts, s + 1).astype(np.int64)
+        docs = self.doc_ids(starts[:, None] + np.arange(s + 1))
+        keep = docs[:, 1:] == docs[:, :-1]
+        if self.mask is not None:
+            keep &= _take(self.mask, starts + 1, s).astype(bool)
+        labels = np.where(keep, toks[:, 1:], IGNORE_INDEX)
         return {
             "input_ids": torch.from_numpy(toks[:, :-1].copy()),
             "labels": torch.from_numpy(labels),
             "doc_ids": torch.from_numpy(docs[:, :-1].copy()),
         }
+
+
+def _take(stream, starts: np.ndarray, length: int) -> np.ndarray:
+    """Rows stream[start : start + length] for each start, from an array or `TokenShards`."""
+    if isinstance(stream, np.ndarray):
+        return stream[starts[:, None] + np.arange(length)]
+    return stream.windows(starts, length)
+
+
+def pack_lists(token_lists: list[list[int]], eos_id: int | None, masks: list[list[int]] | None = None):
+    """(tokens, doc_starts, mask or None) of documents concatenated, each closed by eos.
+
+    The eos of a masked document is a target when its last token is (the model learns
+    to stop after a reply); a document's first token never is (it has no context).
+    """
+    lengths = np.array([len(t) + (eos_id is not None) for t in token_lists], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    tokens = np.empty(int(lengths.sum()), dtype=np.int64)
+    mask = None if masks is None else np.zeros(len(tokens), dtype=np.uint8)
+    for i, (toks, pos) in enumerate(zip(token_lists, starts)):
+        tokens[pos : pos + len(toks)] = toks
+        if eos_id is not None:
+            tokens[pos + len(toks)] = eos_id
+        if mask is not None:
+            m = list(masks[i]) + ([masks[i][-1] if masks[i] else 0] if eos_id is not None else [])
+            mask[pos : pos + len(m)] = m
+            mask[pos] = 0
+    return tokens, starts, mask

@@ -1,22 +1,33 @@
-"""Read documents from the shipped corpus or a user's files.
+"""Read documents from the shipped corpus or a user's files, as a stream.
 
 Accepted: `.txt` (documents separated by two or more blank lines), `.jsonl` (one
-object per line with a text field), `.parquet` (a text column), each optionally
-gzipped (`.gz`), or a folder holding such files (read in sorted order).
+object per line with a text field), `.parquet` (a text column), `.arrow` (the files of
+a Hugging Face `datasets.save_to_disk` folder; read with pyarrow, `datasets` itself is
+not needed), each optionally gzipped (`.gz`), or a folder holding such files (read in
+sorted order; a `save_to_disk` DatasetDict folder reads its `train` split).
+
+Every reader streams: memory holds one line, one parquet batch or one .txt document,
+whatever the file size, so `shardline prepare` can read corpora larger than RAM. The
+training path and `prepare` read through the same functions, so they see the same
+documents in the same order.
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import re
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
 from shardline.errors import DataError
 
-SUFFIXES = (".txt", ".jsonl", ".parquet")
+SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
+CHAT_FIELD = "messages"  # what data.format = "chat" reads from each .jsonl record
 _DOC_BREAK = re.compile(r"\n[ \t]*\n[ \t]*\n+")
+_CHUNK = 1 << 20  # characters of a .txt file decoded at a time
 
 
 def shipped_corpus() -> Path:
@@ -24,20 +35,31 @@ def shipped_corpus() -> Path:
 
 
 def read_documents(path: str, text_field: str = "text") -> list[str]:
-    """All non-empty documents under `path` ("" = the shipped corpus)."""
+    """All non-empty documents under `path` ("" = the shipped corpus), in memory."""
+    docs = list(iter_documents(path, text_field))
+    if not docs:
+        raise DataError(f"data.path={path or str(shipped_corpus())!r} contains no text (all documents are empty)")
+    return docs
+
+
+def iter_documents(path: str, text_field: str = "text") -> Iterator:
+    """The non-empty documents under `path`, streamed file by file (field "messages": conversations)."""
+    for f in input_files(path):
+        yield from (d for d in read_file(f, text_field) if not isinstance(d, str) or d.strip())
+
+
+def input_files(path: str) -> list[Path]:
+    """The data files under `path` in reading order, or a DataError naming the path."""
     root = Path(path) if path else shipped_corpus()
     if not root.exists():
         raise DataError(f"data.path={path!r} does not exist; give a file ({', '.join(SUFFIXES)}, "
-                        "optionally .gz) or a folder of them")
+                        "optionally .gz), a folder of them or a folder made by `shardline prepare`")
+    if root.is_dir() and (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
+        root = root / "train"  # a save_to_disk DatasetDict: train on its train split
     files = sorted(p for p in root.rglob("*") if _kind(p)) if root.is_dir() else [root]
     if not files:
         raise DataError(f"data.path={path!r} holds no {', '.join(SUFFIXES)} files")
-    docs: list[str] = []
-    for f in files:
-        docs.extend(d for d in _read_file(f, text_field) if d.strip())
-    if not docs:
-        raise DataError(f"data.path={path or str(root)!r} contains no text (all documents are empty)")
-    return docs
+    return files
 
 
 def _kind(p: Path) -> str | None:
@@ -45,53 +67,126 @@ def _kind(p: Path) -> str | None:
     return next((s for s in SUFFIXES if name.endswith(s)), None) if p.is_file() else None
 
 
-def _read_text(f: Path) -> str:
-    try:
-        raw = gzip.decompress(f.read_bytes()) if f.name.endswith(".gz") else f.read_bytes()
-        return raw.decode("utf-8")
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise DataError(f"cannot read data file {f}: {e}") from None
-    except UnicodeDecodeError as e:
-        raise DataError(f"data file {f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
-def _read_file(f: Path, text_field: str) -> list[str]:
+def read_file(f: Path, field: str) -> Iterator:
+    """The values of `field` in one file (for .txt: its documents), streamed."""
     kind = _kind(f)
     if kind is None:
         raise DataError(f"data file {f} has an unsupported type; use {', '.join(SUFFIXES)} (optionally .gz)")
     if kind == ".txt":
-        return _DOC_BREAK.split(_read_text(f))
+        return _read_txt(f)
     if kind == ".jsonl":
-        return _read_jsonl(f, text_field)
-    return _read_parquet(f, text_field)
+        return _read_jsonl(f, field)
+    return _read_table(f, field, kind)
 
 
-def _read_jsonl(f: Path, text_field: str) -> list[str]:
-    docs = []
-    for n, line in enumerate(_read_text(f).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"data file {f} line {n} is not valid JSON: {e.msg}") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-            raise DataError(f"data file {f} line {n} has no string field {text_field!r} (set data.text_field)")
-        docs.append(obj[text_field])
-    return docs
+def _open(f: Path):
+    return gzip.open(f, "rb") if f.name.endswith(".gz") else open(f, "rb")
 
 
-def _read_parquet(f: Path, text_field: str) -> list[str]:
-    import pyarrow.parquet as pq
-
+def _guarded(f: Path, lines: Iterator):
+    """Re-raise a damaged or non-UTF-8 file as one DataError naming it."""
     try:
-        columns = pq.read_schema(f).names
-        if text_field not in columns:
-            raise DataError(f"data file {f} has no column {text_field!r} (set data.text_field; it has "
-                            f"{', '.join(columns[:8])})")
-        table = pq.read_table(f, columns=[text_field])
+        yield from lines
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise DataError(f"cannot read data file {f}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"data file {f} is not UTF-8 text ({e.reason})") from None
+
+
+def _read_txt(f: Path) -> Iterator[str]:
+    return _guarded(f, _split_txt(f))
+
+
+def _split_txt(f: Path) -> Iterator[str]:
+    """Documents of a .txt file, split as `_DOC_BREAK.split(whole_text)` would, one chunk at a time.
+
+    A break is only accepted when it ends before the buffer does: the next chunk could
+    extend it (more newlines) or a longer break could start in it.
+    """
+    with _open(f) as raw:
+        text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
+        carry = ""
+        while chunk := text.read(_CHUNK):
+            buf, start = carry + chunk, 0
+            for m in _DOC_BREAK.finditer(buf):
+                if m.end() >= len(buf):
+                    break
+                yield buf[start : m.start()]
+                start = m.end()
+            carry = buf[start:]
+        yield from _DOC_BREAK.split(carry)  # at the end of the file every break counts
+
+
+def _read_jsonl(f: Path, field: str) -> Iterator:
+    return _guarded(f, _jsonl_values(f, field))
+
+
+def _jsonl_values(f: Path, field: str) -> Iterator:
+    with _open(f) as raw:
+        for n, line in enumerate(raw, start=1):
+            line = line.decode("utf-8")
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"data file {f} line {n} is not valid JSON: {e.msg}") from None
+            value = obj.get(field) if isinstance(obj, dict) else None
+            if field == CHAT_FIELD:
+                yield _conversation(f, n, value)
+            elif isinstance(value, str):
+                yield value
+            else:
+                raise DataError(f"data file {f} line {n} has no string field {field!r} (set data.text_field)")
+
+
+def _conversation(f: Path, n: int, value) -> list[dict]:
+    """A chat record's messages, each with a string role and content, or a DataError naming the line."""
+    if not isinstance(value, list):
+        raise DataError(f"data file {f} line {n} has no list field 'messages' (data.format=chat reads "
+                        "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]})")
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(f"data file {f} line {n}: messages[{i}] needs string fields 'role' and 'content'")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _read_table(f: Path, field: str, kind: str) -> Iterator:
+    try:
+        batches = _arrow_batches(f, field, kind)
+        for batch in batches:
+            yield from (t for t in batch.column(0).to_pylist() if t is not None)
     except DataError:
         raise
     except Exception as e:  # pyarrow raises several types, with multi-line messages, for a damaged file
-        raise DataError(f"cannot read parquet file {f}: {' '.join(str(e).split())}") from None
-    return [t for t in table.column(text_field).to_pylist() if isinstance(t, str)]
+        raise DataError(f"cannot read {kind[1:]} file {f}: {' '.join(str(e).split())}") from None
+
+
+def _arrow_batches(f: Path, field: str, kind: str) -> Iterator:
+    """Record batches of column `field` of a parquet or arrow (IPC stream or file) table."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+
+    source = pa.BufferReader(gzip.decompress(f.read_bytes())) if f.name.endswith(".gz") else str(f)
+    if kind == ".parquet":
+        reader = pq.ParquetFile(source)
+        _require_column(f, field, reader.schema_arrow.names)
+        return reader.iter_batches(batch_size=1024, columns=[field])
+    stream = pa.memory_map(source) if isinstance(source, str) else source
+    try:
+        reader = ipc.open_stream(stream)
+    except pa.ArrowInvalid:
+        stream.seek(0)
+        file_reader = ipc.open_file(stream)
+        reader = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
+        _require_column(f, field, file_reader.schema.names)
+        return (b.select([field]) for b in reader)
+    _require_column(f, field, reader.schema.names)
+    return (b.select([field]) for b in reader)
+
+
+def _require_column(f: Path, field: str, columns: list[str]) -> None:
+    if field not in columns:
+        raise DataError(f"data file {f} has no column {field!r} (set data.text_field; it has "
+                        f"{', '.join(columns[:8])})")

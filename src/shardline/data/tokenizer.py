@@ -29,8 +29,11 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise DataError(f"data.tokenizer={path!r} cannot be read as a tokenizer.json: {e}") from None
 
 
-def get_tokenizer(documents: list[str], tokenizer_path: str, vocab_size: int) -> Tokenizer:
-    """The user's tokenizer if given, else a BPE trained on `documents` and cached by content."""
+def get_tokenizer(documents, tokenizer_path: str, vocab_size: int) -> Tokenizer:
+    """The user's tokenizer if given, else a BPE trained on `documents` and cached by content.
+
+    `documents` may be any re-iterable of strings (it is read twice: to hash, to train).
+    """
     if tokenizer_path:
         return load_tokenizer(tokenizer_path)
     digest = hashlib.sha256()
@@ -50,7 +53,7 @@ def get_tokenizer(documents: list[str], tokenizer_path: str, vocab_size: int) ->
     return tok
 
 
-def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
+def train_bpe(documents, vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -60,7 +63,8 @@ def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(documents, trainer=trainer, length=len(documents))
+    length = len(documents) if hasattr(documents, "__len__") else None  # a stream has no length
+    tok.train_from_iterator(documents, trainer=trainer, length=length)
     return tok
 
 

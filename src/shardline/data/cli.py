@@ -1,0 +1,64 @@
+"""`shardline prepare INPUT... --out DIR`: tokenize once, train from memory-mapped shards after.
+
+Registered by the top-level CLI (`register`); the work is done by `prepare.prepare`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from shardline.errors import DataError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("prepare", help="tokenize a corpus once into memory-mapped token shards (data.path = DIR)",
+                       epilog="then train with --data.path=DIR; a rerun resumes an interrupted prepare")
+    p.add_argument("inputs", nargs="*", metavar="INPUT",
+                   help=".txt/.jsonl/.parquet/.arrow files (optionally .gz), folders of them, or datasets "
+                        "save_to_disk folders")
+    p.add_argument("--out", required=True, metavar="DIR", help="the prepared folder to write (or resume)")
+    p.add_argument("--tokenizer", default="", metavar="T",
+                   help="a tokenizer.json (default: train the byte-level BPE a raw-text run would)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="size of the trained BPE (default 4096)")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="tokenizer processes (default: cores - 1)")
+    p.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
+    p.add_argument("--text-field", default="text", help="field with the text in .jsonl/.parquet/.arrow")
+    p.add_argument("--format", default="text", choices=["text", "chat"],
+                   help="chat: .jsonl records with messages; loss on assistant tokens only")
+    p.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (default 33554432)")
+    p.add_argument("--verify", action="store_true", help="check the checksums of an existing --out and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=_prepare)
+
+
+def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise DataError(f"prepare takes no config overrides, got {' '.join(overrides)}")
+    if args.verify:
+        return _verify(Path(args.out))
+    from shardline.data.prepare import PrepareOptions, prepare
+
+    opts = PrepareOptions(inputs=args.inputs, out=args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                          workers=args.workers, val_fraction=args.val_fraction, text_field=args.text_field,
+                          format=args.format, shard_tokens=args.shard_tokens, progress=not args.quiet)
+    m = prepare(opts)
+    tr, va = m["splits"]["train"], m["splits"]["val"]
+    print(f"prepared {args.out}: train {tr['documents']:,} documents / {tr['tokens']:,} tokens in "
+          f"{len(tr['shards'])} shard(s), val {va['documents']:,} / {va['tokens']:,}; {m['dtype']}, "
+          f"vocab {m['vocab_size']:,}; train with --data.path={args.out}")
+    return 0
+
+
+def _verify(root: Path) -> int:
+    from shardline.data.shards import verify
+
+    bad = verify(root)
+    if bad:
+        print(f"{root}: checksum mismatch in {', '.join(bad)}; prepare it again", file=sys.stderr)
+        return 2
+    print(f"{root}: every shard matches its checksum")
+    return 0

@@ -1,0 +1,126 @@
+"""Documents to token ids: plain text, or chat conversations with an assistant-only loss mask.
+
+One function (`encode_documents`) serves the raw-text path at start-up and the worker
+processes of `shardline prepare`, which is what makes both give the same tokens.
+
+Chat rendering: a conversation is a list of {"role", "content"} messages. When the
+tokenizer's folder has a `tokenizer_config.json` with a `chat_template` (and jinja2 is
+installed), that template renders it; otherwise the documented default, ChatML:
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n        (for every message)
+
+Each message becomes one segment, tokenized on its own; the tokens of an assistant's
+segment (its header excluded, its end marker included) are loss targets, all others
+are not. With a template, segment i is what message i adds to the rendering of the
+messages before it (templates render prefixes as prefixes).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
+
+
+def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template: str | None = None,
+                     chat: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(tokens, lengths, mask or None) of `docs` concatenated, each followed by eos when there is one.
+
+    Documents that encode to nothing are dropped (they would hold no token to train on).
+    Mask rules: a document's first token is never a target (nothing precedes it in its
+    document); the eos after a reply is one when the reply's last token is.
+    """
+    if chat:
+        pairs = [encode_chat(tok, messages, chat_template) for messages in docs]
+        ids, masks = [p[0] for p in pairs], [p[1] for p in pairs]
+    else:
+        ids, masks = [e.ids for e in tok.encode_batch(docs, add_special_tokens=False)], None
+    keep = [i for i, x in enumerate(ids) if x]
+    extra = eos is not None
+    lengths = np.array([len(ids[i]) + extra for i in keep], dtype=np.int64)
+    total = int(lengths.sum())
+    tokens = np.fromiter(chain.from_iterable(_closed(ids, keep, extra and (lambda i: (eos,)))), np.int64, total)
+    if masks is None:
+        return tokens, lengths, None
+    close = extra and (lambda i: (masks[i][-1],))
+    mask = np.fromiter(chain.from_iterable(_closed(masks, keep, close)), np.uint8, total)
+    mask[np.cumsum(lengths) - lengths] = 0
+    return tokens, lengths, mask
+
+
+def _closed(rows: list, keep: list[int], close):
+    """The kept rows, each followed by `close(i)` unless close is falsy."""
+    for i in keep:
+        yield rows[i]
+        if close:
+            yield close(i)
+
+
+def chat_segments(messages: list[dict], template: str | None = None) -> list[tuple[str, bool]]:
+    """(text, is_target) pieces of one conversation, in order."""
+    if template:
+        return _template_segments(messages, template)
+    out = []
+    for m in messages:
+        out.append((f"{CHAT_START}{m['role']}\n", False))
+        out.append((f"{m['content']}{CHAT_END}\n", m["role"] == "assistant"))
+    return out
+
+
+def render_chat(messages: list[dict], template: str | None = None) -> str:
+    """The whole conversation as text (what a trained BPE learns from)."""
+    return "".join(text for text, _ in chat_segments(messages, template))
+
+
+def encode_chat(tok: Tokenizer, messages: list[dict], template: str | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of a conversation and its loss mask (1 on assistant tokens)."""
+    segments = chat_segments(messages, template)
+    encoded = tok.encode_batch([text for text, _ in segments], add_special_tokens=False)
+    ids, mask = [], []
+    for e, (_, target) in zip(encoded, segments):
+        ids += e.ids
+        mask += [int(target)] * len(e.ids)
+    return ids, mask
+
+
+def _template_segments(messages: list[dict], template: str) -> list[tuple[str, bool]]:
+    render = _compiled(template)
+    out, before = [], ""
+    for i, m in enumerate(messages):
+        text = render(messages=messages[: i + 1], add_generation_prompt=False, bos_token="", eos_token="")
+        added = text[len(before):] if text.startswith(before) else text
+        out.append((added, m["role"] == "assistant"))
+        before = text
+    return out
+
+
+@lru_cache(maxsize=4)
+def _compiled(template: str):
+    import jinja2
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(template).render
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
+
+def chat_template_for(tokenizer_path: str) -> str | None:
+    """The chat_template of the tokenizer_config.json beside a tokenizer.json, if any (and jinja2 is there)."""
+    if not tokenizer_path:
+        return None
+    config = Path(tokenizer_path).parent / "tokenizer_config.json"
+    try:
+        template = json.loads(config.read_text()).get("chat_template")
+        import jinja2  # noqa: F401
+    except (OSError, ValueError, ImportError):
+        return None
+    return template if isinstance(template, str) else None

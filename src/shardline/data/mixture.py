@@ -1,0 +1,78 @@
+"""A weighted mixture of data sources, seen by the sampler as one dataset.
+
+The mixture has as many sequences as its sources together (N); source k owns a block
+of n_k = weight_k / sum(weights) x N of them (largest remainder, at least one). Within
+its block, sequence j of a source is its sequence j x len_k // n_k when the source is
+down-weighted (an even spread over all of it) and j mod len_k when it is up-weighted
+(repeats). The layout-independent sampler permutes the mixture's indices as it does a
+single dataset's, so each global batch draws sources in proportion to the weights, and
+the mixture is deterministic and resumable by the step alone, with no state of its own.
+
+`interleave` orders the blocks so that every prefix holds the sources in proportion:
+the held-out mixture uses it, since evaluation reads the first indices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shardline.data.packing import PackedSequences
+
+
+class MixedSequences:
+    def __init__(self, sources: list[PackedSequences], weights: list[float], interleave: bool = False):
+        self.sources, self.seq_len = sources, sources[0].seq_len
+        sizes = np.array([len(s) for s in sources], dtype=np.int64)
+        self.counts = _apportion(np.asarray(weights, dtype=np.float64), int(sizes.sum()))
+        self.sizes = sizes
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts)])
+        self._order = _interleaved(self.counts) if interleave else None
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index within that source) of each mixture index."""
+        v = np.asarray(indices, dtype=np.int64)
+        if self._order is not None:
+            v = self._order[v]
+        src = np.searchsorted(self.offsets, v, side="right") - 1
+        j = v - self.offsets[src]
+        n, size = self.counts[src], self.sizes[src]
+        return src, np.where(n <= size, j * size // np.maximum(n, 1), j % np.maximum(size, 1))
+
+    def count_labels(self, indices) -> int:
+        src, local = self.locate(indices)
+        return sum(self.sources[k].count_labels(local[src == k]) for k in np.unique(src))
+
+    def batch(self, indices) -> dict[str, torch.Tensor]:
+        """The sources' batches of these indices, rows back in the order asked."""
+        src, local = self.locate(indices)
+        parts = {int(k): self.sources[k].batch(local[src == k]) for k in np.unique(src)}
+        out = {}
+        for key in next(iter(parts.values())):
+            rows = torch.empty((len(src), self.seq_len), dtype=torch.int64)
+            for k, part in parts.items():
+                rows[torch.from_numpy(np.flatnonzero(src == k))] = part[key]
+            out[key] = rows
+        return out
+
+    def sequences_per_source(self, indices) -> np.ndarray:
+        return np.bincount(self.locate(indices)[0], minlength=len(self.sources))
+
+
+def _apportion(weights: np.ndarray, total: int) -> np.ndarray:
+    """Largest-remainder shares of `total` in proportion to weights, each at least 1."""
+    exact = weights / weights.sum() * total
+    counts = np.maximum(np.floor(exact).astype(np.int64), 1)
+    short = total - int(counts.sum())
+    if short > 0:
+        counts[np.argsort(-(exact - np.floor(exact)), kind="stable")[:short]] += 1
+    return counts
+
+
+def _interleaved(counts: np.ndarray) -> np.ndarray:
+    """Block positions ordered so every prefix mixes the sources in proportion."""
+    keys = np.concatenate([(np.arange(n) + 0.5) / n for n in counts])
+    return np.argsort(keys, kind="stable").astype(np.int64)

@@ -1,0 +1,387 @@
+"""`shardline prepare`: tokenize a corpus once into a folder of token shards (see `shards`).
+
+Three streaming passes over the inputs, none holding more than a chunk of documents:
+1. count the documents (the held-out split needs their number, as at training time);
+2. without --tokenizer only: train the same byte-level BPE the raw-text path would
+   (on the training documents; cached by content, so a rerun skips it);
+3. tokenize in worker processes, chunk by chunk in input order, and write shards.
+
+Restartable: after each shard the state is committed to progress.json (atomic
+rename); a rerun with the same inputs and options continues after the last committed
+document, deleting what was written after it. The manifest is deleted first and
+written last, so no manifest ever points at missing or partial data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from shardline.data.encode import chat_template_for, encode_documents, render_chat
+from shardline.data.loader import held_out, split_single
+from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, file_sha256,
+                                   token_dtype, tokenizer_hash)
+from shardline.data.sources import input_files, read_file
+from shardline.data.tokenizer import eos_id, get_tokenizer, load_tokenizer
+from shardline.errors import DataError
+
+FORMATS = ("text", "chat")
+
+
+class PrepareStopped(Exception):
+    """Raised by `stop_after_shards` (a test's stand-in for a killed prepare)."""
+
+
+@dataclass
+class PrepareOptions:
+    inputs: list[str]
+    out: str
+    tokenizer: str = ""  # "" = train a byte-level BPE of vocab_size on the training documents
+    vocab_size: int = 4096
+    workers: int = 1
+    val_fraction: float = 0.01
+    text_field: str = "text"
+    format: str = "text"  # text | chat (jsonl records with "messages")
+    shard_tokens: int = 1 << 25  # tokens per shard (before a commit point)
+    chunk_bytes: int = 1 << 21  # text per unit of work sent to a worker
+    progress: bool = True
+    stop_after_shards: int = 0  # testing aid: stop (as if killed) after this many commits; 0 = never
+
+    def field(self) -> str:
+        return "messages" if self.format == "chat" else self.text_field
+
+
+@dataclass
+class _Stream:
+    """Which input documents go where: the held-out indices of the split, or a lone document's cut."""
+
+    files: list[Path]
+    field: str
+    count: int
+    held: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    val_fraction: float = 0.01
+
+    def documents(self, skip: int = 0):
+        """(input index, split, document) in input order; the first `skip` are read but not yielded."""
+        held, h, i = self.held, 0, 0
+        for f in self.files:
+            for doc in read_file(f, self.field):
+                if isinstance(doc, str) and not doc.strip():
+                    continue
+                if self.count == 1:
+                    train, val = split_single(doc, self.val_fraction)
+                    yield from [(0, "train", train), (0, "val", val)][skip:]
+                    return
+                while h < len(held) and held[h] < i:
+                    h += 1
+                if i >= skip:
+                    yield i, "val" if h < len(held) and held[h] == i else "train", doc
+                i += 1
+
+    def training_texts(self, chat: bool, template: str | None):
+        """Re-iterable training documents as text (what a BPE is trained on)."""
+        stream = self
+
+        class _Texts:
+            def __iter__(self):
+                for _, split, doc in stream.documents():
+                    if split == "train":
+                        yield render_chat(doc, template) if chat else doc
+        return _Texts()
+
+
+def prepare(opts: PrepareOptions) -> dict:
+    """Prepare `opts.out` from `opts.inputs`; returns the manifest (resumes or skips when it can)."""
+    _check_options(opts)
+    files = [f for path in opts.inputs for f in input_files(path)]
+    root = Path(opts.out)
+    root.mkdir(parents=True, exist_ok=True)
+    request = _request(opts, files)
+    done = _finished(root, request)
+    if done is not None:
+        _say(opts, f"{root} is already prepared from these inputs; nothing to do")
+        return done
+    (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
+    stream = _count(opts, files)
+    template = chat_template_for(opts.tokenizer) if opts.format == "chat" else None
+    tok = _tokenizer(opts, stream, template)
+    request["tokenizer_sha256"] = tokenizer_hash(tok)
+    _atomic_write(root / TOKENIZER, tok.to_str())
+    state = _resume_state(root, request)
+    writers = {name: SplitWriter(root, name, token_dtype(tok.get_vocab_size()), opts.format == "chat",
+                                 state["splits"].get(name)) for name in SPLITS}
+    _tokenize_all(opts, root, stream, writers, state, template)
+    return _finish(root, request, writers, tok, stream)
+
+
+def _check_options(opts: PrepareOptions) -> None:
+    if opts.format not in FORMATS:
+        raise DataError(f"--format={opts.format!r} is invalid: one of {', '.join(FORMATS)}")
+    if not 0 < opts.val_fraction < 0.5:
+        raise DataError(f"--val-fraction={opts.val_fraction!r} is invalid: must be in (0, 0.5)")
+    if opts.workers < 1 or opts.shard_tokens < 1:
+        raise DataError("--workers and --shard-tokens must be >= 1")
+    if not opts.inputs:
+        raise DataError("shardline prepare needs at least one input file or folder")
+
+
+def _request(opts: PrepareOptions, files: list[Path]) -> dict:
+    """What the folder's content depends on: a rerun with another request starts over."""
+    inputs = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    tok = ["file", file_sha256(Path(opts.tokenizer))] if opts.tokenizer else ["bpe", opts.vocab_size]
+    return {"inputs": inputs, "field": opts.field(), "format": opts.format, "val_fraction": opts.val_fraction,
+            "tokenizer": tok, "shard_tokens": opts.shard_tokens, "format_version": FORMAT_VERSION}
+
+
+def _finished(root: Path, request: dict) -> dict | None:
+    """The manifest of a finished prepare of the same request (its tokenizer follows from it)."""
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+        made = {k: v for k, v in manifest["request"].items() if k != "tokenizer_sha256"}
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+    return manifest if made == request else None
+
+
+def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
+    """Pass 1: the number of documents (the held-out split depends on it)."""
+    stream = _Stream(files, opts.field(), count=-1, val_fraction=opts.val_fraction)
+    count = sum(1 for _ in stream.documents())
+    if count == 0:
+        raise DataError(f"{', '.join(opts.inputs)} contains no text (all documents are empty)")
+    if count == 1 and opts.format == "chat":
+        raise DataError(f"{', '.join(opts.inputs)} holds one conversation; chat data needs at least two "
+                        "(one is held out)")
+    stream.count = count
+    stream.held = held_out(count, opts.val_fraction) if count > 1 else stream.held
+    return stream
+
+
+def _tokenizer(opts: PrepareOptions, stream: _Stream, template: str | None) -> Tokenizer:
+    """Pass 2 (without --tokenizer): the BPE the raw-text path would train on the same data."""
+    if opts.tokenizer:
+        return load_tokenizer(opts.tokenizer)
+    _say(opts, f"training a byte-level BPE of {opts.vocab_size} tokens on the training documents")
+    return get_tokenizer(stream.training_texts(opts.format == "chat", template), "", opts.vocab_size)
+
+
+def _resume_state(root: Path, request: dict) -> dict:
+    """The committed state of an interrupted prepare of the same request, else a fresh start."""
+    try:
+        state = json.loads((root / PROGRESS).read_text())
+        if state.get("request") == request:
+            return state
+    except (OSError, ValueError):
+        pass
+    for name in SPLITS:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return {"request": request, "documents_done": 0, "splits": {}}
+
+
+class SplitWriter:
+    """Appends one split's documents to its shards; `flush` commits the buffered ones as a shard."""
+
+    def __init__(self, root: Path, name: str, dtype: np.dtype, chat: bool, state: dict | None):
+        self.root, self.name, self.dtype, self.chat = root, name, dtype, chat
+        state = state or {"shards": [], "tokens": 0, "documents": 0}
+        self.shards, self.tokens, self.documents = state["shards"], state["tokens"], state["documents"]
+        self.buffer: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
+        self.pending = 0
+        (root / name).mkdir(parents=True, exist_ok=True)
+        self._drop_uncommitted()
+
+    def _drop_uncommitted(self) -> None:
+        """Delete what an interrupted run wrote after its last commit."""
+        keep = {s[k] for s in self.shards for k in ("file", "mask") if k in s}
+        for f in (self.root / self.name).iterdir():
+            if f.name != "docs.idx" and f"{self.name}/{f.name}" not in keep:
+                f.unlink()
+        with open(self.root / self.name / "docs.idx", "ab") as idx:
+            idx.truncate(self.documents * 8)
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None) -> None:
+        if len(lengths):
+            self.buffer.append((tokens, lengths, mask))
+            self.pending += len(tokens)
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        tokens = np.concatenate([b[0] for b in self.buffer]).astype(self.dtype)
+        lengths = np.concatenate([b[1] for b in self.buffer])
+        shard = {"file": self._write("tokens", tokens)}
+        if self.chat:
+            shard["mask"] = self._write("mask", np.concatenate([b[2] for b in self.buffer]))
+        shard.update({f"{k}_sha256": file_sha256(self.root / v) for k, v in list(shard.items())},
+                     tokens=len(tokens), documents=len(lengths))
+        starts = self.tokens + np.cumsum(lengths) - lengths
+        with open(self.root / self.name / "docs.idx", "ab") as idx:
+            idx.write(starts.astype(np.int64).tobytes())
+        self.shards.append(shard)
+        self.tokens += len(tokens)
+        self.documents += len(lengths)
+        self.buffer, self.pending = [], 0
+
+    def _write(self, kind: str, array: np.ndarray) -> str:
+        rel = f"{self.name}/{kind}-{len(self.shards):05d}.bin"
+        tmp = self.root / f"{rel}.tmp"
+        array.tofile(tmp)
+        tmp.replace(self.root / rel)
+        return rel
+
+    def state(self) -> dict:
+        return {"shards": self.shards, "tokens": self.tokens, "documents": self.documents}
+
+
+def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict, template) -> None:
+    """Pass 3: tokenize every document not yet committed, committing after each full shard."""
+    progress = _Progress(opts, stream.count, state["documents_done"])
+    commits = 0
+    for n_docs, n_bytes, encoded in _encoded_chunks(opts, root, stream, state["documents_done"], template):
+        for name, (tokens, lengths, mask) in encoded.items():
+            writers[name].add(tokens, lengths, mask)
+        state["documents_done"] += n_docs
+        progress.update(n_docs, n_bytes, sum(len(e[0]) for e in encoded.values()))
+        if writers["train"].pending >= opts.shard_tokens:
+            _commit(root, writers, state)
+            commits += 1
+            if commits == opts.stop_after_shards:
+                raise PrepareStopped(f"stopped after {commits} shard(s), as asked")
+    _commit(root, writers, state)
+    progress.done()
+
+
+def _commit(root: Path, writers: dict, state: dict) -> None:
+    for w in writers.values():
+        w.flush()
+    state["splits"] = {name: w.state() for name, w in writers.items()}
+    _atomic_write(root / PROGRESS, json.dumps(state))
+
+
+def _encoded_chunks(opts, root: Path, stream: _Stream, skip: int, template):
+    """(input documents, bytes, {split: encoded}) per chunk, in input order; workers > 1 run a pool."""
+    job = (str(root / TOKENIZER), opts.format == "chat", template)
+    chunks = _chunks(stream.documents(skip), opts.chunk_bytes)
+    if opts.workers == 1:
+        yield from (_encode_chunk(job, chunk) for chunk in chunks)
+        return
+    import multiprocessing as mp
+
+    with _one_thread_per_worker(), mp.get_context("fork").Pool(opts.workers) as pool:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode_chunk, (job, chunk)))
+            if len(pending) >= 2 * opts.workers:  # bounded: memory holds a few chunks, not the corpus
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+@contextmanager
+def _one_thread_per_worker():
+    """Forked workers tokenize on one thread each (N workers = N cores), without the fork warning."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def _chunks(documents, chunk_bytes: int):
+    chunk, size = [], 0
+    for _, split, doc in documents:
+        chunk.append((split, doc))
+        size += len(doc) if isinstance(doc, str) else sum(len(str(m.get("content", ""))) for m in doc)
+        if size >= chunk_bytes:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _encode_chunk(job: tuple, chunk: list) -> tuple[int, int, dict]:
+    tokenizer_file, chat, template = job
+    tok = _load_cached(tokenizer_file, os.stat(tokenizer_file).st_mtime_ns)
+    eos = eos_id(tok)
+    n_bytes = sum(len(d.encode()) if isinstance(d, str) else len(json.dumps(d)) for _, d in chunk)
+    encoded = {name: encode_documents(tok, [d for s, d in chunk if s == name], eos, template, chat)
+               for name in SPLITS}
+    return len(chunk), n_bytes, encoded
+
+
+@lru_cache(maxsize=2)
+def _load_cached(path: str, mtime_ns: int) -> Tokenizer:
+    """Each worker process loads the tokenizer once (keyed by its file's version)."""
+    return Tokenizer.from_file(path)
+
+
+def _finish(root: Path, request: dict, writers: dict, tok: Tokenizer, stream: _Stream) -> dict:
+    """Write the manifest (atomically, last) and drop the progress file."""
+    splits = {}
+    for name, w in writers.items():
+        splits[name] = {**w.state(), "docs_sha256": file_sha256(root / name / "docs.idx")}
+    manifest = {"format_version": FORMAT_VERSION, "format": request["format"], "request": request,
+                "tokenizer_sha256": request["tokenizer_sha256"], "vocab_size": tok.get_vocab_size(),
+                "eos_id": eos_id(tok), "dtype": np.dtype(writers["train"].dtype).name,
+                "val_fraction": request["val_fraction"], "input_documents": stream.count, "splits": splits}
+    _atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
+    (root / PROGRESS).unlink(missing_ok=True)
+    return manifest
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _say(opts: PrepareOptions, message: str) -> None:
+    if opts.progress:
+        print(f"prepare: {message}", file=sys.stderr, flush=True)
+
+
+class _Progress:
+    """One status line: documents, tokens, MB/s, ETA (at most once a second; a line per 10 s off a tty)."""
+
+    def __init__(self, opts: PrepareOptions, total_docs: int, done: int):
+        self.enabled, self.total, self.docs = opts.progress, total_docs, done
+        self.tokens = self.bytes = 0
+        self.start = self.last = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def update(self, docs: int, n_bytes: int, tokens: int) -> None:
+        self.docs, self.bytes, self.tokens = self.docs + docs, self.bytes + n_bytes, self.tokens + tokens
+        now = time.perf_counter()
+        if self.enabled and now - self.last >= (1 if self.tty else 10):
+            self.last = now
+            print(self.line(now), end="\r" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def line(self, now: float) -> str:
+        rate = self.bytes / max(now - self.start, 1e-9)
+        per_doc = (now - self.start) / max(self.docs, 1)
+        eta = int(per_doc * max(self.total - self.docs, 0))
+        return (f"prepare: {self.docs:,}/{self.total:,} documents, {self.tokens:,} tokens, "
+                f"{rate / 1e6:.1f} MB/s, ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
+
+    def done(self) -> None:
+        if self.enabled:
+            print(self.line(time.perf_counter()) + " - done", file=sys.stderr, flush=True)
+
+
+def options_dict(opts: PrepareOptions) -> dict:
+    return asdict(opts)

@@ -1,0 +1,189 @@
+"""A prepared folder (made by `shardline prepare`), read through memory maps.
+
+Layout of a folder:
+
+    manifest.json        written last: its presence means every file below is complete
+    tokenizer.json       the tokenizer the tokens were made with (sha256 in the manifest)
+    train/tokens-NNNNN.bin   the split's token stream in shards (uint16 or uint32)
+    train/mask-NNNNN.bin     chat only: 1 byte per token, 1 = loss target
+    train/docs.idx           int64: where each document starts in the split's stream
+    val/...                  the same for the held-out split
+
+Opening a folder reads the manifest and the tokenizer and checks every file's size;
+it reads no token. A batch then reads only its own windows from the page cache, so
+start-up time and memory per rank do not grow with the corpus. Checksums are checked
+by `shardline prepare --verify DIR` (that reads everything).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from shardline.data.packing import PackedSequences
+from shardline.data.tokenizer import load_tokenizer
+from shardline.errors import DataError
+
+MANIFEST, PROGRESS, TOKENIZER = "manifest.json", "progress.json", "tokenizer.json"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+_OPEN_MAPS = 64  # memory maps kept open at once (each holds a file descriptor)
+
+
+def is_prepared(path: str) -> bool:
+    """A folder made (or being made) by `shardline prepare`."""
+    p = Path(path) if path else None
+    marks = (p / MANIFEST, p / PROGRESS, p / "train" / "docs.idx") if p is not None else ()
+    return any(m.is_file() for m in marks)
+
+
+def tokenizer_hash(tok: Tokenizer) -> str:
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class TokenShards:
+    """One split's token stream (or loss mask) spread over shard files, memory-mapped lazily."""
+
+    def __init__(self, paths: list[Path], sizes: list[int], dtype: np.dtype):
+        self.paths, self.sizes, self.dtype = paths, sizes, np.dtype(dtype)
+        self.bounds = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self._maps: OrderedDict[int, np.memmap] = OrderedDict()
+
+    def __len__(self) -> int:
+        return int(self.bounds[-1])
+
+    def _map(self, k: int) -> np.memmap:
+        if k not in self._maps:
+            if len(self._maps) >= _OPEN_MAPS:
+                self._maps.popitem(last=False)
+            self._maps[k] = np.memmap(self.paths[k], dtype=self.dtype, mode="r", shape=(self.sizes[k],))
+        self._maps.move_to_end(k)
+        return self._maps[k]
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Rows stream[start : start + length], read from the shards that hold them."""
+        out = np.empty((len(starts), length), dtype=self.dtype)
+        for row, start in enumerate(np.asarray(starts, dtype=np.int64)):
+            k, pos = int(np.searchsorted(self.bounds, start, side="right")) - 1, 0
+            while pos < length:
+                lo = int(start) + pos - int(self.bounds[k])
+                take = min(length - pos, self.sizes[k] - lo)
+                out[row, pos : pos + take] = self._map(k)[lo : lo + take]
+                pos, k = pos + take, k + 1
+        return out
+
+
+@dataclass
+class PreparedData:
+    tokenizer: Tokenizer
+    train: PackedSequences
+    val: PackedSequences
+    manifest: dict
+
+
+def open_prepared(path: str, seq_len: int, tokenizer_path: str = "", fmt: str = "text") -> PreparedData:
+    """The splits of a prepared folder as sequences over its memory-mapped shards."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    tok = _folder_tokenizer(root, manifest, tokenizer_path)
+    if manifest["format"] != fmt:
+        raise DataError(f"data.format={fmt!r} but {path} was prepared as {manifest['format']!r} data; set "
+                        f"data.format={manifest['format']} or prepare again with --format {fmt}")
+    splits = [_open_split(root, manifest, name, seq_len) for name in SPLITS]
+    return PreparedData(tok, splits[0], splits[1], manifest)
+
+
+def read_manifest(root: Path) -> dict:
+    """The manifest of a complete prepared folder, or a DataError saying what to run."""
+    if not (root / MANIFEST).is_file():
+        raise DataError(f"data.path={str(root)!r} is an unfinished prepared folder (no {MANIFEST}); run "
+                        "`shardline prepare` with the same inputs and --out again to finish it")
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+        version = manifest["format_version"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{root / MANIFEST} is damaged ({type(e).__name__}); prepare the folder again") from None
+    if version != FORMAT_VERSION:
+        raise DataError(f"{root} was prepared in format {version}; this shardline reads format "
+                        f"{FORMAT_VERSION}: prepare it again")
+    return manifest
+
+
+def _folder_tokenizer(root: Path, manifest: dict, tokenizer_path: str) -> Tokenizer:
+    """The folder's tokenizer; data.tokenizer, when given, must be the same one."""
+    tok = load_tokenizer(str(root / TOKENIZER))
+    if tokenizer_hash(tok) != manifest["tokenizer_sha256"]:
+        raise DataError(f"{root / TOKENIZER} does not match the manifest's tokenizer_sha256; prepare the "
+                        "folder again")
+    if tokenizer_path and tokenizer_hash(load_tokenizer(tokenizer_path)) != manifest["tokenizer_sha256"]:
+        raise DataError(f"data.tokenizer={tokenizer_path!r} differs from the tokenizer {root} was prepared "
+                        "with; leave data.tokenizer empty to use the folder's, or prepare again with "
+                        f"--tokenizer {tokenizer_path}")
+    return tok
+
+
+def _open_split(root: Path, manifest: dict, name: str, seq_len: int) -> PackedSequences:
+    split = manifest["splits"][name]
+    dtype = np.dtype(manifest["dtype"])
+    shards = split["shards"]
+    tokens = TokenShards(_checked(root, shards, "file", dtype), [s["tokens"] for s in shards], dtype)
+    mask = None
+    if manifest["format"] == "chat":
+        mask = TokenShards(_checked(root, shards, "mask", np.dtype(np.uint8)), [s["tokens"] for s in shards],
+                           np.uint8)
+    index = root / name / "docs.idx"
+    _check_size(root, index, split["documents"] * 8)
+    starts = np.memmap(index, dtype=np.int64, mode="r", shape=(split["documents"],)) \
+        if split["documents"] else np.zeros(0, np.int64)
+    return PackedSequences.from_stream(tokens, starts, seq_len, mask)
+
+
+def _checked(root: Path, shards: list[dict], kind: str, dtype: np.dtype) -> list[Path]:
+    paths = [root / s[kind] for s in shards]
+    for path, shard in zip(paths, shards):
+        _check_size(root, path, shard["tokens"] * dtype.itemsize)
+    return paths
+
+
+def _check_size(root: Path, path: Path, expected: int) -> None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise DataError(f"prepared folder {root} is missing {path.relative_to(root)}, which its manifest "
+                        "lists; prepare it again") from None
+    if size != expected:
+        raise DataError(f"prepared folder {root}: {path.relative_to(root)} has {size} bytes, its manifest "
+                        f"says {expected}; prepare it again")
+
+
+def verify(root: Path) -> list[str]:
+    """Files of a prepared folder whose checksum differs from the manifest's (reads everything)."""
+    manifest = read_manifest(root)
+    bad = []
+    for name in SPLITS:
+        split = manifest["splits"][name]
+        for shard in split["shards"]:
+            bad += [shard[k] for k in ("file", "mask") if k in shard
+                    and file_sha256(root / shard[k]) != shard[f"{k}_sha256"]]
+        if file_sha256(root / name / "docs.idx") != split["docs_sha256"]:
+            bad.append(f"{name}/docs.idx")
+    return bad
