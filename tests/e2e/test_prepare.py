@@ -1,0 +1,43 @@
+"""`shardline prepare`, then training from the folder and resuming it on another layout under torchrun."""
+
+from __future__ import annotations
+
+import json
+
+from shardline.cli import main
+from shardline.config import load_config
+from shardline.trainer import Trainer
+from tests.conftest import tiny_overrides
+from tests.e2e.test_cli import shardline
+from tests.e2e.test_torchrun import torchrun
+
+
+def losses(run) -> dict[int, float]:
+    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def test_prepare_then_train_and_resume_on_two_ranks_matches_the_raw_run(tmp_path, small_corpus):
+    prep = tmp_path / "prep"
+    out = shardline("prepare", str(small_corpus), "--out", str(prep), "--vocab-size", "512", "--workers", "2")
+    assert out.returncode == 0, out.stderr
+    assert f"train with --data.path={prep}" in out.stdout and "150/150 documents" in out.stderr
+    raw, folder = tmp_path / "raw", tmp_path / "folder"
+    Trainer(load_config(None, tiny_overrides(raw, small_corpus))).build().train()  # the reference, in-process
+    out = shardline("train", *[f"--{o}" for o in tiny_overrides(folder, prep, "train.stop_at_step=6")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = torchrun(2, *[f"--{o}" for o in tiny_overrides(folder, prep, "parallel.dp_shard=2")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, b = losses(raw), losses(folder)
+    assert sorted(b) == list(range(1, 13))
+    assert all(abs(a[s] - b[s]) <= 1e-5 * abs(a[s]) for s in a), (a, b)
+
+
+def test_prepare_errors_are_one_line(tmp_path, capsys):
+    assert main(["prepare", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "p")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "progress.json").write_text("{}")
+    assert main(["train", "--dry-run", f"--data.path={tmp_path / 'p'}"]) == 2
+    err = capsys.readouterr().err
+    assert "unfinished prepared folder" in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,209 @@
+"""Prepared folders (`shardline prepare`), mixtures and chat data: same batches, restarts, clear errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+import pytest
+
+from shardline.config import load_config
+from shardline.data import build_data
+from shardline.data.packing import IGNORE_INDEX
+from shardline.data.prepare import PrepareOptions, PrepareStopped, prepare
+from shardline.data.shards import verify
+from shardline.data.sources import read_documents
+from shardline.errors import ConfigError, DataError
+
+SMALL = dict(vocab_size=512, progress=False, chunk_bytes=30_000)
+
+
+def data(path, *extra, seq_len=64):
+    return build_data(load_config(None, [f"data.path={path}", "data.vocab_size=512", f"train.seq_len={seq_len}",
+                                         *extra]))
+
+
+def assert_same_batches(a, b):
+    """Every sequence of both splits, the label counts and the tokenizer are identical."""
+    assert a.tokenizer.to_str() == b.tokenizer.to_str()
+    for x, y in ((a.train, b.train), (a.val, b.val)):
+        assert len(x) == len(y) > 0
+        idx = np.arange(len(x))
+        bx, by = x.batch(idx), y.batch(idx)
+        for key in ("input_ids", "labels", "doc_ids"):
+            assert bx[key].dtype == by[key].dtype and bx[key].equal(by[key]), key
+        assert x.count_labels(idx) == y.count_labels(idx) == int((bx["labels"] != IGNORE_INDEX).sum())
+
+
+@pytest.fixture(scope="module")
+def mixed_folder(tmp_path_factory, small_corpus):
+    """The small corpus as .jsonl.gz + .parquet + .txt + a datasets save_to_disk folder (.arrow)."""
+    docs = read_documents(str(small_corpus))
+    root = tmp_path_factory.mktemp("mixed")
+    (root / "a.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps({"text": d}) + "\n"
+                                                            for d in docs[:40]).encode()))
+    pq.write_table(pa.table({"text": docs[40:80]}), root / "b.parquet", row_group_size=7)
+    (root / "c.txt").write_text("\n\n\n".join(d.replace("\n\n\n", "\n\n") for d in docs[80:100]))
+    (root / "d" / "train").mkdir(parents=True)
+    (root / "d" / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    table = pa.table({"text": docs[100:], "id": list(range(len(docs) - 100))})
+    with ipc.new_stream(root / "d" / "train" / "data-00000-of-00001.arrow", table.schema) as w:
+        w.write_table(table, max_chunksize=9)
+    return root
+
+
+def test_prepared_folder_gives_the_raw_paths_batches_bit_for_bit(tmp_path, mixed_folder):
+    out = tmp_path / "prep"
+    manifest = prepare(PrepareOptions([str(mixed_folder)], str(out), workers=2, shard_tokens=40_000, **SMALL))
+    assert manifest["dtype"] == "uint16" and len(manifest["splits"]["train"]["shards"]) > 3  # windows cross shards
+    assert manifest["input_documents"] == len(read_documents(str(mixed_folder)))
+    assert_same_batches(data(mixed_folder), data(out))
+    assert verify(out) == []
+
+
+def test_a_single_document_is_split_by_characters_as_before(tmp_path, small_corpus):
+    text = tmp_path / "one.txt"
+    text.write_text(" ".join(read_documents(str(small_corpus))[:20]).replace("\n", " "))
+    prepare(PrepareOptions([str(text)], str(tmp_path / "prep"), val_fraction=0.1, **SMALL))
+    assert_same_batches(data(text, "data.val_fraction=0.1"), data(tmp_path / "prep"))
+
+
+def test_an_interrupted_prepare_resumes_and_never_leaves_a_manifest_behind(tmp_path, small_corpus):
+    out, opts = tmp_path / "prep", dict(shard_tokens=30_000, **SMALL)
+    with pytest.raises(PrepareStopped):
+        prepare(PrepareOptions([str(small_corpus)], str(out), stop_after_shards=3, **opts))
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(DataError, match="unfinished prepared folder"):
+        data(out)
+    kept = (out / "train" / "tokens-00000.bin").stat().st_mtime_ns
+    (out / "train" / "tokens-00003.bin").write_bytes(b"half a shard")  # written after the last commit
+    with open(out / "train" / "docs.idx", "ab") as f:
+        f.write(b"\x00" * 24)
+    progress = json.loads((out / "progress.json").read_text())
+    assert 0 < progress["documents_done"] < 150
+    prepare(PrepareOptions([str(small_corpus)], str(out), workers=2, **opts))
+    assert (out / "train" / "tokens-00000.bin").stat().st_mtime_ns == kept  # resumed, not redone
+    assert not (out / "progress.json").exists() and verify(out) == []
+    fresh = tmp_path / "fresh"
+    prepare(PrepareOptions([str(small_corpus)], str(fresh), **opts))
+    assert (json.loads((out / "manifest.json").read_text())["splits"]
+            == json.loads((fresh / "manifest.json").read_text())["splits"])
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, small_corpus):
+    out = tmp_path_factory.mktemp("p") / "prep"
+    prepare(PrepareOptions([str(small_corpus)], str(out), shard_tokens=50_000, **SMALL))
+    return out
+
+
+def test_a_damaged_or_mismatched_folder_is_one_clear_error(tmp_path, prepared, small_corpus):
+    bad = tmp_path / "bad"
+    shutil.copytree(prepared, bad)
+    shard = bad / "train" / "tokens-00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(DataError, match=r"train/tokens-00001.bin has \d+ bytes, its manifest says \d+"):
+        data(bad)
+    shard.unlink()
+    with pytest.raises(DataError, match="is missing train/tokens-00001.bin"):
+        data(bad)
+    other = tmp_path / "other.json"
+    data(small_corpus, "data.vocab_size=300").tokenizer.save(str(other))
+    with pytest.raises(DataError, match="differs from the tokenizer .* was prepared with") as err:
+        data(prepared, f"data.tokenizer={other}")
+    assert "\n" not in str(err.value)
+    with pytest.raises(DataError, match="data.format='chat' but .* was prepared as 'text'"):
+        data(prepared, "data.format=chat")
+
+
+def test_changed_inputs_start_over_and_same_inputs_do_nothing(tmp_path, small_corpus):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(small_corpus.read_text())
+    first = prepare(PrepareOptions([str(corpus)], str(tmp_path / "prep"), **SMALL))
+    assert prepare(PrepareOptions([str(corpus)], str(tmp_path / "prep"), **SMALL)) == first
+    corpus.write_text("".join(small_corpus.read_text().splitlines(keepends=True)[:100]))
+    again = prepare(PrepareOptions([str(corpus)], str(tmp_path / "prep"), **SMALL))
+    assert again["input_documents"] == 100 and verify(tmp_path / "prep") == []
+
+
+def test_mixture_follows_the_weights_deterministically(tmp_path, prepared, small_corpus):
+    second = tmp_path / "second.jsonl"
+    second.write_text("".join(json.dumps({"text": f"Record {i}: " + "numbers and words " * 40}) + "\n"
+                              for i in range(300)))
+    other = tmp_path / "other"
+    prepare(PrepareOptions([str(second)], str(other), tokenizer=str(prepared / "tokenizer.json"), **SMALL))
+    mix = (f'data.mix=[{{path = "{prepared}", weight = 0.25}}, {{path = "{other}", weight = 0.75}}]')
+    cfg = load_config(None, [mix, "train.seq_len=64", "train.global_batch_size=32"])
+    a, b = build_data(cfg), build_data(cfg)
+    for step in range(4):
+        idx = a.sampler.global_batch(step)
+        assert a.train.batch(idx)["input_ids"].equal(b.train.batch(idx)["input_ids"])
+    epoch = len(a.train) // 32  # steps in one pass over the mixture
+    counts = sum(a.train.sequences_per_source(a.sampler.global_batch(step)) for step in range(epoch))
+    assert abs(counts[1] / counts.sum() - 0.75) < 0.005
+    a.log_fields(7)  # the log's running count, then further on: the same as counted at once
+    assert list(a.log_fields(epoch)["tokens_by_source"].values()) == [int(c) * 64 for c in counts]
+    assert b.log_fields(epoch) == a.log_fields(epoch)  # from the step alone, as after a resume
+    rows = a.train.batch(a.sampler.global_batch(0))
+    assert rows["labels"][:, :-1].equal(rows["input_ids"][:, 1:]) or (rows["labels"] == IGNORE_INDEX).any()
+    eval_sources = a.val.sequences_per_source(np.arange(8))
+    assert eval_sources.min() >= 1  # the held-out mixture's first batches hold both sources
+
+
+def test_mixture_errors(tmp_path, prepared, small_corpus):
+    with pytest.raises(ConfigError, match="set data.path or data.mix, not both"):
+        load_config(None, [f"data.path={prepared}", f'data.mix=[{{path = "{prepared}"}}]']).data.check()
+    with pytest.raises(ConfigError, match=r"data.mix\[0\].weight"):
+        load_config(None, [f'data.mix=[{{path = "{prepared}", weight = 0}}]']).data.check()
+    other = tmp_path / "other"
+    prepare(PrepareOptions([str(small_corpus)], str(other), **{**SMALL, "vocab_size": 300}))
+    cfg = load_config(None, [f'data.mix=[{{path = "{prepared}"}}, {{path = "{other}"}}]', "train.seq_len=64"])
+    with pytest.raises(DataError, match="prepared with another tokenizer"):
+        build_data(cfg)
+
+
+def chat_records(n: int) -> str:
+    rows = []
+    for i in range(n):
+        rows.append({"messages": [{"role": "system", "content": "You answer briefly."},
+                                  {"role": "user", "content": f"What is {i} plus {i}?"},
+                                  {"role": "assistant", "content": f"It is {2 * i}."},
+                                  {"role": "user", "content": "Thanks!"},
+                                  {"role": "assistant", "content": f"You are welcome, number {i}."}]})
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_chat_loss_is_on_assistant_tokens_only(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(chat_records(200))
+    raw = data(path, "data.format=chat", "data.val_fraction=0.1", seq_len=256)
+    seq = raw.train.batch([0])
+    labels, docs = seq["labels"][0], seq["doc_ids"][0]
+    first = docs == docs[0]  # the first conversation of the window (starts at token 0)
+    targets = labels[first & (labels != IGNORE_INDEX)].tolist()
+    text = raw.tokenizer.decode(targets[:-1])  # the last target is the eos after the last reply
+    replies = re.fullmatch(r"It is (\d+)\.<\|im_end\|>\nYou are welcome, number (\d+)\.<\|im_end\|>\n", text)
+    assert replies and int(replies[1]) == 2 * int(replies[2]), text
+    assert targets[-1] == raw.tokenizer.token_to_id("<|endoftext|>")
+    assert len(set(docs.tolist())) > 1  # conversations are packed together, kept apart by doc ids
+    out = tmp_path / "prep"
+    prepare(PrepareOptions([str(path)], str(out), format="chat", val_fraction=0.1, workers=2, **SMALL))
+    assert_same_batches(raw, data(out, "data.format=chat", seq_len=256))
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"text": "no messages"}, "has no list field 'messages'"),
+    ({"messages": [{"role": "user"}]}, r"messages\[0\] needs string fields 'role' and 'content'"),
+])
+def test_bad_chat_records_are_one_line(tmp_path, record, message):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(chat_records(3) + json.dumps(record) + "\n")
+    with pytest.raises(DataError, match=message) as err:
+        data(path, "data.format=chat")
+    assert "line 4" in str(err.value) and "\n" not in str(err.value)
