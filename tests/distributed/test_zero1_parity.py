@@ -5,7 +5,7 @@ parallel.zero=1 with tp and pp: optimizer states sharded over the dp group of ea
 all-gathered after the update (shardline/parallel/zero1.py). Losses, the clipped
 gradient norms and final parameters are compared with one process (1e-5, fp32), and
 checkpoints are resumed across world sizes both ways: a zero1 x tp2 checkpoint by one
-process, and one process's checkpoint by zero1 x tp2 x pp2 on 8 ranks.
+process, and one process's checkpoint (tied embeddings) by zero1 x tp2 x pp2 on 8 ranks.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ ZERO1 = ["parallel.zero=1", "parallel.dp_shard=2"]
 LAYOUTS_4 = {
     "zero1_tp2": [*ZERO1, "parallel.tp=2"],
     "zero1_pp2": [*ZERO1, "parallel.pp=2"],
-    # Tied embeddings: the last stage's copy is reduce-scattered and updated like the first's.
-    "zero1_pp2_tied": [*ZERO1, "parallel.pp=2", "model.tie_embeddings=1"],
 }
-TIED = {"zero1_pp2_tied"}
 LAYOUTS_8 = {"zero1_tp2_pp2": [*ZERO1, "parallel.tp=2", "parallel.pp=2"]}
+# Tied embeddings: the last stage's copy is reduce-scattered and updated like the first's,
+# and its state is saved under the embedding's name (here: loaded from one process's).
+TIED_TP2_PP2 = [*LAYOUTS_8["zero1_tp2_pp2"], "model.tie_embeddings=1"]
 HALF = "train.stop_at_step=2"
 
 
@@ -58,20 +58,19 @@ def world4(tmp_path_factory, small_corpus):
 
 @pytest.fixture(scope="module")
 def world8(tmp_path_factory, small_corpus):
-    """zero1 x tp2 x pp2, and one process's first half that it finishes."""
+    """zero1 x tp2 x pp2, and one tied process's first half that it finishes (tied)."""
     root = tmp_path_factory.mktemp("zero1_world8")
-    _train(small_corpus, root / "single_to_zero1_tp2_pp2", HALF)
+    _train(small_corpus, root / "single_tied_to_zero1_tp2_pp2", "model.tie_embeddings=1", HALF)
     jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in LAYOUTS_8.items()]
-    jobs.append((root / "single_to_zero1_tp2_pp2", [*_base(small_corpus), *LAYOUTS_8["zero1_tp2_pp2"]]))
+    jobs.append((root / "single_tied_to_zero1_tp2_pp2", [*_base(small_corpus), *TIED_TP2_PP2]))
     run_world(8, jobs)
     return root
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
 def test_zero1_with_tp_or_pp_matches_single_process(world4, references, layout):
-    reference = references / ("tied" if layout in TIED else "plain")
-    assert_same_run(world4 / layout, reference)
-    assert_same_grad_norms(world4 / layout, reference)  # the norm sums the slices over dp_shard
+    assert_same_run(world4 / layout, references / "plain")
+    assert_same_grad_norms(world4 / layout, references / "plain")  # the norm sums the slices over dp_shard
 
 
 def test_zero1_tp2_pp2_on_8_ranks_matches_single_process(world8, references):
@@ -79,8 +78,10 @@ def test_zero1_tp2_pp2_on_8_ranks_matches_single_process(world8, references):
     assert_same_grad_norms(world8 / "zero1_tp2_pp2", references / "plain")
 
 
-@pytest.mark.parametrize("world, name", [("world4", "zero1_tp2_to_single"), ("world8", "single_to_zero1_tp2_pp2")])
+@pytest.mark.parametrize("world, name", [("world4", "zero1_tp2_to_single"), ("world8", "single_tied_to_zero1_tp2_pp2")])
 def test_resume_between_zero1_with_tp_pp_and_one_process(request, references, world, name):
     run = request.getfixturevalue(world) / name
+    reference = references / ("tied" if "tied" in name else "plain")
     assert sorted(losses(run)) == [1, 2, 3, 4]  # two halves, one log
-    assert_same_run(run, references / "plain")
+    assert_same_run(run, reference)
+    assert_same_grad_norms(run, reference)

@@ -58,3 +58,79 @@ def test_zero1_updates_like_adamw_with_a_share_of_the_states():
     while not errors.empty():
         found.append(errors.get())
     assert not found, found
+
+
+# ---- under tensor parallelism: the dp group of each tp coordinate ---------------------
+
+
+def _tp_models(tp_mesh):
+    """A column- then row-parallel MLP over `tp_mesh`, and the same MLP whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 8, bias=False), torch.nn.ReLU(), torch.nn.Linear(8, 5, bias=False))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8, bias=False), torch.nn.ReLU(), torch.nn.Linear(8, 5, bias=False))
+    model.load_state_dict(plain.state_dict())
+    parallelize_module(model, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model, plain
+
+
+def _train_tp(model, plain, opt, reference, dp_rank: int, dp: int) -> None:
+    """Three steps; dp rank r sees batch r, the reference the sum over every rank's batch."""
+    for step in range(3):
+        xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(dp)]
+        model(xs[dp_rank]).square().sum().backward()
+        sum(plain(x).square().sum() for x in xs).backward()
+        opt.reduce_gradients(scatter=True)
+        for o in (opt, reference):
+            o.step()
+            o.zero_grad()
+
+
+def _tp_worker(rank: int, world: int, port: int, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        model, _ = _tp_models(mesh["tp"])
+        try:
+            Zero1AdamW(model, [{"params": list(model.parameters())}], mesh, "tp", lr=0.1)
+            errors.put(f"rank {rank}: cutting states over tp, which shards the parameters, was accepted")
+        except ValueError as e:
+            if "already shards parameter 0.weight" not in str(e):
+                errors.put(f"rank {rank}: unexpected message {e}")
+        for wrong_group in (False, True):
+            for problem in _check_tp_run(mesh, wrong_group):
+                errors.put(("wrong group: " if wrong_group else f"rank {rank}: ") + problem)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_tp_run(mesh, wrong_group: bool) -> list[str]:
+    """What differs from plain AdamW after three steps (parameters and saved states)."""
+    model, plain = _tp_models(mesh["tp"])
+    opt = Zero1AdamW(model, [{"params": list(model.parameters())}], mesh, "dp_shard", lr=0.1)
+    if wrong_group:  # the deliberate mistake: reduce and gather over the tp ranks
+        opt.group = mesh.get_group("tp")
+    reference = torch.optim.AdamW(plain.parameters(), lr=0.1)
+    _train_tp(model, plain, opt, reference, mesh.get_local_rank("dp_shard"), 2)
+    states, problems = opt.checkpoint_state()["state"], []
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        if not torch.allclose(p.full_tensor(), q, atol=1e-6):
+            problems.append(f"{name} differs from plain AdamW")
+        # The saved state, reassembled from every (dp, tp) block, is the whole model's.
+        if not torch.allclose(states[name]["exp_avg"].full_tensor(), reference.state[q]["exp_avg"], atol=1e-6):
+            problems.append(f"saved exp_avg of {name} is not plain AdamW's")
+    return problems
+
+
+def test_zero1_under_tp_shards_over_the_dp_group_of_each_tp_coordinate():
+    """Matches AdamW on the whole model and saves its states; the same check catches a
+    reduce-scatter and all-gather over the wrong (tp) group."""
+    errors = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_tp_worker, args=(4, free_port(), errors), nprocs=4, start_method="spawn")
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert [e for e in found if not e.startswith("wrong group")] == [], found
+    assert any(e.startswith("wrong group") and "differs from plain AdamW" in e for e in found), found

@@ -104,8 +104,9 @@ def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     if hasattr(optimizer, "checkpoint_state"):  # ZeRO-1 keys its sharded states itself
-        return {"model": get_model_state_dict(model), "optim": optimizer.checkpoint_state()}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_model_state_dict(model), optimizer.checkpoint_state()
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
     if tied_copy(model) is not None:
         optim_sd = _rename_optim_key(optim_sd, *_TIED)
     return {"model": model_sd, "optim": optim_sd}
@@ -113,13 +114,13 @@ def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 
 def restore_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Put a loaded capture_state() tree back into the model and optimizer."""
-    if hasattr(optimizer, "load_checkpoint_state"):
-        set_model_state_dict(model, state["model"])
-        optimizer.load_checkpoint_state(state["optim"])
-        return
     optim_sd = state["optim"]
     if tied_copy(model) is not None:
         optim_sd = _rename_optim_key(optim_sd, *reversed(_TIED))
+    if hasattr(optimizer, "load_checkpoint_state"):
+        set_model_state_dict(model, state["model"])
+        optimizer.load_checkpoint_state(optim_sd)
+        return
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd)
 
 
