@@ -207,3 +207,29 @@ def test_bad_chat_records_are_one_line(tmp_path, record, message):
     with pytest.raises(DataError, match=message) as err:
         data(path, "data.format=chat")
     assert "line 4" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_tokenizers_own_chat_template_renders_and_masks(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(chat_records(40))
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    data(path, "data.format=chat", "train.eval_interval=0", seq_len=128).tokenizer.save(str(folder / "tokenizer.json"))
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    d = data(path, "data.format=chat", f"data.tokenizer={folder / 'tokenizer.json'}", "train.eval_interval=0",
+             seq_len=128)
+    seq = d.train.batch([0])
+    first = seq["doc_ids"][0] == 0
+    labels = seq["labels"][0][first]
+    text = d.tokenizer.decode(labels[labels != IGNORE_INDEX].tolist()[:-1])
+    assert re.fullmatch(r"\[assistant\] It is \d+\.\n\[assistant\] You are welcome, number \d+\.\n", text), text
+    assert "[user]" in d.tokenizer.decode(seq["input_ids"][0][first].tolist())
+
+
+def test_prepare_never_writes_over_a_folder_of_other_files(tmp_path, small_corpus):
+    (tmp_path / "mine" / "train").mkdir(parents=True)
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(DataError, match="holds notes.txt, which a prepared folder does not"):
+        prepare(PrepareOptions([str(small_corpus)], str(tmp_path / "mine"), **SMALL))
+    assert (tmp_path / "mine" / "train").is_dir() and (tmp_path / "mine" / "notes.txt").is_file()

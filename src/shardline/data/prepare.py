@@ -21,7 +21,7 @@ import sys
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from shardline.data.encode import chat_template_for, encode_documents, render_ch
 from shardline.data.loader import held_out, split_single
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, file_sha256,
                                    token_dtype, tokenizer_hash)
-from shardline.data.sources import input_files, read_file
+from shardline.data.sources import CHAT_FIELD, input_files, read_file
 from shardline.data.tokenizer import eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
 
@@ -58,8 +58,8 @@ class PrepareOptions:
     progress: bool = True
     stop_after_shards: int = 0  # testing aid: stop (as if killed) after this many commits; 0 = never
 
-    def field(self) -> str:
-        return "messages" if self.format == "chat" else self.text_field
+    def read_field(self) -> str:
+        return CHAT_FIELD if self.format == "chat" else self.text_field
 
 
 @dataclass
@@ -106,6 +106,7 @@ def prepare(opts: PrepareOptions) -> dict:
     _check_options(opts)
     files = [f for path in opts.inputs for f in input_files(path)]
     root = Path(opts.out)
+    _check_out(root, files)
     root.mkdir(parents=True, exist_ok=True)
     request = _request(opts, files)
     done = _finished(root, request)
@@ -136,11 +137,25 @@ def _check_options(opts: PrepareOptions) -> None:
         raise DataError("shardline prepare needs at least one input file or folder")
 
 
+def _check_out(root: Path, files: list[Path]) -> None:
+    """--out must be new, empty or a prepared folder: prepare deletes what it finds unfinished there."""
+    if root.exists() and not root.is_dir():
+        raise DataError(f"--out {root} is a file; give a folder")
+    ours = {*SPLITS, MANIFEST, PROGRESS, TOKENIZER} | {f"{n}.tmp" for n in (MANIFEST, PROGRESS, TOKENIZER)}
+    others = sorted(p.name for p in root.iterdir() if p.name not in ours) if root.is_dir() else []
+    if others:
+        raise DataError(f"--out {root} holds {others[0]}, which a prepared folder does not: give a new or empty "
+                        "folder (prepare deletes what it finds unfinished there)")
+    inside = [f for f in files if root.resolve() in f.resolve().parents]
+    if inside:
+        raise DataError(f"--out {root} holds input {inside[0]}; write the prepared folder elsewhere")
+
+
 def _request(opts: PrepareOptions, files: list[Path]) -> dict:
     """What the folder's content depends on: a rerun with another request starts over."""
     inputs = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     tok = ["file", file_sha256(Path(opts.tokenizer))] if opts.tokenizer else ["bpe", opts.vocab_size]
-    return {"inputs": inputs, "field": opts.field(), "format": opts.format, "val_fraction": opts.val_fraction,
+    return {"inputs": inputs, "field": opts.read_field(), "format": opts.format, "val_fraction": opts.val_fraction,
             "tokenizer": tok, "shard_tokens": opts.shard_tokens, "format_version": FORMAT_VERSION}
 
 
@@ -156,7 +171,7 @@ def _finished(root: Path, request: dict) -> dict | None:
 
 def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
     """Pass 1: the number of documents (the held-out split depends on it)."""
-    stream = _Stream(files, opts.field(), count=-1, val_fraction=opts.val_fraction)
+    stream = _Stream(files, opts.read_field(), count=-1, val_fraction=opts.val_fraction)
     count = sum(1 for _ in stream.documents())
     if count == 0:
         raise DataError(f"{', '.join(opts.inputs)} contains no text (all documents are empty)")
@@ -381,7 +396,3 @@ class _Progress:
     def done(self) -> None:
         if self.enabled:
             print(self.line(time.perf_counter()) + " - done", file=sys.stderr, flush=True)
-
-
-def options_dict(opts: PrepareOptions) -> dict:
-    return asdict(opts)

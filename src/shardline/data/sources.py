@@ -133,21 +133,21 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
                 raise DataError(f"data file {f} line {n} is not valid JSON: {e.msg}") from None
             value = obj.get(field) if isinstance(obj, dict) else None
             if field == CHAT_FIELD:
-                yield _conversation(f, n, value)
+                yield _conversation(f, f"line {n}", value)
             elif isinstance(value, str):
                 yield value
             else:
                 raise DataError(f"data file {f} line {n} has no string field {field!r} (set data.text_field)")
 
 
-def _conversation(f: Path, n: int, value) -> list[dict]:
+def _conversation(f: Path, where: str, value) -> list[dict]:
     """A chat record's messages, each with a string role and content, or a DataError naming the line."""
     if not isinstance(value, list):
-        raise DataError(f"data file {f} line {n} has no list field 'messages' (data.format=chat reads "
+        raise DataError(f"data file {f} {where} has no list field 'messages' (data.format=chat reads "
                         "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]})")
     for i, m in enumerate(value):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise DataError(f"data file {f} line {n}: messages[{i}] needs string fields 'role' and 'content'")
+            raise DataError(f"data file {f} {where}: messages[{i}] needs string fields 'role' and 'content'")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
@@ -155,7 +155,8 @@ def _read_table(f: Path, field: str, kind: str) -> Iterator:
     try:
         batches = _arrow_batches(f, field, kind)
         for batch in batches:
-            yield from (t for t in batch.column(0).to_pylist() if t is not None)
+            values = [t for t in batch.column(0).to_pylist() if t is not None]
+            yield from ([_conversation(f, "a row", v) for v in values] if field == CHAT_FIELD else values)
     except DataError:
         raise
     except Exception as e:  # pyarrow raises several types, with multi-line messages, for a damaged file
