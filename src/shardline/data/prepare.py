@@ -30,8 +30,8 @@ from tokenizers import Tokenizer
 
 from shardline.data.encode import chat_template_for, encode_documents, render_chat
 from shardline.data.loader import held_out, split_single
-from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, file_sha256,
-                                   token_dtype, tokenizer_hash)
+from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
+                                   file_sha256, token_dtype, tokenizer_hash)
 from shardline.data.sources import CHAT_FIELD, input_files, read_file
 from shardline.data.tokenizer import eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
@@ -204,66 +204,12 @@ def _resume_state(root: Path, request: dict) -> dict:
     return {"request": request, "documents_done": 0, "splits": {}}
 
 
-class SplitWriter:
-    """Appends one split's documents to its shards; `flush` commits the buffered ones as a shard."""
-
-    def __init__(self, root: Path, name: str, dtype: np.dtype, chat: bool, state: dict | None):
-        self.root, self.name, self.dtype, self.chat = root, name, dtype, chat
-        state = state or {"shards": [], "tokens": 0, "documents": 0}
-        self.shards, self.tokens, self.documents = state["shards"], state["tokens"], state["documents"]
-        self.buffer: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
-        self.pending = 0
-        (root / name).mkdir(parents=True, exist_ok=True)
-        self._drop_uncommitted()
-
-    def _drop_uncommitted(self) -> None:
-        """Delete what an interrupted run wrote after its last commit."""
-        keep = {s[k] for s in self.shards for k in ("file", "mask") if k in s}
-        for f in (self.root / self.name).iterdir():
-            if f.name != "docs.idx" and f"{self.name}/{f.name}" not in keep:
-                f.unlink()
-        with open(self.root / self.name / "docs.idx", "ab") as idx:
-            idx.truncate(self.documents * 8)
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None) -> None:
-        if len(lengths):
-            self.buffer.append((tokens, lengths, mask))
-            self.pending += len(tokens)
-
-    def flush(self) -> None:
-        if not self.buffer:
-            return
-        tokens = np.concatenate([b[0] for b in self.buffer]).astype(self.dtype)
-        lengths = np.concatenate([b[1] for b in self.buffer])
-        shard = {"file": self._write("tokens", tokens)}
-        if self.chat:
-            shard["mask"] = self._write("mask", np.concatenate([b[2] for b in self.buffer]))
-        shard.update({f"{k}_sha256": file_sha256(self.root / v) for k, v in list(shard.items())},
-                     tokens=len(tokens), documents=len(lengths))
-        starts = self.tokens + np.cumsum(lengths) - lengths
-        with open(self.root / self.name / "docs.idx", "ab") as idx:
-            idx.write(starts.astype(np.int64).tobytes())
-        self.shards.append(shard)
-        self.tokens += len(tokens)
-        self.documents += len(lengths)
-        self.buffer, self.pending = [], 0
-
-    def _write(self, kind: str, array: np.ndarray) -> str:
-        rel = f"{self.name}/{kind}-{len(self.shards):05d}.bin"
-        tmp = self.root / f"{rel}.tmp"
-        array.tofile(tmp)
-        tmp.replace(self.root / rel)
-        return rel
-
-    def state(self) -> dict:
-        return {"shards": self.shards, "tokens": self.tokens, "documents": self.documents}
-
-
 def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict, template) -> None:
     """Pass 3: tokenize every document not yet committed, committing after each full shard."""
     progress = _Progress(opts, stream.count, state["documents_done"])
     commits = 0
-    for n_docs, n_bytes, encoded in _encoded_chunks(opts, root, stream, state["documents_done"], template):
+    chunks = _encoded_chunks(opts, root, stream, state["documents_done"], template, writers["train"].dtype)
+    for n_docs, n_bytes, encoded in chunks:
         for name, (tokens, lengths, mask) in encoded.items():
             writers[name].add(tokens, lengths, mask)
         state["documents_done"] += n_docs
@@ -284,9 +230,9 @@ def _commit(root: Path, writers: dict, state: dict) -> None:
     _atomic_write(root / PROGRESS, json.dumps(state))
 
 
-def _encoded_chunks(opts, root: Path, stream: _Stream, skip: int, template):
+def _encoded_chunks(opts, root: Path, stream: _Stream, skip: int, template, dtype: np.dtype):
     """(input documents, bytes, {split: encoded}) per chunk, in input order; workers > 1 run a pool."""
-    job = (str(root / TOKENIZER), opts.format == "chat", template)
+    job = (str(root / TOKENIZER), opts.format == "chat", template, dtype)
     chunks = _chunks(stream.documents(skip), opts.chunk_bytes)
     if opts.workers == 1:
         yield from (_encode_chunk(job, chunk) for chunk in chunks)
@@ -330,12 +276,14 @@ def _chunks(documents, chunk_bytes: int):
 
 
 def _encode_chunk(job: tuple, chunk: list) -> tuple[int, int, dict]:
-    tokenizer_file, chat, template = job
+    tokenizer_file, chat, template, dtype = job
     tok = _load_cached(tokenizer_file, os.stat(tokenizer_file).st_mtime_ns)
     eos = eos_id(tok)
     n_bytes = sum(len(d.encode()) if isinstance(d, str) else len(json.dumps(d)) for _, d in chunk)
-    encoded = {name: encode_documents(tok, [d for s, d in chunk if s == name], eos, template, chat)
-               for name in SPLITS}
+    encoded = {}
+    for name in SPLITS:  # tokens travel back in the shard's dtype: 2 bytes each, not 8
+        tokens, lengths, mask = encode_documents(tok, [d for s, d in chunk if s == name], eos, template, chat)
+        encoded[name] = (tokens.astype(dtype), lengths, mask)
     return len(chunk), n_bytes, encoded
 
 

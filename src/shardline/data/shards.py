@@ -9,10 +9,11 @@ Layout of a folder:
     train/docs.idx           int64: where each document starts in the split's stream
     val/...                  the same for the held-out split
 
-Opening a folder reads the manifest and the tokenizer and checks every file's size;
-it reads no token. A batch then reads only its own windows from the page cache, so
-start-up time and memory per rank do not grow with the corpus. Checksums are checked
-by `shardline prepare --verify DIR` (that reads everything).
+`SplitWriter` writes a split (for `prepare`). Opening a folder reads the manifest and
+the tokenizer and checks every file's size; it reads no token. A batch then reads only
+its own windows from the page cache, so start-up time and memory per rank do not grow
+with the corpus (but for the sampler's permutation: 8 bytes per sequence). Checksums
+are checked by `shardline prepare --verify DIR` (that reads everything).
 """
 
 from __future__ import annotations
@@ -90,6 +91,61 @@ class TokenShards:
                 out[row, pos : pos + take] = self._map(k)[lo : lo + take]
                 pos, k = pos + take, k + 1
         return out
+
+
+class SplitWriter:
+    """Appends one split's documents to its shards; `flush` commits the buffered ones as a shard."""
+
+    def __init__(self, root: Path, name: str, dtype: np.dtype, chat: bool, state: dict | None):
+        self.root, self.name, self.dtype, self.chat = root, name, dtype, chat
+        state = state or {"shards": [], "tokens": 0, "documents": 0}
+        self.shards, self.tokens, self.documents = state["shards"], state["tokens"], state["documents"]
+        self.buffer: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
+        self.pending = 0
+        (root / name).mkdir(parents=True, exist_ok=True)
+        self._drop_uncommitted()
+
+    def _drop_uncommitted(self) -> None:
+        """Delete what an interrupted run wrote after its last commit."""
+        keep = {s[k] for s in self.shards for k in ("file", "mask") if k in s}
+        for f in (self.root / self.name).iterdir():
+            if f.name != "docs.idx" and f"{self.name}/{f.name}" not in keep:
+                f.unlink()
+        with open(self.root / self.name / "docs.idx", "ab") as idx:
+            idx.truncate(self.documents * 8)
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None) -> None:
+        if len(lengths):
+            self.buffer.append((tokens, lengths, mask))
+            self.pending += len(tokens)
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        tokens = np.concatenate([b[0] for b in self.buffer]).astype(self.dtype)
+        lengths = np.concatenate([b[1] for b in self.buffer])
+        shard = {"file": self._write("tokens", tokens)}
+        if self.chat:
+            shard["mask"] = self._write("mask", np.concatenate([b[2] for b in self.buffer]))
+        shard.update({f"{k}_sha256": file_sha256(self.root / v) for k, v in list(shard.items())},
+                     tokens=len(tokens), documents=len(lengths))
+        starts = self.tokens + np.cumsum(lengths) - lengths
+        with open(self.root / self.name / "docs.idx", "ab") as idx:
+            idx.write(starts.astype(np.int64).tobytes())
+        self.shards.append(shard)
+        self.tokens += len(tokens)
+        self.documents += len(lengths)
+        self.buffer, self.pending = [], 0
+
+    def _write(self, kind: str, array: np.ndarray) -> str:
+        rel = f"{self.name}/{kind}-{len(self.shards):05d}.bin"
+        tmp = self.root / f"{rel}.tmp"
+        array.tofile(tmp)
+        tmp.replace(self.root / rel)
+        return rel
+
+    def state(self) -> dict:
+        return {"shards": self.shards, "tokens": self.tokens, "documents": self.documents}
 
 
 @dataclass
