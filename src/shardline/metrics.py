@@ -42,6 +42,9 @@ def format_line(rec: dict[str, Any], total_steps: int) -> str:
         if rec.get("mfu") is not None:
             parts.append(f"mfu {100 * rec['mfu']:.1f}%")
         parts += [f"mem {rec['peak_mem_gib']:.2f} GiB", f"{rec['step_time_s']:.3f} s/step"]
+        if "expert_load_max" in rec:  # a mixture-of-experts model
+            parts.append(f"experts load max/mean {rec['expert_load_max']:.2f} aux {rec['aux_loss']:.4f} "
+                         f"dropped {rec['dropped_tokens']:,.0f}")
         return " | ".join(parts)
     if rec["kind"] == "eval":
         return f"eval step {rec['step']} | loss {rec['eval_loss']:.4f} | ppl {rec['eval_ppl']:.2f}"

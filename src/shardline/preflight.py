@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardline import layout as layouts
-from shardline.config import Config, ModelConfig
+from shardline.config import Config, ModelConfig, MoEConfig
 from shardline.errors import ConfigError
 from shardline.interop.hf_config import read_hf_config
 from shardline.layout import Job, Layout
 from shardline.models.factory import args_from_json
 from shardline.models.llama import ModelArgs
+from shardline.models.moe import MoEArgs
 from shardline.models.presets import PRESETS, get_preset
 from shardline.resilience.anomaly import check_on_device
 from shardline.resilience.checkpoint import Checkpointer, read_meta
@@ -65,10 +66,12 @@ def starting_shape(m: ModelConfig) -> ModelArgs | None:
     return None
 
 
-def model_shape(m: ModelConfig, tokenizer_vocab: int) -> ModelArgs:
-    """Preset (or the starting weights' shape) + [model] overrides, checked against the tokenizer."""
+def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = None) -> ModelArgs:
+    """Preset (or the starting weights' shape) + [model] and [moe] overrides, checked against the tokenizer."""
     args = starting_shape(m) or get_preset(m.preset)
     changes = {k: getattr(m, k) for k in _SHAPE_KEYS if getattr(m, k)}
+    if moe is not None and moe.overrides():
+        changes["moe"] = moe_shape(args.moe, moe.overrides())
     if m.tie_embeddings >= 0:
         changes["tie_embeddings"] = bool(m.tie_embeddings)
     if not args.vocab_size and "vocab_size" not in changes:
@@ -83,6 +86,18 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int) -> ModelArgs:
     return args
 
 
+def moe_shape(base: MoEArgs | None, changes: dict) -> MoEArgs:
+    """The model's MoE shape with [moe] overrides; a dense model needs the three sizes to become one."""
+    if base is None:
+        missing = [k for k in ("n_experts", "top_k", "expert_ffn_dim") if k not in changes]
+        if missing:
+            keys = ", ".join("moe.num_experts" if k == "n_experts" else f"moe.{k}" for k in missing)
+            raise ConfigError(f"the model is dense: [moe] overrides make it a mixture of experts only with "
+                              f"moe.num_experts, moe.top_k and moe.expert_ffn_dim set (missing {keys})")
+        return MoEArgs(**changes)
+    return dataclasses.replace(base, **changes)
+
+
 def check_layout(cfg: Config, world: int, args: ModelArgs) -> Layout:
     """The layout of `cfg` on `world` ranks, or the ConfigError of the first rule it breaks."""
     lay = layouts.resolve(cfg, world)
@@ -93,7 +108,7 @@ def check_layout(cfg: Config, world: int, args: ModelArgs) -> Layout:
 def preflight(cfg: Config, world: int, tokenizer_vocab: int) -> Preflight:
     """Every check of a launch on `world` ranks once the tokenizer's size is known."""
     check_config(cfg)
-    args = model_shape(cfg.model, tokenizer_vocab)
+    args = model_shape(cfg.model, tokenizer_vocab, cfg.moe)
     if cfg.train.seq_len > args.max_seq_len:
         # Rotary positions extend to any length; the recorded maximum (checkpoints, HF
         # config.json) follows what the model is trained on.

@@ -29,11 +29,13 @@ from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.factory import args_to_json
 from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
+from shardline.models.moe.parallelize import build_model as build_moe_model
 from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
 from shardline.parallel.collectives import clip_grad_norm, local_value, loss_context, reduce_over
 from shardline.parallel.context.sharding import shard_batch
 from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
+from shardline.parallel.expert.balance import ExpertBalance
 from shardline.parallel.distributed import init_distributed, pick_device
 from shardline.parallel.pipeline import sync_tied_gradient, tied_copy
 from shardline.parallel.zero1 import reduce_gradients
@@ -76,7 +78,8 @@ class Trainer:
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
         check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
-        built = build_model(cfg, self.model_args, self.dims, self.device)
+        build = build_moe_model if self.model_args.moe else build_model
+        built = build(cfg, self.model_args, self.dims, self.device)
         load_starting_weights(cfg.model, built.model, sharded=self.proc.world_size > 1)
         # The parameters (optimizer, checkpoints, clipping), and how to run them: a module
         # to call (DDP-wrapped or not, compiled or not) or, under pp, the pipeline schedule.
@@ -93,7 +96,9 @@ class Trainer:
         self.anomaly = build_anomaly_check(cfg, launch.layout, self.optimizer, self.device)
         self.skipped_batches: list[int] = list(cfg.train.skip_batches)
         self.rollbacks = 0
-        self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)
+        self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)  # active parameters under MoE
+        moe = self.model_args.moe
+        self.experts = ExpertBalance(self.model, self.dims, cfg.train.global_batch_size) if moe else None
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
         self._lock_run_dir()
         try:
@@ -272,7 +277,11 @@ class Trainer:
         """
         self.model.train()
         micro, n_tokens = self._step_batch()
+        if self.experts:  # the balancing losses' gradients are scaled as the loss's are
+            self.experts.begin_step(self.scaler.scale(torch.ones((), device=self.device)))
         loss = self.forward_backward_step(micro, n_tokens)
+        if self.experts:
+            self.experts.end_step()
         reduce_gradients(self.optimizer, self.dims.zero1_scatters)  # ZeRO-1: its slices (under tp/pp, summed)
         self.scaler.unscale_(self.optimizer)
         return loss, clip_grad_norm(self.model, self.cfg.train.grad_clip, self.dims,
@@ -473,7 +482,7 @@ class Trainer:
             grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
             peak_mem_gib=memory.item(), step_time_s=seconds / steps,
-            epoch=self.data.sampler.epoch_of(self.step))
+            epoch=self.data.sampler.epoch_of(self.step), **(self.experts.log_values() if self.experts else {}))
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ LAYERS = [
     {"__main__", "__init__"},
 ]
 # A model family's own parallel plan is built from parallel/ blocks: it sits just above them.
-MODULE_LAYERS = {"models.llama.parallelize": 5}
+MODULE_LAYERS = {"models.llama.parallelize": 5, "models.moe.parallelize": 5}
 
 
 def layer_of(module: str) -> int:

@@ -57,17 +57,35 @@ def test_dp_shard_fills_the_rest():
     (4, ["parallel.cp=4", "parallel.cp_mode=hybrid"], "needs parallel.cp_ulysses to divide parallel.cp=4"),
     (8, ["parallel.cp=8", "parallel.cp_mode=ulysses"], "Ulysses splits the 4 attention heads per tp rank"),
     (8, ["parallel.cp=4", "parallel.tp=2", "parallel.cp_mode=ulysses"], "Ulysses splits the 2 attention heads"),
-    (2, ["parallel.ep=2"], "expert parallel is not implemented yet"),
+    (2, ["parallel.ep=2"], "parallel.ep=2 needs a mixture-of-experts model; this model is dense"),
     (2, ["parallel.tp=2", "train.seq_len=33"], "must be divisible by parallel.tp=2"),
     (2, ["memory.cpu_offload=true", "run.device=cpu"], "needs a GPU"),
     (1, ["memory.cpu_offload=true"], "needs FSDP"),
     (2, ["memory.cpu_offload=true", "parallel.zero=1"], "zero=1 keeps parameters replicated"),
-    (1, ["parallel.ep=2"], "expert parallel is not implemented yet"),  # named before the world size
     (4, ["parallel.dp_shard=2"], "or set parallel.dp_shard=-1"),
 ])
 def test_invalid_layouts(world, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         layout_for(world, *overrides)
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (4, ["model.preset=tiny-moe", "parallel.ep=3", "parallel.dp_shard=3", "parallel.dp_replicate=1"],
+     "does not match the world size 4"),
+    (6, ["model.preset=tiny-moe", "parallel.ep=3", "parallel.dp_shard=6"], "must divide the 8 experts"),
+    (4, ["model.preset=tiny-moe", "parallel.ep=4", "parallel.cp=2", "parallel.dp_shard=2"],
+     "borrowing context-parallel ranks for experts is not built"),
+    (2, ["model.preset=tiny-moe", "parallel.tp=2"], "with a mixture-of-experts model is not built"),
+    (2, ["model.preset=tiny-moe", "parallel.ep=2", "parallel.zero=1"], "ep > 1 with zero=1 is not built"),
+    (2, ["model.preset=tiny-moe", "moe.top_k=9"], "moe top_k=9 must be in 1..n_experts=8"),
+    (1, ["moe.top_k=2"], "missing moe.num_experts, moe.expert_ffn_dim"),
+])
+def test_invalid_moe_layouts(world, overrides, message):
+    """Mixture-of-experts shapes and layouts, checked as a launch checks them (preset + [moe])."""
+    cfg = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=2", "train.seq_len=32",
+                             *overrides])
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        preflight(cfg, world, 512)
 
 
 @pytest.mark.parametrize("world, overrides", [

@@ -18,6 +18,7 @@ from shardline.config.sections import (
     MemoryConfig,
     MetricsConfig,
     ModelConfig,
+    MoEConfig,
     OptimConfig,
     ParallelConfig,
     RunConfig,
@@ -26,7 +27,7 @@ from shardline.config.sections import (
 
 __all__ = [
     "AC_MODES", "PP_SCHEDULES", "PRECISIONS", "SCHEDULES", "AnomalyConfig", "CheckpointConfig", "Config",
-    "DataConfig", "FaultsConfig", "MemoryConfig", "MetricsConfig", "ModelConfig", "OptimConfig",
+    "DataConfig", "FaultsConfig", "MemoryConfig", "MetricsConfig", "ModelConfig", "MoEConfig", "OptimConfig",
     "ParallelConfig", "RunConfig", "TrainConfig", "WatchdogConfig", "apply_override", "from_dict",
     "load_config", "read_toml", "to_toml",
 ]

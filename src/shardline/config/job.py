@@ -16,6 +16,7 @@ from shardline.config.sections import (
     MemoryConfig,
     MetricsConfig,
     ModelConfig,
+    MoEConfig,
     OptimConfig,
     ParallelConfig,
     RunConfig,
@@ -28,6 +29,7 @@ from shardline.errors import ConfigError
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -59,6 +59,44 @@ class ModelConfig:
             _require(getattr(self, key) >= 0, f"model.{key}", getattr(self, key), "must be > 0 (0 keeps the preset's)")
 
 
+MOE_ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts overrides on top of the model's shape (-1 / 0 / "" keep its value).
+
+    On a dense preset, setting num_experts, top_k and expert_ffn_dim makes it an MoE model.
+    """
+
+    num_experts: int = 0  # routed experts per MoE layer
+    top_k: int = 0  # routed experts per token
+    expert_ffn_dim: int = 0  # hidden size of each expert's SwiGLU
+    shared_experts: int = -1  # always-on experts (one SwiGLU of shared_experts x expert_ffn_dim)
+    first_dense_layers: int = -1  # leading blocks that keep the dense feed-forward
+    router: str = ""  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3)
+    capacity_factor: float = -1.0  # 0 = dropless; c > 0: each expert takes ceil(c x tokens x top_k / experts)
+    aux_loss_coef: float = -1.0  # Switch/GShard balance loss per sequence; 0 = off
+    z_loss_coef: float = -1.0  # router z-loss; 0 = off
+    bias_update_rate: float = -1.0  # auxiliary-loss-free balancing (per-expert bias step); 0 = off
+
+    def check(self) -> None:
+        for key in ("num_experts", "top_k", "expert_ffn_dim"):
+            _require(getattr(self, key) >= 0, f"moe.{key}", getattr(self, key), "must be > 0 (0 keeps the model's)")
+        for key in ("shared_experts", "first_dense_layers", "capacity_factor", "aux_loss_coef", "z_loss_coef",
+                    "bias_update_rate"):
+            _require(getattr(self, key) >= 0 or getattr(self, key) == -1, f"moe.{key}", getattr(self, key),
+                     "must be >= 0 (-1 keeps the model's)")
+        _require(self.router in ("", *MOE_ROUTERS), "moe.router", self.router,
+                 f"one of {', '.join(MOE_ROUTERS)} (or empty to keep the model's)")
+
+    def overrides(self) -> dict:
+        """The keys set here, by MoEArgs field name (num_experts is MoEArgs.n_experts)."""
+        keep = {"num_experts": 0, "top_k": 0, "expert_ffn_dim": 0, "router": ""}
+        return {("n_experts" if key == "num_experts" else key): value for key, value in self.__dict__.items()
+                if value != keep.get(key, -1)}
+
+
 @dataclass
 class TrainConfig:
     steps: int = 200  # length of the run (and of the learning-rate schedule)

@@ -3,7 +3,9 @@
 FLOPs per token for training follow the PaLM convention:
 6 N + 12 L d s, with N the parameters that take part in matmuls (the embedding
 lookup is not a matmul, the output projection is), L layers, d the attention width
-(heads x head_dim), s the sequence length. No causal discount, no recompute.
+(heads x head_dim), s the sequence length. No causal discount, no recompute. In a
+mixture-of-experts model N counts the *active* parameters: the router, the top_k
+routed experts a token goes through and the shared experts.
 """
 
 from __future__ import annotations
@@ -11,27 +13,40 @@ from __future__ import annotations
 from shardline.models.llama import ModelArgs
 
 
-def num_params(args: ModelArgs, *, exclude_embedding: bool = False) -> int:
-    """Parameters of the model; a tied output shares the embedding's weight."""
+def num_params(args: ModelArgs, *, exclude_embedding: bool = False, active: bool = False) -> int:
+    """Parameters of the model; a tied output shares the embedding's weight.
+
+    active=True: those one token uses (in an MoE layer, top_k of the routed experts).
+    """
     d, hd = args.dim, args.head_size
     attn = d * args.n_heads * hd * 2 + d * args.kv_heads * hd * 2  # wq, wo, wk, wv
-    ffn = 3 * d * args.ffn_dim
-    per_layer = attn + ffn + 2 * d  # two RMSNorm weights
+    qk_norm = 2 * hd if args.qk_norm else 0
+    ffn = args.n_layers * 3 * d * args.ffn_dim
+    if args.moe is not None:
+        dense = args.moe.first_dense_layers
+        ffn = dense * 3 * d * args.ffn_dim + (args.n_layers - dense) * moe_ffn_params(args, active)
     embedding = args.vocab_size * d
     output = 0 if args.tie_embeddings else args.vocab_size * d
-    total = args.n_layers * per_layer + d + embedding + output
+    total = args.n_layers * (attn + qk_norm + 2 * d) + ffn + d + embedding + output  # 2 d: the block norms
     return total - embedding if exclude_embedding else total
 
 
+def moe_ffn_params(args: ModelArgs, active: bool = False) -> int:
+    """One MoE feed-forward: router, routed experts (all, or top_k when active), shared experts."""
+    m, d = args.moe, args.dim
+    routed = (m.top_k if active else m.n_experts) * 3 * d * m.expert_ffn_dim
+    return d * m.n_experts + routed + m.shared_experts * 3 * d * m.expert_ffn_dim
+
+
 def matmul_params(args: ModelArgs) -> int:
-    """Parameters used in matmuls: all but the embedding lookup and the norm weights.
+    """Active parameters used in matmuls: all but the embedding lookup and the norm weights.
 
     A tied output still performs its matmul, so it counts once here.
     """
     d = args.dim
-    norms = args.n_layers * 2 * d + d
+    norms = args.n_layers * (2 * d + (2 * args.head_size if args.qk_norm else 0)) + d
     lookup = 0 if args.tie_embeddings else args.vocab_size * d
-    return num_params(args) - norms - lookup
+    return num_params(args, active=True) - norms - lookup
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from shardline.errors import ConfigError
 from shardline.models.llama import ModelArgs
+from shardline.models.moe import MoEArgs
 
 _LLAMA31_SCALING = (
     ("factor", 8.0),
@@ -36,6 +37,19 @@ PRESETS: dict[str, ModelArgs] = {
     "llama3-405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
                              ffn_dim=53248, rope_theta=500000.0, rope_scaling=_LLAMA31_SCALING,
                              max_seq_len=131072),
+    # Mixture-of-experts. tiny-moe: 8 experts (2 per token) plus one shared, a dense first
+    # block, the balance loss on; 8.8 M parameters (4096 vocabulary), 5.3 M active per token.
+    "tiny-moe": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=0, ffn_dim=768,
+                          max_seq_len=1024, rope_theta=10000.0,
+                          moe=MoEArgs(n_experts=8, top_k=2, expert_ffn_dim=256, shared_experts=1,
+                                      first_dense_layers=1, aux_loss_coef=0.01)),
+    "mixtral-8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, ffn_dim=14336,
+                              rope_theta=1e6, max_seq_len=32768,
+                              moe=MoEArgs(n_experts=8, top_k=2, expert_ffn_dim=14336, aux_loss_coef=0.02)),
+    "qwen3-moe-30b-a3b": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                                   vocab_size=151936, ffn_dim=6144, norm_eps=1e-6, rope_theta=1e6,
+                                   max_seq_len=40960, qk_norm=True,
+                                   moe=MoEArgs(n_experts=128, top_k=8, expert_ffn_dim=768, aux_loss_coef=0.001)),
 }
 
 

@@ -8,6 +8,11 @@ context-parallel ranks (cp = cp_ring x cp_ulysses) split each of its sequences, 
 tensor-parallel ranks in one group see the same tokens. FSDP shards over
 dp_shard x cp ("dp_shard_cp"): cp ranks hold the same parameters, so they share
 them as data-parallel ranks would, and their gradients are summed the same way.
+
+Expert parallelism borrows ep of the dp_shard ranks: with ep > 1, dp_shard is built as
+dp_shard_mod_ep x ep (and kept as a flattened dimension of that name). Routed experts
+are split over "ep" and sharded by FSDP over what is left of dp_shard x cp ("efsdp":
+dp_shard_mod_ep x cp).
 """
 
 from __future__ import annotations
@@ -62,6 +67,10 @@ class ParallelDims:
         return self.layout.zero
 
     @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
     def world_size(self) -> int:
         return self.layout.world
 
@@ -103,14 +112,20 @@ class ParallelDims:
         """The mesh and the groups beside it; `embedding_group`: tied embeddings whose two ends
         sit on the first and the last pp rank."""
         ring, ulysses = self.layout.cp_degrees
-        names = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
-        shape = (self.pp, self.dp_replicate, self.dp_shard, ring, ulysses, self.tp)
+        shard = ("dp_shard_mod_ep", "ep") if self.ep > 1 else ("dp_shard",)
+        shard_sizes = (self.dp_shard // self.ep, self.ep) if self.ep > 1 else (self.dp_shard,)
+        names = ("pp", "dp_replicate", *shard, "cp_ring", "cp_ulysses", "tp")
+        shape = (self.pp, self.dp_replicate, *shard_sizes, ring, ulysses, self.tp)
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-        self.dp_mesh = self.mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        self.dp_mesh = self.mesh[("dp_replicate", *shard)]._flatten("dp")
         cp = ("cp_ring", "cp_ulysses")
         self.flat = {"dp": self.dp_mesh, "cp": self.mesh[cp]._flatten("cp"),
-                     "dp_shard_cp": self.mesh[("dp_shard", *cp)]._flatten("dp_shard_cp"),
-                     "dp_cp": self.mesh[("dp_replicate", "dp_shard", *cp)]._flatten("dp_cp")}
+                     "dp_shard_cp": self.mesh[(*shard, *cp)]._flatten("dp_shard_cp"),
+                     "dp_cp": self.mesh[("dp_replicate", *shard, *cp)]._flatten("dp_cp")}
+        if self.ep > 1:
+            self.flat["dp_shard"] = self.mesh[shard]._flatten("dp_shard")
+            # Ranks holding the same experts and different tokens: their expert gradients sum.
+            self.flat["efsdp"] = self.mesh[("dp_shard_mod_ep", *cp)]._flatten("efsdp")
         self.checkpoint_group = dist.new_group(backend="gloo")
         self.control_group = dist.new_group(backend="gloo")
         if embedding_group and self.pp > 1:

@@ -192,7 +192,7 @@ def _config_model(cfg: Config) -> ModelArgs:
     from shardline.preflight import model_shape  # reads checkpoints and HF folders: heavy, and only here
 
     # A preset sized by the tokenizer takes data.vocab_size, the size of the BPE it trains.
-    return model_shape(cfg.model, cfg.data.vocab_size)
+    return model_shape(cfg.model, cfg.data.vocab_size, cfg.moe)
 
 
 def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:

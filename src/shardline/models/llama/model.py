@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardline.models.moe.args import MoEArgs
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -37,6 +39,17 @@ class ModelArgs:
     rope_scaling: tuple[tuple[str, float], ...] | None = None
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    qk_norm: bool = False  # RMSNorm on each query and key head before the rotary embedding (Qwen3)
+    moe: MoEArgs | None = None  # a routed feed-forward (models/moe); None: dense
+
+    @property
+    def n_experts(self) -> int:
+        """Routed experts per MoE layer (0: a dense model); the layout rules read it."""
+        return self.moe.n_experts if self.moe else 0
+
+    @property
+    def moe_top_k(self) -> int:
+        return self.moe.top_k if self.moe else 0
 
     @property
     def kv_heads(self) -> int:
@@ -58,6 +71,8 @@ class ModelArgs:
             problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
         if self.head_size % 2:
             problems.append(f"head_dim={self.head_size} must be even for rotary embeddings")
+        if self.moe is not None:
+            problems += self.moe.validate(self.n_layers)
         return problems
 
 
@@ -111,6 +126,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
         # The attention core (q, k, v, mask) -> out: a parallel plan may replace it (context
         # parallelism installs one that spans the ranks holding the rest of the sequence).
         self.core = sdpa_attention
@@ -120,6 +138,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -157,12 +177,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x, cos, sin, mask):
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
@@ -176,7 +196,8 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed "0".."L-1" keeps parameter names stable when a pipeline
         # stage deletes the layers it does not own.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, self.feed_forward_of(i))
+                                     for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -200,6 +221,10 @@ class Llama(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))
+
+    def feed_forward_of(self, layer: int) -> nn.Module | None:
+        """The feed-forward of block `layer`; None: the dense SwiGLU (another family overrides this)."""
+        return None
 
     def attention_mask(self, doc_ids: torch.Tensor | None):
         """What each attention core gets as its mask; a parallel plan may replace this with
@@ -241,13 +266,13 @@ def initial_value(name: str, shape: tuple[int, ...], n_layers: int, seed: int) -
     """The initial fp32 value of parameter `name`: scaled normal, as in GPT-2/Llama.
 
     Matmul weights get N(0, 0.02); the projections that write into the residual stream
-    (wo, w2) are scaled by 1/sqrt(2 * n_layers) so the residual variance does not grow
+    (wo, w2, the experts' w2) are scaled by 1/sqrt(2 * n_layers) so the residual variance does not grow
     with depth. Norm weights start at one.
     """
     if len(shape) == 1:
         return torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 

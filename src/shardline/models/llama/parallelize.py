@@ -14,6 +14,8 @@ cross-entropy runs on the vocab-sharded logits without gathering them.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,18 +41,21 @@ from shardline.parallel.parallelize import BuiltModel, assign_full_value
 from shardline.parallel.pipeline import Pipeline
 
 
-def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, device: torch.device) -> BuiltModel:
+def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, device: torch.device,
+                family_plan: Callable[[Llama], None] | None = None) -> BuiltModel:
     """Built on meta, laid out by `dims` and initialised (starting weights are loaded
-    afterwards, by shardline.interop.weights)."""
+    afterwards, by shardline.interop.weights). `family_plan`: what a family built on
+    Llama's blocks adds (e.g. expert parallelism), run before data parallelism shards."""
     model = build_meta_model(args)
     if dims.world_size > 1:
         # Tied ends on two pp ranks need a group to sum the tied gradient (V-shaped
         # schedules put both ends on pp rank 0, where the tie stays one parameter).
         dims.build_mesh(device, embedding_group=args.tie_embeddings and cfg.parallel.pp_schedule not in V_SHAPED)
-    return parallelize(model, args, dims, cfg, device)
+    return parallelize(model, args, dims, cfg, device, family_plan)
 
 
-def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, device: torch.device) -> BuiltModel:
+def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, device: torch.device,
+                family_plan: Callable[[Llama], None] | None = None) -> BuiltModel:
     """Lay out `model` (on meta) in place by `dims`, then initialise it."""
     p = cfg.parallel
     pipeline = context = None
@@ -63,6 +68,8 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     if dims.tp > 1:
         apply_tp(model, dims.submesh("tp"), p.sequence_parallel, p.loss_parallel)
     apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
+    if family_plan is not None:
+        family_plan(model)
     use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1
     if dims.dp * dims.cp > 1 and not use_ddp and not dims.zero1_scatters:  # that optimizer reduces (zero1.py)
         roots = pipeline.modules if pipeline else [model]

@@ -1,0 +1,69 @@
+"""Per-step bookkeeping of a mixture-of-experts model, for the training loop.
+
+Each step: give the layers' balancing losses their gradient scale (that of the loss,
+1 / global sequences x the fp16 loss scale: the losses are per-sequence sums), then sum
+each layer's expert load over the ranks that hold distinct tokens and move the
+auxiliary-loss-free bias with it; at a logging step, report the load imbalance
+(busiest expert over the mean, worst layer), dropped token slots and the balance loss.
+
+Each layer runs exactly one counted forward per micro-batch of this rank. A pipeline
+schedule's first step runs one more, on the first stage's real input or on empty
+tensors, to infer shapes; when a layer reports one forward too many, the first is
+taken out, so the counts, and the bias updated from them, match one process exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardline.models.moe.layer import moe_layers, update_bias
+from shardline.parallel.collectives import reduce_over
+from shardline.parallel.dims import ParallelDims
+
+
+class ExpertBalance:
+    def __init__(self, model: nn.Module, dims: ParallelDims, global_batch: int):
+        self.layers = moe_layers(model)  # this rank's (a pipeline stage holds some of them)
+        self.dims, self.global_batch = dims, global_batch
+        self.forwards = dims.layout.micro_batches(global_batch)  # counted forwards per layer and step
+        self.loads: torch.Tensor | None = None  # [layers, experts] of the last step, summed over ranks
+
+    def begin_step(self, loss_scale: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.aux_grad_scale.copy_(loss_scale.detach() / self.global_batch)
+            for buffer in (layer.load, layer.dropped, layer.aux_value, layer.forwards):
+                buffer.zero_()
+
+    def end_step(self) -> None:
+        """Sum the step's expert load over the batch's ranks (one small all-reduce); move the biases."""
+        if not self.layers:
+            return
+        counted = torch.stack([layer.forwards for layer in self.layers]).tolist()  # one host sync
+        for layer, forwards in zip(self.layers, counted):
+            if forwards == self.forwards + 1:  # a schedule's shape-inference forward
+                n = layer.moe.n_experts
+                layer.load -= layer.first[:n]
+                layer.dropped -= layer.first[n]
+                layer.aux_value -= layer.first[n + 1]
+        loads = torch.stack([layer.load for layer in self.layers])
+        self.loads = reduce_over(self.dims, self.dims.batch_dim, loads, "sum")
+        for layer, load in zip(self.layers, self.loads):
+            if layer.moe.bias_update_rate:
+                update_bias(layer, load)
+
+    def log_values(self) -> dict[str, float]:
+        """The last step's load imbalance, dropped slots and mean balance loss per sequence (all ranks)."""
+        device = self.layers[0].load.device if self.layers else torch.device("cpu")
+        imbalance = torch.zeros((), device=device)
+        sums = torch.zeros(2, device=device)
+        if self.layers and self.loads is not None:
+            imbalance = (self.loads.max(1).values / self.loads.mean(1).clamp(min=1e-9)).max()
+            sums = torch.stack([sum(layer.dropped for layer in self.layers),
+                                sum(layer.aux_value for layer in self.layers)]).float()
+            sums = reduce_over(self.dims, self.dims.batch_dim, sums, "sum")
+        if self.dims.pp > 1:  # each stage holds other layers
+            imbalance = reduce_over(self.dims, "pp", imbalance, "max")
+            sums = reduce_over(self.dims, "pp", sums, "sum")
+        return {"expert_load_max": imbalance.item(), "dropped_tokens": sums[0].item(),
+                "aux_loss": sums[1].item() / self.global_batch}

@@ -1,0 +1,194 @@
+"""Mixture-of-experts and expert parallelism on real gloo ranks.
+
+First the layer: two ranks each route half of a batch through experts split between
+them (ExpertParallel) and must reproduce one process's output and gradients. Two
+classic bugs must fail the same comparison: results sent home without undoing the
+regrouping by expert (a mis-ordered combine), and expert gradients summed over the ep
+group as if the experts were data-parallel replicas (the wrong group).
+
+Then whole runs: MoE training (balance loss, z-loss and the bias update all on,
+dropless) under ep, ep x FSDP, ep x HSDP, ep x pp, pp, cp and activation
+checkpointing gives the single process's losses and final weights, also when a run is
+resumed under another ep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardline.config import load_config
+from shardline.models.llama.model import ModelArgs
+from shardline.models.moe import MoEArgs
+from shardline.models.moe.layer import MoEFeedForward
+from shardline.parallel.expert.dispatch import ExpertParallel, _Exchange
+from shardline.trainer import Trainer
+from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, losses, run_world
+from tests.distributed.test_watchdog import free_port
+
+ARGS = ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=8, ffn_dim=8,
+                 moe=MoEArgs(n_experts=4, top_k=2, expert_ffn_dim=8, shared_experts=1))
+BROKEN = ["combine_misordered", "expert_grads_over_ep"]
+
+
+class _MisorderedCombine(ExpertParallel):
+    """Sends expert outputs home in expert order instead of the order the rows came in."""
+
+    def __call__(self, experts, x, counts):
+        send_counts = counts.view(self.ep, self.n_local)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        arrived = _Exchange.apply(x, send, recv, self.group)
+        local_expert = torch.arange(self.n_local).repeat(self.ep)
+        by_expert = torch.argsort(torch.repeat_interleave(local_expert, recv_counts.flatten()), stable=True)
+        y = experts(arrived[by_expert], recv_counts.sum(0))
+        return _Exchange.apply(y, recv, send, self.group)  # bug: y[back] would restore the arrival order
+
+
+def _layer() -> MoEFeedForward:
+    torch.manual_seed(0)
+    layer = MoEFeedForward(ARGS)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return layer
+
+
+def _layer_errors(rank: int, world: int) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 6, ARGS.dim, generator=gen)
+    weights = torch.randn(4, 6, ARGS.dim, generator=gen)
+    ref = _layer()
+    ref_out = ref(x)
+    (ref_out * weights).sum().backward()
+    mine = slice(rank * 2, rank * 2 + 2)
+    n_local = ARGS.moe.n_experts // world
+    experts = slice(rank * n_local, (rank + 1) * n_local)
+    errors = {}
+    for variant in ["correct", *BROKEN]:
+        layer = _layer()
+        for name in ("w1", "w2", "w3"):  # keep this rank's experts only
+            setattr(layer.experts, name, torch.nn.Parameter(getattr(layer.experts, name).data[experts].clone()))
+        cls = _MisorderedCombine if variant == "combine_misordered" else ExpertParallel
+        layer.dispatch = cls(dist.group.WORLD, ARGS.moe.n_experts)
+        out = layer(x[mine])
+        (out * weights[mine]).sum().backward()
+        expert_grads = [getattr(layer.experts, n).grad for n in ("w1", "w2", "w3")]
+        if variant == "expert_grads_over_ep":
+            for g in expert_grads:
+                dist.all_reduce(g)  # bug: the tokens of every ep rank are already in these gradients
+        router_grad = layer.router.gate.weight.grad.clone()
+        dist.all_reduce(router_grad)  # data-parallel parameters: their gradients do sum over ranks
+        ref_expert_grads = [getattr(ref.experts, n).grad[experts] for n in ("w1", "w2", "w3")]
+        pairs = [(out, ref_out[mine]), (router_grad, ref.router.gate.weight.grad),
+                 *zip(expert_grads, ref_expert_grads)]
+        errors[variant] = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    return errors
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(_layer_errors(rank, world)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def layer_errors(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep_layer")
+    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+    ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    return {k: max(r[k] for r in ranks) for k in ranks[0]}
+
+
+def test_expert_parallel_layer_matches_one_process(layer_errors):
+    assert layer_errors["correct"] < 1e-5, layer_errors
+
+
+@pytest.mark.parametrize("broken", BROKEN)
+def test_a_misordered_combine_or_wrong_gradient_group_is_caught(layer_errors, broken):
+    assert layer_errors[broken] > 1e-3, layer_errors
+
+
+# ---- whole runs ---------------------------------------------------------------------
+
+MOE = ["model.preset=tiny-moe", "moe.num_experts=4", "moe.expert_ffn_dim=32", "moe.aux_loss_coef=0.01",
+       "moe.z_loss_coef=0.001", "moe.bias_update_rate=0.01"]
+MOE_2 = {
+    "ep2": ["parallel.dp_shard=2", "parallel.ep=2"],
+    "ep2_ac_full": ["parallel.dp_shard=2", "parallel.ep=2", "memory.activation_checkpoint=full"],
+    "pp2_1f1b": ["parallel.pp=2"],
+    "cp2_ring": ["parallel.cp=2"],
+}
+MOE_4 = {
+    "ep2_dp_shard2": ["parallel.dp_shard=4", "parallel.ep=2"],  # experts FSDP-sharded over 2 ranks
+    "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
+    "ep2_hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"],
+    "ep2_pp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.pp=2"],
+    "ep2_cp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2"],  # expert grads sum over cp too
+}
+RESHARD_4 = [("fsdp4_to_ep2", ["parallel.dp_shard=4", "train.stop_at_step=2"],
+              ["parallel.dp_shard=4", "parallel.ep=2"])]
+
+
+def _base(corpus) -> list[str]:
+    return [*PARITY_OVERRIDES, *MOE, f"data.path={corpus}"]
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory, small_corpus):
+    run = tmp_path_factory.mktemp("moe_reference")
+    Trainer(load_config(None, [*_base(small_corpus), f"run.dir={run}"])).build().train()
+    return run
+
+
+@pytest.fixture(scope="module")
+def moe_world2(tmp_path_factory, small_corpus):
+    root = tmp_path_factory.mktemp("moe_world2")
+    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in MOE_2.items()]
+    jobs.append((root / "ep2_to_single", [*_base(small_corpus), *MOE_2["ep2"], "train.stop_at_step=2"]))
+    run_world(2, jobs)
+    # The second half of ep2_to_single: one process, every expert on it.
+    Trainer(load_config(None, [*_base(small_corpus), f"run.dir={root / 'ep2_to_single'}"])).build().train()
+    return root
+
+
+@pytest.fixture(scope="module")
+def moe_world4(tmp_path_factory, small_corpus):
+    root = tmp_path_factory.mktemp("moe_world4")
+    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in MOE_4.items()]
+    for name, first, second in RESHARD_4:
+        jobs += [(root / name, [*_base(small_corpus), *first]), (root / name, [*_base(small_corpus), *second])]
+    run_world(4, jobs)
+    return root
+
+
+@pytest.mark.parametrize("run", [*MOE_2, "ep2_to_single"])
+def test_world2_moe_matches_single_process(moe_world2, moe_reference, run):
+    assert sorted(losses(moe_world2 / run)) == [1, 2, 3, 4]
+    assert_same_run(moe_world2 / run, moe_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", [*MOE_4, *(name for name, _, _ in RESHARD_4)])
+def test_world4_moe_matches_single_process(moe_world4, moe_reference, run):
+    assert sorted(losses(moe_world4 / run)) == [1, 2, 3, 4]
+    assert_same_run(moe_world4 / run, moe_reference)
+
+
+def test_expert_load_and_balance_loss_are_logged(moe_world2, moe_reference):
+    """The layout-independent bookkeeping: the same load imbalance and balance loss as one process."""
+    for key in ("expert_load_max", "aux_loss", "dropped_tokens"):
+        got, want = losses(moe_world2 / "ep2", key=key), losses(moe_reference, key=key)
+        assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 1e-5 * max(1, abs(want[s])) for s in want)
+    assert all(v > 1.0 for v in losses(moe_reference, key="expert_load_max").values())
+    assert all(v > 0.0 for v in losses(moe_reference, key="aux_loss").values())
