@@ -1,0 +1,203 @@
+"""The mixture-of-experts layer on one process: routing, experts, capacity, balancing, config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardline.config import load_config
+from shardline.errors import ConfigError
+from shardline.models import PRESETS, flops_per_token, num_params
+from shardline.models.factory import args_from_json, args_to_json, build_model_on
+from shardline.models.llama.model import ModelArgs
+from shardline.models.moe import MoEArgs
+from shardline.models.moe.layer import MoEFeedForward, grouped_mm_usable, loop_experts, moe_layers, update_bias
+from shardline.parallel.activation_checkpoint import apply_ac
+from shardline.preflight import model_shape
+
+MOE = MoEArgs(n_experts=4, top_k=2, expert_ffn_dim=8)
+ARGS = ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=32, ffn_dim=24, moe=MOE)
+
+
+def _layer(moe: MoEArgs = MOE, seed: int = 0) -> MoEFeedForward:
+    torch.manual_seed(seed)
+    layer = MoEFeedForward(dataclasses.replace(ARGS, moe=moe))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    layer.router.expert_bias.zero_()
+    return layer
+
+
+def _x(b=2, s=8, seed=1):
+    return torch.randn(b, s, ARGS.dim, generator=torch.Generator().manual_seed(seed))
+
+
+def _naive(layer: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
+    """Each token through its chosen experts one at a time (the definition)."""
+    flat = x.reshape(-1, x.shape[-1])
+    _, _, chosen, weights = layer.router(flat)
+    e = layer.experts
+    out = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        for k in range(chosen.shape[1]):
+            i = int(chosen[t, k])
+            h = F.silu(flat[t] @ e.w1[i].T) * (flat[t] @ e.w3[i].T)
+            out[t] += weights[t, k] * (h @ e.w2[i].T)
+    out = out.view_as(x)
+    return out + layer.shared(x) if layer.shared is not None else out
+
+
+def test_grouped_matmul_equals_the_loop_of_experts():
+    assert grouped_mm_usable(torch.zeros(1))  # this CPU build has it; else the loop would be tested twice
+    layer = _layer()
+    x = torch.randn(10, ARGS.dim, requires_grad=True)
+    counts = torch.tensor([3, 0, 5, 2])
+    got = layer.experts(x, counts)
+    want = loop_experts(x, counts, layer.experts.w1, layer.experts.w3, layer.experts.w2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    (gx,) = torch.autograd.grad(got.square().sum(), x)
+    (wx,) = torch.autograd.grad(want.square().sum(), x)
+    torch.testing.assert_close(gx, wx, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("moe", [MOE, dataclasses.replace(MOE, shared_experts=1),
+                                 dataclasses.replace(MOE, router="sigmoid", route_scale=2.5),
+                                 dataclasses.replace(MOE, norm_topk=False, top_k=1)])
+def test_dropless_layer_computes_every_token_through_its_experts(moe):
+    layer = _layer(moe)
+    x = _x()
+    torch.testing.assert_close(layer(x), _naive(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_sigmoid_router_weights_are_normalised_then_scaled():
+    layer = _layer(dataclasses.replace(MOE, router="sigmoid", route_scale=2.5))
+    _, scores, chosen, weights = layer.router(_x().reshape(-1, ARGS.dim))
+    torch.testing.assert_close(weights.sum(-1), torch.full((16,), 2.5))
+    assert (scores > 0).all() and (scores < 1).all()
+
+
+def test_capacity_drops_the_overflow_and_counts_it():
+    moe = dataclasses.replace(MOE, capacity_factor=0.5)
+    layer = _layer(moe)
+    x = _x()
+    layer.train()
+    out = layer(x)
+    flat = x.reshape(-1, ARGS.dim)
+    _, _, chosen, weights = layer.router(flat)
+    cap = moe.capacity(flat.shape[0])  # ceil(0.5 * 16 * 2 / 4) = 4
+    assert cap == 4
+    counts = torch.bincount(chosen.flatten(), minlength=4)
+    assert float(layer.dropped) == float((counts - counts.clamp(max=cap)).sum()) > 0
+    # The reference keeps each expert's first `cap` (token, slot) pairs in token order.
+    seen = [0] * 4
+    keep = torch.zeros_like(weights)
+    for t in range(flat.shape[0]):
+        for k in range(2):
+            i = int(chosen[t, k])
+            keep[t, k] = float(seen[i] < cap)
+            seen[i] += 1
+    full = _naive(layer, x).reshape(-1, ARGS.dim)
+    torch.testing.assert_close(out.reshape(-1, ARGS.dim)[keep.sum(1) == 2], full[keep.sum(1) == 2])
+    assert not torch.allclose(out.reshape(-1, ARGS.dim)[keep.sum(1) < 2], full[keep.sum(1) < 2])
+
+
+def test_balance_loss_is_a_sum_over_sequences_and_trains_through_the_output():
+    moe = dataclasses.replace(MOE, aux_loss_coef=0.1, z_loss_coef=0.01)
+    layer = _layer(moe)
+    x = _x(b=2)
+    flat = x.reshape(-1, ARGS.dim)
+    logits, scores, chosen, _ = layer.router(flat)
+    both = layer.balance_loss(logits, scores, chosen, 2, 8)
+    parts = [layer.balance_loss(*(t.view(2, 8, -1)[i] for t in (logits, scores, chosen)), 1, 8) for i in range(2)]
+    torch.testing.assert_close(both, parts[0] + parts[1])
+    # Switch loss of a perfectly balanced router is coef exactly; this one is above it.
+    assert both > 2 * 0.1
+    # The gradient of out.sum() includes scale x d(aux): as if scale x aux were in the loss.
+    layer.aux_grad_scale.fill_(0.5)
+    layer(x).sum().backward()
+    got = layer.router.gate.weight.grad.clone()
+    layer.zero_grad()
+    logits, scores, chosen, _ = layer.router(flat)
+    out, _ = layer.route(flat, chosen, layer.router(flat)[3])
+    (out.sum() + 0.5 * layer.balance_loss(logits, scores, chosen, 2, 8)).backward()
+    torch.testing.assert_close(got, layer.router.gate.weight.grad)
+
+
+def _imbalance(layer: MoEFeedForward, x: torch.Tensor) -> float:
+    _, _, chosen, _ = layer.router(x.reshape(-1, ARGS.dim))
+    load = torch.bincount(chosen.flatten(), minlength=layer.moe.n_experts).float()
+    return float(load.max() / load.mean())
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.01])
+def test_bias_update_evens_out_a_skewed_load(rate):
+    moe = dataclasses.replace(MOE, n_experts=8, bias_update_rate=rate)
+    layer = _layer(moe)
+    with torch.no_grad():
+        layer.router.gate.weight[0] += 0.5  # with inputs of positive mean, expert 0 wins most tokens
+        layer.router.gate.weight[1] += 0.25
+    x = _x(b=8, s=16) + 0.5
+    before = _imbalance(layer, x)
+    for _ in range(300):
+        _, _, chosen, _ = layer.router(x.reshape(-1, ARGS.dim))
+        update_bias(layer, torch.bincount(chosen.flatten(), minlength=8).float())
+    after = _imbalance(layer, x)
+    assert before > 2.0
+    if rate:
+        assert after < min(1.75, before / 2), (before, after)  # sign steps leave some jitter
+    else:
+        assert after == before
+
+
+def test_activation_checkpointing_counts_each_forward_once():
+    args = dataclasses.replace(ARGS, moe=dataclasses.replace(MOE, aux_loss_coef=0.01))
+    model = build_model_on(args, "meta")
+    model.init_weights(seed=0)
+    apply_ac(model, "full", 1)
+    model.train()
+    model(torch.randint(0, 32, (2, 8))).sum().backward()  # backward recomputes every block's forward
+    for layer in moe_layers(model):
+        assert int(layer.forwards) == 1 and float(layer.load.sum()) == 2 * 8 * 2
+
+
+def test_presets_count_published_total_and_active_parameters():
+    mixtral, qwen = PRESETS["mixtral-8x7b"], PRESETS["qwen3-moe-30b-a3b"]
+    assert round(num_params(mixtral) / 1e9, 1) == 46.7 and round(num_params(mixtral, active=True) / 1e9, 1) == 12.9
+    assert round(num_params(qwen) / 1e9, 1) == 30.5 and round(num_params(qwen, active=True) / 1e9, 1) == 3.4
+    tiny = dataclasses.replace(PRESETS["tiny-moe"], vocab_size=512)
+    model = build_model_on(tiny, "meta")
+    assert sum(p.numel() for p in model.parameters()) == num_params(tiny)
+    dense_twin = dataclasses.replace(tiny, moe=None)
+    # MFU counts active parameters: 2 of 8 experts + the shared one cost less than 8.
+    assert flops_per_token(dense_twin, 256) < flops_per_token(tiny, 256)
+    assert num_params(tiny, active=True) < num_params(tiny)
+
+
+def test_model_args_round_trip_through_checkpoint_json():
+    args = PRESETS["qwen3-moe-30b-a3b"]
+    assert args_from_json(args_to_json(args)) == args
+
+
+def test_moe_section_overrides_the_preset_or_makes_a_dense_one_moe():
+    cfg = load_config(None, ["model.preset=tiny-moe", "moe.num_experts=16", "moe.top_k=4", "moe.router=sigmoid",
+                             "moe.capacity_factor=1.25", "moe.aux_loss_coef=0"])
+    moe = model_shape(cfg.model, 512, cfg.moe).moe
+    assert (moe.n_experts, moe.top_k, moe.router, moe.capacity_factor, moe.aux_loss_coef) == (16, 4, "sigmoid",
+                                                                                             1.25, 0)
+    assert moe.shared_experts == 1 and moe.first_dense_layers == 1  # kept from the preset
+    cfg = load_config(None, ["moe.num_experts=4", "moe.top_k=1", "moe.expert_ffn_dim=64"])
+    assert model_shape(cfg.model, 512, cfg.moe).moe == MoEArgs(n_experts=4, top_k=1, expert_ffn_dim=64)
+    assert model_shape(load_config(None, []).model, 512, load_config(None, []).moe).moe is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("moe.router=relu", "moe.router='relu' is invalid"),
+    ("moe.capacity_factor=-2", "moe.capacity_factor=-2"),
+    ("moe.num_experts=-1", "moe.num_experts=-1"),
+])
+def test_bad_moe_keys_get_one_line_errors(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(None, [override]).check_sections()
