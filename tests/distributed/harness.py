@@ -47,15 +47,15 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
     from shardline.trainer import Trainer
 
     try:
-        for run_dir, overrides in jobs:
-            Trainer(load_config(None, [*overrides, f"run.dir={run_dir}"])).build().train()
+        for run_dir, overrides, *config in jobs:  # config: a TOML file the overrides apply to
+            Trainer(load_config(config[0] if config else None, [*overrides, f"run.dir={run_dir}"])).build().train()
     finally:
         dist.destroy_process_group()
 
 
-def run_world(world: int, jobs: list[tuple[Path, list[str]]]) -> None:
-    """Train every (run_dir, overrides) job on `world` spawned processes."""
-    plain = [(str(d), list(o)) for d, o in jobs]
+def run_world(world: int, jobs: list[tuple]) -> None:
+    """Train every (run_dir, overrides[, config file]) job on `world` spawned processes."""
+    plain = [(str(d), list(o), *map(str, config)) for d, o, *config in jobs]
     mp.start_processes(_worker, args=(world, free_port(), plain), nprocs=world, start_method="spawn")
 
 

@@ -26,6 +26,8 @@ LAYOUTS = {
     "fsdp2": ["parallel.dp_shard=2"],
     "pp2": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
     "tp2": ["parallel.tp=2"],
+    # ZeRO-1: the optimizer's slices get their gradients before the scaler unscales them.
+    "zero1": ["parallel.dp_shard=2", "parallel.zero=1"],
 }
 # An inf written into one gradient element of rank 1 only, at step 2, before unscaling:
 # under FSDP one rank's shard, under PP the last stage's output head.
@@ -103,6 +105,10 @@ def test_fp16_fsdp_matches_single_process(world2, references):
     assert_same_run(world2 / "fsdp2", references / "plain", atol=1e-4)
 
 
+def test_fp16_zero1_matches_single_process(world2, references):
+    assert_same_run(world2 / "zero1", references / "plain", atol=1e-4)  # as FSDP's: fp16-rounded sums
+
+
 def test_fp16_tensor_parallel_trains_like_single_process(world2, references):
     # TP sums fp16 partial matmul outputs across ranks where one process rounds once:
     # losses agree to ~1e-5, parameters only to ~1e-3, so only the losses are compared.
@@ -113,7 +119,7 @@ def test_fp16_tensor_parallel_trains_like_single_process(world2, references):
 
 
 def test_no_overflow_means_no_skipped_step(world2, references):
-    for run in (references / "plain", world2 / "fsdp2", world2 / "pp2", world2 / "tp2"):
+    for run in (references / "plain", world2 / "fsdp2", world2 / "pp2", world2 / "tp2", world2 / "zero1"):
         assert [s["skipped"] for s in _scalers(run)] == [0] * len(_scalers(run)), run
 
 

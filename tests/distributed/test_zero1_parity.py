@@ -10,8 +10,11 @@ process, and one process's checkpoint (tied embeddings) by zero1 x tp2 x pp2 on 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from shardline.cli import main
 from shardline.config import load_config
 from shardline.trainer import Trainer
 from tests.distributed.harness import PARITY_OVERRIDES, assert_same_grad_norms, assert_same_run, losses, run_world
@@ -56,13 +59,27 @@ def world4(tmp_path_factory, small_corpus):
     return root
 
 
+def _emit_zero1_tp2_pp2(corpus, path: Path) -> None:
+    """What `shardline plan` ranks best for 8 CPU ranks with zero=1, tp=2, pp=2 pinned, as a config."""
+    small = [o for o in PARITY_OVERRIDES if o.split("=")[0].split(".")[0] in ("model", "optim", "data", "metrics")]
+    code = main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "8", "--seq-len", "32", "--global-batch", "16",
+                 "--fix", "zero=1,tp=2,pp=2", "--emit-config", str(path), f"--data.path={corpus}",
+                 "--train.steps=2", "--checkpoint.interval=2", *(f"--{o}" for o in small)])
+    assert code == 0
+
+
 @pytest.fixture(scope="module")
 def world8(tmp_path_factory, small_corpus):
-    """zero1 x tp2 x pp2, and one tied process's first half that it finishes (tied)."""
+    """zero1 x tp2 x pp2; one tied process's first half that it finishes (tied); and the
+    plan `shardline plan --emit-config` writes for zero=1, tp=2, pp=2, with its one-process twin."""
     root = tmp_path_factory.mktemp("zero1_world8")
     _train(small_corpus, root / "single_tied_to_zero1_tp2_pp2", "model.tie_embeddings=1", HALF)
+    _emit_zero1_tp2_pp2(small_corpus, root / "plan.toml")
+    one = [f"parallel.{k}=1" for k in ("dp_shard", "tp", "pp")]
+    Trainer(load_config(root / "plan.toml", [*one, f"run.dir={root / 'plan_single'}"])).build().train()
     jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in LAYOUTS_8.items()]
     jobs.append((root / "single_tied_to_zero1_tp2_pp2", [*_base(small_corpus), *TIED_TP2_PP2]))
+    jobs.append((root / "plan", [], root / "plan.toml"))
     run_world(8, jobs)
     return root
 
@@ -76,6 +93,13 @@ def test_zero1_with_tp_or_pp_matches_single_process(world4, references, layout):
 def test_zero1_tp2_pp2_on_8_ranks_matches_single_process(world8, references):
     assert_same_run(world8 / "zero1_tp2_pp2", references / "plain")
     assert_same_grad_norms(world8 / "zero1_tp2_pp2", references / "plain")
+
+
+def test_emitted_zero1_tp2_pp2_plan_trains_like_one_process(world8):
+    plan = load_config(world8 / "plan.toml").parallel
+    assert (plan.zero, plan.tp, plan.pp, plan.dp_shard) == (1, 2, 2, 2), plan
+    assert sorted(losses(world8 / "plan")) == [1, 2]
+    assert_same_run(world8 / "plan", world8 / "plan_single")
 
 
 @pytest.mark.parametrize("world, name", [("world4", "zero1_tp2_to_single"), ("world8", "single_tied_to_zero1_tp2_pp2")])

@@ -16,9 +16,11 @@ How the gradients reach the slices depends on the layout:
   over dp_replicate): each rank receives only the sum of its slice. A reduce-scatter
   moves half the bytes of an all-reduce, so reduce-scatter + parameter all-gather cost
   what DDP's all-reduce alone costs, where all-reduce + all-gather would cost 1.5x.
-  The other rows of the rank's gradients are zeroed, so the clipping norm (summed over
-  dp_shard, parallel/collectives.py) and the fp16 overflow check see every element
-  once. It runs after backward, not overlapped with it.
+  It runs after backward, not overlapped with it.
+
+Either way the rows of a rank's gradients outside its slices are then zeroed, so the
+clipping norm (summed over dp_shard, parallel/collectives.py) and the fp16 scaler (which
+unscales the optimizer's views) see every element exactly once.
 
 Every collective runs on the mesh dimensions of the rank's own (tp, pp) coordinate:
 the dp group of one coordinate holds replicas of the same parameter shards.
@@ -134,12 +136,22 @@ class Zero1AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def reduce_gradients(self, scatter: bool) -> None:
-        """Give the optimizer's views their gradients; `scatter`: sum them first over the
-        data-parallel ranks, each receiving only its slices (see the module doc)."""
+        """Leave each rank's gradients holding its slices only, and give the views them.
+
+        `scatter`: sum them first over the data-parallel ranks, each receiving only its
+        slices (see the module doc); else DDP has summed them, and the other rows are
+        zeroed. Either way the clipping norm sums the ranks' squares (collectives.py) and
+        the fp16 scaler, which unscales the views, leaves no scaled element behind.
+        """
         if scatter:
             self._reduce_scatter()
         for s, view in zip(self.slices, self.views):
-            view.grad = s.of(s.param.grad) if s.param.grad is not None else None
+            grad = s.param.grad
+            if grad is not None and not scatter:
+                rows = s.rows(grad)
+                rows[: s.lo].zero_()
+                rows[s.hi:].zero_()
+            view.grad = s.of(grad) if grad is not None else None
 
     def _reduce_scatter(self) -> None:
         """One reduce-scatter over dp_shard (+ one all-reduce over dp_replicate) for all gradients."""
