@@ -233,3 +233,15 @@ def test_prepare_never_writes_over_a_folder_of_other_files(tmp_path, small_corpu
     with pytest.raises(DataError, match="holds notes.txt, which a prepared folder does not"):
         prepare(PrepareOptions([str(small_corpus)], str(tmp_path / "mine"), **SMALL))
     assert (tmp_path / "mine" / "train").is_dir() and (tmp_path / "mine" / "notes.txt").is_file()
+
+
+def test_the_train_log_shows_tokens_per_source(tmp_path, prepared, tiny_config):
+    from shardline.trainer import Trainer
+
+    mix = f'data.mix=[{{path = "{prepared}", weight = 1}}, {{path = "{prepared}", weight = 3}}]'
+    cfg = tiny_config("data.path=", mix, "train.steps=3", "train.eval_interval=0", "checkpoint.interval=0")
+    Trainer(cfg).build().train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    seen = [r["tokens_by_source"] for r in records if r["kind"] == "train"]
+    assert [sum(s.values()) for s in seen] == [8 * 32 * step for step in (1, 2, 3)]
+    assert list(seen[-1]) == ["0:prep", "1:prep"] and seen[-1]["1:prep"] > seen[-1]["0:prep"]
