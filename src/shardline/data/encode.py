@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from shardline.errors import DataError
+
 CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
 
 
@@ -96,14 +98,22 @@ def encode_chat(tok: Tokenizer, messages: list[dict], template: str | None = Non
 
 
 def _template_segments(messages: list[dict], template: str) -> list[tuple[str, bool]]:
-    render = _compiled(template)
     out, before = [], ""
     for i, m in enumerate(messages):
-        text = render(messages=messages[: i + 1], add_generation_prompt=False, bos_token="", eos_token="")
+        text = _render(template, messages[: i + 1])
         added = text[len(before):] if text.startswith(before) else text
         out.append((added, m["role"] == "assistant"))
         before = text
     return out
+
+
+def _render(template: str, messages: list[dict]) -> str:
+    """The template applied to these messages; a template that fails is a DataError, not a traceback."""
+    try:
+        return _compiled(template)(messages=messages, add_generation_prompt=False, bos_token="", eos_token="")
+    except Exception as e:  # jinja2 raises many types (syntax, undefined, the template's own raise_exception)
+        raise DataError(f"the tokenizer's chat_template (tokenizer_config.json) fails on a conversation: "
+                        f"{type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
 @lru_cache(maxsize=4)
