@@ -140,7 +140,7 @@ def test_context_parallel_costs_follow_the_mode_and_the_balance():
 
 
 def test_expert_parallel_all_to_all_for_moe_shapes():
-    # shardline's models are dense; a MoE shape (n_experts, moe_top_k) gets the EP term.
+    # Any shape with n_experts / moe_top_k gets the EP term (here a 70B shape made MoE).
     from shardline.models.llama import ModelArgs
     from shardline.planner.estimate import _ep_layer
 
@@ -161,3 +161,18 @@ def test_expert_parallel_all_to_all_for_moe_shapes():
     assert _ep_layer(W70, lay, H100, lt) == 0.0  # dense: no experts, no all-to-all
     per_step = estimate(moe, lay, H100).breakdown["ep_comm"]
     assert per_step == pytest.approx(80 * one * 4)  # 80 blocks, 1024 / 256 = 4 micro-batches per rank
+
+
+def test_moe_blocks_are_priced_by_active_experts_and_held_in_full():
+    """Mixtral: a block's GEMMs compute top_k of 8 experts; its parameters count all 8."""
+    from shardline.models.flops import matmul_params, num_params
+    from shardline.planner.memory import layer_params
+
+    mixtral = Workload(PRESETS["mixtral-8x7b"], 4096, 1024, "bf16", document_mask=False)
+    m = mixtral.model
+    gemm_params = sum(n * k for _, n, k in cmp.layer_gemms(mixtral, 1, 1))
+    router = m.dim * m.moe.n_experts  # not in the block's GEMM list: 0.01 % of it
+    embed_out = m.vocab_size * m.dim
+    assert gemm_params * m.n_layers + router * m.n_layers + embed_out == matmul_params(m)
+    held = layer_params(mixtral, 1) * m.n_layers + 2 * embed_out + m.dim
+    assert held == pytest.approx(num_params(m) - router * m.n_layers, rel=1e-12)

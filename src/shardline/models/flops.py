@@ -53,3 +53,19 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs per token: 6 N (forward + backward matmuls) + 12 L d s (attention)."""
     attn_width = args.n_heads * args.head_size
     return 6.0 * matmul_params(args) + 12.0 * args.n_layers * attn_width * seq_len
+
+
+def ffn_width(args: ModelArgs, active: bool = True) -> float:
+    """Mean feed-forward hidden width per block, for models that size a block by one SwiGLU.
+
+    Dense: ffn_dim. MoE: what a token computes through (active: top_k + shared experts'
+    widths) or what the block holds (all experts), averaged with the dense first blocks.
+    The planner prices a block with it (GEMM FLOPs, activations, parameters).
+    """
+    moe = getattr(args, "moe", None)
+    if moe is None:
+        return args.ffn_dim
+    routed = moe.top_k if active else moe.n_experts
+    width = (routed + moe.shared_experts) * moe.expert_ffn_dim
+    dense = moe.first_dense_layers
+    return (dense * args.ffn_dim + (args.n_layers - dense) * width) / args.n_layers

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardline.models.flops import ffn_width
 from shardline.models.llama import ModelArgs
 
 REGIONS = ("seq", "lin_in", "tp", "score")
@@ -63,7 +64,7 @@ def dtype_bytes(precision: str) -> int:
 
 def llama_block(model: ModelArgs, precision: str) -> list[Saved]:
     """The tensors one shardline Llama block saves for backward (see the module docstring)."""
-    h, q, f, a = model.dim, model.n_heads * model.head_size, model.ffn_dim, model.n_heads
+    h, q, f, a = model.dim, model.n_heads * model.head_size, ffn_width(model), model.n_heads
     c = dtype_bytes(precision)
     mixed = precision != "fp32"
     saved = []
@@ -83,7 +84,7 @@ def llama_op_ac_block(model: ModelArgs, precision: str) -> list[Saved]:
 
     Norms, casts, RoPE and SwiGLU's element-wise part are recomputed in backward.
     """
-    h, q, f, a = model.dim, model.n_heads * model.head_size, model.ffn_dim, model.n_heads
+    h, q, f, a = model.dim, model.n_heads * model.head_size, ffn_width(model), model.n_heads
     kv = model.kv_heads * model.head_size
     c = dtype_bytes(precision)
     return [Saved("block input (fp32 residual)", 4 * h, "seq"),

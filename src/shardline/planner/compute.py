@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardline.models.flops import ffn_width
 from shardline.planner.activations import dtype_bytes
 from shardline.planner.hardware import Hardware
 from shardline.layout import Layout
@@ -121,7 +122,7 @@ def matmul_time(hw: Hardware, dtype: str, m: float, n: float, k: float, share_: 
 def layer_gemms(work: Workload, tp: int, tokens: int) -> list[tuple[int, float, float]]:
     """(m, n, k) of the forward GEMMs of one block on one TP rank: wq, wk, wv, wo, w1, w3, w2."""
     mdl = work.model
-    h, q, kv, f = mdl.dim, mdl.n_heads * mdl.head_size, mdl.kv_heads * mdl.head_size, mdl.ffn_dim
+    h, q, kv, f = mdl.dim, mdl.n_heads * mdl.head_size, mdl.kv_heads * mdl.head_size, ffn_width(mdl)
     return [(tokens, h, q / tp), (tokens, h, kv / tp), (tokens, h, kv / tp), (tokens, q / tp, h),
             (tokens, h, f / tp), (tokens, h, f / tp), (tokens, f / tp, h)]
 
@@ -135,7 +136,7 @@ def elementwise_bytes_per_token(work: Workload, tp: int, sp: bool) -> float:
     residual adds (2(8 + c)h). Norm-region ops shrink with sequence parallelism.
     """
     m, c = work.model, dtype_bytes(work.precision)
-    h, q, kv, f = m.dim, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_dim
+    h, q, kv, f = m.dim, m.n_heads * m.head_size, m.kv_heads * m.head_size, ffn_width(m)
     mixed = work.precision != "fp32"
     seq_region = (2 * 28 * h + 2 * (8 + c) * h) / (tp if sp else 1)
     casts = 5 * (4 + c) * h if mixed else 0.0

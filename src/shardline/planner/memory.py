@@ -27,7 +27,7 @@ torch, the tokenizer, the dataset) complete the peak.
 
 from __future__ import annotations
 
-from shardline.models.flops import num_params
+from shardline.models.flops import ffn_width, num_params
 from shardline.planner import activations as act
 from shardline.planner.hardware import Hardware
 from shardline.layout import Layout
@@ -51,7 +51,7 @@ def layer_params(work: Workload, tp: int) -> float:
     """Parameters of one transformer block on one tensor-parallel rank (norm weights replicated)."""
     m = work.model
     q, kv = m.n_heads * m.head_size, m.kv_heads * m.head_size
-    return (m.dim * (2 * q + 2 * kv) + 3 * m.dim * m.ffn_dim) / tp + 2 * m.dim
+    return (m.dim * (2 * q + 2 * kv) + 3 * m.dim * ffn_width(m, active=False)) / tp + 2 * m.dim
 
 
 def ranks(work: Workload, layout: Layout):
