@@ -49,6 +49,8 @@ class MixedSequences:
     def batch(self, indices) -> dict[str, torch.Tensor]:
         """The sources' batches of these indices, rows back in the order asked."""
         src, local = self.locate(indices)
+        if len(src) == 0:
+            return self.sources[0].batch(local)
         parts = {int(k): self.sources[k].batch(local[src == k]) for k in np.unique(src)}
         out = {}
         for key in next(iter(parts.values())):
