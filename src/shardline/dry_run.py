@@ -57,8 +57,12 @@ def _tokenizer_vocab(cfg: Config, folder_tokenizer: str = "") -> tuple[int, str]
 def _model_line(cfg: Config, launch: Preflight) -> str:
     a = launch.model_args
     name = cfg.model.hf_path or cfg.model.init_from or cfg.model.preset
-    return (f"model     {name}: {num_params(a) / 1e6:,.1f} M parameters, {a.n_layers} layers, dim {a.dim}, "
+    line = (f"model     {name}: {num_params(a) / 1e6:,.1f} M parameters, {a.n_layers} layers, dim {a.dim}, "
             f"{a.n_heads} heads ({a.kv_heads} kv), vocab {a.vocab_size:,}")
+    if a.moe is not None:
+        line += (f"; {a.moe.n_experts} experts, top {a.moe.top_k}, {num_params(a, active=True) / 1e6:,.1f} M "
+                 "active per token")
+    return line
 
 
 def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
