@@ -154,22 +154,29 @@ class Zero1AdamW(torch.optim.AdamW):
             view.grad = s.of(grad) if grad is not None else None
 
     def _reduce_scatter(self) -> None:
-        """One reduce-scatter over dp_shard (+ one all-reduce over dp_replicate) for all gradients."""
+        """One reduce-scatter over dp_shard (+ one all-reduce over dp_replicate) for all gradients.
+
+        The send buffer holds every gradient once (each rank's block padded to the same
+        size): the only full-size copy; each rank receives a 1/ranks part of it."""
         grads = [self._full_grad(s) for s in self.slices]
-        blocks = []
-        for s, g in zip(self.slices, grads):
+        widths = [s.per * s.rows(g)[0].numel() for s, g in zip(self.slices, grads)]
+        send = local(grads[0]).new_zeros((self.ranks, sum(widths)))
+        offset = 0
+        for s, g, n in zip(self.slices, grads, widths):
             rows = s.rows(g)
-            padded = rows.new_zeros((self.ranks * s.per, *rows.shape[1:]))
-            padded[: rows.shape[0]] = rows
-            blocks.append(padded.view(self.ranks, -1))
-        send = torch.cat(blocks, dim=1).flatten()
-        mine = send.new_empty(send.numel() // self.ranks)
-        _reduce_scatter(mine, send, group=self.group)
+            blocks = send[:, offset: offset + n].view(self.ranks, s.per, *rows.shape[1:])
+            whole = rows.shape[0] // s.per  # ranks whose block is full; the next one's is short
+            blocks[:whole].copy_(rows[: whole * s.per].reshape(whole, s.per, *rows.shape[1:]))
+            if whole < self.ranks:
+                blocks[whole, : rows.shape[0] - whole * s.per].copy_(rows[whole * s.per:])
+            offset += n
+        mine = send.new_empty(send.shape[1])
+        _reduce_scatter(mine, send.flatten(), group=self.group)
         if self.replicate_group is not None:
             dist.all_reduce(mine, group=self.replicate_group)
         offset = 0
-        for s, g, block in zip(self.slices, grads, blocks):
-            rows, n = s.rows(g), block.shape[1]
+        for s, g, n in zip(self.slices, grads, widths):
+            rows = s.rows(g)
             rows.zero_()
             rows[s.lo: s.hi] = mine[offset: offset + n].view(s.per, *rows.shape[1:])[: s.hi - s.lo]
             offset += n
