@@ -6,8 +6,11 @@ process groups. One spawn per world size runs its layouts one after another.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from shardline.cli import main
 from shardline.config import load_config
 from shardline.trainer import Trainer
 from tests.distributed.harness import (
@@ -52,6 +55,10 @@ LAYOUTS_4 = {
     "zero1_fused_device_check": ["parallel.dp_shard=4", "parallel.zero=1", "optim.implementation=fused",
                                  "anomaly.check_on=device"],
     "zero1_hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=1"],
+    # ZeRO-1 with TP / PP: states sharded over the dp group of each (tp, pp) coordinate,
+    # gradients reduce-scattered by the optimizer, no DDP wrapper (parallel/zero1.py)
+    "zero1_tp2": ["parallel.dp_shard=2", "parallel.zero=1", "parallel.tp=2"],
+    "zero1_pp2": ["parallel.dp_shard=2", "parallel.zero=1", "parallel.pp=2"],
     "zero2": ["parallel.dp_shard=4", "parallel.zero=2"],
     "zero3": ["parallel.dp_shard=4", "parallel.zero=3"],
     "hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
@@ -68,7 +75,9 @@ TIED_4 = {
 }
 LAYOUTS_8 = {
     "fsdp2_tp2_pp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2"],
+    "zero1_tp2_pp2": ["parallel.dp_shard=2", "parallel.zero=1", "parallel.tp=2", "parallel.pp=2"],
 }
+ZERO1_TP_PP = ["zero1_tp2", "zero1_pp2", pytest.param("zero1_tp2_pp2", marks=pytest.mark.slow)]
 # Resharding resume: the first half under one layout, the second under another.
 RESHARD_4 = [
     ("zero3_to_tp", ["parallel.dp_shard=4", "train.stop_at_step=2", "checkpoint.mode=async"],
@@ -83,10 +92,25 @@ RESHARD_4 = [
     ("zero3_to_zero1", ["parallel.dp_shard=4", "train.stop_at_step=2"],
      ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=1"]),
 ]
+# Resharding resume across world sizes, one half in this process: a ZeRO-1 x TP2 checkpoint
+# finished by one process, and a tied one-process checkpoint finished by ZeRO-1 x TP2 x PP2
+# (which saves its last stage's tied copy's state under the embedding's name).
+ZERO1_TO_SINGLE = "zero1_tp2_to_single"
+SINGLE_TO_ZERO1 = "single_tied_to_zero1_tp2_pp2"
+HALF = "train.stop_at_step=2"
 
 
 def _base(corpus):
     return [*PARITY_OVERRIDES, f"data.path={corpus}"]
+
+
+def _emit_zero1_tp2_pp2(corpus, path: Path) -> None:
+    """What `shardline plan` ranks best for 8 CPU ranks with zero=1, tp=2, pp=2 pinned, as a config."""
+    small = [o for o in PARITY_OVERRIDES if o.split(".")[0] in ("model", "optim", "data", "metrics")]
+    code = main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "8", "--seq-len", "32", "--global-batch", "16",
+                 "--fix", "zero=1,tp=2,pp=2", "--emit-config", str(path), f"--data.path={corpus}",
+                 "--train.steps=2", "--checkpoint.interval=2", *(f"--{o}" for o in small)])
+    assert code == 0
 
 
 @pytest.fixture(scope="module")
@@ -121,14 +145,25 @@ def world4(tmp_path_factory, small_corpus):
     jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in {**LAYOUTS_4, **TIED_4}.items()]
     for name, first, second in RESHARD_4:
         jobs += [(root / name, [*_base(small_corpus), *first]), (root / name, [*_base(small_corpus), *second])]
+    jobs.append((root / ZERO1_TO_SINGLE, [*_base(small_corpus), *LAYOUTS_4["zero1_tp2"], HALF]))
     run_world(4, jobs)
+    Trainer(load_config(None, [*_base(small_corpus), f"run.dir={root / ZERO1_TO_SINGLE}"])).build().train()
     return root
 
 
 @pytest.fixture(scope="module")
 def world8(tmp_path_factory, small_corpus):
     root = tmp_path_factory.mktemp("world8")
-    run_world(8, [(root / name, [*_base(small_corpus), *extra]) for name, extra in LAYOUTS_8.items()])
+    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in LAYOUTS_8.items()]
+    tied = [*_base(small_corpus), "model.tie_embeddings=1"]
+    Trainer(load_config(None, [*tied, HALF, f"run.dir={root / SINGLE_TO_ZERO1}"])).build().train()
+    jobs.append((root / SINGLE_TO_ZERO1, [*tied, *LAYOUTS_8["zero1_tp2_pp2"]]))
+    # The plan `shardline plan --emit-config` writes, and the same config in one process.
+    _emit_zero1_tp2_pp2(small_corpus, root / "plan.toml")
+    one = [f"parallel.{k}=1" for k in ("dp_shard", "tp", "pp")]
+    Trainer(load_config(root / "plan.toml", [*one, f"run.dir={root / 'plan_single'}"])).build().train()
+    jobs.append((root / "plan", [], root / "plan.toml"))
+    run_world(8, jobs)
     return root
 
 
@@ -196,6 +231,33 @@ def test_resume_under_another_layout_continues_the_run(world4, reference, name):
 @pytest.mark.parametrize("layout", list(LAYOUTS_8))
 def test_world8_layout_matches_single_process(world8, reference, layout):
     assert_same_run(world8 / layout, reference)
+
+
+@pytest.mark.parametrize("layout", ZERO1_TP_PP)
+def test_zero1_with_tp_pp_clips_by_the_single_process_norm(request, reference, layout):
+    # Each dp_shard rank holds the summed gradient of its slices only: the norm adds them up.
+    world = request.getfixturevalue("world8" if layout in LAYOUTS_8 else "world4")
+    assert_same_grad_norms(world / layout, reference)
+
+
+def test_zero1_tp2_checkpoint_resumes_in_one_process(world4, reference):
+    assert sorted(losses(world4 / ZERO1_TO_SINGLE)) == [1, 2, 3, 4]  # two halves, one log
+    assert_same_run(world4 / ZERO1_TO_SINGLE, reference)
+
+
+@pytest.mark.slow
+def test_one_process_tied_checkpoint_resumes_under_zero1_tp2_pp2(world8, reference_tied):
+    assert sorted(losses(world8 / SINGLE_TO_ZERO1)) == [1, 2, 3, 4]
+    assert_same_run(world8 / SINGLE_TO_ZERO1, reference_tied)
+    assert_same_grad_norms(world8 / SINGLE_TO_ZERO1, reference_tied)
+
+
+@pytest.mark.slow
+def test_emitted_zero1_tp2_pp2_plan_trains_like_one_process(world8):
+    plan = load_config(world8 / "plan.toml").parallel
+    assert (plan.zero, plan.tp, plan.pp, plan.dp_shard) == (1, 2, 2, 2), plan
+    assert sorted(losses(world8 / "plan")) == [1, 2]
+    assert_same_run(world8 / "plan", world8 / "plan_single")
 
 
 def test_convert_exports_a_pipelined_checkpoint(world4, reference, tmp_path):
