@@ -1,1 +1,1 @@
-"""Reading and writing model formats of other tools (Hugging Face Llama folders)."""
+"""Reading and writing model formats of other tools (Hugging Face Llama, Mixtral and Qwen3-MoE folders)."""

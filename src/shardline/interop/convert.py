@@ -1,4 +1,4 @@
-"""`shardline convert`: shardline checkpoints <-> HF Llama folders.
+"""`shardline convert`: shardline checkpoints <-> HF Llama, Mixtral and Qwen3-MoE folders.
 
 to-hf:   a checkpoint folder (or a run dir: its newest valid checkpoint) -> an HF
          folder that transformers loads, with the run's tokenizer.json when present.

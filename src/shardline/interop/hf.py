@@ -1,8 +1,10 @@
-"""Hugging Face Llama folders <-> shardline Llama models, without importing transformers.
+"""Hugging Face Llama, Mixtral and Qwen3-MoE folders <-> shardline models, without importing transformers.
 
-An HF Llama folder is `config.json` plus safetensors weights: one `model.safetensors`,
-or shards listed in `model.safetensors.index.json`. Tensor names map one to one through
-the model's adapter (models/llama/hf_adapter.py):
+An HF folder is `config.json` plus safetensors weights: one `model.safetensors`, or
+shards listed in `model.safetensors.index.json`. Tensor names map through the model
+family's adapter: one to one for Llama (models/llama/hf_adapter.py), and for the MoE
+families (models/moe/hf_adapter.py) one stacked experts parameter to one HF tensor per
+expert. Llama's names:
 
     tok_embeddings.weight                  model.embed_tokens.weight
     layers.{i}.attention_norm.weight       model.layers.{i}.input_layernorm.weight
@@ -19,6 +21,7 @@ config.json is read and written by hf_config.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -43,6 +46,8 @@ from shardline.interop.hf_config import (
 from shardline.models.factory import build_meta_model
 from shardline.models.llama import Llama, ModelArgs, rope_frequencies
 from shardline.models.llama.hf_adapter import hf_param_name
+from shardline.models.moe.hf_adapter import hf_family, hf_param_names
+from shardline.models.moe.layer import moe_layers
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -82,6 +87,28 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     raise CheckpointError(f"{folder} holds neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
 
 
+def _hf_slots(model: Llama, skip_output: bool) -> dict[str, tuple[str, nn.Parameter, int | None]]:
+    """HF tensor name -> (parameter name, parameter, expert index or None: the whole parameter).
+
+    The family's adapter names each parameter; a stacked experts parameter is n_experts
+    HF tensors, expert j being its slice [j].
+    """
+    args = model.args
+    names = hf_param_name
+    if args.moe is not None:
+        names = functools.partial(hf_param_names, family=hf_family(args), n_experts=args.moe.n_experts)
+    slots = {}
+    for name, param in model.named_parameters():
+        if skip_output and name == "output.weight":
+            continue
+        hf = names(name)
+        if isinstance(hf, str):
+            slots[hf] = (name, param, None)
+        else:
+            slots.update((h, (name, param, j)) for j, h in enumerate(hf))
+    return slots
+
+
 def _open_safetensors(file: Path):
     try:
         return safe_open(str(file), framework="pt", device="cpu")
@@ -96,12 +123,14 @@ def _describe(names: list[str]) -> str:
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
-    """Copy the weights of HF Llama folder `path` into the materialized shardline `model`.
+    """Copy the weights of HF folder `path` into the materialized shardline `model`.
 
-    Every model parameter must be present with the same shape; a tensor the model has no
-    place for is an error too (except rotary inv_freq buffers old transformers saved).
-    Values are cast to each parameter's dtype and device. Nothing is copied unless the
-    whole folder checks out.
+    Every model parameter must be present with the same shape (each expert's tensor for
+    stacked experts); a tensor the model has no place for is an error too (except rotary
+    inv_freq buffers old transformers saved). Values are cast to each parameter's dtype
+    and device. Nothing is copied unless the whole folder checks out. The MoE routers'
+    balancing bias, which HF models do not have, is reset to zero so the model routes
+    as the HF one does.
     """
     model = _unwrap(model)
     folder = _hf_folder(path)
@@ -111,16 +140,17 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
 
     embed, output = model.tok_embeddings.weight, model.output.weight
     tied = output is embed or model.args.tie_embeddings
-    expected: dict[str, tuple[str, torch.nn.Parameter]] = {}
-    for name, param in model.named_parameters():
-        if tied and name == "output.weight":
-            continue  # filled from the embedding below
-        expected[hf_param_name(name)] = (name, param)
+    expected = _hf_slots(model, skip_output=tied)  # a tied output is filled from the embedding below
 
+    fused = sorted(n for n in files if n.endswith(".experts.gate_up_proj"))
+    if fused:
+        raise CheckpointError(f"{folder} holds {_describe(fused)}, transformers 5's fused in-memory experts; "
+                              "save the model with save_pretrained, which writes the hub's one tensor per expert")
     missing = sorted(set(expected) - set(files))
     if missing:
+        name, _, index = expected[missing[0]]
         raise CheckpointError(f"{folder} lacks tensor {_describe(missing)}, which the model needs "
-                              f"(as {expected[missing[0]][0]})")
+                              f"(as {name if index is None else f'expert {index} of {name}'})")
     allowed = set(expected) | ({"lm_head.weight"} if tied else set())
     extra = sorted(n for n in files if n not in allowed and not n.endswith(".rotary_emb.inv_freq"))
     if extra:
@@ -140,7 +170,8 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
                 raise CheckpointError(f"tensor {hf_name} in {file} has dtype {info.get_dtype()}; only "
                                       "unquantized float weights (F32, F16, BF16) can be loaded")
             shape = tuple(info.get_shape())
-            want = tuple((expected.get(hf_name) or ("", embed))[1].shape)
+            _, param, index = expected.get(hf_name) or ("", embed, None)
+            want = tuple(param.shape[1:] if index is not None else param.shape)
             if shape != want:
                 raise CheckpointError(f"tensor {hf_name} in {file} has shape {list(shape)} but the model "
                                       f"expects {list(want)}; the folder does not match the model's shape")
@@ -151,14 +182,16 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
                 raise CheckpointError(f"{folder} holds an lm_head.weight that differs from embed_tokens, "
                                       "but the model ties its output to the embedding")
             del head, emb
-        for hf_name, (_, param) in expected.items():
-            param.copy_(handles[files[hf_name]].get_tensor(hf_name))
+        for hf_name, (_, param, index) in expected.items():
+            (param if index is None else param[index]).copy_(handles[files[hf_name]].get_tensor(hf_name))
         if tied and output is not embed:  # a tie lost (e.g. to to_empty): keep the values equal
             output.copy_(embed)
+        for layer in moe_layers(model):
+            layer.router.expert_bias.zero_()
 
 
 def from_hf_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[Llama, ModelArgs]:
-    """Build a shardline Llama (fp32, on `device`) holding the weights of HF folder `path`."""
+    """Build a shardline model (fp32, on `device`) holding the weights of HF folder `path`."""
     args = read_hf_config(path)
     _weight_files(_hf_folder(path))  # fail on a folder without weights before allocating anything
     model = build_meta_model(args)
@@ -166,6 +199,9 @@ def from_hf_pretrained(path: str | os.PathLike, device: str | torch.device = "cp
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # to_empty gives each module its own tensor
     model.inv_freq = rope_frequencies(args).to(model.tok_embeddings.weight.device)
+    for layer in moe_layers(model):  # to_empty left the routers' bookkeeping uninitialised
+        for buffer in layer.buffers():
+            buffer.zero_()
     load_hf_weights(model, path)
     return model, args
 
@@ -242,6 +278,17 @@ def _swap_into_place(tmp: Path, dest: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _warn_moe_differences(model: Llama) -> None:
+    """Say where the exported HF model will compute other outputs than the shardline one."""
+    layers = moe_layers(model)
+    if layers and layers[0].moe.capacity_factor:
+        warnings.warn(f"moe capacity_factor={layers[0].moe.capacity_factor} drops overflow tokens; the HF model "
+                      "is dropless, so its outputs differ where the shardline model drops", stacklevel=3)
+    if any(bool(layer.router.expert_bias.any()) for layer in layers):
+        warnings.warn("the routers' balancing bias (moe.bias_update_rate) is not zero; HF models have no such "
+                      "bias, so the exported model may choose other experts", stacklevel=3)
+
+
 @torch.no_grad()
 def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
                      max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE, *,
@@ -249,7 +296,8 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
                      dtype: torch.dtype | None = None,
                      bos_token_id: int | None = None,
                      eos_token_id: int | list[int] | None = None) -> Path:
-    """Write `model` as an HF Llama folder at `path` that transformers.LlamaForCausalLM loads.
+    """Write `model` as an HF folder at `path` that transformers' LlamaForCausalLM,
+    MixtralForCausalLM or Qwen3MoeForCausalLM (by the model's shape) loads.
 
     Writes config.json, the weights (one model.safetensors, or shards of at most
     max_shard_size_bytes each plus model.safetensors.index.json) and, when tokenizer_path
@@ -275,13 +323,12 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
                           "writing an untied HF model (tie_word_embeddings=false) with its own lm_head.weight",
                           stacklevel=2)
 
-    tensors: list[tuple[str, torch.Tensor]] = []
     for name, param in model.named_parameters():
         if param.is_meta:
             raise ValueError(f"parameter {name} is on the meta device; materialize the model first")
-        if tied and name == "output.weight":
-            continue
-        tensors.append((hf_param_name(name), param.detach()))
+    _warn_moe_differences(model)
+    tensors = [(hf, param.detach() if index is None else param.detach()[index])
+               for hf, (_, param, index) in _hf_slots(model, skip_output=tied).items()]
     if dtype is None:
         dtype = tensors[0][1].dtype
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -1,12 +1,15 @@
-"""HF Llama config.json <-> ModelArgs, for both transformers < 5 and >= 5 layouts.
+"""HF config.json <-> ModelArgs for Llama, Mixtral and Qwen3-MoE, in both transformers < 5 and >= 5 layouts.
 
 transformers < 5 writes `rope_theta` at the top level and the scaling dict (or null)
 under `rope_scaling`; transformers 5 writes a single `rope_parameters` dict holding
 `rope_type`, `rope_theta` and the scaling keys. Both are read, and both are written.
+The two MoE families share Llama's fields and add the routed feed-forward's; each
+family has its own defaults for the keys a config leaves out (as its transformers class).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -16,6 +19,8 @@ import torch
 
 from shardline.errors import CheckpointError
 from shardline.models.llama import ModelArgs
+from shardline.models.moe import MoEArgs
+from shardline.models.moe.hf_adapter import hf_family
 
 CONFIG_NAME = "config.json"
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -26,7 +31,7 @@ def _hf_folder(path: str | os.PathLike) -> Path:
     if not folder.exists():
         raise CheckpointError(f"Hugging Face folder {folder} does not exist")
     if not folder.is_dir():
-        raise CheckpointError(f"{folder} is not a folder; expected a Hugging Face Llama folder "
+        raise CheckpointError(f"{folder} is not a folder; expected a Hugging Face model folder "
                               f"holding {CONFIG_NAME} and safetensors weights")
     return folder
 
@@ -42,14 +47,15 @@ def _number(cfg: dict, key: str, where: Path, kind: type, default: Any = None) -
     value = cfg.get(key)
     if value is None:
         if default is None:
-            raise CheckpointError(f"{where} lacks {key!r}, which a Llama config needs")
+            raise CheckpointError(f"{where} lacks {key!r}, which shardline needs to build the model")
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
         raise CheckpointError(f"{where}: {key}={value!r} is not {'an integer' if kind is int else 'a number'}")
     return kind(value)
 
 
-def _read_rope(cfg: dict, where: Path, max_pos: int) -> tuple[float, tuple[tuple[str, float], ...] | None]:
+def _read_rope(cfg: dict, where: Path, max_pos: int,
+               default_theta: float = 10000.0) -> tuple[float, tuple[tuple[str, float], ...] | None]:
     """(rope_theta, Llama-3 scaling pairs or None) from either config layout."""
     scaling, params = cfg.get("rope_scaling"), cfg.get("rope_parameters")
     for key, value in (("rope_scaling", scaling), ("rope_parameters", params)):
@@ -62,7 +68,7 @@ def _read_rope(cfg: dict, where: Path, max_pos: int) -> tuple[float, tuple[tuple
         raise CheckpointError(f"{where}: rope_parameters given per layer type are not supported "
                               "(shardline's Llama uses one RoPE for every layer)")
     theta = _number({"rope_theta": rope.get("rope_theta", cfg.get("rope_theta"))}, "rope_theta", where,
-                    float, default=10000.0)
+                    float, default=default_theta)
     partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if partial is not None and partial != 1:
         raise CheckpointError(f"{where}: partial_rotary_factor={partial} is not supported; "
@@ -83,8 +89,17 @@ def _read_rope(cfg: dict, where: Path, max_pos: int) -> tuple[float, tuple[tuple
     return theta, pairs
 
 
+# Per family: what its transformers config class assumes for a key config.json leaves out
+# (rope_theta, rms_norm_eps, max_position_embeddings, num_key_value_heads; None: n_heads).
+_DEFAULTS = {
+    "llama": (10000.0, 1e-6, 2048, None),
+    "mixtral": (1e6, 1e-5, 4096 * 32, 8),
+    "qwen3_moe": (10000.0, 1e-6, 32768, 4),
+}
+
+
 def read_hf_config(path: str | os.PathLike) -> ModelArgs:
-    """ModelArgs of the HF Llama folder `path`, read from its config.json."""
+    """ModelArgs of the HF Llama, Mixtral or Qwen3-MoE folder `path`, read from its config.json."""
     folder = _hf_folder(path)
     where = folder / CONFIG_NAME
     if not where.is_file():
@@ -92,29 +107,40 @@ def read_hf_config(path: str | os.PathLike) -> ModelArgs:
     cfg = _load_json(where)
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{where} does not hold a JSON object")
-    if cfg.get("model_type") != "llama":
-        raise CheckpointError(f"{where}: model_type={cfg.get('model_type')!r}; only Llama folders "
-                              "(model_type 'llama') can be read")
+    family = cfg.get("model_type")
+    if family not in _DEFAULTS:
+        raise CheckpointError(f"{where}: model_type={family!r}; only Llama, Mixtral and Qwen3-MoE folders "
+                              f"(model_type {', '.join(map(repr, _DEFAULTS))}) can be read")
+    args = _dense_args(cfg, where, family)
+    if family != "llama":
+        args = _with_moe(args, cfg, where, family)
+    problems = args.validate()
+    if problems:
+        raise CheckpointError(f"{where} describes an unusable model shape: {'; '.join(problems)}")
+    return args
+
+
+def _dense_args(cfg: dict, where: Path, family: str) -> ModelArgs:
+    """The fields every family shares with Llama: attention, norms, rotary, vocabulary."""
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
-            raise CheckpointError(f"{where}: {key}=true is not supported; shardline's Llama has no bias terms")
+            raise CheckpointError(f"{where}: {key}=true is not supported; shardline's models have no bias terms")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise CheckpointError(f"{where}: hidden_act={act!r} is not supported; shardline's Llama uses silu")
-
+        raise CheckpointError(f"{where}: hidden_act={act!r} is not supported; shardline's models use silu")
+    default_theta, default_eps, default_max_pos, default_kv = _DEFAULTS[family]
     dim = _number(cfg, "hidden_size", where, int)
     n_heads = _number(cfg, "num_attention_heads", where, int)
-    n_kv_heads = _number(cfg, "num_key_value_heads", where, int, default=n_heads)
+    n_kv_heads = _number(cfg, "num_key_value_heads", where, int, default=default_kv or n_heads)
     head_dim = _number(cfg, "head_dim", where, int, default=-1)
     if head_dim == -1 or (n_heads > 0 and dim % n_heads == 0 and head_dim == dim // n_heads):
         head_dim = None  # the default, dim // n_heads
-    max_pos = _number(cfg, "max_position_embeddings", where, int, default=2048)
-    theta, scaling = _read_rope(cfg, where, max_pos)
+    max_pos = _number(cfg, "max_position_embeddings", where, int, default=default_max_pos)
+    theta, scaling = _read_rope(cfg, where, max_pos, default_theta)
     tie = cfg.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise CheckpointError(f"{where}: tie_word_embeddings={tie!r} is not true or false")
-
-    args = ModelArgs(
+    return ModelArgs(
         dim=dim,
         n_layers=_number(cfg, "num_hidden_layers", where, int),
         n_heads=n_heads,
@@ -122,17 +148,67 @@ def read_hf_config(path: str | os.PathLike) -> ModelArgs:
         n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
         head_dim=head_dim,
         ffn_dim=_number(cfg, "intermediate_size", where, int),
-        norm_eps=_number(cfg, "rms_norm_eps", where, float, default=1e-6),
+        norm_eps=_number(cfg, "rms_norm_eps", where, float, default=default_eps),
         rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=max_pos,
         tie_embeddings=tie,
     )
-    problems = args.validate()
-    if problems:
-        raise CheckpointError(f"{where} describes an unusable Llama shape: {'; '.join(problems)}")
-    return args
 
+
+def _with_moe(args: ModelArgs, cfg: dict, where: Path, family: str) -> ModelArgs:
+    """Add the routed feed-forward of a Mixtral or Qwen3-MoE config (softmax top-k, dropless as HF).
+
+    The balance loss starts off (aux_loss_coef 0): HF's router_aux_loss_coef weighs a loss
+    of another normalisation and applies only with output_router_logits; set moe.aux_loss_coef.
+    """
+    experts_key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    n_experts = _number(cfg, experts_key, where, int)
+    top_k = _number(cfg, "num_experts_per_tok", where, int)
+    if family == "mixtral":
+        _check_mixtral(cfg, where, args.max_seq_len)
+        moe = MoEArgs(n_experts=n_experts, top_k=top_k, expert_ffn_dim=args.ffn_dim)
+        return dataclasses.replace(args, moe=moe)
+    if cfg.get("use_sliding_window"):
+        raise CheckpointError(f"{where}: use_sliding_window=true is not supported; shardline attends to the "
+                              "whole sequence")
+    norm_topk = cfg.get("norm_topk_prob", False)
+    if not isinstance(norm_topk, bool):
+        raise CheckpointError(f"{where}: norm_topk_prob={norm_topk!r} is not true or false")
+    moe = MoEArgs(n_experts=n_experts, top_k=top_k, norm_topk=norm_topk,
+                  expert_ffn_dim=_number(cfg, "moe_intermediate_size", where, int),
+                  first_dense_layers=_qwen3_dense_prefix(cfg, where, args.n_layers))
+    return dataclasses.replace(args, moe=moe, qk_norm=True)
+
+
+def _check_mixtral(cfg: dict, where: Path, max_pos: int) -> None:
+    jitter = _number(cfg, "router_jitter_noise", where, float, default=0.0)
+    if jitter:
+        raise CheckpointError(f"{where}: router_jitter_noise={jitter} is not supported; shardline's router "
+                              "has no input jitter (set it to 0)")
+    window = cfg.get("sliding_window")
+    if window is not None and _number(cfg, "sliding_window", where, int) < max_pos:
+        raise CheckpointError(f"{where}: sliding_window={window} is not supported; shardline attends to the "
+                              "whole sequence (null, or >= max_position_embeddings, is valid)")
+
+
+def _qwen3_dense_prefix(cfg: dict, where: Path, n_layers: int) -> int:
+    """How many first layers are dense; Qwen3-MoE may place dense layers anywhere, shardline only first.
+
+    transformers makes layer i sparse unless i is in mlp_only_layers or (i + 1) is not a
+    multiple of decoder_sparse_step.
+    """
+    step = _number(cfg, "decoder_sparse_step", where, int, default=1)
+    only = cfg.get("mlp_only_layers") or []
+    if step < 1 or not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise CheckpointError(f"{where}: decoder_sparse_step={step!r}, mlp_only_layers={only!r} must be an "
+                              "integer >= 1 and a list of layer indices")
+    dense = [i for i in range(n_layers) if i in only or (i + 1) % step]
+    if dense != list(range(len(dense))):
+        raise CheckpointError(f"{where}: dense layers {dense} (from decoder_sparse_step={step}, mlp_only_layers="
+                              f"{only}) are not supported; shardline keeps dense layers only first, as "
+                              "mlp_only_layers=[0, ..., k-1] with decoder_sparse_step=1")
+    return len(dense)
 
 
 def hf_config_dict(args: ModelArgs, tied: bool, dtype: torch.dtype,
@@ -144,7 +220,7 @@ def hf_config_dict(args: ModelArgs, tied: bool, dtype: torch.dtype,
         for key, value in args.rope_scaling:
             scaling[key] = int(value) if key == "original_max_position_embeddings" else float(value)
     rope_parameters = {"rope_type": "default", "rope_theta": float(args.rope_theta), **(scaling or {})}
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": args.dim,
@@ -175,3 +251,26 @@ def hf_config_dict(args: ModelArgs, tied: bool, dtype: torch.dtype,
         "dtype": dtype_name,  # transformers >= 4.56
         "torch_dtype": dtype_name,  # older transformers
     }
+    return config if args.moe is None else _moe_config_dict(args, config)
+
+
+def _moe_config_dict(args: ModelArgs, llama: dict[str, Any]) -> dict[str, Any]:
+    """The Mixtral or Qwen3-MoE config.json of an MoE shape: Llama's keys plus the experts'.
+
+    Keys are the hub's spellings (Qwen3-MoE: num_experts), which transformers 4 reads as
+    they are and transformers 5 maps onto its own attribute names.
+    """
+    family = hf_family(args)
+    m = args.moe
+    config = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp")}
+    config.update(model_type=family, num_experts_per_tok=m.top_k, output_router_logits=False,
+                  router_aux_loss_coef=m.aux_loss_coef, sliding_window=None)
+    if family == "mixtral":
+        del config["attention_bias"]
+        config.update(architectures=["MixtralForCausalLM"], intermediate_size=m.expert_ffn_dim,
+                      num_local_experts=m.n_experts, router_jitter_noise=0.0)
+    else:
+        config.update(architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=m.expert_ffn_dim,
+                      num_experts=m.n_experts, norm_topk_prob=m.norm_topk, decoder_sparse_step=1,
+                      mlp_only_layers=list(range(m.first_dense_layers)), use_sliding_window=False)
+    return config

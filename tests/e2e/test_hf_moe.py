@@ -1,0 +1,41 @@
+"""A run that starts from an HF Qwen3-MoE folder (model.hf_path), and `shardline convert to-hf` of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardline.cli import main
+from shardline.trainer import Trainer
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_train_from_hf_moe_folder_and_convert_back(tiny_config, tmp_path):
+    # The shape of tiny_config's [model] overrides (dim 64, 2 layers, ffn 128), with a dense
+    # first layer and 4 experts of 32 in the second.
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                      mlp_only_layers=[0], vocab_size=600)
+    torch.manual_seed(0)  # transformers draws the initial weights from the global generator
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    trainer = Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0",
+                                  f"model.hf_path={tmp_path / 'hf'}")).build()
+    args = trainer.model_args
+    assert (args.vocab_size, args.qk_norm, args.moe.n_experts, args.moe.first_dense_layers) == (600, True, 4, 1)
+    ids = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the run starts from the HF weights
+        torch.testing.assert_close(trainer.model.eval()(ids), hf(ids).logits, rtol=0, atol=1e-4)
+    trainer.model.train()
+    trainer.train()
+
+    out = tmp_path / "back"
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(out)]) == 0
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(tuned).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        mine = trainer.model.eval()(ids)
+        torch.testing.assert_close(tuned(ids).logits, mine, rtol=0, atol=1e-4)
+        assert (mine - hf(ids).logits).abs().max() > 1e-3  # training moved the weights
