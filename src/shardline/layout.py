@@ -251,10 +251,14 @@ def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
     if lay.ep > 1 and (lay.dp_shard * lay.cp) % lay.ep:
         return "ep", (f"parallel.ep={lay.ep} must divide dp_shard x cp = {lay.dp_shard * lay.cp} "
                       "(expert parallelism borrows those ranks)")
-    if lay.ep > 1 and job.model.n_experts % lay.ep:
-        valid = [e for e in range(1, job.model.n_experts + 1) if job.model.n_experts % e == 0]
-        return "ep", (f"parallel.ep={lay.ep} must divide the {job.model.n_experts} experts "
-                      f"(each ep rank holds an equal share); valid ep: {valid}")
+    moe, n = getattr(job.model, "moe", None), getattr(job.model, "n_experts", 0)
+    if moe is not None and (moe.shared_experts * moe.expert_ffn_dim) % lay.tp:
+        return "tp", (f"parallel.tp={lay.tp} must divide the shared experts' width shared_experts x expert_ffn_dim "
+                      f"= {moe.shared_experts * moe.expert_ffn_dim} (they are split by columns)")
+    if n and n % (lay.ep * lay.tp):
+        valid = [e for e in range(1, n + 1) if n % (e * lay.tp) == 0]
+        return "ep", (f"parallel.ep={lay.ep} x tp={lay.tp} must divide the {n} experts (each rank of ep x tp "
+                      f"holds an equal share of whole experts); valid ep with this tp: {valid or 'none'}")
     return None
 
 
@@ -341,9 +345,6 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
     """Mixture-of-experts layouts the trainer does not build yet."""
     if not getattr(job.model, "n_experts", 0):
         return None
-    if lay.tp > 1:
-        return "tp", (f"parallel.tp={lay.tp} with a mixture-of-experts model is not built (the experts have no "
-                      "tensor-parallel plan yet); use tp=1 and parallel.ep to spread the experts")
     if lay.ep > 1 and lay.dp_shard % lay.ep:
         return "ep", (f"parallel.ep={lay.ep} must divide parallel.dp_shard={lay.dp_shard}: borrowing context-"
                       "parallel ranks for experts is not built")

@@ -7,8 +7,8 @@ regrouping by expert (a mis-ordered combine), and expert gradients summed over t
 group as if the experts were data-parallel replicas (the wrong group).
 
 Then whole runs: MoE training (balance loss, z-loss and the bias update all on,
-dropless) under ep, ep x FSDP, ep x HSDP, ep x pp, pp, cp and activation
-checkpointing gives the single process's losses and final weights, also when a run is
+dropless) under ep, ep x FSDP, ep x HSDP, ep x pp, ep x cp, ep x tp, tp, pp, cp and
+activation checkpointing gives the single process's losses and final weights, also when a run is
 resumed under another ep.
 """
 
@@ -43,13 +43,13 @@ class _MisorderedCombine(ExpertParallel):
     def __call__(self, experts, x, counts):
         send_counts = counts.view(self.ep, self.n_local)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ep_group)
         send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        arrived = _Exchange.apply(x, send, recv, self.group)
+        arrived = _Exchange.apply(x, send, recv, self.ep_group)
         local_expert = torch.arange(self.n_local).repeat(self.ep)
         by_expert = torch.argsort(torch.repeat_interleave(local_expert, recv_counts.flatten()), stable=True)
         y = experts(arrived[by_expert], recv_counts.sum(0))
-        return _Exchange.apply(y, recv, send, self.group)  # bug: y[back] would restore the arrival order
+        return _Exchange.apply(y, recv, send, self.ep_group)  # bug: y[back] would restore the arrival order
 
 
 def _layer() -> MoEFeedForward:
@@ -76,7 +76,7 @@ def _layer_errors(rank: int, world: int) -> dict[str, float]:
         for name in ("w1", "w2", "w3"):  # keep this rank's experts only
             setattr(layer.experts, name, torch.nn.Parameter(getattr(layer.experts, name).data[experts].clone()))
         cls = _MisorderedCombine if variant == "combine_misordered" else ExpertParallel
-        layer.dispatch = cls(dist.group.WORLD, ARGS.moe.n_experts)
+        layer.dispatch = cls(ARGS.moe.n_experts, dist.group.WORLD)
         out = layer(x[mine])
         (out * weights[mine]).sum().backward()
         expert_grads = [getattr(layer.experts, n).grad for n in ("w1", "w2", "w3")]
@@ -124,18 +124,19 @@ def test_a_misordered_combine_or_wrong_gradient_group_is_caught(layer_errors, br
 MOE = ["model.preset=tiny-moe", "moe.num_experts=4", "moe.expert_ffn_dim=32", "moe.aux_loss_coef=0.01",
        "moe.z_loss_coef=0.001", "moe.bias_update_rate=0.01"]
 MOE_2 = {
-    "ep2": ["parallel.dp_shard=2", "parallel.ep=2"],
     "ep2_ac_full": ["parallel.dp_shard=2", "parallel.ep=2", "memory.activation_checkpoint=full"],
     "pp2_1f1b": ["parallel.pp=2"],
     "cp2_ring": ["parallel.cp=2"],
+    "tp2_sp": ["parallel.tp=2"],  # experts split over tp, shared experts by columns/rows
 }
 MOE_4 = {
-    "ep2_dp_shard2": ["parallel.dp_shard=4", "parallel.ep=2"],  # experts FSDP-sharded over 2 ranks
     "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
     "ep2_hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"],
     "ep2_pp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.pp=2"],
     "ep2_cp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2"],  # expert grads sum over cp too
+    "ep2_tp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2"],  # experts over ep x tp
 }
+# The second half is ep 2 x dp_shard 4: experts FSDP-sharded over 2 ranks (efsdp).
 RESHARD_4 = [("fsdp4_to_ep2", ["parallel.dp_shard=4", "train.stop_at_step=2"],
               ["parallel.dp_shard=4", "parallel.ep=2"])]
 
@@ -155,7 +156,8 @@ def moe_reference(tmp_path_factory, small_corpus):
 def moe_world2(tmp_path_factory, small_corpus):
     root = tmp_path_factory.mktemp("moe_world2")
     jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in MOE_2.items()]
-    jobs.append((root / "ep2_to_single", [*_base(small_corpus), *MOE_2["ep2"], "train.stop_at_step=2"]))
+    jobs.append((root / "ep2_to_single", [*_base(small_corpus), "parallel.dp_shard=2", "parallel.ep=2",
+                                           "train.stop_at_step=2"]))
     run_world(2, jobs)
     # The second half of ep2_to_single: one process, every expert on it.
     Trainer(load_config(None, [*_base(small_corpus), f"run.dir={root / 'ep2_to_single'}"])).build().train()
@@ -188,7 +190,7 @@ def test_world4_moe_matches_single_process(moe_world4, moe_reference, run):
 def test_expert_load_and_balance_loss_are_logged(moe_world2, moe_reference):
     """The layout-independent bookkeeping: the same load imbalance and balance loss as one process."""
     for key in ("expert_load_max", "aux_loss", "dropped_tokens"):
-        got, want = losses(moe_world2 / "ep2", key=key), losses(moe_reference, key=key)
+        got, want = losses(moe_world2 / "ep2_ac_full", key=key), losses(moe_reference, key=key)
         assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 1e-5 * max(1, abs(want[s])) for s in want)
     assert all(v > 1.0 for v in losses(moe_reference, key="expert_load_max").values())
     assert all(v > 0.0 for v in losses(moe_reference, key="aux_loss").values())

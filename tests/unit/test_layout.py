@@ -72,10 +72,11 @@ def test_invalid_layouts(world, overrides, message):
 @pytest.mark.parametrize("world, overrides, message", [
     (4, ["model.preset=tiny-moe", "parallel.ep=3", "parallel.dp_shard=3", "parallel.dp_replicate=1"],
      "does not match the world size 4"),
-    (6, ["model.preset=tiny-moe", "parallel.ep=3", "parallel.dp_shard=6"], "must divide the 8 experts"),
+    (6, ["model.preset=tiny-moe", "parallel.ep=3", "parallel.dp_shard=6"], "x tp=1 must divide the 8 experts"),
     (4, ["model.preset=tiny-moe", "parallel.ep=4", "parallel.cp=2", "parallel.dp_shard=2"],
      "borrowing context-parallel ranks for experts is not built"),
-    (2, ["model.preset=tiny-moe", "parallel.tp=2"], "with a mixture-of-experts model is not built"),
+    (4, ["model.preset=tiny-moe", "moe.num_experts=6", "parallel.tp=2", "parallel.ep=2", "parallel.dp_shard=2"],
+     "parallel.ep=2 x tp=2 must divide the 6 experts"),
     (2, ["model.preset=tiny-moe", "parallel.ep=2", "parallel.zero=1"], "ep > 1 with zero=1 is not built"),
     (2, ["model.preset=tiny-moe", "moe.top_k=9"], "moe top_k=9 must be in 1..n_experts=8"),
     (1, ["moe.top_k=2"], "missing moe.num_experts, moe.expert_ffn_dim"),

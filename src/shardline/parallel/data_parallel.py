@@ -63,19 +63,24 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], dims: ParallelDims, pre
     """
     shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
     mesh = dims.submesh("dp_replicate", shard) if dims.dp_replicate > 1 else dims.submesh(shard)
-    mp = MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[precision], reduce_dtype=torch.float32)
+    mp = mixed_precision(precision)
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in model.layers.values():
-        _sum_gradients(fully_shard(block, reshard_after_forward=dims.zero == 3, **kwargs))
+        sum_gradients(fully_shard(block, reshard_after_forward=dims.zero == 3, **kwargs))
     # A root keeps embedding, final norm and output; they are used last in forward and
     # first in backward, so resharding them after forward would only cost a gather.
     for root in roots:
-        _sum_gradients(fully_shard(root, reshard_after_forward=False, **kwargs))
+        sum_gradients(fully_shard(root, reshard_after_forward=False, **kwargs))
 
 
-def _sum_gradients(module: FSDPModule) -> None:
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy: gather parameters in the compute dtype where that is safe, reduce in fp32."""
+    return MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def sum_gradients(module: FSDPModule) -> None:
     """Reduce-scatter (and HSDP's all-reduce) sum instead of average (see the module doc).
 
     Sum-only collectives: gloo has no pre-multiplied sum, and a divide factor of 1 alone

@@ -126,6 +126,8 @@ class ParallelDims:
             self.flat["dp_shard"] = self.mesh[shard]._flatten("dp_shard")
             # Ranks holding the same experts and different tokens: their expert gradients sum.
             self.flat["efsdp"] = self.mesh[("dp_shard_mod_ep", *cp)]._flatten("efsdp")
+            if self.tp > 1:  # experts split over ep x tp, ep-major
+                self.flat["ep_tp"] = self.mesh[("ep", "tp")]._flatten("ep_tp")
         self.checkpoint_group = dist.new_group(backend="gloo")
         self.control_group = dist.new_group(backend="gloo")
         if embedding_group and self.pp > 1:

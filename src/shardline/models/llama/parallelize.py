@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 from shardline.config import Config
 from shardline.layout import V_SHAPED
 from shardline.models.factory import build_meta_model
-from shardline.models.llama.model import Llama, ModelArgs
+from shardline.models.llama.model import FeedForward, Llama, ModelArgs
 from shardline.parallel.activation_checkpoint import apply_ac
 from shardline.parallel.context.attention import ContextParallel
 from shardline.parallel.context.sharding import SequenceSplit
@@ -45,7 +45,8 @@ def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, device: torch.
                 family_plan: Callable[[Llama], None] | None = None) -> BuiltModel:
     """Built on meta, laid out by `dims` and initialised (starting weights are loaded
     afterwards, by shardline.interop.weights). `family_plan`: what a family built on
-    Llama's blocks adds (e.g. expert parallelism), run before data parallelism shards."""
+    Llama's blocks adds (e.g. expert parallelism), run after tensor parallelism, before
+    activation checkpointing wraps the blocks and data parallelism shards them."""
     model = build_meta_model(args)
     if dims.world_size > 1:
         # Tied ends on two pp ranks need a group to sum the tied gradient (V-shaped
@@ -67,9 +68,9 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
                             p.pp_schedule, dims.layout.pp_microbatches, cfg.train.document_mask, positions)
     if dims.tp > 1:
         apply_tp(model, dims.submesh("tp"), p.sequence_parallel, p.loss_parallel)
-    apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
     if family_plan is not None:
         family_plan(model)
+    apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
     use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1
     if dims.dp * dims.cp > 1 and not use_ddp and not dims.zero1_scatters:  # that optimizer reduces (zero1.py)
         roots = pipeline.modules if pipeline else [model]
@@ -110,10 +111,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
+        dense = isinstance(block.feed_forward, FeedForward)  # another family's feed-forward has its own plan
+        if dense:
+            plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                         "feed_forward.w2": RowwiseParallel(output_layouts=seq)})
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
@@ -122,6 +124,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
                                                    desired_input_layouts=(Replicate(), None, None, None),
                                                    use_local_output=True)
-            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                      use_local_output=True)
+            if dense:
+                plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                          desired_input_layouts=(Replicate(),), use_local_output=True)
         parallelize_module(block, tp_mesh, plan)

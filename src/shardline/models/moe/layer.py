@@ -41,7 +41,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits [T, E] fp32, scores [T, E], chosen experts [T, K], their weights [T, K])."""
         m = self.moe
-        logits = self.gate(x).float()  # routing in fp32: near-ties must not flip with the compute dtype
+        # Routing in fp32: near-ties must not flip with the compute dtype. Under tensor
+        # parallelism the gate is a replicated DTensor: every tp rank routes the same tokens.
+        logits = F.linear(x, _local(self.gate.weight)).float()
         scores = logits.softmax(-1) if m.router == "softmax" else logits.sigmoid()
         choose = scores + self.expert_bias.detach() if m.bias_update_rate else scores
         chosen = choose.topk(m.top_k, dim=-1).indices
