@@ -42,6 +42,7 @@ from shardline.planner.layout import Workload, layout_problem
 from shardline.planner.memory import (
     DDP_BUCKET_BYTES,
     GiB,
+    expert_layer_params,
     host_fits,
     layer_params,
     layers_per_rank,
@@ -289,8 +290,7 @@ def _fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTim
     hide = 0.0 if cmp.saturated(hw, layout) else 1.0
     g = comm.group(shard, layout.tp, net.gpus_per_node)
     per_layer = layer_params(work, layout.tp)
-    gather = comm.all_gather(dtype_bytes(work.precision) * per_layer, g, net)[0]
-    scatter = comm.reduce_scatter(4 * per_layer, g, net)[0]
+    gather, scatter = _block_gather_scatter(work, layout, hw, g, per_layer)
     if layout.dp_replicate > 1:
         rg = comm.group(layout.dp_replicate, layout.tp * shard, net.gpus_per_node)
         scatter += comm.all_reduce(4 * per_layer / shard, rg, net)[0]
@@ -301,6 +301,25 @@ def _fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTim
     root_comm = (comm.all_gather(dtype_bytes(work.precision) * root, g, net)[0]
                  + comm.reduce_scatter(4 * root, g, net)[0])
     return fwd + bwd + root_comm
+
+
+def _block_gather_scatter(work: Workload, layout: Layout, hw: Hardware, g, per_layer: float) -> tuple[float, float]:
+    """FSDP's all-gather and reduce-scatter seconds of one block's parameters.
+
+    Under expert parallelism a rank gathers only its ep-th of the routed experts, and over
+    the efsdp ranks (the shard group / ep) that hold the same experts: EP shrinks the
+    experts' FSDP traffic by ep, what it pays for with its all-to-alls.
+    """
+    net, c = hw.network, dtype_bytes(work.precision)
+    experts = expert_layer_params(work, layout.tp) if layout.ep > 1 else 0.0
+    dense = per_layer - experts
+    gather = comm.all_gather(c * dense, g, net)[0]
+    scatter = comm.reduce_scatter(4 * dense, g, net)[0]
+    if experts:
+        eg = comm.group(layout.shard_degree // layout.ep, layout.tp * layout.ep, net.gpus_per_node)
+        gather += comm.all_gather(c * experts / layout.ep, eg, net)[0]
+        scatter += comm.reduce_scatter(4 * experts / layout.ep, eg, net)[0]
+    return gather, scatter
 
 
 def _pp_p2p(work: Workload, layout: Layout, hw: Hardware) -> float:

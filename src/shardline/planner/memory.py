@@ -54,6 +54,15 @@ def layer_params(work: Workload, tp: int) -> float:
     return (m.dim * (2 * q + 2 * kv) + 3 * m.dim * ffn_width(m, active=False)) / tp + 2 * m.dim
 
 
+def expert_layer_params(work: Workload, tp: int) -> float:
+    """The routed experts' share of layer_params (a block's mean; 0 for a dense model)."""
+    m = work.model
+    moe = getattr(m, "moe", None)
+    if moe is None:
+        return 0.0
+    return 3 * m.dim * moe.n_experts * moe.expert_ffn_dim * (m.n_layers - moe.first_dense_layers) / m.n_layers / tp
+
+
 def ranks(work: Workload, layout: Layout):
     """The pipeline ranks' blocks and model ends, split as the trainer splits them (pipeline.py)."""
     return pipeline_ranks(work.model, layout.pp, layout.pp_virtual_stages, layout.pp_schedule)

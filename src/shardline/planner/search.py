@@ -9,6 +9,8 @@ The space, for N devices of G per node:
               zbv, dualpipev), one pipeline round per step
     dp        the rest: DDP, FSDP with zero 1/2/3, HSDP (shard groups of whole nodes
               or within one), with and without CPU offload (zero 3)
+    ep        mixture-of-experts models: 1, and powers of two that divide dp_shard and (with
+              tp) the experts, while ep x tp stays inside a node
     mbs       powers of two dividing the per-rank batch (up to 16)
     AC        none, op, selective (every 2nd block), full
 
@@ -126,20 +128,34 @@ def _cp_modes(work: Workload, tp: int, cp: int, fixed: dict) -> list[dict]:
     return [m for m in modes if all(fixed.get(k, v) == v for k, v in m.items())]
 
 
+def _ep_options(work: Workload, tp: int, dp_shard: int, gpn: int, fixed: dict) -> list[int]:
+    """Expert-parallel degrees worth pricing: 1, and powers of two dividing dp_shard and the
+    experts with ep x tp inside a node (the all-to-alls then ride the node's links)."""
+    n = getattr(work.model, "n_experts", 0)
+    options = [1]
+    e = 2
+    while n and e <= dp_shard and e * tp <= gpn and n % (e * tp) == 0 and dp_shard % e == 0:
+        options.append(e)
+        e *= 2
+    return _options("ep", options, fixed)
+
+
 def candidates(work: Workload, hw: Hardware, gpus: int, fixed: dict):
     """Every layout of the search space (valid or not) for `gpus` devices."""
-    base = {k: fixed[k] for k in ("sequence_parallel", "loss_parallel", "ep", "ac_every") if k in fixed}
+    base = {k: fixed[k] for k in ("sequence_parallel", "loss_parallel", "ac_every") if k in fixed}
     acs = [(a, fixed.get("ac_every", e)) for a, e in AC_OPTIONS if fixed.get("activation_checkpoint", a) == a]
     for tp, cp, pp, dp in _structures(work, hw, gpus, fixed):
         local = work.global_batch // dp if work.global_batch % dp == 0 else 0
         for dpv in _dp_variants(dp, tp, cp, hw.network.gpus_per_node, fixed):
+            eps = _ep_options(work, tp, dpv["dp_shard"], hw.network.gpus_per_node, fixed)
             for schedule, v in _schedules(pp, fixed):
                 for mbs, m in _micro_batches(local, pp, fixed) if local else [(1, pp)]:
                     for ac, every in acs:
                         for cpv in _cp_modes(work, tp, cp, fixed):
-                            yield Layout(tp=tp, cp=cp, pp=pp, pp_schedule=schedule, pp_virtual_stages=v,
-                                         pp_microbatches=m, micro_batch_size=mbs, activation_checkpoint=ac,
-                                         ac_every=every, **cpv, **dpv, **base)
+                            for ep in eps:
+                                yield Layout(tp=tp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule,
+                                             pp_virtual_stages=v, pp_microbatches=m, micro_batch_size=mbs,
+                                             activation_checkpoint=ac, ac_every=every, **cpv, **dpv, **base)
 
 
 def search(work: Workload, hw: Hardware, gpus: int, fixed: dict | None = None,
