@@ -142,3 +142,22 @@ def test_emitted_tiny_plan_trains(tmp_path, small_corpus):
     assert out.returncode == 0, out.stderr
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if r["kind"] == "train"] == [2]
+
+
+def test_emitted_moe_plan_on_cpu_ranks_passes_the_launch_checks(tmp_path, capsys):
+    """An expert-parallel plan for CPU ranks is one the trainer accepts (no offload: it needs a GPU)."""
+    from shardline.preflight import check_device, preflight
+
+    path = tmp_path / "moe.toml"
+    code = main(["plan", "--model", "tiny-moe", "--gpu", "cpu", "--gpus", "2", "--seq-len", "64",
+                 "--global-batch", "8", "--runnable-only", "--fix", "pp=1,cp=1", "--emit-config", str(path)])
+    assert code == 0
+    assert "offload" not in capsys.readouterr().out
+    cfg = load_config(path)
+    launch = preflight(cfg, 2, 4096)
+    check_device(cfg, launch.layout, on_cuda=False)
+    pinned = tmp_path / "ep.toml"
+    assert main(["plan", "--model", "tiny-moe", "--gpu", "cpu", "--gpus", "2", "--seq-len", "64", "--global-batch",
+                 "8", "--runnable-only", "--fix", "ep=2,pp=1,cp=1", "--emit-config", str(pinned)]) == 0
+    cfg = load_config(pinned)
+    assert cfg.parallel.ep == 2 and preflight(cfg, 2, 4096).layout.ep == 2

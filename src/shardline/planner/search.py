@@ -147,6 +147,8 @@ def candidates(work: Workload, hw: Hardware, gpus: int, fixed: dict):
     for tp, cp, pp, dp in _structures(work, hw, gpus, fixed):
         local = work.global_batch // dp if work.global_batch % dp == 0 else 0
         for dpv in _dp_variants(dp, tp, cp, hw.network.gpus_per_node, fixed):
+            if dpv["cpu_offload"] and hw.name == "cpu":
+                continue  # offload moves state from a GPU to the host: nothing to gain on CPU ranks
             eps = _ep_options(work, tp, dpv["dp_shard"], hw.network.gpus_per_node, fixed)
             for schedule, v in _schedules(pp, fixed):
                 for mbs, m in _micro_batches(local, pp, fixed) if local else [(1, pp)]:
