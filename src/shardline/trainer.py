@@ -35,8 +35,8 @@ from shardline.parallel.collectives import clip_grad_norm, local_value, loss_con
 from shardline.parallel.context.sharding import shard_batch
 from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
-from shardline.parallel.expert.balance import ExpertBalance
 from shardline.parallel.distributed import init_distributed, pick_device
+from shardline.parallel.expert.balance import ExpertBalance
 from shardline.parallel.pipeline import sync_tied_gradient, tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler, autocast
