@@ -16,18 +16,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from shardline import layout as layouts
 from shardline.config import Config, to_toml
 from shardline.data import build_data
-from shardline.data.packing import IGNORE_INDEX
 from shardline.devices import peak_tflops
 from shardline.errors import AnomalyHalt, Preempted
 from shardline.interop.weights import load_starting_weights
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.factory import args_to_json
 from shardline.models.flops import flops_per_token
+from shardline.models.loss import cross_entropy_sum
 from shardline.models.llama.parallelize import build_model
 from shardline.models.moe.parallelize import build_model as build_moe_model
 from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
@@ -314,7 +313,7 @@ class Trainer:
         # stage's loss function (_pipeline_loss) returns each one's scaled share.
         batch = self._local(self.data.train.batch(np.concatenate(micro)))
         with loss_context(self.dims, self.cfg.parallel), autocast(self.device, self.cfg.train.precision):
-            losses = self.pipeline.run(batch, self.cfg.train.document_mask, n_tokens)
+            losses = self.pipeline.run(batch, self.cfg.train.document_mask, n_tokens, self._loss_in_model)
         total = sum((local_value(x.detach()) for x in losses), torch.zeros((), device=self.device))
         sync_tied_gradient(self.model, self.dims.embedding_group)
         return self.scaler.unscaled(total)
@@ -401,9 +400,16 @@ class Trainer:
             self.scaler.scale(loss).backward()
         return local_value(loss.detach())
 
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        """A micro-batch's share of the global mean, scaled as forward_backward scales it."""
-        return self.scaler.scale(cross_entropy_sum(logits, labels) / n_tokens)
+    def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """A micro-batch's share of the global mean, scaled as forward_backward scales it
+        (the last stage's output: logits, or the summed loss it computed itself)."""
+        loss_sum = output.sum() if self._loss_in_model else cross_entropy_sum(output, labels)
+        return self.scaler.scale(loss_sum / n_tokens)
+
+    @property
+    def _loss_in_model(self) -> bool:
+        """The model scores the labels itself (chunked, never holding all logits): it is given them."""
+        return self.cfg.train.loss_chunk_tokens > 0
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy over the labelled tokens of a batch (fp32 logits); under cp,
@@ -411,6 +417,8 @@ class Trainer:
         batch = self._local(batch)
         doc_ids = batch["doc_ids"] if self.cfg.train.document_mask else None
         with autocast(self.device, self.cfg.train.precision):
+            if self._loss_in_model:
+                return self.forward(batch["input_ids"], doc_ids, batch.get("positions"), labels=batch["labels"])
             logits = self.forward(batch["input_ids"], doc_ids, batch.get("positions"))
         return cross_entropy_sum(logits, batch["labels"])
 
@@ -454,11 +462,11 @@ class Trainer:
                 return local_value(self.loss_sum(batch))
             batch = self._local(batch)
             with autocast(self.device, self.cfg.train.precision):
-                logits = self.pipeline.forward_only(batch, self.cfg.train.document_mask,
-                                                    self.dims.submesh("pp").get_group())
-            if logits is None:
+                out = self.pipeline.forward_only(batch, self.cfg.train.document_mask,
+                                                 self.dims.submesh("pp").get_group(), self._loss_in_model)
+            if out is None:
                 return torch.zeros((), device=self.device)
-            return local_value(cross_entropy_sum(logits, batch["labels"]))
+            return local_value(out.sum() if self._loss_in_model else cross_entropy_sum(out, batch["labels"]))
 
     def save_checkpoint(self) -> Path | None:
         self.report_device_anomalies()  # the saved detector state and events agree
@@ -484,8 +492,3 @@ class Trainer:
             peak_mem_gib=memory.item(), step_time_s=seconds / steps,
             epoch=self.data.sampler.epoch_of(self.step), **(self.experts.log_values() if self.experts else {}))
 
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over labelled tokens, in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")

@@ -109,6 +109,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     compile: bool = False
     document_mask: bool = True  # tokens attend only within their own packed document
+    loss_chunk_tokens: int = 0  # output projection + cross-entropy this many tokens at a time; 0 = all at once
     eval_interval: int = 50  # 0 disables evaluation
     eval_batches: int = 4
     skip_batches: list[int] = field(default_factory=list)  # 0-based global batch indices never to train on
@@ -121,6 +122,8 @@ class TrainConfig:
         _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0 (0 disables)")
         _require(self.eval_interval >= 0, "train.eval_interval", self.eval_interval, "must be >= 0 (0 disables)")
         _require(self.eval_batches > 0, "train.eval_batches", self.eval_batches, "must be > 0")
+        _require(self.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", self.loss_chunk_tokens,
+                 "must be >= 0 (0 = no chunking; e.g. 4096)")
         _require(all(b >= 0 for b in self.skip_batches), "train.skip_batches", self.skip_batches,
                  "batch indices must be >= 0")
 

@@ -103,19 +103,24 @@ class StageModule(nn.Module):
         self.output = model.output if last else None
         self._rotary = model.rotary
         self._mask = model.attention_mask  # the model's, or the one its parallel plan installed (cp)
+        self._loss = model.loss  # the last stage scores labels with it when given them (chunked loss)
         self.document_mask = document_mask
         # Fixed, not read from h: under sequence parallelism a stage receives only its
         # slice of the sequence, while rotary tables and masks span all of it; under
         # context parallelism these are this rank's tokens' places in the sequence.
         self.positions = positions
 
-    def forward(self, h, doc_ids=None):
+    def forward(self, h, doc_ids=None, labels=None):
+        """The stage's output; on the last stage, given labels, their summed loss instead of logits."""
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
         cos, sin = self._rotary(self.positions, h.device)
         mask = self._mask(doc_ids if self.document_mask else None)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
+        if self.output is not None and labels is not None:
+            # Shape [1], not a scalar: the schedule concatenates the micro-batches' outputs.
+            return self._loss(self.norm(h), self.output, labels).reshape(1)
         if self.output is not None:
             h = self.output(self.norm(h))
         return h
@@ -137,8 +142,9 @@ class Pipeline:
                         for s in self.stage_ids]
 
     def build_schedule(self, device, pp_group, loss_fn):
-        """loss_fn(logits, labels, n_tokens): a micro-batch's loss, given the labelled tokens
-        of the whole step that run() was called with."""
+        """loss_fn(output, labels, n_tokens): a micro-batch's loss, given the labelled tokens
+        of the whole step that run() was called with; the output is the last stage's logits,
+        or its summed loss when run() hands the stages the labels."""
         stages = [PipelineStage(m, s, self.n_stages, device, group=pp_group)
                   for m, s in zip(self.modules, self.stage_ids)]
         cls = SCHEDULES[self.schedule_name]
@@ -157,14 +163,16 @@ class Pipeline:
             self.schedule = cls(stages, self.n_microbatches, loss_fn=step_loss, scale_grads=False)
         return self.schedule
 
-    def run(self, batch: dict, doc_mask: bool, n_tokens: int) -> list:
+    def run(self, batch: dict, doc_mask: bool, n_tokens: int, loss_in_stage: bool = False) -> list:
         """Forward and backward of one rank's batch; returns the last stage's losses.
 
-        n_tokens: labelled tokens of the whole step, which the loss function divides by."""
+        n_tokens: labelled tokens of the whole step, which the loss function divides by.
+        loss_in_stage: every stage gets the labels, and the last one returns their summed
+        loss (its model's loss, e.g. chunked) instead of the logits."""
         self.step_tokens = n_tokens
         losses: list = []
         args = (batch["input_ids"],) if self.has_first else ()
-        kwargs = {"doc_ids": batch["doc_ids"]} if doc_mask else {}
+        kwargs = _stage_kwargs(batch, doc_mask, loss_in_stage)
         target = batch["labels"] if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses, **kwargs)
         return losses
@@ -176,15 +184,16 @@ class Pipeline:
         return stage % self.pp
 
     @torch.no_grad()
-    def forward_only(self, batch: dict, doc_mask: bool, pp_group) -> torch.Tensor | None:
-        """Logits of a batch, stage after stage, on the last stage's rank (None elsewhere).
+    def forward_only(self, batch: dict, doc_mask: bool, pp_group, loss_in_stage: bool = False) -> torch.Tensor | None:
+        """Logits of a batch (summed loss with loss_in_stage, see run), stage after stage, on
+        the last stage's rank (None elsewhere).
 
         Evaluation does not go through the training schedule: not every schedule
         offers a forward-only mode (the V-shaped ones fail in torch 2.13), and
         plain point-to-point sends are the same for all of them.
         """
         me = dist.get_rank(pp_group)
-        kwargs = {"doc_ids": batch["doc_ids"]} if doc_mask else {}
+        kwargs = _stage_kwargs(batch, doc_mask, loss_in_stage)
         h = batch["input_ids"]
         for stage in range(self.n_stages):
             if stage not in self.stage_ids:
@@ -195,6 +204,13 @@ class Pipeline:
             if stage < self.n_stages - 1 and self.owner(stage + 1) != me:
                 _send(h, dist.get_global_rank(pp_group, self.owner(stage + 1)), pp_group)
         return h if self.has_last else None
+
+
+def _stage_kwargs(batch: dict, doc_mask: bool, loss_in_stage: bool) -> dict:
+    """What every stage gets besides its input: the document ids, and the labels when the
+    last stage computes the loss itself (the others ignore them)."""
+    kwargs = {"doc_ids": batch["doc_ids"]} if doc_mask else {}
+    return {**kwargs, "labels": batch["labels"]} if loss_in_stage else kwargs
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardline.models.loss import LinearCrossEntropy
 from shardline.models.moe.args import MoEArgs
 
 
@@ -203,10 +204,13 @@ class Llama(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
+        # How forward scores labels: the builder may set a chunked one (models/loss.py).
+        self.loss = LinearCrossEntropy()
 
     def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [batch, seq, vocab] for input_ids [batch, seq].
+                positions: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for input_ids [batch, seq]; given labels [batch, seq],
+        their summed fp32 cross-entropy instead (self.loss: chunked, it never holds all logits).
 
         doc_ids [batch, seq] (optional) marks which packed document each token belongs to;
         a token then attends only to earlier tokens of its own document. positions [seq]
@@ -220,7 +224,8 @@ class Llama(nn.Module):
         mask = self.attention_mask(doc_ids)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return self.output(h) if labels is None else self.loss(h, self.output, labels)
 
     def feed_forward_of(self, layer: int) -> nn.Module | None:
         """The feed-forward of block `layer`; None: the dense SwiGLU (another family overrides this)."""

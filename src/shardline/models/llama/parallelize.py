@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 from shardline.config import Config
 from shardline.layout import V_SHAPED
 from shardline.models.factory import build_meta_model
+from shardline.models.loss import LinearCrossEntropy
 from shardline.models.llama.model import FeedForward, Llama, ModelArgs
 from shardline.parallel.activation_checkpoint import apply_ac
 from shardline.parallel.context.attention import ContextParallel
@@ -60,6 +61,7 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     """Lay out `model` (on meta) in place by `dims`, then initialise it."""
     p = cfg.parallel
     pipeline = context = None
+    model.loss = LinearCrossEntropy(cfg.train.loss_chunk_tokens)  # before the pipeline's stages copy it
     if dims.cp > 1:  # before the pipeline cuts the model: its stages take the cp attention and mask
         context = apply_cp(model, dims, cfg.train.seq_len)
     if dims.pp > 1:

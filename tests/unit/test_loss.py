@@ -1,0 +1,85 @@
+"""The chunked output projection + cross-entropy (models/loss.py): exact against the plain
+loss, and never holding the logits of the whole batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardline.config import load_config
+from shardline.errors import ConfigError
+from shardline.models.llama import Llama, ModelArgs
+from shardline.models.loss import IGNORE_INDEX, LinearCrossEntropy, cross_entropy_sum
+
+VOCAB, BATCH, SEQ = 300, 2, 20
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = Llama(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, ffn_dim=64))
+    model.init_weights(seed=3)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels[0, :7] = IGNORE_INDEX  # a prompt the loss skips
+    return model, ids, labels
+
+
+def _loss_and_grads(model, ids, labels, chunk: int | None):
+    """Mean loss and every gradient; chunk None: logits out of the model, scored outside it."""
+    model.zero_grad(set_to_none=True)
+    model.loss = LinearCrossEntropy(chunk or 0)
+    total = cross_entropy_sum(model(ids), labels) if chunk is None else model(ids, labels=labels)
+    loss = total / (labels != IGNORE_INDEX).sum()
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 7, 16, 64])
+def test_chunked_loss_has_the_gradients_of_the_plain_loss(setup, chunk):
+    model, ids, labels = setup
+    want_loss, want = _loss_and_grads(model, ids, labels, None)
+    got_loss, got = _loss_and_grads(model, ids, labels, chunk)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-6)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_wrong_gradient_would_be_seen(setup):
+    """The comparison above can fail: one label changed moves the output weight's gradient."""
+    model, ids, labels = setup
+    _, want = _loss_and_grads(model, ids, labels, None)
+    other = labels.clone()
+    other[1, 3] = (other[1, 3] + 1) % VOCAB
+    _, got = _loss_and_grads(model, ids, other, 7)
+    assert (got["output.weight"] - want["output.weight"]).abs().max() > 1e-4
+
+
+class LargestOutput(TorchDispatchMode):
+    """The most elements any op produced (forward and backward, recomputation included)."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("chunk, holds_all_logits", [(0, True), (8, False)])
+def test_chunked_loss_never_makes_the_logits_of_the_batch(setup, chunk, holds_all_logits):
+    model, ids, labels = setup
+    model.loss = LinearCrossEntropy(chunk)
+    with LargestOutput() as mode:
+        model(ids, labels=labels).backward()
+    model.zero_grad(set_to_none=True)
+    assert (mode.largest >= BATCH * SEQ * VOCAB) == holds_all_logits
+
+
+def test_loss_chunk_tokens_must_not_be_negative():
+    with pytest.raises(ConfigError, match="train.loss_chunk_tokens"):
+        load_config(None, ["train.loss_chunk_tokens=-1"]).check_sections()
