@@ -26,8 +26,8 @@ from shardline.interop.weights import load_starting_weights
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.factory import args_to_json
 from shardline.models.flops import flops_per_token
-from shardline.models.loss import cross_entropy_sum
 from shardline.models.llama.parallelize import build_model
+from shardline.models.loss import cross_entropy_sum
 from shardline.models.moe.parallelize import build_model as build_moe_model
 from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
 from shardline.parallel.collectives import clip_grad_norm, local_value, loss_context, reduce_over

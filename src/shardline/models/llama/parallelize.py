@@ -31,8 +31,8 @@ from torch.distributed.tensor.parallel import (
 from shardline.config import Config
 from shardline.layout import V_SHAPED
 from shardline.models.factory import build_meta_model
-from shardline.models.loss import LinearCrossEntropy
 from shardline.models.llama.model import FeedForward, Llama, ModelArgs
+from shardline.models.loss import LinearCrossEntropy
 from shardline.parallel.activation_checkpoint import apply_ac
 from shardline.parallel.context.attention import ContextParallel
 from shardline.parallel.context.sharding import SequenceSplit
