@@ -13,6 +13,7 @@ as the trainer and never imports the trainer. The modules, from the bottom up:
     estimate.py     one layout -> step time, tokens/s, MFU, memory, breakdown
     search.py       enumerate layouts, prune, rank (`shardline plan`)
     report.py       the tables and JSON of `plan` and `estimate`
+    published.py    published GPU runs (validation/gpu_runs.toml) predicted and compared
     calibrate/      measure this machine (`shardline calibrate`): run.py fits and writes
                     the profile from ops.py (compute, memory traffic), comm.py (gloo
                     collectives), dist.py (TP/FSDP2 wrapper host time) and corun.py

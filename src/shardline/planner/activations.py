@@ -154,6 +154,22 @@ def layer_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, m
     raise ValueError(f"unknown activation checkpointing mode {mode!r}")
 
 
+def gpt_layer_bytes_per_token(h: int, a: int, seq_len: int, tp: int, sp: bool, mode: str, every: int,
+                              residual_bytes: int = 2) -> float:
+    """Korthikanti's GPT block under an AC mode, with its attention scores not kept (their
+    selective recompute, which a flash kernel does anyway): 34·h/t per token under SP.
+
+    none / op: the whole block; full: its input; selective: every `every`-th block full.
+    """
+    whole = block_bytes_per_token(gpt_block(h, a, seq_len), tp, sp, megatron_sp=True, drop_scores=True)
+    boundary = boundary_bytes_per_token(h=h, tp=tp, sp=sp, value_bytes=residual_bytes)
+    if mode == "full":
+        return boundary
+    if mode == "selective":
+        return boundary / every + whole * (1 - 1 / every)
+    return whole
+
+
 def recompute_transient_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, mode: str) -> float:
     """Extra bytes while one checkpointed layer is recomputed in backward (its full activations)."""
     if mode in ("full", "selective"):

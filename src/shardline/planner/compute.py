@@ -154,12 +154,52 @@ def elementwise_bytes_per_token(work: Workload, tp: int, sp: bool) -> float:
     """
     m, c = work.model, dtype_bytes(work.precision)
     h, q, kv, f = m.dim, m.n_heads * m.head_size, m.kv_heads * m.head_size, ffn_width(m)
+    if work.runtime.fused_elementwise:
+        return fused_elementwise_bytes_per_token(work, tp, sp)
     mixed = work.precision != "fp32"
     seq_region = (2 * 28 * h + 2 * (8 + c) * h) / (tp if sp else 1)
     casts = 5 * (4 + c) * h if mixed else 0.0
     rope = (6 * c + 24) * (q + kv) / tp
     repeat = 4 * c * q / tp if m.kv_heads != m.n_heads else 0.0
     return seq_region + casts + rope + repeat + 5 * c * f / tp
+
+
+def fused_elementwise_bytes_per_token(work: Workload, tp: int, sp: bool) -> float:
+    """Forward bytes of a block's memory-bound ops when each is one fused kernel (Runtime.fused_elementwise).
+
+    Two norms (read and write the residual width r: 2rh each), two bias-dropout-residual
+    adds (read two, write one, a 1-byte mask: (3r + 1)h each), the MLP activation (read the
+    gate and up halves, write the product: 3c·f, which for a GeLU of 4h equals read 4h and
+    write 4h), and RoPE on q and k (read and write, c each) for a Llama block; a GPT block
+    has none. No casts: weights and activations stay in the compute dtype.
+    """
+    m, c, r = work.model, dtype_bytes(work.precision), work.runtime.residual_bytes
+    h, q, kv, f = m.dim, m.n_heads * m.head_size, m.kv_heads * m.head_size, ffn_width(m)
+    seq_region = (2 * 2 * r + 2 * (3 * r + 1)) * h / (tp if sp else 1)
+    rope = 0.0 if work.runtime.block == "gpt" else 2 * c * (q + kv) / tp
+    return seq_region + rope + 3 * c * f / tp
+
+
+# Bytes per attention score of a math kernel's forward (Runtime.attention = "math"): the
+# fused scale-mask-softmax reads and writes it (2c), dropout reads it, writes it and a
+# 1-byte mask (2c + 1). Megatron's GPT block, as Korthikanti et al. count its activations.
+def math_score_bytes(c: int) -> float:
+    return 4 * c + 1
+
+
+def math_attention(work: Workload, layout: Layout, hw: Hardware, tokens: int, share_: float) -> tuple[float, float]:
+    """(GEMM seconds, score bytes moved) of a math attention kernel per block and micro-batch.
+
+    QK^T and AV are batched GEMMs of s x s x head_dim per head, priced on the matmul curve;
+    every score is computed (the causal mask is applied, not skipped). The score tensors
+    (heads/tp x s per token) are element-wise traffic, so a long sequence or a thin model
+    pays for them where a flash kernel does not.
+    """
+    m, s = work.model, work.seq_len
+    d, heads = m.head_size, m.n_heads / layout.tp
+    flops = 4.0 * tokens * s * d * heads
+    gemm = flops / (hw.peak(work.precision) * share_ * matmul_efficiency(hw, work.precision, s, s, d))
+    return gemm, math_score_bytes(dtype_bytes(work.precision)) * heads * s * tokens
 
 
 def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
@@ -178,10 +218,15 @@ def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
     chunk = s // layout.cp  # ring attention runs cp kernels of s/cp queries x s/cp keys
     attn = attn_flops / (hw.peak(dtype) * sh * attention_efficiency(hw, dtype, chunk, chunk))
     bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * sh_mem
+    if work.runtime.attention == "math":
+        attn, score_bytes = math_attention(work, layout, hw, tokens, sh)
+        attn_elem = score_bytes / bw
+    else:
+        attn_elem = 0.0
     # Ring attention merges each partial result into the running output and logsumexp.
     attn += (layout.cp - 1) * 8 * dtype_bytes(dtype) * q_width * tokens / bw
-    elem = elementwise_bytes_per_token(work, layout.tp, layout.sp) * tokens / bw
-    if work.precision != "fp32" and layout.dp_mode not in ("fsdp", "zero2", "hsdp"):
+    elem = elementwise_bytes_per_token(work, layout.tp, layout.sp) * tokens / bw + attn_elem
+    if work.precision != "fp32" and work.runtime.weight_casts and layout.dp_mode not in ("fsdp", "zero2", "hsdp"):
         # Autocast casts each fp32 weight to the compute dtype once per forward (read 4, write 2
         # bytes); FSDP's mixed precision casts while gathering instead.
         elem += 6 * layer_params(work, layout.tp) / bw

@@ -18,7 +18,8 @@ Which communication overlaps with compute, stated once here and used below:
     ZeRO-1              gradient reduce-scatter like DDP; the parameter all-gather after
                         the optimizer step is exposed
     (CPU ranks that keep every core busy overlap nothing: gloo copies with the CPU)
-    TP collectives      exposed (on the critical path: eager DTensor, no async TP)
+    TP collectives      exposed (on the critical path: eager DTensor, no async TP); a
+                        program that overlaps backward's (Runtime.tp_backward_overlap) hides that share
     CP ring exchange    overlapped with the attention of the chunk in hand; excess exposed
     EP all-to-all       exposed (MoE models only); under DualPipeV hidden behind the paired
                         micro-batch's compute
@@ -183,11 +184,12 @@ def _tp_layer(work: Workload, layout: Layout, hw: Hardware, rec_mm: float) -> fl
         return 0.0
     g, net = comm.group(layout.tp, 1, hw.network.gpus_per_node), hw.network
     elems = _tokens(work, layout) * work.model.dim
-    c = dtype_bytes(work.precision)
+    c, r = dtype_bytes(work.precision), work.runtime.residual_bytes
     if layout.sp:
-        fwd = bwd = comm.all_gather(4 * elems, g, net)[0] + comm.reduce_scatter(c * elems, g, net)[0]
+        fwd = bwd = comm.all_gather(r * elems, g, net)[0] + comm.reduce_scatter(c * elems, g, net)[0]
     else:
-        fwd, bwd = comm.all_reduce(c * elems, g, net)[0], comm.all_reduce(4 * elems, g, net)[0]
+        fwd, bwd = comm.all_reduce(c * elems, g, net)[0], comm.all_reduce(r * elems, g, net)[0]
+    bwd *= 1.0 - work.runtime.tp_backward_overlap  # Runtime: the share hidden under weight-gradient GEMMs
     return 2 * (fwd + bwd) + 2 * rec_mm * fwd  # attention and MLP; a recomputed forward repeats its part
 
 
@@ -210,7 +212,7 @@ def _tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages) ->
         return wall
     g, net = comm.group(layout.tp, 1, hw.network.gpus_per_node), hw.network
     tokens = _tokens(work, layout)
-    one = comm.all_reduce(4 * tokens * work.model.dim, g, net)[0]
+    one = comm.all_reduce(work.runtime.residual_bytes * tokens * work.model.dim, g, net)[0]
     loss = 3 * comm.all_reduce(4 * tokens, g, net)[0] if layout.loss_parallel else 0.0
     heads = int(stage.first) + int(stage.last)
     return heads * 2 * one + (loss if stage.last else 0.0)
@@ -323,12 +325,20 @@ def _block_gather_scatter(work: Workload, layout: Layout, hw: Hardware, g, per_l
 
 
 def _pp_p2p(work: Workload, layout: Layout, hw: Hardware) -> float:
-    """Send the fp32 residual stream forward and its gradient back, per virtual stage."""
+    """Send the residual stream (fp32 here) forward and its gradient back, per virtual stage.
+
+    With Runtime.pp_scatter_gather (Megatron) each TP rank sends only its 1/tp slice and
+    the receiving stage all-gathers it over NVLink; sequence parallelism has it sliced already.
+    """
     if layout.pp == 1:
         return 0.0
-    size = 4 * _tokens(work, layout) * work.model.dim / (layout.tp if layout.sp else 1)
+    size = work.runtime.residual_bytes * _tokens(work, layout) * work.model.dim / (layout.tp if layout.sp else 1)
     crosses = layout.world // layout.pp >= hw.network.gpus_per_node
-    return 2 * layout.pp_virtual_stages * comm.p2p(size, crosses, hw.network)
+    gather = 0.0
+    if work.runtime.pp_scatter_gather and layout.tp > 1 and not layout.sp:
+        gather = comm.all_gather(size, comm.group(layout.tp, 1, hw.network.gpus_per_node), hw.network)[0]
+        size /= layout.tp
+    return 2 * layout.pp_virtual_stages * (comm.p2p(size, crosses, hw.network) + gather)
 
 
 def _offload(work: Workload, layout: Layout, hw: Hardware) -> float:

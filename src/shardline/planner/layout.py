@@ -21,6 +21,30 @@ from shardline.models.llama import ModelArgs
 
 
 @dataclass(frozen=True)
+class Runtime:
+    """How the training program runs a block: the implementation traits the cost model prices.
+
+    The defaults describe shardline's eager trainer. A published run on another system
+    (planner/validation/gpu_runs.toml: Megatron-LM's fused kernels, 16-bit residual stream,
+    contiguous gradient buffer) states what it does differently; each field is a fact
+    about a system, set for every run of that system, never a per-run fit.
+    """
+
+    residual_bytes: int = 4  # residual stream, TP gathers of it and PP sends: fp32 here (the embedding is fp32)
+    fused_elementwise: bool = False  # norms, bias-dropout-residual adds and the MLP activation fused: one
+    # read and one write each in the compute dtype (Megatron's fused kernels, or a compiler), no casts
+    weight_casts: bool = True  # autocast casts every fp32 weight each forward; False: 16-bit weights kept
+    grad_bytes: int = 4  # gradient bytes per parameter (fp32 here; Megatron: the compute dtype)
+    ddp_grad_copy: bool = True  # torch DDP's reducer buckets copy every gradient; False: reduced in place
+    tp_backward_overlap: float = 0.0  # share of the backward TP collectives hidden under the weight-gradient
+    # GEMMs (Megatron with sequence parallelism overlaps them; eager DTensor does not: 0)
+    pp_scatter_gather: bool = False  # TP ranks each send 1/tp of a stage's output, all-gathered over NVLink
+    block: str = "llama"  # activation accounting: "llama" (shardline's, counted) or "gpt" (Korthikanti's)
+    attention: str = "flash"  # "flash": fused kernel (SDPA); "math": QK^T and AV GEMMs with the scores
+    # materialised (softmax and dropout over heads x s per token: Megatron before flash attention)
+
+
+@dataclass(frozen=True)
 class Workload:
     model: ModelArgs
     seq_len: int
@@ -29,6 +53,7 @@ class Workload:
     document_mask: bool = True  # the trainer's default: an explicit mask, so no causal-skipping kernel
     model_ref: str = ""  # preset name or HF folder, for the emitted config
     vocab_from_tokenizer: bool = False  # the preset sizes its vocabulary to the tokenizer
+    runtime: Runtime = Runtime()  # the implementation: shardline's eager trainer unless stated
 
     @property
     def tokens(self) -> int:

@@ -115,7 +115,7 @@ def state_bytes(work: Workload, layout: Layout, psi: float) -> dict[str, float]:
     else:
         p = 4.0 if stage in (1, 2) else 0.0
     o = 8.0 if (stage == 1 and not mixed) else 12.0
-    return zero_model_states(psi, layout.shard_degree, stage, p, 4.0, o)
+    return zero_model_states(psi, layout.shard_degree, stage, p, float(work.runtime.grad_bytes), o)
 
 
 def offloaded(states: dict[str, float], layout: Layout) -> tuple[dict[str, float], float]:
@@ -143,31 +143,43 @@ def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.
         # FSDP: gathered compute-dtype weights of the current and the prefetched block
         # (zero=3), plus one block's unsharded gradient and its fp32 reduce-scatter input.
         out += (2 * c * per_layer if stage == 3 else 0.0) + (c + 4) * per_layer + (c + 4) * root
-    elif layout.dp > 1:
+    elif layout.dp > 1 and work.runtime.ddp_grad_copy:
         out += 4 * psi
-    h = work.model.dim
+    h, r = work.model.dim, work.runtime.residual_bytes
     if layout.tp > 1:
-        out += (4 + c) * tokens * h  # the all-gathered fp32 sequence entering a TP region, a partial output
+        out += (r + c) * tokens * h  # the all-gathered (fp32) sequence entering a TP region, a partial output
     if layout.pp > 1:
-        out += 4 * 4 * tokens * h / (layout.tp if layout.sp else 1)  # fp32 send/recv, forward and backward
+        out += 4 * r * tokens * h / (layout.tp if layout.sp else 1)  # send/recv, forward and backward
     return out
 
 
 def activation_bytes(work: Workload, layout: Layout, stage: RankStages) -> dict[str, float]:
     m, s = work.model, work.seq_len
     tokens = layout.micro_batch_size * s // layout.cp
-    mode, every = layout.activation_checkpoint, layout.ac_every
-    per_layer = act.layer_bytes_per_token(m, work.precision, layout.tp, layout.sp, mode, every) * tokens
+    mode = layout.activation_checkpoint
+    per_layer = _layer_bytes_per_token(work, layout) * tokens
     inflight = inflight_on_rank(layout.pp_schedule, layout.pp, layout.pp_microbatches, layout.pp_virtual_stages,
                                 stage.rank)
     mask = layout.micro_batch_size * (s // layout.cp) * s if work.document_mask else 0.0
-    out = {"activations": inflight * (stage.layers * per_layer + mask),
-           "recompute": act.recompute_transient_bytes_per_token(m, work.precision, layout.tp, layout.sp,
-                                                                mode) * tokens}
+    if work.runtime.block == "gpt":
+        whole = act.gpt_layer_bytes_per_token(m.dim, m.n_heads, s, layout.tp, layout.sp, "none", 1)
+        transient = whole if mode in ("full", "selective") else 0.0
+    else:
+        transient = act.recompute_transient_bytes_per_token(m, work.precision, layout.tp, layout.sp, mode)
+    out = {"activations": inflight * (stage.layers * per_layer + mask), "recompute": transient * tokens}
     c = act.dtype_bytes(work.precision)
     out["logits"] = ((act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel)
                       + (8 + c) * m.dim / (layout.tp if layout.sp else 1)) * tokens if stage.last else 0.0)
     return out
+
+
+def _layer_bytes_per_token(work: Workload, layout: Layout) -> float:
+    """Activation bytes per token of one block: shardline's Llama block, or (Runtime.block) Korthikanti's GPT."""
+    m, mode, every = work.model, layout.activation_checkpoint, layout.ac_every
+    if work.runtime.block == "gpt":
+        return act.gpt_layer_bytes_per_token(m.dim, m.n_heads, work.seq_len, layout.tp, layout.sp, mode, every,
+                                             work.runtime.residual_bytes)
+    return act.layer_bytes_per_token(m, work.precision, layout.tp, layout.sp, mode, every)
 
 
 def peak_candidates(work: Workload, layout: Layout) -> list[RankStages]:
