@@ -113,7 +113,20 @@ def preflight(cfg: Config, world: int, tokenizer_vocab: int) -> Preflight:
         # Rotary positions extend to any length; the recorded maximum (checkpoints, HF
         # config.json) follows what the model is trained on.
         args = dataclasses.replace(args, max_seq_len=cfg.train.seq_len)
+    check_compile(cfg, args)
     return Preflight(check_layout(cfg, world, args), args)
+
+
+def check_compile(cfg: Config, args: ModelArgs) -> None:
+    """What train.compile (per-block, parallel/compile.py) does not build: one line, never a silent eager run."""
+    if not cfg.train.compile:
+        return
+    if cfg.parallel.tp > 1:
+        raise ConfigError(f"train.compile=true with parallel.tp={cfg.parallel.tp} is not built (compiled "
+                          "tensor-parallel blocks fail in backward on torch 2.13); use train.compile=false or tp=1")
+    if args.n_experts:
+        raise ConfigError("train.compile=true with a mixture-of-experts model is not built (the grouped-GEMM "
+                          "experts do not compile in fp32 on torch 2.13; bf16 untested); use train.compile=false")
 
 
 def check_resume(cfg: Config) -> Path | None:

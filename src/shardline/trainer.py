@@ -27,7 +27,6 @@ from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.factory import args_to_json
 from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
-from shardline.models.loss import cross_entropy_sum
 from shardline.models.moe.parallelize import build_model as build_moe_model
 from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
 from shardline.parallel.collectives import clip_grad_norm, local_value, loss_context, reduce_over
@@ -81,9 +80,10 @@ class Trainer:
         built = build(cfg, self.model_args, self.dims, self.device)
         load_starting_weights(cfg.model, built.model, sharded=self.proc.world_size > 1)
         # The parameters (optimizer, checkpoints, clipping), and how to run them: a module
-        # to call (DDP-wrapped or not, compiled or not) or, under pp, the pipeline schedule.
+        # to call (DDP-wrapped or not; train.compile compiled its blocks) or, under pp, the
+        # pipeline schedule.
         self.model, self.pipeline, self.context = built.model, built.pipeline, built.context
-        self.forward = torch.compile(built.forward) if cfg.train.compile and built.forward else built.forward
+        self.forward = built.forward
         if self.pipeline is not None:
             pp_group = self.dims.submesh("pp").get_group()
             self.pipeline.build_schedule(self.device, pp_group, self._pipeline_loss)
@@ -403,7 +403,7 @@ class Trainer:
     def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
         """A micro-batch's share of the global mean, scaled as forward_backward scales it
         (the last stage's output: logits, or the summed loss it computed itself)."""
-        loss_sum = output.sum() if self._loss_in_model else cross_entropy_sum(output, labels)
+        loss_sum = output.sum() if self._loss_in_model else self.model.loss.score(output, labels)
         return self.scaler.scale(loss_sum / n_tokens)
 
     @property
@@ -420,7 +420,7 @@ class Trainer:
             if self._loss_in_model:
                 return self.forward(batch["input_ids"], doc_ids, batch.get("positions"), labels=batch["labels"])
             logits = self.forward(batch["input_ids"], doc_ids, batch.get("positions"))
-        return cross_entropy_sum(logits, batch["labels"])
+        return self.model.loss.score(logits, batch["labels"])
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
@@ -466,7 +466,7 @@ class Trainer:
                                                  self.dims.submesh("pp").get_group(), self._loss_in_model)
             if out is None:
                 return torch.zeros((), device=self.device)
-            return local_value(out.sum() if self._loss_in_model else cross_entropy_sum(out, batch["labels"]))
+            return local_value(out.sum() if self._loss_in_model else self.model.loss.score(out, batch["labels"]))
 
     def save_checkpoint(self) -> Path | None:
         self.report_device_anomalies()  # the saved detector state and events agree

@@ -17,6 +17,7 @@ Nothing here knows about process groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,26 +27,30 @@ from torch.utils.checkpoint import checkpoint
 IGNORE_INDEX = -100  # labels the loss skips (the data layer pads and masks with it)
 
 
-@dataclass(frozen=True)
-class LinearCrossEntropy:
-    """Summed fp32 cross-entropy of `head(hidden)` against labels; 0 chunk tokens = all at once."""
-
-    chunk_tokens: int = 0
-
-    def __call__(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-        if self.chunk_tokens <= 0:
-            return cross_entropy_sum(head(hidden), labels)
-        return chunked_cross_entropy_sum(hidden, head, labels, self.chunk_tokens)
-
-
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over labelled tokens, in fp32 whatever the compute dtype."""
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
 
-def chunked_cross_entropy_sum(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
-                              chunk_tokens: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class LinearCrossEntropy:
+    """Summed fp32 cross-entropy of `head(hidden)` against labels; 0 chunk tokens = all at once.
+
+    `score(logits, labels)` turns logits into the summed loss (a compiled plan passes a
+    compiled cross_entropy_sum)."""
+
+    chunk_tokens: int = 0
+    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
+
+    def __call__(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        if self.chunk_tokens <= 0:
+            return self.score(head(hidden), labels)
+        return chunked_cross_entropy_sum(hidden, head, labels, self.chunk_tokens, self.score)
+
+
+def chunked_cross_entropy_sum(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunk_tokens: int,
+                              score: Callable = cross_entropy_sum) -> torch.Tensor:
     """cross_entropy_sum(head(hidden), labels), `chunk_tokens` tokens at a time.
 
     hidden [..., dim], labels [...]. Each chunk runs under non-reentrant checkpointing,
@@ -56,10 +61,10 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, head: nn.Module, labels: tor
     tokens, targets = hidden.flatten(0, -2), labels.flatten()
     total = None
     for h, y in zip(tokens.split(chunk_tokens), targets.split(chunk_tokens)):
-        part = checkpoint(_chunk_loss, h, head, y, use_reentrant=False, preserve_rng_state=False)
+        part = checkpoint(_chunk_loss, h, head, y, score, use_reentrant=False, preserve_rng_state=False)
         total = part if total is None else total + part
     return total
 
 
-def _chunk_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-    return cross_entropy_sum(head(hidden), labels)
+def _chunk_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, score: Callable) -> torch.Tensor:
+    return score(head(hidden), labels)

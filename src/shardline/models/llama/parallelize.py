@@ -34,6 +34,7 @@ from shardline.models.factory import build_meta_model
 from shardline.models.llama.model import FeedForward, Llama, ModelArgs
 from shardline.models.loss import LinearCrossEntropy
 from shardline.parallel.activation_checkpoint import apply_ac
+from shardline.parallel.compile import apply_compile
 from shardline.parallel.context.attention import ContextParallel
 from shardline.parallel.context.sharding import SequenceSplit
 from shardline.parallel.data_parallel import apply_ddp, apply_fsdp
@@ -73,6 +74,8 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     if family_plan is not None:
         family_plan(model)
     apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
+    if cfg.train.compile:  # after AC (compiled with the block), before FSDP (its hooks stay outside)
+        apply_compile(model)
     use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1
     if dims.dp * dims.cp > 1 and not use_ddp and not dims.zero1_scatters:  # that optimizer reduces (zero1.py)
         roots = pipeline.modules if pipeline else [model]
