@@ -7,7 +7,7 @@ regrouping by expert (a mis-ordered combine), and expert gradients summed over t
 group as if the experts were data-parallel replicas (the wrong group).
 
 Then whole runs: MoE training (balance loss, z-loss and the bias update all on,
-dropless) under ep, ep x FSDP, ep x HSDP, ep x pp, ep x cp, ep x tp, tp, pp, cp and
+dropless) under ep, ep x FSDP, ep x pp, ep x cp, ep x tp, tp, pp, cp and
 activation checkpointing gives the single process's losses and final weights, also when a run is
 resumed under another ep.
 """
@@ -131,7 +131,6 @@ MOE_2 = {
 }
 MOE_4 = {
     "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
-    "ep2_hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"],
     "ep2_pp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.pp=2"],
     "ep2_cp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2"],  # expert grads sum over cp too
     "ep2_tp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2"],  # experts over ep x tp
