@@ -189,3 +189,15 @@ def test_search_ranks_expert_parallel_layouts_that_the_trainer_runs():
     assert eps >= {1, 2, 4, 8}, eps  # 8 experts, 8 GPUs per node
     best_ep = max((e for e in result.candidates if e.layout.ep == 8), key=lambda e: e.tokens_per_s)
     assert best_ep.breakdown["ep_comm"] > 0
+
+
+def test_zero1_under_tp_or_pp_reduces_after_backward_and_chunked_loss_holds_less():
+    w8 = Workload(PRESETS["llama3-8b"], 4096, 256, "bf16", document_mask=False)
+    plain = estimate(w8, Layout(dp_shard=32, zero=1, micro_batch_size=1, activation_checkpoint="full"), H100)
+    tp = estimate(w8, Layout(dp_shard=16, tp=2, zero=1, micro_batch_size=1, activation_checkpoint="full"), H100)
+    assert plain.breakdown["dp_comm"] < plain.info["dp_comm_total_s"]  # DDP's buckets overlap backward
+    assert tp.breakdown["dp_comm"] == pytest.approx(tp.info["dp_comm_total_s"], abs=1e-6)  # after backward
+    lay = Layout(dp_shard=32, micro_batch_size=2, activation_checkpoint="full")
+    whole = estimate(w8, lay, H100).memory["logits"]
+    chunked = estimate(dataclasses.replace(w8, loss_chunk_tokens=1024), lay, H100).memory["logits"]
+    assert chunked < whole / 4  # 1024 of 8192 tokens' logits at a time; the hidden states stay

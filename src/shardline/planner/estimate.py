@@ -361,6 +361,8 @@ def _dp_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float
         total, algo = op(4 * psi, g, net)
         bucket = op(min(DDP_BUCKET_BYTES, 4 * psi), g, net)[0]
         exposed = max(0.0, total - hide * slow["compute"] * 2 / 3) + hide * bucket
+        if mode == "zero1" and (layout.tp > 1 or layout.pp > 1):
+            exposed = total  # no DDP wrapper there: the optimizer reduce-scatters after the last backward
         if mode == "zero1":
             gather, _ = comm.all_gather(4 * psi, g, net)
             exposed, total = exposed + gather, total + gather

@@ -54,6 +54,7 @@ class Workload:
     model_ref: str = ""  # preset name or HF folder, for the emitted config
     vocab_from_tokenizer: bool = False  # the preset sizes its vocabulary to the tokenizer
     runtime: Runtime = Runtime()  # the implementation: shardline's eager trainer unless stated
+    loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: the logits of this many tokens at a time (0: all)
 
     @property
     def tokens(self) -> int:

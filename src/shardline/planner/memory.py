@@ -168,8 +168,11 @@ def activation_bytes(work: Workload, layout: Layout, stage: RankStages) -> dict[
         transient = act.recompute_transient_bytes_per_token(m, work.precision, layout.tp, layout.sp, mode)
     out = {"activations": inflight * (stage.layers * per_layer + mask), "recompute": transient * tokens}
     c = act.dtype_bytes(work.precision)
+    # A chunked loss holds one chunk's logits at a time (and the hidden states of all tokens).
+    logit_tokens = min(tokens, work.loss_chunk_tokens) if work.loss_chunk_tokens else tokens
     out["logits"] = ((act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel)
-                      + (8 + c) * m.dim / (layout.tp if layout.sp else 1)) * tokens if stage.last else 0.0)
+                      * logit_tokens + (8 + c) * m.dim / (layout.tp if layout.sp else 1) * tokens)
+                     if stage.last else 0.0)
     return out
 
 
