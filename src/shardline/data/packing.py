@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from shardline.models.loss import IGNORE_INDEX  # the label the loss skips: one value for both sides
 
 
 class PackedSequences:
