@@ -94,11 +94,10 @@ def sum_gradients(module: FSDPModule) -> None:
 def gradient_sync(wrapped: nn.Module, enabled: bool):
     """Skip the DDP all-reduce on non-final micro-batches of an accumulation step.
 
-    `wrapped` is the module the trainer calls (a compiled one holds its DDP wrapper as
-    `_orig_mod`). FSDP reduce-scatters every micro-batch: holding unsharded gradients
-    instead would cost the memory that sharding saves.
+    `wrapped` is the module the trainer calls (compilation is per block, inside it). FSDP
+    reduce-scatters every micro-batch: holding unsharded gradients instead would cost the
+    memory that sharding saves.
     """
-    wrapped = getattr(wrapped, "_orig_mod", wrapped)
     if isinstance(wrapped, DistributedDataParallel) and not enabled:
         return wrapped.no_sync()
     return contextlib.nullcontext()
