@@ -126,7 +126,6 @@ MOE = ["model.preset=tiny-moe", "moe.num_experts=4", "moe.expert_ffn_dim=32", "m
 MOE_2 = {
     "ep2_ac_full": ["parallel.dp_shard=2", "parallel.ep=2", "memory.activation_checkpoint=full"],
     "pp2_1f1b": ["parallel.pp=2"],
-    "cp2_ring": ["parallel.cp=2"],
     "tp2_sp": ["parallel.tp=2"],  # experts split over tp, shared experts by columns/rows
 }
 MOE_4 = {
