@@ -350,6 +350,9 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
                       "parallel ranks for experts is not built")
     if lay.ep > 1 and lay.zero == 1:
         return "ep", "parallel.ep > 1 with zero=1 is not built: experts are sharded by FSDP; use zero=2 or zero=3"
+    if lay.tp > 1 and lay.zero == 1 and lay.dp_shard > 1:
+        return "zero1", ("parallel.zero=1 with tp > 1 and a mixture-of-experts model is not built: experts split "
+                         "over tp are sharded by FSDP; use zero=2 or zero=3")
     return None
 
 

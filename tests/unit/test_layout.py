@@ -78,6 +78,8 @@ def test_invalid_layouts(world, overrides, message):
     (4, ["model.preset=tiny-moe", "moe.num_experts=6", "parallel.tp=2", "parallel.ep=2", "parallel.dp_shard=2"],
      "parallel.ep=2 x tp=2 must divide the 6 experts"),
     (2, ["model.preset=tiny-moe", "parallel.ep=2", "parallel.zero=1"], "ep > 1 with zero=1 is not built"),
+    (4, ["model.preset=tiny-moe", "parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=1"],
+     "zero=1 with tp > 1 and a mixture-of-experts model is not built"),
     (2, ["model.preset=tiny-moe", "moe.top_k=9"], "moe top_k=9 must be in 1..n_experts=8"),
     (1, ["moe.top_k=2"], "missing moe.num_experts, moe.expert_ffn_dim"),
 ])
