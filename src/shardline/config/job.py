@@ -13,6 +13,7 @@ from shardline.config.resilience import AnomalyConfig, FaultsConfig, WatchdogCon
 from shardline.config.sections import (
     CheckpointConfig,
     DataConfig,
+    Float8Config,
     MemoryConfig,
     MetricsConfig,
     ModelConfig,
@@ -31,6 +32,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    fp8: Float8Config = field(default_factory=Float8Config)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from shardline.errors import require
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+ATTENTION_KERNELS = ("auto", "sdpa", "flex", "varlen")
+FP8_RECIPES = ("tensorwise", "rowwise")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 
 
@@ -105,10 +107,11 @@ class TrainConfig:
     global_batch_size: int = 16  # sequences per optimizer step, over all ranks
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
     seed: int = 1234
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (bf16 autocast, Linear layers in float8; see [fp8])
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     compile: bool = False
     document_mask: bool = True  # tokens attend only within their own packed document
+    attention: str = "auto"  # auto | sdpa (dense mask) | flex (FlexAttention block mask) | varlen (cu_seqlens)
     loss_chunk_tokens: int = 0  # output projection + cross-entropy this many tokens at a time; 0 = all at once
     eval_interval: int = 50  # 0 disables evaluation
     eval_batches: int = 4
@@ -119,6 +122,8 @@ class TrainConfig:
         for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
             _require(getattr(self, key) > 0, f"train.{key}", getattr(self, key), "must be > 0")
         _require(self.precision in PRECISIONS, "train.precision", self.precision, f"one of {', '.join(PRECISIONS)}")
+        _require(self.attention in ATTENTION_KERNELS, "train.attention", self.attention,
+                 f"one of {', '.join(ATTENTION_KERNELS)}")
         _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0 (0 disables)")
         _require(self.eval_interval >= 0, "train.eval_interval", self.eval_interval, "must be >= 0 (0 disables)")
         _require(self.eval_batches > 0, "train.eval_batches", self.eval_batches, "must be > 0")
@@ -219,12 +224,16 @@ class MetricsConfig:
     progress: str = "auto"  # auto (rich on a terminal, plain lines otherwise) | rich | plain | none
     tensorboard: bool = True
     peak_tflops: float = 0.0  # per device; 0 = from the device table
+    profile_steps: list[int] = field(default_factory=list)  # [first, last]: a profiler trace (+ CUDA memory snapshot)
 
     def check(self) -> None:
         _require(self.log_interval > 0, "metrics.log_interval", self.log_interval, "must be > 0")
         modes = ("auto", "rich", "plain", "none")
         _require(self.progress in modes, "metrics.progress", self.progress, f"one of {', '.join(modes)}")
         _require(self.peak_tflops >= 0, "metrics.peak_tflops", self.peak_tflops, "must be >= 0 (0 = table)")
+        steps = self.profile_steps
+        _require(not steps or (len(steps) == 2 and 1 <= steps[0] <= steps[1]), "metrics.profile_steps", steps,
+                 "empty, or [first, last] with 1 <= first <= last (e.g. [5, 7])")
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
@@ -249,7 +258,7 @@ class ParallelConfig:
     cp_mode: str = "ring"  # ring (K/V blocks pass around) | ulysses (all-to-all to heads) | hybrid (both)
     cp_ulysses: int = 0  # hybrid only: the all-to-all (head) part U of cp; cp / U ranks form the ring
     cp_balance: str = "zigzag"  # zigzag (rank i holds chunks i and 2R-1-i: equal causal work) | none
-    ep: int = 1  # expert parallel (not implemented: must be 1)
+    ep: int = 1  # expert parallel: MoE experts split over ep ranks borrowed from dp_shard
     sequence_parallel: bool = True  # with tp > 1: shard the norm regions along the sequence
     loss_parallel: bool = True  # with tp > 1: cross-entropy on vocab-sharded logits
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv | dualpipev
@@ -276,8 +285,20 @@ class MemoryConfig:
     activation_checkpoint: str = "none"  # none | full | selective (every ac_every-th block) | op
     ac_every: int = 2
     cpu_offload: bool = False  # FSDP2 CPU offload of parameters, gradients and optimizer states
+    expandable_segments: bool = True  # CUDA allocator: grow segments instead of fragmenting (env wins if set)
 
     def check(self) -> None:
         _require(self.activation_checkpoint in AC_MODES, "memory.activation_checkpoint",
                  self.activation_checkpoint, f"one of {', '.join(AC_MODES)}")
         _require(self.ac_every >= 1, "memory.ac_every", self.ac_every, "must be >= 1")
+
+
+@dataclass
+class Float8Config:
+    """train.precision = "fp8": Linear layers run their matmuls in float8 (Hopper and newer)."""
+
+    recipe: str = "tensorwise"  # tensorwise (one scale per tensor) | rowwise (one per row: more accurate, slower)
+    fsdp_all_gather: bool = True  # tensorwise: FSDP gathers parameters already cast to float8 (half the bytes)
+
+    def check(self) -> None:
+        _require(self.recipe in FP8_RECIPES, "fp8.recipe", self.recipe, f"one of {', '.join(FP8_RECIPES)}")
