@@ -13,6 +13,18 @@ from shardline.config import Config, load_config
 from shardline.data.sources import shipped_corpus
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu are skipped, with the reason shown, on a machine without CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run benchmarks/gpu_check.sh on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     # Trained tokenizers are cached per session so tests never depend on ~/.cache.
