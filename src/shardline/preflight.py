@@ -55,6 +55,8 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(missing[1])
     if cfg.memory.cpu_offload and cfg.run.device == "cpu":
         raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
+    if cfg.train.precision == "fp8":
+        raise ConfigError("train.precision=fp8 is not built yet; use one of fp32, bf16, fp16")
 
 
 def starting_shape(m: ModelConfig) -> ModelArgs | None:
