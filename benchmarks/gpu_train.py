@@ -11,13 +11,16 @@ other in one process, memory freed in between:
                      `shardline train` runs), on batches from shardline's own data pipeline
                      (the shipped corpus, packed; causal attention, no document mask)
 * shardline-eager    the same with train.compile=false (not in the default set on GPU)
+* shardline-fp8      shardline-compile with train.precision=fp8 (torchao float8 training,
+                     [fp8] recipe; needs compute capability >= 8.9)
 * hf-eager           `transformers.LlamaForCausalLM` built from a LlamaConfig of the
                      same shape, random init, attn_implementation="sdpa", loss from
                      `labels=`; synthetic random token batches (token values do not
                      change the cost of a dense step)
 * hf-compile         the same under torch.compile
 
-Reported per variant: tokens/s over the measured steps (after warm-up, which
+Reported per variant: tokens/s, its ratio to hf-compile's and to shardline-compile's
+(when those ran in the same invocation), over the measured steps (after warm-up, which
 includes compilation), MFU = tokens/s x flops_per_token(args, seq) / peak, where
 peak is shardline.devices.peak_tflops (989 TFLOP/s bf16 on H100/H200) or
 --peak-tflops, and the peak allocated GPU memory of the variant. A variant that
@@ -55,7 +58,7 @@ from shardline.models import flops_per_token, get_preset, num_params
 from shardline.preflight import model_shape
 from shardline.models.llama import ModelArgs
 
-ALL_VARIANTS = ("shardline-compile", "shardline-eager", "hf-eager", "hf-compile")
+ALL_VARIANTS = ("shardline-compile", "shardline-eager", "shardline-fp8", "hf-eager", "hf-compile")
 TINY_SHAPE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128"]
 
 
@@ -87,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--document-mask", action="store_true",
                    help="shardline attends within packed documents (default off: plain causal, like HF)")
     p.add_argument("--data", default="", help="data.path for shardline (default: the shipped corpus)")
+    p.add_argument("--attention", default="auto", help="train.attention for shardline (auto, sdpa, flex, varlen)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="extra shardline config override for the shardline-* variants (repeatable), "
+                        "e.g. --set train.loss_chunk_tokens=8192")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
@@ -205,16 +212,19 @@ def measure(step_fn, args, name: str) -> dict:
 def run_shardline(args, compiled: bool, name: str) -> dict:
     from shardline.trainer import Trainer
 
+    precision = "fp8" if name == "shardline-fp8" else args.precision
+
     with tempfile.TemporaryDirectory(prefix="shardline-gpu-bench-") as run_dir:
         overrides = [
             *shape_overrides(args),
             f"train.seq_len={args.seq_len}", f"train.global_batch_size={args.batch}",
             f"train.micro_batch_size={args.batch}", f"train.steps={args.warmup + args.steps}",
-            f"train.precision={args.precision}", f"train.compile={'true' if compiled else 'false'}",
+            f"train.precision={precision}", f"train.compile={'true' if compiled else 'false'}",
+            f"train.attention={args.attention}",
             f"train.document_mask={'true' if args.document_mask else 'false'}", f"train.seed={args.seed}",
             "train.eval_interval=0", "checkpoint.interval=0", "metrics.progress=none", "metrics.tensorboard=false",
             f"data.path={args.data}", f"run.device={args.device}", f"run.dir={run_dir}",
-            f"data.vocab_size={data_vocab(args)}",
+            f"data.vocab_size={data_vocab(args)}", *args.set,
         ]
         trainer = Trainer(load_config(None, overrides)).build()
         try:
@@ -293,7 +303,7 @@ def is_oom(e: BaseException) -> bool:
 
 
 def run_variant(args, shape: ModelArgs, name: str) -> dict:
-    compiled = name.endswith("-compile")
+    compiled = name.endswith("-compile") or name == "shardline-fp8"
     if name.startswith("hf-"):
         if importlib.util.find_spec("transformers") is None:
             return {"status": "skipped", "error": "transformers is not installed"}
@@ -329,8 +339,9 @@ def run(args) -> tuple[dict, bool]:
             res["peak_mem_gib"] = (torch.cuda.max_memory_allocated(args.device) / 2**30
                                    if args.device.type == "cuda" else None)
         results[name] = res
-        if name.endswith("-compile"):
+        if name.endswith("-compile") or name == "shardline-fp8":
             torch._dynamo.reset()
+    add_ratios(results)
     free_memory(args.device)
     try:
         import transformers
@@ -348,11 +359,23 @@ def run(args) -> tuple[dict, bool]:
         "config": {"tiny": args.tiny, "preset": args.preset, "model_args": dataclasses.asdict(shape),
                    "params": num_params(shape), "seq_len": args.seq_len, "batch": args.batch,
                    "tokens_per_step": args.batch * args.seq_len, "precision": args.precision,
-                   "compile": args.compile, "document_mask": args.document_mask, "warmup": args.warmup,
+                   "compile": args.compile, "document_mask": args.document_mask, "attention": args.attention,
+                   "overrides": args.set, "warmup": args.warmup,
                    "steps": args.steps, "flops_per_token": fpt, "peak_tflops": peak},
         "variants": results,
     }
     return report, failed
+
+
+def add_ratios(results: dict) -> None:
+    """tokens/s of each variant over hf-compile's and shardline-compile's, measured in this same run."""
+    for base in ("hf-compile", "shardline-compile"):
+        ref = results.get(base, {})
+        if ref.get("status") != "ok":
+            continue
+        for res in results.values():
+            if res.get("status") == "ok":
+                res[f"vs_{base}"] = res["tokens_per_s"] / ref["tokens_per_s"]
 
 
 def _fmt(value, spec: str, missing: str = "-") -> str:
@@ -372,7 +395,7 @@ def format_table(rep: dict) -> str:
         f"peak {_fmt(c['peak_tflops'], '.1f', '?')} TFLOP/s",
         "",
         f"{'variant':<18} {'status':<7} {'tokens/s':>12} {'MFU':>7} {'peak GiB':>9} {'s/step':>8} "
-        f"{'warm-up s':>9} {'loss':>7}",
+        f"{'warm-up s':>9} {'loss':>7} {'vs hf-c':>8} {'vs sl-c':>8}",
     ]
     for name, r in rep["variants"].items():
         if r["status"] != "ok":
@@ -381,7 +404,8 @@ def format_table(rep: dict) -> str:
         mfu = _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f")
         lines.append(f"{name:<18} {'ok':<7} {r['tokens_per_s']:>12,.0f} {mfu + ('%' if r['mfu'] else ''):>7} "
                      f"{_fmt(r['peak_mem_gib'], '.1f', 'n/a'):>9} {r['step_s']:>8.3f} {r['warmup_s']:>9.1f} "
-                     f"{r['loss']:>7.3f}")
+                     f"{r['loss']:>7.3f} {_fmt(r.get('vs_hf-compile'), '.2f'):>8} "
+                     f"{_fmt(r.get('vs_shardline-compile'), '.2f'):>8}")
     lines.append("")
     lines.append("shardline-*: shardline's data pipeline; hf-*: synthetic random tokens (throughput only).")
     if m["device"] == "cpu":

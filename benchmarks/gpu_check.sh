@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The one script to run on a GPU machine, from a checkout of this repository:
+#
+#     benchmarks/gpu_check.sh [RESULTS_DIR]
+#
+# 1. the machine: nvidia-smi, python, torch, CUDA, transformers, torchao  -> env.txt
+# 2. the GPU tests, `pytest -m gpu` (tests/gpu: CUDA bf16 run and resume, chunked
+#    loss, compile, FSDP2 CPU offload over NCCL, attention kernels against the dense
+#    mask, fp8, allocator and profiler)                                     -> gpu-tests.txt, .xml
+# 3. benchmarks/gpu_train.py on the Llama-3.2-1B shape at seq 4096, batch 4: shardline
+#    bf16 compiled, shardline fp8, HF eager, HF compiled, in one run       -> gpu_train.json, .txt
+#
+# RESULTS_DIR defaults to $OUT when set (the device tool's folder), else results/gpu-<time>.
+# It needs nothing from a registry: it runs with the machine's python3 and its torch
+# (>= 2.11), puts src/ on PYTHONPATH, and installs torchao from benchmarks/wheels/
+# (see benchmarks/README.md) when the machine lacks it. Budgets in seconds (env):
+# TEST_BUDGET (default 240) and BENCH_BUDGET (default 330); about 8 minutes in all.
+# Extra arguments for gpu_train.py go in GPU_TRAIN_ARGS (e.g. "--set train.loss_chunk_tokens=8192").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${1:-${OUT:-results/gpu-$(date -u +%Y%m%d-%H%M%S)}}
+PY=${PYTHON:-python3}
+mkdir -p "$RESULTS"
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+status=0
+
+if ! "$PY" -c "import torchao" 2>/dev/null; then
+    if ls benchmarks/wheels/torchao-*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --target /tmp/shardline-site benchmarks/wheels/torchao-*.whl \
+            && export PYTHONPATH="$PYTHONPATH:/tmp/shardline-site"
+    else
+        echo "gpu_check: torchao is missing and benchmarks/wheels/ has no wheel: the fp8 checks will fail" >&2
+    fi
+fi
+
+{
+    date -u
+    nvidia-smi || true
+    "$PY" - <<'EOF'
+import importlib, platform, torch
+print("python", platform.python_version())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+for name in ("transformers", "torchao", "triton"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as e:  # report, don't stop: the later steps say what a missing one costs
+        print(name, "missing:", type(e).__name__, e)
+EOF
+} 2>&1 | tee "$RESULTS/env.txt"
+
+echo "== gpu tests ==" >&2
+timeout "${TEST_BUDGET:-240}" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -x --no-header \
+    --junitxml="$RESULTS/gpu-tests.xml" 2>&1 | tee "$RESULTS/gpu-tests.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== gpu_train ==" >&2
+# shellcheck disable=SC2086  # GPU_TRAIN_ARGS is a list of words on purpose
+timeout "${BENCH_BUDGET:-330}" "$PY" benchmarks/gpu_train.py \
+    --variants shardline-compile,shardline-fp8,hf-eager,hf-compile ${GPU_TRAIN_ARGS:-} \
+    --json "$RESULTS/gpu_train.json" 2>&1 | tee "$RESULTS/gpu_train.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "gpu_check: results in $RESULTS (exit $status)" >&2
+exit $status

@@ -1,0 +1,109 @@
+"""The training path on a CUDA device: bf16 runs, the chunked loss, compile, NCCL and
+FSDP2's CPU offload. Skipped without CUDA; `benchmarks/gpu_check.sh` runs them.
+
+What the CPU suite cannot show: that the same code runs on the GPU machine's torch
+(2.11 + CUDA there), that bf16 autocast and inductor's GPU code give the losses eager
+gives, and that an NCCL group drives FSDP2 with and without offload to the same place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardline.config import load_config
+from shardline.trainer import Trainer
+from tests.conftest import tiny_overrides
+from tests.distributed.harness import losses
+
+pytestmark = pytest.mark.gpu
+
+CUDA = ["run.device=cuda", "train.steps=8", "train.eval_interval=4", "checkpoint.interval=4",
+        "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384", "train.seq_len=128"]
+
+
+def _train(tmp_path, corpus, name: str, *extra: str) -> dict[int, float]:
+    cfg = load_config(None, tiny_overrides(tmp_path / name, corpus, *CUDA, *extra))
+    Trainer(cfg).build().train()
+    return losses(tmp_path / name)
+
+
+def test_bf16_run_trains_logs_mfu_and_resumes(tmp_path, small_corpus):
+    first = _train(tmp_path, small_corpus, "bf16", "train.precision=bf16")
+    assert sorted(first) == list(range(1, 9)) and all(math.isfinite(v) for v in first.values())
+    assert first[8] < first[1]
+    records = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    assert any((r.get("mfu") or 0) > 0 for r in records if r["kind"] == "train")
+    # The same run stopped at step 4 and resumed from its checkpoint logs the same losses.
+    _train(tmp_path, small_corpus, "halves", "train.precision=bf16", "train.stop_at_step=4")
+    resumed = _train(tmp_path, small_corpus, "halves", "train.precision=bf16")
+    for step in first:
+        assert resumed[step] == pytest.approx(first[step], rel=1e-3), (step, resumed, first)
+
+
+def test_chunked_loss_matches_the_plain_loss_in_bf16(tmp_path, small_corpus):
+    plain = _train(tmp_path, small_corpus, "plain", "train.precision=bf16")
+    chunked = _train(tmp_path, small_corpus, "chunked", "train.precision=bf16", "train.loss_chunk_tokens=96")
+    assert chunked[1] == pytest.approx(plain[1], rel=1e-3)  # same weights: only the summation order differs
+    for step in plain:
+        assert chunked[step] == pytest.approx(plain[step], rel=2e-2), (step, chunked, plain)
+
+
+def test_compiled_blocks_train_like_eager_in_bf16(tmp_path, small_corpus):
+    eager = _train(tmp_path, small_corpus, "eager", "train.precision=bf16")
+    compiled = _train(tmp_path, small_corpus, "compiled", "train.precision=bf16", "train.compile=true",
+                      "train.loss_chunk_tokens=96", "memory.activation_checkpoint=full")
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], rel=2e-2), (step, compiled, eager)
+
+
+def _fsdp_losses(offload: bool, steps: int = 4) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A tiny Llama under FSDP2 on a one-rank NCCL mesh, fp32, with our data-parallel
+    settings (sum reductions, fp32 reduce), optionally with the states offloaded to CPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from shardline.models.llama import ModelArgs
+    from shardline.models.factory import build_model_on
+    from shardline.parallel.data_parallel import mixed_precision, sum_gradients
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)
+    model = build_model_on(args, "cpu")
+    model.init_weights(seed=7)
+    if not offload:
+        model.to("cuda")
+    mesh = init_device_mesh("cuda", (1,))
+    extra = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+    for block in model.layers.values():
+        sum_gradients(fully_shard(block, mesh=mesh, mp_policy=mixed_precision("fp32"), **extra))
+    sum_gradients(fully_shard(model, mesh=mesh, mp_policy=mixed_precision("fp32"), **extra))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 256, (4, 65), generator=gen).cuda()
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    params = {k: v.full_tensor().detach().cpu() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+    return out, params
+
+
+def test_fsdp2_cpu_offload_matches_no_offload_over_nccl():
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        on_gpu, params_gpu = _fsdp_losses(offload=False)
+        offloaded, params_cpu = _fsdp_losses(offload=True)
+    finally:
+        dist.destroy_process_group()
+    assert offloaded == pytest.approx(on_gpu, rel=1e-5)
+    assert params_gpu.keys() == params_cpu.keys() and params_gpu
+    for name, value in params_gpu.items():
+        torch.testing.assert_close(params_cpu[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
