@@ -39,13 +39,14 @@ class ExpertBalance:
         """Sum the step's expert load over the batch's ranks (one small all-reduce); move the biases."""
         if not self.layers:
             return
-        counted = torch.stack([layer.forwards for layer in self.layers]).tolist()  # one host sync
-        for layer, forwards in zip(self.layers, counted):
-            if forwards == self.forwards + 1:  # a schedule's shape-inference forward
-                n = layer.moe.n_experts
-                layer.load -= layer.first[:n]
-                layer.dropped -= layer.first[n]
-                layer.aux_value -= layer.first[n + 1]
+        for layer in self.layers:
+            # 1 where the layer ran a schedule's shape-inference forward, else 0: a mask, not
+            # an `if`, so the step never waits for the device to say which.
+            extra = (layer.forwards == self.forwards + 1).to(layer.first.dtype)
+            n = layer.moe.n_experts
+            layer.load -= extra * layer.first[:n]
+            layer.dropped -= extra * layer.first[n]
+            layer.aux_value -= extra * layer.first[n + 1]
         loads = torch.stack([layer.load for layer in self.layers])
         self.loads = reduce_over(self.dims, self.dims.batch_dim, loads, "sum")
         for layer, load in zip(self.layers, self.loads):

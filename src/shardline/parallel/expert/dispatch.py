@@ -86,23 +86,35 @@ class ExpertParallel:
         send_counts = counts.view(self.ep, self.n_local)  # row r: my rows for ep rank r's experts
         recv_counts = torch.empty_like(send_counts)  # row r: rank r's rows for my experts
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ep_group)
-        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()  # the one host sync
+        # The one host sync: the exchange's split sizes, and (under tp) this tp rank's row range.
+        sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1), self._tp_bounds(recv_counts.sum(0))]).tolist()
+        send, recv, bounds = sizes[:self.ep], sizes[self.ep:2 * self.ep], sizes[2 * self.ep:]
         arrived = _Exchange.apply(x, send, recv, self.ep_group)
         # Arrived rows: by source rank, then by local expert. Regroup by local expert.
         local_expert = torch.arange(self.n_local, device=x.device).repeat(self.ep)
         by_expert = torch.argsort(torch.repeat_interleave(local_expert, recv_counts.flatten()), stable=True)
-        y = self._run_local(experts, arrived[by_expert], recv_counts.sum(0))
+        y = self._run_local(experts, arrived[by_expert], recv_counts.sum(0), bounds)
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=x.device)
         return _Exchange.apply(y[back], recv, send, self.ep_group)
 
-    def _run_local(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by this ep rank's experts -> their outputs (summed over the tp ranks' experts)."""
+    def _tp_bounds(self, counts: torch.Tensor) -> torch.Tensor:
+        """[first, end) of the rows (sorted by local expert, `counts` per expert) that this tp
+        rank's experts take; empty without tp."""
+        if self.tp == 1:
+            return counts.new_zeros(0)
+        t, per_tp = dist.get_rank(self.tp_group), self.n_local // self.tp
+        starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        return starts[[t * per_tp, (t + 1) * per_tp]]
+
+    def _run_local(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor,
+                   bounds: list[int] | None = None) -> torch.Tensor:
+        """Rows sorted by this ep rank's experts -> their outputs (summed over the tp ranks' experts).
+        `bounds`: _tp_bounds already read on the host (else read here: one sync)."""
         if self.tp == 1:
             return experts(x, counts)
         t, per_tp = dist.get_rank(self.tp_group), self.n_local // self.tp
-        starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).tolist()
-        lo, hi = starts[t * per_tp], starts[(t + 1) * per_tp]
+        lo, hi = bounds if bounds else self._tp_bounds(counts).tolist()
         x = _CopyToTP.apply(x, self.tp_group)
         y = x.new_zeros(x.shape[0], x.shape[1])
         y = torch.cat([y[:lo], experts(x[lo:hi], counts[t * per_tp:(t + 1) * per_tp]), y[hi:]])
