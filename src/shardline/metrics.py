@@ -19,11 +19,19 @@ from typing import Any
 import torch
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory of this rank: allocator peak on GPU, process peak RSS on CPU."""
+def peak_memory_gib(device: torch.device) -> dict[str, float]:
+    """Peak memory of this rank, by record key: on CPU the process's peak RSS; on CUDA the
+    allocator's peaks since the last call (which resets them).
+
+    On CUDA, `peak_reserved_gib` far above `peak_mem_gib` (allocated) is memory the
+    caching allocator holds but cannot hand out: fragmentation.
+    """
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        peaks = {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                 "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+        torch.cuda.reset_peak_memory_stats(device)
+        return peaks
+    return {"peak_mem_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None, n_devices: int) -> float | None:
@@ -41,7 +49,7 @@ def format_line(rec: dict[str, Any], total_steps: int) -> str:
             parts.append("tokens " + ", ".join(f"{k} {v:,}" for k, v in rec["tokens_by_source"].items()))
         if rec.get("mfu") is not None:
             parts.append(f"mfu {100 * rec['mfu']:.1f}%")
-        parts += [f"mem {rec['peak_mem_gib']:.2f} GiB", f"{rec['step_time_s']:.3f} s/step"]
+        parts += [_memory_part(rec), f"{rec['step_time_s']:.3f} s/step"]
         if "expert_load_max" in rec:  # a mixture-of-experts model
             parts.append(f"experts load max/mean {rec['expert_load_max']:.2f} aux {rec['aux_loss']:.4f} "
                          f"dropped {rec['dropped_tokens']:,.0f}")
@@ -50,6 +58,12 @@ def format_line(rec: dict[str, Any], total_steps: int) -> str:
         return f"eval step {rec['step']} | loss {rec['eval_loss']:.4f} | ppl {rec['eval_ppl']:.2f}"
     fields = " ".join(f"{k}={v}" for k, v in rec.items() if k not in ("kind", "event", "time"))
     return f"[{rec['event']}] {fields}"
+
+
+def _memory_part(rec: dict[str, Any]) -> str:
+    if "peak_reserved_gib" in rec:  # CUDA: allocated / reserved since the last line
+        return f"mem {rec['peak_mem_gib']:.2f}/{rec['peak_reserved_gib']:.2f} GiB alloc/reserved"
+    return f"mem {rec['peak_mem_gib']:.2f} GiB"
 
 
 class Console:

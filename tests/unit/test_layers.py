@@ -1,6 +1,6 @@
 """The package's layers point down only: a module imports nothing from a layer above its own.
 
-    errors < config < layout < models < data, parallel < optim, precision, metrics
+    errors < config < layout < models < data, parallel < optim, precision, metrics, profiling
            < resilience < interop < preflight < trainer, planner < simulator, dry_run < cli
 
 Modules of one layer do not import each other's packages either (data and parallel are
@@ -23,7 +23,7 @@ LAYERS = [
     {"layout"},
     {"models"},
     {"data", "parallel"},
-    {"optim", "precision", "metrics", "devices"},
+    {"optim", "precision", "metrics", "devices", "profiling"},
     {"resilience"},
     {"interop"},
     {"preflight"},

@@ -1,0 +1,100 @@
+"""metrics.profile_steps (a Chrome trace of chosen steps) and memory.expandable_segments."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from shardline.profiling import StepProfiler, allocator_conf, configure_allocator, profile_window
+from shardline.trainer import Trainer
+
+FAST = ("train.steps=4", "train.eval_interval=0", "checkpoint.interval=0")
+
+
+def events(run_dir, name):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "event" and r["event"] == name]
+
+
+def step_labels(trace_path) -> set[int]:
+    trace = json.loads(trace_path.read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    return {int(m.group(1)) for n in names if (m := re.fullmatch(r"shardline\.step\.(\d+)", n))}
+
+
+def test_profile_steps_write_a_trace_of_exactly_those_steps(tiny_config, tmp_path):
+    Trainer(tiny_config(*FAST, "metrics.profile_steps=[2, 3]")).build().train()
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "profile").iterdir()) == ["rank0_steps2-3.json"]
+    trace_path = run / "profile" / "rank0_steps2-3.json"
+    assert step_labels(trace_path) == {2, 3}
+    names = {e.get("name", "") for e in json.loads(trace_path.read_text())["traceEvents"]}
+    assert any(n.startswith("aten::") for n in names)  # the ops themselves, not only the labels
+    (event,) = events(run, "profile")
+    assert event["step"] == 3 and event["first_step"] == 2 and event["trace"] == str(trace_path)
+
+
+def test_no_profile_when_unset(tiny_config, tmp_path):
+    Trainer(tiny_config(*FAST)).build().train()
+    run = tmp_path / "run"
+    assert not (run / "profile").exists()
+    assert not events(run, "profile") and not events(run, "profile_skipped")
+
+
+def test_steps_beyond_the_run_warn_and_train_on(tiny_config, tmp_path):
+    last = Trainer(tiny_config(*FAST, "metrics.profile_steps=[3, 9]")).build().train()
+    run = tmp_path / "run"
+    assert last["step"] == 4 and not (run / "profile").exists()
+    (skipped,) = events(run, "profile_skipped")
+    assert "train.steps=4" in skipped["reason"]
+
+
+def test_a_run_stopped_inside_the_window_writes_the_steps_it_ran(tiny_config, tmp_path):
+    Trainer(tiny_config(*FAST, "train.stop_at_step=2", "metrics.profile_steps=[2, 3]")).build().train()
+    trace_path = tmp_path / "run" / "profile" / "rank0_steps2-2.json"
+    assert step_labels(trace_path) == {2}
+
+
+@pytest.mark.parametrize(("steps", "done", "total", "window"), [
+    ([], 0, 10, None),
+    ([2, 3], 0, 10, (2, 3)),
+    ([5, 10], 4, 10, (5, 10)),  # resumed after step 4: step 5 is still ahead
+    ([4, 6], 4, 10, None),  # step 4 was computed before the resume
+    ([8, 11], 0, 10, None),
+])
+def test_profile_window_counts_global_steps(steps, done, total, window):
+    got, reason = profile_window(steps, done, total)
+    assert got == window
+    assert (reason is not None) == (bool(steps) and window is None)  # a skip says why
+
+
+def test_a_resumed_run_profiles_later_steps_by_their_global_number(tmp_path):
+    seen = []
+    prof = StepProfiler([6, 6], tmp_path, 3, torch.device("cpu"), 5, 10, lambda *a, **k: seen.append((a, k)))
+    for step in (6, 7):
+        with prof.step(step):
+            torch.ones(4) @ torch.ones(4)
+    assert step_labels(tmp_path / "profile" / "rank3_steps6-6.json") == {6}
+    assert [a for a, _ in seen] == [("profile",)]
+
+
+def test_allocator_conf_sets_expandable_segments_only_when_nobody_else_did():
+    assert allocator_conf({}, True)[0] == "expandable_segments:True"
+    assert allocator_conf({"PATH": "/bin"}, False)[0] is None
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        setting, note = allocator_conf({name: "max_split_size_mb:128"}, True)
+        assert setting is None and name in note and "max_split_size_mb:128" in note
+
+
+def test_configure_allocator_writes_the_env_on_cuda_only():
+    env = {}
+    assert configure_allocator(torch.device("cpu"), True, env) is None and env == {}
+    if not torch.cuda.is_initialized():  # else the allocator API would change this process's allocator
+        assert "expandable_segments:True" in configure_allocator(torch.device("cuda"), True, env)
+        assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    user = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    configure_allocator(torch.device("cuda"), True, user)
+    assert user == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
