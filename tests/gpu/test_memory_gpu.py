@@ -1,0 +1,83 @@
+"""Memory on a CUDA device: expandable segments in effect, peak allocated and reserved in
+the metrics, and metrics.profile_steps' trace and allocator snapshot. Skipped without CUDA.
+
+What the CPU suite cannot show: that torch (2.11 on the GPU machine) reads the allocator
+setting shardline writes, and that the CUDA-only files (kernels in the trace, the memory
+snapshot) are written and readable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from shardline.config import load_config
+from shardline.trainer import Trainer
+from tests.conftest import tiny_overrides
+
+pytestmark = pytest.mark.gpu
+
+CUDA = ["run.device=cuda", "train.steps=4", "train.eval_interval=0", "checkpoint.interval=0",
+        "metrics.log_interval=2"]
+
+# Run in a fresh process: torch reads the allocator setting once, when CUDA first
+# allocates, and this test process may have started CUDA already.
+ALLOCATOR_PROBE = """
+import json, sys, torch
+from shardline.config import load_config
+from shardline.trainer import Trainer
+Trainer(load_config(None, json.loads(sys.argv[1])))
+torch.zeros(1, device="cuda")
+snapshot = torch.cuda.memory._snapshot()
+if "allocator_settings" in snapshot:
+    on = snapshot["allocator_settings"].get("expandable_segments")
+else:
+    on = "expandable_segments:True" in torch._C._accelerator_getAllocatorSettings()
+print(json.dumps({"expandable": bool(on)}))
+"""
+
+
+def _probe(overrides: list[str], **env: str) -> bool:
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    out = subprocess.run([sys.executable, "-c", ALLOCATOR_PROBE, json.dumps(overrides)], env={**clean, **env},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])["expandable"]
+
+
+def test_expandable_segments_are_in_effect_unless_the_user_says_otherwise(tmp_path, small_corpus):
+    overrides = tiny_overrides(tmp_path / "run", small_corpus, *CUDA)
+    assert _probe(overrides) is True
+    assert _probe([*overrides, "memory.expandable_segments=false"]) is False
+    assert _probe(overrides, PYTORCH_ALLOC_CONF="expandable_segments:False") is False  # the user's wins
+
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory, small_corpus):
+    run = tmp_path_factory.mktemp("profiled") / "run"
+    cfg = load_config(None, tiny_overrides(run, small_corpus, *CUDA, "metrics.profile_steps=[2, 3]"))
+    Trainer(cfg).build().train()
+    return run
+
+
+def test_profile_steps_write_a_trace_with_kernels_and_a_memory_snapshot(profiled_run):
+    trace = json.loads((profiled_run / "profile" / "rank0_steps2-3.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert {n for n in names if n.startswith("shardline.step.")} == {"shardline.step.2", "shardline.step.3"}
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"]), "no CUDA kernels in the trace"
+    with open(profiled_run / "profile" / "rank0_steps2-3_memory.pickle", "rb") as f:
+        snapshot = pickle.load(f)
+    assert snapshot["segments"] and any(snapshot["device_traces"]), "the snapshot holds no allocation history"
+
+
+def test_peak_allocated_and_reserved_are_logged(profiled_run):
+    lines = (profiled_run / "metrics.jsonl").read_text().splitlines()
+    train = [r for r in map(json.loads, lines) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2, 4]
+    for rec in train:
+        assert 0 < rec["peak_mem_gib"] <= rec["peak_reserved_gib"], rec
