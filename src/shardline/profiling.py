@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -119,7 +119,10 @@ class StepProfiler:
             with record_function(f"shardline.step.{step}"):
                 yield
         except BaseException:
-            self.close(step)  # a step that fails (an OOM) inside the window: the trace shows what led to it
+            # A step that fails (an OOM) inside the window: the files show what led to it. The
+            # step's own error is the one to raise (an anomaly halt has closed the metrics already).
+            with suppress(Exception):
+                self.close(step)
             raise
         if step >= last:
             self.close(step)

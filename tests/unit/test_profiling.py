@@ -98,3 +98,14 @@ def test_configure_allocator_writes_the_env_on_cuda_only():
     user = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
     configure_allocator(torch.device("cuda"), True, user)
     assert user == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+
+
+def test_a_step_failing_inside_the_window_writes_the_trace_and_raises_its_own_error(tmp_path):
+    def closed_log(*args, **kwargs):  # as after an anomaly halt, which closes the metrics first
+        raise ValueError("I/O operation on closed file")
+
+    prof = StepProfiler([1, 3], tmp_path, 0, torch.device("cpu"), 0, 10, closed_log)
+    with pytest.raises(RuntimeError, match="out of memory"), prof.step(1):
+        torch.ones(4) @ torch.ones(4)
+        raise RuntimeError("out of memory")
+    assert step_labels(tmp_path / "profile" / "rank0_steps1-1.json") == {1}
