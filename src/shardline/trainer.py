@@ -39,6 +39,7 @@ from shardline.parallel.pipeline import sync_tied_gradient, tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler, autocast
 from shardline.preflight import check_config, check_device, preflight, use_model_tokenizer
+from shardline.profiling import StepProfiler, configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name
 from shardline.resilience.goodput import process_start_time
@@ -53,6 +54,7 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.device = pick_device(cfg.run.device)
+        self.allocator = configure_allocator(self.device, cfg.memory.expandable_segments)  # before CUDA starts
         self.step = 0  # optimizer updates completed
         self.started = process_start_time()
         self._invalid_checkpoints: list[str] = []
@@ -146,6 +148,10 @@ class Trainer:
         for problem in self._invalid_checkpoints:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
         self.guard.open(self.run_dir, self.metrics.event)
+        if self.allocator:
+            self.metrics.event("allocator", step=self.step, setting=self.allocator)
+        self.profiler = StepProfiler(self.cfg.metrics.profile_steps, self.run_dir, self.proc.rank, self.device,
+                                     self.step, self.cfg.train.steps, self.metrics.event)
         if self._lock_taken_over:
             self.metrics.event("run_dir_lock_taken_over", step=self.step, reason=self._lock_taken_over)
         if resumed is not None:
@@ -174,7 +180,8 @@ class Trainer:
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
             started = self.guard.begin_step(step)
-            loss_value, grad_norm, outcome = self.train_step()
+            with self.profiler.step(step):
+                loss_value, grad_norm, outcome = self.train_step()
             if outcome == "rolled_back":
                 window_start, window_steps = time.perf_counter(), 0
                 continue  # self.step moved back to the checkpoint's
@@ -199,6 +206,7 @@ class Trainer:
                 every = cfg.checkpoint.interval
                 stopped = self._stop_on_request(request, saved=bool(every) and step % every == 0)
                 break
+        self.profiler.close(self.step)  # a run stopped inside the profiled steps writes those it ran
         self.report_device_anomalies()
         summary = self.guard.finish(self.step)
         self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
@@ -484,11 +492,12 @@ class Trainer:
         lr = self.cfg.optim.lr * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
         # The only host sync of the hot path: reading the values at a logging step.
         tokens_per_s = steps * self.cfg.train.global_batch_size * self.cfg.train.seq_len / seconds
-        memory = reduce_over(self.dims, None, torch.tensor(peak_memory_gib(self.device)), "max")
+        memory = peak_memory_gib(self.device)  # the maximum over ranks of each figure
+        peaks = dict(zip(memory, reduce_over(self.dims, None, torch.tensor([*memory.values()]), "max").tolist()))
         return self.metrics.log(
             "train", step=self.step, loss=float(loss), lr=lr, **self.data.log_fields(self.step),
             grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
-            peak_mem_gib=memory.item(), step_time_s=seconds / steps,
+            **peaks, step_time_s=seconds / steps,
             epoch=self.data.sampler.epoch_of(self.step), **(self.experts.log_values() if self.experts else {}))
 
