@@ -19,6 +19,7 @@ from shardline.config import Config, ModelConfig, MoEConfig
 from shardline.errors import ConfigError
 from shardline.interop.hf_config import read_hf_config
 from shardline.layout import Job, Layout
+from shardline.models import attention
 from shardline.models.factory import args_from_json
 from shardline.models.llama import ModelArgs
 from shardline.models.moe import MoEArgs
@@ -55,6 +56,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(missing[1])
     if cfg.memory.cpu_offload and cfg.run.device == "cpu":
         raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
+    _raise(attention.config_problem(cfg.train.attention, cfg.parallel.cp, cfg.train.precision))
     if cfg.train.precision == "fp8":
         raise ConfigError("train.precision=fp8 is not built yet; use one of fp32, bf16, fp16")
 
@@ -131,6 +133,12 @@ def check_compile(cfg: Config, args: ModelArgs) -> None:
                           "experts do not compile in fp32 on torch 2.13; bf16 untested); use train.compile=false")
 
 
+def _raise(problem: str | None) -> None:
+    """A rule's one-line problem as the ConfigError a launch stops with."""
+    if problem:
+        raise ConfigError(problem)
+
+
 def check_resume(cfg: Config) -> Path | None:
     """The checkpoint a launch would resume from (None: a new run), or the error it would stop with."""
     return resume_path(cfg, Checkpointer(Path(cfg.run.dir), cfg.checkpoint.keep))[0]
@@ -143,5 +151,6 @@ def check_device(cfg: Config, layout: Layout, on_cuda: bool) -> None:
     """
     if cfg.memory.cpu_offload and not on_cuda:
         raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
+    _raise(attention.device_problem(cfg.train.attention, on_cuda))
     impl = cfg.optim.implementation
     check_on_device(cfg, layout, impl == "fused" or (impl == "auto" and on_cuda), on_cuda)

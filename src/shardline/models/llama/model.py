@@ -3,7 +3,8 @@
 RMSNorm, rotary position embedding (Llama-3 frequency scaling optional), SwiGLU
 feed-forward, multi-head / grouped-query / multi-query attention with an explicit
 head_dim, optional tied embeddings. Attention runs through
-F.scaled_dot_product_attention so GPUs get flash/cuDNN kernels and CPUs the math one.
+F.scaled_dot_product_attention by default; the builder may install FlexAttention or
+varlen attention instead (train.attention, models/attention.py).
 
 Rotary embedding uses the "rotate half" layout (first half of each head pairs with
 the second half), the same as HF transformers, so HF weights load without permuting
@@ -130,8 +131,9 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
-        # The attention core (q, k, v, mask) -> out: a parallel plan may replace it (context
-        # parallelism installs one that spans the ranks holding the rest of the sequence).
+        # The attention core (q, k, v, mask) -> out: the builder may replace it with another
+        # kernel (models/attention.py) or a parallel plan's (context parallelism installs one
+        # that spans the ranks holding the rest of the sequence).
         self.core = sdpa_attention
 
     def forward(self, x, cos, sin, mask):
@@ -149,19 +151,27 @@ class Attention(nn.Module):
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Causal attention of q [b, h, s, d] on k/v [b, hk, s, d]; mask [b, 1, s, s] (None: causal)."""
     # The number of heads is read from the tensors, not from the config, so a
-    # tensor-parallel shard (fewer local heads) runs this same code. GQA goes through
-    # SDPA's enable_gqa only where the flash kernel takes it (CUDA, half precision, no
-    # mask): elsewhere torch would fall back to the math kernel (O(s^2) memory), so K/V
-    # are repeated to the query heads instead.
+    # tensor-parallel shard (fewer local heads) runs this same code.
     group = q.shape[1] // k.shape[1]
-    if group > 1 and mask is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if group > 1:
+    if group > 1 and not sdpa_takes_gqa(q, mask):
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def sdpa_takes_gqa(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the SDPA kernel these inputs get takes K/V with fewer heads (enable_gqa) itself.
+
+    Elsewhere torch would fall back to the math kernel (O(s^2) memory), so K/V are
+    repeated to the query heads instead. The CPU flash kernel takes it with a mask or
+    without, fp32 or bf16, forward and backward (profiled on torch 2.13: no math
+    fallback, no K/V copies). On CUDA only the flash kernel is relied on (half
+    precision, no mask); torch documents GQA for flash and math there.
+    """
+    if q.device.type == "cpu":
+        return True
+    return mask is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
 
 
 class FeedForward(nn.Module):
@@ -232,8 +242,8 @@ class Llama(nn.Module):
         return None
 
     def attention_mask(self, doc_ids: torch.Tensor | None):
-        """What each attention core gets as its mask; a parallel plan may replace this with
-        the mask its core needs (it goes with Attention.core)."""
+        """What each attention core gets as its mask, made once per forward for every layer; the
+        builder replaces this with the mask its core needs (it goes with Attention.core)."""
         return document_causal_mask(doc_ids) if doc_ids is not None else None
 
     def rotary(self, positions: torch.Tensor, device: torch.device):

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from shardline.config import Config
 from shardline.layout import V_SHAPED
+from shardline.models.attention import use_attention
 from shardline.models.factory import build_meta_model
 from shardline.models.llama.model import FeedForward, Llama, ModelArgs
 from shardline.models.loss import LinearCrossEntropy
@@ -65,6 +66,8 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     model.loss = LinearCrossEntropy(cfg.train.loss_chunk_tokens)  # before the pipeline's stages copy it
     if dims.cp > 1:  # before the pipeline cuts the model: its stages take the cp attention and mask
         context = apply_cp(model, dims, cfg.train.seq_len)
+    else:  # the same, for the kernel train.attention picks (cp has its own; preflight refuses flex/varlen there)
+        use_attention(model, cfg.train.attention, cfg.train.document_mask, device)
     if dims.pp > 1:
         positions = context.local_positions() if context else torch.arange(cfg.train.seq_len)
         pipeline = Pipeline(model, args, dims.submesh("pp").get_local_rank(), dims.pp, p.pp_virtual_stages,
