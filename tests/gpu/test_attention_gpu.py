@@ -1,0 +1,116 @@
+"""train.attention on a CUDA device: FlexAttention (compiled) and varlen_attn, forward and
+backward in bf16, against dense-mask SDPA in fp32; and short training runs with each
+against the SDPA run. Skipped without CUDA; `benchmarks/gpu_check.sh` runs them.
+
+What the CPU suite cannot show: FlexAttention's backward (it has none on CPU), the
+compiled flex kernel with a block mask built from document ids, varlen_attn at all
+(flash, CUDA only), and both inside the trainer (bf16 autocast, the builder's install).
+Written for the GPU machine's torch (2.11): only APIs it has, varlen skipped where absent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardline.config import load_config
+from shardline.models.attention import FlexAttention, VarlenAttention, varlen_attn
+from shardline.models.llama.model import document_causal_mask
+from shardline.trainer import Trainer
+from tests.conftest import tiny_overrides
+from tests.distributed.harness import losses
+
+pytestmark = pytest.mark.gpu
+
+needs_varlen = pytest.mark.skipif(varlen_attn is None, reason="this torch has no torch.nn.attention.varlen")
+
+
+def _doc_ids(s: int) -> torch.Tensor:
+    """Two rows: several documents (lengths off the 128-token blocks) and one whole document."""
+    cuts = [0, 100, 103, 390, 700, s]
+    row = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))])
+    return torch.stack([row, torch.full((s,), len(cuts) - 2)]).cuda()
+
+
+def _inputs(s: int = 1024, h: int = 8, hk: int = 2, d: int = 64):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(2, h, s, d), (2, hk, s, d), (2, hk, s, d)]
+    qkv = [torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16) for shape in shapes]
+    return qkv, torch.randn(2, h, s, d, device="cuda", generator=gen)
+
+
+def _forward_backward(core, qkv, mask, weight):
+    """Output and q/k/v gradients of a weighted sum, in fp32 for comparison."""
+    leaves = [t.detach().clone().requires_grad_() for t in qkv]
+    out = core(*leaves, mask)
+    (out.float() * weight).sum().backward()
+    return out.float(), [t.grad.float() for t in leaves]
+
+
+def _dense_fp32(q, k, v, doc_ids):
+    """The reference: SDPA on fp32 copies, K/V repeated to the query heads, the dense mask."""
+    q, k, v = (t.float() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if doc_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(doc_ids))
+
+
+def _assert_matches_reference(core, mask, doc_ids):
+    qkv, weight = _inputs()
+    out, grads = _forward_backward(core, qkv, mask, weight)
+    ref, ref_grads = _forward_backward(lambda q, k, v, _: _dense_fp32(q, k, v, doc_ids), qkv, None, weight)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        error = (got - want).norm() / want.norm()
+        assert error < 2e-2, f"d{name}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("with_docs", [True, False])
+def test_compiled_flex_matches_dense_sdpa_forward_and_backward_in_bf16(with_docs):
+    doc_ids = _doc_ids(1024) if with_docs else None
+    flex = FlexAttention(compiled=True)
+    _assert_matches_reference(flex.attend, flex.mask(doc_ids), doc_ids)
+
+
+@needs_varlen
+@pytest.mark.parametrize("with_docs", [True, False])
+def test_varlen_matches_dense_sdpa_forward_and_backward_in_bf16(with_docs):
+    doc_ids = _doc_ids(1024) if with_docs else None
+    varlen = VarlenAttention()
+    _assert_matches_reference(varlen.attend, varlen.mask(doc_ids), doc_ids)
+
+
+CUDA = ["run.device=cuda", "train.steps=2", "train.eval_interval=0", "checkpoint.interval=100",
+        "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384", "train.seq_len=512",
+        "train.precision=bf16"]
+
+
+def _train(tmp_path, corpus, name: str, *extra: str) -> dict[int, float]:
+    cfg = load_config(None, tiny_overrides(tmp_path / name, corpus, *CUDA, *extra))
+    Trainer(cfg).build().train()
+    return losses(tmp_path / name)
+
+
+def _assert_close_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == [1, 2] and all(math.isfinite(v) for v in got.values()), got
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-2), (step, got, want)
+
+
+@pytest.mark.parametrize("kernel", ["flex", pytest.param("varlen", marks=needs_varlen)])
+def test_two_steps_with_each_kernel_train_like_sdpa(tmp_path, small_corpus, kernel):
+    sdpa = _train(tmp_path, small_corpus, "sdpa", "train.attention=sdpa")
+    _assert_close_losses(_train(tmp_path, small_corpus, kernel, f"train.attention={kernel}"), sdpa)
+
+
+def test_flex_inside_compiled_checkpointed_blocks_trains_like_sdpa(tmp_path, small_corpus):
+    """auto picks flex on CUDA; train.compile traces the held compiled flex into each block."""
+    sdpa = _train(tmp_path, small_corpus, "sdpa", "train.attention=sdpa")
+    compiled = _train(tmp_path, small_corpus, "compiled", "train.attention=auto", "train.compile=true",
+                      "memory.activation_checkpoint=full")
+    _assert_close_losses(compiled, sdpa)
