@@ -19,6 +19,7 @@ from shardline.config import Config
 from shardline.data.loader import data_summary
 from shardline.data.tokenizer import load_tokenizer
 from shardline.devices import local_datasheet
+from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import get_hardware
@@ -72,7 +73,8 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
              f"pp={lay.pp} ep={lay.ep} zero={lay.zero}",
              f"batch     {t.global_batch_size} sequences x {t.seq_len} tokens per step; each of {lay.dp} "
              f"data-parallel rank(s) runs {lay.micro_batches(t.global_batch_size)} micro-batch(es) of "
-             f"{lay.micro_batch_size}"]
+             f"{lay.micro_batch_size}",
+             f"attention {describe_attention(t.attention, t.document_mask, cfg.run.device != 'cpu', lay.cp)}"]
     if lay.pp > 1:
         lines.append(f"pipeline  {lay.pp_schedule}, {lay.n_stages} stages, {lay.pp_microbatches} micro-batches "
                      "per step")

@@ -11,6 +11,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from torch.profiler import profile
 
 from shardline import layout as layouts
+from shardline.cli import main
 from shardline.config import load_config
 from shardline.errors import ConfigError
 from shardline.models.attention import (
@@ -215,3 +216,11 @@ def test_flex_and_varlen_with_context_parallel_are_refused(kernel):
 
 def test_varlen_in_fp32_is_refused():
     assert "train.precision" in _one_line_error(check_config, _config("train.attention=varlen"))
+
+
+def test_dry_run_names_the_kernel_and_refuses_as_a_launch_would(capsys, tmp_path):
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--run.device=cuda"]) == 0
+    assert "attention flex: block mask from document ids (train.attention=auto, CUDA)" in capsys.readouterr().out
+    code = main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--run.device=cpu", "--train.attention=flex"])
+    err = capsys.readouterr().err
+    assert code == 2 and "train.attention='flex' trains on CUDA only" in err and err.count("\n") == 1

@@ -57,6 +57,16 @@ def resolve_attention(choice: str, document_mask: bool, on_cuda: bool, cp: int =
     return "flex" if on_cuda and document_mask else "sdpa"
 
 
+def describe_attention(choice: str, document_mask: bool, on_cuda: bool, cp: int = 1) -> str:
+    """What a launch attends with, for the dry run: the kernel, its mask, and the key that chose it."""
+    kernel = resolve_attention(choice, document_mask, on_cuda, cp)
+    how = {"sdpa": "dense document mask" if document_mask else "causal, no mask",
+           "flex": "block mask from document ids" if document_mask else "causal block mask",
+           "varlen": "cumulative document lengths" if document_mask else "one document per row",
+           "context": "context parallelism's own core (parallel/context)"}[kernel]
+    return f"{kernel}: {how} (train.attention={choice}, {'CUDA' if on_cuda else 'CPU'})"
+
+
 def config_problem(choice: str, cp: int, precision: str) -> str | None:
     """What the config alone rules out for `train.attention` (one line), else None."""
     if choice in _NEEDS_CUDA and cp > 1:
