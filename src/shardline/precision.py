@@ -1,5 +1,8 @@
 """Mixed precision: autocast for bf16/fp16, dynamic loss scaling for fp16.
 
+fp8 autocasts to bf16 and has no loss scaler, exactly as bf16: its float8 matmuls
+(parallel/float8.py) scale their own operands, and bf16's exponent range needs no scaling.
+
 Parameters and optimizer states stay fp32 in every mode; autocast runs the matmuls
 in the low-precision dtype.
 
@@ -20,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.bfloat16}  # fp8: Linear layers cast to float8 themselves; the rest is bf16
 
 
 def autocast(device: torch.device, precision: str):

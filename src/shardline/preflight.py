@@ -24,6 +24,7 @@ from shardline.models.factory import args_from_json
 from shardline.models.llama import ModelArgs
 from shardline.models.moe import MoEArgs
 from shardline.models.presets import PRESETS, get_preset
+from shardline.parallel import float8
 from shardline.resilience.anomaly import check_on_device
 from shardline.resilience.checkpoint import Checkpointer, read_meta
 from shardline.resilience.recovery import resume_path
@@ -58,7 +59,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
     _raise(attention.config_problem(cfg.train.attention, cfg.parallel.cp, cfg.train.precision))
     if cfg.train.precision == "fp8":
-        raise ConfigError("train.precision=fp8 is not built yet; use one of fp32, bf16, fp16")
+        check_fp8(cfg)
 
 
 def starting_shape(m: ModelConfig) -> ModelArgs | None:
@@ -133,6 +134,14 @@ def check_compile(cfg: Config, args: ModelArgs) -> None:
                           "experts do not compile in fp32 on torch 2.13; bf16 untested); use train.compile=false")
 
 
+def check_fp8(cfg: Config) -> None:
+    """train.precision=fp8 (parallel/float8.py): torchao installed, a layout it is built for."""
+    float8.require_torchao()
+    problem = float8.layout_problem(cfg.parallel.tp)
+    if problem:
+        raise ConfigError(problem)
+
+
 def _raise(problem: str | None) -> None:
     """A rule's one-line problem as the ConfigError a launch stops with."""
     if problem:
@@ -145,12 +154,18 @@ def check_resume(cfg: Config) -> Path | None:
 
 
 def check_device(cfg: Config, layout: Layout, on_cuda: bool) -> None:
-    """The checks that depend on the machine: a GPU for offload, what the anomaly check can gate.
+    """The checks that depend on the machine: a GPU for offload, one that has float8 GEMMs for
+    fp8 (read only where a GPU is visible: a dry run on a laptop cannot know), what the
+    anomaly check can gate.
 
     A launch passes what it runs on; a dry run assumes GPUs unless run.device = cpu.
     """
     if cfg.memory.cpu_offload and not on_cuda:
         raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
     _raise(attention.device_problem(cfg.train.attention, on_cuda))
+    if cfg.train.precision == "fp8":
+        problem = float8.capability_problem(float8.local_capability(on_cuda))
+        if problem:
+            raise ConfigError(problem)
     impl = cfg.optim.implementation
     check_on_device(cfg, layout, impl == "fused" or (impl == "auto" and on_cuda), on_cuda)

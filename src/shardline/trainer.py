@@ -35,6 +35,7 @@ from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import init_distributed, pick_device
 from shardline.parallel.expert.balance import ExpertBalance
+from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.pipeline import sync_tied_gradient, tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler, autocast
@@ -329,6 +330,8 @@ class Trainer:
     def apply_update(self) -> bool:
         """Optimizer and schedule step; True when the fp16 loss scaler skipped the update."""
         skipped = self.scaler.step(self.optimizer)
+        if self.cfg.train.precision == "fp8":  # weights FSDP gathers in float8: their scales, one all-reduce
+            precompute_scales(self.model)
         self._end_step()
         return skipped
 

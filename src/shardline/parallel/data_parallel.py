@@ -26,7 +26,8 @@ from shardline.parallel.dims import ParallelDims
 
 # fp16 gathers fp32 parameters and lets autocast cast for the matmuls, as one process
 # does: fp16's narrow range needs the residual stream, norms and embedding in fp32.
-_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": None}
+# fp8 gathers as bf16, except weights gathered already in float8 (fp8.fsdp_all_gather).
+_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": None, "fp8": torch.bfloat16}
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims, device: torch.device) -> nn.Module:

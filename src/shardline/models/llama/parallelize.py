@@ -34,6 +34,7 @@ from shardline.models.attention import use_attention
 from shardline.models.factory import build_meta_model
 from shardline.models.llama.model import FeedForward, Llama, ModelArgs
 from shardline.models.loss import LinearCrossEntropy
+from shardline.parallel import float8
 from shardline.parallel.activation_checkpoint import apply_ac
 from shardline.parallel.compile import apply_compile
 from shardline.parallel.context.attention import ContextParallel
@@ -63,7 +64,12 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     """Lay out `model` (on meta) in place by `dims`, then initialise it."""
     p = cfg.parallel
     pipeline = context = None
+    use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1
+    fsdp = dims.dp * dims.cp > 1 and not use_ddp and not dims.zero1_scatters  # that optimizer reduces (zero1.py)
     model.loss = LinearCrossEntropy(cfg.train.loss_chunk_tokens)  # before the pipeline's stages copy it
+    if cfg.train.precision == "fp8":  # on meta, before anything lays the Linear layers out
+        float8.convert(model, cfg.fp8.recipe, emulate=device.type != "cuda",
+                       fsdp_all_gather=cfg.fp8.fsdp_all_gather and fsdp and not cfg.memory.cpu_offload)
     if dims.cp > 1:  # before the pipeline cuts the model: its stages take the cp attention and mask
         context = apply_cp(model, dims, cfg.train.seq_len)
     else:  # the same, for the kernel train.attention picks (cp has its own; preflight refuses flex/varlen there)
@@ -79,8 +85,7 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
     if cfg.train.compile:  # after AC (compiled with the block), before FSDP (its hooks stay outside)
         apply_compile(model)
-    use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1
-    if dims.dp * dims.cp > 1 and not use_ddp and not dims.zero1_scatters:  # that optimizer reduces (zero1.py)
+    if fsdp:
         roots = pipeline.modules if pipeline else [model]
         apply_fsdp(model, roots, dims, cfg.train.precision, cfg.memory.cpu_offload)
     init_device = "cpu" if cfg.memory.cpu_offload and dims.dp * dims.cp > 1 else device

@@ -1,0 +1,127 @@
+"""train.precision = fp8: the matmuls of the Linear layers in float8, through torchao.
+
+torchao's float8 training swaps each chosen `nn.Linear` for a `Float8Linear`, which casts
+its input, weight and output gradient to float8 (with dynamic scales) for the three
+GEMMs of forward and backward; its parameter keeps the name, shape and fp32 master copy,
+so initialisation, the optimizer and checkpoints see the same model as under bf16.
+Everything else (attention, norms, embedding, loss) runs under bf16 autocast.
+
+What is converted, and why the rest is not:
+
+* the attention and feed-forward projections (wq, wk, wv, wo, w1, w2, w3, and the MoE
+  shared experts, which are the same feed-forward) whose two dims are multiples of 16,
+  the shape the float8 GEMM (`torch._scaled_mm`) requires;
+* not the output projection: the loss multiplies by its weight directly
+  (models/loss.py), and the logits are the most precision-sensitive matmul;
+* not an MoE router's gate (tiny, and routing decisions flip with its rounding), nor the
+  routed experts, which are one grouped 3-D weight, not `nn.Linear`: they stay bf16.
+
+Conversion runs on the meta model before tensor parallelism, pipeline cutting and FSDP
+(torchtitan's order), so the swap happens once and every later step sees Float8Linear.
+
+Recipes ([fp8] recipe): tensorwise (one scale per tensor: the fastest) or rowwise (one
+per row: more accurate, slower). With tensorwise and FSDP sharding parameters,
+`fp8.fsdp_all_gather` makes FSDP gather the weights already cast to float8 (half the
+bytes of bf16); their scales are then computed for all weights in one all-reduce after
+each optimizer step (`precompute_scales`).
+
+Hardware: float8 GEMMs need compute capability >= 8.9 (Ada, Hopper and newer). On a CPU
+the run is *allowed* in torchao's emulation mode (operands quantised to float8 and
+multiplied back in fp32): the same conversion, recipes, FSDP all-gather and scale
+updates run end to end, so CPU tests and CI cover the whole path. It is slower than
+fp32 and gains nothing, which the log line at conversion says; it is for testing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from shardline.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+TORCHAO_PIN = "torchao==0.18.0"
+MIN_CAPABILITY = (8, 9)
+GEMM_MULTIPLE = 16  # torch._scaled_mm: both dims of a float8 weight are multiples of 16
+SKIPPED = ("output",)  # module names never converted (see the module doc)
+SKIPPED_PARTS = ("router",)  # nor any Linear below a module of these names
+
+
+def require_torchao() -> None:
+    """One line telling how to install torchao, instead of an ImportError mid-build."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"train.precision=fp8 needs torchao ({exc}): pip install '{TORCHAO_PIN}' (make setup "
+                          "installs it; offline: pip install --no-deps benchmarks/wheels/torchao-*.whl)") from None
+
+
+def capability_problem(capability: tuple[int, int] | None) -> str | None:
+    """Why fp8 cannot run on a CUDA device of this (major, minor) capability; None: it can
+    (None in: a CPU, where torchao emulates)."""
+    if capability is None or tuple(capability) >= MIN_CAPABILITY:
+        return None
+    major, minor = capability
+    return (f"train.precision=fp8 needs compute capability >= 8.9 (Ada/Hopper); this GPU is {major}.{minor}; "
+            "use train.precision=bf16")
+
+
+def local_capability(on_cuda: bool) -> tuple[int, int] | None:
+    """This machine's CUDA capability when the run uses CUDA and one is visible, else None."""
+    if not (on_cuda and torch.cuda.is_available()):
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def layout_problem(tp: int) -> str | None:
+    """What fp8 is not built with: tensor parallelism needs torchao's float8 TP styles,
+    which cannot be tested without GPUs here, so tp > 1 is refused rather than run untested."""
+    if tp > 1:
+        return (f"train.precision=fp8 with parallel.tp={tp} is not built (float8 tensor-parallel styles are "
+                "untested); use parallel.tp=1 or train.precision=bf16")
+    return None
+
+
+def converts(module: nn.Module, fqn: str) -> bool:
+    """Whether the Linear at `fqn` runs in float8 (see the module doc for what is kept)."""
+    if not isinstance(module, nn.Linear) or fqn in SKIPPED:
+        return False
+    if any(part in SKIPPED_PARTS for part in fqn.split(".")):
+        return False
+    return module.in_features % GEMM_MULTIPLE == 0 and module.out_features % GEMM_MULTIPLE == 0
+
+
+def linear_config(recipe: str, emulate: bool, fsdp_all_gather: bool):
+    """torchao's Float8LinearConfig for `recipe`; all-gather in float8 exists for tensorwise only."""
+    from torchao.float8 import Float8LinearConfig
+
+    base = Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(base, emulate=emulate,
+                               enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise")
+
+
+def convert(model: nn.Module, recipe: str, emulate: bool, fsdp_all_gather: bool) -> list[str]:
+    """Swap the chosen Linear layers of `model` (in place, any device including meta) for
+    Float8Linear; returns their names."""
+    require_torchao()
+    from torchao.float8 import convert_to_float8_training
+
+    chosen = [name for name, m in model.named_modules() if converts(m, name)]
+    convert_to_float8_training(model, module_filter_fn=converts,
+                               config=linear_config(recipe, emulate, fsdp_all_gather))
+    if emulate:
+        log.warning("train.precision=fp8 on CPU: float8 matmuls are emulated (quantised, multiplied in fp32): "
+                    "for testing only, slower than fp32; real fp8 needs a GPU of compute capability >= 8.9")
+    return chosen
+
+
+def precompute_scales(model: nn.Module) -> None:
+    """After an optimizer step: the float8 scales of every FSDP-gathered float8 weight in one
+    all-reduce (instead of one per weight at its next all-gather). No-op without such weights."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

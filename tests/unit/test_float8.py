@@ -1,0 +1,143 @@
+"""train.precision = fp8 (parallel/float8.py) on CPU, through torchao's float8 emulation.
+
+Emulation quantises the operands to float8 exactly as the GPU recipe does and multiplies
+them back in fp32, so which layers convert, the numerics of the casts, the gradients and
+the trainer's path are all checked here; the real float8 GEMMs are tests/gpu's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("torchao.float8")
+
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+
+from shardline.errors import ConfigError  # noqa: E402
+from shardline.models.factory import build_meta_model  # noqa: E402
+from shardline.models.llama import ModelArgs  # noqa: E402
+from shardline.models.moe import MoEArgs  # noqa: E402
+from shardline.parallel import float8  # noqa: E402
+from shardline.precision import autocast  # noqa: E402
+from shardline.preflight import check_config  # noqa: E402
+from shardline.trainer import Trainer  # noqa: E402
+
+# Every projection of a block is a multiple of 16 except w2's input (ffn 40): it must stay.
+DENSE = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128)
+BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+
+
+def built(args: ModelArgs = DENSE, recipe: str | None = None) -> torch.nn.Module:
+    """The model on meta, converted first when `recipe` is given (as the parallel plan does), then initialised."""
+    model = build_meta_model(args)
+    if recipe:
+        float8.convert(model, recipe, emulate=True, fsdp_all_gather=False)
+    model.init_weights(seed=0)
+    return model
+
+
+def train_losses(run_dir) -> dict[int, float]:
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def converted_names(model: torch.nn.Module) -> set[str]:
+    return {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_converts_the_block_projections_only(recipe):
+    model = built(recipe=recipe)
+    expected = {f"layers.{i}.{name}" for i in range(DENSE.n_layers) for name in BLOCK_LINEARS}
+    assert converted_names(model) == expected
+    assert type(model.output) is torch.nn.Linear  # the logits stay bf16
+    granularity = model.layers["0"].attention.wq.config.cast_config_weight.scaling_granularity.value
+    assert granularity == ("tensorwise" if recipe == "tensorwise" else "axiswise")
+
+
+def test_dims_not_multiple_of_16_and_moe_router_are_skipped():
+    moe = MoEArgs(n_experts=4, top_k=2, expert_ffn_dim=32, shared_experts=1)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=40, moe=moe)
+    names = converted_names(built(args, recipe="tensorwise"))
+    assert "layers.0.feed_forward.router.gate" not in names and "layers.1.feed_forward.router.gate" not in names
+    assert "layers.0.feed_forward.shared.w1" in names  # shared experts are a plain SwiGLU: converted
+    assert not any("experts" in n and "shared" not in n for n in names)  # grouped experts: not Linear, bf16
+    dense_ffn = {n for n in names if n.endswith(("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))}
+    assert not dense_ffn  # ffn 40 is not a multiple of 16 (and no first_dense_layers here)
+
+
+def test_emulated_forward_is_close_to_bf16_and_gradients_flow():
+    torch.manual_seed(0)
+    reference = built()
+    fp8 = built(recipe="tensorwise")
+    fp8.load_state_dict(reference.state_dict())  # same names and values: conversion keeps parameters
+    tokens = torch.randint(0, DENSE.vocab_size, (2, 32))
+    with autocast(torch.device("cpu"), "bf16"):
+        want = reference(tokens).float()
+    with autocast(torch.device("cpu"), "fp8"):
+        got = fp8(tokens).float()
+    assert not torch.equal(got, want)  # the casts did something
+    assert (got - want).norm() / want.norm() < 5e-2
+    with autocast(torch.device("cpu"), "fp8"):
+        loss = fp8(tokens, labels=torch.roll(tokens, -1, 1))
+    loss.backward()
+    wq = fp8.layers["0"].attention.wq.weight
+    assert wq.grad is not None and torch.isfinite(wq.grad).all() and wq.grad.abs().sum() > 0
+    assert wq.dtype == torch.float32  # fp32 master weight
+
+
+def test_trainer_fp8_emulated_trains(tiny_config, tmp_path):
+    trainer = Trainer(tiny_config("train.precision=fp8", "optim.lr=1e-2", "train.steps=8",
+                                  "train.eval_interval=0", "checkpoint.interval=0")).build()
+    assert len(converted_names(trainer.model)) == 14 and trainer.scaler.enabled is False
+    trainer.train()
+    losses = train_losses(tmp_path / "run")
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[8] < losses[1] - 0.5
+
+
+def test_trainer_fp8_rowwise_builds(tiny_config):
+    trainer = Trainer(tiny_config("train.precision=fp8", "fp8.recipe=rowwise", "train.steps=1")).build()
+    layer = trainer.model.layers["0"].feed_forward.w1
+    assert isinstance(layer, Float8Linear) and layer.config.emulate
+    assert layer.config.cast_config_input.scaling_granularity.value == "axiswise"
+
+
+def test_fsdp_all_gather_only_for_tensorwise():
+    assert float8.linear_config("tensorwise", True, True).enable_fsdp_float8_all_gather
+    assert not float8.linear_config("rowwise", True, True).enable_fsdp_float8_all_gather
+    assert not float8.linear_config("tensorwise", True, False).enable_fsdp_float8_all_gather
+
+
+def test_capability_below_ada_is_refused_in_one_line():
+    message = float8.capability_problem((8, 0))
+    assert message.count("\n") == 0 and "train.precision=fp8" in message and "8.9" in message
+    assert "train.precision=bf16" in message and "8.0" in message
+    assert float8.capability_problem((8, 9)) is None and float8.capability_problem((9, 0)) is None
+    assert float8.capability_problem(None) is None  # CPU: emulated
+
+
+def test_tp_is_refused_in_one_line(tiny_config):
+    with pytest.raises(ConfigError, match=r"train.precision=fp8 with parallel.tp=2 is not built.*parallel.tp=1"):
+        check_config(tiny_config("train.precision=fp8", "parallel.tp=2"))
+
+
+def test_missing_torchao_says_how_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import now raises ImportError
+    with pytest.raises(ConfigError, match=r"train.precision=fp8 needs torchao.*pip install 'torchao==") as err:
+        float8.require_torchao()
+    assert "\n" not in str(err.value)
+
+
+def test_conversion_keeps_state_dict_keys():
+    plain, converted = built(), built(recipe="rowwise")
+    assert list(plain.state_dict()) == list(converted.state_dict())
+    assert copy.deepcopy(converted) is not None  # checkpoints and pipeline stages may copy it
