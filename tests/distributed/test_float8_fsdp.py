@@ -4,11 +4,14 @@ FSDP with float8 all-gather (tensorwise): each weight is cast to float8 before i
 gathered, with the scale its whole (unsharded) tensor would get, which the trainer
 precomputes in one all-reduce after each optimizer step; so 2 ranks train like one
 process up to the order of the sums. The pipeline cut after conversion keeps each
-stage's Float8Linear layers, so pp=2 gives one process's losses. One spawn runs both.
+stage's Float8Linear layers, so pp=2 gives one process's losses. A run stopped and
+resumed from its checkpoint under FSDP float8 all-gather logs the uninterrupted run's
+losses. One spawn runs every layout.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -68,6 +71,8 @@ def runs(tmp_path_factory, small_corpus) -> Path:
     base = [*PARITY_OVERRIDES, f"data.path={small_corpus}", *FP8]
     Trainer(load_config(None, [*base, f"run.dir={root / 'one'}"])).build().train()
     jobs = [(str(root / name), [*base, *extra]) for name, extra in LAYOUTS.items()]
+    split = [*base, *LAYOUTS["fsdp2"], "checkpoint.interval=2"]  # the float8-gathered weights saved, loaded
+    jobs += [(str(root / "resumed"), [*split, "train.stop_at_step=2"]), (str(root / "resumed"), split)]
     mp.start_processes(_worker, args=(free_port(), jobs), nprocs=2, start_method="spawn")
     return root
 
@@ -84,3 +89,10 @@ def test_pipeline_cut_after_conversion_matches_one_process(runs):
     assert sorted(got) == sorted(want)
     for step in want:
         assert abs(got[step] - want[step]) <= 1e-4 * want[step], (step, got, want)
+
+
+def test_fsdp_float8_resume_is_bit_identical(runs):
+    records = [json.loads(line) for line in (runs / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("event") == "resume"] == [2]  # resumed, not restarted
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert losses(runs / "resumed") == losses(runs / "fsdp2")
