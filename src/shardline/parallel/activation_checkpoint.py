@@ -25,7 +25,8 @@ from torch.utils.checkpoint import (
 )
 
 # Looked up by name because the set of attention kernels differs between builds.
-_SAVE_OP_NAMES = ("mm", "addmm", "bmm", "_scaled_dot_product_efficient_attention",
+# _scaled_mm: the float8 matmuls of train.precision=fp8 (parallel/float8.py).
+_SAVE_OP_NAMES = ("mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_efficient_attention",
                   "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
                   "_scaled_dot_product_flash_attention_for_cpu")
 _SAVE_OPS = {getattr(torch.ops.aten, n).default for n in _SAVE_OP_NAMES if hasattr(torch.ops.aten, n)}
