@@ -51,10 +51,25 @@ SKIPPED = ("output",)  # module names never converted (see the module doc)
 SKIPPED_PARTS = ("router",)  # nor any Linear below a module of these names
 
 
+def _import_quietly() -> None:
+    """Import torchao.float8 with the warnings of its import silenced: they are about parts
+    float8 training does not use (its CUTLASS and MX kernels failing to load on a CPU build
+    of torch, no triton) or a torch deprecation, and would read as if fp8 were broken."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.float8  # noqa: F401
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def require_torchao() -> None:
     """One line telling how to install torchao, instead of an ImportError mid-build."""
     try:
-        import torchao.float8  # noqa: F401
+        _import_quietly()
     except ImportError as exc:
         raise ConfigError(f"train.precision=fp8 needs torchao ({exc}): pip install '{TORCHAO_PIN}' (make setup "
                           "installs it; offline: pip install --no-deps benchmarks/wheels/torchao-*.whl)") from None
