@@ -25,6 +25,7 @@ Which communication overlaps with compute, stated once here and used below:
                         micro-batch's compute
     PP send/receive     exposed (on the critical path of each micro-batch), bubble separate
     scalar all-reduces  exposed: the loss, and the gradient norm per group of DTensor gradients
+    tied embedding      the gradient all-reduce of the first and last pipeline ranks: exposed
     CPU offload copies  exposed (host<->device copies and the host-side optimizer)
 """
 
@@ -126,6 +127,7 @@ def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]
     breakdown["dp_comm"] = breakdown.get("dp_comm", 0.0) + dp_tail
     breakdown["optimizer"] = _optimizer(work, layout, hw)
     breakdown["sync_comm"] = _sync(work, layout, hw)
+    breakdown["tied_comm"] = _tied_grads(work, layout, hw)
     breakdown = {k: v for k, v in breakdown.items() if v > 0 or k in ("compute", "dp_comm")}
     step = sum(breakdown.values())
     tokens_per_s = work.tokens / step
@@ -363,6 +365,8 @@ def _dp_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float
         exposed = max(0.0, total - hide * slow["compute"] * 2 / 3) + hide * bucket
         if mode == "zero1" and (layout.tp > 1 or layout.pp > 1):
             exposed = total  # no DDP wrapper there: the optimizer reduce-scatters after the last backward
+        if mode == "zero1" and work.runtime.zero1 == "deepspeed_bf16":
+            return (*_deepspeed_bf16_dp(work, g, net, psi), {"dp": algo})
         if mode == "zero1":
             gather, _ = comm.all_gather(4 * psi, g, net)
             exposed, total = exposed + gather, total + gather
@@ -377,6 +381,30 @@ def _dp_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float
         layers = layers_per_rank(work, layout)
         return 0.0, (gathers * gather + scatter) * layers * n_micro, {"fsdp": algo}
     return 0.0, 0.0, {}
+
+
+def _deepspeed_bf16_dp(work: Workload, g, net, psi: float) -> tuple[float, float]:
+    """(exposed, total) of DeepSpeed's BF16_Optimizer under its pipeline engine: the whole fp32
+    gradient buffer all-reduced after the last backward (pipe/engine.py `_bf16_reduce_grads`,
+    not a reduce-scatter), then each rank's updated 16-bit shard all-gathered; nothing overlaps."""
+    reduce = comm.all_reduce(4 * psi, g, net)[0]
+    gather = comm.all_gather(dtype_bytes(work.precision) * psi, g, net)[0]
+    return reduce + gather, reduce + gather
+
+
+def _tied_grads(work: Workload, layout: Layout, hw: Hardware) -> float:
+    """The tied embedding's gradient summed over the first and last pipeline ranks (Megatron's
+    embedding group, DeepSpeed's ReduceTiedGrads, shardline's sync_tied_gradient): an all-reduce
+    of two ranks after the last backward, exposed. fp32 under DeepSpeed's BF16_Optimizer (its
+    gradients live in the fp32 buffer), else the program's gradient bytes."""
+    if layout.pp == 1 or not work.model.tie_embeddings:
+        return 0.0
+    m, net = work.model, hw.network
+    width = 4 if work.runtime.zero1 == "deepspeed_bf16" else work.runtime.grad_bytes
+    shard = layout.shard_degree if layout.dp_mode in ("fsdp", "zero2", "hsdp") else 1  # sharded gradients
+    size = width * m.vocab_size * m.dim / (layout.tp * shard)
+    crosses = layout.world // layout.pp >= net.gpus_per_node
+    return comm.p2p(size, crosses, net)  # a two-rank all-reduce moves each half once each way: S/B
 
 
 def _optimizer(work: Workload, layout: Layout, hw: Hardware) -> float:

@@ -16,6 +16,10 @@ master (o = 8 for m and v, p = 4 for the weights themselves, sharded at stage 3)
 FSDP shards over dp_shard x cp; HSDP replicates that group dp_replicate times; CPU
 offload moves the sharded states to the host.
 
+Another program's ZeRO-1 is a Runtime field: DeepSpeed's BF16_Optimizer (BLOOM) shards only
+Adam's m and v and keeps the fp32 master and an fp32 gradient buffer whole on every rank
+(`deepspeed_bf16_states`: 12 + 8/N bytes per parameter in bf16).
+
 Everything else: `activations.py` gives bytes per token per layer, `pipeline.py` how
 many micro-batches are in flight; the last stage adds the output logits and loss
 (12 B per vocabulary entry per token, see `loss_bytes_per_token`); transients are the
@@ -64,8 +68,25 @@ def expert_layer_params(work: Workload, tp: int) -> float:
 
 
 def ranks(work: Workload, layout: Layout):
-    """The pipeline ranks' blocks and model ends, split as the trainer splits them (pipeline.py)."""
+    """The pipeline ranks' blocks and model ends, split as the training program splits them:
+    shardline's trainer (pipeline.py), or with the ends counted as blocks (Runtime.pp_split)."""
+    if work.runtime.pp_split == "ends_as_blocks" and layout.pp > 1 and layout.pp_virtual_stages == 1:
+        split = ends_as_blocks_ranks(work.model.n_layers, layout.pp)
+        if min(r.layers for r in split) >= 1:  # DeepSpeed needs a block on every stage
+            return split
     return pipeline_ranks(work.model, layout.pp, layout.pp_virtual_stages, layout.pp_schedule)
+
+
+def ends_as_blocks_ranks(n_layers: int, pp: int) -> tuple[RankStages, ...]:
+    """Megatron-DeepSpeed's 'type:transformer|embedding' partition: the embedding and the tied
+    output are one block each, and the n_layers + 2 units are dealt out evenly (BLOOM, 70 blocks
+    on 12 stages: [embed | 5], 6 x 10, [5 | embed]); remainders go to the first stages."""
+    base, extra = divmod(n_layers + 2, pp)
+    units = [base + (r < extra) for r in range(pp)]
+    counts = [u - (r == 0) - (r == pp - 1) for r, u in enumerate(units)]
+    starts = [sum(counts[:r]) for r in range(pp)]
+    return tuple(RankStages(r, c, r == 0, r == pp - 1, (r,), tuple(range(starts[r], starts[r] + c)))
+                 for r, c in enumerate(counts))
 
 
 def layers_per_rank(work: Workload, layout: Layout) -> int:
@@ -108,6 +129,8 @@ def state_bytes(work: Workload, layout: Layout, psi: float) -> dict[str, float]:
     # p: compute-dtype weights besides the fp32 master (the master itself in fp32 at stages
     # 1-2, where it is replicated or gathered); zero=3 gathers them per block (transient_bytes).
     # o: Adam m and v, plus the fp32 master wherever it is sharded with them.
+    if stage == 1 and mixed and work.runtime.zero1 == "deepspeed_bf16":
+        return deepspeed_bf16_states(work, layout, psi)
     if stage == 3:
         p = 0.0
     elif mixed:
@@ -116,6 +139,15 @@ def state_bytes(work: Workload, layout: Layout, psi: float) -> dict[str, float]:
         p = 4.0 if stage in (1, 2) else 0.0
     o = 8.0 if (stage == 1 and not mixed) else 12.0
     return zero_model_states(psi, layout.shard_degree, stage, p, float(work.runtime.grad_bytes), o)
+
+
+def deepspeed_bf16_states(work: Workload, layout: Layout, psi: float) -> dict[str, float]:
+    """DeepSpeed's BF16_Optimizer as ZeRO-1: only Adam's m and v (8 B) are sharded. Every rank
+    keeps the 16-bit weights and the whole fp32 master (p = c + 4), the 16-bit gradients autograd
+    leaves and the whole fp32 buffer they are accumulated into (g = grad_bytes + 4): 12 + 8/N
+    bytes per parameter in bf16, where the ZeRO paper's P_os is 4 + 12/N."""
+    c = act.dtype_bytes(work.precision)
+    return zero_model_states(psi, layout.shard_degree, 1, c + 4.0, work.runtime.grad_bytes + 4.0, 8.0)
 
 
 def offloaded(states: dict[str, float], layout: Layout) -> tuple[dict[str, float], float]:
@@ -210,6 +242,14 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
         if parts["total"] > worst.get("total", -1.0):
             worst = parts
     return worst
+
+
+def largest_term(memory: dict[str, float]) -> tuple[str, float]:
+    """(name, bytes) of the biggest part of a memory breakdown: what a 'does not fit' message
+    names first, since shrinking it is what moves the total most."""
+    parts = {k: v for k, v in memory.items() if k not in ("total", "host_offload")}
+    name = max(parts, key=parts.get)
+    return name, parts[name]
 
 
 def host_fits(memory: dict[str, float], layout: Layout, hw: Hardware) -> bool:

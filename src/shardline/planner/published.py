@@ -62,7 +62,8 @@ class PublishedRun:
     mfu: float = 0.0
     aggregate_pflops: float = 0.0  # the paper's all-GPU figure where it gives one (a typo check)
     convention: str = "megatron_recompute"
-    mem_gib: float = 0.0  # published peak memory per GPU, 0: not published
+    mem_gib: float = 0.0  # published peak memory per GPU (nvidia-smi's "GB", read as GiB), 0: not published
+    base: str = ""  # [[memory]] rows only: the [[run]] this row changes (its other keys override that run's)
     system: str = ""  # a [system.NAME] table of the file: the program's Runtime ("": shardline's)
     runtime: Runtime = Runtime()
 
@@ -71,11 +72,13 @@ class PublishedRun:
         return self.gpus // (self.tp * self.pp)
 
 
+RUNTIME_CHOICES = {"zero1": ("shardline", "deepspeed_bf16"), "pp_split": ("trainer", "ends_as_blocks")}
+
+
 def load_runs(path: str | Path = RUNS_FILE) -> list[PublishedRun]:
     """The rows of a validation file; a wrong key or convention is a ConfigError naming the row."""
     raw = reader.read_toml(path, "validation file")
-    systems = {name: reader.updated(Runtime(), table, f"system.{name}", kind="runtime key")
-               for name, table in raw.get("system", {}).items()}
+    systems = _systems(raw, path)
     runs = []
     for i, row in enumerate(raw.get("run", [])):
         run = reader.updated(PublishedRun(), row, f"run[{i}]", kind="validation key")
@@ -85,6 +88,37 @@ def load_runs(path: str | Path = RUNS_FILE) -> list[PublishedRun]:
             raise ConfigError(f"{path}: run {run.id!r} names system {run.system!r}; defined: {', '.join(systems)}")
         runs.append(dataclasses.replace(run, runtime=systems.get(run.system, Runtime())))
     return runs
+
+
+def _systems(raw: dict, path: str | Path) -> dict[str, Runtime]:
+    """The file's [system.NAME] tables as Runtimes; a choice field with an unknown value is an error
+    (it would otherwise read as shardline's default)."""
+    systems = {name: reader.updated(Runtime(), table, f"system.{name}", kind="runtime key")
+               for name, table in raw.get("system", {}).items()}
+    for name, rt in systems.items():
+        for key, valid in RUNTIME_CHOICES.items():
+            if getattr(rt, key) not in valid:
+                raise ConfigError(f"{path}: system.{name}.{key}={getattr(rt, key)!r}; valid: {', '.join(valid)}")
+    return systems
+
+
+def load_memory_rows(path: str | Path = RUNS_FILE) -> list[PublishedRun]:
+    """Published per-GPU memory: the [[run]] rows that give one, and the [[memory]] rows, each a
+    [[run]] (`base`) with the keys it changes (a benchmark of the same program on the same cluster)."""
+    runs = {r.id: r for r in load_runs(path)}
+    rows = [r for r in runs.values() if r.mem_gib]
+    for i, row in enumerate(reader.read_toml(path, "validation file").get("memory", [])):
+        base = runs.get(row.get("base", ""))
+        if base is None:
+            raise ConfigError(f"{path}: memory[{i}] base={row.get('base')!r} is not a run id")
+        rows.append(reader.updated(base, row, f"memory[{i}]", kind="validation key"))
+    return rows
+
+
+def memory_error(run: PublishedRun) -> tuple[Estimate, float]:
+    """The published layout's estimate and its peak memory over the published figure, minus one."""
+    e = estimate(workload(run), published_layout(run), hardware(run))
+    return e, e.memory["total"] / 2**30 / run.mem_gib - 1
 
 
 def model_args(run: PublishedRun) -> ModelArgs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from shardline.planner.estimate import Estimate
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
-from shardline.planner.memory import GiB, total_params
+from shardline.planner.memory import GiB, largest_term, total_params
 from shardline.planner.search import SearchResult
 
 
@@ -55,8 +55,10 @@ def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
     for key, value in e.memory.items():
         if key not in ("total", "host_offload"):
             lines.append(f"  {key:<18} {value / GiB:10.3f}")
+    big, big_bytes = largest_term(e.memory)
     fits = "fits" if e.memory["total"] <= e.capacity else \
-        f"DOES NOT FIT ({e.memory['total'] / GiB:.1f} > {e.capacity / GiB:.1f} GiB)"
+        (f"DOES NOT FIT ({e.memory['total'] / GiB:.1f} > {e.capacity / GiB:.1f} GiB; "
+         f"largest term {big} {big_bytes / GiB:.1f})")
     lines.append(f"  {'total':<18} {e.memory['total'] / GiB:10.3f}  {fits}")
     if e.memory.get("host_offload"):
         host = "" if e.host_ok else f"  DOES NOT FIT the host's {hw.network.host_mem_gib:.0f} GiB per node"

@@ -33,7 +33,7 @@ from shardline.planner.estimate import Estimate, timed
 from shardline.planner.hardware import Hardware
 from shardline.layout import Layout
 from shardline.planner.layout import Workload, layout_problem
-from shardline.planner.memory import GiB, host_fits, memory_breakdown
+from shardline.planner.memory import GiB, host_fits, largest_term, memory_breakdown
 from shardline.planner.pipeline import VIRTUAL_STAGES
 
 AC_OPTIONS = (("none", 1), ("op", 1), ("selective", 2), ("full", 1))
@@ -229,7 +229,9 @@ def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult
     have = hw.mem_gib * GiB
     states = sum(mem.get(k, 0.0) for k in ("params", "grads", "optimizer"))
     more = max(2, int(-(-need // have)))
-    text = (f"does not fit: the leanest layout ({layout.describe()}) needs {need / GiB:.1f} GiB per device "
+    big, big_bytes = largest_term(mem)
+    text = (f"does not fit: the leanest layout ({layout.describe()}) needs {need / GiB:.1f} GiB per device, "
+            f"largest term {big} {big_bytes / GiB:.1f} GiB "
             f"(model states {states / GiB:.1f}, activations {mem['activations'] / GiB:.1f}, logits "
             f"{mem['logits'] / GiB:.1f}, buffers {mem['buffers'] / GiB:.1f}) but a {hw.name} has "
             f"{hw.mem_gib:.0f} GiB; use about {more}x more devices, a shorter sequence or a smaller model")
