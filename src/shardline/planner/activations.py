@@ -17,16 +17,16 @@ c = bytes of the compute dtype (2 under bf16/fp16 autocast, 4 in fp32):
     wq, wk, wv inputs: autocast casts the fp32 norm    3·c·h        lin_in (fp32: the norm output, 4h,
         output separately for each linear                                   saved once)
     RoPE: cos/sin only (need no grad), nothing per token
-    SDPA (flash/efficient kernels): q, k, v, out       4·c·q        tp    (GQA: k, v already repeated
-        and the fp32 logsumexp                         4a           tp     to q heads)
+    SDPA (flash/efficient kernels): q, out, and k, v   2·c·(q+kv)   tp    (GQA through enable_gqa:
+        at kv width, and the fp32 logsumexp            4a           tp     k, v are not repeated)
     wo input: the SDPA output itself (same storage)    0
     ffn_norm: as attention_norm                        8h + 4       seq
     w1, w3 inputs: two casts                           2·c·h        lin_in (fp32: 4h once)
     SwiGLU: w1 out (silu in), silu out, w3 out,        4·c·f        tp
         product (w2 in)
 
-    total, bf16:  26h + 8q + 8f + 4a + 8    (GPT-shaped q = h, f = 4h: 66h)
-    total, fp32:  24h + 16q + 16f + 4a + 8
+    total, bf16:  26h + 4q + 4kv + 8f + 4a + 8    (kv = n_kv_heads·head_dim; GPT-shaped q = kv = h,
+    total, fp32:  24h + 8q + 8kv + 16f + 4a + 8    f = 4h: 66h)
 
 Regions say what tensor parallelism divides: `tp` tensors are sharded over heads or
 the ffn dimension; `seq` tensors (the norm region) only under sequence parallelism;
@@ -65,6 +65,7 @@ def dtype_bytes(precision: str) -> int:
 def llama_block(model: ModelArgs, precision: str) -> list[Saved]:
     """The tensors one shardline Llama block saves for backward (see the module docstring)."""
     h, q, f, a = model.dim, model.n_heads * model.head_size, ffn_width(model), model.n_heads
+    kv = model.kv_heads * model.head_size
     c = dtype_bytes(precision)
     mixed = precision != "fp32"
     saved = []
@@ -73,7 +74,7 @@ def llama_block(model: ModelArgs, precision: str) -> list[Saved]:
                   Saved(f"{norm} x*rsqrt", 4 * h, "seq"),
                   Saved(f"{norm} rsqrt", 4, "seq"),
                   Saved(f"{norm} output as linear input", (consumers * c if mixed else 4) * h, "lin_in")]
-    saved += [Saved("sdpa q, k, v, out", 4 * c * q, "tp"),
+    saved += [Saved("sdpa q, k, v, out", 2 * c * (q + kv), "tp"),
               Saved("sdpa logsumexp", 4 * a, "tp"),
               Saved("swiglu w1 out, silu out, w3 out, product", 4 * c * f, "tp")]
     return saved
