@@ -163,6 +163,9 @@ CP_4 = {
     "ulysses2_pp2_interleaved": ["parallel.cp=2", *ULYSSES, "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                                  "parallel.pp_virtual_stages=2"],
 }
+# Also without document masking (the attention core alone covers both masks at ring 2 and 4,
+# zigzag and contiguous, in test_cp_attention_matches_one_process).
+NODOCS_4 = ("ring4_zigzag", "hybrid_2x2", "ring2_pp2_1f1b")
 # Resharding resume: a cp checkpoint resumed without cp, and the other way round.
 CP_RESHARD_2 = [("cp2_to_dp2", ["parallel.cp=2", "train.stop_at_step=2"], ["parallel.dp_shard=2"]),
                 ("dp2_to_cp2", ["parallel.dp_shard=2", "train.stop_at_step=2"], ["parallel.cp=2", *ULYSSES])]
@@ -206,7 +209,7 @@ def cp_world2(tmp_path_factory, small_corpus):
 @pytest.fixture(scope="module")
 def cp_world4(tmp_path_factory, small_corpus):
     root = tmp_path_factory.mktemp("cp_world4")
-    run_world(4, _jobs(root, small_corpus, CP_4, {"ring4_zigzag", "ring4_none", "hybrid_2x2", "ring2_pp2_1f1b"}))
+    run_world(4, _jobs(root, small_corpus, CP_4, NODOCS_4))
     return root
 
 
@@ -222,6 +225,6 @@ def test_cp_resume_under_another_layout_continues_the_run(cp_world2, references,
 
 
 @pytest.mark.parametrize("run", [f"{n}-docs" for n in CP_4] +
-                         [f"{n}-nodocs" for n in ("ring4_zigzag", "ring4_none", "hybrid_2x2", "ring2_pp2_1f1b")])
+                         [f"{n}-nodocs" for n in NODOCS_4])
 def test_world4_cp_matches_single_process(cp_world4, references, run):
     assert_same_run(cp_world4 / run, references[run.endswith("-docs")])

@@ -96,7 +96,9 @@ def world2(tmp_path_factory, small_corpus):
 
 
 def test_fp16_pipeline_matches_single_process(world2, references):
-    assert_same_run(world2 / "pp2", references / "plain")
+    # Losses within 1e-5; as under FSDP, a rarely seen embedding row may differ by ~2e-5
+    # (fp16-rounded gradients whose tiny sum Adam's normalisation amplifies), hence atol.
+    assert_same_run(world2 / "pp2", references / "plain", atol=1e-4)
 
 
 def test_fp16_fsdp_matches_single_process(world2, references):

@@ -48,8 +48,9 @@ TIED_RESHARD_2 = [
     ("tied_pp_to_fsdp", ["parallel.pp=2", "train.stop_at_step=2"], ["parallel.dp_shard=2"]),
     ("tied_fsdp_to_pp", ["parallel.dp_shard=2", "train.stop_at_step=2"], ["parallel.pp=2"]),
 ]
+# Plain DDP 4 and ZeRO-3 over 4 run as halves of the resharding resumes below (tp_to_ddp,
+# zero3_to_*), which compare every step's loss, the evaluation and the final parameters.
 LAYOUTS_4 = {
-    "ddp": ["parallel.dp_replicate=4", "parallel.dp_shard=1"],
     "ddp_grad_accum": ["parallel.dp_replicate=4", "parallel.dp_shard=1", "train.micro_batch_size=1"],
     # ZeRO-1 with the fused AdamW gated by the device-side anomaly check (no host sync)
     "zero1_fused_device_check": ["parallel.dp_shard=4", "parallel.zero=1", "optim.implementation=fused",
@@ -60,7 +61,6 @@ LAYOUTS_4 = {
     "zero1_tp2": ["parallel.dp_shard=2", "parallel.zero=1", "parallel.tp=2"],
     "zero1_pp2": ["parallel.dp_shard=2", "parallel.zero=1", "parallel.pp=2"],
     "zero2": ["parallel.dp_shard=4", "parallel.zero=2"],
-    "zero3": ["parallel.dp_shard=4", "parallel.zero=3"],
     "hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
     "fsdp2_tp2_async_ckpt": ["parallel.dp_shard=2", "parallel.tp=2", "checkpoint.mode=async"],
     "fsdp2_pp2": ["parallel.dp_shard=2", "parallel.pp=2"],
