@@ -16,6 +16,8 @@
 # (see benchmarks/README.md) when the machine lacks it. Budgets in seconds (env):
 # TEST_BUDGET (default 240) and BENCH_BUDGET (default 330); about 8 minutes in all.
 # Extra arguments for gpu_train.py go in GPU_TRAIN_ARGS (e.g. "--set train.loss_chunk_tokens=8192").
+# CALIBRATE=1 adds step 4: `shardline calibrate --quick --no-comm` (the planner's profile of this
+# GPU: GEMM and attention efficiency curves) -> calibration.toml, within CAL_BUDGET (default 150).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-${OUT:-results/gpu-$(date -u +%Y%m%d-%H%M%S)}}
@@ -61,6 +63,13 @@ timeout "${BENCH_BUDGET:-330}" "$PY" benchmarks/gpu_train.py \
     --variants shardline-compile,shardline-fp8,hf-eager,hf-compile ${GPU_TRAIN_ARGS:-} \
     --json "$RESULTS/gpu_train.json" 2>&1 | tee "$RESULTS/gpu_train.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+if [ "${CALIBRATE:-0}" = 1 ]; then  # optional: the planner's GPU profile (GEMM and attention curves)
+    echo "== calibrate ==" >&2
+    timeout "${CAL_BUDGET:-150}" "$PY" -m shardline calibrate --quick --no-comm --out "$RESULTS/calibration.toml" \
+        2>&1 | tee "$RESULTS/calibrate.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
 echo "gpu_check: results in $RESULTS (exit $status)" >&2
 exit $status
