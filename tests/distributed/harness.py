@@ -26,12 +26,16 @@ from shardline.resilience.checkpoint import Checkpointer, load_weights, read_met
 # layout's math, not Adam's sensitivity to rounding.
 # Global batch 8 of micro-batches of 2: every layout here still accumulates (4 micro-batches in
 # one process, 2 per rank at dp 2) and feeds a pipeline at least as many micro-batches as stages.
+# Three steps: a resharding resume trains steps 1-2 under one layout and step 3 under another.
+PARITY_STEPS = 3
+ALL_STEPS = list(range(1, PARITY_STEPS + 1))
 PARITY_OVERRIDES = [
     "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-    "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=4",
-    "train.eval_interval=4", "train.eval_batches=4", "optim.warmup_steps=1", "optim.lr=3e-3", "optim.eps=1e-6",
-    "data.vocab_size=512",
-    "checkpoint.interval=4", "metrics.log_interval=1", "metrics.progress=none", "metrics.tensorboard=false",
+    "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2", f"train.steps={PARITY_STEPS}",
+    f"train.eval_interval={PARITY_STEPS}", "train.eval_batches=4", "optim.warmup_steps=1", "optim.lr=3e-3",
+    "optim.eps=1e-6", "data.vocab_size=512",
+    f"checkpoint.interval={PARITY_STEPS}", "metrics.log_interval=1", "metrics.progress=none",
+    "metrics.tensorboard=false",
 ]
 
 

@@ -26,7 +26,7 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa:
 
 from shardline.config import load_config  # noqa: E402
 from shardline.trainer import Trainer  # noqa: E402
-from tests.distributed.harness import PARITY_OVERRIDES, free_port, losses  # noqa: E402
+from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, free_port, losses  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -94,5 +94,5 @@ def test_pipeline_cut_after_conversion_matches_one_process(runs):
 def test_fsdp_float8_resume_is_bit_identical(runs):
     records = [json.loads(line) for line in (runs / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("event") == "resume"] == [2]  # resumed, not restarted
-    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if r["kind"] == "train"] == ALL_STEPS
     assert losses(runs / "resumed") == losses(runs / "fsdp2")

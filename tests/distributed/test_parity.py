@@ -14,6 +14,7 @@ from shardline.cli import main
 from shardline.config import load_config
 from shardline.trainer import Trainer
 from tests.distributed.harness import (
+    ALL_STEPS,
     PARITY_OVERRIDES,
     assert_same_grad_norms,
     assert_same_run,
@@ -188,7 +189,7 @@ def test_world2_tied_embeddings_match_single_process(world2, reference_tied, lay
 
 @pytest.mark.parametrize("name", [name for name, _, _ in TIED_RESHARD_2])
 def test_tied_resume_under_another_layout_continues_the_run(world2, reference_tied, name):
-    assert sorted(losses(world2 / name)) == [1, 2, 3, 4]
+    assert sorted(losses(world2 / name)) == ALL_STEPS
     assert_same_run(world2 / name, reference_tied)
 
 
@@ -223,7 +224,7 @@ def test_world4_layout_matches_single_process(world4, reference, layout):
 
 @pytest.mark.parametrize("name", [name for name, _, _ in RESHARD_4])
 def test_resume_under_another_layout_continues_the_run(world4, reference, name):
-    assert sorted(losses(world4 / name)) == [1, 2, 3, 4]  # two halves, one log
+    assert sorted(losses(world4 / name)) == ALL_STEPS  # two halves, one log
     assert_same_run(world4 / name, reference)
 
 
@@ -241,13 +242,13 @@ def test_zero1_with_tp_pp_clips_by_the_single_process_norm(request, reference, l
 
 
 def test_zero1_tp2_checkpoint_resumes_in_one_process(world4, reference):
-    assert sorted(losses(world4 / ZERO1_TO_SINGLE)) == [1, 2, 3, 4]  # two halves, one log
+    assert sorted(losses(world4 / ZERO1_TO_SINGLE)) == ALL_STEPS  # two halves, one log
     assert_same_run(world4 / ZERO1_TO_SINGLE, reference)
 
 
 @pytest.mark.slow
 def test_one_process_tied_checkpoint_resumes_under_zero1_tp2_pp2(world8, reference_tied):
-    assert sorted(losses(world8 / SINGLE_TO_ZERO1)) == [1, 2, 3, 4]
+    assert sorted(losses(world8 / SINGLE_TO_ZERO1)) == ALL_STEPS
     assert_same_run(world8 / SINGLE_TO_ZERO1, reference_tied)
     assert_same_grad_norms(world8 / SINGLE_TO_ZERO1, reference_tied)
 

@@ -1,4 +1,4 @@
-"""The command line as a user runs it, in a subprocess."""
+"""The command line as a user runs it: in a subprocess, and the bad-input cases through its main()."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shardline.cli import main
 from tests.conftest import tiny_overrides
 
 REPO = Path(__file__).parents[2]
@@ -64,7 +65,9 @@ def test_resume_continues_where_it_stopped(tmp_path, small_corpus):
     (["--config", "CONFIG_FOLDER"], "is a folder; give a .toml file"),
     (["--config", "LATIN1_TOML"], "is not UTF-8 text"),
 ])
-def test_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, small_corpus, bad, message):
+def test_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, small_corpus, capsys, bad, message):
+    # In this process, through the CLI's own main() (a fresh interpreter per case cost ~2.5 s
+    # each); test_unknown_argument_is_rejected and the train tests run the real subprocess.
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("precious\n")
@@ -72,10 +75,11 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, small_cor
     latin1 = tmp_path / "latin1.toml"
     latin1.write_bytes(b'[run]\ndir = "caf\xe9"\n')
     bad = [{"CONFIG_FOLDER": str(tmp_path), "LATIN1_TOML": str(latin1)}.get(b, b) for b in bad]
-    out = shardline("train", *base, *bad)
-    assert out.returncode == 2, out.stderr
-    assert message in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    code = main(["train", *base, *bad])
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert message in stderr
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
     assert (run / "metrics.jsonl").read_text() == "precious\n"
 

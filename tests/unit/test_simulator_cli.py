@@ -24,12 +24,14 @@ def _only_the_simulate_command(monkeypatch):
 
 
 def run_json(capsys, *args: str) -> dict:
-    assert main([*SMALL, *args, "--json"]) == 0
+    """The report as JSON; a step time is given unless the test asks the planner (--fix)."""
+    given = [] if "--fix" in args else ["--step-time", "2"]
+    assert main([*SMALL, *given, *args, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
 def test_json_has_the_keys_scripts_rely_on(capsys):
-    report = run_json(capsys, "--step-time", "2")  # the planner path: the next test
+    report = run_json(capsys)
     assert isinstance(report["interruptions"], float) and report["interruptions"] > 0
     assert 0.0 < report["goodput"] < 1.0
     assert report["lost_gpu_hours"] == pytest.approx(sum(report["lost_gpu_hours_by_cause"].values()))
