@@ -24,6 +24,7 @@ from shardline.devices import peak_tflops
 from shardline.errors import AnomalyHalt, Preempted
 from shardline.interop.weights import load_starting_weights
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
+from shardline.models.attention import resolve_attention
 from shardline.models.factory import args_to_json
 from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
@@ -175,6 +176,8 @@ class Trainer:
         stop = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
         self.metrics.event("start", step=self.step, params=sum(p.numel() for p in self.model.parameters()),
                            device=str(self.device), precision=cfg.train.precision,
+                           attention=resolve_attention(cfg.train.attention, cfg.train.document_mask,
+                                                       self.device.type == "cuda", cfg.parallel.cp),
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
         window_start, window_steps, last, stopped = time.perf_counter(), 0, {}, None
         self.guard.start()
