@@ -32,7 +32,7 @@ ALL_STEPS = list(range(1, PARITY_STEPS + 1))
 PARITY_OVERRIDES = [
     "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
     "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2", f"train.steps={PARITY_STEPS}",
-    f"train.eval_interval={PARITY_STEPS}", "train.eval_batches=4", "optim.warmup_steps=1", "optim.lr=3e-3",
+    f"train.eval_interval={PARITY_STEPS}", "train.eval_batches=2", "optim.warmup_steps=1", "optim.lr=3e-3",
     "optim.eps=1e-6", "data.vocab_size=512",
     f"checkpoint.interval={PARITY_STEPS}", "metrics.log_interval=1", "metrics.progress=none",
     "metrics.tensorboard=false",

@@ -49,14 +49,14 @@ TIED_RESHARD_2 = [
     ("tied_pp_to_fsdp", ["parallel.pp=2", "train.stop_at_step=2"], ["parallel.dp_shard=2"]),
     ("tied_fsdp_to_pp", ["parallel.dp_shard=2", "train.stop_at_step=2"], ["parallel.pp=2"]),
 ]
-# Plain DDP 4 and ZeRO-3 over 4 run as halves of the resharding resumes below (tp_to_ddp,
-# zero3_to_*), which compare every step's loss, the evaluation and the final parameters.
+# Plain DDP 4, ZeRO-3 over 4, ZeRO-1 over 2 x 2 replicas and FSDP 2 x PP 2 run as halves of the
+# resharding resumes below (tp_to_ddp, zero3_to_*), which compare every step's loss, the
+# evaluation and the final parameters; FSDP 2 x PP 2 also runs whole with tied embeddings.
 LAYOUTS_4 = {
     "ddp_grad_accum": ["parallel.dp_replicate=4", "parallel.dp_shard=1", "train.micro_batch_size=1"],
     # ZeRO-1 with the fused AdamW gated by the device-side anomaly check (no host sync)
     "zero1_fused_device_check": ["parallel.dp_shard=4", "parallel.zero=1", "optim.implementation=fused",
                                  "anomaly.check_on=device"],
-    "zero1_hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=1"],
     # ZeRO-1 with TP / PP: states sharded over the dp group of each (tp, pp) coordinate,
     # gradients reduce-scattered by the optimizer, no DDP wrapper (parallel/zero1.py)
     "zero1_tp2": ["parallel.dp_shard=2", "parallel.zero=1", "parallel.tp=2"],
@@ -64,7 +64,6 @@ LAYOUTS_4 = {
     "zero2": ["parallel.dp_shard=4", "parallel.zero=2"],
     "hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
     "fsdp2_tp2_async_ckpt": ["parallel.dp_shard=2", "parallel.tp=2", "checkpoint.mode=async"],
-    "fsdp2_pp2": ["parallel.dp_shard=2", "parallel.pp=2"],
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                 "parallel.pp_virtual_stages=2"],
 }
@@ -85,8 +84,6 @@ RESHARD_4 = [
      ["parallel.dp_shard=2", "parallel.tp=2"]),
     ("tp_to_ddp", ["parallel.dp_shard=2", "parallel.tp=2", "train.stop_at_step=2"],
      ["parallel.dp_replicate=4", "parallel.dp_shard=1"]),
-    ("hsdp_to_zero2", ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.stop_at_step=2"],
-     ["parallel.dp_shard=4", "parallel.zero=2"]),
     ("zero3_to_pp", ["parallel.dp_shard=4", "train.stop_at_step=2"], ["parallel.dp_shard=2", "parallel.pp=2"]),
     ("zero1_to_tp", ["parallel.dp_shard=4", "parallel.zero=1", "train.stop_at_step=2"],
      ["parallel.dp_shard=2", "parallel.tp=2"]),
@@ -267,7 +264,7 @@ def test_convert_exports_a_pipelined_checkpoint(world4, reference, tmp_path):
     from shardline.interop.convert import checkpoint_to_hf
     from tests.distributed.harness import final_params
 
-    out = checkpoint_to_hf(world4 / "fsdp2_pp2", tmp_path / "hf")
+    out = checkpoint_to_hf(world4 / "zero3_to_pp", tmp_path / "hf")  # its last save: FSDP 2 x PP 2
     hf = load_file(out / "model.safetensors")
     ref = final_params(reference)
     assert hf["model.layers.3.mlp.down_proj.weight"].shape == ref["layers.3.feed_forward.w2.weight"].shape

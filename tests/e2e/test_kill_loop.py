@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from tests.conftest import tiny_overrides
 from tests.e2e.test_cli import REPO
 
-STEPS = 200  # ~7 s of training after ~2.5 s of start-up on 2 cores
+STEPS = 120  # ~4 s of training after ~2.5 s of start-up on 2 cores
 KILLS = 6
 SEED = 2  # this seed's kills include SIGTERM mid-training and resumes from both tiers
 
