@@ -53,7 +53,7 @@ EOF
 } 2>&1 | tee "$RESULTS/env.txt"
 
 echo "== gpu tests ==" >&2
-timeout "${TEST_BUDGET:-240}" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -x --no-header \
+timeout "${TEST_BUDGET:-240}" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider --no-header -rfE \
     --junitxml="$RESULTS/gpu-tests.xml" 2>&1 | tee "$RESULTS/gpu-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
