@@ -137,9 +137,7 @@ def check_compile(cfg: Config, args: ModelArgs) -> None:
 def check_fp8(cfg: Config) -> None:
     """train.precision=fp8 (parallel/float8.py): torchao installed, a layout it is built for."""
     float8.require_torchao()
-    problem = float8.layout_problem(cfg.parallel.tp)
-    if problem:
-        raise ConfigError(problem)
+    _raise(float8.layout_problem(cfg.parallel.tp))
 
 
 def _raise(problem: str | None) -> None:
@@ -164,8 +162,6 @@ def check_device(cfg: Config, layout: Layout, on_cuda: bool) -> None:
         raise ConfigError("memory.cpu_offload=true moves sharded state from GPU to host memory: it needs a GPU")
     _raise(attention.device_problem(cfg.train.attention, on_cuda))
     if cfg.train.precision == "fp8":
-        problem = float8.capability_problem(float8.local_capability(on_cuda))
-        if problem:
-            raise ConfigError(problem)
+        _raise(float8.capability_problem(float8.local_capability(on_cuda)))
     impl = cfg.optim.implementation
     check_on_device(cfg, layout, impl == "fused" or (impl == "auto" and on_cuda), on_cuda)
