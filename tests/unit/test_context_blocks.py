@@ -1,4 +1,4 @@
-"""The ring's block kernels: the math path (used on GPUs until a fused kernel is wired)
+"""The ring's block kernels: the math path (kept for head dims and dtypes the GPU kernels do not take)
 equals the fused CPU flash kernel, forward and backward, for every kind of block."""
 
 from __future__ import annotations
