@@ -82,11 +82,9 @@ class Layout:
 
     @property
     def shard_degree(self) -> int:
-        """Ranks that share one copy of the sharded model states: FSDP shards over dp_shard x cp;
-        ZeRO-1 shards optimizer states over every data-parallel rank (x cp), replicas included."""
-        if self.zero == 1 and self.dp_shard > 1:
-            return self.dp * self.cp
-        return self.dp_shard * self.cp if self.dp_shard > 1 or self.cp > 1 else 1
+        """Ranks that share one copy of the sharded model states: dp_shard x cp, both for FSDP
+        and for ZeRO-1's optimizer states (replicas, dp_replicate, hold a copy each)."""
+        return self.dp_shard * self.cp
 
     @property
     def cp_degrees(self) -> tuple[int, int]:
@@ -324,11 +322,7 @@ def degree_not_built(cp: int, ep: int) -> Problem | None:
 
 
 def _not_built_degrees(lay: Layout, job: Job) -> Problem | None:
-    problem = degree_not_built(lay.cp, lay.ep)
-    if problem is None and lay.cp > 1 and lay.zero == 1 and lay.dp_shard * lay.cp > 1:
-        problem = "cp", (f"parallel.cp={lay.cp} with zero=1 is not built: cp ranks shard the model with FSDP; "
-                         "use zero=2 or zero=3")
-    return problem
+    return degree_not_built(lay.cp, lay.ep)
 
 
 def _not_built_tied_v(lay: Layout, job: Job) -> Problem | None:
@@ -350,7 +344,7 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
                       "parallel ranks for experts is not built")
     if lay.ep > 1 and lay.zero == 1:
         return "ep", "parallel.ep > 1 with zero=1 is not built: experts are sharded by FSDP; use zero=2 or zero=3"
-    if lay.tp > 1 and lay.zero == 1 and lay.dp_shard > 1:
+    if lay.tp > 1 and lay.zero == 1 and lay.dp_shard * lay.cp > 1:
         return "zero1", ("parallel.zero=1 with tp > 1 and a mixture-of-experts model is not built: experts split "
                          "over tp are sharded by FSDP; use zero=2 or zero=3")
     return None

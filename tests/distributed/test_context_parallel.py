@@ -162,7 +162,13 @@ CP_4 = {
     "ring2_pp2_1f1b": ["parallel.cp=2", *RING, "parallel.pp=2"],
     "ulysses2_pp2_interleaved": ["parallel.cp=2", *ULYSSES, "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                                  "parallel.pp_virtual_stages=2"],
+    # ZeRO-1: DDP over dp x cp, optimizer states cut over dp_shard x cp; under tp the optimizer
+    # reduce-scatters the gradients itself.
+    "cp2_dp2_zero1": ["parallel.cp=2", "parallel.dp_shard=2", "parallel.zero=1"],
+    "cp2_tp2_zero1": ["parallel.cp=2", "parallel.tp=2", "parallel.zero=1"],
 }
+# ZeRO-1 over the cp ranks alone (dp 1), with document masking only.
+ZERO1_2 = {"ring2_zero1": ["parallel.cp=2", *RING, "parallel.zero=1"]}
 # Also without document masking (the attention core alone covers both masks at ring 2 and 4,
 # zigzag and contiguous, in test_cp_attention_matches_one_process).
 NODOCS_4 = ("ring4_zigzag", "hybrid_2x2", "ring2_pp2_1f1b")
@@ -198,7 +204,7 @@ def _jobs(root: Path, corpus, layouts: dict[str, list[str]], docs_too: set[str])
 @pytest.fixture(scope="module")
 def cp_world2(tmp_path_factory, small_corpus):
     root = tmp_path_factory.mktemp("cp_world2")
-    jobs = _jobs(root, small_corpus, CP_2, set(CP_2))
+    jobs = _jobs(root, small_corpus, CP_2, set(CP_2)) + _jobs(root, small_corpus, ZERO1_2, set())
     for name, first, second in CP_RESHARD_2:
         base = _base(small_corpus, True)
         jobs += [(root / name, [*base, *first]), (root / name, [*base, *second])]
@@ -213,7 +219,8 @@ def cp_world4(tmp_path_factory, small_corpus):
     return root
 
 
-@pytest.mark.parametrize("run", [f"{n}-{d}" for n in CP_2 for d in ("docs", "nodocs")])
+@pytest.mark.parametrize("run", [f"{n}-{d}" for n in CP_2 for d in ("docs", "nodocs")] +
+                         [f"{n}-docs" for n in ZERO1_2])
 def test_world2_cp_matches_single_process(cp_world2, references, run):
     assert_same_run(cp_world2 / run, references[run.endswith("-docs")])
 

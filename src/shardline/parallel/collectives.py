@@ -60,8 +60,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
                 dist.all_reduce(squares, group=mesh.get_group(dim))
         norms.append(squares.sqrt())
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-    if dims.zero1:  # each dp_shard rank holds the summed gradient of its slices only (zero1.py)
-        total = reduce_over(dims, "dp_shard", total.square(), "sum").sqrt()
+    if dims.zero1:  # each rank of the shard dim holds the summed gradient of its slices only (zero1.py)
+        total = reduce_over(dims, dims.zero1_shard_dim, total.square(), "sum").sqrt()
     if dims.pp > 1:  # each pipeline rank holds other parameters: add the squares
         total = reduce_over(dims, "pp", total.square(), "sum").sqrt()
     if max_norm:

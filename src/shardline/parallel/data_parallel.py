@@ -33,11 +33,12 @@ _PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": None, "fp8": torc
 def apply_ddp(model: nn.Module, dims: ParallelDims, device: torch.device) -> nn.Module:
     """Wrap for DDP: bucketed all-reduce overlapped with backward. Returns the wrapper.
 
-    The reduce spans every data-parallel rank: the replicas, and under ZeRO-1 also the
-    dp_shard ranks (which shard only optimizer states).
+    The reduce spans every rank holding other tokens of the step: the replicas, and under
+    ZeRO-1 also the dp_shard ranks (which shard only optimizer states) and the cp ranks
+    (which hold other parts of the same sequences).
     """
     # gradient_as_bucket_view: gradients live in the all-reduce buckets, not in a copy.
-    group = dims.submesh("dp").get_group()
+    group = dims.submesh(dims.batch_dim).get_group()
     ddp = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True,
                                   device_ids=[device.index] if device.type == "cuda" else None)
     ddp.register_comm_hook(group, _all_reduce_sum)

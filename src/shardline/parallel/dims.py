@@ -88,8 +88,15 @@ class ParallelDims:
 
     @property
     def zero1(self) -> bool:
-        """Replicated parameters (DDP over all dp ranks), optimizer states sharded over dp_shard."""
-        return self.zero == 1 and self.dp_shard > 1
+        """Replicated parameters (DDP over all dp and cp ranks), optimizer states sharded over
+        dp_shard x cp (`zero1_shard_dim`)."""
+        return self.zero == 1 and self.dp_shard * self.cp > 1
+
+    @property
+    def zero1_shard_dim(self) -> str:
+        """The mesh dimension ZeRO-1 cuts optimizer states over: the ranks FSDP would shard over
+        (cp ranks hold the same parameters as dp_shard ranks, and their gradients sum alike)."""
+        return "dp_shard_cp" if self.cp > 1 else "dp_shard"
 
     @property
     def zero1_scatters(self) -> bool:
@@ -98,13 +105,14 @@ class ParallelDims:
         return self.zero1 and (self.tp > 1 or self.pp > 1)
 
     def zero1_mesh(self) -> DeviceMesh | None:
-        """The dims ZeRO-1's states live on: the data-parallel ones and, under tp, tp (the cp dims
-        between them have size 1, as zero=1 excludes cp), so a saved state knows its TP shard."""
+        """The dims ZeRO-1's states live on: dp_replicate, the shard dim and, under tp, tp, so a
+        saved state knows its TP shard."""
         if not self.zero1:
             return None
+        shard = self.zero1_shard_dim
         if self.tp > 1:
-            return self.submesh("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
-        return self.submesh("dp_replicate", "dp_shard") if self.dp_replicate > 1 else self.submesh("dp_shard")
+            return self.mesh["dp_replicate", shard, "tp"]
+        return self.mesh["dp_replicate", shard] if self.dp_replicate > 1 else self.submesh(shard)
 
     # ---- meshes -----------------------------------------------------------------------
 

@@ -18,6 +18,10 @@ How the gradients reach the slices depends on the layout:
   what DDP's all-reduce alone costs, where all-reduce + all-gather would cost 1.5x.
   It runs after backward, not overlapped with it.
 
+Context-parallel ranks hold the same parameters and their gradients sum like the
+dp ranks', so under cp the states are cut over dp_shard x cp (`ParallelDims.zero1_shard_dim`)
+and DDP reduces over dp x cp.
+
 Either way the rows of a rank's gradients outside its slices are then zeroed, so the
 clipping norm (summed over dp_shard, parallel/collectives.py) and the fp16 scaler (which
 unscales the optimizer's views) see every element exactly once.
@@ -44,8 +48,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-# torch 2.13 renamed reduce_scatter_tensor (and warns on the old name); 2.11 has only it.
+# torch 2.13 renamed reduce_scatter_tensor and all_gather_into_tensor (and warns on the old
+# names); 2.11 has only those.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def row_range(rows: int, rank: int, ranks: int) -> tuple[int, int]:
@@ -219,7 +225,7 @@ class Zero1AdamW(torch.optim.AdamW):
             pieces.append(piece.flatten())
         mine = torch.cat(pieces)
         gathered = mine.new_empty(mine.numel() * self.ranks)
-        dist.all_gather_into_tensor(gathered, mine, group=self.group)
+        _all_gather(gathered, mine, group=self.group)
         by_rank = gathered.view(self.ranks, -1)
         offset = 0
         for s, piece in zip(self.slices, pieces):
