@@ -70,8 +70,14 @@ def peak_tflops(device: torch.device, precision: str) -> float | None:
     if device.type != "cuda":
         return None
     sheet = local_datasheet(torch.cuda.get_device_name(device))
-    # fp8 is measured against the bf16 peak: only the Linear GEMMs run in float8 (attention,
-    # the output projection and the rest stay bf16), and one denominator for both makes the
-    # MFU ratio of an fp8 and a bf16 run their throughput ratio.
-    dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}[precision]
-    return sheet.peak_tflops.get(dtype) if sheet else None
+    return sheet.peak_tflops.get(mfu_peak_dtype(precision)) if sheet else None
+
+
+def mfu_peak_dtype(precision: str) -> str:
+    """The datasheet peak MFU divides by, for the trainer's log and the planner's report alike.
+
+    fp8 is measured against the bf16 dense peak (as torchtitan reports it): only the Linear
+    GEMMs run in float8 (attention, the output projection and the rest stay bf16), and one
+    denominator for both makes the MFU ratio of an fp8 and a bf16 run their throughput ratio.
+    """
+    return {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}[precision]

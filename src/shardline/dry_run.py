@@ -12,11 +12,14 @@ machines themselves.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from shardline import layout as layouts
 from shardline.config import Config
 from shardline.data.loader import data_summary
+from shardline.data.shards import is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
 from shardline.devices import local_datasheet
 from shardline.models.attention import describe_attention
@@ -24,6 +27,7 @@ from shardline.models.flops import num_params
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import get_hardware
 from shardline.planner.layout import Workload
+from shardline.planner.report import attention_words, mfu_words
 from shardline.planner.memory import GiB
 from shardline.preflight import Preflight, check_config, check_device, check_resume, preflight, use_model_tokenizer
 
@@ -88,14 +92,31 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
 def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> list[str]:
     name, note = _device_name(cfg, gpu)
     hw = get_hardware(name)
+    doc_tokens, doc_source = _mean_doc_tokens(cfg)
     work = Workload(launch.model_args, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.precision,
-                    cfg.train.document_mask, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+                    cfg.train.document_mask, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                    attention=cfg.train.attention, mean_doc_tokens=doc_tokens)
     e = estimate(work, launch.layout, hw)
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.memory.items() if k not in ("total", "host_offload"))
     fits = "fits" if e.fits else "DOES NOT FIT"
     return [f"memory    per rank on {hw.name}{note}, planner estimate (GiB): {parts}",
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
-            f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"]
+            f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%",
+            f"          {mfu_words(work)}",
+            f"          {attention_words(work, hw, launch.layout.cp)}{doc_source if doc_tokens else ''}"]
+
+
+def _mean_doc_tokens(cfg: Config) -> tuple[float, str]:
+    """(mean training-document length, where it comes from) for the planner's attention price:
+    a single prepared folder records its documents and tokens in its manifest; raw files are
+    not tokenized here and mixtures mix several lengths, so those leave it unknown (0)."""
+    paths = [s.path for s in cfg.data.mix] or [cfg.data.path]
+    if len(paths) == 1 and is_prepared(paths[0]):
+        train = read_manifest(Path(paths[0]))["splits"]["train"]
+        tokens = sum(shard["tokens"] for shard in train["shards"])
+        if train["documents"]:
+            return tokens / train["documents"], f", from {paths[0]}'s manifest"
+    return 0.0, ""
 
 
 def _device_name(cfg: Config, gpu: str | None) -> tuple[str, str]:

@@ -35,7 +35,11 @@ def peak_memory_gib(device: torch.device) -> dict[str, float]:
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None, n_devices: int) -> float | None:
-    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices."""
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices.
+
+    The peak is devices.peak_tflops, whose dtype is devices.mfu_peak_dtype: fp8 runs are
+    measured against the bf16 dense peak. The planner's reported MFU uses the same function.
+    """
     if not peak_tflops:
         return None
     return tokens_per_s * flops_per_token / (peak_tflops * 1e12 * n_devices)

@@ -33,10 +33,12 @@ def register(sub) -> None:
     batch = plan.add_mutually_exclusive_group(required=True)
     batch.add_argument("--global-batch", type=int, metavar="SEQS", help="sequences per optimizer step")
     batch.add_argument("--global-batch-tokens", type=int, metavar="T", help="tokens per optimizer step")
-    plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"),
-                      help="compute dtype (default bf16 on accelerators, fp32 on cpu)")
+    plan.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp8"),
+                      help="compute dtype (default bf16 on accelerators, fp32 on cpu; fp8: float8 Linear GEMMs)")
     plan.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=True,
-                      help="attend within packed documents (the trainer's default; an explicit mask)")
+                      help="attend within packed documents (the trainer's default); the kernel is "
+                           "--train.attention's (auto: flex on GPUs, SDPA's dense mask on cpu)")
+    _doc_arg(plan)
     plan.add_argument("--fix", default="", metavar="KEY=V,...", help="pin [parallel]/[memory] keys (dp = plain DDP)")
     plan.add_argument("--runnable-only", action="store_true",
                       help="only layouts `shardline train` runs today (e.g. no ep yet)")
@@ -48,6 +50,7 @@ def register(sub) -> None:
     est = sub.add_parser("estimate", help="memory breakdown and step time of a config")
     est.add_argument("--config", required=True, help="TOML config (as `shardline train` takes)")
     _device_args(est, required=False)
+    _doc_arg(est)
     est.add_argument("--json", action="store_true")
     est.set_defaults(func=_estimate)
 
@@ -65,6 +68,18 @@ def _device_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--gpus", type=int, required=required, metavar="N", help="number of devices")
     p.add_argument("--gpus-per-node", type=int, metavar="G", help="devices per node (default: the table's, 8)")
     p.add_argument("--profile", metavar="FILE", help="hardware profile/override TOML (e.g. from calibrate)")
+
+
+def _doc_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mean-doc-tokens", type=float, default=0.0, metavar="L",
+                   help="mean document length of the data, in tokens: flex and varlen skip the attention "
+                        "between documents (default: unknown, priced as one document per sequence)")
+
+
+def _mean_doc_tokens(args: argparse.Namespace) -> float:
+    if not args.mean_doc_tokens >= 0:
+        raise ConfigError(f"--mean-doc-tokens {args.mean_doc_tokens} must be >= 0 (0: one document per sequence)")
+    return args.mean_doc_tokens
 
 
 def _hardware(args: argparse.Namespace, name: str) -> Hardware:
@@ -104,7 +119,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
                           f"use a multiple of {gpn} or set --gpus-per-node")
     if args.top < 1:
         raise ConfigError(f"--top {args.top} must be >= 1")
-    work = _workload(args)
+    work = dataclasses.replace(_workload(args), attention=base.train.attention)
     result = search(work, hw, args.gpus, parse_fix(args.fix), runnable_only=args.runnable_only)
     if not result.candidates:
         raise ConfigError(f"{work.model_ref} on {args.gpus} x {hw.name}: {explain_no_fit(work, hw, args.gpus, result)}")
@@ -135,7 +150,8 @@ def _workload(args: argparse.Namespace) -> Workload:
     if batch < 1:
         raise ConfigError(f"--global-batch {batch} must be >= 1")
     precision = args.precision or ("fp32" if args.gpu == "cpu" else "bf16")
-    return Workload(model, args.seq_len, batch, precision, args.document_mask, ref, from_tok)
+    return Workload(model, args.seq_len, batch, precision, args.document_mask, ref, from_tok,
+                    mean_doc_tokens=_mean_doc_tokens(args))
 
 
 def _emit(path: str, work: Workload, candidates: list, base: Config, args: argparse.Namespace) -> None:
@@ -170,7 +186,8 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     layout = resolve(cfg, args.gpus)
     work = Workload(_config_model(cfg), cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.precision,
                     cfg.train.document_mask, cfg.model.hf_path or cfg.model.preset,
-                    loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+                    loss_chunk_tokens=cfg.train.loss_chunk_tokens, attention=cfg.train.attention,
+                    mean_doc_tokens=_mean_doc_tokens(args))
     e = estimate(work, layout, hw)
     print(json.dumps(e.to_json(), indent=1) if args.json else report.estimate_text(work, hw, e))
     return 0

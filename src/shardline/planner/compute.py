@@ -9,8 +9,12 @@
 * Attention: 4·b·s_q·s_k·(heads·head_dim) FLOPs forward, 2.5x that backward (flash
   recomputes the scores), at attn_eff · s_q/(s_q + s0) · s_k/(s_k + s0) of peak
   (s0 = `attn_half_len`; context parallelism runs kernels on s/cp chunks, which are
-  less efficient, and merges their partial outputs: element-wise work); a causal
-  kernel skips the upper half (factor 0.5), an explicit document mask does not (1).
+  less efficient, and merges their partial outputs: element-wise work), times the share
+  of scores the kernel computes: 1 for SDPA's dense document mask, about 1/2 causal,
+  less for flex and varlen over short documents (planner/attention.py).
+* fp8 (parallel/float8.py): only the Linear layers' GEMMs (wq, wk, wv, wo, w1, w2, w3,
+  shared experts; both weight dims multiples of 16) run at the fp8 peak; attention, the
+  output projection, the routed experts, the router and the element-wise work run bf16.
 * Element-wise ops (norms, casts, RoPE, SwiGLU's product, residual adds, the
   embedding gradient, autocast's weight casts) are memory-bound: bytes moved /
   (bandwidth x `elementwise_eff` of the compute dtype); backward moves twice the
@@ -37,9 +41,12 @@ evenly, 1/N each.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shardline.models.flops import ffn_width
+from shardline.parallel.float8 import GEMM_MULTIPLE
+from shardline.planner import attention as attn_kernel
 from shardline.planner.activations import dtype_bytes
 from shardline.planner.hardware import Hardware
 from shardline.layout import Layout
@@ -136,12 +143,50 @@ def ffn_compute_width(model) -> float:
     return ffn_width(model) + (EXPERT_LOAD_ALLOWANCE - 1) * routed
 
 
+def compute_dtype(precision: str) -> str:
+    """The dtype of everything but float8's Linear GEMMs: fp8 runs the rest under bf16 autocast."""
+    return "bf16" if precision == "fp8" else precision
+
+
 def layer_gemms(work: Workload, tp: int, tokens: int) -> list[tuple[int, float, float]]:
     """(m, n, k) of the forward GEMMs of one block on one TP rank: wq, wk, wv, wo, w1, w3, w2."""
     mdl = work.model
     h, q, kv, f = mdl.dim, mdl.n_heads * mdl.head_size, mdl.kv_heads * mdl.head_size, ffn_compute_width(mdl)
     return [(tokens, h, q / tp), (tokens, h, kv / tp), (tokens, h, kv / tp), (tokens, q / tp, h),
             (tokens, h, f / tp), (tokens, h, f / tp), (tokens, f / tp, h)]
+
+
+def layer_gemm_dtypes(work: Workload, tp: int, tokens: int) -> list[tuple[str, int, float, float]]:
+    """(dtype, m, n, k) of a block's forward GEMMs: under fp8, those float8 converts (a weight
+    whose dims are multiples of GEMM_MULTIPLE) at "fp8", the routed experts' share of the
+    feed-forward width (grouped weights, not nn.Linear) at bf16."""
+    gemms = layer_gemms(work, tp, tokens)
+    if work.precision != "fp8":
+        return [(work.precision, *g) for g in gemms]
+    m = work.model
+    h, q, kv = m.dim, m.n_heads * m.head_size, m.kv_heads * m.head_size
+    moe = getattr(m, "moe", None)
+    ffn = m.ffn_dim if moe is None else math.gcd(m.ffn_dim, moe.expert_ffn_dim)  # both widths aligned
+    out = [(_fp8_if_aligned(h, width), *g) for width, g in zip((q, kv, kv, q), gemms[:4])]
+    linear = _linear_ffn_width(m)
+    for dtype, width in ((_fp8_if_aligned(h, ffn), linear), ("bf16", ffn_compute_width(m) - linear)):
+        if width > 0:
+            out += [(dtype, tokens, h, width / tp), (dtype, tokens, h, width / tp), (dtype, tokens, width / tp, h)]
+    return out
+
+
+def _fp8_if_aligned(*dims: int) -> str:
+    return "fp8" if all(d % GEMM_MULTIPLE == 0 for d in dims) else "bf16"
+
+
+def _linear_ffn_width(model) -> float:
+    """The feed-forward width float8 converts: dense blocks' and shared experts' (nn.Linear)."""
+    moe = getattr(model, "moe", None)
+    if moe is None:
+        return ffn_width(model)
+    moe_layers = model.n_layers - moe.first_dense_layers
+    shared = moe.shared_experts * moe.expert_ffn_dim
+    return (moe.first_dense_layers * model.ffn_dim + moe_layers * shared) / model.n_layers
 
 
 def elementwise_bytes_per_token(work: Workload, tp: int, sp: bool) -> float:
@@ -195,34 +240,42 @@ def math_attention(work: Workload, layout: Layout, hw: Hardware, tokens: int, sh
     (heads/tp x s per token) are element-wise traffic, so a long sequence or a thin model
     pays for them where a flash kernel does not.
     """
-    m, s = work.model, work.seq_len
+    m, s, dtype = work.model, work.seq_len, compute_dtype(work.precision)
     d, heads = m.head_size, m.n_heads / layout.tp
     flops = 4.0 * tokens * s * d * heads
-    gemm = flops / (hw.peak(work.precision) * share_ * matmul_efficiency(hw, work.precision, s, s, d))
-    return gemm, math_score_bytes(dtype_bytes(work.precision)) * heads * s * tokens
+    gemm = flops / (hw.peak(dtype) * share_ * matmul_efficiency(hw, dtype, s, s, d))
+    return gemm, math_score_bytes(dtype_bytes(dtype)) * heads * s * tokens
 
 
-def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
-    dtype, s = work.precision, work.seq_len
-    tokens = layout.micro_batch_size * s // layout.cp
-    sh, sh_mem, sh_ops = (share(hw, layout, kind) for kind in ("matmul", "memory", "dispatch"))
-    mm = sum(matmul_time(hw, dtype, *g, sh) for g in layer_gemms(work, layout.tp, tokens))
+def attention_time(work: Workload, layout: Layout, hw: Hardware, tokens: int, share_: float) -> float:
+    """Seconds of a fused attention kernel's forward per block and micro-batch on one rank:
+    the scores the resolved kernel computes (planner/attention.py), in the compute dtype."""
+    dtype, s = compute_dtype(work.precision), work.seq_len
     q_width = work.model.n_heads * work.model.head_size / layout.tp
-    causal = 1.0 if work.document_mask else 0.5
+    kernel = attn_kernel.kernel(work, hw, layout.cp)
+    computed = attn_kernel.computed_fraction(kernel, s, work.document_mask, work.mean_doc_tokens)
     # Under cp the slowest rank sets the pace. The trainer's ring computes chunk pairs
     # (a chunk: s/2R tokens) and skips those wholly in the future: with zigzag every rank
     # does 2R + 1 of them, with balance "none" the last rank does 4R.
     ring = layout.cp_degrees[0]
     imbalance = 4 * ring / (2 * ring + 1) if layout.cp_balance == "none" and ring > 1 else 1.0
-    attn_flops = 4.0 * tokens * s * q_width * causal * imbalance
+    attn_flops = 4.0 * tokens * s * q_width * computed * imbalance
     chunk = s // layout.cp  # ring attention runs cp kernels of s/cp queries x s/cp keys
-    attn = attn_flops / (hw.peak(dtype) * sh * attention_efficiency(hw, dtype, chunk, chunk))
+    return attn_flops / (hw.peak(dtype) * share_ * attention_efficiency(hw, dtype, chunk, chunk))
+
+
+def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
+    dtype, s = compute_dtype(work.precision), work.seq_len
+    tokens = layout.micro_batch_size * s // layout.cp
+    sh, sh_mem, sh_ops = (share(hw, layout, kind) for kind in ("matmul", "memory", "dispatch"))
+    mm = sum(matmul_time(hw, d, *g, sh) for d, *g in layer_gemm_dtypes(work, layout.tp, tokens))
+    q_width = work.model.n_heads * work.model.head_size / layout.tp
     bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * sh_mem
     if work.runtime.attention == "math":
         attn, score_bytes = math_attention(work, layout, hw, tokens, sh)
         attn_elem = score_bytes / bw
     else:
-        attn_elem = 0.0
+        attn, attn_elem = attention_time(work, layout, hw, tokens, sh), 0.0
     # Ring attention merges each partial result into the running output and logsumexp.
     attn += (layout.cp - 1) * 8 * dtype_bytes(dtype) * q_width * tokens / bw
     elem = elementwise_bytes_per_token(work, layout.tp, layout.sp) * tokens / bw + attn_elem
@@ -240,7 +293,7 @@ def head_times(work: Workload, layout: Layout, hw: Hardware, stage: str) -> tupl
     backward. The last runs the final norm, the output GEMM and the cross-entropy.
     `stage` is "first", "last", "both" (no pipeline) or "middle" (neither end).
     """
-    m, dtype = work.model, work.precision
+    m, dtype = work.model, compute_dtype(work.precision)  # the output projection stays bf16 under fp8
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     sh, sh_mem, sh_ops = (share(hw, layout, kind) for kind in ("matmul", "memory", "dispatch"))
     bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * sh_mem

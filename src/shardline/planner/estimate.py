@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardline.devices import mfu_peak_dtype
 from shardline.errors import ConfigError
 from shardline.models.flops import flops_per_token
 from shardline.planner import comm
@@ -66,7 +67,7 @@ class Estimate:
     layout: Layout
     step_time_s: float
     tokens_per_s: float
-    mfu: float
+    mfu: float  # model FLOPs (models/flops.py: all s² scores) / the peak of devices.mfu_peak_dtype
     memory: dict[str, float]  # bytes on the busiest rank, by component, with "total"
     capacity: float  # bytes the device offers
     breakdown: dict[str, float]  # seconds per step by component; they add up to step_time_s
@@ -131,7 +132,7 @@ def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]
     breakdown = {k: v for k, v in breakdown.items() if v > 0 or k in ("compute", "dp_comm")}
     step = sum(breakdown.values())
     tokens_per_s = work.tokens / step
-    peak = hw.peak(work.precision) * layout.world
+    peak = hw.peak(mfu_peak_dtype(work.precision)) * layout.world  # fp8: the bf16 peak, as the trainer's log
     mfu = tokens_per_s * flops_per_token(work.model, work.seq_len) / peak
     info = {"bubble_fraction": round(bubble, 5), "micro_batches_per_step": n_micro,
             "dp_comm_total_s": round(dp_total, 6), "algorithms": algos}
@@ -159,15 +160,14 @@ def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: RankStages)
     recompute = rec_mm * (lt.matmul + lt.attention) + rec_el * (lt.elementwise + lt.overhead)
     wrappers = (layers * cmp.wrapper_overhead(hw, layout, work)
                 + cmp.ends_overhead(hw, layout, stage.first, stage.last, work))
-    parts = {"compute": layers * (lt.forward + lt.backward) + head_f + head_b + wrappers,
-             "recompute": layers * recompute,
-             "tp_comm": layers * _tp_block(work, layout, hw, rec_mm) + _tp_head(work, layout, hw, stage),
-             "cp_comm": layers * _cp_layer(work, layout, hw, lt),
-             "ep_comm": layers * _ep_layer(work, layout, hw, lt),
-             "fsdp_comm": _fsdp_exposed(work, layout, hw, lt, stage),
-             "pp_comm": _pp_p2p(work, layout, hw),
-             "offload": _offload(work, layout, hw)}
-    return parts
+    return {"compute": layers * (lt.forward + lt.backward) + head_f + head_b + wrappers,
+            "recompute": layers * recompute,
+            "tp_comm": layers * _tp_block(work, layout, hw, rec_mm) + _tp_head(work, layout, hw, stage),
+            "cp_comm": layers * _cp_layer(work, layout, hw, lt),
+            "ep_comm": layers * _ep_layer(work, layout, hw, lt),
+            "fsdp_comm": _fsdp_exposed(work, layout, hw, lt, stage),
+            "pp_comm": _pp_p2p(work, layout, hw),
+            "offload": _offload(work, layout, hw)}
 
 
 def _tokens(work: Workload, layout: Layout) -> int:

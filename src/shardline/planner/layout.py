@@ -57,11 +57,13 @@ class Workload:
     seq_len: int
     global_batch: int  # sequences per optimizer step
     precision: str = "bf16"  # compute dtype; weights, gradients and Adam states stay fp32
-    document_mask: bool = True  # the trainer's default: an explicit mask, so no causal-skipping kernel
+    document_mask: bool = True  # the trainer's default: attend within packed documents
     model_ref: str = ""  # preset name or HF folder, for the emitted config
     vocab_from_tokenizer: bool = False  # the preset sizes its vocabulary to the tokenizer
     runtime: Runtime = Runtime()  # the implementation: shardline's eager trainer unless stated
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: the logits of this many tokens at a time (0: all)
+    attention: str = "auto"  # train.attention; the kernel it resolves to is priced (planner/attention.py)
+    mean_doc_tokens: float = 0.0  # mean document length of the data (0: unknown, one document per row)
 
     @property
     def tokens(self) -> int:
@@ -119,7 +121,7 @@ def to_config(layout: Layout, work: Workload, base: Config | None = None) -> Con
         cfg.model.preset = work.model_ref
     t = cfg.train
     t.seq_len, t.global_batch_size, t.micro_batch_size = work.seq_len, work.global_batch, layout.micro_batch_size
-    t.precision, t.document_mask = work.precision, work.document_mask
+    t.precision, t.document_mask, t.attention = work.precision, work.document_mask, work.attention
     fields = {f.name for f in dataclasses.fields(ParallelConfig)}
     cfg.parallel = ParallelConfig(**{k: v for k, v in layout.to_json().items() if k in fields})
     cfg.memory.activation_checkpoint = layout.activation_checkpoint

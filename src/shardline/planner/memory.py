@@ -31,8 +31,10 @@ torch, the tokenizer, the dataset) complete the peak.
 
 from __future__ import annotations
 
+from shardline.models.attention import resolve_attention
 from shardline.models.flops import ffn_width, num_params
 from shardline.planner import activations as act
+from shardline.planner.attention import dense_mask
 from shardline.planner.hardware import Hardware
 from shardline.layout import Layout
 from shardline.planner.layout import Workload
@@ -185,14 +187,17 @@ def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.
     return out
 
 
-def activation_bytes(work: Workload, layout: Layout, stage: RankStages) -> dict[str, float]:
+def activation_bytes(work: Workload, layout: Layout, stage: RankStages, on_cuda: bool = True) -> dict[str, float]:
+    """Activation bytes on one pipeline rank; the [b, 1, s, s] boolean document mask counts only
+    where the kernel `work.attention` resolves to on the target needs it (planner/attention.py)."""
     m, s = work.model, work.seq_len
     tokens = layout.micro_batch_size * s // layout.cp
     mode = layout.activation_checkpoint
     per_layer = _layer_bytes_per_token(work, layout) * tokens
     inflight = inflight_on_rank(layout.pp_schedule, layout.pp, layout.pp_microbatches, layout.pp_virtual_stages,
                                 stage.rank)
-    mask = layout.micro_batch_size * (s // layout.cp) * s if work.document_mask else 0.0
+    kernel = resolve_attention(work.attention, work.document_mask, on_cuda, layout.cp)
+    mask = layout.micro_batch_size * (s // layout.cp) * s if dense_mask(kernel, work.document_mask) else 0.0
     if work.runtime.block == "gpt":
         whole = act.gpt_layer_bytes_per_token(m.dim, m.n_heads, s, layout.tp, layout.sp, "none", 1)
         transient = whole if mode in ("full", "selective") else 0.0
@@ -231,7 +236,7 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
         psi = stage_params(work, layout, stage)
         tokens = layout.micro_batch_size * work.seq_len // layout.cp
         states, host = offloaded(state_bytes(work, layout, psi), layout)
-        parts = {**states, **activation_bytes(work, layout, stage),
+        parts = {**states, **activation_bytes(work, layout, stage, on_cuda=hw.name != "cpu"),
                  "buffers": transient_bytes(work, layout, tokens, psi,
                                             psi - stage.layers * layer_params(work, layout.tp))}
         allocated = sum(parts.values())

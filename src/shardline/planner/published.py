@@ -129,8 +129,10 @@ def model_args(run: PublishedRun) -> ModelArgs:
 
 
 def workload(run: PublishedRun) -> Workload:
-    """The run as the planner's workload; math attention computes every score, as a full mask does."""
-    return Workload(model_args(run), run.seq_len, run.global_batch, run.precision, document_mask=True,
+    """The run as the planner's workload: causal attention over whole sequences, no document mask
+    (Megatron's GPT data had none: reset_attention_mask off, its fused upper-triangular softmax
+    builds no [b, 1, s, s] mask). The math kernel computes every score regardless."""
+    return Workload(model_args(run), run.seq_len, run.global_batch, run.precision, document_mask=False,
                     runtime=run.runtime)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from shardline.devices import mfu_peak_dtype
+from shardline.planner import attention
 from shardline.planner.estimate import Estimate
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
@@ -9,12 +11,27 @@ from shardline.planner.memory import GiB, largest_term, total_params
 from shardline.planner.search import SearchResult
 
 
-def describe_request(work: Workload, hw: Hardware, gpus: int) -> str:
+def describe_request(work: Workload, hw: Hardware, gpus: int, cp: int = 1) -> str:
     gpn = hw.network.gpus_per_node
     nodes = f" ({gpus // gpn} nodes x {gpn})" if gpus >= gpn and gpus % gpn == 0 and hw.name != "cpu" else ""
     return (f"{work.model_ref or 'model'} ({total_params(work) / 1e9:.2f} B params) on {gpus:,} x {hw.name}{nodes}, "
             f"seq {work.seq_len}, global batch {work.global_batch:,} seqs ({work.tokens / 1e6:.2f} M tokens), "
-            f"{work.precision}{', document mask' if work.document_mask else ''}")
+            f"{work.precision}{', document mask' if work.document_mask else ''}; {attention_words(work, hw, cp)}")
+
+
+def attention_words(work: Workload, hw: Hardware, cp: int = 1) -> str:
+    """The kernel priced and the share of the s x s scores it computes (planner/attention.py)."""
+    kernel = attention.kernel(work, hw, cp)
+    share = attention.computed_fraction(kernel, work.seq_len, work.document_mask, work.mean_doc_tokens)
+    docs = ("causal" if not work.document_mask else f"documents of {work.mean_doc_tokens:,.0f} tokens on average"
+            if work.mean_doc_tokens else "one document per sequence assumed")
+    return f"attention {kernel}: {100 * share:.0f}% of the s² scores computed ({docs})"
+
+
+def mfu_words(work: Workload) -> str:
+    """What MFU divides, the trainer's convention (devices.mfu_peak_dtype): fp8 against the bf16 peak."""
+    return (f"MFU = model FLOPs (6N + 12·L·d·s, every score counted) / the {mfu_peak_dtype(work.precision)} "
+            "dense peak, as the trainer logs it")
 
 
 def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, shown: list[Estimate],
@@ -23,6 +40,7 @@ def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, sh
     lines = [f"plan: {describe_request(work, hw, gpus)}",
              f"searched {result.evaluated:,} layouts in {result.seconds:.1f} s: {len(result.candidates):,} fit"
              + (f"; pruned: {pruned}" if pruned else ""),
+             mfu_words(work),
              "",
              ""]
     width = max([len("layout")] + [len(e.layout.describe()) for e in shown])
@@ -43,10 +61,11 @@ def _why(e: Estimate) -> str:
 
 
 def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
-    lines = [f"estimate: {describe_request(work, hw, e.layout.world)}",
+    lines = [f"estimate: {describe_request(work, hw, e.layout.world, e.layout.cp)}",
              f"layout: {e.layout.describe()}  ({e.info['micro_batches_per_step']} micro-batches per rank per step)",
              "",
              f"step time {e.step_time_s:.4g} s   tokens/s {e.tokens_per_s:,.0f} (global)   MFU {100 * e.mfu:.1f}%",
+             f"({mfu_words(work)})",
              "",
              "time per step (s):"]
     for key, value in sorted(e.breakdown.items(), key=lambda kv: -kv[1]):
@@ -79,6 +98,8 @@ def plan_json(work: Workload, hw: Hardware, gpus: int, result: SearchResult, sho
             "request": {"model": work.model_ref, "params": total_params(work), "gpu": hw.name, "gpus": gpus,
                         "gpus_per_node": hw.network.gpus_per_node, "seq_len": work.seq_len,
                         "global_batch": work.global_batch, "global_batch_tokens": work.tokens,
-                        "precision": work.precision, "document_mask": work.document_mask},
+                        "precision": work.precision, "document_mask": work.document_mask,
+                        "attention": work.attention, "mean_doc_tokens": work.mean_doc_tokens,
+                        "mfu_peak_dtype": mfu_peak_dtype(work.precision)},
             "search": {"evaluated": result.evaluated, "fit": len(result.candidates),
                        "pruned": dict(result.pruned), "seconds": round(result.seconds, 3)}}
