@@ -6,7 +6,11 @@ precomputes in one all-reduce after each optimizer step; so 2 ranks train like o
 process up to the order of the sums. The pipeline cut after conversion keeps each
 stage's Float8Linear layers, so pp=2 gives one process's losses. A run stopped and
 resumed from its checkpoint under FSDP float8 all-gather logs the uninterrupted run's
-losses. One spawn runs every layout.
+losses. Tensor parallelism (tp=2, sequence and loss parallel) under either recipe gives
+one process's losses: its projections stay Float8Linear, now with DTensor weights, and
+casting a tp-sharded weight takes the scale of the whole weight (the amax is reduced
+across the tp ranks), per tensor or per row, which the workers check on every such
+weight. One spawn runs every layout.
 """
 
 from __future__ import annotations
@@ -16,13 +20,17 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 pytest.importorskip("torchao.float8")
 
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic  # noqa: E402
+from torchao.float8.float8_training_tensor import GemmInputRole  # noqa: E402
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402
+from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 
 from shardline.config import load_config  # noqa: E402
 from shardline.trainer import Trainer  # noqa: E402
@@ -32,7 +40,11 @@ pytestmark = pytest.mark.slow
 
 FP8 = ["train.precision=fp8", "fp8.recipe=tensorwise", "train.eval_interval=0", "checkpoint.interval=0"]
 LAYOUTS = {"fsdp2": ["parallel.dp_shard=2", "fp8.fsdp_all_gather=true"],
-           "pp2": ["parallel.pp=2", "parallel.pp_schedule=1f1b"]}
+           "pp2": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+           "tp2": ["parallel.tp=2"],  # sequence and loss parallel on (the defaults)
+           "tp2_rowwise": ["parallel.tp=2", "fp8.recipe=rowwise"]}
+BLOCK_LINEARS = {"attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"}
 
 
 def gathers_in_float8(trainer: Trainer) -> bool:
@@ -48,6 +60,35 @@ def scales_precomputed(trainer: Trainer) -> bool:
                for m in trainer.model.modules() if isinstance(m, Float8Linear))
 
 
+def tp_float8_layers(trainer: Trainer) -> dict[str, int]:
+    """How many of the block projections are Float8Linear with a tp-sharded DTensor weight
+    (of how many), and how many of those cast with the scales of their whole weight."""
+    projections = [m for name, m in trainer.model.named_modules() if name.split(".", 2)[-1] in BLOCK_LINEARS]
+    sharded = [m for m in projections if isinstance(m, Float8Linear) and isinstance(m.weight, DTensor)
+               and m.weight.placements[0].is_shard()]
+    return {"projections": len(projections), "float8_dtensor": len(sharded),
+            "whole_weight_scales": sum(_casts_like_whole_weight(m) for m in sharded)}
+
+
+def _casts_like_whole_weight(layer: Float8Linear) -> bool:
+    """Whether this rank's float8 cast of its weight shard equals its slice of the cast of
+    the whole weight, as Float8Linear casts it in forward (transposed, the weight config)."""
+    config = layer.config.cast_config_weight
+
+    def cast(weight: torch.Tensor) -> torch.Tensor:
+        return hp_tensor_to_float8_dynamic(weight.t(), config.target_dtype, layer.linear_mm_config,
+                                           gemm_input_role=GemmInputRole.WEIGHT,
+                                           scaling_granularity=config.scaling_granularity,
+                                           axiswise_dim=get_maybe_axiswise_dim(0, config.scaling_granularity))
+
+    with torch.no_grad():
+        got = cast(layer.weight).to_local().to_original_precision()
+        whole = cast(layer.weight.full_tensor()).to_original_precision()
+        want = distribute_tensor(whole, layer.weight.device_mesh, layer.weight.t().placements,
+                                 src_data_rank=None).to_local()
+    return torch.equal(got, want)
+
+
 def _worker(rank: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
@@ -61,6 +102,8 @@ def _worker(rank: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
             trainer.train()
             if gathered and not scales_precomputed(trainer):
                 raise AssertionError("no float8 scales were precomputed after the optimizer step")
+            if "parallel.tp=2" in overrides:  # trained weights; a file, as a worker's raise hides which check failed
+                (Path(run_dir) / f"tp_layers.{rank}.json").write_text(json.dumps(tp_float8_layers(trainer)))
     finally:
         dist.destroy_process_group()
 
@@ -70,6 +113,7 @@ def runs(tmp_path_factory, small_corpus) -> Path:
     root = tmp_path_factory.mktemp("fp8")
     base = [*PARITY_OVERRIDES, f"data.path={small_corpus}", *FP8]
     Trainer(load_config(None, [*base, f"run.dir={root / 'one'}"])).build().train()
+    Trainer(load_config(None, [*base, "fp8.recipe=rowwise", f"run.dir={root / 'one_rowwise'}"])).build().train()
     jobs = [(str(root / name), [*base, *extra]) for name, extra in LAYOUTS.items()]
     split = [*base, *LAYOUTS["fsdp2"], "checkpoint.interval=2"]  # the float8-gathered weights saved, loaded
     jobs += [(str(root / "resumed"), [*split, "train.stop_at_step=2"]), (str(root / "resumed"), split)]
@@ -96,3 +140,19 @@ def test_fsdp_float8_resume_is_bit_identical(runs):
     assert [r["step"] for r in records if r.get("event") == "resume"] == [2]  # resumed, not restarted
     assert [r["step"] for r in records if r["kind"] == "train"] == ALL_STEPS
     assert losses(runs / "resumed") == losses(runs / "fsdp2")
+
+
+@pytest.mark.parametrize("run, reference", [("tp2", "one"), ("tp2_rowwise", "one_rowwise")])
+def test_tensor_parallel_fp8_trains_like_one_process(runs, run, reference):
+    got, want = losses(runs / run), losses(runs / reference)
+    assert sorted(got) == sorted(want)
+    for step in want:  # as FSDP: the same scales, sums of the split matmuls taken in another order
+        assert abs(got[step] - want[step]) <= 2e-3 * want[step], (step, got, want)
+
+
+@pytest.mark.parametrize("run", ["tp2", "tp2_rowwise"])
+def test_tensor_parallel_projections_are_float8_with_whole_weight_scales(runs, run):
+    for rank in (0, 1):
+        counts = json.loads((runs / run / f"tp_layers.{rank}.json").read_text())
+        n = 4 * len(BLOCK_LINEARS)  # PARITY_OVERRIDES: 4 layers, every projection a multiple of 16
+        assert counts == {"projections": n, "float8_dtensor": n, "whole_weight_scales": n}, (rank, counts)

@@ -25,6 +25,23 @@ per row: more accurate, slower). With tensorwise and FSDP sharding parameters,
 bytes of bf16); their scales are then computed for all weights in one all-reduce after
 each optimizer step (`precompute_scales`).
 
+Tensor parallelism (models/llama/parallelize.py `apply_tp`, models/moe/parallelize.py for
+the shared experts) uses torch's plain Colwise/RowwiseParallel styles for both recipes.
+Each Float8Linear then gets DTensor operands (its weight sharded by columns or rows, its
+input replicated or sharded) and casts them itself. The amax of a sharded DTensor is
+reduced across the tp ranks by DTensor (a small max all-reduce), so every rank quantises
+with the scale one process would use, per tensor (tensorwise) or per row (rowwise):
+tp ranks train like one process (tests/distributed/test_float8_fsdp.py checks the scales
+and the losses). The sequence-parallel all-gathers and reduce-scatters carry bf16.
+
+torchao's float8 TP styles (Float8ColwiseParallel, Float8RowwiseParallel,
+PrepareFloat8ModuleInput) would cast the sequence-sharded activation to float8 before
+its all-gather (half the bytes) and are what torchtitan uses with tensorwise. They are
+not used: that all-gather sends a float8 tensor, which gloo refuses ("Invalid scalar
+type"), so they cannot run on CPU ranks, and the GPU machine this project is checked on
+has one GPU (no NCCL tp = 2): they would ship untested. They are tensorwise-only anyway
+(torchtitan too keeps the plain styles for rowwise).
+
 Hardware: float8 GEMMs need compute capability >= 8.9 (Ada, Hopper and newer). On a CPU
 the run is *allowed* in torchao's emulation mode (operands quantised to float8 and
 multiplied back in fp32): the same conversion, recipes, FSDP all-gather and scale
@@ -90,15 +107,6 @@ def local_capability(on_cuda: bool) -> tuple[int, int] | None:
     if not (on_cuda and torch.cuda.is_available()):
         return None
     return torch.cuda.get_device_capability()
-
-
-def layout_problem(tp: int) -> str | None:
-    """What fp8 is not built with: tensor parallelism needs torchao's float8 TP styles,
-    which cannot be tested without GPUs here, so tp > 1 is refused rather than run untested."""
-    if tp > 1:
-        return (f"train.precision=fp8 with parallel.tp={tp} is not built (float8 tensor-parallel styles are "
-                "untested); use parallel.tp=1 or train.precision=bf16")
-    return None
 
 
 def converts(module: nn.Module, fqn: str) -> bool:

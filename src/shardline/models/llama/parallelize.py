@@ -10,6 +10,11 @@ reductions become reduce-scatters (plus all-gathers before the column-parallel
 layers) — the same bytes as an all-reduce, a t-th of the activation memory. The
 output projection is split over the vocabulary; with loss parallelism the
 cross-entropy runs on the vocab-sharded logits without gathering them.
+
+Under train.precision=fp8 the block projections are Float8Linear (converted on meta,
+before this) and take the same plain styles under both recipes: each casts its DTensor
+operands with scales reduced across tp, so ranks quantise as one process would; torchao's
+float8 styles are not used (their float8 all-gather cannot run on gloo; parallel/float8.py).
 """
 
 from __future__ import annotations

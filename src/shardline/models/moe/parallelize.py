@@ -15,7 +15,8 @@ ep or tp.
 Under tp the MoE feed-forward takes the whole sequence (gathered from the sequence-
 parallel shards, as the dense feed-forward's input is) and gives each rank its shard of
 the output back; the router is replicated, the shared experts are split Megatron-style
-(columns, then rows). Under context parallelism each MoE layer shares its sequences'
+(columns, then rows; under fp8 they are Float8Linear in these same plain styles, see
+parallel/float8.py). Under context parallelism each MoE layer shares its sequences'
 expert counts over the cp group (the per-sequence balance loss needs the whole sequence).
 """
 
