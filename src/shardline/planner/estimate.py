@@ -358,7 +358,7 @@ def _dp_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float
     psi = max_stage_params(work, layout)
     hide = 0.0 if cmp.saturated(hw, layout) else 1.0
     if mode in ("ddp", "zero1"):
-        g = comm.group(layout.dp, layout.tp * layout.cp, net.gpus_per_node)
+        g = comm.group(layout.dp * layout.cp, layout.tp, net.gpus_per_node)  # cp ranks reduce too (zero1)
         op = comm.all_reduce if mode == "ddp" else comm.reduce_scatter
         total, algo = op(4 * psi, g, net)
         bucket = op(min(DDP_BUCKET_BYTES, 4 * psi), g, net)[0]
