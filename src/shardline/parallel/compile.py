@@ -6,6 +6,29 @@ names, tensor-parallel hooks, the activation-checkpoint wrapper (traced as part 
 block), FSDP units (applied after, outside the compiled code) and pipeline stages (views
 over the same blocks) stay as they are, and the blocks of one shape share one compiled
 graph. The loss's cross-entropy is compiled too; the output projection runs eagerly.
+
+What is compiled, by layout:
+- tp = 1, dense: the whole block (norms, attention, feed-forward, residuals) and the
+  cross-entropy.
+- tp > 1 (with or without sequence parallelism): still the whole block, its
+  redistributions (the sequence all-gather before attention and the feed-forward, the
+  reduce-scatter or all-reduce after) traced in as functional collectives. The one
+  change: the embedding's output is resolved before the first block sees it. The
+  row-parallel embedding hands out its local tensor as an AsyncCollectiveTensor (its
+  reduction is issued async); a compiled block that takes one as input resolves it
+  itself, and the gradient it returns for it then reaches the embedding's
+  redistribution as a plain tensor instead of a DTensor, so backward fails (torch 2.13).
+  Resolving it eagerly (one copy of the embedding output) keeps autograd's chain intact.
+  Not with activation checkpointing (preflight refuses it): the traced checkpoint of a
+  tp block saves the DeviceMesh among its tensors for backward, which AOTAutograd rejects.
+- tp > 1 with loss parallelism: the cross-entropy stays eager. It runs on vocab-sharded
+  DTensor logits through the `loss_parallel` context's own ops, which the compiled
+  graph does not go through: compiled, the loss comes out wrong (not an error).
+- mixture of experts: the block compiles around the routed experts; the experts with
+  their token exchange run eagerly (`models/moe/layer.py::run_experts`): the grouped
+  GEMM's fake kernel accepts only bf16 (fp32 on the CPU runs eagerly, not traced), and
+  expert parallelism's all-to-all takes split sizes read on the host. Router, balance
+  loss, token sort and mix, shared experts, attention and norms are compiled.
 """
 
 from __future__ import annotations
@@ -14,12 +37,24 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from shardline.models.loss import cross_entropy_sum
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block of `model` in place, and its loss's scoring function."""
+def apply_compile(model: nn.Module, tensor_parallel: bool = False, loss_parallel: bool = False) -> None:
+    """Compile each block of `model` in place, and its loss's scoring function unless the
+    logits are vocab-sharded (`loss_parallel`). `tensor_parallel`: the embedding's output
+    is an AsyncCollectiveTensor, resolved before the compiled blocks take it."""
     for block in model.layers.values():
         block.compile()
-    model.loss = dataclasses.replace(model.loss, score=torch.compile(cross_entropy_sum))
+    if tensor_parallel and getattr(model, "tok_embeddings", None) is not None:  # absent on later pipeline stages
+        model.tok_embeddings.register_forward_hook(_resolve_async)
+    if not loss_parallel:
+        model.loss = dataclasses.replace(model.loss, score=torch.compile(cross_entropy_sum))
+
+
+def _resolve_async(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor | None:
+    """A plain tensor for an AsyncCollectiveTensor (a non-view op waits for the collective
+    and unwraps it, inside autograd); anything else unchanged."""
+    return out.clone() if isinstance(out, AsyncCollectiveTensor) else None

@@ -89,7 +89,7 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
         family_plan(model)
     apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
     if cfg.train.compile:  # after AC (compiled with the block), before FSDP (its hooks stay outside)
-        apply_compile(model)
+        apply_compile(model, tensor_parallel=dims.tp > 1, loss_parallel=dims.tp > 1 and p.loss_parallel)
     if fsdp:
         roots = pipeline.modules if pipeline else [model]
         apply_fsdp(model, roots, dims, cfg.train.precision, cfg.memory.cpu_offload)

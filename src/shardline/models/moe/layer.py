@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardline.models.llama.model import FeedForward, ModelArgs
 from shardline.models.moe.args import MoEArgs
@@ -96,8 +97,17 @@ def local_experts(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor
     return experts(x, counts)
 
 
+@torch.compiler.disable
+def run_experts(dispatch, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`dispatch(experts, x, counts)`, always eager under train.compile: the grouped GEMM's
+    fake kernel takes only bf16 (fp32 cannot be traced) and expert parallelism's all-to-all
+    needs split sizes read on the host; the rest of the block compiles around this call."""
+    return dispatch(experts, x, counts)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    # isinstance, not hasattr(t, "to_local"): train.compile traces the former correctly.
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class AttachAux(torch.autograd.Function):
@@ -152,15 +162,19 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         aux = self.balance_loss(logits, scores, chosen, b, s)
-        if self.training and _counting():
+        if self.training:
             self.count(chosen, dropped, aux)
         if aux is not None and torch.is_grad_enabled():
             out = AttachAux.apply(out, aux, self.aux_grad_scale)
         return out
 
+    @torch.compiler.disable  # eager under train.compile: _counting asks autograd's state, a host value
     @torch.no_grad()
     def count(self, chosen: torch.Tensor, dropped: torch.Tensor, aux: torch.Tensor | None) -> None:
-        """Add one forward's expert load, dropped slots and balance loss to the step's."""
+        """Add one forward's expert load, dropped slots and balance loss to the step's
+        (not while activation checkpointing recomputes the forward)."""
+        if not _counting():
+            return
         load = torch.bincount(chosen.flatten(), minlength=self.moe.n_experts).to(self.load.dtype)
         aux = aux.detach() if aux is not None else torch.zeros((), device=load.device)
         this = torch.cat([load, dropped.reshape(1).to(load.dtype), aux.reshape(1).to(load.dtype)])
@@ -175,7 +189,8 @@ class MoEFeedForward(nn.Module):
         n = self.moe.n_experts
         expert_of = chosen.flatten()  # slot j of token t is entry t * top_k + j
         order = torch.argsort(expert_of, stable=True)  # by expert, tokens in order within one
-        counts = torch.bincount(expert_of, minlength=n)
+        # Not bincount: its output length depends on the data, which train.compile cannot trace.
+        counts = expert_of.new_zeros(n).index_add_(0, expert_of, torch.ones_like(expert_of))
         dropped = torch.zeros((), device=flat.device)
         cap = self.moe.capacity(flat.shape[0])
         if cap:  # each expert keeps its first `cap` tokens
@@ -185,7 +200,7 @@ class MoEFeedForward(nn.Module):
             dropped = (counts - counts.clamp(max=cap)).sum().float()
             counts = counts.clamp(max=cap)
         token_of = order // self.moe.top_k
-        y = self.dispatch(self.experts, flat[token_of], counts)
+        y = run_experts(self.dispatch, self.experts, flat[token_of], counts)
         mixed = y.float() * weights.flatten()[order].unsqueeze(-1)
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device).index_add(0, token_of, mixed)
         return out.to(flat.dtype), dropped
