@@ -111,7 +111,7 @@ class Layout:
         if self.dp_shard * self.cp == 1:
             return "ddp" if self.dp_replicate > 1 else "single"
         if self.zero == 1:
-            return "zero1"  # DDP, optimizer states sharded (over the replicas too)
+            return "zero1"  # DDP, optimizer states sharded over dp_shard x cp (each replica holds a copy)
         if self.dp_replicate > 1:
             return "hsdp"  # zero=2 too: FSDP2 keeps the parameters sharded at rest either way
         return {2: "zero2", 3: "fsdp"}[self.zero]

@@ -41,7 +41,7 @@ def register(sub) -> None:
     _doc_arg(plan)
     plan.add_argument("--fix", default="", metavar="KEY=V,...", help="pin [parallel]/[memory] keys (dp = plain DDP)")
     plan.add_argument("--runnable-only", action="store_true",
-                      help="only layouts `shardline train` runs today (e.g. no ep yet)")
+                      help="only layouts `shardline train` builds today (see layout.NOT_BUILT)")
     plan.add_argument("--top", type=int, default=10, metavar="K")
     plan.add_argument("--json", action="store_true")
     plan.add_argument("--emit-config", metavar="FILE", help="write the best plan that `shardline train` runs")
