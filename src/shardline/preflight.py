@@ -118,19 +118,7 @@ def preflight(cfg: Config, world: int, tokenizer_vocab: int) -> Preflight:
         # Rotary positions extend to any length; the recorded maximum (checkpoints, HF
         # config.json) follows what the model is trained on.
         args = dataclasses.replace(args, max_seq_len=cfg.train.seq_len)
-    check_compile(cfg, args)
     return Preflight(check_layout(cfg, world, args), args)
-
-
-def check_compile(cfg: Config, args: ModelArgs) -> None:
-    """What train.compile (per-block, parallel/compile.py) does not build: one line, never a silent eager run."""
-    if not cfg.train.compile:
-        return
-    ac = cfg.memory.activation_checkpoint
-    if cfg.parallel.tp > 1 and ac != "none":
-        raise ConfigError(f"train.compile=true with parallel.tp={cfg.parallel.tp} and memory.activation_checkpoint="
-                          f"{ac} is not built (the traced checkpoint saves the tp DeviceMesh for backward, which "
-                          "torch 2.13 rejects); use memory.activation_checkpoint=none, train.compile=false or tp=1")
 
 
 def check_fp8(cfg: Config) -> None:

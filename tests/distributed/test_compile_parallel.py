@@ -1,9 +1,10 @@
 """train.compile under tensor parallelism on real gloo ranks: compiled blocks train like eager ones.
 
-The compiled run must also show that its blocks ran compiled code: each block has its
-compiled call, dynamo captured graphs and broke none of them (a block that fell back to
-eager, whole or in part, fails), and the embedding's AsyncCollectiveTensor output is
-resolved before the first block (without that, backward fails under tp).
+Compiled runs must also show that their blocks ran compiled code: each block has its
+compiled call (or, under activation checkpointing, a compiled forward the checkpoint
+wraps), dynamo captured graphs and broke none of them (a block that fell back to eager,
+whole or in part, fails). Without the embedding's AsyncCollectiveTensor output resolved
+before the first block, backward fails; with the checkpoint traced into the block, too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch._functorch.config
 import torch.multiprocessing as mp
 
 from shardline.config import load_config
@@ -34,27 +36,43 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
 
     try:
         for run_dir, overrides in jobs:
+            torch._dynamo.reset()  # each run compiles its own graphs, counted afresh
             counters.clear()
             trainer = Trainer(load_config(None, [*overrides, f"run.dir={run_dir}"])).build()
             trainer.train()
             if rank == 0:
-                seen = {"compiled_blocks": [b._compiled_call_impl is not None for b in trainer.model.layers.values()],
-                        "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"])}
+                seen = {"compiled_blocks": [_compiled(b) for b in trainer.model.layers.values()],
+                        "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"]),
+                        "aot_cache": torch._functorch.config.enable_autograd_cache}
                 (Path(run_dir) / "compiled.json").write_text(json.dumps(seen))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # two ranks compiling with inductor on 2 CPU cores: ~40 s
+def _compiled(block: torch.nn.Module) -> bool:
+    """The block's call is compiled, or a forward somewhere under its checkpoint wrapper is."""
+    forward = block.forward
+    while forward is not None and not hasattr(forward, "_torchdynamo_orig_callable"):
+        forward = getattr(forward, "__wrapped__", None)
+    return block._compiled_call_impl is not None or forward is not None
+
+
+@pytest.mark.slow  # two ranks compiling with inductor on 2 CPU cores: ~50 s
 def test_compiled_tensor_parallel_with_sequence_parallel_trains_like_eager(tmp_path, small_corpus):
     base = [*PARITY_OVERRIDES, f"data.path={small_corpus}", *TP_SP]
-    jobs = [(str(tmp_path / "eager"), base), (str(tmp_path / "compiled"), [*base, "train.compile=true"])]
+    runs = {"compiled": ["train.compile=true"],
+            "compiled_op_ac": ["train.compile=true", "memory.activation_checkpoint=op"]}
+    jobs = [(str(tmp_path / "eager"), base), *[(str(tmp_path / n), [*base, *extra]) for n, extra in runs.items()]]
     mp.start_processes(_worker, args=(2, free_port(), jobs), nprocs=2, start_method="spawn")
-    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
-    assert sorted(eager) == sorted(compiled) == ALL_STEPS
-    for step in eager:
-        assert compiled[step] == pytest.approx(eager[step], rel=1e-5), (step, compiled, eager)
-    seen = json.loads((tmp_path / "compiled" / "compiled.json").read_text())
-    assert all(seen["compiled_blocks"]) and seen["compiled_blocks"], seen
-    assert seen["graphs"] >= 1 and not seen["breaks"], seen  # every block one graph, redistributions included
+    eager = losses(tmp_path / "eager")
+    assert sorted(eager) == ALL_STEPS
     assert json.loads((tmp_path / "eager" / "compiled.json").read_text())["graphs"] == 0
+    for name in runs:
+        compiled = losses(tmp_path / name)
+        assert sorted(compiled) == ALL_STEPS, name
+        for step in eager:
+            assert compiled[step] == pytest.approx(eager[step], rel=1e-5), (name, step, compiled, eager)
+        seen = json.loads((tmp_path / name / "compiled.json").read_text())
+        assert seen["compiled_blocks"] and all(seen["compiled_blocks"]), (name, seen)
+        assert seen["graphs"] >= 1 and not seen["breaks"], (name, seen)  # one graph a block, collectives included
+        assert seen["aot_cache"] is False, (name, seen)  # a rank must not load another rank's graph

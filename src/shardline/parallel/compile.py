@@ -3,7 +3,7 @@
 Compiling block by block (torchtitan's way) instead of the whole model keeps every
 layout working: each block is compiled in place (`nn.Module.compile`), so parameter
 names, tensor-parallel hooks, the activation-checkpoint wrapper (traced as part of the
-block), FSDP units (applied after, outside the compiled code) and pipeline stages (views
+block; under tp wrapped around it), FSDP units (applied after, outside the compiled code) and pipeline stages (views
 over the same blocks) stay as they are, and the blocks of one shape share one compiled
 graph. The loss's cross-entropy is compiled too; the output projection runs eagerly.
 
@@ -19,16 +19,24 @@ What is compiled, by layout:
   itself, and the gradient it returns for it then reaches the embedding's
   redistribution as a plain tensor instead of a DTensor, so backward fails (torch 2.13).
   Resolving it eagerly (one copy of the embedding output) keeps autograd's chain intact.
-  Not with activation checkpointing (preflight refuses it): the traced checkpoint of a
-  tp block saves the DeviceMesh among its tensors for backward, which AOTAutograd rejects.
+- tp > 1 with activation checkpointing: the block's forward is compiled before the
+  checkpoint wraps it, so the checkpoint runs eagerly around compiled code (recomputing
+  it in backward). Traced into the compiled block instead, the checkpoint of a tp block
+  saves the DeviceMesh among its tensors for backward, which AOTAutograd rejects
+  (torch 2.13).
+- tp > 1, any block: AOTAutograd's on-disk cache is turned off (process-wide). It keys
+  graphs by what does not tell the tp ranks apart, so a rank can load a graph another
+  rank compiled, with that rank's local slice baked in (seen with MoE under sequence
+  parallelism: a second run trained off eager's losses). Inductor's cache stays on.
 - tp > 1 with loss parallelism: the cross-entropy stays eager. It runs on vocab-sharded
   DTensor logits through the `loss_parallel` context's own ops, which the compiled
   graph does not go through: compiled, the loss comes out wrong (not an error).
 - mixture of experts: the block compiles around the routed experts; the experts with
   their token exchange run eagerly (`models/moe/layer.py::run_experts`): the grouped
   GEMM's fake kernel accepts only bf16 (fp32 on the CPU runs eagerly, not traced), and
-  expert parallelism's all-to-all takes split sizes read on the host. Router, balance
-  loss, token sort and mix, shared experts, attention and norms are compiled.
+  expert parallelism's all-to-all takes split sizes read on the host; the load
+  bookkeeping too (it asks autograd's state). Router, balance loss, token sort and mix,
+  shared experts, attention and norms are compiled.
 """
 
 from __future__ import annotations
@@ -36,20 +44,29 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch._functorch.config
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from shardline.models.loss import cross_entropy_sum
 
 
-def apply_compile(model: nn.Module, tensor_parallel: bool = False, loss_parallel: bool = False) -> None:
+def apply_compile(model: nn.Module, tensor_parallel: bool = False, loss_parallel: bool = False,
+                  forward_only: bool = False) -> None:
     """Compile each block of `model` in place, and its loss's scoring function unless the
     logits are vocab-sharded (`loss_parallel`). `tensor_parallel`: the embedding's output
-    is an AsyncCollectiveTensor, resolved before the compiled blocks take it."""
+    is an AsyncCollectiveTensor, resolved before the compiled blocks take it.
+    `forward_only`: compile each block's forward, for activation checkpointing to wrap
+    afterwards (tp; see the module doc), instead of the whole module call."""
     for block in model.layers.values():
-        block.compile()
-    if tensor_parallel and getattr(model, "tok_embeddings", None) is not None:  # absent on later pipeline stages
-        model.tok_embeddings.register_forward_hook(_resolve_async)
+        if forward_only:
+            block.forward = torch.compile(block.forward)
+        else:
+            block.compile()
+    if tensor_parallel:
+        torch._functorch.config.enable_autograd_cache = False  # another rank's graph otherwise (module doc)
+        if getattr(model, "tok_embeddings", None) is not None:  # absent on later pipeline stages
+            model.tok_embeddings.register_forward_hook(_resolve_async)
     if not loss_parallel:
         model.loss = dataclasses.replace(model.loss, score=torch.compile(cross_entropy_sum))
 
