@@ -57,7 +57,7 @@ def _compiled(block: torch.nn.Module) -> bool:
     return block._compiled_call_impl is not None or forward is not None
 
 
-@pytest.mark.slow  # two ranks compiling with inductor on 2 CPU cores: ~50 s
+@pytest.mark.slow  # two ranks compiling with inductor on 2 CPU cores: ~55 s with a cold cache
 def test_compiled_tensor_parallel_with_sequence_parallel_trains_like_eager(tmp_path, small_corpus):
     base = [*PARITY_OVERRIDES, f"data.path={small_corpus}", *TP_SP]
     runs = {"compiled": ["train.compile=true"],
