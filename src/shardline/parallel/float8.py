@@ -38,8 +38,8 @@ torchao's float8 TP styles (Float8ColwiseParallel, Float8RowwiseParallel,
 PrepareFloat8ModuleInput) would cast the sequence-sharded activation to float8 before
 its all-gather (half the bytes) and are what torchtitan uses with tensorwise. They are
 not used: that all-gather sends a float8 tensor, which gloo refuses ("Invalid scalar
-type"), so they cannot run on CPU ranks, and the GPU machine this project is checked on
-has one GPU (no NCCL tp = 2): they would ship untested. They are tensorwise-only anyway
+type"), so they cannot run on CPU ranks, and no multi-GPU NCCL run has checked them:
+they would ship untested. They are tensorwise-only anyway
 (torchtitan too keeps the plain styles for rowwise).
 
 Hardware: float8 GEMMs need compute capability >= 8.9 (Ada, Hopper and newer). On a CPU
