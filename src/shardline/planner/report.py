@@ -37,7 +37,8 @@ def mfu_words(work: Workload) -> str:
 def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, shown: list[Estimate],
                not_runnable: dict[int, str]) -> str:
     pruned = ", ".join(f"{k} {v:,}" for k, v in result.pruned.most_common())
-    lines = [f"plan: {describe_request(work, hw, gpus)}",
+    ring = "; cp layouts priced with every score (ring blocks under the document mask)" if work.document_mask else ""
+    lines = [f"plan: {describe_request(work, hw, gpus)}{ring}",
              f"searched {result.evaluated:,} layouts in {result.seconds:.1f} s: {len(result.candidates):,} fit"
              + (f"; pruned: {pruned}" if pruned else ""),
              mfu_words(work),
