@@ -87,12 +87,16 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
         apply_tp(model, dims.submesh("tp"), p.sequence_parallel, p.loss_parallel)
     if family_plan is not None:
         family_plan(model)
-    compile_under_ac = cfg.train.compile and dims.tp > 1 and cfg.memory.activation_checkpoint != "none"
-    if compile_under_ac:  # before AC: under tp the checkpoint wraps the compiled block (parallel/compile.py)
-        apply_compile(model, tensor_parallel=True, loss_parallel=p.loss_parallel, forward_only=True)
+    # Compile after AC (the checkpoint traced with the block), except under tp, where the
+    # checkpoint wraps the compiled forward (parallel/compile.py); always before FSDP (hooks outside).
+    tp = dims.tp > 1
+    compiled = {"tensor_parallel": tp, "loss_parallel": tp and p.loss_parallel}
+    before_ac = tp and cfg.memory.activation_checkpoint != "none"
+    if cfg.train.compile and before_ac:
+        apply_compile(model, **compiled, forward_only=True)
     apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
-    if cfg.train.compile and not compile_under_ac:  # after AC (compiled with the block), before FSDP (hooks outside)
-        apply_compile(model, tensor_parallel=dims.tp > 1, loss_parallel=dims.tp > 1 and p.loss_parallel)
+    if cfg.train.compile and not before_ac:
+        apply_compile(model, **compiled)
     if fsdp:
         roots = pipeline.modules if pipeline else [model]
         apply_fsdp(model, roots, dims, cfg.train.precision, cfg.memory.cpu_offload)

@@ -162,7 +162,7 @@ def block_forward(q, k, v, allowed, causal: bool, scale: float):
     if q.device.type == "cpu":
         k, v = _repeat_kv(k, v, q.shape[1])
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=_additive(allowed, q.dtype), scale=scale)
+            q, k, v, 0.0, causal, attn_mask=attention_bias(allowed, q), scale=scale)
         return out.float(), lse.float()
     kernel = block_kernel(q, allowed is not None)
     if kernel != "math":
@@ -178,7 +178,7 @@ def block_backward(q, k, v, allowed, causal: bool, scale: float, grad_out, out, 
         kr, vr = _repeat_kv(k, v, q.shape[1])
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.to(q.dtype), q, kr, vr, out.to(q.dtype), lse, 0.0, causal,
-            attn_mask=_additive(allowed, q.dtype), scale=scale)
+            attn_mask=attention_bias(allowed, q), scale=scale)
         return dq.float(), _sum_groups(dk, hk), _sum_groups(dv, hk)
     kernel = block_kernel(q, allowed is not None)
     if kernel != "math":
@@ -265,8 +265,9 @@ def _kernel_inputs(q, k, v):
 
 
 def attention_bias(allowed, q):
-    """A boolean block mask [b or 1, sq, sk] as the efficient kernel's additive bias
-    [b, h, sq, sk] in q's dtype (the kernel wants its dtype and all four dims).
+    """A boolean block mask [b or 1, sq, sk] as the additive bias [b, h, sq, sk] in q's dtype
+    that the CUDA efficient kernel needs (its dtype, all four dims) and the CPU flash kernel
+    takes as well, so both devices mask alike (fp16 included: never -inf).
 
     Its rows are stored BIAS_ALIGN-aligned (the kernel refuses other row strides; the
     padding is never read) and batch (for a shared mask) and heads are stride-0
@@ -303,13 +304,6 @@ def _sum_groups(grad, hk: int):
 def _repeat_kv(k, v, n_heads: int):
     group = n_heads // k.shape[1]
     return (k, v) if group == 1 else (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
-
-
-def _additive(allowed, dtype):
-    """A boolean block mask [b, sq, sk] as the additive [b, 1, sq, sk] mask the fused kernel takes."""
-    if allowed is None:
-        return None
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, MASKED)[:, None]
 
 
 def _causal_mask(q, k):
