@@ -87,6 +87,14 @@ class Layout:
         return self.dp_shard * self.cp
 
     @property
+    def offload_fsdp(self) -> bool:
+        """CPU offload is FSDP2's (zero 2 or 3), so it wraps the model in FSDP2 even where no
+        rank shares its states: at shard degree 1 over a size-1 shard dimension (one rank, or
+        HSDP with shard 1 under dp_replicate), keeping parameters, gradients and optimizer
+        states on the host all the same."""
+        return self.cpu_offload and self.zero != 1
+
+    @property
     def cp_degrees(self) -> tuple[int, int]:
         """(ring, ulysses): the ranks that pass K/V around x the ranks that exchange heads."""
         if self.cp == 1:
@@ -108,7 +116,7 @@ class Layout:
 
     @property
     def dp_mode(self) -> str:
-        if self.dp_shard * self.cp == 1:
+        if self.dp_shard * self.cp == 1 and not self.offload_fsdp:
             return "ddp" if self.dp_replicate > 1 else "single"
         if self.zero == 1:
             return "zero1"  # DDP, optimizer states sharded over dp_shard x cp (each replica holds a copy)
@@ -131,7 +139,7 @@ class Layout:
             parts.append(f"cp{self.cp}({mode})")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        shard = self.dp_shard if self.dp_shard > 1 else "cp"  # dp_shard=1 with cp > 1 shards over cp
+        shard = self.dp_shard if self.dp_shard > 1 or self.cp == 1 else "cp"  # dp_shard=1 with cp > 1 shards over cp
         dp = {"hsdp": f"hsdp{self.dp_replicate}x{self.dp_shard}", "ddp": f"ddp{self.dp_replicate}",
               "single": "dp1"}.get(self.dp_mode, f"{self.dp_mode}:{shard}")
         parts.append(dp + ("+offload" if self.cpu_offload else ""))
@@ -307,8 +315,7 @@ def _pp_microbatches(lay: Layout, job: Job) -> Problem | None:
 
 
 def _offload(lay: Layout, job: Job) -> Problem | None:
-    if lay.cpu_offload and lay.shard_degree == 1:
-        return "offload", "memory.cpu_offload=true needs FSDP: set parallel.dp_shard > 1"
+    """Offload is FSDP2's, at any shard degree (one GPU included: see Layout.offload_fsdp)."""
     if lay.cpu_offload and lay.zero == 1:
         return "offload", ("memory.cpu_offload=true offloads FSDP's sharded state, but parallel.zero=1 keeps "
                            "parameters replicated (DDP); use zero=2 or zero=3")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -79,10 +80,14 @@ class Trainer:
         resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
         check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
+        if cfg.memory.cpu_offload and self.device.type == "cpu" and self.proc.is_main:
+            print("shardline: note: memory.cpu_offload on a CPU device saves no memory (the states are in host "
+                  "memory already); it runs FSDP2's offload path, without pinned memory", file=sys.stderr)
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
         build = build_moe_model if self.model_args.moe else build_model
+        # One process builds a (one-rank) mesh too under offload, whose FSDP2 parameters are sharded.
         built = build(cfg, self.model_args, self.dims, self.device)
-        load_starting_weights(cfg.model, built.model, sharded=self.proc.world_size > 1)
+        load_starting_weights(cfg.model, built.model, sharded=self.dims.mesh is not None)
         # The parameters (optimizer, checkpoints, clipping), and how to run them: a module
         # to call (DDP-wrapped or not; train.compile compiled its blocks) or, under pp, the
         # pipeline schedule.

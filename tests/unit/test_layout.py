@@ -58,9 +58,8 @@ def test_dp_shard_fills_the_rest():
     (8, ["parallel.cp=4", "parallel.tp=2", "parallel.cp_mode=ulysses"], "Ulysses splits the 2 attention heads"),
     (2, ["parallel.ep=2"], "parallel.ep=2 needs a mixture-of-experts model; this model is dense"),
     (2, ["parallel.tp=2", "train.seq_len=33"], "must be divisible by parallel.tp=2"),
-    (2, ["memory.cpu_offload=true", "run.device=cpu"], "needs a GPU"),
-    (1, ["memory.cpu_offload=true"], "needs FSDP"),
     (2, ["memory.cpu_offload=true", "parallel.zero=1"], "zero=1 keeps parameters replicated"),
+    (1, ["memory.cpu_offload=true", "parallel.zero=1"], "zero=1 keeps parameters replicated"),
     (4, ["parallel.dp_shard=2"], "or set parallel.dp_shard=-1"),
 ])
 def test_invalid_layouts(world, overrides, message):
@@ -102,6 +101,21 @@ def test_zero1_composes_with_tp_and_pp(world, overrides):
     lay = layout_for(world, *overrides)
     assert lay.dp_mode == "zero1" and lay.world == world
     assert layouts.first_problem(lay, layouts.Job(ARGS, 32, 16), runnable=True) is None
+
+
+@pytest.mark.parametrize("world, overrides, mode, described, without", [
+    (1, [], "fsdp", "fsdp:1+offload", "single"),  # one GPU: FSDP2 over a one-rank shard dimension
+    (1, ["parallel.zero=2"], "zero2", "zero2:1+offload", "single"),
+    (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "hsdp", "hsdp2x1+offload", "ddp"),  # shard 1
+    (2, ["parallel.tp=2", "run.device=cpu"], "fsdp", "fsdp:1+offload", "single"),  # CPU: checks the path only
+    (2, ["parallel.cp=2"], "fsdp", "fsdp:cp+offload", "fsdp"),
+    (2, [], "fsdp", "fsdp:2+offload", "fsdp"),
+])
+def test_cpu_offload_is_fsdp_at_any_shard_degree(world, overrides, mode, described, without):
+    lay = layout_for(world, "memory.cpu_offload=true", *overrides)
+    assert lay.offload_fsdp and lay.dp_mode == mode and described in lay.describe()
+    assert layouts.first_problem(lay, layouts.Job(ARGS, 32, 16), runnable=True) is None
+    assert layout_for(world, *overrides).dp_mode == without
 
 
 def test_tp_must_divide_the_mlp():
@@ -250,7 +264,7 @@ def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(caps
     (["--resume"], "holds no valid checkpoint"),
     (["--world-size", "2", "--anomaly.check_on=device", "--anomaly.action=rollback"],
      "anomaly.check_on='device' is not possible here: anomaly.action is not skip"),
-    (["--memory.cpu_offload=true", "--run.device=cpu", "--world-size", "2"], "it needs a GPU"),
+    (["--memory.cpu_offload=true", "--parallel.zero=1", "--world-size", "2"], "zero=1 keeps parameters replicated"),
     (["--world-size", "2", "--parallel.cp=2", "--train.seq_len=250"], "train.seq_len=250 must be divisible by 4"),
     (["--world-size", "2", "--parallel.cp=2", "--parallel.cp_mode=spiral"], "parallel.cp_mode='spiral' is invalid"),
 ])

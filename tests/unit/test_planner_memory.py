@@ -149,3 +149,21 @@ def test_pipeline_first_stage_holds_p_microbatches():
     # Korthikanti: interleaving multiplies the first stage's activations by 1 + (p-1)/(p v).
     assert inter["activations"] / one["activations"] == pytest.approx(1 + 3 / 8)
     assert math.isfinite(inter["total"])
+
+
+def test_one_gpu_offload_moves_every_state_to_the_host_and_the_search_finds_it():
+    """CPU offload on one GPU is FSDP2 over a one-rank shard dimension (as the trainer builds it,
+    layout.Layout.offload_fsdp): all states go to the host, and it is what lets 8B train on one H200."""
+    from shardline.planner.search import search
+
+    w = Workload(PRESETS["llama3-8b"], 4096, 8, "bf16")
+    psi = 8.0e9
+    lay = Layout(cpu_offload=True, activation_checkpoint="full")
+    assert lay.dp_mode == "fsdp"
+    kept, host = offloaded(state_bytes(w, lay, psi), lay)
+    assert sum(kept.values()) == 0 and host == pytest.approx(16 * psi)
+    hw = get_hardware("h200")
+    assert memory_breakdown(w, Layout(activation_checkpoint="full"), hw)["total"] > hw.mem_gib * GiB
+    assert memory_breakdown(w, lay, hw)["total"] < hw.mem_gib * GiB
+    fits = search(w, hw, 1, {"activation_checkpoint": "full", "micro_batch_size": 1}, runnable_only=True)
+    assert fits.candidates and all(e.layout.cpu_offload for e in fits.candidates)

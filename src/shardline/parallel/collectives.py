@@ -54,6 +54,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
             norms += [local_value(torch.linalg.vector_norm(g)) for g in members]
             continue
         squares = torch.stack([torch.linalg.vector_norm(g.to_local().float()) for g in members]).square().sum()
+        squares = squares.to(mesh.device_type)  # offloaded gradients are on the host; NCCL reduces on the GPU
         for dim, placement in enumerate(placements):
             # Any sharding (FSDP's strided shard on top of TP is not an is_shard() Shard).
             if not placement.is_replicate():

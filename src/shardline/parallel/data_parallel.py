@@ -62,13 +62,16 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], dims: ParallelDims, pre
     zero=2 keeps them until backward. Both shard gradients and optimizer states.
     With dp_replicate > 1 the mesh is 2-D, which FSDP2 runs as HSDP: shard within a
     group, all-reduce across groups. Context-parallel ranks shard too (dp_shard x cp).
+    Under CPU offload the shard dimension may have size 1 (one GPU; Layout.offload_fsdp).
     """
     shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
     mesh = dims.submesh("dp_replicate", shard) if dims.dp_replicate > 1 else dims.submesh(shard)
     mp = mixed_precision(precision)
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory needs an accelerator (torch refuses it on a CPU-only machine,
+        # where offload runs only as a check of the path: preflight.check_device).
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
     for block in model.layers.values():
         sum_gradients(fully_shard(block, reshard_after_forward=dims.zero == 3, **kwargs))
     # A root keeps embedding, final norm and output; they are used last in forward and

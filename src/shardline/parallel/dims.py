@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardline.layout import Layout
+from shardline.parallel.distributed import init_one_process_group
 
 
 @dataclass
@@ -79,6 +80,11 @@ class ParallelDims:
         return self.layout.dp
 
     @property
+    def needs_mesh(self) -> bool:
+        """Several ranks, or one under FSDP2's CPU offload (a one-rank mesh; Layout.offload_fsdp)."""
+        return self.world_size > 1 or self.layout.offload_fsdp
+
+    @property
     def fsdp(self) -> bool:
         return self.dp_shard * self.cp > 1
 
@@ -118,7 +124,10 @@ class ParallelDims:
 
     def build_mesh(self, device: torch.device, embedding_group: bool = False) -> DeviceMesh:
         """The mesh and the groups beside it; `embedding_group`: tied embeddings whose two ends
-        sit on the first and the last pp rank."""
+        sit on the first and the last pp rank. One process without a group (torchrun's world
+        1, or no torchrun) gets a one-rank group first."""
+        if not dist.is_initialized() and self.world_size == 1:
+            init_one_process_group(device)
         ring, ulysses = self.layout.cp_degrees
         shard = ("dp_shard_mod_ep", "ep") if self.ep > 1 else ("dp_shard",)
         shard_sizes = (self.dp_shard // self.ep, self.ep) if self.ep > 1 else (self.dp_shard,)

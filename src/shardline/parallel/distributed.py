@@ -63,6 +63,15 @@ def init_distributed(device: torch.device) -> ProcessInfo:
     return ProcessInfo(rank, world, local_rank, store, _local_world_size(world))
 
 
+def init_one_process_group(device: torch.device) -> None:
+    """A process group of this process alone, for a one-process run that still needs a mesh
+    (FSDP2's CPU offload on one GPU: layout.Layout.offload_fsdp). An in-memory store: no
+    rendezvous, no port; shutdown_distributed() leaves it as it leaves any group."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+
+
 def shutdown_distributed() -> None:
     """Leave the process group together once the work is done.
 

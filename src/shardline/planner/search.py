@@ -8,7 +8,8 @@ The space, for N devices of G per node:
               schedule with its virtual stages (gpipe, 1f1b, interleaved_1f1b v2/v4,
               zbv, dualpipev), one pipeline round per step
     dp        the rest: DDP, FSDP with zero 1/2/3, HSDP (shard groups of whole nodes
-              or within one), with and without CPU offload (zero 3)
+              or within one), with and without CPU offload (zero 3; also on a single
+              data-parallel rank, where FSDP2 runs over a size-1 shard dimension)
     ep        mixture-of-experts models: 1, and powers of two that divide dp_shard and (with
               tp) the experts, while ep x tp stays inside a node
     mbs       powers of two dividing the per-rank batch (up to 16)
@@ -64,6 +65,8 @@ def _dp_variants(dp: int, tp: int, cp: int, gpn: int, fixed: dict) -> list[dict]
     if dp == 1:  # with cp > 1 the states can still be sharded over the cp ranks
         zeros = (1, 2, 3) if cp > 1 else (3,)
         out = [{"dp_replicate": 1, "dp_shard": 1, "zero": z, "cpu_offload": False} for z in zeros]
+        # Offload on one data-parallel rank (one GPU included): FSDP2 over a size-1 shard dim.
+        out.append({"dp_replicate": 1, "dp_shard": 1, "zero": 3, "cpu_offload": True})
     else:
         out = [{"dp_replicate": dp, "dp_shard": 1, "zero": 3, "cpu_offload": False}]
         for zero in (1, 2, 3):

@@ -100,8 +100,8 @@ def check_on_device(cfg, layout, fused: bool, on_cuda: bool) -> bool:
         ("anomaly.action is not skip", a.action != "skip"),
         ("the optimizer is not fused (optim.implementation)", not fused),
         ("train.precision=fp16 (its loss scaler gates the update)", cfg.train.precision == "fp16"),
-        ("parameters are DTensors (dp_shard x cp > 1 with zero >= 2, or tp)",
-         (layout.dp_shard * layout.cp > 1 and layout.zero >= 2) or layout.tp > 1),
+        ("parameters are DTensors (dp_shard x cp > 1 with zero >= 2, CPU offload, or tp)",
+         (layout.dp_shard * layout.cp > 1 and layout.zero >= 2) or layout.offload_fsdp or layout.tp > 1),
     ) if blocked]
     if a.check_on == "device" and blockers:
         raise ConfigError("anomaly.check_on='device' is not possible here: " + "; ".join(blockers))

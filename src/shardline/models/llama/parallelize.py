@@ -57,7 +57,7 @@ def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, device: torch.
     Llama's blocks adds (e.g. expert parallelism), run after tensor parallelism, before
     activation checkpointing wraps the blocks and data parallelism shards them."""
     model = build_meta_model(args)
-    if dims.world_size > 1:
+    if dims.needs_mesh:
         # Tied ends on two pp ranks need a group to sum the tied gradient (V-shaped
         # schedules put both ends on pp rank 0, where the tie stays one parameter).
         dims.build_mesh(device, embedding_group=args.tie_embeddings and cfg.parallel.pp_schedule not in V_SHAPED)
@@ -70,7 +70,9 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     p = cfg.parallel
     pipeline = context = None
     use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1
-    fsdp = dims.dp * dims.cp > 1 and not use_ddp and not dims.zero1_scatters  # that optimizer reduces (zero1.py)
+    # Offload is FSDP2's, so it shards at any degree (one rank too: Layout.offload_fsdp).
+    fsdp = ((dims.dp * dims.cp > 1 or dims.layout.offload_fsdp) and not use_ddp
+            and not dims.zero1_scatters)  # that optimizer reduces (zero1.py)
     model.loss = LinearCrossEntropy(cfg.train.loss_chunk_tokens)  # before the pipeline's stages copy it
     if cfg.train.precision == "fp8":  # on meta, before anything lays the Linear layers out
         float8.convert(model, cfg.fp8.recipe, emulate=device.type != "cuda",
@@ -100,10 +102,21 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     if fsdp:
         roots = pipeline.modules if pipeline else [model]
         apply_fsdp(model, roots, dims, cfg.train.precision, cfg.memory.cpu_offload)
-    init_device = "cpu" if cfg.memory.cpu_offload and dims.dp * dims.cp > 1 else device
-    model.init_weights(seed=cfg.train.seed, device=init_device, assign=assign_full_value)
+    offload = fsdp and cfg.memory.cpu_offload  # the states live on the host, the buffers on the device
+    model.init_weights(seed=cfg.train.seed, device="cpu" if offload else device, assign=assign_full_value)
+    if offload:
+        move_buffers(model, device)
     forward = None if pipeline else (apply_ddp(model, dims, device) if use_ddp else model)
     return BuiltModel(model, forward, pipeline, context)
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers (the rotary frequencies, ...) to the compute device: FSDP2 moves only the
+    parameters it manages, and under offload the model was materialised on the host."""
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
 
 
 def apply_cp(model: Llama, dims: ParallelDims, seq_len: int) -> ContextParallel:
