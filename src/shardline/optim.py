@@ -12,8 +12,10 @@ from shardline.parallel.zero1 import Zero1AdamW
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
-                    zero1_mesh: DeviceMesh | None = None, zero1_dim: str = "dp_shard") -> torch.optim.AdamW:
-    """AdamW over the model's parameters; with `zero1_mesh`, states sharded over its `zero1_dim`."""
+                    zero1_mesh: DeviceMesh | None = None, zero1_dim: str = "dp_shard",
+                    zero1_experts: tuple[DeviceMesh, str] | None = None) -> torch.optim.AdamW:
+    """AdamW over the model's parameters; with `zero1_mesh`, states sharded over its `zero1_dim`
+    (routed experts under ep over `zero1_experts`' dim: parallel/zero1.py)."""
     # Norm weights (1-D) are not decayed: shrinking them toward zero only hurts.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
@@ -27,7 +29,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
     if zero1_mesh is not None:
-        return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, **hyper)
+        return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, zero1_experts, **hyper)
     return torch.optim.AdamW(groups, **hyper)
 
 

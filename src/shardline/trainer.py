@@ -97,7 +97,7 @@ class Trainer:
             pp_group = self.dims.submesh("pp").get_group()
             self.pipeline.build_schedule(self.device, pp_group, self._pipeline_loss)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.dims.zero1_mesh(),
-                                         self.dims.zero1_shard_dim)
+                                         self.dims.zero1_shard_dim, self.dims.zero1_expert_cut())
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.scaler = LossScaler(self.device, cfg.train.precision, agree=self.proc.world_size > 1)
         self.guard = RunGuard(cfg, self.proc, self.dims, self.checkpointer, self._layout_fingerprint(), self.started)

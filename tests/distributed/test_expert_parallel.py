@@ -7,9 +7,9 @@ regrouping by expert (a mis-ordered combine), and expert gradients summed over t
 group as if the experts were data-parallel replicas (the wrong group).
 
 Then whole runs: MoE training (balance loss, z-loss and the bias update all on,
-dropless) under ep, ep x FSDP, ep x pp, ep x cp, ep x tp, tp, pp, cp and
-activation checkpointing gives the single process's losses and final weights, also when a run is
-resumed under another ep.
+dropless) under ep, ep x FSDP, ep x pp, ep x cp, ep x tp, tp, pp, cp,
+activation checkpointing and ZeRO-1 with ep and with tp gives the single process's losses and
+final weights (and, under ZeRO-1, gradient norms), also when a run is resumed under another ep.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from shardline.models.moe import MoEArgs
 from shardline.models.moe.layer import MoEFeedForward
 from shardline.parallel.expert.dispatch import ExpertParallel, _Exchange
 from shardline.trainer import Trainer
-from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, assert_same_run, losses, run_world
+from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_grad_norms, assert_same_run,
+                                       losses, run_world)
 from tests.distributed.test_watchdog import free_port
 
 ARGS = ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=8, ffn_dim=8,
@@ -127,16 +128,25 @@ MOE_2 = {
     "ep2_ac_full": ["parallel.dp_shard=2", "parallel.ep=2", "memory.activation_checkpoint=full"],
     "pp2_1f1b": ["parallel.pp=2"],
     "tp2_sp": ["parallel.tp=2"],  # experts split over tp, shared experts by columns/rows
+    # ZeRO-1 under ep: no DDP; the dense states cut over dp_shard, the experts' over efsdp (1 here)
+    "ep2_zero1": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=1"],
 }
 MOE_4 = {
     "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
     "ep2_pp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.pp=2"],
     "ep2_cp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2"],  # expert grads sum over cp too
     "ep2_tp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2"],  # experts over ep x tp
+    "tp2_zero1": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.zero=1"],  # experts cut like TP shards
 }
 # The second half is ep 2 x dp_shard 4: experts FSDP-sharded over 2 ranks (efsdp).
 RESHARD_4 = [("fsdp4_to_ep2", ["parallel.dp_shard=4", "train.stop_at_step=2"],
-              ["parallel.dp_shard=4", "parallel.ep=2"])]
+              ["parallel.dp_shard=4", "parallel.ep=2"]),
+             # ZeRO-1 with the experts' states cut over efsdp 2 x ep 2, resumed with them whole on
+             # each rank of ep x tp (efsdp 1) and the dense states cut over dp_shard 2 x tp 2.
+             ("ep2_zero1_to_ep2_tp2_zero1", ["parallel.dp_shard=4", "parallel.ep=2", "parallel.zero=1",
+                                             "train.stop_at_step=2"],
+              ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2", "parallel.zero=1"])]
+ZERO1 = ["ep2_zero1", "tp2_zero1", "ep2_zero1_to_ep2_tp2_zero1"]  # the optimizer clips: the norms too
 
 
 def _base(corpus) -> list[str]:
@@ -176,6 +186,8 @@ def moe_world4(tmp_path_factory, small_corpus):
 def test_world2_moe_matches_single_process(moe_world2, moe_reference, run):
     assert sorted(losses(moe_world2 / run)) == ALL_STEPS
     assert_same_run(moe_world2 / run, moe_reference)
+    if run in ZERO1:
+        assert_same_grad_norms(moe_world2 / run, moe_reference)
 
 
 @pytest.mark.slow
@@ -183,6 +195,8 @@ def test_world2_moe_matches_single_process(moe_world2, moe_reference, run):
 def test_world4_moe_matches_single_process(moe_world4, moe_reference, run):
     assert sorted(losses(moe_world4 / run)) == ALL_STEPS
     assert_same_run(moe_world4 / run, moe_reference)
+    if run in ZERO1:
+        assert_same_grad_norms(moe_world4 / run, moe_reference)
 
 
 def test_expert_load_and_balance_loss_are_logged(moe_world2, moe_reference):

@@ -75,9 +75,8 @@ def test_invalid_layouts(world, overrides, message):
      "borrowing context-parallel ranks for experts is not built"),
     (4, ["model.preset=tiny-moe", "moe.num_experts=6", "parallel.tp=2", "parallel.ep=2", "parallel.dp_shard=2"],
      "parallel.ep=2 x tp=2 must divide the 6 experts"),
-    (2, ["model.preset=tiny-moe", "parallel.ep=2", "parallel.zero=1"], "ep > 1 with zero=1 is not built"),
-    (4, ["model.preset=tiny-moe", "parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=1"],
-     "zero=1 with tp > 1 and a mixture-of-experts model is not built"),
+    (4, ["model.preset=tiny-moe", "parallel.ep=2", "parallel.cp=2", "parallel.zero=1"],
+     "zero=1 with ep > 1 and cp > 1 is not built"),
     (2, ["model.preset=tiny-moe", "moe.top_k=9"], "moe top_k=9 must be in 1..n_experts=8"),
     (1, ["moe.top_k=2"], "missing moe.num_experts, moe.expert_ffn_dim"),
 ])
@@ -101,6 +100,18 @@ def test_zero1_composes_with_tp_and_pp(world, overrides):
     lay = layout_for(world, *overrides)
     assert lay.dp_mode == "zero1" and lay.world == world
     assert layouts.first_problem(lay, layouts.Job(ARGS, 32, 16), runnable=True) is None
+
+
+@pytest.mark.parametrize("world, overrides", [
+    (2, ["parallel.ep=2"]),
+    (4, ["parallel.tp=2"]),
+    (8, ["parallel.ep=2", "parallel.tp=2"]),
+    (8, ["parallel.ep=2", "parallel.pp=2", "parallel.dp_replicate=2"]),
+])
+def test_zero1_composes_with_ep_and_tp_for_moe(world, overrides):
+    cfg = load_config(None, ["model.preset=tiny-moe", "parallel.zero=1", "train.global_batch_size=16",
+                             "train.micro_batch_size=2", "train.seq_len=32", *overrides])
+    assert preflight(cfg, world, 512).layout.dp_mode == "zero1"
 
 
 @pytest.mark.parametrize("world, overrides, mode, described, without", [

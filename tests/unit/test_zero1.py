@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -102,6 +103,8 @@ def _tp_worker(rank: int, world: int, port: int, errors) -> None:
         for wrong_group in (False, True):
             for problem in _check_tp_run(mesh, wrong_group):
                 errors.put(("wrong group: " if wrong_group else f"rank {rank}: ") + problem)
+        for problem in _check_experts(rank, world):  # the same 4 ranks (one spawn for both tests)
+            errors.put(f"experts, rank {rank}: {problem}")
     finally:
         dist.destroy_process_group()
 
@@ -111,7 +114,7 @@ def _check_tp_run(mesh, wrong_group: bool) -> list[str]:
     model, plain = _tp_models(mesh["tp"])
     opt = Zero1AdamW(model, [{"params": list(model.parameters())}], mesh, "dp_shard", lr=0.1)
     if wrong_group:  # the deliberate mistake: reduce and gather over the tp ranks
-        opt.group = mesh.get_group("tp")
+        opt.cuts[0].group = mesh.get_group("tp")
     reference = torch.optim.AdamW(plain.parameters(), lr=0.1)
     _train_tp(model, plain, opt, reference, mesh.get_local_rank("dp_shard"), 2)
     states, problems = opt.checkpoint_state()["state"], []
@@ -124,13 +127,96 @@ def _check_tp_run(mesh, wrong_group: bool) -> list[str]:
     return problems
 
 
-def test_zero1_under_tp_shards_over_the_dp_group_of_each_tp_coordinate():
-    """Matches AdamW on the whole model and saves its states; the same check catches a
-    reduce-scatter and all-gather over the wrong (tp) group."""
+@pytest.fixture(scope="module")
+def world4_problems() -> list[str]:
     errors = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_tp_worker, args=(4, free_port(), errors), nprocs=4, start_method="spawn")
     found = []
     while not errors.empty():
         found.append(errors.get())
+    return found
+
+
+def test_zero1_under_tp_shards_over_the_dp_group_of_each_tp_coordinate(world4_problems):
+    """Matches AdamW on the whole model and saves its states; the same check catches a
+    reduce-scatter and all-gather over the wrong (tp) group."""
+    found = [e for e in world4_problems if not e.startswith("experts")]
     assert [e for e in found if not e.startswith("wrong group")] == [], found
     assert any(e.startswith("wrong group") and "differs from plain AdamW" in e for e in found), found
+
+
+# ---- routed experts under expert parallelism: a second cut, over efsdp -----------------
+
+
+def _check_experts(rank: int, world: int) -> list[str]:
+    """Three steps of a dense weight and 4 experts split over ep (ParallelDims' own meshes)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shardline.layout import Layout
+    from shardline.parallel.collectives import clip_grad_norm
+    from shardline.parallel.dims import ParallelDims
+
+    dims = ParallelDims(Layout(dp_shard=4, ep=2, zero=1))
+    dims.build_mesh(torch.device("cpu"))
+    torch.manual_seed(0)
+    plain = torch.nn.ParameterDict({"dense": torch.nn.Parameter(torch.randn(5, 6)),
+                                    "experts": torch.nn.Parameter(torch.randn(4, 3, 6))})
+    model = torch.nn.ParameterDict({"dense": torch.nn.Parameter(plain["dense"].detach().clone()),
+                                    "experts": torch.nn.Parameter(distribute_tensor(
+                                        plain["experts"].detach(), dims.submesh("ep"), [Shard(0)]))})
+    groups, problems = [{"params": list(model.values())}], []
+    try:
+        Zero1AdamW(model, groups, dims.zero1_mesh(), dims.zero1_shard_dim, lr=0.1)
+        problems.append("experts split over ep were accepted on the dense mesh")
+    except ValueError:
+        pass
+    opt = Zero1AdamW(model, groups, dims.zero1_mesh(), dims.zero1_shard_dim, dims.zero1_expert_cut(), lr=0.1)
+    reference = torch.optim.AdamW(plain.values(), lr=0.1)
+    for step in range(3):
+        xs = [torch.randn(2, 6, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        _expert_loss(model, xs, rank).backward()
+        sum((x @ plain["dense"].T).square().sum() + torch.einsum("ti,eoi->teo", x, plain["experts"]).square().sum()
+            for x in xs).backward()
+        opt.reduce_gradients(scatter=True)
+        norm = clip_grad_norm(model, 0.0, dims)  # the experts' squares summed over efsdp, once
+        want = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in plain.values()]))
+        if not torch.allclose(norm, want, rtol=1e-5):
+            problems.append(f"gradient norm {float(norm)} != {float(want)}")
+        for o in (opt, reference):
+            o.step()
+            o.zero_grad()
+    return problems + _expert_run_problems(model, plain, opt, reference, dims)
+
+
+def _expert_loss(model, xs, rank: int) -> torch.Tensor:
+    """This rank's batch through the dense weight, and its ep group's batches (what the
+    all-to-all would bring) through its local experts: ranks 2m and 2m + 1 form an ep group."""
+    w = model["experts"].to_local()
+    group = [xs[r] for r in range(len(xs)) if r // 2 == rank // 2]
+    return (xs[rank] @ model["dense"].T).square().sum() + sum(torch.einsum("ti,eoi->teo", x, w).square().sum()
+                                                              for x in group)
+
+
+def _expert_run_problems(model, plain, opt, reference, dims) -> list[str]:
+    """Weights and saved states equal AdamW's; the rank holds its row blocks' states only."""
+    states, problems = opt.checkpoint_state()["state"], []
+    for name in ("dense", "experts"):
+        p, q = model[name], plain[name]
+        if not torch.allclose(p.full_tensor() if name == "experts" else p, q, atol=1e-5):
+            problems.append(f"{name} differs from plain AdamW")
+        if not torch.allclose(states[name]["exp_avg"].full_tensor(), reference.state[q]["exp_avg"], atol=1e-5):
+            problems.append(f"saved exp_avg of {name} is not plain AdamW's")
+    dense_rows = row_range(5, dims.submesh("dp_shard").get_local_rank(), 4)
+    expert_rows = row_range(3, dims.submesh("efsdp").get_local_rank(), 2)  # of its 2 experts' 3 rows
+    mine = 6 * (dense_rows[1] - dense_rows[0]) + 2 * 6 * (expert_rows[1] - expert_rows[0])
+    held = sum(s["exp_avg"].numel() for s in opt.state.values())
+    if held != mine:
+        problems.append(f"holds {held} moment values, not its blocks' {mine}")
+    return problems
+
+
+def test_zero1_cuts_routed_experts_over_efsdp_never_ep(world4_problems):
+    """dp_shard 4 = efsdp 2 x ep 2: experts split over ep, their states cut over efsdp apart from
+    the dense ones' (over dp_shard); matches AdamW (weights, saved states, the clipping norm)
+    with each rank holding only its blocks' states, and the dense mesh alone refuses the experts."""
+    assert [e for e in world4_problems if e.startswith("experts")] == [], world4_problems

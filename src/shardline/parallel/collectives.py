@@ -45,6 +45,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
     grads = [p.grad for p in params]
     measured = [p.grad for p in params if p is not counted_elsewhere]
     norms = [torch.linalg.vector_norm(g) for g in measured if not isinstance(g, DTensor)]
+    apart = []  # ZeRO-1 under ep: the routed experts' squares, whose slices are spread over efsdp
     groups: dict[tuple, list[DTensor]] = {}
     for g in measured:
         if isinstance(g, DTensor):
@@ -59,10 +60,17 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
             # Any sharding (FSDP's strided shard on top of TP is not an is_shard() Shard).
             if not placement.is_replicate():
                 dist.all_reduce(squares, group=mesh.get_group(dim))
-        norms.append(squares.sqrt())
+        if dims.zero1 and dims.zero1_cut_dim(mesh.mesh_dim_names or ()) == "efsdp":
+            apart.append(squares)  # summed over ep above; over the shard dim (which holds ep) they would count ep times
+        else:
+            norms.append(squares.sqrt())
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     if dims.zero1:  # each rank of the shard dim holds the summed gradient of its slices only (zero1.py)
-        total = reduce_over(dims, dims.zero1_shard_dim, total.square(), "sum").sqrt()
+        total = reduce_over(dims, dims.zero1_shard_dim, total.square(), "sum")
+        if dims.ep > 1:  # all ranks call it, a stage without experts with 0
+            experts = sum((s.to(total.device) for s in apart), torch.zeros((), device=total.device))
+            total = total + reduce_over(dims, "efsdp", experts, "sum").to(total.device)
+        total = total.sqrt()
     if dims.pp > 1:  # each pipeline rank holds other parameters: add the squares
         total = reduce_over(dims, "pp", total.square(), "sum").sqrt()
     if max_norm:

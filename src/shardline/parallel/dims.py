@@ -12,7 +12,7 @@ them as data-parallel ranks would, and their gradients are summed the same way.
 Expert parallelism borrows ep of the dp_shard ranks: with ep > 1, dp_shard is built as
 dp_shard_mod_ep x ep (and kept as a flattened dimension of that name). Routed experts
 are split over "ep" and sharded by FSDP over what is left of dp_shard x cp ("efsdp":
-dp_shard_mod_ep x cp).
+dp_shard_mod_ep x cp); under ZeRO-1 their optimizer states are cut over efsdp instead.
 """
 
 from __future__ import annotations
@@ -106,9 +106,25 @@ class ParallelDims:
 
     @property
     def zero1_scatters(self) -> bool:
-        """ZeRO-1 under tp or pp: no DDP wrapper (it runs neither DTensor parameters nor pipeline
-        stages); the optimizer reduce-scatters the gradients itself (parallel/zero1.py)."""
-        return self.zero1 and (self.tp > 1 or self.pp > 1)
+        """ZeRO-1 under tp, pp or ep: no DDP wrapper (it runs neither DTensor parameters, TP's or
+        the experts split over ep, nor pipeline stages, and it would sum expert gradients over
+        ep); the optimizer reduce-scatters the gradients itself (parallel/zero1.py)."""
+        return self.zero1 and (self.tp > 1 or self.pp > 1 or self.ep > 1)
+
+    def zero1_cut_dim(self, param_dims: tuple[str, ...]) -> str:
+        """The dimension ZeRO-1 cuts a parameter's states over, given the mesh dims the parameter
+        is itself split over: routed experts split over ep go over efsdp, the ranks that hold the
+        same experts (Megatron's expert data-parallel group; their ep-mates hold other experts),
+        everything else over `zero1_shard_dim`. Under tp alone the experts are whole on a tp rank
+        and cut like any TP shard."""
+        return "efsdp" if self.ep > 1 and {"ep", "ep_tp"} & set(param_dims) else self.zero1_shard_dim
+
+    def zero1_expert_cut(self) -> tuple[DeviceMesh, str] | None:
+        """Under ep: the mesh the routed experts' states live on (dp_replicate, efsdp and the dim
+        the experts are split over, so a saved state knows its experts) and its dim they are cut over."""
+        if not self.zero1 or self.ep == 1:
+            return None
+        return self.mesh["dp_replicate", "efsdp", "ep_tp" if self.tp > 1 else "ep"], "efsdp"
 
     def zero1_mesh(self) -> DeviceMesh | None:
         """The dims ZeRO-1's states live on: dp_replicate, the shard dim and, under tp, tp, so a

@@ -29,6 +29,13 @@ unscales the optimizer's views) see every element exactly once.
 Every collective runs on the mesh dimensions of the rank's own (tp, pp) coordinate:
 the dp group of one coordinate holds replicas of the same parameter shards.
 
+Routed experts under expert parallelism are DTensors split over ep, and the ep ranks hold
+different experts whose gradients already carry the whole ep group's tokens: they must
+never be summed over ep. So their states get a second `Cut`, over efsdp (the ranks of
+dp_shard x cp holding the same experts, Megatron's expert data-parallel group), with its
+own reduce-scatter and all-gather. Each parameter goes to the first cut whose mesh holds
+every dimension the parameter is split over (the experts' "ep" is in the second only).
+
 A slice is a block of one dimension, cut the way DTensor's Shard cuts (chunks of
 ceil(size / ranks)). Plain parameters are cut by rows. A tensor-parallel DTensor
 parameter is cut in its local shard along a dimension TP does not split (a
@@ -77,11 +84,30 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class Cut:
+    """The data-parallel ranks some parameters' states are cut over (`dim` of `mesh`), and the
+    mesh their saved states are laid out on: the dp dims plus the parameters' own."""
+
+    def __init__(self, mesh: DeviceMesh, dim: str):
+        names = mesh.mesh_dim_names
+        self.mesh, self.dim = mesh, dim
+        self.group = mesh.get_group(dim)
+        self.ranks, self.rank = mesh.size(names.index(dim)), mesh.get_local_rank(dim)
+        replicas = "dp_replicate" in names and mesh.size(names.index("dp_replicate")) > 1
+        self.replicate_group = mesh.get_group("dp_replicate") if replicas else None
+
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether `mesh` has every dimension `p` is itself split over (so a saved state can say where it sits)."""
+        own = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+        return set(own or ()) <= set(self.mesh.mesh_dim_names)
+
+
 @dataclass
 class Slice:
     """One parameter and the block of its local tensor this rank updates."""
 
     param: nn.Parameter
+    cut: Cut
     dim: int  # the dimension cut
     lo: int
     hi: int
@@ -102,43 +128,41 @@ class Zero1AdamW(torch.optim.AdamW):
     `groups` are the usual param groups (of full parameters); the optimizer itself
     holds views of this rank's slices, so states exist only for them. `mesh` names the
     data-parallel dimensions and, under tp, the tp one; `shard_dim` the one sharded.
+    `experts`: (mesh, dim) of a second cut for the parameters `mesh` lacks a dimension of
+    (routed experts split over ep; see the module doc).
     """
 
-    def __init__(self, model: nn.Module, groups: list[dict], mesh: DeviceMesh, shard_dim: str, **kwargs):
-        self.mesh, self.shard_dim = mesh, shard_dim
-        names = mesh.mesh_dim_names
-        self.group = mesh.get_group(shard_dim)
-        self.ranks, self.rank = mesh.size(names.index(shard_dim)), mesh.get_local_rank(shard_dim)
-        replicas = "dp_replicate" in names and mesh.size(names.index("dp_replicate")) > 1
-        self.replicate_group = mesh.get_group("dp_replicate") if replicas else None
+    def __init__(self, model: nn.Module, groups: list[dict], mesh: DeviceMesh, shard_dim: str,
+                 experts: tuple[DeviceMesh, str] | None = None, **kwargs):
+        self.cuts = [Cut(mesh, shard_dim)] + ([Cut(*experts)] if experts else [])
         self.names = {p: n for n, p in model.named_parameters()}
         self.slices: list[Slice] = []
         shard_groups = []
         for g in groups:
             views = []
             for p in g["params"]:
-                self._check_mesh(p)
+                cut = self._cut_of(p)
                 dim = slice_dim(p)
                 size = local(p).shape[dim]
-                self.slices.append(Slice(p, dim, *row_range(size, self.rank, self.ranks), -(-size // self.ranks)))
+                self.slices.append(Slice(p, cut, dim, *row_range(size, cut.rank, cut.ranks), -(-size // cut.ranks)))
                 views.append(self.slices[-1].of(p.detach()))
             shard_groups.append({**g, "params": views})
         super().__init__(shard_groups, **kwargs)
         self.views = [v for g in self.param_groups for v in g["params"]]
 
-    def _check_mesh(self, p: torch.Tensor) -> None:
-        """A DTensor parameter is sharded over its own mesh dims (tp): the states may be cut over
-        the data-parallel dim only, where every rank holds the same shard, and saving them
-        needs the parameter's dims in `mesh`."""
-        if not isinstance(p, DTensor):
-            return
-        own = p.device_mesh.mesh_dim_names or ()
-        if self.shard_dim in own:
-            raise ValueError(f"ZeRO-1 would cut optimizer states over {self.shard_dim!r}, which already shards "
-                             f"parameter {self.names.get(p, '?')}; use a data-parallel mesh dimension")
-        if not set(own) <= set(self.mesh.mesh_dim_names):
-            raise ValueError(f"ZeRO-1's mesh {self.mesh.mesh_dim_names} lacks the dims {own} of parameter "
-                             f"{self.names.get(p, '?')}; build it with them (ParallelDims.zero1_mesh)")
+    def _cut_of(self, p: torch.Tensor) -> Cut:
+        """The first cut whose mesh holds `p`'s own dims (tp, ep): the states may be cut over a
+        data-parallel dim only, where every rank holds the same shard, and saving them needs
+        the parameter's dims in the mesh."""
+        own = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        for cut in self.cuts:
+            if cut.holds(p):
+                if cut.dim in own:
+                    raise ValueError(f"ZeRO-1 would cut optimizer states over {cut.dim!r}, which already shards "
+                                     f"parameter {self.names.get(p, '?')}; use a data-parallel mesh dimension")
+                return cut
+        raise ValueError(f"ZeRO-1's meshes {[c.mesh.mesh_dim_names for c in self.cuts]} lack the dims {own} of "
+                         f"parameter {self.names.get(p, '?')}; build them with those (ParallelDims.zero1_mesh)")
 
     @torch.no_grad()
     def reduce_gradients(self, scatter: bool) -> None:
@@ -150,7 +174,8 @@ class Zero1AdamW(torch.optim.AdamW):
         the fp16 scaler, which unscales the views, leaves no scaled element behind.
         """
         if scatter:
-            self._reduce_scatter()
+            for cut in self.cuts:
+                self._reduce_scatter(cut, [s for s in self.slices if s.cut is cut])
         for s, view in zip(self.slices, self.views):
             grad = s.param.grad
             if grad is not None and not scatter:
@@ -159,29 +184,32 @@ class Zero1AdamW(torch.optim.AdamW):
                 rows[s.hi:].zero_()
             view.grad = s.of(grad) if grad is not None else None
 
-    def _reduce_scatter(self) -> None:
-        """One reduce-scatter over dp_shard (+ one all-reduce over dp_replicate) for all gradients.
+    def _reduce_scatter(self, cut: Cut, slices: list[Slice]) -> None:
+        """One reduce-scatter over the cut's dim (+ one all-reduce over dp_replicate) for its gradients.
 
         The send buffer holds every gradient once (each rank's block padded to the same
-        size): the only full-size copy; each rank receives a 1/ranks part of it."""
-        grads = [self._full_grad(s) for s in self.slices]
-        widths = [s.per * s.rows(g)[0].numel() for s, g in zip(self.slices, grads)]
-        send = local(grads[0]).new_zeros((self.ranks, sum(widths)))
+        size): the only full-size copy; each rank receives a 1/ranks part of it. The ranks
+        of a cut hold the same parameters, so all of them skip a cut with none."""
+        if not slices:
+            return
+        grads = [self._full_grad(s) for s in slices]
+        widths = [s.per * s.rows(g)[0].numel() for s, g in zip(slices, grads)]
+        send = local(grads[0]).new_zeros((cut.ranks, sum(widths)))
         offset = 0
-        for s, g, n in zip(self.slices, grads, widths):
+        for s, g, n in zip(slices, grads, widths):
             rows = s.rows(g)
-            blocks = send[:, offset: offset + n].view(self.ranks, s.per, *rows.shape[1:])
+            blocks = send[:, offset: offset + n].view(cut.ranks, s.per, *rows.shape[1:])
             whole = rows.shape[0] // s.per  # ranks whose block is full; the next one's is short
             blocks[:whole].copy_(rows[: whole * s.per].reshape(whole, s.per, *rows.shape[1:]))
-            if whole < self.ranks:
+            if whole < cut.ranks:
                 blocks[whole, : rows.shape[0] - whole * s.per].copy_(rows[whole * s.per:])
             offset += n
         mine = send.new_empty(send.shape[1])
-        _reduce_scatter(mine, send.flatten(), group=self.group)
-        if self.replicate_group is not None:
-            dist.all_reduce(mine, group=self.replicate_group)
+        _reduce_scatter(mine, send.flatten(), group=cut.group)
+        if cut.replicate_group is not None:
+            dist.all_reduce(mine, group=cut.replicate_group)
         offset = 0
-        for s, g, n in zip(self.slices, grads, widths):
+        for s, g, n in zip(slices, grads, widths):
             rows = s.rows(g)
             rows.zero_()
             rows[s.lo: s.hi] = mine[offset: offset + n].view(s.per, *rows.shape[1:])[: s.hi - s.lo]
@@ -214,34 +242,38 @@ class Zero1AdamW(torch.optim.AdamW):
             p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
 
     def _gather_params(self) -> None:
-        """All-gather the updated slices (one collective for all parameters)."""
-        if self.ranks == 1:
+        """All-gather the updated slices (one collective per cut for all its parameters)."""
+        for cut in self.cuts:
+            self._gather_cut(cut, [s for s in self.slices if s.cut is cut])
+
+    def _gather_cut(self, cut: Cut, slices: list[Slice]) -> None:
+        if cut.ranks == 1 or not slices:
             return
         pieces = []
-        for s in self.slices:
+        for s in slices:
             rows = s.rows(s.param.detach())
             piece = rows.new_zeros((s.per, *rows.shape[1:]))
             piece[: s.hi - s.lo] = rows[s.lo: s.hi]
             pieces.append(piece.flatten())
         mine = torch.cat(pieces)
-        gathered = mine.new_empty(mine.numel() * self.ranks)
-        _all_gather(gathered, mine, group=self.group)
-        by_rank = gathered.view(self.ranks, -1)
+        gathered = mine.new_empty(mine.numel() * cut.ranks)
+        _all_gather(gathered, mine, group=cut.group)
+        by_rank = gathered.view(cut.ranks, -1)
         offset = 0
-        for s, piece in zip(self.slices, pieces):
+        for s, piece in zip(slices, pieces):
             rows = s.rows(s.param.detach())
-            block = by_rank[:, offset: offset + piece.numel()].reshape(self.ranks * s.per, *rows.shape[1:])
+            block = by_rank[:, offset: offset + piece.numel()].reshape(cut.ranks * s.per, *rows.shape[1:])
             rows.copy_(block[: rows.shape[0]])
             offset += piece.numel()
 
     # ---- checkpoints: the FSDP2 layout (FQN keys, Shard DTensors) ------------------------
 
     def _placements(self, s: Slice) -> list:
-        """Where this rank's block sits in the full parameter, per dimension of `mesh`."""
+        """Where this rank's block sits in the full parameter, per dimension of its cut's mesh."""
         p, out = s.param, []
         own = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
-        for name in self.mesh.mesh_dim_names:
-            if name == self.shard_dim:
+        for name in s.cut.mesh.mesh_dim_names:
+            if name == s.cut.dim:
                 out.append(Shard(s.dim))
             elif name in own:
                 out.append(p.placements[own.index(name)])
@@ -258,7 +290,7 @@ class Zero1AdamW(torch.optim.AdamW):
                 if key == "step" or value.ndim == 0:
                     entry[key] = value
                 else:
-                    entry[key] = DTensor.from_local(value, self.mesh, self._placements(s), run_check=False,
+                    entry[key] = DTensor.from_local(value, s.cut.mesh, self._placements(s), run_check=False,
                                                     shape=s.param.shape, stride=s.param.stride())
             state[self.names[s.param]] = entry
         groups = []

@@ -69,7 +69,7 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     """Lay out `model` (on meta) in place by `dims`, then initialise it."""
     p = cfg.parallel
     pipeline = context = None
-    use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1
+    use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1 and not dims.zero1_scatters
     # Offload is FSDP2's, so it shards at any degree (one rank too: Layout.offload_fsdp).
     fsdp = ((dims.dp * dims.cp > 1 or dims.layout.offload_fsdp) and not use_ddp
             and not dims.zero1_scatters)  # that optimizer reduces (zero1.py)

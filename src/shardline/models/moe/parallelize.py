@@ -10,7 +10,8 @@ already hold the same tokens). FSDP then shards expert weights over "efsdp" (the
 dp_shard x cp that hold the same experts), every other weight over all of dp_shard x cp.
 An expert's gradient already carries the tokens of the whole ep group (they came to it
 through the all-to-all), so it is summed over efsdp (and dp_replicate) only, never over
-ep or tp.
+ep or tp. Under ZeRO-1 the experts stay whole (no FSDP) and the optimizer does that sum,
+cutting their states over efsdp (parallel/zero1.py).
 
 Under tp the MoE feed-forward takes the whole sequence (gathered from the sequence-
 parallel shards, as the dense feed-forward's input is) and gives each rank its shard of
@@ -83,6 +84,8 @@ def split_experts(layer: MoEFeedForward, dims: ParallelDims, precision: str) -> 
                                     dims.submesh("tp").get_group() if dims.tp > 1 else None)
     if dims.dp * dims.cp == 1:
         return  # no data parallelism: nothing else shares these experts
+    if dims.zero1:
+        return  # ZeRO-1 keeps them whole; its optimizer sums their gradients (over efsdp under ep, zero1.py)
     shard = "efsdp" if dims.ep > 1 else ("dp_shard_cp" if dims.cp > 1 else "dp_shard")
     mesh = dims.submesh("dp_replicate", shard) if dims.dp_replicate > 1 else dims.submesh(shard)
     sum_gradients(fully_shard(experts, mesh=mesh, mp_policy=mixed_precision(precision),
