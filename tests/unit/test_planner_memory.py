@@ -14,8 +14,11 @@ from shardline.planner.hardware import get_hardware
 from shardline.planner.layout import Layout, Workload
 from shardline.planner.memory import (
     GiB,
+    expert_layer_params,
     memory_breakdown,
     offloaded,
+    ranks,
+    stage_params,
     state_bytes,
     zero_model_states,
 )
@@ -120,6 +123,22 @@ def test_trainer_model_states_by_layout():
     lay = Layout(dp_shard=8, zero=3, cpu_offload=True)
     kept, host = offloaded(state_bytes(w, lay, psi), lay)
     assert sum(kept.values()) == 0 and host == pytest.approx(16 * psi / 8)
+
+
+def test_zero1_under_ep_holds_an_ep_th_of_the_experts_and_a_share_of_all_states():
+    """As parallel/zero1.py builds it: a rank's ep-th of the routed experts whole, their states
+    cut over efsdp (dp_shard / ep), so states per rank are those of all parameters over dp_shard."""
+    w = Workload(PRESETS["mixtral-8x7b"], 4096, 64, "bf16")
+    hw = get_hardware("h100-sxm")
+    psi = stage_params(w, Layout(dp_shard=8), ranks(w, Layout(dp_shard=8))[0])
+    experts = w.model.n_layers * expert_layer_params(w, 1)
+    plain = memory_breakdown(w, Layout(dp_shard=8, zero=1), hw)
+    ep4 = memory_breakdown(w, Layout(dp_shard=8, zero=1, ep=4), hw)
+    assert plain["params"] - ep4["params"] == pytest.approx(2 * experts * 3 / 4)
+    assert plain["grads"] - ep4["grads"] == pytest.approx(4 * experts * 3 / 4)
+    assert ep4["optimizer"] == plain["optimizer"] == pytest.approx(12 * psi / 8)
+    fsdp = memory_breakdown(w, Layout(dp_shard=8, ep=4), hw)  # FSDP: ep moves no state bytes
+    assert fsdp["grads"] == memory_breakdown(w, Layout(dp_shard=8), hw)["grads"]
 
 
 def test_memory_breakdown_of_70b_on_h100_layouts():

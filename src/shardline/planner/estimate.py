@@ -49,8 +49,8 @@ from shardline.planner.memory import (
     host_fits,
     layer_params,
     layers_per_rank,
-    max_stage_params,
     memory_breakdown,
+    zero1_ep_away,
     params_per_rank,
     ranks,
     stage_params,
@@ -355,7 +355,7 @@ def _offload(work: Workload, layout: Layout, hw: Hardware) -> float:
 def _dp_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float]) -> tuple[float, float, dict]:
     """(exposed seconds after the last backward, total seconds, algorithms) of DDP / ZeRO-1."""
     mode, net = layout.dp_mode, hw.network
-    psi = max_stage_params(work, layout)
+    psi = max(stage_params(work, layout, r) - zero1_ep_away(work, layout, r) for r in ranks(work, layout))
     hide = 0.0 if cmp.saturated(hw, layout) else 1.0
     if mode in ("ddp", "zero1"):
         g = comm.group(layout.dp * layout.cp, layout.tp, net.gpus_per_node)  # cp ranks reduce too (zero1)
@@ -363,7 +363,7 @@ def _dp_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float
         total, algo = op(4 * psi, g, net)
         bucket = op(min(DDP_BUCKET_BYTES, 4 * psi), g, net)[0]
         exposed = max(0.0, total - hide * slow["compute"] * 2 / 3) + hide * bucket
-        if mode == "zero1" and (layout.tp > 1 or layout.pp > 1):
+        if mode == "zero1" and (layout.tp > 1 or layout.pp > 1 or layout.ep > 1):
             exposed = total  # no DDP wrapper there: the optimizer reduce-scatters after the last backward
         if mode == "zero1" and work.runtime.zero1 == "deepspeed_bf16":
             return (*_deepspeed_bf16_dp(work, g, net, psi), {"dp": algo})

@@ -14,7 +14,11 @@ autocast's cached bf16 weights (single device, DDP) or FSDP2's gathered bf16 wei
 blocks are resident: the current and the prefetched). In fp32 there is no separate
 master (o = 8 for m and v, p = 4 for the weights themselves, sharded at stage 3).
 FSDP shards over dp_shard x cp; HSDP replicates that group dp_replicate times; CPU
-offload moves the sharded states to the host.
+offload moves the sharded states to the host. Routed experts under expert parallelism:
+FSDP shards each rank's ep-th of them over the remaining shard_degree / ep ranks (efsdp),
+the same bytes as all of them over shard_degree; ZeRO-1 keeps a rank's ep-th whole (weights
+and gradients) and cuts their states over efsdp, again all of them over shard_degree
+(`zero1_ep_away`).
 
 Another program's ZeRO-1 is a Runtime field: DeepSpeed's BF16_Optimizer (BLOOM) shards only
 Adam's m and v and keeps the fp32 master and an fp32 gradient buffer whole on every rank
@@ -124,8 +128,18 @@ def max_stage_params(work: Workload, layout: Layout) -> float:
     return max(stage_params(work, layout, r) for r in ranks(work, layout))
 
 
-def state_bytes(work: Workload, layout: Layout, psi: float) -> dict[str, float]:
-    """Weights, gradients and optimizer states of shardline's trainer on one rank."""
+def zero1_ep_away(work: Workload, layout: Layout, stage: RankStages) -> float:
+    """Of a stage's parameters, those a ZeRO-1 rank under ep does not hold: the routed experts
+    of the other ep ranks (parallel/zero1.py). 0 elsewhere: FSDP's sharding already prices them."""
+    if _STAGES[layout.dp_mode] != 1 or layout.ep == 1:
+        return 0.0
+    return stage.layers * expert_layer_params(work, layout.tp) * (1 - 1 / layout.ep)
+
+
+def state_bytes(work: Workload, layout: Layout, psi: float, away: float = 0.0) -> dict[str, float]:
+    """Weights, gradients and optimizer states of shardline's trainer on one rank; `away`: the
+    parameters among `psi` it holds no weights or gradients of (zero1_ep_away), whose states
+    are still a 1/shard_degree share."""
     stage = _STAGES[layout.dp_mode]
     mixed = work.precision != "fp32"
     # p: compute-dtype weights besides the fp32 master (the master itself in fp32 at stages
@@ -140,7 +154,10 @@ def state_bytes(work: Workload, layout: Layout, psi: float) -> dict[str, float]:
     else:
         p = 4.0 if stage in (1, 2) else 0.0
     o = 8.0 if (stage == 1 and not mixed) else 12.0
-    return zero_model_states(psi, layout.shard_degree, stage, p, float(work.runtime.grad_bytes), o)
+    states = zero_model_states(psi, layout.shard_degree, stage, p, float(work.runtime.grad_bytes), o)
+    states["params"] -= p * away
+    states["grads"] -= work.runtime.grad_bytes * away
+    return states
 
 
 def deepspeed_bf16_states(work: Workload, layout: Layout, psi: float) -> dict[str, float]:
@@ -234,10 +251,11 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
     worst: dict[str, float] = {}
     for stage in peak_candidates(work, layout):
         psi = stage_params(work, layout, stage)
+        away = zero1_ep_away(work, layout, stage)
         tokens = layout.micro_batch_size * work.seq_len // layout.cp
-        states, host = offloaded(state_bytes(work, layout, psi), layout)
+        states, host = offloaded(state_bytes(work, layout, psi, away), layout)
         parts = {**states, **activation_bytes(work, layout, stage, on_cuda=hw.name != "cpu"),
-                 "buffers": transient_bytes(work, layout, tokens, psi,
+                 "buffers": transient_bytes(work, layout, tokens, psi - away,
                                             psi - stage.layers * layer_params(work, layout.tp))}
         allocated = sum(parts.values())
         parts["fragmentation"] = hw.fragmentation * allocated
