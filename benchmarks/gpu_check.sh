@@ -5,8 +5,9 @@
 #
 # 1. the machine: nvidia-smi, python, torch, CUDA, transformers, torchao  -> env.txt
 # 2. the GPU tests, `pytest -m gpu` (tests/gpu: CUDA bf16 run and resume, chunked
-#    loss, compile, FSDP2 CPU offload over NCCL, attention kernels against the dense
-#    mask, fp8, allocator and profiler)                                     -> gpu-tests.txt, .xml
+#    loss, compile, FSDP2 CPU offload over NCCL (also one GPU through the trainer),
+#    attention kernels against the dense mask, fp8, allocator and profiler)
+#                                                                           -> gpu-tests.txt, .xml
 # 3. benchmarks/gpu_train.py on the Llama-3.2-1B shape at seq 4096, batch 4: shardline
 #    bf16 compiled, shardline fp8, HF eager, HF compiled, in one run       -> gpu_train.json, .txt
 #

@@ -3,7 +3,8 @@ FSDP2's CPU offload. Skipped without CUDA; `benchmarks/gpu_check.sh` runs them.
 
 What the CPU suite cannot show: that the same code runs on the GPU machine's torch
 (2.11 + CUDA there), that bf16 autocast and inductor's GPU code give the losses eager
-gives, and that an NCCL group drives FSDP2 with and without offload to the same place.
+gives, and that an NCCL group drives FSDP2 with and without offload to the same place
+(also one GPU offloading through the trainer, which makes its own one-rank group).
 """
 
 from __future__ import annotations
@@ -107,3 +108,33 @@ def test_fsdp2_cpu_offload_matches_no_offload_over_nccl():
     assert params_gpu.keys() == params_cpu.keys() and params_gpu
     for name, value in params_gpu.items():
         torch.testing.assert_close(params_cpu[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_one_gpu_cpu_offload_through_the_trainer_matches_no_offload(tmp_path, small_corpus):
+    """memory.cpu_offload on one GPU, as a user runs it: the trainer makes a one-rank NCCL group,
+    FSDP2 over a size-1 shard dim keeps parameters, gradients and AdamW states on the host
+    (pinned), and the run trains like the same run without offload (fp32)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    plain = _train(tmp_path, small_corpus, "plain")
+    try:
+        cfg = load_config(None, tiny_overrides(tmp_path / "offload", small_corpus, *CUDA, "memory.cpu_offload=true"))
+        trainer = Trainer(cfg).build()
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+        assert units and all(isinstance(m._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+                             and m._get_fsdp_state()._fsdp_param_group.offload_policy.pin_memory for m in units)
+        trainer.train()
+        params = list(trainer.model.parameters())
+        assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in params)
+        states = [v for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"]
+        assert states and all(v.device.type == "cpu" for v in states)
+        assert all(b.device.type == "cuda" for b in trainer.model.buffers())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    offloaded = losses(tmp_path / "offload")
+    assert sorted(offloaded) == sorted(plain)
+    for step in plain:  # fused AdamW on the GPU against foreach on the host: last bits only
+        assert offloaded[step] == pytest.approx(plain[step], rel=1e-4), (step, offloaded, plain)
