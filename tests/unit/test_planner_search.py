@@ -145,7 +145,7 @@ def test_emitted_tiny_plan_trains(tmp_path, small_corpus):
 
 
 def test_emitted_moe_plan_on_cpu_ranks_passes_the_launch_checks(tmp_path, capsys):
-    """An expert-parallel plan for CPU ranks is one the trainer accepts (no offload: it needs a GPU)."""
+    """An expert-parallel plan for CPU ranks is one the trainer accepts (no offload: it saves nothing on CPU ranks)."""
     from shardline.preflight import check_device, preflight
 
     path = tmp_path / "moe.toml"
