@@ -129,8 +129,10 @@ class Trainer:
         self._lock_taken_over = self.lock.acquire_for_job(self.proc.is_main, self.proc.world_size)
 
     def _layout_fingerprint(self) -> str:
-        """What in-memory snapshots (local shards) are only valid for: this layout and model."""
+        """What in-memory snapshots (local shards) are only valid for: this layout and model
+        (offload included: at shard degree 1 it turns DDP into FSDP2)."""
         layout = {"world": self.proc.world_size, "parallel": self.cfg.parallel.__dict__,
+                  "cpu_offload": self.cfg.memory.cpu_offload,
                   "model": args_to_json(self.model_args)}
         return json.dumps(layout, sort_keys=True, default=str)
 

@@ -14,6 +14,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -66,18 +67,23 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], dims: ParallelDims, pre
     """
     shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
     mesh = dims.submesh("dp_replicate", shard) if dims.dp_replicate > 1 else dims.submesh(shard)
-    mp = mixed_precision(precision)
-    kwargs = {"mesh": mesh, "mp_policy": mp}
-    if cpu_offload:
-        # Pinned host memory needs an accelerator (torch refuses it on a CPU-only machine,
-        # where offload runs only as a check of the path: preflight.check_device).
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+    kwargs = fsdp_policies(mesh, precision, cpu_offload)
     for block in model.layers.values():
         sum_gradients(fully_shard(block, reshard_after_forward=dims.zero == 3, **kwargs))
     # A root keeps embedding, final norm and output; they are used last in forward and
     # first in backward, so resharding them after forward would only cost a gather.
     for root in roots:
         sum_gradients(fully_shard(root, reshard_after_forward=False, **kwargs))
+
+
+def fsdp_policies(mesh: DeviceMesh, precision: str, cpu_offload: bool) -> dict:
+    """fully_shard's keyword arguments for every unit: the mesh, the precision policy and,
+    under offload, host-resident shards (pinned memory needs an accelerator: torch refuses it
+    on a CPU-only machine, where offload runs only as a check of the path, preflight.check_device)."""
+    kwargs = {"mesh": mesh, "mp_policy": mixed_precision(precision)}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+    return kwargs
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:

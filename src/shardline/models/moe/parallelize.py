@@ -38,7 +38,7 @@ from shardline.config import Config
 from shardline.models.llama.model import Llama, ModelArgs
 from shardline.models.llama.parallelize import build_model as build_llama
 from shardline.models.moe.layer import MoEFeedForward, moe_layers
-from shardline.parallel.data_parallel import mixed_precision, sum_gradients
+from shardline.parallel.data_parallel import fsdp_policies, sum_gradients
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.expert.dispatch import ExpertParallel
 from shardline.parallel.parallelize import BuiltModel
@@ -55,7 +55,7 @@ def apply_moe(model: Llama, dims: ParallelDims, cfg: Config) -> None:
         if dims.tp > 1:
             apply_tp_moe(layer, dims.submesh("tp"), cfg.parallel.sequence_parallel)
         if dims.ep > 1 or dims.tp > 1:
-            split_experts(layer, dims, cfg.train.precision)
+            split_experts(layer, dims, cfg.train.precision, cfg.memory.cpu_offload)
 
 
 def apply_tp_moe(layer: MoEFeedForward, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -72,8 +72,9 @@ def apply_tp_moe(layer: MoEFeedForward, tp_mesh: DeviceMesh, sequence_parallel: 
                                                    "w2": RowwiseParallel(output_layouts=Replicate())})
 
 
-def split_experts(layer: MoEFeedForward, dims: ParallelDims, precision: str) -> None:
-    """Each expert whole on one rank of ep x tp; tokens routed to it; FSDP over the rest."""
+def split_experts(layer: MoEFeedForward, dims: ParallelDims, precision: str, cpu_offload: bool) -> None:
+    """Each expert whole on one rank of ep x tp; tokens routed to it; FSDP over the rest
+    (with the other units' offload policy, so offloaded runs keep the experts on the host too)."""
     name = "ep_tp" if dims.ep > 1 and dims.tp > 1 else ("ep" if dims.ep > 1 else "tp")
     mesh = dims.submesh(name)
     experts = layer.experts
@@ -82,11 +83,11 @@ def split_experts(layer: MoEFeedForward, dims: ParallelDims, precision: str) -> 
         experts.register_parameter(pname, torch.nn.Parameter(sharded))
     layer.dispatch = ExpertParallel(layer.moe.n_experts, dims.submesh("ep").get_group() if dims.ep > 1 else None,
                                     dims.submesh("tp").get_group() if dims.tp > 1 else None)
-    if dims.dp * dims.cp == 1:
-        return  # no data parallelism: nothing else shares these experts
+    if dims.dp * dims.cp == 1 and not dims.layout.offload_fsdp:
+        return  # no data parallelism: nothing else shares these experts (offload is FSDP2's: a unit of one)
     if dims.zero1:
         return  # ZeRO-1 keeps them whole; its optimizer sums their gradients (over efsdp under ep, zero1.py)
     shard = "efsdp" if dims.ep > 1 else ("dp_shard_cp" if dims.cp > 1 else "dp_shard")
     mesh = dims.submesh("dp_replicate", shard) if dims.dp_replicate > 1 else dims.submesh(shard)
-    sum_gradients(fully_shard(experts, mesh=mesh, mp_policy=mixed_precision(precision),
-                              reshard_after_forward=dims.zero == 3))
+    sum_gradients(fully_shard(experts, reshard_after_forward=dims.zero == 3,
+                              **fsdp_policies(mesh, precision, cpu_offload)))
