@@ -25,12 +25,12 @@ def _base(corpus):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, small_corpus):
+def runs(tmp_path_factory, small_prepared):
     """The plain loss in one process (the reference), the chunked one, and the layouts chunked."""
     root = tmp_path_factory.mktemp("chunked")
     for name, extra in {"plain": [], "single": [CHUNK]}.items():
-        Trainer(load_config(None, [*_base(small_corpus), *extra, f"run.dir={root / name}"])).build().train()
-    run_world(2, [(root / name, [*_base(small_corpus), CHUNK, *extra]) for name, extra in LAYOUTS.items()])
+        Trainer(load_config(None, [*_base(small_prepared), *extra, f"run.dir={root / name}"])).build().train()
+    run_world(2, [(root / name, [*_base(small_prepared), CHUNK, *extra]) for name, extra in LAYOUTS.items()])
     return root
 
 

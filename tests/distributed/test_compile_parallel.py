@@ -58,8 +58,8 @@ def _compiled(block: torch.nn.Module) -> bool:
 
 
 @pytest.mark.slow  # two ranks compiling with inductor on 2 CPU cores: ~55 s with a cold cache
-def test_compiled_tensor_parallel_with_sequence_parallel_trains_like_eager(tmp_path, small_corpus):
-    base = [*PARITY_OVERRIDES, f"data.path={small_corpus}", *TP_SP]
+def test_compiled_tensor_parallel_with_sequence_parallel_trains_like_eager(tmp_path, small_prepared):
+    base = [*PARITY_OVERRIDES, f"data.path={small_prepared}", *TP_SP]
     runs = {"compiled": ["train.compile=true"],
             "compiled_op_ac": ["train.compile=true", "memory.activation_checkpoint=op"]}
     jobs = [(str(tmp_path / "eager"), base), *[(str(tmp_path / n), [*base, *extra]) for n, extra in runs.items()]]

@@ -188,8 +188,8 @@ def _single(tmp_path_factory, corpus, docs: bool) -> Path:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, small_corpus):
-    return {docs: _single(tmp_path_factory, small_corpus, docs) for docs in (True, False)}
+def references(tmp_path_factory, small_prepared):
+    return {docs: _single(tmp_path_factory, small_prepared, docs) for docs in (True, False)}
 
 
 def _jobs(root: Path, corpus, layouts: dict[str, list[str]], docs_too: set[str]):
@@ -202,20 +202,20 @@ def _jobs(root: Path, corpus, layouts: dict[str, list[str]], docs_too: set[str])
 
 
 @pytest.fixture(scope="module")
-def cp_world2(tmp_path_factory, small_corpus):
+def cp_world2(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("cp_world2")
-    jobs = _jobs(root, small_corpus, CP_2, set(CP_2)) + _jobs(root, small_corpus, ZERO1_2, set())
+    jobs = _jobs(root, small_prepared, CP_2, set(CP_2)) + _jobs(root, small_prepared, ZERO1_2, set())
     for name, first, second in CP_RESHARD_2:
-        base = _base(small_corpus, True)
+        base = _base(small_prepared, True)
         jobs += [(root / name, [*base, *first]), (root / name, [*base, *second])]
     run_world(2, jobs)
     return root
 
 
 @pytest.fixture(scope="module")
-def cp_world4(tmp_path_factory, small_corpus):
+def cp_world4(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("cp_world4")
-    run_world(4, _jobs(root, small_corpus, CP_4, NODOCS_4))
+    run_world(4, _jobs(root, small_prepared, CP_4, NODOCS_4))
     return root
 
 

@@ -154,30 +154,30 @@ def _base(corpus) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory, small_corpus):
+def moe_reference(tmp_path_factory, small_prepared):
     run = tmp_path_factory.mktemp("moe_reference")
-    Trainer(load_config(None, [*_base(small_corpus), f"run.dir={run}"])).build().train()
+    Trainer(load_config(None, [*_base(small_prepared), f"run.dir={run}"])).build().train()
     return run
 
 
 @pytest.fixture(scope="module")
-def moe_world2(tmp_path_factory, small_corpus):
+def moe_world2(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("moe_world2")
-    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in MOE_2.items()]
-    jobs.append((root / "ep2_to_single", [*_base(small_corpus), "parallel.dp_shard=2", "parallel.ep=2",
+    jobs = [(root / name, [*_base(small_prepared), *extra]) for name, extra in MOE_2.items()]
+    jobs.append((root / "ep2_to_single", [*_base(small_prepared), "parallel.dp_shard=2", "parallel.ep=2",
                                            "train.stop_at_step=2"]))
     run_world(2, jobs)
     # The second half of ep2_to_single: one process, every expert on it.
-    Trainer(load_config(None, [*_base(small_corpus), f"run.dir={root / 'ep2_to_single'}"])).build().train()
+    Trainer(load_config(None, [*_base(small_prepared), f"run.dir={root / 'ep2_to_single'}"])).build().train()
     return root
 
 
 @pytest.fixture(scope="module")
-def moe_world4(tmp_path_factory, small_corpus):
+def moe_world4(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("moe_world4")
-    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in MOE_4.items()]
+    jobs = [(root / name, [*_base(small_prepared), *extra]) for name, extra in MOE_4.items()]
     for name, first, second in RESHARD_4:
-        jobs += [(root / name, [*_base(small_corpus), *first]), (root / name, [*_base(small_corpus), *second])]
+        jobs += [(root / name, [*_base(small_prepared), *first]), (root / name, [*_base(small_prepared), *second])]
     run_world(4, jobs)
     return root
 

@@ -109,9 +109,9 @@ def _worker(rank: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, small_corpus) -> Path:
+def runs(tmp_path_factory, small_prepared) -> Path:
     root = tmp_path_factory.mktemp("fp8")
-    base = [*PARITY_OVERRIDES, f"data.path={small_corpus}", *FP8]
+    base = [*PARITY_OVERRIDES, f"data.path={small_prepared}", *FP8]
     Trainer(load_config(None, [*base, f"run.dir={root / 'one'}"])).build().train()
     Trainer(load_config(None, [*base, "fp8.recipe=rowwise", f"run.dir={root / 'one_rowwise'}"])).build().train()
     jobs = [(str(root / name), [*base, *extra]) for name, extra in LAYOUTS.items()]

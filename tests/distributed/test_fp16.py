@@ -79,18 +79,18 @@ def _scalers(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, small_corpus):
+def references(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("fp16_reference")
     for name, inject in (("plain", False), ("inf", True)):
-        _train(_base(small_corpus), root / name, inject, rank=0)
+        _train(_base(small_prepared), root / name, inject, rank=0)
     return root
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory, small_corpus):
+def world2(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("fp16_world2")
-    jobs = [(str(root / name), [*_base(small_corpus), *extra], False) for name, extra in LAYOUTS.items()]
-    jobs += [(str(root / name), [*_base(small_corpus), *extra], True) for name, extra in INJECTED.items()]
+    jobs = [(str(root / name), [*_base(small_prepared), *extra], False) for name, extra in LAYOUTS.items()]
+    jobs += [(str(root / name), [*_base(small_prepared), *extra], True) for name, extra in INJECTED.items()]
     mp.start_processes(_worker, args=(2, free_port(), jobs), nprocs=2, start_method="spawn")
     return root
 

@@ -112,25 +112,25 @@ def _emit_zero1_tp2_pp2(corpus, path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, small_corpus):
+def reference(tmp_path_factory, small_prepared):
     run = tmp_path_factory.mktemp("reference")
-    Trainer(load_config(None, [*_base(small_corpus), f"run.dir={run}"])).build().train()
+    Trainer(load_config(None, [*_base(small_prepared), f"run.dir={run}"])).build().train()
     return run
 
 
 @pytest.fixture(scope="module")
-def reference_tied(tmp_path_factory, small_corpus):
+def reference_tied(tmp_path_factory, small_prepared):
     run = tmp_path_factory.mktemp("reference_tied")
-    Trainer(load_config(None, [*_base(small_corpus), "model.tie_embeddings=1", f"run.dir={run}"])).build().train()
+    Trainer(load_config(None, [*_base(small_prepared), "model.tie_embeddings=1", f"run.dir={run}"])).build().train()
     return run
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory, small_corpus):
+def world2(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("world2")
     layouts = {**LAYOUTS_2, **TIED_2}
-    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in layouts.items()]
-    tied = [*_base(small_corpus), "model.tie_embeddings=1"]
+    jobs = [(root / name, [*_base(small_prepared), *extra]) for name, extra in layouts.items()]
+    tied = [*_base(small_prepared), "model.tie_embeddings=1"]
     for name, first, second in TIED_RESHARD_2:
         jobs += [(root / name, [*tied, *first]), (root / name, [*tied, *second])]
     run_world(2, jobs)
@@ -138,26 +138,26 @@ def world2(tmp_path_factory, small_corpus):
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory, small_corpus):
+def world4(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("world4")
-    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in {**LAYOUTS_4, **TIED_4}.items()]
+    jobs = [(root / name, [*_base(small_prepared), *extra]) for name, extra in {**LAYOUTS_4, **TIED_4}.items()]
     for name, first, second in RESHARD_4:
-        jobs += [(root / name, [*_base(small_corpus), *first]), (root / name, [*_base(small_corpus), *second])]
-    jobs.append((root / ZERO1_TO_SINGLE, [*_base(small_corpus), *LAYOUTS_4["zero1_tp2"], HALF]))
+        jobs += [(root / name, [*_base(small_prepared), *first]), (root / name, [*_base(small_prepared), *second])]
+    jobs.append((root / ZERO1_TO_SINGLE, [*_base(small_prepared), *LAYOUTS_4["zero1_tp2"], HALF]))
     run_world(4, jobs)
-    Trainer(load_config(None, [*_base(small_corpus), f"run.dir={root / ZERO1_TO_SINGLE}"])).build().train()
+    Trainer(load_config(None, [*_base(small_prepared), f"run.dir={root / ZERO1_TO_SINGLE}"])).build().train()
     return root
 
 
 @pytest.fixture(scope="module")
-def world8(tmp_path_factory, small_corpus):
+def world8(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("world8")
-    jobs = [(root / name, [*_base(small_corpus), *extra]) for name, extra in LAYOUTS_8.items()]
-    tied = [*_base(small_corpus), "model.tie_embeddings=1"]
+    jobs = [(root / name, [*_base(small_prepared), *extra]) for name, extra in LAYOUTS_8.items()]
+    tied = [*_base(small_prepared), "model.tie_embeddings=1"]
     Trainer(load_config(None, [*tied, HALF, f"run.dir={root / SINGLE_TO_ZERO1}"])).build().train()
     jobs.append((root / SINGLE_TO_ZERO1, [*tied, *LAYOUTS_8["zero1_tp2_pp2"]]))
     # The plan `shardline plan --emit-config` writes, and the same config in one process.
-    _emit_zero1_tp2_pp2(small_corpus, root / "plan.toml")
+    _emit_zero1_tp2_pp2(small_prepared, root / "plan.toml")
     one = [f"parallel.{k}=1" for k in ("dp_shard", "tp", "pp")]
     Trainer(load_config(root / "plan.toml", [*one, f"run.dir={root / 'plan_single'}"])).build().train()
     jobs.append((root / "plan", [], root / "plan.toml"))
@@ -165,9 +165,9 @@ def world8(tmp_path_factory, small_corpus):
     return root
 
 
-def test_harness_detects_a_different_run(tmp_path, small_corpus, reference):
+def test_harness_detects_a_different_run(tmp_path, small_prepared, reference):
     other = tmp_path / "other"
-    Trainer(load_config(None, [*_base(small_corpus), "optim.lr=2.9e-3", f"run.dir={other}"])).build().train()
+    Trainer(load_config(None, [*_base(small_prepared), "optim.lr=2.9e-3", f"run.dir={other}"])).build().train()
     with pytest.raises(AssertionError):
         assert_same_run(other, reference)
 

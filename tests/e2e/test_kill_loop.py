@@ -67,16 +67,16 @@ def _export(run, out):
 
 
 @pytest.mark.slow
-def test_random_kills_never_load_an_invalid_state(tmp_path, small_corpus):
+def test_random_kills_never_load_an_invalid_state(tmp_path, small_prepared):
     clean = tmp_path / "clean"
-    done = _run(_command(clean, small_corpus, tmp_path / "shm-clean"))
+    done = _run(_command(clean, small_prepared, tmp_path / "shm-clean"))
     assert done.returncode == 0, done.stderr[-2000:]
     expected = dict(_losses(_records(clean)))
     assert sorted(expected) == list(range(1, STEPS + 1))
 
     rng = random.Random(SEED)
     run, shm = tmp_path / "killed", tmp_path / "shm"
-    cmd, outcomes = _command(run, small_corpus, shm), []
+    cmd, outcomes = _command(run, small_prepared, shm), []
     while True:
         starts = _count_starts(run)
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

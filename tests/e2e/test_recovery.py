@@ -40,23 +40,23 @@ def killed_run(run, corpus, nproc, *extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_killed_rank_recovers_with_identical_losses(tmp_path, small_corpus, layout):
+def test_killed_rank_recovers_with_identical_losses(tmp_path, small_prepared, layout):
     nproc, extra = LAYOUTS[layout]
     common = [*extra, "train.eval_interval=0"]
     clean = tmp_path / "clean"
-    out = torchrun(nproc, *[f"--{o}" for o in tiny_overrides(clean, small_corpus, *common)])
+    out = torchrun(nproc, *[f"--{o}" for o in tiny_overrides(clean, small_prepared, *common)])
     assert out.returncode == 0, out.stderr[-2000:]
     expected = train_losses(clean)
 
     if layout in FROM_DISK:
-        disk = killed_run(tmp_path / "disk", small_corpus, nproc, *common, "checkpoint.interval=3")
+        disk = killed_run(tmp_path / "disk", small_prepared, nproc, *common, "checkpoint.interval=3")
         assert disk["step"] == 6 and disk["checkpoint"].endswith("step-000006") and disk["recomputed_steps"] == 1
         assert train_losses(tmp_path / "disk") == expected  # bit-identical after recovery
 
     memory = tmp_path / "memory"
     shm = tmp_path / "shm"
     redundancy, mode = MEMORY[layout]
-    resumed = killed_run(memory, small_corpus, nproc, *common, "checkpoint.interval=0",
+    resumed = killed_run(memory, small_prepared, nproc, *common, "checkpoint.interval=0",
                          f"checkpoint.memory_mode={mode}",
                          "checkpoint.memory_interval=3", f"checkpoint.memory_redundancy={redundancy}",
                          f"checkpoint.memory_dir={shm}", "faults.kill_wipes_memory=true")
