@@ -17,10 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch._functorch.config
-import torch.multiprocessing as mp
 
 from shardline.config import load_config
-from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, free_port, losses
+from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, free_port, losses, start_ranks
 
 TP_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 
@@ -63,7 +62,7 @@ def test_compiled_tensor_parallel_with_sequence_parallel_trains_like_eager(tmp_p
     runs = {"compiled": ["train.compile=true"],
             "compiled_op_ac": ["train.compile=true", "memory.activation_checkpoint=op"]}
     jobs = [(str(tmp_path / "eager"), base), *[(str(tmp_path / n), [*base, *extra]) for n, extra in runs.items()]]
-    mp.start_processes(_worker, args=(2, free_port(), jobs), nprocs=2, start_method="spawn")
+    start_ranks(_worker, args=(2, free_port(), jobs), nprocs=2)
     eager = losses(tmp_path / "eager")
     assert sorted(eager) == ALL_STEPS
     assert json.loads((tmp_path / "eager" / "compiled.json").read_text())["graphs"] == 0

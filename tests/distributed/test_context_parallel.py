@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardline.config import load_config
 from shardline.models.llama.model import document_causal_mask, sdpa_attention
@@ -24,7 +23,7 @@ from shardline.parallel.context import ring as ring_module
 from shardline.parallel.context.attention import ContextParallel
 from shardline.parallel.context.sharding import SequenceSplit
 from shardline.trainer import Trainer
-from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, assert_same_run, losses, run_world
+from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, assert_same_run, losses, run_world, start_ranks
 from tests.distributed.test_watchdog import free_port
 
 B, H, HK, S, D = 2, 4, 2, 32, 8
@@ -127,7 +126,7 @@ def errors(tmp_path_factory):
     found = {}
     for world in (2, 4):
         out = tmp_path_factory.mktemp(f"cp{world}")
-        mp.start_processes(_worker, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
+        start_ranks(_worker, args=(world, free_port(), str(out)), nprocs=world)
         for rank in range(world):
             for key, err in json.loads((out / f"rank{rank}.json").read_text()).items():
                 found[key] = max(found.get(key, 0.0), err)

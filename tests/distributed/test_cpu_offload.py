@@ -18,13 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardline.config import load_config
 from shardline.trainer import Trainer
-from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, assert_same_run, free_port, losses
+from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, assert_same_run, free_port, losses, start_ranks
 
 OFFLOAD = "memory.cpu_offload=true"
 LAYOUTS_2 = {
@@ -95,7 +94,7 @@ def runs(tmp_path_factory, small_prepared):
         if dist.is_initialized():
             dist.destroy_process_group()
     jobs = [(str(root / name), [*base, OFFLOAD, *extra]) for name, extra in LAYOUTS_2.items()]
-    mp.start_processes(_worker, args=(2, free_port(), jobs), nprocs=2, start_method="spawn")
+    start_ranks(_worker, args=(2, free_port(), jobs), nprocs=2)
     return root
 
 

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardline.config import load_config
 from shardline.models.llama.model import ModelArgs
@@ -30,7 +29,7 @@ from shardline.models.moe.layer import MoEFeedForward
 from shardline.parallel.expert.dispatch import ExpertParallel, _Exchange
 from shardline.trainer import Trainer
 from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_grad_norms, assert_same_run,
-                                       losses, run_world)
+                                       losses, run_world, start_ranks)
 from tests.distributed.test_watchdog import free_port
 
 ARGS = ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=8, ffn_dim=8,
@@ -106,7 +105,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def layer_errors(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep_layer")
-    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+    start_ranks(_worker, args=(2, free_port(), str(out)), nprocs=2)
     ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
     return {k: max(r[k] for r in ranks) for k in ranks[0]}
 

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("torchao.float8")
 
@@ -34,7 +33,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 
 from shardline.config import load_config  # noqa: E402
 from shardline.trainer import Trainer  # noqa: E402
-from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, free_port, losses  # noqa: E402
+from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, free_port, losses, start_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +116,7 @@ def runs(tmp_path_factory, small_prepared) -> Path:
     jobs = [(str(root / name), [*base, *extra]) for name, extra in LAYOUTS.items()]
     split = [*base, *LAYOUTS["fsdp2"], "checkpoint.interval=2"]  # the float8-gathered weights saved, loaded
     jobs += [(str(root / "resumed"), [*split, "train.stop_at_step=2"]), (str(root / "resumed"), split)]
-    mp.start_processes(_worker, args=(free_port(), jobs), nprocs=2, start_method="spawn")
+    start_ranks(_worker, args=(free_port(), jobs), nprocs=2)
     return root
 
 

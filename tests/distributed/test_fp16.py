@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from shardline.config import load_config
 from shardline.trainer import Trainer
-from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, free_port, losses
+from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, free_port, losses, start_ranks
 
 FP16 = ["train.precision=fp16"]
 LAYOUTS = {
@@ -91,7 +90,7 @@ def world2(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("fp16_world2")
     jobs = [(str(root / name), [*_base(small_prepared), *extra], False) for name, extra in LAYOUTS.items()]
     jobs += [(str(root / name), [*_base(small_prepared), *extra], True) for name, extra in INJECTED.items()]
-    mp.start_processes(_worker, args=(2, free_port(), jobs), nprocs=2, start_method="spawn")
+    start_ranks(_worker, args=(2, free_port(), jobs), nprocs=2)
     return root
 
 

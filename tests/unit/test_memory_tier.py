@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from shardline.resilience import redundancy
 from shardline.resilience.memory_tier import MemoryTier, choose_step
-from tests.distributed.harness import free_port
+from tests.distributed.harness import free_port, start_ranks
 
 
 def report(own=(), replica=(), parity=()):
@@ -71,7 +71,7 @@ def _codes_worker(rank: int, world: int, port: int, sizes: list[int], errors) ->
 def test_xor_parity_and_replicas_rebuild_any_one_rank_on_real_gloo_ranks():
     sizes = [1000, 37, 4096]  # uneven, not multiples of the word or the chunk
     errors = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_codes_worker, args=(3, free_port(), sizes, errors), nprocs=3, start_method="spawn")
+    start_ranks(_codes_worker, args=(3, free_port(), sizes, errors), nprocs=3)
     found = []
     while not errors.empty():
         found.append(errors.get())

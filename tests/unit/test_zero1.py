@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from shardline.parallel.zero1 import Zero1AdamW, row_range
-from tests.distributed.harness import free_port
+from tests.distributed.harness import free_port, start_ranks
 
 
 def test_row_ranges_cut_like_dtensor_shard0():
@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, port: int, errors) -> None:
 
 def test_zero1_updates_like_adamw_with_a_share_of_the_states():
     errors = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(2, free_port(), errors), nprocs=2, start_method="spawn")
+    start_ranks(_worker, args=(2, free_port(), errors), nprocs=2)
     found = []
     while not errors.empty():
         found.append(errors.get())
@@ -130,7 +130,7 @@ def _check_tp_run(mesh, wrong_group: bool) -> list[str]:
 @pytest.fixture(scope="module")
 def world4_problems() -> list[str]:
     errors = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_tp_worker, args=(4, free_port(), errors), nprocs=4, start_method="spawn")
+    start_ranks(_tp_worker, args=(4, free_port(), errors), nprocs=4)
     found = []
     while not errors.empty():
         found.append(errors.get())
