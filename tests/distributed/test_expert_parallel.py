@@ -129,6 +129,8 @@ MOE_2 = {
     "tp2_sp": ["parallel.tp=2"],  # experts split over tp, shared experts by columns/rows
     # ZeRO-1 under ep: no DDP; the dense states cut over dp_shard, the experts' over efsdp (1 here)
     "ep2_zero1": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=1"],
+    # ZeRO-1 over the cp ranks: DDP over them, every state (experts' too) cut over dp_shard x cp
+    "cp2_zero1": ["parallel.cp=2", "parallel.zero=1"],
 }
 MOE_4 = {
     "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
@@ -145,7 +147,7 @@ RESHARD_4 = [("fsdp4_to_ep2", ["parallel.dp_shard=4", "train.stop_at_step=2"],
              ("ep2_zero1_to_ep2_tp2_zero1", ["parallel.dp_shard=4", "parallel.ep=2", "parallel.zero=1",
                                              "train.stop_at_step=2"],
               ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2", "parallel.zero=1"])]
-ZERO1 = ["ep2_zero1", "tp2_zero1", "ep2_zero1_to_ep2_tp2_zero1"]  # the optimizer clips: the norms too
+ZERO1 = ["ep2_zero1", "cp2_zero1", "tp2_zero1", "ep2_zero1_to_ep2_tp2_zero1"]  # the optimizer clips: the norms too
 
 
 def _base(corpus) -> list[str]:
