@@ -142,7 +142,8 @@ def check_device(cfg: Config, layout: Layout, on_cuda: bool) -> None:
     A launch passes what it runs on; a dry run assumes GPUs unless run.device = cpu.
     memory.cpu_offload on a CPU device is not refused: the states are in host memory already,
     so it saves nothing, but it runs FSDP2's offload path as a GPU would (without pinned
-    memory), which is how the CPU suite checks that path; the trainer says so in a note.
+    memory), which is how the CPU suite checks that path; the trainer logs a
+    `cpu_offload_saves_nothing` event.
     """
     _raise(attention.device_problem(cfg.train.attention, on_cuda))
     if cfg.train.precision == "fp8":

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -80,9 +79,6 @@ class Trainer:
         resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
         check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
-        if cfg.memory.cpu_offload and self.device.type == "cpu" and self.proc.is_main:
-            print("shardline: note: memory.cpu_offload on a CPU device saves no memory (the states are in host "
-                  "memory already); it runs FSDP2's offload path, without pinned memory", file=sys.stderr)
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
         build = build_moe_model if self.model_args.moe else build_model
         # One process builds a (one-rank) mesh too under offload, whose FSDP2 parameters are sharded.
@@ -160,6 +156,9 @@ class Trainer:
         self.guard.open(self.run_dir, self.metrics.event)
         if self.allocator:
             self.metrics.event("allocator", step=self.step, setting=self.allocator)
+        if self.cfg.memory.cpu_offload and self.device.type == "cpu":  # allowed: it runs the path a GPU runs
+            self.metrics.event("cpu_offload_saves_nothing", step=self.step,
+                               reason="the states are in host memory already; FSDP2's offload path runs unpinned")
         self.profiler = StepProfiler(self.cfg.metrics.profile_steps, self.run_dir, self.proc.rank, self.device,
                                      self.step, self.cfg.train.steps, self.metrics.event)
         if self._lock_taken_over:

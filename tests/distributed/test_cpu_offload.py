@@ -100,6 +100,8 @@ def runs(tmp_path_factory, small_prepared):
 
 def test_one_process_offload_trains_like_no_offload(runs):
     _assert_offloaded(json.loads((runs / "one" / "offload.json").read_text()), mesh=[1])
+    events = [json.loads(line).get("event") for line in (runs / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert "cpu_offload_saves_nothing" in events  # said once, in the log, on a CPU device
     assert_same_run(runs / "one", runs / "reference")
 
 
