@@ -202,11 +202,12 @@ def _product_message(cfg: Config, world: int, product: int) -> str:
 
 @dataclass(frozen=True)
 class Job:
-    """What the rules check a layout against: the model shape and the batch."""
+    """What the rules check a layout against: the model shape, the batch and the attention kernel asked for."""
 
     model: ModelShape
     seq_len: int
     global_batch: int
+    attention: str = "auto"  # train.attention
 
 
 def _tp_heads(lay: Layout, job: Job) -> Problem | None:
@@ -342,6 +343,15 @@ def _not_built_tied_v(lay: Layout, job: Job) -> Problem | None:
     return None
 
 
+def _not_built_cp_attention(lay: Layout, job: Job) -> Problem | None:
+    """Context parallelism runs its own attention core (ring or Ulysses over SDPA blocks):
+    the packed-document kernels are not wired into it."""
+    if lay.cp > 1 and job.attention in ("flex", "varlen"):
+        return "cp", (f"train.attention={job.attention!r} with parallel.cp={lay.cp} is not built: context "
+                      "parallelism runs its own attention core; use train.attention=auto or sdpa")
+    return None
+
+
 def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
     """Mixture-of-experts layouts the trainer does not build yet."""
     if not getattr(job.model, "n_experts", 0):
@@ -358,7 +368,7 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
 Rule = Callable[[Layout, Job], "Problem | None"]
 RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_split, _ep_ranks, _batch, _offload, _pp_stages,
                            _pp_microbatches)
-NOT_BUILT: tuple[Rule, ...] = (_not_built_degrees, _not_built_tied_v, _not_built_moe)
+NOT_BUILT: tuple[Rule, ...] = (_not_built_degrees, _not_built_tied_v, _not_built_cp_attention, _not_built_moe)
 
 
 def first_problem(lay: Layout, job: Job, runnable: bool = True) -> Problem | None:

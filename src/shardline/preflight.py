@@ -55,7 +55,7 @@ def check_config(cfg: Config) -> None:
     missing = layouts.degree_not_built(cfg.parallel.cp, cfg.parallel.ep)
     if missing:
         raise ConfigError(missing[1])
-    _raise(attention.config_problem(cfg.train.attention, cfg.parallel.cp, cfg.train.precision))
+    _raise(attention.config_problem(cfg.train.attention, cfg.train.precision))
     if cfg.train.precision == "fp8":
         check_fp8(cfg)
 
@@ -104,7 +104,7 @@ def moe_shape(base: MoEArgs | None, changes: dict) -> MoEArgs:
 def check_layout(cfg: Config, world: int, args: ModelArgs) -> Layout:
     """The layout of `cfg` on `world` ranks, or the ConfigError of the first rule it breaks."""
     lay = layouts.resolve(cfg, world)
-    layouts.check(lay, Job(args, cfg.train.seq_len, cfg.train.global_batch_size))
+    layouts.check(lay, Job(args, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.attention))
     return lay
 
 

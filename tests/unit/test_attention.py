@@ -25,7 +25,8 @@ from shardline.models.attention import (
 )
 from shardline.models.factory import build_model_on
 from shardline.models.llama.model import ModelArgs, document_causal_mask, sdpa_attention
-from shardline.preflight import check_config, check_device
+from shardline.planner.layout import Workload, layout_problem
+from shardline.preflight import check_config, check_device, check_layout
 
 S = 256  # one length for every flex call: each new shape costs FlexAttention a trace on CPU
 
@@ -209,9 +210,14 @@ def test_flex_and_varlen_training_on_cpu_is_refused(kernel):
 
 @pytest.mark.parametrize("kernel", ["flex", "varlen"])
 def test_flex_and_varlen_with_context_parallel_are_refused(kernel):
+    """A layout rule (layout.NOT_BUILT): the trainer refuses it and the planner drops such layouts."""
+    model = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=512)
     cfg = _config(f"train.attention={kernel}", "train.precision=bf16", "parallel.cp=2")
-    assert "parallel.cp=2" in _one_line_error(check_config, cfg)
-    check_config(_config("train.attention=auto", "parallel.cp=2"))  # auto takes cp's own core
+    assert "parallel.cp=2" in _one_line_error(check_layout, cfg, 2, model)
+    check_layout(_config("train.attention=auto", "parallel.cp=2"), 2, model)  # auto takes cp's own core
+    work = Workload(model, 256, 8, "bf16", attention=kernel)
+    assert layout_problem(work, layouts.Layout(cp=2), runnable=True)[0] == "cp"
+    assert layout_problem(work, layouts.Layout(cp=2)) is None  # what another trainer could run
 
 
 def test_varlen_in_fp32_is_refused():

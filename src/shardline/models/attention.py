@@ -67,11 +67,9 @@ def describe_attention(choice: str, document_mask: bool, on_cuda: bool, cp: int 
     return f"{kernel}: {how} (train.attention={choice}, {'CUDA' if on_cuda else 'CPU'})"
 
 
-def config_problem(choice: str, cp: int, precision: str) -> str | None:
-    """What the config alone rules out for `train.attention` (one line), else None."""
-    if choice in _NEEDS_CUDA and cp > 1:
-        return (f"train.attention={choice!r} with parallel.cp={cp} is not built: context parallelism runs its "
-                "own attention core; use train.attention=auto or sdpa")
+def config_problem(choice: str, precision: str) -> str | None:
+    """What the config alone rules out for `train.attention` (one line), else None. With
+    context parallelism it is a layout rule (layout.NOT_BUILT), which the planner shares."""
     if choice == "varlen" and varlen_attn is None:
         return (f"train.attention='varlen' needs torch.nn.attention.varlen (torch >= 2.10; this is "
                 f"{torch.__version__}); use one of auto, sdpa, flex")
