@@ -41,6 +41,7 @@ formulas exactly (see `gpt_block`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from shardline.models.flops import ffn_width
@@ -136,8 +137,12 @@ def boundary_bytes_per_token(model: ModelArgs | None = None, tp: int = 1, sp: bo
     return value_bytes * width / (tp if sp else 1)
 
 
+@functools.lru_cache(maxsize=4096)
 def layer_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, mode: str, every: int) -> float:
     """Average bytes per token per layer kept between forward and backward under an AC mode.
+
+    Cached: a pure function of a few hashable values, asked again for every layout of a
+    search (rebuilding the block's Saved list each time was a tenth of `shardline plan`).
 
     none: the whole block. full: only its input. selective: every `every`-th block is
     full-checkpointed, the others keep everything. op: llama_op_ac_block.
@@ -171,8 +176,11 @@ def gpt_layer_bytes_per_token(h: int, a: int, seq_len: int, tp: int, sp: bool, m
     return whole
 
 
+@functools.lru_cache(maxsize=4096)
 def recompute_transient_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, mode: str) -> float:
-    """Extra bytes while one checkpointed layer is recomputed in backward (its full activations)."""
+    """Extra bytes while one checkpointed layer is recomputed in backward (its full activations).
+
+    Cached like layer_bytes_per_token: the same few values recur across a search's layouts."""
     if mode in ("full", "selective"):
         return block_bytes_per_token(llama_block(model, precision), tp, sp)
     if mode == "op":

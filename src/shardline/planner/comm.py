@@ -26,6 +26,7 @@ min(d, gpus_per_node / stride) of its members on one node.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -37,13 +38,18 @@ class Group:
     size: int
     per_node: int  # members of the group on one node
 
-    @property
+    @functools.cached_property
     def nodes(self) -> int:
+        """Nodes the group spans; cached, as every collective over the group asks several times."""
         return math.ceil(self.size / self.per_node)
 
 
+@functools.lru_cache(maxsize=4096)
 def group(size: int, stride: int, gpus_per_node: int) -> Group:
-    """Placement of a mesh dimension of `size` whose members are `stride` ranks apart."""
+    """Placement of a mesh dimension of `size` whose members are `stride` ranks apart.
+
+    Cached (a search asks for the same few groups per layout), so the Group, and its nodes, are reused.
+    """
     per_node = 1 if stride >= gpus_per_node else max(1, min(size, gpus_per_node // stride))
     return Group(size, per_node)
 

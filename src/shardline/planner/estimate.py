@@ -45,6 +45,7 @@ from shardline.planner.layout import Workload, layout_problem
 from shardline.planner.memory import (
     DDP_BUCKET_BYTES,
     GiB,
+    distinct_ranks,
     expert_layer_params,
     host_fits,
     layer_params,
@@ -114,8 +115,9 @@ def estimate(work: Workload, layout: Layout, hw: Hardware) -> Estimate:
 
 def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]) -> Estimate:
     n_micro = layout.micro_batches(work.global_batch)
-    shapes = {(r.layers, r.label): r for r in ranks(work, layout)}  # pipeline ranks that differ
-    per_mb = {key: _microbatch(work, layout, hw, r) for key, r in shapes.items()}
+    shapes = {(r.layers, r.label): r for r in distinct_ranks(work, layout)}  # pipeline ranks that differ
+    block = _block_costs(work, layout, hw)
+    per_mb = {key: _microbatch(work, layout, hw, r, block) for key, r in shapes.items()}
     totals = {key: sum(parts.values()) for key, parts in per_mb.items()}
     slow_key = max(totals, key=totals.get)
     slow = per_mb[slow_key]
@@ -151,23 +153,50 @@ def _others_mean(work: Workload, layout: Layout, totals: dict, slow_key) -> floa
     return sum(others) / len(others)
 
 
-def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: RankStages) -> dict[str, float]:
-    """Seconds of one micro-batch on one rank of pipeline rank `stage`, by component."""
+@dataclass(frozen=True)
+class _BlockCosts:
+    """What a micro-batch costs per block, or per rank, the same on every pipeline rank of a
+    layout: priced once per layout, not once per pipeline rank that differs (up to three)."""
+
+    lt: cmp.LayerTimes
+    recompute: float  # seconds per block
+    wrapper: float  # seconds per block
+    tp: float  # seconds per block
+    cp: float  # seconds per block
+    ep: float  # seconds per block
+    pp: float  # seconds per micro-batch
+    offload: float  # seconds per micro-batch
+    fsdp: tuple | None  # (group, parameters, gather s, scatter s) of one block under FSDP/HSDP
+    tp_head: tuple[float, float]  # _tp_head_collectives
+
+
+def _block_costs(work: Workload, layout: Layout, hw: Hardware) -> _BlockCosts:
+    """The rank-independent parts of _microbatch (see _BlockCosts)."""
     lt = cmp.layer_times(work, layout, hw)
-    layers = stage.layers
-    head_f, head_b = cmp.head_times(work, layout, hw, stage.label)
     rec_mm, rec_el = cmp.recompute_fraction(layout.activation_checkpoint, layout.ac_every)
     recompute = rec_mm * (lt.matmul + lt.attention) + rec_el * (lt.elementwise + lt.overhead)
-    wrappers = (layers * cmp.wrapper_overhead(hw, layout, work)
-                + cmp.ends_overhead(hw, layout, stage.first, stage.last, work))
+    return _BlockCosts(lt, recompute, cmp.wrapper_overhead(hw, layout, work), _tp_block(work, layout, hw, rec_mm),
+                       _cp_layer(work, layout, hw, lt), _ep_layer(work, layout, hw, lt), _pp_p2p(work, layout, hw),
+                       _offload(work, layout, hw), _fsdp_block(work, layout, hw),
+                       _tp_head_collectives(work, layout, hw))
+
+
+def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: RankStages,
+                block: _BlockCosts | None = None) -> dict[str, float]:
+    """Seconds of one micro-batch on one rank of pipeline rank `stage`, by component
+    (block: the layout's _block_costs, when the caller prices several ranks)."""
+    block = block or _block_costs(work, layout, hw)
+    lt, layers = block.lt, stage.layers
+    head_f, head_b = cmp.head_times(work, layout, hw, stage.label)
+    wrappers = layers * block.wrapper + cmp.ends_overhead(hw, layout, stage.first, stage.last, work)
     return {"compute": layers * (lt.forward + lt.backward) + head_f + head_b + wrappers,
-            "recompute": layers * recompute,
-            "tp_comm": layers * _tp_block(work, layout, hw, rec_mm) + _tp_head(work, layout, hw, stage),
-            "cp_comm": layers * _cp_layer(work, layout, hw, lt),
-            "ep_comm": layers * _ep_layer(work, layout, hw, lt),
-            "fsdp_comm": _fsdp_exposed(work, layout, hw, lt, stage),
-            "pp_comm": _pp_p2p(work, layout, hw),
-            "offload": _offload(work, layout, hw)}
+            "recompute": layers * block.recompute,
+            "tp_comm": layers * block.tp + _tp_head(work, layout, hw, stage, block.tp_head),
+            "cp_comm": layers * block.cp,
+            "ep_comm": layers * block.ep,
+            "fsdp_comm": _fsdp_exposed(work, layout, hw, lt, stage, block.fsdp),
+            "pp_comm": block.pp,
+            "offload": block.offload}
 
 
 def _tokens(work: Workload, layout: Layout) -> int:
@@ -205,19 +234,30 @@ def _tp_block(work: Workload, layout: Layout, hw: Hardware, rec_mm: float) -> fl
     return wall * (1 + rec_mm / 3)
 
 
-def _tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages) -> float:
-    """Vocabulary-parallel embedding (fp32 out) and output projection, each way; loss-parallel sums."""
+def _tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages,
+             collectives: tuple[float, float] | None = None) -> float:
+    """Vocabulary-parallel embedding (fp32 out) and output projection, each way; loss-parallel sums.
+
+    collectives: what _tp_head_collectives returns, when the caller prices several pipeline ranks."""
     if layout.tp == 1:
         return 0.0
     wall = cmp.tp_ends_wall(hw, layout, work, stage.first, stage.last)
     if wall is not None:  # CPU ranks: the ends' calibrated wall time, collectives included
         return wall
+    one, loss = collectives or _tp_head_collectives(work, layout, hw)
+    heads = int(stage.first) + int(stage.last)
+    return heads * 2 * one + (loss if stage.last else 0.0)
+
+
+def _tp_head_collectives(work: Workload, layout: Layout, hw: Hardware) -> tuple[float, float]:
+    """(one end's all-reduce, the loss-parallel sums) of _tp_head: the same on every pipeline rank."""
+    if layout.tp == 1:
+        return 0.0, 0.0
     g, net = comm.group(layout.tp, 1, hw.network.gpus_per_node), hw.network
     tokens = _tokens(work, layout)
     one = comm.all_reduce(work.runtime.residual_bytes * tokens * work.model.dim, g, net)[0]
     loss = 3 * comm.all_reduce(4 * tokens, g, net)[0] if layout.loss_parallel else 0.0
-    heads = int(stage.first) + int(stage.last)
-    return heads * 2 * one + (loss if stage.last else 0.0)
+    return one, loss
 
 
 # How the trainer runs context parallelism, as named assumptions: the ring starts each
@@ -280,31 +320,42 @@ def _ep_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) 
     return total
 
 
-def _fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes, stage: RankStages) -> float:
+def _fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes, stage: RankStages,
+                  block: tuple | None = None) -> float:
     """Exposed FSDP/HSDP communication of one micro-batch (see the module docstring).
 
     Blocks overlap as described there; the root module (embedding, final norm, output)
     is gathered before the first block and reduce-scattered after the last: exposed.
-    On saturated CPU ranks nothing overlaps (cmp.saturated).
+    On saturated CPU ranks nothing overlaps (cmp.saturated). block: _fsdp_block's, if known.
     """
-    mode = layout.dp_mode
-    if mode not in ("fsdp", "zero2", "hsdp"):
+    block = block or _fsdp_block(work, layout, hw)
+    if block is None:
         return 0.0
-    net, shard, layers = hw.network, layout.shard_degree, stage.layers
+    g, per_layer, gather, scatter = block
+    net, layers = hw.network, stage.layers
     hide = 0.0 if cmp.saturated(hw, layout) else 1.0
+    bwd_gather = gather if layout.zero == 3 or layout.dp_mode == "hsdp" else 0.0
+    fwd = gather + (layers - 1) * max(0.0, gather - hide * lt.forward)
+    bwd = bwd_gather + scatter + (layers - 1) * max(0.0, bwd_gather + scatter - hide * lt.backward)
+    root = stage_params(work, layout, stage, per_layer) - layers * per_layer
+    root_comm = (comm.all_gather(dtype_bytes(work.precision) * root, g, net)[0]
+                 + comm.reduce_scatter(4 * root, g, net)[0])
+    return fwd + bwd + root_comm
+
+
+def _fsdp_block(work: Workload, layout: Layout, hw: Hardware) -> tuple | None:
+    """(shard group, parameters, gather s, scatter s) of one block under FSDP/HSDP, else None:
+    the same on every pipeline rank, so _microbatch's callers price it once per layout."""
+    if layout.dp_mode not in ("fsdp", "zero2", "hsdp"):
+        return None
+    net, shard = hw.network, layout.shard_degree
     g = comm.group(shard, layout.tp, net.gpus_per_node)
     per_layer = layer_params(work, layout.tp)
     gather, scatter = _block_gather_scatter(work, layout, hw, g, per_layer)
     if layout.dp_replicate > 1:
         rg = comm.group(layout.dp_replicate, layout.tp * shard, net.gpus_per_node)
         scatter += comm.all_reduce(4 * per_layer / shard, rg, net)[0]
-    bwd_gather = gather if layout.zero == 3 or mode == "hsdp" else 0.0
-    fwd = gather + (layers - 1) * max(0.0, gather - hide * lt.forward)
-    bwd = bwd_gather + scatter + (layers - 1) * max(0.0, bwd_gather + scatter - hide * lt.backward)
-    root = stage_params(work, layout, stage) - layers * per_layer
-    root_comm = (comm.all_gather(dtype_bytes(work.precision) * root, g, net)[0]
-                 + comm.reduce_scatter(4 * root, g, net)[0])
-    return fwd + bwd + root_comm
+    return g, per_layer, gather, scatter
 
 
 def _block_gather_scatter(work: Workload, layout: Layout, hw: Hardware, g, per_layer: float) -> tuple[float, float]:
@@ -355,7 +406,7 @@ def _offload(work: Workload, layout: Layout, hw: Hardware) -> float:
 def _dp_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float]) -> tuple[float, float, dict]:
     """(exposed seconds after the last backward, total seconds, algorithms) of DDP / ZeRO-1."""
     mode, net = layout.dp_mode, hw.network
-    psi = max(stage_params(work, layout, r) - zero1_ep_away(work, layout, r) for r in ranks(work, layout))
+    psi = max(stage_params(work, layout, r) - zero1_ep_away(work, layout, r) for r in distinct_ranks(work, layout))
     hide = 0.0 if cmp.saturated(hw, layout) else 1.0
     if mode in ("ddp", "zero1"):
         g = comm.group(layout.dp * layout.cp, layout.tp, net.gpus_per_node)  # cp ranks reduce too (zero1)
@@ -411,7 +462,7 @@ def _optimizer(work: Workload, layout: Layout, hw: Hardware) -> float:
     params = params_per_rank(work, layout)
     if layout.cpu_offload:
         return params * 28 / CPU_ADAM_BYTES_PER_S
-    tensors = max(stage_tensors(work, r) for r in ranks(work, layout))
+    tensors = max(stage_tensors(work, r) for r in distinct_ranks(work, layout))
     return cmp.optimizer_time(params, hw, layout, tensors)
 
 

@@ -35,6 +35,8 @@ torch, the tokenizer, the dataset) complete the peak.
 
 from __future__ import annotations
 
+import functools
+
 from shardline.models.attention import resolve_attention
 from shardline.models.flops import ffn_width, num_params
 from shardline.planner import activations as act
@@ -73,14 +75,36 @@ def expert_layer_params(work: Workload, tp: int) -> float:
     return 3 * m.dim * moe.n_experts * moe.expert_ffn_dim * (m.n_layers - moe.first_dense_layers) / m.n_layers / tp
 
 
-def ranks(work: Workload, layout: Layout):
+def ranks(work: Workload, layout: Layout) -> tuple[RankStages, ...]:
     """The pipeline ranks' blocks and model ends, split as the training program splits them:
     shardline's trainer (pipeline.py), or with the ends counted as blocks (Runtime.pp_split)."""
-    if work.runtime.pp_split == "ends_as_blocks" and layout.pp > 1 and layout.pp_virtual_stages == 1:
-        split = ends_as_blocks_ranks(work.model.n_layers, layout.pp)
+    return _ranks(work.model, layout.pp, layout.pp_virtual_stages, layout.pp_schedule, work.runtime.pp_split)
+
+
+def distinct_ranks(work: Workload, layout: Layout) -> tuple[RankStages, ...]:
+    """One pipeline rank per (blocks, first, last): what a rank's parameters and tensors depend
+    on, so a max over these equals the max over all ranks at a fraction of the cost (pp = 128)."""
+    return _distinct_ranks(work.model, layout.pp, layout.pp_virtual_stages, layout.pp_schedule,
+                           work.runtime.pp_split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ranks(model, pp: int, virtual: int, schedule: str, pp_split: str) -> tuple[RankStages, ...]:
+    """ranks() from the values it reads, cached: a search asks again for every layout."""
+    if pp_split == "ends_as_blocks" and pp > 1 and virtual == 1:
+        split = ends_as_blocks_ranks(model.n_layers, pp)
         if min(r.layers for r in split) >= 1:  # DeepSpeed needs a block on every stage
             return split
-    return pipeline_ranks(work.model, layout.pp, layout.pp_virtual_stages, layout.pp_schedule)
+    return pipeline_ranks(model, pp, virtual, schedule)
+
+
+@functools.lru_cache(maxsize=4096)
+def _distinct_ranks(model, pp: int, virtual: int, schedule: str, pp_split: str) -> tuple[RankStages, ...]:
+    """distinct_ranks() from the values it reads, cached; the first rank of each shape, in order."""
+    shapes: dict[tuple[int, bool, bool], RankStages] = {}
+    for r in _ranks(model, pp, virtual, schedule, pp_split):
+        shapes.setdefault((r.layers, r.first, r.last), r)
+    return tuple(shapes.values())
 
 
 def ends_as_blocks_ranks(n_layers: int, pp: int) -> tuple[RankStages, ...]:
@@ -100,15 +124,16 @@ def layers_per_rank(work: Workload, layout: Layout) -> int:
     return max(r.layers for r in ranks(work, layout))
 
 
-def stage_params(work: Workload, layout: Layout, stage: RankStages) -> float:
+def stage_params(work: Workload, layout: Layout, stage: RankStages, per_layer: float | None = None) -> float:
     """Parameters on one rank of pipeline rank `stage` (all of them without a pipeline).
 
     The last stage holds the output and final norm; a tied output is a copy of the
-    embedding there, and one shared weight when one rank holds both ends.
+    embedding there, and one shared weight when one rank holds both ends. per_layer:
+    layer_params(work, layout.tp), when the caller has it (a search's hot loop does).
     """
     m = work.model
     embed = m.vocab_size * m.dim / layout.tp
-    out = stage.layers * layer_params(work, layout.tp)
+    out = stage.layers * (layer_params(work, layout.tp) if per_layer is None else per_layer)
     if stage.first:
         out += embed
     if stage.last:
@@ -125,7 +150,7 @@ def stage_tensors(work: Workload, stage: RankStages) -> int:
 
 
 def max_stage_params(work: Workload, layout: Layout) -> float:
-    return max(stage_params(work, layout, r) for r in ranks(work, layout))
+    return max(stage_params(work, layout, r) for r in distinct_ranks(work, layout))
 
 
 def zero1_ep_away(work: Workload, layout: Layout, stage: RankStages) -> float:
@@ -177,9 +202,10 @@ def offloaded(states: dict[str, float], layout: Layout) -> tuple[dict[str, float
     return keep, sum(states.values()) - sum(keep.values())
 
 
-def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.0, root: float = 0.0) -> float:
+def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.0, root: float = 0.0,
+                    per_layer: float | None = None) -> float:
     """Communication and gather buffers alive at the peak (psi: the rank's parameters, root:
-    those outside the blocks: embedding, final norm, output).
+    those outside the blocks: embedding, final norm, output; per_layer: layer_params, if known).
 
     DDP's reducer allocates its buckets up front, covering every gradient (25 MiB each,
     fp32), besides the gradients themselves: 4 bytes per parameter for the whole run.
@@ -187,7 +213,7 @@ def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.
     it), and its unsharded gradient exists until the root's reduce-scatter.
     """
     c = act.dtype_bytes(work.precision)
-    per_layer = layer_params(work, layout.tp)
+    per_layer = layer_params(work, layout.tp) if per_layer is None else per_layer
     out = 0.0
     stage = _STAGES[layout.dp_mode]
     if stage >= 2:
@@ -239,24 +265,32 @@ def _layer_bytes_per_token(work: Workload, layout: Layout) -> float:
     return act.layer_bytes_per_token(m, work.precision, layout.tp, layout.sp, mode, every)
 
 
-def peak_candidates(work: Workload, layout: Layout) -> list[RankStages]:
+def peak_candidates(work: Workload, layout: Layout) -> tuple[RankStages, ...]:
     """Pipeline ranks that may hold the peak: the first (most in flight), the last (logits), the fullest."""
-    rs = ranks(work, layout)
+    return _peak_candidates(work.model, layout.pp, layout.pp_virtual_stages, layout.pp_schedule,
+                            work.runtime.pp_split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_candidates(model, pp: int, virtual: int, schedule: str, pp_split: str) -> tuple[RankStages, ...]:
+    """peak_candidates() from the values it reads, cached like _ranks."""
+    rs = _ranks(model, pp, virtual, schedule, pp_split)
     fullest = max(rs, key=lambda r: r.layers)
-    return list({r.rank: r for r in (rs[0], rs[-1], fullest)}.values())
+    return tuple({r.rank: r for r in (rs[0], rs[-1], fullest)}.values())
 
 
 def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
     """Peak bytes on the busiest rank, by component, with `total`."""
     worst: dict[str, float] = {}
+    per_layer = layer_params(work, layout.tp)  # the same for every stage: priced once
+    tokens = layout.micro_batch_size * work.seq_len // layout.cp
     for stage in peak_candidates(work, layout):
-        psi = stage_params(work, layout, stage)
+        psi = stage_params(work, layout, stage, per_layer)
         away = zero1_ep_away(work, layout, stage)
-        tokens = layout.micro_batch_size * work.seq_len // layout.cp
         states, host = offloaded(state_bytes(work, layout, psi, away), layout)
         parts = {**states, **activation_bytes(work, layout, stage, on_cuda=hw.name != "cpu"),
                  "buffers": transient_bytes(work, layout, tokens, psi - away,
-                                            psi - stage.layers * layer_params(work, layout.tp))}
+                                            psi - stage.layers * per_layer, per_layer)}
         allocated = sum(parts.values())
         parts["fragmentation"] = hw.fragmentation * allocated
         parts["reserved"] = (hw.reserved_gib + hw.cpu.process_baseline_gib) * GiB
