@@ -7,6 +7,7 @@ starting processes costs little.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -61,18 +62,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int):
+    """This process as `rank` of a gloo group of `world` on this host, for the block's duration
+    (one torch thread: up to 8 processes share 2 cores)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)  # 8 processes share 2 cores
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from shardline.trainer import Trainer
-
     try:
-        for run_dir, overrides, *config in jobs:  # config: a TOML file the overrides apply to
-            Trainer(load_config(config[0] if config else None, [*overrides, f"run.dir={run_dir}"])).build().train()
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
+    from shardline.trainer import Trainer
+
+    with gloo_rank(rank, world, port):
+        for run_dir, overrides, *config in jobs:  # config: a TOML file the overrides apply to
+            Trainer(load_config(config[0] if config else None, [*overrides, f"run.dir={run_dir}"])).build().train()
 
 
 def run_world(world: int, jobs: list[tuple]) -> None:

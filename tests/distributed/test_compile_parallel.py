@@ -10,30 +10,24 @@ before the first block, backward fails; with the checkpoint traced into the bloc
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch._functorch.config
 
 from shardline.config import load_config
-from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, free_port, losses, start_ranks
+from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, free_port, gloo_rank, losses, start_ranks
 
 TP_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 
 
 def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch._dynamo.utils import counters
 
     from shardline.trainer import Trainer
 
-    try:
+    with gloo_rank(rank, world, port):
         for run_dir, overrides in jobs:
             torch._dynamo.reset()  # each run compiles its own graphs, counted afresh
             counters.clear()
@@ -44,8 +38,6 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
                         "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"]),
                         "aot_cache": torch._functorch.config.enable_autograd_cache}
                 (Path(run_dir) / "compiled.json").write_text(json.dumps(seen))
-    finally:
-        dist.destroy_process_group()
 
 
 def _compiled(block: torch.nn.Module) -> bool:

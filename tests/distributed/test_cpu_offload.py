@@ -12,7 +12,6 @@ copies themselves are tests/gpu's (benchmarks/gpu_check.sh).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from shardline.config import load_config
 from shardline.trainer import Trainer
-from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, assert_same_run, free_port, losses, start_ranks
+from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_run, free_port, gloo_rank, losses,
+                                       start_ranks)
 
 OFFLOAD = "memory.cpu_offload=true"
 LAYOUTS_2 = {
@@ -54,15 +54,9 @@ def _train_and_report(run_dir: Path, overrides: list[str]) -> None:
 
 
 def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         for run_dir, overrides in jobs:
             _train_and_report(Path(run_dir), overrides)
-    finally:
-        dist.destroy_process_group()
 
 
 def _assert_offloaded(report: dict, mesh: list[int]) -> None:
