@@ -21,13 +21,17 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardline.config import load_config
+from shardline.models.moe.layer import moe_layers
 from shardline.trainer import Trainer
 from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_run, free_port, gloo_rank, losses,
                                        start_ranks)
 
 OFFLOAD = "memory.cpu_offload=true"
+MOE = ["model.preset=tiny-moe", "moe.num_experts=4", "moe.expert_ffn_dim=32"]
 LAYOUTS_2 = {
     "hsdp2x1": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],  # DDP's layout, offloaded: HSDP, shard 1
+    # Experts split over tp are their own FSDP unit (over a size-1 shard dim): offloaded too.
+    "moe_tp2": [*MOE, "parallel.tp=2"],
 }  # Left out for time (checked by hand to 1e-5 like these): tp 2 and pp 2 without data parallelism
 # (FSDP over a one-rank dimension beside them), FSDP 2 (apply_fsdp over a larger mesh).
 
@@ -39,6 +43,7 @@ def offload_report(trainer: Trainer) -> dict:
     params = list(trainer.model.parameters())
     states = [v for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"]
     return {"units": len(units), "blocks": len(trainer.model.layers), "policies": sorted(policies),
+            "moe_blocks": len(list(moe_layers(trainer.model))),
             "params_on_host_dtensors": all(isinstance(p, DTensor) and p.device.type == "cpu" for p in params),
             "states": len(states),
             "states_on_host_dtensors": all(isinstance(v, DTensor) and v.device.type == "cpu" for v in states),
@@ -59,8 +64,8 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
             _train_and_report(Path(run_dir), overrides)
 
 
-def _assert_offloaded(report: dict, mesh: list[int]) -> None:
-    assert report["units"] == report["blocks"] + 1, report  # each block and the root
+def _assert_offloaded(report: dict, mesh: list[int], expert_units: int = 0) -> None:
+    assert report["units"] == report["blocks"] + 1 + expert_units, report  # each block, the root (the experts)
     assert report["policies"] == [CPUOffloadPolicy.__name__], report
     assert report["params_on_host_dtensors"] and report["states"] and report["states_on_host_dtensors"], report
     assert report["foreach"] and report["shard_mesh"] == mesh, report
@@ -73,6 +78,7 @@ def runs(tmp_path_factory, small_prepared):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the spawned ranks run: tiny matmuls on shared cores only slow down with more
     Trainer(load_config(None, [*base, f"run.dir={root / 'reference'}"])).build().train()
+    Trainer(load_config(None, [*base, *MOE, f"run.dir={root / 'moe_reference'}"])).build().train()
     assert not dist.is_initialized()
     try:
         # One process, no torchrun: the trainer makes its one-rank group and mesh itself. The
@@ -106,6 +112,7 @@ def test_offloaded_states_resume(runs):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
 def test_two_rank_offload_matches_one_process(runs, layout):
-    mesh = {"hsdp2x1": [2, 1]}[layout]  # a parameter's mesh: dp_replicate x dp_shard
-    _assert_offloaded(json.loads((runs / layout / "offload.json").read_text()), mesh=mesh)
-    assert_same_run(runs / layout, runs / "reference")
+    mesh = {"hsdp2x1": [2, 1], "moe_tp2": [1, 2]}[layout]  # the first parameter's: dp_replicate x dp_shard, tp
+    report = json.loads((runs / layout / "offload.json").read_text())
+    _assert_offloaded(report, mesh=mesh, expert_units=report["moe_blocks"])
+    assert_same_run(runs / layout, runs / ("moe_reference" if layout.startswith("moe") else "reference"))

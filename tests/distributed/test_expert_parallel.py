@@ -147,7 +147,11 @@ RESHARD_4 = [("fsdp4_to_ep2", ["parallel.dp_shard=4", "train.stop_at_step=2"],
              ("ep2_zero1_to_ep2_tp2_zero1", ["parallel.dp_shard=4", "parallel.ep=2", "parallel.zero=1",
                                              "train.stop_at_step=2"],
               ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2", "parallel.zero=1"])]
-ZERO1 = ["ep2_zero1", "cp2_zero1", "tp2_zero1", "ep2_zero1_to_ep2_tp2_zero1"]  # the optimizer clips: the norms too
+# ZeRO-1's expert states (cut over efsdp, with ep) resumed as FSDP's shards.
+RESHARD_2 = [("ep2_zero1_to_fsdp2", ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=1", "train.stop_at_step=2"],
+              ["parallel.dp_shard=2"])]
+# The optimizer clips under ZeRO-1: the logged gradient norms are compared too.
+ZERO1 = ["ep2_zero1", "cp2_zero1", "tp2_zero1", "ep2_zero1_to_ep2_tp2_zero1", "ep2_zero1_to_fsdp2"]
 
 
 def _base(corpus) -> list[str]:
@@ -167,6 +171,8 @@ def moe_world2(tmp_path_factory, small_prepared):
     jobs = [(root / name, [*_base(small_prepared), *extra]) for name, extra in MOE_2.items()]
     jobs.append((root / "ep2_to_single", [*_base(small_prepared), "parallel.dp_shard=2", "parallel.ep=2",
                                            "train.stop_at_step=2"]))
+    for name, first, second in RESHARD_2:
+        jobs += [(root / name, [*_base(small_prepared), *first]), (root / name, [*_base(small_prepared), *second])]
     run_world(2, jobs)
     # The second half of ep2_to_single: one process, every expert on it.
     Trainer(load_config(None, [*_base(small_prepared), f"run.dir={root / 'ep2_to_single'}"])).build().train()
@@ -183,7 +189,7 @@ def moe_world4(tmp_path_factory, small_prepared):
     return root
 
 
-@pytest.mark.parametrize("run", [*MOE_2, "ep2_to_single"])
+@pytest.mark.parametrize("run", [*MOE_2, "ep2_to_single", *(name for name, _, _ in RESHARD_2)])
 def test_world2_moe_matches_single_process(moe_world2, moe_reference, run):
     assert sorted(losses(moe_world2 / run)) == ALL_STEPS
     assert_same_run(moe_world2 / run, moe_reference)
