@@ -85,8 +85,10 @@ class ParallelDims:
         return self.world_size > 1 or self.layout.offload_fsdp
 
     @property
-    def fsdp(self) -> bool:
-        return self.dp_shard * self.cp > 1
+    def data_parallel_wrap(self) -> bool:
+        """Whether data parallelism wraps the parameters at all: several dp x cp ranks, or one
+        under FSDP2's CPU offload (Layout.offload_fsdp)."""
+        return self.dp * self.cp > 1 or self.layout.offload_fsdp
 
     @property
     def ddp(self) -> bool:

@@ -71,8 +71,7 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     pipeline = context = None
     use_ddp = (dims.ddp or dims.zero1) and dims.tp == 1 and dims.pp == 1 and not dims.zero1_scatters
     # Offload is FSDP2's, so it shards at any degree (one rank too: Layout.offload_fsdp).
-    fsdp = ((dims.dp * dims.cp > 1 or dims.layout.offload_fsdp) and not use_ddp
-            and not dims.zero1_scatters)  # that optimizer reduces (zero1.py)
+    fsdp = dims.data_parallel_wrap and not use_ddp and not dims.zero1_scatters  # that optimizer reduces (zero1.py)
     model.loss = LinearCrossEntropy(cfg.train.loss_chunk_tokens)  # before the pipeline's stages copy it
     if cfg.train.precision == "fp8":  # on meta, before anything lays the Linear layers out
         float8.convert(model, cfg.fp8.recipe, emulate=device.type != "cuda",

@@ -83,7 +83,7 @@ def split_experts(layer: MoEFeedForward, dims: ParallelDims, precision: str, cpu
         experts.register_parameter(pname, torch.nn.Parameter(sharded))
     layer.dispatch = ExpertParallel(layer.moe.n_experts, dims.submesh("ep").get_group() if dims.ep > 1 else None,
                                     dims.submesh("tp").get_group() if dims.tp > 1 else None)
-    if dims.dp * dims.cp == 1 and not dims.layout.offload_fsdp:
+    if not dims.data_parallel_wrap:
         return  # no data parallelism: nothing else shares these experts (offload is FSDP2's: a unit of one)
     if dims.zero1:
         return  # ZeRO-1 keeps them whole; its optimizer sums their gradients (over efsdp under ep, zero1.py)
