@@ -359,9 +359,6 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
     if lay.ep > 1 and lay.dp_shard % lay.ep:
         return "ep", (f"parallel.ep={lay.ep} must divide parallel.dp_shard={lay.dp_shard}: borrowing context-"
                       "parallel ranks for experts is not built")
-    if lay.ep > 1 and lay.zero == 1 and lay.cp > 1:
-        # The experts' states would need a mesh of efsdp (dp_shard_mod_ep x cp) and ep, which interleave.
-        return "ep", "parallel.zero=1 with ep > 1 and cp > 1 is not built; use zero=2 or zero=3, or cp=1"
     return None
 
 

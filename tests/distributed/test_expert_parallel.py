@@ -138,6 +138,8 @@ MOE_4 = {
     "ep2_cp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2"],  # expert grads sum over cp too
     "ep2_tp2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2"],  # experts over ep x tp
     "tp2_zero1": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.zero=1"],  # experts cut like TP shards
+    # The experts' states cut over efsdp = the 2 cp ranks, which interleave with ep on the mesh.
+    "ep2_cp2_zero1": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2", "parallel.zero=1"],
 }
 # The second half is ep 2 x dp_shard 4: experts FSDP-sharded over 2 ranks (efsdp).
 RESHARD_4 = [("fsdp4_to_ep2", ["parallel.dp_shard=4", "train.stop_at_step=2"],
@@ -151,7 +153,7 @@ RESHARD_4 = [("fsdp4_to_ep2", ["parallel.dp_shard=4", "train.stop_at_step=2"],
 RESHARD_2 = [("ep2_zero1_to_fsdp2", ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=1", "train.stop_at_step=2"],
               ["parallel.dp_shard=2"])]
 # The optimizer clips under ZeRO-1: the logged gradient norms are compared too.
-ZERO1 = ["ep2_zero1", "cp2_zero1", "tp2_zero1", "ep2_zero1_to_ep2_tp2_zero1", "ep2_zero1_to_fsdp2"]
+ZERO1 = ["ep2_zero1", "cp2_zero1", "tp2_zero1", "ep2_cp2_zero1", "ep2_zero1_to_ep2_tp2_zero1", "ep2_zero1_to_fsdp2"]
 
 
 def _base(corpus) -> list[str]:

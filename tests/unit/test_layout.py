@@ -75,8 +75,6 @@ def test_invalid_layouts(world, overrides, message):
      "borrowing context-parallel ranks for experts is not built"),
     (4, ["model.preset=tiny-moe", "moe.num_experts=6", "parallel.tp=2", "parallel.ep=2", "parallel.dp_shard=2"],
      "parallel.ep=2 x tp=2 must divide the 6 experts"),
-    (4, ["model.preset=tiny-moe", "parallel.ep=2", "parallel.cp=2", "parallel.zero=1"],
-     "zero=1 with ep > 1 and cp > 1 is not built"),
     (2, ["model.preset=tiny-moe", "moe.top_k=9"], "moe top_k=9 must be in 1..n_experts=8"),
     (1, ["moe.top_k=2"], "missing moe.num_experts, moe.expert_ffn_dim"),
 ])

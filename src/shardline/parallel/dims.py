@@ -126,7 +126,7 @@ class ParallelDims:
         the experts are split over, so a saved state knows its experts) and its dim they are cut over."""
         if not self.zero1 or self.ep == 1:
             return None
-        return self.mesh["dp_replicate", "efsdp", "ep_tp" if self.tp > 1 else "ep"], "efsdp"
+        return self.submesh("dp_replicate", "efsdp", "ep_tp" if self.tp > 1 else "ep"), "efsdp"
 
     def zero1_mesh(self) -> DeviceMesh | None:
         """The dims ZeRO-1's states live on: dp_replicate, the shard dim and, under tp, tp, so a
@@ -135,8 +135,8 @@ class ParallelDims:
             return None
         shard = self.zero1_shard_dim
         if self.tp > 1:
-            return self.mesh["dp_replicate", shard, "tp"]
-        return self.mesh["dp_replicate", shard] if self.dp_replicate > 1 else self.submesh(shard)
+            return self.submesh("dp_replicate", shard, "tp")
+        return self.submesh("dp_replicate", shard) if self.dp_replicate > 1 else self.submesh(shard)
 
     # ---- meshes -----------------------------------------------------------------------
 
@@ -179,9 +179,16 @@ class ParallelDims:
         return mine
 
     def submesh(self, *names: str) -> DeviceMesh:
-        if len(names) == 1 and names[0] in self.flat:
-            return self.flat[names[0]]  # a flattened dimension, kept as built
-        return self.mesh[names if len(names) > 1 else names[0]]
+        """The mesh of these dimensions, flattened ones (`flat`) included, in the order given.
+
+        A flattened dimension is the mesh kept when it was built: torch is deprecating
+        slicing one from the root mesh, so several dimensions that include one are joined
+        from their own 1-D meshes (the same layout and process groups a slice would give)."""
+        if len(names) == 1:
+            return self.flat[names[0]] if names[0] in self.flat else self.mesh[names[0]]
+        if not set(names) & self.flat.keys():
+            return self.mesh[names]
+        return DeviceMesh._concatenate([self.submesh(name) for name in names])
 
     @property
     def batch_dim(self) -> str:
