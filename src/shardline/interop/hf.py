@@ -22,26 +22,26 @@ config.json is read and written by hf_config.py.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import shutil
-import uuid
 import warnings
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from shardline.errors import CheckpointError, DataError
-from shardline.interop.hf_config import (
-    CONFIG_NAME,
-    _hf_folder,
-    _load_json,
-    hf_config_dict,
-    read_hf_config,
+from shardline.errors import CheckpointError
+from shardline.interop.hf_config import CONFIG_NAME, _hf_folder, hf_config_dict, read_hf_config
+from shardline.interop.hf_files import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_NAME,
+    TOKENIZER_NAME,
+    WEIGHTS_NAME,
+    _check_destination,
+    _open_safetensors,
+    _tokenizer_file,
+    _weight_files,
+    _write_hf_folder,
 )
 from shardline.models.factory import build_meta_model
 from shardline.models.llama import Llama, ModelArgs, rope_frequencies
@@ -49,12 +49,14 @@ from shardline.models.llama.hf_adapter import hf_param_name
 from shardline.models.moe.hf_adapter import hf_family, hf_param_names
 from shardline.models.moe.layer import moe_layers
 
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-TOKENIZER_NAME = "tokenizer.json"
-DEFAULT_MAX_SHARD_SIZE = 5_000_000_000  # bytes; transformers' long-standing "5GB" default
+__all__ = ["CONFIG_NAME", "DEFAULT_MAX_SHARD_SIZE", "INDEX_NAME", "TOKENIZER_NAME", "WEIGHTS_NAME",
+           "from_hf_pretrained", "load_hf_weights", "read_hf_config", "to_hf_pretrained"]
 
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names of what load_hf_weights reads
+
+_Slots = dict[str, tuple[str, nn.Parameter, int | None]]  # see _hf_slots
+
+
 
 def _unwrap(model: nn.Module) -> Llama:
     while hasattr(model, "_orig_mod"):  # torch.compile wrapper
@@ -64,30 +66,7 @@ def _unwrap(model: nn.Module) -> Llama:
     return model
 
 
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file that holds it (as listed, not yet verified)."""
-    single, index = folder / WEIGHTS_NAME, folder / INDEX_NAME
-    if single.is_file():  # transformers also prefers the single file when both exist
-        with _open_safetensors(single) as f:
-            return {name: single for name in f.keys()}
-    if index.is_file():
-        data = _load_json(index)
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and Path(v).name == v for k, v in weight_map.items()):
-            raise CheckpointError(f"{index} has no valid weight_map (tensor name -> shard file name)")
-        files = {name: folder / shard for name, shard in weight_map.items()}
-        for shard in sorted(set(files.values())):
-            if not shard.is_file():
-                raise CheckpointError(f"{index} lists shard {shard.name}, which is missing from {folder}")
-        return files
-    hint = ""
-    if any(folder.glob("*.bin")) or any(folder.glob("*.pth")):
-        hint = " (it holds PyTorch pickle weights, which shardline does not read; re-save them as safetensors)"
-    raise CheckpointError(f"{folder} holds neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
-
-
-def _hf_slots(model: Llama, skip_output: bool) -> dict[str, tuple[str, nn.Parameter, int | None]]:
+def _hf_slots(model: Llama, skip_output: bool) -> _Slots:
     """HF tensor name -> (parameter name, parameter, expert index or None: the whole parameter).
 
     The family's adapter names each parameter; a stacked experts parameter is n_experts
@@ -109,16 +88,76 @@ def _hf_slots(model: Llama, skip_output: bool) -> dict[str, tuple[str, nn.Parame
     return slots
 
 
-def _open_safetensors(file: Path):
-    try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except Exception as e:  # SafetensorError, OSError: a truncated or foreign file
-        raise CheckpointError(f"{file} cannot be read as safetensors: {e}") from None
-
-
 def _describe(names: list[str]) -> str:
     more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
     return f"{names[0]}{more}"
+
+
+# ---- HF folder -> model ---------------------------------------------------------------------
+
+
+def _match_names(folder: Path, files: dict[str, Path], expected: _Slots, tied: bool) -> list[str]:
+    """Check the folder's tensor names against the model's slots; return the names to read.
+
+    A tied model also takes an lm_head.weight (checked against the embedding later); old
+    transformers' rotary inv_freq buffers are skipped.
+    """
+    fused = sorted(n for n in files if n.endswith(".experts.gate_up_proj"))
+    if fused:
+        raise CheckpointError(f"{folder} holds {_describe(fused)}, transformers 5's fused in-memory experts; "
+                              "save the model with save_pretrained, which writes the hub's one tensor per expert")
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        name, _, index = expected[missing[0]]
+        raise CheckpointError(f"{folder} lacks tensor {_describe(missing)}, which the model needs "
+                              f"(as {name if index is None else f'expert {index} of {name}'})")
+    allowed = set(expected) | ({"lm_head.weight"} if tied else set())
+    extra = sorted(n for n in files if n not in allowed and not n.endswith(".rotary_emb.inv_freq"))
+    if extra:
+        raise CheckpointError(f"{folder} holds tensor {_describe(extra)}, which the model has no place for; "
+                              "the folder does not match the model's shape")
+    return sorted(allowed & files.keys())
+
+
+def _check_headers(folder: Path, files: dict[str, Path], handles: dict, names: list[str],
+                   expected: _Slots, embed: nn.Parameter) -> None:
+    """Check each tensor's file, dtype and shape from the headers alone, before anything is copied."""
+    keys = {f: set(h.keys()) for f, h in handles.items()}
+    for hf_name in names:
+        file = files[hf_name]
+        if hf_name not in keys[file]:
+            raise CheckpointError(f"{folder / INDEX_NAME} places tensor {hf_name} in {file.name}, "
+                                  "which does not hold it")
+        info = handles[file].get_slice(hf_name)
+        if info.get_dtype() not in _FLOAT_DTYPES:
+            raise CheckpointError(f"tensor {hf_name} in {file} has dtype {info.get_dtype()}; only "
+                                  "unquantized float weights (F32, F16, BF16) can be loaded")
+        shape = tuple(info.get_shape())
+        _, param, index = expected.get(hf_name) or ("", embed, None)  # a tied lm_head: the embedding's
+        want = tuple(param.shape[1:] if index is not None else param.shape)
+        if shape != want:
+            raise CheckpointError(f"tensor {hf_name} in {file} has shape {list(shape)} but the model "
+                                  f"expects {list(want)}; the folder does not match the model's shape")
+
+
+def _check_tied_head(folder: Path, files: dict[str, Path], handles: dict) -> None:
+    """A tied model has one tensor for both ends: an lm_head.weight saved with it must equal it."""
+    head = handles[files["lm_head.weight"]].get_tensor("lm_head.weight")
+    emb = handles[files["model.embed_tokens.weight"]].get_tensor("model.embed_tokens.weight")
+    if not torch.equal(head, emb):
+        raise CheckpointError(f"{folder} holds an lm_head.weight that differs from embed_tokens, "
+                              "but the model ties its output to the embedding")
+
+
+def _copy_weights(model: Llama, files: dict[str, Path], handles: dict, expected: _Slots, tied: bool) -> None:
+    """Copy every slot's tensor in; then restore what the HF folder cannot hold (see load_hf_weights)."""
+    for hf_name, (_, param, index) in expected.items():
+        (param if index is None else param[index]).copy_(handles[files[hf_name]].get_tensor(hf_name))
+    embed, output = model.tok_embeddings.weight, model.output.weight
+    if tied and output is not embed:  # a tie lost (e.g. to to_empty): keep the values equal
+        output.copy_(embed)
+    for layer in moe_layers(model):
+        layer.router.expert_bias.zero_()
 
 
 @torch.no_grad()
@@ -137,57 +176,16 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("load_hf_weights needs a materialized model; call model.init_weights() first")
     files = _weight_files(folder)
-
-    embed, output = model.tok_embeddings.weight, model.output.weight
-    tied = output is embed or model.args.tie_embeddings
-    expected = _hf_slots(model, skip_output=tied)  # a tied output is filled from the embedding below
-
-    fused = sorted(n for n in files if n.endswith(".experts.gate_up_proj"))
-    if fused:
-        raise CheckpointError(f"{folder} holds {_describe(fused)}, transformers 5's fused in-memory experts; "
-                              "save the model with save_pretrained, which writes the hub's one tensor per expert")
-    missing = sorted(set(expected) - set(files))
-    if missing:
-        name, _, index = expected[missing[0]]
-        raise CheckpointError(f"{folder} lacks tensor {_describe(missing)}, which the model needs "
-                              f"(as {name if index is None else f'expert {index} of {name}'})")
-    allowed = set(expected) | ({"lm_head.weight"} if tied else set())
-    extra = sorted(n for n in files if n not in allowed and not n.endswith(".rotary_emb.inv_freq"))
-    if extra:
-        raise CheckpointError(f"{folder} holds tensor {_describe(extra)}, which the model has no place for; "
-                              "the folder does not match the model's shape")
-
+    embed = model.tok_embeddings.weight
+    tied = model.output.weight is embed or model.args.tie_embeddings
+    expected = _hf_slots(model, skip_output=tied)  # a tied output is filled from the embedding
+    names = _match_names(folder, files, expected, tied)
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(files.values()))}
-        keys = {f: set(h.keys()) for f, h in handles.items()}
-        for hf_name in sorted(allowed & files.keys()):
-            file = files[hf_name]
-            if hf_name not in keys[file]:
-                raise CheckpointError(f"{folder / INDEX_NAME} places tensor {hf_name} in {file.name}, "
-                                      "which does not hold it")
-            info = handles[file].get_slice(hf_name)
-            if info.get_dtype() not in _FLOAT_DTYPES:
-                raise CheckpointError(f"tensor {hf_name} in {file} has dtype {info.get_dtype()}; only "
-                                      "unquantized float weights (F32, F16, BF16) can be loaded")
-            shape = tuple(info.get_shape())
-            _, param, index = expected.get(hf_name) or ("", embed, None)
-            want = tuple(param.shape[1:] if index is not None else param.shape)
-            if shape != want:
-                raise CheckpointError(f"tensor {hf_name} in {file} has shape {list(shape)} but the model "
-                                      f"expects {list(want)}; the folder does not match the model's shape")
+        _check_headers(folder, files, handles, names, expected, embed)
         if tied and "lm_head.weight" in files:
-            head = handles[files["lm_head.weight"]].get_tensor("lm_head.weight")
-            emb = handles[files["model.embed_tokens.weight"]].get_tensor("model.embed_tokens.weight")
-            if not torch.equal(head, emb):
-                raise CheckpointError(f"{folder} holds an lm_head.weight that differs from embed_tokens, "
-                                      "but the model ties its output to the embedding")
-            del head, emb
-        for hf_name, (_, param, index) in expected.items():
-            (param if index is None else param[index]).copy_(handles[files[hf_name]].get_tensor(hf_name))
-        if tied and output is not embed:  # a tie lost (e.g. to to_empty): keep the values equal
-            output.copy_(embed)
-        for layer in moe_layers(model):
-            layer.router.expert_bias.zero_()
+            _check_tied_head(folder, files, handles)
+        _copy_weights(model, files, handles, expected, tied)
 
 
 def from_hf_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[Llama, ModelArgs]:
@@ -209,73 +207,20 @@ def from_hf_pretrained(path: str | os.PathLike, device: str | torch.device = "cp
 # ---- model -> HF folder ---------------------------------------------------------------------
 
 
-def _is_hf_folder(folder: Path) -> bool:
-    config = folder / CONFIG_NAME
-    if not config.is_file():
+def _export_tied(model: Llama) -> bool:
+    """Whether to write a tied HF model: the output is the embedding, or equal to it where
+    the args tie them (a tie lost to to_empty or a checkpoint round trip)."""
+    embed, output = model.tok_embeddings.weight, model.output.weight
+    if output is embed:
+        return True
+    if not model.args.tie_embeddings:
         return False
-    try:
-        cfg = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(cfg, dict) and "model_type" in cfg
-
-
-def _check_destination(dest: Path) -> None:
-    if not dest.exists():
-        return
-    if not dest.is_dir():
-        raise CheckpointError(f"{dest} exists and is not a folder; choose another destination")
-    if any(dest.iterdir()) and not _is_hf_folder(dest):
-        raise CheckpointError(f"{dest} exists, is not empty and is not a Hugging Face model folder; "
-                              "refusing to overwrite it (choose another destination or empty it)")
-
-
-def _tokenizer_file(tokenizer_path: str | os.PathLike) -> Path:
-    file = Path(tokenizer_path)
-    if file.is_dir():
-        file = file / TOKENIZER_NAME
-    if not file.is_file():
-        raise DataError(f"tokenizer file {file} does not exist")
-    return file
-
-
-def _plan_shards(tensors: list[tuple[str, torch.Tensor]], itemsize: int, max_bytes: int) -> list[list[int]]:
-    """Greedy split (in order) into shards of at most max_bytes; a bigger tensor gets its own shard."""
-    shards: list[list[int]] = [[]]
-    size = 0
-    for i, (_, t) in enumerate(tensors):
-        nbytes = t.numel() * itemsize
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(i)
-        size += nbytes
-    return shards
-
-
-def _file_mode() -> int:
-    """The mode a plain new file gets under this process's umask (e.g. 0o644)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def _swap_into_place(tmp: Path, dest: Path) -> None:
-    if not dest.exists():
-        os.replace(tmp, dest)
-        return
-    if not any(dest.iterdir()):
-        dest.rmdir()
-        os.replace(tmp, dest)
-        return
-    old = dest.parent / f".{dest.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    os.replace(dest, old)
-    try:
-        os.replace(tmp, dest)
-    except BaseException:
-        os.replace(old, dest)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    if torch.equal(output.detach().to(embed.device), embed.detach()):
+        return True
+    warnings.warn("the model's args tie the embeddings but its output and embedding weights differ; "
+                  "writing an untied HF model (tie_word_embeddings=false) with its own lm_head.weight",
+                  stacklevel=3)
+    return False
 
 
 def _warn_moe_differences(model: Llama) -> None:
@@ -287,6 +232,15 @@ def _warn_moe_differences(model: Llama) -> None:
     if any(bool(layer.router.expert_bias.any()) for layer in layers):
         warnings.warn("the routers' balancing bias (moe.bias_update_rate) is not zero; HF models have no such "
                       "bias, so the exported model may choose other experts", stacklevel=3)
+
+
+def _export_tensors(model: Llama, tied: bool) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every slot, in the model's parameter order; experts are slices."""
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            raise ValueError(f"parameter {name} is on the meta device; materialize the model first")
+    return [(hf, param.detach() if index is None else param.detach()[index])
+            for hf, (_, param, index) in _hf_slots(model, skip_output=tied).items()]
 
 
 @torch.no_grad()
@@ -307,59 +261,15 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
     `path` is replaced as a whole, any other non-empty folder is refused.
     """
     model = _unwrap(model)
-    args = model.args
     dest = Path(path)
     if max_shard_size_bytes <= 0:
         raise ValueError(f"max_shard_size_bytes must be > 0, got {max_shard_size_bytes}")
     _check_destination(dest)
     tokenizer = _tokenizer_file(tokenizer_path) if tokenizer_path is not None else None
-
-    embed, output = model.tok_embeddings.weight, model.output.weight
-    tied = output is embed
-    if not tied and args.tie_embeddings:
-        tied = torch.equal(output.detach().to(embed.device), embed.detach())
-        if not tied:
-            warnings.warn("the model's args tie the embeddings but its output and embedding weights differ; "
-                          "writing an untied HF model (tie_word_embeddings=false) with its own lm_head.weight",
-                          stacklevel=2)
-
-    for name, param in model.named_parameters():
-        if param.is_meta:
-            raise ValueError(f"parameter {name} is on the meta device; materialize the model first")
+    tied = _export_tied(model)
+    tensors = _export_tensors(model, tied)
     _warn_moe_differences(model)
-    tensors = [(hf, param.detach() if index is None else param.detach()[index])
-               for hf, (_, param, index) in _hf_slots(model, skip_output=tied).items()]
-    if dtype is None:
-        dtype = tensors[0][1].dtype
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    shards = _plan_shards(tensors, itemsize, max_shard_size_bytes)
-
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i, shard in enumerate(shards):
-            file = WEIGHTS_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            # Copy into fresh CPU tensors one shard at a time: no views or shared storage
-            # (safetensors refuses them) and host memory bounded by the shard size.
-            chunk = {tensors[j][0]: tensors[j][1].to("cpu", dtype).contiguous().clone() for j in shard}
-            save_file(chunk, str(tmp / file), metadata={"format": "pt"})
-            os.chmod(tmp / file, _file_mode())  # safetensors writes owner-only; exports are shared
-            for name, t in chunk.items():
-                weight_map[name] = file
-                total += t.numel() * t.element_size()
-            del chunk
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        config = hf_config_dict(args, tied, dtype, bos_token_id, eos_token_id)
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
-        _swap_into_place(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    dtype = tensors[0][1].dtype if dtype is None else dtype
+    config = hf_config_dict(model.args, tied, dtype, bos_token_id, eos_token_id)
+    _write_hf_folder(dest, tensors, dtype, max_shard_size_bytes, config, tokenizer)
     return dest
