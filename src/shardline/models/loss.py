@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100  # labels the loss skips (the data layer pads and masks with it)
@@ -58,12 +59,21 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, head: nn.Module, labels: tor
     logits outlive its own forward or its own recomputation in backward. `split` (not
     slicing) makes autograd join the chunks' input gradients with one concatenation.
     """
-    tokens, targets = hidden.flatten(0, -2), labels.flatten()
+    tokens, targets = _whole(hidden).flatten(0, -2), labels.flatten()
     total = None
     for h, y in zip(tokens.split(chunk_tokens), targets.split(chunk_tokens)):
         part = checkpoint(_chunk_loss, h, head, y, score, use_reentrant=False, preserve_rng_state=False)
         total = part if total is None else total + part
     return total
+
+
+def _whole(hidden: torch.Tensor) -> torch.Tensor:
+    """A sequence-sharded DTensor (tensor parallelism's sequence parallel) gathered once, as
+    the head would gather each chunk. Its tokens cannot be flattened while sharded (torch
+    2.11 refuses the view), and one gather costs less than one per chunk."""
+    if isinstance(hidden, DTensor) and any(p.is_shard() for p in hidden.placements):
+        return hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+    return hidden
 
 
 def _chunk_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, score: Callable) -> torch.Tensor:
