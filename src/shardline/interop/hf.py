@@ -53,6 +53,7 @@ __all__ = ["CONFIG_NAME", "DEFAULT_MAX_SHARD_SIZE", "INDEX_NAME", "TOKENIZER_NAM
            "from_hf_pretrained", "load_hf_weights", "read_hf_config", "to_hf_pretrained"]
 
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names of what load_hf_weights reads
+_EXPORT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)  # the same, as torch dtypes
 
 _Slots = dict[str, tuple[str, nn.Parameter, int | None]]  # see _hf_slots
 
@@ -130,8 +131,8 @@ def _check_headers(folder: Path, files: dict[str, Path], handles: dict, names: l
                                   "which does not hold it")
         info = handles[file].get_slice(hf_name)
         if info.get_dtype() not in _FLOAT_DTYPES:
-            raise CheckpointError(f"tensor {hf_name} in {file} has dtype {info.get_dtype()}; only "
-                                  "unquantized float weights (F32, F16, BF16) can be loaded")
+            raise CheckpointError(f"tensor {hf_name} in {file} has dtype {info.get_dtype()}; only unquantized "
+                                  f"float weights ({', '.join(sorted(_FLOAT_DTYPES))}) can be loaded")
         shape = tuple(info.get_shape())
         _, param, index = expected.get(hf_name) or ("", embed, None)  # a tied lm_head: the embedding's
         want = tuple(param.shape[1:] if index is not None else param.shape)
@@ -264,6 +265,8 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
     dest = Path(path)
     if max_shard_size_bytes <= 0:
         raise ValueError(f"max_shard_size_bytes must be > 0, got {max_shard_size_bytes}")
+    if dtype is not None and dtype not in _EXPORT_DTYPES:  # anything else is a folder nobody loads
+        raise ValueError(f"dtype={dtype} cannot be exported; valid: {', '.join(map(str, _EXPORT_DTYPES))}")
     _check_destination(dest)
     tokenizer = _tokenizer_file(tokenizer_path) if tokenizer_path is not None else None
     tied = _export_tied(model)

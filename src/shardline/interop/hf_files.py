@@ -35,6 +35,11 @@ def _open_safetensors(file: Path):
         raise CheckpointError(f"{file} cannot be read as safetensors: {e}") from None
 
 
+def _is_shard_name(name: object) -> bool:
+    """A plain file name inside the folder: no path, and not "" or ".." (which name folders)."""
+    return isinstance(name, str) and name not in ("", "..") and Path(name).name == name
+
+
 def _weight_files(folder: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it (as listed, not yet verified)."""
     single, index = folder / WEIGHTS_NAME, folder / INDEX_NAME
@@ -45,7 +50,7 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         data = _load_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and Path(v).name == v for k, v in weight_map.items()):
+                isinstance(k, str) and _is_shard_name(v) for k, v in weight_map.items()):
             raise CheckpointError(f"{index} has no valid weight_map (tensor name -> shard file name)")
         files = {name: folder / shard for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
