@@ -52,9 +52,6 @@ def check_config(cfg: Config) -> None:
     cfg.check_sections()
     if not cfg.model.hf_path and cfg.model.preset not in PRESETS:
         raise ConfigError(f"model.preset={cfg.model.preset!r} is invalid: one of {', '.join(PRESETS)}")
-    missing = layouts.degree_not_built(cfg.parallel.cp, cfg.parallel.ep)
-    if missing:
-        raise ConfigError(missing[1])
     _raise(attention.config_problem(cfg.train.attention, cfg.train.precision))
     if cfg.train.precision == "fp8":
         check_fp8(cfg)

@@ -1,0 +1,191 @@
+"""The rules a layout must obey for a job (`first_problem`, `check`), each a one-line message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from shardline.errors import ConfigError
+from shardline.layout.degrees import SINGLE_STAGE, V_SHAPED, Layout, ModelShape, Problem
+
+# ---- the rules ----------------------------------------------------------------------
+#
+# Each rule returns a Problem or None. RULES hold for any trainer; NOT_BUILT are what
+# shardline's trainer does not implement yet (the planner can still rank such layouts
+# unless asked for --runnable-only).
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the rules check a layout against: the model shape, the batch and the attention kernel asked for."""
+
+    model: ModelShape
+    seq_len: int
+    global_batch: int
+    attention: str = "auto"  # train.attention
+
+
+def _tp_heads(lay: Layout, job: Job) -> Problem | None:
+    m, t = job.model, lay.tp
+    if m.n_heads % t or m.kv_heads % t:
+        valid = ", ".join(str(d) for d in range(1, min(m.n_heads, m.kv_heads) + 1)
+                          if m.n_heads % d == 0 and m.kv_heads % d == 0)
+        return "tp", f"parallel.tp={t} must divide n_heads={m.n_heads} and n_kv_heads={m.kv_heads}; valid tp: {valid}"
+    if m.ffn_dim % t:
+        return "tp", f"parallel.tp={t} must divide ffn_dim={m.ffn_dim} (the MLP is split by columns)"
+    return None
+
+
+def _tp_sequence(lay: Layout, job: Job) -> Problem | None:
+    if lay.sp and job.seq_len % lay.tp:
+        return "tp", (f"train.seq_len={job.seq_len} must be divisible by parallel.tp={lay.tp} "
+                      "with sequence_parallel")
+    return None
+
+
+def _cp_split(lay: Layout, job: Job) -> Problem | None:
+    """The cp grid, the sequence's chunks and the heads Ulysses splits."""
+    if lay.cp == 1:
+        return None
+    if lay.cp_mode == "hybrid" and not (1 < lay.cp_ulysses < lay.cp and lay.cp % lay.cp_ulysses == 0):
+        valid = [u for u in range(2, lay.cp) if lay.cp % u == 0]
+        return "cp", (f"parallel.cp_mode='hybrid' needs parallel.cp_ulysses to divide parallel.cp={lay.cp} and lie "
+                      f"strictly between 1 and it; valid: {valid or 'none (cp is prime: use ring or ulysses)'}")
+    ring, u = lay.cp_degrees
+    chunks = 2 * lay.cp if lay.cp_balance == "zigzag" and ring > 1 else lay.cp
+    if job.seq_len % chunks:
+        why = "2 chunks per rank for zigzag balance" if chunks == 2 * lay.cp else "one chunk per rank"
+        return "cp", (f"train.seq_len={job.seq_len} must be divisible by {chunks} (parallel.cp={lay.cp}, {why}); "
+                      f"use a multiple of {chunks}")
+    local_heads = job.model.n_heads // lay.tp
+    if u > 1 and local_heads % u:
+        return "cp", (f"Ulysses splits the {local_heads} attention heads per tp rank (n_heads={job.model.n_heads} / "
+                      f"tp={lay.tp}) over {u} ranks: they must be divisible by it; lower the Ulysses degree")
+    if lay.sp and (job.seq_len // lay.cp) % lay.tp:
+        return "cp", (f"each cp rank's {job.seq_len // lay.cp} tokens must split over parallel.tp={lay.tp} with "
+                      "sequence_parallel; change train.seq_len")
+    return None
+
+
+def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
+    if lay.ep > 1 and not getattr(job.model, "n_experts", 0):
+        return "ep", f"parallel.ep={lay.ep} needs a mixture-of-experts model; this model is dense"
+    if lay.ep > 1 and (lay.dp_shard * lay.cp) % lay.ep:
+        return "ep", (f"parallel.ep={lay.ep} must divide dp_shard x cp = {lay.dp_shard * lay.cp} "
+                      "(expert parallelism borrows those ranks)")
+    moe, n = getattr(job.model, "moe", None), getattr(job.model, "n_experts", 0)
+    if moe is not None and (moe.shared_experts * moe.expert_ffn_dim) % lay.tp:
+        return "tp", (f"parallel.tp={lay.tp} must divide the shared experts' width shared_experts x expert_ffn_dim "
+                      f"= {moe.shared_experts * moe.expert_ffn_dim} (they are split by columns)")
+    if n and n % (lay.ep * lay.tp):
+        valid = [e for e in range(1, n + 1) if n % (e * lay.tp) == 0]
+        return "ep", (f"parallel.ep={lay.ep} x tp={lay.tp} must divide the {n} experts (each rank of ep x tp "
+                      f"holds an equal share of whole experts); valid ep with this tp: {valid or 'none'}")
+    return None
+
+
+def _batch(lay: Layout, job: Job) -> Problem | None:
+    per_step = lay.micro_batch_size * lay.dp
+    if job.global_batch % per_step:
+        return "batch", (f"train.global_batch_size={job.global_batch} is not divisible by "
+                         f"train.micro_batch_size={lay.micro_batch_size} x {lay.dp} data-parallel rank(s) = "
+                         f"{per_step}; use a multiple of {per_step}")
+    return None
+
+
+def _pp_stages(lay: Layout, job: Job) -> Problem | None:
+    """Stages per rank that each schedule runs, and enough layers for every stage."""
+    if lay.pp == 1:
+        return None
+    s, v = lay.pp_schedule, lay.pp_virtual_stages
+    if s in SINGLE_STAGE and v != 1:
+        return "pp", (f"parallel.pp_schedule={s!r} runs one stage per rank; set pp_virtual_stages=1 "
+                      "or use interleaved_1f1b")
+    if s == "interleaved_1f1b" and v < 2:
+        return "pp", "parallel.pp_schedule='interleaved_1f1b' needs pp_virtual_stages >= 2"
+    if s in V_SHAPED and v != 2:
+        return "pp", f"parallel.pp_schedule={s!r} places exactly 2 stages per rank; set pp_virtual_stages=2"
+    if job.model.n_layers < lay.n_stages:
+        return "pp", (f"model has {job.model.n_layers} layers, fewer than the {lay.n_stages} pipeline stages "
+                      f"(pp={lay.pp} x {lay.stages_per_rank} per rank); lower parallel.pp")
+    return None
+
+
+def _pp_microbatches(lay: Layout, job: Job) -> Problem | None:
+    """One pipeline round per step, with as many micro-batches as the schedule needs."""
+    if lay.pp == 1:
+        return None
+    n_mb = lay.micro_batches(job.global_batch)
+    if lay.pp_microbatches != n_mb:
+        return "pp", (f"parallel.pp_microbatches={lay.pp_microbatches} but global_batch_size / (dp x "
+                      f"micro_batch_size) = {n_mb}; set pp_microbatches=0 or change the batch sizes")
+    need = lay.n_stages if lay.pp_schedule == "dualpipev" else lay.pp
+    if n_mb < need:
+        return "pp", (f"{n_mb} micro-batches per step cannot fill {need} pipeline stages; raise "
+                      f"train.global_batch_size or lower train.micro_batch_size (need >= {need})")
+    rounds = max(1, n_mb // lay.pp)
+    if lay.pp_schedule == "interleaved_1f1b" and n_mb % rounds:
+        return "pp", (f"interleaved 1F1B runs {n_mb} micro-batches in rounds of pp={lay.pp}: they must be a "
+                      f"multiple of the {rounds} rounds; use {rounds * lay.pp} or {(rounds + 1) * lay.pp}")
+    return None
+
+
+def _offload(lay: Layout, job: Job) -> Problem | None:
+    """Offload is FSDP2's, at any shard degree (one GPU included: see Layout.offload_fsdp)."""
+    if lay.cpu_offload and lay.zero == 1:
+        return "offload", ("memory.cpu_offload=true offloads FSDP's sharded state, but parallel.zero=1 keeps "
+                           "parameters replicated (DDP); use zero=2 or zero=3")
+    return None
+
+
+def _not_built_tied_v(lay: Layout, job: Job) -> Problem | None:
+    if lay.pp > 1 and job.model.tie_embeddings and lay.pp_schedule in V_SHAPED and lay.dp > 1:
+        # Each stage is its own FSDP unit, and FSDP2 cannot share a parameter between units.
+        return "pp", (f"parallel.pp_schedule={lay.pp_schedule!r} with tied embeddings and data parallelism "
+                      f"(dp_replicate x dp_shard = {lay.dp}) is not supported: the V shape puts the first and "
+                      "the last stage on one rank, where the tied weight would be one parameter in two FSDP "
+                      "units; use pp_schedule=1f1b, gpipe or interleaved_1f1b, or model.tie_embeddings=0")
+    return None
+
+
+def _not_built_cp_attention(lay: Layout, job: Job) -> Problem | None:
+    """Context parallelism runs its own attention core (ring or Ulysses over SDPA blocks):
+    the packed-document kernels are not wired into it."""
+    if lay.cp > 1 and job.attention in ("flex", "varlen"):
+        return "cp", (f"train.attention={job.attention!r} with parallel.cp={lay.cp} is not built: context "
+                      "parallelism runs its own attention core; use train.attention=auto or sdpa")
+    return None
+
+
+def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
+    """Mixture-of-experts layouts the trainer does not build yet."""
+    if not getattr(job.model, "n_experts", 0):
+        return None
+    if lay.ep > 1 and lay.dp_shard % lay.ep:
+        return "ep", (f"parallel.ep={lay.ep} must divide parallel.dp_shard={lay.dp_shard}: borrowing context-"
+                      "parallel ranks for experts is not built")
+    return None
+
+
+Rule = Callable[[Layout, Job], "Problem | None"]
+RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_split, _ep_ranks, _batch, _offload, _pp_stages,
+                           _pp_microbatches)
+NOT_BUILT: tuple[Rule, ...] = (_not_built_tied_v, _not_built_cp_attention, _not_built_moe)
+
+
+def first_problem(lay: Layout, job: Job, runnable: bool = True) -> Problem | None:
+    """The first rule `lay` breaks for `job`; `runnable` adds what the trainer does not build
+    yet, checked first so a launch names the missing feature before any consequence of it."""
+    rules = (NOT_BUILT + RULES) if runnable else RULES
+    for rule in rules:
+        found = rule(lay, job)
+        if found is not None:
+            return found
+    return None
+
+
+def check(lay: Layout, job: Job) -> None:
+    """Raise the first problem as a ConfigError (what a launch does)."""
+    found = first_problem(lay, job)
+    if found is not None:
+        raise ConfigError(found[1])
