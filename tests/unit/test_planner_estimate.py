@@ -124,14 +124,14 @@ def test_context_and_expert_parallel_rules():
 
 
 def test_context_parallel_costs_follow_the_mode_and_the_balance():
-    from shardline.planner.estimate import _cp_layer
+    from shardline.planner.microbatch_comm import cp_layer
 
     w = Workload(PRESETS["llama3-8b"], 131072, 8, "bf16", document_mask=False)
     lays = {name: Layout(cp=8, dp_shard=1, micro_batch_size=1, activation_checkpoint="full", **kw)
             for name, kw in {"ring": {}, "none": {"cp_balance": "none"}, "ulysses": {"cp_mode": "ulysses"},
                              "hybrid": {"cp_mode": "hybrid", "cp_ulysses": 4}}.items()}
-    comm = {n: _cp_layer(w, lay, H100, cmp.layer_times(w, lay, H100)) for n, lay in lays.items()}
-    assert all(c > 0 for c in comm.values())  # the ring's gradient hops and the all-to-alls are exposed
+    costs = {n: cp_layer(w, lay, H100, cmp.layer_times(w, lay, H100)) for n, lay in lays.items()}
+    assert all(c > 0 for c in costs.values())  # the ring's gradient hops and the all-to-alls are exposed
     # Without zigzag the slowest rank's attention kernels take 4R / (2R + 1) times as long (the
     # merge of partial results, the same in both, dilutes the ratio a little).
     ring, none = (cmp.layer_times(w, lays[n], H100).attention for n in ("ring", "none"))
@@ -142,7 +142,7 @@ def test_context_parallel_costs_follow_the_mode_and_the_balance():
 def test_expert_parallel_all_to_all_for_moe_shapes():
     # Any shape with n_experts / moe_top_k gets the EP term (here a 70B shape made MoE).
     from shardline.models.llama import ModelArgs
-    from shardline.planner.estimate import _ep_layer
+    from shardline.planner.microbatch_comm import ep_layer
 
     @dataclasses.dataclass(frozen=True)
     class MoeArgs(ModelArgs):
@@ -152,13 +152,13 @@ def test_expert_parallel_all_to_all_for_moe_shapes():
     moe = dataclasses.replace(W70, model=MoeArgs(**dataclasses.asdict(W70.model)))
     lay = Layout(ep=8, dp_shard=256, micro_batch_size=1, activation_checkpoint="full")
     lt = cmp.layer_times(moe, lay, H100)
-    one = _ep_layer(moe, lay, H100, lt)
+    one = ep_layer(moe, lay, H100, lt)
     # 8 ranks inside a node: (n-1) alpha + (n-1)/n x tokens x top_k x dim x 2 bytes over NVLink, 4 times.
     size = 8192 * 2 * 8192 * 2
     net = H100.network
     expected = 4 * (7 * net.intra_latency_us * 1e-6 + 7 / 8 * size / (net.intra_bw_gbs * 1e9 * net.bw_efficiency))
     assert one == pytest.approx(expected)
-    assert _ep_layer(W70, lay, H100, lt) == 0.0  # dense: no experts, no all-to-all
+    assert ep_layer(W70, lay, H100, lt) == 0.0  # dense: no experts, no all-to-all
     per_step = estimate(moe, lay, H100).breakdown["ep_comm"]
     assert per_step == pytest.approx(80 * one * 4)  # 80 blocks, 1024 / 256 = 4 micro-batches per rank
 
@@ -201,3 +201,4 @@ def test_zero1_under_tp_or_pp_reduces_after_backward_and_chunked_loss_holds_less
     whole = estimate(w8, lay, H100).memory["logits"]
     chunked = estimate(dataclasses.replace(w8, loss_chunk_tokens=1024), lay, H100).memory["logits"]
     assert chunked < whole / 4  # 1024 of 8192 tokens' logits at a time; the hidden states stay
+
