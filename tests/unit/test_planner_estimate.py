@@ -8,11 +8,12 @@ import pytest
 
 from shardline.errors import ConfigError
 from shardline.models import PRESETS, flops_per_token
+from shardline.planner import comm
 from shardline.planner import compute as cmp
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import get_hardware
 from shardline.planner.layout import Layout, Workload
-from shardline.planner.memory import GiB
+from shardline.planner.memory import GiB, expert_layer_params, ranks, stage_params
 
 H200 = get_hardware("h200")
 H100 = get_hardware("h100-sxm")
@@ -202,3 +203,21 @@ def test_zero1_under_tp_or_pp_reduces_after_backward_and_chunked_loss_holds_less
     chunked = estimate(dataclasses.replace(w8, loss_chunk_tokens=1024), lay, H100).memory["logits"]
     assert chunked < whole / 4  # 1024 of 8192 tokens' logits at a time; the hidden states stay
 
+
+def test_zero1_prices_each_cut_over_its_own_ranks():
+    """As parallel/zero1.py runs it: the dense gradients reduce-scattered over dp_shard, the rank's
+    ep-th of the routed experts over efsdp (dp_shard / ep ranks holding the same experts), each
+    received slice all-reduced over dp_replicate, and the updated slices all-gathered over the
+    same cuts; not one collective over all dp ranks."""
+    w = Workload(PRESETS["mixtral-8x7b"], 4096, 64, "bf16")
+    net, gpn = H100.network, H100.network.gpus_per_node
+    replicas = comm.group(2, 8, gpn)  # across the two nodes
+    for ep in (2, 4, 8):
+        lay = Layout(dp_replicate=2, dp_shard=8, zero=1, ep=ep, micro_batch_size=1, activation_checkpoint="full")
+        stage = ranks(w, lay)[0]
+        experts = stage.layers * expert_layer_params(w, 1)
+        cuts = ((stage_params(w, lay, stage) - experts, comm.group(8, 1, gpn)),
+                (experts / ep, comm.group(8 // ep, ep, gpn)))  # ep 8: one rank per cut, nothing moves
+        expected = sum(comm.reduce_scatter(4 * n, g, net)[0] + comm.all_reduce(4 * n / g.size, replicas, net)[0]
+                       + comm.all_gather(4 * n, g, net)[0] for n, g in cuts)
+        assert estimate(w, lay, H100).breakdown["dp_comm"] == pytest.approx(expected)

@@ -8,7 +8,7 @@ which of them overlap with compute); the per-micro-batch communication is microb
 
 from __future__ import annotations
 
-from shardline.layout import Layout
+from shardline.layout import Layout, RankStages
 from shardline.planner import comm
 from shardline.planner import compute as cmp
 from shardline.planner.activations import dtype_bytes
@@ -17,6 +17,7 @@ from shardline.planner.layout import Workload
 from shardline.planner.memory import (
     DDP_BUCKET_BYTES,
     distinct_ranks,
+    expert_layer_params,
     layer_params,
     layers_per_rank,
     stage_params,
@@ -25,43 +26,92 @@ from shardline.planner.memory import (
 
 
 def dp_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float]) -> tuple[float, float, dict]:
-    """(exposed seconds after the last backward, total seconds, algorithms) of DDP / ZeRO-1."""
-    mode, net = layout.dp_mode, hw.network
-    psi = max(stage_params(work, layout, r) - zero1_ep_away(work, layout, r) for r in distinct_ranks(work, layout))
-    hide = 0.0 if cmp.saturated(hw, layout) else 1.0
+    """(exposed seconds after the last backward, total seconds, algorithms) of DDP / ZeRO-1;
+    under FSDP the total only, for the report (microbatch_comm prices what is exposed)."""
+    mode = layout.dp_mode
+    if mode == "zero1" and _zero1_scatters(layout) and work.runtime.zero1 != "deepspeed_bf16":
+        return _zero1_scatter_tail(work, layout, hw)
     if mode in ("ddp", "zero1"):
-        g = comm.group(layout.dp * layout.cp, layout.tp, net.gpus_per_node)  # cp ranks reduce too (zero1)
-        op = comm.all_reduce if mode == "ddp" else comm.reduce_scatter
-        total, algo = op(4 * psi, g, net)
-        bucket = op(min(DDP_BUCKET_BYTES, 4 * psi), g, net)[0]
-        exposed = max(0.0, total - hide * slow["compute"] * 2 / 3) + hide * bucket
-        if mode == "zero1" and (layout.tp > 1 or layout.pp > 1 or layout.ep > 1):
-            exposed = total  # no DDP wrapper there: the optimizer reduce-scatters after the last backward
-        if mode == "zero1" and work.runtime.zero1 == "deepspeed_bf16":
-            return (*_deepspeed_bf16_dp(work, g, net, psi), {"dp": algo})
-        if mode == "zero1":
-            gather, _ = comm.all_gather(4 * psi, g, net)
-            exposed, total = exposed + gather, total + gather
-        return exposed, total, {"dp": algo}
+        return _wrapped_tail(work, layout, hw, slow)
     if mode in ("fsdp", "zero2", "hsdp"):
-        g = comm.group(layout.shard_degree, layout.tp, net.gpus_per_node)
-        per_layer = layer_params(work, layout.tp)
-        n_micro = layout.micro_batches(work.global_batch)
-        gather, algo = comm.all_gather(dtype_bytes(work.precision) * per_layer, g, net)
-        scatter, _ = comm.reduce_scatter(4 * per_layer, g, net)
-        gathers = 2 if layout.zero == 3 else 1
-        layers = layers_per_rank(work, layout)
-        return 0.0, (gathers * gather + scatter) * layers * n_micro, {"fsdp": algo}
+        return _fsdp_total(work, layout, hw)
     return 0.0, 0.0, {}
 
 
-def _deepspeed_bf16_dp(work: Workload, g, net, psi: float) -> tuple[float, float]:
-    """(exposed, total) of DeepSpeed's BF16_Optimizer under its pipeline engine: the whole fp32
-    gradient buffer all-reduced after the last backward (pipe/engine.py `_bf16_reduce_grads`,
-    not a reduce-scatter), then each rank's updated 16-bit shard all-gathered; nothing overlaps."""
-    reduce = comm.all_reduce(4 * psi, g, net)[0]
-    gather = comm.all_gather(dtype_bytes(work.precision) * psi, g, net)[0]
-    return reduce + gather, reduce + gather
+def _zero1_scatters(layout: Layout) -> bool:
+    """ZeRO-1 without a DDP wrapper, as ParallelDims.zero1_scatters decides: DDP runs neither
+    DTensor parameters (tp, the experts split over ep) nor pipeline stages."""
+    return layout.tp > 1 or layout.pp > 1 or layout.ep > 1
+
+
+def _wrapped_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float]) -> tuple[float, float, dict]:
+    """DDP's all-reduce, bucketed under the last backward, or ZeRO-1 under the DDP wrapper: the
+    gradients reduced over dp x cp like DDP's, then the updated slices all-gathered over the
+    ranks the states are cut over (dp_shard x cp; each replica gathers its own copy), exposed.
+    DeepSpeed's BF16_Optimizer is priced apart (_deepspeed_bf16_dp)."""
+    mode, net = layout.dp_mode, hw.network
+    psi = max(stage_params(work, layout, r) - zero1_ep_away(work, layout, r) for r in distinct_ranks(work, layout))
+    hide = 0.0 if cmp.saturated(hw, layout) else 1.0
+    g = comm.group(layout.dp * layout.cp, layout.tp, net.gpus_per_node)  # cp ranks reduce too (zero1)
+    # ZeRO-1 here is priced as a reduce-scatter, as before its cuts were priced apart; the
+    # trainer's DDP wrapper all-reduces (twice the bytes, mostly hidden under backward).
+    op = comm.all_reduce if mode == "ddp" else comm.reduce_scatter
+    total, algo = op(4 * psi, g, net)
+    bucket = op(min(DDP_BUCKET_BYTES, 4 * psi), g, net)[0]
+    exposed = max(0.0, total - hide * slow["compute"] * 2 / 3) + hide * bucket
+    if mode == "zero1" and work.runtime.zero1 == "deepspeed_bf16":
+        return (*_deepspeed_bf16_dp(work, g, net, psi), {"dp": algo})
+    if mode == "zero1":
+        cut = comm.group(layout.shard_degree, layout.tp, net.gpus_per_node)
+        gather, _ = comm.all_gather(4 * psi, cut, net)
+        exposed, total = exposed + gather, total + gather
+    return exposed, total, {"dp": algo}
+
+
+def _zero1_scatter_tail(work: Workload, layout: Layout, hw: Hardware) -> tuple[float, float, dict]:
+    """ZeRO-1 under tp, pp or ep, all exposed: after the last backward the optimizer reduces the
+    gradients itself, and after its step all-gathers the updated slices (parallel/zero1.py)."""
+    costs = [_zero1_cuts(work, layout, hw, r) for r in distinct_ranks(work, layout)]
+    reduce, gather, algo = max(costs, key=lambda c: c[0] + c[1])
+    return reduce + gather, reduce + gather, {"dp": algo}
+
+
+def _zero1_cuts(work: Workload, layout: Layout, hw: Hardware, stage: RankStages) -> tuple[float, float, str]:
+    """(reduce s, gather s, the dense reduce-scatter's algorithm) of one rank's ZeRO-1 cuts.
+
+    Each cut reduce-scatters its gradients over its own ranks, all-reduces the received slice
+    over dp_replicate (the replicas hold the same slices) and all-gathers the updated slices
+    over its ranks again. The dense parameters are cut over dp_shard x cp; under ep the rank's
+    ep-th of the routed experts over efsdp (dp_shard x cp / ep ranks holding the same experts),
+    a smaller group: fewer ring steps, but a larger slice per rank to all-reduce over the replicas.
+    """
+    net, gpn = hw.network, hw.network.gpus_per_node
+    experts = stage.layers * expert_layer_params(work, layout.tp) if layout.ep > 1 else 0.0
+    dense = stage_params(work, layout, stage) - experts
+    replicas = comm.group(layout.dp_replicate, layout.tp * layout.shard_degree, gpn)
+    cuts = [(dense, comm.group(layout.shard_degree, layout.tp, gpn))]
+    if experts:
+        efsdp = comm.group(layout.shard_degree // layout.ep, layout.tp * layout.ep, gpn)
+        cuts.append((experts / layout.ep, efsdp))
+    reduce = gather = 0.0
+    for params, g in cuts:
+        reduce += comm.reduce_scatter(4 * params, g, net)[0] + comm.all_reduce(4 * params / g.size, replicas, net)[0]
+        gather += comm.all_gather(4 * params, g, net)[0]
+    return reduce, gather, comm.reduce_scatter(4 * dense, cuts[0][1], net)[1]
+
+
+def _fsdp_total(work: Workload, layout: Layout, hw: Hardware) -> tuple[float, float, dict]:
+    """FSDP's gathers and reduce-scatters of a whole step, for the report: nothing is left after
+    the last backward (microbatch_comm.fsdp_exposed prices the exposed part per micro-batch)."""
+    net = hw.network
+    g = comm.group(layout.shard_degree, layout.tp, net.gpus_per_node)
+    per_layer = layer_params(work, layout.tp)
+    n_micro = layout.micro_batches(work.global_batch)
+    gather, algo = comm.all_gather(dtype_bytes(work.precision) * per_layer, g, net)
+    scatter, _ = comm.reduce_scatter(4 * per_layer, g, net)
+    gathers = 2 if layout.zero == 3 else 1
+    layers = layers_per_rank(work, layout)
+    return 0.0, (gathers * gather + scatter) * layers * n_micro, {"fsdp": algo}
 
 
 def _deepspeed_bf16_dp(work: Workload, g, net, psi: float) -> tuple[float, float]:
