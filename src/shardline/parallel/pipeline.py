@@ -147,6 +147,8 @@ class Pipeline:
         or its summed loss when run() hands the stages the labels."""
         stages = [PipelineStage(m, s, self.n_stages, device, group=pp_group)
                   for m, s in zip(self.modules, self.stage_ids)]
+        for stage in stages:
+            _no_warm_up_sends_to_self(stage)
         cls = SCHEDULES[self.schedule_name]
         # The schedule's loss function is fixed here, while the step's token count changes:
         # run() records it for this wrapper to pass on.
@@ -204,6 +206,18 @@ class Pipeline:
             if stage < self.n_stages - 1 and self.owner(stage + 1) != me:
                 _send(h, dist.get_global_rank(pp_group, self.owner(stage + 1)), pp_group)
         return h if self.has_last else None
+
+
+def _no_warm_up_sends_to_self(stage: PipelineStage) -> None:
+    """Leave out the warm-up send/recv pairs a stage would exchange with its own rank.
+
+    A V-shaped schedule puts two adjacent stages on one rank, which pass activations in
+    memory; only the schedule's first step sends each neighbour a dummy tensor to open the
+    links, to this rank too. torch 2.11's gloo cannot send to its own rank ("Pair is not
+    connected"; 2.13's can), and a link to oneself needs no opening."""
+    warm_up = getattr(stage, "_get_init_p2p_neighbors_ops", None)  # torch's private hook; absent: nothing to do
+    if warm_up is not None:
+        stage._get_init_p2p_neighbors_ops = lambda: [op for op in warm_up() if op.group_peer != stage.group_rank]
 
 
 def _stage_kwargs(batch: dict, doc_mask: bool, loss_in_stage: bool) -> dict:
