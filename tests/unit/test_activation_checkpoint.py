@@ -34,7 +34,7 @@ def measure(trainer) -> tuple[int, int]:
     batch = trainer.data.train.batch([0, 1, 2, 3])
     with FlopCounterMode(display=False) as flops:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = trainer.loss_sum(batch)
+            loss = trainer.steps.loss_sum(batch)
         loss.backward()
     return saved, flops.get_total_flops()
 

@@ -1,7 +1,8 @@
 """The training loop: data -> forward/backward -> optimizer -> metrics -> checkpoint.
 
-Read `train()` first; everything else is a small step it calls. The loss of a step is
-the mean over every labelled token of the global batch, whatever the micro-batching,
+Read `train()` first; everything else is a small step it calls, and what one rank
+computes of a step (forward, loss, backward) is step.py's StepRunner. The loss of a step
+is the mean over every labelled token of the global batch, whatever the micro-batching,
 so neither gradient accumulation nor any parallel layout changes a number.
 """
 
@@ -30,16 +31,14 @@ from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
 from shardline.models.moe.parallelize import build_model as build_moe_model
 from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
-from shardline.parallel.collectives import clip_grad_norm, local_value, loss_context, reduce_over
-from shardline.parallel.context.sharding import shard_batch
-from shardline.parallel.data_parallel import gradient_sync
+from shardline.parallel.collectives import clip_grad_norm, reduce_over
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import init_distributed, pick_device
 from shardline.parallel.expert.balance import ExpertBalance
 from shardline.parallel.float8 import precompute_scales
-from shardline.parallel.pipeline import sync_tied_gradient, tied_copy
+from shardline.parallel.pipeline import tied_copy
 from shardline.parallel.zero1 import reduce_gradients
-from shardline.precision import LossScaler, autocast
+from shardline.precision import LossScaler
 from shardline.preflight import check_config, check_device, preflight, use_model_tokenizer
 from shardline.profiling import StepProfiler, configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
@@ -48,6 +47,7 @@ from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import batch_index, check_data_position, get_rng_state, resume_path, set_rng_state
 from shardline.resilience.run_lock import RunLock
+from shardline.trainer.step import StepRunner
 
 
 class Trainer:
@@ -84,18 +84,15 @@ class Trainer:
         # One process builds a (one-rank) mesh too under offload, whose FSDP2 parameters are sharded.
         built = build(cfg, self.model_args, self.dims, self.device)
         load_starting_weights(cfg.model, built.model, sharded=self.dims.mesh is not None)
-        # The parameters (optimizer, checkpoints, clipping), and how to run them: a module
-        # to call (DDP-wrapped or not; train.compile compiled its blocks) or, under pp, the
-        # pipeline schedule.
-        self.model, self.pipeline, self.context = built.model, built.pipeline, built.context
-        self.forward = built.forward
-        if self.pipeline is not None:
-            pp_group = self.dims.submesh("pp").get_group()
-            self.pipeline.build_schedule(self.device, pp_group, self._pipeline_loss)
+        # The parameters (optimizer, checkpoints, clipping), and how to run them (steps): a
+        # module to call (DDP-wrapped or not; train.compile compiled its blocks) or, under pp,
+        # the pipeline schedule.
+        self.model = built.model
+        self.scaler = LossScaler(self.device, cfg.train.precision, agree=self.proc.world_size > 1)
+        self.steps = StepRunner(cfg, built, self.dims, self.device, self.scaler)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.dims.zero1_mesh(),
                                          self.dims.zero1_shard_dim, self.dims.zero1_expert_cut())
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
-        self.scaler = LossScaler(self.device, cfg.train.precision, agree=self.proc.world_size > 1)
         self.guard = RunGuard(cfg, self.proc, self.dims, self.checkpointer, self._layout_fingerprint(), self.started)
         self.tiers = self.guard.tiers  # where state is saved and found again
         self.anomaly = build_anomaly_check(cfg, launch.layout, self.optimizer, self.device)
@@ -255,7 +252,7 @@ class Trainer:
         loss, grad_norm = self.compute_gradients()
         if self.anomaly.on_device:
             return self._step_checked_on_device(step, loss, grad_norm)
-        loss_value = self.guard.faults.corrupt_loss(step, self._global_loss(loss).item())
+        loss_value = self.guard.faults.corrupt_loss(step, self.steps.global_loss(loss).item())
         anomaly = self._detect_anomaly(loss_value, grad_norm)
         if anomaly is not None:
             if self._handle_anomaly(step, *anomaly):
@@ -269,7 +266,7 @@ class Trainer:
     def _step_checked_on_device(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
         """The update gated by the device's verdict; no host sync. Anomalies are reported
         when the verdicts are next read (report_device_anomalies)."""
-        loss = self.guard.faults.corrupt_loss(step, self._global_loss(loss))
+        loss = self.guard.faults.corrupt_loss(step, self.steps.global_loss(loss))
         self.optimizer.found_inf = self.anomaly.gate(step, loss, grad_norm)
         try:
             self.apply_update()
@@ -297,7 +294,7 @@ class Trainer:
         micro, n_tokens = self._step_batch()
         if self.experts:  # the balancing losses' gradients are scaled as the loss's are
             self.experts.begin_step(self.scaler.scale(torch.ones((), device=self.device)))
-        loss = self.forward_backward_step(micro, n_tokens)
+        loss = self.steps.forward_backward_step(micro, self.data.train.batch, n_tokens)
         if self.experts:
             self.experts.end_step()
         reduce_gradients(self.optimizer, self.dims.zero1_scatters)  # ZeRO-1: its slices (under tp/pp, summed)
@@ -314,28 +311,6 @@ class Trainer:
         sampler, batch = self.data.sampler, batch_index(self.step, self.skipped_batches)
         micro = sampler.rank_micro_batches(batch, self.dims.dp_rank(), self.dims.dp, self.cfg.train.micro_batch_size)
         return micro, self.data.train.count_labels(sampler.global_batch(batch))
-
-    def forward_backward_step(self, micro: list[np.ndarray], n_tokens: int) -> torch.Tensor:
-        """Forward and backward of this rank's micro-batches; returns its share of the global mean loss.
-
-        The one place where training runs a pipeline schedule or the model itself. Each
-        micro-batch's loss is its summed cross-entropy / n_tokens, scaled by the scaler
-        (see forward_backward).
-        """
-        if self.pipeline is None:
-            loss = torch.zeros((), device=self.device)
-            for i, idx in enumerate(micro):
-                with gradient_sync(self.forward, enabled=i == len(micro) - 1):
-                    loss += self.forward_backward(self.data.train.batch(idx), n_tokens)
-            return loss
-        # The schedule splits this rank's share into the micro-batches itself; the last
-        # stage's loss function (_pipeline_loss) returns each one's scaled share.
-        batch = self._local(self.data.train.batch(np.concatenate(micro)))
-        with loss_context(self.dims, self.cfg.parallel), autocast(self.device, self.cfg.train.precision):
-            losses = self.pipeline.run(batch, self.cfg.train.document_mask, n_tokens, self._loss_in_model)
-        total = sum((local_value(x.detach()) for x in losses), torch.zeros((), device=self.device))
-        sync_tied_gradient(self.model, self.dims.embedding_group)
-        return self.scaler.unscaled(total)
 
     def apply_update(self) -> bool:
         """Optimizer and schedule step; True when the fp16 loss scaler skipped the update."""
@@ -404,90 +379,16 @@ class Trainer:
         raise AnomalyHalt(f"{event['anomaly']} (value {event['value']:.4g}) at step {event['step']}; "
                           f"state before that step saved to {saved}; anomalies this run: {len(self.anomaly_events)}")
 
-    def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The step's loss over the whole global batch (each rank holds shares of it)."""
-        if self.dims.pp > 1:
-            loss = reduce_over(self.dims, "pp", loss, "sum")  # only the last stage holds it
-        return reduce_over(self.dims, self.dims.batch_dim, loss, "sum")
-
-    def forward_backward(self, batch: dict[str, torch.Tensor], n_tokens: int) -> torch.Tensor:
-        """Backward of this micro-batch's share of the global mean loss; returns that share.
-
-        The data-parallel reduction sums the ranks' gradients of their shares: the
-        gradient of the global mean, as one process computes it.
-        """
-        with loss_context(self.dims, self.cfg.parallel):  # the backward must run inside it too
-            loss = self.loss_sum(batch) / n_tokens
-            self.scaler.scale(loss).backward()
-        return local_value(loss.detach())
-
-    def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        """A micro-batch's share of the global mean, scaled as forward_backward scales it
-        (the last stage's output: logits, or the summed loss it computed itself)."""
-        loss_sum = output.sum() if self._loss_in_model else self.model.loss.score(output, labels)
-        return self.scaler.scale(loss_sum / n_tokens)
-
-    @property
-    def _loss_in_model(self) -> bool:
-        """The model scores the labels itself (chunked, never holding all logits): it is given them."""
-        return self.cfg.train.loss_chunk_tokens > 0
-
-    def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Summed cross-entropy over the labelled tokens of a batch (fp32 logits); under cp,
-        over this rank's tokens of it."""
-        batch = self._local(batch)
-        doc_ids = batch["doc_ids"] if self.cfg.train.document_mask else None
-        with autocast(self.device, self.cfg.train.precision):
-            if self._loss_in_model:
-                return self.forward(batch["input_ids"], doc_ids, batch.get("positions"), labels=batch["labels"])
-            logits = self.forward(batch["input_ids"], doc_ids, batch.get("positions"))
-        return self.model.loss.score(logits, batch["labels"])
-
-    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-
-    def _local(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The batch on this rank's device; under cp, only this rank's tokens (and their positions)."""
-        batch = self._to_device(batch)
-        return shard_batch(batch, self.context.local_positions()) if self.context is not None else batch
-
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the first eval_batches micro-batches of the held-out split.
-
-        The data-parallel ranks share the batches (batch i goes to dp rank i mod dp).
-        Every rank runs the same number of forward passes, since sharded parameters
-        are gathered collectively: a rank short of a batch repeats one and counts it 0.
-        """
+        """Mean loss over the first eval_batches micro-batches of the held-out split (shared by
+        the data-parallel ranks, see StepRunner.eval_loss_total)."""
         t = self.cfg.train
         self.model.eval()
         idx_all = np.arange(t.eval_batches * t.micro_batch_size) % len(self.data.val)
-        batches = np.split(idx_all, t.eval_batches)
-        dp, dp_rank = self.dims.dp, self.dims.dp_rank()
-        total = torch.zeros((), device=self.device)
-        for i in range(dp_rank, -(-t.eval_batches // dp) * dp, dp):
-            batch = self._to_device(self.data.val.batch(batches[min(i, len(batches) - 1)]))
-            weight = 1.0 if i < len(batches) else 0.0
-            total += weight * self._eval_loss_sum(batch)
-        if self.dims.pp > 1:
-            total = reduce_over(self.dims, "pp", total, "sum")  # only the last stage holds it
-        total = reduce_over(self.dims, self.dims.batch_dim, total, "sum")
+        total = self.steps.eval_loss_total(np.split(idx_all, t.eval_batches), self.data.val.batch)
         loss = total.item() / max(self.data.val.count_labels(idx_all), 1)
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
         return loss
-
-    def _eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Summed cross-entropy of an eval batch on this rank (under pp: 0 but on the last stage)."""
-        with loss_context(self.dims, self.cfg.parallel):
-            if self.pipeline is None:
-                return local_value(self.loss_sum(batch))
-            batch = self._local(batch)
-            with autocast(self.device, self.cfg.train.precision):
-                out = self.pipeline.forward_only(batch, self.cfg.train.document_mask,
-                                                 self.dims.submesh("pp").get_group(), self._loss_in_model)
-            if out is None:
-                return torch.zeros((), device=self.device)
-            return local_value(out.sum() if self._loss_in_model else self.model.loss.score(out, batch["labels"]))
 
     def save_checkpoint(self) -> Path | None:
         self.report_device_anomalies()  # the saved detector state and events agree
