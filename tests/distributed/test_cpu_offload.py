@@ -32,13 +32,17 @@ LAYOUTS_2 = {
     "hsdp2x1": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],  # DDP's layout, offloaded: HSDP, shard 1
     # Experts split over tp are their own FSDP unit (over a size-1 shard dim): offloaded too.
     "moe_tp2": [*MOE, "parallel.tp=2"],
-}  # Left out for time (checked by hand to 1e-5 like these): tp 2 and pp 2 without data parallelism
-# (FSDP over a one-rank dimension beside them), FSDP 2 (apply_fsdp over a larger mesh).
+    # Each stage's blocks and ends are FSDP units over a one-rank shard dimension beside pp.
+    "pp2": ["parallel.pp=2"],
+}  # Left out for time (checked by hand to 1e-5 like these): tp 2 (dense) and FSDP 2 (apply_fsdp over a
+# larger mesh).
 
 
 def offload_report(trainer: Trainer) -> dict:
     """What says the states really are FSDP2's on the host, with the offload policy."""
-    units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+    pipeline = trainer.steps.pipeline  # under pp each local stage module is the root unit, outside the model
+    modules = [*trainer.model.modules(), *(pipeline.modules if pipeline else [])]
+    units = [m for m in modules if isinstance(m, FSDPModule)]
     policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for m in units}
     params = list(trainer.model.parameters())
     states = [v for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"]
@@ -112,7 +116,8 @@ def test_offloaded_states_resume(runs):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
 def test_two_rank_offload_matches_one_process(runs, layout):
-    mesh = {"hsdp2x1": [2, 1], "moe_tp2": [1, 2]}[layout]  # the first parameter's: dp_replicate x dp_shard, tp
+    # The first parameter's mesh: dp_replicate x dp_shard; tp; the one-rank shard dimension.
+    mesh = {"hsdp2x1": [2, 1], "moe_tp2": [1, 2], "pp2": [1]}[layout]
     report = json.loads((runs / layout / "offload.json").read_text())
     _assert_offloaded(report, mesh=mesh, expert_units=report["moe_blocks"])
     assert_same_run(runs / layout, runs / ("moe_reference" if layout.startswith("moe") else "reference"))
