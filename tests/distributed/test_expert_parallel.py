@@ -7,7 +7,7 @@ regrouping by expert (a mis-ordered combine), and expert gradients summed over t
 group as if the experts were data-parallel replicas (the wrong group).
 
 Then whole runs: MoE training (balance loss, z-loss and the bias update all on,
-dropless) under ep, ep x FSDP, ep x pp, ep x cp, ep x tp, tp, pp, cp,
+dropless) under ep, ep x FSDP, ep x pp, ep x cp, ep borrowing the cp ranks, ep x tp, tp, pp, cp,
 activation checkpointing and ZeRO-1 with ep and with tp gives the single process's losses and
 final weights (and, under ZeRO-1, gradient norms), also when a run is resumed under another ep.
 """
@@ -131,6 +131,8 @@ MOE_2 = {
     "ep2_zero1": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=1"],
     # ZeRO-1 over the cp ranks: DDP over them, every state (experts' too) cut over dp_shard x cp
     "cp2_zero1": ["parallel.cp=2", "parallel.zero=1"],
+    # ep borrows the cp ranks: each cp rank holds other experts (efsdp 1: no sum over cp)
+    "ep2_from_cp2": ["parallel.dp_shard=1", "parallel.cp=2", "parallel.ep=2"],
 }
 MOE_4 = {
     "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
@@ -140,6 +142,11 @@ MOE_4 = {
     "tp2_zero1": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.zero=1"],  # experts cut like TP shards
     # The experts' states cut over efsdp = the 2 cp ranks, which interleave with ep on the mesh.
     "ep2_cp2_zero1": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2", "parallel.zero=1"],
+    # ep 4 = dp_shard 2 x cp 2 (flattened, cp inner), the experts' states cut over efsdp 1.
+    "ep4_from_dp2_cp2_zero1": ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=4", "parallel.zero=1"],
+    # ep = the 2 Ulysses ranks, experts over ep x tp (ep_tp flattened from cp_ulysses and tp).
+    "ep2_from_ulysses2_tp2": ["parallel.dp_shard=1", "parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.ep=2",
+                              "parallel.tp=2"],
 }
 # The second half is ep 2 x dp_shard 4: experts FSDP-sharded over 2 ranks (efsdp).
 RESHARD_4 = [("fsdp4_to_ep2", ["parallel.dp_shard=4", "train.stop_at_step=2"],
@@ -153,7 +160,8 @@ RESHARD_4 = [("fsdp4_to_ep2", ["parallel.dp_shard=4", "train.stop_at_step=2"],
 RESHARD_2 = [("ep2_zero1_to_fsdp2", ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=1", "train.stop_at_step=2"],
               ["parallel.dp_shard=2"])]
 # The optimizer clips under ZeRO-1: the logged gradient norms are compared too.
-ZERO1 = ["ep2_zero1", "cp2_zero1", "tp2_zero1", "ep2_cp2_zero1", "ep2_zero1_to_ep2_tp2_zero1", "ep2_zero1_to_fsdp2"]
+ZERO1 = ["ep2_zero1", "cp2_zero1", "tp2_zero1", "ep2_cp2_zero1", "ep4_from_dp2_cp2_zero1",
+         "ep2_zero1_to_ep2_tp2_zero1", "ep2_zero1_to_fsdp2"]
 
 
 def _base(corpus) -> list[str]:

@@ -71,8 +71,12 @@ def test_invalid_layouts(world, overrides, message):
     (4, ["model.preset=tiny-moe", "parallel.ep=3", "parallel.dp_shard=3", "parallel.dp_replicate=1"],
      "does not match the world size 4"),
     (6, ["model.preset=tiny-moe", "parallel.ep=3", "parallel.dp_shard=6"], "x tp=1 must divide the 8 experts"),
-    (4, ["model.preset=tiny-moe", "parallel.ep=4", "parallel.cp=2", "parallel.dp_shard=2"],
-     "borrowing context-parallel ranks for experts is not built"),
+    # ep 2 would take half of the 4 cp ranks: ep borrows none or all of them
+    (4, ["model.preset=tiny-moe", "parallel.ep=2", "parallel.cp=4", "parallel.dp_shard=1"],
+     "would borrow part of the cp ranks, which is not built: ep must divide dp_shard or be a multiple of cp; "
+     "valid ep: [4]"),
+    (4, ["model.preset=tiny-moe", "parallel.ep=4", "parallel.cp=2", "parallel.dp_shard=1", "parallel.tp=2"],
+     "parallel.ep=4 must divide dp_shard x cp = 2"),
     (4, ["model.preset=tiny-moe", "moe.num_experts=6", "parallel.tp=2", "parallel.ep=2", "parallel.dp_shard=2"],
      "parallel.ep=2 x tp=2 must divide the 6 experts"),
     (2, ["model.preset=tiny-moe", "moe.top_k=9"], "moe top_k=9 must be in 1..n_experts=8"),
@@ -98,6 +102,18 @@ def test_zero1_composes_with_tp_and_pp(world, overrides):
     lay = layout_for(world, *overrides)
     assert lay.dp_mode == "zero1" and lay.world == world
     assert layouts.first_problem(lay, layouts.Job(ARGS, 32, 16), runnable=True) is None
+
+
+@pytest.mark.parametrize("world, overrides", [
+    (2, ["parallel.cp=2", "parallel.ep=2", "parallel.dp_shard=1"]),  # ep borrows every cp rank
+    (4, ["parallel.cp=2", "parallel.ep=4", "parallel.dp_shard=2", "parallel.zero=2"]),  # ep: 2 of dp_shard x cp
+    (8, ["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=2", "parallel.ep=4",
+         "parallel.dp_shard=2"]),
+])
+def test_ep_borrowing_cp_ranks_is_built(world, overrides):
+    cfg = load_config(None, ["model.preset=tiny-moe", "train.global_batch_size=16", "train.micro_batch_size=2",
+                             "train.seq_len=32", *overrides])
+    assert preflight(cfg, world, 512).layout.ep > 1
 
 
 @pytest.mark.parametrize("world, overrides", [

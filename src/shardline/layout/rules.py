@@ -161,9 +161,13 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
     """Mixture-of-experts layouts the trainer does not build yet."""
     if not getattr(job.model, "n_experts", 0):
         return None
-    if lay.ep > 1 and lay.dp_shard % lay.ep:
-        return "ep", (f"parallel.ep={lay.ep} must divide parallel.dp_shard={lay.dp_shard}: borrowing context-"
-                      "parallel ranks for experts is not built")
+    ranks = lay.dp_shard * lay.cp
+    if lay.ep > 1 and ranks % lay.ep == 0 and lay.dp_shard % lay.ep and lay.ep % lay.cp:
+        # ep borrows either dp_shard ranks alone or every cp rank (ParallelDims.ep_borrows_cp), not part of cp.
+        valid = [e for e in range(2, ranks + 1) if ranks % e == 0 and (lay.dp_shard % e == 0 or e % lay.cp == 0)]
+        return "ep", (f"parallel.ep={lay.ep} with dp_shard={lay.dp_shard} and cp={lay.cp} would borrow part of the "
+                      f"cp ranks, which is not built: ep must divide dp_shard or be a multiple of cp; valid ep: "
+                      f"{valid}")
     return None
 
 

@@ -9,10 +9,16 @@ tensor-parallel ranks in one group see the same tokens. FSDP shards over
 dp_shard x cp ("dp_shard_cp"): cp ranks hold the same parameters, so they share
 them as data-parallel ranks would, and their gradients are summed the same way.
 
-Expert parallelism borrows ep of the dp_shard ranks: with ep > 1, dp_shard is built as
-dp_shard_mod_ep x ep (and kept as a flattened dimension of that name). Routed experts
-are split over "ep" and sharded by FSDP over what is left of dp_shard x cp ("efsdp":
-dp_shard_mod_ep x cp); under ZeRO-1 their optimizer states are cut over efsdp instead.
+Expert parallelism borrows ep of the dp_shard x cp ranks. When ep divides dp_shard,
+dp_shard is built as dp_shard_mod_ep x ep (and kept as a flattened dimension of that
+name); routed experts are split over "ep" and sharded by FSDP over what is left of
+dp_shard x cp ("efsdp": dp_shard_mod_ep x cp). Otherwise ep is a multiple of cp
+(layout rule `_not_built_moe`) and borrows every cp rank (`ep_borrows_cp`, as torchtitan
+does): dp_shard is built as dp_shard_mod_ep x dp_shard_in_ep, "ep" is the flattened
+dp_shard_in_ep x cp_ring x cp_ulysses, and efsdp is dp_shard_mod_ep alone: the cp ranks
+hold different experts then, so the experts' gradients are not summed over cp (the
+tokens of every cp rank reach them through the all-to-all). Under ZeRO-1 the experts'
+optimizer states are cut over efsdp instead of FSDP sharding them.
 """
 
 from __future__ import annotations
@@ -147,8 +153,7 @@ class ParallelDims:
         if not dist.is_initialized() and self.world_size == 1:
             init_one_process_group(device)
         ring, ulysses = self.layout.cp_degrees
-        shard = ("dp_shard_mod_ep", "ep") if self.ep > 1 else ("dp_shard",)
-        shard_sizes = (self.dp_shard // self.ep, self.ep) if self.ep > 1 else (self.dp_shard,)
+        shard, shard_sizes = self._dp_shard_dims()
         names = ("pp", "dp_replicate", *shard, "cp_ring", "cp_ulysses", "tp")
         shape = (self.pp, self.dp_replicate, *shard_sizes, ring, ulysses, self.tp)
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
@@ -158,16 +163,39 @@ class ParallelDims:
                      "dp_shard_cp": self.mesh[(*shard, *cp)]._flatten("dp_shard_cp"),
                      "dp_cp": self.mesh[("dp_replicate", *shard, *cp)]._flatten("dp_cp")}
         if self.ep > 1:
-            self.flat["dp_shard"] = self.mesh[shard]._flatten("dp_shard")
-            # Ranks holding the same experts and different tokens: their expert gradients sum.
-            self.flat["efsdp"] = self.mesh[("dp_shard_mod_ep", *cp)]._flatten("efsdp")
-            if self.tp > 1:  # experts split over ep x tp, ep-major
-                self.flat["ep_tp"] = self.mesh[("ep", "tp")]._flatten("ep_tp")
+            self._build_expert_dims(shard)
         self.checkpoint_group = dist.new_group(backend="gloo")
         self.control_group = dist.new_group(backend="gloo")
         if embedding_group and self.pp > 1:
             self.embedding_group = self._build_embedding_group()
         return self.mesh
+
+    @property
+    def ep_borrows_cp(self) -> bool:
+        """Whether ep takes every cp rank (and ep / cp of the dp_shard ranks): ep does not divide dp_shard."""
+        return self.ep > 1 and self.dp_shard % self.ep != 0
+
+    def _dp_shard_dims(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """The mesh dims dp_shard is built from and their sizes: itself, or split so that its
+        inner part (all of ep, or ep / cp of it when ep borrows the cp ranks) is a dim of its own."""
+        if self.ep == 1:
+            return ("dp_shard",), (self.dp_shard,)
+        inner = self.ep // self.cp if self.ep_borrows_cp else self.ep
+        return ("dp_shard_mod_ep", "dp_shard_in_ep" if self.ep_borrows_cp else "ep"), (self.dp_shard // inner, inner)
+
+    def _build_expert_dims(self, shard: tuple[str, ...]) -> None:
+        """dp_shard flattened back, ep (flattened when it borrows cp), efsdp and ep_tp."""
+        cp = ("cp_ring", "cp_ulysses")
+        self.flat["dp_shard"] = self.mesh[shard]._flatten("dp_shard")
+        if self.ep_borrows_cp:
+            ep_dims, efsdp_dims = ("dp_shard_in_ep", *cp), ("dp_shard_mod_ep",)
+            self.flat["ep"] = self.mesh[ep_dims]._flatten("ep")
+        else:
+            ep_dims, efsdp_dims = ("ep",), ("dp_shard_mod_ep", *cp)
+        # Ranks holding the same experts and different tokens: their expert gradients sum.
+        self.flat["efsdp"] = self.mesh[efsdp_dims]._flatten("efsdp")
+        if self.tp > 1:  # experts split over ep x tp, ep-major
+            self.flat["ep_tp"] = self.mesh[(*ep_dims, "tp")]._flatten("ep_tp")
 
     def _build_embedding_group(self) -> dist.ProcessGroup | None:
         """The group of the first and the last pp rank that share this rank's other coordinates."""

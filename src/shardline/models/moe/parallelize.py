@@ -7,7 +7,8 @@ dimension over "ep", "tp" or both (flattened ep-major as "ep_tp"), so checkpoint
 every expert at its global index and resume under any ep or tp. Tokens reach them
 through `ExpertParallel` (an all-to-all over ep; an all-reduce over tp, whose ranks
 already hold the same tokens). FSDP then shards expert weights over "efsdp" (the ranks of
-dp_shard x cp that hold the same experts), every other weight over all of dp_shard x cp.
+dp_shard x cp that hold the same experts; not the cp ranks when ep borrows them, see
+parallel/dims.py), every other weight over all of dp_shard x cp.
 An expert's gradient already carries the tokens of the whole ep group (they came to it
 through the all-to-all), so it is summed over efsdp (and dp_replicate) only, never over
 ep or tp. Under ZeRO-1 the experts stay whole (no FSDP) and the optimizer does that sum,
