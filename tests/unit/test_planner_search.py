@@ -161,3 +161,13 @@ def test_emitted_moe_plan_on_cpu_ranks_passes_the_launch_checks(tmp_path, capsys
                  "8", "--runnable-only", "--fix", "ep=2,pp=1,cp=1", "--emit-config", str(pinned)]) == 0
     cfg = load_config(pinned)
     assert cfg.parallel.ep == 2 and preflight(cfg, 2, 4096).layout.ep == 2
+
+
+def test_the_search_has_ep_borrowing_the_cp_ranks():
+    """With cp taking every rank (dp_shard 1), ep can only borrow cp ranks: ep 4 (all of them) is
+    offered as runnable, ep 2 (part of them, not built) is pruned as the trainer's rule says."""
+    work = Workload(PRESETS["mixtral-8x7b"], 131072, 8, "bf16")
+    result = search(work, get_hardware("h100-sxm"), 16, {"cp": 4, "dp_shard": 1, "tp": 2, "pp": 2},
+                    runnable_only=True)
+    assert {e.layout.ep for e in result.candidates} == {1, 4}
+    assert result.pruned["trainer"] > 0

@@ -258,7 +258,7 @@ class ParallelConfig:
     cp_mode: str = "ring"  # ring (K/V blocks pass around) | ulysses (all-to-all to heads) | hybrid (both)
     cp_ulysses: int = 0  # hybrid only: the all-to-all (head) part U of cp; cp / U ranks form the ring
     cp_balance: str = "zigzag"  # zigzag (rank i holds chunks i and 2R-1-i: equal causal work) | none
-    ep: int = 1  # expert parallel: MoE experts split over ep ranks borrowed from dp_shard
+    ep: int = 1  # expert parallel: MoE experts split over ep ranks borrowed from dp_shard (or dp_shard x cp)
     sequence_parallel: bool = True  # with tp > 1: shard the norm regions along the sequence
     loss_parallel: bool = True  # with tp > 1: cross-entropy on vocab-sharded logits
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv | dualpipev

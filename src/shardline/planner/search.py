@@ -10,8 +10,8 @@ The space, for N devices of G per node:
     dp        the rest: DDP, FSDP with zero 1/2/3, HSDP (shard groups of whole nodes
               or within one), with and without CPU offload (zero 3; also on a single
               data-parallel rank, where FSDP2 runs over a size-1 shard dimension)
-    ep        mixture-of-experts models: 1, and powers of two that divide dp_shard and (with
-              tp) the experts, while ep x tp stays inside a node
+    ep        mixture-of-experts models: 1, and powers of two that divide dp_shard x cp and
+              (with tp) the experts, while ep x tp stays inside a node
     mbs       powers of two dividing the per-rank batch (up to 16)
     AC        none, op, selective (every 2nd block), full
 
@@ -131,13 +131,14 @@ def _cp_modes(work: Workload, tp: int, cp: int, fixed: dict) -> list[dict]:
     return [m for m in modes if all(fixed.get(k, v) == v for k, v in m.items())]
 
 
-def _ep_options(work: Workload, tp: int, dp_shard: int, gpn: int, fixed: dict) -> list[int]:
-    """Expert-parallel degrees worth pricing: 1, and powers of two dividing dp_shard and the
-    experts with ep x tp inside a node (the all-to-alls then ride the node's links)."""
+def _ep_options(work: Workload, tp: int, ranks: int, gpn: int, fixed: dict) -> list[int]:
+    """Expert-parallel degrees worth pricing: 1, and powers of two dividing the ranks ep borrows
+    (dp_shard x cp) and the experts with ep x tp inside a node (the all-to-alls then ride the
+    node's links). Which of them the trainer builds is the layout rules' business."""
     n = getattr(work.model, "n_experts", 0)
     options = [1]
     e = 2
-    while n and e <= dp_shard and e * tp <= gpn and n % (e * tp) == 0 and dp_shard % e == 0:
+    while n and e <= ranks and e * tp <= gpn and n % (e * tp) == 0 and ranks % e == 0:
         options.append(e)
         e *= 2
     return _options("ep", options, fixed)
@@ -152,7 +153,7 @@ def candidates(work: Workload, hw: Hardware, gpus: int, fixed: dict):
         for dpv in _dp_variants(dp, tp, cp, hw.network.gpus_per_node, fixed):
             if dpv["cpu_offload"] and hw.name == "cpu":
                 continue  # offload moves state from a GPU to the host: nothing to gain on CPU ranks
-            eps = _ep_options(work, tp, dpv["dp_shard"], hw.network.gpus_per_node, fixed)
+            eps = _ep_options(work, tp, dpv["dp_shard"] * cp, hw.network.gpus_per_node, fixed)
             for schedule, v in _schedules(pp, fixed):
                 for mbs, m in _micro_batches(local, pp, fixed) if local else [(1, pp)]:
                     for ac, every in acs:
