@@ -38,7 +38,7 @@ def test_checkpoint_to_hf_and_back(tiny_config, tmp_path):
     batch = tuned.data.train.batch([0, 1])
     for name, p in tuned.model.state_dict().items():
         torch.testing.assert_close(p, trainer.model.state_dict()[name])
-    assert tuned.loss_sum(batch) < fresh.loss_sum(batch)
+    assert tuned.steps.loss_sum(batch) < fresh.steps.loss_sum(batch)
 
 
 def test_train_from_hf_folder(tiny_config, tmp_path):
