@@ -34,8 +34,9 @@ LAYOUTS_2 = {
     "moe_tp2": [*MOE, "parallel.tp=2"],
     # Each stage's blocks and ends are FSDP units over a one-rank shard dimension beside pp.
     "pp2": ["parallel.pp=2"],
-}  # Left out for time (checked by hand to 1e-5 like these): tp 2 (dense) and FSDP 2 (apply_fsdp over a
-# larger mesh).
+    "tp2": ["parallel.tp=2"],  # DTensor TP shards, FSDP over a one-rank dimension beside tp
+    "fsdp2": ["parallel.dp_shard=2"],  # offload where FSDP shards anyway
+}
 
 
 def offload_report(trainer: Trainer) -> dict:
@@ -117,7 +118,7 @@ def test_offloaded_states_resume(runs):
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
 def test_two_rank_offload_matches_one_process(runs, layout):
     # The first parameter's mesh: dp_replicate x dp_shard; tp; the one-rank shard dimension.
-    mesh = {"hsdp2x1": [2, 1], "moe_tp2": [1, 2], "pp2": [1]}[layout]
+    mesh = {"hsdp2x1": [2, 1], "moe_tp2": [1, 2], "pp2": [1], "tp2": [1, 2], "fsdp2": [2]}[layout]
     report = json.loads((runs / layout / "offload.json").read_text())
     _assert_offloaded(report, mesh=mesh, expert_units=report["moe_blocks"])
     assert_same_run(runs / layout, runs / ("moe_reference" if layout.startswith("moe") else "reference"))
