@@ -104,6 +104,19 @@ class Layout:
             return "hsdp"  # zero=2 too: FSDP2 keeps the parameters sharded at rest either way
         return {2: "zero2", 3: "fsdp"}[self.zero]
 
+    @property
+    def zero1_scatters(self) -> bool:
+        """ZeRO-1 under tp, pp or ep: no DDP wrapper (it runs neither DTensor parameters, TP's or
+        the experts split over ep, nor pipeline stages, and it would sum expert gradients over
+        ep); the optimizer reduce-scatters the gradients itself (parallel/zero1.py)."""
+        return self.dp_mode == "zero1" and (self.tp > 1 or self.pp > 1 or self.ep > 1)
+
+    @property
+    def ep_borrows_cp(self) -> bool:
+        """Whether ep borrows cp ranks (ep does not divide dp_shard). What is built then is ep
+        taking every cp rank and ep / cp of the dp_shard ranks (rules: `_not_built_moe`)."""
+        return self.ep > 1 and self.dp_shard % self.ep != 0
+
     def micro_batches(self, global_batch: int) -> int:
         """Micro-batches each rank runs per optimizer step."""
         return global_batch // (self.dp * self.micro_batch_size)

@@ -162,8 +162,8 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
     if not getattr(job.model, "n_experts", 0):
         return None
     ranks = lay.dp_shard * lay.cp
-    if lay.ep > 1 and ranks % lay.ep == 0 and lay.dp_shard % lay.ep and lay.ep % lay.cp:
-        # ep borrows either dp_shard ranks alone or every cp rank (ParallelDims.ep_borrows_cp), not part of cp.
+    if lay.ep_borrows_cp and ranks % lay.ep == 0 and lay.ep % lay.cp:
+        # ep borrows either dp_shard ranks alone or every cp rank, not part of cp.
         valid = [e for e in range(2, ranks + 1) if ranks % e == 0 and (lay.dp_shard % e == 0 or e % lay.cp == 0)]
         return "ep", (f"parallel.ep={lay.ep} with dp_shard={lay.dp_shard} and cp={lay.cp} would borrow part of the "
                       f"cp ranks, which is not built: ep must divide dp_shard or be a multiple of cp; valid ep: "

@@ -114,10 +114,7 @@ class ParallelDims:
 
     @property
     def zero1_scatters(self) -> bool:
-        """ZeRO-1 under tp, pp or ep: no DDP wrapper (it runs neither DTensor parameters, TP's or
-        the experts split over ep, nor pipeline stages, and it would sum expert gradients over
-        ep); the optimizer reduce-scatters the gradients itself (parallel/zero1.py)."""
-        return self.zero1 and (self.tp > 1 or self.pp > 1 or self.ep > 1)
+        return self.layout.zero1_scatters
 
     def zero1_cut_dim(self, param_dims: tuple[str, ...]) -> str:
         """The dimension ZeRO-1 cuts a parameter's states over, given the mesh dims the parameter
@@ -172,8 +169,7 @@ class ParallelDims:
 
     @property
     def ep_borrows_cp(self) -> bool:
-        """Whether ep takes every cp rank (and ep / cp of the dp_shard ranks): ep does not divide dp_shard."""
-        return self.ep > 1 and self.dp_shard % self.ep != 0
+        return self.layout.ep_borrows_cp
 
     def _dp_shard_dims(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """The mesh dims dp_shard is built from and their sizes: itself, or split so that its

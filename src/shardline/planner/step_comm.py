@@ -29,19 +29,13 @@ def dp_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float]
     """(exposed seconds after the last backward, total seconds, algorithms) of DDP / ZeRO-1;
     under FSDP the total only, for the report (microbatch_comm prices what is exposed)."""
     mode = layout.dp_mode
-    if mode == "zero1" and _zero1_scatters(layout) and work.runtime.zero1 != "deepspeed_bf16":
+    if layout.zero1_scatters and work.runtime.zero1 != "deepspeed_bf16":
         return _zero1_scatter_tail(work, layout, hw)
     if mode in ("ddp", "zero1"):
         return _wrapped_tail(work, layout, hw, slow)
     if mode in ("fsdp", "zero2", "hsdp"):
         return _fsdp_total(work, layout, hw)
     return 0.0, 0.0, {}
-
-
-def _zero1_scatters(layout: Layout) -> bool:
-    """ZeRO-1 without a DDP wrapper, as ParallelDims.zero1_scatters decides: DDP runs neither
-    DTensor parameters (tp, the experts split over ep) nor pipeline stages."""
-    return layout.tp > 1 or layout.pp > 1 or layout.ep > 1
 
 
 def _wrapped_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, float]) -> tuple[float, float, dict]:
