@@ -44,10 +44,12 @@ TIED_2 = {
                      "model.tie_embeddings=1"],
 }
 # Tied resharding resume: a pipeline checkpoint (one tied weight in it) resumed under
-# FSDP, and the other way round.
+# FSDP, and the other way round; and by the same pipeline, whose ranks hold different
+# parameters (each must load its own optimizer groups' names, not the saving rank's).
 TIED_RESHARD_2 = [
     ("tied_pp_to_fsdp", ["parallel.pp=2", "train.stop_at_step=2"], ["parallel.dp_shard=2"]),
     ("tied_fsdp_to_pp", ["parallel.dp_shard=2", "train.stop_at_step=2"], ["parallel.pp=2"]),
+    ("tied_pp_resumed", ["parallel.pp=2", "train.stop_at_step=2"], ["parallel.pp=2"]),
 ]
 # Plain DDP 4, ZeRO-3 over 4, ZeRO-1 over 2 x 2 replicas and FSDP 2 x PP 2 run as halves of the
 # resharding resumes below (tp_to_ddp, zero3_to_*), which compare every step's loss, the
@@ -68,6 +70,10 @@ LAYOUTS_4 = {
                 "parallel.pp_virtual_stages=2"],
 }
 # Tied embeddings under PP composed with FSDP and TP; pp 4 sums over a pair of ranks.
+# ZBV x FSDP (zero=2): the rank holding both ends keeps a copy in its last stage's FSDP
+# unit, summed in place; stopped and resumed (the copy's optimizer state saved once).
+ZBV_FSDP_TIED = ["parallel.dp_shard=2", "parallel.zero=2", "parallel.pp=2", "parallel.pp_schedule=zbv",
+                 "parallel.pp_virtual_stages=2", "model.tie_embeddings=1"]
 TIED_4 = {
     "fsdp2_pp2_tied": ["parallel.dp_shard=2", "parallel.pp=2", "model.tie_embeddings=1"],
     "tp2_pp2_tied": ["parallel.tp=2", "parallel.pp=2", "model.tie_embeddings=1"],
@@ -144,6 +150,8 @@ def world4(tmp_path_factory, small_prepared):
     for name, first, second in RESHARD_4:
         jobs += [(root / name, [*_base(small_prepared), *first]), (root / name, [*_base(small_prepared), *second])]
     jobs.append((root / ZERO1_TO_SINGLE, [*_base(small_prepared), *LAYOUTS_4["zero1_tp2"], HALF]))
+    jobs += [(root / "zbv_fsdp_tied", [*_base(small_prepared), *ZBV_FSDP_TIED, HALF]),
+             (root / "zbv_fsdp_tied", [*_base(small_prepared), *ZBV_FSDP_TIED])]
     run_world(4, jobs)
     Trainer(load_config(None, [*_base(small_prepared), f"run.dir={root / ZERO1_TO_SINGLE}"])).build().train()
     return root
@@ -190,7 +198,7 @@ def test_tied_resume_under_another_layout_continues_the_run(world2, reference_ti
     assert_same_run(world2 / name, reference_tied)
 
 
-@pytest.mark.parametrize("layout", list(TIED_4))
+@pytest.mark.parametrize("layout", [*TIED_4, "zbv_fsdp_tied"])
 def test_world4_tied_pipeline_compositions_match_single_process(world4, reference_tied, layout):
     assert_same_run(world4 / layout, reference_tied)
     assert_same_grad_norms(world4 / layout, reference_tied)

@@ -47,48 +47,62 @@ def prune(model: Llama, keep_layers: set[int], first: bool, last: bool) -> None:
         model.output = None
 
 
-def tied_end(model: Llama) -> nn.Parameter | None:
-    """This rank's end of tied embeddings split over pipeline ranks, else None.
-
-    With tied embeddings the first stage's embedding and the last stage's output head
-    are one weight. A rank holding both keeps one parameter; otherwise the first stage
-    holds `tok_embeddings.weight` and the last a copy as `output.weight`. The copies
-    start equal (init_weights gives a tied output the embedding's value), their
-    gradients are summed (sync_tied_gradient) so identical AdamW updates keep them
-    equal, the norm counts the weight once and checkpoints store its optimizer state
-    under the embedding's name (tied_copy).
-    """
-    if not getattr(getattr(model, "args", None), "tie_embeddings", False):
-        return None
-    if (model.tok_embeddings is None) == (model.output is None):
-        return None
-    return model.tok_embeddings.weight if model.tok_embeddings is not None else model.output.weight
-
-
 def tied_copy(model: Llama) -> nn.Parameter | None:
-    """The output head's copy of a tied embedding held apart from it (see tied_end), else None."""
-    end = tied_end(model)
-    return end if end is not None and model.tok_embeddings is None else None
+    """The output head's own copy of a tied embedding, else None.
+
+    With tied embeddings the embedding and the output head are one weight. Two cases
+    hold it as two parameters, a copy named `output.weight`:
+    - a pipeline's last stage on another rank than the first (1F1B, interleaved);
+    - a rank holding both ends in two stages (V-shaped schedules) under FSDP, which
+      shards each stage as its own unit and cannot share a parameter between units
+      (hold_tied_copy).
+    The copy starts equal (init_weights gives a tied output the embedding's value), takes
+    the summed gradient of both ends (sync_tied_gradient), so identical AdamW updates
+    keep it equal; the norm counts the weight once and checkpoints keep one optimizer
+    state for it, the embedding's.
+    """
+    if not getattr(getattr(model, "args", None), "tie_embeddings", False) or model.output is None:
+        return None
+    return model.output.weight if model.tok_embeddings is None or getattr(model, "tie_held_apart", False) else None
+
+
+def hold_tied_copy(model: Llama) -> None:
+    """Give a tied output head that shares this rank's embedding a parameter of its own
+    (on meta, before the model is laid out; see tied_copy)."""
+    if model.args.tie_embeddings and None not in (model.output, model.tok_embeddings):
+        model.output.weight = nn.Parameter(torch.empty_like(model.tok_embeddings.weight))
+        model.tie_held_apart = True
 
 
 @torch.no_grad()
 def sync_tied_gradient(model: Llama, embedding_group) -> None:
-    """Sum the tied weight's gradient over its two ends (the embedding group's all-reduce).
+    """Sum the tied weight's gradient over its two ends: in place where this rank holds
+    both, else by the embedding group's all-reduce between the two ranks.
 
     Both ends are laid out alike (FSDP shards both over dp_shard by rows, TP splits
     both by vocabulary rows), so once each gradient has its parameter's layout the
-    local shards hold the same rows and add up elementwise. Ranks holding neither end, or both, have nothing to do.
+    local shards hold the same rows and add up elementwise. Ranks holding neither end,
+    or one parameter for both, have nothing to do.
     """
-    end = tied_end(model)
-    if end is None or embedding_group is None:
+    if not getattr(getattr(model, "args", None), "tie_embeddings", False):
         return
+    embedding, copy = model.tok_embeddings, tied_copy(model)
+    if embedding is not None and copy is not None:  # both ends here, two parameters
+        total, other = _local_grad(embedding.weight), _local_grad(copy)
+        total.add_(other)
+        other.copy_(total)
+    elif embedding_group is not None and (embedding is None) != (model.output is None):  # one end here
+        dist.all_reduce(_local_grad(copy if embedding is None else embedding.weight), group=embedding_group)
+
+
+def _local_grad(end: nn.Parameter) -> torch.Tensor:
+    """This rank's part of `end`'s gradient, laid out as the parameter is."""
     if end.grad is None:  # an end that saw no token still takes its partner's gradient
         end.grad = torch.zeros_like(end)
     if isinstance(end.grad, DTensor) and end.grad.placements != end.placements:
         # TP's vocab-parallel embedding leaves a replicated gradient: keep this rank's rows.
         end.grad = end.grad.redistribute(end.device_mesh, end.placements)
-    grad = end.grad.to_local() if isinstance(end.grad, DTensor) else end.grad
-    dist.all_reduce(grad, group=embedding_group)
+    return end.grad.to_local() if isinstance(end.grad, DTensor) else end.grad
 
 
 class StageModule(nn.Module):

@@ -213,6 +213,9 @@ class Llama(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # A layout may keep the tied output as a copy of the embedding on one rank (a V-shaped
+        # pipeline under FSDP: parallel/pipeline.py's hold_tied_copy); init_weights keeps it apart.
+        self.tie_held_apart = False
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
         # How forward scores labels: the builder may set a chunked one (models/loss.py).
         self.loss = LinearCrossEntropy()
@@ -265,7 +268,7 @@ class Llama(nn.Module):
         """
         if any(t.is_meta for t in self.parameters()) or self.inv_freq.is_meta:
             self.to_empty(device=device)
-            if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            if self.args.tie_embeddings and None not in (self.output, self.tok_embeddings) and not self.tie_held_apart:
                 self.output.weight = self.tok_embeddings.weight  # to_empty gives each module its own tensor
         self.inv_freq = rope_frequencies(self.args).to(self.inv_freq.device)
         assign = assign or (lambda p, value: p.copy_(value))

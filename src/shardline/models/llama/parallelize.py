@@ -47,7 +47,7 @@ from shardline.parallel.context.sharding import SequenceSplit
 from shardline.parallel.data_parallel import apply_ddp, apply_fsdp
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.parallelize import BuiltModel, assign_full_value
-from shardline.parallel.pipeline import Pipeline
+from shardline.parallel.pipeline import Pipeline, hold_tied_copy
 
 
 def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, device: torch.device,
@@ -84,6 +84,8 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
         positions = context.local_positions() if context else torch.arange(cfg.train.seq_len)
         pipeline = Pipeline(model, args, dims.submesh("pp").get_local_rank(), dims.pp, p.pp_virtual_stages,
                             p.pp_schedule, dims.layout.pp_microbatches, cfg.train.document_mask, positions)
+        if fsdp:  # each stage is an FSDP unit: a V shape's two ends of a tied weight get a parameter each
+            hold_tied_copy(model)
     if dims.tp > 1:
         apply_tp(model, dims.submesh("tp"), p.sequence_parallel, p.loss_parallel)
     if family_plan is not None:
