@@ -79,7 +79,8 @@ def _assert_offloaded(report: dict, mesh: list[int], expert_units: int = 0) -> N
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("offload")
-    base = [*PARITY_OVERRIDES, f"data.path={small_prepared}"]
+    # optim.implementation=auto: what the trainer picks for host states (foreach) is checked.
+    base = [*PARITY_OVERRIDES, "optim.implementation=auto", f"data.path={small_prepared}"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the spawned ranks run: tiny matmuls on shared cores only slow down with more
     Trainer(load_config(None, [*base, f"run.dir={root / 'reference'}"])).build().train()

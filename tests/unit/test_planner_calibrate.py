@@ -95,9 +95,10 @@ def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
     # DTensor dispatch of a TP block costs host time beyond the plain block's; so do FSDP2's hooks.
     assert fields["tp_layer_overhead_us"] > 0 and fields["fsdp_layer_overhead_us"] > 0
     assert fields["dtensor_param_overhead_us"] > 0
-    # The ends (embedding, output, loss) run once a step: their TP overhead is within the noise of
-    # two processes on 2 shared cores (it measured 0 once), so only that they were timed is held.
-    assert raw["tp"]["ends_s"] > 0 and raw["plain"]["ends_s"] > 0
+    # The ends (embedding, output, loss) run once a step: their time is the intercept of the
+    # slope over 1 and 3 blocks, within the noise of two processes on 2 shared cores for the
+    # plain model (it measured -0.1 ms once), so only that they were timed is held.
+    assert math.isfinite(raw["tp"]["ends_s"]) and math.isfinite(raw["plain"]["ends_s"])
     assert fields["fsdp_layer_overhead_us_per_mb"] >= 0 and raw["fsdp"]["per_layer_large_s"] > raw["fsdp"][
         "per_layer_s"]  # a wider block with more tokens costs more
     # In wall time a TP block also waits on its collectives: more than its CPU time alone.
