@@ -34,7 +34,13 @@ from shardline.trainer import Trainer
 Trainer(load_config(None, json.loads(sys.argv[1])))
 torch.zeros(1, device="cuda")
 snapshot = torch.cuda.memory._snapshot()
-if "allocator_settings" in snapshot:
+# Three readings, the first one present wins (torch 2.11's library names the first two;
+# the accelerator-wide getter is newer): the segment the zeros went into, the allocator's
+# settings in the snapshot, the settings string.
+segments = [s for s in snapshot["segments"] if "is_expandable" in s]
+if segments:
+    on = any(s["is_expandable"] for s in segments)
+elif "allocator_settings" in snapshot:
     on = snapshot["allocator_settings"].get("expandable_segments")
 else:
     on = "expandable_segments:True" in torch._C._accelerator_getAllocatorSettings()
