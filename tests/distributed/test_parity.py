@@ -72,10 +72,11 @@ LAYOUTS_4 = {
                 "parallel.pp_virtual_stages=2"],
 }
 # Tied embeddings under PP composed with FSDP and TP; pp 4 sums over a pair of ranks.
-# ZBV x FSDP (zero=2): the rank holding both ends keeps a copy in its last stage's FSDP
-# unit, summed in place; stopped and resumed (the copy's optimizer state saved once).
-ZBV_FSDP_TIED = ["parallel.dp_shard=2", "parallel.zero=2", "parallel.pp=2", "parallel.pp_schedule=zbv",
-                 "parallel.pp_virtual_stages=2", "model.tie_embeddings=1"]
+# ZBV x FSDP (zero=3: the split backward's input pass sees the gathered weights): the rank
+# holding both ends keeps a copy in its last stage's FSDP unit, summed in place; stopped and
+# resumed (the copy's optimizer state saved once).
+ZBV_FSDP_TIED = ["parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
+                 "model.tie_embeddings=1"]
 TIED_4 = {
     "fsdp2_pp2_tied": ["parallel.dp_shard=2", "parallel.pp=2", "model.tie_embeddings=1"],
     "tp2_pp2_tied": ["parallel.tp=2", "parallel.pp=2", "model.tie_embeddings=1"],

@@ -165,16 +165,7 @@ def test_tied_embeddings_run_with_every_pipeline_layout():
     layout_for(8, "parallel.pp=2", "parallel.tp=2", args=tied)  # x FSDP 2
     layout_for(4, "parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zbv", args=tied)  # one rank holds both
     for dp in ("parallel.dp_shard=2", "parallel.dp_replicate=2"):  # both, as two FSDP units' parameters
-        layout_for(4, "parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.zero=2", dp, args=tied)
-
-
-def test_split_backward_schedules_refuse_fsdp_that_frees_the_weights_after_forward():
-    for dp in ("parallel.dp_shard=2", "parallel.dp_replicate=2"):
-        with pytest.raises(ConfigError, match="zero=3 is not supported.*use parallel.zero=2"):
-            layout_for(4, "parallel.pp=2", "parallel.pp_schedule=zbv", dp)
-        layout_for(4, "parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.zero=2", dp)
-        layout_for(4, "parallel.pp=2", "parallel.pp_schedule=1f1b", dp)  # no split backward
-    layout_for(2, "parallel.pp=2", "parallel.pp_schedule=dualpipev")  # no FSDP
+        layout_for(4, "parallel.pp=2", "parallel.pp_schedule=dualpipev", dp, args=tied)
 
 
 def test_layer_split_balances_the_output_head():
