@@ -53,7 +53,7 @@ def tied_copy(model: Llama) -> nn.Parameter | None:
 
     With tied embeddings the embedding and the output head are one weight. Two cases
     hold it as two parameters, a copy named `output.weight`:
-    - a pipeline's last stage on another rank than the first (1F1B, interleaved);
+    - a pipeline's last stage on another rank than the first (the looped schedules);
     - a rank holding both ends in two stages (V-shaped schedules) under FSDP, which
       shards each stage as its own unit and cannot share a parameter between units
       (hold_tied_copy).

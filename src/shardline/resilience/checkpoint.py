@@ -158,7 +158,7 @@ def _rename_optim_key(optim_sd: dict[str, Any], old: str, new: str) -> dict[str,
     return {**optim_sd, "state": state, "param_groups": groups}
 
 
-def keep_own_group_names(optim_sd: dict[str, Any], own: list[list[str]]) -> None:
+def _keep_own_group_names(optim_sd: dict[str, Any], own: list[list[str]]) -> None:
     """Put this rank's parameter names back into the loaded optimizer groups (in place).
 
     A checkpoint stores one copy of the groups (their hyperparameters and parameter
@@ -311,7 +311,7 @@ class Checkpointer:
         state = capture_state(model, optimizer)
         own_groups = [g["params"] for g in state["optim"]["param_groups"]]
         _dcp_load(path, state)
-        keep_own_group_names(state["optim"], own_groups)
+        _keep_own_group_names(state["optim"], own_groups)
         restore_state(model, optimizer, state)
         rank_file = path / "trainer" / f"rank{self.rank}.pt"
         if not rank_file.is_file():
