@@ -170,6 +170,24 @@ def test_pipeline_first_stage_holds_p_microbatches():
     assert math.isfinite(inter["total"])
 
 
+def test_fsdp_under_pp_holds_the_stages_unsharded_fp32_gradients_and_gathered_weights():
+    """torch's pipeline stages skip FSDP's gradient sync until the last micro-batch: a stage's
+    gradients accumulate unsharded in fp32 and a backward leaves its weights gathered."""
+    w = Workload(PRESETS["llama3-8b"], 4096, 64, "bf16", document_mask=False)
+    hw = get_hardware("h100-sxm")
+    lay = {"pp": 2, "dp_shard": 8, "pp_microbatches": 4}
+    stage = max(ranks(w, Layout(**lay)), key=lambda r: stage_params(w, Layout(**lay), r))
+    psi = stage_params(w, Layout(**lay), stage)
+    zero3 = memory_breakdown(w, Layout(**lay), hw)
+    zero2 = memory_breakdown(w, Layout(**lay, zero=2), hw)
+    assert zero3["buffers"] > 6 * psi  # 4 B of fp32 gradient and 2 B of bf16 weight per parameter
+    assert zero2["buffers"] > 4 * psi and zero2["params"] >= 2 * psi  # zero=2: weights gathered at rest
+    # Without pp FSDP reduce-scatters every micro-batch: a block and the root (embedding, output)
+    # gathered, not the whole model (8B: 8.5 GB, where 6 B a parameter would be 48 GB).
+    flat = memory_breakdown(w, Layout(dp_shard=16), hw)
+    assert flat["buffers"] < 1.1 * 6 * stage_params(w, Layout(dp_shard=16), ranks(w, Layout(dp_shard=16))[0]) / 4
+
+
 def test_one_gpu_offload_moves_every_state_to_the_host_and_the_search_finds_it():
     """CPU offload on one GPU is FSDP2 over a one-rank shard dimension (as the trainer builds it,
     layout.Layout.offload_fsdp): all states go to the host, and it is what lets 8B train on one H200."""

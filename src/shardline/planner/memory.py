@@ -210,13 +210,19 @@ def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.
     DDP's reducer allocates its buckets up front, covering every gradient (25 MiB each,
     fp32), besides the gradients themselves: 4 bytes per parameter for the whole run.
     FSDP keeps the root gathered from forward to backward (the trainer does not reshard
-    it), and its unsharded gradient exists until the root's reduce-scatter.
+    it), and its unsharded gradient exists until the root's reduce-scatter. Under pp,
+    torch's pipeline stages run FSDP without gradient sync until the last micro-batch: every
+    gradient of the stage accumulates unsharded in the fp32 reduce dtype, reduce-scattered
+    once per step, and a backward leaves the stage's weights gathered (zero=3 frees each
+    block again in the next forward).
     """
     c = act.dtype_bytes(work.precision)
     per_layer = layer_params(work, layout.tp) if per_layer is None else per_layer
     out = 0.0
     stage = _STAGES[layout.dp_mode]
-    if stage >= 2:
+    if stage >= 2 and layout.pp > 1:
+        out += 4 * psi + (c * psi if stage == 3 else 0.0)  # zero=2's gathered weights are in its params
+    elif stage >= 2:
         # FSDP: gathered compute-dtype weights of the current and the prefetched block
         # (zero=3), plus one block's unsharded gradient and its fp32 reduce-scatter input.
         out += (2 * c * per_layer if stage == 3 else 0.0) + (c + 4) * per_layer + (c + 4) * root
