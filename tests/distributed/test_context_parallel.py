@@ -160,8 +160,7 @@ CP_4 = {
     "cp2_tp2_sp_ac": ["parallel.cp=2", "parallel.tp=2", "memory.activation_checkpoint=full"],
     "ulysses2_tp2": ["parallel.cp=2", *ULYSSES, "parallel.tp=2", "parallel.loss_parallel=false"],
     "ring2_pp2_1f1b": ["parallel.cp=2", *RING, "parallel.pp=2"],
-    "ulysses2_pp2_interleaved": ["parallel.cp=2", *ULYSSES, "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
-                                 "parallel.pp_virtual_stages=2"],
+    "ulysses2_pp2_gpipe": ["parallel.cp=2", *ULYSSES, "parallel.pp=2", "parallel.pp_schedule=gpipe"],
     # ZeRO-1: DDP over dp x cp, optimizer states cut over dp_shard x cp; under tp the optimizer
     # reduce-scatters the gradients itself.
     "cp2_dp2_zero1": ["parallel.cp=2", "parallel.dp_shard=2", "parallel.zero=1"],
@@ -186,7 +185,8 @@ CP_RESHARD_2 = [("cp2_to_dp2", ["parallel.cp=2", "train.stop_at_step=2"], ["para
 def _base(corpus, docs: bool):
     # Micro-batches of 4 (2 a step in one process and per rank at dp 1): each is a full pass
     # round the ring, which dominates these runs on 2 shared cores; the reference uses them too.
-    return [*PARITY_OVERRIDES, "train.micro_batch_size=4", f"data.path={corpus}", *([] if docs else [NO_DOCS])]
+    return [*PARITY_OVERRIDES, "model.n_layers=2", "train.micro_batch_size=4", f"data.path={corpus}",
+            *([] if docs else [NO_DOCS])]
 
 
 def _single(tmp_path_factory, corpus, docs: bool) -> Path:

@@ -121,8 +121,9 @@ def test_a_misordered_combine_or_wrong_gradient_group_is_caught(layer_errors, br
 
 # ---- whole runs ---------------------------------------------------------------------
 
-MOE = ["model.preset=tiny-moe", "moe.num_experts=4", "moe.expert_ffn_dim=32", "moe.aux_loss_coef=0.01",
-       "moe.z_loss_coef=0.001", "moe.bias_update_rate=0.01"]
+# Two blocks, the first dense (tiny-moe's): one MoE block, on its own stage under pp 2.
+MOE = ["model.preset=tiny-moe", "model.n_layers=2", "moe.num_experts=4", "moe.expert_ffn_dim=32",
+       "moe.aux_loss_coef=0.01", "moe.z_loss_coef=0.001", "moe.bias_update_rate=0.01"]
 MOE_2 = {
     "ep2_ac_full": ["parallel.dp_shard=2", "parallel.ep=2", "memory.activation_checkpoint=full"],
     "pp2_1f1b": ["parallel.pp=2"],
