@@ -48,6 +48,11 @@ def prune(model: Llama, keep_layers: set[int], first: bool, last: bool) -> None:
         model.output = None
 
 
+def _tied(model: nn.Module) -> bool:
+    """Whether the model's embedding and output head are one weight (other modules: no)."""
+    return getattr(getattr(model, "args", None), "tie_embeddings", False)
+
+
 def tied_copy(model: Llama) -> nn.Parameter | None:
     """The output head's own copy of a tied embedding, else None.
 
@@ -62,7 +67,7 @@ def tied_copy(model: Llama) -> nn.Parameter | None:
     keep it equal; the norm counts the weight once and checkpoints keep one optimizer
     state for it, the embedding's.
     """
-    if not getattr(getattr(model, "args", None), "tie_embeddings", False) or model.output is None:
+    if not _tied(model) or model.output is None:
         return None
     return model.output.weight if model.tok_embeddings is None or getattr(model, "tie_held_apart", False) else None
 
@@ -70,7 +75,7 @@ def tied_copy(model: Llama) -> nn.Parameter | None:
 def hold_tied_copy(model: Llama) -> None:
     """Give a tied output head that shares this rank's embedding a parameter of its own
     (on meta, before the model is laid out; see tied_copy)."""
-    if model.args.tie_embeddings and None not in (model.output, model.tok_embeddings):
+    if _tied(model) and None not in (model.output, model.tok_embeddings):
         model.output.weight = nn.Parameter(torch.empty_like(model.tok_embeddings.weight))
         model.tie_held_apart = True
 
@@ -85,7 +90,7 @@ def sync_tied_gradient(model: Llama, embedding_group) -> None:
     local shards hold the same rows and add up elementwise. Ranks holding neither end,
     or one parameter for both, have nothing to do.
     """
-    if not getattr(getattr(model, "args", None), "tie_embeddings", False):
+    if not _tied(model):
         return
     embedding, copy = model.tok_embeddings, tied_copy(model)
     if embedding is not None and copy is not None:  # both ends here, two parameters
