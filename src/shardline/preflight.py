@@ -25,6 +25,7 @@ from shardline.models.llama import ModelArgs
 from shardline.models.moe import MoEArgs
 from shardline.models.presets import PRESETS, get_preset
 from shardline.parallel import float8
+from shardline.parallel.compile import config_problem as compile_problem
 from shardline.resilience.anomaly import check_on_device
 from shardline.resilience.checkpoint import Checkpointer, read_meta
 from shardline.resilience.recovery import resume_path
@@ -53,6 +54,7 @@ def check_config(cfg: Config) -> None:
     if not cfg.model.hf_path and cfg.model.preset not in PRESETS:
         raise ConfigError(f"model.preset={cfg.model.preset!r} is invalid: one of {', '.join(PRESETS)}")
     _raise(attention.config_problem(cfg.train.attention, cfg.train.precision))
+    _raise(compile_problem(cfg.train.compile, cfg.parallel.pp, cfg.parallel.pp_schedule))
     if cfg.train.precision == "fp8":
         check_fp8(cfg)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardline.config import load_config
+from shardline.parallel.compile import config_problem as compile_problem
 from shardline.preflight import preflight
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides
@@ -62,3 +63,14 @@ def test_compiled_moe_trains_like_eager_with_only_the_experts_eager(tmp_path, sm
                                    ["model.preset=tiny-moe", "parallel.tp=2", "memory.activation_checkpoint=full"]])
 def test_compile_passes_preflight_with_tensor_parallel_and_moe(extra):
     preflight(load_config(None, ["train.compile=true", *extra]), 2, 512)
+
+
+@pytest.mark.parametrize("version, schedule, refused", [("2.11.0+cu130", "zbv", True), ("2.11.0", "dualpipev", True),
+                                                        ("2.11.0", "1f1b", False), ("2.13.0+cpu", "zbv", False),
+                                                        ("2.14.1", "dualpipev", False)])
+def test_compile_with_a_split_backward_schedule_needs_torch_2_13(version, schedule, refused):
+    problem = compile_problem(True, 2, schedule, torch_version=version)
+    assert (problem is not None) == refused
+    assert not refused or f"pp_schedule={schedule!r} needs torch >= 2.13 (this is {version}" in problem
+    assert compile_problem(False, 2, schedule, torch_version=version) is None
+    assert compile_problem(True, 1, schedule, torch_version=version) is None  # no pipeline, no split backward

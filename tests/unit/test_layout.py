@@ -61,6 +61,8 @@ def test_dp_shard_fills_the_rest():
     (2, ["memory.cpu_offload=true", "parallel.zero=1"], "zero=1 keeps parameters replicated"),
     (1, ["memory.cpu_offload=true", "parallel.zero=1"], "zero=1 keeps parameters replicated"),
     (4, ["parallel.dp_shard=2"], "or set parallel.dp_shard=-1"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "memory.activation_checkpoint=op"],
+     "memory.activation_checkpoint='op' cannot run with parallel.pp_schedule='zbv'"),
 ])
 def test_invalid_layouts(world, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):

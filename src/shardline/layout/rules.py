@@ -130,6 +130,17 @@ def _pp_microbatches(lay: Layout, job: Job) -> Problem | None:
     return None
 
 
+def _ac_split_backward(lay: Layout, job: Job) -> Problem | None:
+    """The zero-bubble schedules run a block's backward twice over one graph (inputs, then
+    weights); torch's op-level selective checkpoint hands its saved tensors out once."""
+    if lay.pp > 1 and lay.pp_schedule in V_SHAPED and lay.activation_checkpoint == "op":
+        return "ac", (f"memory.activation_checkpoint='op' cannot run with parallel.pp_schedule="
+                      f"{lay.pp_schedule!r}: its split backward reads each block's saved tensors twice, which "
+                      "torch's op-level checkpoint refuses; use activation_checkpoint none, full or selective, "
+                      "or pp_schedule 1f1b, gpipe or interleaved_1f1b")
+    return None
+
+
 def _offload(lay: Layout, job: Job) -> Problem | None:
     """Offload is FSDP2's, at any shard degree (one GPU included: see Layout.offload_fsdp)."""
     if lay.cpu_offload and lay.zero == 1:
@@ -163,7 +174,7 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
 
 Rule = Callable[[Layout, Job], "Problem | None"]
 RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_split, _ep_ranks, _batch, _offload, _pp_stages,
-                           _pp_microbatches)
+                           _pp_microbatches, _ac_split_backward)
 NOT_BUILT: tuple[Rule, ...] = (_not_built_cp_attention, _not_built_moe)
 
 

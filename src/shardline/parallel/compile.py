@@ -31,6 +31,15 @@ What is compiled, by layout:
 - tp > 1 with loss parallelism: the cross-entropy stays eager. It runs on vocab-sharded
   DTensor logits through the `loss_parallel` context's own ops, which the compiled
   graph does not go through: compiled, the loss comes out wrong (not an error).
+- zero-bubble pipeline schedules (zbv, dualpipev): AOTAutograd's buffer donation is
+  turned off (process-wide). Those schedules split a micro-batch's backward into an
+  input-gradient pass that keeps the graph (`retain_graph=True`) and a weight pass that
+  runs it again; a compiled backward that donated its saved buffers refuses the first
+  (torch 2.13: "compiled with non-empty donated buffers"). The cost is the buffers'
+  reuse inside the backward, not correctness. On torch before 2.13 the weight pass itself
+  fails on a compiled block (torch 2.11: `autograd.grad` reads `_input_metadata` of the
+  compiled function's backward node, which refuses it), so preflight refuses compile with
+  those schedules there (`config_problem`); 2.12 is untested.
 - mixture of experts: the block compiles around the routed experts; the experts with
   their token exchange run eagerly (`models/moe/layer.py::run_experts`): the grouped
   GEMM's fake kernel accepts only bf16 (fp32 on the CPU runs eagerly, not traced), and
@@ -51,18 +60,35 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from shardline.models.loss import cross_entropy_sum
 
 
+SPLIT_BACKWARD_SCHEDULES = ("zbv", "dualpipev")  # the backward in an input and a weight pass
+_SPLIT_BACKWARD_SINCE = (2, 13)  # the first torch seen to run it over compiled blocks
+
+
+def config_problem(compile: bool, pp: int, schedule: str, torch_version: str = torch.__version__) -> str | None:
+    """What the config alone rules out for `train.compile` on this torch (one line), else None."""
+    major_minor = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    if compile and pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES and major_minor < _SPLIT_BACKWARD_SINCE:
+        return (f"train.compile=true with parallel.pp_schedule={schedule!r} needs torch >= 2.13 (this is "
+                f"{torch_version}: its split backward fails on compiled blocks); use pp_schedule 1f1b, gpipe or "
+                "interleaved_1f1b, or train.compile=false")
+    return None
+
+
 def apply_compile(model: nn.Module, tensor_parallel: bool = False, loss_parallel: bool = False,
-                  forward_only: bool = False) -> None:
+                  forward_only: bool = False, split_backward: bool = False) -> None:
     """Compile each block of `model` in place, and its loss's scoring function unless the
     logits are vocab-sharded (`loss_parallel`). `tensor_parallel`: the embedding's output
     is an AsyncCollectiveTensor, resolved before the compiled blocks take it.
     `forward_only`: compile each block's forward, for activation checkpointing to wrap
-    afterwards (tp; see the module doc), instead of the whole module call."""
+    afterwards (tp; see the module doc), instead of the whole module call. `split_backward`:
+    a zero-bubble pipeline schedule runs each backward in two passes over one graph."""
     for block in model.layers.values():
         if forward_only:
             block.forward = torch.compile(block.forward)
         else:
             block.compile()
+    if split_backward:
+        torch._functorch.config.donated_buffer = False  # the input pass retains the graph (module doc)
     if tensor_parallel:
         torch._functorch.config.enable_autograd_cache = False  # another rank's graph otherwise (module doc)
         if getattr(model, "tok_embeddings", None) is not None:  # absent on later pipeline stages
