@@ -62,7 +62,11 @@ def test_dp_shard_fills_the_rest():
     (1, ["memory.cpu_offload=true", "parallel.zero=1"], "zero=1 keeps parameters replicated"),
     (4, ["parallel.dp_shard=2"], "or set parallel.dp_shard=-1"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "memory.activation_checkpoint=op"],
-     "memory.activation_checkpoint='op' cannot run with parallel.pp_schedule='zbv'"),
+     "memory.activation_checkpoint='op' with parallel.pp_schedule='zbv': its split backward"),
+    (4, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "memory.activation_checkpoint=full",
+         "train.micro_batch_size=2"], "recomputed in every weight-gradient group"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "memory.activation_checkpoint=selective"],
+     "use activation_checkpoint=none, or pp_schedule interleaved_1f1b"),
 ])
 def test_invalid_layouts(world, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
