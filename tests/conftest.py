@@ -63,7 +63,7 @@ def small_prepared(tmp_path_factory) -> Path:
 TINY_OVERRIDES = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
     "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=4", "train.steps=12",
-    "train.eval_interval=6", "train.eval_batches=2", "optim.warmup_steps=2", "data.vocab_size=512",
+    "train.eval_interval=6", "train.eval_batches=1", "optim.warmup_steps=2", "data.vocab_size=512",
     "checkpoint.interval=6", "metrics.log_interval=1", "metrics.progress=none", "metrics.tensorboard=false",
 ]
 

@@ -225,9 +225,8 @@ def test_convert_exports_a_tied_pipelined_checkpoint(world2, reference_tied, tmp
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
 def test_world4_layout_matches_single_process(world4, reference, layout):
-    # With micro-batches of 1 the evaluation covers other sequences (eval_batches x
-    # micro_batch_size), so only training is compared for that layout.
-    assert_same_run(world4 / layout, reference, compare_eval=layout != "ddp_grad_accum")
+    # ddp_grad_accum runs micro-batches of 1: its evaluation takes the same sequences all the same
+    assert_same_run(world4 / layout, reference)
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in RESHARD_4])

@@ -114,7 +114,7 @@ class TrainConfig:
     attention: str = "auto"  # auto | sdpa (dense mask) | flex (FlexAttention block mask) | varlen (cu_seqlens)
     loss_chunk_tokens: int = 0  # output projection + cross-entropy this many tokens at a time; 0 = all at once
     eval_interval: int = 50  # 0 disables evaluation
-    eval_batches: int = 4
+    eval_batches: int = 2  # global batches of the held-out split per evaluation, whatever the layout
     skip_batches: list[int] = field(default_factory=list)  # 0-based global batch indices never to train on
 
     def check(self) -> None:

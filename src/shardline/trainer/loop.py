@@ -380,12 +380,13 @@ class Trainer:
                           f"state before that step saved to {saved}; anomalies this run: {len(self.anomaly_events)}")
 
     def evaluate(self) -> float:
-        """Mean loss over the first eval_batches micro-batches of the held-out split (shared by
-        the data-parallel ranks, see StepRunner.eval_loss_total)."""
+        """Mean loss over the first eval_batches global batches of the held-out split, run as
+        micro-batches shared by the data-parallel ranks (StepRunner.eval_loss_total): the same
+        sequences, so the same number, whatever the layout and micro-batching."""
         t = self.cfg.train
         self.model.eval()
-        idx_all = np.arange(t.eval_batches * t.micro_batch_size) % len(self.data.val)
-        total = self.steps.eval_loss_total(np.split(idx_all, t.eval_batches), self.data.val.batch)
+        idx_all = np.arange(t.eval_batches * t.global_batch_size) % len(self.data.val)
+        total = self.steps.eval_loss_total(np.split(idx_all, len(idx_all) // t.micro_batch_size), self.data.val.batch)
         loss = total.item() / max(self.data.val.count_labels(idx_all), 1)
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
         return loss
