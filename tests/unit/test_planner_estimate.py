@@ -221,3 +221,17 @@ def test_zero1_prices_each_cut_over_its_own_ranks():
         expected = sum(comm.reduce_scatter(4 * n, g, net)[0] + comm.all_reduce(4 * n / g.size, replicas, net)[0]
                        + comm.all_gather(4 * n, g, net)[0] for n, g in cuts)
         assert estimate(w, lay, H100).breakdown["dp_comm"] == pytest.approx(expected)
+
+
+def test_fsdp_under_pp_reduce_scatters_once_per_step():
+    # torch's pipeline stages keep gradients unsharded until the last micro-batch: ZeRO-2 gathers
+    # and reduce-scatters once per step, whatever the micro-batch count; ZeRO-3 gathers again
+    # each micro-batch, but still reduce-scatters once (a model that paid both per micro-batch
+    # would double with the micro-batches).
+    def fsdp_comm(zero: int, m: int) -> float:
+        lay = Layout(dp_shard=16, pp=4, zero=zero, pp_microbatches=m, micro_batch_size=1, activation_checkpoint="full")
+        return estimate(dataclasses.replace(W70, global_batch=16 * m), lay, H100).breakdown["fsdp_comm"]
+
+    assert fsdp_comm(2, 8) > 0
+    assert fsdp_comm(2, 16) == pytest.approx(fsdp_comm(2, 8))
+    assert fsdp_comm(3, 8) < fsdp_comm(3, 16) < 1.9 * fsdp_comm(3, 8)

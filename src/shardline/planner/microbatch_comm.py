@@ -139,11 +139,20 @@ def ep_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) -
 
 def fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes, stage: RankStages,
                   block: tuple | None = None) -> float:
-    """Exposed FSDP/HSDP communication of one micro-batch (estimate.py's docstring says what overlaps).
+    """Exposed FSDP/HSDP communication of one micro-batch, a step's share under pp
+    (estimate.py's docstring says what overlaps).
 
     Blocks overlap as described there; the root module (embedding, final norm, output)
     is gathered before the first block and reduce-scattered after the last: exposed.
     On saturated CPU ranks nothing overlaps (cmp.saturated). block: fsdp_block's, if known.
+
+    Without pp every micro-batch gathers and reduce-scatters (gradient accumulation keeps
+    the gradients sharded). Under pp torch's stages keep the gradients unsharded and the
+    weights gathered after each backward until the step's last micro-batch: the stage
+    reduce-scatters once per step, ZeRO-2 gathers once per step, and ZeRO-3 (which reshards
+    after forward) gathers once per micro-batch plus the warm-up's pp - 1 forwards (counted
+    at pp 2 x FSDP 2 with 4 micro-batches: 5 gathers of each block and 1 reduce-scatter per
+    step at zero 3, 1 and 1 at zero 2).
     """
     block = block or fsdp_block(work, layout, hw)
     if block is None:
@@ -151,13 +160,20 @@ def fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTime
     g, per_layer, gather, scatter = block
     net, layers = hw.network, stage.layers
     hide = 0.0 if cmp.saturated(hw, layout) else 1.0
-    bwd_gather = gather if layout.zero == 3 or layout.dp_mode == "hsdp" else 0.0
-    fwd = gather + (layers - 1) * max(0.0, gather - hide * lt.forward)
-    bwd = bwd_gather + scatter + (layers - 1) * max(0.0, bwd_gather + scatter - hide * lt.backward)
+    regathers = layout.zero == 3 or layout.dp_mode == "hsdp"  # the backward gathers again
     root = stage_params(work, layout, stage, per_layer) - layers * per_layer
     root_comm = (comm.all_gather(dtype_bytes(work.precision) * root, g, net)[0]
                  + comm.reduce_scatter(4 * root, g, net)[0])
-    return fwd + bwd + root_comm
+    if layout.pp == 1:
+        bwd_gather = gather if regathers else 0.0
+        fwd = gather + (layers - 1) * max(0.0, gather - hide * lt.forward)
+        bwd = bwd_gather + scatter + (layers - 1) * max(0.0, bwd_gather + scatter - hide * lt.backward)
+        return fwd + bwd + root_comm
+    m = max(layout.pp_microbatches, 1)
+    gathers = gather + (layers - 1) * max(0.0, gather - hide * lt.forward)  # one pass over the stage's blocks
+    scatters = scatter + (layers - 1) * max(0.0, scatter - hide * lt.backward)
+    passes = m + layout.pp - 1 if regathers else 1
+    return (passes * gathers + scatters + root_comm) / m
 
 
 def fsdp_block(work: Workload, layout: Layout, hw: Hardware) -> tuple | None:

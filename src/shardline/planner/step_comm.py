@@ -96,15 +96,19 @@ def _zero1_cuts(work: Workload, layout: Layout, hw: Hardware, stage: RankStages)
 
 def _fsdp_total(work: Workload, layout: Layout, hw: Hardware) -> tuple[float, float, dict]:
     """FSDP's gathers and reduce-scatters of a whole step, for the report: nothing is left after
-    the last backward (microbatch_comm.fsdp_exposed prices the exposed part per micro-batch)."""
+    the last backward (microbatch_comm.fsdp_exposed prices the exposed part per micro-batch,
+    and says what pp changes)."""
     net = hw.network
     g = comm.group(layout.shard_degree, layout.tp, net.gpus_per_node)
     per_layer = layer_params(work, layout.tp)
     n_micro = layout.micro_batches(work.global_batch)
     gather, algo = comm.all_gather(dtype_bytes(work.precision) * per_layer, g, net)
     scatter, _ = comm.reduce_scatter(4 * per_layer, g, net)
-    gathers = 2 if layout.zero == 3 else 1
     layers = layers_per_rank(work, layout)
+    if layout.pp > 1:  # gradients reduce-scattered once per step; ZeRO-2's weights gathered once (fsdp_exposed)
+        gathers = n_micro + layout.pp - 1 if layout.zero == 3 else 1
+        return 0.0, (gathers * gather + scatter) * layers, {"fsdp": algo}
+    gathers = 2 if layout.zero == 3 else 1
     return 0.0, (gathers * gather + scatter) * layers * n_micro, {"fsdp": algo}
 
 
