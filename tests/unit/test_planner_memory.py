@@ -184,8 +184,10 @@ def test_fsdp_under_pp_holds_the_stages_unsharded_fp32_gradients_and_gathered_we
     assert zero2["buffers"] > 4 * psi and zero2["params"] >= 2 * psi  # zero=2: weights gathered at rest
     # Without pp FSDP reduce-scatters every micro-batch: a block and the root (embedding, output)
     # gathered, not the whole model (8B: 8.5 GB, where 6 B a parameter would be 48 GB).
-    flat = memory_breakdown(w, Layout(dp_shard=16), hw)
-    assert flat["buffers"] < 1.1 * 6 * stage_params(w, Layout(dp_shard=16), ranks(w, Layout(dp_shard=16))[0]) / 4
+    flat_layout = Layout(dp_shard=16)
+    whole_model = stage_params(w, flat_layout, ranks(w, flat_layout)[0])  # one stage holds every parameter
+    all_gathered = 6 * whole_model  # what pp would hold: fp32 gradients and bf16 weights of every parameter
+    assert memory_breakdown(w, flat_layout, hw)["buffers"] < 1.1 * all_gathered / 4
 
 
 def test_one_gpu_offload_moves_every_state_to_the_host_and_the_search_finds_it():
