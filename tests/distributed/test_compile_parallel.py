@@ -18,6 +18,7 @@ import torch
 import torch._functorch.config
 
 from shardline.config import load_config
+from shardline.parallel.compile import config_problem as compile_problem
 from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, free_port, gloo_rank, losses, start_ranks
 
 TP_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
@@ -61,6 +62,8 @@ def test_compiled_tensor_and_pipeline_parallel_train_like_eager(tmp_path, small_
             "compiled_op_ac": ("eager", [*TP_SP, "train.compile=true", "memory.activation_checkpoint=op"]),
             "compiled_zbv": ("eager_zbv", [*ZBV, "train.compile=true"])}
     eager = {"eager": TP_SP, "eager_zbv": ZBV}
+    if compile_problem(True, 2, "zbv"):  # torch < 2.13 refuses it at preflight (test_compile.py)
+        del runs["compiled_zbv"], eager["eager_zbv"]
     jobs = [*[(str(tmp_path / n), [*base, *extra]) for n, extra in eager.items()],
             *[(str(tmp_path / n), [*base, *extra]) for n, (_, extra) in runs.items()]]
     start_ranks(_worker, args=(2, free_port(), jobs), nprocs=2)
