@@ -78,7 +78,7 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
              f"batch     {t.global_batch_size} sequences x {t.seq_len} tokens per step; each of {lay.dp} "
              f"data-parallel rank(s) runs {lay.micro_batches(t.global_batch_size)} micro-batch(es) of "
              f"{lay.micro_batch_size}",
-             f"attention {describe_attention(t.attention, t.document_mask, cfg.run.device != 'cpu', lay.cp)}"]
+             f"attention {describe_attention(t.attention, t.document_mask, cfg.run.device != 'cpu', *lay.cp_degrees)}"]
     if lay.pp > 1:
         lines.append(f"pipeline  {lay.pp_schedule}, {lay.n_stages} stages, {lay.pp_microbatches} micro-batches "
                      "per step")
@@ -103,7 +103,7 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> list[str]:
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%",
             f"          {mfu_words(work)}",
-            f"          {attention_words(work, hw, launch.layout.cp)}{doc_source if doc_tokens else ''}"]
+            f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}"]
 
 
 def _mean_doc_tokens(cfg: Config) -> tuple[float, str]:

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.attention.flex_attention import BlockMask
 
 from shardline.config import load_config
+from shardline.models.attention import FlexAttention, PackedDocuments, VarlenAttention
 from shardline.models.llama.model import document_causal_mask, sdpa_attention
 from shardline.parallel.context import ring as ring_module
 from shardline.parallel.context.attention import ContextParallel
@@ -26,11 +28,16 @@ from shardline.trainer import Trainer
 from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_grad_norms, assert_same_run, losses,
                                        run_world, start_ranks)
 from tests.distributed.test_watchdog import free_port
+from tests.unit.test_attention import _reference_varlen
 
 B, H, HK, S, D = 2, 4, 2, 32, 8
 # (name, ring, ulysses, balance)
 CASES = [("ring4_zigzag", 4, 1, "zigzag"), ("ring4_none", 4, 1, "none"), ("ulysses4", 1, 4, "zigzag"),
          ("hybrid_2x2", 2, 2, "zigzag"), ("ring2_zigzag", 2, 1, "zigzag")]
+# Ulysses alone with another local core on the gathered sequence: varlen's layout through a
+# reference kernel (forward and backward), and FlexAttention (forward: it has no CPU backward).
+LOCAL_CASES = [("ulysses2_varlen", 2, "varlen"), ("ulysses4_varlen", 4, "varlen"), ("ulysses2_flex", 2, "flex"),
+               ("ulysses4_flex", 4, "flex")]
 BROKEN = ["merge_without_lse", "zigzag_swapped"]
 
 
@@ -61,15 +68,24 @@ def _naive_merge(out_a, lse_a, out_b, lse_b):
     return (out_a + out_b) / 2, torch.maximum(lse_a, lse_b)
 
 
-def _errors(cp: ContextParallel, split: SequenceSplit, docs: bool, reference) -> float:
+def _errors(cp: ContextParallel, split: SequenceSplit, docs: bool, reference, backward: bool = True) -> float:
     ref_out, ref_dq, ref_dk, ref_dv, weights = reference
     q, k, v, doc_ids = _inputs(docs)
     mine = SequenceSplit(S, split.ring, split.ulysses, split.balance).positions(cp.cp_rank)
-    q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
+    q, k, v = (t[:, :, mine].clone().requires_grad_(backward) for t in (q, k, v))
     out = cp.attend(q, k, v, cp.mask(doc_ids[:, mine] if doc_ids is not None else None))
-    (out * weights[:, :, mine]).sum().backward()
-    pairs = [(out, ref_out), (q.grad, ref_dq), (k.grad, ref_dk), (v.grad, ref_dv)]
-    return max(float((a - b[:, :, mine]).abs().max()) for a, b in pairs)
+    pairs = [(out, ref_out)]
+    if backward:
+        (out * weights[:, :, mine]).sum().backward()
+        pairs += [(q.grad, ref_dq), (k.grad, ref_dk), (v.grad, ref_dv)]
+    return max(float((a.detach() - b[:, :, mine]).abs().max()) for a, b in pairs)
+
+
+def _local_core(kernel: str):
+    """The core Ulysses runs on the gathered sequence: varlen's layout around a reference
+    kernel (varlen_attn itself needs CUDA), or FlexAttention in eager (small blocks: several
+    of them in 32 tokens)."""
+    return VarlenAttention(kernel=_reference_varlen) if kernel == "varlen" else FlexAttention(compiled=False, block=8)
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -89,6 +105,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             cp = ContextParallel(split, every, ring_group, uly_group)
             for docs in (False, True):
                 results[f"{name}/docs={docs}"] = _errors(cp, split, docs, references[docs])
+        for name, u, kernel in LOCAL_CASES:
+            if u != world:
+                continue
+            _, uly_group = _grid_groups(1, u)
+            split = SequenceSplit(S, 1, u, "zigzag")
+            cp = ContextParallel(split, every, None, uly_group, _local_core(kernel))
+            mask_type = PackedDocuments if kernel == "varlen" else BlockMask
+            if not isinstance(cp.mask(_inputs(True)[3][:, split.positions(cp.cp_rank)]).local, mask_type):
+                raise AssertionError(f"{name}: Ulysses did not build the {kernel} core's mask")
+            for docs in (False, True):
+                results[f"{name}/docs={docs}"] = _errors(cp, split, docs, references[docs], backward=kernel != "flex")
         if world == 4:  # the broken variants, on the ring of 4 with documents
             split = SequenceSplit(S, 4, 1, "zigzag")
             ring_group, _ = _grid_groups(4, 1)
@@ -134,7 +161,7 @@ def errors(tmp_path_factory):
     return found
 
 
-@pytest.mark.parametrize("case", [f"{name}/docs={d}" for name, *_ in CASES for d in (False, True)])
+@pytest.mark.parametrize("case", [f"{name}/docs={d}" for name, *_ in [*CASES, *LOCAL_CASES] for d in (False, True)])
 def test_cp_attention_matches_one_process(errors, case):
     assert errors[case] < 1e-5, errors  # output and the q/k/v gradients, every rank
 

@@ -178,12 +178,12 @@ def test_varlen_layout_equals_dense_sdpa(with_docs):
     torch.testing.assert_close(out, _dense_reference(q, k, v, doc_ids), atol=1e-5, rtol=1e-5)
 
 
-def test_auto_resolves_by_device_documents_and_cp():
+def test_auto_resolves_by_device_documents_and_cp_ring():
     assert resolve_attention("auto", True, on_cuda=True) == "flex"
     assert resolve_attention("auto", False, on_cuda=True) == "sdpa"
     assert resolve_attention("auto", True, on_cuda=False) == "sdpa"
-    assert resolve_attention("auto", True, on_cuda=True, cp=2) == "context"
-    assert resolve_attention("varlen", True, on_cuda=True) == "varlen"
+    assert resolve_attention("auto", True, on_cuda=True, ring=2) == "context"  # the ring's own blocks
+    assert resolve_attention("varlen", True, on_cuda=True) == "varlen"  # also under Ulysses alone (ring 1)
 
 
 def _config(*extra: str):
@@ -209,15 +209,21 @@ def test_flex_and_varlen_training_on_cpu_is_refused(kernel):
 
 
 @pytest.mark.parametrize("kernel", ["flex", "varlen"])
-def test_flex_and_varlen_with_context_parallel_are_refused(kernel):
-    """A layout rule (layout.NOT_BUILT): the trainer refuses it and the planner drops such layouts."""
+def test_flex_and_varlen_with_a_context_parallel_ring_are_refused_and_under_ulysses_run(kernel):
+    """A layout rule (layout.NOT_BUILT): the trainer refuses it and the planner drops such layouts.
+    Ulysses alone gathers the whole sequence, where the kernel runs as without cp."""
     model = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=512)
-    cfg = _config(f"train.attention={kernel}", "train.precision=bf16", "parallel.cp=2")
-    assert "parallel.cp=2" in _one_line_error(check_layout, cfg, 2, model)
-    check_layout(_config("train.attention=auto", "parallel.cp=2"), 2, model)  # auto takes cp's own core
+    for mode in ("ring", "hybrid"):
+        cfg = _config(f"train.attention={kernel}", "train.precision=bf16", "parallel.cp=4", f"parallel.cp_mode={mode}",
+                      "parallel.cp_ulysses=2", "train.micro_batch_size=2")
+        assert "use cp_mode=ulysses" in _one_line_error(check_layout, cfg, 4, model)
+    check_layout(_config("train.attention=auto", "parallel.cp=2"), 2, model)  # auto takes the ring's own core
+    check_layout(_config(f"train.attention={kernel}", "train.precision=bf16", "parallel.cp=2",
+                         "parallel.cp_mode=ulysses"), 2, model)
     work = Workload(model, 256, 8, "bf16", attention=kernel)
     assert layout_problem(work, layouts.Layout(cp=2), runnable=True)[0] == "cp"
     assert layout_problem(work, layouts.Layout(cp=2)) is None  # what another trainer could run
+    assert layout_problem(work, layouts.Layout(cp=2, cp_mode="ulysses"), runnable=True) is None
 
 
 def test_varlen_in_fp32_is_refused():
@@ -227,6 +233,10 @@ def test_varlen_in_fp32_is_refused():
 def test_dry_run_names_the_kernel_and_refuses_as_a_launch_would(capsys, tmp_path):
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--run.device=cuda"]) == 0
     assert "attention flex: block mask from document ids (train.attention=auto, CUDA)" in capsys.readouterr().out
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--run.device=cuda", "--world-size=2",
+                 "--parallel.cp=2", "--parallel.cp_mode=ulysses"]) == 0
+    assert ("attention flex: block mask from document ids, after Ulysses' all-to-all over 2 ranks "
+            "(train.attention=auto, CUDA)") in capsys.readouterr().out
     code = main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--run.device=cpu", "--train.attention=flex"])
     err = capsys.readouterr().err
     assert code == 2 and "train.attention='flex' trains on CUDA only" in err and err.count("\n") == 1

@@ -32,7 +32,17 @@ def _priced(work: Workload, kernel: str, docs: float = 0.0, hw=H100, layout=ONE)
 def test_auto_resolves_as_the_trainer_does_for_the_target():
     assert attn.kernel(W8, H100) == "flex" and attn.kernel(W8, CPU) == "sdpa"
     assert attn.kernel(dataclasses.replace(W8, document_mask=False), H100) == "sdpa"
-    assert attn.kernel(W8, H100, cp=2) == "context"
+    assert attn.kernel(W8, H100, ring=2) == "context"
+
+
+def test_ulysses_alone_is_priced_with_the_kernel_on_the_gathered_sequence():
+    """After Ulysses' all-to-all a rank holds the whole sequence (a cp-th of the heads), where
+    the trainer runs the resolved kernel: flex skips tiles; SDPA's dense mask spans all s x s."""
+    ulysses = Layout(micro_batch_size=1, dp_shard=4, cp=2, cp_mode="ulysses", zero=3)
+    assert attn.kernel(W8, H100, ring=ulysses.cp_degrees[0]) == "flex"
+    sdpa, flex = (_priced(W8, k, docs=512, layout=ulysses) for k in ("sdpa", "flex"))
+    assert flex.step_time_s < 0.9 * sdpa.step_time_s
+    assert sdpa.memory["activations"] - flex.memory["activations"] == pytest.approx(8192 * 8192)
 
 
 def test_short_documents_under_flex_and_varlen_are_priced_faster_than_the_dense_mask():

@@ -59,6 +59,7 @@ def test_fix_pins_keys_and_dp_is_plain_data_parallel(capsys):
         assert (lay["tp"], lay["pp"], lay["pp_schedule"], lay["dp_shard"], lay["activation_checkpoint"]) == \
             (2, 2, "1f1b", 4, "full")
     assert parse_fix("dp=8") == {"dp_replicate": 8, "dp_shard": 1}
+    assert parse_fix("cp=2,cp_mode=ulysses,cp_balance=none") == {"cp": 2, "cp_mode": "ulysses", "cp_balance": "none"}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -67,6 +68,8 @@ def test_fix_pins_keys_and_dp_is_plain_data_parallel(capsys):
     (["--fix", "tp=3"], "tp=3"),
     (["--fix", "tp=32"], "does not divide --gpus 16"),
     (["--fix", "pp_schedule=fast"], "pp_schedule='fast' is invalid"),
+    (["--fix", "cp_mode=spiral"], "--fix cp_mode='spiral' is invalid; valid: ring, ulysses, hybrid"),
+    (["--fix", "cp_balance=even"], "--fix cp_balance='even' is invalid; valid: zigzag, none"),
     (["--model", "no-such-model"], "neither a preset"),
 ])
 def test_bad_requests_exit_2_with_one_line(capsys, argv, message):

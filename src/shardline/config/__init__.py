@@ -10,6 +10,8 @@ from shardline.config.reader import read_toml
 from shardline.config.resilience import AnomalyConfig, FaultsConfig, WatchdogConfig
 from shardline.config.sections import (
     AC_MODES,
+    CP_BALANCES,
+    CP_MODES,
     PP_SCHEDULES,
     PRECISIONS,
     SCHEDULES,
@@ -26,8 +28,8 @@ from shardline.config.sections import (
 )
 
 __all__ = [
-    "AC_MODES", "PP_SCHEDULES", "PRECISIONS", "SCHEDULES", "AnomalyConfig", "CheckpointConfig", "Config",
-    "DataConfig", "FaultsConfig", "MemoryConfig", "MetricsConfig", "ModelConfig", "MoEConfig", "OptimConfig",
-    "ParallelConfig", "RunConfig", "TrainConfig", "WatchdogConfig", "apply_override", "from_dict",
-    "load_config", "read_toml", "to_toml",
+    "AC_MODES", "CP_BALANCES", "CP_MODES", "PP_SCHEDULES", "PRECISIONS", "SCHEDULES", "AnomalyConfig",
+    "CheckpointConfig", "Config", "DataConfig", "FaultsConfig", "MemoryConfig", "MetricsConfig", "ModelConfig",
+    "MoEConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig", "WatchdogConfig", "apply_override",
+    "from_dict", "load_config", "read_toml", "to_toml",
 ]

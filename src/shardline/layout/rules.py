@@ -153,11 +153,12 @@ def _offload(lay: Layout, job: Job) -> Problem | None:
 
 
 def _not_built_cp_attention(lay: Layout, job: Job) -> Problem | None:
-    """Context parallelism runs its own attention core (ring or Ulysses over SDPA blocks):
-    the packed-document kernels are not wired into it."""
-    if lay.cp > 1 and job.attention in ("flex", "varlen"):
-        return "cp", (f"train.attention={job.attention!r} with parallel.cp={lay.cp} is not built: context "
-                      "parallelism runs its own attention core; use train.attention=auto or sdpa")
+    """A context-parallel ring runs its own attention blocks (SDPA with each block's mask):
+    the packed-document kernels are not wired into it. Ulysses alone runs any kernel."""
+    if lay.cp_degrees[0] > 1 and job.attention in ("flex", "varlen"):
+        return "cp", (f"train.attention={job.attention!r} with parallel.cp={lay.cp} (cp_mode={lay.cp_mode!r}) is "
+                      "not built: the ring runs its own attention blocks; use cp_mode=ulysses, or "
+                      "train.attention=auto or sdpa")
     return None
 
 

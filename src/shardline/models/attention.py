@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from shardline.models.llama.model import document_causal_mask, sdpa_attention
+
 try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # torch < 2.10
@@ -41,30 +43,33 @@ _NEEDS_CUDA = {"flex": "FlexAttention has no backward on CPU in torch 2.13",
                "varlen": "varlen_attn's flash kernel runs on CUDA only"}
 
 
-def resolve_attention(choice: str, document_mask: bool, on_cuda: bool, cp: int = 1) -> str:
-    """The kernel `train.attention = choice` runs: one of KERNELS, or "context" under
-    context parallelism (its own core, parallel/context; preflight refuses flex/varlen there).
+def resolve_attention(choice: str, document_mask: bool, on_cuda: bool, ring: int = 1) -> str:
+    """The kernel `train.attention = choice` runs: one of KERNELS, or "context" under a
+    context-parallel ring (`ring` > 1: its own blocks, parallel/context; preflight refuses
+    flex/varlen there). Under Ulysses alone (cp_mode=ulysses) the whole sequence is local
+    after the all-to-all, and the kernel chosen here runs on it.
 
     auto: on CUDA, flex for packed documents and SDPA's causal flash kernel without them;
     on CPU, SDPA. Flex rather than varlen for documents: neither has been benchmarked
     against the other here (no GPU where this was written); flex also takes fp32, and its
     block mask needs no host sync where varlen needs the longest document's length.
     """
-    if cp > 1:
+    if ring > 1:
         return "context"
     if choice != "auto":
         return choice
     return "flex" if on_cuda and document_mask else "sdpa"
 
 
-def describe_attention(choice: str, document_mask: bool, on_cuda: bool, cp: int = 1) -> str:
+def describe_attention(choice: str, document_mask: bool, on_cuda: bool, ring: int = 1, ulysses: int = 1) -> str:
     """What a launch attends with, for the dry run: the kernel, its mask, and the key that chose it."""
-    kernel = resolve_attention(choice, document_mask, on_cuda, cp)
+    kernel = resolve_attention(choice, document_mask, on_cuda, ring)
     how = {"sdpa": "dense document mask" if document_mask else "causal, no mask",
            "flex": "block mask from document ids" if document_mask else "causal block mask",
            "varlen": "cumulative document lengths" if document_mask else "one document per row",
-           "context": "context parallelism's own core (parallel/context)"}[kernel]
-    return f"{kernel}: {how} (train.attention={choice}, {'CUDA' if on_cuda else 'CPU'})"
+           "context": "context parallelism's ring (parallel/context)"}[kernel]
+    where = f", after Ulysses' all-to-all over {ulysses} ranks" if ulysses > 1 and kernel != "context" else ""
+    return f"{kernel}: {how}{where} (train.attention={choice}, {'CUDA' if on_cuda else 'CPU'})"
 
 
 def config_problem(choice: str, precision: str) -> str | None:
@@ -87,6 +92,14 @@ def device_problem(choice: str, on_cuda: bool) -> str | None:
     return None
 
 
+def attention_core(kernel: str, on_cuda: bool) -> "DenseAttention | FlexAttention | VarlenAttention":
+    """The object behind a kernel name: `mask(doc_ids)` once per forward, `attend(q, k, v, mask)`
+    in every block. Context parallelism runs it after Ulysses' all-to-all too."""
+    if kernel == "flex":
+        return FlexAttention(compiled=on_cuda)
+    return VarlenAttention() if kernel == "varlen" else DenseAttention()
+
+
 def use_attention(model: nn.Module, choice: str, document_mask: bool, device: torch.device) -> str:
     """Install the kernel `choice` resolves to on `model` (every block's core and the model's
     mask), before a pipeline cuts it: its stages build their mask with the model's. Returns
@@ -95,11 +108,22 @@ def use_attention(model: nn.Module, choice: str, document_mask: bool, device: to
     kernel = resolve_attention(choice, document_mask, on_cuda)
     if kernel == "sdpa":
         return kernel
-    impl = FlexAttention(compiled=on_cuda) if kernel == "flex" else VarlenAttention()
+    impl = attention_core(kernel, on_cuda)
     model.attention_mask = impl.mask
     for block in model.layers.values():
         block.attention.core = impl.attend
     return kernel
+
+
+class DenseAttention:
+    """SDPA with the dense [b, 1, s, s] document mask (None: causal): the model's own core,
+    as an object with the others' `mask` / `attend`."""
+
+    def mask(self, doc_ids: torch.Tensor | None) -> torch.Tensor | None:
+        return document_causal_mask(doc_ids) if doc_ids is not None else None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return sdpa_attention(q, k, v, mask)
 
 
 # ---- flex -----------------------------------------------------------------------------

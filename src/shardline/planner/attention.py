@@ -45,9 +45,10 @@ from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
 
 
-def kernel(work: Workload, hw: Hardware, cp: int = 1) -> str:
-    """The kernel `work.attention` resolves to on `hw`: sdpa, flex, varlen, or context (cp > 1)."""
-    return resolve_attention(work.attention, work.document_mask, on_cuda=hw.name != "cpu", cp=cp)
+def kernel(work: Workload, hw: Hardware, ring: int = 1) -> str:
+    """The kernel `work.attention` resolves to on `hw`: sdpa, flex, varlen, or context (a cp
+    ring, ring > 1; under Ulysses alone the kernel runs on the gathered sequence)."""
+    return resolve_attention(work.attention, work.document_mask, on_cuda=hw.name != "cpu", ring=ring)
 
 
 def computed_fraction(kernel_: str, seq_len: int, document_mask: bool, mean_doc_tokens: float = 0.0) -> float:

@@ -252,15 +252,15 @@ def attention_time(work: Workload, layout: Layout, hw: Hardware, tokens: int, sh
     the scores the resolved kernel computes (planner/attention.py), in the compute dtype."""
     dtype, s = compute_dtype(work.precision), work.seq_len
     q_width = work.model.n_heads * work.model.head_size / layout.tp
-    kernel = attn_kernel.kernel(work, hw, layout.cp)
+    ring = layout.cp_degrees[0]
+    kernel = attn_kernel.kernel(work, hw, ring)
     computed = attn_kernel.computed_fraction(kernel, s, work.document_mask, work.mean_doc_tokens)
     # Under cp the slowest rank sets the pace. The trainer's ring computes chunk pairs
     # (a chunk: s/2R tokens) and skips those wholly in the future: with zigzag every rank
     # does 2R + 1 of them, with balance "none" the last rank does 4R.
-    ring = layout.cp_degrees[0]
     imbalance = 4 * ring / (2 * ring + 1) if layout.cp_balance == "none" and ring > 1 else 1.0
     attn_flops = 4.0 * tokens * s * q_width * computed * imbalance
-    chunk = s // layout.cp  # ring attention runs cp kernels of s/cp queries x s/cp keys
+    chunk = s // ring  # a ring of R runs kernels of s/R queries x s/R keys; Ulysses one of s x s
     return attn_flops / (hw.peak(dtype) * share_ * attention_efficiency(hw, dtype, chunk, chunk))
 
 

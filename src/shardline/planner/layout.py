@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from shardline import layout as layouts
-from shardline.config import AC_MODES, PP_SCHEDULES, Config, ParallelConfig
+from shardline.config import AC_MODES, CP_BALANCES, CP_MODES, PP_SCHEDULES, Config, ParallelConfig
 from shardline.errors import ConfigError
 from shardline.layout import Job, Layout
 from shardline.models.llama import ModelArgs
@@ -106,7 +106,8 @@ def _parse_value(key: str, value: str, kind: str):
             return int(value)
         except ValueError:
             raise ConfigError(f"--fix {key}={value!r} must be an integer") from None
-    valid = {"pp_schedule": PP_SCHEDULES, "activation_checkpoint": AC_MODES}[key]
+    valid = {"pp_schedule": PP_SCHEDULES, "activation_checkpoint": AC_MODES, "cp_mode": CP_MODES,
+             "cp_balance": CP_BALANCES}[key]
     if value not in valid:
         raise ConfigError(f"--fix {key}={value!r} is invalid; valid: {', '.join(valid)}")
     return value

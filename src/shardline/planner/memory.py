@@ -245,8 +245,9 @@ def activation_bytes(work: Workload, layout: Layout, stage: RankStages, on_cuda:
     per_layer = _layer_bytes_per_token(work, layout) * tokens
     inflight = inflight_on_rank(layout.pp_schedule, layout.pp, layout.pp_microbatches, layout.pp_virtual_stages,
                                 stage.rank)
-    kernel = resolve_attention(work.attention, work.document_mask, on_cuda, layout.cp)
-    mask = layout.micro_batch_size * (s // layout.cp) * s if dense_mask(kernel, work.document_mask) else 0.0
+    ring = layout.cp_degrees[0]  # under Ulysses alone the mask spans the gathered sequence
+    kernel = resolve_attention(work.attention, work.document_mask, on_cuda, ring)
+    mask = layout.micro_batch_size * (s // ring) * s if dense_mask(kernel, work.document_mask) else 0.0
     if work.runtime.block == "gpt":
         whole = act.gpt_layer_bytes_per_token(m.dim, m.n_heads, s, layout.tp, layout.sp, "none", 1)
         transient = whole if mode in ("full", "selective") else 0.0

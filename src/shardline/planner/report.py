@@ -11,17 +11,17 @@ from shardline.planner.memory import GiB, largest_term, total_params
 from shardline.planner.search import SearchResult
 
 
-def describe_request(work: Workload, hw: Hardware, gpus: int, cp: int = 1) -> str:
+def describe_request(work: Workload, hw: Hardware, gpus: int, ring: int = 1) -> str:
     gpn = hw.network.gpus_per_node
     nodes = f" ({gpus // gpn} nodes x {gpn})" if gpus >= gpn and gpus % gpn == 0 and hw.name != "cpu" else ""
     return (f"{work.model_ref or 'model'} ({total_params(work) / 1e9:.2f} B params) on {gpus:,} x {hw.name}{nodes}, "
             f"seq {work.seq_len}, global batch {work.global_batch:,} seqs ({work.tokens / 1e6:.2f} M tokens), "
-            f"{work.precision}{', document mask' if work.document_mask else ''}; {attention_words(work, hw, cp)}")
+            f"{work.precision}{', document mask' if work.document_mask else ''}; {attention_words(work, hw, ring)}")
 
 
-def attention_words(work: Workload, hw: Hardware, cp: int = 1) -> str:
+def attention_words(work: Workload, hw: Hardware, ring: int = 1) -> str:
     """The kernel priced and the share of the s x s scores it computes (planner/attention.py)."""
-    kernel = attention.kernel(work, hw, cp)
+    kernel = attention.kernel(work, hw, ring)
     share = attention.computed_fraction(kernel, work.seq_len, work.document_mask, work.mean_doc_tokens)
     docs = ("causal" if not work.document_mask else f"documents of {work.mean_doc_tokens:,.0f} tokens on average"
             if work.mean_doc_tokens else "one document per sequence assumed")
@@ -37,7 +37,8 @@ def mfu_words(work: Workload) -> str:
 def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, shown: list[Estimate],
                not_runnable: dict[int, str]) -> str:
     pruned = ", ".join(f"{k} {v:,}" for k, v in result.pruned.most_common())
-    ring = "; cp layouts priced with every score (ring blocks under the document mask)" if work.document_mask else ""
+    ring = ("; cp ring layouts priced with every score (ring blocks under the document mask)"
+            if work.document_mask else "")
     lines = [f"plan: {describe_request(work, hw, gpus)}{ring}",
              f"searched {result.evaluated:,} layouts in {result.seconds:.1f} s: {len(result.candidates):,} fit"
              + (f"; pruned: {pruned}" if pruned else ""),
@@ -62,7 +63,7 @@ def _why(e: Estimate) -> str:
 
 
 def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
-    lines = [f"estimate: {describe_request(work, hw, e.layout.world, e.layout.cp)}",
+    lines = [f"estimate: {describe_request(work, hw, e.layout.world, e.layout.cp_degrees[0])}",
              f"layout: {e.layout.describe()}  ({e.info['micro_batches_per_step']} micro-batches per rank per step)",
              "",
              f"step time {e.step_time_s:.4g} s   tokens/s {e.tokens_per_s:,.0f} (global)   MFU {100 * e.mfu:.1f}%",

@@ -181,7 +181,7 @@ class Trainer:
         self.metrics.event("start", step=self.step, params=sum(p.numel() for p in self.model.parameters()),
                            device=str(self.device), precision=cfg.train.precision,
                            attention=resolve_attention(cfg.train.attention, cfg.train.document_mask,
-                                                       self.device.type == "cuda", cfg.parallel.cp),
+                                                       self.device.type == "cuda", self.dims.layout.cp_degrees[0]),
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
         window_start, window_steps, last, stopped = time.perf_counter(), 0, {}, None
         self.guard.start()

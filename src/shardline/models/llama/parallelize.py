@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 from shardline.config import Config
 from shardline.layout import V_SHAPED
-from shardline.models.attention import use_attention
+from shardline.models.attention import attention_core, resolve_attention, use_attention
 from shardline.models.factory import build_meta_model
 from shardline.models.llama.model import FeedForward, Llama, ModelArgs
 from shardline.models.loss import LinearCrossEntropy
@@ -77,8 +77,8 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
         float8.convert(model, cfg.fp8.recipe, emulate=device.type != "cuda",
                        fsdp_all_gather=cfg.fp8.fsdp_all_gather and fsdp and not cfg.memory.cpu_offload)
     if dims.cp > 1:  # before the pipeline cuts the model: its stages take the cp attention and mask
-        context = apply_cp(model, dims, cfg.train.seq_len)
-    else:  # the same, for the kernel train.attention picks (cp has its own; preflight refuses flex/varlen there)
+        context = apply_cp(model, dims, cfg.train.seq_len, cfg.train.attention, cfg.train.document_mask, device)
+    else:  # the same, for the kernel train.attention picks (a ring has its own; preflight refuses flex/varlen there)
         use_attention(model, cfg.train.attention, cfg.train.document_mask, device)
     if dims.pp > 1:
         positions = context.local_positions() if context else torch.arange(cfg.train.seq_len)
@@ -121,13 +121,18 @@ def move_buffers(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = buf.to(device)
 
 
-def apply_cp(model: Llama, dims: ParallelDims, seq_len: int) -> ContextParallel:
-    """Every attention core spans the cp ranks; the mask becomes what that core needs."""
+def apply_cp(model: Llama, dims: ParallelDims, seq_len: int, attention: str, document_mask: bool,
+             device: torch.device) -> ContextParallel:
+    """Every attention core spans the cp ranks; the mask becomes what that core needs. Under
+    Ulysses alone the kernel `attention` resolves to runs on the gathered sequence."""
     lay = dims.layout
     ring, ulysses = lay.cp_degrees
+    on_cuda = device.type == "cuda"
+    kernel = resolve_attention(attention, document_mask, on_cuda, ring)
+    local = attention_core(kernel, on_cuda) if kernel != "context" else None
     context = ContextParallel(SequenceSplit(seq_len, ring, ulysses, lay.cp_balance), dims.submesh("cp").get_group(),
                               dims.submesh("cp_ring").get_group() if ring > 1 else None,
-                              dims.submesh("cp_ulysses").get_group() if ulysses > 1 else None)
+                              dims.submesh("cp_ulysses").get_group() if ulysses > 1 else None, local)
     model.attention_mask = context.mask
     for block in model.layers.values():
         block.attention.core = context.attend

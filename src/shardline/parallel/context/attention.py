@@ -6,7 +6,9 @@ forward, so any block's mask can be built locally), `attend` replaces each layer
 attention core. Modes: ring (U = 1), ulysses (R = 1: after the all-to-all the whole
 sequence is local and the model's own SDPA core runs, fused kernels included), and
 hybrid (R x U, USP / LoongTrain's 2-D attention: heads over the U ranks of a group,
-K/V blocks around the R groups).
+K/V blocks around the R groups). Under Ulysses alone the local core is the kernel
+`train.attention` resolves to (models/attention.py: dense-mask SDPA, flex or varlen),
+given the whole sequence's document ids.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardline.models.llama.model import document_causal_mask, sdpa_attention
+from shardline.models.attention import DenseAttention
 from shardline.parallel.context.ring import Ring, RingPlan, ring_attention
 from shardline.parallel.context.sharding import SequenceSplit
 from shardline.parallel.context.ulysses import heads_to_seq, kv_for_ulysses, seq_to_heads
@@ -31,13 +33,16 @@ class SequenceMask:
 
     doc_ids: torch.Tensor | None
     ring_plan: RingPlan | None = None  # under a ring: which blocks to compute, how masked
-    dense: torch.Tensor | None = None  # Ulysses alone, with documents: the [b, 1, s, s] mask of SDPA
+    local: object = None  # Ulysses alone: the local core's mask of the whole sequence
 
 
 class ContextParallel:
     def __init__(self, split: SequenceSplit, cp_group: dist.ProcessGroup, ring_group: dist.ProcessGroup | None,
-                 ulysses_group: dist.ProcessGroup | None):
+                 ulysses_group: dist.ProcessGroup | None, local=None):
+        """local: the core that runs on the whole sequence under Ulysses alone (an object with
+        `mask(doc_ids)` and `attend(q, k, v, mask)`; default dense-mask SDPA)."""
         self.split, self.cp_group, self.ulysses_group = split, cp_group, ulysses_group
+        self.local = local or DenseAttention()
         self.cp_rank = dist.get_rank(cp_group)
         self.ring = Ring(ring_group) if split.ring > 1 else None
         self.ring_index = self.cp_rank // split.ulysses
@@ -51,7 +56,7 @@ class ContextParallel:
         document ids, and the ring's plan."""
         full = self._gather(doc_ids) if doc_ids is not None else None
         if self.ring is None:  # after the all-to-all the whole sequence is local, in order
-            return SequenceMask(full, dense=document_causal_mask(full) if full is not None else None)
+            return SequenceMask(full, local=self.local.mask(full))
         kv_doc = [full[:, s.to(full.device)] for s in self._shards] if full is not None else None
         plan = RingPlan(self.ring, self._shards[self.ring_index], self._shards,
                         kv_doc[self.ring_index] if kv_doc is not None else None, kv_doc,
@@ -74,7 +79,7 @@ class ContextParallel:
             k, v = kv_for_ulysses(k, v, q.shape[1], u)
             q, k, v = (seq_to_heads(t, self.ulysses_group) for t in (q, k, v))
         if self.ring is None:  # the whole sequence is here, in order
-            out = sdpa_attention(q, k, v, mask.dense)
+            out = self.local.attend(q, k, v, mask.local)
         else:
             out = ring_attention(q, k, v, self.ring, mask.ring_plan, 1.0 / math.sqrt(q.shape[-1]))
         return heads_to_seq(out, self.ulysses_group) if u > 1 else out
