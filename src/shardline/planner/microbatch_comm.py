@@ -160,7 +160,7 @@ def fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTime
     g, per_layer, gather, scatter = block
     net, layers = hw.network, stage.layers
     hide = 0.0 if cmp.saturated(hw, layout) else 1.0
-    regathers = layout.zero == 3 or layout.dp_mode == "hsdp"  # the backward gathers again
+    regathers = layout.zero == 3  # resharded after forward (HSDP too: parallel/data_parallel.apply_fsdp)
     root = stage_params(work, layout, stage, per_layer) - layers * per_layer
     root_comm = (comm.all_gather(dtype_bytes(work.precision) * root, g, net)[0]
                  + comm.reduce_scatter(4 * root, g, net)[0])

@@ -4,7 +4,7 @@
 model's attention mask (it gathers the document ids of the whole sequence once per
 forward, so any block's mask can be built locally), `attend` replaces each layer's
 attention core. Modes: ring (U = 1), ulysses (R = 1: after the all-to-all the whole
-sequence is local and the model's own SDPA core runs, fused kernels included), and
+sequence is local and a local core runs on it, fused kernels included), and
 hybrid (R x U, USP / LoongTrain's 2-D attention: heads over the U ranks of a group,
 K/V blocks around the R groups). Under Ulysses alone the local core is the kernel
 `train.attention` resolves to (models/attention.py: dense-mask SDPA, flex or varlen),
