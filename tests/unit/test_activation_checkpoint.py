@@ -50,3 +50,39 @@ def test_ac_modes_trade_memory_for_recompute(tiny_config, tmp_path):
     # op-level keeps matmul outputs, so it recomputes no matmul; what it saves lives in
     # the checkpoint's own cache, which these hooks do not see.
     assert flops["op"] == flops["none"]
+
+
+@pytest.mark.parametrize("mode", ["full", "op"])
+def test_the_split_backward_of_zero_bubble_schedules_defeats_checkpointing(mode):
+    """The premise of the layout rule against checkpointing under zbv/dualpipev
+    (layout/rules.py `_ac_split_backward`), in torch's own split backward: a fully
+    checkpointed block is recomputed in the input pass and again in every weight group's
+    pass; an op-level one refuses the second read. If torch changes this, this test fails:
+    revisit the rule."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from shardline.models.factory import build_model_on
+    from shardline.models.llama import ModelArgs
+    from shardline.parallel.activation_checkpoint import apply_ac
+
+    model = build_model_on(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64), "cpu")
+    model.init_weights(seed=0)
+    apply_ac(model, mode)
+    block = model.layers["0"]
+    forwards = []
+    block.attention.register_forward_hook(lambda *_: forwards.append(1))
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    cos, sin = model.rotary(torch.arange(16), x.device)
+    out = block(x, cos, sin, None)
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
+    if mode == "op":
+        with pytest.raises(RuntimeError, match="backward an extra time"):
+            stage_backward_weight(block.parameters(), groups)
+        return
+    stage_backward_weight(block.parameters(), groups)
+    assert all(p.grad is not None for p in block.parameters())
+    split_recomputes = len(forwards) - 1
+    forwards.clear()
+    block(x, cos, sin, None).sum().backward()  # one backward, as 1F1B runs it
+    assert len(forwards) - 1 == 1
+    assert split_recomputes > 2, split_recomputes  # 1 in the input pass + 1 per weight group (9 here: 10)
