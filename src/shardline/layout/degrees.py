@@ -10,6 +10,7 @@ from shardline.config import Config
 from shardline.errors import ConfigError
 
 V_SHAPED = ("zbv", "dualpipev")  # rank r holds stages r and 2 pp - 1 - r
+SPLIT_BACKWARD = V_SHAPED  # torch's zero-bubble schedules: each backward in an input and a weight pass
 SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank
 
 Problem = tuple[str, str]  # (rule key, one-line message naming the keys and what would be valid)
@@ -89,6 +90,12 @@ class Layout:
     @property
     def stages_per_rank(self) -> int:
         return 2 if self.pp_schedule in V_SHAPED else self.pp_virtual_stages
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the pipeline runs each micro-batch's backward in two passes over one graph
+        (inputs, then weights): what checkpointing and compiled blocks must survive."""
+        return self.pp > 1 and self.pp_schedule in SPLIT_BACKWARD
 
     @property
     def n_stages(self) -> int:

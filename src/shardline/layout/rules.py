@@ -135,7 +135,7 @@ def _ac_split_backward(lay: Layout, job: Job) -> Problem | None:
     then weights, one `autograd.grad` call per group of weights). torch's op-level checkpoint
     hands its saved tensors out once; a checkpointed block is recomputed in every call
     (measured at pp 2: 5-10 forwards of a block per micro-batch, against 1 under 1F1B)."""
-    if lay.pp == 1 or lay.pp_schedule not in V_SHAPED or lay.activation_checkpoint == "none":
+    if not lay.split_backward or lay.activation_checkpoint == "none":
         return None
     why = ("torch's op-level checkpoint hands its saved tensors out once" if lay.activation_checkpoint == "op" else
            "a checkpointed block is recomputed in every weight-gradient group, 5-10 times a micro-batch")

@@ -57,17 +57,17 @@ import torch._functorch.config
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+from shardline.layout import SPLIT_BACKWARD
 from shardline.models.loss import cross_entropy_sum
 
 
-SPLIT_BACKWARD_SCHEDULES = ("zbv", "dualpipev")  # the backward in an input and a weight pass
 _SPLIT_BACKWARD_SINCE = (2, 13)  # the first torch seen to run it over compiled blocks
 
 
 def config_problem(enabled: bool, pp: int, schedule: str, torch_version: str = torch.__version__) -> str | None:
     """What the config alone rules out for `train.compile` (`enabled`) on this torch (one line), else None."""
     major_minor = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
-    if enabled and pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES and major_minor < _SPLIT_BACKWARD_SINCE:
+    if enabled and pp > 1 and schedule in SPLIT_BACKWARD and major_minor < _SPLIT_BACKWARD_SINCE:
         return (f"train.compile=true with parallel.pp_schedule={schedule!r} needs torch >= 2.13 (this is "
                 f"{torch_version}: its split backward fails on compiled blocks); use pp_schedule 1f1b, gpipe or "
                 "interleaved_1f1b, or train.compile=false")

@@ -160,20 +160,28 @@ def fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTime
     g, per_layer, gather, scatter = block
     net, layers = hw.network, stage.layers
     hide = 0.0 if cmp.saturated(hw, layout) else 1.0
-    regathers = layout.zero == 3  # resharded after forward (HSDP too: parallel/data_parallel.apply_fsdp)
     root = stage_params(work, layout, stage, per_layer) - layers * per_layer
     root_comm = (comm.all_gather(dtype_bytes(work.precision) * root, g, net)[0]
                  + comm.reduce_scatter(4 * root, g, net)[0])
     if layout.pp == 1:
-        bwd_gather = gather if regathers else 0.0
+        bwd_gather = gather if layout.zero == 3 else 0.0  # resharded after forward (HSDP too: apply_fsdp)
         fwd = gather + (layers - 1) * max(0.0, gather - hide * lt.forward)
         bwd = bwd_gather + scatter + (layers - 1) * max(0.0, bwd_gather + scatter - hide * lt.backward)
         return fwd + bwd + root_comm
     m = max(layout.pp_microbatches, 1)
     gathers = gather + (layers - 1) * max(0.0, gather - hide * lt.forward)  # one pass over the stage's blocks
     scatters = scatter + (layers - 1) * max(0.0, scatter - hide * lt.backward)
-    passes = m + layout.pp - 1 if regathers else 1
-    return (passes * gathers + scatters + root_comm) / m
+    return (fsdp_passes(layout, m)[0] * gathers + scatters + root_comm) / m
+
+
+def fsdp_passes(layout: Layout, n_micro: int) -> tuple[int, int]:
+    """(gather, reduce-scatter) passes over a rank's blocks per step under FSDP (fsdp_exposed
+    says why): without pp each micro-batch gathers (twice at zero 3) and reduce-scatters; under
+    pp the stage reduce-scatters once, and gathers once (zero 2) or per micro-batch plus the
+    warm-up's pp - 1 (zero 3)."""
+    if layout.pp == 1:
+        return n_micro * (2 if layout.zero == 3 else 1), n_micro
+    return (n_micro + layout.pp - 1 if layout.zero == 3 else 1), 1
 
 
 def fsdp_block(work: Workload, layout: Layout, hw: Hardware) -> tuple | None:

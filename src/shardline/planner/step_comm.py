@@ -14,6 +14,7 @@ from shardline.planner import compute as cmp
 from shardline.planner.activations import dtype_bytes
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
+from shardline.planner.microbatch_comm import fsdp_passes
 from shardline.planner.memory import (
     DDP_BUCKET_BYTES,
     distinct_ranks,
@@ -104,12 +105,8 @@ def _fsdp_total(work: Workload, layout: Layout, hw: Hardware) -> tuple[float, fl
     n_micro = layout.micro_batches(work.global_batch)
     gather, algo = comm.all_gather(dtype_bytes(work.precision) * per_layer, g, net)
     scatter, _ = comm.reduce_scatter(4 * per_layer, g, net)
-    layers = layers_per_rank(work, layout)
-    if layout.pp > 1:  # gradients reduce-scattered once per step; ZeRO-2's weights gathered once (fsdp_exposed)
-        gathers = n_micro + layout.pp - 1 if layout.zero == 3 else 1
-        return 0.0, (gathers * gather + scatter) * layers, {"fsdp": algo}
-    gathers = 2 if layout.zero == 3 else 1
-    return 0.0, (gathers * gather + scatter) * layers * n_micro, {"fsdp": algo}
+    gathers, scatters = fsdp_passes(layout, n_micro)
+    return 0.0, (gathers * gather + scatters * scatter) * layers_per_rank(work, layout), {"fsdp": algo}
 
 
 def _deepspeed_bf16_dp(work: Workload, g, net, psi: float) -> tuple[float, float]:

@@ -41,7 +41,7 @@ from shardline.models.llama.model import FeedForward, Llama, ModelArgs
 from shardline.models.loss import LinearCrossEntropy
 from shardline.parallel import float8
 from shardline.parallel.activation_checkpoint import apply_ac
-from shardline.parallel.compile import SPLIT_BACKWARD_SCHEDULES, apply_compile
+from shardline.parallel.compile import apply_compile
 from shardline.parallel.context.attention import ContextParallel
 from shardline.parallel.context.sharding import SequenceSplit
 from shardline.parallel.data_parallel import apply_ddp, apply_fsdp
@@ -94,7 +94,7 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     # checkpoint wraps the compiled forward (parallel/compile.py); always before FSDP (hooks outside).
     tp = dims.tp > 1
     compiled = {"tensor_parallel": tp, "loss_parallel": tp and p.loss_parallel,
-                "split_backward": dims.pp > 1 and p.pp_schedule in SPLIT_BACKWARD_SCHEDULES}
+                "split_backward": dims.layout.split_backward}
     before_ac = tp and cfg.memory.activation_checkpoint != "none"
     if cfg.train.compile and before_ac:
         apply_compile(model, **compiled, forward_only=True)
