@@ -74,3 +74,22 @@ def test_compile_with_a_split_backward_schedule_needs_torch_2_13(version, schedu
     assert not refused or f"pp_schedule={schedule!r} needs torch >= 2.13 (this is {version}" in problem
     assert compile_problem(False, 2, schedule, torch_version=version) is None
     assert compile_problem(True, 1, schedule, torch_version=version) is None  # no pipeline, no split backward
+
+
+TAG = "shardline-no-donated-buffers"
+
+
+@pytest.mark.parametrize("user_tag, expected", [("", TAG), ("mine", f"mine,{TAG}"), (f"mine,{TAG}", f"mine,{TAG}")])
+def test_a_split_backward_compile_tags_the_cache_key_keeping_the_users_tag(user_tag, expected):
+    """Inductor's FX graph cache does not key a backward by its donated buffers: the tag keeps a
+    donating kernel from another schedule out of a zero-bubble run (test_compile_parallel.py)."""
+    import torch
+
+    from shardline.parallel.compile import _NO_DONATION_TAG, _tag_cache
+
+    assert _NO_DONATION_TAG == TAG
+    with torch.compiler.config.patch(cache_key_tag=user_tag):
+        _tag_cache(_NO_DONATION_TAG)
+        _tag_cache(_NO_DONATION_TAG)  # a second run in the process adds nothing
+        assert torch.compiler.config.cache_key_tag == expected
+    assert torch.compiler.config.cache_key_tag == ""  # the suite's other compiles keep the default key

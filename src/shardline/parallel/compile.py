@@ -36,7 +36,12 @@ What is compiled, by layout:
   input-gradient pass that keeps the graph (`retain_graph=True`) and a weight pass that
   runs it again; a compiled backward that donated its saved buffers refuses the first
   (torch 2.13: "compiled with non-empty donated buffers"). The cost is the buffers'
-  reuse inside the backward, not correctness. On torch before 2.13 the weight pass itself
+  reuse inside the backward, not correctness. The compile cache's key is tagged as well
+  (`torch.compiler.config.cache_key_tag`): inductor's FX graph cache does not key a
+  backward by its donated buffers, so it hands a split-backward run the kernel an earlier
+  run (1F1B, or no pipeline) compiled for the same block with donation, which overwrites
+  saved activations the weight pass then reads: wrong weight gradients, no error (torch
+  2.13, seen after a compiled 1F1B run). On torch before 2.13 the weight pass itself
   fails on a compiled block (torch 2.11: `autograd.grad` reads `_input_metadata` of the
   compiled function's backward node, which refuses it), so preflight refuses compile with
   those schedules there (`config_problem`); 2.12 is untested.
@@ -89,12 +94,24 @@ def apply_compile(model: nn.Module, tensor_parallel: bool = False, loss_parallel
             block.compile()
     if split_backward:
         torch._functorch.config.donated_buffer = False  # the input pass retains the graph (module doc)
+        _tag_cache(_NO_DONATION_TAG)  # and a donating kernel must not come back from the cache (module doc)
     if tensor_parallel:
         torch._functorch.config.enable_autograd_cache = False  # another rank's graph otherwise (module doc)
         if getattr(model, "tok_embeddings", None) is not None:  # absent on later pipeline stages
             model.tok_embeddings.register_forward_hook(_resolve_async)
     if not loss_parallel:
         model.loss = dataclasses.replace(model.loss, score=torch.compile(cross_entropy_sum))
+
+
+_NO_DONATION_TAG = "shardline-no-donated-buffers"
+
+
+def _tag_cache(tag: str) -> None:
+    """Add `tag` to the compile cache's key tag (process-wide, as the setting it keys),
+    keeping any tag the user set."""
+    current = torch.compiler.config.cache_key_tag
+    if tag not in current.split(","):
+        torch.compiler.config.cache_key_tag = f"{current},{tag}" if current else tag
 
 
 def _resolve_async(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor | None:
