@@ -4,7 +4,8 @@ train like eager ones.
 Compiled runs must also show that their blocks ran compiled code: each block has its
 compiled call (or, under activation checkpointing, a compiled forward the checkpoint
 wraps), dynamo captured graphs and broke none of them (a block that fell back to eager,
-whole or in part, fails). Without the embedding's AsyncCollectiveTensor output resolved
+whole or in part, fails), except, under the zero-bubble schedule, at its Linear layers,
+which it runs eagerly on purpose (parallel/compile.py). Without the embedding's AsyncCollectiveTensor output resolved
 before the first block, backward fails; with the checkpoint traced into the block, too.
 """
 
@@ -80,6 +81,10 @@ def test_compiled_tensor_and_pipeline_parallel_train_like_eager(tmp_path, small_
             assert compiled[step] == pytest.approx(want[step], rel=1e-5), (name, step, compiled, want)
         seen = json.loads((tmp_path / name / "compiled.json").read_text())
         assert seen["compiled_blocks"] and all(seen["compiled_blocks"]), (name, seen)
-        assert seen["graphs"] >= 1 and not seen["breaks"], (name, seen)  # one graph a block, collectives included
+        assert seen["graphs"] >= 1, (name, seen)
+        if name == "compiled_zbv":  # the Linear layers run eagerly between compiled regions, nothing else breaks
+            assert seen["breaks"] and all("Linear.forward" in reason for reason in seen["breaks"]), (name, seen)
+        else:  # one graph a block, collectives included
+            assert not seen["breaks"], (name, seen)
         if "parallel.tp=2" in extra:
             assert seen["aot_cache"] is False, (name, seen)  # a rank must not load another rank's graph

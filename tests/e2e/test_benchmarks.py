@@ -101,3 +101,14 @@ def test_planner_validation_runs_a_torchrun_layout_and_rewrites_only_its_section
     text = results.read_text()
     assert text.startswith("# Results\n\nkept above\n") and text.endswith("kept below\n")
     assert "old" not in text and "| tiny-ddp2 | 2 |" in text and "tiny-ddp2" in proc.stdout
+
+
+def test_split_backward_reports_the_three_variants_with_eager_gradients(tmp_path):
+    """The benchmark checks each compiled variant's gradients against eager's before timing."""
+    res, proc = run_benchmark("split_backward.py", ["--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64",
+                                                    "--seq", "16", "--batch", "2", "--repeats", "1",
+                                                    "--device", "cpu"], tmp_path)
+    assert list(res["results"]) == ["eager", "whole", "shardline"]
+    for name, r in res["results"].items():
+        assert all(positive(r[key]) for key in ("forward", "one", "split")), (name, r)
+    assert "split/one" in proc.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shardline.config import load_config
 from shardline.parallel.compile import config_problem as compile_problem
@@ -83,8 +84,6 @@ TAG = "shardline-no-donated-buffers"
 def test_a_split_backward_compile_tags_the_cache_key_keeping_the_users_tag(user_tag, expected):
     """Inductor's FX graph cache does not key a backward by its donated buffers: the tag keeps a
     donating kernel from another schedule out of a zero-bubble run (test_compile_parallel.py)."""
-    import torch
-
     from shardline.parallel.compile import _NO_DONATION_TAG, _tag_cache
 
     assert _NO_DONATION_TAG == TAG
@@ -93,3 +92,62 @@ def test_a_split_backward_compile_tags_the_cache_key_keeping_the_users_tag(user_
         _tag_cache(_NO_DONATION_TAG)  # a second run in the process adds nothing
         assert torch.compiler.config.cache_key_tag == expected
     assert torch.compiler.config.cache_key_tag == ""  # the suite's other compiles keep the default key
+
+
+def _compiled_nodes(out: torch.Tensor) -> list:
+    """The autograd nodes of compiled regions behind `out`."""
+    seen, stack, found = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            found.append(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+@pytest.mark.slow  # two compiles of a one-block model: ~15 s
+def test_a_split_backward_runs_no_linear_weight_gradient_through_compiled_code_twice():
+    """A zero-bubble schedule's weight pass reruns each compiled region it reaches, whose
+    backward computes every gradient of the region: a whole compiled block runs its backward
+    twice (the premise), while with the Linear layers kept eager (apply_compile's
+    split_backward) no region it reruns holds a Linear weight. The gradients match eager's."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from shardline.models.factory import build_model_on
+    from shardline.models.llama import ModelArgs
+    from shardline.parallel.compile import apply_compile
+
+    args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64)
+    x = torch.randn(2, 16, 32)
+    grads = {}
+    with torch._functorch.config.patch(donated_buffer=False), torch.compiler.config.patch(cache_key_tag=""):
+        for mode in ("eager", "whole_block", "split_backward"):
+            model = build_model_on(args, "cpu")
+            model.init_weights(seed=0)
+            if mode != "eager":
+                apply_compile(model, split_backward=mode == "split_backward")
+            block, inp = model.layers["0"], x.clone().requires_grad_()
+            cos, sin = model.rotary(torch.arange(16), x.device)
+            out = block(inp, cos, sin, None)
+            calls = {"input": [], "weight": []}
+            phase = "input"
+            for node in _compiled_nodes(out):
+                node.register_prehook(lambda *_, node=node: calls[phase].append(node))
+            _, groups = stage_backward_input([out], [torch.ones_like(out)], [inp], block.parameters())
+            phase = "weight"
+            stage_backward_weight(block.parameters(), groups)
+            grads[mode] = {"input": inp.grad, **{n: p.grad for n, p in block.named_parameters()}}
+            linear_weights = {id(m.weight) for m in block.modules() if isinstance(m, torch.nn.Linear)}
+            rerun_linears = [node for node in calls["weight"] for next_node, _ in node.next_functions
+                             if id(getattr(next_node, "variable", None)) in linear_weights]
+            if mode == "whole_block":
+                assert len(calls["input"]) == len(calls["weight"]) == 1 and rerun_linears  # the premise
+            if mode == "split_backward":
+                assert len(calls["input"]) > 1 and calls["weight"] and not rerun_linears, calls
+    for mode in ("whole_block", "split_backward"):
+        for name, want in grads["eager"].items():
+            torch.testing.assert_close(grads[mode][name], want, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")

@@ -31,17 +31,27 @@ What is compiled, by layout:
 - tp > 1 with loss parallelism: the cross-entropy stays eager. It runs on vocab-sharded
   DTensor logits through the `loss_parallel` context's own ops, which the compiled
   graph does not go through: compiled, the loss comes out wrong (not an error).
-- zero-bubble pipeline schedules (zbv, dualpipev): AOTAutograd's buffer donation is
-  turned off (process-wide). Those schedules split a micro-batch's backward into an
-  input-gradient pass that keeps the graph (`retain_graph=True`) and a weight pass that
-  runs it again; a compiled backward that donated its saved buffers refuses the first
-  (torch 2.13: "compiled with non-empty donated buffers"). The cost is the buffers'
-  reuse inside the backward, not correctness. The compile cache's key is tagged as well
-  (`torch.compiler.config.cache_key_tag`): inductor's FX graph cache does not key a
-  backward by its donated buffers, so it hands a split-backward run the kernel an earlier
-  run (1F1B, or no pipeline) compiled for the same block with donation, which overwrites
-  saved activations the weight pass then reads: wrong weight gradients, no error (torch
-  2.13, seen after a compiled 1F1B run). On torch before 2.13 the weight pass itself
+- zero-bubble pipeline schedules (zbv, dualpipev): the block's Linear layers run eagerly,
+  between compiled regions (norms, rotary, the attention core, SwiGLU's product, the
+  residual adds). Those schedules split a micro-batch's backward into an input-gradient
+  pass and a weight pass, which reaches each weight through autograd's graph. A compiled
+  region is one autograd node whose backward computes every gradient of the region at
+  once: a whole compiled block runs its full backward in both passes (measured on the
+  CPU: the split backward of a compiled block took 1.94-2.07x one backward, against 1.04x
+  eager), which undoes what the schedule saves. With the Linear layers outside, their
+  weight gradients are eager matmuls the weight pass runs alone; the regions it runs
+  again hold only norm weights and, under MoE, the router's gate (called as F.linear, a
+  dim x experts matmul): 1.06-1.12x (benchmarks/split_backward.py). FP8's Linear layers
+  run their casts eagerly too.
+  AOTAutograd's buffer donation is turned off as well (process-wide): the input pass keeps
+  the graph (`retain_graph=True`) for the weight pass, and a compiled backward that
+  donated its saved buffers refuses that (torch 2.13: "compiled with non-empty donated
+  buffers"). The cost is the buffers' reuse inside the backward, not correctness. The
+  compile cache's key is tagged too (`torch.compiler.config.cache_key_tag`): inductor's FX
+  graph cache does not key a backward by its donated buffers, so it hands a split-backward
+  run the kernel an earlier run (1F1B, or no pipeline) compiled for the same code with
+  donation, which overwrites saved activations the weight pass then reads: wrong weight
+  gradients, no error (torch 2.13, seen after a compiled 1F1B run). On torch before 2.13 the weight pass itself
   fails on a compiled block (torch 2.11: `autograd.grad` reads `_input_metadata` of the
   compiled function's backward node, which refuses it), so preflight refuses compile with
   those schedules there (`config_problem`); 2.12 is untested.
@@ -86,8 +96,11 @@ def apply_compile(model: nn.Module, tensor_parallel: bool = False, loss_parallel
     is an AsyncCollectiveTensor, resolved before the compiled blocks take it.
     `forward_only`: compile each block's forward, for activation checkpointing to wrap
     afterwards (tp; see the module doc), instead of the whole module call. `split_backward`:
-    a zero-bubble pipeline schedule runs each backward in two passes over one graph."""
+    a zero-bubble pipeline schedule runs each backward in two passes over one graph, so the
+    Linear layers stay out of the compiled regions."""
     for block in model.layers.values():
+        if split_backward:
+            _linears_eager(block)
         if forward_only:
             block.forward = torch.compile(block.forward)
         else:
@@ -101,6 +114,15 @@ def apply_compile(model: nn.Module, tensor_parallel: bool = False, loss_parallel
             model.tok_embeddings.register_forward_hook(_resolve_async)
     if not loss_parallel:
         model.loss = dataclasses.replace(model.loss, score=torch.compile(cross_entropy_sum))
+
+
+def _linears_eager(block: nn.Module) -> None:
+    """Run every Linear layer of `block` eagerly inside its compiled call (a graph break
+    each), so a split backward's weight pass computes their weight gradients alone (module
+    doc). Their hooks (tensor parallelism's redistributions) stay in the compiled regions."""
+    for module in block.modules():
+        if isinstance(module, nn.Linear):
+            module.forward = torch.compiler.disable(module.forward)
 
 
 _NO_DONATION_TAG = "shardline-no-donated-buffers"
