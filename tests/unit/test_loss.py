@@ -83,3 +83,25 @@ def test_chunked_loss_never_makes_the_logits_of_the_batch(setup, chunk, holds_al
 def test_loss_chunk_tokens_must_not_be_negative():
     with pytest.raises(ConfigError, match="train.loss_chunk_tokens"):
         load_config(None, ["train.loss_chunk_tokens=-1"]).check_sections()
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_the_split_backward_of_zero_bubble_schedules_recomputes_each_chunk_in_both_passes(chunk):
+    """The premise of the planner's chunked-loss recompute (planner/compute.py
+    loss_recompute_time): a checkpointed chunk runs the output projection again in one
+    backward, and in each pass of zbv/dualpipev's split backward; the plain loss never."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    head, labels = torch.nn.Linear(32, 100, bias=False), torch.randint(0, 100, (2, 32))
+    projections = []
+    head.register_forward_hook(lambda *_: projections.append(1))
+    hidden = torch.randn(2, 32, 32, requires_grad=True)
+    chunks = 4 if chunk else 1
+
+    LinearCrossEntropy(chunk)(hidden * 1.0, head, labels).backward()
+    assert len(projections) == chunks * (2 if chunk else 1)  # forward, then the recompute
+    projections.clear()
+    loss = LinearCrossEntropy(chunk)(hidden * 1.0, head, labels)
+    _, groups = stage_backward_input([loss], None, [hidden], head.parameters())
+    stage_backward_weight(head.parameters(), groups)
+    assert len(projections) == chunks * (3 if chunk else 1)  # forward, input pass, weight pass

@@ -235,3 +235,21 @@ def test_fsdp_under_pp_reduce_scatters_once_per_step():
     assert fsdp_comm(2, 8) > 0
     assert fsdp_comm(2, 16) == pytest.approx(fsdp_comm(2, 8))
     assert fsdp_comm(3, 8) < fsdp_comm(3, 16) < 1.9 * fsdp_comm(3, 8)
+
+
+def test_the_chunked_loss_recompute_is_priced_on_the_last_stage_twice_under_a_split_backward():
+    w8 = Workload(PRESETS["llama3-8b"], 4096, 256, "bf16", document_mask=False)
+    chunked = dataclasses.replace(w8, loss_chunk_tokens=1024)
+    for schedule, passes in (("1f1b", 1), ("zbv", 2)):
+        lay = Layout(dp_shard=16, pp=2, pp_schedule=schedule, pp_virtual_stages=2 if passes == 2 else 1,
+                     micro_batch_size=1, pp_microbatches=16)
+        gemm_and_loss = cmp.loss_recompute_time(chunked, lay, H100, "last")
+        fwd, _ = cmp.head_times(chunked, lay, H100, "last")
+        assert gemm_and_loss == pytest.approx(passes * fwd)  # the last stage's forward, once per backward pass
+        assert cmp.loss_recompute_time(w8, lay, H100, "last") == 0  # no chunks, nothing recomputed
+        assert cmp.loss_recompute_time(chunked, lay, H100, "first") == 0
+        assert estimate(chunked, lay, H100).step_time_s > estimate(w8, lay, H100).step_time_s
+    one = Layout(dp_shard=16, micro_batch_size=1)  # no pipeline: one stage, the step's only recompute
+    assert estimate(chunked, one, H100).breakdown["recompute"] == pytest.approx(
+        16 * cmp.loss_recompute_time(chunked, one, H100, "both"))
+    assert "recompute" not in estimate(w8, one, H100).breakdown

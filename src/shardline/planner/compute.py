@@ -293,24 +293,44 @@ def head_times(work: Workload, layout: Layout, hw: Hardware, stage: str) -> tupl
     backward. The last runs the final norm, the output GEMM and the cross-entropy.
     `stage` is "first", "last", "both" (no pipeline) or "middle" (neither end).
     """
-    m, dtype = work.model, compute_dtype(work.precision)  # the output projection stays bf16 under fp8
+    m, dtype = work.model, compute_dtype(work.precision)
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
-    sh, sh_mem, sh_ops = (share(hw, layout, kind) for kind in ("matmul", "memory", "dispatch"))
-    bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * sh_mem
+    bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * share(hw, layout, "memory")
     fwd = bwd = 0.0
     if stage in ("first", "both"):
         bwd += (4 * m.vocab_size * m.dim / layout.tp + 12 * m.dim * tokens) / bw
         fwd += 4 * m.dim * tokens / bw
     if stage in ("last", "both"):
-        c, mixed = dtype_bytes(dtype), dtype != "fp32"
-        vocab = m.vocab_size / (layout.tp if layout.loss_parallel else 1)
-        gemm = matmul_time(hw, dtype, tokens, m.dim, m.vocab_size / layout.tp, sh)
-        cast = c + 4 if mixed else 0
-        loss_bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * sh_mem * hw.loss_eff  # fp32 logits
-        ops = LOSS_OPS * hw.op_overhead_us * 1e-6 / sh_ops
-        fwd += gemm + (12 + cast) * vocab * tokens / loss_bw + ops
-        bwd += 2 * gemm + (20 + cast) * vocab * tokens / loss_bw + ops
+        gemm, loss_fwd, loss_bwd = _output_parts(work, layout, hw)
+        fwd += gemm + loss_fwd
+        bwd += 2 * gemm + loss_bwd
     return fwd, bwd
+
+
+def _output_parts(work: Workload, layout: Layout, hw: Hardware) -> tuple[float, float, float]:
+    """Seconds per micro-batch of the output GEMM, and of the loss's forward and backward
+    (the fp32 softmax and cross-entropy traffic over the logits, and its dispatch)."""
+    m, dtype = work.model, compute_dtype(work.precision)  # the output projection stays bf16 under fp8
+    tokens = layout.micro_batch_size * work.seq_len // layout.cp
+    sh, sh_mem, sh_ops = (share(hw, layout, kind) for kind in ("matmul", "memory", "dispatch"))
+    c, mixed = dtype_bytes(dtype), dtype != "fp32"
+    vocab = m.vocab_size / (layout.tp if layout.loss_parallel else 1)
+    gemm = matmul_time(hw, dtype, tokens, m.dim, m.vocab_size / layout.tp, sh)
+    cast = c + 4 if mixed else 0
+    loss_bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * sh_mem * hw.loss_eff  # fp32 logits
+    ops = LOSS_OPS * hw.op_overhead_us * 1e-6 / sh_ops
+    return gemm, (12 + cast) * vocab * tokens / loss_bw + ops, (20 + cast) * vocab * tokens / loss_bw + ops
+
+
+def loss_recompute_time(work: Workload, layout: Layout, hw: Hardware, stage: str) -> float:
+    """Seconds per micro-batch the chunked loss (`loss_chunk_tokens`) spends recomputing on
+    the last stage: each chunk is checkpointed, so the backward runs the output GEMM and the
+    loss's forward again; the split backward of zbv/dualpipev runs it in both its passes
+    (tests/unit/test_chunked_loss.py)."""
+    if not work.loss_chunk_tokens or stage not in ("last", "both"):
+        return 0.0
+    gemm, loss_fwd, _ = _output_parts(work, layout, hw)
+    return (gemm + loss_fwd) * (2 if layout.split_backward else 1)
 
 
 def optimizer_time(params: float, hw: Hardware, layout: Layout, tensors: int = 0) -> float:

@@ -194,7 +194,7 @@ def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: RankStages,
     head_f, head_b = cmp.head_times(work, layout, hw, stage.label)
     wrappers = layers * block.wrapper + cmp.ends_overhead(hw, layout, stage.first, stage.last, work)
     return {"compute": layers * (lt.forward + lt.backward) + head_f + head_b + wrappers,
-            "recompute": layers * block.recompute,
+            "recompute": layers * block.recompute + cmp.loss_recompute_time(work, layout, hw, stage.label),
             "tp_comm": layers * block.tp + tp_head(work, layout, hw, stage, block.tp_head),
             "cp_comm": layers * block.cp,
             "ep_comm": layers * block.ep,
