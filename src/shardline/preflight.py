@@ -103,7 +103,8 @@ def moe_shape(base: MoEArgs | None, changes: dict) -> MoEArgs:
 def check_layout(cfg: Config, world: int, args: ModelArgs) -> Layout:
     """The layout of `cfg` on `world` ranks, or the ConfigError of the first rule it breaks."""
     lay = layouts.resolve(cfg, world)
-    layouts.check(lay, Job(args, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.attention))
+    job = Job(args, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.attention, cfg.train.precision)
+    layouts.check(lay, job)
     return lay
 
 

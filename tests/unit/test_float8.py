@@ -142,3 +142,39 @@ def test_conversion_keeps_state_dict_keys():
     plain, converted = built(), built(recipe="rowwise")
     assert list(plain.state_dict()) == list(converted.state_dict())
     assert copy.deepcopy(converted) is not None  # checkpoints and pipeline stages may copy it
+
+
+def test_the_split_backward_of_zero_bubble_schedules_runs_each_float8_backward_twice():
+    """The premise of the layout rule against fp8 under zbv/dualpipev (layout/rules.py
+    `_fp8_split_backward`): a float8 Linear's backward is one autograd node, run in the input
+    pass and again in the weight pass, while a plain Linear's weight pass runs only its weight
+    gradient. If torchao splits it one day, this test fails: revisit the rule."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    block = built(recipe="tensorwise").layers["0"]
+    x = torch.randn(2, 16, DENSE.dim, requires_grad=True)
+    cos, sin = built().rotary(torch.arange(16), x.device)
+    with autocast(torch.device("cpu"), "fp8"):
+        out = block(x, cos, sin, None)
+    nodes, seen, stack = [], set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            nodes.append(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    float8_nodes = [n for n in nodes if "float8" in type(n).__name__]
+    assert len(float8_nodes) == len(BLOCK_LINEARS)
+    runs = {"input": 0, "weight": 0}
+    phase = "input"
+
+    def count(*_):
+        runs[phase] += 1
+
+    for node in float8_nodes:
+        node.register_prehook(count)
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
+    phase = "weight"
+    stage_backward_weight(block.parameters(), groups)
+    assert runs == {"input": len(BLOCK_LINEARS), "weight": len(BLOCK_LINEARS)}
+    assert all(p.grad is not None for p in block.parameters())

@@ -67,6 +67,8 @@ def test_dp_shard_fills_the_rest():
          "train.micro_batch_size=2"], "recomputed in every weight-gradient group"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "memory.activation_checkpoint=selective"],
      "use activation_checkpoint=none, or pp_schedule interleaved_1f1b"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "train.precision=fp8", "train.micro_batch_size=2"],
+     "train.precision='fp8' with parallel.pp_schedule='dualpipev': its split backward runs each float8 Linear"),
 ])
 def test_invalid_layouts(world, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):

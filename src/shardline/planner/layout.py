@@ -133,7 +133,7 @@ def to_config(layout: Layout, work: Workload, base: Config | None = None) -> Con
 
 
 def job(work: Workload) -> Job:
-    return Job(work.model, work.seq_len, work.global_batch, work.attention)
+    return Job(work.model, work.seq_len, work.global_batch, work.attention, work.precision)
 
 
 def layout_problem(work: Workload, layout: Layout, runnable: bool = False) -> tuple[str, str] | None:
