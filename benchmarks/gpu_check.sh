@@ -19,6 +19,9 @@
 # Extra arguments for gpu_train.py go in GPU_TRAIN_ARGS (e.g. "--set train.loss_chunk_tokens=8192").
 # CALIBRATE=1 adds step 4: `shardline calibrate --quick --no-comm` (the planner's profile of this
 # GPU: GEMM and attention efficiency curves) -> calibration.toml, within CAL_BUDGET (default 150).
+# SPLIT_BACKWARD=1 adds step 5: benchmarks/split_backward.py on one block of the 1B shape in bf16
+# (train.compile under zbv/dualpipev against eager and a whole compiled block) -> split_backward.json,
+# within SPLIT_BUDGET (default 120).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-${OUT:-results/gpu-$(date -u +%Y%m%d-%H%M%S)}}
@@ -69,6 +72,13 @@ if [ "${CALIBRATE:-0}" = 1 ]; then  # optional: the planner's GPU profile (GEMM 
     echo "== calibrate ==" >&2
     timeout "${CAL_BUDGET:-150}" "$PY" -m shardline calibrate --quick --no-comm --out "$RESULTS/calibration.toml" \
         2>&1 | tee "$RESULTS/calibrate.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [ "${SPLIT_BACKWARD:-0}" = 1 ]; then  # optional: what the zero-bubble schedules' split backward costs compiled
+    echo "== split_backward ==" >&2
+    timeout "${SPLIT_BUDGET:-120}" "$PY" benchmarks/split_backward.py --dim 2048 --heads 32 --kv-heads 8 \
+        --ffn 8192 --seq 4096 --batch 2 --json "$RESULTS/split_backward.json" 2>&1 | tee "$RESULTS/split_backward.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -14,7 +14,9 @@ the three ways on one transformer block:
 
 For each: forward, one backward, and the split backward (input pass + weight pass), as
 medians; `split/one` is the split backward over one backward, and `vs eager` the forward
-plus split backward against eager's. Gradients are checked against eager's first.
+plus split backward against eager's. Each variant's gradients are compared with eager's
+(`grad error`, relative to each tensor's largest entry; past 1e-4 in fp32 or 5e-2 in bf16
+the script stops: that variant computes something else).
 
     .venv/bin/python benchmarks/split_backward.py                   # CPU, fp32, ~1 min on 2 cores
     python benchmarks/split_backward.py --dim 2048 --heads 32 --kv-heads 8 --ffn 8192 --seq 4096 --batch 2
@@ -84,28 +86,39 @@ def measure(args: ModelArgs, seq: int, batch: int, device: torch.device, dtype: 
             split_s = _timed(split, device)
             if i == 0:
                 grads = [x.grad, *(p.grad for p in block.parameters())]
-                if reference is None:
-                    reference = grads
-                else:  # the same gradients as eager's, or the timing means nothing
-                    for got, want in zip(grads, reference, strict=True):
-                        torch.testing.assert_close(got, want, rtol=1e-2 if dtype != torch.float32 else 1e-3,
-                                                   atol=1e-2 if dtype != torch.float32 else 1e-4)
+                reference = reference or grads
+                error = grad_error(grads, reference)
             block.zero_grad(set_to_none=True)
             if i >= 2:
                 for key, value in (("forward", forward), ("one", one), ("split", split_s)):
                     times[key].append(value)
-        results[variant] = {key: statistics.median(values) for key, values in times.items()}
+        results[variant] = {**{key: statistics.median(values) for key, values in times.items()}, "grad_error": error}
         torch._dynamo.reset()
     return results
+
+
+def grad_error(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The largest difference from eager's gradients, relative to each tensor's largest entry;
+    past GRAD_TOLERANCE the variant computes something else and its timing means nothing."""
+    error = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
+                for g, r in zip(grads, reference, strict=True))
+    tolerance = GRAD_TOLERANCE[grads[0].dtype == torch.float32]
+    if error > tolerance:
+        raise AssertionError(f"gradients differ from eager's by {error:.2e} relative (tolerance {tolerance})")
+    return error
+
+
+GRAD_TOLERANCE = {True: 1e-4, False: 5e-2}  # fp32; bf16 (compiled kernels round differently)
 
 
 def table(results: dict[str, dict[str, float]]) -> str:
     eager = results["eager"]["forward"] + results["eager"]["split"]
     lines = [f"{'variant':<10} {'forward ms':>11} {'backward ms':>12} {'split ms':>9} {'split/one':>10} "
-             f"{'fwd+split vs eager':>19}"]
+             f"{'fwd+split vs eager':>19} {'grad error':>11}"]
     for variant, r in results.items():
         lines.append(f"{variant:<10} {r['forward'] * 1e3:>11.1f} {r['one'] * 1e3:>12.1f} {r['split'] * 1e3:>9.1f} "
-                     f"{r['split'] / r['one']:>10.2f} {(r['forward'] + r['split']) / eager:>19.2f}")
+                     f"{r['split'] / r['one']:>10.2f} {(r['forward'] + r['split']) / eager:>19.2f} "
+                     f"{r['grad_error']:>11.1e}")
     return "\n".join(lines)
 
 

@@ -104,11 +104,12 @@ def test_planner_validation_runs_a_torchrun_layout_and_rewrites_only_its_section
 
 
 def test_split_backward_reports_the_three_variants_with_eager_gradients(tmp_path):
-    """The benchmark checks each compiled variant's gradients against eager's before timing."""
+    """The benchmark compares each compiled variant's gradients with eager's."""
     res, proc = run_benchmark("split_backward.py", ["--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64",
                                                     "--seq", "16", "--batch", "2", "--repeats", "1",
                                                     "--device", "cpu"], tmp_path)
     assert list(res["results"]) == ["eager", "whole", "shardline"]
     for name, r in res["results"].items():
         assert all(positive(r[key]) for key in ("forward", "one", "split")), (name, r)
+        assert 0 <= r["grad_error"] < 1e-4 and (r["grad_error"] == 0) == (name == "eager"), (name, r)
     assert "split/one" in proc.stdout
