@@ -21,7 +21,7 @@
 # GPU: GEMM and attention efficiency curves) -> calibration.toml, within CAL_BUDGET (default 150).
 # SPLIT_BACKWARD=1 adds step 5: benchmarks/split_backward.py on one block of the 1B shape in bf16
 # (train.compile under zbv/dualpipev against eager and a whole compiled block) -> split_backward.json,
-# within SPLIT_BUDGET (default 120).
+# within SPLIT_BUDGET (default 120). It needs torch >= 2.13 (it says so and fails on older ones).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-${OUT:-results/gpu-$(date -u +%Y%m%d-%H%M%S)}}

@@ -109,6 +109,8 @@ def _compiled_nodes(out: torch.Tensor) -> list:
 
 
 @pytest.mark.slow  # two compiles of a one-block model: ~15 s
+@pytest.mark.skipif(compile_problem(True, 2, "zbv") is not None,
+                    reason="torch < 2.13 fails a compiled weight pass (preflight refuses compile with zbv there)")
 def test_a_split_backward_runs_no_linear_weight_gradient_through_compiled_code_twice():
     """A zero-bubble schedule's weight pass reruns each compiled region it reaches, whose
     backward computes every gradient of the region: a whole compiled block runs its backward
