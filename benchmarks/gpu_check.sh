@@ -21,7 +21,7 @@
 # GPU: GEMM and attention efficiency curves) -> calibration.toml, within CAL_BUDGET (default 150).
 # SPLIT_BACKWARD=1 adds step 5: benchmarks/split_backward.py on one block of the 1B shape in bf16
 # (train.compile under zbv/dualpipev against eager and a whole compiled block) -> split_backward.json,
-# within SPLIT_BUDGET (default 120). It needs torch >= 2.13 (it says so and fails on older ones).
+# within SPLIT_BUDGET (default 240). It needs torch >= 2.13 (it says so and fails on older ones).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-${OUT:-results/gpu-$(date -u +%Y%m%d-%H%M%S)}}
@@ -77,7 +77,7 @@ fi
 
 if [ "${SPLIT_BACKWARD:-0}" = 1 ]; then  # optional: what the zero-bubble schedules' split backward costs compiled
     echo "== split_backward ==" >&2
-    timeout "${SPLIT_BUDGET:-120}" "$PY" benchmarks/split_backward.py --dim 2048 --heads 32 --kv-heads 8 \
+    timeout "${SPLIT_BUDGET:-240}" "$PY" benchmarks/split_backward.py --dim 2048 --heads 32 --kv-heads 8 \
         --ffn 8192 --seq 4096 --batch 2 --json "$RESULTS/split_backward.json" 2>&1 | tee "$RESULTS/split_backward.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi

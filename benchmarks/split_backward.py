@@ -19,7 +19,7 @@ plus split backward against eager's. Each variant's gradients are compared with 
 the script stops: that variant computes something else). Needs torch >= 2.13, the first
 whose split backward runs over compiled code.
 
-    .venv/bin/python benchmarks/split_backward.py                   # CPU, fp32, ~1 min on 2 cores
+    .venv/bin/python benchmarks/split_backward.py                   # CPU, fp32, ~30 s on 2 cores
     python benchmarks/split_backward.py --dim 2048 --heads 32 --kv-heads 8 --ffn 8192 --seq 4096 --batch 2
                                                                     # CUDA, bf16: the 1B shape's block
 """

@@ -78,3 +78,16 @@ def tiny_config(tmp_path, small_corpus):
         return load_config(None, tiny_overrides(run_dir or tmp_path / "run", small_corpus, *extra))
 
     return make
+
+
+def autograd_nodes(out) -> list:
+    """Every autograd node behind the tensor `out` (a walk of its grad_fn graph), for tests
+    that count which nodes a backward pass runs."""
+    seen, stack, nodes = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            nodes.append(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return nodes

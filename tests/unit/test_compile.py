@@ -9,7 +9,7 @@ from shardline.config import load_config
 from shardline.parallel.compile import config_problem as compile_problem
 from shardline.preflight import preflight
 from shardline.trainer import Trainer
-from tests.conftest import tiny_overrides
+from tests.conftest import autograd_nodes, tiny_overrides
 from tests.distributed.harness import losses
 
 SHORT = ["train.steps=3", "train.eval_interval=3", "checkpoint.interval=0", "train.micro_batch_size=2"]
@@ -82,30 +82,42 @@ TAG = "shardline-no-donated-buffers"
 
 @pytest.mark.parametrize("user_tag, expected", [("", TAG), ("mine", f"mine,{TAG}"), (f"mine,{TAG}", f"mine,{TAG}")])
 def test_a_split_backward_compile_tags_the_cache_key_keeping_the_users_tag(user_tag, expected):
-    """Inductor's FX graph cache does not key a backward by its donated buffers: the tag keeps a
-    donating kernel from another schedule out of a zero-bubble run (test_compile_parallel.py)."""
     from shardline.parallel.compile import _NO_DONATION_TAG, _tag_cache
 
     assert _NO_DONATION_TAG == TAG
+    before = torch.compiler.config.cache_key_tag
     with torch.compiler.config.patch(cache_key_tag=user_tag):
         _tag_cache(_NO_DONATION_TAG)
         _tag_cache(_NO_DONATION_TAG)  # a second run in the process adds nothing
         assert torch.compiler.config.cache_key_tag == expected
-    assert torch.compiler.config.cache_key_tag == ""  # the suite's other compiles keep the default key
+    assert torch.compiler.config.cache_key_tag == before  # the suite's other compiles keep their key
 
 
-def _compiled_nodes(out: torch.Tensor) -> list:
-    """The autograd nodes of compiled regions behind `out`."""
-    seen, stack, found = set(), [out.grad_fn], []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CompiledFunctionBackward":
-            found.append(node)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
+def test_the_cache_tag_keeps_a_donating_backward_out_of_a_compile_without_donation(tmp_path, monkeypatch):
+    """The premise and the fix: inductor's FX graph cache serves a backward compiled with
+    donated buffers to a compile that turned donation off (the key ignores it; a split
+    backward's weight pass then reads buffers the kernel overwrote), and not once tagged."""
+    from torch._dynamo.utils import counters
+
+    from shardline.parallel.compile import _NO_DONATION_TAG, _tag_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # read at each lookup: a cold cache
+    x, w = torch.randn(16, 16), torch.randn(16, 16, requires_grad=True)
+
+    def cache_hits() -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(lambda a, b: (a * b).sin().cos().sum())(x, w).backward()
+        return counters["inductor"]["fxgraph_cache_hit"]
+
+    with torch._functorch.config.patch(donated_buffer=True), torch.compiler.config.patch(cache_key_tag=""), \
+            torch._inductor.config.patch(fx_graph_cache=True):
+        assert cache_hits() == 0  # compiled, forward and a donating backward cached
+        torch._functorch.config.donated_buffer = False  # what a split backward sets (restored by the patch)
+        assert cache_hits() == 2  # both served back, the donating backward included
+        _tag_cache(_NO_DONATION_TAG)
+        assert cache_hits() == 0
+    torch._dynamo.reset()
 
 
 @pytest.mark.slow  # two compiles of a one-block model: ~15 s
@@ -116,7 +128,6 @@ def test_a_split_backward_runs_no_linear_weight_gradient_through_compiled_code_t
     backward computes every gradient of the region: a whole compiled block runs its backward
     twice (the premise), while with the Linear layers kept eager (apply_compile's
     split_backward) no region it reruns holds a Linear weight. The gradients match eager's."""
-    import torch
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     from shardline.models.factory import build_model_on
@@ -132,12 +143,13 @@ def test_a_split_backward_runs_no_linear_weight_gradient_through_compiled_code_t
             model.init_weights(seed=0)
             if mode != "eager":
                 apply_compile(model, split_backward=mode == "split_backward")
+                assert (TAG in torch.compiler.config.cache_key_tag) == (mode == "split_backward")
             block, inp = model.layers["0"], x.clone().requires_grad_()
             cos, sin = model.rotary(torch.arange(16), x.device)
             out = block(inp, cos, sin, None)
             calls = {"input": [], "weight": []}
             phase = "input"
-            for node in _compiled_nodes(out):
+            for node in [n for n in autograd_nodes(out) if type(n).__name__ == "CompiledFunctionBackward"]:
                 node.register_prehook(lambda *_, node=node: calls[phase].append(node))
             _, groups = stage_backward_input([out], [torch.ones_like(out)], [inp], block.parameters())
             phase = "weight"

@@ -26,6 +26,7 @@ from shardline.parallel import float8  # noqa: E402
 from shardline.precision import autocast  # noqa: E402
 from shardline.preflight import check_config  # noqa: E402
 from shardline.trainer import Trainer  # noqa: E402
+from tests.conftest import autograd_nodes  # noqa: E402
 
 # Every projection of a block is a multiple of 16 except w2's input (ffn 40): it must stay.
 DENSE = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128)
@@ -146,9 +147,9 @@ def test_conversion_keeps_state_dict_keys():
 
 def test_the_split_backward_of_zero_bubble_schedules_runs_each_float8_backward_twice():
     """The premise of the layout rule against fp8 under zbv/dualpipev (layout/rules.py
-    `_fp8_split_backward`): a float8 Linear's backward is one autograd node, run in the input
-    pass and again in the weight pass, while a plain Linear's weight pass runs only its weight
-    gradient. If torchao splits it one day, this test fails: revisit the rule."""
+    `_not_built_fp8_split_backward`): a float8 Linear's backward is one autograd node, which
+    the input pass and the weight pass each run whole. If torchao splits it one day, this
+    test fails: revisit the rule."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     block = built(recipe="tensorwise").layers["0"]
@@ -156,14 +157,7 @@ def test_the_split_backward_of_zero_bubble_schedules_runs_each_float8_backward_t
     cos, sin = built().rotary(torch.arange(16), x.device)
     with autocast(torch.device("cpu"), "fp8"):
         out = block(x, cos, sin, None)
-    nodes, seen, stack = [], set(), [out.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            nodes.append(node)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-    float8_nodes = [n for n in nodes if "float8" in type(n).__name__]
+    float8_nodes = [n for n in autograd_nodes(out) if "float8" in type(n).__name__]
     assert len(float8_nodes) == len(BLOCK_LINEARS)
     runs = {"input": 0, "weight": 0}
     phase = "input"

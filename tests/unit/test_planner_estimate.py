@@ -238,18 +238,18 @@ def test_fsdp_under_pp_reduce_scatters_once_per_step():
 
 
 def test_the_chunked_loss_recompute_is_priced_on_the_last_stage_twice_under_a_split_backward():
+    """Once per micro-batch on the stage holding the loss (the last; under zbv rank 0, which
+    holds both ends), twice under the split backward; nothing without chunks."""
     w8 = Workload(PRESETS["llama3-8b"], 4096, 256, "bf16", document_mask=False)
     chunked = dataclasses.replace(w8, loss_chunk_tokens=1024)
-    for schedule, passes in (("1f1b", 1), ("zbv", 2)):
-        lay = Layout(dp_shard=16, pp=2, pp_schedule=schedule, pp_virtual_stages=2 if passes == 2 else 1,
-                     micro_batch_size=1, pp_microbatches=16)
-        gemm_and_loss = cmp.loss_recompute_time(chunked, lay, H100, "last")
-        fwd, _ = cmp.head_times(chunked, lay, H100, "last")
-        assert gemm_and_loss == pytest.approx(passes * fwd)  # the last stage's forward, once per backward pass
-        assert cmp.loss_recompute_time(w8, lay, H100, "last") == 0  # no chunks, nothing recomputed
-        assert cmp.loss_recompute_time(chunked, lay, H100, "first") == 0
-        assert estimate(chunked, lay, H100).step_time_s > estimate(w8, lay, H100).step_time_s
-    one = Layout(dp_shard=16, micro_batch_size=1)  # no pipeline: one stage, the step's only recompute
-    assert estimate(chunked, one, H100).breakdown["recompute"] == pytest.approx(
-        16 * cmp.loss_recompute_time(chunked, one, H100, "both"))
-    assert "recompute" not in estimate(w8, one, H100).breakdown
+    lay = {s: Layout(dp_shard=16, pp=2, pp_schedule=s, pp_virtual_stages=2 if s == "zbv" else 1,
+                     micro_batch_size=1, pp_microbatches=16) for s in ("1f1b", "zbv")}
+    once = cmp.loss_recompute_time(chunked, lay["1f1b"], H100, "last")
+    assert once > 0 and cmp.loss_recompute_time(chunked, lay["zbv"], H100, "both") == pytest.approx(2 * once)
+    for stage in ("first", "middle"):
+        assert cmp.loss_recompute_time(chunked, lay["zbv"], H100, stage) == 0
+    assert cmp.loss_recompute_time(w8, lay["zbv"], H100, "both") == 0  # no chunks, nothing recomputed
+    for layout, label in ((lay["zbv"], "both"), (Layout(dp_shard=16, micro_batch_size=1), "both")):
+        est = estimate(chunked, layout, H100)  # no checkpointing: the loss is the only recompute
+        assert est.breakdown["recompute"] == pytest.approx(16 * cmp.loss_recompute_time(chunked, layout, H100, label))
+        assert "recompute" not in estimate(w8, layout, H100).breakdown

@@ -36,25 +36,30 @@ What is compiled, by layout:
   residual adds). Those schedules split a micro-batch's backward into an input-gradient
   pass and a weight pass, which reaches each weight through autograd's graph. A compiled
   region is one autograd node whose backward computes every gradient of the region at
-  once: a whole compiled block runs its full backward in both passes (measured on the
-  CPU: the split backward of a compiled block took 1.94-2.07x one backward, against 1.04x
-  eager), which undoes what the schedule saves. With the Linear layers outside, their
-  weight gradients are eager matmuls the weight pass runs alone; the regions it runs
-  again hold only norm weights and, under MoE, the router's gate (called as F.linear, a
-  dim x experts matmul): 1.06-1.12x (benchmarks/split_backward.py). FP8's Linear layers
-  run their casts eagerly too.
-  AOTAutograd's buffer donation is turned off as well (process-wide): the input pass keeps
-  the graph (`retain_graph=True`) for the weight pass, and a compiled backward that
-  donated its saved buffers refuses that (torch 2.13: "compiled with non-empty donated
-  buffers"). The cost is the buffers' reuse inside the backward, not correctness. The
-  compile cache's key is tagged too (`torch.compiler.config.cache_key_tag`): inductor's FX
-  graph cache does not key a backward by its donated buffers, so it hands a split-backward
-  run the kernel an earlier run (1F1B, or no pipeline) compiled for the same code with
-  donation, which overwrites saved activations the weight pass then reads: wrong weight
-  gradients, no error (torch 2.13, seen after a compiled 1F1B run). On torch before 2.13 the weight pass itself
-  fails on a compiled block (torch 2.11: `autograd.grad` reads `_input_metadata` of the
-  compiled function's backward node, which refuses it), so preflight refuses compile with
-  those schedules there (`config_problem`); 2.12 is untested.
+  once, so a whole compiled block runs its full backward in both passes: on one dense
+  block on the CPU the split backward took 2.01-2.04x one backward, against 1.06-1.08x
+  eager (benchmarks/RESULTS.md), which undoes what the schedule saves. With the Linear
+  layers outside, their weight gradients are eager matmuls the weight pass runs alone; the
+  regions it runs again hold only norm weights and, under MoE, the router's gate (called
+  as F.linear, a dim x experts matmul): 1.02-1.09x. Module calls around a break run
+  eagerly with their hooks, tensor parallelism's included (tp 2 with sequence parallelism
+  under dualpipev, and with loss parallelism under zbv, train like one process: checked
+  by hand, not in the suite). fp8 is refused with these
+  schedules (layout/rules.py). AOTAutograd's buffer donation is turned off as well
+  (process-wide): the input pass keeps the graph (`retain_graph=True`) for the weight
+  pass, and a compiled backward that donated its saved buffers refuses that (torch 2.13:
+  "compiled with non-empty donated buffers"); the cost is the buffers' reuse inside the
+  backward. The compile cache's key is tagged too (`torch.compiler.config.cache_key_tag`):
+  inductor's FX graph cache does not key a backward by its donated buffers and serves a
+  donating kernel, compiled for the same code by an earlier run with donation, to a
+  compile without it; under a split backward that kernel overwrites saved activations the
+  weight pass then reads: wrong weight gradients, no error (torch 2.13; seen in CI when
+  these schedules compiled whole blocks, the graphs an earlier 1F1B run had cached). The
+  regions no longer match 1F1B's whole-block graphs, so the tag is a guard for any graph
+  both share. On torch before 2.13 the weight pass itself fails on compiled code (torch
+  2.11: `autograd.grad` reads `_input_metadata` of the compiled function's backward node,
+  which refuses it), so preflight refuses compile with those schedules there
+  (`config_problem`); 2.12 is untested.
 - mixture of experts: the block compiles around the routed experts; the experts with
   their token exchange run eagerly (`models/moe/layer.py::run_experts`): the grouped
   GEMM's fake kernel accepts only bf16 (fp32 on the CPU runs eagerly, not traced), and
@@ -77,6 +82,7 @@ from shardline.models.loss import cross_entropy_sum
 
 
 _SPLIT_BACKWARD_SINCE = (2, 13)  # the first torch seen to run it over compiled blocks
+_NO_DONATION_TAG = "shardline-no-donated-buffers"  # in the compile cache's key without donation (module doc)
 
 
 def config_problem(enabled: bool, pp: int, schedule: str, torch_version: str = torch.__version__) -> str | None:
@@ -119,13 +125,11 @@ def apply_compile(model: nn.Module, tensor_parallel: bool = False, loss_parallel
 def _linears_eager(block: nn.Module) -> None:
     """Run every Linear layer of `block` eagerly inside its compiled call (a graph break
     each), so a split backward's weight pass computes their weight gradients alone (module
-    doc). Their hooks (tensor parallelism's redistributions) stay in the compiled regions."""
+    doc). Dynamo breaks at the calling frame, so the module call around them, with its hooks
+    (tensor parallelism's redistributions), runs eagerly too; the code between is compiled."""
     for module in block.modules():
         if isinstance(module, nn.Linear):
             module.forward = torch.compiler.disable(module.forward)
-
-
-_NO_DONATION_TAG = "shardline-no-donated-buffers"
 
 
 def _tag_cache(tag: str) -> None:

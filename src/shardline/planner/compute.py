@@ -326,7 +326,7 @@ def loss_recompute_time(work: Workload, layout: Layout, hw: Hardware, stage: str
     """Seconds per micro-batch the chunked loss (`loss_chunk_tokens`) spends recomputing on
     the last stage: each chunk is checkpointed, so the backward runs the output GEMM and the
     loss's forward again; the split backward of zbv/dualpipev runs it in both its passes
-    (tests/unit/test_chunked_loss.py)."""
+    (tests/unit/test_loss.py)."""
     if not work.loss_chunk_tokens or stage not in ("last", "both"):
         return 0.0
     gemm, loss_fwd, _ = _output_parts(work, layout, hw)
