@@ -24,6 +24,7 @@ from shardline.data.tokenizer import load_tokenizer
 from shardline.devices import local_datasheet
 from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
+from shardline.parallel.compile import describe as describe_compile
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import get_hardware
 from shardline.planner.layout import Workload
@@ -78,7 +79,8 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
              f"batch     {t.global_batch_size} sequences x {t.seq_len} tokens per step; each of {lay.dp} "
              f"data-parallel rank(s) runs {lay.micro_batches(t.global_batch_size)} micro-batch(es) of "
              f"{lay.micro_batch_size}",
-             f"attention {describe_attention(t.attention, t.document_mask, cfg.run.device != 'cpu', *lay.cp_degrees)}"]
+             f"attention {describe_attention(t.attention, t.document_mask, cfg.run.device != 'cpu', *lay.cp_degrees)}",
+             f"compile   {describe_compile(t.compile, lay, cfg.memory.activation_checkpoint, launch.model_args.moe)}"]
     if lay.pp > 1:
         lines.append(f"pipeline  {lay.pp_schedule}, {lay.n_stages} stages, {lay.pp_microbatches} micro-batches "
                      "per step")

@@ -165,3 +165,21 @@ def test_a_split_backward_runs_no_linear_weight_gradient_through_compiled_code_t
     for mode in ("whole_block", "split_backward"):
         for name, want in grads["eager"].items():
             torch.testing.assert_close(grads[mode][name], want, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
+
+
+@pytest.mark.parametrize("overrides, world, expected", [
+    ([], 1, "off (train.compile=false)"),
+    (["train.compile=true"], 1, "each transformer block whole; the loss's cross-entropy"),
+    (["train.compile=true", "parallel.pp=2", "parallel.pp_schedule=dualpipev", "train.micro_batch_size=2"], 2,
+     "each block between its Linear layers, which run eagerly (dualpipev's weight pass"),
+    (["train.compile=true", "parallel.tp=2", "parallel.loss_parallel=true", "memory.activation_checkpoint=op"], 2,
+     "each block's forward, inside its activation checkpoint; the loss eager (loss parallelism)"),
+    (["train.compile=true", "model.preset=tiny-moe"], 1, "each transformer block whole; routed experts eager;"),
+])
+def test_what_compile_compiles_is_named_in_one_line_for_the_dry_run_and_the_log(overrides, world, expected):
+    from shardline.parallel.compile import describe
+
+    cfg = load_config(None, overrides)
+    launch = preflight(cfg, world, 512)
+    line = describe(cfg.train.compile, launch.layout, cfg.memory.activation_checkpoint, launch.model_args.moe)
+    assert line.startswith(expected), line

@@ -281,10 +281,11 @@ def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(caps
     code = main(["train", "--dry-run", "--world-size", "512", f"--run.dir={run}", "--model.preset=llama3-8b",
                  "--parallel.tp=8", "--parallel.pp=4", "--parallel.pp_schedule=interleaved_1f1b",
                  "--parallel.pp_virtual_stages=2", "--train.seq_len=8192", "--train.global_batch_size=512",
-                 "--train.micro_batch_size=1", "--train.precision=bf16", "--gpu", "h100-sxm"])
+                 "--train.micro_batch_size=1", "--train.precision=bf16", "--train.compile=true", "--gpu", "h100-sxm"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "tp8 pp4(interleaved_1f1b v2 m32) fsdp:16" in out
+    assert "compile   each transformer block whole; the loss eager (loss parallelism)" in out
     assert "pp rank 0: stages [0, 4]" in out and "+ embedding" in out and "+ output" in out
     assert "per rank on h100-sxm" in out and "fits" in out
     assert not run.exists()

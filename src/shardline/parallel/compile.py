@@ -77,7 +77,7 @@ import torch._functorch.config
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from shardline.layout import SPLIT_BACKWARD
+from shardline.layout import SPLIT_BACKWARD, Layout
 from shardline.models.loss import cross_entropy_sum
 
 
@@ -93,6 +93,22 @@ def config_problem(enabled: bool, pp: int, schedule: str, torch_version: str = t
                 f"{torch_version}: its split backward fails on compiled blocks); use pp_schedule 1f1b, gpipe or "
                 "interleaved_1f1b, or train.compile=false")
     return None
+
+
+def describe(enabled: bool, lay: Layout, activation_checkpoint: str, moe: bool) -> str:
+    """What `train.compile` compiles under this layout, in one line (--dry-run, the run's log)."""
+    if not enabled:
+        return "off (train.compile=false)"
+    if lay.split_backward:
+        blocks = (f"each block between its Linear layers, which run eagerly ({lay.pp_schedule}'s weight pass then "
+                  "computes only their weight gradients)")
+    elif lay.tp > 1 and activation_checkpoint != "none":
+        blocks = "each block's forward, inside its activation checkpoint"
+    else:
+        blocks = "each transformer block whole"
+    experts = "; routed experts eager" if moe else ""
+    loss = "the loss eager (loss parallelism)" if lay.tp > 1 and lay.loss_parallel else "the loss's cross-entropy"
+    return f"{blocks}{experts}; {loss}"
 
 
 def apply_compile(model: nn.Module, tensor_parallel: bool = False, loss_parallel: bool = False,

@@ -32,6 +32,7 @@ from shardline.models.llama.parallelize import build_model
 from shardline.models.moe.parallelize import build_model as build_moe_model
 from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
 from shardline.parallel.collectives import clip_grad_norm, reduce_over
+from shardline.parallel.compile import describe as describe_compile
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import init_distributed, pick_device
 from shardline.parallel.expert.balance import ExpertBalance
@@ -182,6 +183,8 @@ class Trainer:
                            device=str(self.device), precision=cfg.train.precision,
                            attention=resolve_attention(cfg.train.attention, cfg.train.document_mask,
                                                        self.device.type == "cuda", self.dims.layout.cp_degrees[0]),
+                           compile=describe_compile(cfg.train.compile, self.dims.layout,
+                                                    cfg.memory.activation_checkpoint, self.model_args.moe),
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
         window_start, window_steps, last, stopped = time.perf_counter(), 0, {}, None
         self.guard.start()
