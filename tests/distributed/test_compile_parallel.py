@@ -4,9 +4,10 @@ train like eager ones.
 Compiled runs must also show that their blocks ran compiled code: each block has its
 compiled call (or, under activation checkpointing, a compiled forward the checkpoint
 wraps), dynamo captured graphs and broke none of them (a block that fell back to eager,
-whole or in part, fails), except, under the zero-bubble schedule, at its Linear layers,
-which it runs eagerly on purpose (parallel/compile.py). Without the embedding's AsyncCollectiveTensor output resolved
-before the first block, backward fails; with the checkpoint traced into the block, too.
+whole or in part, fails), except, under a zero-bubble schedule, at the Linear layers,
+which run eagerly there on purpose (parallel/compile.py). Without the embedding's
+AsyncCollectiveTensor output resolved before the first block, backward fails; with the
+checkpoint traced into the block, too.
 """
 
 from __future__ import annotations
@@ -51,37 +52,47 @@ def _compiled(block: torch.nn.Module) -> bool:
     return block._compiled_call_impl is not None or forward is not None
 
 
-ZBV = ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"]
 
 
-@pytest.mark.slow  # two ranks compiling with inductor on 2 CPU cores: ~75 s with a cold cache
-def test_compiled_tensor_and_pipeline_parallel_train_like_eager(tmp_path, small_prepared):
-    """TP with SP (plain and under op AC), and the zero-bubble pipeline, whose split backward
-    runs its weight pass over the compiled regions between eager Linear layers."""
+@pytest.mark.slow  # two ranks compiling with inductor on 2 CPU cores: ~60 s with a cold cache
+def test_compiled_tensor_parallel_blocks_train_like_eager(tmp_path, small_prepared):
+    """TP with SP, plain and under op AC: one graph a block, its collectives traced in."""
     base = [*PARITY_OVERRIDES, f"data.path={small_prepared}"]
-    runs = {"compiled": ("eager", [*TP_SP, "train.compile=true"]),
-            "compiled_op_ac": ("eager", [*TP_SP, "train.compile=true", "memory.activation_checkpoint=op"]),
-            "compiled_zbv": ("eager_zbv", [*ZBV, "train.compile=true"])}
-    eager = {"eager": TP_SP, "eager_zbv": ZBV}
-    if compile_problem(True, 2, "zbv"):  # torch < 2.13 refuses it at preflight (test_compile.py)
-        del runs["compiled_zbv"], eager["eager_zbv"]
-    jobs = [*[(str(tmp_path / n), [*base, *extra]) for n, extra in eager.items()],
-            *[(str(tmp_path / n), [*base, *extra]) for n, (_, extra) in runs.items()]]
+    runs = {"compiled": [*TP_SP, "train.compile=true"],
+            "compiled_op_ac": [*TP_SP, "train.compile=true", "memory.activation_checkpoint=op"]}
+    jobs = [(str(tmp_path / n), [*base, *extra]) for n, extra in {"eager": TP_SP, **runs}.items()]
     start_ranks(_worker, args=(2, free_port(), jobs), nprocs=2)
-    for name in eager:
-        assert sorted(losses(tmp_path / name)) == ALL_STEPS, name
-        assert json.loads((tmp_path / name / "compiled.json").read_text())["graphs"] == 0, name
-    for name, (reference, extra) in runs.items():
-        want, compiled = losses(tmp_path / reference), losses(tmp_path / name)
+    want = losses(tmp_path / "eager")
+    assert sorted(want) == ALL_STEPS
+    assert json.loads((tmp_path / "eager" / "compiled.json").read_text())["graphs"] == 0
+    for name in runs:
+        compiled = losses(tmp_path / name)
         assert sorted(compiled) == ALL_STEPS, name
         for step in want:
             assert compiled[step] == pytest.approx(want[step], rel=1e-5), (name, step, compiled, want)
         seen = json.loads((tmp_path / name / "compiled.json").read_text())
         assert seen["compiled_blocks"] and all(seen["compiled_blocks"]), (name, seen)
-        assert seen["graphs"] >= 1, (name, seen)
-        if name == "compiled_zbv":  # the Linear layers run eagerly between compiled regions, nothing else breaks
-            assert seen["breaks"] and all("Linear.forward" in reason for reason in seen["breaks"]), (name, seen)
-        else:  # one graph a block, collectives included
-            assert not seen["breaks"], (name, seen)
-        if "parallel.tp=2" in extra:
-            assert seen["aot_cache"] is False, (name, seen)  # a rank must not load another rank's graph
+        assert seen["graphs"] >= 1 and not seen["breaks"], (name, seen)
+        assert seen["aot_cache"] is False, (name, seen)  # a rank must not load another rank's graph
+
+
+@pytest.mark.slow  # four ranks compiling on 2 CPU cores: ~40 s with a cold cache
+@pytest.mark.skipif(compile_problem(True, 2, "dualpipev") is not None, reason="torch < 2.13: refused at preflight")
+def test_compiled_tensor_parallel_blocks_under_dualpipev_train_like_eager(tmp_path, small_prepared):
+    """tp 2 with sequence parallelism x dualpipev on 4 ranks, the zero-bubble schedule's split
+    backward: the Linear layers run eagerly at graph breaks with their module calls and
+    tensor-parallel hooks, the code between them compiled (breaking nowhere else), and the
+    weight pass gives eager's gradients."""
+    layout = [*TP_SP, "parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
+              "train.micro_batch_size=1"]
+    base = [*PARITY_OVERRIDES, f"data.path={small_prepared}", *layout]
+    jobs = [(str(tmp_path / "eager"), base), (str(tmp_path / "compiled"), [*base, "train.compile=true"])]
+    start_ranks(_worker, args=(4, free_port(), jobs), nprocs=4)
+    want, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert sorted(compiled) == sorted(want) == ALL_STEPS
+    for step in want:
+        assert compiled[step] == pytest.approx(want[step], rel=1e-5), (step, compiled, want)
+    seen = json.loads((tmp_path / "compiled" / "compiled.json").read_text())
+    assert seen["graphs"] >= 1 and seen["breaks"], seen
+    assert seen["compiled_blocks"] and all(seen["compiled_blocks"]), seen
+    assert not [reason for reason in seen["breaks"] if "Linear.forward" not in reason], seen  # SDPA's inputs once

@@ -191,7 +191,8 @@ class FlexAttention:
         """q [b, h, s, d], k/v [b, hk, s, d] (heads read from the tensors: tp shards run this too)."""
         if mask is None:
             mask = self._causal_mask(q.shape[-2], q.device)
-        return self._flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # a branch: see sdpa_attention
+        return self._flex(q, k, v, block_mask=mask, **gqa)
 
     def _causal_mask(self, s: int, device: torch.device) -> BlockMask:
         """One document per row: a batch-1 mask (it broadcasts), made once per length."""

@@ -156,8 +156,12 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     if group > 1 and not sdpa_takes_gqa(q, mask):
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+        group = 1
+    # A branch, not enable_gqa=(q heads != k heads): under torch.compile with symbolic sizes
+    # that comparison is a SymBool, which SDPA refuses (a graph break); a branch is settled
+    # with a guard.
+    gqa = {"enable_gqa": True} if group > 1 else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **gqa)
 
 
 def sdpa_takes_gqa(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
