@@ -23,6 +23,7 @@ from shardline.models.factory import build_meta_model  # noqa: E402
 from shardline.models.llama import ModelArgs  # noqa: E402
 from shardline.models.moe import MoEArgs  # noqa: E402
 from shardline.parallel import float8  # noqa: E402
+from shardline.parallel.compile import config_problem as compile_problem  # noqa: E402
 from shardline.precision import autocast  # noqa: E402
 from shardline.preflight import check_config  # noqa: E402
 from shardline.trainer import Trainer  # noqa: E402
@@ -148,8 +149,9 @@ def test_conversion_keeps_state_dict_keys():
 def test_the_split_backward_of_zero_bubble_schedules_runs_each_float8_backward_twice():
     """The premise of the layout rule against fp8 under zbv/dualpipev (layout/rules.py
     `_not_built_fp8_split_backward`): a float8 Linear's backward is one autograd node, which
-    the input pass and the weight pass each run whole. If torchao splits it one day, this
-    test fails: revisit the rule."""
+    the input pass and the weight pass each run whole (torch < 2.13's weight pass refuses a
+    custom autograd Function outright). If torchao splits it one day, this test fails:
+    revisit the rule."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     block = built(recipe="tensorwise").layers["0"]
@@ -169,6 +171,10 @@ def test_the_split_backward_of_zero_bubble_schedules_runs_each_float8_backward_t
         node.register_prehook(count)
     _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
     phase = "weight"
+    if compile_problem(True, 2, "zbv") is not None:  # torch < 2.13
+        with pytest.raises(RuntimeError, match="_input_metadata"):
+            stage_backward_weight(block.parameters(), groups)
+        return
     stage_backward_weight(block.parameters(), groups)
     assert runs == {"input": len(BLOCK_LINEARS), "weight": len(BLOCK_LINEARS)}
     assert all(p.grad is not None for p in block.parameters())

@@ -43,9 +43,9 @@ What is compiled, by layout:
   regions it runs again hold only norm weights and, under MoE, the router's gate (called
   as F.linear, a dim x experts matmul): 1.02-1.09x. Module calls around a break run
   eagerly with their hooks, tensor parallelism's included (tp 2 with sequence parallelism
-  under dualpipev, and with loss parallelism under zbv, train like one process: checked
-  by hand, not in the suite). fp8 is refused with these
-  schedules (layout/rules.py). AOTAutograd's buffer donation is turned off as well
+  under dualpipev trains like eager: tests/distributed/test_compile_parallel.py; with loss
+  parallelism under zbv, checked by hand). fp8 is refused with these schedules
+  (layout/rules.py). AOTAutograd's buffer donation is turned off as well
   (process-wide): the input pass keeps the graph (`retain_graph=True`) for the weight
   pass, and a compiled backward that donated its saved buffers refuses that (torch 2.13:
   "compiled with non-empty donated buffers"); the cost is the buffers' reuse inside the
