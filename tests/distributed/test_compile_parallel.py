@@ -52,9 +52,7 @@ def _compiled(block: torch.nn.Module) -> bool:
     return block._compiled_call_impl is not None or forward is not None
 
 
-
-
-@pytest.mark.slow  # two ranks compiling with inductor on 2 CPU cores: ~60 s with a cold cache
+@pytest.mark.slow  # two ranks compiling with inductor on 2 CPU cores: ~20-45 s, warm or cold cache
 def test_compiled_tensor_parallel_blocks_train_like_eager(tmp_path, small_prepared):
     """TP with SP, plain and under op AC: one graph a block, its collectives traced in."""
     base = [*PARITY_OVERRIDES, f"data.path={small_prepared}"]
@@ -76,7 +74,7 @@ def test_compiled_tensor_parallel_blocks_train_like_eager(tmp_path, small_prepar
         assert seen["aot_cache"] is False, (name, seen)  # a rank must not load another rank's graph
 
 
-@pytest.mark.slow  # four ranks compiling on 2 CPU cores: ~40 s with a cold cache
+@pytest.mark.slow  # four ranks compiling on 2 CPU cores: ~45-60 s
 @pytest.mark.skipif(compile_problem(True, 2, "dualpipev") is not None, reason="torch < 2.13: refused at preflight")
 def test_compiled_tensor_parallel_blocks_under_dualpipev_train_like_eager(tmp_path, small_prepared):
     """tp 2 with sequence parallelism x dualpipev on 4 ranks, the zero-bubble schedule's split
@@ -95,4 +93,5 @@ def test_compiled_tensor_parallel_blocks_under_dualpipev_train_like_eager(tmp_pa
     seen = json.loads((tmp_path / "compiled" / "compiled.json").read_text())
     assert seen["graphs"] >= 1 and seen["breaks"], seen
     assert seen["compiled_blocks"] and all(seen["compiled_blocks"]), seen
-    assert not [reason for reason in seen["breaks"] if "Linear.forward" not in reason], seen  # SDPA's inputs once
+    # nothing else breaks (SDPA once did, on a symbolic enable_gqa)
+    assert not [reason for reason in seen["breaks"] if "Linear.forward" not in reason], seen
