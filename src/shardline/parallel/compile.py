@@ -95,19 +95,28 @@ def config_problem(enabled: bool, pp: int, schedule: str, torch_version: str = t
     return None
 
 
+def options(lay: Layout, activation_checkpoint: str) -> dict[str, bool]:
+    """apply_compile's keywords for this layout: the one place that decides how blocks are
+    compiled under it (the parallel plan applies them, describe() words them)."""
+    tp = lay.tp > 1
+    return {"tensor_parallel": tp, "loss_parallel": tp and lay.loss_parallel, "split_backward": lay.split_backward,
+            "forward_only": tp and activation_checkpoint != "none"}
+
+
 def describe(enabled: bool, lay: Layout, activation_checkpoint: str, moe: bool) -> str:
     """What `train.compile` compiles under this layout, in one line (--dry-run, the run's log)."""
     if not enabled:
         return "off (train.compile=false)"
-    if lay.split_backward:
+    how = options(lay, activation_checkpoint)
+    if how["split_backward"]:
         blocks = (f"each block between its Linear layers, which run eagerly ({lay.pp_schedule}'s weight pass then "
                   "computes only their weight gradients)")
-    elif lay.tp > 1 and activation_checkpoint != "none":
+    elif how["forward_only"]:
         blocks = "each block's forward, inside its activation checkpoint"
     else:
         blocks = "each transformer block whole"
     experts = "; routed experts eager" if moe else ""
-    loss = "the loss eager (loss parallelism)" if lay.tp > 1 and lay.loss_parallel else "the loss's cross-entropy"
+    loss = "the loss eager (loss parallelism)" if how["loss_parallel"] else "the loss's cross-entropy"
     return f"{blocks}{experts}; {loss}"
 
 

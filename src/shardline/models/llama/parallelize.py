@@ -41,7 +41,7 @@ from shardline.models.llama.model import FeedForward, Llama, ModelArgs
 from shardline.models.loss import LinearCrossEntropy
 from shardline.parallel import float8
 from shardline.parallel.activation_checkpoint import apply_ac
-from shardline.parallel.compile import apply_compile
+from shardline.parallel.compile import apply_compile, options as compile_options
 from shardline.parallel.context.attention import ContextParallel
 from shardline.parallel.context.sharding import SequenceSplit
 from shardline.parallel.data_parallel import apply_ddp, apply_fsdp
@@ -92,14 +92,11 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
         family_plan(model)
     # Compile after AC (the checkpoint traced with the block), except under tp, where the
     # checkpoint wraps the compiled forward (parallel/compile.py); always before FSDP (hooks outside).
-    tp = dims.tp > 1
-    compiled = {"tensor_parallel": tp, "loss_parallel": tp and p.loss_parallel,
-                "split_backward": dims.layout.split_backward}
-    before_ac = tp and cfg.memory.activation_checkpoint != "none"
-    if cfg.train.compile and before_ac:
-        apply_compile(model, **compiled, forward_only=True)
+    compiled = compile_options(dims.layout, cfg.memory.activation_checkpoint)
+    if cfg.train.compile and compiled["forward_only"]:
+        apply_compile(model, **compiled)
     apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
-    if cfg.train.compile and not before_ac:
+    if cfg.train.compile and not compiled["forward_only"]:
         apply_compile(model, **compiled)
     if fsdp:
         roots = pipeline.modules if pipeline else [model]
