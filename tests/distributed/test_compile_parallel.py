@@ -1,11 +1,11 @@
-"""train.compile under tensor and pipeline parallelism on real gloo ranks: compiled blocks
-train like eager ones.
+"""train.compile under tensor, data, pipeline and context parallelism on real gloo ranks:
+compiled blocks train like eager ones.
 
 Compiled runs must also show that their blocks ran compiled code: each block has its
 compiled call (or, under activation checkpointing, a compiled forward the checkpoint
 wraps), dynamo captured graphs and broke none of them (a block that fell back to eager,
-whole or in part, fails), except, under a zero-bubble schedule, at the Linear layers,
-which run eagerly there on purpose (parallel/compile.py). Without the embedding's
+whole or in part, fails), except where parts run eagerly on purpose (parallel/compile.py):
+under a zero-bubble schedule the Linear layers, under a cp ring the ring's attention. Without the embedding's
 AsyncCollectiveTensor output resolved before the first block, backward fails; with the
 checkpoint traced into the block, too.
 """
@@ -52,12 +52,25 @@ def _compiled(block: torch.nn.Module) -> bool:
     return block._compiled_call_impl is not None or forward is not None
 
 
-@pytest.mark.slow  # two ranks compiling with inductor on 2 CPU cores: ~20-45 s, warm or cold cache
-def test_compiled_tensor_parallel_blocks_train_like_eager(tmp_path, small_prepared):
-    """TP with SP, plain and under op AC: one graph a block, its collectives traced in."""
+# Other layouts compiled on two ranks, each against the eager tp run (layouts train alike,
+# test_parity.py): FSDP2 units around compiled, fully checkpointed blocks with the chunked loss;
+# the 1F1B pipeline's stages; the ring's exchange between compiled attention calls.
+OTHER_LAYOUTS = {
+    "compiled_fsdp_ac_chunked": ["parallel.dp_shard=2", "memory.activation_checkpoint=full",
+                                 "train.loss_chunk_tokens=16"],
+    "compiled_pp_1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "compiled_cp_ring": ["parallel.cp=2"],
+}
+
+
+@pytest.mark.slow  # two ranks compiling with inductor on 2 CPU cores: ~45-80 s, warm or cold cache
+def test_compiled_blocks_train_like_eager_under_tp_fsdp_pp_and_cp(tmp_path, small_prepared):
+    """TP with SP, plain and under op AC: one graph a block, its collectives traced in; FSDP,
+    1F1B: compiled blocks, nothing breaking; the cp ring: breaking only around the ring."""
     base = [*PARITY_OVERRIDES, f"data.path={small_prepared}"]
     runs = {"compiled": [*TP_SP, "train.compile=true"],
-            "compiled_op_ac": [*TP_SP, "train.compile=true", "memory.activation_checkpoint=op"]}
+            "compiled_op_ac": [*TP_SP, "train.compile=true", "memory.activation_checkpoint=op"],
+            **{name: [*extra, "train.compile=true"] for name, extra in OTHER_LAYOUTS.items()}}
     jobs = [(str(tmp_path / n), [*base, *extra]) for n, extra in {"eager": TP_SP, **runs}.items()]
     start_ranks(_worker, args=(2, free_port(), jobs), nprocs=2)
     want = losses(tmp_path / "eager")
@@ -70,8 +83,13 @@ def test_compiled_tensor_parallel_blocks_train_like_eager(tmp_path, small_prepar
             assert compiled[step] == pytest.approx(want[step], rel=1e-5), (name, step, compiled, want)
         seen = json.loads((tmp_path / name / "compiled.json").read_text())
         assert seen["compiled_blocks"] and all(seen["compiled_blocks"]), (name, seen)
-        assert seen["graphs"] >= 1 and not seen["breaks"], (name, seen)
-        assert seen["aot_cache"] is False, (name, seen)  # a rank must not load another rank's graph
+        # the ring's attention runs eagerly on purpose (parallel/compile.py); nothing else breaks
+        breaks = [reason for reason in seen["breaks"] if name != "compiled_cp_ring" or "ring_attention" not in reason]
+        assert seen["graphs"] >= 1 and not breaks, (name, seen)
+        if name == "compiled_cp_ring":
+            assert seen["breaks"], seen  # the test must see the break it allows
+        if name not in OTHER_LAYOUTS:  # under tp a rank must not load another rank's graph
+            assert seen["aot_cache"] is False, (name, seen)
 
 
 @pytest.mark.slow  # four ranks compiling on 2 CPU cores: ~45-60 s

@@ -177,6 +177,10 @@ def test_a_split_backward_runs_no_linear_weight_gradient_through_compiled_code_t
     (["train.compile=true", "parallel.tp=2", "parallel.loss_parallel=true", "memory.activation_checkpoint=op"], 2,
      "each block's forward, inside its activation checkpoint; the loss eager (loss parallelism)"),
     (["train.compile=true", "model.preset=tiny-moe"], 1, "each transformer block whole; routed experts eager;"),
+    (["train.compile=true", "parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=2"], 4,
+     "each transformer block whole; the cp ring's attention eager; the loss's"),
+    (["train.compile=true", "parallel.cp=2", "parallel.cp_mode=ulysses"], 2,
+     "each transformer block whole; the loss's cross-entropy"),
 ])
 def test_what_compile_compiles_is_named_in_one_line_for_the_dry_run_and_the_log(overrides, world, expected):
     from shardline.parallel.compile import describe

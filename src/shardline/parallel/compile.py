@@ -60,6 +60,10 @@ What is compiled, by layout:
   2.11: `autograd.grad` reads `_input_metadata` of the compiled function's backward node,
   which refuses it), so preflight refuses compile with those schedules there
   (`config_problem`); 2.12 is untested.
+- context parallelism: under Ulysses the block compiles whole, its all-to-alls traced in
+  as functional collectives; under a ring (ring or hybrid mode) the ring's attention runs
+  eagerly between the compiled code before and after it (`parallel/context/ring.py::
+  ring_attention`, disabled for the compiler): its point-to-point sends do not trace.
 - mixture of experts: the block compiles around the routed experts; the experts with
   their token exchange run eagerly (`models/moe/layer.py::run_experts`): the grouped
   GEMM's fake kernel accepts only bf16 (fp32 on the CPU runs eagerly, not traced), and
@@ -116,8 +120,9 @@ def describe(enabled: bool, lay: Layout, activation_checkpoint: str, moe: bool) 
     else:
         blocks = "each transformer block whole"
     experts = "; routed experts eager" if moe else ""
+    ring = "; the cp ring's attention eager" if lay.cp_degrees[0] > 1 else ""
     loss = "the loss eager (loss parallelism)" if how["loss_parallel"] else "the loss's cross-entropy"
-    return f"{blocks}{experts}; {loss}"
+    return f"{blocks}{experts}{ring}; {loss}"
 
 
 def apply_compile(model: nn.Module, tensor_parallel: bool = False, loss_parallel: bool = False,

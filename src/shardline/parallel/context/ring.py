@@ -380,8 +380,15 @@ class RingPlan:
         return allowed
 
 
+@torch.compiler.disable
 def ring_attention(q, k, v, ring: Ring, plan: RingPlan, scale: float):
     """Causal attention of this rank's queries on the keys of every ring shard.
+
+    Always eager, also inside a compiled block (`train.compile`): the ring is a host-driven
+    loop of point-to-point sends that dynamo does not trace, and left to itself it breaks
+    the block at each send and compiles the pieces between them (4 graphs a block at ring
+    2, resumed mid-loop); one break around the whole ring leaves the code before and after
+    it compiled, and each block kernel is a fused kernel already.
 
     q [b, h, sq, d], k/v [b, hk, sk, d] of this ring rank's shard. Returns the output
     [b, h, sq, d] in q's dtype.
