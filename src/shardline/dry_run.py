@@ -103,7 +103,8 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> list[str]:
     fits = "fits" if e.fits else "DOES NOT FIT"
     return [f"memory    per rank on {hw.name}{note}, planner estimate (GiB): {parts}",
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
-            f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%",
+            f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
+            + (" (priced as eager: the planner does not model train.compile)" if cfg.train.compile else ""),
             f"          {mfu_words(work)}",
             f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}"]
 
