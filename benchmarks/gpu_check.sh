@@ -57,7 +57,8 @@ EOF
 } 2>&1 | tee "$RESULTS/env.txt"
 
 echo "== gpu tests ==" >&2
-timeout "${TEST_BUDGET:-240}" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider --no-header -rfE \
+# -v: each test's verdict is printed as it ends, so a run the budget cuts short still says which passed
+timeout "${TEST_BUDGET:-240}" "$PY" -m pytest -v -m gpu tests/gpu -p no:cacheprovider --no-header -rfE --durations=0 \
     --junitxml="$RESULTS/gpu-tests.xml" 2>&1 | tee "$RESULTS/gpu-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
