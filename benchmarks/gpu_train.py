@@ -45,6 +45,7 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
 import tempfile
 import time
@@ -100,6 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="write the results as JSON to PATH, or to stdout with no PATH (the table then "
                         "goes to stderr)")
     p.add_argument("--inject-oom", default="", metavar="VARIANT", help=argparse.SUPPRESS)  # for the tests
+    p.add_argument("--inject-interrupt", default="", metavar="VARIANT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     args.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
@@ -193,6 +195,8 @@ def measure(step_fn, args, name: str) -> dict:
     device = args.device
     if args.inject_oom == name:
         raise InjectedOOM(f"CUDA out of memory (injected by --inject-oom {name})")
+    if args.inject_interrupt == name:
+        raise KeyboardInterrupt  # as a time budget's SIGINT or SIGTERM arrives
     t0 = time.perf_counter()
     for _ in range(args.warmup):
         step_fn()
@@ -313,7 +317,11 @@ def run_variant(args, shape: ModelArgs, name: str) -> dict:
 
 # ---- driver -------------------------------------------------------------------------
 
-def run(args) -> tuple[dict, bool]:
+def run(args, progress=None) -> tuple[dict, bool]:
+    """Every variant, one after the other; returns the report and whether one failed (not by
+    running out of memory). `progress(report)` is called after each variant, so a run cut
+    short (SIGINT or SIGTERM: a time budget) keeps the figures of those that finished; the
+    cut one and those after it are reported as "cut"."""
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = model_args(args)
@@ -321,11 +329,19 @@ def run(args) -> tuple[dict, bool]:
     peak = args.peak_tflops or peak_tflops(args.device, args.precision)
     device_name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else cpu_name()
     results, failed = {}, False
-    for name in args.variants:
+    report = _report(args, shape, fpt, peak, device_name, results)
+    for i, name in enumerate(args.variants):
         free_memory(args.device)
         print(f"[gpu_train] running {name} ...", file=sys.stderr, flush=True)
         try:
             res = {"status": "ok", **run_variant(args, shape, name)}
+        except KeyboardInterrupt:
+            for cut in args.variants[i:]:
+                results[cut] = {"status": "cut", "error": "stopped before it finished (SIGINT/SIGTERM: a time budget?)"}
+            print(f"[gpu_train] stopped during {name}; reporting the variants that finished", file=sys.stderr,
+                  flush=True)
+            add_ratios(results)
+            return report, True
         except Exception as e:  # one variant failing must not lose the others' figures
             oom = is_oom(e)
             failed |= not oom
@@ -338,18 +354,28 @@ def run(args) -> tuple[dict, bool]:
             res["mfu"] = res["tokens_per_s"] * fpt / (peak * 1e12) if peak else None
             res["peak_mem_gib"] = (torch.cuda.max_memory_allocated(args.device) / 2**30
                                    if args.device.type == "cuda" else None)
+            mfu = "-" if res["mfu"] is None else f"{100 * res['mfu']:.1f}%"
+            print(f"[gpu_train] {name}: {res['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
+                  f"warm-up {res['warmup_s']:.1f} s", file=sys.stderr, flush=True)
         results[name] = res
+        add_ratios(results)
+        if progress:
+            progress(report)
         if name.endswith("-compile") or name == "shardline-fp8":
             torch._dynamo.reset()
-    add_ratios(results)
     free_memory(args.device)
+    return report, failed
+
+
+def _report(args, shape: ModelArgs, fpt: float, peak: float, device_name: str, results: dict) -> dict:
+    """The report `results` (filled in as variants finish) goes into."""
     try:
         import transformers
 
         hf_version = transformers.__version__
     except ImportError:
         hf_version = None
-    report = {
+    return {
         "benchmark": "gpu_train",
         "date": datetime.date.today().isoformat(),
         "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
@@ -364,7 +390,6 @@ def run(args) -> tuple[dict, bool]:
                    "steps": args.steps, "flops_per_token": fpt, "peak_tflops": peak},
         "variants": results,
     }
-    return report, failed
 
 
 def add_ratios(results: dict) -> None:
@@ -415,16 +440,22 @@ def format_table(rep: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    report, failed = run(args)
+    # A time budget's SIGTERM ends the run as SIGINT does: with the finished variants reported.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    def write_json(report: dict) -> None:
+        if args.json and args.json != "-":
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+
+    report, failed = run(args, progress=write_json)
     table = format_table(report)
     if args.json == "-":
         print(table, file=sys.stderr)
         print(json.dumps(report, indent=2))
     else:
         print(table)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
+        write_json(report)
     return 1 if failed else 0
 
 

@@ -16,12 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardline.config import load_config
 from shardline.models.attention import FlexAttention, VarlenAttention, varlen_attn
 from shardline.models.llama.model import document_causal_mask
-from shardline.trainer import Trainer
-from tests.conftest import tiny_overrides
-from tests.distributed.harness import losses
 
 pytestmark = pytest.mark.gpu
 
@@ -90,12 +86,6 @@ CUDA = ["run.device=cuda", "train.steps=2", "train.eval_interval=0", "checkpoint
         "train.precision=bf16"]
 
 
-def _train(tmp_path, corpus, name: str, *extra: str) -> dict[int, float]:
-    cfg = load_config(None, tiny_overrides(tmp_path / name, corpus, *CUDA, *extra))
-    Trainer(cfg).build().train()
-    return losses(tmp_path / name)
-
-
 def _assert_close_losses(got: dict[int, float], want: dict[int, float]) -> None:
     assert sorted(got) == [1, 2] and all(math.isfinite(v) for v in got.values()), got
     for step in want:
@@ -103,14 +93,11 @@ def _assert_close_losses(got: dict[int, float], want: dict[int, float]) -> None:
 
 
 @pytest.mark.parametrize("kernel", ["flex", pytest.param("varlen", marks=needs_varlen)])
-def test_two_steps_with_each_kernel_train_like_sdpa(tmp_path, small_corpus, kernel):
-    sdpa = _train(tmp_path, small_corpus, "sdpa", "train.attention=sdpa")
-    _assert_close_losses(_train(tmp_path, small_corpus, kernel, f"train.attention={kernel}"), sdpa)
+def test_two_steps_with_each_kernel_train_like_sdpa(trained, kernel):
+    _assert_close_losses(trained(*CUDA, f"train.attention={kernel}"), trained(*CUDA, "train.attention=sdpa"))
 
 
-def test_flex_inside_compiled_checkpointed_blocks_trains_like_sdpa(tmp_path, small_corpus):
+def test_flex_inside_compiled_checkpointed_blocks_trains_like_sdpa(trained):
     """auto picks flex on CUDA; train.compile traces the held compiled flex into each block."""
-    sdpa = _train(tmp_path, small_corpus, "sdpa", "train.attention=sdpa")
-    compiled = _train(tmp_path, small_corpus, "compiled", "train.attention=auto", "train.compile=true",
-                      "memory.activation_checkpoint=full")
-    _assert_close_losses(compiled, sdpa)
+    compiled = trained(*CUDA, "train.attention=auto", "train.compile=true", "memory.activation_checkpoint=full")
+    _assert_close_losses(compiled, trained(*CUDA, "train.attention=sdpa"))

@@ -23,8 +23,11 @@ from tests.distributed.harness import losses
 pytestmark = pytest.mark.gpu
 
 # Every block projection's dims are multiples of 16 (dim 128, 4 heads of 32, 2 kv heads, ffn 384).
+# SDPA: the attention kernel is not what these test (tests/gpu/test_attention_gpu.py does), and
+# flex would cost each configuration a compile.
 CUDA = ["run.device=cuda", "train.steps=8", "train.eval_interval=0", "checkpoint.interval=0",
-        "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384", "train.seq_len=128"]
+        "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384", "train.seq_len=128",
+        "train.attention=sdpa"]
 
 
 def _needs_float8_gemm() -> None:
@@ -48,12 +51,12 @@ def test_torchao_float8_imports():
 
 
 @pytest.mark.parametrize("recipe, compiled", [("tensorwise", False), ("rowwise", False), ("tensorwise", True)])
-def test_fp8_trains_close_to_bf16(tmp_path, small_corpus, recipe, compiled):
+def test_fp8_trains_close_to_bf16(tmp_path, small_corpus, trained, recipe, compiled):
     _needs_float8_gemm()
     from torchao.float8.float8_linear import Float8Linear
 
     extra = ["train.compile=true"] if compiled else []
-    _, bf16 = _train(tmp_path, small_corpus, "bf16", "train.precision=bf16", *extra)
+    bf16 = trained(*CUDA, "train.precision=bf16", *extra)
     trainer, fp8 = _train(tmp_path, small_corpus, "fp8", "train.precision=fp8", f"fp8.recipe={recipe}", *extra)
     linears = [m for m in trainer.model.modules() if isinstance(m, Float8Linear)]
     assert len(linears) == 14 and not any(m.config.emulate for m in linears)  # 7 per block, real GEMMs

@@ -23,8 +23,10 @@ from tests.distributed.harness import losses
 
 pytestmark = pytest.mark.gpu
 
-CUDA = ["run.device=cuda", "train.steps=8", "train.eval_interval=4", "checkpoint.interval=4",
+# No evaluation and no checkpoints (each costs a graph or a save) except where a test needs them.
+CUDA = ["run.device=cuda", "train.steps=8", "train.eval_interval=0", "checkpoint.interval=0",
         "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384", "train.seq_len=128"]
+BF16 = (*CUDA, "train.precision=bf16")
 
 
 def _train(tmp_path, corpus, name: str, *extra: str) -> dict[int, float]:
@@ -34,30 +36,31 @@ def _train(tmp_path, corpus, name: str, *extra: str) -> dict[int, float]:
 
 
 def test_bf16_run_trains_logs_mfu_and_resumes(tmp_path, small_corpus):
-    first = _train(tmp_path, small_corpus, "bf16", "train.precision=bf16")
+    saved = ("train.precision=bf16", "checkpoint.interval=4", "train.eval_interval=4")
+    first = _train(tmp_path, small_corpus, "bf16", *saved)
     assert sorted(first) == list(range(1, 9)) and all(math.isfinite(v) for v in first.values())
     assert first[8] < first[1]
     records = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
     assert any((r.get("mfu") or 0) > 0 for r in records if r["kind"] == "train")
+    assert any(r["kind"] == "eval" for r in records)
     # The same run stopped at step 4 and resumed from its checkpoint logs the same losses.
-    _train(tmp_path, small_corpus, "halves", "train.precision=bf16", "train.stop_at_step=4")
-    resumed = _train(tmp_path, small_corpus, "halves", "train.precision=bf16")
+    _train(tmp_path, small_corpus, "halves", *saved, "train.stop_at_step=4")
+    resumed = _train(tmp_path, small_corpus, "halves", *saved)
     for step in first:
         assert resumed[step] == pytest.approx(first[step], rel=1e-3), (step, resumed, first)
 
 
-def test_chunked_loss_matches_the_plain_loss_in_bf16(tmp_path, small_corpus):
-    plain = _train(tmp_path, small_corpus, "plain", "train.precision=bf16")
-    chunked = _train(tmp_path, small_corpus, "chunked", "train.precision=bf16", "train.loss_chunk_tokens=96")
+def test_chunked_loss_matches_the_plain_loss_in_bf16(trained):
+    plain = trained(*BF16)
+    chunked = trained(*BF16, "train.loss_chunk_tokens=96")
     assert chunked[1] == pytest.approx(plain[1], rel=1e-3)  # same weights: only the summation order differs
     for step in plain:
         assert chunked[step] == pytest.approx(plain[step], rel=2e-2), (step, chunked, plain)
 
 
-def test_compiled_blocks_train_like_eager_in_bf16(tmp_path, small_corpus):
-    eager = _train(tmp_path, small_corpus, "eager", "train.precision=bf16")
-    compiled = _train(tmp_path, small_corpus, "compiled", "train.precision=bf16", "train.compile=true",
-                      "train.loss_chunk_tokens=96", "memory.activation_checkpoint=full")
+def test_compiled_blocks_train_like_eager_in_bf16(trained):
+    eager = trained(*BF16)
+    compiled = trained(*BF16, "train.compile=true", "train.loss_chunk_tokens=96", "memory.activation_checkpoint=full")
     for step in eager:
         assert compiled[step] == pytest.approx(eager[step], rel=2e-2), (step, compiled, eager)
 
@@ -110,14 +113,14 @@ def test_fsdp2_cpu_offload_matches_no_offload_over_nccl():
         torch.testing.assert_close(params_cpu[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_one_gpu_cpu_offload_through_the_trainer_matches_no_offload(tmp_path, small_corpus):
+def test_one_gpu_cpu_offload_through_the_trainer_matches_no_offload(tmp_path, small_corpus, trained):
     """memory.cpu_offload on one GPU, as a user runs it: the trainer makes a one-rank NCCL group,
     FSDP2 over a size-1 shard dim keeps parameters, gradients and AdamW states on the host
     (pinned), and the run trains like the same run without offload (fp32)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor
 
-    plain = _train(tmp_path, small_corpus, "plain")
+    plain = trained(*CUDA)
     try:
         cfg = load_config(None, tiny_overrides(tmp_path / "offload", small_corpus, *CUDA, "memory.cpu_offload=true"))
         trainer = Trainer(cfg).build()
