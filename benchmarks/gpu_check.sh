@@ -17,6 +17,7 @@
 # (see benchmarks/README.md) when the machine lacks them. Budgets in seconds (env):
 # TEST_BUDGET (default 240) and BENCH_BUDGET (default 300); under 9 minutes in all, under the
 # device tool's 10 minutes a command. A step cut by its budget keeps what it finished.
+# ONLY=tests or ONLY=bench runs step 1 and that step alone (a rerun of the step a budget cut).
 # Extra arguments for gpu_train.py go in GPU_TRAIN_ARGS (e.g. "--set train.loss_chunk_tokens=8192").
 # CALIBRATE=1 adds step 4: `shardline calibrate --quick --no-comm` (the planner's profile of this
 # GPU: GEMM and attention efficiency curves) -> calibration.toml, within CAL_BUDGET (default 150).
@@ -30,6 +31,8 @@ PY=${PYTHON:-python3}
 mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 status=0
+ONLY=${ONLY:-}
+case "$ONLY" in ""|tests|bench) ;; *) echo "gpu_check: ONLY=$ONLY is invalid: tests, bench or unset" >&2; exit 2 ;; esac
 
 # What the machine lacks comes from benchmarks/wheels/, offline, into a folder put last on the path
 # (the machine's own packages win): torchao for fp8, pytest (and its dependencies) for step 2.
@@ -68,6 +71,7 @@ for name in ("transformers", "torchao", "triton", "pytest"):
 EOF
 } 2>&1 | tee "$RESULTS/env.txt"
 
+if [ "$ONLY" != bench ]; then
 echo "== gpu tests ==" >&2
 # The core files first, attention's compile-heavy ones last, so a budget that runs out cuts the least.
 # At the budget SIGINT (then SIGKILL 20 s later): pytest still writes its summary and the XML; -v
@@ -77,7 +81,9 @@ timeout -s INT -k 20 "${TEST_BUDGET:-240}" "$PY" -m pytest -v -m gpu -p no:cache
     tests/gpu/test_memory_gpu.py tests/gpu/test_float8_gpu.py tests/gpu/test_attention_gpu.py \
     2>&1 | tee "$RESULTS/gpu-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
+if [ "$ONLY" != tests ]; then
 echo "== gpu_train ==" >&2
 # shellcheck disable=SC2086  # GPU_TRAIN_ARGS is a list of words on purpose
 # The targets' variants first (hf-eager is context); gpu_train.json is rewritten after each, and
@@ -86,6 +92,7 @@ timeout -s INT -k 20 "${BENCH_BUDGET:-300}" "$PY" benchmarks/gpu_train.py \
     --variants shardline-compile,hf-compile,shardline-fp8,hf-eager ${GPU_TRAIN_ARGS:-} \
     --json "$RESULTS/gpu_train.json" 2>&1 | tee "$RESULTS/gpu_train.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
 if [ "${CALIBRATE:-0}" = 1 ]; then  # optional: the planner's GPU profile (GEMM and attention curves)
     echo "== calibrate ==" >&2
