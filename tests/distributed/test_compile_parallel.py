@@ -38,7 +38,9 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
             trainer = Trainer(load_config(None, [*overrides, f"run.dir={run_dir}"])).build()
             trainer.train()
             if rank == 0:
+                score = trainer.model.loss.score
                 seen = {"compiled_blocks": [_compiled(b) for b in trainer.model.layers.values()],
+                        "compiled_loss": hasattr(score, "_torchdynamo_orig_callable"),
                         "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"]),
                         "aot_cache": torch._functorch.config.enable_autograd_cache}
                 (Path(run_dir) / "compiled.json").write_text(json.dumps(seen))
@@ -53,12 +55,14 @@ def _compiled(block: torch.nn.Module) -> bool:
 
 
 # Other layouts compiled on two ranks, each against the eager tp run (layouts train alike,
-# test_parity.py): FSDP2 units around compiled, fully checkpointed blocks with the chunked loss;
-# the 1F1B pipeline's stages; the ring's exchange between compiled attention calls.
+# test_parity.py): FSDP2 units around compiled, fully checkpointed blocks with the chunked loss
+# (which the 1F1B pipeline's stages run too: the same graphs, compiled once); the ring's
+# exchange between compiled code.
 OTHER_LAYOUTS = {
     "compiled_fsdp_ac_chunked": ["parallel.dp_shard=2", "memory.activation_checkpoint=full",
                                  "train.loss_chunk_tokens=16"],
-    "compiled_pp_1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "compiled_pp_1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "memory.activation_checkpoint=full",
+                         "train.loss_chunk_tokens=16"],
     "compiled_cp_ring": ["parallel.cp=2"],
 }
 
@@ -90,6 +94,8 @@ def test_compiled_blocks_train_like_eager_under_tp_fsdp_pp_and_cp(tmp_path, smal
             assert seen["breaks"], seen  # the test must see the break it allows
         if name not in OTHER_LAYOUTS:  # under tp a rank must not load another rank's graph
             assert seen["aot_cache"] is False, (name, seen)
+        # the cross-entropy is compiled, except on vocab-sharded logits (tp's loss parallelism)
+        assert seen["compiled_loss"] is (name in OTHER_LAYOUTS), (name, seen)
 
 
 @pytest.mark.slow  # four ranks compiling on 2 CPU cores: ~45-60 s

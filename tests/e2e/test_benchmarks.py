@@ -59,7 +59,8 @@ def test_gpu_check_script_runs_on_cpu_with_the_tiny_benchmark(tmp_path, small_co
     gpu_train.py runs its CPU smoke shape): a broken script must not cost a GPU session."""
     results = tmp_path / "results"
     env = {**os.environ, "PYTHON": sys.executable, "OUT": "",
-           "GPU_TRAIN_ARGS": f"--tiny --data {small_corpus} --threads 1 --variants shardline-eager,hf-eager"}
+           "GPU_TRAIN_ARGS": f"--tiny --data {small_corpus} --threads 1 --steps 2 --warmup 1 "
+                             "--variants shardline-eager,hf-eager,hf-compile --inject-oom hf-compile"}
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(results)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -70,7 +71,10 @@ def test_gpu_check_script_runs_on_cpu_with_the_tiny_benchmark(tmp_path, small_co
     res = json.loads((results / "gpu_train.json").read_text())
     assert res["config"]["tiny"] is True and res["config"]["tokens_per_step"] == 4 * 64
     assert positive(res["config"]["flops_per_token"])
-    assert list(res["variants"]) == ["shardline-eager", "hf-eager"]
+    assert list(res["variants"]) == ["shardline-eager", "hf-eager", "hf-compile"]
+    # Out of memory is reported, not a failure (the script exits 0); the others still ran.
+    oom = res["variants"].pop("hf-compile")
+    assert oom["status"] == "oom" and "out of memory" in oom["error"]
     for name, v in res["variants"].items():
         assert v["status"] == "ok", (name, v)
         assert positive(v["tokens_per_s"]), (name, v)
@@ -81,23 +85,22 @@ def test_gpu_check_script_runs_on_cpu_with_the_tiny_benchmark(tmp_path, small_co
     assert "tokens/s" in (results / "gpu_train.txt").read_text()
 
 
-def test_gpu_train_reports_oom_and_continues_and_a_cut_run_keeps_what_finished(tmp_path, small_corpus):
-    """An out-of-memory variant is reported and the next one runs; an interrupt (a time
-    budget's signal) stops the run, and the JSON, rewritten after each variant, holds the
-    finished ones with the cut one and those after it marked."""
+def test_a_cut_gpu_train_run_keeps_what_finished(tmp_path):
+    """An interrupt (a time budget's signal) stops the run; the JSON, rewritten after each
+    variant, holds the finished ones, and the cut one and those after it are marked."""
     pytest.importorskip("transformers")
     out = tmp_path / "gpu_train.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_train.py"), "--tiny", "--data",
-                           str(small_corpus), "--threads", "1", "--steps", "2", "--warmup", "1",
-                           "--variants", "shardline-eager,hf-eager,hf-compile,shardline-compile",
-                           "--inject-oom", "shardline-eager", "--inject-interrupt", "hf-compile", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_train.py"), "--tiny", "--threads", "1",
+                           "--steps", "2", "--warmup", "1", "--variants", "hf-eager,hf-compile,shardline-compile",
+                           "--inject-interrupt", "hf-compile", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]  # cut short: not a complete run
     res = json.loads(out.read_text())["variants"]
-    assert res["shardline-eager"]["status"] == "oom" and "out of memory" in res["shardline-eager"]["error"]
     assert res["hf-eager"]["status"] == "ok" and positive(res["hf-eager"]["tokens_per_s"])
     assert res["hf-compile"]["status"] == res["shardline-compile"]["status"] == "cut"
-    assert "oom" in proc.stdout and "cut" in proc.stdout
+    assert "cut" in proc.stdout
+
+
 def test_planner_validation_runs_a_torchrun_layout_and_rewrites_only_its_section(tmp_path, small_corpus):
     # A given profile skips the calibration: this checks the plumbing, not the model's accuracy
     # (benchmarks/RESULTS.md holds that, from the full run).
