@@ -15,9 +15,12 @@
 # It needs nothing from a registry: it runs with the machine's python3 and its torch
 # (>= 2.11), puts src/ on PYTHONPATH, and installs torchao and pytest from benchmarks/wheels/
 # (see benchmarks/README.md) when the machine lacks them. Budgets in seconds (env):
-# TEST_BUDGET (default 240) and BENCH_BUDGET (default 300); under 9 minutes in all, under the
-# device tool's 10 minutes a command. A step cut by its budget keeps what it finished.
-# ONLY=tests or ONLY=bench runs step 1 and that step alone (a rerun of the step a budget cut).
+# TEST_BUDGET (default 230) and BENCH_BUDGET (default 270), each ended by SIGINT and 20 s later
+# SIGKILL; with the machine probe (~10 s) and an install (at most 60 s) the worst case is about
+# 9.5 minutes, under the device tool's 10 a command (give it timeout_s 590). A step cut by its
+# budget keeps what it finished. ONLY=tests or ONLY=bench skips the other of steps 2 and 3 (a
+# rerun of the step a budget cut; for gpu_train, GPU_TRAIN_ARGS="--variants hf-eager" runs only
+# the variants named, the last --variants winning).
 # Extra arguments for gpu_train.py go in GPU_TRAIN_ARGS (e.g. "--set train.loss_chunk_tokens=8192").
 # CALIBRATE=1 adds step 4: `shardline calibrate --quick --no-comm` (the planner's profile of this
 # GPU: GEMM and attention efficiency curves) -> calibration.toml, within CAL_BUDGET (default 150).
@@ -34,24 +37,21 @@ status=0
 ONLY=${ONLY:-}
 case "$ONLY" in ""|tests|bench) ;; *) echo "gpu_check: ONLY=$ONLY is invalid: tests, bench or unset" >&2; exit 2 ;; esac
 
-# What the machine lacks comes from benchmarks/wheels/, offline, into a folder put last on the path
-# (the machine's own packages win): torchao for fp8, pytest (and its dependencies) for step 2.
+# What the machine lacks comes from benchmarks/wheels/, offline and without dependencies, into
+# a folder on PYTHONPATH: only the packages that fail to import (PYTHONPATH precedes
+# site-packages, so nothing the machine has is shadowed): torchao for fp8, pytest and its
+# own dependencies for step 2.
 SITE=/tmp/shardline-site
-if ! "$PY" -c "import torchao" 2>/dev/null; then
-    if ls benchmarks/wheels/torchao-*.whl >/dev/null 2>&1; then
-        timeout 120 "$PY" -m pip install -q --no-index --no-deps --target "$SITE" benchmarks/wheels/torchao-*.whl \
-            && export PYTHONPATH="$PYTHONPATH:$SITE"
-    else
-        echo "gpu_check: torchao is missing and benchmarks/wheels/ has no wheel: the fp8 checks will fail" >&2
-    fi
-fi
-if ! "$PY" -c "import pytest" 2>/dev/null; then
-    if ls benchmarks/wheels/pytest-*.whl >/dev/null 2>&1; then
-        timeout 120 "$PY" -m pip install -q --no-index --find-links benchmarks/wheels --target "$SITE" pytest \
-            && export PYTHONPATH="${PYTHONPATH%:$SITE}:$SITE"
-    else
-        echo "gpu_check: pytest is missing and benchmarks/wheels/ has none: the GPU tests cannot run" >&2
-    fi
+missing=()
+for pkg in torchao pytest pluggy iniconfig pygments packaging exceptiongroup tomli; do
+    case "$pkg" in exceptiongroup|tomli) "$PY" -c "import sys; sys.exit(sys.version_info >= (3, 11))" || continue ;; esac
+    "$PY" -c "import $pkg" 2>/dev/null && continue
+    wheel=$(ls benchmarks/wheels/"$pkg"-*.whl 2>/dev/null | head -n 1)
+    if [ -n "$wheel" ]; then missing+=("$wheel"); else echo "gpu_check: $pkg is missing and benchmarks/wheels/ has no wheel for it" >&2; fi
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    timeout 60 "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "${missing[@]}" \
+        && export PYTHONPATH="$PYTHONPATH:$SITE"
 fi
 
 {
@@ -76,10 +76,11 @@ echo "== gpu tests ==" >&2
 # The core files first, attention's compile-heavy ones last, so a budget that runs out cuts the least.
 # At the budget SIGINT (then SIGKILL 20 s later): pytest still writes its summary and the XML; -v
 # prints each verdict as it comes.
-timeout -s INT -k 20 "${TEST_BUDGET:-240}" "$PY" -m pytest -v -m gpu -p no:cacheprovider --no-header -rfE \
-    --durations=0 --junitxml="$RESULTS/gpu-tests.xml" tests/gpu/test_ring_gpu.py tests/gpu/test_train_gpu.py \
-    tests/gpu/test_memory_gpu.py tests/gpu/test_float8_gpu.py tests/gpu/test_attention_gpu.py \
-    2>&1 | tee "$RESULTS/gpu-tests.txt"
+files=(tests/gpu/test_ring_gpu.py tests/gpu/test_train_gpu.py tests/gpu/test_memory_gpu.py tests/gpu/test_float8_gpu.py
+       tests/gpu/test_attention_gpu.py)
+for f in tests/gpu/test_*.py; do [[ " ${files[*]} " == *" $f "* ]] || files+=("$f"); done  # any new file, last
+timeout -s INT -k 20 "${TEST_BUDGET:-230}" "$PY" -m pytest -v -m gpu -p no:cacheprovider --no-header -rfE \
+    --durations=0 --junitxml="$RESULTS/gpu-tests.xml" "${files[@]}" 2>&1 | tee "$RESULTS/gpu-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
@@ -88,7 +89,7 @@ echo "== gpu_train ==" >&2
 # shellcheck disable=SC2086  # GPU_TRAIN_ARGS is a list of words on purpose
 # The targets' variants first (hf-eager is context); gpu_train.json is rewritten after each, and
 # at the budget SIGINT ends the run with the finished ones reported.
-timeout -s INT -k 20 "${BENCH_BUDGET:-300}" "$PY" benchmarks/gpu_train.py \
+timeout -s INT -k 20 "${BENCH_BUDGET:-270}" "$PY" benchmarks/gpu_train.py \
     --variants shardline-compile,hf-compile,shardline-fp8,hf-eager ${GPU_TRAIN_ARGS:-} \
     --json "$RESULTS/gpu_train.json" 2>&1 | tee "$RESULTS/gpu_train.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

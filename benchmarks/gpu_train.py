@@ -328,20 +328,31 @@ def run(args, progress=None) -> tuple[dict, bool]:
     fpt = flops_per_token(shape, args.seq_len)
     peak = args.peak_tflops or peak_tflops(args.device, args.precision)
     device_name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else cpu_name()
-    results, failed = {}, False
+    results = {}
     report = _report(args, shape, fpt, peak, device_name, results)
-    for i, name in enumerate(args.variants):
+    try:
+        failed = _run_variants(args, shape, fpt, peak, results, lambda: progress and progress(report))
+    except KeyboardInterrupt:  # wherever it lands: in a variant, between two, or while reporting
+        cut = [name for name in args.variants if results.get(name, {}).get("status") in (None, "running")]
+        for name in cut:
+            results[name] = {"status": "cut", "error": "stopped before it finished (SIGINT/SIGTERM: a time budget?)"}
+        print(f"[gpu_train] stopped; cut: {', '.join(cut) or 'none'}", file=sys.stderr, flush=True)
+        add_ratios(results)
+        return report, True
+    free_memory(args.device)
+    return report, failed
+
+
+def _run_variants(args, shape: ModelArgs, fpt: float, peak: float, results: dict, progress) -> bool:
+    """Run the variants into `results` (`progress()` after each); True when one failed (not by
+    running out of memory)."""
+    failed = False
+    for name in args.variants:
+        results[name] = {"status": "running"}
         free_memory(args.device)
         print(f"[gpu_train] running {name} ...", file=sys.stderr, flush=True)
         try:
             res = {"status": "ok", **run_variant(args, shape, name)}
-        except KeyboardInterrupt:
-            for cut in args.variants[i:]:
-                results[cut] = {"status": "cut", "error": "stopped before it finished (SIGINT/SIGTERM: a time budget?)"}
-            print(f"[gpu_train] stopped during {name}; reporting the variants that finished", file=sys.stderr,
-                  flush=True)
-            add_ratios(results)
-            return report, True
         except Exception as e:  # one variant failing must not lose the others' figures
             oom = is_oom(e)
             failed |= not oom
@@ -359,12 +370,10 @@ def run(args, progress=None) -> tuple[dict, bool]:
                   f"warm-up {res['warmup_s']:.1f} s", file=sys.stderr, flush=True)
         results[name] = res
         add_ratios(results)
-        if progress:
-            progress(report)
+        progress()
         if name.endswith("-compile") or name == "shardline-fp8":
             torch._dynamo.reset()
-    free_memory(args.device)
-    return report, failed
+    return failed
 
 
 def _report(args, shape: ModelArgs, fpt: float, peak: float, device_name: str, results: dict) -> dict:
@@ -444,9 +453,12 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     def write_json(report: dict) -> None:
+        """The report so far, replacing the file whole (an interrupt never leaves half a file)."""
         if args.json and args.json != "-":
-            with open(args.json, "w") as f:
+            tmp = f"{args.json}.tmp"
+            with open(tmp, "w") as f:
                 json.dump(report, f, indent=2)
+            os.replace(tmp, args.json)
 
     report, failed = run(args, progress=write_json)
     table = format_table(report)

@@ -56,8 +56,9 @@ def _compiled(block: torch.nn.Module) -> bool:
 
 # Other layouts compiled on two ranks, each against the eager tp run (layouts train alike,
 # test_parity.py): FSDP2 units around compiled, fully checkpointed blocks with the chunked loss
-# (which the 1F1B pipeline's stages run too: the same graphs, compiled once); the ring's
-# exchange between compiled code.
+# (which the 1F1B pipeline's stages run too: dynamo traces them again, inductor's disk cache
+# can serve the kernels); the ring's exchange between compiled code. They run after the tp
+# jobs, so with AOTAutograd's disk cache off (apply_compile turns it off process-wide under tp).
 OTHER_LAYOUTS = {
     "compiled_fsdp_ac_chunked": ["parallel.dp_shard=2", "memory.activation_checkpoint=full",
                                  "train.loss_chunk_tokens=16"],

@@ -9,9 +9,11 @@ threads on two busy cores, tiny steps can be descheduled mid-operation and take
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -58,12 +60,17 @@ def test_gpu_check_script_runs_on_cpu_with_the_tiny_benchmark(tmp_path, small_co
     """benchmarks/gpu_check.sh end to end, as a GPU machine runs it (its GPU tests skip here,
     gpu_train.py runs its CPU smoke shape): a broken script must not cost a GPU session."""
     results = tmp_path / "results"
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": "",
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": "", "TEST_BUDGET": "120", "BENCH_BUDGET": "120",
            "GPU_TRAIN_ARGS": f"--tiny --data {small_corpus} --threads 1 --steps 2 --warmup 1 "
                              "--variants shardline-eager,hf-eager,hf-compile --inject-oom hf-compile"}
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(results)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    script = subprocess.Popen(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(results)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = script.communicate(timeout=300)
+    finally:  # the script's own children (timeout, pytest, python) go with it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)
+    assert script.returncode == 0, out[-3000:] + err[-3000:]
     assert f"torch {torch.__version__}" in (results / "env.txt").read_text()
     tests = (results / "gpu-tests.txt").read_text()
     assert "SKIPPED" in tests and " passed" not in tests and "failed" not in tests  # no CUDA: every one skips

@@ -19,28 +19,33 @@ from tests.conftest import tiny_overrides
 from tests.distributed.harness import losses
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def _room_for_recompiles():
-    # One process runs every GPU test: its distinct flex-attention and block configurations
-    # add up to dynamo's default limit of 8 recompiles a function, past which a test would
-    # silently run the function uncompiled, testing the wrong path. A training run has one.
-    before = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(before, 64)
-    yield
-    torch._dynamo.config.recompile_limit = before
+    """One process runs every GPU test, and their distinct flex-attention and block
+    configurations can add up to dynamo's default limit of 8 recompiles of a function, past
+    which the function would run uncompiled with only a warning: a compile test would then
+    pass on eager code. Here the limit is 64 and hitting it fails the test (a training run
+    compiles each of them once). For this package only: the settings go back after it."""
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        yield
 
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, small_corpus):
     """train(*overrides) -> {step: loss} of a tiny-config run with those overrides, trained once
     per session for each distinct list (the run dir apart)."""
-    done: dict[tuple[str, ...], dict[int, float]] = {}
+    done: dict[tuple[str, ...], dict[int, float] | Exception] = {}
 
     def train(*overrides: str) -> dict[int, float]:
         if overrides not in done:
             run: Path = tmp_path_factory.mktemp("run")
-            Trainer(load_config(None, tiny_overrides(run, small_corpus, *overrides))).build().train()
-            done[overrides] = losses(run)
+            try:
+                Trainer(load_config(None, tiny_overrides(run, small_corpus, *overrides))).build().train()
+                done[overrides] = losses(run)
+            except Exception as e:  # a failed baseline fails each test that needs it, trained once
+                done[overrides] = e
+        if isinstance(done[overrides], Exception):
+            raise done[overrides]
         return dict(done[overrides])
 
     return train

@@ -60,10 +60,11 @@ What is compiled, by layout:
   2.11: `autograd.grad` reads `_input_metadata` of the compiled function's backward node,
   which refuses it), so preflight refuses compile with those schedules there
   (`config_problem`); 2.12 is untested.
-- context parallelism: under Ulysses the block compiles whole, its all-to-alls traced in
-  as functional collectives; under a ring (ring or hybrid mode) the ring's attention runs
+- context parallelism: under a ring (ring or hybrid mode) the ring's attention runs
   eagerly between the compiled code before and after it (`parallel/context/ring.py::
-  ring_attention`, disabled for the compiler): its point-to-point sends do not trace.
+  ring_attention`, disabled for the compiler): its point-to-point sends do not trace
+  (tested). Under Ulysses alone the block compiles whole, its all-to-alls traced in as
+  functional collectives (checked by hand: no break, eager's losses; so was hybrid).
 - mixture of experts: the block compiles around the routed experts; the experts with
   their token exchange run eagerly (`models/moe/layer.py::run_experts`): the grouped
   GEMM's fake kernel accepts only bf16 (fp32 on the CPU runs eagerly, not traced), and
