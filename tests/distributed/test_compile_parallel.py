@@ -5,9 +5,9 @@ Compiled runs must also show that their blocks ran compiled code: each block has
 compiled call (or, under activation checkpointing, a compiled forward the checkpoint
 wraps), dynamo captured graphs and broke none of them (a block that fell back to eager,
 whole or in part, fails), except where parts run eagerly on purpose (parallel/compile.py):
-under a zero-bubble schedule the Linear layers, under a cp ring the ring's attention. Without the embedding's
-AsyncCollectiveTensor output resolved before the first block, backward fails; with the
-checkpoint traced into the block, too.
+under a zero-bubble schedule the Linear layers, under a cp ring the ring's attention.
+Without the embedding's AsyncCollectiveTensor output resolved before the first block,
+backward fails; with the checkpoint traced into the block, too.
 """
 
 from __future__ import annotations

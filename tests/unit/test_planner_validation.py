@@ -1,13 +1,14 @@
 """Predicted vs measured on this machine: `shardline train` runs against the planner's estimate.
 
-Runs benchmarks/planner_validation.py on one small single-process configuration
-(one torch thread; a quick calibration first; attention-heavy: seq 512 on dim 128). Peak memory is held to the issue's
-15%. Step time is compared with the process' CPU time per step, which other processes
-on a shared machine do not stretch (wall time they do; see the script's docstring),
-within 50% here to stay robust to the cache and memory-bandwidth contention that
-remains (a clean-clone suite run measured -41% once, where others passed within 20%:
-the quick calibration and the six steps are each a few seconds on 2 shared cores); a
-model off by 2x still fails. The full table (10 configurations) is benchmarks/RESULTS.md.
+Runs benchmarks/planner_validation.py on one small single-process configuration, an
+attention-heavy one (seq 512 on dim 128; one torch thread; a quick calibration first).
+Peak memory is held to the issue's 15%. Step time is compared with the process' CPU time
+per step, which other processes on a shared machine do not stretch (wall time they do;
+see the script's docstring), within 50% here to stay robust to the cache and
+memory-bandwidth contention that remains (a clean-clone suite run measured -41% once,
+where others passed within 20%: the quick calibration and the six steps are each a few
+seconds on 2 shared cores); a model off by 2x still fails. The full table (10
+configurations) is benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
