@@ -317,7 +317,7 @@ def run_variant(args, shape: ModelArgs, name: str) -> dict:
 
 # ---- driver -------------------------------------------------------------------------
 
-def run(args, progress=None) -> tuple[dict, bool]:
+def run(args, progress=lambda report: None) -> tuple[dict, bool]:
     """Every variant, one after the other; returns the report and whether one failed (not by
     running out of memory). `progress(report)` is called after each variant, so a run cut
     short (SIGINT or SIGTERM: a time budget) keeps the figures of those that finished; the
@@ -331,7 +331,7 @@ def run(args, progress=None) -> tuple[dict, bool]:
     results = {}
     report = _report(args, shape, fpt, peak, device_name, results)
     try:
-        failed = _run_variants(args, shape, fpt, peak, results, lambda: progress and progress(report))
+        failed = _run_variants(args, shape, fpt, peak, results, lambda: progress(report))
     except KeyboardInterrupt:  # wherever it lands: in a variant, between two, or while reporting
         cut = [name for name in args.variants if results.get(name, {}).get("status") in (None, "running")]
         for name in cut:
