@@ -93,7 +93,8 @@ def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
     fields, raw = measure_wrappers(world=2, rounds=3)
     assert set(raw) == {"plain", "tp", "fsdp", "sizes_mb"} and raw["plain"]["per_layer_s"] > 0
     # DTensor dispatch of a TP block costs host time beyond the plain block's; so do FSDP2's hooks.
-    assert fields["tp_layer_overhead_us"] > 0 and fields["fsdp_layer_overhead_us"] > 0
+    # (FSDP's held at the small block itself: its fitted intercept may be clipped to 0 by a noisy slope.)
+    assert fields["tp_layer_overhead_us"] > 0 and raw["fsdp"]["per_layer_s"] > raw["plain"]["per_layer_s"]
     assert fields["dtensor_param_overhead_us"] > 0
     # The ends (embedding, output, loss) run once a step: their time is the intercept of the
     # slope over 1 and 3 blocks, within the noise of two processes on 2 shared cores for the
@@ -101,8 +102,12 @@ def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
     assert math.isfinite(raw["tp"]["ends_s"]) and math.isfinite(raw["plain"]["ends_s"])
     assert fields["fsdp_layer_overhead_us_per_mb"] >= 0 and raw["fsdp"]["per_layer_large_s"] > raw["fsdp"][
         "per_layer_s"]  # a wider block with more tokens costs more
-    # In wall time a TP block also waits on its collectives: more than its CPU time alone.
-    assert fields["tp_layer_wall_us"] > fields["tp_layer_overhead_us"] and fields["tp_layer_wall_us_per_mb"] >= 0
+    # In wall time a TP step also waits on its collectives: more than its CPU time alone. Held on
+    # the whole 3-block step (ends + 3 blocks), not on the fitted per-block figures: those are
+    # differences of noisy timings (the block's wall intercept once fell below its CPU overhead
+    # on a loaded machine), while thread CPU time can never exceed wall time call by call.
+    tp = raw["tp"]
+    assert tp["ends_wall_s"] + 3 * tp["per_layer_wall_s"] > tp["ends_s"] + 3 * tp["per_layer_s"]
     assert raw["tp"]["ends_vocab_wall_s"] > raw["tp"]["ends_wide_wall_s"]  # a 32x vocabulary costs the ends more
     assert fields["tp_head_wall_us_per_mb"] >= 0
 
