@@ -55,6 +55,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"model.preset={cfg.model.preset!r} is invalid: one of {', '.join(PRESETS)}")
     _raise(attention.config_problem(cfg.train.attention, cfg.train.precision))
     _raise(compile_problem(cfg.train.compile, cfg.parallel.pp, cfg.parallel.pp_schedule))
+    _raise(float8.config_problem(cfg.train.precision, cfg.parallel.pp, cfg.parallel.pp_schedule))
     if cfg.train.precision == "fp8":
         check_fp8(cfg)
 

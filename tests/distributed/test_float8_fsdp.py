@@ -4,7 +4,8 @@ FSDP with float8 all-gather (tensorwise): each weight is cast to float8 before i
 gathered, with the scale its whole (unsharded) tensor would get, which the trainer
 precomputes in one all-reduce after each optimizer step; so 2 ranks train like one
 process up to the order of the sums. The pipeline cut after conversion keeps each
-stage's Float8Linear layers, so pp=2 gives one process's losses. A run stopped and
+stage's Float8Linear layers, so pp=2 gives one process's losses, under zbv too, whose
+split backward runs each float8 matmul's input and weight gradients in separate passes. A run stopped and
 resumed from its checkpoint under FSDP float8 all-gather logs the uninterrupted run's
 losses. Tensor parallelism (tp=2, sequence and loss parallel) under either recipe gives
 one process's losses: its projections stay Float8Linear, now with DTensor weights, and
@@ -41,8 +42,11 @@ pytestmark = pytest.mark.slow
 LAYERS = 2
 FP8 = [f"model.n_layers={LAYERS}", "train.precision=fp8", "fp8.recipe=tensorwise", "train.eval_interval=0",
        "checkpoint.interval=0"]
+ZBV_DEPTH = ["model.n_layers=4"]  # zbv: 2 stages a rank, a block each
 LAYOUTS = {"fsdp2": ["parallel.dp_shard=2", "fp8.fsdp_all_gather=true"],
            "pp2": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+           # zbv: an input pass and a weight pass through each float8 matmul (parallel/float8.py)
+           "pp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2", *ZBV_DEPTH],
            "tp2": ["parallel.tp=2"],  # sequence and loss parallel on (the defaults)
            "tp2_rowwise": ["parallel.tp=2", "fp8.recipe=rowwise"]}
 BLOCK_LINEARS = {"attention.wq", "attention.wk", "attention.wv", "attention.wo",
@@ -116,6 +120,7 @@ def runs(tmp_path_factory, small_prepared) -> Path:
     base = [*PARITY_OVERRIDES, f"data.path={small_prepared}", *FP8]
     Trainer(load_config(None, [*base, f"run.dir={root / 'one'}"])).build().train()
     Trainer(load_config(None, [*base, "fp8.recipe=rowwise", f"run.dir={root / 'one_rowwise'}"])).build().train()
+    Trainer(load_config(None, [*base, *ZBV_DEPTH, f"run.dir={root / 'one_deeper'}"])).build().train()
     jobs = [(str(root / name), [*base, *extra]) for name, extra in LAYOUTS.items()]
     split = [*base, *LAYOUTS["fsdp2"], "checkpoint.interval=2"]  # the float8-gathered weights saved, loaded
     jobs += [(str(root / "resumed"), [*split, "train.stop_at_step=2"]), (str(root / "resumed"), split)]
@@ -130,8 +135,9 @@ def test_fsdp_float8_all_gather_trains_like_one_process(runs):
         assert abs(got[step] - want[step]) <= 2e-3 * want[step], (step, got, want)
 
 
-def test_pipeline_cut_after_conversion_matches_one_process(runs):
-    got, want = losses(runs / "pp2"), losses(runs / "one")
+@pytest.mark.parametrize("run, reference", [("pp2", "one"), ("pp2_zbv", "one_deeper")])
+def test_pipeline_cut_after_conversion_matches_one_process(runs, run, reference):
+    got, want = losses(runs / run), losses(runs / reference)
     assert sorted(got) == sorted(want)
     for step in want:
         assert abs(got[step] - want[step]) <= 1e-4 * want[step], (step, got, want)

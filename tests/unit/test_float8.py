@@ -27,7 +27,6 @@ from shardline.parallel.compile import config_problem as compile_problem  # noqa
 from shardline.precision import autocast  # noqa: E402
 from shardline.preflight import check_config  # noqa: E402
 from shardline.trainer import Trainer  # noqa: E402
-from tests.conftest import autograd_nodes  # noqa: E402
 
 # Every projection of a block is a multiple of 16 except w2's input (ffn 40): it must stay.
 DENSE = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128)
@@ -131,6 +130,28 @@ def test_tp_passes_preflight(tiny_config, recipe):
     check_config(tiny_config("train.precision=fp8", f"fp8.recipe={recipe}", "parallel.tp=2"))
 
 
+@pytest.mark.parametrize("version, schedule, refused", [("2.11.0+cu130", "zbv", True), ("2.11.0", "dualpipev", True),
+                                                        ("2.11.0", "interleaved_1f1b", False),
+                                                        ("2.13.0+cpu", "zbv", False), ("2.14.1", "dualpipev", False)])
+def test_fp8_with_a_split_backward_schedule_needs_torch_2_13(version, schedule, refused):
+    problem = float8.config_problem("fp8", 2, schedule, torch_version=version)
+    assert (problem is not None) == refused
+    assert not refused or (f"pp_schedule={schedule!r} needs torch >= 2.13 (this is {version}" in problem
+                           and "\n" not in problem)
+    assert float8.config_problem("bf16", 2, schedule, torch_version=version) is None
+    assert float8.config_problem("fp8", 1, schedule, torch_version=version) is None  # no pipeline, no split
+
+
+def test_zbv_passes_preflight_on_this_torch_if_its_split_backward_takes_the_float8_matmul(tiny_config):
+    cfg = tiny_config("train.precision=fp8", "parallel.pp=2", "parallel.pp_schedule=zbv",
+                      "parallel.pp_virtual_stages=2")
+    if compile_problem(True, 2, "zbv") is None:  # torch >= 2.13
+        check_config(cfg)
+    else:
+        with pytest.raises(ConfigError, match="needs torch >= 2.13"):
+            check_config(cfg)
+
+
 def test_missing_torchao_says_how_to_install(monkeypatch):
     import sys
 
@@ -146,35 +167,77 @@ def test_conversion_keeps_state_dict_keys():
     assert copy.deepcopy(converted) is not None  # checkpoints and pipeline stages may copy it
 
 
-def test_the_split_backward_of_zero_bubble_schedules_runs_each_float8_backward_twice():
-    """The premise of the layout rule against fp8 under zbv/dualpipev (layout/rules.py
-    `_not_built_fp8_split_backward`): a float8 Linear's backward is one autograd node, which
-    the input pass and the weight pass each run whole (torch < 2.13's weight pass refuses a
-    custom autograd Function outright). If torchao splits it one day, this test fails:
-    revisit the rule."""
+def built_split(recipe: str = "tensorwise") -> torch.nn.Module:
+    """As built(recipe), with the float8 Linear layers a split backward's schedule gets."""
+    model = build_meta_model(DENSE)
+    float8.convert(model, recipe, emulate=True, fsdp_all_gather=False, split_backward=True)
+    model.init_weights(seed=0)
+    return model
+
+
+def block_run(model, x):
+    """Block 0 of `model` on `x` under fp8's autocast."""
+    cos, sin = model.rotary(torch.arange(x.shape[1]), x.device)
+    with autocast(torch.device("cpu"), "fp8"):
+        return model.layers["0"](x, cos, sin, None)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_split_backward_float8_linear_gives_torchaos_outputs_and_gradients_bit_for_bit(recipe):
+    """Its backward casts and multiplies on its own (`_SplitFloat8Matmul`): it must be
+    torchao's recipe exactly, both gradients, for both recipes."""
+    x = torch.randn(2, 16, DENSE.dim)
+    runs = []
+    for model in (built(recipe=recipe), built_split(recipe)):
+        inp = x.clone().requires_grad_()
+        out = block_run(model, inp)
+        out.pow(2).sum().backward()
+        runs.append((out, inp.grad, {n: p.grad for n, p in model.layers["0"].named_parameters()}))
+    (out_ao, dx_ao, dw_ao), (out, dx, dw) = runs
+    assert torch.equal(out, out_ao) and torch.equal(dx, dx_ao)
+    assert dw.keys() == dw_ao.keys() and all(torch.equal(dw[n], dw_ao[n]) for n in dw)
+
+
+def _count_mm(phase_fn) -> int:
+    """aten.mm calls (each float8 GEMM is one, whatever its operands) while `phase_fn` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        phase_fn()
+    return Count.n
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["torchao", "split"])
+def test_zero_bubble_passes_run_each_float8_backward_gemm_once_with_the_split_linear(split):
+    """zbv/dualpipev's input pass and weight pass each call every float8 Linear's one autograd
+    node. torchao's Linear runs both backward GEMMs in each pass (7 Linear layers: 14 + 14,
+    the premise of building `_SplitFloat8Matmul`; if torchao splits them one day, this case
+    fails); the split Linear runs the input gradient's in the first, the weight's in the
+    second (7 + 7), with the same gradients as one whole backward."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    block = built(recipe="tensorwise").layers["0"]
-    x = torch.randn(2, 16, DENSE.dim, requires_grad=True)
-    cos, sin = built().rotary(torch.arange(16), x.device)
-    with autocast(torch.device("cpu"), "fp8"):
-        out = block(x, cos, sin, None)
-    float8_nodes = [n for n in autograd_nodes(out) if "float8" in type(n).__name__]
-    assert len(float8_nodes) == len(BLOCK_LINEARS)
-    runs = {"input": 0, "weight": 0}
-    phase = "input"
-
-    def count(*_):
-        runs[phase] += 1
-
-    for node in float8_nodes:
-        node.register_prehook(count)
-    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
-    phase = "weight"
-    if compile_problem(True, 2, "zbv") is not None:  # torch < 2.13
-        with pytest.raises(RuntimeError, match="_input_metadata"):
-            stage_backward_weight(block.parameters(), groups)
-        return
-    stage_backward_weight(block.parameters(), groups)
-    assert runs == {"input": len(BLOCK_LINEARS), "weight": len(BLOCK_LINEARS)}
-    assert all(p.grad is not None for p in block.parameters())
+    if compile_problem(True, 2, "zbv") is not None:  # torch < 2.13: the weight pass refuses any custom Function
+        pytest.skip("torch < 2.13 cannot run a split backward over a custom autograd Function")
+    # (a copy, as pipeline stages and checkpoints may make: its Linear layers keep their own binding)
+    model = copy.deepcopy(built_split()) if split else built(recipe="tensorwise")
+    block, x = model.layers["0"], torch.randn(2, 16, DENSE.dim, requires_grad=True)
+    out = block_run(model, x)
+    groups = []
+    input_mms = _count_mm(lambda: groups.extend(
+        stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())[1]))
+    weight_mms = _count_mm(lambda: stage_backward_weight(block.parameters(), groups))
+    n = len(BLOCK_LINEARS)
+    assert (input_mms, weight_mms) == ((n, n) if split else (2 * n, 2 * n))
+    whole = built(recipe="tensorwise")
+    whole_x = x.detach().clone().requires_grad_()
+    block_run(whole, whole_x).sum().backward()
+    assert torch.equal(x.grad, whole_x.grad)
+    for (name, p), q in zip(block.named_parameters(), whole.layers["0"].parameters()):
+        assert torch.equal(p.grad, q.grad), name

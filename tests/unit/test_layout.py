@@ -15,6 +15,7 @@ from shardline.errors import ConfigError
 from shardline.layout import Layout
 from shardline.models.llama import ModelArgs
 from shardline.models.presets import PRESETS
+from shardline.parallel import float8
 from shardline.planner.layout import Workload, layout_problem
 from shardline.planner.search import runnable_problem
 from shardline.preflight import check_config, check_layout, preflight
@@ -67,8 +68,6 @@ def test_dp_shard_fills_the_rest():
          "train.micro_batch_size=2"], "recomputed in every weight-gradient group"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "memory.activation_checkpoint=selective"],
      "use activation_checkpoint=none, or pp_schedule interleaved_1f1b"),
-    (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "train.precision=fp8", "train.micro_batch_size=2"],
-     "train.precision='fp8' with parallel.pp_schedule='dualpipev' is not built: its split backward would run"),
 ])
 def test_invalid_layouts(world, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -248,7 +247,9 @@ def test_dry_run_and_planner_give_the_same_verdict_on_random_layouts():
     keys = set()
     for _ in range(400):
         lay, shape, seq_len, global_batch = random_case(rng)
-        precision = rng.choice(["bf16", "bf16", "fp8"])  # fp8 has a layout rule of its own
+        precision = rng.choice(["bf16", "bf16", "fp8"])
+        if float8.config_problem(precision, lay.pp, lay.pp_schedule):  # fp8 x zbv on torch < 2.13: not a layout's
+            precision = "bf16"
         cfg = as_config(lay, shape, seq_len, global_batch)
         cfg.train.precision = precision
         try:
@@ -264,7 +265,7 @@ def test_dry_run_and_planner_give_the_same_verdict_on_random_layouts():
         seen["valid" if planner is None else "invalid"] += 1
         keys.add(planner[0] if planner else "ok")
     assert seen["valid"] >= 20 and seen["invalid"] >= 100, seen
-    assert {"tp", "pp", "batch", "cp", "ep", "offload", "precision", "ok"} <= keys, keys
+    assert {"tp", "pp", "batch", "cp", "ep", "offload", "ok"} <= keys, keys
 
 
 def _shape_fields(shape: ModelArgs) -> dict:

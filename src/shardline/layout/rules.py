@@ -164,20 +164,6 @@ def _not_built_cp_attention(lay: Layout, job: Job) -> Problem | None:
     return None
 
 
-def _not_built_fp8_split_backward(lay: Layout, job: Job) -> Problem | None:
-    """torchao's float8 Linear computes its input and weight gradients in one autograd node
-    (a custom Function, which cannot tell which of them a backward call needs), so the split
-    backward of zbv/dualpipev runs it in both passes: every float8 backward GEMM twice, which
-    costs about what fp8's faster GEMMs save (unmeasured; tests/unit/test_float8.py counts
-    the runs). On torch < 2.13 (the GPU machine's 2.11) the weight pass fails on it outright.
-    A float8 Linear with a weight pass of its own is not built."""
-    if not lay.split_backward or job.precision != "fp8":
-        return None
-    return "precision", (f"train.precision='fp8' with parallel.pp_schedule={lay.pp_schedule!r} is not built: its "
-                         "split backward would run each float8 Linear's whole backward (input and weight gradients) "
-                         "in both of its passes; use pp_schedule interleaved_1f1b, 1f1b or gpipe, or precision bf16")
-
-
 def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
     """Mixture-of-experts layouts the trainer does not build yet."""
     if not getattr(job.model, "n_experts", 0):
@@ -195,7 +181,7 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
 Rule = Callable[[Layout, Job], "Problem | None"]
 RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_split, _ep_ranks, _batch, _offload, _pp_stages,
                            _pp_microbatches, _ac_split_backward)
-NOT_BUILT: tuple[Rule, ...] = (_not_built_cp_attention, _not_built_moe, _not_built_fp8_split_backward)
+NOT_BUILT: tuple[Rule, ...] = (_not_built_cp_attention, _not_built_moe)
 
 
 def first_problem(lay: Layout, job: Job, runnable: bool = True) -> Problem | None:

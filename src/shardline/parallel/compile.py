@@ -44,8 +44,9 @@ What is compiled, by layout:
   as F.linear, a dim x experts matmul): 1.02-1.09x. Module calls around a break run
   eagerly with their hooks, tensor parallelism's included (tp 2 with sequence parallelism
   under dualpipev trains like eager: tests/distributed/test_compile_parallel.py; with loss
-  parallelism under zbv, checked by hand). fp8 is refused with these schedules
-  (layout/rules.py). AOTAutograd's buffer donation is turned off as well
+  parallelism under zbv, checked by hand). Under fp8 those eager Linear layers are
+  float8 ones that compute only the gradient a pass asks for (parallel/float8.py).
+  AOTAutograd's buffer donation is turned off as well
   (process-wide): the input pass keeps the graph (`retain_graph=True`) for the weight
   pass, and a compiled backward that donated its saved buffers refuses that (torch 2.13:
   "compiled with non-empty donated buffers"); the cost is the buffers' reuse inside the
@@ -84,16 +85,15 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from shardline.layout import SPLIT_BACKWARD, Layout
 from shardline.models.loss import cross_entropy_sum
+from shardline.parallel.pipeline import split_backward_takes_custom_nodes
 
 
-_SPLIT_BACKWARD_SINCE = (2, 13)  # the first torch seen to run it over compiled blocks
 _NO_DONATION_TAG = "shardline-no-donated-buffers"  # in the compile cache's key without donation (module doc)
 
 
 def config_problem(enabled: bool, pp: int, schedule: str, torch_version: str = torch.__version__) -> str | None:
     """What the config alone rules out for `train.compile` (`enabled`) on this torch (one line), else None."""
-    major_minor = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
-    if enabled and pp > 1 and schedule in SPLIT_BACKWARD and major_minor < _SPLIT_BACKWARD_SINCE:
+    if enabled and pp > 1 and schedule in SPLIT_BACKWARD and not split_backward_takes_custom_nodes(torch_version):
         return (f"train.compile=true with parallel.pp_schedule={schedule!r} needs torch >= 2.13 (this is "
                 f"{torch_version}: its split backward fails on compiled blocks); use pp_schedule 1f1b, gpipe or "
                 "interleaved_1f1b, or train.compile=false")

@@ -53,11 +53,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 
 import torch
 from torch import nn
 
 from shardline.errors import ConfigError
+from shardline.layout import SPLIT_BACKWARD
+from shardline.parallel.pipeline import split_backward_takes_custom_nodes
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,17 @@ def capability_problem(capability: tuple[int, int] | None) -> str | None:
             "use train.precision=bf16")
 
 
+def config_problem(precision: str, pp: int, schedule: str, torch_version: str = torch.__version__) -> str | None:
+    """What the config alone rules out for fp8 on this torch (one line), else None: zbv and
+    dualpipev need a torch whose split backward runs through the float8 matmul's autograd node."""
+    if precision == "fp8" and pp > 1 and schedule in SPLIT_BACKWARD and not split_backward_takes_custom_nodes(
+            torch_version):
+        return (f"train.precision='fp8' with parallel.pp_schedule={schedule!r} needs torch >= 2.13 (this is "
+                f"{torch_version}: its split backward fails on the float8 Linear's autograd function); use "
+                "pp_schedule 1f1b, gpipe or interleaved_1f1b, or precision bf16")
+    return None
+
+
 def local_capability(on_cuda: bool) -> tuple[int, int] | None:
     """This machine's CUDA capability when the run uses CUDA and one is visible, else None."""
     if not (on_cuda and torch.cuda.is_available()):
@@ -127,15 +141,23 @@ def linear_config(recipe: str, emulate: bool, fsdp_all_gather: bool):
                                enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise")
 
 
-def convert(model: nn.Module, recipe: str, emulate: bool, fsdp_all_gather: bool) -> list[str]:
+def convert(model: nn.Module, recipe: str, emulate: bool, fsdp_all_gather: bool,
+            split_backward: bool = False) -> list[str]:
     """Swap the chosen Linear layers of `model` (in place, any device including meta) for
-    Float8Linear; returns their names."""
+    Float8Linear; returns their names. `split_backward`: a zero-bubble pipeline schedule
+    will split each backward in two passes, so each float8 Linear computes only the
+    gradients a pass asks for (`_SplitFloat8Matmul`)."""
     require_torchao()
     from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
 
     chosen = [name for name, m in model.named_modules() if converts(m, name)]
     convert_to_float8_training(model, module_filter_fn=converts,
                                config=linear_config(recipe, emulate, fsdp_all_gather))
+    if split_backward:
+        for module in model.modules():
+            if isinstance(module, Float8Linear):
+                module.forward = types.MethodType(_split_backward_forward, module)
     if emulate:
         log.warning("train.precision=fp8 on CPU: float8 matmuls are emulated (quantised, multiplied in fp32): "
                     "for testing only, slower than fp32; real fp8 needs a GPU of compute capability >= 8.9")
@@ -148,3 +170,75 @@ def precompute_scales(model: nn.Module) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def _split_backward_forward(linear: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """Float8Linear's forward through `_SplitFloat8Matmul` (bound to each converted Linear
+    under a split backward): the same input cast under autocast, matmul and bias."""
+    if torch.is_autocast_enabled("cuda"):  # as Float8Linear: autocast's dtype for its input
+        input = input.to(torch.get_autocast_dtype("cuda"))
+    output = _SplitFloat8Matmul.apply(input, linear.weight.t(), linear.linear_mm_config, linear.config)
+    return output if linear.bias is None else output + linear.bias.to(output.dtype)
+
+
+class _SplitFloat8Matmul(torch.autograd.Function):
+    """torchao's float8 matmul whose backward computes only the gradients this backward
+    pass will use.
+
+    torchao's own Function computes the input and the weight gradient in every backward
+    call. zbv and dualpipev split a micro-batch's backward into an input pass (gradients
+    of the stage input only) and a later weight pass (the weights only), and each pass
+    calls this one autograd node: with torchao's Function every float8 backward GEMM
+    would run twice. Autograd tells a node which of its input edges the running pass will
+    execute (`torch._C._will_engine_execute_node`), so this backward skips the other GEMM.
+    The forward is torchao's own; each backward GEMM casts its operands as torchao's does
+    for the config's recipe (same roles, targets and scaling axes), which
+    tests/unit/test_float8.py holds bit for bit against torchao's gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, input_hp, weight_hp_t, linear_mm_config, config):
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+        return matmul_with_hp_or_float8_args.forward(ctx, input_hp, weight_hp_t, linear_mm_config, config)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        input_hp, weight_hp_t = ctx.saved_tensors
+        c = ctx.config
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_input = grad_weight = None
+        if _pass_needs(ctx, 0):  # grad_input = grad_output @ weight
+            grad = _cast(ctx, grad_2d, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1)
+            weight_t = _cast(ctx, weight_hp_t, c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1)
+            grad_input = torch.mm(grad, weight_t.t()).reshape(*grad_output.shape[:-1], -1)
+        if _pass_needs(ctx, 1):  # grad_weight = grad_output^T @ input, as the transposed weight's gradient
+            grad = _cast(ctx, grad_2d, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0)
+            input_2d = _cast(ctx, input_hp.reshape(-1, input_hp.shape[-1]), c.cast_config_input_for_grad_weight,
+                             GemmInputRole.INPUT, 0)
+            grad_weight = torch.mm(grad.t(), input_2d).t()
+        return grad_input, grad_weight, None, None
+
+
+def _pass_needs(ctx, index: int) -> bool:
+    """Whether the running backward pass uses the gradient of the node's input `index`."""
+    node = ctx.next_functions[index][0]
+    return ctx.needs_input_grad[index] and node is not None and torch._C._will_engine_execute_node(node)
+
+
+def _cast(ctx, tensor: torch.Tensor, cast_config, role, axis: int) -> torch.Tensor:
+    """`tensor` as a float8 GEMM operand in `role`, scaled along `axis` if the recipe scales
+    by axis; as it is if already float8 (FSDP's float8 all-gather) or the cast is disabled."""
+    from torchao.float8.config import ScalingType
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+
+    if tensor_already_casted_to_fp8(tensor) or cast_config.scaling_type is ScalingType.DISABLED:
+        return tensor
+    return hp_tensor_to_float8_dynamic(
+        tensor, cast_config.target_dtype, ctx.linear_mm_config, gemm_input_role=role,
+        scaling_granularity=cast_config.scaling_granularity,
+        axiswise_dim=get_maybe_axiswise_dim(axis, cast_config.scaling_granularity),
+        round_scales_to_power_of_2=ctx.config.round_scales_to_power_of_2)

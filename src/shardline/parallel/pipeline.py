@@ -34,6 +34,15 @@ from shardline.models.llama import Llama, ModelArgs
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+_CUSTOM_NODES_SINCE = (2, 13)  # the first torch seen to run a weight pass through custom autograd nodes
+
+
+def split_backward_takes_custom_nodes(torch_version: str = torch.__version__) -> bool:
+    """Whether this torch's split backward (zbv, dualpipev) runs its weight pass through a
+    custom autograd node (a compiled region, a float8 Linear's matmul): 2.13 does; 2.11's
+    `autograd.grad` reads the node's `_input_metadata`, which such nodes refuse."""
+    major_minor = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    return major_minor >= _CUSTOM_NODES_SINCE
 
 
 def prune(model: Llama, keep_layers: set[int], first: bool, last: bool) -> None:
