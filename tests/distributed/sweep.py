@@ -11,11 +11,12 @@ to step 2 and resumes it under overrides B.
 e.g. `python -m tests.distributed.sweep 4 "model.tie_embeddings=1"
 zbv_fsdp="parallel.dp_shard=2 parallel.pp=2 parallel.pp_schedule=zbv parallel.pp_virtual_stages=2
 train.micro_batch_size=1"`. COMMON applies to the one-process reference too (model shape,
-precision, faults); layout keys belong in the cases.
+precision, faults); layout keys belong in the cases. SWEEP_DIR=path keeps the runs there.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -61,8 +62,9 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     cases = dict(arg.split("=", 1) for arg in argv[2:])
+    keep = os.environ.get("SWEEP_DIR")  # keep the runs there (metrics.jsonl, checkpoints) to compare by hand
     with tempfile.TemporaryDirectory(prefix="sweep") as tmp:
-        verdicts = sweep(int(argv[0]), argv[1].split(), cases, Path(tmp))
+        verdicts = sweep(int(argv[0]), argv[1].split(), cases, Path(keep) if keep else Path(tmp))
     for name, verdict in verdicts.items():
         print(f"{name}: {verdict}")
     return 0 if all(v == "ok" for v in verdicts.values()) else 1
