@@ -20,8 +20,10 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
 from shardline.errors import ConfigError  # noqa: E402
 from shardline.models.factory import build_meta_model  # noqa: E402
+from shardline.layout import Layout  # noqa: E402
 from shardline.models.llama import ModelArgs  # noqa: E402
 from shardline.models.moe import MoEArgs  # noqa: E402
+from shardline.models.presets import PRESETS  # noqa: E402
 from shardline.parallel import float8  # noqa: E402
 from shardline.parallel.compile import config_problem as compile_problem  # noqa: E402
 from shardline.precision import autocast  # noqa: E402
@@ -142,14 +144,25 @@ def test_fp8_with_a_split_backward_schedule_needs_torch_2_13(version, schedule, 
     assert float8.config_problem("fp8", 1, schedule, torch_version=version) is None  # no pipeline, no split
 
 
-def test_zbv_passes_preflight_on_this_torch_if_its_split_backward_takes_the_float8_matmul(tiny_config):
+@pytest.mark.parametrize("takes_it", [True, False])
+def test_preflight_and_the_planner_refuse_fp8_under_zbv_where_torch_cannot_split_it(tiny_config, monkeypatch,
+                                                                                    takes_it):
+    """Both ask the same question (the planner marks what `shardline train` would refuse)."""
+    from shardline.planner.layout import Workload
+    from shardline.planner.search import runnable_problem
+
+    monkeypatch.setattr(float8, "split_backward_takes_custom_nodes", lambda *_: takes_it)
     cfg = tiny_config("train.precision=fp8", "parallel.pp=2", "parallel.pp_schedule=zbv",
                       "parallel.pp_virtual_stages=2")
-    if compile_problem(True, 2, "zbv") is None:  # torch >= 2.13
+    lay = Layout(pp=2, pp_schedule="zbv", pp_virtual_stages=2, dp_shard=1, pp_microbatches=8)
+    work = Workload(PRESETS["tiny"], 32, 8, "fp8")
+    if takes_it:
         check_config(cfg)
+        assert runnable_problem(work, lay) is None
     else:
         with pytest.raises(ConfigError, match="needs torch >= 2.13"):
             check_config(cfg)
+        assert "needs torch >= 2.13" in runnable_problem(work, lay)
 
 
 def test_missing_torchao_says_how_to_install(monkeypatch):
@@ -198,6 +211,20 @@ def test_the_split_backward_float8_linear_gives_torchaos_outputs_and_gradients_b
     assert dw.keys() == dw_ao.keys() and all(torch.equal(dw[n], dw_ao[n]) for n in dw)
 
 
+def test_the_split_linear_takes_a_leaf_input_under_autograd_grad_and_pickles():
+    """A pipeline's input pass asks autograd.grad for the stage's received activation, a leaf,
+    which autograd cannot be asked about; and a model with the split Linear saves and loads."""
+    import pickle
+
+    model = built_split()
+    linear = model.layers["0"].attention.wq
+    x = torch.randn(2, 16, DENSE.dim, requires_grad=True)
+    (dx,) = torch.autograd.grad(linear(x).sum(), [x])
+    assert dx.shape == x.shape and dx.abs().sum() > 0
+    again = pickle.loads(pickle.dumps(linear))
+    assert again.forward.args[0] is again and torch.equal(again(x), linear(x))
+
+
 def _count_mm(phase_fn) -> int:
     """aten.mm calls (each float8 GEMM is one, whatever its operands) while `phase_fn` runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -214,8 +241,9 @@ def _count_mm(phase_fn) -> int:
     return Count.n
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("split", [False, True], ids=["torchao", "split"])
-def test_zero_bubble_passes_run_each_float8_backward_gemm_once_with_the_split_linear(split):
+def test_zero_bubble_passes_run_each_float8_backward_gemm_once_with_the_split_linear(split, recipe):
     """zbv/dualpipev's input pass and weight pass each call every float8 Linear's one autograd
     node. torchao's Linear runs both backward GEMMs in each pass (7 Linear layers: 14 + 14,
     the premise of building `_SplitFloat8Matmul`; if torchao splits them one day, this case
@@ -226,7 +254,7 @@ def test_zero_bubble_passes_run_each_float8_backward_gemm_once_with_the_split_li
     if compile_problem(True, 2, "zbv") is not None:  # torch < 2.13: the weight pass refuses any custom Function
         pytest.skip("torch < 2.13 cannot run a split backward over a custom autograd Function")
     # (a copy, as pipeline stages and checkpoints may make: its Linear layers keep their own binding)
-    model = copy.deepcopy(built_split()) if split else built(recipe="tensorwise")
+    model = copy.deepcopy(built_split(recipe)) if split else built(recipe=recipe)
     block, x = model.layers["0"], torch.randn(2, 16, DENSE.dim, requires_grad=True)
     out = block_run(model, x)
     groups = []
@@ -235,7 +263,7 @@ def test_zero_bubble_passes_run_each_float8_backward_gemm_once_with_the_split_li
     weight_mms = _count_mm(lambda: stage_backward_weight(block.parameters(), groups))
     n = len(BLOCK_LINEARS)
     assert (input_mms, weight_mms) == ((n, n) if split else (2 * n, 2 * n))
-    whole = built(recipe="tensorwise")
+    whole = built(recipe=recipe)
     whole_x = x.detach().clone().requires_grad_()
     block_run(whole, whole_x).sum().backward()
     assert torch.equal(x.grad, whole_x.grad)

@@ -33,7 +33,7 @@ def test_single_device_step_is_compute_plus_optimizer():
 
 
 def test_reference_h200_llama_1b_shape():
-    # REFERENCE.md, one H200, Llama-3.2-1B shape, seq 4096, batch 4, bf16 autocast, eager:
+    # The project's reference measurement: one H200, Llama-3.2-1B shape, seq 4096, batch 4, bf16 autocast, eager:
     # HF transformers 41.0% MFU at 71.5 GiB peak allocated; shardline's eager block is the same math.
     w = Workload(PRESETS["llama3.2-1b"], 4096, 4, "bf16", document_mask=False)
     e = estimate(w, Layout(micro_batch_size=4), H200)

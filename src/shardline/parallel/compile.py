@@ -45,7 +45,8 @@ What is compiled, by layout:
   eagerly with their hooks, tensor parallelism's included (tp 2 with sequence parallelism
   under dualpipev trains like eager: tests/distributed/test_compile_parallel.py; with loss
   parallelism under zbv, checked by hand). Under fp8 those eager Linear layers are
-  float8 ones that compute only the gradient a pass asks for (parallel/float8.py).
+  float8 ones that compute only the gradient a pass asks for (parallel/float8.py); their
+  casts are not fused then.
   AOTAutograd's buffer donation is turned off as well
   (process-wide): the input pass keeps the graph (`retain_graph=True`) for the weight
   pass, and a compiled backward that donated its saved buffers refuses that (torch 2.13:

@@ -42,6 +42,12 @@ type"), so they cannot run on CPU ranks, and no multi-GPU NCCL run has checked t
 they would ship untested. They are tensorwise-only anyway
 (torchtitan too keeps the plain styles for rowwise).
 
+Zero-bubble pipeline schedules (zbv, dualpipev) split each backward into an input pass and
+a weight pass through the same autograd nodes; torchao's float8 matmul computes both its
+gradients in every call, so under them each converted Linear is bound to
+`_SplitFloat8Matmul`, whose backward runs only the GEMM the pass asks for (needs torch >=
+2.13, `config_problem`).
+
 Hardware: float8 GEMMs need compute capability >= 8.9 (Ada, Hopper and newer). On a CPU
 the run is *allowed* in torchao's emulation mode (operands quantised to float8 and
 multiplied back in fp32): the same conversion, recipes, FSDP all-gather and scale
@@ -52,8 +58,8 @@ fp32 and gains nothing, which the log line at conversion says; it is for testing
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import types
 
 import torch
 from torch import nn
@@ -157,7 +163,7 @@ def convert(model: nn.Module, recipe: str, emulate: bool, fsdp_all_gather: bool,
     if split_backward:
         for module in model.modules():
             if isinstance(module, Float8Linear):
-                module.forward = types.MethodType(_split_backward_forward, module)
+                module.forward = functools.partial(_split_backward_forward, module)  # picklable, copyable
     if emulate:
         log.warning("train.precision=fp8 on CPU: float8 matmuls are emulated (quantised, multiplied in fp32): "
                     "for testing only, slower than fp32; real fp8 needs a GPU of compute capability >= 8.9")
@@ -172,6 +178,7 @@ def precompute_scales(model: nn.Module) -> None:
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
+@torch.compiler.disable  # eager: the engine query in its backward means nothing in a traced graph
 def _split_backward_forward(linear: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """Float8Linear's forward through `_SplitFloat8Matmul` (bound to each converted Linear
     under a split backward): the same input cast under autocast, matmul and bias."""
@@ -213,7 +220,8 @@ class _SplitFloat8Matmul(torch.autograd.Function):
         if _pass_needs(ctx, 0):  # grad_input = grad_output @ weight
             grad = _cast(ctx, grad_2d, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1)
             weight_t = _cast(ctx, weight_hp_t, c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1)
-            grad_input = torch.mm(grad, weight_t.t()).reshape(*grad_output.shape[:-1], -1)
+            grad_input = torch.mm(grad, weight_t.t())
+            grad_input = grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1])
         if _pass_needs(ctx, 1):  # grad_weight = grad_output^T @ input, as the transposed weight's gradient
             grad = _cast(ctx, grad_2d, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0)
             input_2d = _cast(ctx, input_hp.reshape(-1, input_hp.shape[-1]), c.cast_config_input_for_grad_weight,
@@ -223,9 +231,14 @@ class _SplitFloat8Matmul(torch.autograd.Function):
 
 
 def _pass_needs(ctx, index: int) -> bool:
-    """Whether the running backward pass uses the gradient of the node's input `index`."""
+    """Whether the running backward pass uses the gradient of the node's input `index`.
+    A leaf input (a stage's received activation fed straight to the Linear) cannot be
+    asked about under `autograd.grad`, which the pipeline's passes use: its gradient is
+    computed whenever it requires one (correct, at worst a GEMM the pass did not need)."""
     node = ctx.next_functions[index][0]
-    return ctx.needs_input_grad[index] and node is not None and torch._C._will_engine_execute_node(node)
+    if not ctx.needs_input_grad[index] or node is None:
+        return False
+    return type(node).__name__ == "AccumulateGrad" or torch._C._will_engine_execute_node(node)
 
 
 def _cast(ctx, tensor: torch.Tensor, cast_config, role, axis: int) -> torch.Tensor:

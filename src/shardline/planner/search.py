@@ -33,6 +33,7 @@ from shardline.errors import ConfigError
 from shardline.planner.estimate import Estimate, timed
 from shardline.planner.hardware import Hardware
 from shardline.layout import Layout
+from shardline.parallel import float8
 from shardline.planner.layout import Workload, layout_problem
 from shardline.planner.memory import GiB, host_fits, largest_term, memory_breakdown
 from shardline.planner.pipeline import VIRTUAL_STAGES
@@ -248,6 +249,9 @@ def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult
 
 def runnable_problem(work: Workload, layout: Layout) -> str | None:
     """Why `shardline train` cannot run this layout today, or None: the trainer's own rules
-    (shardline.layout), which `train --dry-run` applies too."""
+    (shardline.layout), which `train --dry-run` applies too, and what this torch cannot run
+    (fp8 under a split backward before torch 2.13, as preflight refuses it)."""
     problem = layout_problem(work, layout, runnable=True)
-    return problem[1] if problem else None
+    if problem:
+        return problem[1]
+    return float8.config_problem(work.precision, layout.pp, layout.pp_schedule)
