@@ -56,7 +56,7 @@ def register(sub) -> None:
 
     cal = sub.add_parser("calibrate", help="measure this machine and write a hardware profile")
     cal.add_argument("--out", default="calibration.toml", help="profile to write (default calibration.toml)")
-    cal.add_argument("--quick", action="store_true", help="fewer sizes (~90 s)")
+    cal.add_argument("--quick", action="store_true", help="fewer sizes (~5 min on 2 cores, the full run ~21 min)")
     cal.add_argument("--no-comm", action="store_true", help="skip the gloo collective measurements")
     cal.add_argument("--threads", type=int, metavar="N",
                      help="torch threads (CPU; default torch's). 1 times with CPU time: robust on a busy machine")
