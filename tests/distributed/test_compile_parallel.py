@@ -24,6 +24,9 @@ from shardline.parallel.compile import config_problem as compile_problem
 from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, free_port, gloo_rank, losses, start_ranks
 
 TP_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+# Training only: evaluation would compile each block again as a no_grad graph (~30% of a cold
+# compile); tests/unit/test_compile.py checks compiled evaluation.
+NO_EVAL = "train.eval_interval=0"
 
 
 def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
@@ -72,7 +75,7 @@ OTHER_LAYOUTS = {
 def test_compiled_blocks_train_like_eager_under_tp_fsdp_pp_and_cp(tmp_path, small_prepared):
     """TP with SP, plain and under op AC: one graph a block, its collectives traced in; FSDP,
     1F1B: compiled blocks, nothing breaking; the cp ring: breaking only around the ring."""
-    base = [*PARITY_OVERRIDES, f"data.path={small_prepared}"]
+    base = [*PARITY_OVERRIDES, f"data.path={small_prepared}", NO_EVAL]
     runs = {"compiled": [*TP_SP, "train.compile=true"],
             "compiled_op_ac": [*TP_SP, "train.compile=true", "memory.activation_checkpoint=op"],
             **{name: [*extra, "train.compile=true"] for name, extra in OTHER_LAYOUTS.items()}}
@@ -108,7 +111,7 @@ def test_compiled_tensor_parallel_blocks_under_dualpipev_train_like_eager(tmp_pa
     weight pass gives eager's gradients."""
     layout = [*TP_SP, "parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
               "train.micro_batch_size=1"]
-    base = [*PARITY_OVERRIDES, f"data.path={small_prepared}", *layout]
+    base = [*PARITY_OVERRIDES, f"data.path={small_prepared}", NO_EVAL, *layout]
     jobs = [(str(tmp_path / "eager"), base), (str(tmp_path / "compiled"), [*base, "train.compile=true"])]
     start_ranks(_worker, args=(4, free_port(), jobs), nprocs=4)
     want, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")

@@ -22,15 +22,27 @@ from tests.distributed.harness import (
     run_world,
 )
 
+# Two blocks where the layout needs no more (one a stage at pp 2): a run's cost grows with its
+# blocks (a 3-step FSDP 2 x TP 2 run took 5.3 s with four, 2.6 s with two, on 2 cores). Four
+# where it does: pp 4, and two stages a rank (interleaved, zbv, dualpipev). Each run is compared
+# with one process of its own model (`single`).
+SHALLOW = "model.n_layers=2"
+TIE = "model.tie_embeddings=1"
+# The chunked loss (train.loss_chunk_tokens; 24 does not divide a micro-batch's 64 tokens, so
+# the last chunk is short) on vocab-sharded logits, on a pipeline's last stage and under FSDP
+# with full AC. Those paths' unchunked losses run in TIED_2, test_cpu_offload and test_fp16;
+# one process's chunked loss against the plain one in tests/unit/test_loss.py.
+CHUNK = "train.loss_chunk_tokens=24"
 LAYOUTS_2 = {
-    "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.loss_parallel=false"],
-    "tp2_sp": ["parallel.tp=2", "parallel.loss_parallel=false"],
-    "tp2_sp_lossparallel": ["parallel.tp=2"],
-    "zero3_ac_full_foreach": ["parallel.dp_shard=2", "memory.activation_checkpoint=full",
-                              "optim.implementation=foreach"],
-    "zero3_ac_op_async_ckpt": ["parallel.dp_shard=2", "memory.activation_checkpoint=op", "checkpoint.mode=async"],
-    "pp2_gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
-    "pp2_1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "tp2": [SHALLOW, "parallel.tp=2", "parallel.sequence_parallel=false", "parallel.loss_parallel=false"],
+    "tp2_sp": [SHALLOW, "parallel.tp=2", "parallel.loss_parallel=false"],
+    "tp2_sp_lossparallel_chunked": [SHALLOW, "parallel.tp=2", CHUNK],
+    "zero3_ac_full_foreach_chunked": [SHALLOW, "parallel.dp_shard=2", "memory.activation_checkpoint=full",
+                                      "optim.implementation=foreach", CHUNK],
+    "zero3_ac_op_async_ckpt": [SHALLOW, "parallel.dp_shard=2", "memory.activation_checkpoint=op",
+                               "checkpoint.mode=async"],
+    "pp2_gpipe": [SHALLOW, "parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    "pp2_1f1b_chunked": [SHALLOW, "parallel.pp=2", "parallel.pp_schedule=1f1b", CHUNK],
     "pp2_interleaved_v2": ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"],
     "pp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"],
     "pp2_dualpipev": ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2"],
@@ -39,14 +51,14 @@ LAYOUTS_2 = {
 # vocab-sharded weight; under PP a copy on the last stage whose gradient is summed with
 # the first stage's (1f1b), or one weight on the rank holding both ends (zbv).
 TIED_2 = {
-    "tp2_tied": ["parallel.tp=2", "model.tie_embeddings=1"],
-    "pp2_1f1b_tied": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "model.tie_embeddings=1"],
-    "pp2_zbv_tied": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
-                     "model.tie_embeddings=1"],
+    "tp2_tied": [SHALLOW, "parallel.tp=2", TIE],
+    "pp2_1f1b_tied": [SHALLOW, "parallel.pp=2", "parallel.pp_schedule=1f1b", TIE],
+    "pp2_zbv_tied": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2", TIE],
 }
 # Tied resharding resume: a pipeline checkpoint (one tied weight in it) resumed under
 # FSDP, and the other way round; and by the same pipeline, whose ranks hold different
 # parameters (each must load its own optimizer groups' names, not the saving rank's).
+# Two blocks (SHALLOW), as every resharding resume below.
 TIED_RESHARD_2 = [
     ("tied_pp_to_fsdp", ["parallel.pp=2", "train.stop_at_step=2"], ["parallel.dp_shard=2"]),
     ("tied_fsdp_to_pp", ["parallel.dp_shard=2", "train.stop_at_step=2"], ["parallel.pp=2"]),
@@ -56,17 +68,17 @@ TIED_RESHARD_2 = [
 # resharding resumes below (tp_to_ddp, zero3_to_*), which compare every step's loss, the
 # evaluation and the final parameters; FSDP 2 x PP 2 also runs whole with tied embeddings.
 LAYOUTS_4 = {
-    "ddp_grad_accum": ["parallel.dp_replicate=4", "parallel.dp_shard=1", "train.micro_batch_size=1"],
+    "ddp_grad_accum": [SHALLOW, "parallel.dp_replicate=4", "parallel.dp_shard=1", "train.micro_batch_size=1"],
     # ZeRO-1 with the fused AdamW gated by the device-side anomaly check (no host sync)
-    "zero1_fused_device_check": ["parallel.dp_shard=4", "parallel.zero=1", "optim.implementation=fused",
+    "zero1_fused_device_check": [SHALLOW, "parallel.dp_shard=4", "parallel.zero=1", "optim.implementation=fused",
                                  "anomaly.check_on=device"],
     # ZeRO-1 with TP / PP: states sharded over the dp group of each (tp, pp) coordinate,
     # gradients reduce-scattered by the optimizer, no DDP wrapper (parallel/zero1.py)
-    "zero1_tp2": ["parallel.dp_shard=2", "parallel.zero=1", "parallel.tp=2"],
-    "zero1_pp2": ["parallel.dp_shard=2", "parallel.zero=1", "parallel.pp=2"],
-    "zero2": ["parallel.dp_shard=4", "parallel.zero=2"],
-    "hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
-    "fsdp2_tp2_async_ckpt_foreach": ["parallel.dp_shard=2", "parallel.tp=2", "checkpoint.mode=async",
+    "zero1_tp2": [SHALLOW, "parallel.dp_shard=2", "parallel.zero=1", "parallel.tp=2"],
+    "zero1_pp2": [SHALLOW, "parallel.dp_shard=2", "parallel.zero=1", "parallel.pp=2"],
+    "zero2": [SHALLOW, "parallel.dp_shard=4", "parallel.zero=2"],
+    "hsdp_2x2": [SHALLOW, "parallel.dp_replicate=2", "parallel.dp_shard=2"],
+    "fsdp2_tp2_async_ckpt_foreach": [SHALLOW, "parallel.dp_shard=2", "parallel.tp=2", "checkpoint.mode=async",
                                      "optim.implementation=foreach"],
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                 "parallel.pp_virtual_stages=2"],
@@ -76,18 +88,18 @@ LAYOUTS_4 = {
 # holding both ends keeps a copy in its last stage's FSDP unit, summed in place; stopped and
 # resumed (the copy's optimizer state saved once).
 ZBV_FSDP_TIED = ["parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
-                 "model.tie_embeddings=1"]
+                 TIE]
 TIED_4 = {
-    "fsdp2_pp2_tied": ["parallel.dp_shard=2", "parallel.pp=2", "model.tie_embeddings=1"],
-    "tp2_pp2_tied": ["parallel.tp=2", "parallel.pp=2", "model.tie_embeddings=1"],
-    "pp4_tied": ["parallel.pp=4", "model.tie_embeddings=1"],
+    "fsdp2_pp2_tied": [SHALLOW, "parallel.dp_shard=2", "parallel.pp=2", TIE],
+    "tp2_pp2_tied": [SHALLOW, "parallel.tp=2", "parallel.pp=2", TIE],
+    "pp4_tied": ["parallel.pp=4", TIE],
 }
 LAYOUTS_8 = {
-    "fsdp2_tp2_pp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2"],
-    "zero1_tp2_pp2": ["parallel.dp_shard=2", "parallel.zero=1", "parallel.tp=2", "parallel.pp=2"],
+    "fsdp2_tp2_pp2": [SHALLOW, "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2"],
+    "zero1_tp2_pp2": [SHALLOW, "parallel.dp_shard=2", "parallel.zero=1", "parallel.tp=2", "parallel.pp=2"],
 }
 ZERO1_TP_PP = ["zero1_tp2", "zero1_pp2", pytest.param("zero1_tp2_pp2", marks=pytest.mark.slow)]
-# Resharding resume: the first half under one layout, the second under another.
+# Resharding resume (two blocks): the first half under one layout, the second under another.
 RESHARD_4 = [
     ("zero3_to_tp", ["parallel.dp_shard=4", "train.stop_at_step=2", "checkpoint.mode=async"],
      ["parallel.dp_shard=2", "parallel.tp=2"]),
@@ -120,18 +132,30 @@ def _emit_zero1_tp2_pp2(corpus, path: Path) -> None:
     assert code == 0
 
 
+def _model(overrides: list[str]) -> tuple[str, ...]:
+    """The model overrides of a layout's run: what its one-process reference must share."""
+    return tuple(o for o in overrides if o.startswith("model."))
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, small_prepared):
-    run = tmp_path_factory.mktemp("reference")
-    Trainer(load_config(None, [*_base(small_prepared), f"run.dir={run}"])).build().train()
+def single(tmp_path_factory, small_prepared):
+    """single(*model_overrides): the one-process run of the parity setting with that model,
+    trained on first use (each distinct model once)."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(*model: str) -> Path:
+        key = tuple(sorted(model))
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("single")
+            Trainer(load_config(None, [*_base(small_prepared), *key, f"run.dir={runs[key]}"])).build().train()
+        return runs[key]
+
     return run
 
 
 @pytest.fixture(scope="module")
-def reference_tied(tmp_path_factory, small_prepared):
-    run = tmp_path_factory.mktemp("reference_tied")
-    Trainer(load_config(None, [*_base(small_prepared), "model.tie_embeddings=1", f"run.dir={run}"])).build().train()
-    return run
+def reference(single):
+    return single()
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +163,7 @@ def world2(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("world2")
     layouts = {**LAYOUTS_2, **TIED_2}
     jobs = [(root / name, [*_base(small_prepared), *extra]) for name, extra in layouts.items()]
-    tied = [*_base(small_prepared), "model.tie_embeddings=1"]
+    tied = [*_base(small_prepared), SHALLOW, TIE]
     for name, first, second in TIED_RESHARD_2:
         jobs += [(root / name, [*tied, *first]), (root / name, [*tied, *second])]
     run_world(2, jobs)
@@ -149,14 +173,14 @@ def world2(tmp_path_factory, small_prepared):
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("world4")
-    jobs = [(root / name, [*_base(small_prepared), *extra]) for name, extra in {**LAYOUTS_4, **TIED_4}.items()]
+    base = _base(small_prepared)
+    jobs = [(root / name, [*base, *extra]) for name, extra in {**LAYOUTS_4, **TIED_4}.items()]
     for name, first, second in RESHARD_4:
-        jobs += [(root / name, [*_base(small_prepared), *first]), (root / name, [*_base(small_prepared), *second])]
-    jobs.append((root / ZERO1_TO_SINGLE, [*_base(small_prepared), *LAYOUTS_4["zero1_tp2"], HALF]))
-    jobs += [(root / "zbv_fsdp_tied", [*_base(small_prepared), *ZBV_FSDP_TIED, HALF]),
-             (root / "zbv_fsdp_tied", [*_base(small_prepared), *ZBV_FSDP_TIED])]
+        jobs += [(root / name, [*base, SHALLOW, *first]), (root / name, [*base, SHALLOW, *second])]
+    jobs.append((root / ZERO1_TO_SINGLE, [*base, *LAYOUTS_4["zero1_tp2"], HALF]))
+    jobs += [(root / "zbv_fsdp_tied", [*base, *ZBV_FSDP_TIED, HALF]), (root / "zbv_fsdp_tied", [*base, *ZBV_FSDP_TIED])]
     run_world(4, jobs)
-    Trainer(load_config(None, [*_base(small_prepared), f"run.dir={root / ZERO1_TO_SINGLE}"])).build().train()
+    Trainer(load_config(None, [*base, SHALLOW, f"run.dir={root / ZERO1_TO_SINGLE}"])).build().train()
     return root
 
 
@@ -164,7 +188,7 @@ def world4(tmp_path_factory, small_prepared):
 def world8(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("world8")
     jobs = [(root / name, [*_base(small_prepared), *extra]) for name, extra in LAYOUTS_8.items()]
-    tied = [*_base(small_prepared), "model.tie_embeddings=1"]
+    tied = [*_base(small_prepared), SHALLOW, TIE]
     Trainer(load_config(None, [*tied, HALF, f"run.dir={root / SINGLE_TO_ZERO1}"])).build().train()
     jobs.append((root / SINGLE_TO_ZERO1, [*tied, *LAYOUTS_8["zero1_tp2_pp2"]]))
     # The plan `shardline plan --emit-config` writes, and the same config in one process.
@@ -184,30 +208,32 @@ def test_harness_detects_a_different_run(tmp_path, small_prepared, reference):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
-def test_world2_layout_matches_single_process(world2, reference, layout):
-    assert_same_run(world2 / layout, reference)
+def test_world2_layout_matches_single_process(world2, single, layout):
+    assert_same_run(world2 / layout, single(*_model(LAYOUTS_2[layout])))
 
 
 @pytest.mark.parametrize("layout", list(TIED_2))
-def test_world2_tied_embeddings_match_single_process(world2, reference_tied, layout):
-    assert_same_run(world2 / layout, reference_tied)
+def test_world2_tied_embeddings_match_single_process(world2, single, layout):
+    reference = single(*_model(TIED_2[layout]))
+    assert_same_run(world2 / layout, reference)
     # The tied weight counts once in the clipped norm (twice would still clip, differently).
-    assert_same_grad_norms(world2 / layout, reference_tied)
+    assert_same_grad_norms(world2 / layout, reference)
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in TIED_RESHARD_2])
-def test_tied_resume_under_another_layout_continues_the_run(world2, reference_tied, name):
+def test_tied_resume_under_another_layout_continues_the_run(world2, single, name):
     assert sorted(losses(world2 / name)) == ALL_STEPS
-    assert_same_run(world2 / name, reference_tied)
+    assert_same_run(world2 / name, single(SHALLOW, TIE))
 
 
 @pytest.mark.parametrize("layout", [*TIED_4, "zbv_fsdp_tied"])
-def test_world4_tied_pipeline_compositions_match_single_process(world4, reference_tied, layout):
-    assert_same_run(world4 / layout, reference_tied)
-    assert_same_grad_norms(world4 / layout, reference_tied)
+def test_world4_tied_pipeline_compositions_match_single_process(world4, single, layout):
+    reference = single(*_model({**TIED_4, "zbv_fsdp_tied": ZBV_FSDP_TIED}[layout]))
+    assert_same_run(world4 / layout, reference)
+    assert_same_grad_norms(world4 / layout, reference)
 
 
-def test_convert_exports_a_tied_pipelined_checkpoint(world2, reference_tied, tmp_path):
+def test_convert_exports_a_tied_pipelined_checkpoint(world2, single, tmp_path):
     import json
 
     from safetensors.torch import load_file
@@ -219,45 +245,45 @@ def test_convert_exports_a_tied_pipelined_checkpoint(world2, reference_tied, tmp
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
     hf = load_file(out / "model.safetensors")
     assert "lm_head.weight" not in hf
-    ref = final_params(reference_tied)
+    ref = final_params(single(*_model(TIED_2["pp2_1f1b_tied"])))
     assert (hf["model.embed_tokens.weight"] - ref["tok_embeddings.weight"]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
-def test_world4_layout_matches_single_process(world4, reference, layout):
+def test_world4_layout_matches_single_process(world4, single, layout):
     # ddp_grad_accum runs micro-batches of 1: its evaluation takes the same sequences all the same
-    assert_same_run(world4 / layout, reference)
+    assert_same_run(world4 / layout, single(*_model(LAYOUTS_4[layout])))
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in RESHARD_4])
-def test_resume_under_another_layout_continues_the_run(world4, reference, name):
+def test_resume_under_another_layout_continues_the_run(world4, single, name):
     assert sorted(losses(world4 / name)) == ALL_STEPS  # two halves, one log
-    assert_same_run(world4 / name, reference)
+    assert_same_run(world4 / name, single(SHALLOW))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS_8))
-def test_world8_layout_matches_single_process(world8, reference, layout):
-    assert_same_run(world8 / layout, reference)
+def test_world8_layout_matches_single_process(world8, single, layout):
+    assert_same_run(world8 / layout, single(*_model(LAYOUTS_8[layout])))
 
 
 @pytest.mark.parametrize("layout", ZERO1_TP_PP)
-def test_zero1_with_tp_pp_clips_by_the_single_process_norm(request, reference, layout):
+def test_zero1_with_tp_pp_clips_by_the_single_process_norm(request, single, layout):
     # Each dp_shard rank holds the summed gradient of its slices only: the norm adds them up.
     world = request.getfixturevalue("world8" if layout in LAYOUTS_8 else "world4")
-    assert_same_grad_norms(world / layout, reference)
+    assert_same_grad_norms(world / layout, single(*_model({**LAYOUTS_4, **LAYOUTS_8}[layout])))
 
 
-def test_zero1_tp2_checkpoint_resumes_in_one_process(world4, reference):
+def test_zero1_tp2_checkpoint_resumes_in_one_process(world4, single):
     assert sorted(losses(world4 / ZERO1_TO_SINGLE)) == ALL_STEPS  # two halves, one log
-    assert_same_run(world4 / ZERO1_TO_SINGLE, reference)
+    assert_same_run(world4 / ZERO1_TO_SINGLE, single(SHALLOW))
 
 
 @pytest.mark.slow
-def test_one_process_tied_checkpoint_resumes_under_zero1_tp2_pp2(world8, reference_tied):
+def test_one_process_tied_checkpoint_resumes_under_zero1_tp2_pp2(world8, single):
     assert sorted(losses(world8 / SINGLE_TO_ZERO1)) == ALL_STEPS
-    assert_same_run(world8 / SINGLE_TO_ZERO1, reference_tied)
-    assert_same_grad_norms(world8 / SINGLE_TO_ZERO1, reference_tied)
+    assert_same_run(world8 / SINGLE_TO_ZERO1, single(SHALLOW, TIE))
+    assert_same_grad_norms(world8 / SINGLE_TO_ZERO1, single(SHALLOW, TIE))
 
 
 @pytest.mark.slow
@@ -268,7 +294,7 @@ def test_emitted_zero1_tp2_pp2_plan_trains_like_one_process(world8):
     assert_same_run(world8 / "plan", world8 / "plan_single")
 
 
-def test_convert_exports_a_pipelined_checkpoint(world4, reference, tmp_path):
+def test_convert_exports_a_pipelined_checkpoint(world4, single, tmp_path):
     from safetensors.torch import load_file
 
     from shardline.interop.convert import checkpoint_to_hf
@@ -276,8 +302,8 @@ def test_convert_exports_a_pipelined_checkpoint(world4, reference, tmp_path):
 
     out = checkpoint_to_hf(world4 / "zero3_to_pp", tmp_path / "hf")  # its last save: FSDP 2 x PP 2
     hf = load_file(out / "model.safetensors")
-    ref = final_params(reference)
-    assert hf["model.layers.3.mlp.down_proj.weight"].shape == ref["layers.3.feed_forward.w2.weight"].shape
-    for ours, theirs in [("layers.3.feed_forward.w2.weight", "model.layers.3.mlp.down_proj.weight"),
+    ref = final_params(single(SHALLOW))  # block 1 lives on the second stage
+    assert hf["model.layers.1.mlp.down_proj.weight"].shape == ref["layers.1.feed_forward.w2.weight"].shape
+    for ours, theirs in [("layers.1.feed_forward.w2.weight", "model.layers.1.mlp.down_proj.weight"),
                          ("tok_embeddings.weight", "model.embed_tokens.weight"), ("output.weight", "lm_head.weight")]:
         assert (hf[theirs] - ref[ours]).abs().max() < 1e-5

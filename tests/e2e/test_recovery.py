@@ -46,6 +46,11 @@ def test_killed_rank_recovers_with_identical_losses(tmp_path, small_prepared, la
     clean = tmp_path / "clean"
     out = torchrun(nproc, *[f"--{o}" for o in tiny_overrides(clean, small_prepared, *common)])
     assert out.returncode == 0, out.stderr[-2000:]
+    # The clean run as a user sees it: rank 0 alone logs, each step once, in order, and every
+    # rank's trainer state is in the last checkpoint.
+    assert [r["step"] for r in records(clean) if r["kind"] == "train"] == list(range(1, 13))
+    trainer_files = {p.name for p in (clean / "checkpoints" / "step-000012" / "trainer").iterdir()}
+    assert {f"rank{r}.pt" for r in range(nproc)} <= trainer_files, trainer_files
     expected = train_losses(clean)
 
     if layout in FROM_DISK:
