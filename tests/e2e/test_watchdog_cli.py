@@ -13,10 +13,10 @@ def events(run) -> list[dict]:
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "event"]
 
 
-def test_hang_is_detected_dumped_and_named(tmp_path, small_corpus):
+def test_hang_is_detected_dumped_and_named(tmp_path, small_prepared):
     run = tmp_path / "run"
     out = torchrun(2, *[f"--{o}" for o in tiny_overrides(
-        run, small_corpus, "parallel.dp_replicate=2", "parallel.dp_shard=1", "watchdog.timeout_s=3",
+        run, small_prepared, "parallel.dp_replicate=2", "parallel.dp_shard=1", "watchdog.timeout_s=3",
         "faults.hang_rank=1", "faults.hang_step=5")])
     assert out.returncode != 0
     hang = [e for e in events(run) if e["event"] == "hang"]
@@ -29,12 +29,12 @@ def test_hang_is_detected_dumped_and_named(tmp_path, small_corpus):
     assert "before_step" in (dump / "rank1.txt").read_text()  # where the hung rank sleeps
 
 
-def test_slow_rank_is_reported_as_straggler(tmp_path, small_corpus):
+def test_slow_rank_is_reported_as_straggler(tmp_path, small_prepared):
     # Rank 0's watchdog judges peers once per poll (1 s): the run must last a few polls,
     # or a fast machine finishes before the slow steps are ever compared.
     run = tmp_path / "run"
     out = torchrun(2, *[f"--{o}" for o in tiny_overrides(
-        run, small_corpus, "parallel.dp_replicate=2", "parallel.dp_shard=1", "watchdog.timeout_s=60",
+        run, small_prepared, "parallel.dp_replicate=2", "parallel.dp_shard=1", "watchdog.timeout_s=60",
         "watchdog.straggler_steps=3", "faults.slow_rank=1", "faults.slow_factor=4", "train.steps=60")])
     # On failure show the workers' own errors, not only torchrun's summary at the end.
     clues = [line for line in out.stderr.splitlines() if "rror" in line or "terminate" in line or "what()" in line]
@@ -47,15 +47,15 @@ def _report(run) -> dict:
     return json.loads((next(run.glob("hang-*")) / "report.json").read_text())
 
 
-def test_hang_while_restoring_is_reported_by_phase(tmp_path, small_corpus):
+def test_hang_while_restoring_is_reported_by_phase(tmp_path, small_prepared):
     # A stuck restore (a hung filesystem, a peer that never answers) used to hang the job
     # for ever: the watchdog only started with the first step.
     run = tmp_path / "run"
-    first = shardline("train", *[f"--{o}" for o in tiny_overrides(run, small_corpus, "train.steps=2",
+    first = shardline("train", *[f"--{o}" for o in tiny_overrides(run, small_prepared, "train.steps=2",
                                                                    "checkpoint.interval=2", "train.eval_interval=0")])
     assert first.returncode == 0, first.stderr[-2000:]
     hung = shardline("train", *[f"--{o}" for o in tiny_overrides(
-        run, small_corpus, "train.steps=4", "checkpoint.interval=2", "train.eval_interval=0",
+        run, small_prepared, "train.steps=4", "checkpoint.interval=2", "train.eval_interval=0",
         "watchdog.timeout_s=1", "watchdog.long_timeout_s=2", "faults.hang_rank=0", "faults.hang_phase=restore")])
     assert hung.returncode == 4, hung.stderr[-2000:]
     assert "stopped in restore (after step 0)" in hung.stderr
@@ -64,10 +64,10 @@ def test_hang_while_restoring_is_reported_by_phase(tmp_path, small_corpus):
     assert "in_phase" in (next(run.glob("hang-*")) / "rank0.txt").read_text()
 
 
-def test_hang_in_the_final_drain_is_reported_by_phase(tmp_path, small_corpus):
+def test_hang_in_the_final_drain_is_reported_by_phase(tmp_path, small_prepared):
     run = tmp_path / "run"
     hung = shardline("train", *[f"--{o}" for o in tiny_overrides(
-        run, small_corpus, "train.steps=3", "checkpoint.interval=3", "checkpoint.mode=async",
+        run, small_prepared, "train.steps=3", "checkpoint.interval=3", "checkpoint.mode=async",
         "train.eval_interval=0", "watchdog.timeout_s=30", "watchdog.long_timeout_s=2",
         "faults.hang_rank=0", "faults.hang_phase=drain")])
     assert hung.returncode == 4, hung.stderr[-2000:]

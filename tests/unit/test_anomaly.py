@@ -62,9 +62,9 @@ def test_rollback_equals_a_run_that_never_saw_the_bad_batch(tiny_config, tmp_pat
     assert event["checkpoint"].startswith("memory tier step 3" if tier == "memory" else str(tmp_path))
 
 
-def test_halt_exits_3_with_a_report_and_keeps_the_state(tmp_path, small_corpus, capsys):
+def test_halt_exits_3_with_a_report_and_keeps_the_state(tmp_path, small_prepared, capsys):
     run = tmp_path / "run"
-    code = main(["train", *[f"--{o}" for o in tiny_overrides(run, small_corpus, "faults.nan_step=5",
+    code = main(["train", *[f"--{o}" for o in tiny_overrides(run, small_prepared, "faults.nan_step=5",
                                                               "anomaly.action=halt")]])
     assert code == 3
     err = capsys.readouterr().err

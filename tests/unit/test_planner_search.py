@@ -132,11 +132,11 @@ def test_search_over_16384_gpus_ranks_fitting_layouts():
     assert best.layout.world == 16384 and best.fits and 0.2 < best.mfu < 0.6
 
 
-def test_emitted_tiny_plan_trains(tmp_path, small_corpus):
+def test_emitted_tiny_plan_trains(tmp_path, small_prepared):
     path = tmp_path / "tiny.toml"
     run = tmp_path / "run"
     code = main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "1", "--seq-len", "64", "--global-batch", "8",
-                 "--emit-config", str(path), f"--data.path={small_corpus}", "--data.vocab_size=512",
+                 "--emit-config", str(path), f"--data.path={small_prepared}", "--data.vocab_size=512",
                  f"--run.dir={run}", "--train.steps=2", "--train.eval_interval=0", "--checkpoint.interval=0",
                  "--metrics.progress=none", "--metrics.tensorboard=false", "--model.dim=64", "--model.n_layers=2"])
     assert code == 0

@@ -65,9 +65,9 @@ def launch(run: Path, corpus: Path, nproc: int, *extra: str) -> subprocess.Popen
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_corpus):
+def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_prepared):
     run = tmp_path / "run"
-    proc = launch(run, small_corpus, 1)
+    proc = launch(run, small_prepared, 1)
     wait_for_step(run, proc, 3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -77,7 +77,7 @@ def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_corpus)
     assert verify(Path(event["checkpoint"]))["step"] == event["step"] >= 3
     assert not (run / ".lock").exists()
     again = subprocess.run([sys.executable, "-m", "shardline", "train",
-                            *[f"--{o}" for o in tiny_overrides(run, small_corpus, "train.steps=100000",
+                            *[f"--{o}" for o in tiny_overrides(run, small_prepared, "train.steps=100000",
                                                                "checkpoint.interval=1000", "train.eval_interval=0",
                                                                f"train.stop_at_step={event['step'] + 2}")]],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -86,9 +86,9 @@ def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_corpus)
     assert resumed and resumed[-1]["step"] == event["step"]
 
 
-def test_under_torchrun_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, small_corpus):
+def test_under_torchrun_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, small_prepared):
     run = tmp_path / "run"
-    proc = launch(run, small_corpus, 2, "parallel.dp_shard=2")
+    proc = launch(run, small_prepared, 2, "parallel.dp_shard=2")
     wait_for_step(run, proc, 3)
     workers = subprocess.run(["pgrep", "-f", f"run.dir={run}"], capture_output=True, text=True).stdout.split()
     ranks = [int(p) for p in workers if int(p) != proc.pid]

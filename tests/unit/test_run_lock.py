@@ -76,11 +76,11 @@ def test_trainer_refuses_a_run_dir_in_use_and_writes_nothing(tiny_config, tmp_pa
     assert sorted(p.name for p in run.iterdir()) == [LOCK]
 
 
-def test_two_real_runs_on_one_run_dir(tmp_path, small_corpus):
+def test_two_real_runs_on_one_run_dir(tmp_path, small_prepared):
     """A runs; B on the same dir exits 2 with one line; A is killed; C takes the stale lock."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "shardline", "train"]
-    args = [f"--{o}" for o in tiny_overrides(run, small_corpus, "checkpoint.interval=0", "train.eval_interval=0")]
+    args = [f"--{o}" for o in tiny_overrides(run, small_prepared, "checkpoint.interval=0", "train.eval_interval=0")]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     a = subprocess.Popen([*cmd, *args, "--train.steps=100000"], env=env, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
