@@ -60,7 +60,9 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise ShardlineError(f"convert takes no config overrides, got {' '.join(overrides)}")
-    convert(args.direction, args.src, args.dst)
+    if args.dtype and args.direction != "to-hf":
+        raise ShardlineError("convert --dtype applies to to-hf only (from-hf keeps float32 master weights)")
+    convert(args.direction, args.src, args.dst, args.dtype)
     return 0
 
 
@@ -113,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="to-hf: checkpoint (or run dir) -> HF folder; from-hf: HF folder -> checkpoint")
     convert.add_argument("src")
     convert.add_argument("dst")
+    convert.add_argument("--dtype", default="", choices=["float32", "bfloat16", "float16"],
+                         help="to-hf: the weights' dtype on disk (default: the HF folder's the checkpoint came "
+                              "from, else float32)")
     convert.set_defaults(func=_convert)
     _register_feature_commands(sub)
     return parser

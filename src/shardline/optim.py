@@ -42,11 +42,12 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimConfig) -> float:
     if cfg.schedule == "constant":
         return 1.0
     if cfg.schedule == "wsd":  # warmup-stable-decay: flat, then linear decay at the end
-        decay_steps = max(1, round(total_steps * cfg.decay_fraction))
-        decay_start = total_steps - decay_steps
+        # The decay starts after the warmup even where decay_fraction asks for more steps
+        # than the warmup leaves (the multiplier never jumps down).
+        decay_start = max(warmup, total_steps - max(1, round(total_steps * cfg.decay_fraction)))
         if step < decay_start:
             return 1.0
-        return 1.0 - (1.0 - floor) * min(1.0, (step - decay_start + 1) / decay_steps)
+        return 1.0 - (1.0 - floor) * min(1.0, (step - decay_start + 1) / max(1, total_steps - decay_start))
     progress = min(1.0, (step - warmup + 1) / max(1, total_steps - warmup))
     if cfg.schedule == "linear":
         return 1.0 - (1.0 - floor) * progress
@@ -55,6 +56,20 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimConfig) -> float:
 
 def build_scheduler(opt: torch.optim.Optimizer, total_steps: int, cfg: OptimConfig):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_multiplier(step, total_steps, cfg))
+
+
+def apply_hyperparameters(opt: torch.optim.Optimizer, scheduler, cfg: OptimConfig) -> dict[str, list]:
+    """After a resume, the config's lr, betas, eps and weight decay apply, not the checkpoint's
+    (which loading the optimizer and the schedule brought back): resuming with a lower
+    optim.lr after a loss spike lowers it. Returns what changed, {key: [saved, now]}."""
+    saved = {"lr": scheduler.base_lrs[0], "beta1": opt.param_groups[0]["betas"][0],
+             "beta2": opt.param_groups[0]["betas"][1], "eps": opt.param_groups[0]["eps"],
+             "weight_decay": opt.param_groups[0]["weight_decay"]}
+    scheduler.base_lrs = [cfg.lr for _ in opt.param_groups]
+    for i, group in enumerate(opt.param_groups):  # build_optimizer's order: decayed, then not
+        group.update(initial_lr=cfg.lr, lr=cfg.lr * scheduler.lr_lambdas[i](scheduler.last_epoch),
+                     betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay if i == 0 else 0.0)
+    return {key: [value, getattr(cfg, key)] for key, value in saved.items() if value != getattr(cfg, key)}
 
 
 @torch.no_grad()

@@ -71,12 +71,15 @@ def starting_shape(m: ModelConfig) -> ModelArgs | None:
 
 def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = None) -> ModelArgs:
     """Preset (or the starting weights' shape) + [model] and [moe] overrides, checked against the tokenizer."""
-    args = starting_shape(m) or get_preset(m.preset)
+    start = starting_shape(m)
+    args = start or get_preset(m.preset)
     changes = {k: getattr(m, k) for k in _SHAPE_KEYS if getattr(m, k)}
     if moe is not None and moe.overrides():
         changes["moe"] = moe_shape(args.moe, moe.overrides())
     if m.tie_embeddings >= 0:
         changes["tie_embeddings"] = bool(m.tie_embeddings)
+    if start is not None:
+        _check_weights_fit(m, start, dataclasses.replace(start, **changes))
     if not args.vocab_size and "vocab_size" not in changes:
         changes["vocab_size"] = tokenizer_vocab  # tiny presets size their vocabulary to the tokenizer
     args = dataclasses.replace(args, **changes)
@@ -87,6 +90,28 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
         raise ConfigError(f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer_vocab} tokens; set model.vocab_size >= {tokenizer_vocab}")
     return args
+
+
+# What decides which tensors a model has and their shapes: the starting weights must fill
+# exactly these (rope_theta, max_seq_len, norm_eps and the router's settings may change).
+_WEIGHT_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "tie_embeddings")
+_MOE_WEIGHT_KEYS = ("n_experts", "expert_ffn_dim", "shared_experts", "first_dense_layers")
+
+
+def _check_weights_fit(m: ModelConfig, start: ModelArgs, wanted: ModelArgs) -> None:
+    """A [model] or [moe] override that changes the weights' shapes would leave tensors the
+    starting weights cannot fill (random under a sharded load): refused, naming the keys."""
+    changed = [f"{k}={getattr(start, k)} -> {getattr(wanted, k)}" for k in _WEIGHT_KEYS
+               if getattr(start, k) != getattr(wanted, k)]
+    if (start.moe is None) != (wanted.moe is None):
+        changed.append("dense -> mixture of experts")
+    elif start.moe is not None:
+        changed += [f"moe.{k}={getattr(start.moe, k)} -> {getattr(wanted.moe, k)}" for k in _MOE_WEIGHT_KEYS
+                    if getattr(start.moe, k) != getattr(wanted.moe, k)]
+    if changed:
+        source = f"model.hf_path={m.hf_path!r}" if m.hf_path else f"model.init_from={m.init_from!r}"
+        raise ConfigError(f"{source} holds weights of another shape than the overrides ask for "
+                          f"({', '.join(changed)}); drop those [model]/[moe] overrides to start from these weights")
 
 
 def moe_shape(base: MoEArgs | None, changes: dict) -> MoEArgs:

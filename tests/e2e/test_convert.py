@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from shardline.cli import main
+from shardline.config import load_config
+from shardline.data.tokenizer import train_bpe
+from shardline.errors import ConfigError
 from shardline.models.factory import args_from_json
+from shardline.preflight import model_shape
 from shardline.resilience.checkpoint import read_meta
 from shardline.trainer import Trainer
 
@@ -54,3 +58,48 @@ def test_convert_errors_exit_2(tmp_path, capsys):
     assert main(["convert", "to-hf", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert "neither a checkpoint folder nor a run dir" in capsys.readouterr().err
     assert main(["convert", "from-hf", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+
+
+def _bf16_hf_folder(folder):
+    """A bf16 HF Llama folder with its special tokens and a tokenizer.json, of tiny_config's shape."""
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=600, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)
+    train_bpe(["in the beginning was the word"] * 4, 300).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_hf_to_checkpoint_and_back_keeps_dtype_special_tokens_and_tokenizer(tmp_path, monkeypatch, capsys):
+    """from-hf then to-hf by relative paths (a checkpoint outside any run dir) gives the folder
+    back: the same bf16 tensors bit for bit, its bos/eos ids and its tokenizer.json."""
+    from safetensors.torch import load_file
+
+    _bf16_hf_folder(tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", "from-hf", "hf", "ck"]) == 0
+    assert main(["convert", "to-hf", "ck", "out"]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["dtype"], config["bos_token_id"], config["eos_token_id"]) == ("bfloat16", 1, 2)
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
+    source, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert source.keys() == back.keys() and all(torch.equal(source[k], back[k]) for k in source)
+    assert main(["convert", "to-hf", "ck", "out32", "--dtype", "float32"]) == 0
+    assert json.loads((tmp_path / "out32" / "config.json").read_text())["dtype"] == "float32"
+
+    (tmp_path / "a-file").write_text("x")
+    assert main(["convert", "from-hf", "hf", "a-file"]) == 2
+    assert "a-file exists and is not an empty folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, change", [("model.n_layers=3", "n_layers=2 -> 3"),
+                                              ("model.vocab_size=640", "vocab_size=600 -> 640"),
+                                              ("model.tie_embeddings=1", "tie_embeddings=False -> True")])
+def test_overrides_that_reshape_the_starting_weights_are_refused(tmp_path, override, change):
+    """An override the weights cannot fill would leave tensors random under a sharded load."""
+    hf = _bf16_hf_folder(tmp_path / "hf")
+    cfg = load_config(None, [f"model.hf_path={hf}", override])
+    with pytest.raises(ConfigError, match=f"holds weights of another shape than the overrides ask for .*{change}"):
+        model_shape(cfg.model, 600, cfg.moe)
+    same = load_config(None, [f"model.hf_path={hf}", "model.n_layers=2", "model.rope_theta=50000"])
+    assert model_shape(same.model, 600, same.moe).rope_theta == 50000  # the same shape, other frequencies

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from shardline.errors import CheckpointError
-from shardline.resilience.checkpoint import Checkpointer, verify
+from shardline.resilience.checkpoint import Checkpointer, step_of, verify
 from shardline.trainer import Trainer
 
 
@@ -95,3 +95,41 @@ def test_an_interrupted_prune_leaves_no_checkpoint_that_looks_complete(trained):
     assert ckpts.latest_valid().name == "step-000012"
     ckpts.prune()  # the next save's prune removes the leftover
     assert not half.exists() and [p.name for p in ckpts.list()] == ["step-000012"]
+
+
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(trained, tiny_config):
+    """Checkpoints after the resumed one are of a history the run leaves: moved (not deleted)
+    where neither a later restart nor pruning finds them."""
+    older = trained / "checkpoints" / "step-000006"
+    trainer = Trainer(tiny_config("train.steps=12", f"run.resume={older}")).build()
+    assert trainer.step == 6
+    aside = trained / "checkpoints" / "set-aside" / "step-000012"
+    assert verify(aside)["step"] == 12 and not (trained / "checkpoints" / "step-000012").exists()
+    assert Checkpointer(trained, keep=3).latest_valid() == older
+    events = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert [e["moved"] for e in events if e.get("event") == "checkpoints_set_aside"] == [[str(aside)]]
+    trainer.train()  # saves step 12 again, beside the one set aside
+    assert [p.name for p in Checkpointer(trained, keep=3).list()] == ["step-000006", "step-000012"]
+    assert aside.is_dir()
+
+
+def test_checkpoints_order_by_step_past_six_digits(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (999_998, 999_999, 1_000_000):
+        folder = root / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text(json.dumps({"step": step, "files": {}}))
+    ckpts = Checkpointer(tmp_path, keep=2)
+    assert [step_of(p) for p in ckpts.list()] == [999_998, 999_999, 1_000_000]
+    assert ckpts.latest_valid().name == "step-1000000"
+    ckpts.prune()
+    assert [p.name for p in ckpts.list()] == ["step-999999", "step-1000000"]
+
+
+@pytest.mark.parametrize("manifest", [b"\xff\xfe not text", b'{"files": {"state/x": {"sha256": "00"}}}',
+                                      b'{"files": ["state/x"]}'])
+def test_a_damaged_manifest_makes_the_checkpoint_invalid_not_a_crash(trained, manifest):
+    (trained / "checkpoints" / "step-000012" / "manifest.json").write_bytes(manifest)
+    with pytest.raises(CheckpointError, match="malformed manifest.json"):
+        verify(trained / "checkpoints" / "step-000012")
+    assert Checkpointer(trained, keep=3).latest_valid().name == "step-000006"

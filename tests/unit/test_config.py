@@ -48,6 +48,7 @@ def test_resolved_config_round_trips():
     ("metrics.profile_steps=[3]", "[first, last]"),
     ("model.preset=gpt5", "model.preset='gpt5' is invalid: one of tiny, llama3.2-1b"),
     ("optim.schedule=step", "optim.schedule='step'"),
+    ("run.device=cuda:abc", "run.device='cuda:abc' is invalid: use auto, cpu, cuda or cuda:N"),
     ("checkpoint.keep=0", "checkpoint.keep=0"),
     ("train.global_batch_size=10", "not divisible by train.micro_batch_size=8"),
     ("steps=3", "must look like --section.key=value"),

@@ -40,6 +40,11 @@ def test_reads_txt_jsonl_parquet_gz_and_folders(tmp_path):
     assert len(read_documents(str(tmp_path))) == 5
 
 
+def test_txt_with_windows_line_ends_splits_into_documents(tmp_path):
+    (tmp_path / "w.txt").write_bytes(b"first doc\r\n\r\n\r\nsecond doc\r\nstill second\r\n")
+    assert read_documents(str(tmp_path / "w.txt")) == ["first doc", "second doc\r\nstill second\r\n"]
+
+
 @pytest.mark.parametrize("name, content, message", [
     ("bad.jsonl", '{"text": "ok"}\n{"text": broken\n', "line 2 is not valid JSON"),
     ("nofield.jsonl", '{"body": "x"}\n', "no string field 'text'"),

@@ -70,6 +70,9 @@ def test_fix_pins_keys_and_dp_is_plain_data_parallel(capsys):
     (["--fix", "pp_schedule=fast"], "pp_schedule='fast' is invalid"),
     (["--fix", "cp_mode=spiral"], "--fix cp_mode='spiral' is invalid; valid: ring, ulysses, hybrid"),
     (["--fix", "cp_balance=even"], "--fix cp_balance='even' is invalid; valid: zigzag, none"),
+    (["--fix", "micro_batch_size=0"], "--fix micro_batch_size=0 must be >= 1"),
+    (["--fix", "ep=-2"], "--fix ep=-2 must be >= 1"),
+    (["--fix", "zero=4"], "--fix zero=4 is invalid; valid: 1, 2, 3"),
     (["--model", "no-such-model"], "neither a preset"),
 ])
 def test_bad_requests_exit_2_with_one_line(capsys, argv, message):

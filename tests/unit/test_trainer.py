@@ -94,6 +94,28 @@ def test_fp16_overflow_skips_the_step(tiny_config, tmp_path):
     assert "skipped_step" in events
 
 
+def test_a_resume_applies_the_configs_optimizer_settings(tiny_config, tmp_path):
+    """Resuming with a lower optim.lr (say after a loss spike) trains with it, and the log says so."""
+    from shardline.optim import lr_multiplier
+
+    Trainer(tiny_config("train.stop_at_step=6", "train.eval_interval=0")).build().train()
+    resumed = Trainer(tiny_config("optim.lr=1e-4", "optim.weight_decay=0.0", "optim.beta2=0.99",
+                                  "train.eval_interval=0")).build()
+    assert resumed.step == 6
+    optim = resumed.cfg.optim
+    for group in resumed.optimizer.param_groups:
+        assert group["lr"] == pytest.approx(1e-4 * lr_multiplier(6, 12, optim))
+        assert (group["weight_decay"], group["betas"]) == (0.0, (0.9, 0.99))
+    changed = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "optim_changed"]
+    assert len(changed) == 1
+    assert {k: v for k, v in changed[0].items() if k in ("lr", "weight_decay", "beta2", "beta1")} == \
+        {"lr": [3e-3, 1e-4], "weight_decay": [0.1, 0.0], "beta2": [0.95, 0.99]}
+    resumed.train()
+    logged = {r["step"]: r["lr"] for r in read_records(tmp_path / "run", "train")}
+    assert logged[7] == pytest.approx(1e-4 * lr_multiplier(6, 12, optim))
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * lr_multiplier(12, 12, optim))
+
+
 def test_resume_flag_without_checkpoint_fails(tiny_config):
     with pytest.raises(CheckpointError, match="no valid checkpoint"):
         Trainer(tiny_config("run.resume=latest")).build()

@@ -8,6 +8,7 @@ world size live with the layout (`shardline.layout`) and the launch checks.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from shardline.errors import require
@@ -29,7 +30,7 @@ class RunConfig:
 
     def check(self) -> None:
         _require(bool(self.dir), "run.dir", self.dir, "must be a non-empty path")
-        ok = self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ok = self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None
         _require(ok, "run.device", self.device, "use auto, cpu, cuda or cuda:N")
 
 

@@ -26,7 +26,8 @@ from shardline.errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
 CHAT_FIELD = "messages"  # what data.format = "chat" reads from each .jsonl record
-_DOC_BREAK = re.compile(r"\n[ \t]*\n[ \t]*\n+")
+# Two blank lines end a document; Windows line ends (\r\n) count as line ends.
+_DOC_BREAK = re.compile(r"\r?\n[ \t\r]*\n[ \t\r]*\n+")
 _CHUNK = 1 << 20  # characters of a .txt file decoded at a time
 
 

@@ -4,15 +4,21 @@ to-hf:   a checkpoint folder (or a run dir: its newest valid checkpoint) -> an H
          folder that transformers loads, with the run's tokenizer.json when present.
 from-hf: an HF folder -> a weights-only shardline checkpoint, which a run starts from
          with --model.init_from=DST (a run may also read the HF folder directly
-         with --model.hf_path).
+         with --model.hf_path). The folder's dtype, special tokens and tokenizer.json
+         are kept for the way back.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import torch
+
+from shardline.data.tokenizer import eos_id, load_tokenizer
 from shardline.errors import CheckpointError
 from shardline.interop.hf import from_hf_pretrained, to_hf_pretrained
+from shardline.interop.hf_config import EXPORT_DTYPES, read_hf_fields
 from shardline.models.factory import args_from_json, args_to_json, build_meta_model
 from shardline.resilience.checkpoint import (
     Checkpointer,
@@ -22,9 +28,9 @@ from shardline.resilience.checkpoint import (
 )
 
 
-def convert(direction: str, src: str, dst: str) -> Path:
+def convert(direction: str, src: str, dst: str, dtype: str = "") -> Path:
     if direction == "to-hf":
-        return checkpoint_to_hf(Path(src), Path(dst))
+        return checkpoint_to_hf(Path(src), Path(dst), dtype)
     return hf_to_checkpoint(Path(src), Path(dst))
 
 
@@ -38,18 +44,46 @@ def resolve_checkpoint(src: Path) -> Path:
     return latest
 
 
-def checkpoint_to_hf(src: Path, dst: Path) -> Path:
+def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "") -> Path:
+    """dtype: the weights' dtype on disk; "" keeps the HF folder's a checkpoint came from
+    (from-hf records it), else the checkpoint's own (float32)."""
     ckpt = resolve_checkpoint(src)
-    model = build_meta_model(args_from_json(read_meta(ckpt)["model_args"]))
+    meta = read_meta(ckpt)
+    model = build_meta_model(args_from_json(meta["model_args"]))
     model.init_weights()  # materialize; every weight is then overwritten by the checkpoint
     load_weights(ckpt, model)
-    tokenizer = ckpt.parents[1] / "tokenizer.json"  # <run_dir>/checkpoints/step-N
-    return to_hf_pretrained(model, dst, tokenizer_path=tokenizer if tokenizer.is_file() else None)
+    tokenizer = _run_tokenizer(ckpt)
+    hf = meta.get("hf", {})
+    eos = hf.get("eos_token_id")
+    if eos is None and tokenizer is not None:  # a run's own tokenizer: its end-of-document token
+        eos = eos_id(load_tokenizer(str(tokenizer)))
+    return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=_export_dtype(dtype or hf.get("dtype", "")),
+                            bos_token_id=hf.get("bos_token_id"), eos_token_id=eos)
+
+
+def _run_tokenizer(ckpt: Path) -> Path | None:
+    """The tokenizer.json of the run a checkpoint was saved by (<run_dir>/checkpoints/step-N),
+    else one beside the checkpoint's files (from-hf copies the HF folder's there)."""
+    ckpt = ckpt.resolve()
+    candidates = [ckpt.parent.parent / "tokenizer.json"] if ckpt.parent.name == "checkpoints" else []
+    return next((t for t in [*candidates, ckpt / "tokenizer.json"] if t.is_file()), None)
+
+
+def _export_dtype(name: str) -> torch.dtype | None:
+    if not name:
+        return None
+    if name not in EXPORT_DTYPES:
+        raise CheckpointError(f"--dtype={name!r} is invalid: one of {', '.join(EXPORT_DTYPES)}")
+    return getattr(torch, name)
 
 
 def hf_to_checkpoint(src: Path, dst: Path) -> Path:
-    if dst.exists() and any(dst.iterdir()):
-        raise CheckpointError(f"{dst} exists and is not empty; choose another destination")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise CheckpointError(f"{dst} exists and is not an empty folder; choose another destination")
     model, args = from_hf_pretrained(src)
-    write_checkpoint(dst, 0, model, None, None, {"model_args": args_to_json(args), "source": str(src)})
+    meta = {"model_args": args_to_json(args), "source": str(src), "hf": read_hf_fields(src)}
+    write_checkpoint(dst, 0, model, None, None, meta)
+    if (src / "tokenizer.json").is_file():  # kept for the way back (to-hf)
+        shutil.copyfile(src / "tokenizer.json", dst / "tokenizer.json")
     return dst
+

@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from shardline.config import ModelConfig
 from shardline.interop.hf import from_hf_pretrained, load_hf_weights
-from shardline.resilience.checkpoint import load_weights
+from shardline.interop.hf_config import read_hf_fields
+from shardline.resilience.checkpoint import load_weights, read_meta
 
 
 def load_starting_weights(m: ModelConfig, model: nn.Module, sharded: bool) -> None:
@@ -25,6 +26,16 @@ def load_starting_weights(m: ModelConfig, model: nn.Module, sharded: bool) -> No
         _load_hf(model, m.hf_path, sharded)
     if m.init_from:
         load_weights(Path(m.init_from), model)  # DCP reshards to any layout
+
+
+def starting_hf_fields(m: ModelConfig) -> dict:
+    """The HF fields (dtype, special tokens) of the folder a run's weights came from, which its
+    checkpoints carry so that `convert to-hf` writes them back; {} for a run from scratch."""
+    if m.hf_path:
+        return read_hf_fields(m.hf_path)
+    if m.init_from:
+        return read_meta(Path(m.init_from)).get("hf", {})
+    return {}
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -190,4 +190,4 @@ def _product_message(cfg: Config, world: int, product: int) -> str:
     hint = "" if p.dp_shard == -1 else " (or set parallel.dp_shard=-1 to take what the others leave)"
     return (f"parallel degrees dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} pp={p.pp} "
             f"give {what} = {product}, which does not match the world size {world}; "
-            f"their product must equal the number of processes{hint}")
+            f"their product must {'divide' if p.dp_shard == -1 else 'equal'} the number of processes{hint}")

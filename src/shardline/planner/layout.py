@@ -103,9 +103,15 @@ def _parse_value(key: str, value: str, kind: str):
         raise ConfigError(f"--fix {key}={value!r} must be true or false")
     if kind == "int":
         try:
-            return int(value)
+            number = int(value)
         except ValueError:
             raise ConfigError(f"--fix {key}={value!r} must be an integer") from None
+        if key == "zero" and number not in (1, 2, 3):
+            raise ConfigError(f"--fix zero={number} is invalid; valid: 1, 2, 3")
+        least = 0 if key == "cp_ulysses" else 1  # 0: no Ulysses part; every other count is >= 1
+        if number < least:
+            raise ConfigError(f"--fix {key}={number} must be >= {least}")
+        return number
     valid = {"pp_schedule": PP_SCHEDULES, "activation_checkpoint": AC_MODES, "cp_mode": CP_MODES,
              "cp_balance": CP_BALANCES}[key]
     if value not in valid:

@@ -78,6 +78,14 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def step_of(folder: Path) -> int:
+    """The step of a checkpoint folder's name (step-000012, step-1000000.tmp: 12, 1000000);
+    -1 for a name that holds none. Folders sort by it, not by name: past 999,999 steps the
+    names grow a digit."""
+    digits = folder.name.removeprefix("step-").split(".")[0]
+    return int(digits) if digits.isdigit() else -1
+
+
 def verify(path: Path) -> dict[str, Any]:
     """The manifest of a complete checkpoint; CheckpointError naming what is wrong."""
     manifest_path = path / MANIFEST
@@ -85,16 +93,16 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST}")
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path} has a malformed {MANIFEST}: {e}") from None
-    for rel, meta in files.items():
+        files = {rel: (int(meta["size"]), str(meta["sha256"])) for rel, meta in manifest["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:  # ValueError: bad JSON or bytes
+        raise CheckpointError(f"checkpoint {path} has a malformed {MANIFEST}: {type(e).__name__}: {e}") from None
+    for rel, (size, sha256) in files.items():
         f = path / rel
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {rel}")
-        if f.stat().st_size != meta["size"]:
-            raise CheckpointError(f"checkpoint {path}: {rel} is {f.stat().st_size} bytes, manifest says {meta['size']}")
-        if _sha256(f) != meta["sha256"]:
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {path}: {rel} is {f.stat().st_size} bytes, manifest says {size}")
+        if _sha256(f) != sha256:
             raise CheckpointError(f"checkpoint {path}: {rel} is corrupted (sha256 mismatch)")
     return manifest
 
@@ -278,13 +286,13 @@ class Checkpointer:
         if not self.root.is_dir():
             return []
         found = [p for p in self.root.glob("step-*") if p.is_dir() and _finished(p) and (p / MANIFEST).is_file()]
-        return sorted(found, key=lambda p: p.name)
+        return sorted(found, key=step_of)
 
     def latest_valid(self, on_invalid=None) -> Path | None:
         """The newest checkpoint that verifies; `on_invalid(path, error)` hears of the others,
         a finished folder whose manifest is gone included (half-written ones end in .tmp)."""
         folders = [p for p in self.root.glob("step-*") if p.is_dir() and _finished(p)] if self.root.is_dir() else []
-        for path in sorted(folders, key=lambda p: p.name, reverse=True):
+        for path in sorted(folders, key=step_of, reverse=True):
             try:
                 verify(path)
                 return path
@@ -317,6 +325,24 @@ class Checkpointer:
         if not rank_file.is_file():
             rank_file = path / "trainer" / "rank0.pt"  # resumed with more ranks than were saved
         return torch.load(rank_file, weights_only=True)
+
+    def set_aside_after(self, step: int) -> list[Path]:
+        """Move the checkpoints of steps after `step` (a run resumed from an older one, or past
+        invalid newer ones) into checkpoints/set-aside/: they belong to a history this run
+        abandons, and left in place a later restart would resume from them and pruning would
+        count them. Nothing is deleted. Returns where they went."""
+        if not self.is_writer or not self.root.is_dir():
+            return []
+        moved = []
+        for path in sorted(self.root.glob("step-*"), key=step_of):
+            if path.is_dir() and _finished(path) and step_of(path) > step:
+                target = self.root / "set-aside" / path.name
+                while target.exists():
+                    target = target.with_name(target.name + "-again")
+                target.parent.mkdir(exist_ok=True)
+                path.rename(target)
+                moved.append(target)
+        return moved
 
     def prune(self) -> None:
         """Keep the newest `keep`. A folder is renamed before it is removed, so an interruption

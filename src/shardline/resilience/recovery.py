@@ -18,7 +18,8 @@ def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, l
     if mode not in ("auto", "latest", "never"):
         path = Path(mode)
         if not path.is_dir():
-            raise ConfigError(f"run.resume={mode!r} is not a checkpoint folder")
+            raise ConfigError(f"run.resume={mode!r} is not a checkpoint folder; valid: auto, latest, never, "
+                              "or the path of a checkpoint folder")
         return path, []
     invalid: list[str] = []
     path = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))

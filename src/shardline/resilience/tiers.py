@@ -142,9 +142,10 @@ class StateTiers:
     def resume_source(self, disk: Path | None):
         """What a starting run restores, honouring run.resume: see newest()."""
         mode = self.cfg.run.resume
-        if self.memory is not None and mode == "never":
-            self.memory.clear()
-        return self.newest(disk, use_memory=mode in ("auto", "latest"))
+        use_memory = mode in ("auto", "latest")
+        if self.memory is not None and not use_memory:  # a fresh run, or one from a named checkpoint:
+            self.memory.clear()  # the snapshots held are of a history it leaves
+        return self.newest(disk, use_memory=use_memory)
 
     def newest(self, disk: Path | None, use_memory: bool = True):
         """The in-memory snapshot (step, payload, sources) when it is at least as new as

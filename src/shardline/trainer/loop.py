@@ -23,14 +23,14 @@ from shardline.config import Config, to_toml
 from shardline.data import build_data
 from shardline.devices import peak_tflops
 from shardline.errors import AnomalyHalt, Preempted
-from shardline.interop.weights import load_starting_weights
+from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.attention import resolve_attention
 from shardline.models.factory import args_to_json
 from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
 from shardline.models.moe.parallelize import build_model as build_moe_model
-from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
+from shardline.optim import apply_hyperparameters, build_optimizer, build_scheduler, lr_multiplier
 from shardline.parallel.collectives import clip_grad_norm, reduce_over
 from shardline.parallel.compile import describe as describe_compile
 from shardline.parallel.dims import ParallelDims
@@ -61,6 +61,7 @@ class Trainer:
         self.step = 0  # optimizer updates completed
         self.started = process_start_time()
         self._invalid_checkpoints: list[str] = []
+        self._optim_changes: dict[str, list] = {}
         self.anomaly_events: list[dict] = []
 
     # ---- building -------------------------------------------------------------------
@@ -69,8 +70,8 @@ class Trainer:
         """Everything that can fail on user input happens here, before the run dir is touched."""
         cfg = self.cfg
         self.proc = init_distributed(self.device)
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", self.proc.local_rank)
+        if self.device.type == "cuda" and (self.device.index is None or self.proc.world_size > 1):
+            self.device = torch.device("cuda", self.proc.local_rank)  # one GPU a rank; cuda:N picks one alone
         check_config(cfg)
         layouts.resolve(cfg, self.proc.world_size)  # a wrong world size fails before the data is read
         torch.manual_seed(cfg.train.seed)
@@ -85,6 +86,7 @@ class Trainer:
         # One process builds a (one-rank) mesh too under offload, whose FSDP2 parameters are sharded.
         built = build(cfg, self.model_args, self.dims, self.device)
         load_starting_weights(cfg.model, built.model, sharded=self.dims.mesh is not None)
+        self.hf_fields = starting_hf_fields(cfg.model)  # dtype, special tokens: for `convert to-hf`
         # The parameters (optimizer, checkpoints, clipping), and how to run them (steps): a
         # module to call (DDP-wrapped or not; train.compile compiled its blocks) or, under pp,
         # the pipeline schedule.
@@ -137,6 +139,7 @@ class Trainer:
                             self.cfg.train.global_batch_size)
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
+        self._optim_changes = apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.optim)
         self.scaler.load_state_dict(state["scaler"])
         self.anomaly.load_state_dict(state.get("anomaly", {}))
         self.skipped_batches = sorted(set(state["data"].get("skipped_batches", [])) | set(self.skipped_batches))
@@ -151,6 +154,9 @@ class Trainer:
                                      self.cfg.train.steps, self.step, enabled=self.proc.is_main)
         for problem in self._invalid_checkpoints:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
+        set_aside = self.checkpointer.set_aside_after(self.step)  # newer ones: a history this run leaves
+        if set_aside:
+            self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in set_aside])
         self.guard.open(self.run_dir, self.metrics.event)
         if self.allocator:
             self.metrics.event("allocator", step=self.step, setting=self.allocator)
@@ -164,6 +170,8 @@ class Trainer:
         if resumed is not None:
             self.metrics.event("resume", step=self.step, checkpoint=resumed,
                                recomputed_steps=self.guard.goodput.recomputed_from(self.step))
+            if self._optim_changes:  # {key: [saved, now]}: the config's values apply from here on
+                self.metrics.event("optim_changed", step=self.step, **self._optim_changes)
 
     # ---- the loop -------------------------------------------------------------------
 
@@ -204,6 +212,7 @@ class Trainer:
             if step % cfg.metrics.log_interval == 0 or step == stop:
                 last = self._log_train(loss_value, grad_norm, time.perf_counter() - window_start, window_steps)
                 window_start, window_steps = time.perf_counter(), 0
+            paused = time.perf_counter()  # evaluation and saves are not training: out of the window
             if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == stop):
                 self.guard.timed("eval", self.evaluate)
             if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop):
@@ -211,6 +220,7 @@ class Trainer:
             if cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0:
                 self.guard.timed("checkpoint", lambda: self.tiers.snapshot(self.step, self.model, self.optimizer,
                                                                             self._trainer_state()))
+            window_start += time.perf_counter() - paused
             self.guard.end_step(step, started)
             request = self.guard.stop_requested()
             if request and step < stop:  # on the last step the run simply ends
@@ -309,11 +319,12 @@ class Trainer:
         """This rank's micro-batches of the step's global batch, and the labelled tokens of all of it.
 
         Every rank counts the labelled tokens of the whole global batch from the data
-        itself (each holds the dataset), so the global mean needs no collective.
+        itself (each holds the dataset), so the global mean needs no collective. A batch with
+        none (chat data whose windows hold no assistant turn) counts one: loss and gradients 0.
         """
         sampler, batch = self.data.sampler, batch_index(self.step, self.skipped_batches)
         micro = sampler.rank_micro_batches(batch, self.dims.dp_rank(), self.dims.dp, self.cfg.train.micro_batch_size)
-        return micro, self.data.train.count_labels(sampler.global_batch(batch))
+        return micro, max(self.data.train.count_labels(sampler.global_batch(batch)), 1)
 
     def apply_update(self) -> bool:
         """Optimizer and schedule step; True when the fp16 loss scaler skipped the update."""
@@ -396,7 +407,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         self.report_device_anomalies()  # the saved detector state and events agree
-        meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict()}
+        meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields}
         return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
 
     def _trainer_state(self) -> dict:

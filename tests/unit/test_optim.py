@@ -1,0 +1,27 @@
+"""Learning-rate schedules: a linear warmup, then cosine / linear / WSD / constant to the floor."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline.config import OptimConfig
+from shardline.optim import lr_multiplier
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd", "constant"])
+def test_warmup_then_the_schedule_to_its_floor(schedule):
+    cfg = OptimConfig(schedule=schedule, warmup_steps=10, min_lr_ratio=0.1, decay_fraction=0.2)
+    curve = [lr_multiplier(step, 100, cfg) for step in range(100)]
+    assert curve[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])  # the warmup's last update at 1.0
+    after = curve[10:]
+    assert all(a >= b for a, b in zip(after, after[1:]))  # never rises after the warmup
+    assert after[-1] == pytest.approx(1.0 if schedule == "constant" else 0.1)
+    if schedule == "wsd":  # flat until the last 20% of the steps
+        assert set(curve[9:80]) == {1.0} and curve[80] < 1.0
+
+
+def test_wsd_whose_warmup_overlaps_the_decay_decays_after_the_warmup_without_a_jump():
+    cfg = OptimConfig(schedule="wsd", warmup_steps=90, min_lr_ratio=0.1, decay_fraction=0.2)
+    curve = [lr_multiplier(step, 100, cfg) for step in range(100)]
+    assert curve[89] == 1.0 and curve[-1] == pytest.approx(0.1)
+    assert max(a - b for a, b in zip(curve[89:], curve[90:])) == pytest.approx(0.9 / 10)  # ten even steps
