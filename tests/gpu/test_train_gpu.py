@@ -141,3 +141,31 @@ def test_one_gpu_cpu_offload_through_the_trainer_matches_no_offload(tmp_path, sm
     assert sorted(offloaded) == sorted(plain)
     for step in plain:  # fused AdamW on the GPU against foreach on the host: last bits only
         assert offloaded[step] == pytest.approx(plain[step], rel=1e-4), (step, offloaded, plain)
+
+
+def test_one_gpu_offload_starts_an_moe_run_from_an_hf_folder(tmp_path, small_corpus):
+    """Offloaded parameters on the host, the routers' balancing bias on the GPU: the HF weights
+    still load (torch's full-state-dict loader takes one device for all tensors), and the run
+    starts from them."""
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                         mlp_only_layers=[0], vocab_size=600)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        cfg = load_config(None, tiny_overrides(tmp_path / "run", small_corpus, "run.device=cuda", "train.steps=2",
+                                               "train.eval_interval=0", "checkpoint.interval=0",
+                                               "memory.cpu_offload=true", f"model.hf_path={tmp_path / 'hf'}"))
+        trainer = Trainer(cfg).build()
+        with torch.no_grad():
+            mine = trainer.model.eval()(ids.cuda()).float().cpu()
+            torch.testing.assert_close(mine, hf(ids).logits, rtol=0, atol=1e-4)
+        trainer.model.train()
+        trainer.train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

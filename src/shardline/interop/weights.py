@@ -39,8 +39,25 @@ def starting_hf_fields(m: ModelConfig) -> dict:
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a full (unsharded) state dict, e.g. read from an HF folder, into a sharded model."""
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    """Load a full (unsharded) state dict, e.g. read from an HF folder, into a sharded model.
+
+    torch's loader wants every tensor of the model on one device, but under CPU offload the
+    parameters are on the host while buffers (an MoE router's balancing bias) are on the GPU:
+    the buffers join the parameters for the load and go back after it.
+    """
+    devices = {p.device for p in model.parameters()}
+    home = devices.pop() if len(devices) == 1 else None
+    moved = []
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if home is not None and buf is not None and buf.device != home:
+                moved.append((module, name, buf.device))
+                module._buffers[name] = buf.to(home)
+    try:
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    finally:
+        for module, name, device in moved:
+            module._buffers[name] = module._buffers[name].to(device)
 
 
 def _load_hf(model: nn.Module, path: str, sharded: bool) -> None:
