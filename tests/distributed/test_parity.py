@@ -12,6 +12,7 @@ import pytest
 
 from shardline.cli import main
 from shardline.config import load_config
+from shardline.interop.convert import checkpoint_to_hf
 from shardline.trainer import Trainer
 from tests.distributed.harness import (
     ALL_STEPS,
@@ -132,6 +133,10 @@ def _emit_zero1_tp2_pp2(corpus, path: Path) -> None:
     assert code == 0
 
 
+def _from_hf(root: Path) -> list[str]:
+    return [SHALLOW, f"model.hf_path={root / 'hf'}"]
+
+
 def _model(overrides: list[str]) -> tuple[str, ...]:
     """The model overrides of a layout's run: what its one-process reference must share."""
     return tuple(o for o in overrides if o.startswith("model."))
@@ -159,10 +164,14 @@ def reference(single):
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory, small_prepared):
+def world2(tmp_path_factory, small_prepared, single):
     root = tmp_path_factory.mktemp("world2")
     layouts = {**LAYOUTS_2, **TIED_2}
     jobs = [(root / name, [*_base(small_prepared), *extra]) for name, extra in layouts.items()]
+    # An HF folder (a one-process run's weights) loaded into FSDP-sharded parameters, each rank
+    # keeping its shard: the path a one-process run does not take (it loads strictly, in place).
+    checkpoint_to_hf(single(SHALLOW), root / "hf")
+    jobs.append((root / "zero3_from_hf", [*_base(small_prepared), *_from_hf(root), "parallel.dp_shard=2"]))
     tied = [*_base(small_prepared), SHALLOW, TIE]
     for name, first, second in TIED_RESHARD_2:
         jobs += [(root / name, [*tied, *first]), (root / name, [*tied, *second])]
@@ -212,6 +221,12 @@ def test_world2_layout_matches_single_process(world2, single, layout):
     assert_same_run(world2 / layout, single(*_model(LAYOUTS_2[layout])))
 
 
+def test_hf_weights_load_into_fsdp_shards_as_into_one_process(world2, single):
+    reference = single(*_from_hf(world2))
+    assert_same_run(world2 / "zero3_from_hf", reference)
+    assert losses(reference)[1] < losses(single(SHALLOW))[1]  # it starts from the trained weights
+
+
 @pytest.mark.parametrize("layout", list(TIED_2))
 def test_world2_tied_embeddings_match_single_process(world2, single, layout):
     reference = single(*_model(TIED_2[layout]))
@@ -238,7 +253,6 @@ def test_convert_exports_a_tied_pipelined_checkpoint(world2, single, tmp_path):
 
     from safetensors.torch import load_file
 
-    from shardline.interop.convert import checkpoint_to_hf
     from tests.distributed.harness import final_params
 
     out = checkpoint_to_hf(world2 / "pp2_1f1b_tied", tmp_path / "hf")
@@ -297,7 +311,6 @@ def test_emitted_zero1_tp2_pp2_plan_trains_like_one_process(world8):
 def test_convert_exports_a_pipelined_checkpoint(world4, single, tmp_path):
     from safetensors.torch import load_file
 
-    from shardline.interop.convert import checkpoint_to_hf
     from tests.distributed.harness import final_params
 
     out = checkpoint_to_hf(world4 / "zero3_to_pp", tmp_path / "hf")  # its last save: FSDP 2 x PP 2
