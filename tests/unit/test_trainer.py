@@ -116,6 +116,14 @@ def test_a_resume_applies_the_configs_optimizer_settings(tiny_config, tmp_path):
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * lr_multiplier(12, 12, optim))
 
 
+def test_a_resume_cannot_skip_a_batch_already_trained_on(tiny_config):
+    Trainer(tiny_config("train.stop_at_step=6", "train.eval_interval=0")).build().train()
+    with pytest.raises(ConfigError, match=r"train.skip_batches=\[2\] names batches .* already trained on "
+                                          r"\(it resumes at batch 6\)"):
+        Trainer(tiny_config("train.skip_batches=[2, 8]")).build()
+    assert Trainer(tiny_config("train.skip_batches=[8]")).build().skipped_batches == [8]  # ahead: fine
+
+
 def test_resume_flag_without_checkpoint_fails(tiny_config):
     with pytest.raises(CheckpointError, match="no valid checkpoint"):
         Trainer(tiny_config("run.resume=latest")).build()

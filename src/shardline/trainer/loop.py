@@ -22,7 +22,7 @@ from shardline import layout as layouts
 from shardline.config import Config, to_toml
 from shardline.data import build_data
 from shardline.devices import peak_tflops
-from shardline.errors import AnomalyHalt, Preempted
+from shardline.errors import AnomalyHalt, ConfigError, Preempted
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.attention import resolve_attention
@@ -142,7 +142,13 @@ class Trainer:
         self._optim_changes = apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.optim)
         self.scaler.load_state_dict(state["scaler"])
         self.anomaly.load_state_dict(state.get("anomaly", {}))
-        self.skipped_batches = sorted(set(state["data"].get("skipped_batches", [])) | set(self.skipped_batches))
+        saved = set(state["data"].get("skipped_batches", []))
+        next_batch = batch_index(self.step, sorted(saved))
+        trained = sorted(b for b in self.cfg.train.skip_batches if b < next_batch and b not in saved)
+        if trained:  # skipping one now would shift every later batch by one instead
+            raise ConfigError(f"train.skip_batches={trained} names batches {name} already trained on (it resumes "
+                              f"at batch {next_batch}); only batches from {next_batch} on can be skipped")
+        self.skipped_batches = sorted(saved | set(self.skipped_batches))
         set_rng_state(state["rng"])
         return name
 
