@@ -127,7 +127,7 @@ class MetricsLogger:
         rec = {"kind": kind, "time": round(time.time(), 3), **fields}
         if not self.enabled:
             return rec
-        self._jsonl.write(json.dumps(rec, default=_jsonable) + "\n")
+        self._jsonl.write(json.dumps(_strict(rec), allow_nan=False, default=_jsonable) + "\n")
         self._jsonl.flush()
         self.console.write(rec)
         if self._tb is not None and kind in ("train", "eval"):
@@ -145,6 +145,21 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _strict(obj: Any) -> Any:
+    """A record as strict JSON holds it: a non-finite number (a NaN loss) as the string "NaN",
+    "Infinity" or "-Infinity", which float() reads back; Python's bare NaN token is not JSON,
+    and strict readers (jq, most languages) refuse the whole line."""
+    if isinstance(obj, torch.Tensor):
+        obj = obj.item() if obj.numel() == 1 else obj.tolist()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
+    if isinstance(obj, dict):
+        return {key: _strict(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(value) for value in obj]
+    return obj
 
 
 def _jsonable(obj: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -105,11 +106,14 @@ def test_check_on_device_skips_like_the_host_check(tiny_config, tmp_path, fault)
         runs[where] = trainer
     host, device = train_losses(tmp_path / "host"), train_losses(tmp_path / "device")
     # The injected spike is x100 of a Python float on the host, of an fp32 tensor here.
-    assert device.pop(5) == pytest.approx(host.pop(5), rel=1e-6, nan_ok=True) and device == host
+    # (metrics.jsonl holds a NaN as the string "NaN": strict JSON; float() reads it back)
+    assert float(device.pop(5)) == pytest.approx(float(host.pop(5)), rel=1e-6, nan_ok=True) and device == host
     for name, value in params(runs["host"]).items():
         assert torch.equal(params(runs["device"])[name], value), name
     events = [r for r in read_records(tmp_path / "device", "event") if r["event"] == "anomaly"]
     assert [(e["step"], e["action"], e["checked_on"]) for e in events] == [(5, "skip", "device")]
+    for line in (tmp_path / "host" / "metrics.jsonl").read_text().splitlines():  # strict JSON, NaN loss included
+        json.loads(line, parse_constant=lambda token: pytest.fail(f"{token} is not JSON: {line}"))
     end = [r for r in read_records(tmp_path / "device", "event") if r["event"] == "end"][-1]
     assert end["anomalies"] == 1 and end["seconds"]["anomaly_skipped"] > 0
 

@@ -40,6 +40,22 @@ def test_reads_txt_jsonl_parquet_gz_and_folders(tmp_path):
     assert len(read_documents(str(tmp_path))) == 5
 
 
+def test_txt_read_in_chunks_splits_as_the_whole_text_would(tmp_path, monkeypatch):
+    """Breaks that straddle chunk boundaries, grow across them or start in a previous chunk's
+    trailing whitespace: 7-character chunks give what splitting the whole text gives."""
+    import random
+
+    from shardline.data import sources
+
+    monkeypatch.setattr(sources, "_CHUNK", 7)
+    rng = random.Random(0)
+    pieces = ["a", "b", " ", "\t", "\n", "\r\n", "\n\n\n", "\r"]
+    for _ in range(200):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 80)))
+        (tmp_path / "r.txt").write_bytes(text.encode())
+        assert list(sources._split_txt(tmp_path / "r.txt")) == sources._DOC_BREAK.split(text), repr(text)
+
+
 def test_txt_with_windows_line_ends_splits_into_documents(tmp_path):
     (tmp_path / "w.txt").write_bytes(b"first doc\r\n\r\n\r\nsecond doc\r\nstill second\r\n")
     assert read_documents(str(tmp_path / "w.txt")) == ["first doc", "second doc\r\nstill second\r\n"]

@@ -84,6 +84,9 @@ def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_prepare
     assert again.returncode == 0, again.stderr[-2000:]
     resumed = [r for r in records(run) if r.get("event") == "resume"]
     assert resumed and resumed[-1]["step"] == event["step"]
+    # The time between the preempted run's end and the rerun's start is a restart gap to goodput.
+    end = [r for r in records(run) if r.get("event") == "end"][-1]
+    assert end["seconds"]["restart_gap"] > 0
 
 
 def test_under_torchrun_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, small_prepared):

@@ -227,6 +227,21 @@ def test_a_tokenizers_own_chat_template_renders_and_masks(tmp_path):
     assert "[user]" in d.tokenizer.decode(seq["input_ids"][0][first].tolist())
 
 
+def test_a_template_that_rewrites_earlier_turns_is_refused_not_duplicated(tmp_path):
+    from shardline.data.encode import chat_segments
+
+    rewrites = "{% for m in messages %}{{ m['content'] if loop.last else '...' }}\n{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    with pytest.raises(DataError, match="renders the first 1 messages of a conversation differently"):
+        chat_segments(messages, rewrites)
+
+
+def test_chat_data_from_plain_text_is_one_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("user: hi\nassistant: hello\n")
+    with pytest.raises(DataError, match="is plain text, but data.format='chat' reads conversations"):
+        data(tmp_path / "notes.txt", "data.format=chat")
+
+
 def test_prepare_never_writes_over_a_folder_of_other_files(tmp_path, small_corpus):
     (tmp_path / "mine" / "train").mkdir(parents=True)
     (tmp_path / "mine" / "notes.txt").write_text("keep me")

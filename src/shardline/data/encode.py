@@ -101,8 +101,11 @@ def _template_segments(messages: list[dict], template: str) -> list[tuple[str, b
     out, before = [], ""
     for i, m in enumerate(messages):
         text = _render(template, messages[: i + 1])
-        added = text[len(before):] if text.startswith(before) else text
-        out.append((added, m["role"] == "assistant"))
+        if not text.startswith(before):  # taking it whole would repeat the conversation so far in the stream
+            raise DataError(f"the tokenizer's chat_template renders the first {i} messages of a conversation "
+                            f"differently once message {i + 1} follows (e.g. it drops earlier reasoning), so its "
+                            "assistant tokens cannot be found by rendering; use a template that only appends")
+        out.append((text[len(before):], m["role"] == "assistant"))
         before = text
     return out
 

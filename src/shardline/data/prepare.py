@@ -322,7 +322,7 @@ class _Progress:
     """One status line: documents, tokens, MB/s, ETA (at most once a second; a line per 10 s off a tty)."""
 
     def __init__(self, opts: PrepareOptions, total_docs: int, done: int):
-        self.enabled, self.total, self.docs = opts.progress, total_docs, done
+        self.enabled, self.total, self.docs, self.resumed_at = opts.progress, total_docs, done, done
         self.tokens = self.bytes = 0
         self.start = self.last = time.perf_counter()
         self.tty = sys.stderr.isatty()
@@ -336,7 +336,7 @@ class _Progress:
 
     def line(self, now: float) -> str:
         rate = self.bytes / max(now - self.start, 1e-9)
-        per_doc = (now - self.start) / max(self.docs, 1)
+        per_doc = (now - self.start) / max(self.docs - self.resumed_at, 1)  # this session's pace
         eta = int(per_doc * max(self.total - self.docs, 0))
         return (f"prepare: {self.docs:,}/{self.total:,} documents, {self.tokens:,} tokens, "
                 f"{rate / 1e6:.1f} MB/s, ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")

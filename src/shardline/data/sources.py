@@ -28,6 +28,7 @@ SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
 CHAT_FIELD = "messages"  # what data.format = "chat" reads from each .jsonl record
 # Two blank lines end a document; Windows line ends (\r\n) count as line ends.
 _DOC_BREAK = re.compile(r"\r?\n[ \t\r]*\n[ \t\r]*\n+")
+_BREAK_CHARS = " \t\r\n"  # all a break is made of
 _CHUNK = 1 << 20  # characters of a .txt file decoded at a time
 
 
@@ -74,6 +75,9 @@ def read_file(f: Path, field: str) -> Iterator:
     if kind is None:
         raise DataError(f"data file {f} has an unsupported type; use {', '.join(SUFFIXES)} (optionally .gz)")
     if kind == ".txt":
+        if field == CHAT_FIELD:  # plain text holds no roles to mask by
+            raise DataError(f"data file {f} is plain text, but data.format='chat' reads conversations: a "
+                            f"'{CHAT_FIELD}' list of {{role, content}} per record of a .jsonl, .parquet or .arrow file")
         return _read_txt(f)
     if kind == ".jsonl":
         return _read_jsonl(f, field)
@@ -102,20 +106,27 @@ def _split_txt(f: Path) -> Iterator[str]:
     """Documents of a .txt file, split as `_DOC_BREAK.split(whole_text)` would, one chunk at a time.
 
     A break is only accepted when it ends before the buffer does: the next chunk could
-    extend it (more newlines) or a longer break could start in it.
+    extend it (more newlines) or a longer break could start in it. A break is whitespace
+    only, so each chunk is scanned from the trailing whitespace of the text before it, and a
+    long document is kept as pieces joined once: linear time however long it is.
     """
     with _open(f) as raw:
         text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
-        carry = ""
+        pieces: list[str] = []  # the current document so far, less `tail`
+        tail = ""  # the whitespace it ends with, where the next break may start
         while chunk := text.read(_CHUNK):
-            buf, start = carry + chunk, 0
+            buf, start = tail + chunk, 0
             for m in _DOC_BREAK.finditer(buf):
                 if m.end() >= len(buf):
                     break
-                yield buf[start : m.start()]
-                start = m.end()
-            carry = buf[start:]
-        yield from _DOC_BREAK.split(carry)  # at the end of the file every break counts
+                pieces.append(buf[start : m.start()])
+                yield "".join(pieces)
+                pieces, start = [], m.end()
+            rest = buf[start:]
+            body = rest.rstrip(_BREAK_CHARS)
+            pieces.append(body)
+            tail = rest[len(body):]
+        yield from _DOC_BREAK.split("".join(pieces) + tail)  # at the end of the file every break counts
 
 
 def _read_jsonl(f: Path, field: str) -> Iterator:

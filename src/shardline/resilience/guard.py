@@ -131,11 +131,12 @@ class RunGuard:
         with self.phase("drain", step):
             self.tiers.drain()
 
-    def finish(self, step: int) -> dict:
+    def finish(self, step: int, complete: bool = True) -> dict:
         """The run is over: saves drained (watched), the memory tier's RAM freed, the watchdog
-        stopped; returns goodput's summary."""
+        stopped; returns goodput's summary. Not `complete` (stopped by a signal, to be rerun):
+        the time until the rerun starts counts as a restart gap."""
         with self.phase("drain", step):
             self.timed("checkpoint", self.tiers.finish)
         self.stop_watching()
-        self.goodput.persist(finished=True)
+        self.goodput.persist(finished=complete)
         return self.goodput.summary()

@@ -235,7 +235,7 @@ class Trainer:
                 break
         self.profiler.close(self.step)  # a run stopped inside the profiled steps writes those it ran
         self.report_device_anomalies()
-        summary = self.guard.finish(self.step)
+        summary = self.guard.finish(self.step, complete=stopped is None)
         self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
         self.metrics.close()
@@ -367,13 +367,16 @@ class Trainer:
             self._halt(event)
         if action == "rollback":
             started = time.perf_counter()
-            self.tiers.drain()
-            target = self.tiers.newest(self.checkpointer.latest_valid())
+            with self.guard.phase("restore", step):  # watched as a start-up restore is, not as a step
+                self.tiers.drain()
+                target = self.tiers.newest(self.checkpointer.latest_valid())
+                if target is not None:
+                    self.skipped_batches = sorted({*self.skipped_batches,
+                                                   batch_index(step - 1, self.skipped_batches)})
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.scaler.skip()
+                    name = self._restore(target)
             if target is not None:
-                self.skipped_batches = sorted({*self.skipped_batches, batch_index(step - 1, self.skipped_batches)})
-                self.optimizer.zero_grad(set_to_none=True)
-                self.scaler.skip()
-                name = self._restore(target)
                 self.rollbacks += 1
                 cost = time.perf_counter() - started
                 self.guard.goodput.add("recovery", cost)
