@@ -160,8 +160,16 @@ def test_expert_parallel_all_to_all_for_moe_shapes():
     expected = 4 * (7 * net.intra_latency_us * 1e-6 + 7 / 8 * size / (net.intra_bw_gbs * 1e9 * net.bw_efficiency))
     assert one == pytest.approx(expected)
     assert ep_layer(W70, lay, H100, lt) == 0.0  # dense: no experts, no all-to-all
+    # Full activation checkpointing recomputes each forward, its dispatch and combine too: 6 of them.
+    assert ep_layer(moe, lay, H100, lt, rec=1.0) == pytest.approx(one * 6 / 4)
     per_step = estimate(moe, lay, H100).breakdown["ep_comm"]
-    assert per_step == pytest.approx(80 * one * 4)  # 80 blocks, 1024 / 256 = 4 micro-batches per rank
+    assert per_step == pytest.approx(80 * one * 6 / 4 * 4)  # 80 blocks, 1024 / 256 = 4 micro-batches per rank
+    # Without borrowing cp ranks (ep divides dp_shard), the ep ranks sit cp x tp apart: 8 of them
+    # 2 x 1 apart span two 8-GPU nodes, their all-to-all crosses the network, slower than NVLink.
+    apart = Layout(ep=8, dp_shard=128, cp=2, micro_batch_size=1)
+    assert not apart.ep_borrows_cp
+    assert ep_layer(moe, apart, H100, cmp.layer_times(moe, apart, H100)) > \
+        ep_layer(moe, Layout(ep=8, dp_shard=256, micro_batch_size=1), H100, lt) * 2  # half the tokens, cp 2
 
 
 def test_moe_blocks_are_priced_by_active_experts_and_held_in_full():
@@ -253,3 +261,19 @@ def test_the_chunked_loss_recompute_is_priced_on_the_last_stage_twice_under_a_sp
         est = estimate(chunked, layout, H100)  # no checkpointing: the loss is the only recompute
         assert est.breakdown["recompute"] == pytest.approx(16 * cmp.loss_recompute_time(chunked, layout, H100, label))
         assert "recompute" not in estimate(w8, layout, H100).breakdown
+
+
+def test_tied_embedding_gradient_sum_crosses_nodes_by_the_first_and_last_stage():
+    """The tied weight's two copies sit on the first and last pipeline stage: (pp - 1) x world / pp
+    ranks apart. Under a V-shaped schedule both ends are on pp rank 0: one weight, nothing sent."""
+    from shardline.planner.step_comm import tied_grads
+
+    tied = dataclasses.replace(W70, model=dataclasses.replace(W70.model, tie_embeddings=True))
+    net = H100.network
+    # world 16, pp 4, tp 4: neighbouring stages are 4 ranks apart (one node), the ends 12 (two)
+    lay = Layout(tp=4, pp=4, dp_shard=1)
+    size = 4 * tied.model.vocab_size * tied.model.dim / 4
+    assert tied_grads(tied, lay, H100) == pytest.approx(comm.p2p(size, True, net))
+    assert comm.p2p(size, True, net) > comm.p2p(size, False, net)
+    assert tied_grads(tied, Layout(tp=4, pp=4, dp_shard=1, pp_schedule="zbv", pp_virtual_stages=2), H100) == 0.0
+    assert tied_grads(W70, lay, H100) == 0.0  # untied: no sum

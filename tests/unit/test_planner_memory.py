@@ -125,6 +125,28 @@ def test_trainer_model_states_by_layout():
     assert sum(kept.values()) == 0 and host == pytest.approx(16 * psi / 8)
 
 
+@pytest.mark.parametrize("precision, held", [("bf16", 6), ("fp32", 4)])
+def test_zero1_keeps_the_fp32_parameters_whole_and_shards_adams_moments(precision, held):
+    """As parallel/zero1.py builds it: every rank holds the fp32 parameters (the master; in bf16
+    also autocast's copies) and fp32 gradients whole, and 1/N of Adam's m and v."""
+    w = Workload(PRESETS["llama3-8b"], 4096, 64, precision)
+    hw = get_hardware("h100-sxm")
+    psi = stage_params(w, Layout(dp_shard=8), ranks(w, Layout(dp_shard=8))[0])
+    zero1 = memory_breakdown(w, Layout(dp_shard=8, zero=1), hw)
+    assert zero1["params"] == pytest.approx(held * psi) and zero1["grads"] == pytest.approx(4 * psi)
+    assert zero1["optimizer"] == pytest.approx(8 * psi / 8)
+
+
+def test_hsdp_with_zero2_keeps_the_gathered_weights_as_zero2_does():
+    w = Workload(PRESETS["llama3-8b"], 4096, 64, "bf16")
+    hw = get_hardware("h100-sxm")
+    hsdp = {z: memory_breakdown(w, Layout(dp_replicate=2, dp_shard=4, zero=z, activation_checkpoint="full"), hw)
+            for z in (2, 3)}
+    zero2 = memory_breakdown(w, Layout(dp_shard=4, zero=2, activation_checkpoint="full"), hw)
+    assert hsdp[2]["params"] == pytest.approx(zero2["params"]) and hsdp[3]["params"] == 0
+    assert hsdp[2]["params"] > 0
+
+
 def test_zero1_under_ep_holds_an_ep_th_of_the_experts_and_a_share_of_all_states():
     """As parallel/zero1.py builds it: a rank's ep-th of the routed experts whole, their states
     cut over efsdp (dp_shard / ep), so states per rank are those of all parameters over dp_shard."""
@@ -134,9 +156,10 @@ def test_zero1_under_ep_holds_an_ep_th_of_the_experts_and_a_share_of_all_states(
     experts = w.model.n_layers * expert_layer_params(w, 1)
     plain = memory_breakdown(w, Layout(dp_shard=8, zero=1), hw)
     ep4 = memory_breakdown(w, Layout(dp_shard=8, zero=1, ep=4), hw)
-    assert plain["params"] - ep4["params"] == pytest.approx(2 * experts * 3 / 4)
+    # fp32 parameters (the master) and autocast's bf16 copies: 6 bytes of each parameter held
+    assert plain["params"] - ep4["params"] == pytest.approx(6 * experts * 3 / 4)
     assert plain["grads"] - ep4["grads"] == pytest.approx(4 * experts * 3 / 4)
-    assert ep4["optimizer"] == plain["optimizer"] == pytest.approx(12 * psi / 8)
+    assert ep4["optimizer"] == plain["optimizer"] == pytest.approx(8 * psi / 8)
     fsdp = memory_breakdown(w, Layout(dp_shard=8, ep=4), hw)  # FSDP: ep moves no state bytes
     assert fsdp["grads"] == memory_breakdown(w, Layout(dp_shard=8), hw)["grads"]
 

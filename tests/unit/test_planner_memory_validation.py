@@ -63,11 +63,11 @@ def test_published_memory_within_10_percent(memory_rows, capsys):
 
 
 def test_bloom_memory_needs_the_bf16_optimizers_unsharded_buffers(memory_rows):
-    # The term that carries the match: with ZeRO-1 as the ZeRO paper counts it (master sharded),
-    # the same rows come out a third low.
+    # The term that carries the match: with shardline's ZeRO-1 (the fp32 master whole, but no fp32
+    # gradient buffer beside the 16-bit gradients) the same rows come out low.
     run = memory_rows[0]
     sharded = dataclasses.replace(run, runtime=dataclasses.replace(run.runtime, zero1="shardline"))
-    assert pb.memory_error(sharded)[1] < -0.3 < pb.memory_error(run)[1]
+    assert pb.memory_error(sharded)[1] < -0.15 < pb.memory_error(run)[1]
 
 
 def test_every_published_layout_fits_its_hardware(memory_rows):

@@ -42,10 +42,11 @@ class Runtime:
     block: str = "llama"  # activation accounting: "llama" (shardline's, counted) or "gpt" (Korthikanti's)
     attention: str = "flash"  # "flash": fused kernel (SDPA); "math": QK^T and AV GEMMs with the scores
     # materialised (softmax and dropout over heads x s per token: Megatron before flash attention)
-    zero1: str = "shardline"  # how ZeRO-1 is built. "shardline": the fp32 master sharded with Adam's moments,
-    # gradients reduce-scattered. "deepspeed_bf16": DeepSpeed's BF16_Optimizer (BLOOM): the fp32 master and an
-    # fp32 gradient buffer kept whole on every rank beside the bf16 weights and gradients, that fp32 buffer
-    # all-reduced after the last backward, the updated bf16 shards all-gathered
+    zero1: str = "shardline"  # how ZeRO-1 is built. "shardline": the fp32 parameters (the master) whole on
+    # every rank beside autocast's 16-bit copies, Adam's moments sharded, the updated rows all-gathered.
+    # "deepspeed_bf16": DeepSpeed's BF16_Optimizer (BLOOM): the fp32 master and an fp32 gradient buffer kept
+    # whole on every rank beside the bf16 weights and gradients, that fp32 buffer all-reduced after the last
+    # backward, the updated bf16 shards all-gathered
     pp_split: str = "trainer"  # blocks per pipeline stage. "trainer": shardline's balance, the output weighed by its
     # parameters. "ends_as_blocks": the embedding and the output count one block each and the stages get equal
     # counts (Megatron-DeepSpeed's --pp-partition-method 'type:transformer|embedding', BLOOM)

@@ -52,6 +52,12 @@ DDP_BUCKET_BYTES = 25 * 2**20
 _STAGES = {"single": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
 
 
+def zero_stage(layout: Layout) -> int:
+    """What the layout shards, as a ZeRO stage: HSDP shards as its `zero` says (2 keeps the
+    gathered weights from forward to backward, as the trainer's FSDP2 units do)."""
+    return 2 if layout.dp_mode == "hsdp" and layout.zero == 2 else _STAGES[layout.dp_mode]
+
+
 def zero_model_states(psi: float, n: int, stage: int, p: float = 2, g: float = 2, o: float = 12) -> dict[str, float]:
     """Bytes of weights, gradients and optimizer states per rank (ZeRO paper, section 5)."""
     return {"params": p * psi / (n if stage >= 3 else 1),
@@ -156,7 +162,7 @@ def max_stage_params(work: Workload, layout: Layout) -> float:
 def zero1_ep_away(work: Workload, layout: Layout, stage: RankStages) -> float:
     """Of a stage's parameters, those a ZeRO-1 rank under ep does not hold: the routed experts
     of the other ep ranks (parallel/zero1.py). 0 elsewhere: FSDP's sharding already prices them."""
-    if _STAGES[layout.dp_mode] != 1 or layout.ep == 1:
+    if zero_stage(layout) != 1 or layout.ep == 1:
         return 0.0
     return stage.layers * expert_layer_params(work, layout.tp) * (1 - 1 / layout.ep)
 
@@ -165,20 +171,23 @@ def state_bytes(work: Workload, layout: Layout, psi: float, away: float = 0.0) -
     """Weights, gradients and optimizer states of shardline's trainer on one rank; `away`: the
     parameters among `psi` it holds no weights or gradients of (zero1_ep_away), whose states
     are still a 1/shard_degree share."""
-    stage = _STAGES[layout.dp_mode]
+    stage = zero_stage(layout)
     mixed = work.precision != "fp32"
-    # p: compute-dtype weights besides the fp32 master (the master itself in fp32 at stages
-    # 1-2, where it is replicated or gathered); zero=3 gathers them per block (transient_bytes).
+    # p: compute-dtype weights besides the fp32 master (the master itself in fp32 where it is
+    # replicated: ZeRO-1, whose parameters are the fp32 master on every rank, and fp32 ZeRO-2);
+    # zero=3 gathers them per block (transient_bytes).
     # o: Adam m and v, plus the fp32 master wherever it is sharded with them.
     if stage == 1 and mixed and work.runtime.zero1 == "deepspeed_bf16":
         return deepspeed_bf16_states(work, layout, psi)
     if stage == 3:
         p = 0.0
+    elif stage == 1:
+        p = 4.0 + (act.dtype_bytes(work.precision) if mixed else 0.0)
     elif mixed:
         p = 2.0
     else:
-        p = 4.0 if stage in (1, 2) else 0.0
-    o = 8.0 if (stage == 1 and not mixed) else 12.0
+        p = 4.0 if stage == 2 else 0.0
+    o = 8.0 if stage == 1 else 12.0
     states = zero_model_states(psi, layout.shard_degree, stage, p, float(work.runtime.grad_bytes), o)
     states["params"] -= p * away
     states["grads"] -= work.runtime.grad_bytes * away
@@ -198,7 +207,7 @@ def offloaded(states: dict[str, float], layout: Layout) -> tuple[dict[str, float
     """(what stays on the device, bytes moved to host) under CPU offload of the sharded states."""
     if not layout.cpu_offload:
         return states, 0.0
-    keep = {k: (v if k == "params" and _STAGES[layout.dp_mode] < 3 else 0.0) for k, v in states.items()}
+    keep = {k: (v if k == "params" and zero_stage(layout) < 3 else 0.0) for k, v in states.items()}
     return keep, sum(states.values()) - sum(keep.values())
 
 
@@ -219,7 +228,7 @@ def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.
     c = act.dtype_bytes(work.precision)
     per_layer = layer_params(work, layout.tp) if per_layer is None else per_layer
     out = 0.0
-    stage = _STAGES[layout.dp_mode]
+    stage = zero_stage(layout)
     if stage >= 2 and layout.pp > 1:
         out += 4 * psi + (c * psi if stage == 3 else 0.0)  # zero=2's gathered weights are in its params
     elif stage >= 2:

@@ -118,20 +118,23 @@ def cp_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) -
     return total
 
 
-def ep_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes) -> float:
-    """Expert parallelism: dispatch and combine all-to-alls of each MoE block, forward and backward.
+def ep_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes, rec: float = 0.0) -> float:
+    """Expert parallelism: dispatch and combine all-to-alls of each MoE block, forward and backward,
+    and again in the share `rec` of forwards that activation checkpointing recomputes (no policy
+    saves the exchange's output).
 
     Only mixture-of-experts models (a `n_experts` field, `moe_top_k` routed experts per
-    token) have them; shardline's models are dense, so this is the model for when they are
-    not. EP borrows dp_shard x cp ranks (stride tp). DualPipeV pairs one micro-batch's
+    token) have them. The ep ranks sit tp apart when ep borrows the cp ranks (the mesh puts
+    them next to each other), cp x tp apart otherwise. DualPipeV pairs one micro-batch's
     forward with another's backward, hiding the all-to-alls under that compute.
     """
     if layout.ep == 1 or not getattr(work.model, "n_experts", 0):
         return 0.0
-    g = comm.group(layout.ep, layout.tp, hw.network.gpus_per_node)
+    stride = layout.tp * (1 if layout.ep_borrows_cp else layout.cp)
+    g = comm.group(layout.ep, stride, hw.network.gpus_per_node)
     routed = _tokens(work, layout) * getattr(work.model, "moe_top_k", 1)
     one = comm.all_to_all(routed * work.model.dim * dtype_bytes(work.precision), g, hw.network)[0]
-    total = 4 * one
+    total = (4 + 2 * rec) * one
     if layout.pp_schedule == "dualpipev" and layout.pp > 1:
         return max(0.0, total - (lt.forward + lt.backward))
     return total

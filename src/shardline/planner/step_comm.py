@@ -9,6 +9,7 @@ which of them overlap with compute); the per-micro-batch communication is microb
 from __future__ import annotations
 
 from shardline.layout import Layout, RankStages
+from shardline.layout.degrees import V_SHAPED
 from shardline.planner import comm
 from shardline.planner import compute as cmp
 from shardline.planner.activations import dtype_bytes
@@ -123,13 +124,13 @@ def tied_grads(work: Workload, layout: Layout, hw: Hardware) -> float:
     embedding group, DeepSpeed's ReduceTiedGrads, shardline's sync_tied_gradient): an all-reduce
     of two ranks after the last backward, exposed. fp32 under DeepSpeed's BF16_Optimizer (its
     gradients live in the fp32 buffer), else the program's gradient bytes."""
-    if layout.pp == 1 or not work.model.tie_embeddings:
-        return 0.0
+    if layout.pp == 1 or not work.model.tie_embeddings or layout.pp_schedule in V_SHAPED:
+        return 0.0  # a V-shaped schedule puts both ends on pp rank 0: one weight, nothing sent
     m, net = work.model, hw.network
     width = 4 if work.runtime.zero1 == "deepspeed_bf16" else work.runtime.grad_bytes
     shard = layout.shard_degree if layout.dp_mode in ("fsdp", "zero2", "hsdp") else 1  # sharded gradients
     size = width * m.vocab_size * m.dim / (layout.tp * shard)
-    crosses = layout.world // layout.pp >= net.gpus_per_node
+    crosses = (layout.pp - 1) * (layout.world // layout.pp) >= net.gpus_per_node  # first and last stage's ranks
     return comm.p2p(size, crosses, net)  # a two-rank all-reduce moves each half once each way: S/B
 
 
