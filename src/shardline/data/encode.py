@@ -9,10 +9,12 @@ installed), that template renders it; otherwise the documented default, ChatML:
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n        (for every message)
 
-Each message becomes one segment, tokenized on its own; the tokens of an assistant's
-segment (its header excluded, its end marker included) are loss targets, all others
-are not. With a template, segment i is what message i adds to the rendering of the
-messages before it (templates render prefixes as prefixes).
+Each message becomes segments tokenized on their own; under ChatML the tokens of an
+assistant's content and end marker are loss targets (its header is not), all others are
+not. With a template, segment i is all that message i adds to the rendering of the
+messages before it, the template's header for it included (a template that rewrites
+earlier turns instead of appending is refused), and an assistant's whole segment is a
+target.
 """
 
 from __future__ import annotations
