@@ -95,6 +95,7 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
 # What decides which tensors a model has and their shapes: the starting weights must fill
 # exactly these (rope_theta, max_seq_len, norm_eps and the router's settings may change).
 _WEIGHT_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "tie_embeddings")
+_EFFECTIVE = {"n_kv_heads": "kv_heads", "head_dim": "head_size"}  # None there means the default
 _MOE_WEIGHT_KEYS = ("n_experts", "expert_ffn_dim", "shared_experts", "first_dense_layers")
 
 
@@ -102,7 +103,7 @@ def _check_weights_fit(m: ModelConfig, start: ModelArgs, wanted: ModelArgs) -> N
     """A [model] or [moe] override that changes the weights' shapes would leave tensors the
     starting weights cannot fill (random under a sharded load): refused, naming the keys."""
     changed = [f"{k}={getattr(start, k)} -> {getattr(wanted, k)}" for k in _WEIGHT_KEYS
-               if getattr(start, k) != getattr(wanted, k)]
+               if getattr(start, _EFFECTIVE.get(k, k)) != getattr(wanted, _EFFECTIVE.get(k, k))]
     if (start.moe is None) != (wanted.moe is None):
         changed.append("dense -> mixture of experts")
     elif start.moe is not None:

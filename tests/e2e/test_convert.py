@@ -48,9 +48,15 @@ def test_checkpoint_to_hf_and_back(tiny_config, tmp_path):
 def test_train_from_hf_folder(tiny_config, tmp_path):
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=600)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
     trainer = Trainer(tiny_config("train.steps=2", f"model.hf_path={tmp_path / 'hf'}")).build()
     assert trainer.model_args.vocab_size == 600
+    ids = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the run starts from the folder's weights, not a fresh init
+        torch.testing.assert_close(trainer.model.eval()(ids), hf(ids).logits, rtol=0, atol=1e-4)
+    trainer.model.train()
     trainer.train()
 
 
@@ -101,5 +107,6 @@ def test_overrides_that_reshape_the_starting_weights_are_refused(tmp_path, overr
     cfg = load_config(None, [f"model.hf_path={hf}", override])
     with pytest.raises(ConfigError, match=f"holds weights of another shape than the overrides ask for .*{change}"):
         model_shape(cfg.model, 600, cfg.moe)
-    same = load_config(None, [f"model.hf_path={hf}", "model.n_layers=2", "model.rope_theta=50000"])
+    same = load_config(None, [f"model.hf_path={hf}", "model.n_layers=2", "model.head_dim=16", "model.n_kv_heads=2",
+                              "model.rope_theta=50000"])  # head_dim 16 = 64 / 4 heads: the folder's own
     assert model_shape(same.model, 600, same.moe).rope_theta == 50000  # the same shape, other frequencies

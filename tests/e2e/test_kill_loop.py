@@ -95,6 +95,8 @@ def test_random_kills_never_load_an_invalid_state(tmp_path, small_prepared):
     resumes = [(r["step"], r["checkpoint"]) for r in _records(run) if r.get("event") == "resume"]
     print("exit codes of the attempts:", outcomes, "resumed from:", resumes)
     assert len(outcomes) > KILLS // 2
+    # The seed's sixth attempt (one that waits for training) gets SIGTERM: saved and stopped.
+    assert 5 in outcomes, f"no SIGTERM landed mid-training: {outcomes}"
     assert resumes, "no attempt resumed: the kills all landed before the first save"
 
     got = _losses(_records(run))

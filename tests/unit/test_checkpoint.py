@@ -113,6 +113,14 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(trained, tiny_co
     assert aside.is_dir()
 
 
+def test_a_restarted_job_goes_on_from_its_newest_state_not_the_named_one(trained, tiny_config, monkeypatch):
+    """torchrun --max-restarts and Slurm requeues rerun the first attempt's command line: its
+    --resume PATH would take the job back there (and set aside what it trained since)."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    trainer = Trainer(tiny_config("train.steps=12", f"run.resume={trained / 'checkpoints' / 'step-000006'}")).build()
+    assert trainer.step == 12 and not (trained / "checkpoints" / "set-aside").exists()
+
+
 def test_checkpoints_order_by_step_past_six_digits(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (999_998, 999_999, 1_000_000):

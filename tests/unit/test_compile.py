@@ -70,7 +70,10 @@ def test_compiled_moe_trains_like_eager_with_only_the_experts_eager(tmp_path, sm
                                    ["model.preset=tiny-moe"], ["model.preset=tiny-moe", "parallel.ep=2"],
                                    ["model.preset=tiny-moe", "parallel.tp=2", "memory.activation_checkpoint=full"]])
 def test_compile_passes_preflight_with_tensor_parallel_and_moe(extra):
-    preflight(load_config(None, ["train.compile=true", *extra]), 2, 512)
+    launch = preflight(load_config(None, ["train.compile=true", *extra]), 2, 512)
+    assert (launch.layout.tp, launch.layout.ep) == (2 if "parallel.tp=2" in extra else 1,
+                                                    2 if "parallel.ep=2" in extra else 1)
+    assert (launch.model_args.moe is not None) == ("model.preset=tiny-moe" in extra)
 
 
 @pytest.mark.parametrize("version, schedule, refused", [("2.11.0+cu130", "zbv", True), ("2.11.0", "dualpipev", True),

@@ -27,7 +27,7 @@ from shardline.models.presets import PRESETS  # noqa: E402
 from shardline.parallel import float8  # noqa: E402
 from shardline.parallel.pipeline import split_backward_takes_custom_nodes  # noqa: E402
 from shardline.precision import autocast  # noqa: E402
-from shardline.preflight import check_config  # noqa: E402
+from shardline.preflight import check_config, preflight  # noqa: E402
 from shardline.trainer import Trainer  # noqa: E402
 
 # Every projection of a block is a multiple of 16 except w2's input (ffn 40): it must stay.
@@ -129,7 +129,8 @@ def test_capability_below_ada_is_refused_in_one_line():
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_tp_passes_preflight(tiny_config, recipe):
     """Tensor parallelism is built for fp8 (plain TP styles; tests/distributed/test_float8_fsdp.py runs it)."""
-    check_config(tiny_config("train.precision=fp8", f"fp8.recipe={recipe}", "parallel.tp=2"))
+    launch = preflight(tiny_config("train.precision=fp8", f"fp8.recipe={recipe}", "parallel.tp=2"), 2, 512)
+    assert launch.layout.tp == 2
 
 
 @pytest.mark.parametrize("version, schedule, refused", [("2.11.0+cu130", "zbv", True), ("2.11.0", "dualpipev", True),
@@ -177,7 +178,9 @@ def test_missing_torchao_says_how_to_install(monkeypatch):
 def test_conversion_keeps_state_dict_keys():
     plain, converted = built(), built(recipe="rowwise")
     assert list(plain.state_dict()) == list(converted.state_dict())
-    assert copy.deepcopy(converted) is not None  # checkpoints and pipeline stages may copy it
+    copied = copy.deepcopy(converted)  # checkpoints and pipeline stages may copy it
+    assert [type(m) for m in copied.modules()] == [type(m) for m in converted.modules()]
+    assert all(torch.equal(a, b) for a, b in zip(copied.state_dict().values(), converted.state_dict().values()))
 
 
 def built_split(recipe: str = "tensorwise") -> torch.nn.Module:

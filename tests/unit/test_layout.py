@@ -120,7 +120,8 @@ def test_zero1_composes_with_tp_and_pp(world, overrides):
 def test_ep_borrowing_cp_ranks_is_built(world, overrides):
     cfg = load_config(None, ["model.preset=tiny-moe", "train.global_batch_size=16", "train.micro_batch_size=2",
                              "train.seq_len=32", *overrides])
-    assert preflight(cfg, world, 512).layout.ep > 1
+    lay = preflight(cfg, world, 512).layout
+    assert lay.ep > 1 and lay.ep_borrows_cp  # ep does not divide dp_shard: it takes cp ranks
 
 
 @pytest.mark.parametrize("world, overrides", [
@@ -167,10 +168,13 @@ def test_interleaved_rounds_follow_torchs_rule():
 
 def test_tied_embeddings_run_with_every_pipeline_layout():
     tied = dataclasses.replace(ARGS, tie_embeddings=True)
-    layout_for(2, "parallel.tp=2", args=tied)  # one vocab-sharded weight for both ends
-    layout_for(2, "parallel.pp=2", args=tied)  # a copy on the last stage, gradients summed
-    layout_for(8, "parallel.pp=2", "parallel.tp=2", args=tied)  # x FSDP 2
-    layout_for(4, "parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zbv", args=tied)  # one rank holds both
+    assert layout_for(2, "parallel.tp=2", args=tied).tp == 2  # one vocab-sharded weight for both ends
+    ends = layouts.pipeline_ranks(tied, 2, 1, "1f1b")
+    assert layout_for(2, "parallel.pp=2", args=tied).pp == 2 and ends[0].first and ends[-1].last  # two ranks
+    assert layout_for(8, "parallel.pp=2", "parallel.tp=2", args=tied).dp_shard == 2  # x FSDP 2
+    zbv = layout_for(4, "parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zbv", args=tied)
+    first = layouts.pipeline_ranks(tied, 2, zbv.pp_virtual_stages, "zbv")[0]
+    assert first.first and first.last  # one rank holds both ends
     for dp in ("parallel.dp_shard=2", "parallel.dp_replicate=2"):  # both, as two FSDP units' parameters
         layout_for(4, "parallel.pp=2", "parallel.pp_schedule=dualpipev", dp, args=tied)
 

@@ -28,6 +28,16 @@ def cpu(cores=2, threads=1):
     return cpu_hardware().with_cpu(cores=cores, threads=threads)
 
 
+@pytest.mark.parametrize("n_layers, stages, head, counts", [
+    (4, 2, 1.33, (3, 1)),  # the output weighs 1.33 blocks: 3 | 1 + 1.33 beats 2 | 2 + 1.33
+    (16, 4, 0.0, (4, 4, 4, 4)),
+    (7, 3, 2.5, (3, 3, 1)),  # the slowest stage: 1 + 2.5 = 3.5 (3, 2, 2 would give 4.5)
+    (80, 4, 0.9, (20, 20, 20, 20)),  # 20.9 on the last; 21 blocks anywhere would be worse
+])
+def test_stage_split_worked_out(n_layers, stages, head, counts):
+    assert layouts.stage_layer_counts(n_layers, stages, head) == counts
+
+
 @pytest.mark.parametrize("n_layers, stages, head", [(4, 2, 1.33), (16, 4, 0.0), (32, 8, 5.0), (80, 4, 0.9),
                                                     (7, 3, 2.5), (126, 16, 1.2)])
 def test_stage_split_is_the_one_the_trainer_cuts(n_layers, stages, head):

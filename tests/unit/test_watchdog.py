@@ -154,3 +154,21 @@ def test_off_in_one_process_and_a_store_required_for_many(tmp_path):
     off.step_begin(1), off.step_end(1, 0.1), off.close()
     with pytest.raises(ValueError, match="needs the c10d store"):
         Watchdog(WatchdogConfig(timeout_s=5), tmp_path, 0, 2, None, lambda *a, **k: None)
+
+
+def test_a_phase_inside_a_step_hands_the_watch_back_to_the_step(tmp_path):
+    """An anomaly's rollback restores inside a step (under the long limit); the rest of the step
+    is watched again afterwards, with its own limit. A phase outside steps leaves nothing watched."""
+    wd = Watchdog(WatchdogConfig(timeout_s=5), tmp_path, 0, 1, None, lambda *a, **k: None, phase_timeout_s=50)
+    wd.phase_begin("restore", 0)  # start-up: no step yet
+    wd.phase_end()
+    assert not wd._progress.in_step
+    wd.step_begin(1)
+    wd.phase_begin("restore", 1)
+    assert (wd._progress.phase, wd._progress.limit_s) == ("restore", 50)
+    wd.phase_end()
+    assert (wd._progress.in_step, wd._progress.phase, wd._progress.step, wd._progress.limit_s) == (True, "step", 1, 5)
+    wd.step_end(1, 0.1)
+    wd.phase_begin("drain", 1)
+    wd.phase_end()
+    assert not wd._progress.in_step

@@ -27,7 +27,7 @@ from shardline.errors import DataError
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
 CHAT_FIELD = "messages"  # what data.format = "chat" reads from each .jsonl record
 # Two blank lines end a document; Windows line ends (\r\n) count as line ends.
-_DOC_BREAK = re.compile(r"\r?\n[ \t\r]*\n[ \t\r]*\n+")
+_DOC_BREAK = re.compile(r"\r?\n[ \t\r]*\n[ \t\r]*(?:\r?\n)+")
 _BREAK_CHARS = " \t\r\n"  # all a break is made of
 _CHUNK = 1 << 20  # characters of a .txt file decoded at a time
 
@@ -117,7 +117,7 @@ def _split_txt(f: Path) -> Iterator[str]:
         while chunk := text.read(_CHUNK):
             buf, start = tail + chunk, 0
             for m in _DOC_BREAK.finditer(buf):
-                if m.end() >= len(buf):
+                if m.end() >= len(buf) - (buf[-1] == "\r"):  # a last "\r" may be a line end's first half
                     break
                 pieces.append(buf[start : m.start()])
                 yield "".join(pieces)

@@ -65,8 +65,8 @@ def _run_tokenizer(ckpt: Path) -> Path | None:
     """The tokenizer.json of the run a checkpoint was saved by (<run_dir>/checkpoints/step-N),
     else one beside the checkpoint's files (from-hf copies the HF folder's there)."""
     ckpt = ckpt.resolve()
-    candidates = [ckpt.parent.parent / "tokenizer.json"] if ckpt.parent.name == "checkpoints" else []
-    return next((t for t in [*candidates, ckpt / "tokenizer.json"] if t.is_file()), None)
+    runs = [folder.parent for folder in ckpt.parents[:2] if folder.name == "checkpoints"]  # or checkpoints/set-aside
+    return next((t for t in [*(r / "tokenizer.json" for r in runs), ckpt / "tokenizer.json"] if t.is_file()), None)
 
 
 def _export_dtype(name: str) -> torch.dtype | None:

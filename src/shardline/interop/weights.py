@@ -8,6 +8,7 @@ knows nothing of where weights come from.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from shardline.config import ModelConfig
 from shardline.interop.hf import from_hf_pretrained, load_hf_weights
 from shardline.interop.hf_config import read_hf_fields
-from shardline.resilience.checkpoint import load_weights, read_meta
+from shardline.resilience.checkpoint import load_weights
 
 
 def load_starting_weights(m: ModelConfig, model: nn.Module, sharded: bool) -> None:
@@ -33,8 +34,11 @@ def starting_hf_fields(m: ModelConfig) -> dict:
     checkpoints carry so that `convert to-hf` writes them back; {} for a run from scratch."""
     if m.hf_path:
         return read_hf_fields(m.hf_path)
-    if m.init_from:
-        return read_meta(Path(m.init_from)).get("hf", {})
+    if m.init_from:  # meta.json alone: loading the weights verifies the checkpoint (hashing every file)
+        try:
+            return json.loads((Path(m.init_from) / "meta.json").read_text()).get("hf", {})
+        except (OSError, ValueError, AttributeError):
+            return {}
     return {}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from shardline.resilience.checkpoint import Checkpointer
 def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, list[str]]:
     """(checkpoint to resume from or None, problems with invalid checkpoints skipped)."""
     mode = cfg.run.resume
+    if mode not in ("auto", "latest", "never") and restarted():
+        mode = "auto"  # a restarted job goes on from its own newest state, not back to the named one
     if mode not in ("auto", "latest", "never"):
         path = Path(mode)
         if not path.is_dir():
@@ -30,6 +33,13 @@ def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, l
         raise ConfigError(f"run.resume='never' but {cfg.run.dir} already holds checkpoints that a new run "
                           "would overwrite; choose another run.dir or remove them")
     return (None if mode == "never" else path), invalid
+
+
+def restarted() -> bool:
+    """This process is a restart of the job (torchrun --max-restarts, a Slurm requeue), which
+    runs the first attempt's command line again."""
+    counts = (os.environ.get(key, "0") for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return any(count.isdigit() and int(count) > 0 for count in counts)
 
 
 def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int,

@@ -83,6 +83,7 @@ class Watchdog:
         self.grace_s = 2 * self.poll_s + 2.0  # for every live rank to see the flag and dump
         self.host = socket.gethostname()
         self._progress = _Progress()
+        self._outer = self._progress  # what a phase interrupted (phase_end goes back to it)
         self._times: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)
         self._lock = threading.Lock()  # _times: appended by the training thread, read by the watchdog
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # for the training thread to deliver
@@ -111,13 +112,19 @@ class Watchdog:
 
     def phase_begin(self, phase: str, step: int) -> None:
         """Long work outside a step begins (phase: "restore", "drain", ...), watched like a step
-        under phase_timeout_s; a hang there is reported with the phase's name."""
+        under phase_timeout_s; a hang there is reported with the phase's name. Inside a step
+        (an anomaly's rollback), the step's watch resumes when the phase ends."""
         self._train_thread = threading.get_ident()
+        self._outer = self._progress
         self._progress = _Progress(step, True, time.monotonic(), self.phase_limit, phase)
         self._deliver()
 
     def phase_end(self) -> None:
-        self._progress = _Progress(self._progress.step, False, time.monotonic())
+        outer = self._outer
+        if outer.in_step and outer.phase == "step":  # back to the step it interrupted, its clock restarted
+            self._progress = _Progress(outer.step, True, time.monotonic(), outer.limit_s)
+        else:
+            self._progress = _Progress(self._progress.step, False, time.monotonic())
         self._deliver()
 
     def step_end(self, step: int, step_time_s: float) -> None:

@@ -72,6 +72,8 @@ class Trainer:
         self.proc = init_distributed(self.device)
         if self.device.type == "cuda" and (self.device.index is None or self.proc.world_size > 1):
             self.device = torch.device("cuda", self.proc.local_rank)  # one GPU a rank; cuda:N picks one alone
+        if self.device.type == "cuda":  # FSDP2 and float8 read the current device
+            torch.cuda.set_device(self.device)
         check_config(cfg)
         layouts.resolve(cfg, self.proc.world_size)  # a wrong world size fails before the data is read
         torch.manual_seed(cfg.train.seed)
@@ -146,8 +148,8 @@ class Trainer:
         next_batch = batch_index(self.step, sorted(saved))
         trained = sorted(b for b in self.cfg.train.skip_batches if b < next_batch and b not in saved)
         if trained:  # skipping one now would shift every later batch by one instead
-            raise ConfigError(f"train.skip_batches={trained} names batches {name} already trained on (it resumes "
-                              f"at batch {next_batch}); only batches from {next_batch} on can be skipped")
+            raise ConfigError(f"train.skip_batches={trained} names batches already trained on before {name} (the "
+                              f"run resumes at batch {next_batch}); only batches from {next_batch} on can be skipped")
         self.skipped_batches = sorted(saved | set(self.skipped_batches))
         set_rng_state(state["rng"])
         return name
@@ -427,7 +429,7 @@ class Trainer:
 
     def _log_train(self, loss: float | torch.Tensor, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
         self.report_device_anomalies()
-        lr = self.cfg.optim.lr * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
+        lr = self.scheduler.base_lrs[0] * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
         # The only host sync of the hot path: reading the values at a logging step.
         tokens_per_s = steps * self.cfg.train.global_batch_size * self.cfg.train.seq_len / seconds
         memory = peak_memory_gib(self.device)  # the maximum over ranks of each figure
