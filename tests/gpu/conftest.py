@@ -7,6 +7,7 @@ shape, so a baseline several tests compare against is trained once (`trained`).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -33,19 +34,29 @@ def _room_for_recompiles():
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, small_corpus):
     """train(*overrides) -> {step: loss} of a tiny-config run with those overrides, trained once
-    per session for each distinct list (the run dir apart)."""
+    per session for each distinct list (the run dir apart). `train.seen[overrides]` holds what
+    the run did beyond its losses: the attention kernel its start event names and the graphs
+    dynamo compiled (a test of a kernel or of compile checks the run used it)."""
+    from torch._dynamo.utils import counters
+
     done: dict[tuple[str, ...], dict[int, float] | Exception] = {}
 
     def train(*overrides: str) -> dict[int, float]:
         if overrides not in done:
             run: Path = tmp_path_factory.mktemp("run")
             try:
+                counters.clear()
                 Trainer(load_config(None, tiny_overrides(run, small_corpus, *overrides))).build().train()
                 done[overrides] = losses(run)
+                records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                start = next(r for r in records if r.get("event") == "start")
+                train.seen[overrides] = {"attention": start["attention"],
+                                         "graphs": counters["stats"]["unique_graphs"]}
             except Exception as e:  # a failed baseline fails each test that needs it, trained once
                 done[overrides] = e
         if isinstance(done[overrides], Exception):
             raise done[overrides]
         return dict(done[overrides])
 
+    train.seen = {}
     return train

@@ -95,9 +95,11 @@ def _assert_close_losses(got: dict[int, float], want: dict[int, float]) -> None:
 @pytest.mark.parametrize("kernel", ["flex", pytest.param("varlen", marks=needs_varlen)])
 def test_two_steps_with_each_kernel_train_like_sdpa(trained, kernel):
     _assert_close_losses(trained(*CUDA, f"train.attention={kernel}"), trained(*CUDA, "train.attention=sdpa"))
+    assert trained.seen[(*CUDA, f"train.attention={kernel}")]["attention"] == kernel
 
 
 def test_flex_inside_compiled_checkpointed_blocks_trains_like_sdpa(trained):
     """auto picks flex on CUDA; train.compile traces the held compiled flex into each block."""
-    compiled = trained(*CUDA, "train.attention=auto", "train.compile=true", "memory.activation_checkpoint=full")
-    _assert_close_losses(compiled, trained(*CUDA, "train.attention=sdpa"))
+    key = (*CUDA, "train.attention=auto", "train.compile=true", "memory.activation_checkpoint=full")
+    _assert_close_losses(trained(*key), trained(*CUDA, "train.attention=sdpa"))
+    assert trained.seen[key]["attention"] == "flex" and trained.seen[key]["graphs"] >= 1
