@@ -86,4 +86,3 @@ def hf_to_checkpoint(src: Path, dst: Path) -> Path:
     if (src / "tokenizer.json").is_file():  # kept for the way back (to-hf)
         shutil.copyfile(src / "tokenizer.json", dst / "tokenizer.json")
     return dst
-
