@@ -170,7 +170,8 @@ def test_tied_embeddings_run_with_every_pipeline_layout():
     tied = dataclasses.replace(ARGS, tie_embeddings=True)
     assert layout_for(2, "parallel.tp=2", args=tied).tp == 2  # one vocab-sharded weight for both ends
     ends = layouts.pipeline_ranks(tied, 2, 1, "1f1b")
-    assert layout_for(2, "parallel.pp=2", args=tied).pp == 2 and ends[0].first and ends[-1].last  # two ranks
+    assert layout_for(2, "parallel.pp=2", args=tied).pp == 2 and ends[0].first and ends[-1].last
+    assert not ends[0].last  # the ends on two ranks: the last holds a copy
     assert layout_for(8, "parallel.pp=2", "parallel.tp=2", args=tied).dp_shard == 2  # x FSDP 2
     zbv = layout_for(4, "parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zbv", args=tied)
     first = layouts.pipeline_ranks(tied, 2, zbv.pp_virtual_stages, "zbv")[0]
