@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="to-hf: checkpoint (or run dir) -> HF folder; from-hf: HF folder -> checkpoint")
     convert.add_argument("src")
     convert.add_argument("dst")
-    convert.add_argument("--dtype", default="", choices=["float32", "bfloat16", "float16"],
-                         help="to-hf: the weights' dtype on disk (default: the HF folder's the checkpoint came "
-                              "from, else float32)")
+    convert.add_argument("--dtype", default="",
+                         help="to-hf: the weights' dtype on disk, float32, bfloat16 or float16 (default: the HF "
+                              "folder's the checkpoint came from, else float32)")
     convert.set_defaults(func=_convert)
     _register_feature_commands(sub)
     return parser

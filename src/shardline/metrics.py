@@ -163,8 +163,7 @@ def _strict(obj: Any) -> Any:
 
 
 def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.item() if obj.numel() == 1 else obj.tolist()
+    """What json cannot write by itself, after _strict turned tensors into numbers."""
     if isinstance(obj, Path):
         return str(obj)
     raise TypeError(f"cannot write {type(obj).__name__} to metrics.jsonl")

@@ -94,7 +94,7 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
 
 # What decides which tensors a model has and their shapes: the starting weights must fill
 # exactly these (rope_theta, max_seq_len, norm_eps and the router's settings may change).
-_WEIGHT_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "tie_embeddings")
+_WEIGHT_KEYS = (*(k for k in _SHAPE_KEYS if k != "rope_theta"), "tie_embeddings")
 _EFFECTIVE = {"n_kv_heads": "kv_heads", "head_dim": "head_size"}  # None there means the default
 _MOE_WEIGHT_KEYS = ("n_experts", "expert_ffn_dim", "shared_experts", "first_dense_layers")
 

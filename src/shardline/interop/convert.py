@@ -47,6 +47,7 @@ def resolve_checkpoint(src: Path) -> Path:
 def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "") -> Path:
     """dtype: the weights' dtype on disk; "" keeps the HF folder's a checkpoint came from
     (from-hf records it), else the checkpoint's own (float32)."""
+    explicit = _export_dtype(dtype)  # a wrong --dtype fails before the checkpoint is read
     ckpt = resolve_checkpoint(src)
     meta = read_meta(ckpt)
     model = build_meta_model(args_from_json(meta["model_args"]))
@@ -57,7 +58,7 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "") -> Path:
     eos = hf.get("eos_token_id")
     if eos is None and tokenizer is not None:  # a run's own tokenizer: its end-of-document token
         eos = eos_id(load_tokenizer(str(tokenizer)))
-    return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=_export_dtype(dtype or hf.get("dtype", "")),
+    return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=explicit or _export_dtype(hf.get("dtype", "")),
                             bos_token_id=hf.get("bos_token_id"), eos_token_id=eos)
 
 

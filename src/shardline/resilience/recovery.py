@@ -61,6 +61,16 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
             "(data, train.seq_len or train.seed changed); use a new run.dir")
 
 
+def check_skip_batches(path: Path | str, step: int, saved: list[int], wanted: list[int]) -> None:
+    """train.skip_batches may only name batches a resumed run has not trained on yet: skipping
+    an earlier one would shift every later batch by one instead (a ConfigError naming them)."""
+    next_batch = batch_index(step, saved)
+    trained = sorted(b for b in wanted if b < next_batch and b not in saved)
+    if trained:
+        raise ConfigError(f"train.skip_batches={trained} names batches already trained on before {path} (the "
+                          f"run resumes at batch {next_batch}); only batches from {next_batch} on can be skipped")
+
+
 def get_rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():

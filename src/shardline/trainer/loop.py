@@ -22,7 +22,7 @@ from shardline import layout as layouts
 from shardline.config import Config, to_toml
 from shardline.data import build_data
 from shardline.devices import peak_tflops
-from shardline.errors import AnomalyHalt, ConfigError, Preempted
+from shardline.errors import AnomalyHalt, Preempted
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.attention import resolve_attention
@@ -46,7 +46,14 @@ from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name
 from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
-from shardline.resilience.recovery import batch_index, check_data_position, get_rng_state, resume_path, set_rng_state
+from shardline.resilience.recovery import (
+    batch_index,
+    check_data_position,
+    check_skip_batches,
+    get_rng_state,
+    resume_path,
+    set_rng_state,
+)
 from shardline.resilience.run_lock import RunLock
 from shardline.trainer.step import StepRunner
 
@@ -144,13 +151,9 @@ class Trainer:
         self._optim_changes = apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.optim)
         self.scaler.load_state_dict(state["scaler"])
         self.anomaly.load_state_dict(state.get("anomaly", {}))
-        saved = set(state["data"].get("skipped_batches", []))
-        next_batch = batch_index(self.step, sorted(saved))
-        trained = sorted(b for b in self.cfg.train.skip_batches if b < next_batch and b not in saved)
-        if trained:  # skipping one now would shift every later batch by one instead
-            raise ConfigError(f"train.skip_batches={trained} names batches already trained on before {name} (the "
-                              f"run resumes at batch {next_batch}); only batches from {next_batch} on can be skipped")
-        self.skipped_batches = sorted(saved | set(self.skipped_batches))
+        saved = state["data"].get("skipped_batches", [])
+        check_skip_batches(name, self.step, saved, self.cfg.train.skip_batches)
+        self.skipped_batches = sorted(set(saved) | set(self.skipped_batches))
         set_rng_state(state["rng"])
         return name
 
