@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ import torch.multiprocessing as mp
 from shardline.config import load_config
 from shardline.models.factory import args_from_json, build_meta_model
 from shardline.resilience.checkpoint import Checkpointer, load_weights, read_meta
+from tests.ports import free_port
 
 # optim.eps=1e-6: a layout changes the order of floating-point sums, so gradients differ
 # in their last bits. For an embedding row seen once in a batch the gradient is ~1e-9,
@@ -59,12 +59,6 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:
     changes in this process: pass what a rank needs in `args`, as the workers here do.
     """
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

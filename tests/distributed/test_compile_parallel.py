@@ -21,7 +21,8 @@ import torch._functorch.config
 
 from shardline.config import load_config
 from shardline.parallel.compile import config_problem as compile_problem
-from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, free_port, gloo_rank, losses, start_ranks
+from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, gloo_rank, losses, start_ranks
+from tests.ports import free_port
 
 TP_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 # Training only: evaluation would compile each block again as a no_grad graph (~30% of a cold

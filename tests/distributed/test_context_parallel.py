@@ -27,7 +27,7 @@ from shardline.parallel.context.sharding import SequenceSplit
 from shardline.trainer import Trainer
 from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_grad_norms, assert_same_run, losses,
                                        run_world, start_ranks)
-from tests.distributed.test_watchdog import free_port
+from tests.ports import free_port
 from tests.unit.test_attention import _reference_varlen
 
 B, H, HK, S, D = 2, 4, 2, 32, 8

@@ -23,8 +23,9 @@ from torch.distributed.tensor import DTensor
 from shardline.config import load_config
 from shardline.models.moe.layer import moe_layers
 from shardline.trainer import Trainer
-from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_run, free_port, gloo_rank, losses,
+from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_run, gloo_rank, losses,
                                        start_ranks)
+from tests.ports import free_port
 
 OFFLOAD = "memory.cpu_offload=true"
 MOE = ["model.preset=tiny-moe", "moe.num_experts=4", "moe.expert_ffn_dim=32"]

@@ -30,7 +30,7 @@ from shardline.parallel.expert.dispatch import ExpertParallel, _Exchange
 from shardline.trainer import Trainer
 from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_grad_norms, assert_same_run,
                                        losses, run_world, start_ranks)
-from tests.distributed.test_watchdog import free_port
+from tests.ports import free_port
 
 ARGS = ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=8, ffn_dim=8,
                  moe=MoEArgs(n_experts=4, top_k=2, expert_ffn_dim=8, shared_experts=1))

@@ -34,7 +34,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 
 from shardline.config import load_config  # noqa: E402
 from shardline.trainer import Trainer  # noqa: E402
-from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, free_port, losses, start_ranks  # noqa: E402
+from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, losses, start_ranks  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from shardline.config import load_config
 from shardline.trainer import Trainer
-from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, free_port, losses, start_ranks
+from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, losses, start_ranks
+from tests.ports import free_port
 
 FP16 = ["train.precision=fp16"]
 LAYOUTS = {

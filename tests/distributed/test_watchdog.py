@@ -16,21 +16,18 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardline.config.resilience import WatchdogConfig
 from shardline.resilience.watchdog import Watchdog
+from tests.ports import free_port
 
 EXIT = 3
-
-
-def free_port() -> int:
-    # Not tests.distributed.harness's: importing it costs every spawned process ~1 s.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Detection times are held to the contract above: no test beside these.
+pytestmark = pytest.mark.alone
 
 
 def _stuck_forever(run_dir: Path, rank: int, how: str) -> None:

@@ -6,8 +6,10 @@ import os
 import subprocess
 import sys
 
-from tests.distributed.harness import free_port
+import pytest
+
 from tests.e2e.test_torchrun import REPO
+from tests.ports import free_port
 
 
 def check(nproc: int, *args: str) -> subprocess.CompletedProcess:
@@ -17,6 +19,7 @@ def check(nproc: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.alone  # a healthy rank must not look slow
 def test_healthy_ranks_pass_and_a_slow_one_is_named(tmp_path):
     ok = check(2, "--slow-factor", "3")
     assert ok.returncode == 0, ok.stderr[-2000:]

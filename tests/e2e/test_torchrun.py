@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from tests.conftest import tiny_overrides
-from tests.distributed.harness import free_port
+from tests.ports import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 
 from shardline.resilience import redundancy
 from shardline.resilience.memory_tier import MemoryTier, choose_step
-from tests.distributed.harness import free_port, start_ranks
+from tests.distributed.harness import start_ranks
+from tests.ports import free_port
 
 
 def report(own=(), replica=(), parity=()):

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # compares step time with the prediction
 def test_predicted_vs_measured_on_cpu(tmp_path, small_corpus):
     out = tmp_path / "validation.json"
     env = {**os.environ, "SHARDLINE_CACHE": os.environ.get("SHARDLINE_CACHE", str(tmp_path / "cache"))}

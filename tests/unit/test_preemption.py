@@ -17,7 +17,7 @@ from shardline.errors import Preempted
 from shardline.resilience.preemption import StopRequests
 from shardline.resilience.checkpoint import verify
 from tests.conftest import tiny_overrides
-from tests.distributed.harness import free_port
+from tests.ports import free_port
 
 REPO = Path(__file__).parents[2]
 

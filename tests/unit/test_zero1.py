@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from shardline.parallel.zero1 import Zero1AdamW, row_range
-from tests.distributed.harness import free_port, start_ranks
+from tests.distributed.harness import start_ranks
+from tests.ports import free_port
 
 
 def test_row_ranges_cut_like_dtensor_shard0():
