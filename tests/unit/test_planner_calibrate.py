@@ -87,6 +87,7 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, monkeypatch, cap
         get_hardware("h100-sxm", out)
 
 
+@pytest.mark.alone  # times the wrappers against the plain block
 def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
     from shardline.planner.calibrate.dist import measure_wrappers
 
@@ -100,8 +101,7 @@ def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
     # slope over 1 and 3 blocks, within the noise of two processes on 2 shared cores for the
     # plain model (it measured -0.1 ms once), so only that they were timed is held.
     assert math.isfinite(raw["tp"]["ends_s"]) and math.isfinite(raw["plain"]["ends_s"])
-    assert fields["fsdp_layer_overhead_us_per_mb"] >= 0 and raw["fsdp"]["per_layer_large_s"] > raw["fsdp"][
-        "per_layer_s"]  # a wider block with more tokens costs more
+    assert raw["fsdp"]["per_layer_large_s"] > raw["fsdp"]["per_layer_s"]  # a wider block with more tokens costs more
     # In wall time a TP step also waits on its collectives: more than its CPU time alone. Held on
     # the whole 3-block step (ends + 3 blocks), not on the fitted per-block figures: those are
     # differences of noisy timings (the block's wall intercept once fell below its CPU overhead
@@ -109,7 +109,23 @@ def test_tp_and_fsdp_wrapper_overheads_between_two_processes():
     tp = raw["tp"]
     assert tp["ends_wall_s"] + 3 * tp["per_layer_wall_s"] > tp["ends_s"] + 3 * tp["per_layer_s"]
     assert raw["tp"]["ends_vocab_wall_s"] > raw["tp"]["ends_wide_wall_s"]  # a 32x vocabulary costs the ends more
-    assert fields["tp_head_wall_us_per_mb"] >= 0
+    # Every field the profile takes is there, finite and non-negative (the lines' fits are clipped
+    # at 0: test_line_through_two_sizes holds that arithmetic on exact points).
+    assert set(fields) == {"tp_layer_overhead_us", "tp_head_overhead_us", "fsdp_root_overhead_us",
+                           "dtensor_param_overhead_us", "fsdp_layer_overhead_us", "fsdp_layer_overhead_us_per_mb",
+                           "tp_layer_wall_us", "tp_layer_wall_us_per_mb", "tp_head_wall_us", "tp_head_wall_us_per_mb"}
+    assert all(math.isfinite(v) and v >= 0 for v in fields.values()), fields
+
+
+@pytest.mark.parametrize("small, large, expected", [
+    ((1.0, 10.0), (3.0, 16.0), (7.0, 3.0)),  # a fixed part and a part per MB
+    ((1.0, 10.0), (3.0, 4.0), (10.0, 0.0)),  # the larger size measured cheaper (noise): no slope
+    ((1.0, 1.0), (3.0, 11.0), (0.0, 5.0)),  # the line would cross 0 before size 0: no negative fixed part
+])
+def test_line_through_two_sizes(small, large, expected):
+    from shardline.planner.calibrate.dist import _line
+
+    assert _line(small, large) == pytest.approx(expected)
 
 
 def test_co_run_efficiency_with_a_busy_neighbour():

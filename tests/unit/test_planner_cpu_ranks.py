@@ -18,7 +18,7 @@ from shardline.planner import compute as cmp
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import cpu_hardware
 from shardline.planner.layout import Layout, Workload
-from shardline.planner.memory import memory_breakdown
+from shardline.planner.memory import activation_bytes, memory_breakdown, ranks
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=4096)
 WORK = Workload(TINY, 128, 8, "fp32")
@@ -69,8 +69,19 @@ def test_the_fuller_first_stage_sets_the_pace_and_the_bubble_is_the_other_stage(
     assert e_even.breakdown["pp_bubble"] == pytest.approx(
         (e_even.step_time_s - e_even.breakdown["pp_bubble"] - e_even.breakdown["optimizer"]
          - e_even.breakdown["dp_comm"]) / 4, rel=0.02)
-    # Memory: 1F1B's first rank keeps 2 micro-batches of 3 blocks in flight, more than the last's logits.
-    assert memory_breakdown(WORK, lay, cpu())["activations"] > 0
+    # Memory: 1F1B's first rank keeps 2 micro-batches of 3 blocks in flight, more than the last's
+    # one block and its logits, so it holds the peak. One block's bytes and the mask's come from
+    # the last rank (1 block + mask, one in flight) and one rank of all 4 blocks (4 blocks + mask).
+    first, last = ranks(WORK, lay)
+    single = Layout(micro_batch_size=2)
+    whole = activation_bytes(WORK, single, ranks(WORK, single)[0], on_cuda=False)["activations"]
+    tail = activation_bytes(WORK, lay, last, on_cuda=False)
+    block = (whole - tail["activations"]) / 3
+    mask = tail["activations"] - block
+    peak = memory_breakdown(WORK, lay, cpu())
+    assert block > 0 and mask > 0 and peak["logits"] == 0.0  # the peak is on the first rank, no logits
+    assert peak["activations"] == pytest.approx(2 * (3 * block + mask), rel=1e-9)
+    assert peak["activations"] > tail["activations"] + tail["logits"]
 
 
 @pytest.mark.parametrize("world, cores, threads, expected", [(1, 2, 1, 1.0), (2, 2, 1, 1.0), (4, 2, 1, 0.5),
