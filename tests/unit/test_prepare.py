@@ -239,6 +239,39 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_not_duplicated(tmp_pa
         chat_segments(messages, rewrites)
 
 
+LLAMA_LIKE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|end|>\n{{ m['content'] }}<|eot|>{% endfor %}"
+              "{% if add_generation_prompt %}<|start|>assistant<|end|>\n{% endif %}")
+
+
+def test_a_templates_reply_header_is_not_a_target():
+    from shardline.data.encode import chat_segments
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"},
+                {"role": "assistant", "content": "farewell"}]
+    assert chat_segments(messages, LLAMA_LIKE) == [
+        ("<|start|>system<|end|>\nbe brief<|eot|>", False), ("<|start|>user<|end|>\nhi<|eot|>", False),
+        ("<|start|>assistant<|end|>\n", False), ("hello<|eot|>", True),
+        ("<|start|>user<|end|>\nbye<|eot|>", False),
+        ("<|start|>assistant<|end|>\n", False), ("farewell<|eot|>", True)]
+
+
+@pytest.mark.parametrize("template", [
+    # a generation prompt that is not how a rendered reply begins
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[model] {% endif %}",
+    # a template that refuses a conversation without messages (the reply comes first here)
+    "{% if not messages %}{{ raise_exception('empty') }}{% endif %}"
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}",
+])
+def test_a_reply_without_a_matching_generation_prompt_is_a_target_whole(template):
+    from shardline.data.encode import chat_segments
+
+    messages = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]
+    assert chat_segments(messages, template) == [("[assistant] hello\n", True), ("[user] hi\n", False)]
+
+
 def test_chat_data_from_plain_text_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("user: hi\nassistant: hello\n")
     with pytest.raises(DataError, match="is plain text, but data.format='chat' reads conversations"):

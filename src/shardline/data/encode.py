@@ -12,9 +12,12 @@ installed), that template renders it; otherwise the documented default, ChatML:
 Each message becomes segments tokenized on their own; under ChatML the tokens of an
 assistant's content and end marker are loss targets (its header is not), all others are
 not. With a template, segment i is all that message i adds to the rendering of the
-messages before it, the template's header for it included (a template that rewrites
-earlier turns instead of appending is refused), and an assistant's whole segment is a
-target.
+messages before it (a template that rewrites earlier turns instead of appending is
+refused). An assistant's segment is a target but for its header: what the template's
+generation prompt (`add_generation_prompt`, the text a chat model is given to start a
+reply) adds to the messages before it, when the reply's rendering starts with it. A
+template without a generation prompt gives no header to take out, so its whole
+assistant segment is a target.
 """
 
 from __future__ import annotations
@@ -107,15 +110,36 @@ def _template_segments(messages: list[dict], template: str) -> list[tuple[str, b
             raise DataError(f"the tokenizer's chat_template renders the first {i} messages of a conversation "
                             f"differently once message {i + 1} follows (e.g. it drops earlier reasoning), so its "
                             "assistant tokens cannot be found by rendering; use a template that only appends")
+        if m["role"] == "assistant":
+            header = _reply_header(template, messages[:i], before, text)
+            if header:
+                out.append((header, False))
+                before += header
         out.append((text[len(before):], m["role"] == "assistant"))
         before = text
     return out
 
 
-def _render(template: str, messages: list[dict]) -> str:
+def _reply_header(template: str, earlier: list[dict], before: str, text: str) -> str:
+    """What the generation prompt adds after `before` (the rendering of `earlier`) when the
+    reply's rendering `text` starts with it: the assistant header, which the model is given at
+    inference and so must not learn to write. Empty when the template has no such prompt, its
+    prompt is not how the reply begins, or it fails on these messages (a template may refuse
+    an empty conversation): then the whole reply segment stays a target."""
+    try:
+        prompt = _render(template, earlier, generation_prompt=True)
+    except DataError:
+        return ""
+    if len(prompt) > len(before) and prompt.startswith(before) and text.startswith(prompt) and text != prompt:
+        return prompt[len(before):]
+    return ""
+
+
+def _render(template: str, messages: list[dict], generation_prompt: bool = False) -> str:
     """The template applied to these messages; a template that fails is a DataError, not a traceback."""
     try:
-        return _compiled(template)(messages=messages, add_generation_prompt=False, bos_token="", eos_token="")
+        return _compiled(template)(messages=messages, add_generation_prompt=generation_prompt, bos_token="",
+                                   eos_token="")
     except Exception as e:  # jinja2 raises many types (syntax, undefined, the template's own raise_exception)
         raise DataError(f"the tokenizer's chat_template (tokenizer_config.json) fails on a conversation: "
                         f"{type(e).__name__}: {' '.join(str(e).split())}") from None
