@@ -21,18 +21,23 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(BIN)/shardline train $(ARGS)
 
-# Two phases: the tests on TEST_WORKERS pytest-xdist workers (one file per worker at a time:
-# most of a test's wall time is process start-up and waiting, so one worker leaves cores idle),
-# then the tests marked `alone`, whose assertions compare timings, with nothing beside them.
-# Exit status 5 (no test selected) counts as a pass in either phase, unless both select nothing,
-# so `make test PYTEST_ARGS=tests/unit/test_config.py` works. TEST_WORKERS=0 runs one at a time.
+# Two phases. First the tests on TEST_WORKERS pytest-xdist workers, a file to a worker at a
+# time (its module fixtures are built once); then the tests marked `alone`, whose assertions
+# compare timings, with nothing beside them. One torch thread per process (TEST_THREADS): the tiny
+# models gain nothing from a second, and two workers' thread pools spinning on 2 cores cost a
+# third more CPU time. Exit status 5 (no test selected) counts as a pass in a phase unless
+# both select nothing, so `make test PYTEST_ARGS=tests/unit/test_config.py` works; -m and -k
+# in PYTEST_ARGS apply to both phases. TEST_WORKERS=0 runs the first phase in one process.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q
+TEST_THREADS ?= 1
+PYTEST := OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q
 
 test: $(STAMP)
 	@status=0; \
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not alone" $(PYTEST_ARGS); first=$$?; \
-	$(PYTEST) -m alone $(PYTEST_ARGS); second=$$?; \
+	echo "make test, phase 1 of 2: $(TEST_WORKERS) workers"; \
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile --phase=shared $(PYTEST_ARGS); first=$$?; \
+	echo "make test, phase 2 of 2: the tests marked alone"; \
+	$(PYTEST) --phase=alone $(PYTEST_ARGS); second=$$?; \
 	for r in $$first $$second; do [ $$r = 0 ] || [ $$r = 5 ] || status=$$r; done; \
 	[ $$first$$second != 55 ] || status=5; \
 	exit $$status

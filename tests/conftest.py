@@ -13,10 +13,23 @@ from shardline.config import Config, load_config
 from shardline.data.sources import shipped_corpus
 
 
+def pytest_addoption(parser):
+    parser.addoption("--phase", choices=("all", "shared", "alone"), default="all",
+                     help="shared: leave out the tests marked alone (make test runs these on xdist workers); "
+                          "alone: only those (make test runs them after, one at a time); all (default): every test")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu are skipped, with the reason shown, on a machine without CUDA."""
+    """Tests marked gpu are skipped, with the reason shown, on a machine without CUDA; --phase
+    picks the tests marked alone or the others (as a deselection, so it combines with -m and -k)."""
     import torch
 
+    phase = config.getoption("phase")
+    if phase != "all":
+        dropped = [item for item in items if ("alone" in item.keywords) != (phase == "alone")]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if ("alone" in item.keywords) == (phase == "alone")]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run benchmarks/gpu_check.sh on one)")
