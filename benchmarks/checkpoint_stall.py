@@ -108,7 +108,7 @@ def _worker(rank: int, world: int, port: int, opts, queue) -> None:
 def run(opts) -> list[dict]:
     if opts.world == 1:
         return [measure(n, opts.rounds, Path(opts.dir), opts.redundancy, 0, 1) for n in opts.sizes.split(",")]
-    from tests.distributed.harness import free_port
+    from tests.ports import free_port
 
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_worker, args=(opts.world, free_port(), opts, queue), nprocs=opts.world,

@@ -26,10 +26,11 @@ def pytest_collection_modifyitems(config, items):
 
     phase = config.getoption("phase")
     if phase != "all":
-        dropped = [item for item in items if ("alone" in item.keywords) != (phase == "alone")]
+        wanted = phase == "alone"
+        dropped = [item for item in items if (item.get_closest_marker("alone") is not None) != wanted]
         if dropped:
             config.hook.pytest_deselected(items=dropped)
-            items[:] = [item for item in items if ("alone" in item.keywords) == (phase == "alone")]
+            items[:] = [item for item in items if (item.get_closest_marker("alone") is not None) == wanted]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run benchmarks/gpu_check.sh on one)")

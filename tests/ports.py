@@ -12,17 +12,19 @@ import socket
 def _worker_slot() -> tuple[int, int]:
     """(this xdist worker's index, the number of workers); (0, 1) outside xdist."""
     name = os.environ.get("PYTEST_XDIST_WORKER", "")
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    return (int(name[2:]) if name.startswith("gw") else 0), max(count, 1)
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1), 1)
+    # A worker that replaces a crashed one gets the next name (gw2 of 2): it takes over a share.
+    return (int(name[2:]) % count if name[2:].isdigit() else 0), count
 
 
 def free_port() -> int:
     """A port the kernel just called free, from this worker's share of the port space.
 
     Between returning a port and the rendezvous binding it, another worker could be handed the
-    same one; giving each worker its own residue class of ports closes that race between
-    workers (within one worker, tests run one at a time). The class is of port // 2 because
-    Linux hands bind(0) mostly odd ports.
+    same one; giving each worker its own residue class of ports keeps two workers' rendezvous
+    apart (within one worker, tests run one at a time). What stays open: any other bind(0) in
+    that window (gloo's own listeners, the calibration's ports) may take the port. The class
+    is of port // 2 because Linux hands bind(0) mostly odd ports.
     """
     index, count = _worker_slot()
     for _ in range(1000):

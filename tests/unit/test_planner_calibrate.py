@@ -63,7 +63,11 @@ def test_byte_counter_counts_inputs_and_outputs():
     assert counter.bytes == 3 * 4000  # two inputs and one output; the view moves nothing
 
 
-def test_gloo_collectives_between_two_processes():
+def test_gloo_collectives_between_two_processes(monkeypatch):
+    from shardline.planner.calibrate import comm
+    from tests.ports import free_port
+
+    monkeypatch.setattr(comm, "_free_port", free_port)  # this xdist worker's share of ports
     net, points = measure_collectives(world_sizes=(2,))
     assert net["intra_bw_gbs"] > 0.01 and 0 < net["intra_latency_us"] < 1e5
     assert set(points) == {"all_reduce", "all_gather", "reduce_scatter"}

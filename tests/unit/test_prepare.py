@@ -256,6 +256,40 @@ def test_a_templates_reply_header_is_not_a_target():
         ("<|start|>assistant<|end|>\n", False), ("farewell<|eot|>", True)]
 
 
+def test_a_prompt_that_opens_more_than_the_reply_shows_leaves_its_header_lines():
+    from shardline.data.encode import chat_segments
+
+    # The prompt opens a reasoning block the rendered reply does not have (as reasoning
+    # models' templates do): the header is the whole line both begin with.
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert chat_segments(messages, template) == [("<|im_start|>user\nhi<|im_end|>\n", False),
+                                                 ("<|im_start|>assistant\n", False), ("hello<|im_end|>\n", True)]
+
+
+def test_a_chat_prepare_starts_over_when_its_template_or_mask_rule_changes(tmp_path):
+    from shardline.data import encode
+    from shardline.data.prepare import _request
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    inputs = tmp_path / "chat.jsonl"
+    inputs.write_text(chat_records(2))
+    opts = PrepareOptions([str(inputs)], str(tmp_path / "out"), tokenizer=str(folder / "tokenizer.json"),
+                          format="chat")
+
+    def request(template: str) -> dict:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+        return _request(opts, [inputs])
+
+    first = request(LLAMA_LIKE)
+    assert first["chat"]["mask_rule"] == encode.CHAT_MASK_RULE and first["chat"]["template_sha256"]
+    assert request(LLAMA_LIKE) == first and request(LLAMA_LIKE + " ") != first
+    assert "chat" not in _request(PrepareOptions([str(inputs)], str(tmp_path / "out")), [inputs])  # text
+
+
 @pytest.mark.parametrize("template", [
     # a generation prompt that is not how a rendered reply begins
     "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

@@ -15,14 +15,16 @@ not. With a template, segment i is all that message i adds to the rendering of t
 messages before it (a template that rewrites earlier turns instead of appending is
 refused). An assistant's segment is a target but for its header: what the template's
 generation prompt (`add_generation_prompt`, the text a chat model is given to start a
-reply) adds to the messages before it, when the reply's rendering starts with it. A
-template without a generation prompt gives no header to take out, so its whole
-assistant segment is a target.
+reply) adds to the messages before it, when the reply's rendering starts with it; when
+the prompt adds more than the reply shows (an opened reasoning block, say), the lines
+both begin with. A template without a generation prompt gives no header to take out, so
+its whole assistant segment is a target.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from itertools import chain
 from pathlib import Path
@@ -33,6 +35,9 @@ from tokenizers import Tokenizer
 from shardline.errors import DataError
 
 CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
+# Which tokens of a conversation are targets changed with this number (2: a reply's header
+# under a template is not one): `shardline prepare` starts a chat folder over when it differs.
+CHAT_MASK_RULE = 2
 
 
 def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template: str | None = None,
@@ -121,18 +126,26 @@ def _template_segments(messages: list[dict], template: str) -> list[tuple[str, b
 
 
 def _reply_header(template: str, earlier: list[dict], before: str, text: str) -> str:
-    """What the generation prompt adds after `before` (the rendering of `earlier`) when the
-    reply's rendering `text` starts with it: the assistant header, which the model is given at
-    inference and so must not learn to write. Empty when the template has no such prompt, its
-    prompt is not how the reply begins, or it fails on these messages (a template may refuse
-    an empty conversation): then the whole reply segment stays a target."""
+    """The assistant header of the reply rendered as `text` after `before` (the rendering of
+    `earlier`): what the model is given at inference, so it must not learn to write it.
+
+    That is what the generation prompt adds after `before` when the reply begins with it;
+    when the prompt adds more (e.g. an opened reasoning block the reply does not show), the
+    whole lines both begin with (never a cut inside a line, which could split a special
+    token). Empty when the template has no such prompt, shares no whole line with the reply,
+    or fails on these messages (a template may refuse an empty conversation): then the whole
+    reply segment stays a target."""
     try:
         prompt = _render(template, earlier, generation_prompt=True)
     except DataError:
         return ""
-    if len(prompt) > len(before) and prompt.startswith(before) and text.startswith(prompt) and text != prompt:
-        return prompt[len(before):]
-    return ""
+    if not prompt.startswith(before):
+        return ""
+    added, reply = prompt[len(before):], text[len(before):]
+    if reply.startswith(added):
+        return added
+    shared = os.path.commonprefix([added, reply])
+    return shared[: shared.rfind("\n") + 1]
 
 
 def _render(template: str, messages: list[dict], generation_prompt: bool = False) -> str:

@@ -14,6 +14,7 @@ written last, so no manifest ever points at missing or partial data.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from shardline.data.encode import chat_template_for, encode_documents, render_chat
+from shardline.data.encode import CHAT_MASK_RULE, chat_template_for, encode_documents, render_chat
 from shardline.data.loader import held_out, split_single
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
                                    file_sha256, token_dtype, tokenizer_hash)
@@ -155,8 +156,13 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
     """What the folder's content depends on: a rerun with another request starts over."""
     inputs = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     tok = ["file", file_sha256(Path(opts.tokenizer))] if opts.tokenizer else ["bpe", opts.vocab_size]
-    return {"inputs": inputs, "field": opts.read_field(), "format": opts.format, "val_fraction": opts.val_fraction,
-            "tokenizer": tok, "shard_tokens": opts.shard_tokens, "format_version": FORMAT_VERSION}
+    request = {"inputs": inputs, "field": opts.read_field(), "format": opts.format, "val_fraction": opts.val_fraction,
+               "tokenizer": tok, "shard_tokens": opts.shard_tokens, "format_version": FORMAT_VERSION}
+    if opts.format == "chat":  # the loss mask depends on the template and on the rule that reads it
+        template = chat_template_for(opts.tokenizer)
+        request["chat"] = {"mask_rule": CHAT_MASK_RULE,
+                           "template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None}
+    return request
 
 
 def _finished(root: Path, request: dict) -> dict | None:
