@@ -26,11 +26,12 @@ def pytest_collection_modifyitems(config, items):
 
     phase = config.getoption("phase")
     if phase != "all":
-        wanted = phase == "alone"
-        dropped = [item for item in items if (item.get_closest_marker("alone") is not None) != wanted]
+        kept, dropped = [], []
+        for item in items:
+            (kept if (item.get_closest_marker("alone") is not None) == (phase == "alone") else dropped).append(item)
         if dropped:
             config.hook.pytest_deselected(items=dropped)
-            items[:] = [item for item in items if (item.get_closest_marker("alone") is not None) == wanted]
+            items[:] = kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run benchmarks/gpu_check.sh on one)")
