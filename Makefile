@@ -9,11 +9,17 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup train test bench clean
 
+# uv installs what pip would, several times faster (a fresh set-up here: 77 s with pip, 17 s
+# with uv, same packages). uv does not read pip's configuration, so pip's find-links (where a
+# CPU machine may keep its torch wheel) are handed on. pip is the fallback when uv fails.
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	($(BIN)/python -m pip install -q uv && \
+	 $(BIN)/uv pip install -q --python $(BIN)/python $(foreach d,$(FIND_LINKS),--find-links $(d)) \
+	   "$(TORCH_PIN)" -e ".[dev]") || \
+	($(BIN)/python -m pip install -q "$(TORCH_PIN)" && $(BIN)/python -m pip install -q -e ".[dev]")
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -28,9 +34,12 @@ train: $(STAMP)
 # third more CPU time. Exit status 5 (no test selected) counts as a pass in a phase unless
 # both select nothing, so `make test PYTEST_ARGS=tests/unit/test_config.py` works; -m and -k
 # in PYTEST_ARGS apply to both phases. TEST_WORKERS=0 runs the first phase in one process.
+# Inductor compiles in the test's own process (TORCHINDUCTOR_COMPILE_THREADS=1) instead of
+# starting a pool of compile workers per compiling process: the compile tests from an empty
+# cache took 209 s that way against 227 s with the default pool (one run each, 2 workers).
 TEST_WORKERS ?= 2
 TEST_THREADS ?= 1
-PYTEST := OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q
+PYTEST := OMP_NUM_THREADS=$(TEST_THREADS) TORCHINDUCTOR_COMPILE_THREADS=1 $(BIN)/python -m pytest -q
 
 test: $(STAMP)
 	@status=0; \
