@@ -50,11 +50,13 @@ TIERS = {"disk": ["checkpoint.interval=3"], "memory": ["checkpoint.interval=0", 
 def test_rollback_equals_a_run_that_never_saw_the_bad_batch(tiny_config, tmp_path, fault, tier):
     common = [*TIERS[tier], f"checkpoint.memory_dir={tmp_path / 'shm'}", "anomaly.min_history=3",
               "train.eval_interval=0", "checkpoint.keep=1"]
-    rolled = Trainer(tiny_config(*common, fault, "anomaly.action=rollback", run_dir=tmp_path / "rolled")).build()
+    # A later batch skipped by the config too: the rollback event names the batch it skipped itself.
+    rolled = Trainer(tiny_config(*common, fault, "anomaly.action=rollback", "train.skip_batches=[9]",
+                                 run_dir=tmp_path / "rolled")).build()
     rolled.train()
-    clean = Trainer(tiny_config(*common, "train.skip_batches=[4]", run_dir=tmp_path / "clean")).build()
+    clean = Trainer(tiny_config(*common, "train.skip_batches=[4, 9]", run_dir=tmp_path / "clean")).build()
     clean.train()
-    assert rolled.rollbacks == 1 and rolled.skipped_batches == [4]
+    assert rolled.rollbacks == 1 and rolled.skipped_batches == [4, 9]
     assert train_losses(tmp_path / "rolled") == train_losses(tmp_path / "clean")
     for name, value in params(clean).items():
         assert torch.equal(params(rolled)[name], value), name

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from shardline.errors import CheckpointError
 from shardline.resilience.checkpoint import Checkpointer, step_of, verify
+from shardline.resilience.recovery import memory_tier_resumable
 from shardline.trainer import Trainer
 
 
@@ -119,6 +121,55 @@ def test_a_restarted_job_goes_on_from_its_newest_state_not_the_named_one(trained
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     trainer = Trainer(tiny_config("train.steps=12", f"run.resume={trained / 'checkpoints' / 'step-000006'}")).build()
     assert trainer.step == 12 and not (trained / "checkpoints" / "set-aside").exists()
+
+
+def test_a_restart_that_saved_nothing_newer_still_starts_from_the_named_checkpoint(trained, tiny_config, tmp_path,
+                                                                                   monkeypatch):
+    """Before its own first save, a restarted job (the first attempt's --resume PATH) goes back to
+    PATH: not to step 0 in an empty run dir, nor to an older checkpoint the run dir held."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    named = trained / "checkpoints" / "step-000012"
+    assert Trainer(tiny_config("train.steps=12", f"run.resume={named}", run_dir=tmp_path / "empty")).build().step == 12
+    older = tmp_path / "older"
+    shutil.copytree(trained / "checkpoints" / "step-000006", older / "checkpoints" / "step-000006")
+    assert Trainer(tiny_config("train.steps=12", f"run.resume={named}", run_dir=older)).build().step == 12
+
+
+@pytest.mark.parametrize("resume, restart, expected", [("auto", "0", True), ("latest", "0", True),
+                                                       ("never", "1", False), ("/ckpt/step-000006", "0", False),
+                                                       ("/ckpt/step-000006", "1", True)])
+def test_the_memory_tier_is_resumed_from_unless_the_run_leaves_its_history(resume, restart, expected, tiny_config,
+                                                                           monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+    assert memory_tier_resumable(tiny_config(f"run.resume={resume}")) is expected
+
+
+def test_an_error_after_an_async_save_began_still_lands_that_save(tiny_config, tmp_path):
+    """One process: the save in flight is finished before the error ends the run (a daemon thread
+    would die with it), and the run dir's lock is free for the rerun."""
+    trainer = Trainer(tiny_config("train.steps=12", "checkpoint.mode=async", run_dir=tmp_path / "run")).build()
+    compute = trainer.compute_gradients
+
+    def fail_after_the_save():
+        if trainer.step == 6:  # step 6's save was just handed to the background thread
+            raise RuntimeError("CUDA out of memory (injected)")
+        return compute()
+
+    trainer.compute_gradients = fail_after_the_save
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.train()
+    assert verify(tmp_path / "run" / "checkpoints" / "step-000006")["step"] == 6
+    assert Trainer(tiny_config("train.steps=12", run_dir=tmp_path / "run")).build().step == 6
+
+
+def test_a_second_save_of_a_step_replaces_the_first_and_leaves_nothing_behind(trained, tiny_config):
+    """The first is renamed aside before the second takes its name (not deleted first, so a crash
+    never falls in a whole rmtree with no complete folder of that step), then removed."""
+    before = verify(trained / "checkpoints" / "step-000012")
+    trainer = Trainer(tiny_config("train.steps=12")).build()
+    assert trainer.step == 12 and trainer.save_checkpoint() == trained / "checkpoints" / "step-000012"
+    assert verify(trained / "checkpoints" / "step-000012")["time"] > before["time"]
+    assert sorted(p.name for p in (trained / "checkpoints").iterdir()) == ["step-000006", "step-000012"]
 
 
 def test_checkpoints_order_by_step_past_six_digits(tmp_path):

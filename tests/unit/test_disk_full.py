@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from shardline.errors import CheckpointError, ConfigError
+from shardline.errors import AnomalyHalt, CheckpointError, ConfigError
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.trainer import Trainer
 
@@ -75,3 +75,15 @@ def test_read_only_run_dir_or_checkpoints_folder_is_one_line_before_training(tin
             Trainer(tiny_config("train.steps=12", run_dir=run)).build()
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(small_disk)])
+
+
+@pytest.mark.parametrize("on_error", ["continue", "stop"])
+def test_a_halt_whose_save_the_disk_refuses_says_so(tiny_config, small_disk, on_error):
+    """The halt is what is reported either way, naming the failed save, not a path never written."""
+    run = small_disk / "run"
+    trainer = Trainer(tiny_config("train.steps=12", "faults.nan_step=9", "anomaly.action=halt",
+                                  f"checkpoint.on_error={on_error}", run_dir=run)).build()
+    with pytest.raises(AnomalyHalt, match=r"at step 9; the state before that step could not be saved \(") as halted:
+        trainer.train()
+    assert (halted.value.__cause__ is not None) == (on_error == "stop")
+    assert [e["checkpoint"] for e in events(run) if e["event"] == "halt"] == [None]

@@ -250,8 +250,15 @@ def _seal(tmp: Path, final: Path, step: int, kind: str, meta: dict[str, Any]) ->
              for f in sorted(tmp.rglob("*")) if f.is_file()}
     manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "kind": kind, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    if final.exists():  # an older save of the same step (e.g. after a rollback)
-        shutil.rmtree(final)
+    if final.exists():  # an older save of the same step (after a rollback, or a halt's save)
+        # Renamed aside, not deleted first: between the two renames (not a whole rmtree) no
+        # folder of this step is complete; prune() removes what is left of a crash there.
+        old = final.with_name(final.name + DELETING)
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        return
     tmp.rename(final)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -10,21 +11,25 @@ import torch
 
 from shardline.config import Config
 from shardline.errors import CheckpointError, ConfigError
-from shardline.resilience.checkpoint import Checkpointer
+from shardline.resilience.checkpoint import MANIFEST, Checkpointer, step_of
 
 
 def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, list[str]]:
     """(checkpoint to resume from or None, problems with invalid checkpoints skipped)."""
     mode = cfg.run.resume
-    if mode not in ("auto", "latest", "never") and restarted():
-        mode = "auto"  # a restarted job goes on from its own newest state, not back to the named one
+    invalid: list[str] = []
     if mode not in ("auto", "latest", "never"):
-        path = Path(mode)
-        if not path.is_dir():
+        named = Path(mode)
+        if not named.is_dir():
             raise ConfigError(f"run.resume={mode!r} is not a checkpoint folder; valid: auto, latest, never, "
                               "or the path of a checkpoint folder")
-        return path, []
-    invalid: list[str] = []
+        if restarted():
+            # A restarted job reruns the first attempt's command line: it goes on from its own
+            # newest state, not back to the named one, unless it had saved nothing newer yet.
+            own = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
+            if own is not None and _saved_step(own) > _saved_step(named):
+                return own, invalid
+        return named, invalid
     path = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
     if mode == "latest" and path is None:
         raise CheckpointError(f"--resume given but {checkpointer.root} holds no valid checkpoint"
@@ -33,6 +38,22 @@ def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, l
         raise ConfigError(f"run.resume='never' but {cfg.run.dir} already holds checkpoints that a new run "
                           "would overwrite; choose another run.dir or remove them")
     return (None if mode == "never" else path), invalid
+
+
+def memory_tier_resumable(cfg: Config) -> bool:
+    """Whether the in-memory snapshots may be resumed from: by `auto`/`latest`, and by a restart
+    of a job started from a named checkpoint (its snapshots are of this job, taken after that
+    checkpoint). A fresh run, or a first start from a named checkpoint, leaves their history."""
+    mode = cfg.run.resume
+    return mode in ("auto", "latest") or (mode != "never" and restarted())
+
+
+def _saved_step(path: Path) -> int:
+    """The step a checkpoint holds, from its manifest (a named folder may have any name)."""
+    try:
+        return int(json.loads((path / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return step_of(path)
 
 
 def restarted() -> bool:

@@ -139,12 +139,12 @@ class StateTiers:
 
     # ---- restoring --------------------------------------------------------------------
 
-    def resume_source(self, disk: Path | None):
-        """What a starting run restores, honouring run.resume: see newest()."""
-        mode = self.cfg.run.resume
-        use_memory = mode in ("auto", "latest")
-        if self.memory is not None and not use_memory:  # a fresh run, or one from a named checkpoint:
-            self.memory.clear()  # the snapshots held are of a history it leaves
+    def resume_source(self, disk: Path | None, use_memory: bool):
+        """What a starting run restores (see newest()); `use_memory` false (a fresh run, or a
+        first start from a named checkpoint: recovery.memory_tier_resumable) clears the
+        snapshots held, which are of a history the run leaves."""
+        if self.memory is not None and not use_memory:
+            self.memory.clear()
         return self.newest(disk, use_memory=use_memory)
 
     def newest(self, disk: Path | None, use_memory: bool = True):

@@ -8,6 +8,7 @@ so neither gradient accumulation nor any parallel layout changes a number.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -22,7 +23,7 @@ from shardline import layout as layouts
 from shardline.config import Config, to_toml
 from shardline.data import build_data
 from shardline.devices import peak_tflops
-from shardline.errors import AnomalyHalt, Preempted
+from shardline.errors import AnomalyHalt, CheckpointError, Preempted
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.attention import resolve_attention
@@ -51,6 +52,7 @@ from shardline.resilience.recovery import (
     check_data_position,
     check_skip_batches,
     get_rng_state,
+    memory_tier_resumable,
     resume_path,
     set_rng_state,
 )
@@ -118,7 +120,7 @@ class Trainer:
         try:
             self.guard.watch()
             with self.guard.phase("restore", self.step):
-                found = self.tiers.resume_source(resume_from)
+                found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
                 resumed = self._restore(found) if found is not None else None
             self._open_run_dir(resumed)
         except BaseException:
@@ -191,6 +193,9 @@ class Trainer:
         try:
             return self._train()
         except BaseException:
+            if self.proc.world_size == 1:  # a save in flight is still worth finishing: a rerun resumes from it
+                with contextlib.suppress(Exception):  # (not with ranks: its collectives may wait on a lost peer)
+                    self.guard.drain(self.step)
             self.guard.stop_watching()  # an error, a halt or Ctrl-C: the watchdog and handlers go
             self.lock.release()
             raise
@@ -376,8 +381,8 @@ class Trainer:
                 self.tiers.drain()
                 target = self.tiers.newest(self.checkpointer.latest_valid())
                 if target is not None:
-                    self.skipped_batches = sorted({*self.skipped_batches,
-                                                   batch_index(step - 1, self.skipped_batches)})
+                    skipped = batch_index(step - 1, self.skipped_batches)  # the batch that gave the anomaly
+                    self.skipped_batches = sorted({*self.skipped_batches, skipped})
                     self.optimizer.zero_grad(set_to_none=True)
                     self.scaler.skip()
                     name = self._restore(target)
@@ -386,7 +391,7 @@ class Trainer:
                 cost = time.perf_counter() - started
                 self.guard.goodput.add("recovery", cost)
                 self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
-                                   skipped_batch=self.skipped_batches[-1], cost_s=round(cost, 3))
+                                   skipped_batch=skipped, cost_s=round(cost, 3))
                 return True
             event["action"] = "skip (no checkpoint to roll back to)"
         self.metrics.event("anomaly", **event)
@@ -399,13 +404,21 @@ class Trainer:
         self.guard.stop_watching()
         self.metrics.event("anomaly", **event)
         self.optimizer.zero_grad(set_to_none=True)
-        saved = self.save_checkpoint() if self.cfg.checkpoint.interval else None
-        self.tiers.finish()  # the state to investigate is on disk; the memory tier's RAM is freed
-        self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if saved else None)
+        saved, failure = None, None
+        try:
+            saved = self.save_checkpoint() if self.cfg.checkpoint.interval else None
+            self.tiers.finish()  # an async save is on disk; the memory tier's RAM is freed
+        except CheckpointError as e:  # checkpoint.on_error=stop: the halt is still what is reported
+            failure = e
+        written = saved is not None and saved.is_dir()  # a refused save (on_error=continue) returns none or leaves none
+        where = (f"state before that step saved to {saved}" if written
+                 else "nothing saved (checkpoint.interval=0)" if not self.cfg.checkpoint.interval
+                 else f"the state before that step could not be saved ({failure or 'see checkpoint_failed'})")
+        self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if written else None)
         self.metrics.close()
         self.lock.release()
         raise AnomalyHalt(f"{event['anomaly']} (value {event['value']:.4g}) at step {event['step']}; "
-                          f"state before that step saved to {saved}; anomalies this run: {len(self.anomaly_events)}")
+                          f"{where}; anomalies this run: {len(self.anomaly_events)}") from failure
 
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches global batches of the held-out split, run as
