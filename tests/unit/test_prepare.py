@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
+from tokenizers import Tokenizer
 
 from shardline.config import load_config
 from shardline.data import build_data
@@ -65,6 +66,18 @@ def test_prepared_folder_gives_the_raw_paths_batches_bit_for_bit(tmp_path, mixed
     assert manifest["input_documents"] == len(read_documents(str(mixed_folder)))
     assert_same_batches(data(mixed_folder), data(out))
     assert verify(out) == []
+
+
+def test_a_deleted_shard_is_reported_by_verify_and_a_manifest_without_a_key_is_damaged(tmp_path, small_corpus):
+    out = tmp_path / "prep"
+    manifest = prepare(PrepareOptions([str(small_corpus)], str(out), **SMALL))
+    shard = manifest["splits"]["val"]["shards"][0]["file"]
+    (out / shard).unlink()
+    assert verify(out) == [shard]  # listed as bad, not a traceback
+    del manifest["dtype"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"manifest.json is damaged \(KeyError: 'dtype'\)"):
+        data(out)
 
 
 def test_a_single_document_is_split_by_characters_as_before(tmp_path, small_corpus):
@@ -230,6 +243,24 @@ def test_a_tokenizers_own_chat_template_renders_and_masks(tmp_path):
     assert "[user]" in d.tokenizer.decode(seq["input_ids"][0][first].tolist())
 
 
+def test_a_chat_mixture_renders_every_source_with_one_template(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(chat_records(40))
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    data(path, "data.format=chat", "train.eval_interval=0", seq_len=128).tokenizer.save(str(folder / "tokenizer.json"))
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    prep = tmp_path / "prep"
+    prepare(PrepareOptions([str(path)], str(prep), format="chat", tokenizer=str(folder / "tokenizer.json"), **SMALL))
+    common = [f'data.mix=[{{path = "{prep}"}}, {{path = "{path}"}}]', "data.format=chat", "train.seq_len=128",
+              "train.eval_interval=0"]
+    # Without data.tokenizer the raw source would be ChatML beside the folder's own template.
+    with pytest.raises(DataError, match=r"different templates \(.*prep: template .*chat.jsonl: ChatML \(no template\)"):
+        build_data(load_config(None, common))
+    assert len(build_data(load_config(None, [*common, f"data.tokenizer={folder / 'tokenizer.json'}"])).train) > 0
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused_not_duplicated(tmp_path):
     from shardline.data.encode import chat_segments
 
@@ -306,6 +337,18 @@ def test_a_reply_without_a_matching_generation_prompt_is_a_target_whole(template
     assert chat_segments(messages, template) == [("[assistant] hello\n", True), ("[user] hi\n", False)]
 
 
+def test_chat_data_without_an_assistant_role_is_one_line_in_both_paths(tmp_path):
+    """ShareGPT-style roles would train on nothing (every loss 0): refused, raw and prepared."""
+    path = tmp_path / "sharegpt.jsonl"
+    path.write_text(chat_records(4).replace('"assistant"', '"gpt"'))
+    message = r"has no message of role 'assistant' .*roles found: gpt, system, user; rename"
+    with pytest.raises(DataError, match=message):
+        data(path, "data.format=chat")
+    with pytest.raises(DataError, match=message):
+        prepare(PrepareOptions([str(path)], str(tmp_path / "prep"), format="chat", **SMALL))
+    assert not any((tmp_path / "prep").iterdir())  # refused in the first pass, before anything is written
+
+
 def test_chat_data_from_plain_text_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("user: hi\nassistant: hello\n")
     with pytest.raises(DataError, match="is plain text, but data.format='chat' reads conversations"):
@@ -330,3 +373,23 @@ def test_the_train_log_shows_tokens_per_source(tmp_path, prepared, tiny_config):
     seen = [r["tokens_by_source"] for r in records if r["kind"] == "train"]
     assert [sum(s.values()) for s in seen] == [8 * 32 * step for step in (1, 2, 3)]
     assert list(seen[-1]) == ["0:prep", "1:prep"] and seen[-1]["1:prep"] > seen[-1]["0:prep"]
+
+
+def test_a_vocabulary_with_gaps_gets_shards_wide_enough_and_no_id_wraps(tmp_path):
+    from tokenizers import models
+
+    from shardline.data.shards import SplitWriter, id_bound, token_dtype
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 70_000}, unk_token="[UNK]"))
+    assert tok.get_vocab_size() == 3 and id_bound(tok) == 70_001 and token_dtype(id_bound(tok)) == np.uint32
+    writer = SplitWriter(tmp_path, "train", np.dtype(np.uint16), chat=False, state=None)
+    writer.add(np.array([1, 70_000]), np.array([2]), None)
+    with pytest.raises(DataError, match="token id 70000 does not fit the folder's uint16 shards"):
+        writer.flush()
+
+
+def test_a_table_column_that_is_not_text_is_one_line(tmp_path):
+    pq.write_table(pa.table({"text": [1, 2, 3], "body": ["a b", None, "c d"]}), tmp_path / "t.parquet")
+    with pytest.raises(DataError, match=r"column 'text' holds int values, not text \(set data.text_field"):
+        read_documents(str(tmp_path / "t.parquet"))
+    assert read_documents(str(tmp_path / "t.parquet"), "body") == ["a b", "c d"]  # a null row holds no document

@@ -80,6 +80,14 @@ def _encode_batch(tok: Tokenizer, texts: list[str]) -> list:
     return fast(texts, add_special_tokens=False) if fast else tok.encode_batch(texts, add_special_tokens=False)
 
 
+def check_replies(where: str, roles: set[str]) -> None:
+    """Chat data trains on the replies, the messages of role "assistant": data with none of them
+    (ShareGPT's "gpt", Gemini's "model") would train on nothing, every loss 0."""
+    if "assistant" not in roles:
+        raise DataError(f"{where} has no message of role 'assistant' (the replies the loss is on); roles found: "
+                        f"{', '.join(sorted(roles)) or 'none'}; rename the reply role to 'assistant'")
+
+
 def chat_segments(messages: list[dict], template: str | None = None) -> list[tuple[str, bool]]:
     """(text, is_target) pieces of one conversation, in order."""
     if template:

@@ -8,18 +8,20 @@ combines several sources by weight (`mixture`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from shardline.config import Config
-from shardline.data.encode import chat_template_for, encode_documents, render_chat
+from shardline.data.encode import chat_template_for, check_replies, encode_documents, render_chat
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler
-from shardline.data.shards import is_prepared, open_prepared, tokenizer_hash
+from shardline.data.shards import is_prepared, open_prepared, read_manifest, tokenizer_hash
 from shardline.data.sources import read_documents
 from shardline.data.tokenizer import eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
@@ -106,6 +108,8 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None):
     if chat and len(docs) < 2:
         raise DataError(f"data.path={path!r} holds {len(docs)} conversation; chat data needs at least two "
                         "(one is held out)")
+    if chat:
+        check_replies(f"data.path={path!r}", {m["role"] for messages in docs for m in messages})
     # The split depends on the data only (fixed seed), not on train.seed, so runs with
     # different seeds are evaluated on the same held-out documents.
     train_docs, val_docs = split_documents(docs, d.val_fraction, seed=0)
@@ -136,6 +140,8 @@ def _build_mixture(cfg: Config) -> DataBundle:
     """Every source of data.mix, with one tokenizer; train and val mixed by the weights."""
     t, mix = cfg.train, cfg.data.mix
     tok = _mixture_tokenizer(cfg)
+    if cfg.data.format == "chat":
+        _check_one_chat_template(cfg)
     trains, vals = [], []
     for source in mix:
         tok, train, val = load_source(source.path, cfg, tok)
@@ -158,6 +164,28 @@ def _mixture_tokenizer(cfg: Config) -> Tokenizer:
         return open_prepared(prepared[0], cfg.train.seq_len, "", cfg.data.format).tokenizer
     raise DataError("data.mix of raw files needs one tokenizer for all: set data.tokenizer, or prepare the "
                     "sources with `shardline prepare --tokenizer`")
+
+
+def _check_one_chat_template(cfg: Config) -> None:
+    """Every chat source of a mixture rendered with one template. A raw source is rendered with
+    data.tokenizer's template (ChatML without one); a prepared folder was, with its own."""
+    raw = chat_template_for(cfg.data.tokenizer)
+    raw_id = hashlib.sha256(raw.encode()).hexdigest() if raw else None
+    used = {}
+    for source in cfg.data.mix:
+        if is_prepared(source.path):
+            chat = read_manifest(Path(source.path))["request"].get("chat")
+            if chat is None:  # prepared before the template was recorded: nothing to compare
+                continue
+            used[source.path] = chat["template_sha256"]
+        else:
+            used[source.path] = raw_id
+    if len(set(used.values())) > 1:
+        raise DataError("data.mix renders its chat sources with different templates ("
+                        + "; ".join(f"{p}: " + (f"template {sha[:12]}" if sha else "ChatML (no template)")
+                                    for p, sha in used.items())
+                        + "); prepare every source with the same --tokenizer, and set data.tokenizer to it "
+                        "for raw sources")
 
 
 def _source_names(paths: list[str]) -> list[str]:

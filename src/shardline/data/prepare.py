@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from shardline.data.encode import CHAT_MASK_RULE, chat_template_for, encode_documents, render_chat
+from shardline.data.encode import CHAT_MASK_RULE, chat_template_for, check_replies, encode_documents, render_chat
 from shardline.data.loader import held_out, split_single
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
-                                   file_sha256, token_dtype, tokenizer_hash)
+                                   file_sha256, id_bound, token_dtype, tokenizer_hash)
 from shardline.data.sources import CHAT_FIELD, input_files, read_file
 from shardline.data.tokenizer import eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
@@ -121,7 +121,7 @@ def prepare(opts: PrepareOptions) -> dict:
     request["tokenizer_sha256"] = tokenizer_hash(tok)
     _atomic_write(root / TOKENIZER, tok.to_str())
     state = _resume_state(root, request)
-    writers = {name: SplitWriter(root, name, token_dtype(tok.get_vocab_size()), opts.format == "chat",
+    writers = {name: SplitWriter(root, name, token_dtype(id_bound(tok)), opts.format == "chat",
                                  state["splits"].get(name)) for name in SPLITS}
     _tokenize_all(opts, root, stream, writers, state, template)
     return _finish(root, request, writers, tok, stream)
@@ -178,12 +178,18 @@ def _finished(root: Path, request: dict) -> dict | None:
 def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
     """Pass 1: the number of documents (the held-out split depends on it)."""
     stream = _Stream(files, opts.read_field(), count=-1, val_fraction=opts.val_fraction)
-    count = sum(1 for _ in stream.documents())
+    count, roles = 0, set()
+    for _, _, doc in stream.documents():
+        count += 1
+        if opts.format == "chat":
+            roles.update(m["role"] for m in doc)
     if count == 0:
         raise DataError(f"{', '.join(opts.inputs)} contains no text (all documents are empty)")
     if count == 1 and opts.format == "chat":
         raise DataError(f"{', '.join(opts.inputs)} holds one conversation; chat data needs at least two "
                         "(one is held out)")
+    if opts.format == "chat":
+        check_replies(", ".join(opts.inputs), roles)
     stream.count = count
     stream.held = held_out(count, opts.val_fraction) if count > 1 else stream.held
     return stream

@@ -48,6 +48,11 @@ def tokenizer_hash(tok: Tokenizer) -> str:
     return hashlib.sha256(tok.to_str().encode()).hexdigest()
 
 
+def id_bound(tok: Tokenizer) -> int:
+    """One past the largest token id: a vocabulary with gaps has ids beyond its size."""
+    return max(tok.get_vocab_size(), max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits, else uint32."""
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
@@ -122,7 +127,10 @@ class SplitWriter:
     def flush(self) -> None:
         if not self.buffer:
             return
-        tokens = np.concatenate([b[0] for b in self.buffer]).astype(self.dtype)
+        tokens = np.concatenate([b[0] for b in self.buffer])
+        if len(tokens) and tokens.max() > np.iinfo(self.dtype).max:  # would wrap silently in astype
+            raise DataError(f"token id {int(tokens.max())} does not fit the folder's {self.dtype} shards")
+        tokens = tokens.astype(self.dtype)
         lengths = np.concatenate([b[1] for b in self.buffer])
         shard = {"file": self._write("tokens", tokens)}
         if self.chat:
@@ -176,8 +184,14 @@ def read_manifest(root: Path) -> dict:
     try:
         manifest = json.loads((root / MANIFEST).read_text())
         version = manifest["format_version"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{root / MANIFEST} is damaged ({type(e).__name__}); prepare the folder again") from None
+        # What opening the folder reads: a missing key is damage, said here, not a traceback later.
+        missing = [key for key in ("format", "dtype", "tokenizer_sha256", "splits") if key not in manifest]
+        missing += [f"splits.{name}.{key}" for name in SPLITS for key in ("shards", "documents")
+                    if key not in manifest.get("splits", {}).get(name, {})]
+        if missing:
+            raise KeyError(", ".join(missing))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DataError(f"{root / MANIFEST} is damaged ({type(e).__name__}: {e}); prepare the folder again") from None
     if version != FORMAT_VERSION:
         raise DataError(f"{root} was prepared in format {version}; this shardline reads format "
                         f"{FORMAT_VERSION}: prepare it again")
@@ -232,14 +246,22 @@ def _check_size(root: Path, path: Path, expected: int) -> None:
 
 
 def verify(root: Path) -> list[str]:
-    """Files of a prepared folder whose checksum differs from the manifest's (reads everything)."""
+    """Files of a prepared folder whose checksum differs from the manifest's, or that are missing
+    or unreadable (reads everything)."""
     manifest = read_manifest(root)
     bad = []
     for name in SPLITS:
         split = manifest["splits"][name]
         for shard in split["shards"]:
             bad += [shard[k] for k in ("file", "mask") if k in shard
-                    and file_sha256(root / shard[k]) != shard[f"{k}_sha256"]]
-        if file_sha256(root / name / "docs.idx") != split["docs_sha256"]:
+                    and not _matches(root / shard[k], shard.get(f"{k}_sha256"))]
+        if not _matches(root / name / "docs.idx", split.get("docs_sha256")):
             bad.append(f"{name}/docs.idx")
     return bad
+
+
+def _matches(path: Path, sha256: str | None) -> bool:
+    try:
+        return file_sha256(path) == sha256
+    except OSError:  # deleted or unreadable: as bad as a changed byte
+        return False

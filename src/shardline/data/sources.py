@@ -167,8 +167,15 @@ def _read_table(f: Path, field: str, kind: str) -> Iterator:
     try:
         batches = _arrow_batches(f, field, kind)
         for batch in batches:
-            values = [t for t in batch.column(0).to_pylist() if t is not None]
-            yield from ([_conversation(f, "a row", v) for v in values] if field == CHAT_FIELD else values)
+            values = [t for t in batch.column(0).to_pylist() if t is not None]  # a null row holds no document
+            if field == CHAT_FIELD:
+                yield from (_conversation(f, "a row", v) for v in values)
+                continue
+            wrong = next((v for v in values if not isinstance(v, str)), None)
+            if wrong is not None:
+                raise DataError(f"data file {f}: column {field!r} holds {type(wrong).__name__} values, not text "
+                                "(set data.text_field to a text column)")
+            yield from values
     except DataError:
         raise
     except Exception as e:  # pyarrow raises several types, with multi-line messages, for a damaged file
