@@ -67,6 +67,7 @@ def test_txt_with_windows_line_ends_splits_into_documents(tmp_path):
     ("empty.txt", "", "contains no text"),
     ("blank.jsonl", "\n\n", "contains no text"),
     ("latin1.txt", b"caf\xe9", "is not UTF-8"),
+    ("latin1.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "line 2 is not UTF-8"),
     ("trunc.jsonl.gz", b"\x1f\x8b\x08\x00garbage", "cannot read data file"),
     ("bad.parquet", b"PAR1 not really", "cannot read parquet file"),
 ])

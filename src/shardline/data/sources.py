@@ -136,7 +136,10 @@ def _read_jsonl(f: Path, field: str) -> Iterator:
 def _jsonl_values(f: Path, field: str) -> Iterator:
     with _open(f) as raw:
         for n, line in enumerate(raw, start=1):
-            line = line.decode("utf-8")
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"data file {f} line {n} is not UTF-8 text ({e.reason})") from None
             if not line.strip():
                 continue
             try:
