@@ -14,7 +14,7 @@ import time
 import pytest
 
 from shardline.errors import ConfigError
-from shardline.resilience.run_lock import LOCK, RunLock, start_time_of
+from shardline.resilience.run_lock import LOCK, RunLock, job_id, start_time_of
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides
 
@@ -66,6 +66,40 @@ def test_the_same_job_restarting_takes_its_lock_other_hosts_are_not_guessed(tmp_
         RunLock(tmp_path).acquire()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
     assert RunLock(tmp_path).acquire() == "same job (TORCHELASTIC_RUN_ID=job42): a restart"
+
+
+def test_the_same_jobs_lock_is_not_taken_while_its_holder_runs_here(tmp_path, other_process, monkeypatch):
+    """Two srun steps of one allocation share SLURM_JOB_ID; the step id tells them apart, and a
+    holder of the same job that still runs on this host is not a restart."""
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_STEP_ID", "1")
+    assert job_id() == "SLURM_JOB_ID=77.1"
+    write_lock(tmp_path, other_process.pid, job="SLURM_JOB_ID=77.1")
+    with pytest.raises(ConfigError, match=f"in use by another run \\(pid {other_process.pid}"):
+        RunLock(tmp_path).acquire()
+    other_process.kill()
+    other_process.wait()
+    assert RunLock(tmp_path).acquire() == "same job (SLURM_JOB_ID=77.1): a restart"
+
+
+def test_a_stale_lock_another_run_took_first_is_not_taken_from_it(tmp_path, other_process, monkeypatch):
+    """Two starts read the same stale lock; the first replaces it with its own live one before the
+    second removes it: the second must stop, not delete the live lock."""
+    write_lock(tmp_path, 999_999_999)  # no such pid: stale
+    from shardline.resilience import run_lock
+
+    judge = run_lock._why_free
+
+    def racing_run_takes_it_first(holder, me):
+        why = judge(holder, me)
+        write_lock(tmp_path, other_process.pid)  # the racing run's lock, written after our read
+        return why
+
+    monkeypatch.setattr(run_lock, "_why_free", racing_run_takes_it_first)
+    with pytest.raises(ConfigError, match="in use by another run"):
+        RunLock(tmp_path).acquire()
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == other_process.pid  # still the racing run's
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK]  # nothing left aside
 
 
 def test_trainer_refuses_a_run_dir_in_use_and_writes_nothing(tiny_config, tmp_path, other_process):

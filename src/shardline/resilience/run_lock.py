@@ -8,9 +8,11 @@ run ends, halts or fails.
 
 A lock left by a dead run is taken over: same host, and its pid is gone or now
 belongs to a process started at another time. A lock of the same job is taken over
-too: torchrun restarts (TORCHELASTIC_RUN_ID) and Slurm requeues (SLURM_JOB_ID) keep
-their id. A lock from another host cannot be checked from here; its error says how to
-remove it once that job is known to be gone.
+too, unless its holder still runs on this host: torchrun restarts (TORCHELASTIC_RUN_ID)
+and Slurm requeues (SLURM_JOB_ID and step) keep their id. A lock from another host
+cannot be checked from here; its error says how to remove it once that job is known
+to be gone. A takeover renames the lock aside before removing it, so two runs racing
+for one stale lock never both hold it.
 """
 
 from __future__ import annotations
@@ -34,14 +36,17 @@ def job_id() -> str:
     for key in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         value = os.environ.get(key, "")
         if value and value != "none":
-            return f"{key}={value}"
+            step = os.environ.get("SLURM_STEP_ID", "") if key == "SLURM_JOB_ID" else ""
+            return f"{key}={value}" + (f".{step}" if step else "")  # two srun steps of one job are two runs
     return ""
 
 
 def start_time_of(pid: int) -> float | None:
-    """When process `pid` started (clock ticks after boot), or None if there is no such process."""
+    """When process `pid` started (clock ticks after boot), or None if there is no such process
+    (a zombie, exited and not yet reaped by its launcher, counts as none)."""
     try:
-        return float(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else float(fields[19])
     except (OSError, ValueError, IndexError):
         try:
             os.kill(pid, 0)  # no /proc: we can only tell that the pid is in use
@@ -77,8 +82,8 @@ class RunLock:
                 why = _why_free(holder, me)
                 if why is None:
                     raise ConfigError(_held_message(self.path, holder)) from None
-                self.path.unlink(missing_ok=True)
-                taken_over = why
+                if self._remove_if_still(holder):
+                    taken_over = why
                 continue
             except OSError as e:
                 raise ConfigError(f"run.dir={str(self.path.parent)!r} is not writable: {e.strerror}") from None
@@ -89,6 +94,24 @@ class RunLock:
             self._check_writable(self.path.parent / "checkpoints")
             return taken_over
         raise ConfigError(_held_message(self.path, self._read()))
+
+    def _remove_if_still(self, holder: dict) -> bool:
+        """Remove the lock if it is still `holder`'s: renamed aside first, so a lock a racing run
+        created after our read (it took the stale one first) is put back, not deleted."""
+        aside = self.path.with_name(f"{LOCK}.taken-{socket.gethostname()}-{os.getpid()}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False  # gone already: another run took it over; try again
+        try:
+            if json.loads(aside.read_text()) == holder:
+                return True
+            os.link(aside, self.path)  # a live run's lock: back in place (unless a third holds the name)
+        except (OSError, ValueError):
+            pass
+        finally:
+            aside.unlink(missing_ok=True)
+        return False
 
     def _check_writable(self, folder: Path) -> None:
         """A checkpoints folder the run cannot write (read-only mount, permissions) is one line
@@ -136,9 +159,10 @@ def _why_free(holder: dict, me: dict) -> str | None:
     """Why `holder`'s lock may be taken over, or None while it may still be running."""
     if not holder:
         return None
-    if holder.get("job") and holder["job"] == me["job"]:
+    same_host = holder.get("host") == me["host"]
+    if holder.get("job") and holder["job"] == me["job"] and not (same_host and _alive(holder)):
         return f"same job ({me['job']}): a restart"
-    if holder.get("host") != me["host"]:
+    if not same_host:
         return None
     if holder.get("pid") == me["pid"] and holder.get("start") == me["start"]:
         return "this process: an earlier run in it ended without releasing"
@@ -148,6 +172,12 @@ def _why_free(holder: dict, me: dict) -> str | None:
     if holder.get("start") not in (None, -1.0) and started not in (-1.0, holder["start"]):
         return f"stale: pid {holder.get('pid')} on {holder['host']} is another process now"
     return None
+
+
+def _alive(holder: dict) -> bool:
+    """The holder's process (on this host) still runs: its pid started when the lock says."""
+    started = start_time_of(int(holder.get("pid", -1)))
+    return started is not None and (started == -1.0 or holder.get("start") in (None, -1.0, started))
 
 
 def _held_message(path: Path, holder: dict) -> str:
