@@ -172,6 +172,23 @@ def test_a_second_save_of_a_step_replaces_the_first_and_leaves_nothing_behind(tr
     assert sorted(p.name for p in (trained / "checkpoints").iterdir()) == ["step-000006", "step-000012"]
 
 
+def test_a_checkpoint_sealed_before_the_lock_was_taken_is_the_one_resumed(trained, tiny_config, tmp_path,
+                                                                           monkeypatch):
+    """The resume is chosen early (bad input fails before the run dir is touched); a run that still
+    held the dir may seal a newer checkpoint before it lets go: the choice is made again."""
+    newest = trained / "checkpoints" / "step-000012"
+    newest.rename(tmp_path / "sealing")
+    take = Trainer._lock_run_dir
+
+    def the_other_run_seals_then_releases(self):
+        (tmp_path / "sealing").rename(newest)
+        take(self)
+
+    monkeypatch.setattr(Trainer, "_lock_run_dir", the_other_run_seals_then_releases)
+    trainer = Trainer(tiny_config("train.steps=12")).build()
+    assert trainer.step == 12 and newest.is_dir()  # not step 6, with step 12 set aside
+
+
 def test_checkpoints_order_by_step_past_six_digits(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (999_998, 999_999, 1_000_000):

@@ -90,6 +90,7 @@ class Trainer:
         self.data = build_data(cfg)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
         resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
+        seen = self.checkpointer.list()
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
         check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
@@ -118,6 +119,8 @@ class Trainer:
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
         self._lock_run_dir()
         try:
+            if self.checkpointer.list() != seen:  # a run finishing in this dir saved since: choose again
+                resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
             self.guard.watch()
             with self.guard.phase("restore", self.step):
                 found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
@@ -131,7 +134,7 @@ class Trainer:
 
     def _lock_run_dir(self) -> None:
         """One run per run dir: taken once every input check has passed, before anything there
-        is read for a resume or written."""
+        is written or restored (build() chooses the resume again if the checkpoints changed)."""
         self.lock = RunLock(self.run_dir)
         self._lock_taken_over = self.lock.acquire_for_job(self.proc.is_main, self.proc.world_size)
 
