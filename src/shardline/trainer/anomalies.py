@@ -1,0 +1,99 @@
+"""What the trainer does with an anomalous step: skip it, roll back to the newest saved state
+without its batch, or halt with that state saved (anomaly.action), and the device-side check
+whose verdicts are read later.
+
+A mixin of Trainer (trainer/loop.py), whose state it works on: the optimizer, scaler and
+schedule, the checkpoint tiers, the watchdog guard, the metrics log and the step counter.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from shardline.errors import AnomalyHalt, CheckpointError
+from shardline.resilience.recovery import batch_index
+
+
+class AnomalyResponse:
+    def _step_checked_on_device(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
+        """The update gated by the device's verdict; no host sync. Anomalies are reported
+        when the verdicts are next read (report_device_anomalies)."""
+        loss = self.guard.faults.corrupt_loss(step, self.steps.global_loss(loss))
+        self.optimizer.found_inf = self.anomaly.gate(step, loss, grad_norm)
+        try:
+            self.apply_update()
+        finally:
+            self.optimizer.found_inf = None
+        self.step = step
+        return loss, grad_norm, "updated"
+
+    def report_device_anomalies(self) -> None:
+        """Read the device's verdicts since last asked (one host sync) and report the anomalies
+        (the host check has none pending: it reports each one at once)."""
+        for event in self.anomaly.drain():
+            event["action"] = "skip"
+            self.anomaly_events.append(event)
+            self.guard.goodput.reclassify(event["step"], "anomaly_skipped")
+            self.metrics.event("anomaly", **event, checked_on="device")
+
+    def _detect_anomaly(self, loss: float, grad_norm: torch.Tensor) -> tuple[str, float] | None:
+        # Under fp16 an infinite gradient is the loss scaler's business (it skips and
+        # lowers the scale); any other precision treats it as an anomaly.
+        norm = 0.0 if self.scaler.enabled else grad_norm.item()
+        return self.anomaly.gate(self.step + 1, loss, norm)
+
+    def _handle_anomaly(self, step: int, kind: str, value: float) -> bool:
+        """Apply anomaly.action; True when the run rolled back (the step is redone)."""
+        action = self.cfg.anomaly.action
+        if action == "rollback" and self.rollbacks >= self.cfg.anomaly.max_rollbacks:
+            action = "halt"  # the fault keeps coming back: stop instead of looping
+        event = {"step": step, "anomaly": kind, "value": value, "action": action}
+        self.anomaly_events.append(event)
+        if action == "halt":
+            self._halt(event)
+        if action == "rollback":
+            started = time.perf_counter()
+            with self.guard.phase("restore", step):  # watched as a start-up restore is, not as a step
+                self.tiers.drain()
+                target = self.tiers.newest(self.checkpointer.latest_valid())
+                if target is not None:
+                    skipped = batch_index(step - 1, self.skipped_batches)  # the batch that gave the anomaly
+                    self.skipped_batches = sorted({*self.skipped_batches, skipped})
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.scaler.skip()
+                    name = self._restore(target)
+            if target is not None:
+                self.rollbacks += 1
+                cost = time.perf_counter() - started
+                self.guard.goodput.add("recovery", cost)
+                self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
+                                   skipped_batch=skipped, cost_s=round(cost, 3))
+                return True
+            event["action"] = "skip (no checkpoint to roll back to)"
+        self.metrics.event("anomaly", **event)
+        self.scaler.skip()
+        self._end_step()
+        return False
+
+    def _halt(self, event: dict) -> None:
+        """Save the last consistent state (before the bad update) and stop with a report."""
+        self.guard.stop_watching()
+        self.metrics.event("anomaly", **event)
+        self.optimizer.zero_grad(set_to_none=True)
+        saved, failure = None, None
+        try:
+            saved = self.save_checkpoint() if self.cfg.checkpoint.interval else None
+            self.tiers.finish()  # an async save is on disk; the memory tier's RAM is freed
+        except CheckpointError as e:  # checkpoint.on_error=stop: the halt is still what is reported
+            failure = e
+        written = saved is not None and saved.is_dir()  # a refused save (on_error=continue) returns none or leaves none
+        where = (f"state before that step saved to {saved}" if written
+                 else "nothing saved (checkpoint.interval=0)" if not self.cfg.checkpoint.interval
+                 else f"the state before that step could not be saved ({failure or 'see checkpoint_failed'})")
+        self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if written else None)
+        self.metrics.close()
+        self.lock.release()
+        raise AnomalyHalt(f"{event['anomaly']} (value {event['value']:.4g}) at step {event['step']}; "
+                          f"{where}; anomalies this run: {len(self.anomaly_events)}") from failure
