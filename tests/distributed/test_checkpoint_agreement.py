@@ -1,0 +1,60 @@
+"""A save that fails on one rank fails on every rank, at the same point.
+
+With checkpoint.on_error=continue a rank whose part of a save hit a full disk goes on
+training; if its peers did not learn of it they would wait in the save's next barrier
+(a hang) or pair that barrier with one of the next save's. Two real gloo ranks: rank 1's
+trainer file meets a full disk, and both must raise the same storage error, leave no
+folder behind, and still be in step for the next collective.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardline.resilience.checkpoint import write_state
+from tests.distributed.harness import start_ranks
+from tests.ports import free_port
+
+
+class DiskFull:
+    """Pickling it fails as writing to a full disk does."""
+
+    def __reduce__(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _two_saves(rank: int, world: int, port: int, root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # A short timeout: a rank left waiting fails the test in seconds instead of hanging it.
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        torch.manual_seed(0)
+        state = {"model": torch.nn.Linear(4, 4).state_dict()}
+        outcomes = []
+        for step, full_on in ((1, None), (2, 1), (3, None)):
+            trainer_state = {"bad": DiskFull()} if rank == full_on else {"step": step}
+            try:
+                write_state(Path(root) / f"step-{step:06d}", step, state, trainer_state, {}, rank, rank == 0)
+                outcomes.append("ok")
+            except OSError as e:
+                outcomes.append(f"OSError {e.errno}")
+        flag = torch.tensor([rank])
+        dist.all_reduce(flag)  # both ranks are still in step: this pairs with the peer's, not a save's
+        (Path(root) / f"rank{rank}.json").write_text(json.dumps([*outcomes, int(flag)]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_both(tmp_path):
+    start_ranks(_two_saves, (2, free_port(), str(tmp_path)), nprocs=2)
+    expected = ["ok", f"OSError {errno.ENOSPC}", "ok", 1]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [expected, expected]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-000001", "step-000003"]
