@@ -189,6 +189,24 @@ def test_a_checkpoint_sealed_before_the_lock_was_taken_is_the_one_resumed(traine
     assert trainer.step == 12 and newest.is_dir()  # not step 6, with step 12 set aside
 
 
+def test_a_resume_hashes_each_file_of_its_checkpoint_once(trained, tiny_config, monkeypatch):
+    """Finding the newest valid checkpoint, choosing between tiers and loading each verified it
+    again: every byte read two or three times at start-up. A file changed since is hashed again."""
+    from shardline.resilience import checkpoint
+
+    files = sorted(verify(trained / "checkpoints" / "step-000012")["files"])
+    hashed = []
+    sha256 = checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda f: hashed.append(f) or sha256(f))
+    assert Trainer(tiny_config("train.steps=12")).build().step == 12
+    assert sorted(f.relative_to(trained / "checkpoints" / "step-000012").as_posix() for f in hashed) == files
+    ckpts = Checkpointer(trained, keep=3)
+    ckpts.verify(trained / "checkpoints" / "step-000012")
+    (trained / "checkpoints" / "step-000012" / "trainer" / "rank0.pt").write_bytes(b"changed")
+    with pytest.raises(CheckpointError, match="rank0.pt is 7 bytes"):
+        ckpts.verify(trained / "checkpoints" / "step-000012")
+
+
 def test_checkpoints_order_by_step_past_six_digits(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (999_998, 999_999, 1_000_000):

@@ -319,6 +319,23 @@ class Checkpointer:
     def __init__(self, run_dir: Path, keep: int, rank: int = 0, is_writer: bool = True):
         self.root = Path(run_dir) / "checkpoints"
         self.keep, self.rank, self.is_writer = keep, rank, is_writer
+        self._verified: dict[str, tuple[tuple, dict[str, Any]]] = {}  # path: (files' stat, manifest)
+
+    def verify(self, path: Path) -> dict[str, Any]:
+        """verify(path), hashed once while its files stay as they were: a resume asks three times
+        (the newest valid, the tiers' choice, the load), and each pass reads every byte, minutes
+        for a large checkpoint on shared storage."""
+        try:
+            stamp = tuple(sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in path.rglob("*")))
+        except OSError:
+            stamp = None
+        seen = self._verified.get(str(path))
+        if stamp is not None and seen is not None and seen[0] == stamp:
+            return seen[1]
+        manifest = verify(path)
+        if stamp is not None:
+            self._verified[str(path)] = (stamp, manifest)
+        return manifest
 
     def list(self) -> list[Path]:
         """Complete-looking checkpoints (renamed, with a manifest), oldest first."""
@@ -333,7 +350,7 @@ class Checkpointer:
         folders = [p for p in self.root.glob("step-*") if p.is_dir() and _finished(p)] if self.root.is_dir() else []
         for path in sorted(folders, key=step_of, reverse=True):
             try:
-                verify(path)
+                self.verify(path)
                 return path
             except CheckpointError as e:
                 if on_invalid is not None:
@@ -352,7 +369,7 @@ class Checkpointer:
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load model and optimizer in place; returns this rank's trainer state."""
-        if verify(path).get("kind", "full") != "full":
+        if self.verify(path).get("kind", "full") != "full":
             raise CheckpointError(f"checkpoint {path} holds weights only; start a run from it with "
                                   f"--model.init_from={path} instead of resuming")
         state = capture_state(model, optimizer)

@@ -19,7 +19,7 @@ from shardline.optim import init_optimizer_state
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import ProcessInfo
 from shardline.resilience.async_checkpoint import AsyncSaver
-from shardline.resilience.checkpoint import Checkpointer, storage_error, verify
+from shardline.resilience.checkpoint import Checkpointer, storage_error
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.memory_tier import MemoryTier, run_root
 
@@ -156,7 +156,7 @@ class StateTiers:
         """
         self.drain()
         memory = self.memory.recover() if self.memory is not None and use_memory else None
-        if memory is not None and (disk is None or memory[0] >= verify(disk)["step"]):
+        if memory is not None and (disk is None or memory[0] >= self.checkpointer.verify(disk)["step"]):
             return memory
         return disk
 
