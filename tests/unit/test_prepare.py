@@ -172,6 +172,30 @@ def test_mixture_follows_the_weights_deterministically(tmp_path, prepared, small
     assert eval_sources.min() >= 1  # the held-out mixture's first batches hold both sources
 
 
+def test_each_pass_draws_other_sequences_of_a_down_weighted_source_and_repeats_an_up_weighted_one_evenly():
+    from shardline.data.mixture import MixedSequences
+    from shardline.data.packing import PackedSequences
+
+    def source(n_sequences: int) -> PackedSequences:
+        return PackedSequences([list(range(4 * n_sequences + 1))], seq_len=4, eos_id=None)
+
+    mix = MixedSequences([source(1000), source(1000)], [0.1, 0.9])
+    assert len(source(1000)) == 1000 and list(mix.counts) == [200, 1800]
+    seen = [np.zeros(1000, dtype=np.int64), np.zeros(1000, dtype=np.int64)]
+    for p in range(5):  # five passes of 200 draws each cover the down-weighted source once
+        src, local = mix.locate(np.arange(len(mix)) + p * len(mix))
+        first = local[src == 0]
+        assert len(set(first.tolist())) == 200 and (np.diff(np.sort(first)) == 5).all()  # distinct, evenly spread
+        per_pass = np.bincount(local[src == 1], minlength=1000)
+        assert set(per_pass.tolist()) == {1, 2}  # 1,800 draws of 1,000: each once or twice
+        seen[0] += np.bincount(first, minlength=1000)
+        seen[1] += per_pass
+    assert (seen[0] == 1).all()  # every sequence once, none twice, over the five passes
+    assert seen[1].max() - seen[1].min() <= 1  # the second draws rotate over the passes
+    src, local = mix.locate(np.arange(200))  # the first pass (an index without a tag): every fifth sequence
+    assert (src == 0).all() and (local == np.arange(200) * 5).all()
+
+
 def test_mixture_errors(tmp_path, prepared, small_corpus):
     with pytest.raises(ConfigError, match="set data.path or data.mix, not both"):
         load_config(None, [f"data.path={prepared}", f'data.mix=[{{path = "{prepared}"}}]']).data.check()

@@ -152,7 +152,7 @@ def _build_mixture(cfg: Config) -> DataBundle:
     train = MixedSequences(trains, weights)
     names = _source_names([s.path for s in mix])
     return DataBundle(tok, train, MixedSequences(vals, weights, interleave=True),
-                      GlobalBatchSampler(len(train), t.global_batch_size, t.seed), names)
+                      GlobalBatchSampler(len(train), t.global_batch_size, t.seed, tag_passes=True), names)
 
 
 def _mixture_tokenizer(cfg: Config) -> Tokenizer:

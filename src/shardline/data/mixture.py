@@ -1,12 +1,17 @@
 """A weighted mixture of data sources, seen by the sampler as one dataset.
 
 The mixture has as many sequences as its sources together (N); source k owns a block
-of n_k = weight_k / sum(weights) x N of them (largest remainder, at least one). Within
-its block, sequence j of a source is its sequence j x len_k // n_k when the source is
-down-weighted (an even spread over all of it) and j mod len_k when it is up-weighted
-(repeats). The layout-independent sampler permutes the mixture's indices as it does a
-single dataset's, so each global batch draws sources in proportion to the weights, and
-the mixture is deterministic and resumable by the step alone, with no state of its own.
+of n_k = weight_k / sum(weights) x N of them (largest remainder, at least one). The
+layout-independent sampler permutes the mixture's indices as it does a single dataset's,
+so each global batch draws sources in proportion to the weights, and the mixture is
+deterministic and resumable by the step alone, with no state of its own.
+
+Which of its len_k sequences a source's block holds moves with the pass over the mixture
+(the sampler tags each index with its pass e). Down-weighted (n_k <= len_k), sequence j
+of the block is the source's (j x len_k // n_k + e) mod len_k: an even spread over all
+of it, shifted by one each pass, so all of it is seen within ceil(len_k / n_k) passes
+(a fixed part would leave the rest unseen however long the run). Up-weighted, it is
+(e x n_k + j) mod len_k: every sequence equally often, the remainder rotating.
 
 `interleave` orders the blocks so that every prefix holds the sources in proportion:
 the held-out mixture uses it, since evaluation reads the first indices.
@@ -33,14 +38,14 @@ class MixedSequences:
         return int(self.offsets[-1])
 
     def locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
-        """(source, index within that source) of each mixture index."""
-        v = np.asarray(indices, dtype=np.int64)
+        """(source, index within that source) of each mixture index (tagged with its pass, or not)."""
+        passes, v = np.divmod(np.asarray(indices, dtype=np.int64), len(self))
         if self._order is not None:
             v = self._order[v]
         src = np.searchsorted(self.offsets, v, side="right") - 1
         j = v - self.offsets[src]
-        n, size = self.counts[src], self.sizes[src]
-        return src, np.where(n <= size, j * size // np.maximum(n, 1), j % np.maximum(size, 1))
+        n, size = self.counts[src], np.maximum(self.sizes[src], 1)
+        return src, np.where(n <= size, (j * size // np.maximum(n, 1) + passes) % size, (passes * n + j) % size)
 
     def count_labels(self, indices) -> int:
         src, local = self.locate(indices)

@@ -13,10 +13,14 @@ import numpy as np
 
 
 class GlobalBatchSampler:
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int):
+    """`tag_passes`: each index carries its pass over the data (index + pass x num_samples), for
+    a dataset that draws other sequences in each pass (a mixture's down-weighted sources)."""
+
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int, tag_passes: bool = False):
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.seed = seed
+        self.tag_passes = tag_passes
         self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -34,6 +38,8 @@ class GlobalBatchSampler:
         for epoch in np.unique(epochs):
             sel = epochs == epoch
             out[sel] = self._permutation(int(epoch))[positions[sel] % self.num_samples]
+            if self.tag_passes:
+                out[sel] += int(epoch) * self.num_samples
         return out
 
     def rank_micro_batches(self, step: int, rank: int, world: int, micro_batch_size: int) -> list[np.ndarray]:
