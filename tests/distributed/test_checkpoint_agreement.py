@@ -30,6 +30,13 @@ class DiskFull:
         raise OSError(errno.ENOSPC, "No space left on device")
 
 
+class Bug:
+    """Pickling it fails as a bug would: not the storage's error."""
+
+    def __reduce__(self):
+        raise ValueError("not picklable")
+
+
 def _two_saves(rank: int, world: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -39,13 +46,19 @@ def _two_saves(rank: int, world: int, port: int, root: str) -> None:
         torch.manual_seed(0)
         state = {"model": torch.nn.Linear(4, 4).state_dict()}
         outcomes = []
-        for step, full_on in ((1, None), (2, 1), (3, None)):
-            trainer_state = {"bad": DiskFull()} if rank == full_on else {"step": step}
+        # Step 2: rank 1's disk is full. Step 4: rank 0's disk is full and rank 1 meets a bug, which
+        # stops every rank, rank 0 too (not on_error=continue's storage path).
+        faults = {2: {1: DiskFull()}, 4: {0: DiskFull(), 1: Bug()}}
+        for step in (1, 2, 3, 4):
+            bad = faults.get(step, {}).get(rank)
+            trainer_state = {"step": step} if bad is None else {"bad": bad}
             try:
                 write_state(Path(root) / f"step-{step:06d}", step, state, trainer_state, {}, rank, rank == 0)
                 outcomes.append("ok")
             except OSError as e:
                 outcomes.append(f"OSError {e.errno}")
+            except Exception as e:
+                outcomes.append(type(e).__name__)
         flag = torch.tensor([rank])
         dist.all_reduce(flag)  # both ranks are still in step: this pairs with the peer's, not a save's
         (Path(root) / f"rank{rank}.json").write_text(json.dumps([*outcomes, int(flag)]))
@@ -55,6 +68,7 @@ def _two_saves(rank: int, world: int, port: int, root: str) -> None:
 
 def test_a_save_that_fails_on_one_rank_fails_on_both(tmp_path):
     start_ranks(_two_saves, (2, free_port(), str(tmp_path)), nprocs=2)
-    expected = ["ok", f"OSError {errno.ENOSPC}", "ok", 1]
-    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [expected, expected]
+    first = ["ok", f"OSError {errno.ENOSPC}", "ok"]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [
+        [*first, "CheckpointError", 1], [*first, "ValueError", 1]]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-000001", "step-000003"]

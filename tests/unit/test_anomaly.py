@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shardline.cli import main
+from shardline.errors import AnomalyHalt
 from shardline.resilience.anomaly import AnomalyDetector
 from shardline.resilience.recovery import batch_index
 from shardline.config.resilience import AnomalyConfig
@@ -63,6 +64,18 @@ def test_rollback_equals_a_run_that_never_saw_the_bad_batch(tiny_config, tmp_pat
     event = [r for r in read_records(tmp_path / "rolled", "event") if r["event"] == "anomaly"][0]
     assert event["action"] == "rollback" and event["to_step"] == 3 and event["skipped_batch"] == 4
     assert event["checkpoint"].startswith("memory tier step 3" if tier == "memory" else str(tmp_path))
+
+
+def test_a_halt_right_after_an_interval_save_keeps_that_save(tiny_config, tmp_path):
+    """Step 6 was just saved and step 7 is bad: the state before it is step 6's checkpoint, not
+    saved a second time (on a nearly full disk the copy could fail and the halt say nothing was)."""
+    trainer = Trainer(tiny_config("faults.nan_step=7", "anomaly.action=halt", run_dir=tmp_path / "run")).build()
+    saves = []
+    save = trainer.save_checkpoint
+    trainer.save_checkpoint = lambda: saves.append(trainer.step) or save()
+    with pytest.raises(AnomalyHalt, match="at step 7; state before that step saved to .*checkpoints/step-000006;"):
+        trainer.train()
+    assert saves == [6]
 
 
 def test_halt_exits_3_with_a_report_and_keeps_the_state(tmp_path, small_prepared, capsys):

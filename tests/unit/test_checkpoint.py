@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from shardline.errors import CheckpointError
+from shardline.errors import CheckpointError, ConfigError
 from shardline.resilience.checkpoint import Checkpointer, step_of, verify
 from shardline.resilience.recovery import memory_tier_resumable
 from shardline.trainer import Trainer
@@ -133,6 +133,11 @@ def test_a_restart_that_saved_nothing_newer_still_starts_from_the_named_checkpoi
     older = tmp_path / "older"
     shutil.copytree(trained / "checkpoints" / "step-000006", older / "checkpoints" / "step-000006")
     assert Trainer(tiny_config("train.steps=12", f"run.resume={named}", run_dir=older)).build().step == 12
+    # The named one pruned since (keep < the saves after it): the job's own newest, not a config error.
+    pruned = tmp_path / "pruned" / "step-000003"
+    assert Trainer(tiny_config("train.steps=12", f"run.resume={pruned}", run_dir=older)).build().step == 6
+    with pytest.raises(ConfigError, match="is not a checkpoint folder"):
+        Trainer(tiny_config("train.steps=12", f"run.resume={pruned}", run_dir=tmp_path / "nothing")).build()
 
 
 @pytest.mark.parametrize("resume, restart, expected", [("auto", "0", True), ("latest", "0", True),
@@ -175,16 +180,21 @@ def test_a_second_save_of_a_step_replaces_the_first_and_leaves_nothing_behind(tr
 def test_a_checkpoint_sealed_before_the_lock_was_taken_is_the_one_resumed(trained, tiny_config, tmp_path,
                                                                            monkeypatch):
     """The resume is chosen early (bad input fails before the run dir is touched); a run that still
-    held the dir may seal a newer checkpoint before it lets go: the choice is made again."""
+    held the dir may seal a newer checkpoint meanwhile, even while the choice hashes the newest one:
+    the choice is made again under the lock."""
+    from shardline.trainer import loop
+
     newest = trained / "checkpoints" / "step-000012"
     newest.rename(tmp_path / "sealing")
-    take = Trainer._lock_run_dir
+    choose = loop.resume_path
 
-    def the_other_run_seals_then_releases(self):
-        (tmp_path / "sealing").rename(newest)
-        take(self)
+    def the_other_run_seals_while_we_choose(cfg, checkpointer):
+        chosen = choose(cfg, checkpointer)
+        if (tmp_path / "sealing").exists():
+            (tmp_path / "sealing").rename(newest)
+        return chosen
 
-    monkeypatch.setattr(Trainer, "_lock_run_dir", the_other_run_seals_then_releases)
+    monkeypatch.setattr(loop, "resume_path", the_other_run_seals_while_we_choose)
     trainer = Trainer(tiny_config("train.steps=12")).build()
     assert trainer.step == 12 and newest.is_dir()  # not step 6, with step 12 set aside
 

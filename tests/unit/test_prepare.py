@@ -402,10 +402,12 @@ def test_the_train_log_shows_tokens_per_source(tmp_path, prepared, tiny_config):
 def test_a_vocabulary_with_gaps_gets_shards_wide_enough_and_no_id_wraps(tmp_path):
     from tokenizers import models
 
+    from shardline.data.loader import DataBundle
     from shardline.data.shards import SplitWriter, id_bound, token_dtype
 
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 70_000}, unk_token="[UNK]"))
     assert tok.get_vocab_size() == 3 and id_bound(tok) == 70_001 and token_dtype(id_bound(tok)) == np.uint32
+    assert DataBundle(tok, None, None, None).vocab_size == 70_001  # the model's embedding rows too
     writer = SplitWriter(tmp_path, "train", np.dtype(np.uint16), chat=False, state=None)
     writer.add(np.array([1, 70_000]), np.array([2]), None)
     with pytest.raises(DataError, match="token id 70000 does not fit the folder's uint16 shards"):

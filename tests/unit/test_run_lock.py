@@ -82,9 +82,11 @@ def test_the_same_jobs_lock_is_not_taken_while_its_holder_runs_here(tmp_path, ot
     assert RunLock(tmp_path).acquire() == "same job (SLURM_JOB_ID=77.1): a restart"
 
 
-def test_a_stale_lock_another_run_took_first_is_not_taken_from_it(tmp_path, other_process, monkeypatch):
-    """Two starts read the same stale lock; the first replaces it with its own live one before the
-    second removes it: the second must stop, not delete the live lock."""
+@pytest.mark.parametrize("written", [True, False])
+def test_a_stale_lock_another_run_took_first_is_not_taken_from_it(tmp_path, other_process, monkeypatch, written):
+    """Two starts read the same stale lock; the first replaces it with its own live one (written,
+    or just created and still empty) before the second removes it: the second must stop, not
+    delete the live lock."""
     write_lock(tmp_path, 999_999_999)  # no such pid: stale
     from shardline.resilience import run_lock
 
@@ -92,13 +94,17 @@ def test_a_stale_lock_another_run_took_first_is_not_taken_from_it(tmp_path, othe
 
     def racing_run_takes_it_first(holder, me):
         why = judge(holder, me)
-        write_lock(tmp_path, other_process.pid)  # the racing run's lock, written after our read
+        if written:
+            write_lock(tmp_path, other_process.pid)  # the racing run's lock, written after our read
+        else:
+            (tmp_path / LOCK).write_text("")  # created (O_EXCL), its contents not yet written
         return why
 
     monkeypatch.setattr(run_lock, "_why_free", racing_run_takes_it_first)
-    with pytest.raises(ConfigError, match="in use by another run"):
+    with pytest.raises(ConfigError, match="in use by another run" if written else "locked by another run"):
         RunLock(tmp_path).acquire()
-    assert json.loads((tmp_path / LOCK).read_text())["pid"] == other_process.pid  # still the racing run's
+    held = (tmp_path / LOCK).read_text()
+    assert (json.loads(held)["pid"] == other_process.pid) if written else held == ""  # still the racing run's
     assert [p.name for p in tmp_path.iterdir()] == [LOCK]  # nothing left aside
 
 

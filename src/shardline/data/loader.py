@@ -21,7 +21,7 @@ from shardline.data.encode import chat_template_for, check_replies, encode_docum
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler
-from shardline.data.shards import is_prepared, open_prepared, read_manifest, tokenizer_hash
+from shardline.data.shards import id_bound, is_prepared, open_prepared, read_manifest, tokenizer_hash
 from shardline.data.sources import read_documents
 from shardline.data.tokenizer import eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
@@ -38,7 +38,7 @@ class DataBundle:
 
     @property
     def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
+        return id_bound(self.tokenizer)  # the embedding rows: ids may pass the count when the vocabulary has gaps
 
     def log_fields(self, step: int) -> dict:
         """For a mixture: {"tokens_by_source": {name: training tokens seen before `step`}}, else {}.
@@ -174,7 +174,7 @@ def _check_one_chat_template(cfg: Config) -> None:
     used = {}
     for source in cfg.data.mix:
         if is_prepared(source.path):
-            chat = read_manifest(Path(source.path))["request"].get("chat")
+            chat = read_manifest(Path(source.path)).get("request", {}).get("chat")
             if chat is None:  # prepared before the template was recorded: nothing to compare
                 continue
             used[source.path] = chat["template_sha256"]

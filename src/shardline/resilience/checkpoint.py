@@ -251,10 +251,13 @@ def _agree(failure: BaseException | None, group: dist.ProcessGroup | None = None
     flags = torch.tensor(mine, device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     storage, other = (int(x) for x in flags.tolist())
+    if other:  # an error that is not the storage's somewhere: it stops every rank, storage errors too
+        if failure is not None and cause is None:
+            raise failure
+        raise CheckpointError("the checkpoint's save failed on another rank with an error that is not the "
+                              "storage's (see that rank's error)") from failure
     if failure is not None:
         raise failure
-    if other:
-        raise CheckpointError("the checkpoint's save failed on another rank (see that rank's error)")
     if storage:
         raise OSError(storage, f"{os.strerror(storage)} (on another rank)")
 

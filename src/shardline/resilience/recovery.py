@@ -20,15 +20,16 @@ def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, l
     invalid: list[str] = []
     if mode not in ("auto", "latest", "never"):
         named = Path(mode)
+        if restarted():
+            # A restarted job reruns the first attempt's command line: it goes on from its own
+            # newest state, not back to the named one (which pruning may have removed since),
+            # unless it had saved nothing newer yet.
+            own = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
+            if own is not None and (not named.is_dir() or _saved_step(own) > _saved_step(named)):
+                return own, invalid
         if not named.is_dir():
             raise ConfigError(f"run.resume={mode!r} is not a checkpoint folder; valid: auto, latest, never, "
                               "or the path of a checkpoint folder")
-        if restarted():
-            # A restarted job reruns the first attempt's command line: it goes on from its own
-            # newest state, not back to the named one, unless it had saved nothing newer yet.
-            own = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
-            if own is not None and _saved_step(own) > _saved_step(named):
-                return own, invalid
         return named, invalid
     path = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
     if mode == "latest" and path is None:

@@ -2,7 +2,8 @@
 
 Two runs on one run dir overwrite each other's checkpoints and interleave their
 metrics. Rank 0 creates `<run_dir>/.lock` atomically (O_EXCL) after every input
-check has passed and before anything in the run dir is read for a resume or written;
+check has passed and before anything in the run dir is written or restored (the
+checkpoint to resume is chosen before, and chosen again if the checkpoints changed);
 it holds the job's host, pid, process start time and job id, and is removed when the
 run ends, halts or fails.
 
@@ -97,20 +98,25 @@ class RunLock:
 
     def _remove_if_still(self, holder: dict) -> bool:
         """Remove the lock if it is still `holder`'s: renamed aside first, so a lock a racing run
-        created after our read (it took the stale one first) is put back, not deleted."""
+        created after our read (it took the stale one first; perhaps not yet written) is put back,
+        not deleted."""
         aside = self.path.with_name(f"{LOCK}.taken-{socket.gethostname()}-{os.getpid()}")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return False  # gone already: another run took it over; try again
         try:
-            if json.loads(aside.read_text()) == holder:
-                return True
-            os.link(aside, self.path)  # a live run's lock: back in place (unless a third holds the name)
+            matches = json.loads(aside.read_text()) == holder
         except (OSError, ValueError):
-            pass
-        finally:
+            matches = False
+        if matches:
             aside.unlink(missing_ok=True)
+            return True
+        try:
+            os.link(aside, self.path)  # a live run's lock: the same file back in place
+        except OSError:
+            return False  # a third run holds the name (or no hard links here): leave the file aside
+        aside.unlink(missing_ok=True)
         return False
 
     def _check_writable(self, folder: Path) -> None:

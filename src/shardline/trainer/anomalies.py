@@ -13,6 +13,7 @@ import time
 import torch
 
 from shardline.errors import AnomalyHalt, CheckpointError
+from shardline.resilience.checkpoint import step_dir_name
 from shardline.resilience.recovery import batch_index
 
 
@@ -84,7 +85,12 @@ class AnomalyResponse:
         self.optimizer.zero_grad(set_to_none=True)
         saved, failure = None, None
         try:
-            saved = self.save_checkpoint() if self.cfg.checkpoint.interval else None
+            self.tiers.drain()  # this step's interval save may still be in flight
+            this_step = self.checkpointer.root / step_dir_name(self.step)
+            if this_step in self.checkpointer.list():  # the state before the bad step is on disk already
+                saved = this_step
+            elif self.cfg.checkpoint.interval:
+                saved = self.save_checkpoint()
             self.tiers.finish()  # an async save is on disk; the memory tier's RAM is freed
         except CheckpointError as e:  # checkpoint.on_error=stop: the halt is still what is reported
             failure = e

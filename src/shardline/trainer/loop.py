@@ -91,8 +91,8 @@ class Trainer(AnomalyResponse):
         use_model_tokenizer(cfg)
         self.data = build_data(cfg)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
+        seen = self.checkpointer.list()  # before the choice, which may take minutes hashing the newest
         resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
-        seen = self.checkpointer.list()
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
         check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
