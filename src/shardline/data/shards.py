@@ -168,6 +168,7 @@ def open_prepared(path: str, seq_len: int, tokenizer_path: str = "", fmt: str = 
     """The splits of a prepared folder as sequences over its memory-mapped shards."""
     root = Path(path)
     manifest = read_manifest(root)
+    _check_keys(root, manifest)
     tok = _folder_tokenizer(root, manifest, tokenizer_path)
     if manifest["format"] != fmt:
         raise DataError(f"data.format={fmt!r} but {path} was prepared as {manifest['format']!r} data; set "
@@ -184,18 +185,25 @@ def read_manifest(root: Path) -> dict:
     try:
         manifest = json.loads((root / MANIFEST).read_text())
         version = manifest["format_version"]
-        # What opening the folder reads: a missing key is damage, said here, not a traceback later.
-        missing = [key for key in ("format", "dtype", "tokenizer_sha256", "splits") if key not in manifest]
-        missing += [f"splits.{name}.{key}" for name in SPLITS for key in ("shards", "documents")
-                    if key not in manifest.get("splits", {}).get(name, {})]
-        if missing:
-            raise KeyError(", ".join(missing))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise DataError(f"{root / MANIFEST} is damaged ({type(e).__name__}: {e}); prepare the folder again") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{root / MANIFEST} is damaged ({type(e).__name__}); prepare the folder again") from None
     if version != FORMAT_VERSION:
         raise DataError(f"{root} was prepared in format {version}; this shardline reads format "
                         f"{FORMAT_VERSION}: prepare it again")
     return manifest
+
+
+def _check_keys(root: Path, manifest: dict) -> None:
+    """What opening or verifying the folder reads: a missing key is damage, said here, not a
+    KeyError later."""
+    try:
+        missing = [key for key in ("format", "dtype", "tokenizer_sha256", "splits") if key not in manifest]
+        missing += [f"splits.{name}.{key}" for name in SPLITS for key in ("shards", "documents")
+                    if key not in manifest.get("splits", {}).get(name, {})]
+    except AttributeError:  # splits, or a split, that is not a table
+        missing = ["splits"]
+    if missing:
+        raise DataError(f"{root / MANIFEST} is damaged (no {', '.join(missing)}); prepare the folder again")
 
 
 def _folder_tokenizer(root: Path, manifest: dict, tokenizer_path: str) -> Tokenizer:
@@ -249,6 +257,7 @@ def verify(root: Path) -> list[str]:
     """Files of a prepared folder whose checksum differs from the manifest's, or that are missing
     or unreadable (reads everything)."""
     manifest = read_manifest(root)
+    _check_keys(root, manifest)
     bad = []
     for name in SPLITS:
         split = manifest["splits"][name]
