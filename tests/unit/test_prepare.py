@@ -6,6 +6,7 @@ import gzip
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -249,7 +250,9 @@ def test_bad_chat_records_are_one_line(tmp_path, record, message):
     assert "line 4" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_a_tokenizers_own_chat_template_renders_and_masks(tmp_path):
+def chat_with_templated_tokenizer(tmp_path) -> tuple[Path, Path]:
+    """40 conversations and a tokenizer.json trained on them whose tokenizer_config.json has a
+    chat template ("[role] content" lines)."""
     path = tmp_path / "chat.jsonl"
     path.write_text(chat_records(40))
     folder = tmp_path / "tok"
@@ -257,6 +260,11 @@ def test_a_tokenizers_own_chat_template_renders_and_masks(tmp_path):
     data(path, "data.format=chat", "train.eval_interval=0", seq_len=128).tokenizer.save(str(folder / "tokenizer.json"))
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return path, folder
+
+
+def test_a_tokenizers_own_chat_template_renders_and_masks(tmp_path):
+    path, folder = chat_with_templated_tokenizer(tmp_path)
     d = data(path, "data.format=chat", f"data.tokenizer={folder / 'tokenizer.json'}", "train.eval_interval=0",
              seq_len=128)
     seq = d.train.batch([0])
@@ -268,13 +276,7 @@ def test_a_tokenizers_own_chat_template_renders_and_masks(tmp_path):
 
 
 def test_a_chat_mixture_renders_every_source_with_one_template(tmp_path):
-    path = tmp_path / "chat.jsonl"
-    path.write_text(chat_records(40))
-    folder = tmp_path / "tok"
-    folder.mkdir()
-    data(path, "data.format=chat", "train.eval_interval=0", seq_len=128).tokenizer.save(str(folder / "tokenizer.json"))
-    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    path, folder = chat_with_templated_tokenizer(tmp_path)
     prep = tmp_path / "prep"
     prepare(PrepareOptions([str(path)], str(prep), format="chat", tokenizer=str(folder / "tokenizer.json"), **SMALL))
     common = [f'data.mix=[{{path = "{prep}"}}, {{path = "{path}"}}]', "data.format=chat", "train.seq_len=128",

@@ -22,9 +22,9 @@ from shardline.resilience.checkpoint import (
     Checkpointer,
     capture_state,
     step_dir_name,
-    storage_error,
     write_state,
 )
+from shardline.resilience.save_failures import storage_error
 
 
 def snapshot(obj: Any) -> Any:

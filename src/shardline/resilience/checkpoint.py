@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import time
 import warnings
@@ -40,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardline.errors import CheckpointError
 from shardline.parallel.pipeline import tied_copy
+from shardline.resilience.save_failures import agree_on_failure, storage_error
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -209,7 +209,7 @@ def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: di
                 tmp.mkdir(parents=True)
         except Exception as e:
             failure = e
-        _agree(failure, group)  # the folder exists before any rank writes into it
+        agree_on_failure(failure, group)  # the folder exists before any rank writes into it
         with _single_process_ok():
             dcp.save(state, checkpoint_id=str(tmp / "state"), process_group=group)  # agrees on its own errors
         failure = None
@@ -219,7 +219,7 @@ def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: di
                 torch.save(trainer_state, tmp / "trainer" / f"rank{rank}.pt")
         except Exception as e:
             failure = e
-        _agree(failure, group)  # every rank's files are on disk before the manifest lists them
+        agree_on_failure(failure, group)  # every rank's files are on disk before the manifest lists them
         failure = None
         try:
             if before_seal is not None:
@@ -228,54 +228,11 @@ def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: di
                 _seal(tmp, final, step, "full" if "optim" in state else "weights", meta)
         except Exception as e:
             failure = e
-        _agree(failure, group)  # nobody moves on (or reads it back) before it is complete
+        agree_on_failure(failure, group)  # nobody moves on (or reads it back) before it is complete
     except (Exception, CheckpointException) as e:
         if is_writer and storage_error(e) is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
         raise
-
-
-def _agree(failure: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
-    """A barrier at which every rank learns whether any rank's part of the save failed, and then
-    all raise: a rank that went on (checkpoint.on_error=continue) while the others waited in
-    the save's next collective would hang the job, or pair its barriers with the next save's.
-    A peer's storage error is raised as an OSError of the same errno, so every rank takes the
-    same on_error path."""
-    if not dist.is_initialized():
-        if failure is not None:
-            raise failure
-        return
-    cause = storage_error(failure) if failure is not None else None
-    mine = [(cause.errno or 1) if cause is not None else 0, int(failure is not None and cause is None)]
-    on_gpu = dist.get_backend(group) == "nccl"
-    flags = torch.tensor(mine, device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    storage, other = (int(x) for x in flags.tolist())
-    if other:  # an error that is not the storage's somewhere: it stops every rank, storage errors too
-        if failure is not None and cause is None:
-            raise failure
-        raise CheckpointError("the checkpoint's save failed on another rank with an error that is not the "
-                              "storage's (see that rank's error)") from failure
-    if failure is not None:
-        raise failure
-    if storage:
-        raise OSError(storage, f"{os.strerror(storage)} (on another rank)")
-
-
-def storage_error(e: BaseException) -> OSError | None:
-    """The OSError (disk full, read-only, quota, I/O) behind a failed save, else None.
-
-    DCP wraps each rank's error in a CheckpointException; plain writes raise it directly.
-    """
-    seen: list[BaseException] = [e]
-    while seen:
-        err = seen.pop()
-        if isinstance(err, OSError):
-            return err
-        if isinstance(err, CheckpointException):
-            seen += [pair[0] for pair in err.failures.values()]
-        seen += [x for x in (err.__cause__, err.__context__) if x is not None]
-    return None
 
 
 def _seal(tmp: Path, final: Path, step: int, kind: str, meta: dict[str, Any]) -> None:

@@ -19,7 +19,8 @@ from shardline.optim import init_optimizer_state
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import ProcessInfo
 from shardline.resilience.async_checkpoint import AsyncSaver
-from shardline.resilience.checkpoint import Checkpointer, storage_error
+from shardline.resilience.checkpoint import Checkpointer
+from shardline.resilience.save_failures import storage_error
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.memory_tier import MemoryTier, run_root
 

@@ -1,0 +1,55 @@
+"""A save's failures: which are the storage's (disk full, read-only, quota), and how the
+ranks of one save agree on them, so that all take the same checkpoint.on_error path."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from shardline.errors import CheckpointError
+
+
+def agree_on_failure(failure: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
+    """A barrier at which every rank learns whether any rank's part of the save failed, and then
+    all raise: a rank that went on (checkpoint.on_error=continue) while the others waited in
+    the save's next collective would hang the job, or pair its barriers with the next save's.
+    A peer's storage error is raised as an OSError of the same errno, so every rank takes the
+    same on_error path."""
+    if not dist.is_initialized():
+        if failure is not None:
+            raise failure
+        return
+    cause = storage_error(failure) if failure is not None else None
+    mine = [(cause.errno or 1) if cause is not None else 0, int(failure is not None and cause is None)]
+    on_gpu = dist.get_backend(group) == "nccl"
+    flags = torch.tensor(mine, device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    storage, other = (int(x) for x in flags.tolist())
+    if other:  # an error that is not the storage's somewhere: it stops every rank, storage errors too
+        if failure is not None and cause is None:
+            raise failure
+        raise CheckpointError("the checkpoint's save failed on another rank with an error that is not the "
+                              "storage's (see that rank's error)") from failure
+    if failure is not None:
+        raise failure
+    if storage:
+        raise OSError(storage, f"{os.strerror(storage)} (on another rank)")
+
+
+def storage_error(e: BaseException) -> OSError | None:
+    """The OSError (disk full, read-only, quota, I/O) behind a failed save, else None.
+
+    DCP wraps each rank's error in a CheckpointException; plain writes raise it directly.
+    """
+    seen: list[BaseException] = [e]
+    while seen:
+        err = seen.pop()
+        if isinstance(err, OSError):
+            return err
+        if isinstance(err, CheckpointException):
+            seen += [pair[0] for pair in err.failures.values()]
+        seen += [x for x in (err.__cause__, err.__context__) if x is not None]
+    return None
