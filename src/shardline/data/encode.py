@@ -23,6 +23,7 @@ its whole assistant segment is a target.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from functools import lru_cache
@@ -78,6 +79,11 @@ def _encode_batch(tok: Tokenizer, texts: list[str]) -> list:
     """encode_batch without character offsets (not needed here; the same ids, less work)."""
     fast = getattr(tok, "encode_batch_fast", None)  # tokenizers >= 0.20
     return fast(texts, add_special_tokens=False) if fast else tok.encode_batch(texts, add_special_tokens=False)
+
+
+def template_sha256(template: str | None) -> str | None:
+    """What a prepared folder records of its chat template (None: ChatML), to tell templates apart."""
+    return hashlib.sha256(template.encode()).hexdigest() if template else None
 
 
 def check_replies(where: str, roles: set[str]) -> None:

@@ -8,7 +8,6 @@ combines several sources by weight (`mixture`).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from shardline.config import Config
-from shardline.data.encode import chat_template_for, check_replies, encode_documents, render_chat
+from shardline.data.encode import chat_template_for, check_replies, encode_documents, render_chat, template_sha256
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler
@@ -169,8 +168,7 @@ def _mixture_tokenizer(cfg: Config) -> Tokenizer:
 def _check_one_chat_template(cfg: Config) -> None:
     """Every chat source of a mixture rendered with one template. A raw source is rendered with
     data.tokenizer's template (ChatML without one); a prepared folder was, with its own."""
-    raw = chat_template_for(cfg.data.tokenizer)
-    raw_id = hashlib.sha256(raw.encode()).hexdigest() if raw else None
+    raw_id = template_sha256(chat_template_for(cfg.data.tokenizer))
     used = {}
     for source in cfg.data.mix:
         if is_prepared(source.path):

@@ -14,7 +14,6 @@ written last, so no manifest ever points at missing or partial data.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,7 +28,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from shardline.data.encode import CHAT_MASK_RULE, chat_template_for, check_replies, encode_documents, render_chat
+from shardline.data.encode import (CHAT_MASK_RULE, chat_template_for, check_replies, encode_documents, render_chat,
+                                   template_sha256)
 from shardline.data.loader import held_out, split_single
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
                                    file_sha256, id_bound, token_dtype, tokenizer_hash)
@@ -161,7 +161,7 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
     if opts.format == "chat":  # the loss mask depends on the template and on the rule that reads it
         template = chat_template_for(opts.tokenizer)
         request["chat"] = {"mask_rule": CHAT_MASK_RULE,
-                           "template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None}
+                           "template_sha256": template_sha256(template)}
     return request
 
 
