@@ -17,7 +17,10 @@ from pathlib import Path
 from shardline import layout as layouts
 from shardline.config import Config, ModelConfig, MoEConfig
 from shardline.errors import ConfigError
+from shardline.data.shards import is_prepared
+from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import read_hf_config
+from shardline.interop.hf_files import TOKENIZER_NAME
 from shardline.layout import Job, Layout
 from shardline.models import attention
 from shardline.models.factory import args_from_json
@@ -42,10 +45,24 @@ class Preflight:
 
 
 def use_model_tokenizer(cfg: Config) -> None:
-    """Fine-tuning an HF folder keeps the model's own tokenizer unless data.tokenizer names one."""
-    hf_tokenizer = Path(cfg.model.hf_path) / "tokenizer.json"
-    if cfg.model.hf_path and not cfg.data.tokenizer and hf_tokenizer.is_file():
-        cfg.data.tokenizer = str(hf_tokenizer)
+    """A run from trained weights (model.hf_path, model.init_from) tokenizes with their own
+    tokenizer.json unless data.tokenizer names one. Without one there, raw data would get a
+    newly trained tokenizer whose ids mean nothing to those weights: refused. (A prepared
+    folder brings its own tokenizer, which the user chose when preparing it.)"""
+    m, d = cfg.model, cfg.data
+    if d.tokenizer or not (m.hf_path or m.init_from):
+        return
+    found = Path(m.hf_path) / TOKENIZER_NAME if m.hf_path else checkpoint_tokenizer(Path(m.init_from))
+    if found is not None and found.is_file():
+        d.tokenizer = str(found)
+        return
+    raw = [s.path for s in d.mix] if d.mix else [d.path]
+    if any(not is_prepared(path) for path in raw):
+        key, value = ("model.hf_path", m.hf_path) if m.hf_path else ("model.init_from", m.init_from)
+        hint = " (its tokenizer.model is not read: save it as tokenizer.json with transformers)" if (
+            m.hf_path and (Path(m.hf_path) / "tokenizer.model").is_file()) else ""
+        raise ConfigError(f"{key}={value!r} has no {TOKENIZER_NAME}{hint}, and a new tokenizer's ids would mean "
+                          "nothing to its weights; set data.tokenizer to the tokenizer.json they were trained with")
 
 
 def check_config(cfg: Config) -> None:

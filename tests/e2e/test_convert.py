@@ -9,12 +9,13 @@ import torch
 
 from shardline.cli import main
 from shardline.config import load_config
-from shardline.data.tokenizer import train_bpe
+from shardline.data.tokenizer import load_tokenizer, train_bpe
 from shardline.errors import ConfigError
 from shardline.models.factory import args_from_json
-from shardline.preflight import model_shape
+from shardline.preflight import model_shape, use_model_tokenizer
 from shardline.resilience.checkpoint import read_meta
 from shardline.trainer import Trainer
+from tests.conftest import tiny_overrides
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,3 +113,49 @@ def test_overrides_that_reshape_the_starting_weights_are_refused(tmp_path, overr
     same = load_config(None, [f"model.hf_path={hf}", "model.n_layers=2", "model.head_dim=16", "model.n_kv_heads=2",
                               "model.rope_theta=50000"])  # head_dim 16 = 64 / 4 heads: the folder's own
     assert model_shape(same.model, 600, same.moe).rope_theta == 50000  # the same shape, other frequencies
+
+
+def test_a_run_from_converted_weights_tokenizes_with_their_tokenizer_and_exports_its_files(tmp_path, small_corpus):
+    """from-hf keeps the HF folder's tokenizer with its settings and generation config; a run
+    from that checkpoint on raw text tokenizes with it (not with a newly trained tokenizer, whose
+    ids would mean nothing to the weights), keeps the files in its run dir, and to-hf writes them
+    back; exporting over the folder the weights came from is refused, and it keeps its files."""
+    hf = _bf16_hf_folder(tmp_path / "hf")
+    side = {"tokenizer_config.json": {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"},
+            "generation_config.json": {"eos_token_id": 2, "temperature": 0.6}}
+    for name, content in side.items():
+        (hf / name).write_text(json.dumps(content))
+    assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck")]) == 0
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(None, tiny_overrides(run, small_corpus, "train.steps=1", "train.eval_interval=0",
+                                                       f"model.init_from={tmp_path / 'ck'}"))).build()
+    assert trainer.data.tokenizer.to_str() == load_tokenizer(str(hf / "tokenizer.json")).to_str()
+    trainer.train()
+    out = tmp_path / "out"
+    assert main(["convert", "to-hf", str(run), str(out)]) == 0
+    assert load_tokenizer(str(out / "tokenizer.json")).to_str() == trainer.data.tokenizer.to_str()
+    for name in side:
+        assert (out / name).read_bytes() == (hf / name).read_bytes(), name
+    assert main(["convert", "to-hf", str(run), str(hf)]) == 2
+    assert sorted(p.name for p in hf.iterdir()) == sorted(["config.json", "model.safetensors", "tokenizer.json", *side])
+
+
+def test_weights_without_a_tokenizer_refuse_a_new_one_for_raw_text(tmp_path, small_corpus, small_prepared):
+    """Starting weights with no tokenizer.json: raw text would get a newly trained tokenizer, so
+    the run is refused in one line, unless data.tokenizer names one or the data is a prepared
+    folder (which brings the tokenizer its preparer chose)."""
+    hf = _bf16_hf_folder(tmp_path / "hf")
+    (hf / "tokenizer.json").rename(tmp_path / "tokenizer.json")
+    assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck")]) == 0
+    (hf / "tokenizer.model").write_bytes(b"")  # a SentencePiece model, which shardline does not read
+    for start, hint in ((f"model.hf_path={hf}", "its tokenizer.model is not read"),
+                        (f"model.init_from={tmp_path / 'ck'}", "")):
+        cfg = load_config(None, [start, f"data.path={small_corpus}"])
+        with pytest.raises(ConfigError, match=f"has no tokenizer.json.*{hint}.*set data.tokenizer"):
+            use_model_tokenizer(cfg)
+        given = load_config(None, [start, f"data.path={small_corpus}", f"data.tokenizer={tmp_path / 'tokenizer.json'}"])
+        use_model_tokenizer(given)
+        assert given.data.tokenizer == str(tmp_path / "tokenizer.json")
+        prepared = load_config(None, [start, f"data.path={small_prepared}"])
+        use_model_tokenizer(prepared)
+        assert prepared.data.tokenizer == ""

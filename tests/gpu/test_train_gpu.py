@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardline.config import load_config
+from shardline.data.tokenizer import train_bpe
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides
 from tests.distributed.harness import losses
@@ -157,6 +158,8 @@ def test_one_gpu_offload_starts_an_moe_run_from_an_hf_folder(tmp_path, small_cor
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
     hf.save_pretrained(tmp_path / "hf")
+    # the folder's tokenizer, which the run on raw text needs (it refuses to train a new one)
+    train_bpe(small_corpus.read_text().split("\n"), 512).save(str(tmp_path / "hf" / "tokenizer.json"))
     ids = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(0))
     try:
         cfg = load_config(None, tiny_overrides(tmp_path / "run", small_corpus, "run.device=cuda", "train.steps=2",

@@ -28,6 +28,7 @@ from shardline.interop.hf import (
     read_hf_config,
     to_hf_pretrained,
 )
+from shardline.interop.hf_files import EXPORT_MARK
 from shardline.models.factory import build_meta_model
 from shardline.models.llama import Llama, ModelArgs
 
@@ -379,7 +380,7 @@ def test_tied_model_rejects_a_different_lm_head(tmp_path):
     assert torch.equal(tied.tok_embeddings.weight, before)
 
 
-def test_destination_rules(tmp_path):
+def test_destination_rules(tmp_path, monkeypatch):
     model = Llama(ModelArgs(**_BASE))
     model.init_weights(seed=0)
     precious = tmp_path / "precious"
@@ -393,12 +394,25 @@ def test_destination_rules(tmp_path):
     to_hf_pretrained(model, tmp_path / "empty")
     assert (tmp_path / "empty" / WEIGHTS_NAME).is_file()
 
-    # An existing HF folder is replaced as a whole: stale shards of an earlier export go.
-    folder = to_hf_pretrained(model, tmp_path / "hf", max_shard_size_bytes=40_000)
+    # An earlier export is replaced as a whole: its stale shards go.
+    folder = to_hf_pretrained(model, tmp_path / "hf", max_shard_size_bytes=40_000, provenance={"checkpoint": "c"})
     assert (folder / INDEX_NAME).is_file()
+    assert json.loads((folder / EXPORT_MARK).read_text()) == {"written_by": "shardline", "checkpoint": "c"}
     to_hf_pretrained(model, folder)
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", WEIGHTS_NAME]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", WEIGHTS_NAME, EXPORT_MARK]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "hf", "precious"]
+
+    # An HF folder shardline did not write (the one a run started from, say) keeps its other files.
+    (folder / EXPORT_MARK).unlink()
+    (folder / "generation_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="did not export"):
+        to_hf_pretrained(model, folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", WEIGHTS_NAME]
+    # The current folder (or one above it) cannot be swapped out from under the process.
+    monkeypatch.chdir(tmp_path / "empty")
+    for here in (".", ".."):
+        with pytest.raises(CheckpointError, match="is the current folder or holds it"):
+            to_hf_pretrained(model, here)
 
     with pytest.raises(DataError, match="tokenizer"):
         to_hf_pretrained(model, tmp_path / "other", tokenizer_path=tmp_path / "missing.json")

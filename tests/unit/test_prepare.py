@@ -263,6 +263,18 @@ def chat_with_templated_tokenizer(tmp_path) -> tuple[Path, Path]:
     return path, folder
 
 
+def test_a_chat_template_jinja_file_is_read_before_tokenizer_config(tmp_path):
+    """Newer transformers save the template as chat_template.jinja, and prefer it."""
+    from shardline.data import encode
+
+    tok = str(tmp_path / "tokenizer.json")
+    assert encode.chat_template_for(tok) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "A"}))
+    assert encode.chat_template_for(tok) == "A"
+    (tmp_path / "chat_template.jinja").write_text("B")
+    assert encode.chat_template_for(tok) == "B"
+
+
 def test_a_tokenizers_own_chat_template_renders_and_masks(tmp_path):
     path, folder = chat_with_templated_tokenizer(tmp_path)
     d = data(path, "data.format=chat", f"data.tokenizer={folder / 'tokenizer.json'}", "train.eval_interval=0",

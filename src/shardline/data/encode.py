@@ -186,13 +186,21 @@ def _raise(message: str):
 
 
 def chat_template_for(tokenizer_path: str) -> str | None:
-    """The chat_template of the tokenizer_config.json beside a tokenizer.json, if any (and jinja2 is there)."""
+    """The chat template beside a tokenizer.json, if any (and jinja2 is there): chat_template.jinja,
+    which newer transformers write and prefer, else tokenizer_config.json's chat_template."""
     if not tokenizer_path:
         return None
-    config = Path(tokenizer_path).parent / "tokenizer_config.json"
+    folder = Path(tokenizer_path).parent
     try:
-        template = json.loads(config.read_text()).get("chat_template")
         import jinja2  # noqa: F401
-    except (OSError, ValueError, ImportError):
+    except ImportError:
+        return None
+    try:
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        pass
+    try:
+        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
         return None
     return template if isinstance(template, str) else None

@@ -213,9 +213,8 @@ def _folder_tokenizer(root: Path, manifest: dict, tokenizer_path: str) -> Tokeni
         raise DataError(f"{root / TOKENIZER} does not match the manifest's tokenizer_sha256; prepare the "
                         "folder again")
     if tokenizer_path and tokenizer_hash(load_tokenizer(tokenizer_path)) != manifest["tokenizer_sha256"]:
-        raise DataError(f"data.tokenizer={tokenizer_path!r} differs from the tokenizer {root} was prepared "
-                        "with; leave data.tokenizer empty to use the folder's, or prepare again with "
-                        f"--tokenizer {tokenizer_path}")
+        raise DataError(f"data.tokenizer={tokenizer_path!r} (given, or the starting weights' own) differs from "
+                        f"the tokenizer {root} was prepared with; prepare it again with --tokenizer {tokenizer_path}")
     return tok
 
 

@@ -1,16 +1,16 @@
 """`shardline convert`: shardline checkpoints <-> HF Llama, Mixtral and Qwen3-MoE folders.
 
 to-hf:   a checkpoint folder (or a run dir: its newest valid checkpoint) -> an HF
-         folder that transformers loads, with the run's tokenizer.json when present.
+         folder that transformers loads, with the checkpoint's tokenizer files (see
+         checkpoint_tokenizer) when present.
 from-hf: an HF folder -> a weights-only shardline checkpoint, which a run starts from
          with --model.init_from=DST (a run may also read the HF folder directly
-         with --model.hf_path). The folder's dtype, special tokens and tokenizer.json
-         are kept for the way back.
+         with --model.hf_path) and tokenizes with the tokenizer copied beside it. The
+         folder's dtype, special tokens and tokenizer files are kept for the way back.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from shardline.data.tokenizer import eos_id, load_tokenizer
 from shardline.errors import CheckpointError
 from shardline.interop.hf import from_hf_pretrained, to_hf_pretrained
 from shardline.interop.hf_config import EXPORT_DTYPES, read_hf_fields
+from shardline.interop.hf_files import TOKENIZER_NAME, copy_tokenizer_files
 from shardline.models.factory import args_from_json, args_to_json, build_meta_model
 from shardline.resilience.checkpoint import (
     Checkpointer,
@@ -53,21 +54,23 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "") -> Path:
     model = build_meta_model(args_from_json(meta["model_args"]))
     model.init_weights()  # materialize; every weight is then overwritten by the checkpoint
     load_weights(ckpt, model)
-    tokenizer = _run_tokenizer(ckpt)
+    tokenizer = checkpoint_tokenizer(ckpt)
     hf = meta.get("hf", {})
     eos = hf.get("eos_token_id")
     if eos is None and tokenizer is not None:  # a run's own tokenizer: its end-of-document token
         eos = eos_id(load_tokenizer(str(tokenizer)))
     return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=explicit or _export_dtype(hf.get("dtype", "")),
-                            bos_token_id=hf.get("bos_token_id"), eos_token_id=eos)
+                            bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
+                            provenance={"checkpoint": str(ckpt.resolve())})
 
 
-def _run_tokenizer(ckpt: Path) -> Path | None:
-    """The tokenizer.json of the run a checkpoint was saved by (<run_dir>/checkpoints/step-N),
-    else one beside the checkpoint's files (from-hf copies the HF folder's there)."""
+def checkpoint_tokenizer(ckpt: Path) -> Path | None:
+    """The tokenizer.json a checkpoint's weights were trained with: one beside its files (from-hf
+    copies the HF folder's there), else the one of the run that saved it
+    (<run_dir>/checkpoints/step-N, or checkpoints/set-aside/step-N); None when neither is there."""
     ckpt = ckpt.resolve()
-    runs = [folder.parent for folder in ckpt.parents[:2] if folder.name == "checkpoints"]  # or checkpoints/set-aside
-    return next((t for t in [*(r / "tokenizer.json" for r in runs), ckpt / "tokenizer.json"] if t.is_file()), None)
+    runs = [folder.parent for folder in ckpt.parents[:2] if folder.name == "checkpoints"]
+    return next((t for t in [ckpt / TOKENIZER_NAME, *(r / TOKENIZER_NAME for r in runs)] if t.is_file()), None)
 
 
 def _export_dtype(name: str) -> torch.dtype | None:
@@ -84,6 +87,6 @@ def hf_to_checkpoint(src: Path, dst: Path) -> Path:
     model, args = from_hf_pretrained(src)
     meta = {"model_args": args_to_json(args), "source": str(src), "hf": read_hf_fields(src)}
     write_checkpoint(dst, 0, model, None, None, meta)
-    if (src / "tokenizer.json").is_file():  # kept for the way back (to-hf)
-        shutil.copyfile(src / "tokenizer.json", dst / "tokenizer.json")
+    if (src / TOKENIZER_NAME).is_file():  # what a run from it tokenizes with, and kept for the way back
+        copy_tokenizer_files(src / TOKENIZER_NAME, dst)
     return dst

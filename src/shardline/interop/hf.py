@@ -250,16 +250,18 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
                      tokenizer_path: str | os.PathLike | None = None,
                      dtype: torch.dtype | None = None,
                      bos_token_id: int | None = None,
-                     eos_token_id: int | list[int] | None = None) -> Path:
+                     eos_token_id: int | list[int] | None = None,
+                     provenance: dict | None = None) -> Path:
     """Write `model` as an HF folder at `path` that transformers' LlamaForCausalLM,
     MixtralForCausalLM or Qwen3MoeForCausalLM (by the model's shape) loads.
 
     Writes config.json, the weights (one model.safetensors, or shards of at most
     max_shard_size_bytes each plus model.safetensors.index.json) and, when tokenizer_path
-    (a tokenizer.json, or a folder holding one) is given, tokenizer.json. dtype: the
-    weights' dtype on disk (default: the parameters' own). Everything is written to a
-    temporary sibling folder first and renamed into place; an existing HF folder at
-    `path` is replaced as a whole, any other non-empty folder is refused.
+    (a tokenizer.json, or a folder holding one) is given, tokenizer.json and the files beside
+    it (hf_files.SIDE_FILES). dtype: the weights' dtype on disk (default: the parameters' own).
+    Everything is written to a temporary sibling folder first and renamed into place. An
+    earlier export at `path` (it holds shardline_export.json, with `provenance`) is replaced
+    as a whole; any other non-empty folder, an HF one included, is refused.
     """
     model = _unwrap(model)
     dest = Path(path)
@@ -274,5 +276,5 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
     _warn_moe_differences(model)
     dtype = tensors[0][1].dtype if dtype is None else dtype
     config = hf_config_dict(model.args, tied, dtype, bos_token_id, eos_token_id)
-    _write_hf_folder(dest, tensors, dtype, max_shard_size_bytes, config, tokenizer)
+    _write_hf_folder(dest, tensors, dtype, max_shard_size_bytes, config, tokenizer, provenance or {})
     return dest

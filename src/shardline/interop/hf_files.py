@@ -22,6 +22,13 @@ from shardline.interop.hf_config import CONFIG_NAME, _load_json
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_NAME = "tokenizer.json"
+# The files beside a tokenizer.json that travel with it: its settings and chat template (without
+# them transformers loads a bare tokenizer: no special tokens, no template) and the generation
+# settings. from-hf copies them into the checkpoint, a run into its run dir, to-hf into the export.
+SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+# Written into every export: a folder holding it may be replaced by the next export; another HF
+# folder (the one a run started from, say) is refused, since replacing it would delete its other files.
+EXPORT_MARK = "shardline_export.json"
 DEFAULT_MAX_SHARD_SIZE = 5_000_000_000  # bytes; transformers' long-standing "5GB" default
 
 
@@ -78,13 +85,33 @@ def _is_hf_folder(folder: Path) -> bool:
 
 
 def _check_destination(dest: Path) -> None:
+    here = Path.cwd()
+    if dest.resolve() in (here, *here.parents):
+        raise CheckpointError(f"{dest} is the current folder or holds it; export to a folder of its own")
     if not dest.exists():
         return
     if not dest.is_dir():
         raise CheckpointError(f"{dest} exists and is not a folder; choose another destination")
-    if any(dest.iterdir()) and not _is_hf_folder(dest):
-        raise CheckpointError(f"{dest} exists, is not empty and is not a Hugging Face model folder; "
-                              "refusing to overwrite it (choose another destination or empty it)")
+    if not any(dest.iterdir()) or (dest / EXPORT_MARK).is_file():
+        return
+    if _is_hf_folder(dest):
+        raise CheckpointError(f"{dest} is a Hugging Face model folder that shardline did not export; replacing "
+                              "it would delete its other files (refusing; choose another destination)")
+    raise CheckpointError(f"{dest} exists, is not empty and is not a Hugging Face model folder; "
+                          "refusing to overwrite it (choose another destination or empty it)")
+
+
+def copy_tokenizer_files(tokenizer: Path, folder: Path) -> None:
+    """The tokenizer.json `tokenizer` and the side files beside it into `folder`."""
+    shutil.copyfile(tokenizer, folder / TOKENIZER_NAME)
+    copy_side_files(tokenizer.parent, folder)
+
+
+def copy_side_files(source: Path, folder: Path) -> None:
+    """The SIDE_FILES that `source` holds into `folder`."""
+    for name in SIDE_FILES:
+        if (source / name).is_file() and (source / name).resolve() != (folder / name).resolve():
+            shutil.copyfile(source / name, folder / name)
 
 
 def _tokenizer_file(tokenizer_path: str | os.PathLike) -> Path:
@@ -161,9 +188,11 @@ def _write_weights(folder: Path, tensors: list[tuple[str, torch.Tensor]],
 
 
 def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                     max_shard_size_bytes: int, config: dict[str, Any], tokenizer: Path | None) -> None:
-    """Write weights, config.json and tokenizer.json into a temporary sibling of `dest`, then
-    swap it into place, so a failed export leaves neither a half folder nor a lost old one."""
+                     max_shard_size_bytes: int, config: dict[str, Any], tokenizer: Path | None,
+                     provenance: dict[str, Any]) -> None:
+    """Write weights, config.json, the tokenizer's files and the export mark (with `provenance`)
+    into a temporary sibling of `dest`, then swap it into place, so a failed export leaves
+    neither a half folder nor a lost old one."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards = _plan_shards(tensors, itemsize, max_shard_size_bytes)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +202,8 @@ def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype:
         _write_weights(tmp, tensors, shards, dtype)
         _write_json(tmp / CONFIG_NAME, config)
         if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
+            copy_tokenizer_files(tokenizer, tmp)
+        _write_json(tmp / EXPORT_MARK, {"written_by": "shardline", **provenance})
         _swap_into_place(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
