@@ -234,17 +234,21 @@ class Trainer(AnomalyResponse):
                 self.metrics.event("skipped_step", step=step, reason="fp16 overflow",
                                    loss_scale=self.scaler.scaler.get_scale())
             if step % cfg.metrics.log_interval == 0 or step == stop:
-                last = self._log_train(loss_value, grad_norm, time.perf_counter() - window_start, window_steps)
+                last = self._log_train(loss_value, grad_norm, self._clock() - window_start, window_steps)
                 window_start, window_steps = time.perf_counter(), 0
-            paused = time.perf_counter()  # evaluation and saves are not training: out of the window
-            if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == stop):
-                self.guard.timed("eval", self.evaluate)
-            if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop):
-                self.guard.timed("checkpoint", self.save_checkpoint)
-            if cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0:
-                self.guard.timed("checkpoint", lambda: self.tiers.snapshot(self.step, self.model, self.optimizer,
-                                                                            self._trainer_state()))
-            window_start += time.perf_counter() - paused
+            evaluate = cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == stop)
+            save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
+            snapshot = cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0
+            if evaluate or save or snapshot:  # evaluation and saves are not training: out of the window
+                paused = self._clock()
+                if evaluate:
+                    self.guard.timed("eval", self.evaluate)
+                if save:
+                    self.guard.timed("checkpoint", self.save_checkpoint)
+                if snapshot:
+                    self.guard.timed("checkpoint", lambda: self.tiers.snapshot(
+                        self.step, self.model, self.optimizer, self._trainer_state()))
+                window_start += self._clock() - paused
             self.guard.end_step(step, started)
             request = self.guard.stop_requested()
             if request and step < stop:  # on the last step the run simply ends
@@ -356,6 +360,14 @@ class Trainer(AnomalyResponse):
         loss = total.item() / max(self.data.val.count_labels(idx_all), 1)
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
         return loss
+
+    def _clock(self) -> float:
+        """The time once the device has run what the host queued: a step without a host sync
+        (the device-side anomaly check) returns before its kernels run, and read straight away
+        the clock would time their launches and leave their run to the next window."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def save_checkpoint(self) -> Path | None:
         self.report_device_anomalies()  # the saved detector state and events agree
