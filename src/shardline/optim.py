@@ -8,7 +8,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardline.config import OptimConfig
-from shardline.parallel.zero1 import Zero1AdamW
+from shardline.errors import ConfigError
+from shardline.parallel.zero1 import StridedSlices, Zero1AdamW
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
@@ -28,9 +29,16 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
         impl = "fused" if on_gpu else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
-    if zero1_mesh is not None:
+    if zero1_mesh is None:
+        return torch.optim.AdamW(groups, **hyper)
+    try:
         return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, zero1_experts, **hyper)
-    return torch.optim.AdamW(groups, **hyper)
+    except StridedSlices as e:  # under tp or ep: auto takes foreach, an explicit fused is refused
+        if cfg.implementation == "fused":
+            raise ConfigError(f"optim.implementation=fused is invalid with this layout: {e}; "
+                              "use auto, foreach or for-loop") from None
+        return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, zero1_experts, **{**hyper, "fused": None,
+                                                                                  "foreach": True})
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: OptimConfig) -> float:

@@ -101,6 +101,8 @@ def _tp_worker(rank: int, world: int, port: int, errors) -> None:
         except ValueError as e:
             if "already shards parameter 0.weight" not in str(e):
                 errors.put(f"rank {rank}: unexpected message {e}")
+        for problem in _check_fused(mesh):
+            errors.put(f"rank {rank}: {problem}")
         for wrong_group in (False, True):
             for problem in _check_tp_run(mesh, wrong_group):
                 errors.put(("wrong group: " if wrong_group else f"rank {rank}: ") + problem)
@@ -108,6 +110,28 @@ def _tp_worker(rank: int, world: int, port: int, errors) -> None:
             errors.put(f"experts, rank {rank}: {problem}")
     finally:
         dist.destroy_process_group()
+
+
+def _check_fused(mesh) -> list[str]:
+    """The column-parallel weight's slice (its columns) is a strided view, which the fused AdamW
+    updates wrongly on CPU (outside the slice) and refuses on GPU: an explicit fused is refused
+    in one line, auto takes foreach."""
+    from shardline.config import OptimConfig
+    from shardline.errors import ConfigError
+    from shardline.optim import build_optimizer
+
+    model, _ = _tp_models(mesh["tp"])
+    problems = []
+    try:
+        build_optimizer(model, OptimConfig(implementation="fused"), torch.device("cpu"), mesh, "dp_shard")
+        problems.append("the fused AdamW was taken for strided slices")
+    except ConfigError as e:
+        if "optim.implementation=fused is invalid with this layout: ZeRO-1's slices of 0.weight" not in str(e):
+            problems.append(f"unexpected message {e}")
+    chosen = build_optimizer(model, OptimConfig(implementation="auto"), torch.device("cpu"), mesh, "dp_shard")
+    if chosen.defaults.get("fused") or not chosen.defaults.get("foreach"):
+        problems.append(f"auto took {chosen.defaults} for strided slices")
+    return problems
 
 
 def _check_tp_run(mesh, wrong_group: bool) -> list[str]:
@@ -140,7 +164,8 @@ def world4_problems() -> list[str]:
 
 def test_zero1_under_tp_shards_over_the_dp_group_of_each_tp_coordinate(world4_problems):
     """Matches AdamW on the whole model and saves its states; the same check catches a
-    reduce-scatter and all-gather over the wrong (tp) group."""
+    reduce-scatter and all-gather over the wrong (tp) group. The fused AdamW is kept off its
+    strided slices."""
     found = [e for e in world4_problems if not e.startswith("experts")]
     assert [e for e in found if not e.startswith("wrong group")] == [], found
     assert any(e.startswith("wrong group") and "differs from plain AdamW" in e for e in found), found

@@ -122,6 +122,12 @@ class Slice:
         return local(t).movedim(self.dim, 0)
 
 
+class StridedSlices(ValueError):
+    """Slices that are strided views (a column-parallel weight cut by columns, several local
+    experts cut by rows): the fused AdamW kernel refuses them on GPU and, on CPU, writes
+    outside them; the foreach and for-loop updates handle them."""
+
+
 class Zero1AdamW(torch.optim.AdamW):
     """AdamW over this rank's slices of replicated parameters.
 
@@ -147,6 +153,10 @@ class Zero1AdamW(torch.optim.AdamW):
                 self.slices.append(Slice(p, cut, dim, *row_range(size, cut.rank, cut.ranks), -(-size // cut.ranks)))
                 views.append(self.slices[-1].of(p.detach()))
             shard_groups.append({**g, "params": views})
+        strided = [self.names.get(s.param, "?") for s in self.slices if not s.of(s.param.detach()).is_contiguous()]
+        if kwargs.get("fused") and strided:
+            raise StridedSlices(f"ZeRO-1's slices of {strided[0]} (and {len(strided) - 1} more) are strided views, "
+                                "which the fused AdamW kernel cannot update")
         super().__init__(shard_groups, **kwargs)
         self.views = [v for g in self.param_groups for v in g["params"]]
 
