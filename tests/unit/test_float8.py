@@ -75,6 +75,19 @@ def test_dims_not_multiple_of_16_and_moe_router_are_skipped():
     assert not dense_ffn  # ffn 40 is not a multiple of 16 (and no first_dense_layers here)
 
 
+def test_under_tp_each_shard_of_a_converted_weight_stays_a_multiple_of_16():
+    """ffn 80 = 5 x 16 converts alone, but tp 2 would give each rank 40 columns (w1, w3) or rows
+    (w2), which the float8 matmul refuses: kept bf16; the attention's 64-wide dims convert at tp 2."""
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=256, ffn_dim=80)
+    ffn = {"layers.0.feed_forward.w1", "layers.0.feed_forward.w2", "layers.0.feed_forward.w3"}
+    for tp, want in ((1, ffn), (2, set()), (4, set())):
+        model = build_meta_model(args)
+        names = set(float8.convert(model, "tensorwise", emulate=True, fsdp_all_gather=False, tp=tp))
+        assert names == converted_names(model)
+        assert names & ffn == want, tp
+        assert {n for n in names if ".attention." in n} == {f"layers.0.attention.w{x}" for x in "qkvo"}, tp
+
+
 def test_emulated_forward_is_close_to_bf16_and_gradients_flow():
     torch.manual_seed(0)
     reference = built()

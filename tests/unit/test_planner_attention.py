@@ -126,6 +126,10 @@ def test_fp8_runs_only_the_linear_gemms_in_float8():
     # A weight whose dims are not multiples of 16 is not converted.
     odd = dataclasses.replace(fp8, model=dataclasses.replace(W8.model, ffn_dim=14344))
     assert [g[0] for g in cmp.layer_gemm_dtypes(odd, 1, 8192)][4:] == ["bf16"] * 3
+    # Nor one whose tp shards are not (float8.converts): 14352 = 897 x 16 converts at tp 1, not at tp 2.
+    split = dataclasses.replace(fp8, model=dataclasses.replace(W8.model, ffn_dim=14352))
+    assert [g[0] for g in cmp.layer_gemm_dtypes(split, 1, 8192)][4:] == ["fp8"] * 3
+    assert [g[0] for g in cmp.layer_gemm_dtypes(split, 2, 8192)] == ["fp8"] * 4 + ["bf16"] * 3
 
 
 def test_fp8_moe_keeps_the_routed_experts_in_bf16():

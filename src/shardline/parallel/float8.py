@@ -129,13 +129,15 @@ def local_capability(on_cuda: bool) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability()
 
 
-def converts(module: nn.Module, fqn: str) -> bool:
-    """Whether the Linear at `fqn` runs in float8 (see the module doc for what is kept)."""
+def converts(module: nn.Module, fqn: str, tp: int = 1) -> bool:
+    """Whether the Linear at `fqn` runs in float8 (see the module doc for what is kept). Its
+    dims must be multiples of GEMM_MULTIPLE on each rank: under tensor parallelism of
+    GEMM_MULTIPLE x tp (either dim may be the one split), so that every shard stays aligned."""
     if not isinstance(module, nn.Linear) or fqn in SKIPPED:
         return False
     if any(part in SKIPPED_PARTS for part in fqn.split(".")):
         return False
-    return module.in_features % GEMM_MULTIPLE == 0 and module.out_features % GEMM_MULTIPLE == 0
+    return module.in_features % (GEMM_MULTIPLE * tp) == 0 and module.out_features % (GEMM_MULTIPLE * tp) == 0
 
 
 def linear_config(recipe: str, emulate: bool, fsdp_all_gather: bool):
@@ -148,17 +150,17 @@ def linear_config(recipe: str, emulate: bool, fsdp_all_gather: bool):
 
 
 def convert(model: nn.Module, recipe: str, emulate: bool, fsdp_all_gather: bool,
-            split_backward: bool = False) -> list[str]:
+            split_backward: bool = False, tp: int = 1) -> list[str]:
     """Swap the chosen Linear layers of `model` (in place, any device including meta) for
-    Float8Linear; returns their names. `split_backward`: a zero-bubble pipeline schedule
-    will split each backward in two passes, so each float8 Linear computes only the
-    gradients a pass asks for (`_SplitFloat8Matmul`)."""
+    Float8Linear; returns their names. `tp`: the degree that will split them. `split_backward`:
+    a zero-bubble pipeline schedule will split each backward in two passes, so each float8
+    Linear computes only the gradients a pass asks for (`_SplitFloat8Matmul`)."""
     require_torchao()
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
-    chosen = [name for name, m in model.named_modules() if converts(m, name)]
-    convert_to_float8_training(model, module_filter_fn=converts,
+    chosen = [name for name, m in model.named_modules() if converts(m, name, tp)]
+    convert_to_float8_training(model, module_filter_fn=functools.partial(converts, tp=tp),
                                config=linear_config(recipe, emulate, fsdp_all_gather))
     if split_backward:
         for module in model.modules():

@@ -158,7 +158,7 @@ def layer_gemms(work: Workload, tp: int, tokens: int) -> list[tuple[int, float, 
 
 def layer_gemm_dtypes(work: Workload, tp: int, tokens: int) -> list[tuple[str, int, float, float]]:
     """(dtype, m, n, k) of a block's forward GEMMs: under fp8, those float8 converts (a weight
-    whose dims are multiples of GEMM_MULTIPLE) at "fp8", the routed experts' share of the
+    whose dims are multiples of GEMM_MULTIPLE x tp) at "fp8", the routed experts' share of the
     feed-forward width (grouped weights, not nn.Linear) at bf16."""
     gemms = layer_gemms(work, tp, tokens)
     if work.precision != "fp8":
@@ -167,16 +167,17 @@ def layer_gemm_dtypes(work: Workload, tp: int, tokens: int) -> list[tuple[str, i
     h, q, kv = m.dim, m.n_heads * m.head_size, m.kv_heads * m.head_size
     moe = getattr(m, "moe", None)
     ffn = m.ffn_dim if moe is None else math.gcd(m.ffn_dim, moe.expert_ffn_dim)  # both widths aligned
-    out = [(_fp8_if_aligned(h, width), *g) for width, g in zip((q, kv, kv, q), gemms[:4])]
+    out = [(_fp8_if_aligned(tp, h, width), *g) for width, g in zip((q, kv, kv, q), gemms[:4])]
     linear = _linear_ffn_width(m)
-    for dtype, width in ((_fp8_if_aligned(h, ffn), linear), ("bf16", ffn_compute_width(m) - linear)):
+    for dtype, width in ((_fp8_if_aligned(tp, h, ffn), linear), ("bf16", ffn_compute_width(m) - linear)):
         if width > 0:
             out += [(dtype, tokens, h, width / tp), (dtype, tokens, h, width / tp), (dtype, tokens, width / tp, h)]
     return out
 
 
-def _fp8_if_aligned(*dims: int) -> str:
-    return "fp8" if all(d % GEMM_MULTIPLE == 0 for d in dims) else "bf16"
+def _fp8_if_aligned(tp: int, *dims: int) -> str:
+    """float8.converts' rule: every dim a multiple of GEMM_MULTIPLE x tp."""
+    return "fp8" if all(d % (GEMM_MULTIPLE * tp) == 0 for d in dims) else "bf16"
 
 
 def _linear_ffn_width(model) -> float:
