@@ -107,7 +107,13 @@ def sync_tied_gradient(model: Llama, embedding_group) -> None:
         total.add_(other)
         other.copy_(total)
     elif embedding_group is not None and (embedding is None) != (model.output is None):  # one end here
-        dist.all_reduce(_local_grad(copy if embedding is None else embedding.weight), group=embedding_group)
+        grad = _local_grad(copy if embedding is None else embedding.weight)
+        if grad.device.type == "cpu" and dist.get_backend(embedding_group) == "nccl":  # offloaded to the host
+            on_device = grad.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(on_device, group=embedding_group)
+            grad.copy_(on_device)
+        else:
+            dist.all_reduce(grad, group=embedding_group)
 
 
 def _local_grad(end: nn.Parameter) -> torch.Tensor:
