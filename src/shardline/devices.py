@@ -33,6 +33,9 @@ def _sheet(name: str, marker: str, peaks: tuple[float, float, float | None, floa
 
 DATASHEETS: dict[str, Datasheet] = {s.name: s for s in (
     _sheet("h100-sxm", "H100", (989.0, 989.0, 1979.0, 67.0), 79.6, 3350.0),
+    # The PCIe and NVL cards share the name "H100" but not the SXM part's clocks and power.
+    _sheet("h100-pcie", "H100 PCIe", (756.0, 756.0, 1513.0, 51.0), 79.6, 2000.0),
+    _sheet("h100-nvl", "H100 NVL", (835.0, 835.0, 1671.0, 60.0), 93.6, 3900.0),
     _sheet("h200", "H200", (989.0, 989.0, 1979.0, 67.0), 139.8, 4800.0),
     _sheet("a100-80gb", "A100", (312.0, 312.0, None, 19.5), 79.2, 2039.0),
     _sheet("b200", "B200", (2250.0, 2250.0, 4500.0, 80.0), 179.0, 8000.0),

@@ -105,8 +105,8 @@ def test_errors_are_config_errors_in_the_api(tmp_path):
         make_job("llama3-405b", "h100-sxm", 16380, 8, 54)
     with pytest.raises(ConfigError, match="must be > 0"):
         make_job("llama3-405b", "h100-sxm", 16384, 8, -1)
-    with pytest.raises(ConfigError, match="h100-pcie"):
-        make_job("llama3-405b", "h100-pcie", 16384, 8, 54)
+    with pytest.raises(ConfigError, match="h100-pcie-2"):
+        make_job("llama3-405b", "h100-pcie-2", 16384, 8, 54)
     bad = tmp_path / "bad.toml"
     bad.write_text("[cluster]\nx = 1\n")
     with pytest.raises(ConfigError, match="unknown section"):
