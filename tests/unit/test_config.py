@@ -65,6 +65,9 @@ def test_bad_values_raise_config_error(override, message):
 def test_paths_given_as_numbers_stay_as_written():
     cfg = load_config(None, ["--run.dir=1.50", "data.path=007", "train.steps=5"])
     assert cfg.run.dir == "1.50" and cfg.data.path == "007" and cfg.train.steps == 5
+    # ... and so do dates and times, which TOML would read as such
+    cfg = load_config(None, ["run.dir=2024-06-01", "data.path=12:00:00", "run.resume=runs/x/step-000010"])
+    assert (cfg.run.dir, cfg.data.path, cfg.run.resume) == ("2024-06-01", "12:00:00", "runs/x/step-000010")
 
 
 def test_bad_toml_file(tmp_path):

@@ -82,8 +82,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
 def apply_override(cfg: Config, item: str) -> None:
     """Apply one `section.key=value` override; the value is parsed as TOML, else taken as a string."""
     section, key, value = reader.split_override(item)
-    if isinstance(value, (int, float)) and _is_text(cfg, section, key):
-        value = reader.split_override(item, raw=True)[2]  # --run.dir=1.50 names the folder "1.50"
+    if not isinstance(value, str) and _is_text(cfg, section, key):
+        # --run.dir=1.50 names the folder "1.50", --run.dir=2024-06-01 "2024-06-01" (TOML: a date)
+        value = reader.split_override(item, raw=True)[2]
     _set_section(cfg, section, {key: value})
 
 
