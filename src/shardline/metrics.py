@@ -118,10 +118,23 @@ class MetricsLogger:
         self.console = Console(mode if enabled else "none", total_steps, first_step)
         self._jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
         self._tb = None
+        self._tb_dir = run_dir / "tensorboard"
         if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            self._open_tensorboard(first_step)
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+    def _open_tensorboard(self, step: int) -> None:
+        """A writer whose points from step + 1 on replace those an earlier writer of the run dir
+        logged there (a resume after a crash, a rollback): TensorBoard drops them on reading,
+        where the curves would otherwise zigzag between the two histories."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(log_dir=str(self._tb_dir), purge_step=step + 1 if step > 0 else None)
+
+    def rewind(self, step: int) -> None:
+        """The run went back to `step` (a rollback): the steps it logs again replace the old ones."""
+        if self._tb is not None:
+            self._tb.close()
+            self._open_tensorboard(step)
 
     def log(self, kind: str, **fields: Any) -> dict[str, Any]:
         rec = {"kind": kind, "time": round(time.time(), 3), **fields}

@@ -71,6 +71,7 @@ class AnomalyResponse:
                 self.guard.goodput.add("recovery", cost)
                 self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
                                    skipped_batch=skipped, cost_s=round(cost, 3))
+                self.metrics.rewind(self.step)
                 return True
             event["action"] = "skip (no checkpoint to roll back to)"
         self.metrics.event("anomaly", **event)
