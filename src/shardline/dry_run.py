@@ -19,7 +19,7 @@ import torch
 from shardline import layout as layouts
 from shardline.config import Config
 from shardline.data.loader import data_summary
-from shardline.data.shards import is_prepared, read_manifest
+from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
 from shardline.devices import local_datasheet
 from shardline.models.attention import describe_attention
@@ -54,7 +54,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> str:
 def _tokenizer_vocab(cfg: Config, folder_tokenizer: str = "") -> tuple[int, str]:
     path = cfg.data.tokenizer or folder_tokenizer  # a prepared folder fixes its tokenizer
     if path:
-        size = load_tokenizer(path).get_vocab_size()
+        size = id_bound(load_tokenizer(path))  # as the launch sizes the embedding: one past the largest id
         return size, f"{path} ({size:,} tokens)"
     return cfg.data.vocab_size, (f"a byte-level BPE of up to {cfg.data.vocab_size:,} tokens, trained at launch "
                                  "(not checked here: its exact size)")

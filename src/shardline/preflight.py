@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from shardline import layout as layouts
 from shardline.config import Config, ModelConfig, MoEConfig
 from shardline.errors import ConfigError
@@ -31,7 +33,7 @@ from shardline.parallel import float8
 from shardline.parallel.compile import config_problem as compile_problem
 from shardline.resilience.anomaly import check_on_device
 from shardline.resilience.checkpoint import Checkpointer, read_meta
-from shardline.resilience.recovery import resume_path
+from shardline.resilience.recovery import check_data_position, check_skip_batches, resume_path
 
 _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "rope_theta")
 
@@ -175,8 +177,16 @@ def _raise(problem: str | None) -> None:
 
 
 def check_resume(cfg: Config) -> Path | None:
-    """The checkpoint a launch would resume from (None: a new run), or the error it would stop with."""
-    return resume_path(cfg, Checkpointer(Path(cfg.run.dir), cfg.checkpoint.keep))[0]
+    """The checkpoint a launch would resume from (None: a new run), or the error it would stop
+    with: no valid one, or one whose batch size, seed or skipped batches this config contradicts.
+    (The launch also compares the number of training sequences, which needs the data tokenized.)"""
+    path = resume_path(cfg, Checkpointer(Path(cfg.run.dir), cfg.checkpoint.keep))[0]
+    if path is not None and (path / "trainer" / "rank0.pt").is_file():
+        state = torch.load(path / "trainer" / "rank0.pt", weights_only=True)
+        data = state["data"]
+        check_data_position(path, data, data["num_samples"], cfg.train.seed, cfg.train.global_batch_size)
+        check_skip_batches(path, state["step"], data.get("skipped_batches", []), cfg.train.skip_batches)
+    return path
 
 
 def check_device(cfg: Config, layout: Layout, on_cuda: bool) -> None:

@@ -315,3 +315,40 @@ def test_dry_run_fails_as_a_launch_would(capsys, tmp_path, argv, message):
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_checks_a_mixture_and_a_resume_as_the_launch_does(capsys, tmp_path, tiny_config):
+    """Raw sources mixed without one tokenizer; a resume whose batch size or skipped batches the
+    config contradicts; a vocabulary with gaps sized as the launch sizes it (one past its largest id)."""
+    from tokenizers import Tokenizer, models
+
+    from shardline.trainer import Trainer
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("some words of text\n" * 50)
+    mix = f'--data.mix=[{{path="{tmp_path / "a.txt"}"}}, {{path="{tmp_path / "b.txt"}"}}]'
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'new'}", mix]) == 2
+    assert "data.mix of raw files needs one tokenizer for all" in capsys.readouterr().err
+
+    cfg = tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0")
+    Trainer(cfg).build().train()
+    base = ["train", "--dry-run", f"--run.dir={cfg.run.dir}", *(f"--{o}" for o in _tiny_args(cfg))]
+    assert main(base) == 0 and "resumes from" in capsys.readouterr().out
+    for extra, message in (("--train.global_batch_size=16", "was saved with train.global_batch_size=8"),
+                           ("--train.skip_batches=[1]", "train.skip_batches=[1] names batches already trained on")):
+        assert main([*base, extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+    gapped = tmp_path / "gapped.json"
+    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 7_000}, unk_token="[UNK]")).save(str(gapped))
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'new'}", f"--data.tokenizer={gapped}",
+                 "--model.vocab_size=5000"]) == 2
+    assert "smaller than the tokenizer's 7001 tokens" in capsys.readouterr().err
+
+
+def _tiny_args(cfg: Config) -> list[str]:
+    """The overrides that give `cfg`'s model, batch and data."""
+    return [f"model.{k}={getattr(cfg.model, k)}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")] + [
+        f"train.{k}={getattr(cfg.train, k)}" for k in ("seq_len", "global_batch_size", "micro_batch_size", "steps")] + [
+        f"data.path={cfg.data.path}", "train.eval_interval=0", "checkpoint.interval=2"]

@@ -98,9 +98,7 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None):
     d, seq_len = cfg.data, cfg.train.seq_len
     if is_prepared(path):
         prepared = open_prepared(path, seq_len, d.tokenizer, d.format)
-        if tok is not None and tokenizer_hash(tok) != prepared.manifest["tokenizer_sha256"]:
-            raise DataError(f"data.mix source {path} was prepared with another tokenizer than the first "
-                            "source; prepare every source with the same --tokenizer")
+        _check_mixture_tokenizer(path, tok, prepared.manifest)
         return prepared.tokenizer, prepared.train, prepared.val
     chat = d.format == "chat"
     docs = read_documents(path, "messages" if chat else d.text_field)
@@ -165,6 +163,13 @@ def _mixture_tokenizer(cfg: Config) -> Tokenizer:
                     "sources with `shardline prepare --tokenizer`")
 
 
+def _check_mixture_tokenizer(path: str, tok: Tokenizer | None, manifest: dict) -> None:
+    """A prepared source of a mixture holds the ids of the mixture's tokenizer `tok` (None: not a mixture)."""
+    if tok is not None and tokenizer_hash(tok) != manifest["tokenizer_sha256"]:
+        raise DataError(f"data.mix source {path} was prepared with another tokenizer than the first "
+                        "source; prepare every source with the same --tokenizer")
+
+
 def _check_one_chat_template(cfg: Config) -> None:
     """Every chat source of a mixture rendered with one template. A raw source is rendered with
     data.tokenizer's template (ChatML without one); a prepared folder was, with its own."""
@@ -200,9 +205,13 @@ def data_summary(cfg: Config) -> tuple[str, str]:
     """
     d = cfg.data
     parts, folder_tokenizer = [], ""
+    tok = _mixture_tokenizer(cfg) if d.mix else None  # the mixture's checks, as _build_mixture runs them
+    if d.mix and d.format == "chat":
+        _check_one_chat_template(cfg)
     for path in [s.path for s in d.mix] or [d.path]:
         if is_prepared(path):
             p = open_prepared(path, cfg.train.seq_len, d.tokenizer, d.format)
+            _check_mixture_tokenizer(path, tok, p.manifest)
             parts.append(f"{path}: prepared folder, {p.train.num_documents:,} + {p.val.num_documents:,} held-out "
                          f"documents, {p.train.num_tokens:,} training tokens")
             folder_tokenizer = folder_tokenizer or os.path.join(path, "tokenizer.json")
