@@ -46,13 +46,19 @@ def test_checkpoint_to_hf_and_back(tiny_config, tmp_path):
     assert tuned.steps.loss_sum(batch) < fresh.steps.loss_sum(batch)
 
 
-def test_train_from_hf_folder(tiny_config, tmp_path):
+@pytest.mark.parametrize("tied, sharded", [(False, False), (False, True), (True, True)])
+def test_train_from_hf_folder(tiny_config, tmp_path, tied, sharded):
+    """In place on one process, or (under CPU offload, FSDP2 on a one-rank mesh) streamed in
+    chunks into sharded parameters, the tied output filled from the embedding."""
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=600)
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=600,
+                                   tie_word_embeddings=tied)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.save_pretrained(tmp_path / "hf")
-    trainer = Trainer(tiny_config("train.steps=2", f"model.hf_path={tmp_path / 'hf'}")).build()
+    extra = ["memory.cpu_offload=true"] if sharded else []
+    trainer = Trainer(tiny_config("train.steps=2", f"model.hf_path={tmp_path / 'hf'}", *extra)).build()
+    assert (trainer.dims.mesh is not None) == sharded
     assert trainer.model_args.vocab_size == 600
     ids = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the run starts from the folder's weights, not a fresh init
@@ -70,7 +76,8 @@ def test_convert_errors_exit_2(tmp_path, capsys):
 def _bf16_hf_folder(folder):
     """A bf16 HF Llama folder with its special tokens and a tokenizer.json, of tiny_config's shape."""
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=600, bos_token_id=1, eos_token_id=2)
+                                   num_key_value_heads=2, vocab_size=600, bos_token_id=1, eos_token_id=2,
+                                   pad_token_id=0, initializer_range=0.01)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)
     train_bpe(["in the beginning was the word"] * 4, 300).save(str(folder / "tokenizer.json"))
@@ -88,6 +95,7 @@ def test_hf_to_checkpoint_and_back_keeps_dtype_special_tokens_and_tokenizer(tmp_
     assert main(["convert", "to-hf", "ck", "out"]) == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["dtype"], config["bos_token_id"], config["eos_token_id"]) == ("bfloat16", 1, 2)
+    assert (config["pad_token_id"], config["initializer_range"]) == (0, 0.01)  # kept, not the defaults
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
     source, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert source.keys() == back.keys() and all(torch.equal(source[k], back[k]) for k in source)

@@ -34,6 +34,7 @@ def test_train_from_hf_moe_folder_and_convert_back(tiny_config, tmp_path):
     out = tmp_path / "back"
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(out)]) == 0
     tuned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert tuned.config.router_aux_loss_coef == cfg.router_aux_loss_coef == 0.001  # the folder's, not 0
     assert type(tuned).__name__ == "Qwen3MoeForCausalLM"
     with torch.no_grad():
         mine = trainer.model.eval()(ids)

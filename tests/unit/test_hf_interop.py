@@ -304,6 +304,25 @@ def test_unsupported_configs_are_clear_errors(fields, message, tmp_path):
         read_hf_config(_write_config(tmp_path, **fields))
 
 
+def test_state_dict_chunks_stream_the_parameters_asked_for(tmp_path):
+    """What a sharded run loads from: the parameters it holds (all, or a pipeline stage's), a
+    bounded chunk at a time; the tied output from the embedding; a name the folder cannot fill
+    is an error before anything is read."""
+    from shardline.interop.hf import hf_state_dict_chunks
+
+    for tied in (False, True):
+        model, folder = _exported(tmp_path / str(tied), tie_embeddings=tied)
+        want = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+        chunks = list(hf_state_dict_chunks(folder, set(want), max_bytes=40_000))
+        assert len(chunks) > 2 and all(sum(t.nbytes for t in c.values()) < 40_000 + 4 * 64 * VOCAB for c in chunks)
+        got = {n: t for c in chunks for n, t in c.items()}
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n].detach()) for n in want)
+        stage = {"layers.1.attention.wq.weight", "norm.weight", "output.weight"}
+        assert {n for c in hf_state_dict_chunks(folder, stage) for n in c} == stage
+        with pytest.raises(CheckpointError, match="has no tensor for parameter layers.7.ffn_norm.weight"):
+            next(hf_state_dict_chunks(folder, {"layers.7.ffn_norm.weight"}))
+
+
 # ---- errors -------------------------------------------------------------------------------------
 
 

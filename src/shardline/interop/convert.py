@@ -18,7 +18,7 @@ import torch
 from shardline.data.tokenizer import eos_id, load_tokenizer
 from shardline.errors import CheckpointError
 from shardline.interop.hf import from_hf_pretrained, to_hf_pretrained
-from shardline.interop.hf_config import EXPORT_DTYPES, read_hf_fields
+from shardline.interop.hf_config import EXPORT_DTYPES, KEPT_FIELDS, read_hf_fields
 from shardline.interop.hf_files import TOKENIZER_NAME, copy_tokenizer_files
 from shardline.models.factory import args_from_json, args_to_json, build_meta_model
 from shardline.resilience.checkpoint import (
@@ -61,7 +61,8 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "") -> Path:
         eos = eos_id(load_tokenizer(str(tokenizer)))
     return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=explicit or _export_dtype(hf.get("dtype", "")),
                             bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
-                            provenance={"checkpoint": str(ckpt.resolve())})
+                            provenance={"checkpoint": str(ckpt.resolve())},
+                            kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf})
 
 
 def checkpoint_tokenizer(ckpt: Path) -> Path | None:

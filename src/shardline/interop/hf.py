@@ -205,6 +205,49 @@ def from_hf_pretrained(path: str | os.PathLike, device: str | torch.device = "cp
     return model, args
 
 
+def hf_state_dict_chunks(path: str | os.PathLike, wanted: set[str], max_bytes: int = 1 << 30):
+    """The weights of HF folder `path` as shardline state-dict entries (full tensors in the
+    folder's dtype), only the parameter names in `wanted`, in dicts of about `max_bytes`
+    each: a sharded model loads one chunk at a time and keeps its shards, so host memory
+    holds a chunk, not a copy of the model. The folder is checked whole first, as
+    load_hf_weights checks it; a name in `wanted` the folder cannot fill is an error."""
+    args = read_hf_config(path)
+    folder = _hf_folder(path)
+    files = _weight_files(folder)
+    model = build_meta_model(args)
+    tied = args.tie_embeddings
+    expected = _hf_slots(model, skip_output=tied)
+    names = _match_names(folder, files, expected, tied)
+    sources: dict[str, list[tuple[int | None, str]]] = {}  # parameter -> its HF tensors (index: expert)
+    for hf_name, (name, _, index) in expected.items():
+        sources.setdefault(name, []).append((index, hf_name))
+    if tied:
+        sources["output.weight"] = [(None, "model.embed_tokens.weight")]  # a held copy of the tied weight
+    unfilled = sorted(wanted - sources.keys())
+    if unfilled:
+        raise CheckpointError(f"{folder} has no tensor for parameter {_describe(unfilled)}; the folder does not "
+                              "match the model")
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(files.values()))}
+        _check_headers(folder, files, handles, names, expected, model.tok_embeddings.weight)
+        if tied and "lm_head.weight" in files:
+            _check_tied_head(folder, files, handles)
+        chunk, size = {}, 0
+        for name, parts in sources.items():
+            if name not in wanted:
+                continue
+            if parts[0][0] is None:  # one HF tensor for the parameter
+                chunk[name] = handles[files[parts[0][1]]].get_tensor(parts[0][1])
+            else:  # stacked experts, one HF tensor each
+                chunk[name] = torch.stack([handles[files[h]].get_tensor(h) for _, h in sorted(parts)])
+            size += chunk[name].nbytes
+            if size >= max_bytes:
+                yield chunk
+                chunk, size = {}, 0
+        if chunk:
+            yield chunk
+
+
 # ---- model -> HF folder ---------------------------------------------------------------------
 
 
@@ -251,7 +294,7 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
                      dtype: torch.dtype | None = None,
                      bos_token_id: int | None = None,
                      eos_token_id: int | list[int] | None = None,
-                     provenance: dict | None = None) -> Path:
+                     provenance: dict | None = None, kept_fields: dict | None = None) -> Path:
     """Write `model` as an HF folder at `path` that transformers' LlamaForCausalLM,
     MixtralForCausalLM or Qwen3MoeForCausalLM (by the model's shape) loads.
 
@@ -261,7 +304,9 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
     it (hf_files.SIDE_FILES). dtype: the weights' dtype on disk (default: the parameters' own).
     Everything is written to a temporary sibling folder first and renamed into place. An
     earlier export at `path` (it holds shardline_export.json, with `provenance`) is replaced
-    as a whole; any other non-empty folder, an HF one included, is refused.
+    as a whole; any other non-empty folder, an HF one included, is refused. `kept_fields`:
+    config.json values of the folder the weights came from (hf_config.KEPT_FIELDS) that
+    replace the defaults of keys the written config has.
     """
     model = _unwrap(model)
     dest = Path(path)
@@ -276,5 +321,6 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
     _warn_moe_differences(model)
     dtype = tensors[0][1].dtype if dtype is None else dtype
     config = hf_config_dict(model.args, tied, dtype, bos_token_id, eos_token_id)
+    config.update({key: value for key, value in (kept_fields or {}).items() if key in config})
     _write_hf_folder(dest, tensors, dtype, max_shard_size_bytes, config, tokenizer, provenance or {})
     return dest

@@ -101,14 +101,20 @@ _DEFAULTS = {
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what to-hf writes on request
 
 
+# config.json keys the shardline model does not determine, written back as the source folder had them.
+KEPT_FIELDS = ("pad_token_id", "router_aux_loss_coef", "initializer_range")
+
+
 def read_hf_fields(path: str | os.PathLike) -> dict[str, Any]:
     """What an HF folder's config.json says beyond the model's shape and a checkpoint keeps
-    for the way back: the weights' dtype and the special tokens (keys absent when unset)."""
+    for the way back: the weights' dtype, the special tokens and KEPT_FIELDS (keys absent
+    when unset)."""
     cfg = _load_json(_hf_folder(path) / CONFIG_NAME)
     cfg = cfg if isinstance(cfg, dict) else {}
     dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     fields = {"dtype": dtype if dtype in EXPORT_DTYPES else None,
-              "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id")}
+              "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),
+              **{key: cfg.get(key) for key in KEPT_FIELDS}}
     return {key: value for key, value in fields.items() if value is not None}
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from shardline.config import ModelConfig
-from shardline.interop.hf import from_hf_pretrained, load_hf_weights
+from shardline.interop.hf import hf_state_dict_chunks, load_hf_weights
 from shardline.interop.hf_config import read_hf_fields
 from shardline.resilience.checkpoint import load_weights
 
@@ -68,7 +68,21 @@ def _load_hf(model: nn.Module, path: str, sharded: bool) -> None:
     if not sharded:
         load_hf_weights(model, path)
         return
-    # Each rank reads the full HF weights on CPU and keeps its shard: simple, and fine for
-    # fine-tuning-sized models; a rank-0 read + broadcast would use less host memory.
-    full, _ = from_hf_pretrained(path)
-    load_full_state_dict(model, full.state_dict())
+    # Each rank reads the tensors of the parameters it holds, a chunk at a time, and keeps
+    # its shards: host memory holds a chunk per rank, not a copy of the model (8 fp32 copies
+    # of a 70B model would not fit a node). Every rank reads from storage (the page cache
+    # serves a node's ranks); a read by one rank and a broadcast would read less.
+    params = {_plain_name(name): p for name, p in model.named_parameters(remove_duplicate=False)}
+    for chunk in hf_state_dict_chunks(path, set(params)):
+        load_full_state_dict(model, {name: t.to(params[name].dtype) for name, t in chunk.items()})
+    for name, buffer in model.named_buffers():
+        if name.endswith("router.expert_bias"):  # HF models have no balancing bias: route as they do
+            buffer.zero_()
+
+
+def _plain_name(name: str) -> str:
+    """A parameter's name without the wrappers' parts (torch.compile, activation checkpointing)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
