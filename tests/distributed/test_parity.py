@@ -94,6 +94,8 @@ TIED_4 = {
     "fsdp2_pp2_tied": [SHALLOW, "parallel.dp_shard=2", "parallel.pp=2", TIE],
     "tp2_pp2_tied": [SHALLOW, "parallel.tp=2", "parallel.pp=2", TIE],
     "pp4_tied": ["parallel.pp=4", TIE],
+    # tp lays out the two ends apart, so the tie is made again over FSDP2's shards (init_weights)
+    "fsdp2_tp2_tied": [SHALLOW, "parallel.dp_shard=2", "parallel.tp=2", TIE],
 }
 LAYOUTS_8 = {
     "fsdp2_tp2_pp2": [SHALLOW, "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2"],
