@@ -244,7 +244,7 @@ def test_tied_resume_under_another_layout_continues_the_run(world2, single, name
 
 
 @pytest.mark.parametrize("layout", [*TIED_4, "zbv_fsdp_tied"])
-def test_world4_tied_pipeline_compositions_match_single_process(world4, single, layout):
+def test_world4_tied_compositions_match_single_process(world4, single, layout):
     reference = single(*_model({**TIED_4, "zbv_fsdp_tied": ZBV_FSDP_TIED}[layout]))
     assert_same_run(world4 / layout, reference)
     assert_same_grad_norms(world4 / layout, reference)
