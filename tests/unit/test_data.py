@@ -173,6 +173,15 @@ def test_trained_tokenizer_round_trips_and_is_cached(small_corpus):
     assert len(a.train) > 100 and len(a.val) >= 1
 
 
+def test_an_empty_document_is_dropped_and_counts_no_boundary():
+    """Without an eos an empty document would start where the next one does, and count_labels
+    would count that boundary twice; it is dropped, as encode_documents drops one."""
+    packed = PackedSequences([[1, 2, 3], [], [4, 5, 6, 7, 8]], seq_len=4, eos_id=None)
+    labels = packed.batch([0])["labels"]
+    assert packed.num_documents == 2
+    assert packed.count_labels([0]) == int((labels != IGNORE_INDEX).sum()) == 3
+
+
 def test_count_labels_matches_batches(small_corpus):
     cfg = load_config(None, [f"data.path={small_corpus}", "data.vocab_size=512", "train.seq_len=64"])
     train = build_data(cfg).train

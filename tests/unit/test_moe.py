@@ -104,6 +104,36 @@ def test_capacity_drops_the_overflow_and_counts_it():
     assert not torch.allclose(out.reshape(-1, ARGS.dim)[keep.sum(1) < 2], full[keep.sum(1) < 2])
 
 
+def test_routing_runs_in_fp32_under_autocast():
+    """bf16 autocast must not round the router's logits: the experts chosen would change
+    with the compute dtype."""
+    from shardline.models.moe.layer import Router
+
+    torch.manual_seed(0)
+    router = Router(64, MoEArgs(n_experts=32, top_k=8, expert_ffn_dim=8))
+    router.gate.weight.data.normal_(std=0.02)
+    x = torch.randn(256, 64)
+    want = router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router(x)
+    assert got[0].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert torch.equal(got[2], want[2])
+
+
+def test_moe_presets_pull_as_hard_as_their_published_balance_coefficients():
+    """Our balance loss is 1 per layer at perfect balance (summed over layers), HF's top_k with
+    the layers pooled: the presets rescale the published router_aux_loss_coef to match."""
+    layer = _layer(dataclasses.replace(MOE, aux_loss_coef=1.0))
+    even = torch.full((8, 4), 0.25)
+    chosen = torch.tensor([[0, 1], [2, 3]] * 4)
+    assert float(layer.balance_loss(even.log(), even, chosen, 1, 8)) == pytest.approx(1.0)  # per layer, balanced
+    for name, published in (("mixtral-8x7b", 0.02), ("qwen3-moe-30b-a3b", 0.001)):
+        args = PRESETS[name]
+        ours_at_balance = args.moe.aux_loss_coef * args.n_layers  # every layer is MoE in both
+        assert ours_at_balance == pytest.approx(published * args.moe.top_k), name
+
+
 def test_balance_loss_is_a_sum_over_sequences_and_trains_through_the_output():
     moe = dataclasses.replace(MOE, aux_loss_coef=0.1, z_loss_coef=0.01)
     layer = _layer(moe)

@@ -96,8 +96,13 @@ def pack_lists(token_lists: list[list[int]], eos_id: int | None, masks: list[lis
     """(tokens, doc_starts, mask or None) of documents concatenated, each closed by eos.
 
     The eos of a masked document is a target when its last token is (the model learns
-    to stop after a reply); a document's first token never is (it has no context).
+    to stop after a reply); a document's first token never is (it has no context). An
+    empty document is dropped, as encode.encode_documents drops one: it holds nothing to
+    train on, and without an eos it would start where the next one does.
     """
+    keep = [i for i, toks in enumerate(token_lists) if len(toks)]
+    token_lists = [token_lists[i] for i in keep]
+    masks = None if masks is None else [masks[i] for i in keep]
     lengths = np.array([len(t) + (eos_id is not None) for t in token_lists], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     tokens = np.empty(int(lengths.sum()), dtype=np.int64)

@@ -42,9 +42,11 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits [T, E] fp32, scores [T, E], chosen experts [T, K], their weights [T, K])."""
         m = self.moe
-        # Routing in fp32: near-ties must not flip with the compute dtype. Under tensor
+        # Routing in fp32, autocast or not: near-ties must not flip with the compute dtype
+        # (a bf16 matmul changed 3% of the top-8 choices of 128 experts). Under tensor
         # parallelism the gate is a replicated DTensor: every tp rank routes the same tokens.
-        logits = F.linear(x, _local(self.gate.weight)).float()
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), _local(self.gate.weight).float())
         scores = logits.softmax(-1) if m.router == "softmax" else logits.sigmoid()
         choose = scores + self.expert_bias.detach() if m.bias_update_rate else scores
         chosen = choose.topk(m.top_k, dim=-1).indices
@@ -66,7 +68,10 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert, counts [n] tokens per (local) expert -> [N, dim]."""
         # Expert parallelism holds the weights as DTensors (sharded by expert): the local
-        # experts are what this rank computes.
+        # experts are what this rank computes. Under CUDA autocast the residual stream is fp32,
+        # but the grouped GEMM, which autocast does not cast for, runs in its dtype (bf16).
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):
+            x = x.to(torch.get_autocast_dtype("cuda"))
         w1, w3, w2 = (_local(w).to(x.dtype) for w in (self.w1, self.w3, self.w2))
         if grouped_mm_usable(x):
             offs = counts.cumsum(0).to(torch.int32)
