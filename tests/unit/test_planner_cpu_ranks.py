@@ -206,7 +206,13 @@ def test_a_wall_time_tp_calibration_replaces_the_tp_wrapper_and_collective_costs
                                            .breakdown["tp_comm"])  # accelerators: the alpha-beta model
 
 
-def test_ddp_buckets_hold_a_copy_of_every_gradient():
+def test_ddp_buckets_are_the_gradients_unless_the_runtime_copies_them():
+    """The trainer's DDP keeps its gradients as views of the reducer's buckets
+    (gradient_as_bucket_view): no second copy; a DDP that copies them into its buckets has one."""
     wide = dataclasses.replace(WORK, model=dataclasses.replace(TINY, dim=1024, ffn_dim=4096))
     ddp = memory_breakdown(wide, Layout(dp_replicate=2, micro_batch_size=4), cpu())
-    assert ddp["buffers"] == pytest.approx(ddp["grads"])  # fp32 gradients, bucketed once more
+    one = memory_breakdown(wide, Layout(micro_batch_size=4), cpu())
+    assert ddp["buffers"] == pytest.approx(one["buffers"]) and ddp["grads"] == pytest.approx(one["grads"])
+    copying = dataclasses.replace(wide, runtime=dataclasses.replace(wide.runtime, ddp_grad_copy=True))
+    copied = memory_breakdown(copying, Layout(dp_replicate=2, micro_batch_size=4), cpu())
+    assert copied["buffers"] - ddp["buffers"] == pytest.approx(ddp["grads"])  # fp32 gradients, bucketed once more

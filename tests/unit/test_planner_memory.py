@@ -164,6 +164,17 @@ def test_zero1_under_ep_holds_an_ep_th_of_the_experts_and_a_share_of_all_states(
     assert fsdp["grads"] == memory_breakdown(w, Layout(dp_shard=8), hw)["grads"]
 
 
+def test_fsdp_under_ep_gathers_only_its_own_experts():
+    """A block's gathered bf16 weights (this one and the prefetched) and its unsharded gradient
+    (bf16, and the fp32 reduce-scatter input) hold this ep rank's experts only: 10 bytes for
+    each of the other ranks' expert parameters less than without ep."""
+    w = Workload(PRESETS["mixtral-8x7b"], 4096, 256, "bf16")
+    hw = get_hardware("h100-sxm")
+    whole, ep8 = (memory_breakdown(w, Layout(dp_shard=64, ep=ep), hw) for ep in (1, 8))
+    assert whole["buffers"] - ep8["buffers"] == pytest.approx(10 * expert_layer_params(w, 1) * 7 / 8)
+    assert ep8["buffers"] < 4 * GiB < whole["buffers"]
+
+
 def test_memory_breakdown_of_70b_on_h100_layouts():
     w = Workload(PRESETS["llama3-70b"], 8192, 256, "bf16", document_mask=False)
     hw = get_hardware("h100-sxm")

@@ -35,7 +35,8 @@ class Runtime:
     # read and one write each in the compute dtype (Megatron's fused kernels, or a compiler), no casts
     weight_casts: bool = True  # autocast casts every fp32 weight each forward; False: 16-bit weights kept
     grad_bytes: int = 4  # gradient bytes per parameter (fp32 here; Megatron: the compute dtype)
-    ddp_grad_copy: bool = True  # torch DDP's reducer buckets copy every gradient; False: reduced in place
+    ddp_grad_copy: bool = False  # True: DDP's reducer buckets hold a copy of every gradient (torch DDP without
+    # gradient_as_bucket_view); False: the gradients are views of the buckets (shardline) or reduced in place
     tp_backward_overlap: float = 0.0  # share of the backward TP collectives hidden under the weight-gradient
     # GEMMs (Megatron with sequence parallelism overlaps them; eager DTensor does not: 0)
     pp_scatter_gather: bool = False  # TP ranks each send 1/tp of a stage's output, all-gathered over NVLink

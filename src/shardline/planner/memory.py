@@ -162,9 +162,15 @@ def max_stage_params(work: Workload, layout: Layout) -> float:
 def zero1_ep_away(work: Workload, layout: Layout, stage: RankStages) -> float:
     """Of a stage's parameters, those a ZeRO-1 rank under ep does not hold: the routed experts
     of the other ep ranks (parallel/zero1.py). 0 elsewhere: FSDP's sharding already prices them."""
-    if zero_stage(layout) != 1 or layout.ep == 1:
+    if zero_stage(layout) != 1:
         return 0.0
-    return stage.layers * expert_layer_params(work, layout.tp) * (1 - 1 / layout.ep)
+    return ep_away(work, layout, stage.layers)
+
+
+def ep_away(work: Workload, layout: Layout, layers: float) -> float:
+    """Of `layers` blocks' parameters, the routed experts of the other ep ranks: never gathered,
+    nor their gradients held, on this rank (0 without ep)."""
+    return layers * expert_layer_params(work, layout.tp) * (1 - 1 / layout.ep)
 
 
 def state_bytes(work: Workload, layout: Layout, psi: float, away: float = 0.0) -> dict[str, float]:
@@ -214,12 +220,14 @@ def offloaded(states: dict[str, float], layout: Layout) -> tuple[dict[str, float
 def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.0, root: float = 0.0,
                     per_layer: float | None = None) -> float:
     """Communication and gather buffers alive at the peak (psi: the rank's parameters, root:
-    those outside the blocks: embedding, final norm, output; per_layer: layer_params, if known).
+    those outside the blocks: embedding, final norm, output; per_layer: layer_params, if known;
+    under ep both without the other ep ranks' experts).
 
     DDP's reducer allocates its buckets up front, covering every gradient (25 MiB each,
-    fp32), besides the gradients themselves: 4 bytes per parameter for the whole run.
-    FSDP keeps the root gathered from forward to backward (the trainer does not reshard
-    it), and its unsharded gradient exists until the root's reduce-scatter. Under pp,
+    fp32); the trainer's gradients are views of them (gradient_as_bucket_view), so they add
+    nothing unless the runtime copies gradients into them (ddp_grad_copy). FSDP keeps the
+    root gathered from forward to backward (the trainer does not reshard it), and its
+    unsharded gradient exists until the root's reduce-scatter. Under pp,
     torch's pipeline stages run FSDP without gradient sync until the last micro-batch: every
     gradient of the stage accumulates unsharded in the fp32 reduce dtype, reduce-scattered
     once per step, and a backward leaves the stage's weights gathered (zero=3 frees each
@@ -302,11 +310,11 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     for stage in peak_candidates(work, layout):
         psi = stage_params(work, layout, stage, per_layer)
-        away = zero1_ep_away(work, layout, stage)
-        states, host = offloaded(state_bytes(work, layout, psi, away), layout)
+        states, host = offloaded(state_bytes(work, layout, psi, zero1_ep_away(work, layout, stage)), layout)
+        # Gathered weights and unsharded gradients: of the routed experts only this ep rank's.
         parts = {**states, **activation_bytes(work, layout, stage, on_cuda=hw.name != "cpu"),
-                 "buffers": transient_bytes(work, layout, tokens, psi - away,
-                                            psi - stage.layers * per_layer, per_layer)}
+                 "buffers": transient_bytes(work, layout, tokens, psi - ep_away(work, layout, stage.layers),
+                                            psi - stage.layers * per_layer, per_layer - ep_away(work, layout, 1))}
         allocated = sum(parts.values())
         parts["fragmentation"] = hw.fragmentation * allocated
         parts["reserved"] = (hw.reserved_gib + hw.cpu.process_baseline_gib) * GiB
