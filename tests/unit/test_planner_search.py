@@ -179,3 +179,26 @@ def test_the_search_has_ep_borrowing_the_cp_ranks():
                     runnable_only=True)
     assert {e.layout.ep for e in result.candidates} == {1, 4}
     assert result.pruned["trainer"] > 0
+
+
+def test_every_pinned_key_is_searched_as_pinned_or_explained():
+    """A pinned cp balance, Ulysses part or ZeRO stage under hybrid sharding is what the layouts
+    found have (none was ever generated); a pinned pair the search would not try itself is
+    tried, and the rule it breaks is the message."""
+    work, hw = Workload(PRESETS["llama3-8b"], 65536, 8, "bf16"), get_hardware("h100-sxm")
+
+    def found(**fixed):
+        result = search(work, hw, 8, fixed)
+        return result, [e.layout for e in result.candidates]
+
+    _, unbalanced = found(cp=8, cp_mode="ring", cp_balance="none")
+    assert unbalanced and {lay.cp_balance for lay in unbalanced} == {"none"}
+    _, hybrid = found(cp=8, cp_mode="hybrid", cp_ulysses=2)
+    assert hybrid and {(lay.cp_mode, lay.cp_ulysses) for lay in hybrid} == {("hybrid", 2)}
+    result, _ = found(cp_ulysses=2)
+    assert not [e for e in result.candidates if e.layout.cp_mode != "hybrid"]
+    hsdp = [e.layout for e in search(Workload(PRESETS["llama3-8b"], 8192, 8, "bf16"), hw, 8,
+                                     {"dp_replicate": 2, "zero": 2}).candidates]
+    assert hsdp and {(lay.dp_replicate, lay.zero) for lay in hsdp} == {(2, 2)}
+    result, layouts = found(pp=2, pp_schedule="zbv", pp_virtual_stages=1)
+    assert not layouts and "places exactly 2 stages per rank" in result.first_problem

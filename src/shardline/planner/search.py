@@ -62,7 +62,8 @@ def _options(key: str, default: list, fixed: dict) -> list:
 
 
 def _dp_variants(dp: int, tp: int, cp: int, gpn: int, fixed: dict) -> list[dict]:
-    """(dp_replicate, dp_shard, zero, cpu_offload) combinations for `dp` data-parallel ranks."""
+    """(dp_replicate, dp_shard, zero, cpu_offload) combinations for `dp` data-parallel ranks.
+    Hybrid sharding (HSDP) is searched with zero 3; a pinned zero (1 or 2) is tried there too."""
     if dp == 1:  # with cp > 1 the states can still be sharded over the cp ranks
         zeros = (1, 2, 3) if cp > 1 else (3,)
         out = [{"dp_replicate": 1, "dp_shard": 1, "zero": z, "cpu_offload": False} for z in zeros]
@@ -76,7 +77,8 @@ def _dp_variants(dp: int, tp: int, cp: int, gpn: int, fixed: dict) -> list[dict]
         for shard in _divisors(dp)[1:-1]:
             span = shard * tp * cp
             if span <= gpn or span % gpn == 0:
-                out.append({"dp_replicate": dp // shard, "dp_shard": shard, "zero": 3, "cpu_offload": False})
+                out.append({"dp_replicate": dp // shard, "dp_shard": shard, "zero": fixed.get("zero", 3),
+                            "cpu_offload": False})
     keys = ("dp_replicate", "dp_shard", "zero", "cpu_offload")
     out = [v for v in out if all(v[k] == fixed[k] for k in keys if k in fixed)]
     unique = {tuple(v[k] for k in keys): v for v in out}
@@ -100,10 +102,15 @@ def _structures(work: Workload, hw: Hardware, gpus: int, fixed: dict):
 
 
 def _schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
+    """(schedule, stages per rank) pairs; a pinned pair off the grid is tried as it is, so
+    that the layout rules say why it cannot run instead of the search finding nothing."""
     if pp == 1:
         return [(fixed.get("pp_schedule", "1f1b"), fixed.get("pp_virtual_stages", 1))]
     out = [(s, v) for s, vs in VIRTUAL_STAGES.items() for v in vs if v in (1, 2, 4)]
-    return [(s, v) for s, v in out if fixed.get("pp_schedule", s) == s and fixed.get("pp_virtual_stages", v) == v]
+    pinned = [(s, v) for s, v in out if fixed.get("pp_schedule", s) == s and fixed.get("pp_virtual_stages", v) == v]
+    if not pinned and "pp_schedule" in fixed and "pp_virtual_stages" in fixed:
+        return [(fixed["pp_schedule"], fixed["pp_virtual_stages"])]
+    return pinned
 
 
 def _micro_batches(local_batch: int, pp: int, fixed: dict) -> list[tuple[int, int]]:
@@ -117,19 +124,27 @@ def _micro_batches(local_batch: int, pp: int, fixed: dict) -> list[tuple[int, in
     return out
 
 
+CP_KEYS = ("cp_mode", "cp_ulysses", "cp_balance")
+
+
 def _cp_modes(work: Workload, tp: int, cp: int, fixed: dict) -> list[dict]:
     """Ring (zigzag), Ulysses when the heads per tp rank split over cp, and the hybrid with the
-    largest Ulysses part that splits them."""
+    largest Ulysses part that splits them. Pinned keys (a mode, a Ulysses part, the balance)
+    are taken as they are: the layout rules say when they cannot run."""
+    pinned = {k: fixed[k] for k in CP_KEYS if k in fixed}
     if cp == 1:
-        return [{}]
+        return [pinned]
     heads = work.model.n_heads // tp
-    modes = [{"cp_mode": "ring"}]
+    modes = [{"cp_mode": "ring", "cp_ulysses": 0}]
     if heads % cp == 0:
-        modes.append({"cp_mode": "ulysses"})
+        modes.append({"cp_mode": "ulysses", "cp_ulysses": 0})
     hybrid = [u for u in range(2, cp) if cp % u == 0 and heads % u == 0]
-    if hybrid:
-        modes.append({"cp_mode": "hybrid", "cp_ulysses": hybrid[-1]})
-    return [m for m in modes if all(fixed.get(k, v) == v for k, v in m.items())]
+    if hybrid or "cp_ulysses" in pinned:
+        modes.append({"cp_mode": "hybrid", "cp_ulysses": pinned.get("cp_ulysses", hybrid[-1] if hybrid else 0)})
+    if "cp_ulysses" in pinned:  # a Ulysses part is the hybrid's
+        modes = [m for m in modes if m["cp_mode"] == "hybrid"]
+    modes = [m for m in modes if pinned.get("cp_mode", m["cp_mode"]) == m["cp_mode"]]
+    return [{**m, **pinned} for m in modes] or [pinned]
 
 
 def _ep_options(work: Workload, tp: int, ranks: int, gpn: int, fixed: dict) -> list[int]:
