@@ -29,6 +29,11 @@ def test_inflight_microbatches_per_schedule():
     assert inflight_microbatches("1f1b", 4, 2) == 2
     # Megatron's interleaved warm-up: 2(p-1) + (v-1)p + 1 chunks of 1/v stage each.
     assert inflight_microbatches("interleaved_1f1b", 4, 16, 2) == pytest.approx((6 + 4 + 1) / 2)
+    # torch's rounds when p does not divide m: 7 // (7 // 4) = 7 micro-batches a round, so
+    # 2·3 + 3·7 + 1 = 28 chunks (all of them: m·v) at v 4, not 2·3 + 3·4 + 1 = 19; and m 6, v 2:
+    # 6 a round, min(12, 6 + 6 + 1) = 12 chunks, not 11.
+    assert inflight_microbatches("interleaved_1f1b", 4, 7, 4) == pytest.approx(28 / 4)
+    assert inflight_microbatches("interleaved_1f1b", 4, 6, 2) == pytest.approx(12 / 2)
     assert inflight_microbatches("zbv", 4, 16, 2) == 4
 
 

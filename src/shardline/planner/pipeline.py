@@ -15,7 +15,8 @@ costs F + B = 3 of useful work per stage and a step m·3. The idle time per rank
 Activations in flight on the busiest rank (the first), in micro-batches of one
 stage's layers: GPipe keeps all m; 1F1B keeps p; interleaved keeps p + (p-1)/v
 (Megatron's warm-up of 2(p-1) + (v-1)p chunks, plus one, of L/(p·v) layers each —
-Korthikanti's L(1 + (p-1)/(p·v)) for the whole stage); ZB-V keeps p, like 1F1B;
+Korthikanti's L(1 + (p-1)/(p·v)) for the whole stage; torch's rounds hold m // (m // p)
+micro-batches instead of p where p does not divide m); ZB-V keeps p, like 1F1B;
 DualPipeV p + 1.
 """
 
@@ -51,7 +52,10 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1) -> float:
     if schedule == "1f1b":
         return float(min(p, m))
     if schedule == "interleaved_1f1b":
-        chunks = min(m * v, 2 * (p - 1) + (v - 1) * p + 1)
+        # torch's warm-up: (v-1) rounds of micro-batches, 2 more per hop from the last stage.
+        # A round is p micro-batches when p divides m; else m // (m // p) of them (m = 7, p = 4: 7).
+        per_round = m // max(1, m // p)
+        chunks = min(m * v, 2 * (p - 1) + (v - 1) * per_round + 1)
         return chunks / v
     if schedule == "zbv":
         return float(min(p, m))
