@@ -148,7 +148,8 @@ class StepProfiler:
     def _start(self, step: int) -> None:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         if self.cuda:
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            # Python stacks only: C++ frames take seconds to minutes to symbolize at the dump.
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES, stacks="python")
         self._prof = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=False)
         self._prof.start()
         self._first = step

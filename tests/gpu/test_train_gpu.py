@@ -25,8 +25,12 @@ from tests.distributed.harness import losses
 pytestmark = pytest.mark.gpu
 
 # No evaluation and no checkpoints (each costs a graph or a save) except where a test needs them.
+# sdpa: auto would take compiled flex attention (packed documents on CUDA), a compile per graph
+# (training, no-grad eval, checkpointed blocks, fp32): test_attention_gpu.py checks flex, and
+# benchmarks/gpu_train.py trains with it.
 CUDA = ["run.device=cuda", "train.steps=8", "train.eval_interval=0", "checkpoint.interval=0",
-        "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384", "train.seq_len=128"]
+        "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384", "train.seq_len=128",
+        "train.attention=sdpa"]
 BF16 = (*CUDA, "train.precision=bf16")
 
 

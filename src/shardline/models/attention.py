@@ -181,7 +181,8 @@ class FlexAttention:
 
     def __init__(self, compiled: bool, block: int = BLOCK):
         self.block = block
-        self._flex = torch.compile(flex_attention) if compiled else flex_attention
+        # Static shapes: a run has one sequence length, and dynamic flex compiles slower.
+        self._flex = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
         self._causal: dict[tuple[int, torch.device], BlockMask] = {}  # masks without documents, by length
 
     def mask(self, doc_ids: torch.Tensor | None) -> BlockMask | None:
