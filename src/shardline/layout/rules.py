@@ -47,9 +47,6 @@ def _tp_sequence(lay: Layout, job: Job) -> Problem | None:
 
 def _cp_split(lay: Layout, job: Job) -> Problem | None:
     """The cp grid, the sequence's chunks and the heads Ulysses splits."""
-    if lay.cp_ulysses and lay.cp_mode != "hybrid":  # it would be ignored
-        return "cp", (f"parallel.cp_ulysses={lay.cp_ulysses} sets the Ulysses part of cp_mode='hybrid' only "
-                      f"(cp_mode is {lay.cp_mode!r}); leave it at 0 or set cp_mode=hybrid")
     if lay.cp == 1:
         return None
     if lay.cp_mode == "hybrid" and not (1 < lay.cp_ulysses < lay.cp and lay.cp % lay.cp_ulysses == 0):
@@ -101,11 +98,6 @@ def _batch(lay: Layout, job: Job) -> Problem | None:
 def _pp_stages(lay: Layout, job: Job) -> Problem | None:
     """Stages per rank that each schedule runs, and enough layers for every stage."""
     if lay.pp == 1:
-        ignored = [f"{k}={v}" for k, v in (("pp_virtual_stages", lay.pp_virtual_stages),
-                                           ("pp_microbatches", lay.pp_microbatches)) if v > 1]
-        if ignored:
-            return "pp", (f"parallel.{' and '.join(ignored)} need parallel.pp > 1 (without a pipeline they do "
-                          "nothing); leave them unset or set pp")
         return None
     s, v = lay.pp_schedule, lay.pp_virtual_stages
     if s in SINGLE_STAGE and v != 1:
