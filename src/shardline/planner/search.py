@@ -133,7 +133,7 @@ def _cp_modes(work: Workload, tp: int, cp: int, fixed: dict) -> list[dict]:
     are taken as they are: the layout rules say when they cannot run."""
     pinned = {k: fixed[k] for k in CP_KEYS if k in fixed}
     if cp == 1:
-        return [pinned]
+        return [] if "cp_ulysses" in pinned else [pinned]  # a Ulysses part needs cp > 1
     heads = work.model.n_heads // tp
     modes = [{"cp_mode": "ring", "cp_ulysses": 0}]
     if heads % cp == 0:
