@@ -384,7 +384,7 @@ def test_chat_data_without_an_assistant_role_is_one_line_in_both_paths(tmp_path)
         data(path, "data.format=chat")
     with pytest.raises(DataError, match=message):
         prepare(PrepareOptions([str(path)], str(tmp_path / "prep"), format="chat", **SMALL))
-    assert not any((tmp_path / "prep").iterdir())  # refused in the first pass, before anything is written
+    assert not (tmp_path / "prep").exists()  # refused in the first pass, before the folder is made
 
 
 def test_chat_data_from_plain_text_is_one_line(tmp_path):
@@ -399,6 +399,29 @@ def test_prepare_never_writes_over_a_folder_of_other_files(tmp_path, small_corpu
     with pytest.raises(DataError, match="holds notes.txt, which a prepared folder does not"):
         prepare(PrepareOptions([str(small_corpus)], str(tmp_path / "mine"), **SMALL))
     assert (tmp_path / "mine" / "train").is_dir() and (tmp_path / "mine" / "notes.txt").is_file()
+
+
+def test_prepare_never_deletes_a_dataset_laid_out_as_train_and_val(tmp_path, small_corpus):
+    """train/ and val/ without a manifest or progress file are someone's data; a tokenizer.json
+    alone is someone's tokenizer. Bad input or options leave no folder behind."""
+    for name in ("train", "val"):
+        (tmp_path / "dl" / name).mkdir(parents=True)
+        (tmp_path / "dl" / name / "part-0001.jsonl").write_text('{"text": "precious"}\n')
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    for out, first in (("dl", "train"), ("tok", "tokenizer.json")):
+        with pytest.raises(DataError, match=f"holds {first} but no manifest.json or progress.json"):
+            prepare(PrepareOptions([str(small_corpus)], str(tmp_path / out), **SMALL))
+    assert (tmp_path / "dl" / "train" / "part-0001.jsonl").read_text() == '{"text": "precious"}\n'
+    assert (tmp_path / "tok" / "tokenizer.json").read_text() == "{}"
+    for bad, message in (({"tokenizer": str(tmp_path / "nope.json")}, "is not a file"),
+                         ({"vocab_size": -5}, "--vocab-size=-5 is invalid")):
+        with pytest.raises(DataError, match=message):
+            prepare(PrepareOptions([str(small_corpus)], str(tmp_path / "new"), **{**SMALL, **bad}))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match="contains no text"):
+        prepare(PrepareOptions([str(tmp_path / "empty.txt")], str(tmp_path / "new"), **SMALL))
+    assert not (tmp_path / "new").exists()
 
 
 def test_the_train_log_shows_tokens_per_source(tmp_path, prepared, tiny_config):

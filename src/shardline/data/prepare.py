@@ -108,19 +108,22 @@ def prepare(opts: PrepareOptions) -> dict:
     files = [f for path in opts.inputs for f in input_files(path)]
     root = Path(opts.out)
     _check_out(root, files)
-    root.mkdir(parents=True, exist_ok=True)
     request = _request(opts, files)
     done = _finished(root, request)
     if done is not None:
         _say(opts, f"{root} is already prepared from these inputs; nothing to do")
         return done
-    (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
+    if (root / MANIFEST).is_file():
+        _say(opts, f"{root} was prepared from other inputs or options; preparing it again")
+    # Passes 1 and 2 before the folder is touched: bad inputs or a bad tokenizer leave it as it was.
     stream = _count(opts, files)
     template = chat_template_for(opts.tokenizer) if opts.format == "chat" else None
     tok = _tokenizer(opts, stream, template)
     request["tokenizer_sha256"] = tokenizer_hash(tok)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
+    state = _resume_state(root, request)  # its progress file marks the folder as prepare's from now on
     _atomic_write(root / TOKENIZER, tok.to_str())
-    state = _resume_state(root, request)
     writers = {name: SplitWriter(root, name, token_dtype(id_bound(tok)), opts.format == "chat",
                                  state["splits"].get(name)) for name in SPLITS}
     _tokenize_all(opts, root, stream, writers, state, template)
@@ -136,17 +139,28 @@ def _check_options(opts: PrepareOptions) -> None:
         raise DataError("--workers and --shard-tokens must be >= 1")
     if not opts.inputs:
         raise DataError("shardline prepare needs at least one input file or folder")
+    if opts.tokenizer and not Path(opts.tokenizer).is_file():
+        raise DataError(f"--tokenizer {opts.tokenizer} is not a file; give a tokenizer.json")
+    if not opts.tokenizer and opts.vocab_size < 260:
+        raise DataError(f"--vocab-size={opts.vocab_size} is invalid: must be >= 260 (256 bytes + specials)")
 
 
 def _check_out(root: Path, files: list[Path]) -> None:
-    """--out must be new, empty or a prepared folder: prepare deletes what it finds unfinished there."""
+    """--out must be new, empty or a prepared folder: prepare deletes what it finds unfinished there.
+    A prepared folder holds a manifest (finished) or a progress file (from the first write on):
+    a train/ or val/ folder without either is someone's data, not ours."""
     if root.exists() and not root.is_dir():
         raise DataError(f"--out {root} is a file; give a folder")
     ours = {*SPLITS, MANIFEST, PROGRESS, TOKENIZER} | {f"{n}.tmp" for n in (MANIFEST, PROGRESS, TOKENIZER)}
-    others = sorted(p.name for p in root.iterdir() if p.name not in ours) if root.is_dir() else []
+    held = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    others = [name for name in held if name not in ours]
     if others:
         raise DataError(f"--out {root} holds {others[0]}, which a prepared folder does not: give a new or empty "
                         "folder (prepare deletes what it finds unfinished there)")
+    marks = {MANIFEST, PROGRESS, f"{MANIFEST}.tmp", f"{PROGRESS}.tmp"}
+    if held and not marks & set(held):
+        raise DataError(f"--out {root} holds {held[0]} but no {MANIFEST} or {PROGRESS}: it was not made by "
+                        "shardline prepare; give a new or empty folder")
     inside = [f for f in files if root.resolve() in f.resolve().parents]
     if inside:
         raise DataError(f"--out {root} holds input {inside[0]}; write the prepared folder elsewhere")
@@ -211,9 +225,11 @@ def _resume_state(root: Path, request: dict) -> dict:
             return state
     except (OSError, ValueError):
         pass
+    state = {"request": request, "documents_done": 0, "splits": {}}
+    _atomic_write(root / PROGRESS, json.dumps(state))  # before anything is deleted or written
     for name in SPLITS:
         shutil.rmtree(root / name, ignore_errors=True)
-    return {"request": request, "documents_done": 0, "splits": {}}
+    return state
 
 
 def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict, template) -> None:
