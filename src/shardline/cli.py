@@ -8,6 +8,7 @@ can fix (config, data, checkpoint) print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import math
 import importlib
 import importlib.util
 import os
@@ -62,7 +63,9 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ShardlineError(f"convert takes no config overrides, got {' '.join(overrides)}")
     if args.dtype and args.direction != "to-hf":
         raise ShardlineError("convert --dtype applies to to-hf only (from-hf keeps float32 master weights)")
-    convert(args.direction, args.src, args.dst, args.dtype)
+    written = convert(args.direction, args.src, args.dst, args.dtype)
+    what = "an HF folder" if args.direction == "to-hf" else f"start a run with --model.init_from={written}"
+    print(f"wrote {written} ({what})")
     return 0
 
 
@@ -87,6 +90,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _factor_above_one(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 1 (a rank this many times slower than the "
+                                         "median is slow)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                          epilog="run under torchrun for all ranks; exit code 6 names a faulty or slow rank")
     chk.add_argument("--config", help="TOML config (its run.device and [faults] drills apply)")
     chk.add_argument("--size", type=_positive_int, default=512, help="GEMM dimension (default 512; ~8192 on GPUs)")
-    chk.add_argument("--slow-factor", type=float, default=1.5,
+    chk.add_argument("--slow-factor", type=_factor_above_one, default=1.5,
                      help="a rank below the median GEMM throughput / this is slow (default 1.5)")
     chk.set_defaults(func=_check)
     convert = sub.add_parser("convert", help="convert between shardline checkpoints and HF folders")

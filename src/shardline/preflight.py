@@ -52,7 +52,12 @@ def use_model_tokenizer(cfg: Config) -> None:
     newly trained tokenizer whose ids mean nothing to those weights: refused. (A prepared
     folder brings its own tokenizer, which the user chose when preparing it.)"""
     m, d = cfg.model, cfg.data
-    if d.tokenizer or not (m.hf_path or m.init_from):
+    if not (m.hf_path or m.init_from):
+        return
+    key, value = ("model.hf_path", m.hf_path) if m.hf_path else ("model.init_from", m.init_from)
+    if not Path(value).is_dir():
+        raise ConfigError(f"{key}={value!r} does not exist or is not a folder")
+    if d.tokenizer:
         return
     found = Path(m.hf_path) / TOKENIZER_NAME if m.hf_path else checkpoint_tokenizer(Path(m.init_from))
     if found is not None and found.is_file():
@@ -60,7 +65,6 @@ def use_model_tokenizer(cfg: Config) -> None:
         return
     raw = [s.path for s in d.mix] if d.mix else [d.path]
     if any(not is_prepared(path) for path in raw):
-        key, value = ("model.hf_path", m.hf_path) if m.hf_path else ("model.init_from", m.init_from)
         hint = " (its tokenizer.model is not read: save it as tokenizer.json with transformers)" if (
             m.hf_path and (Path(m.hf_path) / "tokenizer.model").is_file()) else ""
         raise ConfigError(f"{key}={value!r} has no {TOKENIZER_NAME}{hint}, and a new tokenizer's ids would mean "
@@ -180,6 +184,8 @@ def check_resume(cfg: Config) -> Path | None:
     """The checkpoint a launch would resume from (None: a new run), or the error it would stop
     with: no valid one, or one whose batch size, seed or skipped batches this config contradicts.
     (The launch also compares the number of training sequences, which needs the data tokenized.)"""
+    if Path(cfg.run.dir).exists() and not Path(cfg.run.dir).is_dir():
+        raise ConfigError(f"run.dir={cfg.run.dir!r} is a file; give a folder")
     path = resume_path(cfg, Checkpointer(Path(cfg.run.dir), cfg.checkpoint.keep))[0]
     if path is not None and (path / "trainer" / "rank0.pt").is_file():
         state = torch.load(path / "trainer" / "rank0.pt", weights_only=True)

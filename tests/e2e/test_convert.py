@@ -71,6 +71,16 @@ def test_convert_errors_exit_2(tmp_path, capsys):
     assert main(["convert", "to-hf", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert "neither a checkpoint folder nor a run dir" in capsys.readouterr().err
     assert main(["convert", "from-hf", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    capsys.readouterr()
+    hf = _bf16_hf_folder(tmp_path / "hf")
+    (tmp_path / "a-file").write_text("x")
+    assert main(["convert", "from-hf", str(hf), str(tmp_path / "a-file" / "ck")]) == 2  # not a traceback
+    last = capsys.readouterr().err.splitlines()[-1]  # (torchao may log its own lines first)
+    assert last.startswith("shardline: error:") and f"{tmp_path / 'a-file'} is a file, not a folder" in last
+    assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck")]) == 0
+    assert f"wrote {tmp_path / 'ck'}" in capsys.readouterr().out
+    assert main(["convert", "to-hf", str(tmp_path / "ck"), str(tmp_path / "a-file" / "out")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
 
 
 def _bf16_hf_folder(folder):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,9 @@ from shardline.planner.search import runnable_problem
 from shardline.preflight import check_config, check_layout, preflight
 
 ARGS = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=128)
+
+
+REPO = Path(__file__).parents[2]
 
 
 def layout_for(world: int, *overrides: str, args: ModelArgs = ARGS) -> Layout:
@@ -304,6 +308,7 @@ def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(caps
     (["--model.preset=gpt5"], "model.preset='gpt5' is invalid: one of tiny, llama3.2-1b"),
     (["--data.path=/no/such/corpus"], "data.path='/no/such/corpus' does not exist"),
     (["--resume"], "holds no valid checkpoint"),
+    (["--model.init_from=/no/such/ck"], "model.init_from='/no/such/ck' does not exist or is not a folder"),
     (["--world-size", "2", "--anomaly.check_on=device", "--anomaly.action=rollback"],
      "anomaly.check_on='device' is not possible here: anomaly.action is not skip"),
     (["--memory.cpu_offload=true", "--parallel.zero=1", "--world-size", "2"], "zero=1 keeps parameters replicated"),
@@ -352,3 +357,27 @@ def _tiny_args(cfg: Config) -> list[str]:
     return [f"model.{k}={getattr(cfg.model, k)}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")] + [
         f"train.{k}={getattr(cfg.train, k)}" for k in ("seq_len", "global_batch_size", "micro_batch_size", "steps")] + [
         f"data.path={cfg.data.path}", "train.eval_interval=0", "checkpoint.interval=2"]
+
+
+def test_cli_mistakes_found_before_any_work_are_one_line(capsys, tmp_path, small_prepared):
+    """A run dir that is a file, a prepared folder too small for one sequence, a --gpus below 1,
+    a calibration profile that could not be written after minutes of measuring, a slow factor
+    that would disable or break the check: each one line, exit 2, before anything runs."""
+    (tmp_path / "a-file").write_text("x")
+    cases = [
+        (["train", "--dry-run", f"--run.dir={tmp_path / 'a-file'}"], "run.dir="),
+        (["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--data.path={small_prepared}",
+          "--train.seq_len=1000000", "--model.preset=tiny"], "too few for one sequence of train.seq_len=1000000"),
+        (["estimate", "--config", str(REPO / "configs" / "tiny.toml"), "--gpu", "h100-sxm", "--gpus", "0"],
+         "--gpus 0 must be >= 1"),
+        (["calibrate", "--out", str(tmp_path / "no" / "such" / "x.toml")], "cannot be written"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("shardline: error:") and message in err, (argv, err)
+    for factor in ("0", "-1", "nan", "1"):
+        with pytest.raises(SystemExit) as stop:
+            main(["check", "--slow-factor", factor])
+        assert stop.value.code == 2
+        assert f"{factor!r} is not a number > 1" in capsys.readouterr().err

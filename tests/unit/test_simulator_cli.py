@@ -78,7 +78,9 @@ def test_plot_writes_a_png_with_a_sweep(tmp_path, capsys):
 
 @pytest.mark.parametrize("changes, message", [
     ({"--gpus": "1020"}, "not a multiple of --gpus-per-node 8: use 1016 or 1024"),
-    ({"--days": "-3"}, "--days -3.0 must be > 0"),
+    ({"--days": "-3"}, "--days -3.0 must be a finite number > 0"),
+    ({"--days": "inf"}, "--days inf must be a finite number > 0"),
+    ({"--failure-scale": "-1"}, "--failure-scale -1.0 must be a finite number >= 0"),
     ({"--gpu": "h300"}, "not a known accelerator"),
     ({"--model": "llama9-1t"}, "neither a preset"),
     ({"--checkpoint-interval": "0"}, "positive number of steps or 'optimal'"),
@@ -103,7 +105,7 @@ def test_impossible_requests_are_user_errors(capsys, changes, message):
 def test_errors_are_config_errors_in_the_api(tmp_path):
     with pytest.raises(ConfigError, match="not a multiple"):
         make_job("llama3-405b", "h100-sxm", 16380, 8, 54)
-    with pytest.raises(ConfigError, match="must be > 0"):
+    with pytest.raises(ConfigError, match="must be a finite number > 0"):
         make_job("llama3-405b", "h100-sxm", 16384, 8, -1)
     with pytest.raises(ConfigError, match="h100-pcie-2"):
         make_job("llama3-405b", "h100-pcie-2", 16384, 8, 54)

@@ -120,6 +120,7 @@ class TrainConfig:
 
     def check(self) -> None:
         _require(self.stop_at_step >= 0, "train.stop_at_step", self.stop_at_step, "must be >= 0 (0 = train.steps)")
+        _require(0 <= self.seed < 2**63, "train.seed", self.seed, "must be in [0, 2**63) (torch's generator seed)")
         for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
             _require(getattr(self, key) > 0, f"train.{key}", getattr(self, key), "must be > 0")
         _require(self.precision in PRECISIONS, "train.precision", self.precision, f"one of {', '.join(PRECISIONS)}")

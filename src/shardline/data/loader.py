@@ -212,6 +212,7 @@ def data_summary(cfg: Config) -> tuple[str, str]:
         if is_prepared(path):
             p = open_prepared(path, cfg.train.seq_len, d.tokenizer, d.format)
             _check_mixture_tokenizer(path, tok, p.manifest)
+            _check_sizes(path, p.train, p.val, cfg)
             parts.append(f"{path}: prepared folder, {p.train.num_documents:,} + {p.val.num_documents:,} held-out "
                          f"documents, {p.train.num_tokens:,} training tokens")
             folder_tokenizer = folder_tokenizer or os.path.join(path, "tokenizer.json")

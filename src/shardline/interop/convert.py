@@ -19,7 +19,7 @@ from shardline.data.tokenizer import eos_id, load_tokenizer
 from shardline.errors import CheckpointError
 from shardline.interop.hf import from_hf_pretrained, to_hf_pretrained
 from shardline.interop.hf_config import EXPORT_DTYPES, KEPT_FIELDS, read_hf_fields
-from shardline.interop.hf_files import TOKENIZER_NAME, copy_tokenizer_files
+from shardline.interop.hf_files import TOKENIZER_NAME, check_parents, copy_tokenizer_files
 from shardline.models.factory import args_from_json, args_to_json, build_meta_model
 from shardline.resilience.checkpoint import (
     Checkpointer,
@@ -83,6 +83,7 @@ def _export_dtype(name: str) -> torch.dtype | None:
 
 
 def hf_to_checkpoint(src: Path, dst: Path) -> Path:
+    check_parents(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointError(f"{dst} exists and is not an empty folder; choose another destination")
     model, args = from_hf_pretrained(src)

@@ -84,7 +84,17 @@ def _is_hf_folder(folder: Path) -> bool:
     return isinstance(cfg, dict) and "model_type" in cfg
 
 
+def check_parents(dest: Path) -> None:
+    """Every existing folder above `dest` is a folder (a file there fails the write midway)."""
+    for parent in Path(os.path.abspath(dest)).parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CheckpointError(f"{dest} cannot be written: {parent} is a file, not a folder")
+            return
+
+
 def _check_destination(dest: Path) -> None:
+    check_parents(dest)
     here = Path.cwd()
     if dest.resolve() in (here, *here.parents):
         raise CheckpointError(f"{dest} is the current folder or holds it; export to a folder of its own")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from shardline.config import Config, DataConfig, load_config, to_toml
@@ -83,6 +84,8 @@ def _mean_doc_tokens(args: argparse.Namespace) -> float:
 
 
 def _hardware(args: argparse.Namespace, name: str) -> Hardware:
+    if args.gpus is not None and args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus} must be >= 1")
     hw = get_hardware(name, args.profile)
     if args.gpus_per_node is not None:
         if args.gpus_per_node < 1:
@@ -111,8 +114,6 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     base = load_config(None, overrides)  # fails early on a bad override
     hw = _hardware(args, args.gpu)
-    if args.gpus < 1:
-        raise ConfigError(f"--gpus {args.gpus} must be >= 1")
     gpn = hw.network.gpus_per_node
     if args.gpus > gpn and args.gpus % gpn and hw.name != "cpu":
         raise ConfigError(f"--gpus {args.gpus} is not a whole number of {gpn}-device nodes; "
@@ -220,5 +221,8 @@ def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"calibrate takes no config overrides, got {' '.join(overrides)}")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads {args.threads} must be >= 1")
+    out = Path(args.out)  # checked before minutes of measuring, not when the profile is written
+    if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise ConfigError(f"--out {out} cannot be written: give a file in an existing, writable folder")
     calibrate(args.out, quick=args.quick, comm=not args.no_comm, threads=args.threads)
     return 0

@@ -66,6 +66,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     job = make_job(args.model, args.gpu, args.gpus, args.gpus_per_node, args.days)
     settings = load_settings(args.config, overrides, {v: getattr(args, k) for k, v in _FLAG_KEYS.items()})
     if args.failure_scale is not None:
+        if not (math.isfinite(args.failure_scale) and args.failure_scale >= 0):
+            raise ConfigError(f"--failure-scale {args.failure_scale} must be a finite number >= 0")
         settings = apply_table(settings, "failures", {"scale": args.failure_scale}, "--failure-scale")
     report = simulate(job, settings, args.seeds, sweep=args.sweep, plot=args.plot)
     if args.json:

@@ -16,6 +16,8 @@ Measured costs (`--save-time`, `--snapshot-time`) replace the estimates.
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import functools
 from dataclasses import dataclass, replace
@@ -78,8 +80,8 @@ def make_job(model: str, gpu: str, gpus: int, gpus_per_node: int, days: float) -
         lower = gpus - gpus % gpus_per_node
         fix = f"use {lower} or {lower + gpus_per_node}" if lower else f"use {gpus_per_node}, or --gpus-per-node {gpus}"
         raise ConfigError(f"--gpus {gpus} is not a multiple of --gpus-per-node {gpus_per_node}: {fix}")
-    if not days > 0:
-        raise ConfigError(f"--days {days} must be > 0")
+    if not (days > 0 and math.isfinite(days)):
+        raise ConfigError(f"--days {days} must be a finite number > 0")
     return Job(model, resolve_model(model), gpu, gpus, gpus_per_node, days)
 
 
