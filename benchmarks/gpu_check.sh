@@ -42,7 +42,7 @@ case "$ONLY" in ""|tests|bench) ;; *) echo "gpu_check: ONLY=$ONLY is invalid: te
 # What the machine lacks comes from benchmarks/wheels/, offline and without dependencies, into
 # a folder on PYTHONPATH: only the packages that fail to import (PYTHONPATH precedes
 # site-packages, so nothing the machine has is shadowed): torchao for fp8, pytest and its
-# own dependencies for step 2.
+# own dependencies for step 3.
 SITE=/tmp/shardline-site
 missing=()
 for pkg in torchao pytest pluggy iniconfig pygments packaging exceptiongroup tomli; do

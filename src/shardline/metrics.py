@@ -128,7 +128,7 @@ class MetricsLogger:
         where the curves would otherwise zigzag between the two histories."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(log_dir=str(self._tb_dir), purge_step=step + 1 if step > 0 else None)
+        self._tb = SummaryWriter(log_dir=str(self._tb_dir), purge_step=step + 1)
 
     def rewind(self, step: int) -> None:
         """The run went back to `step` (a rollback): the steps it logs again replace the old ones."""

@@ -47,9 +47,10 @@ def test_checkpoint_to_hf_and_back(tiny_config, tmp_path):
 
 
 @pytest.mark.parametrize("tied, sharded", [(False, False), (False, True), (True, True)])
-def test_train_from_hf_folder(tiny_config, tmp_path, tied, sharded):
+def test_train_from_hf_folder(tiny_config, tmp_path, monkeypatch, tied, sharded):
     """In place on one process, or (under CPU offload, FSDP2 on a one-rank mesh) streamed in
-    chunks into sharded parameters, the tied output filled from the embedding."""
+    chunks (small ones here: many) into sharded parameters, the tied output filled from the embedding."""
+    monkeypatch.setattr("shardline.interop.weights.HF_CHUNK_BYTES", 20_000)
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=600,
                                    tie_word_embeddings=tied)

@@ -424,7 +424,7 @@ def test_destination_rules(tmp_path, monkeypatch):
     # An HF folder shardline did not write (the one a run started from, say) keeps its other files.
     (folder / EXPORT_MARK).unlink()
     (folder / "generation_config.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="did not export"):
+    with pytest.raises(CheckpointError, match="without shardline_export.json"):
         to_hf_pretrained(model, folder)
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", WEIGHTS_NAME]
     # The current folder (or one above it) cannot be swapped out from under the process.

@@ -123,7 +123,10 @@ def test_routing_runs_in_fp32_under_autocast():
 
 def test_moe_presets_pull_as_hard_as_their_published_balance_coefficients():
     """Our balance loss is 1 per layer at perfect balance (summed over layers), HF's top_k with
-    the layers pooled: the presets rescale the published router_aux_loss_coef to match."""
+    the layers pooled: the presets rescale the published router_aux_loss_coef to match, and an
+    export scales it back."""
+    from shardline.interop.hf_config import hf_balance_coef
+
     layer = _layer(dataclasses.replace(MOE, aux_loss_coef=1.0))
     even = torch.full((8, 4), 0.25)
     chosen = torch.tensor([[0, 1], [2, 3]] * 4)
@@ -132,6 +135,8 @@ def test_moe_presets_pull_as_hard_as_their_published_balance_coefficients():
         args = PRESETS[name]
         ours_at_balance = args.moe.aux_loss_coef * args.n_layers  # every layer is MoE in both
         assert ours_at_balance == pytest.approx(published * args.moe.top_k), name
+        # ... and an export writes the published coefficient back
+        assert hf_balance_coef(args) == pytest.approx(published), name
 
 
 def test_balance_loss_is_a_sum_over_sequences_and_trains_through_the_output():

@@ -13,7 +13,8 @@ from shardline.planner.hardware import DEVICE_NAMES, GPUS, get_hardware, to_toml
 
 
 def test_table_has_the_issue_devices_with_datasheet_peaks():
-    assert set(DEVICE_NAMES) == {"h100-sxm", "h100-pcie", "h100-nvl", "h200", "a100-80gb", "b200", "mi300x", "cpu"}
+    assert set(DEVICE_NAMES) == {"h100-sxm", "h100-pcie", "h100-nvl", "h200", "h200-nvl", "a100-80gb", "b200",
+                                 "mi300x", "cpu"}
     assert GPUS["h100-sxm"].peak_tflops["bf16"] == 989.0
     assert GPUS["h200"].mem_gib > GPUS["h100-sxm"].mem_gib
     assert "fp8" not in GPUS["a100-80gb"].peak_tflops
@@ -35,7 +36,8 @@ def test_a_cuda_device_name_finds_its_own_card():
     """The H100 PCIe and NVL cards are not the SXM part (756 and 835 bf16 TFLOP/s, not 989):
     their MFU and plans would be off by a quarter and a sixth."""
     names = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H100 NVL": "h100-nvl",
-             "NVIDIA H200": "h200", "NVIDIA A100-SXM4-80GB": "a100-80gb", "NVIDIA B200": "b200"}
+             "NVIDIA H200": "h200", "NVIDIA H200 NVL": "h200-nvl", "NVIDIA A100-SXM4-80GB": "a100-80gb",
+             "NVIDIA B200": "b200"}
     assert {name: trainer_hw.local_datasheet(name).name for name in names} == names
     assert trainer_hw.local_datasheet("NVIDIA GeForce RTX 4090") is None
     assert GPUS["h100-pcie"].peak_tflops["bf16"] == 756.0 < GPUS["h100-nvl"].peak_tflops["bf16"] == 835.0

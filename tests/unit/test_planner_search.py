@@ -196,7 +196,7 @@ def test_every_pinned_key_is_searched_as_pinned_or_explained():
     _, hybrid = found(cp=8, cp_mode="hybrid", cp_ulysses=2)
     assert hybrid and {(lay.cp_mode, lay.cp_ulysses) for lay in hybrid} == {("hybrid", 2)}
     result, _ = found(cp_ulysses=2)
-    assert not [e for e in result.candidates if e.layout.cp_mode != "hybrid"]
+    assert result.candidates and not [e for e in result.candidates if e.layout.cp_mode != "hybrid"]
     hsdp = [e.layout for e in search(Workload(PRESETS["llama3-8b"], 8192, 8, "bf16"), hw, 8,
                                      {"dp_replicate": 2, "zero": 2}).candidates]
     assert hsdp and {(lay.dp_replicate, lay.zero) for lay in hsdp} == {(2, 2)}

@@ -121,8 +121,8 @@ def prepare(opts: PrepareOptions) -> dict:
     tok = _tokenizer(opts, stream, template)
     request["tokenizer_sha256"] = tokenizer_hash(tok)
     root.mkdir(parents=True, exist_ok=True)
-    (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
     state = _resume_state(root, request)  # its progress file marks the folder as prepare's from now on
+    (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
     _atomic_write(root / TOKENIZER, tok.to_str())
     writers = {name: SplitWriter(root, name, token_dtype(id_bound(tok)), opts.format == "chat",
                                  state["splits"].get(name)) for name in SPLITS}

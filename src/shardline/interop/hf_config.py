@@ -274,6 +274,13 @@ def hf_config_dict(args: ModelArgs, tied: bool, dtype: torch.dtype,
     return config if args.moe is None else _moe_config_dict(args, config)
 
 
+def hf_balance_coef(args: ModelArgs) -> float:
+    """moe.aux_loss_coef as HF's router_aux_loss_coef: ours weighs a loss that is 1 per MoE layer
+    at perfect balance, summed over layers; HF's is top_k, the layers pooled (models/presets.py)."""
+    m = args.moe
+    return m.aux_loss_coef * (args.n_layers - m.first_dense_layers) / m.top_k
+
+
 def _moe_config_dict(args: ModelArgs, llama: dict[str, Any]) -> dict[str, Any]:
     """The Mixtral or Qwen3-MoE config.json of an MoE shape: Llama's keys plus the experts'.
 
@@ -284,7 +291,7 @@ def _moe_config_dict(args: ModelArgs, llama: dict[str, Any]) -> dict[str, Any]:
     m = args.moe
     config = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp")}
     config.update(model_type=family, num_experts_per_tok=m.top_k, output_router_logits=False,
-                  router_aux_loss_coef=m.aux_loss_coef, sliding_window=None)
+                  router_aux_loss_coef=hf_balance_coef(args), sliding_window=None)
     if family == "mixtral":
         del config["attention_bias"]
         config.update(architectures=["MixtralForCausalLM"], intermediate_size=m.expert_ffn_dim,

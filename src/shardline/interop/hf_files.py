@@ -105,8 +105,9 @@ def _check_destination(dest: Path) -> None:
     if not any(dest.iterdir()) or (dest / EXPORT_MARK).is_file():
         return
     if _is_hf_folder(dest):
-        raise CheckpointError(f"{dest} is a Hugging Face model folder that shardline did not export; replacing "
-                              "it would delete its other files (refusing; choose another destination)")
+        raise CheckpointError(f"{dest} is a Hugging Face model folder without {EXPORT_MARK} (not an export of "
+                              "this shardline: maybe the folder a run started from); replacing it would delete its "
+                              "other files: choose another destination, or delete it first")
     raise CheckpointError(f"{dest} exists, is not empty and is not a Hugging Face model folder; "
                           "refusing to overwrite it (choose another destination or empty it)")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardline.config import ModelConfig
 from shardline.interop.hf import hf_state_dict_chunks, load_hf_weights
@@ -42,42 +42,36 @@ def starting_hf_fields(m: ModelConfig) -> dict:
     return {}
 
 
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a full (unsharded) state dict, e.g. read from an HF folder, into a sharded model.
-
-    torch's loader wants every tensor of the model on one device, but under CPU offload the
-    parameters are on the host while buffers (an MoE router's balancing bias) are on the GPU:
-    the buffers join the parameters for the load and go back after it.
-    """
-    devices = {p.device for p in model.parameters()}
-    home = devices.pop() if len(devices) == 1 else None
-    moved = []
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if home is not None and buf is not None and buf.device != home:
-                moved.append((module, name, buf.device))
-                module._buffers[name] = buf.to(home)
-    try:
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-    finally:
-        for module, name, device in moved:
-            module._buffers[name] = module._buffers[name].to(device)
-
-
 def _load_hf(model: nn.Module, path: str, sharded: bool) -> None:
     if not sharded:
         load_hf_weights(model, path)
         return
-    # Each rank reads the tensors of the parameters it holds, a chunk at a time, and keeps
-    # its shards: host memory holds a chunk per rank, not a copy of the model (8 fp32 copies
-    # of a 70B model would not fit a node). Every rank reads from storage (the page cache
-    # serves a node's ranks); a read by one rank and a broadcast would read less.
+    # Each rank reads the tensors of the parameters it holds, a chunk at a time, and copies
+    # its own shard of each in, without a collective: host memory holds a chunk per rank, not
+    # a copy of the model (8 fp32 copies of a 70B model would not fit a node). Every rank
+    # reads from storage (the page cache serves a node's ranks).
     params = {_plain_name(name): p for name, p in model.named_parameters(remove_duplicate=False)}
-    for chunk in hf_state_dict_chunks(path, set(params)):
-        load_full_state_dict(model, {name: t.to(params[name].dtype) for name, t in chunk.items()})
+    for chunk in hf_state_dict_chunks(path, set(params), max_bytes=HF_CHUNK_BYTES):
+        for name, full in chunk.items():
+            _copy_full(params[name], full)
     for name, buffer in model.named_buffers():
         if name.endswith("router.expert_bias"):  # HF models have no balancing bias: route as they do
             buffer.zero_()
+
+
+HF_CHUNK_BYTES = 1 << 30  # what a sharded load reads before copying it in
+
+
+@torch.no_grad()
+def _copy_full(param: nn.Parameter, full: torch.Tensor) -> None:
+    """Copy this rank's part of the whole tensor `full` into `param` (a DTensor's local shard,
+    cut as its placements cut it: src_data_rank=None takes every rank's own copy, no scatter).
+    Under CPU offload the shard lives on the host and the mesh on the GPU: copy_ crosses."""
+    if isinstance(param, DTensor):
+        mine = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(mine.to_local())
+    else:
+        param.copy_(full)
 
 
 def _plain_name(name: str) -> str:

@@ -9,8 +9,9 @@ Everything else (attention, norms, embedding, loss) runs under bf16 autocast.
 What is converted, and why the rest is not:
 
 * the attention and feed-forward projections (wq, wk, wv, wo, w1, w2, w3, and the MoE
-  shared experts, which are the same feed-forward) whose two dims are multiples of 16,
-  the shape the float8 GEMM (`torch._scaled_mm`) requires;
+  shared experts, which are the same feed-forward) whose two dims are multiples of 16
+  (of 16 x tp under tensor parallelism: each rank's shard), the shape the float8 GEMM
+  (`torch._scaled_mm`) requires;
 * not the output projection: the loss multiplies by its weight directly
   (models/loss.py), and the logits are the most precision-sensitive matmul;
 * not an MoE router's gate (tiny, and routing decisions flip with its rounding), nor the

@@ -47,6 +47,7 @@ FSDP2 writes (FQN keys), which lets DCP reshard between ZeRO-1 and any other lay
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -153,7 +154,9 @@ class Zero1AdamW(torch.optim.AdamW):
                 self.slices.append(Slice(p, cut, dim, *row_range(size, cut.rank, cut.ranks), -(-size // cut.ranks)))
                 views.append(self.slices[-1].of(p.detach()))
             shard_groups.append({**g, "params": views})
-        strided = [self.names.get(s.param, "?") for s in self.slices if not s.of(s.param.detach()).is_contiguous()]
+        # Decided from shapes, the same on every rank (a rank's own slice may be empty, or whole).
+        strided = [self.names.get(s.param, "?") for s in self.slices
+                   if s.cut.ranks > 1 and s.dim > 0 and math.prod(local(s.param).shape[:s.dim]) > 1]
         if kwargs.get("fused") and strided:
             raise StridedSlices(f"ZeRO-1's slices of {strided[0]} (and {len(strided) - 1} more) are strided views, "
                                 "which the fused AdamW kernel cannot update")

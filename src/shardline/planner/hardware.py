@@ -5,12 +5,12 @@ Every number the planner uses about a machine lives in `Hardware`: the datasheet
 kernel efficiencies. Figures are dense (not 2:4 sparse) per device, from the vendors' datasheets:
 
 * compute: H100/H200 SXM 989 TFLOP/s bf16, 1979 fp8, 67 fp32 (non-tensor); H100 PCIe 756 /
-  1513 / 51; H100 NVL 835 / 1671 / 60; A100 312 / 19.5; B200 2250 / 4500 / 80; MI300X
+  1513 / 51; H100 NVL and H200 NVL 835 / 1671 / 60; A100 312 / 19.5; B200 2250 / 4500 / 80; MI300X
   1307 / 2615 / 163.4.
 * memory: capacity as torch reports it (GiB), HBM bandwidth (GB/s).
 * network, per device and per direction: NVLink 4 (H100/H200) 450 GB/s, NVLink 3
   (A100) 300, NVLink 5 (B200) 900; MI300X xGMI 7 x 64 GB/s peer links, of which a
-  collective realises ~300; H100 PCIe/NVL cards PCIe 5.0 (55); one 400 Gb/s NIC per GPU
+  collective realises ~300; H100 PCIe/NVL and H200 NVL cards PCIe 5.0 (55); one 400 Gb/s NIC per GPU
   (50 GB/s; A100 systems 200 Gb/s).
 
 Efficiencies (what fraction of a peak real kernels reach) are not datasheet numbers:
@@ -160,6 +160,7 @@ GPUS: dict[str, Hardware] = {
     # PCIe cards: peers over PCIe 5.0 x16 (~64 GB/s per direction; NVLink bridges join pairs only)
     "h100-pcie": _gpu("h100-pcie", Network(intra_bw_gbs=55.0, intra_latency_us=5.0)),
     "h100-nvl": _gpu("h100-nvl", Network(intra_bw_gbs=55.0, intra_latency_us=5.0)),
+    "h200-nvl": _gpu("h200-nvl", Network(intra_bw_gbs=55.0, intra_latency_us=5.0)),
     "a100-80gb": _gpu("a100-80gb", Network(intra_bw_gbs=300.0, inter_bw_gbs=25.0, host_bw_gbs=25.0)),
     "b200": _gpu("b200", Network(intra_bw_gbs=900.0, inter_bw_gbs=50.0, host_mem_gib=4096.0)),
     "mi300x": _gpu("mi300x", Network(intra_bw_gbs=300.0, intra_latency_us=5.0, inter_bw_gbs=50.0)),
