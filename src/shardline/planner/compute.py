@@ -175,8 +175,7 @@ def layer_gemm_dtypes(work: Workload, tp: int, tokens: int) -> list[tuple[str, i
     return out
 
 
-def _fp8_if_aligned(tp: int, *dims: int) -> str:
-    """float8.converts' rule: every dim a multiple of GEMM_MULTIPLE x tp."""
+def _fp8_if_aligned(tp: int, *dims: int) -> str:  # float8.converts' rule: dims multiples of 16 x tp
     return "fp8" if all(d % (GEMM_MULTIPLE * tp) == 0 for d in dims) else "bf16"
 
 
