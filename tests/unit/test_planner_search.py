@@ -112,6 +112,13 @@ def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "estimate", "--config", str(path), "--gpu", "h100-sxm", "--json")
     assert code == 0
     assert json.loads(out)["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-6)
+    # A plan replaces its own earlier config, never a file it did not write (a hand-written config).
+    assert run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(path))[0] == 0
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[train]\nsteps = 5\n")
+    code, _, err = run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(mine))
+    assert code == 2 and "was not written by shardline plan" in err
+    assert mine.read_text() == "[train]\nsteps = 5\n"
 
 
 def test_estimate_needs_a_world_size_for_dp_shard_minus_one(capsys, tmp_path):

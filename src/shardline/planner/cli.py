@@ -155,6 +155,9 @@ def _workload(args: argparse.Namespace) -> Workload:
                     mean_doc_tokens=_mean_doc_tokens(args))
 
 
+EMITTED = "# written by: shardline plan"  # the first line of an emitted config
+
+
 def _emit(path: str, work: Workload, candidates: list, base: Config, args: argparse.Namespace) -> None:
     from shardline.planner.search import runnable_problem
 
@@ -164,8 +167,12 @@ def _emit(path: str, work: Workload, candidates: list, base: Config, args: argpa
     else:
         raise ConfigError("no plan that fits is one `shardline train` can run yet; nothing written "
                           "(see the table's * notes)")
+    target = Path(path)
+    if target.exists() and (not target.is_file() or not target.read_text(errors="replace").startswith(EMITTED)):
+        raise ConfigError(f"--emit-config {path} exists and was not written by shardline plan; choose another "
+                          "file (a plan replaces only its own)")
     cfg = to_config(e.layout, work, base)
-    header = (f"# written by: shardline plan --model {args.model} --gpu {args.gpu} --gpus {args.gpus} "
+    header = (f"{EMITTED} --model {args.model} --gpu {args.gpu} --gpus {args.gpus} "
               f"--seq-len {args.seq_len} ...\n# plan #{rank}: {e.layout.describe()}; predicted "
               f"{e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%, "
               f"{e.memory['total'] / 2**30:.1f} GiB per device\n"
