@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from shardline.cli import main
 from shardline.config import load_config
@@ -58,14 +59,18 @@ def test_train_from_hf_folder(tiny_config, tmp_path, monkeypatch, tied, sharded)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.save_pretrained(tmp_path / "hf")
     extra = ["memory.cpu_offload=true"] if sharded else []
-    trainer = Trainer(tiny_config("train.steps=2", f"model.hf_path={tmp_path / 'hf'}", *extra)).build()
-    assert (trainer.dims.mesh is not None) == sharded
-    assert trainer.model_args.vocab_size == 600
-    ids = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # the run starts from the folder's weights, not a fresh init
-        torch.testing.assert_close(trainer.model.eval()(ids), hf(ids).logits, rtol=0, atol=1e-4)
-    trainer.model.train()
-    trainer.train()
+    try:  # offload makes the process its own one-rank group: gone after, for the next test in this worker
+        trainer = Trainer(tiny_config("train.steps=2", f"model.hf_path={tmp_path / 'hf'}", *extra)).build()
+        assert (trainer.dims.mesh is not None) == sharded
+        assert trainer.model_args.vocab_size == 600
+        ids = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():  # the run starts from the folder's weights, not a fresh init
+            torch.testing.assert_close(trainer.model.eval()(ids), hf(ids).logits, rtol=0, atol=1e-4)
+        trainer.model.train()
+        trainer.train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_convert_errors_exit_2(tmp_path, capsys):
