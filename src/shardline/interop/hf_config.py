@@ -20,6 +20,7 @@ import torch
 from shardline.errors import CheckpointError
 from shardline.models.llama import ModelArgs
 from shardline.models.moe import MoEArgs
+from shardline.models.moe.args import balance_coef_to_hf
 from shardline.models.moe.hf_adapter import hf_family
 
 CONFIG_NAME = "config.json"
@@ -275,10 +276,9 @@ def hf_config_dict(args: ModelArgs, tied: bool, dtype: torch.dtype,
 
 
 def hf_balance_coef(args: ModelArgs) -> float:
-    """moe.aux_loss_coef as HF's router_aux_loss_coef: ours weighs a loss that is 1 per MoE layer
-    at perfect balance, summed over layers; HF's is top_k, the layers pooled (models/presets.py)."""
+    """moe.aux_loss_coef as HF's router_aux_loss_coef (see models/moe/args.py)."""
     m = args.moe
-    return m.aux_loss_coef * (args.n_layers - m.first_dense_layers) / m.top_k
+    return balance_coef_to_hf(m.aux_loss_coef, m.top_k, args.n_layers - m.first_dense_layers)
 
 
 def _moe_config_dict(args: ModelArgs, llama: dict[str, Any]) -> dict[str, Any]:

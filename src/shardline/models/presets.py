@@ -10,6 +10,7 @@ from __future__ import annotations
 from shardline.errors import ConfigError
 from shardline.models.llama import ModelArgs
 from shardline.models.moe import MoEArgs
+from shardline.models.moe.args import balance_coef_from_hf
 
 _LLAMA31_SCALING = (
     ("factor", 8.0),
@@ -23,13 +24,6 @@ _LLAMA32_SCALING = (
     ("high_freq_factor", 4.0),
     ("original_max_position_embeddings", 8192.0),
 )
-
-def _hf_balance_coef(router_aux_loss_coef: float, top_k: int, n_layers: int) -> float:
-    """A published router_aux_loss_coef, rescaled to pull as hard on our balance loss: ours is 1
-    per MoE layer at perfect balance and summed over layers (see MoEFeedForward.balance_loss),
-    HF's load_balancing_loss_func is top_k at balance with every layer's tokens pooled."""
-    return router_aux_loss_coef * top_k / n_layers
-
 
 PRESETS: dict[str, ModelArgs] = {
     # ~5.2 M parameters with a 4096-token vocabulary: trains on two CPU cores.
@@ -54,12 +48,12 @@ PRESETS: dict[str, ModelArgs] = {
     "mixtral-8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, ffn_dim=14336,
                               rope_theta=1e6, max_seq_len=32768,
                               moe=MoEArgs(n_experts=8, top_k=2, expert_ffn_dim=14336,
-                                          aux_loss_coef=_hf_balance_coef(0.02, top_k=2, n_layers=32))),
+                                          aux_loss_coef=balance_coef_from_hf(0.02, top_k=2, moe_layers=32))),
     "qwen3-moe-30b-a3b": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
                                    vocab_size=151936, ffn_dim=6144, norm_eps=1e-6, rope_theta=1e6,
                                    max_seq_len=40960, qk_norm=True,
                                    moe=MoEArgs(n_experts=128, top_k=8, expert_ffn_dim=768,
-                                               aux_loss_coef=_hf_balance_coef(0.001, top_k=8, n_layers=48))),
+                                               aux_loss_coef=balance_coef_from_hf(0.001, top_k=8, moe_layers=48))),
 }
 
 

@@ -54,3 +54,17 @@ class MoEArgs:
         if not self.capacity_factor:
             return 0
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts)
+
+
+# HF's balance coefficient (router_aux_loss_coef) and ours weigh losses of different scale:
+# ours is 1 per MoE layer at perfect balance and summed over layers (MoEFeedForward.balance_loss),
+# HF's load_balancing_loss_func is top_k at balance with every layer's tokens pooled. These two
+# convert a coefficient so that it pulls as hard on the other loss.
+
+
+def balance_coef_from_hf(router_aux_loss_coef: float, top_k: int, moe_layers: int) -> float:
+    return router_aux_loss_coef * top_k / moe_layers
+
+
+def balance_coef_to_hf(aux_loss_coef: float, top_k: int, moe_layers: int) -> float:
+    return aux_loss_coef * moe_layers / top_k
