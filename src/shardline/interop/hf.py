@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -176,17 +176,24 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
     folder = _hf_folder(path)
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("load_hf_weights needs a materialized model; call model.init_weights() first")
+    tied = model.output.weight is model.tok_embeddings.weight or model.args.tie_embeddings
+    with _checked_folder(folder, model, tied) as (files, handles, expected):
+        _copy_weights(model, files, handles, expected, tied)
+
+
+@contextmanager
+def _checked_folder(folder: Path, model: Llama, tied: bool):
+    """(files, open handles, slots) of an HF folder checked whole against `model` (any device,
+    meta too): names, then each tensor's dtype and shape from the headers, a tied lm_head's values."""
     files = _weight_files(folder)
-    embed = model.tok_embeddings.weight
-    tied = model.output.weight is embed or model.args.tie_embeddings
     expected = _hf_slots(model, skip_output=tied)  # a tied output is filled from the embedding
     names = _match_names(folder, files, expected, tied)
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(files.values()))}
-        _check_headers(folder, files, handles, names, expected, embed)
+        _check_headers(folder, files, handles, names, expected, model.tok_embeddings.weight)
         if tied and "lm_head.weight" in files:
             _check_tied_head(folder, files, handles)
-        _copy_weights(model, files, handles, expected, tied)
+        yield files, handles, expected
 
 
 def from_hf_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[Llama, ModelArgs]:
@@ -213,11 +220,9 @@ def hf_state_dict_chunks(path: str | os.PathLike, wanted: set[str], max_bytes: i
     load_hf_weights checks it; a name in `wanted` the folder cannot fill is an error."""
     args = read_hf_config(path)
     folder = _hf_folder(path)
-    files = _weight_files(folder)
     model = build_meta_model(args)
     tied = args.tie_embeddings
     expected = _hf_slots(model, skip_output=tied)
-    names = _match_names(folder, files, expected, tied)
     sources: dict[str, list[tuple[int | None, str]]] = {}  # parameter -> its HF tensors (index: expert)
     for hf_name, (name, _, index) in expected.items():
         sources.setdefault(name, []).append((index, hf_name))
@@ -227,11 +232,7 @@ def hf_state_dict_chunks(path: str | os.PathLike, wanted: set[str], max_bytes: i
     if unfilled:
         raise CheckpointError(f"{folder} has no tensor for parameter {_describe(unfilled)}; the folder does not "
                               "match the model")
-    with ExitStack() as stack:
-        handles = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(files.values()))}
-        _check_headers(folder, files, handles, names, expected, model.tok_embeddings.weight)
-        if tied and "lm_head.weight" in files:
-            _check_tied_head(folder, files, handles)
+    with _checked_folder(folder, model, tied) as (files, handles, _):
         chunk, size = {}, 0
         for name, parts in sources.items():
             if name not in wanted:
