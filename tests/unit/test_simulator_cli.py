@@ -74,6 +74,17 @@ def test_plot_writes_a_png_with_a_sweep(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(report["sweep"]) == {"sync", "async", "memory"}
     assert report["simulated_optimum_interval_s"] > 0
+    run_json(capsys, "--plot", str(png))  # its own earlier plot is replaced
+
+
+def test_plot_never_overwrites_a_file_that_is_not_a_png(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text("[model]\npreset = 'tiny'\n")
+    assert main([*SMALL, "--plot", str(config)]) == 2
+    assert "exists and is not a PNG" in capsys.readouterr().err
+    assert config.read_text() == "[model]\npreset = 'tiny'\n"
+    assert main([*SMALL, "--plot", str(tmp_path / "missing" / "g.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("changes, message", [

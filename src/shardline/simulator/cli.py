@@ -63,6 +63,10 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if not 1 <= args.seeds <= 10_000:
         raise ConfigError(f"--seeds {args.seeds} must be between 1 and 10000")
+    if args.plot:
+        from shardline.simulator.plot import check_plot_path
+
+        check_plot_path(args.plot)
     job = make_job(args.model, args.gpu, args.gpus, args.gpus_per_node, args.days)
     settings = load_settings(args.config, overrides, {v: getattr(args, k) for k, v in _FLAG_KEYS.items()})
     if args.failure_scale is not None:

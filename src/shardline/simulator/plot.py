@@ -8,6 +8,21 @@ from shardline.errors import ConfigError
 from shardline.simulator.montecarlo import Setup
 
 _COLORS = {"sync": "tab:red", "async": "tab:blue", "memory": "tab:green"}
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def check_plot_path(path: str | Path) -> None:
+    """Refuse a --plot target before the minutes of simulating: a missing folder, a folder,
+    or an existing file that is not a PNG (a mistyped config path would be overwritten)."""
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"--plot {path}: is a folder; give a file name such as goodput.png")
+    if not target.parent.is_dir():
+        raise ConfigError(f"--plot {path}: folder {target.parent} does not exist")
+    if target.exists():
+        with open(target, "rb") as f:
+            if f.read(len(_PNG_MAGIC)) != _PNG_MAGIC:
+                raise ConfigError(f"--plot {path}: exists and is not a PNG; refusing to overwrite it")
 
 
 def plot_sweeps(path: str | Path, setup: Setup, sweeps: dict[str, list[dict[str, float]]]) -> None:
