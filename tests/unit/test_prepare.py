@@ -81,11 +81,12 @@ def test_a_deleted_shard_is_reported_by_verify_and_a_manifest_without_a_key_is_d
         data(out)
 
 
-def test_a_single_document_is_split_by_characters_as_before(tmp_path, small_corpus):
+def test_a_single_document_is_split_by_characters_as_before(tmp_path, small_corpus, capsys):
     text = tmp_path / "one.txt"
     text.write_text(" ".join(read_documents(str(small_corpus))[:20]).replace("\n", " "))
-    prepare(PrepareOptions([str(text)], str(tmp_path / "prep"), val_fraction=0.1, **SMALL))
+    prepare(PrepareOptions([str(text)], str(tmp_path / "prep"), val_fraction=0.1, **{**SMALL, "progress": True}))
     assert_same_batches(data(text, "data.val_fraction=0.1"), data(tmp_path / "prep"))
+    assert "2/2 documents" in capsys.readouterr().err  # its train and val pieces, never 2/1
 
 
 def test_an_interrupted_prepare_resumes_and_never_leaves_a_manifest_behind(tmp_path, small_corpus):

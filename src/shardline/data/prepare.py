@@ -90,6 +90,11 @@ class _Stream:
                     yield i, "val" if h < len(held) and held[h] == i else "train", doc
                 i += 1
 
+    @property
+    def pieces(self) -> int:
+        """How many items documents() yields: a lone document is cut into a train and a val piece."""
+        return 2 if self.count == 1 else self.count
+
     def training_texts(self, chat: bool, template: str | None):
         """Re-iterable training documents as text (what a BPE is trained on)."""
         stream = self
@@ -234,7 +239,7 @@ def _resume_state(root: Path, request: dict) -> dict:
 
 def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict, template) -> None:
     """Pass 3: tokenize every document not yet committed, committing after each full shard."""
-    progress = _Progress(opts, stream.count, state["documents_done"])
+    progress = _Progress(opts, stream.pieces, state["documents_done"])
     commits = 0
     chunks = _encoded_chunks(opts, root, stream, state["documents_done"], template, writers["train"].dtype)
     for n_docs, n_bytes, encoded in chunks:
