@@ -101,8 +101,16 @@ def _factor_above_one(text: str) -> float:
     return value
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line naming the command, as every other error here is
+    (argparse prints the whole usage block first, which buries the message). Subcommands inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardline", description=__doc__.splitlines()[0])
+    parser = _OneLineParser(prog="shardline", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (default: tiny preset on the shipped corpus)",
                            epilog="any config key can be overridden as --section.key=value, e.g. --train.steps=50")

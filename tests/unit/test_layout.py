@@ -380,4 +380,10 @@ def test_cli_mistakes_found_before_any_work_are_one_line(capsys, tmp_path, small
         with pytest.raises(SystemExit) as stop:
             main(["check", "--slow-factor", factor])
         assert stop.value.code == 2
-        assert f"{factor!r} is not a number > 1" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"{factor!r} is not a number > 1" in err and err.startswith("shardline check: error:")
+        assert len(err.strip().splitlines()) == 1  # no usage block above the message
+    for argv in (["trian"], ["simulate", "--gpus", "x"], ["train", "--foo"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1, argv
