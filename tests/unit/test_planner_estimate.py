@@ -84,6 +84,25 @@ def test_recompute_costs_a_forward():
     assert full.memory["activations"] < op.memory["activations"] < none.memory["activations"]
 
 
+@pytest.mark.parametrize("sp", [True, False])
+def test_a_rerun_forward_replays_the_tensor_parallel_collectives_its_backward_needs(sp):
+    """Op-level AC reruns every block's forward, and with it two gathers and a reduce-scatter
+    (SP) or one all-reduce per block (tests/distributed/test_recompute_collectives.py counts
+    them); full AC the same, not every forward collective."""
+    base = Layout(tp=8, dp_shard=32, micro_batch_size=1, sequence_parallel=sp)
+    work = dataclasses.replace(W70, global_batch=32)
+    tp = {ac: estimate(work, dataclasses.replace(base, activation_checkpoint=ac), H100).breakdown["tp_comm"]
+          for ac in ("none", "op", "full")}
+    g, elems, layers = comm.group(8, 1, 8), 8192 * W70.model.dim, W70.model.n_layers
+    if sp:
+        replay = 2 * comm.all_gather(4 * elems, g, H100.network)[0] + comm.reduce_scatter(2 * elems, g, H100.network)[0]
+    else:
+        replay = comm.all_reduce(2 * elems, g, H100.network)[0]
+    microbatches = work.global_batch // base.dp_shard  # of one sequence, per rank
+    assert tp["op"] - tp["none"] == pytest.approx(microbatches * layers * replay, rel=1e-6)
+    assert tp["full"] == pytest.approx(tp["op"], rel=1e-9)
+
+
 def test_pipeline_bubble_and_p2p_appear():
     lay = Layout(tp=8, pp=4, dp_shard=8, micro_batch_size=1, pp_microbatches=128, activation_checkpoint="full")
     e = estimate(W70, lay, H100)

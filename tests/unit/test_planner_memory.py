@@ -105,6 +105,16 @@ def test_activation_checkpointing_modes_are_ordered():
     assert per["selective"] == pytest.approx((per["none"] + per["full"]) / 2)
 
 
+def test_op_level_ac_keeps_the_row_parallel_outputs_whole_under_sequence_parallelism():
+    """Op-level AC saves every matmul output; the row-parallel ones (wo, w2) are full-sequence
+    partial sums on each rank before their reduce-scatter, so sequence parallelism divides
+    only the block input and tensor parallelism the column-parallel outputs."""
+    m = PRESETS["llama3-8b"]
+    h, q, kv, f, a, t = m.dim, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_dim, m.n_heads, 8
+    expected = (4 * h + 2 * (q + 2 * kv) + 2 * q + 4 * a + 2 * 2 * f) / t + 2 * 2 * h
+    assert act.layer_bytes_per_token(m, "bf16", t, True, "op", 1) == pytest.approx(expected)
+
+
 def act_modes():
     return ("none", "op", "selective", "full")
 

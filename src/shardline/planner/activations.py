@@ -33,7 +33,9 @@ the ffn dimension; `seq` tensors (the norm region) only under sequence paralleli
 `lin_in` are the inputs of the column-parallel linears. Megatron's sequence
 parallelism saves its own sequence shard of them and all-gathers again in backward
 (so they are divided by t); DTensor's, which shardline uses, saves the all-gathered
-input (not divided). `score` tensors (a·s per token: attention probabilities) exist
+input (not divided). `partial` tensors are the row-parallel linears' own outputs,
+full-sequence partial sums on every rank before their all-reduce or reduce-scatter:
+never divided (op-level AC saves them). `score` tensors (a·s per token: attention probabilities) exist
 only in a math-kernel attention such as Korthikanti's GPT; flash kernels keep only
 the logsumexp. The same machinery, fed the GPT block, reproduces the paper's
 formulas exactly (see `gpt_block`).
@@ -47,7 +49,7 @@ from dataclasses import dataclass
 from shardline.models.flops import ffn_width
 from shardline.models.llama import ModelArgs
 
-REGIONS = ("seq", "lin_in", "tp", "score")
+REGIONS = ("seq", "lin_in", "tp", "score", "partial")
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ def llama_op_ac_block(model: ModelArgs, precision: str) -> list[Saved]:
     return [Saved("block input (fp32 residual)", 4 * h, "seq"),
             Saved("wq, wk, wv outputs", c * (q + 2 * kv), "tp"),
             Saved("sdpa out + logsumexp", c * q + 4 * a, "tp"),
-            Saved("wo, w2 outputs", 2 * c * h, "seq"),
+            Saved("wo, w2 outputs (partial sums)", 2 * c * h, "partial"),
             Saved("w1, w3 outputs", 2 * c * f, "tp")]
 
 
@@ -124,7 +126,7 @@ def block_bytes_per_token(block: list[Saved], tp: int = 1, sp: bool = False, meg
     for t in block:
         if t.region == "score" and drop_scores:
             continue
-        shard = {"tp": tp, "score": tp, "seq": tp if sp else 1,
+        shard = {"tp": tp, "score": tp, "seq": tp if sp else 1, "partial": 1,
                  "lin_in": tp if (sp and megatron_sp) else 1}[t.region]
         total += t.bytes_per_token / shard
     return total

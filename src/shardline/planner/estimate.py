@@ -179,7 +179,7 @@ def _block_costs(work: Workload, layout: Layout, hw: Hardware) -> _BlockCosts:
     lt = cmp.layer_times(work, layout, hw)
     rec_mm, rec_el = cmp.recompute_fraction(layout.activation_checkpoint, layout.ac_every)
     recompute = rec_mm * (lt.matmul + lt.attention) + rec_el * (lt.elementwise + lt.overhead)
-    return _BlockCosts(lt, recompute, cmp.wrapper_overhead(hw, layout, work), tp_block(work, layout, hw, rec_mm),
+    return _BlockCosts(lt, recompute, cmp.wrapper_overhead(hw, layout, work), tp_block(work, layout, hw, rec_el),
                        cp_layer(work, layout, hw, lt), ep_layer(work, layout, hw, lt, rec_el), pp_p2p(work, layout, hw),
                        offload_copies(work, layout, hw), fsdp_block(work, layout, hw),
                        tp_head_collectives(work, layout, hw))

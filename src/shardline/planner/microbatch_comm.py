@@ -20,13 +20,20 @@ def _tokens(work: Workload, layout: Layout) -> int:
     return layout.micro_batch_size * work.seq_len // layout.cp
 
 
-def _tp_layer(work: Workload, layout: Layout, hw: Hardware, rec_mm: float) -> float:
+def _tp_layer(work: Workload, layout: Layout, hw: Hardware, rec: float) -> float:
     """TP collectives of one block: one entering and one leaving each of attention and MLP.
 
     With sequence parallelism the norm output is all-gathered in fp32 (the residual
     stream and norms are fp32; autocast casts after the gather) and the row-parallel
     output, in the compute dtype, reduce-scattered; backward mirrors the two. Without,
     the outputs are all-reduced forward and the fp32 input gradients backward.
+
+    rec: the share of blocks whose forward reruns in backward (every block under op-level
+    AC too: no policy saves a collective's output). A rerun replays what the block's
+    backward needs: both gathers and attention's reduce-scatter (SP), or attention's
+    all-reduce; the MLP's outgoing one feeds only the block's output, and the rerun stops
+    before it (torch's checkpoint early stop). Counted on gloo ranks (2 layers, tp 2):
+    op and full AC each add 2 gathers + 1 reduce-scatter per block, or 1 all-reduce.
     """
     if layout.tp == 1:
         return 0.0
@@ -34,21 +41,24 @@ def _tp_layer(work: Workload, layout: Layout, hw: Hardware, rec_mm: float) -> fl
     elems = _tokens(work, layout) * work.model.dim
     c, r = dtype_bytes(work.precision), work.runtime.residual_bytes
     if layout.sp:
-        fwd = bwd = comm.all_gather(r * elems, g, net)[0] + comm.reduce_scatter(c * elems, g, net)[0]
+        gather, scatter = comm.all_gather(r * elems, g, net)[0], comm.reduce_scatter(c * elems, g, net)[0]
+        fwd = bwd = gather + scatter
+        replay = 2 * gather + scatter
     else:
         fwd, bwd = comm.all_reduce(c * elems, g, net)[0], comm.all_reduce(r * elems, g, net)[0]
+        replay = fwd
     bwd *= 1.0 - work.runtime.tp_backward_overlap  # Runtime: the share hidden under weight-gradient GEMMs
-    return 2 * (fwd + bwd) + 2 * rec_mm * fwd  # attention and MLP; a recomputed forward repeats its part
+    return 2 * (fwd + bwd) + rec * replay  # attention and MLP, and the replays of a rerun forward
 
 
-def tp_block(work: Workload, layout: Layout, hw: Hardware, rec_mm: float) -> float:
+def tp_block(work: Workload, layout: Layout, hw: Hardware, rec: float) -> float:
     """TP communication of one block per micro-batch: the alpha-beta cost of its collectives,
     or on CPU ranks with a wall-time calibration the block's whole measured extra (the
-    forward, about a third of it, once more per recomputed forward)."""
+    forward, about a third of it, once more per rerun forward; rec as in _tp_layer)."""
     wall = cmp.tp_block_wall(hw, layout, work)
     if wall is None:
-        return _tp_layer(work, layout, hw, rec_mm)
-    return wall * (1 + rec_mm / 3)
+        return _tp_layer(work, layout, hw, rec)
+    return wall * (1 + rec / 3)
 
 
 def tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages,

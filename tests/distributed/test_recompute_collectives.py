@@ -1,0 +1,52 @@
+"""The tensor-parallel collectives a recomputed forward replays, counted on two gloo ranks.
+
+The planner charges each activation-checkpointing mode for what the rerun forward
+replays in backward (planner/microbatch_comm._tp_layer): under sequence parallelism both
+all-gathers and attention's reduce-scatter, without it attention's all-reduce, under op-level
+AC as under full (no policy saves a collective's output). This counts them in a real step.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from torch.distributed.tensor.debug import CommDebugMode
+
+from shardline.config import load_config
+from shardline.trainer import Trainer
+from tests.distributed.harness import PARITY_OVERRIDES, gloo_rank, start_ranks
+from tests.ports import free_port
+
+LAYERS = 2
+RUNS = [(True, "none"), (True, "op"), (True, "full"), (False, "none"), (False, "op")]
+
+
+def _counts(rank: int, port: int, corpus: str, out: str) -> None:
+    found = {}
+    with gloo_rank(rank, 2, port):
+        for sp, ac in RUNS:
+            overrides = [*PARITY_OVERRIDES, f"model.n_layers={LAYERS}", "train.steps=1", "train.eval_interval=0",
+                         "checkpoint.interval=0", "train.global_batch_size=2", f"data.path={corpus}",
+                         "parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}",
+                         f"memory.activation_checkpoint={ac}", f"run.dir={tempfile.mkdtemp()}"]
+            trainer = Trainer(load_config(None, overrides)).build()
+            with CommDebugMode() as mode:
+                trainer.train()
+            found[f"{sp}-{ac}"] = {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+    if rank == 0:
+        Path(out).write_text(json.dumps(found))
+
+
+def test_a_rerun_forward_replays_the_gathers_and_attentions_outgoing_collective(tmp_path, small_corpus):
+    out = tmp_path / "counts.json"
+    start_ranks(_counts, args=(free_port(), str(small_corpus), str(out)), nprocs=2)
+    counts = {key: Counter(value) for key, value in json.loads(out.read_text()).items()}
+    for sp, replayed in ((True, {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 1}),
+                         (False, {"all_reduce": 1})):
+        for ac in ("op", "full") if sp else ("op",):
+            extra = counts[f"{sp}-{ac}"] - counts[f"{sp}-none"]
+            assert extra == Counter({op: n * LAYERS for op, n in replayed.items()}), (sp, ac, extra)
+
