@@ -87,3 +87,19 @@ def test_peak_allocated_and_reserved_are_logged(profiled_run):
     assert [r["step"] for r in train] == [2, 4]
     for rec in train:
         assert 0 < rec["peak_mem_gib"] <= rec["peak_reserved_gib"], rec
+
+
+def test_the_rng_state_is_this_gpus_and_older_all_gpu_states_still_load():
+    """A rank saves its own GPU's generator, so a resume that sees fewer GPUs loads it."""
+    import torch
+
+    from shardline.resilience.recovery import get_rng_state, set_rng_state
+
+    state = get_rng_state()
+    assert isinstance(state["cuda"], torch.Tensor)
+    first = torch.rand(4, device="cuda")
+    set_rng_state(state)
+    assert torch.equal(torch.rand(4, device="cuda"), first)
+    older = {**state, "cuda": torch.cuda.get_rng_state_all() + [state["cuda"]] * 2}  # saved with more GPUs
+    set_rng_state(older)
+    set_rng_state({**state, "cuda": []})  # fewer than this rank's index: left as it is, no IndexError

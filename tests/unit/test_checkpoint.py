@@ -141,7 +141,8 @@ def test_a_restart_that_saved_nothing_newer_still_starts_from_the_named_checkpoi
 
 
 @pytest.mark.parametrize("resume, restart, expected", [("auto", "0", True), ("latest", "0", True),
-                                                       ("never", "1", False), ("/ckpt/step-000006", "0", False),
+                                                       ("never", "1", True), ("never", "0", False),
+                                                       ("/ckpt/step-000006", "0", False),
                                                        ("/ckpt/step-000006", "1", True)])
 def test_the_memory_tier_is_resumed_from_unless_the_run_leaves_its_history(resume, restart, expected, tiny_config,
                                                                            monkeypatch):
@@ -217,6 +218,25 @@ def test_a_resume_hashes_each_file_of_its_checkpoint_once(trained, tiny_config, 
         ckpts.verify(trained / "checkpoints" / "step-000012")
 
 
+def test_an_unreadable_checkpoint_file_makes_the_checkpoint_invalid_not_a_crash(trained, monkeypatch):
+    """EIO or a stale NFS handle while hashing is one line, and the resume takes an older one."""
+    import errno
+
+    from shardline.resilience import checkpoint
+
+    newest, sha256 = trained / "checkpoints" / "step-000012", checkpoint._sha256
+
+    def failing_disk(f):
+        if newest in f.parents:
+            raise OSError(errno.EIO, "Input/output error")
+        return sha256(f)
+
+    monkeypatch.setattr(checkpoint, "_sha256", failing_disk)
+    with pytest.raises(CheckpointError, match="cannot read .* \\(Input/output error\\)"):
+        verify(newest)
+    assert Checkpointer(trained, keep=3).latest_valid().name == "step-000006"
+
+
 def test_checkpoints_order_by_step_past_six_digits(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (999_998, 999_999, 1_000_000):
@@ -231,7 +251,7 @@ def test_checkpoints_order_by_step_past_six_digits(tmp_path):
 
 
 @pytest.mark.parametrize("manifest", [b"\xff\xfe not text", b'{"files": {"state/x": {"sha256": "00"}}}',
-                                      b'{"files": ["state/x"]}'])
+                                      b'{"files": ["state/x"]}', b'{"files": {}}', b'{"step": "12", "files": {}}'])
 def test_a_damaged_manifest_makes_the_checkpoint_invalid_not_a_crash(trained, manifest):
     (trained / "checkpoints" / "step-000012" / "manifest.json").write_bytes(manifest)
     with pytest.raises(CheckpointError, match="malformed manifest.json"):

@@ -176,3 +176,65 @@ def test_other_runs_snapshots_are_counted(tmp_path):
     mine = MemoryTier(tmp_path / "base" / "run-b", 0, 1, 1, "replica", fingerprint="x")
     assert mine.others_bytes() == sum(f.stat().st_size for f in crashed.dir.iterdir()) > 0
     assert crashed.others_bytes() == 0  # an empty folder of its own holds nothing
+
+
+def _crashing(trainer, at_step: int):
+    """The trainer's gradient computation fails when it reaches `at_step` (an OOM, a lost peer)."""
+    compute = trainer.compute_gradients
+
+    def crash():
+        if trainer.step + 1 == at_step:
+            raise RuntimeError("injected crash")
+        return compute()
+
+    trainer.compute_gradients = crash
+    return trainer
+
+
+def _held_steps(shm) -> set[int]:
+    return {int(f.name.split("-")[1].split(".")[0]) for f in shm.rglob("own-*.bin")}
+
+
+def _memory_run(tiny_config, tmp_path, *extra):
+    from shardline.trainer import Trainer
+
+    return Trainer(tiny_config("train.steps=8", "train.eval_interval=0", f"checkpoint.memory_dir={tmp_path / 'shm'}",
+                               *extra, run_dir=tmp_path / "run")).build()
+
+
+def test_a_run_dir_made_again_is_a_fresh_run_not_one_resumed_from_ram(tiny_config, tmp_path):
+    """The snapshots are keyed by the run dir's path; a run dir deleted after a crash and made
+    again by the same command must start from step 0, not from the crashed run's RAM."""
+    import shutil
+
+    memory = ["checkpoint.interval=0", "checkpoint.memory_interval=2"]
+    with pytest.raises(RuntimeError, match="injected"):
+        _crashing(_memory_run(tiny_config, tmp_path, *memory), at_step=6).train()
+    assert _held_steps(tmp_path / "shm") == {4}
+    assert _memory_run(tiny_config, tmp_path, *memory).step == 4  # the same run dir: resumed from RAM
+    shutil.rmtree(tmp_path / "run")
+    assert _memory_run(tiny_config, tmp_path, *memory).step == 0
+    assert _held_steps(tmp_path / "shm") == set()
+
+
+def test_snapshots_newer_than_the_disk_checkpoint_resumed_are_dropped(tiny_config, tmp_path):
+    """A restart under another layout resumes from disk (the snapshots hold the old layout's
+    shards); the old history's newer snapshots go, so returning to the first layout later
+    cannot resume that abandoned history."""
+    tiers = ["checkpoint.interval=4", "checkpoint.memory_interval=3"]
+    with pytest.raises(RuntimeError, match="injected"):
+        _crashing(_memory_run(tiny_config, tmp_path, *tiers), at_step=7).train()
+    assert _held_steps(tmp_path / "shm") == {6}  # and step 4 on disk
+    other_layout = "parallel.pp_microbatches=4"  # part of the layout fingerprint, inert in one process
+    restarted = _memory_run(tiny_config, tmp_path, *tiers, other_layout)
+    assert restarted.step == 4 and _held_steps(tmp_path / "shm") == set()
+
+
+def test_a_halt_with_nothing_on_disk_keeps_the_ram_snapshot_for_the_rerun(tiny_config, tmp_path):
+    from shardline.trainer.anomalies import AnomalyHalt
+
+    memory = ["checkpoint.interval=0", "checkpoint.memory_interval=3", "anomaly.action=halt", "anomaly.min_history=3"]
+    with pytest.raises(AnomalyHalt, match="nothing saved"):
+        _memory_run(tiny_config, tmp_path, *memory, "faults.nan_step=5").train()
+    assert _held_steps(tmp_path / "shm") == {3}
+    assert _memory_run(tiny_config, tmp_path, *memory).step == 3

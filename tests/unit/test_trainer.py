@@ -129,10 +129,14 @@ def test_resume_flag_without_checkpoint_fails(tiny_config):
         Trainer(tiny_config("run.resume=latest")).build()
 
 
-def test_never_resume_refuses_to_overwrite(tiny_config):
+def test_never_resume_refuses_to_overwrite(tiny_config, monkeypatch):
     Trainer(tiny_config("train.steps=6")).build().train()
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         Trainer(tiny_config("run.resume=never")).build()
+    # A restart of that job (torchrun --max-restarts, a Slurm requeue) reruns its command
+    # line: it goes on from what the first attempt saved.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert Trainer(tiny_config("run.resume=never", "train.steps=6")).build().step == 6
 
 
 def test_resume_with_other_data_layout_is_refused(tiny_config):

@@ -95,16 +95,21 @@ def verify(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(manifest_path.read_text())
         files = {rel: (int(meta["size"]), str(meta["sha256"])) for rel, meta in manifest["files"].items()}
+        if not isinstance(manifest["step"], int) or isinstance(manifest["step"], bool) or manifest["step"] < 0:
+            raise ValueError(f"step {manifest['step']!r} is not a step number")
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:  # ValueError: bad JSON or bytes
         raise CheckpointError(f"checkpoint {path} has a malformed {MANIFEST}: {type(e).__name__}: {e}") from None
     for rel, (size, sha256) in files.items():
         f = path / rel
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {path} is missing {rel}")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"checkpoint {path}: {rel} is {f.stat().st_size} bytes, manifest says {size}")
-        if _sha256(f) != sha256:
-            raise CheckpointError(f"checkpoint {path}: {rel} is corrupted (sha256 mismatch)")
+        try:
+            if not f.is_file():
+                raise CheckpointError(f"checkpoint {path} is missing {rel}")
+            if f.stat().st_size != size:
+                raise CheckpointError(f"checkpoint {path}: {rel} is {f.stat().st_size} bytes, manifest says {size}")
+            if _sha256(f) != sha256:
+                raise CheckpointError(f"checkpoint {path}: {rel} is corrupted (sha256 mismatch)")
+        except OSError as e:  # EIO, a stale NFS handle, no permission: unreadable is not valid
+            raise CheckpointError(f"checkpoint {path}: cannot read {rel} ({e.strerror or e})") from None
     return manifest
 
 

@@ -134,9 +134,10 @@ class RunGuard:
     def finish(self, step: int, complete: bool = True) -> dict:
         """The run is over: saves drained (watched), the memory tier's RAM freed, the watchdog
         stopped; returns goodput's summary. Not `complete` (stopped by a signal, to be rerun):
-        the time until the rerun starts counts as a restart gap."""
+        the time until the rerun starts counts as a restart gap, and snapshots newer than the
+        newest checkpoint on disk are kept for it."""
         with self.phase("drain", step):
-            self.timed("checkpoint", self.tiers.finish)
+            self.timed("checkpoint", lambda: self.tiers.finish(complete))
         self.stop_watching()
         self.goodput.persist(finished=complete)
         return self.goodput.summary()

@@ -191,6 +191,23 @@ class MemoryTier:
             except ValueError:
                 continue
 
+    def discard_after(self, step: int) -> None:
+        """Drop every snapshot file of a step after `step`, of any layout: the run goes on from
+        `step`, and they belong to a history it left. Kept, a later snapshot of the same step
+        would replace them file by file, and a crash midway could mix the two histories."""
+        self.wait()
+        for f in self.dir.glob("*-*"):
+            try:
+                if int(f.name.split("-")[1].split(".")[0]) > step:
+                    f.unlink(missing_ok=True)
+            except ValueError:
+                continue
+
+    def newest_held(self) -> int | None:
+        """The newest step this rank holds its own intact snapshot of, if any."""
+        own = self.inventory()["own"]
+        return max(own) if own else None
+
     def others_bytes(self) -> int:
         """Bytes held in RAM by other runs' snapshots under the same base (e.g. crashed runs)."""
         total = 0

@@ -31,6 +31,8 @@ def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, l
             raise ConfigError(f"run.resume={mode!r} is not a checkpoint folder; valid: auto, latest, never, "
                               "or the path of a checkpoint folder")
         return named, invalid
+    if mode == "never" and restarted():
+        mode = "auto"  # the first attempt started fresh; its restart goes on from what it saved
     path = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
     if mode == "latest" and path is None:
         raise CheckpointError(f"--resume given but {checkpointer.root} holds no valid checkpoint"
@@ -42,11 +44,11 @@ def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, l
 
 
 def memory_tier_resumable(cfg: Config) -> bool:
-    """Whether the in-memory snapshots may be resumed from: by `auto`/`latest`, and by a restart
-    of a job started from a named checkpoint (its snapshots are of this job, taken after that
-    checkpoint). A fresh run, or a first start from a named checkpoint, leaves their history."""
-    mode = cfg.run.resume
-    return mode in ("auto", "latest") or (mode != "never" and restarted())
+    """Whether the in-memory snapshots may be resumed from: by `auto`/`latest`, and by any
+    restart of the job (its snapshots are of this job: taken after the named checkpoint, or
+    since the fresh start of `never`). A first start, fresh or from a named checkpoint, leaves
+    their history."""
+    return cfg.run.resume in ("auto", "latest") or restarted()
 
 
 def _saved_step(path: Path) -> int:
@@ -94,17 +96,26 @@ def check_skip_batches(path: Path | str, step: int, saved: list[int], wanted: li
 
 
 def get_rng_state() -> dict:
+    """This rank's generators: CPU, Python and its own GPU's (not every visible GPU's: a resume
+    may see fewer, e.g. one GPU a task under Slurm)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return
+    if isinstance(cuda, (list, tuple)):  # older checkpoints saved every visible GPU's
+        index = torch.cuda.current_device()
+        if index >= len(cuda):
+            return
+        cuda = cuda[index]
+    torch.cuda.set_rng_state(cuda)
 
 
 def batch_index(step: int, skipped: list[int]) -> int:

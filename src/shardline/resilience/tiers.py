@@ -6,7 +6,9 @@ this decides how, logs what each save cost, and finds the newest state to restor
 from __future__ import annotations
 
 import errno
+import json
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,10 +21,12 @@ from shardline.optim import init_optimizer_state
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import ProcessInfo
 from shardline.resilience.async_checkpoint import AsyncSaver
-from shardline.resilience.checkpoint import Checkpointer
+from shardline.resilience.checkpoint import Checkpointer, step_of
 from shardline.resilience.save_failures import storage_error
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.memory_tier import MemoryTier, run_root
+
+RUN_ID = "memory_tier.json"  # in the run dir: which run the in-memory snapshots belong to
 
 
 def memory_rank_dir(cfg: Config, rank: int) -> Path | None:
@@ -36,7 +40,8 @@ class StateTiers:
                  fingerprint: str, faults: FaultInjector, log: Callable[..., None]):
         """log(event, **fields): where save and snapshot events go (the run's metrics)."""
         c = cfg.checkpoint
-        self.cfg, self.checkpointer, self.faults = cfg, checkpointer, faults
+        self.cfg, self.checkpointer, self.faults, self.proc = cfg, checkpointer, faults, proc
+        self.fingerprint = fingerprint
         self.saver = AsyncSaver(checkpointer, dims.checkpoint_group) if c.mode == "async" else None
         self.memory_background = c.memory_mode == "async"
         self.memory = None
@@ -132,10 +137,17 @@ class StateTiers:
             self.log("stale_memory_snapshots", gib=round(held / 2**30, 3), folder=str(self.memory.root.parent),
                      hint="snapshots of other runs in shared memory; remove the folders of runs that are over")
 
-    def finish(self) -> None:
-        """The run is over (complete, or halted with its state on disk): give the RAM back."""
+    def finish(self, complete: bool = True) -> None:
+        """The run is over: give the RAM back. A run stopped early (a signal, a halt) to be
+        resumed keeps its snapshots unless a checkpoint on disk is at least as new: a
+        preemption under checkpoint.interval=0, or a final save the storage refused, would
+        otherwise leave the rerun only an older state."""
         self.drain()
-        if self.memory is not None:
+        if self.memory is None:
+            return
+        held = None if complete else self.memory.newest_held()
+        saved = self.checkpointer.list()  # complete ones (sealed with their manifest), by step
+        if held is None or (saved and step_of(saved[-1]) >= held):
             self.memory.clear()
 
     # ---- restoring --------------------------------------------------------------------
@@ -143,10 +155,31 @@ class StateTiers:
     def resume_source(self, disk: Path | None, use_memory: bool):
         """What a starting run restores (see newest()); `use_memory` false (a fresh run, or a
         first start from a named checkpoint: recovery.memory_tier_resumable) clears the
-        snapshots held, which are of a history the run leaves."""
-        if self.memory is not None and not use_memory:
-            self.memory.clear()
+        snapshots held, which are of a history the run leaves. Called with the run dir locked."""
+        if self.memory is not None:
+            run_id, new = self._run_id()
+            self.memory.fingerprint = f"{self.fingerprint}\nrun {run_id}"
+            use_memory = use_memory and not new
+            if not use_memory:
+                self.memory.clear()
         return self.newest(disk, use_memory=use_memory)
+
+    def _run_id(self) -> tuple[str, bool]:
+        """(the run dir's id, whether it was just made). The snapshots are keyed by the run
+        dir's path, which outlives the folder: a run dir deleted and made again is a new run,
+        not one to resume from RAM. Rank 0 reads or writes it; every rank gets its answer."""
+        answer: list = [None]
+        if self.proc.rank == 0:
+            path = Path(self.cfg.run.dir) / RUN_ID
+            try:
+                answer[0] = (str(json.loads(path.read_text())["run"]), False)
+            except (OSError, ValueError, KeyError, TypeError):
+                answer[0] = (uuid.uuid4().hex, True)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps({"run": answer[0][0]}))
+        if self.proc.world_size > 1:
+            torch.distributed.broadcast_object_list(answer, src=0, group=self.memory.group)
+        return answer[0]
 
     def newest(self, disk: Path | None, use_memory: bool = True):
         """The in-memory snapshot (step, payload, sources) when it is at least as new as
@@ -157,9 +190,11 @@ class StateTiers:
         """
         self.drain()
         memory = self.memory.recover() if self.memory is not None and use_memory else None
-        if memory is not None and (disk is None or memory[0] >= self.checkpointer.verify(disk)["step"]):
-            return memory
-        return disk
+        disk_step = self.checkpointer.verify(disk)["step"] if disk is not None else 0
+        found = memory if memory is not None and memory[0] >= disk_step else disk
+        if self.memory is not None:  # newer snapshots (partial, or of another layout): a history left
+            self.memory.discard_after(memory[0] if memory is not None and found is memory else disk_step)
+        return found
 
     def restore(self, found, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, dict[str, Any]]:
         """Load model and optimizer from what newest() found; returns its name and the trainer state."""

@@ -92,7 +92,7 @@ class AnomalyResponse:
                 saved = this_step
             elif self.cfg.checkpoint.interval:
                 saved = self.save_checkpoint()
-            self.tiers.finish()  # an async save is on disk; the memory tier's RAM is freed
+            self.tiers.finish(complete=False)  # RAM freed unless it holds a state newer than the disk's
         except CheckpointError as e:  # checkpoint.on_error=stop: the halt is still what is reported
             failure = e
         written = saved is not None and saved.is_dir()  # a refused save (on_error=continue) returns none or leaves none
