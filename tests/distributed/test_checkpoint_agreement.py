@@ -1,10 +1,13 @@
-"""A save that fails on one rank fails on every rank, at the same point.
+"""A save that fails on one rank fails on every rank, at the same point; every rank resumes
+from the checkpoint rank 0 chose.
 
 With checkpoint.on_error=continue a rank whose part of a save hit a full disk goes on
 training; if its peers did not learn of it they would wait in the save's next barrier
 (a hang) or pair that barrier with one of the next save's. Two real gloo ranks: rank 1's
 trainer file meets a full disk, and both must raise the same storage error, leave no
-folder behind, and still be in step for the next collective.
+folder behind, and still be in step for the next collective. Then the ranks' choices of
+checkpoint differ (a name cache that lags on shared storage): rank 0's wins, and a rank
+that cannot see it stops both ranks with the same one-line error.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardline.errors import CheckpointError
 from shardline.resilience.checkpoint import write_state
+from shardline.resilience.recovery import agree_on_resume
 from tests.distributed.harness import start_ranks
 from tests.ports import free_port
 
@@ -61,6 +66,13 @@ def _two_saves(rank: int, world: int, port: int, root: str) -> None:
                 outcomes.append(type(e).__name__)
         flag = torch.tensor([rank])
         dist.all_reduce(flag)  # both ranks are still in step: this pairs with the peer's, not a save's
+        older, newer = Path(root) / "step-000001", Path(root) / "step-000003"
+        outcomes.append(agree_on_resume(newer if rank == 0 else older, rank, world).name)
+        try:  # rank 1's storage does not show rank 0's choice yet
+            agree_on_resume(newer, rank, world, sees=lambda path: rank == 0)
+            outcomes.append("resumed")
+        except CheckpointError as e:
+            outcomes.append(str(e))
         (Path(root) / f"rank{rank}.json").write_text(json.dumps([*outcomes, int(flag)]))
     finally:
         dist.destroy_process_group()
@@ -69,6 +81,8 @@ def _two_saves(rank: int, world: int, port: int, root: str) -> None:
 def test_a_save_that_fails_on_one_rank_fails_on_both(tmp_path):
     start_ranks(_two_saves, (2, free_port(), str(tmp_path)), nprocs=2)
     first = ["ok", f"OSError {errno.ENOSPC}", "ok"]
+    blind = f"rank 0 resumes from {tmp_path / 'step-000003'}, which rank(s) [1] cannot see: run.dir must be on " \
+            "storage every node shares"
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [
-        [*first, "CheckpointError", 1], [*first, "ValueError", 1]]
+        [*first, "CheckpointError", "step-000003", blind, 1], [*first, "ValueError", "step-000003", blind, 1]]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-000001", "step-000003"]

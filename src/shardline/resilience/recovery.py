@@ -43,6 +43,29 @@ def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, l
     return (None if mode == "never" else path), invalid
 
 
+def agree_on_resume(chosen: Path | None, rank: int, world_size: int, sees=Path.is_dir) -> Path | None:
+    """Rank 0's choice of checkpoint, for every rank (collective when world_size > 1).
+
+    Each rank lists and verifies the checkpoints itself; on shared storage whose name cache
+    lags (NFS, Lustre) one may still miss the newest rename and choose an older one, and the
+    ranks would then restore different steps. Rank 0, which seals checkpoints, decides; a rank
+    that cannot see its choice stops every rank with one line instead of loading another."""
+    if world_size == 1:
+        return chosen
+    import torch.distributed as dist
+
+    picks: list = [None] * world_size
+    dist.all_gather_object(picks, None if chosen is None else str(chosen))
+    decided = None if picks[0] is None else Path(picks[0])
+    visible: list = [None] * world_size
+    dist.all_gather_object(visible, decided is None or sees(decided))
+    blind = [r for r, ok in enumerate(visible) if not ok]
+    if blind:
+        raise CheckpointError(f"rank 0 resumes from {decided}, which rank(s) {blind} cannot see: run.dir must be "
+                              "on storage every node shares")
+    return decided
+
+
 def memory_tier_resumable(cfg: Config) -> bool:
     """Whether the in-memory snapshots may be resumed from: by `auto`/`latest`, and by any
     restart of the job (its snapshots are of this job: taken after the named checkpoint, or

@@ -14,7 +14,7 @@ import torch
 
 from shardline.errors import AnomalyHalt, CheckpointError
 from shardline.resilience.checkpoint import step_dir_name
-from shardline.resilience.recovery import batch_index
+from shardline.resilience.recovery import agree_on_resume, batch_index
 
 
 class AnomalyResponse:
@@ -58,7 +58,8 @@ class AnomalyResponse:
             started = time.perf_counter()
             with self.guard.phase("restore", step):  # watched as a start-up restore is, not as a step
                 self.tiers.drain()
-                target = self.tiers.newest(self.checkpointer.latest_valid())
+                latest = agree_on_resume(self.checkpointer.latest_valid(), self.proc.rank, self.proc.world_size)
+                target = self.tiers.newest(latest)
                 if target is not None:
                     skipped = batch_index(step - 1, self.skipped_batches)  # the batch that gave the anomaly
                     self.skipped_batches = sorted({*self.skipped_batches, skipped})

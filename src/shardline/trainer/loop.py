@@ -50,6 +50,7 @@ from shardline.resilience.checkpoint import Checkpointer, step_dir_name
 from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import (
+    agree_on_resume,
     batch_index,
     check_data_position,
     check_skip_batches,
@@ -124,6 +125,7 @@ class Trainer(AnomalyResponse):
         try:
             if self.checkpointer.list() != seen:  # a run finishing in this dir saved since: choose again
                 resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
+            resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
             self.guard.watch()
             with self.guard.phase("restore", self.step):
                 found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
