@@ -61,7 +61,15 @@ def test_txt_with_windows_line_ends_splits_into_documents(tmp_path):
     assert read_documents(str(tmp_path / "w.txt")) == ["first doc", "second doc\r\nstill second\r\n"]
 
 
+def _damaged_gzip() -> bytes:
+    """A gzip stream with flipped bytes inside: zlib.error, not gzip's own BadGzipFile."""
+    data = bytearray(gzip.compress(b'{"text": "' + bytes(range(97, 123)) * 300 + b'"}\n', mtime=0))
+    data[30:38] = b"\xff" * 8
+    return bytes(data)
+
+
 @pytest.mark.parametrize("name, content, message", [
+    pytest.param("flipped.jsonl.gz", _damaged_gzip(), "cannot read data file", id="flipped.jsonl.gz"),
     ("bad.jsonl", '{"text": "ok"}\n{"text": broken\n', "line 2 is not valid JSON"),
     ("nofield.jsonl", '{"body": "x"}\n', "no string field 'text'"),
     ("empty.txt", "", "contains no text"),
@@ -77,6 +85,21 @@ def test_malformed_files_raise_data_error(tmp_path, name, content, message):
     with pytest.raises(DataError, match=message) as err:
         read_documents(str(path))
     assert name in str(err.value) or "contains no text" in str(err.value)
+
+
+def test_a_folders_held_out_files_are_not_trained_on(tmp_path):
+    """A dataset's own validation or test files beside its training files: refused, since every
+    file of a folder is trained on; a folder of training files alone, or one named file, is read."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train-0000.jsonl").write_text('{"text": "train me"}\n')
+    (tmp_path / "data" / "validation.jsonl").write_text('{"text": "held out"}\n')
+    (tmp_path / "data" / "contest").mkdir()  # "test" and "dev" inside words: read
+    (tmp_path / "data" / "contest" / "devices.txt").write_text("also trained")
+    with pytest.raises(DataError, match=r"holds held-out files \(validation.jsonl\) beside the training files"):
+        read_documents(str(tmp_path / "data"))
+    (tmp_path / "data" / "validation.jsonl").rename(tmp_path / "validation.jsonl")
+    assert sorted(read_documents(str(tmp_path / "data"))) == ["also trained", "train me"]
+    assert read_documents(str(tmp_path / "validation.jsonl")) == ["held out"]  # named: the user's choice
 
 
 def test_parquet_without_the_text_column_is_one_line(tmp_path):

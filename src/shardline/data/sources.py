@@ -18,6 +18,7 @@ import gzip
 import io
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -61,7 +62,23 @@ def input_files(path: str) -> list[Path]:
     files = sorted(p for p in root.rglob("*") if _kind(p)) if root.is_dir() else [root]
     if not files:
         raise DataError(f"data.path={path!r} holds no {', '.join(SUFFIXES)} files")
+    held_out = [f for f in files if _held_out_name(f.relative_to(root) if root.is_dir() else Path(f.name))]
+    if held_out and len(held_out) < len(files):
+        names = ", ".join(str(f.relative_to(root)) for f in held_out[:3]) + (" ..." if len(held_out) > 3 else "")
+        raise DataError(f"data.path={path!r} holds held-out files ({names}) beside the training files, and every file "
+                        "of a folder is trained on: point data.path at the training files' own file or folder "
+                        "(data.val_fraction of them is held out for evaluation)")
     return files
+
+
+_HELD_OUT = {"val", "valid", "validation", "test", "testing", "dev", "eval", "evaluation", "heldout"}
+
+
+def _held_out_name(relative: Path) -> bool:
+    """A file a dataset's own split names as held out: validation.jsonl, data/test-0000.parquet,
+    dev/part-1.jsonl (a word of its name or of a folder's, between separators)."""
+    words = {w for part in relative.parts for w in re.split(r"[^a-z]+", part.lower().split(".")[0]) if w}
+    return bool(words & _HELD_OUT)
 
 
 def _kind(p: Path) -> str | None:
@@ -92,7 +109,7 @@ def _guarded(f: Path, lines: Iterator):
     """Re-raise a damaged or non-UTF-8 file as one DataError naming it."""
     try:
         yield from lines
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:  # zlib.error: damaged compressed bytes
         raise DataError(f"cannot read data file {f}: {e}") from None
     except UnicodeDecodeError as e:
         raise DataError(f"data file {f} is not UTF-8 text ({e.reason})") from None
