@@ -270,10 +270,44 @@ def test_a_chat_template_jinja_file_is_read_before_tokenizer_config(tmp_path):
 
     tok = str(tmp_path / "tokenizer.json")
     assert encode.chat_template_for(tok) is None
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "A"}))
-    assert encode.chat_template_for(tok) == "A"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "A", "eos_token": "</s>",
+                                                                "bos_token": {"content": "<s>", "lstrip": False}}))
+    assert encode.chat_template_for(tok) == encode.ChatTemplate("A", bos_token="<s>", eos_token="</s>")
     (tmp_path / "chat_template.jinja").write_text("B")
-    assert encode.chat_template_for(tok) == "B"
+    assert encode.chat_template_for(tok) == encode.ChatTemplate("B", bos_token="<s>", eos_token="</s>")
+
+
+MISTRAL_LIKE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+                "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def test_a_template_that_closes_every_reply_with_eos_trains_each_reply_to_stop(tmp_path):
+    """Mistral's and Llama 2's templates write {{ eos_token }} after every reply: rendered as the
+    tokenizer's eos (it was ""), each reply's eos is a target, and none is appended twice."""
+    from shardline.data.encode import ChatTemplate, encode_documents
+    from shardline.data.tokenizer import EOS, eos_id
+
+    path, _ = chat_with_templated_tokenizer(tmp_path)
+    tok = data(path, "data.format=chat", "train.eval_interval=0", seq_len=128).tokenizer
+    eos = eos_id(tok)
+    chat = [{"role": "user", "content": "one?"}, {"role": "assistant", "content": "It is 1."},
+            {"role": "user", "content": "two?"}, {"role": "assistant", "content": "It is 2."}]
+    tokens, lengths, mask = encode_documents(tok, [chat], eos, ChatTemplate(MISTRAL_LIKE, eos_token=EOS), chat=True)
+    at = [i for i, t in enumerate(tokens.tolist()) if t == eos]
+    assert len(at) == 2 and at[-1] == len(tokens) - 1 == lengths[0] - 1  # one eos a reply, the last not doubled
+    assert all(mask[i] == 1 for i in at)
+    assert tok.decode(tokens[mask == 1].tolist(), skip_special_tokens=True) == "It is 1.It is 2."
+
+
+def test_templates_render_as_transformers_does_with_loop_controls_and_plain_json():
+    from shardline.data.encode import render_chat
+
+    template = ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                "{{ m | tojson }}\n{% endfor %}")
+    messages = [{"role": "user", "content": "a < b & 'c'"}, {"role": "assistant", "content": "é"},
+                {"role": "user", "content": "never rendered"}]
+    assert render_chat(messages, template) == (
+        '{"role": "user", "content": "a < b & \'c\'"}\n{"role": "assistant", "content": "é"}\n')
 
 
 def test_a_tokenizers_own_chat_template_renders_and_masks(tmp_path):

@@ -18,7 +18,8 @@ generation prompt (`add_generation_prompt`, the text a chat model is given to st
 reply) adds to the messages before it, when the reply's rendering starts with it; when
 the prompt adds more than the reply shows (an opened reasoning block, say), the lines
 both begin with. A template without a generation prompt gives no header to take out, so
-its whole assistant segment is a target.
+its whole assistant segment is a target. Templates render as transformers renders them:
+with the bos and eos tokens tokenizer_config.json names, loop controls, and a plain tojson.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain
 from pathlib import Path
@@ -36,14 +38,30 @@ from tokenizers import Tokenizer
 from shardline.errors import DataError
 
 CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A tokenizer's chat template (jinja) and the special tokens it may write, as transformers
+    renders it: `{{ bos_token }}` and `{{ eos_token }}` from tokenizer_config.json (Mistral's and
+    Llama 2's templates close every reply with the eos; rendered as "" it had no target)."""
+
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+def _as_template(template: ChatTemplate | str | None) -> ChatTemplate | None:
+    return ChatTemplate(template) if isinstance(template, str) else template
 # Which tokens of a conversation are targets changed with this number (2: a reply's header
 # under a template is not one): `shardline prepare` starts a chat folder over when it differs.
 CHAT_MASK_RULE = 2
 
 
-def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template: str | None = None,
+def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template: ChatTemplate | str | None = None,
                      chat: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(tokens, lengths, mask or None) of `docs` concatenated, each followed by eos when there is one.
+    """(tokens, lengths, mask or None) of `docs` concatenated, each followed by eos when there is one
+    (unless it ends with eos already, as a template that writes {{ eos_token }} after a reply makes it).
 
     Documents that encode to nothing are dropped (they would hold no token to train on).
     Mask rules: a document's first token is never a target (nothing precedes it in its
@@ -55,24 +73,24 @@ def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template:
     else:
         ids, masks = [e.ids for e in _encode_batch(tok, docs)], None
     keep = [i for i, x in enumerate(ids) if x]
-    extra = eos is not None
-    lengths = np.array([len(ids[i]) + extra for i in keep], dtype=np.int64)
+    closed = {i for i in keep if eos is not None and ids[i][-1] != eos}
+    lengths = np.array([len(ids[i]) + (i in closed) for i in keep], dtype=np.int64)
     total = int(lengths.sum())
-    tokens = np.fromiter(chain.from_iterable(_closed(ids, keep, extra and (lambda i: (eos,)))), np.int64, total)
+    tokens = np.fromiter(chain.from_iterable(_closed(ids, keep, lambda i: (eos,) if i in closed else ())),
+                         np.int64, total)
     if masks is None:
         return tokens, lengths, None
-    close = extra and (lambda i: (masks[i][-1],))
+    close = lambda i: (masks[i][-1],) if i in closed else ()  # noqa: E731
     mask = np.fromiter(chain.from_iterable(_closed(masks, keep, close)), np.uint8, total)
     mask[np.cumsum(lengths) - lengths] = 0
     return tokens, lengths, mask
 
 
 def _closed(rows: list, keep: list[int], close):
-    """The kept rows, each followed by `close(i)` unless close is falsy."""
+    """The kept rows, each followed by what `close(i)` gives (its eos, or nothing)."""
     for i in keep:
         yield rows[i]
-        if close:
-            yield close(i)
+        yield close(i)
 
 
 def _encode_batch(tok: Tokenizer, texts: list[str]) -> list:
@@ -81,9 +99,14 @@ def _encode_batch(tok: Tokenizer, texts: list[str]) -> list:
     return fast(texts, add_special_tokens=False) if fast else tok.encode_batch(texts, add_special_tokens=False)
 
 
-def template_sha256(template: str | None) -> str | None:
-    """What a prepared folder records of its chat template (None: ChatML), to tell templates apart."""
-    return hashlib.sha256(template.encode()).hexdigest() if template else None
+def template_sha256(template: ChatTemplate | str | None) -> str | None:
+    """What a prepared folder records of its chat template (None: ChatML), to tell templates apart
+    (with its special tokens when it has any: they change what is rendered)."""
+    template = _as_template(template)
+    if not template or not template.source:
+        return None
+    tokens = f"\0{template.bos_token}\0{template.eos_token}" if template.bos_token or template.eos_token else ""
+    return hashlib.sha256((template.source + tokens).encode()).hexdigest()
 
 
 def check_replies(where: str, roles: set[str]) -> None:
@@ -94,9 +117,10 @@ def check_replies(where: str, roles: set[str]) -> None:
                         f"{', '.join(sorted(roles)) or 'none'}; rename the reply role to 'assistant'")
 
 
-def chat_segments(messages: list[dict], template: str | None = None) -> list[tuple[str, bool]]:
+def chat_segments(messages: list[dict], template: ChatTemplate | str | None = None) -> list[tuple[str, bool]]:
     """(text, is_target) pieces of one conversation, in order."""
-    if template:
+    template = _as_template(template)
+    if template and template.source:
         return _template_segments(messages, template)
     out = []
     for m in messages:
@@ -105,12 +129,13 @@ def chat_segments(messages: list[dict], template: str | None = None) -> list[tup
     return out
 
 
-def render_chat(messages: list[dict], template: str | None = None) -> str:
+def render_chat(messages: list[dict], template: ChatTemplate | str | None = None) -> str:
     """The whole conversation as text (what a trained BPE learns from)."""
     return "".join(text for text, _ in chat_segments(messages, template))
 
 
-def encode_chat(tok: Tokenizer, messages: list[dict], template: str | None = None) -> tuple[list[int], list[int]]:
+def encode_chat(tok: Tokenizer, messages: list[dict],
+                template: ChatTemplate | str | None = None) -> tuple[list[int], list[int]]:
     """Token ids of a conversation and its loss mask (1 on assistant tokens)."""
     segments = chat_segments(messages, template)
     encoded = _encode_batch(tok, [text for text, _ in segments])
@@ -121,7 +146,7 @@ def encode_chat(tok: Tokenizer, messages: list[dict], template: str | None = Non
     return ids, mask
 
 
-def _template_segments(messages: list[dict], template: str) -> list[tuple[str, bool]]:
+def _template_segments(messages: list[dict], template: ChatTemplate) -> list[tuple[str, bool]]:
     out, before = [], ""
     for i, m in enumerate(messages):
         text = _render(template, messages[: i + 1])
@@ -139,7 +164,7 @@ def _template_segments(messages: list[dict], template: str) -> list[tuple[str, b
     return out
 
 
-def _reply_header(template: str, earlier: list[dict], before: str, text: str) -> str:
+def _reply_header(template: ChatTemplate, earlier: list[dict], before: str, text: str) -> str:
     """The assistant header of the reply rendered as `text` after `before` (the rendering of
     `earlier`): what the model is given at inference, so it must not learn to write it.
 
@@ -162,11 +187,11 @@ def _reply_header(template: str, earlier: list[dict], before: str, text: str) ->
     return shared[: shared.rfind("\n") + 1]
 
 
-def _render(template: str, messages: list[dict], generation_prompt: bool = False) -> str:
+def _render(template: ChatTemplate, messages: list[dict], generation_prompt: bool = False) -> str:
     """The template applied to these messages; a template that fails is a DataError, not a traceback."""
     try:
-        return _compiled(template)(messages=messages, add_generation_prompt=generation_prompt, bos_token="",
-                                   eos_token="")
+        return _compiled(template.source)(messages=messages, add_generation_prompt=generation_prompt,
+                                          bos_token=template.bos_token, eos_token=template.eos_token)
     except Exception as e:  # jinja2 raises many types (syntax, undefined, the template's own raise_exception)
         raise DataError(f"the tokenizer's chat_template (tokenizer_config.json) fails on a conversation: "
                         f"{type(e).__name__}: {' '.join(str(e).split())}") from None
@@ -176,8 +201,11 @@ def _render(template: str, messages: list[dict], generation_prompt: bool = False
 def _compiled(template: str):
     import jinja2
 
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    # As transformers renders templates: loop controls ({% break %}), and a tojson that keeps
+    # characters as they are (jinja's own escapes <, >, & and ' for HTML).
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = _tojson
     return env.from_string(template).render
 
 
@@ -185,9 +213,14 @@ def _raise(message: str):
     raise ValueError(message)
 
 
-def chat_template_for(tokenizer_path: str) -> str | None:
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def chat_template_for(tokenizer_path: str) -> ChatTemplate | None:
     """The chat template beside a tokenizer.json, if any (and jinja2 is there): chat_template.jinja,
-    which newer transformers write and prefer, else tokenizer_config.json's chat_template."""
+    which newer transformers write and prefer, else tokenizer_config.json's chat_template; with
+    the bos and eos tokens tokenizer_config.json names."""
     if not tokenizer_path:
         return None
     folder = Path(tokenizer_path).parent
@@ -196,11 +229,22 @@ def chat_template_for(tokenizer_path: str) -> str | None:
     except ImportError:
         return None
     try:
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        pass
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        settings = settings if isinstance(settings, dict) else {}
+    except (OSError, ValueError):
+        settings = {}
     try:
-        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
-    except (OSError, ValueError, AttributeError):
+        source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        source = settings.get("chat_template")
+    if not isinstance(source, str):
         return None
-    return template if isinstance(template, str) else None
+    return ChatTemplate(source, _special_token(settings, "bos_token"), _special_token(settings, "eos_token"))
+
+
+def _special_token(settings: dict, key: str) -> str:
+    """A token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    value = settings.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from shardline.data.encode import (CHAT_MASK_RULE, chat_template_for, check_replies, encode_documents, render_chat,
-                                   template_sha256)
+from shardline.data.encode import (CHAT_MASK_RULE, ChatTemplate, chat_template_for, check_replies, encode_documents,
+                                   render_chat, template_sha256)
 from shardline.data.loader import held_out, split_single
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
                                    file_sha256, id_bound, token_dtype, tokenizer_hash)
@@ -95,7 +95,7 @@ class _Stream:
         """How many items documents() yields: a lone document is cut into a train and a val piece."""
         return 2 if self.count == 1 else self.count
 
-    def training_texts(self, chat: bool, template: str | None):
+    def training_texts(self, chat: bool, template: ChatTemplate | None):
         """Re-iterable training documents as text (what a BPE is trained on)."""
         stream = self
 
@@ -214,7 +214,7 @@ def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
     return stream
 
 
-def _tokenizer(opts: PrepareOptions, stream: _Stream, template: str | None) -> Tokenizer:
+def _tokenizer(opts: PrepareOptions, stream: _Stream, template: ChatTemplate | None) -> Tokenizer:
     """Pass 2 (without --tokenizer): the BPE the raw-text path would train on the same data."""
     if opts.tokenizer:
         return load_tokenizer(opts.tokenizer)
