@@ -133,6 +133,8 @@ class TrainConfig:
                  "must be >= 0 (0 = no chunking; e.g. 4096)")
         _require(all(b >= 0 for b in self.skip_batches), "train.skip_batches", self.skip_batches,
                  "batch indices must be >= 0")
+        _require(len(set(self.skip_batches)) == len(self.skip_batches), "train.skip_batches", self.skip_batches,
+                 "must name each batch once (a repeated index would shift the batches after it once more)")
 
 
 @dataclass
