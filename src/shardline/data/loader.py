@@ -129,8 +129,10 @@ def _check_sizes(where: str, train, val, cfg: Config) -> None:
         raise DataError(f"{where} has {train.num_tokens} training tokens: too few for one sequence of "
                         f"train.seq_len={t.seq_len}; add data or lower train.seq_len")
     if t.eval_interval and len(val) == 0:
+        # A prepared folder's split was made by `prepare`: data.val_fraction does not apply to it.
+        more = ("prepare it again with a larger --val-fraction" if is_prepared(where) else "raise data.val_fraction")
         raise DataError(f"{where} holds out {val.num_tokens} validation tokens: too few for one sequence "
-                        f"of train.seq_len={t.seq_len}; raise data.val_fraction or set train.eval_interval=0")
+                        f"of train.seq_len={t.seq_len}; {more} or set train.eval_interval=0")
 
 
 def _build_mixture(cfg: Config) -> DataBundle:
