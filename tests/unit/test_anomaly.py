@@ -11,7 +11,7 @@ import torch
 from shardline.cli import main
 from shardline.errors import AnomalyHalt
 from shardline.resilience.anomaly import AnomalyDetector
-from shardline.resilience.recovery import batch_index
+from shardline.data.sampler import batch_index
 from shardline.config.resilience import AnomalyConfig
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides

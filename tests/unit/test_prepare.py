@@ -167,6 +167,9 @@ def test_mixture_follows_the_weights_deterministically(tmp_path, prepared, small
     a.log_fields(7)  # the log's running count, then further on: the same as counted at once
     assert list(a.log_fields(epoch)["tokens_by_source"].values()) == [int(c) * 64 for c in counts]
     assert b.log_fields(epoch) == a.log_fields(epoch)  # from the step alone, as after a resume
+    # Skipped batches were never trained on: steps 0-3 with batch 2 skipped drew batches 0, 1, 3, 4.
+    drawn = sum(a.train.sequences_per_source(a.sampler.global_batch(i)) for i in (0, 1, 3, 4))
+    assert list(a.log_fields(4, [2])["tokens_by_source"].values()) == [int(c) * 64 for c in drawn]
     rows = a.train.batch(a.sampler.global_batch(0))
     kept = rows["labels"][:, :-1] != IGNORE_INDEX  # a label is the next token wherever one is kept
     assert kept.any() and rows["labels"][:, :-1][kept].equal(rows["input_ids"][:, 1:][kept])
@@ -469,6 +472,22 @@ def test_the_train_log_shows_tokens_per_source(tmp_path, prepared, tiny_config):
     seen = [r["tokens_by_source"] for r in records if r["kind"] == "train"]
     assert [sum(s.values()) for s in seen] == [8 * 32 * step for step in (1, 2, 3)]
     assert list(seen[-1]) == ["0:prep", "1:prep"] and seen[-1]["1:prep"] > seen[-1]["0:prep"]
+
+
+def test_a_resume_with_other_mixture_weights_is_refused(tmp_path, prepared, tiny_config):
+    """Another weight maps the same sample index to other sequences: the rest of the pass would
+    repeat some and skip others, with the same sample count."""
+    from shardline.errors import CheckpointError
+    from shardline.trainer import Trainer
+
+    def mix(second: int) -> str:
+        return f'data.mix=[{{path = "{prepared}", weight = 1}}, {{path = "{prepared}", weight = {second}}}]'
+
+    common = ["data.path=", "train.eval_interval=0", "checkpoint.interval=2"]
+    Trainer(tiny_config(*common, mix(3), "train.steps=2")).build().train()
+    with pytest.raises(CheckpointError, match=r"saved for a data.mix of .* \(weights, sources or their order changed\)"):
+        Trainer(tiny_config(*common, mix(1), "train.steps=4")).build()
+    assert Trainer(tiny_config(*common, mix(3), "train.steps=4")).build().step == 2
 
 
 def test_a_vocabulary_with_gaps_gets_shards_wide_enough_and_no_id_wraps(tmp_path):

@@ -19,7 +19,7 @@ from shardline.config import Config
 from shardline.data.encode import chat_template_for, check_replies, encode_documents, render_chat, template_sha256
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
-from shardline.data.sampler import GlobalBatchSampler
+from shardline.data.sampler import GlobalBatchSampler, batch_index
 from shardline.data.shards import id_bound, is_prepared, open_prepared, read_manifest, tokenizer_hash
 from shardline.data.sources import read_documents
 from shardline.data.tokenizer import eos_id, get_tokenizer, load_tokenizer
@@ -33,27 +33,36 @@ class DataBundle:
     val: PackedSequences | MixedSequences
     sampler: GlobalBatchSampler
     source_names: list[str] = field(default_factory=list)  # a mixture's sources, in data.mix order
-    _seen: tuple[int, np.ndarray] | None = None  # (step, sequences per source before it): a cache
+    _seen: tuple[int, tuple, np.ndarray] | None = None  # (step, skipped, sequences per source before it): a cache
 
     @property
     def vocab_size(self) -> int:
         return id_bound(self.tokenizer)  # the embedding rows: ids may pass the count when the vocabulary has gaps
 
-    def log_fields(self, step: int) -> dict:
+    def log_fields(self, step: int, skipped: list[int] = ()) -> dict:
         """For a mixture: {"tokens_by_source": {name: training tokens seen before `step`}}, else {}.
 
-        Counted from the sampler (batch index = step; skipped batches are counted too), so
-        it is exact after a resume without being saved anywhere.
+        Counted from the sampler over the batches the steps trained on (stepping over the
+        skipped ones), so it is exact after a resume without being saved anywhere.
         """
         if not isinstance(self.train, MixedSequences):
             return {}
-        first, seen = self._seen if self._seen and self._seen[0] <= step else (0, np.zeros(len(self.source_names),
-                                                                                          np.int64))
+        skipped = tuple(sorted(skipped))
+        cached = self._seen is not None and self._seen[0] <= step and self._seen[1] == skipped
+        first, _, seen = self._seen if cached else (0, skipped, np.zeros(len(self.source_names), np.int64))
         for s in range(first, step):
-            seen = seen + self.train.sequences_per_source(self.sampler.global_batch(s))
-        self._seen = (step, seen)
+            seen = seen + self.train.sequences_per_source(self.sampler.global_batch(batch_index(s, list(skipped))))
+        self._seen = (step, skipped, seen)
         seq_len = self.train.seq_len
         return {"tokens_by_source": {n: int(c) * seq_len for n, c in zip(self.source_names, seen)}}
+
+    def position_state(self) -> dict:
+        """What a saved data position means beyond the sample count: for a mixture, each
+        source's size and share of the index space (other weights, or sources swapped, map the
+        same index to other sequences)."""
+        if not isinstance(self.train, MixedSequences):
+            return {}
+        return {"mix": [[int(c), int(n)] for c, n in zip(self.train.counts, self.train.sizes)]}
 
 
 def split_documents(docs: list, val_fraction: float, seed: int) -> tuple[list, list]:

@@ -54,3 +54,12 @@ class GlobalBatchSampler:
     def state_dict(self, step: int) -> dict:
         return {"step": step, "seed": self.seed, "num_samples": self.num_samples,
                 "global_batch_size": self.global_batch_size}
+
+
+def batch_index(step: int, skipped: list[int]) -> int:
+    """Global batch index of 0-based optimizer step `step`, stepping over skipped batches."""
+    index = step
+    for s in sorted(skipped):
+        if s <= index:
+            index += 1
+    return index

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from shardline.config import Config
+from shardline.data.sampler import batch_index
 from shardline.errors import CheckpointError, ConfigError
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer, step_of
 
@@ -90,11 +91,18 @@ def restarted() -> bool:
 
 
 def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int,
-                        global_batch_size: int) -> None:
+                        global_batch_size: int, position: dict | None = None) -> None:
     """The saved sample position means the same in this run, or a CheckpointError saying what changed.
 
     The position is step x global batch: another batch size would skip or repeat samples.
+    `position`: the data's own (DataBundle.position_state), e.g. a mixture's sources.
     """
+    mix, saved_mix = (position or {}).get("mix"), data_pos.get("mix")
+    if mix is not None and saved_mix is not None and [list(m) for m in saved_mix] != mix:
+        raise CheckpointError(
+            f"checkpoint {path} was saved for a data.mix of (sequences in the mixture, source size) "
+            f"{saved_mix}; this run's is {mix} (weights, sources or their order changed): resuming would "
+            "skip or repeat samples; keep data.mix, or start a new run.dir from these weights with model.init_from")
     saved = data_pos.get("global_batch_size", global_batch_size)
     if saved != global_batch_size:
         raise CheckpointError(
@@ -139,12 +147,3 @@ def set_rng_state(state: dict) -> None:
             return
         cuda = cuda[index]
     torch.cuda.set_rng_state(cuda)
-
-
-def batch_index(step: int, skipped: list[int]) -> int:
-    """Global batch index of 0-based optimizer step `step`, stepping over skipped batches."""
-    index = step
-    for s in sorted(skipped):
-        if s <= index:
-            index += 1
-    return index

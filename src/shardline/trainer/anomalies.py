@@ -14,7 +14,8 @@ import torch
 
 from shardline.errors import AnomalyHalt, CheckpointError
 from shardline.resilience.checkpoint import step_dir_name
-from shardline.resilience.recovery import agree_on_resume, batch_index
+from shardline.data.sampler import batch_index
+from shardline.resilience.recovery import agree_on_resume
 
 
 class AnomalyResponse:

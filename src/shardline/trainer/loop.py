@@ -23,6 +23,7 @@ import torch
 from shardline import layout as layouts
 from shardline.config import Config, to_toml
 from shardline.data import build_data
+from shardline.data.sampler import batch_index
 from shardline.devices import peak_tflops
 from shardline.errors import Preempted
 from shardline.interop.hf_files import copy_side_files
@@ -51,7 +52,6 @@ from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import (
     agree_on_resume,
-    batch_index,
     check_data_position,
     check_skip_batches,
     get_rng_state,
@@ -155,7 +155,7 @@ class Trainer(AnomalyResponse):
         """Load everything a saved state holds (weights, optimizer, schedule, data, RNG); returns its name."""
         name, state = self.tiers.restore(found, self.model, self.optimizer)
         check_data_position(name, state["data"], len(self.data.train), self.cfg.train.seed,
-                            self.cfg.train.global_batch_size)
+                            self.cfg.train.global_batch_size, self.data.position_state())
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
         self._optim_changes = apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.optim)
@@ -378,7 +378,8 @@ class Trainer(AnomalyResponse):
 
     def _trainer_state(self) -> dict:
         """Everything beyond model and optimizer that a resumed run needs to continue exactly."""
-        data = {**self.data.sampler.state_dict(self.step), "skipped_batches": self.skipped_batches}
+        data = {**self.data.sampler.state_dict(self.step), **self.data.position_state(),
+                "skipped_batches": self.skipped_batches}
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict()}
 
@@ -390,9 +391,10 @@ class Trainer(AnomalyResponse):
         memory = peak_memory_gib(self.device)  # the maximum over ranks of each figure
         peaks = dict(zip(memory, reduce_over(self.dims, None, torch.tensor([*memory.values()]), "max").tolist()))
         return self.metrics.log(
-            "train", step=self.step, loss=float(loss), lr=lr, **self.data.log_fields(self.step),
+            "train", step=self.step, loss=float(loss), lr=lr, **self.data.log_fields(self.step, self.skipped_batches),
             grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
             **peaks, step_time_s=seconds / steps,
-            epoch=self.data.sampler.epoch_of(self.step), **(self.experts.log_values() if self.experts else {}))
+            epoch=self.data.sampler.epoch_of(batch_index(self.step, self.skipped_batches)),  # batches drawn
+            **(self.experts.log_values() if self.experts else {}))
 
