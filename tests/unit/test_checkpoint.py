@@ -178,6 +178,21 @@ def test_a_second_save_of_a_step_replaces_the_first_and_leaves_nothing_behind(tr
     assert sorted(p.name for p in (trained / "checkpoints").iterdir()) == ["step-000006", "step-000012"]
 
 
+@pytest.mark.parametrize("new_one_sealed", [True, False])
+def test_a_crash_between_a_second_saves_two_renames_loses_neither(trained, tiny_config, new_one_sealed):
+    """Cut after the old folder went aside and before the new one took its name, only
+    step-N.deleting and step-N.tmp are left: the next start puts back the new one when its
+    manifest verifies, else the old one (before, keep=1 left nothing to resume)."""
+    root = trained / "checkpoints"
+    shutil.copytree(root / "step-000012", root / "step-000012.tmp")
+    if not new_one_sealed:
+        (root / "step-000012.tmp" / "manifest.json").unlink()
+    (root / "step-000012").rename(root / "step-000012.deleting")
+    trainer = Trainer(tiny_config("train.steps=12", "checkpoint.keep=1")).build()
+    assert trainer.step == 12 and verify(root / "step-000012")["step"] == 12
+    assert not (root / "step-000012.deleting").exists() and (root / "step-000012.tmp").exists() != new_one_sealed
+
+
 def test_a_checkpoint_sealed_before_the_lock_was_taken_is_the_one_resumed(trained, tiny_config, tmp_path,
                                                                            monkeypatch):
     """The resume is chosen early (bad input fails before the run dir is touched); a run that still

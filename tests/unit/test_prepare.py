@@ -485,7 +485,7 @@ def test_a_resume_with_other_mixture_weights_is_refused(tmp_path, prepared, tiny
 
     common = ["data.path=", "train.eval_interval=0", "checkpoint.interval=2"]
     Trainer(tiny_config(*common, mix(3), "train.steps=2")).build().train()
-    with pytest.raises(CheckpointError, match=r"saved for a data.mix of .* \(weights, sources or their order changed\)"):
+    with pytest.raises(CheckpointError, match=r"saved for a data.mix .* \(weights, sources or their order changed\)"):
         Trainer(tiny_config(*common, mix(1), "train.steps=4")).build()
     assert Trainer(tiny_config(*common, mix(3), "train.steps=4")).build().step == 2
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 import time
 import warnings
@@ -240,16 +241,39 @@ def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: di
         raise
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') data to the storage: a power loss after the
+    rename must not find a manifest or a folder name that the disk never held."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _seal(tmp: Path, final: Path, step: int, kind: str, meta: dict[str, Any]) -> None:
-    """Write meta and the manifest (last), then rename the folder into place."""
+    """Write meta and the manifest (last), then rename the folder into place. Everything is
+    flushed before the rename and the rename after it (DCP flushes its own files)."""
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    for f in [tmp / "meta.json", *(tmp / "trainer").glob("*.pt")]:
+        _fsync(f)
     files = {f.relative_to(tmp).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
              for f in sorted(tmp.rglob("*")) if f.is_file()}
     manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "kind": kind, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _fsync(tmp / MANIFEST)
+    _fsync(tmp)
+    try:
+        _rename_into_place(tmp, final)
+    finally:
+        _fsync(final.parent)
+
+
+def _rename_into_place(tmp: Path, final: Path) -> None:
     if final.exists():  # an older save of the same step (after a rollback, or a halt's save)
         # Renamed aside, not deleted first: between the two renames (not a whole rmtree) no
-        # folder of this step is complete; prune() removes what is left of a crash there.
+        # folder of this step is complete; Checkpointer.repair_interrupted_seal() puts one back
+        # after a crash there.
         old = final.with_name(final.name + DELETING)
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
@@ -365,9 +389,32 @@ class Checkpointer:
                 moved.append(target)
         return moved
 
+    def repair_interrupted_seal(self) -> list[Path]:
+        """Put back a checkpoint whose second save of a step was cut between its two renames
+        (_seal: the old folder renamed aside, the new one not yet into place): the new one when
+        its manifest verifies, else the old one. Writer only, with the run dir locked (a live
+        save's window must not be "repaired"). Returns the folders put back."""
+        if not self.is_writer or not self.root.is_dir():
+            return []
+        restored = []
+        for aside in sorted(self.root.glob(f"step-*{DELETING}")):
+            final = aside.with_name(aside.name.removesuffix(DELETING))
+            if final.exists():
+                continue
+            new = final.with_name(final.name + ".tmp")
+            try:
+                verify(new)
+                new.rename(final)
+                shutil.rmtree(aside, ignore_errors=True)  # as the interrupted seal would have
+            except CheckpointError:
+                aside.rename(final)  # a prune's leftover comes back too: the next prune takes it again
+            restored.append(final)
+        return restored
+
     def prune(self) -> None:
         """Keep the newest `keep`. A folder is renamed before it is removed, so an interruption
         never leaves a half-deleted checkpoint that looks complete; leftovers go next time."""
+        self.repair_interrupted_seal()
         for old in self.list()[: -self.keep]:
             old.rename(old.with_name(old.name + DELETING))
         for gone in self.root.glob(f"step-*{DELETING}"):

@@ -123,6 +123,7 @@ class Trainer(AnomalyResponse):
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
         self._lock_run_dir()
         try:
+            self.checkpointer.repair_interrupted_seal()  # a crash between a save's two renames
             if self.checkpointer.list() != seen:  # a run finishing in this dir saved since: choose again
                 resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
             resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
