@@ -115,6 +115,22 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(trained, tiny_co
     assert aside.is_dir()
 
 
+def test_a_restart_after_a_failed_first_restore_still_leaves_the_newer_history(trained, tiny_config, monkeypatch):
+    """The first attempt of --resume PATH died while restoring (an OOM, a lost peer): the newer
+    checkpoints were already set aside, so its restart resumes PATH, not the history it left."""
+    older = trained / "checkpoints" / "step-000006"
+
+    def dies(self, found):
+        raise RuntimeError("injected: the restore died")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_restore", dies)
+        with pytest.raises(RuntimeError, match="injected"):
+            Trainer(tiny_config("train.steps=12", f"run.resume={older}")).build()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert Trainer(tiny_config("train.steps=12", f"run.resume={older}")).build().step == 6
+
+
 def test_a_restarted_job_goes_on_from_its_newest_state_not_the_named_one(trained, tiny_config, monkeypatch):
     """torchrun --max-restarts and Slurm requeues rerun the first attempt's command line: its
     --resume PATH would take the job back there (and set aside what it trained since)."""

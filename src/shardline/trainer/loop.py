@@ -130,6 +130,7 @@ class Trainer(AnomalyResponse):
             self.guard.watch()
             with self.guard.phase("restore", self.step):
                 found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
+                self._set_aside = self._set_aside_newer(found)  # before the restore, which may fail
                 resumed = self._restore(found) if found is not None else None
             self._open_run_dir(resumed)
         except BaseException:
@@ -137,6 +138,16 @@ class Trainer(AnomalyResponse):
             self.lock.release()
             raise
         return self
+
+    def _set_aside_newer(self, found) -> list[Path]:
+        """Move the checkpoints newer than what this run resumes (`found`: a path, a memory
+        snapshot or None) out of its way: they belong to a history it leaves, and a restart
+        after a failed restore would otherwise resume them. Returns where they went."""
+        if found is None:
+            step = 0
+        else:
+            step = found[0] if isinstance(found, tuple) else self.checkpointer.verify(found)["step"]
+        return self.checkpointer.set_aside_after(step)
 
     def _lock_run_dir(self) -> None:
         """One run per run dir: taken once every input check has passed, before anything there
@@ -178,9 +189,8 @@ class Trainer(AnomalyResponse):
                                      self.cfg.train.steps, self.step, enabled=self.proc.is_main)
         for problem in self._invalid_checkpoints:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
-        set_aside = self.checkpointer.set_aside_after(self.step)  # newer ones: a history this run leaves
-        if set_aside:
-            self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in set_aside])
+        if self._set_aside:  # newer ones: a history this run leaves
+            self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in self._set_aside])
         self.guard.open(self.run_dir, self.metrics.event)
         if self.allocator:
             self.metrics.event("allocator", step=self.step, setting=self.allocator)
