@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from shardline.cli import main
+from shardline.config.resilience import AnomalyConfig
+from shardline.data.sampler import batch_index
 from shardline.errors import AnomalyHalt
 from shardline.resilience.anomaly import AnomalyDetector
-from shardline.data.sampler import batch_index
-from shardline.config.resilience import AnomalyConfig
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides
 from tests.unit.test_trainer import params, read_records, train_losses
@@ -138,3 +138,19 @@ def test_check_on_device_refuses_what_it_cannot_gate(tiny_config):
 
     with pytest.raises(ConfigError, match="action is not skip.*not fused"):
         Trainer(tiny_config("anomaly.check_on=device", "anomaly.action=rollback")).build()
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_skipping_halts_when_the_loss_level_moved_for_good(tiny_config, tmp_path, where):
+    """Skipped updates keep the weights, so a loss that moved up for good is flagged at every
+    later step: after anomaly.max_consecutive in a row the run halts instead of training on
+    nothing to its end."""
+    trainer = Trainer(tiny_config("anomaly.action=skip", "anomaly.min_history=3", "anomaly.max_consecutive=3",
+                                  f"anomaly.check_on={where}", "optim.implementation=fused", "train.eval_interval=0",
+                                  "checkpoint.interval=0", "metrics.log_interval=1", run_dir=tmp_path / where)).build()
+    corrupt = trainer.guard.faults.corrupt_loss
+    trainer.guard.faults.corrupt_loss = lambda step, loss: corrupt(step, loss) * (100.0 if step >= 5 else 1.0)
+    with pytest.raises(AnomalyHalt, match=r"3 anomalous steps in a row \(steps 5-7\)"):
+        trainer.train()
+    events = [r for r in read_records(tmp_path / where, "event") if r["event"] == "anomaly"]
+    assert [(e["step"], e["action"]) for e in events] == [(5, "skip"), (6, "skip"), (7, "halt")]

@@ -17,6 +17,9 @@ class AnomalyConfig:
     window: int = 50  # recent healthy losses the z-score is computed over
     min_history: int = 20  # no spike verdicts before this many healthy steps
     max_rollbacks: int = 3  # then halt: the same fault keeps coming back
+    # Anomalous steps in a row that halt a skipping run: skipped updates keep the weights, so a
+    # loss level that moved up for good is flagged at every later step; 0 = never halt.
+    max_consecutive: int = 20
     check_on: str = "auto"  # host (reads loss every step) | device (no per-step sync; action=skip) | auto
 
     def check(self) -> None:
@@ -26,6 +29,7 @@ class AnomalyConfig:
         require(1 <= self.min_history <= self.window, "anomaly.min_history", self.min_history,
                 "must be in [1, anomaly.window]")
         require(self.max_rollbacks >= 0, "anomaly.max_rollbacks", self.max_rollbacks, "must be >= 0")
+        require(self.max_consecutive >= 0, "anomaly.max_consecutive", self.max_consecutive, "must be >= 0 (0 = off)")
         require(self.check_on in ("auto", "host", "device"), "anomaly.check_on", self.check_on,
                 "auto, host or device")
 

@@ -12,9 +12,9 @@ import time
 
 import torch
 
+from shardline.data.sampler import batch_index
 from shardline.errors import AnomalyHalt, CheckpointError
 from shardline.resilience.checkpoint import step_dir_name
-from shardline.data.sampler import batch_index
 from shardline.resilience.recovery import agree_on_resume
 
 
@@ -38,7 +38,24 @@ class AnomalyResponse:
             event["action"] = "skip"
             self.anomaly_events.append(event)
             self.guard.goodput.reclassify(event["step"], "anomaly_skipped")
+            if self._skips_stuck(event["step"]):
+                self._halt({**event, "action": "halt", "reason": self._stuck_reason()})
             self.metrics.event("anomaly", **event, checked_on="device")
+
+    def _skips_stuck(self, step: int) -> bool:
+        """Whether `step` makes anomaly.max_consecutive anomalous steps in a row. Skipping keeps
+        the weights, so a loss level that moved up for good (an update that went wrong) is
+        flagged at every later step and the run would train on nothing to its end."""
+        last, run = self._anomaly_streak
+        self._anomaly_streak = (step, run + 1 if step == last + 1 else 1)
+        limit = self.cfg.anomaly.max_consecutive
+        return bool(limit) and self._anomaly_streak[1] >= limit
+
+    def _stuck_reason(self) -> str:
+        step, run = self._anomaly_streak
+        return (f"{run} anomalous steps in a row (steps {step - run + 1}-{step}): skipping cannot get past a loss "
+                "level that moved; use anomaly.action=rollback, a higher anomaly.spike_zscore, or "
+                "anomaly.max_consecutive=0 to keep skipping")
 
     def _detect_anomaly(self, loss: float, grad_norm: torch.Tensor) -> tuple[str, float] | None:
         # Under fp16 an infinite gradient is the loss scaler's business (it skips and
@@ -52,6 +69,9 @@ class AnomalyResponse:
         if action == "rollback" and self.rollbacks >= self.cfg.anomaly.max_rollbacks:
             action = "halt"  # the fault keeps coming back: stop instead of looping
         event = {"step": step, "anomaly": kind, "value": value, "action": action}
+        if action == "skip" and self._skips_stuck(step):
+            event.update(action="halt", reason=self._stuck_reason())
+            action = "halt"
         self.anomaly_events.append(event)
         if action == "halt":
             self._halt(event)
@@ -104,5 +124,6 @@ class AnomalyResponse:
         self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if written else None)
         self.metrics.close()
         self.lock.release()
+        why = f"; {event['reason']}" if "reason" in event else ""
         raise AnomalyHalt(f"{event['anomaly']} (value {event['value']:.4g}) at step {event['step']}; "
-                          f"{where}; anomalies this run: {len(self.anomaly_events)}") from failure
+                          f"{where}; anomalies this run: {len(self.anomaly_events)}{why}") from failure

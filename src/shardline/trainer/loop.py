@@ -76,6 +76,7 @@ class Trainer(AnomalyResponse):
         self._invalid_checkpoints: list[str] = []
         self._optim_changes: dict[str, list] = {}
         self.anomaly_events: list[dict] = []
+        self._anomaly_streak = (-1, 0)  # (last anomalous step, how many in a row up to it)
 
     # ---- building -------------------------------------------------------------------
 
