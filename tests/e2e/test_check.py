@@ -40,3 +40,15 @@ def test_a_wrong_product_or_sum_names_the_rank():
     report, healthy = _verdict([*good[:2], RankResult(2, "h", 1.0, 42.0, False, 1.0)], slow_factor=1.5)
     assert not healthy and "wrong all-reduce sum" in report
     assert _verdict(good, slow_factor=1.5)[1]
+    # Two ranks that disagree: no majority to blame one of them.
+    report, healthy = _verdict([good[0], RankResult(1, "h", 1.0, 41.5, True, 1.0)], slow_factor=1.5)
+    assert not healthy and "FAILED: rank 0, rank 1" in report and report.count("no majority") == 2
+
+
+def test_a_slow_rank_is_measured_against_the_others_not_a_median_that_holds_it():
+    from shardline.resilience.health import RankResult, _verdict
+
+    # Of two ranks, one 1.6x slower at slow_factor 1.5: against a median holding itself it read 0.77x.
+    report, healthy = _verdict([RankResult(0, "h", 1.6, 42.0, True, 1.0), RankResult(1, "h", 1.0, 42.0, True, 1.0)],
+                               slow_factor=1.5)
+    assert not healthy and "FAILED: rank 1\n" in report and "0.62x the median" in report

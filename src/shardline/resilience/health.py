@@ -5,7 +5,7 @@ all-reduce of known values and time it. Rank 0 gathers the results and names:
 
 * faulty ranks: a product that differs from the other ranks' (bad memory or compute
   units give wrong numbers before they crash), or a wrong all-reduce sum;
-* slow ranks: GEMM throughput below the median / `slow_factor` (thermal throttling,
+* slow ranks: GEMM throughput below the other ranks' median / `slow_factor` (thermal throttling,
   a bad clock, a noisy neighbour).
 
 Run it on its own (`torchrun ... -m shardline check`) or before training in the same
@@ -18,6 +18,7 @@ from __future__ import annotations
 import socket
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -94,18 +95,28 @@ def _sync(device: torch.device) -> None:
 
 
 def _verdict(results: list[RankResult], slow_factor: float) -> tuple[str, bool]:
-    median = statistics.median(r.tflops for r in results)
-    majority = statistics.mode(r.checksum for r in results)
+    """Each rank against the others: its GEMM result against the majority's (a tie names no
+    culprit: every rank off a shared top count is wrong-or-right, said as such), its speed
+    against the median of the other ranks (with itself in it, a slow rank of two would
+    have to be twice as slow as `slow_factor` says)."""
+    counts = Counter(r.checksum for r in results)
+    (majority, top), *rest = counts.most_common()
+    tied = bool(rest) and rest[0][1] == top
     lines = [f"{'rank':>4}  {'host':<20} {'GEMM TFLOP/s':>12} {'all-reduce ms':>13}  verdict"]
     healthy = True
     for r in results:
         problems = []
-        if r.checksum != majority:
+        if tied and counts[r.checksum] == top:
+            problems.append(f"GEMM results disagree with no majority ({r.checksum:.6g} here): one of the tied "
+                            "ranks is wrong")
+        elif r.checksum != majority:
             problems.append(f"wrong GEMM result ({r.checksum:.6g}, the others {majority:.6g})")
         if not r.allreduce_ok:
             problems.append("wrong all-reduce sum")
+        others = [o.tflops for o in results if o is not r]
+        median = statistics.median(others) if others else r.tflops
         if r.tflops < median / slow_factor:
-            problems.append(f"slow: {r.tflops / median:.2f}x the median GEMM throughput")
+            problems.append(f"slow: {r.tflops / median:.2f}x the median GEMM throughput of the other ranks")
         healthy = healthy and not problems
         lines.append(f"{r.rank:>4}  {r.host:<20} {r.tflops:>12.3f} {r.allreduce_ms:>13.2f}  "
                      + ("; ".join(problems) or "ok"))
