@@ -7,7 +7,8 @@ process up to the order of the sums. The pipeline cut after conversion keeps eac
 stage's Float8Linear layers, so pp=2 gives one process's losses, under zbv too, whose
 split backward runs each float8 matmul's input and weight gradients in separate passes. A run stopped and
 resumed from its checkpoint under FSDP float8 all-gather logs the uninterrupted run's
-losses. Tensor parallelism (tp=2, sequence and loss parallel) under either recipe gives
+losses, and a rollback logs a cold resume's (the restored weights' scales, not the
+discarded ones'). Tensor parallelism (tp=2, sequence and loss parallel) under either recipe gives
 one process's losses: its projections stay Float8Linear, now with DTensor weights, and
 casting a tp-sharded weight takes the scale of the whole weight (the amax is reduced
 across the tp ranks), per tensor or per row, which the workers check on every such
@@ -125,6 +126,11 @@ def runs(tmp_path_factory, small_prepared) -> Path:
     jobs = [(str(root / name), [*base, *extra]) for name, extra in LAYOUTS.items()]
     split = [*base, *LAYOUTS["fsdp2"], "checkpoint.interval=2"]  # the float8-gathered weights saved, loaded
     jobs += [(str(root / "resumed"), [*split, "train.stop_at_step=2"]), (str(root / "resumed"), split)]
+    # A rollback from step 4 to the step-2 checkpoint, against a cold resume of the same data.
+    four = [*split, "train.steps=4"]
+    jobs += [(str(root / "rolled"), [*four, "faults.spike_step=4", "anomaly.action=rollback", "anomaly.min_history=2"]),
+             (str(root / "cold"), [*four, "train.skip_batches=[3]", "train.stop_at_step=2"]),
+             (str(root / "cold"), [*four, "train.skip_batches=[3]"])]
     start_ranks(_worker, args=(free_port(), jobs), nprocs=2)
     return root
 
@@ -149,6 +155,14 @@ def test_fsdp_float8_resume_is_bit_identical(runs):
     assert [r["step"] for r in records if r.get("event") == "resume"] == [2]  # resumed, not restarted
     assert [r["step"] for r in records if r["kind"] == "train"] == ALL_STEPS
     assert losses(runs / "resumed") == losses(runs / "fsdp2")
+
+
+def test_fsdp_float8_rollback_gathers_the_restored_weights_with_their_own_scales(runs):
+    """The scales precomputed after step 3's update belong to weights the rollback discards;
+    the restored step-2 weights must be gathered with theirs, as a cold resume does."""
+    records = [json.loads(line) for line in (runs / "rolled" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["action"]) for r in records if r.get("event") == "anomaly"] == [(4, "rollback")]
+    assert losses(runs / "rolled") == losses(runs / "cold")
 
 
 @pytest.mark.parametrize("run, reference", [("tp2", "one"), ("tp2_rowwise", "one_rowwise")])

@@ -178,6 +178,8 @@ class Trainer(AnomalyResponse):
         check_skip_batches(name, self.step, saved, self.cfg.train.skip_batches)
         self.skipped_batches = sorted(set(saved) | set(self.skipped_batches))
         set_rng_state(state["rng"])
+        if self.cfg.train.precision == "fp8":  # a rollback: the scales precomputed are the discarded weights'
+            precompute_scales(self.model)
         return name
 
     def _open_run_dir(self, resumed: str | None) -> None:
