@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from shardline.errors import Preempted
-from shardline.resilience.preemption import StopRequests
 from shardline.resilience.checkpoint import verify
+from shardline.resilience.preemption import StopRequests
 from tests.conftest import tiny_overrides
 from tests.ports import free_port
 
@@ -103,3 +103,29 @@ def test_under_torchrun_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_
     manifest = verify(Path(event["checkpoint"]))  # saved collectively: both ranks' shards are in it
     assert manifest["step"] == event["step"] and event["signal"] == "SIGUSR1"
     assert {"trainer/rank0.pt", "trainer/rank1.pt"} <= set(manifest["files"])
+
+
+def test_a_stop_skips_the_due_evaluation_and_every_eval_and_save_is_a_watched_phase(tiny_config):
+    """The grace before the kill (torchrun: 30 s) is for the save, not an evaluation; and each
+    eval and save runs as a phase under watchdog.long_timeout_s (a first eval that compiles,
+    a slow save: not a hung step)."""
+    from contextlib import contextmanager
+
+    from shardline.trainer import Trainer
+
+    trainer = Trainer(tiny_config("train.steps=8", "train.eval_interval=2", "checkpoint.interval=2")).build()
+    phases, phase = [], trainer.guard.phase
+
+    @contextmanager
+    def recorded(name, step):
+        phases.append((name, step))
+        with phase(name, step):
+            yield
+
+    trainer.guard.phase = recorded
+    trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.step == 4 else None
+    with pytest.raises(Preempted, match="SIGTERM at step 4; state saved"):
+        trainer.train()
+    assert [p for p in phases if p[0] != "drain"] == [("eval", 2), ("save", 2), ("save", 4)]  # no eval at 4
+    evaluated = [r["step"] for r in records(trainer.run_dir) if r["kind"] == "eval"]
+    assert evaluated == [2]

@@ -252,22 +252,30 @@ class Trainer(AnomalyResponse):
             if step % cfg.metrics.log_interval == 0 or step == stop:
                 last = self._log_train(loss_value, grad_norm, self._clock() - window_start, window_steps)
                 window_start, window_steps = time.perf_counter(), 0
-            evaluate = cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == stop)
+            request = self.guard.stop_requested()
+            stopping = bool(request) and step < stop  # on the last step the run simply ends
+            # A stop skips the evaluation: the grace before the kill is for the save.
+            evaluate = not stopping and cfg.train.eval_interval and (step % cfg.train.eval_interval == 0
+                                                                     or step == stop)
             save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
             snapshot = cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0
             if evaluate or save or snapshot:  # evaluation and saves are not training: out of the window
                 paused = self._clock()
+                # Each watched as a phase (watchdog.long_timeout_s): a first eval that compiles, or
+                # a slow save, is not a hung step.
                 if evaluate:
-                    self.guard.timed("eval", self.evaluate)
+                    with self.guard.phase("eval", step):
+                        self.guard.timed("eval", self.evaluate)
                 if save:
-                    self.guard.timed("checkpoint", self.save_checkpoint)
+                    with self.guard.phase("save", step):
+                        self.guard.timed("checkpoint", self.save_checkpoint)
                 if snapshot:
-                    self.guard.timed("checkpoint", lambda: self.tiers.snapshot(
-                        self.step, self.model, self.optimizer, self._trainer_state()))
+                    with self.guard.phase("snapshot", step):
+                        self.guard.timed("checkpoint", lambda: self.tiers.snapshot(
+                            self.step, self.model, self.optimizer, self._trainer_state()))
                 window_start += self._clock() - paused
             self.guard.end_step(step, started)
-            request = self.guard.stop_requested()
-            if request and step < stop:  # on the last step the run simply ends
+            if stopping:
                 every = cfg.checkpoint.interval
                 stopped = self._stop_on_request(request, saved=bool(every) and step % every == 0)
                 break
@@ -289,7 +297,8 @@ class Trainer(AnomalyResponse):
             self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)
             return f"{signal_name} at step {self.step}; checkpoint.interval=0, so nothing was saved"
         if not saved:
-            self.guard.timed("checkpoint", self.save_checkpoint)
+            with self.guard.phase("save", self.step):
+                self.guard.timed("checkpoint", self.save_checkpoint)
         self.guard.drain(self.step)  # an async save must be on disk before the process ends
         path = self.checkpointer.root / step_dir_name(self.step)
         if not path.is_dir():  # the storage refused it (logged as checkpoint_failed)
