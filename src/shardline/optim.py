@@ -62,6 +62,13 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimConfig) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def schedule_settings(total_steps: int, cfg: OptimConfig) -> dict:
+    """What the learning-rate schedule is computed from: a checkpoint's scheduler holds only the
+    step, so a resume with other values changes the lr curve from there on (and says so)."""
+    return {"train.steps": total_steps, "warmup_steps": cfg.warmup_steps, "schedule": cfg.schedule,
+            "min_lr_ratio": cfg.min_lr_ratio, "decay_fraction": cfg.decay_fraction}
+
+
 def build_scheduler(opt: torch.optim.Optimizer, total_steps: int, cfg: OptimConfig):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_multiplier(step, total_steps, cfg))
 

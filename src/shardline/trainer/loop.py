@@ -34,7 +34,7 @@ from shardline.models.factory import args_to_json
 from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
 from shardline.models.moe.parallelize import build_model as build_moe_model
-from shardline.optim import apply_hyperparameters, build_optimizer, build_scheduler, lr_multiplier
+from shardline.optim import apply_hyperparameters, build_optimizer, build_scheduler, lr_multiplier, schedule_settings
 from shardline.parallel.collectives import clip_grad_norm, reduce_over
 from shardline.parallel.compile import describe as describe_compile
 from shardline.parallel.dims import ParallelDims
@@ -172,6 +172,8 @@ class Trainer(AnomalyResponse):
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
         self._optim_changes = apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.optim)
+        now = schedule_settings(self.cfg.train.steps, self.cfg.optim)  # the lr curve from here on
+        self._optim_changes.update({k: [v, now[k]] for k, v in state.get("schedule", {}).items() if now.get(k) != v})
         self.scaler.load_state_dict(state["scaler"])
         self.anomaly.load_state_dict(state.get("anomaly", {}))
         saved = state["data"].get("skipped_batches", [])
@@ -202,6 +204,9 @@ class Trainer(AnomalyResponse):
                                reason="the states are in host memory already; FSDP2's offload path runs unpinned")
         self.profiler = StepProfiler(self.cfg.metrics.profile_steps, self.run_dir, self.proc.rank, self.device,
                                      self.step, self.cfg.train.steps, self.metrics.event)
+        if self.cfg.optim.warmup_steps > self.cfg.train.steps:  # the lr peaks at the last step, never decays
+            self.metrics.event("warmup_cut", step=self.step, warmup_steps=self.cfg.optim.warmup_steps,
+                               steps=self.cfg.train.steps)
         if self._lock_taken_over:
             self.metrics.event("run_dir_lock_taken_over", step=self.step, reason=self._lock_taken_over)
         if resumed is not None:
@@ -404,7 +409,8 @@ class Trainer(AnomalyResponse):
         data = {**self.data.sampler.state_dict(self.step), **self.data.position_state(),
                 "skipped_batches": self.skipped_batches}
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict()}
+                "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict(),
+                "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim)}
 
     def _log_train(self, loss: float | torch.Tensor, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
         self.report_device_anomalies()
