@@ -32,6 +32,7 @@ def test_hang_is_detected_dumped_and_named(tmp_path, small_prepared):
     report = json.loads((dump / "report.json").read_text())
     assert 1 in report["stopped_ranks"]
     assert "before_step" in (dump / "rank1.txt").read_text()  # where the hung rank sleeps
+    assert not (run / ".lock").exists()  # the exit (os._exit, no atexit) freed the run dir for a rerun elsewhere
 
 
 def test_slow_rank_is_reported_as_straggler(tmp_path, small_prepared):

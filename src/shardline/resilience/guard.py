@@ -58,8 +58,10 @@ class RunGuard:
         else:
             self._log(name, **fields)
 
-    def watch(self) -> None:
-        """The run dir is locked: the watchdog starts (a hang from here on ends with a report)."""
+    def watch(self, before_exit: Callable[[], None] | None = None) -> None:
+        """The run dir is locked: the watchdog starts (a hang from here on ends with a report).
+        `before_exit`: what a hang's exit does first (it skips atexit handlers), e.g. free the lock."""
+        self.watchdog.before_exit = before_exit
         self.watchdog.start()
 
     @contextmanager

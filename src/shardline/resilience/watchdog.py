@@ -93,6 +93,7 @@ class Watchdog:
         self._train_thread: int | None = None
         self._steps_begun = self._beat = 0
         self._store_lost = False
+        self.before_exit: Callable[[], None] | None = None  # e.g. free the run dir's lock: os._exit skips atexit
 
     # ----- the training thread's side: cheap, no I/O -----
 
@@ -290,6 +291,7 @@ class Watchdog:
         print(f"shardline watchdog (rank {self.rank}): {msg}; exiting with code {self.exit_code} "
               "so the launcher can restart", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        self._before_exit()
         os._exit(self.exit_code)  # the training thread is stuck: a normal exit would wait for it
 
     def _hold_exit(self) -> None:
@@ -297,7 +299,15 @@ class Watchdog:
         # threads raise and the interpreter starts to exit while this thread still
         # dumps or reports. Wait for it (it ends in os._exit), and keep our exit code.
         time.sleep(self.grace_s + 2 * self.poll_s + 5.0)
+        self._before_exit()
         os._exit(self.exit_code)
+
+    def _before_exit(self) -> None:
+        if self.before_exit is not None:
+            try:
+                self.before_exit()
+            except Exception:  # exiting regardless: a lock left behind is named at the next start
+                pass
 
     def _safe(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args), or None once the store failed: a lost store must not kill the thread.

@@ -128,7 +128,7 @@ class Trainer(AnomalyResponse):
             if self.checkpointer.list() != seen:  # a run finishing in this dir saved since: choose again
                 resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
             resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
-            self.guard.watch()
+            self.guard.watch(before_exit=self.lock.release)  # a hang's exit frees the run dir for the rerun
             with self.guard.phase("restore", self.step):
                 found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
                 self._set_aside = self._set_aside_newer(found)  # before the restore, which may fail
