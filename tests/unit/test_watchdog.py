@@ -172,3 +172,30 @@ def test_a_phase_inside_a_step_hands_the_watch_back_to_the_step(tmp_path):
     wd.phase_begin("drain", 1)
     wd.phase_end()
     assert not wd._progress.in_step
+
+
+def test_a_store_that_fails_for_a_moment_is_tried_again(tmp_path, monkeypatch):
+    """A TCPStore timeout or a reset connection passes: giving the store up at its first failure
+    left the rank silent, and rank 0 declared it dead a hang limit later. It is given up only
+    after failing for a whole hang limit."""
+    from shardline.resilience import watchdog as module
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    wd = Watchdog(WatchdogConfig(timeout_s=5), tmp_path, 0, 1, None, lambda *a, **k: None)
+
+    def fails():
+        raise RuntimeError("Socket Timeout")
+
+    assert wd._safe(fails) is None and not wd._store_lost
+    clock[0] += 2
+    assert wd._safe(lambda: "answer") == "answer"  # back: its failures are forgotten
+    clock[0] += 1
+    wd._safe(fails)
+    clock[0] += 4.9
+    wd._safe(fails)
+    assert not wd._store_lost
+    clock[0] += 0.2
+    with pytest.warns(UserWarning, match="the c10d store failed for 5 s"):
+        wd._safe(fails)
+    assert wd._store_lost and wd._safe(lambda: "answer") is None

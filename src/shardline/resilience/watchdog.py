@@ -93,6 +93,7 @@ class Watchdog:
         self._train_thread: int | None = None
         self._steps_begun = self._beat = 0
         self._store_lost = False
+        self._store_failing_since: float | None = None  # when the store's calls began to fail
         self.before_exit: Callable[[], None] | None = None  # e.g. free the run dir's lock: os._exit skips atexit
 
     # ----- the training thread's side: cheap, no I/O -----
@@ -310,13 +311,29 @@ class Watchdog:
                 pass
 
     def _safe(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args), or None once the store failed: a lost store must not kill the thread.
+        """fn(*args), or None while the store fails: a lost store must not kill the thread.
 
-        Its host (usually rank 0) is gone and will not come back within this run, so the
-        store is not tried again: each failed call would only print a C++ trace.
+        A failure is retried at the next calls (a timeout or a reset connection passes, and a
+        rank that stopped publishing would be declared dead by rank 0); after failing for the
+        whole hang limit its host (usually rank 0) is taken as gone for this run, and the store
+        is not tried again: each failed call would only print a C++ trace.
         """
         if self._store_lost:
             return None
+        try:
+            result = fn(*args)
+        except (RuntimeError, OSError) as exc:  # DistStoreError and DistNetworkError are RuntimeErrors
+            now = time.monotonic()
+            self._store_failing_since = self._store_failing_since or now
+            if now - self._store_failing_since >= max(self.timeout, self.poll_s):
+                self._store_lost = True
+                if not self._stop.is_set():
+                    warnings.warn(f"shardline watchdog (rank {self.rank}): the c10d store failed for "
+                                  f"{now - self._store_failing_since:.0f} s: {exc}; from now on it watches this "
+                                  "rank alone", stacklevel=2)
+            return None
+        self._store_failing_since = None
+        return result
         try:
             return fn(*args)
         except (RuntimeError, OSError) as exc:  # DistStoreError and DistNetworkError are RuntimeErrors
