@@ -10,6 +10,7 @@ import json
 import pytest
 
 from tests.conftest import tiny_overrides
+from tests.distributed.harness import run_world
 from tests.e2e.test_torchrun import torchrun
 
 LAYOUTS = {"fsdp": (2, ["parallel.dp_shard=2"]), "fsdp_x_tp": (4, ["parallel.dp_shard=2", "parallel.tp=2"])}
@@ -44,8 +45,9 @@ def test_killed_rank_recovers_with_identical_losses(tmp_path, small_prepared, la
     nproc, extra = LAYOUTS[layout]
     common = [*extra, "train.eval_interval=0"]
     clean = tmp_path / "clean"
-    out = torchrun(nproc, *[f"--{o}" for o in tiny_overrides(clean, small_prepared, *common)])
-    assert out.returncode == 0, out.stderr[-2000:]
+    # The uninterrupted reference on ranks forked from the harness's preloaded server: the
+    # same trainer and gloo ranks as torchrun's, without a launcher and fresh imports.
+    run_world(nproc, [(clean, tiny_overrides(clean, small_prepared, *common))])
     # The clean run as a user sees it: rank 0 alone logs, each step once, in order, and every
     # rank's trainer state is in the last checkpoint.
     assert [r["step"] for r in records(clean) if r["kind"] == "train"] == list(range(1, 13))
