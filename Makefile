@@ -22,9 +22,10 @@ train: $(STAMP)
 	$(BIN)/shardline train $(ARGS)
 
 # Two phases. First the tests on TEST_WORKERS pytest-xdist workers, a file to a worker at a
-# time (its module fixtures are built once); then the tests marked `alone`, whose assertions
-# compare timings, with nothing beside them. One torch thread per process (TEST_THREADS): the tiny
-# models gain nothing from a second, and two workers' thread pools spinning on 2 cores cost a
+# time (its module fixtures are built once), the longest files first (tests/conftest.py
+# HEAVY_FIRST; --no-loadscope-reorder keeps that order); then the tests marked `alone`,
+# whose assertions compare timings, with nothing beside them. One torch thread per process
+# (TEST_THREADS): the tiny models gain nothing from a second, and two workers' thread pools spinning on 2 cores cost a
 # third more CPU time. Exit status 5 (no test selected) counts as a pass in a phase unless
 # both select nothing, so `make test PYTEST_ARGS=tests/unit/test_config.py` works; -m and -k
 # in PYTEST_ARGS apply to both phases. TEST_WORKERS=0 runs the first phase in one process.
@@ -38,7 +39,7 @@ PYTEST := OMP_NUM_THREADS=$(TEST_THREADS) TORCHINDUCTOR_COMPILE_THREADS=1 $(BIN)
 test: $(STAMP)
 	@status=0; \
 	echo "make test, phase 1 of 2: $(TEST_WORKERS) workers"; \
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile --phase=shared $(PYTEST_ARGS); first=$$?; \
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --phase=shared $(PYTEST_ARGS); first=$$?; \
 	echo "make test, phase 2 of 2: the tests marked alone"; \
 	$(PYTEST) --phase=alone $(PYTEST_ARGS); second=$$?; \
 	for r in $$first $$second; do [ $$r = 0 ] || [ $$r = 5 ] || status=$$r; done; \

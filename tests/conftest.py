@@ -19,10 +19,26 @@ def pytest_addoption(parser):
                           "alone: only those (make test runs them after, one at a time); all (default): every test")
 
 
+# The files that take longest (seconds of test time, summed over their tests, in a 2-worker
+# run), started first: `make test` hands xdist workers whole files in this order
+# (--no-loadscope-reorder), so the last file to start is a short one and neither worker idles
+# at the end while the other runs a three-minute file (longest first; xdist's own order is by
+# the number of tests, which put these two-test files last).
+HEAVY_FIRST = ("tests/distributed/test_compile_parallel.py", "tests/distributed/test_parity.py",
+               "tests/e2e/test_benchmarks.py", "tests/e2e/test_recovery.py",
+               "tests/distributed/test_expert_parallel.py", "tests/e2e/test_kill_loop.py",
+               "tests/distributed/test_context_parallel.py", "tests/distributed/test_float8_fsdp.py",
+               "tests/unit/test_compile.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu are skipped, with the reason shown, on a machine without CUDA; --phase
-    picks the tests marked alone or the others (as a deselection, so it combines with -m and -k)."""
+    picks the tests marked alone or the others (as a deselection, so it combines with -m and -k);
+    the files of HEAVY_FIRST come first (a stable sort: the rest keep their order)."""
     import torch
+
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
     phase = config.getoption("phase")
     if phase != "all":
