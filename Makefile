@@ -25,8 +25,8 @@ train: $(STAMP)
 # time (its module fixtures are built once), the longest files first (tests/conftest.py
 # HEAVY_FIRST; --no-loadscope-reorder keeps that order); then the tests marked `alone`,
 # whose assertions compare timings, with nothing beside them. One torch thread per process
-# (TEST_THREADS): the tiny models gain nothing from a second, and two workers' thread pools spinning on 2 cores cost a
-# third more CPU time. Exit status 5 (no test selected) counts as a pass in a phase unless
+# (TEST_THREADS): the tiny models gain nothing from a second, and two workers' thread pools
+# spinning on 2 cores cost a third more CPU time. Exit status 5 (no test selected) counts as a pass in a phase unless
 # both select nothing, so `make test PYTEST_ARGS=tests/unit/test_config.py` works; -m and -k
 # in PYTEST_ARGS apply to both phases. TEST_WORKERS=0 runs the first phase in one process.
 # Inductor compiles in the test's own process (TORCHINDUCTOR_COMPILE_THREADS=1) instead of
