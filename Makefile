@@ -23,15 +23,16 @@ train: $(STAMP)
 
 # Two phases. First the tests on TEST_WORKERS pytest-xdist workers, a file to a worker at a
 # time (its module fixtures are built once), the longest files first (tests/conftest.py
-# HEAVY_FIRST; --no-loadscope-reorder keeps that order); then the tests marked `alone`,
-# whose assertions compare timings, with nothing beside them. One torch thread per process
+# HEAVY_FIRST; --no-loadscope-reorder keeps that order); then the tests marked `alone`, whose
+# assertions compare timings, with nothing beside them. One torch thread per process
 # (TEST_THREADS): the tiny models gain nothing from a second, and two workers' thread pools
-# spinning on 2 cores cost a third more CPU time. Exit status 5 (no test selected) counts as a pass in a phase unless
-# both select nothing, so `make test PYTEST_ARGS=tests/unit/test_config.py` works; -m and -k
-# in PYTEST_ARGS apply to both phases. TEST_WORKERS=0 runs the first phase in one process.
-# Inductor compiles in the test's own process (TORCHINDUCTOR_COMPILE_THREADS=1) instead of
-# starting a pool of compile workers per compiling process: the compile tests from an empty
-# cache took 209 s that way against 227 s with the default pool (one run each, 2 workers).
+# spinning on 2 cores cost a third more CPU time. Exit status 5 (no test selected) counts as a
+# pass in a phase unless both select nothing, so `make test
+# PYTEST_ARGS=tests/unit/test_config.py` works; -m and -k in PYTEST_ARGS apply to both phases.
+# TEST_WORKERS=0 runs the first phase in one process. Inductor compiles in the test's own
+# process (TORCHINDUCTOR_COMPILE_THREADS=1) instead of starting a pool of compile workers per
+# compiling process: the compile tests from an empty cache took 209 s that way against 227 s
+# with the default pool (one run each, 2 workers).
 TEST_WORKERS ?= 2
 TEST_THREADS ?= 1
 PYTEST := OMP_NUM_THREADS=$(TEST_THREADS) TORCHINDUCTOR_COMPILE_THREADS=1 $(BIN)/python -m pytest -q
