@@ -77,11 +77,14 @@ def measure_baseline_gib(overrides: list[str] = ()) -> float:
             f"from shardline.data import build_data; build_data(load_config(None, {list(overrides)!r})); "
             "m = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()); "
             "print(m.group(1) if m else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    from shardline.config import load_config
+    from shardline.data import build_data
+
+    # Built here first: a first build may train and cache the tokenizer, which a training run
+    # (and so the measured process) then only loads.
+    build_data(load_config(None, list(overrides)))
     try:
-        # Twice: the first run may train and cache the tokenizer, which a training run then only loads.
-        for _ in range(2):
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                                 check=True)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     except (subprocess.SubprocessError, OSError) as e:
         raise ShardlineError(f"calibrate: could not measure the process baseline: {e}") from None
     return int(out.stdout.strip().splitlines()[-1]) / 2**20
