@@ -21,6 +21,11 @@ class CheckpointError(ShardlineError):
     """A checkpoint that is missing, incomplete or does not match the run."""
 
 
+class CheckpointUnreadable(CheckpointError):
+    """A checkpoint the storage failed to read (EIO, a stale NFS handle): not known to be bad,
+    so a resume stops instead of passing over it (a retry may read it)."""
+
+
 class AnomalyHalt(ShardlineError):
     """Training stopped on an anomaly with anomaly.action = halt (exit code 3)."""
 

@@ -9,7 +9,6 @@ AC as under full (no policy saves a collective's output). This counts them in a 
 from __future__ import annotations
 
 import json
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -27,11 +26,11 @@ RUNS = [(True, "none"), (True, "op"), (True, "full"), (False, "none"), (False, "
 def _counts(rank: int, port: int, corpus: str, out: str) -> None:
     found = {}
     with gloo_rank(rank, 2, port):
-        for sp, ac in RUNS:
+        for i, (sp, ac) in enumerate(RUNS):
             overrides = [*PARITY_OVERRIDES, f"model.n_layers={LAYERS}", "train.steps=1", "train.eval_interval=0",
                          "checkpoint.interval=0", "train.global_batch_size=2", f"data.path={corpus}",
                          "parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}",
-                         f"memory.activation_checkpoint={ac}", f"run.dir={tempfile.mkdtemp()}"]
+                         f"memory.activation_checkpoint={ac}", f"run.dir={Path(out).parent / f'run{i}'}"]
             trainer = Trainer(load_config(None, overrides)).build()
             with CommDebugMode() as mode:
                 trainer.train()
@@ -49,4 +48,3 @@ def test_a_rerun_forward_replays_the_gathers_and_attentions_outgoing_collective(
         for ac in ("op", "full") if sp else ("op",):
             extra = counts[f"{sp}-{ac}"] - counts[f"{sp}-none"]
             assert extra == Counter({op: n * LAYERS for op, n in replayed.items()}), (sp, ac, extra)
-

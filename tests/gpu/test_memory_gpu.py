@@ -100,6 +100,10 @@ def test_the_rng_state_is_this_gpus_and_older_all_gpu_states_still_load():
     first = torch.rand(4, device="cuda")
     set_rng_state(state)
     assert torch.equal(torch.rand(4, device="cuda"), first)
-    older = {**state, "cuda": torch.cuda.get_rng_state_all() + [state["cuda"]] * 2}  # saved with more GPUs
-    set_rng_state(older)
+    mine = torch.cuda.current_device()
+    older = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())] + [state["cuda"]] * 2
+    older[mine] = state["cuda"]  # saved with more GPUs: this rank's own is at its index
+    torch.rand(4, device="cuda")  # move the generator on
+    set_rng_state({**state, "cuda": older})
+    assert torch.equal(torch.cuda.get_rng_state(), state["cuda"])
     set_rng_state({**state, "cuda": []})  # fewer than this rank's index: left as it is, no IndexError

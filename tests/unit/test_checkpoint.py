@@ -198,15 +198,19 @@ def test_a_second_save_of_a_step_replaces_the_first_and_leaves_nothing_behind(tr
 def test_a_crash_between_a_second_saves_two_renames_loses_neither(trained, tiny_config, new_one_sealed):
     """Cut after the old folder went aside and before the new one took its name, only
     step-N.deleting and step-N.tmp are left: the next start puts back the new one when its
-    manifest verifies, else the old one (before, keep=1 left nothing to resume)."""
+    manifest verifies, else the old one (before, keep=1 left nothing to resume); the next
+    prune removes the one not needed."""
     root = trained / "checkpoints"
     shutil.copytree(root / "step-000012", root / "step-000012.tmp")
+    manifest = json.loads((root / "step-000012.tmp" / "manifest.json").read_text())
+    (root / "step-000012.tmp" / "manifest.json").write_text(json.dumps({**manifest, "time": 1.0}))  # the new one
     if not new_one_sealed:
         (root / "step-000012.tmp" / "manifest.json").unlink()
     (root / "step-000012").rename(root / "step-000012.deleting")
     trainer = Trainer(tiny_config("train.steps=12", "checkpoint.keep=1")).build()
-    assert trainer.step == 12 and verify(root / "step-000012")["step"] == 12
-    assert not (root / "step-000012.deleting").exists() and (root / "step-000012.tmp").exists() != new_one_sealed
+    assert trainer.step == 12 and (verify(root / "step-000012")["time"] == 1.0) == new_one_sealed
+    trainer.checkpointer.prune()
+    assert sorted(p.name for p in root.iterdir()) == ["step-000012"] + (["step-000012.tmp"] * (not new_one_sealed))
 
 
 def test_a_checkpoint_sealed_before_the_lock_was_taken_is_the_one_resumed(trained, tiny_config, tmp_path,
@@ -249,8 +253,9 @@ def test_a_resume_hashes_each_file_of_its_checkpoint_once(trained, tiny_config, 
         ckpts.verify(trained / "checkpoints" / "step-000012")
 
 
-def test_an_unreadable_checkpoint_file_makes_the_checkpoint_invalid_not_a_crash(trained, monkeypatch):
-    """EIO or a stale NFS handle while hashing is one line, and the resume takes an older one."""
+def test_an_unreadable_checkpoint_file_stops_the_resume_in_one_line(trained, monkeypatch):
+    """EIO or a stale NFS handle while hashing is one line; the resume stops there instead of
+    passing over it (to an older one, or to step 0 with the history set aside): a retry may read it."""
     import errno
 
     from shardline.resilience import checkpoint
@@ -265,7 +270,8 @@ def test_an_unreadable_checkpoint_file_makes_the_checkpoint_invalid_not_a_crash(
     monkeypatch.setattr(checkpoint, "_sha256", failing_disk)
     with pytest.raises(CheckpointError, match="cannot read .* \\(Input/output error\\)"):
         verify(newest)
-    assert Checkpointer(trained, keep=3).latest_valid().name == "step-000006"
+    with pytest.raises(CheckpointError, match="the storage failed, so the run stops"):
+        Checkpointer(trained, keep=3).latest_valid()
 
 
 def test_checkpoints_order_by_step_past_six_digits(tmp_path):

@@ -234,7 +234,7 @@ def test_a_halt_with_nothing_on_disk_keeps_the_ram_snapshot_for_the_rerun(tiny_c
     from shardline.trainer.anomalies import AnomalyHalt
 
     memory = ["checkpoint.interval=0", "checkpoint.memory_interval=3", "anomaly.action=halt", "anomaly.min_history=3"]
-    with pytest.raises(AnomalyHalt, match="nothing saved"):
+    with pytest.raises(AnomalyHalt, match="nothing saved to disk .*; the in-memory snapshots stay for a rerun"):
         _memory_run(tiny_config, tmp_path, *memory, "faults.nan_step=5").train()
     assert _held_steps(tmp_path / "shm") == {3}
     assert _memory_run(tiny_config, tmp_path, *memory).step == 3

@@ -140,14 +140,23 @@ def test_resume_flag_without_checkpoint_fails(tiny_config):
         Trainer(tiny_config("run.resume=latest")).build()
 
 
-def test_never_resume_refuses_to_overwrite(tiny_config, monkeypatch):
+def test_never_resume_refuses_to_overwrite(tiny_config, tmp_path, monkeypatch):
     Trainer(tiny_config("train.steps=6")).build().train()
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         Trainer(tiny_config("run.resume=never")).build()
-    # A restart of that job (torchrun --max-restarts, a Slurm requeue) reruns its command
-    # line: it goes on from what the first attempt saved.
+    # A restart of that refused job (torchrun restarts on any failure) is refused again: the
+    # checkpoints are another run's.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert Trainer(tiny_config("run.resume=never", "train.steps=6")).build().step == 6
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        Trainer(tiny_config("run.resume=never")).build()
+    # A job that started fresh and saved: its restart reruns the same command line and goes
+    # on from what the first attempt saved.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    fresh = tmp_path / "fresh"
+    Trainer(tiny_config("run.resume=never", "train.stop_at_step=6", run_dir=fresh)).build().train()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert Trainer(tiny_config("run.resume=never", run_dir=fresh)).build().step == 6
 
 
 def test_resume_with_other_data_layout_is_refused(tiny_config):

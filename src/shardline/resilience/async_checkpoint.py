@@ -18,12 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from shardline.resilience.background import BackgroundWork
-from shardline.resilience.checkpoint import (
-    Checkpointer,
-    capture_state,
-    step_dir_name,
-    write_state,
-)
+from shardline.resilience.checkpoint import Checkpointer, step_dir_name, write_state
+from shardline.resilience.model_state import capture_state
 from shardline.resilience.save_failures import storage_error
 
 

@@ -31,15 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from shardline.errors import CheckpointError
-from shardline.parallel.pipeline import tied_copy
+from shardline.errors import CheckpointError, CheckpointUnreadable
+from shardline.resilience.model_state import capture_state, keep_own_group_names, restore_state
 from shardline.resilience.save_failures import agree_on_failure, storage_error
 
 MANIFEST = "manifest.json"
@@ -68,12 +63,13 @@ def _last_line(e: BaseException) -> str:
     return lines[-1] if lines else type(e).__name__
 
 
-DELETING = ".deleting"  # an old checkpoint being removed (renamed first)
+DELETING = ".deleting"  # a save's older folder of the same step, renamed aside (_rename_into_place)
+PRUNING = ".pruning"  # an old checkpoint being removed by prune (renamed first)
 
 
 def _finished(folder: Path) -> bool:
     """Not a save in progress (.tmp) nor a removal in progress (.deleting)."""
-    return not folder.name.endswith((".tmp", DELETING))
+    return not folder.name.endswith((".tmp", DELETING, PRUNING))
 
 
 def step_dir_name(step: int) -> str:
@@ -109,82 +105,10 @@ def verify(path: Path) -> dict[str, Any]:
                 raise CheckpointError(f"checkpoint {path}: {rel} is {f.stat().st_size} bytes, manifest says {size}")
             if _sha256(f) != sha256:
                 raise CheckpointError(f"checkpoint {path}: {rel} is corrupted (sha256 mismatch)")
-        except OSError as e:  # EIO, a stale NFS handle, no permission: unreadable is not valid
-            raise CheckpointError(f"checkpoint {path}: cannot read {rel} ({e.strerror or e})") from None
+        except OSError as e:  # EIO, a stale NFS handle, no permission: unreadable, not known to be bad
+            raise CheckpointUnreadable(f"checkpoint {path}: cannot read {rel} ({e.strerror or e}); the storage "
+                                       "failed, so the run stops instead of passing over it") from None
     return manifest
-
-
-def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Model (and optimizer) state keyed by parameter name, as DCP saves it."""
-    if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    if hasattr(optimizer, "checkpoint_state"):  # ZeRO-1 keys its sharded states itself
-        model_sd, optim_sd = get_model_state_dict(model), optimizer.checkpoint_state()
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-    if tied_copy(model) is not None:
-        optim_sd = _fold_tied_copy(optim_sd, embedding_here=model.tok_embeddings is not None)
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def restore_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Put a loaded capture_state() tree back into the model and optimizer."""
-    optim_sd = state["optim"]
-    if tied_copy(model) is not None:
-        optim_sd = _unfold_tied_copy(optim_sd, embedding_here=model.tok_embeddings is not None)
-    if hasattr(optimizer, "load_checkpoint_state"):
-        set_model_state_dict(model, state["model"])
-        optimizer.load_checkpoint_state(optim_sd)
-        return
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd)
-
-
-# A tied output head held as a copy of the embedding (parallel/pipeline.py's tied_copy)
-# has the embedding's optimizer state (equal gradients give equal moments), so it is
-# saved once, under the embedding's name: the checkpoint holds one tied weight's state,
-# as a single process saves it, and any layout can load it. (Model weights keep both
-# names, as a tied single-process model's state dict does.)
-_COPY, _EMBEDDING = "output.weight", "tok_embeddings.weight"
-
-
-def _fold_tied_copy(optim_sd: dict[str, Any], embedding_here: bool) -> dict[str, Any]:
-    """The copy's state under the embedding's name (dropped where the embedding is here too)."""
-    if embedding_here:
-        state = {k: v for k, v in optim_sd["state"].items() if k != _COPY}
-        groups = [{**g, "params": [n for n in g["params"] if n != _COPY]} for g in optim_sd["param_groups"]]
-        return {**optim_sd, "state": state, "param_groups": groups}
-    return _rename_optim_key(optim_sd, _COPY, _EMBEDDING)
-
-
-def _unfold_tied_copy(optim_sd: dict[str, Any], embedding_here: bool) -> dict[str, Any]:
-    """The inverse of _fold_tied_copy, for a model holding the copy (and the embedding, or not)."""
-    if not embedding_here:
-        return _rename_optim_key(optim_sd, _EMBEDDING, _COPY)
-    # The copy gets tensors of its own: the optimizer updates its states in place.
-    copied = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optim_sd["state"][_EMBEDDING].items()}
-    groups = [{**g, "params": [*g["params"], _COPY] if _EMBEDDING in g["params"] else g["params"]}
-              for g in optim_sd["param_groups"]]
-    return {**optim_sd, "state": {**optim_sd["state"], _COPY: copied}, "param_groups": groups}
-
-
-def _rename_optim_key(optim_sd: dict[str, Any], old: str, new: str) -> dict[str, Any]:
-    state = {new if k == old else k: v for k, v in optim_sd["state"].items()}
-    groups = [{**g, "params": [new if n == old else n for n in g["params"]]} for g in optim_sd["param_groups"]]
-    return {**optim_sd, "state": state, "param_groups": groups}
-
-
-def _keep_own_group_names(optim_sd: dict[str, Any], own: list[list[str]]) -> None:
-    """Put this rank's parameter names back into the loaded optimizer groups (in place).
-
-    A checkpoint stores one copy of the groups (their hyperparameters and parameter
-    names), written by one rank; where ranks hold different parameters (pipeline
-    stages) a rank would load another's names, and torch's loader then matches none of
-    its parameters and drops the group's hyperparameters. The hyperparameters are the
-    same on every rank, and the groups are built alike on every rank (optim.py)."""
-    loaded = optim_sd["param_groups"]
-    if len(loaded) != len(own):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(loaded)} parameter groups, this one {len(own)}")
-    optim_sd["param_groups"] = [{**g, "params": names} for g, names in zip(loaded, own)]
 
 
 def write_checkpoint(final: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -341,6 +265,8 @@ class Checkpointer:
             try:
                 self.verify(path)
                 return path
+            except CheckpointUnreadable:
+                raise  # passing over it would resume an older one, or start over and set the history aside
             except CheckpointError as e:
                 if on_invalid is not None:
                     on_invalid(path, e)
@@ -364,7 +290,7 @@ class Checkpointer:
         state = capture_state(model, optimizer)
         own_groups = [g["params"] for g in state["optim"]["param_groups"]]
         _dcp_load(path, state)
-        _keep_own_group_names(state["optim"], own_groups)
+        keep_own_group_names(state["optim"], own_groups)
         restore_state(model, optimizer, state)
         rank_file = path / "trainer" / f"rank{self.rank}.pt"
         if not rank_file.is_file():
@@ -392,8 +318,8 @@ class Checkpointer:
     def repair_interrupted_seal(self) -> list[Path]:
         """Put back a checkpoint whose second save of a step was cut between its two renames
         (_seal: the old folder renamed aside, the new one not yet into place): the new one when
-        its manifest verifies, else the old one. Writer only, with the run dir locked (a live
-        save's window must not be "repaired"). Returns the folders put back."""
+        its manifest verifies, else the old one if it does. Writer only, with the run dir locked
+        (a live save's window must not be "repaired"). Returns the folders put back."""
         if not self.is_writer or not self.root.is_dir():
             return []
         restored = []
@@ -401,21 +327,22 @@ class Checkpointer:
             final = aside.with_name(aside.name.removesuffix(DELETING))
             if final.exists():
                 continue
-            new = final.with_name(final.name + ".tmp")
-            try:
-                verify(new)
-                new.rename(final)
-                shutil.rmtree(aside, ignore_errors=True)  # as the interrupted seal would have
-            except CheckpointError:
-                aside.rename(final)  # a prune's leftover comes back too: the next prune takes it again
-            restored.append(final)
+            for candidate in (final.with_name(final.name + ".tmp"), aside):
+                try:
+                    verify(candidate)
+                except CheckpointError:
+                    continue  # half-written, or half-deleted (an older version's prune left these too)
+                candidate.rename(final)
+                restored.append(final)
+                break
         return restored
 
     def prune(self) -> None:
         """Keep the newest `keep`. A folder is renamed before it is removed, so an interruption
-        never leaves a half-deleted checkpoint that looks complete; leftovers go next time."""
+        never leaves a half-deleted checkpoint that looks complete; leftovers go next time, and
+        what an interrupted seal left aside once repair_interrupted_seal did not need it."""
         self.repair_interrupted_seal()
         for old in self.list()[: -self.keep]:
-            old.rename(old.with_name(old.name + DELETING))
-        for gone in self.root.glob(f"step-*{DELETING}"):
-            shutil.rmtree(gone, ignore_errors=True)
+            old.rename(old.with_name(old.name + PRUNING))
+        for gone in [*self.root.glob(f"step-*{PRUNING}"), *self.root.glob(f"step-*{DELETING}")]:
+            shutil.rmtree(gone, ignore_errors=True)  # a seal's folder aside that repair did not need

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from shardline.resilience import redundancy, snapshot_format
 from shardline.resilience.background import BackgroundWork
-from shardline.resilience.checkpoint import capture_state, restore_state
+from shardline.resilience.model_state import capture_state, restore_state
 
 KINDS = ("own", "replica", "parity")
 

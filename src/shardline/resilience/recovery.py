@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from shardline.config import Config
 from shardline.data.sampler import batch_index
 from shardline.errors import CheckpointError, ConfigError
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer, step_of
+from shardline.resilience.run_lock import job_id
 
 
 def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, list[str]]:
@@ -32,9 +34,9 @@ def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, l
             raise ConfigError(f"run.resume={mode!r} is not a checkpoint folder; valid: auto, latest, never, "
                               "or the path of a checkpoint folder")
         return named, invalid
-    if mode == "never" and restarted():
-        mode = "auto"  # the first attempt started fresh; its restart goes on from what it saved
     path = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
+    if mode == "never" and restarted() and path is not None and saved_by_this_job(path):
+        return path, invalid  # the first attempt started fresh; its restart goes on from what it saved
     if mode == "latest" and path is None:
         raise CheckpointError(f"--resume given but {checkpointer.root} holds no valid checkpoint"
                               + (f" ({'; '.join(invalid)})" if invalid else ""))
@@ -44,7 +46,22 @@ def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, l
     return (None if mode == "never" else path), invalid
 
 
-def agree_on_resume(chosen: Path | None, rank: int, world_size: int, sees=Path.is_dir) -> Path | None:
+def _appears(path: Path, wait_s: float = 10.0) -> bool:
+    """Whether the folder is there, waiting a little for a shared file system's name cache
+    (listing the parent asks the server again)."""
+    deadline = time.monotonic() + wait_s
+    while not path.is_dir():
+        if time.monotonic() > deadline:
+            return False
+        try:
+            os.listdir(path.parent)
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return True
+
+
+def agree_on_resume(chosen: Path | None, rank: int, world_size: int, sees=_appears) -> Path | None:
     """Rank 0's choice of checkpoint, for every rank (collective when world_size > 1).
 
     Each rank lists and verifies the checkpoints itself; on shared storage whose name cache
@@ -65,6 +82,16 @@ def agree_on_resume(chosen: Path | None, rank: int, world_size: int, sees=Path.i
         raise CheckpointError(f"rank 0 resumes from {decided}, which rank(s) {blind} cannot see: run.dir must be "
                               "on storage every node shares")
     return decided
+
+
+def saved_by_this_job(path: Path) -> bool:
+    """Whether the checkpoint was saved by this launcher job (its meta.json names the job):
+    a restart of a `resume=never` run goes on from those, never from another run's."""
+    try:
+        job = json.loads((path / "meta.json").read_text()).get("job")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(job) and job == job_id()
 
 
 def memory_tier_resumable(cfg: Config) -> bool:

@@ -147,7 +147,12 @@ class StateTiers:
             return
         held = None if complete else self.memory.newest_held()
         saved = self.checkpointer.list()  # complete ones (sealed with their manifest), by step
-        if held is None or (saved and step_of(saved[-1]) >= held):
+        keep = held is not None and not (saved and step_of(saved[-1]) >= held)
+        if self.proc.world_size > 1:  # decided together: a rank's files hold its peers' replica or parity
+            flag = torch.tensor([int(keep)])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.memory.group)
+            keep = bool(flag.item())
+        if not keep:
             self.memory.clear()
 
     # ---- restoring --------------------------------------------------------------------

@@ -334,11 +334,3 @@ class Watchdog:
             return None
         self._store_failing_since = None
         return result
-        try:
-            return fn(*args)
-        except (RuntimeError, OSError) as exc:  # DistStoreError and DistNetworkError are RuntimeErrors
-            self._store_lost = True
-            if not self._stop.is_set():
-                warnings.warn(f"shardline watchdog (rank {self.rank}): the c10d store failed: {exc}; "
-                              "from now on it watches this rank alone", stacklevel=2)
-            return None

@@ -119,7 +119,9 @@ class AnomalyResponse:
             failure = e
         written = saved is not None and saved.is_dir()  # a refused save (on_error=continue) returns none or leaves none
         where = (f"state before that step saved to {saved}" if written
-                 else "nothing saved (checkpoint.interval=0)" if not self.cfg.checkpoint.interval
+                 else "nothing saved to disk (checkpoint.interval=0)" + (
+                     "; the in-memory snapshots stay for a rerun" if self.cfg.checkpoint.memory_interval else "")
+                 if not self.cfg.checkpoint.interval
                  else f"the state before that step could not be saved ({failure or 'see checkpoint_failed'})")
         self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if written else None)
         self.metrics.close()

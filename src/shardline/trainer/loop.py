@@ -1,8 +1,9 @@
 """The training loop: data -> forward/backward -> optimizer -> metrics -> checkpoint.
 
 Read `train()` first; everything else is a small step it calls, what one rank
-computes of a step (forward, loss, backward) is step.py's StepRunner, and what is done
-with an anomalous step (skip, rollback, halt) is anomalies.py's. The loss of a step
+computes of a step (forward, loss, backward) is step.py's StepRunner, what a checkpoint
+holds beyond the weights and how a run is put back from one is state.py's, and what is
+done with an anomalous step (skip, rollback, halt) is anomalies.py's. The loss of a step
 is the mean over every labelled token of the global batch, whatever the micro-batching,
 so neither gradient accumulation nor any parallel layout changes a number.
 """
@@ -10,7 +11,6 @@ so neither gradient accumulation nor any parallel layout changes a number.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import re
 import time
@@ -30,11 +30,10 @@ from shardline.interop.hf_files import copy_side_files
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.attention import resolve_attention
-from shardline.models.factory import args_to_json
 from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
 from shardline.models.moe.parallelize import build_model as build_moe_model
-from shardline.optim import apply_hyperparameters, build_optimizer, build_scheduler, lr_multiplier, schedule_settings
+from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
 from shardline.parallel.collectives import clip_grad_norm, reduce_over
 from shardline.parallel.compile import describe as describe_compile
 from shardline.parallel.dims import ParallelDims
@@ -52,19 +51,16 @@ from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import (
     agree_on_resume,
-    check_data_position,
-    check_skip_batches,
-    get_rng_state,
     memory_tier_resumable,
     resume_path,
-    set_rng_state,
 )
 from shardline.resilience.run_lock import RunLock
 from shardline.trainer.anomalies import AnomalyResponse
+from shardline.trainer.state import SavedState
 from shardline.trainer.step import StepRunner
 
 
-class Trainer(AnomalyResponse):
+class Trainer(SavedState, AnomalyResponse):
     def __init__(self, cfg: Config):
         cfg.check_sections()  # those that involve the layout, the data and the model come in build()
         self.cfg = cfg
@@ -127,9 +123,9 @@ class Trainer(AnomalyResponse):
             self.checkpointer.repair_interrupted_seal()  # a crash between a save's two renames
             if self.checkpointer.list() != seen:  # a run finishing in this dir saved since: choose again
                 resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
-            resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
             self.guard.watch(before_exit=self.lock.release)  # a hang's exit frees the run dir for the rerun
             with self.guard.phase("restore", self.step):
+                resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
                 found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
                 self._set_aside = self._set_aside_newer(found)  # before the restore, which may fail
                 resumed = self._restore(found) if found is not None else None
@@ -140,49 +136,11 @@ class Trainer(AnomalyResponse):
             raise
         return self
 
-    def _set_aside_newer(self, found) -> list[Path]:
-        """Move the checkpoints newer than what this run resumes (`found`: a path, a memory
-        snapshot or None) out of its way: they belong to a history it leaves, and a restart
-        after a failed restore would otherwise resume them. Returns where they went."""
-        if found is None:
-            step = 0
-        else:
-            step = found[0] if isinstance(found, tuple) else self.checkpointer.verify(found)["step"]
-        return self.checkpointer.set_aside_after(step)
-
     def _lock_run_dir(self) -> None:
         """One run per run dir: taken once every input check has passed, before anything there
         is written or restored (build() chooses the resume again if the checkpoints changed)."""
         self.lock = RunLock(self.run_dir)
         self._lock_taken_over = self.lock.acquire_for_job(self.proc.is_main, self.proc.world_size)
-
-    def _layout_fingerprint(self) -> str:
-        """What in-memory snapshots (local shards) are only valid for: this layout and model
-        (offload included: at shard degree 1 it turns DDP into FSDP2)."""
-        layout = {"world": self.proc.world_size, "parallel": self.cfg.parallel.__dict__,
-                  "cpu_offload": self.cfg.memory.cpu_offload,
-                  "model": args_to_json(self.model_args)}
-        return json.dumps(layout, sort_keys=True, default=str)
-
-    def _restore(self, found) -> str:
-        """Load everything a saved state holds (weights, optimizer, schedule, data, RNG); returns its name."""
-        name, state = self.tiers.restore(found, self.model, self.optimizer)
-        check_data_position(name, state["data"], len(self.data.train), self.cfg.train.seed,
-                            self.cfg.train.global_batch_size, self.data.position_state())
-        self.step = state["step"]
-        self.scheduler.load_state_dict(state["scheduler"])
-        self._optim_changes = apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.optim)
-        now = schedule_settings(self.cfg.train.steps, self.cfg.optim)  # the lr curve from here on
-        self._optim_changes.update({k: [v, now[k]] for k, v in state.get("schedule", {}).items() if now.get(k) != v})
-        self.scaler.load_state_dict(state["scaler"])
-        self.anomaly.load_state_dict(state.get("anomaly", {}))
-        saved = state["data"].get("skipped_batches", [])
-        check_skip_batches(name, self.step, saved, self.cfg.train.skip_batches)
-        self.skipped_batches = sorted(set(saved) | set(self.skipped_batches))
-        set_rng_state(state["rng"])
-        if self.cfg.train.precision == "fp8":  # a rollback: the scales precomputed are the discarded weights'
-            precompute_scales(self.model)
-        return name
 
     def _open_run_dir(self, resumed: str | None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -279,6 +237,9 @@ class Trainer(AnomalyResponse):
                         self.guard.timed("checkpoint", lambda: self.tiers.snapshot(
                             self.step, self.model, self.optimizer, self._trainer_state()))
                 window_start += self._clock() - paused
+                if not request and step < stop:  # a signal during them (the usual case): stop now
+                    request = self.guard.stop_requested()
+                    stopping = bool(request)
             self.guard.end_step(step, started)
             if stopping:
                 every = cfg.checkpoint.interval
@@ -300,7 +261,9 @@ class Trainer(AnomalyResponse):
         one line to stop with."""
         if not self.cfg.checkpoint.interval:
             self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)
-            return f"{signal_name} at step {self.step}; checkpoint.interval=0, so nothing was saved"
+            kept = "; the in-memory snapshots stay for a rerun on these nodes" if self.cfg.checkpoint.memory_interval \
+                else ""
+            return f"{signal_name} at step {self.step}; checkpoint.interval=0, so nothing was saved to disk{kept}"
         if not saved:
             with self.guard.phase("save", self.step):
                 self.guard.timed("checkpoint", self.save_checkpoint)
@@ -398,19 +361,6 @@ class Trainer(AnomalyResponse):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
-
-    def save_checkpoint(self) -> Path | None:
-        self.report_device_anomalies()  # the saved detector state and events agree
-        meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields}
-        return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
-
-    def _trainer_state(self) -> dict:
-        """Everything beyond model and optimizer that a resumed run needs to continue exactly."""
-        data = {**self.data.sampler.state_dict(self.step), **self.data.position_state(),
-                "skipped_batches": self.skipped_batches}
-        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict(),
-                "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim)}
 
     def _log_train(self, loss: float | torch.Tensor, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
         self.report_device_anomalies()

@@ -1,0 +1,72 @@
+"""What a run saves beyond the weights, and how a run is put back from a saved state.
+
+A mixin of Trainer (trainer/loop.py), whose state it works on: the model, optimizer,
+schedule, loss scaler, anomaly detector, data position and RNG. A resumed run must go on
+exactly, so everything a step depends on is in `_trainer_state`, and `_restore` checks
+that the saved position still means the same data before it goes on from it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shardline.models.factory import args_to_json
+from shardline.optim import apply_hyperparameters, schedule_settings
+from shardline.parallel.float8 import precompute_scales
+from shardline.resilience.recovery import check_data_position, check_skip_batches, get_rng_state, set_rng_state
+from shardline.resilience.run_lock import job_id
+
+
+class SavedState:
+    def _set_aside_newer(self, found) -> list[Path]:
+        """Move the checkpoints newer than what this run resumes (`found`: a path, a memory
+        snapshot or None) out of its way: they belong to a history it leaves, and a restart
+        after a failed restore would otherwise resume them. Returns where they went."""
+        if found is None:
+            step = 0
+        else:
+            step = found[0] if isinstance(found, tuple) else self.checkpointer.verify(found)["step"]
+        return self.checkpointer.set_aside_after(step)
+
+    def _layout_fingerprint(self) -> str:
+        """What in-memory snapshots (local shards) are only valid for: this layout and model
+        (offload included: at shard degree 1 it turns DDP into FSDP2)."""
+        layout = {"world": self.proc.world_size, "parallel": self.cfg.parallel.__dict__,
+                  "cpu_offload": self.cfg.memory.cpu_offload,
+                  "model": args_to_json(self.model_args)}
+        return json.dumps(layout, sort_keys=True, default=str)
+
+    def _restore(self, found) -> str:
+        """Load everything a saved state holds (weights, optimizer, schedule, data, RNG); returns its name."""
+        name, state = self.tiers.restore(found, self.model, self.optimizer)
+        check_data_position(name, state["data"], len(self.data.train), self.cfg.train.seed,
+                            self.cfg.train.global_batch_size, self.data.position_state())
+        self.step = state["step"]
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._optim_changes = apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.optim)
+        now = schedule_settings(self.cfg.train.steps, self.cfg.optim)  # the lr curve from here on
+        self._optim_changes.update({k: [v, now[k]] for k, v in state.get("schedule", {}).items() if now.get(k) != v})
+        self.scaler.load_state_dict(state["scaler"])
+        self.anomaly.load_state_dict(state.get("anomaly", {}))
+        saved = state["data"].get("skipped_batches", [])
+        check_skip_batches(name, self.step, saved, self.cfg.train.skip_batches)
+        self.skipped_batches = sorted(set(saved) | set(self.skipped_batches))
+        set_rng_state(state["rng"])
+        if self.cfg.train.precision == "fp8":  # a rollback: the scales precomputed are the discarded weights'
+            precompute_scales(self.model)
+        return name
+
+    def save_checkpoint(self) -> Path | None:
+        self.report_device_anomalies()  # the saved detector state and events agree
+        meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields,
+                "job": job_id()}  # the launcher's job: a restart of a resume=never run resumes only its own
+        return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
+
+    def _trainer_state(self) -> dict:
+        """Everything beyond model and optimizer that a resumed run needs to continue exactly."""
+        data = {**self.data.sampler.state_dict(self.step), **self.data.position_state(),
+                "skipped_batches": self.skipped_batches}
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict(),
+                "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim)}
