@@ -201,6 +201,27 @@ def test_memory_breakdown_of_70b_on_h100_layouts():
     assert tp_sp["activations"] == pytest.approx(fsdp["activations"] / 8)
 
 
+@pytest.mark.parametrize("chunk", [0, 1024])
+def test_gpipe_last_stage_holds_every_microbatchs_loss_graph(chunk):
+    """All forwards run before any backward: each micro-batch's loss keeps its graph (the head
+    input, and unchunked the fp32 log-softmax) on the last stage until its backward; 1F1B's
+    last stage runs each backward right after its forward."""
+    import dataclasses
+
+    from shardline.planner.memory import activation_bytes, peak_candidates
+
+    w = dataclasses.replace(Workload(PRESETS["llama3-8b"], 4096, 64, "bf16", document_mask=False),
+                            loss_chunk_tokens=chunk)
+    logits = {}
+    for schedule in ("1f1b", "gpipe"):
+        lay = Layout(pp=4, dp_shard=2, pp_microbatches=8, pp_schedule=schedule)
+        (last,) = [stage for stage in peak_candidates(w, lay) if stage.last]
+        logits[schedule] = activation_bytes(w, lay, last)["logits"]
+    m = w.model
+    kept = (8 + 2) * m.dim + (0 if chunk else 4 * m.vocab_size)  # per token of each earlier micro-batch
+    assert logits["gpipe"] - logits["1f1b"] == pytest.approx(7 * kept * 4096)
+
+
 def test_pipeline_first_stage_holds_p_microbatches():
     w = Workload(PRESETS["llama3-70b"], 4096, 256, "bf16", document_mask=False)
     hw = get_hardware("h100-sxm")

@@ -274,9 +274,14 @@ def activation_bytes(work: Workload, layout: Layout, stage: RankStages, on_cuda:
     c = act.dtype_bytes(work.precision)
     # A chunked loss holds one chunk's logits at a time (and the hidden states of all tokens).
     logit_tokens = min(tokens, work.loss_chunk_tokens) if work.loss_chunk_tokens else tokens
-    out["logits"] = ((act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel)
-                      * logit_tokens + (8 + c) * m.dim / (layout.tp if layout.sp else 1) * tokens)
-                     if stage.last else 0.0)
+    vocab = act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel)
+    head = (8 + c) * m.dim / (layout.tp if layout.sp else 1) * tokens
+    # GPipe runs every micro-batch's forward before any backward: the last stage keeps each
+    # one's loss graph until then, its head input and (unchunked) the fp32 log-softmax, the
+    # 4 of the 12 bytes per entry that forward keeps.
+    held = inflight if layout.pp_schedule == "gpipe" and layout.pp > 1 else 1.0
+    kept = head + (0.0 if work.loss_chunk_tokens else vocab / 3 * tokens)
+    out["logits"] = vocab * logit_tokens + head + (held - 1) * kept if stage.last else 0.0
     return out
 
 
