@@ -215,33 +215,10 @@ class Trainer(SavedState, AnomalyResponse):
             if step % cfg.metrics.log_interval == 0 or step == stop:
                 last = self._log_train(loss_value, grad_norm, self._clock() - window_start, window_steps)
                 window_start, window_steps = time.perf_counter(), 0
-            request = self.guard.stop_requested()
-            stopping = bool(request) and step < stop  # on the last step the run simply ends
-            # A stop skips the evaluation: the grace before the kill is for the save.
-            evaluate = not stopping and cfg.train.eval_interval and (step % cfg.train.eval_interval == 0
-                                                                     or step == stop)
-            save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
-            snapshot = cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0
-            if evaluate or save or snapshot:  # evaluation and saves are not training: out of the window
-                paused = self._clock()
-                # Each watched as a phase (watchdog.long_timeout_s): a first eval that compiles, or
-                # a slow save, is not a hung step.
-                if evaluate:
-                    with self.guard.phase("eval", step):
-                        self.guard.timed("eval", self.evaluate)
-                if save:
-                    with self.guard.phase("save", step):
-                        self.guard.timed("checkpoint", self.save_checkpoint)
-                if snapshot:
-                    with self.guard.phase("snapshot", step):
-                        self.guard.timed("checkpoint", lambda: self.tiers.snapshot(
-                            self.step, self.model, self.optimizer, self._trainer_state()))
-                window_start += self._clock() - paused
-                if not request and step < stop:  # a signal during them (the usual case): stop now
-                    request = self.guard.stop_requested()
-                    stopping = bool(request)
+            request, paused_s = self._evaluate_and_save(step, stop, self.guard.stop_requested())
+            window_start += paused_s  # evaluation and saves are not training: out of the window
             self.guard.end_step(step, started)
-            if stopping:
+            if request and step < stop:  # on the last step the run simply ends
                 every = cfg.checkpoint.interval
                 stopped = self._stop_on_request(request, saved=bool(every) and step % every == 0)
                 break
@@ -255,6 +232,34 @@ class Trainer(SavedState, AnomalyResponse):
         if stopped:
             raise Preempted(stopped)
         return last
+
+    def _evaluate_and_save(self, step: int, stop: int, request: str | None) -> tuple[str | None, float]:
+        """The evaluation, save and memory snapshot due after `step`, each a watched phase
+        (watchdog.long_timeout_s: a first eval that compiles, or a slow save, is not a hung
+        step). A stop request skips the evaluation (the grace before the kill is for the save)
+        and is asked again after them (a signal usually lands during them). Returns the request
+        and the seconds they took."""
+        cfg = self.cfg
+        stopping = bool(request) and step < stop
+        evaluate = not stopping and cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == stop)
+        save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
+        snapshot = cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0
+        if not (evaluate or save or snapshot):
+            return request, 0.0
+        paused = self._clock()
+        if evaluate:
+            with self.guard.phase("eval", step):
+                self.guard.timed("eval", self.evaluate)
+        if save:
+            with self.guard.phase("save", step):
+                self.guard.timed("checkpoint", self.save_checkpoint)
+        if snapshot:
+            with self.guard.phase("snapshot", step):
+                self.guard.timed("checkpoint", lambda: self.tiers.snapshot(self.step, self.model, self.optimizer,
+                                                                          self._trainer_state()))
+        if not request and step < stop:
+            request = self.guard.stop_requested()
+        return request, self._clock() - paused
 
     def _stop_on_request(self, signal_name: str, saved: bool) -> str:
         """Every rank agreed to stop after this step: save it (unless just saved); returns the
