@@ -82,6 +82,7 @@ class _Run:
         n = len(sc.cause_rates)
         self.led = Ledger(np.zeros(n, dtype=np.int64), np.zeros(n))
         self.t = self.progress = self.durable = self.memory = self.computed = 0.0
+        self.phase = 0  # checkpoints since the last persistent save, on the restored timeline
         self.next_fail = self._draw(self.rng_fail, self.rate, 0.0)
         self.next_plan = self._draw(self.rng_plan, sc.planned_rate, 0.0)
 
@@ -113,21 +114,29 @@ class _Run:
         """Train from self.t to t_stop; the stretch starts with no write in flight."""
         pol, c = self.pol, self.pol.interval_steps * self.sc.step_s
         k, first_write = pol.persist_every, True
+        # The persistent saves fall on the checkpoint count of the restored timeline (a real run
+        # saves on step numbers): the first chunk runs up to the next one, then whole groups.
+        lead = (k - self.phase) % k
         while self.t < t_stop:
-            n = min(math.ceil((t_stop - self.t) / (c + pol.stall_s)) + 1, _CHUNK)
-            n = -(-n // k) * k  # whole persist groups, so write back-pressure stays in one chunk
+            if lead:
+                n, lead = lead, 0
+            else:
+                n = min(math.ceil((t_stop - self.t) / (c + pol.stall_s)) + 1, _CHUNK)
+                n = -(-n // k) * k  # whole persist groups, so write back-pressure stays in one chunk
             comp = c + self._slowdown(n)
-            persist = np.flatnonzero(np.arange(n) % k == k - 1)
+            persist = np.flatnonzero((self.phase + np.arange(n)) % k == k - 1)
             wait = np.zeros(n)
-            if pol.write_s > 0:
+            if pol.write_s > 0 and persist.size:
                 # Time from the previous write's start to this snapshot: k computes, k-1 stalls.
-                since = comp.reshape(-1, k).sum(axis=1) + (k - 1) * pol.stall_s
+                ends_of = np.concatenate([[0.0], np.cumsum(comp)])
+                since = ends_of[persist + 1] - ends_of[np.maximum(persist + 1 - k, 0)] + (k - 1) * pol.stall_s
                 wait[persist] = np.maximum(0.0, pol.write_s - since)
                 if first_write:
                     wait[persist[0]] = 0.0
             ends = self.t + np.cumsum(comp + wait + pol.stall_s)
             done = int(np.searchsorted(ends, t_stop, side="right"))
             self._account(comp, wait, done)
+            self.phase = (self.phase + done) % k
             start = self.progress
             if done:
                 self.memory = start + done * c
@@ -191,6 +200,8 @@ class _Run:
         restore = self.memory if from_memory else self.durable
         self.led.lost_by_cause[first] += self.progress - restore
         self.progress = self.memory = restore
+        if not from_memory:
+            self.phase = 0  # back at a persistent save
         self.next_fail, self.t = nxt, back_at
 
     def _downtime(self, start: float, stop: float, cause: int) -> None:
@@ -210,6 +221,7 @@ class _Run:
         self.led.seconds["planned"] += back - saved
         self.led.planned += 1
         self.durable = self.memory = self.progress
+        self.phase = 0
         self.t = t0 + save + sc.planned_downtime_s
         self.next_plan = self._draw(self.rng_plan, sc.planned_rate, self.t)
         if self.next_fail < self.t:  # hardware that broke while the job was stopped is replaced at restart
