@@ -146,7 +146,8 @@ def sweep(setup: Setup, mode: str, seeds: int, intervals_s: list[float] | None =
         useful = np.array([led.seconds["useful"] for led in run_seeds(setup, policy(setup, mode, n), seeds)])
         goodput = useful / setup.job.duration_s
         out.append({"interval_steps": n, "interval_s": n * setup.step_s,
-                    "goodput": float(goodput.mean()), "goodput_std": float(goodput.std())})
+                    "goodput": float(goodput.mean()),
+                    "goodput_std": float(goodput.std(ddof=1)) if len(goodput) > 1 else 0.0})  # as _stats
     return out
 
 
