@@ -141,3 +141,13 @@ def test_two_real_runs_on_one_run_dir(tmp_path, small_prepared):
     taken = [e for e in events if e.get("event") == "run_dir_lock_taken_over"]
     assert taken and taken[-1]["reason"].startswith(f"stale: pid {a.pid}")
     assert not (run / LOCK).exists()
+
+
+def test_release_leaves_a_lock_another_run_took_over(tmp_path, monkeypatch):
+    """The same job on another host takes a lock over (a requeue there); when the first holder
+    ends after all, its release must not delete the new holder's lock."""
+    lock = RunLock(tmp_path)
+    assert lock.acquire() is None
+    write_lock(tmp_path, 1, host="node-7", job="TORCHELASTIC_RUN_ID=job42")  # taken over meanwhile
+    lock.release()
+    assert json.loads((tmp_path / LOCK).read_text())["host"] == "node-7"

@@ -90,7 +90,7 @@ class RunLock:
                 raise ConfigError(f"run.dir={str(self.path.parent)!r} is not writable: {e.strerror}") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
-            self.held = True
+            self.held, self.mine = True, me
             atexit.register(self.release)  # an exception that ends the process still frees it
             self._check_writable(self.path.parent / "checkpoints")
             return taken_over
@@ -150,8 +150,11 @@ class RunLock:
         return text
 
     def release(self) -> None:
+        """Remove the lock if it is still ours: a run of the same job on another host may have
+        taken it over meanwhile, and its lock is not ours to delete."""
         if self.held:
-            self.path.unlink(missing_ok=True)
+            if self._read() == self.mine:
+                self.path.unlink(missing_ok=True)
             self.held = False
 
     def _read(self) -> dict:
