@@ -73,6 +73,7 @@ def test_the_same_jobs_lock_is_not_taken_while_its_holder_runs_here(tmp_path, ot
     holder of the same job that still runs on this host is not a restart."""
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_STEP_ID", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "9f1c")  # torchrun --standalone: a new one every launch
     assert job_id() == "SLURM_JOB_ID=77.1"
     write_lock(tmp_path, other_process.pid, job="SLURM_JOB_ID=77.1")
     with pytest.raises(ConfigError, match=f"in use by another run \\(pid {other_process.pid}"):

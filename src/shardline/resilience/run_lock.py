@@ -9,8 +9,8 @@ run ends, halts or fails.
 
 A lock left by a dead run is taken over: same host, and its pid is gone or now
 belongs to a process started at another time. A lock of the same job is taken over
-too, unless its holder still runs on this host: torchrun restarts (TORCHELASTIC_RUN_ID)
-and Slurm requeues (SLURM_JOB_ID and step) keep their id. A lock from another host
+too, unless its holder still runs on this host: Slurm requeues (SLURM_JOB_ID and step)
+and torchrun restarts (TORCHELASTIC_RUN_ID, when not under Slurm) keep their id. A lock from another host
 cannot be checked from here; its error says how to remove it once that job is known
 to be gone. A takeover renames the lock aside before removing it, so two runs racing
 for one stale lock never both hold it.
@@ -34,7 +34,9 @@ LOCK = ".lock"
 
 def job_id() -> str:
     """The launcher's id of this job, kept across its restarts ("" when there is none)."""
-    for key in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+    # Slurm's first: a requeue keeps SLURM_JOB_ID, while torchrun --standalone draws a new
+    # random run id at every launch (torchrun's own restarts keep both).
+    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
         value = os.environ.get(key, "")
         if value and value != "none":
             step = os.environ.get("SLURM_STEP_ID", "") if key == "SLURM_JOB_ID" else ""
