@@ -103,7 +103,7 @@ def test_plot_never_overwrites_a_file_that_is_not_a_png(tmp_path, capsys):
     ({"--step-time": "1e-6", "--checkpoint-interval": "1"}, "use an interval of at least"),
     ({"--fix": "tq=8"}, "--fix key 'tq' is unknown"),
     ({"--simulate.fix=tp=x": None}, "--fix tp='x' must be an integer"),
-    ({"--step-time": "2", "--mfu": "0.5"}, "--mfu shape the step-time estimate, which --step-time replaces"),
+    ({"--step-time": "2", "--mfu": "0.5"}, "--mfu shapes the step-time estimate, which --step-time replaces"),
 ])
 def test_impossible_requests_are_user_errors(capsys, changes, message):
     flags = dict(zip(SMALL[1::2], SMALL[2::2], strict=True))  # SMALL is "simulate" + flag/value pairs

@@ -70,7 +70,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     unused = [flag for flag, value in (("--fix", args.fix), ("--mfu", args.mfu), ("--seq-len", args.seq_len),
                                        ("--global-batch-tokens", args.global_batch_tokens)) if value is not None]
     if args.step_time is not None and unused:
-        raise ConfigError(f"{', '.join(unused)} shape the step-time estimate, which --step-time replaces; "
+        verb = "shapes" if len(unused) == 1 else "shape"
+        raise ConfigError(f"{', '.join(unused)} {verb} the step-time estimate, which --step-time replaces; "
                           "give one or the other")
     job = make_job(args.model, args.gpu, args.gpus, args.gpus_per_node, args.days)
     settings = load_settings(args.config, overrides, {v: getattr(args, k) for k, v in _FLAG_KEYS.items()})
