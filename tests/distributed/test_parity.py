@@ -6,6 +6,7 @@ process groups. One spawn per world size runs its layouts one after another.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,14 @@ def world2(tmp_path_factory, small_prepared, single):
         jobs += [(root / name, [*tied, *first]), (root / name, [*tied, *second])]
     run_world(2, jobs)
     return root
+
+
+@pytest.mark.parametrize("layout", ["pp2_gpipe", "pp2_1f1b_chunked", "pp2_interleaved_v2", "pp2_zbv"])
+def test_the_last_stage_keeps_no_micro_batch_outputs_after_a_step(world2, layout):
+    """A schedule's step returns the last stage's outputs unless told not to, keeping every
+    micro-batch's logits (unchunked loss) until the next step; the trainer never reads them."""
+    held = [json.loads((world2 / layout / f"held_outputs.{rank}.json").read_text()) for rank in range(2)]
+    assert held == [0, 0]
 
 
 @pytest.fixture(scope="module")

@@ -204,8 +204,9 @@ def test_memory_breakdown_of_70b_on_h100_layouts():
 @pytest.mark.parametrize("chunk", [0, 1024])
 def test_gpipe_last_stage_holds_every_microbatchs_loss_graph(chunk):
     """All forwards run before any backward: each micro-batch's loss keeps its graph (the head
-    input, and unchunked the fp32 log-softmax) on the last stage until its backward; 1F1B's
-    last stage runs each backward right after its forward."""
+    input, and unchunked its bf16 logits, which the stage keeps for backward, and the fp32
+    log-softmax) on the last stage until its backward; 1F1B's last stage runs each backward
+    right after its forward (and the schedule keeps no outputs: test_parity checks it)."""
     import dataclasses
 
     from shardline.planner.memory import activation_bytes, peak_candidates
@@ -218,7 +219,7 @@ def test_gpipe_last_stage_holds_every_microbatchs_loss_graph(chunk):
         (last,) = [stage for stage in peak_candidates(w, lay) if stage.last]
         logits[schedule] = activation_bytes(w, lay, last)["logits"]
     m = w.model
-    kept = (8 + 2) * m.dim + (0 if chunk else 4 * m.vocab_size)  # per token of each earlier micro-batch
+    kept = (8 + 2) * m.dim + (0 if chunk else (4 + 2) * m.vocab_size)  # per token of each earlier micro-batch
     assert logits["gpipe"] - logits["1f1b"] == pytest.approx(7 * kept * 4096)
 
 

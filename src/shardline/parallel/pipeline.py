@@ -15,6 +15,8 @@ the first and last stage together.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,6 +37,11 @@ from shardline.models.llama import Llama, ModelArgs
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
 _CUSTOM_NODES_SINCE = (2, 13)  # the first torch seen to run a weight pass through custom autograd nodes
+# By default a schedule's step returns the last stage's outputs, so it keeps every micro-batch's
+# (the logits, under an unchunked loss) until the next step: m x tokens x vocabulary. Where this
+# torch's schedules take `return_outputs`, they keep none (its value is unused here).
+_NO_OUTPUTS = ({"return_outputs": False} if all("return_outputs" in inspect.signature(cls.step).parameters
+                                                for cls in (ScheduleGPipe, ScheduleInterleaved1F1B)) else {})
 
 
 def split_backward_takes_custom_nodes(torch_version: str = torch.__version__) -> bool:
@@ -212,7 +219,7 @@ class Pipeline:
         args = (batch["input_ids"],) if self.has_first else ()
         kwargs = _stage_kwargs(batch, doc_mask, loss_in_stage)
         target = batch["labels"] if self.has_last else None
-        self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        self.schedule.step(*args, target=target, losses=losses, **kwargs, **_NO_OUTPUTS)
         return losses
 
     def owner(self, stage: int) -> int:
