@@ -56,6 +56,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    """Tests run as a process no launcher started, even when pytest itself runs inside a Slurm
+    job or under torchrun: tests that mean a launcher set its variables themselves."""
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+                "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     # Trained tokenizers are cached per session so tests never depend on ~/.cache.

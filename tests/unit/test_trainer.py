@@ -153,10 +153,15 @@ def test_never_resume_refuses_to_overwrite(tiny_config, tmp_path, monkeypatch):
     # A job that started fresh and saved: its restart reruns the same command line and goes
     # on from what the first attempt saved.
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")  # one Slurm job (no srun step) ...
     fresh = tmp_path / "fresh"
     Trainer(tiny_config("run.resume=never", "train.stop_at_step=6", run_dir=fresh)).build().train()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert Trainer(tiny_config("run.resume=never", run_dir=fresh)).build().step == 6
+    # ... whose next torchrun launch (another run id) is refused, and so is its restart.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-8")
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        Trainer(tiny_config("run.resume=never", run_dir=fresh)).build()
 
 
 def test_resume_with_other_data_layout_is_refused(tiny_config):

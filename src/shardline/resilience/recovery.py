@@ -14,7 +14,7 @@ from shardline.config import Config
 from shardline.data.sampler import batch_index
 from shardline.errors import CheckpointError, ConfigError
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer, step_of
-from shardline.resilience.run_lock import job_id
+from shardline.resilience.run_lock import launcher_ids
 
 
 def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, list[str]]:
@@ -85,13 +85,20 @@ def agree_on_resume(chosen: Path | None, rank: int, world_size: int, sees=_appea
 
 
 def saved_by_this_job(path: Path) -> bool:
-    """Whether the checkpoint was saved by this launcher job (its meta.json names the job):
-    a restart of a `resume=never` run goes on from those, never from another run's."""
+    """Whether the checkpoint was saved by this job as the launcher that restarted it knows the
+    job (meta.json holds the launchers' ids): a restart of a `resume=never` run goes on from
+    those, never from another run's, such as an earlier torchrun launch of one Slurm job."""
     try:
-        job = json.loads((path / "meta.json").read_text()).get("job")
+        saved = json.loads((path / "meta.json").read_text()).get("launchers") or {}
     except (OSError, ValueError, AttributeError):
         return False
-    return bool(job) and job == job_id()
+    ids = launcher_ids()
+    restarts = (("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"), ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"))
+    for key, counter in restarts:
+        count = os.environ.get(counter, "0")
+        if count.isdigit() and int(count) > 0 and ids.get(key) and saved.get(key) == ids[key]:
+            return True
+    return False
 
 
 def memory_tier_resumable(cfg: Config) -> bool:

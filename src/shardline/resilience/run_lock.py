@@ -32,16 +32,26 @@ from shardline.errors import ConfigError
 LOCK = ".lock"
 
 
+def launcher_ids() -> dict[str, str]:
+    """This job's ids by launcher, each kept across that launcher's restarts: Slurm's (job and
+    step: two srun steps of one job are two runs) and torchrun's run id."""
+    ids = {}
+    slurm = os.environ.get("SLURM_JOB_ID", "")
+    if slurm and slurm != "none":
+        step = os.environ.get("SLURM_STEP_ID", "")
+        ids["SLURM_JOB_ID"] = slurm + (f".{step}" if step else "")
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run and run != "none":
+        ids["TORCHELASTIC_RUN_ID"] = run
+    return ids
+
+
 def job_id() -> str:
-    """The launcher's id of this job, kept across its restarts ("" when there is none)."""
-    # Slurm's first: a requeue keeps SLURM_JOB_ID, while torchrun --standalone draws a new
-    # random run id at every launch (torchrun's own restarts keep both).
-    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
-        value = os.environ.get(key, "")
-        if value and value != "none":
-            step = os.environ.get("SLURM_STEP_ID", "") if key == "SLURM_JOB_ID" else ""
-            return f"{key}={value}" + (f".{step}" if step else "")  # two srun steps of one job are two runs
-    return ""
+    """The job's id for its run-dir lock ("" when there is none): Slurm's first, as a requeue
+    keeps it while torchrun --standalone draws a new run id at every launch."""
+    ids = launcher_ids()
+    key = next((k for k in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID") if k in ids), None)
+    return f"{key}={ids[key]}" if key else ""
 
 
 def start_time_of(pid: int) -> float | None:
@@ -155,8 +165,7 @@ class RunLock:
         """Remove the lock if it is still ours: a run of the same job on another host may have
         taken it over meanwhile, and its lock is not ours to delete."""
         if self.held:
-            if self._read() == self.mine:
-                self.path.unlink(missing_ok=True)
+            self._remove_if_still(self.mine)  # renamed aside first: never another run's lock
             self.held = False
 
     def _read(self) -> dict:

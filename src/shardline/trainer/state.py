@@ -15,7 +15,7 @@ from shardline.models.factory import args_to_json
 from shardline.optim import apply_hyperparameters, schedule_settings
 from shardline.parallel.float8 import precompute_scales
 from shardline.resilience.recovery import check_data_position, check_skip_batches, get_rng_state, set_rng_state
-from shardline.resilience.run_lock import job_id
+from shardline.resilience.run_lock import launcher_ids
 
 
 class SavedState:
@@ -60,7 +60,7 @@ class SavedState:
     def save_checkpoint(self) -> Path | None:
         self.report_device_anomalies()  # the saved detector state and events agree
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields,
-                "job": job_id()}  # the launcher's job: a restart of a resume=never run resumes only its own
+                "launchers": launcher_ids()}  # a restart of a resume=never run resumes only its own job's
         return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
 
     def _trainer_state(self) -> dict:
