@@ -198,8 +198,8 @@ def test_a_second_save_of_a_step_replaces_the_first_and_leaves_nothing_behind(tr
 def test_a_crash_between_a_second_saves_two_renames_loses_neither(trained, tiny_config, new_one_sealed):
     """Cut after the old folder went aside and before the new one took its name, only
     step-N.deleting and step-N.tmp are left: the next start puts back the new one when its
-    manifest verifies, else the old one (before, keep=1 left nothing to resume); the next
-    prune removes the one not needed."""
+    manifest verifies, else the old one (before, keep=1 left nothing to resume, and --resume
+    refused before the repair could run); the next prune removes the one not needed."""
     root = trained / "checkpoints"
     shutil.copytree(root / "step-000012", root / "step-000012.tmp")
     manifest = json.loads((root / "step-000012.tmp" / "manifest.json").read_text())
@@ -207,7 +207,8 @@ def test_a_crash_between_a_second_saves_two_renames_loses_neither(trained, tiny_
     if not new_one_sealed:
         (root / "step-000012.tmp" / "manifest.json").unlink()
     (root / "step-000012").rename(root / "step-000012.deleting")
-    trainer = Trainer(tiny_config("train.steps=12", "checkpoint.keep=1")).build()
+    shutil.rmtree(root / "step-000006")  # keep=1: the only checkpoint is the one cut off
+    trainer = Trainer(tiny_config("train.steps=12", "checkpoint.keep=1", "run.resume=latest")).build()
     assert trainer.step == 12 and (verify(root / "step-000012")["time"] == 1.0) == new_one_sealed
     trainer.checkpointer.prune()
     assert sorted(p.name for p in root.iterdir()) == ["step-000012"] + (["step-000012.tmp"] * (not new_one_sealed))

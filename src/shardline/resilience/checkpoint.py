@@ -315,21 +315,28 @@ class Checkpointer:
                 moved.append(target)
         return moved
 
+    def interrupted_seals(self) -> list[Path]:
+        """Folders a second save of a step renamed aside whose step has no folder (read only)."""
+        if not self.root.is_dir():
+            return []
+        asides = sorted(self.root.glob(f"step-*{DELETING}"))
+        return [a for a in asides if not a.with_name(a.name.removesuffix(DELETING)).exists()]
+
     def repair_interrupted_seal(self) -> list[Path]:
         """Put back a checkpoint whose second save of a step was cut between its two renames
         (_seal: the old folder renamed aside, the new one not yet into place): the new one when
         its manifest verifies, else the old one if it does. Writer only, with the run dir locked
         (a live save's window must not be "repaired"). Returns the folders put back."""
-        if not self.is_writer or not self.root.is_dir():
+        if not self.is_writer:
             return []
         restored = []
-        for aside in sorted(self.root.glob(f"step-*{DELETING}")):
+        for aside in self.interrupted_seals():
             final = aside.with_name(aside.name.removesuffix(DELETING))
-            if final.exists():
-                continue
             for candidate in (final.with_name(final.name + ".tmp"), aside):
                 try:
                     verify(candidate)
+                except CheckpointUnreadable:
+                    raise  # not known to be bad: the start stops in one line, as a resume does
                 except CheckpointError:
                     continue  # half-written, or half-deleted (an older version's prune left these too)
                 candidate.rename(final)

@@ -17,8 +17,11 @@ from shardline.resilience.checkpoint import MANIFEST, Checkpointer, step_of
 from shardline.resilience.run_lock import launcher_ids
 
 
-def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, list[str]]:
-    """(checkpoint to resume from or None, problems with invalid checkpoints skipped)."""
+def resume_path(cfg: Config, checkpointer: Checkpointer, repaired: bool = False) -> tuple[Path | None, list[str]]:
+    """(checkpoint to resume from or None, problems with invalid checkpoints skipped).
+
+    repaired: the checkpointer's interrupted seals were repaired (under the run dir's lock);
+    before that, one may still become the checkpoint `--resume` asks for."""
     mode = cfg.run.resume
     invalid: list[str] = []
     if mode not in ("auto", "latest", "never"):
@@ -37,7 +40,7 @@ def resume_path(cfg: Config, checkpointer: Checkpointer) -> tuple[Path | None, l
     path = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
     if mode == "never" and restarted() and path is not None and saved_by_this_job(path):
         return path, invalid  # the first attempt started fresh; its restart goes on from what it saved
-    if mode == "latest" and path is None:
+    if mode == "latest" and path is None and (repaired or not checkpointer.interrupted_seals()):
         raise CheckpointError(f"--resume given but {checkpointer.root} holds no valid checkpoint"
                               + (f" ({'; '.join(invalid)})" if invalid else ""))
     if mode == "never" and checkpointer.list():

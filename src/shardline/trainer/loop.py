@@ -121,8 +121,10 @@ class Trainer(SavedState, AnomalyResponse):
         self._lock_run_dir()
         try:
             self.checkpointer.repair_interrupted_seal()  # a crash between a save's two renames
-            if self.checkpointer.list() != seen:  # a run finishing in this dir saved since: choose again
-                resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
+            # Chosen again: a run finishing in this dir may have saved since, or the repair put one back.
+            if self.checkpointer.list() != seen or resume_from is None:
+                resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer,
+                                                                     repaired=self.proc.is_main)
             self.guard.watch(before_exit=self.lock.release)  # a hang's exit frees the run dir for the rerun
             with self.guard.phase("restore", self.step):
                 resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
