@@ -225,8 +225,8 @@ def test_a_checkpoint_sealed_before_the_lock_was_taken_is_the_one_resumed(traine
     newest.rename(tmp_path / "sealing")
     choose = loop.resume_path
 
-    def the_other_run_seals_while_we_choose(cfg, checkpointer):
-        chosen = choose(cfg, checkpointer)
+    def the_other_run_seals_while_we_choose(cfg, checkpointer, **options):
+        chosen = choose(cfg, checkpointer, **options)
         if (tmp_path / "sealing").exists():
             (tmp_path / "sealing").rename(newest)
         return chosen
