@@ -38,6 +38,9 @@ from tokenizers import Tokenizer
 from shardline.errors import DataError
 
 CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
+# Which tokens of a conversation are targets changed with this number (2: a reply's header
+# under a template is not one): `shardline prepare` starts a chat folder over when it differs.
+CHAT_MASK_RULE = 2
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,6 @@ class ChatTemplate:
 
 def _as_template(template: ChatTemplate | str | None) -> ChatTemplate | None:
     return ChatTemplate(template) if isinstance(template, str) else template
-# Which tokens of a conversation are targets changed with this number (2: a reply's header
-# under a template is not one): `shardline prepare` starts a chat folder over when it differs.
-CHAT_MASK_RULE = 2
 
 
 def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template: ChatTemplate | str | None = None,
