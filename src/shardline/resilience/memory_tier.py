@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,21 +185,20 @@ class MemoryTier:
         return held
 
     def _prune(self, keep_step: int) -> None:
-        for f in self.dir.glob("*-*"):
-            try:
-                if int(f.name.split("-")[1].split(".")[0]) < keep_step:
-                    f.unlink(missing_ok=True)
-            except ValueError:
-                continue
+        self._drop(lambda step: step < keep_step)
 
     def discard_after(self, step: int) -> None:
         """Drop every snapshot file of a step after `step`, of any layout: the run goes on from
         `step`, and they belong to a history it left. Kept, a later snapshot of the same step
         would replace them file by file, and a crash midway could mix the two histories."""
         self.wait()
+        self._drop(lambda held: held > step)
+
+    def _drop(self, which: Callable[[int], bool]) -> None:
+        """Remove this rank's files (<kind>-<step>.*) of the steps `which` picks."""
         for f in self.dir.glob("*-*"):
             try:
-                if int(f.name.split("-")[1].split(".")[0]) > step:
+                if which(int(f.name.split("-")[1].split(".")[0])):
                     f.unlink(missing_ok=True)
             except ValueError:
                 continue

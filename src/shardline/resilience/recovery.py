@@ -87,6 +87,15 @@ def agree_on_resume(chosen: Path | None, rank: int, world_size: int, sees=_appea
     return decided
 
 
+# Each launcher's job id and the count of its restarts (run_lock.launcher_ids names the ids).
+_LAUNCHERS = (("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"), ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"))
+
+
+def _restarted_by(counter: str) -> bool:
+    count = os.environ.get(counter, "0")
+    return count.isdigit() and int(count) > 0
+
+
 def saved_by_this_job(path: Path) -> bool:
     """Whether the checkpoint was saved by this job as the launcher that restarted it knows the
     job (meta.json holds the launchers' ids): a restart of a `resume=never` run goes on from
@@ -96,12 +105,7 @@ def saved_by_this_job(path: Path) -> bool:
     except (OSError, ValueError, AttributeError):
         return False
     ids = launcher_ids()
-    restarts = (("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"), ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"))
-    for key, counter in restarts:
-        count = os.environ.get(counter, "0")
-        if count.isdigit() and int(count) > 0 and ids.get(key) and saved.get(key) == ids[key]:
-            return True
-    return False
+    return any(_restarted_by(counter) and ids.get(key) and saved.get(key) == ids[key] for key, counter in _LAUNCHERS)
 
 
 def memory_tier_resumable(cfg: Config) -> bool:
@@ -123,8 +127,7 @@ def _saved_step(path: Path) -> int:
 def restarted() -> bool:
     """This process is a restart of the job (torchrun --max-restarts, a Slurm requeue), which
     runs the first attempt's command line again."""
-    counts = (os.environ.get(key, "0") for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-    return any(count.isdigit() and int(count) > 0 for count in counts)
+    return any(_restarted_by(counter) for _, counter in _LAUNCHERS)
 
 
 def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int,
