@@ -7,7 +7,8 @@ training; if its peers did not learn of it they would wait in the save's next ba
 trainer file meets a full disk, and both must raise the same storage error, leave no
 folder behind, and still be in step for the next collective. Then the ranks' choices of
 checkpoint differ (a name cache that lags on shared storage): rank 0's wins, and a rank
-that cannot see it stops both ranks with the same one-line error.
+that cannot see it stops both ranks with the same one-line error; a halt's question whether
+its step is on disk gets rank 0's answer on both.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from shardline.errors import CheckpointError
 from shardline.resilience.checkpoint import write_state
-from shardline.resilience.recovery import agree_on_resume
+from shardline.resilience.recovery import agree_on_resume, rank0_decides
 from tests.distributed.harness import start_ranks
 from tests.ports import free_port
 
@@ -73,6 +74,8 @@ def _two_saves(rank: int, world: int, port: int, root: str) -> None:
             outcomes.append("resumed")
         except CheckpointError as e:
             outcomes.append(str(e))
+        # a halt asks whether its step is on disk: rank 0's answer (it sealed it) is every rank's
+        outcomes.append(rank0_decides(rank == 0, rank, world))
         (Path(root) / f"rank{rank}.json").write_text(json.dumps([*outcomes, int(flag)]))
     finally:
         dist.destroy_process_group()
@@ -84,5 +87,6 @@ def test_a_save_that_fails_on_one_rank_fails_on_both(tmp_path):
     blind = f"rank 0 resumes from {tmp_path / 'step-000003'}, which rank(s) [1] cannot see: run.dir must be on " \
             "storage every node shares"
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [
-        [*first, "CheckpointError", "step-000003", blind, 1], [*first, "ValueError", "step-000003", blind, 1]]
+        [*first, "CheckpointError", "step-000003", blind, True, 1],
+        [*first, "ValueError", "step-000003", blind, True, 1]]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-000001", "step-000003"]

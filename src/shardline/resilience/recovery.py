@@ -87,6 +87,19 @@ def agree_on_resume(chosen: Path | None, rank: int, world_size: int, sees=_appea
     return decided
 
 
+def rank0_decides(value, rank: int, world_size: int):
+    """Rank 0's `value` on every rank (collective when world_size > 1): for choices each rank
+    could make from shared storage, where a lagging name cache would split the ranks between
+    two code paths, one of them collective."""
+    if world_size == 1:
+        return value
+    import torch.distributed as dist
+
+    box = [value if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 # Each launcher's job id and the count of its restarts (run_lock.launcher_ids names the ids).
 _LAUNCHERS = (("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"), ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"))
 

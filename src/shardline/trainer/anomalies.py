@@ -15,7 +15,7 @@ import torch
 from shardline.data.sampler import batch_index
 from shardline.errors import AnomalyHalt, CheckpointError
 from shardline.resilience.checkpoint import step_dir_name
-from shardline.resilience.recovery import agree_on_resume
+from shardline.resilience.recovery import agree_on_resume, rank0_decides
 
 
 class AnomalyResponse:
@@ -110,7 +110,9 @@ class AnomalyResponse:
         try:
             self.tiers.drain()  # this step's interval save may still be in flight
             this_step = self.checkpointer.root / step_dir_name(self.step)
-            if this_step in self.checkpointer.list():  # the state before the bad step is on disk already
+            # the state before the bad step may be on disk already; rank 0, which seals checkpoints,
+            # decides for all (a lagging name cache on another rank would skip the collective save)
+            if rank0_decides(this_step in self.checkpointer.list(), self.proc.rank, self.proc.world_size):
                 saved = this_step
             elif self.cfg.checkpoint.interval:
                 saved = self.save_checkpoint()
