@@ -102,6 +102,28 @@ def test_a_folders_held_out_files_are_not_trained_on(tmp_path):
     assert read_documents(str(tmp_path / "validation.jsonl")) == ["held out"]  # named: the user's choice
 
 
+def test_a_glob_pattern_reads_the_files_it_matches(tmp_path):
+    """data.path = a pattern (not an existing path): the data files it matches and those under
+    the folders it matches, sorted; a pattern that sweeps in held-out files, or matches no data
+    file, is one line naming the pattern."""
+    (tmp_path / "data" / "more").mkdir(parents=True)
+    (tmp_path / "data" / "train-0001.jsonl").write_text('{"text": "second"}\n')
+    (tmp_path / "data" / "train-0000.jsonl").write_text('{"text": "first"}\n')
+    (tmp_path / "data" / "more" / "train-0002.jsonl").write_text('{"text": "third"}\n')
+    (tmp_path / "data" / "validation.jsonl").write_text('{"text": "held out"}\n')
+    (tmp_path / "data" / "notes.md").write_text("not data")
+    root = tmp_path / "data"
+    assert read_documents(f"{root}/train-*.jsonl") == ["first", "second"]
+    assert read_documents(f"{root}/**/train-*.jsonl") == ["third", "first", "second"]  # sorted paths
+    assert read_documents(f"{root}/m*") == ["third"]  # a matched folder is read whole
+    with pytest.raises(DataError, match=r"holds held-out files \(validation.jsonl\) beside"):
+        read_documents(f"{root}/*")
+    with pytest.raises(DataError, match=r"data.path='.*notes\.m\*' matches 1 path\(s\) but no .txt"):
+        read_documents(f"{root}/notes.m*")
+    with pytest.raises(DataError, match=r"matches no path \(a pattern: the path does not exist as written\)"):
+        read_documents(f"{root}/test-*.jsonl")
+
+
 def test_parquet_without_the_text_column_is_one_line(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

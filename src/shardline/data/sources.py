@@ -3,8 +3,9 @@
 Accepted: `.txt` (documents separated by two or more blank lines), `.jsonl` (one
 object per line with a text field), `.parquet` (a text column), `.arrow` (the files of
 a Hugging Face `datasets.save_to_disk` folder; read with pyarrow, `datasets` itself is
-not needed), each optionally gzipped (`.gz`), or a folder holding such files (read in
-sorted order; a `save_to_disk` DatasetDict folder reads its `train` split).
+not needed), each optionally gzipped (`.gz`), a folder holding such files (read in
+sorted order; a `save_to_disk` DatasetDict folder reads its `train` split), or a glob
+pattern of them (`data/train-*.parquet`).
 
 Every reader streams: memory holds one line, one parquet batch or one .txt document,
 whatever the file size, so `shardline prepare` can read corpora larger than RAM. The
@@ -14,8 +15,10 @@ documents in the same order.
 
 from __future__ import annotations
 
+import glob
 import gzip
 import io
+import itertools
 import json
 import re
 import zlib
@@ -52,23 +55,51 @@ def iter_documents(path: str, text_field: str = "text") -> Iterator:
 
 
 def input_files(path: str) -> list[Path]:
-    """The data files under `path` in reading order, or a DataError naming the path."""
+    """The data files under `path` in reading order, or a DataError naming the path. A path
+    that does not exist as written but holds glob characters (`data/train-*.parquet`,
+    `shards/**/*.jsonl`) is a pattern: the data files it matches, and those under the
+    folders it matches, in sorted order."""
     root = Path(path) if path else shipped_corpus()
+    if not root.exists() and _GLOB.search(path):
+        return _matched_files(path)
     if not root.exists():
         raise DataError(f"data.path={path!r} does not exist; give a file ({', '.join(SUFFIXES)}, "
-                        "optionally .gz), a folder of them or a folder made by `shardline prepare`")
+                        "optionally .gz), a folder of them, a glob pattern of them or a folder made by "
+                        "`shardline prepare`")
     if root.is_dir() and (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
         root = root / "train"  # a save_to_disk DatasetDict: train on its train split
     files = sorted(p for p in root.rglob("*") if _kind(p)) if root.is_dir() else [root]
     if not files:
         raise DataError(f"data.path={path!r} holds no {', '.join(SUFFIXES)} files")
-    held_out = [f for f in files if _held_out_name(f.relative_to(root) if root.is_dir() else Path(f.name))]
+    _refuse_held_out(path, root if root.is_dir() else root.parent, files)
+    return files
+
+
+_GLOB = re.compile(r"[*?[]")
+
+
+def _matched_files(pattern: str) -> list[Path]:
+    """The data files a glob pattern names. The held-out check reads the names below the
+    pattern's fixed folder, so `data/*` beside `data/validation.jsonl` is refused as the
+    folder `data` is."""
+    matches = [Path(m) for m in sorted(glob.glob(pattern, recursive=True))]
+    files = sorted({f for m in matches for f in (m.rglob("*") if m.is_dir() else [m]) if _kind(f)})
+    if not files:
+        what = f"matches {len(matches)} path(s) but no {', '.join(SUFFIXES)} file" if matches else "matches no path"
+        raise DataError(f"data.path={pattern!r} {what} (a pattern: the path does not exist as written)")
+    fixed = Path(*[part for part in itertools.takewhile(lambda p: not _GLOB.search(p), Path(pattern).parts)])
+    _refuse_held_out(pattern, fixed, files)
+    return files
+
+
+def _refuse_held_out(path: str, root: Path, files: list[Path]) -> None:
+    """A folder's own validation or test files are not trained on beside its training files."""
+    held_out = [f for f in files if _held_out_name(f.relative_to(root))]
     if held_out and len(held_out) < len(files):
         names = ", ".join(str(f.relative_to(root)) for f in held_out[:3]) + (" ..." if len(held_out) > 3 else "")
         raise DataError(f"data.path={path!r} holds held-out files ({names}) beside the training files, and every file "
                         "of a folder is trained on: point data.path at the training files' own file or folder "
                         "(data.val_fraction of them is held out for evaluation)")
-    return files
 
 
 _HELD_OUT = {"val", "valid", "validation", "test", "testing", "dev", "eval", "evaluation", "heldout"}
