@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardline.parallel.context.ring import (
+from shardline.parallel.context.blocks import (
     block_attention,
     block_backward,
     block_backward_math,

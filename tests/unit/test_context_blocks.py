@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardline.parallel.context.ring import block_attention, block_backward, block_backward_math, block_forward, merge
+from shardline.parallel.context.blocks import block_attention, block_backward, block_backward_math, block_forward
+from shardline.parallel.context.ring import merge
 from shardline.parallel.context.sharding import SequenceSplit
 
 

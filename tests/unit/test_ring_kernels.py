@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardline.parallel.context.ring import (
+from shardline.parallel.context.blocks import (
     BIAS_ALIGN,
     LSE_ALIGN,
     MASKED,
@@ -31,7 +31,7 @@ from shardline.parallel.context.ring import (
 
 aten = torch.ops.aten
 
-# What ring.py passes, positionally, to each op: (name, type) in order, then scale by keyword.
+# What blocks.py passes, positionally, to each op: (name, type) in order, then scale by keyword.
 SCHEMAS = {
     "_scaled_dot_product_flash_attention": [
         ("query", "Tensor"), ("key", "Tensor"), ("value", "Tensor"), ("dropout_p", "float"),
@@ -61,7 +61,7 @@ def test_op_schemas_take_the_arguments_ring_passes(op):
     assert positional == SCHEMAS[op], schema
     scale = [a for a in schema.arguments if a.name == "scale"]
     assert len(scale) == 1 and scale[0].kwarg_only and str(scale[0].type) == "Optional[float]", schema
-    # ring.py reads the first two returns (output, lse) of the forwards, three of the backwards.
+    # blocks.py reads the first two returns (output, lse) of the forwards, three of the backwards.
     assert len(schema.returns) == RETURNS[op], schema
 
 
@@ -159,11 +159,11 @@ def test_gqa_reduction_sums_each_kv_heads_query_heads():
     assert torch.equal(_sum_groups(grad, 6), grad.float())
 
 
-# The CUDA kernels' contracts as ring.py relies on them (read from PyTorch's attention.cu /
+# The CUDA kernels' contracts as blocks.py relies on them (read from PyTorch's attention.cu /
 # attention_backward.cu), emulated as CPU kernels of the same aten ops for the tests below:
 # every argument is read by its schema name (defaults as the schemas give them: the
 # dispatcher leaves out arguments equal to their defaults), so a swapped, missing or mis-shaped one in
-# ring.py's calls shows up here. The real kernels' numbers: tests/gpu/test_ring_gpu.py.
+# blocks.py's calls shows up here. The real kernels' numbers: tests/gpu/test_ring_gpu.py.
 
 def _scores(q, k, bias, causal, scale):
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
