@@ -39,6 +39,7 @@ from shardline.errors import ConfigError
 from shardline.models.flops import flops_per_token
 from shardline.layout import Layout, RankStages
 from shardline.planner import compute as cmp
+from shardline.planner import host
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload, layout_problem
 from shardline.planner.memory import (
@@ -179,7 +180,7 @@ def _block_costs(work: Workload, layout: Layout, hw: Hardware) -> _BlockCosts:
     lt = cmp.layer_times(work, layout, hw)
     rec_mm, rec_el = cmp.recompute_fraction(layout.activation_checkpoint, layout.ac_every)
     recompute = rec_mm * (lt.matmul + lt.attention) + rec_el * (lt.elementwise + lt.overhead)
-    return _BlockCosts(lt, recompute, cmp.wrapper_overhead(hw, layout, work), tp_block(work, layout, hw, rec_el),
+    return _BlockCosts(lt, recompute, host.wrapper_overhead(hw, layout, work), tp_block(work, layout, hw, rec_el),
                        cp_layer(work, layout, hw, lt), ep_layer(work, layout, hw, lt, rec_el), pp_p2p(work, layout, hw),
                        offload_copies(work, layout, hw), fsdp_block(work, layout, hw),
                        tp_head_collectives(work, layout, hw))
@@ -192,7 +193,7 @@ def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: RankStages,
     block = block or _block_costs(work, layout, hw)
     lt, layers = block.lt, stage.layers
     head_f, head_b = cmp.head_times(work, layout, hw, stage.label)
-    wrappers = layers * block.wrapper + cmp.ends_overhead(hw, layout, stage.first, stage.last, work)
+    wrappers = layers * block.wrapper + host.ends_overhead(hw, layout, stage.first, stage.last, work)
     return {"compute": layers * (lt.forward + lt.backward) + head_f + head_b + wrappers,
             "recompute": layers * block.recompute + cmp.loss_recompute_time(work, layout, hw, stage.label),
             "tp_comm": layers * block.tp + tp_head(work, layout, hw, stage, block.tp_head),

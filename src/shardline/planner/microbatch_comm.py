@@ -10,6 +10,7 @@ from __future__ import annotations
 from shardline.layout import Layout, RankStages
 from shardline.planner import comm
 from shardline.planner import compute as cmp
+from shardline.planner import host
 from shardline.planner.activations import dtype_bytes
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
@@ -55,7 +56,7 @@ def tp_block(work: Workload, layout: Layout, hw: Hardware, rec: float) -> float:
     """TP communication of one block per micro-batch: the alpha-beta cost of its collectives,
     or on CPU ranks with a wall-time calibration the block's whole measured extra (the
     forward, about a third of it, once more per rerun forward; rec as in _tp_layer)."""
-    wall = cmp.tp_block_wall(hw, layout, work)
+    wall = host.tp_block_wall(hw, layout, work)
     if wall is None:
         return _tp_layer(work, layout, hw, rec)
     return wall * (1 + rec / 3)
@@ -68,7 +69,7 @@ def tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages,
     collectives: what tp_head_collectives returns, when the caller prices several pipeline ranks."""
     if layout.tp == 1:
         return 0.0
-    wall = cmp.tp_ends_wall(hw, layout, work, stage.first, stage.last)
+    wall = host.tp_ends_wall(hw, layout, work, stage.first, stage.last)
     if wall is not None:  # CPU ranks: the ends' calibrated wall time, collectives included
         return wall
     one, loss = collectives or tp_head_collectives(work, layout, hw)

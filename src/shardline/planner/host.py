@@ -1,0 +1,72 @@
+"""Host CPU time of the distributed wrappers (calibrate/dist.py measures it on CPU ranks).
+
+DTensor dispatch of a tensor-parallel block and FSDP2's per-block hooks and copies, per
+micro-batch; where the profile times TP's blocks and ends in wall time (host work,
+collectives and waits together), those replace TP's part. Zero on GPUs, whose host runs
+ahead of the kernels.
+"""
+
+from __future__ import annotations
+
+from shardline.layout import Layout
+from shardline.planner.compute import share
+from shardline.planner.hardware import Hardware
+from shardline.planner.layout import Workload
+from shardline.planner.memory import layer_params
+
+
+def _fsdp(layout: Layout) -> bool:
+    return layout.dp_mode in ("fsdp", "zero2", "hsdp")
+
+
+def tp_wall_calibrated(hw: Hardware, layout: Layout) -> bool:
+    """TP on CPU ranks whose profile times TP's blocks and ends in wall time (calibrate/dist.py)."""
+    return layout.tp > 1 and hw.cpu.shared_compute and hw.cpu.tp_layer_wall_us > 0
+
+
+def tp_block_wall(hw: Hardware, layout: Layout, work: Workload) -> float | None:
+    """CPU ranks with a wall-time TP calibration: one TP block's extra seconds per micro-batch
+    (host work, collectives and waits together; forward + backward), else None."""
+    if not tp_wall_calibrated(hw, layout):
+        return None
+    activations_mb = 4e-6 * layout.micro_batch_size * work.seq_len / layout.cp * work.model.dim
+    return (hw.cpu.tp_layer_wall_us + hw.cpu.tp_layer_wall_us_per_mb * activations_mb) * 1e-6 / share(hw, layout)
+
+
+def tp_ends_wall(hw: Hardware, layout: Layout, work: Workload, first: bool, last: bool) -> float | None:
+    """CPU ranks with a wall-time TP calibration: seconds of TP's ends per micro-batch (the fixed
+    part half to each end, the logits' part to the last stage), else None."""
+    if not tp_wall_calibrated(hw, layout):
+        return None
+    logits_mb = 4e-6 * layout.micro_batch_size * work.seq_len / layout.cp * work.model.vocab_size / layout.tp
+    us = hw.cpu.tp_head_wall_us * (0.5 * first + 0.5 * last) + hw.cpu.tp_head_wall_us_per_mb * logits_mb * last
+    return us * 1e-6 / share(hw, layout)
+
+
+def wrapper_overhead(hw: Hardware, layout: Layout, work: Workload) -> float:
+    """Host seconds of the TP (DTensor) and FSDP2 wrappers per block per micro-batch (forward + backward).
+
+    TP's part is left to tp_block_wall where that is calibrated.
+    """
+    us = 0.0
+    if layout.tp > 1 and not tp_wall_calibrated(hw, layout):
+        us += hw.cpu.tp_layer_overhead_us
+    if _fsdp(layout):
+        cpu = hw.cpu
+        us += cpu.fsdp_layer_overhead_us + cpu.fsdp_layer_overhead_us_per_mb * 4e-6 * layer_params(work, layout.tp)
+    return us * 1e-6 / share(hw, layout)
+
+
+def ends_overhead(hw: Hardware, layout: Layout, first: bool, last: bool, work: Workload) -> float:
+    """Host seconds of the wrappers around the model's ends per micro-batch, half to each end.
+
+    FSDP's size-dependent part counts each end's weight (embedding, output).
+    """
+    ends = 0.5 * first + 0.5 * last
+    us = 0.0
+    if layout.tp > 1 and not tp_wall_calibrated(hw, layout):  # else in the ends' wall time
+        us += hw.cpu.tp_head_overhead_us * ends
+    if _fsdp(layout):
+        embed_mb = 4e-6 * work.model.vocab_size * work.model.dim / layout.tp
+        us += hw.cpu.fsdp_root_overhead_us * ends + hw.cpu.fsdp_layer_overhead_us_per_mb * embed_mb * 2 * ends
+    return us * 1e-6 / share(hw, layout)
