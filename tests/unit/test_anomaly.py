@@ -110,6 +110,28 @@ def test_device_check_gives_the_host_detectors_verdicts():
     assert device.state_dict()["history"] == pytest.approx(list(host.history))
 
 
+def test_the_device_check_never_reads_a_value_on_the_host():
+    """gate() is the per-step path of anomaly.check_on=device: any host read of a device value
+    (`.item()`, indexing by a tensor, both `_local_scalar_dense`) would stall a GPU's queue every step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardline.resilience.device_anomaly import DeviceAnomalyCheck
+
+    class HostReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            HostReads.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    check = DeviceAnomalyCheck(AnomalyConfig(spike_zscore=6.0, window=8, min_history=4), torch.device("cpu"))
+    with HostReads():
+        for step in range(1, 13):
+            check.gate(step, torch.tensor(5.0 - 0.01 * step), torch.tensor(1.0))
+    assert HostReads.count == 0
+    assert len(check.pending) == 12 and check.drain() == []  # the verdicts are still there to read
+
+
 @pytest.mark.parametrize("fault", ["faults.nan_step=5", "faults.spike_step=5"])
 def test_check_on_device_skips_like_the_host_check(tiny_config, tmp_path, fault):
     common = [fault, "anomaly.action=skip", "anomaly.min_history=3", "optim.implementation=fused",

@@ -247,3 +247,22 @@ def test_zero1_cuts_routed_experts_over_efsdp_never_ep(world4_problems):
     the dense ones' (over dp_shard); matches AdamW (weights, saved states, the clipping norm)
     with each rank holding only its blocks' states, and the dense mesh alone refuses the experts."""
     assert [e for e in world4_problems if e.startswith("experts")] == [], world4_problems
+
+
+def test_clipping_in_one_process_matches_torch():
+    """The one-process path (plain gradients, foreach norms and scaling) clips as torch's
+    clip_grad_norm_ does: the same norm, the same gradients."""
+    from shardline.layout import Layout
+    from shardline.parallel.collectives import clip_grad_norm
+    from shardline.parallel.dims import ParallelDims
+
+    torch.manual_seed(0)
+    ours, theirs = (torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)) for _ in range(2))
+    theirs.load_state_dict(ours.state_dict())
+    for model in (ours, theirs):
+        model(torch.randn(5, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+    norm = clip_grad_norm(ours, 0.5, ParallelDims(Layout()))
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5)
+    assert norm > 0.5 and torch.allclose(norm, want)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)

@@ -44,7 +44,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     measured = [p.grad for p in params if p is not counted_elsewhere]
-    norms = [torch.linalg.vector_norm(g) for g in measured if not isinstance(g, DTensor)]
+    plain = [g for g in measured if not isinstance(g, DTensor)]
+    norms = list(torch._foreach_norm(plain)) if plain else []  # one kernel per group, not one per tensor
     apart = []  # ZeRO-1 under ep: the routed experts' squares, whose slices are spread over efsdp
     groups: dict[tuple, list[DTensor]] = {}
     for g in measured:
@@ -76,8 +77,21 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
     if max_norm:
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(scale.to(g.device))
+            if isinstance(g, DTensor):
+                g.mul_(scale.to(g.device))
+        for device_grads in _plain_by_device(grads):  # one kernel per device
+            torch._foreach_mul_(device_grads, scale.to(device_grads[0].device))
     return total
+
+
+def _plain_by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The plain (not DTensor) tensors grouped by device, for foreach ops (offloaded gradients
+    sit on the host)."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if not isinstance(t, DTensor):
+            groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
 
 
 def loss_context(dims: ParallelDims, p: ParallelConfig):

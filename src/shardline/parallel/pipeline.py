@@ -156,6 +156,8 @@ class StageModule(nn.Module):
         """The stage's output; on the last stage, given labels, their summed loss instead of logits."""
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
+        if self.positions.device != h.device:  # once: a host-to-device copy every micro-batch waits on the GPU
+            self.positions = self.positions.to(h.device)
         cos, sin = self._rotary(self.positions, h.device)
         mask = self._mask(doc_ids if self.document_mask else None)
         for layer in self.layers.values():

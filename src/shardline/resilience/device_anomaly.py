@@ -47,11 +47,11 @@ class DeviceAnomalyCheck:
         median = _median(values, n)
         deviations = torch.where(torch.isinf(values), float("inf"), (values - median).abs()).sort().values
         mad = _median(deviations, n)
-        scale = torch.maximum(torch.maximum(1.4826 * mad, 1e-3 * median.abs()), torch.tensor(1e-8, device=mad.device))
+        scale = torch.maximum(1.4826 * mad, 1e-3 * median.abs()).clamp_min(1e-8)
         return (loss - median) / scale
 
     def _accept(self, loss: torch.Tensor, healthy: torch.Tensor) -> None:
-        slot = self.history[self.next]
+        slot = self.history.index_select(0, self.next.reshape(1)).reshape(())  # indexing by a tensor would sync
         self.history.index_copy_(0, self.next.reshape(1), torch.where(healthy, loss, slot).reshape(1))
         step = healthy.long()
         self.next.copy_((self.next + step) % self.cfg.window)
@@ -86,4 +86,5 @@ class DeviceAnomalyCheck:
 
 def _median(sorted_values: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """Median of the first n of sorted values (mean of the two middle ones when n is even)."""
-    return 0.5 * (sorted_values[(n - 1) // 2] + sorted_values[n // 2])
+    middle = torch.stack([(n - 1) // 2, n // 2])  # gathered on the device: indexing by a tensor syncs
+    return 0.5 * sorted_values.index_select(0, middle).sum()

@@ -92,7 +92,11 @@ class StepRunner:
         return reduce_over(self.dims, self.dims.batch_dim, loss, "sum")
 
     def to_device(self, batch: Batch) -> Batch:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        """The batch on the device. To a GPU through pinned memory: a copy from pageable memory
+        waits for the kernels queued before it, so the host could not run ahead of the GPU."""
+        if self.device.type != "cuda":
+            return {k: v.to(self.device) for k, v in batch.items()}
+        return {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _local(self, batch: Batch) -> Batch:
         """The batch on this rank's device; under cp, only this rank's tokens (and their positions)."""

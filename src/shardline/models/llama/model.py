@@ -236,7 +236,7 @@ class Llama(nn.Module):
         """
         h = self.tok_embeddings(input_ids)
         if positions is None:
-            positions = torch.arange(input_ids.shape[1])
+            positions = torch.arange(input_ids.shape[1], device=h.device)  # made there: no host-to-device copy
         cos, sin = self.rotary(positions, h.device)
         mask = self.attention_mask(doc_ids)
         for layer in self.layers.values():
