@@ -73,6 +73,24 @@ def test_train_from_hf_folder(tiny_config, tmp_path, monkeypatch, tied, sharded)
             dist.destroy_process_group()
 
 
+def test_a_resume_does_not_read_the_hf_weights_again(tiny_config, tmp_path):
+    """The checkpoint holds every weight: a resumed run restores it without reading the HF
+    folder's weights (minutes at 70B on every rank), so a folder whose weights are gone since
+    (its config and tokenizer kept) still resumes, from the trained weights."""
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=600)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    start = ("train.eval_interval=0", f"model.hf_path={tmp_path / 'hf'}")
+    first = Trainer(tiny_config("train.steps=2", *start)).build()
+    first.train()
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    resumed = Trainer(tiny_config("train.steps=3", *start)).build()
+    assert resumed.step == 2
+    for name, p in resumed.model.state_dict().items():
+        torch.testing.assert_close(p, first.model.state_dict()[name], rtol=0, atol=0)
+
+
 def test_convert_errors_exit_2(tmp_path, capsys):
     assert main(["convert", "to-hf", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert "neither a checkpoint folder nor a run dir" in capsys.readouterr().err

@@ -98,7 +98,6 @@ class Trainer(SavedState, AnomalyResponse):
         build = build_moe_model if self.model_args.moe else build_model
         # One process builds a (one-rank) mesh too under offload, whose FSDP2 parameters are sharded.
         built = build(cfg, self.model_args, self.dims, self.device)
-        load_starting_weights(cfg.model, built.model, sharded=self.dims.mesh is not None)
         self.hf_fields = starting_hf_fields(cfg.model)  # dtype, special tokens: for `convert to-hf`
         # The parameters (optimizer, checkpoints, clipping), and how to run them (steps): a
         # module to call (DDP-wrapped or not; train.compile compiled its blocks) or, under pp,
@@ -130,13 +129,19 @@ class Trainer(SavedState, AnomalyResponse):
                 resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
                 found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
                 self._set_aside = self._set_aside_newer(found)  # before the restore, which may fail
-                resumed = self._restore(found) if found is not None else None
+                resumed = self._restore(found) if found is not None else self._load_starting_weights()
             self._open_run_dir(resumed)
         except BaseException:
             self.guard.stop_watching()
             self.lock.release()
             raise
         return self
+
+    def _load_starting_weights(self) -> None:
+        """model.hf_path's or model.init_from's weights, on a start that resumes nothing: a
+        resume restores every weight, so it neither reads the HF folder (minutes at 70B, every
+        rank) nor hashes the init_from checkpoint again."""
+        load_starting_weights(self.cfg.model, self.model, sharded=self.dims.mesh is not None)
 
     def _lock_run_dir(self) -> None:
         """One run per run dir: taken once every input check has passed, before anything there
