@@ -123,10 +123,17 @@ def test_hf_to_checkpoint_and_back_keeps_dtype_special_tokens_and_tokenizer(tmp_
     back: the same bf16 tensors bit for bit, its bos/eos ids and its tokenizer.json."""
     from safetensors.torch import load_file
 
+    from shardline.interop import convert
+
     _bf16_hf_folder(tmp_path / "hf")
     monkeypatch.chdir(tmp_path)
     assert main(["convert", "from-hf", "hf", "ck"]) == 0
+    held = []  # the model the export holds: in the export dtype (half of fp32's memory), not fp32
+    write = convert.to_hf_pretrained
+    monkeypatch.setattr(convert, "to_hf_pretrained", lambda model, *a, **k: held.append(
+        {p.dtype for p in model.parameters()}) or write(model, *a, **k))
     assert main(["convert", "to-hf", "ck", "out"]) == 0
+    assert held == [{torch.bfloat16}]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["dtype"], config["bos_token_id"], config["eos_token_id"]) == ("bfloat16", 1, 2)
     assert (config["pad_token_id"], config["initializer_range"]) == (0, 0.01)  # kept, not the defaults

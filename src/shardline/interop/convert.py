@@ -17,10 +17,10 @@ import torch
 
 from shardline.data.tokenizer import eos_id, load_tokenizer
 from shardline.errors import CheckpointError
-from shardline.interop.hf import from_hf_pretrained, to_hf_pretrained
+from shardline.interop.hf import empty_model, from_hf_pretrained, to_hf_pretrained
 from shardline.interop.hf_config import EXPORT_DTYPES, KEPT_FIELDS, read_hf_fields
 from shardline.interop.hf_files import TOKENIZER_NAME, check_parents, copy_tokenizer_files
-from shardline.models.factory import args_from_json, args_to_json, build_meta_model
+from shardline.models.factory import args_from_json, args_to_json
 from shardline.resilience.checkpoint import (
     Checkpointer,
     load_weights,
@@ -51,15 +51,15 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "") -> Path:
     explicit = _export_dtype(dtype)  # a wrong --dtype fails before the checkpoint is read
     ckpt = resolve_checkpoint(src)
     meta = read_meta(ckpt)
-    model = build_meta_model(args_from_json(meta["model_args"]))
-    model.init_weights()  # materialize; every weight is then overwritten by the checkpoint
+    hf = meta.get("hf", {})
+    dtype = explicit or _export_dtype(hf.get("dtype", "")) or torch.float32
+    model = empty_model(args_from_json(meta["model_args"]), dtype)  # the checkpoint casts as it loads
     load_weights(ckpt, model)
     tokenizer = checkpoint_tokenizer(ckpt)
-    hf = meta.get("hf", {})
     eos = hf.get("eos_token_id")
     if eos is None and tokenizer is not None:  # a run's own tokenizer: its end-of-document token
         eos = eos_id(load_tokenizer(str(tokenizer)))
-    return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=explicit or _export_dtype(hf.get("dtype", "")),
+    return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=dtype,
                             bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
                             provenance={"checkpoint": str(ckpt.resolve())},
                             kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf})

@@ -200,16 +200,24 @@ def from_hf_pretrained(path: str | os.PathLike, device: str | torch.device = "cp
     """Build a shardline model (fp32, on `device`) holding the weights of HF folder `path`."""
     args = read_hf_config(path)
     _weight_files(_hf_folder(path))  # fail on a folder without weights before allocating anything
-    model = build_meta_model(args)
-    model.to_empty(device=device)  # every parameter is overwritten by load_hf_weights
+    model = empty_model(args, torch.float32, device)
+    load_hf_weights(model, path)
+    return model, args
+
+
+def empty_model(args: ModelArgs, dtype: torch.dtype, device: str | torch.device = "cpu") -> Llama:
+    """A model of `args` whose parameters (in `dtype`) are allocated but not initialised, for
+    weights that are all loaded next: no random init to draw and throw away (tens of minutes
+    at 405B), and an export in bf16 holds the model in bf16, not fp32."""
+    model = build_meta_model(args).to(dtype)
+    model.to_empty(device=device)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # to_empty gives each module its own tensor
     model.inv_freq = rope_frequencies(args).to(model.tok_embeddings.weight.device)
     for layer in moe_layers(model):  # to_empty left the routers' bookkeeping uninitialised
         for buffer in layer.buffers():
             buffer.zero_()
-    load_hf_weights(model, path)
-    return model, args
+    return model
 
 
 def hf_state_dict_chunks(path: str | os.PathLike, wanted: set[str], max_bytes: int = 1 << 30):
