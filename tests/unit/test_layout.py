@@ -90,6 +90,9 @@ def test_invalid_layouts(world, overrides, message):
      "parallel.ep=4 must divide dp_shard x cp = 2"),
     (4, ["model.preset=tiny-moe", "moe.num_experts=6", "parallel.tp=2", "parallel.ep=2", "parallel.dp_shard=2"],
      "parallel.ep=2 x tp=2 must divide the 6 experts"),
+    # capacity counted on a cp rank's slice would drop other tokens than one process drops
+    (2, ["model.preset=tiny-moe", "moe.capacity_factor=1.25", "parallel.cp=2", "parallel.dp_shard=1"],
+     "moe.capacity_factor=1.25 with parallel.cp=2 is not built: each cp rank would drop tokens by its own slice"),
     (2, ["model.preset=tiny-moe", "moe.top_k=9"], "moe top_k=9 must be in 1..n_experts=8"),
     (1, ["moe.top_k=2"], "missing moe.num_experts, moe.expert_ffn_dim"),
 ])

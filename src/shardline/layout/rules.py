@@ -168,6 +168,11 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
     """Mixture-of-experts layouts the trainer does not build yet."""
     if not getattr(job.model, "n_experts", 0):
         return None
+    capacity = job.model.moe.capacity_factor
+    if lay.cp > 1 and capacity:  # the first `capacity` tokens of each expert, counted on each rank's slice
+        return "cp", (f"moe.capacity_factor={capacity:g} with parallel.cp={lay.cp} is not built: each cp rank would "
+                      "drop tokens by its own slice of the sequence, not as one process drops them; use "
+                      "moe.capacity_factor=0 (dropless) or cp=1")
     ranks = lay.dp_shard * lay.cp
     if lay.ep_borrows_cp and ranks % lay.ep == 0 and lay.ep % lay.cp:
         # ep borrows either dp_shard ranks alone or every cp rank, not part of cp.
