@@ -159,6 +159,32 @@ def test_bf16_weights_load_into_fp32_model(tmp_path, transformers):
     assert torch.equal(model.tok_embeddings.weight, expected)
 
 
+def test_mistral_and_qwen3_folders_read_as_the_llama_they_are(tmp_path, transformers):
+    """Mistral (without a window; head_dim apart from hidden/heads, as Mistral-Nemo) is Llama's
+    math under Llama's names; Qwen3 adds a norm on each query and key head (qk_norm). Both load
+    with the logits of their transformers classes, and Qwen3 exports as Qwen3 again."""
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=VOCAB,
+                  max_position_embeddings=64, rms_norm_eps=1e-5, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, attn_implementation="eager")
+    folders = {"mistral": transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None)),
+               "qwen3": transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))}
+    for i, (family, hf) in enumerate(folders.items()):
+        _spread(hf, seed=i)
+        hf.eval().save_pretrained(tmp_path / family)
+        model, args = from_hf_pretrained(tmp_path / family)
+        assert (args.head_size, args.kv_heads, args.qk_norm) == (32, 2, family == "qwen3")
+        with torch.no_grad():
+            _logits_equal(model.eval()(_ids()), hf(_ids()).logits)
+    out = to_hf_pretrained(model, tmp_path / "back")  # the Qwen3 model
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True,
+                                                                   attn_implementation="eager")
+    assert type(back).__name__ == "Qwen3ForCausalLM" and not any(info.values())
+    with torch.no_grad():
+        _logits_equal(back.eval()(_ids(1)).logits, model(_ids(1)))
+    assert read_hf_config(out) == args
+
+
 # ---- shardline -> HF --------------------------------------------------------------------------
 
 _BASE = dict(dim=64, n_layers=2, n_heads=4, vocab_size=VOCAB, ffn_dim=96, max_seq_len=64)
@@ -293,7 +319,13 @@ def test_reads_transformers5_config_layout(tmp_path):
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear' is not supported"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"model_type": "mistral"}, "model_type='mistral'"),
+    ({"model_type": "gemma"}, "model_type='gemma'; only Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE folders"),
+    ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16 is not supported"),
+    ({"model_type": "mistral", "max_position_embeddings": 8192},  # MistralConfig's window when left out
+     "sliding_window=4096 is not supported"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]},
+     "'sliding_attention'] is not supported"),
+    ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window=true is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"num_attention_heads": None}, "lacks 'num_attention_heads'"),
     ({"num_key_value_heads": 3}, "not divisible"),

@@ -1,1 +1,2 @@
-"""Reading and writing model formats of other tools (Hugging Face Llama, Mixtral and Qwen3-MoE folders)."""
+"""Reading and writing model formats of other tools (Hugging Face Llama, Mistral,
+Qwen3, Mixtral and Qwen3-MoE folders)."""

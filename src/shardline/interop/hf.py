@@ -1,4 +1,5 @@
-"""Hugging Face Llama, Mixtral and Qwen3-MoE folders <-> shardline models, without importing transformers.
+"""Hugging Face Llama, Mistral, Qwen3, Mixtral and Qwen3-MoE folders <-> shardline models,
+without importing transformers.
 
 An HF folder is `config.json` plus safetensors weights: one `model.safetensors`, or
 shards listed in `model.safetensors.index.json`. Tensor names map through the model
@@ -305,7 +306,7 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
                      eos_token_id: int | list[int] | None = None,
                      provenance: dict | None = None, kept_fields: dict | None = None) -> Path:
     """Write `model` as an HF folder at `path` that transformers' LlamaForCausalLM,
-    MixtralForCausalLM or Qwen3MoeForCausalLM (by the model's shape) loads.
+    Qwen3ForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM (by the model's shape) loads.
 
     Writes config.json, the weights (one model.safetensors, or shards of at most
     max_shard_size_bytes each plus model.safetensors.index.json) and, when tokenizer_path

@@ -1,4 +1,4 @@
-"""HF config.json <-> ModelArgs for Llama, Mixtral and Qwen3-MoE, in both transformers < 5 and >= 5 layouts.
+"""HF config.json <-> ModelArgs for Llama, Mistral, Qwen3, Mixtral and Qwen3-MoE, in transformers < 5 and >= 5 layouts.
 
 transformers < 5 writes `rope_theta` at the top level and the scaling dict (or null)
 under `rope_scaling`; transformers 5 writes a single `rope_parameters` dict holding
@@ -92,11 +92,18 @@ def _read_rope(cfg: dict, where: Path, max_pos: int,
 
 # Per family: what its transformers config class assumes for a key config.json leaves out
 # (rope_theta, rms_norm_eps, max_position_embeddings, num_key_value_heads; None: n_heads).
+# Mistral is Llama's math and tensor names (without a sliding window); Qwen3 is Llama with a
+# norm on each query and key head.
 _DEFAULTS = {
     "llama": (10000.0, 1e-6, 2048, None),
+    "mistral": (10000.0, 1e-6, 4096 * 32, 8),
+    "qwen3": (10000.0, 1e-6, 32768, 32),
     "mixtral": (1e6, 1e-5, 4096 * 32, 8),
     "qwen3_moe": (10000.0, 1e-6, 32768, 4),
 }
+_DENSE = ("llama", "mistral", "qwen3")
+_QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json leaves it out (not hidden / heads)
+_DISPLAY = {"llama": "Llama", "mistral": "Mistral", "qwen3": "Qwen3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
 
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what to-hf writes on request
@@ -120,7 +127,8 @@ def read_hf_fields(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_hf_config(path: str | os.PathLike) -> ModelArgs:
-    """ModelArgs of the HF Llama, Mixtral or Qwen3-MoE folder `path`, read from its config.json."""
+    """ModelArgs of the HF Llama, Mistral, Qwen3, Mixtral or Qwen3-MoE folder `path`, read from
+    its config.json."""
     folder = _hf_folder(path)
     where = folder / CONFIG_NAME
     if not where.is_file():
@@ -130,10 +138,16 @@ def read_hf_config(path: str | os.PathLike) -> ModelArgs:
         raise CheckpointError(f"{where} does not hold a JSON object")
     family = cfg.get("model_type")
     if family not in _DEFAULTS:
-        raise CheckpointError(f"{where}: model_type={family!r}; only Llama, Mixtral and Qwen3-MoE folders "
+        raise CheckpointError(f"{where}: model_type={family!r}; only {', '.join(_DISPLAY.values())} folders "
                               f"(model_type {', '.join(map(repr, _DEFAULTS))}) can be read")
     args = _dense_args(cfg, where, family)
-    if family != "llama":
+    _check_layer_types(cfg, where)
+    if family in ("mistral", "mixtral"):
+        _check_window(cfg, where, args.max_seq_len, default=4096 if family == "mistral" else None)
+    if family in ("qwen3", "qwen3_moe"):
+        _check_qwen3_attention(cfg, where)
+        args = dataclasses.replace(args, qk_norm=True)
+    if family not in _DENSE:
         args = _with_moe(args, cfg, where, family)
     problems = args.validate()
     if problems:
@@ -153,7 +167,7 @@ def _dense_args(cfg: dict, where: Path, family: str) -> ModelArgs:
     dim = _number(cfg, "hidden_size", where, int)
     n_heads = _number(cfg, "num_attention_heads", where, int)
     n_kv_heads = _number(cfg, "num_key_value_heads", where, int, default=default_kv or n_heads)
-    head_dim = _number(cfg, "head_dim", where, int, default=-1)
+    head_dim = _number(cfg, "head_dim", where, int, default=_QWEN3_HEAD_DIM if family == "qwen3" else -1)
     if head_dim == -1 or (n_heads > 0 and dim % n_heads == 0 and head_dim == dim // n_heads):
         head_dim = None  # the default, dim // n_heads
     max_pos = _number(cfg, "max_position_embeddings", where, int, default=default_max_pos)
@@ -187,30 +201,44 @@ def _with_moe(args: ModelArgs, cfg: dict, where: Path, family: str) -> ModelArgs
     n_experts = _number(cfg, experts_key, where, int)
     top_k = _number(cfg, "num_experts_per_tok", where, int)
     if family == "mixtral":
-        _check_mixtral(cfg, where, args.max_seq_len)
+        jitter = _number(cfg, "router_jitter_noise", where, float, default=0.0)
+        if jitter:
+            raise CheckpointError(f"{where}: router_jitter_noise={jitter} is not supported; shardline's router "
+                                  "has no input jitter (set it to 0)")
         moe = MoEArgs(n_experts=n_experts, top_k=top_k, expert_ffn_dim=args.ffn_dim)
         return dataclasses.replace(args, moe=moe)
-    if cfg.get("use_sliding_window"):
-        raise CheckpointError(f"{where}: use_sliding_window=true is not supported; shardline attends to the "
-                              "whole sequence")
     norm_topk = cfg.get("norm_topk_prob", False)
     if not isinstance(norm_topk, bool):
         raise CheckpointError(f"{where}: norm_topk_prob={norm_topk!r} is not true or false")
     moe = MoEArgs(n_experts=n_experts, top_k=top_k, norm_topk=norm_topk,
                   expert_ffn_dim=_number(cfg, "moe_intermediate_size", where, int),
                   first_dense_layers=_qwen3_dense_prefix(cfg, where, args.n_layers))
-    return dataclasses.replace(args, moe=moe, qk_norm=True)
+    return dataclasses.replace(args, moe=moe)
 
 
-def _check_mixtral(cfg: dict, where: Path, max_pos: int) -> None:
-    jitter = _number(cfg, "router_jitter_noise", where, float, default=0.0)
-    if jitter:
-        raise CheckpointError(f"{where}: router_jitter_noise={jitter} is not supported; shardline's router "
-                              "has no input jitter (set it to 0)")
-    window = cfg.get("sliding_window")
-    if window is not None and _number(cfg, "sliding_window", where, int) < max_pos:
+def _check_window(cfg: dict, where: Path, max_pos: int, default: int | None) -> None:
+    """Mistral and Mixtral: a sliding window shorter than the model's context is not built
+    (`default`: the config class's window when config.json leaves the key out)."""
+    window = cfg.get("sliding_window", default)
+    if window is not None and _number({"sliding_window": window}, "sliding_window", where, int) < max_pos:
         raise CheckpointError(f"{where}: sliding_window={window} is not supported; shardline attends to the "
                               "whole sequence (null, or >= max_position_embeddings, is valid)")
+
+
+def _check_qwen3_attention(cfg: dict, where: Path) -> None:
+    """Qwen3 and Qwen3-MoE window their attention only when asked to, which is not built."""
+    if cfg.get("use_sliding_window"):
+        raise CheckpointError(f"{where}: use_sliding_window=true is not supported; shardline attends to the "
+                              "whole sequence")
+
+
+def _check_layer_types(cfg: dict, where: Path) -> None:
+    """Per-layer attention kinds (sliding layers between full ones) are not built."""
+    types = cfg.get("layer_types") or []
+    if not isinstance(types, list) or any(t != "full_attention" for t in types):
+        shown = types if not isinstance(types, list) or len(types) <= 4 else [*types[:4], "..."]
+        raise CheckpointError(f"{where}: layer_types={shown!r} is not supported; shardline attends to the whole "
+                              "sequence in every layer (full_attention)")
 
 
 def _qwen3_dense_prefix(cfg: dict, where: Path, n_layers: int) -> int:
@@ -272,7 +300,14 @@ def hf_config_dict(args: ModelArgs, tied: bool, dtype: torch.dtype,
         "dtype": dtype_name,  # transformers >= 4.56
         "torch_dtype": dtype_name,  # older transformers
     }
-    return config if args.moe is None else _moe_config_dict(args, config)
+    if args.moe is not None:
+        return _moe_config_dict(args, config)
+    if args.qk_norm:  # Qwen3: Llama's keys but the MLP bias flags, plus its (unused) window
+        config = {k: v for k, v in config.items() if k not in ("mlp_bias", "pretraining_tp")}
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False,
+                      sliding_window=None, max_window_layers=args.n_layers,
+                      layer_types=["full_attention"] * args.n_layers)
+    return config
 
 
 def hf_balance_coef(args: ModelArgs) -> float:

@@ -1,6 +1,7 @@
 """Starting weights: the one loader for a run that begins from existing weights.
 
-`model.hf_path` names an HF Llama, Mixtral or Qwen3-MoE folder, `model.init_from` a shardline checkpoint.
+`model.hf_path` names an HF Llama, Mistral, Qwen3, Mixtral or Qwen3-MoE folder,
+`model.init_from` a shardline checkpoint.
 The model arrives laid out (sharded, split into pipeline stages) and initialised; the
 loader overwrites its weights, each rank keeping only its own shard. Parallelization
 knows nothing of where weights come from.

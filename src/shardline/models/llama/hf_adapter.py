@@ -22,6 +22,8 @@ _PER_LAYER = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3 (qk_norm)
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
