@@ -104,6 +104,9 @@ def test_plot_never_overwrites_a_file_that_is_not_a_png(tmp_path, capsys):
     ({"--fix": "tq=8"}, "--fix key 'tq' is unknown"),
     ({"--simulate.fix=tp=x": None}, "--fix tp='x' must be an integer"),
     ({"--step-time": "2", "--mfu": "0.5"}, "--mfu shapes the step-time estimate, which --step-time replaces"),
+    ({"--step-time": "2", "--simulate.seq_len=4096": None, "--simulate.fix=tp=8": None},
+     "simulate.fix, simulate.seq_len shape the step-time estimate, which simulate.step_time_s replaces"),
+    ({"--simulate.step_time_s=2": None, "--simulate.mfu=0.5": None}, "simulate.mfu shapes the step-time"),
 ])
 def test_impossible_requests_are_user_errors(capsys, changes, message):
     flags = dict(zip(SMALL[1::2], SMALL[2::2], strict=True))  # SMALL is "simulate" + flag/value pairs

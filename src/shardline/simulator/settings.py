@@ -142,4 +142,18 @@ def load_settings(path: str | Path | None, overrides: list[str], flags: dict[str
             raise ConfigError(f"override {item!r}: use --simulate.KEY=VALUE or --failures.KEY=VALUE")
         settings = apply_table(settings, section, {key: value}, section)
     given = {k: v for k, v in flags.items() if v is not None}
-    return apply_table(settings, "simulate", given, "simulate")
+    settings = apply_table(settings, "simulate", given, "simulate")
+    _check_step_time(settings)
+    return settings
+
+
+def _check_step_time(settings: Settings) -> None:
+    """A given step time replaces the estimate; keys that only shape the estimate would be
+    ignored (from any source: file, override or flag)."""
+    if settings.step_time_s is None:
+        return
+    unused = [f"simulate.{key}" for key in ("fix", "seq_len", "global_batch_tokens") if getattr(settings, key)]
+    unused += ["simulate.mfu"] if settings.mfu != Settings.mfu else []
+    if unused:
+        raise ConfigError(f"{', '.join(unused)} {'shapes' if len(unused) == 1 else 'shape'} the step-time "
+                          "estimate, which simulate.step_time_s replaces; give one or the other")
