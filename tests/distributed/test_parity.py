@@ -175,6 +175,8 @@ def world2(tmp_path_factory, small_prepared, single):
     # keeping its shard: the path a one-process run does not take (it loads strictly, in place).
     checkpoint_to_hf(single(SHALLOW), root / "hf")
     jobs.append((root / "zero3_from_hf", [*_base(small_prepared), *_from_hf(root), "parallel.dp_shard=2"]))
+    # ... and into tensor-parallel shards (vocab-parallel embedding, column and row-parallel projections)
+    jobs.append((root / "tp2_from_hf", [*_base(small_prepared), *_from_hf(root), "parallel.tp=2"]))
     tied = [*_base(small_prepared), SHALLOW, TIE]
     for name, first, second in TIED_RESHARD_2:
         jobs += [(root / name, [*tied, *first]), (root / name, [*tied, *second])]
@@ -232,9 +234,10 @@ def test_world2_layout_matches_single_process(world2, single, layout):
     assert_same_run(world2 / layout, single(*_model(LAYOUTS_2[layout])))
 
 
-def test_hf_weights_load_into_fsdp_shards_as_into_one_process(world2, single):
+@pytest.mark.parametrize("layout", ["zero3_from_hf", "tp2_from_hf"])
+def test_hf_weights_load_into_fsdp_and_tp_shards_as_into_one_process(world2, single, layout):
     reference = single(*_from_hf(world2))
-    assert_same_run(world2 / "zero3_from_hf", reference)
+    assert_same_run(world2 / layout, reference)
     assert losses(reference)[1] < losses(single(SHALLOW))[1]  # it starts from the trained weights
 
 
