@@ -21,12 +21,15 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.config import load_config
 
     if args.resume is not None:
+        given = [o for o in overrides if o.removeprefix("--").startswith("run.resume=")]
+        if given:
+            raise ShardlineError(f"--resume and --{given[0].removeprefix('--')} both say what to resume; give one")
         overrides = [*overrides, f"run.resume={args.resume}"]
     cfg = load_config(args.config, overrides)
     if args.dry_run:
         from shardline.dry_run import dry_run
 
-        print(dry_run(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", 1)), args.gpu))
+        print(dry_run(cfg, args.world_size or _env_world_size(), args.gpu))
         return 0
     if args.world_size is not None or args.gpu is not None:
         raise ShardlineError("--world-size and --gpu go with --dry-run; a launch takes its world size from torchrun")
@@ -40,6 +43,14 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise
     shutdown_distributed()
     return 0
+
+
+def _env_world_size() -> int:
+    value = os.environ.get("WORLD_SIZE", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ShardlineError(f"WORLD_SIZE={value!r} in the environment is not a positive integer; "
+                             "give --world-size N for the dry run")
+    return int(value)
 
 
 def _check(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -101,6 +112,18 @@ def _factor_above_one(text: str) -> float:
     return value
 
 
+class _Once(argparse.Action):
+    """An option given at most once: a second --config would replace the first whole, not
+    merge into it, which nobody typing two files means."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        earlier = getattr(namespace, self.dest)
+        if earlier is not None:
+            parser.error(f"{option_string} given twice ({earlier}, {values}): give one file and override its "
+                         "keys with --section.key=value")
+        setattr(namespace, self.dest, values)
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line naming the command, as every other error here is
     (argparse prints the whole usage block first, which buries the message). Subcommands inherit it."""
@@ -114,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (default: tiny preset on the shipped corpus)",
                            epilog="any config key can be overridden as --section.key=value, e.g. --train.steps=50")
-    train.add_argument("--config", help="TOML config file")
+    train.add_argument("--config", action=_Once, help="TOML config file")
     train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                        help="resume from the newest valid checkpoint of run.dir (or the one given); "
                             "without this flag a run resumes automatically when run.dir holds one")

@@ -64,6 +64,7 @@ def test_resume_continues_where_it_stopped(tmp_path, small_corpus):
     (["--optim.eps=nan"], "not a finite number"),
     (["--config", "CONFIG_FOLDER"], "is a folder; give a .toml file"),
     (["--config", "LATIN1_TOML"], "is not UTF-8 text"),
+    (["--resume", "--run.resume=never"], "--resume and --run.resume=never both say what to resume; give one"),
 ])
 def test_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, small_corpus, capsys, bad, message):
     # In this process, through the CLI's own main() (a fresh interpreter per case cost ~2.5 s
@@ -87,3 +88,17 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, small_cor
 def test_unknown_argument_is_rejected():
     out = shardline("train", "--stepz", "3")
     assert out.returncode == 2 and "config overrides look like --section.key=value" in out.stderr
+
+
+def test_usage_and_environment_mistakes_are_one_line(tmp_path, small_corpus, capsys, monkeypatch):
+    """A second --config would silently replace the first; a malformed WORLD_SIZE reached the dry
+    run as a ValueError traceback."""
+    (tmp_path / "a.toml").write_text("[train]\nsteps = 3\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", str(tmp_path / "a.toml"), "--config", str(tmp_path / "a.toml"), "--dry-run"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--config given twice" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    assert main(["train", "--dry-run", *overrides(tmp_path / "run", small_corpus)]) == 2
+    err = capsys.readouterr().err
+    assert "WORLD_SIZE='two' in the environment is not a positive integer" in err and "Traceback" not in err

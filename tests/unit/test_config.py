@@ -100,3 +100,14 @@ def test_reader_unions_keep_a_members_own_type():
     assert coerce("k", 3, float | None) == 3.0 and isinstance(coerce("k", 3, float | None), float)
     with pytest.raises(ConfigError, match="k=True has the wrong type"):
         coerce("k", True, int | None)
+
+
+def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch):
+    """A TOML value or a quoted argument reaches the config unexpanded: `~/runs/x` would make a
+    folder named "~" in the working directory (and a later `rm -rf ~` of it, the home folder)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "c.toml").write_text('[run]\ndir = "~/runs/x"\n[data]\nmix = [{path = "~/a.jsonl", weight = 1.0}]\n')
+    cfg = load_config(tmp_path / "c.toml", ["model.init_from=~/ck", "data.tokenizer=~/tok.json", "run.resume=never"])
+    assert cfg.run.dir == str(tmp_path / "runs" / "x") and cfg.data.mix[0].path == str(tmp_path / "a.jsonl")
+    assert (cfg.model.init_from, cfg.data.tokenizer) == (str(tmp_path / "ck"), str(tmp_path / "tok.json"))
+    assert cfg.run.resume == "never" and load_config(None, ["run.dir=a~b"]).run.dir == "a~b"

@@ -69,7 +69,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     cfg = from_dict(reader.read_toml(path) if path is not None else {})
     for item in overrides:
         apply_override(cfg, item)
+    _expand_home(cfg)
     return cfg
+
+
+# The path keys: a leading ~ is the user's home, as a shell would expand it (a TOML value, or
+# a quoted or `--key=~/x` argument, reaches us unexpanded; a folder named "~" is never meant).
+_PATH_KEYS = (("run", "dir"), ("run", "resume"), ("model", "hf_path"), ("model", "init_from"),
+              ("data", "path"), ("data", "tokenizer"), ("checkpoint", "memory_dir"))
+
+
+def _expand_home(cfg: Config) -> None:
+    for section, key in _PATH_KEYS:
+        holder = getattr(cfg, section)
+        setattr(holder, key, _home(getattr(holder, key)))
+    for source in cfg.data.mix:
+        source.path = _home(source.path)
+
+
+def _home(path: str) -> str:
+    return str(Path(path).expanduser()) if path.startswith("~") else path
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
