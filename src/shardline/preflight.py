@@ -18,7 +18,7 @@ import torch
 
 from shardline import layout as layouts
 from shardline.config import Config, ModelConfig, MoEConfig
-from shardline.errors import ConfigError
+from shardline.errors import CheckpointError, ConfigError
 from shardline.data.shards import is_prepared
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import read_hf_config
@@ -186,9 +186,15 @@ def check_resume(cfg: Config) -> Path | None:
     (The launch also compares the number of training sequences, which needs the data tokenized.)"""
     if Path(cfg.run.dir).exists() and not Path(cfg.run.dir).is_dir():
         raise ConfigError(f"run.dir={cfg.run.dir!r} is a file; give a folder")
-    path = resume_path(cfg, Checkpointer(Path(cfg.run.dir), cfg.checkpoint.keep))[0]
+    checkpointer = Checkpointer(Path(cfg.run.dir), cfg.checkpoint.keep)
+    path = resume_path(cfg, checkpointer)[0]
+    if path is not None and cfg.run.resume not in ("auto", "latest", "never"):
+        checkpointer.verify(path)  # a named one is not chosen among valid ones: check it as the load would
     if path is not None and (path / "trainer" / "rank0.pt").is_file():
-        state = torch.load(path / "trainer" / "rank0.pt", weights_only=True)
+        try:
+            state = torch.load(path / "trainer" / "rank0.pt", weights_only=True)
+        except Exception as e:  # a manifest-less folder named by --resume, say
+            raise CheckpointError(f"checkpoint {path}: trainer/rank0.pt cannot be read ({type(e).__name__})") from None
         data = state["data"]
         check_data_position(path, data, data["num_samples"], cfg.train.seed, cfg.train.global_batch_size)
         check_skip_batches(path, state["step"], data.get("skipped_batches", []), cfg.train.skip_batches)

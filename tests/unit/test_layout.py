@@ -347,6 +347,16 @@ def test_dry_run_checks_a_mixture_and_a_resume_as_the_launch_does(capsys, tmp_pa
         assert main([*base, extra]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+    # A named checkpoint is checked as the load checks it: a folder without a manifest, and a
+    # damaged trainer file (an UnpicklingError traceback before), are one line.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "junk" / "trainer").mkdir(parents=True)
+    (tmp_path / "junk" / "trainer" / "rank0.pt").write_bytes(b"not a pickle")
+    for named, message in ((tmp_path / "empty", "is incomplete: no manifest.json"),
+                           (tmp_path / "junk", "is incomplete: no manifest.json")):
+        assert main([*base, "--resume", str(named)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
 
     gapped = tmp_path / "gapped.json"
     Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 7_000}, unk_token="[UNK]")).save(str(gapped))
