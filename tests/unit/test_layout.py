@@ -305,6 +305,14 @@ def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(caps
     assert not run.exists()
 
 
+def test_an_fp8_dry_run_on_a_cpu_prices_its_gemms_at_bf16(capsys, tmp_path):
+    """The trainer runs fp8 on a CPU (torchao's emulation); the dry run's estimate has no fp8 peak
+    there and refused the launch with an error naming no config key."""
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--train.precision=fp8",
+                 "--run.device=cpu"]) == 0
+    assert "per rank on cpu" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--world-size", "6", "--parallel.tp=4"], "does not match the world size 6"),
     (["--world-size", "3", "--parallel.tp=3"], "must divide n_heads=8"),

@@ -122,6 +122,8 @@ def attention_efficiency(hw: Hardware, dtype: str, q_len: int, k_len: int) -> fl
 
 
 def matmul_time(hw: Hardware, dtype: str, m: float, n: float, k: float, share_: float = 1.0) -> float:
+    if dtype == "fp8" and "fp8" not in hw.peak_tflops:  # no float8 GEMMs (a CPU emulates them): bf16's rate
+        dtype = "bf16"
     return 2.0 * m * n * k / (hw.peak(dtype) * share_ * matmul_efficiency(hw, dtype, m, n, k))
 
 
