@@ -29,7 +29,13 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.dry_run:
         from shardline.dry_run import dry_run
 
-        print(dry_run(cfg, args.world_size or _env_world_size(), args.gpu))
+        report, fits = dry_run(cfg, args.world_size or _env_world_size(), args.gpu)
+        print(report)
+        if not fits:  # a script's `--dry-run && torchrun ...` stops here; a launch itself is not refused
+            print("shardline: the planner's memory estimate does not fit the device (exit 1); lower "
+                  "train.micro_batch_size, or set train.loss_chunk_tokens or memory.activation_checkpoint",
+                  file=sys.stderr)
+            return 1
         return 0
     if args.world_size is not None or args.gpu is not None:
         raise ShardlineError("--world-size and --gpu go with --dry-run; a launch takes its world size from torchrun")
@@ -143,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "without this flag a run resumes automatically when run.dir holds one")
     train.add_argument("--dry-run", action="store_true",
                        help="check config, data and layout as a launch would, print the layout, the pipeline "
-                            "placement and the memory per rank, and exit (no process group, no run dir)")
+                            "placement and the memory per rank, and exit (no process group, no run dir; exit 1 when "
+                            "the memory estimate does not fit)")
     train.add_argument("--world-size", type=_positive_int, metavar="N",
                        help="with --dry-run: the number of ranks to check for (default $WORLD_SIZE or 1)")
     train.add_argument("--gpu", metavar="TYPE", help="with --dry-run: the device type of the memory estimate")

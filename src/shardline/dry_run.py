@@ -33,8 +33,9 @@ from shardline.planner.memory import GiB
 from shardline.preflight import Preflight, check_config, check_device, check_resume, preflight, use_model_tokenizer
 
 
-def dry_run(cfg: Config, world: int, gpu: str | None = None) -> str:
-    """The report of a checked launch on `world` ranks; raises what the launch would raise."""
+def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]:
+    """(the report of a checked launch on `world` ranks, whether the memory estimate fits);
+    raises what the launch would raise."""
     check_config(cfg)
     layouts.resolve(cfg, world)
     use_model_tokenizer(cfg)
@@ -47,8 +48,9 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> str:
              _model_line(cfg, launch), f"data      {data}; "
              f"tokenizer {tokenizer}",
              f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
-             *_layout_lines(cfg, launch), *_memory_lines(cfg, launch, gpu)]
-    return "\n".join(lines)
+             *_layout_lines(cfg, launch)]
+    memory, fits = _memory_lines(cfg, launch, gpu)
+    return "\n".join([*lines, *memory]), fits
 
 
 def _tokenizer_vocab(cfg: Config, folder_tokenizer: str = "") -> tuple[int, str]:
@@ -91,7 +93,7 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
     return lines
 
 
-def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> list[str]:
+def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list[str], bool]:
     name, note = _device_name(cfg, gpu)
     hw = get_hardware(name)
     doc_tokens, doc_source = _mean_doc_tokens(cfg)
@@ -106,7 +108,8 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> list[str]:
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
             + (" (priced as eager: the planner does not model train.compile)" if cfg.train.compile else ""),
             f"          {mfu_words(work)}",
-            f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}"]
+            f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}"
+            ], e.fits
 
 
 def _mean_doc_tokens(cfg: Config) -> tuple[float, str]:

@@ -305,6 +305,18 @@ def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(caps
     assert not run.exists()
 
 
+def test_a_dry_run_whose_memory_estimate_does_not_fit_exits_1(capsys, tmp_path):
+    """`shardline train --dry-run && torchrun ...` must not go on to a launch the planner sees
+    running out of memory; the report is printed all the same."""
+    argv = ["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--config", "configs/llama3.2-1b-gpu.toml"]
+    assert main(argv) == 0
+    assert main([*argv, "--train.micro_batch_size=8"]) == 1
+    out, err = capsys.readouterr()
+    assert "DOES NOT FIT" in out and "memory estimate does not fit the device (exit 1)" in err
+    assert main([*argv, "--train.micro_batch_size=8", "--gpu", "h200", "--train.loss_chunk_tokens=4096",
+                 "--memory.activation_checkpoint=full"]) == 0
+
+
 def test_an_fp8_dry_run_on_a_cpu_prices_its_gemms_at_bf16(capsys, tmp_path):
     """The trainer runs fp8 on a CPU (torchao's emulation); the dry run's estimate has no fp8 peak
     there and refused the launch with an error naming no config key."""
