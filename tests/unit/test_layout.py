@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardline import layout as layouts
 from shardline.cli import main
@@ -315,6 +316,15 @@ def test_a_dry_run_whose_memory_estimate_does_not_fit_exits_1(capsys, tmp_path):
     assert "DOES NOT FIT" in out and "memory estimate does not fit the device (exit 1)" in err
     assert main([*argv, "--train.micro_batch_size=8", "--gpu", "h200", "--train.loss_chunk_tokens=4096",
                  "--memory.activation_checkpoint=full"]) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="says what a machine without a GPU checks")
+def test_a_dry_run_on_a_machine_without_a_gpu_says_it_checked_a_cuda_launch(capsys, tmp_path):
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "(as a CUDA launch: run.device=auto, and this machine has no GPU" in first
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--run.device=cpu"]) == 0
+    assert "as a CUDA launch" not in capsys.readouterr().out
 
 
 def test_an_fp8_dry_run_on_a_cpu_prices_its_gemms_at_bf16(capsys, tmp_path):
