@@ -111,3 +111,15 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch)
     assert cfg.run.dir == str(tmp_path / "runs" / "x") and cfg.data.mix[0].path == str(tmp_path / "a.jsonl")
     assert (cfg.model.init_from, cfg.data.tokenizer) == (str(tmp_path / "ck"), str(tmp_path / "tok.json"))
     assert cfg.run.resume == "never" and load_config(None, ["run.dir=a~b"]).run.dir == "a~b"
+
+
+def test_near_misses_get_a_pointed_error_or_their_meaning(tmp_path):
+    """A key above every [section] header is named with its section; a float TOML does not
+    spell (.001, 5.) is still the number the user wrote; a non-number is still a type error."""
+    (tmp_path / "c.toml").write_text("steps = 5\n[train]\nseq_len = 64\n")
+    with pytest.raises(ConfigError, match=r"config key steps = 5 is outside any \[section\]; it belongs under "
+                                          r"\[train\]"):
+        load_config(tmp_path / "c.toml")
+    assert load_config(None, ["optim.lr=.001", "optim.weight_decay=5."]).optim.lr == 0.001
+    with pytest.raises(ConfigError, match="optim.lr='fast' has the wrong type: expected float"):
+        load_config(None, ["optim.lr=fast"])

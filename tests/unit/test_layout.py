@@ -71,6 +71,8 @@ def test_dp_shard_fills_the_rest():
      "memory.activation_checkpoint='op' with parallel.pp_schedule='zbv': its split backward"),
     (4, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "memory.activation_checkpoint=full",
          "train.micro_batch_size=2"], "recomputed in every weight-gradient group"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=4"],
+     "lower parallel.pp or parallel.pp_virtual_stages"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "memory.activation_checkpoint=selective"],
      "use activation_checkpoint=none, or pp_schedule interleaved_1f1b"),
 ])

@@ -118,6 +118,11 @@ def _is_text(cfg: Config, section: str, key: str) -> bool:
 def _set_section(cfg: Config, name: str, values: Any) -> None:
     names = reader.field_names(cfg)
     if name not in names:
+        if not isinstance(values, dict):  # `steps = 5` above every [section] header
+            owners = [n for n in names if name in reader.field_names(getattr(cfg, n))]
+            hint = f"; it belongs under [{owners[0]}]" if owners else ""
+            raise ConfigError(f"config key {name} = {values!r} is outside any [section]{hint}; "
+                              f"valid sections: {', '.join(names)}")
         raise ConfigError(f"unknown config section [{name}]; valid sections: {', '.join(names)}")
     section = reader.updated(getattr(cfg, name), values, name)
     setattr(cfg, name, section)

@@ -122,6 +122,11 @@ def coerce(key: str, value: Any, hint: Any, current: Any = None) -> Any:
             return str(value)
     elif hint is Any:
         return value
+    if hint is float and isinstance(value, str):  # --optim.lr=.001 or 5. is not TOML, but is a number
+        try:
+            return float(value)
+        except ValueError:
+            pass
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {getattr(hint, '__name__', hint)}")
 
 

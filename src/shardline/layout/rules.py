@@ -109,7 +109,8 @@ def _pp_stages(lay: Layout, job: Job) -> Problem | None:
         return "pp", f"parallel.pp_schedule={s!r} places exactly 2 stages per rank; set pp_virtual_stages=2"
     if job.model.n_layers < lay.n_stages:
         return "pp", (f"model has {job.model.n_layers} layers, fewer than the {lay.n_stages} pipeline stages "
-                      f"(pp={lay.pp} x {lay.stages_per_rank} per rank); lower parallel.pp")
+                      f"(pp={lay.pp} x {lay.stages_per_rank} per rank); lower parallel.pp"
+                      + (" or parallel.pp_virtual_stages" if lay.pp_schedule == "interleaved_1f1b" else ""))
     return None
 
 
