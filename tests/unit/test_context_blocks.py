@@ -52,3 +52,27 @@ def test_zigzag_shards_cover_the_sequence_once_and_balance_the_work():
     assert len(set(work)) == 1
     hybrid = SequenceSplit(32, ring=2, ulysses=2, balance="zigzag")
     assert torch.equal(torch.cat([hybrid.positions(0), hybrid.positions(1)]), hybrid.ring_shard(0))
+
+
+def test_a_ring_pair_inside_one_document_runs_without_a_document_mask():
+    """With packed documents, a pair of runs whose queries and keys are all of one document (in
+    every sequence) needs only the causal mask: FULL or CAUSAL, which a GPU runs on the flash
+    kernel; a pair across a document boundary stays MASK, one sharing no document is skipped."""
+    from types import SimpleNamespace
+
+    from shardline.parallel.context.ring import CAUSAL, FULL, MASK, RingPlan
+
+    split = SequenceSplit(16, ring=2, ulysses=1, balance="zigzag")  # rank 0: tokens 0-3, 12-15; rank 1: 4-11
+    shards = [split.ring_shard(i) for i in range(2)]
+
+    def kinds(docs: list[list[int]], rank: int) -> list[list[str]]:
+        kv_doc = [torch.tensor(docs)[:, s] for s in shards]
+        plan = RingPlan(SimpleNamespace(rank=rank, size=2), shards[rank], shards, kv_doc[rank], kv_doc, None)
+        return [[kind for _, _, kind in plan.pairs(step)] for step in range(2)]
+
+    at_a_chunk_edge = [[0] * 4 + [1] * 12]  # documents 0-3 and 4-15
+    assert kinds(at_a_chunk_edge, 0) == [[CAUSAL, CAUSAL], [FULL]]  # 12-15 on 0-3: no shared document
+    assert kinds(at_a_chunk_edge, 1) == [[CAUSAL], []]
+    inside_a_chunk = [[0] * 6 + [1] * 10, [2] * 16]  # a boundary inside rank 1's tokens; one document
+    assert kinds(inside_a_chunk, 0) == [[CAUSAL, MASK, CAUSAL], [MASK]]
+    assert kinds(inside_a_chunk, 1) == [[MASK], [MASK]]

@@ -17,7 +17,8 @@ its log-sum-exp are kept for it: each block's probabilities are recomputed, so t
 activation memory of attention is O(s/C) per rank, not a score matrix.
 
 A block whose keys all come after every query (causal) or share no document with
-them is skipped: no FLOPs (it still passes on, for the ranks that need it).
+them is skipped: no FLOPs (it still passes on, for the ranks that need it). One inside
+a single document needs no document mask and runs as an unmasked or causal block.
 Masked scores use a large finite negative instead of -inf, so a query row with no
 allowed key in a block gives a finite lse that the merge weighs by exp(-1e30) = 0,
 and no NaN reaches the gradients.
@@ -152,11 +153,19 @@ class RingPlan:
         q_pos, k_pos = self.q_pos[qs], self.kv_pos[source][ks]
         if int(k_pos.min()) > int(q_pos.max()):
             return None  # every key is after every query
-        if self.q_doc is not None:
+        if self.q_doc is not None and not self._one_document(qs, ks, source):
             return MASK if bool(self._allowed(qs, ks, source).any()) else None
         if int(k_pos.max()) <= int(q_pos.min()):
             return FULL  # every key is at or before every query
         return CAUSAL if torch.equal(q_pos, k_pos) else MASK
+
+    def _one_document(self, qs: slice, ks: slice, source: int) -> bool:
+        """Whether, in every sequence, the queries and keys of the pair are all of one document:
+        then the document mask masks nothing the causal one does not, and the pair runs
+        unmasked or causal (on a GPU the flash kernel, not the efficient one with a bias)."""
+        q, k = self.q_doc[:, qs], self.kv_doc[source][:, ks]
+        first = q[:, :1]
+        return bool((q == first).all()) and bool((k == first).all())
 
     def mask(self, step: int, qs: slice, ks: slice, kind: str):
         return self._allowed(qs, ks, self.sources[step]) if kind == MASK else None
