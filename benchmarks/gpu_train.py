@@ -233,8 +233,10 @@ def run_shardline(args, compiled: bool, name: str) -> dict:
         trainer = Trainer(load_config(None, overrides)).build()
         try:
             out = measure(shardline_step_fn(trainer), args, name)
-        finally:
+        finally:  # the watchdog thread and the run-dir lock end here, not in train()
             trainer.metrics.close()
+            trainer.guard.stop_watching()
+            trainer.lock.release()
         out["params"] = sum(p.numel() for p in trainer.model.parameters())
         out["data"] = "shardline pipeline (" + (args.data or "shipped corpus") + ")"
         return out
