@@ -14,6 +14,7 @@ import importlib.util
 import os
 import sys
 
+from shardline.config.reader import OnlyOnce
 from shardline.errors import AnomalyHalt, Preempted, ShardlineError
 
 
@@ -118,18 +119,6 @@ def _factor_above_one(text: str) -> float:
     return value
 
 
-class _Once(argparse.Action):
-    """An option given at most once: a second --config would replace the first whole, not
-    merge into it, which nobody typing two files means."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        earlier = getattr(namespace, self.dest)
-        if earlier is not None:
-            parser.error(f"{option_string} given twice ({earlier}, {values}): give one file and override its "
-                         "keys with --section.key=value")
-        setattr(namespace, self.dest, values)
-
-
 class _OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line naming the command, as every other error here is
     (argparse prints the whole usage block first, which buries the message). Subcommands inherit it."""
@@ -143,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (default: tiny preset on the shipped corpus)",
                            epilog="any config key can be overridden as --section.key=value, e.g. --train.steps=50")
-    train.add_argument("--config", action=_Once, help="TOML config file")
+    train.add_argument("--config", action=OnlyOnce, help="TOML config file")
     train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                        help="resume from the newest valid checkpoint of run.dir (or the one given); "
                             "without this flag a run resumes automatically when run.dir holds one")
@@ -157,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     chk = sub.add_parser("check", help="test every rank (GEMM result and speed, all-reduce) before a long job",
                          epilog="run under torchrun for all ranks; exit code 6 names a faulty or slow rank")
-    chk.add_argument("--config", help="TOML config (its run.device and [faults] drills apply)")
+    chk.add_argument("--config", action=OnlyOnce, help="TOML config (its run.device and [faults] drills apply)")
     chk.add_argument("--size", type=_positive_int, default=512, help="GEMM dimension (default 512; ~8192 on GPUs)")
     chk.add_argument("--slow-factor", type=_factor_above_one, default=1.5,
                      help="a rank below the median GEMM throughput / this is slow (default 1.5)")

@@ -111,6 +111,8 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch)
     assert cfg.run.dir == str(tmp_path / "runs" / "x") and cfg.data.mix[0].path == str(tmp_path / "a.jsonl")
     assert (cfg.model.init_from, cfg.data.tokenizer) == (str(tmp_path / "ck"), str(tmp_path / "tok.json"))
     assert cfg.run.resume == "never" and load_config(None, ["run.dir=a~b"]).run.dir == "a~b"
+    with pytest.raises(ConfigError, match="the home folder of '~no-such-user-here' is not known"):
+        load_config(None, ["run.dir=~no-such-user-here/x"])
 
 
 def test_near_misses_get_a_pointed_error_or_their_meaning(tmp_path):
@@ -121,5 +123,6 @@ def test_near_misses_get_a_pointed_error_or_their_meaning(tmp_path):
                                           r"\[train\]"):
         load_config(tmp_path / "c.toml")
     assert load_config(None, ["optim.lr=.001", "optim.weight_decay=5."]).optim.lr == 0.001
-    with pytest.raises(ConfigError, match="optim.lr='fast' has the wrong type: expected float"):
-        load_config(None, ["optim.lr=fast"])
+    for word in ("fast", "Inf", "NaN", "-Infinity"):  # float() reads the last three: not numbers to train with
+        with pytest.raises(ConfigError, match=f"optim.lr='{word}' has the wrong type: expected float"):
+            load_config(None, [f"optim.lr={word}"])

@@ -122,6 +122,10 @@ def test_a_glob_pattern_reads_the_files_it_matches(tmp_path):
         read_documents(f"{root}/notes.m*")
     with pytest.raises(DataError, match=r"matches no path \(a pattern: the path does not exist as written\)"):
         read_documents(f"{root}/test-*.jsonl")
+    (tmp_path / "prep-a").mkdir()
+    (tmp_path / "prep-a" / "manifest.json").write_text("{}")
+    with pytest.raises(DataError, match="matches the prepared folder .*prep-a: give a prepared folder by its own"):
+        read_documents(f"{tmp_path}/prep-*")
 
 
 def test_parquet_without_the_text_column_is_one_line(tmp_path):

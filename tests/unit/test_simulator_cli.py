@@ -117,6 +117,12 @@ def test_impossible_requests_are_user_errors(capsys, changes, message):
     assert err.startswith("shardline: error:") and message in err
 
 
+def test_a_second_config_file_is_refused_not_silently_preferred(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*SMALL, "--config", "a.toml", "--config", "b.toml"])
+    assert exit_.value.code == 2 and "--config given twice (a.toml, b.toml)" in capsys.readouterr().err
+
+
 def test_errors_are_config_errors_in_the_api(tmp_path):
     with pytest.raises(ConfigError, match="not a multiple"):
         make_job("llama3-405b", "h100-sxm", 16380, 8, 54)

@@ -88,7 +88,13 @@ def _expand_home(cfg: Config) -> None:
 
 
 def _home(path: str) -> str:
-    return str(Path(path).expanduser()) if path.startswith("~") else path
+    if not path.startswith("~"):
+        return path
+    try:
+        return str(Path(path).expanduser())
+    except RuntimeError:  # ~name of no known user
+        raise ConfigError(f"{path!r}: the home folder of {path.split('/')[0]!r} is not known; "
+                          "give the full path") from None
 
 
 def from_dict(raw: dict[str, Any]) -> Config:

@@ -13,8 +13,10 @@ Field types understood: bool, int, float, str, `X | None`, `list[X]`, `dict[str,
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import re
 import tomllib
 import types
 import typing
@@ -79,6 +81,9 @@ def updated(obj: Any, raw: dict[str, Any], where: str, kind: str = "config key")
     return dataclasses.replace(obj, **changes)
 
 
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def coerce(key: str, value: Any, hint: Any, current: Any = None) -> Any:
     """`value` as type `hint`, or a ConfigError `key=value has the wrong type`."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:  # e.g. int | None
@@ -122,11 +127,8 @@ def coerce(key: str, value: Any, hint: Any, current: Any = None) -> Any:
             return str(value)
     elif hint is Any:
         return value
-    if hint is float and isinstance(value, str):  # --optim.lr=.001 or 5. is not TOML, but is a number
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    if hint is float and isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
+        return float(value)  # --optim.lr=.001 or 5. is not TOML, but is plainly a number (not inf or nan)
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {getattr(hint, '__name__', hint)}")
 
 
@@ -155,3 +157,15 @@ def toml_value(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     return repr(v)
+
+
+class OnlyOnce(argparse.Action):
+    """A command-line option given at most once: a second --config would replace the first
+    whole, not merge into it, which nobody typing two files means."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        earlier = getattr(namespace, self.dest)
+        if earlier is not None:
+            parser.error(f"{option_string} given twice ({earlier}, {values}): give one file and override its "
+                         "keys with --section.key=value")
+        setattr(namespace, self.dest, values)

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
+from shardline.data.shards import is_prepared
 from shardline.errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
@@ -84,6 +85,10 @@ def _matched_files(pattern: str) -> list[Path]:
     folder `data` is."""
     matches = [Path(m) for m in sorted(glob.glob(pattern, recursive=True))]
     files = sorted({f for m in matches for f in (m.rglob("*") if m.is_dir() else [m]) if _kind(f)})
+    prepared = [m for m in matches if m.is_dir() and is_prepared(str(m))]
+    if prepared:  # a prepared folder holds shards, not text, and a mixture is how several are combined
+        raise DataError(f"data.path={pattern!r} matches the prepared folder {prepared[0]}: give a prepared folder "
+                        "by its own path (several: data.mix); a pattern reads raw text files")
     if not files:
         what = f"matches {len(matches)} path(s) but no {', '.join(SUFFIXES)} file" if matches else "matches no path"
         raise DataError(f"data.path={pattern!r} {what} (a pattern: the path does not exist as written)")

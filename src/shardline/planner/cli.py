@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from shardline.config import Config, DataConfig, load_config, to_toml
+from shardline.config.reader import OnlyOnce
 from shardline.devices import local_datasheet
 from shardline.errors import ConfigError, ShardlineError
 from shardline.models.llama import ModelArgs
@@ -49,7 +50,7 @@ def register(sub) -> None:
     plan.set_defaults(func=_plan)
 
     est = sub.add_parser("estimate", help="memory breakdown and step time of a config")
-    est.add_argument("--config", required=True, help="TOML config (as `shardline train` takes)")
+    est.add_argument("--config", required=True, action=OnlyOnce, help="TOML config (as `shardline train` takes)")
     _device_args(est, required=False)
     _doc_arg(est)
     est.add_argument("--json", action="store_true")

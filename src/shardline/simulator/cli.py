@@ -10,6 +10,7 @@ import json
 import math
 
 from shardline.errors import ConfigError
+from shardline.config.reader import OnlyOnce
 from shardline.simulator import montecarlo
 from shardline.simulator.job import GPU_TYPES, make_job
 from shardline.simulator.settings import MODES, apply_table, load_settings
@@ -44,7 +45,8 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of goodput vs checkpoint interval (all modes)")
     p.add_argument("--sweep", action="store_true", help="also sweep the interval and report the simulated optimum")
-    p.add_argument("--config", metavar="FILE", help="TOML with [simulate] settings and [failures] rates")
+    p.add_argument("--config", action=OnlyOnce, metavar="FILE",
+                   help="TOML with [simulate] settings and [failures] rates")
     p.add_argument("--save-time", type=float, metavar="S", help="measured persistent save time")
     p.add_argument("--snapshot-time", type=float, metavar="S", help="measured async snapshot stall")
     p.add_argument("--detection-time", type=float, metavar="S", help="fault to detection (default 120)")

@@ -52,6 +52,7 @@ from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import (
     agree_on_resume,
     memory_tier_resumable,
+    rank0_decides,
     resume_path,
 )
 from shardline.resilience.run_lock import RunLock
@@ -98,6 +99,11 @@ class Trainer(SavedState, AnomalyResponse):
         build = build_moe_model if self.model_args.moe else build_model
         # One process builds a (one-rank) mesh too under offload, whose FSDP2 parameters are sharded.
         built = build(cfg, self.model_args, self.dims, self.device)
+        # A fresh start as far as rank 0 can tell yet (the ranks agree: loading init_from is collective)
+        # loads now, so a bad folder fails before the lock; a resume does not load what it replaces.
+        starting_loaded = rank0_decides(resume_from is None, self.proc.rank, self.proc.world_size)
+        if starting_loaded:
+            load_starting_weights(cfg.model, built.model, sharded=self.dims.mesh is not None)
         self.hf_fields = starting_hf_fields(cfg.model)  # dtype, special tokens: for `convert to-hf`
         # The parameters (optimizer, checkpoints, clipping), and how to run them (steps): a
         # module to call (DDP-wrapped or not; train.compile compiled its blocks) or, under pp,
@@ -129,7 +135,9 @@ class Trainer(SavedState, AnomalyResponse):
                 resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
                 found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
                 self._set_aside = self._set_aside_newer(found)  # before the restore, which may fail
-                resumed = self._restore(found) if found is not None else self._load_starting_weights()
+                resumed = self._restore(found) if found is not None else None
+                if found is None and not starting_loaded:  # the checkpoint chosen before the lock is gone
+                    self._load_starting_weights()
             self._open_run_dir(resumed)
         except BaseException:
             self.guard.stop_watching()
@@ -138,9 +146,10 @@ class Trainer(SavedState, AnomalyResponse):
         return self
 
     def _load_starting_weights(self) -> None:
-        """model.hf_path's or model.init_from's weights, on a start that resumes nothing: a
+        """model.hf_path's or model.init_from's weights, on a start that resumes nothing. A
         resume restores every weight, so it neither reads the HF folder (minutes at 70B, every
-        rank) nor hashes the init_from checkpoint again."""
+        rank) nor hashes the init_from checkpoint again; a fresh start loads them before the
+        run dir is locked (build), so a bad folder fails before anything is written."""
         load_starting_weights(self.cfg.model, self.model, sharded=self.dims.mesh is not None)
 
     def _lock_run_dir(self) -> None:

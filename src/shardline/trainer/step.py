@@ -96,7 +96,8 @@ class StepRunner:
         waits for the kernels queued before it, so the host could not run ahead of the GPU."""
         if self.device.type != "cuda":
             return {k: v.to(self.device) for k, v in batch.items()}
-        return {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
+        return {k: (v.pin_memory() if v.device.type == "cpu" else v).to(self.device, non_blocking=True)
+                for k, v in batch.items()}  # (an eval batch comes here twice: on the device already)
 
     def _local(self, batch: Batch) -> Batch:
         """The batch on this rank's device; under cp, only this rank's tokens (and their positions)."""

@@ -153,19 +153,22 @@ class RingPlan:
         q_pos, k_pos = self.q_pos[qs], self.kv_pos[source][ks]
         if int(k_pos.min()) > int(q_pos.max()):
             return None  # every key is after every query
-        if self.q_doc is not None and not self._one_document(qs, ks, source):
-            return MASK if bool(self._allowed(qs, ks, source).any()) else None
+        if self.q_doc is not None:
+            one, shared = torch.stack([self._one_document(qs, ks, source),
+                                       self._allowed(qs, ks, source).any()]).tolist()  # one host sync
+            if not one:
+                return MASK if shared else None
         if int(k_pos.max()) <= int(q_pos.min()):
             return FULL  # every key is at or before every query
         return CAUSAL if torch.equal(q_pos, k_pos) else MASK
 
-    def _one_document(self, qs: slice, ks: slice, source: int) -> bool:
+    def _one_document(self, qs: slice, ks: slice, source: int) -> torch.Tensor:
         """Whether, in every sequence, the queries and keys of the pair are all of one document:
         then the document mask masks nothing the causal one does not, and the pair runs
         unmasked or causal (on a GPU the flash kernel, not the efficient one with a bias)."""
         q, k = self.q_doc[:, qs], self.kv_doc[source][:, ks]
         first = q[:, :1]
-        return bool((q == first).all()) and bool((k == first).all())
+        return (q == first).all() & (k == first).all()
 
     def mask(self, step: int, qs: slice, ks: slice, kind: str):
         return self._allowed(qs, ks, self.sources[step]) if kind == MASK else None
