@@ -34,7 +34,8 @@ def test_json_has_the_keys_scripts_rely_on(capsys):
     report = run_json(capsys)
     assert isinstance(report["interruptions"], float) and report["interruptions"] > 0
     assert 0.0 < report["goodput"] < 1.0
-    assert report["lost_gpu_hours"] == pytest.approx(sum(report["lost_gpu_hours_by_cause"].values()))
+    assert report["lost_gpu_hours"] == pytest.approx(sum(report["lost_gpu_hours_by_bucket"].values()))
+    assert report["lost_gpu_hours_by_cause"] == report["lost_gpu_hours_by_bucket"]  # the older name
     assert report["lost_gpu_hours"] == pytest.approx(report["gpu_hours"] * (1 - report["goodput"]), rel=1e-6)
     assert report["optimal_checkpoint_interval_s"] == pytest.approx(report["daly_interval_s"])
     assert report["checkpoint"]["mode"] == "async"

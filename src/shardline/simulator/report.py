@@ -52,7 +52,8 @@ def build_report(setup: Setup, summary: dict, seeds: int, sweeps: dict[str, list
         "goodput_max": summary["goodput"]["max"],
         "gpu_hours": summary["gpu_hours"],
         "lost_gpu_hours": sum(summary["lost_gpu_hours"].values()),
-        "lost_gpu_hours_by_cause": summary["lost_gpu_hours"],
+        "lost_gpu_hours_by_bucket": summary["lost_gpu_hours"],  # where the hours went (rollback, restart, ...)
+        "lost_gpu_hours_by_cause": summary["lost_gpu_hours"],  # its older, misleading name, kept for scripts
         "lost_gpu_hours_by_failure": summary["lost_gpu_hours_by_failure"],
         "optimal_checkpoint_interval_s": _finite(setup.optimal_s(mode)),
         "optimal_checkpoint_interval_steps": setup.steps_for(setup.optimal_s(mode)),
@@ -104,7 +105,7 @@ def format_text(r: dict[str, Any]) -> str:
         f"lost GPU-hours  {r['lost_gpu_hours']:,.0f} of {total:,.0f} ({100 * r['lost_gpu_hours'] / total:.1f}%)",
     ]
     for key, label in _BUCKET_LABELS.items():
-        hours = r["lost_gpu_hours_by_cause"][key]
+        hours = r["lost_gpu_hours_by_bucket"][key]
         lines.append(f"  {label:<34}{hours:>12,.0f} {100 * hours / total:5.1f}%")
     lines.append(f"top failure causes {'interruptions':>30} {'GPU-hours lost':>15}")
     top = sorted(LLAMA3_CAUSES, key=lambda c: -r["lost_gpu_hours_by_failure"][c.name])[:5]
