@@ -99,8 +99,9 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
     changes = {k: getattr(m, k) for k in _SHAPE_KEYS if getattr(m, k)}
     if moe is not None and moe.overrides():
         changes["moe"] = moe_shape(args.moe, moe.overrides())
-    if m.tie_embeddings >= 0:
-        changes["tie_embeddings"] = bool(m.tie_embeddings)
+    for key in ("tie_embeddings", "qk_norm"):
+        if getattr(m, key) >= 0:
+            changes[key] = bool(getattr(m, key))
     if start is not None:
         _check_weights_fit(m, start, dataclasses.replace(start, **changes))
     if not args.vocab_size and "vocab_size" not in changes:
@@ -117,7 +118,7 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
 
 # What decides which tensors a model has and their shapes: the starting weights must fill
 # exactly these (rope_theta, max_seq_len, norm_eps and the router's settings may change).
-_WEIGHT_KEYS = (*(k for k in _SHAPE_KEYS if k != "rope_theta"), "tie_embeddings")
+_WEIGHT_KEYS = (*(k for k in _SHAPE_KEYS if k != "rope_theta"), "tie_embeddings", "qk_norm")
 _EFFECTIVE = {"n_kv_heads": "kv_heads", "head_dim": "head_size"}  # None there means the default
 _MOE_WEIGHT_KEYS = ("n_experts", "expert_ffn_dim", "shared_experts", "first_dense_layers")
 

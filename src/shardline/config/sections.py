@@ -49,6 +49,7 @@ class ModelConfig:
     vocab_size: int = 0
     rope_theta: float = 0.0
     tie_embeddings: int = -1  # -1 keep, 0 untied, 1 tied
+    qk_norm: int = -1  # -1 keep, 0 off, 1 an RMSNorm on each query and key head (Qwen3)
 
     def check(self) -> None:
         # The preset name is checked against the model table by the launch checks
@@ -56,7 +57,8 @@ class ModelConfig:
         _require(bool(self.preset) or bool(self.hf_path), "model.preset", self.preset, "a preset name")
         _require(not (self.hf_path and self.init_from), "model.init_from", self.init_from,
                  "set model.hf_path or model.init_from, not both")
-        _require(self.tie_embeddings in (-1, 0, 1), "model.tie_embeddings", self.tie_embeddings, "-1, 0 or 1")
+        for key in ("tie_embeddings", "qk_norm"):
+            _require(getattr(self, key) in (-1, 0, 1), f"model.{key}", getattr(self, key), "-1, 0 or 1")
         _require(self.rope_theta >= 0, "model.rope_theta", self.rope_theta, "must be > 0 (0 keeps the preset's)")
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size"):
             _require(getattr(self, key) >= 0, f"model.{key}", getattr(self, key), "must be > 0 (0 keeps the preset's)")

@@ -155,6 +155,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
         }
+        if hasattr(block.attention, "q_norm"):
+            # The q/k norms see this rank's heads only ([b, h, s, d]: dim 1): a weight replicated
+            # over tp whose gradient is summed over the ranks' heads, as one process computes it.
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         dense = isinstance(block.feed_forward, FeedForward)  # another family's feed-forward has its own plan
         if dense:
             plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
