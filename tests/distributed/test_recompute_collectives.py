@@ -4,6 +4,7 @@ The planner charges each activation-checkpointing mode for what the rerun forwar
 replays in backward (planner/microbatch_comm._tp_layer): under sequence parallelism both
 all-gathers and attention's reduce-scatter, without it attention's all-reduce, under op-level
 AC as under full (no policy saves a collective's output). This counts them in a real step.
+And a tied embedding under FSDP x TP stays one parameter of the root FSDP unit.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ def _counts(rank: int, port: int, corpus: str, out: str) -> None:
             with CommDebugMode() as mode:
                 trainer.train()
             found[f"{sp}-{ac}"] = {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+        # Tied embeddings under FSDP x TP: the two ends are one parameter of the root FSDP unit
+        # (embedding and norm), not two gathered and reduced apart (FSDP under offload: shard 1).
+        tied = Trainer(load_config(None, [*overrides, "model.tie_embeddings=1", "memory.cpu_offload=true",
+                                          f"run.dir={Path(out).parent / 'tied'}"])).build()
+        model = tied.model
+        found["tied_root_params"] = len(model._get_fsdp_state()._fsdp_param_group.fsdp_params)
+        found["tied_is_one"] = model.output.weight is model.tok_embeddings.weight
+        tied.guard.stop_watching()
+        tied.lock.release()
     if rank == 0:
         Path(out).write_text(json.dumps(found))
 
@@ -42,7 +52,9 @@ def _counts(rank: int, port: int, corpus: str, out: str) -> None:
 def test_a_rerun_forward_replays_the_gathers_and_attentions_outgoing_collective(tmp_path, small_corpus):
     out = tmp_path / "counts.json"
     start_ranks(_counts, args=(free_port(), str(small_corpus), str(out)), nprocs=2)
-    counts = {key: Counter(value) for key, value in json.loads(out.read_text()).items()}
+    found = json.loads(out.read_text())
+    assert (found.pop("tied_root_params"), found.pop("tied_is_one")) == (2, True)
+    counts = {key: Counter(value) for key, value in found.items()}
     for sp, replayed in ((True, {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 1}),
                          (False, {"all_reduce": 1})):
         for ac in ("op", "full") if sp else ("op",):

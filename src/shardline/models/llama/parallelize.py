@@ -148,6 +148,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     # A pipeline stage may lack the embedding or the output head.
     top = {name: style for name, style in top.items() if style is not None and getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, top)
+    if model.args.tie_embeddings and None not in (model.output, model.tok_embeddings) and not model.tie_held_apart:
+        # Each style made its module's weight a DTensor of its own (both Shard(0): by vocabulary);
+        # tied again, FSDP sees one parameter, not one gathered and reduced twice per step.
+        model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         plan = {
             "attention.wq": ColwiseParallel(),
