@@ -15,8 +15,8 @@ Which communication overlaps with compute, stated once here and used below:
                         of the next block; exposed: the last one, and any excess
     DDP all-reduce      bucketed under the last micro-batch's backward; exposed: the
                         excess, plus one bucket at the end
-    ZeRO-1              gradient reduce-scatter like DDP; the parameter all-gather after
-                        the optimizer step is exposed. Under tp, pp or ep (no DDP wrapper)
+    ZeRO-1              gradient all-reduce like DDP (the trainer's DDP wrapper); the
+                        parameter all-gather after the optimizer step is exposed. Under tp, pp or ep (no DDP wrapper)
                         all exposed, each cut over its own ranks (step_comm._zero1_cuts)
     (CPU ranks that keep every core busy overlap nothing: gloo copies with the CPU)
     TP collectives      exposed (on the critical path: eager DTensor, no async TP); a

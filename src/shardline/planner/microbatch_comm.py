@@ -64,7 +64,10 @@ def tp_block(work: Workload, layout: Layout, hw: Hardware, rec: float) -> float:
 
 def tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages,
              collectives: tuple[float, float] | None = None) -> float:
-    """Vocabulary-parallel embedding (fp32 out) and output projection, each way; loss-parallel sums.
+    """Vocabulary-parallel embedding (fp32 out) and output projection: one all-reduce's bytes
+    per end over forward and backward (the embedding's forward sum, the output's input-gradient
+    sum; under sequence parallelism a reduce-scatter and an all-gather each); on the last
+    stage the loss-parallel sums, or without loss parallelism the logits' all-gather.
 
     collectives: what tp_head_collectives returns, when the caller prices several pipeline ranks."""
     if layout.tp == 1:
@@ -74,18 +77,21 @@ def tp_head(work: Workload, layout: Layout, hw: Hardware, stage: RankStages,
         return wall
     one, loss = collectives or tp_head_collectives(work, layout, hw)
     heads = int(stage.first) + int(stage.last)
-    return heads * 2 * one + (loss if stage.last else 0.0)
+    return heads * one + (loss if stage.last else 0.0)
 
 
 def tp_head_collectives(work: Workload, layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """(one end's all-reduce, the loss-parallel sums) of tp_head: the same on every pipeline rank."""
+    """(one end's all-reduce, the last stage's loss-side collective) of tp_head: the same on
+    every pipeline rank."""
     if layout.tp == 1:
         return 0.0, 0.0
     g, net = comm.group(layout.tp, 1, hw.network.gpus_per_node), hw.network
     tokens = _tokens(work, layout)
     one = comm.all_reduce(work.runtime.residual_bytes * tokens * work.model.dim, g, net)[0]
-    loss = 3 * comm.all_reduce(4 * tokens, g, net)[0] if layout.loss_parallel else 0.0
-    return one, loss
+    if layout.loss_parallel:  # max, sum of exponentials, target logit: fp32 per token
+        return one, 3 * comm.all_reduce(4 * tokens, g, net)[0]
+    logits = tokens * work.model.vocab_size * dtype_bytes(cmp.compute_dtype(work.precision))
+    return one, comm.all_gather(logits, g, net)[0]  # the replicated logits the plain loss reads
 
 
 # How the trainer runs context parallelism, as named assumptions: the ring starts each

@@ -148,7 +148,8 @@ def fixed_keys(run: PublishedRun) -> dict:
     """The published layout as `plan --fix` keys; unpublished keys stay free for the search."""
     dp = run.dp
     data = {"ddp": {"dp_replicate": dp, "dp_shard": 1}, "zero1": {"dp_replicate": 1, "dp_shard": dp, "zero": 1},
-            "fsdp": {"dp_replicate": 1, "dp_shard": dp, "zero": 3, "cpu_offload": False}}[run.dp_mode]
+            "fsdp": {"dp_replicate": 1, "dp_shard": dp, "zero": 3}}[run.dp_mode]
+    data["cpu_offload"] = False  # none of these runs offloaded (dp 1 + offload would be FSDP, not ddp)
     out = {"tp": run.tp, "pp": run.pp, "cp": 1, "sequence_parallel": run.sequence_parallel,
            "activation_checkpoint": run.ac, **data}
     if run.pp > 1:

@@ -49,11 +49,10 @@ def _wrapped_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, 
     psi = max(stage_params(work, layout, r) - zero1_ep_away(work, layout, r) for r in distinct_ranks(work, layout))
     hide = 0.0 if cmp.saturated(hw, layout) else 1.0
     g = comm.group(layout.dp * layout.cp, layout.tp, net.gpus_per_node)  # cp ranks reduce too (zero1)
-    # ZeRO-1 here is priced as a reduce-scatter, as before its cuts were priced apart; the
-    # trainer's DDP wrapper all-reduces (twice the bytes, mostly hidden under backward).
-    op = comm.all_reduce if mode == "ddp" else comm.reduce_scatter
-    total, algo = op(4 * psi, g, net)
-    bucket = op(min(DDP_BUCKET_BYTES, 4 * psi), g, net)[0]
+    # ZeRO-1 under the wrapper all-reduces as DDP does (the trainer's DDP wrapper; each rank
+    # then steps its slice), so it pays DDP's bytes, not a reduce-scatter's half.
+    total, algo = comm.all_reduce(4 * psi, g, net)
+    bucket = comm.all_reduce(min(DDP_BUCKET_BYTES, 4 * psi), g, net)[0]
     exposed = max(0.0, total - hide * slow["compute"] * 2 / 3) + hide * bucket
     if mode == "zero1" and work.runtime.zero1 == "deepspeed_bf16":
         return (*_deepspeed_bf16_dp(work, g, net, psi), {"dp": algo})
