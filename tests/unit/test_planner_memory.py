@@ -135,6 +135,21 @@ def test_trainer_model_states_by_layout():
     assert sum(kept.values()) == 0 and host == pytest.approx(16 * psi / 8)
 
 
+def test_zero1_peaks_at_its_step_gather_when_activations_are_small():
+    """After the optimizer step ZeRO-1 all-gathers the updated slices while the whole fp32
+    weights and gradients are alive: 12 + 16/N bytes per parameter, the peak of a run whose
+    full AC keeps the backward's activations smaller than that (llama3-8b on 8 ranks)."""
+    w = Workload(PRESETS["llama3-8b"], 4096, 32, "bf16")
+    lay = Layout(dp_shard=8, zero=1, micro_batch_size=1, activation_checkpoint="full")
+    mem = memory_breakdown(w, lay, get_hardware("h200"))
+    psi = stage_params(w, lay, ranks(w, lay)[0])
+    allocated = sum(v for k, v in mem.items() if k not in ("fragmentation", "reserved", "total", "host_offload"))
+    assert allocated == pytest.approx((12 + 16 / 8) * psi)
+    fsdp = memory_breakdown(w, Layout(dp_shard=8, zero=3, micro_batch_size=1, activation_checkpoint="full"),
+                            get_hardware("h200"))
+    assert fsdp["total"] < 0.5 * mem["total"]  # no such gather under FSDP
+
+
 @pytest.mark.parametrize("precision, held", [("bf16", 6), ("fp32", 4)])
 def test_zero1_keeps_the_fp32_parameters_whole_and_shards_adams_moments(precision, held):
     """As parallel/zero1.py builds it: every rank holds the fp32 parameters (the master; in bf16

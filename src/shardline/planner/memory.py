@@ -200,6 +200,19 @@ def state_bytes(work: Workload, layout: Layout, psi: float, away: float = 0.0) -
     return states
 
 
+def zero1_step_bytes(work: Workload, layout: Layout, psi: float, away: float) -> float:
+    """Bytes alive at shardline's ZeRO-1 parameter all-gather after the optimizer step
+    (parallel/zero1.py), when the activations are gone but the whole fp32 weights and
+    gradients are not: the weights (4) and gradients (grad_bytes) it holds, the sharded Adam
+    states (8/N), this rank's packed slices and their concatenation (8/N), and the gathered
+    buffer of every rank's (4). Under tp, pp or ep its reduce-scatter's send buffer (4, + 4/N
+    received) comes earlier and is smaller. 0 outside ZeRO-1 (and DeepSpeed's BF16_Optimizer)."""
+    if zero_stage(layout) != 1 or layout.shard_degree == 1 or work.runtime.zero1 == "deepspeed_bf16":
+        return 0.0
+    held, n = psi - away, layout.shard_degree
+    return (4 + work.runtime.grad_bytes + 4) * held + 8 * psi / n + 8 * held / n
+
+
 def deepspeed_bf16_states(work: Workload, layout: Layout, psi: float) -> dict[str, float]:
     """DeepSpeed's BF16_Optimizer as ZeRO-1: only Adam's m and v (8 B) are sharded. Every rank
     keeps the 16-bit weights and the whole fp32 master (p = c + 4), the 16-bit gradients autograd
@@ -321,6 +334,10 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
                  "buffers": transient_bytes(work, layout, tokens, psi - ep_away(work, layout, stage.layers),
                                             psi - stage.layers * per_layer, per_layer - ep_away(work, layout, 1))}
         allocated = sum(parts.values())
+        step = zero1_step_bytes(work, layout, psi, zero1_ep_away(work, layout, stage))
+        if step > allocated:  # the optimizer step's gather, not the backward, is this rank's peak
+            parts["buffers"] += step - allocated
+            allocated = step
         parts["fragmentation"] = hw.fragmentation * allocated
         parts["reserved"] = (hw.reserved_gib + hw.cpu.process_baseline_gib) * GiB
         parts["total"] = sum(parts.values())
