@@ -15,6 +15,7 @@ from shardline.planner.layout import Layout, Workload
 from shardline.planner.memory import (
     GiB,
     expert_layer_params,
+    layer_params,
     memory_breakdown,
     offloaded,
     ranks,
@@ -133,6 +134,26 @@ def test_trainer_model_states_by_layout():
     lay = Layout(dp_shard=8, zero=3, cpu_offload=True)
     kept, host = offloaded(state_bytes(w, lay, psi), lay)
     assert sum(kept.values()) == 0 and host == pytest.approx(16 * psi / 8)
+
+
+def test_fp16_under_fsdp_gathers_fp32_and_keeps_autocasts_copies():
+    """fp16 FSDP gathers fp32 weights (data_parallel._PARAM_DTYPES) and autocast casts them:
+    zero=2 keeps 4 bytes gathered plus the 2-byte copies (bf16: the 2 gathered only); zero=3
+    gathers two blocks at 4 bytes and autocast's cache holds every weight's copy to the end of
+    the forward. The gather traffic doubles too."""
+    from shardline.planner.estimate import estimate
+
+    hw = get_hardware("h200")
+    lay2 = Layout(dp_shard=8, zero=2, micro_batch_size=1, activation_checkpoint="full")
+    lay3 = Layout(dp_shard=8, zero=3, micro_batch_size=1, activation_checkpoint="full")
+    bf16, fp16 = (Workload(PRESETS["llama3-8b"], 4096, 32, p) for p in ("bf16", "fp16"))
+    psi = stage_params(bf16, lay2, ranks(bf16, lay2)[0])
+    assert memory_breakdown(fp16, lay2, hw)["params"] - memory_breakdown(bf16, lay2, hw)["params"] == \
+        pytest.approx(4 * psi)
+    extra = memory_breakdown(fp16, lay3, hw)["buffers"] - memory_breakdown(bf16, lay3, hw)["buffers"]
+    assert extra == pytest.approx(2 * psi + 2 * 2 * layer_params(bf16, 1))  # the copies; two blocks at 4, not 2
+    gathers = [estimate(w, lay3, hw).info["dp_comm_total_s"] for w in (bf16, fp16)]
+    assert gathers[1] > 1.3 * gathers[0]
 
 
 def test_zero1_peaks_at_its_step_gather_when_activations_are_small():

@@ -65,6 +65,21 @@ def dtype_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+def fsdp_gather_bytes(work) -> int:
+    """Bytes per parameter FSDP gathers. shardline's FSDP2: bf16 (and fp8's non-float8 weights)
+    in bf16; fp32 and fp16 in fp32, fp16 leaving the casts to autocast
+    (parallel/data_parallel._PARAM_DTYPES). A program that keeps 16-bit weights
+    (Runtime.weight_casts off: Megatron, metaseq) gathers those."""
+    if work.precision == "fp16" and not work.runtime.weight_casts:
+        return 2
+    return 4 if work.precision in ("fp32", "fp16") else 2
+
+
+def autocast_fsdp_copies(work) -> bool:
+    """Whether autocast casts FSDP's gathered fp32 weights to fp16 (shardline's fp16 under FSDP)."""
+    return work.precision == "fp16" and work.runtime.weight_casts
+
+
 def llama_block(model: ModelArgs, precision: str) -> list[Saved]:
     """The tensors one shardline Llama block saves for backward (see the module docstring)."""
     h, q, f, a = model.dim, model.n_heads * model.head_size, ffn_width(model), model.n_heads

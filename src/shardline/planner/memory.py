@@ -189,8 +189,8 @@ def state_bytes(work: Workload, layout: Layout, psi: float, away: float = 0.0) -
         p = 0.0
     elif stage == 1:
         p = 4.0 + (act.dtype_bytes(work.precision) if mixed else 0.0)
-    elif mixed:
-        p = 2.0
+    elif mixed:  # fp16 under zero=2: the gathered fp32 weights kept to backward, and autocast's copies
+        p = 2.0 + (act.fsdp_gather_bytes(work) if stage == 2 and act.autocast_fsdp_copies(work) else 0.0)
     else:
         p = 4.0 if stage == 2 else 0.0
     o = 8.0 if stage == 1 else 12.0
@@ -253,9 +253,13 @@ def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.
     if stage >= 2 and layout.pp > 1:
         out += 4 * psi + (c * psi if stage == 3 else 0.0)  # zero=2's gathered weights are in its params
     elif stage >= 2:
-        # FSDP: gathered compute-dtype weights of the current and the prefetched block
-        # (zero=3), plus one block's unsharded gradient and its fp32 reduce-scatter input.
-        out += (2 * c * per_layer if stage == 3 else 0.0) + (c + 4) * per_layer + (c + 4) * root
+        # FSDP: gathered weights of the current and the prefetched block (zero=3), plus one
+        # block's unsharded gradient and its fp32 reduce-scatter input. fp16 gathers fp32, and
+        # autocast's fp16 copies of every weight stay in its cache to the end of the forward.
+        gathered = act.fsdp_gather_bytes(work)
+        out += (2 * gathered * per_layer if stage == 3 else 0.0) + (c + 4) * per_layer + (c + 4) * root
+        if stage == 3 and act.autocast_fsdp_copies(work):
+            out += c * psi
     elif layout.dp > 1 and work.runtime.ddp_grad_copy:
         out += 4 * psi
     h, r = work.model.dim, work.runtime.residual_bytes

@@ -11,7 +11,7 @@ from shardline.layout import Layout, RankStages
 from shardline.planner import comm
 from shardline.planner import compute as cmp
 from shardline.planner import host
-from shardline.planner.activations import dtype_bytes
+from shardline.planner.activations import dtype_bytes, fsdp_gather_bytes
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
 from shardline.planner.memory import expert_layer_params, layer_params, params_per_rank, stage_params
@@ -226,7 +226,7 @@ def _block_gather_scatter(work: Workload, layout: Layout, hw: Hardware, g, per_l
     the efsdp ranks (the shard group / ep) that hold the same experts: EP shrinks the
     experts' FSDP traffic by ep, what it pays for with its all-to-alls.
     """
-    net, c = hw.network, dtype_bytes(work.precision)
+    net, c = hw.network, fsdp_gather_bytes(work)
     experts = expert_layer_params(work, layout.tp) if layout.ep > 1 else 0.0
     dense = per_layer - experts
     gather = comm.all_gather(c * dense, g, net)[0]

@@ -12,7 +12,7 @@ from shardline.layout import Layout, RankStages
 from shardline.layout.degrees import V_SHAPED
 from shardline.planner import comm
 from shardline.planner import compute as cmp
-from shardline.planner.activations import dtype_bytes
+from shardline.planner.activations import dtype_bytes, fsdp_gather_bytes
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
 from shardline.planner.microbatch_comm import fsdp_passes
@@ -103,7 +103,7 @@ def _fsdp_total(work: Workload, layout: Layout, hw: Hardware) -> tuple[float, fl
     g = comm.group(layout.shard_degree, layout.tp, net.gpus_per_node)
     per_layer = layer_params(work, layout.tp)
     n_micro = layout.micro_batches(work.global_batch)
-    gather, algo = comm.all_gather(dtype_bytes(work.precision) * per_layer, g, net)
+    gather, algo = comm.all_gather(fsdp_gather_bytes(work) * per_layer, g, net)
     scatter, _ = comm.reduce_scatter(4 * per_layer, g, net)
     gathers, scatters = fsdp_passes(layout, n_micro)
     return 0.0, (gathers * gather + scatters * scatter) * layers_per_rank(work, layout), {"fsdp": algo}
