@@ -165,6 +165,11 @@ ZERO1 = ["ep2_zero1", "cp2_zero1", "tp2_zero1", "ep2_cp2_zero1", "ep4_from_dp2_c
          "ep2_zero1_to_ep2_tp2_zero1", "ep2_zero1_to_fsdp2"]
 
 
+# Token dropping: each rank routes its own micro-batch, so its experts keep the tokens one
+# process keeps of that micro-batch (under cp it is refused: layout/rules.py).
+CAPACITY = "moe.capacity_factor=1.0"
+
+
 def _base(corpus) -> list[str]:
     return [*PARITY_OVERRIDES, *MOE, f"data.path={corpus}"]
 
@@ -184,6 +189,7 @@ def moe_world2(tmp_path_factory, small_prepared):
                                            "train.stop_at_step=2"]))
     for name, first, second in RESHARD_2:
         jobs += [(root / name, [*_base(small_prepared), *first]), (root / name, [*_base(small_prepared), *second])]
+    jobs.append((root / "ep2_capacity", [*_base(small_prepared), CAPACITY, "parallel.dp_shard=2", "parallel.ep=2"]))
     run_world(2, jobs)
     # The second half of ep2_to_single: one process, every expert on it.
     Trainer(load_config(None, [*_base(small_prepared), f"run.dir={root / 'ep2_to_single'}"])).build().train()
@@ -224,3 +230,11 @@ def test_expert_load_and_balance_loss_are_logged(moe_world2, moe_reference):
         assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 1e-5 * max(1, abs(want[s])) for s in want)
     assert all(v > 1.0 for v in losses(moe_reference, key="expert_load_max").values())
     assert all(v > 0.0 for v in losses(moe_reference, key="aux_loss").values())
+
+
+def test_token_dropping_under_ep_drops_what_one_process_drops(moe_world2, small_prepared, tmp_path):
+    reference = tmp_path / "capacity"
+    Trainer(load_config(None, [*_base(small_prepared), CAPACITY, f"run.dir={reference}"])).build().train()
+    assert_same_run(moe_world2 / "ep2_capacity", reference)
+    dropless = losses(moe_world2 / "ep2_ac_full")
+    assert losses(reference) != dropless  # tokens were dropped: the capacity is binding here
