@@ -30,15 +30,23 @@ from shardline.planner.hardware import get_hardware
 from shardline.planner.layout import Workload
 from shardline.planner.report import attention_words, mfu_words
 from shardline.planner.memory import GiB
-from shardline.preflight import Preflight, check_config, check_device, check_resume, preflight, use_model_tokenizer
+from shardline.preflight import (
+    Preflight,
+    check_config,
+    check_device,
+    check_layout_before_data,
+    check_resume,
+    preflight,
+    use_model_tokenizer,
+)
 
 
 def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]:
     """(the report of a checked launch on `world` ranks, whether the memory estimate fits);
     raises what the launch would raise."""
     check_config(cfg)
-    layouts.resolve(cfg, world)
     use_model_tokenizer(cfg)
+    check_layout_before_data(cfg, world)
     data, folder_tokenizer = data_summary(cfg)
     resume = check_resume(cfg)
     vocab, tokenizer = _tokenizer_vocab(cfg, folder_tokenizer)

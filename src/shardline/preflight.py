@@ -159,6 +159,13 @@ def check_layout(cfg: Config, world: int, args: ModelArgs) -> Layout:
     return lay
 
 
+def check_layout_before_data(cfg: Config, world: int) -> None:
+    """The layout rules, which never read the vocabulary, before any data is read or tokenized
+    (minutes on every rank for raw files): a tp that does not divide the heads fails at once.
+    A vocabulary sized to the tokenizer is taken as 1 here; preflight checks it with the real one."""
+    check_layout(cfg, world, model_shape(cfg.model, 1, cfg.moe))
+
+
 def preflight(cfg: Config, world: int, tokenizer_vocab: int) -> Preflight:
     """Every check of a launch on `world` ranks once the tokenizer's size is known."""
     check_config(cfg)

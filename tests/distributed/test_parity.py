@@ -87,6 +87,8 @@ LAYOUTS_4 = {
                                      "optim.implementation=foreach"],
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                 "parallel.pp_virtual_stages=2"],
+    # data-parallel replicas of a pipeline (each stage an FSDP unit of shard 1, replicated over 2)
+    "ddp2_pp2": [SHALLOW, "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.pp=2"],
 }
 # Tied embeddings under PP composed with FSDP and TP; pp 4 sums over a pair of ranks.
 # ZBV x FSDP (zero=3: the split backward's input pass sees the gathered weights): the rank

@@ -432,3 +432,15 @@ def test_cli_mistakes_found_before_any_work_are_one_line(capsys, tmp_path, small
         with pytest.raises(SystemExit):
             main(argv)
         assert len(capsys.readouterr().err.strip().splitlines()) == 1, argv
+
+
+def test_a_launch_checks_its_layout_before_it_reads_the_data(tiny_config, tmp_path):
+    """Reading and tokenizing raw data takes minutes on every rank: a batch the ranks cannot
+    split (or a tp that does not divide the heads) is refused before, here with data.path
+    pointing nowhere, so the layout's error is the one raised."""
+    from shardline.trainer import Trainer
+
+    cfg = tiny_config("train.global_batch_size=7", "train.micro_batch_size=2", f"data.path={tmp_path / 'none'}")
+    with pytest.raises(ConfigError, match="train.global_batch_size=7 is not divisible"):
+        Trainer(cfg).build()
+    assert not (tmp_path / "run").exists()

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardline import layout as layouts
 from shardline.config import Config, to_toml
 from shardline.data import build_data
 from shardline.data.sampler import batch_index
@@ -43,7 +42,7 @@ from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.pipeline import tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler
-from shardline.preflight import check_config, check_device, preflight, use_model_tokenizer
+from shardline.preflight import check_config, check_device, check_layout_before_data, preflight, use_model_tokenizer
 from shardline.profiling import StepProfiler, configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name
@@ -86,9 +85,9 @@ class Trainer(SavedState, AnomalyResponse):
         if self.device.type == "cuda":  # FSDP2 and float8 read the current device
             torch.cuda.set_device(self.device)
         check_config(cfg)
-        layouts.resolve(cfg, self.proc.world_size)  # a wrong world size fails before the data is read
         torch.manual_seed(cfg.train.seed)
         use_model_tokenizer(cfg)
+        check_layout_before_data(cfg, self.proc.world_size)  # a wrong layout fails before the data is read
         self.data = build_data(cfg)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
         seen = self.checkpointer.list()  # before the choice, which may take minutes hashing the newest
