@@ -78,10 +78,11 @@ EOF
 if [ "$ONLY" != tests ]; then
 echo "== gpu_train ==" >&2
 # shellcheck disable=SC2086  # GPU_TRAIN_ARGS is a list of words on purpose
-# The targets' variants first (hf-eager is context); gpu_train.json is rewritten after each, and
+# The targets' variants first (hf-eager is context, shardline-cudnn a question: is cuDNN's
+# attention faster than flash here?); gpu_train.json is rewritten after each, and
 # at the budget SIGINT ends the run with the finished ones reported.
 timeout -s INT -k 10 "${BENCH_BUDGET:-300}" "$PY" benchmarks/gpu_train.py \
-    --variants shardline-compile,hf-compile,shardline-fp8,hf-eager ${GPU_TRAIN_ARGS:-} \
+    --variants shardline-compile,hf-compile,shardline-fp8,hf-eager,shardline-cudnn ${GPU_TRAIN_ARGS:-} \
     --json "$RESULTS/gpu_train.json" 2>&1 | tee "$RESULTS/gpu_train.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi

@@ -13,6 +13,9 @@ other in one process, memory freed in between:
 * shardline-eager    the same with train.compile=false (not in the default set on GPU)
 * shardline-fp8      shardline-compile with train.precision=fp8 (torchao float8 training,
                      [fp8] recipe; needs compute capability >= 8.9)
+* shardline-cudnn    shardline-compile (eager where --no-compile) with SDPA trying cuDNN's
+                     attention kernel before flash (torch.nn.attention.sdpa_kernel, set before
+                     the compiling step): is cuDNN faster at this shape? (for the next GPU run)
 * hf-eager           `transformers.LlamaForCausalLM` built from a LlamaConfig of the
                      same shape, random init, attn_implementation="sdpa", loss from
                      `labels=`; synthetic random token batches (token values do not
@@ -59,7 +62,7 @@ from shardline.models import flops_per_token, get_preset, num_params
 from shardline.preflight import model_shape
 from shardline.models.llama import ModelArgs
 
-ALL_VARIANTS = ("shardline-compile", "shardline-eager", "shardline-fp8", "hf-eager", "hf-compile")
+ALL_VARIANTS = ("shardline-compile", "shardline-eager", "shardline-fp8", "hf-eager", "hf-compile", "shardline-cudnn")
 TINY_SHAPE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128"]
 
 
@@ -232,7 +235,8 @@ def run_shardline(args, compiled: bool, name: str) -> dict:
         ]
         trainer = Trainer(load_config(None, overrides)).build()
         try:
-            out = measure(shardline_step_fn(trainer), args, name)
+            with sdpa_priority(name):
+                out = measure(shardline_step_fn(trainer), args, name)
         finally:  # the watchdog thread and the run-dir lock end here, not in train()
             trainer.metrics.close()
             trainer.guard.stop_watching()
@@ -240,6 +244,17 @@ def run_shardline(args, compiled: bool, name: str) -> dict:
         out["params"] = sum(p.numel() for p in trainer.model.parameters())
         out["data"] = "shardline pipeline (" + (args.data or "shipped corpus") + ")"
         return out
+
+
+def sdpa_priority(name: str):
+    """shardline-cudnn: SDPA tries cuDNN's attention, then flash, then the others. The choice is
+    made as a compiled graph is traced, so it covers the warm-up (compiling) steps too."""
+    if name != "shardline-cudnn":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
 
 
 def shardline_step_fn(trainer):
@@ -309,7 +324,7 @@ def is_oom(e: BaseException) -> bool:
 
 
 def run_variant(args, shape: ModelArgs, name: str) -> dict:
-    compiled = name.endswith("-compile") or name == "shardline-fp8"
+    compiled = name.endswith("-compile") or name == "shardline-fp8" or (name == "shardline-cudnn" and args.compile)
     if name.startswith("hf-"):
         if importlib.util.find_spec("transformers") is None:
             return {"status": "skipped", "error": "transformers is not installed"}

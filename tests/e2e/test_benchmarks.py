@@ -62,7 +62,7 @@ def test_gpu_check_script_runs_on_cpu_with_the_tiny_benchmark(tmp_path, small_co
     results = tmp_path / "results"
     env = {**os.environ, "PYTHON": sys.executable, "OUT": "", "TEST_BUDGET": "120", "BENCH_BUDGET": "120",
            "GPU_TRAIN_ARGS": f"--tiny --data {small_corpus} --threads 1 --steps 2 --warmup 1 "
-                             "--variants shardline-eager,hf-eager,hf-compile --inject-oom hf-compile"}
+                             "--variants shardline-eager,shardline-cudnn,hf-eager,hf-compile --inject-oom hf-compile"}
     script = subprocess.Popen(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(results)], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -78,7 +78,7 @@ def test_gpu_check_script_runs_on_cpu_with_the_tiny_benchmark(tmp_path, small_co
     res = json.loads((results / "gpu_train.json").read_text())
     assert res["config"]["tiny"] is True and res["config"]["tokens_per_step"] == 4 * 64
     assert positive(res["config"]["flops_per_token"])
-    assert list(res["variants"]) == ["shardline-eager", "hf-eager", "hf-compile"]
+    assert list(res["variants"]) == ["shardline-eager", "shardline-cudnn", "hf-eager", "hf-compile"]
     # Out of memory is reported, not a failure (the script exits 0); the others still ran.
     oom = res["variants"].pop("hf-compile")
     assert oom["status"] == "oom" and "out of memory" in oom["error"]
