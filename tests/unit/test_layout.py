@@ -60,6 +60,7 @@ def test_dp_shard_fills_the_rest():
     (2, ["parallel.cp=2", "parallel.cp_balance=none", "train.seq_len=31"], "divisible by 2 (parallel.cp=2, one chunk"),
     (4, ["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=4"], "valid: [2]"),
     (4, ["parallel.cp=4", "parallel.cp_mode=hybrid"], "needs parallel.cp_ulysses to divide parallel.cp=4"),
+    (4, ["parallel.cp=4", "parallel.cp_ulysses=2"], "applies to cp_mode='hybrid' only (here cp_mode='ring'"),
     (8, ["parallel.cp=8", "parallel.cp_mode=ulysses"], "Ulysses splits the 4 attention heads per tp rank"),
     (8, ["parallel.cp=4", "parallel.tp=2", "parallel.cp_mode=ulysses"], "Ulysses splits the 2 attention heads"),
     (2, ["parallel.ep=2"], "parallel.ep=2 needs a mixture-of-experts model; this model is dense"),
