@@ -246,15 +246,20 @@ def run_shardline(args, compiled: bool, name: str) -> dict:
         return out
 
 
+@contextlib.contextmanager
 def sdpa_priority(name: str):
     """shardline-cudnn: SDPA tries cuDNN's attention, then flash, then the others. The choice is
-    made as a compiled graph is traced, so it covers the warm-up (compiling) steps too."""
+    made as a compiled graph is traced, so it covers the warm-up (compiling) steps too; the
+    compile caches' key is tagged, or shardline-compile's cached flash graph would be reused."""
     if name != "shardline-cudnn":
-        return contextlib.nullcontext()
+        yield
+        return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel(order, set_priority=True)
+    tag = ",".join(filter(None, [torch.compiler.config.cache_key_tag, "sdpa-cudnn-first"]))
+    with torch.compiler.config.patch(cache_key_tag=tag), sdpa_kernel(order, set_priority=True):
+        yield
 
 
 def shardline_step_fn(trainer):
@@ -388,7 +393,7 @@ def _run_variants(args, shape: ModelArgs, fpt: float, peak: float, results: dict
         results[name] = res
         add_ratios(results)
         progress()
-        if name.endswith("-compile") or name == "shardline-fp8":
+        if name.endswith("-compile") or name in ("shardline-fp8", "shardline-cudnn"):
             torch._dynamo.reset()
     return failed
 

@@ -87,7 +87,7 @@ LAYOUTS_4 = {
                                      "optim.implementation=foreach"],
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                 "parallel.pp_virtual_stages=2"],
-    # data-parallel replicas of a pipeline (each stage an FSDP unit of shard 1, replicated over 2)
+    # data-parallel replicas of a pipeline (run as HSDP: each stage an FSDP unit of shard 1, 2 replicas)
     "ddp2_pp2": [SHALLOW, "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.pp=2"],
 }
 # Tied embeddings under PP composed with FSDP and TP; pp 4 sums over a pair of ranks.
@@ -100,7 +100,7 @@ TIED_4 = {
     "fsdp2_pp2_tied": [SHALLOW, "parallel.dp_shard=2", "parallel.pp=2", TIE],
     "tp2_pp2_tied": [SHALLOW, "parallel.tp=2", "parallel.pp=2", TIE],
     "pp4_tied": ["parallel.pp=4", TIE],
-    # tp lays out the two ends apart, so the tie is made again over FSDP2's shards (init_weights)
+    # tp lays out the two ends apart, so the tie is made again right after the TP plan (apply_tp)
     "fsdp2_tp2_tied": [SHALLOW, "parallel.dp_shard=2", "parallel.tp=2", TIE],
 }
 LAYOUTS_8 = {

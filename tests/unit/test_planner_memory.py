@@ -154,6 +154,10 @@ def test_fp16_under_fsdp_gathers_fp32_and_keeps_autocasts_copies():
     assert extra == pytest.approx(2 * psi + 2 * 2 * layer_params(bf16, 1))  # the copies; two blocks at 4, not 2
     gathers = [estimate(w, lay3, hw).info["dp_comm_total_s"] for w in (bf16, fp16)]
     assert gathers[1] > 1.3 * gathers[0]
+    # under pp each stage's weights stay gathered from backward: 4 bytes, not 2, and the copies
+    pp = Layout(dp_shard=4, pp=2, zero=3, micro_batch_size=1, activation_checkpoint="full")
+    extra_pp = memory_breakdown(fp16, pp, hw)["buffers"] - memory_breakdown(bf16, pp, hw)["buffers"]
+    assert extra_pp > 3.5 * psi / 2  # (2 + 2) bytes of about half the model
 
 
 def test_zero1_peaks_at_its_step_gather_when_activations_are_small():

@@ -64,10 +64,11 @@ def test_published_memory_within_10_percent(memory_rows, capsys):
 
 def test_bloom_memory_needs_the_bf16_optimizers_unsharded_buffers(memory_rows):
     # The term that carries the match: with shardline's ZeRO-1 (the fp32 master whole, but no fp32
-    # gradient buffer beside the 16-bit gradients) the same rows come out low.
+    # gradient buffer beside the 16-bit gradients) the same rows come out low: -15.2% with its
+    # step's all-gather counted (memory.zero1_step_bytes; -20.7% before), against +6.4%.
     run = memory_rows[0]
     sharded = dataclasses.replace(run, runtime=dataclasses.replace(run.runtime, zero1="shardline"))
-    assert pb.memory_error(sharded)[1] < -0.15 < pb.memory_error(run)[1]
+    assert pb.memory_error(sharded)[1] < -0.12 and abs(pb.memory_error(run)[1]) < 0.10
 
 
 def test_every_published_layout_fits_its_hardware(memory_rows):

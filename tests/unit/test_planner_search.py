@@ -204,6 +204,8 @@ def test_every_pinned_key_is_searched_as_pinned_or_explained():
     assert hybrid and {(lay.cp_mode, lay.cp_ulysses) for lay in hybrid} == {("hybrid", 2)}
     result, _ = found(cp_ulysses=2)
     assert result.candidates and not [e for e in result.candidates if e.layout.cp_mode != "hybrid"]
+    result, layouts = found(cp=8, cp_mode="ring", cp_ulysses=2)  # refused as the config refuses it
+    assert not layouts and "cp_ulysses=2 applies to cp_mode='hybrid' only" in result.first_problem
     hsdp = [e.layout for e in search(Workload(PRESETS["llama3-8b"], 8192, 8, "bf16"), hw, 8,
                                      {"dp_replicate": 2, "zero": 2}).candidates]
     assert hsdp and {(lay.dp_replicate, lay.zero) for lay in hsdp} == {(2, 2)}

@@ -52,7 +52,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
         if isinstance(g, DTensor):
             groups.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
     for (mesh, placements), members in groups.items():
-        if any(p.is_partial() for p in placements):  # not expected after backward; be exact anyway
+        if any(p.is_partial() for p in placements):  # a replicated weight's pending sum (tp's q/k norms)
             norms += [local_value(torch.linalg.vector_norm(g)) for g in members]
             continue
         squares = torch.stack([torch.linalg.vector_norm(g.to_local().float()) for g in members]).square().sum()

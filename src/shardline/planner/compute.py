@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from shardline.models.flops import ffn_width
 from shardline.parallel.float8 import GEMM_MULTIPLE
 from shardline.planner import attention as attn_kernel
-from shardline.planner.activations import dtype_bytes
+from shardline.planner.activations import autocast_fsdp_copies, dtype_bytes
 from shardline.planner.hardware import Hardware
 from shardline.layout import Layout
 from shardline.planner.layout import Workload
@@ -280,9 +280,10 @@ def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
     # Ring attention merges each partial result into the running output and logsumexp.
     attn += (layout.cp - 1) * 8 * dtype_bytes(dtype) * q_width * tokens / bw
     elem = elementwise_bytes_per_token(work, layout.tp, layout.sp) * tokens / bw + attn_elem
-    if work.precision != "fp32" and work.runtime.weight_casts and layout.dp_mode not in ("fsdp", "zero2", "hsdp"):
+    fsdp_casts = layout.dp_mode in ("fsdp", "zero2", "hsdp") and not autocast_fsdp_copies(work)
+    if work.precision != "fp32" and work.runtime.weight_casts and not fsdp_casts:
         # Autocast casts each fp32 weight to the compute dtype once per forward (read 4, write 2
-        # bytes); FSDP's mixed precision casts while gathering instead.
+        # bytes); FSDP's mixed precision casts while gathering instead (not fp16's: it gathers fp32).
         elem += 6 * layer_params(work, layout.tp) / bw
     return LayerTimes(mm, attn, elem, FWD_OPS_PER_LAYER * hw.op_overhead_us * 1e-6 / sh_ops)
 

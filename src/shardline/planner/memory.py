@@ -210,7 +210,13 @@ def zero1_step_bytes(work: Workload, layout: Layout, psi: float, away: float) ->
     if zero_stage(layout) != 1 or layout.shard_degree == 1 or work.runtime.zero1 == "deepspeed_bf16":
         return 0.0
     held, n = psi - away, layout.shard_degree
-    return (4 + work.runtime.grad_bytes + 4) * held + 8 * psi / n + 8 * held / n
+    # One cut gathered at a time (its buffers freed before the next): the dense parameters over
+    # the shard dim, under ep this rank's experts over efsdp (nothing to gather on one rank).
+    experts = away / (layout.ep - 1) if layout.ep > 1 else 0.0
+    efsdp = n // layout.ep if layout.ep > 1 else 1
+    cuts = [(held - experts, n)] + ([(experts, efsdp)] if experts and efsdp > 1 else [])
+    gather = max(4 * p + 8 * p / ranks for p, ranks in cuts)
+    return (4 + work.runtime.grad_bytes) * held + 8 * psi / n + gather
 
 
 def deepspeed_bf16_states(work: Workload, layout: Layout, psi: float) -> dict[str, float]:
@@ -250,8 +256,9 @@ def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.
     per_layer = layer_params(work, layout.tp) if per_layer is None else per_layer
     out = 0.0
     stage = zero_stage(layout)
-    if stage >= 2 and layout.pp > 1:
-        out += 4 * psi + (c * psi if stage == 3 else 0.0)  # zero=2's gathered weights are in its params
+    if stage >= 2 and layout.pp > 1:  # zero=2's gathered weights are in its params
+        out += 4 * psi + (act.fsdp_gather_bytes(work) * psi if stage == 3 else 0.0)
+        out += c * psi if stage == 3 and act.autocast_fsdp_copies(work) else 0.0
     elif stage >= 2:
         # FSDP: gathered weights of the current and the prefetched block (zero=3), plus one
         # block's unsharded gradient and its fp32 reduce-scatter input. fp16 gathers fp32, and

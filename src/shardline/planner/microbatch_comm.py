@@ -181,7 +181,7 @@ def fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTime
     net, layers = hw.network, stage.layers
     hide = 0.0 if cmp.saturated(hw, layout) else 1.0
     root = stage_params(work, layout, stage, per_layer) - layers * per_layer
-    root_comm = (comm.all_gather(dtype_bytes(work.precision) * root, g, net)[0]
+    root_comm = (comm.all_gather(fsdp_gather_bytes(work) * root, g, net)[0]
                  + comm.reduce_scatter(4 * root, g, net)[0])
     if layout.pp == 1:
         bwd_gather = gather if layout.zero == 3 else 0.0  # resharded after forward (HSDP too: apply_fsdp)
