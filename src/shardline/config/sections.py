@@ -284,8 +284,6 @@ class ParallelConfig:
         _require(self.cp_balance in CP_BALANCES, "parallel.cp_balance", self.cp_balance,
                  f"one of {', '.join(CP_BALANCES)}")
         _require(self.cp_ulysses >= 0, "parallel.cp_ulysses", self.cp_ulysses, "must be >= 0")
-        _require(self.cp_ulysses == 0 or self.cp_mode == "hybrid", "parallel.cp_ulysses", self.cp_ulysses,
-                 f"applies to cp_mode='hybrid' only (here cp_mode={self.cp_mode!r}: leave it 0)")
 
 
 @dataclass

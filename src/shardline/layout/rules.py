@@ -47,7 +47,7 @@ def _tp_sequence(lay: Layout, job: Job) -> Problem | None:
 
 def _cp_split(lay: Layout, job: Job) -> Problem | None:
     """The cp grid, the sequence's chunks and the heads Ulysses splits."""
-    if lay.cp_ulysses and lay.cp_mode != "hybrid":  # as the config refuses it (a pinned plan, say)
+    if lay.cp_ulysses and lay.cp_mode != "hybrid":  # it would be ignored
         return "cp", (f"parallel.cp_ulysses={lay.cp_ulysses} applies to cp_mode='hybrid' only "
                       f"(here cp_mode={lay.cp_mode!r}: leave it 0)")
     if lay.cp == 1:

@@ -88,7 +88,13 @@ def fsdp_policies(mesh: DeviceMesh, precision: str, cpu_offload: bool) -> dict:
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     """FSDP2's policy: gather parameters in the compute dtype where that is safe, reduce in fp32."""
-    return MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[precision], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=gather_dtype(precision), reduce_dtype=torch.float32)
+
+
+def gather_dtype(precision: str) -> torch.dtype | None:
+    """The dtype FSDP2 gathers parameters in under train.precision (None: their own, fp32); the
+    planner prices the gathers and the autocast copies by it."""
+    return _PARAM_DTYPES[precision]
 
 
 def sum_gradients(module: FSDPModule) -> None:

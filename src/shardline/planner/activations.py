@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from shardline.models.flops import ffn_width
 from shardline.models.llama import ModelArgs
+from shardline.parallel.data_parallel import gather_dtype
 
 REGIONS = ("seq", "lin_in", "tp", "score", "partial")
 
@@ -66,18 +67,18 @@ def dtype_bytes(precision: str) -> int:
 
 
 def fsdp_gather_bytes(work) -> int:
-    """Bytes per parameter FSDP gathers. shardline's FSDP2: bf16 (and fp8's non-float8 weights)
-    in bf16; fp32 and fp16 in fp32, fp16 leaving the casts to autocast
-    (parallel/data_parallel._PARAM_DTYPES). A program that keeps 16-bit weights
-    (Runtime.weight_casts off: Megatron, metaseq) gathers those."""
-    if work.precision == "fp16" and not work.runtime.weight_casts:
-        return 2
-    return 4 if work.precision in ("fp32", "fp16") else 2
+    """Bytes per parameter FSDP gathers: shardline's FSDP2 gathers in data_parallel.gather_dtype
+    (bf16 under bf16 and fp8; the fp32 parameters themselves under fp32 and fp16, whose casts
+    autocast makes). A program that keeps 16-bit weights (Runtime.weight_casts off: Megatron,
+    metaseq) gathers those."""
+    if autocast_fsdp_copies(work) or work.precision == "fp32":
+        return 4
+    return dtype_bytes(work.precision)
 
 
 def autocast_fsdp_copies(work) -> bool:
-    """Whether autocast casts FSDP's gathered fp32 weights to fp16 (shardline's fp16 under FSDP)."""
-    return work.precision == "fp16" and work.runtime.weight_casts
+    """Whether autocast casts FSDP's gathered fp32 weights to the compute dtype (fp16 here)."""
+    return work.precision != "fp32" and work.runtime.weight_casts and gather_dtype(work.precision) is None
 
 
 def llama_block(model: ModelArgs, precision: str) -> list[Saved]:
