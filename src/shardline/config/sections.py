@@ -125,6 +125,8 @@ class TrainConfig:
         _require(0 <= self.seed < 2**63, "train.seed", self.seed, "must be in [0, 2**63) (torch's generator seed)")
         for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
             _require(getattr(self, key) > 0, f"train.{key}", getattr(self, key), "must be > 0")
+        _require(self.stop_at_step <= self.steps, "train.stop_at_step", self.stop_at_step,
+                 f"must be <= train.steps ({self.steps}), the run's end (0 = train.steps)")
         _require(self.precision in PRECISIONS, "train.precision", self.precision, f"one of {', '.join(PRECISIONS)}")
         _require(self.attention in ATTENTION_KERNELS, "train.attention", self.attention,
                  f"one of {', '.join(ATTENTION_KERNELS)}")

@@ -20,7 +20,7 @@ from shardline.data.tokenizer import eos_id, load_tokenizer
 from shardline.errors import CheckpointError
 from shardline.interop.hf import empty_model, from_hf_pretrained, to_hf_pretrained
 from shardline.interop.hf_config import EXPORT_DTYPES, KEPT_FIELDS, read_hf_fields
-from shardline.interop.hf_files import TOKENIZER_NAME, check_parents, copy_tokenizer_files
+from shardline.interop.hf_files import TOKENIZER_NAME, check_parents, copy_generation_config, copy_tokenizer_files
 from shardline.models.factory import args_from_json, args_to_json
 from shardline.resilience.checkpoint import (
     Checkpointer,
@@ -70,9 +70,14 @@ def checkpoint_tokenizer(ckpt: Path) -> Path | None:
     """The tokenizer.json a checkpoint's weights were trained with: one beside its files (from-hf
     copies the HF folder's there), else the one of the run that saved it
     (<run_dir>/checkpoints/step-N, or checkpoints/set-aside/step-N); None when neither is there."""
+    return beside_checkpoint(ckpt, TOKENIZER_NAME)
+
+
+def beside_checkpoint(ckpt: Path, name: str) -> Path | None:
+    """The file `name` beside a checkpoint's files, else in the run dir that saved it; None when neither."""
     ckpt = ckpt.resolve()
     runs = [folder.parent for folder in ckpt.parents[:2] if folder.name == "checkpoints"]
-    return next((t for t in [ckpt / TOKENIZER_NAME, *(r / TOKENIZER_NAME for r in runs)] if t.is_file()), None)
+    return next((t for t in [ckpt / name, *(r / name for r in runs)] if t.is_file()), None)
 
 
 def _export_dtype(name: str) -> torch.dtype | None:
@@ -92,4 +97,5 @@ def hf_to_checkpoint(src: Path, dst: Path) -> Path:
     write_checkpoint(dst, 0, model, None, None, meta)
     if (src / TOKENIZER_NAME).is_file():  # what a run from it tokenizes with, and kept for the way back
         copy_tokenizer_files(src / TOKENIZER_NAME, dst)
+    copy_generation_config(src, dst)  # it describes the weights, tokenizer or not
     return dst

@@ -25,7 +25,8 @@ TOKENIZER_NAME = "tokenizer.json"
 # The files beside a tokenizer.json that travel with it: its settings and chat template (without
 # them transformers loads a bare tokenizer: no special tokens, no template) and the generation
 # settings. from-hf copies them into the checkpoint, a run into its run dir, to-hf into the export.
-SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+GENERATION_NAME = "generation_config.json"
+SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", GENERATION_NAME)
 # Written into every export: a folder holding it may be replaced by the next export; another HF
 # folder (the one a run started from, say) is refused, since replacing it would delete its other files.
 EXPORT_MARK = "shardline_export.json"
@@ -123,6 +124,14 @@ def copy_side_files(source: Path, folder: Path) -> None:
     for name in SIDE_FILES:
         if (source / name).is_file() and (source / name).resolve() != (folder / name).resolve():
             shutil.copyfile(source / name, folder / name)
+
+
+def copy_generation_config(source: Path, folder: Path) -> None:
+    """`source`'s generation_config.json (if any) into `folder`: the generation settings of the
+    weights there (their end tokens, sampling defaults), whichever tokenizer travels with them."""
+    file = source / GENERATION_NAME
+    if file.is_file() and file.resolve() != (folder / GENERATION_NAME).resolve():
+        shutil.copyfile(file, folder / GENERATION_NAME)
 
 
 def _tokenizer_file(tokenizer_path: str | os.PathLike) -> Path:

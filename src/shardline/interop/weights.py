@@ -18,7 +18,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardline.config import ModelConfig
 from shardline.interop.hf import hf_state_dict_chunks, load_hf_weights
+from shardline.interop.convert import beside_checkpoint
 from shardline.interop.hf_config import read_hf_fields
+from shardline.interop.hf_files import GENERATION_NAME, copy_generation_config, copy_side_files
 from shardline.resilience.checkpoint import load_weights
 
 
@@ -28,6 +30,18 @@ def load_starting_weights(m: ModelConfig, model: nn.Module, sharded: bool) -> No
         _load_hf(model, m.hf_path, sharded)
     if m.init_from:
         load_weights(Path(m.init_from), model)  # DCP reshards to any layout
+
+
+def copy_starting_files(m: ModelConfig, tokenizer: str, run_dir: Path) -> None:
+    """Into a run dir, for `convert to-hf` to write back: the settings and chat template beside
+    the tokenizer the run uses, then the generation settings of the weights it starts from (they
+    describe the weights, so a data.tokenizer from another folder does not replace them)."""
+    if tokenizer:
+        copy_side_files(Path(tokenizer).parent, run_dir)
+    if m.hf_path:
+        copy_generation_config(Path(m.hf_path), run_dir)
+    elif m.init_from and (found := beside_checkpoint(Path(m.init_from), GENERATION_NAME)) is not None:
+        copy_generation_config(found.parent, run_dir)
 
 
 def starting_hf_fields(m: ModelConfig) -> dict:

@@ -25,8 +25,7 @@ from shardline.data import build_data
 from shardline.data.sampler import batch_index
 from shardline.devices import peak_tflops
 from shardline.errors import Preempted
-from shardline.interop.hf_files import copy_side_files
-from shardline.interop.weights import load_starting_weights, starting_hf_fields
+from shardline.interop.weights import copy_starting_files, load_starting_weights, starting_hf_fields
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.attention import resolve_attention
 from shardline.models.flops import flops_per_token
@@ -161,8 +160,7 @@ class Trainer(SavedState, AnomalyResponse):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
         self.data.tokenizer.save(str(self.run_dir / "tokenizer.json"))
-        if self.cfg.data.tokenizer:  # its settings and chat template, for `convert to-hf`
-            copy_side_files(Path(self.cfg.data.tokenizer).parent, self.run_dir)
+        copy_starting_files(self.cfg.model, self.cfg.data.tokenizer, self.run_dir)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.metrics.progress, self.cfg.metrics.tensorboard,
                                      self.cfg.train.steps, self.step, enabled=self.proc.is_main)
         for problem in self._invalid_checkpoints:
