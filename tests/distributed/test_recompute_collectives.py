@@ -4,7 +4,8 @@ The planner charges each activation-checkpointing mode for what the rerun forwar
 replays in backward (planner/microbatch_comm._tp_layer): under sequence parallelism both
 all-gathers and attention's reduce-scatter, without it attention's all-reduce, under op-level
 AC as under full (no policy saves a collective's output). This counts them in a real step.
-And a tied embedding under FSDP x TP stays one parameter of the root FSDP unit.
+And a tied embedding under FSDP x TP stays one parameter of the root FSDP unit; ZeRO-2 keeps
+its blocks gathered from forward to backward, ZeRO-3 does not.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from shardline.config import load_config
@@ -45,6 +47,18 @@ def _counts(rank: int, port: int, corpus: str, out: str) -> None:
         found["tied_is_one"] = model.output.weight is model.tok_embeddings.weight
         tied.guard.stop_watching()
         tied.lock.release()
+        # ZeRO-2 keeps each block's gathered weights from its forward to its backward (one
+        # all-gather per step); ZeRO-3 frees them after the forward (a second one in backward).
+        for zero in (2, 3):
+            trainer = Trainer(load_config(None, [
+                *PARITY_OVERRIDES, f"model.n_layers={LAYERS}", "train.steps=1", "checkpoint.interval=0",
+                f"data.path={corpus}", "parallel.dp_shard=2", f"parallel.zero={zero}",
+                f"run.dir={Path(out).parent / f'zero{zero}'}"])).build()
+            trainer.model(trainer.data.train.batch([rank])["input_ids"])
+            weights = list(trainer.model.layers.parameters())
+            found[f"zero{zero}_sharded_after_forward"] = sum(isinstance(w, DTensor) for w in weights) / len(weights)
+            trainer.guard.stop_watching()
+            trainer.lock.release()
     if rank == 0:
         Path(out).write_text(json.dumps(found))
 
@@ -54,6 +68,7 @@ def test_a_rerun_forward_replays_the_gathers_and_attentions_outgoing_collective(
     start_ranks(_counts, args=(free_port(), str(small_corpus), str(out)), nprocs=2)
     found = json.loads(out.read_text())
     assert (found.pop("tied_root_params"), found.pop("tied_is_one")) == (2, True)
+    assert (found.pop("zero2_sharded_after_forward"), found.pop("zero3_sharded_after_forward")) == (0, 1)
     counts = {key: Counter(value) for key, value in found.items()}
     for sp, replayed in ((True, {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 1}),
                          (False, {"all_reduce": 1})):
