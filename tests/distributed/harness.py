@@ -102,11 +102,15 @@ def losses(run_dir: Path, kind: str = "train", key: str = "") -> dict[int, float
 
 
 def assert_same_grad_norms(run: Path, reference: Path, rtol: float = 1e-5) -> None:
-    """The logged global gradient norms (before clipping) of every step agree."""
+    """The logged global gradient norms (before clipping) of every step agree (a step that
+    overflowed logs its norm as the string "inf" or "nan": the same one)."""
     got, want = losses(run, key="grad_norm"), losses(reference, key="grad_norm")
     assert sorted(got) == sorted(want), (got, want)
     for step in want:
-        assert abs(got[step] - want[step]) <= rtol * want[step], (step, got[step], want[step])
+        if isinstance(want[step], str) or isinstance(got[step], str):
+            assert got[step] == want[step], (step, got[step], want[step])
+        else:
+            assert abs(got[step] - want[step]) <= rtol * want[step], (step, got[step], want[step])
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -118,16 +122,36 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def assert_same_run(run: Path, reference: Path, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+def assert_params_close_in_norm(run: Path, reference: Path, rel: float) -> None:
+    """Each trained parameter tensor within `rel` of the reference's, in relative Frobenius
+    norm of the difference. For runs in 16-bit or float8 arithmetic, where AdamW's
+    normalisation carries a rounding difference in a rarely seen embedding row to ~5e-3 in one
+    element (no elementwise bound fits), while a gradient lost or scaled moves whole tensors."""
+    ref = final_params(reference)
+    for name, value in final_params(run).items():
+        err = float((value - ref[name]).norm() / ref[name].norm())
+        assert err <= rel, (name, err, rel)
+
+
+def assert_same_run(run: Path, reference: Path, rtol: float = 1e-5, atol: float = 1e-5,
+                    evaluated: bool = True, grad_rtol: float | None = None, params_rel: float | None = None) -> None:
+    """Every step's loss and gradient norm, the evaluations (unless the runs had none) and the
+    final parameters agree (elementwise, or in norm when params_rel is given). Losses alone
+    would not do: over a few AdamW steps a gradient scaled or one block's lost moves them by
+    1e-6 to 1e-4 relative, the parameters by 1e-4 to 1e-2."""
     got, want = losses(run), losses(reference)
     assert sorted(got) == sorted(want), (got, want)
     for step in want:
         assert abs(got[step] - want[step]) <= rtol * abs(want[step]), (step, got[step], want[step])
+    assert_same_grad_norms(run, reference, rtol if grad_rtol is None else grad_rtol)
     got_eval, want_eval = losses(run, "eval"), losses(reference, "eval")
     # A run stopped early evaluates where it stopped too: compare the reference's steps.
-    assert want_eval and want_eval.keys() <= got_eval.keys(), (got_eval, want_eval)
+    assert bool(want_eval) is evaluated and want_eval.keys() <= got_eval.keys(), (got_eval, want_eval)
     for step in want_eval:
         assert abs(got_eval[step] - want_eval[step]) <= rtol * want_eval[step], (step, got_eval, want_eval)
+    if params_rel is not None:
+        assert_params_close_in_norm(run, reference, params_rel)
+        return
     ref = final_params(reference)
     for name, value in final_params(run).items():
         torch.testing.assert_close(value, ref[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")

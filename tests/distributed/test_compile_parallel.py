@@ -21,7 +21,7 @@ import torch._functorch.config
 
 from shardline.config import load_config
 from shardline.parallel.compile import config_problem as compile_problem
-from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, gloo_rank, losses, start_ranks
+from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, assert_same_run, gloo_rank, losses, start_ranks
 from tests.ports import free_port
 
 TP_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
@@ -86,10 +86,9 @@ def test_compiled_blocks_train_like_eager_under_tp_fsdp_pp_and_cp(tmp_path, smal
     assert sorted(want) == ALL_STEPS
     assert json.loads((tmp_path / "eager" / "compiled.json").read_text())["graphs"] == 0
     for name in runs:
-        compiled = losses(tmp_path / name)
-        assert sorted(compiled) == ALL_STEPS, name
-        for step in want:
-            assert compiled[step] == pytest.approx(want[step], rel=1e-5), (name, step, compiled, want)
+        assert sorted(losses(tmp_path / name)) == ALL_STEPS, name
+        # losses, grad norms, weights (1e-4: inductor sums in its own order; AdamW carries that to ~2e-5)
+        assert_same_run(tmp_path / name, tmp_path / "eager", atol=1e-4, evaluated=False)
         seen = json.loads((tmp_path / name / "compiled.json").read_text())
         assert seen["compiled_blocks"] and all(seen["compiled_blocks"]), (name, seen)
         # the ring's attention runs eagerly on purpose (parallel/compile.py); nothing else breaks
@@ -115,10 +114,8 @@ def test_compiled_tensor_parallel_blocks_under_dualpipev_train_like_eager(tmp_pa
     base = [*PARITY_OVERRIDES, f"data.path={small_prepared}", NO_EVAL, *layout]
     jobs = [(str(tmp_path / "eager"), base), (str(tmp_path / "compiled"), [*base, "train.compile=true"])]
     start_ranks(_worker, args=(4, free_port(), jobs), nprocs=4)
-    want, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
-    assert sorted(compiled) == sorted(want) == ALL_STEPS
-    for step in want:
-        assert compiled[step] == pytest.approx(want[step], rel=1e-5), (step, compiled, want)
+    assert sorted(losses(tmp_path / "compiled")) == sorted(losses(tmp_path / "eager")) == ALL_STEPS
+    assert_same_run(tmp_path / "compiled", tmp_path / "eager", atol=1e-4, evaluated=False)  # the weight pass
     seen = json.loads((tmp_path / "compiled" / "compiled.json").read_text())
     assert seen["graphs"] >= 1 and seen["breaks"], seen
     assert seen["compiled_blocks"] and all(seen["compiled_blocks"]), seen

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,15 +37,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 
 from shardline.config import load_config  # noqa: E402
 from shardline.trainer import Trainer  # noqa: E402
-from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, losses, start_ranks  # noqa: E402
+from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, assert_same_run, losses, start_ranks  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 # Two blocks (torchao's emulated float8 is the cost of these runs): pp 2 still gets one a stage.
 LAYERS = 2
-FP8 = [f"model.n_layers={LAYERS}", "train.precision=fp8", "fp8.recipe=tensorwise", "train.eval_interval=0",
-       "checkpoint.interval=0"]
+FP8 = [f"model.n_layers={LAYERS}", "train.precision=fp8", "fp8.recipe=tensorwise", "train.eval_interval=0"]
 ZBV_DEPTH = ["model.n_layers=4"]  # zbv: 2 stages a rank, a block each
 LAYOUTS = {"fsdp2": ["parallel.dp_shard=2", "fp8.fsdp_all_gather=true"],
            "pp2": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
@@ -135,19 +136,30 @@ def runs(tmp_path_factory, small_prepared) -> Path:
     return root
 
 
+# Float8 rounds sums taken in another order: losses agree to 2e-3, gradient norms to 1e-2 (measured
+# 6e-4 under FSDP, 3e-3 under tp, 9e-3 rowwise), and AdamW carries the rounding of near-zero
+# gradients to its whole step size, so parameters agree in norm only to 0.2 (measured 0.07, in
+# attention's output projections, which start small). A block's lost gradients move those by
+# more, and the gradient norm by more than 1e-2.
+CLOSE = {"rtol": 2e-3, "grad_rtol": 2e-2, "params_rel": 0.2, "evaluated": False}
+
+
 def test_fsdp_float8_all_gather_trains_like_one_process(runs):
-    got, want = losses(runs / "fsdp2"), losses(runs / "one")
-    assert sorted(got) == sorted(want)
-    for step in want:  # float8 rounding of sums taken in another order: close, not bit-identical
-        assert abs(got[step] - want[step]) <= 2e-3 * want[step], (step, got, want)
+    assert_same_run(runs / "fsdp2", runs / "one", **CLOSE)
+
+
+def test_a_float8_gathered_checkpoint_is_plain_tensors_that_export_without_torchao(runs, tmp_path):
+    """FSDP's float8 all-gather holds weights and moments in a torchao subclass; saved as such,
+    DCP pickles the class, and only a process that imported torchao can read it: `convert`
+    could not (nor a resume in bf16). A fresh interpreter exports it."""
+    done = subprocess.run([sys.executable, "-m", "shardline", "convert", "to-hf", str(runs / "fsdp2"),
+                           str(tmp_path / "hf")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("run, reference", [("pp2", "one"), ("pp2_zbv", "one_deeper")])
 def test_pipeline_cut_after_conversion_matches_one_process(runs, run, reference):
-    got, want = losses(runs / run), losses(runs / reference)
-    assert sorted(got) == sorted(want)
-    for step in want:
-        assert abs(got[step] - want[step]) <= 1e-4 * want[step], (step, got, want)
+    assert_same_run(runs / run, runs / reference, rtol=1e-4, atol=1e-4, evaluated=False)  # measured 8e-9
 
 
 def test_fsdp_float8_resume_is_bit_identical(runs):
@@ -167,10 +179,7 @@ def test_fsdp_float8_rollback_gathers_the_restored_weights_with_their_own_scales
 
 @pytest.mark.parametrize("run, reference", [("tp2", "one"), ("tp2_rowwise", "one_rowwise")])
 def test_tensor_parallel_fp8_trains_like_one_process(runs, run, reference):
-    got, want = losses(runs / run), losses(runs / reference)
-    assert sorted(got) == sorted(want)
-    for step in want:  # as FSDP: the same scales, sums of the split matmuls taken in another order
-        assert abs(got[step] - want[step]) <= 2e-3 * want[step], (step, got, want)
+    assert_same_run(runs / run, runs / reference, **CLOSE)  # as FSDP: the split matmuls' sums in another order
 
 
 @pytest.mark.parametrize("run", ["tp2", "tp2_rowwise"])

@@ -104,26 +104,25 @@ def world2(tmp_path_factory, small_prepared):
 def test_fp16_pipeline_matches_single_process(world2, references):
     # Losses within 1e-5; as under FSDP, a rarely seen embedding row may differ by ~2e-5
     # (fp16-rounded gradients whose tiny sum Adam's normalisation amplifies), hence atol.
-    assert_same_run(world2 / "pp2", references / "plain", atol=1e-4)
+    assert_same_run(world2 / "pp2", references / "plain", atol=1e-4, grad_rtol=1e-4)
 
 
 def test_fp16_fsdp_matches_single_process(world2, references):
     # Losses within 1e-5; a few rarely seen embedding rows differ by up to ~3e-5 (the
     # fp32 reduction order of fp16-rounded gradients, amplified by Adam), hence atol.
-    assert_same_run(world2 / "fsdp2", references / "plain", atol=1e-4)
+    assert_same_run(world2 / "fsdp2", references / "plain", atol=1e-4, grad_rtol=1e-4)
 
 
 def test_fp16_zero1_matches_single_process(world2, references):
-    assert_same_run(world2 / "zero1", references / "plain", atol=1e-4)  # as FSDP's: fp16-rounded sums
+    assert_same_run(world2 / "zero1", references / "plain", atol=1e-4, grad_rtol=1e-4)  # as FSDP's: fp16-rounded sums
 
 
 def test_fp16_tensor_parallel_trains_like_single_process(world2, references):
-    # TP sums fp16 partial matmul outputs across ranks where one process rounds once:
-    # losses agree to ~1e-5, parameters only to ~1e-3, so only the losses are compared.
-    got, want = losses(world2 / "tp2"), losses(references / "plain")
-    assert sorted(got) == sorted(want)
-    for step in want:
-        assert abs(got[step] - want[step]) <= 5e-5 * want[step], (step, got[step], want[step])
+    # TP sums fp16 partial matmul outputs across ranks where one process rounds once: losses
+    # agree to ~1e-5, gradient norms to ~1e-3 (measured 7e-4), parameters in norm to 1e-2
+    # (measured 7e-3, attention's output projection: AdamW moves elements whose gradients are
+    # rounding noise by its step size). A lost or doubled gradient moves them further.
+    assert_same_run(world2 / "tp2", references / "plain", rtol=5e-5, grad_rtol=2e-3, params_rel=0.03)
 
 
 def test_no_overflow_means_no_skipped_step(world2, references):
@@ -138,7 +137,7 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(world2, references, l
     assert _scalers(world2 / layout) == [want, want]  # both ranks skipped and halved, not only rank 1
     events = [json.loads(line) for line in (world2 / layout / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e.get("event") == "skipped_step"] == [INJECT_STEP]  # logged by rank 0
-    assert_same_run(world2 / layout, references / "inf", atol=1e-4)
+    assert_same_run(world2 / layout, references / "inf", atol=1e-4, grad_rtol=1e-4)
 
 
 def test_bf16_fsdp_trains_like_single_process_to_bf16s_precision(world2, references):
@@ -146,7 +145,6 @@ def test_bf16_fsdp_trains_like_single_process_to_bf16s_precision(world2, referen
     matmuls see the same values, the norms' weights are rounded to bf16 (one process keeps
     them fp32), so the losses agree to ~1e-4 (measured 7e-5 at step 3), not bit for bit."""
     got, want = losses(world2 / "fsdp2_bf16"), losses(references / "bf16")
-    assert sorted(got) == sorted(want) and len(want) >= 3
-    for step in want:
-        assert abs(got[step] - want[step]) <= 1e-3 * want[step], (step, got[step], want[step])
-    assert max(abs(got[s] - want[s]) for s in want) > 0  # bf16 gathers, not fp32: not bit-identical
+    assert len(want) >= 3 and max(abs(got[s] - want[s]) for s in want) > 0  # bf16 gathers: not bit-identical
+    # Gradient norms measured within 3e-3, parameters in norm within 0.035 (as under fp16 TP).
+    assert_same_run(world2 / "fsdp2_bf16", references / "bf16", rtol=1e-3, grad_rtol=5e-3, params_rel=0.1)

@@ -1,9 +1,11 @@
 """The state a checkpoint or an in-memory snapshot holds: model and optimizer state dicts
 keyed by parameter name, as DCP saves them, so any layout can load them.
 
-Two things beyond torch's state-dict helpers: ZeRO-1 keys its sharded states itself, and a
+Three things beyond torch's state-dict helpers: ZeRO-1 keys its sharded states itself; a
 tied output head held as a copy of the embedding on another pipeline stage has its optimizer
-state saved once, under the embedding's name.
+state saved once, under the embedding's name; and tensors held in a subclass (torchao's
+float8-gathered FSDP weights and their optimizer moments) are saved as the plain tensors they
+wrap.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -25,14 +29,33 @@ from shardline.parallel.pipeline import tied_copy
 def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Model (and optimizer) state keyed by parameter name, as DCP saves it."""
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
+        return tree_map(_plain, {"model": get_model_state_dict(model)})
     if hasattr(optimizer, "checkpoint_state"):  # ZeRO-1 keys its sharded states itself
         model_sd, optim_sd = get_model_state_dict(model), optimizer.checkpoint_state()
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
     if tied_copy(model) is not None:
         optim_sd = _fold_tied_copy(optim_sd, embedding_here=model.tok_embeddings is not None)
-    return {"model": model_sd, "optim": optim_sd}
+    return tree_map(_plain, {"model": model_sd, "optim": optim_sd})
+
+
+def _plain(value: Any) -> Any:
+    """A tensor (or a DTensor's local shard) held in a one-tensor wrapper subclass, as the plain
+    tensor it wraps, sharing its storage (so a load into it still lands in the model). DCP
+    pickles each tensor with its class: a subclass would make the checkpoint readable only
+    where its library is imported (not by `convert`, nor by a resume without fp8)."""
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    if not isinstance(local, torch.Tensor) or type(local) in (torch.Tensor, torch.nn.Parameter) or \
+            not hasattr(local, "__tensor_flatten__"):
+        return value
+    names, _ = local.__tensor_flatten__()
+    if len(names) != 1:
+        return value
+    inner = getattr(local, names[0])
+    if not isinstance(value, DTensor):
+        return inner
+    return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
 
 
 def restore_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
