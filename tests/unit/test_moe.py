@@ -223,15 +223,33 @@ def test_moe_section_overrides_the_preset_or_makes_a_dense_one_moe():
     assert (moe.n_experts, moe.top_k, moe.router, moe.capacity_factor, moe.aux_loss_coef) == (16, 4, "sigmoid",
                                                                                              1.25, 0)
     assert moe.shared_experts == 1 and moe.first_dense_layers == 1  # kept from the preset
-    cfg = load_config(None, ["moe.num_experts=4", "moe.top_k=1", "moe.expert_ffn_dim=64"])
-    assert model_shape(cfg.model, 512, cfg.moe).moe == MoEArgs(n_experts=4, top_k=1, expert_ffn_dim=64)
+    cfg = load_config(None, ["moe.num_experts=4", "moe.top_k=1", "moe.expert_ffn_dim=64", "moe.norm_topk=0"])
+    assert model_shape(cfg.model, 512, cfg.moe).moe == MoEArgs(n_experts=4, top_k=1, expert_ffn_dim=64,
+                                                               norm_topk=False)
     assert model_shape(load_config(None, []).model, 512, load_config(None, []).moe).moe is None
+
+
+def test_top_1_routing_with_renormalised_weights_is_refused_since_the_router_would_not_learn():
+    """Renormalised, a token's one weight is s / s = 1: no gradient of the loss reaches the gate."""
+    from shardline.models.moe.layer import Router
+
+    x = torch.randn(8, 64)
+    for norm_topk, learns in ((True, False), (False, True)):  # the trap itself, and the way out
+        router = Router(64, dataclasses.replace(MOE, top_k=1, norm_topk=norm_topk))
+        router.gate.weight.data.normal_(std=0.02)
+        (router(x)[3] * torch.randn(8, 1)).sum().backward()
+        assert bool(router.gate.weight.grad.abs().max() > 1e-4) is learns
+    for preset in ("tiny-moe", "tiny"):
+        cfg = load_config(None, [f"model.preset={preset}", "moe.num_experts=4", "moe.top_k=1", "moe.expert_ffn_dim=64"])
+        with pytest.raises(ConfigError, match="moe.top_k=1 with renormalised weights .* set moe.norm_topk=0"):
+            model_shape(cfg.model, 512, cfg.moe)
 
 
 @pytest.mark.parametrize("override, message", [
     ("moe.router=relu", "moe.router='relu' is invalid"),
     ("moe.capacity_factor=-2", "moe.capacity_factor=-2"),
     ("moe.num_experts=-1", "moe.num_experts=-1"),
+    ("moe.norm_topk=2", "moe.norm_topk=2 is invalid: -1"),
 ])
 def test_bad_moe_keys_get_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

@@ -80,6 +80,7 @@ class MoEConfig:
     shared_experts: int = -1  # always-on experts (one SwiGLU of shared_experts x expert_ffn_dim)
     first_dense_layers: int = -1  # leading blocks that keep the dense feed-forward
     router: str = ""  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3)
+    norm_topk: int = -1  # 1: a token's top_k weights renormalised to sum to one; 0: the raw scores
     capacity_factor: float = -1.0  # 0 = dropless; c > 0: each expert takes ceil(c x tokens x top_k / experts)
     aux_loss_coef: float = -1.0  # Switch/GShard balance loss per sequence; 0 = off
     z_loss_coef: float = -1.0  # router z-loss; 0 = off
@@ -94,12 +95,13 @@ class MoEConfig:
                      "must be >= 0 (-1 keeps the model's)")
         _require(self.router in ("", *MOE_ROUTERS), "moe.router", self.router,
                  f"one of {', '.join(MOE_ROUTERS)} (or empty to keep the model's)")
+        _require(self.norm_topk in (-1, 0, 1), "moe.norm_topk", self.norm_topk, "-1 (the model's), 0 or 1")
 
     def overrides(self) -> dict:
         """The keys set here, by MoEArgs field name (num_experts is MoEArgs.n_experts)."""
         keep = {"num_experts": 0, "top_k": 0, "expert_ffn_dim": 0, "router": ""}
-        return {("n_experts" if key == "num_experts" else key): value for key, value in self.__dict__.items()
-                if value != keep.get(key, -1)}
+        return {("n_experts" if key == "num_experts" else key): bool(value) if key == "norm_topk" else value
+                for key, value in self.__dict__.items() if value != keep.get(key, -1)}
 
 
 @dataclass
