@@ -155,6 +155,26 @@ def test_check_on_device_skips_like_the_host_check(tiny_config, tmp_path, fault)
     assert end["anomalies"] == 1 and end["seconds"]["anomaly_skipped"] > 0
 
 
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_skipped_step_leaves_the_expert_bias_as_it_leaves_the_weights(tiny_config, tmp_path, where):
+    """Auxiliary-loss-free balancing moves each expert's bias by the step's load: on a step
+    the anomaly check skips (a NaN's routing may throw the load anywhere) it must not move."""
+    common = ["model.preset=tiny-moe", "moe.bias_update_rate=0.01", "anomaly.action=skip", "train.steps=4",
+              "optim.implementation=fused", "train.eval_interval=0", "checkpoint.interval=0",
+              f"anomaly.check_on={where}"]
+
+    def biases(*extra: str, name: str) -> list[torch.Tensor]:
+        trainer = Trainer(tiny_config(*common, *extra, run_dir=tmp_path / name)).build()
+        trainer.train()
+        return [layer.router.expert_bias.clone() for layer in trainer.experts.layers]
+
+    before = biases("train.stop_at_step=1", name="one")
+    skipped = biases("train.stop_at_step=2", "faults.nan_step=2", name="skipped")
+    updated = biases("train.stop_at_step=2", name="updated")
+    assert all(torch.equal(a, b) for a, b in zip(skipped, before))
+    assert not all(torch.equal(a, b) for a, b in zip(updated, before))  # the step would have moved them
+
+
 def test_check_on_device_refuses_what_it_cannot_gate(tiny_config):
     from shardline.errors import ConfigError
 

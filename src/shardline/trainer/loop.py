@@ -347,6 +347,8 @@ class Trainer(SavedState, AnomalyResponse):
     def apply_update(self) -> bool:
         """Optimizer and schedule step; True when the fp16 loss scaler skipped the update."""
         skipped = self.scaler.step(self.optimizer)
+        if self.experts:  # the biases move with the weights (anomalies.py sets found_inf)
+            self.experts.update_biases(skipped, getattr(self.optimizer, "found_inf", None))
         if self.cfg.train.precision == "fp8":  # weights FSDP gathers in float8: their scales, one all-reduce
             precompute_scales(self.model)
         self._end_step()

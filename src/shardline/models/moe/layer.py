@@ -244,7 +244,9 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
 
 
 @torch.no_grad()
-def update_bias(layer: MoEFeedForward, load: torch.Tensor) -> None:
-    """Move the expert bias one step towards equal load (DeepSeek-V3's sign update)."""
+def update_bias(layer: MoEFeedForward, load: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+    """Move the expert bias one step towards equal load (DeepSeek-V3's sign update); `keep`
+    (a device 0-dim tensor, 1 or 0) scales the step without a host read."""
     bias = layer.router.expert_bias
-    bias += layer.moe.bias_update_rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype)
+    step = layer.moe.bias_update_rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype)
+    bias += step if keep is None else step * keep.to(bias.device, bias.dtype)

@@ -36,7 +36,7 @@ class ExpertBalance:
                 buffer.zero_()
 
     def end_step(self) -> None:
-        """Sum the step's expert load over the batch's ranks (one small all-reduce); move the biases."""
+        """Sum the step's expert load over the batch's ranks (one small all-reduce)."""
         if not self.layers:
             return
         for layer in self.layers:
@@ -49,9 +49,17 @@ class ExpertBalance:
             layer.aux_value -= extra * layer.first[n + 1]
         loads = torch.stack([layer.load for layer in self.layers])
         self.loads = reduce_over(self.dims, self.dims.batch_dim, loads, "sum")
+
+    def update_biases(self, skipped: bool, flagged: torch.Tensor | None = None) -> None:
+        """Move the expert biases by the step's load, as the optimizer moves the weights: not
+        on a step whose update was skipped (an fp16 overflow, an anomaly; `flagged`: the
+        device check's 1.0/0.0 verdict, applied without reading it), whose load a NaN or a
+        spike may have thrown anywhere."""
+        if skipped or self.loads is None:
+            return
         for layer, load in zip(self.layers, self.loads):
             if layer.moe.bias_update_rate:
-                update_bias(layer, load)
+                update_bias(layer, load, None if flagged is None else 1.0 - flagged)
 
     def log_values(self) -> dict[str, float]:
         """The last step's load imbalance, dropped slots and mean balance loss per sequence (all ranks)."""
