@@ -95,11 +95,15 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding, with Llama-3 scaling if configured."""
+    """Inverse frequencies of the rotary embedding, with Llama-3 scaling if configured.
+
+    In fp32, as Meta's and Hugging Face's code computes them: the frequencies pretrained
+    weights were trained with (a float64 computation moves a third of them by an ulp, which
+    grows to ~1e-2 rad of angle at position 128k)."""
     half = args.head_size // 2
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, 2 * half, 2, dtype=torch.int64).float() / (2 * half)))
     if args.rope_scaling is None:
-        return inv_freq.float()
+        return inv_freq
     s = dict(args.rope_scaling)
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
@@ -110,7 +114,7 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(is_mid, scaled, out).float()
+    return torch.where(is_mid, scaled, out)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
