@@ -83,12 +83,17 @@ LAYOUTS_4 = {
     "zero1_pp2": [SHALLOW, "parallel.dp_shard=2", "parallel.zero=1", "parallel.pp=2"],
     "zero2": [SHALLOW, "parallel.dp_shard=4", "parallel.zero=2"],
     "hsdp_2x2": [SHALLOW, "parallel.dp_replicate=2", "parallel.dp_shard=2"],
-    "fsdp2_tp2_async_ckpt_foreach": [SHALLOW, "parallel.dp_shard=2", "parallel.tp=2", "checkpoint.mode=async",
-                                     "optim.implementation=foreach"],
+    # selective AC (every ac_every-th block checkpointed) inside FSDP units around TP blocks
+    "fsdp2_tp2_selective_async_ckpt_foreach": [SHALLOW, "parallel.dp_shard=2", "parallel.tp=2",
+                                               "memory.activation_checkpoint=selective", "checkpoint.mode=async",
+                                               "optim.implementation=foreach"],
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                 "parallel.pp_virtual_stages=2"],
     # data-parallel replicas of a pipeline (run as HSDP: each stage an FSDP unit of shard 1, 2 replicas)
     "ddp2_pp2": [SHALLOW, "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.pp=2"],
+    # DualPipeV's split backward under zero=3 (the weights gathered before each input pass)
+    "fsdp2_pp2_dualpipev": ["parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=dualpipev",
+                            "parallel.pp_virtual_stages=2", "train.micro_batch_size=1"],
 }
 # Tied embeddings under PP composed with FSDP and TP; pp 4 sums over a pair of ranks.
 # ZBV x FSDP (zero=3: the split backward's input pass sees the gathered weights): the rank
