@@ -147,6 +147,8 @@ class MoEFeedForward(nn.Module):
         self.dispatch = local_experts
         self.seq_group: dist.ProcessGroup | None = None
         # Non-persistent bookkeeping of the current step (see shardline.parallel.expert.balance).
+        # The balancing losses' gradient scale stays 0 (those losses off) until the trainer's
+        # ExpertBalance.begin_step sets it: a loop of one's own must set it too.
         self.register_buffer("aux_grad_scale", torch.zeros(()), persistent=False)
         self.register_buffer("load", torch.zeros(moe.n_experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
