@@ -49,6 +49,7 @@ import math
 import os
 import platform
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -193,8 +194,30 @@ def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.AdamW:
                              lr=3e-4, betas=(0.9, 0.95), eps=1e-8, **kernel)
 
 
+def step_times(step_fn, device: torch.device, n: int) -> tuple[list[float], object]:
+    """Each of n steps' seconds, and the last step's loss: on CUDA from events recorded
+    between steps on the stream (read once at the end: no sync between steps, so the host
+    may run ahead as in training), elsewhere from the host clock."""
+    if device.type == "cuda":
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        marks[0].record()
+        for mark in marks[1:]:
+            loss = step_fn()
+            mark.record()
+        torch.cuda.synchronize(device)
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])], loss
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        loss = step_fn()
+        times.append(time.perf_counter() - t0)
+    return times, loss
+
+
 def measure(step_fn, args, name: str) -> dict:
-    """Warm-up (compilation included), then the measured steps timed as one window."""
+    """Warm-up (compilation included), then the measured steps, each timed: tokens/s is
+    the median step's (a stray slow step, a late recompile, does not move it); the window's
+    mean and the quartiles are kept beside it."""
     device = args.device
     if args.inject_oom == name:
         raise InjectedOOM(f"CUDA out of memory (injected by --inject-oom {name})")
@@ -206,12 +229,12 @@ def measure(step_fn, args, name: str) -> dict:
     sync(device)
     warmup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step_fn()
-    sync(device)
+    times, loss = step_times(step_fn, device, args.steps)
     seconds = time.perf_counter() - t0
-    return {"warmup_s": warmup_s, "seconds": seconds, "step_s": seconds / args.steps,
-            "tokens_per_s": args.steps * args.batch * args.seq_len / seconds, "loss": float(loss)}
+    q1, median, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    return {"warmup_s": warmup_s, "seconds": seconds, "step_s": median, "step_s_quartiles": [q1, q3],
+            "tokens_per_s": args.batch * args.seq_len / median,
+            "window_tokens_per_s": args.steps * args.batch * args.seq_len / seconds, "loss": float(loss)}
 
 
 # ---- variants -----------------------------------------------------------------------

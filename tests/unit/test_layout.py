@@ -445,3 +445,17 @@ def test_a_launch_checks_its_layout_before_it_reads_the_data(tiny_config, tmp_pa
     with pytest.raises(ConfigError, match="train.global_batch_size=7 is not divisible"):
         Trainer(cfg).build()
     assert not (tmp_path / "run").exists()
+
+
+def test_the_schedule_and_checkpointing_names_agree_everywhere_they_are_listed():
+    """The config's names, the trainer's schedules, the planner's search and the stage placement:
+    a schedule or AC mode added to one list and not the others would fail only at run time."""
+    from shardline.config.sections import AC_MODES
+    from shardline.layout.degrees import V_SHAPED
+    from shardline.parallel.pipeline import SCHEDULES
+    from shardline.planner.pipeline import VIRTUAL_STAGES
+    from shardline.planner.search import AC_OPTIONS
+
+    assert set(PP_SCHEDULES) == set(SCHEDULES) == set(VIRTUAL_STAGES)
+    assert set(V_SHAPED) <= set(PP_SCHEDULES)
+    assert {mode for mode, _ in AC_OPTIONS} == set(AC_MODES)

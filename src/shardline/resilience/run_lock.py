@@ -167,6 +167,7 @@ class RunLock:
         if self.held:
             self._remove_if_still(self.mine)  # renamed aside first: never another run's lock
             self.held = False
+        atexit.unregister(self.release)  # a process that runs many trainers keeps no stale handlers
 
     def _read(self) -> dict:
         try:

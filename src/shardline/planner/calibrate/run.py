@@ -178,9 +178,18 @@ def _gpu_entry() -> Hardware:
 
 
 def calibrate(out: str | Path, quick: bool = False, comm: bool = True, threads: int | None = None) -> dict:
-    """Measure, write the profile to `out`, print it. CPU: `threads` torch threads (default: torch's)."""
+    """Measure, write the profile to `out`, print it. CPU: `threads` torch threads (default:
+    torch's), the caller's count restored after."""
+    before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    try:
+        return _calibrate(out, quick, comm)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _calibrate(out: str | Path, quick: bool, comm: bool) -> dict:
     on_cpu = not torch.cuda.is_available()
     # One thread on a CPU: time with the thread's CPU clock, which other processes do not stretch.
     clock = time.thread_time if on_cpu and torch.get_num_threads() == 1 else time.perf_counter
