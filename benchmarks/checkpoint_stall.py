@@ -82,17 +82,34 @@ def measure(name: str, rounds: int, disk: Path, redundancy: str, rank: int, worl
 
 
 def _rounds(rounds: int, model, opt, ckpt, saver, tier, times: dict) -> None:
-    for step in range(1, rounds + 1):
-        _, seconds = ckpt.save(step, model, opt, {"step": step}, {})
-        times["sync"].append(seconds)
-        _, stall = saver.save(step + 1000, model, opt, {"step": step}, {})
-        times["async"].append(stall)
-        times["async_background"] += [d["background_s"] for d in saver.wait()]
-        times["memory"].append(tier.save(step, model, opt, {"step": step})["stall_s"])
+    """A discarded warm-up round (DCP's set-up, the saver's thread, the first touch of
+    /dev/shm), then `rounds` rounds of the four saves, their order rotated each round so that
+    none always follows another's write-back."""
+    def sync(step):
+        return {"sync": [ckpt.save(step, model, opt, {"step": step}, {})[1]]}
+
+    def in_background(step):
+        stall = saver.save(step + 1000, model, opt, {"step": step}, {})[1]
+        return {"async": [stall], "async_background": [d["background_s"] for d in saver.wait()]}
+
+    def memory(step):
+        stall = tier.save(step, model, opt, {"step": step})["stall_s"]
         tier.clear()  # RAM: one snapshot at a time, or the larger sizes do not fit this machine
-        times["memory_async"].append(tier.save(step, model, opt, {"step": step}, background=True)["stall_s"])
-        times["memory_background"] += [d["background_s"] for d in tier.wait()]
+        return {"memory": [stall]}
+
+    def memory_in_background(step):
+        stall = tier.save(step, model, opt, {"step": step}, background=True)["stall_s"]
+        done = [d["background_s"] for d in tier.wait()]
         tier.clear()
+        return {"memory_async": [stall], "memory_background": done}
+
+    saves = [sync, in_background, memory, memory_in_background]
+    for step in range(rounds + 1):
+        for i in range(len(saves)):
+            got = saves[(i + step) % len(saves)](step + 1)
+            if step:  # round 0 is the warm-up
+                for key, values in got.items():
+                    times[key] += values
 
 
 def _worker(rank: int, world: int, port: int, opts, queue) -> None:
