@@ -35,8 +35,8 @@
 # command), carry benchmarks/wheels (git-ignored: torchao for fp8) and spend it as two calls
 # on the warm machine, so that the tests get more than the benchmark leaves them and the
 # benchmark's figures are back before the tests start:
-#     ONLY=bench BENCH_BUDGET=280 benchmarks/gpu_check.sh             (timeout_s 300)
-#     ONLY=tests TEST_BUDGET=380 DEADLINE=400 benchmarks/gpu_check.sh  (timeout_s 420)
+#     ONLY=bench BENCH_BUDGET=240 benchmarks/gpu_check.sh             (timeout_s 300: probes and installs first)
+#     ONLY=tests TEST_BUDGET=360 DEADLINE=400 benchmarks/gpu_check.sh  (timeout_s 420)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-${OUT:-results/gpu-$(date -u +%Y%m%d-%H%M%S)}}
@@ -57,6 +57,7 @@ case "$ONLY" in ""|tests|bench) ;; *) echo "gpu_check: ONLY=$ONLY is invalid: te
 # site-packages, so nothing the machine has is shadowed): torchao for fp8, pytest and its
 # own dependencies for step 3.
 SITE=/tmp/shardline-site
+[ -d "$SITE" ] && export PYTHONPATH="$PYTHONPATH:$SITE"  # installed by an earlier call on this machine
 missing=()
 for pkg in torchao pytest pluggy iniconfig pygments packaging exceptiongroup tomli; do
     case "$pkg" in exceptiongroup|tomli) "$PY" -c "import sys; sys.exit(sys.version_info >= (3, 11))" || continue ;; esac

@@ -231,7 +231,7 @@ def measure(step_fn, args, name: str) -> dict:
     t0 = time.perf_counter()
     times, loss = step_times(step_fn, device, args.steps)
     seconds = time.perf_counter() - t0
-    q1, median, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (times[0],) * 3
     return {"warmup_s": warmup_s, "seconds": seconds, "step_s": median, "step_s_quartiles": [q1, q3],
             "tokens_per_s": args.batch * args.seq_len / median,
             "window_tokens_per_s": args.steps * args.batch * args.seq_len / seconds, "loss": float(loss)}

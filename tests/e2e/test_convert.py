@@ -191,8 +191,9 @@ def test_a_run_from_converted_weights_tokenizes_with_their_tokenizer_and_exports
 
 def test_generation_settings_come_with_the_weights_not_with_a_tokenizer_from_elsewhere(tmp_path, small_corpus):
     """generation_config.json describes the weights (their end tokens, sampling defaults): from-hf
-    keeps it without a tokenizer.json, and a run from those weights (HF folder or converted
-    checkpoint) keeps theirs, not the one beside a data.tokenizer named from another folder."""
+    keeps it without a tokenizer.json and to-hf writes it back; a run from those weights (HF
+    folder or converted checkpoint) keeps theirs, never the one beside a data.tokenizer named
+    from another folder (not even when the weights have none)."""
     hf = _bf16_hf_folder(tmp_path / "hf")
     (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.6}))
     other = tmp_path / "tok"
@@ -201,11 +202,17 @@ def test_generation_settings_come_with_the_weights_not_with_a_tokenizer_from_els
     (other / "generation_config.json").write_text(json.dumps({"temperature": 1.0}))
     assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck")]) == 0
     assert (tmp_path / "ck" / "generation_config.json").read_bytes() == (hf / "generation_config.json").read_bytes()
+    assert main(["convert", "to-hf", str(tmp_path / "ck"), str(tmp_path / "back")]) == 0
+    assert (tmp_path / "back" / "generation_config.json").read_bytes() == (hf / "generation_config.json").read_bytes()
     for name, start in (("a", f"model.hf_path={hf}"), ("b", f"model.init_from={tmp_path / 'ck'}")):
         Trainer(load_config(None, tiny_overrides(tmp_path / name, small_corpus, "train.steps=1", start,
                                                  f"data.tokenizer={other / 'tokenizer.json'}"))).build()
         written = tmp_path / name / "generation_config.json"
         assert written.read_bytes() == (hf / "generation_config.json").read_bytes(), start
+    (hf / "generation_config.json").unlink()
+    Trainer(load_config(None, tiny_overrides(tmp_path / "c", small_corpus, "train.steps=1", f"model.hf_path={hf}",
+                                             f"data.tokenizer={other / 'tokenizer.json'}"))).build()
+    assert not (tmp_path / "c" / "generation_config.json").exists()
 
 
 def test_weights_without_a_tokenizer_refuse_a_new_one_for_raw_text(tmp_path, small_corpus, small_prepared):

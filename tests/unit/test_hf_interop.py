@@ -133,11 +133,10 @@ def test_rotary_frequencies_are_bit_identical_to_hfs(preset, transformers):
     """The frequencies pretrained weights were trained with, to the bit (computed in float64
     a third of them differed by an ulp: ~1e-2 rad of angle at position 128k)."""
     args = PRESETS[preset]
-    rope = dict(rope_theta=args.rope_theta, rope_type="default")
-    if args.rope_scaling:
-        rope = dict(args.rope_scaling, rope_theta=args.rope_theta, rope_type="llama3")
+    scaling = dict(args.rope_scaling, rope_type="llama3") if args.rope_scaling else None
     cfg = transformers.LlamaConfig(hidden_size=args.dim, num_attention_heads=args.n_heads, head_dim=args.head_size,
-                                   max_position_embeddings=131072, rope_parameters=rope)
+                                   max_position_embeddings=131072, rope_theta=args.rope_theta,
+                                   rope_scaling=scaling)  # transformers 4's keys, which 5 reads too
     want = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg).inv_freq
     assert torch.equal(rope_frequencies(args), want)
 

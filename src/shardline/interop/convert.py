@@ -20,7 +20,13 @@ from shardline.data.tokenizer import eos_id, load_tokenizer
 from shardline.errors import CheckpointError
 from shardline.interop.hf import empty_model, from_hf_pretrained, to_hf_pretrained
 from shardline.interop.hf_config import EXPORT_DTYPES, KEPT_FIELDS, read_hf_fields
-from shardline.interop.hf_files import TOKENIZER_NAME, check_parents, copy_generation_config, copy_tokenizer_files
+from shardline.interop.hf_files import (
+    GENERATION_NAME,
+    TOKENIZER_NAME,
+    check_parents,
+    copy_generation_config,
+    copy_tokenizer_files,
+)
 from shardline.models.factory import args_from_json, args_to_json
 from shardline.resilience.checkpoint import (
     Checkpointer,
@@ -63,7 +69,8 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "") -> Path:
     return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=dtype,
                             bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
                             provenance={"checkpoint": str(ckpt.resolve())},
-                            kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf})
+                            kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf},
+                            generation_config=beside_checkpoint(ckpt, GENERATION_NAME))
 
 
 def checkpoint_tokenizer(ckpt: Path) -> Path | None:

@@ -304,7 +304,8 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
                      dtype: torch.dtype | None = None,
                      bos_token_id: int | None = None,
                      eos_token_id: int | list[int] | None = None,
-                     provenance: dict | None = None, kept_fields: dict | None = None) -> Path:
+                     provenance: dict | None = None, kept_fields: dict | None = None,
+                     generation_config: str | os.PathLike | None = None) -> Path:
     """Write `model` as an HF folder at `path` that transformers' LlamaForCausalLM,
     Qwen3ForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM (by the model's shape) loads.
 
@@ -316,7 +317,9 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
     earlier export at `path` (it holds shardline_export.json, with `provenance`) is replaced
     as a whole; any other non-empty folder, an HF one included, is refused. `kept_fields`:
     config.json values of the folder the weights came from (hf_config.KEPT_FIELDS) that
-    replace the defaults of keys the written config has.
+    replace the defaults of keys the written config has. `generation_config`: a
+    generation_config.json to write (it describes the weights: written with or without a
+    tokenizer, over one beside the tokenizer).
     """
     model = _unwrap(model)
     dest = Path(path)
@@ -332,5 +335,6 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
     dtype = tensors[0][1].dtype if dtype is None else dtype
     config = hf_config_dict(model.args, tied, dtype, bos_token_id, eos_token_id)
     config.update({key: value for key, value in (kept_fields or {}).items() if key in config})
-    _write_hf_folder(dest, tensors, dtype, max_shard_size_bytes, config, tokenizer, provenance or {})
+    side = {"tokenizer": tokenizer, "generation_config": None if generation_config is None else Path(generation_config)}
+    _write_hf_folder(dest, tensors, dtype, max_shard_size_bytes, config, side, provenance or {})
     return dest

@@ -119,9 +119,9 @@ def copy_tokenizer_files(tokenizer: Path, folder: Path) -> None:
     copy_side_files(tokenizer.parent, folder)
 
 
-def copy_side_files(source: Path, folder: Path) -> None:
-    """The SIDE_FILES that `source` holds into `folder`."""
-    for name in SIDE_FILES:
+def copy_side_files(source: Path, folder: Path, skip: tuple[str, ...] = ()) -> None:
+    """The SIDE_FILES that `source` holds into `folder`, except those named in `skip`."""
+    for name in (name for name in SIDE_FILES if name not in skip):
         if (source / name).is_file() and (source / name).resolve() != (folder / name).resolve():
             shutil.copyfile(source / name, folder / name)
 
@@ -208,11 +208,12 @@ def _write_weights(folder: Path, tensors: list[tuple[str, torch.Tensor]],
 
 
 def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                     max_shard_size_bytes: int, config: dict[str, Any], tokenizer: Path | None,
+                     max_shard_size_bytes: int, config: dict[str, Any], side: dict[str, Path | None],
                      provenance: dict[str, Any]) -> None:
-    """Write weights, config.json, the tokenizer's files and the export mark (with `provenance`)
-    into a temporary sibling of `dest`, then swap it into place, so a failed export leaves
-    neither a half folder nor a lost old one."""
+    """Write weights, config.json, the side files (`side`: the tokenizer.json whose files come
+    along, a generation_config.json; None where absent) and the export mark (with
+    `provenance`) into a temporary sibling of `dest`, then swap it into place, so a failed
+    export leaves neither a half folder nor a lost old one."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards = _plan_shards(tensors, itemsize, max_shard_size_bytes)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -221,8 +222,10 @@ def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype:
     try:
         _write_weights(tmp, tensors, shards, dtype)
         _write_json(tmp / CONFIG_NAME, config)
-        if tokenizer is not None:
-            copy_tokenizer_files(tokenizer, tmp)
+        if side.get("tokenizer") is not None:
+            copy_tokenizer_files(side["tokenizer"], tmp)
+        if side.get("generation_config") is not None:
+            shutil.copyfile(side["generation_config"], tmp / GENERATION_NAME)
         _write_json(tmp / EXPORT_MARK, {"written_by": "shardline", **provenance})
         _swap_into_place(tmp, dest)
     except BaseException:

@@ -36,8 +36,8 @@ def copy_starting_files(m: ModelConfig, tokenizer: str, run_dir: Path) -> None:
     """Into a run dir, for `convert to-hf` to write back: the settings and chat template beside
     the tokenizer the run uses, then the generation settings of the weights it starts from (they
     describe the weights, so a data.tokenizer from another folder does not replace them)."""
-    if tokenizer:
-        copy_side_files(Path(tokenizer).parent, run_dir)
+    if tokenizer:  # a run from weights takes generation settings from the weights alone
+        copy_side_files(Path(tokenizer).parent, run_dir, skip=(GENERATION_NAME,) if m.hf_path or m.init_from else ())
     if m.hf_path:
         copy_generation_config(Path(m.hf_path), run_dir)
     elif m.init_from and (found := beside_checkpoint(Path(m.init_from), GENERATION_NAME)) is not None:

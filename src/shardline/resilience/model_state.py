@@ -49,9 +49,13 @@ def _plain(value: Any) -> Any:
             not hasattr(local, "__tensor_flatten__"):
         return value
     names, _ = local.__tensor_flatten__()
-    if len(names) != 1:
-        return value
-    inner = getattr(local, names[0])
+    # The one inner tensor of the wrapper's shape holds its data (torchao's float8 weight also
+    # lists a precomputed scale, a scalar, while its next scale waits to be used).
+    data = [getattr(local, name) for name in names if getattr(local, name).shape == local.shape]
+    if len(data) != 1:
+        raise CheckpointError(f"cannot save a {type(local).__name__} tensor: no single inner tensor of "
+                              f"its shape (it lists {', '.join(names)})")
+    inner = data[0]
     if not isinstance(value, DTensor):
         return inner
     return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False,

@@ -251,4 +251,4 @@ def update_bias(layer: MoEFeedForward, load: torch.Tensor, keep: torch.Tensor | 
     (a device 0-dim tensor, 1 or 0) scales the step without a host read."""
     bias = layer.router.expert_bias
     step = layer.moe.bias_update_rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype)
-    bias += step if keep is None else step * keep.to(bias.device, bias.dtype)
+    bias += step if keep is None else torch.where(keep.to(bias.device) > 0, step, torch.zeros_like(step))
