@@ -175,7 +175,7 @@ def layer_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, m
         return boundary / every + whole * (1 - 1 / every)
     if mode == "op":
         return block_bytes_per_token(llama_op_ac_block(model, precision), tp, sp)
-    raise ValueError(f"unknown activation checkpointing mode {mode!r}")
+    raise ValueError(f"memory.activation_checkpoint={mode!r} is invalid: one of none, full, selective, op")
 
 
 def gpt_layer_bytes_per_token(h: int, a: int, seq_len: int, tp: int, sp: bool, mode: str, every: int,

@@ -293,12 +293,12 @@ class Trainer(SavedState, AnomalyResponse):
         self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=str(path))
         return f"{signal_name} at step {self.step}; state saved; rerun the same command to resume"
 
-    def train_step(self) -> tuple[float, torch.Tensor, str]:
+    def train_step(self) -> tuple[float | torch.Tensor, torch.Tensor, str]:
         """One step: gradients, the anomaly check, then the update (or the anomaly's action).
 
-        Returns the global loss, the gradient norm, and the outcome: "updated",
-        "overflow" (fp16 scaler skipped the update), "anomaly" (skipped by
-        anomaly.action) or "rolled_back" (self.step went back to a checkpoint's).
+        Returns the global loss (a float; a device tensor under the device check, unread), the
+        gradient norm, and the outcome: "updated", "overflow" (fp16 scaler skipped the update),
+        "anomaly" (skipped by anomaly.action) or "rolled_back" (to a checkpoint's step).
         """
         step = self.step + 1
         loss, grad_norm = self.compute_gradients()
@@ -385,7 +385,7 @@ class Trainer(SavedState, AnomalyResponse):
     def _log_train(self, loss: float | torch.Tensor, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
         self.report_device_anomalies()
         lr = self.scheduler.base_lrs[0] * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
-        # The only host sync of the hot path: reading the values at a logging step.
+        # Under the device anomaly check, the steps' only host sync: the values read at a logging step.
         tokens_per_s = steps * self.cfg.train.global_batch_size * self.cfg.train.seq_len / seconds
         memory = peak_memory_gib(self.device)  # the maximum over ranks of each figure
         peaks = dict(zip(memory, reduce_over(self.dims, None, torch.tensor([*memory.values()]), "max").tolist()))
