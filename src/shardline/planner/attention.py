@@ -62,7 +62,8 @@ def computed_fraction(kernel_: str, seq_len: int, document_mask: bool, mean_doc_
         return flex_tiles(seq_len, docs)
     if kernel_ == "varlen":
         return varlen_tiles(seq_len, docs)
-    raise ValueError(f"train.attention kernel {kernel_!r} is unknown: one of sdpa, flex, varlen (auto resolves to one)")
+    raise ValueError(f"train.attention kernel {kernel_!r} is unknown: one of sdpa, flex, varlen, context "
+                     "(auto resolves to one)")
 
 
 def dense_mask(kernel_: str, document_mask: bool) -> bool:

@@ -40,8 +40,9 @@ def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 
 
 def _plain(value: Any) -> Any:
-    """A tensor (or a DTensor's local shard) held in a one-tensor wrapper subclass, as the plain
-    tensor it wraps, sharing its storage (so a load into it still lands in the model). DCP
+    """A tensor (or a DTensor's local shard) held in a wrapper subclass, as the plain tensor
+    of its shape it wraps (a wrapper with none, or several, is refused: CheckpointError),
+    sharing its storage (so a load into it still lands in the model). DCP
     pickles each tensor with its class: a subclass would make the checkpoint readable only
     where its library is imported (not by `convert`, nor by a resume without fp8)."""
     local = value._local_tensor if isinstance(value, DTensor) else value
