@@ -24,7 +24,7 @@ from shardline.interop.hf_files import (
     GENERATION_NAME,
     TOKENIZER_NAME,
     check_parents,
-    copy_generation_config,
+    copy_side_files,
     copy_tokenizer_files,
 )
 from shardline.models.factory import args_from_json, args_to_json
@@ -104,5 +104,5 @@ def hf_to_checkpoint(src: Path, dst: Path) -> Path:
     write_checkpoint(dst, 0, model, None, None, meta)
     if (src / TOKENIZER_NAME).is_file():  # what a run from it tokenizes with, and kept for the way back
         copy_tokenizer_files(src / TOKENIZER_NAME, dst)
-    copy_generation_config(src, dst)  # it describes the weights, tokenizer or not
+    copy_side_files(src, dst, names=(GENERATION_NAME,))  # it describes the weights, tokenizer or not
     return dst

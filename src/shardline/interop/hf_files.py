@@ -119,19 +119,13 @@ def copy_tokenizer_files(tokenizer: Path, folder: Path) -> None:
     copy_side_files(tokenizer.parent, folder)
 
 
-def copy_side_files(source: Path, folder: Path, skip: tuple[str, ...] = ()) -> None:
-    """The SIDE_FILES that `source` holds into `folder`, except those named in `skip`."""
-    for name in (name for name in SIDE_FILES if name not in skip):
+def copy_side_files(source: Path, folder: Path, names: tuple[str, ...] = SIDE_FILES) -> None:
+    """The side files `names` (default: all of SIDE_FILES) that `source` holds into `folder`.
+    GENERATION_NAME alone: the generation settings of the weights there (their end tokens,
+    sampling defaults), which go with the weights whichever tokenizer travels with them."""
+    for name in names:
         if (source / name).is_file() and (source / name).resolve() != (folder / name).resolve():
             shutil.copyfile(source / name, folder / name)
-
-
-def copy_generation_config(source: Path, folder: Path) -> None:
-    """`source`'s generation_config.json (if any) into `folder`: the generation settings of the
-    weights there (their end tokens, sampling defaults), whichever tokenizer travels with them."""
-    file = source / GENERATION_NAME
-    if file.is_file() and file.resolve() != (folder / GENERATION_NAME).resolve():
-        shutil.copyfile(file, folder / GENERATION_NAME)
 
 
 def _tokenizer_file(tokenizer_path: str | os.PathLike) -> Path:
@@ -225,7 +219,7 @@ def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype:
         if side.get("tokenizer") is not None:
             copy_tokenizer_files(side["tokenizer"], tmp)
         if side.get("generation_config") is not None:
-            shutil.copyfile(side["generation_config"], tmp / GENERATION_NAME)
+            copy_side_files(side["generation_config"].parent, tmp, names=(GENERATION_NAME,))
         _write_json(tmp / EXPORT_MARK, {"written_by": "shardline", **provenance})
         _swap_into_place(tmp, dest)
     except BaseException:

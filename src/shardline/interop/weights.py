@@ -20,7 +20,7 @@ from shardline.config import ModelConfig
 from shardline.interop.hf import hf_state_dict_chunks, load_hf_weights
 from shardline.interop.convert import beside_checkpoint
 from shardline.interop.hf_config import read_hf_fields
-from shardline.interop.hf_files import GENERATION_NAME, copy_generation_config, copy_side_files
+from shardline.interop.hf_files import GENERATION_NAME, SIDE_FILES, copy_side_files
 from shardline.resilience.checkpoint import load_weights
 
 
@@ -36,12 +36,14 @@ def copy_starting_files(m: ModelConfig, tokenizer: str, run_dir: Path) -> None:
     """Into a run dir, for `convert to-hf` to write back: the settings and chat template beside
     the tokenizer the run uses, then the generation settings of the weights it starts from (they
     describe the weights, so a data.tokenizer from another folder does not replace them)."""
+    from_weights = bool(m.hf_path or m.init_from)
     if tokenizer:  # a run from weights takes generation settings from the weights alone
-        copy_side_files(Path(tokenizer).parent, run_dir, skip=(GENERATION_NAME,) if m.hf_path or m.init_from else ())
+        names = tuple(n for n in SIDE_FILES if not (from_weights and n == GENERATION_NAME))
+        copy_side_files(Path(tokenizer).parent, run_dir, names=names)
     if m.hf_path:
-        copy_generation_config(Path(m.hf_path), run_dir)
+        copy_side_files(Path(m.hf_path), run_dir, names=(GENERATION_NAME,))
     elif m.init_from and (found := beside_checkpoint(Path(m.init_from), GENERATION_NAME)) is not None:
-        copy_generation_config(found.parent, run_dir)
+        copy_side_files(found.parent, run_dir, names=(GENERATION_NAME,))
 
 
 def starting_hf_fields(m: ModelConfig) -> dict:

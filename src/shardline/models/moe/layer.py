@@ -246,10 +246,10 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
 
 
 @torch.no_grad()
-def update_bias(layer: MoEFeedForward, load: torch.Tensor, keep: torch.Tensor | None = None) -> None:
-    """Move the expert bias one step towards equal load (DeepSeek-V3's sign update); `keep`
-    (a device 0-dim tensor, 1 or 0) gates the step without a host read (a select, so a
-    non-finite step never leaks through a multiplication by 0)."""
+def update_bias(layer: MoEFeedForward, load: torch.Tensor, flagged: torch.Tensor | None = None) -> None:
+    """Move the expert bias one step towards equal load (DeepSeek-V3's sign update); not where
+    `flagged` (a device 0-dim tensor, 1 or 0) is 1, decided without a host read (a select, so
+    a non-finite step never leaks through a multiplication by 0)."""
     bias = layer.router.expert_bias
     step = layer.moe.bias_update_rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype)
-    bias += step if keep is None else torch.where(keep.to(bias.device) > 0, step, torch.zeros_like(step))
+    bias += step if flagged is None else torch.where(flagged.to(bias.device) > 0, torch.zeros_like(step), step)

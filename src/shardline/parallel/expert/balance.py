@@ -59,7 +59,7 @@ class ExpertBalance:
             return
         for layer, load in zip(self.layers, self.loads):
             if layer.moe.bias_update_rate:
-                update_bias(layer, load, None if flagged is None else 1.0 - flagged)
+                update_bias(layer, load, flagged)
 
     def log_values(self) -> dict[str, float]:
         """The last step's load imbalance, dropped slots and mean balance loss per sequence (all ranks)."""
