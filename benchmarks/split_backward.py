@@ -62,11 +62,12 @@ def _timed(fn, device: torch.device) -> float:
 
 
 def measure(args: ModelArgs, seq: int, batch: int, device: torch.device, dtype: torch.dtype,
-            repeats: int) -> dict[str, dict[str, float]]:
-    """Median seconds of forward, one backward and the split backward per variant."""
+            repeats: int, variants: tuple[str, ...] = VARIANTS) -> dict[str, dict[str, float]]:
+    """Median seconds of forward, one backward and the split backward per variant (eager's
+    first: the others' gradients are compared with its)."""
     x0 = torch.randn(batch, seq, args.dim, generator=torch.Generator().manual_seed(0)).to(device, dtype)
     results, reference = {}, None
-    for variant in VARIANTS:
+    for variant in ("eager", *(v for v in variants if v != "eager")):
         model, block = _block(args, variant, device, dtype)
         cos, sin = model.rotary(torch.arange(seq, device=device), device)
         cos, sin = cos.to(dtype), sin.to(dtype)
@@ -133,8 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per variant (medians)")
     p.add_argument("--device", default="auto", help="auto (cuda when there is one), cpu or cuda")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)} (eager always runs: the reference)")
     p.add_argument("--json", nargs="?", const="-", help="also write the figures as JSON (to PATH, or - for stdout)")
     a = p.parse_args(argv)
+    variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
     problem = config_problem(True, 2, "zbv")
     if problem:  # the compiled variants' weight pass fails on this torch
         print(f"split_backward: {problem}", file=sys.stderr)
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch._functorch.config.donated_buffer = False  # the split backward retains the graph (as train.compile sets)
     args = ModelArgs(dim=a.dim, n_layers=1, n_heads=a.heads, n_kv_heads=a.kv_heads, ffn_dim=a.ffn, vocab_size=64)
-    results = measure(args, a.seq, a.batch, device, dtype, a.repeats)
+    results = measure(args, a.seq, a.batch, device, dtype, a.repeats, variants)
     out = sys.stderr if a.json == "-" else sys.stdout
     print(f"one block: dim {a.dim}, heads {a.heads}/{a.kv_heads}, ffn {a.ffn}, seq {a.seq}, batch {a.batch}, "
           f"{device.type} {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, medians of {a.repeats}",

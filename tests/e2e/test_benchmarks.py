@@ -134,12 +134,14 @@ def test_planner_validation_runs_a_torchrun_layout_and_rewrites_only_its_section
 
 
 @pytest.mark.skipif(compile_problem(True, 2, "zbv") is not None, reason="needs torch >= 2.13 (a compiled weight pass)")
-def test_split_backward_reports_the_three_variants_with_eager_gradients(tmp_path):
-    """The benchmark compares each compiled variant's gradients with eager's."""
+def test_split_backward_reports_its_variants_with_eager_gradients(tmp_path):
+    """The benchmark compares each compiled variant's gradients with eager's. One compiled
+    variant here (a cold compile of each costs ~20 s on 2 cores); `whole` runs the same code
+    path, and tests/unit/test_compile.py compiles it too."""
     res, proc = run_benchmark("split_backward.py", ["--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64",
                                                     "--seq", "16", "--batch", "2", "--repeats", "1",
-                                                    "--device", "cpu"], tmp_path)
-    assert list(res["results"]) == ["eager", "whole", "shardline"]
+                                                    "--device", "cpu", "--variants", "shardline"], tmp_path)
+    assert list(res["results"]) == ["eager", "shardline"]
     for name, r in res["results"].items():
         assert all(positive(r[key]) for key in ("forward", "one", "split")), (name, r)
         assert 0 <= r["grad_error"] < 1e-4 and (name != "eager" or r["grad_error"] == 0), (name, r)
