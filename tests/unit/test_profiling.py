@@ -109,3 +109,17 @@ def test_a_step_failing_inside_the_window_writes_the_trace_and_raises_its_own_er
         torch.ones(4) @ torch.ones(4)
         raise RuntimeError("out of memory")
     assert step_labels(tmp_path / "profile" / "rank0_steps1-1.json") == {1}
+
+
+def test_a_run_failing_between_profiled_steps_writes_the_steps_it_ran(tiny_config, tmp_path, monkeypatch):
+    """An evaluation (or a save) that fails inside the window ends the run outside any step:
+    the trace of the steps before it is still written."""
+    trainer = Trainer(tiny_config(*FAST, "train.eval_interval=1", "metrics.profile_steps=[1, 3]")).build()
+
+    def broken_eval():
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(trainer, "evaluate", broken_eval)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        trainer.train()
+    assert step_labels(tmp_path / "run" / "profile" / "rank0_steps1-1.json") == {1}

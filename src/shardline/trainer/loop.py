@@ -47,12 +47,7 @@ from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name
 from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
-from shardline.resilience.recovery import (
-    agree_on_resume,
-    memory_tier_resumable,
-    rank0_decides,
-    resume_path,
-)
+from shardline.resilience.recovery import agree_on_resume, memory_tier_resumable, rank0_decides, resume_path
 from shardline.resilience.run_lock import RunLock
 from shardline.trainer.anomalies import AnomalyResponse
 from shardline.trainer.state import SavedState
@@ -193,6 +188,8 @@ class Trainer(SavedState, AnomalyResponse):
         try:
             return self._train()
         except BaseException:
+            with contextlib.suppress(Exception):  # a failed evaluation or save inside the window: the steps so far
+                self.profiler.close(self.step)
             if self.proc.world_size == 1:  # a save in flight is still worth finishing: a rerun resumes from it
                 with contextlib.suppress(Exception):  # (not with ranks: its collectives may wait on a lost peer)
                     self.guard.drain(self.step)
