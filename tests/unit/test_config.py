@@ -42,6 +42,8 @@ def test_resolved_config_round_trips():
     ("train.steps=1.5", "expected int"),
     ("train.compile=1", "expected bool"),
     ("train.steps=0", "train.steps=0 is invalid: must be > 0"),
+    ("watchdog.probe_interval=-1", "watchdog.probe_interval=-1 is invalid: must be >= 0 (0 = off)"),
+    ("faults.slow_in=gpu", "faults.slow_in='gpu' is invalid: must be one of ('host', 'compute')"),
     ("train.stop_at_step=300", "train.stop_at_step=300 is invalid: must be <= train.steps (200)"),
     ("train.skip_batches=[5, 5]", "train.skip_batches=[5, 5] is invalid: must name each batch once"),
     ("train.seed=99999999999999999999", "train.seed=99999999999999999999 is invalid: must be in [0, 2**63)"),

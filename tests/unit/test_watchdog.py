@@ -147,6 +147,19 @@ def test_peer_watch_judges_each_common_step_once():
     assert watch.stragglers(recs(4)) == []  # nothing judged twice
 
 
+def test_compute_probes_name_the_slow_device_that_equal_step_times_hide():
+    """A slow GPU's peers wait for it in the collectives: every step time is the same, and only
+    the probes, judged on their own steps (every 2nd here), tell the ranks apart."""
+    watch = PeerWatch(WatchdogConfig(straggler_factor=1.5, straggler_steps=2))
+    recs = {r: {"closed": False, "times": [[s, 0.5] for s in range(1, 7)],
+                "probes": [[s, 0.002 * (4 if r == 1 else 1)] for s in (2, 4, 6)]} for r in range(3)}
+    found = watch.stragglers(recs)
+    assert [(s.measure, s.step, s.rank) for s in found] == [("compute", 4, 1)]
+    assert found[0].factor == pytest.approx(4.0)
+    assert watch.stragglers(recs) == []  # nothing judged twice
+    assert watch.stragglers({r: {"closed": False, "times": []} for r in range(3)}) == []  # a record without probes
+
+
 def test_off_in_one_process_and_a_store_required_for_many(tmp_path):
     off = Watchdog(WatchdogConfig(timeout_s=0), tmp_path, 0, 1, None, lambda *a, **k: None)
     off.start()

@@ -8,6 +8,7 @@ from shardline.errors import require
 
 ACTIONS = ("skip", "rollback", "halt")
 HANG_PHASES = ("step", "restore", "drain")  # where faults.hang_phase can stop a rank
+SLOW_IN = ("host", "compute")  # where faults.slow_rank is slow
 
 
 @dataclass
@@ -42,6 +43,11 @@ class WatchdogConfig:
     long_timeout_s: float = 0.0
     straggler_factor: float = 1.5  # slower than this x the median step time ...
     straggler_steps: int = 5  # ... this many steps in a row: reported
+    # Every this many steps each rank times a fixed GEMM alone (resilience/compute_probe.py), so a
+    # rank whose device computes slowly, which step times cannot tell (its peers wait for it in the
+    # collectives), is reported by the same factor and streak; 0 = off. With several ranks and
+    # timeout_s > 0, as the rest of the watchdog.
+    probe_interval: int = 50
 
     def check(self) -> None:
         require(self.timeout_s >= 0, "watchdog.timeout_s", self.timeout_s, "must be >= 0 (0 = off)")
@@ -49,6 +55,7 @@ class WatchdogConfig:
                 "must be >= 0 (0 = 10 x timeout_s)")
         require(self.straggler_factor > 1, "watchdog.straggler_factor", self.straggler_factor, "must be > 1")
         require(self.straggler_steps >= 1, "watchdog.straggler_steps", self.straggler_steps, "must be >= 1")
+        require(self.probe_interval >= 0, "watchdog.probe_interval", self.probe_interval, "must be >= 0 (0 = off)")
 
     @property
     def long_limit_s(self) -> float:
@@ -69,6 +76,9 @@ class FaultsConfig:
     hang_phase: str = "step"  # where hang_rank hangs: a step (hang_step), "restore" or "drain"
     slow_rank: int = -1
     slow_factor: float = 1.0
+    # Where slow_rank is slow: "host" sleeps after its step (outside the collectives: host work);
+    # "compute" inside its step and its compute probes, as a slow GPU is (its peers wait for it)
+    slow_in: str = "host"
     corrupt_checkpoint_step: int = 0  # flip bytes in the checkpoint saved at this step
     fail_save_step: int = 0  # die in the middle of writing this step's checkpoint
 
@@ -76,4 +86,5 @@ class FaultsConfig:
         for key in ("kill_step", "nan_step", "spike_step", "hang_step", "corrupt_checkpoint_step", "fail_save_step"):
             require(getattr(self, key) >= 0, f"faults.{key}", getattr(self, key), "must be >= 0 (0 = off)")
         require(self.slow_factor >= 1, "faults.slow_factor", self.slow_factor, "must be >= 1")
+        require(self.slow_in in SLOW_IN, "faults.slow_in", self.slow_in, f"must be one of {SLOW_IN}")
         require(self.hang_phase in HANG_PHASES, "faults.hang_phase", self.hang_phase, f"must be one of {HANG_PHASES}")

@@ -21,6 +21,7 @@ class FaultInjector:
         self.cfg, self.rank, self.memory_dir = cfg, rank, memory_dir
         self.first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         self.fired: set[str] = set()
+        self._last_step_s = self._slept_s = 0.0  # the slow-rank drill inside a step: its scale, its sleep
 
     def _fire(self, name: str, step: int, at: int, rank: int | None = None) -> bool:
         if not (self.first_attempt and at and step == at and name not in self.fired):
@@ -44,9 +45,30 @@ class FaultInjector:
         if self.cfg.hang_phase == phase and self._fire("hang", 1, 1, self.cfg.hang_rank):
             _hang()
 
+    def _slow(self, where: str) -> bool:
+        c = self.cfg
+        return self.first_attempt and self.rank == c.slow_rank and c.slow_factor > 1 and c.slow_in == where
+
     def after_step(self, step_time_s: float) -> None:
-        if self.first_attempt and self.rank == self.cfg.slow_rank and self.cfg.slow_factor > 1:
+        """The slow-rank drill, slow_in="host": a sleep after the step (host work)."""
+        self._last_step_s, self._slept_s = step_time_s - self._slept_s, 0.0  # the step's own time
+        if self._slow("host"):
             time.sleep(step_time_s * (self.cfg.slow_factor - 1))
+
+    def inside_step(self) -> None:
+        """The slow-rank drill, slow_in="compute": a sleep at the start of the step, on its
+        clock, as a slow device's extra compute time (the peers wait for it in the step's
+        collectives); scaled by the previous step's time without the drill's sleep."""
+        if self._slow("compute"):
+            self._slept_s = self._last_step_s * (self.cfg.slow_factor - 1)
+            time.sleep(self._slept_s)
+
+    def slowed_compute(self, seconds: float) -> float:
+        """A compute probe's `seconds` as the slow rank of slow_in="compute" takes them (slept)."""
+        if not self._slow("compute"):
+            return seconds
+        time.sleep(seconds * (self.cfg.slow_factor - 1))
+        return seconds * self.cfg.slow_factor
 
     def corrupt_loss(self, step: int, loss):
         """The loss as the anomaly check sees it (a float, or a device tensor)."""

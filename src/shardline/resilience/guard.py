@@ -20,12 +20,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from shardline.config import Config
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import ProcessInfo
 from shardline.resilience.checkpoint import Checkpointer
+from shardline.resilience.compute_probe import probe_seconds
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.goodput import Goodput
 from shardline.resilience.preemption import StopRequests
@@ -37,9 +39,10 @@ WATCHDOG_EXIT = 4  # a hang: distinct from 2 (bad input) and 3 (anomaly halt) so
 
 class RunGuard:
     def __init__(self, cfg: Config, proc: ProcessInfo, dims: ParallelDims, checkpointer: Checkpointer,
-                 fingerprint: str, started: float):
-        """fingerprint: what in-memory snapshots are valid for; started: the process start time."""
-        self.cfg, self.proc, self.started = cfg, proc, started
+                 fingerprint: str, started: float, device: torch.device):
+        """fingerprint: what in-memory snapshots are valid for; started: the process start time;
+        device: where the compute probe runs."""
+        self.cfg, self.proc, self.started, self.device = cfg, proc, started, device
         self.faults = FaultInjector(cfg.faults, proc.rank, memory_rank_dir(cfg, proc.rank))
         self.tiers = StateTiers(cfg, proc, dims, checkpointer, fingerprint, self.faults, log=self.event)
         self.stops = StopRequests(dims.control_group)
@@ -101,16 +104,23 @@ class RunGuard:
         self.faults.before_step(step)  # a killed or hung rank stops here, outside any collective
         if self.cfg.watchdog.timeout_s and self.proc.world_size > 1:
             dist.barrier()
-        return time.perf_counter()
+        started = time.perf_counter()
+        self.faults.inside_step()  # the slow-device drill: on the step's clock
+        return started
 
     def step_done(self, step: int, started: float, outcome: str) -> None:
         """The step's update is settled ("updated", "overflow", "anomaly"): account its time."""
         self.goodput.step(step, time.perf_counter() - started, outcome)
 
     def end_step(self, step: int, started: float) -> None:
-        """The step and its saves are over: the slow-rank drill, then the watchdog's record."""
+        """The step and its saves are over: the slow-rank drill, the watchdog's record, and the
+        compute probe when due (after the step's time is taken: it is not training)."""
         self.faults.after_step(time.perf_counter() - started)
-        self.watchdog.step_end(step, time.perf_counter() - started)
+        step_s = time.perf_counter() - started
+        w = self.cfg.watchdog
+        due = w.timeout_s and w.probe_interval and self.proc.world_size > 1 and step % w.probe_interval == 0
+        probe_s = probe_seconds(self.device, self.faults.slowed_compute) if due else None
+        self.watchdog.step_end(step, step_s, probe_s)
 
     def timed(self, category: str, work: Callable[[], Any]) -> Any:
         """Run `work`, its time accounted to goodput `category` (eval, checkpoint, recovery)."""

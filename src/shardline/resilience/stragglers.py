@@ -10,7 +10,10 @@ slow steps reaches `steps`; a normal step ends the streak.
 What the times must mean: in synchronous training every rank waits for the slowest
 at each collective, so wall-clock step times come out equal on all ranks and name
 nobody. The times fed here must be each rank's own work (compute, data loading),
-without the time spent waiting for peers.
+without the time spent waiting for peers. A rank slow *inside* the step (a slow GPU)
+makes its peers wait in the step's collectives, so step times miss it: the compute
+probe (compute_probe.py) times each rank alone between steps, judged the same way
+(measure "compute"; step times are measure "step").
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ class Straggler:
     step: int
     rank: int
     factor: float  # this rank's step time over the median of the others
-    step_time_s: float
+    step_time_s: float  # this rank's time by the measure: its step, or its compute probe
     median_s: float
+    measure: str = "step"  # "step" (step times) or "compute" (compute probes)
 
 
 def median_without(ordered: list[float], i: int) -> float:
@@ -41,8 +45,8 @@ def median_without(ordered: list[float], i: int) -> float:
 
 
 class StragglerTracker:
-    def __init__(self, factor: float, steps: int):
-        self.factor, self.steps = factor, steps
+    def __init__(self, factor: float, steps: int, measure: str = "step"):
+        self.factor, self.steps, self.measure = factor, steps, measure
         self.streaks: dict[int, int] = {}  # rank -> consecutive slow steps so far
 
     def observe(self, step: int, times: dict[int, float]) -> list[Straggler]:
@@ -58,7 +62,7 @@ class StragglerTracker:
             streak = self.streaks.get(rank, 0) + 1 if factor > self.factor else 0
             self.streaks[rank] = streak
             if streak == self.steps:
-                found.append(Straggler(step, rank, factor, ordered[i], median))
+                found.append(Straggler(step, rank, factor, ordered[i], median, self.measure))
         return sorted(found, key=lambda s: s.rank)
 
 
@@ -68,8 +72,10 @@ class PeerWatch:
     def __init__(self, cfg: WatchdogConfig):
         self.timeout = cfg.timeout_s
         self.beats: dict[int, tuple[int, float]] = {}  # rank -> (beat, when it last moved)
-        self.judged = 0  # newest step judged for stragglers
-        self.tracker = StragglerTracker(cfg.straggler_factor, cfg.straggler_steps)
+        # per measure (the record's list of (step, seconds)): its tracker, and the newest step judged
+        self.trackers = {key: StragglerTracker(cfg.straggler_factor, cfg.straggler_steps, measure)
+                         for key, measure in (("times", "step"), ("probes", "compute"))}
+        self.judged = dict.fromkeys(self.trackers, 0)
 
     def silent(self, records: dict[int, dict], now: float) -> list[int]:
         out = []
@@ -82,12 +88,15 @@ class PeerWatch:
         return out
 
     def stragglers(self, records: dict[int, dict]) -> list[Straggler]:
-        times = {r: {s: t for s, t in rec["times"]} for r, rec in records.items() if not rec["closed"]}
-        if len(times) < 2:
-            return []
-        common = set.intersection(*(set(t) for t in times.values()))
+        """The stragglers newly found by step times and by compute probes, judged at the steps
+        every open rank has measured."""
         found = []
-        for step in sorted(s for s in common if s > self.judged):
-            found += self.tracker.observe(step, {r: t[step] for r, t in times.items()})
-            self.judged = step
+        for key, tracker in self.trackers.items():
+            times = {r: dict(rec.get(key, ())) for r, rec in records.items() if not rec["closed"]}
+            if len(times) < 2:
+                continue
+            common = set.intersection(*(set(t) for t in times.values()))
+            for step in sorted(s for s in common if s > self.judged[key]):
+                found += tracker.observe(step, {r: t[step] for r, t in times.items()})
+                self.judged[key] = step
         return found

@@ -85,6 +85,7 @@ class Watchdog:
         self._progress = _Progress()
         self._outer = self._progress  # what a phase interrupted (phase_end goes back to it)
         self._times: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)
+        self._probes: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)  # (step, compute probe seconds)
         self._lock = threading.Lock()  # _times: appended by the training thread, read by the watchdog
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # for the training thread to deliver
         self._peers = PeerWatch(cfg) if rank == 0 and world_size > 1 else None
@@ -129,10 +130,13 @@ class Watchdog:
             self._progress = _Progress(self._progress.step, False, time.monotonic())
         self._deliver()
 
-    def step_end(self, step: int, step_time_s: float) -> None:
-        """step_time_s: this rank's own time, waits for peers excluded (see stragglers.py)."""
+    def step_end(self, step: int, step_time_s: float, probe_s: float | None = None) -> None:
+        """step_time_s: this rank's own time, waits for peers excluded (see stragglers.py);
+        probe_s: its compute probe's time, on the steps that ran one (compute_probe.py)."""
         with self._lock:
             self._times.append((step, step_time_s))
+            if probe_s is not None:
+                self._probes.append((step, probe_s))
         self._progress = _Progress(step, False, time.monotonic())
         self._deliver()  # the heartbeat itself is published by the thread within a poll
 
@@ -167,8 +171,8 @@ class Watchdog:
             suspects += self._peers.silent(records, now)
             for s in self._peers.stragglers(records):
                 self._events.put(("straggler", {
-                    "step": s.step, "rank": s.rank, "host": records[s.rank]["host"],
-                    "factor": round(s.factor, 2), "step_time_s": round(s.step_time_s, 4),
+                    "step": s.step, "rank": s.rank, "host": records[s.rank]["host"], "measure": s.measure,
+                    "factor": round(s.factor, 2), f"{s.measure}_time_s": round(s.step_time_s, 4),
                     "median_s": round(s.median_s, 4), "steps": self.cfg.straggler_steps}))
         if suspects and self.timeout > 0:
             self._declare(sorted(set(suspects)))
@@ -176,10 +180,10 @@ class Watchdog:
     def _record(self, now: float, closed: bool = False) -> dict[str, Any]:
         p = self._progress
         with self._lock:
-            times = list(self._times)
+            times, probes = list(self._times), list(self._probes)
         return {"beat": self._beat, "host": self.host, "pid": os.getpid(), "step": p.step,
                 "in_step": p.in_step, "phase": p.phase, "elapsed_s": round(now - p.since, 3), "limit_s": p.limit_s,
-                "times": times, "closed": closed}
+                "times": times, "probes": probes, "closed": closed}
 
     def _publish(self, closed: bool = False) -> None:
         self._beat += 1
@@ -243,7 +247,7 @@ class Watchdog:
         phase, limit = first.get("phase", "step"), first["limit_s"] or self.timeout
         fields = {"step": step, "phase": phase, "limit_s": limit, "stopped_ranks": stopped, "dump_dir": str(folder),
                   "detected_by": self.rank}
-        ranks = {r: {**{k: v for k, v in records.get(r, {}).items() if k != "times"},
+        ranks = {r: {**{k: v for k, v in records.get(r, {}).items() if k not in ("times", "probes")},
                      "dumped": r in dumps, **dumps.get(r, {})} for r in range(self.world)}
         write_report(folder, {**fields, "timeout_s": self.timeout, "detected_at": incident["at"],
                               "suspects": incident["suspects"], "ranks": ranks})

@@ -107,7 +107,8 @@ class Trainer(SavedState, AnomalyResponse):
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.dims.zero1_mesh(),
                                          self.dims.zero1_shard_dim, self.dims.zero1_expert_cut())
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
-        self.guard = RunGuard(cfg, self.proc, self.dims, self.checkpointer, self._layout_fingerprint(), self.started)
+        self.guard = RunGuard(cfg, self.proc, self.dims, self.checkpointer, self._layout_fingerprint(), self.started,
+                              self.device)
         self.tiers = self.guard.tiers  # where state is saved and found again
         self.anomaly = build_anomaly_check(cfg, launch.layout, self.optimizer, self.device)
         self.skipped_batches: list[int] = list(cfg.train.skip_batches)
