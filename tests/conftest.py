@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config, items):
 def _no_launcher(monkeypatch):
     """Tests run as a process no launcher started, even when pytest itself runs inside a Slurm
     job or under torchrun: tests that mean a launcher set its variables themselves."""
-    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
                 "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(key, raising=False)
 

@@ -31,6 +31,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         from shardline.dry_run import dry_run
 
         report, fits = dry_run(cfg, args.world_size or _env_world_size(), args.gpu)
+        if os.environ.get("RANK", "0") != "0":  # under torchrun: every rank checks, rank 0 prints
+            return 0 if fits else 1
         print(report)
         if not fits:  # a script's `--dry-run && torchrun ...` stops here; a launch itself is not refused
             print("shardline: the planner's memory estimate does not fit the device (exit 1); lower "
@@ -40,6 +42,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     if args.world_size is not None or args.gpu is not None:
         raise ShardlineError("--world-size and --gpu go with --dry-run; a launch takes its world size from torchrun")
+    _refuse_srun_tasks(os.environ)
     from shardline.parallel.distributed import shutdown_distributed
     from shardline.trainer import Trainer
 
@@ -50,6 +53,16 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise
     shutdown_distributed()
     return 0
+
+
+def _refuse_srun_tasks(env) -> None:
+    """`srun --ntasks-per-node=8 shardline train` (no torchrun) starts 8 one-process runs on one
+    run dir: one trains, the others stop at its lock. Refused in one line."""
+    tasks = env.get("SLURM_STEP_NUM_TASKS", "1")
+    if tasks.isdigit() and int(tasks) > 1 and "WORLD_SIZE" not in env:
+        raise ShardlineError(f"srun started {tasks} tasks, each its own one-process run; start one torchrun "
+                             "per node instead (srun --ntasks-per-node=1 torchrun --nproc_per_node=... -m "
+                             "shardline train ...), see the README's Slurm example")
 
 
 def _env_world_size() -> int:

@@ -36,6 +36,7 @@ from shardline.preflight import (
     check_device,
     check_layout_before_data,
     check_resume,
+    check_resume_shape,
     preflight,
     use_model_tokenizer,
 )
@@ -51,6 +52,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
     resume = check_resume(cfg)
     vocab, tokenizer = _tokenizer_vocab(cfg, folder_tokenizer)
     launch = preflight(cfg, world, vocab)
+    check_resume_shape(resume, launch.model_args)
     check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu")
     target = ("" if cfg.run.device != "auto" or torch.cuda.is_available() else
               " (as a CUDA launch: run.device=auto, and this machine has no GPU, where it would train on the "

@@ -11,6 +11,7 @@ one-line ConfigError, and nothing has been written yet.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from shardline.parallel import float8
 from shardline.parallel.compile import config_problem as compile_problem
 from shardline.resilience.anomaly import check_on_device
 from shardline.resilience.checkpoint import Checkpointer, read_meta
-from shardline.resilience.recovery import check_data_position, check_skip_batches, resume_path
+from shardline.resilience.recovery import check_data_position, check_skip_batches, check_steps_ahead, resume_path
 
 _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "rope_theta")
 
@@ -127,16 +128,42 @@ _EFFECTIVE = {"n_kv_heads": "kv_heads", "head_dim": "head_size"}  # None there m
 _MOE_WEIGHT_KEYS = ("n_experts", "expert_ffn_dim", "shared_experts", "first_dense_layers")
 
 
-def _check_weights_fit(m: ModelConfig, start: ModelArgs, wanted: ModelArgs) -> None:
-    """A [model] or [moe] override that changes the weights' shapes would leave tensors the
-    starting weights cannot fill (random under a sharded load): refused, naming the keys."""
-    changed = [f"{k}={getattr(start, k)} -> {getattr(wanted, k)}" for k in _WEIGHT_KEYS
-               if getattr(start, _EFFECTIVE.get(k, k)) != getattr(wanted, _EFFECTIVE.get(k, k))]
+def _weight_changes(start: ModelArgs, wanted: ModelArgs) -> list[str]:
+    """What differs between two shapes in the tensors the weights hold ("key=old -> new")."""
+    def value(args: ModelArgs, key: str):
+        return getattr(args, _EFFECTIVE.get(key, key))  # head_dim None means dim / n_heads: compare that
+
+    changed = [f"{k}={value(start, k)} -> {value(wanted, k)}" for k in _WEIGHT_KEYS
+               if value(start, k) != value(wanted, k)]
     if (start.moe is None) != (wanted.moe is None):
-        changed.append("dense -> mixture of experts")
+        changed.append("dense -> mixture of experts" if start.moe is None else "mixture of experts -> dense")
     elif start.moe is not None:
         changed += [f"moe.{k}={getattr(start.moe, k)} -> {getattr(wanted.moe, k)}" for k in _MOE_WEIGHT_KEYS
                     if getattr(start.moe, k) != getattr(wanted.moe, k)]
+    return changed
+
+
+def check_resume_shape(path: Path | None, args: ModelArgs) -> None:
+    """A checkpoint to resume (None: none) holds weights of this model's shape, or a CheckpointError naming
+    what differs, before the model is built (the load would fail later, in less words). The
+    checkpoint was verified when chosen; meta.json is read as it is (an unreadable one is left to
+    the load to report)."""
+    if path is None:
+        return
+    try:
+        saved = args_from_json(json.loads((Path(path) / "meta.json").read_text())["model_args"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    changed = _weight_changes(saved, args)
+    if changed:
+        raise CheckpointError(f"checkpoint {path} holds a model of another shape ({', '.join(changed)}); "
+                              "drop those [model]/[moe] changes to resume it, or start a new run (another run.dir)")
+
+
+def _check_weights_fit(m: ModelConfig, start: ModelArgs, wanted: ModelArgs) -> None:
+    """A [model] or [moe] override that changes the weights' shapes would leave tensors the
+    starting weights cannot fill (random under a sharded load): refused, naming the keys."""
+    changed = _weight_changes(start, wanted)
     if changed:
         source = f"model.hf_path={m.hf_path!r}" if m.hf_path else f"model.init_from={m.init_from!r}"
         raise ConfigError(f"{source} holds weights of another shape than the overrides ask for "
@@ -210,6 +237,7 @@ def check_resume(cfg: Config) -> Path | None:
         data = state["data"]
         check_data_position(path, data, data["num_samples"], cfg.train.seed, cfg.train.global_batch_size)
         check_skip_batches(path, state["step"], data.get("skipped_batches", []), cfg.train.skip_batches)
+        check_steps_ahead(path, state["step"], cfg.train.steps)
     return path
 
 

@@ -102,3 +102,21 @@ def test_usage_and_environment_mistakes_are_one_line(tmp_path, small_corpus, cap
     assert main(["train", "--dry-run", *overrides(tmp_path / "run", small_corpus)]) == 2
     err = capsys.readouterr().err
     assert "WORLD_SIZE='two' in the environment is not a positive integer" in err and "Traceback" not in err
+
+
+def test_srun_tasks_without_torchrun_are_refused_and_a_ranked_dry_run_prints_once(tmp_path, small_corpus, capsys,
+                                                                                  monkeypatch):
+    """`srun --ntasks-per-node=8 shardline train` would start 8 one-process runs on one run dir;
+    under torchrun a dry run on every rank would print the report 8 times."""
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    assert main(["train", *overrides(tmp_path / "run", small_corpus)]) == 2
+    err = capsys.readouterr().err
+    assert "srun started 8 tasks" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's worker: the dry run checks, rank 1 stays quiet
+    monkeypatch.setenv("RANK", "1")
+    assert main(["train", "--dry-run", *overrides(tmp_path / "run", small_corpus)]) == 0
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "--dry-run", *overrides(tmp_path / "run", small_corpus)]) == 0
+    assert "layout" in capsys.readouterr().out

@@ -67,8 +67,22 @@ def test_a_deleted_manifest_is_reported_like_a_truncated_file(trained, tiny_conf
 
 
 def test_checkpoint_of_another_model_is_refused(trained, tiny_config):
+    """Named from the saved shape before the model is built, by the launch and the dry run; a
+    load into another model (no meta to compare) still fails in one line."""
+    from shardline.dry_run import dry_run
+    from shardline.models.factory import build_model_on
+    from shardline.models.llama import ModelArgs
+    from shardline.resilience.checkpoint import load_weights
+
+    shape = r"holds a model of another shape \(dim=64 -> 96, n_layers=2 -> 3, head_dim=16 -> 24\)"
+    with pytest.raises(CheckpointError, match=shape):
+        Trainer(tiny_config("train.steps=12", "model.dim=96", "model.n_layers=3")).build()
+    with pytest.raises(CheckpointError, match=shape):
+        dry_run(tiny_config("train.steps=12", "model.dim=96", "model.n_layers=3"), 1)
+    Trainer(tiny_config("train.steps=12", "model.rope_theta=20000")).build()  # not the weights' shape
+    other = build_model_on(ModelArgs(dim=96, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512), "cpu")
     with pytest.raises(CheckpointError, match="does not match this model"):
-        Trainer(tiny_config("train.steps=12", "model.dim=96")).build()
+        load_weights(Checkpointer(trained, keep=3).latest_valid(), other)
 
 
 def test_async_checkpoints_resume_exactly_and_log_their_stall_and_write(tiny_config, tmp_path):

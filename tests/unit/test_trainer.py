@@ -173,6 +173,20 @@ def test_resume_with_other_data_layout_is_refused(tiny_config):
         Trainer(tiny_config("train.global_batch_size=16")).build()
 
 
+def test_fewer_steps_than_the_checkpoint_holds_is_refused_before_anything_is_written(tiny_config, tmp_path):
+    """A shorter run asked of a run dir holding a longer one would exit having trained nothing
+    (the README's quick start run twice): refused in one line, by the dry run too."""
+    from shardline.preflight import check_resume
+
+    Trainer(tiny_config("train.steps=6", "train.eval_interval=0")).build().train()
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    for check in (lambda cfg: Trainer(cfg).build(), check_resume):
+        with pytest.raises(ConfigError, match=r"train.steps=4 is behind .*step-000006, saved at step 6: nothing"):
+            check(tiny_config("train.steps=4", "train.eval_interval=0"))
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    Trainer(tiny_config("train.steps=6", "train.eval_interval=0")).build()  # a finished run found finished
+
+
 def test_seq_len_beyond_the_presets_maximum_raises_the_recorded_maximum(tiny_config):
     trainer = Trainer(tiny_config("train.seq_len=32", "train.steps=1", "checkpoint.interval=0",
                                   "train.eval_interval=0")).build()

@@ -173,12 +173,18 @@ def _emit(path: str, work: Workload, candidates: list, base: Config, args: argpa
         raise ConfigError(f"--emit-config {path} exists and was not written by shardline plan; choose another "
                           "file (a plan replaces only its own)")
     cfg = to_config(e.layout, work, base)
+    per_node = min(e.layout.world, args.gpus_per_node or 8)
+    nodes = -(-e.layout.world // per_node)
+    # several nodes: one torchrun per node, meeting at a rendezvous on the first
+    launch = (f"on each of the {nodes} nodes: torchrun --nnodes {nodes} --nproc-per-node {per_node} "
+              "--rdzv-backend c10d --rdzv-endpoint HEAD_NODE:29500" if nodes > 1 else
+              f"e.g. torchrun --nproc-per-node {per_node}")
     header = (f"{EMITTED} --model {args.model} --gpu {args.gpu} --gpus {args.gpus} "
               f"--seq-len {args.seq_len} ...\n# plan #{rank}: {e.layout.describe()}; predicted "
               f"{e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%, "
               f"{e.memory['total'] / 2**30:.1f} GiB per device\n"
-              f"# run it on {e.layout.world} device(s), e.g. torchrun --nproc-per-node "
-              f"{min(e.layout.world, args.gpus_per_node or 8)} -m shardline train --config {path}\n")
+              f"# run it on {e.layout.world} device(s), {launch} "
+              f"-m shardline train --config {path}\n")
     try:
         Path(path).write_text(header + to_toml(cfg))
     except OSError as err:

@@ -169,6 +169,16 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
             "(data, train.seq_len or train.seed changed); use a new run.dir")
 
 
+def check_steps_ahead(path: Path | str, step: int, steps: int) -> None:
+    """A checkpoint past train.steps leaves nothing to train (a shorter run asked of a run dir
+    that holds a longer one): a ConfigError, not a run that exits having done nothing. One at
+    train.steps is a finished run, which a rerun (a requeue) may simply find finished."""
+    if step > steps:
+        raise ConfigError(f"train.steps={steps} is behind {path}, saved at step {step}: nothing to train; "
+                          f"set train.steps above {step} to continue it, or start a new run (another run.dir, "
+                          "or run.resume=never)")
+
+
 def check_skip_batches(path: Path | str, step: int, saved: list[int], wanted: list[int]) -> None:
     """train.skip_batches may only name batches a resumed run has not trained on yet: skipping
     an earlier one would shift every later batch by one instead (a ConfigError naming them)."""

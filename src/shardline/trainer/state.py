@@ -14,7 +14,8 @@ from pathlib import Path
 from shardline.models.factory import args_to_json
 from shardline.optim import apply_hyperparameters, schedule_settings
 from shardline.parallel.float8 import precompute_scales
-from shardline.resilience.recovery import check_data_position, check_skip_batches, get_rng_state, set_rng_state
+from shardline.resilience.recovery import (check_data_position, check_skip_batches, check_steps_ahead, get_rng_state,
+                                          set_rng_state)
 from shardline.resilience.run_lock import launcher_ids
 
 
@@ -42,6 +43,7 @@ class SavedState:
         name, state = self.tiers.restore(found, self.model, self.optimizer)
         check_data_position(name, state["data"], len(self.data.train), self.cfg.train.seed,
                             self.cfg.train.global_batch_size, self.data.position_state())
+        check_steps_ahead(name, state["step"], self.cfg.train.steps)
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
         self._optim_changes = apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.optim)
