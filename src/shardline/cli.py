@@ -62,7 +62,8 @@ def _refuse_srun_tasks(env) -> None:
     if tasks.isdigit() and int(tasks) > 1 and "WORLD_SIZE" not in env:
         raise ShardlineError(f"srun started {tasks} tasks, each its own one-process run; start one torchrun "
                              "per node instead (srun --ntasks-per-node=1 torchrun --nproc_per_node=... -m "
-                             "shardline train ...), see the README's Slurm example")
+                             "shardline train ...; the README's Slurm example), or set WORLD_SIZE=1 for one "
+                             "process inside a step of several tasks")
 
 
 def _env_world_size() -> int:

@@ -36,7 +36,7 @@ from shardline.preflight import (
     check_device,
     check_layout_before_data,
     check_resume,
-    check_resume_shape,
+    check_resume_fits,
     preflight,
     use_model_tokenizer,
 )
@@ -52,7 +52,8 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
     resume = check_resume(cfg)
     vocab, tokenizer = _tokenizer_vocab(cfg, folder_tokenizer)
     launch = preflight(cfg, world, vocab)
-    check_resume_shape(resume, launch.model_args)
+    known = bool(cfg.data.tokenizer or folder_tokenizer)  # else the size of a BPE trained at launch, estimated
+    check_resume_fits(resume, launch.model_args, cfg.train.steps, vocab_known=known)
     check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu")
     target = ("" if cfg.run.device != "auto" or torch.cuda.is_available() else
               " (as a CUDA launch: run.device=auto, and this machine has no GPU, where it would train on the "

@@ -33,7 +33,7 @@ from shardline.models.presets import PRESETS, get_preset
 from shardline.parallel import float8
 from shardline.parallel.compile import config_problem as compile_problem
 from shardline.resilience.anomaly import check_on_device
-from shardline.resilience.checkpoint import Checkpointer, read_meta
+from shardline.resilience.checkpoint import MANIFEST, Checkpointer, read_meta
 from shardline.resilience.recovery import check_data_position, check_skip_batches, check_steps_ahead, resume_path
 
 _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "rope_theta")
@@ -143,17 +143,23 @@ def _weight_changes(start: ModelArgs, wanted: ModelArgs) -> list[str]:
     return changed
 
 
-def check_resume_shape(path: Path | None, args: ModelArgs) -> None:
-    """A checkpoint to resume (None: none) holds weights of this model's shape, or a CheckpointError naming
-    what differs, before the model is built (the load would fail later, in less words). The
-    checkpoint was verified when chosen; meta.json is read as it is (an unreadable one is left to
-    the load to report)."""
+def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, vocab_known: bool = True) -> None:
+    """A checkpoint to resume (None: none) is not past train.steps (`steps`) and holds weights of
+    this model's shape, or the one-line error, before the model is built and the state loaded
+    (the load would fail later, or load minutes of state to train nothing). The checkpoint was
+    verified when chosen; its manifest and meta.json are read as they are (unreadable ones are
+    left to the load to report). `vocab_known` False: the vocabulary is a dry run's estimate
+    (a BPE trained at launch), not compared."""
     if path is None:
         return
     try:
+        step = json.loads((Path(path) / MANIFEST).read_text())["step"]
         saved = args_from_json(json.loads((Path(path) / "meta.json").read_text())["model_args"])
     except (OSError, ValueError, KeyError, TypeError):
         return
+    check_steps_ahead(path, step, steps)
+    if not vocab_known:
+        args = dataclasses.replace(args, vocab_size=saved.vocab_size)
     changed = _weight_changes(saved, args)
     if changed:
         raise CheckpointError(f"checkpoint {path} holds a model of another shape ({', '.join(changed)}); "

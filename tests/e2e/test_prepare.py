@@ -34,7 +34,11 @@ def test_prepare_then_train_and_resume_on_two_ranks_matches_the_raw_run(tmp_path
 
 def test_prepare_errors_are_one_line(tmp_path, capsys):
     assert main(["prepare", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "p")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    err = capsys.readouterr().err  # named as the command's input, not as a config key the user never set
+    assert f"prepare INPUT='{tmp_path / 'missing.jsonl'}' does not exist" in err and "data.path" not in err
+    assert main(["prepare", "--out", str(tmp_path / "nowhere"), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist or is not a folder: nothing to verify" in err and "unfinished" not in err
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "progress.json").write_text("{}")
     assert main(["train", "--dry-run", f"--data.path={tmp_path / 'p'}"]) == 2

@@ -56,6 +56,8 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
 def _verify(root: Path) -> int:
     from shardline.data.shards import verify
 
+    if not root.is_dir():
+        raise DataError(f"--out {str(root)!r} does not exist or is not a folder: nothing to verify")
     bad = verify(root)
     if bad:
         print(f"{root}: checksum mismatch in {', '.join(bad)}; prepare it again", file=sys.stderr)

@@ -229,5 +229,6 @@ def data_summary(cfg: Config) -> tuple[str, str]:
             folder_tokenizer = folder_tokenizer or os.path.join(path, "tokenizer.json")
         else:
             docs = read_documents(path, "messages" if d.format == "chat" else d.text_field)
-            parts.append(f"{path or 'the shipped corpus'}: {len(docs):,} documents")
+            where = path or "the shipped corpus (a sample to try shardline on: data.path names your data)"
+            parts.append(f"{where}: {len(docs):,} documents")
     return "; ".join(parts), folder_tokenizer

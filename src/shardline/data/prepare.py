@@ -110,7 +110,7 @@ class _Stream:
 def prepare(opts: PrepareOptions) -> dict:
     """Prepare `opts.out` from `opts.inputs`; returns the manifest (resumes or skips when it can)."""
     _check_options(opts)
-    files = [f for path in opts.inputs for f in input_files(path)]
+    files = [f for path in opts.inputs for f in input_files(path, key="prepare INPUT")]
     root = Path(opts.out)
     _check_out(root, files)
     request = _request(opts, files)

@@ -55,31 +55,32 @@ def iter_documents(path: str, text_field: str = "text") -> Iterator:
         yield from (d for d in read_file(f, text_field) if not isinstance(d, str) or d.strip())
 
 
-def input_files(path: str) -> list[Path]:
-    """The data files under `path` in reading order, or a DataError naming the path. A path
+def input_files(path: str, key: str = "data.path") -> list[Path]:
+    """The data files under `path` in reading order, or a DataError naming the path as `key`
+    (the config key, or `shardline prepare`'s input). A path
     that does not exist as written but holds glob characters (`data/train-*.parquet`,
     `shards/**/*.jsonl`) is a pattern: the data files it matches, and those under the
     folders it matches, in sorted order."""
     root = Path(path) if path else shipped_corpus()
     if not root.exists() and _GLOB.search(path):
-        return _matched_files(path)
+        return _matched_files(path, key)
     if not root.exists():
-        raise DataError(f"data.path={path!r} does not exist; give a file ({', '.join(SUFFIXES)}, "
+        raise DataError(f"{key}={path!r} does not exist; give a file ({', '.join(SUFFIXES)}, "
                         "optionally .gz), a folder of them, a glob pattern of them or a folder made by "
                         "`shardline prepare`")
     if root.is_dir() and (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
         root = root / "train"  # a save_to_disk DatasetDict: train on its train split
     files = sorted(p for p in root.rglob("*") if _kind(p)) if root.is_dir() else [root]
     if not files:
-        raise DataError(f"data.path={path!r} holds no {', '.join(SUFFIXES)} files")
-    _refuse_held_out(path, root if root.is_dir() else root.parent, files)
+        raise DataError(f"{key}={path!r} holds no {', '.join(SUFFIXES)} files")
+    _refuse_held_out(path, root if root.is_dir() else root.parent, files, key)
     return files
 
 
 _GLOB = re.compile(r"[*?[]")
 
 
-def _matched_files(pattern: str) -> list[Path]:
+def _matched_files(pattern: str, key: str) -> list[Path]:
     """The data files a glob pattern names. The held-out check reads the names below the
     pattern's fixed folder, so `data/*` beside `data/validation.jsonl` is refused as the
     folder `data` is."""
@@ -87,22 +88,22 @@ def _matched_files(pattern: str) -> list[Path]:
     files = sorted({f for m in matches for f in (m.rglob("*") if m.is_dir() else [m]) if _kind(f)})
     prepared = [m for m in matches if m.is_dir() and is_prepared(str(m))]
     if prepared:  # a prepared folder holds shards, not text, and a mixture is how several are combined
-        raise DataError(f"data.path={pattern!r} matches the prepared folder {prepared[0]}: give a prepared folder "
+        raise DataError(f"{key}={pattern!r} matches the prepared folder {prepared[0]}: give a prepared folder "
                         "by its own path (several: data.mix); a pattern reads raw text files")
     if not files:
         what = f"matches {len(matches)} path(s) but no {', '.join(SUFFIXES)} file" if matches else "matches no path"
-        raise DataError(f"data.path={pattern!r} {what} (a pattern: the path does not exist as written)")
+        raise DataError(f"{key}={pattern!r} {what} (a pattern: the path does not exist as written)")
     fixed = Path(*[part for part in itertools.takewhile(lambda p: not _GLOB.search(p), Path(pattern).parts)])
-    _refuse_held_out(pattern, fixed, files)
+    _refuse_held_out(pattern, fixed, files, key)
     return files
 
 
-def _refuse_held_out(path: str, root: Path, files: list[Path]) -> None:
+def _refuse_held_out(path: str, root: Path, files: list[Path], key: str) -> None:
     """A folder's own validation or test files are not trained on beside its training files."""
     held_out = [f for f in files if _held_out_name(f.relative_to(root))]
     if held_out and len(held_out) < len(files):
         names = ", ".join(str(f.relative_to(root)) for f in held_out[:3]) + (" ..." if len(held_out) > 3 else "")
-        raise DataError(f"data.path={path!r} holds held-out files ({names}) beside the training files, and every file "
+        raise DataError(f"{key}={path!r} holds held-out files ({names}) beside the training files, and every file "
                         "of a folder is trained on: point data.path at the training files' own file or folder "
                         "(data.val_fraction of them is held out for evaluation)")
 

@@ -128,7 +128,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     shown = result.candidates[:args.top]
     not_runnable = {i: p for i, e in enumerate(shown) if (p := runnable_problem(work, e.layout))}
     if args.emit_config:
-        _emit(args.emit_config, work, result.candidates, base, args)
+        _emit(args.emit_config, work, result.candidates, base, args, gpn)
     if args.json:
         print(json.dumps(report.plan_json(work, hw, args.gpus, result, shown, not_runnable), indent=1))
     else:
@@ -159,7 +159,8 @@ def _workload(args: argparse.Namespace) -> Workload:
 EMITTED = "# written by: shardline plan"  # the first line of an emitted config
 
 
-def _emit(path: str, work: Workload, candidates: list, base: Config, args: argparse.Namespace) -> None:
+def _emit(path: str, work: Workload, candidates: list, base: Config, args: argparse.Namespace,
+          gpus_per_node: int) -> None:
     from shardline.planner.search import runnable_problem
 
     for rank, e in enumerate(candidates, 1):
@@ -173,11 +174,11 @@ def _emit(path: str, work: Workload, candidates: list, base: Config, args: argpa
         raise ConfigError(f"--emit-config {path} exists and was not written by shardline plan; choose another "
                           "file (a plan replaces only its own)")
     cfg = to_config(e.layout, work, base)
-    per_node = min(e.layout.world, args.gpus_per_node or 8)
+    per_node = min(e.layout.world, gpus_per_node)  # the hardware's (a CPU host: all ranks on one)
     nodes = -(-e.layout.world // per_node)
     # several nodes: one torchrun per node, meeting at a rendezvous on the first
     launch = (f"on each of the {nodes} nodes: torchrun --nnodes {nodes} --nproc-per-node {per_node} "
-              "--rdzv-backend c10d --rdzv-endpoint HEAD_NODE:29500" if nodes > 1 else
+              "--rdzv-backend c10d --rdzv-endpoint HEAD_NODE:29500 --rdzv-id JOB" if nodes > 1 else
               f"e.g. torchrun --nproc-per-node {per_node}")
     header = (f"{EMITTED} --model {args.model} --gpu {args.gpu} --gpus {args.gpus} "
               f"--seq-len {args.seq_len} ...\n# plan #{rank}: {e.layout.describe()}; predicted "

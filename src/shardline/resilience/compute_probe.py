@@ -8,29 +8,37 @@ like step times (resilience/stragglers.py) and reports a rank slower than
 `watchdog.straggler_factor` x the others' median for `straggler_steps` probes in a row.
 
 The GEMMs of a round run back to back between two device syncs: one GEMM of the GPU size
-takes tens of microseconds, about a sync's own cost. The operands are made for each probe and freed after
-it (24 MiB on a GPU), so a run near its memory limit holds nothing for it between probes.
+takes tens of microseconds, about a sync's own cost. A rank's time is its fastest round:
+a preempted thread, or a background save holding the interpreter, slows some rounds of a
+healthy device, while a slow device is slow in every round. The operands are made for each
+probe (24 MiB on a GPU, returned to the caching allocator after it).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-# size x size GEMMs in the device's training dtype: a round of 10 takes ~0.4 ms at an H100's bf16
-# peak for the GPU size, a few ms on one CPU core for the CPU's (fp32).
+# size x size GEMMs, bf16 on a GPU whatever train.precision is (the same work on every rank is
+# what matters): a round of 10 takes ~0.4 ms at an H100's bf16 peak; fp32 on a CPU, a few ms a
+# round on one core.
 SIZES = {"cuda": 2048, "cpu": 128}
 REPEATS = 10
 ROUNDS = 3
 
 
-def probe_seconds(device: torch.device, slowed: Callable[[float], float] = lambda s: s) -> float:
-    """Seconds of REPEATS GEMMs on `device` back to back, the median of ROUNDS (a preempted
-    thread or a stray host task must not make a rank look slow). `slowed`: the slow-rank drill's
-    hook ([faults] slow_in="compute"), which sleeps the extra time and returns it added."""
+def probe_due(step: int, interval: int) -> bool:
+    """Halfway between multiples of the interval: the default save and evaluation steps (every
+    50) are multiples, and a background save they start must not be timed with the GEMMs."""
+    return interval > 0 and step % interval == interval // 2
+
+
+def probe_seconds(device: torch.device, delay: Callable[[float], None] = lambda s: None) -> float:
+    """Seconds of REPEATS GEMMs on `device` back to back, the fastest of ROUNDS. `delay`: the
+    slow-rank drill's hook ([faults] slow_in="compute"), called inside each timed round with
+    the seconds it took so far, as a slower device would take longer."""
     size = SIZES.get(device.type, SIZES["cpu"])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.ones(size, size, device=device, dtype=dtype)
@@ -42,8 +50,9 @@ def probe_seconds(device: torch.device, slowed: Callable[[float], float] = lambd
         for _ in range(REPEATS):
             a = a @ b  # stays all ones: no overflow, no denormals to slow a rank down
         _sync(device)
+        delay(time.perf_counter() - begin)
         rounds.append(time.perf_counter() - begin)
-    return slowed(statistics.median(rounds))
+    return min(rounds)
 
 
 def _sync(device: torch.device) -> None:

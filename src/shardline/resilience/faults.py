@@ -51,24 +51,30 @@ class FaultInjector:
 
     def after_step(self, step_time_s: float) -> None:
         """The slow-rank drill, slow_in="host": a sleep after the step (host work)."""
-        self._last_step_s, self._slept_s = step_time_s - self._slept_s, 0.0  # the step's own time
         if self._slow("host"):
             time.sleep(step_time_s * (self.cfg.slow_factor - 1))
+
+    def step_computed(self, step: int, seconds: float) -> None:
+        """A step's own time (its update settled; no evaluation or save): the scale of the
+        compute drill's sleep in the next step, without that sleep. Step 1 (compilation,
+        warm-up) sets none."""
+        if step > 1:
+            self._last_step_s = seconds - self._slept_s
+        self._slept_s = 0.0
 
     def inside_step(self) -> None:
         """The slow-rank drill, slow_in="compute": a sleep at the start of the step, on its
         clock, as a slow device's extra compute time (the peers wait for it in the step's
-        collectives); scaled by the previous step's time without the drill's sleep."""
+        collectives)."""
         if self._slow("compute"):
             self._slept_s = self._last_step_s * (self.cfg.slow_factor - 1)
             time.sleep(self._slept_s)
 
-    def slowed_compute(self, seconds: float) -> float:
-        """A compute probe's `seconds` as the slow rank of slow_in="compute" takes them (slept)."""
-        if not self._slow("compute"):
-            return seconds
-        time.sleep(seconds * (self.cfg.slow_factor - 1))
-        return seconds * self.cfg.slow_factor
+    def slow_compute_probe(self, seconds: float) -> None:
+        """Inside a compute probe's timed round of `seconds`: the slow rank of slow_in="compute"
+        takes slow_factor x as long."""
+        if self._slow("compute"):
+            time.sleep(seconds * (self.cfg.slow_factor - 1))
 
     def corrupt_loss(self, step: int, loss):
         """The loss as the anomaly check sees it (a float, or a device tensor)."""

@@ -27,7 +27,7 @@ from shardline.config import Config
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import ProcessInfo
 from shardline.resilience.checkpoint import Checkpointer
-from shardline.resilience.compute_probe import probe_seconds
+from shardline.resilience.compute_probe import probe_due, probe_seconds
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.goodput import Goodput
 from shardline.resilience.preemption import StopRequests
@@ -110,7 +110,9 @@ class RunGuard:
 
     def step_done(self, step: int, started: float, outcome: str) -> None:
         """The step's update is settled ("updated", "overflow", "anomaly"): account its time."""
-        self.goodput.step(step, time.perf_counter() - started, outcome)
+        seconds = time.perf_counter() - started
+        self.goodput.step(step, seconds, outcome)
+        self.faults.step_computed(step, seconds)
 
     def end_step(self, step: int, started: float) -> None:
         """The step and its saves are over: the slow-rank drill, the watchdog's record, and the
@@ -118,8 +120,8 @@ class RunGuard:
         self.faults.after_step(time.perf_counter() - started)
         step_s = time.perf_counter() - started
         w = self.cfg.watchdog
-        due = w.timeout_s and w.probe_interval and self.proc.world_size > 1 and step % w.probe_interval == 0
-        probe_s = probe_seconds(self.device, self.faults.slowed_compute) if due else None
+        due = w.timeout_s and self.proc.world_size > 1 and probe_due(step, w.probe_interval)
+        probe_s = probe_seconds(self.device, self.faults.slow_compute_probe) if due else None
         self.watchdog.step_end(step, step_s, probe_s)
 
     def timed(self, category: str, work: Callable[[], Any]) -> Any:
