@@ -23,13 +23,14 @@ def test_a_slow_device_hidden_from_step_times_is_named_by_the_compute_probe(tmp_
     run_world(2, [(run, tiny_overrides(
         run, small_prepared, "parallel.dp_shard=2", "train.steps=40", "train.eval_interval=0", "checkpoint.interval=0",
         "watchdog.timeout_s=60", "watchdog.probe_interval=1", "watchdog.straggler_steps=3",
+        "watchdog.straggler_factor=2.5",  # the drill's 4x is measured inside the rounds: 2.5x and up
         "faults.slow_rank=1", "faults.slow_factor=4", "faults.slow_in=compute"))])
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     found = [e for e in events if e.get("event") == "straggler"]
     # (once per streak of slow probes: noise that breaks one starts another report)
-    assert found and {(e["measure"], e["rank"]) for e in found} == {("compute", 1)}, found
-    # the drill makes rank 1's rounds 4x as long (measured: the sleep is inside them)
-    assert all(2.5 < e["factor"] < 6 for e in found) and found[0]["compute_time_s"] > 0, found
+    seen = [(e["measure"], e["rank"], e["factor"]) for e in found]
+    assert found and {(e["measure"], e["rank"]) for e in found} == {("compute", 1)}, seen
+    assert all(e["factor"] > 2.5 and e["compute_time_s"] > 0 for e in found), seen
 
 
 def test_the_probe_times_the_drills_delay_inside_each_round():
