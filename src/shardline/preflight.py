@@ -152,18 +152,30 @@ def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, vocab_know
     (a BPE trained at launch), not compared."""
     if path is None:
         return
+    step = _read_json(Path(path) / MANIFEST, "step")
+    if isinstance(step, int) and not isinstance(step, bool):
+        check_steps_ahead(path, step, steps)
+    saved = _read_json(Path(path) / "meta.json", "model_args")
     try:
-        step = json.loads((Path(path) / MANIFEST).read_text())["step"]
-        saved = args_from_json(json.loads((Path(path) / "meta.json").read_text())["model_args"])
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = args_from_json(saved) if saved is not None else None
+    except (ValueError, KeyError, TypeError):
+        saved = None
+    if saved is None:
         return
-    check_steps_ahead(path, step, steps)
     if not vocab_known:
         args = dataclasses.replace(args, vocab_size=saved.vocab_size)
     changed = _weight_changes(saved, args)
     if changed:
         raise CheckpointError(f"checkpoint {path} holds a model of another shape ({', '.join(changed)}); "
                               "drop those [model]/[moe] changes to resume it, or start a new run (another run.dir)")
+
+
+def _read_json(path: Path, key: str):
+    """`key` of the JSON file at `path`, or None where the file or key cannot be read."""
+    try:
+        return json.loads(path.read_text())[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _check_weights_fit(m: ModelConfig, start: ModelArgs, wanted: ModelArgs) -> None:

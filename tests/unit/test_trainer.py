@@ -173,18 +173,49 @@ def test_resume_with_other_data_layout_is_refused(tiny_config):
         Trainer(tiny_config("train.global_batch_size=16")).build()
 
 
-def test_fewer_steps_than_the_checkpoint_holds_is_refused_before_anything_is_written(tiny_config, tmp_path):
+def test_fewer_steps_than_the_checkpoint_holds_is_refused_before_anything_is_written(tiny_config, tmp_path,
+                                                                                    monkeypatch):
     """A shorter run asked of a run dir holding a longer one would exit having trained nothing
     (the README's quick start run twice): refused in one line, by the dry run too."""
     from shardline.preflight import check_resume
 
     Trainer(tiny_config("train.steps=6", "train.eval_interval=0")).build().train()
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
-    for check in (lambda cfg: Trainer(cfg).build(), check_resume):
-        with pytest.raises(ConfigError, match=r"train.steps=4 is behind .*step-000006, saved at step 6: nothing"):
-            check(tiny_config("train.steps=4", "train.eval_interval=0"))
+
+    def unbuilt(*args, **kwargs):  # the launch refuses before it builds the model (and loads the state)
+        raise AssertionError("the model was built")
+
+    with monkeypatch.context() as m:
+        m.setattr("shardline.trainer.loop.build_model", unbuilt)
+        for check in (lambda cfg: Trainer(cfg).build(), check_resume):
+            with pytest.raises(ConfigError, match=r"train.steps=4 is behind .*step-000006, saved at step 6: nothing"):
+                check(tiny_config("train.steps=4", "train.eval_interval=0"))
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
     Trainer(tiny_config("train.steps=6", "train.eval_interval=0")).build()  # a finished run found finished
+
+
+def test_the_resume_check_reads_the_saved_step_and_shape_apart(tiny_config, tmp_path):
+    """A damaged manifest step does not hide the shape check (nor raise a TypeError); a
+    vocabulary the dry run only estimates is not compared."""
+    import dataclasses
+    import json
+
+    from shardline.errors import CheckpointError
+    from shardline.preflight import check_resume_fits
+
+    trainer = Trainer(tiny_config("train.steps=2", "train.eval_interval=0"))
+    trainer.build().train()
+    path = tmp_path / "run" / "checkpoints" / "step-000002"
+    args = trainer.model_args
+    check_resume_fits(path, args, 2)
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "step": "2"}))
+    with pytest.raises(CheckpointError, match="another shape"):
+        check_resume_fits(path, dataclasses.replace(args, n_layers=3), 2)
+    other_vocab = dataclasses.replace(args, vocab_size=args.vocab_size + 64)
+    with pytest.raises(CheckpointError, match="vocab_size"):
+        check_resume_fits(path, other_vocab, 2)
+    check_resume_fits(path, other_vocab, 2, vocab_known=False)
 
 
 def test_seq_len_beyond_the_presets_maximum_raises_the_recorded_maximum(tiny_config):

@@ -65,9 +65,9 @@ def input_files(path: str, key: str = "data.path") -> list[Path]:
     if not root.exists() and _GLOB.search(path):
         return _matched_files(path, key)
     if not root.exists():
+        prepared = "" if key != "data.path" else " or a folder made by `shardline prepare`"  # not prepare's input
         raise DataError(f"{key}={path!r} does not exist; give a file ({', '.join(SUFFIXES)}, "
-                        "optionally .gz), a folder of them, a glob pattern of them or a folder made by "
-                        "`shardline prepare`")
+                        f"optionally .gz), a folder of them, a glob pattern of them{prepared}")
     if root.is_dir() and (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
         root = root / "train"  # a save_to_disk DatasetDict: train on its train split
     files = sorted(p for p in root.rglob("*") if _kind(p)) if root.is_dir() else [root]
@@ -104,8 +104,8 @@ def _refuse_held_out(path: str, root: Path, files: list[Path], key: str) -> None
     if held_out and len(held_out) < len(files):
         names = ", ".join(str(f.relative_to(root)) for f in held_out[:3]) + (" ..." if len(held_out) > 3 else "")
         raise DataError(f"{key}={path!r} holds held-out files ({names}) beside the training files, and every file "
-                        "of a folder is trained on: point data.path at the training files' own file or folder "
-                        "(data.val_fraction of them is held out for evaluation)")
+                        f"of a folder is trained on: point {key} at the training files' own file or folder "
+                        "(a share of them is held out for evaluation: data.val_fraction, prepare's --val-fraction)")
 
 
 _HELD_OUT = {"val", "valid", "validation", "test", "testing", "dev", "eval", "evaluation", "heldout"}

@@ -22,6 +22,7 @@ class FaultInjector:
         self.first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         self.fired: set[str] = set()
         self._last_step_s = self._slept_s = 0.0  # the slow-rank drill inside a step: its scale, its sleep
+        self._steps_seen = 0
 
     def _fire(self, name: str, step: int, at: int, rank: int | None = None) -> bool:
         if not (self.first_attempt and at and step == at and name not in self.fired):
@@ -54,12 +55,14 @@ class FaultInjector:
         if self._slow("host"):
             time.sleep(step_time_s * (self.cfg.slow_factor - 1))
 
-    def step_computed(self, step: int, seconds: float) -> None:
+    def step_computed(self, seconds: float) -> None:
         """A step's own time (its update settled; no evaluation or save): the scale of the
-        compute drill's sleep in the next step, without that sleep. Step 1 (compilation,
-        warm-up) sets none."""
-        if step > 1:
+        compute drill's sleep in the next step, without that sleep. This process's first step
+        (compilation, warm-up; a resumed run's too), which the watchdog gives its long limit,
+        sets none."""
+        if self._steps_seen:
             self._last_step_s = seconds - self._slept_s
+        self._steps_seen += 1
         self._slept_s = 0.0
 
     def inside_step(self) -> None:

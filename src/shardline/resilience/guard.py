@@ -112,7 +112,7 @@ class RunGuard:
         """The step's update is settled ("updated", "overflow", "anomaly"): account its time."""
         seconds = time.perf_counter() - started
         self.goodput.step(step, seconds, outcome)
-        self.faults.step_computed(step, seconds)
+        self.faults.step_computed(seconds)
 
     def end_step(self, step: int, started: float) -> None:
         """The step and its saves are over: the slow-rank drill, the watchdog's record, and the
