@@ -9,8 +9,10 @@ slow steps reaches `steps`; a normal step ends the streak.
 
 What the times must mean: in synchronous training every rank waits for the slowest
 at each collective, so wall-clock step times come out equal on all ranks and name
-nobody. The times fed here must be each rank's own work (compute, data loading),
-without the time spent waiting for peers. A rank slow *inside* the step (a slow GPU)
+nobody. The times fed here must be each rank's own work, without the time spent
+waiting for peers: step times from a common barrier hold that for work after the step's
+last collective (the optimizer step, logging, saves), not for work before its first (a
+rank's data loading, which its peers wait for there). A rank slow *inside* the step (a slow GPU)
 makes its peers wait in the step's collectives, so step times miss it: the compute
 probe (compute_probe.py) times each rank alone between steps, judged the same way
 (measure "compute"; step times are measure "step").
@@ -27,7 +29,7 @@ from shardline.config.resilience import WatchdogConfig
 class Straggler:
     step: int
     rank: int
-    factor: float  # this rank's step time over the median of the others
+    factor: float  # this rank's time over the median of the others
     step_time_s: float  # this rank's time by the measure: its step, or its compute probe
     median_s: float
     measure: str = "step"  # "step" (step times) or "compute" (compute probes)
