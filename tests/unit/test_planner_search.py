@@ -105,6 +105,8 @@ def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
     code, out, _ = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--emit-config", str(path))
     assert code == 0
     best = json.loads(out)["candidates"][0]
+    # 16 GPUs of 8 a node: one torchrun on each of 2 nodes, meeting at a rendezvous
+    assert "on each of the 2 nodes: torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d" in path.read_text()
     cfg = load_config(path)
     assert cfg.model.preset == "llama3-8b" and cfg.train.seq_len == 4096 and cfg.train.global_batch_size == 64
     assert cfg.parallel.tp == best["layout"]["tp"] and cfg.parallel.dp_shard == best["layout"]["dp_shard"]
@@ -113,7 +115,8 @@ def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
     assert code == 0
     assert json.loads(out)["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-6)
     # A plan replaces its own earlier config, never a file it did not write (a hand-written config).
-    assert run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(path))[0] == 0
+    assert run_cli(capsys, *PLAN_8B, "--runnable-only", "--gpus-per-node", "4", "--emit-config", str(path))[0] == 0
+    assert "--nnodes 4 --nproc-per-node 4" in path.read_text()  # the hardware's GPUs a node, as given
     mine = tmp_path / "mine.toml"
     mine.write_text("[train]\nsteps = 5\n")
     code, _, err = run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(mine))
