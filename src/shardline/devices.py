@@ -85,3 +85,9 @@ def mfu_peak_dtype(precision: str) -> str:
     denominator for both makes the MFU ratio of an fp8 and a bf16 run their throughput ratio.
     """
     return {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}[precision]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA), so host timers measure it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from shardline.devices import synchronize
+
 # size x size GEMMs, bf16 on a GPU whatever train.precision is (the same work on every rank is
 # what matters): a round of 10 takes ~0.4 ms at an H100's bf16 peak; fp32 on a CPU, a few ms a
 # round on one core.
@@ -45,16 +47,11 @@ def probe_seconds(device: torch.device, delay: Callable[[float], None] = lambda 
     b = torch.full((size, size), 1.0 / size, device=device, dtype=dtype)
     rounds = []
     for _ in range(ROUNDS):
-        _sync(device)
+        synchronize(device)
         begin = time.perf_counter()
         for _ in range(REPEATS):
             a = a @ b  # stays all ones: no overflow, no denormals to slow a rank down
-        _sync(device)
+        synchronize(device)
         delay(time.perf_counter() - begin)
         rounds.append(time.perf_counter() - begin)
     return min(rounds)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardline.config import Config
+from shardline.devices import synchronize
 from shardline.parallel.distributed import init_distributed, pick_device
 
 CHECK_FAILED_EXIT = 6  # a rank is faulty or slow
@@ -62,10 +63,10 @@ def _measure(rank: int, device: torch.device, size: int, repeats: int, cfg: Conf
     product = a @ b  # warm-up, and the value every rank must agree on
     times = []
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         begin = time.perf_counter()
         product = a @ b
-        _sync(device)
+        synchronize(device)
         seconds = time.perf_counter() - begin
         if rank == cfg.faults.slow_rank and cfg.faults.slow_factor > 1:  # the drill of [faults]
             time.sleep(seconds * (cfg.faults.slow_factor - 1))
@@ -81,17 +82,13 @@ def _allreduce(rank: int, device: torch.device) -> tuple[bool, float]:
         return True, 0.0
     world = dist.get_world_size()
     t = torch.full((1 << 18,), float(rank + 1), device=device)  # 1 MB of known values
-    _sync(device)
+    synchronize(device)
     begin = time.perf_counter()
     dist.all_reduce(t)
-    _sync(device)
+    synchronize(device)
     ms = 1e3 * (time.perf_counter() - begin)
     return bool((t == world * (world + 1) / 2).all()), ms
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _verdict(results: list[RankResult], slow_factor: float) -> tuple[str, bool]:

@@ -26,14 +26,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from shardline.devices import synchronize
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _VIEWS = ("view", "t.", "_unsafe_view", "transpose", "expand", "unsqueeze", "split", "detach", "alias",
           "slice", "select", "as_strided", "_reshape_alias", "squeeze", "permute")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_it(fn, device: torch.device, budget_s: float = 0.3, max_reps: int = 20, clock=time.perf_counter) -> float:
@@ -45,13 +42,13 @@ def time_it(fn, device: torch.device, budget_s: float = 0.3, max_reps: int = 20,
     (meaningful with one torch thread, which then runs every kernel on this thread).
     """
     fn()
-    _sync(device)
+    synchronize(device)
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
         t0 = clock()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append(max(clock() - t0, 1e-9))
     return min(times)
 
