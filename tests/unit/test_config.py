@@ -43,7 +43,7 @@ def test_resolved_config_round_trips():
     ("train.compile=1", "expected bool"),
     ("train.steps=0", "train.steps=0 is invalid: must be > 0"),
     ("watchdog.probe_interval=-1", "watchdog.probe_interval=-1 is invalid: must be >= 0 (0 = off)"),
-    ("faults.slow_in=gpu", "faults.slow_in='gpu' is invalid: must be one of ('host', 'compute')"),
+    ("faults.slow_in=gpu", "faults.slow_in='gpu' is invalid: must be one of ('host', 'compute', 'data')"),
     ("train.stop_at_step=300", "train.stop_at_step=300 is invalid: must be <= train.steps (200)"),
     ("train.skip_batches=[5, 5]", "train.skip_batches=[5, 5] is invalid: must name each batch once"),
     ("train.seed=99999999999999999999", "train.seed=99999999999999999999 is invalid: must be in [0, 2**63)"),

@@ -8,7 +8,7 @@ from shardline.errors import require
 
 ACTIONS = ("skip", "rollback", "halt")
 HANG_PHASES = ("step", "restore", "drain")  # where faults.hang_phase can stop a rank
-SLOW_IN = ("host", "compute")  # where faults.slow_rank is slow
+SLOW_IN = ("host", "compute", "data")  # where faults.slow_rank is slow
 
 
 @dataclass
@@ -77,7 +77,8 @@ class FaultsConfig:
     slow_rank: int = -1
     slow_factor: float = 1.0
     # Where slow_rank is slow: "host" sleeps after its step (outside the collectives: host work);
-    # "compute" inside its step and its compute probes, as a slow GPU is (its peers wait for it)
+    # "compute" inside its step and its compute probes, as a slow GPU is (its peers wait for it);
+    # "data" in its first batch read of each step, as a slow disk is (its peers wait for it too)
     slow_in: str = "host"
     corrupt_checkpoint_step: int = 0  # flip bytes in the checkpoint saved at this step
     fail_save_step: int = 0  # die in the middle of writing this step's checkpoint

@@ -57,7 +57,7 @@ class FaultInjector:
 
     def step_computed(self, seconds: float) -> None:
         """A step's own time (its update settled; no evaluation or save): the scale of the
-        compute drill's sleep in the next step, without that sleep. This process's first step
+        compute and data drills' sleep in the next step, without that sleep. This process's first step
         (compilation, warm-up; a resumed run's too), which the watchdog gives its long limit,
         sets none."""
         if self._steps_seen:
@@ -70,6 +70,14 @@ class FaultInjector:
         clock, as a slow device's extra compute time (the peers wait for it in the step's
         collectives)."""
         if self._slow("compute"):
+            self._slept_s = self._last_step_s * (self.cfg.slow_factor - 1)
+            time.sleep(self._slept_s)
+
+    def in_read(self) -> None:
+        """The slow-rank drill, slow_in="data": the step's first batch read sleeps, on the step's
+        clock, as a read from a slow disk or file system (the peers wait for it in the step's
+        first collective)."""
+        if self._slow("data") and not self._slept_s:
             self._slept_s = self._last_step_s * (self.cfg.slow_factor - 1)
             time.sleep(self._slept_s)
 

@@ -2,8 +2,9 @@
 
 Fault drills, the hang and straggler watchdog, goodput accounting and the state
 tiers (checkpoints on disk and in memory). The trainer calls `begin_step` before a
-step, `step_done` once its update is settled, `end_step` after the step's saves and
-evaluation, and `timed` around those; it saves and restores through `tiers`.
+step, reads the step's batch through `reads`, calls `step_done` once its update is
+settled, `end_step` after the step's saves and evaluation, and `timed` around those;
+it saves and restores through `tiers`.
 
 The guard is built before the run dir is opened, since a resume needs the tiers.
 `watch` starts the watchdog as soon as the run dir is locked, so a hang while
@@ -53,6 +54,7 @@ class RunGuard:
                                  first_step_timeout_s=limit, phase_timeout_s=limit)
         self._log: Callable[..., None] | None = None
         self._held: list[tuple[str, dict[str, Any]]] = []
+        self._read_s = 0.0  # this step's time in reads()
 
     def event(self, name: str, **fields: Any) -> None:
         """An event for the metrics log (held until open())."""
@@ -104,9 +106,22 @@ class RunGuard:
         self.faults.before_step(step)  # a killed or hung rank stops here, outside any collective
         if self.cfg.watchdog.timeout_s and self.proc.world_size > 1:
             dist.barrier()
+        self._read_s = 0.0
         started = time.perf_counter()
         self.faults.inside_step()  # the slow-device drill: on the step's clock
         return started
+
+    def reads(self, read: Callable[..., Any]) -> Callable[..., Any]:
+        """`read` (a batch read) timed into this step's reading time, which tells a rank slow
+        before the step's first collective (its peers wait for it there: step times agree)."""
+        def timed(*args: Any) -> Any:
+            begin = time.perf_counter()
+            try:
+                self.faults.in_read()  # the slow-reader drill
+                return read(*args)
+            finally:
+                self._read_s += time.perf_counter() - begin
+        return timed
 
     def step_done(self, step: int, started: float, outcome: str) -> None:
         """The step's update is settled ("updated", "overflow", "anomaly"): account its time."""
@@ -122,7 +137,7 @@ class RunGuard:
         w = self.cfg.watchdog
         due = w.timeout_s and self.proc.world_size > 1 and probe_due(step, w.probe_interval)
         probe_s = probe_seconds(self.device, self.faults.slow_compute_probe) if due else None
-        self.watchdog.step_end(step, step_s, probe_s)
+        self.watchdog.step_end(step, step_s, probe_s, self._read_s)
 
     def timed(self, category: str, work: Callable[[], Any]) -> Any:
         """Run `work`, its time accounted to goodput `category` (eval, checkpoint, recovery)."""

@@ -15,14 +15,23 @@ last collective (the optimizer step, logging, saves), not for work before its fi
 rank's data loading, which its peers wait for there). A rank slow *inside* the step (a slow GPU)
 makes its peers wait in the step's collectives, so step times miss it: the compute
 probe (compute_probe.py) times each rank alone between steps, judged the same way
-(measure "compute"; step times are measure "step").
+(measure "compute"; step times are measure "step"). A rank slow before the step's first
+collective, reading its batch from a slow disk or file system, is named by the time its
+own reads took (measure "data"). Reads of memory-mapped tokens take microseconds, so
+their ratios alone are noise: a rank's reads count as slow only when they also exceed
+the others' median by DATA_FLOOR of the step's median time, below which its peers lose
+little to them. On a GPU the host may read ahead of queued kernels and hide slow reads;
+the event then tells of a slow reader, not yet of a slow step.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from shardline.config.resilience import WatchdogConfig
+
+DATA_FLOOR = 0.05  # a rank's reads are slow only when they exceed the others' by this share of the step
 
 
 @dataclass(frozen=True)
@@ -30,9 +39,9 @@ class Straggler:
     step: int
     rank: int
     factor: float  # this rank's time over the median of the others
-    step_time_s: float  # this rank's time by the measure: its step, or its compute probe
+    step_time_s: float  # this rank's time by the measure: its step, its compute probe, or its reads
     median_s: float
-    measure: str = "step"  # "step" (step times) or "compute" (compute probes)
+    measure: str = "step"  # "step" (step times), "compute" (compute probes) or "data" (batch reads)
 
 
 def median_without(ordered: list[float], i: int) -> float:
@@ -51,8 +60,9 @@ class StragglerTracker:
         self.factor, self.steps, self.measure = factor, steps, measure
         self.streaks: dict[int, int] = {}  # rank -> consecutive slow steps so far
 
-    def observe(self, step: int, times: dict[int, float]) -> list[Straggler]:
-        """Judge one step given every rank's time for it; return the newly reported stragglers."""
+    def observe(self, step: int, times: dict[int, float], floor_s: float = 0.0) -> list[Straggler]:
+        """Judge one step given every rank's time for it; return the newly reported stragglers.
+        floor_s: how far past the others' median a time must also be to count as slow."""
         if len(times) < 2:
             return []
         order = sorted(times, key=times.__getitem__)
@@ -61,7 +71,8 @@ class StragglerTracker:
         for i, rank in enumerate(order):
             median = median_without(ordered, i)
             factor = ordered[i] / median if median > 0 else 0.0
-            streak = self.streaks.get(rank, 0) + 1 if factor > self.factor else 0
+            slow = factor > self.factor and ordered[i] - median >= floor_s
+            streak = self.streaks.get(rank, 0) + 1 if slow else 0
             self.streaks[rank] = streak
             if streak == self.steps:
                 found.append(Straggler(step, rank, factor, ordered[i], median, self.measure))
@@ -76,7 +87,7 @@ class PeerWatch:
         self.beats: dict[int, tuple[int, float]] = {}  # rank -> (beat, when it last moved)
         # per measure (the record's list of (step, seconds)): its tracker, and the newest step judged
         self.trackers = {key: StragglerTracker(cfg.straggler_factor, cfg.straggler_steps, measure)
-                         for key, measure in (("times", "step"), ("probes", "compute"))}
+                         for key, measure in (("times", "step"), ("probes", "compute"), ("reads", "data"))}
         self.judged = dict.fromkeys(self.trackers, 0)
 
     def silent(self, records: dict[int, dict], now: float) -> list[int]:
@@ -90,15 +101,28 @@ class PeerWatch:
         return out
 
     def stragglers(self, records: dict[int, dict]) -> list[Straggler]:
-        """The stragglers newly found by step times and by compute probes, judged at the steps
-        every open rank has measured."""
+        """The stragglers newly found by step times, compute probes and batch reads, judged at
+        the steps every open rank has measured (reads: and timed)."""
         found = []
+        measured = {key: self._common(records, key) for key in self.trackers}
         for key, tracker in self.trackers.items():
-            times = {r: dict(rec.get(key, ())) for r, rec in records.items() if not rec["closed"]}
-            if len(times) < 2:
-                continue
-            common = set.intersection(*(set(t) for t in times.values()))
-            for step in sorted(s for s in common if s > self.judged[key]):
-                found += tracker.observe(step, {r: t[step] for r, t in times.items()})
+            for step in sorted(s for s in measured[key] if s > self.judged[key]):
+                times = measured[key][step]
+                floor = 0.0
+                if key == "reads":
+                    if step not in measured["times"]:
+                        break  # its step times are not published yet: judged at a later poll
+                    floor = DATA_FLOOR * statistics.median(measured["times"][step].values())
+                found += tracker.observe(step, times, floor)
                 self.judged[key] = step
         return found
+
+    @staticmethod
+    def _common(records: dict[int, dict], key: str) -> dict[int, dict[int, float]]:
+        """{step: {rank: seconds}} of measure `key` at the steps every open rank has published
+        (none with fewer than two open ranks)."""
+        times = {r: dict(rec.get(key, ())) for r, rec in records.items() if not rec["closed"]}
+        if len(times) < 2:
+            return {}
+        common = set.intersection(*(set(t) for t in times.values()))
+        return {step: {r: t[step] for r, t in times.items()} for step in common}

@@ -9,11 +9,11 @@ phase_begin / phase_end around long work outside steps: the start-up restore and
 final drain of saves; no I/O, so the hot path pays nothing). Each rank's thread, every poll (min(1 s, timeout / 4)):
   - publishes the rank's record under shardline/wd/rec/<rank>: step, inside a step or
     not and for how long (by its own clock: hosts' clocks need not agree), the limit
-    of this step, the recent step times, a beat counter;
+    of this step, the recent step times (and compute probes, batch reads), a beat counter;
   - looks for the hang flag, and answers it if set (dump own stacks, exit non-zero);
   - checks its own step against the limit: the stuck rank is the first to know;
   - on rank 0 only, reads every record: a peer whose beat stops moving for timeout_s
-    has died or froze with the GIL held; step times feed the straggler verdicts.
+    has died or froze with the GIL held; the times feed the straggler verdicts.
     Only rank 0 reads them all, so the store serves O(world) requests per poll.
 A hang is claimed with compare_set (the claim names the dump folder, so all ranks
 write to the same one); the claimant waits for the dumps, writes report.json naming
@@ -86,6 +86,7 @@ class Watchdog:
         self._outer = self._progress  # what a phase interrupted (phase_end goes back to it)
         self._times: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)
         self._probes: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)  # (step, compute probe seconds)
+        self._reads: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)  # (step, seconds reading its batch)
         self._lock = threading.Lock()  # _times: appended by the training thread, read by the watchdog
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # for the training thread to deliver
         self._peers = PeerWatch(cfg) if rank == 0 and world_size > 1 else None
@@ -130,13 +131,17 @@ class Watchdog:
             self._progress = _Progress(self._progress.step, False, time.monotonic())
         self._deliver()
 
-    def step_end(self, step: int, step_time_s: float, probe_s: float | None = None) -> None:
+    def step_end(self, step: int, step_time_s: float, probe_s: float | None = None,
+                 read_s: float | None = None) -> None:
         """step_time_s: this rank's own time, waits for peers excluded (see stragglers.py);
-        probe_s: its compute probe's time, on the steps that ran one (compute_probe.py)."""
+        probe_s: its compute probe's time, on the steps that ran one (compute_probe.py);
+        read_s: the time it spent reading the step's batch."""
         with self._lock:
             self._times.append((step, step_time_s))
             if probe_s is not None:
                 self._probes.append((step, probe_s))
+            if read_s is not None:
+                self._reads.append((step, read_s))
         self._progress = _Progress(step, False, time.monotonic())
         self._deliver()  # the heartbeat itself is published by the thread within a poll
 
@@ -180,10 +185,10 @@ class Watchdog:
     def _record(self, now: float, closed: bool = False) -> dict[str, Any]:
         p = self._progress
         with self._lock:
-            times, probes = list(self._times), list(self._probes)
+            times, probes, reads = list(self._times), list(self._probes), list(self._reads)
         return {"beat": self._beat, "host": self.host, "pid": os.getpid(), "step": p.step,
                 "in_step": p.in_step, "phase": p.phase, "elapsed_s": round(now - p.since, 3), "limit_s": p.limit_s,
-                "times": times, "probes": probes, "closed": closed}
+                "times": times, "probes": probes, "reads": reads, "closed": closed}
 
     def _publish(self, closed: bool = False) -> None:
         self._beat += 1
@@ -247,7 +252,7 @@ class Watchdog:
         phase, limit = first.get("phase", "step"), first["limit_s"] or self.timeout
         fields = {"step": step, "phase": phase, "limit_s": limit, "stopped_ranks": stopped, "dump_dir": str(folder),
                   "detected_by": self.rank}
-        ranks = {r: {**{k: v for k, v in records.get(r, {}).items() if k not in ("times", "probes")},
+        ranks = {r: {**{k: v for k, v in records.get(r, {}).items() if k not in ("times", "probes", "reads")},
                      "dumped": r in dumps, **dumps.get(r, {})} for r in range(self.world)}
         write_report(folder, {**fields, "timeout_s": self.timeout, "detected_at": incident["at"],
                               "suspects": incident["suspects"], "ranks": ranks})

@@ -322,10 +322,10 @@ class Trainer(SavedState, AnomalyResponse):
         (gradients clipped in place).
         """
         self.model.train()
-        micro, n_tokens = self._step_batch()
+        micro, n_tokens = self.guard.reads(self._step_batch)()  # it reads too: the labels it counts
         if self.experts:  # the balancing losses' gradients are scaled as the loss's are
             self.experts.begin_step(self.scaler.scale(torch.ones((), device=self.device)))
-        loss = self.steps.forward_backward_step(micro, self.data.train.batch, n_tokens)
+        loss = self.steps.forward_backward_step(micro, self.guard.reads(self.data.train.batch), n_tokens)
         if self.experts:
             self.experts.end_step()
         reduce_gradients(self.optimizer, self.dims.zero1_scatters)  # ZeRO-1: its slices (under tp/pp, summed)

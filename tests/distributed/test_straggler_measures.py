@@ -1,5 +1,6 @@
-"""The compute probe ([watchdog] probe_interval) names a rank whose device is slow, which step
-times cannot: its peers wait for it inside the step's collectives."""
+"""Stragglers that step times cannot name, since their peers wait for them inside the step's
+collectives: a slow device, named by the compute probe ([watchdog] probe_interval), and a slow
+reader of the step's batch, named by its reads' time."""
 
 from __future__ import annotations
 
@@ -14,23 +15,26 @@ from tests.conftest import tiny_overrides
 from tests.distributed.harness import run_world
 
 
-def test_a_slow_device_hidden_from_step_times_is_named_by_the_compute_probe(tmp_path, small_prepared):
-    """Rank 1 computes 4x slower inside its steps (the drill's slow_in="compute"), so rank 0 waits
-    for it in the FSDP collectives and their step times agree: only the probe names it."""
+@pytest.mark.parametrize(("slow_in", "measure", "probe_interval"), [("compute", "compute", 1), ("data", "data", 0)])
+def test_a_rank_slow_inside_its_steps_is_named_by_its_own_measure(tmp_path, small_prepared, slow_in, measure,
+                                                                    probe_interval):
+    """Rank 1 is 4x slower inside its steps: computing (the drill's slow_in="compute"), or
+    reading its batch (slow_in="data"). Rank 0 waits for it in the FSDP collectives and their
+    step times agree: only the probe, or the reads' time, names it."""
     run = tmp_path / "run"
     # 40 steps (~4 s): rank 0's watchdog judges the published records once a second, and stops
     # judging a rank whose record is closed
     run_world(2, [(run, tiny_overrides(
         run, small_prepared, "parallel.dp_shard=2", "train.steps=40", "train.eval_interval=0", "checkpoint.interval=0",
-        "watchdog.timeout_s=60", "watchdog.probe_interval=1", "watchdog.straggler_steps=3",
+        "watchdog.timeout_s=60", f"watchdog.probe_interval={probe_interval}", "watchdog.straggler_steps=3",
         "watchdog.straggler_factor=2.5",  # the drill's 4x is measured inside the rounds: 2.5x and up
-        "faults.slow_rank=1", "faults.slow_factor=4", "faults.slow_in=compute"))])
+        "faults.slow_rank=1", "faults.slow_factor=4", f"faults.slow_in={slow_in}"))])
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     found = [e for e in events if e.get("event") == "straggler"]
-    # (once per streak of slow probes: noise that breaks one starts another report)
+    # (once per streak of slow measurements: noise that breaks one starts another report)
     seen = [(e["measure"], e["rank"], e["factor"]) for e in found]
-    assert found and {(e["measure"], e["rank"]) for e in found} == {("compute", 1)}, seen
-    assert all(e["factor"] >= 2.5 and e["compute_time_s"] > 0 for e in found), seen  # (logged to 2 decimals)
+    assert found and {(e["measure"], e["rank"]) for e in found} == {(measure, 1)}, seen
+    assert all(e["factor"] >= 2.5 and e[f"{measure}_time_s"] > 0 for e in found), seen  # (logged to 2 decimals)
 
 
 def test_the_probe_times_the_drills_delay_inside_each_round():
@@ -54,6 +58,20 @@ def test_the_drill_scales_by_the_steps_own_time_from_the_second_step_of_the_proc
     drill.inside_step(), drill.step_computed(1.0 + 3.0)  # its time holds the 3 s slept
     drill.inside_step()
     assert slept == [0.0, 0.0, 3.0, 3.0]
+
+
+def test_the_slow_reader_drill_sleeps_in_the_first_read_of_a_step_only(monkeypatch):
+    from shardline.config.resilience import FaultsConfig
+    from shardline.resilience.faults import FaultInjector
+
+    slept = []
+    monkeypatch.setattr("shardline.resilience.faults.time.sleep", slept.append)
+    drill = FaultInjector(FaultsConfig(slow_rank=0, slow_factor=3, slow_in="data"), rank=0)
+    drill.in_read(), drill.step_computed(30.0)  # the first step: no scale
+    drill.in_read(), drill.in_read(), drill.step_computed(1.0)
+    drill.in_read(), drill.in_read(), drill.in_read(), drill.step_computed(1.0 + 2.0)
+    drill.inside_step(), drill.in_read()  # the compute drill is not this one
+    assert slept == [0.0, 0.0, 0.0, 2.0, 2.0]
 
 
 @pytest.mark.parametrize(("interval", "steps"), [(50, [25, 75, 125]), (1, list(range(1, 7))), (4, [2, 6]), (0, [])])
