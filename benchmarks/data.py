@@ -3,7 +3,8 @@
 prepared folder against the raw-text path, and the loader's tokens/s, side by side.
 
 All in one run on a generated corpus (English-like words drawn from the shipped
-corpus's vocabulary, documents of 200-8000 words, .jsonl):
+corpus's vocabulary, documents of 200-8000 words, .jsonl); every figure is the median of
+`--repeat` measurements (3 by default):
 
 * prepare: MB/s of input text with 1 worker and with --workers N (and per worker),
   using one given tokenizer (a BPE trained once on the shipped corpus), so no BPE
@@ -17,7 +18,7 @@ corpus's vocabulary, documents of 200-8000 words, .jsonl):
   consumes on the 1B shape), and the CPU milliseconds that cost per 1B-shape step of
   one rank (micro-batch 4 x 4096 tokens, 4 micro-batches).
 
-    python benchmarks/data.py                                  # sizes 20 and 100 MB
+    python benchmarks/data.py                                  # sizes 20 and 100 MB, 3 repeats
     python benchmarks/data.py --sizes 50,500 --workers 8 --json data.json
 """
 
@@ -28,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,31 +92,43 @@ print(imported - start, time.perf_counter() - imported, int(hwm.split()[1]) / 10
 """
 
 
-def startup(path: str, tok: Path) -> dict:
-    """A fresh process: import time, data build + first step's reads, peak RSS (MiB, VmHWM)."""
-    out = subprocess.run([sys.executable, "-c", _STARTUP, path, str(tok)], capture_output=True, text=True,
-                         check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    imported, build, rss = map(float, out.stdout.split())
-    return {"import_s": imported, "startup_s": build, "peak_rss_mib": rss}
+def medians(rows: list[dict]) -> dict:
+    """Each figure's median over repeated measurements."""
+    return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
 
 
-def loader_rate(folder: Path, tok: Path, seconds: float = 5.0) -> dict:
-    """Tokens/s of random 4 x 4096 micro-batches read from a prepared folder, one thread."""
+def startup(path: str, tok: Path, repeat: int = 1) -> dict:
+    """Fresh processes: import time, data build + first step's reads, peak RSS (MiB, VmHWM)."""
+    rows = []
+    for _ in range(repeat):
+        out = subprocess.run([sys.executable, "-c", _STARTUP, path, str(tok)], capture_output=True, text=True,
+                             check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        imported, build, rss = map(float, out.stdout.split())
+        rows.append({"import_s": imported, "startup_s": build, "peak_rss_mib": rss})
+    return medians(rows)
+
+
+def loader_rate(folder: Path, tok: Path, seconds: float = 5.0, repeat: int = 1) -> dict:
+    """Tokens/s of random 4 x 4096 micro-batches read from a prepared folder, one thread
+    (medians over `repeat` windows of `seconds`)."""
     import numpy as np
 
     from shardline.config import load_config
     from shardline.data import build_data
 
-    cfg = load_config(None, [f"data.path={folder}", f"data.tokenizer={tok}", "train.seq_len=4096"])
-    train = build_data(cfg).train
-    rng, tokens, cpu0, start = np.random.default_rng(0), 0, time.process_time(), time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        batch = train.batch(rng.integers(0, len(train), 4))
-        tokens += batch["input_ids"].numel()
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
-    rate = tokens / wall
-    return {"tokens_per_s": rate, "x_h200_1b": rate / H200_1B_TOKENS_PER_S,
-            "cpu_ms_per_1b_step": 1e3 * cpu / tokens * 4 * 4 * 4096}
+    cfg = load_config(None, [f"data.path={folder}", f"data.tokenizer={tok}", "train.seq_len=4096",
+                             "train.eval_interval=0"])  # (a small corpus may hold out less than a sequence)
+    train, rng, rows = build_data(cfg).train, np.random.default_rng(0), []
+    for _ in range(repeat):
+        tokens, cpu0, start = 0, time.process_time(), time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            batch = train.batch(rng.integers(0, len(train), 4))
+            tokens += batch["input_ids"].numel()
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
+        rate = tokens / wall
+        rows.append({"tokens_per_s": rate, "x_h200_1b": rate / H200_1B_TOKENS_PER_S,
+                     "cpu_ms_per_1b_step": 1e3 * cpu / tokens * 4 * 4 * 4096})
+    return medians(rows)
 
 
 def run(args) -> dict:
@@ -123,31 +137,34 @@ def run(args) -> dict:
     os.environ.setdefault("SHARDLINE_CACHE", str(tmp / "cache"))
     try:
         tok = tokenizer_file(tmp)
-        res = {"sizes_mb": sizes, "workers": args.workers, "prepare": {}, "startup": {}, "cpu_count": os.cpu_count()}
+        n = args.repeat
+        res = {"sizes_mb": sizes, "workers": args.workers, "prepare": {}, "startup": {}, "cpu_count": os.cpu_count(),
+               "repeat": n}
         for mb in sizes:
             corpus = tmp / f"corpus{mb:g}.jsonl"
             nbytes = generate(corpus, mb)
             folder = tmp / f"prep{mb:g}"
             if mb == max(sizes):
                 for w in sorted({1, args.workers}):
-                    seconds = time_prepare(corpus, folder, tok, w)
+                    seconds = statistics.median(time_prepare(corpus, folder, tok, w) for _ in range(n))
                     res["prepare"][f"workers={w}"] = {"mb": nbytes / 1e6, "seconds": seconds,
                                                       "mb_per_s": nbytes / 1e6 / seconds,
                                                       "mb_per_s_per_worker": nbytes / 1e6 / seconds / w}
             else:
                 time_prepare(corpus, folder, tok, args.workers)
-            res["startup"][f"prepared {mb:g} MB"] = startup(str(folder), tok)
+            res["startup"][f"prepared {mb:g} MB"] = startup(str(folder), tok, n)
             if mb == min(sizes):
-                res["startup"][f"raw {mb:g} MB"] = startup(str(corpus), tok)
-        res["startup"]["imports only"] = startup("-", tok)
-        res["loader"] = loader_rate(tmp / f"prep{max(sizes):g}", tok)
+                res["startup"][f"raw {mb:g} MB"] = startup(str(corpus), tok, n)
+        res["startup"]["imports only"] = startup("-", tok, n)
+        res["loader"] = loader_rate(tmp / f"prep{max(sizes):g}", tok, repeat=n)
         return res
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def table(res: dict) -> str:
-    lines = [f"prepare ({res['cpu_count']} cores on this machine)", "  workers    MB    seconds   MB/s   MB/s/worker"]
+    lines = [f"medians of {res['repeat']} measurements", f"prepare ({res['cpu_count']} cores on this machine)",
+             "  workers    MB    seconds   MB/s   MB/s/worker"]
     for name, r in res["prepare"].items():
         lines.append(f"  {name:<9} {r['mb']:6.1f} {r['seconds']:8.1f} {r['mb_per_s']:7.2f} "
                      f"{r['mb_per_s_per_worker']:8.2f}")
@@ -166,6 +183,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="20,100", help="corpus sizes in MB, comma-separated (default 20,100)")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)), help="prepare workers")
+    p.add_argument("--repeat", type=int, default=3, help="measurements per figure; medians are reported (default 3)")
     p.add_argument("--tmp", default=None, help="folder for the generated corpora (default: the system's)")
     p.add_argument("--json", nargs="?", const="-", default=None, help="write the figures as JSON (- = stdout)")
     args = p.parse_args()

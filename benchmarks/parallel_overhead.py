@@ -3,11 +3,14 @@
 Every layout is launched as a user would (`torchrun -m shardline train`) on CPU with
 gloo, on the same model, data and global batch; step times are medians over the steps
 after warm-up, read from each run's metrics.jsonl (peak memory there is the max over
-ranks of the process peak RSS). On 2 cores, 4 processes share the CPU, so the figures
-rank the layouts' overheads (communication, resharding, bubbles) rather than show
-speed-ups.
+ranks of the process peak RSS). The layouts run in rounds (every layout once per round,
+`--repeat` rounds), so a drift of the machine's speed reaches all of them; a layout's
+figures are the medians over the rounds, its ratio to DDP the median of the per-round
+ratios, and `spread` the range of its step times over the rounds. On 2 cores, 4 processes
+share the CPU, so the figures rank the layouts' overheads (communication, resharding,
+bubbles) rather than show speed-ups.
 
-    python benchmarks/parallel_overhead.py [--steps 12] [--json]
+    python benchmarks/parallel_overhead.py [--steps 12] [--repeat 3] [--json]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def free_port() -> int:
 
 def run_layout(name: str, extra: list[str], steps: int, root: Path) -> dict:
     run = root / name.replace(" ", "_")
+    run.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}",
            "-m", "shardline", "train", *MODEL, *extra, f"--run.dir={run}", f"--train.steps={steps}",
            "--train.seq_len=128", "--train.global_batch_size=16", "--train.micro_batch_size=2",
@@ -61,27 +65,46 @@ def run_layout(name: str, extra: list[str], steps: int, root: Path) -> dict:
             "peak_mem_gib_per_rank": max(r["peak_mem_gib"] for r in train), "final_loss": train[-1]["loss"]}
 
 
+def summarize(name: str, runs: list[dict], base: list[dict] | None) -> dict:
+    """One layout's figures over the rounds (medians; vs_ddp from each round's pair)."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    times = [r["step_time_s"] for r in runs]
+    step_s = statistics.median(times)
+    row = {"layout": name, "step_time_s": step_s, "tokens_per_s": 16 * 128 / step_s, "rounds": len(runs),
+           "spread": (max(times) - min(times)) / step_s,
+           "peak_mem_gib_per_rank": statistics.median(r["peak_mem_gib_per_rank"] for r in runs),
+           "final_loss": runs[0]["final_loss"]}
+    if base and not any("error" in b for b in base):
+        row["vs_ddp"] = statistics.median(b["step_time_s"] / r["step_time_s"] for b, r in zip(base, runs))
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeat", type=int, default=3, help="rounds over all layouts (medians are reported)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_layout(name, extra, args.steps, Path(tmp)) for name, extra in LAYOUTS.items()]
-    base = next((r["tokens_per_s"] for r in rows if r["layout"] == "ddp" and "error" not in r), None)
-    for r in rows:
-        if "error" not in r and base:
-            r["vs_ddp"] = r["tokens_per_s"] / base
+        for i in range(args.repeat):
+            for name, extra in LAYOUTS.items():
+                runs[name].append(run_layout(name, extra, args.steps, Path(tmp) / f"round{i}"))
+    rows = [summarize(name, r, runs["ddp"]) for name, r in runs.items()]
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"{'layout':26s} {'tokens/s':>9s} {'vs DDP':>7s} {'step s':>7s} {'peak GiB/rank':>13s} {'loss':>7s}")
+    print(f"medians over {args.repeat} rounds")
+    print(f"{'layout':26s} {'tokens/s':>9s} {'vs DDP':>7s} {'step s':>7s} {'spread':>7s} {'peak GiB/rank':>13s} "
+          f"{'loss':>7s}")
     for r in rows:
         if "error" in r:
             print(f"{r['layout']:26s} failed: {r['error']}")
             continue
         print(f"{r['layout']:26s} {r['tokens_per_s']:9.0f} {r.get('vs_ddp', 0):7.2f} {r['step_time_s']:7.3f} "
-              f"{r['peak_mem_gib_per_rank']:13.3f} {r['final_loss']:7.4f}")
+              f"{r['spread']:6.0%} {r['peak_mem_gib_per_rank']:13.3f} {r['final_loss']:7.4f}")
 
 
 if __name__ == "__main__":

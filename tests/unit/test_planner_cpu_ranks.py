@@ -187,6 +187,56 @@ def test_fsdp_wrapper_overhead_grows_with_the_parameter_bytes_it_copies():
     assert estimate(WORK, ddp, hw).breakdown["compute"] == estimate(WORK, ddp, base).breakdown["compute"]
 
 
+@pytest.mark.parametrize("zero, pp, expected", [
+    (3, 1, 1.0),  # as calibrated: each micro-batch gathers twice and reduce-scatters once
+    (2, 1, 2 / 3),  # gathered once per micro-batch, kept for the backward
+    (3, 2, (4 + 1 + 1) / (3 * 4)),  # a stage gathers per micro-batch (+ pp - 1) and reduce-scatters once per step
+    (2, 2, 2 / (3 * 4)),  # a stage gathers and reduce-scatters once per step
+])
+def test_fsdp_copies_are_charged_by_the_passes_that_copy(zero, pp, expected):
+    """FSDP's hooks run every micro-batch, but its copies into and out of the buffers only on a
+    gather or reduce-scatter: under pp most micro-batches do neither."""
+    hw, base = (cpu(cores=8).with_cpu(fsdp_layer_overhead_us_per_mb=x) for x in (10.0, 0.0))
+    lay = Layout(dp_shard=2, zero=zero, pp=pp, pp_microbatches=4 if pp > 1 else 1, micro_batch_size=1)
+    work = dataclasses.replace(WORK, global_batch=8)
+    n_micro = lay.micro_batches(work.global_batch)
+    assert n_micro == 4
+    block_mb = 4e-6 * (256 * (2 * 256 + 2 * 128) + 3 * 256 * 768 + 2 * 256)
+    embed_mb = 4e-6 * 4096 * 256
+    first = ranks(work, lay)[0]  # all 4 blocks and both ends, or under pp the first stage: 3 blocks, the embedding
+    ends = 2 * embed_mb if pp == 1 else embed_mb
+    root = 1.0 if pp == 1 else 1 / n_micro
+    extra = estimate(work, lay, hw).breakdown["compute"] - estimate(work, lay, base).breakdown["compute"]
+    assert extra == pytest.approx(n_micro * 10e-6 * (first.layers * block_mb * expected + ends * root), rel=1e-6)
+
+
+def test_idle_pipeline_stages_lend_their_cores_on_a_shared_cpu(monkeypatch):
+    """Four CPU ranks on two cores (a half each), pp 2 with unequal stages (3 blocks | 1 + head):
+    the lighter stage and the bubble wait in receives, which frees their cores, so the step is
+    shorter than the slow stage's micro-batches at a half plus the bubble, but no shorter than
+    at a whole core. Where every rank has its core, nothing changes."""
+    lay = Layout(dp_shard=2, pp=2, pp_microbatches=4, micro_batch_size=1)
+    work = dataclasses.replace(WORK, global_batch=8)
+    shared, roomy = cpu(cores=2), cpu(cores=4)
+    with_rule = [estimate(work, lay, hw) for hw in (shared, roomy)]
+    monkeypatch.setattr("shardline.planner.estimate._idle_stages_lend_cores", lambda *a: None)
+    without = [estimate(work, lay, hw) for hw in (shared, roomy)]
+    terms = ("compute", "recompute", "fsdp_comm", "pp_comm", "pp_bubble")
+
+    def pace(e):
+        return sum(e.breakdown.get(k, 0.0) for k in terms)
+
+    assert cmp.share(shared, lay) == 0.5
+    assert cmp.share(shared, lay) * pace(without[0]) < pace(with_rule[0]) < pace(without[0])
+    assert with_rule[0].step_time_s == pytest.approx(sum(with_rule[0].breakdown.values()))
+    assert other_terms(with_rule[0], terms) == pytest.approx(other_terms(without[0], terms))
+    assert with_rule[1].breakdown == without[1].breakdown  # 4 ranks on 4 cores
+
+
+def other_terms(e, terms) -> dict:
+    return {k: v for k, v in e.breakdown.items() if k not in terms}
+
+
 def test_a_wall_time_tp_calibration_replaces_the_tp_wrapper_and_collective_costs_on_cpu():
     tp = Layout(tp=2, micro_batch_size=8)
     act_mb = 4e-6 * 8 * 128 * TINY.dim  # a micro-batch's activations

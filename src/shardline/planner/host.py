@@ -19,6 +19,29 @@ def _fsdp(layout: Layout) -> bool:
     return layout.dp_mode in ("fsdp", "zero2", "hsdp")
 
 
+def fsdp_passes(layout: Layout, n_micro: int) -> tuple[int, int]:
+    """(gather, reduce-scatter) passes over a rank's blocks per step under FSDP
+    (microbatch_comm.fsdp_exposed says why): without pp each micro-batch gathers (twice at
+    zero 3) and reduce-scatters; under pp the stage reduce-scatters once, and gathers once
+    (zero 2) or per micro-batch plus the warm-up's pp - 1 (zero 3)."""
+    if layout.pp == 1:
+        return n_micro * (2 if layout.zero == 3 else 1), n_micro
+    return (n_micro + layout.pp - 1 if layout.zero == 3 else 1), 1
+
+
+def copy_share(layout: Layout, work: Workload, root: bool = False) -> float:
+    """The share of FSDP's calibrated buffer copies a block (or the root module) pays per
+    micro-batch. The calibration times a ZeRO-3 block's forward and backward, 2 gathers and 1
+    reduce-scatter, and its size-dependent part is their copies; the block's copies follow its
+    passes (fsdp_passes), while its hooks run every micro-batch. The root gathers and reduce-
+    scatters once per micro-batch (never resharded after forward), once per step under pp."""
+    n = max(1, layout.micro_batches(work.global_batch))
+    if root:
+        return 1.0 / n if layout.pp > 1 else 1.0
+    gathers, scatters = fsdp_passes(layout, n)
+    return (gathers + scatters) / (3 * n)
+
+
 def tp_wall_calibrated(hw: Hardware, layout: Layout) -> bool:
     """TP on CPU ranks whose profile times TP's blocks and ends in wall time (calibrate/dist.py)."""
     return layout.tp > 1 and hw.cpu.shared_compute and hw.cpu.tp_layer_wall_us > 0
@@ -44,7 +67,8 @@ def tp_ends_wall(hw: Hardware, layout: Layout, work: Workload, first: bool, last
 
 
 def wrapper_overhead(hw: Hardware, layout: Layout, work: Workload) -> float:
-    """Host seconds of the TP (DTensor) and FSDP2 wrappers per block per micro-batch (forward + backward).
+    """Host seconds of the TP (DTensor) and FSDP2 wrappers per block per micro-batch (forward + backward):
+    FSDP's hooks every micro-batch, its copies by its passes (copy_share).
 
     TP's part is left to tp_block_wall where that is calibrated.
     """
@@ -53,14 +77,15 @@ def wrapper_overhead(hw: Hardware, layout: Layout, work: Workload) -> float:
         us += hw.cpu.tp_layer_overhead_us
     if _fsdp(layout):
         cpu = hw.cpu
-        us += cpu.fsdp_layer_overhead_us + cpu.fsdp_layer_overhead_us_per_mb * 4e-6 * layer_params(work, layout.tp)
+        copies = cpu.fsdp_layer_overhead_us_per_mb * 4e-6 * layer_params(work, layout.tp) * copy_share(layout, work)
+        us += cpu.fsdp_layer_overhead_us + copies
     return us * 1e-6 / share(hw, layout)
 
 
 def ends_overhead(hw: Hardware, layout: Layout, first: bool, last: bool, work: Workload) -> float:
     """Host seconds of the wrappers around the model's ends per micro-batch, half to each end.
 
-    FSDP's size-dependent part counts each end's weight (embedding, output).
+    FSDP's size-dependent part counts each end's weight (embedding, output), by the root's passes.
     """
     ends = 0.5 * first + 0.5 * last
     us = 0.0
@@ -68,5 +93,6 @@ def ends_overhead(hw: Hardware, layout: Layout, first: bool, last: bool, work: W
         us += hw.cpu.tp_head_overhead_us * ends
     if _fsdp(layout):
         embed_mb = 4e-6 * work.model.vocab_size * work.model.dim / layout.tp
-        us += hw.cpu.fsdp_root_overhead_us * ends + hw.cpu.fsdp_layer_overhead_us_per_mb * embed_mb * 2 * ends
+        copies = hw.cpu.fsdp_layer_overhead_us_per_mb * embed_mb * 2 * ends * copy_share(layout, work, root=True)
+        us += hw.cpu.fsdp_root_overhead_us * ends + copies
     return us * 1e-6 / share(hw, layout)

@@ -191,17 +191,7 @@ def fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTime
     m = max(layout.pp_microbatches, 1)
     gathers = gather + (layers - 1) * max(0.0, gather - hide * lt.forward)  # one pass over the stage's blocks
     scatters = scatter + (layers - 1) * max(0.0, scatter - hide * lt.backward)
-    return (fsdp_passes(layout, m)[0] * gathers + scatters + root_comm) / m
-
-
-def fsdp_passes(layout: Layout, n_micro: int) -> tuple[int, int]:
-    """(gather, reduce-scatter) passes over a rank's blocks per step under FSDP (fsdp_exposed
-    says why): without pp each micro-batch gathers (twice at zero 3) and reduce-scatters; under
-    pp the stage reduce-scatters once, and gathers once (zero 2) or per micro-batch plus the
-    warm-up's pp - 1 (zero 3)."""
-    if layout.pp == 1:
-        return n_micro * (2 if layout.zero == 3 else 1), n_micro
-    return (n_micro + layout.pp - 1 if layout.zero == 3 else 1), 1
+    return (host.fsdp_passes(layout, m)[0] * gathers + scatters + root_comm) / m
 
 
 def fsdp_block(work: Workload, layout: Layout, hw: Hardware) -> tuple | None:

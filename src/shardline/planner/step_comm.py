@@ -15,7 +15,7 @@ from shardline.planner import compute as cmp
 from shardline.planner.activations import dtype_bytes, fsdp_gather_bytes
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
-from shardline.planner.microbatch_comm import fsdp_passes
+from shardline.planner.host import fsdp_passes
 from shardline.planner.memory import (
     DDP_BUCKET_BYTES,
     distinct_ranks,
