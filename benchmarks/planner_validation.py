@@ -14,7 +14,8 @@ depth, heads, sequence, micro-batching, precision, activation checkpointing) the
    `step_time_s` (median over the steps after the first two) and `peak_mem_gib` (the
    last record: ru_maxrss) from `<run_dir>/metrics.jsonl`; while it runs, it also reads
    the process' CPU time (/proc/PID/stat) each time a step's record appears;
-4. prints predicted, measured and the relative error; `--json PATH` writes all of it;
+4. prints predicted, measured and the relative error; `--json PATH` writes all of it (with
+   the quick calibration's fields, to price the same runs again with another planner);
    `--results FILE` rewrites this script's section of a results file (RESULTS.md).
 
 Everything runs on one thread (`--threads`, default 1): calibration timed with the
@@ -118,7 +119,10 @@ def data_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def machine_profile(args: argparse.Namespace, names: list[str], layouts: list[str]):
-    """The planner's view of this machine: a calibrated profile plus this run's process baseline."""
+    """The planner's view of this machine: a calibrated profile plus this run's process baseline;
+    and the quick calibration's fields (None with --profile), kept in the JSON so a later
+    planner can be checked against this run's measurements on the same profile."""
+    fields = None
     if args.profile:
         hw = get_hardware("cpu", args.profile)
     else:
@@ -129,7 +133,7 @@ def machine_profile(args: argparse.Namespace, names: list[str], layouts: list[st
                             baseline=False, clock=clock, comm_worlds=worlds)
         hw = apply_overrides(cpu_hardware(), fields, "quick calibration")
     # The data pipeline of these runs (not the default one) sets the resident baseline.
-    return hw.with_cpu(process_baseline_gib=measure_baseline_gib(data_overrides(args)))
+    return hw.with_cpu(process_baseline_gib=measure_baseline_gib(data_overrides(args))), fields
 
 
 def predict(overrides: list[str], hw, world: int = 1) -> dict:
@@ -225,7 +229,7 @@ def run(args: argparse.Namespace) -> dict:
     layouts = _names(args.layouts, LAYOUTS, "layout")
     load_before = os.getloadavg()
     torch.set_num_threads(args.threads)  # the profile's peak and fits are for this many threads
-    hw = machine_profile(args, names, layouts)
+    hw, calibration = machine_profile(args, names, layouts)
     preds = {name: predict(["model.preset=tiny", *data_overrides(args), *CONFIGS[name]], hw) for name in names}
     preds.update({name: predict([*data_overrides(args), *LAYOUTS[name][1]], hw, LAYOUTS[name][0]) for name in layouts})
     runs: dict[str, list[dict]] = {name: [] for name in (*names, *layouts)}
@@ -249,7 +253,7 @@ def run(args: argparse.Namespace) -> dict:
         abs(r[key]) for r in rows.values() if sel is None or (r["world"] > 1) == sel)
     multi = any(r["world"] > 1 for r in rows.values())
     single = any(r["world"] == 1 for r in rows.values())
-    return {"configs": rows, "profile": args.profile or "quick calibration",
+    return {"configs": rows, "profile": args.profile or "quick calibration", "calibration": calibration,
             "process_baseline_gib": hw.cpu.process_baseline_gib, "cores": hw.cpu.cores, "network": vars(hw.network),
             "corun": {k: getattr(hw.cpu, f"corun_{k}_eff") for k in ("matmul", "memory", "dispatch")},
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "load_before": load_before,
