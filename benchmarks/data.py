@@ -187,6 +187,8 @@ def main() -> None:
     p.add_argument("--tmp", default=None, help="folder for the generated corpora (default: the system's)")
     p.add_argument("--json", nargs="?", const="-", default=None, help="write the figures as JSON (- = stdout)")
     args = p.parse_args()
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat}: must be at least 1")
     res = run(args)
     if args.json == "-":
         print(table(res), file=sys.stderr)

@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="rounds over all layouts (medians are reported)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: must be at least 1")
     runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeat):

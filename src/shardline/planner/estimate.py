@@ -131,7 +131,7 @@ def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]
     # The bubble is the other stages' fill and drain: (p-1)/m x m x their mean micro-batch time
     # (for 1F1B with stage times t_i: (m-1)·max t + sum t, as with equal stages).
     breakdown["pp_bubble"] = bubble * n_micro * _others_mean(work, layout, totals, slow_key)
-    _idle_stages_lend_cores(work, layout, hw, per_mb, n_micro, breakdown)
+    _idle_stages_lend_cores(work, layout, hw, per_mb, n_micro, bubble, breakdown)
     tail, dp_total, algos = dp_tail(work, layout, hw, slow)
     breakdown["dp_comm"] = breakdown.get("dp_comm", 0.0) + tail
     breakdown["optimizer"] = _optimizer(work, layout, hw)
@@ -151,7 +151,7 @@ def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]
 
 
 def _idle_stages_lend_cores(work: Workload, layout: Layout, hw: Hardware, per_mb: dict, n_micro: int,
-                            breakdown: dict) -> None:
+                            bubble: float, breakdown: dict) -> None:
     """CPU ranks sharing a node's cores under pp: the micro-batch terms and the bubble, scaled
     (in place) to the larger of two bounds, when that is shorter than the busiest stage at its share.
 
@@ -159,13 +159,15 @@ def _idle_stages_lend_cores(work: Workload, layout: Layout, hw: Hardware, per_mb
     frees its core for the busy ones, so the slowest stage does not run at its share of the cores
     the whole step. The step takes at least all the ranks' work spread over the node's cores
     (the stages' mean micro-batch at the share) and at least the critical path at a whole rank's
-    speed (the slowest stage's micro-batches and the bubble). The CPU share of a micro-batch's
-    compute is `share` x its time; exposed communication counts in full. GPUs are not shared:
-    nothing changes there.
+    speed (the slowest stage's micro-batches and the bubble: the other stages' micro-batches).
+    The CPU share of a micro-batch's compute is `share` x its time; exposed communication
+    counts in full. Only stages on one node share cores; GPUs are not shared: nothing changes
+    there.
     """
     sh = cmp.share(hw, layout)
-    if layout.pp == 1 or not hw.cpu.shared_compute or sh >= 1.0:
+    if layout.pp == 1 or not hw.cpu.shared_compute or sh >= 1.0 or layout.world > hw.network.gpus_per_node:
         return
+
     def cpu(mb: dict[str, float]) -> float:  # a micro-batch's CPU seconds on one rank
         computed = mb["compute"] + mb["recompute"]
         return computed * sh + sum(mb.values()) - computed
@@ -173,8 +175,10 @@ def _idle_stages_lend_cores(work: Workload, layout: Layout, hw: Hardware, per_mb
     stages = [cpu(per_mb[(r.layers, r.label)]) for r in ranks(work, layout)]  # every pipeline rank
     keys = [*next(iter(per_mb.values())), "pp_bubble"]
     old = sum(breakdown.get(k, 0.0) for k in keys)
+    slowest, others = max(stages), list(stages)
+    others.remove(slowest)
     spread = n_micro * sum(stages) / len(stages) / sh
-    critical = n_micro * max(stages) + breakdown["pp_bubble"] * sh
+    critical = n_micro * slowest + bubble * n_micro * sum(others) / len(others)
     new = max(spread, critical)
     if 0 < new < old:
         for k in keys:

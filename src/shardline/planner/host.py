@@ -34,11 +34,13 @@ def copy_share(layout: Layout, work: Workload, root: bool = False) -> float:
     micro-batch. The calibration times a ZeRO-3 block's forward and backward, 2 gathers and 1
     reduce-scatter, and its size-dependent part is their copies; the block's copies follow its
     passes (fsdp_passes), while its hooks run every micro-batch. The root gathers and reduce-
-    scatters once per micro-batch (never resharded after forward), once per step under pp."""
+    scatters once per micro-batch (never resharded after forward), once per step under pp.
+    Under pp the passes were counted with one stage per rank (pp 2, 1F1B)."""
     n = max(1, layout.micro_batches(work.global_batch))
     if root:
-        return 1.0 / n if layout.pp > 1 else 1.0
-    gathers, scatters = fsdp_passes(layout, n)
+        gathers = scatters = 1 if layout.pp > 1 else n
+    else:
+        gathers, scatters = fsdp_passes(layout, n)
     return (gathers + scatters) / (3 * n)
 
 

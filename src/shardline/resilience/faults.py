@@ -23,6 +23,7 @@ class FaultInjector:
         self.fired: set[str] = set()
         self._last_step_s = self._slept_s = 0.0  # the slow-rank drill inside a step: its scale, its sleep
         self._steps_seen = 0
+        self._read_due = False  # the data drill has yet to sleep in this step
 
     def _fire(self, name: str, step: int, at: int, rank: int | None = None) -> bool:
         if not (self.first_attempt and at and step == at and name not in self.fired):
@@ -61,25 +62,30 @@ class FaultInjector:
         (compilation, warm-up; a resumed run's too), which the watchdog gives its long limit,
         sets none."""
         if self._steps_seen:
-            self._last_step_s = seconds - self._slept_s
+            self._last_step_s = max(0.0, seconds - self._slept_s)
         self._steps_seen += 1
-        self._slept_s = 0.0
 
     def inside_step(self) -> None:
-        """The slow-rank drill, slow_in="compute": a sleep at the start of the step, on its
-        clock, as a slow device's extra compute time (the peers wait for it in the step's
-        collectives)."""
+        """A step's clock starts (a retried step's too: a rolled-back one never settled). The
+        slow-rank drill, slow_in="compute": a sleep now, as a slow device's extra compute time
+        (the peers wait for it in the step's collectives)."""
+        self._slept_s, self._read_due = 0.0, True
         if self._slow("compute"):
-            self._slept_s = self._last_step_s * (self.cfg.slow_factor - 1)
+            self._drill_sleep()
+
+    def _drill_sleep(self) -> None:
+        """The in-step drills' sleep: (slow_factor - 1) x the previous step's own time."""
+        self._slept_s = self._last_step_s * (self.cfg.slow_factor - 1)
+        if self._slept_s > 0:
             time.sleep(self._slept_s)
 
     def in_read(self) -> None:
         """The slow-rank drill, slow_in="data": the step's first batch read sleeps, on the step's
         clock, as a read from a slow disk or file system (the peers wait for it in the step's
         first collective)."""
-        if self._slow("data") and not self._slept_s:
-            self._slept_s = self._last_step_s * (self.cfg.slow_factor - 1)
-            time.sleep(self._slept_s)
+        if self._slow("data") and self._read_due:
+            self._read_due = False
+            self._drill_sleep()
 
     def slow_compute_probe(self, seconds: float) -> None:
         """Inside a compute probe's timed round of `seconds`: the slow rank of slow_in="compute"

@@ -112,8 +112,8 @@ class RunGuard:
         return started
 
     def reads(self, read: Callable[..., Any]) -> Callable[..., Any]:
-        """`read` (a batch read) timed into this step's reading time, which tells a rank slow
-        before the step's first collective (its peers wait for it there: step times agree)."""
+        """`read` (a batch read) timed into this step's reading time, which tells a rank slow to
+        read its batches (its peers wait for it in the step's collectives: step times agree)."""
         def timed(*args: Any) -> Any:
             begin = time.perf_counter()
             try:

@@ -20,8 +20,10 @@ collective, reading its batch from a slow disk or file system, is named by the t
 own reads took (measure "data"). Reads of memory-mapped tokens take microseconds, so
 their ratios alone are noise: a rank's reads count as slow only when they also exceed
 the others' median by DATA_FLOOR of the step's median time, below which its peers lose
-little to them. On a GPU the host may read ahead of queued kernels and hide slow reads;
-the event then tells of a slow reader, not yet of a slow step.
+little to them; the step's time there is the median over the recent steps, which leaves
+out the rare steps that also evaluate or save. On a GPU the host may read a later
+micro-batch while queued kernels run, which hides that read; the step's first read (under
+pp its only one) waits on nothing.
 """
 
 from __future__ import annotations
@@ -106,14 +108,14 @@ class PeerWatch:
         found = []
         measured = {key: self._common(records, key) for key in self.trackers}
         for key, tracker in self.trackers.items():
+            floor = 0.0
+            if key == "reads":  # a share of a typical step: the median over the recent steps (rare
+                if not measured["times"]:  # evaluation and save steps, timed with theirs, left out)
+                    continue
+                floor = DATA_FLOOR * statistics.median(statistics.median(t.values())
+                                                       for t in measured["times"].values())
             for step in sorted(s for s in measured[key] if s > self.judged[key]):
-                times = measured[key][step]
-                floor = 0.0
-                if key == "reads":
-                    if step not in measured["times"]:
-                        break  # its step times are not published yet: judged at a later poll
-                    floor = DATA_FLOOR * statistics.median(measured["times"][step].values())
-                found += tracker.observe(step, times, floor)
+                found += tracker.observe(step, measured[key][step], floor)
                 self.judged[key] = step
         return found
 
