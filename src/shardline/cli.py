@@ -1,4 +1,4 @@
-"""Command line: `shardline train | check | convert | prepare | plan | estimate | calibrate | simulate`.
+"""Command line: `shardline train | check | convert | prepare | plan | estimate | calibrate | simulate | generate`.
 
 `shardline train` with no arguments trains the tiny preset on the shipped corpus.
 Config: `--config FILE.toml` then `--section.key=value` overrides. Mistakes the user
@@ -103,7 +103,7 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
 
 # Subcommands that live beside their feature: each module has `register(subparsers)`,
 # which adds its parser and sets `func(args, overrides) -> int`.
-_FEATURE_COMMANDS = ("shardline.data.cli", "shardline.planner.cli", "shardline.simulator.cli")
+_FEATURE_COMMANDS = ("shardline.data.cli", "shardline.planner.cli", "shardline.simulator.cli", "shardline.generate")
 
 
 def _register_feature_commands(sub) -> None:

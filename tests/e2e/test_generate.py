@@ -1,0 +1,101 @@
+"""`shardline generate`: text from a trained run's checkpoint, checked against transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardline.cli import main
+from shardline.config import load_config
+from shardline.generate import SampleOptions, load_generator, next_token
+from shardline.trainer import Trainer
+from tests.conftest import tiny_overrides
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = "The history of the"
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, small_prepared):
+    """A tiny run trained 12 steps (a checkpoint at 6 and 12), and its HF export."""
+    run = tmp_path_factory.mktemp("generate") / "run"
+    trainer = Trainer(load_config(None, tiny_overrides(run, small_prepared, "train.eval_interval=0"))).build()
+    trainer.train()
+    assert main(["convert", "to-hf", str(run), str(run.parent / "hf")]) == 0
+    return run
+
+
+def _generate(capsys, *argv: str) -> dict:
+    assert main(["generate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_greedy_tokens_are_the_most_likely_by_transformers(trained_run, capsys):
+    """Each greedy token is the argmax of the exported model's next-token logits in transformers
+    (to 1e-4: a near tie may go either way between two implementations)."""
+    out = _generate(capsys, str(trained_run), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "12")
+    gen = load_generator(trained_run, "cpu")
+    prompt = gen.tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    new = gen.sample(prompt, SampleOptions(max_new_tokens=12, temperature=0))
+    assert gen.tokenizer.decode([t for t in new if t != gen.eos]) == out["completion"]
+    assert 1 <= len(new) <= 12 and (len(new) == 12 or new[-1] == gen.eos)  # stops only at the end of a document
+    hf = transformers.LlamaForCausalLM.from_pretrained(trained_run.parent / "hf").eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + new])).logits[0]
+    for i, token in enumerate(new):
+        step = logits[len(prompt) - 1 + i]
+        assert step[token] >= step.max() - 1e-4, (i, token, int(step.argmax()))
+
+
+def test_sampling_is_seeded_and_the_seed_matters(trained_run, capsys):
+    argv = [str(trained_run), "--prompt", PROMPT, "--temperature", "1.0", "--top-k", "0", "--max-new-tokens", "16"]
+    first, again = (_generate(capsys, *argv, "--seed", "3")["completion"] for _ in range(2))
+    other = _generate(capsys, *argv, "--seed", "4")["completion"]
+    assert first == again and first != other
+
+
+def test_a_checkpoint_folder_of_the_run_samples_its_own_weights(trained_run, capsys):
+    """A checkpoint folder given directly (step 6, not the newest) finds the run's tokenizer and
+    loads its own weights, not the newest's."""
+    step6 = trained_run / "checkpoints" / "step-000006"
+    out = _generate(capsys, str(step6), "--prompt", PROMPT, "--max-new-tokens", "8")
+    assert out["completion"] and out["temperature"] == 0.8 and out["top_k"] == 50  # the defaults
+    older, newest = load_generator(step6, "cpu"), load_generator(trained_run, "cpu")
+    assert older.tokenizer.get_vocab() == newest.tokenizer.get_vocab()
+    old, new = older.model.state_dict(), newest.model.state_dict()
+    assert old.keys() == new.keys() and any(not torch.equal(old[k], new[k]) for k in old)
+
+
+def test_top_k_and_temperature_choose_among_the_likeliest():
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0, 2.8])
+    draw = torch.Generator().manual_seed(0)
+    two = {next_token(logits, SampleOptions(temperature=1.0, top_k=2), draw) for _ in range(300)}
+    assert two == {1, 2}
+    assert {next_token(logits, SampleOptions(temperature=5.0, top_k=1), draw) for _ in range(50)} == {1}
+    assert next_token(logits, SampleOptions(temperature=0), draw) == 1
+    cold = [next_token(logits, SampleOptions(temperature=0.01, top_k=0), draw) for _ in range(50)]
+    assert set(cold) == {1}  # near 0 it is greedy too
+    hot = {next_token(logits, SampleOptions(temperature=1.0, top_k=0), draw) for _ in range(500)}
+    assert hot == {0, 1, 2, 3, 4}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--temperature", "-1"], "--temperature=-1.0 is invalid: must be >= 0 (0 = greedy)"),
+    (["--top-k", "-2"], "--top-k=-2 is invalid: must be >= 0 (0 = all tokens)"),
+    (["--max-new-tokens", "0"], "--max-new-tokens=0 is invalid: must be >= 1"),
+    (["--prompt", ""], "--prompt encodes to no token: give some text"),
+    (["--train.steps=3"], "generate takes no config overrides, got --train.steps=3"),
+])
+def test_bad_options_are_one_line_errors(trained_run, capsys, argv, message):
+    assert main(["generate", str(trained_run), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_a_folder_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    assert main(["generate", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is neither a checkpoint folder nor a run dir holding a valid checkpoint" in err and err.count("\n") == 1
