@@ -73,7 +73,7 @@ def summarize(name: str, runs: list[dict], base: list[dict] | None) -> dict:
     times = [r["step_time_s"] for r in runs]
     step_s = statistics.median(times)
     row = {"layout": name, "step_time_s": step_s, "tokens_per_s": 16 * 128 / step_s, "rounds": len(runs),
-           "spread": (max(times) - min(times)) / step_s,
+           "step_times_s": times, "spread": (max(times) - min(times)) / step_s,
            "peak_mem_gib_per_rank": statistics.median(r["peak_mem_gib_per_rank"] for r in runs),
            "final_loss": runs[0]["final_loss"]}
     if base and not any("error" in b for b in base):

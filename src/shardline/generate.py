@@ -4,27 +4,32 @@ A look at a checkpoint, not a serving path: one process, one prompt, and the who
 sequence run again for every new token (no KV cache), which suits the short samples a
 practitioner reads during training. The checkpoint may come from any layout (it holds
 full tensors by name); its tokenizer is the one beside it or in the run dir that saved
-it, as `convert to-hf` finds it. The prompt is encoded as the data pipeline encodes a
-document (no special tokens added) and is a document of its own, at positions from 0;
-generation stops at the end-of-document token or after `max_new_tokens`. The context is
-the last `train.seq_len` tokens the run trained on. For a chat run, pass the prompt
-rendered with its template. For serving, `convert to-hf` and an inference engine.
+it, as `convert to-hf` finds it.
+
+The prompt is encoded as the data pipeline encodes a document (no special tokens
+added) and is a document of its own, at positions from 0; a checkpoint converted from
+an HF model that was pretrained with a BOS token samples better with `--bos`. The
+context is the last `train.seq_len` tokens the run trained on. Generation stops at any
+end token: the tokenizer's end-of-document token (what training put after each
+document) and the HF folder's `eos_token_id`s (config and generation_config.json). A
+mixture of experts runs dropless here whatever its `capacity_factor`: with capacity,
+the newest token, last in each expert's queue, would be the one dropped. For a chat
+run, pass the prompt rendered with its template. For serving, `convert to-hf` and an
+inference engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from shardline.data.tokenizer import eos_id, load_tokenizer
 from shardline.errors import CheckpointError, ConfigError
-from shardline.interop.convert import checkpoint_tokenizer, resolve_checkpoint
-from shardline.interop.hf import empty_model
-from shardline.models.factory import args_from_json
-from shardline.resilience.checkpoint import load_weights, read_meta
+
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -50,13 +55,14 @@ class Generator:
 
     model: torch.nn.Module
     tokenizer: object
-    eos: int | None
+    stop: frozenset[int]  # end tokens
     context: int  # tokens the model sees: the run's train.seq_len
     device: torch.device
+    bos: int | None = None  # prepended to a prompt with --bos
 
     def sample(self, prompt_ids: list[int], opts: SampleOptions) -> list[int]:
-        """The new token ids after `prompt_ids` (without them), the end-of-document token included
-        when it ends them. Seeded: the same options give the same tokens on the same device."""
+        """The new token ids after `prompt_ids` (without them), the end token included when one
+        ends them. Seeded: the same options give the same tokens on the same device."""
         if not prompt_ids:
             raise ConfigError("--prompt encodes to no token: give some text")
         ids, new = list(prompt_ids), []
@@ -68,14 +74,25 @@ class Generator:
             token = next_token(logits, opts, draw)
             ids.append(token)
             new.append(token)
-            if token == self.eos:
+            if token in self.stop:
                 break
         return new
 
-    def complete(self, prompt: str, opts: SampleOptions) -> str:
-        """The text generated after `prompt` (the end-of-document token left out)."""
-        new = self.sample(self.tokenizer.encode(prompt, add_special_tokens=False).ids, opts)
-        return self.tokenizer.decode([t for t in new if t != self.eos])
+    def encode(self, prompt: str, bos: bool = False) -> list[int]:
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if bos:
+            if self.bos is None:
+                raise ConfigError("--bos: this checkpoint's tokenizer has no BOS token")
+            ids = [self.bos, *ids]
+        return ids
+
+    def complete(self, prompt: str, opts: SampleOptions, bos: bool = False) -> str:
+        """The text generated after `prompt` (end tokens left out). Decoded with the prompt and
+        cut after it: decoded alone, a SentencePiece continuation loses its leading space."""
+        prompt_ids = self.encode(prompt, bos)
+        new = [t for t in self.sample(prompt_ids, opts) if t not in self.stop]
+        head, whole = self.tokenizer.decode(prompt_ids), self.tokenizer.decode(prompt_ids + new)
+        return whole[len(head):] if whole.startswith(head) else self.tokenizer.decode(new)
 
 
 def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator) -> int:
@@ -90,37 +107,59 @@ def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator)
     return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=draw))
 
 
-def load_generator(src: str | Path, device: str = "auto") -> Generator:
-    """The newest valid checkpoint of a run dir (or a checkpoint folder), ready to sample."""
+def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32") -> Generator:
+    """The newest valid checkpoint of a run dir (or a checkpoint folder), ready to sample;
+    its files hashed once."""
+    from shardline.data.tokenizer import eos_id, load_tokenizer
+    from shardline.interop.convert import beside_checkpoint, checkpoint_tokenizer, resolve_checkpoint
+    from shardline.interop.hf import empty_model
+    from shardline.interop.hf_files import GENERATION_NAME
+    from shardline.models.factory import args_from_json
+    from shardline.resilience.checkpoint import load_weights, verify
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype={dtype!r} is invalid: one of {', '.join(DTYPES)}")
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device=cuda: no CUDA device here; use --device=cpu or auto")
-    ckpt = resolve_checkpoint(Path(src))
-    meta = read_meta(ckpt)
+    ckpt = resolve_checkpoint(Path(src))  # a run dir's newest valid one: verified there
+    if ckpt == Path(src):
+        verify(ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
     tok_path = checkpoint_tokenizer(ckpt)
     if tok_path is None:
         raise CheckpointError(f"{ckpt}: no tokenizer.json beside it or in the run dir that saved it; copy the "
                               "run's tokenizer.json into the checkpoint folder")
     tokenizer = load_tokenizer(str(tok_path))
     args = args_from_json(meta["model_args"])
-    model = empty_model(args, torch.float32, dev)
-    load_weights(ckpt, model)
-    eos = meta.get("hf", {}).get("eos_token_id")
-    if isinstance(eos, list):  # an HF field may list several; the first ends a document here
-        eos = eos[0] if eos else None
-    if eos is None:
-        eos = eos_id(tokenizer)
+    if args.moe is not None:  # dropless (module doc); the weights do not depend on it
+        args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, capacity_factor=0.0))
+    model = empty_model(args, getattr(torch, dtype), dev)
+    load_weights(ckpt, model, verified=True)
+    hf = meta.get("hf", {})
+    generation = beside_checkpoint(ckpt, GENERATION_NAME)
+    stop = _ids(eos_id(tokenizer), hf.get("eos_token_id"),
+                json.loads(generation.read_text()).get("eos_token_id") if generation else None)
     seq_len = meta.get("config", {}).get("train", {}).get("seq_len") or args.max_seq_len
-    return Generator(model.eval(), tokenizer, eos, int(seq_len), dev)
+    return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, hf.get("bos_token_id"))
 
 
-def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "auto", as_json: bool = False) -> str:
+def _ids(*found) -> set[int]:
+    """The token ids among ints, lists of ints and Nones."""
+    out = set()
+    for x in found:
+        out.update(x if isinstance(x, list) else [] if x is None else [x])
+    return out
+
+
+def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "auto", as_json: bool = False,
+             dtype: str = "float32", bos: bool = False) -> str:
     """`shardline generate`'s output: the prompt and its continuation, or one JSON object."""
     opts.check()
-    gen = load_generator(src, device)
-    text = gen.complete(prompt, opts)
+    gen = load_generator(src, device, dtype)
+    text = gen.complete(prompt, opts, bos)
     if as_json:
-        return json.dumps({"prompt": prompt, "completion": text, **vars(opts)})
+        return json.dumps({"prompt": prompt, "completion": text, **vars(opts), "stop_ids": sorted(gen.stop)})
     return prompt + text
 
 
@@ -131,14 +170,17 @@ def register(sub) -> None:
     p.add_argument("src", help="a run dir (its newest valid checkpoint) or a checkpoint folder")
     p.add_argument("--prompt", default="The", help="the text to continue (default 'The')")
     p.add_argument("--max-new-tokens", type=int, default=SampleOptions.max_new_tokens,
-                   help=f"tokens to add at most (default {SampleOptions.max_new_tokens}; the end of a document stops "
-                        "sooner)")
+                   help=f"tokens to add at most (default {SampleOptions.max_new_tokens}; an end token stops sooner)")
     p.add_argument("--temperature", type=float, default=SampleOptions.temperature,
                    help=f"softmax temperature (default {SampleOptions.temperature}; 0 = greedy)")
     p.add_argument("--top-k", type=int, default=SampleOptions.top_k,
                    help=f"sample among the k most likely tokens (default {SampleOptions.top_k}; 0 = all)")
     p.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if present")
+    p.add_argument("--dtype", default="float32", help=f"the weights' dtype in memory, one of {', '.join(DTYPES)} "
+                                                      "(default float32; bfloat16 halves the memory)")
+    p.add_argument("--bos", action="store_true", help="start the prompt with the BOS token of an HF model's "
+                                                       "tokenizer (for a checkpoint pretrained with one)")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt, completion, options")
     p.set_defaults(func=_command)
 
@@ -147,5 +189,5 @@ def _command(args, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"generate takes no config overrides, got {' '.join(overrides)}")
     opts = SampleOptions(args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    print(generate(args.src, args.prompt, opts, args.device, args.json))
+    print(generate(args.src, args.prompt, opts, args.device, args.json, args.dtype, args.bos))
     return 0

@@ -9,6 +9,7 @@ import torch
 
 from shardline.cli import main
 from shardline.config import load_config
+from shardline.data.tokenizer import eos_id
 from shardline.generate import SampleOptions, load_generator, next_token
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides
@@ -40,8 +41,8 @@ def test_greedy_tokens_are_the_most_likely_by_transformers(trained_run, capsys):
     gen = load_generator(trained_run, "cpu")
     prompt = gen.tokenizer.encode(PROMPT, add_special_tokens=False).ids
     new = gen.sample(prompt, SampleOptions(max_new_tokens=12, temperature=0))
-    assert gen.tokenizer.decode([t for t in new if t != gen.eos]) == out["completion"]
-    assert 1 <= len(new) <= 12 and (len(new) == 12 or new[-1] == gen.eos)  # stops only at the end of a document
+    assert gen.tokenizer.decode([t for t in new if t not in gen.stop]) == out["completion"]
+    assert out["stop_ids"] == sorted(gen.stop) and eos_id(gen.tokenizer) in gen.stop  # training's end of document
     hf = transformers.LlamaForCausalLM.from_pretrained(trained_run.parent / "hf").eval()
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + new])).logits[0]
@@ -78,8 +79,39 @@ def test_top_k_and_temperature_choose_among_the_likeliest():
     assert next_token(logits, SampleOptions(temperature=0), draw) == 1
     cold = [next_token(logits, SampleOptions(temperature=0.01, top_k=0), draw) for _ in range(50)]
     assert set(cold) == {1}  # near 0 it is greedy too
-    hot = {next_token(logits, SampleOptions(temperature=1.0, top_k=0), draw) for _ in range(500)}
+    hot = {next_token(logits, SampleOptions(temperature=1.0, top_k=0), draw) for _ in range(5000)}
     assert hot == {0, 1, 2, 3, 4}
+
+
+def test_the_model_sees_the_last_train_seq_len_tokens(trained_run):
+    """The run trained on 32-token sequences: a longer prompt is cut to its last 32 tokens, and
+    generation past the window goes on sliding it."""
+    gen = load_generator(trained_run, "cpu")
+    assert gen.context == 32
+    prompt = gen.encode(" ".join(["the history of the city"] * 12))
+    assert len(prompt) > 40
+    greedy = SampleOptions(max_new_tokens=40, temperature=0)
+    seen = []
+    hook = gen.model.register_forward_pre_hook(lambda module, args: seen.append(args[0][0].tolist()))
+    try:
+        new = gen.sample(prompt, greedy)
+    finally:
+        hook.remove()
+    assert seen[0] == prompt[-32:] and all(len(window) == 32 for window in seen)
+    assert seen[-1] == (prompt + new)[-33:-1]  # the last window: the 32 tokens before the last new one
+    assert new == gen.sample(prompt[-32:], greedy)
+
+
+def test_a_mixture_of_experts_samples_dropless(tmp_path, small_prepared):
+    """Trained with expert capacity (tokens over it dropped), sampled without: the newest token,
+    last in each expert's queue, would be the one dropped."""
+    run = tmp_path / "moe"
+    overrides = tiny_overrides(run, small_prepared, "model.preset=tiny-moe", "moe.capacity_factor=1.0",
+                               "train.steps=2", "train.eval_interval=0", "checkpoint.interval=2")
+    Trainer(load_config(None, overrides)).build().train()
+    gen = load_generator(run, "cpu")
+    assert gen.model.args.moe.capacity_factor == 0.0
+    assert gen.sample(gen.encode(PROMPT), SampleOptions(max_new_tokens=3, temperature=0))
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -88,6 +120,8 @@ def test_top_k_and_temperature_choose_among_the_likeliest():
     (["--max-new-tokens", "0"], "--max-new-tokens=0 is invalid: must be >= 1"),
     (["--prompt", ""], "--prompt encodes to no token: give some text"),
     (["--train.steps=3"], "generate takes no config overrides, got --train.steps=3"),
+    (["--dtype", "float16"], "--dtype='float16' is invalid: one of float32, bfloat16"),
+    (["--bos"], "--bos: this checkpoint's tokenizer has no BOS token"),
 ])
 def test_bad_options_are_one_line_errors(trained_run, capsys, argv, message):
     assert main(["generate", str(trained_run), *argv]) == 2

@@ -212,9 +212,11 @@ def read_meta(path: Path) -> dict[str, Any]:
     return json.loads((path / "meta.json").read_text())
 
 
-def load_weights(path: Path, model: torch.nn.Module) -> None:
-    """Load only the model weights of any checkpoint (full or weights-only) in place."""
-    verify(path)
+def load_weights(path: Path, model: torch.nn.Module, verified: bool = False) -> None:
+    """Load only the model weights of any checkpoint (full or weights-only) in place.
+    `verified`: the caller has just verified it (hashing every file again takes minutes at 70B)."""
+    if not verified:
+        verify(path)
     state = {"model": get_model_state_dict(model)}
     _dcp_load(path, state)
     set_model_state_dict(model, state["model"])
