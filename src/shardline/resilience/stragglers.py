@@ -104,14 +104,16 @@ class PeerWatch:
 
     def stragglers(self, records: dict[int, dict]) -> list[Straggler]:
         """The stragglers newly found by step times, compute probes and batch reads, judged at
-        the steps every open rank has measured (reads: and timed)."""
+        the steps every open rank has measured (reads: once some step times are published)."""
         found = []
         measured = {key: self._common(records, key) for key in self.trackers}
         for key, tracker in self.trackers.items():
             floor = 0.0
-            if key == "reads":  # a share of a typical step: the median over the recent steps (rare
-                if not measured["times"]:  # evaluation and save steps, timed with theirs, left out)
+            if key == "reads":
+                if not measured["times"]:
                     continue
+                # a share of a typical step: the median over the recent steps (the rare evaluation
+                # and save steps, timed with their step, left out)
                 floor = DATA_FLOOR * statistics.median(statistics.median(t.values())
                                                        for t in measured["times"].values())
             for step in sorted(s for s in measured[key] if s > self.judged[key]):
