@@ -19,14 +19,12 @@ from shardline.errors import AnomalyHalt, Preempted, ShardlineError
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardline.config import load_config
-
     if args.resume is not None:
         given = [o for o in overrides if o.removeprefix("--").startswith("run.resume=")]
         if given:
             raise ShardlineError(f"--resume and --{given[0].removeprefix('--')} both say what to resume; give one")
         overrides = [*overrides, f"run.resume={args.resume}"]
-    cfg = load_config(args.config, overrides)
+    cfg = _relaunch_config(args.config, overrides)
     if args.dry_run:
         from shardline.dry_run import dry_run
 
@@ -53,6 +51,28 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise
     shutdown_distributed()
     return 0
+
+
+def _relaunch_config(config: str | None, overrides: list[str]):
+    """The config a launch reads: --config's file and the overrides; without a file, when run.dir
+    holds a checkpoint to resume and the config.toml its last launch saved, that file (its
+    per-launch settings afresh, config.LAUNCH_ONLY), so a relaunch need not repeat the run's
+    settings: `--run.dir=runs/x` resumes runs/x as it was started."""
+    from pathlib import Path
+
+    from shardline.config import load_config, load_relaunch_config
+    from shardline.resilience.checkpoint import Checkpointer
+
+    cfg = load_config(config, overrides)
+    saved = Path(cfg.run.dir) / "config.toml"
+    if config is not None or cfg.run.resume == "never" or not saved.is_file():
+        return cfg
+    if not Checkpointer(Path(cfg.run.dir), keep=1, is_writer=False).list():
+        return cfg
+    if os.environ.get("RANK", "0") == "0":
+        print(f"shardline: {cfg.run.dir} holds checkpoints: resuming with the config.toml it saved and the "
+              "overrides given (--config names another file)", file=sys.stderr)
+    return load_relaunch_config(saved, cfg.run.dir, overrides)
 
 
 def _refuse_srun_tasks(env) -> None:

@@ -1,20 +1,23 @@
 """`shardline generate`: text from a checkpoint, to read what a run has learned.
 
-A look at a checkpoint, not a serving path: one process, one prompt, and the whole
-sequence run again for every new token (no KV cache), which suits the short samples a
-practitioner reads during training. The checkpoint may come from any layout (it holds
-full tensors by name); its tokenizer is the one beside it or in the run dir that saved
-it, as `convert to-hf` finds it.
+A look at a checkpoint, not a serving path: one process, one prompt. Each block keeps the
+keys and values of the tokens run so far (KVCache), so a new token runs through the model
+alone. The checkpoint may come from any layout (it holds full tensors by name); its
+tokenizer is the one beside it or in the run dir that saved it, as `convert to-hf` finds it.
 
 The prompt is encoded as the data pipeline encodes a document (no special tokens
 added) and is a document of its own, at positions from 0; a checkpoint converted from
-an HF model that was pretrained with a BOS token samples better with `--bos`. The
-context is the last `train.seq_len` tokens the run trained on. Generation stops at any
-end token: the tokenizer's end-of-document token (what training put after each
-document) and the HF folder's `eos_token_id`s (config and generation_config.json). A
-mixture of experts runs dropless here whatever its `capacity_factor`: with capacity,
-the newest token, last in each expert's queue, would be the one dropped. For a chat
-run, pass the prompt rendered with its template. For serving, `convert to-hf` and an
+an HF model that was pretrained with a BOS token samples better with `--bos`. With
+`--chat` the prompt is a user's message instead (after `--system`'s, if given), rendered
+as chat training renders a conversation (the chat template beside the tokenizer, else
+ChatML) and followed by the header of the assistant's reply; the reply ends at the end
+of its turn. The context is the last `train.seq_len` tokens the run trained on; past it
+the window slides, and each token runs the whole window again (its positions start at 0,
+as in training, so the cached keys no longer fit). Generation stops at any end token:
+the tokenizer's end-of-document token (what training put after each document) and the
+HF folder's `eos_token_id`s (config and generation_config.json). A mixture of experts
+runs dropless here whatever its `capacity_factor`: with capacity, the newest token, last
+in each expert's queue, would be the one dropped. For serving, `convert to-hf` and an
 inference engine.
 """
 
@@ -27,7 +30,9 @@ from pathlib import Path
 
 import torch
 
+from shardline.data.encode import CHAT_END, ChatTemplate, chat_template_for, reply_prompt
 from shardline.errors import CheckpointError, ConfigError
+from shardline.models.llama.model import sdpa_attention
 
 DTYPES = ("float32", "bfloat16")
 
@@ -37,6 +42,7 @@ class SampleOptions:
     max_new_tokens: int = 64
     temperature: float = 0.8  # 0: greedy (the most likely token each time)
     top_k: int = 50  # sample among the k most likely tokens; 0: among all
+    top_p: float = 1.0  # then among the likeliest whose probabilities sum to top_p; 1: all of them
     seed: int = 0
 
     def check(self) -> None:
@@ -47,6 +53,8 @@ class SampleOptions:
             raise ConfigError(f"--temperature={self.temperature} is invalid: must be >= 0 (0 = greedy)")
         if self.top_k < 0:
             raise ConfigError(f"--top-k={self.top_k} is invalid: must be >= 0 (0 = all tokens)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p={self.top_p} is invalid: must be in (0, 1] (1 = all tokens)")
 
 
 @dataclass
@@ -59,23 +67,27 @@ class Generator:
     context: int  # tokens the model sees: the run's train.seq_len
     device: torch.device
     bos: int | None = None  # prepended to a prompt with --bos
+    template: ChatTemplate | None = None  # --chat's rendering; None: ChatML
 
-    def sample(self, prompt_ids: list[int], opts: SampleOptions) -> list[int]:
+    def sample(self, prompt_ids: list[int], opts: SampleOptions, stop: frozenset[int] | None = None,
+               stop_text: str = "") -> list[int]:
         """The new token ids after `prompt_ids` (without them), the end token included when one
-        ends them. Seeded: the same options give the same tokens on the same device."""
+        ends them; also ended once their text holds `stop_text` (an end marker that is no single
+        token). Seeded: the same options give the same tokens on the same device."""
         if not prompt_ids:
             raise ConfigError("--prompt encodes to no token: give some text")
+        stop = self.stop if stop is None else stop
         ids, new = list(prompt_ids), []
         draw = torch.Generator().manual_seed(opts.seed)  # on the host: the same draws on any device
-        for _ in range(opts.max_new_tokens):
-            window = torch.tensor([ids[-self.context:]], device=self.device)
-            with torch.no_grad():
-                logits = self.model(window)[0, -1].float().cpu()
-            token = next_token(logits, opts, draw)
-            ids.append(token)
-            new.append(token)
-            if token in self.stop:
-                break
+        with torch.no_grad(), KVCache(self.model, self.device) as cache:
+            for _ in range(opts.max_new_tokens):
+                if len(ids) > self.context:  # the window slides: its positions start at 0 again
+                    cache.clear()
+                token = next_token(cache.next_logits(ids[-self.context:]).float().cpu(), opts, draw)
+                ids.append(token)
+                new.append(token)
+                if token in stop or (stop_text and stop_text in self.tokenizer.decode(new)):
+                    break
         return new
 
     def encode(self, prompt: str, bos: bool = False) -> list[int]:
@@ -86,25 +98,104 @@ class Generator:
             ids = [self.bos, *ids]
         return ids
 
-    def complete(self, prompt: str, opts: SampleOptions, bos: bool = False) -> str:
-        """The text generated after `prompt` (end tokens left out). Decoded with the prompt and
-        cut after it: decoded alone, a SentencePiece continuation loses its leading space."""
-        prompt_ids = self.encode(prompt, bos)
-        new = [t for t in self.sample(prompt_ids, opts) if t not in self.stop]
+    def chat_prompt(self, prompt: str, system: str = "") -> str:
+        """The user's message `prompt` (after the system's, if any) as chat training renders a
+        conversation, then the header of the assistant's reply."""
+        messages = [{"role": "system", "content": system}] if system else []
+        return reply_prompt([*messages, {"role": "user", "content": prompt}], self.template)
+
+    def turn_end(self) -> tuple[frozenset[int], str]:
+        """What ends a chat reply besides the end tokens: the template's eos token (which closes
+        its turns) when it is one token; under ChatML the `<|im_end|>` token, or its text when
+        the tokenizer splits it."""
+        marker = self.template.eos_token if self.template else CHAT_END
+        token = self.tokenizer.token_to_id(marker) if marker else None
+        if token is not None:
+            return self.stop | {token}, ""
+        return self.stop, "" if self.template else CHAT_END
+
+    def complete(self, prompt: str, opts: SampleOptions, bos: bool = False, chat: bool = False,
+                 system: str = "") -> str:
+        """The text generated after `prompt` (end tokens and markers left out). Decoded with the
+        prompt and cut after it: decoded alone, a SentencePiece continuation loses its leading space."""
+        check_chat_flags(bos, chat, system)
+        prompt_ids = self.encode(self.chat_prompt(prompt, system) if chat else prompt, bos)
+        stop, stop_text = self.turn_end() if chat else (self.stop, "")
+        new = [t for t in self.sample(prompt_ids, opts, stop, stop_text) if t not in stop]
         head, whole = self.tokenizer.decode(prompt_ids), self.tokenizer.decode(prompt_ids + new)
-        return whole[len(head):] if whole.startswith(head) else self.tokenizer.decode(new)
+        text = whole[len(head):] if whole.startswith(head) else self.tokenizer.decode(new)
+        return text.split(stop_text)[0] if stop_text else text
+
+
+def check_chat_flags(bos: bool, chat: bool, system: str) -> None:
+    """A ConfigError for flags that do not go together."""
+    if chat and bos:
+        raise ConfigError("--bos with --chat: the chat template writes the start of the conversation itself")
+    if system and not chat:
+        raise ConfigError("--system needs --chat: a plain prompt is continued as a document")
+
+
+class KVCache:
+    """The keys and values each attention block has seen, so that only the tokens not run yet
+    go through the model: n new tokens cost n one-token passes instead of n passes of the whole
+    text. Installed, for a `with`, as each block's attention core (the seam the model keeps
+    for another kernel)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model, self.device = model, device
+        self.blocks = [block.attention for block in model.layers.values()]
+        self.clear()
+
+    def clear(self) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * len(self.blocks)
+        self.values: list[torch.Tensor | None] = [None] * len(self.blocks)
+        self.length = 0  # the tokens cached, at positions 0..length-1
+
+    def __enter__(self) -> KVCache:
+        self.saved = [block.core for block in self.blocks]
+        for i, block in enumerate(self.blocks):
+            block.core = lambda q, k, v, mask, i=i: self._attend(i, q, k, v)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for block, core in zip(self.blocks, self.saved):
+            block.core = core
+
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        """The logits of the token after `ids` (whose first `length` are the cached ones)."""
+        fresh = torch.tensor([ids[self.length:]], device=self.device)
+        positions = torch.arange(self.length, len(ids), device=self.device)
+        logits = self.model(fresh, positions=positions)[0, -1]
+        self.length = len(ids)
+        return logits
+
+    def _attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.keys[i] is not None:
+            k, v = torch.cat((self.keys[i], k), dim=2), torch.cat((self.values[i], v), dim=2)
+        self.keys[i], self.values[i] = k, v
+        # Query j is at position past + j and sees keys 0..past + j. SDPA's is_causal would align
+        # the two at the top left instead (the new token seeing the first key only).
+        past = k.shape[2] - q.shape[2]
+        seen = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past)
+        return sdpa_attention(q, k, v, seen[None, None])
 
 
 def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator) -> int:
     """One token from a vector of fp32 logits: the argmax at temperature 0, else a draw from the
-    softmax of logits / temperature over the top_k most likely (all with top_k 0)."""
+    softmax of logits / temperature over the top_k most likely (all with top_k 0), and of those
+    over the fewest likeliest whose probabilities sum to top_p (nucleus sampling)."""
     if opts.temperature == 0:
         return int(logits.argmax())
     scaled = logits / opts.temperature
     if 0 < opts.top_k < scaled.numel():
         kth = torch.topk(scaled, opts.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=draw))
+    probs = torch.softmax(scaled, dim=-1)
+    if opts.top_p < 1:
+        ranked, order = probs.sort(descending=True)
+        likelier = ranked.cumsum(0) - ranked  # the mass of the tokens ranked above each (0 for the first)
+        probs[order[likelier >= opts.top_p]] = 0  # multinomial takes weights: no need to renormalise
+    return int(torch.multinomial(probs, 1, generator=draw))
 
 
 def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32") -> Generator:
@@ -141,7 +232,8 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     stop = _ids(eos_id(tokenizer), hf.get("eos_token_id"),
                 json.loads(generation.read_text()).get("eos_token_id") if generation else None)
     seq_len = meta.get("config", {}).get("train", {}).get("seq_len") or args.max_seq_len
-    return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, hf.get("bos_token_id"))
+    return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, hf.get("bos_token_id"),
+                     chat_template_for(str(tok_path)))
 
 
 def _ids(*found) -> set[int]:
@@ -153,29 +245,38 @@ def _ids(*found) -> set[int]:
 
 
 def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "auto", as_json: bool = False,
-             dtype: str = "float32", bos: bool = False) -> str:
-    """`shardline generate`'s output: the prompt and its continuation, or one JSON object."""
+             dtype: str = "float32", bos: bool = False, chat: bool = False, system: str = "") -> str:
+    """`shardline generate`'s output: the prompt and its continuation (with --chat, the reply
+    alone), or one JSON object (with --chat, the rendered prompt the model was given too)."""
     opts.check()
+    check_chat_flags(bos, chat, system)  # before the weights are read
     gen = load_generator(src, device, dtype)
-    text = gen.complete(prompt, opts, bos)
+    text = gen.complete(prompt, opts, bos, chat, system)
     if as_json:
-        return json.dumps({"prompt": prompt, "completion": text, **vars(opts), "stop_ids": sorted(gen.stop)})
-    return prompt + text
+        shown = {"chat_prompt": gen.chat_prompt(prompt, system)} if chat else {}
+        return json.dumps({"prompt": prompt, **shown, "completion": text, **vars(opts), "stop_ids": sorted(gen.stop)})
+    return text if chat else prompt + text
 
 
 def register(sub) -> None:
     """The `generate` subcommand (cli.py's feature commands)."""
     p = sub.add_parser("generate", help="sample text from a checkpoint (or a run dir's newest) to read what it learned",
-                       epilog="one process, no KV cache: a look at a checkpoint; for serving, convert to-hf")
+                       epilog="one process, one prompt: a look at a checkpoint; for serving, convert to-hf")
     p.add_argument("src", help="a run dir (its newest valid checkpoint) or a checkpoint folder")
-    p.add_argument("--prompt", default="The", help="the text to continue (default 'The')")
+    p.add_argument("--prompt", default="The", help="the text to continue (default 'The'); with --chat, the user's "
+                                                   "message")
     p.add_argument("--max-new-tokens", type=int, default=SampleOptions.max_new_tokens,
                    help=f"tokens to add at most (default {SampleOptions.max_new_tokens}; an end token stops sooner)")
     p.add_argument("--temperature", type=float, default=SampleOptions.temperature,
                    help=f"softmax temperature (default {SampleOptions.temperature}; 0 = greedy)")
     p.add_argument("--top-k", type=int, default=SampleOptions.top_k,
                    help=f"sample among the k most likely tokens (default {SampleOptions.top_k}; 0 = all)")
+    p.add_argument("--top-p", type=float, default=SampleOptions.top_p,
+                   help="then among the fewest likeliest whose probabilities sum to p (default 1 = all)")
     p.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
+    p.add_argument("--chat", action="store_true", help="the prompt is a user's message: rendered with the chat "
+                                                       "template beside the tokenizer (else ChatML), the reply printed")
+    p.add_argument("--system", default="", help="with --chat, a system message before the user's")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if present")
     p.add_argument("--dtype", default="float32", help=f"the weights' dtype in memory, one of {', '.join(DTYPES)} "
                                                       "(default float32; bfloat16 halves the memory)")
@@ -188,6 +289,6 @@ def register(sub) -> None:
 def _command(args, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"generate takes no config overrides, got {' '.join(overrides)}")
-    opts = SampleOptions(args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    print(generate(args.src, args.prompt, opts, args.device, args.json, args.dtype, args.bos))
+    opts = SampleOptions(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    print(generate(args.src, args.prompt, opts, args.device, args.json, args.dtype, args.bos, args.chat, args.system))
     return 0

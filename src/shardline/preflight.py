@@ -20,7 +20,7 @@ import torch
 from shardline import layout as layouts
 from shardline.config import Config, ModelConfig, MoEConfig
 from shardline.errors import CheckpointError, ConfigError
-from shardline.data.shards import is_prepared
+from shardline.data.shards import is_prepared, prepared_with_own_bpe
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import read_hf_config
 from shardline.interop.hf_files import TOKENIZER_NAME
@@ -34,7 +34,8 @@ from shardline.parallel import float8
 from shardline.parallel.compile import config_problem as compile_problem
 from shardline.resilience.anomaly import check_on_device
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer, read_meta
-from shardline.resilience.recovery import check_data_position, check_skip_batches, check_steps_ahead, resume_path
+from shardline.resilience.recovery import (check_data_position, check_skip_batches, check_steps_ahead,
+                                          named_resume_problem, restarted, resume_path)
 
 _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "rope_theta")
 
@@ -50,8 +51,8 @@ class Preflight:
 def use_model_tokenizer(cfg: Config) -> None:
     """A run from trained weights (model.hf_path, model.init_from) tokenizes with their own
     tokenizer.json unless data.tokenizer names one. Without one there, raw data would get a
-    newly trained tokenizer whose ids mean nothing to those weights: refused. (A prepared
-    folder brings its own tokenizer, which the user chose when preparing it.)"""
+    newly trained tokenizer whose ids mean nothing to those weights: refused, and so is a
+    prepared folder whose tokenizer prepare trained (one given to prepare is the user's choice)."""
     m, d = cfg.model, cfg.data
     if not (m.hf_path or m.init_from):
         return
@@ -64,12 +65,18 @@ def use_model_tokenizer(cfg: Config) -> None:
     if found is not None and found.is_file():
         d.tokenizer = str(found)
         return
-    raw = [s.path for s in d.mix] if d.mix else [d.path]
-    if any(not is_prepared(path) for path in raw):
-        hint = " (its tokenizer.model is not read: save it as tokenizer.json with transformers)" if (
-            m.hf_path and (Path(m.hf_path) / "tokenizer.model").is_file()) else ""
+    paths = [s.path for s in d.mix] if d.mix else [d.path]
+    hint = " (its tokenizer.model is not read: save it as tokenizer.json with transformers)" if (
+        m.hf_path and (Path(m.hf_path) / "tokenizer.model").is_file()) else ""
+    if any(not is_prepared(path) for path in paths):
         raise ConfigError(f"{key}={value!r} has no {TOKENIZER_NAME}{hint}, and a new tokenizer's ids would mean "
                           "nothing to its weights; set data.tokenizer to the tokenizer.json they were trained with")
+    own_bpe = [path for path in paths if prepared_with_own_bpe(path)]
+    if own_bpe:
+        raise ConfigError(f"{key}={value!r} has no {TOKENIZER_NAME}{hint}, and data {own_bpe[0]!r} was prepared "
+                          "with a BPE trained on its own text, whose ids mean nothing to those weights; prepare it "
+                          "again with --tokenizer naming the tokenizer.json they were trained with (or, if they "
+                          "were trained with this one, set data.tokenizer to it)")
 
 
 def check_config(cfg: Config) -> None:
@@ -80,6 +87,7 @@ def check_config(cfg: Config) -> None:
     _raise(attention.config_problem(cfg.train.attention, cfg.train.precision))
     _raise(compile_problem(cfg.train.compile, cfg.parallel.pp, cfg.parallel.pp_schedule))
     _raise(float8.config_problem(cfg.train.precision, cfg.parallel.pp, cfg.parallel.pp_schedule))
+    _raise(named_resume_problem(cfg.run.resume) if not restarted() else None)  # a restart may go on from its own
     if cfg.train.precision == "fp8":
         check_fp8(cfg)
 
@@ -274,3 +282,34 @@ def check_device(cfg: Config, layout: Layout, on_cuda: bool) -> None:
         _raise(float8.capability_problem(float8.local_capability(on_cuda)))
     impl = cfg.optim.implementation
     check_on_device(cfg, layout, impl == "fused" or (impl == "auto" and on_cuda), on_cuda)
+
+
+# Above this a run from trained weights likely undoes their training: fine-tunes commonly take
+# 1e-5 to 1e-4 (the default optim.lr, 3e-3, suits the tiny preset trained from scratch).
+FINE_TUNE_LR_LIMIT = 1e-3
+
+
+def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: int, gpu_name: str = "",
+                 gpus: int = 0) -> list[tuple[str, dict]]:
+    """(event, fields) of what a launch does that its user may not expect, logged as it starts:
+    nothing is refused. `peak`: the device's peak TFLOP/s (None: unknown, so no MFU); on CUDA,
+    `gpu_name` is the device's name and `gpus` the number of GPUs the machine shows."""
+    notes = []
+    if cfg.memory.cpu_offload and device_type == "cpu":  # allowed: it runs the path a GPU runs
+        notes.append(("cpu_offload_saves_nothing",
+                      {"reason": "the states are in host memory already; FSDP2's offload path runs unpinned"}))
+    if cfg.optim.warmup_steps > cfg.train.steps:  # the lr peaks at the last step, never decays
+        notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
+    if peak is None and device_type == "cuda":
+        notes.append(("mfu_unknown", {"device": gpu_name,
+                                      "fix": f"set metrics.peak_tflops to its dense {cfg.train.precision} peak "
+                                             "(TFLOP/s); until then the log has no mfu"}))
+    if device_type == "cuda" and world_size == 1 and gpus > 1:
+        notes.append(("one_gpu_of_several", {"gpus": gpus, "fix": f"torchrun --nproc_per_node={gpus} -m shardline "
+                                             "train ... trains on all of them"}))
+    start = cfg.model.hf_path or cfg.model.init_from
+    if start and cfg.optim.lr > FINE_TUNE_LR_LIMIT:
+        notes.append(("lr_high_for_trained_weights", {
+            "lr": cfg.optim.lr, "weights": start,
+            "fix": "fine-tunes commonly take optim.lr 1e-5 to 1e-4 (configs/finetune.toml)"}))
+    return notes

@@ -50,6 +50,20 @@ def test_resume_continues_where_it_stopped(tmp_path, small_corpus):
     assert steps == list(range(1, 13))
 
 
+def test_a_relaunch_naming_the_run_dir_alone_resumes_with_its_saved_config(tmp_path, small_corpus, capsys):
+    """The first launch's settings come back from its config.toml (the tiny shape, the data, 12
+    steps), its early stop does not (it would end the relaunch at once), and an override given
+    applies on top (in-process, through main())."""
+    run = tmp_path / "run"
+    assert main(["train", *overrides(run, small_corpus, "train.stop_at_step=6", "optim.lr=0.002")]) == 0
+    assert main(["train", f"--run.dir={run}", "--metrics.progress=none", "--optim.weight_decay=0.05"]) == 0
+    assert f"{run} holds checkpoints: resuming with the config.toml it saved" in capsys.readouterr().err
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
+    saved = (run / "config.toml").read_text()
+    assert "lr = 0.002" in saved and "weight_decay = 0.05" in saved and "stop_at_step = 0" in saved
+
+
 @pytest.mark.parametrize("bad, message", [
     (["--train.bogus=1"], "unknown config key train.bogus"),
     (["--train.steps=ten"], "wrong type: expected int"),
@@ -65,6 +79,7 @@ def test_resume_continues_where_it_stopped(tmp_path, small_corpus):
     (["--config", "CONFIG_FOLDER"], "is a folder; give a .toml file"),
     (["--config", "LATIN1_TOML"], "is not UTF-8 text"),
     (["--resume", "--run.resume=never"], "--resume and --run.resume=never both say what to resume; give one"),
+    (["--resume", "OTHER_RUN"], "is a run dir, not a checkpoint folder: to resume that run, give --run.dir="),
 ])
 def test_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, small_corpus, capsys, bad, message):
     # In this process, through the CLI's own main() (a fresh interpreter per case cost ~2.5 s
@@ -75,7 +90,9 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, small_cor
     base = [o for o in overrides(run, small_corpus) if not any(o.startswith(b.split("=")[0]) for b in bad)]
     latin1 = tmp_path / "latin1.toml"
     latin1.write_bytes(b'[run]\ndir = "caf\xe9"\n')
-    bad = [{"CONFIG_FOLDER": str(tmp_path), "LATIN1_TOML": str(latin1)}.get(b, b) for b in bad]
+    (tmp_path / "other" / "checkpoints").mkdir(parents=True)
+    bad = [{"CONFIG_FOLDER": str(tmp_path), "LATIN1_TOML": str(latin1), "OTHER_RUN": str(tmp_path / "other")}.get(b, b)
+           for b in bad]
     code = main(["train", *base, *bad])
     stderr = capsys.readouterr().err
     assert code == 2, stderr

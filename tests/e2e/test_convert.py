@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from shardline.cli import main
 from shardline.config import load_config
+from shardline.data.prepare import PrepareOptions, prepare
 from shardline.data.tokenizer import load_tokenizer, train_bpe
 from shardline.errors import ConfigError
 from shardline.models.factory import args_from_json
@@ -48,7 +49,7 @@ def test_checkpoint_to_hf_and_back(tiny_config, tmp_path):
 
 
 @pytest.mark.parametrize("tied, sharded", [(False, False), (False, True), (True, True)])
-def test_train_from_hf_folder(tiny_config, tmp_path, monkeypatch, tied, sharded):
+def test_train_from_hf_folder(tiny_config, small_prepared, tmp_path, monkeypatch, tied, sharded):
     """In place on one process, or (under CPU offload, FSDP2 on a one-rank mesh) streamed in
     chunks (small ones here: many) into sharded parameters, the tied output filled from the embedding."""
     monkeypatch.setattr("shardline.interop.weights.HF_CHUNK_BYTES", 20_000)
@@ -60,7 +61,8 @@ def test_train_from_hf_folder(tiny_config, tmp_path, monkeypatch, tied, sharded)
     hf.save_pretrained(tmp_path / "hf")
     extra = ["memory.cpu_offload=true"] if sharded else []
     try:  # offload makes the process its own one-rank group: gone after, for the next test in this worker
-        trainer = Trainer(tiny_config("train.steps=2", f"model.hf_path={tmp_path / 'hf'}", *extra)).build()
+        trainer = Trainer(tiny_config("train.steps=2", f"model.hf_path={tmp_path / 'hf'}", *extra,
+                                      _data_tokenizer(small_prepared))).build()
         assert (trainer.dims.mesh is not None) == sharded
         assert trainer.model_args.vocab_size == 600
         ids = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -73,7 +75,7 @@ def test_train_from_hf_folder(tiny_config, tmp_path, monkeypatch, tied, sharded)
             dist.destroy_process_group()
 
 
-def test_a_resume_does_not_read_the_hf_weights_again(tiny_config, tmp_path):
+def test_a_resume_does_not_read_the_hf_weights_again(tiny_config, small_prepared, tmp_path):
     """The checkpoint holds every weight: a resumed run restores it without reading the HF
     folder's weights (minutes at 70B on every rank), so a folder whose weights are gone since
     (its config and tokenizer kept) still resumes, from the trained weights."""
@@ -81,7 +83,7 @@ def test_a_resume_does_not_read_the_hf_weights_again(tiny_config, tmp_path):
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=600)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
-    start = ("train.eval_interval=0", f"model.hf_path={tmp_path / 'hf'}")
+    start = ("train.eval_interval=0", f"model.hf_path={tmp_path / 'hf'}", _data_tokenizer(small_prepared))
     first = Trainer(tiny_config("train.steps=2", *start)).build()
     first.train()
     (tmp_path / "hf" / "model.safetensors").unlink()
@@ -105,6 +107,12 @@ def test_convert_errors_exit_2(tmp_path, capsys):
     assert f"wrote {tmp_path / 'ck'}" in capsys.readouterr().out
     assert main(["convert", "to-hf", str(tmp_path / "ck"), str(tmp_path / "a-file" / "out")]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def _data_tokenizer(prepared) -> str:
+    """The prepared folder's own tokenizer, named for an HF folder of random weights that has
+    none: a run from weights refuses a tokenizer prepare trained unless the user names it."""
+    return f"data.tokenizer={prepared / 'tokenizer.json'}"
 
 
 def _bf16_hf_folder(folder):
@@ -217,12 +225,16 @@ def test_generation_settings_come_with_the_weights_not_with_a_tokenizer_from_els
 
 def test_weights_without_a_tokenizer_refuse_a_new_one_for_raw_text(tmp_path, small_corpus, small_prepared):
     """Starting weights with no tokenizer.json: raw text would get a newly trained tokenizer, so
-    the run is refused in one line, unless data.tokenizer names one or the data is a prepared
-    folder (which brings the tokenizer its preparer chose)."""
+    the run is refused in one line, and so is a folder prepared with a BPE trained on its text,
+    unless data.tokenizer names one or the folder was prepared with a tokenizer its preparer
+    chose."""
     hf = _bf16_hf_folder(tmp_path / "hf")
     (hf / "tokenizer.json").rename(tmp_path / "tokenizer.json")
     assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck")]) == 0
     (hf / "tokenizer.model").write_bytes(b"")  # a SentencePiece model, which shardline does not read
+    chosen = tmp_path / "prepared"  # with the weights' tokenizer, as their user would
+    prepare(PrepareOptions(inputs=[str(small_corpus)], out=str(chosen), tokenizer=str(tmp_path / "tokenizer.json"),
+                           progress=False))
     for start, hint in ((f"model.hf_path={hf}", "its tokenizer.model is not read"),
                         (f"model.init_from={tmp_path / 'ck'}", "")):
         cfg = load_config(None, [start, f"data.path={small_corpus}"])
@@ -231,6 +243,10 @@ def test_weights_without_a_tokenizer_refuse_a_new_one_for_raw_text(tmp_path, sma
         given = load_config(None, [start, f"data.path={small_corpus}", f"data.tokenizer={tmp_path / 'tokenizer.json'}"])
         use_model_tokenizer(given)
         assert given.data.tokenizer == str(tmp_path / "tokenizer.json")
-        prepared = load_config(None, [start, f"data.path={small_prepared}"])
+        own_bpe = load_config(None, [start, f"data.path={small_prepared}"])
+        with pytest.raises(ConfigError, match=f"has no tokenizer.json.*{hint}.*prepared with a BPE trained on its "
+                                              "own text.*prepare it again with --tokenizer"):
+            use_model_tokenizer(own_bpe)
+        prepared = load_config(None, [start, f"data.path={chosen}"])
         use_model_tokenizer(prepared)
         assert prepared.data.tokenizer == ""

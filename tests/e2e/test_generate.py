@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from shardline.cli import main
 from shardline.config import load_config
 from shardline.data.tokenizer import eos_id
-from shardline.generate import SampleOptions, load_generator, next_token
+from shardline.generate import KVCache, SampleOptions, load_generator, next_token
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides
 
@@ -83,6 +84,81 @@ def test_top_k_and_temperature_choose_among_the_likeliest():
     assert hot == {0, 1, 2, 3, 4}
 
 
+def test_top_p_samples_among_the_fewest_likeliest_holding_that_mass():
+    """Probabilities 0.358, 0.324, 0.293, 0.018, 0.007 (tokens 1, 2, 4, 0, 3): p = 0.5 needs the
+    first two, 0.3 the first alone, 0.99 all but the last."""
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0, 2.8])
+    draw = torch.Generator().manual_seed(0)
+    for top_p, want in [(0.5, {1, 2}), (0.3, {1}), (0.99, {0, 1, 2, 4}), (1.0, {0, 1, 2, 3, 4})]:
+        got = {next_token(logits, SampleOptions(temperature=1.0, top_k=0, top_p=top_p), draw) for _ in range(5000)}
+        assert got == want, top_p
+    both = {next_token(logits, SampleOptions(temperature=1.0, top_k=3, top_p=0.6), draw) for _ in range(2000)}
+    assert both == {1, 2}  # within the top 3 (renormalised: 0.37, 0.34, 0.30): the first two hold 0.6
+
+
+def test_the_kv_cache_gives_the_logits_of_whole_passes(trained_run):
+    """Cached, each new token runs alone through the model, and its logits are those of the whole
+    text run again (1e-5); past the 32-token window the window runs whole each time."""
+    gen = load_generator(trained_run, "cpu")
+    prompt = gen.encode(PROMPT)
+    new = gen.sample(prompt, SampleOptions(max_new_tokens=40, temperature=0), stop=frozenset())
+    text = prompt + new
+    assert len(new) == 40 and len(prompt) < 32
+    with torch.no_grad():
+        whole = [gen.model(torch.tensor([text[:n][-32:]]))[0, -1] for n in range(len(prompt), len(text))]
+        assert new == [int(logits.argmax()) for logits in whole]
+        fed = []
+        hook = gen.model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1]))
+        try:
+            with KVCache(gen.model, gen.device) as cache:
+                cached = [cache.next_logits(text[:n]) for n in range(len(prompt), 33)]
+        finally:
+            hook.remove()
+    assert fed == [len(prompt)] + [1] * (32 - len(prompt))
+    for n, (got, want) in enumerate(zip(cached, whole)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"token {n}: {m}")
+    assert gen.model.layers["0"].attention.core is not cache._attend  # the model's own core is back
+
+
+def test_chat_renders_the_template_beside_the_tokenizer_and_stops_at_its_turn_end(trained_run, tmp_path, capsys):
+    """--chat renders system and user messages with the run's chat template and its reply
+    header; the reply ends at the template's end-of-turn token (here the token the model writes
+    first, so the reply is empty)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    (run / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    gen = load_generator(run, "cpu")
+    rendered = "[system] be brief\n[user] history\n[assistant]"
+    assert gen.chat_prompt("history", "be brief") == rendered
+    first = gen.sample(gen.encode(rendered), SampleOptions(max_new_tokens=1, temperature=0), stop=frozenset())[0]
+    assert first not in gen.stop
+    argv = [str(run), "--chat", "--system", "be brief", "--prompt", "history", "--temperature", "0",
+            "--max-new-tokens", "6"]
+    out = _generate(capsys, *argv)
+    assert out["chat_prompt"] == rendered and out["completion"]  # no turn end yet: six tokens of reply
+    (run / "tokenizer_config.json").write_text(json.dumps({"chat_template": template,
+                                                           "eos_token": gen.tokenizer.id_to_token(first)}))
+    assert _generate(capsys, *argv)["completion"] == ""
+
+
+def test_chat_without_a_template_is_chatml_and_its_end_marker_ends_the_reply(trained_run):
+    """With no template, ChatML as chat training renders it; this tokenizer splits <|im_end|>, so
+    its text ends the reply (here a text the model writes instead, to see it stop)."""
+    gen = load_generator(trained_run, "cpu")
+    assert gen.template is None
+    assert gen.chat_prompt("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    stop, marker = gen.turn_end()
+    assert stop == gen.stop and marker == "<|im_end|>"
+    prompt, greedy = gen.encode(gen.chat_prompt("hi")), SampleOptions(max_new_tokens=12, temperature=0)
+    reply = gen.sample(prompt, greedy, stop=frozenset())
+    said = gen.tokenizer.decode(reply[:5])  # the reply's text up to its fifth token
+    assert said.strip() and said not in gen.tokenizer.decode(reply[:4])
+    ended = gen.sample(prompt, greedy, stop=frozenset(), stop_text=said)
+    assert ended == reply[:5]
+
+
 def test_the_model_sees_the_last_train_seq_len_tokens(trained_run):
     """The run trained on 32-token sequences: a longer prompt is cut to its last 32 tokens, and
     generation past the window goes on sliding it."""
@@ -122,6 +198,10 @@ def test_a_mixture_of_experts_samples_dropless(tmp_path, small_prepared):
     (["--train.steps=3"], "generate takes no config overrides, got --train.steps=3"),
     (["--dtype", "float16"], "--dtype='float16' is invalid: one of float32, bfloat16"),
     (["--bos"], "--bos: this checkpoint's tokenizer has no BOS token"),
+    (["--top-p", "0"], "--top-p=0.0 is invalid: must be in (0, 1] (1 = all tokens)"),
+    (["--top-p", "1.5"], "--top-p=1.5 is invalid: must be in (0, 1] (1 = all tokens)"),
+    (["--chat", "--bos"], "--bos with --chat: the chat template writes the start of the conversation itself"),
+    (["--system", "be brief"], "--system needs --chat: a plain prompt is continued as a document"),
 ])
 def test_bad_options_are_one_line_errors(trained_run, capsys, argv, message):
     assert main(["generate", str(trained_run), *argv]) == 2

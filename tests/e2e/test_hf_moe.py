@@ -11,7 +11,7 @@ from shardline.trainer import Trainer
 transformers = pytest.importorskip("transformers")
 
 
-def test_train_from_hf_moe_folder_and_convert_back(tiny_config, tmp_path):
+def test_train_from_hf_moe_folder_and_convert_back(tiny_config, small_prepared, tmp_path):
     # The shape of tiny_config's [model] overrides (dim 64, 2 layers, ffn 128), with a dense
     # first layer and 4 experts of 32 in the second.
     cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -22,7 +22,8 @@ def test_train_from_hf_moe_folder_and_convert_back(tiny_config, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     hf.save_pretrained(tmp_path / "hf")
     trainer = Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0",
-                                  f"model.hf_path={tmp_path / 'hf'}")).build()
+                                  f"model.hf_path={tmp_path / 'hf'}",  # random weights: no tokenizer of their own
+                                  f"data.tokenizer={small_prepared / 'tokenizer.json'}")).build()
     args = trainer.model_args
     assert (args.vocab_size, args.qk_norm, args.moe.n_experts, args.moe.first_dense_layers) == (600, True, 4, 1)
     ids = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(0))

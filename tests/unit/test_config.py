@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from shardline.config import Config, from_dict, load_config, to_toml
+from shardline.config import Config, from_dict, load_config, load_relaunch_config, save_config, to_toml
 from shardline.errors import ConfigError
 from shardline.preflight import check_config
 
@@ -33,6 +33,22 @@ def test_resolved_config_round_trips():
     cfg = load_config(None, ["train.steps=5", 'data.path=a "quoted" path', "train.precision=fp16"])
     again = from_dict(tomllib.loads(to_toml(cfg)))
     assert again == cfg
+
+
+def test_a_relaunch_reads_the_saved_config_but_its_launch_only_settings(tmp_path):
+    """A run's saved config.toml gives a relaunch its settings, not those of one launch: the early
+    stop, the checkpoint it resumed, its drills; run.dir is where the file was found."""
+    first = load_config(None, ["run.dir=old/place", "run.resume=elsewhere/step-000004", "train.steps=50",
+                               "train.stop_at_step=20", "faults.nan_step=7", "faults.slow_rank=1",
+                               "optim.lr=2e-5", "data.path=corpus dir", "metrics.profile_steps=[3, 4]"])
+    save_config(first, tmp_path / "config.toml")
+    assert [p.name for p in tmp_path.iterdir()] == ["config.toml"]  # written through a file set aside
+    again = load_relaunch_config(tmp_path / "config.toml", str(tmp_path), ["train.steps=60"])
+    defaults = Config()
+    assert again.run.dir == str(tmp_path) and again.run.resume == defaults.run.resume
+    assert again.train.stop_at_step == 0 and again.faults == defaults.faults
+    assert (again.train.steps, again.optim.lr, again.data.path) == (60, 2e-5, "corpus dir")
+    assert again.metrics.profile_steps == first.metrics.profile_steps
 
 
 @pytest.mark.parametrize("override, message", [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +67,39 @@ class Config:
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults, then the TOML file, then `section.key=value` overrides (validated by check())."""
-    cfg = from_dict(reader.read_toml(path) if path is not None else {})
+    return _overridden(reader.read_toml(path) if path is not None else {}, overrides)
+
+
+# What the config of one launch says about that launch alone, not the run: a relaunch from the
+# run's saved config starts them afresh (an early stop, the checkpoint a launch resumed, drills).
+LAUNCH_ONLY = {"run": ("resume",), "train": ("stop_at_step",), "faults": None}
+
+
+def load_relaunch_config(saved: str | Path, run_dir: str, overrides: list[str] = ()) -> Config:
+    """A run's saved config.toml as a relaunch reads it: its LAUNCH_ONLY settings back to their
+    defaults, run.dir the folder it was found in (a run dir may move), then the overrides."""
+    raw = reader.read_toml(saved)
+    for section, keys in LAUNCH_ONLY.items():
+        table = raw.get(section)
+        if keys is None:  # the whole section
+            raw.pop(section, None)
+        elif isinstance(table, dict):
+            for key in keys:
+                table.pop(key, None)
+    raw.setdefault("run", {})["dir"] = run_dir
+    return _overridden(raw, overrides)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """The resolved config as TOML at `path`, written whole or not at all: every rank of a
+    relaunch may read it while this launch's ranks write it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(to_toml(cfg))
+    tmp.replace(path)
+
+
+def _overridden(raw: dict[str, Any], overrides: list[str]) -> Config:
+    cfg = from_dict(raw)
     for item in overrides:
         apply_override(cfg, item)
     _expand_home(cfg)

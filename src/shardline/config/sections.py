@@ -26,7 +26,7 @@ _require = require
 class RunConfig:
     dir: str = "runs/default"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    resume: str = "auto"  # auto (if the run dir has a checkpoint) | never | <checkpoint dir>
+    resume: str = "auto"  # auto (if the run dir has a checkpoint) | latest (insist on one) | never | <checkpoint dir>
 
     def check(self) -> None:
         _require(bool(self.dir), "run.dir", self.dir, "must be a non-empty path")

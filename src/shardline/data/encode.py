@@ -134,6 +134,16 @@ def render_chat(messages: list[dict], template: ChatTemplate | str | None = None
     return "".join(text for text, _ in chat_segments(messages, template))
 
 
+def reply_prompt(messages: list[dict], template: ChatTemplate | str | None = None) -> str:
+    """The conversation as text followed by the header of the assistant's reply: what a chat
+    model trained on such renderings is given to write that reply (the template's generation
+    prompt; under ChatML, the assistant's opening line)."""
+    template = _as_template(template)
+    if template and template.source:
+        return _render(template, messages, generation_prompt=True)
+    return render_chat(messages) + f"{CHAT_START}assistant\n"
+
+
 def encode_chat(tok: Tokenizer, messages: list[dict],
                 template: ChatTemplate | str | None = None) -> tuple[list[int], list[int]]:
     """Token ids of a conversation and its loss mask (1 on assistant tokens)."""

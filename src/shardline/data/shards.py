@@ -44,6 +44,16 @@ def is_prepared(path: str) -> bool:
     return any(m.is_file() for m in marks)
 
 
+def prepared_with_own_bpe(path: str) -> bool:
+    """A prepared folder whose tokenizer `shardline prepare` trained on the folder's text (no
+    --tokenizer given); False where the manifest cannot tell (opening the folder says why)."""
+    try:
+        request = json.loads((Path(path) / MANIFEST).read_text()).get("request", {})
+        return request.get("tokenizer", [None])[0] == "bpe"
+    except (OSError, ValueError, AttributeError, IndexError, TypeError):
+        return False
+
+
 def tokenizer_hash(tok: Tokenizer) -> str:
     return hashlib.sha256(tok.to_str().encode()).hexdigest()
 

@@ -33,9 +33,7 @@ def resume_path(cfg: Config, checkpointer: Checkpointer, repaired: bool = False)
             own = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
             if own is not None and (not named.is_dir() or _saved_step(own) > _saved_step(named)):
                 return own, invalid
-        if not named.is_dir():
-            raise ConfigError(f"run.resume={mode!r} is not a checkpoint folder; valid: auto, latest, never, "
-                              "or the path of a checkpoint folder")
+        _raise(named_resume_problem(mode))
         return named, invalid
     path = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
     if mode == "never" and restarted() and path is not None and saved_by_this_job(path):
@@ -47,6 +45,27 @@ def resume_path(cfg: Config, checkpointer: Checkpointer, repaired: bool = False)
         raise ConfigError(f"run.resume='never' but {cfg.run.dir} already holds checkpoints that a new run "
                           "would overwrite; choose another run.dir or remove them")
     return (None if mode == "never" else path), invalid
+
+
+def named_resume_problem(mode: str) -> str | None:
+    """What is wrong with run.resume naming a checkpoint folder (None: nothing, or not a path).
+    A run dir given there (as `convert` and `generate` take one) is named as such, with the fix."""
+    if mode in ("auto", "latest", "never"):
+        return None
+    named = Path(mode)
+    if not named.is_dir():
+        return (f"run.resume={mode!r} is not a checkpoint folder; valid: auto, latest, never, "
+                "or the path of a checkpoint folder")
+    if not (named / MANIFEST).is_file() and (named / "checkpoints").is_dir():
+        return (f"run.resume={mode!r} is a run dir, not a checkpoint folder: to resume that run, give "
+                f"--run.dir={mode} (it resumes its newest checkpoint); to start another run from one of "
+                f"its checkpoints, name it: --resume {named / 'checkpoints' / 'step-N'}")
+    return None
+
+
+def _raise(problem: str | None) -> None:
+    if problem:
+        raise ConfigError(problem)
 
 
 def _appears(path: Path, wait_s: float = 10.0) -> bool:

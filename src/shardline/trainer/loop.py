@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardline.config import Config, to_toml
+from shardline.config import Config, save_config
 from shardline.data import build_data
 from shardline.data.sampler import batch_index
 from shardline.devices import peak_tflops
@@ -41,8 +41,8 @@ from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.pipeline import tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler
-from shardline.preflight import (check_config, check_device, check_layout_before_data, check_resume_fits, preflight,
-                                 use_model_tokenizer)
+from shardline.preflight import (check_config, check_device, check_layout_before_data, check_resume_fits,
+                                 launch_notes, preflight, use_model_tokenizer)
 from shardline.profiling import StepProfiler, configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name
@@ -156,7 +156,7 @@ class Trainer(SavedState, AnomalyResponse):
 
     def _open_run_dir(self, resumed: str | None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+        save_config(self.cfg, self.run_dir / "config.toml")
         self.data.tokenizer.save(str(self.run_dir / "tokenizer.json"))
         copy_starting_files(self.cfg.model, self.cfg.data.tokenizer, self.run_dir)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.metrics.progress, self.cfg.metrics.tensorboard,
@@ -168,14 +168,11 @@ class Trainer(SavedState, AnomalyResponse):
         self.guard.open(self.run_dir, self.metrics.event)
         if self.allocator:
             self.metrics.event("allocator", step=self.step, setting=self.allocator)
-        if self.cfg.memory.cpu_offload and self.device.type == "cpu":  # allowed: it runs the path a GPU runs
-            self.metrics.event("cpu_offload_saves_nothing", step=self.step,
-                               reason="the states are in host memory already; FSDP2's offload path runs unpinned")
+        gpu = (torch.cuda.get_device_name(self.device), torch.cuda.device_count()) if self.device.type == "cuda" else ()
+        for note, fields in launch_notes(self.cfg, self.device.type, self.peak_tflops, self.proc.world_size, *gpu):
+            self.metrics.event(note, step=self.step, **fields)
         self.profiler = StepProfiler(self.cfg.metrics.profile_steps, self.run_dir, self.proc.rank, self.device,
                                      self.step, self.cfg.train.steps, self.metrics.event)
-        if self.cfg.optim.warmup_steps > self.cfg.train.steps:  # the lr peaks at the last step, never decays
-            self.metrics.event("warmup_cut", step=self.step, warmup_steps=self.cfg.optim.warmup_steps,
-                               steps=self.cfg.train.steps)
         if self._lock_taken_over:
             self.metrics.event("run_dir_lock_taken_over", step=self.step, reason=self._lock_taken_over)
         if resumed is not None:

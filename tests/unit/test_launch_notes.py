@@ -1,0 +1,31 @@
+"""What a launch tells its user as it starts (preflight.launch_notes): events, nothing refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardline.config import load_config
+from shardline.preflight import launch_notes
+
+FINETUNE = Path(__file__).parents[2] / "configs" / "finetune.toml"
+
+
+def test_an_unknown_gpu_and_idle_gpus_are_named_with_their_fix():
+    plain = load_config(None, [])
+    assert launch_notes(plain, "cpu", 0.1, 1) == []
+    notes = dict(launch_notes(plain, "cuda", None, 1, "NVIDIA L40S", 4))
+    assert notes.keys() == {"mfu_unknown", "one_gpu_of_several"}
+    assert notes["mfu_unknown"]["device"] == "NVIDIA L40S" and "metrics.peak_tflops" in notes["mfu_unknown"]["fix"]
+    assert "torchrun --nproc_per_node=4" in notes["one_gpu_of_several"]["fix"]
+    assert launch_notes(plain, "cuda", 989.0, 4, "NVIDIA H100 80GB HBM3", 4) == []  # torchrun, a known peak
+    assert launch_notes(plain, "cuda", 989.0, 1, "NVIDIA H100 80GB HBM3", 1) == []
+
+
+def test_a_pretraining_learning_rate_on_trained_weights_is_named():
+    """The default optim.lr (3e-3, for the tiny preset from scratch) on an HF model or a
+    checkpoint; the shipped fine-tune config's lr is not."""
+    for start in ("model.hf_path=some/hf-folder", "model.init_from=some/checkpoint"):
+        notes = dict(launch_notes(load_config(None, [start]), "cpu", 0.1, 1))
+        assert notes["lr_high_for_trained_weights"]["lr"] == 3e-3, start
+        assert "configs/finetune.toml" in notes["lr_high_for_trained_weights"]["fix"]
+    assert launch_notes(load_config(FINETUNE, ["model.hf_path=some/hf-folder"]), "cuda", 989.0, 8, "H100", 8) == []
