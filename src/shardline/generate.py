@@ -5,9 +5,10 @@ keys and values of the tokens run so far (KVCache), so a new token runs through 
 alone. The checkpoint may come from any layout (it holds full tensors by name); its
 tokenizer is the one beside it or in the run dir that saved it, as `convert to-hf` finds it.
 
-The prompt is encoded as the data pipeline encodes a document (no special tokens
-added) and is a document of its own, at positions from 0; a checkpoint converted from
-an HF model that was pretrained with a BOS token samples better with `--bos`. With
+The prompt is encoded as the data pipeline encodes a document and is a document of its
+own, at positions from 0: after the tokenizer's BOS tokens when the run trained with them
+(data.add_bos); a checkpoint converted from an HF model, which has no run config to say
+so, takes them with `--bos`. With
 `--chat` the prompt is a user's message instead (after `--system`'s, if given), rendered
 as chat training renders a conversation (the chat template beside the tokenizer, else
 ChatML) and followed by the header of the assistant's reply; the reply ends at the end
@@ -66,7 +67,8 @@ class Generator:
     stop: frozenset[int]  # end tokens
     context: int  # tokens the model sees: the run's train.seq_len
     device: torch.device
-    bos: int | None = None  # prepended to a prompt with --bos
+    bos: list[int] = dataclasses.field(default_factory=list)  # prepended to a prompt with --bos
+    trained_bos: bool = False  # the run put `bos` before each text document: a prompt starts with it too
     template: ChatTemplate | None = None  # --chat's rendering; None: ChatML
 
     def sample(self, prompt_ids: list[int], opts: SampleOptions, stop: frozenset[int] | None = None,
@@ -90,13 +92,13 @@ class Generator:
                     break
         return new
 
-    def encode(self, prompt: str, bos: bool = False) -> list[int]:
+    def encode(self, prompt: str, bos: bool = False, chat: bool = False) -> list[int]:
+        """The prompt's ids as training saw a document's: after the BOS tokens when the run
+        trained with them or `bos` asks for them; a chat rendering as it is (its template's)."""
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
-        if bos:
-            if self.bos is None:
-                raise ConfigError("--bos: this checkpoint's tokenizer has no BOS token")
-            ids = [self.bos, *ids]
-        return ids
+        if bos and not self.bos:
+            raise ConfigError("--bos: this checkpoint's tokenizer has no BOS token")
+        return [*self.bos, *ids] if (bos or self.trained_bos) and not chat else ids
 
     def chat_prompt(self, prompt: str, system: str = "") -> str:
         """The user's message `prompt` (after the system's, if any) as chat training renders a
@@ -119,7 +121,7 @@ class Generator:
         """The text generated after `prompt` (end tokens and markers left out). Decoded with the
         prompt and cut after it: decoded alone, a SentencePiece continuation loses its leading space."""
         check_chat_flags(bos, chat, system)
-        prompt_ids = self.encode(self.chat_prompt(prompt, system) if chat else prompt, bos)
+        prompt_ids = self.encode(self.chat_prompt(prompt, system) if chat else prompt, bos, chat)
         stop, stop_text = self.turn_end() if chat else (self.stop, "")
         new = [t for t in self.sample(prompt_ids, opts, stop, stop_text) if t not in stop]
         head, whole = self.tokenizer.decode(prompt_ids), self.tokenizer.decode(prompt_ids + new)
@@ -201,7 +203,7 @@ def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator)
 def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32") -> Generator:
     """The newest valid checkpoint of a run dir (or a checkpoint folder), ready to sample;
     its files hashed once."""
-    from shardline.data.tokenizer import eos_id, load_tokenizer
+    from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
     from shardline.interop.convert import beside_checkpoint, checkpoint_tokenizer, resolve_checkpoint
     from shardline.interop.hf import empty_model
     from shardline.interop.hf_files import GENERATION_NAME
@@ -231,8 +233,12 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     generation = beside_checkpoint(ckpt, GENERATION_NAME)
     stop = _ids(eos_id(tokenizer), hf.get("eos_token_id"),
                 json.loads(generation.read_text()).get("eos_token_id") if generation else None)
-    seq_len = meta.get("config", {}).get("train", {}).get("seq_len") or args.max_seq_len
-    return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, hf.get("bos_token_id"),
+    run = meta.get("config", {})  # the run's config; none in a checkpoint converted from HF
+    seq_len = run.get("train", {}).get("seq_len") or args.max_seq_len
+    bos = bos_prefix(tokenizer) or sorted(_ids(hf.get("bos_token_id")))  # what --bos puts first
+    data = run.get("data", {})
+    trained_bos = bool(bos_prefix(tokenizer)) and data.get("add_bos", False) and data.get("format") == "text"
+    return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, bos, trained_bos,
                      chat_template_for(str(tok_path)))
 
 

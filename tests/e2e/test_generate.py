@@ -143,6 +143,33 @@ def test_chat_renders_the_template_beside_the_tokenizer_and_stops_at_its_turn_en
     assert _generate(capsys, *argv)["completion"] == ""
 
 
+def test_a_run_trained_with_bos_prompts_with_it(trained_run, tmp_path):
+    """A run whose tokenizer starts a text with a BOS token put it before each document
+    (data.add_bos): a prompt starts with it too, a chat rendering does not (its template's own),
+    and a run without one gets none (here the run's end-of-document token plays the BOS)."""
+    from tokenizers import Tokenizer, processors
+
+    plain = load_generator(trained_run, "cpu")
+    assert plain.encode(PROMPT) == plain.tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    tok = Tokenizer.from_file(str(run / "tokenizer.json"))
+    eos = eos_id(tok)
+    tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                       special_tokens=[("<|endoftext|>", eos)])
+    tok.save(str(run / "tokenizer.json"))
+    gen = load_generator(run, "cpu")
+    assert gen.trained_bos and gen.encode(PROMPT) == [eos, *plain.encode(PROMPT)]
+    assert gen.encode(gen.chat_prompt("hi"), chat=True) == plain.encode(plain.chat_prompt("hi"))
+    fed = []
+    hook = gen.model.register_forward_pre_hook(lambda module, args: fed.append(args[0][0].tolist()))
+    try:
+        gen.complete(PROMPT, SampleOptions(max_new_tokens=1, temperature=0))
+    finally:
+        hook.remove()
+    assert fed == [[eos, *plain.encode(PROMPT)]]
+
+
 def test_chat_without_a_template_is_chatml_and_its_end_marker_ends_the_reply(trained_run):
     """With no template, ChatML as chat training renders it; this tokenizer splits <|im_end|>, so
     its text ends the reply (here a text the model writes instead, to see it stop)."""

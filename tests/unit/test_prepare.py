@@ -517,3 +517,67 @@ def test_a_prepared_folder_too_small_to_evaluate_says_to_prepare_again(tmp_path,
     prepare(PrepareOptions([str(small_corpus)], str(tmp_path / "prep"), val_fraction=0.001, **SMALL))
     with pytest.raises(DataError, match="prepare it again with a larger --val-fraction or set train.eval_interval=0"):
         data(tmp_path / "prep", seq_len=8192)
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tmp_path_factory, small_corpus):
+    """A tokenizer.json whose post-processor puts a BOS token before a text, as Llama 3's puts
+    <|begin_of_text|> (a BPE trained on the small corpus, the BOS added to its vocabulary)."""
+    from tokenizers import processors
+
+    from shardline.data.tokenizer import train_bpe
+
+    tok = train_bpe(read_documents(str(small_corpus)), 512)
+    tok.add_special_tokens(["<|begin_of_text|>"])
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[
+        ("<|begin_of_text|>", bos)])
+    path = tmp_path_factory.mktemp("bos_tokenizer") / "tokenizer.json"
+    tok.save(str(path))
+    return path, bos
+
+
+def _starts(split) -> np.ndarray:
+    return np.asarray(split.tokens[:])[np.asarray(split.doc_starts)]
+
+
+def test_text_documents_start_with_the_tokenizers_bos_raw_or_prepared(tmp_path, small_corpus, bos_tokenizer):
+    """With a tokenizer whose post-processor starts a text with BOS, every text document does,
+    raw or prepared (the same batches), and not with data.add_bos=false / --no-bos; the
+    trained BPE has none to add."""
+    from shardline.data.tokenizer import bos_prefix, load_tokenizer, train_bpe
+
+    path, bos = bos_tokenizer
+    assert bos_prefix(load_tokenizer(str(path))) == [bos] and bos_prefix(train_bpe(["a b c"] * 4, 300)) == []
+    raw = data(small_corpus, f"data.tokenizer={path}")
+    assert set(_starts(raw.train)) == set(_starts(raw.val)) == {bos}
+    prepared = tmp_path / "prep"
+    manifest = prepare(PrepareOptions([str(small_corpus)], str(prepared), tokenizer=str(path), progress=False))
+    assert manifest["bos_ids"] == [bos]
+    assert_same_batches(raw, data(prepared))
+    without = data(small_corpus, f"data.tokenizer={path}", "data.add_bos=false")
+    assert bos not in set(_starts(without.train)) and without.train.num_tokens == raw.train.num_tokens - len(
+        raw.train.doc_starts)
+    plain = tmp_path / "plain"
+    prepare(PrepareOptions([str(small_corpus)], str(plain), tokenizer=str(path), add_bos=False, progress=False))
+    assert_same_batches(without, data(plain, "data.add_bos=false"))
+
+
+def test_a_prepared_folder_and_data_add_bos_must_agree(tmp_path, small_corpus, bos_tokenizer, capsys):
+    """A folder prepared with BOS opened with data.add_bos=false, or one without (--no-bos, or
+    prepared before BOS was added) opened with it: one line naming both fixes. Preparing again
+    with the other setting starts over instead of keeping the folder."""
+    path, bos = bos_tokenizer
+    with_bos, without = tmp_path / "with", tmp_path / "without"
+    prepare(PrepareOptions([str(small_corpus)], str(with_bos), tokenizer=str(path), progress=False))
+    prepare(PrepareOptions([str(small_corpus)], str(without), tokenizer=str(path), add_bos=False, progress=False))
+    with pytest.raises(DataError, match=rf"data.add_bos=false but .*with was prepared with \[{bos}\] before each "
+                                        r"document; set data.add_bos=true, or prepare it again with --no-bos"):
+        data(with_bos, "data.add_bos=false")
+    with pytest.raises(DataError, match=rf"data.add_bos=true \(the default\) and the tokenizer starts a text with "
+                                        rf"\[{bos}\], but .*without was prepared without it"):
+        data(without)
+    manifest = prepare(PrepareOptions([str(small_corpus)], str(without), tokenizer=str(path), progress=True))
+    assert "was prepared from other inputs or options; preparing it again" in capsys.readouterr().err
+    assert manifest["bos_ids"] == [bos]
+    data(without)  # agrees now

@@ -192,6 +192,10 @@ class DataConfig:
     vocab_size: int = 4096  # size of the trained BPE
     val_fraction: float = 0.01  # share of documents held out for evaluation
     format: str = "text"  # text | chat (.jsonl "messages"; loss on assistant tokens only)
+    # Text documents start with the tokens the tokenizer's post-processor puts first (Llama's
+    # <|begin_of_text|>, Mistral's <s>), as HF's tokenizer(text) starts them; none for a tokenizer
+    # without them (the trained BPE, Qwen's). Chat documents get what their template writes.
+    add_bos: bool = True
     mix: list[MixSource] = field(default_factory=list)  # [{path = "...", weight = 0.7}, ...] instead of path
 
     def check(self) -> None:

@@ -29,6 +29,8 @@ def register(sub) -> None:
     p.add_argument("--text-field", default="text", help="field with the text in .jsonl/.parquet/.arrow")
     p.add_argument("--format", default="text", choices=["text", "chat"],
                    help="chat: .jsonl records with messages; loss on assistant tokens only")
+    p.add_argument("--no-bos", action="store_true",
+                   help="text documents without the BOS tokens the tokenizer puts before a text (data.add_bos=false)")
     p.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (default 33554432)")
     p.add_argument("--verify", action="store_true", help="check the checksums of an existing --out and exit")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -44,7 +46,8 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
 
     opts = PrepareOptions(inputs=args.inputs, out=args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                           workers=args.workers, val_fraction=args.val_fraction, text_field=args.text_field,
-                          format=args.format, shard_tokens=args.shard_tokens, progress=not args.quiet)
+                          format=args.format, add_bos=not args.no_bos, shard_tokens=args.shard_tokens,
+                          progress=not args.quiet)
     m = prepare(opts)
     tr, va = m["splits"]["train"], m["splits"]["val"]
     print(f"prepared {args.out}: train {tr['documents']:,} documents / {tr['tokens']:,} tokens in "

@@ -59,9 +59,10 @@ def _as_template(template: ChatTemplate | str | None) -> ChatTemplate | None:
 
 
 def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template: ChatTemplate | str | None = None,
-                     chat: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+                     chat: bool = False, bos: list[int] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(tokens, lengths, mask or None) of `docs` concatenated, each followed by eos when there is one
-    (unless it ends with eos already, as a template that writes {{ eos_token }} after a reply makes it).
+    (unless it ends with eos already, as a template that writes {{ eos_token }} after a reply makes it)
+    and each text document preceded by `bos` (tokenizer.bos_prefix; a chat template writes its own).
 
     Documents that encode to nothing are dropped (they would hold no token to train on).
     Mask rules: a document's first token is never a target (nothing precedes it in its
@@ -71,7 +72,7 @@ def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template:
         pairs = [encode_chat(tok, messages, chat_template) for messages in docs]
         ids, masks = [p[0] for p in pairs], [p[1] for p in pairs]
     else:
-        ids, masks = [e.ids for e in _encode_batch(tok, docs)], None
+        ids, masks = [[*bos, *e.ids] if e.ids else [] for e in _encode_batch(tok, docs)], None
     keep = [i for i, x in enumerate(ids) if x]
     closed = {i for i in keep if eos is not None and ids[i][-1] != eos}
     lengths = np.array([len(ids[i]) + (i in closed) for i in keep], dtype=np.int64)

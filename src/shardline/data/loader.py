@@ -22,7 +22,7 @@ from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
 from shardline.data.shards import id_bound, is_prepared, open_prepared, read_manifest, tokenizer_hash
 from shardline.data.sources import read_documents
-from shardline.data.tokenizer import eos_id, get_tokenizer, load_tokenizer
+from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
 
 
@@ -106,7 +106,7 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None):
     """(tokenizer, train, val) of one source: a prepared folder or raw files."""
     d, seq_len = cfg.data, cfg.train.seq_len
     if is_prepared(path):
-        prepared = open_prepared(path, seq_len, d.tokenizer, d.format)
+        prepared = open_prepared(path, seq_len, d.tokenizer, d.format, d.add_bos)
         _check_mixture_tokenizer(path, tok, prepared.manifest)
         return prepared.tokenizer, prepared.train, prepared.val
     chat = d.format == "chat"
@@ -123,12 +123,13 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None):
     if tok is None:
         texts = [render_chat(m, template) for m in train_docs] if chat else train_docs
         tok = get_tokenizer(texts, d.tokenizer, d.vocab_size)
-    eos = eos_id(tok)
-    return tok, *(_pack(tok, part, eos, seq_len, template, chat) for part in (train_docs, val_docs))
+    eos, bos = eos_id(tok), bos_prefix(tok) if d.add_bos and not chat else []
+    return tok, *(_pack(tok, part, eos, seq_len, template, chat, bos) for part in (train_docs, val_docs))
 
 
-def _pack(tok: Tokenizer, docs: list, eos: int | None, seq_len: int, template, chat: bool) -> PackedSequences:
-    tokens, lengths, mask = encode_documents(tok, docs, eos, template, chat)
+def _pack(tok: Tokenizer, docs: list, eos: int | None, seq_len: int, template, chat: bool,
+          bos: list[int]) -> PackedSequences:
+    tokens, lengths, mask = encode_documents(tok, docs, eos, template, chat, bos)
     return PackedSequences.from_stream(tokens, np.cumsum(lengths) - lengths, seq_len, mask)
 
 
@@ -169,7 +170,7 @@ def _mixture_tokenizer(cfg: Config) -> Tokenizer:
         return load_tokenizer(cfg.data.tokenizer)
     prepared = [s.path for s in cfg.data.mix if is_prepared(s.path)]
     if prepared:
-        return open_prepared(prepared[0], cfg.train.seq_len, "", cfg.data.format).tokenizer
+        return open_prepared(prepared[0], cfg.train.seq_len, "", cfg.data.format, cfg.data.add_bos).tokenizer
     raise DataError("data.mix of raw files needs one tokenizer for all: set data.tokenizer, or prepare the "
                     "sources with `shardline prepare --tokenizer`")
 
@@ -221,7 +222,7 @@ def data_summary(cfg: Config) -> tuple[str, str]:
         _check_one_chat_template(cfg)
     for path in [s.path for s in d.mix] or [d.path]:
         if is_prepared(path):
-            p = open_prepared(path, cfg.train.seq_len, d.tokenizer, d.format)
+            p = open_prepared(path, cfg.train.seq_len, d.tokenizer, d.format, d.add_bos)
             _check_mixture_tokenizer(path, tok, p.manifest)
             _check_sizes(path, p.train, p.val, cfg)
             parts.append(f"{path}: prepared folder, {p.train.num_documents:,} + {p.val.num_documents:,} held-out "

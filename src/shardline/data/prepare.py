@@ -34,7 +34,7 @@ from shardline.data.loader import held_out, split_single
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
                                    file_sha256, id_bound, token_dtype, tokenizer_hash)
 from shardline.data.sources import CHAT_FIELD, input_files, read_file
-from shardline.data.tokenizer import eos_id, get_tokenizer, load_tokenizer
+from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
 
 FORMATS = ("text", "chat")
@@ -54,6 +54,7 @@ class PrepareOptions:
     val_fraction: float = 0.01
     text_field: str = "text"
     format: str = "text"  # text | chat (jsonl records with "messages")
+    add_bos: bool = True  # text documents start with the tokenizer's BOS tokens, if it has any (data.add_bos)
     shard_tokens: int = 1 << 25  # tokens per shard (before a commit point)
     chunk_bytes: int = 1 << 21  # text per unit of work sent to a worker
     progress: bool = True
@@ -181,6 +182,10 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
         template = chat_template_for(opts.tokenizer)
         request["chat"] = {"mask_rule": CHAT_MASK_RULE,
                            "template_sha256": template_sha256(template)}
+    elif opts.add_bos and opts.tokenizer:  # (the trained BPE has no BOS)
+        bos = bos_prefix(load_tokenizer(opts.tokenizer))
+        if bos:  # absent otherwise, as in folders prepared before BOS was added
+            request["bos"] = bos
     return request
 
 
@@ -241,7 +246,8 @@ def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict,
     """Pass 3: tokenize every document not yet committed, committing after each full shard."""
     progress = _Progress(opts, stream.pieces, state["documents_done"])
     commits = 0
-    chunks = _encoded_chunks(opts, root, stream, state["documents_done"], template, writers["train"].dtype)
+    chunks = _encoded_chunks(opts, root, stream, state["documents_done"], template, writers["train"].dtype,
+                             state["request"].get("bos", []))
     for n_docs, n_bytes, encoded in chunks:
         for name, (tokens, lengths, mask) in encoded.items():
             writers[name].add(tokens, lengths, mask)
@@ -263,9 +269,9 @@ def _commit(root: Path, writers: dict, state: dict) -> None:
     _atomic_write(root / PROGRESS, json.dumps(state))
 
 
-def _encoded_chunks(opts, root: Path, stream: _Stream, skip: int, template, dtype: np.dtype):
+def _encoded_chunks(opts, root: Path, stream: _Stream, skip: int, template, dtype: np.dtype, bos: list[int]):
     """(input documents, bytes, {split: encoded}) per chunk, in input order; workers > 1 run a pool."""
-    job = (str(root / TOKENIZER), opts.format == "chat", template, dtype)
+    job = (str(root / TOKENIZER), opts.format == "chat", template, dtype, bos)
     chunks = _chunks(stream.documents(skip), opts.chunk_bytes)
     if opts.workers == 1:
         yield from (_encode_chunk(job, chunk) for chunk in chunks)
@@ -309,13 +315,13 @@ def _chunks(documents, chunk_bytes: int):
 
 
 def _encode_chunk(job: tuple, chunk: list) -> tuple[int, int, dict]:
-    tokenizer_file, chat, template, dtype = job
+    tokenizer_file, chat, template, dtype, bos = job
     tok = _load_cached(tokenizer_file, os.stat(tokenizer_file).st_mtime_ns)
     eos = eos_id(tok)
     n_bytes = sum(len(d.encode()) if isinstance(d, str) else len(json.dumps(d)) for _, d in chunk)
     encoded = {}
     for name in SPLITS:  # tokens travel back in the shard's dtype: 2 bytes each, not 8
-        tokens, lengths, mask = encode_documents(tok, [d for s, d in chunk if s == name], eos, template, chat)
+        tokens, lengths, mask = encode_documents(tok, [d for s, d in chunk if s == name], eos, template, chat, bos)
         encoded[name] = (tokens.astype(dtype), lengths, mask)
     return len(chunk), n_bytes, encoded
 
@@ -333,8 +339,9 @@ def _finish(root: Path, request: dict, writers: dict, tok: Tokenizer, stream: _S
         splits[name] = {**w.state(), "docs_sha256": file_sha256(root / name / "docs.idx")}
     manifest = {"format_version": FORMAT_VERSION, "format": request["format"], "request": request,
                 "tokenizer_sha256": request["tokenizer_sha256"], "vocab_size": tok.get_vocab_size(),
-                "eos_id": eos_id(tok), "dtype": np.dtype(writers["train"].dtype).name,
-                "val_fraction": request["val_fraction"], "input_documents": stream.count, "splits": splits}
+                "eos_id": eos_id(tok), "bos_ids": request.get("bos", []),
+                "dtype": np.dtype(writers["train"].dtype).name, "val_fraction": request["val_fraction"],
+                "input_documents": stream.count, "splits": splits}
     _atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
     (root / PROGRESS).unlink(missing_ok=True)
     return manifest

@@ -28,7 +28,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from shardline.data.packing import PackedSequences
-from shardline.data.tokenizer import load_tokenizer
+from shardline.data.tokenizer import bos_prefix, load_tokenizer
 from shardline.errors import DataError
 
 MANIFEST, PROGRESS, TOKENIZER = "manifest.json", "progress.json", "tokenizer.json"
@@ -174,8 +174,10 @@ class PreparedData:
     manifest: dict
 
 
-def open_prepared(path: str, seq_len: int, tokenizer_path: str = "", fmt: str = "text") -> PreparedData:
-    """The splits of a prepared folder as sequences over its memory-mapped shards."""
+def open_prepared(path: str, seq_len: int, tokenizer_path: str = "", fmt: str = "text",
+                  add_bos: bool = True) -> PreparedData:
+    """The splits of a prepared folder as sequences over its memory-mapped shards; `add_bos`:
+    data.add_bos, which the folder's documents must agree with."""
     root = Path(path)
     manifest = read_manifest(root)
     _check_keys(root, manifest)
@@ -183,8 +185,23 @@ def open_prepared(path: str, seq_len: int, tokenizer_path: str = "", fmt: str = 
     if manifest["format"] != fmt:
         raise DataError(f"data.format={fmt!r} but {path} was prepared as {manifest['format']!r} data; set "
                         f"data.format={manifest['format']} or prepare again with --format {fmt}")
+    _check_bos(path, manifest, tok, add_bos and fmt == "text")
     splits = [_open_split(root, manifest, name, seq_len) for name in SPLITS]
     return PreparedData(tok, splits[0], splits[1], manifest)
+
+
+def _check_bos(path: str, manifest: dict, tok: Tokenizer, add_bos: bool) -> None:
+    """The folder's documents start with the BOS tokens data.add_bos asks for, or none (a folder
+    prepared before prepare added them has no `bos_ids`: none)."""
+    want, have = bos_prefix(tok) if add_bos else [], manifest.get("bos_ids", [])
+    if want == have:
+        return
+    if have:
+        raise DataError(f"data.add_bos=false but {path} was prepared with {have} before each document; set "
+                        "data.add_bos=true, or prepare it again with --no-bos")
+    raise DataError(f"data.add_bos=true (the default) and the tokenizer starts a text with {want}, but {path} was "
+                    "prepared without it; prepare it again (its documents then start with it), or set "
+                    "data.add_bos=false")
 
 
 def read_manifest(root: Path) -> dict:

@@ -15,6 +15,19 @@ EOS = "<|endoftext|>"
 _KNOWN_EOS = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 
 
+def bos_prefix(tok: Tokenizer) -> list[int]:
+    """The tokens the tokenizer's own post-processor puts before a text: Llama 3's
+    <|begin_of_text|>, Llama 2's and Mistral's <s>; what HF's `tokenizer(text)` starts a document
+    with, and what such a model was pretrained with before each. Empty for a tokenizer without
+    them (shardline's trained BPE, Qwen's)."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start]
+    return []
+
+
 def cache_dir() -> Path:
     root = os.environ.get("SHARDLINE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardline"
