@@ -108,7 +108,7 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
     changes = {k: getattr(m, k) for k in _SHAPE_KEYS if getattr(m, k)}
     if moe is not None and moe.overrides():
         changes["moe"] = moe_shape(args.moe, moe.overrides())
-    for key in ("tie_embeddings", "qk_norm"):
+    for key in ("tie_embeddings", "qk_norm", "qkv_bias"):
         if getattr(m, key) >= 0:
             changes[key] = bool(getattr(m, key))
     if start is not None:
@@ -131,7 +131,7 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
 
 # What decides which tensors a model has and their shapes: the starting weights must fill
 # exactly these (rope_theta, max_seq_len, norm_eps and the router's settings may change).
-_WEIGHT_KEYS = (*(k for k in _SHAPE_KEYS if k != "rope_theta"), "tie_embeddings", "qk_norm")
+_WEIGHT_KEYS = (*(k for k in _SHAPE_KEYS if k != "rope_theta"), "tie_embeddings", "qk_norm", "qkv_bias")
 _EFFECTIVE = {"n_kv_heads": "kv_heads", "head_dim": "head_size"}  # None there means the default
 _MOE_WEIGHT_KEYS = ("n_experts", "expert_ffn_dim", "shared_experts", "first_dense_layers")
 

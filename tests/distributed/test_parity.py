@@ -40,8 +40,9 @@ LAYOUTS_2 = {
     "tp2_sp": [SHALLOW, "parallel.tp=2", "parallel.loss_parallel=false"],
     "tp2_sp_lossparallel_chunked": [SHALLOW, "parallel.tp=2", CHUNK],
     # Qwen3's q/k norms see a tp rank's heads only: their gradients must be summed over tp;
-    # and loss parallelism without sequence parallelism
-    "tp2_lossparallel_qk_norm": [SHALLOW, "model.qk_norm=1", "parallel.tp=2", "parallel.sequence_parallel=false"],
+    # Qwen2's q/k/v biases are cut with their heads; and loss parallelism without sequence parallelism
+    "tp2_lossparallel_qk_norm_qkv_bias": [SHALLOW, "model.qk_norm=1", "model.qkv_bias=1", "parallel.tp=2",
+                                          "parallel.sequence_parallel=false"],
     "zero3_ac_full_foreach_chunked": [SHALLOW, "parallel.dp_shard=2", "memory.activation_checkpoint=full",
                                       "optim.implementation=foreach", CHUNK],
     "zero3_ac_op_async_ckpt": [SHALLOW, "parallel.dp_shard=2", "memory.activation_checkpoint=op",

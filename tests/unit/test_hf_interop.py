@@ -30,6 +30,7 @@ from shardline.interop.hf import (
 )
 from shardline.interop.hf_files import EXPORT_MARK
 from shardline.models.factory import build_meta_model
+from shardline.models.flops import num_params
 from shardline.models.llama import Llama, ModelArgs
 from shardline.models.llama.model import rope_frequencies
 from shardline.models.presets import PRESETS
@@ -200,6 +201,49 @@ def test_mistral_and_qwen3_folders_read_as_the_llama_they_are(tmp_path, transfor
     assert read_hf_config(out) == args
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_qwen2_folder_reads_as_llama_with_qkv_biases_and_exports_as_qwen2(tmp_path, transformers, tied):
+    """Qwen2 (and Qwen2.5, tied at its small sizes) is Llama with bias terms on the query, key
+    and value projections: loaded with its transformers class's logits, exported as Qwen2 again
+    (transformers reads every tensor), read back to the same shape."""
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64,
+        rms_norm_eps=1e-5, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+        attn_implementation="eager"))
+    _spread(hf, seed=3)  # the biases too: far from zero
+    hf.eval().save_pretrained(tmp_path / "qwen2")
+    model, args = from_hf_pretrained(tmp_path / "qwen2")
+    assert (args.qkv_bias, args.qk_norm, args.tie_embeddings, args.kv_heads) == (True, False, tied, 2)
+    assert torch.equal(model.layers["1"].attention.wk.bias, hf.model.layers[1].self_attn.k_proj.bias)
+    assert sum(p.numel() for p in model.parameters()) == num_params(args) == sum(p.numel() for p in hf.parameters())
+    with torch.no_grad():
+        _logits_equal(model.eval()(_ids()), hf(_ids()).logits)
+    out = to_hf_pretrained(model, tmp_path / "back")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and "attention_bias" not in config
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True,
+                                                                   attn_implementation="eager")
+    assert type(back).__name__ == "Qwen2ForCausalLM" and not any(info.values())
+    with torch.no_grad():
+        _logits_equal(back.eval()(_ids(1)).logits, model(_ids(1)))
+    assert read_hf_config(out) == args
+
+
+def test_qkv_biases_start_at_zero_and_a_shape_no_hf_family_has_is_not_exported(tmp_path):
+    """A Qwen2-shaped model from scratch starts its biases at zero (a layout-independent
+    initial value like every other); biases with a query/key norm are no HF family. The
+    parameter count of Qwen2.5-0.5B's shape is transformers' (494,032,768)."""
+    qwen25 = ModelArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, vocab_size=151936,
+                       tie_embeddings=True, qkv_bias=True)
+    assert num_params(qwen25) == 494_032_768
+    model = Llama(ModelArgs(**_BASE, qkv_bias=True))
+    model.init_weights(seed=0)
+    assert all(torch.equal(b.attention.wq.bias, torch.zeros(64)) for b in model.layers.values())
+    with pytest.raises(CheckpointError, match="no Hugging Face family has bias terms on q, k and v"):
+        to_hf_pretrained(Llama(ModelArgs(**_BASE, qkv_bias=True, qk_norm=True)), tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+
+
 # ---- shardline -> HF --------------------------------------------------------------------------
 
 _BASE = dict(dim=64, n_layers=2, n_heads=4, vocab_size=VOCAB, ffn_dim=96, max_seq_len=64)
@@ -334,13 +378,14 @@ def test_reads_transformers5_config_layout(tmp_path):
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear' is not supported"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"model_type": "gemma"}, "model_type='gemma'; only Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE folders"),
+    ({"model_type": "gemma"}, "model_type='gemma'; only Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE folders"),
     ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16 is not supported"),
     ({"model_type": "mistral", "max_position_embeddings": 8192},  # MistralConfig's window when left out
      "sliding_window=4096 is not supported"),
     ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]},
      "'sliding_attention'] is not supported"),
     ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window=true is not supported"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"num_attention_heads": None}, "lacks 'num_attention_heads'"),
     ({"num_key_value_heads": 3}, "not divisible"),

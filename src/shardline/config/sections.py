@@ -37,7 +37,7 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
-    hf_path: str = ""  # start from this HF Llama folder (weights and shape) instead of a preset
+    hf_path: str = ""  # start from this HF folder (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE) instead of a preset
     init_from: str = ""  # start from the weights of this shardline checkpoint (fresh optimizer, step 0)
     # Shape overrides on top of the preset (0 / -1 = keep the preset's value).
     dim: int = 0
@@ -50,6 +50,7 @@ class ModelConfig:
     rope_theta: float = 0.0
     tie_embeddings: int = -1  # -1 keep, 0 untied, 1 tied
     qk_norm: int = -1  # -1 keep, 0 off, 1 an RMSNorm on each query and key head (Qwen3)
+    qkv_bias: int = -1  # -1 keep, 0 off, 1 bias terms on the query, key and value projections (Qwen2)
 
     def check(self) -> None:
         # The preset name is checked against the model table by the launch checks
@@ -57,7 +58,7 @@ class ModelConfig:
         _require(bool(self.preset) or bool(self.hf_path), "model.preset", self.preset, "a preset name")
         _require(not (self.hf_path and self.init_from), "model.init_from", self.init_from,
                  "set model.hf_path or model.init_from, not both")
-        for key in ("tie_embeddings", "qk_norm"):
+        for key in ("tie_embeddings", "qk_norm", "qkv_bias"):
             _require(getattr(self, key) in (-1, 0, 1), f"model.{key}", getattr(self, key), "-1, 0 or 1")
         _require(self.rope_theta >= 0, "model.rope_theta", self.rope_theta, "must be > 0 (0 keeps the preset's)")
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size"):

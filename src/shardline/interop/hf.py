@@ -1,4 +1,4 @@
-"""Hugging Face Llama, Mistral, Qwen3, Mixtral and Qwen3-MoE folders <-> shardline models,
+"""Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE folders <-> shardline models,
 without importing transformers.
 
 An HF folder is `config.json` plus safetensors weights: one `model.safetensors`, or
@@ -307,7 +307,7 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
                      provenance: dict | None = None, kept_fields: dict | None = None,
                      generation_config: str | os.PathLike | None = None) -> Path:
     """Write `model` as an HF folder at `path` that transformers' LlamaForCausalLM,
-    Qwen3ForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM (by the model's shape) loads.
+    Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM (by the model's shape) loads.
 
     Writes config.json, the weights (one model.safetensors, or shards of at most
     max_shard_size_bytes each plus model.safetensors.index.json) and, when tokenizer_path

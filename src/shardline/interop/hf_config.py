@@ -1,4 +1,5 @@
-"""HF config.json <-> ModelArgs for Llama, Mistral, Qwen3, Mixtral and Qwen3-MoE, in transformers < 5 and >= 5 layouts.
+"""HF config.json <-> ModelArgs for Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE, in transformers < 5 and >= 5
+layouts.
 
 transformers < 5 writes `rope_theta` at the top level and the scaling dict (or null)
 under `rope_scaling`; transformers 5 writes a single `rope_parameters` dict holding
@@ -92,18 +93,21 @@ def _read_rope(cfg: dict, where: Path, max_pos: int,
 
 # Per family: what its transformers config class assumes for a key config.json leaves out
 # (rope_theta, rms_norm_eps, max_position_embeddings, num_key_value_heads; None: n_heads).
-# Mistral is Llama's math and tensor names (without a sliding window); Qwen3 is Llama with a
-# norm on each query and key head.
+# Mistral is Llama's math and tensor names (without a sliding window); Qwen2 is Llama with bias
+# terms on the query, key and value projections; Qwen3 is Llama with a norm on each query and
+# key head.
 _DEFAULTS = {
     "llama": (10000.0, 1e-6, 2048, None),
     "mistral": (10000.0, 1e-6, 4096 * 32, 8),
+    "qwen2": (10000.0, 1e-6, 32768, 32),
     "qwen3": (10000.0, 1e-6, 32768, 32),
     "mixtral": (1e6, 1e-5, 4096 * 32, 8),
     "qwen3_moe": (10000.0, 1e-6, 32768, 4),
 }
-_DENSE = ("llama", "mistral", "qwen3")
+_DENSE = ("llama", "mistral", "qwen2", "qwen3")
 _QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json leaves it out (not hidden / heads)
-_DISPLAY = {"llama": "Llama", "mistral": "Mistral", "qwen3": "Qwen3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
+_DISPLAY = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
+            "qwen3_moe": "Qwen3-MoE"}
 
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what to-hf writes on request
@@ -127,8 +131,8 @@ def read_hf_fields(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_hf_config(path: str | os.PathLike) -> ModelArgs:
-    """ModelArgs of the HF Llama, Mistral, Qwen3, Mixtral or Qwen3-MoE folder `path`, read from
-    its config.json."""
+    """ModelArgs of the HF Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE folder `path`, read
+    from its config.json."""
     folder = _hf_folder(path)
     where = folder / CONFIG_NAME
     if not where.is_file():
@@ -144,9 +148,9 @@ def read_hf_config(path: str | os.PathLike) -> ModelArgs:
     _check_layer_types(cfg, where)
     if family in ("mistral", "mixtral"):
         _check_window(cfg, where, args.max_seq_len, default=4096 if family == "mistral" else None)
-    if family in ("qwen3", "qwen3_moe"):
-        _check_qwen3_attention(cfg, where)
-        args = dataclasses.replace(args, qk_norm=True)
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
+        _check_qwen_attention(cfg, where)
+        args = dataclasses.replace(args, **({"qkv_bias": True} if family == "qwen2" else {"qk_norm": True}))
     if family not in _DENSE:
         args = _with_moe(args, cfg, where, family)
     problems = args.validate()
@@ -225,8 +229,8 @@ def _check_window(cfg: dict, where: Path, max_pos: int, default: int | None) -> 
                               "whole sequence (null, or >= max_position_embeddings, is valid)")
 
 
-def _check_qwen3_attention(cfg: dict, where: Path) -> None:
-    """Qwen3 and Qwen3-MoE window their attention only when asked to, which is not built."""
+def _check_qwen_attention(cfg: dict, where: Path) -> None:
+    """Qwen2, Qwen3 and Qwen3-MoE window their attention only when asked to, which is not built."""
     if cfg.get("use_sliding_window"):
         raise CheckpointError(f"{where}: use_sliding_window=true is not supported; shardline attends to the "
                               "whole sequence")
@@ -300,8 +304,17 @@ def hf_config_dict(args: ModelArgs, tied: bool, dtype: torch.dtype,
         "dtype": dtype_name,  # transformers >= 4.56
         "torch_dtype": dtype_name,  # older transformers
     }
+    if args.qkv_bias and (args.qk_norm or args.moe is not None):
+        raise CheckpointError("no Hugging Face family has bias terms on q, k and v (Qwen2's) together with "
+                              f"{'a norm on each query and key head' if args.qk_norm else 'routed experts'}; "
+                              "this model cannot be written as an HF folder")
     if args.moe is not None:
         return _moe_config_dict(args, config)
+    if args.qkv_bias:  # Qwen2: Llama's keys but the bias flags, plus its (unused) window
+        config = {k: v for k, v in config.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")}
+        config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+                      sliding_window=None, max_window_layers=args.n_layers,
+                      layer_types=["full_attention"] * args.n_layers)
     if args.qk_norm:  # Qwen3: Llama's keys but the MLP bias flags, plus its (unused) window
         config = {k: v for k, v in config.items() if k not in ("mlp_bias", "pretraining_tp")}
         config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False,

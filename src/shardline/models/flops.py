@@ -21,6 +21,7 @@ def num_params(args: ModelArgs, *, exclude_embedding: bool = False, active: bool
     d, hd = args.dim, args.head_size
     attn = d * args.n_heads * hd * 2 + d * args.kv_heads * hd * 2  # wq, wo, wk, wv
     qk_norm = 2 * hd if args.qk_norm else 0
+    qk_norm += (args.n_heads + 2 * args.kv_heads) * hd if args.qkv_bias else 0  # and the q, k, v biases
     ffn = args.n_layers * 3 * d * args.ffn_dim
     if args.moe is not None:
         dense = args.moe.first_dense_layers
@@ -39,12 +40,13 @@ def moe_ffn_params(args: ModelArgs, active: bool = False) -> int:
 
 
 def matmul_params(args: ModelArgs) -> int:
-    """Active parameters used in matmuls: all but the embedding lookup and the norm weights.
+    """Active parameters used in matmuls: all but the embedding lookup, the norm weights and the biases.
 
     A tied output still performs its matmul, so it counts once here.
     """
     d = args.dim
     norms = args.n_layers * (2 * d + (2 * args.head_size if args.qk_norm else 0)) + d
+    norms += args.n_layers * (args.n_heads + 2 * args.kv_heads) * args.head_size if args.qkv_bias else 0
     lookup = 0 if args.tie_embeddings else args.vocab_size * d
     return num_params(args, active=True) - norms - lookup
 

@@ -21,6 +21,9 @@ _PER_LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",  # Qwen2 (qkv_bias)
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
     "attention.wo.weight": "self_attn.o_proj.weight",
     "attention.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3 (qk_norm)
     "attention.k_norm.weight": "self_attn.k_norm.weight",

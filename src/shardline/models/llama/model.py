@@ -42,6 +42,7 @@ class ModelArgs:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     qk_norm: bool = False  # RMSNorm on each query and key head before the rotary embedding (Qwen3)
+    qkv_bias: bool = False  # bias terms on the query, key and value projections (Qwen2)
     moe: MoEArgs | None = None  # a routed feed-forward (models/moe); None: dense
 
     @property
@@ -128,9 +129,9 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_size
-        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
@@ -293,8 +294,10 @@ def initial_value(name: str, shape: tuple[int, ...], n_layers: int, seed: int) -
 
     Matmul weights get N(0, 0.02); the projections that write into the residual stream
     (wo, w2, the experts' w2) are scaled by 1/sqrt(2 * n_layers) so the residual variance does not grow
-    with depth. Norm weights start at one.
+    with depth. Norm weights start at one, bias terms at zero.
     """
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     if len(shape) == 1:
         return torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
