@@ -57,7 +57,7 @@ def _relaunch_config(config: str | None, overrides: list[str]):
     """The config a launch reads: --config's file and the overrides; without a file, when run.dir
     holds a checkpoint to resume and the config.toml its last launch saved, that file (its
     per-launch settings afresh, config.LAUNCH_ONLY), so a relaunch need not repeat the run's
-    settings: `--run.dir=runs/x` resumes runs/x as it was started."""
+    settings: `--run.dir=runs/x` resumes runs/x as its last launch ran it."""
     from pathlib import Path
 
     from shardline.config import load_config, load_relaunch_config
@@ -67,7 +67,8 @@ def _relaunch_config(config: str | None, overrides: list[str]):
     saved = Path(cfg.run.dir) / "config.toml"
     if config is not None or cfg.run.resume == "never" or not saved.is_file():
         return cfg
-    if not Checkpointer(Path(cfg.run.dir), keep=1, is_writer=False).list():
+    held = Checkpointer(Path(cfg.run.dir), keep=1, is_writer=False)
+    if not held.list() and not held.interrupted_seals():  # (a seal the trainer repairs holds one too)
         return cfg
     if os.environ.get("RANK", "0") == "0":
         print(f"shardline: {cfg.run.dir} holds checkpoints: resuming with the config.toml it saved and the "

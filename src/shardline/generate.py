@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from shardline.data.encode import CHAT_END, ChatTemplate, chat_template_for, reply_prompt
+from shardline.data.encode import ChatTemplate, chat_template_for, encode_reply_prompt, reply_prompt, turn_end_text
 from shardline.errors import CheckpointError, ConfigError
 from shardline.models.llama.model import sdpa_attention
 
@@ -92,41 +92,47 @@ class Generator:
                     break
         return new
 
-    def encode(self, prompt: str, bos: bool = False, chat: bool = False) -> list[int]:
+    def encode(self, prompt: str, bos: bool = False) -> list[int]:
         """The prompt's ids as training saw a document's: after the BOS tokens when the run
-        trained with them or `bos` asks for them; a chat rendering as it is (its template's)."""
+        trained with them or `bos` asks for them."""
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         if bos and not self.bos:
             raise ConfigError("--bos: this checkpoint's tokenizer has no BOS token")
-        return [*self.bos, *ids] if (bos or self.trained_bos) and not chat else ids
+        return [*self.bos, *ids] if bos or self.trained_bos else ids
 
     def chat_prompt(self, prompt: str, system: str = "") -> str:
         """The user's message `prompt` (after the system's, if any) as chat training renders a
         conversation, then the header of the assistant's reply."""
-        messages = [{"role": "system", "content": system}] if system else []
-        return reply_prompt([*messages, {"role": "user", "content": prompt}], self.template)
+        return reply_prompt(_messages(prompt, system), self.template)
+
+    def chat_ids(self, prompt: str, system: str = "") -> list[int]:
+        """chat_prompt's ids, encoded a message at a time as chat training encodes them."""
+        return encode_reply_prompt(self.tokenizer, _messages(prompt, system), self.template)
 
     def turn_end(self) -> tuple[frozenset[int], str]:
-        """What ends a chat reply besides the end tokens: the template's eos token (which closes
-        its turns) when it is one token; under ChatML the `<|im_end|>` token, or its text when
-        the tokenizer splits it."""
-        marker = self.template.eos_token if self.template else CHAT_END
-        token = self.tokenizer.token_to_id(marker) if marker else None
-        if token is not None:
-            return self.stop | {token}, ""
-        return self.stop, "" if self.template else CHAT_END
+        """What ends a chat reply besides the end tokens: the end of an assistant's turn in the
+        template's rendering (else ChatML's <|im_end|>), as a token when it is one, else as
+        text; and the template's eos token."""
+        marker = turn_end_text(self.template)
+        ends = {self.tokenizer.token_to_id(t) for t in (marker, self.template.eos_token if self.template else "") if t}
+        stop = self.stop | (ends - {None})
+        return stop, marker if marker and self.tokenizer.token_to_id(marker) is None else ""
 
     def complete(self, prompt: str, opts: SampleOptions, bos: bool = False, chat: bool = False,
                  system: str = "") -> str:
         """The text generated after `prompt` (end tokens and markers left out). Decoded with the
         prompt and cut after it: decoded alone, a SentencePiece continuation loses its leading space."""
         check_chat_flags(bos, chat, system)
-        prompt_ids = self.encode(self.chat_prompt(prompt, system) if chat else prompt, bos, chat)
+        prompt_ids = self.chat_ids(prompt, system) if chat else self.encode(prompt, bos)
         stop, stop_text = self.turn_end() if chat else (self.stop, "")
         new = [t for t in self.sample(prompt_ids, opts, stop, stop_text) if t not in stop]
         head, whole = self.tokenizer.decode(prompt_ids), self.tokenizer.decode(prompt_ids + new)
         text = whole[len(head):] if whole.startswith(head) else self.tokenizer.decode(new)
         return text.split(stop_text)[0] if stop_text else text
+
+
+def _messages(prompt: str, system: str = "") -> list[dict]:
+    return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": prompt}]
 
 
 def check_chat_flags(bos: bool, chat: bool, system: str) -> None:
@@ -259,8 +265,9 @@ def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "a
     gen = load_generator(src, device, dtype)
     text = gen.complete(prompt, opts, bos, chat, system)
     if as_json:
-        shown = {"chat_prompt": gen.chat_prompt(prompt, system)} if chat else {}
-        return json.dumps({"prompt": prompt, **shown, "completion": text, **vars(opts), "stop_ids": sorted(gen.stop)})
+        stop, stop_text = gen.turn_end() if chat else (gen.stop, "")
+        shown = {"chat_prompt": gen.chat_prompt(prompt, system), "stop_text": stop_text} if chat else {}
+        return json.dumps({"prompt": prompt, **shown, "completion": text, **vars(opts), "stop_ids": sorted(stop)})
     return text if chat else prompt + text
 
 

@@ -19,8 +19,9 @@ import torch
 
 from shardline import layout as layouts
 from shardline.config import Config, ModelConfig, MoEConfig
-from shardline.errors import CheckpointError, ConfigError
 from shardline.data.shards import is_prepared, prepared_with_own_bpe
+from shardline.devices import mfu_peak_dtype
+from shardline.errors import CheckpointError, ConfigError
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import read_hf_config
 from shardline.interop.hf_files import TOKENIZER_NAME
@@ -302,8 +303,9 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
         notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
     if peak is None and device_type == "cuda":
         notes.append(("mfu_unknown", {"device": gpu_name,
-                                      "fix": f"set metrics.peak_tflops to its dense {cfg.train.precision} peak "
-                                             "(TFLOP/s); until then the log has no mfu"}))
+                                      "fix": f"set metrics.peak_tflops to its dense "
+                                             f"{mfu_peak_dtype(cfg.train.precision)} peak (TFLOP/s); until then "
+                                             "the log has no mfu"}))
     if device_type == "cuda" and world_size == 1 and gpus > 1:
         notes.append(("one_gpu_of_several", {"gpus": gpus, "fix": f"torchrun --nproc_per_node={gpus} -m shardline "
                                              "train ... trains on all of them"}))

@@ -64,6 +64,24 @@ def test_a_relaunch_naming_the_run_dir_alone_resumes_with_its_saved_config(tmp_p
     assert "lr = 0.002" in saved and "weight_decay = 0.05" in saved and "stop_at_step = 0" in saved
 
 
+def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_path, capsys):
+    """A run dir whose only checkpoint a crash left renamed aside (the trainer repairs it and
+    resumes it) counts; one with a config.toml and no checkpoint, a --config, or
+    run.resume=never does not."""
+    from shardline.cli import _relaunch_config
+    from shardline.config import load_config, save_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    save_config(load_config(None, ["optim.lr=0.002"]), run / "config.toml")
+    assert _relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3  # nothing to resume
+    (run / "checkpoints" / "step-000004.deleting").mkdir()  # a second save's older folder, its step gone
+    assert _relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002
+    assert _relaunch_config(None, [f"run.dir={run}", "run.resume=never"]).optim.lr == 3e-3
+    (tmp_path / "other.toml").write_text("[optim]\nlr = 0.001\n")
+    assert _relaunch_config(str(tmp_path / "other.toml"), [f"run.dir={run}"]).optim.lr == 0.001
+
+
 @pytest.mark.parametrize("bad, message", [
     (["--train.bogus=1"], "unknown config key train.bogus"),
     (["--train.steps=ten"], "wrong type: expected int"),

@@ -12,6 +12,7 @@ from shardline.cli import main
 from shardline.config import load_config
 from shardline.data.tokenizer import eos_id
 from shardline.generate import KVCache, SampleOptions, load_generator, next_token
+from shardline.models.llama.model import sdpa_attention
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides
 
@@ -117,7 +118,7 @@ def test_the_kv_cache_gives_the_logits_of_whole_passes(trained_run):
     assert fed == [len(prompt)] + [1] * (32 - len(prompt))
     for n, (got, want) in enumerate(zip(cached, whole)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"token {n}: {m}")
-    assert gen.model.layers["0"].attention.core is not cache._attend  # the model's own core is back
+    assert gen.model.layers["0"].attention.core is sdpa_attention  # the model's own core is back
 
 
 def test_chat_renders_the_template_beside_the_tokenizer_and_stops_at_its_turn_end(trained_run, tmp_path, capsys):
@@ -160,7 +161,7 @@ def test_a_run_trained_with_bos_prompts_with_it(trained_run, tmp_path):
     tok.save(str(run / "tokenizer.json"))
     gen = load_generator(run, "cpu")
     assert gen.trained_bos and gen.encode(PROMPT) == [eos, *plain.encode(PROMPT)]
-    assert gen.encode(gen.chat_prompt("hi"), chat=True) == plain.encode(plain.chat_prompt("hi"))
+    assert gen.chat_ids("hi") == plain.chat_ids("hi") and gen.chat_ids("hi")[0] != eos
     fed = []
     hook = gen.model.register_forward_pre_hook(lambda module, args: fed.append(args[0][0].tolist()))
     try:
@@ -168,6 +169,34 @@ def test_a_run_trained_with_bos_prompts_with_it(trained_run, tmp_path):
     finally:
         hook.remove()
     assert fed == [[eos, *plain.encode(PROMPT)]]
+
+
+def test_chat_ends_a_reply_where_the_template_ends_a_turn_and_encodes_it_a_message_at_a_time(trained_run, tmp_path):
+    """The turn end is what the template writes after a reply (not its eos, which a base model's
+    template may not close turns with): a token when the tokenizer has it as one, else text.
+    The prompt is encoded a message at a time, as chat training encodes it (here whole-string
+    encoding would join a message's last blank to the next one's first word)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    plain = load_generator(run, "cpu")
+    word = next(t for t in sorted(plain.tokenizer.get_vocab()) if t.isalpha() and len(t) >= 4)  # one token
+    for end, as_token in ((word, True), ("<|turn_end|>", False)):
+        template = ("{% for m in messages %}{{ m.role }}:{{ m.content }}" + end + " {% endfor %}"
+                    "{% if add_generation_prompt %}assistant:{% endif %}")
+        settings = {"chat_template": template, "eos_token": "<|endoftext|>"}
+        (run / "tokenizer_config.json").write_text(json.dumps(settings))
+        gen = load_generator(run, "cpu")
+        stop, text = gen.turn_end()
+        if as_token:
+            assert stop == gen.stop | {gen.tokenizer.token_to_id(word)} and text == ""
+        else:
+            assert stop == gen.stop and text == "<|turn_end|>"
+        pieces = [f"system:be brief{end} ", f"user:history{end} ", "assistant:"]
+        assert gen.chat_prompt("history", "be brief") == "".join(pieces)
+        by_piece = [i for piece in pieces for i in gen.tokenizer.encode(piece, add_special_tokens=False).ids]
+        assert gen.chat_ids("history", "be brief") == by_piece
+        if as_token:  # as one string, " user" would be one word
+            assert by_piece != gen.tokenizer.encode("".join(pieces)).ids
 
 
 def test_chat_without_a_template_is_chatml_and_its_end_marker_ends_the_reply(trained_run):

@@ -581,3 +581,28 @@ def test_a_prepared_folder_and_data_add_bos_must_agree(tmp_path, small_corpus, b
     assert "was prepared from other inputs or options; preparing it again" in capsys.readouterr().err
     assert manifest["bos_ids"] == [bos]
     data(without)  # agrees now
+
+
+def test_the_tokenizers_settings_and_chat_template_travel_with_a_prepared_folder_into_a_run(
+        tmp_path, small_corpus, bos_tokenizer):
+    """prepare keeps the files beside --tokenizer (its settings, chat template), so a run trained
+    on the folder holds them as a run on the tokenizer itself would (`generate --chat`, `convert
+    to-hf`); preparing again with a tokenizer without them drops them."""
+    from shardline.config import load_config
+    from shardline.trainer import Trainer
+
+    chosen = tmp_path / "hf_tokenizer"
+    chosen.mkdir()
+    shutil.copyfile(bos_tokenizer[0], chosen / "tokenizer.json")
+    (chosen / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}", "eos_token": "x"}))
+    (chosen / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    out = tmp_path / "prep"
+    prepare(PrepareOptions([str(small_corpus)], str(out), tokenizer=str(chosen / "tokenizer.json"), progress=False))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        assert (out / name).read_bytes() == (chosen / name).read_bytes(), name
+    run = tmp_path / "run"
+    Trainer(load_config(None, [f"data.path={out}", f"run.dir={run}", "train.steps=1", "train.seq_len=64",
+                               "model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.ffn_dim=128"])).build()
+    assert (run / "chat_template.jinja").read_bytes() == (chosen / "chat_template.jinja").read_bytes()
+    prepare(PrepareOptions([str(small_corpus)], str(out), tokenizer=str(bos_tokenizer[0]), progress=False))
+    assert not (out / "tokenizer_config.json").exists() and not (out / "chat_template.jinja").exists()

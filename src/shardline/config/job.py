@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,8 +93,9 @@ def load_relaunch_config(saved: str | Path, run_dir: str, overrides: list[str] =
 
 def save_config(cfg: Config, path: Path) -> None:
     """The resolved config as TOML at `path`, written whole or not at all: every rank of a
-    relaunch may read it while this launch's ranks write it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    relaunch may read it while this launch's ranks write it. Each writer has its own temporary
+    file (host and process: ranks on two nodes of a shared run dir may share a process id)."""
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     tmp.write_text(to_toml(cfg))
     tmp.replace(path)
 

@@ -145,6 +145,40 @@ def reply_prompt(messages: list[dict], template: ChatTemplate | str | None = Non
     return render_chat(messages) + f"{CHAT_START}assistant\n"
 
 
+def encode_reply_prompt(tok: Tokenizer, messages: list[dict], template: ChatTemplate | str | None = None) -> list[int]:
+    """reply_prompt's ids as chat training encodes a conversation: each message's segment on its
+    own, then the reply's header (tokenized as one string, the pieces could merge across a
+    boundary, or a SentencePiece tokenizer start each piece with its own space, where training
+    did not); one string when the template does not render message by message."""
+    prompt = reply_prompt(messages, template)
+    try:
+        pieces = [text for text, _ in chat_segments(messages, template)]
+    except DataError:
+        pieces = []
+    rendered = "".join(pieces)
+    if not pieces or not prompt.startswith(rendered):
+        return tok.encode(prompt, add_special_tokens=False).ids
+    pieces = [p for p in [*pieces, prompt[len(rendered):]] if p]
+    return [i for e in _encode_batch(tok, pieces) for i in e.ids]
+
+
+_REPLY_PROBE = "\u2063shardline-reply\u2063"  # a reply no template rewrites
+
+
+def turn_end_text(template: ChatTemplate | str | None = None) -> str:
+    """What the rendering puts right after an assistant's reply, blanks stripped: the end of its
+    turn as the model learned to write it (Llama 3's <|eot_id|>, ChatML's <|im_end|>), which a
+    base model's eos (<|end_of_text|>) is not. "" when the template writes nothing there or
+    cannot render such a conversation."""
+    template = _as_template(template)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _REPLY_PROBE}]
+    try:
+        text = _render(template, messages) if template and template.source else render_chat(messages)
+    except DataError:
+        return ""
+    return text.split(_REPLY_PROBE, 1)[1].strip() if _REPLY_PROBE in text else ""
+
+
 def encode_chat(tok: Tokenizer, messages: list[dict],
                 template: ChatTemplate | str | None = None) -> tuple[list[int], list[int]]:
     """Token ids of a conversation and its loss mask (1 on assistant tokens)."""

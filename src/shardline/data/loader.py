@@ -133,6 +133,15 @@ def _pack(tok: Tokenizer, docs: list, eos: int | None, seq_len: int, template, c
     return PackedSequences.from_stream(tokens, np.cumsum(lengths) - lengths, seq_len, mask)
 
 
+def tokenizer_file(d) -> str:
+    """The tokenizer.json a run's tokenizer comes from, whose side files (settings, chat template)
+    go with it: data.tokenizer, else the first prepared folder's; "" for a BPE trained at start-up."""
+    if d.tokenizer:
+        return d.tokenizer
+    prepared = [path for path in [s.path for s in d.mix] or [d.path] if is_prepared(path)]
+    return os.path.join(prepared[0], "tokenizer.json") if prepared else ""
+
+
 def _check_sizes(where: str, train, val, cfg: Config) -> None:
     t = cfg.train
     if len(train) == 0:

@@ -34,7 +34,7 @@ from shardline.data.loader import held_out, split_single
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
                                    file_sha256, id_bound, token_dtype, tokenizer_hash)
 from shardline.data.sources import CHAT_FIELD, input_files, read_file
-from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer
+from shardline.data.tokenizer import TOKENIZER_SIDE_FILES, bos_prefix, eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
 
 FORMATS = ("text", "chat")
@@ -118,6 +118,7 @@ def prepare(opts: PrepareOptions) -> dict:
     done = _finished(root, request)
     if done is not None:
         _say(opts, f"{root} is already prepared from these inputs; nothing to do")
+        _keep_side_files(opts.tokenizer, root)  # (tokens do not depend on them: the ones given now)
         return done
     if (root / MANIFEST).is_file():
         _say(opts, f"{root} was prepared from other inputs or options; preparing it again")
@@ -130,10 +131,22 @@ def prepare(opts: PrepareOptions) -> dict:
     state = _resume_state(root, request)  # its progress file marks the folder as prepare's from now on
     (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
     _atomic_write(root / TOKENIZER, tok.to_str())
+    _keep_side_files(opts.tokenizer, root)
     writers = {name: SplitWriter(root, name, token_dtype(id_bound(tok)), opts.format == "chat",
                                  state["splits"].get(name)) for name in SPLITS}
     _tokenize_all(opts, root, stream, writers, state, template)
     return _finish(root, request, writers, tok, stream)
+
+
+def _keep_side_files(tokenizer: str, root: Path) -> None:
+    """The settings and chat template beside --tokenizer, into the folder: a run trained on it
+    keeps them (`generate --chat`, `convert to-hf`); ones a former tokenizer left there go."""
+    for name in TOKENIZER_SIDE_FILES:
+        source = Path(tokenizer).parent / name if tokenizer else None
+        if source is not None and source.is_file():
+            shutil.copyfile(source, root / name)
+        else:
+            (root / name).unlink(missing_ok=True)
 
 
 def _check_options(opts: PrepareOptions) -> None:
@@ -157,7 +170,8 @@ def _check_out(root: Path, files: list[Path]) -> None:
     a train/ or val/ folder without either is someone's data, not ours."""
     if root.exists() and not root.is_dir():
         raise DataError(f"--out {root} is a file; give a folder")
-    ours = {*SPLITS, MANIFEST, PROGRESS, TOKENIZER} | {f"{n}.tmp" for n in (MANIFEST, PROGRESS, TOKENIZER)}
+    ours = {*SPLITS, MANIFEST, PROGRESS, TOKENIZER, *TOKENIZER_SIDE_FILES} | {f"{n}.tmp" for n in (MANIFEST, PROGRESS,
+                                                                                                  TOKENIZER)}
     held = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
     others = [name for name in held if name not in ours]
     if others:

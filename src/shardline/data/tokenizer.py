@@ -11,6 +11,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from shardline.errors import DataError
 
 EOS = "<|endoftext|>"
+# The files beside an HF tokenizer.json that go with it: its settings (special tokens) and chat
+# template. `prepare` keeps them in its folder, a run in its run dir, `convert to-hf` in the export.
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 # End-of-document tokens of common tokenizers, tried in order for a user's tokenizer.
 _KNOWN_EOS = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 

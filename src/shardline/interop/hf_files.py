@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shardline.data.tokenizer import TOKENIZER_SIDE_FILES
 from shardline.errors import CheckpointError, DataError
 from shardline.interop.hf_config import CONFIG_NAME, _load_json
 
@@ -26,7 +27,7 @@ TOKENIZER_NAME = "tokenizer.json"
 # them transformers loads a bare tokenizer: no special tokens, no template) and the generation
 # settings. from-hf copies them into the checkpoint, a run into its run dir, to-hf into the export.
 GENERATION_NAME = "generation_config.json"
-SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", GENERATION_NAME)
+SIDE_FILES = (*TOKENIZER_SIDE_FILES, GENERATION_NAME)
 # Written into every export: a folder holding it may be replaced by the next export; another HF
 # folder (the one a run started from, say) is refused, since replacing it would delete its other files.
 EXPORT_MARK = "shardline_export.json"

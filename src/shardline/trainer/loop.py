@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from shardline.config import Config, save_config
-from shardline.data import build_data
+from shardline.data import build_data, tokenizer_file
 from shardline.data.sampler import batch_index
 from shardline.devices import peak_tflops
 from shardline.errors import Preempted
@@ -158,7 +158,7 @@ class Trainer(SavedState, AnomalyResponse):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.run_dir / "config.toml")
         self.data.tokenizer.save(str(self.run_dir / "tokenizer.json"))
-        copy_starting_files(self.cfg.model, self.cfg.data.tokenizer, self.run_dir)
+        copy_starting_files(self.cfg.model, tokenizer_file(self.cfg.data), self.run_dir)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.metrics.progress, self.cfg.metrics.tensorboard,
                                      self.cfg.train.steps, self.step, enabled=self.proc.is_main)
         for problem in self._invalid_checkpoints:
