@@ -72,7 +72,7 @@ def _relaunch_config(config: str | None, overrides: list[str]):
         return cfg
     if os.environ.get("RANK", "0") == "0":
         print(f"shardline: {cfg.run.dir} holds checkpoints: resuming with the config.toml it saved and the "
-              "overrides given (--config names another file)", file=sys.stderr)
+              "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
     return load_relaunch_config(saved, cfg.run.dir, overrides)
 
 

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from shardline.data.encode import ChatTemplate, chat_template_for, encode_reply_prompt, reply_prompt, turn_end_text
+from shardline.data.encode import (ChatTemplate, chat_template_for, encode_reply_prompt, reply_prompt, turn_end_text,
+                                   with_bos)
 from shardline.errors import CheckpointError, ConfigError
 from shardline.models.llama.model import sdpa_attention
 
@@ -98,7 +99,7 @@ class Generator:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         if bos and not self.bos:
             raise ConfigError("--bos: this checkpoint's tokenizer has no BOS token")
-        return [*self.bos, *ids] if bos or self.trained_bos else ids
+        return with_bos(ids, self.bos) if bos or self.trained_bos else ids
 
     def chat_prompt(self, prompt: str, system: str = "") -> str:
         """The user's message `prompt` (after the system's, if any) as chat training renders a

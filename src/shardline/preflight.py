@@ -20,6 +20,7 @@ import torch
 from shardline import layout as layouts
 from shardline.config import Config, ModelConfig, MoEConfig
 from shardline.data.shards import is_prepared, prepared_with_own_bpe
+from shardline.data.tokenizer import bos_prefix
 from shardline.devices import mfu_peak_dtype
 from shardline.errors import CheckpointError, ConfigError
 from shardline.interop.convert import checkpoint_tokenizer
@@ -152,7 +153,8 @@ def _weight_changes(start: ModelArgs, wanted: ModelArgs) -> list[str]:
     return changed
 
 
-def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, vocab_known: bool = True) -> None:
+def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, add_bos: bool | None = None,
+                      vocab_known: bool = True) -> None:
     """A checkpoint to resume (None: none) is not past train.steps (`steps`) and holds weights of
     this model's shape, or the one-line error, before the model is built and the state loaded
     (the load would fail later, or load minutes of state to train nothing). The checkpoint was
@@ -164,6 +166,7 @@ def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, vocab_know
     step = _read_json(Path(path) / MANIFEST, "step")
     if isinstance(step, int) and not isinstance(step, bool):
         check_steps_ahead(path, step, steps)
+    _check_same_bos(path, add_bos)
     saved = _read_json(Path(path) / "meta.json", "model_args")
     try:
         saved = args_from_json(saved) if saved is not None else None
@@ -177,6 +180,25 @@ def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, vocab_know
     if changed:
         raise CheckpointError(f"checkpoint {path} holds a model of another shape ({', '.join(changed)}); "
                               "drop those [model]/[moe] changes to resume it, or start a new run (another run.dir)")
+
+
+def bos_setting(cfg: Config, tokenizer) -> bool | None:
+    """data.add_bos where it decides tokens (text documents, a tokenizer with BOS tokens), else None."""
+    return cfg.data.add_bos if cfg.data.format == "text" and bos_prefix(tokenizer) else None
+
+
+def _check_same_bos(path: Path, add_bos: bool | None) -> None:
+    """data.add_bos (where it decides tokens: bos_setting) as the checkpoint's run had it (one
+    saved before the key existed: false): another value changes every document's tokens, so
+    the data position would not fit."""
+    run = _read_json(Path(path) / "meta.json", "config")
+    if add_bos is None or not isinstance(run, dict) or not isinstance(run.get("data"), dict):
+        return
+    saved = run["data"].get("add_bos", False)
+    if saved != add_bos:
+        raise ConfigError(f"checkpoint {path} was trained with data.add_bos={str(saved).lower()}, this run has "
+                          f"{str(add_bos).lower()}: every document's tokens would change; set "
+                          f"data.add_bos={str(saved).lower()} to resume it")
 
 
 def _read_json(path: Path, key: str):

@@ -57,7 +57,7 @@ def test_a_relaunch_naming_the_run_dir_alone_resumes_with_its_saved_config(tmp_p
     run = tmp_path / "run"
     assert main(["train", *overrides(run, small_corpus, "train.stop_at_step=6", "optim.lr=0.002")]) == 0
     assert main(["train", f"--run.dir={run}", "--metrics.progress=none", "--optim.weight_decay=0.05"]) == 0
-    assert f"{run} holds checkpoints: resuming with the config.toml it saved" in capsys.readouterr().err
+    assert f"{run} holds checkpoints: resuming with the config.toml it saved" in capsys.readouterr().out
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
     saved = (run / "config.toml").read_text()

@@ -99,6 +99,9 @@ def test_invalid_layouts(world, overrides, message):
      "moe.capacity_factor=1.25 with parallel.cp=2 is not built: each cp rank would drop tokens by its own slice"),
     (2, ["model.preset=tiny-moe", "moe.top_k=9"], "moe top_k=9 must be in 1..n_experts=8"),
     (1, ["moe.top_k=2"], "missing moe.num_experts, moe.expert_ffn_dim"),
+    # not MoE, but read from the shape as these are: a tp-cut bias leaves ZeRO-1 nothing to cut
+    (4, ["model.qkv_bias=1", "parallel.zero=1", "parallel.tp=2"],
+     "parallel.zero=1 with parallel.tp=2 and q/k/v biases"),
 ])
 def test_invalid_moe_layouts(world, overrides, message):
     """Mixture-of-experts shapes and layouts, checked as a launch checks them (preset + [moe])."""

@@ -606,3 +606,28 @@ def test_the_tokenizers_settings_and_chat_template_travel_with_a_prepared_folder
     assert (run / "chat_template.jinja").read_bytes() == (chosen / "chat_template.jinja").read_bytes()
     prepare(PrepareOptions([str(small_corpus)], str(out), tokenizer=str(bos_tokenizer[0]), progress=False))
     assert not (out / "tokenizer_config.json").exists() and not (out / "chat_template.jinja").exists()
+
+
+def test_bos_is_added_once_and_a_resume_keeps_the_runs_setting(tmp_path, small_corpus, bos_tokenizer):
+    """Text written with its BOS already (a pre-rendered document) keeps one; a run trained with
+    BOS resumed with data.add_bos=false (or a run from before the key, read as false, resumed
+    with the default) is refused in one line naming the key."""
+    from shardline.config import load_config
+    from shardline.data.encode import encode_documents
+    from shardline.data.tokenizer import load_tokenizer
+    from shardline.errors import ConfigError
+    from shardline.trainer import Trainer
+
+    path, bos = bos_tokenizer
+    tok = load_tokenizer(str(path))
+    tokens, lengths, _ = encode_documents(tok, ["<|begin_of_text|>in the beginning", "in the beginning"], None,
+                                          bos=[bos])
+    assert lengths[0] == lengths[1] and list(tokens).count(bos) == 2 and tokens[1] != bos
+    run = tmp_path / "run"
+    base = [f"data.path={small_corpus}", f"data.tokenizer={path}", f"run.dir={run}", "train.steps=2",
+            "train.seq_len=64", "model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.ffn_dim=128",
+            "checkpoint.interval=1", "train.eval_interval=0", "train.stop_at_step=1", "metrics.progress=none"]
+    Trainer(load_config(None, base)).build().train()
+    with pytest.raises(ConfigError, match="was trained with data.add_bos=true, this run has false: every "
+                                          "document's tokens would change; set data.add_bos=true to resume it"):
+        Trainer(load_config(None, [*base, "data.add_bos=false"])).build()

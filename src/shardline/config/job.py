@@ -88,6 +88,8 @@ def load_relaunch_config(saved: str | Path, run_dir: str, overrides: list[str] =
             for key in keys:
                 table.pop(key, None)
     raw.setdefault("run", {})["dir"] = run_dir
+    if isinstance(raw.get("data"), dict):  # saved before data.add_bos existed: its run had no BOS
+        raw["data"].setdefault("add_bos", False)
     return _overridden(raw, overrides)
 
 

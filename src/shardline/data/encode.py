@@ -72,7 +72,7 @@ def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template:
         pairs = [encode_chat(tok, messages, chat_template) for messages in docs]
         ids, masks = [p[0] for p in pairs], [p[1] for p in pairs]
     else:
-        ids, masks = [[*bos, *e.ids] if e.ids else [] for e in _encode_batch(tok, docs)], None
+        ids, masks = [with_bos(e.ids, bos) for e in _encode_batch(tok, docs)], None
     keep = [i for i, x in enumerate(ids) if x]
     closed = {i for i in keep if eos is not None and ids[i][-1] != eos}
     lengths = np.array([len(ids[i]) + (i in closed) for i in keep], dtype=np.int64)
@@ -85,6 +85,12 @@ def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template:
     mask = np.fromiter(chain.from_iterable(_closed(masks, keep, close)), np.uint8, total)
     mask[np.cumsum(lengths) - lengths] = 0
     return tokens, lengths, mask
+
+
+def with_bos(ids: list[int], bos: list[int]) -> list[int]:
+    """`ids` after the BOS tokens, unless they start with them already (text written with its
+    special tokens) or are empty (a document that encodes to nothing stays nothing)."""
+    return ids if not ids or ids[:len(bos)] == list(bos) else [*bos, *ids]
 
 
 def _closed(rows: list, keep: list[int], close):

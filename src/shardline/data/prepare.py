@@ -144,7 +144,8 @@ def _keep_side_files(tokenizer: str, root: Path) -> None:
     for name in TOKENIZER_SIDE_FILES:
         source = Path(tokenizer).parent / name if tokenizer else None
         if source is not None and source.is_file():
-            shutil.copyfile(source, root / name)
+            if source.resolve() != (root / name).resolve():  # (--tokenizer may be the folder's own)
+                shutil.copyfile(source, root / name)
         else:
             (root / name).unlink(missing_ok=True)
 

@@ -163,7 +163,8 @@ def _dense_args(cfg: dict, where: Path, family: str) -> ModelArgs:
     """The fields every family shares with Llama: attention, norms, rotary, vocabulary."""
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
-            raise CheckpointError(f"{where}: {key}=true is not supported; shardline's models have no bias terms")
+            raise CheckpointError(f"{where}: {key}=true is not supported; shardline's models have bias terms on "
+                                  "q, k and v alone (Qwen2's), none on the output or the MLP")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{where}: hidden_act={act!r} is not supported; shardline's models use silu")

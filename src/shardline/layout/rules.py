@@ -187,10 +187,20 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
     return None
 
 
+def _not_built_zero1_tp_bias(lay: Layout, job: Job) -> Problem | None:
+    """ZeRO-1 cuts each tensor-parallel shard's AdamW states along a dimension tp leaves whole;
+    a q/k/v bias (Qwen2) has one dimension, which tp cuts already."""
+    if getattr(job.model, "qkv_bias", False) and lay.zero == 1 and lay.tp > 1:
+        return "zero", (f"parallel.zero=1 with parallel.tp={lay.tp} and q/k/v biases (model.qkv_bias, Qwen2) is not "
+                        "built: a bias cut by tp has no dimension left to shard its states by; use parallel.zero=2 "
+                        "or 3, or tp=1")
+    return None
+
+
 Rule = Callable[[Layout, Job], "Problem | None"]
 RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_split, _ep_ranks, _batch, _offload, _pp_stages,
                            _pp_microbatches, _ac_split_backward)
-NOT_BUILT: tuple[Rule, ...] = (_not_built_cp_attention, _not_built_moe)
+NOT_BUILT: tuple[Rule, ...] = (_not_built_cp_attention, _not_built_moe, _not_built_zero1_tp_bias)
 
 
 def first_problem(lay: Layout, job: Job, runnable: bool = True) -> Problem | None:

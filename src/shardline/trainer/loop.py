@@ -42,7 +42,7 @@ from shardline.parallel.pipeline import tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler
 from shardline.preflight import (check_config, check_device, check_layout_before_data, check_resume_fits,
-                                 launch_notes, preflight, use_model_tokenizer)
+                                 bos_setting, launch_notes, preflight, use_model_tokenizer)
 from shardline.profiling import StepProfiler, configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name
@@ -88,7 +88,7 @@ class Trainer(SavedState, AnomalyResponse):
         seen = self.checkpointer.list()  # before the choice, which may take minutes hashing the newest
         resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
-        check_resume_fits(resume_from, launch.model_args, cfg.train.steps)  # before the model is built
+        check_resume_fits(resume_from, launch.model_args, cfg.train.steps, bos_setting(cfg, self.data.tokenizer))
         check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
         build = build_moe_model if self.model_args.moe else build_model
