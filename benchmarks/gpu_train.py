@@ -99,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra shardline config override for the shardline-* variants (repeatable), "
                         "e.g. --set train.loss_chunk_tokens=8192")
+    p.add_argument("--profile", default="", metavar="DIR",
+                   help="after measuring each shardline-* variant, profile 2 more steps and write where the "
+                        "device time goes (by kind of kernel, top kernels) to DIR/profile-<variant>.txt")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
@@ -194,24 +197,25 @@ def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.AdamW:
                              lr=3e-4, betas=(0.9, 0.95), eps=1e-8, **kernel)
 
 
-def step_times(step_fn, device: torch.device, n: int) -> tuple[list[float], object]:
-    """Each of n steps' seconds, and the last step's loss: on CUDA from events recorded
-    between steps on the stream (read once at the end: no sync between steps, so the host
-    may run ahead as in training), elsewhere from the host clock."""
+def step_times(step_fn, device: torch.device, n: int) -> tuple[list[float], list]:
+    """Each of n steps' seconds, and their losses (as the steps returned them, read later):
+    on CUDA from events recorded between steps on the stream (read once at the end: no sync
+    between steps, so the host may run ahead as in training), elsewhere from the host clock."""
+    losses = []
     if device.type == "cuda":
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
         marks[0].record()
         for mark in marks[1:]:
-            loss = step_fn()
+            losses.append(step_fn())
             mark.record()
         torch.cuda.synchronize(device)
-        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])], loss
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])], losses
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        loss = step_fn()
+        losses.append(step_fn())
         times.append(time.perf_counter() - t0)
-    return times, loss
+    return times, losses
 
 
 def measure(step_fn, args, name: str) -> dict:
@@ -224,17 +228,83 @@ def measure(step_fn, args, name: str) -> dict:
     if args.inject_interrupt == name:
         raise KeyboardInterrupt  # as a time budget's SIGINT or SIGTERM arrives
     t0 = time.perf_counter()
-    for _ in range(args.warmup):
-        step_fn()
+    warmup_losses = [step_fn() for _ in range(args.warmup)]
     sync(device)
     warmup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    times, loss = step_times(step_fn, device, args.steps)
+    times, losses = step_times(step_fn, device, args.steps)
     seconds = time.perf_counter() - t0
     q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (times[0],) * 3
+    # Every step's loss, warm-up included: the first is the same initial weights on the same
+    # batch in every shardline variant, so two kernels' first losses must agree to bf16 noise.
+    losses = [float(x) for x in warmup_losses + losses]
     return {"warmup_s": warmup_s, "seconds": seconds, "step_s": median, "step_s_quartiles": [q1, q3],
             "tokens_per_s": args.batch * args.seq_len / median,
-            "window_tokens_per_s": args.steps * args.batch * args.seq_len / seconds, "loss": float(loss)}
+            "window_tokens_per_s": args.steps * args.batch * args.seq_len / seconds, "loss": losses[-1],
+            "losses": losses}
+
+
+# Kinds of kernel by name, first match wins (attention before GEMM: flash kernels carry cutlass names).
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "splitk", "scaled_mm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "lpnorm", "norm_kernel")),
+    ("compiled (triton)", ("triton",)),
+    ("nccl", ("nccl",)),
+    ("copies", ("memcpy", "memset", "copy_kernel", "cat_")),
+    ("aten elementwise/reduce", ("elementwise", "vectorized", "reduce", "unrolled")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_steps(step_fn, args, name: str, n: int = 2) -> str:
+    """--profile: n more steps under torch.profiler, summarised as text (a trace of a 1B step is
+    too large to carry back from a lent machine): the device's busy time per step against the
+    step's wall time (a gap means the GPU waited on the host), device time by kind of kernel,
+    and the top kernels. Without CUDA (the CPU smoke run) the top operators by CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = args.device.type == "cuda"
+    sync(args.device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step_fn()
+        sync(args.device)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / n
+    averages = prof.key_averages()
+    # Kernels are the device-side events; a device-side range named as a host op (the optimizer's
+    # "Optimizer.step#AdamW.step" annotation) spans kernels counted already, so it is left out.
+    host_ops = {e.key for e in averages if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU}
+    kernels = [e for e in averages if cuda and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+               and e.key not in host_ops]
+    lines = [f"profile of {name}: {n} steps after the measured ones; wall {wall_ms:.1f} ms/step"]
+    if kernels:
+        busy = sum(e.self_device_time_total for e in kernels) / 1e3 / n
+        lines.append(f"device busy {busy:.1f} ms/step ({100 * busy / wall_ms:.1f}% of wall; the rest the GPU idled)")
+        by_kind: dict[str, float] = {}
+        for e in kernels:
+            kind = kernel_kind(e.key)
+            by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1e3 / n
+        lines += ["", f"{'kind':<26}{'ms/step':>9}{'% busy':>8}"]
+        lines += [f"{k:<26}{v:>9.2f}{100 * v / busy:>8.1f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+        lines += ["", f"{'ms/step':>8}{'calls':>7}  kernel (top 40 by device time)"]
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]:
+            lines.append(f"{e.self_device_time_total / 1e3 / n:>8.2f}{e.count // n:>7}  {e.key[:150]}")
+    else:
+        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+        lines += [f"no kernel events apart (a CPU run, or another profiler layout): top operators by {sort}", "",
+                  averages.table(sort_by=sort, row_limit=40)]
+    text = "\n".join(lines) + "\n"
+    os.makedirs(args.profile, exist_ok=True)
+    with open(os.path.join(args.profile, f"profile-{name}.txt"), "w") as f:
+        f.write(text)
+    print(f"[gpu_train] {name}: profile in {args.profile}/profile-{name}.txt", flush=True)
+    return text
 
 
 # ---- variants -----------------------------------------------------------------------
@@ -260,6 +330,11 @@ def run_shardline(args, compiled: bool, name: str) -> dict:
         try:
             with sdpa_priority(name):
                 out = measure(shardline_step_fn(trainer), args, name)
+                if args.profile:
+                    try:  # a profiler problem must not cost the measurement
+                        profile_steps(shardline_step_fn(trainer), args, name)
+                    except Exception as e:  # noqa: BLE001 - reported, and the run goes on
+                        print(f"[gpu_train] {name}: profile failed: {type(e).__name__}: {e}", flush=True)
         finally:  # the watchdog thread and the run-dir lock end here, not in train()
             trainer.metrics.close()
             trainer.guard.stop_watching()

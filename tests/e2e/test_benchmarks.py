@@ -62,7 +62,8 @@ def test_gpu_check_script_runs_on_cpu_with_the_tiny_benchmark(tmp_path, small_co
     results = tmp_path / "results"
     env = {**os.environ, "PYTHON": sys.executable, "OUT": "", "TEST_BUDGET": "120", "BENCH_BUDGET": "120",
            "GPU_TRAIN_ARGS": f"--tiny --data {small_corpus} --threads 1 --steps 2 --warmup 1 "
-                             "--variants shardline-eager,shardline-cudnn,hf-eager,hf-compile --inject-oom hf-compile"}
+                             "--variants shardline-eager,shardline-cudnn,hf-eager,hf-compile --inject-oom hf-compile "
+                             f"--profile {results}"}
     script = subprocess.Popen(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(results)], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -86,10 +87,15 @@ def test_gpu_check_script_runs_on_cpu_with_the_tiny_benchmark(tmp_path, small_co
         assert v["status"] == "ok", (name, v)
         assert positive(v["tokens_per_s"]), (name, v)
         assert math.isfinite(v["loss"]), (name, v)
+        assert len(v["losses"]) == 3 and v["losses"][-1] == v["loss"], (name, v)  # 1 warm-up + 2 measured
+    # Same initial weights on the same first batch: shardline's variants start from one loss.
+    assert res["variants"]["shardline-eager"]["losses"][0] == res["variants"]["shardline-cudnn"]["losses"][0]
     # Same shape on both sides: the HF model has exactly shardline's parameter count.
     params = {v["params"] for v in res["variants"].values()}
     assert params == {res["config"]["params"]}
     assert "tokens/s" in (results / "gpu_train.txt").read_text()
+    profile = (results / "profile-shardline-eager.txt").read_text()  # --profile: where the step's time goes
+    assert "wall" in profile and "aten::mm" in profile
 
 
 def test_a_cut_gpu_train_run_keeps_what_finished(tmp_path):

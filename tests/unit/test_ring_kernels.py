@@ -223,6 +223,8 @@ def _efficient_backward(grad_out_, query, key, value, attn_bias, out, logsumexp,
     assert list(grad_input_mask) == [True, True, True, False] and dropout_p == 0.0
     assert logsumexp.shape == (*query.shape[:2], -(-sq // 32) * 32) and logsumexp.dtype == torch.float32
     assert out.dtype == grad_out_.dtype == query.dtype
+    # the CUDA kernel reads out's row stride as heads x head_dim: [b, sq, h, d] in memory, as its forward returns it
+    assert out.transpose(1, 2).is_contiguous()
     _inputs_ok(query, key, value, attn_bias)
     return *_backward(grad_out_, query, key, value, out, logsumexp[..., :sq], attn_bias, is_causal, scale), None
 
