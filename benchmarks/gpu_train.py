@@ -236,7 +236,7 @@ def measure(step_fn, args, name: str) -> dict:
     seconds = time.perf_counter() - t0
     q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (times[0],) * 3
     # Every step's loss, warm-up included: the first is the same initial weights on the same
-    # batch in every shardline variant, so two kernels' first losses must agree to bf16 noise.
+    # batch in every bf16 shardline variant (the hf-* ones have their own data and weights).
     losses = [float(x) for x in warmup_losses + losses]
     return {"warmup_s": warmup_s, "seconds": seconds, "step_s": median, "step_s_quartiles": [q1, q3],
             "tokens_per_s": args.batch * args.seq_len / median,
@@ -244,12 +244,13 @@ def measure(step_fn, args, name: str) -> dict:
             "losses": losses}
 
 
-# Kinds of kernel by name, first match wins (attention before GEMM: flash kernels carry cutlass names).
+# Kinds of kernel by name, first match wins: attention before GEMM (flash kernels carry cutlass
+# names), compiled before GEMM (inductor names a fused kernel after its ops: triton_..._scaled_mm_...).
 KERNEL_KINDS = (
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("compiled (triton)", ("triton",)),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "splitk", "scaled_mm")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "lpnorm", "norm_kernel")),
-    ("compiled (triton)", ("triton",)),
     ("nccl", ("nccl",)),
     ("copies", ("memcpy", "memset", "copy_kernel", "cat_")),
     ("aten elementwise/reduce", ("elementwise", "vectorized", "reduce", "unrolled")),
@@ -277,11 +278,10 @@ def profile_steps(step_fn, args, name: str, n: int = 2) -> str:
         sync(args.device)
         wall_ms = (time.perf_counter() - t0) * 1e3 / n
     averages = prof.key_averages()
-    # Kernels are the device-side events; a device-side range named as a host op (the optimizer's
-    # "Optimizer.step#AdamW.step" annotation) spans kernels counted already, so it is left out.
-    host_ops = {e.key for e in averages if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU}
+    # Kernels are the device-side events apart from user annotations (the optimizer's
+    # "Optimizer.step#AdamW.step" range spans kernels counted already), as torch's own table sums them.
     kernels = [e for e in averages if cuda and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
-               and e.key not in host_ops]
+               and not getattr(e, "is_user_annotation", False)]
     lines = [f"profile of {name}: {n} steps after the measured ones; wall {wall_ms:.1f} ms/step"]
     if kernels:
         busy = sum(e.self_device_time_total for e in kernels) / 1e3 / n
@@ -330,6 +330,8 @@ def run_shardline(args, compiled: bool, name: str) -> dict:
         try:
             with sdpa_priority(name):
                 out = measure(shardline_step_fn(trainer), args, name)
+                if args.device.type == "cuda":
+                    out["peak_mem_gib"] = torch.cuda.max_memory_allocated(args.device) / 2**30
                 if args.profile:
                     try:  # a profiler problem must not cost the measurement
                         profile_steps(shardline_step_fn(trainer), args, name)
@@ -483,8 +485,9 @@ def _run_variants(args, shape: ModelArgs, fpt: float, peak: float, results: dict
             print(f"[gpu_train] {name}: {res['status']}: {res['error']}", file=sys.stderr, flush=True)
         if res["status"] == "ok":
             res["mfu"] = res["tokens_per_s"] * fpt / (peak * 1e12) if peak else None
-            res["peak_mem_gib"] = (torch.cuda.max_memory_allocated(args.device) / 2**30
-                                   if args.device.type == "cuda" else None)
+            if "peak_mem_gib" not in res:  # shardline's is read before --profile's steps
+                res["peak_mem_gib"] = (torch.cuda.max_memory_allocated(args.device) / 2**30
+                                       if args.device.type == "cuda" else None)
             mfu = "-" if res["mfu"] is None else f"{100 * res['mfu']:.1f}%"
             print(f"[gpu_train] {name}: {res['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
                   f"warm-up {res['warmup_s']:.1f} s", file=sys.stderr, flush=True)

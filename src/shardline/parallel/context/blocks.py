@@ -138,26 +138,29 @@ def fused_block_backward(kernel: str, q, k, v, allowed, causal: bool, scale: flo
     forward returns without dropout."""
     sq, hk, sk = q.shape[2], k.shape[1], k.shape[2]
     q, kr, vr = _kernel_inputs(q, k, v)
-    grad_out, out = grad_out.to(q.dtype).contiguous(), out.to(q.dtype)
     lse = lse.float().contiguous()
     rng = torch.empty((), dtype=torch.long)
     if kernel == "flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, kr, vr, out.contiguous(), lse, None, None, sq, sk, 0.0, causal, rng, rng, scale=scale)
-    else:
+            grad_out.to(q.dtype).contiguous(), q, kr, vr, out.to(q.dtype).contiguous(), lse, None, None, sq, sk,
+            0.0, causal, rng, rng, scale=scale)
+    else:  # its wrapper lays grad_out out itself
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, kr, vr, attention_bias(allowed, q), efficient_out_layout(out), pad_lse(lse), rng, rng, 0.0,
-            [True, True, True, False], causal, scale=scale)
+            grad_out.to(q.dtype), q, kr, vr, attention_bias(allowed, q), efficient_out_layout(out, q.dtype),
+            pad_lse(lse), rng, rng, 0.0, [True, True, True, False], causal, scale=scale)
     return dq.float(), _sum_groups(dk, hk), _sum_groups(dv, hk)
 
 
-def efficient_out_layout(out):
-    """out [b, h, sq, d] stored as the efficient kernel's forward returns it, [b, sq, h, d]
-    in memory: its backward takes the output's row stride to be heads x head_dim whatever
-    the tensor's strides say (where it computes delta = rowsum(dO * O) itself, as its bf16
-    kernels did on an H200), so a [b, h, sq, d]-contiguous output gives wrong dq and reads
-    past the tensor's end there."""
-    return out.transpose(1, 2).contiguous().transpose(1, 2)
+def efficient_out_layout(out, dtype: torch.dtype):
+    """out [b, h, sq, d] in `dtype`, stored as the efficient kernel's forward returns it:
+    [b, sq, h, d] in memory (one copy at most). Its backward takes the output's row stride
+    to be heads x head_dim whatever the tensor's strides say (where it computes delta =
+    rowsum(dO * O) itself, as its bf16 kernels did on an H200), so a [b, h, sq, d]-contiguous
+    output gives wrong dq there and reads past the tensor's end."""
+    rows = out.transpose(1, 2)
+    if rows.dtype != dtype or not rows.is_contiguous():  # (`.to(memory_format=)` would alias a same-dtype view)
+        rows = torch.empty(rows.shape, dtype=dtype, device=rows.device).copy_(rows)
+    return rows.transpose(1, 2)
 
 
 def _kernel_inputs(q, k, v):
