@@ -152,3 +152,25 @@ def test_split_backward_reports_its_variants_with_eager_gradients(tmp_path):
         assert all(positive(r[key]) for key in ("forward", "one", "split")), (name, r)
         assert 0 <= r["grad_error"] < 1e-4 and (name != "eager" or r["grad_error"] == 0), (name, r)
     assert "split/one" in proc.stdout
+
+
+def test_profile_kinds_of_the_kernels_an_h200_ran():
+    """gpu_train --profile's buckets, on kernel names from its first H200 profile: inductor names a
+    fused kernel after the ops it holds, so fp8's casts (`..._scaled_mm_...`) must not count as GEMMs,
+    nor cuDNN's flash kernels (cutlass-built) or flex's triton template."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_train", REPO / "benchmarks" / "gpu_train.py")
+    gpu_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_train)
+    kinds = {
+        "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "gemm",
+        "nvjet_sm90_qrtst_128x160_128x5_1x2_h_bz_coopA_algo2_TNT": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64": "attention",
+        "triton_tem_fused_flex_attention_0": "attention",
+        "triton_poi_fused__scaled_mm__to_copy_add_clamp_clone_mul_reciprocal_silu_t_view_7": "compiled (triton)",
+        "triton_red_fused__log_softmax__to_copy_prepare_softmax_online_view_0": "compiled (triton)",
+        "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>": "optimizer",
+        "Memset (Device)": "copies",
+    }
+    assert {name: gpu_train.kernel_kind(name) for name in kinds} == kinds
