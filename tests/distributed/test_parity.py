@@ -45,8 +45,9 @@ LAYOUTS_2 = {
                                           "parallel.sequence_parallel=false"],
     "zero3_ac_full_foreach_chunked": [SHALLOW, "parallel.dp_shard=2", "memory.activation_checkpoint=full",
                                       "optim.implementation=foreach", CHUNK],
-    "zero3_ac_op_async_ckpt": [SHALLOW, "parallel.dp_shard=2", "memory.activation_checkpoint=op",
-                               "checkpoint.mode=async"],
+    # FSDP shards Qwen2's 1-D q/k/v biases (and saves them asynchronously)
+    "zero3_ac_op_async_ckpt_qkv_bias": [SHALLOW, "parallel.dp_shard=2", "memory.activation_checkpoint=op",
+                                        "checkpoint.mode=async", "model.qkv_bias=1"],
     "pp2_gpipe": [SHALLOW, "parallel.pp=2", "parallel.pp_schedule=gpipe"],
     "pp2_1f1b_chunked": [SHALLOW, "parallel.pp=2", "parallel.pp_schedule=1f1b", CHUNK],
     "pp2_interleaved_v2": ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"],
@@ -85,9 +86,11 @@ LAYOUTS_4 = {
     "zero2": [SHALLOW, "parallel.dp_shard=4", "parallel.zero=2"],
     "hsdp_2x2": [SHALLOW, "parallel.dp_replicate=2", "parallel.dp_shard=2"],
     # selective AC (every ac_every-th block checkpointed) inside FSDP units around TP blocks
-    "fsdp2_tp2_selective_async_ckpt_foreach": [SHALLOW, "parallel.dp_shard=2", "parallel.tp=2",
-                                               "memory.activation_checkpoint=selective", "checkpoint.mode=async",
-                                               "optim.implementation=foreach"],
+    # (and FSDP shards the q/k/v biases tp has cut with their heads)
+    "fsdp2_tp2_selective_async_ckpt_foreach_qkv_bias": [SHALLOW, "parallel.dp_shard=2", "parallel.tp=2",
+                                                        "memory.activation_checkpoint=selective",
+                                                        "checkpoint.mode=async", "optim.implementation=foreach",
+                                                        "model.qkv_bias=1"],
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                 "parallel.pp_virtual_stages=2"],
     # data-parallel replicas of a pipeline (run as HSDP: each stage an FSDP unit of shard 1, 2 replicas)
