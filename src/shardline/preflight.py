@@ -313,11 +313,18 @@ FINE_TUNE_LR_LIMIT = 1e-3
 
 
 def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: int, gpu_name: str = "",
-                 gpus: int = 0) -> list[tuple[str, dict]]:
+                 gpus: int = 0, model: ModelArgs | None = None) -> list[tuple[str, dict]]:
     """(event, fields) of what a launch does that its user may not expect, logged as it starts:
     nothing is refused. `peak`: the device's peak TFLOP/s (None: unknown, so no MFU); on CUDA,
-    `gpu_name` is the device's name and `gpus` the number of GPUs the machine shows."""
+    `gpu_name` is the device's name and `gpus` the number of GPUs the machine shows; `model`
+    the shape the run trains."""
     notes = []
+    if model is not None and model.qkv_bias and (model.qk_norm or model.moe is not None):
+        # it trains, but only the export would say so, after the run
+        other = "a norm on each query and key head" if model.qk_norm else "routed experts"
+        notes.append(("not_exportable_to_hf", {
+            "reason": f"no Hugging Face family has q/k/v bias terms (Qwen2's) together with {other}: "
+                      "`shardline convert to-hf` will refuse this run's checkpoints"}))
     if cfg.memory.cpu_offload and device_type == "cpu":  # allowed: it runs the path a GPU runs
         notes.append(("cpu_offload_saves_nothing",
                       {"reason": "the states are in host memory already; FSDP2's offload path runs unpinned"}))

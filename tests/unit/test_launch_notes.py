@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from shardline.config import load_config
@@ -29,3 +30,25 @@ def test_a_pretraining_learning_rate_on_trained_weights_is_named():
         assert notes["lr_high_for_trained_weights"]["lr"] == 3e-3, start
         assert "configs/finetune.toml" in notes["lr_high_for_trained_weights"]["fix"]
     assert launch_notes(load_config(FINETUNE, ["model.hf_path=some/hf-folder"]), "cuda", 989.0, 8, "H100", 8) == []
+
+
+def test_a_shape_no_hf_family_has_is_named_at_the_start_not_at_the_export(tiny_config):
+    """Qwen2's q/k/v biases with Qwen3's per-head q/k norms (or with experts) train, but the
+    export refuses them: the run says so as it starts, through the trainer."""
+    import json
+
+    from shardline.models import get_preset
+    from shardline.trainer import Trainer
+
+    tiny = get_preset("tiny")
+    assert launch_notes(load_config(None, []), "cpu", 0.1, 1, model=replace(tiny, qkv_bias=True)) == []
+    notes = dict(launch_notes(load_config(None, []), "cpu", 0.1, 1, model=replace(tiny, qkv_bias=True, qk_norm=True)))
+    assert "a norm on each query and key head" in notes["not_exportable_to_hf"]["reason"]
+    moe = get_preset("tiny-moe")
+    notes = dict(launch_notes(load_config(None, []), "cpu", 0.1, 1, model=replace(moe, qkv_bias=True)))
+    assert "routed experts" in notes["not_exportable_to_hf"]["reason"]
+
+    cfg = tiny_config("train.steps=1", "model.qkv_bias=1", "model.qk_norm=1", "train.eval_interval=0")
+    Trainer(cfg).build().train()
+    events = [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [e for e in events if e.get("event") == "not_exportable_to_hf"]
