@@ -5,7 +5,8 @@
 #
 # 1. the machine: nvidia-smi, python, torch, CUDA, transformers, torchao  -> env.txt
 # 2. benchmarks/gpu_train.py on the Llama-3.2-1B shape at seq 4096, batch 4: shardline
-#    bf16 compiled, HF compiled, shardline fp8, HF eager, in one run       -> gpu_train.json, .txt
+#    bf16 compiled, HF compiled, shardline fp8, HF eager, flex and varlen on packed
+#    documents, in one run                                                 -> gpu_train.json, .txt
 #    (first: the issue's targets are its numbers, and a run cut short should still have them)
 # 3. the GPU tests, `pytest -m gpu` (tests/gpu: CUDA bf16 run and resume, chunked
 #    loss, compile, FSDP2 CPU offload over NCCL (also one GPU through the trainer),
@@ -94,11 +95,12 @@ EOF
 if [ "$ONLY" != tests ]; then
 echo "== gpu_train ==" >&2
 # shellcheck disable=SC2086  # GPU_TRAIN_ARGS is a list of words on purpose
-# The targets' variants first (hf-eager is context, shardline-cudnn a question: is cuDNN's
-# attention faster than flash here?); gpu_train.json is rewritten after each, and
-# at the budget SIGINT ends the run with the finished ones reported.
+# The targets' variants first (hf-eager is context; the -docs ones a question: do flex and
+# varlen agree on packed documents, first loss and speed?); gpu_train.json is rewritten after
+# each, and at the budget SIGINT ends the run with the finished ones reported.
 timeout -s INT -k 10 "${BENCH_BUDGET:-300}" "$PY" benchmarks/gpu_train.py \
-    --variants shardline-compile,hf-compile,shardline-fp8,hf-eager,shardline-cudnn ${GPU_TRAIN_ARGS:-} \
+    --variants shardline-compile,hf-compile,shardline-fp8,hf-eager,shardline-flex-docs,shardline-varlen-docs \
+    ${GPU_TRAIN_ARGS:-} \
     --json "$RESULTS/gpu_train.json" 2>&1 | tee "$RESULTS/gpu_train.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi

@@ -15,7 +15,13 @@ other in one process, memory freed in between:
                      [fp8] recipe; needs compute capability >= 8.9)
 * shardline-cudnn    shardline-compile (eager where --no-compile) with SDPA trying cuDNN's
                      attention kernel before flash (torch.nn.attention.sdpa_kernel, set before
-                     the compiling step): is cuDNN faster at this shape? (for the next GPU run)
+                     the compiling step): is cuDNN faster at this shape? (On one H200 with torch
+                     2.11, no: SDPA picks cuDNN's kernel there already.)
+* shardline-flex-docs, shardline-varlen-docs
+                     shardline-compile (eager where --no-compile) with packed documents
+                     (train.document_mask=true) through FlexAttention or varlen flash
+                     attention: what documents cost, and whether the two agree (the same
+                     weights and first batch: their first losses must match to bf16 noise)
 * hf-eager           `transformers.LlamaForCausalLM` built from a LlamaConfig of the
                      same shape, random init, attn_implementation="sdpa", loss from
                      `labels=`; synthetic random token batches (token values do not
@@ -63,7 +69,9 @@ from shardline.models import flops_per_token, get_preset, num_params
 from shardline.preflight import model_shape
 from shardline.models.llama import ModelArgs
 
-ALL_VARIANTS = ("shardline-compile", "shardline-eager", "shardline-fp8", "hf-eager", "hf-compile", "shardline-cudnn")
+ALL_VARIANTS = ("shardline-compile", "shardline-eager", "shardline-fp8", "hf-eager", "hf-compile", "shardline-cudnn",
+                "shardline-flex-docs", "shardline-varlen-docs")
+COMPILED_WITH_ARGS = ("shardline-cudnn", "shardline-flex-docs", "shardline-varlen-docs")  # compiled unless --no-compile
 TINY_SHAPE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128"]
 
 
@@ -320,8 +328,7 @@ def run_shardline(args, compiled: bool, name: str) -> dict:
             f"train.seq_len={args.seq_len}", f"train.global_batch_size={args.batch}",
             f"train.micro_batch_size={args.batch}", f"train.steps={args.warmup + args.steps}",
             f"train.precision={precision}", f"train.compile={'true' if compiled else 'false'}",
-            f"train.attention={args.attention}",
-            f"train.document_mask={'true' if args.document_mask else 'false'}", f"train.seed={args.seed}",
+            *attention_overrides(args, name), f"train.seed={args.seed}",
             "train.eval_interval=0", "checkpoint.interval=0", "metrics.progress=none", "metrics.tensorboard=false",
             f"data.path={args.data}", f"run.device={args.device}", f"run.dir={run_dir}",
             f"data.vocab_size={data_vocab(args)}", *args.set,
@@ -344,6 +351,13 @@ def run_shardline(args, compiled: bool, name: str) -> dict:
         out["params"] = sum(p.numel() for p in trainer.model.parameters())
         out["data"] = "shardline pipeline (" + (args.data or "shipped corpus") + ")"
         return out
+
+
+def attention_overrides(args, name: str) -> list[str]:
+    """train.attention and train.document_mask: the -docs variants' own, else --attention and --document-mask."""
+    if name.endswith("-docs"):
+        return [f"train.attention={name.split('-')[1]}", "train.document_mask=true"]
+    return [f"train.attention={args.attention}", f"train.document_mask={'true' if args.document_mask else 'false'}"]
 
 
 @contextlib.contextmanager
@@ -429,7 +443,7 @@ def is_oom(e: BaseException) -> bool:
 
 
 def run_variant(args, shape: ModelArgs, name: str) -> dict:
-    compiled = name.endswith("-compile") or name == "shardline-fp8" or (name == "shardline-cudnn" and args.compile)
+    compiled = name.endswith("-compile") or name == "shardline-fp8" or (name in COMPILED_WITH_ARGS and args.compile)
     if name.startswith("hf-"):
         if importlib.util.find_spec("transformers") is None:
             return {"status": "skipped", "error": "transformers is not installed"}
@@ -494,7 +508,7 @@ def _run_variants(args, shape: ModelArgs, fpt: float, peak: float, results: dict
         results[name] = res
         add_ratios(results)
         progress()
-        if name.endswith("-compile") or name in ("shardline-fp8", "shardline-cudnn"):
+        if name.endswith("-compile") or name == "shardline-fp8" or name in COMPILED_WITH_ARGS:
             torch._dynamo.reset()
     return failed
 
@@ -552,7 +566,7 @@ def format_table(rep: dict) -> str:
         f"peak {_fmt(c['peak_tflops'], '.1f', '?')} TFLOP/s",
         "",
         f"{'variant':<18} {'status':<7} {'tokens/s':>12} {'MFU':>7} {'peak GiB':>9} {'s/step':>8} "
-        f"{'warm-up s':>9} {'loss':>7} {'vs hf-c':>8} {'vs sl-c':>8}",
+        f"{'warm-up s':>9} {'loss 1':>7} {'loss':>7} {'vs hf-c':>8} {'vs sl-c':>8}",
     ]
     for name, r in rep["variants"].items():
         if r["status"] != "ok":
@@ -561,10 +575,11 @@ def format_table(rep: dict) -> str:
         mfu = _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f")
         lines.append(f"{name:<18} {'ok':<7} {r['tokens_per_s']:>12,.0f} {mfu + ('%' if r['mfu'] else ''):>7} "
                      f"{_fmt(r['peak_mem_gib'], '.1f', 'n/a'):>9} {r['step_s']:>8.3f} {r['warmup_s']:>9.1f} "
-                     f"{r['loss']:>7.3f} {_fmt(r.get('vs_hf-compile'), '.2f'):>8} "
+                     f"{r['losses'][0]:>7.3f} {r['loss']:>7.3f} {_fmt(r.get('vs_hf-compile'), '.2f'):>8} "
                      f"{_fmt(r.get('vs_shardline-compile'), '.2f'):>8}")
     lines.append("")
-    lines.append("shardline-*: shardline's data pipeline; hf-*: synthetic random tokens (throughput only).")
+    lines.append("shardline-*: shardline's data pipeline; hf-*: synthetic random tokens (throughput only). "
+                 "loss 1: the first step's (same weights and batch for the bf16 shardline-* of one mask).")
     if m["device"] == "cpu":
         lines.append("CPU: MFU is against shardline's rough CPU peak estimate; peak memory is not measured.")
     return "\n".join(lines)
