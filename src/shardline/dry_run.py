@@ -46,7 +46,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
     """(the report of a checked launch on `world` ranks, whether the memory estimate fits);
     raises what the launch would raise."""
     check_config(cfg)
-    use_model_tokenizer(cfg)
+    stand_in = use_model_tokenizer(cfg)
     check_layout_before_data(cfg, world)
     data, folder_tokenizer = data_summary(cfg)
     resume = check_resume(cfg)
@@ -62,7 +62,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
              _model_line(cfg, launch), f"data      {data}; "
              f"tokenizer {tokenizer}",
              f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
-             *_layout_lines(cfg, launch)]
+             *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch)]
     memory, fits = _memory_lines(cfg, launch, gpu)
     return "\n".join([*lines, *memory]), fits
 

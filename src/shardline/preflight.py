@@ -50,23 +50,25 @@ class Preflight:
     model_args: ModelArgs
 
 
-def use_model_tokenizer(cfg: Config) -> None:
+def use_model_tokenizer(cfg: Config) -> str | None:
     """A run from trained weights (model.hf_path, model.init_from) tokenizes with their own
     tokenizer.json unless data.tokenizer names one. Without one there, raw data would get a
     newly trained tokenizer whose ids mean nothing to those weights: refused, and so is a
-    prepared folder whose tokenizer prepare trained (one given to prepare is the user's choice)."""
+    prepared folder whose tokenizer prepare trained (one given to prepare is the user's choice).
+    Returns stand_in_for_gone_weights' line, when it made one."""
     m, d = cfg.model, cfg.data
+    stand_in = stand_in_for_gone_weights(cfg)
     if not (m.hf_path or m.init_from):
-        return
+        return None
     key, value = ("model.hf_path", m.hf_path) if m.hf_path else ("model.init_from", m.init_from)
     if not Path(value).is_dir():
         raise ConfigError(f"{key}={value!r} does not exist or is not a folder")
     if d.tokenizer:
-        return
+        return stand_in
     found = Path(m.hf_path) / TOKENIZER_NAME if m.hf_path else checkpoint_tokenizer(Path(m.init_from))
     if found is not None and found.is_file():
         d.tokenizer = str(found)
-        return
+        return stand_in
     paths = [s.path for s in d.mix] if d.mix else [d.path]
     hint = " (its tokenizer.model is not read: save it as tokenizer.json with transformers)" if (
         m.hf_path and (Path(m.hf_path) / "tokenizer.model").is_file()) else ""
@@ -79,6 +81,26 @@ def use_model_tokenizer(cfg: Config) -> None:
                           "with a BPE trained on its own text, whose ids mean nothing to those weights; prepare it "
                           "again with --tokenizer naming the tokenizer.json they were trained with (or, if they "
                           "were trained with this one, set data.tokenizer to it)")
+
+
+def stand_in_for_gone_weights(cfg: Config) -> str | None:
+    """A resume whose starting weights (model.hf_path, model.init_from) have moved or gone since
+    the run began: a resume reads only their shape and tokenizer, and the run dir holds both (in
+    its checkpoints' meta, and the tokenizer.json a run keeps), so the checkpoint it resumes from
+    (the newest valid one, or run.resume's) stands in as model.init_from. Returns the line that
+    says so; None when the weights are there or nothing would resume."""
+    m, mode = cfg.model, cfg.run.resume
+    start = m.hf_path or m.init_from
+    if not start or Path(start).is_dir() or mode == "never":
+        return None
+    stand_in = Path(mode) if mode not in ("auto", "latest") else Checkpointer(Path(cfg.run.dir), 0).latest_valid()
+    if stand_in is None or not (stand_in / MANIFEST).is_file():
+        return None
+    key = "model.hf_path" if m.hf_path else "model.init_from"
+    m.hf_path, m.init_from = "", str(stand_in)
+    if cfg.data.tokenizer and Path(start) in Path(cfg.data.tokenizer).parents:  # the folder's own, saved as chosen
+        cfg.data.tokenizer = ""  # the run dir's copy, as use_model_tokenizer finds it for init_from
+    return f"{key}={start!r} is gone; the run resumes, with the shape and tokenizer its checkpoint {stand_in} holds"
 
 
 def check_config(cfg: Config) -> None:

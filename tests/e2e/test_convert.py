@@ -93,6 +93,39 @@ def test_a_resume_does_not_read_the_hf_weights_again(tiny_config, small_prepared
         torch.testing.assert_close(p, first.model.state_dict()[name], rtol=0, atol=0)
 
 
+def test_a_resume_goes_on_when_the_hf_folder_is_gone(tiny_config, small_prepared, tmp_path):
+    """The folder a run started from moved or was deleted since (a hub cache cleaned, a run dir
+    taken to another cluster): a resume reads only its shape and tokenizer, which the run dir
+    holds, so the checkpoint stands in as model.init_from and says so; the relaunch's config,
+    which names the folder's tokenizer, gets the run dir's copy. A fresh start still needs it."""
+    import shutil
+
+    from shardline.dry_run import dry_run
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=600)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    shutil.copyfile(small_prepared / "tokenizer.json", tmp_path / "hf" / "tokenizer.json")
+    start = ("train.eval_interval=0", f"model.hf_path={tmp_path / 'hf'}")
+    first = Trainer(tiny_config("train.steps=2", *start)).build()
+    first.train()
+    (tmp_path / "hf").rename(tmp_path / "moved")
+    relaunch = (*start, f"data.tokenizer={tmp_path / 'hf' / 'tokenizer.json'}")  # as its config.toml names it
+    report, _ = dry_run(tiny_config("train.steps=3", *relaunch), 1)
+    assert "model.hf_path=" in report and "is gone; the run resumes" in report and "step-000002" in report
+    resumed = Trainer(tiny_config("train.steps=3", *relaunch)).build()
+    assert resumed.step == 2 and resumed.cfg.model.init_from.endswith("step-000002") and not resumed.cfg.model.hf_path
+    assert resumed.cfg.data.tokenizer == str(tmp_path / "run" / "tokenizer.json")
+    for name, p in resumed.model.state_dict().items():
+        torch.testing.assert_close(p, first.model.state_dict()[name], rtol=0, atol=0)
+    resumed.train()
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e for e in events if e.get("event") == "starting_weights_gone"]
+    with pytest.raises(ConfigError, match="does not exist or is not a folder"):  # nothing to resume
+        Trainer(tiny_config("train.steps=3", *start, run_dir=tmp_path / "fresh")).build()
+
+
 def test_convert_errors_exit_2(tmp_path, capsys):
     assert main(["convert", "to-hf", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert "neither a checkpoint folder nor a run dir" in capsys.readouterr().err

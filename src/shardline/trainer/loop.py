@@ -81,7 +81,7 @@ class Trainer(SavedState, AnomalyResponse):
             torch.cuda.set_device(self.device)
         check_config(cfg)
         torch.manual_seed(cfg.train.seed)
-        use_model_tokenizer(cfg)
+        self._stand_in = use_model_tokenizer(cfg)  # the starting weights gone: this run's checkpoint stands in
         check_layout_before_data(cfg, self.proc.world_size)  # a wrong layout fails before the data is read
         self.data = build_data(cfg)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
@@ -163,6 +163,8 @@ class Trainer(SavedState, AnomalyResponse):
                                      self.cfg.train.steps, self.step, enabled=self.proc.is_main)
         for problem in self._invalid_checkpoints:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
+        if self._stand_in:
+            self.metrics.event("starting_weights_gone", step=self.step, note=self._stand_in)
         if self._set_aside:  # newer ones: a history this run leaves
             self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in self._set_aside])
         self.guard.open(self.run_dir, self.metrics.event)
