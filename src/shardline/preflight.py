@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from shardline.data.tokenizer import bos_prefix
 from shardline.devices import mfu_peak_dtype
 from shardline.errors import CheckpointError, ConfigError
 from shardline.interop.convert import checkpoint_tokenizer
-from shardline.interop.hf_config import read_hf_config
+from shardline.interop.hf_config import hf_export_problem, read_hf_config
 from shardline.interop.hf_files import TOKENIZER_NAME
 from shardline.layout import Job, Layout
 from shardline.models import attention
@@ -57,18 +58,20 @@ def use_model_tokenizer(cfg: Config) -> str | None:
     prepared folder whose tokenizer prepare trained (one given to prepare is the user's choice).
     Returns stand_in_for_gone_weights' line, when it made one."""
     m, d = cfg.model, cfg.data
-    stand_in = stand_in_for_gone_weights(cfg)
     if not (m.hf_path or m.init_from):
         return None
     key, value = ("model.hf_path", m.hf_path) if m.hf_path else ("model.init_from", m.init_from)
+    stand_in = gone_start_checkpoint(cfg)
+    if stand_in is not None:
+        return _tokenizer_of_stand_in(cfg, stand_in, f"{key}={value!r}")
     if not Path(value).is_dir():
         raise ConfigError(f"{key}={value!r} does not exist or is not a folder")
     if d.tokenizer:
-        return stand_in
+        return None
     found = Path(m.hf_path) / TOKENIZER_NAME if m.hf_path else checkpoint_tokenizer(Path(m.init_from))
     if found is not None and found.is_file():
         d.tokenizer = str(found)
-        return stand_in
+        return None
     paths = [s.path for s in d.mix] if d.mix else [d.path]
     hint = " (its tokenizer.model is not read: save it as tokenizer.json with transformers)" if (
         m.hf_path and (Path(m.hf_path) / "tokenizer.model").is_file()) else ""
@@ -83,24 +86,37 @@ def use_model_tokenizer(cfg: Config) -> str | None:
                           "were trained with this one, set data.tokenizer to it)")
 
 
-def stand_in_for_gone_weights(cfg: Config) -> str | None:
-    """A resume whose starting weights (model.hf_path, model.init_from) have moved or gone since
-    the run began: a resume reads only their shape and tokenizer, and the run dir holds both (in
-    its checkpoints' meta, and the tokenizer.json a run keeps), so the checkpoint it resumes from
-    (the newest valid one, or run.resume's) stands in as model.init_from. Returns the line that
-    says so; None when the weights are there or nothing would resume."""
-    m, mode = cfg.model, cfg.run.resume
-    start = m.hf_path or m.init_from
-    if not start or Path(start).is_dir() or mode == "never":
+def gone_start_checkpoint(cfg: Config) -> Path | None:
+    """The starting weights (model.hf_path, model.init_from) have moved or gone since this run
+    began, and a resume reads only their shape, HF fields and tokenizer, which the run dir holds:
+    the newest of its checkpoints whose run started from that same path (meta.json read, not
+    hashed: every checkpoint of a run has one shape, and the resume checks the one it takes).
+    None when the weights are there or no checkpoint here started from them (a mistyped path on
+    a reused run dir stays an error, and so does a fresh start)."""
+    m = cfg.model
+    key, start = ("hf_path", m.hf_path) if m.hf_path else ("init_from", m.init_from)
+    if not start or Path(start).is_dir():
         return None
-    stand_in = Path(mode) if mode not in ("auto", "latest") else Checkpointer(Path(cfg.run.dir), 0).latest_valid()
-    if stand_in is None or not (stand_in / MANIFEST).is_file():
-        return None
-    key = "model.hf_path" if m.hf_path else "model.init_from"
-    m.hf_path, m.init_from = "", str(stand_in)
-    if cfg.data.tokenizer and Path(start) in Path(cfg.data.tokenizer).parents:  # the folder's own, saved as chosen
-        cfg.data.tokenizer = ""  # the run dir's copy, as use_model_tokenizer finds it for init_from
-    return f"{key}={start!r} is gone; the run resumes, with the shape and tokenizer its checkpoint {stand_in} holds"
+    for ckpt in reversed(Checkpointer(Path(cfg.run.dir), 0).list()):
+        try:
+            named = json.loads((ckpt / "meta.json").read_text())["config"]["model"][key]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if named and os.path.abspath(named) == os.path.abspath(start):
+            return ckpt
+    return None
+
+
+def _tokenizer_of_stand_in(cfg: Config, stand_in: Path, start: str) -> str:
+    """data.tokenizer for a resume whose starting folder is gone: the one named if it is still
+    there, else the copy the run dir keeps of the one it trained with. Returns the line to log."""
+    if not (cfg.data.tokenizer and Path(cfg.data.tokenizer).is_file()):
+        kept = checkpoint_tokenizer(stand_in)
+        if kept is None:
+            raise ConfigError(f"{start} is gone and {cfg.run.dir} keeps no {TOKENIZER_NAME}: set data.tokenizer "
+                              "to the tokenizer.json this run trained with")
+        cfg.data.tokenizer = str(kept)
+    return f"{start} is gone; the run resumes with the shape and tokenizer its checkpoints keep ({stand_in.name})"
 
 
 def check_config(cfg: Config) -> None:
@@ -116,8 +132,11 @@ def check_config(cfg: Config) -> None:
         check_fp8(cfg)
 
 
-def starting_shape(m: ModelConfig) -> ModelArgs | None:
-    """The shape of the weights a run starts from (an HF folder or a checkpoint), else None."""
+def starting_shape(m: ModelConfig, stand_in: Path | None = None) -> ModelArgs | None:
+    """The shape of the weights a run starts from (an HF folder or a checkpoint), else None;
+    `stand_in` (gone_start_checkpoint): a checkpoint of the run, when they are gone since."""
+    if stand_in is not None:
+        return args_from_json(json.loads((stand_in / "meta.json").read_text())["model_args"])
     if m.hf_path:
         return read_hf_config(m.hf_path)
     if m.init_from:
@@ -125,9 +144,10 @@ def starting_shape(m: ModelConfig) -> ModelArgs | None:
     return None
 
 
-def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = None) -> ModelArgs:
+def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = None,
+                stand_in: Path | None = None) -> ModelArgs:
     """Preset (or the starting weights' shape) + [model] and [moe] overrides, checked against the tokenizer."""
-    start = starting_shape(m)
+    start = starting_shape(m, stand_in)
     args = start or get_preset(m.preset)
     changes = {k: getattr(m, k) for k in _SHAPE_KEYS if getattr(m, k)}
     if moe is not None and moe.overrides():
@@ -265,13 +285,13 @@ def check_layout_before_data(cfg: Config, world: int) -> None:
     """The layout rules, which never read the vocabulary, before any data is read or tokenized
     (minutes on every rank for raw files): a tp that does not divide the heads fails at once.
     A vocabulary sized to the tokenizer is taken as 1 here; preflight checks it with the real one."""
-    check_layout(cfg, world, model_shape(cfg.model, 1, cfg.moe))
+    check_layout(cfg, world, model_shape(cfg.model, 1, cfg.moe, gone_start_checkpoint(cfg)))
 
 
 def preflight(cfg: Config, world: int, tokenizer_vocab: int) -> Preflight:
     """Every check of a launch on `world` ranks once the tokenizer's size is known."""
     check_config(cfg)
-    args = model_shape(cfg.model, tokenizer_vocab, cfg.moe)
+    args = model_shape(cfg.model, tokenizer_vocab, cfg.moe, gone_start_checkpoint(cfg))
     if cfg.train.seq_len > args.max_seq_len:
         # Rotary positions extend to any length; the recorded maximum (checkpoints, HF
         # config.json) follows what the model is trained on.
@@ -341,12 +361,10 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     `gpu_name` is the device's name and `gpus` the number of GPUs the machine shows; `model`
     the shape the run trains."""
     notes = []
-    if model is not None and model.qkv_bias and (model.qk_norm or model.moe is not None):
-        # it trains, but only the export would say so, after the run
-        other = "a norm on each query and key head" if model.qk_norm else "routed experts"
-        notes.append(("not_exportable_to_hf", {
-            "reason": f"no Hugging Face family has q/k/v bias terms (Qwen2's) together with {other}: "
-                      "`shardline convert to-hf` will refuse this run's checkpoints"}))
+    problem = hf_export_problem(model) if model is not None else None
+    if problem:  # it trains, but only the export would say so, after the run
+        notes.append(("not_exportable_to_hf", {"reason": f"{problem}: `shardline convert to-hf` will refuse "
+                                                         "this run's checkpoints"}))
     if cfg.memory.cpu_offload and device_type == "cpu":  # allowed: it runs the path a GPU runs
         notes.append(("cpu_offload_saves_nothing",
                       {"reason": "the states are in host memory already; FSDP2's offload path runs unpinned"}))

@@ -174,3 +174,25 @@ def test_profile_kinds_of_the_kernels_an_h200_ran():
         "Memset (Device)": "copies",
     }
     assert {name: gpu_train.kernel_kind(name) for name in kinds} == kinds
+
+
+def test_gpu_checks_variants_exist_and_the_docs_ones_run_their_kernel_compiled():
+    """A name gpu_train.py does not know would cost a GPU session its benchmark (argparse exits):
+    every variant gpu_check.sh lists is known, and the -docs ones train their kernel on documents."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("gpu_train", REPO / "benchmarks" / "gpu_train.py")
+    gpu_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_train)
+    script = (REPO / "benchmarks" / "gpu_check.sh").read_text()
+    listed = re.search(r"^\s+--variants (\S+)", script, re.MULTILINE).group(1).split(",")  # the command line
+    assert listed[:4] == ["shardline-compile", "hf-compile", "shardline-fp8", "hf-eager"]  # the targets' first
+    assert set(listed) <= set(gpu_train.ALL_VARIANTS)
+    args = gpu_train.parse_args(["--tiny", "--variants", ",".join(listed)])
+    for kernel in ("flex", "varlen"):
+        assert gpu_train.attention_overrides(args, f"shardline-{kernel}-docs") == [
+            f"train.attention={kernel}", "train.document_mask=true"]
+        assert f"shardline-{kernel}-docs" in gpu_train.COMPILED_WITH_ARGS
+    assert gpu_train.attention_overrides(args, "shardline-compile") == ["train.attention=auto",
+                                                                         "train.document_mask=false"]

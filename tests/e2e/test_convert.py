@@ -93,35 +93,43 @@ def test_a_resume_does_not_read_the_hf_weights_again(tiny_config, small_prepared
         torch.testing.assert_close(p, first.model.state_dict()[name], rtol=0, atol=0)
 
 
-def test_a_resume_goes_on_when_the_hf_folder_is_gone(tiny_config, small_prepared, tmp_path):
+def test_a_resume_goes_on_when_the_hf_folder_is_gone(tiny_config, small_prepared, tmp_path, capsys):
     """The folder a run started from moved or was deleted since (a hub cache cleaned, a run dir
-    taken to another cluster): a resume reads only its shape and tokenizer, which the run dir
-    holds, so the checkpoint stands in as model.init_from and says so; the relaunch's config,
-    which names the folder's tokenizer, gets the run dir's copy. A fresh start still needs it."""
-    import shutil
-
+    taken to another cluster): a resume reads only its shape, HF fields and tokenizer, which the
+    run dir keeps, so it goes on and says so (a relaunch naming only the run dir, whose saved
+    config names the folder and its tokenizer); the saved [model] still names the folder. A
+    mistyped folder on a reused run dir, and a fresh start, still fail in one line."""
     from shardline.dry_run import dry_run
 
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=600)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
-    shutil.copyfile(small_prepared / "tokenizer.json", tmp_path / "hf" / "tokenizer.json")
-    start = ("train.eval_interval=0", f"model.hf_path={tmp_path / 'hf'}")
+    (tmp_path / "hf" / "tokenizer.json").write_bytes((small_prepared / "tokenizer.json").read_bytes())
+    start = ("train.eval_interval=0", "checkpoint.interval=1", f"model.hf_path={tmp_path / 'hf'}")
     first = Trainer(tiny_config("train.steps=2", *start)).build()
     first.train()
+    hf_fields = read_meta(tmp_path / "run" / "checkpoints" / "step-000002")["hf"]
     (tmp_path / "hf").rename(tmp_path / "moved")
-    relaunch = (*start, f"data.tokenizer={tmp_path / 'hf' / 'tokenizer.json'}")  # as its config.toml names it
-    report, _ = dry_run(tiny_config("train.steps=3", *relaunch), 1)
-    assert "model.hf_path=" in report and "is gone; the run resumes" in report and "step-000002" in report
-    resumed = Trainer(tiny_config("train.steps=3", *relaunch)).build()
-    assert resumed.step == 2 and resumed.cfg.model.init_from.endswith("step-000002") and not resumed.cfg.model.hf_path
-    assert resumed.cfg.data.tokenizer == str(tmp_path / "run" / "tokenizer.json")
+    run = tmp_path / "run"
+    report, _ = dry_run(tiny_config("train.steps=3", *start), 1)
+    assert f"resumes from {run / 'checkpoints' / 'step-000002'}" in report and "is gone; the run resumes" in report
+    resumed = Trainer(tiny_config("train.steps=3", *start)).build()
+    assert resumed.step == 2 and resumed.cfg.model.hf_path == str(tmp_path / "hf")
+    assert resumed.cfg.data.tokenizer == str(run / "tokenizer.json") and resumed.hf_fields == hf_fields
     for name, p in resumed.model.state_dict().items():
         torch.testing.assert_close(p, first.model.state_dict()[name], rtol=0, atol=0)
-    resumed.train()
-    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    resumed.metrics.close()
+    resumed.guard.stop_watching()
+    resumed.lock.release()
+    # As a user relaunches it: the saved config.toml names the gone folder and its tokenizer.
+    assert main(["train", f"--run.dir={run}", "--train.steps=3"]) == 0, capsys.readouterr().err
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e for e in events if e.get("event") == "starting_weights_gone"]
+    assert f'hf_path = "{tmp_path / "hf"}"' in (run / "config.toml").read_text()
+    assert read_meta(run / "checkpoints" / "step-000003")["hf"] == hf_fields  # export still writes them
+    with pytest.raises(ConfigError, match="does not exist or is not a folder"):  # no checkpoint here is from it
+        Trainer(tiny_config("train.steps=4", *start[:-1], f"model.hf_path={tmp_path / 'typo'}")).build()
     with pytest.raises(ConfigError, match="does not exist or is not a folder"):  # nothing to resume
         Trainer(tiny_config("train.steps=3", *start, run_dir=tmp_path / "fresh")).build()
 

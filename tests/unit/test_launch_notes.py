@@ -47,6 +47,11 @@ def test_a_shape_no_hf_family_has_is_named_at_the_start_not_at_the_export(tiny_c
     moe = get_preset("tiny-moe")
     notes = dict(launch_notes(load_config(None, []), "cpu", 0.1, 1, model=replace(moe, qkv_bias=True)))
     assert "routed experts" in notes["not_exportable_to_hf"]["reason"]
+    # what the export refuses, the same words (one rule: interop.hf_config.hf_export_problem)
+    notes = dict(launch_notes(load_config(None, []), "cpu", 0.1, 1, model=moe))  # shared experts
+    assert "shared_experts=1 has no Hugging Face" in notes["not_exportable_to_hf"]["reason"]
+    mixtral = get_preset("mixtral-8x7b")
+    assert launch_notes(load_config(None, []), "cpu", 0.1, 1, model=mixtral) == []
 
     cfg = tiny_config("train.steps=1", "model.qkv_bias=1", "model.qk_norm=1", "train.eval_interval=0")
     Trainer(cfg).build().train()

@@ -305,10 +305,9 @@ def hf_config_dict(args: ModelArgs, tied: bool, dtype: torch.dtype,
         "dtype": dtype_name,  # transformers >= 4.56
         "torch_dtype": dtype_name,  # older transformers
     }
-    if args.qkv_bias and (args.qk_norm or args.moe is not None):
-        raise CheckpointError("no Hugging Face family has bias terms on q, k and v (Qwen2's) together with "
-                              f"{'a norm on each query and key head' if args.qk_norm else 'routed experts'}; "
-                              "this model cannot be written as an HF folder")
+    problem = hf_export_problem(args)
+    if problem:
+        raise CheckpointError(f"{problem}; this model cannot be written as an HF folder")
     if args.moe is not None:
         return _moe_config_dict(args, config)
     if args.qkv_bias:  # Qwen2: Llama's keys but the bias flags, plus its (unused) window
@@ -322,6 +321,20 @@ def hf_config_dict(args: ModelArgs, tied: bool, dtype: torch.dtype,
                       sliding_window=None, max_window_layers=args.n_layers,
                       layer_types=["full_attention"] * args.n_layers)
     return config
+
+
+def hf_export_problem(args: ModelArgs) -> str | None:
+    """Why no Hugging Face family holds this shape (the export refuses it; a launch says so as
+    it starts), or None."""
+    if args.qkv_bias and (args.qk_norm or args.moe is not None):
+        return ("no Hugging Face family has bias terms on q, k and v (Qwen2's) together with "
+                f"{'a norm on each query and key head' if args.qk_norm else 'routed experts'}")
+    if args.moe is not None:
+        try:
+            hf_family(args)
+        except CheckpointError as e:
+            return str(e)
+    return None
 
 
 def hf_balance_coef(args: ModelArgs) -> float:

@@ -46,14 +46,15 @@ def copy_starting_files(m: ModelConfig, tokenizer: str, run_dir: Path) -> None:
         copy_side_files(found.parent, run_dir, names=(GENERATION_NAME,))
 
 
-def starting_hf_fields(m: ModelConfig) -> dict:
+def starting_hf_fields(m: ModelConfig, stand_in: Path | None = None) -> dict:
     """The HF fields (dtype, special tokens) of the folder a run's weights came from, which its
-    checkpoints carry so that `convert to-hf` writes them back; {} for a run from scratch."""
-    if m.hf_path:
+    checkpoints carry so that `convert to-hf` writes them back; {} for a run from scratch.
+    `stand_in`: a checkpoint of the run that carries them, when that folder is gone since."""
+    if m.hf_path and stand_in is None:
         return read_hf_fields(m.hf_path)
-    if m.init_from:  # meta.json alone: loading the weights verifies the checkpoint (hashing every file)
+    if m.init_from or stand_in is not None:  # meta.json alone: loading verifies the checkpoint (hashing every file)
         try:
-            return json.loads((Path(m.init_from) / "meta.json").read_text()).get("hf", {})
+            return json.loads((Path(stand_in or m.init_from) / "meta.json").read_text()).get("hf", {})
         except (OSError, ValueError, AttributeError):
             return {}
     return {}

@@ -42,7 +42,7 @@ from shardline.parallel.pipeline import tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler
 from shardline.preflight import (check_config, check_device, check_layout_before_data, check_resume_fits,
-                                 bos_setting, launch_notes, preflight, use_model_tokenizer)
+                                 bos_setting, gone_start_checkpoint, launch_notes, preflight, use_model_tokenizer)
 from shardline.profiling import StepProfiler, configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name
@@ -99,7 +99,7 @@ class Trainer(SavedState, AnomalyResponse):
         starting_loaded = rank0_decides(resume_from is None, self.proc.rank, self.proc.world_size)
         if starting_loaded:
             load_starting_weights(cfg.model, built.model, sharded=self.dims.mesh is not None)
-        self.hf_fields = starting_hf_fields(cfg.model)  # dtype, special tokens: for `convert to-hf`
+        self.hf_fields = starting_hf_fields(cfg.model, gone_start_checkpoint(cfg))  # dtype, special tokens: for export
         # The parameters (optimizer, checkpoints, clipping), and how to run them (steps): a
         # module to call (DDP-wrapped or not; train.compile compiled its blocks) or, under pp,
         # the pipeline schedule.
