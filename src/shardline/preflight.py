@@ -56,7 +56,8 @@ def use_model_tokenizer(cfg: Config) -> str | None:
     tokenizer.json unless data.tokenizer names one. Without one there, raw data would get a
     newly trained tokenizer whose ids mean nothing to those weights: refused, and so is a
     prepared folder whose tokenizer prepare trained (one given to prepare is the user's choice).
-    Returns stand_in_for_gone_weights' line, when it made one."""
+    When they have gone since and a resume goes on without them (gone_start_checkpoint), the
+    run dir's copy of their tokenizer stands in, and the line saying so is returned."""
     m, d = cfg.model, cfg.data
     if not (m.hf_path or m.init_from):
         return None
