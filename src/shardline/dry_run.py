@@ -113,14 +113,15 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
     doc_tokens, doc_source = _mean_doc_tokens(cfg)
     work = Workload(launch.model_args, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.precision,
                     cfg.train.document_mask, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-                    attention=cfg.train.attention, mean_doc_tokens=doc_tokens)
+                    attention=cfg.train.attention, mean_doc_tokens=doc_tokens, compiled=cfg.train.compile)
     e = estimate(work, launch.layout, hw)
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.memory.items() if k not in ("total", "host_offload"))
     fits = "fits" if e.fits else "DOES NOT FIT"
     return [f"memory    per rank on {hw.name}{note}, planner estimate (GiB): {parts}",
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
-            + (" (priced as eager: the planner does not model train.compile)" if cfg.train.compile else ""),
+            + (" (time priced as eager: of train.compile the planner models the loss's memory only)"
+               if cfg.train.compile else ""),
             f"          {mfu_words(work)}",
             f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}"
             ], e.fits

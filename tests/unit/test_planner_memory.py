@@ -312,3 +312,35 @@ def test_one_gpu_offload_moves_every_state_to_the_host_and_the_search_finds_it()
     assert memory_breakdown(w, lay, hw)["total"] < hw.mem_gib * GiB
     fits = search(w, hw, 1, {"activation_checkpoint": "full", "micro_batch_size": 1}, runnable_only=True)
     assert fits.candidates and all(e.layout.cpu_offload for e in fits.candidates)
+
+
+def test_the_loss_term_is_what_the_cross_entropy_keeps_eager_and_compiled():
+    """Eager, the cross-entropy keeps the fp32 log-softmax for backward (4 B an entry, of the 12
+    that coexist as backward starts); compiled (train.compile), the bf16 logits alone (2 B, of
+    2 x 2 with their gradient): counted here with saved-tensor hooks, then the model's terms."""
+    import dataclasses
+
+    from shardline.models.loss import cross_entropy_sum
+
+    tokens, vocab = 64, 1024
+
+    def kept_bytes_per_entry(score) -> float:
+        logits = torch.randn(tokens, vocab, dtype=torch.bfloat16, requires_grad=True)
+        seen: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (seen.append(t), t)[1], lambda t: t):
+            score(logits, torch.randint(0, vocab, (tokens,)))
+        whole = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in seen if t.numel() >= vocab}
+        return sum(whole.values()) / (tokens * vocab)
+
+    assert kept_bytes_per_entry(cross_entropy_sum) == 4.0
+    assert kept_bytes_per_entry(torch.compile(cross_entropy_sum)) == 2.0
+    assert act.loss_bytes_per_token(vocab, "bf16", 1, False) == 12 * vocab
+    assert act.loss_bytes_per_token(vocab, "bf16", 1, False, compiled=True) == 4 * vocab
+    w = Workload(PRESETS["llama3.2-1b"], 4096, 4, "bf16", document_mask=False)
+    hw, lay, n = get_hardware("h200"), Layout(micro_batch_size=4), 4 * 4096
+    head = (8 + 2) * w.model.dim * n  # the output projection's input, kept either way
+    assert memory_breakdown(w, lay, hw)["logits"] == pytest.approx(head + 12 * w.model.vocab_size * n)
+    compiled = dataclasses.replace(w, compiled=True)
+    assert memory_breakdown(compiled, lay, hw)["logits"] == pytest.approx(head + 4 * w.model.vocab_size * n)
+    tp = Layout(tp=2, micro_batch_size=4, loss_parallel=True)  # the vocab-parallel loss stays eager
+    assert memory_breakdown(compiled, tp, hw)["logits"] == memory_breakdown(w, tp, hw)["logits"]

@@ -207,13 +207,17 @@ def recompute_transient_bytes_per_token(model: ModelArgs, precision: str, tp: in
     return 0.0
 
 
-def loss_bytes_per_token(vocab: int, precision: str, tp: int, loss_parallel: bool) -> float:
+def loss_bytes_per_token(vocab: int, precision: str, tp: int, loss_parallel: bool, compiled: bool = False) -> float:
     """Peak of the output logits and cross-entropy per token, on top of the layers.
 
-    Forward keeps the fp32 log-softmax output (4 B/entry); at the start of backward the
-    gradient of the loss (4 B) and of the log-softmax input (4 B) coexist with it: 12
+    Eager, forward keeps the fp32 log-softmax output (4 B/entry); at the start of backward
+    the gradient of the loss (4 B) and of the log-softmax input (4 B) coexist with it: 12
     bytes per vocabulary entry. In forward the compute-dtype logits and their fp32 copy
-    (bf16: 2 + 4 + 4 = 10 B) stay below that. Loss parallelism shards the vocabulary.
+    (bf16: 2 + 4 + 4 = 10 B) stay below that. `compiled` (train.compile's cross-entropy;
+    loss parallelism keeps its own eager): the fused kernel keeps the compute-dtype logits
+    and a log-sum-exp per token, and writes the logits' gradient in that dtype, so 2 x the
+    dtype's bytes (tests/unit/test_planner_memory.py counts what each saves). Loss
+    parallelism shards the vocabulary.
     """
     shard = tp if (tp > 1 and loss_parallel) else 1
-    return 12.0 * vocab / shard
+    return (2.0 * dtype_bytes(precision) if compiled else 12.0) * vocab / shard

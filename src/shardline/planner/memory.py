@@ -298,13 +298,15 @@ def activation_bytes(work: Workload, layout: Layout, stage: RankStages, on_cuda:
     c = act.dtype_bytes(work.precision)
     # A chunked loss holds one chunk's logits at a time (and the hidden states of all tokens).
     logit_tokens = min(tokens, work.loss_chunk_tokens) if work.loss_chunk_tokens else tokens
-    vocab = act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel)
+    compiled = work.compiled and not (layout.tp > 1 and layout.loss_parallel)  # what train.compile compiles
+    vocab = act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel, compiled)
     head = (8 + c) * m.dim / (layout.tp if layout.sp else 1) * tokens
     # GPipe runs every micro-batch's forward before any backward: the last stage keeps each
     # one's loss graph until then, its head input and (unchunked) its logits, which the stage
-    # holds for backward (c bytes an entry), and the fp32 log-softmax (4 of the 12 B an entry).
+    # holds for backward (c bytes an entry), and the fp32 log-softmax (4 of the 12 B an entry;
+    # compiled, the logits alone: c of its 2c).
     held = inflight if layout.pp_schedule == "gpipe" and layout.pp > 1 else 1.0
-    kept = head + (0.0 if work.loss_chunk_tokens else vocab * (4 + c) / 12 * tokens)
+    kept = head + (0.0 if work.loss_chunk_tokens else vocab * (0.5 if compiled else (4 + c) / 12) * tokens)
     out["logits"] = vocab * logit_tokens + head + (held - 1) * kept if stage.last else 0.0
     return out
 
