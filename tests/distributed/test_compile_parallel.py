@@ -41,6 +41,10 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
             counters.clear()
             trainer = Trainer(load_config(None, [*overrides, f"run.dir={run_dir}"])).build()
             trainer.train()
+            stages = trainer.steps.pipeline.modules if trainer.steps.pipeline is not None else []
+            for stage in (m for m in stages if m.output is not None):  # the last stage scores a chunked loss
+                compiled_loss = hasattr(stage._loss.score, "_torchdynamo_orig_callable")
+                (Path(run_dir) / "last_stage_loss.json").write_text(json.dumps(compiled_loss))
             if rank == 0:
                 score = trainer.model.loss.score
                 seen = {"compiled_blocks": [_compiled(b) for b in trainer.model.layers.values()],
@@ -100,6 +104,8 @@ def test_compiled_blocks_train_like_eager_under_tp_fsdp_pp_and_cp(tmp_path, smal
             assert seen["aot_cache"] is False, (name, seen)
         # the cross-entropy is compiled, except on vocab-sharded logits (tp's loss parallelism)
         assert seen["compiled_loss"] is (name in OTHER_LAYOUTS), (name, seen)
+    # the pipeline's last stage scores its chunked loss with the compiled one too
+    assert json.loads((tmp_path / "compiled_pp_1f1b" / "last_stage_loss.json").read_text()) is True
 
 
 @pytest.mark.slow  # four ranks compiling on 2 CPU cores: ~45-60 s

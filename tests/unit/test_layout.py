@@ -308,7 +308,7 @@ def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(caps
     assert "compile   each transformer block whole; the loss eager (loss parallelism)" in out
     assert "pp rank 0: stages [0, 4]" in out and "+ embedding" in out and "+ output" in out
     assert "per rank on h100-sxm" in out and "fits" in out
-    assert "(time priced as eager: of train.compile the planner models the loss's memory only)" in out
+    assert "(priced as eager: the planner does not model train.compile)" in out  # loss parallel: the loss eager too
     assert not run.exists()
 
 

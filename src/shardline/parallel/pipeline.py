@@ -185,6 +185,12 @@ class Pipeline:
         self.modules = [StageModule(model, self.layer_split[s], s == 0, s == n_stages - 1, document_mask, positions)
                         for s in self.stage_ids]
 
+    def use_loss(self, loss) -> None:
+        """The model's loss as it is now: train.compile replaces it (a compiled cross-entropy)
+        after the stages took the one it had, which the last stage scores a chunked loss with."""
+        for module in self.modules:
+            module._loss = loss
+
     def build_schedule(self, device, pp_group, loss_fn):
         """loss_fn(output, labels, n_tokens): a micro-batch's loss, given the labelled tokens
         of the whole step that run() was called with; the output is the last stage's logits,

@@ -99,6 +99,8 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     apply_ac(model, cfg.memory.activation_checkpoint, cfg.memory.ac_every)
     if cfg.train.compile and not compiled["forward_only"]:
         apply_compile(model, **compiled)
+    if cfg.train.compile and pipeline is not None:  # its stages took the loss before it was compiled
+        pipeline.use_loss(model.loss)
     if fsdp:
         roots = pipeline.modules if pipeline else [model]
         apply_fsdp(model, roots, dims, cfg.train.precision, cfg.memory.cpu_offload)
