@@ -24,7 +24,7 @@ from shardline.data.tokenizer import load_tokenizer
 from shardline.devices import local_datasheet
 from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
-from shardline.parallel.compile import describe as describe_compile
+from shardline.parallel.compile import describe as describe_compile, options as compile_options
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import get_hardware
 from shardline.planner.layout import Workload
@@ -121,7 +121,7 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
             + (" (time priced as eager: of train.compile the planner models the loss's memory only)"
-               if cfg.train.compile and not (launch.layout.tp > 1 and launch.layout.loss_parallel) else
+               if cfg.train.compile and not compile_options(launch.layout, "none")["loss_parallel"] else
                " (priced as eager: the planner does not model train.compile)" if cfg.train.compile else ""),
             f"          {mfu_words(work)}",
             f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}"

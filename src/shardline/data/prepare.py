@@ -143,11 +143,10 @@ def _keep_side_files(tokenizer: str, root: Path) -> None:
     keeps them (`generate --chat`, `convert to-hf`); ones a former tokenizer left there go."""
     for name in TOKENIZER_SIDE_FILES:
         source = Path(tokenizer).parent / name if tokenizer else None
-        if source is not None and source.is_file():
-            if source.resolve() != (root / name).resolve():  # (--tokenizer may be the folder's own)
-                shutil.copyfile(source, root / name)
-        else:
+        if source is None or not source.is_file():
             (root / name).unlink(missing_ok=True)
+        elif source.resolve() != (root / name).resolve():  # (--tokenizer may be the folder's own)
+            shutil.copyfile(source, root / name)
 
 
 def _check_options(opts: PrepareOptions) -> None:

@@ -39,6 +39,7 @@ import functools
 
 from shardline.models.attention import resolve_attention
 from shardline.models.flops import ffn_width, num_params
+from shardline.parallel.compile import options as compile_options
 from shardline.planner import activations as act
 from shardline.planner.attention import dense_mask
 from shardline.planner.hardware import Hardware
@@ -298,7 +299,7 @@ def activation_bytes(work: Workload, layout: Layout, stage: RankStages, on_cuda:
     c = act.dtype_bytes(work.precision)
     # A chunked loss holds one chunk's logits at a time (and the hidden states of all tokens).
     logit_tokens = min(tokens, work.loss_chunk_tokens) if work.loss_chunk_tokens else tokens
-    compiled = work.compiled and not (layout.tp > 1 and layout.loss_parallel)  # what train.compile compiles
+    compiled = work.compiled and not compile_options(layout, layout.activation_checkpoint)["loss_parallel"]
     vocab = act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel, compiled)
     head = (8 + c) * m.dim / (layout.tp if layout.sp else 1) * tokens
     # GPipe runs every micro-batch's forward before any backward: the last stage keeps each
