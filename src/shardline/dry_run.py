@@ -24,7 +24,7 @@ from shardline.data.tokenizer import load_tokenizer
 from shardline.devices import local_datasheet
 from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
-from shardline.parallel.compile import describe as describe_compile, options as compile_options
+from shardline.parallel.compile import describe as describe_compile
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import get_hardware
 from shardline.planner.layout import Workload
@@ -107,6 +107,16 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
     return lines
 
 
+def _compile_pricing(work: Workload, layout) -> str:
+    """How the estimate prices train.compile under this layout (empty when it is off)."""
+    if not work.compiled:
+        return ""
+    blocks = ("blocks as compiled (fused element-wise work, the compiler's saved set)" if work.compiled_blocks(layout)
+              else "blocks as eager (their Linear layers run eagerly under this schedule)")
+    loss = "the loss compiled" if work.compiled_loss(layout) else "the loss eager (loss parallelism)"
+    return f" (train.compile priced: {blocks}, {loss}; checked against one H200 run)"
+
+
 def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list[str], bool]:
     name, note = _device_name(cfg, gpu)
     hw = get_hardware(name)
@@ -120,9 +130,7 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
     return [f"memory    per rank on {hw.name}{note}, planner estimate (GiB): {parts}",
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
-            + (" (time priced as eager: of train.compile the planner models the loss's memory only)"
-               if cfg.train.compile and not compile_options(launch.layout, "none")["loss_parallel"] else
-               " (priced as eager: the planner does not model train.compile)" if cfg.train.compile else ""),
+            + _compile_pricing(work, launch.layout),
             f"          {mfu_words(work)}",
             f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}"
             ], e.fits

@@ -39,6 +39,18 @@ never divided (op-level AC saves them). `score` tensors (a·s per token: attenti
 only in a math-kernel attention such as Korthikanti's GPT; flash kernels keep only
 the logsumexp. The same machinery, fed the GPT block, reproduces the paper's
 formulas exactly (see `gpt_block`).
+
+Compiled (`train.compile`), the block is one graph whose forward/backward split the
+compiler chooses (min-cut: keep few bytes, recompute cheap element-wise work), and it
+keeps less (`llama_compiled_block`, counted the same way on a compiled block):
+
+    block input (fp32 residual) and each norm's rsqrt      4h + 8       seq
+    each norm's output, once, in the compute dtype         2·c·h        lin_in
+    q, k, v, out at their widths, the logsumexp            c·(2q + 2kv) + 4a   tp
+    the attention output again, contiguous (wo's input)    c·q          tp
+    SwiGLU: w1 out, w3 out, their product (w2's input)     3·c·f        tp
+
+    total, bf16: 8h + 6q + 4kv + 6f + 4a + 8 (Llama-3.2-1B: 80 kB a token and layer, 62% of eager's 129)
 """
 
 from __future__ import annotations
@@ -99,6 +111,34 @@ def llama_block(model: ModelArgs, precision: str) -> list[Saved]:
     return saved
 
 
+def routed_ffn_width(model: ModelArgs) -> float:
+    """The routed experts' part of ffn_width (top_k of them, averaged over the blocks): under
+    train.compile they run eagerly (parallel/compile.py)."""
+    moe = getattr(model, "moe", None)
+    if moe is None:
+        return 0.0
+    return moe.top_k * moe.expert_ffn_dim * (model.n_layers - moe.first_dense_layers) / model.n_layers
+
+
+def llama_compiled_block(model: ModelArgs, precision: str) -> list[Saved]:
+    """The tensors one compiled shardline Llama block saves for backward (see the module docstring);
+    an MoE block's routed experts, run eagerly, keep eager's SwiGLU tensors."""
+    h, q, f, a = model.dim, model.n_heads * model.head_size, ffn_width(model), model.n_heads
+    kv = model.kv_heads * model.head_size
+    c, routed = dtype_bytes(precision), routed_ffn_width(model)
+    return [Saved("block input (fp32 residual), rsqrt of both norms", 4 * h + 8, "seq"),
+            Saved("both norms' outputs as linear inputs", 2 * c * h, "lin_in"),
+            Saved("sdpa q, k, v, out", 2 * c * (q + kv), "tp"),
+            Saved("sdpa logsumexp", 4 * a, "tp"),
+            Saved("wo input (the attention output, contiguous)", c * q, "tp"),
+            Saved("swiglu w1 out, w3 out, product", 3 * c * (f - routed) + 4 * c * routed, "tp")]
+
+
+def whole_block(model: ModelArgs, precision: str, compiled: bool) -> list[Saved]:
+    """What a block that is not checkpointed keeps: compiled or eager."""
+    return llama_compiled_block(model, precision) if compiled else llama_block(model, precision)
+
+
 def llama_op_ac_block(model: ModelArgs, precision: str) -> list[Saved]:
     """What op-level selective checkpointing keeps: the block input and every matmul/SDPA output.
 
@@ -156,16 +196,18 @@ def boundary_bytes_per_token(model: ModelArgs | None = None, tp: int = 1, sp: bo
 
 
 @functools.lru_cache(maxsize=4096)
-def layer_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, mode: str, every: int) -> float:
+def layer_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, mode: str, every: int,
+                          compiled: bool = False) -> float:
     """Average bytes per token per layer kept between forward and backward under an AC mode.
 
     Cached: a pure function of a few hashable values, asked again for every layout of a
     search (rebuilding the block's Saved list each time was a tenth of `shardline plan`).
 
     none: the whole block. full: only its input. selective: every `every`-th block is
-    full-checkpointed, the others keep everything. op: llama_op_ac_block.
+    full-checkpointed, the others keep everything. op: llama_op_ac_block. `compiled`: a
+    block keeps what llama_compiled_block lists.
     """
-    whole = block_bytes_per_token(llama_block(model, precision), tp, sp)
+    whole = block_bytes_per_token(whole_block(model, precision, compiled), tp, sp)
     boundary = boundary_bytes_per_token(model, tp, sp)
     if mode == "none":
         return whole
@@ -195,15 +237,16 @@ def gpt_layer_bytes_per_token(h: int, a: int, seq_len: int, tp: int, sp: bool, m
 
 
 @functools.lru_cache(maxsize=4096)
-def recompute_transient_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, mode: str) -> float:
+def recompute_transient_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, mode: str,
+                                        compiled: bool = False) -> float:
     """Extra bytes while one checkpointed layer is recomputed in backward (its full activations).
 
     Cached like layer_bytes_per_token: the same few values recur across a search's layouts."""
+    whole = block_bytes_per_token(whole_block(model, precision, compiled), tp, sp)
     if mode in ("full", "selective"):
-        return block_bytes_per_token(llama_block(model, precision), tp, sp)
+        return whole
     if mode == "op":
-        return block_bytes_per_token(llama_block(model, precision), tp, sp) - layer_bytes_per_token(
-            model, precision, tp, sp, "op", 1)
+        return max(0.0, whole - layer_bytes_per_token(model, precision, tp, sp, "op", 1))
     return 0.0
 
 

@@ -21,7 +21,9 @@
   forward's bytes. The fp32 softmax + cross-entropy moves 32 bytes per vocabulary
   entry per token (+ the casts), at `loss_eff` of that rate (exp and log make it
   compute-bound on CPUs). Each launched op also
-  costs `op_overhead_us`.
+  costs `op_overhead_us`. Compiled (`train.compile`), a block's element-wise chains are
+  fused kernels, each reading and writing once (`compiled_elementwise_bytes_per_token`),
+  and the cross-entropy reads its compute-dtype logits twice forward and once backward.
 * Optimizer: fused AdamW + grad-norm clipping over the rank's (sharded) parameters,
   `optimizer_bytes_per_param` of memory traffic each.
 * Distributed wrappers' host time: planner/host.py; the optimizer step's on DTensor
@@ -47,6 +49,13 @@ from shardline.models.flops import ffn_width
 from shardline.parallel.float8 import GEMM_MULTIPLE
 from shardline.planner import attention as attn_kernel
 from shardline.planner.activations import autocast_fsdp_copies, dtype_bytes
+from shardline.planner.elementwise import (
+    compiled_elementwise_bytes_per_token,
+    compute_dtype,
+    elementwise_bytes_per_token,
+    float8_cast_bytes,
+    math_score_bytes,
+)
 from shardline.planner.hardware import Hardware
 from shardline.layout import Layout
 from shardline.planner.layout import Workload
@@ -64,6 +73,7 @@ class LayerTimes:
     attention: float
     elementwise: float
     overhead: float
+    elementwise_bwd: float | None = None  # None: twice the forward's (eager); a compiled block's is counted
 
     @property
     def forward(self) -> float:
@@ -71,7 +81,8 @@ class LayerTimes:
 
     @property
     def backward(self) -> float:
-        return (2 * self.matmul + 2.5 * self.attention + 2 * self.elementwise
+        elementwise = 2 * self.elementwise if self.elementwise_bwd is None else self.elementwise_bwd
+        return (2 * self.matmul + 2.5 * self.attention + elementwise
                 + self.overhead * BWD_OPS_PER_LAYER / FWD_OPS_PER_LAYER)
 
 
@@ -144,11 +155,6 @@ def ffn_compute_width(model) -> float:
     return ffn_width(model) + (EXPERT_LOAD_ALLOWANCE - 1) * routed
 
 
-def compute_dtype(precision: str) -> str:
-    """The dtype of everything but float8's Linear GEMMs: fp8 runs the rest under bf16 autocast."""
-    return "bf16" if precision == "fp8" else precision
-
-
 def layer_gemms(work: Workload, tp: int, tokens: int) -> list[tuple[int, float, float]]:
     """(m, n, k) of the forward GEMMs of one block on one TP rank: wq, wk, wv, wo, w1, w3, w2."""
     mdl = work.model
@@ -188,49 +194,6 @@ def _linear_ffn_width(model) -> float:
     moe_layers = model.n_layers - moe.first_dense_layers
     shared = moe.shared_experts * moe.expert_ffn_dim
     return (moe.first_dense_layers * model.ffn_dim + moe_layers * shared) / model.n_layers
-
-
-def elementwise_bytes_per_token(work: Workload, tp: int, sp: bool) -> float:
-    """Forward bytes moved by one block's memory-bound ops, per token, on one TP rank.
-
-    Norms (pow, mean, two muls over fp32: 28h each), autocast casts of the norm outputs
-    (5 x (4 + c)h), RoPE on q and k (6c + 24 per element: the fp32 products of bf16
-    inputs), repeating grouped k and v (GQA), SiLU and the gate product (5c·f), two
-    residual adds (2(8 + c)h). Norm-region ops shrink with sequence parallelism.
-    """
-    m, c = work.model, dtype_bytes(work.precision)
-    h, q, kv, f = m.dim, m.n_heads * m.head_size, m.kv_heads * m.head_size, ffn_width(m)
-    if work.runtime.fused_elementwise:
-        return fused_elementwise_bytes_per_token(work, tp, sp)
-    mixed = work.precision != "fp32"
-    seq_region = (2 * 28 * h + 2 * (8 + c) * h) / (tp if sp else 1)
-    casts = 5 * (4 + c) * h if mixed else 0.0
-    rope = (6 * c + 24) * (q + kv) / tp
-    repeat = 4 * c * q / tp if m.kv_heads != m.n_heads else 0.0
-    return seq_region + casts + rope + repeat + 5 * c * f / tp
-
-
-def fused_elementwise_bytes_per_token(work: Workload, tp: int, sp: bool) -> float:
-    """Forward bytes of a block's memory-bound ops when each is one fused kernel (Runtime.fused_elementwise).
-
-    Two norms (read and write the residual width r: 2rh each), two bias-dropout-residual
-    adds (read two, write one, a 1-byte mask: (3r + 1)h each), the MLP activation (read the
-    gate and up halves, write the product: 3c·f, which for a GeLU of 4h equals read 4h and
-    write 4h), and RoPE on q and k (read and write, c each) for a Llama block; a GPT block
-    has none. No casts: weights and activations stay in the compute dtype.
-    """
-    m, c, r = work.model, dtype_bytes(work.precision), work.runtime.residual_bytes
-    h, q, kv, f = m.dim, m.n_heads * m.head_size, m.kv_heads * m.head_size, ffn_width(m)
-    seq_region = (2 * 2 * r + 2 * (3 * r + 1)) * h / (tp if sp else 1)
-    rope = 0.0 if work.runtime.block == "gpt" else 2 * c * (q + kv) / tp
-    return seq_region + rope + 3 * c * f / tp
-
-
-# Bytes per attention score of a math kernel's forward (Runtime.attention = "math"): the
-# fused scale-mask-softmax reads and writes it (2c), dropout reads it, writes it and a
-# 1-byte mask (2c + 1). Megatron's GPT block, as Korthikanti et al. count its activations.
-def math_score_bytes(c: int) -> float:
-    return 4 * c + 1
 
 
 def math_attention(work: Workload, layout: Layout, hw: Hardware, tokens: int, share_: float) -> tuple[float, float]:
@@ -279,13 +242,24 @@ def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
         attn, attn_elem = attention_time(work, layout, hw, tokens, sh), 0.0
     # Ring attention merges each partial result into the running output and logsumexp.
     attn += (layout.cp - 1) * 8 * dtype_bytes(dtype) * q_width * tokens / bw
-    elem = elementwise_bytes_per_token(work, layout.tp, layout.sp) * tokens / bw + attn_elem
+    elem_bwd = None
+    if work.compiled_blocks(layout) and not work.runtime.fused_elementwise:
+        fwd_bytes, bwd_bytes = compiled_elementwise_bytes_per_token(work, layout.tp, layout.sp)
+        elem, elem_bwd = fwd_bytes * tokens / bw + attn_elem, bwd_bytes * tokens / bw + 2 * attn_elem
+    else:
+        elem = elementwise_bytes_per_token(work, layout.tp, layout.sp) * tokens / bw + attn_elem
     fsdp_casts = layout.dp_mode in ("fsdp", "zero2", "hsdp") and not autocast_fsdp_copies(work)
-    if work.precision != "fp32" and work.runtime.weight_casts and not fsdp_casts:
+    autocast_casts = work.precision != "fp32" and work.runtime.weight_casts and not fsdp_casts
+    if autocast_casts:
         # Autocast casts each fp32 weight to the compute dtype once per forward (read 4, write 2
         # bytes); FSDP's mixed precision casts while gathering instead (not fp16's: it gathers fp32).
         elem += 6 * layer_params(work, layout.tp) / bw
-    return LayerTimes(mm, attn, elem, FWD_OPS_PER_LAYER * hw.op_overhead_us * 1e-6 / sh_ops)
+    if work.precision == "fp8":
+        act_fwd, act_bwd, params = float8_cast_bytes(work, layer_gemm_dtypes(work, layout.tp, 1))
+        weight_src = 4 if autocast_casts else 2  # fp32 weights, or FSDP's gathered bf16 ones
+        elem_bwd = (2 * elem if elem_bwd is None else elem_bwd) + (act_bwd * tokens + 2 * params) / bw
+        elem += (act_fwd * tokens + (2 * weight_src + 1 - (6 if autocast_casts else 0)) * params) / bw
+    return LayerTimes(mm, attn, elem, FWD_OPS_PER_LAYER * hw.op_overhead_us * 1e-6 / sh_ops, elem_bwd)
 
 
 def head_times(work: Workload, layout: Layout, hw: Hardware, stage: str) -> tuple[float, float]:
@@ -321,6 +295,9 @@ def _output_parts(work: Workload, layout: Layout, hw: Hardware) -> tuple[float, 
     cast = c + 4 if mixed else 0
     loss_bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * sh_mem * hw.loss_eff  # fp32 logits
     ops = LOSS_OPS * hw.op_overhead_us * 1e-6 / sh_ops
+    if work.compiled_loss(layout):  # fused: two passes over the c-byte logits forward (max, sum of
+        # exponentials), one read and one write of c bytes backward; no fp32 copy
+        return gemm, 2 * c * vocab * tokens / loss_bw + ops, 2 * c * vocab * tokens / loss_bw + ops
     return gemm, (12 + cast) * vocab * tokens / loss_bw + ops, (20 + cast) * vocab * tokens / loss_bw + ops
 
 

@@ -18,6 +18,7 @@ from shardline.config import AC_MODES, CP_BALANCES, CP_MODES, PP_SCHEDULES, Conf
 from shardline.errors import ConfigError
 from shardline.layout import Job, Layout
 from shardline.models.llama import ModelArgs
+from shardline.parallel.compile import options as compile_options
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class Runtime:
     # read and one write each in the compute dtype (Megatron's fused kernels, or a compiler), no casts
     weight_casts: bool = True  # autocast casts every fp32 weight each forward; False: 16-bit weights kept
     grad_bytes: int = 4  # gradient bytes per parameter (fp32 here; Megatron: the compute dtype)
+    grads_on_demand: bool = True  # gradients made in backward, set to None after each step (shardline);
+    # False: a buffer allocated up front holds them throughout (Megatron's contiguous gradient buffer)
     ddp_grad_copy: bool = False  # True: DDP's reducer buckets hold a copy of every gradient (torch DDP without
     # gradient_as_bucket_view); False: the gradients are views of the buckets (shardline) or reduced in place
     tp_backward_overlap: float = 0.0  # share of the backward TP collectives hidden under the weight-gradient
@@ -71,6 +74,18 @@ class Workload:
     @property
     def tokens(self) -> int:
         return self.seq_len * self.global_batch
+
+    def compiled_blocks(self, layout: Layout) -> bool:
+        """Whether each block runs as one compiled graph (train.compile): it keeps less for backward
+        (activations.llama_compiled_block) and fuses its element-wise work. Not under the split
+        backward of zbv/dualpipev, whose Linear layers run eagerly between compiled regions, nor
+        under a context-parallel ring, whose attention does (priced as eager: an upper bound)."""
+        return (self.compiled and self.runtime.block == "llama" and not layout.split_backward
+                and layout.cp_degrees[0] == 1)
+
+    def compiled_loss(self, layout: Layout) -> bool:
+        """Whether the cross-entropy runs compiled: train.compile, except under loss parallelism."""
+        return self.compiled and not compile_options(layout, layout.activation_checkpoint)["loss_parallel"]
 
 
 FIX_KEYS = tuple(f.name for f in dataclasses.fields(Layout)) + ("dp",)

@@ -28,9 +28,10 @@ Everything else: `activations.py` gives bytes per token per layer, `pipeline.py`
 many micro-batches are in flight; the last stage adds the output logits and loss
 (12 B per vocabulary entry per token, see `loss_bytes_per_token`); transients are the
 gathered blocks of FSDP, DDP's buckets (a copy of every gradient), the gathered
-sequence of TP and PP's send and receive buffers. A fragmentation allowance (a share of allocated bytes, per device)
-and memory outside the allocator (CUDA context, NCCL; on CPU the process baseline:
-torch, the tokenizer, the dataset) complete the peak.
+sequence of TP and PP's send and receive buffers; on a GPU `peak.py` says which are alive
+at once. A fragmentation allowance (a share of allocated bytes, per device) and memory
+outside the allocator (CUDA context, NCCL; on CPU the process baseline: torch, the
+tokenizer, the dataset) complete the peak.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ import functools
 
 from shardline.models.attention import resolve_attention
 from shardline.models.flops import ffn_width, num_params
-from shardline.parallel.compile import options as compile_options
-from shardline.planner import activations as act
+from shardline.planner import activations as act, peak
 from shardline.planner.attention import dense_mask
 from shardline.planner.hardware import Hardware
 from shardline.layout import Layout
@@ -294,22 +294,31 @@ def activation_bytes(work: Workload, layout: Layout, stage: RankStages, on_cuda:
         whole = act.gpt_layer_bytes_per_token(m.dim, m.n_heads, s, layout.tp, layout.sp, "none", 1)
         transient = whole if mode in ("full", "selective") else 0.0
     else:
-        transient = act.recompute_transient_bytes_per_token(m, work.precision, layout.tp, layout.sp, mode)
+        transient = act.recompute_transient_bytes_per_token(m, work.precision, layout.tp, layout.sp, mode,
+                                                            work.compiled_blocks(layout))
     out = {"activations": inflight * (stage.layers * per_layer + mask), "recompute": transient * tokens}
     c = act.dtype_bytes(work.precision)
     # A chunked loss holds one chunk's logits at a time (and the hidden states of all tokens).
     logit_tokens = min(tokens, work.loss_chunk_tokens) if work.loss_chunk_tokens else tokens
-    compiled = work.compiled and not compile_options(layout, layout.activation_checkpoint)["loss_parallel"]
+    vocab = act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel,
+                                      work.compiled_loss(layout))
+    head = (8 + c) * m.dim / (layout.tp if layout.sp else 1) * tokens
+    # GPipe runs every micro-batch's forward before any backward: the last stage keeps what
+    # each one's loss keeps for backward until then.
+    held = inflight if layout.pp_schedule == "gpipe" and layout.pp > 1 else 1.0
+    out["logits"] = vocab * logit_tokens + head + (held - 1) * loss_kept(work, layout) if stage.last else 0.0
+    return out
+
+
+def loss_kept(work: Workload, layout: Layout) -> float:
+    """Bytes one micro-batch's loss keeps from its forward to its backward: the head's input and,
+    unchunked, the logits (c B an entry) with, eager, the fp32 log-softmax (4 of the 12 B an entry)."""
+    m, c = work.model, act.dtype_bytes(work.precision)
+    tokens = layout.micro_batch_size * work.seq_len // layout.cp
+    compiled = work.compiled_loss(layout)
     vocab = act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel, compiled)
     head = (8 + c) * m.dim / (layout.tp if layout.sp else 1) * tokens
-    # GPipe runs every micro-batch's forward before any backward: the last stage keeps each
-    # one's loss graph until then, its head input and (unchunked) its logits, which the stage
-    # holds for backward (c bytes an entry), and the fp32 log-softmax (4 of the 12 B an entry;
-    # compiled, the logits alone: c of its 2c).
-    held = inflight if layout.pp_schedule == "gpipe" and layout.pp > 1 else 1.0
-    kept = head + (0.0 if work.loss_chunk_tokens else vocab * (0.5 if compiled else (4 + c) / 12) * tokens)
-    out["logits"] = vocab * logit_tokens + head + (held - 1) * kept if stage.last else 0.0
-    return out
+    return head + (0.0 if work.loss_chunk_tokens else vocab * (0.5 if compiled else (4 + c) / 12) * tokens)
 
 
 def _layer_bytes_per_token(work: Workload, layout: Layout) -> float:
@@ -318,7 +327,8 @@ def _layer_bytes_per_token(work: Workload, layout: Layout) -> float:
     if work.runtime.block == "gpt":
         return act.gpt_layer_bytes_per_token(m.dim, m.n_heads, work.seq_len, layout.tp, layout.sp, mode, every,
                                              work.runtime.residual_bytes)
-    return act.layer_bytes_per_token(m, work.precision, layout.tp, layout.sp, mode, every)
+    return act.layer_bytes_per_token(m, work.precision, layout.tp, layout.sp, mode, every,
+                                     work.compiled_blocks(layout))
 
 
 def peak_candidates(work: Workload, layout: Layout) -> tuple[RankStages, ...]:
@@ -347,6 +357,11 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
         parts = {**states, **activation_bytes(work, layout, stage, on_cuda=hw.name != "cpu"),
                  "buffers": transient_bytes(work, layout, tokens, psi - ep_away(work, layout, stage.layers),
                                             psi - stage.layers * per_layer, per_layer - ep_away(work, layout, 1))}
+        if hw.name != "cpu":  # which terms are alive at once (peak.py; a CPU's RSS keeps freed pages)
+            zero, held = zero_stage(layout), per_layer - ep_away(work, layout, 1)
+            parts = peak.largest(peak.moments(parts, peak.head_grads(work, layout, zero, stage.last),
+                                              peak.dropped_copies(work, layout, zero, stage.layers, held),
+                                              loss_kept(work, layout) if stage.last else 0.0))
         allocated = sum(parts.values())
         step = zero1_step_bytes(work, layout, psi, zero1_ep_away(work, layout, stage))
         if step > allocated:  # the optimizer step's gather, not the backward, is this rank's peak
