@@ -48,8 +48,9 @@ def test_korthikanti_gpt_formulas(s, b, h, a, t):
 
 
 def _autograd_saved_bytes_per_token(args: ModelArgs, precision: str, b: int = 2, s: int = 37,
-                                    compiled: bool = False) -> float:
-    """Bytes of the distinct tensors one real block saves for backward (weights, RoPE tables excluded)."""
+                                    compiled: bool = False, copies: dict | None = None) -> float:
+    """Bytes of the distinct tensors one real block saves for backward (weights, RoPE tables excluded;
+    autocast's weight copies go to `copies`, storage -> bytes, when it is given)."""
     torch.manual_seed(0)
     model = Llama(args)
     block = torch.compile(model.layers["0"]) if compiled else model.layers["0"]
@@ -59,12 +60,13 @@ def _autograd_saved_bytes_per_token(args: ModelArgs, precision: str, b: int = 2,
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
     exclude |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
     saved: dict[int, int] = {}
+    shapes = _weight_shapes(model)
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in exclude and not (precision != "fp32" and t.dtype == torch.bfloat16 and t.dim() == 2
-                                       and tuple(t.shape) in _weight_shapes(model)):
-            saved[ptr] = t.untyped_storage().nbytes()
+        copy = precision != "fp32" and t.dtype == torch.bfloat16 and t.dim() == 2 and tuple(t.shape) in shapes
+        if ptr not in exclude:
+            (copies if copy and copies is not None else saved if not copy else {})[ptr] = t.untyped_storage().nbytes()
         return t
 
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else torch.autocast("cpu", enabled=False)
@@ -98,7 +100,13 @@ def test_compiled_block_constants_match_what_a_compiled_block_saves():
     routed experts run eagerly and are priced with eager's SwiGLU (4c, not 3c, a unit of width)."""
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=160)
     predicted = act.block_bytes_per_token(act.llama_compiled_block(args, "bf16"))
-    assert _autograd_saved_bytes_per_token(args, "bf16", compiled=True) == pytest.approx(predicted, rel=1e-9)
+    copies: dict[int, int] = {}
+    assert _autograd_saved_bytes_per_token(args, "bf16", compiled=True, copies=copies) == pytest.approx(
+        predicted, rel=1e-9)
+    # It keeps autocast's bf16 copy of each of its 7 weights for backward, as eager does (the
+    # planner's `params` term): 2 B a weight parameter.
+    assert len(copies) == 7 and sum(copies.values()) == 2 * sum(
+        p.numel() for p in Llama(args).layers["0"].parameters() if p.dim() == 2)
     assert predicted < 0.7 * act.block_bytes_per_token(act.llama_block(args, "bf16"))
     moe = PRESETS["tiny-moe"]
     dense = dataclasses.replace(moe, moe=None, ffn_dim=act.ffn_width(moe))
