@@ -30,7 +30,11 @@
 # SPLIT_BACKWARD=1 adds step 5: benchmarks/split_backward.py on one block of the 1B shape in bf16
 # (train.compile under zbv/dualpipev against eager and a whole compiled block) -> split_backward.json,
 # within SPLIT_BUDGET (default 240). It needs torch >= 2.13 (it says so and fails on older ones).
-# Both optional steps are cut to what DEADLINE leaves.
+# PLANNER_SHAPES=1 adds step 6: gpu_train.py at a second shape (seq 8192 x batch 2, op-level AC;
+# shardline-compile and shardline-fp8) -> gpu_train-s8192.json, within PLAN_BUDGET (default 150):
+# every gpu_train row carries the planner's prediction (plan s, plan GiB), and this shape was not
+# the one its compiled pricing was checked against, so its rows test it.
+# The optional steps are cut to what DEADLINE leaves.
 #
 # Through the device tool (15 minutes of device time, a machine start included, 10 minutes a
 # command), carry benchmarks/wheels (git-ignored: torchao for fp8) and spend it as two calls
@@ -144,6 +148,14 @@ if [ "${SPLIT_BACKWARD:-0}" = 1 ] && [ "$(left "${SPLIT_BUDGET:-240}")" -ge 30 ]
     echo "== split_backward ==" >&2
     timeout "$(left "${SPLIT_BUDGET:-240}")" "$PY" benchmarks/split_backward.py --dim 2048 --heads 32 --kv-heads 8 \
         --ffn 8192 --seq 4096 --batch 2 --json "$RESULTS/split_backward.json" 2>&1 | tee "$RESULTS/split_backward.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [ "${PLANNER_SHAPES:-0}" = 1 ] && [ "$(left "${PLAN_BUDGET:-150}")" -ge 60 ]; then  # optional: the planner, anew
+    echo "== gpu_train, a second shape ==" >&2
+    timeout -s INT -k 10 "$(left "${PLAN_BUDGET:-150}")" "$PY" benchmarks/gpu_train.py --seq-len 8192 --batch 2 \
+        --set memory.activation_checkpoint=op --variants shardline-compile,shardline-fp8 \
+        --json "$RESULTS/gpu_train-s8192.json" 2>&1 | tee "$RESULTS/gpu_train-s8192.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -32,7 +32,9 @@ Reported per variant: tokens/s, its ratio to hf-compile's and to shardline-compi
 (when those ran in the same invocation), over the measured steps (after warm-up, which
 includes compilation), MFU = tokens/s x flops_per_token(args, seq) / peak, where
 peak is shardline.devices.peak_tflops (989 TFLOP/s bf16 on H100/H200) or
---peak-tflops, and the peak allocated GPU memory of the variant. A variant that
+--peak-tflops, and the peak allocated GPU memory of the variant; for shardline's, the
+planner's step time and allocated peak for the same config on this device beside them
+(`shardline estimate`, the hardware table's entry, uncalibrated). A variant that
 runs out of memory is reported as "oom" and the others still run.
 
     python benchmarks/gpu_train.py                  # GPU, default shape and variants
@@ -350,7 +352,28 @@ def run_shardline(args, compiled: bool, name: str) -> dict:
             trainer.lock.release()
         out["params"] = sum(p.numel() for p in trainer.model.parameters())
         out["data"] = "shardline pipeline (" + (args.data or "shipped corpus") + ")"
+        out.update(planned(trainer, args.device))
         return out
+
+
+def planned(trainer, device: torch.device) -> dict:
+    """The planner's step time and allocated peak for this variant's config on this device (the
+    hardware table's entry for this GPU, uncalibrated; on the CPU its rough profile), beside the
+    measured ones: every GPU run checks the planner. Empty for a GPU the table lacks."""
+    from shardline.devices import local_datasheet
+    from shardline.planner.estimate import estimate
+    from shardline.planner.hardware import get_hardware
+    from shardline.planner.layout import Workload
+
+    name = "cpu"
+    if device.type == "cuda":
+        sheet = local_datasheet(torch.cuda.get_device_name(device))
+        if sheet is None:
+            return {}
+        name = sheet.name
+    e = estimate(Workload.from_config(trainer.cfg, trainer.model_args), trainer.dims.layout, get_hardware(name))
+    allocated = e.memory["total"] - e.memory["fragmentation"] - e.memory["reserved"]
+    return {"planned_step_s": e.step_time_s, "planned_alloc_gib": allocated / 2**30, "planned_on": name}
 
 
 def attention_overrides(args, name: str) -> list[str]:
@@ -566,7 +589,7 @@ def format_table(rep: dict) -> str:
         f"peak {_fmt(c['peak_tflops'], '.1f', '?')} TFLOP/s",
         "",
         f"{'variant':<18} {'status':<7} {'tokens/s':>12} {'MFU':>7} {'peak GiB':>9} {'s/step':>8} "
-        f"{'warm-up s':>9} {'loss 1':>7} {'loss':>7} {'vs hf-c':>8} {'vs sl-c':>8}",
+        f"{'warm-up s':>9} {'loss 1':>7} {'loss':>7} {'vs hf-c':>8} {'vs sl-c':>8} {'plan s':>7} {'plan GiB':>8}",
     ]
     for name, r in rep["variants"].items():
         if r["status"] != "ok":
@@ -576,10 +599,13 @@ def format_table(rep: dict) -> str:
         lines.append(f"{name:<18} {'ok':<7} {r['tokens_per_s']:>12,.0f} {mfu + ('%' if r['mfu'] else ''):>7} "
                      f"{_fmt(r['peak_mem_gib'], '.1f', 'n/a'):>9} {r['step_s']:>8.3f} {r['warmup_s']:>9.1f} "
                      f"{r['losses'][0]:>7.3f} {r['loss']:>7.3f} {_fmt(r.get('vs_hf-compile'), '.2f'):>8} "
-                     f"{_fmt(r.get('vs_shardline-compile'), '.2f'):>8}")
+                     f"{_fmt(r.get('vs_shardline-compile'), '.2f'):>8} {_fmt(r.get('planned_step_s'), '.3f'):>7} "
+                     f"{_fmt(r.get('planned_alloc_gib'), '.1f'):>8}")
     lines.append("")
     lines.append("shardline-*: shardline's data pipeline; hf-*: synthetic random tokens (throughput only). "
-                 "loss 1: the first step's (same weights and batch for the bf16 shardline-* of one mask).")
+                 "loss 1: the first step's (same weights and batch for the bf16 shardline-* of one mask). "
+                 "plan: the planner's step and allocated peak for the variant's config (shardline estimate), "
+                 "against s/step and peak GiB.")
     if m["device"] == "cpu":
         lines.append("CPU: MFU is against shardline's rough CPU peak estimate; peak memory is not measured.")
     return "\n".join(lines)

@@ -138,8 +138,7 @@ def machine_profile(args: argparse.Namespace, names: list[str], layouts: list[st
 
 def predict(overrides: list[str], hw, world: int = 1) -> dict:
     cfg = load_config(None, overrides)
-    work = Workload(_config_model(cfg), cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.precision,
-                    cfg.train.document_mask, cfg.model.preset)
+    work = Workload.from_config(cfg, _config_model(cfg))
     e = estimate(work, resolve(cfg, world), hw)
     return {"step_time_s": e.step_time_s, "peak_gib": e.memory["total"] / GiB,
             "breakdown_s": e.breakdown, "memory_gib": {k: v / GiB for k, v in e.memory.items()}}

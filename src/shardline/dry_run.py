@@ -121,9 +121,7 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
     name, note = _device_name(cfg, gpu)
     hw = get_hardware(name)
     doc_tokens, doc_source = _mean_doc_tokens(cfg)
-    work = Workload(launch.model_args, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.precision,
-                    cfg.train.document_mask, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-                    attention=cfg.train.attention, mean_doc_tokens=doc_tokens, compiled=cfg.train.compile)
+    work = Workload.from_config(cfg, launch.model_args, doc_tokens)
     e = estimate(work, launch.layout, hw)
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.memory.items() if k not in ("total", "host_offload"))
     fits = "fits" if e.fits else "DOES NOT FIT"

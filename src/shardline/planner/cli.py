@@ -201,10 +201,7 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg.check()
     hw = _hardware(args, args.gpu or _default_device(cfg))
     layout = resolve(cfg, args.gpus)
-    work = Workload(_config_model(cfg), cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.precision,
-                    cfg.train.document_mask, cfg.model.hf_path or cfg.model.preset,
-                    loss_chunk_tokens=cfg.train.loss_chunk_tokens, attention=cfg.train.attention,
-                    mean_doc_tokens=_mean_doc_tokens(args), compiled=cfg.train.compile)
+    work = Workload.from_config(cfg, _config_model(cfg), _mean_doc_tokens(args))
     e = estimate(work, layout, hw)
     print(json.dumps(e.to_json(), indent=1) if args.json else report.estimate_text(work, hw, e))
     return 0

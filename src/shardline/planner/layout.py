@@ -71,6 +71,15 @@ class Workload:
     mean_doc_tokens: float = 0.0  # mean document length of the data (0: unknown, one document per row)
     compiled: bool = False  # train.compile: the cross-entropy compiled, which keeps no fp32 log-softmax
 
+    @classmethod
+    def from_config(cls, cfg: Config, model: ModelArgs, mean_doc_tokens: float = 0.0) -> Workload:
+        """What a trainer config runs, for `model` (the shape the config resolves to): `shardline
+        estimate`, `train --dry-run` and the benchmarks price a config through this one reading."""
+        t = cfg.train
+        return cls(model, t.seq_len, t.global_batch_size, t.precision, t.document_mask,
+                   cfg.model.hf_path or cfg.model.preset, loss_chunk_tokens=t.loss_chunk_tokens,
+                   attention=t.attention, mean_doc_tokens=mean_doc_tokens, compiled=t.compile)
+
     @property
     def tokens(self) -> int:
         return self.seq_len * self.global_batch
