@@ -10,6 +10,7 @@ import torch
 
 from shardline.models import PRESETS
 from shardline.models.llama import Llama, ModelArgs
+from shardline.parallel.activation_checkpoint import apply_ac
 from shardline.planner import activations as act
 from shardline.planner.hardware import get_hardware
 from shardline.planner.layout import Layout, Workload
@@ -48,11 +49,12 @@ def test_korthikanti_gpt_formulas(s, b, h, a, t):
 
 
 def _autograd_saved_bytes_per_token(args: ModelArgs, precision: str, b: int = 2, s: int = 37,
-                                    compiled: bool = False, copies: dict | None = None) -> float:
+                                    compiled: bool = False, copies: dict | None = None, ac: str = "none") -> float:
     """Bytes of the distinct tensors one real block saves for backward (weights, RoPE tables excluded;
     autocast's weight copies go to `copies`, storage -> bytes, when it is given)."""
     torch.manual_seed(0)
     model = Llama(args)
+    apply_ac(model, ac)  # eagerly, the checkpoint's own hooks would hide what it keeps: compiled only
     block = torch.compile(model.layers["0"]) if compiled else model.layers["0"]
     x = torch.randn(b, s, args.dim, requires_grad=True)
     rotary = model.rotary
@@ -108,6 +110,12 @@ def test_compiled_block_constants_match_what_a_compiled_block_saves():
     assert len(copies) == 7 and sum(copies.values()) == 2 * sum(
         p.numel() for p in Llama(args).layers["0"].parameters() if p.dim() == 2)
     assert predicted < 0.7 * act.block_bytes_per_token(act.llama_block(args, "bf16"))
+    # Op-level AC traced into the compiled block: the matmul and attention outputs but w2's (nothing
+    # in backward needs it), and no weight copy (the policy recomputes the casts).
+    copies.clear()
+    op = act.block_bytes_per_token(act.llama_op_ac_block(args, "bf16", compiled=True))
+    assert _autograd_saved_bytes_per_token(args, "bf16", compiled=True, copies=copies, ac="op") == pytest.approx(op)
+    assert not copies and op < act.block_bytes_per_token(act.llama_op_ac_block(args, "bf16"))
     moe = PRESETS["tiny-moe"]
     dense = dataclasses.replace(moe, moe=None, ffn_dim=act.ffn_width(moe))
     routed = act.routed_ffn_width(moe)

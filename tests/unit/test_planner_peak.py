@@ -61,6 +61,9 @@ def test_checkpointed_blocks_drop_autocasts_copies_by_the_backward():
     assert peak.dropped_copies(ONE_B, selective, 0, 16, per_layer) == 2 * 8 * per_layer
     assert peak.dropped_copies(ONE_B, Layout(dp_shard=2, activation_checkpoint="full"), 3, 16, per_layer) == 0
     assert peak.dropped_copies(dataclasses.replace(ONE_B, precision="fp32"), full, 0, 16, per_layer) == 0
+    op = dataclasses.replace(full, activation_checkpoint="op")  # its policy recomputes the casts
+    assert peak.dropped_copies(ONE_B, op, 0, 16, per_layer) == 2 * 16 * per_layer
+    assert peak.dropped_copies(ONE_B, dataclasses.replace(op, tp=2), 0, 16, per_layer) == 0  # wraps compiled code
     piped = dataclasses.replace(full, pp=2)  # one autocast region around the whole schedule keeps them
     assert peak.dropped_copies(ONE_B, piped, 0, 8, per_layer) == 0
     mem = memory_breakdown(ONE_B, full, H200)

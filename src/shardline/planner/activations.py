@@ -139,10 +139,13 @@ def whole_block(model: ModelArgs, precision: str, compiled: bool) -> list[Saved]
     return llama_compiled_block(model, precision) if compiled else llama_block(model, precision)
 
 
-def llama_op_ac_block(model: ModelArgs, precision: str) -> list[Saved]:
+def llama_op_ac_block(model: ModelArgs, precision: str, compiled: bool = False) -> list[Saved]:
     """What op-level selective checkpointing keeps: the block input and every matmul/SDPA output.
 
-    Norms, casts, RoPE and SwiGLU's element-wise part are recomputed in backward.
+    Norms, casts (autocast's weight copies too), RoPE and SwiGLU's element-wise part are
+    recomputed in backward. `compiled` (the policy traced into one compiled graph): the w2
+    output, which nothing in backward needs, is not kept (counted with hooks on a compiled
+    op-checkpointed block).
     """
     h, q, f, a = model.dim, model.n_heads * model.head_size, ffn_width(model), model.n_heads
     kv = model.kv_heads * model.head_size
@@ -150,7 +153,7 @@ def llama_op_ac_block(model: ModelArgs, precision: str) -> list[Saved]:
     return [Saved("block input (fp32 residual)", 4 * h, "seq"),
             Saved("wq, wk, wv outputs", c * (q + 2 * kv), "tp"),
             Saved("sdpa out + logsumexp", c * q + 4 * a, "tp"),
-            Saved("wo, w2 outputs (partial sums)", 2 * c * h, "partial"),
+            Saved("wo, w2 outputs (partial sums)", (1 if compiled else 2) * c * h, "partial"),
             Saved("w1, w3 outputs", 2 * c * f, "tp")]
 
 
@@ -216,7 +219,8 @@ def layer_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, m
     if mode == "selective":
         return boundary / every + whole * (1 - 1 / every)
     if mode == "op":
-        return block_bytes_per_token(llama_op_ac_block(model, precision), tp, sp)
+        # Under tp the checkpoint wraps the compiled block from outside (parallel/compile.py): eager's count.
+        return block_bytes_per_token(llama_op_ac_block(model, precision, compiled and tp == 1), tp, sp)
     raise ValueError(f"memory.activation_checkpoint={mode!r} is invalid: one of none, full, selective, op")
 
 
@@ -246,7 +250,7 @@ def recompute_transient_bytes_per_token(model: ModelArgs, precision: str, tp: in
     if mode in ("full", "selective"):
         return whole
     if mode == "op":
-        return max(0.0, whole - layer_bytes_per_token(model, precision, tp, sp, "op", 1))
+        return max(0.0, whole - layer_bytes_per_token(model, precision, tp, sp, "op", 1, compiled))
     return 0.0
 
 

@@ -17,7 +17,7 @@ and the trainer's order of work says which:
 * Autocast's weight copies (`params` without FSDP's sharding). Autocast caches the
   compute-dtype copy of each weight until the forward ends; after it, a copy lives on only
   where a matmul saved it for backward (a compiled block saves them too). A fully
-  checkpointed block saves only its input,
+  checkpointed block saves only its input, an op-checkpointed one recomputes the casts,
   so its copies are gone when the backward starts (recomputing the block makes them again,
   one block at a time: `recompute`). The forward's end, which still holds them but not yet
   the loss's gradient, is then a moment of its own.
@@ -76,14 +76,15 @@ def head_grads(work, layout, zero: int, last: bool) -> float | None:
 
 
 def dropped_copies(work, layout, zero: int, layers: int, per_layer: float) -> float:
-    """Bytes of autocast's weight copies the fully checkpointed blocks of a stage no longer hold
-    when the backward starts (full: every block; selective: every `ac_every`-th). Only where
+    """Bytes of autocast's weight copies the checkpointed blocks of a stage no longer hold when the
+    backward starts (full and op: every block, op's policy recomputes casts; selective: every
+    `ac_every`-th; not op under tp with compile, whose checkpoint wraps compiled code). Only where
     `params` holds autocast's copies: one device, DDP, ZeRO-1 (zero=2 keeps FSDP's gathered
     weights from forward to backward instead). Not under a pipeline: its schedule runs every
     micro-batch's forward and backward inside one autocast region, so the cache holds them all."""
     mode = layout.activation_checkpoint
     if (work.precision == "fp32" or not work.runtime.weight_casts or zero >= 2 or layout.pp > 1
-            or mode not in ("full", "selective")):
+            or mode == "none" or (mode == "op" and work.compiled and layout.tp > 1)):
         return 0.0
-    checkpointed = layers if mode == "full" else layers / layout.ac_every
+    checkpointed = layers / layout.ac_every if mode == "selective" else layers
     return dtype_bytes(work.precision) * checkpointed * per_layer
