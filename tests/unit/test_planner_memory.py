@@ -49,12 +49,17 @@ def test_korthikanti_gpt_formulas(s, b, h, a, t):
 
 
 def _autograd_saved_bytes_per_token(args: ModelArgs, precision: str, b: int = 2, s: int = 37,
-                                    compiled: bool = False, copies: dict | None = None, ac: str = "none") -> float:
+                                    compiled: bool = False, copies: dict | None = None, ac: str = "none",
+                                    float8: bool = False) -> float:
     """Bytes of the distinct tensors one real block saves for backward (weights, RoPE tables excluded;
     autocast's weight copies go to `copies`, storage -> bytes, when it is given)."""
     torch.manual_seed(0)
     model = Llama(args)
     apply_ac(model, ac)  # eagerly, the checkpoint's own hooks would hide what it keeps: compiled only
+    if float8:  # emulated on the CPU; its per-tensor scales (0-dim) are not counted
+        from shardline.parallel.float8 import convert
+
+        convert(model, "tensorwise", emulate=True, fsdp_all_gather=False)
     block = torch.compile(model.layers["0"]) if compiled else model.layers["0"]
     x = torch.randn(b, s, args.dim, requires_grad=True)
     rotary = model.rotary
@@ -67,11 +72,12 @@ def _autograd_saved_bytes_per_token(args: ModelArgs, precision: str, b: int = 2,
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
         copy = precision != "fp32" and t.dtype == torch.bfloat16 and t.dim() == 2 and tuple(t.shape) in shapes
-        if ptr not in exclude:
+        if ptr not in exclude and t.dim() > 0:
             (copies if copy and copies is not None else saved if not copy else {})[ptr] = t.untyped_storage().nbytes()
         return t
 
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else torch.autocast("cpu", enabled=False)
+    mixed = precision in ("bf16", "fp8")
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mixed else torch.autocast("cpu", enabled=False)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
         block(x, cos, sin, None)
     return sum(saved.values()) / (b * s)
@@ -121,6 +127,19 @@ def test_compiled_block_constants_match_what_a_compiled_block_saves():
     routed = act.routed_ffn_width(moe)
     assert routed > 0 and act.block_bytes_per_token(act.llama_compiled_block(moe, "bf16")) == pytest.approx(
         act.block_bytes_per_token(act.llama_compiled_block(dense, "bf16")) + 2 * routed)
+
+
+@pytest.mark.slow
+def test_a_compiled_float8_block_keeps_no_linear_input_and_no_weight_copy():
+    """Compiled with float8 Linear layers (tensorwise; emulated here), a block recasts the Linear
+    inputs and the weights in backward from what it keeps: neither norm output, nor SwiGLU's
+    product, nor any weight copy (the planner's fp8 activations and params)."""
+    pytest.importorskip("torchao")
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=160)
+    copies: dict[int, int] = {}
+    kept = _autograd_saved_bytes_per_token(args, "fp8", compiled=True, copies=copies, float8=True)
+    assert kept == pytest.approx(act.block_bytes_per_token(act.llama_compiled_block(args, "fp8")), rel=1e-9)
+    assert not copies and kept < act.block_bytes_per_token(act.llama_compiled_block(args, "bf16"))
 
 
 def test_llama_constants_in_units_of_h_for_a_gpt_shape():

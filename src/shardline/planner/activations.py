@@ -122,10 +122,19 @@ def routed_ffn_width(model: ModelArgs) -> float:
 
 def llama_compiled_block(model: ModelArgs, precision: str) -> list[Saved]:
     """The tensors one compiled shardline Llama block saves for backward (see the module docstring);
-    an MoE block's routed experts, run eagerly, keep eager's SwiGLU tensors."""
+    an MoE block's routed experts, run eagerly, keep eager's SwiGLU tensors. Under fp8 (float8
+    Linear layers, tensorwise) the compiled block keeps neither the norms' outputs nor SwiGLU's
+    product (the Linear inputs), nor any weight copy: it recasts them from what it keeps
+    (counted with hooks on a compiled float8 block, emulated on the CPU)."""
     h, q, f, a = model.dim, model.n_heads * model.head_size, ffn_width(model), model.n_heads
     kv = model.kv_heads * model.head_size
     c, routed = dtype_bytes(precision), routed_ffn_width(model)
+    if precision == "fp8":
+        return [Saved("block input (fp32 residual), rsqrt of both norms", 4 * h + 8, "seq"),
+                Saved("sdpa q, k, v, out", 2 * c * (q + kv), "tp"),
+                Saved("sdpa logsumexp", 4 * a, "tp"),
+                Saved("wo input (the attention output, contiguous)", c * q, "tp"),
+                Saved("swiglu w1 out, w3 out", 2 * c * (f - routed) + 4 * c * routed, "tp")]
     return [Saved("block input (fp32 residual), rsqrt of both norms", 4 * h + 8, "seq"),
             Saved("both norms' outputs as linear inputs", 2 * c * h, "lin_in"),
             Saved("sdpa q, k, v, out", 2 * c * (q + kv), "tp"),

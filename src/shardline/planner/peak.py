@@ -81,10 +81,13 @@ def dropped_copies(work, layout, zero: int, layers: int, per_layer: float) -> fl
     `ac_every`-th; not op under tp with compile, whose checkpoint wraps compiled code). Only where
     `params` holds autocast's copies: one device, DDP, ZeRO-1 (zero=2 keeps FSDP's gathered
     weights from forward to backward instead). Not under a pipeline: its schedule runs every
-    micro-batch's forward and backward inside one autocast region, so the cache holds them all."""
+    micro-batch's forward and backward inside one autocast region, so the cache holds them all.
+    Compiled fp8 blocks keep none whatever the mode: float8's Linear layers cast the fp32 weights
+    themselves, and the compiled block recasts them in backward (activations.llama_compiled_block)."""
     mode = layout.activation_checkpoint
+    float8 = work.precision == "fp8" and work.compiled_blocks(layout)
     if (work.precision == "fp32" or not work.runtime.weight_casts or zero >= 2 or layout.pp > 1
-            or mode == "none" or (mode == "op" and work.compiled and layout.tp > 1)):
+            or (mode == "none" and not float8) or (mode == "op" and work.compiled and layout.tp > 1)):
         return 0.0
-    checkpointed = layers / layout.ac_every if mode == "selective" else layers
+    checkpointed = layers / layout.ac_every if mode == "selective" and not float8 else layers
     return dtype_bytes(work.precision) * checkpointed * per_layer
