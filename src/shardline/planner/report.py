@@ -72,7 +72,8 @@ def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
              "time per step (s):"]
     for key, value in sorted(e.breakdown.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {key:<18} {value:10.4f}  {100 * value / e.step_time_s:5.1f}%")
-    lines += ["", f"memory on the busiest rank (GiB), capacity {e.capacity / GiB:.1f}:"]
+    lines += ["", f"memory on the busiest rank at its peak (GiB; on a GPU the terms alive then), "
+                  f"capacity {e.capacity / GiB:.1f}:"]
     for key, value in e.memory.items():
         if key not in ("total", "host_offload"):
             lines.append(f"  {key:<18} {value / GiB:10.3f}")
