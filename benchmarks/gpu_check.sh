@@ -34,7 +34,10 @@
 # shardline-compile and shardline-fp8) -> gpu_train-s8192.json, within PLAN_BUDGET (default 150):
 # every gpu_train row carries the planner's prediction (plan s, plan GiB), and this shape was not
 # the one its compiled pricing was checked against, so its rows test it.
-# The optional steps are cut to what DEADLINE leaves.
+# The optional steps are cut to what DEADLINE leaves. ONLY=extras skips steps 2 and 3 and runs just
+# the optional steps asked for: a call of its own, since the two calls below leave little of the
+# 15 device minutes (PLANNER_SHAPES=1 ONLY=extras DEADLINE=200, timeout_s 230; or in place of the
+# tests' call in a session that does not need them).
 #
 # Through the device tool (15 minutes of device time, a machine start included, 10 minutes a
 # command), carry benchmarks/wheels (git-ignored: torchao for fp8) and spend it as two calls
@@ -55,7 +58,7 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 
     || { echo "gpu_check: $PY is Python < 3.11; shardline needs 3.11+ (tomllib): set PYTHON=" >&2; exit 2; }
 status=0
 ONLY=${ONLY:-}
-case "$ONLY" in ""|tests|bench) ;; *) echo "gpu_check: ONLY=$ONLY is invalid: tests, bench or unset" >&2; exit 2 ;; esac
+case "$ONLY" in ""|tests|bench|extras) ;; *) echo "gpu_check: ONLY=$ONLY is invalid: tests, bench, extras or unset" >&2; exit 2 ;; esac
 
 # What the machine lacks comes from benchmarks/wheels/, offline and without dependencies, into
 # a folder on PYTHONPATH: only the packages that fail to import (PYTHONPATH precedes
@@ -96,7 +99,7 @@ for name in ("transformers", "torchao", "triton", "pytest"):
 EOF
 } 2>&1 | tee "$RESULTS/env.txt"
 
-if [ "$ONLY" != tests ]; then
+if [ "$ONLY" != tests ] && [ "$ONLY" != extras ]; then
 echo "== gpu_train ==" >&2
 # shellcheck disable=SC2086  # GPU_TRAIN_ARGS is a list of words on purpose
 # The targets' variants first (hf-eager is context; the -docs ones a question: do flex and
@@ -109,7 +112,7 @@ timeout -s INT -k 10 "${BENCH_BUDGET:-300}" "$PY" benchmarks/gpu_train.py \
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
-if [ "$ONLY" != bench ]; then
+if [ "$ONLY" != bench ] && [ "$ONLY" != extras ]; then
 echo "== gpu tests ==" >&2
 # The core files first, attention's compile-heavy ones last, so a budget that runs out cuts the least.
 # At the budget SIGINT (then SIGKILL 10 s later): pytest still writes its summary and the XML; -v

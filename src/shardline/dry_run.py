@@ -112,7 +112,8 @@ def _compile_pricing(work: Workload, layout) -> str:
     if not work.compiled:
         return ""
     blocks = ("blocks as compiled (fused element-wise work, the compiler's saved set)" if work.compiled_blocks(layout)
-              else "blocks as eager (their Linear layers run eagerly under this schedule)")
+              else "blocks as eager (their Linear layers run eagerly under this schedule)" if layout.split_backward
+              else "blocks as eager (the ring's attention runs eagerly between compiled parts)")
     loss = "the loss compiled" if work.compiled_loss(layout) else "the loss eager (loss parallelism)"
     return f" (train.compile priced: {blocks}, {loss}; checked against one H200 run)"
 

@@ -88,9 +88,12 @@ def test_gpu_check_script_runs_on_cpu_with_the_tiny_benchmark(tmp_path, small_co
         assert positive(v["tokens_per_s"]), (name, v)
         assert math.isfinite(v["loss"]), (name, v)
         assert len(v["losses"]) == 3 and v["losses"][-1] == v["loss"], (name, v)  # 1 warm-up + 2 measured
+    table = (results / "gpu_train.txt").read_text()
     for name in ("shardline-eager", "shardline-cudnn"):  # the planner's figures beside the measured ones
-        assert positive(res["variants"][name]["planned_step_s"]) and res["variants"][name]["planned_on"] == "cpu"
-    assert "plan s" in (results / "gpu_train.txt").read_text()
+        v = res["variants"][name]
+        assert positive(v["planned_step_s"]) and v["planned_on"] == "cpu"
+        row = next(line for line in table.splitlines() if line.startswith(name))
+        assert row.split()[-2:] == [f"{v['planned_step_s']:.3f}", f"{v['planned_alloc_gib']:.1f}"]
     # Same initial weights on the same first batch: shardline's variants start from one loss.
     assert res["variants"]["shardline-eager"]["losses"][0] == res["variants"]["shardline-cudnn"]["losses"][0]
     # Same shape on both sides: the HF model has exactly shardline's parameter count.

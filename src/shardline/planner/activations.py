@@ -56,11 +56,13 @@ keeps less (`llama_compiled_block`, counted the same way on a compiled block):
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from shardline.models.flops import ffn_width
 from shardline.models.llama import ModelArgs
 from shardline.parallel.data_parallel import gather_dtype
+from shardline.parallel.float8 import GEMM_MULTIPLE
 
 REGIONS = ("seq", "lin_in", "tp", "score", "partial")
 
@@ -143,9 +145,18 @@ def llama_compiled_block(model: ModelArgs, precision: str) -> list[Saved]:
             Saved("swiglu w1 out, w3 out, product", 3 * c * (f - routed) + 4 * c * routed, "tp")]
 
 
-def whole_block(model: ModelArgs, precision: str, compiled: bool) -> list[Saved]:
-    """What a block that is not checkpointed keeps: compiled or eager."""
-    return llama_compiled_block(model, precision) if compiled else llama_block(model, precision)
+def whole_block(model: ModelArgs, precision: str, compiled: bool, tp: int = 1) -> list[Saved]:
+    """What a block that is not checkpointed keeps: compiled or eager. Compiled fp8's own saved set
+    only where float8 converts every Linear of the block (parallel/float8.converts: both dims
+    multiples of GEMM_MULTIPLE x tp); else the bf16 one (the compute dtype is bf16 either way)."""
+    if not compiled:
+        return llama_block(model, precision)
+    moe = getattr(model, "moe", None)
+    ffn = model.ffn_dim if moe is None else math.gcd(model.ffn_dim, moe.expert_ffn_dim)
+    dims = (model.dim, model.n_heads * model.head_size, model.kv_heads * model.head_size, ffn)
+    if precision == "fp8" and any(d % (GEMM_MULTIPLE * tp) for d in dims):
+        precision = "bf16"
+    return llama_compiled_block(model, precision)
 
 
 def llama_op_ac_block(model: ModelArgs, precision: str, compiled: bool = False) -> list[Saved]:
@@ -219,7 +230,7 @@ def layer_bytes_per_token(model: ModelArgs, precision: str, tp: int, sp: bool, m
     full-checkpointed, the others keep everything. op: llama_op_ac_block. `compiled`: a
     block keeps what llama_compiled_block lists.
     """
-    whole = block_bytes_per_token(whole_block(model, precision, compiled), tp, sp)
+    whole = block_bytes_per_token(whole_block(model, precision, compiled, tp), tp, sp)
     boundary = boundary_bytes_per_token(model, tp, sp)
     if mode == "none":
         return whole
@@ -255,7 +266,7 @@ def recompute_transient_bytes_per_token(model: ModelArgs, precision: str, tp: in
     """Extra bytes while one checkpointed layer is recomputed in backward (its full activations).
 
     Cached like layer_bytes_per_token: the same few values recur across a search's layouts."""
-    whole = block_bytes_per_token(whole_block(model, precision, compiled), tp, sp)
+    whole = block_bytes_per_token(whole_block(model, precision, compiled, tp), tp, sp)
     if mode in ("full", "selective"):
         return whole
     if mode == "op":

@@ -243,22 +243,27 @@ def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
     # Ring attention merges each partial result into the running output and logsumexp.
     attn += (layout.cp - 1) * 8 * dtype_bytes(dtype) * q_width * tokens / bw
     elem_bwd = None
-    if work.compiled_blocks(layout) and not work.runtime.fused_elementwise:
+    compiled = work.compiled_blocks(layout) and not work.runtime.fused_elementwise
+    if compiled:
         fwd_bytes, bwd_bytes = compiled_elementwise_bytes_per_token(work, layout.tp, layout.sp)
         elem, elem_bwd = fwd_bytes * tokens / bw + attn_elem, bwd_bytes * tokens / bw + 2 * attn_elem
     else:
         elem = elementwise_bytes_per_token(work, layout.tp, layout.sp) * tokens / bw + attn_elem
     fsdp_casts = layout.dp_mode in ("fsdp", "zero2", "hsdp") and not autocast_fsdp_copies(work)
     autocast_casts = work.precision != "fp32" and work.runtime.weight_casts and not fsdp_casts
-    if autocast_casts:
-        # Autocast casts each fp32 weight to the compute dtype once per forward (read 4, write 2
-        # bytes); FSDP's mixed precision casts while gathering instead (not fp16's: it gathers fp32).
-        elem += 6 * layer_params(work, layout.tp) / bw
-    if work.precision == "fp8":
+    # Autocast casts each fp32 weight to the compute dtype once per forward (read 4, write 2
+    # bytes); FSDP's mixed precision casts while gathering instead (not fp16's: it gathers fp32).
+    casts = 6 * layer_params(work, layout.tp) / bw if autocast_casts else 0.0
+    if work.precision == "fp8":  # float8's Linear layers cast their own weights (not autocast)
         act_fwd, act_bwd, params = float8_cast_bytes(work, layer_gemm_dtypes(work, layout.tp, 1))
         weight_src = 4 if autocast_casts else 2  # fp32 weights, or FSDP's gathered bf16 ones
-        elem_bwd = (2 * elem if elem_bwd is None else elem_bwd) + (act_bwd * tokens + 2 * params) / bw
-        elem += (act_fwd * tokens + (2 * weight_src + 1 - (6 if autocast_casts else 0)) * params) / bw
+        f8_fwd = (act_fwd * tokens + (2 * weight_src + 1) * params) / bw
+        # A compiled float8 block keeps no Linear input or weight copy: its backward casts them again.
+        f8_bwd = (act_bwd * tokens + 2 * params) / bw + (f8_fwd if compiled else 0.0)
+        casts *= max(0.0, 1 - params / layer_params(work, layout.tp))  # the weights float8 leaves to autocast
+        elem_bwd = (2 * elem if elem_bwd is None else elem_bwd) + f8_bwd
+        elem += f8_fwd
+    elem += casts
     return LayerTimes(mm, attn, elem, FWD_OPS_PER_LAYER * hw.op_overhead_us * 1e-6 / sh_ops, elem_bwd)
 
 

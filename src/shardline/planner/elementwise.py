@@ -65,8 +65,11 @@ def float8_cast_bytes(work: Workload, gemms: list[tuple[str, int, float, float]]
     its stored dtype instead of autocast's (priced by the caller), and a transposed float8
     copy for the input gradient (2 B). `gemms`: the block's (dtype, 1 token, width in, width out)
     (compute.layer_gemm_dtypes). Counted kernel by kernel; a compiler may fuse some (the
-    three casts of the input wq, wk and wv share). Against the H200 profile: at least 30 ms of
-    casting kernels a step where these count 27 (benchmarks/RESULTS.md)."""
+    three casts of the input wq, wk and wv share). A compiled float8 block keeps no Linear input
+    and no weight copy, so its backward casts them again (compute.layer_times adds the forward's
+    casts to its backward). Against the H200 profile: the fp8 step's compiled kernels took at
+    least 59 ms, where the planner's element-wise work, these casts included, counts 59
+    (benchmarks/RESULTS.md)."""
     c = dtype_bytes(compute_dtype(work.precision))
     fwd = bwd = params = 0.0
     for dtype, _, width_in, width_out in gemms:

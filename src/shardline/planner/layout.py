@@ -69,7 +69,7 @@ class Workload:
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: the logits of this many tokens at a time (0: all)
     attention: str = "auto"  # train.attention; the kernel it resolves to is priced (planner/attention.py)
     mean_doc_tokens: float = 0.0  # mean document length of the data (0: unknown, one document per row)
-    compiled: bool = False  # train.compile: the cross-entropy compiled, which keeps no fp32 log-softmax
+    compiled: bool = False  # train.compile: blocks and cross-entropy compiled (compiled_blocks, compiled_loss)
 
     @classmethod
     def from_config(cls, cfg: Config, model: ModelArgs, mean_doc_tokens: float = 0.0) -> Workload:

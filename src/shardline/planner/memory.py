@@ -361,6 +361,7 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
             zero, held = zero_stage(layout), per_layer - ep_away(work, layout, 1)
             parts = peak.largest(peak.moments(parts, peak.head_grads(work, layout, zero, stage.last),
                                               peak.dropped_copies(work, layout, zero, stage.layers, held),
+                                              None if work.compiled_blocks(layout) else
                                               loss_kept(work, layout) if stage.last else 0.0))
         allocated = sum(parts.values())
         step = zero1_step_bytes(work, layout, psi, zero1_ep_away(work, layout, stage))

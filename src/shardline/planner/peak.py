@@ -20,7 +20,8 @@ and the trainer's order of work says which:
   checkpointed block saves only its input, an op-checkpointed one recomputes the casts,
   so its copies are gone when the backward starts (recomputing the block makes them again,
   one block at a time: `recompute`). The forward's end, which still holds them but not yet
-  the loss's gradient, is then a moment of its own.
+  the loss's gradient, is then a moment of its own; not for compiled blocks, whose casts are
+  ops of their graph (no cache), alive one block at a time.
 """
 
 from __future__ import annotations
@@ -29,20 +30,21 @@ from shardline.planner.activations import dtype_bytes
 
 
 def moments(parts: dict[str, float], head_grads: float | None, dropped_copies: float,
-            forward_logits: float) -> list[dict[str, float]]:
+            forward_logits: float | None) -> list[dict[str, float]]:
     """The breakdowns of the moments that may hold the peak (memory.memory_breakdown takes the largest).
 
     parts: every term as if alive at once. head_grads: gradient bytes alive as the backward
     starts when the step starts it with none (the output projection's), None when all are
     (accumulation, pipeline, DDP); the backward's end then holds all of them, and of the weight
     copies those the start holds (an upper bound: the others' are freed too). dropped_copies:
-    weight-copy bytes of fully checkpointed blocks, gone by the backward. forward_logits: the
-    loss's bytes at the forward's end.
+    weight-copy bytes of checkpointed blocks, gone by the backward. forward_logits: the loss's
+    bytes at the forward's end; None where no cache holds the copies to it (compiled blocks
+    cast in their graph, one block's at a time).
     """
     start = dict(parts)
     start["params"] = parts["params"] - dropped_copies
     out = [start]
-    if dropped_copies:
+    if dropped_copies and forward_logits is not None:
         forward_end = dict(parts, logits=forward_logits, recompute=0.0)
         if head_grads is not None:
             forward_end["grads"] = 0.0
@@ -86,8 +88,9 @@ def dropped_copies(work, layout, zero: int, layers: int, per_layer: float) -> fl
     themselves, and the compiled block recasts them in backward (activations.llama_compiled_block)."""
     mode = layout.activation_checkpoint
     float8 = work.precision == "fp8" and work.compiled_blocks(layout)
-    if (work.precision == "fp32" or not work.runtime.weight_casts or zero >= 2 or layout.pp > 1
-            or (mode == "none" and not float8) or (mode == "op" and work.compiled and layout.tp > 1)):
+    if work.precision == "fp32" or not work.runtime.weight_casts or zero >= 2 or layout.pp > 1:
+        return 0.0
+    if not float8 and (mode == "none" or (mode == "op" and work.compiled and layout.tp > 1)):
         return 0.0
     checkpointed = layers / layout.ac_every if mode == "selective" and not float8 else layers
     return dtype_bytes(work.precision) * checkpointed * per_layer
