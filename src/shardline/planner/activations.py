@@ -151,12 +151,18 @@ def whole_block(model: ModelArgs, precision: str, compiled: bool, tp: int = 1) -
     multiples of GEMM_MULTIPLE x tp); else the bf16 one (the compute dtype is bf16 either way)."""
     if not compiled:
         return llama_block(model, precision)
+    if precision == "fp8" and not float8_converts_every_linear(model, tp):
+        precision = "bf16"
+    return llama_compiled_block(model, precision)
+
+
+def float8_converts_every_linear(model: ModelArgs, tp: int) -> bool:
+    """Whether train.precision=fp8 makes every Linear of a block a float8 one (parallel/float8.converts:
+    both dims multiples of GEMM_MULTIPLE x tp; an MoE's widths both)."""
     moe = getattr(model, "moe", None)
     ffn = model.ffn_dim if moe is None else math.gcd(model.ffn_dim, moe.expert_ffn_dim)
     dims = (model.dim, model.n_heads * model.head_size, model.kv_heads * model.head_size, ffn)
-    if precision == "fp8" and any(d % (GEMM_MULTIPLE * tp) for d in dims):
-        precision = "bf16"
-    return llama_compiled_block(model, precision)
+    return not any(d % (GEMM_MULTIPLE * tp) for d in dims)
 
 
 def llama_op_ac_block(model: ModelArgs, precision: str, compiled: bool = False) -> list[Saved]:

@@ -11,9 +11,6 @@ and the trainer's order of work says which:
   gradient accumulation (more micro-batches), a pipeline (its stages accumulate over
   micro-batches) or DDP (its reducer's buckets, of which the gradients are views, are
   allocated up front) they are all there throughout.
-* On a CPU the planner keeps the sum of every term: what it is checked against there is
-  the process's peak RSS, and the C allocator keeps freed pages for reuse rather than
-  returning them, so memory a moment frees still counts.
 * Autocast's weight copies (`params` without FSDP's sharding). Autocast caches the
   compute-dtype copy of each weight until the forward ends; after it, a copy lives on only
   where a matmul saved it for backward (a compiled block saves them too). A fully
@@ -22,11 +19,14 @@ and the trainer's order of work says which:
   one block at a time: `recompute`). The forward's end, which still holds them but not yet
   the loss's gradient, is then a moment of its own; not for compiled blocks, whose casts are
   ops of their graph (no cache), alive one block at a time.
+* On a CPU the planner keeps the sum of every term: what it is checked against there is
+  the process's peak RSS, and the C allocator keeps freed pages for reuse rather than
+  returning them, so memory a moment frees still counts.
 """
 
 from __future__ import annotations
 
-from shardline.planner.activations import dtype_bytes
+from shardline.planner.activations import dtype_bytes, float8_converts_every_linear
 
 
 def moments(parts: dict[str, float], head_grads: float | None, dropped_copies: float,
@@ -84,10 +84,12 @@ def dropped_copies(work, layout, zero: int, layers: int, per_layer: float) -> fl
     `params` holds autocast's copies: one device, DDP, ZeRO-1 (zero=2 keeps FSDP's gathered
     weights from forward to backward instead). Not under a pipeline: its schedule runs every
     micro-batch's forward and backward inside one autocast region, so the cache holds them all.
-    Compiled fp8 blocks keep none whatever the mode: float8's Linear layers cast the fp32 weights
-    themselves, and the compiled block recasts them in backward (activations.llama_compiled_block)."""
+    Compiled fp8 blocks keep none whatever the mode where float8 converts every Linear: those
+    cast the fp32 weights themselves, and the compiled block recasts them in backward
+    (activations.llama_compiled_block)."""
     mode = layout.activation_checkpoint
-    float8 = work.precision == "fp8" and work.compiled_blocks(layout)
+    float8 = (work.precision == "fp8" and work.compiled_blocks(layout)
+              and float8_converts_every_linear(work.model, layout.tp))
     if work.precision == "fp32" or not work.runtime.weight_casts or zero >= 2 or layout.pp > 1:
         return 0.0
     if not float8 and (mode == "none" or (mode == "op" and work.compiled and layout.tp > 1)):
