@@ -59,6 +59,10 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 
 status=0
 ONLY=${ONLY:-}
 case "$ONLY" in ""|tests|bench|extras) ;; *) echo "gpu_check: ONLY=$ONLY is invalid: tests, bench, extras or unset" >&2; exit 2 ;; esac
+if [ "$ONLY" = extras ] && [ "${CALIBRATE:-0}${SPLIT_BACKWARD:-0}${PLANNER_SHAPES:-0}" = 000 ]; then
+    echo "gpu_check: ONLY=extras runs only the optional steps: set CALIBRATE=1, SPLIT_BACKWARD=1 or PLANNER_SHAPES=1" >&2
+    exit 2
+fi
 
 # What the machine lacks comes from benchmarks/wheels/, offline and without dependencies, into
 # a folder on PYTHONPATH: only the packages that fail to import (PYTHONPATH precedes

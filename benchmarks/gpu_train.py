@@ -354,8 +354,9 @@ def run_shardline(args, compiled: bool, name: str) -> dict:
         out["data"] = "shardline pipeline (" + (args.data or "shipped corpus") + ")"
         try:  # the planner's figures must not cost the measurement
             out.update(planned(trainer, args.device))
-        except Exception as e:  # noqa: BLE001 - reported, and the run goes on
-            print(f"[gpu_train] {name}: planner estimate failed: {type(e).__name__}: {e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON and the table, and the run goes on
+            out["planned_error"] = f"{type(e).__name__}: {e}"
+            print(f"[gpu_train] {name}: planner estimate failed: {out['planned_error']}", flush=True)
         return out
 
 
@@ -607,6 +608,8 @@ def format_table(rep: dict) -> str:
                      f"{_fmt(r.get('vs_shardline-compile'), '.2f'):>8} {_fmt(r.get('planned_step_s'), '.3f'):>7} "
                      f"{_fmt(r.get('planned_alloc_gib'), '.1f'):>8}")
     lines.append("")
+    lines += [f"{name}: the planner's estimate failed: {r['planned_error']}"
+              for name, r in rep["variants"].items() if r.get("planned_error")]
     lines.append("shardline-*: shardline's data pipeline; hf-*: synthetic random tokens (throughput only). "
                  "loss 1: the first step's (same weights and batch for the bf16 shardline-* of one mask). "
                  "plan: the planner's step and allocated peak for the variant's config (shardline estimate), "

@@ -114,6 +114,39 @@ def test_float8_is_priced_against_our_fp8_h200_run():
     assert 1.05 < bf16.step_time_s / e.step_time_s < 1.3  # measured 1.14x
 
 
+def test_float8_casts_are_charged_once_and_a_compiled_block_recasts_in_backward():
+    """Where float8 converts no Linear (dims not multiples of 16) an fp8 block costs what a bf16 one
+    does, eager or compiled; where it converts every Linear, a compiled block's backward casts the
+    Linear inputs and weights again (it keeps neither), an eager one's does not; an MoE's eagerly
+    run experts keep their copies, so its compiled block keeps bf16's saved set."""
+    from shardline.models.llama import ModelArgs
+    from shardline.planner import activations as act
+    from shardline.planner.compute import layer_gemm_dtypes, layer_times
+    from shardline.planner.elementwise import float8_cast_bytes
+
+    odd = ModelArgs(dim=72, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=200)
+    lay = Layout(micro_batch_size=4)
+    for compiled in (False, True):
+        bf16, fp8 = (layer_times(Workload(odd, 4096, 4, p, document_mask=False, compiled=compiled), lay, H200)
+                     for p in ("bf16", "fp8"))
+        assert (fp8.elementwise, fp8.backward) == pytest.approx((bf16.elementwise, bf16.backward), rel=1e-12)
+    times = {compiled: layer_times(dataclasses.replace(ONE_B, precision="fp8", compiled=compiled), lay, H200)
+             for compiled in (False, True)}
+    w8, tokens = dataclasses.replace(ONE_B, precision="fp8"), 4 * 4096
+    act_fwd, act_bwd, params = float8_cast_bytes(w8, layer_gemm_dtypes(w8, 1, 1))
+    bw = H200.mem_bw_gbs * 1e9 * H200.elementwise_eff["bf16"]
+    recast = (act_fwd * tokens + 9 * params) / bw  # the forward's casts, from fp32 weights, again
+    bf16 = layer_times(ONE_B, lay, H200)
+    assert times[True].elementwise_bwd - bf16.elementwise_bwd == pytest.approx(
+        (act_bwd * tokens + 2 * params) / bw + recast, rel=1e-9)
+    eager_bf16 = layer_times(dataclasses.replace(ONE_B, compiled=False), lay, H200)
+    assert times[False].elementwise_bwd == pytest.approx(  # eager: no recast; twice bf16's forward work less
+        2 * eager_bf16.elementwise - 2 * (6 * params / bw) + (act_bwd * tokens + 2 * params) / bw, rel=1e-9)
+    assert not act.compiled_float8_recasts(PRESETS["tiny-moe"], 1) and act.compiled_float8_recasts(ONE_B.model, 1)
+    assert not act.compiled_float8_recasts(ONE_B.model, 3)  # 2048 is no multiple of 48
+    assert act.whole_block(odd, "fp8", True) == act.whole_block(odd, "bf16", True)
+
+
 def test_a_cpu_keeps_every_term():
     """On a CPU the planner is checked against peak RSS, which keeps freed pages: no moments."""
     from shardline.planner.hardware import cpu_hardware

@@ -56,7 +56,6 @@ keeps less (`llama_compiled_block`, counted the same way on a compiled block):
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 from shardline.models.flops import ffn_width
@@ -147,21 +146,23 @@ def llama_compiled_block(model: ModelArgs, precision: str) -> list[Saved]:
 
 def whole_block(model: ModelArgs, precision: str, compiled: bool, tp: int = 1) -> list[Saved]:
     """What a block that is not checkpointed keeps: compiled or eager. Compiled fp8's own saved set
-    only where float8 converts every Linear of the block (parallel/float8.converts: both dims
-    multiples of GEMM_MULTIPLE x tp); else the bf16 one (the compute dtype is bf16 either way)."""
+    only where compiled_float8_recasts; else the bf16 one (the compute dtype is bf16 either way)."""
     if not compiled:
         return llama_block(model, precision)
-    if precision == "fp8" and not float8_converts_every_linear(model, tp):
+    if precision == "fp8" and not compiled_float8_recasts(model, tp):
         precision = "bf16"
     return llama_compiled_block(model, precision)
 
 
-def float8_converts_every_linear(model: ModelArgs, tp: int) -> bool:
-    """Whether train.precision=fp8 makes every Linear of a block a float8 one (parallel/float8.converts:
-    both dims multiples of GEMM_MULTIPLE x tp; an MoE's widths both)."""
-    moe = getattr(model, "moe", None)
-    ffn = model.ffn_dim if moe is None else math.gcd(model.ffn_dim, moe.expert_ffn_dim)
-    dims = (model.dim, model.n_heads * model.head_size, model.kv_heads * model.head_size, ffn)
+def compiled_float8_recasts(model: ModelArgs, tp: int) -> bool:
+    """Whether a compiled fp8 block keeps no Linear input and no weight copy, recasting them in
+    backward: where float8 converts every Linear of it (parallel/float8.converts: both dims
+    multiples of GEMM_MULTIPLE x tp) and no routed experts run eagerly beside them (an MoE's
+    experts cast their weights to bf16 and keep those copies and their input). The one rule for
+    the saved set here, the weight copies (peak.py) and the backward's casts (compute.py)."""
+    if getattr(model, "moe", None) is not None:
+        return False
+    dims = (model.dim, model.n_heads * model.head_size, model.kv_heads * model.head_size, model.ffn_dim)
     return not any(d % (GEMM_MULTIPLE * tp) for d in dims)
 
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from shardline.models.flops import ffn_width
 from shardline.parallel.float8 import GEMM_MULTIPLE
 from shardline.planner import attention as attn_kernel
-from shardline.planner.activations import autocast_fsdp_copies, dtype_bytes
+from shardline.planner.activations import autocast_fsdp_copies, compiled_float8_recasts, dtype_bytes
 from shardline.planner.elementwise import (
     compiled_elementwise_bytes_per_token,
     compute_dtype,
@@ -258,10 +258,12 @@ def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
         act_fwd, act_bwd, params = float8_cast_bytes(work, layer_gemm_dtypes(work, layout.tp, 1))
         weight_src = 4 if autocast_casts else 2  # fp32 weights, or FSDP's gathered bf16 ones
         f8_fwd = (act_fwd * tokens + (2 * weight_src + 1) * params) / bw
-        # A compiled float8 block keeps no Linear input or weight copy: its backward casts them again.
-        f8_bwd = (act_bwd * tokens + 2 * params) / bw + (f8_fwd if compiled else 0.0)
+        # A compiled float8 block that keeps no Linear input or weight copy casts them again in backward.
+        recast = compiled and compiled_float8_recasts(work.model, layout.tp)
+        f8_bwd = (act_bwd * tokens + 2 * params) / bw + (f8_fwd if recast else 0.0)
         casts *= max(0.0, 1 - params / layer_params(work, layout.tp))  # the weights float8 leaves to autocast
-        elem_bwd = (2 * elem if elem_bwd is None else elem_bwd) + f8_bwd
+        # Eager, the backward is twice the forward's element-wise work, autocast's casts included (as bf16's).
+        elem_bwd = (2 * (elem + casts) if elem_bwd is None else elem_bwd) + f8_bwd
         elem += f8_fwd
     elem += casts
     return LayerTimes(mm, attn, elem, FWD_OPS_PER_LAYER * hw.op_overhead_us * 1e-6 / sh_ops, elem_bwd)

@@ -68,8 +68,8 @@ def float8_cast_bytes(work: Workload, gemms: list[tuple[str, int, float, float]]
     three casts of the input wq, wk and wv share). A compiled float8 block keeps no Linear input
     and no weight copy, so its backward casts them again (compute.layer_times adds the forward's
     casts to its backward). Against the H200 profile: the fp8 step's compiled kernels took at
-    least 59 ms, where the planner's element-wise work, these casts included, counts 59
-    (benchmarks/RESULTS.md)."""
+    least 59 ms (some casts were counted with the GEMMs), where the planner's element-wise work,
+    these casts and the loss included, counts 64 (benchmarks/RESULTS.md)."""
     c = dtype_bytes(compute_dtype(work.precision))
     fwd = bwd = params = 0.0
     for dtype, _, width_in, width_out in gemms:

@@ -26,7 +26,7 @@ and the trainer's order of work says which:
 
 from __future__ import annotations
 
-from shardline.planner.activations import dtype_bytes, float8_converts_every_linear
+from shardline.planner.activations import compiled_float8_recasts, dtype_bytes
 
 
 def moments(parts: dict[str, float], head_grads: float | None, dropped_copies: float,
@@ -84,12 +84,11 @@ def dropped_copies(work, layout, zero: int, layers: int, per_layer: float) -> fl
     `params` holds autocast's copies: one device, DDP, ZeRO-1 (zero=2 keeps FSDP's gathered
     weights from forward to backward instead). Not under a pipeline: its schedule runs every
     micro-batch's forward and backward inside one autocast region, so the cache holds them all.
-    Compiled fp8 blocks keep none whatever the mode where float8 converts every Linear: those
-    cast the fp32 weights themselves, and the compiled block recasts them in backward
-    (activations.llama_compiled_block)."""
+    Compiled fp8 blocks keep none whatever the mode where activations.compiled_float8_recasts:
+    float8's Linear layers cast the fp32 weights themselves, and the block recasts them in backward."""
     mode = layout.activation_checkpoint
     float8 = (work.precision == "fp8" and work.compiled_blocks(layout)
-              and float8_converts_every_linear(work.model, layout.tp))
+              and compiled_float8_recasts(work.model, layout.tp))
     if work.precision == "fp32" or not work.runtime.weight_casts or zero >= 2 or layout.pp > 1:
         return 0.0
     if not float8 and (mode == "none" or (mode == "op" and work.compiled and layout.tp > 1)):
