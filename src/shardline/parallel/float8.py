@@ -138,7 +138,13 @@ def converts(module: nn.Module, fqn: str, tp: int = 1) -> bool:
         return False
     if any(part in SKIPPED_PARTS for part in fqn.split(".")):
         return False
-    return module.in_features % (GEMM_MULTIPLE * tp) == 0 and module.out_features % (GEMM_MULTIPLE * tp) == 0
+    return aligned(tp, module.in_features, module.out_features)
+
+
+def aligned(tp: int, *dims: int) -> bool:
+    """Whether a Linear of these dims can run in float8 under tensor parallelism tp: each a
+    multiple of GEMM_MULTIPLE x tp (converts' rule; the planner prices with it too)."""
+    return all(d % (GEMM_MULTIPLE * tp) == 0 for d in dims)
 
 
 def linear_config(recipe: str, emulate: bool, fsdp_all_gather: bool):

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from shardline.models.flops import ffn_width
 from shardline.models.llama import ModelArgs
 from shardline.parallel.data_parallel import gather_dtype
-from shardline.parallel.float8 import GEMM_MULTIPLE
+from shardline.parallel.float8 import aligned as float8_aligned
 
 REGIONS = ("seq", "lin_in", "tp", "score", "partial")
 
@@ -156,14 +156,14 @@ def whole_block(model: ModelArgs, precision: str, compiled: bool, tp: int = 1) -
 
 def compiled_float8_recasts(model: ModelArgs, tp: int) -> bool:
     """Whether a compiled fp8 block keeps no Linear input and no weight copy, recasting them in
-    backward: where float8 converts every Linear of it (parallel/float8.converts: both dims
-    multiples of GEMM_MULTIPLE x tp) and no routed experts run eagerly beside them (an MoE's
-    experts cast their weights to bf16 and keep those copies and their input). The one rule for
-    the saved set here, the weight copies (peak.py) and the backward's casts (compute.py)."""
+    backward: where float8 converts every Linear of it (parallel/float8.aligned) and no routed
+    experts run eagerly beside them (an MoE's experts cast their weights to bf16 and keep those
+    copies and their input). The one rule for the saved set here, the weight copies (peak.py) and
+    the backward's casts (compute.py)."""
     if getattr(model, "moe", None) is not None:
         return False
-    dims = (model.dim, model.n_heads * model.head_size, model.kv_heads * model.head_size, model.ffn_dim)
-    return not any(d % (GEMM_MULTIPLE * tp) for d in dims)
+    return float8_aligned(tp, model.dim, model.n_heads * model.head_size, model.kv_heads * model.head_size,
+                          model.ffn_dim)
 
 
 def llama_op_ac_block(model: ModelArgs, precision: str, compiled: bool = False) -> list[Saved]:

@@ -46,9 +46,14 @@ import math
 from dataclasses import dataclass
 
 from shardline.models.flops import ffn_width
-from shardline.parallel.float8 import GEMM_MULTIPLE
+from shardline.parallel.float8 import aligned as float8_aligned
 from shardline.planner import attention as attn_kernel
-from shardline.planner.activations import autocast_fsdp_copies, compiled_float8_recasts, dtype_bytes
+from shardline.planner.activations import (
+    autocast_fsdp_copies,
+    compiled_float8_recasts,
+    dtype_bytes,
+    routed_ffn_width,
+)
 from shardline.planner.elementwise import (
     compiled_elementwise_bytes_per_token,
     compute_dtype,
@@ -148,11 +153,7 @@ EXPERT_LOAD_ALLOWANCE = 1.15
 def ffn_compute_width(model) -> float:
     """The feed-forward width a block's GEMMs are priced at: the active width, with the
     routed experts' part scaled by EXPERT_LOAD_ALLOWANCE."""
-    moe = getattr(model, "moe", None)
-    if moe is None:
-        return ffn_width(model)
-    routed = moe.top_k * moe.expert_ffn_dim * (model.n_layers - moe.first_dense_layers) / model.n_layers
-    return ffn_width(model) + (EXPERT_LOAD_ALLOWANCE - 1) * routed
+    return ffn_width(model) + (EXPERT_LOAD_ALLOWANCE - 1) * routed_ffn_width(model)
 
 
 def layer_gemms(work: Workload, tp: int, tokens: int) -> list[tuple[int, float, float]]:
@@ -182,18 +183,14 @@ def layer_gemm_dtypes(work: Workload, tp: int, tokens: int) -> list[tuple[str, i
     return out
 
 
-def _fp8_if_aligned(tp: int, *dims: int) -> str:  # float8.converts' rule: dims multiples of 16 x tp
-    return "fp8" if all(d % (GEMM_MULTIPLE * tp) == 0 for d in dims) else "bf16"
+def _fp8_if_aligned(tp: int, *dims: int) -> str:
+    return "fp8" if float8_aligned(tp, *dims) else "bf16"
 
 
 def _linear_ffn_width(model) -> float:
-    """The feed-forward width float8 converts: dense blocks' and shared experts' (nn.Linear)."""
-    moe = getattr(model, "moe", None)
-    if moe is None:
-        return ffn_width(model)
-    moe_layers = model.n_layers - moe.first_dense_layers
-    shared = moe.shared_experts * moe.expert_ffn_dim
-    return (moe.first_dense_layers * model.ffn_dim + moe_layers * shared) / model.n_layers
+    """The feed-forward width float8 converts: dense blocks' and shared experts' (nn.Linear), all
+    but the routed experts'."""
+    return ffn_width(model) - routed_ffn_width(model)
 
 
 def math_attention(work: Workload, layout: Layout, hw: Hardware, tokens: int, share_: float) -> tuple[float, float]:

@@ -297,28 +297,28 @@ def activation_bytes(work: Workload, layout: Layout, stage: RankStages, on_cuda:
         transient = act.recompute_transient_bytes_per_token(m, work.precision, layout.tp, layout.sp, mode,
                                                             work.compiled_blocks(layout))
     out = {"activations": inflight * (stage.layers * per_layer + mask), "recompute": transient * tokens}
-    c = act.dtype_bytes(work.precision)
     # A chunked loss holds one chunk's logits at a time (and the hidden states of all tokens).
     logit_tokens = min(tokens, work.loss_chunk_tokens) if work.loss_chunk_tokens else tokens
-    vocab = act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel,
-                                      work.compiled_loss(layout))
-    head = (8 + c) * m.dim / (layout.tp if layout.sp else 1) * tokens
+    vocab, head, kept = loss_terms(work, layout)
     # GPipe runs every micro-batch's forward before any backward: the last stage keeps what
     # each one's loss keeps for backward until then.
     held = inflight if layout.pp_schedule == "gpipe" and layout.pp > 1 else 1.0
-    out["logits"] = vocab * logit_tokens + head + (held - 1) * loss_kept(work, layout) if stage.last else 0.0
+    out["logits"] = vocab * logit_tokens + head + (held - 1) * kept if stage.last else 0.0
     return out
 
 
-def loss_kept(work: Workload, layout: Layout) -> float:
-    """Bytes one micro-batch's loss keeps from its forward to its backward: the head's input and,
-    unchunked, the logits (c B an entry) with, eager, the fp32 log-softmax (4 of the 12 B an entry)."""
+def loss_terms(work: Workload, layout: Layout) -> tuple[float, float, float]:
+    """The loss's bytes on the last stage: (its peak per token, act.loss_bytes_per_token; the head's
+    input, fp32 and the compute dtype, over a micro-batch; what one micro-batch's loss keeps from
+    forward to backward: that input and, unchunked, the logits (c B an entry) with, eager, the fp32
+    log-softmax (4 of the 12 B an entry))."""
     m, c = work.model, act.dtype_bytes(work.precision)
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     compiled = work.compiled_loss(layout)
     vocab = act.loss_bytes_per_token(m.vocab_size, work.precision, layout.tp, layout.loss_parallel, compiled)
     head = (8 + c) * m.dim / (layout.tp if layout.sp else 1) * tokens
-    return head + (0.0 if work.loss_chunk_tokens else vocab * (0.5 if compiled else (4 + c) / 12) * tokens)
+    kept = head + (0.0 if work.loss_chunk_tokens else vocab * (0.5 if compiled else (4 + c) / 12) * tokens)
+    return vocab, head, kept
 
 
 def _layer_bytes_per_token(work: Workload, layout: Layout) -> float:
@@ -362,7 +362,7 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
             parts = peak.largest(peak.moments(parts, peak.head_grads(work, layout, zero, stage.last),
                                               peak.dropped_copies(work, layout, zero, stage.layers, held),
                                               None if work.compiled_blocks(layout) else
-                                              loss_kept(work, layout) if stage.last else 0.0))
+                                              loss_terms(work, layout)[2] if stage.last else 0.0))
         allocated = sum(parts.values())
         step = zero1_step_bytes(work, layout, psi, zero1_ep_away(work, layout, stage))
         if step > allocated:  # the optimizer step's gather, not the backward, is this rank's peak
