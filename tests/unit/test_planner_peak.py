@@ -47,9 +47,25 @@ def test_a_one_micro_batch_step_starts_its_backward_without_gradients():
 
 def test_the_end_of_the_backward_is_the_peak_when_activations_are_small():
     parts = {"params": 1.0, "grads": 10.0, "optimizer": 5.0, "activations": 2.0, "recompute": 0.0, "logits": 1.0}
-    start, end = peak.moments(parts, 0.5, 0.0, 0.5)
+    start, end = peak.moments(parts, 0.5, 0.0, 0.5, loss_first=True)
     assert start["grads"] == 0.5 and end["activations"] == end["logits"] == 0.0 and end["grads"] == 10.0
     assert peak.largest([start, end]) is end
+
+
+def test_the_loss_is_freed_before_the_first_block_is_recomputed():
+    """Without a pipeline the loss's backward and the last block's recompute are two moments of the
+    backward's start; under one (GPipe holds every micro-batch's logits) they count together."""
+    parts = {"params": 1.0, "grads": 10.0, "optimizer": 5.0, "activations": 2.0, "recompute": 3.0, "logits": 4.0}
+    loss, rerun, end = peak.moments(parts, 0.5, 0.0, None, loss_first=True)
+    assert (loss["recompute"], loss["logits"], rerun["recompute"], rerun["logits"]) == (0.0, 4.0, 3.0, 0.0)
+    assert loss["grads"] == rerun["grads"] == 0.5 and end["grads"] == 10.0
+    together, _ = peak.moments(parts, 0.5, 0.0, None, loss_first=False)
+    assert together["recompute"] + together["logits"] == 7.0
+    # The 1B run under full AC: the loss's 8.1 GiB and a block's 1.2 GiB recompute no longer add up.
+    full = Layout(micro_batch_size=4, activation_checkpoint="full")
+    piped = dataclasses.replace(full, pp=2, pp_microbatches=2)
+    assert memory_breakdown(ONE_B, full, H200)["recompute"] == 0.0
+    assert memory_breakdown(ONE_B, piped, H200)["recompute"] > 0.0
 
 
 def test_checkpointed_blocks_drop_autocasts_copies_by_the_backward():

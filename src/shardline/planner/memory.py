@@ -362,7 +362,7 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
             parts = peak.largest(peak.moments(parts, peak.head_grads(work, layout, zero, stage.last),
                                               peak.dropped_copies(work, layout, zero, stage.layers, held),
                                               None if work.compiled_blocks(layout) else
-                                              loss_terms(work, layout)[2] if stage.last else 0.0))
+                                              loss_terms(work, layout)[2] if stage.last else 0.0, layout.pp == 1))
         allocated = sum(parts.values())
         step = zero1_step_bytes(work, layout, psi, zero1_ep_away(work, layout, stage))
         if step > allocated:  # the optimizer step's gather, not the backward, is this rank's peak

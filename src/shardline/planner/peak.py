@@ -19,6 +19,13 @@ and the trainer's order of work says which:
   one block at a time: `recompute`). The forward's end, which still holds them but not yet
   the loss's gradient, is then a moment of its own; not for compiled blocks, whose casts are
   ops of their graph (no cache), alive one block at a time.
+* The loss's buffers and the recomputation. Without a pipeline the backward of a
+  micro-batch begins with the loss's: the logits and their gradient are freed once the
+  output projection's backward has read them, before the last block is recomputed. So a
+  checkpointed step's start is two moments, the loss's backward (no recompute yet) and the
+  first recompute (no logits left; the hidden states' gradient, one h-wide tensor, is not
+  counted). Under a pipeline the last stage may hold other micro-batches' logits (GPipe runs
+  every forward first), so both stay counted together there.
 * On a CPU the planner keeps the sum of every term: what it is checked against there is
   the process's peak RSS, and the C allocator keeps freed pages for reuse rather than
   returning them, so memory a moment frees still counts.
@@ -30,7 +37,7 @@ from shardline.planner.activations import compiled_float8_recasts, dtype_bytes
 
 
 def moments(parts: dict[str, float], head_grads: float | None, dropped_copies: float,
-            forward_logits: float | None) -> list[dict[str, float]]:
+            forward_logits: float | None, loss_first: bool) -> list[dict[str, float]]:
     """The breakdowns of the moments that may hold the peak (memory.memory_breakdown takes the largest).
 
     parts: every term as if alive at once. head_grads: gradient bytes alive as the backward
@@ -39,18 +46,21 @@ def moments(parts: dict[str, float], head_grads: float | None, dropped_copies: f
     copies those the start holds (an upper bound: the others' are freed too). dropped_copies:
     weight-copy bytes of checkpointed blocks, gone by the backward. forward_logits: the loss's
     bytes at the forward's end; None where no cache holds the copies to it (compiled blocks
-    cast in their graph, one block's at a time).
+    cast in their graph, one block's at a time). loss_first: the loss's buffers are freed
+    before any block is recomputed (no pipeline), so the backward's start splits in two.
     """
     start = dict(parts)
     start["params"] = parts["params"] - dropped_copies
-    out = [start]
+    if head_grads is not None:
+        start["grads"] = min(head_grads, parts["grads"])
+    split = loss_first and parts["recompute"] > 0 and parts["logits"] > 0
+    out = [dict(start, recompute=0.0), dict(start, logits=0.0)] if split else [start]
     if dropped_copies and forward_logits is not None:
         forward_end = dict(parts, logits=forward_logits, recompute=0.0)
         if head_grads is not None:
             forward_end["grads"] = 0.0
         out.append(forward_end)
     if head_grads is not None:
-        start["grads"] = min(head_grads, parts["grads"])
         out.append(dict(parts, params=start["params"], activations=0.0, logits=0.0))  # recompute: the
         # first block's, rerun while the other blocks' gradients exist (an upper bound)
     return out
