@@ -64,3 +64,37 @@ def test_fp8_trains_close_to_bf16(tmp_path, small_corpus, trained, recipe, compi
     for step in bf16:
         assert fp8[step] == pytest.approx(bf16[step], rel=5e-2), (step, fp8, bf16)
     assert trainer.peak_tflops == peak_tflops(trainer.device, "bf16")  # MFU against the bf16 peak
+
+
+def test_an_eager_float8_block_saves_bf16s_activations_and_no_weight_copy():
+    """What the planner prices for eager fp8 (planner/peak.float8_blocks, activations.llama_block):
+    on CUDA, torchao's Float8Linear casts its input to autocast's bf16 and saves that, and saves
+    the fp32 weight itself, so a block keeps bf16's activations and no weight copy. (The CPU's
+    emulation cannot show the first: there CUDA autocast is off and the inputs stay fp32.)"""
+    _needs_float8_gemm()
+    from shardline.models.llama import Llama, ModelArgs
+    from shardline.parallel.float8 import convert
+    from shardline.planner import activations as act
+
+    args = ModelArgs(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=384)
+    torch.manual_seed(0)
+    model = Llama(args).cuda()
+    convert(model, "tensorwise", emulate=False, fsdp_all_gather=False)
+    b, s = 2, 80  # 160 tokens: no activation has a weight's shape
+    x = torch.randn(b, s, args.dim, device="cuda", requires_grad=True)
+    cos, sin = model.rotary(torch.arange(s, device="cuda"), x.device)
+    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), cos, sin)}
+    shapes = {tuple(p.shape[::k]) for p in model.parameters() if p.dim() == 2 for k in (1, -1)}
+    saved, copies = {}, {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip and t.dim() > 0:
+            copy = t.dtype == torch.bfloat16 and t.dim() == 2 and tuple(t.shape) in shapes
+            (copies if copy else saved)[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cuda", dtype=torch.bfloat16):
+        model.layers["0"](x, cos, sin, None)
+    assert not copies
+    assert sum(saved.values()) / (b * s) == pytest.approx(act.block_bytes_per_token(act.llama_block(args, "fp8")))

@@ -358,11 +358,8 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
                  "buffers": transient_bytes(work, layout, tokens, psi - ep_away(work, layout, stage.layers),
                                             psi - stage.layers * per_layer, per_layer - ep_away(work, layout, 1))}
         if hw.name != "cpu":  # which terms are alive at once (peak.py; a CPU's RSS keeps freed pages)
-            zero, held = zero_stage(layout), per_layer - ep_away(work, layout, 1)
-            parts = peak.largest(peak.moments(parts, peak.head_grads(work, layout, zero, stage.last),
-                                              peak.dropped_copies(work, layout, zero, stage.layers, held),
-                                              None if work.compiled_blocks(layout) else
-                                              loss_terms(work, layout)[2] if stage.last else 0.0, layout.pp == 1))
+            parts = peak.busiest(work, layout, parts, zero_stage(layout), stage,
+                                 per_layer - ep_away(work, layout, 1), loss_terms(work, layout)[2])
         allocated = sum(parts.values())
         step = zero1_step_bytes(work, layout, psi, zero1_ep_away(work, layout, stage))
         if step > allocated:  # the optimizer step's gather, not the backward, is this rank's peak

@@ -18,7 +18,9 @@ and the trainer's order of work says which:
   so its copies are gone when the backward starts (recomputing the block makes them again,
   one block at a time: `recompute`). The forward's end, which still holds them but not yet
   the loss's gradient, is then a moment of its own; not for compiled blocks, whose casts are
-  ops of their graph (no cache), alive one block at a time.
+  ops of their graph (no cache), alive one block at a time. float8's Linear layers cast the
+  fp32 weights themselves (saving the weight, not a copy), so where float8 converts every
+  Linear of the blocks, no block has a copy at any moment.
 * The loss's buffers and the recomputation. Without a pipeline the backward of a
   micro-batch begins with the loss's: the logits and their gradient are freed once the
   output projection's backward has read them, before the last block is recomputed. So a
@@ -87,6 +89,13 @@ def head_grads(work, layout, zero: int, last: bool) -> float | None:
     return work.runtime.grad_bytes * work.model.vocab_size * work.model.dim / layout.tp / shard
 
 
+def float8_blocks(work, layout) -> bool:
+    """Whether float8 converts every Linear of the blocks (activations.compiled_float8_recasts's
+    rule): those Linear layers multiply the fp32 weights cast by float8 itself, eager or compiled,
+    so autocast never makes (or caches) a compute-dtype copy of a block's weight."""
+    return work.precision == "fp8" and compiled_float8_recasts(work.model, layout.tp)
+
+
 def dropped_copies(work, layout, zero: int, layers: int, per_layer: float) -> float:
     """Bytes of autocast's weight copies the checkpointed blocks of a stage no longer hold when the
     backward starts (full and op: every block, op's policy recomputes casts; selective: every
@@ -94,14 +103,24 @@ def dropped_copies(work, layout, zero: int, layers: int, per_layer: float) -> fl
     `params` holds autocast's copies: one device, DDP, ZeRO-1 (zero=2 keeps FSDP's gathered
     weights from forward to backward instead). Not under a pipeline: its schedule runs every
     micro-batch's forward and backward inside one autocast region, so the cache holds them all.
-    Compiled fp8 blocks keep none whatever the mode where activations.compiled_float8_recasts:
-    float8's Linear layers cast the fp32 weights themselves, and the block recasts them in backward."""
+    Under float8_blocks none is ever made, whatever the mode or the pipeline: every block's."""
     mode = layout.activation_checkpoint
-    float8 = (work.precision == "fp8" and work.compiled_blocks(layout)
-              and compiled_float8_recasts(work.model, layout.tp))
-    if work.precision == "fp32" or not work.runtime.weight_casts or zero >= 2 or layout.pp > 1:
+    if work.precision == "fp32" or not work.runtime.weight_casts or zero >= 2:
         return 0.0
-    if not float8 and (mode == "none" or (mode == "op" and work.compiled and layout.tp > 1)):
+    if float8_blocks(work, layout):
+        return dtype_bytes(work.precision) * layers * per_layer
+    if layout.pp > 1 or mode == "none" or (mode == "op" and work.compiled and layout.tp > 1):
         return 0.0
-    checkpointed = layers / layout.ac_every if mode == "selective" and not float8 else layers
+    checkpointed = layers / layout.ac_every if mode == "selective" else layers
     return dtype_bytes(work.precision) * checkpointed * per_layer
+
+
+def busiest(work, layout, parts: dict[str, float], zero: int, stage, per_layer: float,
+            loss_forward: float) -> dict[str, float]:
+    """The breakdown of the moment of `stage`'s rank that holds the most (see moments): per_layer, a
+    block's parameters whose copies autocast would make; loss_forward, the loss's bytes at the
+    forward's end (loss_terms), which only an eager block's cached copies share a moment with."""
+    cached = not (work.compiled_blocks(layout) or float8_blocks(work, layout))
+    return largest(moments(parts, head_grads(work, layout, zero, stage.last),
+                           dropped_copies(work, layout, zero, stage.layers, per_layer),
+                           (loss_forward if stage.last else 0.0) if cached else None, layout.pp == 1))
