@@ -53,8 +53,9 @@ def test_the_end_of_the_backward_is_the_peak_when_activations_are_small():
 
 
 def test_the_loss_is_freed_before_the_first_block_is_recomputed():
-    """Without a pipeline the loss's backward and the last block's recompute are two moments of the
-    backward's start; under one (GPipe holds every micro-batch's logits) they count together."""
+    """The loss's backward and the last block's recompute are two moments of the backward's start;
+    under GPipe (it holds every micro-batch's logits) or a split backward (the output projection's
+    weight pass keeps the logits' gradient) they count together."""
     parts = {"params": 1.0, "grads": 10.0, "optimizer": 5.0, "activations": 2.0, "recompute": 3.0, "logits": 4.0}
     loss, rerun, end = peak.moments(parts, 0.5, 0.0, None, loss_first=True)
     assert (loss["recompute"], loss["logits"], rerun["recompute"], rerun["logits"]) == (0.0, 4.0, 3.0, 0.0)
@@ -63,9 +64,14 @@ def test_the_loss_is_freed_before_the_first_block_is_recomputed():
     assert together["recompute"] + together["logits"] == 7.0
     # The 1B run under full AC: the loss's 8.1 GiB and a block's 1.2 GiB recompute no longer add up.
     full = Layout(micro_batch_size=4, activation_checkpoint="full")
-    piped = dataclasses.replace(full, pp=2, pp_microbatches=2)
     assert memory_breakdown(ONE_B, full, H200)["recompute"] == 0.0
-    assert memory_breakdown(ONE_B, piped, H200)["recompute"] > 0.0
+    sixteen = dataclasses.replace(ONE_B, global_batch=16)  # 4 micro-batches of 4
+    for schedule, split in (("1f1b", True), ("interleaved_1f1b", True), ("gpipe", False), ("zbv", False)):
+        piped = dataclasses.replace(full, pp=2, pp_microbatches=4, pp_schedule=schedule)
+        assert peak.loss_freed_first(piped) is split, schedule
+        # the last stage (the loss's, 8 GiB) is the busiest under full AC
+        busiest = memory_breakdown(sixteen, piped, H200)
+        assert busiest["logits"] > 8 * GiB and (busiest["recompute"] == 0.0) is split, schedule
 
 
 def test_checkpointed_blocks_drop_autocasts_copies_by_the_backward():
@@ -138,11 +144,12 @@ def test_float8_is_priced_against_our_fp8_h200_run():
             H200)["params"], rel=1e-4)  # a stage of a pipeline holds its norms' few weights
 
 
-def test_float8_casts_are_charged_once_and_a_compiled_block_recasts_in_backward():
+def test_float8_casts_are_charged_once_and_the_backward_recasts():
     """Where float8 converts no Linear (dims not multiples of 16) an fp8 block costs what a bf16 one
-    does, eager or compiled; where it converts every Linear, a compiled block's backward casts the
-    Linear inputs and weights again (it keeps neither), an eager one's does not; an MoE's eagerly
-    run experts keep their copies, so its compiled block keeps bf16's saved set."""
+    does, eager or compiled; where it converts every Linear, the backward casts the Linear inputs
+    and weights again, compiled (the block keeps neither) and eager (torchao's backward casts the
+    high-precision input and weight it saved); an MoE's eagerly run experts keep their copies, so
+    its compiled block keeps bf16's saved set."""
     from shardline.models.llama import ModelArgs
     from shardline.planner import activations as act
     from shardline.planner.compute import layer_gemm_dtypes, layer_times
@@ -164,10 +171,10 @@ def test_float8_casts_are_charged_once_and_a_compiled_block_recasts_in_backward(
     assert times[True].elementwise_bwd - bf16.elementwise_bwd == pytest.approx(
         (act_bwd * tokens + 2 * params) / bw + recast, rel=1e-9)
     eager_bf16 = layer_times(dataclasses.replace(ONE_B, compiled=False), lay, H200)
-    assert times[False].elementwise_bwd == pytest.approx(  # eager: no recast; twice bf16's forward work less
-        2 * eager_bf16.elementwise - 2 * (6 * params / bw) + (act_bwd * tokens + 2 * params) / bw, rel=1e-9)
-    assert not act.compiled_float8_recasts(PRESETS["tiny-moe"], 1) and act.compiled_float8_recasts(ONE_B.model, 1)
-    assert not act.compiled_float8_recasts(ONE_B.model, 3)  # 2048 is no multiple of 48
+    assert times[False].elementwise_bwd == pytest.approx(  # eager: twice bf16's forward work less, recast
+        2 * eager_bf16.elementwise - 2 * (6 * params / bw) + (act_bwd * tokens + 2 * params) / bw + recast, rel=1e-9)
+    assert not act.float8_every_linear(PRESETS["tiny-moe"], 1) and act.float8_every_linear(ONE_B.model, 1)
+    assert not act.float8_every_linear(ONE_B.model, 3)  # 2048 is no multiple of 48
     assert act.whole_block(odd, "fp8", True) == act.whole_block(odd, "bf16", True)
 
 

@@ -146,20 +146,21 @@ def llama_compiled_block(model: ModelArgs, precision: str) -> list[Saved]:
 
 def whole_block(model: ModelArgs, precision: str, compiled: bool, tp: int = 1) -> list[Saved]:
     """What a block that is not checkpointed keeps: compiled or eager. Compiled fp8's own saved set
-    only where compiled_float8_recasts; else the bf16 one (the compute dtype is bf16 either way)."""
+    only where float8_every_linear; else the bf16 one (the compute dtype is bf16 either way)."""
     if not compiled:
         return llama_block(model, precision)
-    if precision == "fp8" and not compiled_float8_recasts(model, tp):
+    if precision == "fp8" and not float8_every_linear(model, tp):
         precision = "bf16"
     return llama_compiled_block(model, precision)
 
 
-def compiled_float8_recasts(model: ModelArgs, tp: int) -> bool:
-    """Whether a compiled fp8 block keeps no Linear input and no weight copy, recasting them in
-    backward: where float8 converts every Linear of it (parallel/float8.aligned) and no routed
-    experts run eagerly beside them (an MoE's experts cast their weights to bf16 and keep those
-    copies and their input). The one rule for the saved set here, the weight copies (peak.py) and
-    the backward's casts (compute.py)."""
+def float8_every_linear(model: ModelArgs, tp: int) -> bool:
+    """Whether float8 converts every Linear of a block (parallel/float8.aligned) with no routed
+    experts beside them (an MoE's experts cast their weights to bf16 and keep those copies and
+    their input). Then, eager or compiled, no block weight has an autocast copy (peak.py) and the
+    backward casts the Linear inputs and weights to float8 again from what the forward kept:
+    torchao saves them in high precision (compute.py); compiled, the block keeps no Linear input
+    at all (the saved set here). The one rule for the three."""
     if getattr(model, "moe", None) is not None:
         return False
     return float8_aligned(tp, model.dim, model.n_heads * model.head_size, model.kv_heads * model.head_size,

@@ -50,7 +50,7 @@ from shardline.parallel.float8 import aligned as float8_aligned
 from shardline.planner import attention as attn_kernel
 from shardline.planner.activations import (
     autocast_fsdp_copies,
-    compiled_float8_recasts,
+    float8_every_linear,
     dtype_bytes,
     routed_ffn_width,
 )
@@ -255,8 +255,9 @@ def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
         act_fwd, act_bwd, params = float8_cast_bytes(work, layer_gemm_dtypes(work, layout.tp, 1))
         weight_src = 4 if autocast_casts else 2  # fp32 weights, or FSDP's gathered bf16 ones
         f8_fwd = (act_fwd * tokens + (2 * weight_src + 1) * params) / bw
-        # A compiled float8 block that keeps no Linear input or weight copy casts them again in backward.
-        recast = compiled and compiled_float8_recasts(work.model, layout.tp)
+        # The backward casts the Linear inputs and weights to float8 again, eager (torchao keeps
+        # them in high precision) or compiled (the block keeps no Linear input): the forward's casts.
+        recast = float8_every_linear(work.model, layout.tp)
         f8_bwd = (act_bwd * tokens + 2 * params) / bw + (f8_fwd if recast else 0.0)
         casts *= max(0.0, 1 - params / layer_params(work, layout.tp))  # the weights float8 leaves to autocast
         # Eager, the backward is twice the forward's element-wise work, autocast's casts included (as bf16's).

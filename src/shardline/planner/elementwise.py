@@ -65,9 +65,10 @@ def float8_cast_bytes(work: Workload, gemms: list[tuple[str, int, float, float]]
     its stored dtype instead of autocast's (priced by the caller), and a transposed float8
     copy for the input gradient (2 B). `gemms`: the block's (dtype, 1 token, width in, width out)
     (compute.layer_gemm_dtypes). Counted kernel by kernel; a compiler may fuse some (the
-    three casts of the input wq, wk and wv share). A compiled float8 block keeps no Linear input
-    and no weight copy, so its backward casts them again (compute.layer_times adds the forward's
-    casts to its backward). Against the H200 profile: the fp8 step's compiled kernels took at
+    three casts of the input wq, wk and wv share). The backward casts the Linear inputs and
+    weights again, from what the forward kept in high precision (torchao, eager) or recomputed (a
+    compiled block keeps no Linear input): compute.layer_times adds the forward's casts to it.
+    Against the H200 profile: the fp8 step's compiled kernels took at
     least 59 ms (some casts were counted with the GEMMs), where the planner's element-wise work,
     these casts and the loss included, counts 64 (benchmarks/RESULTS.md)."""
     c = dtype_bytes(compute_dtype(work.precision))

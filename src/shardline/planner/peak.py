@@ -21,13 +21,14 @@ and the trainer's order of work says which:
   ops of their graph (no cache), alive one block at a time. float8's Linear layers cast the
   fp32 weights themselves (saving the weight, not a copy), so where float8 converts every
   Linear of the blocks, no block has a copy at any moment.
-* The loss's buffers and the recomputation. Without a pipeline the backward of a
-  micro-batch begins with the loss's: the logits and their gradient are freed once the
-  output projection's backward has read them, before the last block is recomputed. So a
-  checkpointed step's start is two moments, the loss's backward (no recompute yet) and the
-  first recompute (no logits left; the hidden states' gradient, one h-wide tensor, is not
-  counted). Under a pipeline the last stage may hold other micro-batches' logits (GPipe runs
-  every forward first), so both stay counted together there.
+* The loss's buffers and the recomputation. The backward of a micro-batch begins with the
+  loss's: the logits and their gradient are freed once the output projection's backward has
+  read them, before the last block is recomputed. So a checkpointed step's start is two
+  moments, the loss's backward (no recompute yet) and the first recompute (no logits left;
+  the hidden states' gradient, one h-wide tensor, is not counted). Not under GPipe, whose
+  last stage holds every micro-batch's loss buffers until its backwards (both stay counted:
+  an over-count of at most the smaller), nor under a split backward (zbv, dualpipev), whose
+  output projection keeps the logits' gradient for its weight pass.
 * On a CPU the planner keeps the sum of every term: what it is checked against there is
   the process's peak RSS, and the C allocator keeps freed pages for reuse rather than
   returning them, so memory a moment frees still counts.
@@ -35,7 +36,7 @@ and the trainer's order of work says which:
 
 from __future__ import annotations
 
-from shardline.planner.activations import compiled_float8_recasts, dtype_bytes
+from shardline.planner.activations import float8_every_linear, dtype_bytes
 
 
 def moments(parts: dict[str, float], head_grads: float | None, dropped_copies: float,
@@ -49,7 +50,7 @@ def moments(parts: dict[str, float], head_grads: float | None, dropped_copies: f
     weight-copy bytes of checkpointed blocks, gone by the backward. forward_logits: the loss's
     bytes at the forward's end; None where no cache holds the copies to it (compiled blocks
     cast in their graph, one block's at a time). loss_first: the loss's buffers are freed
-    before any block is recomputed (no pipeline), so the backward's start splits in two.
+    before any block is recomputed (loss_freed_first), so the backward's start splits in two.
     """
     start = dict(parts)
     start["params"] = parts["params"] - dropped_copies
@@ -90,10 +91,10 @@ def head_grads(work, layout, zero: int, last: bool) -> float | None:
 
 
 def float8_blocks(work, layout) -> bool:
-    """Whether float8 converts every Linear of the blocks (activations.compiled_float8_recasts's
+    """Whether float8 converts every Linear of the blocks (activations.float8_every_linear's
     rule): those Linear layers multiply the fp32 weights cast by float8 itself, eager or compiled,
     so autocast never makes (or caches) a compute-dtype copy of a block's weight."""
-    return work.precision == "fp8" and compiled_float8_recasts(work.model, layout.tp)
+    return work.precision == "fp8" and float8_every_linear(work.model, layout.tp)
 
 
 def dropped_copies(work, layout, zero: int, layers: int, per_layer: float) -> float:
@@ -123,4 +124,10 @@ def busiest(work, layout, parts: dict[str, float], zero: int, stage, per_layer: 
     cached = not (work.compiled_blocks(layout) or float8_blocks(work, layout))
     return largest(moments(parts, head_grads(work, layout, zero, stage.last),
                            dropped_copies(work, layout, zero, stage.layers, per_layer),
-                           (loss_forward if stage.last else 0.0) if cached else None, layout.pp == 1))
+                           (loss_forward if stage.last else 0.0) if cached else None, loss_freed_first(layout)))
+
+
+def loss_freed_first(layout) -> bool:
+    """Whether a micro-batch's loss buffers are gone before its first block is recomputed (see the
+    module docstring): not under GPipe's pipeline, nor a split backward."""
+    return not layout.split_backward and (layout.pp == 1 or layout.pp_schedule != "gpipe")

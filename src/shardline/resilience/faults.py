@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +39,9 @@ class FaultInjector:
         if self._fire("kill", step, c.kill_step, c.kill_rank):
             if c.kill_wipes_memory and self.memory_dir is not None:
                 shutil.rmtree(self.memory_dir, ignore_errors=True)
+            # One line in the job's log: the peers' errors that follow are the drill's, not a fault's.
+            print(f"shardline: drill: faults.kill_step={step} kills rank {self.rank} (SIGKILL)", file=sys.stderr,
+                  flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if c.hang_phase == "step" and self._fire("hang", step, c.hang_step, c.hang_rank):
             _hang()
