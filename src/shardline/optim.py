@@ -10,13 +10,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardline.config import OptimConfig
 from shardline.errors import ConfigError
 from shardline.parallel.zero1 import StridedSlices, Zero1AdamW
+from shardline.ssd_offload import SSDAdamW
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
                     zero1_mesh: DeviceMesh | None = None, zero1_dim: str = "dp_shard",
-                    zero1_experts: tuple[DeviceMesh, str] | None = None) -> torch.optim.AdamW:
+                    zero1_experts: tuple[DeviceMesh, str] | None = None, ssd_dir: str = "",
+                    rank: int = 0) -> torch.optim.AdamW:
     """AdamW over the model's parameters; with `zero1_mesh`, states sharded over its `zero1_dim`
-    (routed experts under ep over `zero1_experts`' dim: parallel/zero1.py)."""
+    (routed experts under ep over `zero1_experts`' dim: parallel/zero1.py); with `ssd_dir`, its
+    moments in memory-mapped files there (ssd_offload.py; preflight refuses it with zero=1)."""
     # Norm weights (1-D) are not decayed: shrinking them toward zero only hurts.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
@@ -30,7 +33,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
     if zero1_mesh is None:
-        return torch.optim.AdamW(groups, **hyper)
+        return SSDAdamW(groups, ssd_dir, rank, **hyper) if ssd_dir else torch.optim.AdamW(groups, **hyper)
     try:
         return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, zero1_experts, **hyper)
     except StridedSlices as e:  # under tp or ep: auto takes foreach, an explicit fused is refused

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from shardline import layout as layouts
+from shardline import ssd_offload
 from shardline.config import Config, ModelConfig, MoEConfig
 from shardline.data.shards import is_prepared, prepared_with_own_bpe
 from shardline.data.tokenizer import bos_prefix
@@ -344,6 +345,7 @@ def check_device(cfg: Config, layout: Layout, on_cuda: bool) -> None:
     `cpu_offload_saves_nothing` event.
     """
     _raise(attention.device_problem(cfg.train.attention, on_cuda))
+    _raise(ssd_offload.problem(cfg.memory, layout.zero, on_cuda))
     if cfg.train.precision == "fp8":
         _raise(float8.capability_problem(float8.local_capability(on_cuda)))
     impl = cfg.optim.implementation
@@ -369,6 +371,9 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if cfg.memory.cpu_offload and device_type == "cpu":  # allowed: it runs the path a GPU runs
         notes.append(("cpu_offload_saves_nothing",
                       {"reason": "the states are in host memory already; FSDP2's offload path runs unpinned"}))
+    if cfg.memory.ssd_offload_dir:
+        notes.append(("ssd_offload", {"folder": cfg.memory.ssd_offload_dir,
+                                      "moments": "AdamW's, in unlinked files mapped from there (host RAM: cache)"}))
     if cfg.optim.warmup_steps > cfg.train.steps:  # the lr peaks at the last step, never decays
         notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
     if peak is None and device_type == "cuda":

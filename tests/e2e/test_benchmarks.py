@@ -202,3 +202,17 @@ def test_gpu_checks_variants_exist_and_the_docs_ones_run_their_kernel_compiled()
         assert f"shardline-{kernel}-docs" in gpu_train.COMPILED_WITH_ARGS
     assert gpu_train.attention_overrides(args, "shardline-compile") == ["train.attention=auto",
                                                                          "train.document_mask=false"]
+
+
+def test_ssd_offload_reports_three_variants_and_moves_the_moments_out_of_anonymous_memory(tmp_path):
+    """benchmarks/ssd_offload.py: the mapped moments are file-backed, not anonymous, memory (32 MiB
+    of them here; the allocator's leftovers trimmed), and paged out they are resident in neither."""
+    folder = tmp_path / "ssd"
+    folder.mkdir()
+    result, _ = run_benchmark("ssd_offload.py", ["--params=4e6", "--tensors=4", "--steps=2", f"--folder={folder}"],
+                              tmp_path)
+    assert set(result["step_s"]) == {"plain", "warm", "cold"} and all(positive(s) for s in result["step_s"].values())
+    rss, moments = result["rss_gib"], result["moments_gib"]
+    assert rss["warm"]["RssFile"] == pytest.approx(moments, abs=0.005) and rss["cold"]["RssFile"] < moments / 4
+    assert rss["plain"]["RssAnon"] - rss["warm"]["RssAnon"] == pytest.approx(moments, abs=0.005)
+    assert list(folder.iterdir()) == []  # its temporary folder and unlinked files: nothing left

@@ -300,6 +300,9 @@ class MemoryConfig:
     activation_checkpoint: str = "none"  # none | full | selective (every ac_every-th block) | op
     ac_every: int = 2
     cpu_offload: bool = False  # FSDP2 CPU offload of parameters, gradients and optimizer states
+    # AdamW's moments in memory-mapped files in this folder (a local SSD): host RAM for them becomes
+    # page cache the OS may evict; "" = off. On a GPU it needs cpu_offload (the states on the host).
+    ssd_offload_dir: str = ""
     expandable_segments: bool = True  # CUDA allocator: grow segments instead of fragmenting (env wins if set)
 
     def check(self) -> None:

@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Optimizer states on an SSD (`memory.ssd_offload_dir`): what mapped moments cost AdamW's step,
+and what they take off the host's RAM.
+
+One AdamW step (foreach, as on the host under CPU offload) over the same parameters, three ways,
+in alternating blocks in one process so machine noise hits each alike:
+
+* plain: torch's AdamW, its moments in RAM;
+* mapped, warm: SSDAdamW, its moments' pages in the page cache (states that fit in RAM);
+* mapped, cold: SSDAdamW with every moment page written back and pushed out to the disk before
+  each step (madvise MADV_PAGEOUT, timed with the step): states that do not fit in RAM, written
+  back and read again every step, one after the other (the kernel overlaps the two under real
+  memory pressure: an upper bound). The disk is the folder's (`--folder`; a local SSD is what
+  the option is for).
+
+Then the memory each holds once its states exist: anonymous and file-backed resident memory
+(RssAnon, RssFile of /proc/self/status), each variant in a fresh process. Anonymous memory is
+what the host must have; file-backed pages are cache the kernel may evict.
+
+    python benchmarks/ssd_offload.py                    # ~1 min on 2 CPU cores, 64 M parameters
+    python benchmarks/ssd_offload.py --params 256e6 --folder /nvme/tmp --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from shardline.ssd_offload import SSDAdamW
+
+MADV_PAGEOUT = 21  # linux/mman.h: reclaim these pages now (written back to their file first)
+VARIANTS = ("plain", "warm", "cold")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=64e6, help="parameters (default 64e6: 512 MiB of moments)")
+    p.add_argument("--tensors", type=int, default=32, help="tensors they are split into (default 32)")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per variant (default 8)")
+    p.add_argument("--folder", default="", help="where the moments are mapped (default: a temporary folder)")
+    p.add_argument("--json", default="", help="write the results here too")
+    p.add_argument("--memory-of", choices=VARIANTS, help=argparse.SUPPRESS)  # the child's job
+    return p.parse_args(argv)
+
+
+def build(variant: str, args, folder: str) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    size = int(args.params) // args.tensors
+    params = [torch.nn.Parameter(torch.randn(size) * 0.02) for _ in range(args.tensors)]
+    hyper = {"lr": 1e-3, "foreach": True}
+    opt = torch.optim.AdamW(params, **hyper) if variant == "plain" else SSDAdamW(params, folder, 0, **hyper)
+    return params, opt
+
+
+def step(params, opt) -> None:
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def page_out(opt: SSDAdamW) -> None:
+    """Write every mapped moment back to its file and drop its pages from RAM."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for files in opt.mapped.values():
+        for t in files.values():
+            if libc.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.numel() * t.element_size()),
+                            MADV_PAGEOUT) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_PAGEOUT) failed (Linux >= 5.4 needed)")
+
+
+def rss() -> dict[str, float]:
+    """Resident GiB, after the C allocator has given back what it holds freed (malloc_trim)."""
+    ctypes.CDLL(None).malloc_trim(0)
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {k: int(fields[k].split()[0]) / 2**20 for k in ("RssAnon", "RssFile")}  # GiB
+
+
+def memory_of(variant: str, args, folder: str) -> dict:
+    step(*build(variant, argparse.Namespace(params=1024, tensors=1), folder))  # the code's pages, loaded first
+    before = rss()
+    params, opt = build(variant, args, folder)
+    step(params, opt)
+    if variant == "cold":
+        page_out(opt)
+    after = rss()
+    return {k: round(after[k] - before[k], 3) for k in after}
+
+
+def timings(args, folder: str) -> dict[str, float]:
+    built = {v: build(v, args, folder) for v in VARIANTS if v != "cold"}
+    built["cold"] = built["warm"]  # the same mapped moments, paged out first
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for v in VARIANTS:  # warm-up: every state made and touched once
+        step(*built[v])
+    for _ in range(args.steps):
+        for v in VARIANTS:
+            begin = time.perf_counter()
+            if v == "cold":  # timed: the write-back the kernel would do under memory pressure
+                page_out(built[v][1])
+            step(*built[v])
+            times[v].append(time.perf_counter() - begin)
+    return {v: statistics.median(t) for v, t in times.items()}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(dir=args.folder or None) as folder:
+        if args.memory_of:
+            print(json.dumps(memory_of(args.memory_of, args, folder)))
+            return {}
+        child = [sys.executable, __file__, f"--params={args.params}", f"--tensors={args.tensors}",
+                 f"--folder={folder}"]
+        memory = {v: json.loads(subprocess.run([*child, f"--memory-of={v}"], check=True, capture_output=True,
+                                               text=True).stdout) for v in VARIANTS}
+        median = timings(args, folder)
+    moments_gib = 8 * int(args.params) / 2**30
+    result = {"params": int(args.params), "moments_gib": round(moments_gib, 3), "steps": args.steps,
+              "step_s": {v: round(s, 4) for v, s in median.items()},
+              "vs_plain": {v: round(median[v] / median["plain"], 2) for v in VARIANTS},
+              "rss_gib": memory}
+    print(f"AdamW step over {args.params:.3g} parameters ({moments_gib:.2f} GiB of moments), median of {args.steps}:")
+    for v in VARIANTS:
+        m = memory[v]
+        print(f"  {v:5s} {median[v] * 1e3:8.1f} ms  x{result['vs_plain'][v]:.2f}   "
+              f"anonymous +{m['RssAnon']:.2f} GiB, file-backed +{m['RssFile']:.2f} GiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

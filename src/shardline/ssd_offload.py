@@ -1,0 +1,110 @@
+"""Optimizer states on an SSD (`memory.ssd_offload_dir`): the third tier after the GPU and the host.
+
+AdamW's two moments (8 bytes a parameter in fp32: with FSDP's CPU offload, the largest part of
+what the host holds) live in files in that folder, mapped into the process. The optimizer reads
+and writes them as ordinary host tensors; the kernel's page cache keeps what fits in RAM and
+writes the rest back to the SSD, and reads it again when the next step comes to it. So the
+moments stop being memory the host must have: they become cache it may evict. A run whose
+states fit in RAM loses nothing but the first touch of each page; one whose states do not fit
+runs at the disk's speed (each step reads and writes every moment once) instead of failing.
+
+Why a mapping rather than DeepSpeed's explicit asynchronous reads into pinned buffers: the
+optimizer, its checkpoints (DCP reads and loads the mapped tensors in place) and every layout's
+state handling stay torch's own, with nothing to schedule; the cost is the kernel's readahead in
+place of a hand-tuned prefetch. Each file is unlinked as soon as it is mapped, so its space
+goes back to the disk when the process ends, however it ends: a crash leaves no stale files.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from shardline.errors import ConfigError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def problem(memory, zero: int, on_cuda: bool) -> str | None:
+    """Why `memory.ssd_offload_dir` cannot run with this layout, or None. The moments are mapped
+    into host memory, so AdamW must step on the host (a GPU run offloads its states there first)
+    and be torch's own (ZeRO-1 keeps its own sliced states)."""
+    if not memory.ssd_offload_dir:
+        return None
+    if on_cuda and not memory.cpu_offload:
+        return ("memory.ssd_offload_dir needs memory.cpu_offload=true on a GPU: AdamW then steps on the host, "
+                "where the mapped moments are")
+    if zero == 1:
+        return "memory.ssd_offload_dir does not work with parallel.zero=1 (its own sliced states); use zero 2 or 3"
+    return None
+
+
+def check_folder(folder: str, needed_bytes: int) -> Path:
+    """The folder, if it exists, is writable and has room for `needed_bytes`; else a ConfigError
+    (raised before anything is written: the files are sparse until the first step fills them)."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"memory.ssd_offload_dir={folder!r} is not a folder; create it on a local SSD first")
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"memory.ssd_offload_dir={folder!r} is not writable by this user")
+    free = shutil.disk_usage(path).free
+    if free < needed_bytes:
+        raise ConfigError(f"memory.ssd_offload_dir={folder!r} has {free / 2**30:.2f} GiB free; this rank's "
+                          f"optimizer moments need {needed_bytes / 2**30:.2f} GiB")
+    return path
+
+
+class SSDAdamW(torch.optim.AdamW):
+    """AdamW whose moments are memory-mapped files in `folder` (see the module docstring).
+
+    The moments are made up front (zeros, as AdamW's first step would make them), so a fresh
+    run updates exactly as plain AdamW does. A load (a resume, a rollback, the in-memory tier)
+    copies the loaded moments into the same files where they arrived as other tensors.
+    """
+
+    def __init__(self, params, folder: str, rank: int, **hyper):
+        super().__init__(params, **hyper)
+        local = [_local(p) for g in self.param_groups for p in g["params"]]
+        self.folder = check_folder(folder, sum(len(MOMENTS) * t.numel() * t.element_size() for t in local))
+        self._prefix = f"shardline-rank{rank}-{uuid.uuid4().hex[:8]}"
+        self._count = itertools.count()
+        self.mapped: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        for p in (p for g in self.param_groups for p in g["params"]):
+            self.mapped[p] = {k: self._zeros_like(p) for k in MOMENTS}
+            self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32), **self.mapped[p]}
+
+    def _zeros_like(self, p: torch.Tensor) -> torch.Tensor:
+        """A zero tensor of p's shape, dtype and placement held in a fresh, unlinked file."""
+        local = _local(p)
+        path = self.folder / f"{self._prefix}-{next(self._count)}.bin"
+        storage = torch.from_file(str(path), shared=True, size=max(local.numel(), 1), dtype=local.dtype)
+        path.unlink()  # the mapping keeps the data; the disk gets the space back at exit
+        mapped = storage[:local.numel()].view(local.shape)
+        if not isinstance(p, DTensor):
+            return mapped
+        return DTensor.from_local(mapped, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for p, files in self.mapped.items():
+            state = self.state[p]
+            for key, held in files.items():
+                if key in state and _local(state[key]).data_ptr() != _local(held).data_ptr():
+                    _local(held).copy_(_local(state[key]))
+                    state[key] = held
+
+    def mapped_bytes(self) -> int:
+        """Bytes of moments this rank holds in the mapped files."""
+        return sum(_local(t).numel() * _local(t).element_size() for files in self.mapped.values()
+                   for t in files.values())

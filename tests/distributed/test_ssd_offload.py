@@ -1,0 +1,130 @@
+"""Optimizer states on an SSD (memory.ssd_offload_dir, shardline/ssd_offload.py): AdamW's moments in
+memory-mapped files, through the trainer. The same run with and without, in one process, resumed,
+and under FSDP on 2 gloo ranks (with FSDP2's CPU offload, the GPU path), gives the same losses
+and weights; the moments really are file mappings and no file outlives the mapping; bad folders
+and layouts stop with one line before anything is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardline.config import load_config
+from shardline.errors import ConfigError
+from shardline.ssd_offload import SSDAdamW, check_folder, problem
+from shardline.trainer import Trainer
+from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, gloo_rank, start_ranks
+from tests.ports import free_port
+
+
+def mapped_files(folder: Path) -> int:
+    """This process's mappings of (unlinked) files in `folder`."""
+    return sum(1 for line in Path("/proc/self/maps").read_text().splitlines()
+               if str(folder) in line and line.endswith("(deleted)"))
+
+
+def moments_report(trainer: Trainer, folder: Path) -> dict:
+    opt = trainer.optimizer
+    states = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    held = {getattr(t, "_local_tensor", t).data_ptr() for files in opt.mapped.values() for t in files.values()}
+    return {"ssd": isinstance(opt, SSDAdamW), "states": len(states), "mappings": mapped_files(folder),
+            "all_mapped": all(getattr(v, "_local_tensor", v).data_ptr() in held for v in states),
+            "files_left": sorted(p.name for p in folder.iterdir())}
+
+
+def _train(run_dir: Path, overrides: list[str], folder: Path | None) -> None:
+    trainer = Trainer(load_config(None, [*overrides, f"run.dir={run_dir}"])).build()
+    trainer.train()
+    if folder is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        (run_dir / "moments.json").write_text(json.dumps(moments_report(trainer, folder)))
+
+
+def _worker(rank: int, world: int, port: int, jobs: list) -> None:
+    with gloo_rank(rank, world, port):
+        for run_dir, overrides, folder in jobs:
+            _train(Path(run_dir), overrides, Path(folder) if folder else None)
+
+
+def test_one_process_trains_and_resumes_as_without(tmp_path, tiny_config):
+    folder = tmp_path / "ssd"
+    folder.mkdir()
+    plain, ssd, resumed = tmp_path / "plain", tmp_path / "ssd_run", tmp_path / "resumed"
+    Trainer(tiny_config(run_dir=plain)).build().train()
+    trainer = Trainer(tiny_config(f"memory.ssd_offload_dir={folder}", run_dir=ssd)).build()
+    trainer.train()
+    report = moments_report(trainer, folder)
+    # two moments of each parameter, every one a mapping of an unlinked file in the folder
+    assert report["ssd"] and report["all_mapped"] and report["states"] == 2 * len(list(trainer.model.parameters()))
+    assert report["mappings"] >= report["states"] and report["files_left"] == []
+    assert_same_run(ssd, plain, rtol=0, atol=0)  # the same update, bit for bit
+    # Stopped at step 6 and resumed: the checkpoint's moments are loaded into the mapped files.
+    Trainer(tiny_config(f"memory.ssd_offload_dir={folder}", "train.stop_at_step=6", run_dir=resumed)).build().train()
+    again = Trainer(tiny_config(f"memory.ssd_offload_dir={folder}", run_dir=resumed)).build()
+    again.train()
+    assert moments_report(again, folder)["all_mapped"]
+    assert_same_run(resumed, plain, rtol=0, atol=0)
+
+
+def test_fp8_trains_as_without(tmp_path, tiny_config):
+    """float8's weights are tensor subclasses (emulated here); their moments map as any other."""
+    folder = tmp_path / "ssd"
+    folder.mkdir()
+    short = ["train.precision=fp8", "train.steps=4", "train.eval_interval=0", "checkpoint.interval=4"]
+    Trainer(tiny_config(*short, run_dir=tmp_path / "plain")).build().train()
+    trainer = Trainer(tiny_config(*short, f"memory.ssd_offload_dir={folder}", run_dir=tmp_path / "ssd_run")).build()
+    trainer.train()
+    assert moments_report(trainer, folder)["all_mapped"]
+    events = [json.loads(x) for x in (tmp_path / "ssd_run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["folder"] for e in events if e.get("event") == "ssd_offload"] == [str(folder)]
+    assert_same_run(tmp_path / "ssd_run", tmp_path / "plain", rtol=0, atol=0, evaluated=False)
+
+
+@pytest.mark.slow
+def test_fsdp_with_cpu_offload_on_two_ranks_matches_one_process(tmp_path):
+    """FSDP 2 with FSDP2's CPU offload (a GPU run's path: DTensor moments on the host), mapped."""
+    folder = tmp_path / "ssd"
+    folder.mkdir()
+    single, ranks = tmp_path / "single", tmp_path / "fsdp2"
+    _train(single, PARITY_OVERRIDES, None)
+    start_ranks(_worker, (2, free_port(), [(str(ranks), [*PARITY_OVERRIDES, "parallel.dp_shard=2",
+                                                         "memory.cpu_offload=true",
+                                                         f"memory.ssd_offload_dir={folder}"], str(folder))]), 2)
+    report = json.loads((ranks / "moments.json").read_text())
+    assert report["ssd"] and report["all_mapped"] and report["states"] and report["files_left"] == []
+    assert_same_run(ranks, single)
+
+
+def test_bad_folders_and_layouts_stop_with_one_line(tmp_path, tiny_config):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ConfigError, match="memory.ssd_offload_dir=.*is not a folder"):
+        Trainer(tiny_config(f"memory.ssd_offload_dir={missing}", run_dir=tmp_path / "run")).build()
+    assert not (tmp_path / "run").exists()  # stopped before the run dir was made
+    with pytest.raises(ConfigError, match="GiB free; this rank's optimizer moments need"):
+        check_folder(str(tmp_path), 2**62)
+    cfg = tiny_config(f"memory.ssd_offload_dir={tmp_path}").memory
+    assert "needs memory.cpu_offload=true on a GPU" in problem(cfg, 3, on_cuda=True)
+    assert "parallel.zero=1" in problem(cfg, 1, on_cuda=False)
+    assert problem(cfg, 3, on_cuda=False) is None
+    with pytest.raises(ConfigError, match="parallel.zero=1"):
+        Trainer(tiny_config(f"memory.ssd_offload_dir={tmp_path}", "parallel.zero=1",
+                            run_dir=tmp_path / "run")).build()
+
+
+def test_a_loaded_state_lands_in_the_mapped_files(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    plain = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ssd = SSDAdamW(model.parameters(), str(tmp_path), 0, lr=0.1)
+    model(torch.randn(3, 8)).sum().backward()
+    plain.step()
+    ssd.load_state_dict(plain.state_dict())  # other tensors arrive: copied into the same files
+    for p in model.parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert ssd.state[p][key] is ssd.mapped[p][key] and torch.equal(ssd.state[p][key], plain.state[p][key])
+        assert ssd.state[p]["step"].item() == 1
+    assert ssd.mapped_bytes() == 2 * 4 * sum(p.numel() for p in model.parameters())
+    assert list(tmp_path.iterdir()) == []
