@@ -37,7 +37,8 @@ import torch
 
 from shardline.ssd_offload import SSDAdamW
 
-MADV_PAGEOUT = 21  # linux/mman.h: reclaim these pages now (written back to their file first)
+MADV_PAGEOUT = 21  # linux/mman.h: reclaim these pages now (clean ones only from a process: msync first)
+MS_SYNC = 4
 VARIANTS = ("plain", "warm", "cold")
 
 
@@ -69,13 +70,26 @@ def step(params, opt) -> None:
 
 
 def page_out(opt: SSDAdamW) -> None:
-    """Write every mapped moment back to its file and drop its pages from RAM."""
+    """Write every mapped moment back to its file (msync) and drop its pages from RAM (madvise):
+    the kernel reclaims only clean file pages at a process's request."""
     libc = ctypes.CDLL(None, use_errno=True)
     for files in opt.mapped.values():
         for t in files.values():
-            if libc.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.numel() * t.element_size()),
-                            MADV_PAGEOUT) != 0:
-                raise OSError(ctypes.get_errno(), "madvise(MADV_PAGEOUT) failed (Linux >= 5.4 needed)")
+            span = (ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.numel() * t.element_size()))
+            if libc.msync(*span, MS_SYNC) != 0 or libc.madvise(*span, MADV_PAGEOUT) != 0:
+                raise OSError(ctypes.get_errno(), "msync or madvise(MADV_PAGEOUT) failed (Linux >= 5.4 needed)")
+
+
+def io_counters() -> dict[str, int]:
+    """This process's major page faults (pages read from a file) and bytes it had read from and
+    written to storage (/proc/self/io: absent in some containers, then 0)."""
+    counts = {"major_faults": int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[9])}
+    try:
+        io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+        counts.update(read_bytes=int(io["read_bytes"]), write_bytes=int(io["write_bytes"]))
+    except (OSError, KeyError, ValueError):
+        counts.update(read_bytes=0, write_bytes=0)
+    return counts
 
 
 def rss() -> dict[str, float]:
@@ -96,20 +110,26 @@ def memory_of(variant: str, args, folder: str) -> dict:
     return {k: round(after[k] - before[k], 3) for k in after}
 
 
-def timings(args, folder: str) -> dict[str, float]:
+def timings(args, folder: str) -> tuple[dict[str, float], dict[str, int]]:
     built = {v: build(v, args, folder) for v in VARIANTS if v != "cold"}
     built["cold"] = built["warm"]  # the same mapped moments, paged out first
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for v in VARIANTS:  # warm-up: every state made and touched once
         step(*built[v])
+    cold_io: dict[str, list[int]] = {}
     for _ in range(args.steps):
         for v in VARIANTS:
+            before = io_counters()
             begin = time.perf_counter()
             if v == "cold":  # timed: the write-back the kernel would do under memory pressure
                 page_out(built[v][1])
             step(*built[v])
             times[v].append(time.perf_counter() - begin)
-    return {v: statistics.median(t) for v, t in times.items()}
+            if v == "cold":
+                for k, n in io_counters().items():
+                    cold_io.setdefault(k, []).append(n - before[k])
+    return ({v: statistics.median(t) for v, t in times.items()},
+            {k: int(statistics.median(n)) for k, n in cold_io.items()})
 
 
 def main(argv=None) -> dict:
@@ -122,17 +142,20 @@ def main(argv=None) -> dict:
                  f"--folder={folder}"]
         memory = {v: json.loads(subprocess.run([*child, f"--memory-of={v}"], check=True, capture_output=True,
                                                text=True).stdout) for v in VARIANTS}
-        median = timings(args, folder)
+        median, cold_io = timings(args, folder)
     moments_gib = 8 * int(args.params) / 2**30
     result = {"params": int(args.params), "moments_gib": round(moments_gib, 3), "steps": args.steps,
               "step_s": {v: round(s, 4) for v, s in median.items()},
               "vs_plain": {v: round(median[v] / median["plain"], 2) for v in VARIANTS},
-              "rss_gib": memory}
+              "rss_gib": memory, "cold_step_io": cold_io}
     print(f"AdamW step over {args.params:.3g} parameters ({moments_gib:.2f} GiB of moments), median of {args.steps}:")
     for v in VARIANTS:
         m = memory[v]
         print(f"  {v:5s} {median[v] * 1e3:8.1f} ms  x{result['vs_plain'][v]:.2f}   "
               f"anonymous +{m['RssAnon']:.2f} GiB, file-backed +{m['RssFile']:.2f} GiB")
+    print(f"  a cold step (median): {cold_io['major_faults']} major faults, "
+          f"{cold_io['read_bytes'] / 2**30:.2f} GiB read, {cold_io['write_bytes'] / 2**30:.2f} GiB written "
+          "(0 where /proc/self/io is not readable)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -34,6 +34,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
     if zero1_mesh is None:
         return SSDAdamW(groups, ssd_dir, rank, **hyper) if ssd_dir else torch.optim.AdamW(groups, **hyper)
+    if ssd_dir:
+        raise ConfigError("memory.ssd_offload_dir does not work with parallel.zero=1 (its own sliced states)")
     try:
         return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, zero1_experts, **hyper)
     except StridedSlices as e:  # under tp or ep: auto takes foreach, an explicit fused is refused

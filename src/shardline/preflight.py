@@ -371,9 +371,13 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if cfg.memory.cpu_offload and device_type == "cpu":  # allowed: it runs the path a GPU runs
         notes.append(("cpu_offload_saves_nothing",
                       {"reason": "the states are in host memory already; FSDP2's offload path runs unpinned"}))
-    if cfg.memory.ssd_offload_dir:
+    if cfg.memory.ssd_offload_dir:  # and what puts the moments back in RAM, which the user may not expect
+        copies = [k for k, on in (("checkpoint.mode=async", cfg.checkpoint.mode == "async"),
+                                  ("the in-memory tier", cfg.checkpoint.memory_interval > 0)) if on]
         notes.append(("ssd_offload", {"folder": cfg.memory.ssd_offload_dir,
-                                      "moments": "AdamW's, in unlinked files mapped from there (host RAM: cache)"}))
+                                      "moments": "AdamW's, in unlinked files mapped from there (host RAM: cache)",
+                                      **({"ram_copies": f"{' and '.join(copies)} copy them into RAM at each save"}
+                                         if copies else {})}))
     if cfg.optim.warmup_steps > cfg.train.steps:  # the lr peaks at the last step, never decays
         notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
     if peak is None and device_type == "cuda":

@@ -36,57 +36,94 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def problem(memory, zero: int, on_cuda: bool) -> str | None:
-    """Why `memory.ssd_offload_dir` cannot run with this layout, or None. The moments are mapped
-    into host memory, so AdamW must step on the host (a GPU run offloads its states there first)
-    and be torch's own (ZeRO-1 keeps its own sliced states)."""
-    if not memory.ssd_offload_dir:
+    """Why `memory.ssd_offload_dir` cannot run with this layout or folder, or None. The moments are
+    mapped into host memory, so AdamW must step on the host (a GPU run offloads its states there
+    first) and be torch's own (ZeRO-1 keeps its own sliced states); the folder must exist, be
+    writable and be on a disk (a tmpfs such as /dev/shm would keep the moments in RAM). Its free
+    space is reserved file by file when the optimizer is built (SSDAdamW)."""
+    folder = memory.ssd_offload_dir
+    if not folder:
         return None
     if on_cuda and not memory.cpu_offload:
         return ("memory.ssd_offload_dir needs memory.cpu_offload=true on a GPU: AdamW then steps on the host, "
                 "where the mapped moments are")
     if zero == 1:
         return "memory.ssd_offload_dir does not work with parallel.zero=1 (its own sliced states); use zero 2 or 3"
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        return f"memory.ssd_offload_dir={folder!r} is not a folder; create it on a local SSD first"
+    if not os.access(path, os.W_OK):
+        return f"memory.ssd_offload_dir={folder!r} is not writable by this user"
+    if filesystem(path) in IN_MEMORY:
+        return f"memory.ssd_offload_dir={folder!r} is on {filesystem(path)}, which is RAM; pick a folder on an SSD"
     return None
 
 
-def check_folder(folder: str, needed_bytes: int) -> Path:
-    """The folder, if it exists, is writable and has room for `needed_bytes`; else a ConfigError
-    (raised before anything is written: the files are sparse until the first step fills them)."""
-    path = Path(folder).expanduser()
-    if not path.is_dir():
-        raise ConfigError(f"memory.ssd_offload_dir={folder!r} is not a folder; create it on a local SSD first")
-    if not os.access(path, os.W_OK):
-        raise ConfigError(f"memory.ssd_offload_dir={folder!r} is not writable by this user")
-    free = shutil.disk_usage(path).free
-    if free < needed_bytes:
-        raise ConfigError(f"memory.ssd_offload_dir={folder!r} has {free / 2**30:.2f} GiB free; this rank's "
-                          f"optimizer moments need {needed_bytes / 2**30:.2f} GiB")
-    return path
+IN_MEMORY = ("tmpfs", "ramfs")
+
+
+def filesystem(path: Path) -> str:
+    """The type of the file system holding `path` (its longest mount point in /proc/mounts), or ""."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return ""
+    resolved = str(path.resolve())
+    best = max((m for m in mounts if resolved == m[0] or resolved.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=["", ""])
+    return best[1]
 
 
 class SSDAdamW(torch.optim.AdamW):
     """AdamW whose moments are memory-mapped files in `folder` (see the module docstring).
 
     The moments are made up front (zeros, as AdamW's first step would make them), so a fresh
-    run updates exactly as plain AdamW does. A load (a resume, a rollback, the in-memory tier)
-    copies the loaded moments into the same files where they arrived as other tensors.
+    run updates exactly as plain AdamW does, each file's blocks reserved on the disk then (a full
+    disk fails here with one line, not with a SIGBUS at a later write into a hole). A load (a
+    resume, a rollback, the in-memory tier) copies the loaded moments into the same files where
+    they arrived as other tensors. Plain AdamW only: amsgrad, capturable and differentiable keep
+    other state, and the parameters must be on the host.
     """
 
     def __init__(self, params, folder: str, rank: int, **hyper):
         super().__init__(params, **hyper)
-        local = [_local(p) for g in self.param_groups for p in g["params"]]
-        self.folder = check_folder(folder, sum(len(MOMENTS) * t.numel() * t.element_size() for t in local))
+        unsupported = [k for k in ("amsgrad", "capturable", "differentiable") if self.defaults.get(k)]
+        if unsupported:
+            raise ConfigError(f"memory.ssd_offload_dir maps plain AdamW's moments; not with {', '.join(unsupported)}")
+        params = [p for g in self.param_groups for p in g["params"]]
+        if any(_local(p).device.type != "cpu" for p in params):
+            raise ConfigError("memory.ssd_offload_dir needs the parameters on the host (memory.cpu_offload=true "
+                              "on a GPU): AdamW steps where the mapped moments are")
+        self.folder = Path(folder).expanduser()
         self._prefix = f"shardline-rank{rank}-{uuid.uuid4().hex[:8]}"
         self._count = itertools.count()
         self.mapped: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        for p in (p for g in self.param_groups for p in g["params"]):
+        for p in params:
             self.mapped[p] = {k: self._zeros_like(p) for k in MOMENTS}
-            self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32), **self.mapped[p]}
+            self.state[p] = self._fresh(p)
+
+    def _fresh(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """p's state as AdamW's first step makes it: step 0, zero moments (in p's files)."""
+        for t in self.mapped[p].values():
+            _local(t).zero_()
+        return {"step": torch.tensor(0.0, dtype=torch.float32), **self.mapped[p]}
 
     def _zeros_like(self, p: torch.Tensor) -> torch.Tensor:
         """A zero tensor of p's shape, dtype and placement held in a fresh, unlinked file."""
         local = _local(p)
         path = self.folder / f"{self._prefix}-{next(self._count)}.bin"
+        nbytes = max(local.numel(), 1) * local.element_size()
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)  # the blocks, now: no hole to fill at a later write
+            finally:
+                os.close(fd)
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            free = shutil.disk_usage(self.folder).free / 2**30
+            raise ConfigError(f"memory.ssd_offload_dir={str(self.folder)!r}: cannot reserve this rank's optimizer "
+                              f"moments ({e.strerror}; {free:.2f} GiB free)") from None
         storage = torch.from_file(str(path), shared=True, size=max(local.numel(), 1), dtype=local.dtype)
         path.unlink()  # the mapping keeps the data; the disk gets the space back at exit
         mapped = storage[:local.numel()].view(local.shape)
@@ -99,8 +136,11 @@ class SSDAdamW(torch.optim.AdamW):
         super().load_state_dict(state_dict)
         for p, files in self.mapped.items():
             state = self.state[p]
+            if not all(k in state for k in MOMENTS):  # not in the loaded state: as a fresh run's
+                self.state[p] = self._fresh(p)
+                continue
             for key, held in files.items():
-                if key in state and _local(state[key]).data_ptr() != _local(held).data_ptr():
+                if _local(state[key]).data_ptr() != _local(held).data_ptr():
                     _local(held).copy_(_local(state[key]))
                     state[key] = held
 
@@ -108,3 +148,8 @@ class SSDAdamW(torch.optim.AdamW):
         """Bytes of moments this rank holds in the mapped files."""
         return sum(_local(t).numel() * _local(t).element_size() for files in self.mapped.values()
                    for t in files.values())
+
+    def file_prefix(self) -> str:
+        """The name every one of this optimizer's files starts with (they are unlinked: /proc/<pid>/maps
+        shows them as `<folder>/<prefix>-<n>.bin (deleted)`)."""
+        return self._prefix

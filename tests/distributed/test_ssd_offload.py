@@ -15,32 +15,38 @@ import torch.distributed as dist
 
 from shardline.config import load_config
 from shardline.errors import ConfigError
-from shardline.ssd_offload import SSDAdamW, check_folder, problem
+from shardline.ssd_offload import SSDAdamW, filesystem, problem
 from shardline.trainer import Trainer
 from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, gloo_rank, start_ranks
 from tests.ports import free_port
 
 
-def mapped_files(folder: Path) -> int:
-    """This process's mappings of (unlinked) files in `folder`."""
-    return sum(1 for line in Path("/proc/self/maps").read_text().splitlines()
-               if str(folder) in line and line.endswith("(deleted)"))
+def local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)
 
 
 def moments_report(trainer: Trainer, folder: Path) -> dict:
+    """Where this rank's moments are: each a mapping of its own unlinked file in `folder`, of its
+    parameter's local shape, and every state the optimizer steps with one of them."""
     opt = trainer.optimizer
     states = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
-    held = {getattr(t, "_local_tensor", t).data_ptr() for files in opt.mapped.values() for t in files.values()}
-    return {"ssd": isinstance(opt, SSDAdamW), "states": len(states), "mappings": mapped_files(folder),
-            "all_mapped": all(getattr(v, "_local_tensor", v).data_ptr() in held for v in states),
+    held = {local(t).data_ptr() for files in opt.mapped.values() for t in files.values()}
+    prefix = f"{folder}/{opt.file_prefix()}-"
+    files = {line.split()[-2] for line in Path("/proc/self/maps").read_text().splitlines()
+             if prefix in line and line.endswith("(deleted)")}
+    return {"ssd": isinstance(opt, SSDAdamW), "states": len(states), "files": len(files),
+            "all_mapped": all(local(v).data_ptr() in held for v in states),
+            "shapes": all(local(t).shape == local(p).shape for p, ts in opt.mapped.items() for t in ts.values()),
+            "subclass_params": any(type(local(p)) not in (torch.Tensor, torch.nn.Parameter) for p in opt.mapped),
             "files_left": sorted(p.name for p in folder.iterdir())}
 
 
 def _train(run_dir: Path, overrides: list[str], folder: Path | None) -> None:
     trainer = Trainer(load_config(None, [*overrides, f"run.dir={run_dir}"])).build()
     trainer.train()
-    if folder is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-        (run_dir / "moments.json").write_text(json.dumps(moments_report(trainer, folder)))
+    if folder is not None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        (run_dir / f"moments-rank{rank}.json").write_text(json.dumps(moments_report(trainer, folder)))
 
 
 def _worker(rank: int, world: int, port: int, jobs: list) -> None:
@@ -57,9 +63,10 @@ def test_one_process_trains_and_resumes_as_without(tmp_path, tiny_config):
     trainer = Trainer(tiny_config(f"memory.ssd_offload_dir={folder}", run_dir=ssd)).build()
     trainer.train()
     report = moments_report(trainer, folder)
-    # two moments of each parameter, every one a mapping of an unlinked file in the folder
-    assert report["ssd"] and report["all_mapped"] and report["states"] == 2 * len(list(trainer.model.parameters()))
-    assert report["mappings"] >= report["states"] and report["files_left"] == []
+    # two moments of each parameter, every one a mapping of its own unlinked file in the folder
+    assert report["ssd"] and report["all_mapped"] and report["shapes"]
+    assert report["states"] == report["files"] == 2 * len(list(trainer.model.parameters()))
+    assert report["files_left"] == []
     assert_same_run(ssd, plain, rtol=0, atol=0)  # the same update, bit for bit
     # Stopped at step 6 and resumed: the checkpoint's moments are loaded into the mapped files.
     Trainer(tiny_config(f"memory.ssd_offload_dir={folder}", "train.stop_at_step=6", run_dir=resumed)).build().train()
@@ -70,7 +77,7 @@ def test_one_process_trains_and_resumes_as_without(tmp_path, tiny_config):
 
 
 def test_fp8_trains_as_without(tmp_path, tiny_config):
-    """float8's weights are tensor subclasses (emulated here); their moments map as any other."""
+    """float8's Linear layers (emulated here) in one process: plain weights, moments mapped as any."""
     folder = tmp_path / "ssd"
     folder.mkdir()
     short = ["train.precision=fp8", "train.steps=4", "train.eval_interval=0", "checkpoint.interval=4"]
@@ -84,18 +91,27 @@ def test_fp8_trains_as_without(tmp_path, tiny_config):
 
 
 @pytest.mark.slow
-def test_fsdp_with_cpu_offload_on_two_ranks_matches_one_process(tmp_path):
-    """FSDP 2 with FSDP2's CPU offload (a GPU run's path: DTensor moments on the host), mapped."""
+def test_fsdp_on_two_ranks_matches_without(tmp_path):
+    """FSDP 2 with FSDP2's CPU offload (a GPU run's path: DTensor moments on the host) against one
+    process; and FSDP 2 under fp8 with float8 all-gather, whose weights are tensor subclasses,
+    against the same layout without the offload, bit for bit."""
     folder = tmp_path / "ssd"
     folder.mkdir()
-    single, ranks = tmp_path / "single", tmp_path / "fsdp2"
+    single, offload, fp8, fp8_ssd = (tmp_path / n for n in ("single", "offload", "fp8", "fp8_ssd"))
+    ssd = f"memory.ssd_offload_dir={folder}"
+    fsdp, f8 = [*PARITY_OVERRIDES, "parallel.dp_shard=2"], ["train.precision=fp8", "fp8.fsdp_all_gather=true"]
     _train(single, PARITY_OVERRIDES, None)
-    start_ranks(_worker, (2, free_port(), [(str(ranks), [*PARITY_OVERRIDES, "parallel.dp_shard=2",
-                                                         "memory.cpu_offload=true",
-                                                         f"memory.ssd_offload_dir={folder}"], str(folder))]), 2)
-    report = json.loads((ranks / "moments.json").read_text())
-    assert report["ssd"] and report["all_mapped"] and report["states"] and report["files_left"] == []
-    assert_same_run(ranks, single)
+    jobs = [(str(offload), [*fsdp, "memory.cpu_offload=true", ssd], str(folder)), (str(fp8), [*fsdp, *f8], ""),
+            (str(fp8_ssd), [*fsdp, *f8, ssd], str(folder))]
+    start_ranks(_worker, (2, free_port(), jobs), 2)
+    for run in (offload, fp8_ssd):
+        for rank in (0, 1):
+            report = json.loads((run / f"moments-rank{rank}.json").read_text())
+            assert report["ssd"] and report["all_mapped"] and report["shapes"], (run.name, rank, report)
+            assert report["states"] == report["files"] > 0 and report["files_left"] == [], (run.name, rank, report)
+    assert json.loads((fp8_ssd / "moments-rank0.json").read_text())["subclass_params"]
+    assert_same_run(offload, single)
+    assert_same_run(fp8_ssd, fp8, rtol=0, atol=0)
 
 
 def test_bad_folders_and_layouts_stop_with_one_line(tmp_path, tiny_config):
@@ -103,9 +119,16 @@ def test_bad_folders_and_layouts_stop_with_one_line(tmp_path, tiny_config):
     with pytest.raises(ConfigError, match="memory.ssd_offload_dir=.*is not a folder"):
         Trainer(tiny_config(f"memory.ssd_offload_dir={missing}", run_dir=tmp_path / "run")).build()
     assert not (tmp_path / "run").exists()  # stopped before the run dir was made
-    with pytest.raises(ConfigError, match="GiB free; this rank's optimizer moments need"):
-        check_folder(str(tmp_path), 2**62)
     cfg = tiny_config(f"memory.ssd_offload_dir={tmp_path}").memory
+    if filesystem(Path("/dev/shm")) == "tmpfs":  # the usual Linux; RAM is no place for the moments
+        shm = tiny_config("memory.ssd_offload_dir=/dev/shm").memory
+        assert "is on tmpfs, which is RAM" in problem(shm, 3, on_cuda=False)
+    opt = SSDAdamW([torch.nn.Parameter(torch.zeros(4))], str(tmp_path), 0, lr=0.1)
+    with pytest.raises(ConfigError, match="cannot reserve this rank's optimizer moments .* GiB free"):
+        opt._zeros_like(torch.empty(2**38, device="meta"))  # 1 TiB: more than the disk has
+    assert list(tmp_path.iterdir()) == []  # the failed file is gone too
+    with pytest.raises(ConfigError, match="not with amsgrad"):
+        SSDAdamW([torch.nn.Parameter(torch.zeros(4))], str(tmp_path), 0, lr=0.1, amsgrad=True)
     assert "needs memory.cpu_offload=true on a GPU" in problem(cfg, 3, on_cuda=True)
     assert "parallel.zero=1" in problem(cfg, 1, on_cuda=False)
     assert problem(cfg, 3, on_cuda=False) is None
@@ -128,3 +151,10 @@ def test_a_loaded_state_lands_in_the_mapped_files(tmp_path):
         assert ssd.state[p]["step"].item() == 1
     assert ssd.mapped_bytes() == 2 * 4 * sum(p.numel() for p in model.parameters())
     assert list(tmp_path.iterdir()) == []
+    # A parameter the loaded state lacks starts over as a fresh run's, in its files (not in RAM).
+    weight, bias = model.weight, model.bias
+    partial = plain.state_dict()
+    del partial["state"][1]  # the bias's
+    ssd.load_state_dict(partial)
+    assert ssd.state[bias]["exp_avg"] is ssd.mapped[bias]["exp_avg"] and not ssd.state[bias]["exp_avg"].any()
+    assert ssd.state[bias]["step"].item() == 0 and ssd.state[weight]["step"].item() == 1

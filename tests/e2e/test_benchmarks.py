@@ -205,14 +205,20 @@ def test_gpu_checks_variants_exist_and_the_docs_ones_run_their_kernel_compiled()
 
 
 def test_ssd_offload_reports_three_variants_and_moves_the_moments_out_of_anonymous_memory(tmp_path):
-    """benchmarks/ssd_offload.py: the mapped moments are file-backed, not anonymous, memory (32 MiB
-    of them here; the allocator's leftovers trimmed), and paged out they are resident in neither."""
+    """benchmarks/ssd_offload.py: the mapped moments are file-backed, not anonymous, memory (61 MiB
+    of them here; the allocator's leftovers trimmed); paged out they are resident in neither, and
+    the cold step reads them back from the file (major faults)."""
+    from shardline.ssd_offload import IN_MEMORY, filesystem
+
     folder = tmp_path / "ssd"
     folder.mkdir()
-    result, _ = run_benchmark("ssd_offload.py", ["--params=4e6", "--tensors=4", "--steps=2", f"--folder={folder}"],
+    if filesystem(folder) in IN_MEMORY:
+        pytest.skip("the temporary folder is on tmpfs: its mapped pages are shared memory, not file-backed")
+    result, _ = run_benchmark("ssd_offload.py", ["--params=8e6", "--tensors=4", "--steps=2", f"--folder={folder}"],
                               tmp_path)
     assert set(result["step_s"]) == {"plain", "warm", "cold"} and all(positive(s) for s in result["step_s"].values())
     rss, moments = result["rss_gib"], result["moments_gib"]
-    assert rss["warm"]["RssFile"] == pytest.approx(moments, abs=0.005) and rss["cold"]["RssFile"] < moments / 4
-    assert rss["plain"]["RssAnon"] - rss["warm"]["RssAnon"] == pytest.approx(moments, abs=0.005)
+    assert rss["warm"]["RssFile"] == pytest.approx(moments, rel=0.1) and rss["cold"]["RssFile"] < moments / 4
+    assert rss["plain"]["RssAnon"] - rss["warm"]["RssAnon"] == pytest.approx(moments, rel=0.1)
+    assert result["cold_step_io"]["major_faults"] > 0
     assert list(folder.iterdir()) == []  # its temporary folder and unlinked files: nothing left
