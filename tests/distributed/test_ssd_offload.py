@@ -7,6 +7,8 @@ and layouts stop with one line before anything is written."""
 from __future__ import annotations
 
 import json
+import shutil
+import uuid
 from pathlib import Path
 
 import pytest
@@ -15,10 +17,27 @@ import torch.distributed as dist
 
 from shardline.config import load_config
 from shardline.errors import ConfigError
-from shardline.ssd_offload import SSDAdamW, filesystem, problem
+from shardline.ssd_offload import IN_MEMORY, SSDAdamW, filesystem, problem
 from shardline.trainer import Trainer
 from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, gloo_rank, start_ranks
 from tests.ports import free_port
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    """A folder on a disk for the moments: the test's temporary one, or, where that is a tmpfs (which
+    the option refuses: RAM), one in the checkout's build/ (git-ignored), removed after."""
+    if filesystem(tmp_path) not in IN_MEMORY:
+        path = tmp_path / "ssd"
+        path.mkdir()
+        yield path
+        return
+    path = Path(__file__).parents[2] / "build" / f"ssd-test-{uuid.uuid4().hex[:8]}"
+    if filesystem(path.parent.parent) in IN_MEMORY:
+        pytest.skip("no folder on a disk for the moments")
+    path.mkdir(parents=True)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -55,9 +74,7 @@ def _worker(rank: int, world: int, port: int, jobs: list) -> None:
             _train(Path(run_dir), overrides, Path(folder) if folder else None)
 
 
-def test_one_process_trains_and_resumes_as_without(tmp_path, tiny_config):
-    folder = tmp_path / "ssd"
-    folder.mkdir()
+def test_one_process_trains_and_resumes_as_without(tmp_path, folder, tiny_config):
     plain, ssd, resumed = tmp_path / "plain", tmp_path / "ssd_run", tmp_path / "resumed"
     Trainer(tiny_config(run_dir=plain)).build().train()
     trainer = Trainer(tiny_config(f"memory.ssd_offload_dir={folder}", run_dir=ssd)).build()
@@ -76,10 +93,8 @@ def test_one_process_trains_and_resumes_as_without(tmp_path, tiny_config):
     assert_same_run(resumed, plain, rtol=0, atol=0)
 
 
-def test_fp8_trains_as_without(tmp_path, tiny_config):
+def test_fp8_trains_as_without(tmp_path, folder, tiny_config):
     """float8's Linear layers (emulated here) in one process: plain weights, moments mapped as any."""
-    folder = tmp_path / "ssd"
-    folder.mkdir()
     short = ["train.precision=fp8", "train.steps=4", "train.eval_interval=0", "checkpoint.interval=4"]
     Trainer(tiny_config(*short, run_dir=tmp_path / "plain")).build().train()
     trainer = Trainer(tiny_config(*short, f"memory.ssd_offload_dir={folder}", run_dir=tmp_path / "ssd_run")).build()
@@ -91,12 +106,10 @@ def test_fp8_trains_as_without(tmp_path, tiny_config):
 
 
 @pytest.mark.slow
-def test_fsdp_on_two_ranks_matches_without(tmp_path):
+def test_fsdp_on_two_ranks_matches_without(tmp_path, folder):
     """FSDP 2 with FSDP2's CPU offload (a GPU run's path: DTensor moments on the host) against one
     process; and FSDP 2 under fp8 with float8 all-gather, whose weights are tensor subclasses,
     against the same layout without the offload, bit for bit."""
-    folder = tmp_path / "ssd"
-    folder.mkdir()
     single, offload, fp8, fp8_ssd = (tmp_path / n for n in ("single", "offload", "fp8", "fp8_ssd"))
     ssd = f"memory.ssd_offload_dir={folder}"
     fsdp, f8 = [*PARITY_OVERRIDES, "parallel.dp_shard=2"], ["train.precision=fp8", "fp8.fsdp_all_gather=true"]
@@ -114,34 +127,34 @@ def test_fsdp_on_two_ranks_matches_without(tmp_path):
     assert_same_run(fp8_ssd, fp8, rtol=0, atol=0)
 
 
-def test_bad_folders_and_layouts_stop_with_one_line(tmp_path, tiny_config):
+def test_bad_folders_and_layouts_stop_with_one_line(tmp_path, folder, tiny_config):
     missing = tmp_path / "nowhere"
     with pytest.raises(ConfigError, match="memory.ssd_offload_dir=.*is not a folder"):
         Trainer(tiny_config(f"memory.ssd_offload_dir={missing}", run_dir=tmp_path / "run")).build()
     assert not (tmp_path / "run").exists()  # stopped before the run dir was made
-    cfg = tiny_config(f"memory.ssd_offload_dir={tmp_path}").memory
+    cfg = tiny_config(f"memory.ssd_offload_dir={folder}").memory
     if filesystem(Path("/dev/shm")) == "tmpfs":  # the usual Linux; RAM is no place for the moments
         shm = tiny_config("memory.ssd_offload_dir=/dev/shm").memory
         assert "is on tmpfs, which is RAM" in problem(shm, 3, on_cuda=False)
-    opt = SSDAdamW([torch.nn.Parameter(torch.zeros(4))], str(tmp_path), 0, lr=0.1)
+    opt = SSDAdamW([torch.nn.Parameter(torch.zeros(4))], str(folder), 0, lr=0.1)
     with pytest.raises(ConfigError, match="cannot reserve this rank's optimizer moments .* GiB free"):
         opt._zeros_like(torch.empty(2**38, device="meta"))  # 1 TiB: more than the disk has
-    assert list(tmp_path.iterdir()) == []  # the failed file is gone too
+    assert list(folder.iterdir()) == []  # the failed file is gone too
     with pytest.raises(ConfigError, match="not with amsgrad"):
-        SSDAdamW([torch.nn.Parameter(torch.zeros(4))], str(tmp_path), 0, lr=0.1, amsgrad=True)
+        SSDAdamW([torch.nn.Parameter(torch.zeros(4))], str(folder), 0, lr=0.1, amsgrad=True)
     assert "needs memory.cpu_offload=true on a GPU" in problem(cfg, 3, on_cuda=True)
     assert "parallel.zero=1" in problem(cfg, 1, on_cuda=False)
     assert problem(cfg, 3, on_cuda=False) is None
     with pytest.raises(ConfigError, match="parallel.zero=1"):
-        Trainer(tiny_config(f"memory.ssd_offload_dir={tmp_path}", "parallel.zero=1",
+        Trainer(tiny_config(f"memory.ssd_offload_dir={folder}", "parallel.zero=1",
                             run_dir=tmp_path / "run")).build()
 
 
-def test_a_loaded_state_lands_in_the_mapped_files(tmp_path):
+def test_a_loaded_state_lands_in_the_mapped_files(folder):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     plain = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ssd = SSDAdamW(model.parameters(), str(tmp_path), 0, lr=0.1)
+    ssd = SSDAdamW(model.parameters(), str(folder), 0, lr=0.1)
     model(torch.randn(3, 8)).sum().backward()
     plain.step()
     ssd.load_state_dict(plain.state_dict())  # other tensors arrive: copied into the same files
@@ -150,7 +163,7 @@ def test_a_loaded_state_lands_in_the_mapped_files(tmp_path):
             assert ssd.state[p][key] is ssd.mapped[p][key] and torch.equal(ssd.state[p][key], plain.state[p][key])
         assert ssd.state[p]["step"].item() == 1
     assert ssd.mapped_bytes() == 2 * 4 * sum(p.numel() for p in model.parameters())
-    assert list(tmp_path.iterdir()) == []
+    assert list(folder.iterdir()) == []
     # A parameter the loaded state lacks starts over as a fresh run's, in its files (not in RAM).
     weight, bias = model.weight, model.bias
     partial = plain.state_dict()
