@@ -81,8 +81,9 @@ def page_out(opt: SSDAdamW) -> None:
 
 
 def io_counters() -> dict[str, int]:
-    """This process's major page faults (pages read from a file) and bytes it had read from and
-    written to storage (/proc/self/io: absent in some containers, then 0)."""
+    """This process's major page faults (pages read from a file), bytes it read from storage and
+    bytes of file pages it dirtied, which the kernel counts as written when they are dirtied
+    (/proc/self/io: absent in some containers, or not kept, then 0)."""
     counts = {"major_faults": int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[9])}
     try:
         io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
@@ -154,8 +155,9 @@ def main(argv=None) -> dict:
         print(f"  {v:5s} {median[v] * 1e3:8.1f} ms  x{result['vs_plain'][v]:.2f}   "
               f"anonymous +{m['RssAnon']:.2f} GiB, file-backed +{m['RssFile']:.2f} GiB")
     print(f"  a cold step (median): {cold_io['major_faults']} major faults, "
-          f"{cold_io['read_bytes'] / 2**30:.2f} GiB read, {cold_io['write_bytes'] / 2**30:.2f} GiB written "
-          "(0 where /proc/self/io is not readable)")
+          f"{cold_io['read_bytes'] / 2**30:.2f} GiB read, {cold_io['write_bytes'] / 2**30:.2f} GiB of pages dirtied "
+          "(write_bytes counts a page as it is dirtied: the msync writes the previous step's; "
+          "0 where /proc/self/io is not kept)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

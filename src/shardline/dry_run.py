@@ -54,7 +54,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
     launch = preflight(cfg, world, vocab)
     known = bool(cfg.data.tokenizer or folder_tokenizer)  # else the size of a BPE trained at launch, estimated
     check_resume_fits(resume, launch.model_args, cfg.train.steps, vocab_known=known)
-    check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu")
+    check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu", node_paths=False)
     target = ("" if cfg.run.device != "auto" or torch.cuda.is_available() else
               " (as a CUDA launch: run.device=auto, and this machine has no GPU, where it would train on the "
               "CPU; --run.device=cpu checks that)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -35,12 +36,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def problem(memory, zero: int, on_cuda: bool) -> str | None:
+def problem(memory, zero: int, on_cuda: bool, folder_here: bool = True) -> str | None:
     """Why `memory.ssd_offload_dir` cannot run with this layout or folder, or None. The moments are
     mapped into host memory, so AdamW must step on the host (a GPU run offloads its states there
     first) and be torch's own (ZeRO-1 keeps its own sliced states); the folder must exist, be
-    writable and be on a disk (a tmpfs such as /dev/shm would keep the moments in RAM). Its free
-    space is reserved file by file when the optimizer is built (SSDAdamW)."""
+    writable and be on a disk (a tmpfs such as /dev/shm would keep the moments in RAM), looked at
+    only where `folder_here` (not by a dry run, which may run where the nodes' disks are not).
+    Its free space is reserved file by file when the optimizer is built (SSDAdamW)."""
     folder = memory.ssd_offload_dir
     if not folder:
         return None
@@ -49,6 +51,8 @@ def problem(memory, zero: int, on_cuda: bool) -> str | None:
                 "where the mapped moments are")
     if zero == 1:
         return "memory.ssd_offload_dir does not work with parallel.zero=1 (its own sliced states); use zero 2 or 3"
+    if not folder_here:
+        return None
     path = Path(folder).expanduser()
     if not path.is_dir():
         return f"memory.ssd_offload_dir={folder!r} is not a folder; create it on a local SSD first"
@@ -63,14 +67,19 @@ IN_MEMORY = ("tmpfs", "ramfs")
 
 
 def filesystem(path: Path) -> str:
-    """The type of the file system holding `path` (its longest mount point in /proc/mounts), or ""."""
+    """The type of the file system holding `path`, or "": of its longest mount point in
+    /proc/mounts (the last listed of equals: a later mount hides an earlier one), whose paths
+    escape spaces, tabs, newlines and backslashes as octal."""
     try:
-        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+        lines = Path("/proc/mounts").read_text().splitlines()
     except OSError:
         return ""
-    resolved = str(path.resolve())
-    best = max((m for m in mounts if resolved == m[0] or resolved.startswith(m[0].rstrip("/") + "/")),
-               key=lambda m: len(m[0]), default=["", ""])
+    mounts = [(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1]), fields[2])
+              for fields in (line.split() for line in lines) if len(fields) > 2]
+    resolved, best = str(path.resolve()), ("", "")
+    for point, kind in mounts:
+        if (resolved == point or resolved.startswith(point.rstrip("/") + "/")) and len(point) >= len(best[0]):
+            best = (point, kind)
     return best[1]
 
 
@@ -79,7 +88,9 @@ class SSDAdamW(torch.optim.AdamW):
 
     The moments are made up front (zeros, as AdamW's first step would make them), so a fresh
     run updates exactly as plain AdamW does, each file's blocks reserved on the disk then (a full
-    disk fails here with one line, not with a SIGBUS at a later write into a hole). A load (a
+    disk fails here with one line, not with a SIGBUS at a later write into a hole, on file systems
+    that write in place: ext4, XFS; a copy-on-write one, btrfs, needs new blocks at every write,
+    and ZFS reserves none). A load (a
     resume, a rollback, the in-memory tier) copies the loaded moments into the same files where
     they arrived as other tensors. Plain AdamW only: amsgrad, capturable and differentiable keep
     other state, and the parameters must be on the host.
@@ -100,11 +111,12 @@ class SSDAdamW(torch.optim.AdamW):
         self.mapped: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         for p in params:
             self.mapped[p] = {k: self._zeros_like(p) for k in MOMENTS}
-            self.state[p] = self._fresh(p)
+            self.state[p] = self._fresh(p, zero=False)
 
-    def _fresh(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """p's state as AdamW's first step makes it: step 0, zero moments (in p's files)."""
-        for t in self.mapped[p].values():
+    def _fresh(self, p: torch.Tensor, zero: bool = True) -> dict[str, torch.Tensor]:
+        """p's state as AdamW's first step makes it: step 0, zero moments (in p's files; new files
+        read as zeros already, and writing them would pull every page into RAM)."""
+        for t in self.mapped[p].values() if zero else ():
             _local(t).zero_()
         return {"step": torch.tensor(0.0, dtype=torch.float32), **self.mapped[p]}
 

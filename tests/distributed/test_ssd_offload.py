@@ -6,7 +6,9 @@ and layouts stop with one line before anything is written."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -16,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from shardline.config import load_config
+from shardline.dry_run import dry_run
 from shardline.errors import ConfigError
+from shardline.preflight import launch_notes
 from shardline.ssd_offload import IN_MEMORY, SSDAdamW, filesystem, problem
 from shardline.trainer import Trainer
 from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, gloo_rank, start_ranks
@@ -24,7 +28,7 @@ from tests.ports import free_port
 
 
 @pytest.fixture
-def folder(tmp_path) -> Path:
+def folder(tmp_path):
     """A folder on a disk for the moments: the test's temporary one, or, where that is a tmpfs (which
     the option refuses: RAM), one in the checkout's build/ (git-ignored), removed after."""
     if filesystem(tmp_path) not in IN_MEMORY:
@@ -32,10 +36,11 @@ def folder(tmp_path) -> Path:
         path.mkdir()
         yield path
         return
-    path = Path(__file__).parents[2] / "build" / f"ssd-test-{uuid.uuid4().hex[:8]}"
-    if filesystem(path.parent.parent) in IN_MEMORY:
-        pytest.skip("no folder on a disk for the moments")
+    path = (Path(__file__).parents[2] / "build").resolve() / f"ssd-test-{uuid.uuid4().hex[:8]}"
     path.mkdir(parents=True)
+    if filesystem(path) in IN_MEMORY:
+        path.rmdir()
+        pytest.skip("no folder on a disk for the moments")
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -127,7 +132,7 @@ def test_fsdp_on_two_ranks_matches_without(tmp_path, folder):
     assert_same_run(fp8_ssd, fp8, rtol=0, atol=0)
 
 
-def test_bad_folders_and_layouts_stop_with_one_line(tmp_path, folder, tiny_config):
+def test_bad_folders_and_layouts_stop_with_one_line(tmp_path, folder, tiny_config, monkeypatch):
     missing = tmp_path / "nowhere"
     with pytest.raises(ConfigError, match="memory.ssd_offload_dir=.*is not a folder"):
         Trainer(tiny_config(f"memory.ssd_offload_dir={missing}", run_dir=tmp_path / "run")).build()
@@ -136,9 +141,13 @@ def test_bad_folders_and_layouts_stop_with_one_line(tmp_path, folder, tiny_confi
     if filesystem(Path("/dev/shm")) == "tmpfs":  # the usual Linux; RAM is no place for the moments
         shm = tiny_config("memory.ssd_offload_dir=/dev/shm").memory
         assert "is on tmpfs, which is RAM" in problem(shm, 3, on_cuda=False)
-    opt = SSDAdamW([torch.nn.Parameter(torch.zeros(4))], str(folder), 0, lr=0.1)
-    with pytest.raises(ConfigError, match="cannot reserve this rank's optimizer moments .* GiB free"):
-        opt._zeros_like(torch.empty(2**38, device="meta"))  # 1 TiB: more than the disk has
+    def disk_full(fd, offset, length):  # the file system's answer to a reservation it cannot make
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", disk_full)
+    with pytest.raises(ConfigError, match="cannot reserve this rank's optimizer moments .No space.* GiB free"):
+        SSDAdamW([torch.nn.Parameter(torch.zeros(4))], str(folder), 0, lr=0.1)
+    monkeypatch.undo()
     assert list(folder.iterdir()) == []  # the failed file is gone too
     with pytest.raises(ConfigError, match="not with amsgrad"):
         SSDAdamW([torch.nn.Parameter(torch.zeros(4))], str(folder), 0, lr=0.1, amsgrad=True)
@@ -148,6 +157,15 @@ def test_bad_folders_and_layouts_stop_with_one_line(tmp_path, folder, tiny_confi
     with pytest.raises(ConfigError, match="parallel.zero=1"):
         Trainer(tiny_config(f"memory.ssd_offload_dir={folder}", "parallel.zero=1",
                             run_dir=tmp_path / "run")).build()
+    # A dry run may run where the training nodes' disks are not: it checks the layout, not the folder.
+    assert dry_run(tiny_config(f"memory.ssd_offload_dir={missing}", "run.device=cpu"), 1)[0]
+    with pytest.raises(ConfigError, match="parallel.zero=1"):
+        dry_run(tiny_config(f"memory.ssd_offload_dir={missing}", "run.device=cpu", "parallel.zero=1"), 1)
+    # What copies the moments back into RAM at each save is named at launch.
+    notes = dict(launch_notes(tiny_config(f"memory.ssd_offload_dir={folder}", "checkpoint.mode=async"), "cpu", None, 1))
+    assert notes["ssd_offload"]["ram_copies"].startswith("checkpoint.mode=async copy")
+    assert "ram_copies" not in dict(launch_notes(tiny_config(f"memory.ssd_offload_dir={folder}"), "cpu", None, 1))[
+        "ssd_offload"]
 
 
 def test_a_loaded_state_lands_in_the_mapped_files(folder):
