@@ -87,13 +87,12 @@ class SSDAdamW(torch.optim.AdamW):
     """AdamW whose moments are memory-mapped files in `folder` (see the module docstring).
 
     The moments are made up front (zeros, as AdamW's first step would make them), so a fresh
-    run updates exactly as plain AdamW does, each file's blocks reserved on the disk then (a full
-    disk fails here with one line, not with a SIGBUS at a later write into a hole, on file systems
-    that write in place: ext4, XFS; a copy-on-write one, btrfs, needs new blocks at every write,
-    and ZFS reserves none). A load (a
-    resume, a rollback, the in-memory tier) copies the loaded moments into the same files where
-    they arrived as other tensors. Plain AdamW only: amsgrad, capturable and differentiable keep
-    other state, and the parameters must be on the host.
+    run updates exactly as plain AdamW does, each file's blocks reserved on the disk then: a full
+    disk fails here with one line, not with a SIGBUS at a later write into a hole (on file systems
+    that write in place, ext4 and XFS; copy-on-write btrfs needs new blocks at every write, and ZFS
+    reserves none). A load (a resume, a rollback, the in-memory tier) copies the loaded moments
+    into the same files where they arrived as other tensors. Plain AdamW only: amsgrad,
+    capturable and differentiable keep other state, and the parameters must be on the host.
     """
 
     def __init__(self, params, folder: str, rank: int, **hyper):

@@ -36,7 +36,7 @@ and the trainer's order of work says which:
 
 from __future__ import annotations
 
-from shardline.planner.activations import float8_every_linear, dtype_bytes
+from shardline.planner.activations import dtype_bytes, float8_every_linear
 
 
 def moments(parts: dict[str, float], head_grads: float | None, dropped_copies: float,
