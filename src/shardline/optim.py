@@ -19,7 +19,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
                     rank: int = 0) -> torch.optim.AdamW:
     """AdamW over the model's parameters; with `zero1_mesh`, states sharded over its `zero1_dim`
     (routed experts under ep over `zero1_experts`' dim: parallel/zero1.py); with `ssd_dir`, its
-    moments in memory-mapped files there (ssd_offload.py; preflight refuses it with zero=1)."""
+    moments in memory-mapped files there (ssd_offload.py; ssd_offload.problem refuses zero=1 before a
+    launch gets here, so a ZeRO-1 optimizer never sees it)."""
     # Norm weights (1-D) are not decayed: shrinking them toward zero only hurts.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
@@ -34,8 +35,6 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
     if zero1_mesh is None:
         return SSDAdamW(groups, ssd_dir, rank, **hyper) if ssd_dir else torch.optim.AdamW(groups, **hyper)
-    if ssd_dir:
-        raise ConfigError("memory.ssd_offload_dir does not work with parallel.zero=1 (its own sliced states)")
     try:
         return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, zero1_experts, **hyper)
     except StridedSlices as e:  # under tp or ep: auto takes foreach, an explicit fused is refused

@@ -36,12 +36,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def problem(memory, zero: int, on_cuda: bool, folder_here: bool = True) -> str | None:
+def problem(memory, zero: int, on_cuda: bool, node_paths: bool = True) -> str | None:
     """Why `memory.ssd_offload_dir` cannot run with this layout or folder, or None. The moments are
     mapped into host memory, so AdamW must step on the host (a GPU run offloads its states there
     first) and be torch's own (ZeRO-1 keeps its own sliced states); the folder must exist, be
     writable and be on a disk (a tmpfs such as /dev/shm would keep the moments in RAM), looked at
-    only where `folder_here` (not by a dry run, which may run where the nodes' disks are not).
+    only where `node_paths` (not by a dry run, which may run where the nodes' disks are not).
     Its free space is reserved file by file when the optimizer is built (SSDAdamW)."""
     folder = memory.ssd_offload_dir
     if not folder:
@@ -51,7 +51,7 @@ def problem(memory, zero: int, on_cuda: bool, folder_here: bool = True) -> str |
                 "where the mapped moments are")
     if zero == 1:
         return "memory.ssd_offload_dir does not work with parallel.zero=1 (its own sliced states); use zero 2 or 3"
-    if not folder_here:
+    if not node_paths:
         return None
     path = Path(folder).expanduser()
     if not path.is_dir():
