@@ -2,20 +2,26 @@
 """Optimizer states on an SSD (`memory.ssd_offload_dir`): what mapped moments cost AdamW's step,
 and what they take off the host's RAM.
 
-One AdamW step (foreach, as on the host under CPU offload) over the same parameters, three ways,
+One AdamW step (foreach, as on the host under CPU offload) over the same parameters, four ways,
 in alternating blocks in one process so machine noise hits each alike:
 
 * plain: torch's AdamW, its moments in RAM;
-* mapped, warm: SSDAdamW, its moments' pages in the page cache (states that fit in RAM);
-* mapped, cold: SSDAdamW with every moment page written back and pushed out to the disk before
-  each step (madvise MADV_PAGEOUT, timed with the step): states that do not fit in RAM, written
-  back and read again every step, one after the other (the kernel overlaps the two under real
-  memory pressure: an upper bound). The disk is the folder's (`--folder`; a local SSD is what
-  the option is for).
+* warm: SSDAdamW, its moments' pages in the page cache (states that fit in RAM);
+* cold: SSDAdamW with every moment page written back and pushed out to the disk before each
+  step (msync, then madvise MADV_PAGEOUT): states that do not fit in RAM, read again every step
+  a window at a time, the next window asked of the disk while this one computes;
+* cold_whole: the same, stepped as one window (every tensor at once, no read-ahead hint: how
+  SSDAdamW stepped before its windows).
 
-Then the memory each holds once its states exist: anonymous and file-backed resident memory
-(RssAnon, RssFile of /proc/self/status), each variant in a fresh process. Anonymous memory is
-what the host must have; file-backed pages are cache the kernel may evict.
+The write-back before a cold step is timed apart (`writeback_s`): under real memory pressure the
+kernel writes pages back in the background, so the step is what the read side costs. The disk
+is the folder's (`--folder`; a local SSD is what the option is for).
+
+Then the memory each holds, each variant in a fresh process: anonymous and file-backed resident
+memory once the states exist (RssAnon, RssFile of /proc/self/status; anonymous memory is what
+the host must have, file-backed pages are cache the kernel may evict), and how far the resident
+set rose during one step over what it held before (VmHWM, reset first): the gradients, AdamW's
+temporaries, and in a cold step the pages read back.
 
     python benchmarks/ssd_offload.py                    # ~1 min on 2 CPU cores, 64 M parameters
     python benchmarks/ssd_offload.py --params 256e6 --folder /nvme/tmp --json out.json
@@ -35,11 +41,13 @@ from pathlib import Path
 
 import torch
 
-from shardline.ssd_offload import SSDAdamW
+from shardline.optim.ssd_offload import SSDAdamW
+from shardline.optim.windowed import WINDOW
 
 MADV_PAGEOUT = 21  # linux/mman.h: reclaim these pages now (clean ones only from a process: msync first)
 MS_SYNC = 4
-VARIANTS = ("plain", "warm", "cold")
+VARIANTS = ("plain", "warm", "cold", "cold_whole")
+COLD = ("cold", "cold_whole")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--params", type=float, default=64e6, help="parameters (default 64e6: 512 MiB of moments)")
     p.add_argument("--tensors", type=int, default=32, help="tensors they are split into (default 32)")
     p.add_argument("--steps", type=int, default=8, help="measured steps per variant (default 8)")
+    p.add_argument("--window", type=int, default=WINDOW, help=f"SSDAdamW's window in elements (default {WINDOW})")
     p.add_argument("--folder", default="", help="where the moments are mapped (default: a temporary folder)")
     p.add_argument("--json", default="", help="write the results here too")
     p.add_argument("--memory-of", choices=VARIANTS, help=argparse.SUPPRESS)  # the child's job
@@ -104,33 +113,51 @@ def memory_of(variant: str, args, folder: str) -> dict:
     step(*build(variant, argparse.Namespace(params=1024, tensors=1), folder))  # the code's pages, loaded first
     before = rss()
     params, opt = build(variant, args, folder)
+    whole(opt, variant, args.window)
     step(params, opt)
-    if variant == "cold":
+    if variant in COLD:
         page_out(opt)
     after = rss()
-    return {k: round(after[k] - before[k], 3) for k in after}
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the resident set now
+    step(params, opt)
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    rise = (int(fields["VmHWM"].split()[0]) / 2**20) - after["RssAnon"] - after["RssFile"]
+    return {**{k: round(after[k] - before[k], 3) for k in after}, "step_rise": round(rise, 3)}
 
 
-def timings(args, folder: str) -> tuple[dict[str, float], dict[str, int]]:
-    built = {v: build(v, args, folder) for v in VARIANTS if v != "cold"}
-    built["cold"] = built["warm"]  # the same mapped moments, paged out first
+def whole(opt: torch.optim.Optimizer, variant: str, window: int) -> None:
+    """Set SSDAdamW's window: every tensor at once for cold_whole, `window` otherwise."""
+    if isinstance(opt, SSDAdamW):
+        opt.window = 1 << 62 if variant == "cold_whole" else window
+
+
+def timings(args, folder: str) -> tuple[dict[str, float], dict[str, float], dict[str, dict[str, int]]]:
+    """Median step seconds per variant, median write-back seconds before the cold ones, and the
+    median I/O of their steps."""
+    built = {v: build(v, args, folder) for v in ("plain", "warm")}
+    built.update({v: built["warm"] for v in COLD})  # the same mapped moments, paged out first
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for v in VARIANTS:  # warm-up: every state made and touched once
+    writeback: dict[str, list[float]] = {v: [] for v in COLD}
+    io: dict[str, dict[str, list[int]]] = {v: {} for v in COLD}
+    for v in ("plain", "warm"):  # warm-up: every state made and touched once
         step(*built[v])
-    cold_io: dict[str, list[int]] = {}
     for _ in range(args.steps):
         for v in VARIANTS:
+            whole(built[v][1], v, args.window)
+            if v in COLD:
+                begin = time.perf_counter()
+                page_out(built[v][1])
+                writeback[v].append(time.perf_counter() - begin)
             before = io_counters()
             begin = time.perf_counter()
-            if v == "cold":  # timed: the write-back the kernel would do under memory pressure
-                page_out(built[v][1])
             step(*built[v])
             times[v].append(time.perf_counter() - begin)
-            if v == "cold":
+            if v in COLD:
                 for k, n in io_counters().items():
-                    cold_io.setdefault(k, []).append(n - before[k])
+                    io[v].setdefault(k, []).append(n - before[k])
     return ({v: statistics.median(t) for v, t in times.items()},
-            {k: int(statistics.median(n)) for k, n in cold_io.items()})
+            {v: statistics.median(t) for v, t in writeback.items()},
+            {v: {k: int(statistics.median(n)) for k, n in c.items()} for v, c in io.items()})
 
 
 def main(argv=None) -> dict:
@@ -140,24 +167,27 @@ def main(argv=None) -> dict:
             print(json.dumps(memory_of(args.memory_of, args, folder)))
             return {}
         child = [sys.executable, __file__, f"--params={args.params}", f"--tensors={args.tensors}",
-                 f"--folder={folder}"]
+                 f"--window={args.window}", f"--folder={folder}"]
         memory = {v: json.loads(subprocess.run([*child, f"--memory-of={v}"], check=True, capture_output=True,
                                                text=True).stdout) for v in VARIANTS}
-        median, cold_io = timings(args, folder)
+        median, writeback, cold_io = timings(args, folder)
     moments_gib = 8 * int(args.params) / 2**30
     result = {"params": int(args.params), "moments_gib": round(moments_gib, 3), "steps": args.steps,
-              "step_s": {v: round(s, 4) for v, s in median.items()},
+              "window": args.window, "step_s": {v: round(s, 4) for v, s in median.items()},
               "vs_plain": {v: round(median[v] / median["plain"], 2) for v in VARIANTS},
+              "writeback_s": {v: round(s, 4) for v, s in writeback.items()},
               "rss_gib": memory, "cold_step_io": cold_io}
     print(f"AdamW step over {args.params:.3g} parameters ({moments_gib:.2f} GiB of moments), median of {args.steps}:")
     for v in VARIANTS:
         m = memory[v]
-        print(f"  {v:5s} {median[v] * 1e3:8.1f} ms  x{result['vs_plain'][v]:.2f}   "
-              f"anonymous +{m['RssAnon']:.2f} GiB, file-backed +{m['RssFile']:.2f} GiB")
-    print(f"  a cold step (median): {cold_io['major_faults']} major faults, "
-          f"{cold_io['read_bytes'] / 2**30:.2f} GiB read, {cold_io['write_bytes'] / 2**30:.2f} GiB of pages dirtied "
-          "(write_bytes counts a page as it is dirtied: the msync writes the previous step's; "
-          "0 where /proc/self/io is not kept)")
+        back = f" (+{writeback[v] * 1e3:.0f} ms write-back before)" if v in COLD else ""
+        print(f"  {v:10s} {median[v] * 1e3:8.1f} ms  x{result['vs_plain'][v]:.2f}{back}   "
+              f"anonymous +{m['RssAnon']:.2f} GiB, file-backed +{m['RssFile']:.2f} GiB, "
+              f"resident set rose {m['step_rise']:.2f} GiB in a step")
+    for v in COLD:
+        c = cold_io[v]
+        print(f"  a {v} step (median): {c['major_faults']} major faults, {c['read_bytes'] / 2**30:.2f} GiB read "
+              "(0 where /proc/self/io is not kept)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from shardline import layout as layouts
-from shardline import ssd_offload
+from shardline.optim import ssd_offload
 from shardline.config import Config, ModelConfig, MoEConfig
 from shardline.data.shards import is_prepared, prepared_with_own_bpe
 from shardline.data.tokenizer import bos_prefix

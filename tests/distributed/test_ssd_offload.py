@@ -6,10 +6,12 @@ and layouts stop with one line before anything is written."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -17,14 +19,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardline.optim import ssd_offload, windowed
 from shardline.config import load_config
 from shardline.dry_run import dry_run
 from shardline.errors import ConfigError
 from shardline.preflight import launch_notes
-from shardline.ssd_offload import IN_MEMORY, SSDAdamW, filesystem, problem
+from shardline.optim.ssd_offload import IN_MEMORY, SSDAdamW, filesystem, problem
 from shardline.trainer import Trainer
 from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, gloo_rank, start_ranks
 from tests.ports import free_port
+from tests.unit.test_windowed_adamw import IMPLEMENTATIONS, assert_same_as_torch, params, stepped
 
 
 @pytest.fixture
@@ -189,3 +193,71 @@ def test_a_loaded_state_lands_in_the_mapped_files(folder):
     ssd.load_state_dict(partial)
     assert ssd.state[bias]["exp_avg"] is ssd.mapped[bias]["exp_avg"] and not ssd.state[bias]["exp_avg"].any()
     assert ssd.state[bias]["step"].item() == 0 and ssd.state[weight]["step"].item() == 1
+
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_the_windowed_step_is_torchs_adamw_bit_for_bit(folder, impl):
+    """Stepped a window at a time (tests/unit/test_windowed_adamw.py's tensors and checks), the
+    mapped moments laid out as their parameters: torch's AdamW bit for bit, in the files."""
+    ssd = assert_same_as_torch(lambda groups, **hyper: SSDAdamW(groups, str(folder), 0, **hyper), impl)
+    assert all(ssd.state[p][k] is files[k] for p, files in ssd.mapped.items() for k in files)
+
+def _pages(t: torch.Tensor, libc) -> tuple[int, int]:
+    """(resident pages, pages) of the memory under t (mincore)."""
+    page = ssd_offload.PAGE
+    start = t.data_ptr() & ~(page - 1)
+    n = (t.data_ptr() + t.nbytes - start + page - 1) // page
+    vec = (ctypes.c_ubyte * n)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) == 0
+    return sum(b & 1 for b in vec), n
+
+
+def _page_out(opt: SSDAdamW, libc) -> None:
+    """Write every moment back to its file and drop its pages (msync, madvise MADV_PAGEOUT)."""
+    for files in opt.mapped.values():
+        for t in files.values():
+            span = (ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.nbytes))
+            if libc.msync(*span, 4) != 0 or libc.madvise(*span, 21) != 0:
+                pytest.skip("msync or madvise(MADV_PAGEOUT) refused (Linux >= 5.4 needed)")
+
+
+def test_the_next_window_is_read_back_before_it_isstepped(folder, monkeypatch):
+    """Paged out to the file, a window's moments are asked of the disk (prefetched) before the window
+    before them steps: the pages come back without being touched (mincore), while pages nobody asked
+    for stay out; and a step over moments that were on the disk updates as torch's AdamW does."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    plain_params, ssd_params = params(), params()
+    plain = torch.optim.AdamW(plain_params, lr=1e-2, foreach=True)
+    ssd = SSDAdamW(ssd_params, str(folder), 0, lr=1e-2, foreach=True)
+    ssd.window = 2 * windowed.ALIGN
+    stepped(plain, plain_params, 1)
+    stepped(ssd, ssd_params, 1)
+    _page_out(ssd, libc)
+    big = ssd.mapped[ssd_params[4]]  # 33153 elements: 33 pages a moment
+    first, rest = (big["exp_avg_sq"][:8192], big["exp_avg_sq"][8192:])
+    if _pages(first, libc)[0] or _pages(rest, libc)[0]:
+        pytest.skip("the kernel kept the paged-out moments resident")
+    ssd._prefetch([(None, None, big["exp_avg"][:8192], first, None, None)])
+    for _ in range(100):
+        if _pages(first, libc)[0] == _pages(first, libc)[1]:
+            break
+        time.sleep(0.05)
+    assert _pages(first, libc)[0] == _pages(first, libc)[1]
+    assert _pages(rest, libc)[0] <= 2  # not asked for (the read may round out to a page)
+    # The order: window i + 1 asked for, then window i stepped.
+    events = []
+    prefetch, step = ssd._prefetch, windowed.adam
+    monkeypatch.setattr(ssd, "_prefetch", lambda w: (events.append(("ask", w[0][2].data_ptr())), prefetch(w)))
+    monkeypatch.setattr(windowed, "adam", lambda p, g, m, *a, **k: (events.append(("step", m[0].data_ptr())),
+                                                                       step(p, g, m, *a, **k)))
+    _page_out(ssd, libc)
+    stepped(plain, plain_params, 2)
+    stepped(ssd, ssd_params, 2)
+    starts = [ptr for kind, ptr in events if kind == "step"]
+    n = len(starts) // 2
+    assert n >= 4 and starts[:n] == starts[n:]  # the same windows each step
+    one_step = [e for i in range(n) for e in ([("ask", starts[i + 1])] if i + 1 < n else []) + [("step", starts[i])]]
+    assert events == one_step * 2
+    for a, b in zip(plain_params, ssd_params):
+        assert torch.equal(a, b) and torch.equal(plain.state[a]["exp_avg_sq"], ssd.state[b]["exp_avg_sq"])

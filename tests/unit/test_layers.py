@@ -1,6 +1,6 @@
 """The package's layers point down only: a module imports nothing from a layer above its own.
 
-    errors < config < layout < models < data, parallel, ssd_offload < optim, precision, metrics, profiling
+    errors < config < layout < models < data, parallel < optim, precision, metrics, profiling
            < resilience < interop < preflight < trainer, planner < simulator, dry_run, generate < cli
 
 Modules of one layer do not import each other's packages either (data and parallel are
@@ -22,7 +22,7 @@ LAYERS = [
     {"config"},
     {"layout"},
     {"models"},
-    {"data", "parallel", "ssd_offload"},  # ssd_offload: the optimizer's storage, below optim
+    {"data", "parallel"},
     {"optim", "precision", "metrics", "devices", "profiling"},
     {"resilience"},
     {"interop"},

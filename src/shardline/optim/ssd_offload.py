@@ -10,13 +10,15 @@ runs at the disk's speed (each step reads and writes every moment once) instead 
 
 Why a mapping rather than DeepSpeed's explicit asynchronous reads into pinned buffers: the
 optimizer, its checkpoints (DCP reads and loads the mapped tensors in place) and every layout's
-state handling stay torch's own, with nothing to schedule; the cost is the kernel's readahead in
-place of a hand-tuned prefetch. Each file is unlinked as soon as it is mapped, so its space
-goes back to the disk when the process ends, however it ends: a crash leaves no stale files.
+state handling stay torch's own. What is scheduled is only the order: the step runs a window of
+moments at a time and asks the kernel for the next window's pages (a read-ahead hint) while this
+one computes (windowed.py, SSDAdamW._prefetch). Each file is unlinked as soon as it is mapped, so its space goes
+back to the disk when the process ends, however it ends: a crash leaves no stale files.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import re
@@ -28,12 +30,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardline.errors import ConfigError
+from shardline.optim.windowed import WindowedAdamW, local
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def problem(memory, zero: int, on_cuda: bool, node_paths: bool = True) -> str | None:
@@ -64,6 +63,8 @@ def problem(memory, zero: int, on_cuda: bool, node_paths: bool = True) -> str | 
 
 
 IN_MEMORY = ("tmpfs", "ramfs")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MADV_WILLNEED = 3  # sys/mman.h
 
 
 def filesystem(path: Path) -> str:
@@ -83,8 +84,9 @@ def filesystem(path: Path) -> str:
     return best[1]
 
 
-class SSDAdamW(torch.optim.AdamW):
-    """AdamW whose moments are memory-mapped files in `folder` (see the module docstring).
+class SSDAdamW(WindowedAdamW):
+    """AdamW whose moments are memory-mapped files in `folder` (see the module docstring), stepped a
+    window at a time (windowed.py), the next window's pages asked of the disk first.
 
     The moments are made up front (zeros, as AdamW's first step would make them), so a fresh
     run updates exactly as plain AdamW does, each file's blocks reserved on the disk then: a full
@@ -95,18 +97,18 @@ class SSDAdamW(torch.optim.AdamW):
     capturable and differentiable keep other state, and the parameters must be on the host.
     """
 
+    PLAIN_ONLY = "memory.ssd_offload_dir maps plain AdamW's moments"
+
     def __init__(self, params, folder: str, rank: int, **hyper):
         super().__init__(params, **hyper)
-        unsupported = [k for k in ("amsgrad", "capturable", "differentiable") if self.defaults.get(k)]
-        if unsupported:
-            raise ConfigError(f"memory.ssd_offload_dir maps plain AdamW's moments; not with {', '.join(unsupported)}")
         params = [p for g in self.param_groups for p in g["params"]]
-        if any(_local(p).device.type != "cpu" for p in params):
+        if any(local(p).device.type != "cpu" for p in params):
             raise ConfigError("memory.ssd_offload_dir needs the parameters on the host (memory.cpu_offload=true "
                               "on a GPU): AdamW steps where the mapped moments are")
         self.folder = Path(folder).expanduser()
         self._prefix = f"shardline-rank{rank}-{uuid.uuid4().hex[:8]}"
         self._count = itertools.count()
+        self._libc = ctypes.CDLL(None, use_errno=True)
         self.mapped: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         for p in params:
             self.mapped[p] = {k: self._zeros_like(p) for k in MOMENTS}
@@ -116,14 +118,16 @@ class SSDAdamW(torch.optim.AdamW):
         """p's state as AdamW's first step makes it: step 0, zero moments (in p's files; new files
         read as zeros already, and writing them would pull every page into RAM)."""
         for t in self.mapped[p].values() if zero else ():
-            _local(t).zero_()
+            local(t).zero_()
         return {"step": torch.tensor(0.0, dtype=torch.float32), **self.mapped[p]}
 
     def _zeros_like(self, p: torch.Tensor) -> torch.Tensor:
-        """A zero tensor of p's shape, dtype and placement held in a fresh, unlinked file."""
-        local = _local(p)
+        """A zero tensor of p's shape, dtype and placement held in a fresh, unlinked file, laid out as
+        p is where p is dense (a transposed weight's moments transposed too, as torch's AdamW makes
+        them: its fused kernel pairs the elements of parameter and moments in memory order)."""
+        shard = local(p)
         path = self.folder / f"{self._prefix}-{next(self._count)}.bin"
-        nbytes = max(local.numel(), 1) * local.element_size()
+        nbytes = max(shard.numel(), 1) * shard.element_size()
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -135,13 +139,23 @@ class SSDAdamW(torch.optim.AdamW):
             free = shutil.disk_usage(self.folder).free / 2**30
             raise ConfigError(f"memory.ssd_offload_dir={str(self.folder)!r}: cannot reserve this rank's optimizer "
                               f"moments ({e.strerror}; {free:.2f} GiB free)") from None
-        storage = torch.from_file(str(path), shared=True, size=max(local.numel(), 1), dtype=local.dtype)
+        storage = torch.from_file(str(path), shared=True, size=max(shard.numel(), 1), dtype=shard.dtype)
         path.unlink()  # the mapping keeps the data; the disk gets the space back at exit
-        mapped = storage[:local.numel()].view(local.shape)
+        flat = storage[:shard.numel()]
+        mapped = flat.as_strided(shard.shape, shard.stride()) if _dense(shard) else flat.view(shard.shape)
         if not isinstance(p, DTensor):
             return mapped
         return DTensor.from_local(mapped, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
+
+    def _prefetch(self, window: list[tuple]) -> None:
+        """Ask the kernel to read a window's moment pages now, without waiting for them: a read-ahead
+        hint (an error, say madvise missing, costs only the overlap)."""
+        for _, _, m, v, _, _ in window:
+            for t in (m, v):
+                start = t.data_ptr() & ~(PAGE - 1)
+                self._libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(t.data_ptr() + t.nbytes - start),
+                                   MADV_WILLNEED)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -151,16 +165,26 @@ class SSDAdamW(torch.optim.AdamW):
                 self.state[p] = self._fresh(p)
                 continue
             for key, held in files.items():
-                if _local(state[key]).data_ptr() != _local(held).data_ptr():
-                    _local(held).copy_(_local(state[key]))
+                if local(state[key]).data_ptr() != local(held).data_ptr():
+                    local(held).copy_(local(state[key]))
                     state[key] = held
 
     def mapped_bytes(self) -> int:
         """Bytes of moments this rank holds in the mapped files."""
-        return sum(_local(t).numel() * _local(t).element_size() for files in self.mapped.values()
+        return sum(local(t).numel() * local(t).element_size() for files in self.mapped.values()
                    for t in files.values())
 
     def file_prefix(self) -> str:
         """The name every one of this optimizer's files starts with (they are unlinked: /proc/<pid>/maps
         shows them as `<folder>/<prefix>-<n>.bin (deleted)`)."""
         return self._prefix
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill its memory without gaps or overlaps, in whatever order of dims."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -1,4 +1,9 @@
-"""AdamW and learning-rate schedules (linear warmup, then cosine / linear / WSD / constant)."""
+"""AdamW and learning-rate schedules (linear warmup, then cosine / linear / WSD / constant).
+
+Which AdamW: torch's on a GPU; on the host (a CPU run, or CPU offload) the same AdamW stepped a
+cache-sized window at a time (windowed.py); with `memory.ssd_offload_dir`, that one with its
+moments in files on an SSD (ssd_offload.py); under ZeRO-1, parallel/zero1.py's.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardline.config import OptimConfig
 from shardline.errors import ConfigError
 from shardline.parallel.zero1 import StridedSlices, Zero1AdamW
-from shardline.ssd_offload import SSDAdamW
+from shardline.optim.ssd_offload import SSDAdamW
+from shardline.optim.windowed import WindowedAdamW, local
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
@@ -20,7 +26,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     """AdamW over the model's parameters; with `zero1_mesh`, states sharded over its `zero1_dim`
     (routed experts under ep over `zero1_experts`' dim: parallel/zero1.py); with `ssd_dir`, its
     moments in memory-mapped files there (ssd_offload.py; ssd_offload.problem refuses zero=1 before a
-    launch gets here, so a ZeRO-1 optimizer never sees it)."""
+    launch gets here, so a ZeRO-1 optimizer never sees it); else, where every parameter is on the
+    host, stepped a window at a time (windowed.py: the same bits, fewer trips through memory)."""
     # Norm weights (1-D) are not decayed: shrinking them toward zero only hurts.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
@@ -34,7 +41,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
     if zero1_mesh is None:
-        return SSDAdamW(groups, ssd_dir, rank, **hyper) if ssd_dir else torch.optim.AdamW(groups, **hyper)
+        if ssd_dir:
+            return SSDAdamW(groups, ssd_dir, rank, **hyper)
+        on_host = all(local(p).device.type == "cpu" for p in decay + no_decay)
+        return WindowedAdamW(groups, **hyper) if on_host else torch.optim.AdamW(groups, **hyper)
     try:
         return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, zero1_experts, **hyper)
     except StridedSlices as e:  # under tp or ep: auto takes foreach, an explicit fused is refused

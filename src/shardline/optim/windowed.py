@@ -1,0 +1,125 @@
+"""AdamW on the host, stepped a cache-sized window of elements at a time.
+
+torch's AdamW (foreach, for-loop or fused alike) makes each of its passes over every tensor
+before the next pass starts: exp_avg's lerp over all of it, then exp_avg_sq's multiply, its
+addcmul, a square root into a temporary as large as the moments, a divide, an add, then the
+update of the weights. Where the states live in host RAM (a CPU run, a GPU run with CPU offload)
+each pass streams the whole state through memory again, and the temporary costs 4 bytes a
+parameter. WindowedAdamW runs all the passes over one window (WINDOW elements: the weights,
+gradients, moments and temporaries of one window fit a CPU's last-level cache) before the next,
+calling torch's own functional adam on views: the same arithmetic element for element, so the
+same bits, with the memory read about once a step and a window's temporaries.
+
+Optimizer states on an SSD (ssd_offload.py) step the same way, and ask the disk for the next
+window while this one computes: `_prefetch`, a no-op here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
+
+from shardline.errors import ConfigError
+
+WINDOW = 1 << 20  # elements a window: 4 MiB of each fp32 tensor, ~20 MiB with the temporaries
+ALIGN = 4096  # windows are whole multiples of this many elements: AdamW's vector loops then split
+# every tensor as one pass over it would (fused AdamW's last bits differ where a window cuts a vector)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or t."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class WindowedAdamW(torch.optim.AdamW):
+    """torch's AdamW, stepped a window at a time (module docstring): states, state dicts and results
+    are AdamW's own. Plain AdamW only: amsgrad, capturable and differentiable keep other state or
+    run on a device, where windows buy nothing."""
+
+    PLAIN_ONLY = "the host's windowed AdamW steps plain AdamW"  # what refusing the others says
+
+    def __init__(self, params, **hyper):
+        super().__init__(params, **hyper)
+        unsupported = [k for k in ("amsgrad", "capturable", "differentiable") if self.defaults.get(k)]
+        if unsupported:
+            raise ConfigError(f"{self.PLAIN_ONLY}; not with {', '.join(unsupported)}")
+        self.window = WINDOW
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """AdamW's update a window at a time (`self.window` elements, rounded down to a multiple of
+        ALIGN; small tensors together, every group's in order), the next window prefetched first."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        size = max(ALIGN, self.window - self.window % ALIGN)
+        work = []  # (group, has_complex, window)
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
+            work += [(group, has_complex, w) for w in _windows(params, grads, exp_avgs, exp_avg_sqs, steps, size)]
+        for i, (group, has_complex, window) in enumerate(work):
+            if i + 1 < len(work):
+                self._prefetch(work[i + 1][2])
+            p, g, m, v, s, _ = (list(t) for t in zip(*window))
+            (beta1, beta2), scale = group["betas"], {k: getattr(self, k, None) for k in ("grad_scale", "found_inf")}
+            adam(p, g, m, v, [], s, foreach=group["foreach"], fused=group["fused"], has_complex=has_complex, **scale,
+                 decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+        for step, new in _new_steps(window for _, _, window in work).items():
+            step.copy_(new)
+        return loss
+
+    def _prefetch(self, window: list[tuple]) -> None:
+        """Called with the next window before this one steps: states in RAM need nothing."""
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """t's local elements in one flat tensor (complex as pairs of reals, as torch's AdamW steps them):
+    a view where t is contiguous, else a copy (a gradient's: read, not written)."""
+    t = local(t)
+    return (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
+
+
+def _windows(params, grads, exp_avgs, exp_avg_sqs, steps, size: int):
+    """Lists of (param, grad, exp_avg, exp_avg_sq, step copy, step) of about `size` elements each,
+    in order: a tensor larger than `size` in slices of it (flat views, so AdamW's in-place updates
+    land in the tensors), smaller ones together. A non-contiguous parameter or moment, whose slices
+    would not be views, is a window of its own, whole. Each entry steps a copy of its tensor's step, since
+    AdamW adds one to every step it is given (_new_steps writes the new value back once)."""
+    window, held = [], 0
+    for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        whole = None
+        if isinstance(p, DTensor) and getattr(g, "placements", None) != p.placements:
+            whole = (p, g, m, v)  # shards that do not line up: as DTensors, as torch's AdamW steps them
+        elif not all(local(t).is_contiguous() for t in (p, m, v)):
+            whole = (local(p), local(g), local(m), local(v))
+        if whole:
+            if window:
+                yield window
+            yield [(*whole, s.clone(), s)]
+            window, held = [], 0
+            continue
+        flats = (_flat(p), _flat(g), _flat(m), _flat(v))
+        for start in range(0, max(flats[0].numel(), 1), size):
+            piece = tuple(f[start:start + size] for f in flats)
+            if held and held + piece[0].numel() > size:
+                yield window
+                window, held = [], 0
+            window.append((*piece, s.clone(), s))
+            held += piece[0].numel()
+    if window:
+        yield window
+
+
+def _new_steps(windows) -> dict[torch.Tensor, torch.Tensor]:
+    """Each tensor's step (the state's tensor) -> its value after the update: what AdamW left in the
+    first copy of it (every window of a tensor moved its copy alike: one more, or none where a
+    gradient scaler found an inf)."""
+    firsts: dict[torch.Tensor, torch.Tensor] = {}
+    for window in windows:
+        for *_, copy, step in window:
+            firsts.setdefault(step, copy)
+    return firsts

@@ -1,0 +1,92 @@
+"""AdamW on the host stepped a window at a time (shardline/optim/windowed.py): the same bits as
+torch's AdamW for each of its implementations, and what build_optimizer picks where."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardline.config import OptimConfig
+from shardline.errors import ConfigError
+from shardline.optim import build_optimizer, windowed
+from shardline.optim.windowed import WindowedAdamW
+
+IMPLEMENTATIONS = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fused": {"fused": True}}
+
+
+def params() -> list[torch.nn.Parameter]:
+    """Tensors of 21000 and 33153 elements (cut across windows of ALIGN), small ones (together),
+    and a transposed one (a window of its own)."""
+    torch.manual_seed(0)
+    shapes = [(300, 70), (1000,), (7,), (64, 33), (129, 257)]
+    return [torch.nn.Parameter(torch.randn(*s)) for s in shapes] + [torch.nn.Parameter(torch.randn(40, 30).t())]
+
+
+def groups(ps: list[torch.Tensor]) -> list[dict]:
+    return [{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0}]
+
+
+def stepped(opt: torch.optim.Optimizer, ps: list[torch.Tensor], steps: int) -> None:
+    """`steps` updates with the same seeded gradients whatever the optimizer, laid out as their
+    parameters (as autograd's are), the second parameter without one at the third step: AdamW then
+    leaves it and its step alone."""
+    for i in range(steps):
+        g = torch.Generator().manual_seed(i)
+        for j, p in enumerate(ps):
+            p.grad = None if (i, j) == (2, 1) else torch.empty_like(p).copy_(torch.randn(p.shape, generator=g))
+        opt.step()
+
+
+def assert_same_as_torch(make, impl: str) -> torch.optim.Optimizer:
+    """Four steps of `make(groups, **hyper)` at a window of ALIGN elements against torch's AdamW:
+    weights, moments and steps bit for bit; the windows counted through `_prefetch`."""
+    plain_params, ours_params = params(), params()
+    plain = torch.optim.AdamW(groups(plain_params), lr=1e-2, **IMPLEMENTATIONS[impl])
+    ours = make(groups(ours_params), lr=1e-2, **IMPLEMENTATIONS[impl])
+    ours.window = windowed.ALIGN
+    asked = []
+    ours._prefetch = asked.append  # called with every window but the first
+    stepped(plain, plain_params, 4)
+    stepped(ours, ours_params, 4)
+    assert len(asked) >= 4 * 15  # 6 + 9 windows for the two large tensors alone
+    for a, b in zip(plain_params, ours_params):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(plain.state[a][key], ours.state[b][key]), key
+        assert ours.state[b]["exp_avg"].stride() == b.stride()
+    assert [ours.state[p]["step"].item() for p in ours_params] == [4, 3, 4, 4, 4, 4]
+    return ours
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_the_windowed_step_is_torchs_adamw_bit_for_bit(impl):
+    assert_same_as_torch(WindowedAdamW, impl)
+
+
+def test_a_window_is_a_multiple_of_align_and_holds_small_tensors_together():
+    ps = params()
+    opt = WindowedAdamW(ps, lr=1e-2)
+    opt.window = windowed.ALIGN + 100  # rounded down to ALIGN
+    stepped(opt, ps, 1)
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+    moments = ([opt.state[p][k] for p in ps] for k in ("exp_avg", "exp_avg_sq"))
+    args = (ps, [p.grad for p in ps], *moments, [opt.state[p]["step"] for p in ps])
+    sizes = [[e[0].numel() for e in w] for w in windowed._windows(*args, windowed.ALIGN)]
+    assert sizes[:6] == [[4096]] * 5 + [[520, 1000, 7, 2112]]  # 21000 cut in ALIGNs, the rest joined by the next
+    assert sizes[6:] == [[4096]] * 8 + [[385], [1200]]  # 33153 cut; the transposed one whole, alone
+    assert sum(map(sum, sizes)) == sum(p.numel() for p in ps)
+
+
+def test_build_optimizer_windows_the_host_and_leaves_devices_to_torch():
+    cfg = OptimConfig()
+    on_host = build_optimizer(torch.nn.Linear(4, 4), cfg, torch.device("cpu"))
+    offloaded = build_optimizer(torch.nn.Linear(4, 4), cfg, torch.device("cuda"))  # CPU offload: on the host
+    on_device = build_optimizer(torch.nn.Linear(4, 4, device="meta"), cfg, torch.device("cuda"))
+    assert type(on_host) is WindowedAdamW and type(offloaded) is WindowedAdamW
+    assert type(on_device) is torch.optim.AdamW
+
+
+def test_other_adamw_variants_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="windowed AdamW steps plain AdamW; not with amsgrad"):
+        WindowedAdamW(params(), amsgrad=True)
