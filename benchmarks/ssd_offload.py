@@ -1,11 +1,13 @@
 #!/usr/bin/env python
-"""Optimizer states on an SSD (`memory.ssd_offload_dir`): what mapped moments cost AdamW's step,
-and what they take off the host's RAM.
+"""AdamW on the host, and optimizer states on an SSD (`memory.ssd_offload_dir`): what a window at
+a time buys the step, what mapped moments cost it, and what they take off the host's RAM.
 
-One AdamW step (foreach, as on the host under CPU offload) over the same parameters, four ways,
+One AdamW step (foreach, as on the host under CPU offload) over the same parameters, five ways,
 in alternating blocks in one process so machine noise hits each alike:
 
 * plain: torch's AdamW, its moments in RAM;
+* windowed: WindowedAdamW (what the trainer steps on the host), its moments in RAM: torch's
+  arithmetic a cache-sized window at a time;
 * warm: SSDAdamW, its moments' pages in the page cache (states that fit in RAM);
 * cold: SSDAdamW with every moment page written back and pushed out to the disk before each
   step (msync, then madvise MADV_PAGEOUT): states that do not fit in RAM, read again every step
@@ -42,11 +44,11 @@ from pathlib import Path
 import torch
 
 from shardline.optim.ssd_offload import SSDAdamW
-from shardline.optim.windowed import WINDOW
+from shardline.optim.windowed import WINDOW, WindowedAdamW
 
 MADV_PAGEOUT = 21  # linux/mman.h: reclaim these pages now (clean ones only from a process: msync first)
 MS_SYNC = 4
-VARIANTS = ("plain", "warm", "cold", "cold_whole")
+VARIANTS = ("plain", "windowed", "warm", "cold", "cold_whole")
 COLD = ("cold", "cold_whole")
 
 
@@ -55,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--params", type=float, default=64e6, help="parameters (default 64e6: 512 MiB of moments)")
     p.add_argument("--tensors", type=int, default=32, help="tensors they are split into (default 32)")
     p.add_argument("--steps", type=int, default=8, help="measured steps per variant (default 8)")
-    p.add_argument("--window", type=int, default=WINDOW, help=f"SSDAdamW's window in elements (default {WINDOW})")
+    p.add_argument("--window", type=int, default=WINDOW, help=f"the window in elements (default {WINDOW})")
     p.add_argument("--folder", default="", help="where the moments are mapped (default: a temporary folder)")
     p.add_argument("--json", default="", help="write the results here too")
     p.add_argument("--memory-of", choices=VARIANTS, help=argparse.SUPPRESS)  # the child's job
@@ -67,8 +69,9 @@ def build(variant: str, args, folder: str) -> tuple[list[torch.Tensor], torch.op
     size = int(args.params) // args.tensors
     params = [torch.nn.Parameter(torch.randn(size) * 0.02) for _ in range(args.tensors)]
     hyper = {"lr": 1e-3, "foreach": True}
-    opt = torch.optim.AdamW(params, **hyper) if variant == "plain" else SSDAdamW(params, folder, 0, **hyper)
-    return params, opt
+    if variant in ("plain", "windowed"):
+        return params, (torch.optim.AdamW if variant == "plain" else WindowedAdamW)(params, **hyper)
+    return params, SSDAdamW(params, folder, 0, **hyper)
 
 
 def step(params, opt) -> None:
@@ -126,20 +129,20 @@ def memory_of(variant: str, args, folder: str) -> dict:
 
 
 def whole(opt: torch.optim.Optimizer, variant: str, window: int) -> None:
-    """Set SSDAdamW's window: every tensor at once for cold_whole, `window` otherwise."""
-    if isinstance(opt, SSDAdamW):
+    """Set the window: every tensor at once for cold_whole, `window` otherwise."""
+    if isinstance(opt, WindowedAdamW):
         opt.window = 1 << 62 if variant == "cold_whole" else window
 
 
 def timings(args, folder: str) -> tuple[dict[str, float], dict[str, float], dict[str, dict[str, int]]]:
     """Median step seconds per variant, median write-back seconds before the cold ones, and the
     median I/O of their steps."""
-    built = {v: build(v, args, folder) for v in ("plain", "warm")}
+    built = {v: build(v, args, folder) for v in ("plain", "windowed", "warm")}
     built.update({v: built["warm"] for v in COLD})  # the same mapped moments, paged out first
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     writeback: dict[str, list[float]] = {v: [] for v in COLD}
     io: dict[str, dict[str, list[int]]] = {v: {} for v in COLD}
-    for v in ("plain", "warm"):  # warm-up: every state made and touched once
+    for v in ("plain", "windowed", "warm"):  # warm-up: every state made and touched once
         step(*built[v])
     for _ in range(args.steps):
         for v in VARIANTS:

@@ -204,12 +204,13 @@ def test_gpu_checks_variants_exist_and_the_docs_ones_run_their_kernel_compiled()
                                                                          "train.document_mask=false"]
 
 
-def test_ssd_offload_reports_four_variants_and_moves_the_moments_out_of_anonymous_memory(tmp_path):
+def test_ssd_offload_reports_five_variants_and_moves_the_moments_out_of_anonymous_memory(tmp_path):
     """benchmarks/ssd_offload.py: the mapped moments are file-backed, not anonymous, memory (61 MiB
     of them here; the allocator's leftovers trimmed); paged out they are resident in neither, and
     the cold steps read them back from the file (major faults). Stepped a window at a time (1 Mi
-    elements of 8 Mi), a step's temporaries are a window's: stepped whole, foreach's square root of
-    every exp_avg_sq (4 bytes a parameter, half the moments) is resident at once too."""
+    elements of 8 Mi), a step's temporaries are a window's, the moments in RAM or mapped: stepped
+    whole, foreach's square root of every exp_avg_sq (4 bytes a parameter, half the moments) is
+    resident at once too."""
     from shardline.optim.ssd_offload import IN_MEMORY, filesystem
 
     folder = tmp_path / "ssd"
@@ -218,12 +219,13 @@ def test_ssd_offload_reports_four_variants_and_moves_the_moments_out_of_anonymou
         pytest.skip("the temporary folder is on tmpfs: its mapped pages are shared memory, not file-backed")
     result, _ = run_benchmark("ssd_offload.py", ["--params=8e6", "--tensors=4", "--steps=2", "--window=1048576",
                                                  f"--folder={folder}"], tmp_path)
-    assert set(result["step_s"]) == {"plain", "warm", "cold", "cold_whole"}
+    assert set(result["step_s"]) == {"plain", "windowed", "warm", "cold", "cold_whole"}
     assert all(positive(s) for s in [*result["step_s"].values(), *result["writeback_s"].values()])
     rss, moments = result["rss_gib"], result["moments_gib"]
     assert rss["warm"]["RssFile"] == pytest.approx(moments, rel=0.1) and rss["cold"]["RssFile"] < moments / 4
     assert rss["plain"]["RssAnon"] - rss["warm"]["RssAnon"] == pytest.approx(moments, rel=0.1)
     assert rss["cold_whole"]["step_rise"] - rss["cold"]["step_rise"] > moments / 4  # ~0.44 x the moments
+    assert rss["plain"]["step_rise"] - rss["windowed"]["step_rise"] > moments / 4  # in RAM too
     assert rss["cold"]["step_rise"] > moments  # the gradients and the moments read back
     assert all(result["cold_step_io"][v]["major_faults"] > 0 for v in ("cold", "cold_whole"))
     assert list(folder.iterdir()) == []  # its temporary folder and unlinked files: nothing left

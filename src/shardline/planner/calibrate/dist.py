@@ -47,6 +47,7 @@ from shardline.errors import ShardlineError
 from shardline.layout import Layout
 from shardline.models.llama import Llama, ModelArgs
 from shardline.models.llama.parallelize import apply_tp
+from shardline.optim.windowed import WindowedAdamW
 from shardline.parallel.collectives import clip_grad_norm
 from shardline.parallel.data_parallel import apply_fsdp
 from shardline.parallel.dims import ParallelDims
@@ -106,7 +107,7 @@ def _step_fn(model, ids: torch.Tensor):
 
 
 def _optimizer_fn(model, dims):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    opt = WindowedAdamW(model.parameters(), lr=1e-4, foreach=True)  # the trainer's on the host
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
 

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from shardline.devices import synchronize
+from shardline.optim.windowed import WindowedAdamW
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _VIEWS = ("view", "t.", "_unsafe_view", "transpose", "expand", "unsqueeze", "split", "detach", "alias",
@@ -159,12 +160,14 @@ def measure_op_overhead(device: torch.device, n_ops: int = 200, clock=time.perf_
 
 def measure_optimizer(device: torch.device, bandwidth_gbs: float, n_params: int = 4_000_000,
                       clock=time.perf_counter) -> float:
-    """AdamW (foreach) + clip_grad_norm_ time, as bytes of memory traffic per parameter."""
+    """AdamW + clip_grad_norm_ time, as bytes of memory traffic per parameter: the AdamW the trainer
+    steps there (fused on a GPU; on the host a window at a time, shardline/optim/windowed.py)."""
     sizes = [n_params // 40] * 40
     params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in sizes]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=device.type != "cuda", fused=device.type == "cuda")
+    opt = (torch.optim.AdamW(params, lr=1e-4, fused=True) if device.type == "cuda"
+           else WindowedAdamW(params, lr=1e-4, foreach=True))
 
     def step():
         torch.nn.utils.clip_grad_norm_(params, 1.0)
