@@ -30,6 +30,7 @@ from shardline.planner.hardware import get_hardware
 from shardline.planner.layout import Workload
 from shardline.planner.report import attention_words, mfu_words
 from shardline.planner.memory import GiB
+from shardline.planner.offload import OUTSIDE_DEVICE
 from shardline.preflight import (
     Preflight,
     check_config,
@@ -124,7 +125,7 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
     doc_tokens, doc_source = _mean_doc_tokens(cfg)
     work = Workload.from_config(cfg, launch.model_args, doc_tokens)
     e = estimate(work, launch.layout, hw)
-    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.memory.items() if k not in ("total", "host_offload"))
+    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.memory.items() if k not in OUTSIDE_DEVICE)
     fits = "fits" if e.fits else "DOES NOT FIT"
     return [f"memory    per rank on {hw.name}{note}, planner estimate (GiB): {parts}",
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "

@@ -19,12 +19,13 @@ from shardline.planner.memory import (
     expert_layer_params,
     layer_params,
     memory_breakdown,
-    offloaded,
     ranks,
     stage_params,
     state_bytes,
     zero_model_states,
+    zero_stage,
 )
+from shardline.planner.offload import OUTSIDE_DEVICE, offloaded
 
 
 @pytest.mark.parametrize("stage, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -200,8 +201,8 @@ def test_trainer_model_states_by_layout():
     fp32 = state_bytes(Workload(PRESETS["llama3-8b"], 4096, 64, "fp32"), Layout(), psi)
     assert sum(fp32.values()) == pytest.approx(16 * psi)
     lay = Layout(dp_shard=8, zero=3, cpu_offload=True)
-    kept, host = offloaded(state_bytes(w, lay, psi), lay)
-    assert sum(kept.values()) == 0 and host == pytest.approx(16 * psi / 8)
+    kept, host, ssd = offloaded(state_bytes(w, lay, psi), lay, w, get_hardware("h200"), zero_stage(lay), psi / 8)
+    assert sum(kept.values()) == 0 and host == pytest.approx(16 * psi / 8) and ssd == 0
 
 
 def test_fp16_under_fsdp_gathers_fp32_and_keeps_autocasts_copies():
@@ -236,7 +237,7 @@ def test_zero1_peaks_at_its_step_gather_when_activations_are_small():
     lay = Layout(dp_shard=8, zero=1, micro_batch_size=1, activation_checkpoint="full")
     mem = memory_breakdown(w, lay, get_hardware("h200"))
     psi = stage_params(w, lay, ranks(w, lay)[0])
-    allocated = sum(v for k, v in mem.items() if k not in ("fragmentation", "reserved", "total", "host_offload"))
+    allocated = sum(v for k, v in mem.items() if k not in ("fragmentation", "reserved", *OUTSIDE_DEVICE))
     assert allocated == pytest.approx((12 + 16 / 8) * psi)
     fsdp = memory_breakdown(w, Layout(dp_shard=8, zero=3, micro_batch_size=1, activation_checkpoint="full"),
                             get_hardware("h200"))
@@ -377,7 +378,7 @@ def test_one_gpu_offload_moves_every_state_to_the_host_and_the_search_finds_it()
     psi = 8.0e9
     lay = Layout(cpu_offload=True, activation_checkpoint="full")
     assert lay.dp_mode == "fsdp"
-    kept, host = offloaded(state_bytes(w, lay, psi), lay)
+    kept, host, _ = offloaded(state_bytes(w, lay, psi), lay, w, get_hardware("h200"), zero_stage(lay), psi)
     assert sum(kept.values()) == 0 and host == pytest.approx(16 * psi)
     hw = get_hardware("h200")
     assert memory_breakdown(w, Layout(activation_checkpoint="full"), hw)["total"] > hw.mem_gib * GiB

@@ -41,6 +41,9 @@ def register(sub) -> None:
                       help="attend within packed documents (the trainer's default); the kernel is "
                            "--train.attention's (auto: flex on GPUs, SDPA's dense mask on cpu)")
     _doc_arg(plan)
+    plan.add_argument("--ssd-offload-dir", default="", metavar="DIR",
+                      help="a folder on each node's local SSD: layouts that step AdamW on the host (CPU offload) "
+                           "keep its moments there (memory.ssd_offload_dir)")
     plan.add_argument("--fix", default="", metavar="KEY=V,...", help="pin [parallel]/[memory] keys (dp = plain DDP)")
     plan.add_argument("--runnable-only", action="store_true",
                       help="only layouts `shardline train` builds today (see layout.NOT_BUILT)")
@@ -154,7 +157,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         raise ConfigError(f"--global-batch {batch} must be >= 1")
     precision = args.precision or ("fp32" if args.gpu == "cpu" else "bf16")
     return Workload(model, args.seq_len, batch, precision, args.document_mask, ref, from_tok,
-                    mean_doc_tokens=_mean_doc_tokens(args))
+                    mean_doc_tokens=_mean_doc_tokens(args), ssd_offload_dir=args.ssd_offload_dir)
 
 
 EMITTED = "# written by: shardline plan"  # the first line of an emitted config
@@ -174,7 +177,7 @@ def _emit(path: str, work: Workload, candidates: list, base: Config, args: argpa
     if target.exists() and (not target.is_file() or not target.read_text(errors="replace").startswith(EMITTED)):
         raise ConfigError(f"--emit-config {path} exists and was not written by shardline plan; choose another "
                           "file (a plan replaces only its own)")
-    cfg = to_config(e.layout, work, base)
+    cfg = to_config(e.layout, work, base, on_cpu=args.gpu == "cpu")
     per_node = min(e.layout.world, gpus_per_node)  # the hardware's (a CPU host: all ranks on one)
     nodes = -(-e.layout.world // per_node)
     # several nodes: one torchrun per node, meeting at a rendezvous on the first
@@ -194,6 +197,7 @@ def _emit(path: str, work: Workload, candidates: list, base: Config, args: argpa
 
 
 def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardline.optim import ssd_offload
     from shardline.planner import report
     from shardline.planner.estimate import estimate
 
@@ -201,6 +205,9 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg.check()
     hw = _hardware(args, args.gpu or _default_device(cfg))
     layout = resolve(cfg, args.gpus)
+    problem = ssd_offload.problem(cfg.memory, layout.zero, on_cuda=hw.name != "cpu", node_paths=False)
+    if problem:  # what the trainer refuses is not priced as if it ran
+        raise ConfigError(problem)
     work = Workload.from_config(cfg, _config_model(cfg), _mean_doc_tokens(args))
     e = estimate(work, layout, hw)
     print(json.dumps(e.to_json(), indent=1) if args.json else report.estimate_text(work, hw, e))

@@ -28,6 +28,8 @@ Which communication overlaps with compute, stated once here and used below:
     scalar all-reduces  exposed: the loss, and the gradient norm per group of DTensor gradients
     tied embedding      the gradient all-reduce of the first and last pipeline ranks: exposed
     CPU offload copies  exposed (host<->device copies and the host-side optimizer)
+    SSD offload         reads of the moments the page cache cannot keep, beyond the host's AdamW;
+                        their write-back beyond the rest of the step (offload.py)
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ from shardline.planner.layout import Workload, layout_problem
 from shardline.planner.memory import (
     GiB,
     distinct_ranks,
-    host_fits,
     memory_breakdown,
     params_per_rank,
     ranks,
@@ -62,10 +63,13 @@ from shardline.planner.microbatch_comm import (
     tp_head,
     tp_head_collectives,
 )
+from shardline.planner.offload import host_fits, ssd_exposed
 from shardline.planner.pipeline import bubble_fraction
 from shardline.planner.step_comm import dp_tail, sync, tied_grads
 
-CPU_ADAM_BYTES_PER_S = 20e9  # host-side AdamW with offload: ~28 B per parameter at this rate
+CPU_ADAM_BYTES_PER_S = 20e9  # host-side AdamW with offload: 28 B per parameter (read the weight, gradient
+# and moments, write the weight and moments) at this rate; the trainer's windowed AdamW ran at 21 GB/s so
+# counted on a 2-core VM (benchmarks/RESULTS.md; torch's whole-tensor foreach, 10); a server host: unmeasured
 
 
 @dataclass
@@ -135,6 +139,8 @@ def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]
     tail, dp_total, algos = dp_tail(work, layout, hw, slow)
     breakdown["dp_comm"] = breakdown.get("dp_comm", 0.0) + tail
     breakdown["optimizer"] = _optimizer(work, layout, hw)
+    rest = sum(v for k, v in breakdown.items() if k != "optimizer")
+    breakdown["ssd_io"] = ssd_exposed(memory, layout, hw, breakdown["optimizer"], rest)
     breakdown["sync_comm"] = sync(work, layout, hw)
     breakdown["tied_comm"] = tied_grads(work, layout, hw)
     breakdown = {k: v for k, v in breakdown.items() if v > 0 or k in ("compute", "dp_comm")}

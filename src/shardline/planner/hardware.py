@@ -59,6 +59,11 @@ class Network:
     bw_efficiency: float = 0.8  # share of link bandwidth a collective library realises
     host_bw_gbs: float = 50.0  # device <-> host (PCIe) for CPU offload
     host_mem_gib: float = 2048.0  # host memory of one node (DGX H100: 2 TB), which CPU offload fills
+    # A node's local NVMe drives together, for memory.ssd_offload_dir (GB/s): a DGX H100 has eight
+    # U.2 data drives; at a datacenter drive's ~6-7 GB/s read and ~3-4 GB/s write each, derated for
+    # the file system and software RAID. Guesses, not measured: set them in a hardware profile.
+    ssd_read_gbs: float = 25.0
+    ssd_write_gbs: float = 12.0
     # Calibrated intra-node alpha and B per group size ("2", "4", ...; gloo between CPU
     # processes, where both depend on how many processes share the cores). Empty: the
     # scalar intra_* fields for every size.
@@ -190,6 +195,7 @@ def cpu_hardware() -> Hardware:
         mem_gib=_host_memory_gib(), mem_bw_gbs=20.0, reserved_gib=0.0, fragmentation=0.15,
         network=Network(gpus_per_node=1024, intra_bw_gbs=2.0, intra_latency_us=60.0, inter_bw_gbs=1.25,
                         inter_latency_us=60.0, bw_efficiency=1.0, host_bw_gbs=20.0, host_mem_gib=_host_memory_gib(),
+                        ssd_read_gbs=1.5, ssd_write_gbs=1.0,  # a 2-core VM's disk: dd, O_DIRECT
                         op_factor={"all_reduce": 0.9, "all_gather": 1.1, "reduce_scatter": 2.0}),
         matmul_eff_max={"fp32": 0.5, "bf16": 0.1, "fp16": 0.05}, matmul_half_dim=64.0,
         attn_eff={"fp32": 0.25, "bf16": 0.05, "fp16": 0.03}, elementwise_eff={"fp32": 1.0, "bf16": 0.8, "fp16": 0.5},

@@ -70,6 +70,7 @@ class Workload:
     attention: str = "auto"  # train.attention; the kernel it resolves to is priced (planner/attention.py)
     mean_doc_tokens: float = 0.0  # mean document length of the data (0: unknown, one document per row)
     compiled: bool = False  # train.compile: blocks and cross-entropy compiled (compiled_blocks, compiled_loss)
+    ssd_offload_dir: str = ""  # memory.ssd_offload_dir: AdamW's moments on an SSD where AdamW steps on the host
 
     @classmethod
     def from_config(cls, cfg: Config, model: ModelArgs, mean_doc_tokens: float = 0.0) -> Workload:
@@ -78,7 +79,8 @@ class Workload:
         t = cfg.train
         return cls(model, t.seq_len, t.global_batch_size, t.precision, t.document_mask,
                    cfg.model.hf_path or cfg.model.preset, loss_chunk_tokens=t.loss_chunk_tokens,
-                   attention=t.attention, mean_doc_tokens=mean_doc_tokens, compiled=t.compile)
+                   attention=t.attention, mean_doc_tokens=mean_doc_tokens, compiled=t.compile,
+                   ssd_offload_dir=cfg.memory.ssd_offload_dir)
 
     @property
     def tokens(self) -> int:
@@ -146,8 +148,9 @@ def _parse_value(key: str, value: str, kind: str):
     return value
 
 
-def to_config(layout: Layout, work: Workload, base: Config | None = None) -> Config:
-    """A trainer config running `work` with `layout` (other sections from `base` or defaults)."""
+def to_config(layout: Layout, work: Workload, base: Config | None = None, on_cpu: bool = False) -> Config:
+    """A trainer config running `work` with `layout` (other sections from `base` or defaults) on
+    GPUs, or CPU processes (`on_cpu`)."""
     cfg = copy.deepcopy(base) if base is not None else Config()
     if work.model_ref.startswith("hf:"):
         cfg.model.hf_path = work.model_ref[3:]
@@ -161,6 +164,10 @@ def to_config(layout: Layout, work: Workload, base: Config | None = None) -> Con
     cfg.memory.activation_checkpoint = layout.activation_checkpoint
     cfg.memory.ac_every = layout.ac_every
     cfg.memory.cpu_offload = layout.cpu_offload
+    # The folder where this layout steps AdamW on the host (not under ZeRO-1): CPU offload, or a
+    # CPU run (the trainer refuses it on a GPU without offload); else the plan does not use it.
+    host = layout.cpu_offload or on_cpu
+    cfg.memory.ssd_offload_dir = work.ssd_offload_dir if host and layout.zero != 1 else ""
     cfg.check(dp_world=layout.dp)
     return cfg
 

@@ -14,11 +14,11 @@ autocast's cached bf16 weights (single device, DDP) or FSDP2's gathered bf16 wei
 blocks are resident: the current and the prefetched). In fp32 there is no separate
 master (o = 8 for m and v, p = 4 for the weights themselves, sharded at stage 3).
 FSDP shards over dp_shard x cp; HSDP replicates that group dp_replicate times; CPU
-offload moves the sharded states to the host. Routed experts under expert parallelism:
-FSDP shards each rank's ep-th of them over the remaining shard_degree / ep ranks (efsdp),
-the same bytes as all of them over shard_degree; ZeRO-1 keeps a rank's ep-th whole (weights
-and gradients) and cuts their states over efsdp, again all of them over shard_degree
-(`zero1_ep_away`).
+offload moves the sharded states to the host, an SSD folder AdamW's moments on from there
+(offload.py). Routed experts under expert parallelism: FSDP shards each rank's ep-th of them
+over the remaining shard_degree / ep ranks (efsdp), the same bytes as all of them over
+shard_degree; ZeRO-1 keeps a rank's ep-th whole (weights and gradients) and cuts their states
+over efsdp, again all of them over shard_degree (`zero1_ep_away`).
 
 Another program's ZeRO-1 is a Runtime field: DeepSpeed's BF16_Optimizer (BLOOM) shards only
 Adam's m and v and keeps the fp32 master and an fp32 gradient buffer whole on every rank
@@ -45,6 +45,7 @@ from shardline.planner.attention import dense_mask
 from shardline.planner.hardware import Hardware
 from shardline.layout import Layout
 from shardline.planner.layout import Workload
+from shardline.planner.offload import OUTSIDE_DEVICE, offloaded
 from shardline.layout import RankStages, pipeline_ranks
 from shardline.planner.pipeline import inflight_on_rank
 
@@ -229,14 +230,6 @@ def deepspeed_bf16_states(work: Workload, layout: Layout, psi: float) -> dict[st
     return zero_model_states(psi, layout.shard_degree, 1, c + 4.0, work.runtime.grad_bytes + 4.0, 8.0)
 
 
-def offloaded(states: dict[str, float], layout: Layout) -> tuple[dict[str, float], float]:
-    """(what stays on the device, bytes moved to host) under CPU offload of the sharded states."""
-    if not layout.cpu_offload:
-        return states, 0.0
-    keep = {k: (v if k == "params" and zero_stage(layout) < 3 else 0.0) for k, v in states.items()}
-    return keep, sum(states.values()) - sum(keep.values())
-
-
 def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.0, root: float = 0.0,
                     per_layer: float | None = None) -> float:
     """Communication and gather buffers alive at the peak (psi: the rank's parameters, root:
@@ -352,7 +345,9 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     for stage in peak_candidates(work, layout):
         psi = stage_params(work, layout, stage, per_layer)
-        states, host = offloaded(state_bytes(work, layout, psi, zero1_ep_away(work, layout, stage)), layout)
+        away = zero1_ep_away(work, layout, stage)
+        states, host, ssd = offloaded(state_bytes(work, layout, psi, away), layout, work, hw, zero_stage(layout),
+                                      psi / layout.shard_degree)
         # Gathered weights and unsharded gradients: of the routed experts only this ep rank's.
         parts = {**states, **activation_bytes(work, layout, stage, on_cuda=hw.name != "cpu"),
                  "buffers": transient_bytes(work, layout, tokens, psi - ep_away(work, layout, stage.layers),
@@ -361,7 +356,7 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
             parts = peak.busiest(work, layout, parts, zero_stage(layout), stage,
                                  per_layer - ep_away(work, layout, 1), loss_terms(work, layout)[2])
         allocated = sum(parts.values())
-        step = zero1_step_bytes(work, layout, psi, zero1_ep_away(work, layout, stage))
+        step = zero1_step_bytes(work, layout, psi, away)
         if step > allocated:  # the optimizer step's gather, not the backward, is this rank's peak
             parts["buffers"] += step - allocated
             allocated = step
@@ -369,6 +364,7 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
         parts["reserved"] = (hw.reserved_gib + hw.cpu.process_baseline_gib) * GiB
         parts["total"] = sum(parts.values())
         parts["host_offload"] = host  # on the host, not the device: not in the total
+        parts["ssd_offload"] = ssd  # in files on the node's SSDs: neither
         if parts["total"] > worst.get("total", -1.0):
             worst = parts
     return worst
@@ -377,15 +373,9 @@ def memory_breakdown(work: Workload, layout: Layout, hw: Hardware) -> dict[str, 
 def largest_term(memory: dict[str, float]) -> tuple[str, float]:
     """(name, bytes) of the biggest part of a memory breakdown: what a 'does not fit' message
     names first, since shrinking it is what moves the total most."""
-    parts = {k: v for k, v in memory.items() if k not in ("total", "host_offload")}
+    parts = {k: v for k, v in memory.items() if k not in OUTSIDE_DEVICE}
     name = max(parts, key=parts.get)
     return name, parts[name]
-
-
-def host_fits(memory: dict[str, float], layout: Layout, hw: Hardware) -> bool:
-    """Whether the offloaded states of one node's ranks fit its host memory (90% usable)."""
-    ranks = min(layout.world, hw.network.gpus_per_node)
-    return memory.get("host_offload", 0.0) * ranks <= 0.9 * hw.network.host_mem_gib * GiB
 
 
 def params_per_rank(work: Workload, layout: Layout) -> float:

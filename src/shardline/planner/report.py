@@ -8,6 +8,7 @@ from shardline.planner.estimate import Estimate
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
 from shardline.planner.memory import GiB, largest_term, total_params
+from shardline.planner.offload import OUTSIDE_DEVICE, ssd_spill
 from shardline.planner.search import SearchResult
 
 
@@ -75,7 +76,7 @@ def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
     lines += ["", f"memory on the busiest rank at its peak (GiB; on a GPU the terms alive then), "
                   f"capacity {e.capacity / GiB:.1f}:"]
     for key, value in e.memory.items():
-        if key not in ("total", "host_offload"):
+        if key not in OUTSIDE_DEVICE:
             lines.append(f"  {key:<18} {value / GiB:10.3f}")
     big, big_bytes = largest_term(e.memory)
     fits = "fits" if e.memory["total"] <= e.capacity else \
@@ -85,6 +86,9 @@ def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
     if e.memory.get("host_offload"):
         host = "" if e.host_ok else f"  DOES NOT FIT the host's {hw.network.host_mem_gib:.0f} GiB per node"
         lines.append(f"  {'on the host':<18} {e.memory['host_offload'] / GiB:10.3f}  (CPU offload){host}")
+    if e.memory.get("ssd_offload"):
+        lines.append(f"  {'on the SSD':<18} {e.memory['ssd_offload'] / GiB:10.3f}  (memory.ssd_offload_dir: AdamW's "
+                     f"moments; {ssd_spill(e.memory, e.layout, hw) / GiB:.1f} GiB a node beyond its page cache)")
     return "\n".join(lines)
 
 

@@ -35,7 +35,8 @@ from shardline.planner.hardware import Hardware
 from shardline.layout import Layout
 from shardline.parallel import float8
 from shardline.planner.layout import Workload, layout_problem
-from shardline.planner.memory import GiB, host_fits, largest_term, memory_breakdown
+from shardline.planner.memory import GiB, largest_term, memory_breakdown
+from shardline.planner.offload import host_fits
 from shardline.planner.pipeline import VIRTUAL_STAGES
 
 AC_OPTIONS = (("none", 1), ("op", 1), ("selective", 2), ("full", 1))
@@ -259,6 +260,8 @@ def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult
         per_node, _ = result.smallest_host
         text += (f"; CPU offload would need {per_node / GiB:,.0f} GiB of host memory per node, which has "
                  f"{hw.network.host_mem_gib:,.0f} GiB")
+        if not work.ssd_offload_dir:
+            text += " (--ssd-offload-dir: AdamW's moments on the nodes' SSDs instead)"
     return text
 
 

@@ -1,0 +1,98 @@
+"""The planner's SSD tier (planner/offload.py, memory.ssd_offload_dir): where the moments go,
+which layouts keep them there, when the page cache holds them, and what the SSD costs a step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardline.cli import main
+from shardline.models import PRESETS
+from shardline.planner.estimate import estimate
+from shardline.planner.hardware import get_hardware
+from shardline.planner.layout import Layout, Workload, to_config
+from shardline.planner.memory import GiB, memory_breakdown
+from shardline.planner.offload import host_fits, ssd_spill
+from shardline.planner.search import explain_no_fit, search
+
+W8B = Workload(PRESETS["llama3-8b"], 4096, 16, "bf16")
+ON_SSD = dataclasses.replace(W8B, ssd_offload_dir="/nvme/shardline")
+OFFLOAD = Layout(cpu_offload=True, activation_checkpoint="full", micro_batch_size=1)
+
+
+def host(gib: float, read: float = 25.0, write: float = 12.0, name: str = "h100-sxm"):
+    """A hardware entry whose nodes have `gib` of host memory and SSDs of these GB/s."""
+    hw = get_hardware(name)
+    return dataclasses.replace(hw, network=dataclasses.replace(hw.network, host_mem_gib=gib, ssd_read_gbs=read,
+                                                                ssd_write_gbs=write))
+
+
+def test_the_moments_move_from_the_host_to_the_ssd_and_nothing_else():
+    hw = host(2048)
+    plain, ssd = memory_breakdown(W8B, OFFLOAD, hw), memory_breakdown(ON_SSD, OFFLOAD, hw)
+    moments = 8 * 8.03e9  # m and v in fp32, every parameter on the one rank
+    assert ssd["ssd_offload"] == pytest.approx(moments, rel=0.01) and plain["ssd_offload"] == 0
+    assert plain["host_offload"] - ssd["host_offload"] == pytest.approx(ssd["ssd_offload"])
+    assert ssd["total"] == plain["total"]  # the device holds what it held
+    # Where AdamW steps on the device, or under ZeRO-1, the folder is not used.
+    for layout in (dataclasses.replace(OFFLOAD, cpu_offload=False), Layout(dp_shard=8, zero=1)):
+        assert memory_breakdown(ON_SSD, layout, hw)["ssd_offload"] == 0
+
+
+def test_on_cpu_ranks_the_moments_leave_the_ranks_memory():
+    tiny = Workload(PRESETS["tiny"], 256, 8, "fp32")
+    cpu = get_hardware("cpu")
+    plain = memory_breakdown(tiny, Layout(), cpu)
+    ssd = memory_breakdown(dataclasses.replace(tiny, ssd_offload_dir="/data"), Layout(), cpu)
+    assert plain["optimizer"] - ssd["optimizer"] == pytest.approx(ssd["ssd_offload"]) and ssd["ssd_offload"] > 0
+    assert plain["total"] - ssd["total"] == pytest.approx(ssd["ssd_offload"] * (1 + cpu.fragmentation))
+
+
+def test_a_host_too_small_for_offload_fits_with_the_moments_on_an_ssd():
+    """8B on one H100 with 128 GiB of host memory: CPU offload needs 120 GiB there (weights,
+    gradients and moments, 16 B a parameter), more than the 90% usable; with the moments on the
+    SSD, 60 GiB. The misfit message points at the option; the emitted config names the folder."""
+    hw, fixed = host(128), {"activation_checkpoint": "full"}
+    none = search(W8B, hw, 1, fixed, runnable_only=True)
+    assert not none.candidates and "--ssd-offload-dir" in explain_no_fit(W8B, hw, 1, none)
+    fits = search(ON_SSD, hw, 1, fixed, runnable_only=True)
+    assert fits.candidates and all(e.layout.cpu_offload and e.host_ok for e in fits.candidates)
+    best = fits.candidates[0]
+    assert not host_fits(memory_breakdown(W8B, best.layout, hw), best.layout, hw)
+    assert to_config(best.layout, ON_SSD).memory.ssd_offload_dir == "/nvme/shardline"
+    assert to_config(Layout(dp_shard=8), ON_SSD).memory.ssd_offload_dir == ""  # AdamW on the GPUs
+    assert to_config(Layout(), ON_SSD, on_cpu=True).memory.ssd_offload_dir == "/nvme/shardline"
+
+
+def test_the_ssd_costs_a_step_only_beyond_the_page_cache_and_what_hides_it():
+    """The moments the page cache cannot keep are read in every optimizer step (overlapping the
+    host's AdamW) and written back under the next forward and backward: only what sticks out of
+    those shows in the step."""
+    roomy = estimate(ON_SSD, OFFLOAD, host(1024))
+    assert ssd_spill(roomy.memory, OFFLOAD, host(1024)) == 0 and "ssd_io" not in roomy.breakdown
+    tight_hw = host(72, read=4.0, write=1.0)  # 64.8 GiB usable: 60 GiB of weights and gradients
+    tight = estimate(ON_SSD, OFFLOAD, tight_hw)
+    spill = ssd_spill(tight.memory, OFFLOAD, tight_hw)
+    assert spill == pytest.approx(tight.memory["ssd_offload"] - (0.9 * 72 * GiB - tight.memory["host_offload"]))
+    optimizer = tight.breakdown["optimizer"]
+    rest = tight.step_time_s - optimizer - tight.breakdown["ssd_io"]
+    assert tight.breakdown["ssd_io"] == pytest.approx(max(0, spill / 4e9 - optimizer) + max(0, spill / 1e9 - rest))
+    assert tight.breakdown["ssd_io"] > 0
+    faster = estimate(ON_SSD, OFFLOAD, host(72, read=400.0, write=100.0))
+    assert faster.breakdown.get("ssd_io", 0.0) < tight.breakdown["ssd_io"]
+    # Less host memory, more spilled, never faster.
+    tighter = estimate(ON_SSD, OFFLOAD, host(68, read=4.0, write=1.0))
+    assert tighter.breakdown["ssd_io"] > tight.breakdown["ssd_io"]
+
+
+def test_estimate_prices_a_configs_folder_and_refuses_what_the_trainer_refuses(tmp_path, capsys):
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\npreset = "llama3.2-1b"\n[train]\nseq_len = 1024\nglobal_batch_size = 8\n'
+                      '[memory]\ncpu_offload = true\nssd_offload_dir = "/nvme/x"\n')
+    args = ["estimate", "--config", str(config), "--gpu", "h200", "--gpus", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "on the SSD" in out and "memory.ssd_offload_dir: AdamW's moments" in out
+    assert main([*args, "--memory.cpu_offload=false"]) != 0
+    assert "needs memory.cpu_offload=true on a GPU" in capsys.readouterr().err
