@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from shardline.cli import main
+from shardline.errors import ConfigError
 from shardline.models import PRESETS
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import get_hardware
@@ -66,24 +67,28 @@ def test_a_host_too_small_for_offload_fits_with_the_moments_on_an_ssd():
 
 
 def test_the_ssd_costs_a_step_only_beyond_the_page_cache_and_what_hides_it():
-    """The moments the page cache cannot keep are read in every optimizer step (overlapping the
-    host's AdamW) and written back under the next forward and backward: only what sticks out of
-    those shows in the step."""
-    roomy = estimate(ON_SSD, OFFLOAD, host(1024))
-    assert ssd_spill(roomy.memory, OFFLOAD, host(1024)) == 0 and "ssd_io" not in roomy.breakdown
-    tight_hw = host(72, read=4.0, write=1.0)  # 64.8 GiB usable: 60 GiB of weights and gradients
+    """Moments the page cache keeps cost nothing; once they do not all fit, a sweep in the same
+    order each step misses throughout (least recently used goes first): every moment is read in
+    the optimizer step (overlapping the host's AdamW) and written back, under the next forward and
+    backward up to the kernel's dirty limit, past it in the optimizer step. Only what sticks out
+    of those shows in the step."""
+    moments_gib = 8 * 8.03e9 / GiB  # 59.8: the host holds 59.8 more of weights and gradients
+    fits, cliff = estimate(ON_SSD, OFFLOAD, host(134)), estimate(ON_SSD, OFFLOAD, host(132))
+    assert ssd_spill(fits.memory, OFFLOAD, host(134)) == 0 and "ssd_io" not in fits.breakdown
+    assert ssd_spill(cliff.memory, OFFLOAD, host(132)) == pytest.approx(moments_gib * GiB, rel=0.01)
+    tight_hw = host(72, read=4.0, write=1.0)
     tight = estimate(ON_SSD, OFFLOAD, tight_hw)
-    spill = ssd_spill(tight.memory, OFFLOAD, tight_hw)
-    assert spill == pytest.approx(tight.memory["ssd_offload"] - (0.9 * 72 * GiB - tight.memory["host_offload"]))
+    spill, background = tight.memory["ssd_offload"], 0.2 * 72 * GiB
     optimizer = tight.breakdown["optimizer"]
     rest = tight.step_time_s - optimizer - tight.breakdown["ssd_io"]
-    assert tight.breakdown["ssd_io"] == pytest.approx(max(0, spill / 4e9 - optimizer) + max(0, spill / 1e9 - rest))
-    assert tight.breakdown["ssd_io"] > 0
+    expected = max(0, spill / 4e9 + (spill - background) / 1e9 - optimizer) + max(0, background / 1e9 - rest)
+    assert tight.breakdown["ssd_io"] == pytest.approx(expected) and expected > 0
     faster = estimate(ON_SSD, OFFLOAD, host(72, read=400.0, write=100.0))
     assert faster.breakdown.get("ssd_io", 0.0) < tight.breakdown["ssd_io"]
-    # Less host memory, more spilled, never faster.
-    tighter = estimate(ON_SSD, OFFLOAD, host(68, read=4.0, write=1.0))
+    tighter = estimate(ON_SSD, OFFLOAD, host(68, read=4.0, write=1.0))  # a lower dirty limit: more waits
     assert tighter.breakdown["ssd_io"] > tight.breakdown["ssd_io"]
+    with pytest.raises(ConfigError, match="ssd_read_gbs=0"):
+        estimate(ON_SSD, OFFLOAD, host(72, read=0.0))
 
 
 def test_estimate_prices_a_configs_folder_and_refuses_what_the_trainer_refuses(tmp_path, capsys):

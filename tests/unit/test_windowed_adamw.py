@@ -9,7 +9,9 @@ import torch
 from shardline.config import OptimConfig
 from shardline.errors import ConfigError
 from shardline.optim import build_optimizer, windowed
-from shardline.optim.windowed import WindowedAdamW
+from shardline.optim.windowed import WindowedAdamW, local
+from tests.distributed.harness import gloo_rank, start_ranks
+from tests.ports import free_port
 
 IMPLEMENTATIONS = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fused": {"fused": True}}
 
@@ -90,3 +92,50 @@ def test_build_optimizer_windows_the_host_and_leaves_devices_to_torch():
 def test_other_adamw_variants_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="windowed AdamW steps plain AdamW; not with amsgrad"):
         WindowedAdamW(params(), amsgrad=True)
+
+
+def _dtensor_worker(rank: int, world: int, port: int, impl: str) -> None:
+    """Weights sharded on the first dim (cut across windows), replicated norms, a sharded weight
+    whose gradient arrives replicated (a window of DTensors), a plain weight with a non-contiguous
+    gradient and an empty one: every rank's shards equal torch's AdamW bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    with gloo_rank(rank, world, port):
+        mesh = init_device_mesh("cpu", (world,))
+
+        def made() -> tuple[list[torch.nn.Parameter], list]:
+            torch.manual_seed(0)
+            full = [torch.randn(64, 300), torch.randn(300), torch.randn(16, 8), torch.randn(20, 30), torch.randn(0, 4)]
+            ps = [torch.nn.Parameter(distribute_tensor(full[0], mesh, [Shard(0)])),
+                  torch.nn.Parameter(distribute_tensor(full[1], mesh, [Replicate()])),
+                  torch.nn.Parameter(distribute_tensor(full[2], mesh, [Shard(0)])),
+                  torch.nn.Parameter(full[3]), torch.nn.Parameter(full[4])]
+            grad_placements = [[Shard(0)], [Replicate()], [Replicate()], None, None]
+            return ps, grad_placements
+
+        results = []
+        for cls in (torch.optim.AdamW, WindowedAdamW):
+            ps, placements = made()
+            opt = cls(groups(ps), lr=1e-2, **IMPLEMENTATIONS[impl])
+            opt.window = windowed.ALIGN
+            for i in range(3):
+                g = torch.Generator().manual_seed(i)
+                for p, where in zip(ps, placements):
+                    full = torch.randn(p.shape, generator=g)
+                    if where is None:  # plain: a transposed copy's transpose, not contiguous
+                        p.grad = full.t().contiguous().t() if full.ndim == 2 else full
+                    else:
+                        p.grad = distribute_tensor(full, mesh, where)
+                opt.step()
+            assert not ps[3].grad.is_contiguous()
+            results.append([local(t).clone() for p in ps for t in (p, opt.state[p]["exp_avg"],
+                                                                   opt.state[p]["exp_avg_sq"])])
+        assert all(isinstance(p, DTensor) for p in ps[:3])
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "for-loop"])
+def test_dtensor_shards_and_odd_gradients_step_as_torchs_adamw(impl):
+    start_ranks(_dtensor_worker, (2, free_port(), impl), 2)

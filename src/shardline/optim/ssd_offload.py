@@ -152,7 +152,7 @@ class SSDAdamW(WindowedAdamW):
         """Ask the kernel to read a window's moment pages now, without waiting for them: a read-ahead
         hint (an error, say madvise missing, costs only the overlap)."""
         for _, _, m, v, _, _ in window:
-            for t in (m, v):
+            for t in (local(m), local(v)):  # a window of DTensors (windowed._windows): their shards
                 start = t.data_ptr() & ~(PAGE - 1)
                 self._libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(t.data_ptr() + t.nbytes - start),
                                    MADV_WILLNEED)

@@ -1,14 +1,17 @@
 """AdamW on the host, stepped a cache-sized window of elements at a time.
 
-torch's AdamW (foreach, for-loop or fused alike) makes each of its passes over every tensor
-before the next pass starts: exp_avg's lerp over all of it, then exp_avg_sq's multiply, its
-addcmul, a square root into a temporary as large as the moments, a divide, an add, then the
-update of the weights. Where the states live in host RAM (a CPU run, a GPU run with CPU offload)
-each pass streams the whole state through memory again, and the temporary costs 4 bytes a
-parameter. WindowedAdamW runs all the passes over one window (WINDOW elements: the weights,
-gradients, moments and temporaries of one window fit a CPU's last-level cache) before the next,
-calling torch's own functional adam on views: the same arithmetic element for element, so the
-same bits, with the memory read about once a step and a window's temporaries.
+torch's foreach AdamW (the host's default) makes each of its passes over every tensor before the
+next pass starts: exp_avg's lerp over all of it, then exp_avg_sq's multiply, its addcmul, a
+square root into a temporary as large as the moments, a divide, an add, then the update of the
+weights. Where the states live in host RAM (a CPU run, a GPU run with CPU offload) each pass
+streams the whole state through memory again, and the temporary costs 4 bytes a parameter.
+WindowedAdamW runs all the passes over one window (WINDOW elements: the weights, gradients,
+moments and temporaries of one window fit a CPU's last-level cache) before the next, calling
+torch's own functional adam on views: the same arithmetic element for element, so the same
+bits, with the memory read about once a step and a window's temporaries. The for-loop
+implementation finishes one tensor before the next, so windows help it only inside large
+tensors; the fused kernel makes one pass per element already, so they buy it nothing but the
+calls (it gets the same bits either way).
 
 Optimizer states on an SSD (ssd_offload.py) step the same way, and ask the disk for the next
 window while this one computes: `_prefetch`, a no-op here.
@@ -77,25 +80,26 @@ class WindowedAdamW(torch.optim.AdamW):
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    """t's local elements in one flat tensor (complex as pairs of reals, as torch's AdamW steps them):
-    a view where t is contiguous, else a copy (a gradient's: read, not written)."""
+    """t's local elements as one flat view (complex as pairs of reals, as torch's AdamW steps them)."""
     t = local(t)
-    return (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
+    return (torch.view_as_real(t) if t.is_complex() else t).view(-1)
 
 
 def _windows(params, grads, exp_avgs, exp_avg_sqs, steps, size: int):
     """Lists of (param, grad, exp_avg, exp_avg_sq, step copy, step) of about `size` elements each,
     in order: a tensor larger than `size` in slices of it (flat views, so AdamW's in-place updates
-    land in the tensors), smaller ones together. A non-contiguous parameter or moment, whose slices
-    would not be views, is a window of its own, whole. Each entry steps a copy of its tensor's step, since
-    AdamW adds one to every step it is given (_new_steps writes the new value back once)."""
+    land in the tensors), smaller ones together. A tensor whose parameter, gradient or moments are
+    not contiguous (slices would not be views) or not of one shape is a window of its own, whole.
+    Each entry steps a copy of its tensor's step, since AdamW adds one to every step it is given
+    (_new_steps writes the new value back once)."""
     window, held = [], 0
     for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         whole = None
         if isinstance(p, DTensor) and getattr(g, "placements", None) != p.placements:
             whole = (p, g, m, v)  # shards that do not line up: as DTensors, as torch's AdamW steps them
-        elif not all(local(t).is_contiguous() for t in (p, m, v)):
-            whole = (local(p), local(g), local(m), local(v))
+        elif not all(local(t).is_contiguous() and local(t).shape == local(p).shape for t in (g, m, v)) \
+                or not local(p).is_contiguous():
+            whole = (local(p), local(g), local(m), local(v))  # torch's AdamW then steps (or refuses) them whole
         if whole:
             if window:
                 yield window

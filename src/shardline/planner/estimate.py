@@ -28,8 +28,9 @@ Which communication overlaps with compute, stated once here and used below:
     scalar all-reduces  exposed: the loss, and the gradient norm per group of DTensor gradients
     tied embedding      the gradient all-reduce of the first and last pipeline ranks: exposed
     CPU offload copies  exposed (host<->device copies and the host-side optimizer)
-    SSD offload         reads of the moments the page cache cannot keep, beyond the host's AdamW;
-                        their write-back beyond the rest of the step (offload.py)
+    SSD offload         where the page cache cannot keep the moments, their reads (and write-back
+                        past the dirty limit) beyond the host's AdamW, the rest of the write-back
+                        beyond the rest of the step (offload.py)
 """
 
 from __future__ import annotations
@@ -139,10 +140,10 @@ def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]
     tail, dp_total, algos = dp_tail(work, layout, hw, slow)
     breakdown["dp_comm"] = breakdown.get("dp_comm", 0.0) + tail
     breakdown["optimizer"] = _optimizer(work, layout, hw)
-    rest = sum(v for k, v in breakdown.items() if k != "optimizer")
-    breakdown["ssd_io"] = ssd_exposed(memory, layout, hw, breakdown["optimizer"], rest)
     breakdown["sync_comm"] = sync(work, layout, hw)
     breakdown["tied_comm"] = tied_grads(work, layout, hw)
+    rest = sum(v for k, v in breakdown.items() if k != "optimizer")
+    breakdown["ssd_io"] = ssd_exposed(memory, layout, hw, breakdown["optimizer"], rest)
     breakdown = {k: v for k, v in breakdown.items() if v > 0 or k in ("compute", "dp_comm")}
     step = sum(breakdown.values())
     tokens_per_s = work.tokens / step

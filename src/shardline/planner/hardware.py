@@ -61,7 +61,7 @@ class Network:
     host_mem_gib: float = 2048.0  # host memory of one node (DGX H100: 2 TB), which CPU offload fills
     # A node's local NVMe drives together, for memory.ssd_offload_dir (GB/s): a DGX H100 has eight
     # U.2 data drives; at a datacenter drive's ~6-7 GB/s read and ~3-4 GB/s write each, derated for
-    # the file system and software RAID. Guesses, not measured: set them in a hardware profile.
+    # the file system and software RAID. Guesses, not measured: set them in a profile's [network].
     ssd_read_gbs: float = 25.0
     ssd_write_gbs: float = 12.0
     # Calibrated intra-node alpha and B per group size ("2", "4", ...; gloo between CPU

@@ -4,14 +4,19 @@ CPU offload (`memory.cpu_offload`) moves a rank's sharded weights, gradients and
 its node's host memory, which must hold every rank's (`host_fits`). With `memory.ssd_offload_dir`
 AdamW's moments (8 bytes a parameter, fp32 m and v) go on to files on the node's SSDs, mapped
 into the host (shardline/optim/ssd_offload.py): they leave the memory a host must have, and the
-page cache keeps what fits in the host memory nothing else holds. Moments beyond that are read
-from the SSDs in every optimizer step (a window ahead, so the reads overlap the host's AdamW:
-the optimizer takes the longer of the two) and written back after it, in the background while
-the next forward and backward run (exposed where that writing takes longer).
+page cache keeps them while they fit in the host memory nothing else holds. Once they do not,
+every step misses throughout: the optimizer sweeps the moments in the same order each step, and
+a page cache that evicts the least recently used page evicts, in a sweep larger than itself,
+the page wanted next. So a step then reads every moment (a window ahead, so the reads overlap
+the host's AdamW: the optimizer takes the longer of the two) and dirties every page. The kernel
+writes dirty pages back in the background (under the next forward and backward) up to its dirty
+limit (vm.dirty_ratio, 20% of memory by default); beyond that it makes the writer wait, so the
+optimizer waits for the rest of the write-back too.
 """
 
 from __future__ import annotations
 
+from shardline.errors import ConfigError
 from shardline.layout import Layout
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
@@ -56,19 +61,30 @@ def host_fits(memory: dict[str, float], layout: Layout, hw: Hardware) -> bool:
 
 
 def ssd_spill(memory: dict[str, float], layout: Layout, hw: Hardware) -> float:
-    """Bytes of one node's SSD-held moments that its page cache cannot keep: the host memory
-    nothing else holds (on a CPU device the ranks' own memory is host memory too)."""
+    """Bytes of one node's SSD-held moments read and written back each step: all of them where
+    the page cache cannot keep them all (the host memory nothing else holds; on a CPU device the
+    ranks' own memory is host memory too), else none."""
     ranks = node_ranks(layout, hw)
     held = memory.get("host_offload", 0.0) + (memory["total"] if hw.name == "cpu" else 0.0)
     cache = max(0.0, HOST_USABLE * hw.network.host_mem_gib * GiB - ranks * held)
-    return max(0.0, ranks * memory.get("ssd_offload", 0.0) - cache)
+    moments = ranks * memory.get("ssd_offload", 0.0)
+    return moments if moments > cache else 0.0
+
+
+DIRTY_SHARE = 0.2  # Linux's vm.dirty_ratio default: dirty pages past this share of memory block their writer
 
 
 def ssd_exposed(memory: dict[str, float], layout: Layout, hw: Hardware, optimizer_s: float, rest_s: float) -> float:
-    """Seconds a step waits for the SSD: the reads beyond the host AdamW they overlap
-    (`optimizer_s`), and the write-back beyond the rest of the step it runs under (`rest_s`)."""
+    """Seconds a step waits for the SSD (module docstring): the reads and the write-back past the
+    dirty limit beyond the host AdamW they overlap (`optimizer_s`), and the background write-back
+    beyond the rest of the step it runs under (`rest_s`)."""
     spill = ssd_spill(memory, layout, hw)
     if spill <= 0:
         return 0.0
-    read, write = spill / (hw.network.ssd_read_gbs * 1e9), spill / (hw.network.ssd_write_gbs * 1e9)
-    return max(0.0, read - optimizer_s) + max(0.0, write - rest_s)
+    read_gbs, write_gbs = hw.network.ssd_read_gbs, hw.network.ssd_write_gbs
+    if read_gbs <= 0 or write_gbs <= 0:
+        raise ConfigError(f"[network] ssd_read_gbs={read_gbs} and ssd_write_gbs={write_gbs} must both be > 0 "
+                          "to price memory.ssd_offload_dir")
+    background = min(spill, DIRTY_SHARE * hw.network.host_mem_gib * GiB)
+    blocking = spill / (read_gbs * 1e9) + (spill - background) / (write_gbs * 1e9)
+    return max(0.0, blocking - optimizer_s) + max(0.0, background / (write_gbs * 1e9) - rest_s)
