@@ -87,8 +87,11 @@ def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
         host = "" if e.host_ok else f"  DOES NOT FIT the host's {hw.network.host_mem_gib:.0f} GiB per node"
         lines.append(f"  {'on the host':<18} {e.memory['host_offload'] / GiB:10.3f}  (CPU offload){host}")
     if e.memory.get("ssd_offload"):
+        spill = ssd_spill(e.memory, e.layout, hw)
+        cache = (f"more than the page cache holds: {spill / GiB:.1f} GiB a node read and written each step" if spill
+                 else "the page cache holds them")
         lines.append(f"  {'on the SSD':<18} {e.memory['ssd_offload'] / GiB:10.3f}  (memory.ssd_offload_dir: AdamW's "
-                     f"moments; {ssd_spill(e.memory, e.layout, hw) / GiB:.1f} GiB a node beyond its page cache)")
+                     f"moments; {cache})")
     return "\n".join(lines)
 
 
