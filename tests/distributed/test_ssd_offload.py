@@ -1,4 +1,4 @@
-"""Optimizer states on an SSD (memory.ssd_offload_dir, shardline/ssd_offload.py): AdamW's moments in
+"""Optimizer states on an SSD (memory.ssd_offload_dir, shardline/optim/ssd_offload.py): AdamW's moments in
 memory-mapped files, through the trainer. The same run with and without, in one process, resumed,
 and under FSDP on 2 gloo ranks (with FSDP2's CPU offload, the GPU path), gives the same losses
 and weights; the moments really are file mappings and no file outlives the mapping; bad folders

@@ -76,19 +76,34 @@ def test_the_ssd_costs_a_step_only_beyond_the_page_cache_and_what_hides_it():
     fits, cliff = estimate(ON_SSD, OFFLOAD, host(134)), estimate(ON_SSD, OFFLOAD, host(132))
     assert ssd_spill(fits.memory, OFFLOAD, host(134)) == 0 and "ssd_io" not in fits.breakdown
     assert ssd_spill(cliff.memory, OFFLOAD, host(132)) == pytest.approx(moments_gib * GiB, rel=0.01)
-    tight_hw = host(72, read=4.0, write=1.0)
+    tight_hw = host(72, read=4.0, write=1.0)  # 12 GiB left beside the weights and gradients
     tight = estimate(ON_SSD, OFFLOAD, tight_hw)
-    spill, background = tight.memory["ssd_offload"], 0.2 * 72 * GiB
-    optimizer = tight.breakdown["optimizer"]
-    rest = tight.step_time_s - optimizer - tight.breakdown["ssd_io"]
-    expected = max(0, spill / 4e9 + (spill - background) / 1e9 - optimizer) + max(0, background / 1e9 - rest)
-    assert tight.breakdown["ssd_io"] == pytest.approx(expected) and expected > 0
+    spill, optimizer, io = tight.memory["ssd_offload"], tight.breakdown["optimizer"], tight.breakdown["ssd_io"]
+    # The reads cannot hide beyond the optimizer; nothing costs more than reading and writing it all.
+    assert spill / 4e9 - optimizer <= io <= spill / 4e9 + spill / 1e9
+    # Past the dirty limit (15% of the 12 GiB left) the optimizer waits for the write-back too.
+    assert io >= spill / 4e9 + (spill - 0.15 * 12.2 * GiB) / 1e9 - optimizer
     faster = estimate(ON_SSD, OFFLOAD, host(72, read=400.0, write=100.0))
-    assert faster.breakdown.get("ssd_io", 0.0) < tight.breakdown["ssd_io"]
-    tighter = estimate(ON_SSD, OFFLOAD, host(68, read=4.0, write=1.0))  # a lower dirty limit: more waits
-    assert tighter.breakdown["ssd_io"] > tight.breakdown["ssd_io"]
+    assert faster.breakdown.get("ssd_io", 0.0) < io
+    # A smaller host leaves less to hold dirty pages: more of the write-back blocks the optimizer
+    # (while the background part hides under the forward and backward, as here).
+    tighter = estimate(ON_SSD, OFFLOAD, host(68, read=4.0, write=1.0))
+    assert tighter.breakdown["ssd_io"] > io + 0.5
     with pytest.raises(ConfigError, match="ssd_read_gbs=0"):
         estimate(ON_SSD, OFFLOAD, host(72, read=0.0))
+
+
+def test_plan_takes_the_folder_from_the_flag_or_the_config_and_writes_it(tmp_path, capsys):
+    profile = tmp_path / "workstation.toml"
+    profile.write_text("[network]\nhost_mem_gib = 128.0\n")
+    plan = ["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "1", "--seq-len", "4096", "--global-batch",
+            "16", "--profile", str(profile), "--runnable-only", "--top", "2"]
+    assert main(plan) != 0 and "--ssd-offload-dir" in capsys.readouterr().err  # the host is short without
+    for how in (["--ssd-offload-dir", "/nvme/a"], ["--memory.ssd_offload_dir=/nvme/a"]):
+        out = tmp_path / "plan.toml"
+        out.unlink(missing_ok=True)
+        assert main([*plan, *how, "--emit-config", str(out)]) == 0
+        assert 'ssd_offload_dir = "/nvme/a"' in out.read_text() and "cpu_offload = true" in out.read_text()
 
 
 def test_estimate_prices_a_configs_folder_and_refuses_what_the_trainer_refuses(tmp_path, capsys):
@@ -98,6 +113,6 @@ def test_estimate_prices_a_configs_folder_and_refuses_what_the_trainer_refuses(t
     args = ["estimate", "--config", str(config), "--gpu", "h200", "--gpus", "1"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "on the SSD" in out and "memory.ssd_offload_dir: AdamW's moments" in out
+    assert "on the SSD" in out and "memory.ssd_offload_dir: AdamW's moments; the page cache holds them" in out
     assert main([*args, "--memory.cpu_offload=false"]) != 0
     assert "needs memory.cpu_offload=true on a GPU" in capsys.readouterr().err

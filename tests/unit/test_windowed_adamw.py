@@ -96,28 +96,33 @@ def test_other_adamw_variants_are_refused_in_one_line():
 
 def _dtensor_worker(rank: int, world: int, port: int, impl: str) -> None:
     """Weights sharded on the first dim (cut across windows), replicated norms, a sharded weight
-    whose gradient arrives replicated (a window of DTensors), a plain weight with a non-contiguous
-    gradient and an empty one: every rank's shards equal torch's AdamW bit for bit."""
+    whose gradient arrives replicated and a replicated one whose gradient is still partial (each
+    a window of DTensors: the partial one's local shapes match, only its placement tells), a plain
+    weight with a non-contiguous gradient and an empty one: every rank's shards and steps equal
+    torch's AdamW bit for bit."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     with gloo_rank(rank, world, port):
         mesh = init_device_mesh("cpu", (world,))
 
         def made() -> tuple[list[torch.nn.Parameter], list]:
             torch.manual_seed(0)
-            full = [torch.randn(64, 300), torch.randn(300), torch.randn(16, 8), torch.randn(20, 30), torch.randn(0, 4)]
+            full = [torch.randn(64, 300), torch.randn(300), torch.randn(16, 8), torch.randn(12), torch.randn(20, 30),
+                    torch.randn(0, 4)]
             ps = [torch.nn.Parameter(distribute_tensor(full[0], mesh, [Shard(0)])),
                   torch.nn.Parameter(distribute_tensor(full[1], mesh, [Replicate()])),
                   torch.nn.Parameter(distribute_tensor(full[2], mesh, [Shard(0)])),
-                  torch.nn.Parameter(full[3]), torch.nn.Parameter(full[4])]
-            grad_placements = [[Shard(0)], [Replicate()], [Replicate()], None, None]
+                  torch.nn.Parameter(distribute_tensor(full[3], mesh, [Replicate()])),
+                  torch.nn.Parameter(full[4]), torch.nn.Parameter(full[5])]
+            grad_placements = [[Shard(0)], [Replicate()], [Replicate()], [Partial()], None, None]
             return ps, grad_placements
 
         results = []
         for cls in (torch.optim.AdamW, WindowedAdamW):
             ps, placements = made()
-            opt = cls(groups(ps), lr=1e-2, **IMPLEMENTATIONS[impl])
+            opt = cls([{"params": ps[:4], "weight_decay": 0.1}, {"params": ps[4:], "weight_decay": 0.0}], lr=1e-2,
+                      **IMPLEMENTATIONS[impl])  # DTensors and plain tensors apart: foreach cannot mix them
             opt.window = windowed.ALIGN
             for i in range(3):
                 g = torch.Generator().manual_seed(i)
@@ -125,13 +130,15 @@ def _dtensor_worker(rank: int, world: int, port: int, impl: str) -> None:
                     full = torch.randn(p.shape, generator=g)
                     if where is None:  # plain: a transposed copy's transpose, not contiguous
                         p.grad = full.t().contiguous().t() if full.ndim == 2 else full
+                    elif where == [Partial()]:  # each rank's part: torch's AdamW sums them
+                        p.grad = DTensor.from_local(full * (rank + 1), mesh, where)
                     else:
                         p.grad = distribute_tensor(full, mesh, where)
                 opt.step()
-            assert not ps[3].grad.is_contiguous()
-            results.append([local(t).clone() for p in ps for t in (p, opt.state[p]["exp_avg"],
-                                                                   opt.state[p]["exp_avg_sq"])])
-        assert all(isinstance(p, DTensor) for p in ps[:3])
+            assert not ps[4].grad.is_contiguous()
+            results.append([local(t).clone() for p in ps for t in (p, *(opt.state[p][k] for k in
+                                                                       ("exp_avg", "exp_avg_sq", "step")))])
+        assert all(isinstance(p, DTensor) for p in ps[:4])
         for a, b in zip(*results):
             assert torch.equal(a, b)
 

@@ -89,14 +89,16 @@ def _windows(params, grads, exp_avgs, exp_avg_sqs, steps, size: int):
     """Lists of (param, grad, exp_avg, exp_avg_sq, step copy, step) of about `size` elements each,
     in order: a tensor larger than `size` in slices of it (flat views, so AdamW's in-place updates
     land in the tensors), smaller ones together. A tensor whose parameter, gradient or moments are
-    not contiguous (slices would not be views) or not of one shape is a window of its own, whole.
+    not contiguous (slices would not be views) or not of one shape, or are DTensors not laid out
+    alike (a gradient still partial, say), is a window of its own, whole.
     Each entry steps a copy of its tensor's step, since AdamW adds one to every step it is given
     (_new_steps writes the new value back once)."""
     window, held = [], 0
     for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         whole = None
-        if isinstance(p, DTensor) and getattr(g, "placements", None) != p.placements:
-            whole = (p, g, m, v)  # shards that do not line up: as DTensors, as torch's AdamW steps them
+        if isinstance(p, DTensor) and any(getattr(t, "placements", None) != p.placements
+                                          or getattr(t, "device_mesh", None) != p.device_mesh for t in (g, m, v)):
+            whole = (p, g, m, v)  # shards that may not line up: as DTensors, as torch's AdamW steps them
         elif not all(local(t).is_contiguous() and local(t).shape == local(p).shape for t in (g, m, v)) \
                 or not local(p).is_contiguous():
             whole = (local(p), local(g), local(m), local(v))  # torch's AdamW then steps (or refuses) them whole

@@ -9,9 +9,11 @@ every step misses throughout: the optimizer sweeps the moments in the same order
 a page cache that evicts the least recently used page evicts, in a sweep larger than itself,
 the page wanted next. So a step then reads every moment (a window ahead, so the reads overlap
 the host's AdamW: the optimizer takes the longer of the two) and dirties every page. The kernel
-writes dirty pages back in the background (under the next forward and backward) up to its dirty
-limit (vm.dirty_ratio, 20% of memory by default); beyond that it makes the writer wait, so the
-optimizer waits for the rest of the write-back too.
+writes dirty pages back in the background (under the next forward and backward) while they stay
+under its dirty limits, which are shares of the memory it could reclaim (free and cache pages,
+not the pinned or anonymous memory the other states take): it starts making a writer wait
+halfway between vm.dirty_background_ratio and vm.dirty_ratio (10% and 20% by default), so past
+15% of that memory the optimizer waits for the write-back too.
 """
 
 from __future__ import annotations
@@ -60,18 +62,24 @@ def host_fits(memory: dict[str, float], layout: Layout, hw: Hardware) -> bool:
     return memory.get("host_offload", 0.0) * node_ranks(layout, hw) <= HOST_USABLE * hw.network.host_mem_gib * GiB
 
 
+def reclaimable(memory: dict[str, float], layout: Layout, hw: Hardware) -> float:
+    """Bytes of one node's host memory the other states leave: free, or page cache (on a CPU
+    device the ranks' own memory is host memory too)."""
+    held = memory.get("host_offload", 0.0) + (memory["total"] if hw.name == "cpu" else 0.0)
+    return max(0.0, hw.network.host_mem_gib * GiB - node_ranks(layout, hw) * held)
+
+
 def ssd_spill(memory: dict[str, float], layout: Layout, hw: Hardware) -> float:
     """Bytes of one node's SSD-held moments read and written back each step: all of them where
-    the page cache cannot keep them all (the host memory nothing else holds; on a CPU device the
-    ranks' own memory is host memory too), else none."""
-    ranks = node_ranks(layout, hw)
+    the page cache cannot keep them all (in the usable host memory the other states leave), else
+    none."""
     held = memory.get("host_offload", 0.0) + (memory["total"] if hw.name == "cpu" else 0.0)
-    cache = max(0.0, HOST_USABLE * hw.network.host_mem_gib * GiB - ranks * held)
-    moments = ranks * memory.get("ssd_offload", 0.0)
+    cache = max(0.0, HOST_USABLE * hw.network.host_mem_gib * GiB - node_ranks(layout, hw) * held)
+    moments = node_ranks(layout, hw) * memory.get("ssd_offload", 0.0)
     return moments if moments > cache else 0.0
 
 
-DIRTY_SHARE = 0.2  # Linux's vm.dirty_ratio default: dirty pages past this share of memory block their writer
+DIRTY_SHARE = 0.15  # of reclaimable memory: where Linux starts to throttle a writer ((10% + 20%) / 2 by default)
 
 
 def ssd_exposed(memory: dict[str, float], layout: Layout, hw: Hardware, optimizer_s: float, rest_s: float) -> float:
@@ -85,6 +93,6 @@ def ssd_exposed(memory: dict[str, float], layout: Layout, hw: Hardware, optimize
     if read_gbs <= 0 or write_gbs <= 0:
         raise ConfigError(f"[network] ssd_read_gbs={read_gbs} and ssd_write_gbs={write_gbs} must both be > 0 "
                           "to price memory.ssd_offload_dir")
-    background = min(spill, DIRTY_SHARE * hw.network.host_mem_gib * GiB)
+    background = min(spill, DIRTY_SHARE * reclaimable(memory, layout, hw))
     blocking = spill / (read_gbs * 1e9) + (spill - background) / (write_gbs * 1e9)
     return max(0.0, blocking - optimizer_s) + max(0.0, background / (write_gbs * 1e9) - rest_s)
