@@ -229,3 +229,21 @@ def test_ssd_offload_reports_five_variants_and_moves_the_moments_out_of_anonymou
     assert rss["cold"]["step_rise"] > moments  # the gradients and the moments read back
     assert all(result["cold_step_io"][v]["major_faults"] > 0 for v in ("cold", "cold_whole"))
     assert list(folder.iterdir()) == []  # its temporary folder and unlinked files: nothing left
+
+
+def test_ssd_pressure_runs_both_variants_beside_a_hog(tmp_path):
+    """benchmarks/ssd_pressure.py's mechanics at a size that presses nothing (a 50 MiB hog, 4 M
+    parameters): both variants step, the disk's counters are read, the hog is started and gone."""
+    from shardline.optim.ssd_offload import IN_MEMORY, filesystem
+
+    folder = tmp_path / "ssd"
+    folder.mkdir()
+    if filesystem(folder) in IN_MEMORY:
+        pytest.skip("the temporary folder is on tmpfs")
+    result, proc = run_benchmark("ssd_pressure.py", ["--params=4e6", "--hog-gib=0.05", "--steps=1", "--rounds=1",
+                                                     f"--folder={folder}"], tmp_path)
+    assert result["hog_gib"] == 0.05 and result["moments_gib"] == pytest.approx(8 * 4e6 / 2**30, abs=1e-3)
+    assert set(result["variants"]) == {"whole", "windowed"}
+    for v in result["variants"].values():
+        assert positive(v["step_s"]) and v["read_gib"] >= 0 and v["written_gib"] >= 0
+    assert list(folder.iterdir()) == []  # the temporary folder and unlinked files: nothing left

@@ -67,14 +67,19 @@ def test_a_host_too_small_for_offload_fits_with_the_moments_on_an_ssd():
 
 
 def test_the_ssd_costs_a_step_only_beyond_the_page_cache_and_what_hides_it():
-    """Moments the page cache keeps cost nothing; once they do not all fit, a sweep in the same
+    """Moments the page cache keeps are not read; once they do not all fit, a sweep in the same
     order each step misses throughout (least recently used goes first): every moment is read in
-    the optimizer step (overlapping the host's AdamW) and written back, under the next forward and
-    backward up to the kernel's dirty limit, past it in the optimizer step. Only what sticks out
-    of those shows in the step."""
+    the optimizer step (overlapping the host's AdamW). Every moment is dirtied each step: written
+    back past the kernel's dirty limit in the optimizer step, the rest (where they must be clean
+    to be evicted) under the next forward and backward. Only what sticks out shows in the step."""
     moments_gib = 8 * 8.03e9 / GiB  # 59.8: the host holds 59.8 more of weights and gradients
     fits, cliff = estimate(ON_SSD, OFFLOAD, host(134)), estimate(ON_SSD, OFFLOAD, host(132))
     assert ssd_spill(fits.memory, OFFLOAD, host(134)) == 0 and "ssd_io" not in fits.breakdown
+    # Cached, every moment is still dirtied each step: past the dirty limit (15% of the 74 GiB left)
+    # its write-back runs in the optimizer step, here longer than the step's host AdamW.
+    slow = estimate(ON_SSD, OFFLOAD, host(134, write=2.0))
+    blocking = (slow.memory["ssd_offload"] - 0.15 * (134 * GiB - slow.memory["host_offload"])) / 2e9
+    assert slow.breakdown["ssd_io"] == pytest.approx(blocking - slow.breakdown["optimizer"]) and blocking > 12
     assert ssd_spill(cliff.memory, OFFLOAD, host(132)) == pytest.approx(moments_gib * GiB, rel=0.01)
     tight_hw = host(72, read=4.0, write=1.0)  # 12 GiB left beside the weights and gradients
     tight = estimate(ON_SSD, OFFLOAD, tight_hw)

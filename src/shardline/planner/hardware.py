@@ -195,7 +195,9 @@ def cpu_hardware() -> Hardware:
         mem_gib=_host_memory_gib(), mem_bw_gbs=20.0, reserved_gib=0.0, fragmentation=0.15,
         network=Network(gpus_per_node=1024, intra_bw_gbs=2.0, intra_latency_us=60.0, inter_bw_gbs=1.25,
                         inter_latency_us=60.0, bw_efficiency=1.0, host_bw_gbs=20.0, host_mem_gib=_host_memory_gib(),
-                        ssd_read_gbs=1.5, ssd_write_gbs=1.0,  # a 2-core VM's disk: dd, O_DIRECT
+                        # A 2-core VM's disk: dd (O_DIRECT) read 1.2-1.7 GB/s; the kernel's write-back of mapped
+                        # moments under memory pressure reached ~0.5 (benchmarks/ssd_pressure.py; dd wrote 1.1)
+                        ssd_read_gbs=1.5, ssd_write_gbs=0.5,
                         op_factor={"all_reduce": 0.9, "all_gather": 1.1, "reduce_scatter": 2.0}),
         matmul_eff_max={"fp32": 0.5, "bf16": 0.1, "fp16": 0.05}, matmul_half_dim=64.0,
         attn_eff={"fp32": 0.25, "bf16": 0.05, "fp16": 0.03}, elementwise_eff={"fp32": 1.0, "bf16": 0.8, "fp16": 0.5},

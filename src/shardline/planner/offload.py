@@ -7,13 +7,16 @@ into the host (shardline/optim/ssd_offload.py): they leave the memory a host mus
 page cache keeps them while they fit in the host memory nothing else holds. Once they do not,
 every step misses throughout: the optimizer sweeps the moments in the same order each step, and
 a page cache that evicts the least recently used page evicts, in a sweep larger than itself,
-the page wanted next. So a step then reads every moment (a window ahead, so the reads overlap
-the host's AdamW: the optimizer takes the longer of the two) and dirties every page. The kernel
-writes dirty pages back in the background (under the next forward and backward) while they stay
-under its dirty limits, which are shares of the memory it could reclaim (free and cache pages,
-not the pinned or anonymous memory the other states take): it starts making a writer wait
-halfway between vm.dirty_background_ratio and vm.dirty_ratio (10% and 20% by default), so past
-15% of that memory the optimizer waits for the write-back too.
+the page wanted next. So a step then reads every moment, a window ahead, so the reads overlap
+the host's AdamW: the optimizer takes the longer of the two.
+
+Every step dirties every moment page, cached or not. The kernel writes dirty pages back in the
+background while they stay under its dirty limits, which are shares of the memory it could
+reclaim (free and cache pages, not the pinned or anonymous memory the other states take): it
+starts making a writer wait halfway between vm.dirty_background_ratio and vm.dirty_ratio (10%
+and 20% by default). So the moments past 15% of that memory are written back within the
+optimizer step, each step; the rest in the background, under the next forward and backward
+where the pages must be clean to be evicted (else by the periodic flusher, unpriced).
 """
 
 from __future__ import annotations
@@ -83,16 +86,18 @@ DIRTY_SHARE = 0.15  # of reclaimable memory: where Linux starts to throttle a wr
 
 
 def ssd_exposed(memory: dict[str, float], layout: Layout, hw: Hardware, optimizer_s: float, rest_s: float) -> float:
-    """Seconds a step waits for the SSD (module docstring): the reads and the write-back past the
-    dirty limit beyond the host AdamW they overlap (`optimizer_s`), and the background write-back
-    beyond the rest of the step it runs under (`rest_s`)."""
-    spill = ssd_spill(memory, layout, hw)
-    if spill <= 0:
+    """Seconds a step waits for the SSD (module docstring): the reads where the page cache cannot
+    keep the moments and the write-back past the dirty limit beyond the host AdamW they overlap
+    (`optimizer_s`), and the background write-back beyond the rest of the step (`rest_s`)."""
+    moments = node_ranks(layout, hw) * memory.get("ssd_offload", 0.0)
+    if moments <= 0:
         return 0.0
     read_gbs, write_gbs = hw.network.ssd_read_gbs, hw.network.ssd_write_gbs
     if read_gbs <= 0 or write_gbs <= 0:
         raise ConfigError(f"[network] ssd_read_gbs={read_gbs} and ssd_write_gbs={write_gbs} must both be > 0 "
                           "to price memory.ssd_offload_dir")
-    background = min(spill, DIRTY_SHARE * reclaimable(memory, layout, hw))
-    blocking = spill / (read_gbs * 1e9) + (spill - background) / (write_gbs * 1e9)
-    return max(0.0, blocking - optimizer_s) + max(0.0, background / (write_gbs * 1e9) - rest_s)
+    spill = ssd_spill(memory, layout, hw)
+    background = min(moments, DIRTY_SHARE * reclaimable(memory, layout, hw))
+    blocking = spill / (read_gbs * 1e9) + (moments - background) / (write_gbs * 1e9)
+    behind = background / (write_gbs * 1e9) if spill else 0.0
+    return max(0.0, blocking - optimizer_s) + max(0.0, behind - rest_s)
