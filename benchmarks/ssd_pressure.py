@@ -51,26 +51,35 @@ def available_gib() -> float:
     return int(fields["MemAvailable"].split()[0]) / 2**20
 
 
-def disk_bytes(folder: str) -> tuple[int, int]:
-    """(bytes read, bytes written) so far by the disk holding `folder`, or (0, 0) where
-    /proc/diskstats does not list it (an overlay, a network file system)."""
+def disk_bytes(folder: str) -> tuple[int, int] | None:
+    """(bytes read, bytes written) so far by the disk (or partition) holding `folder` (fields 6
+    and 10 of /proc/diskstats: 512-byte sectors), or None where it lists no such device (an
+    overlay, a network file system)."""
     dev = os.stat(folder).st_dev
     for line in Path("/proc/diskstats").read_text().splitlines():
         f = line.split()
         if (int(f[0]), int(f[1])) == (os.major(dev), os.minor(dev)):
             return int(f[5]) * 512, int(f[9]) * 512
-    return 0, 0
+    return None
 
 
 def start_hog(gib: float) -> subprocess.Popen | None:
-    """A process holding `gib` of touched anonymous memory until killed."""
+    """A process holding `gib` of touched anonymous memory until its stdin closes: when this
+    process ends, however it ends, the pipe closes and the hog exits."""
     if gib <= 0:
         return None
-    code = f"import sys, time, torch; t = torch.ones({int(gib * 2**28)}); print('up', flush=True); time.sleep(3600)"
-    hog = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    code = f"import sys, torch; t = torch.ones({int(gib * 2**28)}); print('up', flush=True); sys.stdin.read()"
+    hog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if hog.stdout.readline().strip() != "up":
+        hog.wait()
         raise RuntimeError("the hog process did not start (out of memory?)")
     return hog
+
+
+def stop_hog(hog: subprocess.Popen | None) -> None:
+    if hog is not None:
+        hog.kill()
+        hog.wait()
 
 
 def main(argv=None) -> dict:
@@ -92,30 +101,37 @@ def main(argv=None) -> dict:
         hog = start_hog(hog_gib)
         left = available_gib()
         runs: dict[str, list[tuple[float, int, int]]] = {v: [] for v in VARIANTS}
+        disk = disk_bytes(folder) is not None
         try:
             for _ in range(args.rounds):
                 for variant, window in VARIANTS.items():
                     opt.window = window
                     step()  # settle into this variant's pattern
                     for _ in range(args.steps):
-                        (r0, w0), begin = disk_bytes(folder), time.perf_counter()
+                        (r0, w0), begin = disk_bytes(folder) or (0, 0), time.perf_counter()
                         step()
-                        seconds, (r1, w1) = time.perf_counter() - begin, disk_bytes(folder)
+                        seconds, (r1, w1) = time.perf_counter() - begin, disk_bytes(folder) or (0, 0)
                         runs[variant].append((seconds, r1 - r0, w1 - w0))
+                if hog is not None and hog.poll() is not None:
+                    raise RuntimeError("the hog process died (the OOM killer?): these steps ran without pressure")
         finally:
-            if hog is not None:
-                hog.kill()
+            stop_hog(hog)
     moments = 8 * int(args.params) / 2**30
+
+    def gib(values) -> float | None:
+        return round(statistics.median(values) / 2**30, 3) if disk else None
+
     result = {"params": int(args.params), "moments_gib": round(moments, 3), "hog_gib": round(max(hog_gib, 0), 2),
-              "available_gib_with_hog": round(left, 2),
+              "available_gib_with_hog": round(left, 2), "disk_counted": disk,
               "variants": {v: {"step_s": round(statistics.median(r[0] for r in rs), 3),
-                               "read_gib": round(statistics.median(r[1] for r in rs) / 2**30, 3),
-                               "written_gib": round(statistics.median(r[2] for r in rs) / 2**30, 3)}
+                               "read_gib": gib(r[1] for r in rs), "written_gib": gib(r[2] for r in rs)}
                            for v, rs in runs.items()}}
     print(f"{moments:.2f} GiB of moments, {left:.2f} GiB available beside a {max(hog_gib, 0):.1f} GiB hog; "
           f"medians of {args.steps * args.rounds} steps:")
     for v, r in result["variants"].items():
-        print(f"  {v:9s} {r['step_s']:8.3f} s   read {r['read_gib']:.2f} GiB   written {r['written_gib']:.2f} GiB")
+        io = (f"read {r['read_gib']:.2f} GiB   written {r['written_gib']:.2f} GiB" if disk
+              else "(the folder's disk is not in /proc/diskstats: no I/O counted)")
+        print(f"  {v:9s} {r['step_s']:8.3f} s   {io}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -28,9 +28,9 @@ Which communication overlaps with compute, stated once here and used below:
     scalar all-reduces  exposed: the loss, and the gradient norm per group of DTensor gradients
     tied embedding      the gradient all-reduce of the first and last pipeline ranks: exposed
     CPU offload copies  exposed (host<->device copies and the host-side optimizer)
-    SSD offload         where the page cache cannot keep the moments, their reads (and write-back
-                        past the dirty limit) beyond the host's AdamW, the rest of the write-back
-                        beyond the rest of the step (offload.py)
+    SSD offload         the moments' reads (where the page cache cannot keep them all) and their
+                        write-back past the dirty limit (every step) beyond the host's AdamW, the
+                        rest of the write-back beyond the rest of the step (offload.py)
 """
 
 from __future__ import annotations

@@ -10,13 +10,13 @@ a page cache that evicts the least recently used page evicts, in a sweep larger 
 the page wanted next. So a step then reads every moment, a window ahead, so the reads overlap
 the host's AdamW: the optimizer takes the longer of the two.
 
-Every step dirties every moment page, cached or not. The kernel writes dirty pages back in the
-background while they stay under its dirty limits, which are shares of the memory it could
-reclaim (free and cache pages, not the pinned or anonymous memory the other states take): it
-starts making a writer wait halfway between vm.dirty_background_ratio and vm.dirty_ratio (10%
-and 20% by default). So the moments past 15% of that memory are written back within the
-optimizer step, each step; the rest in the background, under the next forward and backward
-where the pages must be clean to be evicted (else by the periodic flusher, unpriced).
+Every step dirties every moment page, cached or not, and every dirty page is written back
+before the next step dirties it again (measured: benchmarks/ssd_pressure.py). The kernel's
+flusher writes in the background once dirty pages pass vm.dirty_background_ratio of the memory
+it could reclaim (free and cache pages, not the pinned or anonymous memory the other states
+take), and it makes a writer wait halfway to vm.dirty_ratio (10% and 20% by default). So the
+moments past 15% of that memory are written back within the optimizer step; the rest in the
+background, under the next forward and backward.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def host_fits(memory: dict[str, float], layout: Layout, hw: Hardware) -> bool:
 
 def reclaimable(memory: dict[str, float], layout: Layout, hw: Hardware) -> float:
     """Bytes of one node's host memory the other states leave: free, or page cache (on a CPU
-    device the ranks' own memory is host memory too)."""
+    device the ranks' own memory is host memory too). All of it, not the planner's 90%: the
+    kernel's dirty limits are shares of what it could reclaim, headroom included."""
     held = memory.get("host_offload", 0.0) + (memory["total"] if hw.name == "cpu" else 0.0)
     return max(0.0, hw.network.host_mem_gib * GiB - node_ranks(layout, hw) * held)
 
@@ -88,7 +89,7 @@ DIRTY_SHARE = 0.15  # of reclaimable memory: where Linux starts to throttle a wr
 def ssd_exposed(memory: dict[str, float], layout: Layout, hw: Hardware, optimizer_s: float, rest_s: float) -> float:
     """Seconds a step waits for the SSD (module docstring): the reads where the page cache cannot
     keep the moments and the write-back past the dirty limit beyond the host AdamW they overlap
-    (`optimizer_s`), and the background write-back beyond the rest of the step (`rest_s`)."""
+    (`optimizer_s`), and the rest of the write-back beyond the rest of the step (`rest_s`)."""
     moments = node_ranks(layout, hw) * memory.get("ssd_offload", 0.0)
     if moments <= 0:
         return 0.0
@@ -99,5 +100,4 @@ def ssd_exposed(memory: dict[str, float], layout: Layout, hw: Hardware, optimize
     spill = ssd_spill(memory, layout, hw)
     background = min(moments, DIRTY_SHARE * reclaimable(memory, layout, hw))
     blocking = spill / (read_gbs * 1e9) + (moments - background) / (write_gbs * 1e9)
-    behind = background / (write_gbs * 1e9) if spill else 0.0
-    return max(0.0, blocking - optimizer_s) + max(0.0, behind - rest_s)
+    return max(0.0, blocking - optimizer_s) + max(0.0, background / (write_gbs * 1e9) - rest_s)
