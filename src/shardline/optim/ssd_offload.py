@@ -11,9 +11,10 @@ runs at the disk's speed (each step reads and writes every moment once) instead 
 Why a mapping rather than DeepSpeed's explicit asynchronous reads into pinned buffers: the
 optimizer, its checkpoints (DCP reads and loads the mapped tensors in place) and every layout's
 state handling stay torch's own. What is scheduled is only the order: the step runs a window of
-moments at a time and asks the kernel for the next window's pages (a read-ahead hint) while this
-one computes (windowed.py, SSDAdamW._prefetch). Each file is unlinked as soon as it is mapped, so its space goes
-back to the disk when the process ends, however it ends: a crash leaves no stale files.
+moments at a time and asks the kernel for the next window's pages (a read-ahead hint) while
+this one computes (windowed.py, SSDAdamW._prefetch). Each file is unlinked as soon as it is
+mapped, so its space goes back to the disk when the process ends, however it ends: a crash
+leaves no stale files.
 """
 
 from __future__ import annotations

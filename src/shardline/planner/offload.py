@@ -74,9 +74,9 @@ def reclaimable(memory: dict[str, float], layout: Layout, hw: Hardware) -> float
 
 
 def ssd_spill(memory: dict[str, float], layout: Layout, hw: Hardware) -> float:
-    """Bytes of one node's SSD-held moments read and written back each step: all of them where
-    the page cache cannot keep them all (in the usable host memory the other states leave), else
-    none."""
+    """Bytes of one node's SSD-held moments read back each step: all of them where the page cache
+    cannot keep them all (in the usable host memory the other states leave), else none. (All are
+    written back each step either way: ssd_exposed.)"""
     held = memory.get("host_offload", 0.0) + (memory["total"] if hw.name == "cpu" else 0.0)
     cache = max(0.0, HOST_USABLE * hw.network.host_mem_gib * GiB - node_ranks(layout, hw) * held)
     moments = node_ranks(layout, hw) * memory.get("ssd_offload", 0.0)

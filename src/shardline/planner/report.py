@@ -88,8 +88,9 @@ def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
         lines.append(f"  {'on the host':<18} {e.memory['host_offload'] / GiB:10.3f}  (CPU offload){host}")
     if e.memory.get("ssd_offload"):
         spill = ssd_spill(e.memory, e.layout, hw)
-        cache = (f"more than the page cache holds: {spill / GiB:.1f} GiB a node read and written each step" if spill
+        cache = (f"more than the page cache holds: {spill / GiB:.1f} GiB a node read each step" if spill
                  else "the page cache holds them")
+        cache += ", all written back each step"
         lines.append(f"  {'on the SSD':<18} {e.memory['ssd_offload'] / GiB:10.3f}  (memory.ssd_offload_dir: AdamW's "
                      f"moments; {cache})")
     return "\n".join(lines)
