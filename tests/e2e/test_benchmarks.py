@@ -204,6 +204,18 @@ def test_gpu_checks_variants_exist_and_the_docs_ones_run_their_kernel_compiled()
                                                                          "train.document_mask=false"]
 
 
+def disk_folder(tmp_path: Path) -> Path:
+    """A folder for mapped moments in the test's temporary folder; skips where that is a tmpfs (its
+    mapped pages are shared memory, not file-backed, and no disk is read or written)."""
+    from shardline.optim.ssd_offload import IN_MEMORY, filesystem
+
+    folder = tmp_path / "ssd"
+    folder.mkdir()
+    if filesystem(folder) in IN_MEMORY:
+        pytest.skip("the temporary folder is on tmpfs: its mapped pages are shared memory, not file-backed")
+    return folder
+
+
 def test_ssd_offload_reports_five_variants_and_moves_the_moments_out_of_anonymous_memory(tmp_path):
     """benchmarks/ssd_offload.py: the mapped moments are file-backed, not anonymous, memory (61 MiB
     of them here; the allocator's leftovers trimmed); paged out they are resident in neither, and
@@ -211,12 +223,7 @@ def test_ssd_offload_reports_five_variants_and_moves_the_moments_out_of_anonymou
     elements of 8 Mi), a step's temporaries are a window's, the moments in RAM or mapped: stepped
     whole, foreach's square root of every exp_avg_sq (4 bytes a parameter, half the moments) is
     resident at once too."""
-    from shardline.optim.ssd_offload import IN_MEMORY, filesystem
-
-    folder = tmp_path / "ssd"
-    folder.mkdir()
-    if filesystem(folder) in IN_MEMORY:
-        pytest.skip("the temporary folder is on tmpfs: its mapped pages are shared memory, not file-backed")
+    folder = disk_folder(tmp_path)
     result, _ = run_benchmark("ssd_offload.py", ["--params=8e6", "--tensors=4", "--steps=2", "--window=1048576",
                                                  f"--folder={folder}"], tmp_path)
     assert set(result["step_s"]) == {"plain", "windowed", "warm", "cold", "cold_whole"}
@@ -235,12 +242,7 @@ def test_ssd_pressure_runs_both_variants_beside_a_hog(tmp_path):
     """benchmarks/ssd_pressure.py's mechanics at a size that presses nothing (a 50 MiB hog, 4 M
     parameters): both variants step, the disk's counters are read where /proc/diskstats lists the
     folder's disk, the hog starts (and exits with the benchmark: its stdin closes)."""
-    from shardline.optim.ssd_offload import IN_MEMORY, filesystem
-
-    folder = tmp_path / "ssd"
-    folder.mkdir()
-    if filesystem(folder) in IN_MEMORY:
-        pytest.skip("the temporary folder is on tmpfs")
+    folder = disk_folder(tmp_path)
     result, proc = run_benchmark("ssd_pressure.py", ["--params=4e6", "--hog-gib=0.05", "--steps=1", "--rounds=1",
                                                      f"--folder={folder}"], tmp_path)
     assert result["hog_gib"] == 0.05 and result["moments_gib"] == pytest.approx(8 * 4e6 / 2**30, abs=1e-3)

@@ -65,20 +65,24 @@ def host_fits(memory: dict[str, float], layout: Layout, hw: Hardware) -> bool:
     return memory.get("host_offload", 0.0) * node_ranks(layout, hw) <= HOST_USABLE * hw.network.host_mem_gib * GiB
 
 
+def _host_held(memory: dict[str, float], hw: Hardware) -> float:
+    """Bytes of host memory one rank's other states hold: the offloaded ones (on a CPU device, the
+    rank's whole memory, which is host memory)."""
+    return memory.get("host_offload", 0.0) + (memory["total"] if hw.name == "cpu" else 0.0)
+
+
 def reclaimable(memory: dict[str, float], layout: Layout, hw: Hardware) -> float:
-    """Bytes of one node's host memory the other states leave: free, or page cache (on a CPU
-    device the ranks' own memory is host memory too). All of it, not the planner's 90%: the
-    kernel's dirty limits are shares of what it could reclaim, headroom included."""
-    held = memory.get("host_offload", 0.0) + (memory["total"] if hw.name == "cpu" else 0.0)
-    return max(0.0, hw.network.host_mem_gib * GiB - node_ranks(layout, hw) * held)
+    """Bytes of one node's host memory the other states leave: free, or page cache. All of it, not
+    the planner's 90%: the kernel's dirty limits are shares of what it could reclaim, headroom
+    included."""
+    return max(0.0, hw.network.host_mem_gib * GiB - node_ranks(layout, hw) * _host_held(memory, hw))
 
 
 def ssd_spill(memory: dict[str, float], layout: Layout, hw: Hardware) -> float:
     """Bytes of one node's SSD-held moments read back each step: all of them where the page cache
     cannot keep them all (in the usable host memory the other states leave), else none. (All are
     written back each step either way: ssd_exposed.)"""
-    held = memory.get("host_offload", 0.0) + (memory["total"] if hw.name == "cpu" else 0.0)
-    cache = max(0.0, HOST_USABLE * hw.network.host_mem_gib * GiB - node_ranks(layout, hw) * held)
+    cache = max(0.0, HOST_USABLE * hw.network.host_mem_gib * GiB - node_ranks(layout, hw) * _host_held(memory, hw))
     moments = node_ranks(layout, hw) * memory.get("ssd_offload", 0.0)
     return moments if moments > cache else 0.0
 
