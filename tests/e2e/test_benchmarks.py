@@ -217,14 +217,16 @@ def disk_folder(tmp_path: Path) -> Path:
 
 
 def test_ssd_offload_reports_five_variants_and_moves_the_moments_out_of_anonymous_memory(tmp_path):
-    """benchmarks/ssd_offload.py: the mapped moments are file-backed, not anonymous, memory (61 MiB
+    """benchmarks/ssd_offload.py: the mapped moments are file-backed, not anonymous, memory (122 MiB
     of them here; the allocator's leftovers trimmed); paged out they are resident in neither, and
-    the cold steps read them back from the file (major faults). Stepped a window at a time (1 Mi
-    elements of 8 Mi), a step's temporaries are a window's, the moments in RAM or mapped: stepped
-    whole, foreach's square root of every exp_avg_sq (4 bytes a parameter, half the moments) is
-    resident at once too."""
+    the cold steps read them back from the file (major faults). Stepped a window at a time (256 Ki
+    elements of tensors of 4 Mi), a step's temporaries are a window's, the moments in RAM or
+    mapped: stepped whole, foreach's square root of every exp_avg_sq (4 bytes a parameter, half the
+    moments) is resident at once too. (At 8 M parameters and 1 Mi windows the expected 26 MiB gap
+    came within 3 MiB of the bound once in 8 runs, and failed once under load: peak-RSS noise of
+    ~8 MiB; here the gap is ~57 MiB against a 30 MiB bound.)"""
     folder = disk_folder(tmp_path)
-    result, _ = run_benchmark("ssd_offload.py", ["--params=8e6", "--tensors=4", "--steps=2", "--window=1048576",
+    result, _ = run_benchmark("ssd_offload.py", ["--params=16e6", "--tensors=4", "--steps=2", "--window=262144",
                                                  f"--folder={folder}"], tmp_path)
     assert set(result["step_s"]) == {"plain", "windowed", "warm", "cold", "cold_whole"}
     assert all(positive(s) for s in [*result["step_s"].values(), *result["writeback_s"].values()])
