@@ -36,20 +36,27 @@ from shardline.optim.windowed import WindowedAdamW, local
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def usable(zero: int, cpu_offload: bool, on_cuda: bool) -> bool:
+    """Whether a layout can keep AdamW's moments in the folder: the moments are mapped into host
+    memory, so AdamW must step on the host (a GPU run offloads its states there first) and be
+    torch's own (ZeRO-1 keeps its own sliced states). `problem` says why not; the planner prices
+    the folder only where this holds."""
+    return zero != 1 and (cpu_offload or not on_cuda)
+
+
 def problem(memory, zero: int, on_cuda: bool, node_paths: bool = True) -> str | None:
-    """Why `memory.ssd_offload_dir` cannot run with this layout or folder, or None. The moments are
-    mapped into host memory, so AdamW must step on the host (a GPU run offloads its states there
-    first) and be torch's own (ZeRO-1 keeps its own sliced states); the folder must exist, be
-    writable and be on a disk (a tmpfs such as /dev/shm would keep the moments in RAM), looked at
-    only where `node_paths` (not by a dry run, which may run where the nodes' disks are not).
-    Its free space is reserved file by file when the optimizer is built (SSDAdamW)."""
+    """Why `memory.ssd_offload_dir` cannot run with this layout or folder, or None: the layout must
+    be `usable`; the folder must exist, be writable and be on a disk (a tmpfs such as /dev/shm
+    would keep the moments in RAM), looked at only where `node_paths` (not by a dry run, which may
+    run where the nodes' disks are not). Its free space is reserved file by file when the
+    optimizer is built (SSDAdamW)."""
     folder = memory.ssd_offload_dir
     if not folder:
         return None
-    if on_cuda and not memory.cpu_offload:
-        return ("memory.ssd_offload_dir needs memory.cpu_offload=true on a GPU: AdamW then steps on the host, "
-                "where the mapped moments are")
-    if zero == 1:
+    if not usable(zero, memory.cpu_offload, on_cuda):
+        if on_cuda and not memory.cpu_offload:
+            return ("memory.ssd_offload_dir needs memory.cpu_offload=true on a GPU: AdamW then steps on the host, "
+                    "where the mapped moments are")
         return "memory.ssd_offload_dir does not work with parallel.zero=1 (its own sliced states); use zero 2 or 3"
     if not node_paths:
         return None

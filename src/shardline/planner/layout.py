@@ -18,6 +18,7 @@ from shardline.config import AC_MODES, CP_BALANCES, CP_MODES, PP_SCHEDULES, Conf
 from shardline.errors import ConfigError
 from shardline.layout import Job, Layout
 from shardline.models.llama import ModelArgs
+from shardline.optim import ssd_offload
 from shardline.parallel.compile import options as compile_options
 
 
@@ -164,10 +165,9 @@ def to_config(layout: Layout, work: Workload, base: Config | None = None, on_cpu
     cfg.memory.activation_checkpoint = layout.activation_checkpoint
     cfg.memory.ac_every = layout.ac_every
     cfg.memory.cpu_offload = layout.cpu_offload
-    # The folder where this layout steps AdamW on the host (not under ZeRO-1): CPU offload, or a
-    # CPU run (the trainer refuses it on a GPU without offload); else the plan does not use it.
-    host = layout.cpu_offload or on_cpu
-    cfg.memory.ssd_offload_dir = work.ssd_offload_dir if host and layout.zero != 1 else ""
+    # The folder where this layout can use it (the trainer refuses it elsewhere); else the plan does not.
+    usable = ssd_offload.usable(layout.zero, layout.cpu_offload, on_cuda=not on_cpu)
+    cfg.memory.ssd_offload_dir = work.ssd_offload_dir if usable else ""
     cfg.check(dp_world=layout.dp)
     return cfg
 

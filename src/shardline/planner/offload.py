@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from shardline.errors import ConfigError
 from shardline.layout import Layout
+from shardline.optim import ssd_offload
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
 
@@ -33,9 +34,9 @@ OUTSIDE_DEVICE = ("total", "host_offload", "ssd_offload")  # memory terms not on
 
 
 def on_ssd(work: Workload, layout: Layout, hw: Hardware) -> bool:
-    """Whether this layout puts the moments on the SSD: a folder given, AdamW stepping on the host
-    (CPU offload on a GPU; a CPU device), and not ZeRO-1 (its own sliced states: refused)."""
-    return bool(work.ssd_offload_dir) and layout.zero != 1 and (layout.cpu_offload or hw.name == "cpu")
+    """Whether this layout puts the moments on the SSD: a folder given, and a layout that can
+    (ssd_offload.usable: AdamW stepping on the host, not ZeRO-1's)."""
+    return bool(work.ssd_offload_dir) and ssd_offload.usable(layout.zero, layout.cpu_offload, hw.name != "cpu")
 
 
 def offloaded(states: dict[str, float], layout: Layout, work: Workload, hw: Hardware, stage: int,
