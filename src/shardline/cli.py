@@ -1,4 +1,5 @@
-"""Command line: `shardline train | check | convert | prepare | plan | estimate | calibrate | simulate | generate`.
+"""Command line: `shardline train | check | convert | prepare | plan | estimate | calibrate | comm-bench |
+simulate | generate`.
 
 `shardline train` with no arguments trains the tiny preset on the shipped corpus.
 Config: `--config FILE.toml` then `--section.key=value` overrides. Mistakes the user

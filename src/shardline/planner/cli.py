@@ -4,6 +4,7 @@ plan      search layouts for a model on N devices; table or --json; --emit-confi
 estimate  memory breakdown and step time of one config (world size = product of its
           degrees; with dp_shard = -1 give --gpus, else dp_shard is taken as 1)
 calibrate measure this machine; write a profile that --profile FILE applies
+comm-bench under torchrun: the job's collectives inside nodes and across them; a [network] profile
 """
 
 from __future__ import annotations
@@ -66,6 +67,20 @@ def register(sub) -> None:
     cal.add_argument("--threads", type=int, metavar="N",
                      help="torch threads (CPU; default torch's). 1 times with CPU time: robust on a busy machine")
     cal.set_defaults(func=_calibrate)
+
+    cb = sub.add_parser("comm-bench", help="under torchrun: time the job's collectives inside nodes and across "
+                                           "them, and write a [network] profile for plan and estimate")
+    cb.add_argument("--out", default="comm.toml", help="profile to write on rank 0 (default comm.toml)")
+    cb.add_argument("--gpu", metavar="TYPE", help="the table entry the profile refines (default: this machine's)")
+    cb.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    cb.add_argument("--min-size", default=None, metavar="BYTES", help="smallest message (K, M, G: powers of "
+                                                                      "1024; default 8K, on a CPU 4K)")
+    cb.add_argument("--max-size", default=None, metavar="BYTES", help="largest (default 256M, on a CPU 4M)")
+    cb.add_argument("--factor", type=int, default=4, help="each size this many times the last (default 4)")
+    cb.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,all_to_all")
+    cb.add_argument("--rounds", type=int, default=5, help="timed rounds a point (default 5; the median is kept)")
+    cb.add_argument("--iters", type=int, default=None, help="calls a round (default 20, on a CPU 5)")
+    cb.set_defaults(func=_comm_bench)
 
 
 def _device_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -221,11 +236,11 @@ def _default_device(cfg: Config) -> str:
 
     if cfg.run.device == "cpu" or not torch.cuda.is_available():
         return "cpu"
-    name = torch.cuda.get_device_name()
-    sheet = local_datasheet(name)
-    if sheet is not None:
-        return sheet.name
-    raise ConfigError(f"this machine's GPU ({name}) is not in the hardware table; pass --gpu and --profile")
+    name = _detected_gpu()
+    if name is None:
+        raise ConfigError(f"this machine's GPU ({torch.cuda.get_device_name()}) is not in the hardware table; "
+                          "pass --gpu and --profile")
+    return name
 
 
 def _config_model(cfg: Config) -> ModelArgs:
@@ -247,3 +262,61 @@ def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--out {out} cannot be written: give a file in an existing, writable folder")
     calibrate(args.out, quick=args.quick, comm=not args.no_comm, threads=args.threads)
     return 0
+
+
+def _comm_bench(args: argparse.Namespace, overrides: list[str]) -> int:
+    import torch
+
+    from shardline.parallel.distributed import init_distributed, pick_device, shutdown_distributed
+    from shardline.planner.calibrate import cluster
+    from shardline.planner.hardware import Network, to_toml as profile_toml
+
+    if overrides:
+        raise ConfigError(f"comm-bench takes no config overrides, got {' '.join(overrides)}")
+    device = pick_device(args.device)
+    cpu = device.type == "cpu"
+    sizes = cluster.sizes_between(cluster.parse_size(args.min_size or ("4K" if cpu else "8K"), "--min-size"),
+                                  cluster.parse_size(args.max_size or ("4M" if cpu else "256M"), "--max-size"),
+                                  args.factor)
+    ops = args.ops.split(",")
+    if not ops or any(op not in cluster.OPS for op in ops):
+        raise ConfigError(f"--ops {args.ops!r}: give a comma-separated list of {', '.join(cluster.OPS)}")
+    rounds, iters = args.rounds, args.iters or (5 if cpu else 20)
+    if rounds < 1 or iters < 1:
+        raise ConfigError(f"--rounds {rounds} and --iters {iters} must be >= 1")
+    name = args.gpu or ("cpu" if cpu else _detected_gpu())
+    base = (name, get_hardware(name).network) if name else (None, Network())
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):  # on rank 0's file system
+        if os.environ.get("RANK", "0") == "0":
+            raise ConfigError(f"--out {out} cannot be written: give a file in an existing, writable folder")
+    proc = init_distributed(device)
+    try:
+        if proc.world_size < 2:
+            raise ConfigError("comm-bench times collectives between ranks: launch it with torchrun, e.g. "
+                              "torchrun --nproc_per_node=8 -m shardline comm-bench (on every node)")
+        if device.type == "cuda":
+            device = torch.device("cuda", proc.local_rank)
+        code, tables, text = cluster.run(device, sizes, ops, rounds, iters, base)
+    finally:
+        shutdown_distributed()
+    if text is not None:
+        print(text)
+        comment = (f"shardline network profile, written by `shardline comm-bench` on {proc.world_size} ranks\n"
+                   f"use: shardline plan|estimate ... --gpu {name or 'TYPE'} --profile {out}\n"
+                   "to keep a `shardline calibrate` profile's other figures, put this [network] table in it\n"
+                   "[measured] holds the points (tier_op: ranks, bytes, microseconds); the planner ignores it")
+        try:
+            out.write_text(profile_toml({**({"base": name} if name else {}), **tables}, comment))
+        except OSError as e:
+            raise ShardlineError(f"comm-bench: cannot write {out}: {e}") from None
+        print(f"profile written to {out}")
+    return code
+
+
+def _detected_gpu() -> str | None:
+    """This machine's GPU as a table entry, or None when the table lacks it."""
+    import torch
+
+    sheet = local_datasheet(torch.cuda.get_device_name())
+    return sheet.name if sheet else None

@@ -1,0 +1,98 @@
+"""`shardline comm-bench` as a user runs it: two torchrun agents on this host act as two nodes of
+two gloo ranks each; the table, the profile it writes and the planner reading that profile."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from shardline.cli import main
+from shardline.planner.calibrate.cluster import OPS, bus_factor
+from shardline.planner.hardware import get_hardware
+from tests.e2e.test_torchrun import REPO
+from tests.ports import free_port
+
+SIZES = (4096, 16384, 65536)
+
+
+def two_nodes(*args: str) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents (--nnodes=2, 2 ranks each) meeting at one c10d rendezvous on this host."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=comm-bench", "-m", "shardline", "comm-bench", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    agents = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+              for _ in range(2)]
+    out = []
+    for agent in agents:
+        stdout, stderr = agent.communicate(timeout=240)
+        out.append(subprocess.CompletedProcess(cmd, agent.returncode, stdout, stderr))
+    return out
+
+
+def _rows(table: str) -> dict[tuple, list[float]]:
+    """(tier, ranks, op, size in bytes) -> [time us, algbw, busbw, model us] of each table row."""
+    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}
+    rows = {}
+    for line in table.splitlines():
+        f = line.split()
+        if len(f) == 10 and f[0] in ("node", "rail", "world"):
+            rows[(f[0], int(f[1]), f[2], round(float(f[3]) * units[f[4]]))] = [float(x) for x in f[5:9]]
+    return rows
+
+
+def _fit(table: str, link: str) -> tuple[float, float]:
+    """(alpha us, B GB/s) of a `fit intra:` / `fit inter:` line."""
+    (line,) = [x for x in table.splitlines() if x.startswith(f"fit {link}:")]
+    words = line.split()
+    return float(words[2]), float(words[5])
+
+
+def test_two_nodes_every_tier_measured_and_a_profile_the_planner_reads(tmp_path):
+    profile = tmp_path / "comm.toml"
+    runs = two_nodes("--out", str(profile), "--min-size", "4K", "--max-size", "64K", "--rounds", "2", "--iters", "2")
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
+    (table,) = [r.stdout for r in runs if "shardline comm-bench:" in r.stdout]  # rank 0's agent prints
+    assert table.startswith("shardline comm-bench: 4 ranks, 2 node(s) x 2 (gloo, cpu)")
+    rows = _rows(table)
+    assert set(rows) == {(tier, n, op, size) for tier, n in (("node", 2), ("rail", 2), ("world", 4))
+                         for op in OPS for size in SIZES}
+    for (tier, n, op, size), (us, algbw, busbw, _) in rows.items():
+        assert algbw == pytest.approx(size / us / 1e3, rel=0.02, abs=2e-3)
+        assert busbw == pytest.approx(algbw * bus_factor(op, n), rel=0.02, abs=2e-3)
+
+    net = get_hardware("cpu", profile).network  # the profile is one `plan --gpu cpu --profile` takes
+    assert net.gpus_per_node == 2 and net.bw_efficiency == 1.0
+    for link in ("intra", "inter"):
+        alpha, bw = _fit(table, link)
+        assert getattr(net, f"{link}_latency_us") == pytest.approx(alpha, rel=1e-3)
+        assert getattr(net, f"{link}_bw_gbs") == pytest.approx(bw, rel=1e-3)
+    # The model column is the planner's ring under the fitted links, worked out here from the profile:
+    # inside a node at the intra fit times the op's factor; across nodes one rank a node, at the
+    # slower of the node's link and its network share.
+    size = SIZES[-1]
+    node = (net.intra_latency_us * 1e-6 + size / 2 / (net.intra_bw_gbs * 1e9)) * net.op_factor["all_gather"]
+    rail = net.inter_latency_us * 1e-6 + size / 2 / (min(net.intra_bw_gbs, net.inter_bw_gbs) * 1e9)
+    assert rows[("node", 2, "all_gather", size)][3] == pytest.approx(node * 1e6, abs=0.06)
+    assert rows[("rail", 2, "all_gather", size)][3] == pytest.approx(rail * 1e6, abs=0.06)
+    assert "world tier (not fitted) against the fitted model: median |error|" in table
+    assert f"profile written to {profile}" in table
+    measured = profile.read_text()
+    assert 'base = "cpu"' in measured and "world_all_to_all = [[4, 4096," in measured
+
+
+def test_bad_launches_fail_in_one_line(tmp_path, capsys):
+    assert main(["comm-bench", "--device", "cpu", "--out", str(tmp_path / "p.toml")]) == 2
+    assert "launch it with torchrun" in capsys.readouterr().err
+    assert not (tmp_path / "p.toml").exists()
+    for args, message in ((["--out", str(tmp_path / "no" / "p.toml")], "--out .* cannot be written"),
+                          (["--ops", "all_reduce,broadcast"], "--ops 'all_reduce,broadcast': give a comma"),
+                          (["--min-size", "1M", "--max-size", "64K"], "--min-size 1048576 is above --max-size"),
+                          (["--rounds", "0"], "--rounds 0 and --iters 5 must be >= 1")):
+        assert main(["comm-bench", "--device", "cpu", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and re.search(message, err), err

@@ -1,0 +1,135 @@
+"""`shardline comm-bench`'s parts: tiers from node keys, the values each collective must leave,
+the fit of the planner's link figures, sizes; and the wrong-result verdict on 2 gloo ranks.
+(The command itself, two torchrun agents as two nodes: tests/e2e/test_comm_bench.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardline.errors import ConfigError
+from shardline.planner.calibrate import cluster
+from shardline.planner.calibrate.cluster import Point
+from shardline.planner.hardware import Network
+from tests.distributed.harness import gloo_rank, start_ranks
+from tests.ports import free_port
+
+
+def test_tiers_follow_the_nodes():
+    assert cluster.tiers(["a", "a", "b", "b"]) == {"node": [[0, 1], [2, 3]], "rail": [[0, 2], [1, 3]],
+                                                   "world": [[0, 1, 2, 3]]}
+    # Ranks of a node need not be consecutive: the groups follow the keys.
+    assert cluster.tiers(["a", "b", "a", "b"])["rail"] == [[0, 1], [2, 3]]
+    assert cluster.tiers(["a", "a"]) == {"world": [[0, 1]]}  # one node: the world is the node tier
+    assert cluster.tiers(["a", "b"]) == {"world": [[0, 1]]}  # one rank a node: the world is the rail
+    with pytest.raises(ConfigError, match=r"different numbers of ranks \(1, 2\).*same --nproc_per_node"):
+        cluster.tiers(["a", "a", "b"])
+
+
+def _reference(op: str, parts: list[torch.Tensor], me: int) -> torch.Tensor:
+    """What `op` computes for group rank `me`, written plainly from every rank's input."""
+    n = len(parts)
+    if op == "all_reduce":
+        return sum(parts)
+    if op == "all_gather":
+        return torch.cat(parts)
+    if op == "reduce_scatter":
+        return sum(parts).chunk(n)[me]
+    return torch.cat([p.chunk(n)[me] for p in parts])  # all_to_all: my chunk of every rank's input
+
+
+@pytest.mark.parametrize("op", cluster.OPS)
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_the_checked_values_are_what_each_collective_computes(op, n):
+    numel = 4 * n
+    parts = [cluster.inputs(op, numel, n, r) for r in range(n)]
+    for me in range(n):
+        assert torch.equal(cluster.expected(op, numel, n, me), _reference(op, parts, me))
+    # The inputs tell the ranks and chunks apart: a rank's data lost (another's in its place), or
+    # another rank's share handed out, fails the check.
+    lost = [parts[1], *parts[1:]]
+    for me in range(n):
+        assert not torch.equal(cluster.expected(op, numel, n, me), _reference(op, lost, me))
+    if op in ("reduce_scatter", "all_to_all"):
+        assert not torch.equal(cluster.expected(op, numel, n, 0), cluster.expected(op, numel, n, 1))
+
+
+def _ring_seconds(op: str, n: int, nbytes: int, alpha: float, bw: float) -> float:
+    k = 2 if op == "all_reduce" else 1
+    return k * (n - 1) * alpha + k * (n - 1) / n * nbytes / bw
+
+
+def test_the_fit_recovers_the_links_it_was_made_from():
+    # Points timed as exact ring collectives over known links: 2 nodes x 4 ranks.
+    intra, inter = (20e-6, 200e9), (40e-6, 30e9)
+    points = []
+    for tier, n, on_node, (alpha, bw) in (("node", 4, 4, intra), ("rail", 2, 1, inter)):
+        for op in cluster.FITTED:
+            for nbytes in (1 << 16, 1 << 22, 1 << 26):
+                points.append(Point(tier, op, n, on_node, nbytes, _ring_seconds(op, n, nbytes, alpha, bw)))
+    points.append(Point("world", "all_reduce", 8, 4, 1 << 20, 1e-3))  # not fitted
+    base = Network(inter_bw_gbs=50.0, bw_efficiency=0.8, oversubscription=2.0)
+    fields, notes = cluster.fit_network(points, base, nodes=2, per_node=4)
+    assert fields["gpus_per_node"] == 4 and fields["bw_efficiency"] == 1.0
+    assert fields["intra_latency_us"] == pytest.approx(20.0, rel=1e-6)
+    assert fields["intra_bw_gbs"] == pytest.approx(200.0, rel=1e-6)
+    assert fields["latency_by_world_us"] == {"4": pytest.approx(20.0, rel=1e-6)}
+    assert fields["op_factor"] == {op: pytest.approx(1.0, rel=1e-6) for op in cluster.FITTED}
+    assert fields["inter_latency_us"] == pytest.approx(40.0, rel=1e-6)
+    # The planner divides by the oversubscription again: the profile predicts what was measured.
+    assert fields["inter_bw_gbs"] == pytest.approx(30.0 * 2.0, rel=1e-6)
+    assert [n.split(":")[0] for n in notes] == ["intra", "inter"] and "rail tier" in notes[1]
+
+
+def test_one_node_keeps_the_bases_network_rate():
+    points = [Point("world", op, 4, 4, nbytes, _ring_seconds(op, 4, nbytes, 10e-6, 100e9))
+              for op in cluster.FITTED for nbytes in (1 << 16, 1 << 24)]
+    base = Network(inter_bw_gbs=50.0, bw_efficiency=0.8)
+    fields, notes = cluster.fit_network(points, base, nodes=1, per_node=4)
+    assert fields["intra_bw_gbs"] == pytest.approx(100.0, rel=1e-6)
+    assert fields["inter_bw_gbs"] == pytest.approx(40.0)  # 50 x 0.8: the same effective rate at efficiency 1
+    assert "inter_latency_us" not in fields and notes[1].startswith("inter: not measured")
+
+
+def test_sizes():
+    assert cluster.parse_size("4096", "--min-size") == 4096
+    assert cluster.parse_size("64K", "--min-size") == 64 << 10 and cluster.parse_size("2g", "x") == 2 << 30
+    for bad in ("", "K", "1.5M", "-4", "2"):
+        with pytest.raises(ConfigError, match="--max-size .* is not a size in bytes"):
+            cluster.parse_size(bad, "--max-size")
+    assert cluster.sizes_between(4096, 1 << 20, 4) == [4096, 1 << 14, 1 << 16, 1 << 18, 1 << 20]
+    assert cluster.sizes_between(4096, 10000, 2) == [4096, 8192, 10000]
+    with pytest.raises(ConfigError, match="--min-size 8192 is above --max-size 4096"):
+        cluster.sizes_between(8192, 4096, 4)
+    with pytest.raises(ConfigError, match="--factor 1 must be >= 2"):
+        cluster.sizes_between(4096, 8192, 1)
+
+
+def _bench_rank(rank: int, world: int, port: int, out: str) -> None:
+    """bench() on real collectives, with rank 1's idea of one result wrong (as a faulty link
+    would make it): every rank must get the same verdict naming rank 1."""
+    import json
+
+    if rank == 1:
+        right = cluster.expected
+        cluster.expected = lambda op, numel, n, me: right(op, numel, n, me) + (op == "all_gather")
+    with gloo_rank(rank, world, port):
+        points, wrong, nodes, per_node = cluster.bench(torch.device("cpu"), [4096, 16384], ["all_reduce", "all_gather"],
+                                                       rounds=1, iters=1)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"points": [(p.tier, p.op, p.ranks, p.nbytes, p.seconds > 0) for p in points], "wrong": wrong,
+                   "nodes": nodes, "per_node": per_node}, f)
+
+
+def test_a_wrong_result_names_the_tier_op_size_and_rank(tmp_path):
+    import json
+
+    out = str(tmp_path / "bench")
+    start_ranks(_bench_rank, args=(2, free_port(), out), nprocs=2)
+    results = [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
+    assert results[0] == results[1]
+    got = results[0]
+    assert got["nodes"] == 1 and got["per_node"] == 2
+    ops, sizes = ("all_reduce", "all_gather"), (4096, 16384)
+    assert got["points"] == [["world", op, 2, size, True] for op in ops for size in sizes]
+    assert got["wrong"] == [f"world all_gather at {size} bytes: wrong result on rank(s) 1" for size in (4096, 16384)]
