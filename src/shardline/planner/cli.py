@@ -258,7 +258,7 @@ def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads {args.threads} must be >= 1")
     out = Path(args.out)  # checked before minutes of measuring, not when the profile is written
-    if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+    if _unwritable(out):
         raise ConfigError(f"--out {out} cannot be written: give a file in an existing, writable folder")
     calibrate(args.out, quick=args.quick, comm=not args.no_comm, threads=args.threads)
     return 0
@@ -266,52 +266,65 @@ def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _comm_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
+    import torch.distributed as dist
 
-    from shardline.parallel.distributed import init_distributed, pick_device, shutdown_distributed
+    from shardline.parallel.distributed import init_distributed, shutdown_distributed
     from shardline.planner.calibrate import cluster
-    from shardline.planner.hardware import Network, to_toml as profile_toml
+    from shardline.planner.hardware import to_toml as profile_toml
 
     if overrides:
         raise ConfigError(f"comm-bench takes no config overrides, got {' '.join(overrides)}")
-    device = pick_device(args.device)
-    cpu = device.type == "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device here; use auto or cpu")
+    cpu = args.device == "cpu" or not torch.cuda.is_available()
     sizes = cluster.sizes_between(cluster.parse_size(args.min_size or ("4K" if cpu else "8K"), "--min-size"),
                                   cluster.parse_size(args.max_size or ("4M" if cpu else "256M"), "--max-size"),
                                   args.factor)
     ops = args.ops.split(",")
-    if not ops or any(op not in cluster.OPS for op in ops):
+    if any(op not in cluster.OPS for op in ops):
         raise ConfigError(f"--ops {args.ops!r}: give a comma-separated list of {', '.join(cluster.OPS)}")
     rounds, iters = args.rounds, args.iters or (5 if cpu else 20)
     if rounds < 1 or iters < 1:
         raise ConfigError(f"--rounds {rounds} and --iters {iters} must be >= 1")
     name = args.gpu or ("cpu" if cpu else _detected_gpu())
-    base = (name, get_hardware(name).network) if name else (None, Network())
-    out = Path(args.out)
-    if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):  # on rank 0's file system
-        if os.environ.get("RANK", "0") == "0":
-            raise ConfigError(f"--out {out} cannot be written: give a file in an existing, writable folder")
+    if name is None:
+        raise ConfigError(f"this machine's GPU ({torch.cuda.get_device_name()}) is not in the hardware table; pass "
+                          f"--gpu with the entry the profile should refine ({', '.join(DEVICE_NAMES)})")
+    base = (name, get_hardware(name).network)
+    device = torch.device("cpu" if cpu else "cuda")
     proc = init_distributed(device)
-    try:
-        if proc.world_size < 2:
-            raise ConfigError("comm-bench times collectives between ranks: launch it with torchrun, e.g. "
-                              "torchrun --nproc_per_node=8 -m shardline comm-bench (on every node)")
-        if device.type == "cuda":
-            device = torch.device("cuda", proc.local_rank)
-        code, tables, text = cluster.run(device, sizes, ops, rounds, iters, base)
-    finally:
+    if proc.world_size < 2:
+        raise ConfigError("comm-bench times collectives between ranks: launch it with torchrun, e.g. "
+                          "torchrun --nproc_per_node=8 -m shardline comm-bench (on every node)")
+    out = Path(args.out)
+    try:  # the problems every rank shares: each says the same line, and they leave together
+        refused = [None if proc.rank or not _unwritable(out) else
+                   f"--out {out} cannot be written: give a file in an existing, writable folder"]
+        dist.broadcast_object_list(refused, src=0)  # the file is rank 0's to write, on its file system
+        if refused[0]:
+            raise ConfigError(refused[0])
+        code, tables, text = cluster.run(device if cpu else torch.device("cuda", proc.local_rank), sizes, ops,
+                                         rounds, iters, base)
+    except ConfigError:
         shutdown_distributed()
+        raise
+    shutdown_distributed()  # not on other errors: one rank's failure leaves its peers in a collective
     if text is not None:
         print(text)
         comment = (f"shardline network profile, written by `shardline comm-bench` on {proc.world_size} ranks\n"
-                   f"use: shardline plan|estimate ... --gpu {name or 'TYPE'} --profile {out}\n"
+                   f"use: shardline plan|estimate ... --gpu {name} --profile {out}\n"
                    "to keep a `shardline calibrate` profile's other figures, put this [network] table in it\n"
                    "[measured] holds the points (tier_op: ranks, bytes, microseconds); the planner ignores it")
         try:
-            out.write_text(profile_toml({**({"base": name} if name else {}), **tables}, comment))
+            out.write_text(profile_toml({"base": name, **tables}, comment))
         except OSError as e:
             raise ShardlineError(f"comm-bench: cannot write {out}: {e}") from None
         print(f"profile written to {out}")
     return code
+
+
+def _unwritable(out: Path) -> bool:
+    return out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)
 
 
 def _detected_gpu() -> str | None:

@@ -18,14 +18,16 @@ syncs, each round begun at a barrier of the whole job. A round takes as long as 
 are nccl-tests': the size is a rank's buffer for all-reduce and all-to-all and the whole gathered
 buffer for all-gather and reduce-scatter; algbw = size / time; busbw = algbw x 2(n-1)/n for
 all-reduce, x (n-1)/n for the others: the rate a link ran at, comparable across group sizes.
-Each op's result is checked against known values at the smallest and the largest size: a wrong
-one names the tier, op, size and ranks (exit code 6, as `shardline check`).
+Each op's result is checked on known values (int32, sums bounded: exact at any world size) at
+the smallest and the largest size: a wrong one names the tier, op, size and ranks (exit code 6,
+as `shardline check`).
 
-The fit: the node tier's all-reduce, all-gather and reduce-scatter points give the intra fields
-(least squares on the ring model, calibrate/comm.py's fit, and each op's factor over it); the rail
-tier's give the inter fields; bw_efficiency 1, since a measured rate is what the library reached.
-The world tier is not fitted: the planner's prediction of it from the fitted profile, printed
-beside each point, is a check of the two-level model on this cluster.
+The fit (fit_network): each link's alpha and B from all-gather and reduce-scatter, rings in every
+library (calibrate/comm.py's least squares): the node tier's give the intra fields, the rail
+tier's the inter ones; then each op's factor inside a node over the planner's own price for it
+(all-reduce may run as a tree, or in the switch); bw_efficiency 1, since a measured rate is what
+the library reached. The world tier is not fitted: the planner's prediction of it from the fitted
+profile, printed beside each point, is a check of the two-level model on this cluster.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import os
 import socket
 import statistics
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -44,13 +45,17 @@ import torch.distributed as dist
 from shardline.devices import synchronize
 from shardline.errors import ConfigError
 from shardline.planner import comm
-from shardline.planner.calibrate.comm import _model_seconds, fit_alpha_beta
+from shardline.planner.calibrate.comm import fit_alpha_beta
 from shardline.planner.hardware import Network
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-FITTED = ("all_reduce", "all_gather", "reduce_scatter")  # the ops of the ring model (all-to-all is not one)
+LINK_OPS = ("all_gather", "reduce_scatter")  # rings in every library: the links are fitted to these
+FACTORED = ("all_reduce", "all_gather", "reduce_scatter")  # the ops the planner scales by op_factor in a node
 BENCH_FAILED_EXIT = 6  # a collective gave a wrong result
 WARMUP = 2  # calls before a point's rounds (NCCL sets up a group's channels on first use)
+# torch 2.13 renamed these two (the old names warn there); 2.11 has only the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 @dataclass(frozen=True)
@@ -110,14 +115,6 @@ def bench(device: torch.device, sizes: list[int], ops: list[str], rounds: int, i
     Returns (the points, the wrong results found: one line each, nodes, ranks per node); every
     rank gets the same.
     """
-    with warnings.catch_warnings():
-        # reduce_scatter_tensor warns of a rename in newer torch; the name works on 2.11 and 2.13.
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        return _bench(device, sizes, ops, rounds, iters)
-
-
-def _bench(device: torch.device, sizes: list[int], ops: list[str], rounds: int, iters: int
-           ) -> tuple[list[Point], list[str], int, int]:
     keys = [None] * dist.get_world_size()
     dist.all_gather_object(keys, node_key())
     layout = tiers(keys)
@@ -154,10 +151,10 @@ def _call(op: str, numel: int, n: int, device: torch.device, group):
         return lambda: dist.all_reduce(x, group=group)
     if op == "all_gather":
         out, piece = torch.zeros(numel, device=device), torch.zeros(numel // n, device=device)
-        return lambda: dist.all_gather_into_tensor(out, piece, group=group)
+        return lambda: _ALL_GATHER(out, piece, group=group)
     if op == "reduce_scatter":
         inp, out = torch.zeros(numel, device=device), torch.zeros(numel // n, device=device)
-        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+        return lambda: _REDUCE_SCATTER(out, inp, group=group)
     inp, out = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
     return lambda: dist.all_to_all_single(out, inp, group=group)
 
@@ -179,78 +176,91 @@ def _time(fn, device: torch.device, rounds: int, iters: int) -> list[float]:
     return out
 
 
-def expected(op: str, numel: int, n: int, me: int) -> torch.Tensor:
-    """What `op` leaves on group rank `me` from the inputs `inputs` gives every rank."""
+def expected(op: str, numel: int, n: int, me: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """What `op` leaves on group rank `me` from the values `inputs` gives every rank."""
     chunk = numel // n
-    index = torch.arange(n, dtype=torch.float32)
+    index = torch.arange(n, dtype=torch.int32, device=device)
     if op == "all_reduce":
-        return torch.full((numel,), n * (n + 1) / 2)
+        return torch.full((numel,), sum(r % 7 + 1 for r in range(n)), dtype=torch.int32, device=device)
     if op == "all_gather":
         return index.repeat_interleave(chunk)
     if op == "reduce_scatter":
-        return torch.full((chunk,), float(n * me + n * (n - 1) // 2))
+        return torch.full((chunk,), sum((me + r) % 7 for r in range(n)), dtype=torch.int32, device=device)
     return (index * n + me).repeat_interleave(chunk)  # all_to_all: chunk i came from rank i
 
 
-def inputs(op: str, numel: int, n: int, me: int) -> torch.Tensor:
-    """Group rank `me`'s input to `op`: small whole numbers, exact in float32."""
+def inputs(op: str, numel: int, n: int, me: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Group rank `me`'s input to `op`: int32, and sums bounded by 7 a rank, so exact at any world size
+    (rank ids themselves only where nothing is summed)."""
     chunk = numel // n
-    index = torch.arange(n, dtype=torch.float32)
+    index = torch.arange(n, dtype=torch.int32, device=device)
     if op == "all_reduce":
-        return torch.full((numel,), float(me + 1))
+        return torch.full((numel,), me % 7 + 1, dtype=torch.int32, device=device)
     if op == "all_gather":
-        return torch.full((chunk,), float(me))
+        return torch.full((chunk,), me, dtype=torch.int32, device=device)
     if op == "reduce_scatter":
-        return (index + me).repeat_interleave(chunk)
+        return ((index + me) % 7).repeat_interleave(chunk)  # chunk j goes to rank j
     return (me * n + index).repeat_interleave(chunk)  # all_to_all: chunk j goes to rank j
 
 
 def _verify(op: str, numel: int, n: int, me: int, device: torch.device, group) -> bool:
     """One call of `op` on known values; whether this rank got what it should."""
-    x = inputs(op, numel, n, me).to(device)
-    out = x if op == "all_reduce" else torch.empty(expected(op, numel, n, me).numel(), device=device)
+    x = inputs(op, numel, n, me, device)
+    want = expected(op, numel, n, me, device)
+    out = x if op == "all_reduce" else torch.empty_like(want)
     if op == "all_reduce":
         dist.all_reduce(x, group=group)
     elif op == "all_gather":
-        dist.all_gather_into_tensor(out, x, group=group)
+        _ALL_GATHER(out, x, group=group)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_tensor(out, x, group=group)
+        _REDUCE_SCATTER(out, x, group=group)
     else:
         dist.all_to_all_single(out, x, group=group)
-    return bool(torch.equal(out.cpu(), expected(op, numel, n, me)))
+    return bool(torch.equal(out, want))
 
 
-def fit_network(points: list[Point], base: Network, nodes: int, per_node: int) -> tuple[dict, list[str]]:
+def fit_network(points: list[Point], base: Network, nodes: int, per_node: int,
+                whole_nodes: bool = True) -> tuple[dict, list[str]]:
     """The [network] fields the points give (module doc), and a line per fit saying what it used.
 
-    Links not measured keep the base's effective rate (its bandwidth times bw_efficiency, which
-    becomes 1 here); a measured inter rate is multiplied by the base's oversubscription, which the
-    planner divides by again, so the profile predicts what was measured at this job's size.
+    Each link's alpha and B come from all-gather and reduce-scatter, which run as rings whatever
+    the library (all-reduce may run as a tree, or in the switch); then each op's factor inside a
+    node is its median time over the planner's for it under those links, all-reduce's choice of
+    ring or tree included. Links not measured keep the base's effective rate (its bandwidth times
+    bw_efficiency, which becomes 1 here); a measured inter rate is multiplied by the base's
+    oversubscription, which the planner divides by again, so the profile predicts what was
+    measured at this job's size. gpus_per_node is written only from several nodes all of whose
+    devices ran (`whole_nodes`): a node run in part would tell the planner smaller nodes.
     """
-    fields = {"gpus_per_node": per_node, "bw_efficiency": 1.0,
-              "intra_bw_gbs": base.intra_bw_gbs * base.bw_efficiency,
-              "inter_bw_gbs": base.inter_bw_gbs * base.bw_efficiency}
+    fields: dict = {"bw_efficiency": 1.0, "intra_bw_gbs": base.intra_bw_gbs * base.bw_efficiency,
+                    "inter_bw_gbs": base.inter_bw_gbs * base.bw_efficiency}
+    notes = []
+    if nodes > 1 and per_node > 1 and whole_nodes:
+        fields["gpus_per_node"] = per_node
+    else:
+        notes.append(f"gpus_per_node: not written (one node, one rank a node, or nodes in part): the base's "
+                     f"{base.gpus_per_node} kept")
     intra = "node" if nodes > 1 and per_node > 1 else ("world" if nodes == 1 else None)
     inter = "rail" if nodes > 1 and per_node > 1 else ("world" if per_node == 1 else None)
-    notes = []
     for link, tier in (("intra", intra), ("inter", inter)):
-        chosen = [p for p in points if p.tier == tier and p.op in FITTED]
-        if len({(p.op, p.nbytes) for p in chosen}) < 2 or len({p.nbytes for p in chosen}) < 2:
-            notes.append(f"{link}: not measured (needs the {tier or 'missing'} tier at two sizes or more); "
-                         "the base's figures kept")
+        chosen = [p for p in points if p.tier == tier and p.op in LINK_OPS]
+        if len({p.nbytes for p in chosen}) < 2:
+            notes.append(f"{link}: not measured (needs all-gather or reduce-scatter in the {tier or 'missing'} "
+                         "tier at two sizes or more); the base's figures kept")
             continue
-        raw = [{"op": p.op, "world": p.ranks, "bytes": p.nbytes, "seconds": p.seconds} for p in chosen]
-        alpha, bw = fit_alpha_beta(raw)
+        alpha, bw = fit_alpha_beta([{"op": p.op, "world": p.ranks, "bytes": p.nbytes, "seconds": p.seconds}
+                                    for p in chosen])
         fields[f"{link}_latency_us"], fields[f"{link}_bw_gbs"] = alpha * 1e6, bw / 1e9
         if link == "intra":
             key = str(chosen[0].ranks)
             fields["latency_by_world_us"], fields["bw_by_world_gbs"] = {key: alpha * 1e6}, {key: bw / 1e9}
-            fields["op_factor"] = {op: statistics.median(r["seconds"] / _model_seconds(r, alpha, bw)
-                                                         for r in raw if r["op"] == op)
-                                   for op in FITTED if any(r["op"] == op for r in raw)}
+            plain = dataclasses.replace(base, **fields, op_factor={})
+            factored = [p for p in points if p.tier == tier and p.op in FACTORED]
+            fields["op_factor"] = {op: statistics.median(p.seconds / predict(p, plain) for p in factored if p.op == op)
+                                   for op in FACTORED if any(p.op == op for p in factored)}
         else:
             fields["inter_bw_gbs"] *= base.oversubscription
-        notes.append(f"{link}: {alpha * 1e6:.1f} us + {bw / 1e9:.3g} GB/s from the {tier} tier "
+        notes.append(f"{link}: {alpha * 1e6:.2f} us + {bw / 1e9:.5g} GB/s from the {tier} tier "
                      f"({len(chosen)} points of {', '.join(sorted({p.op for p in chosen}))})")
     return fields, notes
 
@@ -325,18 +335,19 @@ def measured_table(points: list[Point]) -> dict:
 
 
 def run(device: torch.device, sizes: list[int], ops: list[str], rounds: int, iters: int,
-        base: tuple[str | None, Network]) -> tuple[int, dict | None, str | None]:
+        base: tuple[str, Network]) -> tuple[int, dict | None, str | None]:
     """Measure (every rank), then on rank 0 fit and word the report: (exit code, the profile's
     [network] and [measured] tables, the report); other ranks get (exit code, None, None)."""
     points, wrong, nodes, per_node = bench(device, sizes, ops, rounds, iters)
     code = BENCH_FAILED_EXIT if wrong else 0
     if dist.get_rank() != 0:
         return code, None, None
-    fields, notes = fit_network(points, base[1], nodes, per_node)
-    backend = dist.get_backend()
-    head = (f"shardline comm-bench: {nodes * per_node} ranks, {nodes} node(s) x {per_node} ({backend}, {device.type}), "
-            f"float32; a point is the median of {rounds} rounds of {iters} calls, each round its slowest rank's")
-    text = report(points, notes, dataclasses.replace(base[1], **fields), (base[0] or "default", base[1]), head)
+    whole = device.type != "cuda" or per_node == torch.cuda.device_count()  # every GPU of a node ran
+    fields, notes = fit_network(points, base[1], nodes, per_node, whole_nodes=whole)
+    head = (f"shardline comm-bench: {nodes * per_node} ranks, {nodes} node(s) x {per_node} ({dist.get_backend()}, "
+            f"{device.type}), float32, a point the median of {rounds} rounds of {iters} calls, each round its "
+            "slowest rank's")
+    text = report(points, notes, dataclasses.replace(base[1], **fields), base, head)
     if wrong:
         text += "\nFAILED: " + "; ".join(wrong)
     return code, {"network": fields, "measured": measured_table(points)}, text
