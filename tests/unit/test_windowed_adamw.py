@@ -65,6 +65,56 @@ def test_the_windowed_step_is_torchs_adamw_bit_for_bit(impl):
     assert_same_as_torch(WindowedAdamW, impl)
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_the_clip_folded_into_the_step_is_the_clip_apart_bit_for_bit(impl):
+    """clip_grad_norm handing its scale to WindowedAdamW (defer_to) against torch's AdamW after the
+    clip multiplied every gradient itself: weights, moments and the clipped gradients bit for bit;
+    the scale serves one step only."""
+    from shardline.layout import Layout
+    from shardline.parallel.collectives import clip_grad_norm
+    from shardline.parallel.dims import ParallelDims
+
+    dims = ParallelDims(Layout())
+    runs = []
+    for cls in (torch.optim.AdamW, WindowedAdamW):
+        ps = params()
+        opt = cls(groups(ps), lr=1e-2, **IMPLEMENTATIONS[impl])
+        opt.window = windowed.ALIGN
+        norms = []
+        for i in range(3):
+            g = torch.Generator().manual_seed(i)
+            for p in ps:
+                p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=g))
+            norms.append(clip_grad_norm(torch.nn.ParameterList(ps), 0.5 if i < 2 else 0.0, dims, defer_to=opt))
+            assert (getattr(opt, "clip_scale", None) is None) == (cls is torch.optim.AdamW or i == 2)
+            opt.step()
+            assert getattr(opt, "clip_scale", None) is None
+        runs.append((ps, opt, norms))
+    (plain_ps, plain, plain_norms), (ours_ps, ours, our_norms) = runs
+    assert plain_norms == our_norms and plain_norms[0] > 10  # every step but the last clipped
+    for a, b in zip(plain_ps, ours_ps):
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(plain.state[a][key], ours.state[b][key]), key
+
+
+def test_a_skipped_steps_clip_scale_is_dropped_with_its_gradients():
+    """A step skipped after the clip (an fp16 overflow's non-finite norm) must not hand its scale to
+    the next step: zero_grad drops it, as torch's distributed state dict steps zero gradients at
+    lr 0 to create missing states (NaN x 0 would poison every weight; test_trainer's fp16 overflow
+    test caught that)."""
+    ps = params()
+    opt = WindowedAdamW(ps, lr=1e-2)
+    opt.clip_scale = torch.tensor(float("nan"))  # what clip_grad_norm hands over for non-finite gradients
+    opt.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in ps]
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+    opt.param_groups[0]["lr"] = 0.0
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, ps))
+
+
 def test_a_window_is_a_multiple_of_align_and_holds_small_tensors_together():
     ps = params()
     opt = WindowedAdamW(ps, lr=1e-2)
@@ -98,10 +148,14 @@ def _dtensor_worker(rank: int, world: int, port: int, impl: str) -> None:
     """Weights sharded on the first dim (cut across windows), replicated norms, a sharded weight
     whose gradient arrives replicated and a replicated one whose gradient is still partial (each
     a window of DTensors: the partial one's local shapes match, only its placement tells), a plain
-    weight with a non-contiguous gradient and an empty one: every rank's shards and steps equal
-    torch's AdamW bit for bit."""
+    weight with a non-contiguous gradient and an empty one, all clipped: every rank's shards and
+    steps equal torch's AdamW after the clip's own multiply bit for bit."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from shardline.layout import Layout
+    from shardline.parallel.collectives import clip_grad_norm
+    from shardline.parallel.dims import ParallelDims
 
     with gloo_rank(rank, world, port):
         mesh = init_device_mesh("cpu", (world,))
@@ -134,6 +188,8 @@ def _dtensor_worker(rank: int, world: int, port: int, impl: str) -> None:
                         p.grad = DTensor.from_local(full * (rank + 1), mesh, where)
                     else:
                         p.grad = distribute_tensor(full, mesh, where)
+                # Clipped too: the windows multiply DTensor and plain gradients by the scale as the clip would.
+                clip_grad_norm(torch.nn.ParameterList(ps), 5.0, ParallelDims(Layout()), defer_to=opt)
                 opt.step()
             assert not ps[4].grad.is_contiguous()
             results.append([local(t).clone() for p in ps for t in (p, *(opt.state[p][k] for k in

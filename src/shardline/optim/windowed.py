@@ -13,6 +13,11 @@ implementation finishes one tensor before the next, so windows help it only insi
 tensors; the fused kernel makes one pass per element already, so they buy it nothing but the
 calls (it gets the same bits either way).
 
+Gradient clipping's multiply runs here too, window by window, when the clip hands its scale over
+(`clip_scale`, parallel/collectives.clip_grad_norm's `defer_to`): the same multiply of the same
+gradients, while they are in cache, instead of a pass of its own over all of them (measured in
+benchmarks/clip_fold.py).
+
 Optimizer states on an SSD (ssd_offload.py) step the same way, and ask the disk for the next
 window while this one computes: `_prefetch`, a no-op here.
 """
@@ -48,6 +53,7 @@ class WindowedAdamW(torch.optim.AdamW):
         if unsupported:
             raise ConfigError(f"{self.PLAIN_ONLY}; not with {', '.join(unsupported)}")
         self.window = WINDOW
+        self.clip_scale: torch.Tensor | None = None  # set by the clip for the next step (module doc)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -58,6 +64,9 @@ class WindowedAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         size = max(ALIGN, self.window - self.window % ALIGN)
+        clip, self.clip_scale = self.clip_scale, None  # for this step only
+        if clip is not None:  # to the states' device once, not once a window
+            clip = clip.to(self.param_groups[0]["params"][0].device)
         work = []  # (group, has_complex, window)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -67,6 +76,8 @@ class WindowedAdamW(torch.optim.AdamW):
             if i + 1 < len(work):
                 self._prefetch(work[i + 1][2])
             p, g, m, v, s, _ = (list(t) for t in zip(*window))
+            if clip is not None:
+                _scale(g, clip)
             (beta1, beta2), scale = group["betas"], {k: getattr(self, k, None) for k in ("grad_scale", "found_inf")}
             adam(p, g, m, v, [], s, foreach=group["foreach"], fused=group["fused"], has_complex=has_complex, **scale,
                  decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -75,8 +86,26 @@ class WindowedAdamW(torch.optim.AdamW):
             step.copy_(new)
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients and the clip scale computed from them: a step skipped (an fp16
+        overflow, an anomaly) must not leave it to a later step on other gradients (torch's
+        distributed state dict, for one, steps zero gradients at lr 0 to create missing states)."""
+        self.clip_scale = None
+        super().zero_grad(set_to_none)
+
     def _prefetch(self, window: list[tuple]) -> None:
         """Called with the next window before this one steps: states in RAM need nothing."""
+
+
+def _scale(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply the gradients by the clip's scale in place, as the clip itself would (a DTensor
+    with its own multiply, the rest in one foreach call)."""
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    for g in grads:
+        if isinstance(g, DTensor):
+            g.mul_(scale.to(g.device))
+    if plain:
+        torch._foreach_mul_(plain, scale.to(plain[0].device))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,13 @@ def reduce_over(dims: ParallelDims, dim: str | None, value: torch.Tensor, op: st
 
 @torch.no_grad()
 def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
-                   counted_elsewhere: torch.Tensor | None = None) -> torch.Tensor:
+                   counted_elsewhere: torch.Tensor | None = None, defer_to=None) -> torch.Tensor:
     """Clip the global gradient norm (0 = measure only); returns the norm before clipping.
+
+    `defer_to`: an optimizer with a `clip_scale` attribute (the host's windowed AdamW), which
+    multiplies each gradient by the scale as it steps it, while its window is in cache, instead of
+    a pass of its own over every gradient here; the same multiply, so the same bits. It gets the
+    scale (None when nothing is clipped) and the gradients are clipped once it steps.
 
     Plain gradients contribute their norms. DTensor gradients are grouped by mesh and
     placements: each group's squared norm is summed over the local shards and reduced
@@ -74,8 +79,10 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
         total = total.sqrt()
     if dims.pp > 1:  # each pipeline rank holds other parameters: add the squares
         total = reduce_over(dims, "pp", total.square(), "sum").sqrt()
-    if max_norm:
-        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0) if max_norm else None
+    if hasattr(defer_to, "clip_scale"):
+        defer_to.clip_scale = scale
+    elif scale is not None:
         for g in grads:
             if isinstance(g, DTensor):
                 g.mul_(scale.to(g.device))

@@ -320,7 +320,7 @@ class Trainer(SavedState, AnomalyResponse):
         """Forward and backward over this rank's share of the step's global batch.
 
         Returns this rank's share of the global mean loss and the global gradient norm
-        (gradients clipped in place).
+        (gradients clipped in place, or by the host's AdamW as it steps: clip_grad_norm's defer_to).
         """
         self.model.train()
         micro, n_tokens = self.guard.reads(self._step_batch)()  # it reads too: the labels it counts
@@ -332,7 +332,7 @@ class Trainer(SavedState, AnomalyResponse):
         reduce_gradients(self.optimizer, self.dims.zero1_scatters)  # ZeRO-1: its slices (under tp/pp, summed)
         self.scaler.unscale_(self.optimizer)
         return loss, clip_grad_norm(self.model, self.cfg.train.grad_clip, self.dims,
-                                    counted_elsewhere=tied_copy(self.model))
+                                    counted_elsewhere=tied_copy(self.model), defer_to=self.optimizer)
 
     def _step_batch(self) -> tuple[list[np.ndarray], int]:
         """This rank's micro-batches of the step's global batch, and the labelled tokens of all of it.

@@ -112,7 +112,7 @@ def _optimizer_fn(model, dims):
         p.grad = torch.zeros_like(p)
 
     def step():
-        clip_grad_norm(model, 1.0, dims)
+        clip_grad_norm(model, 1.0, dims, defer_to=opt)  # as the trainer clips: as AdamW steps
         opt.step()
 
     return step

@@ -27,7 +27,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from shardline.devices import synchronize
+from shardline.layout import Layout
 from shardline.optim.windowed import WindowedAdamW
+from shardline.parallel.collectives import clip_grad_norm
+from shardline.parallel.dims import ParallelDims
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _VIEWS = ("view", "t.", "_unsafe_view", "transpose", "expand", "unsqueeze", "split", "detach", "alias",
@@ -160,7 +163,7 @@ def measure_op_overhead(device: torch.device, n_ops: int = 200, clock=time.perf_
 
 def measure_optimizer(device: torch.device, bandwidth_gbs: float, n_params: int = 4_000_000,
                       clock=time.perf_counter) -> float:
-    """AdamW + clip_grad_norm_ time, as bytes of memory traffic per parameter: the AdamW the trainer
+    """AdamW + gradient clipping time, as bytes of memory traffic per parameter: the AdamW the trainer
     steps there (fused on a GPU; on the host a window at a time, shardline/optim/windowed.py)."""
     sizes = [n_params // 40] * 40
     params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in sizes]
@@ -169,8 +172,11 @@ def measure_optimizer(device: torch.device, bandwidth_gbs: float, n_params: int 
     opt = (torch.optim.AdamW(params, lr=1e-4, fused=True) if device.type == "cuda"
            else WindowedAdamW(params, lr=1e-4, foreach=True))
 
+    model = torch.nn.ParameterList(params)
+    dims = ParallelDims(Layout())
+
     def step():
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        clip_grad_norm(model, 1.0, dims, defer_to=opt)  # the trainer's clip: on the host, as AdamW steps
         opt.step()
 
     t = time_it(step, device, clock=clock)

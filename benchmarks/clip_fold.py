@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""Gradient clipping on the host: its multiply folded into the windowed AdamW, against a pass of its own.
+
+A host optimizer step (a CPU run, or a GPU run whose states are offloaded) is clipping, then AdamW.
+Clipping is two passes over every gradient: the norm (reads them) and the multiply by the clip
+scale (reads and writes them). Stepped apart, the multiply streams every gradient through memory
+once more before AdamW streams them again; folded (`clip_grad_norm(..., defer_to=optimizer)`, what
+the trainer does on the host) WindowedAdamW multiplies each window's gradients while that window is
+in cache. Three ways, alternating step by step in one process so machine noise hits each alike:
+
+* torch: torch.nn.utils.clip_grad_norm_, then torch's AdamW (foreach);
+* apart: shardline's clip_grad_norm multiplying in place, then WindowedAdamW;
+* folded: shardline's clip_grad_norm handing the scale to WindowedAdamW.
+
+Every step clips (the gradients are scaled up so the norm is above max_norm each time). The
+parameters of `apart` and `folded` are checked equal bit for bit at the end.
+
+    python benchmarks/clip_fold.py                 # ~30 s on 2 CPU cores, 64 M parameters
+    python benchmarks/clip_fold.py --params 256e6 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from shardline.layout import Layout
+from shardline.optim.windowed import WindowedAdamW
+from shardline.parallel.collectives import clip_grad_norm
+from shardline.parallel.dims import ParallelDims
+
+VARIANTS = ("torch", "apart", "folded")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=64e6, help="parameters (default 64e6)")
+    p.add_argument("--tensors", type=int, default=32, help="tensors they are split into (default 32)")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per variant (default 10)")
+    p.add_argument("--json", help="write the results here")
+    return p.parse_args(argv)
+
+
+def build(variant: str, args) -> tuple[torch.nn.ParameterList, torch.optim.Optimizer]:
+    gen = torch.Generator().manual_seed(0)
+    size = int(args.params) // args.tensors
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(size, generator=gen))
+                                    for _ in range(args.tensors)])
+    opt = (torch.optim.AdamW(model, lr=1e-3, foreach=True) if variant == "torch"
+           else WindowedAdamW(model, lr=1e-3, foreach=True))
+    return model, opt
+
+
+def step(variant: str, model: torch.nn.ParameterList, opt: torch.optim.Optimizer, dims: ParallelDims,
+         seed: int) -> float:
+    """One clipped step on fresh gradients (their norm ~100x max_norm); seconds of clip + AdamW."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model:
+        p.grad = torch.randn(p.shape, generator=gen)
+    start = time.perf_counter()
+    if variant == "torch":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+    else:
+        clip_grad_norm(model, 1.0, dims, defer_to=opt if variant == "folded" else None)
+    opt.step()
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    dims = ParallelDims(Layout())
+    runs = {v: build(v, args) for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for i in range(args.steps + 1):  # the first step of each allocates AdamW's moments: not timed
+        for v in VARIANTS:
+            seconds = step(v, *runs[v], dims, seed=i)
+            if i:
+                times[v].append(seconds)
+    same = all(torch.equal(a, b) for a, b in zip(runs["apart"][0], runs["folded"][0]))
+    median = {v: statistics.median(t) for v, t in times.items()}
+    out = {"params": int(args.params), "tensors": args.tensors, "steps": args.steps, "threads": torch.get_num_threads(),
+           "median_ms": {v: round(m * 1e3, 1) for v, m in median.items()},
+           "vs_torch": {v: round(median[v] / median["torch"], 3) for v in VARIANTS},
+           "folded_vs_apart": round(median["folded"] / median["apart"], 3), "apart_equals_folded": same}
+    print(f"{int(args.params):,} parameters in {args.tensors} tensors, {torch.get_num_threads()} threads, "
+          f"median of {args.steps} clipped steps")
+    for v in VARIANTS:
+        print(f"  {v:<7} {out['median_ms'][v]:>8.1f} ms   {out['vs_torch'][v]:.2f}x torch")
+    print(f"  folded / apart: {out['folded_vs_apart']:.3f}; parameters bit for bit equal: {same}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
