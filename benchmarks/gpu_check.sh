@@ -34,6 +34,10 @@
 # shardline-compile and shardline-fp8) -> gpu_train-s8192.json, within PLAN_BUDGET (default 150):
 # every gpu_train row carries the planner's prediction (plan s, plan GiB), and this shape was not
 # the one its compiled pricing was checked against, so its rows test it.
+# COMM_BENCH=1 adds step 7, on a machine with 2 or more GPUs: `torchrun -m shardline comm-bench` over
+# all of them (all-reduce, all-gather, reduce-scatter, all-to-all at 8 KiB-256 MiB: busbw, results
+# checked, the planner's intra-node link fitted) -> comm.toml, comm-bench.txt, within COMM_BUDGET
+# (default 120); on one GPU it says it cannot run (NCCL refuses two ranks on one GPU).
 # The optional steps are cut to what DEADLINE leaves. ONLY=extras skips steps 2 and 3 and runs just
 # the optional steps asked for: a call of its own, since the two calls below leave little of the
 # 15 device minutes (PLANNER_SHAPES=1 ONLY=extras DEADLINE=200, timeout_s 230; or in place of the
@@ -59,8 +63,9 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 
 status=0
 ONLY=${ONLY:-}
 case "$ONLY" in ""|tests|bench|extras) ;; *) echo "gpu_check: ONLY=$ONLY is invalid: tests, bench, extras or unset" >&2; exit 2 ;; esac
-if [ "$ONLY" = extras ] && [ "${CALIBRATE:-0}${SPLIT_BACKWARD:-0}${PLANNER_SHAPES:-0}" = 000 ]; then
-    echo "gpu_check: ONLY=extras runs only the optional steps: set CALIBRATE=1, SPLIT_BACKWARD=1 or PLANNER_SHAPES=1" >&2
+if [ "$ONLY" = extras ] && [ "${CALIBRATE:-0}${SPLIT_BACKWARD:-0}${PLANNER_SHAPES:-0}${COMM_BENCH:-0}" = 0000 ]; then
+    echo "gpu_check: ONLY=extras runs only the optional steps: set CALIBRATE=1, SPLIT_BACKWARD=1, PLANNER_SHAPES=1" \
+        "or COMM_BENCH=1" >&2
     exit 2
 fi
 
@@ -164,6 +169,18 @@ if [ "${PLANNER_SHAPES:-0}" = 1 ] && [ "$(left "${PLAN_BUDGET:-150}")" -ge 60 ];
         --set memory.activation_checkpoint=op --variants shardline-compile,shardline-fp8 \
         --json "$RESULTS/gpu_train-s8192.json" 2>&1 | tee "$RESULTS/gpu_train-s8192.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [ "${COMM_BENCH:-0}" = 1 ] && [ "$(left "${COMM_BUDGET:-120}")" -ge 30 ]; then  # optional: the GPUs' links
+    echo "== comm-bench ==" >&2
+    gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+    if [ "$gpus" -ge 2 ]; then
+        timeout -s INT -k 10 "$(left "${COMM_BUDGET:-120}")" "$PY" -m torch.distributed.run --nproc_per_node="$gpus" \
+            -m shardline comm-bench --out "$RESULTS/comm.toml" 2>&1 | tee "$RESULTS/comm-bench.txt"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    else
+        echo "gpu_check: comm-bench needs 2 or more GPUs; this machine has $gpus" | tee "$RESULTS/comm-bench.txt" >&2
+    fi
 fi
 
 echo "gpu_check: results in $RESULTS (exit $status)" >&2
