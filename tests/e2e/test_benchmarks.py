@@ -163,7 +163,6 @@ def test_split_backward_reports_its_variants_with_eager_gradients(tmp_path):
 def test_clip_fold_times_three_ways_and_finds_the_folded_clip_equal(tmp_path):
     res, proc = run_benchmark("clip_fold.py", ["--params", "2e5", "--tensors", "4", "--steps", "2"], tmp_path)
     assert set(res["median_ms"]) == {"torch", "apart", "folded"} and all(map(positive, res["median_ms"].values()))
-    assert res["vs_torch"]["torch"] == 1.0 and positive(res["folded_vs_apart"])
     assert res["apart_equals_folded"] is True and "bit for bit equal: True" in proc.stdout
 
 

@@ -21,13 +21,14 @@ from tests.ports import free_port
 SIZES = (4096, 16384, 65536)
 
 
-def launch(tmp_path: Path, nnodes: int, *args: str) -> list[subprocess.CompletedProcess]:
+def launch(tmp_path: Path, nnodes: int, *args: str,
+           launcher: tuple[str, ...] = ()) -> list[subprocess.CompletedProcess]:
     """`nnodes` torchrun agents of 2 ranks each meeting at one c10d rendezvous on this host (each
     agent a node); their output in files, every agent killed if they outlive the timeout."""
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=2",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=comm-bench", "-m", "shardline",
-           "comm-bench", *args]
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=comm-bench", *launcher,
+           "-m", "shardline", "comm-bench", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     logs = [(tmp_path / f"agent{i}.out", tmp_path / f"agent{i}.err") for i in range(nnodes)]
     agents = []
@@ -113,8 +114,31 @@ def test_bad_launches_fail_in_one_line(tmp_path, capsys):
 
 
 def test_an_unwritable_out_is_refused_by_every_rank_before_measuring(tmp_path):
-    (run,) = launch(tmp_path, 1, "--out", str(tmp_path / "no" / "p.toml"))
+    logs = tmp_path / "logs"  # each rank's stderr in a file of its own (--redirects 2)
+    (run,) = launch(tmp_path, 1, "--out", str(tmp_path / "no" / "p.toml"),
+                    launcher=(f"--log-dir={logs}", "--redirects=2"))
     assert run.returncode != 0 and not run.stdout
-    # Both ranks say it (their lines may land in one another on the launcher's stderr).
-    assert run.stderr.count("shardline: error: --out ") == 2, run.stderr[-2000:]
-    assert run.stderr.count("cannot be written: give a file in an existing, writable folder") == 2
+    ranks = sorted(logs.rglob("stderr.log"))
+    assert len(ranks) == 2, run.stderr[-2000:]
+    for log in ranks:
+        assert log.read_text().strip().startswith("shardline: error: --out "), log.read_text()[-2000:]
+        assert "cannot be written: give a file in an existing, writable folder" in log.read_text()
+
+
+def test_what_out_accepts(tmp_path):
+    from shardline.planner.cli import _unwritable
+
+    assert not _unwritable(tmp_path / "p.toml")
+    (tmp_path / "p.toml").write_text("")
+    assert not _unwritable(tmp_path / "p.toml")  # an earlier profile is replaced
+    assert _unwritable(tmp_path) and _unwritable(tmp_path / "no" / "p.toml")
+    assert _unwritable(tmp_path / ("x" * 300) / "p.toml")  # the file system refuses the name: no traceback
+
+
+def test_without_a_ring_op_the_table_prints_and_no_profile_is_written(tmp_path):
+    (run,) = launch(tmp_path, 1, "--out", str(tmp_path / "p.toml"), "--ops", "all_to_all", "--min-size", "4K",
+                    "--max-size", "16K", "--rounds", "1", "--iters", "1")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "world      2  all_to_all" in run.stdout
+    assert "no profile written: no link was fitted (it needs all_gather or reduce_scatter in --ops)" in run.stdout
+    assert not (tmp_path / "p.toml").exists()

@@ -65,8 +65,9 @@ class WindowedAdamW(torch.optim.AdamW):
                 loss = closure()
         size = max(ALIGN, self.window - self.window % ALIGN)
         clip, self.clip_scale = self.clip_scale, None  # for this step only
-        if clip is not None:  # to the states' device once, not once a window
-            clip = clip.to(self.param_groups[0]["params"][0].device)
+        first = next((p for group in self.param_groups for p in group["params"]), None)
+        if clip is not None and first is not None:  # to the states' device once, not once a window
+            clip = clip.to(first.device)
         work = []  # (group, has_complex, window)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -80,7 +80,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
     if dims.pp > 1:  # each pipeline rank holds other parameters: add the squares
         total = reduce_over(dims, "pp", total.square(), "sum").sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0) if max_norm else None
-    if hasattr(defer_to, "clip_scale"):
+    if "clip_scale" in getattr(defer_to, "__dict__", {}):  # its own attribute, not one a wrapper forwards
         defer_to.clip_scale = scale
     elif scale is not None:
         for g in grads:

@@ -311,6 +311,9 @@ def _comm_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     shutdown_distributed()  # not on other errors: one rank's failure leaves its peers in a collective
     if text is not None:
         print(text)
+        if not any(f"{link}_latency_us" in tables["network"] for link in ("intra", "inter")):
+            print("no profile written: no link was fitted (it needs all_gather or reduce_scatter in --ops)")
+            return code
         comment = (f"shardline network profile, written by `shardline comm-bench` on {proc.world_size} ranks\n"
                    f"use: shardline plan|estimate ... --gpu {name} --profile {out}\n"
                    "to keep a `shardline calibrate` profile's other figures, put this [network] table in it\n"
@@ -324,7 +327,13 @@ def _comm_bench(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _unwritable(out: Path) -> bool:
-    return out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)
+    """Whether `out` cannot be written as a file (a path the file system refuses to look at counts)."""
+    try:
+        if out.exists():
+            return out.is_dir() or not os.access(out, os.W_OK)
+        return not out.parent.is_dir() or not os.access(out.parent, os.W_OK)
+    except OSError:  # permission denied on the way, a name too long, ...
+        return True
 
 
 def _detected_gpu() -> str | None:

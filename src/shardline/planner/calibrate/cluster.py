@@ -22,8 +22,9 @@ Each op's result is checked on known values (int32, sums bounded: exact at any w
 the smallest and the largest size: a wrong one names the tier, op, size and ranks (exit code 6,
 as `shardline check`).
 
-The fit (fit_network): each link's alpha and B from all-gather and reduce-scatter, rings in every
-library (calibrate/comm.py's least squares): the node tier's give the intra fields, the rail
+The fit (fit_network): each link's alpha and B from all-gather and reduce-scatter, as rings
+(calibrate/comm.py's least squares; NCCL_ALGO=Ring pins them where a recent NCCL would run them
+otherwise): the node tier's give the intra fields, the rail
 tier's the inter ones; then each op's factor inside a node over the planner's own price for it
 (all-reduce may run as a tree, or in the switch); bw_efficiency 1, since a measured rate is what
 the library reached. The world tier is not fitted: the planner's prediction of it from the fitted
@@ -49,7 +50,7 @@ from shardline.planner.calibrate.comm import fit_alpha_beta
 from shardline.planner.hardware import Network
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-LINK_OPS = ("all_gather", "reduce_scatter")  # rings in every library: the links are fitted to these
+LINK_OPS = ("all_gather", "reduce_scatter")  # the links are fitted to these, as rings
 FACTORED = ("all_reduce", "all_gather", "reduce_scatter")  # the ops the planner scales by op_factor in a node
 BENCH_FAILED_EXIT = 6  # a collective gave a wrong result
 WARMUP = 2  # calls before a point's rounds (NCCL sets up a group's channels on first use)
@@ -223,8 +224,8 @@ def fit_network(points: list[Point], base: Network, nodes: int, per_node: int,
                 whole_nodes: bool = True) -> tuple[dict, list[str]]:
     """The [network] fields the points give (module doc), and a line per fit saying what it used.
 
-    Each link's alpha and B come from all-gather and reduce-scatter, which run as rings whatever
-    the library (all-reduce may run as a tree, or in the switch); then each op's factor inside a
+    Each link's alpha and B come from all-gather and reduce-scatter, fitted as rings (all-reduce
+    may run as a tree, or in the switch); then each op's factor inside a
     node is its median time over the planner's for it under those links, all-reduce's choice of
     ring or tree included. Links not measured keep the base's effective rate (its bandwidth times
     bw_efficiency, which becomes 1 here); a measured inter rate is multiplied by the base's

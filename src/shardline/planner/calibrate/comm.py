@@ -14,7 +14,8 @@ intra_latency_us (alpha) and intra_bw_gbs (B, with bw_efficiency = 1), over all 
 sizes and per world size (latency_by_world_us, bw_by_world_gbs; planner/comm.py uses the entry of
 a group's size, or of the nearest smaller world size measured). One fit serves all three
 ops, which gloo does not run equally well (its reduce-scatter is the slow one), so each
-op also gets op_factor: the median over its points of measured / fitted time.
+op also gets op_factor: the median over its points of measured time over the planner's price
+under the fit of its world size (which for an all-reduce takes the faster of ring and tree).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardline.errors import ShardlineError
+from shardline.planner import comm
+from shardline.planner.hardware import Network
 
 SIZES = (4096, 65536, 1 << 20, 4 << 20)
 REPS, ROUNDS = 5, 3  # each point: the median over ROUNDS sweeps of the fastest of REPS calls
@@ -98,12 +101,6 @@ def _ring_terms(p: dict) -> tuple[float, float]:
     return k * (n - 1), k * (n - 1) / n * p["bytes"]
 
 
-def _model_seconds(p: dict, alpha: float, bw: float) -> float:
-    """The ring model's time of one measured point under (alpha s, B bytes/s)."""
-    steps, volume = _ring_terms(p)
-    return steps * alpha + volume / bw
-
-
 def fit_alpha_beta(points: list[dict]) -> tuple[float, float]:
     """Least squares of t = steps·alpha + volume/B over the points: (alpha s, B bytes/s)."""
     rows = [(*_ring_terms(p), p["seconds"]) for p in points]
@@ -137,8 +134,12 @@ def measure_collectives(world_sizes=(2, 4)) -> tuple[dict, dict]:
         a, b = fit_alpha_beta(mine)
         network["latency_by_world_us"][str(world)] = a * 1e6
         network["bw_by_world_gbs"][str(world)] = b / 1e9
+        # Each op's factor is over the planner's own price under the fit, which it multiplies:
+        # for an all-reduce the faster of ring and tree, not the ring alone.
+        fitted = Network(intra_latency_us=a * 1e6, intra_bw_gbs=b / 1e9, bw_efficiency=1.0)
         for p in mine:
-            ratios.setdefault(p["op"], []).append(p["seconds"] / _model_seconds(p, a, b))
+            price = getattr(comm, p["op"])(p["bytes"], comm.Group(world, world), fitted)[0]
+            ratios.setdefault(p["op"], []).append(p["seconds"] / price)
     network["op_factor"] = {op: statistics.median(r) for op, r in ratios.items()}
     raw = {op: [[p["world"], p["bytes"], round(p["seconds"] * 1e6, 1)] for p in points if p["op"] == op]
            for op in ("all_reduce", "all_gather", "reduce_scatter")}
