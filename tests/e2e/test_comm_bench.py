@@ -21,12 +21,12 @@ from tests.ports import free_port
 SIZES = (4096, 16384, 65536)
 
 
-def launch(tmp_path: Path, nnodes: int, *args: str,
-           launcher: tuple[str, ...] = ()) -> list[subprocess.CompletedProcess]:
-    """`nnodes` torchrun agents of 2 ranks each meeting at one c10d rendezvous on this host (each
+def launch(tmp_path: Path, nnodes: int, *args: str, launcher: tuple[str, ...] = (),
+           nproc: int = 2) -> list[subprocess.CompletedProcess]:
+    """`nnodes` torchrun agents of `nproc` ranks each meeting at one c10d rendezvous on this host (each
     agent a node); their output in files, every agent killed if they outlive the timeout."""
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=comm-bench", *launcher,
            "-m", "shardline", "comm-bench", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -54,7 +54,7 @@ def _rows(table: str) -> dict[tuple, list[float]]:
     rows = {}
     for line in table.splitlines():
         f = line.split()
-        if len(f) == 10 and f[0] in ("node", "rail", "world"):
+        if len(f) == 10 and re.fullmatch(r"node\d*|rail|world", f[0]):
             rows[(f[0], int(f[1]), f[2], round(float(f[3]) * units[f[4]]))] = [float(x) for x in f[5:9]]
     return rows
 
@@ -142,3 +142,22 @@ def test_without_a_ring_op_the_table_prints_and_no_profile_is_written(tmp_path):
     assert "world      2  all_to_all" in run.stdout
     assert "no profile written: no link was fitted (it needs all_gather or reduce_scatter in --ops)" in run.stdout
     assert not (tmp_path / "p.toml").exists()
+
+
+def test_one_node_of_four_fits_pairs_apart_from_the_node(tmp_path):
+    """Four ranks on one node: the pairs (node2) and the whole node (world) each get their own fit,
+    which the planner then picks by group size."""
+    profile = tmp_path / "comm.toml"
+    (run,) = launch(tmp_path, 1, "--out", str(profile), "--ops", "all_gather,reduce_scatter", "--min-size", "4K",
+                    "--max-size", "64K", "--rounds", "1", "--iters", "2", nproc=4)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = _rows(run.stdout)
+    assert {(tier, n) for tier, n, *_ in rows} == {("node2", 2), ("world", 4)}
+    net = get_hardware("cpu", profile).network
+    assert set(net.latency_by_world_us) == {"2", "4"} == set(net.bw_by_world_gbs)
+    assert net.intra_latency_us == net.latency_by_world_us["4"]
+    assert net.gpus_per_node == get_hardware("cpu").network.gpus_per_node  # one node: not written
+    size = SIZES[-1]  # the pair's model column: the pair's own fit, times the op's factor
+    alpha, bw = net.latency_by_world_us["2"] * 1e-6, net.bw_by_world_gbs["2"] * 1e9
+    pair = (alpha + size / 2 / bw) * net.op_factor["all_gather"]
+    assert rows[("node2", 2, "all_gather", size)][3] == pytest.approx(pair * 1e6, abs=0.06)

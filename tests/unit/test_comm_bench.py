@@ -4,6 +4,7 @@ the fit of the planner's link figures, sizes; and the wrong-result verdict on 2 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -26,6 +27,15 @@ def test_tiers_follow_the_nodes():
     assert cluster.tiers(["a", "b"]) == {"world": [[0, 1]]}  # one rank a node: the world is the rail
     with pytest.raises(ConfigError, match=r"different numbers of ranks \(1, 2\).*same --nproc_per_node"):
         cluster.tiers(["a", "a", "b"])
+    # Groups smaller than a node: neighbouring ranks, every power of two below the node's count.
+    eight = cluster.tiers(["a"] * 8)
+    assert list(eight) == ["node2", "node4", "world"]
+    assert eight["node2"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and eight["node4"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    two_by_four = cluster.tiers(["a", "a", "a", "a", "b", "b", "b", "b"])
+    assert list(two_by_four) == ["node2", "node", "rail", "world"]
+    assert two_by_four["node2"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    six = cluster.tiers(["a"] * 6 + ["b"] * 6)
+    assert list(six) == ["node2", "node", "rail", "world"]  # 4 does not divide 6
 
 
 def _reference(op: str, parts: list[torch.Tensor], me: int) -> torch.Tensor:
@@ -94,6 +104,22 @@ def test_the_fit_recovers_the_links_it_was_made_from():
     # Nodes run in part would tell the planner smaller nodes: no gpus_per_node then.
     fields, notes = cluster.fit_network(points, base, nodes=2, per_node=4, whole_nodes=False)
     assert "gpus_per_node" not in fields and notes[0].startswith("gpus_per_node: not written")
+
+
+def test_groups_smaller_than_a_node_get_fits_of_their_own():
+    # One node of 4: pairs over (30 us, 300 GB/s), the whole node over (20 us, 200 GB/s).
+    points = [Point(tier, op, n, n, nbytes, _ring_seconds(op, n, nbytes, alpha, bw))
+              for tier, n, (alpha, bw) in (("node2", 2, (30e-6, 300e9)), ("world", 4, (20e-6, 200e9)))
+              for op in cluster.LINK_OPS for nbytes in (1 << 16, 1 << 24)]
+    fields, notes = cluster.fit_network(points, Network(), nodes=1, per_node=4)
+    assert fields["latency_by_world_us"] == {"2": pytest.approx(30.0, rel=1e-6), "4": pytest.approx(20.0, rel=1e-6)}
+    assert fields["bw_by_world_gbs"] == {"2": pytest.approx(300.0, rel=1e-6), "4": pytest.approx(200.0, rel=1e-6)}
+    assert fields["intra_latency_us"] == pytest.approx(20.0, rel=1e-6)  # the scalar: the whole node's
+    assert [n.split(" from ")[-1].split(" (")[0] for n in notes if "from" in n] == ["the node2 tier", "the world tier"]
+    # The planner prices a pair by the pair's fit and the node by its own.
+    net = dataclasses.replace(Network(), **fields)
+    pair = Point("node2", "all_gather", 2, 2, 1 << 20, 0.0)
+    assert cluster.predict(pair, net) == pytest.approx(_ring_seconds("all_gather", 2, 1 << 20, 30e-6, 300e9), rel=1e-6)
 
 
 def test_one_node_keeps_the_bases_network_rate():

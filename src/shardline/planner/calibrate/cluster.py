@@ -92,7 +92,10 @@ def node_key() -> str:
 
 
 def tiers(keys: list[str]) -> dict[str, list[list[int]]]:
-    """The groups of each tier (lists of ranks) from every rank's node key, in rank order."""
+    """The groups of each tier (lists of ranks) from every rank's node key, in rank order: first
+    "node2", "node4", ...: groups of that many neighbouring ranks inside each node, for every power
+    of two below the node's rank count that divides it (the tp and small groups the planner
+    prices by their size: latency_by_world_us), then node, rail and world (module doc)."""
     nodes: dict[str, list[int]] = {}
     for rank, key in enumerate(keys):
         nodes.setdefault(key, []).append(rank)
@@ -101,7 +104,11 @@ def tiers(keys: list[str]) -> dict[str, list[list[int]]]:
     if len(sizes) > 1:
         raise ConfigError(f"nodes run different numbers of ranks ({', '.join(map(str, sizes))}): the planner's "
                           "model has equal nodes; launch the same --nproc_per_node on every node")
-    out = {}
+    out, k = {}, 2
+    while k < sizes[0]:
+        if sizes[0] % k == 0:
+            out[f"node{k}"] = [g[i:i + k] for g in groups for i in range(0, len(g), k)]
+        k *= 2
     if len(groups) > 1 and sizes[0] > 1:
         out["node"] = groups
         out["rail"] = [[g[i] for g in groups] for i in range(sizes[0])]
@@ -130,7 +137,7 @@ def bench(device: torch.device, sizes: list[int], ops: list[str], rounds: int, i
             for nbytes in sizes:
                 numel = max(n, nbytes // 4 // n * n)
                 fn = _call(op, numel, n, device, group)
-                on_node = {"node": n, "rail": 1}.get(name, per_node)  # of a group's ranks on one node
+                on_node = 1 if name == "rail" else (per_node if name == "world" else n)  # a group's on one node
                 plan.append((name, op, n, on_node, 4 * numel, _time(fn, device, rounds, iters)))
             for nbytes in sorted({sizes[0], sizes[-1]}):
                 numel = max(n, nbytes // 4 // n * n)
@@ -223,6 +230,8 @@ def _verify(op: str, numel: int, n: int, me: int, device: torch.device, group) -
 def fit_network(points: list[Point], base: Network, nodes: int, per_node: int,
                 whole_nodes: bool = True) -> tuple[dict, list[str]]:
     """The [network] fields the points give (module doc), and a line per fit saying what it used.
+    Groups smaller than a node (tiers node2, node4, ...) add their own fits by size
+    (latency_by_world_us, bw_by_world_gbs), beside the whole node's.
 
     Each link's alpha and B come from all-gather and reduce-scatter, fitted as rings (all-reduce
     may run as a tree, or in the switch); then each op's factor inside a
@@ -243,7 +252,9 @@ def fit_network(points: list[Point], base: Network, nodes: int, per_node: int,
                      f"{base.gpus_per_node} kept")
     intra = "node" if nodes > 1 and per_node > 1 else ("world" if nodes == 1 else None)
     inter = "rail" if nodes > 1 and per_node > 1 else ("world" if per_node == 1 else None)
-    for link, tier in (("intra", intra), ("inter", inter)):
+    smaller = sorted({p.tier for p in points if p.tier[4:].isdigit()}, key=lambda t: int(t[4:]))  # node2, ...
+    by_world: dict[str, tuple[float, float]] = {}
+    for link, tier in (*(("intra", t) for t in smaller), ("intra", intra), ("inter", inter)):
         chosen = [p for p in points if p.tier == tier and p.op in LINK_OPS]
         if len({p.nbytes for p in chosen}) < 2:
             notes.append(f"{link}: not measured (needs all-gather or reduce-scatter in the {tier or 'missing'} "
@@ -251,18 +262,22 @@ def fit_network(points: list[Point], base: Network, nodes: int, per_node: int,
             continue
         alpha, bw = fit_alpha_beta([{"op": p.op, "world": p.ranks, "bytes": p.nbytes, "seconds": p.seconds}
                                     for p in chosen])
+        notes.append(f"{link}: {alpha * 1e6:.2f} us + {bw / 1e9:.5g} GB/s from the {tier} tier "
+                     f"({len(chosen)} points of {', '.join(sorted({p.op for p in chosen}))})")
+        if link == "intra":
+            by_world[str(chosen[0].ranks)] = (alpha * 1e6, bw / 1e9)  # the planner's fit for groups of this size
+            if tier in smaller:
+                continue
+            fields["latency_by_world_us"] = {k: v[0] for k, v in by_world.items()}
+            fields["bw_by_world_gbs"] = {k: v[1] for k, v in by_world.items()}
         fields[f"{link}_latency_us"], fields[f"{link}_bw_gbs"] = alpha * 1e6, bw / 1e9
         if link == "intra":
-            key = str(chosen[0].ranks)
-            fields["latency_by_world_us"], fields["bw_by_world_gbs"] = {key: alpha * 1e6}, {key: bw / 1e9}
             plain = dataclasses.replace(base, **fields, op_factor={})
             factored = [p for p in points if p.tier == tier and p.op in FACTORED]
             fields["op_factor"] = {op: statistics.median(p.seconds / predict(p, plain) for p in factored if p.op == op)
                                    for op in FACTORED if any(p.op == op for p in factored)}
         else:
             fields["inter_bw_gbs"] *= base.oversubscription
-        notes.append(f"{link}: {alpha * 1e6:.2f} us + {bw / 1e9:.5g} GB/s from the {tier} tier "
-                     f"({len(chosen)} points of {', '.join(sorted({p.op for p in chosen}))})")
     return fields, notes
 
 
