@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from shardline.cli import main
-from shardline.planner.calibrate.cluster import OPS, bus_factor
+from shardline.planner.calibrate.cluster import OPS
+from shardline.planner.calibrate.cluster_fit import bus_factor
 from shardline.planner.hardware import get_hardware
 from tests.e2e.test_torchrun import REPO
 from tests.ports import free_port
@@ -107,6 +108,7 @@ def test_bad_launches_fail_in_one_line(tmp_path, capsys):
     for args, message in ((["--ops", "all_reduce,broadcast"], "--ops 'all_reduce,broadcast': give a comma"),
                           (["--min-size", "1M", "--max-size", "64K"], "--min-size 1048576 is above --max-size"),
                           (["--rounds", "0"], "--rounds 0 and --iters 5 must be >= 1"),
+                          (["--slow-factor", "0.5"], "--slow-factor 0.5 must be > 1"),
                           (["--gpu", "tpu"], "unknown device type 'tpu'")):
         assert main(["comm-bench", "--device", "cpu", *args]) == 2
         err = capsys.readouterr().err
@@ -161,3 +163,16 @@ def test_one_node_of_four_fits_pairs_apart_from_the_node(tmp_path):
     alpha, bw = net.latency_by_world_us["2"] * 1e-6, net.bw_by_world_gbs["2"] * 1e9
     pair = (alpha + size / 2 / bw) * net.op_factor["all_gather"]
     assert rows[("node2", 2, "all_gather", size)][3] == pytest.approx(pair * 1e6, abs=0.06)
+
+
+def test_a_rank_that_holds_its_groups_is_named(tmp_path):
+    """The drill: rank 3 of 2 nodes x 2 waits 20 ms before each call (a call takes ~1-3 ms here):
+    its node pair and its rail are named slow, and rank 3 as the one in both."""
+    runs = launch(tmp_path, 2, "--out", str(tmp_path / "p.toml"), "--ops", "all_reduce", "--min-size", "4K",
+                  "--max-size", "4K", "--rounds", "2", "--iters", "2", "--drill-rank", "3", "--drill-delay-ms", "20")
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
+    (table,) = [r.stdout for r in runs if "shardline comm-bench:" in r.stdout]
+    slow = [x for x in table.splitlines() if x.startswith("slow:")]
+    assert slow[0].startswith("slow: node group of ranks 2,3: all_reduce at 4 KiB took ")
+    assert slow[1].startswith("slow: rail group of ranks 1,3: all_reduce at 4 KiB took ")
+    assert slow[2:] == ["slow: rank(s) 3 in a slow group of two tiers or more"]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from shardline.errors import ConfigError
-from shardline.planner.calibrate import cluster
-from shardline.planner.calibrate.cluster import Point
+from shardline.planner.calibrate import cluster, cluster_fit
+from shardline.planner.calibrate.cluster_fit import Point
 from shardline.planner.hardware import Network
 from tests.distributed.harness import gloo_rank, start_ranks
 from tests.ports import free_port
@@ -82,7 +82,7 @@ def test_the_fit_recovers_the_links_it_was_made_from():
     intra, inter = (20e-6, 200e9), (40e-6, 30e9)
     points = []
     for tier, n, on_node, (alpha, bw) in (("node", 4, 4, intra), ("rail", 2, 1, inter)):
-        for op in cluster.FACTORED:
+        for op in cluster_fit.FACTORED:
             for nbytes in (1 << 10, 1 << 16, 1 << 22, 1 << 26):
                 t = _ring_seconds(op, n, nbytes, alpha, bw)
                 if op == "all_reduce":
@@ -90,7 +90,7 @@ def test_the_fit_recovers_the_links_it_was_made_from():
                 points.append(Point(tier, op, n, on_node, nbytes, t))
     points.append(Point("world", "all_reduce", 8, 4, 1 << 20, 1e-3))  # not fitted
     base = Network(inter_bw_gbs=50.0, bw_efficiency=0.8, oversubscription=2.0)
-    fields, notes = cluster.fit_network(points, base, nodes=2, per_node=4)
+    fields, notes = cluster_fit.fit_network(points, base, nodes=2, per_node=4)
     assert fields["gpus_per_node"] == 4 and fields["bw_efficiency"] == 1.0
     assert fields["intra_latency_us"] == pytest.approx(20.0, rel=1e-6)
     assert fields["intra_bw_gbs"] == pytest.approx(200.0, rel=1e-6)
@@ -102,7 +102,7 @@ def test_the_fit_recovers_the_links_it_was_made_from():
     assert fields["inter_bw_gbs"] == pytest.approx(30.0 * 2.0, rel=1e-6)
     assert [n.split(":")[0] for n in notes] == ["intra", "inter"] and "rail tier" in notes[1]
     # Nodes run in part would tell the planner smaller nodes: no gpus_per_node then.
-    fields, notes = cluster.fit_network(points, base, nodes=2, per_node=4, whole_nodes=False)
+    fields, notes = cluster_fit.fit_network(points, base, nodes=2, per_node=4, whole_nodes=False)
     assert "gpus_per_node" not in fields and notes[0].startswith("gpus_per_node: not written")
 
 
@@ -110,8 +110,8 @@ def test_groups_smaller_than_a_node_get_fits_of_their_own():
     # One node of 4: pairs over (30 us, 300 GB/s), the whole node over (20 us, 200 GB/s).
     points = [Point(tier, op, n, n, nbytes, _ring_seconds(op, n, nbytes, alpha, bw))
               for tier, n, (alpha, bw) in (("node2", 2, (30e-6, 300e9)), ("world", 4, (20e-6, 200e9)))
-              for op in cluster.LINK_OPS for nbytes in (1 << 16, 1 << 24)]
-    fields, notes = cluster.fit_network(points, Network(), nodes=1, per_node=4)
+              for op in cluster_fit.LINK_OPS for nbytes in (1 << 16, 1 << 24)]
+    fields, notes = cluster_fit.fit_network(points, Network(), nodes=1, per_node=4)
     assert fields["latency_by_world_us"] == {"2": pytest.approx(30.0, rel=1e-6), "4": pytest.approx(20.0, rel=1e-6)}
     assert fields["bw_by_world_gbs"] == {"2": pytest.approx(300.0, rel=1e-6), "4": pytest.approx(200.0, rel=1e-6)}
     assert fields["intra_latency_us"] == pytest.approx(20.0, rel=1e-6)  # the scalar: the whole node's
@@ -119,14 +119,15 @@ def test_groups_smaller_than_a_node_get_fits_of_their_own():
     # The planner prices a pair by the pair's fit and the node by its own.
     net = dataclasses.replace(Network(), **fields)
     pair = Point("node2", "all_gather", 2, 2, 1 << 20, 0.0)
-    assert cluster.predict(pair, net) == pytest.approx(_ring_seconds("all_gather", 2, 1 << 20, 30e-6, 300e9), rel=1e-6)
+    want = _ring_seconds("all_gather", 2, 1 << 20, 30e-6, 300e9)
+    assert cluster_fit.predict(pair, net) == pytest.approx(want, rel=1e-6)
 
 
 def test_one_node_keeps_the_bases_network_rate():
     points = [Point("world", op, 4, 4, nbytes, _ring_seconds(op, 4, nbytes, 10e-6, 100e9))
-              for op in cluster.LINK_OPS for nbytes in (1 << 16, 1 << 24)]
+              for op in cluster_fit.LINK_OPS for nbytes in (1 << 16, 1 << 24)]
     base = Network(inter_bw_gbs=50.0, bw_efficiency=0.8)
-    fields, notes = cluster.fit_network(points, base, nodes=1, per_node=4)
+    fields, notes = cluster_fit.fit_network(points, base, nodes=1, per_node=4)
     assert fields["intra_bw_gbs"] == pytest.approx(100.0, rel=1e-6)
     assert fields["inter_bw_gbs"] == pytest.approx(40.0)  # 50 x 0.8: the same effective rate at efficiency 1
     assert "inter_latency_us" not in fields and "gpus_per_node" not in fields
@@ -156,11 +157,10 @@ def _bench_rank(rank: int, world: int, port: int, out: str) -> None:
         right = cluster.expected
         cluster.expected = lambda op, numel, n, me, device: right(op, numel, n, me, device) + (op == "all_gather")
     with gloo_rank(rank, world, port):
-        points, wrong, nodes, per_node = cluster.bench(torch.device("cpu"), [4096, 16384], ["all_reduce", "all_gather"],
-                                                       rounds=1, iters=1)
+        m = cluster.bench(torch.device("cpu"), [4096, 16384], ["all_reduce", "all_gather"], rounds=1, iters=1)
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"points": [(p.tier, p.op, p.ranks, p.nbytes, p.seconds > 0) for p in points], "wrong": wrong,
-                   "nodes": nodes, "per_node": per_node}, f)
+        json.dump({"points": [(p.tier, p.op, p.ranks, p.nbytes, p.seconds > 0) for p in m.points], "wrong": m.wrong,
+                   "nodes": m.nodes, "per_node": m.per_node}, f)
 
 
 def test_a_wrong_result_names_the_tier_op_size_and_rank(tmp_path):
@@ -175,3 +175,20 @@ def test_a_wrong_result_names_the_tier_op_size_and_rank(tmp_path):
     ops, sizes = ("all_reduce", "all_gather"), (4096, 16384)
     assert got["points"] == [["world", op, 2, size, True] for op in ops for size in sizes]
     assert got["wrong"] == [f"world all_gather at {size} bytes: wrong result on rank(s) 1" for size in (4096, 16384)]
+
+
+def test_slow_groups_are_named_and_a_rank_in_two_of_them():
+    """2 nodes x 2 ranks; rank 3 holds its groups 10x: its node pair and its rail are named, and
+    rank 3 as the one in both."""
+    layout = cluster.tiers(["a", "a", "b", "b"])
+    points = [Point(t, "all_gather", 2, 1, 1 << 20, 1.0) for t in ("node", "rail")]
+    points.append(Point("node", "all_gather", 2, 1, 1 << 10, 1.0))  # not the largest size: not judged
+    every = torch.full((4, 3, 2), 1e-3, dtype=torch.float64)  # [rank, point, round]
+    every[3, :, :] = 1e-2
+    lines = cluster.slow_groups(points, every, layout, factor=1.5)
+    behind = "all_gather at 1 MiB took 10.0x the median of the tier's other groups"
+    assert lines == [f"slow: node group of ranks 2,3: {behind}", f"slow: rail group of ranks 1,3: {behind}",
+                     "slow: rank(s) 3 in a slow group of two tiers or more"]
+    every[3, :, :] = 1.4e-3  # under the factor
+    assert cluster.slow_groups(points, every, layout, factor=1.5) == []
+    assert cluster.slow_groups(points, every, layout, factor=0) == []  # off

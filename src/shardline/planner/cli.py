@@ -80,6 +80,12 @@ def register(sub) -> None:
     cb.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,all_to_all")
     cb.add_argument("--rounds", type=int, default=5, help="timed rounds a point (default 5; the median is kept)")
     cb.add_argument("--iters", type=int, default=None, help="calls a round (default 20, on a CPU 5)")
+    cb.add_argument("--slow-factor", type=float, default=1.5, metavar="F",
+                    help="name a group over F x the median of its tier's other groups at the largest size "
+                         "(default 1.5; 0: off)")
+    # A drill (as `check`'s [faults]): this rank waits this long before each timed call.
+    cb.add_argument("--drill-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    cb.add_argument("--drill-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     cb.set_defaults(func=_comm_bench)
 
 
@@ -286,6 +292,8 @@ def _comm_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     rounds, iters = args.rounds, args.iters or (5 if cpu else 20)
     if rounds < 1 or iters < 1:
         raise ConfigError(f"--rounds {rounds} and --iters {iters} must be >= 1")
+    if not (args.slow_factor == 0 or args.slow_factor > 1):
+        raise ConfigError(f"--slow-factor {args.slow_factor} must be > 1 (or 0: off)")
     name = args.gpu or ("cpu" if cpu else _detected_gpu())
     if name is None:
         raise ConfigError(f"this machine's GPU ({torch.cuda.get_device_name()}) is not in the hardware table; pass "
@@ -304,7 +312,8 @@ def _comm_bench(args: argparse.Namespace, overrides: list[str]) -> int:
         if refused[0]:
             raise ConfigError(refused[0])
         code, tables, text = cluster.run(device if cpu else torch.device("cuda", proc.local_rank), sizes, ops,
-                                         rounds, iters, base)
+                                         rounds, iters, base, args.slow_factor,
+                                         (args.drill_rank, args.drill_delay_ms / 1e3) if args.drill_delay_ms else None)
     except ConfigError:
         shutdown_distributed()
         raise

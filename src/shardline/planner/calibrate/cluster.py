@@ -22,13 +22,12 @@ Each op's result is checked on known values (int32, sums bounded: exact at any w
 the smallest and the largest size: a wrong one names the tier, op, size and ranks (exit code 6,
 as `shardline check`).
 
-The fit (fit_network): each link's alpha and B from all-gather and reduce-scatter, as rings
-(calibrate/comm.py's least squares; NCCL_ALGO=Ring pins them where a recent NCCL would run them
-otherwise): the node tier's give the intra fields, the rail
-tier's the inter ones; then each op's factor inside a node over the planner's own price for it
-(all-reduce may run as a tree, or in the switch); bw_efficiency 1, since a measured rate is what
-the library reached. The world tier is not fitted: the planner's prediction of it from the fitted
-profile, printed beside each point, is a check of the two-level model on this cluster.
+Slow groups: per tier, a group whose time at the largest size is over --slow-factor x the median
+of the tier's other groups is named (a round of a group lasts as long as its slowest member), and
+so are the ranks in a slow group of two tiers: a bad device or link inside a node shows in its
+node tiers, a bad network port in its rail. Said in the report; the exit code stays.
+
+The points are fitted to the planner's links and reported by cluster_fit.py.
 """
 
 from __future__ import annotations
@@ -45,41 +44,15 @@ import torch.distributed as dist
 
 from shardline.devices import synchronize
 from shardline.errors import ConfigError
-from shardline.planner import comm
-from shardline.planner.calibrate.comm import fit_alpha_beta
+from shardline.planner.calibrate.cluster_fit import Point, fit_network, human, measured_table, report
 from shardline.planner.hardware import Network
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-LINK_OPS = ("all_gather", "reduce_scatter")  # the links are fitted to these, as rings
-FACTORED = ("all_reduce", "all_gather", "reduce_scatter")  # the ops the planner scales by op_factor in a node
 BENCH_FAILED_EXIT = 6  # a collective gave a wrong result
 WARMUP = 2  # calls before a point's rounds (NCCL sets up a group's channels on first use)
 # torch 2.13 renamed these two (the old names warn there); 2.11 has only the old ones.
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-@dataclass(frozen=True)
-class Point:
-    tier: str
-    op: str
-    ranks: int  # in each group of the tier
-    per_node: int  # of a group's ranks on one node
-    nbytes: int
-    seconds: float  # the median round's time per call, of the slowest rank
-
-    @property
-    def algbw_gbs(self) -> float:
-        return self.nbytes / self.seconds / 1e9
-
-    @property
-    def busbw_gbs(self) -> float:
-        return self.algbw_gbs * bus_factor(self.op, self.ranks)
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' bus bandwidth over algorithm bandwidth for a group of n."""
-    return (2 if op == "all_reduce" else 1) * (n - 1) / n
 
 
 def node_key() -> str:
@@ -116,19 +89,27 @@ def tiers(keys: list[str]) -> dict[str, list[list[int]]]:
     return out
 
 
-def bench(device: torch.device, sizes: list[int], ops: list[str], rounds: int, iters: int
-          ) -> tuple[list[Point], list[str], int, int]:
-    """Measure every tier, op and size (every rank calls it, in a process group of >= 2 ranks).
+@dataclass(frozen=True)
+class Measured:
+    points: list[Point]
+    wrong: list[str]  # a line per collective that gave a wrong result
+    slow: list[str]  # a line per group well behind the others of its tier
+    nodes: int
+    per_node: int
 
-    Returns (the points, the wrong results found: one line each, nodes, ranks per node); every
-    rank gets the same.
-    """
+
+def bench(device: torch.device, sizes: list[int], ops: list[str], rounds: int, iters: int,
+          slow_factor: float = 1.5, drill: tuple[int, float] | None = None) -> Measured:
+    """Measure every tier, op and size (every rank calls it, in a process group of >= 2 ranks);
+    every rank gets the same result. `drill` (rank, seconds): that rank waits so long before each
+    timed call, as a slow device or link would hold its groups (to see the report name it)."""
     keys = [None] * dist.get_world_size()
     dist.all_gather_object(keys, node_key())
     layout = tiers(keys)
     nodes = len(set(keys))
     per_node = len(keys) // nodes
     rank, plan, checks = dist.get_rank(), [], []
+    delay = drill[1] if drill and drill[0] == rank else 0.0
     for name, lists in layout.items():
         group = None if name == "world" else dist.new_subgroups_by_enumeration(lists)[0]
         mine = next(g for g in lists if rank in g)
@@ -138,18 +119,57 @@ def bench(device: torch.device, sizes: list[int], ops: list[str], rounds: int, i
                 numel = max(n, nbytes // 4 // n * n)
                 fn = _call(op, numel, n, device, group)
                 on_node = 1 if name == "rail" else (per_node if name == "world" else n)  # a group's on one node
-                plan.append((name, op, n, on_node, 4 * numel, _time(fn, device, rounds, iters)))
+                plan.append((name, op, n, on_node, 4 * numel, _time(fn, device, rounds, iters, delay)))
             for nbytes in sorted({sizes[0], sizes[-1]}):
                 numel = max(n, nbytes // 4 // n * n)
                 checks.append((f"{name} {op} at {4 * numel} bytes", _verify(op, numel, n, me, device, group)))
-    times = torch.tensor([p[-1] for p in plan], dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # each round: its slowest rank
-    points = [Point(*p[:-1], statistics.median(t)) for p, t in zip(plan, times.cpu().tolist())]
+    mine_t = torch.tensor([p[-1] for p in plan], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine_t) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine_t)
+    every = torch.stack(every).view(dist.get_world_size(), len(plan), rounds).cpu()  # [rank, point, round]
+    slowest = every.max(dim=0).values.tolist()  # each round: its slowest rank
+    points = [Point(*p[:-1], statistics.median(t)) for p, t in zip(plan, slowest)]
     verdicts = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, [ok for _, ok in checks])
     wrong = [f"{what}: wrong result on rank(s) {', '.join(str(r) for r, v in enumerate(verdicts) if not v[i])}"
              for i, (what, _) in enumerate(checks) if not all(v[i] for v in verdicts)]
-    return points, wrong, nodes, per_node
+    return Measured(points, wrong, slow_groups(points, every, layout, slow_factor), nodes, per_node)
+
+
+def slow_groups(points: list[Point], every: torch.Tensor, layout: dict[str, list[list[int]]],
+                factor: float) -> list[str]:
+    """Groups whose time at a tier's largest size is over `factor` x the median of the tier's other
+    groups (a round of a group takes as long as its slowest member), and the ranks found in a slow
+    group of two tiers or more: a bad device or link inside a node shows in its node tiers, a bad
+    network port in its rail."""
+    if not factor:
+        return []
+    lines, seen = [], {}
+    largest = max(p.nbytes for p in points)
+    for i, p in enumerate(points):
+        groups = layout[p.tier]
+        if len(groups) < 2 or p.nbytes != largest:
+            continue
+        times = [statistics.median(every[g, i, :].max(dim=0).values.tolist()) for g in groups]
+        for j, t in enumerate(times):
+            others = statistics.median(times[:j] + times[j + 1:])
+            if t > factor * others:
+                lines.append(f"slow: {p.tier} group of ranks {_ranks(groups[j])}: {p.op} at {human(p.nbytes)} "
+                             f"took {t / others:.1f}x the median of the tier's other groups")
+                for r in groups[j]:
+                    seen.setdefault(r, set()).add(p.tier)
+    common = sorted(r for r, found in seen.items() if len(found) > 1)
+    if common:
+        lines.append(f"slow: rank(s) {_ranks(common)} in a slow group of two tiers or more")
+    return lines
+
+
+def _ranks(ranks: list[int]) -> str:
+    """0-7 for a run of ranks, else 0,8,16 (the first 8, then how many more)."""
+    if ranks == list(range(ranks[0], ranks[0] + len(ranks))) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    head = ",".join(map(str, ranks[:8]))
+    return head + (f" (+{len(ranks) - 8} more)" if len(ranks) > 8 else "")
 
 
 def _call(op: str, numel: int, n: int, device: torch.device, group):
@@ -167,8 +187,8 @@ def _call(op: str, numel: int, n: int, device: torch.device, group):
     return lambda: dist.all_to_all_single(out, inp, group=group)
 
 
-def _time(fn, device: torch.device, rounds: int, iters: int) -> list[float]:
-    """Seconds per call of each round (module doc)."""
+def _time(fn, device: torch.device, rounds: int, iters: int, delay: float = 0.0) -> list[float]:
+    """Seconds per call of each round (module doc); `delay`: the drill's wait before each call."""
     for _ in range(WARMUP):
         fn()
     synchronize(device)
@@ -178,6 +198,8 @@ def _time(fn, device: torch.device, rounds: int, iters: int) -> list[float]:
         synchronize(device)
         start = time.perf_counter()
         for _ in range(iters):
+            if delay:
+                time.sleep(delay)
             fn()
         synchronize(device)
         out.append((time.perf_counter() - start) / iters)
@@ -227,65 +249,6 @@ def _verify(op: str, numel: int, n: int, me: int, device: torch.device, group) -
     return bool(torch.equal(out, want))
 
 
-def fit_network(points: list[Point], base: Network, nodes: int, per_node: int,
-                whole_nodes: bool = True) -> tuple[dict, list[str]]:
-    """The [network] fields the points give (module doc), and a line per fit saying what it used.
-    Groups smaller than a node (tiers node2, node4, ...) add their own fits by size
-    (latency_by_world_us, bw_by_world_gbs), beside the whole node's.
-
-    Each link's alpha and B come from all-gather and reduce-scatter, fitted as rings (all-reduce
-    may run as a tree, or in the switch); then each op's factor inside a
-    node is its median time over the planner's for it under those links, all-reduce's choice of
-    ring or tree included. Links not measured keep the base's effective rate (its bandwidth times
-    bw_efficiency, which becomes 1 here); a measured inter rate is multiplied by the base's
-    oversubscription, which the planner divides by again, so the profile predicts what was
-    measured at this job's size. gpus_per_node is written only from several nodes all of whose
-    devices ran (`whole_nodes`): a node run in part would tell the planner smaller nodes.
-    """
-    fields: dict = {"bw_efficiency": 1.0, "intra_bw_gbs": base.intra_bw_gbs * base.bw_efficiency,
-                    "inter_bw_gbs": base.inter_bw_gbs * base.bw_efficiency}
-    notes = []
-    if nodes > 1 and per_node > 1 and whole_nodes:
-        fields["gpus_per_node"] = per_node
-    else:
-        notes.append(f"gpus_per_node: not written (one node, one rank a node, or nodes in part): the base's "
-                     f"{base.gpus_per_node} kept")
-    intra = "node" if nodes > 1 and per_node > 1 else ("world" if nodes == 1 else None)
-    inter = "rail" if nodes > 1 and per_node > 1 else ("world" if per_node == 1 else None)
-    smaller = sorted({p.tier for p in points if p.tier[4:].isdigit()}, key=lambda t: int(t[4:]))  # node2, ...
-    by_world: dict[str, tuple[float, float]] = {}
-    for link, tier in (*(("intra", t) for t in smaller), ("intra", intra), ("inter", inter)):
-        chosen = [p for p in points if p.tier == tier and p.op in LINK_OPS]
-        if len({p.nbytes for p in chosen}) < 2:
-            notes.append(f"{link}: not measured (needs all-gather or reduce-scatter in the {tier or 'missing'} "
-                         "tier at two sizes or more); the base's figures kept")
-            continue
-        alpha, bw = fit_alpha_beta([{"op": p.op, "world": p.ranks, "bytes": p.nbytes, "seconds": p.seconds}
-                                    for p in chosen])
-        notes.append(f"{link}: {alpha * 1e6:.2f} us + {bw / 1e9:.5g} GB/s from the {tier} tier "
-                     f"({len(chosen)} points of {', '.join(sorted({p.op for p in chosen}))})")
-        if link == "intra":
-            by_world[str(chosen[0].ranks)] = (alpha * 1e6, bw / 1e9)  # the planner's fit for groups of this size
-            if tier in smaller:
-                continue
-            fields["latency_by_world_us"] = {k: v[0] for k, v in by_world.items()}
-            fields["bw_by_world_gbs"] = {k: v[1] for k, v in by_world.items()}
-        fields[f"{link}_latency_us"], fields[f"{link}_bw_gbs"] = alpha * 1e6, bw / 1e9
-        if link == "intra":
-            plain = dataclasses.replace(base, **fields, op_factor={})
-            factored = [p for p in points if p.tier == tier and p.op in FACTORED]
-            fields["op_factor"] = {op: statistics.median(p.seconds / predict(p, plain) for p in factored if p.op == op)
-                                   for op in FACTORED if any(p.op == op for p in factored)}
-        else:
-            fields["inter_bw_gbs"] *= base.oversubscription
-    return fields, notes
-
-
-def predict(point: Point, net: Network) -> float:
-    """The planner's time (seconds) for a measured point under `net`."""
-    return getattr(comm, point.op)(point.nbytes, comm.Group(point.ranks, point.per_node), net)[0]
-
-
 def parse_size(text: str, what: str) -> int:
     """Bytes from "4096", "64K", "1M" or "2G" (powers of 1024); ConfigError naming `what` otherwise."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -311,59 +274,21 @@ def sizes_between(low: int, high: int, factor: int) -> list[int]:
     return out if out[-1] == high else [*out, high]
 
 
-def human(nbytes: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.4g} {unit}"
-    return f"{nbytes} B"
-
-
-def report(points: list[Point], notes: list[str], fitted: Network, base: tuple[str, Network],
-           head: str) -> str:
-    """The table of points with the fitted model's time beside each, and the summary lines."""
-    lines = [head, f"{'tier':<6} {'ranks':>5}  {'op':<15} {'size':>10} {'time us':>10} {'algbw GB/s':>11} "
-                   f"{'busbw GB/s':>11} {'model us':>10} {'error':>7}"]
-    for p in points:
-        model = predict(p, fitted)
-        lines.append(f"{p.tier:<6} {p.ranks:>5}  {p.op:<15} {human(p.nbytes):>10} {p.seconds * 1e6:>10.1f} "
-                     f"{p.algbw_gbs:>11.3f} {p.busbw_gbs:>11.3f} {model * 1e6:>10.1f} {model / p.seconds - 1:>+7.0%}")
-    lines += [f"fit {note}" for note in notes]
-    world = [p for p in points if p.tier == "world"]
-    if world and any(p.tier == "node" for p in points):
-        lines.append(f"world tier (not fitted) against the fitted model: median |error| "
-                     f"{_median_error(world, fitted):.0%} over {len(world)} points")
-    name, net = base
-    lines.append(f"the {name} table's network (before this profile) against these points: median |error| "
-                 f"{_median_error(points, net):.0%}")
-    return "\n".join(lines)
-
-
-def _median_error(points: list[Point], net: Network) -> float:
-    return statistics.median(abs(predict(p, net) / p.seconds - 1) for p in points)
-
-
-def measured_table(points: list[Point]) -> dict:
-    """[measured]: per tier and op, [ranks, bytes, microseconds] of each point (the planner ignores it)."""
-    out: dict = {}
-    for p in points:
-        out.setdefault(f"{p.tier}_{p.op}", []).append([p.ranks, p.nbytes, round(p.seconds * 1e6, 2)])
-    return out
-
-
 def run(device: torch.device, sizes: list[int], ops: list[str], rounds: int, iters: int,
-        base: tuple[str, Network]) -> tuple[int, dict | None, str | None]:
+        base: tuple[str, Network], slow_factor: float = 1.5,
+        drill: tuple[int, float] | None = None) -> tuple[int, dict | None, str | None]:
     """Measure (every rank), then on rank 0 fit and word the report: (exit code, the profile's
     [network] and [measured] tables, the report); other ranks get (exit code, None, None)."""
-    points, wrong, nodes, per_node = bench(device, sizes, ops, rounds, iters)
-    code = BENCH_FAILED_EXIT if wrong else 0
+    m = bench(device, sizes, ops, rounds, iters, slow_factor, drill)
+    code = BENCH_FAILED_EXIT if m.wrong else 0
     if dist.get_rank() != 0:
         return code, None, None
-    whole = device.type != "cuda" or per_node == torch.cuda.device_count()  # every GPU of a node ran
-    fields, notes = fit_network(points, base[1], nodes, per_node, whole_nodes=whole)
-    head = (f"shardline comm-bench: {nodes * per_node} ranks, {nodes} node(s) x {per_node} ({dist.get_backend()}, "
-            f"{device.type}), float32, a point the median of {rounds} rounds of {iters} calls, each round its "
-            "slowest rank's")
-    text = report(points, notes, dataclasses.replace(base[1], **fields), base, head)
-    if wrong:
-        text += "\nFAILED: " + "; ".join(wrong)
-    return code, {"network": fields, "measured": measured_table(points)}, text
+    whole = device.type != "cuda" or m.per_node == torch.cuda.device_count()  # every GPU of a node ran
+    fields, notes = fit_network(m.points, base[1], m.nodes, m.per_node, whole_nodes=whole)
+    head = (f"shardline comm-bench: {m.nodes * m.per_node} ranks, {m.nodes} node(s) x {m.per_node} "
+            f"({dist.get_backend()}, {device.type}), float32, a point the median of {rounds} rounds of {iters} calls, "
+            "each round its slowest rank's")
+    text = "\n".join([report(m.points, notes, dataclasses.replace(base[1], **fields), base, head), *m.slow])
+    if m.wrong:
+        text += "\nFAILED: " + "; ".join(m.wrong)
+    return code, {"network": fields, "measured": measured_table(m.points)}, text
