@@ -128,7 +128,7 @@ def test_an_unwritable_out_is_refused_by_every_rank_before_measuring(tmp_path):
 
 
 def test_what_out_accepts(tmp_path):
-    from shardline.planner.cli import _unwritable
+    from shardline.planner.calibrate.cluster_cli import unwritable as _unwritable
 
     assert not _unwritable(tmp_path / "p.toml")
     (tmp_path / "p.toml").write_text("")
@@ -166,13 +166,15 @@ def test_one_node_of_four_fits_pairs_apart_from_the_node(tmp_path):
 
 
 def test_a_rank_that_holds_its_groups_is_named(tmp_path):
-    """The drill: rank 3 of 2 nodes x 2 waits 20 ms before each call (a call takes ~1-3 ms here):
+    """The drill: rank 3 of 2 nodes x 2 waits 100 ms before each call (a call takes ~1-3 ms here):
     its node pair and its rail are named slow, and rank 3 as the one in both."""
     runs = launch(tmp_path, 2, "--out", str(tmp_path / "p.toml"), "--ops", "all_reduce", "--min-size", "4K",
-                  "--max-size", "4K", "--rounds", "2", "--iters", "2", "--drill-rank", "3", "--drill-delay-ms", "20")
+                  "--max-size", "4K", "--rounds", "3", "--iters", "2", "--drill-rank", "3", "--drill-delay-ms", "100")
     assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
     (table,) = [r.stdout for r in runs if "shardline comm-bench:" in r.stdout]
     slow = [x for x in table.splitlines() if x.startswith("slow:")]
     assert slow[0].startswith("slow: node group of ranks 2,3: all_reduce at 4 KiB took ")
     assert slow[1].startswith("slow: rail group of ranks 1,3: all_reduce at 4 KiB took ")
-    assert slow[2:] == ["slow: rank(s) 3 in a slow group of two tiers or more"]
+    assert slow[2:] == ["slow: rank(s) 3 in a slow group inside its node and in a slow rail: the rank itself (its "
+                        "GPU or host) more likely than one link"]
+    assert "no profile written: a drill (--drill-rank) slowed the timings" in table

@@ -177,18 +177,49 @@ def test_a_wrong_result_names_the_tier_op_size_and_rank(tmp_path):
     assert got["wrong"] == [f"world all_gather at {size} bytes: wrong result on rank(s) 1" for size in (4096, 16384)]
 
 
-def test_slow_groups_are_named_and_a_rank_in_two_of_them():
-    """2 nodes x 2 ranks; rank 3 holds its groups 10x: its node pair and its rail are named, and
-    rank 3 as the one in both."""
+def _slow(layout: dict, sizes: dict[str, int], bad: dict[int, float], **only) -> list[str]:
+    """slow_groups over one all-gather point per tier at its own size (a rail of 3 ranks rounds
+    the size down), every rank's calls 1 ms but `bad` ranks' (rank -> seconds) in the tiers `only`
+    names (all when empty)."""
+    points = [Point(t, "all_gather", len(g[0]), 1, sizes.get(t, 1 << 20), 1.0) for t, g in layout.items()]
+    points.append(Point("node", "all_gather", 8, 8, 1 << 10, 1.0))  # a smaller size: not judged
+    every = torch.full((24, len(points), 2), 1e-3, dtype=torch.float64)  # [rank, point, round]
+    for i, p in enumerate(points):
+        for rank, seconds in bad.items():
+            if not only or p.tier in only.get("tiers", ()):
+                every[rank, i, :] = seconds
+    return cluster.slow_groups(points, every, layout, factor=1.5)
+
+
+def test_a_slow_gpu_is_named_through_its_smallest_group_and_its_rail():
+    """3 nodes x 8: a slow device (rank 3) slows every group it is in: its pair, its four, its node
+    and its rail are named, and rank 3 alone as the one in the smallest slow group inside a node
+    and in a slow rail."""
+    layout = cluster.tiers(["a"] * 8 + ["b"] * 8 + ["c"] * 8)
+    assert list(layout) == ["node2", "node4", "node", "rail", "world"]
+    sizes = {"rail": 4 * ((1 << 20) // 4 // 3 * 3)}  # 3 does not divide 1 MiB: the rail's largest is less
+    lines = _slow(layout, sizes, {3: 1e-2})
+    behind = "took 10.0x the median of the tier's groups"
+    assert lines[:4] == [f"slow: node2 group of ranks 2,3: all_gather at 1 MiB {behind}",
+                         f"slow: node4 group of ranks 0-3: all_gather at 1 MiB {behind}",
+                         f"slow: node group of ranks 0-7: all_gather at 1 MiB {behind}",
+                         f"slow: rail group of ranks 3,11,19: all_gather at 1024 KiB {behind}"]
+    assert lines[4:] == ["slow: rank(s) 3 in a slow group inside its node and in a slow rail: the rank itself "
+                         "(its GPU or host) more likely than one link"]
+    # A slow network port shows in its rail alone; a slow link inside a node in the node tiers alone.
+    port = _slow(layout, sizes, {3: 1e-2}, tiers=("rail",))
+    assert port == [f"slow: rail group of ranks 3,11,19: all_gather at 1024 KiB {behind}"]
+    link = _slow(layout, sizes, {3: 1e-2}, tiers=("node2", "node4", "node"))
+    assert len(link) == 3 and not any("rail" in x for x in link)
+    assert _slow(layout, sizes, {3: 1.4e-3}) == []  # under the factor
+    assert cluster.slow_groups([], torch.empty(0), layout, factor=0) == []  # off
+
+
+def test_of_two_groups_each_is_judged_against_the_other():
     layout = cluster.tiers(["a", "a", "b", "b"])
-    points = [Point(t, "all_gather", 2, 1, 1 << 20, 1.0) for t in ("node", "rail")]
-    points.append(Point("node", "all_gather", 2, 1, 1 << 10, 1.0))  # not the largest size: not judged
-    every = torch.full((4, 3, 2), 1e-3, dtype=torch.float64)  # [rank, point, round]
-    every[3, :, :] = 1e-2
-    lines = cluster.slow_groups(points, every, layout, factor=1.5)
-    behind = "all_gather at 1 MiB took 10.0x the median of the tier's other groups"
-    assert lines == [f"slow: node group of ranks 2,3: {behind}", f"slow: rail group of ranks 1,3: {behind}",
-                     "slow: rank(s) 3 in a slow group of two tiers or more"]
-    every[3, :, :] = 1.4e-3  # under the factor
-    assert cluster.slow_groups(points, every, layout, factor=1.5) == []
-    assert cluster.slow_groups(points, every, layout, factor=0) == []  # off
+    points = [Point(t, "all_reduce", 2, 1, 4096, 1.0) for t in ("node", "rail")]
+    every = torch.full((4, 2, 1), 1e-3, dtype=torch.float64)
+    every[0, :, :] = 3e-3
+    named = [x.split(":")[1] for x in cluster.slow_groups(points, every, layout, factor=1.5)]
+    assert named == [" node group of ranks 0,1", " rail group of ranks 0,2",
+                     " rank(s) 0 in a slow group inside its node and in a slow rail"]

@@ -12,16 +12,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 from shardline.config import Config, DataConfig, load_config, to_toml
 from shardline.config.reader import OnlyOnce
-from shardline.devices import local_datasheet
 from shardline.errors import ConfigError, ShardlineError
 from shardline.models.llama import ModelArgs
 from shardline.models.presets import PRESETS
-from shardline.planner.hardware import DEVICE_NAMES, Hardware, get_hardware
+from shardline.planner.calibrate import cluster_cli
+from shardline.planner.calibrate.cluster_cli import unwritable
+from shardline.planner.hardware import DEVICE_NAMES, Hardware, detected_gpu, get_hardware
 from shardline.layout import resolve
 from shardline.planner.layout import Workload, parse_fix, to_config
 
@@ -68,25 +68,7 @@ def register(sub) -> None:
                      help="torch threads (CPU; default torch's). 1 times with CPU time: robust on a busy machine")
     cal.set_defaults(func=_calibrate)
 
-    cb = sub.add_parser("comm-bench", help="under torchrun: time the job's collectives inside nodes and across "
-                                           "them, and write a [network] profile for plan and estimate")
-    cb.add_argument("--out", default="comm.toml", help="profile to write on rank 0 (default comm.toml)")
-    cb.add_argument("--gpu", metavar="TYPE", help="the table entry the profile refines (default: this machine's)")
-    cb.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    cb.add_argument("--min-size", default=None, metavar="BYTES", help="smallest message (K, M, G: powers of "
-                                                                      "1024; default 8K, on a CPU 4K)")
-    cb.add_argument("--max-size", default=None, metavar="BYTES", help="largest (default 256M, on a CPU 4M)")
-    cb.add_argument("--factor", type=int, default=4, help="each size this many times the last (default 4)")
-    cb.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,all_to_all")
-    cb.add_argument("--rounds", type=int, default=5, help="timed rounds a point (default 5; the median is kept)")
-    cb.add_argument("--iters", type=int, default=None, help="calls a round (default 20, on a CPU 5)")
-    cb.add_argument("--slow-factor", type=float, default=1.5, metavar="F",
-                    help="name a group over F x the median of its tier's other groups at the largest size "
-                         "(default 1.5; 0: off)")
-    # A drill (as `check`'s [faults]): this rank waits this long before each timed call.
-    cb.add_argument("--drill-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    cb.add_argument("--drill-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
-    cb.set_defaults(func=_comm_bench)
+    cluster_cli.register(sub)
 
 
 def _device_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -242,7 +224,7 @@ def _default_device(cfg: Config) -> str:
 
     if cfg.run.device == "cpu" or not torch.cuda.is_available():
         return "cpu"
-    name = _detected_gpu()
+    name = detected_gpu()
     if name is None:
         raise ConfigError(f"this machine's GPU ({torch.cuda.get_device_name()}) is not in the hardware table; "
                           "pass --gpu and --profile")
@@ -264,90 +246,7 @@ def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads {args.threads} must be >= 1")
     out = Path(args.out)  # checked before minutes of measuring, not when the profile is written
-    if _unwritable(out):
+    if unwritable(out):
         raise ConfigError(f"--out {out} cannot be written: give a file in an existing, writable folder")
     calibrate(args.out, quick=args.quick, comm=not args.no_comm, threads=args.threads)
     return 0
-
-
-def _comm_bench(args: argparse.Namespace, overrides: list[str]) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from shardline.parallel.distributed import init_distributed, shutdown_distributed
-    from shardline.planner.calibrate import cluster
-    from shardline.planner.hardware import to_toml as profile_toml
-
-    if overrides:
-        raise ConfigError(f"comm-bench takes no config overrides, got {' '.join(overrides)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device here; use auto or cpu")
-    cpu = args.device == "cpu" or not torch.cuda.is_available()
-    sizes = cluster.sizes_between(cluster.parse_size(args.min_size or ("4K" if cpu else "8K"), "--min-size"),
-                                  cluster.parse_size(args.max_size or ("4M" if cpu else "256M"), "--max-size"),
-                                  args.factor)
-    ops = args.ops.split(",")
-    if any(op not in cluster.OPS for op in ops):
-        raise ConfigError(f"--ops {args.ops!r}: give a comma-separated list of {', '.join(cluster.OPS)}")
-    rounds, iters = args.rounds, args.iters or (5 if cpu else 20)
-    if rounds < 1 or iters < 1:
-        raise ConfigError(f"--rounds {rounds} and --iters {iters} must be >= 1")
-    if not (args.slow_factor == 0 or args.slow_factor > 1):
-        raise ConfigError(f"--slow-factor {args.slow_factor} must be > 1 (or 0: off)")
-    name = args.gpu or ("cpu" if cpu else _detected_gpu())
-    if name is None:
-        raise ConfigError(f"this machine's GPU ({torch.cuda.get_device_name()}) is not in the hardware table; pass "
-                          f"--gpu with the entry the profile should refine ({', '.join(DEVICE_NAMES)})")
-    base = (name, get_hardware(name).network)
-    device = torch.device("cpu" if cpu else "cuda")
-    proc = init_distributed(device)
-    if proc.world_size < 2:
-        raise ConfigError("comm-bench times collectives between ranks: launch it with torchrun, e.g. "
-                          "torchrun --nproc_per_node=8 -m shardline comm-bench (on every node)")
-    out = Path(args.out)
-    try:  # the problems every rank shares: each says the same line, and they leave together
-        refused = [None if proc.rank or not _unwritable(out) else
-                   f"--out {out} cannot be written: give a file in an existing, writable folder"]
-        dist.broadcast_object_list(refused, src=0)  # the file is rank 0's to write, on its file system
-        if refused[0]:
-            raise ConfigError(refused[0])
-        code, tables, text = cluster.run(device if cpu else torch.device("cuda", proc.local_rank), sizes, ops,
-                                         rounds, iters, base, args.slow_factor,
-                                         (args.drill_rank, args.drill_delay_ms / 1e3) if args.drill_delay_ms else None)
-    except ConfigError:
-        shutdown_distributed()
-        raise
-    shutdown_distributed()  # not on other errors: one rank's failure leaves its peers in a collective
-    if text is not None:
-        print(text)
-        if not any(f"{link}_latency_us" in tables["network"] for link in ("intra", "inter")):
-            print("no profile written: no link was fitted (it needs all_gather or reduce_scatter in --ops)")
-            return code
-        comment = (f"shardline network profile, written by `shardline comm-bench` on {proc.world_size} ranks\n"
-                   f"use: shardline plan|estimate ... --gpu {name} --profile {out}\n"
-                   "to keep a `shardline calibrate` profile's other figures, put this [network] table in it\n"
-                   "[measured] holds the points (tier_op: ranks, bytes, microseconds); the planner ignores it")
-        try:
-            out.write_text(profile_toml({"base": name, **tables}, comment))
-        except OSError as e:
-            raise ShardlineError(f"comm-bench: cannot write {out}: {e}") from None
-        print(f"profile written to {out}")
-    return code
-
-
-def _unwritable(out: Path) -> bool:
-    """Whether `out` cannot be written as a file (a path the file system refuses to look at counts)."""
-    try:
-        if out.exists():
-            return out.is_dir() or not os.access(out, os.W_OK)
-        return not out.parent.is_dir() or not os.access(out.parent, os.W_OK)
-    except OSError:  # permission denied on the way, a name too long, ...
-        return True
-
-
-def _detected_gpu() -> str | None:
-    """This machine's GPU as a table entry, or None when the table lacks it."""
-    import torch
-
-    sheet = local_datasheet(torch.cuda.get_device_name())
-    return sheet.name if sheet else None

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from shardline.config import reader
-from shardline.devices import DATASHEETS, cpu_peak_tflops
+from shardline.devices import DATASHEETS, cpu_peak_tflops, local_datasheet
 from shardline.errors import ConfigError
 
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
@@ -212,6 +212,12 @@ def cpu_hardware() -> Hardware:
             tp_head_overhead_us=5000.0, fsdp_root_overhead_us=2000.0, dtensor_param_overhead_us=60.0,
             tp_layer_wall_us=25000.0, tp_layer_wall_us_per_mb=15000.0, tp_head_wall_us=10000.0,
             tp_head_wall_us_per_mb=10000.0))
+
+
+def detected_gpu() -> str | None:
+    """This machine's GPU as a table entry, or None when the table lacks it."""
+    sheet = local_datasheet(torch.cuda.get_device_name())
+    return sheet.name if sheet else None
 
 
 def get_hardware(name: str, profile: str | Path | None = None) -> Hardware:

@@ -93,19 +93,21 @@ def tiers(keys: list[str]) -> dict[str, list[list[int]]]:
 class Measured:
     points: list[Point]
     wrong: list[str]  # a line per collective that gave a wrong result
-    slow: list[str]  # a line per group well behind the others of its tier
     nodes: int
     per_node: int
+    every: torch.Tensor  # [rank, point, round] seconds a call
+    layout: dict[str, list[list[int]]]  # the groups of each tier
 
 
 def bench(device: torch.device, sizes: list[int], ops: list[str], rounds: int, iters: int,
-          slow_factor: float = 1.5, drill: tuple[int, float] | None = None) -> Measured:
+          drill: tuple[int, float] | None = None, subnode: bool = True) -> Measured:
     """Measure every tier, op and size (every rank calls it, in a process group of >= 2 ranks);
     every rank gets the same result. `drill` (rank, seconds): that rank waits so long before each
-    timed call, as a slow device or link would hold its groups (to see the report name it)."""
+    timed call, as a slow device or link would hold its groups (to see the report name it).
+    `subnode`: also the groups smaller than a node (node2, node4, ...)."""
     keys = [None] * dist.get_world_size()
     dist.all_gather_object(keys, node_key())
-    layout = tiers(keys)
+    layout = {t: g for t, g in tiers(keys).items() if subnode or not t[4:].isdigit()}
     nodes = len(set(keys))
     per_node = len(keys) // nodes
     rank, plan, checks = dist.get_rank(), [], []
@@ -133,34 +135,39 @@ def bench(device: torch.device, sizes: list[int], ops: list[str], rounds: int, i
     dist.all_gather_object(verdicts, [ok for _, ok in checks])
     wrong = [f"{what}: wrong result on rank(s) {', '.join(str(r) for r, v in enumerate(verdicts) if not v[i])}"
              for i, (what, _) in enumerate(checks) if not all(v[i] for v in verdicts)]
-    return Measured(points, wrong, slow_groups(points, every, layout, slow_factor), nodes, per_node)
+    return Measured(points, wrong, nodes, per_node, every, layout)
 
 
 def slow_groups(points: list[Point], every: torch.Tensor, layout: dict[str, list[list[int]]],
                 factor: float) -> list[str]:
-    """Groups whose time at a tier's largest size is over `factor` x the median of the tier's other
-    groups (a round of a group takes as long as its slowest member), and the ranks found in a slow
-    group of two tiers or more: a bad device or link inside a node shows in its node tiers, a bad
-    network port in its rail."""
+    """Groups whose time at their tier's largest size is over `factor` x the median of the tier's
+    groups (of the other one, where a tier has two): a round of a group lasts as long as its
+    slowest member. Then the ranks both in the smallest slow group inside a node and in a slow
+    rail: the rank itself (its GPU or host) rather than one link, which a slow group of one kind
+    alone points at (NVLink or PCIe inside the node, the network port across nodes)."""
     if not factor:
         return []
-    lines, seen = [], {}
-    largest = max(p.nbytes for p in points)
+    lines, inside, across = [], [], set()
     for i, p in enumerate(points):
         groups = layout[p.tier]
-        if len(groups) < 2 or p.nbytes != largest:
+        if len(groups) < 2 or p.nbytes != max(q.nbytes for q in points if q.tier == p.tier):
             continue
         times = [statistics.median(every[g, i, :].max(dim=0).values.tolist()) for g in groups]
+        typical = statistics.median(times)
         for j, t in enumerate(times):
-            others = statistics.median(times[:j] + times[j + 1:])
+            others = times[1 - j] if len(times) == 2 else typical
             if t > factor * others:
                 lines.append(f"slow: {p.tier} group of ranks {_ranks(groups[j])}: {p.op} at {human(p.nbytes)} "
-                             f"took {t / others:.1f}x the median of the tier's other groups")
-                for r in groups[j]:
-                    seen.setdefault(r, set()).add(p.tier)
-    common = sorted(r for r, found in seen.items() if len(found) > 1)
-    if common:
-        lines.append(f"slow: rank(s) {_ranks(common)} in a slow group of two tiers or more")
+                             f"took {t / others:.1f}x the median of the tier's groups")
+                if p.tier == "rail":
+                    across.update(groups[j])
+                elif p.tier.startswith("node"):
+                    inside.append(groups[j])
+    smallest = min(map(len, inside), default=0)
+    both = sorted({r for g in inside if len(g) == smallest for r in g} & across)
+    if both:
+        lines.append(f"slow: rank(s) {_ranks(both)} in a slow group inside its node and in a slow rail: the rank "
+                     "itself (its GPU or host) more likely than one link")
     return lines
 
 
@@ -274,12 +281,12 @@ def sizes_between(low: int, high: int, factor: int) -> list[int]:
     return out if out[-1] == high else [*out, high]
 
 
-def run(device: torch.device, sizes: list[int], ops: list[str], rounds: int, iters: int,
-        base: tuple[str, Network], slow_factor: float = 1.5,
-        drill: tuple[int, float] | None = None) -> tuple[int, dict | None, str | None]:
+def run(device: torch.device, sizes: list[int], ops: list[str], rounds: int, iters: int, *,
+        base: tuple[str, Network], slow_factor: float = 1.5, drill: tuple[int, float] | None = None,
+        subnode: bool = True) -> tuple[int, dict | None, str | None]:
     """Measure (every rank), then on rank 0 fit and word the report: (exit code, the profile's
     [network] and [measured] tables, the report); other ranks get (exit code, None, None)."""
-    m = bench(device, sizes, ops, rounds, iters, slow_factor, drill)
+    m = bench(device, sizes, ops, rounds, iters, drill, subnode)
     code = BENCH_FAILED_EXIT if m.wrong else 0
     if dist.get_rank() != 0:
         return code, None, None
@@ -288,7 +295,8 @@ def run(device: torch.device, sizes: list[int], ops: list[str], rounds: int, ite
     head = (f"shardline comm-bench: {m.nodes * m.per_node} ranks, {m.nodes} node(s) x {m.per_node} "
             f"({dist.get_backend()}, {device.type}), float32, a point the median of {rounds} rounds of {iters} calls, "
             "each round its slowest rank's")
-    text = "\n".join([report(m.points, notes, dataclasses.replace(base[1], **fields), base, head), *m.slow])
+    slow = slow_groups(m.points, m.every, m.layout, slow_factor)
+    text = "\n".join([report(m.points, notes, dataclasses.replace(base[1], **fields), base, head), *slow])
     if m.wrong:
         text += "\nFAILED: " + "; ".join(m.wrong)
     return code, {"network": fields, "measured": measured_table(m.points)}, text

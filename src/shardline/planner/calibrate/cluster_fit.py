@@ -51,17 +51,17 @@ def bus_factor(op: str, n: int) -> float:
 def fit_network(points: list[Point], base: Network, nodes: int, per_node: int,
                 whole_nodes: bool = True) -> tuple[dict, list[str]]:
     """The [network] fields the points give (module doc), and a line per fit saying what it used.
-    Groups smaller than a node (tiers node2, node4, ...) add their own fits by size
-    (latency_by_world_us, bw_by_world_gbs), beside the whole node's.
 
     Each link's alpha and B come from all-gather and reduce-scatter, fitted as rings (all-reduce
-    may run as a tree, or in the switch); then each op's factor inside a
-    node is its median time over the planner's for it under those links, all-reduce's choice of
-    ring or tree included. Links not measured keep the base's effective rate (its bandwidth times
-    bw_efficiency, which becomes 1 here); a measured inter rate is multiplied by the base's
-    oversubscription, which the planner divides by again, so the profile predicts what was
-    measured at this job's size. gpus_per_node is written only from several nodes all of whose
-    devices ran (`whole_nodes`): a node run in part would tell the planner smaller nodes.
+    may run as a tree, or in the switch). Groups smaller than a node (tiers node2, node4, ...) add
+    their own fits by size (latency_by_world_us, bw_by_world_gbs) beside the whole node's. Each
+    op's factor inside a node is its median time over the planner's price for it under those fits
+    (every group size inside a node pooled), all-reduce's choice of ring or tree included. Links
+    not measured keep the base's effective rate (its bandwidth times bw_efficiency, which becomes
+    1 here); a measured inter rate is multiplied by the base's oversubscription, which the planner
+    divides by again, so the profile predicts what was measured at this job's size.
+    gpus_per_node is written only from several nodes all of whose devices ran (`whole_nodes`): a
+    node run in part would tell the planner smaller nodes.
     """
     fields: dict = {"bw_efficiency": 1.0, "intra_bw_gbs": base.intra_bw_gbs * base.bw_efficiency,
                     "inter_bw_gbs": base.inter_bw_gbs * base.bw_efficiency}
@@ -77,9 +77,13 @@ def fit_network(points: list[Point], base: Network, nodes: int, per_node: int,
     by_world: dict[str, tuple[float, float]] = {}
     for link, tier in (*(("intra", t) for t in smaller), ("intra", intra), ("inter", inter)):
         chosen = [p for p in points if p.tier == tier and p.op in LINK_OPS]
+        if tier is None:
+            notes.append(f"{link}: not measured here ({'one node' if link == 'inter' else 'one rank a node'}); "
+                         "the base's figures kept")
+            continue
         if len({p.nbytes for p in chosen}) < 2:
-            notes.append(f"{link}: not measured (needs all-gather or reduce-scatter in the {tier or 'missing'} "
-                         "tier at two sizes or more); the base's figures kept")
+            notes.append(f"{link}: not measured (needs all-gather or reduce-scatter in the {tier} tier at two sizes "
+                         "or more); the base's figures kept")
             continue
         alpha, bw = fit_alpha_beta([{"op": p.op, "world": p.ranks, "bytes": p.nbytes, "seconds": p.seconds}
                                     for p in chosen])
@@ -94,7 +98,9 @@ def fit_network(points: list[Point], base: Network, nodes: int, per_node: int,
         fields[f"{link}_latency_us"], fields[f"{link}_bw_gbs"] = alpha * 1e6, bw / 1e9
         if link == "intra":
             plain = dataclasses.replace(base, **fields, op_factor={})
-            factored = [p for p in points if p.tier == tier and p.op in FACTORED]
+            # Pooled over every group size inside a node, each under its own fit: the planner
+            # multiplies the factor into any group that stays inside one.
+            factored = [p for p in points if p.tier in (*smaller, tier) and p.op in FACTORED]
             fields["op_factor"] = {op: statistics.median(p.seconds / predict(p, plain) for p in factored if p.op == op)
                                    for op in FACTORED if any(p.op == op for p in factored)}
         else:
