@@ -10,7 +10,7 @@ import torch
 
 from shardline.planner.calibrate import ops
 from shardline.planner.calibrate import run as cal
-from shardline.planner.calibrate.comm import fit_alpha_beta, measure_collectives
+from shardline.planner.calibrate.comm import fit_alpha_beta, measure_collectives, op_factors
 from shardline.planner.hardware import get_hardware
 
 
@@ -30,6 +30,25 @@ def test_rounds_are_combined_point_by_point_before_fitting():
     other = {"linear_fp32": [0.52, 0.58], "loss_gbs": 4.2, "stream": {"2MiB": 21.0}}
     assert cal._median_rounds([quiet, other, disturbed]) == {"linear_fp32": [0.5, 0.58], "loss_gbs": 4.0,
                                                               "stream": {"2MiB": 20.0}}
+
+
+def test_op_factors_are_over_the_planners_own_price():
+    """At 4 ranks the planner prices an all-reduce as the faster of ring and tree (the tree wins
+    the small sizes here). Points timed at 1.5x that price give a factor of 1.5; over the ring
+    alone, as the factor was measured before, the small sizes would give less, and the planner,
+    multiplying it into the tree's price, would under-price them."""
+    import math
+
+    alpha, bw, n = 50e-6, 2e9, 4
+    points = []
+    for nbytes in (4096, 65536, 1 << 20):
+        ring = 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bw
+        tree = 2 * math.ceil(math.log2(n)) * alpha + 2 * nbytes / bw
+        points.append({"op": "all_reduce", "world": n, "bytes": nbytes, "seconds": 1.5 * min(ring, tree)})
+        points.append({"op": "all_gather", "world": n, "bytes": nbytes, "seconds": ring / 2})
+    assert 2 * math.ceil(math.log2(n)) * alpha + 2 * 4096 / bw < 2 * (n - 1) * alpha  # the tree wins at 4 KiB
+    factors = op_factors(points, {n: (alpha, bw)})
+    assert factors == {"all_reduce": pytest.approx(1.5, rel=1e-9), "all_gather": pytest.approx(1.0, rel=1e-9)}
 
 
 def test_fit_alpha_beta_recovers_latency_and_bandwidth():

@@ -125,22 +125,35 @@ def measure_collectives(world_sizes=(2, 4)) -> tuple[dict, dict]:
     faster than the model's (n-1) steps alone.
     """
     points = [p for world in world_sizes for p in _run(world)]
+    raw = {op: [[p["world"], p["bytes"], round(p["seconds"] * 1e6, 1)] for p in points if p["op"] == op]
+           for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    return fit_network(points), raw
+
+
+def fit_network(points: list[dict]) -> dict:
+    """The [network] fields of measured points (dicts of op, world, bytes, seconds): the shared fit,
+    each world size's, and each op's factor: the median of its time over the planner's own price
+    under its world size's fit, which the planner multiplies (for an all-reduce the faster of ring
+    and tree, not the ring alone)."""
     alpha, bw = fit_alpha_beta(points)
     network = {"intra_latency_us": alpha * 1e6, "intra_bw_gbs": bw / 1e9, "bw_efficiency": 1.0,
                "latency_by_world_us": {}, "bw_by_world_gbs": {}}
+    fits = {}
+    for world in sorted({p["world"] for p in points}):
+        fits[world] = fit_alpha_beta([p for p in points if p["world"] == world])
+        network["latency_by_world_us"][str(world)] = fits[world][0] * 1e6
+        network["bw_by_world_gbs"][str(world)] = fits[world][1] / 1e9
+    network["op_factor"] = op_factors(points, fits)
+    return network
+
+
+def op_factors(points: list[dict], fits: dict[int, tuple[float, float]]) -> dict[str, float]:
+    """Each op's median time over the planner's price for it under its world size's (alpha s, B
+    bytes/s) fit."""
     ratios: dict[str, list[float]] = {}
-    for world in world_sizes:
-        mine = [p for p in points if p["world"] == world]
-        a, b = fit_alpha_beta(mine)
-        network["latency_by_world_us"][str(world)] = a * 1e6
-        network["bw_by_world_gbs"][str(world)] = b / 1e9
-        # Each op's factor is over the planner's own price under the fit, which it multiplies:
-        # for an all-reduce the faster of ring and tree, not the ring alone.
+    for p in points:
+        a, b = fits[p["world"]]
         fitted = Network(intra_latency_us=a * 1e6, intra_bw_gbs=b / 1e9, bw_efficiency=1.0)
-        for p in mine:
-            price = getattr(comm, p["op"])(p["bytes"], comm.Group(world, world), fitted)[0]
-            ratios.setdefault(p["op"], []).append(p["seconds"] / price)
-    network["op_factor"] = {op: statistics.median(r) for op, r in ratios.items()}
-    raw = {op: [[p["world"], p["bytes"], round(p["seconds"] * 1e6, 1)] for p in points if p["op"] == op]
-           for op in ("all_reduce", "all_gather", "reduce_scatter")}
-    return network, raw
+        price = getattr(comm, p["op"])(p["bytes"], comm.Group(p["world"], p["world"]), fitted)[0]
+        ratios.setdefault(p["op"], []).append(p["seconds"] / price)
+    return {op: statistics.median(r) for op, r in ratios.items()}
