@@ -90,7 +90,7 @@ def test_the_fit_recovers_the_links_it_was_made_from():
                 points.append(Point(tier, op, n, on_node, nbytes, t))
     points.append(Point("world", "all_reduce", 8, 4, 1 << 20, 1e-3))  # not fitted
     base = Network(inter_bw_gbs=50.0, bw_efficiency=0.8, oversubscription=2.0)
-    fields, notes = cluster_fit.fit_network(points, base, nodes=2, per_node=4)
+    fields, notes = cluster_fit.fit_links(points, base, nodes=2, per_node=4)
     assert fields["gpus_per_node"] == 4 and fields["bw_efficiency"] == 1.0
     assert fields["intra_latency_us"] == pytest.approx(20.0, rel=1e-6)
     assert fields["intra_bw_gbs"] == pytest.approx(200.0, rel=1e-6)
@@ -102,7 +102,7 @@ def test_the_fit_recovers_the_links_it_was_made_from():
     assert fields["inter_bw_gbs"] == pytest.approx(30.0 * 2.0, rel=1e-6)
     assert [n.split(":")[0] for n in notes] == ["intra", "inter"] and "rail tier" in notes[1]
     # Nodes run in part would tell the planner smaller nodes: no gpus_per_node then.
-    fields, notes = cluster_fit.fit_network(points, base, nodes=2, per_node=4, whole_nodes=False)
+    fields, notes = cluster_fit.fit_links(points, base, nodes=2, per_node=4, whole_nodes=False)
     assert "gpus_per_node" not in fields and notes[0].startswith("gpus_per_node: not written")
 
 
@@ -111,7 +111,7 @@ def test_groups_smaller_than_a_node_get_fits_of_their_own():
     points = [Point(tier, op, n, n, nbytes, _ring_seconds(op, n, nbytes, alpha, bw))
               for tier, n, (alpha, bw) in (("node2", 2, (30e-6, 300e9)), ("world", 4, (20e-6, 200e9)))
               for op in cluster_fit.LINK_OPS for nbytes in (1 << 16, 1 << 24)]
-    fields, notes = cluster_fit.fit_network(points, Network(), nodes=1, per_node=4)
+    fields, notes = cluster_fit.fit_links(points, Network(), nodes=1, per_node=4)
     assert fields["latency_by_world_us"] == {"2": pytest.approx(30.0, rel=1e-6), "4": pytest.approx(20.0, rel=1e-6)}
     assert fields["bw_by_world_gbs"] == {"2": pytest.approx(300.0, rel=1e-6), "4": pytest.approx(200.0, rel=1e-6)}
     assert fields["intra_latency_us"] == pytest.approx(20.0, rel=1e-6)  # the scalar: the whole node's
@@ -127,7 +127,7 @@ def test_one_node_keeps_the_bases_network_rate():
     points = [Point("world", op, 4, 4, nbytes, _ring_seconds(op, 4, nbytes, 10e-6, 100e9))
               for op in cluster_fit.LINK_OPS for nbytes in (1 << 16, 1 << 24)]
     base = Network(inter_bw_gbs=50.0, bw_efficiency=0.8)
-    fields, notes = cluster_fit.fit_network(points, base, nodes=1, per_node=4)
+    fields, notes = cluster_fit.fit_links(points, base, nodes=1, per_node=4)
     assert fields["intra_bw_gbs"] == pytest.approx(100.0, rel=1e-6)
     assert fields["inter_bw_gbs"] == pytest.approx(40.0)  # 50 x 0.8: the same effective rate at efficiency 1
     assert "inter_latency_us" not in fields and "gpus_per_node" not in fields

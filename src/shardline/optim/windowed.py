@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from shardline.errors import ConfigError
+from shardline.parallel.collectives import scale_grads
 
 WINDOW = 1 << 20  # elements a window: 4 MiB of each fp32 tensor, ~20 MiB with the temporaries
 ALIGN = 4096  # windows are whole multiples of this many elements: AdamW's vector loops then split
@@ -78,7 +79,7 @@ class WindowedAdamW(torch.optim.AdamW):
                 self._prefetch(work[i + 1][2])
             p, g, m, v, s, _ = (list(t) for t in zip(*window))
             if clip is not None:
-                _scale(g, clip)
+                scale_grads(g, clip)
             (beta1, beta2), scale = group["betas"], {k: getattr(self, k, None) for k in ("grad_scale", "found_inf")}
             adam(p, g, m, v, [], s, foreach=group["foreach"], fused=group["fused"], has_complex=has_complex, **scale,
                  decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -96,17 +97,6 @@ class WindowedAdamW(torch.optim.AdamW):
 
     def _prefetch(self, window: list[tuple]) -> None:
         """Called with the next window before this one steps: states in RAM need nothing."""
-
-
-def _scale(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
-    """Multiply the gradients by the clip's scale in place, as the clip itself would (a DTensor
-    with its own multiply, the rest in one foreach call)."""
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    for g in grads:
-        if isinstance(g, DTensor):
-            g.mul_(scale.to(g.device))
-    if plain:
-        torch._foreach_mul_(plain, scale.to(plain[0].device))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -83,12 +83,19 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
     if "clip_scale" in getattr(defer_to, "__dict__", {}):  # its own attribute, not one a wrapper forwards
         defer_to.clip_scale = scale
     elif scale is not None:
-        for g in grads:
-            if isinstance(g, DTensor):
-                g.mul_(scale.to(g.device))
-        for device_grads in _plain_by_device(grads):  # one kernel per device
-            torch._foreach_mul_(device_grads, scale.to(device_grads[0].device))
+        scale_grads(grads, scale)
     return total
+
+
+def scale_grads(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply gradients by the clip's scale in place: a DTensor with its own multiply, plain ones
+    one foreach call per device. The one multiply the clip makes, wherever it runs (here, or
+    window by window in the host's AdamW), so both give the same bits."""
+    for g in grads:
+        if isinstance(g, DTensor):
+            g.mul_(scale.to(g.device))
+    for device_grads in _plain_by_device(grads):
+        torch._foreach_mul_(device_grads, scale.to(device_grads[0].device))
 
 
 def _plain_by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -20,7 +20,7 @@ from shardline.errors import ConfigError, ShardlineError
 from shardline.models.llama import ModelArgs
 from shardline.models.presets import PRESETS
 from shardline.planner.calibrate import cluster_cli
-from shardline.planner.calibrate.cluster_cli import unwritable
+from shardline.planner.calibrate.cluster_cli import out_problem
 from shardline.planner.hardware import DEVICE_NAMES, Hardware, detected_gpu, get_hardware
 from shardline.layout import resolve
 from shardline.planner.layout import Workload, parse_fix, to_config
@@ -224,11 +224,7 @@ def _default_device(cfg: Config) -> str:
 
     if cfg.run.device == "cpu" or not torch.cuda.is_available():
         return "cpu"
-    name = detected_gpu()
-    if name is None:
-        raise ConfigError(f"this machine's GPU ({torch.cuda.get_device_name()}) is not in the hardware table; "
-                          "pass --gpu and --profile")
-    return name
+    return detected_gpu()
 
 
 def _config_model(cfg: Config) -> ModelArgs:
@@ -246,7 +242,7 @@ def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads {args.threads} must be >= 1")
     out = Path(args.out)  # checked before minutes of measuring, not when the profile is written
-    if unwritable(out):
-        raise ConfigError(f"--out {out} cannot be written: give a file in an existing, writable folder")
+    if out_problem(out):
+        raise ConfigError(out_problem(out))
     calibrate(args.out, quick=args.quick, comm=not args.no_comm, threads=args.threads)
     return 0

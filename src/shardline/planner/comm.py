@@ -16,7 +16,8 @@ members on one node, pooled because the library runs one ring per NIC (an 8-GPU 
 of 400 Gb/s NICs moves ~400 GB/s, as nccl-tests' multi-node bus bandwidth shows);
 times the bandwidth efficiency a collective library reaches. The planner takes the fastest
 algorithm for each call, as NCCL's tuner does, and reports which. A calibrated profile
-may scale each intra-node op (Network.op_factor: its measured time over the shared fit).
+may scale each intra-node op (Network.op_factor: its measured time over this model's price
+for it under the fitted links).
 
 Where a group sits follows the device mesh, outermost first: pp, dp_replicate,
 dp_shard, cp, tp (tp innermost: consecutive ranks, so it stays inside a node when it

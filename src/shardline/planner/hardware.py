@@ -64,14 +64,14 @@ class Network:
     # the file system and software RAID. Guesses, not measured: set them in a profile's [network].
     ssd_read_gbs: float = 25.0
     ssd_write_gbs: float = 12.0
-    # Calibrated intra-node alpha and B per group size ("2", "4", ...; gloo between CPU
-    # processes, where both depend on how many processes share the cores). Empty: the
-    # scalar intra_* fields for every size.
+    # Measured intra-node alpha and B per group size ("2", "4", ...): `shardline calibrate`'s gloo
+    # between CPU processes (where both depend on how many share the cores), `shardline comm-bench`'s
+    # groups inside a node. Empty: the scalar intra_* fields for every size.
     latency_by_world_us: dict[str, float] = field(default_factory=dict)
     bw_by_world_gbs: dict[str, float] = field(default_factory=dict)
-    # Calibrated time of each intra-node collective ("all_reduce", "all_gather",
-    # "reduce_scatter") over the shared alpha-beta fit: gloo's reduce-scatter, for one,
-    # runs well behind the ring model of its volume. Empty: 1 for every op.
+    # Measured time of each intra-node collective ("all_reduce", "all_gather", "reduce_scatter")
+    # over the planner's price for it under the fitted links (calibrate/comm.py op_factors): gloo's
+    # reduce-scatter, for one, runs well behind the ring model of its volume. Empty: 1 for every op.
     op_factor: dict[str, float] = field(default_factory=dict)
 
 
@@ -214,10 +214,13 @@ def cpu_hardware() -> Hardware:
             tp_head_wall_us_per_mb=10000.0))
 
 
-def detected_gpu() -> str | None:
-    """This machine's GPU as a table entry, or None when the table lacks it."""
+def detected_gpu() -> str:
+    """This machine's GPU as a table entry; ConfigError when the table lacks it."""
     sheet = local_datasheet(torch.cuda.get_device_name())
-    return sheet.name if sheet else None
+    if sheet is None:
+        raise ConfigError(f"this machine's GPU ({torch.cuda.get_device_name()}) is not in the hardware table; pass "
+                          f"--gpu with the closest entry ({', '.join(GPUS)}) and a --profile for the rest")
+    return sheet.name
 
 
 def get_hardware(name: str, profile: str | Path | None = None) -> Hardware:

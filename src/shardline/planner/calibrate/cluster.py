@@ -22,10 +22,11 @@ Each op's result is checked on known values (int32, sums bounded: exact at any w
 the smallest and the largest size: a wrong one names the tier, op, size and ranks (exit code 6,
 as `shardline check`).
 
-Slow groups: per tier, a group whose time at the largest size is over --slow-factor x the median
-of the tier's other groups is named (a round of a group lasts as long as its slowest member), and
-so are the ranks in a slow group of two tiers: a bad device or link inside a node shows in its
-node tiers, a bad network port in its rail. Said in the report; the exit code stays.
+Slow groups (slow_groups): per tier, a group whose time at the tier's largest size is over
+--slow-factor x the median of the tier's groups is named (a round of a group lasts as long as its
+slowest member): a slow link inside a node shows in its node tiers, a slow network port in its
+rail; a rank both in the smallest slow group inside its node and in a slow rail is named as likely
+the rank itself. Said in the report; the exit code stays.
 
 The points are fitted to the planner's links and reported by cluster_fit.py.
 """
@@ -44,11 +45,11 @@ import torch.distributed as dist
 
 from shardline.devices import synchronize
 from shardline.errors import ConfigError
-from shardline.planner.calibrate.cluster_fit import Point, fit_network, human, measured_table, report
+from shardline.planner.calibrate.cluster_fit import Point, fit_links, human, is_subnode, measured_table, report
 from shardline.planner.hardware import Network
+from shardline.resilience.health import CHECK_FAILED_EXIT
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-BENCH_FAILED_EXIT = 6  # a collective gave a wrong result
 WARMUP = 2  # calls before a point's rounds (NCCL sets up a group's channels on first use)
 # torch 2.13 renamed these two (the old names warn there); 2.11 has only the old ones.
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -107,7 +108,7 @@ def bench(device: torch.device, sizes: list[int], ops: list[str], rounds: int, i
     `subnode`: also the groups smaller than a node (node2, node4, ...)."""
     keys = [None] * dist.get_world_size()
     dist.all_gather_object(keys, node_key())
-    layout = {t: g for t, g in tiers(keys).items() if subnode or not t[4:].isdigit()}
+    layout = {t: g for t, g in tiers(keys).items() if subnode or not is_subnode(t)}
     nodes = len(set(keys))
     per_node = len(keys) // nodes
     rank, plan, checks = dist.get_rank(), [], []
@@ -287,11 +288,11 @@ def run(device: torch.device, sizes: list[int], ops: list[str], rounds: int, ite
     """Measure (every rank), then on rank 0 fit and word the report: (exit code, the profile's
     [network] and [measured] tables, the report); other ranks get (exit code, None, None)."""
     m = bench(device, sizes, ops, rounds, iters, drill, subnode)
-    code = BENCH_FAILED_EXIT if m.wrong else 0
+    code = CHECK_FAILED_EXIT if m.wrong else 0
     if dist.get_rank() != 0:
         return code, None, None
     whole = device.type != "cuda" or m.per_node == torch.cuda.device_count()  # every GPU of a node ran
-    fields, notes = fit_network(m.points, base[1], m.nodes, m.per_node, whole_nodes=whole)
+    fields, notes = fit_links(m.points, base[1], m.nodes, m.per_node, whole_nodes=whole)
     head = (f"shardline comm-bench: {m.nodes * m.per_node} ranks, {m.nodes} node(s) x {m.per_node} "
             f"({dist.get_backend()}, {device.type}), float32, a point the median of {rounds} rounds of {iters} calls, "
             "each round its slowest rank's")

@@ -4,6 +4,7 @@ anything, and the profile rank 0 writes (what is measured and how: cluster.py)."
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from shardline.errors import ConfigError, ShardlineError
 from shardline.planner.calibrate import cluster
-from shardline.planner.hardware import DEVICE_NAMES, detected_gpu, get_hardware, to_toml
+from shardline.planner.hardware import detected_gpu, get_hardware, to_toml
 
 
 def register(sub) -> None:
@@ -30,7 +31,7 @@ def register(sub) -> None:
     cb.add_argument("--iters", type=int, default=None, help="calls a round (default 20, on a CPU 5)")
     cb.add_argument("--subnode", action=argparse.BooleanOptionalAction, default=True,
                     help="also groups of 2, 4, ... ranks inside a node (default: yes; their communicators take "
-                         "one job-wide split each to set up, ~900 at 128 nodes x 8)")
+                         "one job-wide split each to set up: 768 at 128 nodes x 8)")
     cb.add_argument("--slow-factor", type=float, default=1.5, metavar="F",
                     help="name a group over F x the median of its tier's groups at the largest size "
                          "(default 1.5; 0: off)")
@@ -44,8 +45,8 @@ def command(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.parallel.distributed import init_distributed, shutdown_distributed
 
     settings = _settings(args, overrides)
-    name = settings.pop("gpu")
-    device = torch.device("cpu" if settings.pop("cpu") else "cuda")
+    name = settings["gpu"]
+    device = torch.device("cpu" if settings["cpu"] else "cuda")
     proc = init_distributed(device)
     if proc.world_size < 2:
         raise ConfigError("comm-bench times collectives between ranks: launch it with torchrun, e.g. "
@@ -55,14 +56,15 @@ def command(args: argparse.Namespace, overrides: list[str]) -> int:
         _agree(proc.rank, proc.world_size, out, settings)
         if device.type == "cuda":
             device = torch.device("cuda", proc.local_rank)
-        code, tables, text = cluster.run(device, base=(name, get_hardware(name).network), **settings)
+        timing = {k: v for k, v in settings.items() if k not in ("gpu", "cpu")}
+        code, tables, text = cluster.run(device, base=(name, get_hardware(name).network), **timing)
     except ConfigError:
         shutdown_distributed()
         raise
     shutdown_distributed()  # not on other errors: one rank's failure leaves its peers in a collective
     if text is not None:
         print(text)
-        _write(out, name, tables, proc.world_size, settings["drill"] is not None)
+        _write(out, name, tables, proc.world_size, settings["drill"] is not None, code != 0)
     return code
 
 
@@ -83,15 +85,13 @@ def _settings(args: argparse.Namespace, overrides: list[str]) -> dict:
     rounds, iters = args.rounds, args.iters or (5 if cpu else 20)
     if rounds < 1 or iters < 1:
         raise ConfigError(f"--rounds {rounds} and --iters {iters} must be >= 1")
-    if not (args.slow_factor == 0 or args.slow_factor > 1):
-        raise ConfigError(f"--slow-factor {args.slow_factor} must be > 1 (or 0: off)")
-    if args.drill_delay_ms < 0 or (args.drill_delay_ms and args.drill_rank < 0):
-        raise ConfigError(f"--drill-delay-ms {args.drill_delay_ms} must be >= 0, with --drill-rank R >= 0")
+    if not (args.slow_factor == 0 or (math.isfinite(args.slow_factor) and args.slow_factor > 1)):
+        raise ConfigError(f"--slow-factor {args.slow_factor} must be a number > 1 (or 0: off)")
+    if not (math.isfinite(args.drill_delay_ms) and args.drill_delay_ms >= 0) or (
+            args.drill_delay_ms and args.drill_rank < 0):
+        raise ConfigError(f"--drill-delay-ms {args.drill_delay_ms} must be a number >= 0, with --drill-rank R >= 0")
     name = args.gpu or ("cpu" if cpu else detected_gpu())
-    if name is None:
-        raise ConfigError(f"this machine's GPU ({torch.cuda.get_device_name()}) is not in the hardware table; pass "
-                          f"--gpu with the entry the profile should refine ({', '.join(DEVICE_NAMES)})")
-    get_hardware(name)  # an unknown --gpu, in one line, before any rank waits for another
+    get_hardware(name)  # an unknown --gpu, in one line
     drill = (args.drill_rank, args.drill_delay_ms / 1e3) if args.drill_delay_ms else None
     return {"sizes": sizes, "ops": ops, "rounds": rounds, "iters": iters, "slow_factor": args.slow_factor,
             "drill": drill, "subnode": args.subnode, "gpu": name, "cpu": cpu}
@@ -101,8 +101,7 @@ def _agree(rank: int, world: int, out: Path, settings: dict) -> None:
     """Refuse, on every rank alike, what one rank alone can see: rank 0's --out (its file system),
     nodes launched with other options (each would make other calls, and the job would hang), a
     drill of a rank the job does not have."""
-    mine = (f"--out {out} cannot be written: give a file in an existing, writable folder"
-            if rank == 0 and unwritable(out) else None, settings)
+    mine = (out_problem(out) if rank == 0 else None, settings)
     every = [None] * world
     dist.all_gather_object(every, mine)
     if every[0][0]:
@@ -116,13 +115,16 @@ def _agree(rank: int, world: int, out: Path, settings: dict) -> None:
         raise ConfigError(f"--drill-rank {settings['drill'][0]} is not a rank of this job (0 to {world - 1})")
 
 
-def _write(out: Path, name: str, tables: dict, world: int, drilled: bool) -> None:
-    """Rank 0's profile, unless nothing was fitted or a drill slowed the timings."""
-    if drilled:
-        print("no profile written: a drill (--drill-rank) slowed the timings")
+def _write(out: Path, name: str, tables: dict, world: int, drilled: bool, failed: bool) -> None:
+    """Rank 0's profile, unless nothing was fitted, or the timings are not a healthy cluster's (a
+    drill slowed them, or a collective gave wrong results)."""
+    if drilled or failed:
+        print("no profile written: " + ("a drill (--drill-rank) slowed the timings" if drilled else
+                                         "a collective gave wrong results (FAILED above)"))
         return
     if not any(f"{link}_latency_us" in tables["network"] for link in ("intra", "inter")):
-        print("no profile written: no link was fitted (it needs all_gather or reduce_scatter in --ops)")
+        print("no profile written: no link was fitted (it needs all_gather or reduce_scatter in --ops, at two "
+              "sizes or more)")
         return
     comment = (f"shardline network profile, written by `shardline comm-bench` on {world} ranks\n"
                f"use: shardline plan|estimate ... --gpu {name} --profile {out}\n"
@@ -135,11 +137,14 @@ def _write(out: Path, name: str, tables: dict, world: int, drilled: bool) -> Non
     print(f"profile written to {out}")
 
 
-def unwritable(out: Path) -> bool:
-    """Whether `out` cannot be written as a file (a path the file system refuses to look at counts)."""
+def out_problem(out: Path) -> str | None:
+    """Why `--out` cannot be written as a file (a path the file system refuses to look at counts),
+    or None; for calibrate's --out too."""
     try:
         if out.exists():
-            return out.is_dir() or not os.access(out, os.W_OK)
-        return not out.parent.is_dir() or not os.access(out.parent, os.W_OK)
+            bad = out.is_dir() or not os.access(out, os.W_OK)
+        else:
+            bad = not out.parent.is_dir() or not os.access(out.parent, os.W_OK)
     except OSError:  # permission denied on the way, a name too long, ...
-        return True
+        bad = True
+    return f"--out {out} cannot be written: give a file in an existing, writable folder" if bad else None

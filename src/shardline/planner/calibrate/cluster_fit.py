@@ -13,12 +13,11 @@ two-level model on this cluster.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from dataclasses import dataclass
 
 from shardline.planner import comm
-from shardline.planner.calibrate.comm import fit_alpha_beta
+from shardline.planner.calibrate.comm import fit_alpha_beta, op_factors
 from shardline.planner.hardware import Network
 
 LINK_OPS = ("all_gather", "reduce_scatter")  # the links are fitted to these, as rings
@@ -48,8 +47,8 @@ def bus_factor(op: str, n: int) -> float:
     return (2 if op == "all_reduce" else 1) * (n - 1) / n
 
 
-def fit_network(points: list[Point], base: Network, nodes: int, per_node: int,
-                whole_nodes: bool = True) -> tuple[dict, list[str]]:
+def fit_links(points: list[Point], base: Network, nodes: int, per_node: int,
+              whole_nodes: bool = True) -> tuple[dict, list[str]]:
     """The [network] fields the points give (module doc), and a line per fit saying what it used.
 
     Each link's alpha and B come from all-gather and reduce-scatter, fitted as rings (all-reduce
@@ -73,39 +72,50 @@ def fit_network(points: list[Point], base: Network, nodes: int, per_node: int,
                      f"{base.gpus_per_node} kept")
     intra = "node" if nodes > 1 and per_node > 1 else ("world" if nodes == 1 else None)
     inter = "rail" if nodes > 1 and per_node > 1 else ("world" if per_node == 1 else None)
-    smaller = sorted({p.tier for p in points if p.tier[4:].isdigit()}, key=lambda t: int(t[4:]))  # node2, ...
-    by_world: dict[str, tuple[float, float]] = {}
-    for link, tier in (*(("intra", t) for t in smaller), ("intra", intra), ("inter", inter)):
-        chosen = [p for p in points if p.tier == tier and p.op in LINK_OPS]
-        if tier is None:
-            notes.append(f"{link}: not measured here ({'one node' if link == 'inter' else 'one rank a node'}); "
-                         "the base's figures kept")
-            continue
-        if len({p.nbytes for p in chosen}) < 2:
-            notes.append(f"{link}: not measured (needs all-gather or reduce-scatter in the {tier} tier at two sizes "
-                         "or more); the base's figures kept")
-            continue
-        alpha, bw = fit_alpha_beta([{"op": p.op, "world": p.ranks, "bytes": p.nbytes, "seconds": p.seconds}
-                                    for p in chosen])
-        notes.append(f"{link}: {alpha * 1e6:.2f} us + {bw / 1e9:.5g} GB/s from the {tier} tier "
-                     f"({len(chosen)} points of {', '.join(sorted({p.op for p in chosen}))})")
-        if link == "intra":
-            by_world[str(chosen[0].ranks)] = (alpha * 1e6, bw / 1e9)  # the planner's fit for groups of this size
-            if tier in smaller:
-                continue
-            fields["latency_by_world_us"] = {k: v[0] for k, v in by_world.items()}
-            fields["bw_by_world_gbs"] = {k: v[1] for k, v in by_world.items()}
-        fields[f"{link}_latency_us"], fields[f"{link}_bw_gbs"] = alpha * 1e6, bw / 1e9
-        if link == "intra":
-            plain = dataclasses.replace(base, **fields, op_factor={})
-            # Pooled over every group size inside a node, each under its own fit: the planner
-            # multiplies the factor into any group that stays inside one.
-            factored = [p for p in points if p.tier in (*smaller, tier) and p.op in FACTORED]
-            fields["op_factor"] = {op: statistics.median(p.seconds / predict(p, plain) for p in factored if p.op == op)
-                                   for op in FACTORED if any(p.op == op for p in factored)}
-        else:
-            fields["inter_bw_gbs"] *= base.oversubscription
+    inside = sorted({p.tier for p in points if is_subnode(p.tier)}, key=lambda t: int(t[4:])) + [intra]
+    fits = {}  # group size inside a node -> (alpha s, B bytes/s)
+    for tier in inside:
+        fit = _fit_tier(points, tier, "intra", notes)
+        if fit:
+            fits[fit[0]] = fit[1:]
+    if intra and per_node in fits:  # the whole node (on one node, the world)
+        alpha, bw = fits[per_node]
+        fields.update(intra_latency_us=alpha * 1e6, intra_bw_gbs=bw / 1e9,
+                      latency_by_world_us={str(n): a * 1e6 for n, (a, _) in fits.items()},
+                      bw_by_world_gbs={str(n): b / 1e9 for n, (_, b) in fits.items()})
+        # Pooled over every group size inside a node, each under its own fit: the planner
+        # multiplies the factor into any group that stays inside one.
+        fields["op_factor"] = op_factors([{"op": p.op, "world": p.ranks, "bytes": p.nbytes, "seconds": p.seconds}
+                                          for p in points if p.tier in inside and p.op in FACTORED], fits)
+    fit = _fit_tier(points, inter, "inter", notes)
+    if fit:
+        fields.update(inter_latency_us=fit[1] * 1e6, inter_bw_gbs=fit[2] / 1e9 * base.oversubscription)
     return fields, notes
+
+
+def is_subnode(tier: str) -> bool:
+    """A tier of groups smaller than a node: node2, node4, ..."""
+    return tier.startswith("node") and tier[4:].isdigit()
+
+
+def _fit_tier(points: list[Point], tier: str | None, link: str, notes: list[str]
+              ) -> tuple[int, float, float] | None:
+    """(group size, alpha s, B bytes/s) of a tier's all-gather and reduce-scatter points, with a line
+    in `notes` saying what was fitted, or why nothing was."""
+    if tier is None:
+        notes.append(f"{link}: not measured here ({'one node' if link == 'inter' else 'one rank a node'}); "
+                     "the base's figures kept")
+        return None
+    chosen = [p for p in points if p.tier == tier and p.op in LINK_OPS]
+    if len({p.nbytes for p in chosen}) < 2:
+        notes.append(f"{link}: not measured (needs all-gather or reduce-scatter in the {tier} tier at two sizes "
+                     "or more); the base's figures kept")
+        return None
+    alpha, bw = fit_alpha_beta([{"op": p.op, "world": p.ranks, "bytes": p.nbytes, "seconds": p.seconds}
+                                for p in chosen])
+    notes.append(f"{link}: {alpha * 1e6:.2f} us + {bw / 1e9:.5g} GB/s from the {tier} tier "
+                 f"({len(chosen)} points of {', '.join(sorted({p.op for p in chosen}))})")
+    return chosen[0].ranks, alpha, bw
 
 
 def predict(point: Point, net: Network) -> float:

@@ -127,10 +127,10 @@ def measure_collectives(world_sizes=(2, 4)) -> tuple[dict, dict]:
     points = [p for world in world_sizes for p in _run(world)]
     raw = {op: [[p["world"], p["bytes"], round(p["seconds"] * 1e6, 1)] for p in points if p["op"] == op]
            for op in ("all_reduce", "all_gather", "reduce_scatter")}
-    return fit_network(points), raw
+    return network_fields(points), raw
 
 
-def fit_network(points: list[dict]) -> dict:
+def network_fields(points: list[dict]) -> dict:
     """The [network] fields of measured points (dicts of op, world, bytes, seconds): the shared fit,
     each world size's, and each op's factor: the median of its time over the planner's own price
     under its world size's fit, which the planner multiplies (for an all-reduce the faster of ring
