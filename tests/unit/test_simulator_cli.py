@@ -142,3 +142,24 @@ def test_a_16k_gpu_run_reports_llama3_like_numbers():
     report = simulate(job, load_settings(None, [], {}), seeds=4)
     assert report["expected_interruptions"]["unexpected"] == pytest.approx(419)
     assert report["goodput"] > 0.9
+
+
+def test_a_hardware_profile_shapes_the_planned_step_and_the_nodes(tmp_path, capsys):
+    """A measured network (as `shardline comm-bench` writes it) reaches the planner's step time:
+    a network 40x slower across nodes gives a slower step, named in the source; its nodes' size
+    is the job's unless --gpus-per-node says otherwise."""
+    slow = tmp_path / "comm.toml"
+    slow.write_text('base = "h100-sxm"\n[network]\ngpus_per_node = 4\ninter_bw_gbs = 1.25\nbw_efficiency = 1.0\n')
+    plain = run_json(capsys, "--fix", "tp=4")
+    measured = run_json(capsys, "--fix", "tp=4", "--profile", str(slow))
+    assert measured["step_time_s"] > 1.5 * plain["step_time_s"]
+    assert f"--profile {slow}" in measured["step_time_source"] and "--profile" not in plain["step_time_source"]
+    assert make_job("llama3-8b", "h100-sxm", 1024, None, 10, str(slow)).gpus_per_node == 4
+    assert make_job("llama3-8b", "h100-sxm", 1024, 8, 10, str(slow)).gpus_per_node == 8
+    assert make_job("llama3-8b", "h100-sxm", 1024, None, 10).gpus_per_node == 8
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[network]\ninter_bw = 1.0\n")
+    assert main([*SMALL, "--profile", str(bad)]) == 2
+    assert "unknown hardware key 'inter_bw'" in capsys.readouterr().err
+    assert main([*SMALL, "--profile", str(slow), "--step-time", "2"]) == 2
+    assert "--profile shapes the step-time estimate, which --step-time replaces" in capsys.readouterr().err

@@ -35,7 +35,9 @@ def register(subparsers) -> None:
     p.add_argument("--gpu", required=True, help=f"accelerator: {', '.join(GPU_TYPES)}")
     p.add_argument("--gpus", required=True, type=int, help="GPUs in the job")
     p.add_argument("--days", required=True, type=float, help="wall-clock length of the run")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: the --profile's, else 8")
+    p.add_argument("--profile", metavar="FILE",
+                   help="hardware profile for the planner's step time (from `shardline calibrate` or `comm-bench`)")
     p.add_argument("--checkpoint-interval", metavar="STEPS|optimal", help="default: optimal (Daly)")
     p.add_argument("--checkpoint-mode", choices=MODES, help="default: async")
     p.add_argument("--step-time", type=float, metavar="S",
@@ -70,12 +72,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
         check_plot_path(args.plot)
     unused = [flag for flag, value in (("--fix", args.fix), ("--mfu", args.mfu), ("--seq-len", args.seq_len),
-                                       ("--global-batch-tokens", args.global_batch_tokens)) if value is not None]
+                                       ("--global-batch-tokens", args.global_batch_tokens), ("--profile", args.profile))
+              if value is not None]
     if args.step_time is not None and unused:
         verb = "shapes" if len(unused) == 1 else "shape"
         raise ConfigError(f"{', '.join(unused)} {verb} the step-time estimate, which --step-time replaces; "
                           "give one or the other")
-    job = make_job(args.model, args.gpu, args.gpus, args.gpus_per_node, args.days)
+    job = make_job(args.model, args.gpu, args.gpus, args.gpus_per_node, args.days, args.profile)
     settings = load_settings(args.config, overrides, {v: getattr(args, k) for k, v in _FLAG_KEYS.items()})
     if args.failure_scale is not None:
         if not (math.isfinite(args.failure_scale) and args.failure_scale >= 0):

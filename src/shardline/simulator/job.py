@@ -3,7 +3,8 @@
 `step_time_s` is the single place the simulator learns how long one optimizer step
 takes: given (`--step-time`), else the planner's predicted step time of the best layout
 for this model, accelerator, count, sequence length and batch (`shardline plan`'s
-search; `--fix KEY=V,...` pins keys, as `plan --fix` does; cached per request). If the
+search; `--fix KEY=V,...` pins keys, as `plan --fix` does; `--profile FILE` refines the
+accelerator and its network, as `plan --profile` does; cached per request). If the
 planner has no plan (nothing fits, the batch does not split, the device is not in its
 table) it falls back, saying why, to model FLOPs at an assumed MFU:
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from shardline.errors import ConfigError, ShardlineError
 from shardline.devices import PEAK_TFLOPS, cpu_peak_tflops
 from shardline.models import PRESETS, ModelArgs, flops_per_token, num_params
-from shardline.planner.hardware import DEVICE_NAMES, get_hardware
+from shardline.planner.hardware import DEVICE_NAMES, get_hardware, read_profile
 from shardline.planner.layout import Workload, parse_fix
 from shardline.planner.search import explain_no_fit, search
 from shardline.simulator.settings import Settings
@@ -43,6 +44,7 @@ class Job:
     gpus: int
     gpus_per_node: int
     days: float
+    profile: str | None = None  # a hardware profile (calibrate, comm-bench) the planner's step time uses
 
     @property
     def nodes(self) -> int:
@@ -69,9 +71,20 @@ def resolve_model(name: str) -> ModelArgs:
     raise ConfigError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a HF model folder")
 
 
-def make_job(model: str, gpu: str, gpus: int, gpus_per_node: int, days: float) -> Job:
+def make_job(model: str, gpu: str, gpus: int, gpus_per_node: int | None, days: float,
+             profile: str | None = None) -> Job:
+    """The job, checked. `gpus_per_node` None: the profile's `[network] gpus_per_node` where it
+    sets one (comm-bench writes the nodes it measured), else 8."""
     if gpu not in GPU_TYPES:
         raise ConfigError(f"--gpu {gpu!r} is not a known accelerator; valid: {', '.join(GPU_TYPES)}")
+    if profile is not None:
+        if gpu not in DEVICE_NAMES:
+            raise ConfigError(f"--profile refines an entry of the planner's table; --gpu {gpu!r} has none "
+                              f"({', '.join(DEVICE_NAMES)} have)")
+        get_hardware(gpu, profile)  # its mistakes, in one line, before any simulation
+        if gpus_per_node is None:
+            gpus_per_node = read_profile(profile).get("network", {}).get("gpus_per_node")
+    gpus_per_node = 8 if gpus_per_node is None else gpus_per_node
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus} must be at least 1")
     if gpus_per_node < 1:
@@ -82,7 +95,7 @@ def make_job(model: str, gpu: str, gpus: int, gpus_per_node: int, days: float) -
         raise ConfigError(f"--gpus {gpus} is not a multiple of --gpus-per-node {gpus_per_node}: {fix}")
     if not (days > 0 and math.isfinite(days)):
         raise ConfigError(f"--days {days} must be a finite number > 0")
-    return Job(model, resolve_model(model), gpu, gpus, gpus_per_node, days)
+    return Job(model, resolve_model(model), gpu, gpus, gpus_per_node, days, profile)
 
 
 def peak_flops(gpu: str) -> float:
@@ -105,7 +118,7 @@ def step_time_s(job: Job, settings: Settings) -> tuple[float, str]:
     if settings.step_time_s is not None:
         return settings.step_time_s, "given (--step-time)"
     seconds, how = planned_step(job.model, job.gpu, job.gpus, job.gpus_per_node, seq_len(job, settings),
-                                tokens_per_step(job, settings), settings.fix)
+                                tokens_per_step(job, settings), settings.fix, job.profile)
     if seconds is not None:
         return seconds, how
     flops = flops_per_token(job.model, seq_len(job, settings)) * tokens_per_step(job, settings)
@@ -118,7 +131,7 @@ def step_time_s(job: Job, settings: Settings) -> tuple[float, str]:
 
 @functools.lru_cache(maxsize=64)
 def planned_step(model: ModelArgs, gpu: str, gpus: int, gpus_per_node: int, seq: int, tokens: int,
-                 fix: str = "") -> tuple[float | None, str]:
+                 fix: str = "", profile: str | None = None) -> tuple[float | None, str]:
     """(step seconds of the planner's best layout, description), or (None, why there is none).
 
     bf16 on accelerators, fp32 on `cpu`, with the trainer's document mask, as `shardline
@@ -129,7 +142,7 @@ def planned_step(model: ModelArgs, gpu: str, gpus: int, gpus_per_node: int, seq:
         return None, f"{gpu} is not in the planner's hardware table"
     if tokens % seq:
         return None, f"{tokens:,} tokens per step is not a whole number of {seq}-token sequences"
-    hw = get_hardware(gpu)
+    hw = get_hardware(gpu, profile)
     hw = dataclasses.replace(hw, network=dataclasses.replace(hw.network, gpus_per_node=gpus_per_node))
     work = Workload(model, seq, tokens // seq, "fp32" if gpu == "cpu" else "bf16")
     try:
@@ -139,7 +152,7 @@ def planned_step(model: ModelArgs, gpu: str, gpus: int, gpus_per_node: int, seq:
     if not result.candidates:
         return None, explain_no_fit(work, hw, gpus, result)
     best = result.candidates[0]
-    pinned = f", --fix {fix}" if fix else ""
+    pinned = (f", --fix {fix}" if fix else "") + (f", --profile {profile}" if profile else "")
     return best.step_time_s, (f"planner: {best.layout.describe()}{pinned}, MFU {100 * best.mfu:.1f}%, "
                               f"{best.memory['total'] / 2**30:.1f} GiB/GPU; best of {len(result.candidates):,} "
                               f"fitting layouts")
