@@ -147,19 +147,35 @@ def test_a_16k_gpu_run_reports_llama3_like_numbers():
 def test_a_hardware_profile_shapes_the_planned_step_and_the_nodes(tmp_path, capsys):
     """A measured network (as `shardline comm-bench` writes it) reaches the planner's step time:
     a network 40x slower across nodes gives a slower step, named in the source; its nodes' size
-    is the job's unless --gpus-per-node says otherwise."""
+    is the job's unless --gpus-per-node says otherwise; the file is read once (an edit after the
+    job is made changes nothing)."""
     slow = tmp_path / "comm.toml"
     slow.write_text('base = "h100-sxm"\n[network]\ngpus_per_node = 4\ninter_bw_gbs = 1.25\nbw_efficiency = 1.0\n')
     plain = run_json(capsys, "--fix", "tp=4")
     measured = run_json(capsys, "--fix", "tp=4", "--profile", str(slow))
     assert measured["step_time_s"] > 1.5 * plain["step_time_s"]
-    assert f"--profile {slow}" in measured["step_time_source"] and "--profile" not in plain["step_time_source"]
-    assert make_job("llama3-8b", "h100-sxm", 1024, None, 10, str(slow)).gpus_per_node == 4
+    assert f"--profile {slow}" in measured["step_time_source"]
+    assert (measured["gpus_per_node"], measured["nodes"], plain["gpus_per_node"]) == (4, 256, 8)
     assert make_job("llama3-8b", "h100-sxm", 1024, 8, 10, str(slow)).gpus_per_node == 8
     assert make_job("llama3-8b", "h100-sxm", 1024, None, 10).gpus_per_node == 8
+    job = make_job("llama3-8b", "h100-sxm", 1024, None, 10, str(slow))
+    slow.write_text('base = "h100-sxm"\n')
+    assert json.loads(job.profile[1])["network"]["inter_bw_gbs"] == 1.25
+
+    def refused(*args: str) -> str:
+        assert main([*SMALL, *args]) == 2
+        return capsys.readouterr().err
+
     bad = tmp_path / "bad.toml"
     bad.write_text("[network]\ninter_bw = 1.0\n")
-    assert main([*SMALL, "--profile", str(bad)]) == 2
-    assert "unknown hardware key 'inter_bw'" in capsys.readouterr().err
-    assert main([*SMALL, "--profile", str(slow), "--step-time", "2"]) == 2
-    assert "--profile shapes the step-time estimate, which --step-time replaces" in capsys.readouterr().err
+    assert "unknown hardware key 'inter_bw'" in refused("--profile", str(bad))
+    assert "describes 'h100-sxm' but the device is 'b200'" in refused("--profile", str(slow), "--gpu", "b200")
+    bad.write_text("[network]\ngpus_per_node = 6\n")
+    want = f"not a multiple of {bad}'s [network] gpus_per_node 6: use 1020 or 1026 (or give --gpus-per-node)"
+    assert want in refused("--profile", str(bad))
+    bad.write_text("[network]\ngpus_per_node = 0\n")
+    assert f"{bad}'s [network] gpus_per_node 0 must be at least 1 (or give --gpus-per-node)" in refused(
+        "--profile", str(bad))
+    assert "--profile shapes the step-time estimate, which --step-time replaces" in refused(
+        "--profile", str(slow), "--step-time", "2")
+    assert "which simulate.step_time_s replaces" in refused("--profile", str(slow), "--simulate.step_time_s=2")

@@ -80,6 +80,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
                           "give one or the other")
     job = make_job(args.model, args.gpu, args.gpus, args.gpus_per_node, args.days, args.profile)
     settings = load_settings(args.config, overrides, {v: getattr(args, k) for k, v in _FLAG_KEYS.items()})
+    if args.profile is not None and settings.step_time_s is not None:  # from --config or an override
+        raise ConfigError("--profile shapes the step-time estimate, which simulate.step_time_s replaces; "
+                          "give one or the other")
     if args.failure_scale is not None:
         if not (math.isfinite(args.failure_scale) and args.failure_scale >= 0):
             raise ConfigError(f"--failure-scale {args.failure_scale} must be a finite number >= 0")

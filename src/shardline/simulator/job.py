@@ -21,13 +21,14 @@ import math
 
 import dataclasses
 import functools
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardline.errors import ConfigError, ShardlineError
 from shardline.devices import PEAK_TFLOPS, cpu_peak_tflops
 from shardline.models import PRESETS, ModelArgs, flops_per_token, num_params
-from shardline.planner.hardware import DEVICE_NAMES, get_hardware, read_profile
+from shardline.planner.hardware import DEVICE_NAMES, apply_overrides, get_hardware, read_profile
 from shardline.planner.layout import Workload, parse_fix
 from shardline.planner.search import explain_no_fit, search
 from shardline.simulator.settings import Settings
@@ -44,7 +45,9 @@ class Job:
     gpus: int
     gpus_per_node: int
     days: float
-    profile: str | None = None  # a hardware profile (calibrate, comm-bench) the planner's step time uses
+    # A hardware profile (calibrate, comm-bench) the planner's step time uses: (its path, its fields as
+    # JSON), read once, so the step time's cache is keyed by what the file held.
+    profile: tuple[str, str] | None = None
 
     @property
     def nodes(self) -> int:
@@ -77,25 +80,27 @@ def make_job(model: str, gpu: str, gpus: int, gpus_per_node: int | None, days: f
     sets one (comm-bench writes the nodes it measured), else 8."""
     if gpu not in GPU_TYPES:
         raise ConfigError(f"--gpu {gpu!r} is not a known accelerator; valid: {', '.join(GPU_TYPES)}")
+    per_node_from, hint = "--gpus-per-node", ""
+    fields = None
     if profile is not None:
-        if gpu not in DEVICE_NAMES:
-            raise ConfigError(f"--profile refines an entry of the planner's table; --gpu {gpu!r} has none "
-                              f"({', '.join(DEVICE_NAMES)} have)")
-        get_hardware(gpu, profile)  # its mistakes, in one line, before any simulation
-        if gpus_per_node is None:
-            gpus_per_node = read_profile(profile).get("network", {}).get("gpus_per_node")
+        fields = read_profile(profile)
+        apply_overrides(get_hardware(gpu), fields, str(profile))  # its mistakes, in one line, before any simulation
+        if gpus_per_node is None and "gpus_per_node" in fields.get("network", {}):
+            gpus_per_node = fields["network"]["gpus_per_node"]
+            per_node_from, hint = f"{profile}'s [network] gpus_per_node", " (or give --gpus-per-node)"
     gpus_per_node = 8 if gpus_per_node is None else gpus_per_node
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus} must be at least 1")
     if gpus_per_node < 1:
-        raise ConfigError(f"--gpus-per-node {gpus_per_node} must be at least 1")
+        raise ConfigError(f"{per_node_from} {gpus_per_node} must be at least 1{hint}")
     if gpus % gpus_per_node:
         lower = gpus - gpus % gpus_per_node
         fix = f"use {lower} or {lower + gpus_per_node}" if lower else f"use {gpus_per_node}, or --gpus-per-node {gpus}"
-        raise ConfigError(f"--gpus {gpus} is not a multiple of --gpus-per-node {gpus_per_node}: {fix}")
+        raise ConfigError(f"--gpus {gpus} is not a multiple of {per_node_from} {gpus_per_node}: {fix}{hint}")
     if not (days > 0 and math.isfinite(days)):
         raise ConfigError(f"--days {days} must be a finite number > 0")
-    return Job(model, resolve_model(model), gpu, gpus, gpus_per_node, days, profile)
+    held = (str(profile), json.dumps(fields, sort_keys=True)) if profile is not None else None
+    return Job(model, resolve_model(model), gpu, gpus, gpus_per_node, days, held)
 
 
 def peak_flops(gpu: str) -> float:
@@ -131,7 +136,7 @@ def step_time_s(job: Job, settings: Settings) -> tuple[float, str]:
 
 @functools.lru_cache(maxsize=64)
 def planned_step(model: ModelArgs, gpu: str, gpus: int, gpus_per_node: int, seq: int, tokens: int,
-                 fix: str = "", profile: str | None = None) -> tuple[float | None, str]:
+                 fix: str = "", profile: tuple[str, str] | None = None) -> tuple[float | None, str]:
     """(step seconds of the planner's best layout, description), or (None, why there is none).
 
     bf16 on accelerators, fp32 on `cpu`, with the trainer's document mask, as `shardline
@@ -142,7 +147,9 @@ def planned_step(model: ModelArgs, gpu: str, gpus: int, gpus_per_node: int, seq:
         return None, f"{gpu} is not in the planner's hardware table"
     if tokens % seq:
         return None, f"{tokens:,} tokens per step is not a whole number of {seq}-token sequences"
-    hw = get_hardware(gpu, profile)
+    hw = get_hardware(gpu)
+    if profile is not None:  # (path, fields as JSON): Job.profile
+        hw = apply_overrides(hw, json.loads(profile[1]), profile[0])
     hw = dataclasses.replace(hw, network=dataclasses.replace(hw.network, gpus_per_node=gpus_per_node))
     work = Workload(model, seq, tokens // seq, "fp32" if gpu == "cpu" else "bf16")
     try:
@@ -152,7 +159,7 @@ def planned_step(model: ModelArgs, gpu: str, gpus: int, gpus_per_node: int, seq:
     if not result.candidates:
         return None, explain_no_fit(work, hw, gpus, result)
     best = result.candidates[0]
-    pinned = (f", --fix {fix}" if fix else "") + (f", --profile {profile}" if profile else "")
+    pinned = (f", --fix {fix}" if fix else "") + (f", --profile {profile[0]}" if profile else "")
     return best.step_time_s, (f"planner: {best.layout.describe()}{pinned}, MFU {100 * best.mfu:.1f}%, "
                               f"{best.memory['total'] / 2**30:.1f} GiB/GPU; best of {len(result.candidates):,} "
                               f"fitting layouts")

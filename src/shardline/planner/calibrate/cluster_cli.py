@@ -127,7 +127,7 @@ def _write(out: Path, name: str, tables: dict, world: int, drilled: bool, failed
               "sizes or more)")
         return
     comment = (f"shardline network profile, written by `shardline comm-bench` on {world} ranks\n"
-               f"use: shardline plan|estimate ... --gpu {name} --profile {out}\n"
+               f"use: shardline plan|estimate|simulate ... --gpu {name} --profile {out}\n"
                "to keep a `shardline calibrate` profile's other figures, put this [network] table in it\n"
                "[measured] holds the points (tier_op: ranks, bytes, microseconds); the planner ignores it")
     try:
