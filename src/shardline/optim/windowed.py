@@ -37,7 +37,8 @@ ALIGN = 4096  # windows are whole multiples of this many elements: AdamW's vecto
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, or t."""
+    """A DTensor's local shard, or t: the attribute itself, not zero1.local's to_local(), which runs an
+    autograd Function per call; this one runs for every tensor of every window of every step."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 

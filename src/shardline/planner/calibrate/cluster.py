@@ -182,17 +182,21 @@ def _ranks(ranks: list[int]) -> str:
 
 def _call(op: str, numel: int, n: int, device: torch.device, group):
     """The timed call of `op` on buffers of `numel` elements (zeros: sums stay finite and normal)."""
+    inp = torch.zeros(numel // n if op == "all_gather" else numel, device=device)
+    out = inp if op == "all_reduce" else torch.zeros(numel // n if op == "reduce_scatter" else numel, device=device)
+    return lambda: _collective(op, out, inp, group)
+
+
+def _collective(op: str, out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """One call of `op` from `inp` into `out` (an all-reduce in place: `out` is `inp`)."""
     if op == "all_reduce":
-        x = torch.zeros(numel, device=device)
-        return lambda: dist.all_reduce(x, group=group)
-    if op == "all_gather":
-        out, piece = torch.zeros(numel, device=device), torch.zeros(numel // n, device=device)
-        return lambda: _ALL_GATHER(out, piece, group=group)
-    if op == "reduce_scatter":
-        inp, out = torch.zeros(numel, device=device), torch.zeros(numel // n, device=device)
-        return lambda: _REDUCE_SCATTER(out, inp, group=group)
-    inp, out = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
-    return lambda: dist.all_to_all_single(out, inp, group=group)
+        dist.all_reduce(inp, group=group)
+    elif op == "all_gather":
+        _ALL_GATHER(out, inp, group=group)
+    elif op == "reduce_scatter":
+        _REDUCE_SCATTER(out, inp, group=group)
+    else:
+        dist.all_to_all_single(out, inp, group=group)
 
 
 def _time(fn, device: torch.device, rounds: int, iters: int, delay: float = 0.0) -> list[float]:
@@ -246,14 +250,7 @@ def _verify(op: str, numel: int, n: int, me: int, device: torch.device, group) -
     x = inputs(op, numel, n, me, device)
     want = expected(op, numel, n, me, device)
     out = x if op == "all_reduce" else torch.empty_like(want)
-    if op == "all_reduce":
-        dist.all_reduce(x, group=group)
-    elif op == "all_gather":
-        _ALL_GATHER(out, x, group=group)
-    elif op == "reduce_scatter":
-        _REDUCE_SCATTER(out, x, group=group)
-    else:
-        dist.all_to_all_single(out, x, group=group)
+    _collective(op, out, x, group)
     return bool(torch.equal(out, want))
 
 

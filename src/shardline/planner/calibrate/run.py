@@ -37,13 +37,12 @@ from pathlib import Path
 
 import torch
 
-from shardline.devices import local_datasheet
 from shardline.errors import ShardlineError
 from shardline.planner.calibrate import ops
 from shardline.planner.calibrate.comm import measure_collectives
 from shardline.planner.calibrate.corun import measure_corun
 from shardline.planner.calibrate.dist import measure_wrappers
-from shardline.planner.hardware import Hardware, cpu_cores, cpu_hardware, get_hardware, to_toml
+from shardline.planner.hardware import Hardware, cpu_cores, cpu_hardware, detected_gpu, get_hardware, to_toml
 
 # (m tokens, n out, k in); the first eight are the quick set
 GEMMS = [(4096, 256, 256), (4096, 768, 256), (4096, 256, 768), (4096, 128, 128), (2048, 64, 256), (512, 128, 128),
@@ -170,11 +169,7 @@ def measure(quick: bool = False, comm: bool = True, dtypes: tuple[str, ...] = ("
 
 
 def _gpu_entry() -> Hardware:
-    name = torch.cuda.get_device_name()
-    sheet = local_datasheet(name)
-    if sheet is not None:
-        return get_hardware(sheet.name)
-    raise ShardlineError(f"calibrate: {name} is not in the hardware table; add it to planner/hardware.py")
+    return get_hardware(detected_gpu())
 
 
 def calibrate(out: str | Path, quick: bool = False, comm: bool = True, threads: int | None = None) -> dict:
