@@ -84,3 +84,6 @@ def test_profile_writer_round_trips():
     values = {"base": "cpu", "mem_bw_gbs": 12.5, "shared_compute": True, "attn_eff": {"fp32": 0.2},
               "measured": {"points": [1.0, 2.5]}}
     assert tomllib.loads(to_toml(values, "a comment\nsecond line")) == values
+    # a slow link's small figure keeps its digits (fixed decimals once cut 0.0123456 GB/s to 0.012346)
+    small = tomllib.loads(to_toml({"inter_bw_gbs": 0.0123456789, "latency_us": 1743.123456789}))
+    assert small == {"inter_bw_gbs": 0.01234568, "latency_us": 1743.123}
