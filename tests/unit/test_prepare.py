@@ -302,6 +302,26 @@ def test_a_template_that_closes_every_reply_with_eos_trains_each_reply_to_stop(t
     assert tok.decode(tokens[mask == 1].tolist(), skip_special_tokens=True) == "It is 1.It is 2."
 
 
+PHI3_LIKE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>' + SEP }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+
+
+def test_a_turn_end_is_what_every_reply_is_followed_by_not_the_last_ones_eos():
+    """Phi-3 closes a turn with <|end|> and a conversation with eos: after the last reply comes
+    "<|end|>\n<|endoftext|>", after another "<|end|>\n<|user|>". A reply ends at <|end|>, which a
+    model writes after every reply (it once had to write the eos too, text it writes only last)."""
+    from shardline.data.encode import ChatTemplate, turn_end_text
+
+    for sep in ("'\\n'", "''"):  # with a blank after the marker, and without
+        template = ChatTemplate(PHI3_LIKE.replace("SEP", sep), eos_token="<|endoftext|>")
+        assert turn_end_text(template) == "<|end|>"
+    assert turn_end_text(ChatTemplate(LLAMA_LIKE)) == "<|eot|>"
+    assert turn_end_text(ChatTemplate(MISTRAL_LIKE, eos_token="</s>")) == "</s>"
+    assert turn_end_text(None) == "<|im_end|>"  # ChatML
+    bare = "{% for m in messages %}{{ m['content'] }}{% if not loop.last %} | {% endif %}{% endfor %}{{ eos_token }}"
+    assert turn_end_text(ChatTemplate(bare, eos_token="</s>")) == ""  # nothing every reply is followed by
+
+
 def test_templates_render_as_transformers_does_with_loop_controls_and_plain_json():
     from shardline.data.encode import render_chat
 

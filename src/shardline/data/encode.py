@@ -172,17 +172,33 @@ _REPLY_PROBE = "\u2063shardline-reply\u2063"  # a reply no template rewrites
 
 
 def turn_end_text(template: ChatTemplate | str | None = None) -> str:
-    """What the rendering puts right after an assistant's reply, blanks stripped: the end of its
+    """What the rendering puts right after every assistant reply, blanks stripped: the end of its
     turn as the model learned to write it (Llama 3's <|eot_id|>, ChatML's <|im_end|>), which a
-    base model's eos (<|end_of_text|>) is not. "" when the template writes nothing there or
-    cannot render such a conversation."""
+    base model's eos (<|end_of_text|>) is not. Where a last reply is followed by more than one
+    followed by another message (Phi-3's "<|end|>\n<|endoftext|>" against "<|end|>\n<|user|>"),
+    only what both begin with, up to the last blank or marker close (">") inside it. "" when the
+    template writes nothing there or cannot render such a conversation."""
     template = _as_template(template)
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _REPLY_PROBE}]
+    last = _after_reply(template, [])
+    if not last:
+        return ""
+    more = _after_reply(template, [{"role": "user", "content": "hi"}])
+    if more and not more.startswith(last):
+        common = os.path.commonprefix([last, more])
+        cut = max((i for i, c in enumerate(common) if c == ">" or c.isspace()), default=-1)
+        last = common[: cut + 1]
+    return last.strip()
+
+
+def _after_reply(template: ChatTemplate | None, then: list[dict]) -> str:
+    """The rendered text after an assistant's reply when the messages `then` follow it; "" if the
+    template cannot render that conversation."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _REPLY_PROBE}, *then]
     try:
         text = _render(template, messages) if template and template.source else render_chat(messages)
     except DataError:
         return ""
-    return text.split(_REPLY_PROBE, 1)[1].strip() if _REPLY_PROBE in text else ""
+    return text.split(_REPLY_PROBE, 1)[1] if _REPLY_PROBE in text else ""
 
 
 def encode_chat(tok: Tokenizer, messages: list[dict],
