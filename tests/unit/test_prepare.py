@@ -20,7 +20,7 @@ from shardline.data import build_data
 from shardline.data.packing import IGNORE_INDEX
 from shardline.data.prepare import PrepareOptions, PrepareStopped, prepare
 from shardline.data.shards import verify
-from shardline.data.sources import read_documents
+from shardline.data.sources import read_documents, read_file
 from shardline.errors import ConfigError, DataError
 
 SMALL = dict(vocab_size=512, progress=False, chunk_bytes=30_000)
@@ -362,7 +362,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_not_duplicated(tmp_pa
 
     rewrites = "{% for m in messages %}{{ m['content'] if loop.last else '...' }}\n{% endfor %}"
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    with pytest.raises(DataError, match="renders the first 1 messages of a conversation differently"):
+    with pytest.raises(DataError, match=r"renders the first 1 messages of a conversation \(opening 'hi'\) differ"):
         chat_segments(messages, rewrites)
 
 
@@ -449,6 +449,69 @@ def test_chat_data_from_plain_text_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("user: hi\nassistant: hello\n")
     with pytest.raises(DataError, match="is plain text, but data.format='chat' reads conversations"):
         data(tmp_path / "notes.txt", "data.format=chat")
+
+
+def test_a_rerun_with_other_options_drops_the_manifest_before_any_shard(tmp_path, small_corpus, monkeypatch):
+    """Stopped while it deletes the old shards, a rerun with other options leaves a folder no one
+    takes as prepared (it once left the old manifest over missing shards: "nothing to do")."""
+    out = tmp_path / "prep"
+    prepare(PrepareOptions([str(small_corpus)], str(out), **SMALL))
+
+    def stopped(*args, **kwargs):
+        assert not (out / "manifest.json").exists()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(PrepareOptions([str(small_corpus)], str(out), **{**SMALL, "vocab_size": 300}))
+    with pytest.raises(DataError, match="unfinished prepared folder"):
+        data(out)
+
+
+def test_inputs_named_twice_are_read_once_and_held_out_files_given_apart_are_refused(tmp_path, small_corpus):
+    """A shell's `data/*.jsonl` passes a dataset's validation file as an input of its own."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    shutil.copy(small_corpus, folder / "train.jsonl")
+    once = prepare(PrepareOptions([str(folder)], str(tmp_path / "once"), **SMALL))
+    twice = prepare(PrepareOptions([str(folder), str(folder / "train.jsonl")], str(tmp_path / "twice"), **SMALL))
+    assert twice["input_documents"] == once["input_documents"]
+    (folder / "validation.jsonl").write_text('{"text": "held out"}\n')
+    with pytest.raises(DataError, match=r"holds held-out files \(validation.jsonl\) beside the training files"):
+        prepare(PrepareOptions([str(folder / "train.jsonl"), str(folder / "validation.jsonl")], str(tmp_path / "p"),
+                               **SMALL))
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_lone_surrogate_escape_in_jsonl_is_one_line_naming_it(tmp_path):
+    """JSON lets scraped text carry half an emoji ("\\ud83d"); no tokenizer encodes it."""
+    good = '{"text": "a whole one \\ud83d\\ude00", "messages": [{"role": "user", "content": "ok"}]}\n'
+    for record in ('{"text": "half \\ud83d of one"}\n', '{"messages": [{"role": "user", "content": "\\udc00"}]}\n'):
+        path = tmp_path / "s.jsonl"
+        path.write_text(good + record)
+        field = "messages" if record.startswith('{"messages"') else "text"
+        with pytest.raises(DataError, match=r"s.jsonl line 2 holds a lone surrogate escape \('\\ud"):
+            list(read_file(path, field))
+    path.write_text(good)
+    assert list(read_file(path, "text")) == ["a whole one \U0001F600"]
+
+
+def test_chat_templates_are_sandboxed_and_a_list_of_named_ones_gives_its_default(tmp_path):
+    """A template comes with downloaded files: it may not reach Python's internals (transformers
+    sandboxes them too). tokenizer_config.json may hold [{name, template}, ...]: "default" renders."""
+    from shardline.data.encode import chat_template_for, render_chat
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(DataError, match="fails on a conversation .*SecurityError"):
+        render_chat(messages, escape)
+    config, tok = tmp_path / "tokenizer_config.json", str(tmp_path / "tokenizer.json")
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ messages[0].content }}!"}]
+    config.write_text(json.dumps({"chat_template": named}))
+    assert render_chat(messages, chat_template_for(tok)) == "hi!"
+    config.write_text(json.dumps({"chat_template": named[:1]}))
+    with pytest.raises(DataError, match=r"list of named templates without a \"default\" one \(it has \['tool_use'\]\)"):
+        chat_template_for(tok)
 
 
 def test_prepare_never_writes_over_a_folder_of_other_files(tmp_path, small_corpus):

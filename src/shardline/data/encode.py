@@ -219,8 +219,9 @@ def _template_segments(messages: list[dict], template: ChatTemplate) -> list[tup
         text = _render(template, messages[: i + 1])
         if not text.startswith(before):  # taking it whole would repeat the conversation so far in the stream
             raise DataError(f"the tokenizer's chat_template renders the first {i} messages of a conversation "
-                            f"differently once message {i + 1} follows (e.g. it drops earlier reasoning), so its "
-                            "assistant tokens cannot be found by rendering; use a template that only appends")
+                            f"{_opening(messages)} differently once message {i + 1} follows (e.g. it drops earlier "
+                            "reasoning), so its assistant tokens cannot be found by rendering; use a template that "
+                            "only appends")
         if m["role"] == "assistant":
             header = _reply_header(template, messages[:i], before, text)
             if header:
@@ -260,17 +261,25 @@ def _render(template: ChatTemplate, messages: list[dict], generation_prompt: boo
         return _compiled(template.source)(messages=messages, add_generation_prompt=generation_prompt,
                                           bos_token=template.bos_token, eos_token=template.eos_token)
     except Exception as e:  # jinja2 raises many types (syntax, undefined, the template's own raise_exception)
-        raise DataError(f"the tokenizer's chat_template (tokenizer_config.json) fails on a conversation: "
-                        f"{type(e).__name__}: {' '.join(str(e).split())}") from None
+        raise DataError(f"the tokenizer's chat_template (tokenizer_config.json) fails on a conversation "
+                        f"{_opening(messages)}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+
+
+def _opening(messages: list[dict]) -> str:
+    """How an error points at a conversation among millions: its first words, to search the data for."""
+    first = " ".join(str(messages[0].get("content", "")).split())[:48] if messages else ""
+    return f"(opening {first!r})" if first else "(empty)"
 
 
 @lru_cache(maxsize=4)
 def _compiled(template: str):
-    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    # As transformers renders templates: loop controls ({% break %}), and a tojson that keeps
-    # characters as they are (jinja's own escapes <, >, & and ' for HTML).
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    # As transformers renders templates: sandboxed (a template comes with downloaded files, and
+    # jinja's plain environment lets one reach Python's internals and run code), loop controls
+    # ({% break %}), and a tojson that keeps characters as they are (jinja's own escapes <, >, &
+    # and ' for HTML).
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
     env.filters["tojson"] = _tojson
     return env.from_string(template).render
@@ -285,16 +294,12 @@ def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sor
 
 
 def chat_template_for(tokenizer_path: str) -> ChatTemplate | None:
-    """The chat template beside a tokenizer.json, if any (and jinja2 is there): chat_template.jinja,
-    which newer transformers write and prefer, else tokenizer_config.json's chat_template; with
-    the bos and eos tokens tokenizer_config.json names."""
+    """The chat template beside a tokenizer.json, if any: chat_template.jinja, which newer
+    transformers write and prefer, else tokenizer_config.json's chat_template (of a list of named
+    ones, "default", as transformers picks); with the bos and eos tokens tokenizer_config.json names."""
     if not tokenizer_path:
         return None
     folder = Path(tokenizer_path).parent
-    try:
-        import jinja2  # noqa: F401
-    except ImportError:
-        return None
     try:
         settings = json.loads((folder / "tokenizer_config.json").read_text())
         settings = settings if isinstance(settings, dict) else {}
@@ -303,10 +308,23 @@ def chat_template_for(tokenizer_path: str) -> ChatTemplate | None:
     try:
         source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
-        source = settings.get("chat_template")
+        source = _named_template(settings.get("chat_template"), folder / "tokenizer_config.json")
     if not isinstance(source, str):
         return None
     return ChatTemplate(source, _special_token(settings, "bos_token"), _special_token(settings, "eos_token"))
+
+
+def _named_template(value, where: Path):
+    """A chat_template entry: a template, or a list of {"name", "template"} of which "default" is
+    the one a conversation renders with (the others, such as "tool_use", need arguments we do not give)."""
+    if not isinstance(value, list):
+        return value
+    named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    if not isinstance(named.get("default"), str):
+        raise DataError(f"{where}: chat_template is a list of named templates without a \"default\" one "
+                        f"(it has {sorted(map(str, named))}); write the one to train with to chat_template.jinja "
+                        "beside it")
+    return named["default"]
 
 
 def _special_token(settings: dict, key: str) -> str:

@@ -33,7 +33,7 @@ from shardline.data.encode import (CHAT_MASK_RULE, ChatTemplate, chat_template_f
 from shardline.data.loader import held_out, split_single
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
                                    file_sha256, id_bound, token_dtype, tokenizer_hash)
-from shardline.data.sources import CHAT_FIELD, input_files, read_file
+from shardline.data.sources import CHAT_FIELD, inputs_files, read_file
 from shardline.data.tokenizer import TOKENIZER_SIDE_FILES, bos_prefix, eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
 
@@ -111,7 +111,7 @@ class _Stream:
 def prepare(opts: PrepareOptions) -> dict:
     """Prepare `opts.out` from `opts.inputs`; returns the manifest (resumes or skips when it can)."""
     _check_options(opts)
-    files = [f for path in opts.inputs for f in input_files(path, key="prepare INPUT")]
+    files = inputs_files(opts.inputs, key="prepare INPUT")
     root = Path(opts.out)
     _check_out(root, files)
     request = _request(opts, files)
@@ -128,8 +128,8 @@ def prepare(opts: PrepareOptions) -> dict:
     tok = _tokenizer(opts, stream, template)
     request["tokenizer_sha256"] = tokenizer_hash(tok)
     root.mkdir(parents=True, exist_ok=True)
-    state = _resume_state(root, request)  # its progress file marks the folder as prepare's from now on
     (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
+    state = _resume_state(root, request)  # its progress file marks the folder as prepare's from now on
     _atomic_write(root / TOKENIZER, tok.to_str())
     _keep_side_files(opts.tokenizer, root)
     writers = {name: SplitWriter(root, name, token_dtype(id_bound(tok)), opts.format == "chat",

@@ -20,6 +20,7 @@ import gzip
 import io
 import itertools
 import json
+import os
 import re
 import zlib
 from collections.abc import Iterator
@@ -74,6 +75,21 @@ def input_files(path: str, key: str = "data.path") -> list[Path]:
     if not files:
         raise DataError(f"{key}={path!r} holds no {', '.join(SUFFIXES)} files")
     _refuse_held_out(path, root if root.is_dir() else root.parent, files, key)
+    return files
+
+
+def inputs_files(paths: list[str], key: str) -> list[Path]:
+    """The data files of several inputs (prepare's), each read once, in the order given. A
+    dataset's held-out files given beside its training files as inputs of their own (a shell's
+    `data/*.jsonl`) are refused as they are inside one folder."""
+    seen: dict[Path, Path] = {}
+    for path in paths:
+        for f in input_files(path, key):
+            seen.setdefault(f.resolve(), f)
+    files = list(seen.values())
+    if len(paths) > 1:
+        root = Path(os.path.commonpath([f.resolve().parent for f in files]))
+        _refuse_held_out(" ".join(paths), root, [f.resolve() for f in files], key)
     return files
 
 
@@ -202,11 +218,26 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
                 raise DataError(f"data file {f} line {n} is not valid JSON: {e.msg}") from None
             value = obj.get(field) if isinstance(obj, dict) else None
             if field == CHAT_FIELD:
-                yield _conversation(f, f"line {n}", value)
+                conversation = _conversation(f, f"line {n}", value)
+                for m in conversation:
+                    _encodable(f, n, m["content"])
+                yield conversation
             elif isinstance(value, str):
-                yield value
+                yield _encodable(f, n, value)
             else:
                 raise DataError(f"data file {f} line {n} has no string field {field!r} (set data.text_field)")
+
+
+def _encodable(f: Path, n: int, text: str) -> str:
+    """`text`, or a DataError naming the line where JSON's escapes made it no Unicode text: half of
+    an emoji's surrogate pair (`"\\ud83d"` alone, common in scraped data), which no tokenizer encodes."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"data file {f} line {n} holds a lone surrogate escape ({text[e.start]!a}, half of a "
+                            "character's UTF-16 pair), which is no text: fix or drop that record") from None
+    return text
 
 
 def _conversation(f: Path, where: str, value) -> list[dict]:
