@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -466,6 +468,27 @@ def test_a_rerun_with_other_options_drops_the_manifest_before_any_shard(tmp_path
         prepare(PrepareOptions([str(small_corpus)], str(out), **{**SMALL, "vocab_size": 300}))
     with pytest.raises(DataError, match="unfinished prepared folder"):
         data(out)
+
+
+def _killed(job, chunk):  # a worker the OOM killer takes
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_mid_prepare_is_one_line_and_the_rerun_resumes(tmp_path, small_corpus, monkeypatch):
+    """A multiprocessing Pool waited forever for a killed worker's chunk."""
+    from shardline.data import pool
+
+    out, opts = tmp_path / "prep", dict(shard_tokens=30_000, workers=2, **SMALL)
+    with pytest.raises(PrepareStopped):
+        prepare(PrepareOptions([str(small_corpus)], str(out), stop_after_shards=1, **opts))
+    done = json.loads((out / "progress.json").read_text())["documents_done"]
+    with monkeypatch.context() as m:
+        m.setattr(pool, "encode_chunk", _killed)
+        with pytest.raises(DataError, match="a tokenizing worker died .* what was committed is kept"):
+            prepare(PrepareOptions([str(small_corpus)], str(out), **opts))
+    assert json.loads((out / "progress.json").read_text())["documents_done"] == done
+    prepare(PrepareOptions([str(small_corpus)], str(out), **opts))
+    assert verify(out) == []
 
 
 def test_inputs_named_twice_are_read_once_and_held_out_files_given_apart_are_refused(tmp_path, small_corpus):

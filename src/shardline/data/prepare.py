@@ -4,7 +4,7 @@ Three streaming passes over the inputs, none holding more than a chunk of docume
 1. count the documents (the held-out split needs their number, as at training time);
 2. without --tokenizer only: train the same byte-level BPE the raw-text path would
    (on the training documents; cached by content, so a rerun skips it);
-3. tokenize in worker processes, chunk by chunk in input order, and write shards.
+3. tokenize in worker processes (`pool`), chunk by chunk in input order, and write shards.
 
 Restartable: after each shard the state is committed to progress.json (atomic
 rename); a rerun with the same inputs and options continues after the last committed
@@ -15,22 +15,19 @@ written last, so no manifest ever points at missing or partial data.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
-from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from shardline.data.encode import (CHAT_MASK_RULE, ChatTemplate, chat_template_for, check_replies, encode_documents,
-                                   render_chat, template_sha256)
+from shardline.data.encode import (CHAT_MASK_RULE, ChatTemplate, chat_template_for, check_replies, render_chat,
+                                   template_sha256)
 from shardline.data.loader import held_out, split_single
+from shardline.data.pool import EncodeJob, encoded_chunks
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
                                    file_sha256, id_bound, token_dtype, tokenizer_hash)
 from shardline.data.sources import CHAT_FIELD, inputs_files, read_file
@@ -260,8 +257,9 @@ def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict,
     """Pass 3: tokenize every document not yet committed, committing after each full shard."""
     progress = _Progress(opts, stream.pieces, state["documents_done"])
     commits = 0
-    chunks = _encoded_chunks(opts, root, stream, state["documents_done"], template, writers["train"].dtype,
-                             state["request"].get("bos", []))
+    job = EncodeJob(str(root / TOKENIZER), opts.format == "chat", template, writers["train"].dtype,
+                    state["request"].get("bos", []))
+    chunks = encoded_chunks(job, stream.documents(state["documents_done"]), opts.chunk_bytes, opts.workers)
     for n_docs, n_bytes, encoded in chunks:
         for name, (tokens, lengths, mask) in encoded.items():
             writers[name].add(tokens, lengths, mask)
@@ -281,69 +279,6 @@ def _commit(root: Path, writers: dict, state: dict) -> None:
         w.flush()
     state["splits"] = {name: w.state() for name, w in writers.items()}
     _atomic_write(root / PROGRESS, json.dumps(state))
-
-
-def _encoded_chunks(opts, root: Path, stream: _Stream, skip: int, template, dtype: np.dtype, bos: list[int]):
-    """(input documents, bytes, {split: encoded}) per chunk, in input order; workers > 1 run a pool."""
-    job = (str(root / TOKENIZER), opts.format == "chat", template, dtype, bos)
-    chunks = _chunks(stream.documents(skip), opts.chunk_bytes)
-    if opts.workers == 1:
-        yield from (_encode_chunk(job, chunk) for chunk in chunks)
-        return
-    import multiprocessing as mp
-
-    with _one_thread_per_worker(), mp.get_context("fork").Pool(opts.workers) as pool:
-        pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_encode_chunk, (job, chunk)))
-            if len(pending) >= 2 * opts.workers:  # bounded: memory holds a few chunks, not the corpus
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-
-@contextmanager
-def _one_thread_per_worker():
-    """Forked workers tokenize on one thread each (N workers = N cores), without the fork warning."""
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
-
-
-def _chunks(documents, chunk_bytes: int):
-    chunk, size = [], 0
-    for _, split, doc in documents:
-        chunk.append((split, doc))
-        size += len(doc) if isinstance(doc, str) else sum(len(str(m.get("content", ""))) for m in doc)
-        if size >= chunk_bytes:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
-
-
-def _encode_chunk(job: tuple, chunk: list) -> tuple[int, int, dict]:
-    tokenizer_file, chat, template, dtype, bos = job
-    tok = _load_cached(tokenizer_file, os.stat(tokenizer_file).st_mtime_ns)
-    eos = eos_id(tok)
-    n_bytes = sum(len(d.encode()) if isinstance(d, str) else len(json.dumps(d)) for _, d in chunk)
-    encoded = {}
-    for name in SPLITS:  # tokens travel back in the shard's dtype: 2 bytes each, not 8
-        tokens, lengths, mask = encode_documents(tok, [d for s, d in chunk if s == name], eos, template, chat, bos)
-        encoded[name] = (tokens.astype(dtype), lengths, mask)
-    return len(chunk), n_bytes, encoded
-
-
-@lru_cache(maxsize=2)
-def _load_cached(path: str, mtime_ns: int) -> Tokenizer:
-    """Each worker process loads the tokenizer once (keyed by its file's version)."""
-    return Tokenizer.from_file(path)
 
 
 def _finish(root: Path, request: dict, writers: dict, tok: Tokenizer, stream: _Stream) -> dict:

@@ -1,0 +1,109 @@
+"""Tokenizing a stream of documents chunk by chunk, in worker processes, results in input order.
+
+`shardline prepare`'s third pass. Chunks are a few MB of text each; at most two per worker are
+in flight, so memory holds a few chunks whatever the corpus size. Tokens come back in the
+shard's dtype (2 bytes each for a vocabulary that fits uint16, not 8).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from shardline.data.encode import ChatTemplate, encode_documents
+from shardline.data.shards import SPLITS
+from shardline.data.tokenizer import eos_id
+from shardline.errors import DataError
+
+
+@dataclass(frozen=True)
+class EncodeJob:
+    """What every chunk is encoded with (sent to each worker with its chunk)."""
+
+    tokenizer_file: str
+    chat: bool
+    template: ChatTemplate | None
+    dtype: np.dtype
+    bos: list[int] = field(default_factory=list)
+
+
+def encoded_chunks(job: EncodeJob, documents: Iterable, chunk_bytes: int, workers: int) -> Iterator[tuple]:
+    """(input documents, bytes, {split: (tokens, lengths, mask)}) per chunk of `documents`
+    ((index, split, document) triples), in input order; workers > 1 run that many processes.
+
+    An executor, not a multiprocessing Pool: a worker the OOM killer takes (a document of
+    gigabytes is tokenized whole) fails its chunk here, where a Pool waits for it forever."""
+    chunks = _chunks(documents, chunk_bytes)
+    if workers == 1:
+        yield from (encode_chunk(job, chunk) for chunk in chunks)
+        return
+    with _one_thread_per_worker(), ProcessPoolExecutor(workers, mp.get_context("fork")) as pool:
+        pending: deque = deque()
+        try:
+            for chunk in chunks:
+                pending.append(pool.submit(encode_chunk, job, chunk))
+                if len(pending) >= 2 * workers:  # bounded: memory holds a few chunks, not the corpus
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        except BrokenProcessPool:
+            raise DataError("a tokenizing worker died (killed for memory? a document of gigabytes, such as a .txt "
+                            "file without blank lines, is tokenized whole); what was committed is kept: run again "
+                            "with fewer --workers or the documents split") from None
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # stopped early: the queued chunks are not wanted
+
+
+def encode_chunk(job: EncodeJob, chunk: list) -> tuple[int, int, dict]:
+    tok = _load_cached(job.tokenizer_file, os.stat(job.tokenizer_file).st_mtime_ns)
+    eos = eos_id(tok)
+    n_bytes = sum(len(d.encode()) if isinstance(d, str) else len(json.dumps(d)) for _, d in chunk)
+    encoded = {}
+    for name in SPLITS:
+        docs = [d for s, d in chunk if s == name]
+        tokens, lengths, mask = encode_documents(tok, docs, eos, job.template, job.chat, job.bos)
+        encoded[name] = (tokens.astype(job.dtype), lengths, mask)
+    return len(chunk), n_bytes, encoded
+
+
+def _chunks(documents: Iterable, chunk_bytes: int) -> Iterator[list]:
+    chunk, size = [], 0
+    for _, split, doc in documents:
+        chunk.append((split, doc))
+        size += len(doc) if isinstance(doc, str) else sum(len(str(m.get("content", ""))) for m in doc)
+        if size >= chunk_bytes:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+@contextmanager
+def _one_thread_per_worker():
+    """Forked workers tokenize on one thread each (N workers = N cores), without the fork warning."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+@lru_cache(maxsize=2)
+def _load_cached(path: str, mtime_ns: int) -> Tokenizer:
+    """Each worker process loads the tokenizer once (keyed by its file's version)."""
+    return Tokenizer.from_file(path)
