@@ -120,6 +120,30 @@ def test_fsdp2_cpu_offload_matches_no_offload_over_nccl():
         torch.testing.assert_close(params_cpu[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def test_an_async_snapshot_of_gpu_shards_holds_them_on_the_host_only():
+    """checkpoint.mode=async copies the state to host memory; DTensor.from_local once moved each
+    copied shard back to the mesh's GPU: a second copy of the state in device memory."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from shardline.resilience.async_checkpoint import snapshot
+
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        weight = distribute_tensor(torch.randn(1024, 1024, device="cuda"), init_device_mesh("cuda", (1,)), [Shard(0)])
+        before = torch.cuda.memory_allocated()
+        copy = snapshot({"w": weight, "moments": [weight * 2]})
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before
+        for held, of in ((copy["w"], weight), (copy["moments"][0], weight * 2)):
+            assert isinstance(held, DTensor) and held.to_local().device.type == "cpu"
+            assert held.placements == of.placements and held.device_mesh == of.device_mesh
+            torch.testing.assert_close(held.to_local(), of.to_local().cpu(), rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_one_gpu_cpu_offload_through_the_trainer_matches_no_offload(tmp_path, small_corpus, trained):
     """memory.cpu_offload on one GPU, as a user runs it: the trainer makes a one-rank NCCL group,
     FSDP2 over a size-1 shard dim keeps parameters, gradients and AdamW states on the host

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from shardline.resilience.background import BackgroundWork
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name, write_state
@@ -24,11 +23,9 @@ from shardline.resilience.save_failures import storage_error
 
 
 def snapshot(obj: Any) -> Any:
-    """A host-memory copy of a state dict (DTensors keep their layout, with copied shards)."""
-    if isinstance(obj, DTensor):
-        local = obj.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
-                                  shape=obj.shape, stride=obj.stride())
+    """A host-memory copy of a state dict (DTensors keep their layout and mesh, with shards copied
+    to the host: `.to` on the DTensor, as torch's own checkpoint staging does; `DTensor.from_local`
+    would move each shard back to the mesh's GPU, a second copy of the state in device memory)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
