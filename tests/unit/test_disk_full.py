@@ -7,6 +7,7 @@ skipped elsewhere)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -42,6 +43,24 @@ def test_a_full_disk_is_one_line_leaves_nothing_and_training_goes_on(tiny_config
     assert Checkpointer(run, keep=3).latest_valid().name == "step-000006"
     resumed = Trainer(tiny_config("train.steps=12", "checkpoint.interval=0", run_dir=run)).build()
     assert resumed.step == 6
+
+
+def test_a_finished_run_whose_last_save_the_disk_refused_keeps_its_newer_ram_snapshot(tiny_config, small_disk,
+                                                                                      tmp_path):
+    """Its last step's state is then only in RAM (the memory tier): a rerun resumes from there,
+    not from the older checkpoint on disk (here one trained on to step 16). Once a finished run's
+    last step is on disk, the snapshots go."""
+    run, shm = small_disk / "run", tmp_path / "shm"
+    tiers = ["train.steps=12", "checkpoint.keep=3", "checkpoint.memory_interval=4", f"checkpoint.memory_dir={shm}"]
+    Trainer(tiny_config(*tiers, run_dir=run)).build().train()
+    assert [e["step"] for e in events(run) if e["event"] == "checkpoint_failed"] == [12]
+    held = {f.name for f in shm.rglob("own-*.bin")}
+    assert held and all("-000012" in name or "-12." in name for name in held), held
+    shutil.rmtree(run / "checkpoints" / "step-000006")  # room for step 12 now
+    rerun = Trainer(tiny_config(*tiers, "train.steps=16", run_dir=run)).build()
+    assert rerun.step == 12
+    rerun.train()
+    assert Checkpointer(run, keep=3).latest_valid().name == "step-000016" and not list(shm.rglob("own-*.bin"))
 
 
 def test_on_error_stop_stops_with_the_reason(tiny_config, small_disk):

@@ -138,14 +138,16 @@ class StateTiers:
                      hint="snapshots of other runs in shared memory; remove the folders of runs that are over")
 
     def finish(self, complete: bool = True) -> None:
-        """The run is over: give the RAM back. A run stopped early (a signal, a halt) to be
-        resumed keeps its snapshots unless a checkpoint on disk is at least as new: a
-        preemption under checkpoint.interval=0, or a final save the storage refused, would
-        otherwise leave the rerun only an older state."""
+        """The run is over: give the RAM back, unless the snapshots hold a state newer than any
+        checkpoint on disk. A run stopped early (a signal, a halt) under checkpoint.interval=0, or
+        any run whose last save the storage refused (checkpoint.on_error=continue), would
+        otherwise leave a rerun only an older state, or none. A run that reached its last step
+        (`complete`) saved it to disk unless the storage refused; under checkpoint.interval=0 it
+        never saves, and its snapshots go."""
         self.drain()
         if self.memory is None:
             return
-        held = None if complete else self.memory.newest_held()
+        held = self.memory.newest_held() if not complete or self.cfg.checkpoint.interval else None
         saved = self.checkpointer.list()  # complete ones (sealed with their manifest), by step
         keep = held is not None and not (saved and step_of(saved[-1]) >= held)
         if self.proc.world_size > 1:  # decided together: a rank's files hold its peers' replica or parity
