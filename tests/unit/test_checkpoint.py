@@ -114,6 +114,32 @@ def test_an_interrupted_prune_leaves_no_checkpoint_that_looks_complete(trained):
     assert not half.exists() and [p.name for p in ckpts.list()] == ["step-000012"]
 
 
+def test_a_prune_that_cannot_rename_or_repair_does_not_fail_the_save_it_follows(trained, monkeypatch):
+    """Pruning runs on the writer alone after every rank agreed the save landed: raising there
+    failed that rank only, while its peers went on into the next collective."""
+    from pathlib import Path
+
+    from shardline.errors import CheckpointUnreadable
+
+    ckpts, rename = Checkpointer(trained, keep=1), Path.rename
+
+    def moved_away(path, target):
+        if path.name == "step-000006":
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return rename(path, target)
+
+    def unreadable():
+        raise CheckpointUnreadable("cannot read a seal's leftover")
+
+    monkeypatch.setattr(Path, "rename", moved_away)
+    monkeypatch.setattr(ckpts, "repair_interrupted_seal", unreadable)
+    ckpts.prune()
+    assert [p.name for p in ckpts.list()] == ["step-000006", "step-000012"]  # left for the next prune
+    monkeypatch.setattr(Path, "rename", rename)
+    ckpts.prune()
+    assert [p.name for p in ckpts.list()] == ["step-000012"]
+
+
 def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(trained, tiny_config):
     """Checkpoints after the resumed one are of a history the run leaves: moved (not deleted)
     where neither a later restart nor pruning finds them."""

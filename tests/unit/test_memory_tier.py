@@ -217,6 +217,28 @@ def test_a_run_dir_made_again_is_a_fresh_run_not_one_resumed_from_ram(tiny_confi
     assert _held_steps(tmp_path / "shm") == set()
 
 
+def test_a_run_id_that_cannot_be_read_stops_the_start_and_keeps_the_snapshots(tiny_config, tmp_path):
+    """Only an absent (or damaged) id file means a new run; one that exists but cannot be read
+    now (a stale NFS handle, EIO; here a folder in its place) once made the run new and
+    cleared the RAM state newer than the disk."""
+    from shardline.errors import CheckpointError
+    from shardline.resilience.tiers import RUN_ID
+
+    memory = ["checkpoint.interval=0", "checkpoint.memory_interval=2"]
+    with pytest.raises(RuntimeError, match="injected"):
+        _crashing(_memory_run(tiny_config, tmp_path, *memory), at_step=6).train()
+    id_file = tmp_path / "run" / RUN_ID
+    saved = id_file.read_text()
+    id_file.unlink()
+    id_file.mkdir()
+    with pytest.raises(CheckpointError, match=f"cannot read {id_file} .*the in-memory snapshots are kept"):
+        _memory_run(tiny_config, tmp_path, *memory)
+    assert _held_steps(tmp_path / "shm") == {4}
+    id_file.rmdir()
+    id_file.write_text(saved)
+    assert _memory_run(tiny_config, tmp_path, *memory).step == 4
+
+
 def test_snapshots_newer_than_the_disk_checkpoint_resumed_are_dropped(tiny_config, tmp_path):
     """A restart under another layout resumes from disk (the snapshots hold the old layout's
     shards); the old history's newer snapshots go, so returning to the first layout later

@@ -349,9 +349,16 @@ class Checkpointer:
     def prune(self) -> None:
         """Keep the newest `keep`. A folder is renamed before it is removed, so an interruption
         never leaves a half-deleted checkpoint that looks complete; leftovers go next time, and
-        what an interrupted seal left aside once repair_interrupted_seal did not need it."""
-        self.repair_interrupted_seal()
+        what an interrupted seal left aside once repair_interrupted_seal did not need it.
+
+        Best effort: it runs on the writer alone, after a save every rank agreed had landed, so
+        raising here would fail that rank only (its peers go on into the next collective). A
+        folder that cannot be renamed or verified now (moved away meanwhile, unreadable) stays
+        for the next prune, or for the next start's repair, which raises on every rank."""
+        with contextlib.suppress(OSError, CheckpointError):
+            self.repair_interrupted_seal()
         for old in self.list()[: -self.keep]:
-            old.rename(old.with_name(old.name + PRUNING))
+            with contextlib.suppress(OSError):
+                old.rename(old.with_name(old.name + PRUNING))
         for gone in [*self.root.glob(f"step-*{PRUNING}"), *self.root.glob(f"step-*{DELETING}")]:
             shutil.rmtree(gone, ignore_errors=True)  # a seal's folder aside that repair did not need

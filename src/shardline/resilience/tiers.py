@@ -177,16 +177,31 @@ class StateTiers:
         not one to resume from RAM. Rank 0 reads or writes it; every rank gets its answer."""
         answer: list = [None]
         if self.proc.rank == 0:
-            path = Path(self.cfg.run.dir) / RUN_ID
-            try:
-                answer[0] = (str(json.loads(path.read_text())["run"]), False)
-            except (OSError, ValueError, KeyError, TypeError):
-                answer[0] = (uuid.uuid4().hex, True)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({"run": answer[0][0]}))
+            answer[0] = self._read_or_make_run_id(Path(self.cfg.run.dir) / RUN_ID)
         if self.proc.world_size > 1:
             torch.distributed.broadcast_object_list(answer, src=0, group=self.memory.group)
+        if isinstance(answer[0], str):  # on every rank alike
+            raise CheckpointError(answer[0])
         return answer[0]
+
+    @staticmethod
+    def _read_or_make_run_id(path: Path) -> tuple[str, bool] | str:
+        """The id, a new one when the file is absent or damaged, or the error (a file that exists
+        but cannot be read now, e.g. a stale NFS handle, is no new run: its snapshots stay)."""
+        try:
+            return str(json.loads(path.read_text())["run"]), False
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            return f"cannot read {path} ({e.strerror or e}); the in-memory snapshots are kept: start again"
+        except (ValueError, KeyError, TypeError):
+            pass
+        run_id = uuid.uuid4().hex
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"run": run_id}))
+        tmp.replace(path)  # whole or absent, never torn
+        return run_id, True
 
     def newest(self, disk: Path | None, use_memory: bool = True):
         """The in-memory snapshot (step, payload, sources) when it is at least as new as
