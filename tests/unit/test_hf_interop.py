@@ -512,6 +512,17 @@ def test_destination_rules(tmp_path, monkeypatch):
     to_hf_pretrained(model, folder)
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", WEIGHTS_NAME, EXPORT_MARK]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "hf", "precious"]
+    # ... unless it holds what no export writes: a user's notes, a checkpoint or run dir put inside.
+    for extra in ("README.md", "ckpt/step-000006"):
+        (folder / extra).parent.mkdir(parents=True, exist_ok=True)
+        (folder / extra).write_text("keep me")
+        with pytest.raises(CheckpointError, match=f"is an earlier export but also holds {extra.split('/')[0]}, which"):
+            to_hf_pretrained(model, folder)
+        assert (folder / extra).read_text() == "keep me"
+        (folder / extra).unlink()
+        if "/" in extra:
+            (folder / extra).parent.rmdir()
+    to_hf_pretrained(model, folder)
 
     # An HF folder shardline did not write (the one a run started from, say) keeps its other files.
     (folder / EXPORT_MARK).unlink()

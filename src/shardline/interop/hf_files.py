@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -104,14 +105,26 @@ def _check_destination(dest: Path) -> None:
         return
     if not dest.is_dir():
         raise CheckpointError(f"{dest} exists and is not a folder; choose another destination")
-    if not any(dest.iterdir()) or (dest / EXPORT_MARK).is_file():
+    if not any(dest.iterdir()):
         return
+    if (dest / EXPORT_MARK).is_file():
+        other = next((p.name for p in sorted(dest.iterdir()) if p.is_dir() or not _export_file(p.name)), None)
+        if other is None:
+            return
+        raise CheckpointError(f"{dest} is an earlier export but also holds {other}, which no export writes; replacing "
+                              "the export would delete it: move it out first, or choose another destination")
     if _is_hf_folder(dest):
         raise CheckpointError(f"{dest} is a Hugging Face model folder without {EXPORT_MARK} (not an export of "
                               "this shardline: maybe the folder a run started from); replacing it would delete its "
                               "other files: choose another destination, or delete it first")
     raise CheckpointError(f"{dest} exists, is not empty and is not a Hugging Face model folder; "
                           "refusing to overwrite it (choose another destination or empty it)")
+
+
+def _export_file(name: str) -> bool:
+    """A file an export writes (and the next export may replace)."""
+    return (name in (WEIGHTS_NAME, INDEX_NAME, CONFIG_NAME, TOKENIZER_NAME, EXPORT_MARK, *SIDE_FILES)
+            or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None)
 
 
 def copy_tokenizer_files(tokenizer: Path, folder: Path) -> None:
