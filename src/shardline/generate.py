@@ -82,11 +82,16 @@ class Generator:
         stop = self.stop if stop is None else stop
         ids, new = list(prompt_ids), []
         draw = torch.Generator().manual_seed(opts.seed)  # on the host: the same draws on any device
+        # Ids past the tokenizer's are rows a vocabulary padded for speed (Qwen's 151,936 for
+        # ~151,665 tokens): drawn, they would decode to nothing.
+        no_token = max(self.tokenizer.get_vocab().values()) + 1
         with torch.no_grad(), KVCache(self.model, self.device) as cache:
             for _ in range(opts.max_new_tokens):
                 if len(ids) > self.context:  # the window slides: its positions start at 0 again
                     cache.clear()
-                token = next_token(cache.next_logits(ids[-self.context:]).float().cpu(), opts, draw)
+                logits = cache.next_logits(ids[-self.context:]).float().cpu()
+                token = next_token(logits.index_fill_(0, torch.arange(no_token, len(logits)), float("-inf")),
+                                   opts, draw)
                 ids.append(token)
                 new.append(token)
                 if token in stop or (stop_text and stop_text in self.tokenizer.decode(new)):
@@ -161,13 +166,16 @@ class KVCache:
         self.length = 0  # the tokens cached, at positions 0..length-1
 
     def __enter__(self) -> KVCache:
-        self.saved = [block.core for block in self.blocks]
+        self.saved = [block.core for block in self.blocks], self.model.output
         for i, block in enumerate(self.blocks):
             block.core = lambda q, k, v, mask, i=i: self._attend(i, q, k, v)
+        # Logits of the last position only: a prompt's [tokens, vocab] in fp32 is gigabytes.
+        self.model.output = _LastPosition(self.model.output)
         return self
 
     def __exit__(self, *exc) -> None:
-        for block, core in zip(self.blocks, self.saved):
+        cores, self.model.output = self.saved
+        for block, core in zip(self.blocks, cores):
             block.core = core
 
     def next_logits(self, ids: list[int]) -> torch.Tensor:
@@ -185,8 +193,21 @@ class KVCache:
         # Query j is at position past + j and sees keys 0..past + j. SDPA's is_causal would align
         # the two at the top left instead (the new token seeing the first key only).
         past = k.shape[2] - q.shape[2]
+        if past == 0:  # a prompt, nothing cached: plain causal attention, no [tokens, tokens] mask
+            return sdpa_attention(q, k, v, None)
         seen = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past)
         return sdpa_attention(q, k, v, seen[None, None])
+
+
+class _LastPosition(torch.nn.Module):
+    """The output projection of the last position alone."""
+
+    def __init__(self, output: torch.nn.Module):
+        super().__init__()
+        self.output = output
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(h[:, -1:])
 
 
 def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator) -> int:

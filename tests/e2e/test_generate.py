@@ -119,6 +119,36 @@ def test_the_kv_cache_gives_the_logits_of_whole_passes(trained_run):
     for n, (got, want) in enumerate(zip(cached, whole)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"token {n}: {m}")
     assert gen.model.layers["0"].attention.core is sdpa_attention  # the model's own core is back
+    assert isinstance(gen.model.output, torch.nn.Linear)  # and its output
+
+
+def test_a_prompt_projects_its_last_position_only_and_padded_vocabulary_rows_are_never_drawn(trained_run):
+    """A prompt's logits at every position ([tokens, vocab] in fp32: gigabytes for a long prompt
+    and a 128k vocabulary) are not made; ids past the tokenizer's (a vocabulary padded for speed)
+    are never drawn: they decode to nothing."""
+    gen = load_generator(trained_run, "cpu")
+    prompt, rows = gen.encode(PROMPT), []
+    hook = gen.model.output.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[1]))
+    try:
+        gen.sample(prompt, SampleOptions(max_new_tokens=3, temperature=0), stop=frozenset())
+    finally:
+        hook.remove()
+    assert rows == [1, 1, 1]
+
+    class Fewer:  # the checkpoint's tokenizer, its ids cut to the first 64 (the model keeps its rows)
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        def get_vocab(self):
+            return {t: i for t, i in self.tokenizer.get_vocab().items() if i < 64}
+
+        def decode(self, ids):
+            return self.tokenizer.decode(ids)
+
+    gen.tokenizer = Fewer(gen.tokenizer)
+    assert gen.model.output.out_features > 64
+    drawn = gen.sample(prompt, SampleOptions(max_new_tokens=60, temperature=3.0, top_k=0, seed=1), stop=frozenset())
+    assert len(drawn) == 60 and max(drawn) < 64
 
 
 def test_chat_renders_the_template_beside_the_tokenizer_and_stops_at_its_turn_end(trained_run, tmp_path, capsys):
