@@ -117,8 +117,12 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ShardlineError(f"convert takes no config overrides, got {' '.join(overrides)}")
     if args.dtype and args.direction != "to-hf":
         raise ShardlineError("convert --dtype applies to to-hf only (from-hf keeps float32 master weights)")
-    written = convert(args.direction, args.src, args.dst, args.dtype)
+    if args.tokenizer and args.direction != "to-hf":
+        raise ShardlineError("convert --tokenizer applies to to-hf only (from-hf takes the HF folder's)")
+    written = convert(args.direction, args.src, args.dst, args.dtype, args.tokenizer)
     what = "an HF folder" if args.direction == "to-hf" else f"start a run with --model.init_from={written}"
+    if args.direction == "to-hf" and not (written / "tokenizer.json").is_file():
+        what += ", without a tokenizer: none beside the checkpoint or in its run dir; give --tokenizer"
     print(f"wrote {written} ({what})")
     return 0
 
@@ -195,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default="",
                          help="to-hf: the weights' dtype on disk, float32, bfloat16 or float16 (default: the HF "
                               "folder's the checkpoint came from, else float32)")
+    convert.add_argument("--tokenizer", default="",
+                         help="to-hf: the tokenizer.json (or its folder) to export with, its side files too "
+                              "(default: the one beside the checkpoint, else its run dir's)")
     convert.set_defaults(func=_convert)
     _register_feature_commands(sub)
     return parser

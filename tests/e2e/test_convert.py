@@ -48,6 +48,41 @@ def test_checkpoint_to_hf_and_back(tiny_config, tmp_path):
     assert tuned.steps.loss_sum(batch) < fresh.steps.loss_sum(batch)
 
 
+def test_a_checkpoint_moved_from_its_run_exports_with_a_given_tokenizer_and_its_bos(tiny_config, tmp_path, capsys,
+                                                                                     small_corpus):
+    """Away from its run dir a checkpoint has no tokenizer: the export says so, and --tokenizer
+    gives one; a tokenizer that starts texts with one BOS token gives config.json its id."""
+    import shutil
+
+    from tokenizers import processors
+
+    from shardline.data.sources import read_documents
+
+    Trainer(tiny_config("train.steps=2", "train.eval_interval=0", "checkpoint.interval=2")).build().train()
+    moved = tmp_path / "moved"
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step-000002", moved)
+    assert main(["convert", "to-hf", str(moved), str(tmp_path / "bare")]) == 0
+    assert "without a tokenizer: none beside the checkpoint or in its run dir; give --tokenizer" in (
+        capsys.readouterr().out)
+    assert not (tmp_path / "bare" / "tokenizer.json").exists()
+
+    tok = train_bpe(read_documents(str(small_corpus)), 300)
+    tok.add_special_tokens(["<|begin_of_text|>"])
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       special_tokens=[("<|begin_of_text|>", bos)])
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    assert main(["convert", "to-hf", str(moved), str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "tok")]) == 0
+    assert "without a tokenizer" not in capsys.readouterr().out
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == (tmp_path / "tok" / "tokenizer.json").read_text()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["bos_token_id"] == bos
+    assert main(["convert", "to-hf", str(moved), str(tmp_path / "x"), "--tokenizer", str(tmp_path / "no.json")]) == 2
+    assert "tokenizer file" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "y"), "--tokenizer", "t.json"]) == 2
+    assert "--tokenizer applies to to-hf only" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tied, sharded", [(False, False), (False, True), (True, True)])
 def test_train_from_hf_folder(tiny_config, small_prepared, tmp_path, monkeypatch, tied, sharded):
     """In place on one process, or (under CPU offload, FSDP2 on a one-rank mesh) streamed in

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from shardline.data.tokenizer import eos_id, load_tokenizer
+from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
 from shardline.errors import CheckpointError
 from shardline.interop.hf import empty_model, from_hf_pretrained, to_hf_pretrained
 from shardline.interop.hf_config import EXPORT_DTYPES, KEPT_FIELDS, read_hf_fields
@@ -26,6 +26,7 @@ from shardline.interop.hf_files import (
     check_parents,
     copy_side_files,
     copy_tokenizer_files,
+    tokenizer_file,
 )
 from shardline.models.factory import args_from_json, args_to_json
 from shardline.resilience.checkpoint import (
@@ -36,9 +37,9 @@ from shardline.resilience.checkpoint import (
 )
 
 
-def convert(direction: str, src: str, dst: str, dtype: str = "") -> Path:
+def convert(direction: str, src: str, dst: str, dtype: str = "", tokenizer: str = "") -> Path:
     if direction == "to-hf":
-        return checkpoint_to_hf(Path(src), Path(dst), dtype)
+        return checkpoint_to_hf(Path(src), Path(dst), dtype, tokenizer)
     return hf_to_checkpoint(Path(src), Path(dst))
 
 
@@ -52,22 +53,27 @@ def resolve_checkpoint(src: Path) -> Path:
     return latest
 
 
-def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "") -> Path:
+def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "") -> Path:
     """dtype: the weights' dtype on disk; "" keeps the HF folder's a checkpoint came from
-    (from-hf records it), else the checkpoint's own (float32)."""
+    (from-hf records it), else the checkpoint's own (float32). tokenizer: a tokenizer.json (or
+    its folder) to export with, for a checkpoint moved away from its run dir; "" finds its own."""
     explicit = _export_dtype(dtype)  # a wrong --dtype fails before the checkpoint is read
+    given = tokenizer_file(tokenizer) if tokenizer else None  # and a wrong --tokenizer
     ckpt = resolve_checkpoint(src)
     meta = read_meta(ckpt)
     hf = meta.get("hf", {})
     dtype = explicit or _export_dtype(hf.get("dtype", "")) or torch.float32
     model = empty_model(args_from_json(meta["model_args"]), dtype)  # the checkpoint casts as it loads
     load_weights(ckpt, model)
-    tokenizer = checkpoint_tokenizer(ckpt)
-    eos = hf.get("eos_token_id")
-    if eos is None and tokenizer is not None:  # a run's own tokenizer: its end-of-document token
-        eos = eos_id(load_tokenizer(str(tokenizer)))
+    tokenizer = given or checkpoint_tokenizer(ckpt)
+    bos, eos = hf.get("bos_token_id"), hf.get("eos_token_id")
+    if tokenizer is not None:  # a run's own tokenizer: its end-of-document token, and the one BOS it starts texts with
+        tok = load_tokenizer(str(tokenizer))
+        eos = eos_id(tok) if eos is None else eos
+        prefix = bos_prefix(tok)
+        bos = prefix[0] if bos is None and len(prefix) == 1 else bos
     return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=dtype,
-                            bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
+                            bos_token_id=bos, eos_token_id=eos,
                             provenance={"checkpoint": str(ckpt.resolve())},
                             kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf},
                             generation_config=beside_checkpoint(ckpt, GENERATION_NAME))

@@ -40,9 +40,9 @@ from shardline.interop.hf_files import (
     WEIGHTS_NAME,
     _check_destination,
     _open_safetensors,
-    _tokenizer_file,
     _weight_files,
     _write_hf_folder,
+    tokenizer_file,
 )
 from shardline.models.factory import build_meta_model
 from shardline.models.llama import Llama, ModelArgs, rope_frequencies
@@ -328,7 +328,7 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
     if dtype is not None and dtype not in _EXPORT_DTYPES:  # anything else is a folder nobody loads
         raise ValueError(f"dtype={dtype} cannot be exported; valid: {', '.join(map(str, _EXPORT_DTYPES))}")
     _check_destination(dest)
-    tokenizer = _tokenizer_file(tokenizer_path) if tokenizer_path is not None else None
+    tokenizer = tokenizer_file(tokenizer_path) if tokenizer_path is not None else None
     tied = _export_tied(model)
     tensors = _export_tensors(model, tied)
     _warn_moe_differences(model)

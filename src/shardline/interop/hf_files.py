@@ -142,7 +142,7 @@ def copy_side_files(source: Path, folder: Path, names: tuple[str, ...] = SIDE_FI
             shutil.copyfile(source / name, folder / name)
 
 
-def _tokenizer_file(tokenizer_path: str | os.PathLike) -> Path:
+def tokenizer_file(tokenizer_path: str | os.PathLike) -> Path:
     file = Path(tokenizer_path)
     if file.is_dir():
         file = file / TOKENIZER_NAME
