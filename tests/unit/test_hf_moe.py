@@ -370,3 +370,19 @@ def test_family_defaults_and_spellings(tmp_path):
     qwen.update(num_local_experts=64, rope_parameters={"rope_type": "default", "rope_theta": 5e5})  # transformers 5
     args = read_hf_config(_write_config(tmp_path / "qwen", qwen))
     assert (args.rope_theta, args.moe.n_experts, args.moe.norm_topk) == (5e5, 64, False)
+
+
+def test_an_export_keeps_the_starting_folders_balance_weight_unless_the_run_set_its_own(tmp_path):
+    """A run from an HF folder starts with no balance loss (its weight is of another
+    normalisation) and exports the folder's router_aux_loss_coef; one that set moe.aux_loss_coef
+    exports that, converted (it once exported the starting folder's whatever the run trained with)."""
+    from shardline.models.moe.args import balance_coef_to_hf
+
+    written = {}
+    for coef in (0.0, 0.01):
+        args = ModelArgs(**_BASE, ffn_dim=48, moe=MoEArgs(n_experts=4, top_k=2, expert_ffn_dim=48, aux_loss_coef=coef))
+        model = build_model_on(args, "cpu")
+        model.init_weights(seed=0)
+        out = to_hf_pretrained(model, tmp_path / f"hf-{coef}", kept_fields={"router_aux_loss_coef": 0.001})
+        written[coef] = json.loads((out / "config.json").read_text())["router_aux_loss_coef"]
+    assert written == {0.0: 0.001, 0.01: pytest.approx(balance_coef_to_hf(0.01, 2, 2))}

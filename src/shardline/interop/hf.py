@@ -334,7 +334,10 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
     _warn_moe_differences(model)
     dtype = tensors[0][1].dtype if dtype is None else dtype
     config = hf_config_dict(model.args, tied, dtype, bos_token_id, eos_token_id)
-    config.update({key: value for key, value in (kept_fields or {}).items() if key in config})
+    kept = {key: value for key, value in (kept_fields or {}).items() if key in config}
+    if config.get("router_aux_loss_coef"):  # the run trained with a balance loss of its own: its weight, converted
+        kept.pop("router_aux_loss_coef", None)  # (else the starting folder's, which a run from it leaves at 0)
+    config.update(kept)
     side = {"tokenizer": tokenizer, "generation_config": None if generation_config is None else Path(generation_config)}
     _write_hf_folder(dest, tensors, dtype, max_shard_size_bytes, config, side, provenance or {})
     return dest
