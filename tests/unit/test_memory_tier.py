@@ -4,6 +4,7 @@ parity and replica codes on real gloo ranks, and the files' integrity checks."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +74,44 @@ def test_xor_parity_and_replicas_rebuild_any_one_rank_on_real_gloo_ranks():
     sizes = [1000, 37, 4096]  # uneven, not multiples of the word or the chunk
     errors = mp.get_context("spawn").SimpleQueue()
     start_ranks(_codes_worker, args=(3, free_port(), sizes, errors), nprocs=3)
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert not found, found
+
+
+def _refused_worker(rank: int, world: int, port: int, root: str, errors) -> None:
+    """Step 6's own write fails on rank 1 (xor), then its replica write on rank 0 (replica):
+    a path the file cannot take, as a full /dev/shm refuses one."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model, opt = _tiny_state()
+        for mode, kind, failing in (("xor", "own", 1), ("replica", "replica", 0)):
+            tier = MemoryTier(Path(root) / mode, rank, world, world, mode, fingerprint="f")
+            tier.save(3, model, opt, {"step": 3})
+            if rank == failing:
+                tier._path(kind, 6, ".bin.tmp").mkdir()
+            stats = tier.save(6, model, opt, {"step": 6})
+            held = sorted(p.name for p in tier.dir.iterdir() if p.suffix == ".json")
+            expected = [f"{k}-000003.json" for k in ("own", "parity" if mode == "xor" else "replica")]
+            if "error" not in stats or held != expected:
+                errors.put(f"{mode} rank {rank}: {stats}, holds {held}")
+            elif rank == failing and "Is a directory" not in stats["error"]:
+                errors.put(f"{mode} rank {rank}: {stats['error']}")
+            recovered = tier.recover()
+            if recovered is None or recovered[0] != 3:
+                errors.put(f"{mode} rank {rank} recovers {recovered and recovered[0]}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_snapshot_write_refused_on_one_rank_is_dropped_on_all_and_the_last_one_kept(tmp_path):
+    """A full /dev/shm on one rank ended the job (an exception there, its peers waiting in the
+    exchange); now every rank agrees the step failed, drops its files, keeps the generation before."""
+    errors = mp.get_context("spawn").SimpleQueue()
+    start_ranks(_refused_worker, args=(2, free_port(), str(tmp_path), errors), nprocs=2)
     found = []
     while not errors.empty():
         found.append(errors.get())
@@ -237,6 +276,19 @@ def test_a_run_id_that_cannot_be_read_stops_the_start_and_keeps_the_snapshots(ti
     id_file.rmdir()
     id_file.write_text(saved)
     assert _memory_run(tiny_config, tmp_path, *memory).step == 4
+
+
+def test_a_refused_snapshot_is_an_event_and_training_goes_on(tiny_config, tmp_path):
+    import json
+
+    memory = ["checkpoint.interval=0", "checkpoint.memory_interval=2"]
+    trainer = _memory_run(tiny_config, tmp_path, *memory)
+    (trainer.guard.tiers.memory.dir / "own-000004.bin.tmp").mkdir(parents=True)  # a path its write cannot take
+    trainer.train()
+    lines = list(map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()))
+    failed = [r for r in lines if r.get("event") == "memory_snapshot_failed"]
+    assert trainer.step == 8 and [r["step"] for r in failed] == [4] and "Is a directory" in failed[0]["error"]
+    assert [r["step"] for r in lines if r.get("event") == "memory_snapshot_held"] == [2, 6, 8]
 
 
 def test_snapshots_newer_than_the_disk_checkpoint_resumed_are_dropped(tiny_config, tmp_path):

@@ -200,7 +200,7 @@ class MemoryTier:
             try:
                 if which(int(f.name.split("-")[1].split(".")[0])):
                     f.unlink(missing_ok=True)
-            except ValueError:
+            except (ValueError, OSError):  # not a snapshot's name, or not removable: no sidecar lists it
                 continue
 
     def newest_held(self) -> int | None:
@@ -253,22 +253,44 @@ class MemoryTier:
         return self._work.wait()
 
     def _persist(self, step: int, tree: dict) -> dict:
-        own = self._write("own", step, tree)
+        """Write this step's snapshot and its redundancy. A write the shared memory refuses (a
+        full /dev/shm) on any rank is that step's failure on every rank, agreed through the
+        collectives the snapshot makes anyway: each drops the step's files and training goes on
+        ({"step", "error"}); an optional tier does not end the job, nor leave its RAM full."""
+        own, error = self._attempt(lambda: self._write("own", step, tree))
         extra = 0
         if self.world > 1:
-            sizes = self._all_sizes(own.numel())
-            if self.mode == "replica":
+            sizes = self._all_sizes(-1 if error else own.numel())  # -1: this rank's failed
+            error = error or (f"rank {sizes.index(-1)}'s failed" if -1 in sizes else "")
+            if not error and self.mode == "replica":
                 held = redundancy.exchange_replicas(own, sizes, self.rank, self.world, self.ranks_per_node,
                                                     self.group)
-                self._write("replica", step, held)
+                _, error = self._attempt(lambda: self._write("replica", step, held))
                 extra = held.numel()
-            else:
+            elif not error:
                 parity = redundancy.encode_parity(own, sizes, self.parity_members, self.rank, self.parity_group)
-                self._write("parity", step, parity.view(torch.uint8), sizes=sizes)
+                _, error = self._attempt(lambda: self._write("parity", step, parity.view(torch.uint8), sizes=sizes))
                 extra = parity.numel() * parity.element_size()
-            dist.barrier(group=self.group)  # every rank holds this generation before any drops the last
+            # Every rank holds this generation (or none keeps it) before any drops the last.
+            if self._any_failed(bool(error)) and not error:  # (called by every rank, failed or not)
+                error = "another rank's redundancy write failed"
+        if error:
+            self._drop(lambda held: held == step)
+            return {"step": step, "error": error}
         self._prune(step)
         return {"step": step, "own_bytes": own.numel(), "redundancy_bytes": extra}
+
+    @staticmethod
+    def _attempt(write: Callable[[], torch.Tensor]) -> tuple[torch.Tensor | None, str]:
+        try:
+            return write(), ""
+        except OSError as e:
+            return None, f"cannot write {e.filename or 'the snapshot'}: {e.strerror or e}"
+
+    def _any_failed(self, failed: bool) -> bool:
+        flag = torch.tensor([int(failed)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
 
     def _all_sizes(self, size: int) -> list[int]:
         sizes = torch.zeros(self.world, dtype=torch.int64)

@@ -125,6 +125,10 @@ class StateTiers:
             self._log_held(done)
 
     def _log_held(self, stats: dict) -> None:
+        if "error" in stats:  # every rank dropped the step's files; the older snapshots stay
+            self.log("memory_snapshot_failed", step=stats["step"], error=stats["error"],
+                     action="continue; the next snapshot tries again")
+            return
         extra = {"background_s": round(stats["background_s"], 3)} if "background_s" in stats else {}
         self.log("memory_snapshot_held", step=stats["step"], redundancy=self.cfg.checkpoint.memory_redundancy,
                  own_mib=round(stats["own_bytes"] / 2**20, 2),
