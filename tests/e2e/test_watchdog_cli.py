@@ -82,3 +82,16 @@ def test_hang_in_the_final_drain_is_reported_by_phase(tmp_path, small_prepared):
     assert (report["phase"], report["step"], report["stopped_ranks"]) == ("drain", 3, [0])
     hang = [e for e in events(run) if e["event"] == "hang"]
     assert [(e["phase"], e["step"]) for e in hang] == [("drain", 3)]  # the log was open: the event is there
+
+
+def test_a_hang_in_an_anomaly_halts_save_is_reported_by_phase(tmp_path, small_prepared):
+    """The halt once stopped the watchdog before its collective save: a peer lost there left
+    the job waiting for the process group's timeout."""
+    run = tmp_path / "run"
+    hung = shardline("train", *[f"--{o}" for o in tiny_overrides(
+        run, small_prepared, "train.steps=8", "checkpoint.interval=8", "train.eval_interval=0",
+        "anomaly.action=halt", "anomaly.min_history=3", "faults.nan_step=5",
+        "watchdog.timeout_s=30", "watchdog.long_timeout_s=2", "faults.hang_rank=0", "faults.hang_phase=halt")])
+    assert hung.returncode == 4, hung.stderr[-2000:]
+    report = _report(run)
+    assert (report["phase"], report["step"], report["stopped_ranks"]) == ("halt", 4, [0])

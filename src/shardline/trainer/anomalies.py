@@ -102,23 +102,26 @@ class AnomalyResponse:
         return False
 
     def _halt(self, event: dict) -> None:
-        """Save the last consistent state (before the bad update) and stop with a report."""
-        self.guard.stop_watching()
+        """Save the last consistent state (before the bad update) and stop with a report. The save's
+        collectives are watched as a phase ("halt"): a peer lost meanwhile is a hang report, not a
+        wait for the process group's timeout."""
         self.metrics.event("anomaly", **event)
         self.optimizer.zero_grad(set_to_none=True)
         saved, failure = None, None
         try:
-            self.tiers.drain()  # this step's interval save may still be in flight
-            this_step = self.checkpointer.root / step_dir_name(self.step)
-            # the state before the bad step may be on disk already; rank 0, which seals checkpoints,
-            # decides for all (a lagging name cache on another rank would skip the collective save)
-            if rank0_decides(this_step in self.checkpointer.list(), self.proc.rank, self.proc.world_size):
-                saved = this_step
-            elif self.cfg.checkpoint.interval:
-                saved = self.save_checkpoint()
-            self.tiers.finish(complete=False)  # RAM freed unless it holds a state newer than the disk's
+            with self.guard.phase("halt", self.step):
+                self.tiers.drain()  # this step's interval save may still be in flight
+                this_step = self.checkpointer.root / step_dir_name(self.step)
+                # the state before the bad step may be on disk already; rank 0, which seals checkpoints,
+                # decides for all (a lagging name cache on another rank would skip the collective save)
+                if rank0_decides(this_step in self.checkpointer.list(), self.proc.rank, self.proc.world_size):
+                    saved = this_step
+                elif self.cfg.checkpoint.interval:
+                    saved = self.save_checkpoint()
+                self.tiers.finish(complete=False)  # RAM freed unless it holds a state newer than the disk's
         except CheckpointError as e:  # checkpoint.on_error=stop: the halt is still what is reported
             failure = e
+        self.guard.stop_watching()
         written = saved is not None and saved.is_dir()  # a refused save (on_error=continue) returns none or leaves none
         where = (f"state before that step saved to {saved}" if written
                  else "nothing saved to disk (checkpoint.interval=0)" + (
