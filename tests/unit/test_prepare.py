@@ -324,6 +324,30 @@ def test_a_turn_end_is_what_every_reply_is_followed_by_not_the_last_ones_eos():
     assert turn_end_text(ChatTemplate(bare, eos_token="</s>")) == ""  # nothing every reply is followed by
 
 
+def test_a_reply_that_calls_tools_reaches_the_template_whole_and_is_trained_on(tmp_path):
+    """Function-calling data: an assistant message with tool_calls and no text. Only role and
+    content once reached the template, so the call became an empty reply, trained as one."""
+    from shardline.data.encode import chat_segments, render_chat
+
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.tool_calls %}"
+                "{% for c in m.tool_calls %}CALL {{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}"
+                "{% endif %}</>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+    record = {"messages": [{"role": "user", "content": "Oslo?"},
+                           {"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "content": "-3 C", "name": "weather"},
+                           {"role": "assistant", "content": "Cold."}]}
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    (messages,) = list(read_file(path, "messages"))
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert messages[2]["name"] == "weather"
+    targets = [text for text, target in chat_segments(messages, template) if target]
+    assert targets == ['CALL weather({"city": "Oslo"})</>', "Cold.</>"]
+    with pytest.raises(DataError, match="tool_calls needs a chat template that renders them"):
+        render_chat(messages)
+
+
 def test_templates_render_as_transformers_does_with_loop_controls_and_plain_json():
     from shardline.data.encode import render_chat
 

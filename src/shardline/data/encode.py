@@ -39,8 +39,9 @@ from shardline.errors import DataError
 
 CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
 # Which tokens of a conversation are targets changed with this number (2: a reply's header
-# under a template is not one): `shardline prepare` starts a chat folder over when it differs.
-CHAT_MASK_RULE = 2
+# under a template is not one; 3: a message's fields beyond role and content, such as
+# tool_calls, reach the template): `shardline prepare` starts a chat folder over when it differs.
+CHAT_MASK_RULE = 3
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,9 @@ def chat_segments(messages: list[dict], template: ChatTemplate | str | None = No
         return _template_segments(messages, template)
     out = []
     for m in messages:
+        if m.get("tool_calls"):
+            raise DataError("chat data with tool_calls needs a chat template that renders them (ChatML, used "
+                            "without one beside data.tokenizer, has no way to): use the model's tokenizer and template")
         out.append((f"{CHAT_START}{m['role']}\n", False))
         out.append((f"{m['content']}{CHAT_END}\n", m["role"] == "assistant"))
     return out

@@ -245,10 +245,16 @@ def _conversation(f: Path, where: str, value) -> list[dict]:
     if not isinstance(value, list):
         raise DataError(f"data file {f} {where} has no list field 'messages' (data.format=chat reads "
                         "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]})")
+    out = []
     for i, m in enumerate(value):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+        calls = isinstance(m, dict) and bool(m.get("tool_calls"))  # a reply that calls tools may hold no text
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and (isinstance(m.get("content"), str) or calls and m.get("content") is None)):
             raise DataError(f"data file {f} {where}: messages[{i}] needs string fields 'role' and 'content'")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+        # Every other field goes to the chat template as transformers passes it (tool_calls, name,
+        # reasoning_content, ...); a table's unset struct fields are None there, as absent.
+        out.append({**{k: v for k, v in m.items() if v is not None}, "content": m.get("content") or ""})
+    return out
 
 
 def _read_table(f: Path, field: str, kind: str) -> Iterator:
