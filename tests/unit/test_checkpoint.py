@@ -140,6 +140,39 @@ def test_a_prune_that_cannot_rename_or_repair_does_not_fail_the_save_it_follows(
     assert [p.name for p in ckpts.list()] == ["step-000012"]
 
 
+def test_the_manifest_covers_what_every_rank_wrote_not_only_what_the_writer_lists(trained):
+    """On a shared file system the writer's listing of a folder other nodes wrote into may lag:
+    what the ranks wrote comes from DCP's metadata and the world size, and a file not there (or
+    short) as the writer sees it fails the save instead of being left out of the manifest."""
+    from shardline.resilience.checkpoint import _wait_visible, _written
+
+    ckpt = trained / "checkpoints" / "step-000012"
+    written = _written(ckpt, trainer_ranks=1)
+    listed = {f.relative_to(ckpt).as_posix() for f in ckpt.rglob("*") if f.is_file()}
+    assert set(written) == {n for n in listed if n.startswith(("state/", "trainer/"))}
+    assert all((ckpt / n).stat().st_size >= size for n, size in written.items())
+    assert set(json.loads((ckpt / "manifest.json").read_text())["files"]) >= set(written)
+    with pytest.raises(CheckpointError, match=r"trainer/rank1.pt \(of 1 file\(s\) other ranks wrote\) is not there"):
+        _wait_visible(ckpt, _written(ckpt, trainer_ranks=2), wait_s=0.3)
+    data = next(n for n in written if n.endswith(".distcp"))
+    with pytest.raises(CheckpointError, match=f"{data} .* is not there, or short"):
+        _wait_visible(ckpt, {**written, data: written[data] + 1}, wait_s=0.3)
+
+
+def test_a_seal_that_cannot_see_a_ranks_file_fails_and_seals_nothing(trained, monkeypatch):
+    from shardline.resilience import checkpoint
+
+    tmp, final = trained / "checkpoints" / "step-000018.tmp", trained / "checkpoints" / "step-000018"
+    shutil.copytree(trained / "checkpoints" / "step-000012", tmp)
+    (tmp / "manifest.json").unlink()
+    monkeypatch.setattr(checkpoint, "VISIBLE_WAIT_S", 0.3)
+    with pytest.raises(CheckpointError, match="trainer/rank1.pt"):
+        checkpoint._seal(tmp, final, 18, "full", {}, trainer_ranks=2)
+    assert not final.exists() and not (tmp / "manifest.json").exists()
+    checkpoint._seal(tmp, final, 18, "full", {}, trainer_ranks=1)
+    assert verify(final)["step"] == 18
+
+
 def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(trained, tiny_config):
     """Checkpoints after the resumed one are of a history the run leaves: moved (not deleted)
     where neither a later restart nor pruning finds them."""

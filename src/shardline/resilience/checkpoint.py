@@ -155,7 +155,8 @@ def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: di
             if before_seal is not None:
                 before_seal()  # fault injection: a crash here must leave only a .tmp folder behind
             if is_writer:
-                _seal(tmp, final, step, "full" if "optim" in state else "weights", meta)
+                ranks = (dist.get_world_size(group) if dist.is_initialized() else 1) if trainer_state is not None else 0
+                _seal(tmp, final, step, "full" if "optim" in state else "weights", meta, ranks)
         except Exception as e:
             failure = e
         agree_on_failure(failure, group)  # nobody moves on (or reads it back) before it is complete
@@ -175,14 +176,17 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _seal(tmp: Path, final: Path, step: int, kind: str, meta: dict[str, Any]) -> None:
+def _seal(tmp: Path, final: Path, step: int, kind: str, meta: dict[str, Any], trainer_ranks: int = 0) -> None:
     """Write meta and the manifest (last), then rename the folder into place. Everything is
-    flushed before the rename and the rename after it (DCP flushes its own files)."""
+    flushed before the rename and the rename after it (DCP flushes its own files). The manifest
+    covers every file the ranks wrote (`_written`), not only what this node's listing shows."""
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     for f in [tmp / "meta.json", *(tmp / "trainer").glob("*.pt")]:
         _fsync(f)
-    files = {f.relative_to(tmp).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
-             for f in sorted(tmp.rglob("*")) if f.is_file()}
+    written = _written(tmp, trainer_ranks)
+    _wait_visible(tmp, written)
+    names = {f.relative_to(tmp).as_posix() for f in tmp.rglob("*") if f.is_file()} | set(written)
+    files = {name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in sorted(names)}
     manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "kind": kind, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync(tmp / MANIFEST)
@@ -191,6 +195,38 @@ def _seal(tmp: Path, final: Path, step: int, kind: str, meta: dict[str, Any]) ->
         _rename_into_place(tmp, final)
     finally:
         _fsync(final.parent)
+
+
+def _written(tmp: Path, trainer_ranks: int) -> dict[str, int]:
+    """The files every rank of the save wrote, each with the least size it must have: DCP's data
+    files as its metadata records them (gathered from each rank by DCP, not listed), and each
+    rank's trainer state. On a shared file system the writer's listing of a folder others wrote
+    into may be stale for a while (NFS caches directory contents); the manifest must not miss one."""
+    need = {"state/.metadata": 1, **{f"trainer/rank{r}.pt": 1 for r in range(trainer_ranks)}}
+    for info in dcp.FileSystemReader(str(tmp / "state")).read_metadata().storage_data.values():
+        name = f"state/{info.relative_path}"
+        need[name] = max(need.get(name, 1), info.offset + info.length)
+    return need
+
+
+VISIBLE_WAIT_S = 30.0  # how long the writer waits to see the files other nodes wrote
+
+
+def _wait_visible(tmp: Path, need: dict[str, int], wait_s: float | None = None) -> None:
+    """Until each file is there at its size, listing its folder again (which asks the server anew)."""
+    wait_s = VISIBLE_WAIT_S if wait_s is None else wait_s
+    deadline = time.monotonic() + wait_s
+    while True:
+        missing = [n for n, size in need.items() if not ((tmp / n).is_file() and (tmp / n).stat().st_size >= size)]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"checkpoint {tmp}: {missing[0]} (of {len(missing)} file(s) other ranks wrote) is "
+                                  f"not there, or short, as the writer sees the folder after {wait_s:.0f} s")
+        for folder in {(tmp / n).parent for n in missing}:
+            with contextlib.suppress(OSError):
+                os.listdir(folder)
+        time.sleep(0.2)
 
 
 def _rename_into_place(tmp: Path, final: Path) -> None:
