@@ -561,6 +561,29 @@ def test_chat_templates_are_sandboxed_and_a_list_of_named_ones_gives_its_default
         chat_template_for(tok)
 
 
+def test_a_second_prepare_of_a_folder_waits_for_the_first_and_finds_it_done(tmp_path, small_corpus, capsys):
+    """`srun shardline prepare` runs one on every task: they once wrote the same folder at once,
+    deleting each other's uncommitted shards and appending twice to its document index."""
+    import fcntl
+    import threading
+
+    out = tmp_path / "prep"
+    out.mkdir()
+    results = []
+    with open(out / "prepare.lock", "a") as held:  # the first prepare, still writing
+        fcntl.flock(held, fcntl.LOCK_EX)
+        second = threading.Thread(target=lambda: results.append(
+            prepare(PrepareOptions([str(small_corpus)], str(out), **{**SMALL, "progress": True}))))
+        second.start()
+        second.join(timeout=3)
+        assert second.is_alive() and not (out / "progress.json").exists()  # it waits, writing nothing
+        elsewhere = prepare(PrepareOptions([str(small_corpus)], str(tmp_path / "first"), **SMALL))
+        shutil.copytree(tmp_path / "first", out, dirs_exist_ok=True)  # what the first one finished
+    second.join(timeout=60)
+    assert results == [elsewhere] and verify(out) == []
+    assert "was prepared from these inputs meanwhile; nothing to do" in capsys.readouterr().err
+
+
 def test_prepare_never_writes_over_a_folder_of_other_files(tmp_path, small_corpus):
     (tmp_path / "mine" / "train").mkdir(parents=True)
     (tmp_path / "mine" / "notes.txt").write_text("keep me")

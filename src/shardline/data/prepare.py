@@ -14,10 +14,12 @@ written last, so no manifest ever points at missing or partial data.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from shardline.data.tokenizer import TOKENIZER_SIDE_FILES, bos_prefix, eos_id, g
 from shardline.errors import DataError
 
 FORMATS = ("text", "chat")
+LOCK = "prepare.lock"  # held while a prepare writes the folder; empty, and left in place
 
 
 class PrepareStopped(Exception):
@@ -123,16 +126,33 @@ def prepare(opts: PrepareOptions) -> dict:
     stream = _count(opts, files)
     template = chat_template_for(opts.tokenizer) if opts.format == "chat" else None
     tok = _tokenizer(opts, stream, template)
-    request["tokenizer_sha256"] = tokenizer_hash(tok)
     root.mkdir(parents=True, exist_ok=True)
-    (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
-    state = _resume_state(root, request)  # its progress file marks the folder as prepare's from now on
-    _atomic_write(root / TOKENIZER, tok.to_str())
-    _keep_side_files(opts.tokenizer, root)
-    writers = {name: SplitWriter(root, name, token_dtype(id_bound(tok)), opts.format == "chat",
-                                 state["splits"].get(name)) for name in SPLITS}
-    _tokenize_all(opts, root, stream, writers, state, template)
-    return _finish(root, request, writers, tok, stream)
+    with _writing(root):  # one prepare writes a folder at a time (`srun shardline prepare` runs one a task)
+        done = _finished(root, request)
+        if done is not None:  # another one finished it while this one waited
+            _say(opts, f"{root} was prepared from these inputs meanwhile; nothing to do")
+            return done
+        request["tokenizer_sha256"] = tokenizer_hash(tok)
+        (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
+        state = _resume_state(root, request)  # its progress file marks the folder as prepare's from now on
+        _atomic_write(root / TOKENIZER, tok.to_str())
+        _keep_side_files(opts.tokenizer, root)
+        writers = {name: SplitWriter(root, name, token_dtype(id_bound(tok)), opts.format == "chat",
+                                     state["splits"].get(name)) for name in SPLITS}
+        _tokenize_all(opts, root, stream, writers, state, template)
+        return _finish(root, request, writers, tok, stream)
+
+
+@contextmanager
+def _writing(root: Path):
+    """An exclusive lock on the folder's lock file, waited for: a second prepare of the same
+    folder, started at once, goes on when the first is done (finding it prepared, or resuming)."""
+    with open(root / LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _keep_side_files(tokenizer: str, root: Path) -> None:
@@ -167,14 +187,14 @@ def _check_out(root: Path, files: list[Path]) -> None:
     a train/ or val/ folder without either is someone's data, not ours."""
     if root.exists() and not root.is_dir():
         raise DataError(f"--out {root} is a file; give a folder")
-    ours = {*SPLITS, MANIFEST, PROGRESS, TOKENIZER, *TOKENIZER_SIDE_FILES} | {f"{n}.tmp" for n in (MANIFEST, PROGRESS,
-                                                                                                  TOKENIZER)}
+    ours = {*SPLITS, MANIFEST, PROGRESS, TOKENIZER, LOCK, *TOKENIZER_SIDE_FILES} | {
+        f"{n}.tmp" for n in (MANIFEST, PROGRESS, TOKENIZER)}
     held = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
     others = [name for name in held if name not in ours]
     if others:
         raise DataError(f"--out {root} holds {others[0]}, which a prepared folder does not: give a new or empty "
                         "folder (prepare deletes what it finds unfinished there)")
-    marks = {MANIFEST, PROGRESS, f"{MANIFEST}.tmp", f"{PROGRESS}.tmp"}
+    marks = {MANIFEST, PROGRESS, LOCK, f"{MANIFEST}.tmp", f"{PROGRESS}.tmp"}
     if held and not marks & set(held):
         raise DataError(f"--out {root} holds {held[0]} but no {MANIFEST} or {PROGRESS}: it was not made by "
                         "shardline prepare; give a new or empty folder")
