@@ -33,7 +33,7 @@ import torch
 
 from shardline.data.encode import (ChatTemplate, chat_template_for, encode_reply_prompt, reply_prompt, turn_end_text,
                                    with_bos)
-from shardline.errors import CheckpointError, ConfigError
+from shardline.errors import CheckpointError, ConfigError, DataError
 from shardline.models.llama.model import sdpa_attention
 
 DTYPES = ("float32", "bfloat16")
@@ -71,6 +71,7 @@ class Generator:
     bos: list[int] = dataclasses.field(default_factory=list)  # prepended to a prompt with --bos
     trained_bos: bool = False  # the run put `bos` before each text document: a prompt starts with it too
     template: ChatTemplate | None = None  # --chat's rendering; None: ChatML
+    template_error: str = ""  # why the template beside the tokenizer cannot render: --chat alone fails on it
 
     def sample(self, prompt_ids: list[int], opts: SampleOptions, stop: frozenset[int] | None = None,
                stop_text: str = "") -> list[int]:
@@ -109,10 +110,16 @@ class Generator:
     def chat_prompt(self, prompt: str, system: str = "") -> str:
         """The user's message `prompt` (after the system's, if any) as chat training renders a
         conversation, then the header of the assistant's reply."""
+        self._check_template()
         return reply_prompt(_messages(prompt, system), self.template)
+
+    def _check_template(self) -> None:
+        if self.template_error:
+            raise DataError(self.template_error)
 
     def chat_ids(self, prompt: str, system: str = "") -> list[int]:
         """chat_prompt's ids, encoded a message at a time as chat training encodes them."""
+        self._check_template()
         return encode_reply_prompt(self.tokenizer, _messages(prompt, system), self.template)
 
     def turn_end(self) -> tuple[frozenset[int], str]:
@@ -266,8 +273,11 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     bos = bos_prefix(tokenizer) or sorted(_ids(hf.get("bos_token_id")))  # what --bos puts first
     data = run.get("data", {})
     trained_bos = bool(bos_prefix(tokenizer)) and data.get("add_bos", False) and data.get("format") == "text"
-    return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, bos, trained_bos,
-                     chat_template_for(str(tok_path)))
+    try:
+        template, problem = chat_template_for(str(tok_path)), ""
+    except DataError as e:  # (a plain prompt needs no template)
+        template, problem = None, str(e)
+    return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, bos, trained_bos, template, problem)
 
 
 def _ids(*found) -> set[int]:

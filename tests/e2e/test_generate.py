@@ -229,6 +229,17 @@ def test_chat_ends_a_reply_where_the_template_ends_a_turn_and_encodes_it_a_messa
             assert by_piece != gen.tokenizer.encode("".join(pieces)).ids
 
 
+def test_a_template_that_cannot_render_fails_chat_only(trained_run, tmp_path, capsys):
+    """A list of named templates without a "default" one: a plain prompt needs no template."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    (run / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "T"}]}))
+    assert main(["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "2", "--chat"]) == 2
+    assert 'without a "default" one' in capsys.readouterr().err
+
+
 def test_chat_without_a_template_is_chatml_and_its_end_marker_ends_the_reply(trained_run):
     """With no template, ChatML as chat training renders it; this tokenizer splits <|im_end|>, so
     its text ends the reply (here a text the model writes instead, to see it stop)."""

@@ -131,13 +131,16 @@ def test_a_prune_that_cannot_rename_or_repair_does_not_fail_the_save_it_follows(
     def unreadable():
         raise CheckpointUnreadable("cannot read a seal's leftover")
 
+    aside = trained / "checkpoints" / "step-000003.deleting"  # a seal's aside repair must check first
+    aside.mkdir()
     monkeypatch.setattr(Path, "rename", moved_away)
     monkeypatch.setattr(ckpts, "repair_interrupted_seal", unreadable)
     ckpts.prune()
     assert [p.name for p in ckpts.list()] == ["step-000006", "step-000012"]  # left for the next prune
-    monkeypatch.setattr(Path, "rename", rename)
+    assert aside.is_dir()  # unchecked, it may be its step's only copy
+    monkeypatch.undo()
     ckpts.prune()
-    assert [p.name for p in ckpts.list()] == ["step-000012"]
+    assert [p.name for p in ckpts.list()] == ["step-000012"] and not aside.exists()
 
 
 def test_the_manifest_covers_what_every_rank_wrote_not_only_what_the_writer_lists(trained):

@@ -262,6 +262,7 @@ def test_a_run_id_that_cannot_be_read_stops_the_start_and_keeps_the_snapshots(ti
     cleared the RAM state newer than the disk."""
     from shardline.errors import CheckpointError
     from shardline.resilience.tiers import RUN_ID
+    from shardline.trainer import Trainer
 
     memory = ["checkpoint.interval=0", "checkpoint.memory_interval=2"]
     with pytest.raises(RuntimeError, match="injected"):
@@ -276,6 +277,11 @@ def test_a_run_id_that_cannot_be_read_stops_the_start_and_keeps_the_snapshots(ti
     id_file.rmdir()
     id_file.write_text(saved)
     assert _memory_run(tiny_config, tmp_path, *memory).step == 4
+    # Nor may one it cannot write (a full or read-only run dir) raise on rank 0 alone: one line.
+    other = tmp_path / "other"
+    (other / f"{RUN_ID}.tmp").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=f"cannot write {other / RUN_ID} .*names the run"):
+        Trainer(tiny_config(*memory, f"checkpoint.memory_dir={tmp_path / 'shm'}", run_dir=other)).build()
 
 
 def test_a_refused_snapshot_is_an_event_and_training_goes_on(tiny_config, tmp_path):

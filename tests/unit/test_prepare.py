@@ -524,16 +524,24 @@ def test_inputs_named_twice_are_read_once_and_held_out_files_given_apart_are_ref
     twice = prepare(PrepareOptions([str(folder), str(folder / "train.jsonl")], str(tmp_path / "twice"), **SMALL))
     assert twice["input_documents"] == once["input_documents"]
     (folder / "validation.jsonl").write_text('{"text": "held out"}\n')
-    with pytest.raises(DataError, match=r"holds held-out files \(validation.jsonl\) beside the training files"):
+    with pytest.raises(DataError, match=r"INPUTs hold held-out files \(validation.jsonl\) beside the training"):
         prepare(PrepareOptions([str(folder / "train.jsonl"), str(folder / "validation.jsonl")], str(tmp_path / "p"),
                                **SMALL))
     assert not (tmp_path / "p").exists()
+    # Judged by the names below each input, not below the inputs' common folder ("dev" here).
+    (folder / "validation.jsonl").unlink()
+    (tmp_path / "dev-docs").mkdir()
+    shutil.copy(small_corpus, tmp_path / "dev-docs" / "notes.jsonl")
+    both = prepare(PrepareOptions([str(folder), str(tmp_path / "dev-docs" / "notes.jsonl")], str(tmp_path / "p"),
+                                  **SMALL))
+    assert both["input_documents"] == 2 * once["input_documents"]
 
 
 def test_a_lone_surrogate_escape_in_jsonl_is_one_line_naming_it(tmp_path):
     """JSON lets scraped text carry half an emoji ("\\ud83d"); no tokenizer encodes it."""
     good = '{"text": "a whole one \\ud83d\\ude00", "messages": [{"role": "user", "content": "ok"}]}\n'
-    for record in ('{"text": "half \\ud83d of one"}\n', '{"messages": [{"role": "user", "content": "\\udc00"}]}\n'):
+    for record in ('{"text": "half \\ud83d of one"}\n', '{"messages": [{"role": "user", "content": "\\udc00"}]}\n',
+                   '{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"a": "\\ud83d"}]}]}\n'):
         path = tmp_path / "s.jsonl"
         path.write_text(good + record)
         field = "messages" if record.startswith('{"messages"') else "text"

@@ -178,10 +178,11 @@ _REPLY_PROBE = "\u2063shardline-reply\u2063"  # a reply no template rewrites
 def turn_end_text(template: ChatTemplate | str | None = None) -> str:
     """What the rendering puts right after every assistant reply, blanks stripped: the end of its
     turn as the model learned to write it (Llama 3's <|eot_id|>, ChatML's <|im_end|>), which a
-    base model's eos (<|end_of_text|>) is not. Where a last reply is followed by more than one
-    followed by another message (Phi-3's "<|end|>\n<|endoftext|>" against "<|end|>\n<|user|>"),
-    only what both begin with, up to the last blank or marker close (">") inside it. "" when the
-    template writes nothing there or cannot render such a conversation."""
+    base model's eos (<|end_of_text|>) is not. A template may write more after the last reply
+    than after one another message follows (Phi-3: "<|end|>\n<|endoftext|>" against
+    "<|end|>\n<|user|>..."): then only what the two begin with, cut after its last blank or
+    marker close (">"). "" when the template writes nothing there or cannot render such a
+    conversation."""
     template = _as_template(template)
     last = _after_reply(template, [])
     if not last:

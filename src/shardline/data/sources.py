@@ -20,7 +20,6 @@ import gzip
 import io
 import itertools
 import json
-import os
 import re
 import zlib
 from collections.abc import Iterator
@@ -80,17 +79,32 @@ def input_files(path: str, key: str = "data.path") -> list[Path]:
 
 def inputs_files(paths: list[str], key: str) -> list[Path]:
     """The data files of several inputs (prepare's), each read once, in the order given. A
-    dataset's held-out files given beside its training files as inputs of their own (a shell's
-    `data/*.jsonl`) are refused as they are inside one folder."""
+    dataset's held-out file given beside training files as an input of its own (a shell's
+    `data/*.jsonl` passes validation.jsonl so) is refused, as it is inside one folder: each file
+    judged by its name below the input that named it (a file: its own name)."""
     seen: dict[Path, Path] = {}
+    held_out = []
     for path in paths:
+        root = _input_root(path)
         for f in input_files(path, key):
-            seen.setdefault(f.resolve(), f)
+            if seen.setdefault(f.resolve(), f) is f and _held_out_name(f.relative_to(root) if root else Path(f.name)):
+                held_out.append(f)
     files = list(seen.values())
-    if len(paths) > 1:
-        root = Path(os.path.commonpath([f.resolve().parent for f in files]))
-        _refuse_held_out(" ".join(paths), root, [f.resolve() for f in files], key)
+    if held_out and len(held_out) < len(files):
+        raise DataError(f"{key}s hold held-out files ({', '.join(f.name for f in held_out[:3])}) beside the "
+                        "training files, and every input is trained on: leave them out (a share of the training "
+                        "files is held out for evaluation: --val-fraction)")
     return files
+
+
+def _input_root(path: str) -> Path | None:
+    """What an input's files are named below: a folder, a pattern's fixed part; None for a file."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    if not p.exists() and _GLOB.search(path):
+        return Path(*[part for part in itertools.takewhile(lambda q: not _GLOB.search(q), p.parts)])
+    return None
 
 
 _GLOB = re.compile(r"[*?[]")
@@ -219,8 +233,8 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
             value = obj.get(field) if isinstance(obj, dict) else None
             if field == CHAT_FIELD:
                 conversation = _conversation(f, f"line {n}", value)
-                for m in conversation:
-                    _encodable(f, n, m["content"])
+                for text in _strings(conversation):  # tool calls and other fields reach the template too
+                    _encodable(f, n, text)
                 yield conversation
             elif isinstance(value, str):
                 yield _encodable(f, n, value)
@@ -238,6 +252,19 @@ def _encodable(f: Path, n: int, text: str) -> str:
             raise DataError(f"data file {f} line {n} holds a lone surrogate escape ({text[e.start]!a}, half of a "
                             "character's UTF-16 pair), which is no text: fix or drop that record") from None
     return text
+
+
+def _strings(value) -> Iterator[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
 
 
 def _conversation(f: Path, where: str, value) -> list[dict]:

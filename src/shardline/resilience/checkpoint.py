@@ -39,6 +39,7 @@ from shardline.resilience.save_failures import agree_on_failure, storage_error
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+VISIBLE_WAIT_S = 30.0  # how long the writer waits to see the files other nodes wrote (_wait_visible)
 
 
 def _sha256(path: Path) -> str:
@@ -209,13 +210,9 @@ def _written(tmp: Path, trainer_ranks: int) -> dict[str, int]:
     return need
 
 
-VISIBLE_WAIT_S = 30.0  # how long the writer waits to see the files other nodes wrote
-
-
 def _wait_visible(tmp: Path, need: dict[str, int], wait_s: float | None = None) -> None:
     """Until each file is there at its size, listing its folder again (which asks the server anew)."""
-    wait_s = VISIBLE_WAIT_S if wait_s is None else wait_s
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + (wait_s := VISIBLE_WAIT_S if wait_s is None else wait_s)
     while True:
         missing = [n for n, size in need.items() if not ((tmp / n).is_file() and (tmp / n).stat().st_size >= size)]
         if not missing:
@@ -388,13 +385,16 @@ class Checkpointer:
         what an interrupted seal left aside once repair_interrupted_seal did not need it.
 
         Best effort: it runs on the writer alone, after a save every rank agreed had landed, so
-        raising here would fail that rank only (its peers go on into the next collective). A
-        folder that cannot be renamed or verified now (moved away meanwhile, unreadable) stays
-        for the next prune, or for the next start's repair, which raises on every rank."""
-        with contextlib.suppress(OSError, CheckpointError):
+        raising here would fail that rank only (its peers go on into the next collective). What
+        cannot be renamed or checked now (moved away meanwhile, unreadable) stays: for the next
+        prune, or for the next start's repair, which raises on every rank."""
+        try:
             self.repair_interrupted_seal()
+            asides = [*self.root.glob(f"step-*{DELETING}")]  # what repair did not need
+        except (OSError, CheckpointError):
+            asides = []  # unchecked: one may be a step's only copy
         for old in self.list()[: -self.keep]:
             with contextlib.suppress(OSError):
                 old.rename(old.with_name(old.name + PRUNING))
-        for gone in [*self.root.glob(f"step-*{PRUNING}"), *self.root.glob(f"step-*{DELETING}")]:
-            shutil.rmtree(gone, ignore_errors=True)  # a seal's folder aside that repair did not need
+        for gone in [*self.root.glob(f"step-*{PRUNING}"), *asides]:
+            shutil.rmtree(gone, ignore_errors=True)

@@ -257,7 +257,7 @@ class MemoryTier:
         full /dev/shm) on any rank is that step's failure on every rank, agreed through the
         collectives the snapshot makes anyway: each drops the step's files and training goes on
         ({"step", "error"}); an optional tier does not end the job, nor leave its RAM full."""
-        own, error = self._attempt(lambda: self._write("own", step, tree))
+        own, error = self._attempt("own", step, tree)
         extra = 0
         if self.world > 1:
             sizes = self._all_sizes(-1 if error else own.numel())  # -1: this rank's failed
@@ -265,11 +265,11 @@ class MemoryTier:
             if not error and self.mode == "replica":
                 held = redundancy.exchange_replicas(own, sizes, self.rank, self.world, self.ranks_per_node,
                                                     self.group)
-                _, error = self._attempt(lambda: self._write("replica", step, held))
+                _, error = self._attempt("replica", step, held)
                 extra = held.numel()
             elif not error:
                 parity = redundancy.encode_parity(own, sizes, self.parity_members, self.rank, self.parity_group)
-                _, error = self._attempt(lambda: self._write("parity", step, parity.view(torch.uint8), sizes=sizes))
+                _, error = self._attempt("parity", step, parity.view(torch.uint8), sizes=sizes)
                 extra = parity.numel() * parity.element_size()
             # Every rank holds this generation (or none keeps it) before any drops the last.
             if self._any_failed(bool(error)) and not error:  # (called by every rank, failed or not)
@@ -280,12 +280,12 @@ class MemoryTier:
         self._prune(step)
         return {"step": step, "own_bytes": own.numel(), "redundancy_bytes": extra}
 
-    @staticmethod
-    def _attempt(write: Callable[[], torch.Tensor]) -> tuple[torch.Tensor | None, str]:
+    def _attempt(self, kind: str, step: int, data: Any, **extra: Any) -> tuple[torch.Tensor | None, str]:
+        """_write, or the reason it failed (a refusal of the storage is the step's, not the job's)."""
         try:
-            return write(), ""
-        except OSError as e:
-            return None, f"cannot write {e.filename or 'the snapshot'}: {e.strerror or e}"
+            return self._write(kind, step, data, **extra), ""
+        except OSError as e:  # (a full disk's names no file: the one being written)
+            return None, f"cannot write {e.filename or self._path(kind, step, '.bin.tmp')}: {e.strerror or e}"
 
     def _any_failed(self, failed: bool) -> bool:
         flag = torch.tensor([int(failed)])

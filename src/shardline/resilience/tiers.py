@@ -5,6 +5,7 @@ this decides how, logs what each save cost, and finds the newest state to restor
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import shutil
@@ -153,13 +154,21 @@ class StateTiers:
             return
         held = self.memory.newest_held() if not complete or self.cfg.checkpoint.interval else None
         saved = self.checkpointer.list()  # complete ones (sealed with their manifest), by step
-        keep = held is not None and not (saved and step_of(saved[-1]) >= held)
+        disk = self._rank0s(step_of(saved[-1]) if saved else 0)  # the writer's listing: it sealed them
+        keep = held is not None and held > disk
         if self.proc.world_size > 1:  # decided together: a rank's files hold its peers' replica or parity
-            flag = torch.tensor([int(keep)])
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.memory.group)
-            keep = bool(flag.item())
+            keep = bool(self._max(int(keep)))
         if not keep:
             self.memory.clear()
+
+    def _rank0s(self, value: int) -> int:
+        """Rank 0's `value` on every rank (another node's cached listing may lag the writer's)."""
+        return self._max(value if self.proc.rank == 0 else -1) if self.proc.world_size > 1 else value
+
+    def _max(self, value: int) -> int:
+        flag = torch.tensor([value])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.memory.group)
+        return int(flag.item())
 
     # ---- restoring --------------------------------------------------------------------
 
@@ -200,11 +209,15 @@ class StateTiers:
             return f"cannot read {path} ({e.strerror or e}); the in-memory snapshots are kept: start again"
         except (ValueError, KeyError, TypeError):
             pass
-        run_id = uuid.uuid4().hex
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"run": run_id}))
-        tmp.replace(path)  # whole or absent, never torn
+        run_id, tmp = uuid.uuid4().hex, path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"run": run_id}))
+            tmp.replace(path)  # whole or absent, never torn
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            return f"cannot write {path} ({e.strerror or e}), which names the run its in-memory snapshots belong to"
         return run_id, True
 
     def newest(self, disk: Path | None, use_memory: bool = True):

@@ -108,9 +108,10 @@ class AnomalyResponse:
         self.metrics.event("anomaly", **event)
         self.optimizer.zero_grad(set_to_none=True)
         saved, failure = None, None
-        try:
+        try:  # each wait its own phase, under its own long timeout, as a save and a drain are elsewhere
             with self.guard.phase("halt", self.step):
                 self.tiers.drain()  # this step's interval save may still be in flight
+            with self.guard.phase("halt", self.step):
                 this_step = self.checkpointer.root / step_dir_name(self.step)
                 # the state before the bad step may be on disk already; rank 0, which seals checkpoints,
                 # decides for all (a lagging name cache on another rank would skip the collective save)
@@ -118,6 +119,7 @@ class AnomalyResponse:
                     saved = this_step
                 elif self.cfg.checkpoint.interval:
                     saved = self.save_checkpoint()
+            with self.guard.phase("halt", self.step):
                 self.tiers.finish(complete=False)  # RAM freed unless it holds a state newer than the disk's
         except CheckpointError as e:  # checkpoint.on_error=stop: the halt is still what is reported
             failure = e
