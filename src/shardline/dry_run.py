@@ -33,6 +33,7 @@ from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE
 from shardline.preflight import (
     Preflight,
+    bos_setting,
     check_config,
     check_device,
     check_layout_before_data,
@@ -51,10 +52,10 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
     check_layout_before_data(cfg, world)
     data, folder_tokenizer = data_summary(cfg)
     resume = check_resume(cfg)
-    vocab, tokenizer = _tokenizer_vocab(cfg, folder_tokenizer)
+    vocab, tokenizer, add_bos = _tokenizer_vocab(cfg, folder_tokenizer)
     launch = preflight(cfg, world, vocab)
     known = bool(cfg.data.tokenizer or folder_tokenizer)  # else the size of a BPE trained at launch, estimated
-    check_resume_fits(resume, launch.model_args, cfg.train.steps, vocab_known=known)
+    check_resume_fits(resume, launch.model_args, cfg.train.steps, add_bos, vocab_known=known)
     check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu", node_paths=False)
     target = ("" if cfg.run.device != "auto" or torch.cuda.is_available() else
               " (as a CUDA launch: run.device=auto, and this machine has no GPU, where it would train on the "
@@ -68,13 +69,15 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
     return "\n".join([*lines, *memory]), fits
 
 
-def _tokenizer_vocab(cfg: Config, folder_tokenizer: str = "") -> tuple[int, str]:
+def _tokenizer_vocab(cfg: Config, folder_tokenizer: str = "") -> tuple[int, str, bool | None]:
+    """(vocabulary size, what the report says of the tokenizer, data.add_bos where it decides tokens)."""
     path = cfg.data.tokenizer or folder_tokenizer  # a prepared folder fixes its tokenizer
     if path:
-        size = id_bound(load_tokenizer(path))  # as the launch sizes the embedding: one past the largest id
-        return size, f"{path} ({size:,} tokens)"
+        tok = load_tokenizer(path)
+        size = id_bound(tok)  # as the launch sizes the embedding: one past the largest id
+        return size, f"{path} ({size:,} tokens)", bos_setting(cfg, tok)
     return cfg.data.vocab_size, (f"a byte-level BPE of up to {cfg.data.vocab_size:,} tokens, trained at launch "
-                                 "(not checked here: its exact size)")
+                                 "(not checked here: its exact size)"), None  # (a BPE of ours has no BOS)
 
 
 def _model_line(cfg: Config, launch: Preflight) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -100,13 +101,32 @@ class Console:
         if self._progress is None:
             print(line, flush=True)
             return
-        self._progress.console.print(line)
+        self._progress.console.print(line, markup=False, highlight=False)  # "[resume] ..." is no style tag
         if rec["kind"] == "train":
             self._progress.update(self._task, completed=rec["step"], description=f"loss {rec['loss']:.4f}")
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+
+
+def _drop_torn_line(path: Path) -> None:
+    """A record cut short by a kill (no newline at the end) goes, so the resumed run's first one
+    starts a line of its own: each line stays one JSON object."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            tail = b""
+            while size > 0 and b"\n" not in tail:
+                step = min(size, 1 << 16)
+                f.seek(size - step)
+                tail, size = f.read(step) + tail, size - step
+            if not tail.endswith(b"\n"):
+                f.truncate(size + tail.rfind(b"\n") + 1)
+    except FileNotFoundError:
+        return
 
 
 class MetricsLogger:
@@ -116,6 +136,8 @@ class MetricsLogger:
                  enabled: bool = True):
         self.enabled = enabled  # only one rank writes; the others keep the same code path
         self.console = Console(mode if enabled else "none", total_steps, first_step)
+        if enabled:
+            _drop_torn_line(run_dir / "metrics.jsonl")
         self._jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
         self._tb = None
         self._tb_dir = run_dir / "tensorboard"
@@ -147,6 +169,7 @@ class MetricsLogger:
             for key, value in fields.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(f"{kind}/{key}", value, fields["step"])
+            self._tb.flush()  # on disk a line at a time, as metrics.jsonl: a killed run loses none of its curves
         return rec
 
     def event(self, event: str, **fields: Any) -> dict[str, Any]:

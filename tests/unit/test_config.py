@@ -56,7 +56,10 @@ def test_a_relaunch_reads_the_saved_config_but_its_launch_only_settings(tmp_path
     ("trian.steps=3", "unknown config section [trian]"),
     ("train.steps=many", "train.steps='many' has the wrong type: expected int"),
     ("train.steps=1.5", "expected int"),
-    ("train.compile=1", "expected bool"),
+    ("train.compile=1", "train.compile=1 has the wrong type: expected true or false"),
+    ("model.tie_embeddings=true", "model.tie_embeddings=True has the wrong type: expected int; valid: -1 (the preset"),
+    ("moe.norm_topk=yes", "moe.norm_topk='yes' has the wrong type: expected int; valid: -1 (the preset's or the "
+                          "starting weights'), 0 (off) or 1 (on)"),
     ("train.steps=0", "train.steps=0 is invalid: must be > 0"),
     ("watchdog.probe_interval=-1", "watchdog.probe_interval=-1 is invalid: must be >= 0 (0 = off)"),
     ("faults.slow_in=gpu", "faults.slow_in='gpu' is invalid: must be one of ('host', 'compute', 'data')"),

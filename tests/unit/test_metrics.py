@@ -28,3 +28,66 @@ def test_steps_logged_again_replace_the_old_history_in_tensorboard(tmp_path):
     points = [(e.step, e.value) for e in seen.Scalars("train/loss")]
     assert points == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 25.0), (6, 26.0)]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 10  # the jsonl keeps every record
+
+
+KILLED_AFTER_LOGGING = """
+import os, sys
+from pathlib import Path
+from shardline.metrics import MetricsLogger
+logger = MetricsLogger(Path(sys.argv[1]), "none", True, 10, 0)
+for step in (1, 2, 3):
+    logger.log("train", step=step, loss=float(step))
+os._exit(9)  # killed: nothing closes the writer
+"""
+
+
+def test_points_are_on_disk_as_they_are_logged_not_when_the_writer_closes(tmp_path):
+    """TensorBoard's writer held up to two minutes of points in memory: a killed run lost them."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", KILLED_AFTER_LOGGING, str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 9, done.stderr
+    seen = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    seen.Reload()
+    assert [(e.step, e.value) for e in seen.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+
+def test_the_progress_bars_event_lines_keep_their_names(tmp_path, capsys):
+    """rich read "[resume]" as a style tag and printed " step=3 ..." without it."""
+    logger = MetricsLogger(tmp_path, "rich", False, 10, 0)
+    logger.event("resume", step=3, checkpoint="runs/x/checkpoints/step-000003")
+    logger.close()
+    assert "[resume] step=3 checkpoint=runs/x/checkpoints/step-000003" in capsys.readouterr().out
+
+
+def test_a_run_that_fails_closes_its_log(tiny_config):
+    """An error mid-run (an OOM, a refused save) left TensorBoard's writer and the progress bar open."""
+    from shardline.trainer import Trainer
+
+    trainer = Trainer(tiny_config("train.steps=4", "train.eval_interval=0")).build()
+
+    def crash():
+        raise RuntimeError("injected")
+
+    trainer.compute_gradients = crash
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.train()
+    assert trainer.metrics._jsonl.closed
+
+
+def test_a_record_cut_short_by_a_kill_goes_before_the_resumed_run_appends(tmp_path):
+    import json
+
+    whole = json.dumps({"kind": "train", "step": 1}) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(whole + '{"kind": "train", "st')  # killed mid-write
+    logger = MetricsLogger(tmp_path, "none", False, 10, 1)
+    logger.event("resume", step=1)
+    logger.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[0] == whole.strip() and [json.loads(line)["kind"] for line in lines] == ["train", "event"]
+    (tmp_path / "torn.jsonl").write_text('{"no newline at all"')
+    from shardline.metrics import _drop_torn_line
+
+    _drop_torn_line(tmp_path / "torn.jsonl")
+    assert (tmp_path / "torn.jsonl").read_text() == ""

@@ -789,6 +789,9 @@ def test_bos_is_added_once_and_a_resume_keeps_the_runs_setting(tmp_path, small_c
             "train.seq_len=64", "model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.ffn_dim=128",
             "checkpoint.interval=1", "train.eval_interval=0", "train.stop_at_step=1", "metrics.progress=none"]
     Trainer(load_config(None, base)).build().train()
-    with pytest.raises(ConfigError, match="was trained with data.add_bos=true, this run has false: every "
-                                          "document's tokens would change; set data.add_bos=true to resume it"):
-        Trainer(load_config(None, [*base, "data.add_bos=false"])).build()
+    from shardline.dry_run import dry_run
+
+    for launch in (lambda cfg: Trainer(cfg).build(), lambda cfg: dry_run(cfg, 1)):  # a dry run fails as the launch
+        with pytest.raises(ConfigError, match="was trained with data.add_bos=true, this run has false: every "
+                                              "document's tokens would change; set data.add_bos=true to resume it"):
+            launch(load_config(None, [*base, "data.add_bos=false"]))

@@ -72,12 +72,16 @@ def updated(obj: Any, raw: dict[str, Any], where: str, kind: str = "config key")
     if not isinstance(raw, dict):
         raise ConfigError(f"[{where}] must be a table of keys, got {raw!r}")
     hints = typing.get_type_hints(type(obj))
-    names = field_names(obj)
+    fields = {f.name: f for f in dataclasses.fields(obj)}
     changes = {}
     for key, value in raw.items():
-        if key not in names:
-            raise ConfigError(f"unknown {kind} {where}.{key}; valid keys: {', '.join(names)}")
-        changes[key] = coerce(f"{where}.{key}", value, hints[key], getattr(obj, key))
+        if key not in fields:
+            raise ConfigError(f"unknown {kind} {where}.{key}; valid keys: {', '.join(fields)}")
+        try:
+            changes[key] = coerce(f"{where}.{key}", value, hints[key], getattr(obj, key))
+        except ConfigError as e:  # a field may say what its values mean (a -1/0/1 switch is no bool)
+            valid = fields[key].metadata.get("valid")
+            raise ConfigError(f"{e}; valid: {valid}" if valid else str(e)) from None
     return dataclasses.replace(obj, **changes)
 
 
@@ -129,7 +133,8 @@ def coerce(key: str, value: Any, hint: Any, current: Any = None) -> Any:
         return value
     if hint is float and isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
         return float(value)  # --optim.lr=.001 or 5. is not TOML, but is plainly a number (not inf or nan)
-    raise ConfigError(f"{key}={value!r} has the wrong type: expected {getattr(hint, '__name__', hint)}")
+    expected = "true or false" if hint is bool else getattr(hint, "__name__", hint)
+    raise ConfigError(f"{key}={value!r} has the wrong type: expected {expected}")
 
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from shardline.errors import require
 
+SWITCH = "-1 (the preset's or the starting weights'), 0 (off) or 1 (on)"  # what a yes/no model key takes
+
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 ATTENTION_KERNELS = ("auto", "sdpa", "flex", "varlen")
 FP8_RECIPES = ("tensorwise", "rowwise")
@@ -48,9 +50,9 @@ class ModelConfig:
     ffn_dim: int = 0
     vocab_size: int = 0
     rope_theta: float = 0.0
-    tie_embeddings: int = -1  # -1 keep, 0 untied, 1 tied
-    qk_norm: int = -1  # -1 keep, 0 off, 1 an RMSNorm on each query and key head (Qwen3)
-    qkv_bias: int = -1  # -1 keep, 0 off, 1 bias terms on the query, key and value projections (Qwen2)
+    tie_embeddings: int = field(default=-1, metadata={"valid": SWITCH})  # -1 keep, 0 untied, 1 tied
+    qk_norm: int = field(default=-1, metadata={"valid": SWITCH})  # 1: an RMSNorm on each query and key head (Qwen3)
+    qkv_bias: int = field(default=-1, metadata={"valid": SWITCH})  # 1: biases on the q, k and v projections (Qwen2)
 
     def check(self) -> None:
         # The preset name is checked against the model table by the launch checks
@@ -81,7 +83,7 @@ class MoEConfig:
     shared_experts: int = -1  # always-on experts (one SwiGLU of shared_experts x expert_ffn_dim)
     first_dense_layers: int = -1  # leading blocks that keep the dense feed-forward
     router: str = ""  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3)
-    norm_topk: int = -1  # 1: a token's top_k weights renormalised to sum to one; 0: the raw scores
+    norm_topk: int = field(default=-1, metadata={"valid": SWITCH})  # 1: top_k weights sum to one; 0: raw scores
     capacity_factor: float = -1.0  # 0 = dropless; c > 0: each expert takes ceil(c x tokens x top_k / experts)
     aux_loss_coef: float = -1.0  # Switch/GShard balance loss per sequence; 0 = off
     z_loss_coef: float = -1.0  # router z-loss; 0 = off

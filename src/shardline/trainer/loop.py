@@ -114,8 +114,7 @@ class Trainer(SavedState, AnomalyResponse):
                               self.device)
         self.tiers = self.guard.tiers  # where state is saved and found again
         self.anomaly = build_anomaly_check(cfg, launch.layout, self.optimizer, self.device)
-        self.skipped_batches: list[int] = list(cfg.train.skip_batches)
-        self.rollbacks = 0
+        self.skipped_batches, self.rollbacks = list(cfg.train.skip_batches), 0
         self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)  # active parameters under MoE
         moe = self.model_args.moe
         self.experts = ExpertBalance(self.model, self.dims, cfg.train.global_batch_size) if moe else None
@@ -191,9 +190,10 @@ class Trainer(SavedState, AnomalyResponse):
         """Train to train.steps (or stop_at_step); returns the last logged metrics."""
         try:
             return self._train()
-        except BaseException:
-            with contextlib.suppress(Exception):  # a failed evaluation or save inside the window: the steps so far
-                self.profiler.close(self.step)
+        except BaseException:  # the profiled steps so far; the log's (TensorBoard's tail, the terminal progress held)
+            for close in (lambda: self.profiler.close(self.step), self.metrics.close):
+                with contextlib.suppress(Exception):
+                    close()
             if self.proc.world_size == 1:  # a save in flight is still worth finishing: a rerun resumes from it
                 with contextlib.suppress(Exception):  # (not with ranks: its collectives may wait on a lost peer)
                     self.guard.drain(self.step)
