@@ -108,6 +108,8 @@ def _worker(rank: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
             gathered = "fp8.fsdp_all_gather=true" in overrides
             if gathered and not gathers_in_float8(trainer):
                 raise AssertionError("FSDP does not gather the float8 weights in float8")
+            if gathered and not scales_precomputed(trainer):  # else FSDP's hook scales each tp shard alone
+                raise AssertionError("no float8 scales were precomputed before the first step")
             trainer.train()
             if gathered and not scales_precomputed(trainer):
                 raise AssertionError("no float8 scales were precomputed after the optimizer step")

@@ -19,6 +19,7 @@ from shardline.parallel.collectives import local_value, loss_context, reduce_ove
 from shardline.parallel.context.sharding import shard_batch
 from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
+from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.parallelize import BuiltModel
 from shardline.parallel.pipeline import sync_tied_gradient
 from shardline.precision import LossScaler, autocast
@@ -36,6 +37,8 @@ class StepRunner:
         self.pipeline, self.context = built.pipeline, built.context
         if self.pipeline is not None:
             self.pipeline.build_schedule(device, dims.submesh("pp").get_group(), self._pipeline_loss)
+        if cfg.train.precision == "fp8":  # the first step's float8-gathered weights: the scales of the whole
+            precompute_scales(self.model)  # weights, as after every step (left to FSDP's hook, each tp shard its own)
 
     @property
     def loss_in_model(self) -> bool:
