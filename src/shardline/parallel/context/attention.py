@@ -47,6 +47,7 @@ class ContextParallel:
         self.ring = Ring(ring_group) if split.ring > 1 else None
         self.ring_index = self.cp_rank // split.ulysses
         self._shards = [split.ring_shard(i) for i in range(split.ring)]  # host positions of each ring shard
+        self._on_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def local_positions(self) -> torch.Tensor:
         return self.split.positions(self.cp_rank)
@@ -57,19 +58,32 @@ class ContextParallel:
         full = self._gather(doc_ids) if doc_ids is not None else None
         if self.ring is None:  # after the all-to-all the whole sequence is local, in order
             return SequenceMask(full, local=self.local.mask(full))
-        kv_doc = [full[:, s.to(full.device)] for s in self._shards] if full is not None else None
-        plan = RingPlan(self.ring, self._shards[self.ring_index], self._shards,
-                        kv_doc[self.ring_index] if kv_doc is not None else None, kv_doc,
-                        full.device if full is not None else None)
+        mine = self._shards[self.ring_index]
+        if full is None:
+            return SequenceMask(None, RingPlan(self.ring, mine, self._shards, None, None, None))
+        shards, _ = self._positions_on(full.device)
+        kv_doc = [full[:, s] for s in shards]
+        plan = RingPlan(self.ring, mine, self._shards, kv_doc[self.ring_index], kv_doc, full.device,
+                        on_device=(shards[self.ring_index], shards))
         return SequenceMask(full, plan)
+
+    def _positions_on(self, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The ring shards' and the cp ranks' positions on `device`, copied there once: a copy from
+        host memory waits for the device's queue to drain, and one per forward, layer or masked
+        block would stop the host from running ahead of the kernels."""
+        if device not in self._on_device:
+            self._on_device[device] = ([s.to(device) for s in self._shards],
+                                       [self.split.positions(r).to(device) for r in range(self.split.cp)])
+        return self._on_device[device]
 
     def _gather(self, doc_ids: torch.Tensor) -> torch.Tensor:
         """Every cp rank's document ids put back in sequence order (a few KB per forward)."""
         parts = [torch.empty_like(doc_ids) for _ in range(self.split.cp)]
         dist.all_gather(parts, doc_ids.contiguous(), group=self.cp_group)
         full = torch.empty(doc_ids.shape[0], self.split.seq_len, dtype=doc_ids.dtype, device=doc_ids.device)
+        _, ranks = self._positions_on(full.device)
         for rank, part in enumerate(parts):
-            full[:, self.split.positions(rank).to(full.device)] = part
+            full[:, ranks[rank]] = part
         return full
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SequenceMask) -> torch.Tensor:

@@ -130,12 +130,14 @@ class RingPlan:
     rebuilt from the document ids when used, so none is kept between forward and backward.
     """
 
-    def __init__(self, ring: Ring, q_pos, kv_pos, q_doc, kv_doc, device):
+    def __init__(self, ring: Ring, q_pos, kv_pos, q_doc, kv_doc, device, on_device=None):
         """q_pos: this rank's ring shard's positions; kv_pos[i]: ring shard i's (host tensors);
-        q_doc [b, sq], kv_doc[i] [b, sk]: document ids, or None (one document)."""
+        q_doc [b, sq], kv_doc[i] [b, sk]: document ids, or None (one document); on_device: q_pos
+        and kv_pos on `device`, where the masks are made (copied here when not given)."""
         self.q_pos, self.q_doc, self.device = q_pos, q_doc, device or torch.device("cpu")
         self.sources = [(ring.rank - step) % ring.size for step in range(ring.size)]
         self.kv_pos, self.kv_doc = kv_pos, kv_doc
+        self._q_dev, self._kv_dev = on_device or (q_pos.to(self.device), [p.to(self.device) for p in kv_pos])
         self._steps = []
         for source in self.sources:
             pairs = []
@@ -175,8 +177,8 @@ class RingPlan:
 
     def _allowed(self, qs: slice, ks: slice, source: int) -> torch.Tensor:
         """[b, sq, sk]: causal, and within a document when there are documents."""
-        q_pos, k_pos = self.q_pos[qs], self.kv_pos[source][ks]
-        allowed = (k_pos[None, :] <= q_pos[:, None]).to(self.device)[None]
+        q_pos, k_pos = self._q_dev[qs], self._kv_dev[source][ks]  # on the device: no copy per block
+        allowed = (k_pos[None, :] <= q_pos[:, None])[None]
         if self.q_doc is not None:
             allowed = allowed & (self.q_doc[:, qs, None] == self.kv_doc[source][:, None, ks])
         return allowed

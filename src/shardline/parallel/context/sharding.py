@@ -55,6 +55,11 @@ class SequenceSplit:
 
 def shard_batch(batch: dict[str, torch.Tensor], positions: torch.Tensor) -> dict[str, torch.Tensor]:
     """This rank's tokens of a [batch, seq] batch (every field), plus their global positions."""
-    out = {k: v[:, positions.to(v.device)] for k, v in batch.items()}
+    on: dict[torch.device, torch.Tensor] = {}  # the positions copied once to each device (a copy waits for it)
+    out = {}
+    for k, v in batch.items():
+        if v.device not in on:
+            on[v.device] = positions.to(v.device)
+        out[k] = v[:, on[v.device]]
     out["positions"] = positions
     return out
