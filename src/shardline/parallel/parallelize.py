@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardline.models.llama import Llama
 from shardline.parallel.context.attention import ContextParallel
@@ -27,9 +28,14 @@ class BuiltModel:
 
 
 def assign_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Store a full (unsharded) value into a parameter, keeping only this rank's shard."""
+    """Store a full (unsharded) value into a parameter, keeping only this rank's shard. Every
+    rank holds the same full value (made on the host), so each slices its own shard there and
+    only that crosses to the device: no collective, and no full copy of each parameter in device
+    memory (distribute_tensor moves the whole tensor to the mesh's device first: a stacked expert
+    weight of a large MoE is gigabytes)."""
     if isinstance(param, DTensor):
-        # src_data_rank=None: every rank holds the same full value, so each slices its own
-        # shard locally and no collective runs.
-        value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        # The shard's place in the whole tensor, as DCP computes it for sharded saves.
+        shape, offset = compute_local_shape_and_global_offset(value.shape, param.device_mesh, param.placements)
+        param.to_local().copy_(value[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+        return
     param.copy_(value)
