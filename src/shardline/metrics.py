@@ -160,7 +160,7 @@ class MetricsLogger:
 
     def log(self, kind: str, **fields: Any) -> dict[str, Any]:
         rec = {"kind": kind, "time": round(time.time(), 3), **fields}
-        if not self.enabled:
+        if not self.enabled or self._jsonl.closed:  # closed: a watchdog report racing a failed run's end
             return rec
         self._jsonl.write(json.dumps(_strict(rec), allow_nan=False, default=_jsonable) + "\n")
         self._jsonl.flush()

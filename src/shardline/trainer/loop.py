@@ -190,14 +190,14 @@ class Trainer(SavedState, AnomalyResponse):
         """Train to train.steps (or stop_at_step); returns the last logged metrics."""
         try:
             return self._train()
-        except BaseException:  # the profiled steps so far; the log's (TensorBoard's tail, the terminal progress held)
-            for close in (lambda: self.profiler.close(self.step), self.metrics.close):
-                with contextlib.suppress(Exception):
-                    close()
+        except BaseException:
             if self.proc.world_size == 1:  # a save in flight is still worth finishing: a rerun resumes from it
                 with contextlib.suppress(Exception):  # (not with ranks: its collectives may wait on a lost peer)
                     self.guard.drain(self.step)
-            self.guard.stop_watching()  # an error, a halt or Ctrl-C: the watchdog and handlers go
+            self.guard.stop_watching()  # an error, a halt or Ctrl-C: the watchdog (its last reports) and handlers go
+            for close in (lambda: self.profiler.close(self.step), self.metrics.close):  # the trace so far; the log
+                with contextlib.suppress(Exception):
+                    close()
             self.lock.release()
             raise
 

@@ -19,7 +19,7 @@ from shardline.parallel.collectives import local_value, loss_context, reduce_ove
 from shardline.parallel.context.sharding import shard_batch
 from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
-from shardline.parallel.float8 import precompute_scales
+from shardline.parallel.float8 import first_scales
 from shardline.parallel.parallelize import BuiltModel
 from shardline.parallel.pipeline import sync_tied_gradient
 from shardline.precision import LossScaler, autocast
@@ -37,8 +37,14 @@ class StepRunner:
         self.pipeline, self.context = built.pipeline, built.context
         if self.pipeline is not None:
             self.pipeline.build_schedule(device, dims.submesh("pp").get_group(), self._pipeline_loss)
-        if cfg.train.precision == "fp8":  # the first step's float8-gathered weights: the scales of the whole
-            precompute_scales(self.model)  # weights, as after every step (left to FSDP's hook, each tp shard its own)
+        self._first_scales = cfg.train.precision == "fp8"  # due before the first pass, after every load
+
+    def _scales_once(self) -> None:
+        """fp8: the float8-gathered weights' first scales (parallel/float8.first_scales), at the first
+        pass, when every weight a start or a resume loads is in place; each step's update renews them."""
+        if self._first_scales:
+            self._first_scales = False
+            first_scales(self.model)
 
     @property
     def loss_in_model(self) -> bool:
@@ -49,6 +55,7 @@ class StepRunner:
                               n_tokens: int) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches (`batch_of(indices)` reads one);
         returns its share of the global mean loss."""
+        self._scales_once()
         if self.pipeline is None:
             loss = torch.zeros((), device=self.device)
             for i, idx in enumerate(micro):
@@ -115,6 +122,7 @@ class StepRunner:
         Every rank runs the same number of forward passes, since sharded parameters
         are gathered collectively: a rank short of a batch repeats one and counts it 0.
         """
+        self._scales_once()
         dp, dp_rank = self.dims.dp, self.dims.dp_rank()
         total = torch.zeros((), device=self.device)
         for i in range(dp_rank, -(-len(batches) // dp) * dp, dp):
