@@ -190,10 +190,10 @@ def precompute_scales(model: nn.Module) -> None:
 def first_scales(model: nn.Module) -> None:
     """Before the first step: the scales of the whole weights, as after every step. Left to
     FSDP's pre-gather hook, a weight's amax is reduced over its shard ranks only, so under tp
-    each tp shard would be cast with its own scale. FSDP's lazy initialisation runs first (it
-    would otherwise at the first forward, and it rebuilds the tensor of a shorter, padded shard,
-    dropping a scale set on it: those ranks alone would then reduce an amax, a collective their
-    peers skip). Every root of this rank's model: the model, or each pipeline stage."""
+    each tp shard would be cast with its own scale. FSDP's lazy initialisation runs first: it
+    would otherwise at the first forward, after the scales, and it resets each sharded parameter
+    (for a padded shard, by reading torchao: a new tensor without the scale, whose rank alone
+    would then reduce an amax). Every root of this rank's model: the model, or each pipeline stage."""
     from torch.distributed.fsdp import FSDPModule
 
     roots = [m for m in model.modules() if isinstance(m, FSDPModule)]
