@@ -157,16 +157,22 @@ def linear_config(recipe: str, emulate: bool, fsdp_all_gather: bool):
 
 
 def convert(model: nn.Module, recipe: str, emulate: bool, fsdp_all_gather: bool,
-            split_backward: bool = False, tp: int = 1) -> list[str]:
+            split_backward: bool = False, tp: int = 1, shard: int = 1) -> list[str]:
     """Swap the chosen Linear layers of `model` (in place, any device including meta) for
-    Float8Linear; returns their names. `tp`: the degree that will split them. `split_backward`:
-    a zero-bubble pipeline schedule will split each backward in two passes, so each float8
-    Linear computes only the gradients a pass asks for (`_SplitFloat8Matmul`)."""
+    Float8Linear; returns their names. `tp`: the degree that will split them; `shard`: FSDP's.
+    `split_backward`: a zero-bubble pipeline schedule will split each backward in two passes, so
+    each float8 Linear computes only the gradients a pass asks for (`_SplitFloat8Matmul`)."""
     require_torchao()
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     chosen = [name for name, m in model.named_modules() if converts(m, name, tp)]
+    rows = {n: model.get_submodule(n).out_features for n in chosen}
+    uneven = [n for n in chosen if rows[n] % (shard * tp)]
+    if fsdp_all_gather and uneven:  # torchao's float8 gather sends each rank's shard as it is: sizes differ
+        fsdp_all_gather = False
+        log.warning(f"fp8.fsdp_all_gather: FSDP's {shard} shards of {uneven[0]}'s {rows[uneven[0]]} rows (tp {tp}) "
+                    "are unequal, which torchao's float8 all-gather does not take: weights gather in bf16")
     convert_to_float8_training(model, module_filter_fn=functools.partial(converts, tp=tp),
                                config=linear_config(recipe, emulate, fsdp_all_gather))
     if split_backward:

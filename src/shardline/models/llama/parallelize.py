@@ -76,7 +76,7 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     if cfg.train.precision == "fp8":  # on meta, before anything lays the Linear layers out
         float8.convert(model, cfg.fp8.recipe, emulate=device.type != "cuda",
                        fsdp_all_gather=cfg.fp8.fsdp_all_gather and fsdp and not cfg.memory.cpu_offload,
-                       split_backward=dims.layout.split_backward, tp=dims.tp)
+                       split_backward=dims.layout.split_backward, tp=dims.tp, shard=dims.dp_shard * dims.cp)
     if dims.cp > 1:  # before the pipeline cuts the model: its stages take the cp attention and mask
         context = apply_cp(model, dims, cfg.train.seq_len, cfg.train.attention, cfg.train.document_mask, device)
     else:  # the same, for the kernel train.attention picks (a ring has its own; preflight refuses flex/varlen there)
