@@ -193,22 +193,6 @@ def precompute_scales(model: nn.Module) -> None:
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def first_scales(model: nn.Module) -> None:
-    """Before the first step: the scales of the whole weights, as after every step. Left to
-    FSDP's pre-gather hook, a weight's amax is reduced over its shard ranks only, so under tp
-    each tp shard would be cast with its own scale. FSDP's lazy initialisation runs first: it
-    would otherwise at the first forward, after the scales, and it resets each sharded parameter
-    (for a padded shard, by reading torchao: a new tensor without the scale, whose rank alone
-    would then reduce an amax). Every root of this rank's model: the model, or each pipeline stage."""
-    from torch.distributed.fsdp import FSDPModule
-
-    roots = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    inner = {id(c) for r in roots for c in r.modules() if c is not r}
-    for root in (r for r in roots if id(r) not in inner):
-        root._get_fsdp_state()._lazy_init()
-    precompute_scales(model)
-
-
 @torch.compiler.disable  # eager: the engine query in its backward means nothing in a traced graph
 def _split_backward_forward(linear: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """Float8Linear's forward through `_SplitFloat8Matmul` (bound to each converted Linear

@@ -19,7 +19,7 @@ from shardline.parallel.collectives import local_value, loss_context, reduce_ove
 from shardline.parallel.context.sharding import shard_batch
 from shardline.parallel.data_parallel import gradient_sync
 from shardline.parallel.dims import ParallelDims
-from shardline.parallel.float8 import first_scales
+from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.parallelize import BuiltModel
 from shardline.parallel.pipeline import sync_tied_gradient
 from shardline.precision import LossScaler, autocast
@@ -40,11 +40,14 @@ class StepRunner:
         self._first_scales = cfg.train.precision == "fp8"  # due before the first pass, after every load
 
     def _scales_once(self) -> None:
-        """fp8: the float8-gathered weights' first scales (parallel/float8.first_scales), at the first
-        pass, when every weight a start or a resume loads is in place; each step's update renews them."""
+        """fp8: the float8-gathered weights' first scales, those of the whole weights as after every
+        step (left to FSDP's pre-gather hook, the amax is reduced over its shard ranks only: under tp
+        each tp shard its own), at the first pass, when every weight a start or a resume loads is in
+        place. FSDP's lazy init, at that pass, keeps them: float8-gathered shards are equal
+        (parallel/float8.convert), so it makes no new shard tensor."""
         if self._first_scales:
             self._first_scales = False
-            first_scales(self.model)
+            precompute_scales(self.model)
 
     @property
     def loss_in_model(self) -> bool:
