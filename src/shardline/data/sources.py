@@ -103,8 +103,13 @@ def _input_root(path: str) -> Path | None:
     if p.is_dir():
         return p
     if not p.exists() and _GLOB.search(path):
-        return Path(*[part for part in itertools.takewhile(lambda q: not _GLOB.search(q), p.parts)])
+        return _fixed_part(path)
     return None
+
+
+def _fixed_part(pattern: str) -> Path:
+    """The folder a glob pattern's matches lie below: its parts before the first with a glob character."""
+    return Path(*[part for part in itertools.takewhile(lambda q: not _GLOB.search(q), Path(pattern).parts)])
 
 
 _GLOB = re.compile(r"[*?[]")
@@ -123,8 +128,7 @@ def _matched_files(pattern: str, key: str) -> list[Path]:
     if not files:
         what = f"matches {len(matches)} path(s) but no {', '.join(SUFFIXES)} file" if matches else "matches no path"
         raise DataError(f"{key}={pattern!r} {what} (a pattern: the path does not exist as written)")
-    fixed = Path(*[part for part in itertools.takewhile(lambda p: not _GLOB.search(p), Path(pattern).parts)])
-    _refuse_held_out(pattern, fixed, files, key)
+    _refuse_held_out(pattern, _fixed_part(pattern), files, key)
     return files
 
 

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from shardline.resilience import redundancy, snapshot_format
 from shardline.resilience.background import BackgroundWork
 from shardline.resilience.model_state import capture_state, restore_state
+from shardline.resilience.save_failures import any_rank
 
 KINDS = ("own", "replica", "parity")
 
@@ -272,7 +273,7 @@ class MemoryTier:
                 _, error = self._attempt("parity", step, parity.view(torch.uint8), sizes=sizes)
                 extra = parity.numel() * parity.element_size()
             # Every rank holds this generation (or none keeps it) before any drops the last.
-            if self._any_failed(bool(error)) and not error:  # (called by every rank, failed or not)
+            if any_rank(bool(error), self.group) and not error:  # (called by every rank, failed or not)
                 error = "another rank's redundancy write failed"
         if error:
             self._drop(lambda held: held == step)
@@ -286,11 +287,6 @@ class MemoryTier:
             return self._write(kind, step, data, **extra), ""
         except OSError as e:  # (a full disk's names no file: the one being written)
             return None, f"cannot write {e.filename or self._path(kind, step, '.bin.tmp')}: {e.strerror or e}"
-
-    def _any_failed(self, failed: bool) -> bool:
-        flag = torch.tensor([int(failed)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
 
     def _all_sizes(self, size: int) -> list[int]:
         sizes = torch.zeros(self.world, dtype=torch.int64)

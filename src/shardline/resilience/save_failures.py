@@ -39,6 +39,13 @@ def agree_on_failure(failure: BaseException | None, group: dist.ProcessGroup | N
         raise OSError(storage, f"{os.strerror(storage)} (on another rank)")
 
 
+def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether `flag` holds on any rank of `group` (a host-side all-reduce: a gloo group)."""
+    box = torch.tensor([int(flag)])
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
+    return bool(box.item())
+
+
 def storage_error(e: BaseException) -> OSError | None:
     """The OSError (disk full, read-only, quota, I/O) behind a failed save, else None.
 

@@ -23,7 +23,8 @@ from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import ProcessInfo
 from shardline.resilience.async_checkpoint import AsyncSaver
 from shardline.resilience.checkpoint import Checkpointer, step_of
-from shardline.resilience.save_failures import storage_error
+from shardline.resilience.recovery import rank0_decides
+from shardline.resilience.save_failures import any_rank, storage_error
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.memory_tier import MemoryTier, run_root
 
@@ -154,21 +155,13 @@ class StateTiers:
             return
         held = self.memory.newest_held() if not complete or self.cfg.checkpoint.interval else None
         saved = self.checkpointer.list()  # complete ones (sealed with their manifest), by step
-        disk = self._rank0s(step_of(saved[-1]) if saved else 0)  # the writer's listing: it sealed them
+        # The writer's listing (it sealed them; another node's cached one may lag).
+        disk = rank0_decides(step_of(saved[-1]) if saved else 0, self.proc.rank, self.proc.world_size)
         keep = held is not None and held > disk
         if self.proc.world_size > 1:  # decided together: a rank's files hold its peers' replica or parity
-            keep = bool(self._max(int(keep)))
+            keep = any_rank(keep, self.memory.group)
         if not keep:
             self.memory.clear()
-
-    def _rank0s(self, value: int) -> int:
-        """Rank 0's `value` on every rank (another node's cached listing may lag the writer's)."""
-        return self._max(value if self.proc.rank == 0 else -1) if self.proc.world_size > 1 else value
-
-    def _max(self, value: int) -> int:
-        flag = torch.tensor([value])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.memory.group)
-        return int(flag.item())
 
     # ---- restoring --------------------------------------------------------------------
 
