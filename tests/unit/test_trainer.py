@@ -227,3 +227,21 @@ def test_seq_len_beyond_the_presets_maximum_raises_the_recorded_maximum(tiny_con
 
     cfg = load_config(None, ["train.seq_len=2048"])
     assert preflight(cfg, 1, tokenizer_vocab=4096).model_args.max_seq_len == 2048
+
+
+def test_an_eval_reads_a_small_held_out_split_once_each(tiny_config, tmp_path):
+    """A held-out split smaller than eval_batches global batches is read whole, each sequence
+    once: the mean over distinct text, the count in the record (was: repeated to make up the count,
+    its first sequences weighted twice)."""
+    import numpy as np
+
+    trainer = Trainer(tiny_config("train.eval_batches=13")).build()
+    val = trainer.data.val
+    held_out = len(val)
+    assert held_out < 13 * 8 and (13 * 8) % held_out, held_out  # the case: asked more, not a multiple
+    one_each = trainer.steps.eval_loss_total([np.array([i]) for i in range(held_out)], val.batch)
+    expected = one_each.item() / val.count_labels(np.arange(held_out))
+    trainer.metrics = type("Log", (), {"log": lambda self, kind, **f: records.append(f)})()
+    records: list[dict] = []
+    assert trainer.evaluate() == pytest.approx(expected, rel=1e-5)
+    assert records[0]["eval_sequences"] == held_out

@@ -63,3 +63,12 @@ def batch_index(step: int, skipped: list[int]) -> int:
         if s <= index:
             index += 1
     return index
+
+
+def eval_micro_batches(held_out: int, asked: int, micro: int) -> list[np.ndarray]:
+    """The held-out sequences an evaluation reads, `micro` at a time (the last may be fewer):
+    the first `asked`, or the whole split when it holds fewer, each read once. Repeating a
+    small split to make up the count weighted its first sequences twice where it did not
+    divide the count, and an eval loss should be the mean over distinct held-out text."""
+    order = np.arange(min(asked, held_out))
+    return [order[i:i + micro] for i in range(0, len(order), micro)]

@@ -22,7 +22,7 @@ import torch
 
 from shardline.config import Config, save_config
 from shardline.data import build_data, tokenizer_file
-from shardline.data.sampler import batch_index
+from shardline.data.sampler import batch_index, eval_micro_batches
 from shardline.devices import peak_tflops
 from shardline.errors import Preempted
 from shardline.interop.weights import copy_starting_files, load_starting_weights, starting_hf_fields
@@ -364,15 +364,15 @@ class Trainer(SavedState, AnomalyResponse):
             self.scheduler.step()
 
     def evaluate(self) -> float:
-        """Mean loss over the first eval_batches global batches of the held-out split, run as
-        micro-batches shared by the data-parallel ranks (StepRunner.eval_loss_total): the same
-        sequences, so the same number, whatever the layout and micro-batching."""
+        """Mean loss over the held-out split's first eval_batches global batches (eval_micro_batches), shared
+        by the data-parallel ranks: the same sequences, so the same number, whatever the layout."""
         t = self.cfg.train
         self.model.eval()
-        idx_all = np.arange(t.eval_batches * t.global_batch_size) % len(self.data.val)
-        total = self.steps.eval_loss_total(np.split(idx_all, len(idx_all) // t.micro_batch_size), self.data.val.batch)
-        loss = total.item() / max(self.data.val.count_labels(idx_all), 1)
-        self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
+        batches = eval_micro_batches(len(self.data.val), t.eval_batches * t.global_batch_size, t.micro_batch_size)
+        total = self.steps.eval_loss_total(batches, self.data.val.batch)
+        loss = total.item() / max(self.data.val.count_labels(np.concatenate(batches)), 1)
+        self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)),
+                         eval_sequences=sum(map(len, batches)))
         return loss
 
     def _clock(self) -> float:
