@@ -196,3 +196,22 @@ def test_skipping_halts_when_the_loss_level_moved_for_good(tiny_config, tmp_path
         trainer.train()
     events = [r for r in read_records(tmp_path / where, "event") if r["event"] == "anomaly"]
     assert [(e["step"], e["action"]) for e in events] == [(5, "skip"), (6, "skip"), (7, "halt")]
+
+
+def test_the_rollback_budget_and_skip_streak_go_on_across_a_restart(tiny_config, tmp_path):
+    """anomaly.max_rollbacks is the run's, not each attempt's: a requeued job that rolled back
+    before halts at the next fault instead of rolling back with a fresh budget."""
+    common = ["anomaly.action=rollback", "anomaly.max_rollbacks=1", "anomaly.min_history=3", "checkpoint.interval=3",
+              "train.eval_interval=0"]
+    first = Trainer(tiny_config(*common, "faults.nan_step=5", "train.stop_at_step=6")).build()
+    first.train()
+    assert first.rollbacks == 1 and first.step == 6
+    again = Trainer(tiny_config(*common, "faults.nan_step=8")).build()
+    assert again.step == 6 and again.rollbacks == 1
+    with pytest.raises(AnomalyHalt, match="at step 8"):
+        again.train()
+    streak = tmp_path / "streak"  # a skip streak up to a saved step goes on after a restore too
+    skipping = Trainer(tiny_config(*common, "train.stop_at_step=3", run_dir=streak)).build()
+    skipping._anomaly_streak = (2, 2)
+    skipping.train()
+    assert Trainer(tiny_config(*common, run_dir=streak)).build()._anomaly_streak == (2, 2)

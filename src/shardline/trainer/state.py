@@ -51,6 +51,11 @@ class SavedState:
         self._optim_changes.update({k: [v, now[k]] for k, v in state.get("schedule", {}).items() if now.get(k) != v})
         self.scaler.load_state_dict(state["scaler"])
         self.anomaly.load_state_dict(state.get("anomaly", {}))
+        # The run's rollback budget and skip streak go on across restarts (a requeued job must not get a
+        # fresh budget each time); a rollback's own count is this attempt's, never lowered by an older state.
+        handled = state.get("anomaly_handling", {})
+        self.rollbacks = max(self.rollbacks, handled.get("rollbacks", 0))
+        self._anomaly_streak = tuple(handled.get("streak", self._anomaly_streak))
         saved = state["data"].get("skipped_batches", [])
         check_skip_batches(name, self.step, saved, self.cfg.train.skip_batches)
         self.skipped_batches = sorted(set(saved) | set(self.skipped_batches))
@@ -71,4 +76,5 @@ class SavedState:
                 "skipped_batches": self.skipped_batches}
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict(),
+                "anomaly_handling": {"rollbacks": self.rollbacks, "streak": list(self._anomaly_streak)},
                 "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim)}
