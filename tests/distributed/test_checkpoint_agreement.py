@@ -8,7 +8,8 @@ trainer file meets a full disk, and both must raise the same storage error, leav
 folder behind, and still be in step for the next collective. Then the ranks' choices of
 checkpoint differ (a name cache that lags on shared storage): rank 0's wins, and a rank
 that cannot see it stops both ranks with the same one-line error; a halt's question whether
-its step is on disk gets rank 0's answer on both.
+its step is on disk gets rank 0's answer on both, and a resume refused by one rank's listing
+alone (run.resume=never beside a checkpoint the other's does not show yet) is refused on both.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardline.errors import CheckpointError
-from shardline.resilience.checkpoint import write_state
-from shardline.resilience.recovery import agree_on_resume, rank0_decides
+from shardline.config import load_config
+from shardline.errors import CheckpointError, ConfigError
+from shardline.parallel.distributed import agreed
+from shardline.resilience.checkpoint import Checkpointer, write_state
+from shardline.resilience.recovery import agree_on_resume, rank0_decides, resume_path
 from tests.distributed.harness import start_ranks
 from tests.ports import free_port
 
@@ -76,17 +79,29 @@ def _two_saves(rank: int, world: int, port: int, root: str) -> None:
             outcomes.append(str(e))
         # a halt asks whether its step is on disk: rank 0's answer (it sealed it) is every rank's
         outcomes.append(rank0_decides(rank == 0, rank, world))
+        # run.resume=never and a checkpoint only rank 0's listing shows yet: the refusal is both ranks'
+        cfg = load_config(None, ["run.resume=never", f"run.dir={root}/run"])
+        seen = Path(root) / ("run" if rank == 0 else "lagging")
+        try:
+            agreed(lambda: resume_path(cfg, Checkpointer(seen, 3, rank, rank == 0)), world)
+            outcomes.append("fresh start")
+        except ConfigError as e:
+            outcomes.append(str(e))
         (Path(root) / f"rank{rank}.json").write_text(json.dumps([*outcomes, int(flag)]))
     finally:
         dist.destroy_process_group()
 
 
 def test_a_save_that_fails_on_one_rank_fails_on_both(tmp_path):
+    (tmp_path / "run" / "checkpoints" / "step-000001").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step-000001" / "manifest.json").write_text("{}")
     start_ranks(_two_saves, (2, free_port(), str(tmp_path)), nprocs=2)
     first = ["ok", f"OSError {errno.ENOSPC}", "ok"]
     blind = f"rank 0 resumes from {tmp_path / 'step-000003'}, which rank(s) [1] cannot see: run.dir must be on " \
             "storage every node shares"
+    never = f"run.resume='never' but {tmp_path / 'run'} already holds checkpoints that a new run would overwrite; " \
+            "choose another run.dir or remove them"
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [
-        [*first, "CheckpointError", "step-000003", blind, True, 1],
-        [*first, "ValueError", "step-000003", blind, True, 1]]
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-000001", "step-000003"]
+        [*first, "CheckpointError", "step-000003", blind, True, never, 1],
+        [*first, "ValueError", "step-000003", blind, True, f"on rank 0: {never}", 1]]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["run", "step-000001", "step-000003"]

@@ -296,11 +296,11 @@ def test_a_checkpoint_sealed_before_the_lock_was_taken_is_the_one_resumed(traine
     """The resume is chosen early (bad input fails before the run dir is touched); a run that still
     held the dir may seal a newer checkpoint meanwhile, even while the choice hashes the newest one:
     the choice is made again under the lock."""
-    from shardline.trainer import loop
+    from shardline.trainer import state
 
     newest = trained / "checkpoints" / "step-000012"
     newest.rename(tmp_path / "sealing")
-    choose = loop.resume_path
+    choose = state.resume_path
 
     def the_other_run_seals_while_we_choose(cfg, checkpointer, **options):
         chosen = choose(cfg, checkpointer, **options)
@@ -308,7 +308,7 @@ def test_a_checkpoint_sealed_before_the_lock_was_taken_is_the_one_resumed(traine
             (tmp_path / "sealing").rename(newest)
         return chosen
 
-    monkeypatch.setattr(loop, "resume_path", the_other_run_seals_while_we_choose)
+    monkeypatch.setattr(state, "resume_path", the_other_run_seals_while_we_choose)
     trainer = Trainer(tiny_config("train.steps=12")).build()
     assert trainer.step == 12 and newest.is_dir()  # not step 6, with step 12 set aside
 

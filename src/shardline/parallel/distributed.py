@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardline import errors
 from shardline.errors import ConfigError
 
 
@@ -87,6 +88,31 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def agreed(check, world_size: int):
+    """check()'s result, where it succeeded on every rank; else an error raised on every rank
+    (collective when world_size > 1): a rank's own, or the lowest failing rank's, named.
+
+    For a check each rank makes from shared storage, where a lagging name cache can fail it on
+    one rank alone: that rank exiting while its peers go on to the next collective left them
+    waiting for the process group's timeout (or the launcher's teardown) with no message."""
+    if world_size == 1:
+        return check()
+    try:
+        result, failure = check(), None
+    except errors.ShardlineError as e:
+        result, failure = None, e
+    outcomes: list = [None] * world_size
+    dist.all_gather_object(outcomes, None if failure is None else (type(failure).__name__, str(failure)))
+    if failure is not None:
+        raise failure
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None:
+            kind = getattr(errors, outcome[0], None)
+            kind = kind if isinstance(kind, type) and issubclass(kind, errors.ShardlineError) else errors.ShardlineError
+            raise kind(f"on rank {rank}: {outcome[1]}")
+    return result
 
 
 def _local_world_size(world: int) -> int:

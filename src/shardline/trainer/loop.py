@@ -41,14 +41,14 @@ from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.pipeline import tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler
-from shardline.preflight import (check_config, check_device, check_layout_before_data, check_resume_fits,
-                                 bos_setting, gone_start_checkpoint, launch_notes, preflight, use_model_tokenizer)
+from shardline.preflight import (check_config, check_device, check_layout_before_data, gone_start_checkpoint,
+                                 launch_notes, preflight, use_model_tokenizer)
 from shardline.profiling import StepProfiler, configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name
 from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
-from shardline.resilience.recovery import agree_on_resume, memory_tier_resumable, rank0_decides, resume_path
+from shardline.resilience.recovery import agree_on_resume, memory_tier_resumable, rank0_decides
 from shardline.resilience.run_lock import RunLock
 from shardline.trainer.anomalies import AnomalyResponse
 from shardline.trainer.state import SavedState
@@ -86,9 +86,8 @@ class Trainer(SavedState, AnomalyResponse):
         self.data = build_data(cfg)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
         seen = self.checkpointer.list()  # before the choice, which may take minutes hashing the newest
-        resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer)
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
-        check_resume_fits(resume_from, launch.model_args, cfg.train.steps, bos_setting(cfg, self.data.tokenizer))
+        resume_from = self._choose_resume(launch.model_args)  # a refusal on any rank stops every rank
         check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
         build = build_moe_model if self.model_args.moe else build_model
@@ -124,8 +123,7 @@ class Trainer(SavedState, AnomalyResponse):
             self.checkpointer.repair_interrupted_seal()  # a crash between a save's two renames
             # Chosen again: a run finishing in this dir may have saved since, or the repair put one back.
             if self.checkpointer.list() != seen or resume_from is None:
-                resume_from, self._invalid_checkpoints = resume_path(cfg, self.checkpointer,
-                                                                     repaired=self.proc.is_main)
+                resume_from = self._choose_resume(self.model_args, repaired=self.proc.is_main)
             self.guard.watch(before_exit=self.lock.release)  # a hang's exit frees the run dir for the rerun
             with self.guard.phase("restore", self.step):
                 resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)

@@ -13,9 +13,11 @@ from pathlib import Path
 
 from shardline.models.factory import args_to_json
 from shardline.optim import apply_hyperparameters, schedule_settings
+from shardline.parallel.distributed import agreed
 from shardline.parallel.float8 import precompute_scales
+from shardline.preflight import bos_setting, check_resume_fits
 from shardline.resilience.recovery import (check_data_position, check_skip_batches, check_steps_ahead, get_rng_state,
-                                          set_rng_state)
+                                          resume_path, set_rng_state)
 from shardline.resilience.run_lock import launcher_ids
 
 
@@ -29,6 +31,19 @@ class SavedState:
         else:
             step = found[0] if isinstance(found, tuple) else self.checkpointer.verify(found)["step"]
         return self.checkpointer.set_aside_after(step)
+
+    def _choose_resume(self, model_args, repaired: bool = False) -> Path | None:
+        """The checkpoint to resume (resume_path), checked to fit this run (check_resume_fits).
+        Each rank chooses from shared storage, where a lagging listing can refuse on one rank
+        alone; the refusal is raised on every rank (agreed), not left to the process group's
+        timeout. Rank 0's choice is made every rank's later (agree_on_resume)."""
+        def choose():
+            found, invalid = resume_path(self.cfg, self.checkpointer, repaired=repaired)
+            check_resume_fits(found, model_args, self.cfg.train.steps, bos_setting(self.cfg, self.data.tokenizer))
+            return found, invalid
+
+        found, self._invalid_checkpoints = agreed(choose, self.proc.world_size)
+        return found
 
     def _layout_fingerprint(self) -> str:
         """What in-memory snapshots (local shards) are only valid for: this layout and model
