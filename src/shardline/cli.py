@@ -81,7 +81,8 @@ def _refuse_srun_tasks(env) -> None:
     """`srun --ntasks-per-node=8 shardline train` (no torchrun) starts 8 one-process runs on one
     run dir: one trains, the others stop at its lock. Refused in one line."""
     tasks = env.get("SLURM_STEP_NUM_TASKS", "1")
-    if tasks.isdigit() and int(tasks) > 1 and "WORLD_SIZE" not in env:
+    # torchrun sets RANK in each worker; a WORLD_SIZE exported by an sbatch script alone is not a launch
+    if tasks.isdigit() and int(tasks) > 1 and "RANK" not in env and env.get("WORLD_SIZE") != "1":
         raise ShardlineError(f"srun started {tasks} tasks, each its own one-process run; start one torchrun "
                              "per node instead (srun --ntasks-per-node=1 torchrun --nproc_per_node=... -m "
                              "shardline train ...; the README's Slurm example), or set WORLD_SIZE=1 for one "

@@ -12,6 +12,7 @@ machines themselves.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -21,12 +22,12 @@ from shardline.config import Config
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
-from shardline.devices import local_datasheet
+from shardline.devices import DATASHEETS, local_datasheet
 from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
 from shardline.parallel.compile import describe as describe_compile
 from shardline.planner.estimate import estimate
-from shardline.planner.hardware import get_hardware
+from shardline.planner.hardware import Hardware, get_hardware
 from shardline.planner.layout import Workload
 from shardline.planner.report import attention_words, mfu_words
 from shardline.planner.memory import GiB
@@ -56,7 +57,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
     launch = preflight(cfg, world, vocab)
     known = bool(cfg.data.tokenizer or folder_tokenizer)  # else the size of a BPE trained at launch, estimated
     check_resume_fits(resume, launch.model_args, cfg.train.steps, add_bos, vocab_known=known)
-    check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu", node_paths=False)
+    check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu", node_paths=False, fp8_target=_fp8_target(gpu))
     target = ("" if cfg.run.device != "auto" or torch.cuda.is_available() else
               " (as a CUDA launch: run.device=auto, and this machine has no GPU, where it would train on the "
               "CPU; --run.device=cpu checks that)")
@@ -101,6 +102,11 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
              f"{lay.micro_batch_size}",
              f"attention {describe_attention(t.attention, t.document_mask, cfg.run.device != 'cpu', *lay.cp_degrees)}",
              f"compile   {describe_compile(t.compile, lay, cfg.memory.activation_checkpoint, launch.model_args.moe)}"]
+    p = cfg.parallel
+    unused = [f"{k}={getattr(p, k)}" for k, v in (("pp_schedule", "1f1b"), ("pp_microbatches", 0),
+                                                 ("pp_virtual_stages", 1)) if getattr(p, k) != v]
+    if lay.pp == 1 and unused:  # said, not refused: a pipeline config run at pp=1 to debug is fine
+        lines.append(f"pipeline  none (parallel.pp=1): {', '.join(unused)} unused")
     if lay.pp > 1:
         lines.append(f"pipeline  {lay.pp_schedule}, {lay.n_stages} stages, {lay.pp_microbatches} micro-batches "
                      "per step")
@@ -123,14 +129,13 @@ def _compile_pricing(work: Workload, layout) -> str:
 
 
 def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list[str], bool]:
-    name, note = _device_name(cfg, gpu)
-    hw = get_hardware(name)
+    hw = _device(cfg, gpu)
     doc_tokens, doc_source = _mean_doc_tokens(cfg)
     work = Workload.from_config(cfg, launch.model_args, doc_tokens)
     e = estimate(work, launch.layout, hw)
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.memory.items() if k not in OUTSIDE_DEVICE)
     fits = "fits" if e.fits else "DOES NOT FIT"
-    return [f"memory    per rank on {hw.name}{note}, planner estimate (GiB): {parts}",
+    return [f"memory    per rank on {hw.name}, planner estimate (GiB): {parts}",
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
             + _compile_pricing(work, launch.layout),
@@ -152,16 +157,35 @@ def _mean_doc_tokens(cfg: Config) -> tuple[float, str]:
     return 0.0, ""
 
 
-def _device_name(cfg: Config, gpu: str | None) -> tuple[str, str]:
-    """The hardware table entry to estimate memory for, and a note when it was assumed."""
+def _fp8_target(gpu: str | None) -> str | None:
+    """--gpu's problem with fp8 ('' none), judged on its datasheet instead of this machine's card
+    (a dry run on an A100 login node for H100s, or the reverse); None without --gpu."""
+    if gpu is None or gpu not in DATASHEETS:
+        return None
+    if DATASHEETS[gpu].peak_tflops.get("fp8"):
+        return ""
+    return (f"train.precision=fp8 needs float8 GEMMs (compute capability >= 8.9, Ada/Hopper); --gpu {gpu} has "
+            "none; use train.precision=bf16")
+
+
+def _device(cfg: Config, gpu: str | None) -> Hardware:
+    """The hardware to estimate memory for: --gpu's table entry, else this machine's card (its
+    own memory: names match a table entry by a part, and an A100-SXM4-40GB is an "A100" as the
+    80 GB entry is, a GH200 an "H200"), else an assumed H100."""
     if gpu:
-        return gpu, ""
+        return get_hardware(gpu)
     if cfg.run.device == "cpu":
-        return "cpu", ""
-    sheet = local_datasheet(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-    if sheet is not None:
-        return sheet.name, ""
-    return "h100-sxm", " (assumed; pass --gpu TYPE)"
+        return get_hardware("cpu")
+    if not torch.cuda.is_available():
+        return dataclasses.replace(get_hardware("h100-sxm"), name="h100-sxm (assumed; pass --gpu TYPE)")
+    card = torch.cuda.get_device_name()
+    card_gib = torch.cuda.get_device_properties(0).total_memory / GiB
+    sheet = local_datasheet(card)
+    hw = get_hardware(sheet.name if sheet else "h100-sxm")
+    if sheet is not None and abs(hw.mem_gib - card_gib) <= 0.02 * hw.mem_gib:
+        return hw
+    speeds = "" if sheet else ", an H100's speeds assumed; pass --gpu TYPE"
+    return dataclasses.replace(hw, name=f"{card} ({card_gib:.1f} GiB{speeds})", mem_gib=card_gib)
 
 
 def _ranges(ids: tuple[int, ...]) -> str:

@@ -334,7 +334,8 @@ def check_resume(cfg: Config) -> Path | None:
     return path
 
 
-def check_device(cfg: Config, layout: Layout, on_cuda: bool, node_paths: bool = True) -> None:
+def check_device(cfg: Config, layout: Layout, on_cuda: bool, node_paths: bool = True,
+                 fp8_target: str | None = None) -> None:
     """The checks that depend on the machine: a GPU that has float8 GEMMs for fp8 (read only
     where a GPU is visible: a dry run on a laptop cannot know), what the anomaly check can gate.
 
@@ -343,12 +344,13 @@ def check_device(cfg: Config, layout: Layout, on_cuda: bool, node_paths: bool = 
     so it saves nothing, but it runs FSDP2's offload path as a GPU would (without pinned
     memory), which is how the CPU suite checks that path; the trainer logs a
     `cpu_offload_saves_nothing` event. `node_paths` false (a dry run, perhaps on a login node):
-    the training nodes' own folders (memory.ssd_offload_dir) are not looked at here.
+    the training nodes' own folders (memory.ssd_offload_dir) are not looked at here; `fp8_target`
+    (a dry run's --gpu): its problem with fp8 ('' none), instead of this machine's card's.
     """
     _raise(attention.device_problem(cfg.train.attention, on_cuda))
     _raise(ssd_offload.problem(cfg.memory, layout.zero, on_cuda, node_paths))
     if cfg.train.precision == "fp8":
-        _raise(float8.capability_problem(float8.local_capability(on_cuda)))
+        _raise(float8.capability_problem(float8.local_capability(on_cuda)) if fp8_target is None else fp8_target)
     impl = cfg.optim.implementation
     check_on_device(cfg, layout, impl == "fused" or (impl == "auto" and on_cuda), on_cuda)
 

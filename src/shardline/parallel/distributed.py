@@ -50,6 +50,7 @@ def init_distributed(device: torch.device) -> ProcessInfo:
         world = dist.get_world_size()
         return ProcessInfo(dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", 0)),
                            dist.distributed_c10d._get_default_store(), _local_world_size(world))
+    check_launch_env(os.environ, torch.cuda.device_count() if device.type == "cuda" else 0)
     if not launched_by_torchrun():
         return ProcessInfo(0, 1, 0)
     world = int(os.environ["WORLD_SIZE"])
@@ -67,6 +68,29 @@ def init_distributed(device: torch.device) -> ProcessInfo:
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
                             device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)
     return ProcessInfo(rank, world, local_rank, store, _local_world_size(world))
+
+
+def check_launch_env(env, gpus: int) -> None:
+    """One line for a launch environment that cannot work, before anything waits on it: a
+    WORLD_SIZE above 1 without RANK (an sbatch script's export, not torchrun: each process would
+    train alone), a rank without MASTER_ADDR/MASTER_PORT (the rendezvous raised a traceback), or
+    more ranks on a node than it shows GPUs (`gpus`; 0: not on CUDA), which failed in CUDA."""
+    world = env.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1 and "RANK" not in env:
+        raise ConfigError(f"WORLD_SIZE={world} is set but RANK is not: start the ranks with torchrun (it sets both), "
+                          "or unset WORLD_SIZE for one process")
+    if "RANK" not in env or world == "1":
+        return
+    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if key not in env]
+    if missing:
+        raise ConfigError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: start the ranks with "
+                          "torchrun, or set both to rank 0's host and a free port")
+    local = env.get("LOCAL_RANK", "0")
+    if gpus and local.isdigit() and int(local) >= gpus:
+        shown = env.get("CUDA_VISIBLE_DEVICES")
+        raise ConfigError(f"LOCAL_RANK={local} but this node shows {gpus} GPU(s)"
+                          + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else "")
+                          + f": start at most {gpus} ranks a node (torchrun --nproc_per_node={gpus})")
 
 
 def init_one_process_group(device: torch.device) -> None:

@@ -1,0 +1,51 @@
+"""What a dry run judges the device by: --gpu's datasheet when given (fp8 too), else this
+machine's card with its own memory (a table entry matched by a part of the name may not be it)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardline import dry_run
+from shardline.errors import ConfigError
+
+
+def _card(monkeypatch, name: str, gib: float) -> None:
+    """This machine shows one CUDA card of that name and memory (the CPU suite has none)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=gib * 2**30))
+
+
+def test_a_card_smaller_than_its_table_entry_is_estimated_at_its_own_memory(tiny_config, monkeypatch):
+    cfg = tiny_config("run.device=cuda")
+    _card(monkeypatch, "NVIDIA A100-SXM4-40GB", 39.4)
+    hw = dry_run._device(cfg, None)
+    assert hw.mem_gib == pytest.approx(39.4) and hw.name == "NVIDIA A100-SXM4-40GB (39.4 GiB)"
+    assert hw.peak_tflops["bf16"] == 312.0  # the A100's speeds still
+    _card(monkeypatch, "NVIDIA A100-SXM4-80GB", 79.2)  # the table's own card: its entry as it is
+    assert dry_run._device(cfg, None).name == "a100-80gb"
+    _card(monkeypatch, "NVIDIA L40S", 44.4)  # not in the table: its memory, an H100's speeds
+    assert dry_run._device(cfg, None).mem_gib == pytest.approx(44.4)
+    assert "an H100's speeds assumed" in dry_run._device(cfg, None).name
+    assert dry_run._device(cfg, "h200").mem_gib == 139.8  # --gpu: the target, not this card
+
+
+def test_fp8_is_judged_on_the_target_gpu_given(tiny_config, monkeypatch):
+    cfg = tiny_config("train.precision=fp8", "run.device=cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))  # this machine: an A100
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "on h100-sxm" in dry_run.dry_run(cfg, 1, "h100-sxm")[0]  # an A100 login node checks an H100 launch
+    with pytest.raises(ConfigError, match="--gpu a100-80gb has none"):
+        dry_run.dry_run(cfg, 1, "a100-80gb")
+    with pytest.raises(ConfigError, match="this GPU is 8.0"):  # without --gpu: this machine's card
+        dry_run.dry_run(cfg, 1)
+
+
+def test_pipeline_keys_without_a_pipeline_are_named_unused(tiny_config):
+    report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "parallel.pp_schedule=interleaved_1f1b",
+                                            "parallel.pp_virtual_stages=2"), 1)
+    assert "pipeline  none (parallel.pp=1): pp_schedule=interleaved_1f1b, pp_virtual_stages=2 unused" in report
+    assert "pipeline  none" not in dry_run.dry_run(tiny_config("run.device=cpu"), 1)[0]

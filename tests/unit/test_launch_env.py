@@ -1,0 +1,32 @@
+"""The launch environment a process finds (parallel.distributed.check_launch_env): what cannot
+work is one line before anything waits on it, not a CUDA or rendezvous traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline.errors import ConfigError
+from shardline.parallel.distributed import check_launch_env
+
+TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "5", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
+
+
+def test_a_torchrun_worker_on_a_node_with_enough_gpus_passes():
+    check_launch_env(TORCHRUN, gpus=8)
+    check_launch_env(TORCHRUN, gpus=0)  # not on CUDA: no GPUs to count
+    check_launch_env({}, gpus=1)  # one process
+    check_launch_env({"WORLD_SIZE": "1"}, gpus=1)
+
+
+@pytest.mark.parametrize("env,gpus,says", [
+    ({"WORLD_SIZE": "8"}, 8, "WORLD_SIZE=8 is set but RANK is not"),  # an sbatch export without torchrun
+    ({**TORCHRUN, "MASTER_ADDR": None}, 8, "MASTER_ADDR not"),
+    ({**TORCHRUN, "MASTER_ADDR": None, "MASTER_PORT": None}, 8, "MASTER_ADDR and MASTER_PORT not"),
+    (TORCHRUN, 4, "LOCAL_RANK=5 but this node shows 4 GPU(s): start at most 4 ranks a node"),
+    ({**TORCHRUN, "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 4, "(CUDA_VISIBLE_DEVICES=0,1,2,3)"),
+])
+def test_a_launch_that_cannot_work_is_one_line(env, gpus, says):
+    env = {k: v for k, v in env.items() if v is not None}
+    with pytest.raises(ConfigError) as caught:
+        check_launch_env(env, gpus)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
