@@ -86,3 +86,31 @@ def test_the_split_backward_of_zero_bubble_schedules_defeats_checkpointing(mode)
     block(x, cos, sin, None).sum().backward()  # one backward, as 1F1B runs it
     assert len(forwards) - 1 == 1
     assert split_recomputes > 2, split_recomputes  # 1 in the input pass + 1 per weight group (9 here: 10)
+
+
+def test_op_level_checkpointing_keeps_the_experts_grouped_gemms(tiny_config, tmp_path):
+    """An MoE block's expert GEMMs (torch._grouped_mm, on the CPU in fp32 as on Hopper in bf16)
+    are saved as the dense matmuls are: any op the policy does not name runs again in backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardline.models.moe.layer import grouped_mm_usable
+
+    class GroupedGemms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._grouped_mm.default
+            return func(*args, **(kwargs or {}))
+
+    if not grouped_mm_usable(torch.zeros(1)):
+        pytest.skip("this torch has no CPU grouped GEMM")
+    counts = {}
+    for mode in ("none", "op"):
+        trainer = Trainer(tiny_config("moe.num_experts=4", "moe.top_k=2", "moe.expert_ffn_dim=32",
+                                      f"memory.activation_checkpoint={mode}", run_dir=tmp_path / mode)).build()
+        with GroupedGemms() as mode_counter:
+            trainer.steps.loss_sum(trainer.data.train.batch([0, 1])).backward()
+        counts[mode] = mode_counter.count
+    assert counts["none"] > 0 and counts["op"] == counts["none"], counts
