@@ -254,3 +254,31 @@ def test_top_1_routing_with_renormalised_weights_is_refused_since_the_router_wou
 def test_bad_moe_keys_get_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(None, [override]).check_sections()
+
+
+def test_a_shape_inference_forward_on_garbage_leaves_the_steps_balance_loss_finite():
+    """A pipeline schedule's first step runs one forward more, on uninitialised inputs that may
+    be NaN: it is taken out of the step's counts, its balance loss too (NaN - NaN was NaN)."""
+    from shardline.layout import Layout
+    from shardline.parallel.dims import ParallelDims
+    from shardline.parallel.expert.balance import ExpertBalance
+
+    layer = _layer(dataclasses.replace(MOE, aux_loss_coef=0.01))
+    model = torch.nn.ModuleDict({"ffn": layer})
+    balance = ExpertBalance(model, ParallelDims(Layout(micro_batch_size=2)), global_batch=4)  # 2 micro-batches
+    balance.begin_step(torch.ones(()))
+    layer.train()
+    real = [_x(seed=s) for s in (1, 2)]
+    layer(torch.full_like(real[0], float("nan")))  # the inference pass
+    for x in real:
+        layer(x)
+    balance.end_step()
+    expected = _layer(dataclasses.replace(MOE, aux_loss_coef=0.01))
+    expected.train()
+    plain = ExpertBalance(torch.nn.ModuleDict({"ffn": expected}), ParallelDims(Layout(micro_batch_size=2)), 4)
+    plain.begin_step(torch.ones(()))
+    for x in real:
+        expected(x)
+    plain.end_step()
+    assert torch.isfinite(layer.aux_value) and layer.aux_value.item() == pytest.approx(expected.aux_value.item())
+    assert torch.equal(balance.loads[0], expected.load)

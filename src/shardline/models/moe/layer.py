@@ -188,7 +188,9 @@ class MoEFeedForward(nn.Module):
         self.first.copy_(torch.where(self.forwards == 0, this, self.first))  # no host sync
         self.load += load
         self.dropped += dropped
-        self.aux_value += aux
+        # The first forward's loss joins at the step's end unless it was a pipeline's shape-inference pass
+        # (ExpertBalance.end_step): on uninitialised inputs it may be NaN, which no subtraction takes out.
+        self.aux_value += torch.where(self.forwards == 0, torch.zeros_like(this[-1]), this[-1])
         self.forwards += 1
 
     def route(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor):

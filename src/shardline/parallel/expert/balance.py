@@ -46,7 +46,7 @@ class ExpertBalance:
             n = layer.moe.n_experts
             layer.load -= extra * layer.first[:n]
             layer.dropped -= extra * layer.first[n]
-            layer.aux_value -= extra * layer.first[n + 1]
+            layer.aux_value += torch.where(extra > 0, torch.zeros_like(layer.aux_value), layer.first[n + 1])
         loads = torch.stack([layer.load for layer in self.layers])
         self.loads = reduce_over(self.dims, self.dims.batch_dim, loads, "sum")
 
