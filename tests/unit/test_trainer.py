@@ -245,3 +245,26 @@ def test_an_eval_reads_a_small_held_out_split_once_each(tiny_config, tmp_path):
     records: list[dict] = []
     assert trainer.evaluate() == pytest.approx(expected, rel=1e-5)
     assert records[0]["eval_sequences"] == held_out
+
+
+def test_a_failing_watchdog_close_keeps_the_runs_own_error_and_frees_the_run_dir(tiny_config, tmp_path,
+                                                                                   monkeypatch):
+    """The failure path stops the watchdog first; its last report failing to write (a full disk)
+    must not replace the run's error, keep the signal handlers installed or the run dir locked."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = Trainer(tiny_config()).build()
+
+    def disk_full():
+        raise OSError(28, "No space left on device")
+
+    def step_fails():
+        raise ValueError("the run's own error")
+
+    monkeypatch.setattr(trainer.guard.watchdog, "close", disk_full)
+    monkeypatch.setattr(trainer, "_train", step_fails)
+    with pytest.raises(ValueError, match="the run's own error"):
+        trainer.train()
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert Trainer(tiny_config()).build().step == 0  # the dir is free again

@@ -152,8 +152,10 @@ class RunGuard:
 
     def stop_watching(self) -> None:
         """The watchdog thread ends and the stop signals get their previous handlers (idempotent)."""
-        self.watchdog.close()
-        self.stops.restore()
+        try:  # a last report that fails to write must not leave this process's stop handlers installed
+            self.watchdog.close()
+        finally:
+            self.stops.restore()
 
     def drain(self, step: int) -> None:
         """Wait for the saves in flight, watched: a save that never lands ends with a report."""

@@ -134,7 +134,8 @@ class Trainer(SavedState, AnomalyResponse):
                     self._load_starting_weights()
             self._open_run_dir(resumed)
         except BaseException:
-            self.guard.stop_watching()
+            with contextlib.suppress(Exception):  # the error that stopped the start is the one to report
+                self.guard.stop_watching()
             self.lock.release()
             raise
         return self
@@ -192,8 +193,9 @@ class Trainer(SavedState, AnomalyResponse):
             if self.proc.world_size == 1:  # a save in flight is still worth finishing: a rerun resumes from it
                 with contextlib.suppress(Exception):  # (not with ranks: its collectives may wait on a lost peer)
                     self.guard.drain(self.step)
-            self.guard.stop_watching()  # an error, a halt or Ctrl-C: the watchdog (its last reports) and handlers go
-            for close in (lambda: self.profiler.close(self.step), self.metrics.close):  # the trace so far; the log
+            # An error, a halt or Ctrl-C: the watchdog (its last reports) and handlers go, then the trace so far
+            # and the log; each step's own failure must not keep the next, the lock's release or the error away.
+            for close in (self.guard.stop_watching, lambda: self.profiler.close(self.step), self.metrics.close):
                 with contextlib.suppress(Exception):
                     close()
             self.lock.release()
