@@ -10,6 +10,7 @@ import torch
 
 from shardline.cli import main
 from shardline.config import load_config
+from shardline.data.encode import encode_chat
 from shardline.data.tokenizer import eos_id
 from shardline.generate import KVCache, SampleOptions, load_generator, next_token
 from shardline.models.llama.model import sdpa_attention
@@ -201,11 +202,12 @@ def test_a_run_trained_with_bos_prompts_with_it(trained_run, tmp_path):
     assert fed == [[eos, *plain.encode(PROMPT)]]
 
 
-def test_chat_ends_a_reply_where_the_template_ends_a_turn_and_encodes_it_a_message_at_a_time(trained_run, tmp_path):
+def test_chat_ends_a_reply_where_the_template_ends_a_turn_and_encodes_it_as_training_does(trained_run, tmp_path):
     """The turn end is what the template writes after a reply (not its eos, which a base model's
     template may not close turns with): a token when the tokenizer has it as one, else text.
-    The prompt is encoded a message at a time, as chat training encodes it (here whole-string
-    encoding would join a message's last blank to the next one's first word)."""
+    The prompt is tokenized whole, as chat training tokenizes a conversation (encode_chat): the
+    same ids as the conversation's up to the reply (here a message's last blank joins the next
+    one's first word, which a message-at-a-time encoding split)."""
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     plain = load_generator(run, "cpu")
@@ -223,10 +225,15 @@ def test_chat_ends_a_reply_where_the_template_ends_a_turn_and_encodes_it_a_messa
             assert stop == gen.stop and text == "<|turn_end|>"
         pieces = [f"system:be brief{end} ", f"user:history{end} ", "assistant:"]
         assert gen.chat_prompt("history", "be brief") == "".join(pieces)
-        by_piece = [i for piece in pieces for i in gen.tokenizer.encode(piece, add_special_tokens=False).ids]
-        assert gen.chat_ids("history", "be brief") == by_piece
-        if as_token:  # as one string, " user" would be one word
-            assert by_piece != gen.tokenizer.encode("".join(pieces)).ids
+        whole = gen.tokenizer.encode("".join(pieces), add_special_tokens=False).ids
+        assert gen.chat_ids("history", "be brief") == whole
+        trained, _ = encode_chat(gen.tokenizer, [{"role": "system", "content": "be brief"},
+                                                 {"role": "user", "content": "history"},
+                                                 {"role": "assistant", "content": " reply"}], gen.template)
+        assert trained[:len(whole)] == whole
+        if as_token:  # by pieces, " user" was not one word
+            by_piece = [i for piece in pieces for i in gen.tokenizer.encode(piece, add_special_tokens=False).ids]
+            assert by_piece != whole
 
 
 def test_a_template_that_cannot_render_fails_chat_only(trained_run, tmp_path, capsys):

@@ -795,3 +795,26 @@ def test_bos_is_added_once_and_a_resume_keeps_the_runs_setting(tmp_path, small_c
         with pytest.raises(ConfigError, match="was trained with data.add_bos=true, this run has false: every "
                                               "document's tokens would change; set data.add_bos=true to resume it"):
             launch(load_config(None, [*base, "data.add_bos=false"]))
+
+
+def test_a_sentencepiece_tokenizer_sees_a_conversation_as_its_chat_pipeline_does():
+    """Llama 2's and Mistral's tokenizers (Metaspace: every encode call starts with "▁") gave each
+    segment of a conversation its own leading space when segments were tokenized one by one: the
+    ids differed from the model's own chat tokenization at every turn. The rendering is tokenized
+    whole now, and the mask falls on exactly the replies' tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from shardline.data.encode import ChatTemplate, encode_chat
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    text = ["[INST] what is one? [/INST] It is 1.", "[INST] and two? [/INST] It is 2. Done."] * 20
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
+    chat = [{"role": "user", "content": "what is one?"}, {"role": "assistant", "content": "It is 1."},
+            {"role": "user", "content": "and two?"}, {"role": "assistant", "content": "It is 2. Done."}]
+    template = ChatTemplate(MISTRAL_LIKE.replace("[/INST]", "[/INST] "), eos_token="</s>")
+    ids, mask = encode_chat(tok, chat, template)
+    rendered = "[INST] what is one? [/INST] It is 1.</s>[INST] and two? [/INST] It is 2. Done.</s>"
+    assert ids == tok.encode(rendered, add_special_tokens=False).ids
+    targets = [tok.id_to_token(i) for i, m in zip(ids, mask) if m]
+    assert "".join(targets) == "▁It▁is▁1.</s>▁It▁is▁2.▁Done.</s>"  # "▁It": with the space the template wrote

@@ -9,8 +9,9 @@ installed), that template renders it; otherwise the documented default, ChatML:
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n        (for every message)
 
-Each message becomes segments tokenized on their own; under ChatML the tokens of an
-assistant's content and end marker are loss targets (its header is not), all others are
+Each message becomes segments of the rendering, which is tokenized whole (as the model's own
+chat pipeline does); a token is a loss target when it holds a character of a target segment. Under
+ChatML an assistant's content and end marker are targets (its header is not), all others are
 not. With a template, segment i is all that message i adds to the rendering of the
 messages before it (a template that rewrites earlier turns instead of appending is
 refused). An assistant's segment is a target but for its header: what the template's
@@ -40,8 +41,9 @@ from shardline.errors import DataError
 CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
 # Which tokens of a conversation are targets changed with this number (2: a reply's header
 # under a template is not one; 3: a message's fields beyond role and content, such as
-# tool_calls, reach the template): `shardline prepare` starts a chat folder over when it differs.
-CHAT_MASK_RULE = 3
+# tool_calls, reach the template; 4: a conversation is tokenized whole, not segment by segment):
+# `shardline prepare` starts a chat folder over when it differs.
+CHAT_MASK_RULE = 4
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,9 @@ def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template:
     document); the eos after a reply is one when the reply's last token is.
     """
     if chat:
-        pairs = [encode_chat(tok, messages, chat_template) for messages in docs]
-        ids, masks = [p[0] for p in pairs], [p[1] for p in pairs]
+        segments = [chat_segments(messages, chat_template) for messages in docs]
+        encoded = tok.encode_batch(["".join(text for text, _ in s) for s in segments], add_special_tokens=False)
+        ids, masks = [e.ids for e in encoded], [_segment_mask(e.offsets, s) for e, s in zip(encoded, segments)]
     else:
         ids, masks = [with_bos(e.ids, bos) for e in _encode_batch(tok, docs)], None
     keep = [i for i, x in enumerate(ids) if x]
@@ -156,20 +159,8 @@ def reply_prompt(messages: list[dict], template: ChatTemplate | str | None = Non
 
 
 def encode_reply_prompt(tok: Tokenizer, messages: list[dict], template: ChatTemplate | str | None = None) -> list[int]:
-    """reply_prompt's ids as chat training encodes a conversation: each message's segment on its
-    own, then the reply's header (tokenized as one string, the pieces could merge across a
-    boundary, or a SentencePiece tokenizer start each piece with its own space, where training
-    did not); one string when the template does not render message by message."""
-    prompt = reply_prompt(messages, template)
-    try:
-        pieces = [text for text, _ in chat_segments(messages, template)]
-    except DataError:
-        pieces = []
-    rendered = "".join(pieces)
-    if not pieces or not prompt.startswith(rendered):
-        return tok.encode(prompt, add_special_tokens=False).ids
-    pieces = [p for p in [*pieces, prompt[len(rendered):]] if p]
-    return [i for e in _encode_batch(tok, pieces) for i in e.ids]
+    """reply_prompt's ids, tokenized whole as chat training tokenizes a conversation (encode_chat)."""
+    return tok.encode(reply_prompt(messages, template), add_special_tokens=False).ids
 
 
 _REPLY_PROBE = "\u2063shardline-reply\u2063"  # a reply no template rewrites
@@ -208,14 +199,30 @@ def _after_reply(template: ChatTemplate | None, then: list[dict]) -> str:
 
 def encode_chat(tok: Tokenizer, messages: list[dict],
                 template: ChatTemplate | str | None = None) -> tuple[list[int], list[int]]:
-    """Token ids of a conversation and its loss mask (1 on assistant tokens)."""
+    """Token ids of a conversation and its loss mask (1 on assistant tokens): the rendering is
+    tokenized whole, as a chat model's own pipeline tokenizes it (apply_chat_template), and a
+    token is a target when it holds a character of an assistant's segment. Tokenized segment
+    by segment, a SentencePiece tokenizer (Llama 2, Mistral) began every segment with its own
+    "▁", a space the model never saw there, and pieces could not merge across a boundary."""
     segments = chat_segments(messages, template)
-    encoded = _encode_batch(tok, [text for text, _ in segments])
-    ids, mask = [], []
-    for e, (_, target) in zip(encoded, segments):
-        ids += e.ids
-        mask += [int(target)] * len(e.ids)
-    return ids, mask
+    encoded = tok.encode("".join(text for text, _ in segments), add_special_tokens=False)
+    return encoded.ids, _segment_mask(encoded.offsets, segments)
+
+
+def _segment_mask(offsets: list[tuple[int, int]], segments: list[tuple[str, bool]]) -> list[int]:
+    """1 for each token (its character `offsets` in the joined segments) with a character in a
+    target segment. A token across a boundary is one when it reaches into a reply: a
+    SentencePiece "▁It" holds the space a template wrote before the reply, and left out, the
+    first word of every reply would never be learnt."""
+    if not offsets:
+        return []
+    ends = np.cumsum([len(text) for text, _ in segments])
+    before = np.concatenate([[0], np.cumsum([target for _, target in segments])])  # targets before segment i
+    spans = np.array(offsets, dtype=np.int64).reshape(-1, 2)
+    first = np.searchsorted(ends, spans[:, 0], side="right")
+    last = np.searchsorted(ends, np.maximum(spans[:, 1] - 1, spans[:, 0]), side="right")
+    first, last = (np.minimum(x, len(segments) - 1) for x in (first, last))
+    return (before[last + 1] > before[first]).astype(np.int64).tolist()
 
 
 def _template_segments(messages: list[dict], template: ChatTemplate) -> list[tuple[str, bool]]:
