@@ -79,3 +79,36 @@ def test_gather_scatter_all_to_all_and_p2p():
     oversub = Network(**{**NET.__dict__, "oversubscription": 2.0})
     far = comm.group(16, 8, 8)
     assert comm.all_gather(1e9, far, oversub)[0] > 1.9 * comm.all_gather(1e9, far, NET)[0]
+
+
+def test_gradient_reductions_move_the_programs_gradient_bytes():
+    """DDP's all-reduce, ZeRO-1's reduce-scatter, FSDP's and HSDP's reductions and offload's copies
+    out move Runtime.grad_bytes a parameter (Megatron's fp16 gradients: 2), not a fixed 4; what
+    ZeRO-1 gathers after its step is the fp32 parameters, and stays."""
+    import dataclasses
+
+    from shardline.layout import Layout
+    from shardline.models import PRESETS
+    from shardline.planner import microbatch_comm as mbc
+    from shardline.planner.hardware import get_hardware
+    from shardline.planner.layout import Runtime, Workload
+    from shardline.planner.memory import layer_params
+    from shardline.planner.step_comm import dp_tail
+
+    hw, slow = get_hardware("h100-sxm"), {"compute": 0.0}
+    fp32 = Workload(PRESETS["llama3-8b"], 4096, 64, "bf16")
+    fp16 = dataclasses.replace(fp32, runtime=Runtime(grad_bytes=2))
+    ddp, zero1 = Layout(dp_replicate=16), Layout(dp_shard=8, zero=1, tp=2)
+    for lay in (ddp, zero1):
+        assert dp_tail(fp16, lay, hw, slow)[1] < dp_tail(fp32, lay, hw, slow)[1], lay.describe()
+    psi = layer_params(fp32, 2) * fp32.model.n_layers  # ZeRO-1: the drop is the reduction's alone
+    cut = comm.group(8, 2, 8)
+    drop = comm.reduce_scatter(4 * psi, cut, hw.network)[0] - comm.reduce_scatter(2 * psi, cut, hw.network)[0]
+    assert dp_tail(fp32, zero1, hw, slow)[1] - dp_tail(fp16, zero1, hw, slow)[1] >= 0.9 * drop
+    hsdp = Layout(dp_replicate=2, dp_shard=8, zero=3, cpu_offload=True)
+    per_layer = layer_params(fp32, 1)
+    scatter = comm.reduce_scatter(2 * per_layer, comm.group(8, 1, 8), hw.network)[0] + comm.all_reduce(
+        2 * per_layer / 8, comm.group(2, 8, 8), hw.network)[0]
+    assert mbc.fsdp_block(fp16, hsdp, hw)[3] == pytest.approx(scatter)
+    assert dp_tail(fp16, Layout(dp_shard=16), hw, slow)[1] < dp_tail(fp32, Layout(dp_shard=16), hw, slow)[1]
+    assert mbc.offload_copies(fp16, hsdp, hw) < mbc.offload_copies(fp32, hsdp, hw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 
 import pytest
@@ -62,7 +63,8 @@ def test_overrides_from_toml(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("mem_gbs = 1", "unknown hardware key 'mem_gbs'"),
     ('base = "b200"', "describes 'b200' but the device is 'h100-sxm'"),
-    ("mem_gib = -3", "must be a number >= 0"),
+    ("mem_gib = -3", "mem_gib=-3 must be a number > 0"),
+    ("reserved_gib = -3", "reserved_gib=-3 must be a number >= 0"),
     ("[network]\nlatency = 1", "unknown hardware key 'latency'"),
     ("mem_gib = [", "not valid TOML"),
 ])
@@ -71,6 +73,51 @@ def test_bad_overrides_name_the_key(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         get_hardware("h100-sxm", path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[network]\noversubscription = 0", "[network]: oversubscription=0 must be a number >= 1"),
+    ("[network]\noversubscription = 0.5", "oversubscription=0.5 must be a number >= 1"),
+    ("[network]\ngpus_per_node = 0", "[network]: gpus_per_node=0 must be a number >= 1"),
+    ("[network]\nbw_efficiency = 0", "bw_efficiency=0 must be a number > 0"),
+    ("[network]\ninter_bw_gbs = 0", "inter_bw_gbs=0 must be a number > 0"),
+    ("[network]\nintra_bw_gbs = 0.0", "intra_bw_gbs=0.0 must be a number > 0"),
+    ("[network]\nhost_bw_gbs = 0", "host_bw_gbs=0 must be a number > 0"),
+    ("[network.bw_by_world_gbs]\n2 = 0", "bw_by_world_gbs.2=0 must be a number > 0"),
+    ("[peak_tflops]\nbf16 = 0", "peak_tflops.bf16=0 must be a number > 0"),
+    ("[matmul_eff_max]\nbf16 = 0", "matmul_eff_max.bf16=0 must be a number > 0"),
+    ("mem_bw_gbs = 0", "mem_bw_gbs=0 must be a number > 0"),
+    ("mem_gib = 0", "mem_gib=0 must be a number > 0"),
+    ("[cpu]\ncorun_matmul_eff = 0", "[cpu]: corun_matmul_eff=0 must be a number > 0"),
+    ("[network.latency_by_world_us]\n2 = 50\n[network.bw_by_world_gbs]\n4 = 1.0",
+     "latency_by_world_us (sizes 2) and bw_by_world_gbs (sizes 4) share no group size"),
+    ("[network.latency_by_world_us]\nfour = 50\n[network.bw_by_world_gbs]\nfour = 1.0",
+     "latency_by_world_us key 'four' must be a group size, a whole number >= 1"),
+])
+def test_a_profile_figure_the_planner_divides_by_is_refused_at_zero(tmp_path, text, message):
+    """0 (or a ratio below 1) would pass as >= 0 and then divide by zero, or fail far from the
+    profile, inside a search: the profile is refused in one line naming the key."""
+    path = tmp_path / "hw.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        get_hardware("h100-sxm", path)
+    assert "\n" not in str(err.value)
+
+
+def test_figures_that_may_be_zero_stay_accepted(tmp_path):
+    """Latencies, launch overheads, reserves, half-sizes and the CPU's cores (0: split evenly) mean
+    "none" at 0: priced, not refused."""
+    from shardline.models import PRESETS
+    from shardline.planner.layout import Workload
+    from shardline.planner.search import search
+
+    path = tmp_path / "hw.toml"
+    path.write_text("reserved_gib = 0\nfragmentation = 0\nmatmul_half_dim = 0\nop_overhead_us = 0\n[cpu]\ncores = 0\n"
+                    "[network]\nintra_latency_us = 0\ninter_latency_us = 0\noversubscription = 1\n"
+                    "[network.latency_by_world_us]\n2 = 0\n8 = 0\n[network.bw_by_world_gbs]\n2 = 300.0\n")
+    hw = get_hardware("h100-sxm", path)
+    assert hw.network.inter_latency_us == 0 and hw.network.latency_by_world_us == {"2": 0.0, "8": 0.0}
+    assert search(Workload(PRESETS["llama3-8b"], 4096, 32, "bf16"), hw, 16, {"tp": 2, "pp": 1}).candidates
 
 
 def test_unknown_device_and_missing_profile():

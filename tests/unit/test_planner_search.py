@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ from shardline.config import load_config
 from shardline.models import PRESETS
 from shardline.planner.hardware import get_hardware
 from shardline.planner.layout import Workload, parse_fix
-from shardline.planner.search import search
+from shardline.planner.search import explain_no_fit, search
 
 REPO = Path(__file__).parents[2]
 PLAN_8B = ["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "16", "--seq-len", "4096",
@@ -97,7 +98,7 @@ def test_a_model_that_fits_nowhere_says_what_is_missing(capsys):
     code, _, err = run_cli(capsys, "plan", "--model", "llama3-405b", "--gpu", "h100-sxm", "--gpus", "8",
                            "--seq-len", "8192", "--global-batch", "8")
     assert code == 2
-    assert "does not fit" in err and "GiB per device" in err and "80 GiB" in err and "more devices" in err
+    assert "does not fit" in err and "GiB per device" in err and "79.6 GiB" in err and "more devices" in err
 
 
 def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
@@ -214,3 +215,43 @@ def test_every_pinned_key_is_searched_as_pinned_or_explained():
     assert hsdp and {(lay.dp_replicate, lay.zero) for lay in hsdp} == {(2, 2)}
     result, layouts = found(pp=2, pp_schedule="zbv", pp_virtual_stages=1)
     assert not layouts and "places exactly 2 stages per rank" in result.first_problem
+
+
+def test_offload_is_searched_wherever_the_trainer_builds_it():
+    """CPU offload runs at zero 2 and 3 (not 1), under HSDP too; a pinned zero holds on one rank;
+    a pinned combination nothing matches names the pinned keys."""
+    work, hw = Workload(PRESETS["llama3-8b"], 8192, 64, "bf16"), get_hardware("h100-sxm")
+    zero2 = [e.layout for e in search(work, hw, 8, {"zero": 2, "cpu_offload": True}).candidates]
+    assert zero2 and {(lay.zero, lay.cpu_offload) for lay in zero2} == {(2, True)}
+    assert any(lay.dp_replicate > 1 for lay in zero2)  # offload under HSDP
+    hsdp = search(work, hw, 8, {"dp_replicate": 2, "zero": 3, "cpu_offload": True}).candidates
+    assert hsdp and {(e.layout.dp_replicate, e.layout.zero, e.layout.cpu_offload) for e in hsdp} == {(2, 3, True)}
+    one = search(work, hw, 1, {"zero": 2, "cpu_offload": True}).candidates
+    assert one and {(e.layout.zero, e.layout.cpu_offload) for e in one} == {(2, True)}
+    single = search(work, hw, 1, {"zero": 1})  # evaluated (8B's states do not fit one H100 without offload)
+    assert single.evaluated and {lay.zero for lay in _all_layouts(work, hw, 1, {"zero": 1})} == {1}
+    refused = search(work, hw, 1, {"zero": 1, "cpu_offload": True})  # tried, and the rule says why
+    assert "use zero=2 or zero=3" in explain_no_fit(work, hw, 1, refused)
+    nothing = search(work, hw, 8, {"cp": 1, "cp_ulysses": 2})
+    assert not nothing.evaluated
+    assert "pinned key (--fix cp=1,cp_ulysses=2)" in explain_no_fit(work, hw, 8, nothing)
+
+
+def _all_layouts(work, hw, gpus, fixed):
+    from shardline.planner.search import candidates
+
+    return list(candidates(work, hw, gpus, fixed))
+
+
+def test_a_request_that_fits_nowhere_with_offload_pinned_gives_offloads_needs(capsys):
+    """Pinned offload: the leanest offload layout's device need and the hosts' need, in GiB."""
+    code, _, err = run_cli(capsys, "plan", "--model", "llama3-405b", "--gpu", "h100-sxm", "--gpus", "8",
+                           "--seq-len", "8192", "--global-batch", "8", "--fix", "cpu_offload=true")
+    assert code == 2 and err.count("\n") == 1
+    assert "+offload" in err and "GiB per device" in err and "GiB of host memory per node" in err
+    work, hw = Workload(PRESETS["llama3-8b"], 8192, 8, "bf16"), get_hardware("h100-sxm")
+    small = dataclasses.replace(hw, network=dataclasses.replace(hw.network, host_mem_gib=16.0))
+    result = search(work, small, 8, {"cpu_offload": True, "activation_checkpoint": "full"})
+    assert not result.candidates and result.smallest_host is not None  # the devices fit, the hosts do not
+    text = explain_no_fit(work, small, 8, result)
+    assert "with CPU offload the leanest layout (" in text and "GiB of host memory per node, which has 16 GiB" in text

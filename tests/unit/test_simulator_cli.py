@@ -108,6 +108,11 @@ def test_plot_never_overwrites_a_file_that_is_not_a_png(tmp_path, capsys):
     ({"--step-time": "2", "--simulate.seq_len=4096": None, "--simulate.fix=tp=8": None},
      "simulate.fix, simulate.seq_len shape the step-time estimate, which simulate.step_time_s replaces"),
     ({"--simulate.step_time_s=2": None, "--simulate.mfu=0.5": None}, "simulate.mfu shapes the step-time"),
+    ({"--checkpoint-mode": "async", "--persist-every": "4"},
+     "simulate.persist_every (used by memory) would be ignored under checkpoint mode async; remove it"),
+    ({"--simulate.persist_interval_s=600": None}, "simulate.persist_interval_s (used by memory) would be ignored"),
+    ({"--checkpoint-mode": "sync", "--snapshot-time": "3"},
+     "simulate.snapshot_s (used by async and memory) would be ignored under checkpoint mode sync"),
 ])
 def test_impossible_requests_are_user_errors(capsys, changes, message):
     flags = dict(zip(SMALL[1::2], SMALL[2::2], strict=True))  # SMALL is "simulate" + flag/value pairs
@@ -174,8 +179,23 @@ def test_a_hardware_profile_shapes_the_planned_step_and_the_nodes(tmp_path, caps
     want = f"not a multiple of {bad}'s [network] gpus_per_node 6: use 1020 or 1026 (or give --gpus-per-node)"
     assert want in refused("--profile", str(bad))
     bad.write_text("[network]\ngpus_per_node = 0\n")
-    assert f"{bad}'s [network] gpus_per_node 0 must be at least 1 (or give --gpus-per-node)" in refused(
-        "--profile", str(bad))
+    assert f"{bad} [network]: gpus_per_node=0 must be a number >= 1" in refused("--profile", str(bad))
     assert "--profile shapes the step-time estimate, which --step-time replaces" in refused(
         "--profile", str(slow), "--step-time", "2")
     assert "which simulate.step_time_s replaces" in refused("--profile", str(slow), "--simulate.step_time_s=2")
+
+
+def test_mode_settings_are_refused_only_where_no_simulated_mode_reads_them():
+    """Defaults pass under every mode; a memory-mode key passes in memory mode, and under any mode
+    when a plot simulates all of them (its memory curve reads it)."""
+    from shardline.simulator.settings import MODES, check_mode_keys
+
+    for mode in MODES:
+        check_mode_keys(load_settings(None, [], {"checkpoint_mode": mode}), (mode,))
+    memory = load_settings(None, ["--simulate.persist_interval_s=600"], {"checkpoint_mode": "memory",
+                                                                         "persist_every": 3, "snapshot_s": 2.0})
+    check_mode_keys(memory, ("memory",))
+    async_ = load_settings(None, [], {"checkpoint_mode": "async", "persist_every": 3})
+    check_mode_keys(async_, MODES)
+    with pytest.raises(ConfigError, match="persist_every"):
+        check_mode_keys(async_, ("async",))

@@ -243,8 +243,9 @@ def read_profile(path: str | Path) -> dict[str, Any]:
 def apply_overrides(hw: Hardware, raw: dict[str, Any], where: str) -> Hardware:
     """Return `hw` with the keys of `raw` set; raw["measured"] is kept for the record only.
 
-    The keys are checked here (names, and no figure below 0: every one is a size, rate,
-    time or share) so a profile's mistakes read as hardware keys; the config reader types them.
+    The keys are checked here (names, and ranges: no figure below 0, as every one is a size, rate,
+    time or share; above 0 what the planner divides by) so a profile's mistakes read as hardware
+    keys, not as a division by zero in a search; the config reader types them.
     """
     raw = dict(raw)
     base = raw.pop("base", None)
@@ -254,16 +255,30 @@ def apply_overrides(hw: Hardware, raw: dict[str, Any], where: str) -> Hardware:
                           f"use --gpu {base} with this profile, or remove its base key")
     _check_keys(hw, raw, where)
     try:
-        return reader.updated(hw, raw, "hardware", kind="hardware key")
+        out = reader.updated(hw, raw, "hardware", kind="hardware key")
     except ConfigError as e:  # a wrong type: name the file too
         raise ConfigError(f"{where}: {e}") from None
+    _check_world_pairs(out.network, where)
+    return out
 
 
 _CPU_KEYS = reader.field_names(CpuRanks)  # top-level keys of profiles written before [cpu]
 
 
+# Figures the planner divides by or scales a rate with: 0 would divide by zero or price work as
+# free. Latencies, overheads, reserves and half-sizes may be 0 (none); a CPU's cores 0 means "split evenly".
+POSITIVE = frozenset({"mem_gib", "mem_bw_gbs", "peak_tflops", "matmul_eff_max", "attn_eff", "elementwise_eff",
+                      "loss_eff", "intra_bw_gbs", "inter_bw_gbs", "bw_efficiency", "host_bw_gbs", "bw_by_world_gbs",
+                      "corun_matmul_eff", "corun_memory_eff", "corun_dispatch_eff"})
+# Counts and ratios whose least meaningful value is 1: a node holds a device; a fabric carries at
+# most full bisection (oversubscription 1).
+AT_LEAST_ONE = frozenset({"gpus_per_node", "oversubscription"})
+BY_WORLD = ("latency_by_world_us", "bw_by_world_gbs")  # keyed by intra-node group size
+
+
 def _check_keys(obj: Any, raw: Any, where: str) -> None:
-    """Known keys (`name` is the table's, not a profile's) with values >= 0, in nested tables too."""
+    """Known keys (`name` is the table's, not a profile's) with values in range, in nested tables too:
+    >= 0 for every figure (a size, rate, time or share), > 0 or >= 1 where the planner needs it."""
     if not isinstance(raw, dict):
         return  # the reader says what it should be
     valid = [n for n in reader.field_names(obj) if n != "name"]
@@ -274,10 +289,37 @@ def _check_keys(obj: Any, raw: Any, where: str) -> None:
         if dataclasses.is_dataclass(getattr(obj, key)):
             _check_keys(getattr(obj, key), value, f"{where} [{key}]")
             continue
+        if key in BY_WORLD and isinstance(value, dict):
+            _check_world_sizes(key, value, where)
         named = {f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value}
         for name, v in named.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
-                raise ConfigError(f"{where}: {name}={v!r} must be a number >= 0")
+            _check_value(key, name, v, where)
+
+
+def _check_value(key: str, name: str, v: Any, where: str) -> None:
+    """One figure against its range (`key`: the field, `name`: it or its dict entry)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return  # the reader says what type it should be
+    least, strict = (1, False) if key in AT_LEAST_ONE else (0, key in POSITIVE)
+    if v < least or (strict and v == least):
+        raise ConfigError(f"{where}: {name}={v!r} must be a number {'>' if strict else '>='} {least}")
+
+
+def _check_world_sizes(key: str, table: dict, where: str) -> None:
+    """Group sizes as keys: whole numbers >= 1 ("2", "4", ...), as calibrate writes them."""
+    for size in table:
+        if not str(size).isdigit() or int(size) < 1:
+            raise ConfigError(f"{where}: {key} key {size!r} must be a group size, a whole number >= 1 (e.g. \"2\")")
+
+
+def _check_world_pairs(net: Network, where: str) -> None:
+    """latency_by_world_us and bw_by_world_gbs are read in pairs: with both set, some group size
+    must have both figures (comm._intra_fit), else neither describes any group."""
+    lat, bw = net.latency_by_world_us, net.bw_by_world_gbs
+    if lat and bw and not set(map(str, lat)) & set(map(str, bw)):
+        raise ConfigError(f"{where}: [network] latency_by_world_us (sizes {', '.join(map(str, lat))}) and "
+                          f"bw_by_world_gbs (sizes {', '.join(map(str, bw))}) share no group size; give both "
+                          "for the same sizes")
 
 
 def to_toml(values: dict[str, Any], comment: str = "") -> str:

@@ -182,7 +182,7 @@ def fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTime
     hide = 0.0 if cmp.saturated(hw, layout) else 1.0
     root = stage_params(work, layout, stage, per_layer) - layers * per_layer
     root_comm = (comm.all_gather(fsdp_gather_bytes(work) * root, g, net)[0]
-                 + comm.reduce_scatter(4 * root, g, net)[0])
+                 + comm.reduce_scatter(work.runtime.grad_bytes * root, g, net)[0])
     if layout.pp == 1:
         bwd_gather = gather if layout.zero == 3 else 0.0  # resharded after forward (HSDP too: apply_fsdp)
         fwd = gather + (layers - 1) * max(0.0, gather - hide * lt.forward)
@@ -205,7 +205,7 @@ def fsdp_block(work: Workload, layout: Layout, hw: Hardware) -> tuple | None:
     gather, scatter = _block_gather_scatter(work, layout, hw, g, per_layer)
     if layout.dp_replicate > 1:
         rg = comm.group(layout.dp_replicate, layout.tp * shard, net.gpus_per_node)
-        scatter += comm.all_reduce(4 * per_layer / shard, rg, net)[0]
+        scatter += comm.all_reduce(work.runtime.grad_bytes * per_layer / shard, rg, net)[0]  # the replicas' grads
     return g, per_layer, gather, scatter
 
 
@@ -216,15 +216,15 @@ def _block_gather_scatter(work: Workload, layout: Layout, hw: Hardware, g, per_l
     the efsdp ranks (the shard group / ep) that hold the same experts: EP shrinks the
     experts' FSDP traffic by ep, what it pays for with its all-to-alls.
     """
-    net, c = hw.network, fsdp_gather_bytes(work)
+    net, c, grad = hw.network, fsdp_gather_bytes(work), work.runtime.grad_bytes
     experts = expert_layer_params(work, layout.tp) if layout.ep > 1 else 0.0
     dense = per_layer - experts
     gather = comm.all_gather(c * dense, g, net)[0]
-    scatter = comm.reduce_scatter(4 * dense, g, net)[0]
+    scatter = comm.reduce_scatter(grad * dense, g, net)[0]
     if experts:
         eg = comm.group(layout.shard_degree // layout.ep, layout.tp * layout.ep, net.gpus_per_node)
         gather += comm.all_gather(c * experts / layout.ep, eg, net)[0]
-        scatter += comm.reduce_scatter(4 * experts / layout.ep, eg, net)[0]
+        scatter += comm.reduce_scatter(grad * experts / layout.ep, eg, net)[0]
     return gather, scatter
 
 
@@ -250,5 +250,5 @@ def offload_copies(work: Workload, layout: Layout, hw: Hardware) -> float:
     if not layout.cpu_offload:
         return 0.0
     shard_params = params_per_rank(work, layout)
-    copies = (2 if layout.zero == 3 else 1) * 4 * shard_params + 4 * shard_params
+    copies = (2 if layout.zero == 3 else 1) * 4 * shard_params + work.runtime.grad_bytes * shard_params
     return copies / (hw.network.host_bw_gbs * 1e9)

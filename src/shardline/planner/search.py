@@ -8,8 +8,9 @@ The space, for N devices of G per node:
               schedule with its virtual stages (gpipe, 1f1b, interleaved_1f1b v2/v4,
               zbv, dualpipev), one pipeline round per step
     dp        the rest: DDP, FSDP with zero 1/2/3, HSDP (shard groups of whole nodes
-              or within one), with and without CPU offload (zero 3; also on a single
-              data-parallel rank, where FSDP2 runs over a size-1 shard dimension)
+              or within one), with and without CPU offload (zero 2 and 3; also on a single
+              data-parallel rank, where FSDP2 runs over a size-1 shard dimension; under
+              HSDP when cpu_offload or dp_replicate is pinned)
     ep        mixture-of-experts models: 1, and powers of two that divide dp_shard x cp and
               (with tp) the experts, while ep x tp stays inside a node
     mbs       powers of two dividing the per-rank batch (up to 16)
@@ -49,8 +50,10 @@ class SearchResult:
     evaluated: int
     pruned: Counter = field(default_factory=Counter)
     smallest_unfit: tuple[float, Layout, dict] | None = None  # (bytes, layout, memory) of the leanest misfit
+    smallest_offload: tuple[float, Layout, dict] | None = None  # the same, among layouts with CPU offload
     smallest_host: tuple[float, Layout] | None = None  # (host bytes per node, layout) of the leanest offload
     first_problem: str = ""  # the message of the first rule a pinned layout broke
+    pinned: dict = field(default_factory=dict)  # the --fix keys the search held
     seconds: float = 0.0
 
 
@@ -64,22 +67,29 @@ def _options(key: str, default: list, fixed: dict) -> list:
 
 def _dp_variants(dp: int, tp: int, cp: int, gpn: int, fixed: dict) -> list[dict]:
     """(dp_replicate, dp_shard, zero, cpu_offload) combinations for `dp` data-parallel ranks.
-    Hybrid sharding (HSDP) is searched with zero 3; a pinned zero (1 or 2) is tried there too."""
+
+    Hybrid sharding (HSDP) is searched with zero 3; a pinned zero is tried there, on plain DDP
+    and on a single data-parallel rank too, so that pinning it never empties the search. CPU
+    offload runs at zero 2 and 3 (the layout rules refuse 1), on one rank too (FSDP2 over a size-1
+    shard dim). Offload under replicas (HSDP) keeps a copy per replica on the hosts, more than full
+    sharding; it is tried only when offload or dp_replicate is pinned (tried always, it made a
+    16,384-GPU search ~60% longer)."""
+    zero = fixed.get("zero", 3)
+    hybrid_offload = fixed.get("cpu_offload") or "dp_replicate" in fixed
     if dp == 1:  # with cp > 1 the states can still be sharded over the cp ranks
-        zeros = (1, 2, 3) if cp > 1 else (3,)
+        zeros = (1, 2, 3) if cp > 1 and "zero" not in fixed else (zero,)
         out = [{"dp_replicate": 1, "dp_shard": 1, "zero": z, "cpu_offload": False} for z in zeros]
-        # Offload on one data-parallel rank (one GPU included): FSDP2 over a size-1 shard dim.
-        out.append({"dp_replicate": 1, "dp_shard": 1, "zero": 3, "cpu_offload": True})
     else:
-        out = [{"dp_replicate": dp, "dp_shard": 1, "zero": 3, "cpu_offload": False}]
-        for zero in (1, 2, 3):
-            out.append({"dp_replicate": 1, "dp_shard": dp, "zero": zero, "cpu_offload": False})
-        out.append({"dp_replicate": 1, "dp_shard": dp, "zero": 3, "cpu_offload": True})
+        out = [{"dp_replicate": dp, "dp_shard": 1, "zero": zero, "cpu_offload": False}]
+        for z in (1, 2, 3):
+            out.append({"dp_replicate": 1, "dp_shard": dp, "zero": z, "cpu_offload": False})
         for shard in _divisors(dp)[1:-1]:
             span = shard * tp * cp
             if span <= gpn or span % gpn == 0:
-                out.append({"dp_replicate": dp // shard, "dp_shard": shard, "zero": fixed.get("zero", 3),
-                            "cpu_offload": False})
+                out.append({"dp_replicate": dp // shard, "dp_shard": shard, "zero": zero, "cpu_offload": False})
+    refused = fixed.get("zero") == 1 and fixed.get("cpu_offload")  # tried, so the rule says why it cannot run
+    out += [{**v, "cpu_offload": True} for v in out
+            if (v["zero"] != 1 or refused) and (v["dp_replicate"] == 1 or hybrid_offload)]
     keys = ("dp_replicate", "dp_shard", "zero", "cpu_offload")
     out = [v for v in out if all(v[k] == fixed[k] for k in keys if k in fixed)]
     unique = {tuple(v[k] for k in keys): v for v in out}
@@ -190,7 +200,7 @@ def search(work: Workload, hw: Hardware, gpus: int, fixed: dict | None = None,
     fixed = dict(fixed or {})
     _check_fixed(fixed, gpus)
     start = time.perf_counter()
-    result = SearchResult([], 0)
+    result = SearchResult([], 0, pinned=fixed)
     for layout in candidates(work, hw, gpus, fixed):
         result.evaluated += 1
         problem = layout_problem(work, layout)
@@ -217,14 +227,21 @@ def search(work: Workload, hw: Hardware, gpus: int, fixed: dict | None = None,
 
 
 def _keep_smallest(result: SearchResult, layout: Layout, memory: dict, hw: Hardware) -> None:
-    """Remember the leanest misfit without offload (offload's misfits are reported per host)."""
-    if layout.cpu_offload:
-        ranks = min(layout.world, hw.network.gpus_per_node)
-        per_node = memory["host_offload"] * ranks
-        if result.smallest_host is None or per_node < result.smallest_host[0]:
-            result.smallest_host = (per_node, layout)
-    elif result.smallest_unfit is None or memory["total"] < result.smallest_unfit[0]:
-        result.smallest_unfit = (memory["total"], layout, memory)
+    """Remember the leanest misfits, with and without offload apart: a request that only tried
+    offload (pinned) is explained by offload's own device and host needs, not by a rule."""
+    if not layout.cpu_offload:
+        result.smallest_unfit = _leaner(result.smallest_unfit, (memory["total"], layout, memory))
+        return
+    if memory["total"] > hw.mem_gib * GiB:
+        result.smallest_offload = _leaner(result.smallest_offload, (memory["total"], layout, memory))
+    per_node = memory["host_offload"] * min(layout.world, hw.network.gpus_per_node)
+    if result.smallest_host is None or per_node < result.smallest_host[0]:
+        result.smallest_host = (per_node, layout)
+
+
+def _leaner(kept: tuple | None, new: tuple) -> tuple:
+    """The one of two (bytes, ...) misfits that needs fewer bytes."""
+    return new if kept is None or new[0] < kept[0] else kept
 
 
 def _check_fixed(fixed: dict, gpus: int) -> None:
@@ -242,26 +259,48 @@ def _check_fixed(fixed: dict, gpus: int) -> None:
 
 def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult) -> str:
     """The message for a request no layout satisfies: what is missing, in numbers."""
-    if result.smallest_unfit is None:
+    device = result.smallest_unfit or result.smallest_offload
+    if device is None and result.smallest_host is None:
         if result.first_problem:
             return f"no valid layout for {gpus} devices: {result.first_problem}"
+        if not result.evaluated and result.pinned:
+            pins = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in result.pinned.items())
+            return (f"no layout of {gpus} devices has every pinned key (--fix {pins}); pin fewer keys "
+                    "or other values")
         return f"no layout of {gpus} devices can run this request ({dict(result.pruned)})"
-    need, layout, mem = result.smallest_unfit
+    parts = [_device_text(hw, device)] if device is not None else []
+    if result.smallest_unfit is not None and result.smallest_offload is not None:
+        need, layout, _ = result.smallest_offload
+        parts.append(f"with CPU offload the leanest ({layout.describe()}) needs {need / GiB:.1f} GiB per device")
+    if result.smallest_host is not None:
+        parts.append(_host_text(work, hw, result.smallest_host, alone=device is None))
+    return "; ".join(parts)
+
+
+def _device_text(hw: Hardware, misfit: tuple[float, Layout, dict]) -> str:
+    """The leanest layout's device memory, term by term, against the device's."""
+    need, layout, mem = misfit
     have = hw.mem_gib * GiB
     states = sum(mem.get(k, 0.0) for k in ("params", "grads", "optimizer"))
     more = max(2, int(-(-need // have)))
     big, big_bytes = largest_term(mem)
-    text = (f"does not fit: the leanest layout ({layout.describe()}) needs {need / GiB:.1f} GiB per device, "
+    return (f"does not fit: the leanest layout ({layout.describe()}) needs {need / GiB:.1f} GiB per device, "
             f"largest term {big} {big_bytes / GiB:.1f} GiB "
             f"(model states {states / GiB:.1f}, activations {mem['activations'] / GiB:.1f}, logits "
             f"{mem['logits'] / GiB:.1f}, buffers {mem['buffers'] / GiB:.1f}) but a {hw.name} has "
-            f"{hw.mem_gib:.0f} GiB; use about {more}x more devices, a shorter sequence or a smaller model")
-    if result.smallest_host is not None:
-        per_node, _ = result.smallest_host
-        text += (f"; CPU offload would need {per_node / GiB:,.0f} GiB of host memory per node, which has "
-                 f"{hw.network.host_mem_gib:,.0f} GiB")
-        if not work.ssd_offload_dir:
-            text += " (--ssd-offload-dir: AdamW's moments on the nodes' SSDs instead)"
+            f"{hw.mem_gib:.1f} GiB; use about {more}x more devices, a shorter sequence or a smaller model")
+
+
+def _host_text(work: Workload, hw: Hardware, host: tuple[float, Layout], alone: bool) -> str:
+    """What the leanest offload layout asks of a node's host memory (`alone`: no device misfit to
+    name first, so the layout is named here), and the SSD tier that would lighten it."""
+    per_node, layout = host
+    text = (f"does not fit: with CPU offload the leanest layout ({layout.describe()}) needs " if alone else
+            "CPU offload would need ")
+    text += (f"{per_node / GiB:,.0f} GiB of host memory per node, which has "
+             f"{hw.network.host_mem_gib:,.0f} GiB")
+    if not work.ssd_offload_dir:
+        text += " (--ssd-offload-dir: AdamW's moments on the nodes' SSDs instead)"
     return text
 
 

@@ -50,15 +50,17 @@ def _wrapped_tail(work: Workload, layout: Layout, hw: Hardware, slow: dict[str, 
     hide = 0.0 if cmp.saturated(hw, layout) else 1.0
     g = comm.group(layout.dp * layout.cp, layout.tp, net.gpus_per_node)  # cp ranks reduce too (zero1)
     # ZeRO-1 under the wrapper all-reduces as DDP does (the trainer's DDP wrapper; each rank
-    # then steps its slice), so it pays DDP's bytes, not a reduce-scatter's half.
-    total, algo = comm.all_reduce(4 * psi, g, net)
-    bucket = comm.all_reduce(min(DDP_BUCKET_BYTES, 4 * psi), g, net)[0]
+    # then steps its slice), so it pays DDP's bytes, not a reduce-scatter's half: the
+    # program's gradient bytes (fp32 here, Megatron's in the compute dtype).
+    grads = work.runtime.grad_bytes * psi
+    total, algo = comm.all_reduce(grads, g, net)
+    bucket = comm.all_reduce(min(DDP_BUCKET_BYTES, grads), g, net)[0]
     exposed = max(0.0, total - hide * slow["compute"] * 2 / 3) + hide * bucket
     if mode == "zero1" and work.runtime.zero1 == "deepspeed_bf16":
         return (*_deepspeed_bf16_dp(work, g, net, psi), {"dp": algo})
     if mode == "zero1":
         cut = comm.group(layout.shard_degree, layout.tp, net.gpus_per_node)
-        gather, _ = comm.all_gather(4 * psi, cut, net)
+        gather, _ = comm.all_gather(4 * psi, cut, net)  # the updated fp32 parameters, not gradients
         exposed, total = exposed + gather, total + gather
     return exposed, total, {"dp": algo}
 
@@ -89,10 +91,12 @@ def _zero1_cuts(work: Workload, layout: Layout, hw: Hardware, stage: RankStages)
         efsdp = comm.group(layout.shard_degree // layout.ep, layout.tp * layout.ep, gpn)
         cuts.append((experts / layout.ep, efsdp))
     reduce = gather = 0.0
+    grad = work.runtime.grad_bytes  # the gradients reduced; the slices gathered are fp32 parameters
     for params, g in cuts:
-        reduce += comm.reduce_scatter(4 * params, g, net)[0] + comm.all_reduce(4 * params / g.size, replicas, net)[0]
+        reduce += (comm.reduce_scatter(grad * params, g, net)[0]
+                   + comm.all_reduce(grad * params / g.size, replicas, net)[0])
         gather += comm.all_gather(4 * params, g, net)[0]
-    return reduce, gather, comm.reduce_scatter(4 * dense, cuts[0][1], net)[1]
+    return reduce, gather, comm.reduce_scatter(grad * dense, cuts[0][1], net)[1]
 
 
 def _fsdp_total(work: Workload, layout: Layout, hw: Hardware) -> tuple[float, float, dict]:
@@ -104,7 +108,7 @@ def _fsdp_total(work: Workload, layout: Layout, hw: Hardware) -> tuple[float, fl
     per_layer = layer_params(work, layout.tp)
     n_micro = layout.micro_batches(work.global_batch)
     gather, algo = comm.all_gather(fsdp_gather_bytes(work) * per_layer, g, net)
-    scatter, _ = comm.reduce_scatter(4 * per_layer, g, net)
+    scatter, _ = comm.reduce_scatter(work.runtime.grad_bytes * per_layer, g, net)
     gathers, scatters = fsdp_passes(layout, n_micro)
     return 0.0, (gathers * gather + scatters * scatter) * layers_per_rank(work, layout), {"fsdp": algo}
 

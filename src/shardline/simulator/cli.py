@@ -13,7 +13,7 @@ from shardline.errors import ConfigError
 from shardline.config.reader import OnlyOnce
 from shardline.simulator import montecarlo
 from shardline.simulator.job import GPU_TYPES, make_job
-from shardline.simulator.settings import MODES, apply_table, load_settings
+from shardline.simulator.settings import MODES, apply_table, check_mode_keys, load_settings
 
 # CLI flag dest -> [simulate] key
 _FLAG_KEYS = {
@@ -103,6 +103,7 @@ def simulate(job, settings, seeds: int, sweep: bool = False, plot: str | None = 
     """Run the Monte Carlo (and the sweeps a plot or --sweep needs); return the report."""
     from shardline.simulator.report import build_report
 
+    check_mode_keys(settings, MODES if plot else (settings.checkpoint_mode,))  # a plot simulates every mode
     setup = montecarlo.prepare(job, settings)
     summary = montecarlo.summarize(setup, montecarlo.run_seeds(setup, setup.policy, seeds))
     mode = setup.policy.mode

@@ -157,3 +157,25 @@ def _check_step_time(settings: Settings) -> None:
     if unused:
         raise ConfigError(f"{', '.join(unused)} {'shapes' if len(unused) == 1 else 'shape'} the step-time "
                           "estimate, which simulate.step_time_s replaces; give one or the other")
+
+
+# [simulate] keys only some checkpoint modes read: a persistent save every k snapshots and the
+# restore from a peer's memory are memory mode's; the device-to-host snapshot (its time, or
+# the figures that estimate it) is the stall of async and memory, never of sync.
+MODE_KEYS: dict[str, tuple[str, ...]] = {
+    "persist_every": ("memory",), "persist_interval_s": ("memory",), "memory_load_s": ("memory",),
+    "snapshot_s": ("async", "memory"), "snapshot_overhead_s": ("async", "memory"),
+    "host_copy_gbps": ("async", "memory"),
+}
+
+
+def check_mode_keys(settings: Settings, modes: tuple[str, ...]) -> None:
+    """Refuse keys set away from their defaults that none of the simulated `modes` reads (from any
+    source: file, override or flag): they would be ignored, and the user believe them priced."""
+    unused = [key for key, users in MODE_KEYS.items()
+              if getattr(settings, key) != getattr(Settings, key) and not set(users) & set(modes)]
+    if unused:
+        named = ", ".join(f"simulate.{key} (used by {' and '.join(MODE_KEYS[key])})" for key in unused)
+        them = "it" if len(unused) == 1 else "them"
+        raise ConfigError(f"{named} would be ignored under checkpoint mode {' and '.join(modes)}; remove {them} "
+                          f"or choose a mode that uses {them} (valid: {', '.join(MODES)})")
