@@ -27,7 +27,7 @@ from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
 from shardline.parallel.compile import describe as describe_compile
 from shardline.planner.estimate import estimate
-from shardline.planner.hardware import Hardware, get_hardware
+from shardline.planner.hardware import Hardware, get_hardware, with_local_memory
 from shardline.planner.layout import Workload
 from shardline.planner.report import attention_words, mfu_words
 from shardline.planner.memory import GiB
@@ -178,14 +178,13 @@ def _device(cfg: Config, gpu: str | None) -> Hardware:
         return get_hardware("cpu")
     if not torch.cuda.is_available():
         return dataclasses.replace(get_hardware("h100-sxm"), name="h100-sxm (assumed; pass --gpu TYPE)")
-    card = torch.cuda.get_device_name()
-    card_gib = torch.cuda.get_device_properties(0).total_memory / GiB
-    sheet = local_datasheet(card)
-    hw = get_hardware(sheet.name if sheet else "h100-sxm")
-    if sheet is not None and abs(hw.mem_gib - card_gib) <= 0.02 * hw.mem_gib:
+    card, sheet = torch.cuda.get_device_name(), local_datasheet(torch.cuda.get_device_name())
+    table = get_hardware(sheet.name if sheet else "h100-sxm")
+    hw = with_local_memory(table)
+    if sheet is not None and hw is table:
         return hw
     speeds = "" if sheet else ", an H100's speeds assumed; pass --gpu TYPE"
-    return dataclasses.replace(hw, name=f"{card} ({card_gib:.1f} GiB{speeds})", mem_gib=card_gib)
+    return dataclasses.replace(hw, name=f"{card} ({hw.mem_gib:.1f} GiB{speeds})")
 
 
 def _ranges(ids: tuple[int, ...]) -> str:

@@ -134,3 +134,19 @@ def test_profile_writer_round_trips():
     # a slow link's small figure keeps its digits (fixed decimals once cut 0.0123456 GB/s to 0.012346)
     small = tomllib.loads(to_toml({"inter_bw_gbs": 0.0123456789, "latency_us": 1743.123456789}))
     assert small == {"inter_bw_gbs": 0.01234568, "latency_us": 1743.123}
+
+
+def test_this_machines_card_is_estimated_at_its_own_memory(monkeypatch):
+    """`estimate --config` without --gpu on an A100-SXM4-40GB: the table's "A100" entry is the
+    80 GB card, so its memory is the card's own; a card the entry describes keeps the entry."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from shardline.planner.hardware import get_hardware, with_local_memory
+
+    entry = get_hardware("a100-80gb")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=39.4 * 2**30))
+    assert with_local_memory(entry).mem_gib == pytest.approx(39.4)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=79.15 * 2**30))
+    assert with_local_memory(entry) is entry

@@ -21,7 +21,8 @@ from shardline.models.llama import ModelArgs
 from shardline.models.presets import PRESETS
 from shardline.planner.calibrate import cluster_cli
 from shardline.planner.calibrate.cluster_cli import out_problem
-from shardline.planner.hardware import DEVICE_NAMES, Hardware, detected_gpu, get_hardware
+from shardline.planner.hardware import (DEVICE_NAMES, Hardware, detected_gpu, get_hardware, read_profile,
+                                        with_local_memory)
 from shardline.layout import resolve
 from shardline.planner.layout import Workload, parse_fix, to_config
 
@@ -208,6 +209,8 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     cfg.check()
     hw = _hardware(args, args.gpu or _default_device(cfg))
+    if not args.gpu and hw.name != "cpu" and "mem_gib" not in (read_profile(args.profile) if args.profile else {}):
+        hw = with_local_memory(hw)  # this machine's card, as it is
     layout = resolve(cfg, args.gpus)
     problem = ssd_offload.problem(cfg.memory, layout.zero, on_cuda=hw.name != "cpu", node_paths=False)
     if problem:  # what the trainer refuses is not priced as if it ran

@@ -42,7 +42,8 @@ from shardline.planner.calibrate import ops
 from shardline.planner.calibrate.comm import measure_collectives
 from shardline.planner.calibrate.corun import measure_corun
 from shardline.planner.calibrate.dist import measure_wrappers
-from shardline.planner.hardware import Hardware, cpu_cores, cpu_hardware, detected_gpu, get_hardware, to_toml
+from shardline.planner.hardware import (Hardware, cpu_cores, cpu_hardware, detected_gpu, get_hardware, to_toml,
+                                        with_local_memory)
 
 # (m tokens, n out, k in); the first eight are the quick set
 GEMMS = [(4096, 256, 256), (4096, 768, 256), (4096, 256, 768), (4096, 128, 128), (2048, 64, 256), (512, 128, 128),
@@ -169,7 +170,7 @@ def measure(quick: bool = False, comm: bool = True, dtypes: tuple[str, ...] = ("
 
 
 def _gpu_entry() -> Hardware:
-    return get_hardware(detected_gpu())
+    return with_local_memory(get_hardware(detected_gpu()))
 
 
 def calibrate(out: str | Path, quick: bool = False, comm: bool = True, threads: int | None = None) -> dict:
