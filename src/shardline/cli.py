@@ -81,8 +81,9 @@ def _refuse_srun_tasks(env) -> None:
     """`srun --ntasks-per-node=8 shardline train` (no torchrun) starts 8 one-process runs on one
     run dir: one trains, the others stop at its lock. Refused in one line."""
     tasks = env.get("SLURM_STEP_NUM_TASKS", "1")
-    # torchrun sets RANK in each worker; a WORLD_SIZE exported by an sbatch script alone is not a launch
-    if tasks.isdigit() and int(tasks) > 1 and "RANK" not in env and env.get("WORLD_SIZE") != "1":
+    # torchrun sets RANK and WORLD_SIZE in each worker; one of them exported by an sbatch script is not a launch
+    launched = "RANK" in env and "WORLD_SIZE" in env
+    if tasks.isdigit() and int(tasks) > 1 and not launched and env.get("WORLD_SIZE") != "1":
         raise ShardlineError(f"srun started {tasks} tasks, each its own one-process run; start one torchrun "
                              "per node instead (srun --ntasks-per-node=1 torchrun --nproc_per_node=... -m "
                              "shardline train ...; the README's Slurm example), or set WORLD_SIZE=1 for one "

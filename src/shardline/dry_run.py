@@ -178,9 +178,11 @@ def _device(cfg: Config, gpu: str | None) -> Hardware:
         return get_hardware("cpu")
     if not torch.cuda.is_available():
         return dataclasses.replace(get_hardware("h100-sxm"), name="h100-sxm (assumed; pass --gpu TYPE)")
-    card, sheet = torch.cuda.get_device_name(), local_datasheet(torch.cuda.get_device_name())
+    index = (torch.device(cfg.run.device).index or 0) if cfg.run.device.startswith("cuda") else 0  # cuda:N
+    card = torch.cuda.get_device_name(index)
+    sheet = local_datasheet(card)
     table = get_hardware(sheet.name if sheet else "h100-sxm")
-    hw = with_local_memory(table)
+    hw = with_local_memory(table, index)
     if sheet is not None and hw is table:
         return hw
     speeds = "" if sheet else ", an H100's speeds assumed; pass --gpu TYPE"

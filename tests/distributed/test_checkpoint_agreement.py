@@ -87,6 +87,16 @@ def _two_saves(rank: int, world: int, port: int, root: str) -> None:
             outcomes.append("fresh start")
         except ConfigError as e:
             outcomes.append(str(e))
+
+        def stale_handle():  # a storage error, not a ShardlineError, on rank 1 alone
+            if rank == 1:
+                raise OSError(116, "Stale file handle")
+            return "listed"
+
+        try:
+            outcomes.append(agreed(stale_handle, world))
+        except Exception as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
         (Path(root) / f"rank{rank}.json").write_text(json.dumps([*outcomes, int(flag)]))
     finally:
         dist.destroy_process_group()
@@ -101,7 +111,8 @@ def test_a_save_that_fails_on_one_rank_fails_on_both(tmp_path):
             "storage every node shares"
     never = f"run.resume='never' but {tmp_path / 'run'} already holds checkpoints that a new run would overwrite; " \
             "choose another run.dir or remove them"
+    stale = "OSError: [Errno 116] Stale file handle"
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [
-        [*first, "CheckpointError", "step-000003", blind, True, never, 1],
-        [*first, "ValueError", "step-000003", blind, True, f"on rank 0: {never}", 1]]
+        [*first, "CheckpointError", "step-000003", blind, True, never, f"ShardlineError: on rank 1: {stale}", 1],
+        [*first, "ValueError", "step-000003", blind, True, f"on rank 0: {never}", stale, 1]]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["run", "step-000001", "step-000003"]

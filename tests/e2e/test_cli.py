@@ -148,9 +148,11 @@ def test_srun_tasks_without_torchrun_are_refused_and_a_ranked_dry_run_prints_onc
     err = capsys.readouterr().err
     assert "srun started 8 tasks" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
-    monkeypatch.setenv("WORLD_SIZE", "8")  # an sbatch script's export is not torchrun's launch
-    assert main(["train", *overrides(tmp_path / "run", small_corpus)]) == 2
-    assert "srun started 8 tasks" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    for exported in ("WORLD_SIZE", "RANK"):  # an sbatch script's export of one is not torchrun's launch
+        monkeypatch.setenv(exported, "8" if exported == "WORLD_SIZE" else "3")
+        assert main(["train", *overrides(tmp_path / "run", small_corpus)]) == 2
+        assert "srun started 8 tasks" in capsys.readouterr().err and not (tmp_path / "run").exists()
+        monkeypatch.delenv(exported)
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's worker: the dry run checks, rank 1 stays quiet
     monkeypatch.setenv("RANK", "1")
     assert main(["train", "--dry-run", *overrides(tmp_path / "run", small_corpus)]) == 0

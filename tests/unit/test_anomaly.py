@@ -215,3 +215,15 @@ def test_the_rollback_budget_and_skip_streak_go_on_across_a_restart(tiny_config,
     skipping._anomaly_streak = (2, 2)
     skipping.train()
     assert Trainer(tiny_config(*common, run_dir=streak)).build()._anomaly_streak == (2, 2)
+
+
+def test_a_halt_right_after_a_rollback_saves_the_budget_it_spent(tiny_config, tmp_path):
+    """The rollback budget runs out at the step after the checkpoint rolled back to: the state
+    before it is on disk already, but without the rollback and the batch it skipped; resumed as
+    it was, a restart got both back. The halt saves that step again."""
+    common = ["anomaly.action=rollback", "anomaly.max_rollbacks=1", "anomaly.min_history=2", "checkpoint.interval=3",
+              "train.eval_interval=0"]
+    with pytest.raises(AnomalyHalt, match="at step 4; state before that step saved to .*step-000003"):
+        Trainer(tiny_config(*common, "faults.nan_step=4", "faults.spike_step=4")).build().train()
+    again = Trainer(tiny_config(*common)).build()
+    assert again.step == 3 and again.rollbacks == 1 and again.skipped_batches == [3]

@@ -49,3 +49,14 @@ def test_pipeline_keys_without_a_pipeline_are_named_unused(tiny_config):
                                             "parallel.pp_virtual_stages=2"), 1)
     assert "pipeline  none (parallel.pp=1): pp_schedule=interleaved_1f1b, pp_virtual_stages=2 unused" in report
     assert "pipeline  none" not in dry_run.dry_run(tiny_config("run.device=cpu"), 1)[0]
+
+
+def test_the_card_estimated_is_the_one_run_device_names(tiny_config, monkeypatch):
+    """run.device=cuda:1 on a machine whose first card is another (a small display card)."""
+    cards = {0: ("NVIDIA T400", 1.9), 1: ("NVIDIA H100 80GB HBM3", 79.6)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: cards[i][0])
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i=0: SimpleNamespace(total_memory=cards[i][1] * 2**30))
+    assert dry_run._device(tiny_config("run.device=cuda:1"), None).name == "h100-sxm"
+    assert "T400" in dry_run._device(tiny_config("run.device=cuda"), None).name

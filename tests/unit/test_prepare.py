@@ -818,3 +818,26 @@ def test_a_sentencepiece_tokenizer_sees_a_conversation_as_its_chat_pipeline_does
     assert ids == tok.encode(rendered, add_special_tokens=False).ids
     targets = [tok.id_to_token(i) for i, m in zip(ids, mask) if m]
     assert "".join(targets) == "▁It▁is▁1.</s>▁It▁is▁2.▁Done.</s>"  # "▁It": with the space the template wrote
+
+
+def test_a_header_token_that_takes_in_the_replys_leading_blank_stays_the_headers():
+    """An added token with rstrip (Phi-3's <|assistant|>) takes in the whitespace after it, the
+    reply's leading blank too: it is still the header, given at inference, not a target."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+    from shardline.data.encode import ChatTemplate, encode_chat
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.train_from_iterator(["what is one? It is 1."] * 20,
+                            trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"]))
+    tok.add_special_tokens([AddedToken("<|assistant|>", rstrip=True, special=True),
+                            AddedToken("<|user|>", special=True), AddedToken("<|end|>", special=True)])
+    template = ChatTemplate("{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>' }}"
+                            "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+    chat = [{"role": "user", "content": "what is one?"}, {"role": "assistant", "content": " It is 1."}]
+    ids, mask = encode_chat(tok, chat, template)
+    header = tok.token_to_id("<|assistant|>")
+    assert header in ids and mask[ids.index(header)] == 0
+    targets = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert targets.replace("▁", "").replace(" ", "") == "Itis1.<|end|>"

@@ -10,7 +10,8 @@ installed), that template renders it; otherwise the documented default, ChatML:
     <|im_start|>{role}\\n{content}<|im_end|>\\n        (for every message)
 
 Each message becomes segments of the rendering, which is tokenized whole (as the model's own
-chat pipeline does); a token is a loss target when it holds a character of a target segment. Under
+chat pipeline does); a token is a loss target when its first character that is not whitespace
+lies in a target segment. Under
 ChatML an assistant's content and end marker are targets (its header is not), all others are
 not. With a template, segment i is all that message i adds to the rendering of the
 messages before it (a template that rewrites earlier turns instead of appending is
@@ -73,8 +74,10 @@ def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template:
     """
     if chat:
         segments = [chat_segments(messages, chat_template) for messages in docs]
-        encoded = tok.encode_batch(["".join(text for text, _ in s) for s in segments], add_special_tokens=False)
-        ids, masks = [e.ids for e in encoded], [_segment_mask(e.offsets, s) for e, s in zip(encoded, segments)]
+        texts = ["".join(text for text, _ in s) for s in segments]
+        encoded = tok.encode_batch(texts, add_special_tokens=False)
+        ids = [e.ids for e in encoded]
+        masks = [_segment_mask(text, e.offsets, s) for text, e, s in zip(texts, encoded, segments)]
     else:
         ids, masks = [with_bos(e.ids, bos) for e in _encode_batch(tok, docs)], None
     keep = [i for i, x in enumerate(ids) if x]
@@ -201,28 +204,30 @@ def encode_chat(tok: Tokenizer, messages: list[dict],
                 template: ChatTemplate | str | None = None) -> tuple[list[int], list[int]]:
     """Token ids of a conversation and its loss mask (1 on assistant tokens): the rendering is
     tokenized whole, as a chat model's own pipeline tokenizes it (apply_chat_template), and a
-    token is a target when it holds a character of an assistant's segment. Tokenized segment
+    token is a target when it starts, whitespace aside, in an assistant's segment. Tokenized segment
     by segment, a SentencePiece tokenizer (Llama 2, Mistral) began every segment with its own
     "▁", a space the model never saw there, and pieces could not merge across a boundary."""
     segments = chat_segments(messages, template)
-    encoded = tok.encode("".join(text for text, _ in segments), add_special_tokens=False)
-    return encoded.ids, _segment_mask(encoded.offsets, segments)
+    text = "".join(piece for piece, _ in segments)
+    encoded = tok.encode(text, add_special_tokens=False)
+    return encoded.ids, _segment_mask(text, encoded.offsets, segments)
 
 
-def _segment_mask(offsets: list[tuple[int, int]], segments: list[tuple[str, bool]]) -> list[int]:
-    """1 for each token (its character `offsets` in the joined segments) with a character in a
-    target segment. A token across a boundary is one when it reaches into a reply: a
-    SentencePiece "▁It" holds the space a template wrote before the reply, and left out, the
-    first word of every reply would never be learnt."""
+def _segment_mask(text: str, offsets: list[tuple[int, int]], segments: list[tuple[str, bool]]) -> list[int]:
+    """1 for each token (its character `offsets` in `text`, the joined segments) whose first
+    character that is not whitespace lies in a target segment: a SentencePiece "▁It" holds the
+    space a template wrote before a reply and is the reply's first word (left out, it would never
+    be learnt), while a header token that takes in the whitespace after it (an added token with
+    rstrip, Phi-3's <|assistant|>) is still the header's. A whitespace token goes by its first
+    character, one whose offsets a post-processor trimmed to nothing by the character before."""
     if not offsets:
         return []
-    ends = np.cumsum([len(text) for text, _ in segments])
-    before = np.concatenate([[0], np.cumsum([target for _, target in segments])])  # targets before segment i
-    spans = np.array(offsets, dtype=np.int64).reshape(-1, 2)
-    first = np.searchsorted(ends, spans[:, 0], side="right")
-    last = np.searchsorted(ends, np.maximum(spans[:, 1] - 1, spans[:, 0]), side="right")
-    first, last = (np.minimum(x, len(segments) - 1) for x in (first, last))
-    return (before[last + 1] > before[first]).astype(np.int64).tolist()
+    at = [start + len(span) - len(span.lstrip()) if (span := text[start:end]).strip()
+          else start if end > start else max(start - 1, 0) for start, end in offsets]
+    ends = np.cumsum([len(piece) for piece, _ in segments])
+    targets = np.array([target for _, target in segments], dtype=np.int64)
+    segment = np.minimum(np.searchsorted(ends, np.array(at), side="right"), len(segments) - 1)
+    return targets[segment].tolist()
 
 
 def _template_segments(messages: list[dict], template: ChatTemplate) -> list[tuple[str, bool]]:

@@ -125,7 +125,7 @@ def agreed(check, world_size: int):
         return check()
     try:
         result, failure = check(), None
-    except errors.ShardlineError as e:
+    except Exception as e:  # any: a storage OSError raised on one rank left the others in the gather
         result, failure = None, e
     outcomes: list = [None] * world_size
     dist.all_gather_object(outcomes, None if failure is None else (type(failure).__name__, str(failure)))
@@ -134,8 +134,9 @@ def agreed(check, world_size: int):
     for rank, outcome in enumerate(outcomes):
         if outcome is not None:
             kind = getattr(errors, outcome[0], None)
-            kind = kind if isinstance(kind, type) and issubclass(kind, errors.ShardlineError) else errors.ShardlineError
-            raise kind(f"on rank {rank}: {outcome[1]}")
+            if isinstance(kind, type) and issubclass(kind, errors.ShardlineError):
+                raise kind(f"on rank {rank}: {outcome[1]}")
+            raise errors.ShardlineError(f"on rank {rank}: {outcome[0]}: {outcome[1]}")
     return result
 
 

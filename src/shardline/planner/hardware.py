@@ -223,11 +223,12 @@ def detected_gpu() -> str:
     return sheet.name
 
 
-def with_local_memory(hw: Hardware) -> Hardware:
+def with_local_memory(hw: Hardware, index: int = 0) -> Hardware:
     """`hw` (this machine's GPU's table entry) with the card's own memory where it differs: the
     table matches a card by a part of its name, so an A100-SXM4-40GB is the 80 GB "A100" entry,
-    a GH200 (96 GB) the H200's; a memory estimate against the entry's would say "fits" wrongly."""
-    card = torch.cuda.get_device_properties(0).total_memory / 2**30
+    a GH200 (96 GB) the H200's; a memory estimate against the entry's would say "fits" wrongly.
+    `index`: the CUDA device the run takes (run.device=cuda:N)."""
+    card = torch.cuda.get_device_properties(index).total_memory / 2**30
     return hw if abs(card - hw.mem_gib) <= 0.02 * hw.mem_gib else dataclasses.replace(hw, mem_gib=card)
 
 

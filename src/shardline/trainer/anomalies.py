@@ -8,6 +8,7 @@ schedule, the checkpoint tiers, the watchdog guard, the metrics log and the step
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -114,8 +115,11 @@ class AnomalyResponse:
             with self.guard.phase("halt", self.step):
                 this_step = self.checkpointer.root / step_dir_name(self.step)
                 # the state before the bad step may be on disk already; rank 0, which seals checkpoints,
-                # decides for all (a lagging name cache on another rank would skip the collective save)
-                if rank0_decides(this_step in self.checkpointer.list(), self.proc.rank, self.proc.world_size):
+                # decides for all (a lagging name cache on another rank would skip the collective save). Not
+                # after a rollback: the saved state lacks the rollbacks and skipped batches since, and a
+                # restart from it would get the budget and the bad batches back.
+                on_disk = this_step in self.checkpointer.list() and not self.rollbacks
+                if rank0_decides(on_disk, self.proc.rank, self.proc.world_size):
                     saved = this_step
                 elif self.cfg.checkpoint.interval:
                     saved = self.save_checkpoint()
@@ -123,15 +127,17 @@ class AnomalyResponse:
                 self.tiers.finish(complete=False)  # RAM freed unless it holds a state newer than the disk's
         except CheckpointError as e:  # checkpoint.on_error=stop: the halt is still what is reported
             failure = e
-        self.guard.stop_watching()
+        with contextlib.suppress(Exception):  # a last report failing to write (a full disk) must not hide the halt
+            self.guard.stop_watching()
         written = saved is not None and saved.is_dir()  # a refused save (on_error=continue) returns none or leaves none
         where = (f"state before that step saved to {saved}" if written
                  else "nothing saved to disk (checkpoint.interval=0)" + (
                      "; the in-memory snapshots stay for a rerun" if self.cfg.checkpoint.memory_interval else "")
                  if not self.cfg.checkpoint.interval
                  else f"the state before that step could not be saved ({failure or 'see checkpoint_failed'})")
-        self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if written else None)
-        self.metrics.close()
+        with contextlib.suppress(Exception):
+            self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if written else None)
+            self.metrics.close()
         self.lock.release()
         why = f"; {event['reason']}" if "reason" in event else ""
         raise AnomalyHalt(f"{event['anomaly']} (value {event['value']:.4g}) at step {event['step']}; "

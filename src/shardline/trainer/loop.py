@@ -85,7 +85,6 @@ class Trainer(SavedState, AnomalyResponse):
         check_layout_before_data(cfg, self.proc.world_size)  # a wrong layout fails before the data is read
         self.data = build_data(cfg)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
-        seen = self.checkpointer.list()  # before the choice, which may take minutes hashing the newest
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
         resume_from = self._choose_resume(launch.model_args)  # a refusal on any rank stops every rank
         check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
@@ -121,9 +120,9 @@ class Trainer(SavedState, AnomalyResponse):
         self._lock_run_dir()
         try:
             self.checkpointer.repair_interrupted_seal()  # a crash between a save's two renames
-            # Chosen again: a run finishing in this dir may have saved since, or the repair put one back.
-            if self.checkpointer.list() != seen or resume_from is None:
-                resume_from = self._choose_resume(self.model_args, repaired=self.proc.is_main)
+            # Chosen again, by every rank (the choice's refusal is agreed, a collective): a run finishing in this
+            # dir may have saved since, or the repair put one back (what was hashed then is not hashed again).
+            resume_from = self._choose_resume(self.model_args, repaired=self.proc.is_main)
             self.guard.watch(before_exit=self.lock.release)  # a hang's exit frees the run dir for the rerun
             with self.guard.phase("restore", self.step):
                 resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
