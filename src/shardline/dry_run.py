@@ -27,7 +27,7 @@ from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
 from shardline.parallel.compile import describe as describe_compile
 from shardline.planner.estimate import estimate
-from shardline.planner.hardware import Hardware, get_hardware, with_local_memory
+from shardline.planner.hardware import Hardware, cuda_index, get_hardware, with_local_memory
 from shardline.planner.layout import Workload
 from shardline.planner.report import attention_words, mfu_words
 from shardline.planner.memory import GiB
@@ -178,7 +178,7 @@ def _device(cfg: Config, gpu: str | None) -> Hardware:
         return get_hardware("cpu")
     if not torch.cuda.is_available():
         return dataclasses.replace(get_hardware("h100-sxm"), name="h100-sxm (assumed; pass --gpu TYPE)")
-    index = (torch.device(cfg.run.device).index or 0) if cfg.run.device.startswith("cuda") else 0  # cuda:N
+    index = cuda_index(cfg.run.device)
     card = torch.cuda.get_device_name(index)
     sheet = local_datasheet(card)
     table = get_hardware(sheet.name if sheet else "h100-sxm")

@@ -116,3 +116,39 @@ def test_a_save_that_fails_on_one_rank_fails_on_both(tmp_path):
         [*first, "CheckpointError", "step-000003", blind, True, never, f"ShardlineError: on rank 1: {stale}", 1],
         [*first, "ValueError", "step-000003", blind, True, f"on rank 0: {never}", stale, 1]]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["run", "step-000001", "step-000003"]
+
+
+def _start_refused_on_one_node(rank: int, world: int, port: int, corpus: str, root: str) -> None:
+    """Rank 1's node lacks the data file (node-local storage): its start fails there alone."""
+    from shardline.config import load_config
+    from shardline.errors import ShardlineError
+    from shardline.trainer import Trainer
+    from tests.distributed.harness import PARITY_OVERRIDES
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        data = corpus if rank == 0 else f"{root}/not-on-this-node.txt"
+        cfg = load_config(None, [*PARITY_OVERRIDES, f"data.path={data}", f"run.dir={root}/run"])
+        try:
+            Trainer(cfg).build()
+            outcome = "built"
+        except ShardlineError as e:
+            outcome = f"{type(e).__name__}: {e}"
+        except Exception as e:  # the process group's timeout: a peer left waiting
+            outcome = f"not agreed: {type(e).__name__}"
+        (Path(root) / f"start{rank}.json").write_text(json.dumps(outcome))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_start_refused_on_one_node_is_refused_on_every_rank(tmp_path, small_corpus):
+    """The input checks run on every rank before the first collective; one node's refusal (a file
+    only the others have) is every rank's, in one line, not a wait for the process group's timeout."""
+    start_ranks(_start_refused_on_one_node, (2, free_port(), str(small_corpus), str(tmp_path)), nprocs=2)
+    outcomes = [json.loads((tmp_path / f"start{r}.json").read_text()) for r in range(2)]
+    assert outcomes[1].startswith("DataError: ") and "not-on-this-node.txt" in outcomes[1]
+    assert outcomes[0] == f"DataError: on rank 1: {outcomes[1].removeprefix('DataError: ')}"
+    assert not (tmp_path / "run").exists()

@@ -227,3 +227,12 @@ def test_a_halt_right_after_a_rollback_saves_the_budget_it_spent(tiny_config, tm
         Trainer(tiny_config(*common, "faults.nan_step=4", "faults.spike_step=4")).build().train()
     again = Trainer(tiny_config(*common)).build()
     assert again.step == 3 and again.rollbacks == 1 and again.skipped_batches == [3]
+    # A run that rolled back before, restarted: a halt right after a save keeps that save (no second copy).
+    halting = Trainer(tiny_config(*common[1:], "anomaly.action=halt", "faults.nan_step=7")).build()
+    assert halting.rollbacks == 1
+    saves = []
+    save = halting.save_checkpoint
+    halting.save_checkpoint = lambda: saves.append(halting.step) or save()
+    with pytest.raises(AnomalyHalt, match="at step 7; state before that step saved to .*step-000006;"):
+        halting.train()
+    assert saves == [6]

@@ -15,6 +15,7 @@ from shardline.errors import ConfigError
 def _card(monkeypatch, name: str, gib: float) -> None:
     """This machine shows one CUDA card of that name and memory (the CPU suite has none)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=gib * 2**30))
 
@@ -55,8 +56,16 @@ def test_the_card_estimated_is_the_one_run_device_names(tiny_config, monkeypatch
     """run.device=cuda:1 on a machine whose first card is another (a small display card)."""
     cards = {0: ("NVIDIA T400", 1.9), 1: ("NVIDIA H100 80GB HBM3", 79.6)}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: cards[i][0])
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i=0: SimpleNamespace(total_memory=cards[i][1] * 2**30))
     assert dry_run._device(tiny_config("run.device=cuda:1"), None).name == "h100-sxm"
     assert "T400" in dry_run._device(tiny_config("run.device=cuda"), None).name
+
+
+def test_a_card_past_the_machines_is_one_line(tiny_config, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"run.device='cuda:5' but this machine has 2 CUDA device\(s\)"):
+        dry_run._device(tiny_config("run.device=cuda:5"), None)

@@ -21,8 +21,8 @@ from shardline.models.llama import ModelArgs
 from shardline.models.presets import PRESETS
 from shardline.planner.calibrate import cluster_cli
 from shardline.planner.calibrate.cluster_cli import out_problem
-from shardline.planner.hardware import (DEVICE_NAMES, Hardware, detected_gpu, get_hardware, read_profile,
-                                        with_local_memory)
+from shardline.planner.hardware import (DEVICE_NAMES, Hardware, cuda_index, detected_gpu, get_hardware,
+                                        read_profile, with_local_memory)
 from shardline.layout import resolve
 from shardline.planner.layout import Workload, parse_fix, to_config
 
@@ -210,7 +210,7 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg.check()
     hw = _hardware(args, args.gpu or _default_device(cfg))
     if not args.gpu and hw.name != "cpu" and "mem_gib" not in (read_profile(args.profile) if args.profile else {}):
-        hw = with_local_memory(hw)  # this machine's card, as it is
+        hw = with_local_memory(hw, cuda_index(cfg.run.device))  # this machine's card, as it is
     layout = resolve(cfg, args.gpus)
     problem = ssd_offload.problem(cfg.memory, layout.zero, on_cuda=hw.name != "cpu", node_paths=False)
     if problem:  # what the trainer refuses is not priced as if it ran
@@ -227,7 +227,7 @@ def _default_device(cfg: Config) -> str:
 
     if cfg.run.device == "cpu" or not torch.cuda.is_available():
         return "cpu"
-    return detected_gpu()
+    return detected_gpu(cuda_index(cfg.run.device))
 
 
 def _config_model(cfg: Config) -> ModelArgs:

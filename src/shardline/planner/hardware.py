@@ -214,13 +214,23 @@ def cpu_hardware() -> Hardware:
             tp_head_wall_us_per_mb=10000.0))
 
 
-def detected_gpu() -> str:
-    """This machine's GPU as a table entry; ConfigError when the table lacks it."""
-    sheet = local_datasheet(torch.cuda.get_device_name())
+def detected_gpu(index: int = 0) -> str:
+    """This machine's GPU (card `index`) as a table entry; ConfigError when the table lacks it."""
+    sheet = local_datasheet(torch.cuda.get_device_name(index))
     if sheet is None:
-        raise ConfigError(f"this machine's GPU ({torch.cuda.get_device_name()}) is not in the hardware table; pass "
-                          f"--gpu with the closest entry ({', '.join(GPUS)}) and a --profile for the rest")
+        raise ConfigError(f"this machine's GPU ({torch.cuda.get_device_name(index)}) is not in the hardware table; "
+                          f"pass --gpu with the closest entry ({', '.join(GPUS)}) and a --profile for the rest")
     return sheet.name
+
+
+def cuda_index(device: str) -> int:
+    """The CUDA card run.device names on this machine (auto and cuda: the first); ConfigError
+    past the cards it shows, as a launch refuses it."""
+    index = (torch.device(device).index or 0) if device.startswith("cuda") else 0
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"run.device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s): "
+                          f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return index
 
 
 def with_local_memory(hw: Hardware, index: int = 0) -> Hardware:

@@ -89,7 +89,7 @@ class AnomalyResponse:
                     self.scaler.skip()
                     name = self._restore(target)
             if target is not None:
-                self.rollbacks += 1
+                self.rollbacks, self._rolled_back_unsaved = self.rollbacks + 1, True
                 cost = time.perf_counter() - started
                 self.guard.goodput.add("recovery", cost)
                 self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
@@ -116,9 +116,9 @@ class AnomalyResponse:
                 this_step = self.checkpointer.root / step_dir_name(self.step)
                 # the state before the bad step may be on disk already; rank 0, which seals checkpoints,
                 # decides for all (a lagging name cache on another rank would skip the collective save). Not
-                # after a rollback: the saved state lacks the rollbacks and skipped batches since, and a
-                # restart from it would get the budget and the bad batches back.
-                on_disk = this_step in self.checkpointer.list() and not self.rollbacks
+                # after a rollback since the last save: that state lacks the rollback and the batch it skipped,
+                # and a restart from it would get the budget and the bad batch back.
+                on_disk = this_step in self.checkpointer.list() and not self._rolled_back_unsaved
                 if rank0_decides(on_disk, self.proc.rank, self.proc.world_size):
                     saved = this_step
                 elif self.cfg.checkpoint.interval:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from shardline.config import Config, save_config
-from shardline.data import build_data, tokenizer_file
+from shardline.data import tokenizer_file
 from shardline.data.sampler import batch_index, eval_micro_batches
 from shardline.devices import peak_tflops
 from shardline.errors import Preempted
@@ -35,14 +35,13 @@ from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
 from shardline.parallel.collectives import clip_grad_norm, reduce_over
 from shardline.parallel.compile import describe as describe_compile
 from shardline.parallel.dims import ParallelDims
-from shardline.parallel.distributed import init_distributed, pick_device
+from shardline.parallel.distributed import agreed, init_distributed, pick_device
 from shardline.parallel.expert.balance import ExpertBalance
 from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.pipeline import tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler
-from shardline.preflight import (check_config, check_device, check_layout_before_data, gone_start_checkpoint,
-                                 launch_notes, preflight, use_model_tokenizer)
+from shardline.preflight import check_config, gone_start_checkpoint, launch_notes
 from shardline.profiling import StepProfiler, configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name
@@ -68,6 +67,7 @@ class Trainer(SavedState, AnomalyResponse):
         self._optim_changes: dict[str, list] = {}
         self.anomaly_events: list[dict] = []
         self._anomaly_streak = (-1, 0)  # (last anomalous step, how many in a row up to it)
+        self._rolled_back_unsaved = False  # a rollback since the last save (an anomaly halt saves again)
 
     # ---- building -------------------------------------------------------------------
 
@@ -81,13 +81,10 @@ class Trainer(SavedState, AnomalyResponse):
             torch.cuda.set_device(self.device)
         check_config(cfg)
         torch.manual_seed(cfg.train.seed)
-        self._stand_in = use_model_tokenizer(cfg)  # the starting weights gone: this run's checkpoint stands in
-        check_layout_before_data(cfg, self.proc.world_size)  # a wrong layout fails before the data is read
-        self.data = build_data(cfg)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
-        launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
-        resume_from = self._choose_resume(launch.model_args)  # a refusal on any rank stops every rank
-        check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
+        # The input checks (files, data, layout, resume, this node's device and folders): a refusal on any rank,
+        # one node's missing folder say, stops every rank in one line instead of leaving them in a collective.
+        launch, resume_from = agreed(self._check_inputs, self.proc.world_size)
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
         build = build_moe_model if self.model_args.moe else build_model
         # One process builds a (one-rank) mesh too under offload, whose FSDP2 parameters are sharded.
@@ -119,15 +116,16 @@ class Trainer(SavedState, AnomalyResponse):
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
         self._lock_run_dir()
         try:
-            self.checkpointer.repair_interrupted_seal()  # a crash between a save's two renames
-            # Chosen again, by every rank (the choice's refusal is agreed, a collective): a run finishing in this
-            # dir may have saved since, or the repair put one back (what was hashed then is not hashed again).
-            resume_from = self._choose_resume(self.model_args, repaired=self.proc.is_main)
+            agreed(self.checkpointer.repair_interrupted_seal, self.proc.world_size)  # a crash between two renames
+            # Chosen again, by every rank, a refusal agreed: a run finishing in this dir may have saved since, or
+            # the repair put one back (what was hashed then is not hashed again).
+            resume_from = agreed(lambda: self._choose_resume(self.model_args, repaired=self.proc.is_main),
+                                 self.proc.world_size)
             self.guard.watch(before_exit=self.lock.release)  # a hang's exit frees the run dir for the rerun
             with self.guard.phase("restore", self.step):
                 resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
                 found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
-                self._set_aside = self._set_aside_newer(found)  # before the restore, which may fail
+                self._set_aside = agreed(lambda: self._set_aside_newer(found), self.proc.world_size)  # before it
                 resumed = self._restore(found) if found is not None else None
                 if found is None and not starting_loaded:  # the checkpoint chosen before the lock is gone
                     self._load_starting_weights()

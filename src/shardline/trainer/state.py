@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shardline.data import build_data
 from shardline.models.factory import args_to_json
 from shardline.optim import apply_hyperparameters, schedule_settings
-from shardline.parallel.distributed import agreed
 from shardline.parallel.float8 import precompute_scales
-from shardline.preflight import bos_setting, check_resume_fits
+from shardline.preflight import (Preflight, bos_setting, check_device, check_layout_before_data, check_resume_fits,
+                                 preflight, use_model_tokenizer)
 from shardline.resilience.recovery import (check_data_position, check_skip_batches, check_steps_ahead, get_rng_state,
                                           resume_path, set_rng_state)
 from shardline.resilience.run_lock import launcher_ids
@@ -32,17 +33,25 @@ class SavedState:
             step = found[0] if isinstance(found, tuple) else self.checkpointer.verify(found)["step"]
         return self.checkpointer.set_aside_after(step)
 
-    def _choose_resume(self, model_args, repaired: bool = False) -> Path | None:
-        """The checkpoint to resume (resume_path), checked to fit this run (check_resume_fits).
-        Each rank chooses from shared storage, where a lagging listing can refuse on one rank
-        alone; the refusal is raised on every rank (agreed), not left to the process group's
-        timeout. Rank 0's choice is made every rank's later (agree_on_resume)."""
-        def choose():
-            found, invalid = resume_path(self.cfg, self.checkpointer, repaired=repaired)
-            check_resume_fits(found, model_args, self.cfg.train.steps, bos_setting(self.cfg, self.data.tokenizer))
-            return found, invalid
+    def _check_inputs(self) -> tuple[Preflight, Path | None]:
+        """Everything a start checks before its first collective, on each rank: the starting
+        files, the layout, the data, the model and the checkpoint to resume; returns (the launch,
+        the checkpoint or None). Build runs it under `agreed`: a node's own files (a folder
+        missing on one node, a lagging listing of shared storage) can refuse on some ranks only."""
+        cfg = self.cfg
+        self._stand_in = use_model_tokenizer(cfg)  # the starting weights gone: this run's checkpoint stands in
+        check_layout_before_data(cfg, self.proc.world_size)  # a wrong layout fails before the data is read
+        self.data = build_data(cfg)
+        launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
+        found = self._choose_resume(launch.model_args)
+        check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
+        return launch, found
 
-        found, self._invalid_checkpoints = agreed(choose, self.proc.world_size)
+    def _choose_resume(self, model_args, repaired: bool = False) -> Path | None:
+        """The checkpoint to resume (resume_path), checked to fit this run (check_resume_fits);
+        rank 0's choice is made every rank's later (agree_on_resume)."""
+        found, self._invalid_checkpoints = resume_path(self.cfg, self.checkpointer, repaired=repaired)
+        check_resume_fits(found, model_args, self.cfg.train.steps, bos_setting(self.cfg, self.data.tokenizer))
         return found
 
     def _layout_fingerprint(self) -> str:
@@ -83,7 +92,9 @@ class SavedState:
         self.report_device_anomalies()  # the saved detector state and events agree
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields,
                 "launchers": launcher_ids()}  # a restart of a resume=never run resumes only its own job's
-        return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
+        saved = self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
+        self._rolled_back_unsaved = self._rolled_back_unsaved and saved is None  # refused: still unsaved
+        return saved
 
     def _trainer_state(self) -> dict:
         """Everything beyond model and optimizer that a resumed run needs to continue exactly."""
