@@ -129,7 +129,7 @@ def _compile_pricing(work: Workload, layout) -> str:
 
 
 def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list[str], bool]:
-    hw = _device(cfg, gpu)
+    hw = _device(cfg, gpu, launch.layout.world)
     doc_tokens, doc_source = _mean_doc_tokens(cfg)
     work = Workload.from_config(cfg, launch.model_args, doc_tokens)
     e = estimate(work, launch.layout, hw)
@@ -168,7 +168,7 @@ def _fp8_target(gpu: str | None) -> str | None:
             "none; use train.precision=bf16")
 
 
-def _device(cfg: Config, gpu: str | None) -> Hardware:
+def _device(cfg: Config, gpu: str | None, ranks: int = 1) -> Hardware:
     """The hardware to estimate memory for: --gpu's table entry, else this machine's card (its
     own memory: names match a table entry by a part, and an A100-SXM4-40GB is an "A100" as the
     80 GB entry is, a GH200 an "H200"), else an assumed H100."""
@@ -178,7 +178,7 @@ def _device(cfg: Config, gpu: str | None) -> Hardware:
         return get_hardware("cpu")
     if not torch.cuda.is_available():
         return dataclasses.replace(get_hardware("h100-sxm"), name="h100-sxm (assumed; pass --gpu TYPE)")
-    index = cuda_index(cfg.run.device)
+    index = cuda_index(cfg.run.device, ranks)
     card = torch.cuda.get_device_name(index)
     sheet = local_datasheet(card)
     table = get_hardware(sheet.name if sheet else "h100-sxm")

@@ -69,3 +69,7 @@ def test_a_card_past_the_machines_is_one_line(tiny_config, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ConfigError, match=r"run.device='cuda:5' but this machine has 2 CUDA device\(s\)"):
         dry_run._device(tiny_config("run.device=cuda:5"), None)
+    # several ranks each take their local rank's card, whatever cuda:N says: the first is priced, none refused
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=79.6 * 2**30))
+    assert dry_run._device(tiny_config("run.device=cuda:5"), None, ranks=8).name == "h100-sxm"

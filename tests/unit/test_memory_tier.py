@@ -318,3 +318,15 @@ def test_a_halt_with_nothing_on_disk_keeps_the_ram_snapshot_for_the_rerun(tiny_c
         _memory_run(tiny_config, tmp_path, *memory, "faults.nan_step=5").train()
     assert _held_steps(tmp_path / "shm") == {3}
     assert _memory_run(tiny_config, tmp_path, *memory).step == 3
+
+
+def test_a_memory_dir_that_cannot_be_made_is_one_line(tiny_config, tmp_path):
+    """checkpoint.memory_dir is a folder of each node's own: one that cannot be made there (a file
+    in the way, no permission) stops the start in one line naming the key and the way out."""
+    from shardline.errors import CheckpointError
+    from shardline.trainer import Trainer
+
+    (tmp_path / "shm").write_text("a file, not a folder")
+    with pytest.raises(CheckpointError, match=r"checkpoint.memory_dir: cannot create .*shm.* on this node"):
+        Trainer(tiny_config("checkpoint.memory_interval=2", f"checkpoint.memory_dir={tmp_path / 'shm'}")).build()
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -208,10 +208,10 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     cfg = load_config(args.config, overrides)
     cfg.check()
-    hw = _hardware(args, args.gpu or _default_device(cfg))
-    if not args.gpu and hw.name != "cpu" and "mem_gib" not in (read_profile(args.profile) if args.profile else {}):
-        hw = with_local_memory(hw, cuda_index(cfg.run.device))  # this machine's card, as it is
     layout = resolve(cfg, args.gpus)
+    hw = _hardware(args, args.gpu or _default_device(cfg, layout.world))
+    if not args.gpu and hw.name != "cpu" and "mem_gib" not in (read_profile(args.profile) if args.profile else {}):
+        hw = with_local_memory(hw, cuda_index(cfg.run.device, layout.world))  # this machine's card, as it is
     problem = ssd_offload.problem(cfg.memory, layout.zero, on_cuda=hw.name != "cpu", node_paths=False)
     if problem:  # what the trainer refuses is not priced as if it ran
         raise ConfigError(problem)
@@ -221,13 +221,13 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _default_device(cfg: Config) -> str:
+def _default_device(cfg: Config, ranks: int) -> str:
     """The device the config would train on: cpu, or the table entry of this machine's GPU."""
     import torch
 
     if cfg.run.device == "cpu" or not torch.cuda.is_available():
         return "cpu"
-    return detected_gpu(cuda_index(cfg.run.device))
+    return detected_gpu(cuda_index(cfg.run.device, ranks))
 
 
 def _config_model(cfg: Config) -> ModelArgs:

@@ -223,10 +223,11 @@ def detected_gpu(index: int = 0) -> str:
     return sheet.name
 
 
-def cuda_index(device: str) -> int:
+def cuda_index(device: str, ranks: int = 1) -> int:
     """The CUDA card run.device names on this machine (auto and cuda: the first); ConfigError
-    past the cards it shows, as a launch refuses it."""
-    index = (torch.device(device).index or 0) if device.startswith("cuda") else 0
+    past the cards it shows, as a lone launch refuses it. With several ranks each takes its
+    local rank's card, whatever cuda:N says: the first."""
+    index = (torch.device(device).index or 0) if device.startswith("cuda") and ranks == 1 else 0
     if index >= torch.cuda.device_count():
         raise ConfigError(f"run.device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s): "
                           f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")

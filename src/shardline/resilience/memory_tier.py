@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from shardline.errors import CheckpointError
+from shardline.parallel.distributed import agreed
 from shardline.resilience import redundancy, snapshot_format
 from shardline.resilience.background import BackgroundWork
 from shardline.resilience.model_state import capture_state, restore_state
@@ -128,7 +130,15 @@ class MemoryTier:
             groups = redundancy.parity_groups(world, ranks_per_node)
             self.parity_group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
             self.parity_members = next(g for g in groups if rank in g)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        agreed(self._make_dir, world)  # a node-local folder: one node's refusal is every rank's
+
+    def _make_dir(self) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint.memory_dir: cannot create {self.dir} on this node ({e.strerror}); "
+                                  "name a writable folder (a tmpfs such as /dev/shm) or set "
+                                  "checkpoint.memory_interval=0") from e
 
     @staticmethod
     def rank_dir(root: Path, rank: int) -> Path:

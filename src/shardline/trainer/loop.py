@@ -41,7 +41,7 @@ from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.pipeline import tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler
-from shardline.preflight import check_config, gone_start_checkpoint, launch_notes
+from shardline.preflight import gone_start_checkpoint, launch_notes
 from shardline.profiling import StepProfiler, configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name
@@ -79,7 +79,6 @@ class Trainer(SavedState, AnomalyResponse):
             self.device = torch.device("cuda", self.proc.local_rank)  # one GPU a rank; cuda:N picks one alone
         if self.device.type == "cuda":  # FSDP2 and float8 read the current device
             torch.cuda.set_device(self.device)
-        check_config(cfg)
         torch.manual_seed(cfg.train.seed)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
         # The input checks (files, data, layout, resume, this node's device and folders): a refusal on any rank,
@@ -124,6 +123,8 @@ class Trainer(SavedState, AnomalyResponse):
             self.guard.watch(before_exit=self.lock.release)  # a hang's exit frees the run dir for the rerun
             with self.guard.phase("restore", self.step):
                 resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
+                # read (hashed: cached where this rank chose it) by every rank before the tiers' collectives
+                agreed(lambda: resume_from is None or self.checkpointer.verify(resume_from), self.proc.world_size)
                 found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
                 self._set_aside = agreed(lambda: self._set_aside_newer(found), self.proc.world_size)  # before it
                 resumed = self._restore(found) if found is not None else None

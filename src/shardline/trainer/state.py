@@ -15,8 +15,8 @@ from shardline.data import build_data
 from shardline.models.factory import args_to_json
 from shardline.optim import apply_hyperparameters, schedule_settings
 from shardline.parallel.float8 import precompute_scales
-from shardline.preflight import (Preflight, bos_setting, check_device, check_layout_before_data, check_resume_fits,
-                                 preflight, use_model_tokenizer)
+from shardline.preflight import (Preflight, bos_setting, check_config, check_device, check_layout_before_data,
+                                 check_resume_fits, preflight, use_model_tokenizer)
 from shardline.resilience.recovery import (check_data_position, check_skip_batches, check_steps_ahead, get_rng_state,
                                           resume_path, set_rng_state)
 from shardline.resilience.run_lock import launcher_ids
@@ -39,6 +39,7 @@ class SavedState:
         the checkpoint or None). Build runs it under `agreed`: a node's own files (a folder
         missing on one node, a lagging listing of shared storage) can refuse on some ranks only."""
         cfg = self.cfg
+        check_config(cfg)  # a named --resume folder is looked for on this node's storage too
         self._stand_in = use_model_tokenizer(cfg)  # the starting weights gone: this run's checkpoint stands in
         check_layout_before_data(cfg, self.proc.world_size)  # a wrong layout fails before the data is read
         self.data = build_data(cfg)
