@@ -30,3 +30,20 @@ def test_a_launch_that_cannot_work_is_one_line(env, gpus, says):
     with pytest.raises(ConfigError) as caught:
         check_launch_env(env, gpus)
     assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_cuda_n_past_the_machines_cards_is_one_line_for_one_process_torchrun_too(monkeypatch):
+    """torchrun --nproc-per-node 1 keeps run.device=cuda:N (one rank picks its card): past the
+    machine's cards it was a CUDA traceback at set_device."""
+    import torch
+
+    from shardline.parallel.distributed import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match=r"run.device='cuda:5' but this machine has 2 CUDA device\(s\)"):
+        pick_device("cuda:5")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # ranks take their local rank's card: not refused here
+    assert pick_device("cuda:5").index == 5

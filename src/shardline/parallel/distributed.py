@@ -33,7 +33,8 @@ def pick_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"run.device={name!r} but no CUDA device is available; use cpu or auto")
     device = torch.device(name)
-    lone = not launched_by_torchrun()  # under torchrun each rank takes its LOCAL_RANK's GPU instead
+    # with several ranks each takes its LOCAL_RANK's GPU instead; one process (torchrun's too) takes cuda:N
+    lone = not launched_by_torchrun() or os.environ.get("WORLD_SIZE") == "1"
     if lone and device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ConfigError(f"run.device={name!r} but this machine has {torch.cuda.device_count()} CUDA device(s): "
                           f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")

@@ -208,6 +208,8 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     cfg = load_config(args.config, overrides)
     cfg.check()
+    if args.gpus is not None and args.gpus < 1:  # before the layout, which would blame the degrees
+        raise ConfigError(f"--gpus {args.gpus} must be >= 1")
     layout = resolve(cfg, args.gpus)
     hw = _hardware(args, args.gpu or _default_device(cfg, layout.world))
     if not args.gpu and hw.name != "cpu" and "mem_gib" not in (read_profile(args.profile) if args.profile else {}):

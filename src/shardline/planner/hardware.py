@@ -225,7 +225,7 @@ def detected_gpu(index: int = 0) -> str:
 
 def cuda_index(device: str, ranks: int = 1) -> int:
     """The CUDA card run.device names on this machine (auto and cuda: the first); ConfigError
-    past the cards it shows, as a lone launch refuses it. With several ranks each takes its
+    past the cards it shows, as a launch of one process refuses it. With several ranks each takes its
     local rank's card, whatever cuda:N says: the first."""
     index = (torch.device(device).index or 0) if device.startswith("cuda") and ranks == 1 else 0
     if index >= torch.cuda.device_count():
