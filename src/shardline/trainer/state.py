@@ -3,7 +3,9 @@
 A mixin of Trainer (trainer/loop.py), whose state it works on: the model, optimizer,
 schedule, loss scaler, anomaly detector, data position and RNG. A resumed run must go on
 exactly, so everything a step depends on is in `_trainer_state`, and `_restore` checks
-that the saved position still means the same data before it goes on from it.
+that the saved position still means the same data before it goes on from it. What a start
+checks before it chooses and puts back a state (`_check_inputs`: its files, data, layout and
+the checkpoint to resume) is here too, run by every rank before its first collective.
 """
 
 from __future__ import annotations
