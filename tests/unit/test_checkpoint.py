@@ -372,3 +372,19 @@ def test_a_damaged_manifest_makes_the_checkpoint_invalid_not_a_crash(trained, ma
     with pytest.raises(CheckpointError, match="malformed manifest.json"):
         verify(trained / "checkpoints" / "step-000012")
     assert Checkpointer(trained, keep=3).latest_valid().name == "step-000006"
+
+
+def test_a_prune_keeps_the_folder_just_written_beside_a_newer_one(trained):
+    """An anomaly halt re-saves the older step it rolled back to; a newer folder that failed to
+    verify (why the rollback went further back) ranked above it, and with keep=1 the re-save was
+    the folder pruned: a halt that names a checkpoint it had just deleted."""
+    import shutil
+
+    root = trained / "checkpoints"
+    shutil.copytree(root / "step-000012", root / "step-000018")  # newer, and
+    (root / "step-000018" / "meta.json").write_text("{}")  # not what its manifest sealed
+    ckpts = Checkpointer(trained, keep=1)
+    ckpts.prune(root / "step-000012")
+    assert [p.name for p in ckpts.list()] == ["step-000012", "step-000018"]
+    ckpts.prune()  # an interval save's prune: the newest kept
+    assert [p.name for p in ckpts.list()] == ["step-000018"]

@@ -60,7 +60,7 @@ class AsyncSaver:
                 raise
             return {"step": step, "path": str(final), "error": e}  # the disk refused it: the caller decides
         if c.is_writer:
-            c.prune()
+            c.prune(final)
         return {"step": step, "path": str(final)}
 
     def wait(self) -> list[dict]:

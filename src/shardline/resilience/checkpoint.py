@@ -314,7 +314,7 @@ class Checkpointer:
         final = self.root / step_dir_name(step)
         write_checkpoint(final, step, model, optimizer, trainer_state, meta, self.rank, self.is_writer, before_seal)
         if self.is_writer:
-            self.prune()
+            self.prune(final)
         return final, time.perf_counter() - begin
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -379,21 +379,21 @@ class Checkpointer:
                 break
         return restored
 
-    def prune(self) -> None:
-        """Keep the newest `keep`. A folder is renamed before it is removed, so an interruption
-        never leaves a half-deleted checkpoint that looks complete; leftovers go next time, and
-        what an interrupted seal left aside once repair_interrupted_seal did not need it.
+    def prune(self, written: Path | None = None) -> None:
+        """Keep the newest `keep` and the folder just `written` (an anomaly halt's re-save of an older
+        step, beside a newer folder that failed to verify, was the one removed). A folder is renamed
+        before it is removed, so an interruption never leaves a half-deleted checkpoint that looks
+        complete; leftovers go next time, as does what an interrupted seal left aside once repaired.
 
         Best effort: it runs on the writer alone, after a save every rank agreed had landed, so
         raising here would fail that rank only (its peers go on into the next collective). What
-        cannot be renamed or checked now (moved away meanwhile, unreadable) stays: for the next
-        prune, or for the next start's repair, which raises on every rank."""
+        cannot be renamed or checked now (moved away, unreadable) stays for the next prune or start."""
         try:
             self.repair_interrupted_seal()
             asides = [*self.root.glob(f"step-*{DELETING}")]  # what repair did not need
         except (OSError, CheckpointError):
             asides = []  # unchecked: one may be a step's only copy
-        for old in self.list()[: -self.keep]:
+        for old in [p for p in self.list()[: -self.keep] if p != written]:
             with contextlib.suppress(OSError):
                 old.rename(old.with_name(old.name + PRUNING))
         for gone in [*self.root.glob(f"step-*{PRUNING}"), *asides]:
