@@ -66,16 +66,21 @@ def test_rollback_equals_a_run_that_never_saw_the_bad_batch(tiny_config, tmp_pat
     assert event["checkpoint"].startswith("memory tier step 3" if tier == "memory" else str(tmp_path))
 
 
+def halt_saves(trainer, match: str) -> list[int]:
+    """The steps `trainer` saved while training to the anomaly halt `match` describes."""
+    saves = []
+    save = trainer.save_checkpoint
+    trainer.save_checkpoint = lambda: saves.append(trainer.step) or save()
+    with pytest.raises(AnomalyHalt, match=match):
+        trainer.train()
+    return saves
+
+
 def test_a_halt_right_after_an_interval_save_keeps_that_save(tiny_config, tmp_path):
     """Step 6 was just saved and step 7 is bad: the state before it is step 6's checkpoint, not
     saved a second time (on a nearly full disk the copy could fail and the halt say nothing was)."""
     trainer = Trainer(tiny_config("faults.nan_step=7", "anomaly.action=halt", run_dir=tmp_path / "run")).build()
-    saves = []
-    save = trainer.save_checkpoint
-    trainer.save_checkpoint = lambda: saves.append(trainer.step) or save()
-    with pytest.raises(AnomalyHalt, match="at step 7; state before that step saved to .*checkpoints/step-000006;"):
-        trainer.train()
-    assert saves == [6]
+    assert halt_saves(trainer, "at step 7; state before that step saved to .*checkpoints/step-000006;") == [6]
 
 
 def test_halt_exits_3_with_a_report_and_keeps_the_state(tmp_path, small_prepared, capsys):
@@ -230,9 +235,4 @@ def test_a_halt_right_after_a_rollback_saves_the_budget_it_spent(tiny_config, tm
     # A run that rolled back before, restarted: a halt right after a save keeps that save (no second copy).
     halting = Trainer(tiny_config(*common[1:], "anomaly.action=halt", "faults.nan_step=7")).build()
     assert halting.rollbacks == 1
-    saves = []
-    save = halting.save_checkpoint
-    halting.save_checkpoint = lambda: saves.append(halting.step) or save()
-    with pytest.raises(AnomalyHalt, match="at step 7; state before that step saved to .*step-000006;"):
-        halting.train()
-    assert saves == [6]
+    assert halt_saves(halting, "at step 7; state before that step saved to .*step-000006;") == [6]

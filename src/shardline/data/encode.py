@@ -11,9 +11,8 @@ installed), that template renders it; otherwise the documented default, ChatML:
 
 Each message becomes segments of the rendering, which is tokenized whole (as the model's own
 chat pipeline does); a token is a loss target when its first character that is not whitespace
-lies in a target segment. Under
-ChatML an assistant's content and end marker are targets (its header is not), all others are
-not. With a template, segment i is all that message i adds to the rendering of the
+lies in a target segment. Under ChatML an assistant's content and end marker are targets (its
+header is not), all others are not. With a template, segment i is all that message i adds to the rendering of the
 messages before it (a template that rewrites earlier turns instead of appending is
 refused). An assistant's segment is a target but for its header: what the template's
 generation prompt (`add_generation_prompt`, the text a chat model is given to start a
@@ -204,8 +203,8 @@ def encode_chat(tok: Tokenizer, messages: list[dict],
                 template: ChatTemplate | str | None = None) -> tuple[list[int], list[int]]:
     """Token ids of a conversation and its loss mask (1 on assistant tokens): the rendering is
     tokenized whole, as a chat model's own pipeline tokenizes it (apply_chat_template), and a
-    token is a target when it starts, whitespace aside, in an assistant's segment. Tokenized segment
-    by segment, a SentencePiece tokenizer (Llama 2, Mistral) began every segment with its own
+    token is a target when it starts, whitespace aside, in an assistant's segment. Tokenized
+    segment by segment, a SentencePiece tokenizer (Llama 2, Mistral) began every segment with its own
     "▁", a space the model never saw there, and pieces could not merge across a boundary."""
     segments = chat_segments(messages, template)
     text = "".join(piece for piece, _ in segments)

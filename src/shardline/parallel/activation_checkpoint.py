@@ -41,6 +41,7 @@ _VARLEN = getattr(torch.ops.torch_attn, "_varlen_attn", None)
 _FLEX = getattr(torch.ops.higher_order, "flex_attention", None)
 _SAVE_OPS |= {op for op in (_VARLEN and _VARLEN.default, _FLEX) if op is not None}
 
+
 def _save_matmuls(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 

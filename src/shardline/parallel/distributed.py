@@ -35,10 +35,16 @@ def pick_device(name: str) -> torch.device:
     device = torch.device(name)
     # with several ranks each takes its LOCAL_RANK's GPU instead; one process (torchrun's too) takes cuda:N
     lone = not launched_by_torchrun() or os.environ.get("WORLD_SIZE") == "1"
-    if lone and device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+    if lone and device.type == "cuda" and device.index is not None:
+        check_card(name, device.index)
+    return device
+
+
+def check_card(name: str, index: int) -> None:
+    """ConfigError when run.device `name` asks for card `index` past the ones this machine shows."""
+    if index >= torch.cuda.device_count():
         raise ConfigError(f"run.device={name!r} but this machine has {torch.cuda.device_count()} CUDA device(s): "
                           f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    return device
 
 
 def launched_by_torchrun() -> bool:

@@ -91,9 +91,13 @@ def _mean_doc_tokens(args: argparse.Namespace) -> float:
     return args.mean_doc_tokens
 
 
-def _hardware(args: argparse.Namespace, name: str) -> Hardware:
+def _check_gpus(args: argparse.Namespace) -> None:
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus} must be >= 1")
+
+
+def _hardware(args: argparse.Namespace, name: str) -> Hardware:
+    _check_gpus(args)
     hw = get_hardware(name, args.profile)
     if args.gpus_per_node is not None:
         if args.gpus_per_node < 1:
@@ -208,8 +212,7 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     cfg = load_config(args.config, overrides)
     cfg.check()
-    if args.gpus is not None and args.gpus < 1:  # before the layout, which would blame the degrees
-        raise ConfigError(f"--gpus {args.gpus} must be >= 1")
+    _check_gpus(args)  # before the layout, which would blame the degrees
     layout = resolve(cfg, args.gpus)
     hw = _hardware(args, args.gpu or _default_device(cfg, layout.world))
     if not args.gpu and hw.name != "cpu" and "mem_gib" not in (read_profile(args.profile) if args.profile else {}):

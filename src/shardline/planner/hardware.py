@@ -42,6 +42,7 @@ import torch
 from shardline.config import reader
 from shardline.devices import DATASHEETS, cpu_peak_tflops, local_datasheet
 from shardline.errors import ConfigError
+from shardline.parallel.distributed import check_card
 
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 
@@ -228,9 +229,7 @@ def cuda_index(device: str, ranks: int = 1) -> int:
     past the cards it shows, as a launch of one process refuses it. With several ranks each takes its
     local rank's card, whatever cuda:N says: the first."""
     index = (torch.device(device).index or 0) if device.startswith("cuda") and ranks == 1 else 0
-    if index >= torch.cuda.device_count():
-        raise ConfigError(f"run.device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s): "
-                          f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    check_card(device, index)
     return index
 
 
