@@ -104,6 +104,20 @@ def test_capacity_drops_the_overflow_and_counts_it():
     assert not torch.allclose(out.reshape(-1, ARGS.dim)[keep.sum(1) < 2], full[keep.sum(1) < 2])
 
 
+def test_capacity_drops_in_training_only():
+    """Evaluation is dropless: a cut by capacity depends on which tokens share the micro-batch,
+    so the held-out loss would change with the micro-batch size."""
+    layer = _layer(dataclasses.replace(MOE, capacity_factor=0.5))
+    x = _x()
+    layer.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), _naive(layer, x), rtol=1e-5, atol=1e-5)
+        one_by_one = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+        torch.testing.assert_close(one_by_one, layer(x), rtol=1e-5, atol=1e-5)
+    layer.train()
+    assert not torch.allclose(layer(x).detach(), _naive(layer, x).detach())
+
+
 def test_routing_runs_in_fp32_under_autocast():
     """bf16 autocast must not round the router's logits: the experts chosen would change
     with the compute dtype."""

@@ -123,7 +123,9 @@ def shutdown_distributed() -> None:
 
 def agreed(check, world_size: int):
     """check()'s result, where it succeeded on every rank; else an error raised on every rank
-    (collective when world_size > 1): a rank's own, or the lowest failing rank's, named.
+    (collective when world_size > 1): a rank's own, or the lowest failing rank's, named. A rank's
+    own storage error (OSError) is the same one line its peers raise; another exception (a bug)
+    keeps its traceback there.
 
     For a check each rank makes from shared storage, where a lagging name cache can fail it on
     one rank alone: that rank exiting while its peers go on to the next collective left them
@@ -137,6 +139,8 @@ def agreed(check, world_size: int):
     outcomes: list = [None] * world_size
     dist.all_gather_object(outcomes, None if failure is None else (type(failure).__name__, str(failure)))
     if failure is not None:
+        if isinstance(failure, OSError):  # storage, not a bug: the one line its peers print, not a traceback
+            raise errors.ShardlineError(f"on rank {dist.get_rank()}: {type(failure).__name__}: {failure}") from failure
         raise failure
     for rank, outcome in enumerate(outcomes):
         if outcome is not None:

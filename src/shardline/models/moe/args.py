@@ -17,7 +17,8 @@ class MoEArgs:
     renormalised to sum to one when `norm_topk`. The per-expert bias (auxiliary-loss-free
     balancing) only shifts which experts are chosen, never the weights.
     `capacity_factor` 0 is dropless; c > 0 lets each expert take ceil(c * tokens * top_k /
-    n_experts) of a micro-batch's tokens and drops the rest (they skip the routed experts).
+    n_experts) of a micro-batch's tokens and drops the rest (they skip the routed experts), in
+    training only: evaluation and generation are dropless.
     """
 
     n_experts: int

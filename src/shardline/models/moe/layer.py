@@ -201,7 +201,9 @@ class MoEFeedForward(nn.Module):
         # Not bincount: its output length depends on the data, which train.compile cannot trace.
         counts = expert_of.new_zeros(n).index_add_(0, expert_of, torch.ones_like(expert_of))
         dropped = torch.zeros((), device=flat.device)
-        cap = self.moe.capacity(flat.shape[0])
+        # Evaluation and generation are dropless: a capacity cut depends on which tokens share the
+        # micro-batch, so a held-out loss would change with the batch size (or a short last batch).
+        cap = self.moe.capacity(flat.shape[0]) if self.training else 0
         if cap:  # each expert keeps its first `cap` tokens
             starts = counts.cumsum(0) - counts
             rank_in_expert = torch.arange(order.numel(), device=flat.device) - starts[expert_of[order]]
