@@ -236,3 +236,14 @@ def test_a_halt_right_after_a_rollback_saves_the_budget_it_spent(tiny_config, tm
     halting = Trainer(tiny_config(*common[1:], "anomaly.action=halt", "faults.nan_step=7")).build()
     assert halting.rollbacks == 1
     assert halt_saves(halting, "at step 7; state before that step saved to .*step-000006;") == [6]
+
+
+def test_a_halt_right_after_a_rollback_to_ram_holds_the_budget_it_spent(tiny_config, tmp_path):
+    """Without disk saves (checkpoint.interval=0) the snapshot rolled back to stays for a rerun,
+    but it lacks the rollback and the batch it skipped: the halt holds the state in its place."""
+    common = ["anomaly.action=rollback", "anomaly.max_rollbacks=1", "anomaly.min_history=2", "checkpoint.interval=0",
+              "checkpoint.memory_interval=3", f"checkpoint.memory_dir={tmp_path / 'shm'}", "train.eval_interval=0"]
+    with pytest.raises(AnomalyHalt, match="at step 4; nothing saved to disk .*; the in-memory snapshots stay"):
+        Trainer(tiny_config(*common, "faults.nan_step=4", "faults.spike_step=4")).build().train()
+    again = Trainer(tiny_config(*common)).build()
+    assert again.step == 3 and again.rollbacks == 1 and again.skipped_batches == [3]

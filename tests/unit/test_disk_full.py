@@ -106,3 +106,17 @@ def test_a_halt_whose_save_the_disk_refuses_says_so(tiny_config, small_disk, on_
         trainer.train()
     assert (halted.value.__cause__ is not None) == (on_error == "stop")
     assert [e["checkpoint"] for e in events(run) if e["event"] == "halt"] == [None]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_halt_whose_resave_after_a_rollback_the_disk_refuses_says_so(tiny_config, small_disk, mode):
+    """The halt right after a rollback saves its step again (the copy on disk lacks the rollback);
+    refused, the older copy of that step is still there and is not named as the state saved."""
+    run = small_disk / "run"
+    trainer = Trainer(tiny_config("anomaly.action=rollback", "anomaly.max_rollbacks=1", "anomaly.min_history=2",
+                                  "checkpoint.interval=3", "train.eval_interval=0", f"checkpoint.mode={mode}",
+                                  "faults.nan_step=4", "faults.spike_step=4", run_dir=run)).build()
+    with pytest.raises(AnomalyHalt, match=r"at step 4; the state before that step could not be saved \("):
+        trainer.train()
+    assert [e["step"] for e in events(run) if e["event"] == "checkpoint_failed"] == [3]
+    assert [e["checkpoint"] for e in events(run) if e["event"] == "halt"] == [None]

@@ -46,6 +46,7 @@ class StateTiers:
         self.fingerprint = fingerprint
         self.saver = AsyncSaver(checkpointer, dims.checkpoint_group) if c.mode == "async" else None
         self.memory_background = c.memory_mode == "async"
+        self.landed = 0  # disk saves known to be on disk (an async one once its write finished)
         self.memory = None
         if c.memory_interval:
             self.memory = MemoryTier(run_root(Path(cfg.run.dir), c.memory_dir), proc.rank, proc.world_size,
@@ -66,6 +67,7 @@ class StateTiers:
                 self._refused(step, e, model)
                 return None
             self.log("checkpoint", step=step, path=str(path), mode="sync", stall_s=round(seconds, 3))
+            self.landed += 1
             self.faults.after_save(step, path)
             return path
         self._drain_disk()
@@ -120,6 +122,7 @@ class StateTiers:
                 continue
             self.log("checkpoint_persisted", step=done["step"], path=done["path"],
                      background_s=round(done["background_s"], 3))
+            self.landed += 1
             self.faults.after_save(done["step"], Path(done["path"]))
 
     def _drain_memory(self) -> None:

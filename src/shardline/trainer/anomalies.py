@@ -89,7 +89,7 @@ class AnomalyResponse:
                     self.scaler.skip()
                     name = self._restore(target)
             if target is not None:
-                self.rollbacks, self._rolled_back_unsaved = self.rollbacks + 1, True
+                self.rollbacks, self._saves_at_rollback = self.rollbacks + 1, self.tiers.landed
                 cost = time.perf_counter() - started
                 self.guard.goodput.add("recovery", cost)
                 self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
@@ -102,13 +102,19 @@ class AnomalyResponse:
         self._end_step()
         return False
 
+    @property
+    def _rolled_back_unsaved(self) -> bool:
+        """A rollback and no save on disk since (an async one counts once its write finished: a
+        refused one leaves the older copy of that step, without the rollback)."""
+        return self._saves_at_rollback is not None and self.tiers.landed == self._saves_at_rollback
+
     def _halt(self, event: dict) -> None:
         """Save the last consistent state (before the bad update) and stop with a report. The save's
         collectives are watched as a phase ("halt"): a peer lost meanwhile is a hang report, not a
         wait for the process group's timeout."""
         self.metrics.event("anomaly", **event)
         self.optimizer.zero_grad(set_to_none=True)
-        saved, failure = None, None
+        saved, failure, landed = None, None, None
         try:  # each wait its own phase, under its own long timeout, as a save and a drain are elsewhere
             with self.guard.phase("halt", self.step):
                 self.tiers.drain()  # this step's interval save may still be in flight
@@ -122,14 +128,19 @@ class AnomalyResponse:
                 if rank0_decides(on_disk, self.proc.rank, self.proc.world_size):
                     saved = this_step
                 elif self.cfg.checkpoint.interval:
-                    saved = self.save_checkpoint()
+                    landed, saved = self.tiers.landed, self.save_checkpoint()
+                elif self._rolled_back_unsaved and self.tiers.memory is not None:
+                    # the snapshot rolled back to lacks the rollback and the batch it skipped: a rerun
+                    # from it would get both back, so hold this state in its place
+                    self.tiers.snapshot(self.step, self.model, self.optimizer, self._trainer_state())
             with self.guard.phase("halt", self.step):
                 self.tiers.finish(complete=False)  # RAM freed unless it holds a state newer than the disk's
         except CheckpointError as e:  # checkpoint.on_error=stop: the halt is still what is reported
             failure = e
         with contextlib.suppress(Exception):  # a last report failing to write (a full disk) must not hide the halt
             self.guard.stop_watching()
-        written = saved is not None and saved.is_dir()  # a refused save (on_error=continue) returns none or leaves none
+        # a refused save (on_error=continue) returns none, or (async) leaves none or an older copy of the step
+        written = saved is not None and saved.is_dir() and (landed is None or self.tiers.landed > landed)
         where = (f"state before that step saved to {saved}" if written
                  else "nothing saved to disk (checkpoint.interval=0)" + (
                      "; the in-memory snapshots stay for a rerun" if self.cfg.checkpoint.memory_interval else "")

@@ -67,7 +67,7 @@ class Trainer(SavedState, AnomalyResponse):
         self._optim_changes: dict[str, list] = {}
         self.anomaly_events: list[dict] = []
         self._anomaly_streak = (-1, 0)  # (last anomalous step, how many in a row up to it)
-        self._rolled_back_unsaved = False  # a rollback since the last save (an anomaly halt saves again)
+        self._saves_at_rollback: int | None = None  # tiers.landed at the last rollback (see _rolled_back_unsaved)
 
     # ---- building -------------------------------------------------------------------
 

@@ -95,9 +95,7 @@ class SavedState:
         self.report_device_anomalies()  # the saved detector state and events agree
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields,
                 "launchers": launcher_ids()}  # a restart of a resume=never run resumes only its own job's
-        saved = self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
-        self._rolled_back_unsaved = self._rolled_back_unsaved and saved is None  # refused: still unsaved
-        return saved
+        return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
 
     def _trainer_state(self) -> dict:
         """Everything beyond model and optimizer that a resumed run needs to continue exactly."""
