@@ -5,14 +5,16 @@ Each cp degree runs on its own set of gloo processes through the trainer users r
 the shipped corpus). Activation memory is what autograd keeps for the backward: the
 bytes of the tensors saved during the forward (parameters excluded), counted by a
 saved-tensors hook on each rank; its max over ranks is reported, with the ratio to
-cp1. Times are medians of the repeats; on a 2-core machine the ranks share the cores,
-so tokens/s ranks the modes' overheads rather than showing a speed-up.
+cp1. Times are medians of the repeats. Every cp degree gets the same torch threads in
+all (`--threads`, split over its ranks: cp1 is not given fewer cores than cp4); on a
+2-core machine the ranks share the cores, so tokens/s ranks the modes' overheads rather
+than showing a speed-up.
 
 Document masking is off here: with it, one process would run the dense-mask SDPA,
 whose score matrix (s x s per head) is the very memory context parallelism removes,
 and the comparison would flatter cp.
 
-    python benchmarks/context_parallel.py [--seq-len 8192] [--repeats 3] [--json]
+    python benchmarks/context_parallel.py [--seq-len 8192] [--repeats 3] [--threads 4] [--json]
 """
 
 from __future__ import annotations
@@ -62,10 +64,10 @@ def _saved_bytes(trainer, batch, n_tokens: int) -> tuple[int, float]:
     return sum(seen.values()), time.perf_counter() - started
 
 
-def _worker(rank: int, world: int, port: int, overrides: list[str], repeats: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, overrides: list[str], repeats: int, out: str, threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, 2 // world))
+    torch.set_num_threads(threads // world)  # the same threads in all for every cp degree
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     from shardline.config import load_config
@@ -88,7 +90,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], repeats: int
         Path(out).write_text(json.dumps({"saved_bytes": saved, "seconds": seconds}))
 
 
-def measure(name: str, extra: list[str], seq_len: int, repeats: int, root: Path) -> dict:
+def measure(name: str, extra: list[str], seq_len: int, repeats: int, root: Path, threads: int) -> dict:
     cp = next((int(o.split("=")[1]) for o in extra if o.startswith("parallel.cp=")), 1)
     overrides = ["model.preset=tiny", f"train.seq_len={seq_len}", "train.global_batch_size=1",
                  "train.micro_batch_size=1", "train.document_mask=false", "checkpoint.interval=0",
@@ -96,7 +98,7 @@ def measure(name: str, extra: list[str], seq_len: int, repeats: int, root: Path)
                  f"run.dir={root / name.replace(' ', '_')}",
                  *extra]
     out = root / f"{name.replace(' ', '_')}.json"
-    mp.start_processes(_worker, args=(cp, free_port(), overrides, repeats, str(out)), nprocs=cp,
+    mp.start_processes(_worker, args=(cp, free_port(), overrides, repeats, str(out), threads), nprocs=cp,
                        start_method="spawn")
     got = json.loads(out.read_text())
     return {"run": name, "cp": cp, "activation_mib_per_rank": got["saved_bytes"] / 2**20,
@@ -107,17 +109,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=4, help="torch threads of each run in all (a multiple of 4)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.threads < 4 or args.threads % 4:
+        ap.error(f"--threads={args.threads} must be a positive multiple of 4 (split evenly over cp4's ranks)")
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [measure(name, extra, args.seq_len, args.repeats, Path(tmp)) for name, extra in RUNS.items()]
+        rows = [measure(name, extra, args.seq_len, args.repeats, Path(tmp), args.threads)
+                for name, extra in RUNS.items()]
     base = rows[0]["activation_mib_per_rank"]
     for r in rows:
         r["activation_vs_cp1"] = r["activation_mib_per_rank"] / base
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"tiny model, one sequence of {args.seq_len} tokens, fp32, CPU/gloo; medians of {args.repeats}")
+    print(f"tiny model, one sequence of {args.seq_len} tokens, fp32, CPU/gloo, {args.threads} threads a run; "
+          f"medians of {args.repeats}")
     print(f"{'run':<22}{'activations MiB/rank':>22}{'vs cp1':>9}{'step s':>9}{'tokens/s':>10}")
     for r in rows:
         print(f"{r['run']:<22}{r['activation_mib_per_rank']:>22.1f}{r['activation_vs_cp1']:>9.2f}"

@@ -43,12 +43,14 @@
 # 15 device minutes (PLANNER_SHAPES=1 ONLY=extras DEADLINE=200, timeout_s 230; or in place of the
 # tests' call in a session that does not need them).
 #
-# Through the device tool (15 minutes of device time, a machine start included, 10 minutes a
-# command), carry benchmarks/wheels (git-ignored: torchao for fp8) and spend it as two calls
-# on the warm machine, so that the tests get more than the benchmark leaves them and the
-# benchmark's figures are back before the tests start:
+# Through the device tool (15 minutes of device time in all: the machine's start, 1-2 minutes,
+# and the idle time between calls count; 10 minutes a command), carry benchmarks/wheels
+# (git-ignored: torchao for fp8) and spend it as two calls on the warm machine, so that the
+# benchmark's figures are back before the tests start and both fit with a start:
 #     ONLY=bench BENCH_BUDGET=240 benchmarks/gpu_check.sh             (timeout_s 300: probes and installs first)
-#     ONLY=tests TEST_BUDGET=360 DEADLINE=400 benchmarks/gpu_check.sh  (timeout_s 420)
+#     ONLY=tests TEST_BUDGET=280 DEADLINE=320 benchmarks/gpu_check.sh  (timeout_s 340)
+# A budget ends its step by SIGINT only while this script runs in the foreground of a shell that
+# passes SIGINT on (the device tool's does); a timeout_s shorter than DEADLINE kills it outright.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-${OUT:-results/gpu-$(date -u +%Y%m%d-%H%M%S)}}
@@ -183,5 +185,18 @@ if [ "${COMM_BENCH:-0}" = 1 ] && [ "$(left "${COMM_BUDGET:-120}")" -ge 30 ]; the
     fi
 fi
 
+# The device tool brings back at most 8 files of $OUT: past that (optional steps, --profile), the
+# logs (.txt, env.txt kept) go into one logs.tar.gz; a .tmp left by a killed write goes.
+rm -f "$RESULTS"/*.tmp
+shopt -s nullglob
+made=("$RESULTS"/*)
+if [ "${#made[@]}" -gt 8 ]; then
+    logs=()
+    for f in "$RESULTS"/*.txt; do [ "$(basename "$f")" = env.txt ] || logs+=("$(basename "$f")"); done
+    if [ ${#logs[@]} -gt 0 ] && tar -czf "$RESULTS/logs.tar.gz" -C "$RESULTS" "${logs[@]}"; then
+        (cd "$RESULTS" && rm -f "${logs[@]}")
+        echo "gpu_check: ${#made[@]} files: the logs are in logs.tar.gz (the device tool returns 8)" >&2
+    fi
+fi
 echo "gpu_check: results in $RESULTS (exit $status)" >&2
 exit $status

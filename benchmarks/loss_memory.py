@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -115,7 +116,8 @@ def _peak_rss_mib() -> float:
 
 def run_variant(chunk: int, tokens: int, seq_len: int) -> dict:
     """measure() in a fresh process."""
-    code = (f"import json, sys; sys.path.insert(0, 'benchmarks'); import loss_memory as m; "
+    here = str(Path(__file__).resolve().parent)  # runnable from any directory
+    code = (f"import json, sys; sys.path.insert(0, {here!r}); import loss_memory as m; "
             f"print(json.dumps(m.measure({chunk}, {tokens}, {seq_len})))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])

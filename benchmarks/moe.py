@@ -140,6 +140,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.tokens < 256 or args.tokens % 256 or args.tokens * TOP_K % EXPERTS:
+        parser.error(f"--tokens={args.tokens} must be a positive multiple of 256 (the rows are 256-token sequences, "
+                     "spread evenly over the experts)")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     rows = layer_rows(args.tokens, args.repeats)
     ep = ep_row(args.repeats)

@@ -202,25 +202,25 @@ def _names(text: str, valid: dict, what: str) -> list[str]:
     return names
 
 
-def _compare(pred: dict, meas: dict, cores: float) -> dict:
+def _compare(pred: dict, meas: dict, cores: float, threads: int) -> dict:
     """Errors against wall time and against CPU time (per rank-core: see the docstring)."""
     world = meas.get("world", 1)
     if world == 1:
         cpu = meas["cpu_step_s"]
     else:
-        cpu = meas["ranks_cpu_step_s"] / min(world, cores) if meas["ranks_cpu_step_s"] else None
+        cpu = meas["ranks_cpu_step_s"] / min(world * threads, cores) if meas["ranks_cpu_step_s"] else None
     meas["cpu_equiv_step_s"] = cpu
     return {"wall_error_pct": error_pct(pred["step_time_s"], meas["step_time_s"]),
             "time_error_pct": error_pct(pred["step_time_s"], cpu or meas["step_time_s"]),
             "memory_error_pct": error_pct(pred["peak_gib"], meas["peak_gib"])}
 
 
-def _result(pred: dict, runs: list[dict], overrides: list[str], world: int, cores: float) -> dict:
+def _result(pred: dict, runs: list[dict], overrides: list[str], world: int, cores: float, threads: int) -> dict:
     """One config's row: the run of median step time among its repeats, and the spread of the repeats."""
     meas = dict(sorted(runs, key=lambda m: m["step_time_s"])[(len(runs) - 1) // 2])
     meas["repeat_step_times_s"] = [m["step_time_s"] for m in runs]
     return {"overrides": overrides, "world": world, "predicted": pred, "measured": meas,
-            **_compare(pred, meas, cores)}
+            **_compare(pred, meas, cores, threads)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -239,15 +239,17 @@ def run(args: argparse.Namespace) -> dict:
                 meas = measure_run(name, ["model.preset=tiny", *data_overrides(args), *CONFIGS[name]], args.steps,
                                    Path(tmp) / f"pass{rep}", args.threads)
                 runs[name].append({**meas, "world": 1, "load_before": load})
-                print(_row(name, _result(preds[name], runs[name][-1:], CONFIGS[name], 1, hw.cpu.cores)), flush=True)
+                row = _result(preds[name], runs[name][-1:], CONFIGS[name], 1, hw.cpu.cores, args.threads)
+                print(_row(name, row), flush=True)
             for name in layouts:
                 world, overrides = LAYOUTS[name]
                 meas = measure_torchrun(name, world, [*data_overrides(args), *overrides], RUN_KEYS, args.steps,
                                         Path(tmp) / f"pass{rep}", args.threads)
                 runs[name].append(meas)
-                print(_row(name, _result(preds[name], runs[name][-1:], overrides, world, hw.cpu.cores)), flush=True)
+                row = _result(preds[name], runs[name][-1:], overrides, world, hw.cpu.cores, args.threads)
+                print(_row(name, row), flush=True)
     rows = {name: _result(preds[name], runs[name], (CONFIGS.get(name) or LAYOUTS[name][1]),
-                          LAYOUTS[name][0] if name in LAYOUTS else 1, hw.cpu.cores) for name in runs}
+                          LAYOUTS[name][0] if name in LAYOUTS else 1, hw.cpu.cores, args.threads) for name in runs}
     med = lambda key, sel=None: statistics.median(  # noqa: E731
         abs(r[key]) for r in rows.values() if sel is None or (r["world"] > 1) == sel)
     multi = any(r["world"] > 1 for r in rows.values())

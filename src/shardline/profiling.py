@@ -105,6 +105,7 @@ class StepProfiler:
         self.event = event
         self._prof: profile | None = None
         self._first = 0
+        self._written = False  # once: a rollback to before the window would run it again over the files
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -113,7 +114,7 @@ class StepProfiler:
             yield
             return
         first, last = self.window
-        if step == first and self._prof is None:
+        if step == first and self._prof is None and not self._written:
             self._start(step)
         try:
             with record_function(f"shardline.step.{step}"):
@@ -132,7 +133,7 @@ class StepProfiler:
         writes the steps it ran: the file names the last one)."""
         if self._prof is None:
             return
-        prof, self._prof = self._prof, None
+        prof, self._prof, self._written = self._prof, None, True
         prof.stop()
         self.dir.mkdir(parents=True, exist_ok=True)
         stem = self.dir / f"rank{self.rank}_steps{self._first}-{step}"

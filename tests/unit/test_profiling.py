@@ -123,3 +123,15 @@ def test_a_run_failing_between_profiled_steps_writes_the_steps_it_ran(tiny_confi
     with pytest.raises(RuntimeError, match="evaluation failed"):
         trainer.train()
     assert step_labels(tmp_path / "run" / "profile" / "rank0_steps1-1.json") == {1}
+
+
+def test_a_window_run_again_after_a_rollback_keeps_its_first_trace(tmp_path):
+    """A rollback to before the window runs its steps again: the trace written stays (the steps
+    as first run, with what led to the anomaly), not overwritten by a second profile."""
+    prof = StepProfiler([2, 2], tmp_path, 0, torch.device("cpu"), 0, 10, lambda *a, **k: None)
+    for step in (1, 2, 1, 2):  # rolled back to step 0 after step 2
+        with prof.step(step):
+            torch.ones(4) @ torch.ones(4)
+        if step == 2 and not (tmp_path / "profile" / "kept").exists():
+            (tmp_path / "profile" / "rank0_steps2-2.json").rename(tmp_path / "profile" / "kept")
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["kept"]

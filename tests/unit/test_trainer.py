@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -57,6 +58,26 @@ def test_grad_accumulation_equals_large_batch(tiny_config, tmp_path):
         assert a[step] == pytest.approx(b[step], rel=1e-5)
     for name, value in params(big).items():
         torch.testing.assert_close(params(small)[name], value, rtol=1e-5, atol=1e-5)
+
+
+def test_the_first_step_is_warm_up_not_throughput(tiny_config, tmp_path):
+    """A process's first step compiles and fills caches (tens of seconds on a GPU): the first
+    logged window starts after it, or its tokens/s and MFU came out several times too low."""
+    trainer = Trainer(tiny_config("train.steps=6", "metrics.log_interval=3", "train.eval_interval=0",
+                                  "checkpoint.interval=0")).build()
+    compute, calls = trainer.compute_gradients, []
+
+    def slow_first():
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(2.0)
+        return compute()
+
+    trainer.compute_gradients = slow_first
+    trainer.train()
+    train = read_records(tmp_path / "run", "train")
+    assert [r["step"] for r in train] == [3, 6]
+    assert train[0]["step_time_s"] < 0.5, train[0]  # steps 2 and 3 only (with step 1: > 0.66 s)
 
 
 def test_loss_falls_and_records_are_complete(tiny_config, tmp_path):

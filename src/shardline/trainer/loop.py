@@ -209,7 +209,7 @@ class Trainer(SavedState, AnomalyResponse):
                            compile=describe_compile(cfg.train.compile, self.dims.layout,
                                                     cfg.memory.activation_checkpoint, self.model_args.moe),
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
-        window_start, window_steps, last, stopped = time.perf_counter(), 0, {}, None
+        window_start, window_steps, last, stopped, first = time.perf_counter(), 0, {}, None, self.step + 1
         self.guard.start()
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
@@ -224,6 +224,8 @@ class Trainer(SavedState, AnomalyResponse):
             if outcome == "overflow":
                 self.metrics.event("skipped_step", step=step, reason="fp16 overflow",
                                    loss_scale=self.scaler.scaler.get_scale())
+            if step == first and step % cfg.metrics.log_interval and step != stop:  # warm-up (compile, caches):
+                window_start, window_steps = self._clock(), 0  # the first window starts after it
             if step % cfg.metrics.log_interval == 0 or step == stop:
                 last = self._log_train(loss_value, grad_norm, self._clock() - window_start, window_steps)
                 window_start, window_steps = time.perf_counter(), 0
