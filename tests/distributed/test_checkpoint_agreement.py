@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -119,8 +120,9 @@ def test_a_save_that_fails_on_one_rank_fails_on_both(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["run", "step-000001", "step-000003"]
 
 
-def _start_refused_on_one_node(rank: int, world: int, port: int, corpus: str, root: str) -> None:
-    """Rank 1's node lacks the data file (node-local storage): its start fails there alone."""
+def _start_refused_on_one_node(rank: int, world: int, port: int, corpus: str, root: str, rank1_data: str) -> None:
+    """Rank 1's node lacks the data file (node-local storage), or sees a shorter copy of it: its
+    start fails there alone, or it reads other data than its peers."""
     from shardline.config import load_config
     from shardline.errors import ShardlineError
     from shardline.trainer import Trainer
@@ -131,7 +133,7 @@ def _start_refused_on_one_node(rank: int, world: int, port: int, corpus: str, ro
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
     try:
-        data = corpus if rank == 0 else f"{root}/not-on-this-node.txt"
+        data = corpus if rank == 0 else rank1_data
         cfg = load_config(None, [*PARITY_OVERRIDES, f"data.path={data}", f"run.dir={root}/run"])
         try:
             Trainer(cfg).build()
@@ -148,8 +150,24 @@ def _start_refused_on_one_node(rank: int, world: int, port: int, corpus: str, ro
 def test_a_start_refused_on_one_node_is_refused_on_every_rank(tmp_path, small_corpus):
     """The input checks run on every rank before the first collective; one node's refusal (a file
     only the others have) is every rank's, in one line, not a wait for the process group's timeout."""
-    start_ranks(_start_refused_on_one_node, (2, free_port(), str(small_corpus), str(tmp_path)), nprocs=2)
+    start_ranks(_start_refused_on_one_node, (2, free_port(), str(small_corpus), str(tmp_path),
+                                             f"{tmp_path}/not-on-this-node.txt"), nprocs=2)
     outcomes = [json.loads((tmp_path / f"start{r}.json").read_text()) for r in range(2)]
     assert outcomes[1].startswith("DataError: ") and "not-on-this-node.txt" in outcomes[1]
     assert outcomes[0] == f"DataError: on rank 1: {outcomes[1].removeprefix('DataError: ')}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_ranks_that_read_other_data_are_refused_on_every_rank(tmp_path, small_corpus):
+    """A shorter copy on one node (a file still being written, a lagging listing) opens fine there,
+    and that rank would draw other batches than its peers: the ranks compare what they read."""
+    lines = small_corpus.read_text().splitlines()
+    shorter = tmp_path / small_corpus.name
+    shorter.write_text("\n".join(lines[: len(lines) * 3 // 4]) + "\n")
+    start_ranks(_start_refused_on_one_node, (2, free_port(), str(small_corpus), str(tmp_path), str(shorter)),
+                nprocs=2)
+    outcomes = [json.loads((tmp_path / f"start{r}.json").read_text()) for r in range(2)]
+    assert outcomes[0] == outcomes[1]
+    assert re.fullmatch(r"DataError: rank 1 read other data than rank 0 \(\d+ training and \d+ held-out sequences, "
+                        r"tokenizer \w+; rank 0: .*\): the data must be the same files on every node .*", outcomes[0])
     assert not (tmp_path / "run").exists()

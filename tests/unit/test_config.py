@@ -61,6 +61,7 @@ def test_a_relaunch_reads_the_saved_config_but_its_launch_only_settings(tmp_path
     ("moe.norm_topk=yes", "moe.norm_topk='yes' has the wrong type: expected int; valid: -1 (the preset's or the "
                           "starting weights'), 0 (off) or 1 (on)"),
     ("train.steps=0", "train.steps=0 is invalid: must be > 0"),
+    ('data.mix=[{path = "a", weight = inf}]', "data.mix[0].weight=inf is not a finite number"),
     ("watchdog.probe_interval=-1", "watchdog.probe_interval=-1 is invalid: must be >= 0 (0 = off)"),
     ("faults.slow_in=gpu", "faults.slow_in='gpu' is invalid: must be one of ('host', 'compute', 'data')"),
     ("train.stop_at_step=300", "train.stop_at_step=300 is invalid: must be <= train.steps (200)"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer
 from shardline.config import load_config
 from shardline.data import build_data
 from shardline.data.packing import IGNORE_INDEX
+from shardline.data.pool import EncodeJob, encode_chunk
 from shardline.data.prepare import PrepareOptions, PrepareStopped, prepare
 from shardline.data.shards import verify
 from shardline.data.sources import read_documents, read_file
@@ -81,6 +83,28 @@ def test_a_deleted_shard_is_reported_by_verify_and_a_manifest_without_a_key_is_d
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DataError, match=r"manifest.json is damaged \(no dtype\); prepare the folder again"):
         data(out)
+    # values a damaged (or hand-edited) manifest may hold: one line each, not a TypeError or a misread
+    damage = {"dtype": ("int8", "dtype 'int8' is neither uint16 nor uint32"),
+              "documents": ("12", "splits.val needs a document count and a list of shards"),
+              "tokens": (None, r"splits.val.shards\[0\] needs file and a token count")}
+    for key, (value, says) in damage.items():
+        broken = json.loads(json.dumps({**manifest, "dtype": "uint16"}))
+        if key == "dtype":
+            broken["dtype"] = value
+        elif key == "documents":
+            broken["splits"]["val"]["documents"] = value
+        else:
+            del broken["splits"]["val"]["shards"][0]["tokens"]
+        (out / "manifest.json").write_text(json.dumps(broken))
+        with pytest.raises(DataError, match=f"manifest.json is damaged \\({says}\\); prepare the folder again"):
+            data(out)
+
+
+def test_a_token_id_past_the_shards_dtype_is_an_error_not_a_wrap(prepared):
+    """The worker casts to the shards' dtype: an id that does not fit is refused before the cast."""
+    job = EncodeJob(str(prepared / "tokenizer.json"), False, None, np.dtype(np.uint8))
+    with pytest.raises(DataError, match="token id .* does not fit the folder's uint8 shards"):
+        encode_chunk(job, [("train", "a few words of text, enough for ids past 255 " * 4)])
 
 
 def test_a_single_document_is_split_by_characters_as_before(tmp_path, small_corpus, capsys):
@@ -137,6 +161,27 @@ def test_a_damaged_or_mismatched_folder_is_one_clear_error(tmp_path, prepared, s
     assert "\n" not in str(err.value)
     with pytest.raises(DataError, match="data.format='chat' but .* was prepared as 'text'"):
         data(prepared, "data.format=chat")
+
+
+def test_a_folder_prepared_under_another_tokenizers_version_still_opens(tmp_path, prepared, small_corpus):
+    """An upgrade of `tokenizers` may write the same tokenizer as other text (a folder's manifest
+    holds the hash of its file): the folder's file is checked by its bytes, and data.tokenizer
+    or a mixture's first source compared with it as the installed version writes both."""
+    older = tmp_path / "older"
+    shutil.copytree(prepared, older)
+    text = json.dumps(json.loads((older / "tokenizer.json").read_text()), indent=1)  # another version's writing
+    (older / "tokenizer.json").write_text(text)
+    manifest = json.loads((older / "manifest.json").read_text())
+    manifest["tokenizer_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    given = tmp_path / "given.json"
+    shutil.copyfile(prepared / "tokenizer.json", given)
+    assert_same_batches(data(older, f"data.tokenizer={given}"), data(prepared))
+    mix = f'data.mix=[{{path = "{prepared}", weight = 0.5}}, {{path = "{older}", weight = 0.5}}]'
+    build_data(load_config(None, [mix, "train.seq_len=64", "train.global_batch_size=32"]))
+    (older / "tokenizer.json").write_text(text + " ")  # its bytes changed: damage
+    with pytest.raises(DataError, match="does not match the manifest's tokenizer_sha256"):
+        data(older)
 
 
 def test_changed_inputs_start_over_and_same_inputs_do_nothing(tmp_path, small_corpus):

@@ -64,6 +64,13 @@ class DataBundle:
             return {}
         return {"mix": [[int(c), int(n)] for c, n in zip(self.train.counts, self.train.sizes)]}
 
+    def identity(self) -> str:
+        """What every rank must have read alike: the splits' sequence counts, the tokenizer and a
+        mixture's shares (a rank that read fewer documents would draw other batches)."""
+        mix = self.position_state().get("mix")
+        return (f"{len(self.train)} training and {len(self.val)} held-out sequences, tokenizer "
+                f"{tokenizer_hash(self.tokenizer)[:12]}" + (f", mixture {mix}" if mix else ""))
+
 
 def split_documents(docs: list, val_fraction: float, seed: int) -> tuple[list, list]:
     """Hold out a seeded random share of documents (at least one) for validation.
@@ -107,7 +114,7 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None):
     d, seq_len = cfg.data, cfg.train.seq_len
     if is_prepared(path):
         prepared = open_prepared(path, seq_len, d.tokenizer, d.format, d.add_bos)
-        _check_mixture_tokenizer(path, tok, prepared.manifest)
+        _check_mixture_tokenizer(path, tok, prepared.tokenizer)
         return prepared.tokenizer, prepared.train, prepared.val
     chat = d.format == "chat"
     docs = read_documents(path, "messages" if chat else d.text_field)
@@ -184,9 +191,11 @@ def _mixture_tokenizer(cfg: Config) -> Tokenizer:
                     "sources with `shardline prepare --tokenizer`")
 
 
-def _check_mixture_tokenizer(path: str, tok: Tokenizer | None, manifest: dict) -> None:
-    """A prepared source of a mixture holds the ids of the mixture's tokenizer `tok` (None: not a mixture)."""
-    if tok is not None and tokenizer_hash(tok) != manifest["tokenizer_sha256"]:
+def _check_mixture_tokenizer(path: str, tok: Tokenizer | None, own: Tokenizer) -> None:
+    """A prepared source of a mixture holds the ids of the mixture's tokenizer `tok` (None: not a
+    mixture): its own tokenizer `own` is the same (both as this `tokenizers` writes them; folders
+    prepared under other versions hold other hashes of one tokenizer)."""
+    if tok is not None and tokenizer_hash(tok) != tokenizer_hash(own):
         raise DataError(f"data.mix source {path} was prepared with another tokenizer than the first "
                         "source; prepare every source with the same --tokenizer")
 
@@ -232,7 +241,7 @@ def data_summary(cfg: Config) -> tuple[str, str]:
     for path in [s.path for s in d.mix] or [d.path]:
         if is_prepared(path):
             p = open_prepared(path, cfg.train.seq_len, d.tokenizer, d.format, d.add_bos)
-            _check_mixture_tokenizer(path, tok, p.manifest)
+            _check_mixture_tokenizer(path, tok, p.tokenizer)
             _check_sizes(path, p.train, p.val, cfg)
             parts.append(f"{path}: prepared folder, {p.train.num_documents:,} + {p.val.num_documents:,} held-out "
                          f"documents, {p.train.num_tokens:,} training tokens")

@@ -73,6 +73,8 @@ def encode_chunk(job: EncodeJob, chunk: list) -> tuple[int, int, dict]:
     for name in SPLITS:
         docs = [d for s, d in chunk if s == name]
         tokens, lengths, mask = encode_documents(tok, docs, eos, job.template, job.chat, job.bos)
+        if len(tokens) and tokens.max() > np.iinfo(job.dtype).max:  # astype would wrap it silently
+            raise DataError(f"token id {int(tokens.max())} does not fit the folder's {np.dtype(job.dtype)} shards")
         encoded[name] = (tokens.astype(job.dtype), lengths, mask)
     return len(chunk), n_bytes, encoded
 

@@ -55,6 +55,9 @@ def prepared_with_own_bpe(path: str) -> bool:
 
 
 def tokenizer_hash(tok: Tokenizer) -> str:
+    """Which tokenizer `tok` is, as the installed `tokenizers` writes it: compare two hashes made by
+    the same version only (an upgrade may write the same tokenizer differently). A folder's
+    manifest holds the hash of its tokenizer.json's bytes, which prepare wrote as this text."""
     return hashlib.sha256(tok.to_str().encode()).hexdigest()
 
 
@@ -231,15 +234,39 @@ def _check_keys(root: Path, manifest: dict) -> None:
         missing = ["splits"]
     if missing:
         raise DataError(f"{root / MANIFEST} is damaged (no {', '.join(missing)}); prepare the folder again")
+    wrong = _wrong_values(manifest)
+    if wrong:
+        raise DataError(f"{root / MANIFEST} is damaged ({wrong}); prepare the folder again")
+
+
+def _wrong_values(manifest: dict) -> str:
+    """The first value opening the folder would misread or fail on (a TypeError, a KeyError, a
+    token dtype prepare never writes), or ""."""
+    if manifest["dtype"] not in ("uint16", "uint32"):
+        return f"dtype {manifest['dtype']!r} is neither uint16 nor uint32"
+    for name in SPLITS:
+        split = manifest["splits"][name]
+        if not _is_count(split["documents"]) or not isinstance(split["shards"], list):
+            return f"splits.{name} needs a document count and a list of shards"
+        for i, shard in enumerate(split["shards"]):
+            keys = ("file", "mask") if manifest["format"] == "chat" else ("file",)
+            if not (isinstance(shard, dict) and _is_count(shard.get("tokens"))
+                    and all(isinstance(shard.get(k), str) for k in keys)):
+                return f"splits.{name}.shards[{i}] needs {', '.join(keys)} and a token count"
+    return ""
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _folder_tokenizer(root: Path, manifest: dict, tokenizer_path: str) -> Tokenizer:
     """The folder's tokenizer; data.tokenizer, when given, must be the same one."""
     tok = load_tokenizer(str(root / TOKENIZER))
-    if tokenizer_hash(tok) != manifest["tokenizer_sha256"]:
+    if not _matches(root / TOKENIZER, manifest["tokenizer_sha256"]):  # its bytes: the same under any version
         raise DataError(f"{root / TOKENIZER} does not match the manifest's tokenizer_sha256; prepare the "
                         "folder again")
-    if tokenizer_path and tokenizer_hash(load_tokenizer(tokenizer_path)) != manifest["tokenizer_sha256"]:
+    if tokenizer_path and tokenizer_hash(load_tokenizer(tokenizer_path)) != tokenizer_hash(tok):
         raise DataError(f"data.tokenizer={tokenizer_path!r} (given, or the starting weights' own) differs from "
                         f"the tokenizer {root} was prepared with; prepare it again with --tokenizer {tokenizer_path}")
     return tok

@@ -151,5 +151,15 @@ def agreed(check, world_size: int):
     return result
 
 
+def ranks_differing(value, world_size: int) -> list[tuple[int, object, object]]:
+    """(rank, its value, rank 0's) for each rank whose `value` differs from rank 0's
+    (collective when world_size > 1; every rank gets the same list)."""
+    if world_size == 1:
+        return []
+    values: list = [None] * world_size
+    dist.all_gather_object(values, value)
+    return [(rank, v, values[0]) for rank, v in enumerate(values) if v != values[0]]
+
+
 def _local_world_size(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -83,7 +83,7 @@ class Trainer(SavedState, AnomalyResponse):
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
         # The input checks (files, data, layout, resume, this node's device and folders): a refusal on any rank,
         # one node's missing folder say, stops every rank in one line instead of leaving them in a collective.
-        launch, resume_from = agreed(self._check_inputs, self.proc.world_size)
+        launch, resume_from = self._agreed_inputs()
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
         build = build_moe_model if self.model_args.moe else build_model
         # One process builds a (one-rank) mesh too under offload, whose FSDP2 parameters are sharded.

@@ -14,8 +14,10 @@ import json
 from pathlib import Path
 
 from shardline.data import build_data
+from shardline.errors import DataError
 from shardline.models.factory import args_to_json
 from shardline.optim import apply_hyperparameters, schedule_settings
+from shardline.parallel.distributed import agreed, ranks_differing
 from shardline.parallel.float8 import precompute_scales
 from shardline.preflight import (Preflight, bos_setting, check_config, check_device, check_layout_before_data,
                                  check_resume_fits, preflight, use_model_tokenizer)
@@ -34,6 +36,18 @@ class SavedState:
         else:
             step = found[0] if isinstance(found, tuple) else self.checkpointer.verify(found)["step"]
         return self.checkpointer.set_aside_after(step)
+
+    def _agreed_inputs(self) -> tuple[Preflight, Path | None]:
+        """_check_inputs on every rank, a refusal anywhere every rank's; then the data every rank
+        read compared: a listing of shared storage that lags on one node, or a file still being
+        written, gave a rank fewer documents, and so other batches than its peers, in silence."""
+        launch, found = agreed(self._check_inputs, self.proc.world_size)
+        differ = ranks_differing(self.data.identity(), self.proc.world_size)
+        if differ:
+            rank, theirs, first = differ[0]
+            raise DataError(f"rank {rank} read other data than rank 0 ({theirs}; rank 0: {first}): the data "
+                            "must be the same files on every node (complete, and listed alike)")
+        return launch, found
 
     def _check_inputs(self) -> tuple[Preflight, Path | None]:
         """Everything a start checks before its first collective, on each rank: the starting
