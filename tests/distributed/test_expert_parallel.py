@@ -248,3 +248,42 @@ def test_token_dropping_under_ep_drops_what_one_process_drops(moe_world2, small_
     assert all(v > 0 for v in losses(reference, key="dropped_tokens").values())
     dropless = losses(moe_world2 / "ep2_ac_full")
     assert losses(reference) != dropless  # tokens were dropped: the capacity is binding here
+
+
+def _fused_zero1_build(rank: int, world: int, port: int, corpus: str, root: str) -> None:
+    """Build (no step) a run whose pipeline stages hold other parameters: layers 0-1 dense on
+    stage 0, MoE layers 2-3 on stage 1, whose ZeRO-1 slices of its two local experts (ep 2 of
+    dp 4: cut over 2 ranks) are strided."""
+    from datetime import timedelta
+
+    from shardline.errors import ShardlineError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        cfg = load_config(None, [*_base(corpus), "model.n_layers=4", "moe.first_dense_layers=2", "parallel.pp=2",
+                                 "parallel.dp_shard=4", "parallel.ep=2", "parallel.zero=1", "train.micro_batch_size=1",
+                                 "optim.implementation=fused", f"run.dir={root}/run"])
+        try:
+            Trainer(cfg).build()
+            outcome = "built"
+        except ShardlineError as e:
+            outcome = f"{type(e).__name__}: {e}"
+        except Exception as e:  # a peer gone from the next collective
+            outcome = f"not agreed: {type(e).__name__}"
+        Path(root, f"rank{rank}.json").write_text(json.dumps(outcome))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fused_zero1_is_refused_alike_on_every_pipeline_stage(small_prepared, tmp_path):
+    """The fused kernel cannot update strided ZeRO-1 slices: decided from the stage's own
+    parameters, a dense stage went on alone (and under `auto` would take another update and
+    anomaly check than its peers). Every rank now refuses, in one line."""
+    start_ranks(_fused_zero1_build, (8, free_port(), str(small_prepared), str(tmp_path)), nprocs=8)
+    outcomes = {json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(8)}
+    assert len(outcomes) == 1, outcomes
+    assert outcomes.pop().startswith("ConfigError: optim.implementation=fused is invalid with this layout: ZeRO-1's "
+                                     "slices of layers.2.")

@@ -153,6 +153,15 @@ def test_bad_folders_and_layouts_stop_with_one_line(tmp_path, folder, tiny_confi
         SSDAdamW([torch.nn.Parameter(torch.zeros(4))], str(folder), 0, lr=0.1)
     monkeypatch.undo()
     assert list(folder.iterdir()) == []  # the failed file is gone too
+
+    def no_mapping(*args, **kwargs):  # vm.max_map_count reached, or no memory for the mapping
+        raise RuntimeError("unable to mmap 16 bytes from file </proc/self/fd/9>: Cannot allocate memory (12)\nmore")
+
+    monkeypatch.setattr(torch, "from_file", no_mapping)
+    with pytest.raises(ConfigError, match=r"moments \(unable to mmap 16 bytes .*\(12\); .* GiB free\)$"):
+        SSDAdamW([torch.nn.Parameter(torch.zeros(4))], str(folder), 0, lr=0.1)
+    monkeypatch.undo()
+    assert list(folder.iterdir()) == []
     with pytest.raises(ConfigError, match="not with amsgrad"):
         SSDAdamW([torch.nn.Parameter(torch.zeros(4))], str(folder), 0, lr=0.1, amsgrad=True)
     assert "needs memory.cpu_offload=true on a GPU" in problem(cfg, 3, on_cuda=True)
@@ -170,6 +179,44 @@ def test_bad_folders_and_layouts_stop_with_one_line(tmp_path, folder, tiny_confi
     assert notes["ssd_offload"]["ram_copies"].startswith("checkpoint.mode=async copy")
     assert "ram_copies" not in dict(launch_notes(tiny_config(f"memory.ssd_offload_dir={folder}"), "cpu", None, 1))[
         "ssd_offload"]
+
+
+def _full_on_rank1(rank: int, world: int, port: int, folder: str, out: str) -> None:
+    """Rank 1's node has no room on its SSD: its reservation fails there alone."""
+    from datetime import timedelta
+
+    from shardline.errors import ShardlineError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    if rank == 1:
+        def disk_full(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.posix_fallocate = disk_full
+    try:
+        cfg = load_config(None, [*PARITY_OVERRIDES, "parallel.dp_shard=2", f"memory.ssd_offload_dir={folder}",
+                                 f"run.dir={out}/run"])
+        try:
+            Trainer(cfg).build()
+            outcome = "built"
+        except ShardlineError as e:
+            outcome = f"{type(e).__name__}: {e}"
+        except Exception as e:  # the process group's timeout: a peer left waiting
+            outcome = f"not agreed: {type(e).__name__}"
+        Path(out, f"rank{rank}.json").write_text(json.dumps(outcome))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_ssd_full_on_one_node_stops_every_rank(tmp_path, folder):
+    """The moments are reserved as the optimizer is built, after the start's agreed checks: a node
+    whose SSD is full stopped its own ranks alone, its peers waiting in the next collective."""
+    start_ranks(_full_on_rank1, (2, free_port(), str(folder), str(tmp_path)), 2)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank1.startswith("ConfigError: memory.ssd_offload_dir=") and "No space left" in rank1
+    assert rank0 == f"ConfigError: on rank 1: {rank1.removeprefix('ConfigError: ')}"
 
 
 def test_a_loaded_state_lands_in_the_mapped_files(folder):

@@ -160,6 +160,20 @@ def test_check_on_device_skips_like_the_host_check(tiny_config, tmp_path, fault)
     assert end["anomalies"] == 1 and end["seconds"]["anomaly_skipped"] > 0
 
 
+def test_a_resume_runs_the_optimizer_this_run_built_not_the_saved_ones(tiny_config, tmp_path):
+    """Loading an optimizer's state brings back the saving run's fused/foreach flags: a foreach
+    checkpoint resumed by a fused run with the device check (which only fused takes) failed
+    at its first step."""
+    common = ["train.eval_interval=0", "checkpoint.interval=3", "anomaly.min_history=2"]
+    Trainer(tiny_config(*common, "optim.implementation=foreach", "train.stop_at_step=3")).build().train()
+    fused = Trainer(tiny_config(*common, "optim.implementation=fused", "anomaly.check_on=device",
+                                "faults.nan_step=5")).build()
+    assert fused.step == 3 and all(g["fused"] and not g["foreach"] for g in fused.optimizer.param_groups)
+    fused.train()
+    events = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "anomaly"]
+    assert fused.step == 12 and [(e["step"], e["action"]) for e in events] == [(5, "skip")]
+
+
 @pytest.mark.parametrize("where", ["host", "device"])
 def test_a_skipped_step_leaves_the_expert_bias_as_it_leaves_the_weights(tiny_config, tmp_path, where):
     """Auxiliary-loss-free balancing moves each expert's bias by the step's load: on a step

@@ -10,10 +10,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardline.config import OptimConfig
 from shardline.errors import ConfigError
+from shardline.parallel.distributed import agreed
 from shardline.parallel.zero1 import StridedSlices, Zero1AdamW
 from shardline.optim.ssd_offload import SSDAdamW
 from shardline.optim.windowed import WindowedAdamW, local
@@ -22,7 +24,7 @@ from shardline.optim.windowed import WindowedAdamW, local
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
                     zero1_mesh: DeviceMesh | None = None, zero1_dim: str = "dp_shard",
                     zero1_experts: tuple[DeviceMesh, str] | None = None, ssd_dir: str = "",
-                    rank: int = 0) -> torch.optim.AdamW:
+                    rank: int = 0, world_size: int = 1) -> torch.optim.AdamW:
     """AdamW over the model's parameters; with `zero1_mesh`, states sharded over its `zero1_dim`
     (routed experts under ep over `zero1_experts`' dim: parallel/zero1.py); with `ssd_dir`, its
     moments in memory-mapped files there (ssd_offload.py; ssd_offload.problem refuses zero=1 before a
@@ -41,18 +43,27 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
     if zero1_mesh is None:
-        if ssd_dir:
-            return SSDAdamW(groups, ssd_dir, rank, **hyper)
+        if ssd_dir:  # (no collective inside) a node's full SSD stops every rank, not its own alone
+            return agreed(lambda: SSDAdamW(groups, ssd_dir, rank, **hyper), world_size)
         on_host = all(local(p).device.type == "cpu" for p in decay + no_decay)
         return WindowedAdamW(groups, **hyper) if on_host else torch.optim.AdamW(groups, **hyper)
+    def zero1(**kwargs):
+        return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, zero1_experts, **kwargs)
+
     try:
-        return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, zero1_experts, **hyper)
+        built, strided = zero1(**hyper), ""
     except StridedSlices as e:  # under tp or ep: auto takes foreach, an explicit fused is refused
-        if cfg.implementation == "fused":
-            raise ConfigError(f"optim.implementation=fused is invalid with this layout: {e}; "
-                              "use auto, foreach or for-loop") from None
-        return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, zero1_experts, **{**hyper, "fused": None,
-                                                                                  "foreach": True})
+        built, strided = None, str(e)
+    if hyper.get("fused") and world_size > 1:  # decided alike on every rank: pipeline stages hold other
+        seen = [""] * world_size              # parameters (a dense stage's would pass), and the anomaly
+        dist.all_gather_object(seen, strided)  # check and the scaler follow the choice
+        strided = next((s for s in seen if s), "")
+    if not strided:
+        return built
+    if cfg.implementation == "fused":
+        raise ConfigError(f"optim.implementation=fused is invalid with this layout: {strided}; "
+                          "use auto, foreach or for-loop")
+    return zero1(**{**hyper, "fused": None, "foreach": True})
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: OptimConfig) -> float:
@@ -90,14 +101,19 @@ def build_scheduler(opt: torch.optim.Optimizer, total_steps: int, cfg: OptimConf
 def apply_hyperparameters(opt: torch.optim.Optimizer, scheduler, cfg: OptimConfig) -> dict[str, list]:
     """After a resume, the config's lr, betas, eps and weight decay apply, not the checkpoint's
     (which loading the optimizer and the schedule brought back): resuming with a lower
-    optim.lr after a loss spike lowers it. Returns what changed, {key: [saved, now]}."""
+    optim.lr after a loss spike lowers it; and the implementation this run built (fused,
+    foreach), not the saving run's. Returns what changed, {key: [saved, now]}."""
     saved = {"lr": scheduler.base_lrs[0], "beta1": opt.param_groups[0]["betas"][0],
              "beta2": opt.param_groups[0]["betas"][1], "eps": opt.param_groups[0]["eps"],
              "weight_decay": opt.param_groups[0]["weight_decay"]}
     scheduler.base_lrs = [cfg.lr for _ in opt.param_groups]
+    # How the update runs is this build's too: it chose fused or foreach for this device and layout (fused
+    # kernels refuse strided ZeRO-1 slices; only fused takes the device anomaly check's found_inf).
+    built = {k: opt.defaults[k] for k in ("fused", "foreach", "capturable", "differentiable") if k in opt.defaults}
     for i, group in enumerate(opt.param_groups):  # build_optimizer's order: decayed, then not
         group.update(initial_lr=cfg.lr, lr=cfg.lr * scheduler.lr_lambdas[i](scheduler.last_epoch),
-                     betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay if i == 0 else 0.0)
+                     betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay if i == 0 else 0.0,
+                     **built)
     return {key: [value, getattr(cfg, key)] for key, value in saved.items() if value != getattr(cfg, key)}
 
 

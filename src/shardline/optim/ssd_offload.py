@@ -139,16 +139,17 @@ class SSDAdamW(WindowedAdamW):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
+                path.unlink()  # at once: a crash from here on leaves no file (the space comes back at exit)
                 os.posix_fallocate(fd, 0, nbytes)  # the blocks, now: no hole to fill at a later write
+                storage = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=max(shard.numel(), 1),
+                                          dtype=shard.dtype)  # the mapping keeps the data
             finally:
                 os.close(fd)
-        except OSError as e:
-            path.unlink(missing_ok=True)
-            free = shutil.disk_usage(self.folder).free / 2**30
+        except (OSError, RuntimeError) as e:  # RuntimeError: the mapping refused (vm.max_map_count, memory)
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            free = shutil.disk_usage(self.folder).free / 2**30 if self.folder.is_dir() else 0.0
             raise ConfigError(f"memory.ssd_offload_dir={str(self.folder)!r}: cannot reserve this rank's optimizer "
-                              f"moments ({e.strerror}; {free:.2f} GiB free)") from None
-        storage = torch.from_file(str(path), shared=True, size=max(shard.numel(), 1), dtype=shard.dtype)
-        path.unlink()  # the mapping keeps the data; the disk gets the space back at exit
+                              f"moments ({why}; {free:.2f} GiB free)") from None
         flat = storage[:shard.numel()]
         mapped = flat.as_strided(shard.shape, shard.stride()) if _dense(shard) else flat.view(shard.shape)
         if not isinstance(p, DTensor):

@@ -102,7 +102,7 @@ class Trainer(SavedState, AnomalyResponse):
         self.steps = StepRunner(cfg, built, self.dims, self.device, self.scaler)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.dims.zero1_mesh(),
                                          self.dims.zero1_shard_dim, self.dims.zero1_expert_cut(),
-                                         cfg.memory.ssd_offload_dir, self.proc.rank)
+                                         cfg.memory.ssd_offload_dir, self.proc.rank, self.proc.world_size)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.guard = RunGuard(cfg, self.proc, self.dims, self.checkpointer, self._layout_fingerprint(), self.started,
                               self.device)
