@@ -145,6 +145,24 @@ def test_a_resume_cannot_skip_a_batch_already_trained_on(tiny_config):
     assert Trainer(tiny_config("train.skip_batches=[8]")).build().skipped_batches == [8]  # ahead: fine
 
 
+def test_a_resume_with_another_vocabulary_of_the_same_size_is_refused(tiny_config, tmp_path, small_prepared,
+                                                                      small_corpus):
+    """Another tokenizer of the same size packs the text into as many sequences, so the position
+    check passed, while the embeddings were trained for other tokens."""
+    tok = json.loads((small_prepared / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    (tmp_path / "a.json").write_text(json.dumps(tok))
+    first, second = sorted(vocab, key=vocab.get)[300:302]  # two merged tokens trade ids
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (tmp_path / "b.json").write_text(json.dumps(tok))
+    common = [f"data.path={small_corpus}", "train.eval_interval=0", "checkpoint.interval=3"]
+    Trainer(tiny_config(*common, f"data.tokenizer={tmp_path / 'a.json'}", "train.stop_at_step=3")).build().train()
+    with pytest.raises(CheckpointError, match=r"step-000003 was trained with another tokenizer \(vocabulary \w+, "
+                                              r"this run's \w+\): its embeddings mean other tokens"):
+        Trainer(tiny_config(*common, f"data.tokenizer={tmp_path / 'b.json'}")).build()
+    assert Trainer(tiny_config(*common, f"data.tokenizer={tmp_path / 'a.json'}")).build().step == 3
+
+
 def test_a_resume_with_another_schedule_says_so_and_a_cut_warmup_is_named(tiny_config, tmp_path):
     """The checkpoint holds the schedule's step only: a longer train.steps or another warmup
     moves the lr curve from the resume on, which the optim_changed event names."""

@@ -22,7 +22,7 @@ from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
 from shardline.data.shards import id_bound, is_prepared, open_prepared, read_manifest, tokenizer_hash
 from shardline.data.sources import read_documents
-from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer
+from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
 from shardline.errors import DataError
 
 
@@ -34,6 +34,7 @@ class DataBundle:
     sampler: GlobalBatchSampler
     source_names: list[str] = field(default_factory=list)  # a mixture's sources, in data.mix order
     _seen: tuple[int, tuple, np.ndarray] | None = None  # (step, skipped, sequences per source before it): a cache
+    _vocabulary: str = ""  # vocabulary_fingerprint(tokenizer): a cache
 
     @property
     def vocab_size(self) -> int:
@@ -57,12 +58,15 @@ class DataBundle:
         return {"tokens_by_source": {n: int(c) * seq_len for n, c in zip(self.source_names, seen)}}
 
     def position_state(self) -> dict:
-        """What a saved data position means beyond the sample count: for a mixture, each
+        """What a saved data position means beyond the sample count: the tokenizer's vocabulary
+        (another one of the same size reads the same ids as other text), and for a mixture each
         source's size and share of the index space (other weights, or sources swapped, map the
         same index to other sequences)."""
+        self._vocabulary = self._vocabulary or vocabulary_fingerprint(self.tokenizer)
         if not isinstance(self.train, MixedSequences):
-            return {}
-        return {"mix": [[int(c), int(n)] for c, n in zip(self.train.counts, self.train.sizes)]}
+            return {"vocabulary": self._vocabulary}
+        return {"vocabulary": self._vocabulary,
+                "mix": [[int(c), int(n)] for c, n in zip(self.train.counts, self.train.sizes)]}
 
     def identity(self) -> str:
         """What every rank must have read alike: the splits' sequence counts, the tokenizer and a

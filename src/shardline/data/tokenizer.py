@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -91,3 +92,12 @@ def eos_id(tok: Tokenizer) -> int | None:
         if idx is not None:
             return idx
     return None
+
+
+def vocabulary_fingerprint(tok: Tokenizer) -> str:
+    """A short hash of the token -> id table, added tokens included: the same for one tokenizer
+    whatever `tokenizers` version writes it (unlike its serialisation), different for another
+    vocabulary of the same size."""
+    table = sorted(tok.get_vocab(with_added_tokens=True).items())
+    return hashlib.sha256(json.dumps(table, ensure_ascii=False).encode()).hexdigest()[:16]
+

@@ -169,6 +169,12 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
     The position is step x global batch: another batch size would skip or repeat samples.
     `position`: the data's own (DataBundle.position_state), e.g. a mixture's sources.
     """
+    vocabulary, saved_vocabulary = (position or {}).get("vocabulary"), data_pos.get("vocabulary")
+    if vocabulary and saved_vocabulary and vocabulary != saved_vocabulary:  # (older checkpoints hold none)
+        raise CheckpointError(
+            f"checkpoint {path} was trained with another tokenizer (vocabulary {saved_vocabulary}, this run's "
+            f"{vocabulary}): its embeddings mean other tokens; keep data.tokenizer (or the prepared folder's), or "
+            "start a new run.dir from these weights with model.init_from")
     mix, saved_mix = (position or {}).get("mix"), data_pos.get("mix")
     if mix is not None and saved_mix is not None and [list(m) for m in saved_mix] != mix:
         raise CheckpointError(
