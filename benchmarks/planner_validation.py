@@ -205,10 +205,8 @@ def _names(text: str, valid: dict, what: str) -> list[str]:
 def _compare(pred: dict, meas: dict, cores: float, threads: int) -> dict:
     """Errors against wall time and against CPU time (per rank-core: see the docstring)."""
     world = meas.get("world", 1)
-    if world == 1:
-        cpu = meas["cpu_step_s"]
-    else:
-        cpu = meas["ranks_cpu_step_s"] / min(world * threads, cores) if meas["ranks_cpu_step_s"] else None
+    total = meas["cpu_step_s"] if world == 1 else meas["ranks_cpu_step_s"]  # summed over threads (and ranks)
+    cpu = total / min(world * threads, cores) if total else None
     meas["cpu_equiv_step_s"] = cpu
     return {"wall_error_pct": error_pct(pred["step_time_s"], meas["step_time_s"]),
             "time_error_pct": error_pct(pred["step_time_s"], cpu or meas["step_time_s"]),

@@ -21,6 +21,7 @@ import re
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -169,5 +170,19 @@ def test_ranks_that_read_other_data_are_refused_on_every_rank(tmp_path, small_co
     outcomes = [json.loads((tmp_path / f"start{r}.json").read_text()) for r in range(2)]
     assert outcomes[0] == outcomes[1]
     assert re.fullmatch(r"DataError: rank 1 read other data than rank 0 \(\d+ training and \d+ held-out sequences, "
-                        r"tokenizer \w+; rank 0: .*\): the data must be the same files on every node .*", outcomes[0])
+                        r"vocabulary \w+; rank 0: .*\): the data must be the same files on every node .*", outcomes[0])
     assert not (tmp_path / "run").exists()
+
+
+def test_agreed_in_one_process_gives_a_storage_error_as_one_line():
+    """As with ranks: a storage error is a one-line ShardlineError; a bug keeps its traceback."""
+    from shardline.errors import ShardlineError
+
+    def stale_handle():
+        raise OSError(116, "Stale file handle")
+
+    with pytest.raises(ShardlineError, match=r"^OSError: \[Errno 116\] Stale file handle$"):
+        agreed(stale_handle, 1)
+    with pytest.raises(KeyError):
+        agreed(lambda: {}["missing"], 1)
+    assert agreed(lambda: "listed", 1) == "listed"

@@ -202,3 +202,24 @@ def test_one_gpu_offload_starts_an_moe_run_from_an_hf_folder(tmp_path, small_cor
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_fused_save_resumed_by_a_foreach_run_steps_with_its_counts_on_the_host():
+    """Loading an optimizer places its step counts by the saved groups' flags: a fused save
+    loaded into a foreach AdamW left them on the GPU (one host read per parameter per step);
+    apply_hyperparameters puts back this build's flags and the counts where it reads them."""
+    from shardline.config import OptimConfig
+    from shardline.optim import apply_hyperparameters, build_scheduler
+
+    params = [torch.nn.Parameter(torch.randn(8, 8, device="cuda")) for _ in range(2)]
+    fused = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    fused.step()
+    foreach = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    foreach.load_state_dict(fused.state_dict())
+    assert all(s["step"].is_cuda for s in foreach.state.values())  # what the load did
+    apply_hyperparameters(foreach, build_scheduler(foreach, 10, OptimConfig()), OptimConfig())
+    assert all(g["foreach"] and not g["fused"] for g in foreach.param_groups)
+    assert all(s["step"].device.type == "cpu" for s in foreach.state.values())
+    foreach.step()

@@ -252,12 +252,18 @@ def test_a_halt_right_after_a_rollback_saves_the_budget_it_spent(tiny_config, tm
     assert halt_saves(halting, "at step 7; state before that step saved to .*step-000006;") == [6]
 
 
-def test_a_halt_right_after_a_rollback_to_ram_holds_the_budget_it_spent(tiny_config, tmp_path):
+def test_a_halt_right_after_a_rollback_to_ram_names_the_batches_to_skip(tiny_config, tmp_path):
     """Without disk saves (checkpoint.interval=0) the snapshot rolled back to stays for a rerun,
-    but it lacks the rollback and the batch it skipped: the halt holds the state in its place."""
+    but it lacks the rollback and the batch it skipped (not rewritten in place: a failed write
+    would lose it): the halt names what to skip, and a rerun that does resumes past it."""
     common = ["anomaly.action=rollback", "anomaly.max_rollbacks=1", "anomaly.min_history=2", "checkpoint.interval=0",
               "checkpoint.memory_interval=3", f"checkpoint.memory_dir={tmp_path / 'shm'}", "train.eval_interval=0"]
-    with pytest.raises(AnomalyHalt, match="at step 4; nothing saved to disk .*; the in-memory snapshots stay"):
+    with pytest.raises(AnomalyHalt, match=r"at step 4; nothing saved to disk .*; the in-memory snapshots stay for a "
+                                          r"rerun, but predate the rollback: rerun with train.skip_batches=\[3\] "):
         Trainer(tiny_config(*common, "faults.nan_step=4", "faults.spike_step=4")).build().train()
-    again = Trainer(tiny_config(*common)).build()
-    assert again.step == 3 and again.rollbacks == 1 and again.skipped_batches == [3]
+    again = Trainer(tiny_config(*common, "train.skip_batches=[3]")).build()
+    assert again.step == 3 and again.skipped_batches == [3]
+    # Rolled back at step 5 (to 3), snapshot 6 held since, the budget spent at step 8: step 6 has it all.
+    with pytest.raises(AnomalyHalt, match=r"at step 8; nothing saved .*; the in-memory snapshots stay for a rerun;"):
+        Trainer(tiny_config(*common, "faults.nan_step=5", "faults.spike_step=8", run_dir=tmp_path / "later")
+                ).build().train()

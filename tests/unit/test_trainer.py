@@ -70,14 +70,15 @@ def test_the_first_step_is_warm_up_not_throughput(tiny_config, tmp_path):
     def slow_first():
         calls.append(1)
         if len(calls) == 1:
-            time.sleep(2.0)
+            time.sleep(3.0)
         return compute()
 
     trainer.compute_gradients = slow_first
     trainer.train()
     train = read_records(tmp_path / "run", "train")
     assert [r["step"] for r in train] == [3, 6]
-    assert train[0]["step_time_s"] < 0.5, train[0]  # steps 2 and 3 only (with step 1: > 0.66 s)
+    # steps 2 and 3 only, as steps 4 to 6 (with step 1 in it: 1 s more)
+    assert train[0]["step_time_s"] < train[1]["step_time_s"] + 0.5, train
 
 
 def test_loss_falls_and_records_are_complete(tiny_config, tmp_path):

@@ -71,9 +71,9 @@ class DataBundle:
     def identity(self) -> str:
         """What every rank must have read alike: the splits' sequence counts, the tokenizer and a
         mixture's shares (a rank that read fewer documents would draw other batches)."""
-        mix = self.position_state().get("mix")
-        return (f"{len(self.train)} training and {len(self.val)} held-out sequences, tokenizer "
-                f"{tokenizer_hash(self.tokenizer)[:12]}" + (f", mixture {mix}" if mix else ""))
+        position = self.position_state()
+        return (f"{len(self.train)} training and {len(self.val)} held-out sequences, vocabulary "
+                f"{position['vocabulary']}" + (f", mixture {position['mix']}" if "mix" in position else ""))
 
 
 def split_documents(docs: list, val_fraction: float, seed: int) -> tuple[list, list]:

@@ -114,7 +114,19 @@ def apply_hyperparameters(opt: torch.optim.Optimizer, scheduler, cfg: OptimConfi
         group.update(initial_lr=cfg.lr, lr=cfg.lr * scheduler.lr_lambdas[i](scheduler.last_epoch),
                      betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay if i == 0 else 0.0,
                      **built)
+        _place_steps(opt, group)
     return {key: [value, getattr(cfg, key)] for key, value in saved.items() if value != getattr(cfg, key)}
+
+
+def _place_steps(opt: torch.optim.Optimizer, group: dict) -> None:
+    """Each step count where this group's implementation reads it: the load placed them by the
+    saved groups' flags (a fused save resumed by a foreach run left them on the GPU, read back to
+    the host for every parameter at every step)."""
+    for p in group["params"]:
+        step = opt.state.get(p, {}).get("step")
+        if isinstance(step, torch.Tensor):
+            where = p.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+            opt.state[p]["step"] = step.to(where, torch.float32)
 
 
 @torch.no_grad()

@@ -130,17 +130,17 @@ def agreed(check, world_size: int):
     For a check each rank makes from shared storage, where a lagging name cache can fail it on
     one rank alone: that rank exiting while its peers go on to the next collective left them
     waiting for the process group's timeout (or the launcher's teardown) with no message."""
-    if world_size == 1:
-        return check()
     try:
         result, failure = check(), None
     except Exception as e:  # any: a storage OSError raised on one rank left the others in the gather
         result, failure = None, e
     outcomes: list = [None] * world_size
-    dist.all_gather_object(outcomes, None if failure is None else (type(failure).__name__, str(failure)))
+    if world_size > 1:
+        dist.all_gather_object(outcomes, None if failure is None else (type(failure).__name__, str(failure)))
     if failure is not None:
         if isinstance(failure, OSError):  # storage, not a bug: the one line its peers print, not a traceback
-            raise errors.ShardlineError(f"on rank {dist.get_rank()}: {type(failure).__name__}: {failure}") from failure
+            where = f"on rank {dist.get_rank()}: " if world_size > 1 else ""
+            raise errors.ShardlineError(f"{where}{type(failure).__name__}: {failure}") from failure
         raise failure
     for rank, outcome in enumerate(outcomes):
         if outcome is not None:

@@ -47,6 +47,7 @@ class StateTiers:
         self.saver = AsyncSaver(checkpointer, dims.checkpoint_group) if c.mode == "async" else None
         self.memory_background = c.memory_mode == "async"
         self.landed = 0  # disk saves known to be on disk (an async one once its write finished)
+        self.held = 0  # memory snapshots known to be held (an async one once every rank holds it)
         self.memory = None
         if c.memory_interval:
             self.memory = MemoryTier(run_root(Path(cfg.run.dir), c.memory_dir), proc.rank, proc.world_size,
@@ -134,6 +135,7 @@ class StateTiers:
             self.log("memory_snapshot_failed", step=stats["step"], error=stats["error"],
                      action="continue; the next snapshot tries again")
             return
+        self.held += 1
         extra = {"background_s": round(stats["background_s"], 3)} if "background_s" in stats else {}
         self.log("memory_snapshot_held", step=stats["step"], redundancy=self.cfg.checkpoint.memory_redundancy,
                  own_mib=round(stats["own_bytes"] / 2**20, 2),

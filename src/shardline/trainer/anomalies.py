@@ -89,7 +89,7 @@ class AnomalyResponse:
                     self.scaler.skip()
                     name = self._restore(target)
             if target is not None:
-                self.rollbacks, self._saves_at_rollback = self.rollbacks + 1, self.tiers.landed
+                self.rollbacks, self._saves_at_rollback = self.rollbacks + 1, (self.tiers.landed, self.tiers.held)
                 cost = time.perf_counter() - started
                 self.guard.goodput.add("recovery", cost)
                 self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
@@ -106,7 +106,19 @@ class AnomalyResponse:
     def _rolled_back_unsaved(self) -> bool:
         """A rollback and no save on disk since (an async one counts once its write finished: a
         refused one leaves the older copy of that step, without the rollback)."""
-        return self._saves_at_rollback is not None and self.tiers.landed == self._saves_at_rollback
+        return self._saves_at_rollback is not None and self.tiers.landed == self._saves_at_rollback[0]
+
+    def _held_for_rerun(self) -> str:
+        """What a halt without disk saves leaves in RAM. The snapshots are not written again here:
+        right after a rollback the state is the snapshot's own step, and rewriting a step in place
+        loses it where the write fails. Held from before the rollback, they lack the batches it
+        skipped (and its budget): the rerun is told to skip them."""
+        if not self.cfg.checkpoint.memory_interval:
+            return ""
+        if self._saves_at_rollback is None or self.tiers.held > self._saves_at_rollback[1]:
+            return "; the in-memory snapshots stay for a rerun"
+        return ("; the in-memory snapshots stay for a rerun, but predate the rollback: rerun with "
+                f"train.skip_batches={sorted(self.skipped_batches)} to keep out the batches it skipped")
 
     def _halt(self, event: dict) -> None:
         """Save the last consistent state (before the bad update) and stop with a report. The save's
@@ -129,10 +141,6 @@ class AnomalyResponse:
                     saved = this_step
                 elif self.cfg.checkpoint.interval:
                     landed, saved = self.tiers.landed, self.save_checkpoint()
-                elif self._rolled_back_unsaved and self.tiers.memory is not None:
-                    # the snapshot rolled back to lacks the rollback and the batch it skipped: a rerun
-                    # from it would get both back, so hold this state in its place
-                    self.tiers.snapshot(self.step, self.model, self.optimizer, self._trainer_state())
             with self.guard.phase("halt", self.step):
                 self.tiers.finish(complete=False)  # RAM freed unless it holds a state newer than the disk's
         except CheckpointError as e:  # checkpoint.on_error=stop: the halt is still what is reported
@@ -142,8 +150,7 @@ class AnomalyResponse:
         # a refused save (on_error=continue) returns none, or (async) leaves none or an older copy of the step
         written = saved is not None and saved.is_dir() and (landed is None or self.tiers.landed > landed)
         where = (f"state before that step saved to {saved}" if written
-                 else "nothing saved to disk (checkpoint.interval=0)" + (
-                     "; the in-memory snapshots stay for a rerun" if self.cfg.checkpoint.memory_interval else "")
+                 else "nothing saved to disk (checkpoint.interval=0)" + self._held_for_rerun()
                  if not self.cfg.checkpoint.interval
                  else f"the state before that step could not be saved ({failure or 'see checkpoint_failed'})")
         with contextlib.suppress(Exception):

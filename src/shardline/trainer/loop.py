@@ -67,7 +67,7 @@ class Trainer(SavedState, AnomalyResponse):
         self._optim_changes: dict[str, list] = {}
         self.anomaly_events: list[dict] = []
         self._anomaly_streak = (-1, 0)  # (last anomalous step, how many in a row up to it)
-        self._saves_at_rollback: int | None = None  # tiers.landed at the last rollback (see _rolled_back_unsaved)
+        self._saves_at_rollback: tuple | None = None  # (tiers.landed, tiers.held) at the last rollback
 
     # ---- building -------------------------------------------------------------------
 
