@@ -16,8 +16,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from shardline import layout as layouts
 from shardline.optim import ssd_offload
 from shardline.config import Config, ModelConfig, MoEConfig
@@ -38,8 +36,8 @@ from shardline.parallel import float8
 from shardline.parallel.compile import config_problem as compile_problem
 from shardline.resilience.anomaly import check_on_device
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer, read_meta
-from shardline.resilience.recovery import (check_data_position, check_skip_batches, check_steps_ahead,
-                                          named_resume_problem, restarted, resume_path)
+from shardline.resilience.recovery import (check_saved_position, check_steps_ahead, named_resume_problem, restarted,
+                                          resume_path)
 
 _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "rope_theta")
 
@@ -322,15 +320,7 @@ def check_resume(cfg: Config) -> Path | None:
     path = resume_path(cfg, checkpointer)[0]
     if path is not None and cfg.run.resume not in ("auto", "latest", "never"):
         checkpointer.verify(path)  # a named one is not chosen among valid ones: check it as the load would
-    if path is not None and (path / "trainer" / "rank0.pt").is_file():
-        try:
-            state = torch.load(path / "trainer" / "rank0.pt", weights_only=True)
-        except Exception as e:  # a manifest-less folder named by --resume, say
-            raise CheckpointError(f"checkpoint {path}: trainer/rank0.pt cannot be read ({type(e).__name__})") from None
-        data = state["data"]
-        check_data_position(path, data, data["num_samples"], cfg.train.seed, cfg.train.global_batch_size)
-        check_skip_batches(path, state["step"], data.get("skipped_batches", []), cfg.train.skip_batches)
-        check_steps_ahead(path, state["step"], cfg.train.steps)
+    check_saved_position(path, cfg)
     return path
 
 

@@ -233,6 +233,20 @@ def test_a_restart_that_saved_nothing_newer_still_starts_from_the_named_checkpoi
         Trainer(tiny_config("train.steps=12", f"run.resume={pruned}", run_dir=tmp_path / "nothing")).build()
 
 
+def test_a_resume_folder_holding_no_checkpoint_is_one_line_before_the_run_dir(tiny_config, tmp_path, trained):
+    """The folder of checkpoints, any other folder, or an unset variable (`--resume="$CKPT"`: the
+    current directory) passed the check and failed only once the run dir was made."""
+    (tmp_path / "empty").mkdir()
+    for folder, says in [(trained / "checkpoints", r"is a folder of checkpoints; name one of them: --resume "
+                                                   r".*checkpoints/step-000012$"),
+                         (tmp_path / "empty", r"holds no checkpoint \(no manifest.json\)")]:
+        with pytest.raises(ConfigError, match=says):
+            Trainer(tiny_config(f"run.resume={folder}", run_dir=tmp_path / "new")).build()
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(ConfigError, match="run.resume='' is invalid: one of auto, latest, never or a checkpoint"):
+        Trainer(tiny_config("run.resume=", run_dir=tmp_path / "new"))
+
+
 @pytest.mark.parametrize("resume, restart, expected", [("auto", "0", True), ("latest", "0", True),
                                                        ("never", "1", True), ("never", "0", False),
                                                        ("/ckpt/step-000006", "0", False),

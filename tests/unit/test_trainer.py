@@ -164,6 +164,23 @@ def test_a_resume_with_another_vocabulary_of_the_same_size_is_refused(tiny_confi
     assert Trainer(tiny_config(*common, f"data.tokenizer={tmp_path / 'a.json'}")).build().step == 3
 
 
+def test_a_named_checkpoint_the_config_contradicts_is_refused_before_newer_ones_are_set_aside(tiny_config, tmp_path):
+    """Resuming an older checkpoint by name sets the newer ones aside (another history); a batch
+    size, seed or data it cannot resume with was found only after that, in the restore: the run
+    stopped with the newer checkpoints moved out, and a plain rerun resumed the old one."""
+    common = ["train.eval_interval=0", "checkpoint.interval=3"]
+    Trainer(tiny_config(*common, "train.stop_at_step=9")).build().train()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    before = sorted(p.name for p in checkpoints.iterdir())
+    named = f"run.resume={checkpoints / 'step-000003'}"
+    for change, says in [("train.global_batch_size=16", "train.global_batch_size=8 but this run has 16"),
+                         ("train.seed=7", "and seed 7"), ("train.skip_batches=[1]", r"train.skip_batches=\[1\]")]:
+        with pytest.raises((CheckpointError, ConfigError), match=says):
+            Trainer(tiny_config(*common, named, change)).build()
+        assert sorted(p.name for p in checkpoints.iterdir()) == before, change
+    assert Trainer(tiny_config(*common)).build().step == 9
+
+
 def test_a_resume_with_another_schedule_says_so_and_a_cut_warmup_is_named(tiny_config, tmp_path):
     """The checkpoint holds the schedule's step only: a longer train.steps or another warmup
     moves the lr curve from the resume on, which the optim_changed event names."""

@@ -32,6 +32,7 @@ class RunConfig:
 
     def check(self) -> None:
         _require(bool(self.dir), "run.dir", self.dir, "must be a non-empty path")
+        _require(bool(self.resume), "run.resume", self.resume, "one of auto, latest, never or a checkpoint folder")
         ok = self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None
         _require(ok, "run.device", self.device, "use auto, cpu, cuda or cuda:N")
 

@@ -56,11 +56,17 @@ def named_resume_problem(mode: str) -> str | None:
     if not named.is_dir():
         return (f"run.resume={mode!r} is not a checkpoint folder; valid: auto, latest, never, "
                 "or the path of a checkpoint folder")
-    if not (named / MANIFEST).is_file() and (named / "checkpoints").is_dir():
+    if (named / MANIFEST).is_file():
+        return None
+    if (named / "checkpoints").is_dir():
         return (f"run.resume={mode!r} is a run dir, not a checkpoint folder: to resume that run, give "
                 f"--run.dir={mode} (it resumes its newest checkpoint); to start another run from one of "
                 f"its checkpoints, name it: --resume {named / 'checkpoints' / 'step-N'}")
-    return None
+    steps = sorted(p.name for p in named.glob("step-*") if (p / MANIFEST).is_file())
+    if steps:
+        return f"run.resume={mode!r} is a folder of checkpoints; name one of them: --resume {named / steps[-1]}"
+    return (f"run.resume={mode!r} holds no checkpoint (no {MANIFEST}); valid: auto, latest, never, or the path "
+            "of a checkpoint folder (runs/NAME/checkpoints/step-N)")
 
 
 def _raise(problem: str | None) -> None:
@@ -160,6 +166,27 @@ def restarted() -> bool:
     """This process is a restart of the job (torchrun --max-restarts, a Slurm requeue), which
     runs the first attempt's command line again."""
     return any(_restarted_by(counter) for _, counter in _LAUNCHERS)
+
+
+def check_saved_position(path: Path | None, cfg: Config, num_samples: int | None = None,
+                         position: dict | None = None) -> None:
+    """Checkpoint `path`'s saved trainer state agrees with this config (batch size, seed, skipped
+    batches, steps) and, given them, with the data read (`num_samples` training sequences, its
+    `position`: DataBundle.position_state), or the one-line error: checked before a start takes
+    the run dir's lock and sets newer checkpoints aside for it. A dry run, which has not read the
+    data, passes no count (the saved one stands in)."""
+    state_file = Path(path) / "trainer" / "rank0.pt" if path is not None else None
+    if state_file is None or not state_file.is_file():
+        return
+    try:
+        state = torch.load(state_file, weights_only=True)
+        data, step = state["data"], state["step"]
+    except Exception as e:  # a manifest-less folder named by --resume, say
+        raise CheckpointError(f"checkpoint {path}: trainer/rank0.pt cannot be read ({type(e).__name__})") from None
+    check_data_position(path, data, data["num_samples"] if num_samples is None else num_samples, cfg.train.seed,
+                        cfg.train.global_batch_size, position)
+    check_skip_batches(path, step, data.get("skipped_batches", []), cfg.train.skip_batches)
+    check_steps_ahead(path, step, cfg.train.steps)
 
 
 def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int,

@@ -21,8 +21,8 @@ from shardline.parallel.distributed import agreed, ranks_differing
 from shardline.parallel.float8 import precompute_scales
 from shardline.preflight import (Preflight, bos_setting, check_config, check_device, check_layout_before_data,
                                  check_resume_fits, preflight, use_model_tokenizer)
-from shardline.resilience.recovery import (check_data_position, check_skip_batches, check_steps_ahead, get_rng_state,
-                                          resume_path, set_rng_state)
+from shardline.resilience.recovery import (check_data_position, check_saved_position, check_skip_batches,
+                                          check_steps_ahead, get_rng_state, resume_path, set_rng_state)
 from shardline.resilience.run_lock import launcher_ids
 
 
@@ -69,6 +69,7 @@ class SavedState:
         rank 0's choice is made every rank's later (agree_on_resume)."""
         found, self._invalid_checkpoints = resume_path(self.cfg, self.checkpointer, repaired=repaired)
         check_resume_fits(found, model_args, self.cfg.train.steps, bos_setting(self.cfg, self.data.tokenizer))
+        check_saved_position(found, self.cfg, len(self.data.train), self.data.position_state())
         return found
 
     def _layout_fingerprint(self) -> str:
