@@ -121,9 +121,11 @@ def test_a_save_that_fails_on_one_rank_fails_on_both(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["run", "step-000001", "step-000003"]
 
 
-def _start_refused_on_one_node(rank: int, world: int, port: int, corpus: str, root: str, rank1_data: str) -> None:
-    """Rank 1's node lacks the data file (node-local storage), or sees a shorter copy of it: its
-    start fails there alone, or it reads other data than its peers."""
+def _start_refused_on_one_node(rank: int, world: int, port: int, nodes: tuple, name: str, root: str,
+                               rank1_extra: tuple = ()) -> None:
+    """Each rank reads data.path=`name` relative to its own node's folder (`nodes`: node-local
+    storage): rank 1's may lack the file or hold a shorter copy, or rank 1 reads another config:
+    its start fails there alone, or it differs from its peers."""
     from shardline.config import load_config
     from shardline.errors import ShardlineError
     from shardline.trainer import Trainer
@@ -131,11 +133,12 @@ def _start_refused_on_one_node(rank: int, world: int, port: int, corpus: str, ro
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    os.chdir(nodes[rank])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
     try:
-        data = corpus if rank == 0 else rank1_data
-        cfg = load_config(None, [*PARITY_OVERRIDES, f"data.path={data}", f"run.dir={root}/run"])
+        extra = rank1_extra if rank == 1 else ()
+        cfg = load_config(None, [*PARITY_OVERRIDES, f"data.path={name}", f"run.dir={root}/run", *extra])
         try:
             Trainer(cfg).build()
             outcome = "built"
@@ -148,13 +151,22 @@ def _start_refused_on_one_node(rank: int, world: int, port: int, corpus: str, ro
         dist.destroy_process_group()
 
 
+def _two_nodes(tmp_path: Path, corpus: Path, node1_text: str | None) -> tuple:
+    """Node folders for ranks 0 and 1: the corpus, and node 1's copy (None: none)."""
+    node1 = tmp_path / "node1"
+    node1.mkdir()
+    if node1_text is not None:
+        (node1 / corpus.name).write_text(node1_text)
+    return str(corpus.parent), str(node1)
+
+
 def test_a_start_refused_on_one_node_is_refused_on_every_rank(tmp_path, small_corpus):
     """The input checks run on every rank before the first collective; one node's refusal (a file
     only the others have) is every rank's, in one line, not a wait for the process group's timeout."""
-    start_ranks(_start_refused_on_one_node, (2, free_port(), str(small_corpus), str(tmp_path),
-                                             f"{tmp_path}/not-on-this-node.txt"), nprocs=2)
+    nodes = _two_nodes(tmp_path, small_corpus, None)
+    start_ranks(_start_refused_on_one_node, (2, free_port(), nodes, small_corpus.name, str(tmp_path)), nprocs=2)
     outcomes = [json.loads((tmp_path / f"start{r}.json").read_text()) for r in range(2)]
-    assert outcomes[1].startswith("DataError: ") and "not-on-this-node.txt" in outcomes[1]
+    assert outcomes[1].startswith("DataError: ") and small_corpus.name in outcomes[1]
     assert outcomes[0] == f"DataError: on rank 1: {outcomes[1].removeprefix('DataError: ')}"
     assert not (tmp_path / "run").exists()
 
@@ -163,14 +175,25 @@ def test_ranks_that_read_other_data_are_refused_on_every_rank(tmp_path, small_co
     """A shorter copy on one node (a file still being written, a lagging listing) opens fine there,
     and that rank would draw other batches than its peers: the ranks compare what they read."""
     lines = small_corpus.read_text().splitlines()
-    shorter = tmp_path / small_corpus.name
-    shorter.write_text("\n".join(lines[: len(lines) * 3 // 4]) + "\n")
-    start_ranks(_start_refused_on_one_node, (2, free_port(), str(small_corpus), str(tmp_path), str(shorter)),
-                nprocs=2)
+    nodes = _two_nodes(tmp_path, small_corpus, "\n".join(lines[: len(lines) * 3 // 4]) + "\n")
+    start_ranks(_start_refused_on_one_node, (2, free_port(), nodes, small_corpus.name, str(tmp_path)), nprocs=2)
     outcomes = [json.loads((tmp_path / f"start{r}.json").read_text()) for r in range(2)]
     assert outcomes[0] == outcomes[1]
     assert re.fullmatch(r"DataError: rank 1 read other data than rank 0 \(\d+ training and \d+ held-out sequences, "
                         r"vocabulary \w+; rank 0: .*\): the data must be the same files on every node .*", outcomes[0])
+    assert not (tmp_path / "run").exists()
+
+
+def test_ranks_that_read_another_config_are_refused_on_every_rank(tmp_path, small_corpus):
+    """A relaunch reads the run dir's saved config.toml where it sees checkpoints: a node whose
+    listing lags reads the defaults instead (another lr here; another layout would hang)."""
+    nodes = _two_nodes(tmp_path, small_corpus, small_corpus.read_text())
+    start_ranks(_start_refused_on_one_node, (2, free_port(), nodes, small_corpus.name, str(tmp_path),
+                                             ("optim.lr=0.5", "train.seed=3")), nprocs=2)
+    outcomes = [json.loads((tmp_path / f"start{r}.json").read_text()) for r in range(2)]
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0].startswith("ConfigError: rank 1 runs another config than rank 0 (train.seed, optim.lr "
+                                  "differ): every rank must read the same config")
     assert not (tmp_path / "run").exists()
 
 

@@ -10,11 +10,12 @@ the checkpoint to resume) is here too, run by every rank before its first collec
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 from shardline.data import build_data
-from shardline.errors import DataError
+from shardline.errors import ConfigError, DataError
 from shardline.models.factory import args_to_json
 from shardline.optim import apply_hyperparameters, schedule_settings
 from shardline.parallel.distributed import agreed, ranks_differing
@@ -38,10 +39,18 @@ class SavedState:
         return self.checkpointer.set_aside_after(step)
 
     def _agreed_inputs(self) -> tuple[Preflight, Path | None]:
-        """_check_inputs on every rank, a refusal anywhere every rank's; then the data every rank
-        read compared: a listing of shared storage that lags on one node, or a file still being
-        written, gave a rank fewer documents, and so other batches than its peers, in silence."""
+        """_check_inputs on every rank, a refusal anywhere every rank's; then the config and the data
+        every rank read compared: a listing of shared storage that lags on one node (a relaunch
+        not seeing the run's saved config.toml; fewer documents), or a file still being written,
+        gave a rank another layout (a hang) or other batches than its peers (in silence)."""
         launch, found = agreed(self._check_inputs, self.proc.world_size)
+        settings = json.dumps(self.cfg.to_dict(), sort_keys=True, default=str)
+        if ranks_differing(hashlib.sha256(settings.encode()).hexdigest(), self.proc.world_size):
+            rank, theirs, first = ranks_differing(self.cfg.to_dict(), self.proc.world_size)[0]  # (rarely: whole)
+            keys = [f"{s}.{k}" for s in first for k in first[s] if theirs.get(s, {}).get(k) != first[s][k]]
+            raise ConfigError(f"rank {rank} runs another config than rank 0 ({', '.join(keys[:5])} differ): every "
+                              "rank must read the same config (a relaunch reads the run dir's config.toml where "
+                              "it sees checkpoints: run.dir on storage every node shows alike, or give --config)")
         differ = ranks_differing(self.data.identity(), self.proc.world_size)
         if differ:
             rank, theirs, first = differ[0]
