@@ -33,6 +33,9 @@ def test_resolved_config_round_trips():
     cfg = load_config(None, ["train.steps=5", 'data.path=a "quoted" path', "train.precision=fp16"])
     again = from_dict(tomllib.loads(to_toml(cfg)))
     assert again == cfg
+    # control characters (a field name with a newline, a tab, DEL) written as escapes, not raw
+    cfg = load_config(None, ["data.text_field=a\nb\tc\x7fd\x01", "run.dir=runs/ü"])
+    assert from_dict(tomllib.loads(to_toml(cfg))) == cfg
 
 
 def test_a_relaunch_reads_the_saved_config_but_its_launch_only_settings(tmp_path):
@@ -61,6 +64,9 @@ def test_a_relaunch_reads_the_saved_config_but_its_launch_only_settings(tmp_path
     ("moe.norm_topk=yes", "moe.norm_topk='yes' has the wrong type: expected int; valid: -1 (the preset's or the "
                           "starting weights'), 0 (off) or 1 (on)"),
     ("train.steps=0", "train.steps=0 is invalid: must be > 0"),
+    ("optim.lr=5.e999", "optim.lr='5.e999' is not a finite number"),
+    ("optim.lr=1" + "0" * 400, "is not a finite number"),
+    ("faults.kill_rank=-5", "faults.kill_rank=-5 is invalid: must be a rank, or -1 (off)"),
     ('data.mix=[{path = "a", weight = inf}]', "data.mix[0].weight=inf is not a finite number"),
     ("watchdog.probe_interval=-1", "watchdog.probe_interval=-1 is invalid: must be >= 0 (0 = off)"),
     ("faults.slow_in=gpu", "faults.slow_in='gpu' is invalid: must be one of ('host', 'compute', 'data')"),
@@ -85,6 +91,24 @@ def test_bad_values_raise_config_error(override, message):
         check_config(cfg)  # the launch's checks add the model table, which the config cannot see
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_file_s_unquoted_number_for_a_text_key_is_refused_not_rewritten(tmp_path):
+    """TOML reads `dir = 2024.10` as the number 2024.1: taken as text it named another folder."""
+    path = tmp_path / "c.toml"
+    path.write_text("[run]\ndir = 2024.10\n")
+    with pytest.raises(ConfigError, match=r"run.dir=2024.1 has the wrong type: expected a quoted string"):
+        load_config(path)
+    path.write_text('[run]\ndir = "2024.10"\n')
+    assert load_config(path).run.dir == "2024.10"
+
+
+def test_a_rollback_with_nothing_saved_is_refused():
+    """Each anomaly would be skipped with no checkpoint to roll back to: the run looked protected."""
+    with pytest.raises(ConfigError, match="anomaly.action='rollback' is invalid with checkpoint.interval=0 and "
+                                          "checkpoint.memory_interval=0"):
+        load_config(None, ["anomaly.action=rollback", "checkpoint.interval=0"]).check()
+    load_config(None, ["anomaly.action=rollback", "checkpoint.interval=0", "checkpoint.memory_interval=5"]).check()
 
 
 def test_paths_given_as_numbers_stay_as_written():

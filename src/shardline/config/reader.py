@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import re
 import tomllib
@@ -123,19 +124,32 @@ def coerce(key: str, value: Any, hint: Any, current: Any = None) -> Any:
             return value
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise ConfigError(f"{key}={value!r} is not a finite number")
-            return float(value)
+            return _finite(key, value)
     elif hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # a file's: --key=2024.10 stays text
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected a quoted string (TOML reads the "
+                              f"unquoted {value!r} as a number, which would name another thing: write \"...\")")
     elif hint is Any:
         return value
     if hint is float and isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
-        return float(value)  # --optim.lr=.001 or 5. is not TOML, but is plainly a number (not inf or nan)
+        return _finite(key, value)  # --optim.lr=.001 or 5. is not TOML, but is plainly a number
     expected = "true or false" if hint is bool else getattr(hint, "__name__", hint)
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {expected}")
 
+
+
+def _finite(key: str, value: Any) -> float:
+    """`value` as a float, or the one line for one that is not finite (1e999 too, and an integer
+    too large for a float)."""
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{key}={value!r} is not a finite number")
+    return number
 
 
 def to_toml(obj: Any, comment: str = "") -> str:
@@ -157,8 +171,8 @@ def toml_value(v: Any) -> str:
         return "{" + ", ".join(f"{toml_value(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, str):  # JSON's escapes are TOML's (control characters as \uXXXX), but for DEL
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     return repr(v)

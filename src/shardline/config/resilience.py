@@ -86,6 +86,8 @@ class FaultsConfig:
     def check(self) -> None:
         for key in ("kill_step", "nan_step", "spike_step", "hang_step", "corrupt_checkpoint_step", "fail_save_step"):
             require(getattr(self, key) >= 0, f"faults.{key}", getattr(self, key), "must be >= 0 (0 = off)")
+        for key in ("kill_rank", "hang_rank", "slow_rank"):
+            require(getattr(self, key) >= -1, f"faults.{key}", getattr(self, key), "must be a rank, or -1 (off)")
         require(self.slow_factor >= 1, "faults.slow_factor", self.slow_factor, "must be >= 1")
         require(self.slow_in in SLOW_IN, "faults.slow_in", self.slow_in, f"must be one of {SLOW_IN}")
         require(self.hang_phase in HANG_PHASES, "faults.hang_phase", self.hang_phase, f"must be one of {HANG_PHASES}")
