@@ -389,8 +389,8 @@ def test_dry_run_checks_a_mixture_and_a_resume_as_the_launch_does(capsys, tmp_pa
     (tmp_path / "empty").mkdir()
     (tmp_path / "junk" / "trainer").mkdir(parents=True)
     (tmp_path / "junk" / "trainer" / "rank0.pt").write_bytes(b"not a pickle")
-    for named, message in ((tmp_path / "empty", "is incomplete: no manifest.json"),
-                           (tmp_path / "junk", "is incomplete: no manifest.json")):
+    for named, message in ((tmp_path / "empty", "holds no checkpoint (no manifest.json)"),
+                           (tmp_path / "junk", "holds no checkpoint (no manifest.json)")):
         assert main([*base, "--resume", str(named)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
