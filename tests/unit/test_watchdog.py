@@ -241,3 +241,32 @@ def test_a_store_that_fails_for_a_moment_is_tried_again(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="the c10d store failed for 5 s"):
         wd._safe(fails)
     assert wd._store_lost and wd._safe(lambda: "answer") is None
+
+
+def _report_blocks(run_dir: str) -> None:
+    """A declared hang whose stack dump blocks (the run dir's storage stalled)."""
+    import time as clock
+
+    from shardline.resilience import watchdog as module
+
+    module.REPORT_DEADLINE_S = 0.5
+    module.dump_stacks = lambda *args, **kwargs: clock.sleep(3600)
+    dog = Watchdog(WatchdogConfig(timeout_s=1.0), run_dir, 0, 1, None, on_event=lambda *a, **k: None, exit_code=4)
+    dog._respond({"dir": "hang-x", "by": 0, "suspects": [0], "at": 0.0})
+
+
+def test_a_hang_report_that_blocks_still_exits_by_its_deadline(tmp_path):
+    """Where a stalled file system is the hang, the report's writes block as well: the watchdog
+    exits by a deadline anyway, or the job it exists to end stays hung."""
+    import multiprocessing
+    import time as clock
+
+    child = multiprocessing.get_context("spawn").Process(target=_report_blocks, args=(str(tmp_path),))
+    began = clock.monotonic()
+    child.start()
+    child.join(timeout=60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 4, child.exitcode
+    assert clock.monotonic() - began < 30

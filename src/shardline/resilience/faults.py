@@ -56,7 +56,8 @@ class FaultInjector:
         return self.first_attempt and self.rank == c.slow_rank and c.slow_factor > 1 and c.slow_in == where
 
     def after_step(self, step_time_s: float) -> None:
-        """The slow-rank drill, slow_in="host": a sleep after the step (host work)."""
+        """The slow-rank drill, slow_in="host": a sleep once the step's update is settled, before the
+        collectives that follow it (host work, as an optimizer step on the host is)."""
         if self._slow("host"):
             time.sleep(step_time_s * (self.cfg.slow_factor - 1))
 

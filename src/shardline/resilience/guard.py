@@ -55,6 +55,7 @@ class RunGuard:
         self._log: Callable[..., None] | None = None
         self._held: list[tuple[str, dict[str, Any]]] = []
         self._read_s = 0.0  # this step's time in reads()
+        self._step_s = 0.0  # this step's own time, taken in step_done
 
     def event(self, name: str, **fields: Any) -> None:
         """An event for the metrics log (held until open())."""
@@ -124,20 +125,23 @@ class RunGuard:
         return timed
 
     def step_done(self, step: int, started: float, outcome: str) -> None:
-        """The step's update is settled ("updated", "overflow", "anomaly"): account its time."""
-        seconds = time.perf_counter() - started
+        """The step's update is settled ("updated", "overflow", "anomaly"): account its time, this
+        rank's own. Taken here, before the collectives that follow (logging's, the stop request's),
+        where the peers of a rank slow in its host work after the step's last collective (an
+        optimizer step on the host) wait for it: taken after them, every rank's time was the same.
+        The slow-host drill sleeps here, as such work would."""
+        self.faults.after_step(time.perf_counter() - started)
+        self._step_s = seconds = time.perf_counter() - started
         self.goodput.step(step, seconds, outcome)
         self.faults.step_computed(seconds)
 
-    def end_step(self, step: int, started: float) -> None:
-        """The step and its saves are over: the slow-rank drill, the watchdog's record, and the
-        compute probe when due (after the step's time is taken: it is not training)."""
-        self.faults.after_step(time.perf_counter() - started)
-        step_s = time.perf_counter() - started
+    def end_step(self, step: int) -> None:
+        """The step and its saves are over: the watchdog's record (the step's own time, from
+        step_done) and the compute probe when due (not training: on no step's clock)."""
         w = self.cfg.watchdog
         due = w.timeout_s and self.proc.world_size > 1 and probe_due(step, w.probe_interval)
         probe_s = probe_seconds(self.device, self.faults.slow_compute_probe) if due else None
-        self.watchdog.step_end(step, step_s, probe_s, self._read_s)
+        self.watchdog.step_end(step, self._step_s, probe_s, self._read_s)
 
     def timed(self, category: str, work: Callable[[], Any]) -> Any:
         """Run `work`, its time accounted to goodput `category` (eval, checkpoint, recovery)."""

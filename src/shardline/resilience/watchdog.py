@@ -47,6 +47,7 @@ from shardline.resilience.stragglers import PeerWatch
 PREFIX = "shardline/wd"
 RECENT_STEPS = 32  # step times per record: steps may end faster than rank 0 polls
 _SPIN_S = 0.05  # poll period while waiting for the dumps of a declared hang
+REPORT_DEADLINE_S = 30.0  # past the dumps' grace: a hang's report that takes longer (blocked writes) is given up
 
 
 def _key(*parts: object) -> str:
@@ -226,6 +227,11 @@ class Watchdog:
         """Dump this rank's stacks into the agreed folder, report, and exit; never returns,
         whatever fails on the way: a watchdog that dies here would leave the job hung."""
         atexit.register(self._hold_exit)
+        # The report's files are in the run dir: where a stalled file system is the hang, writing
+        # them blocks too, and the job would stay hung. Exit by a deadline, whatever was written.
+        deadline = threading.Timer(self.grace_s + 2 * self.poll_s + REPORT_DEADLINE_S, self._exit_unreported)
+        deadline.daemon = True
+        deadline.start()
         folder, leader, fields = self.run_dir / incident["dir"], incident["by"] == self.rank, None
         try:
             self._safe(self._publish)  # a fresh record: how long this rank has been in its step now
@@ -303,6 +309,13 @@ class Watchdog:
         sys.stdout.flush()
         self._before_exit()
         os._exit(self.exit_code)  # the training thread is stuck: a normal exit would wait for it
+
+    def _exit_unreported(self) -> None:
+        """The report did not finish by its deadline (its writes blocked): exit now, unreleased."""
+        os.write(2, f"shardline watchdog (rank {self.rank}): a hang was declared but its report was not written "
+                    f"within {REPORT_DEADLINE_S:g} s (the run dir's storage stalled?); exiting with code "
+                    f"{self.exit_code}\n".encode())
+        os._exit(self.exit_code)
 
     def _hold_exit(self) -> None:
         # The first rank to exit breaks the collectives of the others: their training

@@ -231,7 +231,7 @@ class Trainer(SavedState, AnomalyResponse):
                 window_start, window_steps = time.perf_counter(), 0
             request, paused_s = self._evaluate_and_save(step, stop, self.guard.stop_requested())
             window_start += paused_s  # evaluation and saves are not training: out of the window
-            self.guard.end_step(step, started)
+            self.guard.end_step(step)
             if request and step < stop:  # on the last step the run simply ends
                 every = cfg.checkpoint.interval
                 stopped = self._stop_on_request(request, saved=bool(every) and step % every == 0)
