@@ -14,6 +14,7 @@ alone (run.resume=never beside a checkpoint the other's does not show yet) is re
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -209,3 +210,42 @@ def test_agreed_in_one_process_gives_a_storage_error_as_one_line():
     with pytest.raises(KeyError):
         agreed(lambda: {}["missing"], 1)
     assert agreed(lambda: "listed", 1) == "listed"
+
+
+def _slow_prune_on_rank0(rank: int, world: int, port: int, corpus: str, root: str) -> None:
+    """Rank 0, the writer, prunes for longer than the watchdog's step limit after a save."""
+    import time
+
+    from shardline.trainer import Trainer
+    from tests.distributed.harness import PARITY_OVERRIDES
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        if rank == 0:
+            prune, slowed = Checkpointer.prune, []
+
+            def slow(self, written):
+                if not slowed:
+                    slowed.append(time.sleep(6.0))
+                return prune(self, written)
+
+            Checkpointer.prune = slow
+        cfg = load_config(None, [*PARITY_OVERRIDES, "parallel.dp_shard=2", f"data.path={corpus}", f"run.dir={root}/run",
+                                 "train.steps=3", "checkpoint.interval=2", "train.eval_interval=0",
+                                 "watchdog.timeout_s=3", "watchdog.long_timeout_s=60"])
+        Trainer(cfg).build().train()
+        (Path(root) / f"done{rank}").write_text("trained")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_writer_pruning_after_a_save_is_no_hang(tmp_path, small_prepared):
+    """After a synchronous save the writer alone prunes (an rmtree, minutes on slow storage): its
+    peers left the save's long limit and waited for it under the step's, and named it hung."""
+    with contextlib.suppress(Exception):  # a rank the watchdog ends (exit 4) fails the spawn
+        start_ranks(_slow_prune_on_rank0, (2, free_port(), str(small_prepared), str(tmp_path)), nprocs=2)
+    assert not [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("hang-")]
+    assert (tmp_path / "done0").is_file() and (tmp_path / "done1").is_file()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardline.config import Config
@@ -45,6 +46,7 @@ class StateTiers:
         self.cfg, self.checkpointer, self.faults, self.proc = cfg, checkpointer, faults, proc
         self.fingerprint = fingerprint
         self.saver = AsyncSaver(checkpointer, dims.checkpoint_group) if c.mode == "async" else None
+        self._group = dims.checkpoint_group
         self.memory_background = c.memory_mode == "async"
         self.landed = 0  # disk saves known to be on disk (an async one once its write finished)
         self.held = 0  # memory snapshots known to be held (an async one once every rank holds it)
@@ -67,6 +69,8 @@ class StateTiers:
             except (Exception, CheckpointException) as e:
                 self._refused(step, e, model)
                 return None
+            if self.proc.world_size > 1:  # the writer's tail (pruning, minutes on slow storage) ends the save
+                dist.barrier(group=self._group)  # on every rank: not waited for after it, under the step's limit
             self.log("checkpoint", step=step, path=str(path), mode="sync", stall_s=round(seconds, 3))
             self.landed += 1
             self.faults.after_save(step, path)
