@@ -90,6 +90,36 @@ def test_stopped_closed_ranks_are_never_named():
     assert stopped_ranks(3, records, {0: WAIT, 2: BUSY}) == [2]
 
 
+def test_stopped_a_rank_whose_training_raised_is_named_the_others_not():
+    """Rank 1 raised (an OOM) and left its peers waiting in the next collective: closed, it was
+    never named, and the report named the waiting ranks instead."""
+    records = {0: _rec(4), 1: {**_rec(4, in_step=False, closed=True), "failed": True}, 2: _rec(4)}
+    assert stopped_ranks(3, records, {0: WAIT, 2: WAIT}) == [1]
+
+
+def test_a_failed_run_publishes_its_rank_as_failed(tiny_config, tmp_path):
+    """The trainer's failure path closes the watchdog as failed; a finished run as closed only."""
+    import json
+
+    from shardline.resilience.watchdog import _key
+    from shardline.trainer import Trainer
+
+    trainer = Trainer(tiny_config("watchdog.timeout_s=60", "train.eval_interval=0")).build()
+
+    def out_of_memory():
+        raise RuntimeError("CUDA out of memory")
+
+    trainer.compute_gradients = out_of_memory
+    with pytest.raises(RuntimeError, match="out of memory"):
+        trainer.train()
+    record = json.loads(trainer.guard.watchdog.store.get(_key("rec", 0)))
+    assert record["closed"] and record["failed"]
+    done = Trainer(tiny_config("watchdog.timeout_s=60", "train.eval_interval=0", run_dir=tmp_path / "done")).build()
+    done.train()
+    record = json.loads(done.guard.watchdog.store.get(_key("rec", 0)))
+    assert record["closed"] and not record["failed"]
+
+
 def test_stopped_indistinguishable_names_every_stuck_rank():
     records = {0: _rec(4), 1: _rec(4), 2: _rec(4, elapsed=0.5)}
     assert stopped_ranks(3, records, {0: WAIT, 1: WAIT, 2: WAIT}) == [0, 1]

@@ -154,10 +154,11 @@ class RunGuard:
         """A stop signal any rank received (the same answer on every rank; one tiny host collective)."""
         return self.stops.agreed()
 
-    def stop_watching(self) -> None:
-        """The watchdog thread ends and the stop signals get their previous handlers (idempotent)."""
+    def stop_watching(self, failed: bool = False) -> None:
+        """The watchdog thread ends and the stop signals get their previous handlers (idempotent);
+        `failed`: the run raised here (the watchdog names this rank if its peers hang for it)."""
         try:  # a last report that fails to write must not leave this process's stop handlers installed
-            self.watchdog.close()
+            self.watchdog.close(failed)
         finally:
             self.stops.restore()
 

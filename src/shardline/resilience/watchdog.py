@@ -146,13 +146,15 @@ class Watchdog:
         self._progress = _Progress(step, False, time.monotonic())
         self._deliver()  # the heartbeat itself is published by the thread within a poll
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Stop watching; `failed`: this rank's training raised (its peers, left in a collective,
+        will report a hang: this rank is the one to name)."""
         if self._thread is None:
             return
         self._stop.set()
         self._thread.join(timeout=self.poll_s + 2.0)  # a thread stuck on a dead store is a daemon
         self._thread = None
-        self._safe(self._publish, True)  # rank 0 must not take the end of training for a death
+        self._safe(self._publish, True, failed)  # rank 0 must not take the end of training for a death
         self._deliver()
 
     def _deliver(self) -> None:
@@ -183,17 +185,17 @@ class Watchdog:
         if suspects and self.timeout > 0:
             self._declare(sorted(set(suspects)))
 
-    def _record(self, now: float, closed: bool = False) -> dict[str, Any]:
+    def _record(self, now: float, closed: bool = False, failed: bool = False) -> dict[str, Any]:
         p = self._progress
         with self._lock:
             times, probes, reads = list(self._times), list(self._probes), list(self._reads)
         return {"beat": self._beat, "host": self.host, "pid": os.getpid(), "step": p.step,
                 "in_step": p.in_step, "phase": p.phase, "elapsed_s": round(now - p.since, 3), "limit_s": p.limit_s,
-                "times": times, "probes": probes, "reads": reads, "closed": closed}
+                "times": times, "probes": probes, "reads": reads, "closed": closed, "failed": failed}
 
-    def _publish(self, closed: bool = False) -> None:
+    def _publish(self, closed: bool = False, failed: bool = False) -> None:
         self._beat += 1
-        self.store.set(_key("rec", self.rank), json.dumps(self._record(time.monotonic(), closed)))
+        self.store.set(_key("rec", self.rank), json.dumps(self._record(time.monotonic(), closed, failed)))
 
     def _read_incident(self) -> dict[str, Any] | None:
         key = _key("hang")

@@ -191,9 +191,10 @@ class Trainer(SavedState, AnomalyResponse):
             if self.proc.world_size == 1:  # a save in flight is still worth finishing: a rerun resumes from it
                 with contextlib.suppress(Exception):  # (not with ranks: its collectives may wait on a lost peer)
                     self.guard.drain(self.step)
-            # An error, a halt or Ctrl-C: the watchdog (its last reports) and handlers go, then the trace so far
-            # and the log; each step's own failure must not keep the next, the lock's release or the error away.
-            for close in (self.guard.stop_watching, lambda: self.profiler.close(self.step), self.metrics.close):
+            # An error, a halt or Ctrl-C: the watchdog (its last reports; this rank failed) and handlers go, then the
+            # trace so far and the log; each one's own failure must not keep the next, the lock's release or the error.
+            failed = lambda: self.guard.stop_watching(failed=True)  # noqa: E731
+            for close in (failed, lambda: self.profiler.close(self.step), self.metrics.close):
                 with contextlib.suppress(Exception):
                     close()
             self.lock.release()
@@ -376,9 +377,8 @@ class Trainer(SavedState, AnomalyResponse):
         return loss
 
     def _clock(self) -> float:
-        """The time once the device has run what the host queued: a step without a host sync
-        (the device-side anomaly check) returns before its kernels run, and read straight away
-        the clock would time their launches and leave their run to the next window."""
+        """The time once the device has run what the host queued: a step without a host sync (the device
+        anomaly check) returns before its kernels run; read at once, the clock would time their launches."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
