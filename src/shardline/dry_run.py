@@ -39,6 +39,7 @@ from shardline.preflight import (
     check_device,
     check_layout_before_data,
     check_resume,
+    check_rollback_target,
     check_resume_fits,
     preflight,
     use_model_tokenizer,
@@ -53,6 +54,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
     check_layout_before_data(cfg, world)
     data, folder_tokenizer = data_summary(cfg)
     resume = check_resume(cfg)
+    check_rollback_target(cfg, resume)
     vocab, tokenizer, add_bos = _tokenizer_vocab(cfg, folder_tokenizer)
     launch = preflight(cfg, world, vocab)
     known = bool(cfg.data.tokenizer or folder_tokenizer)  # else the size of a BPE trained at launch, estimated

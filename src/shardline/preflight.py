@@ -324,6 +324,16 @@ def check_resume(cfg: Config) -> Path | None:
     return path
 
 
+def check_rollback_target(cfg: Config, resume_from: Path | None) -> None:
+    """anomaly.action=rollback has a state to go back to: a checkpoint this run saves (on disk or in
+    memory) or the one it resumes; else each anomaly would be skipped while the run looked protected."""
+    c = cfg.checkpoint
+    if cfg.anomaly.action == "rollback" and not (c.interval or c.memory_interval or resume_from):
+        raise ConfigError("anomaly.action='rollback' is invalid with checkpoint.interval=0 and "
+                          "checkpoint.memory_interval=0 on a fresh start: nothing is saved to roll back to (each "
+                          "anomaly would be skipped); save state, or use anomaly.action=skip or halt")
+
+
 def check_device(cfg: Config, layout: Layout, on_cuda: bool, node_paths: bool = True,
                  fp8_target: str | None = None) -> None:
     """The checks that depend on the machine: a GPU that has float8 GEMMs for fp8 (read only

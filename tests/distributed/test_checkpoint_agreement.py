@@ -196,6 +196,11 @@ def test_ranks_that_read_another_config_are_refused_on_every_rank(tmp_path, smal
     assert outcomes[0].startswith("ConfigError: rank 1 runs another config than rank 0 (train.seed, optim.lr "
                                   "differ): every rank must read the same config")
     assert not (tmp_path / "run").exists()
+    # A path a node may give its own (its scratch folder; the data by another path) is no difference.
+    start_ranks(_start_refused_on_one_node, (2, free_port(), nodes, small_corpus.name, str(tmp_path),
+                                             (f"checkpoint.memory_dir={tmp_path}/node1-shm",
+                                              f"data.path={nodes[1]}/{small_corpus.name}")), nprocs=2)
+    assert [json.loads((tmp_path / f"start{r}.json").read_text()) for r in range(2)] == ["built", "built"]
 
 
 def test_agreed_in_one_process_gives_a_storage_error_as_one_line():

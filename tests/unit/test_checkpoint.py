@@ -139,6 +139,13 @@ def test_a_prune_that_cannot_rename_or_repair_does_not_fail_the_save_it_follows(
     assert [p.name for p in ckpts.list()] == ["step-000006", "step-000012"]  # left for the next prune
     assert aside.is_dir()  # unchecked, it may be its step's only copy
     monkeypatch.undo()
+
+    def stale_handle():  # the listing itself refused: a save's peers wait for the writer's prune to end
+        raise OSError(116, "Stale file handle")
+
+    monkeypatch.setattr(ckpts, "list", stale_handle)
+    ckpts.prune()
+    monkeypatch.undo()
     ckpts.prune()
     assert [p.name for p in ckpts.list()] == ["step-000012"] and not aside.exists()
 

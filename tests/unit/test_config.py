@@ -103,12 +103,21 @@ def test_a_file_s_unquoted_number_for_a_text_key_is_refused_not_rewritten(tmp_pa
     assert load_config(path).run.dir == "2024.10"
 
 
-def test_a_rollback_with_nothing_saved_is_refused():
-    """Each anomaly would be skipped with no checkpoint to roll back to: the run looked protected."""
-    with pytest.raises(ConfigError, match="anomaly.action='rollback' is invalid with checkpoint.interval=0 and "
-                                          "checkpoint.memory_interval=0"):
-        load_config(None, ["anomaly.action=rollback", "checkpoint.interval=0"]).check()
-    load_config(None, ["anomaly.action=rollback", "checkpoint.interval=0", "checkpoint.memory_interval=5"]).check()
+def test_a_rollback_with_nothing_saved_is_refused(tiny_config, tmp_path):
+    """Each anomaly would be skipped with no checkpoint to roll back to: the run looked protected.
+    A resumed run has the checkpoint it resumed; the dry run says the same."""
+    from shardline.dry_run import dry_run
+    from shardline.trainer import Trainer
+
+    unsaved = ["anomaly.action=rollback", "checkpoint.interval=0", "train.eval_interval=0"]
+    says = "anomaly.action='rollback' is invalid with checkpoint.interval=0 and checkpoint.memory_interval=0"
+    with pytest.raises(ConfigError, match=says):
+        Trainer(tiny_config(*unsaved)).build()
+    with pytest.raises(ConfigError, match=says):
+        dry_run(tiny_config(*unsaved, "run.device=cpu"), 1)
+    assert not (tmp_path / "run").exists()
+    Trainer(tiny_config("train.stop_at_step=6", "train.eval_interval=0")).build().train()
+    assert Trainer(tiny_config(*unsaved)).build().step == 6  # resumed: rolls back to step 6
 
 
 def test_paths_given_as_numbers_stay_as_written():

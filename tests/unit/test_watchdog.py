@@ -95,6 +95,9 @@ def test_stopped_a_rank_whose_training_raised_is_named_the_others_not():
     never named, and the report named the waiting ranks instead."""
     records = {0: _rec(4), 1: {**_rec(4, in_step=False, closed=True), "failed": True}, 2: _rec(4)}
     assert stopped_ranks(3, records, {0: WAIT, 2: WAIT}) == [1]
+    # A rank killed mid-collective (dead: no dump) makes a peer raise too: the dead one is named.
+    records = {0: _rec(4), 1: {**_rec(4, in_step=False, closed=True), "failed": True}, 2: _rec(4), 3: _rec(4)}
+    assert stopped_ranks(4, records, {0: WAIT, 3: WAIT}) == [2]
 
 
 def test_a_failed_run_publishes_its_rank_as_failed(tiny_config, tmp_path):

@@ -49,11 +49,6 @@ class Config:
         """Each section's own rules; those involving the layout are shardline.layout's."""
         for section in dataclasses.fields(self):
             getattr(self, section.name).check()
-        c = self.checkpoint
-        if self.anomaly.action == "rollback" and not (c.interval or c.memory_interval):
-            raise ConfigError("anomaly.action='rollback' is invalid with checkpoint.interval=0 and "
-                              "checkpoint.memory_interval=0: nothing is saved to roll back to (each anomaly would "
-                              "be skipped); save state, or use anomaly.action=skip or halt")
 
     def check(self, dp_world: int = 1) -> None:
         """Each section's rules, and a global batch that splits over `dp_world` ranks."""

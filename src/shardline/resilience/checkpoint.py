@@ -385,16 +385,16 @@ class Checkpointer:
         before it is removed, so an interruption never leaves a half-deleted checkpoint that looks
         complete; leftovers go next time, as does what an interrupted seal left aside once repaired.
 
-        Best effort: it runs on the writer alone, after a save every rank agreed had landed, so
-        raising here would fail that rank only (its peers go on into the next collective). What
-        cannot be renamed or checked now (moved away, unreadable) stays for the next prune or start."""
+        Best effort, never raising: it runs on the writer alone after a save every rank agreed had
+        landed (its peers wait for it). What cannot be listed, renamed or checked now stays for later."""
         try:
             self.repair_interrupted_seal()
             asides = [*self.root.glob(f"step-*{DELETING}")]  # what repair did not need
-        except (OSError, CheckpointError):
-            asides = []  # unchecked: one may be a step's only copy
-        for old in [p for p in self.list()[: -self.keep] if p != written]:
-            with contextlib.suppress(OSError):
-                old.rename(old.with_name(old.name + PRUNING))
-        for gone in [*self.root.glob(f"step-*{PRUNING}"), *asides]:
-            shutil.rmtree(gone, ignore_errors=True)
+        except Exception:  # noqa: BLE001 - unchecked: one may be a step's only copy
+            asides = []
+        with contextlib.suppress(Exception):  # a listing the storage refuses (a stale handle): next time
+            for old in [p for p in self.list()[: -self.keep] if p != written]:
+                with contextlib.suppress(OSError):
+                    old.rename(old.with_name(old.name + PRUNING))
+            for gone in [*self.root.glob(f"step-*{PRUNING}"), *asides]:
+                shutil.rmtree(gone, ignore_errors=True)

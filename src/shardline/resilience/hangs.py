@@ -73,19 +73,16 @@ def stopped_ranks(world: int, records: dict[int, dict], dumps: dict[int, dict]) 
 
     records are each rank's last state, published as it answered the hang (so fresh),
     dumps what each rank's stack dump found. In order:
-    0. failed: a rank whose training raised (its error is in its own log) and left the others
-       in a collective;
     1. dead: a live rank whose watchdog did not dump its stacks (process gone, or frozen
        with the GIL held), or that never published a record;
     2. behind: inside a step older than the newest step any rank began (the others
        went on without it);
-    3. all inside one step (the usual picture: the others wait in a collective for the
+    3. failed: a rank whose training raised (its error is in its own log) and left the others
+       in a collective; after 1 and 2, since a rank killed mid-collective makes its peers raise;
+    4. all inside one step (the usual picture: the others wait in a collective for the
        culprit): the ranks not waiting inside torch.distributed, over the limit first;
-    4. everyone waits (a mismatched collective): the ranks over the limit, else all.
+    5. everyone waits (a mismatched collective): the ranks over the limit, else all.
     """
-    failed = sorted(r for r in range(world) if (records.get(r) or {}).get("failed"))
-    if failed:
-        return failed
     live = {r: records.get(r) for r in range(world) if not (records.get(r) or {}).get("closed")}
     dead = {r for r, rec in live.items() if rec is None or r not in dumps}
     inside = {r: rec for r, rec in live.items() if r not in dead and rec["in_step"]}
@@ -93,6 +90,9 @@ def stopped_ranks(world: int, records: dict[int, dict], dumps: dict[int, dict]) 
     behind = {r for r, rec in inside.items() if rec["step"] < newest}
     if dead or behind:
         return sorted(dead | behind)
+    failed = sorted(r for r in range(world) if (records.get(r) or {}).get("failed"))
+    if failed:
+        return failed
     late = {r for r, rec in inside.items() if stuck(rec)}
     busy = {r for r in inside if not dumps[r]["waiting"]}
     return sorted((busy & late) or busy or late or inside)

@@ -231,7 +231,8 @@ class Watchdog:
         atexit.register(self._hold_exit)
         # The report's files are in the run dir: where a stalled file system is the hang, writing
         # them blocks too, and the job would stay hung. Exit by a deadline, whatever was written.
-        deadline = threading.Timer(self.grace_s + 2 * self.poll_s + REPORT_DEADLINE_S, self._exit_unreported)
+        budget = self.grace_s + 2 * self.poll_s + REPORT_DEADLINE_S + self.world / 100  # 16k ranks: 160 s more
+        deadline = threading.Timer(budget, self._exit_unreported)
         deadline.daemon = True
         deadline.start()
         folder, leader, fields = self.run_dir / incident["dir"], incident["by"] == self.rank, None
@@ -313,10 +314,13 @@ class Watchdog:
         os._exit(self.exit_code)  # the training thread is stuck: a normal exit would wait for it
 
     def _exit_unreported(self) -> None:
-        """The report did not finish by its deadline (its writes blocked): exit now, unreleased."""
+        """The report did not finish by its deadline (its writes blocked): exit now, the run dir's
+        lock freed if that does not block too (a few seconds' try)."""
         os.write(2, f"shardline watchdog (rank {self.rank}): a hang was declared but its report was not written "
-                    f"within {REPORT_DEADLINE_S:g} s (the run dir's storage stalled?); exiting with code "
-                    f"{self.exit_code}\n".encode())
+                    f"in time (the run dir's storage stalled?); exiting with code {self.exit_code}\n".encode())
+        release = threading.Thread(target=self._before_exit, daemon=True)
+        release.start()
+        release.join(timeout=5.0)
         os._exit(self.exit_code)
 
     def _hold_exit(self) -> None:

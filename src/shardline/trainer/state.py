@@ -21,10 +21,26 @@ from shardline.optim import apply_hyperparameters, schedule_settings
 from shardline.parallel.distributed import agreed, ranks_differing
 from shardline.parallel.float8 import precompute_scales
 from shardline.preflight import (Preflight, bos_setting, check_config, check_device, check_layout_before_data,
-                                 check_resume_fits, preflight, use_model_tokenizer)
+                                 check_resume_fits, check_rollback_target, preflight, use_model_tokenizer)
 from shardline.resilience.recovery import (check_data_position, check_saved_position, check_skip_batches,
                                           check_steps_ahead, get_rng_state, resume_path, set_rng_state)
 from shardline.resilience.run_lock import launcher_ids
+
+
+NODE_LOCAL = {"run": ("device",), "data": ("path", "tokenizer"), "model": ("hf_path", "init_from"),
+              "memory": ("ssd_offload_dir",), "checkpoint": ("memory_dir",)}
+
+
+def shared_settings(cfg) -> dict:
+    """The config every rank must hold alike: without the paths a node may give its own (its local
+    copy of the data or the weights, its scratch disk; what they hold is compared apart), a
+    mixture's sources by their weights only."""
+    settings = cfg.to_dict()
+    for section, keys in NODE_LOCAL.items():
+        for key in keys:
+            settings[section].pop(key, None)
+    settings["data"]["mix"] = [source["weight"] for source in settings["data"]["mix"]]
+    return settings
 
 
 class SavedState:
@@ -44,9 +60,11 @@ class SavedState:
         not seeing the run's saved config.toml; fewer documents), or a file still being written,
         gave a rank another layout (a hang) or other batches than its peers (in silence)."""
         launch, found = agreed(self._check_inputs, self.proc.world_size)
-        settings = json.dumps(self.cfg.to_dict(), sort_keys=True, default=str)
-        if ranks_differing(hashlib.sha256(settings.encode()).hexdigest(), self.proc.world_size):
-            rank, theirs, first = ranks_differing(self.cfg.to_dict(), self.proc.world_size)[0]  # (rarely: whole)
+        settings = shared_settings(self.cfg)
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+        if ranks_differing(digest, self.proc.world_size):
+            whole = ranks_differing(settings, self.proc.world_size)  # (rarely: the whole settings)
+            rank, theirs, first = whole[0] if whole else (-1, {}, {})
             keys = [f"{s}.{k}" for s in first for k in first[s] if theirs.get(s, {}).get(k) != first[s][k]]
             raise ConfigError(f"rank {rank} runs another config than rank 0 ({', '.join(keys[:5])} differ): every "
                               "rank must read the same config (a relaunch reads the run dir's config.toml where "
@@ -70,6 +88,7 @@ class SavedState:
         self.data = build_data(cfg)
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
         found = self._choose_resume(launch.model_args)
+        check_rollback_target(cfg, found)
         check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
         return launch, found
 
