@@ -133,7 +133,7 @@ class Trainer(SavedState, AnomalyResponse):
             self._open_run_dir(resumed)
         except BaseException:
             with contextlib.suppress(Exception):  # the error that stopped the start is the one to report
-                self.guard.stop_watching()
+                self.guard.stop_watching(failed=True)
             self.lock.release()
             raise
         return self
