@@ -254,3 +254,74 @@ def test_a_writer_pruning_after_a_save_is_no_hang(tmp_path, small_prepared):
         start_ranks(_slow_prune_on_rank0, (2, free_port(), str(small_prepared), str(tmp_path)), nprocs=2)
     assert not [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("hang-")]
     assert (tmp_path / "done0").is_file() and (tmp_path / "done1").is_file()
+
+
+def _rollback_listing_fails_on_rank1(rank: int, world: int, port: int, corpus: str, root: str) -> None:
+    """A NaN at step 4 rolls back; rank 1's listing of the checkpoints then fails (a stale handle)."""
+    from shardline.errors import ShardlineError
+    from shardline.trainer import Trainer
+    from tests.distributed.harness import PARITY_OVERRIDES
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        cfg = load_config(None, [*PARITY_OVERRIDES, "parallel.dp_shard=2", f"data.path={corpus}", f"run.dir={root}/run",
+                                 "train.steps=6", "checkpoint.interval=3", "train.eval_interval=0",
+                                 "anomaly.action=rollback", "anomaly.min_history=2", "faults.nan_step=4"])
+        trainer = Trainer(cfg).build()
+        if rank == 1:
+            def stale_handle(*args, **kwargs):
+                raise OSError(116, "Stale file handle")
+            trainer.checkpointer.latest_valid = stale_handle
+        try:
+            trainer.train()
+            outcome = "trained"
+        except ShardlineError as e:
+            outcome = f"{type(e).__name__}: {e}"
+        except Exception as e:  # a peer left in the rollback's collectives
+            outcome = f"not agreed: {type(e).__name__}"
+        (Path(root) / f"rollback{rank}.json").write_text(json.dumps(outcome))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rollback_whose_listing_fails_on_one_rank_stops_every_rank(tmp_path, small_prepared):
+    """The rollback chooses its checkpoint as a start does, agreed: one node's storage error was
+    that rank's exit and its peers' wait in the next collective."""
+    start_ranks(_rollback_listing_fails_on_rank1, (2, free_port(), str(small_prepared), str(tmp_path)), nprocs=2)
+    outcomes = [json.loads((tmp_path / f"rollback{r}.json").read_text()) for r in range(2)]
+    assert outcomes == ["ShardlineError: on rank 1: OSError: [Errno 116] Stale file handle"] * 2, outcomes
+
+
+def _zero1_save_before_any_update(rank: int, world: int, port: int, corpus: str, root: str) -> None:
+    """ZeRO-1 on 2 ranks: step 1 is skipped (a NaN), saved, and resumed."""
+    from shardline.trainer import Trainer
+    from tests.distributed.harness import PARITY_OVERRIDES
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        common = [*PARITY_OVERRIDES, "parallel.dp_shard=2", "parallel.zero=1", f"data.path={corpus}",
+                  f"run.dir={root}/run", "checkpoint.interval=1", "train.eval_interval=0", "anomaly.action=skip"]
+        Trainer(load_config(None, [*common, "faults.nan_step=1", "train.stop_at_step=1"])).build().train()
+        try:
+            resumed = Trainer(load_config(None, [*common, "train.stop_at_step=3"])).build()
+            resumed.train()
+            outcome = f"resumed at 1, trained to {resumed.step}"
+        except Exception as e:  # DCP's "Missing key" for the states a save before any update lacked
+            outcome = f"{type(e).__name__}: {str(e)[:200]}"
+        (Path(root) / f"zero1-{rank}.json").write_text(json.dumps(outcome))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_zero1_save_before_any_update_resumes(tmp_path, small_prepared):
+    """Only skipped steps yet (fp16's first overflows, an anomaly): ZeRO-1's optimizer held no
+    state and saved none, and the resume, which loads every state in place, refused it."""
+    start_ranks(_zero1_save_before_any_update, (2, free_port(), str(small_prepared), str(tmp_path)), nprocs=2)
+    assert [json.loads((tmp_path / f"zero1-{r}.json").read_text()) for r in range(2)] == [
+        "resumed at 1, trained to 3"] * 2

@@ -152,3 +152,33 @@ def test_release_leaves_a_lock_another_run_took_over(tmp_path, monkeypatch):
     write_lock(tmp_path, 1, host="node-7", job="TORCHELASTIC_RUN_ID=job42")  # taken over meanwhile
     lock.release()
     assert json.loads((tmp_path / LOCK).read_text())["host"] == "node-7"
+
+
+def test_a_lock_that_cannot_be_written_leaves_none_and_an_empty_old_one_is_free(tmp_path, monkeypatch):
+    """A start that fails writing its lock (a full disk at close) left it empty: every later start,
+    the same job's requeue too, was refused until someone deleted it. It goes now, and an empty
+    lock a minute old (a start killed between creating and writing it) is taken over."""
+    real_fdopen = os.fdopen
+
+    class FullDisk:
+        def __init__(self, fd, mode):
+            self.file = real_fdopen(fd, mode)
+
+        def __enter__(self):
+            return self.file
+
+        def __exit__(self, *exc):
+            self.file.close()
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fdopen", FullDisk)
+    with pytest.raises(ConfigError, match=r"its lock cannot be written \(No space left on device\)"):
+        RunLock(tmp_path).acquire()
+    monkeypatch.undo()
+    assert not (tmp_path / LOCK).exists()
+    (tmp_path / LOCK).write_text("")
+    with pytest.raises(ConfigError, match="is locked by another run"):  # young: perhaps a start still writing it
+        RunLock(tmp_path).acquire()
+    old = time.time() - 120
+    os.utime(tmp_path / LOCK, (old, old))
+    assert RunLock(tmp_path).acquire().startswith("an empty lock a minute old")

@@ -296,6 +296,8 @@ class Zero1AdamW(torch.optim.AdamW):
 
     def checkpoint_state(self) -> dict:
         """Optimizer state keyed by parameter name, states as DTensors of the full shapes."""
+        if not self.state:  # no update yet (only skipped ones: an fp16 overflow, an anomaly)
+            self._create_state()
         state = {}
         for s, view in zip(self.slices, self.views):
             entry = {}
@@ -313,6 +315,24 @@ class Zero1AdamW(torch.optim.AdamW):
             index += len(g["params"])
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
         return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def _create_state(self) -> None:
+        """Every state (step, moments) by one update of lr 0 on zero gradients, which moves no
+        parameter: a save holds them all, as torch's own optimizer state dict makes them, and the
+        resume that loads them in place finds every key (it refused one saved without).
+        Collective (the update's all-gather): every rank saves, with the same history of updates."""
+        lrs = [g["lr"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["lr"] = 0.0
+            for view in g["params"]:
+                view.grad = torch.zeros_like(view)
+        try:
+            self.step()
+        finally:
+            for g, lr in zip(self.param_groups, lrs):
+                g["lr"] = lr
+            self.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def load_checkpoint_state(self, saved: dict) -> None:

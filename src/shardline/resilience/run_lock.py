@@ -30,6 +30,7 @@ import torch.distributed as dist
 from shardline.errors import ConfigError
 
 LOCK = ".lock"
+EMPTY_LOCK_S = 60.0  # an empty lock older than this was left by a start that died while taking it
 
 
 def launcher_ids() -> dict[str, str]:
@@ -92,7 +93,7 @@ class RunLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self._read()
-                why = _why_free(holder, me)
+                why = _why_free(holder, me) or self._left_empty()
                 if why is None:
                     raise ConfigError(_held_message(self.path, holder)) from None
                 if self._remove_if_still(holder):
@@ -100,8 +101,13 @@ class RunLock:
                 continue
             except OSError as e:
                 raise ConfigError(f"run.dir={str(self.path.parent)!r} is not writable: {e.strerror}") from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f)
+            except OSError as e:  # (a full disk or quota, at close): no empty lock left to refuse every start
+                self.path.unlink(missing_ok=True)
+                raise ConfigError(f"run.dir={str(self.path.parent)!r}: its lock cannot be written "
+                                  f"({e.strerror})") from None
             self.held, self.mine = True, me
             atexit.register(self.release)  # an exception that ends the process still frees it
             self._check_writable(self.path.parent / "checkpoints")
@@ -115,10 +121,11 @@ class RunLock:
         aside = self.path.with_name(f"{LOCK}.taken-{socket.gethostname()}-{os.getpid()}")
         try:
             os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False  # gone already: another run took it over; try again
+        except OSError:  # gone already (another run took it over: try again), or not ours to move
+            return False
         try:
-            matches = json.loads(aside.read_text()) == holder
+            text = aside.read_text()
+            matches = not text if not holder else json.loads(text) == holder  # ({}: an empty lock's)
         except (OSError, ValueError):
             matches = False
         if matches:
@@ -130,6 +137,17 @@ class RunLock:
             return False  # a third run holds the name (or no hard links here): leave the file aside
         aside.unlink(missing_ok=True)
         return False
+
+    def _left_empty(self) -> str | None:
+        """Why an empty lock is free: one a minute old was left by a start that died between creating
+        and writing it (a younger one may still be being written)."""
+        try:
+            info = self.path.stat()
+        except OSError:
+            return None
+        if info.st_size == 0 and time.time() - info.st_mtime > EMPTY_LOCK_S:
+            return "an empty lock a minute old: a start that died while taking it"
+        return None
 
     def _check_writable(self, folder: Path) -> None:
         """A checkpoints folder the run cannot write (read-only mount, permissions) is one line
@@ -154,6 +172,8 @@ class RunLock:
                 outcome = [("ok", self.acquire())]
             except ConfigError as e:
                 outcome = [("error", str(e))]
+            except OSError as e:  # any storage error: every rank's one line, not rank 0's alone (the rest waited)
+                outcome = [("error", f"run.dir={str(self.path.parent)!r}: cannot take its lock ({e})")]
         if world_size > 1:
             dist.broadcast_object_list(outcome, src=0)
         kind, text = outcome[0]

@@ -21,7 +21,7 @@ from shardline.config import Config
 from shardline.errors import CheckpointError
 from shardline.optim import init_optimizer_state
 from shardline.parallel.dims import ParallelDims
-from shardline.parallel.distributed import ProcessInfo
+from shardline.parallel.distributed import ProcessInfo, agreed
 from shardline.resilience.async_checkpoint import AsyncSaver
 from shardline.resilience.checkpoint import Checkpointer, step_of
 from shardline.resilience.recovery import rank0_decides
@@ -101,9 +101,10 @@ class StateTiers:
 
     def _checkpoint_bytes(self, model) -> float:
         """The size of the newest checkpoint, else ~16 bytes per parameter (weights, Adam m and v, slack)."""
-        newest = self.checkpointer.latest_valid()
-        if newest is not None:
-            return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+        with contextlib.suppress(OSError):  # the newest sealed one's files, not hashed (minutes at 70B)
+            saved = self.checkpointer.list()
+            if saved:
+                return sum(f.stat().st_size for f in saved[-1].rglob("*") if f.is_file())
         return 16.0 * sum(p.numel() for p in model.parameters()) if model is not None else 0.0
 
     def snapshot(self, step: int, model, optimizer, trainer_state: dict) -> None:
@@ -231,7 +232,8 @@ class StateTiers:
         """
         self.drain()
         memory = self.memory.recover() if self.memory is not None and use_memory else None
-        disk_step = self.checkpointer.verify(disk)["step"] if disk is not None else 0
+        # (agreed: a rank whose view of the shared storage lags fails with its peers, not alone)
+        disk_step = agreed(lambda: self.checkpointer.verify(disk)["step"], self.proc.world_size) if disk else 0
         found = memory if memory is not None and memory[0] >= disk_step else disk
         if self.memory is not None:  # newer snapshots (partial, or of another layout): a history left
             self.memory.discard_after(memory[0] if memory is not None and found is memory else disk_step)

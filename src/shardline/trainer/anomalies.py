@@ -15,6 +15,7 @@ import torch
 
 from shardline.data.sampler import batch_index
 from shardline.errors import AnomalyHalt, CheckpointError
+from shardline.parallel.distributed import agreed
 from shardline.resilience.checkpoint import step_dir_name
 from shardline.resilience.recovery import agree_on_resume, rank0_decides
 
@@ -80,7 +81,9 @@ class AnomalyResponse:
             started = time.perf_counter()
             with self.guard.phase("restore", step):  # watched as a start-up restore is, not as a step
                 self.tiers.drain()
-                latest = agree_on_resume(self.checkpointer.latest_valid(), self.proc.rank, self.proc.world_size)
+                # agreed: one node's storage error (a stale handle) stops every rank, not its own alone
+                latest = agreed(self.checkpointer.latest_valid, self.proc.world_size)
+                latest = agree_on_resume(latest, self.proc.rank, self.proc.world_size)
                 target = self.tiers.newest(latest)
                 if target is not None:
                     skipped = batch_index(step - 1, self.skipped_batches)  # the batch that gave the anomaly
