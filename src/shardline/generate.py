@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,8 +52,8 @@ class SampleOptions:
         """A ConfigError naming the flag and its valid values."""
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens={self.max_new_tokens} is invalid: must be >= 1")
-        if not self.temperature >= 0:  # (NaN too)
-            raise ConfigError(f"--temperature={self.temperature} is invalid: must be >= 0 (0 = greedy)")
+        if not 0 <= self.temperature < math.inf:  # (NaN too)
+            raise ConfigError(f"--temperature={self.temperature} is invalid: must be a finite number >= 0 (0 = greedy)")
         if self.top_k < 0:
             raise ConfigError(f"--top-k={self.top_k} is invalid: must be >= 0 (0 = all tokens)")
         if not 0 < self.top_p <= 1:
@@ -223,7 +224,7 @@ def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator)
     over the fewest likeliest whose probabilities sum to top_p (nucleus sampling)."""
     if opts.temperature == 0:
         return int(logits.argmax())
-    scaled = logits / opts.temperature
+    scaled = (logits - logits.max()) / opts.temperature  # (shifted: a tiny temperature overflows no logit)
     if 0 < opts.top_k < scaled.numel():
         kth = torch.topk(scaled, opts.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -238,6 +239,7 @@ def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator)
 def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32") -> Generator:
     """The newest valid checkpoint of a run dir (or a checkpoint folder), ready to sample;
     its files hashed once."""
+    from shardline.data.shards import id_bound
     from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
     from shardline.interop.convert import beside_checkpoint, checkpoint_tokenizer, resolve_checkpoint
     from shardline.interop.hf import empty_model
@@ -260,14 +262,16 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
                               "run's tokenizer.json into the checkpoint folder")
     tokenizer = load_tokenizer(str(tok_path))
     args = args_from_json(meta["model_args"])
+    if id_bound(tokenizer) > args.vocab_size:  # its ids past the embedding: an IndexError (a device assert)
+        raise CheckpointError(f"{tok_path} has ids up to {id_bound(tokenizer) - 1} but {ckpt}'s model has "
+                              f"{args.vocab_size} embedding rows: it is another model's tokenizer")
     if args.moe is not None:  # dropless (module doc); the weights do not depend on it
         args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, capacity_factor=0.0))
     model = empty_model(args, getattr(torch, dtype), dev)
     load_weights(ckpt, model, verified=True)
     hf = meta.get("hf", {})
     generation = beside_checkpoint(ckpt, GENERATION_NAME)
-    stop = _ids(eos_id(tokenizer), hf.get("eos_token_id"),
-                json.loads(generation.read_text()).get("eos_token_id") if generation else None)
+    stop = _ids(eos_id(tokenizer), hf.get("eos_token_id"), _generation_eos(generation) if generation else None)
     run = meta.get("config", {})  # the run's config; none in a checkpoint converted from HF
     seq_len = run.get("train", {}).get("seq_len") or args.max_seq_len
     bos = bos_prefix(tokenizer) or sorted(_ids(hf.get("bos_token_id")))  # what --bos puts first
@@ -278,6 +282,17 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     except DataError as e:  # (a plain prompt needs no template)
         template, problem = None, str(e)
     return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, bos, trained_bos, template, problem)
+
+
+def _generation_eos(path: Path):
+    """generation_config.json's eos_token_id (an int, a list or None), or its one-line error."""
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read as JSON ({type(e).__name__}); fix or remove it") from None
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object; fix or remove it")
+    return settings.get("eos_token_id")
 
 
 def _ids(*found) -> set[int]:

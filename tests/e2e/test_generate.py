@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -295,7 +296,7 @@ def test_a_mixture_of_experts_samples_dropless(tmp_path, small_prepared):
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--temperature", "-1"], "--temperature=-1.0 is invalid: must be >= 0 (0 = greedy)"),
+    (["--temperature", "-1"], "--temperature=-1.0 is invalid: must be a finite number >= 0 (0 = greedy)"),
     (["--top-k", "-2"], "--top-k=-2 is invalid: must be >= 0 (0 = all tokens)"),
     (["--max-new-tokens", "0"], "--max-new-tokens=0 is invalid: must be >= 1"),
     (["--prompt", ""], "--prompt encodes to no token: give some text"),
@@ -303,6 +304,7 @@ def test_a_mixture_of_experts_samples_dropless(tmp_path, small_prepared):
     (["--dtype", "float16"], "--dtype='float16' is invalid: one of float32, bfloat16"),
     (["--bos"], "--bos: this checkpoint's tokenizer has no BOS token"),
     (["--top-p", "0"], "--top-p=0.0 is invalid: must be in (0, 1] (1 = all tokens)"),
+    (["--temperature", "inf"], "--temperature=inf is invalid: must be a finite number >= 0 (0 = greedy)"),
     (["--top-p", "1.5"], "--top-p=1.5 is invalid: must be in (0, 1] (1 = all tokens)"),
     (["--chat", "--bos"], "--bos with --chat: the chat template writes the start of the conversation itself"),
     (["--system", "be brief"], "--system needs --chat: a plain prompt is continued as a document"),
@@ -311,6 +313,32 @@ def test_bad_options_are_one_line_errors(trained_run, capsys, argv, message):
     assert main(["generate", str(trained_run), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_a_tiny_temperature_samples_the_likeliest_token():
+    """logits / 1e-45 overflowed to inf and the softmax to NaN (a multinomial traceback)."""
+    logits = torch.tensor([1.0, 3.0, 2.0, float("-inf")])
+    assert next_token(logits, SampleOptions(temperature=1e-45), torch.Generator().manual_seed(0)) == 1
+
+
+def test_a_bad_generation_config_or_another_models_tokenizer_is_one_line(trained_run, tmp_path, capsys):
+    ckpt = sorted((trained_run / "checkpoints").iterdir())[-1]
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    shutil.copyfile(trained_run / "tokenizer.json", copy / "tokenizer.json")
+    (copy / "generation_config.json").write_text("[1, 2]")
+    assert main(["generate", str(copy), "--max-new-tokens", "2"]) == 2
+    assert "generation_config.json does not hold a JSON object" in capsys.readouterr().err
+    (copy / "generation_config.json").write_text("{not json")
+    assert main(["generate", str(copy), "--max-new-tokens", "2"]) == 2
+    assert "generation_config.json cannot be read as JSON" in capsys.readouterr().err
+    (copy / "generation_config.json").unlink()
+    tok = json.loads((copy / "tokenizer.json").read_text())
+    tok["added_tokens"].append({**tok["added_tokens"][-1], "id": 70_000, "content": "<|far|>"})  # (numbered next)
+    (copy / "tokenizer.json").write_text(json.dumps(tok))
+    assert main(["generate", str(copy), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"has ids up to \d+ but .* has 512 embedding rows: it is another model's tokenizer$", err), err
 
 
 def test_a_folder_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):

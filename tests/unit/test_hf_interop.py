@@ -311,6 +311,18 @@ def test_export_bf16_and_tokenizer(tmp_path, transformers):
     assert hf.dtype == torch.bfloat16
 
 
+def test_a_float16_export_of_weights_past_its_range_is_refused_before_writing(tmp_path):
+    """An fp32 fine-tune exported as float16 (a Llama 2 folder's torch_dtype): a weight past 65504
+    became inf, which transformers and vLLM load without a word."""
+    model = Llama(ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, ffn_dim=96))
+    with torch.no_grad():
+        model.layers["0"].feed_forward.w2.weight[0, 0] = 70000.0
+    with pytest.raises(CheckpointError, match=r"layers.0.mlp.down_proj.weight holds values past float16's range"):
+        to_hf_pretrained(model, tmp_path / "out", dtype=torch.float16)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+    to_hf_pretrained(model, tmp_path / "out", dtype=torch.bfloat16)  # its range is fp32's
+
+
 def test_exported_weights_follow_the_umask(tmp_path):
     model = Llama(ModelArgs(**_BASE, n_kv_heads=2))
     model.init_weights(seed=1)
@@ -390,6 +402,11 @@ def test_reads_transformers5_config_layout(tmp_path):
     ({"num_attention_heads": None}, "lacks 'num_attention_heads'"),
     ({"num_key_value_heads": 3}, "not divisible"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "lacks 'low_freq_factor'"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "a quantized model .quant_method='fp8'.; shardline reads unquantized float weights"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method='gptq'"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0 must be >= 1"),  # (was a ZeroDivisionError)
+    ({"head_dim": 0}, "head_dim=0 must be >= 1"),  # (was taken for "not set")
 ])
 def test_unsupported_configs_are_clear_errors(fields, message, tmp_path):
     with pytest.raises(CheckpointError, match=message):

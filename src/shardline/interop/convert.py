@@ -12,6 +12,7 @@ from-hf: an HF folder -> a weights-only shardline checkpoint, which a run starts
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from shardline.models.factory import args_from_json, args_to_json
 from shardline.resilience.checkpoint import (
     Checkpointer,
     load_weights,
-    read_meta,
+    verify,
     write_checkpoint,
 )
 
@@ -59,12 +60,14 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
     its folder) to export with, for a checkpoint moved away from its run dir; "" finds its own."""
     explicit = _export_dtype(dtype)  # a wrong --dtype fails before the checkpoint is read
     given = tokenizer_file(tokenizer) if tokenizer else None  # and a wrong --tokenizer
-    ckpt = resolve_checkpoint(src)
-    meta = read_meta(ckpt)
+    ckpt = resolve_checkpoint(src)  # a run dir's newest valid one: verified there; its files hashed once
+    if ckpt == src:
+        verify(ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
     hf = meta.get("hf", {})
     dtype = explicit or _export_dtype(hf.get("dtype", "")) or torch.float32
     model = empty_model(args_from_json(meta["model_args"]), dtype)  # the checkpoint casts as it loads
-    load_weights(ckpt, model)
+    load_weights(ckpt, model, verified=True)
     tokenizer = given or checkpoint_tokenizer(ckpt)
     bos, eos = hf.get("bos_token_id"), hf.get("eos_token_id")
     if tokenizer is not None:  # a run's own tokenizer: its end-of-document token, and the one BOS it starts texts with

@@ -144,6 +144,11 @@ def read_hf_config(path: str | os.PathLike) -> ModelArgs:
     if family not in _DEFAULTS:
         raise CheckpointError(f"{where}: model_type={family!r}; only {', '.join(_DISPLAY.values())} folders "
                               f"(model_type {', '.join(map(repr, _DEFAULTS))}) can be read")
+    quantized = cfg.get("quantization_config")
+    if quantized:  # its tensors (qweight, weight_scale_inv, absmax) would fail later, as a shape mismatch
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise CheckpointError(f"{where}: a quantized model (quant_method={method!r}); shardline reads unquantized "
+                              "float weights: start from the unquantized release, or dequantize it first")
     args = _dense_args(cfg, where, family)
     _check_layer_types(cfg, where)
     if family in ("mistral", "mixtral"):
@@ -173,6 +178,11 @@ def _dense_args(cfg: dict, where: Path, family: str) -> ModelArgs:
     n_heads = _number(cfg, "num_attention_heads", where, int)
     n_kv_heads = _number(cfg, "num_key_value_heads", where, int, default=default_kv or n_heads)
     head_dim = _number(cfg, "head_dim", where, int, default=_QWEN3_HEAD_DIM if family == "qwen3" else -1)
+    for key, value in (("hidden_size", dim), ("num_attention_heads", n_heads), ("num_key_value_heads", n_kv_heads)):
+        if value < 1:  # (a 0 divided by later, or taken for "not set")
+            raise CheckpointError(f"{where}: {key}={value} must be >= 1")
+    if head_dim == 0 or head_dim < -1:
+        raise CheckpointError(f"{where}: head_dim={head_dim} must be >= 1")
     if head_dim == -1 or (n_heads > 0 and dim % n_heads == 0 and head_dim == dim // n_heads):
         head_dim = None  # the default, dim // n_heads
     max_pos = _number(cfg, "max_position_embeddings", where, int, default=default_max_pos)

@@ -197,6 +197,11 @@ def _write_json(file: Path, data: Any) -> None:
 def _write_weights(folder: Path, tensors: list[tuple[str, torch.Tensor]],
                    shards: list[list[int]], dtype: torch.dtype) -> None:
     """Write the planned shards (one model.safetensors, or numbered shards plus the index)."""
+    if dtype == torch.float16:  # checked before a file is written: a weight past its range would be inf
+        for name, t in tensors:
+            if t.numel() and not bool((t.detach().abs().amax() <= torch.finfo(torch.float16).max).item()):
+                raise CheckpointError(f"{name} holds values past float16's range (|w| > 65504, or not finite): "
+                                      "export with --dtype bfloat16 or float32")
     weight_map: dict[str, str] = {}
     total = 0
     for i, shard in enumerate(shards):
