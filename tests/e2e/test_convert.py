@@ -22,11 +22,17 @@ from tests.conftest import tiny_overrides
 transformers = pytest.importorskip("transformers")
 
 
-def test_checkpoint_to_hf_and_back(tiny_config, tmp_path):
+def test_checkpoint_to_hf_and_back(tiny_config, tmp_path, monkeypatch):
     trainer = Trainer(tiny_config("train.steps=6", "train.eval_interval=0")).build()
     trainer.train()
     hf_dir, back = tmp_path / "hf", tmp_path / "back"
+    from shardline.resilience import checkpoint
+
+    hashed, sha256 = [], checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda path: hashed.append(path.name) or sha256(path))
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(hf_dir)]) == 0
+    assert hashed.count("meta.json") == 1  # the checkpoint's files hashed once (three times: minutes at 70B)
+    monkeypatch.undo()
     assert (hf_dir / "tokenizer.json").is_file()
     hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
     ids = torch.randint(0, trainer.data.vocab_size, (2, 16))
