@@ -409,3 +409,26 @@ def test_a_prune_keeps_the_folder_just_written_beside_a_newer_one(trained):
     assert [p.name for p in ckpts.list()] == ["step-000012", "step-000018"]
     ckpts.prune()  # an interval save's prune: the newest kept
     assert [p.name for p in ckpts.list()] == ["step-000018"]
+
+
+def test_a_save_flushes_every_name_the_manifest_relies_on(tmp_path, monkeypatch):
+    """Before the seal: each rank's trainer state (by its writer: the sealer's listing may not show
+    it), the entries of the state and trainer folders (DCP renames its .metadata into place); a
+    re-save of a step flushes both renames before the old copy is removed."""
+    import torch
+
+    from shardline.resilience import checkpoint
+
+    flushed, rmtree = [], shutil.rmtree
+    monkeypatch.setattr(checkpoint, "_fsync", lambda path: flushed.append(str(path.relative_to(tmp_path))))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda path, **kw: flushed.append("rmtree") or rmtree(path, **kw))
+    final = tmp_path / "step-000001"
+    state = {"model": {"w": torch.ones(3)}}
+    checkpoint.write_state(final, 1, state, {"step": 1}, {"model_args": {}})
+    assert {"step-000001.tmp/trainer/rank0.pt", "step-000001.tmp/state", "step-000001.tmp/trainer",
+            "step-000001.tmp/meta.json", "step-000001.tmp/manifest.json", "step-000001.tmp", "."} <= set(flushed)
+    flushed.clear()
+    checkpoint.write_state(final, 1, state, {"step": 1}, {"model_args": {}})  # the same step again
+    renamed = flushed.index(".")  # the parent's entries: both renames
+    assert renamed < len(flushed) - 1 and flushed[renamed + 1] == "rmtree", flushed
+    assert verify(final)["step"] == 1

@@ -148,6 +148,7 @@ def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: di
             if trainer_state is not None:
                 (tmp / "trainer").mkdir(exist_ok=True)
                 torch.save(trainer_state, tmp / "trainer" / f"rank{rank}.pt")
+                _fsync(tmp / "trainer" / f"rank{rank}.pt")  # by its writer: the sealer's listing may not show it
         except Exception as e:
             failure = e
         agree_on_failure(failure, group)  # every rank's files are on disk before the manifest lists them
@@ -168,8 +169,7 @@ def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: di
 
 
 def _fsync(path: Path) -> None:
-    """Flush a file's (or a folder's entries') data to the storage: a power loss after the
-    rename must not find a manifest or a folder name that the disk never held."""
+    """Flush a file's (or a folder's entries') data: a power loss must not find a name the disk never held."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -178,12 +178,11 @@ def _fsync(path: Path) -> None:
 
 
 def _seal(tmp: Path, final: Path, step: int, kind: str, meta: dict[str, Any], trainer_ranks: int = 0) -> None:
-    """Write meta and the manifest (last), then rename the folder into place. Everything is
-    flushed before the rename and the rename after it (DCP flushes its own files). The manifest
-    covers every file the ranks wrote (`_written`), not only what this node's listing shows."""
+    """Write meta and the manifest (last), then rename the folder into place, all flushed first (DCP its
+    files, each rank its trainer state). The manifest covers every file the ranks wrote (`_written`)."""
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    for f in [tmp / "meta.json", *(tmp / "trainer").glob("*.pt")]:
-        _fsync(f)
+    for f in [tmp / "meta.json", *(d for d in (tmp / "state", tmp / "trainer") if d.is_dir())]:
+        _fsync(f)  # the folders' entries too: DCP renames its .metadata into place
     written = _written(tmp, trainer_ranks)
     _wait_visible(tmp, written)
     names = {f.relative_to(tmp).as_posix() for f in tmp.rglob("*") if f.is_file()} | set(written)
@@ -199,10 +198,9 @@ def _seal(tmp: Path, final: Path, step: int, kind: str, meta: dict[str, Any], tr
 
 
 def _written(tmp: Path, trainer_ranks: int) -> dict[str, int]:
-    """The files every rank of the save wrote, each with the least size it must have: DCP's data
-    files as its metadata records them (gathered from each rank by DCP, not listed), and each
-    rank's trainer state. On a shared file system the writer's listing of a folder others wrote
-    into may be stale for a while (NFS caches directory contents); the manifest must not miss one."""
+    """The files every rank of the save wrote, each with the least size it must have: DCP's data files as
+    its metadata records them (not listed), and each rank's trainer state. On a shared file system the
+    writer's listing of a folder others wrote into may lag (NFS caches it): the manifest must not miss one."""
     need = {"state/.metadata": 1, **{f"trainer/rank{r}.pt": 1 for r in range(trainer_ranks)}}
     for info in dcp.FileSystemReader(str(tmp / "state")).read_metadata().storage_data.values():
         name = f"state/{info.relative_path}"
@@ -228,13 +226,13 @@ def _wait_visible(tmp: Path, need: dict[str, int], wait_s: float | None = None) 
 
 def _rename_into_place(tmp: Path, final: Path) -> None:
     if final.exists():  # an older save of the same step (after a rollback, or a halt's save)
-        # Renamed aside, not deleted first: between the two renames (not a whole rmtree) no
-        # folder of this step is complete; Checkpointer.repair_interrupted_seal() puts one back
-        # after a crash there.
+        # Renamed aside, not deleted first: between the two renames no folder of this step is complete
+        # (Checkpointer.repair_interrupted_seal() puts one back after a crash there).
         old = final.with_name(final.name + DELETING)
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
         tmp.rename(final)
+        _fsync(final.parent)  # both renames on disk before the old copy goes
         shutil.rmtree(old, ignore_errors=True)
         return
     tmp.rename(final)
