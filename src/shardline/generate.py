@@ -82,11 +82,16 @@ class Generator:
         if not prompt_ids:
             raise ConfigError("--prompt encodes to no token: give some text")
         stop = self.stop if stop is None else stop
+        rows = self.model.tok_embeddings.num_embeddings
+        past = [t for t in prompt_ids if t >= rows]  # (an IndexError; a device assert on CUDA)
+        if past:
+            raise CheckpointError(f"the prompt holds token id {past[0]}, past the model's {rows} embedding rows: "
+                                  "the tokenizer beside the checkpoint is not its model's")
         ids, new = list(prompt_ids), []
         draw = torch.Generator().manual_seed(opts.seed)  # on the host: the same draws on any device
         # Ids past the tokenizer's are rows a vocabulary padded for speed (Qwen's 151,936 for
         # ~151,665 tokens): drawn, they would decode to nothing.
-        no_token = max(self.tokenizer.get_vocab().values()) + 1
+        no_token = min(max(self.tokenizer.get_vocab().values()) + 1, rows)
         with torch.no_grad(), KVCache(self.model, self.device) as cache:
             for _ in range(opts.max_new_tokens):
                 if len(ids) > self.context:  # the window slides: its positions start at 0 again
@@ -239,7 +244,6 @@ def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator)
 def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32") -> Generator:
     """The newest valid checkpoint of a run dir (or a checkpoint folder), ready to sample;
     its files hashed once."""
-    from shardline.data.shards import id_bound
     from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
     from shardline.interop.convert import beside_checkpoint, checkpoint_tokenizer, resolve_checkpoint
     from shardline.interop.hf import empty_model
@@ -262,9 +266,6 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
                               "run's tokenizer.json into the checkpoint folder")
     tokenizer = load_tokenizer(str(tok_path))
     args = args_from_json(meta["model_args"])
-    if id_bound(tokenizer) > args.vocab_size:  # its ids past the embedding: an IndexError (a device assert)
-        raise CheckpointError(f"{tok_path} has ids up to {id_bound(tokenizer) - 1} but {ckpt}'s model has "
-                              f"{args.vocab_size} embedding rows: it is another model's tokenizer")
     if args.moe is not None:  # dropless (module doc); the weights do not depend on it
         args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, capacity_factor=0.0))
     model = empty_model(args, getattr(torch, dtype), dev)

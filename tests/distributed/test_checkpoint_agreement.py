@@ -306,14 +306,22 @@ def _zero1_save_before_any_update(rank: int, world: int, port: int, corpus: str,
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         common = [*PARITY_OVERRIDES, "parallel.dp_shard=2", "parallel.zero=1", f"data.path={corpus}",
-                  f"run.dir={root}/run", "checkpoint.interval=1", "train.eval_interval=0", "anomaly.action=skip"]
-        Trainer(load_config(None, [*common, "faults.nan_step=1", "train.stop_at_step=1"])).build().train()
+                  "train.eval_interval=0", "anomaly.action=skip", "train.stop_at_step=3"]
+        saved = [*common, f"run.dir={root}/run", "checkpoint.interval=1"]
+        Trainer(load_config(None, [*saved, "faults.nan_step=1", "train.stop_at_step=1"])).build().train()
         try:
-            resumed = Trainer(load_config(None, [*common, "train.stop_at_step=3"])).build()
+            resumed = Trainer(load_config(None, saved)).build()
             resumed.train()
             outcome = f"resumed at 1, trained to {resumed.step}"
         except Exception as e:  # DCP's "Missing key" for the states a save before any update lacked
-            outcome = f"{type(e).__name__}: {str(e)[:200]}"
+            outcome, resumed = f"{type(e).__name__}: {str(e)[:200]}", None
+        # the same steps never saved: the save's states count no update (the first real one is the first)
+        plain = Trainer(load_config(None, [*common, f"run.dir={root}/plain", "checkpoint.interval=0",
+                                           "faults.nan_step=1"])).build()
+        plain.train()
+        if resumed is not None:
+            same = all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), plain.model.parameters()))
+            outcome += ", as never saved" if same else ", unlike a run never saved"
         (Path(root) / f"zero1-{rank}.json").write_text(json.dumps(outcome))
     finally:
         dist.destroy_process_group()
@@ -324,4 +332,4 @@ def test_a_zero1_save_before_any_update_resumes(tmp_path, small_prepared):
     state and saved none, and the resume, which loads every state in place, refused it."""
     start_ranks(_zero1_save_before_any_update, (2, free_port(), str(small_prepared), str(tmp_path)), nprocs=2)
     assert [json.loads((tmp_path / f"zero1-{r}.json").read_text()) for r in range(2)] == [
-        "resumed at 1, trained to 3"] * 2
+        "resumed at 1, trained to 3, as never saved"] * 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -33,6 +34,12 @@ def test_checkpoint_to_hf_and_back(tiny_config, tmp_path, monkeypatch):
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(hf_dir)]) == 0
     assert hashed.count("meta.json") == 1  # the checkpoint's files hashed once (three times: minutes at 70B)
     monkeypatch.undo()
+    # a checkpoint folder named directly is checked too (a run dir's newest is checked as it is chosen)
+    named = tmp_path / "named"
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step-000006", named)
+    (named / "meta.json").write_text((named / "meta.json").read_text() + " ")
+    assert main(["convert", "to-hf", str(named), str(tmp_path / "hf-named")]) == 2
+    assert not (tmp_path / "hf-named").exists()
     assert (hf_dir / "tokenizer.json").is_file()
     hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
     ids = torch.randint(0, trainer.data.vocab_size, (2, 16))

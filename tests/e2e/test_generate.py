@@ -336,9 +336,12 @@ def test_a_bad_generation_config_or_another_models_tokenizer_is_one_line(trained
     tok = json.loads((copy / "tokenizer.json").read_text())
     tok["added_tokens"].append({**tok["added_tokens"][-1], "id": 70_000, "content": "<|far|>"})  # (numbered next)
     (copy / "tokenizer.json").write_text(json.dumps(tok))
-    assert main(["generate", str(copy), "--max-new-tokens", "2"]) == 2
+    assert main(["generate", str(copy), "--max-new-tokens", "2"]) == 0  # an id past the rows, never drawn
+    capsys.readouterr()
+    assert main(["generate", str(copy), "--max-new-tokens", "2", "--prompt", "a <|far|> token"]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"has ids up to \d+ but .* has 512 embedding rows: it is another model's tokenizer$", err), err
+    assert re.search(r"the prompt holds token id \d+, past the model's 512 embedding rows: the tokenizer beside the "
+                     r"checkpoint is not its model's$", err), err
 
 
 def test_a_folder_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):

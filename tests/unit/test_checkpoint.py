@@ -432,3 +432,18 @@ def test_a_save_flushes_every_name_the_manifest_relies_on(tmp_path, monkeypatch)
     renamed = flushed.index(".")  # the parent's entries: both renames
     assert renamed < len(flushed) - 1 and flushed[renamed + 1] == "rmtree", flushed
     assert verify(final)["step"] == 1
+
+
+def test_a_save_before_any_update_leaves_the_training_as_it_was(tiny_config, tmp_path):
+    """torch makes an optimizer's states for a save by an update of lr 0, which it counts: the
+    first real update was then taken as the second (0.73x its size), and a run that saved before
+    it trained otherwise than one that did not."""
+    import torch
+
+    common = ["faults.nan_step=1", "anomaly.action=skip", "train.steps=3", "train.eval_interval=0"]
+    saved = Trainer(tiny_config(*common, "checkpoint.interval=1", run_dir=tmp_path / "saved")).build()
+    saved.train()
+    plain = Trainer(tiny_config(*common, "checkpoint.interval=0", run_dir=tmp_path / "plain")).build()
+    plain.train()
+    for a, b in zip(saved.model.parameters(), plain.model.parameters()):
+        assert torch.equal(a, b)

@@ -155,27 +155,28 @@ def test_release_leaves_a_lock_another_run_took_over(tmp_path, monkeypatch):
 
 
 def test_a_lock_that_cannot_be_written_leaves_none_and_an_empty_old_one_is_free(tmp_path, monkeypatch):
-    """A start that fails writing its lock (a full disk at close) left it empty: every later start,
-    the same job's requeue too, was refused until someone deleted it. It goes now, and an empty
-    lock a minute old (a start killed between creating and writing it) is taken over."""
-    real_fdopen = os.fdopen
+    """A start that failed writing its lock (a full disk at close) left it empty: every later start,
+    the same job's requeue too, was refused until someone deleted it. A lock is now published
+    with its content (written aside, then linked), so none is left, and an empty lock a minute
+    old (left by an older start killed between creating and writing it) is taken over."""
+    from pathlib import Path
 
-    class FullDisk:
-        def __init__(self, fd, mode):
-            self.file = real_fdopen(fd, mode)
+    write_text = Path.write_text
 
-        def __enter__(self):
-            return self.file
-
-        def __exit__(self, *exc):
-            self.file.close()
+    def full_disk(path, text, *args, **kwargs):
+        if path.name.startswith(f"{LOCK}.new-"):
             raise OSError(28, "No space left on device")
+        return write_text(path, text, *args, **kwargs)
 
-    monkeypatch.setattr(os, "fdopen", FullDisk)
+    monkeypatch.setattr(Path, "write_text", full_disk)
     with pytest.raises(ConfigError, match=r"its lock cannot be written \(No space left on device\)"):
         RunLock(tmp_path).acquire()
     monkeypatch.undo()
-    assert not (tmp_path / LOCK).exists()
+    assert list(tmp_path.iterdir()) == []
+    lock = RunLock(tmp_path)
+    assert lock.acquire() is None and json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK]  # the file written aside is gone
+    lock.release()
     (tmp_path / LOCK).write_text("")
     with pytest.raises(ConfigError, match="is locked by another run"):  # young: perhaps a start still writing it
         RunLock(tmp_path).acquire()

@@ -197,11 +197,6 @@ def _write_json(file: Path, data: Any) -> None:
 def _write_weights(folder: Path, tensors: list[tuple[str, torch.Tensor]],
                    shards: list[list[int]], dtype: torch.dtype) -> None:
     """Write the planned shards (one model.safetensors, or numbered shards plus the index)."""
-    if dtype == torch.float16:  # checked before a file is written: a weight past its range would be inf
-        for name, t in tensors:
-            if t.numel() and not bool((t.detach().abs().amax() <= torch.finfo(torch.float16).max).item()):
-                raise CheckpointError(f"{name} holds values past float16's range (|w| > 65504, or not finite): "
-                                      "export with --dtype bfloat16 or float32")
     weight_map: dict[str, str] = {}
     total = 0
     for i, shard in enumerate(shards):
@@ -209,6 +204,10 @@ def _write_weights(folder: Path, tensors: list[tuple[str, torch.Tensor]],
         # Copy into fresh CPU tensors one shard at a time: no views or shared storage
         # (safetensors refuses them) and host memory bounded by the shard size.
         chunk = {tensors[j][0]: tensors[j][1].to("cpu", dtype).contiguous().clone() for j in shard}
+        for name, t in chunk.items():  # as cast: a weight past float16's range became inf (the folder is a tmp)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"{name} is not finite as {str(dtype).removeprefix('torch.')} (|w| past its "
+                                      "range, or NaN already): export with --dtype bfloat16 or float32")
         save_file(chunk, str(folder / file), metadata={"format": "pt"})
         os.chmod(folder / file, _file_mode())  # safetensors writes owner-only; exports are shared
         for name, t in chunk.items():

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardline.errors import CheckpointError
 from shardline.parallel.pipeline import tied_copy
+from shardline.parallel.zero1 import no_update_yet
 
 
 def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -33,7 +34,11 @@ def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     if hasattr(optimizer, "checkpoint_state"):  # ZeRO-1 keys its sharded states itself
         model_sd, optim_sd = get_model_state_dict(model), optimizer.checkpoint_state()
     else:
+        fresh = not optimizer.state  # torch makes the states by an update of lr 0, counted 1
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        if fresh:
+            no_update_yet(optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
     if tied_copy(model) is not None:
         optim_sd = _fold_tied_copy(optim_sd, embedding_here=model.tok_embeddings is not None)
     return tree_map(_plain, {"model": model_sd, "optim": optim_sd})

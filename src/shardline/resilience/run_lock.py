@@ -90,7 +90,7 @@ class RunLock:
         taken_over = None
         for _ in range(3):  # a racing run may take a stale lock between our read and create
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                self._publish(me)
             except FileExistsError:
                 holder = self._read()
                 why = _why_free(holder, me) or self._left_empty()
@@ -100,12 +100,6 @@ class RunLock:
                     taken_over = why
                 continue
             except OSError as e:
-                raise ConfigError(f"run.dir={str(self.path.parent)!r} is not writable: {e.strerror}") from None
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(me, f)
-            except OSError as e:  # (a full disk or quota, at close): no empty lock left to refuse every start
-                self.path.unlink(missing_ok=True)
                 raise ConfigError(f"run.dir={str(self.path.parent)!r}: its lock cannot be written "
                                   f"({e.strerror})") from None
             self.held, self.mine = True, me
@@ -113,6 +107,31 @@ class RunLock:
             self._check_writable(self.path.parent / "checkpoints")
             return taken_over
         raise ConfigError(_held_message(self.path, self._read()))
+
+    def _publish(self, me: dict) -> None:
+        """Create the lock with its content at once: a file written aside, then hard-linked to the
+        lock's name (FileExistsError where a lock is there), so no run ever reads it empty and takes
+        it for a dead start's (a full disk fails the write aside, leaving no lock). Where the file
+        system has no hard links, an exclusive create then the write."""
+        staged = self.path.with_name(f"{LOCK}.new-{socket.gethostname()}-{os.getpid()}")
+        try:
+            staged.write_text(json.dumps(me))
+            try:
+                os.link(staged, self.path)
+                return
+            except FileExistsError:
+                raise
+            except OSError:  # no hard links here
+                pass
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f)
+            except OSError:  # ours, unwritten (not left empty to refuse every start)
+                self.path.unlink(missing_ok=True)
+                raise
+        finally:
+            staged.unlink(missing_ok=True)
 
     def _remove_if_still(self, holder: dict) -> bool:
         """Remove the lock if it is still `holder`'s: renamed aside first, so a lock a racing run
