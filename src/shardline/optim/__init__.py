@@ -47,6 +47,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
             return agreed(lambda: SSDAdamW(groups, ssd_dir, rank, **hyper), world_size)
         on_host = all(local(p).device.type == "cpu" for p in decay + no_decay)
         return WindowedAdamW(groups, **hyper) if on_host else torch.optim.AdamW(groups, **hyper)
+
     def zero1(**kwargs):
         return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, zero1_experts, **kwargs)
 
