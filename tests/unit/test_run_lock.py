@@ -159,16 +159,10 @@ def test_a_lock_that_cannot_be_written_leaves_none_and_an_empty_old_one_is_free(
     the same job's requeue too, was refused until someone deleted it. A lock is now published
     with its content (written aside, then linked), so none is left, and an empty lock a minute
     old (left by an older start killed between creating and writing it) is taken over."""
-    from pathlib import Path
+    def full_disk(obj, file, *args, **kwargs):
+        raise OSError(28, "No space left on device")
 
-    write_text = Path.write_text
-
-    def full_disk(path, text, *args, **kwargs):
-        if path.name.startswith(f"{LOCK}.new-"):
-            raise OSError(28, "No space left on device")
-        return write_text(path, text, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "write_text", full_disk)
+    monkeypatch.setattr(json, "dump", full_disk)  # the lock's content, written aside
     with pytest.raises(ConfigError, match=r"its lock cannot be written \(No space left on device\)"):
         RunLock(tmp_path).acquire()
     monkeypatch.undo()

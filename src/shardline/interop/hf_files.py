@@ -204,10 +204,12 @@ def _write_weights(folder: Path, tensors: list[tuple[str, torch.Tensor]],
         # Copy into fresh CPU tensors one shard at a time: no views or shared storage
         # (safetensors refuses them) and host memory bounded by the shard size.
         chunk = {tensors[j][0]: tensors[j][1].to("cpu", dtype).contiguous().clone() for j in shard}
-        for name, t in chunk.items():  # as cast: a weight past float16's range became inf (the folder is a tmp)
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise CheckpointError(f"{name} is not finite as {str(dtype).removeprefix('torch.')} (|w| past its "
-                                      "range, or NaN already): export with --dtype bfloat16 or float32")
+        for name, source in (tensors[j] for j in shard):  # as cast: past float16's range became inf (in a tmp folder)
+            if chunk[name].is_floating_point() and not bool(torch.isfinite(chunk[name]).all()):
+                past = dtype == torch.float16 and bool(torch.isfinite(source).all())
+                raise CheckpointError(f"{name} is not finite as {str(dtype).removeprefix('torch.')}: " + (
+                    "its values pass float16's range (65504); export with --dtype bfloat16 or float32" if past else
+                    "the weights themselves hold NaN or inf (a diverged run: export an earlier checkpoint)"))
         save_file(chunk, str(folder / file), metadata={"format": "pt"})
         os.chmod(folder / file, _file_mode())  # safetensors writes owner-only; exports are shared
         for name, t in chunk.items():

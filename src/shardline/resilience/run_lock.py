@@ -19,10 +19,12 @@ for one stale lock never both hold it.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 
 import torch.distributed as dist
@@ -93,6 +95,8 @@ class RunLock:
                 self._publish(me)
             except FileExistsError:
                 holder = self._read()
+                if not holder and not self.path.exists():
+                    continue  # released meanwhile: take it now
                 why = _why_free(holder, me) or self._left_empty()
                 if why is None:
                     raise ConfigError(_held_message(self.path, holder)) from None
@@ -100,6 +104,8 @@ class RunLock:
                     taken_over = why
                 continue
             except OSError as e:
+                if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise ConfigError(f"run.dir={str(self.path.parent)!r} is not writable: {e.strerror}") from None
                 raise ConfigError(f"run.dir={str(self.path.parent)!r}: its lock cannot be written "
                                   f"({e.strerror})") from None
             self.held, self.mine = True, me
@@ -113,13 +119,16 @@ class RunLock:
         lock's name (FileExistsError where a lock is there), so no run ever reads it empty and takes
         it for a dead start's (a full disk fails the write aside, leaving no lock). Where the file
         system has no hard links, an exclusive create then the write."""
-        staged = self.path.with_name(f"{LOCK}.new-{socket.gethostname()}-{os.getpid()}")
+        staged = self.path.with_name(f"{LOCK}.new-{uuid.uuid4().hex}")  # never another start's file
         try:
-            staged.write_text(json.dumps(me))
+            with os.fdopen(os.open(staged, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644), "w") as f:
+                json.dump(me, f)
             try:
                 os.link(staged, self.path)
                 return
             except FileExistsError:
+                if os.stat(staged).st_nlink == 2:  # NFS: a retried link that had worked answers EEXIST
+                    return
                 raise
             except OSError:  # no hard links here
                 pass
