@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -62,17 +63,32 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:
 
 
 @contextlib.contextmanager
-def gloo_rank(rank: int, world: int, port: int):
+def gloo_rank(rank: int, world: int, port: int, timeout_s: float | None = None):
     """This process as `rank` of a gloo group of `world` on this host, for the block's duration
-    (one torch thread: up to 8 processes share 2 cores)."""
+    (one torch thread: up to 8 processes share 2 cores). `timeout_s`: the group's, for tests
+    whose failure is a peer left waiting (the default is 30 minutes)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group("gloo", rank=rank, world_size=world, **timeout)
     try:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def outcome(work) -> str:
+    """What work() ended with on this rank: its text, a ShardlineError's one line, or "not agreed:
+    <type>" for any other error (a peer gone, or left waiting for the group's timeout)."""
+    from shardline.errors import ShardlineError
+
+    try:
+        return work()
+    except ShardlineError as e:
+        return f"{type(e).__name__}: {e}"
+    except Exception as e:
+        return f"not agreed: {type(e).__name__}"
 
 
 def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:

@@ -31,7 +31,7 @@ from shardline.errors import CheckpointError, ConfigError
 from shardline.parallel.distributed import agreed
 from shardline.resilience.checkpoint import Checkpointer, write_state
 from shardline.resilience.recovery import agree_on_resume, rank0_decides, resume_path
-from tests.distributed.harness import start_ranks
+from tests.distributed.harness import PARITY_OVERRIDES, gloo_rank, outcome, start_ranks
 from tests.ports import free_port
 
 
@@ -127,29 +127,14 @@ def _start_refused_on_one_node(rank: int, world: int, port: int, nodes: tuple, n
     """Each rank reads data.path=`name` relative to its own node's folder (`nodes`: node-local
     storage): rank 1's may lack the file or hold a shorter copy, or rank 1 reads another config:
     its start fails there alone, or it differs from its peers."""
-    from shardline.config import load_config
-    from shardline.errors import ShardlineError
     from shardline.trainer import Trainer
-    from tests.distributed.harness import PARITY_OVERRIDES
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
     os.chdir(nodes[rank])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    try:
+    with gloo_rank(rank, world, port, timeout_s=30):
         extra = rank1_extra if rank == 1 else ()
         cfg = load_config(None, [*PARITY_OVERRIDES, f"data.path={name}", f"run.dir={root}/run", *extra])
-        try:
-            Trainer(cfg).build()
-            outcome = "built"
-        except ShardlineError as e:
-            outcome = f"{type(e).__name__}: {e}"
-        except Exception as e:  # the process group's timeout: a peer left waiting
-            outcome = f"not agreed: {type(e).__name__}"
-        (Path(root) / f"start{rank}.json").write_text(json.dumps(outcome))
-    finally:
-        dist.destroy_process_group()
+        ended = outcome(lambda: (Trainer(cfg).build(), "built")[1])
+        (Path(root) / f"start{rank}.json").write_text(json.dumps(ended))
 
 
 def _two_nodes(tmp_path: Path, corpus: Path, node1_text: str | None) -> tuple:
@@ -222,13 +207,8 @@ def _slow_prune_on_rank0(rank: int, world: int, port: int, corpus: str, root: st
     import time
 
     from shardline.trainer import Trainer
-    from tests.distributed.harness import PARITY_OVERRIDES
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with gloo_rank(rank, world, port, timeout_s=60):
         if rank == 0:
             prune, slowed = Checkpointer.prune, []
 
@@ -243,8 +223,6 @@ def _slow_prune_on_rank0(rank: int, world: int, port: int, corpus: str, root: st
                                  "watchdog.timeout_s=3", "watchdog.long_timeout_s=60"])
         Trainer(cfg).build().train()
         (Path(root) / f"done{rank}").write_text("trained")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_writer_pruning_after_a_save_is_no_hang(tmp_path, small_prepared):
@@ -258,15 +236,9 @@ def test_a_writer_pruning_after_a_save_is_no_hang(tmp_path, small_prepared):
 
 def _rollback_listing_fails_on_rank1(rank: int, world: int, port: int, corpus: str, root: str) -> None:
     """A NaN at step 4 rolls back; rank 1's listing of the checkpoints then fails (a stale handle)."""
-    from shardline.errors import ShardlineError
     from shardline.trainer import Trainer
-    from tests.distributed.harness import PARITY_OVERRIDES
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    try:
+    with gloo_rank(rank, world, port, timeout_s=30):
         cfg = load_config(None, [*PARITY_OVERRIDES, "parallel.dp_shard=2", f"data.path={corpus}", f"run.dir={root}/run",
                                  "train.steps=6", "checkpoint.interval=3", "train.eval_interval=0",
                                  "anomaly.action=rollback", "anomaly.min_history=2", "faults.nan_step=4"])
@@ -275,16 +247,8 @@ def _rollback_listing_fails_on_rank1(rank: int, world: int, port: int, corpus: s
             def stale_handle(*args, **kwargs):
                 raise OSError(116, "Stale file handle")
             trainer.checkpointer.latest_valid = stale_handle
-        try:
-            trainer.train()
-            outcome = "trained"
-        except ShardlineError as e:
-            outcome = f"{type(e).__name__}: {e}"
-        except Exception as e:  # a peer left in the rollback's collectives
-            outcome = f"not agreed: {type(e).__name__}"
-        (Path(root) / f"rollback{rank}.json").write_text(json.dumps(outcome))
-    finally:
-        dist.destroy_process_group()
+        ended = outcome(lambda: (trainer.train(), "trained")[1])
+        (Path(root) / f"rollback{rank}.json").write_text(json.dumps(ended))
 
 
 def test_a_rollback_whose_listing_fails_on_one_rank_stops_every_rank(tmp_path, small_prepared):
@@ -298,13 +262,8 @@ def test_a_rollback_whose_listing_fails_on_one_rank_stops_every_rank(tmp_path, s
 def _zero1_save_before_any_update(rank: int, world: int, port: int, corpus: str, root: str) -> None:
     """ZeRO-1 on 2 ranks: step 1 is skipped (a NaN), saved, and resumed."""
     from shardline.trainer import Trainer
-    from tests.distributed.harness import PARITY_OVERRIDES
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with gloo_rank(rank, world, port, timeout_s=60):
         common = [*PARITY_OVERRIDES, "parallel.dp_shard=2", "parallel.zero=1", f"data.path={corpus}",
                   "train.eval_interval=0", "anomaly.action=skip", "train.stop_at_step=3"]
         saved = [*common, f"run.dir={root}/run", "checkpoint.interval=1"]
@@ -312,19 +271,17 @@ def _zero1_save_before_any_update(rank: int, world: int, port: int, corpus: str,
         try:
             resumed = Trainer(load_config(None, saved)).build()
             resumed.train()
-            outcome = f"resumed at 1, trained to {resumed.step}"
+            ended = f"resumed at 1, trained to {resumed.step}"
         except Exception as e:  # DCP's "Missing key" for the states a save before any update lacked
-            outcome, resumed = f"{type(e).__name__}: {str(e)[:200]}", None
+            ended, resumed = f"{type(e).__name__}: {str(e)[:200]}", None
         # the same steps never saved: the save's states count no update (the first real one is the first)
         plain = Trainer(load_config(None, [*common, f"run.dir={root}/plain", "checkpoint.interval=0",
                                            "faults.nan_step=1"])).build()
         plain.train()
         if resumed is not None:
             same = all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), plain.model.parameters()))
-            outcome += ", as never saved" if same else ", unlike a run never saved"
-        (Path(root) / f"zero1-{rank}.json").write_text(json.dumps(outcome))
-    finally:
-        dist.destroy_process_group()
+            ended += ", as never saved" if same else ", unlike a run never saved"
+        (Path(root) / f"zero1-{rank}.json").write_text(json.dumps(ended))
 
 
 def test_a_zero1_save_before_any_update_resumes(tmp_path, small_prepared):

@@ -29,7 +29,7 @@ from shardline.models.moe.layer import MoEFeedForward
 from shardline.parallel.expert.dispatch import ExpertParallel, _Exchange
 from shardline.trainer import Trainer
 from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_grad_norms, assert_same_run,
-                                       losses, run_world, start_ranks)
+                                       gloo_rank, losses, outcome, run_world, start_ranks)
 from tests.ports import free_port
 
 ARGS = ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=8, ffn_dim=8,
@@ -254,28 +254,12 @@ def _fused_zero1_build(rank: int, world: int, port: int, corpus: str, root: str)
     """Build (no step) a run whose pipeline stages hold other parameters: layers 0-1 dense on
     stage 0, MoE layers 2-3 on stage 1, whose ZeRO-1 slices of its two local experts (ep 2 of
     dp 4: cut over 2 ranks) are strided."""
-    from datetime import timedelta
-
-    from shardline.errors import ShardlineError
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    try:
+    with gloo_rank(rank, world, port, timeout_s=30):
         cfg = load_config(None, [*_base(corpus), "model.n_layers=4", "moe.first_dense_layers=2", "parallel.pp=2",
                                  "parallel.dp_shard=4", "parallel.ep=2", "parallel.zero=1", "train.micro_batch_size=1",
                                  "optim.implementation=fused", f"run.dir={root}/run"])
-        try:
-            Trainer(cfg).build()
-            outcome = "built"
-        except ShardlineError as e:
-            outcome = f"{type(e).__name__}: {e}"
-        except Exception as e:  # a peer gone from the next collective
-            outcome = f"not agreed: {type(e).__name__}"
-        Path(root, f"rank{rank}.json").write_text(json.dumps(outcome))
-    finally:
-        dist.destroy_process_group()
+        ended = outcome(lambda: (Trainer(cfg).build(), "built")[1])
+        Path(root, f"rank{rank}.json").write_text(json.dumps(ended))
 
 
 def test_fused_zero1_is_refused_alike_on_every_pipeline_stage(small_prepared, tmp_path):

@@ -26,7 +26,7 @@ from shardline.errors import ConfigError
 from shardline.preflight import launch_notes
 from shardline.optim.ssd_offload import IN_MEMORY, SSDAdamW, filesystem, problem
 from shardline.trainer import Trainer
-from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, gloo_rank, start_ranks
+from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, gloo_rank, outcome, start_ranks
 from tests.ports import free_port
 from tests.unit.test_windowed_adamw import IMPLEMENTATIONS, assert_same_as_torch, params, stepped
 
@@ -183,31 +183,15 @@ def test_bad_folders_and_layouts_stop_with_one_line(tmp_path, folder, tiny_confi
 
 def _full_on_rank1(rank: int, world: int, port: int, folder: str, out: str) -> None:
     """Rank 1's node has no room on its SSD: its reservation fails there alone."""
-    from datetime import timedelta
-
-    from shardline.errors import ShardlineError
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
     if rank == 1:
         def disk_full(fd, offset, length):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         os.posix_fallocate = disk_full
-    try:
+    with gloo_rank(rank, world, port, timeout_s=30):
         cfg = load_config(None, [*PARITY_OVERRIDES, "parallel.dp_shard=2", f"memory.ssd_offload_dir={folder}",
                                  f"run.dir={out}/run"])
-        try:
-            Trainer(cfg).build()
-            outcome = "built"
-        except ShardlineError as e:
-            outcome = f"{type(e).__name__}: {e}"
-        except Exception as e:  # the process group's timeout: a peer left waiting
-            outcome = f"not agreed: {type(e).__name__}"
-        Path(out, f"rank{rank}.json").write_text(json.dumps(outcome))
-    finally:
-        dist.destroy_process_group()
+        ended = outcome(lambda: (Trainer(cfg).build(), "built")[1])
+        Path(out, f"rank{rank}.json").write_text(json.dumps(ended))
 
 
 def test_an_ssd_full_on_one_node_stops_every_rank(tmp_path, folder):
