@@ -127,6 +127,7 @@ def check_config(cfg: Config) -> None:
     _raise(attention.config_problem(cfg.train.attention, cfg.train.precision))
     _raise(compile_problem(cfg.train.compile, cfg.parallel.pp, cfg.parallel.pp_schedule))
     _raise(float8.config_problem(cfg.train.precision, cfg.parallel.pp, cfg.parallel.pp_schedule))
+    _raise(float8.tokens_problem(cfg.train.precision, cfg.train.micro_batch_size, cfg.train.seq_len, cfg.parallel.cp))
     _raise(named_resume_problem(cfg.run.resume) if not restarted() else None)  # a restart may go on from its own
     if cfg.train.precision == "fp8":
         check_fp8(cfg)

@@ -168,7 +168,13 @@ def assert_same_run(run: Path, reference: Path, rtol: float = 1e-5, atol: float 
         assert abs(got_eval[step] - want_eval[step]) <= rtol * want_eval[step], (step, got_eval, want_eval)
     if params_rel is not None:
         assert_params_close_in_norm(run, reference, params_rel)
-        return
-    ref = final_params(reference)
-    for name, value in final_params(run).items():
+    else:
+        assert_same_params(run, reference, rtol, atol)
+
+
+def assert_same_params(run: Path, reference: Path, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """The final parameters agree elementwise (0, 0: bit for bit), every one of them."""
+    got, ref = final_params(run), final_params(reference)
+    assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
+    for name, value in got.items():
         torch.testing.assert_close(value, ref[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")

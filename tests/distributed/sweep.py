@@ -25,7 +25,7 @@ from shardline.config import load_config
 from shardline.data.prepare import PrepareOptions, prepare
 from shardline.trainer import Trainer
 from tests.conftest import write_small_corpus
-from tests.distributed.harness import PARITY_OVERRIDES, assert_same_grad_norms, assert_same_run, run_world
+from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, run_world
 
 
 def sweep(world: int, common: list[str], cases: dict[str, str], root: Path) -> dict[str, str]:
@@ -50,7 +50,6 @@ def sweep(world: int, common: list[str], cases: dict[str, str], root: Path) -> d
     for name in cases:
         try:
             assert_same_run(root / name, root / "reference")
-            assert_same_grad_norms(root / name, root / "reference")
             verdicts[name] = "ok"
         except AssertionError as e:
             verdicts[name] = f"MISMATCH {str(e)[:300]}"

@@ -25,7 +25,7 @@ from shardline.parallel.context import ring as ring_module
 from shardline.parallel.context.attention import ContextParallel
 from shardline.parallel.context.sharding import SequenceSplit
 from shardline.trainer import Trainer
-from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_grad_norms, assert_same_run, losses,
+from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_run, losses,
                                        run_world, start_ranks)
 from tests.ports import free_port
 from tests.unit.test_attention import _reference_varlen
@@ -268,5 +268,3 @@ def test_cp_resume_under_another_layout_continues_the_run(cp_world2, references,
                          [f"{n}-nodocs" for n in NODOCS_4])
 def test_world4_cp_matches_single_process(cp_world4, references, run):
     assert_same_run(cp_world4 / run, references[run.endswith("-docs")])
-    if "zero1" in run:
-        assert_same_grad_norms(cp_world4 / run, references[run.endswith("-docs")])

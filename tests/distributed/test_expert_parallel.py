@@ -28,7 +28,7 @@ from shardline.models.moe import MoEArgs
 from shardline.models.moe.layer import MoEFeedForward
 from shardline.parallel.expert.dispatch import ExpertParallel, _Exchange
 from shardline.trainer import Trainer
-from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_grad_norms, assert_same_run,
+from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_run,
                                        gloo_rank, losses, outcome, run_world, start_ranks)
 from tests.ports import free_port
 
@@ -160,9 +160,6 @@ RESHARD_4 = [("fsdp4_to_ep2", ["parallel.dp_shard=4", "train.stop_at_step=2"],
 # ZeRO-1's expert states (cut over efsdp, with ep) resumed as FSDP's shards.
 RESHARD_2 = [("ep2_zero1_to_fsdp2", ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=1", "train.stop_at_step=2"],
               ["parallel.dp_shard=2"])]
-# The optimizer clips under ZeRO-1: the logged gradient norms are compared too.
-ZERO1 = ["ep2_zero1", "cp2_zero1", "tp2_zero1", "ep2_cp2_zero1", "ep4_from_dp2_cp2_zero1",
-         "ep2_zero1_to_ep2_tp2_zero1", "ep2_zero1_to_fsdp2"]
 
 
 # Token dropping: each rank routes its own micro-batch, so its experts keep the tokens one
@@ -210,8 +207,6 @@ def moe_world4(tmp_path_factory, small_prepared):
 def test_world2_moe_matches_single_process(moe_world2, moe_reference, run):
     assert sorted(losses(moe_world2 / run)) == ALL_STEPS
     assert_same_run(moe_world2 / run, moe_reference)
-    if run in ZERO1:
-        assert_same_grad_norms(moe_world2 / run, moe_reference)
 
 
 @pytest.mark.slow
@@ -219,8 +214,6 @@ def test_world2_moe_matches_single_process(moe_world2, moe_reference, run):
 def test_world4_moe_matches_single_process(moe_world4, moe_reference, run):
     assert sorted(losses(moe_world4 / run)) == ALL_STEPS
     assert_same_run(moe_world4 / run, moe_reference)
-    if run in ZERO1:
-        assert_same_grad_norms(moe_world4 / run, moe_reference)
 
 
 def _same_bookkeeping(run: Path, reference: Path) -> None:

@@ -38,7 +38,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 
 from shardline.config import load_config  # noqa: E402
 from shardline.trainer import Trainer  # noqa: E402
-from tests.distributed.harness import ALL_STEPS, PARITY_OVERRIDES, assert_same_run, losses, start_ranks  # noqa: E402
+from tests.distributed.harness import (ALL_STEPS, PARITY_OVERRIDES, assert_same_params, assert_same_run, losses,
+                                       start_ranks)  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -164,7 +165,9 @@ def uneven(tmp_path_factory, small_prepared) -> Path:
 
 def test_unequal_fsdp_shards_gather_in_bf16_and_train_like_one_process(uneven):
     assert_same_run(uneven / "fsdp3", uneven / "one", **CLOSE)
+    # Bit for bit: the step-3 loss is the restored weights', the parameters carry the restored moments.
     assert losses(uneven / "resumed") == losses(uneven / "fsdp3")
+    assert_same_params(uneven / "resumed", uneven / "fsdp3", rtol=0, atol=0)
 
 
 # Float8 rounds sums taken in another order: losses agree to 2e-3, gradient norms to 2e-2 (measured
@@ -198,7 +201,8 @@ def test_fsdp_float8_resume_is_bit_identical(runs):
     records = [json.loads(line) for line in (runs / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("event") == "resume"] == [2]  # resumed, not restarted
     assert [r["step"] for r in records if r["kind"] == "train"] == ALL_STEPS
-    assert losses(runs / "resumed") == losses(runs / "fsdp2")
+    assert losses(runs / "resumed") == losses(runs / "fsdp2")  # step 3's: the restored weights
+    assert_same_params(runs / "resumed", runs / "fsdp2", rtol=0, atol=0)  # and the restored moments
 
 
 def test_fsdp_float8_rollback_gathers_the_restored_weights_with_their_own_scales(runs):
@@ -207,6 +211,7 @@ def test_fsdp_float8_rollback_gathers_the_restored_weights_with_their_own_scales
     records = [json.loads(line) for line in (runs / "rolled" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["action"]) for r in records if r.get("event") == "anomaly"] == [(4, "rollback")]
     assert losses(runs / "rolled") == losses(runs / "cold")
+    assert_same_params(runs / "rolled", runs / "cold", rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("run, reference", [("tp2", "one"), ("tp2_rowwise", "one_rowwise")])

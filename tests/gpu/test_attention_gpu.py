@@ -73,6 +73,34 @@ def test_compiled_flex_matches_dense_sdpa_forward_and_backward_in_bf16(with_docs
     _assert_matches_reference(flex.attend, flex.mask(doc_ids), doc_ids)
 
 
+def test_compiled_flex_stays_compiled_under_op_level_checkpointing():
+    """memory.activation_checkpoint=op runs each block under selective checkpointing's dispatch
+    mode. A torch whose dynamo will not compile under such a mode runs the held compiled flex
+    eagerly there, and eager flex holds every score: at seq 8192, 2 x 8 heads, 2 GiB or more
+    (the fused kernel: a few hundred MB for this whole forward and backward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from shardline.parallel.activation_checkpoint import _op_level_context
+
+    s = 8192
+    doc_ids = _doc_ids(s)
+    flex = FlexAttention(compiled=True)
+    mask = flex.mask(doc_ids)
+    qkv, weight = _inputs(s)
+    leaves = [t.detach().clone().requires_grad_() for t in qkv]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = checkpoint(lambda q, k, v: flex.attend(q, k, v, mask), *leaves, use_reentrant=False,
+                     context_fn=_op_level_context)
+    (out.float() * weight).sum().backward()
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak < 2**30, f"{peak / 2**30:.2f} GiB at the peak: flex ran eagerly under op-level checkpointing"
+    ref, _ = _forward_backward(lambda q, k, v, _: _dense_fp32(q[:1, :, :1024], k[:1, :, :1024], v[:1, :, :1024],
+                                                                doc_ids[:1, :1024]), qkv, None, weight[:1, :, :1024])
+    torch.testing.assert_close(out[:1, :, :1024].float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @needs_varlen
 @pytest.mark.parametrize("with_docs", [True, False])
 def test_varlen_matches_dense_sdpa_forward_and_backward_in_bf16(with_docs):

@@ -267,3 +267,35 @@ def test_a_halt_right_after_a_rollback_to_ram_names_the_batches_to_skip(tiny_con
     with pytest.raises(AnomalyHalt, match=r"at step 8; nothing saved .*; the in-memory snapshots stay for a rerun;"):
         Trainer(tiny_config(*common, "faults.nan_step=5", "faults.spike_step=8", run_dir=tmp_path / "later")
                 ).build().train()
+
+
+def test_a_memory_snapshot_holds_the_device_checks_pending_verdicts(tiny_config, tmp_path):
+    """Step 5 is skipped on the device and snapshotted before any log reads its verdict: the
+    snapshot's skip streak must count it, as a disk save's does (a restart from that snapshot
+    would otherwise never report step 5, and the stuck-skipping halt would come late)."""
+    trainer = Trainer(tiny_config("faults.spike_step=5", "anomaly.action=skip", "anomaly.min_history=3",
+                                  "anomaly.check_on=device", "optim.implementation=fused", "metrics.log_interval=4",
+                                  "train.steps=6", "train.eval_interval=0", "checkpoint.interval=0",
+                                  "checkpoint.memory_interval=5", f"checkpoint.memory_dir={tmp_path / 'shm'}")).build()
+    streaks, snapshot = {}, trainer.tiers.snapshot
+
+    def recorded(step, model, optimizer, state):
+        streaks[step] = list(state["anomaly_handling"]["streak"])
+        return snapshot(step, model, optimizer, state)
+
+    trainer.tiers.snapshot = recorded
+    trainer.train()
+    assert streaks == {5: [5, 1]}
+
+
+@pytest.mark.parametrize("counter", ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"])
+def test_fault_drills_fire_on_a_jobs_first_attempt_only(monkeypatch, counter):
+    """A requeued Slurm job (torchrun's count back at 0) that resumes before the drill's step
+    must get past it, not meet it on every attempt."""
+    from shardline.config.resilience import FaultsConfig
+    from shardline.resilience.faults import FaultInjector
+
+    assert FaultInjector(FaultsConfig(nan_step=2), rank=0).first_attempt
+    monkeypatch.setenv(counter, "1")
+    drill = FaultInjector(FaultsConfig(nan_step=2), rank=0)
+    assert not drill.first_attempt and drill.corrupt_loss(2, 1.0) == 1.0

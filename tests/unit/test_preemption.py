@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardline.errors import Preempted
 from shardline.resilience.checkpoint import verify
@@ -129,3 +130,45 @@ def test_a_stop_skips_the_due_evaluation_and_every_eval_and_save_is_a_watched_ph
     assert [p for p in phases if p[0] != "drain"] == [("eval", 2), ("save", 2), ("save", 4)]  # no eval at 4
     evaluated = [r["step"] for r in records(trainer.run_dir) if r["kind"] == "eval"]
     assert evaluated == [2]
+
+
+def test_a_stop_during_rollbacks_stops_there_with_the_rolled_back_state_saved(tiny_config):
+    """SIGTERM lands in step 5, which rolls back to step 3: the run stops there (more rollbacks,
+    each a restore, could outlast the grace), saving step 3 again with the batch it skips."""
+    from shardline.resilience.checkpoint import step_dir_name
+    from shardline.trainer import Trainer
+
+    trainer = Trainer(tiny_config("faults.spike_step=5", "anomaly.action=rollback", "anomaly.min_history=3",
+                                  "checkpoint.interval=3", "train.eval_interval=0")).build()
+    trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.rollbacks else None
+    with pytest.raises(Preempted, match="SIGTERM at step 3; state saved"):
+        trainer.train()
+    assert [r["step"] for r in records(trainer.run_dir) if r["kind"] == "train"] == [1, 2, 3, 4]
+    saved = torch.load(trainer.run_dir / "checkpoints" / step_dir_name(3) / "trainer" / "rank0.pt", weights_only=False)
+    assert saved["data"]["skipped_batches"] == [4]
+
+
+@pytest.mark.parametrize("interval, snapshots", [(4, [1, 2]), (0, [1, 2, 3])])
+def test_a_stop_with_a_disk_save_to_come_takes_no_snapshot_first(tiny_config, tmp_path, interval, snapshots):
+    """The grace before the kill is the disk save's; without one (checkpoint.interval=0) the
+    snapshot is what a rerun has."""
+    from contextlib import contextmanager
+
+    from shardline.trainer import Trainer
+
+    trainer = Trainer(tiny_config("train.steps=8", "train.eval_interval=0", f"checkpoint.interval={interval}",
+                                  "checkpoint.memory_interval=1", f"checkpoint.memory_dir={tmp_path / 'shm'}")).build()
+    phases, phase = [], trainer.guard.phase
+
+    @contextmanager
+    def recorded(name, step):
+        phases.append((name, step))
+        with phase(name, step):
+            yield
+
+    trainer.guard.phase = recorded
+    trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.step == 3 else None
+    with pytest.raises(Preempted, match="SIGTERM at step 3"):
+        trainer.train()
+    assert [step for name, step in phases if name == "snapshot"] == snapshots
+    assert [step for name, step in phases if name == "save"] == ([3] if interval else [])

@@ -60,7 +60,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
         if any(p.is_partial() for p in placements):  # a replicated weight's pending sum (tp's q/k norms)
             norms += [local_value(torch.linalg.vector_norm(g)) for g in members]
             continue
-        squares = torch.stack([torch.linalg.vector_norm(g.to_local().float()) for g in members]).square().sum()
+        local = [g.to_local() for g in members]  # (one foreach kernel: FSDP makes every gradient a DTensor)
+        squares = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float32)).square().sum()
         squares = squares.to(mesh.device_type)  # offloaded gradients are on the host; NCCL reduces on the GPU
         for dim, placement in enumerate(placements):
             # Any sharding (FSDP's strided shard on top of TP is not an is_shard() Shard).

@@ -123,6 +123,19 @@ def config_problem(precision: str, pp: int, schedule: str, torch_version: str = 
     return None
 
 
+def tokens_problem(precision: str, micro_batch_size: int, seq_len: int, cp: int) -> str | None:
+    """Why a micro-batch cannot run in float8 (one line), else None: the weight gradient's GEMM
+    multiplies over the tokens a rank holds of it, and _scaled_mm wants that inner dim a
+    multiple of GEMM_MULTIPLE too. A CPU's emulation would run it; a GPU fails at the first
+    backward. (seq_len not divisible by cp is the layout's own error.)"""
+    tokens, rest = divmod(micro_batch_size * seq_len, cp)
+    if precision != "fp8" or rest or tokens % GEMM_MULTIPLE == 0:
+        return None
+    return (f"train.precision='fp8' needs the tokens of a micro-batch on a rank (train.micro_batch_size x "
+            f"train.seq_len / parallel.cp = {tokens}) to be a multiple of {GEMM_MULTIPLE}: float8's weight-gradient "
+            "GEMM multiplies over them; change train.seq_len or train.micro_batch_size")
+
+
 def local_capability(on_cuda: bool) -> tuple[int, int] | None:
     """This machine's CUDA capability when the run uses CUDA and one is visible, else None."""
     if not (on_cuda and torch.cuda.is_available()):

@@ -1,7 +1,7 @@
 """Fault injection ([faults]): the faults a large run meets, on demand, for tests and drills.
 
-Every fault fires on the first attempt of a job only (torchrun's restart count 0) and
-at most once per process, so a restarted or rolled-back run gets past it. Steps are
+Every fault fires on the first attempt of a job only (neither torchrun nor a Slurm
+requeue restarted it) and at most once per process, so a restarted or rolled-back run gets past it. Steps are
 the 1-based step numbers of the log.
 """
 
@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 
 from shardline.config.resilience import FaultsConfig
+from shardline.resilience.recovery import restarted
 
 
 class FaultInjector:
     def __init__(self, cfg: FaultsConfig, rank: int, memory_dir: Path | None = None):
         self.cfg, self.rank, self.memory_dir = cfg, rank, memory_dir
-        self.first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        self.first_attempt = not restarted()  # a requeued job resuming before kill_step must get past it
         self.fired: set[str] = set()
         self._last_step_s = self._slept_s = 0.0  # the slow-rank drill inside a step: its scale, its sleep
         self._steps_seen = 0

@@ -128,8 +128,8 @@ class Trainer(SavedState, AnomalyResponse):
                 found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
                 self._set_aside = agreed(lambda: self._set_aside_newer(found), self.proc.world_size)  # before it
                 resumed = self._restore(found) if found is not None else None
-                if found is None and not starting_loaded:  # the checkpoint chosen before the lock is gone
-                    self._load_starting_weights()
+                if found is None and not starting_loaded:  # the checkpoint chosen before the lock is gone:
+                    load_starting_weights(cfg.model, self.model, sharded=self.dims.mesh is not None)  # (as above)
             self._open_run_dir(resumed)
         except BaseException:
             with contextlib.suppress(Exception):  # the error that stopped the start is the one to report
@@ -137,13 +137,6 @@ class Trainer(SavedState, AnomalyResponse):
             self.lock.release()
             raise
         return self
-
-    def _load_starting_weights(self) -> None:
-        """model.hf_path's or model.init_from's weights, on a start that resumes nothing. A
-        resume restores every weight, so it neither reads the HF folder (minutes at 70B, every
-        rank) nor hashes the init_from checkpoint again; a fresh start loads them before the
-        run dir is locked (build), so a bad folder fails before anything is written."""
-        load_starting_weights(self.cfg.model, self.model, sharded=self.dims.mesh is not None)
 
     def _lock_run_dir(self) -> None:
         """One run per run dir: taken once every input check has passed, before anything there
@@ -217,9 +210,12 @@ class Trainer(SavedState, AnomalyResponse):
             started = self.guard.begin_step(step)
             with self.profiler.step(step):
                 loss_value, grad_norm, outcome = self.train_step()
-            if outcome == "rolled_back":
-                window_start, window_steps = time.perf_counter(), 0
-                continue  # self.step moved back to the checkpoint's
+            if outcome == "rolled_back":  # self.step moved back to the checkpoint's; a stop is not put off
+                window_start, window_steps, request = time.perf_counter(), 0, self.guard.stop_requested()
+                if request:  # (by rollbacks to come): that state saved again, with the batch it skips
+                    stopped = self._stop_on_request(request, saved=False)
+                    break
+                continue
             self.guard.step_done(step, started, outcome)
             window_steps += 1
             if outcome == "overflow":
@@ -258,7 +254,9 @@ class Trainer(SavedState, AnomalyResponse):
         stopping = bool(request) and step < stop
         evaluate = not stopping and cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == stop)
         save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
-        snapshot = cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0
+        # Stopping with a disk save to come: no snapshot before it, the grace before the kill is short.
+        snapshot = cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0 \
+            and not (stopping and cfg.checkpoint.interval)
         if not (evaluate or save or snapshot):
             return request, 0.0
         paused = self._clock()
@@ -270,8 +268,7 @@ class Trainer(SavedState, AnomalyResponse):
                 self.guard.timed("checkpoint", self.save_checkpoint)
         if snapshot:
             with self.guard.phase("snapshot", step):
-                self.guard.timed("checkpoint", lambda: self.tiers.snapshot(self.step, self.model, self.optimizer,
-                                                                          self._trainer_state()))
+                self.guard.timed("checkpoint", self.snapshot_to_memory)
         if not request and step < stop:
             request = self.guard.stop_requested()
         return request, self._clock() - paused

@@ -140,6 +140,11 @@ class SavedState:
                 "launchers": launcher_ids()}  # a restart of a resume=never run resumes only its own job's
         return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
 
+    def snapshot_to_memory(self) -> None:
+        """This step into the in-memory tier, its detector state and events current, as a save's."""
+        self.report_device_anomalies()
+        self.tiers.snapshot(self.step, self.model, self.optimizer, self._trainer_state())
+
     def _trainer_state(self) -> dict:
         """Everything beyond model and optimizer that a resumed run needs to continue exactly."""
         data = {**self.data.sampler.state_dict(self.step), **self.data.position_state(),

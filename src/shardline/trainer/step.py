@@ -115,7 +115,9 @@ class StepRunner:
     def _local(self, batch: Batch) -> Batch:
         """The batch on this rank's device; under cp, only this rank's tokens (and their positions)."""
         batch = self.to_device(batch)
-        return shard_batch(batch, self.context.local_positions()) if self.context is not None else batch
+        if self.context is None:
+            return batch
+        return shard_batch(batch, self.context.local_positions(self.device))  # (no host copy per micro-batch)
 
     @torch.no_grad()
     def eval_loss_total(self, batches: list[np.ndarray], batch_of: Callable[[np.ndarray], Batch]) -> torch.Tensor:

@@ -49,8 +49,9 @@ class ContextParallel:
         self._shards = [split.ring_shard(i) for i in range(split.ring)]  # host positions of each ring shard
         self._on_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
-    def local_positions(self) -> torch.Tensor:
-        return self.split.positions(self.cp_rank)
+    def local_positions(self, device: torch.device | None = None) -> torch.Tensor:
+        """This rank's tokens' global positions; on `device`, the copy held there (see _positions_on)."""
+        return self.split.positions(self.cp_rank) if device is None else self._positions_on(device)[1][self.cp_rank]
 
     def mask(self, doc_ids: torch.Tensor | None) -> SequenceMask:
         """Replaces Llama.attention_mask (doc_ids: this rank's tokens'): the whole sequence's

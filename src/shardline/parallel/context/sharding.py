@@ -54,8 +54,9 @@ class SequenceSplit:
 
 
 def shard_batch(batch: dict[str, torch.Tensor], positions: torch.Tensor) -> dict[str, torch.Tensor]:
-    """This rank's tokens of a [batch, seq] batch (every field), plus their global positions."""
-    on: dict[torch.device, torch.Tensor] = {}  # the positions copied once to each device (a copy waits for it)
+    """This rank's tokens of a [batch, seq] batch (every field), plus their global positions
+    (given on the batch's device, nothing is copied: a copy from the host waits for the GPU)."""
+    on: dict[torch.device, torch.Tensor] = {}  # the positions copied once to each other device
     out = {}
     for k, v in batch.items():
         if v.device not in on:
