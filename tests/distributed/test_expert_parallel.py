@@ -83,11 +83,14 @@ def _layer_errors(rank: int, world: int) -> dict[str, float]:
         if variant == "expert_grads_over_ep":
             for g in expert_grads:
                 dist.all_reduce(g)  # bug: the tokens of every ep rank are already in these gradients
-        router_grad = layer.router.gate.weight.grad.clone()
-        dist.all_reduce(router_grad)  # data-parallel parameters: their gradients do sum over ranks
+        # Data-parallel parameters (the router, the shared expert): their gradients do sum over ranks.
+        dense = [layer.router.gate.weight, *layer.shared.parameters()]
+        dense_grads = [p.grad.clone() for p in dense]
+        for g in dense_grads:
+            dist.all_reduce(g)
+        ref_dense_grads = [p.grad for p in (ref.router.gate.weight, *ref.shared.parameters())]
         ref_expert_grads = [getattr(ref.experts, n).grad[experts] for n in ("w1", "w2", "w3")]
-        pairs = [(out, ref_out[mine]), (router_grad, ref.router.gate.weight.grad),
-                 *zip(expert_grads, ref_expert_grads)]
+        pairs = [(out, ref_out[mine]), *zip(dense_grads, ref_dense_grads), *zip(expert_grads, ref_expert_grads)]
         errors[variant] = max(float((a - b).detach().abs().max()) for a, b in pairs)
     return errors
 
