@@ -47,8 +47,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     try:
         Trainer(cfg).build().train()
-    except Preempted:
-        shutdown_distributed()  # every rank stopped after the same step, together
+    except ShardlineError as e:
+        if e.every_rank:  # a stop, a halt or a refusal alike on every rank: they leave together, or a peer's
+            shutdown_distributed()  # gloo teardown may abort (SIGABRT) on a connection the first one closed
         raise
     shutdown_distributed()
     return 0

@@ -8,6 +8,10 @@ checkpoint); the CLI prints the message on one line and exits with code 2.
 class ShardlineError(Exception):
     """Base class: a user-facing error with a one-line message."""
 
+    # Raised on every rank alike (a decision they share, or parallel.distributed.agreed's
+    # verdict), so the ranks may leave the process group together before they exit.
+    every_rank = False
+
 
 class ConfigError(ShardlineError):
     """A config key, value or combination of values that cannot work."""
@@ -27,13 +31,24 @@ class CheckpointUnreadable(CheckpointError):
 
 
 class AnomalyHalt(ShardlineError):
-    """Training stopped on an anomaly with anomaly.action = halt (exit code 3)."""
+    """Training stopped on an anomaly with anomaly.action = halt (exit code 3): decided on the
+    global loss, by every rank."""
+
+    every_rank = True
 
 
 class Preempted(ShardlineError):
-    """Training stopped on SIGTERM, SIGUSR1 or Ctrl-C after saving its state (exit code 5)."""
+    """Training stopped on SIGTERM, SIGUSR1 or Ctrl-C after saving its state (exit code 5);
+    every rank after the same step."""
 
     exit_code = 5
+    every_rank = True
+
+
+def on_every_rank(error: ShardlineError, alike: bool = True) -> ShardlineError:
+    """`error`, marked (when `alike`) as raised alike on every rank: see ShardlineError.every_rank."""
+    error.every_rank = alike
+    return error
 
 
 def require(ok: bool, key: str, value, valid: str) -> None:

@@ -182,7 +182,7 @@ CP_4 = {
     "ring4_zigzag": ["parallel.cp=4", *RING],
     "ring4_none": ["parallel.cp=4", *RING, "parallel.cp_balance=none"],
     "hybrid_2x2": ["parallel.cp=4", *HYBRID],
-    "ulysses4": ["parallel.cp=4", *ULYSSES],  # two query heads and one K/V head a rank
+    "ulysses4": ["parallel.cp=4", *ULYSSES],  # a query head a rank, the two K/V heads repeated to four
     "cp2_fsdp2": ["parallel.cp=2", "parallel.dp_shard=2"],
     "cp2_hsdp": ["parallel.cp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1"],
     "cp2_tp2_sp_ac": ["parallel.cp=2", "parallel.tp=2", "memory.activation_checkpoint=full"],

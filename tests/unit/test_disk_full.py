@@ -120,3 +120,20 @@ def test_a_halt_whose_resave_after_a_rollback_the_disk_refuses_says_so(tiny_conf
         trainer.train()
     assert [e["step"] for e in events(run) if e["event"] == "checkpoint_failed"] == [3]
     assert [e["checkpoint"] for e in events(run) if e["event"] == "halt"] == [None]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_stop_whose_resave_after_a_rollback_the_disk_refuses_says_so(tiny_config, small_disk, mode):
+    """A stop right after a rollback saves that step again; refused, the older copy of the step
+    (without the rollback and the batch it skipped) is not named as the state saved."""
+    from shardline.errors import Preempted
+
+    run = small_disk / "run"
+    trainer = Trainer(tiny_config("anomaly.action=rollback", "anomaly.min_history=2", "checkpoint.interval=3",
+                                  "train.eval_interval=0", f"checkpoint.mode={mode}", "faults.spike_step=4",
+                                  run_dir=run)).build()
+    trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.rollbacks else None
+    with pytest.raises(Preempted, match=r"SIGTERM at step 3; its checkpoint could not be written"):
+        trainer.train()
+    assert [e["step"] for e in events(run) if e["event"] == "checkpoint_failed"] == [3]
+    assert [e["checkpoint"] for e in events(run) if e["event"] == "preempted"] == [None]

@@ -172,3 +172,18 @@ def test_a_stop_with_a_disk_save_to_come_takes_no_snapshot_first(tiny_config, tm
         trainer.train()
     assert [step for name, step in phases if name == "snapshot"] == snapshots
     assert [step for name, step in phases if name == "save"] == ([3] if interval else [])
+
+
+def test_a_stop_right_after_a_rollback_to_ram_names_the_batches_to_skip(tiny_config, tmp_path):
+    """checkpoint.interval=0: nothing is saved, and the snapshots held predate the rollback (they
+    lack the batch it skipped): the line names the batches a rerun must skip."""
+    from shardline.trainer import Trainer
+
+    trainer = Trainer(tiny_config("faults.spike_step=5", "anomaly.action=rollback", "anomaly.min_history=3",
+                                  "checkpoint.interval=0", "checkpoint.memory_interval=3", "train.eval_interval=0",
+                                  f"checkpoint.memory_dir={tmp_path / 'shm'}")).build()
+    trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.rollbacks else None
+    with pytest.raises(Preempted, match=r"SIGTERM at step 3; checkpoint.interval=0, so nothing was saved to disk; "
+                                        r"the in-memory snapshots stay for a rerun, but predate the rollback: rerun "
+                                        r"with train.skip_batches=\[4\]"):
+        trainer.train()

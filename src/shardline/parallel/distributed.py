@@ -134,20 +134,24 @@ def agreed(check, world_size: int):
         result, failure = check(), None
     except Exception as e:  # any: a storage OSError raised on one rank left the others in the gather
         result, failure = None, e
+    one_line = isinstance(failure, (errors.ShardlineError, OSError))  # (else a bug: its traceback, at once)
     outcomes: list = [None] * world_size
     if world_size > 1:
-        dist.all_gather_object(outcomes, None if failure is None else (type(failure).__name__, str(failure)))
+        dist.all_gather_object(outcomes, None if failure is None else (type(failure).__name__, str(failure), one_line))
+    # Every rank raises a one-line error here: they may leave the process group together (ShardlineError.every_rank).
+    together = all(outcome is None or outcome[2] for outcome in outcomes) and (failure is None or one_line)
     if failure is not None:
         if isinstance(failure, OSError):  # storage, not a bug: the one line its peers print, not a traceback
             where = f"on rank {dist.get_rank()}: " if world_size > 1 else ""
-            raise errors.ShardlineError(f"{where}{type(failure).__name__}: {failure}") from failure
-        raise failure
+            error = errors.ShardlineError(f"{where}{type(failure).__name__}: {failure}")
+            raise errors.on_every_rank(error, together) from failure
+        raise errors.on_every_rank(failure, together) if one_line else failure
     for rank, outcome in enumerate(outcomes):
         if outcome is not None:
             kind = getattr(errors, outcome[0], None)
             if isinstance(kind, type) and issubclass(kind, errors.ShardlineError):
-                raise kind(f"on rank {rank}: {outcome[1]}")
-            raise errors.ShardlineError(f"on rank {rank}: {outcome[0]}: {outcome[1]}")
+                raise errors.on_every_rank(kind(f"on rank {rank}: {outcome[1]}"), together)
+            raise errors.on_every_rank(errors.ShardlineError(f"on rank {rank}: {outcome[0]}: {outcome[1]}"), together)
     return result
 
 

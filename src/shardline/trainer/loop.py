@@ -276,17 +276,18 @@ class Trainer(SavedState, AnomalyResponse):
     def _stop_on_request(self, signal_name: str, saved: bool) -> str:
         """Every rank agreed to stop after this step: save it (unless just saved); returns the
         one line to stop with."""
-        if not self.cfg.checkpoint.interval:
+        if not self.cfg.checkpoint.interval:  # (after a rollback the snapshots lack it: the batches to skip named)
             self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)
-            kept = "; the in-memory snapshots stay for a rerun on these nodes" if self.cfg.checkpoint.memory_interval \
-                else ""
+            kept = self._held_for_rerun()
             return f"{signal_name} at step {self.step}; checkpoint.interval=0, so nothing was saved to disk{kept}"
+        landed = self.tiers.landed
         if not saved:
             with self.guard.phase("save", self.step):
                 self.guard.timed("checkpoint", self.save_checkpoint)
         self.guard.drain(self.step)  # an async save must be on disk before the process ends
         path = self.checkpointer.root / step_dir_name(self.step)
-        if not path.is_dir():  # the storage refused it (logged as checkpoint_failed)
+        # The storage refused it (logged as checkpoint_failed); a re-save after a rollback leaves the older copy.
+        if not path.is_dir() or not (saved or self.tiers.landed > landed):
             self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)
             return f"{signal_name} at step {self.step}; its checkpoint could not be written (see checkpoint_failed)"
         self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=str(path))

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from shardline.data import build_data
-from shardline.errors import ConfigError, DataError
+from shardline.errors import ConfigError, DataError, on_every_rank
 from shardline.models.factory import args_to_json
 from shardline.optim import apply_hyperparameters, schedule_settings
 from shardline.parallel.distributed import agreed, ranks_differing
@@ -66,14 +66,16 @@ class SavedState:
             whole = ranks_differing(settings, self.proc.world_size)  # (rarely: the whole settings)
             rank, theirs, first = whole[0] if whole else (-1, {}, {})
             keys = [f"{s}.{k}" for s in first for k in first[s] if theirs.get(s, {}).get(k) != first[s][k]]
-            raise ConfigError(f"rank {rank} runs another config than rank 0 ({', '.join(keys[:5])} differ): every "
-                              "rank must read the same config (a relaunch reads the run dir's config.toml where "
-                              "it sees checkpoints: run.dir on storage every node shows alike, or give --config)")
+            raise on_every_rank(ConfigError(
+                f"rank {rank} runs another config than rank 0 ({', '.join(keys[:5])} differ): every rank must read "
+                "the same config (a relaunch reads the run dir's config.toml where it sees checkpoints: run.dir on "
+                "storage every node shows alike, or give --config)"))
         differ = ranks_differing(self.data.identity(), self.proc.world_size)
         if differ:
             rank, theirs, first = differ[0]
-            raise DataError(f"rank {rank} read other data than rank 0 ({theirs}; rank 0: {first}): the data "
-                            "must be the same files on every node (complete, and listed alike)")
+            raise on_every_rank(DataError(f"rank {rank} read other data than rank 0 ({theirs}; rank 0: {first}): "
+                                          "the data must be the same files on every node (complete, and listed "
+                                          "alike)"))
         return launch, found
 
     def _check_inputs(self) -> tuple[Preflight, Path | None]:
