@@ -12,9 +12,11 @@ so, takes them with `--bos`. With
 `--chat` the prompt is a user's message instead (after `--system`'s, if given), rendered
 as chat training renders a conversation (the chat template beside the tokenizer, else
 ChatML) and followed by the header of the assistant's reply; the reply ends at the end
-of its turn. The context is the last `train.seq_len` tokens the run trained on; past it
-the window slides, and each token runs the whole window again (its positions start at 0,
-as in training, so the cached keys no longer fit). Generation stops at any end token:
+of its turn. The context is the last `train.seq_len` tokens the run trained on (`--context`
+sets another, up to the model's recorded maximum: a fine-tune of a long-context model at
+short sequences still has the base model's reach); past it the window slides, and each
+token runs the whole window again (its positions start at 0, as in training, so the cached
+keys no longer fit). Generation stops at any end token:
 the tokenizer's end-of-document token (what training put after each document) and the
 HF folder's `eos_token_id`s (config and generation_config.json). A mixture of experts
 runs dropless here whatever its `capacity_factor`: with capacity, the newest token, last
@@ -67,7 +69,7 @@ class Generator:
     model: torch.nn.Module
     tokenizer: object
     stop: frozenset[int]  # end tokens
-    context: int  # tokens the model sees: the run's train.seq_len
+    context: int  # tokens the model sees: the run's train.seq_len, or --context
     device: torch.device
     bos: list[int] = dataclasses.field(default_factory=list)  # prepended to a prompt with --bos
     trained_bos: bool = False  # the run put `bos` before each text document: a prompt starts with it too
@@ -241,9 +243,9 @@ def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator)
     return int(torch.multinomial(probs, 1, generator=draw))
 
 
-def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32") -> Generator:
+def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32", context: int = 0) -> Generator:
     """The newest valid checkpoint of a run dir (or a checkpoint folder), ready to sample;
-    its files hashed once."""
+    its files hashed once. `context` (0: the run's train.seq_len): the tokens the model sees."""
     from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
     from shardline.interop.convert import beside_checkpoint, checkpoint_tokenizer, resolve_checkpoint
     from shardline.interop.hf import empty_model
@@ -253,6 +255,8 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is invalid: one of {', '.join(DTYPES)}")
+    if context < 0:
+        raise ConfigError(f"--context={context} is invalid: a number of tokens, or 0 for the run's train.seq_len")
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device=cuda: no CUDA device here; use --device=cpu or auto")
@@ -274,7 +278,10 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     generation = beside_checkpoint(ckpt, GENERATION_NAME)
     stop = _ids(eos_id(tokenizer), hf.get("eos_token_id"), _generation_eos(generation) if generation else None)
     run = meta.get("config", {})  # the run's config; none in a checkpoint converted from HF
-    seq_len = run.get("train", {}).get("seq_len") or args.max_seq_len
+    if context > args.max_seq_len:
+        raise ConfigError(f"--context={context} is past this model's maximum of {args.max_seq_len} positions "
+                          "(what it was trained and scaled for): give at most that")
+    seq_len = context or run.get("train", {}).get("seq_len") or args.max_seq_len
     bos = bos_prefix(tokenizer) or sorted(_ids(hf.get("bos_token_id")))  # what --bos puts first
     data = run.get("data", {})
     trained_bos = bool(bos_prefix(tokenizer)) and data.get("add_bos", False) and data.get("format") == "text"
@@ -305,12 +312,12 @@ def _ids(*found) -> set[int]:
 
 
 def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "auto", as_json: bool = False,
-             dtype: str = "float32", bos: bool = False, chat: bool = False, system: str = "") -> str:
+             dtype: str = "float32", bos: bool = False, chat: bool = False, system: str = "", context: int = 0) -> str:
     """`shardline generate`'s output: the prompt and its continuation (with --chat, the reply
     alone), or one JSON object (with --chat, the rendered prompt the model was given too)."""
     opts.check()
     check_chat_flags(bos, chat, system)  # before the weights are read
-    gen = load_generator(src, device, dtype)
+    gen = load_generator(src, device, dtype, context)
     text = gen.complete(prompt, opts, bos, chat, system)
     if as_json:
         stop, stop_text = gen.turn_end() if chat else (gen.stop, "")
@@ -343,6 +350,8 @@ def register(sub) -> None:
                                                       "(default float32; bfloat16 halves the memory)")
     p.add_argument("--bos", action="store_true", help="start the prompt with the BOS token of an HF model's "
                                                        "tokenizer (for a checkpoint pretrained with one)")
+    p.add_argument("--context", type=int, default=0, help="tokens the model sees at most (default: the run's "
+                                                           "train.seq_len; up to the model's max_seq_len)")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt, completion, options")
     p.set_defaults(func=_command)
 
@@ -351,5 +360,6 @@ def _command(args, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"generate takes no config overrides, got {' '.join(overrides)}")
     opts = SampleOptions(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
-    print(generate(args.src, args.prompt, opts, args.device, args.json, args.dtype, args.bos, args.chat, args.system))
+    print(generate(args.src, args.prompt, opts, args.device, args.json, args.dtype, args.bos, args.chat, args.system,
+                   args.context))
     return 0

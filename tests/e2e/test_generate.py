@@ -348,3 +348,24 @@ def test_a_folder_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
     assert main(["generate", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "is neither a checkpoint folder nor a run dir holding a valid checkpoint" in err and err.count("\n") == 1
+
+
+def test_context_sets_the_window_up_to_the_models_maximum(trained_run, capsys):
+    """--context widens the window train.seq_len sets (32 here): a long prompt is cut to its
+    last 48 tokens; past the model's recorded maximum, or negative, it is one line."""
+    from shardline.cli import main
+
+    gen = load_generator(trained_run, "cpu", context=48)
+    prompt = gen.encode(" ".join(["the history of the city"] * 12))
+    seen = []
+    hook = gen.model.register_forward_pre_hook(lambda module, args: seen.append(len(args[0][0])))
+    try:
+        gen.sample(prompt, SampleOptions(max_new_tokens=1, temperature=0))
+    finally:
+        hook.remove()
+    assert len(prompt) > 48 and seen == [48]
+    args = [str(trained_run), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"]
+    for bad, message in [("-1", "--context=-1 is invalid"), ("1000000", "--context=1000000 is past this model's")]:
+        assert main(["generate", *args, "--context", bad]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["generate", *args, "--context", "16"]) == 0
