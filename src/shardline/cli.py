@@ -45,12 +45,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.parallel.distributed import shutdown_distributed
     from shardline.trainer import Trainer
 
-    try:
-        Trainer(cfg).build().train()
-    except ShardlineError as e:
-        if e.every_rank:  # a stop, a halt or a refusal alike on every rank: they leave together, or a peer's
-            shutdown_distributed()  # gloo teardown may abort (SIGABRT) on a connection the first one closed
-        raise
+    Trainer(cfg).build().train()  # (a stop, a halt or a refusal alike on every rank: main() leaves together)
     shutdown_distributed()
     return 0
 
@@ -210,6 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _leave(error: ShardlineError, code: int) -> int:
+    """The exit code, once ranks that stopped alike (a halt, a stop, an agreed refusal) have left
+    the process group together: one exiting first could make a peer's gloo teardown abort."""
+    if error.every_rank:
+        from shardline.parallel.distributed import leave_together
+
+        leave_together(code)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -220,13 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args, unknown)
     except AnomalyHalt as e:
         print(f"shardline: halted: {e}", file=sys.stderr)
-        return 3
+        return _leave(e, 3)
     except Preempted as e:
         print(f"shardline: stopped: {e}", file=sys.stderr)
-        return Preempted.exit_code
+        return _leave(e, Preempted.exit_code)
     except ShardlineError as e:
         print(f"shardline: error: {e}", file=sys.stderr)
-        return 2
+        return _leave(e, 2)
     except KeyboardInterrupt:
         print("shardline: interrupted", file=sys.stderr)
         return 130

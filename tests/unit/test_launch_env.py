@@ -47,3 +47,42 @@ def test_cuda_n_past_the_machines_cards_is_one_line_for_one_process_torchrun_too
         pick_device("cuda:5")
     monkeypatch.setenv("WORLD_SIZE", "2")  # ranks take their local rank's card: not refused here
     assert pick_device("cuda:5").index == 5
+
+
+LEAVER = """
+import sys, time
+import torch.distributed as dist
+from shardline.parallel.distributed import leave_together
+rank, port, peer_leaves = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+if rank == 0 or peer_leaves:
+    leave_together(7, timeout_s=3)
+    sys.exit(0)
+time.sleep(60)  # a peer that failed otherwise and never comes
+"""
+
+
+@pytest.mark.parametrize("peer_leaves", [True, False])
+def test_ranks_that_stopped_alike_leave_together_and_a_missing_peer_holds_none_long(peer_leaves):
+    """Both leave: each exits at once (0). The peer never comes: the rank waits at most its
+    timeout, then exits with the code it was leaving with (7), instead of the group's."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.ports import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", LEAVER, str(r), port, "1" if peer_leaves else "0"])
+             for r in (0, 1)]
+    try:
+        start = time.monotonic()
+        code = procs[0].wait(timeout=60)
+        waited = time.monotonic() - start
+        assert code == (0 if peer_leaves else 7) and (waited < 30), (code, waited)
+        if peer_leaves:
+            assert procs[1].wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -187,3 +187,18 @@ def test_a_stop_right_after_a_rollback_to_ram_names_the_batches_to_skip(tiny_con
                                         r"the in-memory snapshots stay for a rerun, but predate the rollback: rerun "
                                         r"with train.skip_batches=\[4\]"):
         trainer.train()
+
+
+def test_a_stop_counts_the_snapshot_still_in_flight_before_it_says_what_ram_holds(tiny_config, tmp_path):
+    """A rollback at step 5 back to step 3, then a stop at step 6, whose async snapshot holds the
+    rollback: once it has landed, the line does not call the snapshots older than the rollback."""
+    from shardline.trainer import Trainer
+
+    trainer = Trainer(tiny_config("faults.spike_step=5", "anomaly.action=rollback", "anomaly.min_history=3",
+                                  "checkpoint.interval=0", "checkpoint.memory_interval=3", "train.eval_interval=0",
+                                  "checkpoint.memory_mode=async", f"checkpoint.memory_dir={tmp_path / 'shm'}")).build()
+    trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.rollbacks and trainer.step == 6 else None
+    with pytest.raises(Preempted) as stopped:
+        trainer.train()
+    assert str(stopped.value).endswith("at step 6; checkpoint.interval=0, so nothing was saved to disk; the "
+                                       "in-memory snapshots stay for a rerun"), str(stopped.value)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardline.config import OptimConfig
-from shardline.errors import ConfigError
+from shardline.errors import ConfigError, on_every_rank
 from shardline.parallel.distributed import agreed
 from shardline.parallel.zero1 import StridedSlices, Zero1AdamW
 from shardline.optim.ssd_offload import SSDAdamW
@@ -62,8 +62,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     if not strided:
         return built
     if cfg.implementation == "fused":
-        raise ConfigError(f"optim.implementation=fused is invalid with this layout: {strided}; "
-                          "use auto, foreach or for-loop")
+        raise on_every_rank(ConfigError(f"optim.implementation=fused is invalid with this layout: {strided}; "
+                                        "use auto, foreach or for-loop"))
     return zero1(**{**hyper, "fused": None, "foreach": True})
 
 

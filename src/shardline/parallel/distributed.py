@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +120,25 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def leave_together(exit_code: int, timeout_s: float = 60.0) -> None:
+    """shutdown_distributed() for ranks that stopped alike on an error (ShardlineError.every_rank),
+    after its line is printed. Bounded: a peer that never comes (it failed in another way) must
+    not hold this rank in the barrier (on NCCL, unwatched, for the group's timeout); after
+    `timeout_s` the process exits with `exit_code`, as it would have. A failure to leave is not
+    the error to report."""
+    if not dist.is_initialized():
+        return
+    timer = threading.Timer(timeout_s, os._exit, args=(exit_code,))
+    timer.daemon = True
+    timer.start()
+    try:
+        shutdown_distributed()
+    except Exception:  # noqa: BLE001 (a peer gone meanwhile: the error already printed stands)
+        pass
+    finally:
+        timer.cancel()
 
 
 def agreed(check, world_size: int):

@@ -12,7 +12,7 @@ import torch
 
 from shardline.config import Config
 from shardline.data.sampler import batch_index
-from shardline.errors import CheckpointError, ConfigError
+from shardline.errors import CheckpointError, ConfigError, on_every_rank
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer, step_of
 from shardline.resilience.run_lock import launcher_ids
 
@@ -107,8 +107,8 @@ def agree_on_resume(chosen: Path | None, rank: int, world_size: int, sees=_appea
     dist.all_gather_object(visible, decided is None or sees(decided))
     blind = [r for r, ok in enumerate(visible) if not ok]
     if blind:
-        raise CheckpointError(f"rank 0 resumes from {decided}, which rank(s) {blind} cannot see: run.dir must be "
-                              "on storage every node shares")
+        raise on_every_rank(CheckpointError(f"rank 0 resumes from {decided}, which rank(s) {blind} cannot see: "
+                                            "run.dir must be on storage every node shares"))
     return decided
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from shardline.errors import ConfigError
+from shardline.errors import ConfigError, on_every_rank
 
 LOCK = ".lock"
 EMPTY_LOCK_S = 60.0  # an empty lock older than this was left by a start that died while taking it
@@ -206,7 +206,7 @@ class RunLock:
             dist.broadcast_object_list(outcome, src=0)
         kind, text = outcome[0]
         if kind == "error":
-            raise ConfigError(text)
+            raise on_every_rank(ConfigError(text))
         return text
 
     def release(self) -> None:

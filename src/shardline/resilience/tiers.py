@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardline.config import Config
-from shardline.errors import CheckpointError
+from shardline.errors import CheckpointError, on_every_rank
 from shardline.optim import init_optimizer_state
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import ProcessInfo, agreed
@@ -197,7 +197,7 @@ class StateTiers:
         if self.proc.world_size > 1:
             torch.distributed.broadcast_object_list(answer, src=0, group=self.memory.group)
         if isinstance(answer[0], str):  # on every rank alike
-            raise CheckpointError(answer[0])
+            raise on_every_rank(CheckpointError(answer[0]))
         return answer[0]
 
     @staticmethod

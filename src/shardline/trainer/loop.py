@@ -276,6 +276,7 @@ class Trainer(SavedState, AnomalyResponse):
     def _stop_on_request(self, signal_name: str, saved: bool) -> str:
         """Every rank agreed to stop after this step: save it (unless just saved); returns the
         one line to stop with."""
+        self.guard.drain(self.step)  # what is held and landed so far, counted: then this save's own outcome
         if not self.cfg.checkpoint.interval:  # (after a rollback the snapshots lack it: the batches to skip named)
             self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)
             kept = self._held_for_rerun()
