@@ -127,10 +127,9 @@ def check_config(cfg: Config) -> None:
     _raise(attention.config_problem(cfg.train.attention, cfg.train.precision))
     _raise(compile_problem(cfg.train.compile, cfg.parallel.pp, cfg.parallel.pp_schedule))
     _raise(float8.config_problem(cfg.train.precision, cfg.parallel.pp, cfg.parallel.pp_schedule))
-    _raise(float8.tokens_problem(cfg.train.precision, cfg.train.micro_batch_size, cfg.train.seq_len, cfg.parallel.cp))
     _raise(named_resume_problem(cfg.run.resume) if not restarted() else None)  # a restart may go on from its own
     if cfg.train.precision == "fp8":
-        check_fp8(cfg)
+        float8.require_torchao()  # (parallel/float8.py: its install line)
 
 
 def starting_shape(m: ModelConfig, stand_in: Path | None = None) -> ModelArgs | None:
@@ -220,9 +219,11 @@ def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, add_bos: b
     if not vocab_known:
         args = dataclasses.replace(args, vocab_size=saved.vocab_size)
     changed = _weight_changes(saved, args)
+    vocab = "; the vocabulary is the tokenizer's (data.path, data.tokenizer, data.vocab_size differ from the run's)"
     if changed:
-        raise CheckpointError(f"checkpoint {path} holds a model of another shape ({', '.join(changed)}); "
-                              "drop those [model]/[moe] changes to resume it, or start a new run (another run.dir)")
+        raise CheckpointError(f"checkpoint {path} holds a model of another shape ({', '.join(changed)})"
+                              f"{vocab if any(c.startswith('vocab_size') for c in changed) else ''}; drop those "
+                              "[model]/[moe] changes to resume it, or start a new run (another run.dir)")
 
 
 def bos_setting(cfg: Config, tokenizer) -> bool | None:
@@ -298,11 +299,6 @@ def preflight(cfg: Config, world: int, tokenizer_vocab: int) -> Preflight:
         # config.json) follows what the model is trained on.
         args = dataclasses.replace(args, max_seq_len=cfg.train.seq_len)
     return Preflight(check_layout(cfg, world, args), args)
-
-
-def check_fp8(cfg: Config) -> None:
-    """train.precision=fp8 (parallel/float8.py): torchao installed."""
-    float8.require_torchao()
 
 
 def _raise(problem: str | None) -> None:

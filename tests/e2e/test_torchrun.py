@@ -28,7 +28,8 @@ def test_torchrun_impossible_degrees_fail_clearly(tmp_path, small_corpus):
     run = tmp_path / "run"
     out = torchrun(2, *[f"--{o}" for o in tiny_overrides(run, small_corpus, "parallel.tp=3")])
     assert out.returncode != 0
-    assert "does not match the world size 2" in out.stderr
+    assert ("does not divide the world size 2 (dp_shard=-1 takes what they leave); with 2 processes it must be one "
+            "of 1, 2") in out.stderr
     # each rank says one line; the only stack is torchrun's own report of the failed workers
     assert "shardline: error: parallel degrees" in out.stderr
     assert not [line for line in out.stderr.splitlines() if line.strip().startswith("File ") and "shardline" in line]

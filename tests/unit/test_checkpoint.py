@@ -42,6 +42,18 @@ def test_corrupted_checkpoint_is_named_and_skipped(trained, tiny_config):
     assert invalid and "step-000012" in invalid[-1]["error"]
 
 
+def test_a_run_dir_whose_every_checkpoint_is_damaged_is_refused_not_trained_over(trained, tiny_config):
+    """Auto-resume with no valid checkpoint left (both damaged) used to start at step 0 in the same
+    run dir, set the damaged ones aside and train over the run's history, exiting 0."""
+    for step in (6, 12):
+        (trained / "checkpoints" / f"step-{step:06d}" / "meta.json").write_text("{}")
+    before = (trained / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointError, match=r"holds checkpoints but none is valid \(.*step-000012.*step-000006"):
+        Trainer(tiny_config("train.steps=12")).build()
+    assert (trained / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in (trained / "checkpoints").iterdir()) == ["step-000006", "step-000012"]
+
+
 def test_truncated_and_unfinished_checkpoints_are_ignored(trained):
     ckpts = Checkpointer(trained, keep=3)
     (trained / "checkpoints" / "step-000018.tmp").mkdir()  # a save that died midway

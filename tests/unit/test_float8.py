@@ -287,18 +287,20 @@ def test_zero_bubble_passes_run_each_float8_backward_gemm_once_with_the_split_li
         assert torch.equal(p.grad, q.grad), name
 
 
-@pytest.mark.parametrize("extra, tokens", [(["train.seq_len=24", "train.micro_batch_size=2"], 48),
-                                           (["train.seq_len=24", "train.micro_batch_size=1"], 24),
-                                           (["train.seq_len=32", "train.micro_batch_size=1", "parallel.cp=4"], 8)])
-def test_fp8_needs_a_ranks_micro_batch_tokens_a_multiple_of_16(tiny_config, extra, tokens):
+@pytest.mark.parametrize("world, extra, tokens", [(1, ["train.seq_len=24", "train.micro_batch_size=2"], 48),
+                                                  (1, ["train.seq_len=24", "train.micro_batch_size=1"], 24),
+                                                  (4, ["train.seq_len=32", "train.micro_batch_size=1",
+                                                       "parallel.cp=4"], 8)])
+def test_fp8_needs_a_ranks_micro_batch_tokens_a_multiple_of_16(tiny_config, world, extra, tokens):
     """The weight gradient's float8 GEMM multiplies over those tokens (torch._scaled_mm: inner
-    dims multiples of 16); emulated on a CPU it ran, on a GPU it failed at the first backward."""
-    from shardline.preflight import check_config
+    dims multiples of 16); emulated on a CPU it ran, on a GPU it failed at the first backward.
+    A layout rule: the launch, the dry run and the planner all ask it."""
+    from shardline.preflight import check_layout_before_data
 
     cfg = tiny_config("train.precision=fp8", *extra)
     if tokens % 16 == 0:
-        check_config(cfg)
+        check_layout_before_data(cfg, world)
         return
     with pytest.raises(ConfigError, match=rf"train.seq_len / parallel.cp = {tokens}\) to be a multiple of 16"):
-        check_config(cfg)
-    check_config(tiny_config("train.precision=bf16", *extra))  # bf16 takes any count
+        check_layout_before_data(cfg, world)
+    check_layout_before_data(tiny_config("train.precision=bf16", *extra), world)  # bf16 takes any count

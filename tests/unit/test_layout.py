@@ -44,7 +44,7 @@ def test_dp_shard_fills_the_rest():
 
 @pytest.mark.parametrize("world, overrides, message", [
     (4, ["parallel.dp_shard=3"], "does not match the world size 4"),
-    (6, ["parallel.tp=4"], "does not match the world size 6"),
+    (6, ["parallel.tp=4"], "does not divide the world size 6 .*it must be one of 1, 2, 3, 6"),
     (4, ["parallel.tp=4"], "must divide n_heads=4 and n_kv_heads=2; valid tp: 1, 2"),
     (8, ["parallel.pp=8"], "fewer than the 8 pipeline stages"),
     (4, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=4"],
@@ -343,7 +343,7 @@ def test_an_fp8_dry_run_on_a_cpu_prices_its_gemms_at_bf16(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--world-size", "6", "--parallel.tp=4"], "does not match the world size 6"),
+    (["--world-size", "6", "--parallel.tp=4"], "does not divide the world size 6"),
     (["--world-size", "3", "--parallel.tp=3"], "must divide n_heads=8"),
     (["--model.preset=gpt5"], "model.preset='gpt5' is invalid: one of tiny, llama3.2-1b"),
     (["--data.path=/no/such/corpus"], "data.path='/no/such/corpus' does not exist"),

@@ -186,8 +186,11 @@ def _stages_per_rank(pp: int, schedule: str, virtual: int) -> int:
 
 def _product_message(cfg: Config, world: int, product: int) -> str:
     p = cfg.parallel
-    what = "dp_replicate x dp_shard x cp x tp x pp" if p.dp_shard != -1 else "dp_replicate x cp x tp x pp"
-    hint = "" if p.dp_shard == -1 else " (or set parallel.dp_shard=-1 to take what the others leave)"
-    return (f"parallel degrees dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} pp={p.pp} "
-            f"give {what} = {product}, which does not match the world size {world}; "
-            f"their product must {'divide' if p.dp_shard == -1 else 'equal'} the number of processes{hint}")
+    degrees = f"parallel degrees dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} pp={p.pp}"
+    if p.dp_shard == -1:  # dp_shard takes what the others leave: their product must divide the world
+        fits = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        return (f"{degrees} give dp_replicate x cp x tp x pp = {product}, which does not divide the world size "
+                f"{world} (dp_shard=-1 takes what they leave); with {world} processes it must be one of {fits}")
+    return (f"{degrees} give dp_replicate x dp_shard x cp x tp x pp = {product}, which does not match the world "
+            f"size {world}; their product must equal the number of processes (or set parallel.dp_shard=-1 to take "
+            "what the others leave)")

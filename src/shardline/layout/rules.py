@@ -98,6 +98,21 @@ def _batch(lay: Layout, job: Job) -> Problem | None:
     return None
 
 
+FP8_GEMM_MULTIPLE = 16  # torch._scaled_mm: a float8 GEMM's dims are multiples of 16
+
+
+def _fp8_tokens(lay: Layout, job: Job) -> Problem | None:
+    """fp8: the weight gradient's float8 GEMM multiplies over the tokens a rank holds of a
+    micro-batch, its inner dim too. A CPU's emulation runs any count; a GPU failed at the first
+    backward. (seq_len not divisible by cp is _cp_split's.)"""
+    tokens, rest = divmod(lay.micro_batch_size * job.seq_len, lay.cp)
+    if job.precision != "fp8" or rest or tokens % FP8_GEMM_MULTIPLE == 0:
+        return None
+    return "batch", (f"train.precision='fp8' needs the tokens of a micro-batch on a rank (train.micro_batch_size x "
+                     f"train.seq_len / parallel.cp = {tokens}) to be a multiple of {FP8_GEMM_MULTIPLE}: float8's "
+                     "weight-gradient GEMM multiplies over them; change train.seq_len or train.micro_batch_size")
+
+
 def _pp_stages(lay: Layout, job: Job) -> Problem | None:
     """Stages per rank that each schedule runs, and enough layers for every stage."""
     if lay.pp == 1:
@@ -198,7 +213,7 @@ def _not_built_zero1_tp_bias(lay: Layout, job: Job) -> Problem | None:
 
 
 Rule = Callable[[Layout, Job], "Problem | None"]
-RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_split, _ep_ranks, _batch, _offload, _pp_stages,
+RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_split, _ep_ranks, _batch, _fp8_tokens, _offload, _pp_stages,
                            _pp_microbatches, _ac_split_backward)
 NOT_BUILT: tuple[Rule, ...] = (_not_built_cp_attention, _not_built_moe, _not_built_zero1_tp_bias)
 

@@ -67,13 +67,14 @@ from torch import nn
 
 from shardline.errors import ConfigError
 from shardline.layout import SPLIT_BACKWARD
+from shardline.layout.rules import FP8_GEMM_MULTIPLE
 from shardline.parallel.pipeline import split_backward_takes_custom_nodes
 
 log = logging.getLogger(__name__)
 
 TORCHAO_PIN = "torchao==0.18.0"
 MIN_CAPABILITY = (8, 9)
-GEMM_MULTIPLE = 16  # torch._scaled_mm: both dims of a float8 weight are multiples of 16
+GEMM_MULTIPLE = FP8_GEMM_MULTIPLE  # torch._scaled_mm: both dims of a float8 weight are multiples of 16
 SKIPPED = ("output",)  # module names never converted (see the module doc)
 SKIPPED_PARTS = ("router",)  # nor any Linear below a module of these names
 
@@ -121,19 +122,6 @@ def config_problem(precision: str, pp: int, schedule: str, torch_version: str = 
                 f"{torch_version}: its split backward fails on the float8 Linear's autograd function); use "
                 "pp_schedule 1f1b, gpipe or interleaved_1f1b, or precision bf16")
     return None
-
-
-def tokens_problem(precision: str, micro_batch_size: int, seq_len: int, cp: int) -> str | None:
-    """Why a micro-batch cannot run in float8 (one line), else None: the weight gradient's GEMM
-    multiplies over the tokens a rank holds of it, and _scaled_mm wants that inner dim a
-    multiple of GEMM_MULTIPLE too. A CPU's emulation would run it; a GPU fails at the first
-    backward. (seq_len not divisible by cp is the layout's own error.)"""
-    tokens, rest = divmod(micro_batch_size * seq_len, cp)
-    if precision != "fp8" or rest or tokens % GEMM_MULTIPLE == 0:
-        return None
-    return (f"train.precision='fp8' needs the tokens of a micro-batch on a rank (train.micro_batch_size x "
-            f"train.seq_len / parallel.cp = {tokens}) to be a multiple of {GEMM_MULTIPLE}: float8's weight-gradient "
-            "GEMM multiplies over them; change train.seq_len or train.micro_batch_size")
 
 
 def local_capability(on_cuda: bool) -> tuple[int, int] | None:

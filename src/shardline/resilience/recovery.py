@@ -38,9 +38,14 @@ def resume_path(cfg: Config, checkpointer: Checkpointer, repaired: bool = False)
     path = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
     if mode == "never" and restarted() and path is not None and saved_by_this_job(path):
         return path, invalid  # the first attempt started fresh; its restart goes on from what it saved
-    if mode == "latest" and path is None and (repaired or not checkpointer.interrupted_seals()):
+    settled = path is None and (repaired or not checkpointer.interrupted_seals())  # (a repair may yet give one)
+    if mode == "latest" and settled:
         raise CheckpointError(f"--resume given but {checkpointer.root} holds no valid checkpoint"
                               + (f" ({'; '.join(invalid)})" if invalid else ""))
+    if mode == "auto" and settled and invalid:  # a fresh start here would train over the run's history
+        raise CheckpointError(f"{checkpointer.root} holds checkpoints but none is valid ({'; '.join(invalid)}): "
+                              "nothing to resume, and no fresh start over them; fix or restore them and rerun, "
+                              "or start over in another run.dir")
     if mode == "never" and checkpointer.list():
         raise ConfigError(f"run.resume='never' but {cfg.run.dir} already holds checkpoints that a new run "
                           "would overwrite; choose another run.dir or remove them")
@@ -227,8 +232,7 @@ def check_steps_ahead(path: Path | str, step: int, steps: int) -> None:
     train.steps is a finished run, which a rerun (a requeue) may simply find finished."""
     if step > steps:
         raise ConfigError(f"train.steps={steps} is behind {path}, saved at step {step}: nothing to train; "
-                          f"set train.steps above {step} to continue it, or start a new run (another run.dir, "
-                          "or run.resume=never)")
+                          f"set train.steps above {step} to continue it, or start a new run in another run.dir")
 
 
 def check_skip_batches(path: Path | str, step: int, saved: list[int], wanted: list[int]) -> None:
