@@ -1,5 +1,7 @@
-"""Command line: `shardline train | check | convert | prepare | plan | estimate | calibrate | comm-bench |
-simulate | generate`.
+"""Command line: train LLMs and plan their layouts (`shardline COMMAND --help` for each).
+
+Commands: train, check, convert, prepare, plan, estimate, calibrate, comm-bench, simulate,
+generate.
 
 `shardline train` with no arguments trains the tiny preset on the shipped corpus.
 Config: `--config FILE.toml` then `--section.key=value` overrides. Mistakes the user
@@ -9,6 +11,7 @@ can fix (config, data, checkpoint) print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import importlib
 import importlib.util
@@ -118,7 +121,11 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.tokenizer and args.direction != "to-hf":
         raise ShardlineError("convert --tokenizer applies to to-hf only (from-hf takes the HF folder's)")
     written = convert(args.direction, args.src, args.dst, args.dtype, args.tokenizer)
-    what = "an HF folder" if args.direction == "to-hf" else f"start a run with --model.init_from={written}"
+    what = f"start a run with --model.init_from={written}"
+    if args.direction == "to-hf":  # which checkpoint a run dir gave (its newest valid one)
+        from shardline.interop.hf_files import EXPORT_MARK
+
+        what = f"an HF folder of {json.loads((written / EXPORT_MARK).read_text()).get('checkpoint')}"
     if args.direction == "to-hf" and not (written / "tokenizer.json").is_file():
         what += ", without a tokenizer: none beside the checkpoint or in its run dir; give --tokenizer"
     print(f"wrote {written} ({what})")
@@ -205,9 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _leave(error: ShardlineError, code: int) -> int:
-    """The exit code, once ranks that stopped alike (a halt, a stop, an agreed refusal) have left
-    the process group together: one exiting first could make a peer's gloo teardown abort."""
+def _leave(error: ShardlineError, what: str, code: int) -> int:
+    """The error's one line, then its exit code. Ranks that stopped alike (a halt, a stop, an
+    agreed refusal) print it once, on rank 0, and leave the process group together: one exiting
+    first could make a peer's gloo teardown abort."""
+    if not error.every_rank or os.environ.get("RANK", "0") == "0":
+        print(f"shardline: {what}: {error}", file=sys.stderr)
     if error.every_rank:
         from shardline.parallel.distributed import leave_together
 
@@ -224,14 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, unknown)
     except AnomalyHalt as e:
-        print(f"shardline: halted: {e}", file=sys.stderr)
-        return _leave(e, 3)
+        return _leave(e, "halted", 3)
     except Preempted as e:
-        print(f"shardline: stopped: {e}", file=sys.stderr)
-        return _leave(e, Preempted.exit_code)
+        return _leave(e, "stopped", Preempted.exit_code)
     except ShardlineError as e:
-        print(f"shardline: error: {e}", file=sys.stderr)
-        return _leave(e, 2)
+        return _leave(e, "error", 2)
     except KeyboardInterrupt:
         print("shardline: interrupted", file=sys.stderr)
         return 130

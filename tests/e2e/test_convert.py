@@ -23,7 +23,7 @@ from tests.conftest import tiny_overrides
 transformers = pytest.importorskip("transformers")
 
 
-def test_checkpoint_to_hf_and_back(tiny_config, tmp_path, monkeypatch):
+def test_checkpoint_to_hf_and_back(tiny_config, tmp_path, monkeypatch, capsys):
     trainer = Trainer(tiny_config("train.steps=6", "train.eval_interval=0")).build()
     trainer.train()
     hf_dir, back = tmp_path / "hf", tmp_path / "back"
@@ -33,6 +33,8 @@ def test_checkpoint_to_hf_and_back(tiny_config, tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "_sha256", lambda path: hashed.append(path.name) or sha256(path))
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(hf_dir)]) == 0
     assert hashed.count("meta.json") == 1  # the checkpoint's files hashed once (three times: minutes at 70B)
+    # which checkpoint of the run dir it exported (its newest valid one)
+    assert f"(an HF folder of {tmp_path / 'run' / 'checkpoints' / 'step-000006'})" in capsys.readouterr().out
     monkeypatch.undo()
     # a checkpoint folder named directly is checked too (a run dir's newest is checked as it is chosen)
     named = tmp_path / "named"
@@ -184,6 +186,9 @@ def test_a_resume_goes_on_when_the_hf_folder_is_gone(tiny_config, small_prepared
 
 def test_convert_errors_exit_2(tmp_path, capsys):
     assert main(["convert", "to-hf", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    assert f"{tmp_path / 'nothing'} does not exist: give a run dir or a checkpoint folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["convert", "to-hf", str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
     assert "neither a checkpoint folder nor a run dir" in capsys.readouterr().err
     assert main(["convert", "from-hf", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     capsys.readouterr()

@@ -348,6 +348,9 @@ def test_a_folder_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
     assert main(["generate", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "is neither a checkpoint folder nor a run dir holding a valid checkpoint" in err and err.count("\n") == 1
+    assert main(["generate", str(tmp_path / "typo")]) == 2  # a path that is not there says so
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'typo'} does not exist: give a run dir or a checkpoint folder" in err and err.count("\n") == 1
 
 
 def test_context_sets_the_window_up_to_the_models_maximum(trained_run, capsys):

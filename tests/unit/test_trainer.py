@@ -327,3 +327,13 @@ def test_a_failing_watchdog_close_keeps_the_runs_own_error_and_frees_the_run_dir
         trainer.train()
     assert signal.getsignal(signal.SIGTERM) == before
     assert Trainer(tiny_config()).build().step == 0  # the dir is free again
+
+
+def test_a_relaunch_of_a_finished_run_says_there_is_nothing_to_train(tiny_config, tmp_path):
+    """A requeue or a rerun of a run that reached train.steps trains nothing and exits 0, as it
+    may; the resume record says so instead of the run ending silently."""
+    Trainer(tiny_config("train.steps=6", "train.eval_interval=0")).build().train()
+    Trainer(tiny_config("train.steps=6", "train.eval_interval=0")).build().train()
+    resumed = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "resume"]
+    assert [(r["step"], r.get("note", "")) for r in resumed] == [(6, "train.steps reached: nothing to train (raise it "
+                                                                      "to go on)")]

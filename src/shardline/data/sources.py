@@ -243,7 +243,8 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
             elif isinstance(value, str):
                 yield _encodable(f, n, value)
             else:
-                raise DataError(f"data file {f} line {n} has no string field {field!r} (set data.text_field)")
+                raise DataError(f"data file {f} line {n} has no string field {field!r} (set data.text_field; "
+                                "prepare: --text-field)")
 
 
 def _encodable(f: Path, n: int, text: str) -> str:
@@ -299,7 +300,7 @@ def _read_table(f: Path, field: str, kind: str) -> Iterator:
             wrong = next((v for v in values if not isinstance(v, str)), None)
             if wrong is not None:
                 raise DataError(f"data file {f}: column {field!r} holds {type(wrong).__name__} values, not text "
-                                "(set data.text_field to a text column)")
+                                "(set data.text_field to a text column; prepare: --text-field)")
             yield from values
     except DataError:
         raise
@@ -333,5 +334,5 @@ def _arrow_batches(f: Path, field: str, kind: str) -> Iterator:
 
 def _require_column(f: Path, field: str, columns: list[str]) -> None:
     if field not in columns:
-        raise DataError(f"data file {f} has no column {field!r} (set data.text_field; it has "
-                        f"{', '.join(columns[:8])})")
+        raise DataError(f"data file {f} has no column {field!r} (set data.text_field; prepare: --text-field; it "
+                        f"has {', '.join(columns[:8])})")

@@ -48,6 +48,8 @@ def resolve_checkpoint(src: Path) -> Path:
     """A checkpoint folder as given, or the newest valid checkpoint of a run dir."""
     if (src / "manifest.json").is_file():
         return src
+    if not src.exists():
+        raise CheckpointError(f"{src} does not exist: give a run dir or a checkpoint folder (RUN/checkpoints/step-N)")
     latest = Checkpointer(src, keep=1).latest_valid()
     if latest is None:
         raise CheckpointError(f"{src} is neither a checkpoint folder nor a run dir holding a valid checkpoint")

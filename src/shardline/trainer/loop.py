@@ -169,8 +169,10 @@ class Trainer(SavedState, AnomalyResponse):
         if self._lock_taken_over:
             self.metrics.event("run_dir_lock_taken_over", step=self.step, reason=self._lock_taken_over)
         if resumed is not None:
+            done = {"note": "train.steps reached: nothing to train (raise it to go on)"} if self.step >= \
+                self.cfg.train.steps else {}  # a relaunch (a requeue) of a finished run: said, not silent
             self.metrics.event("resume", step=self.step, checkpoint=resumed,
-                               recomputed_steps=self.guard.goodput.recomputed_from(self.step))
+                               recomputed_steps=self.guard.goodput.recomputed_from(self.step), **done)
             if self._optim_changes:  # {key: [saved, now]}: the config's values apply from here on
                 self.metrics.event("optim_changed", step=self.step, **self._optim_changes)
 
@@ -307,12 +309,9 @@ class Trainer(SavedState, AnomalyResponse):
             return self._step_checked_on_device(step, loss, grad_norm)
         loss_value = self.guard.faults.corrupt_loss(step, self.steps.global_loss(loss).item())
         anomaly = self._detect_anomaly(loss_value, grad_norm)
-        if anomaly is not None:
-            if self._handle_anomaly(step, *anomaly):
-                return loss_value, grad_norm, "rolled_back"
-            outcome = "anomaly"
-        else:
-            outcome = "overflow" if self.apply_update() else "updated"
+        if anomaly is not None and self._handle_anomaly(step, *anomaly):
+            return loss_value, grad_norm, "rolled_back"
+        outcome = "anomaly" if anomaly is not None else "overflow" if self.apply_update() else "updated"
         self.step = step
         return loss_value, grad_norm, outcome
 
