@@ -125,7 +125,10 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.direction == "to-hf":  # which checkpoint a run dir gave (its newest valid one)
         from shardline.interop.hf_files import EXPORT_MARK
 
-        what = f"an HF folder of {json.loads((written / EXPORT_MARK).read_text()).get('checkpoint')}"
+        try:
+            what = f"an HF folder of {json.loads((written / EXPORT_MARK).read_text())['checkpoint']}"
+        except (OSError, ValueError, KeyError, TypeError):  # written all the same: not worth a traceback
+            what = "an HF folder"
     if args.direction == "to-hf" and not (written / "tokenizer.json").is_file():
         what += ", without a tokenizer: none beside the checkpoint or in its run dir; give --tokenizer"
     print(f"wrote {written} ({what})")
@@ -214,14 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _leave(error: ShardlineError, what: str, code: int) -> int:
     """The error's one line, then its exit code. Ranks that stopped alike (a halt, a stop, an
-    agreed refusal) print it once, on rank 0, and leave the process group together: one exiting
-    first could make a peer's gloo teardown abort."""
-    if not error.every_rank or os.environ.get("RANK", "0") == "0":
-        print(f"shardline: {what}: {error}", file=sys.stderr)
-    if error.every_rank:
-        from shardline.parallel.distributed import leave_together
+    agreed refusal) print it once, on rank 0, and leave the process group together
+    (parallel.distributed.leave_together)."""
+    line = f"shardline: {what}: {error}"
+    if not error.every_rank:
+        print(line, file=sys.stderr)
+        return code
+    from shardline.parallel.distributed import leave_together
 
-        leave_together(code)
+    leave_together(line, code)
     return code
 
 

@@ -219,7 +219,8 @@ def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, add_bos: b
     if not vocab_known:
         args = dataclasses.replace(args, vocab_size=saved.vocab_size)
     changed = _weight_changes(saved, args)
-    vocab = "; the vocabulary is the tokenizer's (data.path, data.tokenizer, data.vocab_size differ from the run's)"
+    vocab = ("; a vocabulary follows the tokenizer (data.path, data.tokenizer, data.vocab_size) unless "
+             "model.vocab_size sets it")
     if changed:
         raise CheckpointError(f"checkpoint {path} holds a model of another shape ({', '.join(changed)})"
                               f"{vocab if any(c.startswith('vocab_size') for c in changed) else ''}; drop those "

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardline.config import load_config
-from shardline.errors import CheckpointError, ConfigError
+from shardline.errors import CheckpointError, ConfigError, DataError, ShardlineError
 from shardline.parallel.distributed import agreed
 from shardline.resilience.checkpoint import Checkpointer, write_state
 from shardline.resilience.recovery import agree_on_resume, rank0_decides, resume_path
@@ -100,6 +100,14 @@ def _two_saves(rank: int, world: int, port: int, root: str) -> None:
             outcomes.append(agreed(stale_handle, world))
         except Exception as e:
             outcomes.append(f"{type(e).__name__}: {e}")
+
+        def each_its_own():  # another cause on each rank: only rank 0 prints, so its line names both
+            raise (ConfigError("bad key here") if rank == 0 else DataError("no data there"))
+
+        try:
+            agreed(each_its_own, world)
+        except ShardlineError as e:
+            outcomes.append(f"{type(e).__name__}: {e} (every_rank={e.every_rank})")
         (Path(root) / f"rank{rank}.json").write_text(json.dumps([*outcomes, int(flag)]))
     finally:
         dist.destroy_process_group()
@@ -115,10 +123,13 @@ def test_a_save_that_fails_on_one_rank_fails_on_both(tmp_path):
     never = f"run.resume='never' but {tmp_path / 'run'} already holds checkpoints that a new run would overwrite; " \
             "choose another run.dir or remove them"
     stale = "OSError: [Errno 116] Stale file handle"
+    both = ["ConfigError: bad key here; also on rank 1: no data there (every_rank=True)",
+            "DataError: no data there; also on rank 0: bad key here (every_rank=True)"]
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [
-        [*first, "CheckpointError", "step-000003", blind, True, never, f"ShardlineError: on rank 1: {stale}", 1],
+        [*first, "CheckpointError", "step-000003", blind, True, never, f"ShardlineError: on rank 1: {stale}", both[0],
+         1],
         [*first, "ValueError", "step-000003", blind, True, f"on rank 0: {never}", f"ShardlineError: on rank 1: {stale}",
-         1]]
+         both[1], 1]]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["run", "step-000001", "step-000003"]
 
 

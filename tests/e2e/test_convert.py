@@ -34,7 +34,8 @@ def test_checkpoint_to_hf_and_back(tiny_config, tmp_path, monkeypatch, capsys):
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(hf_dir)]) == 0
     assert hashed.count("meta.json") == 1  # the checkpoint's files hashed once (three times: minutes at 70B)
     # which checkpoint of the run dir it exported (its newest valid one)
-    assert f"(an HF folder of {tmp_path / 'run' / 'checkpoints' / 'step-000006'})" in capsys.readouterr().out
+    newest = (tmp_path / "run" / "checkpoints" / "step-000006").resolve()
+    assert f"(an HF folder of {newest})" in capsys.readouterr().out
     monkeypatch.undo()
     # a checkpoint folder named directly is checked too (a run dir's newest is checked as it is chosen)
     named = tmp_path / "named"

@@ -44,3 +44,19 @@ def test_prepare_errors_are_one_line(tmp_path, capsys):
     assert main(["train", "--dry-run", f"--data.path={tmp_path / 'p'}"]) == 2
     err = capsys.readouterr().err
     assert "unfinished prepared folder" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_short_held_out_split_is_named_when_prepared(tmp_path, capsys):
+    """A .txt file whose paragraphs are one blank line apart is one document: a tiny held-out
+    split, named by prepare itself (before, first by a training start that refused it)."""
+    text = tmp_path / "notes.txt"
+    text.write_text("\n\n".join(f"paragraph {i} about the history of the city and its river" for i in range(400)))
+    out = tmp_path / "prep"
+    assert main(["prepare", str(text), "--out", str(out), "--vocab-size", "300", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "note: the held-out split is" in err and "(1 read; a .txt file's documents end at two blank lines)" in err
+    spaced = tmp_path / "spaced.txt"
+    spaced.write_text("\n\n\n".join(f"document {i}: " + "the city and its river " * 40 for i in range(400)))
+    assert main(["prepare", str(spaced), "--out", str(tmp_path / "prep2"), "--vocab-size", "300", "--val-fraction",
+                 "0.1", "--quiet"]) == 0
+    assert "note: the held-out split" not in capsys.readouterr().err

@@ -53,19 +53,21 @@ LEAVER = """
 import sys, time
 import torch.distributed as dist
 from shardline.parallel.distributed import leave_together
-rank, port, peer_leaves = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+rank, port, leaving = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-if rank == 0 or peer_leaves:
-    leave_together(7, timeout_s=3)
+if str(rank) in leaving:
+    leave_together("shardline: halted: the line", 7, timeout_s=3)
     sys.exit(0)
 time.sleep(60)  # a peer that failed otherwise and never comes
 """
 
 
-@pytest.mark.parametrize("peer_leaves", [True, False])
-def test_ranks_that_stopped_alike_leave_together_and_a_missing_peer_holds_none_long(peer_leaves):
-    """Both leave: each exits at once (0). The peer never comes: the rank waits at most its
-    timeout, then exits with the code it was leaving with (7), instead of the group's."""
+@pytest.mark.parametrize("leaving", ["0,1", "0", "1"])
+def test_ranks_that_stopped_alike_leave_together_and_a_missing_peer_holds_none_long(leaving):
+    """Both leave: each exits at once (0), the line printed once, by rank 0. A peer never comes:
+    the rank waits at most its timeout, then exits with the code it was leaving with (7) instead
+    of waiting for the group's; a rank 1 left alone prints the line itself (rank 0 may be gone
+    before it spoke)."""
     import subprocess
     import sys
     import time
@@ -73,15 +75,19 @@ def test_ranks_that_stopped_alike_leave_together_and_a_missing_peer_holds_none_l
     from tests.ports import free_port
 
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", LEAVER, str(r), port, "1" if peer_leaves else "0"])
-             for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-c", LEAVER, str(r), port, leaving], stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
     try:
         start = time.monotonic()
-        code = procs[0].wait(timeout=60)
+        leaver = procs[int(leaving[-1])]  # one that leaves
+        code = leaver.wait(timeout=60)
         waited = time.monotonic() - start
-        assert code == (0 if peer_leaves else 7) and (waited < 30), (code, waited)
-        if peer_leaves:
-            assert procs[1].wait(timeout=30) == 0
+        assert code == (0 if leaving == "0,1" else 7) and waited < 30, (code, waited)
+        if leaving == "0,1":
+            assert procs[0].wait(timeout=30) == 0
+        said = [p.communicate(timeout=5)[1].count("shardline: halted: the line") if p.poll() is not None else 0
+                for p in procs]
+        assert said == {"0,1": [1, 0], "0": [1, 0], "1": [0, 1]}[leaving], said
     finally:
         for p in procs:
             p.kill()

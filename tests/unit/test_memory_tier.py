@@ -4,6 +4,7 @@ parity and replica codes on real gloo ranks, and the files' integrity checks."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardline.errors import CheckpointError
 from shardline.resilience import redundancy
 from shardline.resilience.memory_tier import MemoryTier, choose_step
 from tests.distributed.harness import start_ranks
@@ -330,3 +332,25 @@ def test_a_memory_dir_that_cannot_be_made_is_one_line(tiny_config, tmp_path):
     with pytest.raises(CheckpointError, match=r"checkpoint.memory_dir: cannot create .*shm.* on this node"):
         Trainer(tiny_config("checkpoint.memory_interval=2", f"checkpoint.memory_dir={tmp_path / 'shm'}")).build()
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_run_whose_disk_checkpoints_are_all_damaged_resumes_from_a_newer_ram_snapshot(tiny_config, tmp_path):
+    """No valid checkpoint on disk but a snapshot held in RAM (newer): auto resumes from it (a
+    restart after a crash), and is refused only where no state at all is left."""
+    from shardline.trainer import Trainer
+
+    shm = f"checkpoint.memory_dir={tmp_path / 'shm'}"
+    common = ["train.steps=12", "checkpoint.interval=6", "checkpoint.memory_interval=2", "train.eval_interval=0", shm]
+    first = Trainer(tiny_config(*common, "train.stop_at_step=8")).build()
+    save = first.tiers.save  # the last save refused (as under checkpoint.on_error=continue): RAM keeps step 8
+    first.tiers.save = lambda step, *rest: None if step == 8 else save(step, *rest)
+    first.train()
+    held = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in held.iterdir()) == ["step-000006"]
+    (held / "step-000006" / "meta.json").write_text("{}")
+    resumed = Trainer(tiny_config(*common)).build()
+    assert resumed.step == 8
+    resumed.lock.release()
+    shutil.rmtree(tmp_path / "shm")  # with no state left at all, the start is refused
+    with pytest.raises(CheckpointError, match="holds checkpoints but none is valid"):
+        Trainer(tiny_config(*common)).build()

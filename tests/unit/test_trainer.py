@@ -272,7 +272,7 @@ def test_the_resume_check_reads_the_saved_step_and_shape_apart(tiny_config, tmp_
     assert "tokenizer" not in str(deeper.value)
     other_vocab = dataclasses.replace(args, vocab_size=args.vocab_size + 64)
     # A vocabulary changes with the data, not a [model] key: the line says where it comes from.
-    with pytest.raises(CheckpointError, match=r"vocab_size.*the vocabulary is the tokenizer's \(data.path"):
+    with pytest.raises(CheckpointError, match=r"vocab_size.*a vocabulary follows the tokenizer \(data.path"):
         check_resume_fits(path, other_vocab, 2)
     check_resume_fits(path, other_vocab, 2, vocab_known=False)
 
@@ -335,5 +335,5 @@ def test_a_relaunch_of_a_finished_run_says_there_is_nothing_to_train(tiny_config
     Trainer(tiny_config("train.steps=6", "train.eval_interval=0")).build().train()
     Trainer(tiny_config("train.steps=6", "train.eval_interval=0")).build().train()
     resumed = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "resume"]
-    assert [(r["step"], r.get("note", "")) for r in resumed] == [(6, "train.steps reached: nothing to train (raise it "
-                                                                      "to go on)")]
+    assert [(r["step"], r.get("note", "")) for r in resumed] == [(6, "train.steps (or stop_at_step) reached: nothing "
+                                                                      "to train")]

@@ -37,6 +37,9 @@ def register(sub) -> None:
     p.set_defaults(func=_prepare)
 
 
+SHORT_VAL_TOKENS = 4096  # a held-out split below one sequence of a common train.seq_len
+
+
 def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise DataError(f"prepare takes no config overrides, got {' '.join(overrides)}")
@@ -53,6 +56,10 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"prepared {args.out}: train {tr['documents']:,} documents / {tr['tokens']:,} tokens in "
           f"{len(tr['shards'])} shard(s), val {va['documents']:,} / {va['tokens']:,}; {m['dtype']}, "
           f"vocab {m['vocab_size']:,}; train with --data.path={args.out}")
+    if va["tokens"] < SHORT_VAL_TOKENS:  # said now, not first at a training start that refuses it
+        print(f"note: the held-out split is {va['tokens']:,} tokens; a run evaluates on it only at train.seq_len <= "
+              f"that; hold out more (--val-fraction) or give more documents ({m['input_documents']:,} read; a .txt "
+              "file's documents end at two blank lines)", file=sys.stderr)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -122,21 +123,33 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def leave_together(exit_code: int, timeout_s: float = 60.0) -> None:
-    """shutdown_distributed() for ranks that stopped alike on an error (ShardlineError.every_rank),
-    after its line is printed. Bounded: a peer that never comes (it failed in another way) must
-    not hold this rank in the barrier (on NCCL, unwatched, for the group's timeout); after
-    `timeout_s` the process exits with `exit_code`, as it would have. A failure to leave is not
-    the error to report."""
+def leave_together(line: str, exit_code: int, timeout_s: float = 60.0) -> None:
+    """For ranks that stopped alike on an error (ShardlineError.every_rank): its one `line`
+    printed once, by rank 0, then the process group left together (shutdown_distributed). A rank
+    exiting first could make a peer's gloo teardown abort (SIGABRT). Bounded: a peer that never
+    comes (it failed in another way) must not hold this rank in the barrier (on NCCL, unwatched,
+    for the group's timeout); after `timeout_s` the process exits with `exit_code`, as it would
+    have. Where leaving fails or times out (rank 0 may be gone before it spoke), this rank prints
+    the line too; a failure to leave is not the error to report."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
     if not dist.is_initialized():
         return
-    timer = threading.Timer(timeout_s, os._exit, args=(exit_code,))
+
+    def alone(exit_now: bool = False) -> None:
+        if rank != 0:
+            print(line, file=sys.stderr, flush=True)
+        if exit_now:
+            os._exit(exit_code)
+
+    timer = threading.Timer(timeout_s, alone, args=(True,))
     timer.daemon = True
     timer.start()
     try:
         shutdown_distributed()
-    except Exception:  # noqa: BLE001 (a peer gone meanwhile: the error already printed stands)
-        pass
+    except Exception:  # noqa: BLE001 (a peer gone meanwhile: the error stands)
+        alone()
     finally:
         timer.cancel()
 
@@ -163,16 +176,27 @@ def agreed(check, world_size: int):
     if failure is not None:
         if isinstance(failure, OSError):  # storage, not a bug: the one line its peers print, not a traceback
             where = f"on rank {dist.get_rank()}: " if world_size > 1 else ""
-            error = errors.ShardlineError(f"{where}{type(failure).__name__}: {failure}")
+            error = errors.ShardlineError(f"{where}{type(failure).__name__}: {failure}{_also(outcomes, failure)}")
             raise errors.on_every_rank(error, together) from failure
-        raise errors.on_every_rank(failure, together) if one_line else failure
+        if not one_line:
+            raise failure
+        if _also(outcomes, failure):  # (the line is printed once, by rank 0: other ranks' causes in it too)
+            raise errors.on_every_rank(type(failure)(f"{failure}{_also(outcomes, failure)}"), together) from failure
+        raise errors.on_every_rank(failure, together)
     for rank, outcome in enumerate(outcomes):
         if outcome is not None:
             kind = getattr(errors, outcome[0], None)
+            text = f"on rank {rank}: {outcome[1]}{_also(outcomes, outcome[1])}"
             if isinstance(kind, type) and issubclass(kind, errors.ShardlineError):
-                raise errors.on_every_rank(kind(f"on rank {rank}: {outcome[1]}"), together)
+                raise errors.on_every_rank(kind(text), together)
             raise errors.on_every_rank(errors.ShardlineError(f"on rank {rank}: {outcome[0]}: {outcome[1]}"), together)
     return result
+
+
+def _also(outcomes: list, shown) -> str:
+    """The other causes the ranks failed with (up to two), besides the one `shown`."""
+    others = {o[1]: r for r, o in reversed(list(enumerate(outcomes))) if o is not None and o[1] != str(shown)}
+    return "".join(f"; also on rank {r}: {text}" for text, r in sorted(others.items(), key=lambda kv: kv[1])[:2])
 
 
 def ranks_differing(value, world_size: int) -> list[tuple[int, object, object]]:

@@ -38,18 +38,23 @@ def resume_path(cfg: Config, checkpointer: Checkpointer, repaired: bool = False)
     path = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
     if mode == "never" and restarted() and path is not None and saved_by_this_job(path):
         return path, invalid  # the first attempt started fresh; its restart goes on from what it saved
-    settled = path is None and (repaired or not checkpointer.interrupted_seals())  # (a repair may yet give one)
-    if mode == "latest" and settled:
+    if mode == "latest" and path is None and (repaired or not checkpointer.interrupted_seals()):
         raise CheckpointError(f"--resume given but {checkpointer.root} holds no valid checkpoint"
                               + (f" ({'; '.join(invalid)})" if invalid else ""))
-    if mode == "auto" and settled and invalid:  # a fresh start here would train over the run's history
-        raise CheckpointError(f"{checkpointer.root} holds checkpoints but none is valid ({'; '.join(invalid)}): "
-                              "nothing to resume, and no fresh start over them; fix or restore them and rerun, "
-                              "or start over in another run.dir")
     if mode == "never" and checkpointer.list():
         raise ConfigError(f"run.resume='never' but {cfg.run.dir} already holds checkpoints that a new run "
                           "would overwrite; choose another run.dir or remove them")
     return (None if mode == "never" else path), invalid
+
+
+def refuse_fresh_over_invalid(mode: str, found, invalid: list[str], root: Path) -> None:
+    """Under run.resume=auto, a start that found no state (no valid checkpoint, no snapshot in
+    RAM) where checkpoints failed to verify is refused: a fresh start would set them aside and
+    train over the run's history from step 0."""
+    if mode == "auto" and found is None and invalid:
+        raise CheckpointError(f"{root} holds checkpoints but none is valid ({'; '.join(invalid)}): nothing to "
+                              "resume, and no fresh start over them; fix or restore them and rerun, or start over "
+                              "in another run.dir")
 
 
 def named_resume_problem(mode: str) -> str | None:

@@ -47,7 +47,8 @@ from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name
 from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
-from shardline.resilience.recovery import agree_on_resume, memory_tier_resumable, rank0_decides
+from shardline.resilience.recovery import (agree_on_resume, memory_tier_resumable, rank0_decides,
+                                          refuse_fresh_over_invalid)
 from shardline.resilience.run_lock import RunLock
 from shardline.trainer.anomalies import AnomalyResponse
 from shardline.trainer.state import SavedState
@@ -85,8 +86,7 @@ class Trainer(SavedState, AnomalyResponse):
         # one node's missing folder say, stops every rank in one line instead of leaving them in a collective.
         launch, resume_from = self._agreed_inputs()
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
-        build = build_moe_model if self.model_args.moe else build_model
-        # One process builds a (one-rank) mesh too under offload, whose FSDP2 parameters are sharded.
+        build = build_moe_model if self.model_args.moe else build_model  # (offload: one process gets a mesh too)
         built = build(cfg, self.model_args, self.dims, self.device)
         # A fresh start as far as rank 0 can tell yet (the ranks agree: loading init_from is collective)
         # loads now, so a bad folder fails before the lock; a resume does not load what it replaces.
@@ -126,6 +126,8 @@ class Trainer(SavedState, AnomalyResponse):
                 # read (hashed: cached where this rank chose it) by every rank before the tiers' collectives
                 agreed(lambda: resume_from is None or self.checkpointer.verify(resume_from), self.proc.world_size)
                 found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
+                agreed(lambda: refuse_fresh_over_invalid(cfg.run.resume, found, self._invalid_checkpoints,
+                                                         self.checkpointer.root), self.proc.world_size)
                 self._set_aside = agreed(lambda: self._set_aside_newer(found), self.proc.world_size)  # before it
                 resumed = self._restore(found) if found is not None else None
                 if found is None and not starting_loaded:  # the checkpoint chosen before the lock is gone:
@@ -169,8 +171,8 @@ class Trainer(SavedState, AnomalyResponse):
         if self._lock_taken_over:
             self.metrics.event("run_dir_lock_taken_over", step=self.step, reason=self._lock_taken_over)
         if resumed is not None:
-            done = {"note": "train.steps reached: nothing to train (raise it to go on)"} if self.step >= \
-                self.cfg.train.steps else {}  # a relaunch (a requeue) of a finished run: said, not silent
+            done = {"note": "train.steps (or stop_at_step) reached: nothing to train"} if self.step >= min(
+                self.cfg.train.steps, self.cfg.train.stop_at_step or self.cfg.train.steps) else {}  # said, not silent
             self.metrics.event("resume", step=self.step, checkpoint=resumed,
                                recomputed_steps=self.guard.goodput.recomputed_from(self.step), **done)
             if self._optim_changes:  # {key: [saved, now]}: the config's values apply from here on
