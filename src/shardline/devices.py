@@ -52,6 +52,9 @@ PEAK_TFLOPS: dict[str, tuple[str, dict[str, float]]] = {
 # (two AVX2 FMA units) over the threads torch uses. It makes CPU MFU comparable
 # between runs on one machine, not with GPUs.
 _CPU_FLOP_PER_CYCLE, _CPU_HZ = 32, 3.0e9
+CPU_PEAK_ASSUMED = ("an assumed 3 GHz x 32 fp32 FLOP/cycle per torch thread: the log's mfu compares runs on this "
+                    "machine, not with GPUs, nor with `shardline estimate` (which prices a calibrated CPU profile); "
+                    "metrics.peak_tflops sets the machine's own")
 
 
 def cpu_peak_tflops() -> float:

@@ -21,7 +21,7 @@ from shardline.optim import ssd_offload
 from shardline.config import Config, ModelConfig, MoEConfig
 from shardline.data.shards import is_prepared, prepared_with_own_bpe
 from shardline.data.tokenizer import bos_prefix
-from shardline.devices import mfu_peak_dtype
+from shardline.devices import CPU_PEAK_ASSUMED, mfu_peak_dtype
 from shardline.errors import CheckpointError, ConfigError
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import hf_export_problem, read_hf_config
@@ -381,6 +381,8 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
                                          if copies else {})}))
     if cfg.optim.warmup_steps > cfg.train.steps:  # the lr peaks at the last step, never decays
         notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
+    if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's
+        notes.append(("mfu_peak_assumed", {"peak_tflops": peak, "why": CPU_PEAK_ASSUMED}))
     if peak is None and device_type == "cuda":
         notes.append(("mfu_unknown", {"device": gpu_name,
                                       "fix": f"set metrics.peak_tflops to its dense "

@@ -55,8 +55,8 @@ import torch.distributed as dist
 from shardline.parallel.distributed import leave_together
 rank, port, leaving = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-if str(rank) in leaving:
-    leave_together("shardline: halted: the line", 7, timeout_s=3)
+if str(rank) in leaving:  # (both leaving: a long limit, as a loaded machine may starve one for seconds)
+    leave_together("shardline: halted: the line", 7, timeout_s=30 if len(leaving) == 2 else 3)
     sys.exit(0)
 time.sleep(60)  # a peer that failed otherwise and never comes
 """

@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from shardline.config import load_config
+from shardline.devices import CPU_PEAK_ASSUMED
 from shardline.preflight import launch_notes
 
 FINETUNE = Path(__file__).parents[2] / "configs" / "finetune.toml"
@@ -13,7 +14,8 @@ FINETUNE = Path(__file__).parents[2] / "configs" / "finetune.toml"
 
 def test_an_unknown_gpu_and_idle_gpus_are_named_with_their_fix():
     plain = load_config(None, [])
-    assert launch_notes(plain, "cpu", 0.1, 1) == []
+    assert launch_notes(plain, "cpu", 0.1, 1) == [("mfu_peak_assumed", {"peak_tflops": 0.1, "why": CPU_PEAK_ASSUMED})]
+    assert launch_notes(load_config(None, ["metrics.peak_tflops=0.5"]), "cpu", 0.5, 1) == []  # the machine's own
     notes = dict(launch_notes(plain, "cuda", None, 1, "NVIDIA L40S", 4))
     assert notes.keys() == {"mfu_unknown", "one_gpu_of_several"}
     assert notes["mfu_unknown"]["device"] == "NVIDIA L40S" and "metrics.peak_tflops" in notes["mfu_unknown"]["fix"]
@@ -41,7 +43,7 @@ def test_a_shape_no_hf_family_has_is_named_at_the_start_not_at_the_export(tiny_c
     from shardline.trainer import Trainer
 
     tiny = get_preset("tiny")
-    assert launch_notes(load_config(None, []), "cpu", 0.1, 1, model=replace(tiny, qkv_bias=True)) == []
+    assert launch_notes(load_config(None, []), "cuda", 989.0, 1, model=replace(tiny, qkv_bias=True)) == []
     notes = dict(launch_notes(load_config(None, []), "cpu", 0.1, 1, model=replace(tiny, qkv_bias=True, qk_norm=True)))
     assert "a norm on each query and key head" in notes["not_exportable_to_hf"]["reason"]
     moe = get_preset("tiny-moe")
@@ -51,7 +53,7 @@ def test_a_shape_no_hf_family_has_is_named_at_the_start_not_at_the_export(tiny_c
     notes = dict(launch_notes(load_config(None, []), "cpu", 0.1, 1, model=moe))  # shared experts
     assert "shared_experts=1 has no Hugging Face" in notes["not_exportable_to_hf"]["reason"]
     mixtral = get_preset("mixtral-8x7b")
-    assert launch_notes(load_config(None, []), "cpu", 0.1, 1, model=mixtral) == []
+    assert launch_notes(load_config(None, []), "cuda", 989.0, 1, model=mixtral) == []
 
     cfg = tiny_config("train.steps=1", "model.qkv_bias=1", "model.qk_norm=1", "train.eval_interval=0")
     Trainer(cfg).build().train()

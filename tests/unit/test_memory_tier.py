@@ -348,8 +348,12 @@ def test_a_run_whose_disk_checkpoints_are_all_damaged_resumes_from_a_newer_ram_s
     held = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in held.iterdir()) == ["step-000006"]
     (held / "step-000006" / "meta.json").write_text("{}")
+    # A launch that cannot use those snapshots (another layout) is refused, and leaves them for one that can.
+    with pytest.raises(CheckpointError, match="holds checkpoints but none is valid"):
+        Trainer(tiny_config(*common, "parallel.sequence_parallel=false")).build()
     resumed = Trainer(tiny_config(*common)).build()
     assert resumed.step == 8
+    resumed.metrics.close()
     resumed.lock.release()
     shutil.rmtree(tmp_path / "shm")  # with no state left at all, the start is refused
     with pytest.raises(CheckpointError, match="holds checkpoints but none is valid"):

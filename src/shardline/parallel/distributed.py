@@ -141,6 +141,7 @@ def leave_together(line: str, exit_code: int, timeout_s: float = 60.0) -> None:
         if rank != 0:
             print(line, file=sys.stderr, flush=True)
         if exit_now:
+            sys.stdout.flush()  # (os._exit leaves buffers: the log's last lines on a pipe)
             os._exit(exit_code)
 
     timer = threading.Timer(timeout_s, alone, args=(True,))
@@ -189,13 +190,19 @@ def agreed(check, world_size: int):
             text = f"on rank {rank}: {outcome[1]}{_also(outcomes, outcome[1])}"
             if isinstance(kind, type) and issubclass(kind, errors.ShardlineError):
                 raise errors.on_every_rank(kind(text), together)
-            raise errors.on_every_rank(errors.ShardlineError(f"on rank {rank}: {outcome[0]}: {outcome[1]}"), together)
+            text = f"on rank {rank}: {outcome[0]}: {outcome[1]}{_also(outcomes, outcome[1])}"
+            raise errors.on_every_rank(errors.ShardlineError(text), together)
     return result
 
 
 def _also(outcomes: list, shown) -> str:
-    """The other causes the ranks failed with (up to two), besides the one `shown`."""
-    others = {o[1]: r for r, o in reversed(list(enumerate(outcomes))) if o is not None and o[1] != str(shown)}
+    """The other causes the ranks failed with (up to two), besides the one `shown` (a type named
+    where it is not one of shardline's errors)."""
+    def cause(o) -> str:
+        kind = getattr(errors, o[0], None)
+        return o[1] if isinstance(kind, type) and issubclass(kind, errors.ShardlineError) else f"{o[0]}: {o[1]}"
+
+    others = {cause(o): r for r, o in reversed(list(enumerate(outcomes))) if o is not None and o[1] != str(shown)}
     return "".join(f"; also on rank {r}: {text}" for text, r in sorted(others.items(), key=lambda kv: kv[1])[:2])
 
 

@@ -38,9 +38,12 @@ def resume_path(cfg: Config, checkpointer: Checkpointer, repaired: bool = False)
     path = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
     if mode == "never" and restarted() and path is not None and saved_by_this_job(path):
         return path, invalid  # the first attempt started fresh; its restart goes on from what it saved
-    if mode == "latest" and path is None and (repaired or not checkpointer.interrupted_seals()):
+    settled = path is None and (repaired or not checkpointer.interrupted_seals())  # (a repair may yet give one)
+    if mode == "latest" and settled:
         raise CheckpointError(f"--resume given but {checkpointer.root} holds no valid checkpoint"
                               + (f" ({'; '.join(invalid)})" if invalid else ""))
+    if settled and not cfg.checkpoint.memory_interval:  # no RAM tier to ask: refused before any weight is read
+        refuse_fresh_over_invalid(mode, None, invalid, checkpointer.root)
     if mode == "never" and checkpointer.list():
         raise ConfigError(f"run.resume='never' but {cfg.run.dir} already holds checkpoints that a new run "
                           "would overwrite; choose another run.dir or remove them")

@@ -175,7 +175,7 @@ class StateTiers:
 
     # ---- restoring --------------------------------------------------------------------
 
-    def resume_source(self, disk: Path | None, use_memory: bool):
+    def resume_source(self, disk: Path | None, use_memory: bool, check=None):
         """What a starting run restores (see newest()); `use_memory` false (a fresh run, or a
         first start from a named checkpoint: recovery.memory_tier_resumable) clears the
         snapshots held, which are of a history the run leaves. Called with the run dir locked."""
@@ -185,7 +185,7 @@ class StateTiers:
             use_memory = use_memory and not new
             if not use_memory:
                 self.memory.clear()
-        return self.newest(disk, use_memory=use_memory)
+        return self.newest(disk, use_memory=use_memory, check=check)
 
     def _run_id(self) -> tuple[str, bool]:
         """(the run dir's id, whether it was just made). The snapshots are keyed by the run
@@ -223,7 +223,7 @@ class StateTiers:
             return f"cannot write {path} ({e.strerror or e}), which names the run its in-memory snapshots belong to"
         return run_id, True
 
-    def newest(self, disk: Path | None, use_memory: bool = True):
+    def newest(self, disk: Path | None, use_memory: bool = True, check=None):
         """The in-memory snapshot (step, payload, sources) when it is at least as new as
         the disk checkpoint `disk`, else `disk` (None when there is neither).
 
@@ -235,6 +235,8 @@ class StateTiers:
         # (agreed: a rank whose view of the shared storage lags fails with its peers, not alone)
         disk_step = agreed(lambda: self.checkpointer.verify(disk)["step"], self.proc.world_size) if disk else 0
         found = memory if memory is not None and memory[0] >= disk_step else disk
+        if check is not None:  # a refusal of what was found (agreed) comes before any snapshot is dropped
+            agreed(lambda: check(found), self.proc.world_size)
         if self.memory is not None:  # newer snapshots (partial, or of another layout): a history left
             self.memory.discard_after(memory[0] if memory is not None and found is memory else disk_step)
         return found

@@ -125,9 +125,8 @@ class Trainer(SavedState, AnomalyResponse):
                 resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
                 # read (hashed: cached where this rank chose it) by every rank before the tiers' collectives
                 agreed(lambda: resume_from is None or self.checkpointer.verify(resume_from), self.proc.world_size)
-                found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg))
-                agreed(lambda: refuse_fresh_over_invalid(cfg.run.resume, found, self._invalid_checkpoints,
-                                                         self.checkpointer.root), self.proc.world_size)
+                found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg), check=lambda got: (
+                    refuse_fresh_over_invalid(cfg.run.resume, got, self._invalid_checkpoints, self.checkpointer.root)))
                 self._set_aside = agreed(lambda: self._set_aside_newer(found), self.proc.world_size)  # before it
                 resumed = self._restore(found) if found is not None else None
                 if found is None and not starting_loaded:  # the checkpoint chosen before the lock is gone:
