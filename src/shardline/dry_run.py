@@ -29,7 +29,7 @@ from shardline.parallel.compile import describe as describe_compile
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import Hardware, cuda_index, get_hardware, with_local_memory
 from shardline.planner.layout import Workload
-from shardline.planner.report import attention_words, mfu_words
+from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_words
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE
 from shardline.preflight import (
@@ -141,6 +141,7 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
             + _compile_pricing(work, launch.layout),
+            f"          {MEMORY_TERMS}",
             f"          {mfu_words(work)}",
             f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}"
             ], e.fits

@@ -339,7 +339,9 @@ def test_an_fp8_dry_run_on_a_cpu_prices_its_gemms_at_bf16(capsys, tmp_path):
     there and refused the launch with an error naming no config key."""
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--train.precision=fp8",
                  "--run.device=cpu"]) == 0
-    assert "per rank on cpu" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "per rank on cpu" in out
+    assert "params: the 16-bit weight copies compute uses (none in fp32); optimizer: the fp32 weights" in out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -29,6 +29,11 @@ def attention_words(work: Workload, hw: Hardware, ring: int = 1) -> str:
     return f"attention {kernel}: {100 * share:.0f}% of the s² scores computed ({docs})"
 
 
+# What two of the memory terms hold (ZeRO's accounting), which their names alone do not say.
+MEMORY_TERMS = ("params: the 16-bit weight copies compute uses (none in fp32); optimizer: the fp32 weights and "
+                "AdamW's two moments, 12 bytes a parameter")
+
+
 def mfu_words(work: Workload) -> str:
     """What MFU divides, the trainer's convention (devices.mfu_peak_dtype): fp8 against the bf16 peak."""
     return (f"MFU = model FLOPs (6N + 12·L·d·s, every score counted) / the {mfu_peak_dtype(work.precision)} "
@@ -74,7 +79,7 @@ def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
     for key, value in sorted(e.breakdown.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {key:<18} {value:10.4f}  {100 * value / e.step_time_s:5.1f}%")
     lines += ["", f"memory on the busiest rank at its peak (GiB; on a GPU the terms alive then), "
-                  f"capacity {e.capacity / GiB:.1f}:"]
+                  f"capacity {e.capacity / GiB:.1f} ({MEMORY_TERMS}):"]
     for key, value in e.memory.items():
         if key not in OUTSIDE_DEVICE:
             lines.append(f"  {key:<18} {value / GiB:10.3f}")
