@@ -243,11 +243,14 @@ def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator)
     return int(torch.multinomial(probs, 1, generator=draw))
 
 
-def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32", context: int = 0) -> Generator:
+def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32", context: int = 0,
+                   tokenizer: str = "") -> Generator:
     """The newest valid checkpoint of a run dir (or a checkpoint folder), ready to sample;
-    its files hashed once. `context` (0: the run's train.seq_len): the tokens the model sees."""
+    its files hashed once. `context` (0: the run's train.seq_len): the tokens the model sees;
+    `tokenizer` (a tokenizer.json or its folder; "": the one beside it or in its run dir)."""
     from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
     from shardline.interop.convert import beside_checkpoint, checkpoint_tokenizer, resolve_checkpoint
+    from shardline.interop.hf_files import tokenizer_file
     from shardline.interop.hf import empty_model
     from shardline.interop.hf_files import GENERATION_NAME
     from shardline.models.factory import args_from_json
@@ -264,10 +267,10 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     if ckpt == Path(src):
         verify(ckpt)
     meta = json.loads((ckpt / "meta.json").read_text())
-    tok_path = checkpoint_tokenizer(ckpt)
+    tok_path = tokenizer_file(tokenizer) if tokenizer else checkpoint_tokenizer(ckpt)
     if tok_path is None:
-        raise CheckpointError(f"{ckpt}: no tokenizer.json beside it or in the run dir that saved it; copy the "
-                              "run's tokenizer.json into the checkpoint folder")
+        raise CheckpointError(f"{ckpt}: no tokenizer.json beside it or in the run dir that saved it; give "
+                              "--tokenizer (the run's tokenizer.json), or copy it into the checkpoint folder")
     tokenizer = load_tokenizer(str(tok_path))
     args = args_from_json(meta["model_args"])
     if args.moe is not None:  # dropless (module doc); the weights do not depend on it
@@ -312,12 +315,13 @@ def _ids(*found) -> set[int]:
 
 
 def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "auto", as_json: bool = False,
-             dtype: str = "float32", bos: bool = False, chat: bool = False, system: str = "", context: int = 0) -> str:
+             dtype: str = "float32", bos: bool = False, chat: bool = False, system: str = "", context: int = 0,
+             tokenizer: str = "") -> str:
     """`shardline generate`'s output: the prompt and its continuation (with --chat, the reply
     alone), or one JSON object (with --chat, the rendered prompt the model was given too)."""
     opts.check()
     check_chat_flags(bos, chat, system)  # before the weights are read
-    gen = load_generator(src, device, dtype, context)
+    gen = load_generator(src, device, dtype, context, tokenizer)
     text = gen.complete(prompt, opts, bos, chat, system)
     if as_json:
         stop, stop_text = gen.turn_end() if chat else (gen.stop, "")
@@ -352,6 +356,8 @@ def register(sub) -> None:
                                                        "tokenizer (for a checkpoint pretrained with one)")
     p.add_argument("--context", type=int, default=0, help="tokens the model sees at most (default: the run's "
                                                            "train.seq_len; up to the model's max_seq_len)")
+    p.add_argument("--tokenizer", default="", help="the tokenizer.json (or its folder) the checkpoint was trained "
+                                                   "with (default: the one beside it, else its run dir's)")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt, completion, options")
     p.set_defaults(func=_command)
 
@@ -361,5 +367,5 @@ def _command(args, overrides: list[str]) -> int:
         raise ConfigError(f"generate takes no config overrides, got {' '.join(overrides)}")
     opts = SampleOptions(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     print(generate(args.src, args.prompt, opts, args.device, args.json, args.dtype, args.bos, args.chat, args.system,
-                   args.context))
+                   args.context, args.tokenizer))
     return 0

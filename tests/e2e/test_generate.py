@@ -13,7 +13,7 @@ from shardline.cli import main
 from shardline.config import load_config
 from shardline.data.encode import encode_chat
 from shardline.data.tokenizer import eos_id
-from shardline.generate import KVCache, SampleOptions, load_generator, next_token
+from shardline.generate import KVCache, SampleOptions, generate, load_generator, next_token
 from shardline.models.llama.model import sdpa_attention
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides
@@ -372,3 +372,17 @@ def test_context_sets_the_window_up_to_the_models_maximum(trained_run, capsys):
         assert main(["generate", *args, "--context", bad]) == 2
         assert message in capsys.readouterr().err
     assert main(["generate", *args, "--context", "16"]) == 0
+
+
+def test_a_checkpoint_moved_from_its_run_generates_with_a_given_tokenizer(trained_run, tmp_path, capsys):
+    """Neither beside it nor in a run dir: the line names --tokenizer, which then gives the run's
+    text (as convert's --tokenizer does)."""
+    ckpt = sorted((trained_run / "checkpoints").iterdir())[-1]
+    moved = tmp_path / "moved"
+    shutil.copytree(ckpt, moved)
+    args = ["generate", str(moved), "--max-new-tokens", "4", "--temperature", "0", "--device", "cpu"]
+    assert main(args) == 2
+    assert "give --tokenizer (the run's tokenizer.json)" in capsys.readouterr().err
+    assert main([*args, "--tokenizer", str(trained_run)]) == 0  # its folder, or the file
+    assert capsys.readouterr().out == generate(trained_run, "The", SampleOptions(max_new_tokens=4, temperature=0),
+                                               "cpu") + "\n"
