@@ -341,7 +341,7 @@ def test_an_fp8_dry_run_on_a_cpu_prices_its_gemms_at_bf16(capsys, tmp_path):
                  "--run.device=cpu"]) == 0
     out = capsys.readouterr().out
     assert "per rank on cpu" in out
-    assert "params: the 16-bit weight copies compute uses (none in fp32); optimizer: the fp32 weights" in out
+    assert "params: autocast's 16-bit weight copies alive at the peak (none in fp32;" in out
 
 
 @pytest.mark.parametrize("argv, message", [
