@@ -23,7 +23,7 @@ from shardline.optim import ssd_offload, windowed
 from shardline.config import load_config
 from shardline.dry_run import dry_run
 from shardline.errors import ConfigError
-from shardline.preflight import launch_notes
+from shardline.launch_notes import launch_notes
 from shardline.optim.ssd_offload import IN_MEMORY, SSDAdamW, filesystem, problem
 from shardline.trainer import Trainer
 from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, gloo_rank, outcome, start_ranks

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from shardline.config import load_config
 from shardline.devices import CPU_PEAK_ASSUMED
-from shardline.preflight import launch_notes
+from shardline.launch_notes import launch_notes
 
 FINETUNE = Path(__file__).parents[2] / "configs" / "finetune.toml"
 
@@ -59,3 +59,13 @@ def test_a_shape_no_hf_family_has_is_named_at_the_start_not_at_the_export(tiny_c
     Trainer(cfg).build().train()
     events = [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
     assert [e for e in events if e.get("event") == "not_exportable_to_hf"]
+
+
+def test_half_precision_on_a_cpu_is_named_as_likely_slower():
+    """Allowed (it runs the GPU's path), but a user saw bf16 at 2.2x fp32's step time with no word."""
+    notes = dict(launch_notes(load_config(None, ["train.precision=bf16"]), "cpu", 0.1, 1))
+    assert notes["half_precision_on_cpu"]["precision"] == "bf16" and "fp32" in notes["half_precision_on_cpu"]["why"]
+    assert "half_precision_on_cpu" not in dict(launch_notes(load_config(None, ["train.precision=bf16"]), "cuda",
+                                                            989.0, 1))
+    assert "half_precision_on_cpu" not in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cpu",
+                                                            0.1, 1))

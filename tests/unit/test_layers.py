@@ -26,7 +26,7 @@ LAYERS = [
     {"optim", "precision", "metrics", "devices", "profiling"},
     {"resilience"},
     {"interop"},
-    {"preflight"},
+    {"preflight", "launch_notes"},
     {"trainer", "planner"},
     {"simulator", "dry_run", "generate"},
     {"cli"},

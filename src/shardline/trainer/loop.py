@@ -41,7 +41,8 @@ from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.pipeline import tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler
-from shardline.preflight import gone_start_checkpoint, launch_notes
+from shardline.launch_notes import launch_notes
+from shardline.preflight import gone_start_checkpoint
 from shardline.profiling import StepProfiler, configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer, step_dir_name

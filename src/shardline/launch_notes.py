@@ -1,0 +1,60 @@
+"""What a launch tells its user as it starts: what it does that the user may not expect
+(an assumed CPU peak, an unknown GPU's, idle GPUs, a pretraining lr on trained weights, a
+shape the HF export refuses, ...). Events, logged once; nothing here is refused (that is
+preflight.py's)."""
+
+from __future__ import annotations
+
+from shardline.config import Config
+from shardline.devices import CPU_PEAK_ASSUMED, mfu_peak_dtype
+from shardline.interop.hf_config import hf_export_problem
+from shardline.models.llama import ModelArgs
+
+
+# Above this a run from trained weights likely undoes their training: fine-tunes commonly take
+# 1e-5 to 1e-4 (the default optim.lr, 3e-3, suits the tiny preset trained from scratch).
+FINE_TUNE_LR_LIMIT = 1e-3
+
+
+def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: int, gpu_name: str = "",
+                 gpus: int = 0, model: ModelArgs | None = None) -> list[tuple[str, dict]]:
+    """(event, fields) of what a launch does that its user may not expect, logged as it starts:
+    nothing is refused. `peak`: the device's peak TFLOP/s (None: unknown, so no MFU); on CUDA,
+    `gpu_name` is the device's name and `gpus` the number of GPUs the machine shows; `model`
+    the shape the run trains."""
+    notes = []
+    problem = hf_export_problem(model) if model is not None else None
+    if problem:  # it trains, but only the export would say so, after the run
+        notes.append(("not_exportable_to_hf", {"reason": f"{problem}: `shardline convert to-hf` will refuse "
+                                                         "this run's checkpoints"}))
+    if cfg.memory.cpu_offload and device_type == "cpu":  # allowed: it runs the path a GPU runs
+        notes.append(("cpu_offload_saves_nothing",
+                      {"reason": "the states are in host memory already; FSDP2's offload path runs unpinned"}))
+    if cfg.memory.ssd_offload_dir:  # and what puts the moments back in RAM, which the user may not expect
+        copies = [k for k, on in (("checkpoint.mode=async", cfg.checkpoint.mode == "async"),
+                                  ("the in-memory tier", cfg.checkpoint.memory_interval > 0)) if on]
+        notes.append(("ssd_offload", {"folder": cfg.memory.ssd_offload_dir,
+                                      "moments": "AdamW's, in unlinked files mapped from there (host RAM: cache)",
+                                      **({"ram_copies": f"{' and '.join(copies)} copy them into RAM at each save"}
+                                         if copies else {})}))
+    if cfg.optim.warmup_steps > cfg.train.steps:  # the lr peaks at the last step, never decays
+        notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
+    if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's
+        notes.append(("mfu_peak_assumed", {"peak_tflops": peak, "why": CPU_PEAK_ASSUMED}))
+    if device_type == "cpu" and cfg.train.precision in ("bf16", "fp16"):  # allowed: it runs what a GPU runs
+        notes.append(("half_precision_on_cpu", {"precision": cfg.train.precision, "why": "most CPUs have no "
+                      "16-bit matmul units: often slower than fp32 here (train.precision=fp32 on a CPU)"}))
+    if peak is None and device_type == "cuda":
+        notes.append(("mfu_unknown", {"device": gpu_name,
+                                      "fix": f"set metrics.peak_tflops to its dense "
+                                             f"{mfu_peak_dtype(cfg.train.precision)} peak (TFLOP/s); until then "
+                                             "the log has no mfu"}))
+    if device_type == "cuda" and world_size == 1 and gpus > 1:
+        notes.append(("one_gpu_of_several", {"gpus": gpus, "fix": f"torchrun --nproc_per_node={gpus} -m shardline "
+                                             "train ... trains on all of them"}))
+    start = cfg.model.hf_path or cfg.model.init_from
+    if start and cfg.optim.lr > FINE_TUNE_LR_LIMIT:
+        notes.append(("lr_high_for_trained_weights", {
+            "lr": cfg.optim.lr, "weights": start,
+            "fix": "fine-tunes commonly take optim.lr 1e-5 to 1e-4 (configs/finetune.toml)"}))
+    return notes
