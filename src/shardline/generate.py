@@ -7,8 +7,9 @@ tokenizer is the one beside it or in the run dir that saved it, as `convert to-h
 
 The prompt is encoded as the data pipeline encodes a document and is a document of its
 own, at positions from 0: after the tokenizer's BOS tokens when the run trained with them
-(data.add_bos); a checkpoint converted from an HF model, which has no run config to say
-so, takes them with `--bos`. With
+(data.add_bos for text; for chat data, where the chat template writes them at each
+conversation's start); a checkpoint converted from an HF model, which has no run config to
+say so, takes them with `--bos`. With
 `--chat` the prompt is a user's message instead (after `--system`'s, if given), rendered
 as chat training renders a conversation (the chat template beside the tokenizer, else
 ChatML) and followed by the header of the assistant's reply; the reply ends at the end
@@ -292,6 +293,9 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
         template, problem = chat_template_for(str(tok_path)), ""
     except DataError as e:  # (a plain prompt needs no template)
         template, problem = None, str(e)
+    if data.get("format") == "chat" and template is not None and bos_prefix(tokenizer):  # the template wrote the
+        head = encode_reply_prompt(tokenizer, _messages("x", ""), template)  # BOS each conversation starts with
+        trained_bos = head[:len(bos_prefix(tokenizer))] == bos_prefix(tokenizer)
     return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, bos, trained_bos, template, problem)
 
 

@@ -386,3 +386,39 @@ def test_a_checkpoint_moved_from_its_run_generates_with_a_given_tokenizer(traine
     assert main([*args, "--tokenizer", str(trained_run)]) == 0  # its folder, or the file
     assert capsys.readouterr().out == generate(trained_run, "The", SampleOptions(max_new_tokens=4, temperature=0),
                                                "cpu") + "\n"
+
+
+def test_a_chat_run_whose_template_writes_a_bos_prompts_with_it(trained_run, tmp_path):
+    """Chat training takes the BOS from the template (data.add_bos is text's): a plain prompt to
+    a run whose conversations each began with it starts with it too, as HF's tokenizer(text)
+    does for such a model (without, generate and the export disagreed from the first token)."""
+    from tokenizers import Tokenizer
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    shutil.copyfile(trained_run / "tokenizer.json", tok_dir / "tokenizer.json")
+    bos = "<|endoftext|>"
+    template = ("{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": bos}))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"tell me of the city {i}"},
+                                                      {"role": "assistant", "content": "the history of the river "
+                                                                                       * 3}]}) + "\n"
+                             for i in range(300)))
+    run = tmp_path / "chat_run"
+    Trainer(load_config(None, tiny_overrides(run, chats, "data.format=chat", f"data.tokenizer={tok_dir}/tokenizer.json",
+                                             "train.steps=2", "train.eval_interval=0"))).build().train()
+    # the tokenizer starts a text with the BOS, as a Llama 3 tokenizer does
+    from tokenizers import processors
+
+    tok = Tokenizer.from_file(str(run / "tokenizer.json"))
+    eos = eos_id(tok)
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, eos)])
+    tok.save(str(run / "tokenizer.json"))
+    shutil.copyfile(tok_dir / "tokenizer_config.json", run / "tokenizer_config.json")
+    gen = load_generator(run, "cpu")
+    assert gen.trained_bos and gen.encode(PROMPT)[0] == eos
+    (run / "tokenizer_config.json").write_text(json.dumps({"chat_template": template.replace("{{ bos_token }}", ""),
+                                                           "bos_token": bos}))
+    assert not load_generator(run, "cpu").trained_bos  # a template that writes none: none
