@@ -127,8 +127,25 @@ def check_config(cfg: Config) -> None:
     _raise(compile_problem(cfg.train.compile, cfg.parallel.pp, cfg.parallel.pp_schedule))
     _raise(float8.config_problem(cfg.train.precision, cfg.parallel.pp, cfg.parallel.pp_schedule))
     _raise(named_resume_problem(cfg.run.resume) if not restarted() else None)  # a restart may go on from its own
+    _raise(init_from_problem(cfg.model.init_from))
     if cfg.train.precision == "fp8":
         float8.require_torchao()  # (parallel/float8.py: its install line)
+
+
+def init_from_problem(init_from: str) -> str | None:
+    """model.init_from naming a folder that is no checkpoint, but what another key or form takes:
+    an HF folder (model.hf_path), or a run dir (one of its checkpoints). Its absence is not one
+    (gone_start_checkpoint: a run that started from it goes on without it)."""
+    path = Path(init_from) if init_from else None
+    if path is None or not path.is_dir() or (path / MANIFEST).is_file():
+        return None
+    if (path / "config.json").is_file():
+        return (f"model.init_from={init_from!r} is a Hugging Face folder: give it as model.hf_path (init_from takes "
+                "a shardline checkpoint, e.g. one `shardline convert from-hf` wrote)")
+    saved = Checkpointer(path, keep=1, is_writer=False).list() if (path / "checkpoints").is_dir() else []
+    if saved:
+        return f"model.init_from={init_from!r} is a run dir: name one of its checkpoints, e.g. {saved[-1]}"
+    return None
 
 
 def starting_shape(m: ModelConfig, stand_in: Path | None = None) -> ModelArgs | None:
@@ -166,6 +183,10 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
         raise ConfigError("moe.top_k=1 with renormalised weights gives every token the weight 1, so the "
                           "router would learn nothing from the loss; set moe.norm_topk=0 (the Switch "
                           "Transformer's gate: the chosen expert's score)")
+    if args.vocab_size < tokenizer_vocab and start is not None:  # the weights' rows are fixed: the tokenizer is wrong
+        raise ConfigError(f"the starting weights have {args.vocab_size} vocabulary rows, fewer than the tokenizer's "
+                          f"{tokenizer_vocab} tokens: data.tokenizer is not their model's; leave it unset (the "
+                          "weights' own tokenizer.json is used)")
     if args.vocab_size < tokenizer_vocab:
         raise ConfigError(f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer_vocab} tokens; set model.vocab_size >= {tokenizer_vocab}")

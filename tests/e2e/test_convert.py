@@ -345,3 +345,33 @@ def test_weights_without_a_tokenizer_refuse_a_new_one_for_raw_text(tmp_path, sma
         prepared = load_config(None, [start, f"data.path={chosen}"])
         use_model_tokenizer(prepared)
         assert prepared.data.tokenizer == ""
+
+
+def test_init_from_naming_an_hf_folder_or_a_run_dir_says_which_key_or_path_takes_it(tiny_config, tmp_path):
+    """Both read as a damaged checkpoint before ("is incomplete: no manifest.json")."""
+    from shardline.preflight import check_config
+
+    hf = _bf16_hf_folder(tmp_path / "hf")
+    with pytest.raises(ConfigError, match=rf"model.init_from='{hf}' is a Hugging Face folder: give it as "
+                                          r"model.hf_path"):
+        check_config(tiny_config(f"model.init_from={hf}"))
+    Trainer(tiny_config("train.steps=6", "train.eval_interval=0")).build().train()
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match=rf"is a run dir: name one of its checkpoints, e.g. "
+                                          rf"{run / 'checkpoints' / 'step-000006'}"):
+        check_config(tiny_config(f"model.init_from={run}", run_dir=tmp_path / "other"))
+    check_config(tiny_config(f"model.init_from={run / 'checkpoints' / 'step-000006'}", run_dir=tmp_path / "other"))
+
+
+def test_a_tokenizer_larger_than_the_starting_weights_is_named_as_not_theirs(tiny_config, tmp_path, capsys):
+    """The advice was to raise model.vocab_size, which the weights then refused: a circle."""
+    from tokenizers import Tokenizer, models
+
+    hf = _bf16_hf_folder(tmp_path / "hf")  # 600 rows
+    big = tmp_path / "big.json"
+    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 999}, unk_token="[UNK]")).save(str(big))
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--model.hf_path={hf}",
+                 f"--data.tokenizer={big}"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # (torchao and the HF folder's writer may log lines first)
+    assert last.startswith("shardline: error: the starting weights have 600 vocabulary rows, fewer than the "
+                           "tokenizer's 1000 tokens: data.tokenizer is not their model's"), last
