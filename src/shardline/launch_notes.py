@@ -6,6 +6,8 @@ preflight.py's)."""
 from __future__ import annotations
 
 from shardline.config import Config
+from shardline.data import tokenizer_file
+from shardline.data.encode import CHAT_END, CHAT_START, chat_template_for
 from shardline.devices import CPU_PEAK_ASSUMED, mfu_peak_dtype
 from shardline.interop.hf_config import hf_export_problem
 from shardline.models.llama import ModelArgs
@@ -17,11 +19,11 @@ FINE_TUNE_LR_LIMIT = 1e-3
 
 
 def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: int, gpu_name: str = "",
-                 gpus: int = 0, model: ModelArgs | None = None) -> list[tuple[str, dict]]:
+                 gpus: int = 0, model: ModelArgs | None = None, tokenizer=None) -> list[tuple[str, dict]]:
     """(event, fields) of what a launch does that its user may not expect, logged as it starts:
     nothing is refused. `peak`: the device's peak TFLOP/s (None: unknown, so no MFU); on CUDA,
     `gpu_name` is the device's name and `gpus` the number of GPUs the machine shows; `model`
-    the shape the run trains."""
+    the shape the run trains; `tokenizer` the one it tokenizes with."""
     notes = []
     problem = hf_export_problem(model) if model is not None else None
     if problem:  # it trains, but only the export would say so, after the run
@@ -52,6 +54,12 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if device_type == "cuda" and world_size == 1 and gpus > 1:
         notes.append(("one_gpu_of_several", {"gpus": gpus, "fix": f"torchrun --nproc_per_node={gpus} -m shardline "
                                              "train ... trains on all of them"}))
+    if cfg.data.format == "chat" and tokenizer is not None and chat_template_for(tokenizer_file(cfg.data)) is None:
+        pieces = [m for m in (CHAT_START, CHAT_END) if tokenizer.token_to_id(m) is None]
+        notes.append(("chat_as_chatml", {
+            "why": "no chat template beside the tokenizer (tokenizer_config.json's chat_template, chat_template.jinja)",
+            **({"markers": f"{' and '.join(pieces)} are no tokens of this vocabulary: learned as pieces"}
+               if pieces else {}), "export": "convert to-hf writes the ChatML template into the HF folder"}))
     start = cfg.model.hf_path or cfg.model.init_from
     if start and cfg.optim.lr > FINE_TUNE_LR_LIMIT:
         notes.append(("lr_high_for_trained_weights", {

@@ -375,3 +375,24 @@ def test_a_tokenizer_larger_than_the_starting_weights_is_named_as_not_theirs(tin
     last = capsys.readouterr().err.splitlines()[-1]  # (torchao and the HF folder's writer may log lines first)
     assert last.startswith("shardline: error: the starting weights have 600 vocabulary rows, fewer than the "
                            "tokenizer's 1000 tokens: data.tokenizer is not their model's"), last
+
+
+def test_a_chatml_run_exports_the_chatml_template_transformers_renders_as_it_trained(tiny_config, tmp_path,
+                                                                                    small_prepared):
+    """Chat data without a template renders as ChatML: the export carries that template, so
+    apply_chat_template gives the text the run trained on (it had none: a ValueError)."""
+    from shardline.data.encode import render_chat, reply_prompt
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"tell me of the city {i}"},
+                                                      {"role": "assistant", "content": "the river " * 8}]}) + "\n"
+                             for i in range(300)))
+    tok = small_prepared / "tokenizer.json"
+    Trainer(tiny_config(f"data.path={chats}", "data.format=chat", f"data.tokenizer={tok}", "train.steps=2",
+                        "train.eval_interval=0")).build().train()
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert hf_tok.apply_chat_template(talk, tokenize=False) == render_chat(talk, None)
+    assert hf_tok.apply_chat_template(talk[:1], tokenize=False, add_generation_prompt=True) == \
+        reply_prompt(talk[:1], None)

@@ -69,3 +69,21 @@ def test_half_precision_on_a_cpu_is_named_as_likely_slower():
                                                             989.0, 1))
     assert "half_precision_on_cpu" not in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cpu",
                                                             0.1, 1))
+
+
+def test_chat_data_without_a_template_is_named_as_chatml(tmp_path):
+    """A user's chat run silently rendered ChatML, its markers split into byte pieces, and its
+    export had no chat template for transformers."""
+    import json
+
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    notes = dict(launch_notes(load_config(None, ["data.format=chat"]), "cuda", 989.0, 1, tokenizer=tok))
+    assert "<|im_start|> and <|im_end|> are no tokens" in notes["chat_as_chatml"]["markers"]
+    assert "convert to-hf writes the ChatML template" in notes["chat_as_chatml"]["export"]
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    with_template = load_config(None, ["data.format=chat", f"data.tokenizer={tmp_path / 'tokenizer.json'}"])
+    assert "chat_as_chatml" not in dict(launch_notes(with_template, "cuda", 989.0, 1, tokenizer=tok))
+    assert "chat_as_chatml" not in dict(launch_notes(load_config(None, []), "cuda", 989.0, 1, tokenizer=tok))

@@ -39,6 +39,10 @@ from tokenizers import Tokenizer
 from shardline.errors import DataError
 
 CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
+# The same rendering as a chat template, for an HF export of a run that chatted in ChatML.
+CHATML_TEMPLATE = ("{% for message in messages %}{{ '" + CHAT_START + "' + message['role'] + '\\n' + "
+                   "message['content'] + '" + CHAT_END + "' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                   "{{ '" + CHAT_START + "assistant\\n' }}{% endif %}")
 # Which tokens of a conversation are targets changed with this number (2: a reply's header
 # under a template is not one; 3: a message's fields beyond role and content, such as
 # tool_calls, reach the template; 4: a conversation is tokenized whole, not segment by segment):

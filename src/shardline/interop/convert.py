@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from shardline.data.encode import CHATML_TEMPLATE, chat_template_for
 from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
 from shardline.errors import CheckpointError
 from shardline.interop.hf import empty_model, from_hf_pretrained, to_hf_pretrained
@@ -77,11 +78,27 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
         eos = eos_id(tok) if eos is None else eos
         prefix = bos_prefix(tok)
         bos = prefix[0] if bos is None and len(prefix) == 1 else bos
-    return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=dtype,
-                            bos_token_id=bos, eos_token_id=eos,
-                            provenance={"checkpoint": str(ckpt.resolve())},
-                            kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf},
-                            generation_config=beside_checkpoint(ckpt, GENERATION_NAME))
+    written = to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=dtype,
+                               bos_token_id=bos, eos_token_id=eos,
+                               provenance={"checkpoint": str(ckpt.resolve())},
+                               kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf},
+                               generation_config=beside_checkpoint(ckpt, GENERATION_NAME))
+    chatted = meta.get("config", {}).get("data", {}).get("format") == "chat"
+    if chatted and tokenizer is not None and chat_template_for(str(tokenizer)) is None:
+        _write_chatml_template(written)  # what the run rendered its conversations with
+    return written
+
+
+def _write_chatml_template(folder: Path) -> None:
+    """A run that trained on chat data without a chat template rendered it as ChatML: its export
+    says so in tokenizer_config.json, so transformers' apply_chat_template renders what it learned."""
+    settings_path = folder / "tokenizer_config.json"
+    try:
+        settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+    except ValueError:
+        settings = {}
+    settings = settings if isinstance(settings, dict) else {}
+    settings_path.write_text(json.dumps({**settings, "chat_template": CHATML_TEMPLATE}, indent=2))
 
 
 def checkpoint_tokenizer(ckpt: Path) -> Path | None:

@@ -164,7 +164,7 @@ class Trainer(SavedState, AnomalyResponse):
             self.metrics.event("allocator", step=self.step, setting=self.allocator)
         gpu = (torch.cuda.get_device_name(self.device), torch.cuda.device_count()) if self.device.type == "cuda" else ()
         for note, fields in launch_notes(self.cfg, self.device.type, self.peak_tflops, self.proc.world_size, *gpu,
-                                         model=self.model_args):
+                                         model=self.model_args, tokenizer=self.data.tokenizer):
             self.metrics.event(note, step=self.step, **fields)
         self.profiler = StepProfiler(self.cfg.metrics.profile_steps, self.run_dir, self.proc.rank, self.device,
                                      self.step, self.cfg.train.steps, self.metrics.event)
