@@ -5,12 +5,15 @@ preflight.py's)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from shardline.config import Config
 from shardline.data import tokenizer_file
 from shardline.data.encode import CHAT_END, CHAT_START, chat_template_for
 from shardline.devices import CPU_PEAK_ASSUMED, mfu_peak_dtype
 from shardline.interop.hf_config import hf_export_problem
 from shardline.models.llama import ModelArgs
+from shardline.preflight import starting_shape
 
 
 # Above this a run from trained weights likely undoes their training: fine-tunes commonly take
@@ -61,6 +64,12 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             **({"markers": f"{' and '.join(pieces)} are no tokens of this vocabulary: learned as pieces"}
                if pieces else {}), "export": "convert to-hf writes the ChatML template into the HF folder"}))
     start = cfg.model.hf_path or cfg.model.init_from
+    trained = starting_shape(cfg.model).max_seq_len if start and Path(start).is_dir() else 0
+    if trained and cfg.train.seq_len > trained:  # allowed: RoPE reaches any position, as configured
+        notes.append(("context_extended", {
+            "seq_len": cfg.train.seq_len, "trained_positions": trained,
+            "note": "past the positions the starting weights were trained for (no RoPE scaling is added); the "
+                    "export records the longer max_position_embeddings"}))
     if start and cfg.optim.lr > FINE_TUNE_LR_LIMIT:
         notes.append(("lr_high_for_trained_weights", {
             "lr": cfg.optim.lr, "weights": start,

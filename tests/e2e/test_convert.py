@@ -396,3 +396,18 @@ def test_a_chatml_run_exports_the_chatml_template_transformers_renders_as_it_tra
     assert hf_tok.apply_chat_template(talk, tokenize=False) == render_chat(talk, None)
     assert hf_tok.apply_chat_template(talk[:1], tokenize=False, add_generation_prompt=True) == \
         reply_prompt(talk[:1], None)
+
+
+def test_a_seq_len_past_the_starting_weights_positions_is_named_at_the_start(tmp_path):
+    """Allowed (a context extension), but it was silent, and the export raised the recorded maximum."""
+    from shardline.config import load_config
+    from shardline.launch_notes import launch_notes
+
+    hf = _bf16_hf_folder(tmp_path / "hf")
+    trained = json.loads((hf / "config.json").read_text())["max_position_embeddings"]
+    longer = dict(launch_notes(load_config(None, [f"model.hf_path={hf}", f"train.seq_len={2 * trained}"]), "cuda",
+                               989.0, 1))
+    assert longer["context_extended"]["trained_positions"] == trained
+    assert longer["context_extended"]["seq_len"] == 2 * trained
+    within = load_config(None, [f"model.hf_path={hf}", f"train.seq_len={trained}"])
+    assert "context_extended" not in dict(launch_notes(within, "cuda", 989.0, 1))
