@@ -191,6 +191,9 @@ def test_convert_errors_exit_2(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["convert", "to-hf", str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
     assert "neither a checkpoint folder nor a run dir" in capsys.readouterr().err
+    (tmp_path / "empty" / "config.json").write_text("{}")  # an HF folder: the command that makes a checkpoint of it
+    assert main(["convert", "to-hf", str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
+    assert "is a Hugging Face folder, not a checkpoint: `shardline convert from-hf" in capsys.readouterr().err
     assert main(["convert", "from-hf", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     capsys.readouterr()
     hf = _bf16_hf_folder(tmp_path / "hf")

@@ -239,3 +239,11 @@ def test_count_labels_matches_batches(small_corpus):
     every = np.arange(len(train))
     ignored = len(train) * 64 - train.count_labels(every)
     assert ignored == int((train.batch(every)["labels"] == IGNORE_INDEX).sum()) > 0
+
+
+def test_a_tokenizer_folder_given_as_data_tokenizer_names_the_file_to_give(tmp_path):
+    from shardline.data.tokenizer import load_tokenizer
+
+    with pytest.raises(DataError, match=rf"data.tokenizer='{tmp_path}' is a folder: give the tokenizer.json in it "
+                                        rf"\({tmp_path / 'tokenizer.json'}\)"):
+        load_tokenizer(str(tmp_path))

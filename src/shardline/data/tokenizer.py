@@ -40,6 +40,9 @@ def cache_dir() -> Path:
 
 
 def load_tokenizer(path: str) -> Tokenizer:
+    if os.path.isdir(path):  # (a folder is the natural thing to give: say which file in it)
+        raise DataError(f"data.tokenizer={path!r} is a folder: give the tokenizer.json in it "
+                        f"({os.path.join(path, 'tokenizer.json')})")
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception for bad files

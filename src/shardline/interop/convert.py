@@ -52,6 +52,9 @@ def resolve_checkpoint(src: Path) -> Path:
     if not src.exists():
         raise CheckpointError(f"{src} does not exist: give a run dir or a checkpoint folder (RUN/checkpoints/step-N)")
     latest = Checkpointer(src, keep=1).latest_valid()
+    if latest is None and (src / "config.json").is_file():
+        raise CheckpointError(f"{src} is a Hugging Face folder, not a checkpoint: `shardline convert from-hf {src} "
+                              "DIR` makes one (or train from it with model.hf_path)")
     if latest is None:
         raise CheckpointError(f"{src} is neither a checkpoint folder nor a run dir holding a valid checkpoint")
     return latest
