@@ -294,8 +294,11 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     except DataError as e:  # (a plain prompt needs no template)
         template, problem = None, str(e)
     if data.get("format") == "chat" and template is not None and bos_prefix(tokenizer):  # the template wrote the
-        head = encode_reply_prompt(tokenizer, _messages("x", ""), template)  # BOS each conversation starts with
-        trained_bos = head[:len(bos_prefix(tokenizer))] == bos_prefix(tokenizer)
+        try:  # BOS each conversation starts with (one that cannot render this: --chat says so, a plain prompt not)
+            head = encode_reply_prompt(tokenizer, _messages("x", ""), template)
+            trained_bos = head[:len(bos_prefix(tokenizer))] == bos_prefix(tokenizer)
+        except DataError:
+            pass
     return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, bos, trained_bos, template, problem)
 
 

@@ -5,15 +5,18 @@ preflight.py's)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from shardline.config import Config
 from shardline.data import tokenizer_file
 from shardline.data.encode import CHAT_END, CHAT_START, chat_template_for
 from shardline.devices import CPU_PEAK_ASSUMED, mfu_peak_dtype
+from shardline.errors import DataError, ShardlineError
 from shardline.interop.hf_config import hf_export_problem
 from shardline.models.llama import ModelArgs
-from shardline.preflight import starting_shape
+from shardline.interop.hf_config import read_hf_config
+from shardline.models.factory import args_from_json
 
 
 # Above this a run from trained weights likely undoes their training: fine-tunes commonly take
@@ -57,14 +60,14 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if device_type == "cuda" and world_size == 1 and gpus > 1:
         notes.append(("one_gpu_of_several", {"gpus": gpus, "fix": f"torchrun --nproc_per_node={gpus} -m shardline "
                                              "train ... trains on all of them"}))
-    if cfg.data.format == "chat" and tokenizer is not None and chat_template_for(tokenizer_file(cfg.data)) is None:
+    if cfg.data.format == "chat" and tokenizer is not None and _no_template(tokenizer_file(cfg.data)):
         pieces = [m for m in (CHAT_START, CHAT_END) if tokenizer.token_to_id(m) is None]
         notes.append(("chat_as_chatml", {
             "why": "no chat template beside the tokenizer (tokenizer_config.json's chat_template, chat_template.jinja)",
             **({"markers": f"{' and '.join(pieces)} are no tokens of this vocabulary: learned as pieces"}
                if pieces else {}), "export": "convert to-hf writes the ChatML template into the HF folder"}))
     start = cfg.model.hf_path or cfg.model.init_from
-    trained = starting_shape(cfg.model).max_seq_len if start and Path(start).is_dir() else 0
+    trained = _trained_positions(cfg) if start and Path(start).is_dir() else 0
     if trained and cfg.train.seq_len > trained:  # allowed: RoPE reaches any position, as configured
         notes.append(("context_extended", {
             "seq_len": cfg.train.seq_len, "trained_positions": trained,
@@ -75,3 +78,26 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             "lr": cfg.optim.lr, "weights": start,
             "fix": "fine-tunes commonly take optim.lr 1e-5 to 1e-4 (configs/finetune.toml)"}))
     return notes
+
+
+def _no_template(tokenizer_path: str) -> bool:
+    """Whether chat data renders as ChatML here (a template that cannot be read is the data's own
+    error, not a note's)."""
+    try:
+        return chat_template_for(tokenizer_path) is None
+    except DataError:
+        return False
+
+
+def _trained_positions(cfg: Config) -> int:
+    """The sequence length the starting weights were trained at: an HF folder's positions, or the
+    seq_len of the run that saved a checkpoint (its meta.json alone: no file is hashed again); 0 unknown."""
+    m = cfg.model
+    try:
+        if m.hf_path:
+            return read_hf_config(m.hf_path).max_seq_len
+        meta = json.loads((Path(m.init_from) / "meta.json").read_text())
+        return int(meta.get("config", {}).get("train", {}).get("seq_len") or
+                   args_from_json(meta["model_args"]).max_seq_len)
+    except (OSError, ValueError, KeyError, TypeError, ShardlineError):
+        return 0

@@ -185,8 +185,8 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
                           "Transformer's gate: the chosen expert's score)")
     if args.vocab_size < tokenizer_vocab and start is not None:  # the weights' rows are fixed: the tokenizer is wrong
         raise ConfigError(f"the starting weights have {args.vocab_size} vocabulary rows, fewer than the tokenizer's "
-                          f"{tokenizer_vocab} tokens: data.tokenizer is not their model's; leave it unset (the "
-                          "weights' own tokenizer.json is used)")
+                          f"{tokenizer_vocab} tokens: that tokenizer (data.tokenizer, or the prepared data's) is not "
+                          "their model's; use the tokenizer.json they came with")
     if args.vocab_size < tokenizer_vocab:
         raise ConfigError(f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer_vocab} tokens; set model.vocab_size >= {tokenizer_vocab}")

@@ -377,7 +377,8 @@ def test_a_tokenizer_larger_than_the_starting_weights_is_named_as_not_theirs(tin
                  f"--data.tokenizer={big}"]) == 2
     last = capsys.readouterr().err.splitlines()[-1]  # (torchao and the HF folder's writer may log lines first)
     assert last.startswith("shardline: error: the starting weights have 600 vocabulary rows, fewer than the "
-                           "tokenizer's 1000 tokens: data.tokenizer is not their model's"), last
+                           "tokenizer's 1000 tokens: that tokenizer (data.tokenizer, or the prepared data's) is not "
+                           "their model's"), last
 
 
 def test_a_chatml_run_exports_the_chatml_template_transformers_renders_as_it_trained(tiny_config, tmp_path,
@@ -414,3 +415,15 @@ def test_a_seq_len_past_the_starting_weights_positions_is_named_at_the_start(tmp
     assert longer["context_extended"]["seq_len"] == 2 * trained
     within = load_config(None, [f"model.hf_path={hf}", f"train.seq_len={trained}"])
     assert "context_extended" not in dict(launch_notes(within, "cuda", 989.0, 1))
+    # a checkpoint: the seq_len its run trained at (not the preset's maximum), read from meta.json alone
+    ckpt = tmp_path / "ckpt"
+    assert main(["convert", "from-hf", str(hf), str(ckpt)]) == 0
+    meta = json.loads((ckpt / "meta.json").read_text())
+    run = tmp_path / "run"
+    Trainer(load_config(None, ["train.steps=2", "train.eval_interval=0", "train.seq_len=32",
+                               f"run.dir={run}"])).build().train()
+    saved = run / "checkpoints" / "step-000002"
+    assert json.loads((saved / "meta.json").read_text())["model_args"]["max_seq_len"] > 64  # the preset's
+    notes = dict(launch_notes(load_config(None, [f"model.init_from={saved}", "train.seq_len=64"]), "cuda", 989.0, 1))
+    assert notes["context_extended"]["trained_positions"] == 32
+    assert meta["model_args"]["max_seq_len"] == trained  # (from-hf keeps the folder's positions)

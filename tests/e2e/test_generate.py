@@ -422,3 +422,10 @@ def test_a_chat_run_whose_template_writes_a_bos_prompts_with_it(trained_run, tmp
     (run / "tokenizer_config.json").write_text(json.dumps({"chat_template": template.replace("{{ bos_token }}", ""),
                                                            "bos_token": bos}))
     assert not load_generator(run, "cpu").trained_bos  # a template that writes none: none
+    # one that cannot render a reply prompt: --chat's problem, not a plain prompt's
+    (run / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if add_generation_prompt %}"
+                                                                            "{{ no_such_function() }}{% endif %}",
+                                                           "bos_token": bos}))
+    broken = load_generator(run, "cpu")
+    assert not broken.trained_bos
+    assert isinstance(broken.complete(PROMPT, SampleOptions(max_new_tokens=1, temperature=0)), str)  # no DataError

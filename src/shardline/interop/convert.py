@@ -81,27 +81,16 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
         eos = eos_id(tok) if eos is None else eos
         prefix = bos_prefix(tok)
         bos = prefix[0] if bos is None and len(prefix) == 1 else bos
-    written = to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=dtype,
-                               bos_token_id=bos, eos_token_id=eos,
-                               provenance={"checkpoint": str(ckpt.resolve())},
-                               kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf},
-                               generation_config=beside_checkpoint(ckpt, GENERATION_NAME))
-    chatted = meta.get("config", {}).get("data", {}).get("format") == "chat"
-    if chatted and tokenizer is not None and chat_template_for(str(tokenizer)) is None:
-        _write_chatml_template(written)  # what the run rendered its conversations with
-    return written
-
-
-def _write_chatml_template(folder: Path) -> None:
-    """A run that trained on chat data without a chat template rendered it as ChatML: its export
-    says so in tokenizer_config.json, so transformers' apply_chat_template renders what it learned."""
-    settings_path = folder / "tokenizer_config.json"
-    try:
-        settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
-    except ValueError:
-        settings = {}
-    settings = settings if isinstance(settings, dict) else {}
-    settings_path.write_text(json.dumps({**settings, "chat_template": CHATML_TEMPLATE}, indent=2))
+    # A run that trained on chat data without a chat template rendered it as ChatML: its export says so, so
+    # transformers' apply_chat_template renders what it learned.
+    chatml = meta.get("config", {}).get("data", {}).get("format") == "chat" and tokenizer is not None \
+        and chat_template_for(str(tokenizer)) is None
+    return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=dtype,
+                            bos_token_id=bos, eos_token_id=eos,
+                            provenance={"checkpoint": str(ckpt.resolve())},
+                            kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf},
+                            generation_config=beside_checkpoint(ckpt, GENERATION_NAME),
+                            chat_template=CHATML_TEMPLATE if chatml else "")
 
 
 def checkpoint_tokenizer(ckpt: Path) -> Path | None:

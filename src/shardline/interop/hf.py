@@ -305,7 +305,7 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
                      bos_token_id: int | None = None,
                      eos_token_id: int | list[int] | None = None,
                      provenance: dict | None = None, kept_fields: dict | None = None,
-                     generation_config: str | os.PathLike | None = None) -> Path:
+                     generation_config: str | os.PathLike | None = None, chat_template: str = "") -> Path:
     """Write `model` as an HF folder at `path` that transformers' LlamaForCausalLM,
     Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM (by the model's shape) loads.
 
@@ -319,7 +319,8 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
     config.json values of the folder the weights came from (hf_config.KEPT_FIELDS) that
     replace the defaults of keys the written config has. `generation_config`: a
     generation_config.json to write (it describes the weights: written with or without a
-    tokenizer, over one beside the tokenizer).
+    tokenizer, over one beside the tokenizer). `chat_template`: one to write into the export's
+    tokenizer_config.json (a run that chatted without one rendered ChatML).
     """
     model = _unwrap(model)
     dest = Path(path)
@@ -338,6 +339,7 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
     if config.get("router_aux_loss_coef"):  # the run trained with a balance loss of its own: its weight, converted
         kept.pop("router_aux_loss_coef", None)  # (else the starting folder's, which a run from it leaves at 0)
     config.update(kept)
-    side = {"tokenizer": tokenizer, "generation_config": None if generation_config is None else Path(generation_config)}
+    side = {"tokenizer": tokenizer, "generation_config": None if generation_config is None else Path(generation_config),
+            "chat_template": chat_template or None}
     _write_hf_folder(dest, tensors, dtype, max_shard_size_bytes, config, side, provenance or {})
     return dest

@@ -151,6 +151,15 @@ def tokenizer_file(tokenizer_path: str | os.PathLike) -> Path:
     return file
 
 
+def _add_chat_template(settings_path: Path, template: str) -> None:
+    """tokenizer_config.json (the tokenizer's, copied, or a new one) with `template` as its chat_template."""
+    try:
+        settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+    except ValueError:
+        settings = {}
+    _write_json(settings_path, {**(settings if isinstance(settings, dict) else {}), "chat_template": template})
+
+
 def _plan_shards(tensors: list[tuple[str, torch.Tensor]], itemsize: int, max_bytes: int) -> list[list[int]]:
     """Greedy split (in order) into shards of at most max_bytes; a bigger tensor gets its own shard."""
     shards: list[list[int]] = [[]]
@@ -240,6 +249,8 @@ def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype:
             copy_tokenizer_files(side["tokenizer"], tmp)
         if side.get("generation_config") is not None:
             copy_side_files(side["generation_config"].parent, tmp, names=(GENERATION_NAME,))
+        if side.get("chat_template"):
+            _add_chat_template(tmp / "tokenizer_config.json", side["chat_template"])
         _write_json(tmp / EXPORT_MARK, {"written_by": "shardline", **provenance})
         _swap_into_place(tmp, dest)
     except BaseException:
