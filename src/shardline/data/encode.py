@@ -25,6 +25,7 @@ with the bos and eos tokens tokenizer_config.json names, loop controls, and a pl
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -39,6 +40,7 @@ from tokenizers import Tokenizer
 from shardline.errors import DataError
 
 CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
+COMMON_ROLES = ("system", "user", "assistant", "tool", "developer")
 # The same rendering as a chat template, for an HF export of a run that chatted in ChatML.
 CHATML_TEMPLATE = ("{% for message in messages %}{{ '" + CHAT_START + "' + message['role'] + '\\n' + "
                    "message['content'] + '" + CHAT_END + "' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
@@ -132,6 +134,13 @@ def check_replies(where: str, roles: set[str]) -> None:
     if "assistant" not in roles:
         raise DataError(f"{where} has no message of role 'assistant' (the replies the loss is on); roles found: "
                         f"{', '.join(sorted(roles)) or 'none'}; rename the reply role to 'assistant'")
+    # A role a letter or two off a common one ("assitant") is a typo, not a role a template knows:
+    # its replies would train on nothing, in silence.
+    for role in sorted(roles - set(COMMON_ROLES)):
+        near = difflib.get_close_matches(role, COMMON_ROLES, n=1, cutoff=0.8)
+        if near:
+            raise DataError(f"{where} has messages of role {role!r}: a typo of {near[0]!r}? (roles found: "
+                            f"{', '.join(sorted(roles))}); fix those messages' role")
 
 
 def chat_segments(messages: list[dict], template: ChatTemplate | str | None = None) -> list[tuple[str, bool]]:
