@@ -11,11 +11,15 @@ from pathlib import Path
 from shardline.config import Config
 from shardline.data import tokenizer_file
 from shardline.data.encode import CHAT_END, CHAT_START, chat_template_for
+from shardline.data.shards import tokenizer_hash
+from shardline.data.tokenizer import load_tokenizer
 from shardline.devices import CPU_PEAK_ASSUMED, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
 from shardline.interop.hf_config import hf_export_problem
 from shardline.models.llama import ModelArgs
+from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import read_hf_config
+from shardline.interop.hf_files import TOKENIZER_NAME
 from shardline.models.factory import args_from_json
 
 
@@ -73,6 +77,12 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             "seq_len": cfg.train.seq_len, "trained_positions": trained,
             "note": "past the positions the starting weights were trained for (no RoPE scaling is added); the "
                     "export records the longer max_position_embeddings"}))
+    own = _own_tokenizer(cfg) if start and cfg.data.tokenizer else None
+    if own is not None and _differ(own, Path(cfg.data.tokenizer)):  # the user's choice, but rarely meant
+        notes.append(("tokenizer_not_the_weights", {
+            "tokenizer": cfg.data.tokenizer, "theirs": str(own),
+            "why": "its ids may name other rows of the embedding than the weights learned; unset data.tokenizer "
+                   "to use theirs"}))
     if start and cfg.optim.lr > FINE_TUNE_LR_LIMIT:
         notes.append(("lr_high_for_trained_weights", {
             "lr": cfg.optim.lr, "weights": start,
@@ -101,3 +111,20 @@ def _trained_positions(cfg: Config) -> int:
                    args_from_json(meta["model_args"]).max_seq_len)
     except (OSError, ValueError, KeyError, TypeError, ShardlineError):
         return 0
+
+
+def _own_tokenizer(cfg: Config) -> Path | None:
+    """The tokenizer.json the starting weights came with, where there is one."""
+    m = cfg.model
+    own = Path(m.hf_path) / TOKENIZER_NAME if m.hf_path else checkpoint_tokenizer(Path(m.init_from))
+    return own if own is not None and own.is_file() else None
+
+
+def _differ(a: Path, b: Path) -> bool:
+    """Whether two tokenizer files hold other tokenizers (compared as this `tokenizers` writes
+    them: a copy saved again, in another layout, is the same one)."""
+    try:
+        return a.resolve() != b.resolve() and tokenizer_hash(load_tokenizer(str(a))) != \
+            tokenizer_hash(load_tokenizer(str(b)))
+    except (OSError, ShardlineError):
+        return False

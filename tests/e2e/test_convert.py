@@ -427,3 +427,22 @@ def test_a_seq_len_past_the_starting_weights_positions_is_named_at_the_start(tmp
     notes = dict(launch_notes(load_config(None, [f"model.init_from={saved}", "train.seq_len=64"]), "cuda", 989.0, 1))
     assert notes["context_extended"]["trained_positions"] == 32
     assert meta["model_args"]["max_seq_len"] == trained  # (from-hf keeps the folder's positions)
+
+
+def test_a_tokenizer_other_than_the_starting_weights_own_is_named(tmp_path):
+    """A smaller tokenizer trained on other text fine-tuned an HF model in silence (its ids name
+    other embedding rows); the weights' own one, or a copy of it saved again, is not named."""
+    from tokenizers import Tokenizer, models
+
+    from shardline.config import load_config
+    from shardline.launch_notes import launch_notes
+
+    hf = _bf16_hf_folder(tmp_path / "hf")
+    other = tmp_path / "other.json"
+    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(str(other))
+    notes = dict(launch_notes(load_config(None, [f"model.hf_path={hf}", f"data.tokenizer={other}"]), "cuda", 989.0, 1))
+    assert notes["tokenizer_not_the_weights"]["theirs"] == str(hf / "tokenizer.json")
+    copy = tmp_path / "copy.json"
+    copy.write_text(json.dumps(json.loads((hf / "tokenizer.json").read_text()), indent=4))  # the same, laid out anew
+    same = load_config(None, [f"model.hf_path={hf}", f"data.tokenizer={copy}"])
+    assert "tokenizer_not_the_weights" not in dict(launch_notes(same, "cuda", 989.0, 1))
