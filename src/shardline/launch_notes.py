@@ -107,8 +107,11 @@ def _trained_positions(cfg: Config) -> int:
         if m.hf_path:
             return read_hf_config(m.hf_path).max_seq_len
         meta = json.loads((Path(m.init_from) / "meta.json").read_text())
-        return int(meta.get("config", {}).get("train", {}).get("seq_len") or
-                   args_from_json(meta["model_args"]).max_seq_len)
+        recorded = args_from_json(meta["model_args"]).max_seq_len  # (an HF folder's positions, or a preset's)
+        run = meta.get("config", {})  # none in a checkpoint converted from HF
+        trained = run.get("train", {}).get("seq_len") or recorded
+        started = run.get("model", {}).get("hf_path") or run.get("model", {}).get("init_from")
+        return int(max(trained, recorded) if started else trained)  # a fine-tune keeps its weights' reach
     except (OSError, ValueError, KeyError, TypeError, ShardlineError):
         return 0
 

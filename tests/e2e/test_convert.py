@@ -427,6 +427,9 @@ def test_a_seq_len_past_the_starting_weights_positions_is_named_at_the_start(tmp
     notes = dict(launch_notes(load_config(None, [f"model.init_from={saved}", "train.seq_len=64"]), "cuda", 989.0, 1))
     assert notes["context_extended"]["trained_positions"] == 32
     assert meta["model_args"]["max_seq_len"] == trained  # (from-hf keeps the folder's positions)
+    from_hf = dict(launch_notes(load_config(None, [f"model.init_from={ckpt}", f"train.seq_len={2 * trained}"]),
+                                "cuda", 989.0, 1))
+    assert from_hf["context_extended"]["trained_positions"] == trained  # (no run config: its recorded positions)
 
 
 def test_a_tokenizer_other_than_the_starting_weights_own_is_named(tmp_path):

@@ -516,18 +516,22 @@ def test_chat_data_without_an_assistant_role_is_one_line_in_both_paths(tmp_path)
     assert not (tmp_path / "prep").exists()  # refused in the first pass, before the folder is made
 
 
-def test_a_typo_of_a_common_role_is_one_line_in_both_paths(tmp_path):
+def test_a_typo_of_the_assistant_role_is_one_line_in_both_paths(tmp_path):
     """One reply written "assitant" among good ones trained on nothing there, in silence."""
     path = tmp_path / "typo.jsonl"
     records = chat_records(4).splitlines()
     path.write_text("\n".join([*records[:-1], records[-1].replace('"assistant"', '"assitant"')]) + "\n")
-    message = r"has messages of role 'assitant': a typo of 'assistant'\? \(roles found: assistant, assitant"
+    message = r"has messages of role 'assitant': a typo of 'assistant'\? .*\(roles found: assistant, assitant"
     with pytest.raises(DataError, match=message):
         data(path, "data.format=chat")
     with pytest.raises(DataError, match=message):
         prepare(PrepareOptions([str(path)], str(tmp_path / "prep"), format="chat", **SMALL))
-    path.write_text("\n".join([*records[:-1], records[-1].replace('"assistant"', '"ipython"')]) + "\n")
-    data(path, "data.format=chat")  # a role a template may know, not near a common one: taken as it is
+    path.write_text("\n".join([*records[:-1], records[-1].replace('"assistant"', '"Assistant"')]) + "\n")
+    with pytest.raises(DataError, match="has messages of role 'Assistant': a typo of 'assistant'"):
+        data(path, "data.format=chat")
+    for role in ("ipython", "assistant_1", "System", "user2", "tools"):  # agents, context: taken as they are
+        path.write_text("\n".join([*records[:-1], records[-1].replace('"user"', f'"{role}"')]) + "\n")
+        data(path, "data.format=chat")
 
 
 def test_chat_data_from_plain_text_is_one_line(tmp_path):

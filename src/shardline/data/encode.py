@@ -40,7 +40,6 @@ from tokenizers import Tokenizer
 from shardline.errors import DataError
 
 CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
-COMMON_ROLES = ("system", "user", "assistant", "tool", "developer")
 # The same rendering as a chat template, for an HF export of a run that chatted in ChatML.
 CHATML_TEMPLATE = ("{% for message in messages %}{{ '" + CHAT_START + "' + message['role'] + '\\n' + "
                    "message['content'] + '" + CHAT_END + "' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
@@ -134,13 +133,13 @@ def check_replies(where: str, roles: set[str]) -> None:
     if "assistant" not in roles:
         raise DataError(f"{where} has no message of role 'assistant' (the replies the loss is on); roles found: "
                         f"{', '.join(sorted(roles)) or 'none'}; rename the reply role to 'assistant'")
-    # A role a letter or two off a common one ("assitant") is a typo, not a role a template knows:
-    # its replies would train on nothing, in silence.
-    for role in sorted(roles - set(COMMON_ROLES)):
-        near = difflib.get_close_matches(role, COMMON_ROLES, n=1, cutoff=0.8)
-        if near:
-            raise DataError(f"{where} has messages of role {role!r}: a typo of {near[0]!r}? (roles found: "
-                            f"{', '.join(sorted(roles))}); fix those messages' role")
+    # A role a letter or two off "assistant" ("assitant", "Assistant") is a typo: those replies would
+    # train on nothing, in silence. (Other roles render as context whatever their spelling, and
+    # "assistant_1" or "assistantB" name agents: left as they are.)
+    for role in sorted(roles - {"assistant"}):
+        if not role.startswith("assistant") and difflib.get_close_matches(role.lower(), ["assistant"], cutoff=0.8):
+            raise DataError(f"{where} has messages of role {role!r}: a typo of 'assistant'? Their replies would "
+                            f"train on nothing (roles found: {', '.join(sorted(roles))}); fix those messages' role")
 
 
 def chat_segments(messages: list[dict], template: ChatTemplate | str | None = None) -> list[tuple[str, bool]]:
