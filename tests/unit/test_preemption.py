@@ -106,15 +106,10 @@ def test_under_torchrun_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_
     assert {"trainer/rank0.pt", "trainer/rank1.pt"} <= set(manifest["files"])
 
 
-def test_a_stop_skips_the_due_evaluation_and_every_eval_and_save_is_a_watched_phase(tiny_config):
-    """The grace before the kill (torchrun: 30 s) is for the save, not an evaluation; and each
-    eval and save runs as a phase under watchdog.long_timeout_s (a first eval that compiles,
-    a slow save: not a hung step)."""
+def record_phases(trainer) -> list[tuple[str, int]]:
+    """The (phase, step) of every watched phase the trainer enters from now on, in order."""
     from contextlib import contextmanager
 
-    from shardline.trainer import Trainer
-
-    trainer = Trainer(tiny_config("train.steps=8", "train.eval_interval=2", "checkpoint.interval=2")).build()
     phases, phase = [], trainer.guard.phase
 
     @contextmanager
@@ -124,6 +119,17 @@ def test_a_stop_skips_the_due_evaluation_and_every_eval_and_save_is_a_watched_ph
             yield
 
     trainer.guard.phase = recorded
+    return phases
+
+
+def test_a_stop_skips_the_due_evaluation_and_every_eval_and_save_is_a_watched_phase(tiny_config):
+    """The grace before the kill (torchrun: 30 s) is for the save, not an evaluation; and each
+    eval and save runs as a phase under watchdog.long_timeout_s (a first eval that compiles,
+    a slow save: not a hung step)."""
+    from shardline.trainer import Trainer
+
+    trainer = Trainer(tiny_config("train.steps=8", "train.eval_interval=2", "checkpoint.interval=2")).build()
+    phases = record_phases(trainer)
     trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.step == 4 else None
     with pytest.raises(Preempted, match="SIGTERM at step 4; state saved"):
         trainer.train()
@@ -152,21 +158,11 @@ def test_a_stop_during_rollbacks_stops_there_with_the_rolled_back_state_saved(ti
 def test_a_stop_with_a_disk_save_to_come_takes_no_snapshot_first(tiny_config, tmp_path, interval, snapshots):
     """The grace before the kill is the disk save's; without one (checkpoint.interval=0) the
     snapshot is what a rerun has."""
-    from contextlib import contextmanager
-
     from shardline.trainer import Trainer
 
     trainer = Trainer(tiny_config("train.steps=8", "train.eval_interval=0", f"checkpoint.interval={interval}",
                                   "checkpoint.memory_interval=1", f"checkpoint.memory_dir={tmp_path / 'shm'}")).build()
-    phases, phase = [], trainer.guard.phase
-
-    @contextmanager
-    def recorded(name, step):
-        phases.append((name, step))
-        with phase(name, step):
-            yield
-
-    trainer.guard.phase = recorded
+    phases = record_phases(trainer)
     trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.step == 3 else None
     with pytest.raises(Preempted, match="SIGTERM at step 3"):
         trainer.train()

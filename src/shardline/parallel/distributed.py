@@ -181,8 +181,9 @@ def agreed(check, world_size: int):
             raise errors.on_every_rank(error, together) from failure
         if not one_line:
             raise failure
-        if _also(outcomes, failure):  # (the line is printed once, by rank 0: other ranks' causes in it too)
-            raise errors.on_every_rank(type(failure)(f"{failure}{_also(outcomes, failure)}"), together) from failure
+        also = _also(outcomes, failure)  # (the line is printed once, by rank 0: other ranks' causes in it too)
+        if also:
+            raise errors.on_every_rank(type(failure)(f"{failure}{also}"), together) from failure
         raise errors.on_every_rank(failure, together)
     for rank, outcome in enumerate(outcomes):
         if outcome is not None:
