@@ -138,6 +138,31 @@ def test_a_stop_skips_the_due_evaluation_and_every_eval_and_save_is_a_watched_ph
     assert evaluated == [2]
 
 
+@pytest.mark.parametrize("memory", [False, True])
+def test_the_evaluation_a_stop_skipped_is_made_up_by_the_resumed_run(tiny_config, tmp_path, memory):
+    """Stopped at step 4, an eval step: the rerun evaluates step 4 before its first step, from a
+    disk checkpoint or a memory snapshot; an uninterrupted run's eval losses, step for step."""
+    from shardline.trainer import Trainer
+
+    settings = ["train.steps=6", "train.eval_interval=2", "checkpoint.interval=2"]
+    if memory:
+        settings = ["train.steps=6", "train.eval_interval=2", "checkpoint.interval=0", "checkpoint.memory_interval=2",
+                    f"checkpoint.memory_dir={tmp_path / 'shm'}"]
+    trainer = Trainer(tiny_config(*settings)).build()
+    trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.step == 4 else None
+    with pytest.raises(Preempted, match="SIGTERM at step 4"):
+        trainer.train()
+    rerun = Trainer(tiny_config(*settings)).build()
+    phases = record_phases(rerun)
+    rerun.train()
+    assert [p for p in phases if p[0] == "eval"] == [("eval", 4), ("eval", 6)]
+    whole = Trainer(tiny_config(*settings, run_dir=tmp_path / "whole")).build()
+    whole.train()
+    losses = {run: [(r["step"], r["eval_loss"]) for r in records(run) if r["kind"] == "eval"]
+              for run in (trainer.run_dir, whole.run_dir)}
+    assert losses[trainer.run_dir] == losses[whole.run_dir] and [s for s, _ in losses[whole.run_dir]] == [2, 4, 6]
+
+
 def test_a_stop_during_rollbacks_stops_there_with_the_rolled_back_state_saved(tiny_config):
     """SIGTERM lands in step 5, which rolls back to step 3: the run stops there (more rollbacks,
     each a restore, could outlast the grace), saving step 3 again with the batch it skips."""

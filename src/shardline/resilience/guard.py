@@ -150,6 +150,12 @@ class RunGuard:
         self.goodput.add(category, time.perf_counter() - begin)
         return result
 
+    def watched(self, name: str, step: int, category: str, work: Callable[[], Any]) -> Any:
+        """`work` as the phase `name` (evaluations, saves: long work outside a step, watched under
+        watchdog.long_timeout_s), its time accounted to goodput `category`."""
+        with self.phase(name, step):
+            return self.timed(category, work)
+
     def stop_requested(self) -> str | None:
         """A stop signal any rank received (the same answer on every rank; one tiny host collective)."""
         return self.stops.agreed()

@@ -91,6 +91,7 @@ class AnomalyResponse:
                     self.optimizer.zero_grad(set_to_none=True)
                     self.scaler.skip()
                     name = self._restore(target)
+                    self.eval_owed = False  # this attempt computed (or resumed at and evaluated) that step
             if target is not None:
                 self.rollbacks, self._saves_at_rollback = self.rollbacks + 1, (self.tiers.landed, self.tiers.held)
                 cost = time.perf_counter() - started

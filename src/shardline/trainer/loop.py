@@ -70,6 +70,7 @@ class Trainer(SavedState, AnomalyResponse):
         self.anomaly_events: list[dict] = []
         self._anomaly_streak = (-1, 0)  # (last anomalous step, how many in a row up to it)
         self._saves_at_rollback: tuple | None = None  # (tiers.landed, tiers.held) at the last rollback
+        self.eval_owed = False  # a stop skipped this step's evaluation: a resumed run makes it up first
 
     # ---- building -------------------------------------------------------------------
 
@@ -114,7 +115,9 @@ class Trainer(SavedState, AnomalyResponse):
         moe = self.model_args.moe
         self.experts = ExpertBalance(self.model, self.dims, cfg.train.global_batch_size) if moe else None
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
-        self._lock_run_dir()
+        # One run per run dir: locked once every input check has passed, before anything there is written or
+        self.lock = RunLock(self.run_dir)  # restored (the resume is chosen again: the checkpoints may have changed)
+        self._lock_taken_over = self.lock.acquire_for_job(self.proc.is_main, self.proc.world_size)
         try:
             agreed(self.checkpointer.repair_interrupted_seal, self.proc.world_size)  # a crash between two renames
             # Chosen again, by every rank, a refusal agreed: a run finishing in this dir may have saved since, or
@@ -139,12 +142,6 @@ class Trainer(SavedState, AnomalyResponse):
             self.lock.release()
             raise
         return self
-
-    def _lock_run_dir(self) -> None:
-        """One run per run dir: taken once every input check has passed, before anything there
-        is written or restored (build() chooses the resume again if the checkpoints changed)."""
-        self.lock = RunLock(self.run_dir)
-        self._lock_taken_over = self.lock.acquire_for_job(self.proc.is_main, self.proc.world_size)
 
     def _open_run_dir(self, resumed: str | None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -207,8 +204,11 @@ class Trainer(SavedState, AnomalyResponse):
                            compile=describe_compile(cfg.train.compile, self.dims.layout,
                                                     cfg.memory.activation_checkpoint, self.model_args.moe),
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
-        window_start, window_steps, last, stopped, first = time.perf_counter(), 0, {}, None, self.step + 1
         self.guard.start()
+        if self.eval_owed and self.step < stop:  # the evaluation a stop skipped here (its grace was the save's)
+            self.guard.watched("eval", self.step, "eval", self.evaluate)
+            self.eval_owed = False
+        window_start, window_steps, last, stopped, first = time.perf_counter(), 0, {}, None, self.step + 1
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
             started = self.guard.begin_step(step)
@@ -256,7 +256,8 @@ class Trainer(SavedState, AnomalyResponse):
         and the seconds they took."""
         cfg = self.cfg
         stopping = bool(request) and step < stop
-        evaluate = not stopping and cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == stop)
+        due = bool(cfg.train.eval_interval) and (step % cfg.train.eval_interval == 0 or step == stop)
+        evaluate, self.eval_owed = due and not stopping, due and stopping  # (what a save here records)
         save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
         # Stopping with a disk save to come: no snapshot before it, the grace before the kill is short.
         snapshot = cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0 \
@@ -265,14 +266,11 @@ class Trainer(SavedState, AnomalyResponse):
             return request, 0.0
         paused = self._clock()
         if evaluate:
-            with self.guard.phase("eval", step):
-                self.guard.timed("eval", self.evaluate)
+            self.guard.watched("eval", step, "eval", self.evaluate)
         if save:
-            with self.guard.phase("save", step):
-                self.guard.timed("checkpoint", self.save_checkpoint)
+            self.guard.watched("save", step, "checkpoint", self.save_checkpoint)
         if snapshot:
-            with self.guard.phase("snapshot", step):
-                self.guard.timed("checkpoint", self.snapshot_to_memory)
+            self.guard.watched("snapshot", step, "checkpoint", self.snapshot_to_memory)
         if not request and step < stop:
             request = self.guard.stop_requested()
         return request, self._clock() - paused
@@ -287,8 +285,7 @@ class Trainer(SavedState, AnomalyResponse):
             return f"{signal_name} at step {self.step}; checkpoint.interval=0, so nothing was saved to disk{kept}"
         landed = self.tiers.landed
         if not saved:
-            with self.guard.phase("save", self.step):
-                self.guard.timed("checkpoint", self.save_checkpoint)
+            self.guard.watched("save", self.step, "checkpoint", self.save_checkpoint)
         self.guard.drain(self.step)  # an async save must be on disk before the process ends
         path = self.checkpointer.root / step_dir_name(self.step)
         # The storage refused it (logged as checkpoint_failed); a re-save after a rollback leaves the older copy.

@@ -132,6 +132,7 @@ class SavedState:
         check_skip_batches(name, self.step, saved, self.cfg.train.skip_batches)
         self.skipped_batches = sorted(set(saved) | set(self.skipped_batches))
         set_rng_state(state["rng"])
+        self.eval_owed = state.get("eval_owed", False)
         if self.cfg.train.precision == "fp8":  # a rollback: the scales precomputed are the discarded weights'
             precompute_scales(self.model)
         return name
@@ -154,4 +155,4 @@ class SavedState:
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict(),
                 "anomaly_handling": {"rollbacks": self.rollbacks, "streak": list(self._anomaly_streak)},
-                "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim)}
+                "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim), "eval_owed": self.eval_owed}
