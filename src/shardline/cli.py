@@ -169,9 +169,24 @@ def _factor_above_one(text: str) -> float:
 
 class _OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line naming the command, as every other error here is
-    (argparse prints the whole usage block first, which buries the message). Subcommands inherit it."""
+    (argparse prints the whole usage block first, which buries the message). Subcommands inherit it.
+    No abbreviated options: `simulate --global-batch` read as --global-batch-tokens (sequences taken
+    as tokens), in silence."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+        self._given: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(args) if args is not None else []
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
+        # A missing required option is reported before any unknown one: a misspelt `--seqlen` read as absent.
+        unknown = [a.split("=")[0] for a in self._given if a.startswith("--") and "." not in a
+                   and a.split("=")[0] not in self._option_string_actions]
+        if unknown and "arguments are required" in message:
+            message += f"; not an option here: {', '.join(unknown)}"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

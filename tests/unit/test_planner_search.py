@@ -47,7 +47,7 @@ def test_plan_json_contract(capsys):
 def test_plan_table_names_the_reasons(capsys):
     code, out, _ = run_cli(capsys, *PLAN_8B, "--top", "3")
     assert code == 0
-    assert "searched" in out and "fit" in out and "pruned: memory" in out
+    assert "searched" in out and "fit" in out and "(memory: did not fit): memory" in out
     assert out.count("\n 1") == 1 and "tokens/s" in out and "MFU" in out
 
 
@@ -255,3 +255,43 @@ def test_a_request_that_fits_nowhere_with_offload_pinned_gives_offloads_needs(ca
     assert not result.candidates and result.smallest_host is not None  # the devices fit, the hosts do not
     text = explain_no_fit(work, small, 8, result)
     assert "with CPU offload the leanest layout (" in text and "GiB of host memory per node, which has 16 GiB" in text
+
+
+def test_long_sequences_search_context_parallel_past_8():
+    """128k-token sequences, 8 of them a step on 1024 GPUs: only cp >= 16 leaves every rank a
+    sequence to share (Llama 3 trained 128k at cp 16); the search found nothing at cp <= 8."""
+    work, hw = Workload(PRESETS["llama3-8b"], 131072, 8, "bf16"), get_hardware("h100-sxm")
+    found = search(work, hw, 1024).candidates
+    assert found and min(e.layout.cp for e in found) >= 16
+
+
+def test_no_layout_names_the_rule_of_the_most_model_parallel_layout():
+    """Nothing fits 2 sequences on 1024 GPUs: the message is the rule the layout with the fewest
+    data-parallel ranks broke (a pipeline to fill), not plain data parallelism's "use a multiple
+    of 1024", which points away from any layout that could run."""
+    work, hw = Workload(PRESETS["llama3-8b"], 4096, 2, "bf16"), get_hardware("h100-sxm")
+    result = search(work, hw, 1024)
+    assert not result.candidates
+    assert "multiple of 1024" not in result.first_problem and "pipeline stages" in result.first_problem
+
+
+def test_an_abbreviated_or_misspelt_option_is_named(capsys):
+    """`simulate --global-batch` was taken as --global-batch-tokens (sequences read as tokens, a
+    goodput for a fraction of a sequence); a misspelt `--seqlen` was reported as --seq-len missing."""
+    with pytest.raises(SystemExit) as stop:
+        main(["simulate", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--days", "1",
+              "--global-batch", "2048"])
+    assert stop.value.code == 2 and "unrecognized arguments: --global-batch 2048" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--seqlen", "4096",
+              "--global-batch", "8"])
+    assert "required: --seq-len; not an option here: --seqlen" in capsys.readouterr().err
+
+
+def test_the_plan_header_counts_nodes_and_active_parameters(capsys):
+    code, out, _ = run_cli(capsys, "plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--seq-len",
+                           "4096", "--global-batch", "8", "--top", "1")
+    assert code == 0 and "(1 node x 8)" in out and "active" not in out.splitlines()[0]
+    code, out, _ = run_cli(capsys, "plan", "--model", "tiny-moe", "--gpu", "h100-sxm", "--gpus", "8", "--seq-len",
+                           "1024", "--global-batch", "8", "--top", "1")
+    assert code == 0 and "B active)" in out.splitlines()[0] and "N the active matmul parameters" in out

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from shardline.errors import ConfigError
 from shardline.simulator import job as jobs
 from shardline.simulator import montecarlo as mc
 from shardline.simulator.engine import Policy, Scenario, simulate_once
@@ -165,15 +166,22 @@ def test_step_time_follows_a_pinned_layout():
     assert pinned.step_s >= setup_for().step_s  # pinning can only lose against the search's best
 
 
-def test_step_time_falls_back_to_flops_at_mfu_with_the_reason():
-    # 405B on one node does not fit: the planner says so and the FLOPs estimate takes over.
-    setup = setup_for(gpus=8)
+def test_a_job_the_planner_cannot_run_is_refused_unless_an_mfu_is_given():
+    # 405B on one node does not fit: a goodput for it would be of nothing that can run.
+    with pytest.raises(ConfigError, match=r"llama3-405b on 8 x h100-sxm: does not fit: .* to simulate it anyway, "
+                                          r"give --step-time S, or --mfu X"):
+        setup_for(gpus=8)
+    with pytest.raises(ConfigError, match="whole number of 8192-token sequences"):  # a batch of part sequences
+        setup_for(gpus=8, global_batch_tokens=8192 * 8 + 1)
+
+
+def test_step_time_falls_back_to_flops_at_a_given_mfu_with_the_reason():
+    setup = setup_for(gpus=8, mfu=0.4)
     assert "no planner estimate" in setup.step_source and "does not fit" in setup.step_source
     from shardline.models import flops_per_token
     expected = flops_per_token(setup.job.model, 8192) * 8 * 8192 / (8 * 989e12 * 0.4)
     assert setup.step_s == pytest.approx(expected, rel=1e-9)
-    # A batch that is not whole sequences has no plan either.
-    odd = setup_for(gpus=8, global_batch_tokens=8192 * 8 + 1)
+    odd = setup_for(gpus=8, global_batch_tokens=8192 * 8 + 1, mfu=0.4)
     assert "whole number" in odd.step_source
 
 

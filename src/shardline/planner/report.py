@@ -7,6 +7,7 @@ from shardline.planner import attention
 from shardline.planner.estimate import Estimate
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
+from shardline.models import num_params
 from shardline.planner.memory import GiB, largest_term, total_params
 from shardline.planner.offload import OUTSIDE_DEVICE, ssd_spill
 from shardline.planner.search import SearchResult
@@ -14,8 +15,11 @@ from shardline.planner.search import SearchResult
 
 def describe_request(work: Workload, hw: Hardware, gpus: int, ring: int = 1) -> str:
     gpn = hw.network.gpus_per_node
-    nodes = f" ({gpus // gpn} nodes x {gpn})" if gpus >= gpn and gpus % gpn == 0 and hw.name != "cpu" else ""
-    return (f"{work.model_ref or 'model'} ({total_params(work) / 1e9:.2f} B params) on {gpus:,} x {hw.name}{nodes}, "
+    n = gpus // gpn
+    nodes = f" ({n} node{'s' if n > 1 else ''} x {gpn})" if gpus >= gpn and gpus % gpn == 0 and hw.name != "cpu" else ""
+    active = f", {num_params(work.model, active=True) / 1e9:.2f} B active" if work.model.moe else ""
+    return (f"{work.model_ref or 'model'} ({total_params(work) / 1e9:.2f} B params{active}) on {gpus:,} x "
+            f"{hw.name}{nodes}, "
             f"seq {work.seq_len}, global batch {work.global_batch:,} seqs ({work.tokens / 1e6:.2f} M tokens), "
             f"{work.precision}{', document mask' if work.document_mask else ''}; {attention_words(work, hw, ring)}")
 
@@ -36,8 +40,8 @@ MEMORY_TERMS = ("params: autocast's 16-bit weight copies alive at the peak (none
 
 def mfu_words(work: Workload) -> str:
     """What MFU divides, the trainer's convention (devices.mfu_peak_dtype): fp8 against the bf16 peak."""
-    return (f"MFU = model FLOPs (6N + 12·L·d·s, every score counted) / the {mfu_peak_dtype(work.precision)} "
-            "dense peak, as the trainer logs it")
+    return (f"MFU = model FLOPs (6N + 12·L·d·s: N the {'active ' if work.model.moe else ''}matmul parameters, every "
+            f"score counted, as PaLM's MFU) / the {mfu_peak_dtype(work.precision)} dense peak, as the trainer logs it")
 
 
 def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, shown: list[Estimate],
@@ -47,8 +51,11 @@ def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, sh
             if work.document_mask else "")
     lines = [f"plan: {describe_request(work, hw, gpus)}{ring}",
              f"searched {result.evaluated:,} layouts in {result.seconds:.1f} s: {len(result.candidates):,} fit"
-             + (f"; pruned: {pruned}" if pruned else ""),
+             + (f"; pruned by the rule they broke (memory: did not fit): {pruned}" if pruned else ""),
              mfu_words(work),
+             f"GiB/dev: the peak per device of {hw.mem_gib:.1f}, with {100 * hw.fragmentation:.0f}% allocator slack "
+             f"and {hw.reserved_gib:g} GiB outside it (CUDA context, NCCL) counted; to keep more free, a --profile "
+             "with a lower mem_gib",
              "",
              ""]
     width = max([len("layout")] + [len(e.layout.describe()) for e in shown])

@@ -42,6 +42,7 @@ from shardline.planner.pipeline import VIRTUAL_STAGES
 
 AC_OPTIONS = (("none", 1), ("op", 1), ("selective", 2), ("full", 1))
 MAX_MBS = 16
+CP_DEGREES = (1, 2, 4, 8, 16, 32)  # each rank keeps >= 1024 tokens: 128k-token sequences reach cp 32 (Llama 3: 16)
 
 
 @dataclass
@@ -52,7 +53,8 @@ class SearchResult:
     smallest_unfit: tuple[float, Layout, dict] | None = None  # (bytes, layout, memory) of the leanest misfit
     smallest_offload: tuple[float, Layout, dict] | None = None  # the same, among layouts with CPU offload
     smallest_host: tuple[float, Layout] | None = None  # (host bytes per node, layout) of the leanest offload
-    first_problem: str = ""  # the message of the first rule a pinned layout broke
+    first_problem: str = ""  # the rule broken by the most model-parallel layout tried (the fewest dp ranks)
+    _problem_dp: int = 0  # that layout's data-parallel degree
     pinned: dict = field(default_factory=dict)  # the --fix keys the search held
     seconds: float = 0.0
 
@@ -100,7 +102,7 @@ def _structures(work: Workload, hw: Hardware, gpus: int, fixed: dict):
     """(tp, cp, pp) triples that divide the world, with their dp degree."""
     gpn, m = hw.network.gpus_per_node, work.model
     tps = _options("tp", [t for t in _divisors(min(gpn, gpus)) if gpus % t == 0], fixed)
-    cps = _options("cp", [c for c in (1, 2, 4, 8) if work.seq_len // c >= 1024 or c == 1], fixed)
+    cps = _options("cp", [c for c in CP_DEGREES if work.seq_len // c >= 1024 or c == 1], fixed)
     for tp in tps:
         for cp in cps:
             if gpus % (tp * cp):
@@ -206,7 +208,8 @@ def search(work: Workload, hw: Hardware, gpus: int, fixed: dict | None = None,
         problem = layout_problem(work, layout)
         if problem:
             result.pruned[problem[0]] += 1
-            result.first_problem = result.first_problem or problem[1]
+            if not result.first_problem or layout.dp < result._problem_dp:  # the nearest to a batch that divides
+                result.first_problem, result._problem_dp = problem[1], layout.dp
             continue
         memory = memory_breakdown(work, layout, hw)
         if memory["total"] > hw.mem_gib * GiB:

@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--checkpoint-interval", metavar="STEPS|optimal", help="default: optimal (Daly)")
     p.add_argument("--checkpoint-mode", choices=MODES, help="default: async")
     p.add_argument("--step-time", type=float, metavar="S",
-                   help="seconds per step (default: the planner's best layout; FLOPs at --mfu if none fits)")
+                   help="seconds per step (default: the planner's best layout; where none runs, give this or --mfu)")
     p.add_argument("--fix", metavar="KEY=V,...", help="pin planner layout keys for the step time (as plan --fix)")
     p.add_argument("--seeds", type=int, default=8, help="Monte Carlo runs (default 8)")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
@@ -60,7 +60,8 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=int, help="for the step-time estimate (default min(max_seq_len, 8192))")
     p.add_argument("--global-batch-tokens", type=int,
                    help="for the step-time estimate (default one sequence per GPU, at most 2048)")
-    p.add_argument("--mfu", type=float, help="fallback step-time estimate when the planner has no plan (default 0.4)")
+    p.add_argument("--mfu", type=float, help="where the planner has no plan (the job does not fit, say): simulate it "
+                   "anyway, the step time from FLOPs at this MFU (e.g. 0.4)")
     p.set_defaults(func=run)
 
 

@@ -103,6 +103,9 @@ def make_job(model: str, gpu: str, gpus: int, gpus_per_node: int | None, days: f
     return Job(model, resolve_model(model), gpu, gpus, gpus_per_node, days, held)
 
 
+FALLBACK_MFU = 0.40  # a device the planner has no table for; Llama 3 405B: 38-43% BF16 MFU (Table 4)
+
+
 def peak_flops(gpu: str) -> float:
     """Dense peak FLOP/s of one accelerator (bf16; fp32 for `cpu`)."""
     if gpu == "cpu":
@@ -126,11 +129,15 @@ def step_time_s(job: Job, settings: Settings) -> tuple[float, str]:
                                 tokens_per_step(job, settings), settings.fix, job.profile)
     if seconds is not None:
         return seconds, how
+    if settings.mfu is None and job.gpu in DEVICE_NAMES:  # the planner says it cannot run: a goodput of what?
+        raise ConfigError(f"{job.model_name} on {job.gpus:,} x {job.gpu}: {how}; to simulate it anyway, give "
+                          "--step-time S, or --mfu X for a step time from FLOPs at that MFU")
+    mfu = settings.mfu or FALLBACK_MFU
     flops = flops_per_token(job.model, seq_len(job, settings)) * tokens_per_step(job, settings)
-    seconds = flops / (job.gpus * peak_flops(job.gpu) * settings.mfu)
+    seconds = flops / (job.gpus * peak_flops(job.gpu) * mfu)
     estimate = (f"estimate: {flops / tokens_per_step(job, settings):.3g} FLOP/token x "
                 f"{tokens_per_step(job, settings):,} tokens / ({job.gpus:,} x {peak_flops(job.gpu) / 1e12:.3g} "
-                f"TFLOP/s x MFU {settings.mfu:.2f})")
+                f"TFLOP/s x MFU {mfu:.2f})")
     return seconds, f"{estimate}; no planner estimate: {how}"
 
 

@@ -28,7 +28,7 @@ class Settings:
     fix: str = ""  # planner --fix keys, e.g. "tp=8,pp=16"
     seq_len: int | None = None  # None: min(model max_seq_len, 8192)
     global_batch_tokens: int | None = None  # None: one sequence per GPU, at most 2048 sequences
-    mfu: float = 0.40  # fallback only; Llama 3 405B: 38-43% BF16 MFU (Table 4)
+    mfu: float | None = None  # a step time from FLOPs at this MFU where the planner has no plan (job.step_time_s)
     # Failure handling.
     detection_s: float = 120.0  # from the fault to the job noticing it (watchdog/heartbeat)
     restart_s: float = 300.0  # reschedule onto spares, relaunch, init NCCL; excludes the load
@@ -153,7 +153,7 @@ def _check_step_time(settings: Settings) -> None:
     if settings.step_time_s is None:
         return
     unused = [f"simulate.{key}" for key in ("fix", "seq_len", "global_batch_tokens") if getattr(settings, key)]
-    unused += ["simulate.mfu"] if settings.mfu != Settings.mfu else []
+    unused += ["simulate.mfu"] if settings.mfu is not None else []
     if unused:
         raise ConfigError(f"{', '.join(unused)} {'shapes' if len(unused) == 1 else 'shape'} the step-time "
                           "estimate, which simulate.step_time_s replaces; give one or the other")
