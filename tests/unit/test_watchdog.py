@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from shardline.resilience.hangs import is_waiting, stopped_ranks, where
+from shardline.resilience.hangs import is_waiting, stopped_ranks, where, where_stopped
 from shardline.config.resilience import WatchdogConfig
 from shardline.resilience.stragglers import DATA_FLOOR, PeerWatch, StragglerTracker, median_without
 from shardline.resilience.watchdog import Watchdog
@@ -83,6 +83,19 @@ def test_stopped_a_rank_that_could_not_dump_or_never_reported():
     records = {0: _rec(4), 1: _rec(4), 2: _rec(4)}
     assert stopped_ranks(3, records, {0: WAIT, 1: WAIT}) == [2]
     assert stopped_ranks(3, {0: _rec(4), 2: _rec(4)}, {0: WAIT, 2: WAIT}) == [1]
+
+
+def test_a_frozen_ranks_record_steps_behind_is_not_the_reports_phase_or_limit():
+    """Rank 1 frozen (SIGSTOP) in step 6: its last published record is from step 4's save (the
+    watchdog publishes every poll). The report names step 6, the step's limit; not "save (after
+    step 4)" with the save's long limit. A record one step behind, or a rank that dumped, stays
+    the report's: a rank hung in step 4's save while its peer waits in step 5."""
+    own = {**_rec(6), "phase": "step"}
+    stale = {**_rec(4), "phase": "save", "limit_s": 100.0}
+    assert where_stopped([1], {0: own, 1: stale}, {0: WAIT}, own) == (6, "step", 3.0)
+    own5 = {**_rec(5), "phase": "step"}
+    assert where_stopped([1], {0: own5, 1: stale}, {0: WAIT}, own5) == (4, "save", 100.0)
+    assert where_stopped([1], {0: own, 1: stale}, {0: WAIT, 1: BUSY}, own) == (4, "save", 100.0)
 
 
 def test_stopped_closed_ranks_are_never_named():

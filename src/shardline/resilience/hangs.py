@@ -98,6 +98,20 @@ def stopped_ranks(world: int, records: dict[int, dict], dumps: dict[int, dict]) 
     return sorted((busy & late) or busy or late or inside)
 
 
+def where_stopped(stopped: list[int], records: dict[int, dict], dumps: dict[int, dict],
+                  own: dict) -> tuple[int, str, float]:
+    """The (step, phase, limit_s) a hang report names: the stopped ranks' records where they are
+    current, else the reporting rank's own record `own`. A rank that could not dump (frozen,
+    gone) left the record its watchdog last published, every poll: it can lag by steps, a save
+    since finished say. It counts if at most one step behind the newest any rank began: the
+    others could not have gone two steps on without it."""
+    newest = max([own["step"]] + [rec["step"] for rec in records.values()])
+    current = [r for r in stopped if r in records and (r in dumps or records[r]["step"] >= newest - 1)]
+    first = records[current[0]] if current else own
+    step = min((records[r]["step"] for r in current), default=own["step"])
+    return step, first.get("phase", "step"), first["limit_s"]
+
+
 def write_report(folder: Path, report: dict[str, Any]) -> None:
     tmp = folder / "report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")

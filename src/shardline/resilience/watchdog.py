@@ -40,7 +40,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardline.resilience.hangs import dump_stacks, stopped_ranks, stuck, write_report
+from shardline.resilience.hangs import dump_stacks, stopped_ranks, stuck, where_stopped, write_report
 from shardline.config.resilience import WatchdogConfig
 from shardline.resilience.stragglers import PeerWatch
 
@@ -254,11 +254,8 @@ class Watchdog:
         dumps = self._gather_dumps(own)
         records = self._safe(self._read_records) or {self.rank: self._record(time.monotonic())}
         stopped = stopped_ranks(self.world, records, dumps)
-        # A rank that could not dump left a stale record; then the step is this rank's.
-        step = min((records[r]["step"] for r in stopped if r in dumps and r in records),
-                   default=self._progress.step)
-        first = next((records[r] for r in stopped if r in records), self._record(time.monotonic()))
-        phase, limit = first.get("phase", "step"), first["limit_s"] or self.timeout
+        step, phase, limit = where_stopped(stopped, records, dumps, self._record(time.monotonic()))
+        limit = limit or self.timeout
         fields = {"step": step, "phase": phase, "limit_s": limit, "stopped_ranks": stopped, "dump_dir": str(folder),
                   "detected_by": self.rank}
         ranks = {r: {**{k: v for k, v in records.get(r, {}).items() if k not in ("times", "probes", "reads")},
