@@ -166,6 +166,10 @@ def assert_same_run(run: Path, reference: Path, rtol: float = 1e-5, atol: float 
     assert bool(want_eval) is evaluated and want_eval.keys() <= got_eval.keys(), (got_eval, want_eval)
     for step in want_eval:
         assert abs(got_eval[step] - want_eval[step]) <= rtol * want_eval[step], (step, got_eval, want_eval)
+    starts = [next(r for r in map(json.loads, (Path(p) / "metrics.jsonl").read_text().splitlines())
+                   if r.get("event") == "start") for p in (run, reference)]
+    assert starts[0]["params"] == starts[1]["params"], starts  # the whole model's, a pipeline stage's or not
+    assert all(s["layout"].startswith("tp") and s["world_size"] >= 1 for s in starts), starts  # what ran, logged
     if params_rel is not None:
         assert_params_close_in_norm(run, reference, params_rel)
     else:

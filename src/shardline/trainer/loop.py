@@ -28,7 +28,7 @@ from shardline.errors import Preempted
 from shardline.interop.weights import copy_starting_files, load_starting_weights, starting_hf_fields
 from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
 from shardline.models.attention import resolve_attention
-from shardline.models.flops import flops_per_token
+from shardline.models.flops import flops_per_token, num_params
 from shardline.models.llama.parallelize import build_model
 from shardline.models.moe.parallelize import build_model as build_moe_model
 from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
@@ -197,7 +197,8 @@ class Trainer(SavedState, AnomalyResponse):
     def _train(self) -> dict:
         cfg = self.cfg
         stop = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
-        self.metrics.event("start", step=self.step, params=sum(p.numel() for p in self.model.parameters()),
+        self.metrics.event("start", step=self.step, params=num_params(self.model_args),  # the whole model's
+                           world_size=self.proc.world_size, layout=self.dims.layout.describe(),
                            device=str(self.device), precision=cfg.train.precision,
                            attention=resolve_attention(cfg.train.attention, cfg.train.document_mask,
                                                        self.device.type == "cuda", self.dims.layout.cp_degrees[0]),
