@@ -365,8 +365,9 @@ def test_dry_run_fails_as_a_launch_would(capsys, tmp_path, argv, message):
 
 
 def test_dry_run_checks_a_mixture_and_a_resume_as_the_launch_does(capsys, tmp_path, tiny_config):
-    """Raw sources mixed without one tokenizer; a resume whose batch size or skipped batches the
-    config contradicts; a vocabulary with gaps sized as the launch sizes it (one past its largest id)."""
+    """Raw sources mixed without one tokenizer; a resume whose batch size, seq_len (which the launch
+    finds in the count of sequences) or skipped batches the config contradicts; a vocabulary with
+    gaps sized as the launch sizes it (one past its largest id)."""
     from tokenizers import Tokenizer, models
 
     from shardline.trainer import Trainer
@@ -382,6 +383,8 @@ def test_dry_run_checks_a_mixture_and_a_resume_as_the_launch_does(capsys, tmp_pa
     base = ["train", "--dry-run", f"--run.dir={cfg.run.dir}", *(f"--{o}" for o in _tiny_args(cfg))]
     assert main(base) == 0 and "resumes from" in capsys.readouterr().out
     for extra, message in (("--train.global_batch_size=16", "was saved with train.global_batch_size=8"),
+                           (f"--train.seq_len={cfg.train.seq_len // 2}", f"saved at train.seq_len={cfg.train.seq_len}; "
+                                                                         f"this run has {cfg.train.seq_len // 2}"),
                            ("--train.skip_batches=[1]", "train.skip_batches=[1] names batches already trained on")):
         assert main([*base, extra]) == 2
         err = capsys.readouterr().err

@@ -223,8 +223,10 @@ def test_never_resume_refuses_to_overwrite(tiny_config, tmp_path, monkeypatch):
 
 def test_resume_with_other_data_layout_is_refused(tiny_config):
     Trainer(tiny_config("train.steps=6")).build().train()
-    with pytest.raises(CheckpointError, match="seq_len or train.seed changed"):
+    with pytest.raises(CheckpointError, match="saved at train.seq_len=32; this run has 16"):
         Trainer(tiny_config("train.seq_len=16")).build()
+    with pytest.raises(CheckpointError, match="seq_len or train.seed changed"):
+        Trainer(tiny_config("train.seed=7")).build()
     # The sample position is step x global batch: another batch size would skip samples.
     with pytest.raises(CheckpointError, match="global_batch_size=8 but this run has 16"):
         Trainer(tiny_config("train.global_batch_size=16")).build()

@@ -196,10 +196,24 @@ def check_saved_position(path: Path | None, cfg: Config, num_samples: int | None
         data, step = state["data"], state["step"]
     except Exception as e:  # a manifest-less folder named by --resume, say
         raise CheckpointError(f"checkpoint {path}: trainer/rank0.pt cannot be read ({type(e).__name__})") from None
+    _check_saved_seq_len(path, cfg.train.seq_len)  # (a dry run, which counts no sequences, finds it too)
     check_data_position(path, data, data["num_samples"] if num_samples is None else num_samples, cfg.train.seed,
                         cfg.train.global_batch_size, position)
     check_skip_batches(path, step, data.get("skipped_batches", []), cfg.train.skip_batches)
     check_steps_ahead(path, step, cfg.train.steps)
+
+
+def _check_saved_seq_len(path: Path, seq_len: int) -> None:
+    """The seq_len the checkpoint's run trained at (its meta.json's config; unreadable: not checked)
+    is this one: the launch, which counts the sequences, would refuse another."""
+    try:
+        saved = int(json.loads((Path(path) / "meta.json").read_text())["config"]["train"]["seq_len"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if saved != seq_len:
+        raise CheckpointError(f"checkpoint {path} was saved at train.seq_len={saved}; this run has {seq_len}, which "
+                              "cuts the data into other sequences: the saved position would mean other samples; keep "
+                              f"{saved}, or start a new run.dir from these weights with model.init_from")
 
 
 def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int,
