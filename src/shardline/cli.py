@@ -28,7 +28,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         if given:
             raise ShardlineError(f"--resume and --{given[0].removeprefix('--')} both say what to resume; give one")
         overrides = [*overrides, f"run.resume={args.resume}"]
-    cfg = _relaunch_config(args.config, overrides)
+    try:
+        cfg = _relaunch_config(args.config, overrides)
+    except ShardlineError as e:  # the command line and the files: alike on a node's ranks, said once there
+        e.node_alike = True
+        raise
     if args.dry_run:
         from shardline.dry_run import dry_run
 
@@ -181,7 +185,9 @@ class _OneLineParser(argparse.ArgumentParser):
         self._given = list(args) if args is not None else []
         return super().parse_known_args(args, namespace)
 
-    def error(self, message: str):
+    def error(self, message: str):  # (the same command line on every rank: said by a node's first)
+        if _another_local_rank():
+            self.exit(2)
         # A missing required option is reported before any unknown one: a misspelt `--seqlen` read as absent.
         unknown = [a.split("=")[0] for a in self._given if a.startswith("--") and "." not in a
                    and a.split("=")[0] not in self._option_string_actions]
@@ -230,13 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _another_local_rank() -> bool:
+    """Not a node's first rank under torchrun (LOCAL_RANK > 0)."""
+    return os.environ.get("LOCAL_RANK", "0") != "0"
+
+
 def _leave(error: ShardlineError, what: str, code: int) -> int:
     """The error's one line, then its exit code. Ranks that stopped alike (a halt, a stop, an
     agreed refusal) print it once, on rank 0, and leave the process group together
     (parallel.distributed.leave_together)."""
     line = f"shardline: {what}: {error}"
     if not error.every_rank:
-        print(line, file=sys.stderr)
+        if not (getattr(error, "node_alike", False) and _another_local_rank()):
+            print(line, file=sys.stderr)
         return code
     from shardline.parallel.distributed import leave_together
 

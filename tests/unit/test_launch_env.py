@@ -92,3 +92,21 @@ def test_ranks_that_stopped_alike_leave_together_and_a_missing_peer_holds_none_l
         for p in procs:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("argv", [["train", "--train.bogus=1"], ["train", "--config", "a.toml", "--config", "b.toml"]])
+def test_a_command_line_mistake_is_said_once_a_node(monkeypatch, capsys, argv):
+    """Every rank reads the same command line and its node's files: under torchrun the node's
+    first rank says the one line, the others exit with the same code in silence (it was
+    printed once per rank)."""
+    from shardline.cli import main
+
+    said = {}
+    for local_rank in ("1", "0"):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        said[local_rank] = (code, capsys.readouterr().err)
+    assert said["1"] == (2, "") and said["0"][0] == 2 and said["0"][1].count("\n") == 1, said
