@@ -118,6 +118,11 @@ def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
     # A plan replaces its own earlier config, never a file it did not write (a hand-written config).
     assert run_cli(capsys, *PLAN_8B, "--runnable-only", "--gpus-per-node", "4", "--emit-config", str(path))[0] == 0
     assert "--nnodes 4 --nproc-per-node 4" in path.read_text()  # the hardware's GPUs a node, as given
+    # The training settings a plan does not choose are named where left at the tiny run's (lr 3e-3 at 8B).
+    left = [line for line in path.read_text().splitlines() if line.startswith("# set before a real run")]
+    assert len(left) == 1 and "optim.lr = 0.003 (the tiny preset's)" in left[0] and "data.path = ''" in left[0]
+    assert run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(path), "--optim.lr=3e-4")[0] == 0
+    assert "optim.lr" not in path.read_text().split("\n[")[0] and "train.steps = 200" in path.read_text()
     mine = tmp_path / "mine.toml"
     mine.write_text("[train]\nsteps = 5\n")
     code, _, err = run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(mine))

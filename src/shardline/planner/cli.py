@@ -198,11 +198,25 @@ def _emit(path: str, work: Workload, candidates: list, base: Config, args: argpa
               f"{e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%, "
               f"{e.memory['total'] / 2**30:.1f} GiB per device\n"
               f"# run it on {e.layout.world} device(s), {launch} "
-              f"-m shardline train --config {path}\n")
+              f"-m shardline train --config {path}\n{_left_at_defaults(cfg)}")
     try:
         Path(path).write_text(header + to_toml(cfg))
     except OSError as err:
         raise ShardlineError(f"cannot write --emit-config {path}: {err}") from None
+
+
+def _left_at_defaults(cfg: Config) -> str:
+    """Header lines naming the training settings the plan left as the tiny run has them: a config
+    that runs as is, but on the sample text at a learning rate made for a 5M-parameter model."""
+    default = Config()
+    keys = [("data.path", cfg.data.path, default.data.path, "the shipped sample text"),
+            ("data.tokenizer", cfg.data.tokenizer, default.data.tokenizer, "a small BPE trained on it"),
+            ("optim.lr", cfg.optim.lr, default.optim.lr, "the tiny preset's"),
+            ("optim.warmup_steps", cfg.optim.warmup_steps, default.optim.warmup_steps, ""),
+            ("train.steps", cfg.train.steps, default.train.steps, ""),
+            ("watchdog.timeout_s", cfg.watchdog.timeout_s, default.watchdog.timeout_s, "hang detection off")]
+    left = [f"{key} = {value!r}{f' ({why})' if why else ''}" for key, value, was, why in keys if value == was]
+    return f"# set before a real run (left at the defaults): {'; '.join(left)}\n" if left else ""
 
 
 def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
