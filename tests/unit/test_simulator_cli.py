@@ -56,6 +56,18 @@ def test_text_output_and_fixed_interval(capsys):
     assert "goodput" in out and "recompute since last checkpoint" in out
 
 
+def test_text_output_says_what_the_optimum_and_the_failures_assume(capsys):
+    """No failures: no optimum (not "none = N steps"); a write longer than the MTBF, and the async
+    optimum held at it, are named; planned stops are a rate a day whatever the job's size."""
+    assert main([*SMALL, "--step-time", "2", "--failure-scale", "0", "--failures.planned_per_day=0"]) == 0
+    out = capsys.readouterr().out
+    assert "optimal         none: no failures to recover from" in out and "steps (Young" not in out
+    assert main([*SMALL, "--step-time", "2", "--save-time", "200000"]) == 0
+    out = capsys.readouterr().out
+    assert "(async: held at the write time" in out and "takes longer than the job's MTBF" in out
+    assert "planned stops 0.87 a day whatever the job's size" in out
+
+
 def test_toml_config_and_overrides_change_the_failure_model(tmp_path, capsys):
     base = run_json(capsys)
     config = tmp_path / "flaky.toml"

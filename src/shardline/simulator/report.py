@@ -76,6 +76,16 @@ def _secs(x: float | None) -> str:
     return "none" if x is None else f"{x:.3g} s"
 
 
+def _optimal_line(r: dict[str, Any]) -> str:
+    optimal, ck = r["optimal_checkpoint_interval_s"], r["checkpoint"]
+    if optimal is None:
+        return "optimal         none: no failures to recover from (each checkpoint costs its stall, and saves nothing)"
+    held = (" (async: held at the write time, a snapshot waits for the last write)"
+            if ck["mode"] == "async" and r["daly_interval_s"] is not None and optimal > r["daly_interval_s"] else "")
+    return (f"optimal         {_secs(optimal)} = {r['optimal_checkpoint_interval_steps']} steps "
+            f"(Young {_secs(r['young_interval_s'])}, Daly {_secs(r['daly_interval_s'])}){held}")
+
+
 def format_text(r: dict[str, Any]) -> str:
     ck, total = r["checkpoint"], r["gpu_hours"]
     mtbf = "no unexpected failures" if r["mtbf_hours"] is None else f"job MTBF {r['mtbf_hours']:.3g} h"
@@ -88,12 +98,16 @@ def format_text(r: dict[str, Any]) -> str:
          f"{r['days']:g} days, {r['seeds']} seeds"),
         f"step time       {r['step_time_s']:.3g} s ({r['step_time_source']})",
         (f"failures        {mtbf} ({r['failure_rate_per_gpu_hour']:.3g} per GPU-hour; "
-         f"{expected['unexpected']:.1f} unexpected + {expected['planned']:.1f} planned expected)"),
+         f"{expected['unexpected']:.1f} unexpected + {expected['planned']:.1f} planned expected: planned stops "
+         f"{expected['planned'] / r['days']:.2f} a day whatever the job's size, --failures.planned_per_day)"),
         (f"checkpoint      {ck['mode']} every {ck['interval_steps']} steps ({ck['interval_s']:.3g} s): "
          f"stall {ck['stall_s']:.3g} s{write}"),
-        (f"optimal         {_secs(r['optimal_checkpoint_interval_s'])} = {r['optimal_checkpoint_interval_steps']} "
-         f"steps (Young {_secs(r['young_interval_s'])}, Daly {_secs(r['daly_interval_s'])})"),
+        _optimal_line(r),
     ]
+    mtbf_s = None if r["mtbf_hours"] is None else 3600 * r["mtbf_hours"]
+    if mtbf_s is not None and ck["save_s"] >= mtbf_s:
+        lines.append(f"note            one checkpoint write ({ck['save_s']:.3g} s) takes longer than the job's MTBF "
+                     f"({mtbf_s:.3g} s): most of the run is recovery; a faster store, or --checkpoint-mode memory")
     if "simulated_optimum_interval_s" in r:
         lines.append(f"simulated best  {_secs(r['simulated_optimum_interval_s'])} (sweep of {ck['mode']})")
     lines += [
