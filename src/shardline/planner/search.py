@@ -287,11 +287,15 @@ def _device_text(hw: Hardware, misfit: tuple[float, Layout, dict]) -> str:
     states = sum(mem.get(k, 0.0) for k in ("params", "grads", "optimizer"))
     more = max(2, int(-(-need // have)))
     big, big_bytes = largest_term(mem)
+    advice = f"use about {more}x more devices, a shorter sequence or a smaller model"
+    if big in ("activations", "logits") and states < have:  # a micro-batch's: more data-parallel ranks keep them
+        advice = ("activations are a micro-batch's, which more data-parallel devices leave as they are: a larger tp "
+                  "or cp, activation_checkpoint=full (if pinned otherwise), or a shorter sequence")
     return (f"does not fit: the leanest layout ({layout.describe()}) needs {need / GiB:.1f} GiB per device, "
             f"largest term {big} {big_bytes / GiB:.1f} GiB "
             f"(model states {states / GiB:.1f}, activations {mem['activations'] / GiB:.1f}, logits "
             f"{mem['logits'] / GiB:.1f}, buffers {mem['buffers'] / GiB:.1f}) but a {hw.name} has "
-            f"{hw.mem_gib:.1f} GiB; use about {more}x more devices, a shorter sequence or a smaller model")
+            f"{hw.mem_gib:.1f} GiB; {advice}")
 
 
 def _host_text(work: Workload, hw: Hardware, host: tuple[float, Layout], alone: bool) -> str:
