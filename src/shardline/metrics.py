@@ -139,7 +139,7 @@ class MetricsLogger:
         if enabled:
             _drop_torn_line(run_dir / "metrics.jsonl")
         self._jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
-        self._tb = None
+        self._tb, self._said_unwritten = None, False
         self._tb_dir = run_dir / "tensorboard"
         if enabled and tensorboard:
             self._open_tensorboard(first_step)
@@ -162,25 +162,39 @@ class MetricsLogger:
         rec = {"kind": kind, "time": round(time.time(), 3), **fields}
         if not self.enabled or self._jsonl.closed:  # closed: a watchdog report racing a failed run's end
             return rec
-        self._jsonl.write(json.dumps(_strict(rec), allow_nan=False, default=_jsonable) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(_strict(rec), allow_nan=False, default=_jsonable) + "\n")
+            self._jsonl.flush()
+        except OSError as e:  # a full disk: the log is not worth the run (the next flush retries what is held)
+            self._unwritten(e)
         self.console.write(rec)
         if self._tb is not None and kind in ("train", "eval"):
             for key, value in fields.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(f"{kind}/{key}", value, fields["step"])
-            self._tb.flush()  # on disk a line at a time, as metrics.jsonl: a killed run loses none of its curves
+            try:
+                self._tb.flush()  # on disk a line at a time, as metrics.jsonl: a killed run loses none of its curves
+            except OSError as e:
+                self._unwritten(e)
         return rec
+
+    def _unwritten(self, error: OSError) -> None:
+        if not self._said_unwritten:  # once, on stderr: the console may be a progress bar, the log is the file
+            self._said_unwritten = True
+            print(f"shardline: warning: {self._jsonl.name} cannot be written ({type(error).__name__}: {error}); "
+                  "training goes on, the console keeps the log", file=sys.stderr)
 
     def event(self, event: str, **fields: Any) -> dict[str, Any]:
         return self.log("event", event=event, **fields)
 
     def close(self) -> None:
         self.console.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        for log in (self._jsonl, self._tb):
+            if log is not None:
+                try:
+                    log.close()
+                except OSError as e:  # what a full disk still held back
+                    self._unwritten(e)
 
 
 def _strict(obj: Any) -> Any:

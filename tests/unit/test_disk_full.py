@@ -39,6 +39,9 @@ def test_a_full_disk_is_one_line_leaves_nothing_and_training_goes_on(tiny_config
     failed = [e for e in events(run) if e["event"] == "checkpoint_failed"]
     assert failed and failed[0]["step"] == 12
     assert failed[0]["error"].startswith(f"no space left on {run / 'checkpoints'} (needs ~")
+    assert " MB, " in failed[0]["error"] and " GB" not in failed[0]["error"]  # 1.7 MB, not "0.00 GB"
+    # The last step's save has no next interval to retry it: the line says what a rerun resumes.
+    assert failed[0]["action"].startswith("none: the run's last step; a rerun resumes step-000006")
     assert not list((run / "checkpoints").glob("*.tmp"))  # the partial save is gone
     assert Checkpointer(run, keep=3).latest_valid().name == "step-000006"
     resumed = Trainer(tiny_config("train.steps=12", "checkpoint.interval=0", run_dir=run)).build()
@@ -137,3 +140,30 @@ def test_a_stop_whose_resave_after_a_rollback_the_disk_refuses_says_so(tiny_conf
         trainer.train()
     assert [e["step"] for e in events(run) if e["event"] == "checkpoint_failed"] == [3]
     assert [e["checkpoint"] for e in events(run) if e["event"] == "preempted"] == [None]
+
+
+def _fill(disk) -> None:
+    """Fill the disk with a file of its own, to the last byte (as another job's output would)."""
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_disk_filled_by_something_else_never_stops_the_run(tiny_config, small_disk, capsys):
+    """progress.json (every step), metrics.jsonl and TensorBoard are written as the run goes: a
+    full disk raised OSError out of the loop (a traceback, exit 1). They are the run's accounts,
+    not its work: it trains to its end, the saves refused as on_error says, and a warning once."""
+    run = small_disk / "run"
+    trainer = Trainer(tiny_config("train.steps=8", "checkpoint.interval=4", "metrics.log_interval=1",
+                                  run_dir=run)).build()
+    _fill(small_disk)
+    trainer.train()
+    assert trainer.step == 8
+    err = capsys.readouterr().err
+    assert err.count("metrics.jsonl cannot be written") == 1, err
+    (small_disk / "filler").unlink()
+    assert not list((run / "checkpoints").glob("step-*"))  # refused, not half-written

@@ -15,6 +15,7 @@ barriers, whatever the rest do not cover). Goodput = useful / everything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -45,6 +46,7 @@ class Goodput:
         self.wall_before = 0.0  # wall time of earlier attempts
         self.high_water = 0
         self._recent: dict[int, tuple[str, float]] = {}  # step -> (category, seconds), for reclassify()
+        self.unwritten = ""  # why progress.json could not be written, once it could not (persist)
         previous = self._read()
         if previous:
             self.high_water = previous["high_water_step"]
@@ -98,11 +100,18 @@ class Goodput:
                 "total_s": round(total, 3), "seconds": seconds}
 
     def persist(self, finished: bool = False) -> None:
+        """Rewrite progress.json. A write the storage refuses (a disk a checkpoint filled) is kept in
+        `unwritten` and training goes on: accounting must never stop a run; the next write retries."""
         if not self.enabled:
             return
         record = {"high_water_step": self.high_water, "time": time.time(), "finished": finished,
                   "wall_s": self.wall_before + time.time() - self.started,
                   "seconds": dict(self.seconds)}
         tmp = self.path.with_name(PROGRESS + ".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            self.unwritten = self.unwritten or f"{type(e).__name__}: {e}"
+            with contextlib.suppress(OSError):
+                tmp.unlink()

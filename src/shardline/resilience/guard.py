@@ -83,7 +83,7 @@ class RunGuard:
     def open(self, run_dir: Path, log: Callable[..., None]) -> None:
         """Start goodput accounting in the opened run dir; log held events."""
         self.goodput = Goodput(run_dir, self.proc.is_main, self.started)
-        self._log = log
+        self._log, self._said_unwritten = log, False
         for name, fields in self._held:
             log(name, **fields)
         self._held = []
@@ -133,6 +133,9 @@ class RunGuard:
         self.faults.after_step(time.perf_counter() - started)
         self._step_s = seconds = time.perf_counter() - started
         self.goodput.step(step, seconds, outcome)
+        if self.goodput.unwritten and not self._said_unwritten:  # once: the run goes on (a full disk, say)
+            self._said_unwritten = True
+            self._log("progress_not_written", step=step, error=self.goodput.unwritten)
         self.faults.step_computed(seconds)
 
     def end_step(self, step: int) -> None:

@@ -38,6 +38,14 @@ def memory_rank_dir(cfg: Config, rank: int) -> Path | None:
     return MemoryTier.rank_dir(run_root(Path(cfg.run.dir), c.memory_dir), rank) if c.memory_interval else None
 
 
+def _size(n: float) -> str:
+    """Bytes for a reader: two significant figures past the unit that fits (7.4 MB, not 0.01 GB)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 class StateTiers:
     def __init__(self, cfg: Config, proc: ProcessInfo, dims: ParallelDims, checkpointer: Checkpointer,
                  fingerprint: str, faults: FaultInjector, log: Callable[..., None]):
@@ -91,13 +99,20 @@ class StateTiers:
         if cause.errno == errno.ENOSPC:
             free = shutil.disk_usage(root.parent if not root.exists() else root).free
             need = self._checkpoint_bytes(model)
-            what = f"no space left on {root} (needs ~{need / 1e9:.2f} GB, {free / 1e9:.2f} GB free)"
+            what = f"no space left on {root} (needs ~{_size(need)}, {_size(free)} free)"
         else:
             what = f"cannot write {root}: {cause.strerror or cause}"
         message = f"checkpoint of step {step} failed: {what}"
         if self.cfg.checkpoint.on_error == "stop":
             raise CheckpointError(message + "; stopping (checkpoint.on_error=stop), earlier checkpoints are intact")
-        self.log("checkpoint_failed", step=step, error=what, action="continue; retried at the next interval")
+        t = self.cfg.train
+        if step < min(t.steps, t.stop_at_step or t.steps):
+            action = "continue; retried at the next interval"
+        else:  # no next interval: what a rerun would resume is older (or in RAM: the memory tier keeps it)
+            saved = self.checkpointer.list()
+            action = (f"none: the run's last step; a rerun resumes {saved[-1].name if saved else 'nothing on disk'} "
+                      "(or a newer in-memory snapshot): free space and rerun to save this state")
+        self.log("checkpoint_failed", step=step, error=what, action=action)
 
     def _checkpoint_bytes(self, model) -> float:
         """The size of the newest checkpoint, else ~16 bytes per parameter (weights, Adam m and v, slack)."""
