@@ -273,3 +273,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardline: interrupted", file=sys.stderr)
         return 130
+    except BaseException as e:  # a Ctrl-C inside torch's checkpoint writer comes back wrapped in its error
+        if not any(isinstance(cause, KeyboardInterrupt) for cause in _causes(e)):
+            raise
+        print("shardline: interrupted (a checkpoint being written was abandoned; the newest finished one stays)",
+              file=sys.stderr)
+        return 130
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """The error, what it was raised from, and the failures a distributed checkpoint error carries
+    (torch.distributed.checkpoint's CheckpointException: {rank: (exception, traceback)})."""
+    found, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        found.append(error)
+        for failure in (getattr(error, "failures", None) or {}).values():
+            found.append(failure[0] if isinstance(failure, tuple) else failure)
+        error = error.__cause__ or error.__context__
+    return found

@@ -40,6 +40,47 @@ def test_a_first_ctrl_c_asks_a_second_one_stops_now():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_double_ctrl_c_during_a_save_lets_the_save_finish(tiny_config, capsys):
+    """Ctrl-C twice in quick succession while step 4 is saved: the second one waits for the save
+    (it left a half-written folder, a 90-line traceback and exit 1), the run stops with step 4
+    saved; a third Ctrl-C would abandon it."""
+    from shardline.trainer import Trainer
+
+    trainer = Trainer(tiny_config("train.steps=8", "checkpoint.interval=4", "train.eval_interval=0")).build()
+    save = trainer.save_checkpoint
+
+    def pressed_twice():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return save()
+
+    trainer.save_checkpoint = pressed_twice
+    with pytest.raises(Preempted, match="SIGINT at step 4; state saved"):
+        trainer.train()
+    assert "a checkpoint is being written; it finishes first" in capsys.readouterr().err
+    assert verify(trainer.run_dir / "checkpoints" / "step-000004")["step"] == 4
+
+
+def test_a_third_ctrl_c_in_a_save_or_a_ctrl_c_inside_torchs_writer_is_an_interrupt():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardline.cli import _causes
+
+    stops = StopRequests(None)
+    stops.install()
+    try:
+        stops.writing = True
+        os.kill(os.getpid(), signal.SIGINT)  # the stop request
+        os.kill(os.getpid(), signal.SIGINT)  # held: the save finishes first
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stops.restore()
+    wrapped = CheckpointException("save failed", {0: (KeyboardInterrupt(), None)})
+    assert any(isinstance(c, KeyboardInterrupt) for c in _causes(wrapped))
+    assert not any(isinstance(c, KeyboardInterrupt) for c in _causes(CheckpointException("x", {0: (OSError(), None)})))
+
+
 def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 

@@ -36,6 +36,7 @@ from shardline.resilience.tiers import StateTiers, memory_rank_dir
 from shardline.resilience.watchdog import Watchdog
 
 WATCHDOG_EXIT = 4  # a hang: distinct from 2 (bad input) and 3 (anomaly halt) so a launcher can tell
+WRITING_PHASES = ("save", "snapshot", "drain", "halt")  # a second Ctrl-C lets them finish (preemption.py)
 
 
 class RunGuard:
@@ -74,10 +75,13 @@ class RunGuard:
     def phase(self, name: str, step: int) -> Iterator[None]:
         """Long work outside a step ("restore", "drain"), watched under watchdog.long_timeout_s."""
         self.watchdog.phase_begin(name, step)
+        writing = self.stops.writing  # (a phase inside another: restored as it ends)
+        self.stops.writing = writing or name in WRITING_PHASES
         try:
             self.faults.in_phase(name)
             yield
         finally:
+            self.stops.writing = writing
             self.watchdog.phase_end()
 
     def open(self, run_dir: Path, log: Callable[..., None]) -> None:

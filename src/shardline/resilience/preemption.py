@@ -4,12 +4,14 @@ Slurm and Kubernetes send SIGTERM (or a chosen signal, ahead of time) before the
 a job. A handler here only records the request; the trainer asks `agreed()` at the end
 of every step, which every rank answers together (a one-int MAX all-reduce on a gloo
 group of its own, on the host: no device sync), so all ranks stop after the same step,
-save the same checkpoint and exit with Preempted.exit_code (5). A second Ctrl-C stops at once.
+save the same checkpoint and exit with Preempted.exit_code (5). A second Ctrl-C stops at once,
+except in a save: that finishes first, unless a third Ctrl-C comes.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,8 @@ class StopRequests:
         """group: a gloo group of every rank used for nothing else (None in one process)."""
         self.group = group
         self.requested = 0  # the signal number asked for, 0 = none
+        self.writing = False  # a checkpoint (or its drain) is being written: set by the guard's phases
+        self._held_once = False
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
@@ -38,6 +42,11 @@ class StopRequests:
 
     def _on_signal(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.requested:
+            if self.writing and not self._held_once:  # a second Ctrl-C (often a quick double press) in a save
+                self._held_once = True  # would leave no checkpoint and a traceback: the save first, once
+                print("shardline: a checkpoint is being written; it finishes first (Ctrl-C again abandons it)",
+                      file=sys.stderr)
+                return
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self.requested = self.requested or signum
 
