@@ -237,6 +237,40 @@ def test_the_rollback_budget_and_skip_streak_go_on_across_a_restart(tiny_config,
     assert Trainer(tiny_config(*common, run_dir=streak)).build()._anomaly_streak == (2, 2)
 
 
+def test_a_crash_right_after_a_rollback_keeps_the_batch_it_skipped_and_its_budget(tiny_config):
+    """The rollback saves the rolled-back step again at once: a crash before the next interval
+    resumed the old copy, trained the bad batch again and got a fresh rollback budget."""
+    common = ["anomaly.action=rollback", "anomaly.min_history=3", "checkpoint.interval=3", "train.eval_interval=0"]
+    trainer = Trainer(tiny_config(*common, "faults.nan_step=5")).build()
+    compute = trainer.compute_gradients
+
+    def crash_after_the_rollback():
+        if trainer.rollbacks:
+            raise RuntimeError("the node went down")
+        return compute()
+
+    trainer.compute_gradients = crash_after_the_rollback
+    with pytest.raises(RuntimeError, match="the node went down"):
+        trainer.train()
+    assert trainer.step == 3
+    again = Trainer(tiny_config(*common)).build()
+    assert again.step == 3 and again.rollbacks == 1 and again.skipped_batches == [4]
+
+
+def test_a_rollback_names_the_damaged_checkpoint_it_passes_over(tiny_config):
+    """The drill corrupts step 4's checkpoint; the NaN at step 5 rolls back to step 2, and the log
+    says why not to step 4, as a resume's does."""
+    trainer = Trainer(tiny_config("anomaly.action=rollback", "anomaly.min_history=2", "checkpoint.interval=2",
+                                  "train.eval_interval=0", "faults.corrupt_checkpoint_step=4", "faults.nan_step=5",
+                                  "train.steps=6")).build()
+    trainer.train()
+    records = read_records(trainer.run_dir, "event")
+    (rollback,) = [r for r in records if r["event"] == "anomaly"]
+    assert rollback["to_step"] == 2
+    assert [r["error"] for r in records if r["event"] == "invalid_checkpoint"][0].startswith(
+        f"checkpoint {trainer.run_dir / 'checkpoints' / 'step-000004'}")
+
+
 def test_a_halt_right_after_a_rollback_saves_the_budget_it_spent(tiny_config, tmp_path):
     """The rollback budget runs out at the step after the checkpoint rolled back to: the state
     before it is on disk already, but without the rollback and the batch it skipped; resumed as

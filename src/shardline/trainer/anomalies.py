@@ -82,7 +82,11 @@ class AnomalyResponse:
             with self.guard.phase("restore", step):  # watched as a start-up restore is, not as a step
                 self.tiers.drain()
                 # agreed: one node's storage error (a stale handle) stops every rank, not its own alone
-                latest = agreed(self.checkpointer.latest_valid, self.proc.world_size)
+                invalid: list[str] = []  # named as a resume names them: the rollback passes over them
+                latest = agreed(lambda: self.checkpointer.latest_valid(lambda p, e: invalid.append(str(e))),
+                                self.proc.world_size)
+                for problem in invalid:
+                    self.metrics.event("invalid_checkpoint", step=step, error=problem)
                 latest = agree_on_resume(latest, self.proc.rank, self.proc.world_size)
                 target = self.tiers.newest(latest)
                 if target is not None:
@@ -99,6 +103,8 @@ class AnomalyResponse:
                 self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
                                    skipped_batch=skipped, cost_s=round(cost, 3))
                 self.metrics.rewind(self.step)
+                if self.cfg.checkpoint.interval:  # on disk at once: a crash before the next save lost the batch
+                    self.guard.watched("save", self.step, "recovery", self.save_checkpoint)  # skipped and the budget
                 return True
             event["action"] = "skip (no checkpoint to roll back to)"
         self.metrics.event("anomaly", **event)
