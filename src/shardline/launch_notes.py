@@ -49,6 +49,11 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
                                       "moments": "AdamW's, in unlinked files mapped from there (host RAM: cache)",
                                       **({"ram_copies": f"{' and '.join(copies)} copy them into RAM at each save"}
                                          if copies else {})}))
+    if not cfg.checkpoint.interval:  # allowed (a benchmark, a drill), but nothing of the run outlives it
+        kept = ("the in-memory snapshots go when it finishes" if cfg.checkpoint.memory_interval
+                else "no state is saved at all")
+        notes.append(("no_disk_checkpoints", {"reason": f"checkpoint.interval=0: nothing is written to disk and "
+                                                        f"{kept}: the trained weights are not kept"}))
     if cfg.optim.warmup_steps > cfg.train.steps:  # the lr peaks at the last step, never decays
         notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
     if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's

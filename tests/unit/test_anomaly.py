@@ -212,10 +212,22 @@ def test_skipping_halts_when_the_loss_level_moved_for_good(tiny_config, tmp_path
                                   "checkpoint.interval=0", "metrics.log_interval=1", run_dir=tmp_path / where)).build()
     corrupt = trainer.guard.faults.corrupt_loss
     trainer.guard.faults.corrupt_loss = lambda step, loss: corrupt(step, loss) * (100.0 if step >= 5 else 1.0)
-    with pytest.raises(AnomalyHalt, match=r"3 anomalous steps in a row \(steps 5-7\)"):
+    with pytest.raises(AnomalyHalt, match=r"3 anomalous steps in a row \(steps 5-7\): skipping cannot get past a "
+                                          r"loss level .*; the step's batch: 6 \(as train.skip_batches counts them\)"):
         trainer.train()
     events = [r for r in read_records(tmp_path / where, "event") if r["event"] == "anomaly"]
     assert [(e["step"], e["action"]) for e in events] == [(5, "skip"), (6, "skip"), (7, "halt")]
+
+
+def test_skipping_non_finite_steps_halts_with_advice_for_a_divergence(tiny_config, tmp_path):
+    """No anomaly.spike_zscore makes a NaN healthy: the advice names the lr and clipping instead."""
+    trainer = Trainer(tiny_config("anomaly.action=skip", "anomaly.max_consecutive=2", "train.eval_interval=0",
+                                  "checkpoint.interval=0")).build()
+    trainer.guard.faults.corrupt_loss = lambda step, loss: float("nan") if step >= 3 else loss
+    with pytest.raises(AnomalyHalt, match=r"2 anomalous steps in a row \(steps 3-4\), the last non-finite: .*a "
+                                          r"lower optim.lr, or train.grad_clip") as halted:
+        trainer.train()
+    assert "spike_zscore" not in str(halted.value)
 
 
 def test_the_rollback_budget_and_skip_streak_go_on_across_a_restart(tiny_config, tmp_path):

@@ -87,3 +87,14 @@ def test_chat_data_without_a_template_is_named_as_chatml(tmp_path):
     with_template = load_config(None, ["data.format=chat", f"data.tokenizer={tmp_path / 'tokenizer.json'}"])
     assert "chat_as_chatml" not in dict(launch_notes(with_template, "cuda", 989.0, 1, tokenizer=tok))
     assert "chat_as_chatml" not in dict(launch_notes(load_config(None, []), "cuda", 989.0, 1, tokenizer=tok))
+
+
+def test_a_run_that_saves_nothing_to_disk_says_so():
+    """checkpoint.interval=0 ran to its end and left no weights (the memory tier's snapshots went
+    with it), in silence."""
+    ram = dict(launch_notes(load_config(None, ["checkpoint.interval=0", "checkpoint.memory_interval=10",
+                                                "metrics.peak_tflops=1"]), "cpu", 1.0, 1))
+    assert "in-memory snapshots go when it finishes" in ram["no_disk_checkpoints"]["reason"]
+    none = dict(launch_notes(load_config(None, ["checkpoint.interval=0", "metrics.peak_tflops=1"]), "cpu", 1.0, 1))
+    assert "no state is saved at all" in none["no_disk_checkpoints"]["reason"]
+    assert launch_notes(load_config(None, ["metrics.peak_tflops=1"]), "cpu", 1.0, 1) == []

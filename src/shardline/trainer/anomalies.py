@@ -41,7 +41,7 @@ class AnomalyResponse:
             self.anomaly_events.append(event)
             self.guard.goodput.reclassify(event["step"], "anomaly_skipped")
             if self._skips_stuck(event["step"]):
-                self._halt({**event, "action": "halt", "reason": self._stuck_reason()})
+                self._halt({**event, "action": "halt", "reason": self._stuck_reason(event["anomaly"])})
             self.metrics.event("anomaly", **event, checked_on="device")
 
     def _skips_stuck(self, step: int) -> bool:
@@ -53,8 +53,12 @@ class AnomalyResponse:
         limit = self.cfg.anomaly.max_consecutive
         return bool(limit) and self._anomaly_streak[1] >= limit
 
-    def _stuck_reason(self) -> str:
+    def _stuck_reason(self, kind: str) -> str:
         step, run = self._anomaly_streak
+        if kind.startswith("nonfinite"):  # no threshold makes a NaN healthy: the weights or the lr diverged
+            return (f"{run} anomalous steps in a row (steps {step - run + 1}-{step}), the last non-finite: "
+                    "skipping cannot get past weights or a learning rate that diverged; use anomaly.action=rollback, "
+                    "a lower optim.lr, or train.grad_clip")
         return (f"{run} anomalous steps in a row (steps {step - run + 1}-{step}): skipping cannot get past a loss "
                 "level that moved; use anomaly.action=rollback, a higher anomaly.spike_zscore, or "
                 "anomaly.max_consecutive=0 to keep skipping")
@@ -72,7 +76,7 @@ class AnomalyResponse:
             action = "halt"  # the fault keeps coming back: stop instead of looping
         event = {"step": step, "anomaly": kind, "value": value, "action": action}
         if action == "skip" and self._skips_stuck(step):
-            event.update(action="halt", reason=self._stuck_reason())
+            event.update(action="halt", reason=self._stuck_reason(kind))
             action = "halt"
         self.anomaly_events.append(event)
         if action == "halt":
@@ -168,5 +172,7 @@ class AnomalyResponse:
             self.metrics.close()
         self.lock.release()
         why = f"; {event['reason']}" if "reason" in event else ""
+        batch = batch_index(event["step"] - 1, self.skipped_batches)  # what train.skip_batches takes, not the step
         raise AnomalyHalt(f"{event['anomaly']} (value {event['value']:.4g}) at step {event['step']}; "
-                          f"{where}; anomalies this run: {len(self.anomaly_events)}{why}") from failure
+                          f"{where}; anomalies this run: {len(self.anomaly_events)}{why}; the step's batch: {batch} "
+                          "(as train.skip_batches counts them)") from failure
