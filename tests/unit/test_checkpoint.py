@@ -459,3 +459,14 @@ def test_a_save_before_any_update_leaves_the_training_as_it_was(tiny_config, tmp
     plain.train()
     for a, b in zip(saved.model.parameters(), plain.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_save_removes_the_half_written_folders_of_older_saves_a_crash_left(tiny_config):
+    """A kill mid-save leaves step-N.tmp (hundreds of MB at scale) until step N was saved again:
+    the next save's pruning removes such folders of older steps, never a newer one's."""
+    trainer = Trainer(tiny_config("train.steps=4", "checkpoint.interval=2", "train.eval_interval=0")).build()
+    root = trainer.checkpointer.root
+    (root / "step-000001.tmp" / "model").mkdir(parents=True)
+    (root / "step-000009.tmp").mkdir()
+    trainer.train()
+    assert not (root / "step-000001.tmp").exists() and (root / "step-000009.tmp").is_dir()

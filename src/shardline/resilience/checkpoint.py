@@ -381,7 +381,7 @@ class Checkpointer:
         """Keep the newest `keep` and the folder just `written` (an anomaly halt's re-save of an older
         step, beside a newer folder that failed to verify, was the one removed). A folder is renamed
         before it is removed, so an interruption never leaves a half-deleted checkpoint that looks
-        complete; leftovers go next time, as does what an interrupted seal left aside once repaired.
+        complete; leftovers go next time, as do a repaired seal's asides and older saves a crash cut short.
 
         Best effort, never raising: it runs on the writer alone after a save every rank agreed had
         landed (its peers wait for it). What cannot be listed, renamed or checked now stays for later."""
@@ -394,5 +394,6 @@ class Checkpointer:
             for old in [p for p in self.list()[: -self.keep] if p != written]:
                 with contextlib.suppress(OSError):
                     old.rename(old.with_name(old.name + PRUNING))
-            for gone in [*self.root.glob(f"step-*{PRUNING}"), *asides]:
+            cut = [t for t in self.root.glob("step-*.tmp") if written and step_of(t) < step_of(written)]  # (repaired)
+            for gone in [*self.root.glob(f"step-*{PRUNING}"), *asides, *cut]:
                 shutil.rmtree(gone, ignore_errors=True)
