@@ -69,12 +69,14 @@ class AnomalyResponse:
         norm = 0.0 if self.scaler.enabled else grad_norm.item()
         return self.anomaly.gate(self.step + 1, loss, norm)
 
-    def _handle_anomaly(self, step: int, kind: str, value: float) -> bool:
+    def _handle_anomaly(self, step: int, kind: str, value: float, loss: float | None = None) -> bool:
         """Apply anomaly.action; True when the run rolled back (the step is redone)."""
         action = self.cfg.anomaly.action
         if action == "rollback" and self.rollbacks >= self.cfg.anomaly.max_rollbacks:
             action = "halt"  # the fault keeps coming back: stop instead of looping
         event = {"step": step, "anomaly": kind, "value": value, "action": action}
+        if kind == "loss_spike" and loss is not None:  # its value is the z-score, not the loss the log shows
+            event["loss"] = loss
         if action == "skip" and self._skips_stuck(step):
             event.update(action="halt", reason=self._stuck_reason(kind))
             action = "halt"
@@ -173,6 +175,8 @@ class AnomalyResponse:
         self.lock.release()
         why = f"; {event['reason']}" if "reason" in event else ""
         batch = batch_index(event["step"] - 1, self.skipped_batches)  # what train.skip_batches takes, not the step
-        raise AnomalyHalt(f"{event['anomaly']} (value {event['value']:.4g}) at step {event['step']}; "
+        value = f"z-score {event['value']:.4g}, loss {event['loss']:.4g}" if "loss" in event else \
+            f"value {event['value']:.4g}"
+        raise AnomalyHalt(f"{event['anomaly']} ({value}) at step {event['step']}; "
                           f"{where}; anomalies this run: {len(self.anomaly_events)}{why}; the step's batch: {batch} "
                           "(as train.skip_batches counts them)") from failure

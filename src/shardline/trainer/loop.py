@@ -309,7 +309,7 @@ class Trainer(SavedState, AnomalyResponse):
             return self._step_checked_on_device(step, loss, grad_norm)
         loss_value = self.guard.faults.corrupt_loss(step, self.steps.global_loss(loss).item())
         anomaly = self._detect_anomaly(loss_value, grad_norm)
-        if anomaly is not None and self._handle_anomaly(step, *anomaly):
+        if anomaly is not None and self._handle_anomaly(step, *anomaly, loss=loss_value):
             return loss_value, grad_norm, "rolled_back"
         outcome = "anomaly" if anomaly is not None else "overflow" if self.apply_update() else "updated"
         self.step = step
