@@ -30,8 +30,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, f"run.resume={args.resume}"]
     try:
         cfg = _relaunch_config(args.config, overrides)
-    except ShardlineError as e:  # the command line and the files: alike on a node's ranks, said once there
-        e.node_alike = True
+    except ShardlineError as e:  # the command line and the files: alike on a node's ranks, said once there;
+        e.node_alike = not isinstance(e.__context__, OSError)  # not a read the storage refused (maybe one rank's)
         raise
     if args.dry_run:
         from shardline.dry_run import dry_run
@@ -237,8 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _another_local_rank() -> bool:
-    """Not a node's first rank under torchrun (LOCAL_RANK > 0)."""
-    return os.environ.get("LOCAL_RANK", "0") != "0"
+    """A torchrun worker that is not its node's first (LOCAL_RANK > 0, in a world of several)."""
+    try:
+        return int(os.environ.get("LOCAL_RANK", "0")) > 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
 
 
 def _leave(error: ShardlineError, what: str, code: int) -> int:
@@ -282,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _causes(error: BaseException) -> list[BaseException]:
-    """The error, what it was raised from, and the failures a distributed checkpoint error carries
+    """The error, what it was raised from (not what it was raised while handling: an error in a
+    cleanup after a Ctrl-C is that error), and the failures a distributed checkpoint error carries
     (torch.distributed.checkpoint's CheckpointException: {rank: (exception, traceback)})."""
     found, seen = [], set()
     while error is not None and id(error) not in seen:
@@ -290,5 +294,5 @@ def _causes(error: BaseException) -> list[BaseException]:
         found.append(error)
         for failure in (getattr(error, "failures", None) or {}).values():
             found.append(failure[0] if isinstance(failure, tuple) else failure)
-        error = error.__cause__ or error.__context__
+        error = error.__cause__
     return found

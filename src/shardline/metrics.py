@@ -139,7 +139,7 @@ class MetricsLogger:
         if enabled:
             _drop_torn_line(run_dir / "metrics.jsonl")
         self._jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
-        self._tb, self._said_unwritten = None, False
+        self._tb, self._said_unwritten = None, set()
         self._tb_dir = run_dir / "tensorboard"
         if enabled and tensorboard:
             self._open_tensorboard(first_step)
@@ -155,8 +155,12 @@ class MetricsLogger:
     def rewind(self, step: int) -> None:
         """The run went back to `step` (a rollback): the steps it logs again replace the old ones."""
         if self._tb is not None:
-            self._tb.close()
-            self._open_tensorboard(step)
+            try:
+                self._tb.close()
+                self._open_tensorboard(step)
+            except OSError as e:
+                self._tb = None  # no curves from here on: the run is worth more
+                self._unwritten(e, "TensorBoard")
 
     def log(self, kind: str, **fields: Any) -> dict[str, Any]:
         rec = {"kind": kind, "time": round(time.time(), 3), **fields}
@@ -166,22 +170,22 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(_strict(rec), allow_nan=False, default=_jsonable) + "\n")
             self._jsonl.flush()
         except OSError as e:  # a full disk: the log is not worth the run (the next flush retries what is held)
-            self._unwritten(e)
+            self._unwritten(e, self._jsonl.name)
         self.console.write(rec)
         if self._tb is not None and kind in ("train", "eval"):
-            for key, value in fields.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"{kind}/{key}", value, fields["step"])
-            try:
+            try:  # (its writer thread keeps a write error and raises it at the next add_scalar)
+                for key, value in fields.items():
+                    if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                        self._tb.add_scalar(f"{kind}/{key}", value, fields["step"])
                 self._tb.flush()  # on disk a line at a time, as metrics.jsonl: a killed run loses none of its curves
             except OSError as e:
-                self._unwritten(e)
+                self._unwritten(e, "TensorBoard")
         return rec
 
-    def _unwritten(self, error: OSError) -> None:
-        if not self._said_unwritten:  # once, on stderr: the console may be a progress bar, the log is the file
-            self._said_unwritten = True
-            print(f"shardline: warning: {self._jsonl.name} cannot be written ({type(error).__name__}: {error}); "
+    def _unwritten(self, error: OSError, what: str) -> None:
+        if what not in self._said_unwritten:  # once each, on stderr: the console may be a progress bar
+            self._said_unwritten.add(what)
+            print(f"shardline: warning: {what} cannot be written ({type(error).__name__}: {error}); "
                   "training goes on, the console keeps the log", file=sys.stderr)
 
     def event(self, event: str, **fields: Any) -> dict[str, Any]:
@@ -189,12 +193,12 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.console.close()
-        for log in (self._jsonl, self._tb):
+        for log, what in ((self._jsonl, getattr(self._jsonl, "name", "")), (self._tb, "TensorBoard")):
             if log is not None:
                 try:
                     log.close()
                 except OSError as e:  # what a full disk still held back
-                    self._unwritten(e)
+                    self._unwritten(e, what)
 
 
 def _strict(obj: Any) -> Any:

@@ -253,10 +253,14 @@ def test_the_rollback_budget_and_skip_streak_go_on_across_a_restart(tiny_config,
     assert Trainer(tiny_config(*common, run_dir=streak)).build()._anomaly_streak == (2, 2)
 
 
-def test_a_crash_right_after_a_rollback_keeps_the_batch_it_skipped_and_its_budget(tiny_config):
+@pytest.mark.parametrize("ram", [False, True])
+def test_a_crash_right_after_a_rollback_keeps_the_batch_it_skipped_and_its_budget(tiny_config, tmp_path, ram):
     """The rollback saves the rolled-back step again at once: a crash before the next interval
-    resumed the old copy, trained the bad batch again and got a fresh rollback budget."""
+    resumed the old copy, trained the bad batch again and got a fresh rollback budget. With the
+    memory tier too, its snapshot of that step (which a restart prefers on a tie) goes."""
     common = ["anomaly.action=rollback", "anomaly.min_history=3", "checkpoint.interval=3", "train.eval_interval=0"]
+    if ram:
+        common += ["checkpoint.memory_interval=3", f"checkpoint.memory_dir={tmp_path / 'shm'}"]
     trainer = Trainer(tiny_config(*common, "faults.nan_step=5")).build()
     compute = trainer.compute_gradients
 

@@ -41,7 +41,7 @@ def test_a_full_disk_is_one_line_leaves_nothing_and_training_goes_on(tiny_config
     assert failed[0]["error"].startswith(f"no space left on {run / 'checkpoints'} (needs ~")
     assert " MB, " in failed[0]["error"] and " GB" not in failed[0]["error"]  # 1.7 MB, not "0.00 GB"
     # The last step's save has no next interval to retry it: the line says what a rerun resumes.
-    assert failed[0]["action"].startswith("none: the run's last step; a rerun resumes step-000006")
+    assert failed[0]["action"].startswith("none: the run ends here; a rerun resumes step-000006")
     assert not list((run / "checkpoints").glob("*.tmp"))  # the partial save is gone
     assert Checkpointer(run, keep=3).latest_valid().name == "step-000006"
     resumed = Trainer(tiny_config("train.steps=12", "checkpoint.interval=0", run_dir=run)).build()
@@ -139,8 +139,9 @@ def test_a_stop_whose_resave_after_a_rollback_the_disk_refuses_says_so(tiny_conf
     trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.rollbacks else None
     with pytest.raises(Preempted, match=r"SIGTERM at step 3; its checkpoint could not be written"):
         trainer.train()
-    # step 3 saved again right after the rollback, then by the stop: both refused
-    assert [e["step"] for e in events(run) if e["event"] == "checkpoint_failed"] == [3, 3]
+    # step 3 saved again right after the rollback, then by the stop: both refused; no interval retries the stop's
+    failed = [e for e in events(run) if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == [3, 3] and failed[-1]["action"].startswith("none: the run ends here")
     assert [e["checkpoint"] for e in events(run) if e["event"] == "preempted"] == [None]
 
 
@@ -161,7 +162,7 @@ def test_a_disk_filled_by_something_else_never_stops_the_run(tiny_config, small_
     not its work: it trains to its end, the saves refused as on_error says, and a warning once."""
     run = small_disk / "run"
     trainer = Trainer(tiny_config("train.steps=8", "checkpoint.interval=4", "metrics.log_interval=1",
-                                  run_dir=run)).build()
+                                  "metrics.tensorboard=true", run_dir=run)).build()
     _fill(small_disk)
     trainer.train()
     assert trainer.step == 8
@@ -169,3 +170,15 @@ def test_a_disk_filled_by_something_else_never_stops_the_run(tiny_config, small_
     assert err.count("metrics.jsonl cannot be written") == 1, err
     (small_disk / "filler").unlink()
     assert not list((run / "checkpoints").glob("step-*"))  # refused, not half-written
+
+
+def test_a_rollback_whose_resave_the_disk_refuses_under_on_error_stop_names_the_batches(tiny_config, small_disk):
+    """The copy of step 3 on disk predates the rollback: a rerun from it trains the bad batch again,
+    so the stop names train.skip_batches (it said only "earlier checkpoints are intact")."""
+    run = small_disk / "run"
+    trainer = Trainer(tiny_config("anomaly.action=rollback", "anomaly.min_history=2", "checkpoint.interval=3",
+                                  "train.eval_interval=0", "checkpoint.on_error=stop", "faults.nan_step=4",
+                                  run_dir=run)).build()
+    with pytest.raises(CheckpointError, match=r"checkpoint.on_error=stop.*predates the rollback to step 3: rerun "
+                                              r"with train.skip_batches=\[3\]"):
+        trainer.train()

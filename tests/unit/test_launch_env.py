@@ -102,6 +102,7 @@ def test_a_command_line_mistake_is_said_once_a_node(monkeypatch, capsys, argv):
     from shardline.cli import main
 
     said = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
     for local_rank in ("1", "0"):
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         try:
@@ -110,3 +111,14 @@ def test_a_command_line_mistake_is_said_once_a_node(monkeypatch, capsys, argv):
             code = e.code
         said[local_rank] = (code, capsys.readouterr().err)
     assert said["1"] == (2, "") and said["0"][0] == 2 and said["0"][1].count("\n") == 1, said
+
+
+def test_a_config_file_one_rank_cannot_read_is_said_by_that_rank(monkeypatch, capsys, tmp_path):
+    """A read the storage refuses (a stale handle on one rank) may be that rank's alone: said."""
+    from shardline.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    (tmp_path / "dir.toml").mkdir()  # reading it fails with an OSError (IsADirectoryError)
+    assert main(["train", "--config", str(tmp_path / "dir.toml")]) == 2
+    assert "dir.toml is a folder" in capsys.readouterr().err

@@ -288,7 +288,8 @@ def _device_text(hw: Hardware, misfit: tuple[float, Layout, dict]) -> str:
     more = max(2, int(-(-need // have)))
     big, big_bytes = largest_term(mem)
     advice = f"use about {more}x more devices, a shorter sequence or a smaller model"
-    if big in ("activations", "logits") and states < have:  # a micro-batch's: more data-parallel ranks keep them
+    if big in ("activations", "logits") and states < have and layout.dp > 1:  # a micro-batch's; more ranks would
+        # be more data parallel (with none, the world bounded tp x cp x pp: more devices allow larger ones)
         advice = ("activations are a micro-batch's, which more data-parallel devices leave as they are: a larger tp "
                   "or cp, activation_checkpoint=full (if pinned otherwise), or a shorter sequence")
     return (f"does not fit: the leanest layout ({layout.describe()}) needs {need / GiB:.1f} GiB per device, "

@@ -104,12 +104,12 @@ def where_stopped(stopped: list[int], records: dict[int, dict], dumps: dict[int,
     current, else the reporting rank's own record `own`. A rank that could not dump (frozen,
     gone) left the record its watchdog last published, every poll: it can lag by steps, a save
     since finished say. It counts if at most one step behind the newest any rank began: the
-    others could not have gone two steps on without it."""
+    others could not have gone two steps on without it (a record one step old can still lag: a
+    save just finished; that much is ambiguous)."""
     newest = max([own["step"]] + [rec["step"] for rec in records.values()])
-    current = [r for r in stopped if r in records and (r in dumps or records[r]["step"] >= newest - 1)]
-    first = records[current[0]] if current else own
-    step = min((records[r]["step"] for r in current), default=own["step"])
-    return step, first.get("phase", "step"), first["limit_s"]
+    current = [records[r] for r in stopped if r in records and (r in dumps or records[r]["step"] >= newest - 1)]
+    first = min(current, key=lambda rec: rec["step"]) if current else own  # step, phase, limit: one rank's
+    return first["step"], first.get("phase", "step"), first["limit_s"]
 
 
 def write_report(folder: Path, report: dict[str, Any]) -> None:

@@ -205,6 +205,12 @@ class MemoryTier:
         self.wait()
         self._drop(lambda held: held > step)
 
+    def discard_through(self, step: int) -> None:
+        """Drop every snapshot file of `step` and before: a state saved to disk since supersedes them
+        (a rollback's, with the batch it skipped), and a restart would prefer them on a tie."""
+        self.wait()
+        self._drop(lambda held: held <= step)
+
     def _drop(self, which: Callable[[int], bool]) -> None:
         """Remove this rank's files (<kind>-<step>.*) of the steps `which` picks."""
         for f in self.dir.glob("*-*"):

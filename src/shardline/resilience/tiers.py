@@ -39,10 +39,10 @@ def memory_rank_dir(cfg: Config, rank: int) -> Path | None:
 
 
 def _size(n: float) -> str:
-    """Bytes for a reader: two significant figures past the unit that fits (7.4 MB, not 0.01 GB)."""
+    """Bytes for a reader, in the largest unit that fits (7.4 MB, not 0.01 GB)."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
-            return f"{n / scale:.3g} {unit}"
+            return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
 
 
@@ -57,6 +57,7 @@ class StateTiers:
         self._group = dims.checkpoint_group
         self.memory_background = c.memory_mode == "async"
         self.landed = 0  # disk saves known to be on disk (an async one once its write finished)
+        self.ending = False  # the run stops after what it saves now (a stop, a halt): no interval retries it
         self.held = 0  # memory snapshots known to be held (an async one once every rank holds it)
         self.memory = None
         if c.memory_interval:
@@ -106,11 +107,11 @@ class StateTiers:
         if self.cfg.checkpoint.on_error == "stop":
             raise CheckpointError(message + "; stopping (checkpoint.on_error=stop), earlier checkpoints are intact")
         t = self.cfg.train
-        if step < min(t.steps, t.stop_at_step or t.steps):
+        if step < min(t.steps, t.stop_at_step or t.steps) and not self.ending:
             action = "continue; retried at the next interval"
         else:  # no next interval: what a rerun would resume is older (or in RAM: the memory tier keeps it)
             saved = self.checkpointer.list()
-            action = (f"none: the run's last step; a rerun resumes {saved[-1].name if saved else 'nothing on disk'} "
+            action = (f"none: the run ends here; a rerun resumes {saved[-1].name if saved else 'nothing on disk'} "
                       "(or a newer in-memory snapshot): free space and rerun to save this state")
         self.log("checkpoint_failed", step=step, error=what, action=action)
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from shardline.data.sampler import batch_index
-from shardline.errors import AnomalyHalt, CheckpointError
+from shardline.errors import AnomalyHalt, CheckpointError, on_every_rank
 from shardline.parallel.distributed import agreed
 from shardline.resilience.checkpoint import step_dir_name
 from shardline.resilience.recovery import agree_on_resume, rank0_decides
@@ -110,13 +110,29 @@ class AnomalyResponse:
                                    skipped_batch=skipped, cost_s=round(cost, 3))
                 self.metrics.rewind(self.step)
                 if self.cfg.checkpoint.interval:  # on disk at once: a crash before the next save lost the batch
-                    self.guard.watched("save", self.step, "recovery", self.save_checkpoint)  # skipped and the budget
+                    self._save_rollback()  # skipped and the budget
                 return True
             event["action"] = "skip (no checkpoint to roll back to)"
         self.metrics.event("anomaly", **event)
         self.scaler.skip()
         self._end_step()
         return False
+
+    def _save_rollback(self) -> None:
+        """The rolled-back state saved again, with the batch it skips and the budget it spent. Once on
+        disk, the snapshots in RAM of that step and before go: a restart prefers RAM on a tie, and
+        theirs predate the rollback. Refused under checkpoint.on_error=stop: the batches to skip named."""
+        landed = self.tiers.landed
+        try:
+            self.guard.watched("save", self.step, "recovery", self.save_checkpoint)
+        except CheckpointError as e:
+            named = CheckpointError(f"{e}; that copy predates the rollback to step {self.step}: rerun with train."
+                                    f"skip_batches={sorted(self.skipped_batches)} to keep out the batch it skipped")
+            raise on_every_rank(named, e.every_rank) from e
+        if self.tiers.memory is not None:
+            self.guard.drain(self.step)
+            if self.tiers.landed > landed:
+                self.tiers.memory.discard_through(self.step)
 
     @property
     def _rolled_back_unsaved(self) -> bool:
@@ -142,7 +158,7 @@ class AnomalyResponse:
         wait for the process group's timeout."""
         self.metrics.event("anomaly", **event)
         self.optimizer.zero_grad(set_to_none=True)
-        saved, failure, landed = None, None, None
+        saved, failure, landed, self.tiers.ending = None, None, None, True  # (a refused save: no next interval)
         try:  # each wait its own phase, under its own long timeout, as a save and a drain are elsewhere
             with self.guard.phase("halt", self.step):
                 self.tiers.drain()  # this step's interval save may still be in flight

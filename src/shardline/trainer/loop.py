@@ -206,7 +206,7 @@ class Trainer(SavedState, AnomalyResponse):
                                                     cfg.memory.activation_checkpoint, self.model_args.moe),
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
         self.guard.start()
-        if self.eval_owed and self.step < stop:  # the evaluation a stop skipped here (its grace was the save's)
+        if self.eval_owed and cfg.train.eval_interval and self.step < stop:  # what a stop skipped (for its save)
             self.guard.watched("eval", self.step, "eval", self.evaluate)
             self.eval_owed = False
         window_start, window_steps, last, stopped, first = time.perf_counter(), 0, {}, None, self.step + 1
@@ -218,7 +218,7 @@ class Trainer(SavedState, AnomalyResponse):
             if outcome == "rolled_back":  # self.step moved back to the checkpoint's; a stop is not put off
                 window_start, window_steps, request = time.perf_counter(), 0, self.guard.stop_requested()
                 if request:  # (by rollbacks to come): that state saved again, with the batch it skips
-                    stopped = self._stop_on_request(request, saved=False)
+                    stopped = self._stop_on_request(request, saved=None)  # (unless the rollback's re-save landed)
                     break
                 continue
             self.guard.step_done(step, started, outcome)
@@ -276,10 +276,11 @@ class Trainer(SavedState, AnomalyResponse):
             request = self.guard.stop_requested()
         return request, self._clock() - paused
 
-    def _stop_on_request(self, signal_name: str, saved: bool) -> str:
-        """Every rank agreed to stop after this step: save it (unless just saved); returns the
-        one line to stop with."""
+    def _stop_on_request(self, signal_name: str, saved: bool | None) -> str:
+        """Every rank agreed to stop after this step: save it (unless just saved; None: right after a
+        rollback, whose own re-save may have landed); returns the one line to stop with."""
         self.guard.drain(self.step)  # what is held and landed so far, counted: then this save's own outcome
+        saved, self.tiers.ending = not self._rolled_back_unsaved if saved is None else saved, True
         if not self.cfg.checkpoint.interval:  # (after a rollback the snapshots lack it: the batches to skip named)
             self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)
             kept = self._held_for_rerun()
