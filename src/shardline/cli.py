@@ -31,7 +31,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         cfg = _relaunch_config(args.config, overrides)
     except ShardlineError as e:  # the command line and the files: alike on a node's ranks, said once there;
-        e.node_alike = not isinstance(e.__context__, OSError)  # not a read the storage refused (maybe one rank's)
+        e.node_alike = not _io_fault(e.__context__)  # not a read the storage refused (maybe one rank's alone)
         raise
     if args.dry_run:
         from shardline.dry_run import dry_run
@@ -234,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(func=_convert)
     _register_feature_commands(sub)
     return parser
+
+
+def _io_fault(error: BaseException | None) -> bool:
+    """An OSError that is not what a node's ranks all see alike (a missing file, a folder, no
+    permission): EIO, a stale handle, a timeout on shared storage, which can be one rank's."""
+    alike = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+    return isinstance(error, OSError) and not isinstance(error, alike)
 
 
 def _another_local_rank() -> bool:

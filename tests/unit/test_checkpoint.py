@@ -114,6 +114,7 @@ def test_async_checkpoints_resume_exactly_and_log_their_stall_and_write(tiny_con
     # the training-visible stall and the background write are both logged (how they compare is
     # a speed question: benchmarks/checkpoint_stall.py measures it, side by side with sync saves)
     assert all(s["stall_s"] >= 0 and p["background_s"] >= 0 for s, p in zip(saves, persisted))
+    assert all(s["on_disk"] is False for s in saves)  # the line as it starts is not a checkpoint yet
 
 
 def test_an_interrupted_prune_leaves_no_checkpoint_that_looks_complete(trained):

@@ -119,7 +119,9 @@ def test_a_halt_whose_resave_after_a_rollback_the_disk_refuses_says_so(tiny_conf
     trainer = Trainer(tiny_config("anomaly.action=rollback", "anomaly.max_rollbacks=1", "anomaly.min_history=2",
                                   "checkpoint.interval=3", "train.eval_interval=0", f"checkpoint.mode={mode}",
                                   "faults.nan_step=4", "faults.spike_step=4", run_dir=run)).build()
-    with pytest.raises(AnomalyHalt, match=r"at step 4; the state before that step could not be saved \("):
+    with pytest.raises(AnomalyHalt, match=r"at step 4; the state before that step could not be saved \(.*\); the "
+                                          r"copy of step 3 on disk predates the rollback: rerun with "
+                                          r"train.skip_batches=\[3\]"):
         trainer.train()
     # step 3 saved again right after the rollback, then by the halt: both refused
     assert [e["step"] for e in events(run) if e["event"] == "checkpoint_failed"] == [3, 3]
@@ -137,7 +139,8 @@ def test_a_stop_whose_resave_after_a_rollback_the_disk_refuses_says_so(tiny_conf
                                   "train.eval_interval=0", f"checkpoint.mode={mode}", "faults.spike_step=4",
                                   run_dir=run)).build()
     trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.rollbacks else None
-    with pytest.raises(Preempted, match=r"SIGTERM at step 3; its checkpoint could not be written"):
+    with pytest.raises(Preempted, match=r"SIGTERM at step 3; its checkpoint could not be written .*; the copy of "
+                                        r"step 3 on disk predates the rollback: rerun with train.skip_batches=\[3\]"):
         trainer.train()
     # step 3 saved again right after the rollback, then by the stop: both refused; no interval retries the stop's
     failed = [e for e in events(run) if e["event"] == "checkpoint_failed"]
@@ -172,13 +175,15 @@ def test_a_disk_filled_by_something_else_never_stops_the_run(tiny_config, small_
     assert not list((run / "checkpoints").glob("step-*"))  # refused, not half-written
 
 
-def test_a_rollback_whose_resave_the_disk_refuses_under_on_error_stop_names_the_batches(tiny_config, small_disk):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_rollback_whose_resave_the_disk_refuses_under_on_error_stop_names_the_batches(tiny_config, small_disk,
+                                                                                        mode):
     """The copy of step 3 on disk predates the rollback: a rerun from it trains the bad batch again,
     so the stop names train.skip_batches (it said only "earlier checkpoints are intact")."""
     run = small_disk / "run"
     trainer = Trainer(tiny_config("anomaly.action=rollback", "anomaly.min_history=2", "checkpoint.interval=3",
                                   "train.eval_interval=0", "checkpoint.on_error=stop", "faults.nan_step=4",
-                                  run_dir=run)).build()
+                                  f"checkpoint.mode={mode}", run_dir=run)).build()
     with pytest.raises(CheckpointError, match=r"checkpoint.on_error=stop.*predates the rollback to step 3: rerun "
                                               r"with train.skip_batches=\[3\]"):
         trainer.train()

@@ -114,11 +114,27 @@ def test_a_command_line_mistake_is_said_once_a_node(monkeypatch, capsys, argv):
 
 
 def test_a_config_file_one_rank_cannot_read_is_said_by_that_rank(monkeypatch, capsys, tmp_path):
-    """A read the storage refuses (a stale handle on one rank) may be that rank's alone: said."""
+    """A read the storage refuses (EIO, a stale handle on one rank) may be that rank's alone: said.
+    A missing file or a folder is the node's: said by its first rank."""
+    import errno
+    from pathlib import Path
+
     from shardline.cli import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    (tmp_path / "dir.toml").mkdir()  # reading it fails with an OSError (IsADirectoryError)
+    (tmp_path / "dir.toml").mkdir()
     assert main(["train", "--config", str(tmp_path / "dir.toml")]) == 2
-    assert "dir.toml is a folder" in capsys.readouterr().err
+    assert capsys.readouterr().err == ""
+    config = tmp_path / "ok.toml"
+    config.write_text("[train]\nsteps = 5\n")
+    read = Path.read_text
+
+    def stale(self, *args, **kwargs):
+        if self == config:
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", stale)
+    assert main(["train", "--config", str(config)]) == 2
+    assert "ok.toml cannot be read: Stale file handle" in capsys.readouterr().err

@@ -114,6 +114,8 @@ def test_fp16_overflow_skips_the_step(tiny_config, tmp_path):
     assert all(torch.equal(before[k], v) for k, v in params(trainer).items())
     events = [r["event"] for r in read_records(tmp_path / "run", "event")]
     assert "skipped_step" in events
+    end = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "end"][-1]
+    assert end["overflow_skipped_steps"] == 1  # the scaler's skips, apart from the anomalies' (its own count)
 
 
 def test_a_resume_applies_the_configs_optimizer_settings(tiny_config, tmp_path):

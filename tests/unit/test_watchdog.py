@@ -96,6 +96,10 @@ def test_a_frozen_ranks_record_steps_behind_is_not_the_reports_phase_or_limit():
     own5 = {**_rec(5), "phase": "step"}
     assert where_stopped([1], {0: own5, 1: stale}, {0: WAIT}, own5) == (4, "save", 100.0)
     assert where_stopped([1], {0: own, 1: stale}, {0: WAIT, 1: BUSY}, own) == (4, "save", 100.0)
+    # Two stopped: the one that dumped is known current; its step, phase and limit, all three.
+    eval5 = {**_rec(5), "phase": "eval", "limit_s": 50.0}
+    assert where_stopped([1, 2], {0: own, 1: stale, 2: eval5}, {0: WAIT, 2: BUSY}, own) == (5, "eval", 50.0)
+    assert where_stopped([1, 2], {0: own5, 1: stale, 2: eval5}, {0: WAIT}, own5) == (4, "save", 100.0)
 
 
 def test_stopped_closed_ranks_are_never_named():

@@ -107,8 +107,9 @@ def where_stopped(stopped: list[int], records: dict[int, dict], dumps: dict[int,
     others could not have gone two steps on without it (a record one step old can still lag: a
     save just finished; that much is ambiguous)."""
     newest = max([own["step"]] + [rec["step"] for rec in records.values()])
-    current = [records[r] for r in stopped if r in records and (r in dumps or records[r]["step"] >= newest - 1)]
-    first = min(current, key=lambda rec: rec["step"]) if current else own  # step, phase, limit: one rank's
+    current = [r for r in stopped if r in records and (r in dumps or records[r]["step"] >= newest - 1)]
+    # one rank's step, phase and limit: one that dumped (known current) first, then the earliest step
+    first = records[min(current, key=lambda r: (r not in dumps, records[r]["step"]))] if current else own
     return first["step"], first.get("phase", "step"), first["limit_s"]
 
 

@@ -86,7 +86,8 @@ class StateTiers:
             return path
         self._drain_disk()
         path, stall = self.saver.save(step, model, optimizer, trainer_state, meta, fail_midway)
-        self.log("checkpoint", step=step, path=str(path), mode="async", stall_s=round(stall, 4))
+        self.log("checkpoint", step=step, path=str(path), mode="async", stall_s=round(stall, 4),
+                 on_disk=False)  # (yet: checkpoint_persisted says when it is; a kill before leaves none)
         return path
 
     def _refused(self, step: int, error: BaseException, model) -> None:

@@ -125,20 +125,27 @@ class AnomalyResponse:
         landed = self.tiers.landed
         try:
             self.guard.watched("save", self.step, "recovery", self.save_checkpoint)
+            self.guard.drain(self.step)  # (async: landed or refused here, rollbacks are rare)
         except CheckpointError as e:
             named = CheckpointError(f"{e}; that copy predates the rollback to step {self.step}: rerun with train."
                                     f"skip_batches={sorted(self.skipped_batches)} to keep out the batch it skipped")
             raise on_every_rank(named, e.every_rank) from e
-        if self.tiers.memory is not None:
-            self.guard.drain(self.step)
-            if self.tiers.landed > landed:
-                self.tiers.memory.discard_through(self.step)
+        if self.tiers.memory is not None and self.tiers.landed > landed:
+            self.tiers.memory.discard_through(self.step)
 
     @property
     def _rolled_back_unsaved(self) -> bool:
         """A rollback and no save on disk since (an async one counts once its write finished: a
         refused one leaves the older copy of that step, without the rollback)."""
         return self._saves_at_rollback is not None and self.tiers.landed == self._saves_at_rollback[0]
+
+    def _unsaved_rollback(self) -> str:
+        """What a stop or halt whose save was refused adds when the copy of its step on disk predates a
+        rollback: a rerun from it would train the batches it skipped again."""
+        if not self._rolled_back_unsaved:
+            return ""
+        return (f"; the copy of step {self.step} on disk predates the rollback: rerun with "
+                f"train.skip_batches={sorted(self.skipped_batches)} to keep out the batches it skipped")
 
     def _held_for_rerun(self) -> str:
         """What a halt without disk saves leaves in RAM. The snapshots are not written again here:
@@ -158,10 +165,11 @@ class AnomalyResponse:
         wait for the process group's timeout."""
         self.metrics.event("anomaly", **event)
         self.optimizer.zero_grad(set_to_none=True)
-        saved, failure, landed, self.tiers.ending = None, None, None, True  # (a refused save: no next interval)
+        saved, failure, landed = None, None, None
         try:  # each wait its own phase, under its own long timeout, as a save and a drain are elsewhere
             with self.guard.phase("halt", self.step):
-                self.tiers.drain()  # this step's interval save may still be in flight
+                self.tiers.drain()  # this step's interval save may still be in flight (refused: saved again below)
+            self.tiers.ending = True  # a save refused from here on has no next interval
             with self.guard.phase("halt", self.step):
                 this_step = self.checkpointer.root / step_dir_name(self.step)
                 # the state before the bad step may be on disk already; rank 0, which seals checkpoints,
@@ -184,7 +192,8 @@ class AnomalyResponse:
         where = (f"state before that step saved to {saved}" if written
                  else "nothing saved to disk (checkpoint.interval=0)" + self._held_for_rerun()
                  if not self.cfg.checkpoint.interval
-                 else f"the state before that step could not be saved ({failure or 'see checkpoint_failed'})")
+                 else f"the state before that step could not be saved ({failure or 'see checkpoint_failed'})"
+                 + self._unsaved_rollback())
         with contextlib.suppress(Exception):
             self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if written else None)
             self.metrics.close()

@@ -241,7 +241,7 @@ class Trainer(SavedState, AnomalyResponse):
         self.profiler.close(self.step)  # a run stopped inside the profiled steps writes those it ran
         self.report_device_anomalies()
         summary = self.guard.finish(self.step, complete=stopped is None)
-        self.metrics.event("end", step=self.step, skipped_steps=self.scaler.skipped_steps,
+        self.metrics.event("end", step=self.step, overflow_skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
         self.metrics.close()
         self.lock.release()
@@ -256,7 +256,7 @@ class Trainer(SavedState, AnomalyResponse):
         and is asked again after them (a signal usually lands during them). Returns the request
         and the seconds they took."""
         cfg = self.cfg
-        stopping = bool(request) and step < stop
+        stopping = self.tiers.ending = bool(request) and step < stop  # (a save refused now has no next interval)
         due = bool(cfg.train.eval_interval) and (step % cfg.train.eval_interval == 0 or step == stop)
         evaluate, self.eval_owed = due and not stopping, due and stopping  # (what a save here records)
         save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
@@ -279,8 +279,9 @@ class Trainer(SavedState, AnomalyResponse):
     def _stop_on_request(self, signal_name: str, saved: bool | None) -> str:
         """Every rank agreed to stop after this step: save it (unless just saved; None: right after a
         rollback, whose own re-save may have landed); returns the one line to stop with."""
+        self.tiers.ending = True  # a save refused from here on (an async one drained now included) is not retried
         self.guard.drain(self.step)  # what is held and landed so far, counted: then this save's own outcome
-        saved, self.tiers.ending = not self._rolled_back_unsaved if saved is None else saved, True
+        saved = not self._rolled_back_unsaved if saved is None else saved
         if not self.cfg.checkpoint.interval:  # (after a rollback the snapshots lack it: the batches to skip named)
             self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)
             kept = self._held_for_rerun()
@@ -293,7 +294,8 @@ class Trainer(SavedState, AnomalyResponse):
         # The storage refused it (logged as checkpoint_failed); a re-save after a rollback leaves the older copy.
         if not path.is_dir() or not (saved or self.tiers.landed > landed):
             self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)
-            return f"{signal_name} at step {self.step}; its checkpoint could not be written (see checkpoint_failed)"
+            return (f"{signal_name} at step {self.step}; its checkpoint could not be written (see checkpoint_failed)"
+                    + self._unsaved_rollback())
         self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=str(path))
         return f"{signal_name} at step {self.step}; state saved; rerun the same command to resume"
 
@@ -376,8 +378,7 @@ class Trainer(SavedState, AnomalyResponse):
         return loss
 
     def _clock(self) -> float:
-        """The time once the device has run what the host queued: a step without a host sync (the device
-        anomaly check) returns before its kernels run; read at once, the clock would time their launches."""
+        """The time once the device ran what the host queued (a step without a host sync returns at its launches)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
