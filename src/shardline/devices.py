@@ -52,14 +52,28 @@ PEAK_TFLOPS: dict[str, tuple[str, dict[str, float]]] = {
 # (two AVX2 FMA units) over the threads torch uses. It makes CPU MFU comparable
 # between runs on one machine, not with GPUs.
 _CPU_FLOP_PER_CYCLE, _CPU_HZ = 32, 3.0e9
-CPU_PEAK_ASSUMED = ("an assumed 3 GHz x 32 fp32 FLOP/cycle per torch thread: the log's mfu compares runs on this "
+CPU_PEAK_ASSUMED = ("an assumed 3 GHz x 32 fp32 FLOP/cycle per torch thread (twice that in bf16 or fp16 where the "
+                    "CPU has 16-bit dot-product units: avx512_bf16, amx): the log's mfu compares runs on this "
                     "machine, not with GPUs, nor with `shardline estimate` (which prices a calibrated CPU profile); "
                     "metrics.peak_tflops sets the machine's own")
+# CPU flags whose 16-bit dot products do twice an fp32 FMA's work a lane (a bf16 run's MFU passed 100% without).
+_CPU_HALF_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
 
 
-def cpu_peak_tflops() -> float:
+def cpu_peak_tflops(dtype: str = "fp32") -> float:
+    """The assumed peak of this host over the threads torch uses (CPU_PEAK_ASSUMED)."""
     threads = torch.get_num_threads() or os.cpu_count() or 1
-    return threads * _CPU_FLOP_PER_CYCLE * _CPU_HZ / 1e12
+    peak = threads * _CPU_FLOP_PER_CYCLE * _CPU_HZ / 1e12
+    return 2 * peak if set(_CPU_HALF_FLAGS.get(dtype, ())) & _cpu_flags() else peak
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux's /proc/cpuinfo; none elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
 
 def local_datasheet(name: str) -> Datasheet | None:
@@ -73,7 +87,7 @@ def local_datasheet(name: str) -> Datasheet | None:
 def peak_tflops(device: torch.device, precision: str) -> float | None:
     """Peak TFLOP/s of one device for the compute dtype, or None if unknown."""
     if device.type == "cpu":
-        return cpu_peak_tflops()
+        return cpu_peak_tflops(mfu_peak_dtype(precision))
     if device.type != "cuda":
         return None
     sheet = local_datasheet(torch.cuda.get_device_name(device))

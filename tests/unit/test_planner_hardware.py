@@ -50,6 +50,16 @@ def test_trainer_peak_reads_the_same_table():
     assert get_hardware("cpu").peak_tflops["fp32"] == trainer_hw.cpu_peak_tflops()
 
 
+def test_a_cpu_with_16_bit_dot_products_has_twice_the_peak_in_them(monkeypatch):
+    """A bf16 run on an avx512_bf16 CPU logged mfu 103% against the fp32 peak."""
+    fp32 = trainer_hw.cpu_peak_tflops()
+    monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert trainer_hw.peak_tflops(torch.device("cpu"), "bf16") == 2 * fp32
+    assert trainer_hw.peak_tflops(torch.device("cpu"), "fp16") == fp32  # no avx512_fp16 / amx_fp16
+    monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: {"avx2"})
+    assert trainer_hw.peak_tflops(torch.device("cpu"), "bf16") == fp32
+
+
 def test_overrides_from_toml(tmp_path):
     path = tmp_path / "hw.toml"
     path.write_text('base = "h100-sxm"\nmem_gib = 94.0\n[peak_tflops]\nbf16 = 800\n'
