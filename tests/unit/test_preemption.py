@@ -129,6 +129,7 @@ def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_prepare
     # The time between the preempted run's end and the rerun's start is a restart gap to goodput.
     end = [r for r in records(run) if r.get("event") == "end"][-1]
     assert end["seconds"]["restart_gap"] > 0
+    assert 0 < end["this_launch_s"] < end["total_s"]  # the run's total spans both launches; this one's apart
 
 
 def test_under_torchrun_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, small_prepared):

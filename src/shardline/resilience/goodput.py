@@ -97,7 +97,8 @@ class Goodput:
         seconds = {k: round(v, 3) for k, v in self.seconds.items()}
         seconds["other"] = round(max(0.0, total - sum(self.seconds.values())), 3)
         return {"goodput": round(self.seconds["useful"] / total, 4) if total > 0 else 0.0,
-                "total_s": round(total, 3), "seconds": seconds}
+                "total_s": round(total, 3),  # every launch of the run, and the gaps between them
+                "this_launch_s": round(time.time() - self.started, 3), "seconds": seconds}
 
     def persist(self, finished: bool = False) -> None:
         """Rewrite progress.json. A write the storage refuses (a disk a checkpoint filled) is kept in
