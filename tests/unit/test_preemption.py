@@ -265,3 +265,18 @@ def test_a_stop_counts_the_snapshot_still_in_flight_before_it_says_what_ram_hold
         trainer.train()
     assert str(stopped.value).endswith("at step 6; checkpoint.interval=0, so nothing was saved to disk; the "
                                        "in-memory snapshots stay for a rerun"), str(stopped.value)
+
+
+def test_a_stop_without_disk_saves_snapshots_the_step_it_stopped_after(tiny_config, tmp_path):
+    """checkpoint.interval=0, snapshots every 4 steps: a stop after step 6 snapshotted nothing, and
+    the rerun trained steps 5 and 6 again; now the rerun resumes at step 6."""
+    from shardline.trainer import Trainer
+
+    settings = ["train.steps=8", "train.eval_interval=0", "checkpoint.interval=0", "checkpoint.memory_interval=4",
+                f"checkpoint.memory_dir={tmp_path / 'shm'}"]
+    trainer = Trainer(tiny_config(*settings)).build()
+    trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.step == 6 else None
+    with pytest.raises(Preempted, match="SIGTERM at step 6; checkpoint.interval=0, so nothing was saved to disk; "
+                                        "the in-memory snapshots stay for a rerun"):
+        trainer.train()
+    assert Trainer(tiny_config(*settings)).build().step == 6

@@ -3,7 +3,8 @@
 Read `train()` first; everything else is a small step it calls, what one rank
 computes of a step (forward, loss, backward) is step.py's StepRunner, what a checkpoint
 holds beyond the weights and how a run is put back from one is state.py's, and what is
-done with an anomalous step (skip, rollback, halt) is anomalies.py's. The loss of a step
+done with an anomalous step (skip, rollback, halt) is anomalies.py's, and what a stop request
+saves is stopping.py's. The loss of a step
 is the mean over every labelled token of the global batch, whatever the micro-batching,
 so neither gradient accumulation nor any parallel layout changes a number.
 """
@@ -45,7 +46,7 @@ from shardline.launch_notes import launch_notes
 from shardline.preflight import gone_start_checkpoint
 from shardline.profiling import StepProfiler, configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
-from shardline.resilience.checkpoint import Checkpointer, step_dir_name
+from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import (agree_on_resume, memory_tier_resumable, rank0_decides,
@@ -53,10 +54,11 @@ from shardline.resilience.recovery import (agree_on_resume, memory_tier_resumabl
 from shardline.resilience.run_lock import RunLock
 from shardline.trainer.anomalies import AnomalyResponse
 from shardline.trainer.state import SavedState
+from shardline.trainer.stopping import StopOnRequest
 from shardline.trainer.step import StepRunner
 
 
-class Trainer(SavedState, AnomalyResponse):
+class Trainer(SavedState, AnomalyResponse, StopOnRequest):
     def __init__(self, cfg: Config):
         cfg.check_sections()  # those that involve the layout, the data and the model come in build()
         self.cfg = cfg
@@ -275,29 +277,6 @@ class Trainer(SavedState, AnomalyResponse):
         if not request and step < stop:
             request = self.guard.stop_requested()
         return request, self._clock() - paused
-
-    def _stop_on_request(self, signal_name: str, saved: bool | None) -> str:
-        """Every rank agreed to stop after this step: save it (unless just saved; None: right after a
-        rollback, whose own re-save may have landed); returns the one line to stop with."""
-        self.tiers.ending = True  # a save refused from here on (an async one drained now included) is not retried
-        self.guard.drain(self.step)  # what is held and landed so far, counted: then this save's own outcome
-        saved = not self._rolled_back_unsaved if saved is None else saved
-        if not self.cfg.checkpoint.interval:  # (after a rollback the snapshots lack it: the batches to skip named)
-            self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)
-            kept = self._held_for_rerun()
-            return f"{signal_name} at step {self.step}; checkpoint.interval=0, so nothing was saved to disk{kept}"
-        landed = self.tiers.landed
-        if not saved:
-            self.guard.watched("save", self.step, "checkpoint", self.save_checkpoint)
-        self.guard.drain(self.step)  # an async save must be on disk before the process ends
-        path = self.checkpointer.root / step_dir_name(self.step)
-        # The storage refused it (logged as checkpoint_failed); a re-save after a rollback leaves the older copy.
-        if not path.is_dir() or not (saved or self.tiers.landed > landed):
-            self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=None)
-            return (f"{signal_name} at step {self.step}; its checkpoint could not be written (see checkpoint_failed)"
-                    + self._unsaved_rollback())
-        self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=str(path))
-        return f"{signal_name} at step {self.step}; state saved; rerun the same command to resume"
 
     def train_step(self) -> tuple[float | torch.Tensor, torch.Tensor, str]:
         """One step: gradients, the anomaly check, then the update (or the anomaly's action).
