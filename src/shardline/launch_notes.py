@@ -59,8 +59,9 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's
         notes.append(("mfu_peak_assumed", {"peak_tflops": peak, "why": CPU_PEAK_ASSUMED}))
     if device_type == "cpu" and cfg.train.precision in ("bf16", "fp16"):  # allowed: it runs what a GPU runs
-        notes.append(("half_precision_on_cpu", {"precision": cfg.train.precision, "why": "most CPUs have no "
-                      "16-bit matmul units: often slower than fp32 here (train.precision=fp32 on a CPU)"}))
+        notes.append(("half_precision_on_cpu", {"precision": cfg.train.precision, "why": "often slower than fp32 "
+                      "here: the casts and the element-wise work cost more than the 16-bit matmuls save, where the CPU "
+                      "has units for them at all (train.precision=fp32 on a CPU)"}))
     if peak is None and device_type == "cuda":
         notes.append(("mfu_unknown", {"device": gpu_name,
                                       "fix": f"set metrics.peak_tflops to its dense "

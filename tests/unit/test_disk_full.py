@@ -119,8 +119,8 @@ def test_a_halt_whose_resave_after_a_rollback_the_disk_refuses_says_so(tiny_conf
     trainer = Trainer(tiny_config("anomaly.action=rollback", "anomaly.max_rollbacks=1", "anomaly.min_history=2",
                                   "checkpoint.interval=3", "train.eval_interval=0", f"checkpoint.mode={mode}",
                                   "faults.nan_step=4", "faults.spike_step=4", run_dir=run)).build()
-    with pytest.raises(AnomalyHalt, match=r"at step 4; the state before that step could not be saved \(.*\); the "
-                                          r"copy of step 3 on disk predates the rollback: rerun with "
+    with pytest.raises(AnomalyHalt, match=r"at step 4; the state before that step could not be saved \(.*\); what "
+                                          r"is on disk predates the rollback to step 3: rerun with "
                                           r"train.skip_batches=\[3\]"):
         trainer.train()
     # step 3 saved again right after the rollback, then by the halt: both refused
@@ -139,8 +139,8 @@ def test_a_stop_whose_resave_after_a_rollback_the_disk_refuses_says_so(tiny_conf
                                   "train.eval_interval=0", f"checkpoint.mode={mode}", "faults.spike_step=4",
                                   run_dir=run)).build()
     trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.rollbacks else None
-    with pytest.raises(Preempted, match=r"SIGTERM at step 3; its checkpoint could not be written .*; the copy of "
-                                        r"step 3 on disk predates the rollback: rerun with train.skip_batches=\[3\]"):
+    with pytest.raises(Preempted, match=r"SIGTERM at step 3; its checkpoint could not be written .*; what is on "
+                                        r"disk predates the rollback to step 3: rerun with train.skip_batches=\[3\]"):
         trainer.train()
     # step 3 saved again right after the rollback, then by the stop: both refused; no interval retries the stop's
     failed = [e for e in events(run) if e["event"] == "checkpoint_failed"]
@@ -187,3 +187,18 @@ def test_a_rollback_whose_resave_the_disk_refuses_under_on_error_stop_names_the_
     with pytest.raises(CheckpointError, match=r"checkpoint.on_error=stop.*predates the rollback to step 3: rerun "
                                               r"with train.skip_batches=\[3\]"):
         trainer.train()
+
+
+def test_a_stop_says_which_refused_save_no_interval_retries(tiny_config, small_disk):
+    """Async saves, the disk holding one: step 4's write is refused as the stop after step 5 drains
+    it (retried: the stop saves step 5), then the stop's own save of step 5 (not retried)."""
+    from shardline.errors import Preempted
+
+    run = small_disk / "run"
+    trainer = Trainer(tiny_config("train.steps=8", "checkpoint.interval=2", "checkpoint.mode=async",
+                                  "train.eval_interval=0", run_dir=run)).build()
+    trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.step == 5 else None
+    with pytest.raises(Preempted, match="SIGTERM at step 5; its checkpoint could not be written"):
+        trainer.train()
+    failed = [(e["step"], e["action"].split(";")[0]) for e in events(run) if e["event"] == "checkpoint_failed"]
+    assert failed == [(4, "continue"), (5, "none: the run ends here")], failed

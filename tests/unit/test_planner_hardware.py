@@ -56,8 +56,15 @@ def test_a_cpu_with_16_bit_dot_products_has_twice_the_peak_in_them(monkeypatch):
     monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     assert trainer_hw.peak_tflops(torch.device("cpu"), "bf16") == 2 * fp32
     assert trainer_hw.peak_tflops(torch.device("cpu"), "fp16") == fp32  # no avx512_fp16 / amx_fp16
+    from shardline.planner.compute import matmul_time
+    from shardline.planner.hardware import cpu_hardware
+
+    flagged = cpu_hardware()  # the planner divides MFU by the trainer's peak; its predicted times stay
+    assert flagged.peak_tflops["bf16"] == 2 * fp32 == trainer_hw.peak_tflops(torch.device("cpu"), "bf16")
     monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: {"avx2"})
     assert trainer_hw.peak_tflops(torch.device("cpu"), "bf16") == fp32
+    plain = cpu_hardware()
+    assert matmul_time(flagged, "bf16", 512, 512, 512) == pytest.approx(matmul_time(plain, "bf16", 512, 512, 512))
 
 
 def test_overrides_from_toml(tmp_path):

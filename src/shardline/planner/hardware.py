@@ -190,9 +190,11 @@ def cpu_cores() -> int:
 
 def cpu_hardware() -> Hardware:
     """This host as a device: uncalibrated guesses, replaced by `shardline calibrate`."""
-    peak = cpu_peak_tflops()
+    peak = {dtype: cpu_peak_tflops(dtype) for dtype in ("fp32", "bf16", "fp16")}  # the trainer's MFU peaks
+    # The efficiencies below were measured against the fp32 figure for every dtype: kept per FLOP/s.
+    per = {dtype: peak["fp32"] / peak[dtype] for dtype in peak}
     return Hardware(
-        name="cpu", marker="", peak_tflops={"fp32": peak, "bf16": peak, "fp16": peak},
+        name="cpu", marker="", peak_tflops=peak,
         mem_gib=_host_memory_gib(), mem_bw_gbs=20.0, reserved_gib=0.0, fragmentation=0.15,
         network=Network(gpus_per_node=1024, intra_bw_gbs=2.0, intra_latency_us=60.0, inter_bw_gbs=1.25,
                         inter_latency_us=60.0, bw_efficiency=1.0, host_bw_gbs=20.0, host_mem_gib=_host_memory_gib(),
@@ -200,8 +202,9 @@ def cpu_hardware() -> Hardware:
                         # moments under memory pressure reached ~0.5 (benchmarks/ssd_pressure.py; dd wrote 1.1)
                         ssd_read_gbs=1.5, ssd_write_gbs=0.5,
                         op_factor={"all_reduce": 0.9, "all_gather": 1.1, "reduce_scatter": 2.0}),
-        matmul_eff_max={"fp32": 0.5, "bf16": 0.1, "fp16": 0.05}, matmul_half_dim=64.0,
-        attn_eff={"fp32": 0.25, "bf16": 0.05, "fp16": 0.03}, elementwise_eff={"fp32": 1.0, "bf16": 0.8, "fp16": 0.5},
+        matmul_eff_max={"fp32": 0.5, "bf16": 0.1 * per["bf16"], "fp16": 0.05 * per["fp16"]}, matmul_half_dim=64.0,
+        attn_eff={"fp32": 0.25, "bf16": 0.05 * per["bf16"], "fp16": 0.03 * per["fp16"]},
+        elementwise_eff={"fp32": 1.0, "bf16": 0.8, "fp16": 0.5},
         # AdamW + clipping: the host's windowed AdamW (clip folded in) over 4 M parameters, one thread, at
         # the 20 GB/s above: 55-58 B a parameter on the 2-core VM one hour, 87-91 B a few hours later
         # (calibrate's measure_optimizer; the VM's memory speed moves); between them. Calibrate measures yours.

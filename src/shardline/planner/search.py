@@ -271,7 +271,7 @@ def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult
             return (f"no layout of {gpus} devices has every pinned key (--fix {pins}); pin fewer keys "
                     "or other values")
         return f"no layout of {gpus} devices can run this request ({dict(result.pruned)})"
-    parts = [_device_text(hw, device, result.pinned)] if device is not None else []
+    parts = [_device_text(hw, device)] if device is not None else []
     if result.smallest_unfit is not None and result.smallest_offload is not None:
         need, layout, _ = result.smallest_offload
         parts.append(f"with CPU offload the leanest ({layout.describe()}) needs {need / GiB:.1f} GiB per device")
@@ -280,7 +280,7 @@ def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult
     return "; ".join(parts)
 
 
-def _device_text(hw: Hardware, misfit: tuple[float, Layout, dict], pinned: dict) -> str:
+def _device_text(hw: Hardware, misfit: tuple[float, Layout, dict]) -> str:
     """The leanest layout's device memory, term by term, against the device's."""
     need, layout, mem = misfit
     have = hw.mem_gib * GiB
@@ -291,8 +291,8 @@ def _device_text(hw: Hardware, misfit: tuple[float, Layout, dict], pinned: dict)
     if big in ("activations", "logits") and states < have:  # a micro-batch's: more data parallelism keeps them
         advice = ("activations are a micro-batch's, which more data-parallel devices leave as they are: a larger tp "
                   "or cp, activation_checkpoint=full (if pinned otherwise), or a shorter sequence")
-        if layout.dp == 1 and not {"tp", "cp"} & set(pinned):  # the world bounded tp x cp: more allow larger
-            advice += f"; about {more}x more devices would allow larger tp or cp"
+        if layout.dp == 1:  # tp x cp x pp holds every device: larger degrees need more of them
+            advice += f"; at this world size, larger ones need about {more}x more devices"
     return (f"does not fit: the leanest layout ({layout.describe()}) needs {need / GiB:.1f} GiB per device, "
             f"largest term {big} {big_bytes / GiB:.1f} GiB "
             f"(model states {states / GiB:.1f}, activations {mem['activations'] / GiB:.1f}, logits "

@@ -57,7 +57,7 @@ class StateTiers:
         self._group = dims.checkpoint_group
         self.memory_background = c.memory_mode == "async"
         self.landed = 0  # disk saves known to be on disk (an async one once its write finished)
-        self.ending = False  # the run stops after what it saves now (a stop, a halt): no interval retries it
+        self.ending_at: int | None = None  # the step a stop or halt ends the run after: no interval retries its save
         self.held = 0  # memory snapshots known to be held (an async one once every rank holds it)
         self.memory = None
         if c.memory_interval:
@@ -108,7 +108,7 @@ class StateTiers:
         if self.cfg.checkpoint.on_error == "stop":
             raise CheckpointError(message + "; stopping (checkpoint.on_error=stop), earlier checkpoints are intact")
         t = self.cfg.train
-        if step < min(t.steps, t.stop_at_step or t.steps) and not self.ending:
+        if step < min(t.steps, t.stop_at_step or t.steps) and step != self.ending_at:
             action = "continue; retried at the next interval"
         else:  # no next interval: what a rerun would resume is older (or in RAM: the memory tier keeps it)
             saved = self.checkpointer.list()
@@ -154,8 +154,10 @@ class StateTiers:
 
     def _log_held(self, stats: dict) -> None:
         if "error" in stats:  # every rank dropped the step's files; the older snapshots stay
+            last = stats["step"] == self.ending_at  # a stop's own snapshot: no next one
             self.log("memory_snapshot_failed", step=stats["step"], error=stats["error"],
-                     action="continue; the next snapshot tries again")
+                     action="none: the run ends here; a rerun resumes an older snapshot" if last else
+                     "continue; the next snapshot tries again")
             return
         self.held += 1
         extra = {"background_s": round(stats["background_s"], 3)} if "background_s" in stats else {}

@@ -103,7 +103,8 @@ class AnomalyResponse:
                     name = self._restore(target)
                     self.eval_owed = False  # this attempt computed (or resumed at and evaluated) that step
             if target is not None:
-                self.rollbacks, self._saves_at_rollback = self.rollbacks + 1, (self.tiers.landed, self.tiers.held)
+                self.rollbacks = self.rollbacks + 1
+                self._saves_at_rollback = (self.tiers.landed, self.tiers.held, self.step)
                 cost = time.perf_counter() - started
                 self.guard.goodput.add("recovery", cost)
                 self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
@@ -140,11 +141,12 @@ class AnomalyResponse:
         return self._saves_at_rollback is not None and self.tiers.landed == self._saves_at_rollback[0]
 
     def _unsaved_rollback(self) -> str:
-        """What a stop or halt whose save was refused adds when the copy of its step on disk predates a
-        rollback: a rerun from it would train the batches it skipped again."""
-        if not self._rolled_back_unsaved:
+        """What a stop or halt whose save was refused adds when what a rerun resumes predates a rollback
+        (no save on disk since, nor an in-memory snapshot): it would train the batches it skipped again."""
+        if not self._rolled_back_unsaved or (self.cfg.checkpoint.memory_interval
+                                             and self.tiers.held > self._saves_at_rollback[1]):
             return ""
-        return (f"; the copy of step {self.step} on disk predates the rollback: rerun with "
+        return (f"; what is on disk predates the rollback to step {self._saves_at_rollback[2]}: rerun with "
                 f"train.skip_batches={sorted(self.skipped_batches)} to keep out the batches it skipped")
 
     def _held_for_rerun(self) -> str:
@@ -169,7 +171,7 @@ class AnomalyResponse:
         try:  # each wait its own phase, under its own long timeout, as a save and a drain are elsewhere
             with self.guard.phase("halt", self.step):
                 self.tiers.drain()  # this step's interval save may still be in flight (refused: saved again below)
-            self.tiers.ending = True  # a save refused from here on has no next interval
+            self.tiers.ending_at = self.step  # a save of this step refused from here on has no next interval
             with self.guard.phase("halt", self.step):
                 this_step = self.checkpointer.root / step_dir_name(self.step)
                 # the state before the bad step may be on disk already; rank 0, which seals checkpoints,

@@ -71,7 +71,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         self._optim_changes: dict[str, list] = {}
         self.anomaly_events: list[dict] = []
         self._anomaly_streak = (-1, 0)  # (last anomalous step, how many in a row up to it)
-        self._saves_at_rollback: tuple | None = None  # (tiers.landed, tiers.held) at the last rollback
+        self._saves_at_rollback: tuple | None = None  # (tiers.landed, tiers.held, its step) at the last rollback
         self.eval_owed = False  # a stop skipped this step's evaluation: a resumed run makes it up first
 
     # ---- building -------------------------------------------------------------------
@@ -258,7 +258,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         and is asked again after them (a signal usually lands during them). Returns the request
         and the seconds they took."""
         cfg = self.cfg
-        stopping = self.tiers.ending = bool(request) and step < stop  # (a save refused now has no next interval)
+        stopping = bool(request) and step < stop
+        self.tiers.ending_at = step if stopping else None  # a save of this step refused now has no next interval
         due = bool(cfg.train.eval_interval) and (step % cfg.train.eval_interval == 0 or step == stop)
         evaluate, self.eval_owed = due and not stopping, due and stopping  # (what a save here records)
         save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)

@@ -14,7 +14,7 @@ class StopOnRequest:
     def _stop_on_request(self, signal_name: str, saved: bool | None) -> str:
         """Every rank agreed to stop after this step: save it (unless just saved; None: right after a
         rollback, whose own re-save may have landed); returns the one line to stop with."""
-        self.tiers.ending = True  # a save refused from here on (an async one drained now included) is not retried
+        self.tiers.ending_at = self.step  # a save of this step refused (drained now, or below) is not retried
         self.guard.drain(self.step)  # what is held and landed so far, counted: then this save's own outcome
         after_rollback, saved = saved is None, not self._rolled_back_unsaved if saved is None else saved
         if not self.cfg.checkpoint.interval:  # (after a rollback the snapshots lack it: the batches to skip named)
