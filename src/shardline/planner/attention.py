@@ -8,6 +8,9 @@ Work is counted in 128 x 128 tiles, the granularity the kernels skip at:
 
 * sdpa with a document mask: a dense [b, 1, s, s] boolean mask, so the efficient-attention
   kernel computes every score (fraction 1) and the mask is an activation of b·s² bytes.
+* a cp ring (parallel/context/ring.py): chunk pairs wholly in the future are skipped, with or
+  without documents, and a pair inside one document runs unmasked or causal: half the
+  scores for one document per row (more skipped with several, which is not priced).
 * sdpa without one (is_causal, flash), and flex or varlen with one document per row: the
   causal triangle in whole tiles, (n + 1) / 2n of s² with n = ceil(s / 128): 0.5 plus the
   diagonal tiles' upper halves.
@@ -53,8 +56,8 @@ def kernel(work: Workload, hw: Hardware, ring: int = 1) -> str:
 
 def computed_fraction(kernel_: str, seq_len: int, document_mask: bool, mean_doc_tokens: float = 0.0) -> float:
     """Share of the s x s scores the kernel computes (before context parallelism's imbalance)."""
-    if kernel_ == "context":  # the ring's own causal skip, at chunk granularity (compute.layer_times)
-        return 1.0 if document_mask else 0.5
+    if kernel_ == "context":  # the ring's own causal skip, at chunk granularity (compute.layer_times); under
+        return 0.5  # documents it skips more (pairs no document spans): one document per row assumed, as flex
     if kernel_ == "sdpa":
         return 1.0 if document_mask else causal_tiles(seq_len)
     docs = mean_doc_tokens if document_mask else 0.0

@@ -47,9 +47,7 @@ def mfu_words(work: Workload) -> str:
 def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, shown: list[Estimate],
                not_runnable: dict[int, str]) -> str:
     pruned = ", ".join(f"{k} {v:,}" for k, v in result.pruned.most_common())
-    ring = ("; cp ring layouts priced with every score (ring blocks under the document mask)"
-            if work.document_mask else "")
-    lines = [f"plan: {describe_request(work, hw, gpus)}{ring}",
+    lines = [f"plan: {describe_request(work, hw, gpus)}",
              f"searched {result.evaluated:,} layouts in {result.seconds:.1f} s: {len(result.candidates):,} fit"
              + (f"; pruned by the rule they broke (memory: did not fit): {pruned}" if pruned else ""),
              mfu_words(work),
