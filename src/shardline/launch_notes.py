@@ -12,7 +12,7 @@ from shardline.config import Config
 from shardline.data import tokenizer_file
 from shardline.data.encode import CHAT_END, CHAT_START, chat_template_for
 from shardline.data.shards import tokenizer_hash
-from shardline.data.tokenizer import load_tokenizer
+from shardline.data.tokenizer import KNOWN_EOS, eos_id, load_tokenizer
 from shardline.devices import CPU_PEAK_ASSUMED, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
 from shardline.interop.hf_config import hf_export_problem
@@ -70,6 +70,11 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if device_type == "cuda" and world_size == 1 and gpus > 1:
         notes.append(("one_gpu_of_several", {"gpus": gpus, "fix": f"torchrun --nproc_per_node={gpus} -m shardline "
                                              "train ... trains on all of them"}))
+    if tokenizer is not None and eos_id(tokenizer) is None and cfg.data.format != "chat":  # (chat: the template's)
+        notes.append(("no_end_of_document_token", {
+            "tokenizer": cfg.data.tokenizer or "the run's own",
+            "why": f"none of {', '.join(KNOWN_EOS)} is a token of it: documents are packed with nothing between "
+                   "them, and generate stops only at its length (an eos_token in tokenizer_config.json is not read)"}))
     if cfg.data.format == "chat" and tokenizer is not None and _no_template(tokenizer_file(cfg.data)):
         pieces = [m for m in (CHAT_START, CHAT_END) if tokenizer.token_to_id(m) is None]
         notes.append(("chat_as_chatml", {

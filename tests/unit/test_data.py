@@ -247,3 +247,29 @@ def test_a_tokenizer_folder_given_as_data_tokenizer_names_the_file_to_give(tmp_p
     with pytest.raises(DataError, match=rf"data.tokenizer='{tmp_path}' is a folder: give the tokenizer.json in it "
                                         rf"\({tmp_path / 'tokenizer.json'}\)"):
         load_tokenizer(str(tmp_path))
+
+
+def test_conversations_read_as_text_are_refused_pointing_at_the_chat_format(tmp_path):
+    """`--text-field messages` handed conversation lists to the text tokenizer (an AttributeError
+    traceback); without it, the 'no field text' error never said the file was chat data."""
+    from shardline.data.prepare import PrepareOptions
+    from shardline.data.sources import read_documents
+    from shardline.errors import ConfigError, DataError
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DataError, match="its 'messages' are a conversation: data.format=chat"):
+        read_documents(str(chat))
+    with pytest.raises(ConfigError, match="data.text_field='messages'.*set data.format=chat"):
+        load_config(None, ["data.text_field=messages"]).check()
+    with pytest.raises(DataError, match="--text-field messages .* --format chat"):
+        PrepareOptions(inputs=[str(chat)], out=str(tmp_path / "out"), text_field="messages").read_field()
+
+
+def test_a_folder_reads_upper_case_suffixes(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "A.TXT").write_text("upper case name\n")
+    (tmp_path / "d" / "b.txt").write_text("lower case name\n")
+    from shardline.data.sources import read_documents
+
+    assert sorted(d.strip() for d in read_documents(str(tmp_path / "d"))) == ["lower case name", "upper case name"]

@@ -98,3 +98,16 @@ def test_a_run_that_saves_nothing_to_disk_says_so():
     none = dict(launch_notes(load_config(None, ["checkpoint.interval=0", "metrics.peak_tflops=1"]), "cpu", 1.0, 1))
     assert "no state is saved at all" in none["no_disk_checkpoints"]["reason"]
     assert launch_notes(load_config(None, ["metrics.peak_tflops=1"]), "cpu", 1.0, 1) == []
+
+
+def test_a_tokenizer_without_an_end_of_document_token_is_named(tmp_path):
+    """Its documents were packed with nothing between them and generate never stopped, in silence."""
+    from tokenizers import Tokenizer, models
+
+    odd = tmp_path / "tok.json"
+    Tokenizer(models.WordLevel({"[UNK]": 0, "[EOT]": 1, "a": 2}, unk_token="[UNK]")).save(str(odd))
+    cfg = load_config(None, [f"data.tokenizer={odd}", "metrics.peak_tflops=1"])
+    notes = dict(launch_notes(cfg, "cpu", 1.0, 1, tokenizer=Tokenizer.from_file(str(odd))))
+    assert "documents are packed with nothing between them" in notes["no_end_of_document_token"]["why"]
+    known = Tokenizer(models.WordLevel({"[UNK]": 0, "</s>": 1}, unk_token="[UNK]"))
+    assert "no_end_of_document_token" not in dict(launch_notes(cfg, "cpu", 1.0, 1, tokenizer=known))

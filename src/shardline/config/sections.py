@@ -206,6 +206,8 @@ class DataConfig:
         _require(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (256 bytes + specials)")
         _require(0 < self.val_fraction < 0.5, "data.val_fraction", self.val_fraction, "must be in (0, 0.5)")
         _require(bool(self.text_field), "data.text_field", self.text_field, "must be a field name")
+        _require(self.format == "chat" or self.text_field != "messages", "data.text_field", self.text_field,
+                 "holds conversations (role, content): set data.format=chat, which reads them")
         _require(self.format in DATA_FORMATS, "data.format", self.format, f"one of {', '.join(DATA_FORMATS)}")
         _require(not (self.mix and self.path), "data.mix", "[...]", "set data.path or data.mix, not both")
         for i, source in enumerate(self.mix):

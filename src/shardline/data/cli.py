@@ -57,9 +57,10 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
           f"{len(tr['shards'])} shard(s), val {va['documents']:,} / {va['tokens']:,}; {m['dtype']}, "
           f"vocab {m['vocab_size']:,}; train with --data.path={args.out}")
     if va["tokens"] < SHORT_VAL_TOKENS:  # said now, not first at a training start that refuses it
+        txt = any(".txt" in str(i).lower() for i in args.inputs)  # (a hint about .txt files for .txt inputs)
         print(f"note: the held-out split is {va['tokens']:,} tokens; a run evaluates on it only at train.seq_len <= "
-              f"that; hold out more (--val-fraction) or give more documents ({m['input_documents']:,} read; a .txt "
-              "file's documents end at two blank lines)", file=sys.stderr)
+              f"that; hold out more (--val-fraction) or give more documents ({m['input_documents']:,} read"
+              + ("; a .txt file's documents end at two blank lines)" if txt else ")"), file=sys.stderr)
     return 0
 
 

@@ -61,6 +61,9 @@ class PrepareOptions:
     stop_after_shards: int = 0  # testing aid: stop (as if killed) after this many commits; 0 = never
 
     def read_field(self) -> str:
+        if self.format != "chat" and self.text_field == CHAT_FIELD:  # conversations, read as text: a traceback
+            raise DataError(f"--text-field {CHAT_FIELD} is the conversations chat data holds: prepare with "
+                            "--format chat")
         return CHAT_FIELD if self.format == "chat" else self.text_field
 
 

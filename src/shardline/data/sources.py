@@ -153,7 +153,7 @@ def _held_out_name(relative: Path) -> bool:
 
 
 def _kind(p: Path) -> str | None:
-    name = p.name.removesuffix(".gz")
+    name = p.name.lower().removesuffix(".gz")  # A.TXT is text too (a folder's were skipped in silence)
     return next((s for s in SUFFIXES if name.endswith(s)), None) if p.is_file() else None
 
 
@@ -173,7 +173,7 @@ def read_file(f: Path, field: str) -> Iterator:
 
 
 def _open(f: Path):
-    return gzip.open(f, "rb") if f.name.endswith(".gz") else open(f, "rb")
+    return gzip.open(f, "rb") if f.name.lower().endswith(".gz") else open(f, "rb")
 
 
 def _guarded(f: Path, lines: Iterator):
@@ -233,7 +233,7 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"data file {f} line {n} is not valid JSON: {e.msg}") from None
+                raise DataError(f"data file {f} line {n} is not valid JSON: {e.msg} (column {e.colno})") from None
             value = obj.get(field) if isinstance(obj, dict) else None
             if field == CHAT_FIELD:
                 conversation = _conversation(f, f"line {n}", value)
@@ -243,8 +243,10 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
             elif isinstance(value, str):
                 yield _encodable(f, n, value)
             else:
+                chat = isinstance(obj, dict) and isinstance(obj.get(CHAT_FIELD), list)  # a conversation, not text
                 raise DataError(f"data file {f} line {n} has no string field {field!r} (set data.text_field; "
-                                "prepare: --text-field)")
+                                "prepare: --text-field)" + ("; its 'messages' are a conversation: data.format=chat "
+                                                            "(prepare: --format chat)" if chat else ""))
 
 
 def _encodable(f: Path, n: int, text: str) -> str:
@@ -314,7 +316,7 @@ def _arrow_batches(f: Path, field: str, kind: str) -> Iterator:
     import pyarrow.ipc as ipc
     import pyarrow.parquet as pq
 
-    source = pa.BufferReader(gzip.decompress(f.read_bytes())) if f.name.endswith(".gz") else str(f)
+    source = pa.BufferReader(gzip.decompress(f.read_bytes())) if f.name.lower().endswith(".gz") else str(f)
     if kind == ".parquet":
         reader = pq.ParquetFile(source)
         _require_column(f, field, reader.schema_arrow.names)

@@ -16,7 +16,7 @@ EOS = "<|endoftext|>"
 # template. `prepare` keeps them in its folder, a run in its run dir, `convert to-hf` in the export.
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 # End-of-document tokens of common tokenizers, tried in order for a user's tokenizer.
-_KNOWN_EOS = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+KNOWN_EOS = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 
 
 def bos_prefix(tok: Tokenizer) -> list[int]:
@@ -90,7 +90,7 @@ def train_bpe(documents, vocab_size: int) -> Tokenizer:
 
 def eos_id(tok: Tokenizer) -> int | None:
     """The end-of-document token id, or None when the tokenizer has none we know."""
-    for name in _KNOWN_EOS:
+    for name in KNOWN_EOS:
         idx = tok.token_to_id(name)
         if idx is not None:
             return idx

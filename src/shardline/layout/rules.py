@@ -83,9 +83,11 @@ def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
         return "tp", (f"parallel.tp={lay.tp} must divide the shared experts' width shared_experts x expert_ffn_dim "
                       f"= {moe.shared_experts * moe.expert_ffn_dim} (they are split by columns)")
     if n and n % (lay.ep * lay.tp):
-        valid = [e for e in range(1, n + 1) if n % (e * lay.tp) == 0]
+        borrow = lay.dp_shard * lay.cp  # (and ep borrows from these ranks: a valid ep divides both)
+        valid = [e for e in range(1, n + 1) if n % (e * lay.tp) == 0 and borrow % e == 0]
         return "ep", (f"parallel.ep={lay.ep} x tp={lay.tp} must divide the {n} experts (each rank of ep x tp "
-                      f"holds an equal share of whole experts); valid ep with this tp: {valid or 'none'}")
+                      f"holds an equal share of whole experts); valid ep with this tp and dp_shard x cp = {borrow}: "
+                      f"{valid or 'none'}")
     return None
 
 
