@@ -280,3 +280,17 @@ def test_a_stop_without_disk_saves_snapshots_the_step_it_stopped_after(tiny_conf
                                         "the in-memory snapshots stay for a rerun"):
         trainer.train()
     assert Trainer(tiny_config(*settings)).build().step == 6
+
+
+def test_a_new_run_in_a_run_dir_without_checkpoints_starts_a_new_goodput_account(tiny_config):
+    """Five layouts tried one after another in one run dir (checkpoint.interval=0) were counted as
+    one run restarted four times: goodput 0.08, the other launches' steps "recomputed"."""
+    from shardline.trainer import Trainer
+
+    settings = ["train.steps=3", "train.eval_interval=0", "checkpoint.interval=0"]
+    for _ in range(2):
+        trainer = Trainer(tiny_config(*settings)).build()
+        trainer.train()
+    end = [r for r in records(trainer.run_dir) if r.get("event") == "end"][-1]
+    assert end["seconds"]["recomputed"] == 0 and end["seconds"]["restart_gap"] == 0, end
+    assert end["total_s"] == pytest.approx(end["this_launch_s"], abs=0.5)

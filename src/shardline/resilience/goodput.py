@@ -39,7 +39,9 @@ def process_start_time() -> float:
 
 
 class Goodput:
-    def __init__(self, run_dir: Path, enabled: bool, started: float | None = None):
+    def __init__(self, run_dir: Path, enabled: bool, started: float | None = None, fresh: bool = False):
+        """`fresh`: a new run in this dir (nothing resumed, not a restart), whose account starts anew:
+        an earlier run's progress.json is not this one's history."""
         self.path, self.enabled = Path(run_dir) / PROGRESS, enabled
         self.started = started if started is not None else process_start_time()
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
@@ -47,7 +49,7 @@ class Goodput:
         self.high_water = 0
         self._recent: dict[int, tuple[str, float]] = {}  # step -> (category, seconds), for reclassify()
         self.unwritten = ""  # why progress.json could not be written, once it could not (persist)
-        previous = self._read()
+        previous = None if fresh else self._read()
         if previous:
             self.high_water = previous["high_water_step"]
             self.wall_before = previous["wall_s"]

@@ -84,9 +84,10 @@ class RunGuard:
             self.stops.writing = writing
             self.watchdog.phase_end()
 
-    def open(self, run_dir: Path, log: Callable[..., None]) -> None:
-        """Start goodput accounting in the opened run dir; log held events."""
-        self.goodput = Goodput(run_dir, self.proc.is_main, self.started)
+    def open(self, run_dir: Path, log: Callable[..., None], fresh: bool = False) -> None:
+        """Start goodput accounting in the opened run dir (`fresh`: a new run, not one resumed or
+        restarted: a new account); log held events."""
+        self.goodput = Goodput(run_dir, self.proc.is_main, self.started, fresh)
         self._log, self._said_unwritten = log, False
         for name, fields in self._held:
             log(name, **fields)

@@ -50,7 +50,7 @@ from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import (agree_on_resume, memory_tier_resumable, rank0_decides,
-                                          refuse_fresh_over_invalid)
+                                          refuse_fresh_over_invalid, restarted)
 from shardline.resilience.run_lock import RunLock
 from shardline.trainer.anomalies import AnomalyResponse
 from shardline.trainer.state import SavedState
@@ -158,7 +158,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
             self.metrics.event("starting_weights_gone", step=self.step, note=self._stand_in)
         if self._set_aside:  # newer ones: a history this run leaves
             self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in self._set_aside])
-        self.guard.open(self.run_dir, self.metrics.event)
+        self.guard.open(self.run_dir, self.metrics.event, fresh=resumed is None and not restarted())
         if self.allocator:
             self.metrics.event("allocator", step=self.step, setting=self.allocator)
         gpu = (torch.cuda.get_device_name(self.device), torch.cuda.device_count()) if self.device.type == "cuda" else ()
