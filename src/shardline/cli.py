@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 
 from shardline.config.reader import OnlyOnce
 from shardline.errors import AnomalyHalt, Preempted, ShardlineError
@@ -124,7 +125,11 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ShardlineError("convert --dtype applies to to-hf only (from-hf keeps float32 master weights)")
     if args.tokenizer and args.direction != "to-hf":
         raise ShardlineError("convert --tokenizer applies to to-hf only (from-hf takes the HF folder's)")
-    written = convert(args.direction, args.src, args.dst, args.dtype, args.tokenizer)
+    with warnings.catch_warnings(record=True) as said:  # what the export computes otherwise: one line each
+        warnings.simplefilter("always", UserWarning)
+        written = convert(args.direction, args.src, args.dst, args.dtype, args.tokenizer)
+    for warning in said:
+        print(f"shardline: warning: {warning.message}", file=sys.stderr)
     what = f"start a run with --model.init_from={written}"
     if args.direction == "to-hf":  # which checkpoint a run dir gave (its newest valid one)
         from shardline.interop.hf_files import EXPORT_MARK

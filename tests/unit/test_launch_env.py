@@ -138,3 +138,21 @@ def test_a_config_file_one_rank_cannot_read_is_said_by_that_rank(monkeypatch, ca
     monkeypatch.setattr(Path, "read_text", stale)
     assert main(["train", "--config", str(config)]) == 2
     assert "ok.toml cannot be read: Stale file handle" in capsys.readouterr().err
+
+
+def test_convert_says_an_export_warning_in_one_line(monkeypatch, capsys, tmp_path):
+    """The routers' bias warning came as Python's two lines (a torch file path, then its source)."""
+    import warnings
+
+    import shardline.interop.convert as conversion
+    from shardline.cli import main
+
+    def converted(direction, src, dst, dtype, tokenizer):
+        warnings.warn("the routers' balancing bias is not zero", stacklevel=3)
+        (tmp_path / "hf").mkdir()
+        return tmp_path / "hf"
+
+    monkeypatch.setattr(conversion, "convert", converted)
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    err = capsys.readouterr().err
+    assert err == "shardline: warning: the routers' balancing bias is not zero\n", err
