@@ -238,7 +238,8 @@ def test_capacity_and_balancing_bias_are_warned_about(tmp_path):
     (MoEArgs(n_experts=4, top_k=2, expert_ffn_dim=32, shared_experts=1), False, "shared_experts=1"),
     (MoEArgs(n_experts=4, top_k=2, expert_ffn_dim=32, router="sigmoid"), True, "router='sigmoid'"),
     (MoEArgs(n_experts=4, top_k=2, expert_ffn_dim=32, route_scale=2.5), True, "route_scale=2.5"),
-    (MoEArgs(n_experts=4, top_k=2, expert_ffn_dim=32, first_dense_layers=1), False, "fits neither Mixtral"),
+    (MoEArgs(n_experts=4, top_k=2, expert_ffn_dim=32, first_dense_layers=1), False,
+     "fits neither Mixtral .*: train with moe.first_dense_layers=0 and moe.norm_topk=1"),
     (MoEArgs(n_experts=4, top_k=2, expert_ffn_dim=32, norm_topk=False), False, "fits neither Mixtral"),
 ])
 def test_shapes_without_an_hf_counterpart_are_refused(moe, qk_norm, message, tmp_path):

@@ -55,13 +55,15 @@ def hf_family(args: ModelArgs) -> str:
         ("route_scale", m.route_scale, m.route_scale == 1.0)) if not ok]
     if unsupported:
         raise CheckpointError(f"moe {', '.join(unsupported)} has no Hugging Face Mixtral or Qwen3-MoE "
-                              "counterpart (they need shared_experts=0, router='softmax', route_scale=1)")
+                              "counterpart (they need shared_experts=0, router='softmax', route_scale=1: train "
+                              "with moe.shared_experts=0, moe.router='softmax'; route_scale is a preset's only)")
     if args.qk_norm:
         return "qwen3_moe"
     if m.first_dense_layers or not m.norm_topk:
         raise CheckpointError(f"moe first_dense_layers={m.first_dense_layers}, norm_topk={m.norm_topk} without "
                               "qk_norm fits neither Mixtral (no dense layers, normalised top-k) nor Qwen3-MoE "
-                              "(which has qk_norm=true)")
+                              "(which has qk_norm=true): train with moe.first_dense_layers=0 and moe.norm_topk=1 "
+                              "for Mixtral, or model.qk_norm=1 for Qwen3-MoE")
     return "mixtral"
 
 
