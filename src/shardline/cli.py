@@ -42,9 +42,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
             return 0 if fits else 1
         print(report)
         if not fits:  # a script's `--dry-run && torchrun ...` stops here; a launch itself is not refused
-            print("shardline: the planner's memory estimate does not fit the device (exit 1); lower "
-                  "train.micro_batch_size, or set train.loss_chunk_tokens or memory.activation_checkpoint",
-                  file=sys.stderr)
+            lower = "lower train.micro_batch_size, or " if cfg.train.micro_batch_size > 1 else ""
+            print(f"shardline: the planner's memory estimate does not fit the device (exit 1); {lower}set "
+                  "train.loss_chunk_tokens or memory.activation_checkpoint, or raise parallel.tp or parallel.cp "
+                  "(`shardline plan` searches them)", file=sys.stderr)
             return 1
         return 0
     if args.world_size is not None or args.gpu is not None:

@@ -323,6 +323,10 @@ def test_a_dry_run_whose_memory_estimate_does_not_fit_exits_1(capsys, tmp_path):
     assert main([*argv, "--train.micro_batch_size=8"]) == 1
     out, err = capsys.readouterr()
     assert "DOES NOT FIT" in out and "memory estimate does not fit the device (exit 1)" in err
+    assert "lower train.micro_batch_size" in err and "parallel.tp or parallel.cp" in err
+    # at one sequence a micro-batch, lowering it is no advice
+    assert main([*argv, "--train.micro_batch_size=1", "--train.seq_len=65536", "--train.global_batch_size=64"]) == 1
+    assert "lower train.micro_batch_size" not in capsys.readouterr().err
     assert main([*argv, "--train.micro_batch_size=8", "--gpu", "h200", "--train.loss_chunk_tokens=4096",
                  "--memory.activation_checkpoint=full"]) == 0
 
