@@ -127,10 +127,14 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.tokenizer and args.direction != "to-hf":
         raise ShardlineError("convert --tokenizer applies to to-hf only (from-hf takes the HF folder's)")
     with warnings.catch_warnings(record=True) as said:  # what the export computes otherwise: one line each
-        warnings.simplefilter("always", UserWarning)
-        written = convert(args.direction, args.src, args.dst, args.dtype, args.tokenizer)
-    for warning in said:
-        print(f"shardline: warning: {warning.message}", file=sys.stderr)
+        try:
+            written = convert(args.direction, args.src, args.dst, args.dtype, args.tokenizer)
+        finally:  # (said before an error too)
+            for w in said:  # a library's deprecations as Python shows them
+                if w.category is UserWarning:
+                    print(f"shardline: warning: {w.message}", file=sys.stderr)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     what = f"start a run with --model.init_from={written}"
     if args.direction == "to-hf":  # which checkpoint a run dir gave (its newest valid one)
         from shardline.interop.hf_files import EXPORT_MARK

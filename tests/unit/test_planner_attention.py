@@ -44,6 +44,8 @@ def test_a_ring_is_priced_with_its_causal_skip_under_the_document_mask_too():
     long = Workload(PRESETS["llama3-8b"], 131072, 8, "bf16")
     masked, unmasked = (estimate(dataclasses.replace(long, document_mask=m), ring, H100) for m in (True, False))
     assert masked.breakdown["compute"] == pytest.approx(unmasked.breakdown["compute"], rel=0.02)
+    # and it holds no [b, s/cp, s] mask: a pair's is built as it runs (and again in its backward)
+    assert masked.memory["total"] == pytest.approx(unmasked.memory["total"], rel=1e-6)
 
 
 def test_ulysses_alone_is_priced_with_the_kernel_on_the_gathered_sequence():

@@ -294,3 +294,20 @@ def test_a_new_run_in_a_run_dir_without_checkpoints_starts_a_new_goodput_account
     end = [r for r in records(trainer.run_dir) if r.get("event") == "end"][-1]
     assert end["seconds"]["recomputed"] == 0 and end["seconds"]["restart_gap"] == 0, end
     assert end["total_s"] == pytest.approx(end["this_launch_s"], abs=0.5)
+
+
+def test_a_relaunch_after_a_crash_before_any_save_keeps_the_account(tiny_config):
+    """Nothing to resume, but the run before did not finish (a crash before its first save, a
+    relaunch by hand or a script): its time is this run's history, not a new account."""
+    from shardline.trainer import Trainer
+
+    settings = ["train.steps=6", "train.eval_interval=0", "checkpoint.interval=0"]
+    crashed = Trainer(tiny_config(*settings)).build()
+    compute = crashed.compute_gradients
+    crashed.compute_gradients = lambda: compute() if crashed.step < 2 else (_ for _ in ()).throw(RuntimeError("x"))
+    with pytest.raises(RuntimeError):
+        crashed.train()
+    again = Trainer(tiny_config(*settings)).build()
+    again.train()
+    end = [r for r in records(again.run_dir) if r.get("event") == "end"][-1]
+    assert end["seconds"]["recomputed"] > 0 and end["total_s"] > end["this_launch_s"], end

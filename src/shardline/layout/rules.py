@@ -84,7 +84,8 @@ def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
                       f"= {moe.shared_experts * moe.expert_ffn_dim} (they are split by columns)")
     if n and n % (lay.ep * lay.tp):
         borrow = lay.dp_shard * lay.cp  # (and ep borrows from these ranks: a valid ep divides both)
-        valid = [e for e in range(1, n + 1) if n % (e * lay.tp) == 0 and borrow % e == 0]
+        valid = [e for e in range(1, n + 1) if n % (e * lay.tp) == 0 and borrow % e == 0  # (and not part of cp:
+                 and (lay.dp_shard % e == 0 or e % lay.cp == 0)]  # ep borrows dp_shard's ranks or all of cp's)
         return "ep", (f"parallel.ep={lay.ep} x tp={lay.tp} must divide the {n} experts (each rank of ep x tp "
                       f"holds an equal share of whole experts); valid ep with this tp and dp_shard x cp = {borrow}: "
                       f"{valid or 'none'}")

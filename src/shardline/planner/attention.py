@@ -71,8 +71,9 @@ def computed_fraction(kernel_: str, seq_len: int, document_mask: bool, mean_doc_
 
 def dense_mask(kernel_: str, document_mask: bool) -> bool:
     """Whether the kernel needs the [b, 1, s, s] boolean mask (flex's BlockMask and varlen's
-    cumulative lengths are O(b (s/128)²) and O(documents): nothing to count)."""
-    return document_mask and kernel_ in ("sdpa", "context")
+    cumulative lengths are O(b (s/128)²) and O(documents): nothing to count; a cp ring builds a
+    chunk pair's mask as the pair runs and again in its backward, and holds none)."""
+    return document_mask and kernel_ == "sdpa"
 
 
 def causal_tiles(seq_len: int, block: int = BLOCK) -> float:

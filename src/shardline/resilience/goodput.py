@@ -40,8 +40,9 @@ def process_start_time() -> float:
 
 class Goodput:
     def __init__(self, run_dir: Path, enabled: bool, started: float | None = None, fresh: bool = False):
-        """`fresh`: a new run in this dir (nothing resumed, not a restart), whose account starts anew:
-        an earlier run's progress.json is not this one's history."""
+        """`fresh`: a new run in this dir (nothing resumed, not a restart): after a run that finished,
+        its account starts anew (that run's progress.json is not its history); after one that did
+        not, it goes on (a relaunch by hand or by a script after a crash before any save)."""
         self.path, self.enabled = Path(run_dir) / PROGRESS, enabled
         self.started = started if started is not None else process_start_time()
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
@@ -49,7 +50,9 @@ class Goodput:
         self.high_water = 0
         self._recent: dict[int, tuple[str, float]] = {}  # step -> (category, seconds), for reclassify()
         self.unwritten = ""  # why progress.json could not be written, once it could not (persist)
-        previous = None if fresh else self._read()
+        previous = self._read()
+        if previous and fresh and previous.get("finished"):
+            previous = None
         if previous:
             self.high_water = previous["high_water_step"]
             self.wall_before = previous["wall_s"]

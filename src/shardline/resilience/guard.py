@@ -85,8 +85,8 @@ class RunGuard:
             self.watchdog.phase_end()
 
     def open(self, run_dir: Path, log: Callable[..., None], fresh: bool = False) -> None:
-        """Start goodput accounting in the opened run dir (`fresh`: a new run, not one resumed or
-        restarted: a new account); log held events."""
+        """Start goodput accounting in the opened run dir (`fresh`: nothing resumed, not a restart:
+        a new account after a finished run, see Goodput); log held events."""
         self.goodput = Goodput(run_dir, self.proc.is_main, self.started, fresh)
         self._log, self._said_unwritten = log, False
         for name, fields in self._held:

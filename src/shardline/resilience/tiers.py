@@ -156,7 +156,9 @@ class StateTiers:
         if "error" in stats:  # every rank dropped the step's files; the older snapshots stay
             last = stats["step"] == self.ending_at  # a stop's own snapshot: no next one
             self.log("memory_snapshot_failed", step=stats["step"], error=stats["error"],
-                     action="none: the run ends here; a rerun resumes an older snapshot" if last else
+                     action="none: the run ends here; a rerun resumes its disk save of this step if one "
+                     "lands, else an older snapshot" if last and self.cfg.checkpoint.interval else
+                     "none: the run ends here; a rerun resumes an older snapshot" if last else
                      "continue; the next snapshot tries again")
             return
         self.held += 1
