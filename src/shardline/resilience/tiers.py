@@ -57,7 +57,8 @@ class StateTiers:
         self._group = dims.checkpoint_group
         self.memory_background = c.memory_mode == "async"
         self.landed = 0  # disk saves known to be on disk (an async one once its write finished)
-        self.ending_at: int | None = None  # the step a stop or halt ends the run after: no interval retries its save
+        self.ending_at: int | None = None  # the step the run ends after (its last, a stop's, a halt's): set by the
+        # trainer; a save of it that the storage refuses has no next interval to retry it
         self.held = 0  # memory snapshots known to be held (an async one once every rank holds it)
         self.memory = None
         if c.memory_interval:
@@ -107,8 +108,7 @@ class StateTiers:
         message = f"checkpoint of step {step} failed: {what}"
         if self.cfg.checkpoint.on_error == "stop":
             raise CheckpointError(message + "; stopping (checkpoint.on_error=stop), earlier checkpoints are intact")
-        t = self.cfg.train
-        if step < min(t.steps, t.stop_at_step or t.steps) and step != self.ending_at:
+        if step != self.ending_at:
             action = "continue; retried at the next interval"
         else:  # no next interval: what a rerun would resume is older (or in RAM: the memory tier keeps it)
             saved = self.checkpointer.list()

@@ -128,8 +128,7 @@ class AnomalyResponse:
             self.guard.watched("save", self.step, "recovery", self.save_checkpoint)
             self.guard.drain(self.step)  # (async: landed or refused here, rollbacks are rare)
         except CheckpointError as e:
-            named = CheckpointError(f"{e}; that copy predates the rollback to step {self.step}: rerun with train."
-                                    f"skip_batches={sorted(self.skipped_batches)} to keep out the batch it skipped")
+            named = CheckpointError(f"{e}; that copy predates the rollback to step {self.step}: {self._skip_advice()}")
             raise on_every_rank(named, e.every_rank) from e
         if self.tiers.memory is not None and self.tiers.landed > landed:
             self.tiers.memory.discard_through(self.step)
@@ -140,14 +139,20 @@ class AnomalyResponse:
         refused one leaves the older copy of that step, without the rollback)."""
         return self._saves_at_rollback is not None and self.tiers.landed == self._saves_at_rollback[0]
 
+    @property
+    def _snapshot_since_rollback(self) -> bool:
+        """An in-memory snapshot taken since the last rollback: it holds the batches that skipped."""
+        return self._saves_at_rollback is not None and self.tiers.held > self._saves_at_rollback[1]
+
+    def _skip_advice(self) -> str:
+        return f"rerun with train.skip_batches={sorted(self.skipped_batches)} to keep out the batches it skipped"
+
     def _unsaved_rollback(self) -> str:
         """What a stop or halt whose save was refused adds when what a rerun resumes predates a rollback
         (no save on disk since, nor an in-memory snapshot): it would train the batches it skipped again."""
-        if not self._rolled_back_unsaved or (self.cfg.checkpoint.memory_interval
-                                             and self.tiers.held > self._saves_at_rollback[1]):
+        if not self._rolled_back_unsaved or (self.cfg.checkpoint.memory_interval and self._snapshot_since_rollback):
             return ""
-        return (f"; what is on disk predates the rollback to step {self._saves_at_rollback[2]}: rerun with "
-                f"train.skip_batches={sorted(self.skipped_batches)} to keep out the batches it skipped")
+        return f"; what is on disk predates the rollback to step {self._saves_at_rollback[2]}: {self._skip_advice()}"
 
     def _held_for_rerun(self) -> str:
         """What a halt without disk saves leaves in RAM. The snapshots are not written again here:
@@ -156,10 +161,9 @@ class AnomalyResponse:
         skipped (and its budget): the rerun is told to skip them."""
         if not self.cfg.checkpoint.memory_interval:
             return ""
-        if self._saves_at_rollback is None or self.tiers.held > self._saves_at_rollback[1]:
+        if self._saves_at_rollback is None or self._snapshot_since_rollback:
             return "; the in-memory snapshots stay for a rerun"
-        return ("; the in-memory snapshots stay for a rerun, but predate the rollback: rerun with "
-                f"train.skip_batches={sorted(self.skipped_batches)} to keep out the batches it skipped")
+        return f"; the in-memory snapshots stay for a rerun, but predate the rollback: {self._skip_advice()}"
 
     def _halt(self, event: dict) -> None:
         """Save the last consistent state (before the bad update) and stop with a report. The save's

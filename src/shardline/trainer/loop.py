@@ -259,7 +259,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         and the seconds they took."""
         cfg = self.cfg
         stopping = bool(request) and step < stop
-        self.tiers.ending_at = step if stopping else None  # a save of this step refused now has no next interval
+        self.tiers.ending_at = step if stopping or step == stop else None  # no next interval retries its save
         due = bool(cfg.train.eval_interval) and (step % cfg.train.eval_interval == 0 or step == stop)
         evaluate, self.eval_owed = due and not stopping, due and stopping  # (what a save here records)
         save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
