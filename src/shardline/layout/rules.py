@@ -72,6 +72,12 @@ def _cp_split(lay: Layout, job: Job) -> Problem | None:
     return None
 
 
+def _ep_built(lay: Layout, ep: int) -> bool:
+    """Whether expert parallelism `ep` can borrow its ranks here: it divides dp_shard x cp, and takes
+    either dp_shard's ranks alone or every cp rank (part of cp is not built)."""
+    return (lay.dp_shard * lay.cp) % ep == 0 and (lay.dp_shard % ep == 0 or ep % lay.cp == 0)
+
+
 def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
     if lay.ep > 1 and not getattr(job.model, "n_experts", 0):
         return "ep", f"parallel.ep={lay.ep} needs a mixture-of-experts model; this model is dense"
@@ -84,8 +90,7 @@ def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
                       f"= {moe.shared_experts * moe.expert_ffn_dim} (they are split by columns)")
     if n and n % (lay.ep * lay.tp):
         borrow = lay.dp_shard * lay.cp  # (and ep borrows from these ranks: a valid ep divides both)
-        valid = [e for e in range(1, n + 1) if n % (e * lay.tp) == 0 and borrow % e == 0  # (and not part of cp:
-                 and (lay.dp_shard % e == 0 or e % lay.cp == 0)]  # ep borrows dp_shard's ranks or all of cp's)
+        valid = [e for e in range(1, n + 1) if n % (e * lay.tp) == 0 and _ep_built(lay, e)]
         return "ep", (f"parallel.ep={lay.ep} x tp={lay.tp} must divide the {n} experts (each rank of ep x tp "
                       f"holds an equal share of whole experts); valid ep with this tp and dp_shard x cp = {borrow}: "
                       f"{valid or 'none'}")
@@ -198,7 +203,7 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
     ranks = lay.dp_shard * lay.cp
     if lay.ep_borrows_cp and ranks % lay.ep == 0 and lay.ep % lay.cp:
         # ep borrows either dp_shard ranks alone or every cp rank, not part of cp.
-        valid = [e for e in range(2, ranks + 1) if ranks % e == 0 and (lay.dp_shard % e == 0 or e % lay.cp == 0)]
+        valid = [e for e in range(2, ranks + 1) if _ep_built(lay, e)]
         return "ep", (f"parallel.ep={lay.ep} with dp_shard={lay.dp_shard} and cp={lay.cp} would borrow part of the "
                       f"cp ranks, which is not built: ep must divide dp_shard or be a multiple of cp; valid ep: "
                       f"{valid}")

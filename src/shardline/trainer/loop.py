@@ -170,14 +170,20 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         if self._lock_taken_over:
             self.metrics.event("run_dir_lock_taken_over", step=self.step, reason=self._lock_taken_over)
         if resumed is not None:
-            done = {"note": "train.steps (or stop_at_step) reached: nothing to train"} if self.step >= min(
-                self.cfg.train.steps, self.cfg.train.stop_at_step or self.cfg.train.steps) else {}  # said, not silent
+            done = {"note": "train.steps (or stop_at_step) reached: nothing to train"} if (
+                self.step >= self.last_step) else {}  # said, not silent
             self.metrics.event("resume", step=self.step, checkpoint=resumed,
                                recomputed_steps=self.guard.goodput.recomputed_from(self.step), **done)
             if self._optim_changes:  # {key: [saved, now]}: the config's values apply from here on
                 self.metrics.event("optim_changed", step=self.step, **self._optim_changes)
 
     # ---- the loop -------------------------------------------------------------------
+
+    @property
+    def last_step(self) -> int:
+        """The step this launch trains to: train.steps, or train.stop_at_step before it."""
+        t = self.cfg.train
+        return min(t.steps, t.stop_at_step or t.steps)
 
     def train(self) -> dict:
         """Train to train.steps (or stop_at_step); returns the last logged metrics."""
@@ -198,7 +204,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
 
     def _train(self) -> dict:
         cfg = self.cfg
-        stop = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
+        stop = self.last_step
         self.metrics.event("start", step=self.step, params=num_params(self.model_args),  # the whole model's
                            world_size=self.proc.world_size, layout=self.dims.layout.describe(),
                            device=str(self.device), precision=cfg.train.precision,
