@@ -273,3 +273,30 @@ def test_a_folder_reads_upper_case_suffixes(tmp_path):
     from shardline.data.sources import read_documents
 
     assert sorted(d.strip() for d in read_documents(str(tmp_path / "d"))) == ["lower case name", "upper case name"]
+
+
+def test_what_reading_skips_is_counted_and_the_run_covers_its_epochs(tmp_path):
+    """Null and blank texts and files of no type a reader takes were dropped in silence: a launch's
+    `data` event now counts and names them (hidden files and a datasets folder's metadata aside)."""
+    docs = [f"document number {i} has some words in it" for i in range(60)]
+    pq.write_table(pa.table({"text": docs[:30] + [None, "", "   "]}), tmp_path / "a.parquet")
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[30:] + [""]))
+    (tmp_path / "README.md").write_text("about this data")
+    (tmp_path / "extra.json").write_text(json.dumps(docs))
+    (tmp_path / ".hidden").write_text("editor state")
+    (tmp_path / "state.json").write_text("{}")  # a save_to_disk folder's own metadata
+    cfg = load_config(None, [f"data.path={tmp_path}", "train.seq_len=16", "data.vocab_size=300",
+                             "train.global_batch_size=4", "train.micro_batch_size=4", "data.val_fraction=0.2"])
+    bundle = build_data(cfg)
+    fields = bundle.describe(steps=50)
+    assert fields["empty_documents_skipped"] == 4  # a null, an empty and a blank row; an empty JSON line
+    assert fields["files_not_read"] == f"{tmp_path / 'README.md'}, {tmp_path / 'extra.json'}"
+    assert fields["documents"] == bundle.train.num_documents and fields["sequences"] == len(bundle.train)
+    assert fields["epochs"] == round(50 * 4 / len(bundle.train), 3)
+    assert fields["tokens"] == len(bundle.train) * 16 and fields["held_out_sequences"] == len(bundle.val)
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    (clean / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    cfg = load_config(None, [f"data.path={clean}", "train.seq_len=16", "data.vocab_size=300", "data.val_fraction=0.2"])
+    fields = build_data(cfg).describe(steps=10)
+    assert "empty_documents_skipped" not in fields and "files_not_read" not in fields

@@ -904,3 +904,23 @@ def test_a_header_token_that_takes_in_the_replys_leading_blank_stays_the_headers
     assert header in ids and mask[ids.index(header)] == 0
     targets = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
     assert targets.replace("▁", "").replace(" ", "") == "Itis1.<|end|>"
+
+
+def test_prepare_counts_and_names_what_it_skips_and_a_run_on_the_folder_says_so(tmp_path, small_corpus, capsys):
+    from shardline.cli import main
+
+    docs = read_documents(str(small_corpus))[:60]
+    src = tmp_path / "src"
+    src.mkdir()
+    pq.write_table(pa.table({"text": docs[:30] + [None, " "]}), src / "a.parquet")
+    (src / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[30:]))
+    (src / "notes.csv").write_text("id,text\n1,not read\n")
+    out = tmp_path / "prep"
+    assert main(["prepare", str(src), "--out", str(out), "--vocab-size", "512", "--val-fraction", "0.1",
+                 "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: skipped 2 empty or null documents and 1 file(s) of no type it reads ({src / 'notes.csv'}" in err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["empty_documents"] == 2 and manifest["files_not_read"] == [str(src / "notes.csv")]
+    fields = data(out).describe(steps=10)
+    assert fields["empty_documents_skipped"] == 2 and fields["files_not_read"] == str(src / "notes.csv")

@@ -56,6 +56,14 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"prepared {args.out}: train {tr['documents']:,} documents / {tr['tokens']:,} tokens in "
           f"{len(tr['shards'])} shard(s), val {va['documents']:,} / {va['tokens']:,}; {m['dtype']}, "
           f"vocab {m['vocab_size']:,}; train with --data.path={args.out}")
+    left_out = [f"{m['empty_documents']:,} empty or null documents"] if m.get("empty_documents") else []
+    names = m.get("files_not_read", [])
+    if names:
+        more = " ..." if len(names) > 3 else ""
+        left_out.append(f"{len(names)} file(s) of no type it reads ({', '.join(names[:3])}{more}; it reads "
+                        ".txt, .jsonl, .parquet, .arrow, optionally .gz)")
+    if left_out:
+        print(f"note: skipped {' and '.join(left_out)}", file=sys.stderr)
     if va["tokens"] < SHORT_VAL_TOKENS:  # said now, not first at a training start that refuses it
         txt = any(".txt" in str(i).lower() for i in args.inputs)  # (a hint about .txt files for .txt inputs)
         print(f"note: the held-out split is {va['tokens']:,} tokens; a run evaluates on it only at train.seq_len <= "

@@ -21,7 +21,7 @@ from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
 from shardline.data.shards import id_bound, is_prepared, open_prepared, read_manifest, tokenizer_hash
-from shardline.data.sources import read_documents
+from shardline.data.sources import SUFFIXES, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
 from shardline.errors import DataError
 
@@ -35,6 +35,23 @@ class DataBundle:
     source_names: list[str] = field(default_factory=list)  # a mixture's sources, in data.mix order
     _seen: tuple[int, tuple, np.ndarray] | None = None  # (step, skipped, sequences per source before it): a cache
     _vocabulary: str = ""  # vocabulary_fingerprint(tokenizer): a cache
+    left_out: dict = field(default_factory=dict)  # what reading skipped: see read_documents
+
+    def describe(self, steps: int) -> dict:
+        """The `data` event's fields: what the run trains on, how many passes over it `steps` make,
+        and what reading the data left out (said, since a null column or a stray file type would
+        otherwise shrink the data in silence)."""
+        parts = self.train.sources if isinstance(self.train, MixedSequences) else [self.train]
+        fields = {"documents": sum(p.num_documents for p in parts), "sequences": len(self.train),
+                  "tokens": len(self.train) * self.train.seq_len, "held_out_sequences": len(self.val),
+                  "epochs": round(steps * self.sampler.global_batch_size / max(len(self.train), 1), 3)}
+        if self.left_out.get("empty_documents"):
+            fields["empty_documents_skipped"] = self.left_out["empty_documents"]
+        names = self.left_out.get("files_not_read", [])
+        if names:
+            fields["files_not_read"] = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            fields["reads"] = f"{', '.join(SUFFIXES)} files (optionally .gz)"
+        return fields
 
     @property
     def vocab_size(self) -> int:
@@ -108,20 +125,28 @@ def build_data(cfg: Config) -> DataBundle:
     d, t = cfg.data, cfg.train
     if d.mix:
         return _build_mixture(cfg)
-    tok, train, val = load_source(d.path, cfg)
+    left_out: dict = {}
+    tok, train, val = load_source(d.path, cfg, left_out=left_out)
     _check_sizes(d.path or "the shipped corpus", train, val, cfg)
-    return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.seed))
+    return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.seed),
+                      left_out=left_out)
 
 
-def load_source(path: str, cfg: Config, tok: Tokenizer | None = None):
-    """(tokenizer, train, val) of one source: a prepared folder or raw files."""
+def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: dict | None = None):
+    """(tokenizer, train, val) of one source: a prepared folder or raw files. `left_out` gets what
+    reading skipped (a prepared folder's, as its manifest recorded it)."""
     d, seq_len = cfg.data, cfg.train.seq_len
     if is_prepared(path):
         prepared = open_prepared(path, seq_len, d.tokenizer, d.format, d.add_bos)
         _check_mixture_tokenizer(path, tok, prepared.tokenizer)
+        if left_out is not None:
+            left_out["empty_documents"] = (left_out.get("empty_documents", 0)
+                                           + prepared.manifest.get("empty_documents", 0))
+            left_out["files_not_read"] = left_out.get("files_not_read", []) + prepared.manifest.get(
+                "files_not_read", [])
         return prepared.tokenizer, prepared.train, prepared.val
     chat = d.format == "chat"
-    docs = read_documents(path, "messages" if chat else d.text_field)
+    docs = read_documents(path, "messages" if chat else d.text_field, left_out)
     if chat and len(docs) < 2:
         raise DataError(f"data.path={path!r} holds {len(docs)} conversation; chat data needs at least two "
                         "(one is held out)")
@@ -171,9 +196,9 @@ def _build_mixture(cfg: Config) -> DataBundle:
     tok = _mixture_tokenizer(cfg)
     if cfg.data.format == "chat":
         _check_one_chat_template(cfg)
-    trains, vals = [], []
+    trains, vals, left_out = [], [], {}
     for source in mix:
-        tok, train, val = load_source(source.path, cfg, tok)
+        tok, train, val = load_source(source.path, cfg, tok, left_out)
         _check_sizes(source.path, train, val, cfg)
         trains.append(train)
         vals.append(val)
@@ -181,7 +206,8 @@ def _build_mixture(cfg: Config) -> DataBundle:
     train = MixedSequences(trains, weights)
     names = _source_names([s.path for s in mix])
     return DataBundle(tok, train, MixedSequences(vals, weights, interleave=True),
-                      GlobalBatchSampler(len(train), t.global_batch_size, t.seed, tag_passes=True), names)
+                      GlobalBatchSampler(len(train), t.global_batch_size, t.seed, tag_passes=True), names,
+                      left_out=left_out)
 
 
 def _mixture_tokenizer(cfg: Config) -> Tokenizer:

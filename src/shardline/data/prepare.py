@@ -32,7 +32,7 @@ from shardline.data.loader import held_out, split_single
 from shardline.data.pool import EncodeJob, encoded_chunks
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
                                    file_sha256, id_bound, token_dtype, tokenizer_hash)
-from shardline.data.sources import CHAT_FIELD, inputs_files, read_file
+from shardline.data.sources import CHAT_FIELD, files_not_read, inputs_files, read_file
 from shardline.data.tokenizer import TOKENIZER_SIDE_FILES, bos_prefix, eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
 
@@ -76,13 +76,16 @@ class _Stream:
     count: int
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     val_fraction: float = 0.01
+    empty: int = 0  # the null, empty or blank texts a whole pass skipped
+    not_read: list = field(default_factory=list)  # the inputs' files no reader takes
 
     def documents(self, skip: int = 0):
         """(input index, split, document) in input order; the first `skip` are read but not yielded."""
-        held, h, i = self.held, 0, 0
+        held, h, i, empty = self.held, 0, 0, 0
         for f in self.files:
             for doc in read_file(f, self.field):
                 if isinstance(doc, str) and not doc.strip():
+                    empty += 1
                     continue
                 if self.count == 1:
                     train, val = split_single(doc, self.val_fraction)
@@ -93,6 +96,7 @@ class _Stream:
                 if i >= skip:
                     yield i, "val" if h < len(held) and held[h] == i else "train", doc
                 i += 1
+        self.empty = empty
 
     @property
     def pieces(self) -> int:
@@ -248,7 +252,7 @@ def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
                         "(one is held out)")
     if opts.format == "chat":
         check_replies(", ".join(opts.inputs), roles)
-    stream.count = count
+    stream.count, stream.not_read = count, [str(f) for path in opts.inputs for f in files_not_read(path)]
     stream.held = held_out(count, opts.val_fraction) if count > 1 else stream.held
     return stream
 
@@ -313,7 +317,9 @@ def _finish(root: Path, request: dict, writers: dict, tok: Tokenizer, stream: _S
                 "tokenizer_sha256": request["tokenizer_sha256"], "vocab_size": tok.get_vocab_size(),
                 "eos_id": eos_id(tok), "bos_ids": request.get("bos", []),
                 "dtype": np.dtype(writers["train"].dtype).name, "val_fraction": request["val_fraction"],
-                "input_documents": stream.count, "splits": splits}
+                "input_documents": stream.count, "empty_documents": stream.empty,
+                "files_not_read": stream.not_read,
+                "splits": splits}
     _atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
     (root / PROGRESS).unlink(missing_ok=True)
     return manifest

@@ -41,18 +41,40 @@ def shipped_corpus() -> Path:
     return Path(str(resources.files("shardline.data") / "corpus" / "kjv.jsonl.gz"))
 
 
-def read_documents(path: str, text_field: str = "text") -> list[str]:
-    """All non-empty documents under `path` ("" = the shipped corpus), in memory."""
-    docs = list(iter_documents(path, text_field))
+def read_documents(path: str, text_field: str = "text", left_out: dict | None = None) -> list:
+    """All non-empty documents under `path` ("" = the shipped corpus), in memory. `left_out`, when
+    given, gets what was not trained on, so that a launch can say so: "empty_documents" (null,
+    empty or blank texts) and "files_not_read" (see `files_not_read`)."""
+    docs, empty = [], 0
+    for f in input_files(path):
+        for d in read_file(f, text_field):
+            if isinstance(d, str) and not d.strip():  # (a conversation is never empty: a reply is required)
+                empty += 1
+            else:
+                docs.append(d)
     if not docs:
         raise DataError(f"data.path={path or str(shipped_corpus())!r} contains no text (all documents are empty)")
+    if left_out is not None:
+        left_out["empty_documents"] = left_out.get("empty_documents", 0) + empty
+        left_out["files_not_read"] = left_out.get("files_not_read", []) + [str(f) for f in files_not_read(path)]
     return docs
 
 
-def iter_documents(path: str, text_field: str = "text") -> Iterator:
-    """The non-empty documents under `path`, streamed file by file (field "messages": conversations)."""
-    for f in input_files(path):
-        yield from (d for d in read_file(f, text_field) if not isinstance(d, str) or d.strip())
+# What a Hugging Face `save_to_disk` folder holds beside its data: its own metadata, not text.
+_DATASET_METADATA = {"dataset_info.json", "state.json", "dataset_dict.json"}
+
+
+def files_not_read(path: str) -> list[Path]:
+    """The files of a folder input that no reader takes (a README, a .json that is not JSON lines,
+    a .csv): skipped, so a launch names them. Hidden files and a `datasets` folder's metadata are not
+    named; a file or a glob pattern names its files itself."""
+    root = Path(path) if path else None
+    if root is None or not root.is_dir():
+        return []
+    if (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
+        root = root / "train"
+    return sorted(p for p in root.rglob("*") if p.is_file() and not _kind(p) and p.name not in _DATASET_METADATA
+                  and not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
 def input_files(path: str, key: str = "data.path") -> list[Path]:
@@ -295,10 +317,11 @@ def _read_table(f: Path, field: str, kind: str) -> Iterator:
     try:
         batches = _arrow_batches(f, field, kind)
         for batch in batches:
-            values = [t for t in batch.column(0).to_pylist() if t is not None]  # a null row holds no document
-            if field == CHAT_FIELD:
-                yield from (_conversation(f, "a row", v) for v in values)
+            values = batch.column(0).to_pylist()
+            if field == CHAT_FIELD:  # a null row holds no conversation
+                yield from (_conversation(f, "a row", v) for v in values if v is not None)
                 continue
+            values = ["" if v is None else v for v in values]  # a null row: an empty document, counted as one
             wrong = next((v for v in values if not isinstance(v, str)), None)
             if wrong is not None:
                 raise DataError(f"data file {f}: column {field!r} holds {type(wrong).__name__} values, not text "

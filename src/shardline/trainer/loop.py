@@ -165,6 +165,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         for note, fields in launch_notes(self.cfg, self.device.type, self.peak_tflops, self.proc.world_size, *gpu,
                                          model=self.model_args, tokenizer=self.data.tokenizer):
             self.metrics.event(note, step=self.step, **fields)
+        self.metrics.event("data", step=self.step, **self.data.describe(self.cfg.train.steps))
         self.profiler = StepProfiler(self.cfg.metrics.profile_steps, self.run_dir, self.proc.rank, self.device,
                                      self.step, self.cfg.train.steps, self.metrics.event)
         if self._lock_taken_over:
