@@ -258,6 +258,16 @@ def test_mixture_errors(tmp_path, prepared, small_corpus):
     cfg = load_config(None, [f'data.mix=[{{path = "{prepared}"}}, {{path = "{other}"}}]', "train.seq_len=64"])
     with pytest.raises(DataError, match="prepared with another tokenizer"):
         build_data(cfg)
+    tok = str(prepared / "tokenizer.json")
+    missing = tmp_path / "missing.jsonl"  # a raw source's errors name its key, not data.path
+    cfg = load_config(None, [f'data.mix=[{{path = "{prepared}"}}, {{path = "{missing}"}}]', "train.seq_len=64",
+                             f"data.tokenizer={tok}"])
+    with pytest.raises(DataError, match=r"^data.mix\[1\].path='.*missing.jsonl' does not exist.* or a folder made by"):
+        build_data(cfg)
+    (tmp_path / "blank.jsonl").write_text('{"text": " "}\n')
+    cfg = load_config(None, [f'data.mix=[{{path = "{tmp_path / "blank.jsonl"}"}}]', f"data.tokenizer={tok}"])
+    with pytest.raises(DataError, match=r"^data.mix\[0\].path=.* contains no text"):
+        build_data(cfg)
 
 
 def chat_records(n: int) -> str:

@@ -132,9 +132,10 @@ def build_data(cfg: Config) -> DataBundle:
                       left_out=left_out)
 
 
-def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: dict | None = None):
+def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: dict | None = None,
+                key: str = "data.path"):
     """(tokenizer, train, val) of one source: a prepared folder or raw files. `left_out` gets what
-    reading skipped (a prepared folder's, as its manifest recorded it)."""
+    reading skipped (a prepared folder's, as its manifest recorded it); `key` names the source in errors."""
     d, seq_len = cfg.data, cfg.train.seq_len
     if is_prepared(path):
         prepared = open_prepared(path, seq_len, d.tokenizer, d.format, d.add_bos)
@@ -146,12 +147,12 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
                 "files_not_read", [])
         return prepared.tokenizer, prepared.train, prepared.val
     chat = d.format == "chat"
-    docs = read_documents(path, "messages" if chat else d.text_field, left_out)
+    docs = read_documents(path, "messages" if chat else d.text_field, left_out, key)
     if chat and len(docs) < 2:
-        raise DataError(f"data.path={path!r} holds {len(docs)} conversation; chat data needs at least two "
+        raise DataError(f"{key}={path!r} holds {len(docs)} conversation; chat data needs at least two "
                         "(one is held out)")
     if chat:
-        check_replies(f"data.path={path!r}", {m["role"] for messages in docs for m in messages})
+        check_replies(f"{key}={path!r}", {m["role"] for messages in docs for m in messages})
     # The split depends on the data only (fixed seed), not on train.seed, so runs with
     # different seeds are evaluated on the same held-out documents.
     train_docs, val_docs = split_documents(docs, d.val_fraction, seed=0)
@@ -197,8 +198,8 @@ def _build_mixture(cfg: Config) -> DataBundle:
     if cfg.data.format == "chat":
         _check_one_chat_template(cfg)
     trains, vals, left_out = [], [], {}
-    for source in mix:
-        tok, train, val = load_source(source.path, cfg, tok, left_out)
+    for i, source in enumerate(mix):
+        tok, train, val = load_source(source.path, cfg, tok, left_out, key=f"data.mix[{i}].path")
         _check_sizes(source.path, train, val, cfg)
         trains.append(train)
         vals.append(val)
@@ -268,7 +269,8 @@ def data_summary(cfg: Config) -> tuple[str, str]:
     tok = _mixture_tokenizer(cfg) if d.mix else None  # the mixture's checks, as _build_mixture runs them
     if d.mix and d.format == "chat":
         _check_one_chat_template(cfg)
-    for path in [s.path for s in d.mix] or [d.path]:
+    keys = [f"data.mix[{i}].path" for i in range(len(d.mix))] or ["data.path"]
+    for key, path in zip(keys, [s.path for s in d.mix] or [d.path]):
         if is_prepared(path):
             p = open_prepared(path, cfg.train.seq_len, d.tokenizer, d.format, d.add_bos)
             _check_mixture_tokenizer(path, tok, p.tokenizer)
@@ -277,7 +279,7 @@ def data_summary(cfg: Config) -> tuple[str, str]:
                          f"documents, {p.train.num_tokens:,} training tokens")
             folder_tokenizer = folder_tokenizer or os.path.join(path, "tokenizer.json")
         else:
-            docs = read_documents(path, "messages" if d.format == "chat" else d.text_field)
+            docs = read_documents(path, "messages" if d.format == "chat" else d.text_field, key=key)
             where = path or "the shipped corpus (a sample to try shardline on: data.path names your data)"
             parts.append(f"{where}: {len(docs):,} documents")
     return "; ".join(parts), folder_tokenizer

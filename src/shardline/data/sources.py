@@ -41,19 +41,21 @@ def shipped_corpus() -> Path:
     return Path(str(resources.files("shardline.data") / "corpus" / "kjv.jsonl.gz"))
 
 
-def read_documents(path: str, text_field: str = "text", left_out: dict | None = None) -> list:
+def read_documents(path: str, text_field: str = "text", left_out: dict | None = None,
+                   key: str = "data.path") -> list:
     """All non-empty documents under `path` ("" = the shipped corpus), in memory. `left_out`, when
     given, gets what was not trained on, so that a launch can say so: "empty_documents" (null,
-    empty or blank texts) and "files_not_read" (see `files_not_read`)."""
+    empty or blank texts) and "files_not_read" (see `files_not_read`). `key`: the config key naming
+    `path` in errors (a mixture's source: data.mix[i].path)."""
     docs, empty = [], 0
-    for f in input_files(path):
+    for f in input_files(path, key):
         for d in read_file(f, text_field):
             if isinstance(d, str) and not d.strip():  # (a conversation is never empty: a reply is required)
                 empty += 1
             else:
                 docs.append(d)
     if not docs:
-        raise DataError(f"data.path={path or str(shipped_corpus())!r} contains no text (all documents are empty)")
+        raise DataError(f"{key}={path or str(shipped_corpus())!r} contains no text (all documents are empty)")
     if left_out is not None:
         left_out["empty_documents"] = left_out.get("empty_documents", 0) + empty
         left_out["files_not_read"] = left_out.get("files_not_read", []) + [str(f) for f in files_not_read(path)]
@@ -87,7 +89,7 @@ def input_files(path: str, key: str = "data.path") -> list[Path]:
     if not root.exists() and _GLOB.search(path):
         return _matched_files(path, key)
     if not root.exists():
-        prepared = "" if key != "data.path" else " or a folder made by `shardline prepare`"  # not prepare's input
+        prepared = " or a folder made by `shardline prepare`" if key.startswith("data.") else ""  # (prepare: not)
         raise DataError(f"{key}={path!r} does not exist; give a file ({', '.join(SUFFIXES)}, "
                         f"optionally .gz), a folder of them, a glob pattern of them{prepared}")
     if root.is_dir() and (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
