@@ -54,15 +54,23 @@ def test_a_relaunch_reads_the_saved_config_but_its_launch_only_settings(tmp_path
     assert again.metrics.profile_steps == first.metrics.profile_steps
 
 
+def test_a_model_switch_takes_true_and_false_as_on_and_off():
+    """qk_norm, qkv_bias, tie_embeddings and moe.norm_topk are -1/0/1 (-1 keeps the preset's):
+    `--model.qk_norm=true` was refused as a wrong type."""
+    cfg = load_config(None, ["model.qk_norm=true", "model.tie_embeddings=false", "moe.norm_topk=true"])
+    assert (cfg.model.qk_norm, cfg.model.tie_embeddings, cfg.moe.norm_topk, cfg.model.qkv_bias) == (1, 0, 1, -1)
+    assert type(cfg.model.qk_norm) is int
+
+
 @pytest.mark.parametrize("override, message", [
     ("train.stepz=3", "unknown config key train.stepz"),
     ("trian.steps=3", "unknown config section [trian]"),
     ("train.steps=many", "train.steps='many' has the wrong type: expected int"),
     ("train.steps=1.5", "expected int"),
     ("train.compile=1", "train.compile=1 has the wrong type: expected true or false"),
-    ("model.tie_embeddings=true", "model.tie_embeddings=True has the wrong type: expected int; valid: -1 (the preset"),
+    ("model.tie_embeddings=2", "model.tie_embeddings=2 is invalid: -1, 0 or 1"),
     ("moe.norm_topk=yes", "moe.norm_topk='yes' has the wrong type: expected int; valid: -1 (the preset's or the "
-                          "starting weights'), 0 (off) or 1 (on)"),
+                          "starting weights'), 0 or false (off), 1 or true (on)"),
     ("train.steps=0", "train.steps=0 is invalid: must be > 0"),
     ("optim.lr=5.e999", "optim.lr='5.e999' is not a finite number"),
     ("optim.lr=1" + "0" * 400, "is not a finite number"),

@@ -78,6 +78,8 @@ def updated(obj: Any, raw: dict[str, Any], where: str, kind: str = "config key")
     for key, value in raw.items():
         if key not in fields:
             raise ConfigError(f"unknown {kind} {where}.{key}; valid keys: {', '.join(fields)}")
+        if fields[key].metadata.get("switch") and isinstance(value, bool):
+            value = int(value)  # a -1/0/1 switch (-1: keep the preset's) takes true and false as 1 and 0
         try:
             changes[key] = coerce(f"{where}.{key}", value, hints[key], getattr(obj, key))
         except ConfigError as e:  # a field may say what its values mean (a -1/0/1 switch is no bool)

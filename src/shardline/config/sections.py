@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from shardline.errors import require
 
-SWITCH = "-1 (the preset's or the starting weights'), 0 (off) or 1 (on)"  # what a yes/no model key takes
+SWITCH = "-1 (the preset's or the starting weights'), 0 or false (off), 1 or true (on)"  # what a yes/no model key takes
+SWITCH_FIELD = {"valid": SWITCH, "switch": True}  # the metadata of such a key (the reader takes true/false as 1/0)
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 ATTENTION_KERNELS = ("auto", "sdpa", "flex", "varlen")
@@ -51,9 +52,9 @@ class ModelConfig:
     ffn_dim: int = 0
     vocab_size: int = 0
     rope_theta: float = 0.0
-    tie_embeddings: int = field(default=-1, metadata={"valid": SWITCH})  # -1 keep, 0 untied, 1 tied
-    qk_norm: int = field(default=-1, metadata={"valid": SWITCH})  # 1: an RMSNorm on each query and key head (Qwen3)
-    qkv_bias: int = field(default=-1, metadata={"valid": SWITCH})  # 1: biases on the q, k and v projections (Qwen2)
+    tie_embeddings: int = field(default=-1, metadata=SWITCH_FIELD)  # -1 keep, 0 untied, 1 tied
+    qk_norm: int = field(default=-1, metadata=SWITCH_FIELD)  # 1: an RMSNorm on each query and key head (Qwen3)
+    qkv_bias: int = field(default=-1, metadata=SWITCH_FIELD)  # 1: biases on the q, k and v projections (Qwen2)
 
     def check(self) -> None:
         # The preset name is checked against the model table by the launch checks
@@ -84,7 +85,7 @@ class MoEConfig:
     shared_experts: int = -1  # always-on experts (one SwiGLU of shared_experts x expert_ffn_dim)
     first_dense_layers: int = -1  # leading blocks that keep the dense feed-forward
     router: str = ""  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3)
-    norm_topk: int = field(default=-1, metadata={"valid": SWITCH})  # 1: top_k weights sum to one; 0: raw scores
+    norm_topk: int = field(default=-1, metadata=SWITCH_FIELD)  # 1: top_k weights sum to one; 0: raw scores
     capacity_factor: float = -1.0  # 0 = dropless; c > 0: each expert takes ceil(c x tokens x top_k / experts)
     aux_loss_coef: float = -1.0  # Switch/GShard balance loss per sequence; 0 = off
     z_loss_coef: float = -1.0  # router z-loss; 0 = off
