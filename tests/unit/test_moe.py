@@ -232,10 +232,10 @@ def test_model_args_round_trip_through_checkpoint_json():
 
 def test_moe_section_overrides_the_preset_or_makes_a_dense_one_moe():
     cfg = load_config(None, ["model.preset=tiny-moe", "moe.num_experts=16", "moe.top_k=4", "moe.router=sigmoid",
-                             "moe.capacity_factor=1.25", "moe.aux_loss_coef=0"])
+                             "moe.capacity_factor=1.25", "moe.aux_loss_coef=0", "moe.route_scale=2.5"])
     moe = model_shape(cfg.model, 512, cfg.moe).moe
-    assert (moe.n_experts, moe.top_k, moe.router, moe.capacity_factor, moe.aux_loss_coef) == (16, 4, "sigmoid",
-                                                                                             1.25, 0)
+    assert (moe.n_experts, moe.top_k, moe.router, moe.capacity_factor, moe.aux_loss_coef, moe.route_scale) == (
+        16, 4, "sigmoid", 1.25, 0, 2.5)
     assert moe.shared_experts == 1 and moe.first_dense_layers == 1  # kept from the preset
     cfg = load_config(None, ["moe.num_experts=4", "moe.top_k=1", "moe.expert_ffn_dim=64", "moe.norm_topk=0"])
     assert model_shape(cfg.model, 512, cfg.moe).moe == MoEArgs(n_experts=4, top_k=1, expert_ffn_dim=64,
@@ -264,6 +264,7 @@ def test_top_1_routing_with_renormalised_weights_is_refused_since_the_router_wou
     ("moe.capacity_factor=-2", "moe.capacity_factor=-2"),
     ("moe.num_experts=-1", "moe.num_experts=-1"),
     ("moe.norm_topk=2", "moe.norm_topk=2 is invalid: -1"),
+    ("moe.route_scale=0", "moe.route_scale=0 is invalid: must be > 0"),
 ])
 def test_bad_moe_keys_get_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

@@ -90,6 +90,7 @@ class MoEConfig:
     aux_loss_coef: float = -1.0  # Switch/GShard balance loss per sequence; 0 = off
     z_loss_coef: float = -1.0  # router z-loss; 0 = off
     bias_update_rate: float = -1.0  # auxiliary-loss-free balancing (per-expert bias step); 0 = off
+    route_scale: float = -1.0  # multiplies the routed experts' weights (DeepSeek-V3: 2.5); > 0
 
     def check(self) -> None:
         for key in ("num_experts", "top_k", "expert_ffn_dim"):
@@ -101,6 +102,8 @@ class MoEConfig:
         _require(self.router in ("", *MOE_ROUTERS), "moe.router", self.router,
                  f"one of {', '.join(MOE_ROUTERS)} (or empty to keep the model's)")
         _require(self.norm_topk in (-1, 0, 1), "moe.norm_topk", self.norm_topk, "-1 (the model's), 0 or 1")
+        _require(self.route_scale > 0 or self.route_scale == -1, "moe.route_scale", self.route_scale,
+                 "must be > 0 (-1 keeps the model's)")
 
     def overrides(self) -> dict:
         """The keys set here, by MoEArgs field name (num_experts is MoEArgs.n_experts)."""

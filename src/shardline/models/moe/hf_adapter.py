@@ -56,7 +56,7 @@ def hf_family(args: ModelArgs) -> str:
     if unsupported:
         raise CheckpointError(f"moe {', '.join(unsupported)} has no Hugging Face Mixtral or Qwen3-MoE "
                               "counterpart (they need shared_experts=0, router='softmax', route_scale=1: train "
-                              "with moe.shared_experts=0, moe.router='softmax'; route_scale is a preset's only)")
+                              "with moe.shared_experts=0, moe.router='softmax', moe.route_scale=1)")
     if args.qk_norm:
         return "qwen3_moe"
     if m.first_dense_layers or not m.norm_topk:
