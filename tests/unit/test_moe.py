@@ -264,7 +264,7 @@ def test_top_1_routing_with_renormalised_weights_is_refused_since_the_router_wou
     ("moe.capacity_factor=-2", "moe.capacity_factor=-2"),
     ("moe.num_experts=-1", "moe.num_experts=-1"),
     ("moe.norm_topk=2", "moe.norm_topk=2 is invalid: -1"),
-    ("moe.route_scale=0", "moe.route_scale=0 is invalid: must be > 0"),
+    ("moe.route_scale=0", "moe.route_scale=0.0 is invalid: must be > 0"),
 ])
 def test_bad_moe_keys_get_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
