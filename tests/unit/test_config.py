@@ -190,3 +190,14 @@ def test_near_misses_get_a_pointed_error_or_their_meaning(tmp_path):
     for word in ("fast", "Inf", "NaN", "-Infinity"):  # float() reads the last three: not numbers to train with
         with pytest.raises(ConfigError, match=f"optim.lr='{word}' has the wrong type: expected float"):
             load_config(None, [f"optim.lr={word}"])
+
+
+def test_config_changes_name_what_a_resume_changed_beside_one_launchs_own_settings():
+    from shardline.config import config_changes
+
+    saved = load_config(None, ["run.dir=a", "train.stop_at_step=5", "faults.nan_step=3", "train.precision=fp32"])
+    now = load_config(None, ["run.dir=b", "train.precision=bf16", "data.path=x"]).to_dict()
+    old = saved.to_dict()
+    del old["data"]["path"]  # a key saved before it existed is no change
+    assert config_changes(old, now) == {"train.precision": ["fp32", "bf16"]}
+    assert config_changes({}, now) == {}

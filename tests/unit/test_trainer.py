@@ -124,7 +124,7 @@ def test_a_resume_applies_the_configs_optimizer_settings(tiny_config, tmp_path):
 
     Trainer(tiny_config("train.stop_at_step=6", "train.eval_interval=0")).build().train()
     resumed = Trainer(tiny_config("optim.lr=1e-4", "optim.weight_decay=0.0", "optim.beta2=0.99",
-                                  "train.eval_interval=0")).build()
+                                  "train.eval_interval=0", "train.precision=bf16", "train.grad_clip=0.5")).build()
     assert resumed.step == 6
     optim = resumed.cfg.optim
     for group in resumed.optimizer.param_groups:
@@ -134,6 +134,11 @@ def test_a_resume_applies_the_configs_optimizer_settings(tiny_config, tmp_path):
     assert len(changed) == 1
     assert {k: v for k, v in changed[0].items() if k not in ("kind", "event", "step", "time")} == \
         {"lr": [3e-3, 1e-4], "weight_decay": [0.1, 0.0], "beta2": [0.95, 0.99]}
+    # The rest of what the resume changed is said too (a precision change was silent); not the
+    # optim keys said above, nor what one launch sets for itself (train.stop_at_step).
+    (others,) = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "config_changed"]
+    assert {k: v for k, v in others.items() if k not in ("kind", "event", "step", "time")} == \
+        {"train.precision": ["fp32", "bf16"], "train.grad_clip": [1.0, 0.5]}
     resumed.train()
     logged = {r["step"]: r["lr"] for r in read_records(tmp_path / "run", "train")}
     assert logged[7] == pytest.approx(1e-4 * lr_multiplier(6, 12, optim))

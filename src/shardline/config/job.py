@@ -76,6 +76,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 LAUNCH_ONLY = {"run": ("resume",), "train": ("stop_at_step",), "faults": None}
 
 
+def config_changes(saved: dict, now: dict) -> dict[str, list]:
+    """{"section.key": [saved, now]} of the settings a resumed launch changed (a precision, a
+    micro-batch, the data), so that a resume says them: beside what one launch sets for itself
+    (LAUNCH_ONLY) and run.dir (a run dir may move). A key the saved config lacks is no change."""
+    out = {}
+    for section, table in now.items():
+        launch_only = LAUNCH_ONLY.get(section, ())
+        if launch_only is None or not isinstance(saved.get(section), dict):
+            continue
+        for key, value in table.items():
+            if key in launch_only or (section, key) == ("run", "dir") or key not in saved[section]:
+                continue
+            if saved[section][key] != value:
+                out[f"{section}.{key}"] = [saved[section][key], value]
+    return out
+
+
 def load_relaunch_config(saved: str | Path, run_dir: str, overrides: list[str] = ()) -> Config:
     """A run's saved config.toml as a relaunch reads it: its LAUNCH_ONLY settings back to their
     defaults, run.dir the folder it was found in (a run dir may move), then the overrides."""

@@ -69,6 +69,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         self.started = process_start_time()
         self._invalid_checkpoints: list[str] = []
         self._optim_changes: dict[str, list] = {}
+        self._config_changes: dict[str, list] = {}
         self.anomaly_events: list[dict] = []
         self._anomaly_streak = (-1, 0)  # (last anomalous step, how many in a row up to it)
         self._saves_at_rollback: tuple | None = None  # (tiers.landed, tiers.held, its step) at the last rollback
@@ -177,6 +178,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
                                recomputed_steps=self.guard.goodput.recomputed_from(self.step), **done)
             if self._optim_changes:  # {key: [saved, now]}: the config's values apply from here on
                 self.metrics.event("optim_changed", step=self.step, **self._optim_changes)
+            if self._config_changes:  # {section.key: [saved, now]}: what else this launch changed
+                self.metrics.event("config_changed", step=self.step, **self._config_changes)
 
     # ---- the loop -------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from shardline.config import config_changes
 from shardline.data import build_data
 from shardline.errors import ConfigError, DataError, on_every_rank
 from shardline.models.factory import args_to_json
@@ -121,6 +122,9 @@ class SavedState:
         self._optim_changes = apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.optim)
         now = schedule_settings(self.cfg.train.steps, self.cfg.optim)  # the lr curve from here on
         self._optim_changes.update({k: [v, now[k]] for k, v in state.get("schedule", {}).items() if now.get(k) != v})
+        # The rest of the config a resume changed (optim and the schedule's train.steps: said above).
+        self._config_changes = {k: v for k, v in config_changes(state.get("config", {}), self.cfg.to_dict()).items()
+                                if not k.startswith("optim.") and k != "train.steps"}
         self.scaler.load_state_dict(state["scaler"])
         self.anomaly.load_state_dict(state.get("anomaly", {}))
         # The run's rollback budget and skip streak go on across restarts (a requeued job must not get a
@@ -155,4 +159,5 @@ class SavedState:
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict(),
                 "anomaly_handling": {"rollbacks": self.rollbacks, "streak": list(self._anomaly_streak)},
-                "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim), "eval_owed": self.eval_owed}
+                "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim), "eval_owed": self.eval_owed,
+                "config": self.cfg.to_dict()}
