@@ -157,7 +157,7 @@ def test_zero1_composes_with_ep_and_tp_for_moe(world, overrides):
     (1, ["parallel.zero=2"], "zero2", "zero2:1+offload", "single"),
     (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "hsdp", "hsdp2x1+offload", "ddp"),  # shard 1
     (2, ["parallel.tp=2", "run.device=cpu"], "fsdp", "fsdp:1+offload", "single"),  # CPU: checks the path only
-    (2, ["parallel.cp=2"], "fsdp", "fsdp:cp+offload", "fsdp"),
+    (2, ["parallel.cp=2"], "fsdp", "fsdp:cp2+offload", "fsdp"),
     (2, [], "fsdp", "fsdp:2+offload", "fsdp"),
 ])
 def test_cpu_offload_is_fsdp_at_any_shard_degree(world, overrides, mode, described, without):

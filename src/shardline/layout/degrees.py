@@ -139,8 +139,9 @@ class Layout:
             parts.append(f"cp{self.cp}({mode})")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        shard = self.dp_shard if self.dp_shard > 1 or self.cp == 1 else "cp"  # dp_shard=1 with cp > 1 shards over cp
-        dp = {"hsdp": f"hsdp{self.dp_replicate}x{self.dp_shard}", "ddp": f"ddp{self.dp_replicate}",
+        # FSDP shards over dp_shard x cp (the cp ranks hold the same parameters): "fsdp:4xcp2" is 8 ranks.
+        shard = "x".join([str(self.dp_shard)] * (self.dp_shard > 1 or self.cp == 1) + [f"cp{self.cp}"] * (self.cp > 1))
+        dp = {"hsdp": f"hsdp{self.dp_replicate}x{shard}", "ddp": f"ddp{self.dp_replicate}",
               "single": "dp1"}.get(self.dp_mode, f"{self.dp_mode}:{shard}")
         parts.append(dp + ("+offload" if self.cpu_offload else ""))
         ac = self.activation_checkpoint
