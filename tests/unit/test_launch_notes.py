@@ -109,5 +109,6 @@ def test_a_tokenizer_without_an_end_of_document_token_is_named(tmp_path):
     cfg = load_config(None, [f"data.tokenizer={odd}", "metrics.peak_tflops=1"])
     notes = dict(launch_notes(cfg, "cpu", 1.0, 1, tokenizer=Tokenizer.from_file(str(odd))))
     assert "documents are packed with nothing between them" in notes["no_end_of_document_token"]["why"]
-    known = Tokenizer(models.WordLevel({"[UNK]": 0, "</s>": 1}, unk_token="[UNK]"))
-    assert "no_end_of_document_token" not in dict(launch_notes(cfg, "cpu", 1.0, 1, tokenizer=known))
+    for eos in ("</s>", "<\uff5cend\u2581of\u2581sentence\uff5c>"):  # Llama 2's, DeepSeek's
+        known = Tokenizer(models.WordLevel({"[UNK]": 0, eos: 1}, unk_token="[UNK]"))
+        assert "no_end_of_document_token" not in dict(launch_notes(cfg, "cpu", 1.0, 1, tokenizer=known))
