@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from shardline import layout as layouts
-from shardline.config import Config
+from shardline.config import Config, config_changes
+from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
@@ -32,6 +33,8 @@ from shardline.planner.layout import Workload
 from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_words
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE
+from shardline.resilience.checkpoint import step_of
+from shardline.resilience.recovery import check_saved_position, data_changes, saved_config
 from shardline.preflight import (
     Preflight,
     bos_setting,
@@ -58,7 +61,10 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
     vocab, tokenizer, add_bos = _tokenizer_vocab(cfg, folder_tokenizer)
     launch = preflight(cfg, world, vocab)
     known = bool(cfg.data.tokenizer or folder_tokenizer)  # else the size of a BPE trained at launch, estimated
-    check_resume_fits(resume, launch.model_args, cfg.train.steps, add_bos, vocab_known=known)
+    changed = data_changes(resume, cfg)
+    check_resume_fits(resume, launch.model_args, cfg.train.steps, add_bos, vocab_known=known, data_changed=changed)
+    if changed:  # the data a resume reads changed: tokenized here, to compare it with the checkpoint as a launch does
+        _check_resumed_data(cfg, world, resume, changed)
     check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu", node_paths=False, fp8_target=_fp8_target(gpu))
     target = ("" if cfg.run.device != "auto" or torch.cuda.is_available() else
               " (as a CUDA launch: run.device=auto, and this machine has no GPU, where it would train on the "
@@ -67,9 +73,33 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
              _model_line(cfg, launch), f"data      {data}; "
              f"tokenizer {tokenizer}",
              f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
+             *_resume_lines(cfg, resume),
              *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch)]
     memory, fits = _memory_lines(cfg, launch, gpu)
     return "\n".join([*lines, *memory]), fits
+
+
+def _check_resumed_data(cfg: Config, world: int, resume: Path, changed: str) -> None:
+    """The launch's checks of a resume against the data it reads, which needs it tokenized: run
+    here only when data settings changed since the checkpoint (a dry run passed what the launch,
+    minutes later, refused)."""
+    data = build_data(cfg)
+    args = preflight(cfg, world, data.vocab_size).model_args
+    check_resume_fits(resume, args, cfg.train.steps, bos_setting(cfg, data.tokenizer), data_changed=changed)
+    check_saved_position(resume, cfg, len(data.train), data.position_state())
+
+
+def _resume_lines(cfg: Config, resume: Path | None) -> list[str]:
+    """What a resume changes from the checkpoint's run (the launch's optim_changed and
+    config_changed events), and whether anything is left to train."""
+    if resume is None:
+        return []
+    changes = config_changes(saved_config(resume), cfg.to_dict())
+    said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
+    lines = [f"          changed since it: {said}"] if changes else []
+    if step_of(resume) >= cfg.train.steps:
+        lines.append(f"          nothing to train: it is at step {step_of(resume)}, train.steps={cfg.train.steps}")
+    return lines
 
 
 def _tokenizer_vocab(cfg: Config, folder_tokenizer: str = "") -> tuple[int, str, bool | None]:

@@ -216,13 +216,14 @@ def _weight_changes(start: ModelArgs, wanted: ModelArgs) -> list[str]:
 
 
 def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, add_bos: bool | None = None,
-                      vocab_known: bool = True) -> None:
+                      vocab_known: bool = True, data_changed: str = "") -> None:
     """A checkpoint to resume (None: none) is not past train.steps (`steps`) and holds weights of
     this model's shape, or the one-line error, before the model is built and the state loaded
     (the load would fail later, or load minutes of state to train nothing). The checkpoint was
     verified when chosen; its manifest and meta.json are read as they are (unreadable ones are
     left to the load to report). `vocab_known` False: the vocabulary is a dry run's estimate
-    (a BPE trained at launch), not compared."""
+    (a BPE trained at launch), not compared. `data_changed`: the data settings changed since the
+    checkpoint (recovery.data_changes), which a vocabulary's change comes from."""
     if path is None:
         return
     step = _read_json(Path(path) / MANIFEST, "step")
@@ -239,12 +240,18 @@ def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, add_bos: b
     if not vocab_known:
         args = dataclasses.replace(args, vocab_size=saved.vocab_size)
     changed = _weight_changes(saved, args)
-    vocab = ("; a vocabulary follows the tokenizer (data.path, data.tokenizer, data.vocab_size) unless "
-             "model.vocab_size sets it")
-    if changed:
-        raise CheckpointError(f"checkpoint {path} holds a model of another shape ({', '.join(changed)})"
-                              f"{vocab if any(c.startswith('vocab_size') for c in changed) else ''}; drop those "
-                              "[model]/[moe] changes to resume it, or start a new run (another run.dir)")
+    if not changed:
+        return
+    vocab = any(c.startswith("vocab_size") for c in changed)
+    if vocab and data_changed:  # the data's change, not a [model] key, is what to undo
+        why = f"; a vocabulary follows the tokenizer, and the data settings changed since it ({data_changed})"
+        undo = "set them back" + (" and drop those [model]/[moe] changes" if len(changed) > 1 else "")
+    else:
+        why = ("; a vocabulary follows the tokenizer (data.path, data.tokenizer, data.vocab_size) unless "
+               "model.vocab_size sets it") if vocab else ""
+        undo = "drop those [model]/[moe] changes"
+    raise CheckpointError(f"checkpoint {path} holds a model of another shape ({', '.join(changed)}){why}; {undo} "
+                          "to resume it, or start a new run (another run.dir)")
 
 
 def bos_setting(cfg: Config, tokenizer) -> bool | None:

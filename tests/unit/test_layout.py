@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -474,3 +475,32 @@ def test_the_schedule_and_checkpointing_names_agree_everywhere_they_are_listed()
     assert set(PP_SCHEDULES) == set(SCHEDULES) == set(VIRTUAL_STAGES)
     assert set(V_SHAPED) <= set(PP_SCHEDULES)
     assert {mode for mode, _ in AC_OPTIONS} == set(AC_MODES)
+
+
+def test_dry_run_tokenizes_a_resume_whose_data_settings_changed_and_names_them(capsys, tmp_path, tiny_config,
+                                                                               small_corpus):
+    """A dry run passed data changes (data.vocab_size, data.val_fraction) that the launch refused after
+    tokenizing, and the refusals blamed [model] changes or data.tokenizer, which the user had not set.
+    It also says what else the resume changes, and when nothing is left to train."""
+    from shardline.errors import CheckpointError
+    from shardline.trainer import Trainer
+
+    raw = ["data.path=" + str(small_corpus), "data.vocab_size=512"]
+    cfg = tiny_config("train.steps=4", "train.stop_at_step=2", "checkpoint.interval=2", "train.eval_interval=0", *raw)
+    Trainer(cfg).build().train()
+    base = ["train", "--dry-run", f"--run.dir={cfg.run.dir}", *(f"--{o}" for o in _tiny_args(cfg)),
+            "--train.steps=4", *(f"--{o}" for o in raw)]
+    for extra, message in (("data.vocab_size=300", "another shape (vocab_size=512 -> 300); a vocabulary follows the "
+                                                   "tokenizer, and the data settings changed since it "
+                                                   "(data.vocab_size=512 -> 300); set them back to resume it"),
+                           ("data.val_fraction=0.2", "the data settings changed since it (data.val_fraction=0.01 -> "
+                                                     "0.2): set them back")):
+        assert main([*base, f"--{extra}"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        with pytest.raises(CheckpointError, match=re.escape(message)):  # the launch says the same
+            Trainer(tiny_config("train.steps=4", "train.eval_interval=0", *raw, extra)).build()
+    assert main([*base, "--train.precision=bf16", "--train.steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert "changed since it: train.steps 4 -> 2, train.precision 'fp32' -> 'bf16'" in out, out
+    assert "nothing to train: it is at step 2, train.steps=2" in out

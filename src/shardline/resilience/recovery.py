@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from shardline.config import Config
+from shardline.config import Config, config_changes
 from shardline.data.sampler import batch_index
 from shardline.errors import CheckpointError, ConfigError, on_every_rank
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer, step_of
@@ -198,17 +198,41 @@ def check_saved_position(path: Path | None, cfg: Config, num_samples: int | None
         raise CheckpointError(f"checkpoint {path}: trainer/rank0.pt cannot be read ({type(e).__name__})") from None
     _check_saved_seq_len(path, cfg.train.seq_len)  # (a dry run, which counts no sequences, finds it too)
     check_data_position(path, data, data["num_samples"] if num_samples is None else num_samples, cfg.train.seed,
-                        cfg.train.global_batch_size, position)
+                        cfg.train.global_batch_size, position, data_changes(path, cfg))
     check_skip_batches(path, step, data.get("skipped_batches", []), cfg.train.skip_batches)
     check_steps_ahead(path, step, cfg.train.steps)
+
+
+def saved_config(path: Path | str | None) -> dict:
+    """The config the run that saved checkpoint `path` launched with (its meta.json); {} where
+    there is none or it cannot be read (a moved folder, an older checkpoint)."""
+    try:
+        config = json.loads((Path(path) / "meta.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+# The data settings that decide which tokens and sequences a run reads.
+DATA_KEYS = ("path", "mix", "tokenizer", "vocab_size", "val_fraction", "text_field", "format", "add_bos")
+
+
+def data_changes(path: Path | str | None, cfg: Config) -> str:
+    """The data settings changed since checkpoint `path` was saved ("data.vocab_size=4096 -> 2048"),
+    "" for none: what a refusal of its vocabulary or sequence count names (it named other keys)."""
+    if path is None:
+        return ""
+    changed = config_changes(saved_config(path), cfg.to_dict())
+    return ", ".join("data.mix changed" if k == "data.mix" else f"{k}={old!r} -> {new!r}"
+                     for k, (old, new) in changed.items() if k.startswith("data.") and k[5:] in DATA_KEYS)
 
 
 def _check_saved_seq_len(path: Path, seq_len: int) -> None:
     """The seq_len the checkpoint's run trained at (its meta.json's config; unreadable: not checked)
     is this one: the launch, which counts the sequences, would refuse another."""
     try:
-        saved = int(json.loads((Path(path) / "meta.json").read_text())["config"]["train"]["seq_len"])
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = int(saved_config(path)["train"]["seq_len"])
+    except (ValueError, KeyError, TypeError):
         return
     if saved != seq_len:
         raise CheckpointError(f"checkpoint {path} was saved at train.seq_len={saved}; this run has {seq_len}, which "
@@ -217,18 +241,21 @@ def _check_saved_seq_len(path: Path, seq_len: int) -> None:
 
 
 def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int,
-                        global_batch_size: int, position: dict | None = None) -> None:
+                        global_batch_size: int, position: dict | None = None, changed: str = "") -> None:
     """The saved sample position means the same in this run, or a CheckpointError saying what changed.
 
     The position is step x global batch: another batch size would skip or repeat samples.
-    `position`: the data's own (DataBundle.position_state), e.g. a mixture's sources.
+    `position`: the data's own (DataBundle.position_state), e.g. a mixture's sources; `changed`:
+    the data settings changed since the checkpoint (data_changes), which the refusals name.
     """
+    back = f"the data settings changed since it ({changed}): set them back" if changed else ""
     vocabulary, saved_vocabulary = (position or {}).get("vocabulary"), data_pos.get("vocabulary")
     if vocabulary and saved_vocabulary and vocabulary != saved_vocabulary:  # (older checkpoints hold none)
+        keep = "keep data.tokenizer (or the prepared folder's)"
         raise CheckpointError(
             f"checkpoint {path} was trained with another tokenizer (vocabulary {saved_vocabulary}, this run's "
-            f"{vocabulary}): its embeddings mean other tokens; keep data.tokenizer (or the prepared folder's), or "
-            "start a new run.dir from these weights with model.init_from")
+            f"{vocabulary}): its embeddings mean other tokens; {back or keep}, or start a new run.dir from these "
+            "weights with model.init_from")
     mix, saved_mix = (position or {}).get("mix"), data_pos.get("mix")
     if mix is not None and saved_mix is not None and [list(m) for m in saved_mix] != mix:
         raise CheckpointError(
@@ -245,7 +272,8 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
         raise CheckpointError(
             f"checkpoint {path} was saved for {data_pos['num_samples']} training sequences and seed "
             f"{data_pos['seed']}; this run has {num_samples} and seed {seed} "
-            "(data, train.seq_len or train.seed changed); use a new run.dir")
+            + (f"({back}, or use a new run.dir)" if back else "(data, train.seq_len or train.seed changed); use a "
+               "new run.dir"))
 
 
 def check_steps_ahead(path: Path | str, step: int, steps: int) -> None:

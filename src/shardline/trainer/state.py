@@ -24,7 +24,7 @@ from shardline.parallel.float8 import precompute_scales
 from shardline.preflight import (Preflight, bos_setting, check_config, check_device, check_layout_before_data,
                                  check_resume_fits, check_rollback_target, preflight, use_model_tokenizer)
 from shardline.resilience.recovery import (check_data_position, check_saved_position, check_skip_batches,
-                                          check_steps_ahead, get_rng_state, resume_path, set_rng_state)
+                                          check_steps_ahead, data_changes, get_rng_state, resume_path, set_rng_state)
 from shardline.resilience.run_lock import launcher_ids
 
 
@@ -99,7 +99,8 @@ class SavedState:
         """The checkpoint to resume (resume_path), checked to fit this run (check_resume_fits);
         rank 0's choice is made every rank's later (agree_on_resume)."""
         found, self._invalid_checkpoints = resume_path(self.cfg, self.checkpointer, repaired=repaired)
-        check_resume_fits(found, model_args, self.cfg.train.steps, bos_setting(self.cfg, self.data.tokenizer))
+        check_resume_fits(found, model_args, self.cfg.train.steps, bos_setting(self.cfg, self.data.tokenizer),
+                          data_changed=data_changes(found, self.cfg))
         check_saved_position(found, self.cfg, len(self.data.train), self.data.position_state())
         return found
 
