@@ -54,7 +54,7 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
                 else "no state is saved at all")
         notes.append(("no_disk_checkpoints", {"reason": f"checkpoint.interval=0: nothing is written to disk and "
                                                         f"{kept}: the trained weights are not kept"}))
-    if cfg.optim.warmup_steps > cfg.train.steps:  # the lr peaks at the last step, never decays
+    if cfg.optim.warmup_steps >= cfg.train.steps:  # the lr peaks at the last step, never decays (equal: as well)
         notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
     if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's
         notes.append(("mfu_peak_assumed", {"peak_tflops": peak, "why": CPU_PEAK_ASSUMED}))

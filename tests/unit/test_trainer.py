@@ -194,6 +194,11 @@ def test_a_resume_with_another_schedule_says_so_and_a_cut_warmup_is_named(tiny_c
     Trainer(tiny_config("train.stop_at_step=6", "optim.warmup_steps=20", "train.eval_interval=0")).build().train()
     cut = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "warmup_cut"]
     assert [(r["warmup_steps"], r["steps"]) for r in cut] == [(20, 12)]  # longer than the run's 12 steps
+    from shardline.launch_notes import launch_notes
+
+    equal = dict(launch_notes(tiny_config("optim.warmup_steps=12", "metrics.peak_tflops=1"), "cpu", 1.0, 1))
+    assert equal["warmup_cut"] == {"warmup_steps": 12, "steps": 12}  # the lr peaks at the last step here too
+    assert "warmup_cut" not in dict(launch_notes(tiny_config("optim.warmup_steps=11"), "cpu", 1.0, 1))
     Trainer(tiny_config("train.steps=24", "optim.warmup_steps=4", "train.eval_interval=0")).build()
     (changed,) = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "optim_changed"]
     assert (changed["train.steps"], changed["warmup_steps"]) == ([12, 24], [20, 4]) and "schedule" not in changed
