@@ -101,7 +101,8 @@ class Console:
         if self._progress is None:
             print(line, flush=True)
             return
-        self._progress.console.print(line, markup=False, highlight=False)  # "[resume] ..." is no style tag
+        # "[resume] ..." is no style tag; a record stays one line (a pipe's 80 columns cut it into several)
+        self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
         if rec["kind"] == "train":
             self._progress.update(self._task, completed=rec["step"], description=f"loss {rec['loss']:.4f}")
 

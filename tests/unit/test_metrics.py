@@ -57,8 +57,12 @@ def test_the_progress_bars_event_lines_keep_their_names(tmp_path, capsys):
     """rich read "[resume]" as a style tag and printed " step=3 ..." without it."""
     logger = MetricsLogger(tmp_path, "rich", False, 10, 0)
     logger.event("resume", step=3, checkpoint="runs/x/checkpoints/step-000003")
+    long = "runs/" + "x" * 150 + "/checkpoints/step-000003"
+    logger.event("resume", step=3, checkpoint=long)  # one line, as long as it is (a pipe cut it at 80 columns)
     logger.close()
-    assert "[resume] step=3 checkpoint=runs/x/checkpoints/step-000003" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[resume] step=3 checkpoint=runs/x/checkpoints/step-000003" in out
+    assert f"\n[resume] step=3 checkpoint={long}\n" in out
 
 
 def test_a_run_that_fails_closes_its_log(tiny_config):

@@ -296,3 +296,14 @@ def test_tied_embedding_gradient_sum_crosses_nodes_by_the_first_and_last_stage()
     assert comm.p2p(size, True, net) > comm.p2p(size, False, net)
     assert tied_grads(tied, Layout(tp=4, pp=4, dp_shard=1, pp_schedule="zbv", pp_virtual_stages=2), H100) == 0.0
     assert tied_grads(W70, lay, H100) == 0.0  # untied: no sum
+
+
+def test_the_request_line_gives_a_small_model_in_millions(capsys):
+    """The tiny preset read "tiny (0.01 B params) ... (0.00 M tokens)"."""
+    from shardline.cli import main
+
+    from pathlib import Path
+
+    assert main(["estimate", "--config", str(Path(__file__).parents[2] / "configs" / "tiny.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "tiny (5.2 M params) on 1 x cpu, seq 256, global batch 16 seqs (4,096 tokens)" in out, out

@@ -17,11 +17,17 @@ def describe_request(work: Workload, hw: Hardware, gpus: int, ring: int = 1) -> 
     gpn = hw.network.gpus_per_node
     n = gpus // gpn
     nodes = f" ({n} node{'s' if n > 1 else ''} x {gpn})" if gpus >= gpn and gpus % gpn == 0 and hw.name != "cpu" else ""
-    active = f", {num_params(work.model, active=True) / 1e9:.2f} B active" if work.model.moe else ""
-    return (f"{work.model_ref or 'model'} ({total_params(work) / 1e9:.2f} B params{active}) on {gpus:,} x "
+    active = f", {_count(num_params(work.model, active=True))} active" if work.model.moe else ""
+    return (f"{work.model_ref or 'model'} ({_count(total_params(work))} params{active}) on {gpus:,} x "
             f"{hw.name}{nodes}, "
-            f"seq {work.seq_len}, global batch {work.global_batch:,} seqs ({work.tokens / 1e6:.2f} M tokens), "
+            f"seq {work.seq_len}, global batch {work.global_batch:,} seqs ("
+            + (f"{work.tokens / 1e6:.2f} M" if work.tokens >= 1e6 else f"{work.tokens:,}") + " tokens), "
             f"{work.precision}{', document mask' if work.document_mask else ''}; {attention_words(work, hw, ring)}")
+
+
+def _count(n: int) -> str:
+    """A parameter count as people say it: 70.55 B, 5.2 M (a tiny model read "0.01 B")."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
 
 def attention_words(work: Workload, hw: Hardware, ring: int = 1) -> str:
