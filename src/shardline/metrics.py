@@ -130,6 +130,23 @@ def _drop_torn_line(path: Path) -> None:
         return
 
 
+def history(path: Path | str) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl that stand, in order. The file is only appended to: each
+    launch's `start` event at step s, and a rollback's `anomaly` event with `to_step` s, supersede
+    the `train` and `eval` records of the steps past s logged before them (a resume from an older
+    checkpoint, a new run in a run dir whose checkpoints are gone, a rollback), as TensorBoard
+    drops its superseded points. Events stay: they say what happened."""
+    kept: list[dict[str, Any]] = []
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            cut = {"start": rec.get("step"), "anomaly": rec.get("to_step")}.get(rec.get("event"))
+            if cut is not None:
+                kept = [r for r in kept if r["kind"] == "event" or r["step"] <= cut]
+            kept.append(rec)
+    return kept
+
+
 class MetricsLogger:
     """Fans records out to the console, <run_dir>/metrics.jsonl and TensorBoard."""
 

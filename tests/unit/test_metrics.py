@@ -95,3 +95,33 @@ def test_a_record_cut_short_by_a_kill_goes_before_the_resumed_run_appends(tmp_pa
 
     _drop_torn_line(tmp_path / "torn.jsonl")
     assert (tmp_path / "torn.jsonl").read_text() == ""
+
+
+def test_the_history_that_stands_in_metrics_jsonl_is_tensorboards(tiny_config, tmp_path):
+    """Read by "the last record of a step stands", the file kept steps of histories a resume from
+    an older checkpoint had left (and a new run in a dir whose checkpoints were gone kept the old
+    run's later steps), where TensorBoard showed the right ones."""
+    import shutil
+
+    from shardline.metrics import history
+    from shardline.trainer import Trainer
+
+    common = ["train.eval_interval=0", "checkpoint.interval=2", "checkpoint.keep=5", "metrics.tensorboard=true"]
+    Trainer(tiny_config(*common, "train.steps=6", "metrics.log_interval=3")).build().train()  # logs 3, 6
+    Trainer(tiny_config(*common, "train.steps=10", "metrics.log_interval=3")).build().train()  # 9, 10 (from 6)
+    older = f"run.resume={tmp_path / 'run' / 'checkpoints' / 'step-000004'}"
+    Trainer(tiny_config(*common, "train.steps=10", "metrics.log_interval=4", older)).build().train()  # 8, 10
+
+    def tensorboard() -> list[tuple[int, float]]:
+        seen = event_accumulator.EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+        seen.Reload()
+        return [(e.step, round(e.value, 5)) for e in seen.Scalars("train/loss")]
+
+    stands = [(r["step"], round(r["loss"], 5)) for r in history(tmp_path / "run" / "metrics.jsonl")
+              if r["kind"] == "train"]
+    assert [s for s, _ in stands] == [3, 8, 10] and stands == tensorboard()  # not 6 and 9 of the histories left
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # a new run in that dir: step 0 again
+    Trainer(tiny_config(*common, "train.steps=4", "metrics.log_interval=3")).build().train()  # 3, 4
+    stands = [(r["step"], round(r["loss"], 5)) for r in history(tmp_path / "run" / "metrics.jsonl")
+              if r["kind"] == "train"]
+    assert [s for s, _ in stands] == [3, 4] and stands == tensorboard()
