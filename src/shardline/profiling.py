@@ -12,6 +12,7 @@ See docs/profiling.md.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -125,8 +126,16 @@ class StepProfiler:
             with suppress(Exception):
                 self.close(step)
             raise
-        if step >= last:
-            self.close(step)
+
+    def after_step(self, step: int) -> float:
+        """Write the profile when `step` ends its window: after the step's clock stopped (its time,
+        the straggler check's and goodput's, is the step's own). Returns the seconds the writing
+        took, which the throughput window leaves out as it does an evaluation."""
+        if self._prof is None or step < self.window[1]:
+            return 0.0
+        begin = time.perf_counter()
+        self.close(step)
+        return time.perf_counter() - begin
 
     def close(self, step: int) -> None:
         """Stop and write the profile if one is running (a run that stopped inside the window

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import math
 import re
 
@@ -383,3 +384,21 @@ def test_under_torchrun_a_halt_or_a_refusal_ends_every_rank_with_its_code(tmp_pa
     assert line in done.stderr, done.stderr[-3000:]
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", done.stderr)
     assert str(code) in codes and set(codes) <= {str(code), "-15"}, done.stderr[-3000:]
+
+
+def test_a_rolled_back_steps_compute_is_anomaly_skipped_time_not_other(tiny_config, tmp_path):
+    """The bad step's forward and backward before a rollback were in no category ("other")."""
+    trainer = Trainer(tiny_config("faults.nan_step=5", "anomaly.action=rollback", "anomaly.min_history=3",
+                                  "checkpoint.interval=3", "train.eval_interval=0", "train.steps=6")).build()
+    compute = trainer.compute_gradients
+
+    def slow_bad_step():
+        if trainer.step + 1 == 5 and trainer.rollbacks == 0:
+            time.sleep(1.5)
+        return compute()
+
+    trainer.compute_gradients = slow_bad_step
+    trainer.train()
+    end = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "end"][-1]
+    assert trainer.rollbacks == 1 and end["seconds"]["anomaly_skipped"] >= 1.5, end
+    assert end["seconds"]["other"] < 1.0, end

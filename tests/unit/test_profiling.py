@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import re
 
 import pytest
@@ -35,6 +36,25 @@ def test_profile_steps_write_a_trace_of_exactly_those_steps(tiny_config, tmp_pat
     assert any(n.startswith("aten::") for n in names)  # the ops themselves, not only the labels
     (event,) = events(run, "profile")
     assert event["step"] == 3 and event["first_step"] == 2 and event["trace"] == str(trace_path)
+
+
+def test_writing_the_trace_is_on_no_steps_clock(tiny_config, tmp_path, monkeypatch):
+    """The export ran inside the last profiled step: its time counted as that step's (goodput's,
+    the straggler check's) and lowered the tokens/s of the window it fell in."""
+    trainer = Trainer(tiny_config(*FAST, "metrics.profile_steps=[2, 2]", "metrics.log_interval=3",
+                                  "train.steps=3")).build()
+    close = trainer.profiler.close
+
+    def slow_close(step):
+        time.sleep(2.0)
+        close(step)
+
+    monkeypatch.setattr(trainer.profiler, "close", slow_close)
+    trainer.train()
+    (record,) = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+                 if r["kind"] == "train"]
+    assert record["step"] == 3 and record["step_time_s"] < 1.0, record  # steps 2 and 3, without the export
+    assert (tmp_path / "run" / "profile" / "rank0_steps2-2.json").is_file()
 
 
 def test_no_profile_when_unset(tiny_config, tmp_path):
@@ -77,6 +97,7 @@ def test_a_resumed_run_profiles_later_steps_by_their_global_number(tmp_path):
     for step in (6, 7):
         with prof.step(step):
             torch.ones(4) @ torch.ones(4)
+        prof.after_step(step)
     assert step_labels(tmp_path / "profile" / "rank3_steps6-6.json") == {6}
     assert [a for a, _ in seen] == [("profile",)]
 
@@ -132,6 +153,7 @@ def test_a_window_run_again_after_a_rollback_keeps_its_first_trace(tmp_path):
     for step in (1, 2, 1, 2):  # rolled back to step 0 after step 2
         with prof.step(step):
             torch.ones(4) @ torch.ones(4)
+        prof.after_step(step)
         if step == 2 and not (tmp_path / "profile" / "kept").exists():
             (tmp_path / "profile" / "rank0_steps2-2.json").rename(tmp_path / "profile" / "kept")
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["kept"]

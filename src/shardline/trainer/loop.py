@@ -224,16 +224,19 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         window_start, window_steps, last, stopped, first = time.perf_counter(), 0, {}, None, self.step + 1
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
-            started = self.guard.begin_step(step)
+            started, accounted = self.guard.begin_step(step), sum(self.guard.goodput.seconds.values())
             with self.profiler.step(step):
                 loss_value, grad_norm, outcome = self.train_step()
             if outcome == "rolled_back":  # self.step moved back to the checkpoint's; a stop is not put off
+                rollback = sum(self.guard.goodput.seconds.values()) - accounted  # (its restore and re-save)
+                self.guard.goodput.add("anomaly_skipped", time.perf_counter() - started - rollback)  # the bad step
                 window_start, window_steps, request = time.perf_counter(), 0, self.guard.stop_requested()
                 if request:  # (by rollbacks to come): that state saved again, with the batch it skips
                     stopped = self._stop_on_request(request, saved=None)  # (unless the rollback's re-save landed)
                     break
                 continue
             self.guard.step_done(step, started, outcome)
+            window_start += self.profiler.after_step(step)  # a trace written: not training either
             window_steps += 1
             if outcome == "overflow":
                 self.metrics.event("skipped_step", step=step, reason="fp16 overflow",
