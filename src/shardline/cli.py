@@ -276,12 +276,28 @@ def _leave(error: ShardlineError, what: str, code: int) -> int:
     return code
 
 
+# The commands that take --section.key=value config overrides (the others refuse them).
+TAKES_OVERRIDES = ("train", "check", "plan", "estimate", "simulate")
+
+
+def _override_hint(command: str, unknown: list[str], stray: str) -> str:
+    """What a stray argument likely meant: the value of an override written `--section.key value`,
+    or an option of another command."""
+    if command not in TAKES_OVERRIDES:
+        return f"`shardline {command} --help` lists its options"
+    at = unknown.index(stray)
+    before = unknown[at - 1] if at else ""
+    if before.startswith("--") and "." in before and "=" not in before:
+        return f"give {before}={stray}: config overrides take their value after '='"
+    return "config overrides look like --section.key=value"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     bad = [u for u in unknown if not (u.startswith("--") and "." in u.split("=", 1)[0])]
     if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)} (config overrides look like --section.key=value)")
+        parser.error(f"unrecognized arguments: {' '.join(bad)} ({_override_hint(args.command, unknown, bad[0])})")
     try:
         return args.func(args, unknown)
     except AnomalyHalt as e:

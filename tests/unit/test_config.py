@@ -64,6 +64,7 @@ def test_a_model_switch_takes_true_and_false_as_on_and_off():
 
 @pytest.mark.parametrize("override, message", [
     ("train.stepz=3", "unknown config key train.stepz"),
+    ("train.warmup_steps=5", "unknown config key train.warmup_steps; it belongs under [optim] (optim.warmup_steps)"),
     ("trian.steps=3", "unknown config section [trian]"),
     ("train.steps=many", "train.steps='many' has the wrong type: expected int"),
     ("train.steps=1.5", "expected int"),
@@ -201,3 +202,16 @@ def test_config_changes_name_what_a_resume_changed_beside_one_launchs_own_settin
     del old["data"]["path"]  # a key saved before it existed is no change
     assert config_changes(old, now) == {"train.precision": ["fp32", "bf16"]}
     assert config_changes({}, now) == {}
+
+
+def test_a_stray_argument_is_read_as_what_it_likely_meant(capsys):
+    """`--train.steps 40` named the stray 40 only; another command's option was told about overrides."""
+    from shardline.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--train.steps", "40"])
+    assert "give --train.steps=40: config overrides take their value after '='" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "runs/x", "--top_k", "5"])
+    err = capsys.readouterr().err
+    assert "`shardline generate --help` lists its options" in err and "section.key" not in err

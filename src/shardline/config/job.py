@@ -184,6 +184,13 @@ def _set_section(cfg: Config, name: str, values: Any) -> None:
             raise ConfigError(f"config key {name} = {values!r} is outside any [section]{hint}; "
                               f"valid sections: {', '.join(names)}")
         raise ConfigError(f"unknown config section [{name}]; valid sections: {', '.join(names)}")
+    if isinstance(values, dict):  # a key placed under another section: say where it belongs
+        for key in values:
+            owners = [n for n in names if n != name and key in reader.field_names(getattr(cfg, n))]
+            if key not in reader.field_names(getattr(cfg, name)) and owners:
+                raise ConfigError(f"unknown config key {name}.{key}; it belongs under [{owners[0]}] "
+                                  f"({owners[0]}.{key}); valid keys of [{name}]: "
+                                  f"{', '.join(reader.field_names(getattr(cfg, name)))}")
     section = reader.updated(getattr(cfg, name), values, name)
     setattr(cfg, name, section)
 
