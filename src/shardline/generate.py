@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +40,7 @@ import torch
 from shardline.data.encode import (ChatTemplate, chat_template_for, encode_reply_prompt, reply_prompt, turn_end_text,
                                    with_bos)
 from shardline.errors import CheckpointError, ConfigError, DataError
-from shardline.models.llama.model import sdpa_attention
+from shardline.models.llama.kv_cache import KVCache
 
 DTYPES = ("float32", "bfloat16")
 
@@ -61,6 +63,8 @@ class SampleOptions:
             raise ConfigError(f"--top-k={self.top_k} is invalid: must be >= 0 (0 = all tokens)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top-p={self.top_p} is invalid: must be in (0, 1] (1 = all tokens)")
+        if not -2**63 <= self.seed < 2**64:  # what torch's generator takes
+            raise ConfigError(f"--seed={self.seed} is invalid: must be in [-2**63, 2**64)")
 
 
 @dataclass
@@ -76,6 +80,9 @@ class Generator:
     trained_bos: bool = False  # the run put `bos` before each text document: a prompt starts with it too
     template: ChatTemplate | None = None  # --chat's rendering; None: ChatML
     template_error: str = ""  # why the template beside the tokenizer cannot render: --chat alone fails on it
+    checkpoint: str = ""  # the folder sampled (a run dir's newest valid one)
+    run_format: str = ""  # the run's data.format ("text", "chat"); "": not known (converted from HF)
+    prompt_tokens: int = 0  # the last prompt's, as the model was given it
 
     def sample(self, prompt_ids: list[int], opts: SampleOptions, stop: frozenset[int] | None = None,
                stop_text: str = "") -> list[int]:
@@ -83,13 +90,14 @@ class Generator:
         ends them; also ended once their text holds `stop_text` (an end marker that is no single
         token). Seeded: the same options give the same tokens on the same device."""
         if not prompt_ids:
-            raise ConfigError("--prompt encodes to no token: give some text")
+            raise ConfigError("--prompt encodes to no token: give some text (this model has no BOS token to start "
+                              "from)")
         stop = self.stop if stop is None else stop
         rows = self.model.tok_embeddings.num_embeddings
         past = [t for t in prompt_ids if t >= rows]  # (an IndexError; a device assert on CUDA)
         if past:
             raise CheckpointError(f"the prompt holds token id {past[0]}, past the model's {rows} embedding rows: "
-                                  "the tokenizer beside the checkpoint is not its model's")
+                                  "that tokenizer is not its model's (--tokenizer names the one it trained with)")
         ids, new = list(prompt_ids), []
         draw = torch.Generator().manual_seed(opts.seed)  # on the host: the same draws on any device
         # Ids past the tokenizer's are rows a vocabulary padded for speed (Qwen's 151,936 for
@@ -114,6 +122,8 @@ class Generator:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         if bos and not self.bos:
             raise ConfigError("--bos: this checkpoint's tokenizer has no BOS token")
+        if not ids and (bos or self.trained_bos):  # an empty prompt: sampled from the start of a document
+            return list(self.bos)
         return with_bos(ids, self.bos) if bos or self.trained_bos else ids
 
     def chat_prompt(self, prompt: str, system: str = "") -> str:
@@ -146,6 +156,13 @@ class Generator:
         prompt and cut after it: decoded alone, a SentencePiece continuation loses its leading space."""
         check_chat_flags(bos, chat, system)
         prompt_ids = self.chat_ids(prompt, system) if chat else self.encode(prompt, bos)
+        self.prompt_tokens = len(prompt_ids)
+        if chat and self.run_format == "text":
+            say(f"{self.checkpoint} was trained on text, not conversations: its replies follow the chat template "
+                "only as far as that text taught it")
+        if len(prompt_ids) > self.context:
+            say(f"the prompt is {len(prompt_ids):,} tokens and the model sees the last {self.context:,} "
+                "(--context sets that, up to the model's max_seq_len)")
         stop, stop_text = self.turn_end() if chat else (self.stop, "")
         new = [t for t in self.sample(prompt_ids, opts, stop, stop_text) if t not in stop]
         head, whole = self.tokenizer.decode(prompt_ids), self.tokenizer.decode(prompt_ids + new)
@@ -163,67 +180,6 @@ def check_chat_flags(bos: bool, chat: bool, system: str) -> None:
         raise ConfigError("--bos with --chat: the chat template writes the start of the conversation itself")
     if system and not chat:
         raise ConfigError("--system needs --chat: a plain prompt is continued as a document")
-
-
-class KVCache:
-    """The keys and values each attention block has seen, so that only the tokens not run yet
-    go through the model: n new tokens cost n one-token passes instead of n passes of the whole
-    text. Installed, for a `with`, as each block's attention core (the seam the model keeps
-    for another kernel)."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.model, self.device = model, device
-        self.blocks = [block.attention for block in model.layers.values()]
-        self.clear()
-
-    def clear(self) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * len(self.blocks)
-        self.values: list[torch.Tensor | None] = [None] * len(self.blocks)
-        self.length = 0  # the tokens cached, at positions 0..length-1
-
-    def __enter__(self) -> KVCache:
-        self.saved = [block.core for block in self.blocks], self.model.output
-        for i, block in enumerate(self.blocks):
-            block.core = lambda q, k, v, mask, i=i: self._attend(i, q, k, v)
-        # Logits of the last position only: a prompt's [tokens, vocab] in fp32 is gigabytes.
-        self.model.output = _LastPosition(self.model.output)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        cores, self.model.output = self.saved
-        for block, core in zip(self.blocks, cores):
-            block.core = core
-
-    def next_logits(self, ids: list[int]) -> torch.Tensor:
-        """The logits of the token after `ids` (whose first `length` are the cached ones)."""
-        fresh = torch.tensor([ids[self.length:]], device=self.device)
-        positions = torch.arange(self.length, len(ids), device=self.device)
-        logits = self.model(fresh, positions=positions)[0, -1]
-        self.length = len(ids)
-        return logits
-
-    def _attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.keys[i] is not None:
-            k, v = torch.cat((self.keys[i], k), dim=2), torch.cat((self.values[i], v), dim=2)
-        self.keys[i], self.values[i] = k, v
-        # Query j is at position past + j and sees keys 0..past + j. SDPA's is_causal would align
-        # the two at the top left instead (the new token seeing the first key only).
-        past = k.shape[2] - q.shape[2]
-        if past == 0:  # a prompt, nothing cached: plain causal attention, no [tokens, tokens] mask
-            return sdpa_attention(q, k, v, None)
-        seen = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past)
-        return sdpa_attention(q, k, v, seen[None, None])
-
-
-class _LastPosition(torch.nn.Module):
-    """The output projection of the last position alone."""
-
-    def __init__(self, output: torch.nn.Module):
-        super().__init__()
-        self.output = output
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.output(h[:, -1:])
 
 
 def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator) -> int:
@@ -261,9 +217,12 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
         raise ConfigError(f"--dtype={dtype!r} is invalid: one of {', '.join(DTYPES)}")
     if context < 0:
         raise ConfigError(f"--context={context} is invalid: a number of tokens, or 0 for the run's train.seq_len")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"--device={device!r} is invalid: auto, cpu, cuda or cuda:N")
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device=cuda: no CUDA device here; use --device=cpu or auto")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"--device={device}: no such CUDA device here ({torch.cuda.device_count()}); use "
+                          "--device=cpu or auto")
     ckpt = resolve_checkpoint(Path(src))  # a run dir's newest valid one: verified there
     if ckpt == Path(src):
         verify(ckpt)
@@ -272,7 +231,7 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     if tok_path is None:
         raise CheckpointError(f"{ckpt}: no tokenizer.json beside it or in the run dir that saved it; give "
                               "--tokenizer (the run's tokenizer.json), or copy it into the checkpoint folder")
-    tokenizer = load_tokenizer(str(tok_path))
+    tokenizer = load_tokenizer(str(tok_path), key="--tokenizer" if tokenizer else "")
     args = args_from_json(meta["model_args"])
     if args.moe is not None:  # dropless (module doc); the weights do not depend on it
         args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, capacity_factor=0.0))
@@ -299,7 +258,13 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
             trained_bos = head[:len(bos_prefix(tokenizer))] == bos_prefix(tokenizer)
         except DataError:
             pass
-    return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, bos, trained_bos, template, problem)
+    return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, bos, trained_bos, template, problem,
+                     str(ckpt), data.get("format", ""))
+
+
+def say(line: str) -> None:
+    """A note on stderr, apart from the text on stdout."""
+    print(f"shardline: {line}", file=sys.stderr)
 
 
 def _generation_eos(path: Path):
@@ -330,10 +295,13 @@ def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "a
     check_chat_flags(bos, chat, system)  # before the weights are read
     gen = load_generator(src, device, dtype, context, tokenizer)
     text = gen.complete(prompt, opts, bos, chat, system)
+    if Path(gen.checkpoint) != Path(src):  # a run dir: which of its checkpoints spoke
+        say(f"sampled {gen.checkpoint}")
     if as_json:
         stop, stop_text = gen.turn_end() if chat else (gen.stop, "")
         shown = {"chat_prompt": gen.chat_prompt(prompt, system), "stop_text": stop_text} if chat else {}
-        return json.dumps({"prompt": prompt, **shown, "completion": text, **vars(opts), "stop_ids": sorted(stop)})
+        return json.dumps({"prompt": prompt, **shown, "completion": text, **vars(opts), "stop_ids": sorted(stop),
+                           "checkpoint": gen.checkpoint, "prompt_tokens": gen.prompt_tokens, "context": gen.context})
     return text if chat else prompt + text
 
 
@@ -356,7 +324,7 @@ def register(sub) -> None:
     p.add_argument("--chat", action="store_true", help="the prompt is a user's message: rendered with the chat "
                                                        "template beside the tokenizer (else ChatML), the reply printed")
     p.add_argument("--system", default="", help="with --chat, a system message before the user's")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if present")
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", help=f"the weights' dtype in memory, one of {', '.join(DTYPES)} "
                                                       "(default float32; bfloat16 halves the memory)")
     p.add_argument("--bos", action="store_true", help="start the prompt with the BOS token of an HF model's "

@@ -391,15 +391,34 @@ def test_a_chatml_run_exports_the_chatml_template_transformers_renders_as_it_tra
     chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"tell me of the city {i}"},
                                                       {"role": "assistant", "content": "the river " * 8}]}) + "\n"
                              for i in range(300)))
-    tok = small_prepared / "tokenizer.json"
-    Trainer(tiny_config(f"data.path={chats}", "data.format=chat", f"data.tokenizer={tok}", "train.steps=2",
-                        "train.eval_interval=0")).build().train()
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(small_prepared / "tokenizer.json"))  # the run's BPE, with ChatML's markers
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    Trainer(tiny_config(f"data.path={chats}", "data.format=chat", f"data.tokenizer={tmp_path / 'tokenizer.json'}",
+                        "train.steps=2", "train.eval_interval=0")).build().train()
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     assert hf_tok.apply_chat_template(talk, tokenize=False) == render_chat(talk, None)
     assert hf_tok.apply_chat_template(talk[:1], tokenize=False, add_generation_prompt=True) == \
         reply_prompt(talk[:1], None)
+    # A reply ends at <|im_end|> for transformers too (its tokenizer had no special tokens; generate ran past it)
+    end = tok.token_to_id("<|im_end|>")
+    assert hf_tok.eos_token == "<|im_end|>" and hf_tok.eos_token_id == end
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == sorted({end, tok.token_to_id("<|endoftext|>")})
+
+
+def test_an_export_of_a_run_from_scratch_names_its_special_tokens(tiny_config, tmp_path):
+    """The BPE a run trains comes without tokenizer_config.json: transformers' tokenizer had no eos."""
+    Trainer(tiny_config("train.steps=1", "train.eval_interval=0")).build().train()
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == config["eos_token_id"]
+    assert not (tmp_path / "hf" / "generation_config.json").exists()
 
 
 def test_a_seq_len_past_the_starting_weights_positions_is_named_at_the_start(tmp_path):
@@ -449,3 +468,20 @@ def test_a_tokenizer_other_than_the_starting_weights_own_is_named(tmp_path):
     copy.write_text(json.dumps(json.loads((hf / "tokenizer.json").read_text()), indent=4))  # the same, laid out anew
     same = load_config(None, [f"model.hf_path={hf}", f"data.tokenizer={copy}"])
     assert "tokenizer_not_the_weights" not in dict(launch_notes(same, "cuda", 989.0, 1))
+
+
+def test_a_broken_chat_template_is_named_by_its_file_and_a_run_tokenizer_not_as_data_tokenizer(tiny_config, tmp_path,
+                                                                                               capsys):
+    """A chat_template.jinja that fails was blamed on tokenizer_config.json and exported in silence;
+    a damaged run tokenizer was named data.tokenizer, which the user had not set."""
+    Trainer(tiny_config("train.steps=1", "train.eval_interval=0")).build().train()
+    (tmp_path / "run" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.nope() }}{% endfor %}")
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    err = capsys.readouterr().err
+    assert (f"shardline: warning: exported as it is: the tokenizer's chat template "
+            f"({tmp_path / 'run' / 'chat_template.jinja'}) fails on a conversation") in err, err
+    (tmp_path / "run" / "tokenizer.json").write_text('{"truncated": ')
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"the tokenizer {tmp_path / 'run' / 'tokenizer.json'} cannot be read as a tokenizer.json" in err, err
+    assert "data.tokenizer" not in err

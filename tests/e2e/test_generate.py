@@ -194,6 +194,8 @@ def test_a_run_trained_with_bos_prompts_with_it(trained_run, tmp_path):
     gen = load_generator(run, "cpu")
     assert gen.trained_bos and gen.encode(PROMPT) == [eos, *plain.encode(PROMPT)]
     assert gen.chat_ids("hi") == plain.chat_ids("hi") and gen.chat_ids("hi")[0] != eos
+    assert gen.encode("") == [eos]  # an empty prompt samples from a document's start (it was refused)
+    assert plain.encode("") == [] and plain.encode("", bos=False) == []
     fed = []
     hook = gen.model.register_forward_pre_hook(lambda module, args: fed.append(args[0][0].tolist()))
     try:
@@ -308,6 +310,8 @@ def test_a_mixture_of_experts_samples_dropless(tmp_path, small_prepared):
     (["--top-p", "1.5"], "--top-p=1.5 is invalid: must be in (0, 1] (1 = all tokens)"),
     (["--chat", "--bos"], "--bos with --chat: the chat template writes the start of the conversation itself"),
     (["--system", "be brief"], "--system needs --chat: a plain prompt is continued as a document"),
+    (["--seed", str(2**70)], f"--seed={2**70} is invalid: must be in [-2**63, 2**64)"),  # (a traceback, late)
+    (["--device", "gpu"], "--device='gpu' is invalid: auto, cpu, cuda or cuda:N"),
 ])
 def test_bad_options_are_one_line_errors(trained_run, capsys, argv, message):
     assert main(["generate", str(trained_run), *argv]) == 2
@@ -340,8 +344,8 @@ def test_a_bad_generation_config_or_another_models_tokenizer_is_one_line(trained
     capsys.readouterr()
     assert main(["generate", str(copy), "--max-new-tokens", "2", "--prompt", "a <|far|> token"]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"the prompt holds token id \d+, past the model's 512 embedding rows: the tokenizer beside the "
-                     r"checkpoint is not its model's$", err), err
+    assert re.search(r"the prompt holds token id \d+, past the model's 512 embedding rows: that tokenizer is not "
+                     r"its model's \(--tokenizer names the one it trained with\)$", err), err
 
 
 def test_a_folder_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
@@ -429,3 +433,29 @@ def test_a_chat_run_whose_template_writes_a_bos_prompts_with_it(trained_run, tmp
     broken = load_generator(run, "cpu")
     assert not broken.trained_bos
     assert isinstance(broken.complete(PROMPT, SampleOptions(max_new_tokens=1, temperature=0)), str)  # no DataError
+
+
+def test_what_was_sampled_and_what_the_model_saw_are_said(trained_run, tmp_path, capsys):
+    """A run dir's newest valid checkpoint was taken in silence (a corrupt newer one passed over
+    unsaid; a run whose only checkpoint was corrupt read as one with none); a prompt longer than
+    the context was cut unsaid; --chat on a model never trained on conversations said nothing."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run, ignore=shutil.ignore_patterns("tensorboard"))
+    newest = run / "checkpoints" / "step-000012"
+    shard = next((newest / "state").glob("*.distcp"))
+    shard.write_bytes(b"\0" * shard.stat().st_size)
+    assert main(["generate", str(run), "--max-new-tokens", "1", "--prompt", "word " * 300, "--json"]) == 0
+    said = capsys.readouterr()
+    out, err = json.loads(said.out), said.err
+    assert "shardline: passed over step-000012: " in err and "; using step-000006" in err, err
+    assert out["checkpoint"] == str(run / "checkpoints" / "step-000006") and f"sampled {out['checkpoint']}" in err
+    assert out["context"] == 32 and out["prompt_tokens"] > 32  # the run's train.seq_len
+    assert f"the prompt is {out['prompt_tokens']:,} tokens and the model sees the last 32" in err
+    assert main(["generate", str(run), "--chat", "--prompt", "hi", "--max-new-tokens", "1"]) == 0
+    assert "was trained on text, not conversations" in capsys.readouterr().err
+    shutil.rmtree(run / "checkpoints" / "step-000006")
+    assert main(["generate", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run} holds no valid checkpoint (step-000012: " in err and err.count("\n") == 1, err

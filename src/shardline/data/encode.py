@@ -29,7 +29,7 @@ import difflib
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
 from pathlib import Path
@@ -60,6 +60,7 @@ class ChatTemplate:
     source: str
     bos_token: str = ""
     eos_token: str = ""
+    where: str = field(default="tokenizer_config.json", compare=False)  # the file it came from, for errors
 
 
 def _as_template(template: ChatTemplate | str | None) -> ChatTemplate | None:
@@ -289,7 +290,7 @@ def _render(template: ChatTemplate, messages: list[dict], generation_prompt: boo
         return _compiled(template.source)(messages=messages, add_generation_prompt=generation_prompt,
                                           bos_token=template.bos_token, eos_token=template.eos_token)
     except Exception as e:  # jinja2 raises many types (syntax, undefined, the template's own raise_exception)
-        raise DataError(f"the tokenizer's chat_template (tokenizer_config.json) fails on a conversation "
+        raise DataError(f"the tokenizer's chat template ({template.where}) fails on a conversation "
                         f"{_opening(messages)}: {type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
@@ -333,13 +334,16 @@ def chat_template_for(tokenizer_path: str) -> ChatTemplate | None:
         settings = settings if isinstance(settings, dict) else {}
     except (OSError, ValueError):
         settings = {}
+    where = folder / "chat_template.jinja"
     try:
-        source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        source = where.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
-        source = _named_template(settings.get("chat_template"), folder / "tokenizer_config.json")
+        where = folder / "tokenizer_config.json"
+        source = _named_template(settings.get("chat_template"), where)
     if not isinstance(source, str):
         return None
-    return ChatTemplate(source, _special_token(settings, "bos_token"), _special_token(settings, "eos_token"))
+    return ChatTemplate(source, _special_token(settings, "bos_token"), _special_token(settings, "eos_token"),
+                        str(where))
 
 
 def _named_template(value, where: Path):

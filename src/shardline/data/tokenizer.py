@@ -40,14 +40,17 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def load_tokenizer(path: str) -> Tokenizer:
+def load_tokenizer(path: str, key: str = "data.tokenizer") -> Tokenizer:
+    """The tokenizer.json at `path`; errors name it as `key` (the setting that gave it; "": a file
+    the user did not name, such as a run dir's own)."""
+    what = f"{key}={path!r}" if key else f"the tokenizer {path}"
     if os.path.isdir(path):  # (a folder is the natural thing to give: say which file in it)
-        raise DataError(f"data.tokenizer={path!r} is a folder: give the tokenizer.json in it "
+        raise DataError(f"{what} is a folder: give the tokenizer.json in it "
                         f"({os.path.join(path, 'tokenizer.json')})")
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception for bad files
-        raise DataError(f"data.tokenizer={path!r} cannot be read as a tokenizer.json: {e}") from None
+        raise DataError(f"{what} cannot be read as a tokenizer.json: {e}") from None
 
 
 def get_tokenizer(documents, tokenizer_path: str, vocab_size: int) -> Tokenizer:

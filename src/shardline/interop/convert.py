@@ -13,13 +13,15 @@ from-hf: an HF folder -> a weights-only shardline checkpoint, which a run starts
 from __future__ import annotations
 
 import json
+import sys
+import warnings
 from pathlib import Path
 
 import torch
 
-from shardline.data.encode import CHATML_TEMPLATE, chat_template_for
+from shardline.data.encode import CHATML_TEMPLATE, chat_template_for, reply_prompt
 from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
-from shardline.errors import CheckpointError
+from shardline.errors import CheckpointError, DataError
 from shardline.interop.hf import empty_model, from_hf_pretrained, to_hf_pretrained
 from shardline.interop.hf_config import EXPORT_DTYPES, KEPT_FIELDS, read_hf_fields
 from shardline.interop.hf_files import (
@@ -51,12 +53,17 @@ def resolve_checkpoint(src: Path) -> Path:
         return src
     if not src.exists():
         raise CheckpointError(f"{src} does not exist: give a run dir or a checkpoint folder (RUN/checkpoints/step-N)")
-    latest = Checkpointer(src, keep=1).latest_valid()
+    passed: list[str] = []  # newer ones that fail verification: named, as a resume names them
+    latest = Checkpointer(src, keep=1).latest_valid(on_invalid=lambda path, e: passed.append(f"{path.name}: {e}"))
     if latest is None and (src / "config.json").is_file():
         raise CheckpointError(f"{src} is a Hugging Face folder, not a checkpoint: `shardline convert from-hf {src} "
                               "DIR` makes one (or train from it with model.hf_path)")
+    if latest is None and passed:
+        raise CheckpointError(f"{src} holds no valid checkpoint ({'; '.join(passed)})")
     if latest is None:
         raise CheckpointError(f"{src} is neither a checkpoint folder nor a run dir holding a valid checkpoint")
+    for problem in passed:
+        print(f"shardline: passed over {problem}; using {latest.name}", file=sys.stderr)
     return latest
 
 
@@ -77,7 +84,8 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
     tokenizer = given or checkpoint_tokenizer(ckpt)
     bos, eos = hf.get("bos_token_id"), hf.get("eos_token_id")
     if tokenizer is not None:  # a run's own tokenizer: its end-of-document token, and the one BOS it starts texts with
-        tok = load_tokenizer(str(tokenizer))
+        tok = load_tokenizer(str(tokenizer), key="")
+        _check_template(tokenizer)
         eos = eos_id(tok) if eos is None else eos
         prefix = bos_prefix(tok)
         bos = prefix[0] if bos is None and len(prefix) == 1 else bos
@@ -91,6 +99,17 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
                             kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf},
                             generation_config=beside_checkpoint(ckpt, GENERATION_NAME),
                             chat_template=CHATML_TEMPLATE if chatml else "")
+
+
+def _check_template(tokenizer: Path) -> None:
+    """A warning (the export goes on) when the chat template exported beside the tokenizer cannot
+    render a conversation: transformers' apply_chat_template would fail on it the same way."""
+    try:
+        template = chat_template_for(str(tokenizer))
+        if template is not None:
+            reply_prompt([{"role": "user", "content": "Hi"}], template)
+    except DataError as e:
+        warnings.warn(f"exported as it is: {e}", stacklevel=2)
 
 
 def checkpoint_tokenizer(ckpt: Path) -> Path | None:
@@ -120,7 +139,7 @@ def hf_to_checkpoint(src: Path, dst: Path) -> Path:
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointError(f"{dst} exists and is not an empty folder; choose another destination")
     model, args = from_hf_pretrained(src)
-    meta = {"model_args": args_to_json(args), "source": str(src), "hf": read_hf_fields(src)}
+    meta = {"model_args": args_to_json(args), "source": str(src.resolve()), "hf": read_hf_fields(src)}
     write_checkpoint(dst, 0, model, None, None, meta)
     if (src / TOKENIZER_NAME).is_file():  # what a run from it tokenizes with, and kept for the way back
         copy_tokenizer_files(src / TOKENIZER_NAME, dst)

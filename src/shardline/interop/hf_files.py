@@ -151,6 +151,29 @@ def tokenizer_file(tokenizer_path: str | os.PathLike) -> Path:
     return file
 
 
+def _write_tokenizer_settings(folder: Path, tokenizer: Path, config: dict[str, Any], chat_template: str) -> None:
+    """tokenizer_config.json for a tokenizer that came without one (the BPE a run trained): its
+    bos and eos tokens by name, which transformers' tokenizer otherwise lacks (eos_token None,
+    no special tokens). A run that learned ChatML ends a reply with <|im_end|>: that is the eos
+    transformers stops a chat at, there and in generation_config.json (HF's chat models' way)."""
+    from tokenizers import Tokenizer
+
+    from shardline.data.encode import CHAT_END
+
+    try:
+        tok = Tokenizer.from_file(str(tokenizer))
+    except Exception:  # (tokenizers raises a bare Exception) what the export copies, the user's to fix: no settings
+        return
+    named = {key: tok.id_to_token(config[f"{key}_id"]) for key in ("bos_token", "eos_token")
+             if isinstance(config.get(f"{key}_id"), int) and tok.id_to_token(config[f"{key}_id"]) is not None}
+    end = tok.token_to_id(CHAT_END) if chat_template else None
+    if end is not None:
+        named["eos_token"] = CHAT_END
+        ends = sorted({end, *([config["eos_token_id"]] if isinstance(config.get("eos_token_id"), int) else [])})
+        _write_json(folder / GENERATION_NAME, {"eos_token_id": ends})
+    _write_json(folder / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **named})
+
+
 def _add_chat_template(settings_path: Path, template: str) -> None:
     """tokenizer_config.json (the tokenizer's, copied, or a new one) with `template` as its chat_template."""
     try:
@@ -247,6 +270,8 @@ def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype:
         _write_json(tmp / CONFIG_NAME, config)
         if side.get("tokenizer") is not None:
             copy_tokenizer_files(side["tokenizer"], tmp)
+            if not (tmp / "tokenizer_config.json").is_file():  # a tokenizer of our own: no settings came with it
+                _write_tokenizer_settings(tmp, side["tokenizer"], config, side.get("chat_template", ""))
         if side.get("generation_config") is not None:
             copy_side_files(side["generation_config"].parent, tmp, names=(GENERATION_NAME,))
         if side.get("chat_template"):
