@@ -247,7 +247,9 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     seq_len = context or run.get("train", {}).get("seq_len") or args.max_seq_len
     bos = bos_prefix(tokenizer) or sorted(_ids(hf.get("bos_token_id")))  # what --bos puts first
     data = run.get("data", {})
-    trained_bos = bool(bos_prefix(tokenizer)) and data.get("add_bos", False) and data.get("format") == "text"
+    # A run's own setting; weights converted from HF (no run) were pretrained as their tokenizer starts a text
+    trained_bos = bool(bos_prefix(tokenizer)) and (data.get("add_bos", False) and data.get("format") == "text"
+                                                   if run else True)
     try:
         template, problem = chat_template_for(str(tok_path)), ""
     except DataError as e:  # (a plain prompt needs no template)

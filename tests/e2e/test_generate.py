@@ -459,3 +459,20 @@ def test_what_was_sampled_and_what_the_model_saw_are_said(trained_run, tmp_path,
     assert main(["generate", str(run)]) == 2
     err = capsys.readouterr().err
     assert f"{run} holds no valid checkpoint (step-000012: " in err and err.count("\n") == 1, err
+
+
+def test_weights_converted_from_hf_prompt_with_the_bos_their_tokenizer_starts_a_text_with(trained_run, tmp_path):
+    """HF's tokenizer(text) starts with BOS (Llama 3's <|begin_of_text|>), as such a model was
+    pretrained: a from-hf checkpoint (no run of ours, no data.add_bos) prompted without it."""
+    from tokenizers import Tokenizer, processors
+
+    hf = tmp_path / "hf"
+    shutil.copytree(trained_run.parent / "hf", hf)
+    tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    eos = eos_id(tok)
+    tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                       special_tokens=[("<|endoftext|>", eos)])
+    tok.save(str(hf / "tokenizer.json"))
+    assert main(["convert", "from-hf", str(hf), str(tmp_path / "ckpt")]) == 0
+    gen = load_generator(tmp_path / "ckpt", "cpu")
+    assert gen.trained_bos and gen.encode(PROMPT) == tok.encode(PROMPT).ids  # as HF encodes it
