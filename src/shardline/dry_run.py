@@ -23,6 +23,7 @@ from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
+from shardline.launch_notes import PRETRAIN_LR_FLOOR, unused_settings
 from shardline.devices import DATASHEETS, local_datasheet
 from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
@@ -73,7 +74,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
              _model_line(cfg, launch), f"data      {data}; "
              f"tokenizer {tokenizer}",
              f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
-             *_resume_lines(cfg, resume),
+             *_resume_lines(cfg, resume), *_note_lines(cfg),
              *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch)]
     memory, fits = _memory_lines(cfg, launch, gpu)
     return "\n".join([*lines, *memory]), fits
@@ -99,6 +100,17 @@ def _resume_lines(cfg: Config, resume: Path | None) -> list[str]:
     lines = [f"          changed since it: {said}"] if changes else []
     if step_of(resume) >= cfg.train.steps:
         lines.append(f"          nothing to train: it is at step {step_of(resume)}, train.steps={cfg.train.steps}")
+    return lines
+
+
+def _note_lines(cfg: Config) -> list[str]:
+    """What the launch would note as likely mistakes (launch_notes: settings it never reads, a
+    fine-tune's lr on random weights)."""
+    unused = ", ".join(f"{key} ({why})" for key, why in unused_settings(cfg).items())
+    lines = [f"notes     set but unused: {unused}"] if unused else []
+    if not (cfg.model.hf_path or cfg.model.init_from) and cfg.optim.lr < PRETRAIN_LR_FLOOR:
+        lines.append(f"notes     optim.lr={cfg.optim.lr:g} on random weights (no model.hf_path or model.init_from): "
+                     "a fine-tune's lr, which barely moves a new model")
     return lines
 
 

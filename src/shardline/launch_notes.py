@@ -98,7 +98,38 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
         notes.append(("lr_high_for_trained_weights", {
             "lr": cfg.optim.lr, "weights": start,
             "fix": "fine-tunes commonly take optim.lr 1e-5 to 1e-4 (configs/finetune.toml)"}))
+    if not start and cfg.optim.lr < PRETRAIN_LR_FLOOR:  # a fine-tune's config without its weights, most likely
+        notes.append(("lr_low_for_new_weights", {
+            "lr": cfg.optim.lr, "why": "no model.hf_path or model.init_from: the weights start at random, which "
+                                       "pretraining lrs (8e-5 to 3e-3) move; a fine-tune's config needs its weights"}))
+    unused = unused_settings(cfg)
+    if unused:
+        notes.append(("settings_unused", unused))
     return notes
+
+
+# Below this a run from random weights barely moves (Llama 3 405B pretrained at 8e-5; fine-tunes take 1e-5 to 2e-5).
+PRETRAIN_LR_FLOOR = 5e-5
+
+
+def unused_settings(cfg: Config) -> dict[str, str]:
+    """{key: why} of the settings given other than their defaults that this config never reads (a
+    recipe without fp8, ac_every without selective checkpointing): said, as a likely mistake."""
+    given, default = cfg.to_dict(), Config().to_dict()
+    c, p = cfg.checkpoint, cfg.parallel
+    rules = [("fp8", ("recipe", "fsdp_all_gather"), cfg.train.precision != "fp8", "train.precision is not fp8"),
+             ("memory", ("ac_every",), cfg.memory.activation_checkpoint != "selective",
+              "memory.activation_checkpoint is not selective"),
+             ("optim", ("decay_fraction",), cfg.optim.schedule != "wsd", "optim.schedule is not wsd"),
+             ("parallel", ("cp_mode", "cp_balance", "cp_ulysses"), p.cp == 1, "parallel.cp=1"),
+             ("parallel", ("pp_schedule", "pp_virtual_stages", "pp_microbatches"), p.pp == 1, "parallel.pp=1"),
+             ("parallel", ("sequence_parallel", "loss_parallel"), p.tp == 1, "parallel.tp=1"),
+             ("checkpoint", ("keep", "mode", "on_error"), not c.interval, "checkpoint.interval=0"),
+             ("checkpoint", ("memory_redundancy", "memory_mode", "memory_dir"), not c.memory_interval,
+              "checkpoint.memory_interval=0"),
+             ("watchdog", ("long_timeout_s",), not cfg.watchdog.timeout_s, "watchdog.timeout_s=0")]
+    return {f"{section}.{key}": why for section, keys, idle, why in rules if idle
+            for key in keys if given[section][key] != default[section][key]}
 
 
 def _no_template(tokenizer_path: str) -> bool:

@@ -112,3 +112,18 @@ def test_a_tokenizer_without_an_end_of_document_token_is_named(tmp_path):
     for eos in ("</s>", "<\uff5cend\u2581of\u2581sentence\uff5c>"):  # Llama 2's, DeepSeek's
         known = Tokenizer(models.WordLevel({"[UNK]": 0, eos: 1}, unk_token="[UNK]"))
         assert "no_end_of_document_token" not in dict(launch_notes(cfg, "cpu", 1.0, 1, tokenizer=known))
+
+
+def test_settings_a_config_never_reads_and_a_fine_tunes_lr_on_new_weights_are_named():
+    """fp8.recipe with fp32, memory.ac_every without selective checkpointing passed in silence, and
+    configs/finetune.toml without model.hf_path trained a random model at lr 2e-5."""
+    cfg = load_config(None, ["fp8.recipe=rowwise", "memory.ac_every=3", "parallel.cp_mode=ulysses",
+                             "checkpoint.interval=0", "checkpoint.keep=5", "optim.lr=2e-5", "metrics.peak_tflops=1"])
+    notes = dict(launch_notes(cfg, "cpu", 1.0, 1))
+    assert notes["settings_unused"] == {"fp8.recipe": "train.precision is not fp8",
+                                        "memory.ac_every": "memory.activation_checkpoint is not selective",
+                                        "parallel.cp_mode": "parallel.cp=1", "checkpoint.keep": "checkpoint.interval=0"}
+    assert notes["lr_low_for_new_weights"]["lr"] == 2e-5
+    used = load_config(None, ["train.precision=fp8", "fp8.recipe=rowwise", "memory.activation_checkpoint=selective",
+                              "memory.ac_every=3", "metrics.peak_tflops=1"])
+    assert "settings_unused" not in dict(launch_notes(used, "cpu", 1.0, 1))
