@@ -171,6 +171,25 @@ def test_a_resume_with_another_vocabulary_of_the_same_size_is_refused(tiny_confi
     assert Trainer(tiny_config(*common, f"data.tokenizer={tmp_path / 'a.json'}")).build().step == 3
 
 
+def test_a_resume_onto_edited_data_is_refused_even_at_the_same_settings(tiny_config, tmp_path, small_prepared,
+                                                                        small_corpus):
+    """Data edited in place (the same settings, often the same sequence count) resumed onto other
+    batches in silence: the training tokens' fingerprint is saved and compared."""
+    from shardline.data.sources import read_documents
+
+    docs = read_documents(str(small_corpus))
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    common = [f"data.path={data}", f"data.tokenizer={small_prepared / 'tokenizer.json'}", "train.eval_interval=0",
+              "checkpoint.interval=3"]
+    Trainer(tiny_config(*common, "train.stop_at_step=3")).build().train()
+    assert Trainer(tiny_config(*common)).build().step == 3  # the same data: resumed
+    data.write_text("".join(json.dumps({"text": d.replace("the", "a")}) + "\n" for d in docs))
+    with pytest.raises(CheckpointError, match=r"step-000003 was trained on other data \(tokens \w+, this run's "
+                                              r"\w+\): the files hold other text than when it was saved"):
+        Trainer(tiny_config(*common)).build()
+
+
 def test_a_named_checkpoint_the_config_contradicts_is_refused_before_newer_ones_are_set_aside(tiny_config, tmp_path):
     """Resuming an older checkpoint by name sets the newer ones aside (another history); a batch
     size, seed or data it cannot resume with was found only after that, in the restore: the run

@@ -8,6 +8,7 @@ combines several sources by weight (`mixture`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,8 @@ from shardline.data.encode import chat_template_for, check_replies, encode_docum
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
-from shardline.data.shards import id_bound, is_prepared, open_prepared, read_manifest, tokenizer_hash
+from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_manifest, token_fingerprint,
+                                   tokenizer_hash)
 from shardline.data.sources import SUFFIXES, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
 from shardline.errors import DataError
@@ -80,10 +82,23 @@ class DataBundle:
         source's size and share of the index space (other weights, or sources swapped, map the
         same index to other sequences)."""
         self._vocabulary = self._vocabulary or vocabulary_fingerprint(self.tokenizer)
+        content = {"content": self._content()} if self._content() else {}  # (a folder prepared before it: none)
         if not isinstance(self.train, MixedSequences):
-            return {"vocabulary": self._vocabulary}
-        return {"vocabulary": self._vocabulary,
+            return {"vocabulary": self._vocabulary, **content}
+        return {"vocabulary": self._vocabulary, **content,
                 "mix": [[int(c), int(n)] for c, n in zip(self.train.counts, self.train.sizes)]}
+
+    def _content(self) -> str | None:
+        """The training tokens' fingerprint (a mixture's: of its sources' in order), or None where
+        a source's is not known: edited data of the same length resumed onto other batches."""
+        parts = self.train.sources if isinstance(self.train, MixedSequences) else [self.train]
+        for part in parts:
+            if part.fingerprint is None and isinstance(part.tokens, np.ndarray):  # raw files, tokenized here
+                part.fingerprint = token_fingerprint([part.tokens])
+        prints = [part.fingerprint for part in parts]
+        if None in prints:
+            return None
+        return prints[0] if len(prints) == 1 else hashlib.sha256(" ".join(prints).encode()).hexdigest()[:16]
 
     def identity(self) -> str:
         """What every rank must have read alike: the splits' sequence counts, the tokenizer and a

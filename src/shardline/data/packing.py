@@ -38,6 +38,7 @@ class PackedSequences:
 
     def _init(self, tokens, doc_starts, seq_len: int, mask) -> None:
         self.tokens, self.doc_starts, self.mask, self.seq_len = tokens, doc_starts, mask, seq_len
+        self.fingerprint: str | None = None  # of the token stream (shards.token_fingerprint), where known
 
     @property
     def num_tokens(self) -> int:

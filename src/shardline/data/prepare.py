@@ -31,7 +31,7 @@ from shardline.data.encode import (CHAT_MASK_RULE, ChatTemplate, chat_template_f
 from shardline.data.loader import held_out, split_single
 from shardline.data.pool import EncodeJob, encoded_chunks
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
-                                   file_sha256, id_bound, token_dtype, tokenizer_hash)
+                                   file_sha256, id_bound, token_dtype, token_fingerprint, tokenizer_hash)
 from shardline.data.sources import CHAT_FIELD, files_not_read, inputs_files, read_file
 from shardline.data.tokenizer import TOKENIZER_SIDE_FILES, bos_prefix, eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
@@ -318,6 +318,9 @@ def _finish(root: Path, request: dict, writers: dict, tok: Tokenizer, stream: _S
                 "eos_id": eos_id(tok), "bos_ids": request.get("bos", []),
                 "dtype": np.dtype(writers["train"].dtype).name, "val_fraction": request["val_fraction"],
                 "input_documents": stream.count, "empty_documents": stream.empty,
+                "train_fingerprint": token_fingerprint(np.memmap(root / shard["file"], dtype=writers["train"].dtype,
+                                                                 mode="r")
+                                                       for shard in splits["train"]["shards"] if shard["tokens"]),
                 "files_not_read": stream.not_read,
                 "splits": splits}
     _atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))

@@ -61,6 +61,16 @@ def tokenizer_hash(tok: Tokenizer) -> str:
     return hashlib.sha256(tok.to_str().encode()).hexdigest()
 
 
+def token_fingerprint(chunks) -> str:
+    """A short hash of a token stream given in order as arrays of any integer dtype (the ids as
+    4-byte little-endian): the same for raw files tokenized at launch and for their prepared
+    folder, different for other text of the same length. A resume compares it with the saved one."""
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(np.ascontiguousarray(chunk, dtype="<u4").tobytes())
+    return digest.hexdigest()[:16]
+
+
 def id_bound(tok: Tokenizer) -> int:
     """One past the largest token id: a vocabulary with gaps has ids beyond its size."""
     return max(tok.get_vocab_size(), max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
@@ -190,6 +200,7 @@ def open_prepared(path: str, seq_len: int, tokenizer_path: str = "", fmt: str = 
                         f"data.format={manifest['format']} or prepare again with --format {fmt}")
     _check_bos(path, manifest, tok, add_bos and fmt == "text")
     splits = [_open_split(root, manifest, name, seq_len) for name in SPLITS]
+    splits[0].fingerprint = manifest.get("train_fingerprint")  # (folders prepared before it: None, not compared)
     return PreparedData(tok, splits[0], splits[1], manifest)
 
 

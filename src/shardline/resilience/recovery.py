@@ -256,6 +256,13 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
             f"checkpoint {path} was trained with another tokenizer (vocabulary {saved_vocabulary}, this run's "
             f"{vocabulary}): its embeddings mean other tokens; {back or keep}, or start a new run.dir from these "
             "weights with model.init_from")
+    content, saved_content = (position or {}).get("content"), data_pos.get("content")
+    if content and saved_content and content != saved_content:  # (older checkpoints and folders hold none)
+        why = back or "the files hold other text than when it was saved (edited or replaced)"
+        raise CheckpointError(
+            f"checkpoint {path} was trained on other data (tokens {saved_content}, this run's {content}): {why}; "
+            "the saved position would mean other samples: train on the data it was saved with, or start a new "
+            "run.dir from these weights with model.init_from")
     mix, saved_mix = (position or {}).get("mix"), data_pos.get("mix")
     if mix is not None and saved_mix is not None and [list(m) for m in saved_mix] != mix:
         raise CheckpointError(
