@@ -311,9 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardline: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `shardline generate ... | head`: the reader closed the pipe, having what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error as Python exits)
-        return 0
     except BaseException as e:  # a Ctrl-C inside torch's checkpoint writer comes back wrapped in its error
         if not any(isinstance(cause, KeyboardInterrupt) for cause in _causes(e)):
             raise

@@ -13,6 +13,7 @@ machines themselves.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from shardline.planner.layout import Workload
 from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_words
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE
-from shardline.resilience.checkpoint import step_of
+from shardline.resilience.checkpoint import MANIFEST
 from shardline.resilience.recovery import check_saved_position, data_changes, saved_config
 from shardline.preflight import (
     Preflight,
@@ -62,10 +63,10 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
     vocab, tokenizer, add_bos = _tokenizer_vocab(cfg, folder_tokenizer)
     launch = preflight(cfg, world, vocab)
     known = bool(cfg.data.tokenizer or folder_tokenizer)  # else the size of a BPE trained at launch, estimated
-    changed = data_changes(resume, cfg)
+    changed = data_changes(resume, cfg, stand_in is not None)
     check_resume_fits(resume, launch.model_args, cfg.train.steps, add_bos, vocab_known=known, data_changed=changed)
     if changed:  # the data a resume reads changed: tokenized here, to compare it with the checkpoint as a launch does
-        _check_resumed_data(cfg, world, resume, changed)
+        _check_resumed_data(cfg, world, resume, changed, stand_in is not None)
     check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu", node_paths=False, fp8_target=_fp8_target(gpu))
     target = ("" if cfg.run.device != "auto" or torch.cuda.is_available() else
               " (as a CUDA launch: run.device=auto, and this machine has no GPU, where it would train on the "
@@ -74,41 +75,46 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
              _model_line(cfg, launch), f"data      {data}; "
              f"tokenizer {tokenizer}",
              f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
-             *_resume_lines(cfg, resume), *_note_lines(cfg),
+             *_resume_lines(cfg, resume, stand_in is not None), *_note_lines(cfg, resume is not None),
              *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch)]
     memory, fits = _memory_lines(cfg, launch, gpu)
     return "\n".join([*lines, *memory]), fits
 
 
-def _check_resumed_data(cfg: Config, world: int, resume: Path, changed: str) -> None:
+def _check_resumed_data(cfg: Config, world: int, resume: Path, changed: str, stand_in: bool) -> None:
     """The launch's checks of a resume against the data it reads, which needs it tokenized: run
     here only when data settings changed since the checkpoint (a dry run passed what the launch,
     minutes later, refused)."""
     data = build_data(cfg)
     args = preflight(cfg, world, data.vocab_size).model_args
     check_resume_fits(resume, args, cfg.train.steps, bos_setting(cfg, data.tokenizer), data_changed=changed)
-    check_saved_position(resume, cfg, len(data.train), data.position_state())
+    check_saved_position(resume, cfg, len(data.train), data.position_state(), stand_in)
 
 
-def _resume_lines(cfg: Config, resume: Path | None) -> list[str]:
+def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool) -> list[str]:
     """What a resume changes from the checkpoint's run (the launch's optim_changed and
     config_changed events), and whether anything is left to train."""
     if resume is None:
         return []
     changes = config_changes(saved_config(resume), cfg.to_dict())
+    if stand_in:  # the run dir's copy of the starting weights' tokenizer: no change of the user's
+        changes.pop("data.tokenizer", None)
     said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
     lines = [f"          changed since it: {said}"] if changes else []
-    if step_of(resume) >= cfg.train.steps:
-        lines.append(f"          nothing to train: it is at step {step_of(resume)}, train.steps={cfg.train.steps}")
+    step = json.loads((resume / MANIFEST).read_text())["step"]  # (verified by check_resume)
+    last = cfg.train.stop_at_step or cfg.train.steps
+    if step >= last:
+        lines.append(f"          nothing to train: it is at step {step}, the run ends at {last} (train.steps"
+                     + (", train.stop_at_step)" if cfg.train.stop_at_step else ")"))
     return lines
 
 
-def _note_lines(cfg: Config) -> list[str]:
+def _note_lines(cfg: Config, resumes: bool) -> list[str]:
     """What the launch would note as likely mistakes (launch_notes: settings it never reads, a
-    fine-tune's lr on random weights)."""
+    fine-tune's lr on random weights, which a resume's are not)."""
     unused = ", ".join(f"{key} ({why})" for key, why in unused_settings(cfg).items())
     lines = [f"notes     set but unused: {unused}"] if unused else []
-    if not (cfg.model.hf_path or cfg.model.init_from) and cfg.optim.lr < PRETRAIN_LR_FLOOR:
+    if not (cfg.model.hf_path or cfg.model.init_from or resumes) and cfg.optim.lr < PRETRAIN_LR_FLOOR:
         lines.append(f"notes     optim.lr={cfg.optim.lr:g} on random weights (no model.hf_path or model.init_from): "
                      "a fine-tune's lr, which barely moves a new model")
     return lines

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -90,8 +91,9 @@ class Generator:
         ends them; also ended once their text holds `stop_text` (an end marker that is no single
         token). Seeded: the same options give the same tokens on the same device."""
         if not prompt_ids:
-            raise ConfigError("--prompt encodes to no token: give some text (this model has no BOS token to start "
-                              "from)")
+            raise ConfigError("--prompt encodes to no token: give some text" + (
+                " (or --bos, to start from the BOS token)" if self.bos else " (this model has no BOS token to start "
+                                                                            "from)"))
         stop = self.stop if stop is None else stop
         rows = self.model.tok_embeddings.num_embeddings
         past = [t for t in prompt_ids if t >= rows]  # (an IndexError; a device assert on CUDA)
@@ -343,6 +345,10 @@ def _command(args, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"generate takes no config overrides, got {' '.join(overrides)}")
     opts = SampleOptions(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
-    print(generate(args.src, args.prompt, opts, args.device, args.json, args.dtype, args.bos, args.chat, args.system,
-                   args.context, args.tokenizer))
+    text = generate(args.src, args.prompt, opts, args.device, args.json, args.dtype, args.bos, args.chat, args.system,
+                    args.context, args.tokenizer)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `... | head`: the reader closed the pipe, having what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error as Python exits)
     return 0

@@ -29,11 +29,12 @@ FINE_TUNE_LR_LIMIT = 1e-3
 
 
 def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: int, gpu_name: str = "",
-                 gpus: int = 0, model: ModelArgs | None = None, tokenizer=None) -> list[tuple[str, dict]]:
+                 gpus: int = 0, model: ModelArgs | None = None, tokenizer=None,
+                 resumed: bool = False) -> list[tuple[str, dict]]:
     """(event, fields) of what a launch does that its user may not expect, logged as it starts:
     nothing is refused. `peak`: the device's peak TFLOP/s (None: unknown, so no MFU); on CUDA,
     `gpu_name` is the device's name and `gpus` the number of GPUs the machine shows; `model`
-    the shape the run trains; `tokenizer` the one it tokenizes with."""
+    the shape the run trains; `tokenizer` the one it tokenizes with; `resumed`: it resumes a checkpoint."""
     notes = []
     problem = hf_export_problem(model) if model is not None else None
     if problem:  # it trains, but only the export would say so, after the run
@@ -98,7 +99,7 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
         notes.append(("lr_high_for_trained_weights", {
             "lr": cfg.optim.lr, "weights": start,
             "fix": "fine-tunes commonly take optim.lr 1e-5 to 1e-4 (configs/finetune.toml)"}))
-    if not start and cfg.optim.lr < PRETRAIN_LR_FLOOR:  # a fine-tune's config without its weights, most likely
+    if not (start or resumed) and cfg.optim.lr < PRETRAIN_LR_FLOOR:  # a fine-tune's config without its weights
         notes.append(("lr_low_for_new_weights", {
             "lr": cfg.optim.lr, "why": "no model.hf_path or model.init_from: the weights start at random, which "
                                        "pretraining lrs (8e-5 to 3e-3) move; a fine-tune's config needs its weights"}))

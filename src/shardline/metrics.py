@@ -135,10 +135,13 @@ def history(path: Path | str) -> list[dict[str, Any]]:
     launch's `start` event at step s, and a rollback's `anomaly` event with `to_step` s, supersede
     the `train` and `eval` records of the steps past s logged before them (a resume from an older
     checkpoint, a new run in a run dir whose checkpoints are gone, a rollback), as TensorBoard
-    drops its superseded points. Events stay: they say what happened."""
+    drops its superseded points. Events stay: they say what happened. A last line not ended (a
+    run writing it, or killed) is left out."""
     kept: list[dict[str, Any]] = []
     with open(path) as f:
         for line in f:
+            if not line.endswith("\n"):  # a record being written, or cut short by a kill: not yet one
+                break
             rec = json.loads(line)
             cut = {"start": rec.get("step"), "anomaly": rec.get("to_step")}.get(rec.get("event"))
             if cut is not None:

@@ -300,3 +300,10 @@ def test_what_reading_skips_is_counted_and_the_run_covers_its_epochs(tmp_path):
     cfg = load_config(None, [f"data.path={clean}", "train.seq_len=16", "data.vocab_size=300", "data.val_fraction=0.2"])
     fields = build_data(cfg).describe(steps=10)
     assert "empty_documents_skipped" not in fields and "files_not_read" not in fields
+
+
+def test_null_chat_rows_are_counted_as_empty_documents(tmp_path):
+    talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    pq.write_table(pa.table({"messages": [talk, None, talk, talk]}), tmp_path / "c.parquet")
+    left: dict = {}
+    assert len(read_documents(str(tmp_path / "c.parquet"), "messages", left)) == 3 and left["empty_documents"] == 1

@@ -124,6 +124,7 @@ def test_settings_a_config_never_reads_and_a_fine_tunes_lr_on_new_weights_are_na
                                         "memory.ac_every": "memory.activation_checkpoint is not selective",
                                         "parallel.cp_mode": "parallel.cp=1", "checkpoint.keep": "checkpoint.interval=0"}
     assert notes["lr_low_for_new_weights"]["lr"] == 2e-5
+    assert "lr_low_for_new_weights" not in dict(launch_notes(cfg, "cpu", 1.0, 1, resumed=True))  # a lowered lr
     used = load_config(None, ["train.precision=fp8", "fp8.recipe=rowwise", "memory.activation_checkpoint=selective",
                               "memory.ac_every=3", "metrics.peak_tflops=1"])
     assert "settings_unused" not in dict(launch_notes(used, "cpu", 1.0, 1))

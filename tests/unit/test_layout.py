@@ -503,4 +503,16 @@ def test_dry_run_tokenizes_a_resume_whose_data_settings_changed_and_names_them(c
     assert main([*base, "--train.precision=bf16", "--train.steps=2"]) == 0
     out = capsys.readouterr().out
     assert "changed since it: train.steps 4 -> 2, train.precision 'fp32' -> 'bf16'" in out, out
-    assert "nothing to train: it is at step 2, train.steps=2" in out
+    assert "nothing to train: it is at step 2, the run ends at 2 (train.steps)" in out
+
+
+@pytest.mark.parametrize(("world", "overrides", "label"), [
+    (8, ["parallel.cp=2"], "cp2(ring zigzag) fsdp:4xcp2 "),  # FSDP shards over dp_shard x cp: 8 ranks
+    (2, ["parallel.cp=2"], "cp2(ring zigzag) fsdp:cp2 "),
+    (8, ["parallel.cp=2", "parallel.dp_replicate=2"], "hsdp2x2xcp2 "),
+    (4, ["parallel.cp=2", "parallel.zero=1"], "zero1:2xcp2 "),
+    (4, [], "tp1 fsdp:4 "),  # without cp, as before
+])
+def test_the_layout_label_counts_the_cp_ranks_fsdp_shards_over(world, overrides, label):
+    """`fsdp:16` under cp 8 read as 16 shards where there were 128."""
+    assert label in layouts.resolve(load_config(None, overrides), world).describe()

@@ -125,3 +125,6 @@ def test_the_history_that_stands_in_metrics_jsonl_is_tensorboards(tiny_config, t
     stands = [(r["step"], round(r["loss"], 5)) for r in history(tmp_path / "run" / "metrics.jsonl")
               if r["kind"] == "train"]
     assert [s for s, _ in stands] == [3, 4] and stands == tensorboard()
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:  # a record cut short by a kill
+        f.write('{"kind": "train", "step": 5, "lo')
+    assert [r["step"] for r in history(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"] == [3, 4]

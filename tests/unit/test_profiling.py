@@ -157,3 +157,17 @@ def test_a_window_run_again_after_a_rollback_keeps_its_first_trace(tmp_path):
         if step == 2 and not (tmp_path / "profile" / "kept").exists():
             (tmp_path / "profile" / "rank0_steps2-2.json").rename(tmp_path / "profile" / "kept")
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["kept"]
+
+
+def test_a_rollback_at_the_windows_last_step_writes_the_trace_then(tiny_config, tmp_path):
+    """The trace was written inside the last profiled step; once moved after the step's clock, a
+    rollback there skipped it, and the profiler recorded on through the restore and the steps after."""
+    Trainer(tiny_config(*FAST, "metrics.profile_steps=[2, 3]", "faults.nan_step=3", "anomaly.action=rollback",
+                        "anomaly.min_history=1", "checkpoint.interval=2", "train.steps=4")).build().train()
+    run = tmp_path / "run"
+    (event,) = events(run, "profile")
+    assert event["step"] == 3 and step_labels(run / "profile" / "rank0_steps2-3.json") == {2, 3}
+    (rollback,) = events(run, "anomaly")
+    assert rollback["to_step"] == 2
+    trace = json.loads((run / "profile" / "rank0_steps2-3.json").read_text())["traceEvents"]
+    assert sum(e.get("name") == "shardline.step.3" for e in trace) == 1  # not the step run again as well

@@ -320,8 +320,8 @@ def _read_table(f: Path, field: str, kind: str) -> Iterator:
         batches = _arrow_batches(f, field, kind)
         for batch in batches:
             values = batch.column(0).to_pylist()
-            if field == CHAT_FIELD:  # a null row holds no conversation
-                yield from (_conversation(f, "a row", v) for v in values if v is not None)
+            if field == CHAT_FIELD:  # a null row holds no conversation: an empty document, counted as one
+                yield from ("" if v is None else _conversation(f, "a row", v) for v in values)
                 continue
             values = ["" if v is None else v for v in values]  # a null row: an empty document, counted as one
             wrong = next((v for v in values if not isinstance(v, str)), None)

@@ -161,9 +161,14 @@ def to_config(layout: Layout, work: Workload, base: Config | None = None, on_cpu
     t.seq_len, t.global_batch_size, t.micro_batch_size = work.seq_len, work.global_batch, layout.micro_batch_size
     t.precision, t.document_mask, t.attention = work.precision, work.document_mask, work.attention
     fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-    cfg.parallel = ParallelConfig(**{k: v for k, v in layout.to_json().items() if k in fields})
+    given = {k: v for k, v in layout.to_json().items() if k in fields}
+    idle = {"pp": ("pp_schedule", "pp_virtual_stages", "pp_microbatches"),  # at the defaults where their degree
+            "cp": ("cp_mode", "cp_balance", "cp_ulysses"), "tp": ("sequence_parallel", "loss_parallel")}  # is 1
+    unread = {key for degree, keys in idle.items() if given[degree] == 1 for key in keys}
+    cfg.parallel = ParallelConfig(**{k: v for k, v in given.items() if k not in unread})
     cfg.memory.activation_checkpoint = layout.activation_checkpoint
-    cfg.memory.ac_every = layout.ac_every
+    if layout.activation_checkpoint == "selective":
+        cfg.memory.ac_every = layout.ac_every
     cfg.memory.cpu_offload = layout.cpu_offload
     # The folder where this layout can use it (the trainer refuses it elsewhere); else the plan does not.
     usable = ssd_offload.usable(layout.zero, layout.cpu_offload, on_cuda=not on_cpu)

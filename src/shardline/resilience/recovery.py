@@ -182,7 +182,7 @@ def restarted() -> bool:
 
 
 def check_saved_position(path: Path | None, cfg: Config, num_samples: int | None = None,
-                         position: dict | None = None) -> None:
+                         position: dict | None = None, stand_in: bool = False) -> None:
     """Checkpoint `path`'s saved trainer state agrees with this config (batch size, seed, skipped
     batches, steps) and, given them, with the data read (`num_samples` training sequences, its
     `position`: DataBundle.position_state), or the one-line error: checked before a start takes
@@ -198,7 +198,7 @@ def check_saved_position(path: Path | None, cfg: Config, num_samples: int | None
         raise CheckpointError(f"checkpoint {path}: trainer/rank0.pt cannot be read ({type(e).__name__})") from None
     _check_saved_seq_len(path, cfg.train.seq_len)  # (a dry run, which counts no sequences, finds it too)
     check_data_position(path, data, data["num_samples"] if num_samples is None else num_samples, cfg.train.seed,
-                        cfg.train.global_batch_size, position, data_changes(path, cfg))
+                        cfg.train.global_batch_size, position, data_changes(path, cfg, stand_in))
     check_skip_batches(path, step, data.get("skipped_batches", []), cfg.train.skip_batches)
     check_steps_ahead(path, step, cfg.train.steps)
 
@@ -217,14 +217,28 @@ def saved_config(path: Path | str | None) -> dict:
 DATA_KEYS = ("path", "mix", "tokenizer", "vocab_size", "val_fraction", "text_field", "format", "add_bos")
 
 
-def data_changes(path: Path | str | None, cfg: Config) -> str:
+def data_changes(path: Path | str | None, cfg: Config, stand_in: bool = False) -> str:
     """The data settings changed since checkpoint `path` was saved ("data.vocab_size=4096 -> 2048"),
-    "" for none: what a refusal of its vocabulary or sequence count names (it named other keys)."""
+    "" for none: what a refusal of its vocabulary or sequence count names (it named other keys).
+    Paths are compared as the files they name (runs/x and ./runs/x are one); `stand_in`: the run
+    dir's copy of the starting weights' tokenizer stands in for theirs (not the user's change)."""
     if path is None:
         return ""
-    changed = config_changes(saved_config(path), cfg.to_dict())
+    saved, now = _data_files(saved_config(path).get("data")), _data_files(cfg.to_dict()["data"])
+    if stand_in:
+        saved.pop("tokenizer", None), now.pop("tokenizer", None)
+    changed = config_changes({"data": saved}, {"data": now}) if saved else {}
     return ", ".join("data.mix changed" if k == "data.mix" else f"{k}={old!r} -> {new!r}"
-                     for k, (old, new) in changed.items() if k.startswith("data.") and k[5:] in DATA_KEYS)
+                     for k, (old, new) in changed.items() if k[5:] in DATA_KEYS)
+
+
+def _data_files(data) -> dict:
+    """A [data] section with its paths as the files they name (a relative path from here)."""
+    if not isinstance(data, dict):
+        return {}
+    real = lambda p: os.path.realpath(p) if isinstance(p, str) and p else p  # noqa: E731
+    mix = [{**m, "path": real(m.get("path"))} if isinstance(m, dict) else m for m in data.get("mix") or []]
+    return {**data, "path": real(data.get("path")), "tokenizer": real(data.get("tokenizer")), "mix": mix}
 
 
 def _check_saved_seq_len(path: Path, seq_len: int) -> None:

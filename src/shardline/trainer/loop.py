@@ -164,7 +164,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
             self.metrics.event("allocator", step=self.step, setting=self.allocator)
         gpu = (torch.cuda.get_device_name(self.device), torch.cuda.device_count()) if self.device.type == "cuda" else ()
         for note, fields in launch_notes(self.cfg, self.device.type, self.peak_tflops, self.proc.world_size, *gpu,
-                                         model=self.model_args, tokenizer=self.data.tokenizer):
+                                         model=self.model_args, tokenizer=self.data.tokenizer,
+                                         resumed=resumed is not None):
             self.metrics.event(note, step=self.step, **fields)
         self.metrics.event("data", step=self.step, **self.data.describe(self.cfg.train.steps))
         self.profiler = StepProfiler(self.cfg.metrics.profile_steps, self.run_dir, self.proc.rank, self.device,
@@ -230,6 +231,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
             if outcome == "rolled_back":  # self.step moved back to the checkpoint's; a stop is not put off
                 rollback = sum(self.guard.goodput.seconds.values()) - accounted  # (its restore and re-save)
                 self.guard.goodput.add("anomaly_skipped", time.perf_counter() - started - rollback)  # the bad step
+                self.profiler.after_step(step)  # a window ending here is written: the steps that led to it
                 window_start, window_steps, request = time.perf_counter(), 0, self.guard.stop_requested()
                 if request:  # (by rollbacks to come): that state saved again, with the batch it skips
                     stopped = self._stop_on_request(request, saved=None)  # (unless the rollback's re-save landed)

@@ -100,8 +100,8 @@ class SavedState:
         rank 0's choice is made every rank's later (agree_on_resume)."""
         found, self._invalid_checkpoints = resume_path(self.cfg, self.checkpointer, repaired=repaired)
         check_resume_fits(found, model_args, self.cfg.train.steps, bos_setting(self.cfg, self.data.tokenizer),
-                          data_changed=data_changes(found, self.cfg))
-        check_saved_position(found, self.cfg, len(self.data.train), self.data.position_state())
+                          data_changed=data_changes(found, self.cfg, bool(self._stand_in)))
+        check_saved_position(found, self.cfg, len(self.data.train), self.data.position_state(), bool(self._stand_in))
         return found
 
     def _layout_fingerprint(self) -> str:
@@ -124,8 +124,10 @@ class SavedState:
         now = schedule_settings(self.cfg.train.steps, self.cfg.optim)  # the lr curve from here on
         self._optim_changes.update({k: [v, now[k]] for k, v in state.get("schedule", {}).items() if now.get(k) != v})
         # The rest of the config a resume changed (optim and the schedule's train.steps: said above).
+        said = {*self._optim_changes, *(f"optim.{k}" for k in self._optim_changes)}  # (optim_changed's)
+        stand_in = {"data.tokenizer"} if self._stand_in else set()  # the run dir's copy of the weights' own
         self._config_changes = {k: v for k, v in config_changes(state.get("config", {}), self.cfg.to_dict()).items()
-                                if not k.startswith("optim.") and k != "train.steps"}
+                                if k not in said | stand_in}
         self.scaler.load_state_dict(state["scaler"])
         self.anomaly.load_state_dict(state.get("anomaly", {}))
         # The run's rollback budget and skip streak go on across restarts (a requeued job must not get a
