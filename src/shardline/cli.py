@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import time
 import warnings
 
 from shardline.config.reader import OnlyOnce
@@ -197,6 +198,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # (the same command line on every rank: said by a node's first)
         if _another_local_rank():
+            _let_the_first_say_it()
             self.exit(2)
         # A missing required option is reported before any unknown one: a misspelt `--seqlen` read as absent.
         unknown = [a.split("=")[0] for a in self._given if a.startswith("--") and "." not in a
@@ -263,6 +265,15 @@ def _another_local_rank() -> bool:
         return False
 
 
+def _let_the_first_say_it() -> None:
+    """A silenced rank waits a moment before it exits: torchrun stops the other workers as soon as
+    one fails, and the node's first rank, which says the error, was killed before it printed."""
+    time.sleep(SILENT_EXIT_DELAY_S)
+
+
+SILENT_EXIT_DELAY_S = 3.0
+
+
 def _leave(error: ShardlineError, what: str, code: int) -> int:
     """The error's one line, then its exit code. Ranks that stopped alike (a halt, a stop, an
     agreed refusal) print it once, on rank 0, and leave the process group together
@@ -271,6 +282,8 @@ def _leave(error: ShardlineError, what: str, code: int) -> int:
     if not error.every_rank:
         if not (getattr(error, "node_alike", False) and _another_local_rank()):
             print(line, file=sys.stderr)
+        else:
+            _let_the_first_say_it()
         return code
     from shardline.parallel.distributed import leave_together
 

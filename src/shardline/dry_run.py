@@ -75,7 +75,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
              _model_line(cfg, launch), f"data      {data}; "
              f"tokenizer {tokenizer}",
              f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
-             *_resume_lines(cfg, resume, stand_in is not None), *_note_lines(cfg, resume is not None),
+             *_resume_lines(cfg, resume, stand_in is not None), *_note_lines(cfg, resume is not None, launch),
              *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch)]
     memory, fits = _memory_lines(cfg, launch, gpu)
     return "\n".join([*lines, *memory]), fits
@@ -109,10 +109,10 @@ def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool) -> list[str]
     return lines
 
 
-def _note_lines(cfg: Config, resumes: bool) -> list[str]:
+def _note_lines(cfg: Config, resumes: bool, launch: Preflight) -> list[str]:
     """What the launch would note as likely mistakes (launch_notes: settings it never reads, a
     fine-tune's lr on random weights, which a resume's are not)."""
-    unused = ", ".join(f"{key} ({why})" for key, why in unused_settings(cfg).items())
+    unused = ", ".join(f"{key} ({why})" for key, why in unused_settings(cfg, launch.layout).items())
     lines = [f"notes     set but unused: {unused}"] if unused else []
     if not (cfg.model.hf_path or cfg.model.init_from or resumes) and cfg.optim.lr < PRETRAIN_LR_FLOOR:
         lines.append(f"notes     optim.lr={cfg.optim.lr:g} on random weights (no model.hf_path or model.init_from): "

@@ -16,6 +16,7 @@ from shardline.data.tokenizer import KNOWN_EOS, eos_id, load_tokenizer
 from shardline.devices import CPU_PEAK_ASSUMED, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
 from shardline.interop.hf_config import hf_export_problem
+from shardline.layout import Layout
 from shardline.models.llama import ModelArgs
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import read_hf_config
@@ -30,7 +31,7 @@ FINE_TUNE_LR_LIMIT = 1e-3
 
 def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: int, gpu_name: str = "",
                  gpus: int = 0, model: ModelArgs | None = None, tokenizer=None,
-                 resumed: bool = False) -> list[tuple[str, dict]]:
+                 resumed: bool = False, layout: Layout | None = None) -> list[tuple[str, dict]]:
     """(event, fields) of what a launch does that its user may not expect, logged as it starts:
     nothing is refused. `peak`: the device's peak TFLOP/s (None: unknown, so no MFU); on CUDA,
     `gpu_name` is the device's name and `gpus` the number of GPUs the machine shows; `model`
@@ -103,7 +104,7 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
         notes.append(("lr_low_for_new_weights", {
             "lr": cfg.optim.lr, "why": "no model.hf_path or model.init_from: the weights start at random, which "
                                        "pretraining lrs (8e-5 to 3e-3) move; a fine-tune's config needs its weights"}))
-    unused = unused_settings(cfg)
+    unused = unused_settings(cfg, layout)
     if unused:
         notes.append(("settings_unused", unused))
     return notes
@@ -113,9 +114,10 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
 PRETRAIN_LR_FLOOR = 5e-5
 
 
-def unused_settings(cfg: Config) -> dict[str, str]:
+def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]:
     """{key: why} of the settings given other than their defaults that this config never reads (a
-    recipe without fp8, ac_every without selective checkpointing): said, as a likely mistake."""
+    recipe without fp8, ac_every without selective checkpointing): said, as a likely mistake.
+    `layout`: the one resolved on the launch's world (parallel.zero where nothing is sharded)."""
     given, default = cfg.to_dict(), Config().to_dict()
     c, p = cfg.checkpoint, cfg.parallel
     rules = [("fp8", ("recipe", "fsdp_all_gather"), cfg.train.precision != "fp8", "train.precision is not fp8"),
@@ -128,7 +130,9 @@ def unused_settings(cfg: Config) -> dict[str, str]:
              ("checkpoint", ("keep", "mode", "on_error"), not c.interval, "checkpoint.interval=0"),
              ("checkpoint", ("memory_redundancy", "memory_mode", "memory_dir"), not c.memory_interval,
               "checkpoint.memory_interval=0"),
-             ("watchdog", ("long_timeout_s",), not cfg.watchdog.timeout_s, "watchdog.timeout_s=0")]
+             ("watchdog", ("long_timeout_s",), not cfg.watchdog.timeout_s, "watchdog.timeout_s=0"),
+             ("parallel", ("zero",), layout is not None and layout.dp_mode in ("ddp", "single"),
+              "nothing is sharded: dp_shard x cp = 1, so DDP or one rank")]
     return {f"{section}.{key}": why for section, keys, idle, why in rules if idle
             for key in keys if given[section][key] != default[section][key]}
 

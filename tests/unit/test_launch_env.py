@@ -3,6 +3,8 @@ work is one line before anything waits on it, not a CUDA or rendezvous traceback
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from shardline.errors import ConfigError
@@ -101,7 +103,10 @@ def test_a_command_line_mistake_is_said_once_a_node(monkeypatch, capsys, argv):
     printed once per rank)."""
     from shardline.cli import main
 
-    said = {}
+    import shardline.cli
+
+    said, waits = {}, []
+    monkeypatch.setattr(shardline.cli, "_let_the_first_say_it", lambda: waits.append(os.environ["LOCAL_RANK"]))
     monkeypatch.setenv("WORLD_SIZE", "2")
     for local_rank in ("1", "0"):
         monkeypatch.setenv("LOCAL_RANK", local_rank)
@@ -111,6 +116,9 @@ def test_a_command_line_mistake_is_said_once_a_node(monkeypatch, capsys, argv):
             code = e.code
         said[local_rank] = (code, capsys.readouterr().err)
     assert said["1"] == (2, "") and said["0"][0] == 2 and said["0"][1].count("\n") == 1, said
+    # the silent rank waits before it exits: torchrun stops the others at the first failure, and the
+    # node's first rank, which says it, lost that race in 3 of 6 launches
+    assert waits == ["1"]
 
 
 def test_a_config_file_one_rank_cannot_read_is_said_by_that_rank(monkeypatch, capsys, tmp_path):
@@ -121,6 +129,9 @@ def test_a_config_file_one_rank_cannot_read_is_said_by_that_rank(monkeypatch, ca
 
     from shardline.cli import main
 
+    import shardline.cli
+
+    monkeypatch.setattr(shardline.cli, "SILENT_EXIT_DELAY_S", 0.0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     (tmp_path / "dir.toml").mkdir()

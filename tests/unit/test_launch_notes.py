@@ -128,3 +128,9 @@ def test_settings_a_config_never_reads_and_a_fine_tunes_lr_on_new_weights_are_na
     used = load_config(None, ["train.precision=fp8", "fp8.recipe=rowwise", "memory.activation_checkpoint=selective",
                               "memory.ac_every=3", "metrics.peak_tflops=1"])
     assert "settings_unused" not in dict(launch_notes(used, "cpu", 1.0, 1))
+    from shardline import layout as layouts
+
+    ddp = load_config(None, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.zero=1",
+                             "metrics.peak_tflops=1"])
+    notes = dict(launch_notes(ddp, "cpu", 1.0, 2, layout=layouts.resolve(ddp, 2)))
+    assert notes["settings_unused"] == {"parallel.zero": "nothing is sharded: dp_shard x cp = 1, so DDP or one rank"}

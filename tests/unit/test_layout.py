@@ -53,9 +53,12 @@ def test_dp_shard_fills_the_rest():
     (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], "needs pp_virtual_stages >= 2"),
     (2, ["parallel.pp=2", "parallel.pp_virtual_stages=2"], "runs one stage per rank"),
     (2, ["parallel.pp=2", "parallel.pp_microbatches=3"], "pp_microbatches=3 but"),
-    (2, ["parallel.pp=2", "train.micro_batch_size=16"], "cannot fill 2 pipeline stages"),
+    (2, ["parallel.pp=2", "train.micro_batch_size=16"], "cannot fill the pipeline: 1f1b needs at least 2 (one per "
+                                                         "pipeline rank, pp=2"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "train.micro_batch_size=16"],  # 4 stages, 2 ranks: 2
+     "cannot fill the pipeline: zbv needs at least 2 (one per pipeline rank"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "train.micro_batch_size=8"],
-     "cannot fill 4 pipeline stages"),
+     "cannot fill the pipeline: dualpipev needs at least 4 (one per stage"),
     (8, ["train.micro_batch_size=4"], "not divisible by train.micro_batch_size=4 x 8"),
     (2, ["parallel.cp=2", "train.seq_len=30"], "train.seq_len=30 must be divisible by 4 (parallel.cp=2, 2 chunks"),
     (2, ["parallel.cp=2", "parallel.cp_balance=none", "train.seq_len=31"], "divisible by 2 (parallel.cp=2, one chunk"),

@@ -286,7 +286,7 @@ class ParallelConfig:
     sequence_parallel: bool = True  # with tp > 1: shard the norm regions along the sequence
     loss_parallel: bool = True  # with tp > 1: cross-entropy on vocab-sharded logits
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv | dualpipev
-    pp_microbatches: int = 0  # 0 = global_batch_size / (dp x micro_batch_size): one round per step
+    pp_microbatches: int = 0  # 0 = global_batch / (dp x micro_batch): one round a step (only that number)
     pp_virtual_stages: int = 1  # stages per rank (interleaved schedules)
 
     def check(self) -> None:

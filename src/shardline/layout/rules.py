@@ -148,10 +148,12 @@ def _pp_microbatches(lay: Layout, job: Job) -> Problem | None:
     if lay.pp_microbatches != n_mb:
         return "pp", (f"parallel.pp_microbatches={lay.pp_microbatches} but global_batch_size / (dp x "
                       f"micro_batch_size) = {n_mb}; set pp_microbatches=0 or change the batch sizes")
-    need = lay.n_stages if lay.pp_schedule == "dualpipev" else lay.pp
+    dual = lay.pp_schedule == "dualpipev"  # its two directions fill every stage; the others, every rank
+    need = lay.n_stages if dual else lay.pp
     if n_mb < need:
-        return "pp", (f"{n_mb} micro-batches per step cannot fill {need} pipeline stages; raise "
-                      f"train.global_batch_size or lower train.micro_batch_size (need >= {need})")
+        return "pp", (f"{n_mb} micro-batches per step cannot fill the pipeline: {lay.pp_schedule} needs at least "
+                      f"{need} ({'one per stage' if dual else f'one per pipeline rank, pp={lay.pp}'}); raise "
+                      "train.global_batch_size or lower train.micro_batch_size")
     rounds = max(1, n_mb // lay.pp)
     if lay.pp_schedule == "interleaved_1f1b" and n_mb % rounds:
         return "pp", (f"interleaved 1F1B runs {n_mb} micro-batches in rounds of pp={lay.pp}: they must be a "

@@ -165,6 +165,8 @@ def to_config(layout: Layout, work: Workload, base: Config | None = None, on_cpu
     idle = {"pp": ("pp_schedule", "pp_virtual_stages", "pp_microbatches"),  # at the defaults where their degree
             "cp": ("cp_mode", "cp_balance", "cp_ulysses"), "tp": ("sequence_parallel", "loss_parallel")}  # is 1
     unread = {key for degree, keys in idle.items() if given[degree] == 1 for key in keys}
+    if layout.dp_mode in ("ddp", "single"):  # nothing sharded: no ZeRO stage is read
+        unread.add("zero")
     cfg.parallel = ParallelConfig(**{k: v for k, v in given.items() if k not in unread})
     cfg.memory.activation_checkpoint = layout.activation_checkpoint
     if layout.activation_checkpoint == "selective":

@@ -165,7 +165,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         gpu = (torch.cuda.get_device_name(self.device), torch.cuda.device_count()) if self.device.type == "cuda" else ()
         for note, fields in launch_notes(self.cfg, self.device.type, self.peak_tflops, self.proc.world_size, *gpu,
                                          model=self.model_args, tokenizer=self.data.tokenizer,
-                                         resumed=resumed is not None):
+                                         resumed=resumed is not None, layout=self.dims.layout):
             self.metrics.event(note, step=self.step, **fields)
         self.metrics.event("data", step=self.step, **self.data.describe(self.cfg.train.steps))
         self.profiler = StepProfiler(self.cfg.metrics.profile_steps, self.run_dir, self.proc.rank, self.device,
