@@ -291,6 +291,8 @@ def _leave(error: ShardlineError, what: str, code: int) -> int:
     return code
 
 
+# The commands that print a report and end: a reader that closes their pipe early is no failure.
+REPORTS = ("generate", "plan", "estimate", "simulate", "convert")
 # The commands that take --section.key=value config overrides (the others refuse them).
 TAKES_OVERRIDES = ("train", "check", "plan", "estimate", "simulate")
 
@@ -324,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardline: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `shardline plan ... | head`: a report's reader closed the pipe, having what it wanted
+        if args.command not in REPORTS:  # a run (train, prepare) fails as it did: the pipe was its log
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error as Python exits)
+        return 0
     except BaseException as e:  # a Ctrl-C inside torch's checkpoint writer comes back wrapped in its error
         if not any(isinstance(cause, KeyboardInterrupt) for cause in _causes(e)):
             raise

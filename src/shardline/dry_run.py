@@ -65,8 +65,9 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
     known = bool(cfg.data.tokenizer or folder_tokenizer)  # else the size of a BPE trained at launch, estimated
     changed = data_changes(resume, cfg, stand_in is not None)
     check_resume_fits(resume, launch.model_args, cfg.train.steps, add_bos, vocab_known=known, data_changed=changed)
-    if changed:  # the data a resume reads changed: tokenized here, to compare it with the checkpoint as a launch does
-        _check_resumed_data(cfg, world, resume, changed, stand_in is not None)
+    prepared = all(is_prepared(path) for path in [s.path for s in cfg.data.mix] or [cfg.data.path])
+    if resume and (changed or prepared):  # data settings changed (tokenized here), or shards read at no cost:
+        _check_resumed_data(cfg, world, resume, changed, stand_in is not None)  # compared as the launch does
     check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu", node_paths=False, fp8_target=_fp8_target(gpu))
     target = ("" if cfg.run.device != "auto" or torch.cuda.is_available() else
               " (as a CUDA launch: run.device=auto, and this machine has no GPU, where it would train on the "
@@ -82,9 +83,10 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
 
 
 def _check_resumed_data(cfg: Config, world: int, resume: Path, changed: str, stand_in: bool) -> None:
-    """The launch's checks of a resume against the data it reads, which needs it tokenized: run
-    here only when data settings changed since the checkpoint (a dry run passed what the launch,
-    minutes later, refused)."""
+    """The launch's checks of a resume against the data it reads (its sequences, vocabulary and
+    tokens' fingerprint): run here where that costs nothing (prepared folders) or where data
+    settings changed since the checkpoint, which tokenizes raw files (a dry run passed what the
+    launch, minutes later, refused). Raw files edited in place are found by the launch only."""
     data = build_data(cfg)
     args = preflight(cfg, world, data.vocab_size).model_args
     check_resume_fits(resume, args, cfg.train.steps, bos_setting(cfg, data.tokenizer), data_changed=changed)

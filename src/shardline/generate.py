@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -347,8 +346,5 @@ def _command(args, overrides: list[str]) -> int:
     opts = SampleOptions(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     text = generate(args.src, args.prompt, opts, args.device, args.json, args.dtype, args.bos, args.chat, args.system,
                     args.context, args.tokenizer)
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:  # `... | head`: the reader closed the pipe, having what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error as Python exits)
+    print(text, flush=True)
     return 0

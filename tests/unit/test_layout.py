@@ -4,6 +4,7 @@ and the trainer, `train --dry-run` and the planner give the same verdict on ever
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import re
 from pathlib import Path
@@ -519,3 +520,34 @@ def test_dry_run_tokenizes_a_resume_whose_data_settings_changed_and_names_them(c
 def test_the_layout_label_counts_the_cp_ranks_fsdp_shards_over(world, overrides, label):
     """`fsdp:16` under cp 8 read as 16 shards where there were 128."""
     assert label in layouts.resolve(load_config(None, overrides), world).describe()
+
+
+def test_dry_run_compares_a_prepared_folders_tokens_with_the_resumed_checkpoint(capsys, tmp_path, tiny_config,
+                                                                               small_corpus, small_prepared):
+    """A folder prepared again from edited text, at the same settings: the launch refused it, the dry
+    run passed it (a prepared folder's fingerprint is in its manifest: no tokenizing needed)."""
+    from shardline.data.loader import held_out
+    from shardline.data.prepare import PrepareOptions, prepare
+    from shardline.data.sources import read_documents
+    from shardline.trainer import Trainer
+
+    docs = read_documents(str(small_corpus))
+    text = tmp_path / "docs.jsonl"
+    text.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    options = dict(tokenizer=str(small_prepared / "tokenizer.json"), progress=False)
+    prepare(PrepareOptions([str(text)], str(tmp_path / "prep"), **options))
+    cfg = tiny_config(f"data.path={tmp_path / 'prep'}", "train.steps=2", "checkpoint.interval=2",
+                      "train.eval_interval=0")
+    Trainer(cfg).build().train()
+    base = ["train", "--dry-run", f"--run.dir={cfg.run.dir}", *(f"--{o}" for o in _tiny_args(cfg)),
+            "--train.steps=4", f"--data.path={tmp_path / 'prep'}"]
+    assert main(base) == 0
+    capsys.readouterr()
+    held = set(held_out(len(docs), 0.01).tolist())
+    first, second = [i for i in range(len(docs)) if i not in held][:2]
+    docs[first], docs[second] = docs[second], docs[first]
+    text.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare(PrepareOptions([str(text)], str(tmp_path / "prep"), **options))  # the same folder, other text
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "was trained on other data (tokens " in err and err.count("\n") == 1, err

@@ -105,7 +105,8 @@ class DataBundle:
         mixture's shares (a rank that read fewer documents would draw other batches)."""
         position = self.position_state()
         return (f"{len(self.train)} training and {len(self.val)} held-out sequences, vocabulary "
-                f"{position['vocabulary']}" + (f", mixture {position['mix']}" if "mix" in position else ""))
+                f"{position['vocabulary']}" + (f", tokens {position['content']}" if "content" in position else "")
+                + (f", mixture {position['mix']}" if "mix" in position else ""))
 
 
 def split_documents(docs: list, val_fraction: float, seed: int) -> tuple[list, list]:

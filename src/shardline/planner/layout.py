@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from shardline import layout as layouts
-from shardline.config import AC_MODES, CP_BALANCES, CP_MODES, PP_SCHEDULES, Config, ParallelConfig
+from shardline.config import AC_MODES, CP_BALANCES, CP_MODES, PP_SCHEDULES, Config, MemoryConfig, ParallelConfig
 from shardline.errors import ConfigError
 from shardline.layout import Job, Layout
 from shardline.models.llama import ModelArgs
@@ -169,8 +169,8 @@ def to_config(layout: Layout, work: Workload, base: Config | None = None, on_cpu
         unread.add("zero")
     cfg.parallel = ParallelConfig(**{k: v for k, v in given.items() if k not in unread})
     cfg.memory.activation_checkpoint = layout.activation_checkpoint
-    if layout.activation_checkpoint == "selective":
-        cfg.memory.ac_every = layout.ac_every
+    cfg.memory.ac_every = layout.ac_every if layout.activation_checkpoint == "selective" else \
+        MemoryConfig().ac_every  # (a base config's would be read by nothing)
     cfg.memory.cpu_offload = layout.cpu_offload
     # The folder where this layout can use it (the trainer refuses it elsewhere); else the plan does not.
     usable = ssd_offload.usable(layout.zero, layout.cpu_offload, on_cuda=not on_cpu)

@@ -272,7 +272,8 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
             "weights with model.init_from")
     content, saved_content = (position or {}).get("content"), data_pos.get("content")
     if content and saved_content and content != saved_content:  # (older checkpoints and folders hold none)
-        why = back or "the files hold other text than when it was saved (edited or replaced)"
+        why = back or ("its training tokens differ: the files were edited or replaced, or the tokenizer, its settings "
+                       "or chat template changed")
         raise CheckpointError(
             f"checkpoint {path} was trained on other data (tokens {saved_content}, this run's {content}): {why}; "
             "the saved position would mean other samples: train on the data it was saved with, or start a new "
