@@ -177,7 +177,8 @@ def test_ranks_that_read_other_data_are_refused_on_every_rank(tmp_path, small_co
     outcomes = [json.loads((tmp_path / f"start{r}.json").read_text()) for r in range(2)]
     assert outcomes[0] == outcomes[1]
     assert re.fullmatch(r"DataError: rank 1 read other data than rank 0 \(\d+ training and \d+ held-out sequences, "
-                        r"vocabulary \w+; rank 0: .*\): the data must be the same files on every node .*", outcomes[0])
+                        r"vocabulary \w+, tokens \w+; rank 0: .*\): the data must be the same files on every node .*",
+                        outcomes[0])
     assert not (tmp_path / "run").exists()
 
 
