@@ -58,7 +58,7 @@ def _saved_bytes(trainer, batch, n_tokens: int) -> tuple[int, float]:
 
     started = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = trainer.steps.loss_sum(batch) / n_tokens
+        loss = trainer.runner.loss_sum(batch) / n_tokens
     loss.backward()
     trainer.optimizer.zero_grad(set_to_none=True)
     return sum(seen.values()), time.perf_counter() - started

@@ -24,7 +24,7 @@ from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
-from shardline.launch_notes import PRETRAIN_LR_FLOOR, unused_settings
+from shardline.launch_notes import lr_low_for_new_weights, unused_settings
 from shardline.devices import DATASHEETS, local_datasheet
 from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
@@ -103,8 +103,7 @@ def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool) -> list[str]
         changes.pop("data.tokenizer", None)
     said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
     lines = [f"          changed since it: {said}"] if changes else []
-    step = json.loads((resume / MANIFEST).read_text())["step"]  # (verified by check_resume)
-    last = cfg.train.stop_at_step or cfg.train.steps
+    step, last = json.loads((resume / MANIFEST).read_text())["step"], cfg.train.last_step  # (verified already)
     if step >= last:
         lines.append(f"          nothing to train: it is at step {step}, the run ends at {last} (train.steps"
                      + (", train.stop_at_step)" if cfg.train.stop_at_step else ")"))
@@ -116,7 +115,7 @@ def _note_lines(cfg: Config, resumes: bool, launch: Preflight) -> list[str]:
     fine-tune's lr on random weights, which a resume's are not)."""
     unused = ", ".join(f"{key} ({why})" for key, why in unused_settings(cfg, launch.layout).items())
     lines = [f"notes     set but unused: {unused}"] if unused else []
-    if not (cfg.model.hf_path or cfg.model.init_from or resumes) and cfg.optim.lr < PRETRAIN_LR_FLOOR:
+    if lr_low_for_new_weights(cfg, resumes):
         lines.append(f"notes     optim.lr={cfg.optim.lr:g} on random weights (no model.hf_path or model.init_from): "
                      "a fine-tune's lr, which barely moves a new model")
     return lines
@@ -154,12 +153,7 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
              f"{lay.micro_batch_size}",
              f"attention {describe_attention(t.attention, t.document_mask, cfg.run.device != 'cpu', *lay.cp_degrees)}",
              f"compile   {describe_compile(t.compile, lay, cfg.memory.activation_checkpoint, launch.model_args.moe)}"]
-    p = cfg.parallel
-    unused = [f"{k}={getattr(p, k)}" for k, v in (("pp_schedule", "1f1b"), ("pp_microbatches", 0),
-                                                 ("pp_virtual_stages", 1)) if getattr(p, k) != v]
-    if lay.pp == 1 and unused:  # said, not refused: a pipeline config run at pp=1 to debug is fine
-        lines.append(f"pipeline  none (parallel.pp=1): {', '.join(unused)} unused")
-    if lay.pp > 1:
+    if lay.pp > 1:  # (pipeline keys at pp=1: the notes line names them, not refused: a pp config debugged at pp=1)
         lines.append(f"pipeline  {lay.pp_schedule}, {lay.n_stages} stages, {lay.pp_microbatches} micro-batches "
                      "per step")
         for r in layouts.pipeline_ranks(launch.model_args, lay.pp, lay.pp_virtual_stages, lay.pp_schedule):

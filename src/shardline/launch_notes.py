@@ -100,7 +100,7 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
         notes.append(("lr_high_for_trained_weights", {
             "lr": cfg.optim.lr, "weights": start,
             "fix": "fine-tunes commonly take optim.lr 1e-5 to 1e-4 (configs/finetune.toml)"}))
-    if not (start or resumed) and cfg.optim.lr < PRETRAIN_LR_FLOOR:  # a fine-tune's config without its weights
+    if lr_low_for_new_weights(cfg, resumed):
         notes.append(("lr_low_for_new_weights", {
             "lr": cfg.optim.lr, "why": "no model.hf_path or model.init_from: the weights start at random, which "
                                        "pretraining lrs (8e-5 to 3e-3) move; a fine-tune's config needs its weights"}))
@@ -112,6 +112,12 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
 
 # Below this a run from random weights barely moves (Llama 3 405B pretrained at 8e-5; fine-tunes take 1e-5 to 2e-5).
 PRETRAIN_LR_FLOOR = 5e-5
+
+
+def lr_low_for_new_weights(cfg: Config, resumed: bool) -> bool:
+    """A fine-tune's lr on random weights: a fine-tune's config launched without its weights, most
+    likely (a resumed run's weights are trained, and a lowered lr there is the user's)."""
+    return not (cfg.model.hf_path or cfg.model.init_from or resumed) and cfg.optim.lr < PRETRAIN_LR_FLOOR
 
 
 def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]:

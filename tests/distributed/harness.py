@@ -98,8 +98,8 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
         for run_dir, overrides, *config in jobs:  # config: a TOML file the overrides apply to
             trainer = Trainer(load_config(config[0] if config else None, [*overrides, f"run.dir={run_dir}"])).build()
             trainer.train()
-            if trainer.steps.pipeline is not None:  # what the schedule's stages still hold after the step
-                schedule = trainer.steps.pipeline.schedule
+            if trainer.runner.pipeline is not None:  # what the schedule's stages still hold after the step
+                schedule = trainer.runner.pipeline.schedule
                 stages = [schedule._stage] if hasattr(schedule, "_stage") else schedule._stages
                 held = sum(len(stage.output_chunks) for stage in stages)
                 (Path(run_dir) / f"held_outputs.{rank}.json").write_text(json.dumps(held))

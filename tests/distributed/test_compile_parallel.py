@@ -41,7 +41,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
             counters.clear()
             trainer = Trainer(load_config(None, [*overrides, f"run.dir={run_dir}"])).build()
             trainer.train()
-            stages = trainer.steps.pipeline.modules if trainer.steps.pipeline is not None else []
+            stages = trainer.runner.pipeline.modules if trainer.runner.pipeline is not None else []
             for stage in (m for m in stages if m.output is not None):  # the last stage scores a chunked loss
                 compiled_loss = hasattr(stage._loss.score, "_torchdynamo_orig_callable")
                 (Path(run_dir) / "last_stage_loss.json").write_text(json.dumps(compiled_loss))

@@ -42,7 +42,7 @@ LAYOUTS_2 = {
 
 def offload_report(trainer: Trainer) -> dict:
     """What says the states really are FSDP2's on the host, with the offload policy."""
-    pipeline = trainer.steps.pipeline  # under pp each local stage module is the root unit, outside the model
+    pipeline = trainer.runner.pipeline  # under pp each local stage module is the root unit, outside the model
     modules = [*trainer.model.modules(), *(pipeline.modules if pipeline else [])]
     units = [m for m in modules if isinstance(m, FSDPModule)]
     policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for m in units}

@@ -118,8 +118,8 @@ def _worker(rank: int, port: int, jobs: list[tuple[str, list[str]]], world: int 
             gathered = "fp8.fsdp_all_gather=true" in overrides
             if gathered and not gathers_in_float8(trainer):
                 raise AssertionError("FSDP does not gather the float8 weights in float8")
-            due = trainer.steps._scales_once  # each step: the whole weights' scales before its first gather
-            trainer.steps._scales_once = lambda due=due, t=trainer, g=gathered: (due(), scales_checked(t, g))
+            due = trainer.runner._scales_once  # each step: the whole weights' scales before its first gather
+            trainer.runner._scales_once = lambda due=due, t=trainer, g=gathered: (due(), scales_checked(t, g))
             trainer.train()
             if gathered and not scales_precomputed(trainer):
                 raise AssertionError("no float8 scales were precomputed after the optimizer step")

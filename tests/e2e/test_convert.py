@@ -61,7 +61,7 @@ def test_checkpoint_to_hf_and_back(tiny_config, tmp_path, monkeypatch, capsys):
     batch = tuned.data.train.batch([0, 1])
     for name, p in tuned.model.state_dict().items():
         torch.testing.assert_close(p, trainer.model.state_dict()[name])
-    assert tuned.steps.loss_sum(batch) < fresh.steps.loss_sum(batch)
+    assert tuned.runner.loss_sum(batch) < fresh.runner.loss_sum(batch)
 
 
 def test_a_checkpoint_moved_from_its_run_exports_with_a_given_tokenizer_and_its_bos(tiny_config, tmp_path, capsys,

@@ -34,7 +34,7 @@ def measure(trainer) -> tuple[int, int]:
     batch = trainer.data.train.batch([0, 1, 2, 3])
     with FlopCounterMode(display=False) as flops:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = trainer.steps.loss_sum(batch)
+            loss = trainer.runner.loss_sum(batch)
         loss.backward()
     return saved, flops.get_total_flops()
 
@@ -111,6 +111,6 @@ def test_op_level_checkpointing_keeps_the_experts_grouped_gemms(tiny_config, tmp
         trainer = Trainer(tiny_config("moe.num_experts=4", "moe.top_k=2", "moe.expert_ffn_dim=32",
                                       f"memory.activation_checkpoint={mode}", run_dir=tmp_path / mode)).build()
         with GroupedGemms() as mode_counter:
-            trainer.steps.loss_sum(trainer.data.train.batch([0, 1])).backward()
+            trainer.runner.loss_sum(trainer.data.train.batch([0, 1])).backward()
         counts[mode] = mode_counter.count
     assert counts["none"] > 0 and counts["op"] == counts["none"], counts

@@ -48,8 +48,9 @@ def test_fp8_is_judged_on_the_target_gpu_given(tiny_config, monkeypatch):
 def test_pipeline_keys_without_a_pipeline_are_named_unused(tiny_config):
     report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "parallel.pp_schedule=interleaved_1f1b",
                                             "parallel.pp_virtual_stages=2"), 1)
-    assert "pipeline  none (parallel.pp=1): pp_schedule=interleaved_1f1b, pp_virtual_stages=2 unused" in report
-    assert "pipeline  none" not in dry_run.dry_run(tiny_config("run.device=cpu"), 1)[0]
+    assert ("notes     set but unused: parallel.pp_schedule (parallel.pp=1), parallel.pp_virtual_stages "
+            "(parallel.pp=1)") in report
+    assert "set but unused" not in dry_run.dry_run(tiny_config("run.device=cpu"), 1)[0]
 
 
 def test_the_card_estimated_is_the_one_run_device_names(tiny_config, monkeypatch):

@@ -336,7 +336,7 @@ def test_an_eval_reads_a_small_held_out_split_once_each(tiny_config, tmp_path):
     val = trainer.data.val
     held_out = len(val)
     assert held_out < 13 * 8 and (13 * 8) % held_out, held_out  # the case: asked more, not a multiple
-    one_each = trainer.steps.eval_loss_total([np.array([i]) for i in range(held_out)], val.batch)
+    one_each = trainer.runner.eval_loss_total([np.array([i]) for i in range(held_out)], val.batch)
     expected = one_each.item() / val.count_labels(np.arange(held_out))
     trainer.metrics = type("Log", (), {"log": lambda self, kind, **f: records.append(f)})()
     records: list[dict] = []

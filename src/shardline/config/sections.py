@@ -130,6 +130,11 @@ class TrainConfig:
     eval_batches: int = 2  # global batches of the held-out split per evaluation, whatever the layout
     skip_batches: list[int] = field(default_factory=list)  # 0-based global batch indices never to train on
 
+    @property
+    def last_step(self) -> int:
+        """The step a launch trains to: train.steps, or train.stop_at_step before it."""
+        return min(self.steps, self.stop_at_step or self.steps)
+
     def check(self) -> None:
         _require(self.stop_at_step >= 0, "train.stop_at_step", self.stop_at_step, "must be >= 0 (0 = train.steps)")
         _require(0 <= self.seed < 2**63, "train.seed", self.seed, "must be in [0, 2**63) (torch's generator seed)")

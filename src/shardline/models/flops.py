@@ -13,7 +13,7 @@ from __future__ import annotations
 from shardline.models.llama import ModelArgs
 
 
-def num_params(args: ModelArgs, *, exclude_embedding: bool = False, active: bool = False) -> int:
+def num_params(args: ModelArgs, *, active: bool = False) -> int:
     """Parameters of the model; a tied output shares the embedding's weight.
 
     active=True: those one token uses (in an MoE layer, top_k of the routed experts).
@@ -29,7 +29,7 @@ def num_params(args: ModelArgs, *, exclude_embedding: bool = False, active: bool
     embedding = args.vocab_size * d
     output = 0 if args.tie_embeddings else args.vocab_size * d
     total = args.n_layers * (attn + qk_norm + 2 * d) + ffn + d + embedding + output  # 2 d: the block norms
-    return total - embedding if exclude_embedding else total
+    return total
 
 
 def moe_ffn_params(args: ModelArgs, active: bool = False) -> int:

@@ -119,6 +119,3 @@ def gradient_sync(wrapped: nn.Module, enabled: bool):
         return wrapped.no_sync()
     return contextlib.nullcontext()
 
-
-def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)

@@ -9,7 +9,8 @@ picks one.
 
 A spike is a loss whose robust z-score against the recent healthy losses exceeds
 anomaly.spike_zscore: (loss - median) / (1.4826 * MAD), the median absolute deviation
-scaled to match a standard deviation for normal data. Median and MAD ignore the
+scaled to match a standard deviation for normal data (floored at 1e-3 x |median|: a flat
+history would make every wiggle a spike). Median and MAD ignore the
 outliers they are meant to find, unlike a mean and standard deviation. Only upward
 jumps count: a sudden drop in loss is not an anomaly.
 """

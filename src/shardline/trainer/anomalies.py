@@ -24,7 +24,7 @@ class AnomalyResponse:
     def _step_checked_on_device(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
         """The update gated by the device's verdict; no host sync. Anomalies are reported
         when the verdicts are next read (report_device_anomalies)."""
-        loss = self.guard.faults.corrupt_loss(step, self.steps.global_loss(loss))
+        loss = self.guard.faults.corrupt_loss(step, self.runner.global_loss(loss))
         self.optimizer.found_inf = self.anomaly.gate(step, loss, grad_norm)
         try:
             self.apply_update()
@@ -69,13 +69,13 @@ class AnomalyResponse:
         norm = 0.0 if self.scaler.enabled else grad_norm.item()
         return self.anomaly.gate(self.step + 1, loss, norm)
 
-    def _handle_anomaly(self, step: int, kind: str, value: float, loss: float | None = None) -> bool:
+    def _handle_anomaly(self, step: int, kind: str, value: float, loss: float) -> bool:
         """Apply anomaly.action; True when the run rolled back (the step is redone)."""
         action = self.cfg.anomaly.action
         if action == "rollback" and self.rollbacks >= self.cfg.anomaly.max_rollbacks:
             action = "halt"  # the fault keeps coming back: stop instead of looping
         event = {"step": step, "anomaly": kind, "value": value, "action": action}
-        if kind == "loss_spike" and loss is not None:  # its value is the z-score, not the loss the log shows
+        if kind == "loss_spike":  # its value is the z-score, not the loss the log shows
             event["loss"] = loss
         if action == "skip" and self._skips_stuck(step):
             event.update(action="halt", reason=self._stuck_reason(kind))

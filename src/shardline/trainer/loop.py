@@ -1,6 +1,7 @@
 """The training loop: data -> forward/backward -> optimizer -> metrics -> checkpoint.
 
-Read `train()` first; everything else is a small step it calls, what one rank
+Read `build()` (the model, optimizer, data and the state a run resumes), then `_train()`,
+the loop (`train()` wraps it with the cleanup an error needs); what one rank
 computes of a step (forward, loss, backward) is step.py's StepRunner, what a checkpoint
 holds beyond the weights and how a run is put back from one is state.py's, and what is
 done with an anomalous step (skip, rollback, halt) is anomalies.py's, and what a stop request
@@ -104,7 +105,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         # the pipeline schedule.
         self.model = built.model
         self.scaler = LossScaler(self.device, cfg.train.precision, agree=self.proc.world_size > 1)
-        self.steps = StepRunner(cfg, built, self.dims, self.device, self.scaler)
+        self.runner = StepRunner(cfg, built, self.dims, self.device, self.scaler)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.dims.zero1_mesh(),
                                          self.dims.zero1_shard_dim, self.dims.zero1_expert_cut(),
                                          cfg.memory.ssd_offload_dir, self.proc.rank, self.proc.world_size)
@@ -187,8 +188,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
     @property
     def last_step(self) -> int:
         """The step this launch trains to: train.steps, or train.stop_at_step before it."""
-        t = self.cfg.train
-        return min(t.steps, t.stop_at_step or t.steps)
+        return self.cfg.train.last_step
 
     def train(self) -> dict:
         """Train to train.steps (or stop_at_step); returns the last logged metrics."""
@@ -305,7 +305,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         loss, grad_norm = self.compute_gradients()
         if self.anomaly.on_device:
             return self._step_checked_on_device(step, loss, grad_norm)
-        loss_value = self.guard.faults.corrupt_loss(step, self.steps.global_loss(loss).item())
+        loss_value = self.guard.faults.corrupt_loss(step, self.runner.global_loss(loss).item())
         anomaly = self._detect_anomaly(loss_value, grad_norm)
         if anomaly is not None and self._handle_anomaly(step, *anomaly, loss=loss_value):
             return loss_value, grad_norm, "rolled_back"
@@ -323,7 +323,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         micro, n_tokens = self.guard.reads(self._step_batch)()  # it reads too: the labels it counts
         if self.experts:  # the balancing losses' gradients are scaled as the loss's are
             self.experts.begin_step(self.scaler.scale(torch.ones((), device=self.device)))
-        loss = self.steps.forward_backward_step(micro, self.guard.reads(self.data.train.batch), n_tokens)
+        loss = self.runner.forward_backward_step(micro, self.guard.reads(self.data.train.batch), n_tokens)
         if self.experts:
             self.experts.end_step()
         reduce_gradients(self.optimizer, self.dims.zero1_scatters)  # ZeRO-1: its slices (under tp/pp, summed)
@@ -366,7 +366,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         t = self.cfg.train
         self.model.eval()
         batches = eval_micro_batches(len(self.data.val), t.eval_batches * t.global_batch_size, t.micro_batch_size)
-        total = self.steps.eval_loss_total(batches, self.data.val.batch)
+        total = self.runner.eval_loss_total(batches, self.data.val.batch)
         loss = total.item() / max(self.data.val.count_labels(np.concatenate(batches)), 1)
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)),
                          eval_sequences=sum(map(len, batches)))

@@ -113,7 +113,8 @@ class SavedState:
         return json.dumps(layout, sort_keys=True, default=str)
 
     def _restore(self, found) -> str:
-        """Load everything a saved state holds (weights, optimizer, schedule, data, RNG); returns its name."""
+        """Load everything a saved state holds (weights, optimizer, schedule, RNG, the data position after
+        checking it against the data read) and note what the config changed since; returns its name."""
         name, state = self.tiers.restore(found, self.model, self.optimizer)
         check_data_position(name, state["data"], len(self.data.train), self.cfg.train.seed,
                             self.cfg.train.global_batch_size, self.data.position_state())
