@@ -85,7 +85,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ep_worker(rank: int, port: int, repeats: int, out: str) -> None:
+def _ep_worker(rank: int, port: int, repeats: int, out: str, run: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -104,22 +104,22 @@ def _ep_worker(rank: int, port: int, repeats: int, out: str) -> None:
         return result
 
     dispatch.exchange = timed  # benchmark instrumentation only
-    with tempfile.TemporaryDirectory() as run:
-        cfg = load_config(None, ["model.preset=tiny-moe", "parallel.dp_shard=2", "parallel.ep=2",
-                                 "train.seq_len=256", "train.global_batch_size=8", "train.micro_batch_size=4",
-                                 "train.eval_interval=0", "checkpoint.interval=0", "metrics.progress=none",
-                                 "metrics.tensorboard=false", f"run.dir={run}"])
-        trainer = Trainer(cfg).build()
-        steps, shares = [], []
-        for _ in range(repeats + 1):
-            spent[0] = 0.0
-            started = time.perf_counter()
-            trainer.train_step()
-            seconds = time.perf_counter() - started
-            steps.append(seconds)
-            shares.append(spent[0] / seconds)
-        trainer.guard.stop_watching()
-        trainer.lock.release()
+    # One run dir for both ranks (each its own was refused: the ranks must run one config).
+    cfg = load_config(None, ["model.preset=tiny-moe", "parallel.dp_shard=2", "parallel.ep=2",
+                             "train.seq_len=256", "train.global_batch_size=8", "train.micro_batch_size=4",
+                             "train.eval_interval=0", "checkpoint.interval=0", "metrics.progress=none",
+                             "metrics.tensorboard=false", f"run.dir={run}"])
+    trainer = Trainer(cfg).build()
+    steps, shares = [], []
+    for _ in range(repeats + 1):
+        spent[0] = 0.0
+        started = time.perf_counter()
+        trainer.train_step()
+        seconds = time.perf_counter() - started
+        steps.append(seconds)
+        shares.append(spent[0] / seconds)
+    trainer.guard.stop_watching()
+    trainer.lock.release()
     if rank == 0:
         Path(out).write_text(json.dumps({"case": "ep2 training step (tiny-moe, 2 gloo ranks)",
                                          "step_s": statistics.median(steps[1:]),
@@ -130,7 +130,8 @@ def _ep_worker(rank: int, port: int, repeats: int, out: str) -> None:
 def ep_row(repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "ep.json")
-        mp.start_processes(_ep_worker, args=(_free_port(), repeats, out), nprocs=2, start_method="spawn")
+        mp.start_processes(_ep_worker, args=(_free_port(), repeats, out, str(Path(tmp) / "run")), nprocs=2,
+                           start_method="spawn")
         return json.loads(Path(out).read_text())
 
 
