@@ -291,10 +291,17 @@ _CPU_KEYS = reader.field_names(CpuRanks)  # top-level keys of profiles written b
 # free. Latencies, overheads, reserves and half-sizes may be 0 (none); a CPU's cores 0 means "split evenly".
 POSITIVE = frozenset({"mem_gib", "mem_bw_gbs", "peak_tflops", "matmul_eff_max", "attn_eff", "elementwise_eff",
                       "loss_eff", "intra_bw_gbs", "inter_bw_gbs", "bw_efficiency", "host_bw_gbs", "bw_by_world_gbs",
-                      "corun_matmul_eff", "corun_memory_eff", "corun_dispatch_eff"})
+                      "corun_matmul_eff", "corun_memory_eff", "corun_dispatch_eff", "op_factor"})
 # Counts and ratios whose least meaningful value is 1: a node holds a device; a fabric carries at
-# most full bisection (oversubscription 1).
-AT_LEAST_ONE = frozenset({"gpus_per_node", "oversubscription"})
+# most full bisection (oversubscription 1); a rank runs a thread.
+AT_LEAST_ONE = frozenset({"gpus_per_node", "oversubscription", "threads"})
+# The names a table's entries may have ("alreduce" was kept and the base's factor priced instead).
+ENTRY_NAMES = {"peak_tflops": DTYPES, "matmul_eff_max": DTYPES, "attn_eff": DTYPES, "elementwise_eff": DTYPES,
+               "op_factor": ("all_reduce", "all_gather", "reduce_scatter")}
+# Upper bounds: a link realises at most its bandwidth; a measured share of an assumed peak may pass 1
+# where the assumption is low (calibrate writes 1.05 for bf16 on CPUs whose 16-bit units outrun it),
+# but not by 4x: that is a typo (7.5 priced an MFU of 160%), or a peak_tflops to set instead.
+AT_MOST = {"bw_efficiency": 1.0, "matmul_eff_max": 4.0, "attn_eff": 4.0, "elementwise_eff": 4.0, "loss_eff": 4.0}
 BY_WORLD = ("latency_by_world_us", "bw_by_world_gbs")  # keyed by intra-node group size
 
 
@@ -313,6 +320,10 @@ def _check_keys(obj: Any, raw: Any, where: str) -> None:
             continue
         if key in BY_WORLD and isinstance(value, dict):
             _check_world_sizes(key, value, where)
+        unknown = [k for k in value if k not in ENTRY_NAMES[key]] if key in ENTRY_NAMES and isinstance(value, dict) \
+            else []
+        if unknown:
+            raise ConfigError(f"{where}: unknown {key} entry {unknown[0]!r}; valid: {', '.join(ENTRY_NAMES[key])}")
         named = {f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value}
         for name, v in named.items():
             _check_value(key, name, v, where)
@@ -325,6 +336,9 @@ def _check_value(key: str, name: str, v: Any, where: str) -> None:
     least, strict = (1, False) if key in AT_LEAST_ONE else (0, key in POSITIVE)
     if v < least or (strict and v == least):
         raise ConfigError(f"{where}: {name}={v!r} must be a number {'>' if strict else '>='} {least}")
+    if v > AT_MOST.get(key, float("inf")):
+        raise ConfigError(f"{where}: {name}={v!r} must be at most {AT_MOST[key]:g} (a share of the rate it scales; "
+                          "a device faster than its assumed peak: set peak_tflops)")
 
 
 def _check_world_sizes(key: str, table: dict, where: str) -> None:
