@@ -228,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     chk = sub.add_parser("check", help="test every rank (GEMM result and speed, all-reduce) before a long job",
                          epilog="run under torchrun for all ranks; exit code 6 names a faulty or slow rank")
     chk.add_argument("--config", action=OnlyOnce, help="TOML config (its run.device and [faults] drills apply)")
-    chk.add_argument("--size", type=_positive_int, default=512, help="GEMM dimension (default 512; ~8192 on GPUs)")
+    chk.add_argument("--size", type=_positive_int, default=512,
+                     help="GEMM dimension (default 512 everywhere; pass ~8192 on GPUs, where 512 times launches)")
     chk.add_argument("--slow-factor", type=_factor_above_one, default=1.5,
                      help="a rank below the median GEMM throughput / this is slow (default 1.5)")
     chk.set_defaults(func=_check)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardline.errors import ConfigError, ShardlineError
+from shardline.errors import ConfigError, ShardlineError, on_every_rank
 from shardline.planner.calibrate import cluster
 from shardline.planner.hardware import detected_gpu, get_hardware, to_toml
 
@@ -44,7 +44,11 @@ def register(sub) -> None:
 def command(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.parallel.distributed import init_distributed, shutdown_distributed
 
-    settings = _settings(args, overrides)
+    try:
+        settings = _settings(args, overrides)
+    except ConfigError as e:  # the command line: alike on a node's ranks, said once there (cli._leave)
+        e.node_alike = True
+        raise
     name = settings["gpu"]
     device = torch.device("cpu" if settings["cpu"] else "cuda")
     proc = init_distributed(device)
@@ -58,9 +62,8 @@ def command(args: argparse.Namespace, overrides: list[str]) -> int:
             device = torch.device("cuda", proc.local_rank)
         timing = {k: v for k, v in settings.items() if k not in ("gpu", "cpu")}
         code, tables, text = cluster.run(device, base=(name, get_hardware(name).network), **timing)
-    except ConfigError:
-        shutdown_distributed()
-        raise
+    except ConfigError as e:  # refused alike on every rank (_agree, cluster.run's checks): said once, by rank 0,
+        raise on_every_rank(e)  # and the ranks leave the process group together (cli._leave)
     shutdown_distributed()  # not on other errors: one rank's failure leaves its peers in a collective
     if text is not None:
         print(text)
