@@ -307,3 +307,5 @@ def test_the_request_line_gives_a_small_model_in_millions(capsys):
     assert main(["estimate", "--config", str(Path(__file__).parents[2] / "configs" / "tiny.toml")]) == 0
     out = capsys.readouterr().out
     assert "tiny (5.2 M params) on 1 x cpu, seq 256, global batch 16 seqs (4,096 tokens)" in out, out
+    # and what priced it (a profile, a datasheet, or this CPU's uncalibrated guesses: it was never said)
+    assert out.splitlines()[1].startswith("priced by uncalibrated guesses for this CPU (`shardline calibrate`")

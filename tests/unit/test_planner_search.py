@@ -280,7 +280,7 @@ def test_no_layout_names_the_rule_of_the_most_model_parallel_layout():
     work, hw = Workload(PRESETS["llama3-8b"], 4096, 2, "bf16"), get_hardware("h100-sxm")
     result = search(work, hw, 1024)
     assert not result.candidates
-    assert "multiple of 1024" not in result.first_problem and "pipeline stages" in result.first_problem
+    assert "multiple of 1024" not in result.first_problem and "cannot fill the pipeline" in result.first_problem
 
 
 def test_an_abbreviated_or_misspelt_option_is_named(capsys):

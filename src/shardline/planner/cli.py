@@ -106,6 +106,21 @@ def _hardware(args: argparse.Namespace, name: str) -> Hardware:
     return hw
 
 
+def _priced_by(args: argparse.Namespace, hw: Hardware) -> str:
+    """What the figures the prediction rests on come from: a profile, or the table's own."""
+    if args.profile:
+        return f"the profile {args.profile}"
+    if hw.name == "cpu":
+        return "uncalibrated guesses for this CPU (`shardline calibrate` measures it, --profile reads that)"
+    return f"the {hw.name} datasheet and the table's efficiencies (a --profile from calibrate or comm-bench: measured)"
+
+
+def _with_source(text: str, args: argparse.Namespace, hw: Hardware) -> str:
+    """The report with a line, after its first, naming what priced it."""
+    first, _, rest = text.partition("\n")
+    return f"{first}\npriced by {_priced_by(args, hw)}\n{rest}"
+
+
 def resolve_model(name: str) -> tuple[ModelArgs, str, bool]:
     """(shape, reference for the emitted config, vocabulary sized by the tokenizer?)."""
     if name in PRESETS:
@@ -143,9 +158,10 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.emit_config:
         _emit(args.emit_config, work, result.candidates, base, args, gpn)
     if args.json:
-        print(json.dumps(report.plan_json(work, hw, args.gpus, result, shown, not_runnable), indent=1))
+        print(json.dumps({**report.plan_json(work, hw, args.gpus, result, shown, not_runnable),
+                          "priced_by": _priced_by(args, hw)}, indent=1))
     else:
-        print(report.plan_table(work, hw, args.gpus, result, shown, not_runnable))
+        print(_with_source(report.plan_table(work, hw, args.gpus, result, shown, not_runnable), args, hw))
         if args.emit_config:
             print(f"\nwrote {args.emit_config}")
     return 0
@@ -236,7 +252,8 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(problem)
     work = Workload.from_config(cfg, _config_model(cfg), _mean_doc_tokens(args))
     e = estimate(work, layout, hw)
-    print(json.dumps(e.to_json(), indent=1) if args.json else report.estimate_text(work, hw, e))
+    print(json.dumps({**e.to_json(), "priced_by": _priced_by(args, hw)}, indent=1) if args.json
+          else _with_source(report.estimate_text(work, hw, e), args, hw))
     return 0
 
 
