@@ -114,6 +114,12 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> int:
     report, healthy = check(cfg, size=args.size, slow_factor=args.slow_factor)
     if os.environ.get("RANK", "0") == "0":
         print(report)
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and gpus > 1:  # "all ranks ok" of one of several GPUs
+        print(f"note: one rank checked one of this machine's {gpus} GPUs; torchrun --nproc_per_node={gpus} -m "
+              "shardline check tests them all")
     shutdown_distributed()
     return 0 if healthy else CHECK_FAILED_EXIT
 
