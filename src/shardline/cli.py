@@ -116,7 +116,7 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> int:
         print(report)
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and cfg.run.device in ("auto", "cuda") else 0
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and gpus > 1:  # "all ranks ok" of one of several GPUs
         print(f"note: one rank checked one of this machine's {gpus} GPUs; torchrun --nproc_per_node={gpus} -m "
               "shardline check tests them all")
@@ -323,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)} ({_override_hint(args.command, unknown, bad[0])})")
     try:
-        return args.func(args, unknown)
+        code = args.func(args, unknown)
+        if args.command in REPORTS:  # inside the try: a reader gone early is handled below, not at exit
+            sys.stdout.flush()
+        return code
     except AnomalyHalt as e:
         return _leave(e, "halted", 3)
     except Preempted as e:

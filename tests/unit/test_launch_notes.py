@@ -134,3 +134,6 @@ def test_settings_a_config_never_reads_and_a_fine_tunes_lr_on_new_weights_are_na
                              "metrics.peak_tflops=1"])
     notes = dict(launch_notes(ddp, "cpu", 1.0, 2, layout=layouts.resolve(ddp, 2)))
     assert notes["settings_unused"] == {"parallel.zero": "nothing is sharded: dp_shard x cp = 1, so DDP or one rank"}
+    ssd = load_config(None, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.zero=1",
+                             "memory.ssd_offload_dir=/tmp/x", "metrics.peak_tflops=1"])
+    assert "settings_unused" not in dict(launch_notes(ssd, "cpu", 1.0, 2, layout=layouts.resolve(ssd, 2)))  # read there

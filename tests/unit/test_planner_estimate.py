@@ -309,3 +309,17 @@ def test_the_request_line_gives_a_small_model_in_millions(capsys):
     assert "tiny (5.2 M params) on 1 x cpu, seq 256, global batch 16 seqs (4,096 tokens)" in out, out
     # and what priced it (a profile, a datasheet, or this CPU's uncalibrated guesses: it was never said)
     assert out.splitlines()[1].startswith("priced by uncalibrated guesses for this CPU (`shardline calibrate`")
+
+
+def test_a_report_piped_into_head_ends_quietly(tmp_path):
+    """`plan ... | head` printed a BrokenPipeError traceback (and "Exception ignored" at exit)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    err = tmp_path / "err"
+    cmd = (f"{sys.executable} -m shardline plan --model llama3-8b --gpu h100-sxm --gpus 64 --seq-len 4096 "
+           f"--global-batch 64 --top 300 --json 2>{err} | head -c1 >/dev/null; echo ${{PIPESTATUS[0]}}")
+    done = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[2])
+    assert done.stdout.strip() == "0" and err.read_text() == "", (done.stdout, err.read_text())

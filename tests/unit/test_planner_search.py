@@ -315,3 +315,16 @@ def test_a_misfit_of_activations_is_told_what_lowers_them():
     assert "activations are a micro-batch's" in said and "more devices" not in said, said
     bounded = explain_no_fit(work, hw, 8, search(work, hw, 8, {"tp": 8, "cp": 1, "activation_checkpoint": "none"}))
     assert "activations are a micro-batch's" in bounded and "larger ones need about" in bounded, bounded
+
+
+def test_an_emitted_config_leaves_a_base_configs_idle_settings_at_their_defaults(capsys, tmp_path):
+    """A base config's ac_every=4 was kept under a plan choosing full checkpointing, and the launch
+    then named it unused."""
+    from shardline.launch_notes import unused_settings
+
+    path = tmp_path / "plan.toml"  # (a plan's base config: its overrides)
+    code, out, _ = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--memory.ac_every=4",
+                           "--fix", "activation_checkpoint=full", "--emit-config", str(path))
+    assert code == 0, out
+    cfg = load_config(path)
+    assert cfg.memory.activation_checkpoint == "full" and cfg.memory.ac_every == 2 and unused_settings(cfg) == {}

@@ -118,4 +118,3 @@ def gradient_sync(wrapped: nn.Module, enabled: bool):
     if isinstance(wrapped, DistributedDataParallel) and not enabled:
         return wrapped.no_sync()
     return contextlib.nullcontext()
-

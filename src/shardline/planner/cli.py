@@ -108,8 +108,10 @@ def _hardware(args: argparse.Namespace, name: str) -> Hardware:
 
 def _priced_by(args: argparse.Namespace, hw: Hardware) -> str:
     """What the figures the prediction rests on come from: a profile, or the table's own."""
-    if args.profile:
-        return f"the profile {args.profile}"
+    if args.profile:  # (a comm-bench profile holds [network] alone: the rest is the base's)
+        given = sorted(read_profile(args.profile)) if Path(args.profile).is_file() else []
+        tables = ", ".join(k for k in given if k != "base") or "nothing"
+        return f"the {hw.name} figures, with {tables} from the profile {args.profile}"
     if hw.name == "cpu":
         return "uncalibrated guesses for this CPU (`shardline calibrate` measures it, --profile reads that)"
     return f"the {hw.name} datasheet and the table's efficiencies (a --profile from calibrate or comm-bench: measured)"

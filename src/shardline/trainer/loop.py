@@ -100,7 +100,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         if starting_loaded:
             load_starting_weights(cfg.model, built.model, sharded=self.dims.mesh is not None)
         self.hf_fields = starting_hf_fields(cfg.model, gone_start_checkpoint(cfg))  # dtype, special tokens: for export
-        # The parameters (optimizer, checkpoints, clipping), and how to run them (steps): a
+        # The parameters (optimizer, checkpoints, clipping), and how to run them (runner): a
         # module to call (DDP-wrapped or not; train.compile compiled its blocks) or, under pp,
         # the pipeline schedule.
         self.model = built.model
