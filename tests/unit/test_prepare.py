@@ -937,3 +937,18 @@ def test_prepare_counts_and_names_what_it_skips_and_a_run_on_the_folder_says_so(
     assert manifest["empty_documents"] == 2 and manifest["files_not_read"] == [str(src / "notes.csv")]
     fields = data(out).describe(steps=10)
     assert fields["empty_documents_skipped"] == 2 and fields["files_not_read"] == str(src / "notes.csv")
+
+
+def test_a_folder_prepared_before_fingerprints_gets_one_when_prepared_again(tmp_path, small_corpus):
+    """Such a folder's resumes were not compared with the data they saved, without a word: the data
+    line says so, and prepare with the same arguments adds the fingerprint (no tokenizing)."""
+    out = tmp_path / "prep"
+    made = prepare(PrepareOptions([str(small_corpus)], str(out), **SMALL))
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["train_fingerprint"]  # as prepared before this version
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert data(out).describe(steps=1)["fingerprint"].startswith("none: a folder prepared before fingerprints")
+    again = prepare(PrepareOptions([str(small_corpus)], str(out), **SMALL))
+    assert again["train_fingerprint"] == made["train_fingerprint"]
+    assert json.loads((out / "manifest.json").read_text())["train_fingerprint"] == made["train_fingerprint"]
+    assert data(out).describe(steps=1)["fingerprint"] == made["train_fingerprint"]

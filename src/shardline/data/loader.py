@@ -47,6 +47,8 @@ class DataBundle:
         fields = {"documents": sum(p.num_documents for p in parts), "sequences": len(self.train),
                   "tokens": len(self.train) * self.train.seq_len, "held_out_sequences": len(self.val),
                   "epochs": round(steps * self.sampler.global_batch_size / max(len(self.train), 1), 3)}
+        fields["fingerprint"] = self._content() or ("none: a folder prepared before fingerprints (a resume is not "
+                                                     "compared with its data; run its prepare again to add one)")
         if self.left_out.get("empty_documents"):
             fields["empty_documents_skipped"] = self.left_out["empty_documents"]
         names = self.left_out.get("files_not_read", [])

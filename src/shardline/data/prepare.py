@@ -126,7 +126,7 @@ def prepare(opts: PrepareOptions) -> dict:
     if done is not None:
         _say(opts, f"{root} is already prepared from these inputs; nothing to do")
         _keep_side_files(opts.tokenizer, root)  # (tokens do not depend on them: the ones given now)
-        return done
+        return _with_fingerprint(root, done)
     if (root / MANIFEST).is_file():
         _say(opts, f"{root} was prepared from other inputs or options; preparing it again")
     # Passes 1 and 2 before the folder is touched: bad inputs or a bad tokenizer leave it as it was.
@@ -318,13 +318,28 @@ def _finish(root: Path, request: dict, writers: dict, tok: Tokenizer, stream: _S
                 "eos_id": eos_id(tok), "bos_ids": request.get("bos", []),
                 "dtype": np.dtype(writers["train"].dtype).name, "val_fraction": request["val_fraction"],
                 "input_documents": stream.count, "empty_documents": stream.empty,
-                "train_fingerprint": token_fingerprint(np.memmap(root / shard["file"], dtype=writers["train"].dtype,
-                                                                 mode="r")
-                                                       for shard in splits["train"]["shards"] if shard["tokens"]),
+                "train_fingerprint": _train_fingerprint(root, splits["train"]["shards"], writers["train"].dtype),
                 "files_not_read": stream.not_read,
                 "splits": splits}
     _atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
     (root / PROGRESS).unlink(missing_ok=True)
+    return manifest
+
+
+def _train_fingerprint(root: Path, shards: list[dict], dtype: np.dtype) -> str:
+    """The training tokens' fingerprint, read from the folder's shards (one pass)."""
+    return token_fingerprint(np.memmap(root / shard["file"], dtype=dtype, mode="r")
+                             for shard in shards if shard["tokens"])
+
+
+def _with_fingerprint(root: Path, manifest: dict) -> dict:
+    """A manifest written before the training tokens' fingerprint existed, given one (a read of
+    the shards): a resume on the folder is then compared. Running prepare again adds it."""
+    if "train_fingerprint" in manifest:
+        return manifest
+    manifest = {**manifest, "train_fingerprint": _train_fingerprint(root, manifest["splits"]["train"]["shards"],
+                                                                   np.dtype(manifest["dtype"]))}
+    _atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
     return manifest
 
 
