@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from shardline import layout as layouts
-from shardline.config import Config, config_changes
+from shardline.config import Config
 from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
@@ -36,7 +36,7 @@ from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_words
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE
 from shardline.resilience.checkpoint import MANIFEST
-from shardline.resilience.recovery import check_saved_position, data_changes, saved_config
+from shardline.resilience.recovery import check_saved_position, data_changes, saved_config, settings_changed
 from shardline.preflight import (
     Preflight,
     bos_setting,
@@ -98,9 +98,7 @@ def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool) -> list[str]
     config_changed events), and whether anything is left to train."""
     if resume is None:
         return []
-    changes = config_changes(saved_config(resume), cfg.to_dict())
-    if stand_in:  # the run dir's copy of the starting weights' tokenizer: no change of the user's
-        changes.pop("data.tokenizer", None)
+    changes = settings_changed(saved_config(resume), cfg, stand_in)
     said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
     lines = [f"          changed since it: {said}"] if changes else []
     step, last = json.loads((resume / MANIFEST).read_text())["step"], cfg.train.last_step  # (verified already)

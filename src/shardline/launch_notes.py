@@ -16,7 +16,7 @@ from shardline.data.tokenizer import KNOWN_EOS, eos_id, load_tokenizer
 from shardline.devices import CPU_PEAK_ASSUMED, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
 from shardline.interop.hf_config import hf_export_problem
-from shardline.layout import Layout
+from shardline.layout import IDLE_AT_DEGREE_ONE, Layout
 from shardline.models.llama import ModelArgs
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import read_hf_config
@@ -130,9 +130,8 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("memory", ("ac_every",), cfg.memory.activation_checkpoint != "selective",
               "memory.activation_checkpoint is not selective"),
              ("optim", ("decay_fraction",), cfg.optim.schedule != "wsd", "optim.schedule is not wsd"),
-             ("parallel", ("cp_mode", "cp_balance", "cp_ulysses"), p.cp == 1, "parallel.cp=1"),
-             ("parallel", ("pp_schedule", "pp_virtual_stages", "pp_microbatches"), p.pp == 1, "parallel.pp=1"),
-             ("parallel", ("sequence_parallel", "loss_parallel"), p.tp == 1, "parallel.tp=1"),
+             *(("parallel", keys, getattr(p, degree) == 1, f"parallel.{degree}=1")
+               for degree, keys in IDLE_AT_DEGREE_ONE.items()),
              ("checkpoint", ("keep", "mode", "on_error"), not c.interval, "checkpoint.interval=0"),
              ("checkpoint", ("memory_redundancy", "memory_mode", "memory_dir"), not c.memory_interval,
               "checkpoint.memory_interval=0"),

@@ -43,8 +43,7 @@ class DataBundle:
         """The `data` event's fields: what the run trains on, how many passes over it `steps` make,
         and what reading the data left out (said, since a null column or a stray file type would
         otherwise shrink the data in silence)."""
-        parts = self.train.sources if isinstance(self.train, MixedSequences) else [self.train]
-        fields = {"documents": sum(p.num_documents for p in parts), "sequences": len(self.train),
+        fields = {"documents": sum(p.num_documents for p in self._sources()), "sequences": len(self.train),
                   "tokens": len(self.train) * self.train.seq_len, "held_out_sequences": len(self.val),
                   "epochs": round(steps * self.sampler.global_batch_size / max(len(self.train), 1), 3)}
         fields["fingerprint"] = self._content() or ("none: a folder prepared before fingerprints (a resume is not "
@@ -84,16 +83,21 @@ class DataBundle:
         source's size and share of the index space (other weights, or sources swapped, map the
         same index to other sequences)."""
         self._vocabulary = self._vocabulary or vocabulary_fingerprint(self.tokenizer)
-        content = {"content": self._content()} if self._content() else {}  # (a folder prepared before it: none)
+        fingerprint = self._content()
+        content = {"content": fingerprint} if fingerprint else {}  # (a folder prepared before it: none)
         if not isinstance(self.train, MixedSequences):
             return {"vocabulary": self._vocabulary, **content}
         return {"vocabulary": self._vocabulary, **content,
                 "mix": [[int(c), int(n)] for c, n in zip(self.train.counts, self.train.sizes)]}
 
+    def _sources(self) -> list[PackedSequences]:
+        """The training split's sources: a mixture's, or the one."""
+        return self.train.sources if isinstance(self.train, MixedSequences) else [self.train]
+
     def _content(self) -> str | None:
         """The training tokens' fingerprint (a mixture's: of its sources' in order), or None where
         a source's is not known: edited data of the same length resumed onto other batches."""
-        parts = self.train.sources if isinstance(self.train, MixedSequences) else [self.train]
+        parts = self._sources()
         for part in parts:
             if part.fingerprint is None and isinstance(part.tokens, np.ndarray):  # raw files, tokenized here
                 part.fingerprint = token_fingerprint([part.tokens])

@@ -12,6 +12,10 @@ from shardline.errors import ConfigError
 V_SHAPED = ("zbv", "dualpipev")  # rank r holds stages r and 2 pp - 1 - r
 SPLIT_BACKWARD = V_SHAPED  # torch's zero-bubble schedules: each backward in an input and a weight pass
 SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank
+# The [parallel] keys nothing reads where their degree is 1 (a plan leaves them at their defaults there,
+# and a launch names any set: launch_notes.unused_settings).
+IDLE_AT_DEGREE_ONE = {"pp": ("pp_schedule", "pp_virtual_stages", "pp_microbatches"),
+                      "cp": ("cp_mode", "cp_balance", "cp_ulysses"), "tp": ("sequence_parallel", "loss_parallel")}
 
 Problem = tuple[str, str]  # (rule key, one-line message naming the keys and what would be valid)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from shardline import layout as layouts
 from shardline.config import AC_MODES, CP_BALANCES, CP_MODES, PP_SCHEDULES, Config, MemoryConfig, ParallelConfig
 from shardline.errors import ConfigError
-from shardline.layout import Job, Layout
+from shardline.layout import IDLE_AT_DEGREE_ONE, Job, Layout
 from shardline.models.llama import ModelArgs
 from shardline.optim import ssd_offload
 from shardline.parallel.compile import options as compile_options
@@ -162,9 +162,7 @@ def to_config(layout: Layout, work: Workload, base: Config | None = None, on_cpu
     t.precision, t.document_mask, t.attention = work.precision, work.document_mask, work.attention
     fields = {f.name for f in dataclasses.fields(ParallelConfig)}
     given = {k: v for k, v in layout.to_json().items() if k in fields}
-    idle = {"pp": ("pp_schedule", "pp_virtual_stages", "pp_microbatches"),  # at the defaults where their degree
-            "cp": ("cp_mode", "cp_balance", "cp_ulysses"), "tp": ("sequence_parallel", "loss_parallel")}  # is 1
-    unread = {key for degree, keys in idle.items() if given[degree] == 1 for key in keys}
+    unread = {key for degree, keys in IDLE_AT_DEGREE_ONE.items() if given[degree] == 1 for key in keys}  # defaults
     if layout.dp_mode in ("ddp", "single"):  # nothing sharded: no ZeRO stage is read
         unread.add("zero")
     cfg.parallel = ParallelConfig(**{k: v for k, v in given.items() if k not in unread})

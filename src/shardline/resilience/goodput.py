@@ -70,6 +70,10 @@ class Goodput:
     def add(self, category: str, seconds: float) -> None:
         self.seconds[category] += seconds
 
+    def accounted(self) -> float:
+        """The seconds accounted so far, every category together."""
+        return sum(self.seconds.values())
+
     def step(self, step: int, seconds: float, outcome: str) -> None:
         """Account one optimizer step (1-based) of `seconds` that ended with `outcome`."""
         if outcome in ("anomaly", "overflow"):

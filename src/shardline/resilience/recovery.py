@@ -213,6 +213,16 @@ def saved_config(path: Path | str | None) -> dict:
     return config if isinstance(config, dict) else {}
 
 
+def settings_changed(saved: dict, cfg: Config, stand_in: bool = False) -> dict[str, list]:
+    """{"section.key": [saved, now]} of what this launch changed from the config a checkpoint was
+    saved under (config_changes), less the run dir's copy of the starting weights' tokenizer
+    standing in for theirs (`stand_in`): no change of the user's."""
+    changed = config_changes(saved, cfg.to_dict())
+    if stand_in:
+        changed.pop("data.tokenizer", None)
+    return changed
+
+
 # The data settings that decide which tokens and sequences a run reads.
 DATA_KEYS = ("path", "mix", "tokenizer", "vocab_size", "val_fraction", "text_field", "format", "add_bos")
 

@@ -225,11 +225,11 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         window_start, window_steps, last, stopped, first = time.perf_counter(), 0, {}, None, self.step + 1
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
-            started, accounted = self.guard.begin_step(step), sum(self.guard.goodput.seconds.values())
+            started, accounted = self.guard.begin_step(step), self.guard.goodput.accounted()
             with self.profiler.step(step):
                 loss_value, grad_norm, outcome = self.train_step()
             if outcome == "rolled_back":  # self.step moved back to the checkpoint's; a stop is not put off
-                rollback = sum(self.guard.goodput.seconds.values()) - accounted  # (its restore and re-save)
+                rollback = self.guard.goodput.accounted() - accounted  # (its restore and re-save)
                 self.guard.goodput.add("anomaly_skipped", time.perf_counter() - started - rollback)  # the bad step
                 self.profiler.after_step(step)  # a window ending here is written: the steps that led to it
                 window_start, window_steps, request = time.perf_counter(), 0, self.guard.stop_requested()

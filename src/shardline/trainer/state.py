@@ -14,7 +14,6 @@ import hashlib
 import json
 from pathlib import Path
 
-from shardline.config import config_changes
 from shardline.data import build_data
 from shardline.errors import ConfigError, DataError, on_every_rank
 from shardline.models.factory import args_to_json
@@ -24,7 +23,8 @@ from shardline.parallel.float8 import precompute_scales
 from shardline.preflight import (Preflight, bos_setting, check_config, check_device, check_layout_before_data,
                                  check_resume_fits, check_rollback_target, preflight, use_model_tokenizer)
 from shardline.resilience.recovery import (check_data_position, check_saved_position, check_skip_batches,
-                                          check_steps_ahead, data_changes, get_rng_state, resume_path, set_rng_state)
+                                          check_steps_ahead, data_changes, get_rng_state, resume_path, set_rng_state,
+                                          settings_changed)
 from shardline.resilience.run_lock import launcher_ids
 
 
@@ -126,9 +126,8 @@ class SavedState:
         self._optim_changes.update({k: [v, now[k]] for k, v in state.get("schedule", {}).items() if now.get(k) != v})
         # The rest of the config a resume changed (optim and the schedule's train.steps: said above).
         said = {*self._optim_changes, *(f"optim.{k}" for k in self._optim_changes)}  # (optim_changed's)
-        stand_in = {"data.tokenizer"} if self._stand_in else set()  # the run dir's copy of the weights' own
-        self._config_changes = {k: v for k, v in config_changes(state.get("config", {}), self.cfg.to_dict()).items()
-                                if k not in said | stand_in}
+        self._config_changes = {k: v for k, v in settings_changed(state.get("config", {}), self.cfg,
+                                                                  bool(self._stand_in)).items() if k not in said}
         self.scaler.load_state_dict(state["scaler"])
         self.anomaly.load_state_dict(state.get("anomaly", {}))
         # The run's rollback budget and skip streak go on across restarts (a requeued job must not get a
