@@ -224,3 +224,32 @@ def test_a_fused_save_resumed_by_a_foreach_run_steps_with_its_counts_on_the_host
     assert all(g["foreach"] and not g["fused"] for g in foreach.param_groups)
     assert all(s["step"].device.type == "cpu" for s in foreach.state.values())
     foreach.step()
+
+
+def test_the_gpu_optimizer_clips_inside_its_fused_kernel():
+    """build_optimizer gives a CUDA model the fused AdamW that takes the clip's scale as its kernel's
+    grad_scale (optim/fused.py): the same weights as torch's fused AdamW after the clip's own pass."""
+    from shardline.config import OptimConfig
+    from shardline.layout import Layout
+    from shardline.optim import build_optimizer
+    from shardline.optim.fused import FusedAdamW
+    from shardline.parallel.collectives import clip_grad_norm
+    from shardline.parallel.dims import ParallelDims
+
+    runs = []
+    for folded in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)).cuda()
+        opt = build_optimizer(model, OptimConfig(lr=1e-2), torch.device("cuda"))
+        assert type(opt) is FusedAdamW
+        if not folded:
+            opt = torch.optim.AdamW(opt.param_groups, fused=True)
+        for step in range(3):
+            torch.manual_seed(step)
+            model(torch.randn(32, 64, device="cuda")).square().sum().backward()
+            clip_grad_norm(model, 0.5, ParallelDims(Layout()), defer_to=opt)
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -17,6 +17,7 @@ from shardline.config import OptimConfig
 from shardline.errors import ConfigError, on_every_rank
 from shardline.parallel.distributed import agreed
 from shardline.parallel.zero1 import StridedSlices, Zero1AdamW
+from shardline.optim.fused import FusedAdamW
 from shardline.optim.ssd_offload import SSDAdamW
 from shardline.optim.windowed import WindowedAdamW, local
 
@@ -29,7 +30,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     (routed experts under ep over `zero1_experts`' dim: parallel/zero1.py); with `ssd_dir`, its
     moments in memory-mapped files there (ssd_offload.py; ssd_offload.problem refuses zero=1 before a
     launch gets here, so a ZeRO-1 optimizer never sees it); else, where every parameter is on the
-    host, stepped a window at a time (windowed.py: the same bits, fewer trips through memory)."""
+    host, stepped a window at a time (windowed.py: the same bits, fewer trips through memory); else
+    torch's, fused on a GPU with clipping's multiply in its kernel (fused.py)."""
     # Norm weights (1-D) are not decayed: shrinking them toward zero only hurts.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
@@ -46,7 +48,9 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
         if ssd_dir:  # (no collective inside) a node's full SSD stops every rank, not its own alone
             return agreed(lambda: SSDAdamW(groups, ssd_dir, rank, **hyper), world_size)
         on_host = all(local(p).device.type == "cpu" for p in decay + no_decay)
-        return WindowedAdamW(groups, **hyper) if on_host else torch.optim.AdamW(groups, **hyper)
+        if on_host:
+            return WindowedAdamW(groups, **hyper)
+        return FusedAdamW(groups, **hyper) if hyper.get("fused") else torch.optim.AdamW(groups, **hyper)
 
     def zero1(**kwargs):
         return Zero1AdamW(model, groups, zero1_mesh, zero1_dim, zero1_experts, **kwargs)

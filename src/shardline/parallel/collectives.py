@@ -32,10 +32,11 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims,
                    counted_elsewhere: torch.Tensor | None = None, defer_to=None) -> torch.Tensor:
     """Clip the global gradient norm (0 = measure only); returns the norm before clipping.
 
-    `defer_to`: an optimizer with a `clip_scale` attribute (the host's windowed AdamW), which
-    multiplies each gradient by the scale as it steps it, while its window is in cache, instead of
-    a pass of its own over every gradient here; the same multiply, so the same bits. It gets the
-    scale (None when nothing is clipped) and the gradients are clipped once it steps.
+    `defer_to`: an optimizer with a `clip_scale` attribute, which scales each gradient as it steps
+    it instead of a pass of its own over every gradient here: the host's windowed AdamW multiplies
+    while its window is in cache (the same multiply, so the same bits), the GPU's fused AdamW
+    divides by the reciprocal inside its kernel (optim/fused.py). It gets the scale (None when
+    nothing is clipped) and the gradients are clipped once it steps.
 
     Plain gradients contribute their norms. DTensor gradients are grouped by mesh and
     placements: each group's squared norm is summed over the local shards and reduced

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardline.devices import synchronize
 from shardline.layout import Layout
+from shardline.optim.fused import FusedAdamW
 from shardline.optim.windowed import WindowedAdamW
 from shardline.parallel.collectives import clip_grad_norm
 from shardline.parallel.dims import ParallelDims
@@ -164,19 +165,20 @@ def measure_op_overhead(device: torch.device, n_ops: int = 200, clock=time.perf_
 def measure_optimizer(device: torch.device, bandwidth_gbs: float, n_params: int = 4_000_000,
                       clock=time.perf_counter) -> float:
     """AdamW + gradient clipping time, as bytes of memory traffic per parameter: the AdamW the trainer
-    steps there (fused on a GPU; on the host a window at a time, shardline/optim/windowed.py)."""
+    steps there (fused on a GPU, the clip in its kernel: shardline/optim/fused.py; on the host a window
+    at a time, shardline/optim/windowed.py)."""
     sizes = [n_params // 40] * 40
     params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in sizes]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = (torch.optim.AdamW(params, lr=1e-4, fused=True) if device.type == "cuda"
+    opt = (FusedAdamW(params, lr=1e-4) if device.type == "cuda"
            else WindowedAdamW(params, lr=1e-4, foreach=True))
 
     model = torch.nn.ParameterList(params)
     dims = ParallelDims(Layout())
 
     def step():
-        clip_grad_norm(model, 1.0, dims, defer_to=opt)  # the trainer's clip: on the host, as AdamW steps
+        clip_grad_norm(model, 1.0, dims, defer_to=opt)  # the trainer's clip: inside AdamW's step
         opt.step()
 
     t = time_it(step, device, clock=clock)
