@@ -756,6 +756,33 @@ def test_a_prepared_folder_too_small_to_evaluate_says_to_prepare_again(tmp_path,
         data(tmp_path / "prep", seq_len=8192)
 
 
+def test_nothing_held_out_trains_on_every_document_without_evaluation(tmp_path, small_corpus):
+    """val_fraction 0 (raw data, and prepare's --val-fraction 0): every document is a training one,
+    and an evaluation, with nothing to evaluate on, is refused in one line naming what to set."""
+    everything = data(small_corpus, "data.val_fraction=0", "train.eval_interval=0")
+    some = data(small_corpus, "train.eval_interval=0")
+    assert len(everything.val) == everything.val.num_tokens == 0
+    assert everything.train.num_tokens > some.train.num_tokens > 0
+    prepare(PrepareOptions([str(small_corpus)], str(tmp_path / "prep"), val_fraction=0, **SMALL))
+    prepared = data(tmp_path / "prep", "train.eval_interval=0")
+    assert len(prepared.val) == 0 and prepared.train.num_tokens == everything.train.num_tokens
+    with pytest.raises(DataError, match=re.escape("holds nothing out to evaluate on (prepared with --val-fraction "
+                                                  "0): set train.eval_interval=0 (no evaluation), or prepare")):
+        data(tmp_path / "prep")
+    with pytest.raises(ConfigError, match=re.escape("data.val_fraction=0 holds nothing out for train.eval_interval=50 "
+                                                    "to evaluate on: set train.eval_interval=0")):
+        load_config(None, ["data.val_fraction=0"]).check_sections()  # (before any data is read)
+    with pytest.raises(DataError, match=re.escape("holds nothing out to evaluate on (data.val_fraction=0): set")):
+        data(small_corpus, "data.val_fraction=0")  # (the loader's own check, for a config never checked)
+    lone = tmp_path / "one.jsonl"  # one conversation is enough when none is held out
+    lone.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello there"}]}) + "\n")
+    chat = data(lone, "data.format=chat", "data.val_fraction=0", "train.eval_interval=0", seq_len=8)
+    assert len(chat.train) > 0 and len(chat.val) == 0
+    with pytest.raises(DataError, match="holds 1 conversations; chat data needs at least two"):
+        data(lone, "data.format=chat", "train.eval_interval=0", seq_len=8)
+
+
 @pytest.fixture(scope="module")
 def bos_tokenizer(tmp_path_factory, small_corpus):
     """A tokenizer.json whose post-processor puts a BOS token before a text, as Llama 3's puts

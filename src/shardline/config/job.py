@@ -46,12 +46,18 @@ class Config:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def check_sections(self) -> None:
-        """Each section's own rules; those involving the layout are shardline.layout's."""
+        """Each section's own rules, and those between sections that need nothing else (an evaluation
+        with something to evaluate on); those involving the layout are shardline.layout's."""
         for section in dataclasses.fields(self):
             getattr(self, section.name).check()
+        if not self.data.val_fraction and self.train.eval_interval:
+            every = self.train.eval_interval
+            raise ConfigError(f"data.val_fraction=0 holds nothing out for train.eval_interval={every} "
+                              "to evaluate on: set train.eval_interval=0 (no evaluation), or a data.val_fraction in "
+                              "(0, 0.5)")
 
     def check(self, dp_world: int = 1) -> None:
-        """Each section's rules, and a global batch that splits over `dp_world` ranks."""
+        """check_sections(), and a global batch that splits over `dp_world` ranks."""
         self.check_sections()
         t = self.train
         per_step = t.micro_batch_size * dp_world

@@ -203,7 +203,7 @@ class DataConfig:
     text_field: str = "text"  # field holding the text in .jsonl and .parquet files
     tokenizer: str = ""  # "" = train a byte-level BPE on the data (cached); else a tokenizer.json
     vocab_size: int = 4096  # size of the trained BPE
-    val_fraction: float = 0.01  # share of documents held out for evaluation
+    val_fraction: float = 0.01  # share of documents held out for evaluation (0: none, with train.eval_interval=0)
     format: str = "text"  # text | chat (.jsonl "messages"; loss on assistant tokens only)
     # Text documents start with the tokens the tokenizer's post-processor puts first (Llama's
     # <|begin_of_text|>, Mistral's <s>), as HF's tokenizer(text) starts them; none for a tokenizer
@@ -213,7 +213,8 @@ class DataConfig:
 
     def check(self) -> None:
         _require(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (256 bytes + specials)")
-        _require(0 < self.val_fraction < 0.5, "data.val_fraction", self.val_fraction, "must be in (0, 0.5)")
+        _require(0 <= self.val_fraction < 0.5, "data.val_fraction", self.val_fraction,
+                 "must be in [0, 0.5) (0 holds nothing out: no evaluation)")
         _require(bool(self.text_field), "data.text_field", self.text_field, "must be a field name")
         _require(self.format == "chat" or self.text_field != "messages", "data.text_field", self.text_field,
                  "holds conversations (role, content): set data.format=chat, which reads them")

@@ -25,7 +25,8 @@ def register(sub) -> None:
     p.add_argument("--vocab-size", type=int, default=4096, help="size of the trained BPE (default 4096)")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="tokenizer processes (default: cores - 1)")
-    p.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
+    p.add_argument("--val-fraction", type=float, default=0.01,
+                   help="share of documents held out (default 0.01; 0: none, for runs without evaluation)")
     p.add_argument("--text-field", default="text", help="field with the text in .jsonl/.parquet/.arrow")
     p.add_argument("--format", default="text", choices=["text", "chat"],
                    help="chat: .jsonl records with messages; loss on assistant tokens only")
@@ -64,7 +65,10 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
                         ".txt, .jsonl, .parquet, .arrow, optionally .gz)")
     if left_out:
         print(f"note: skipped {' and '.join(left_out)}", file=sys.stderr)
-    if va["tokens"] < SHORT_VAL_TOKENS:  # said now, not first at a training start that refuses it
+    if not args.val_fraction:
+        print("note: nothing is held out (--val-fraction 0): runs on this folder set train.eval_interval=0",
+              file=sys.stderr)
+    elif va["tokens"] < SHORT_VAL_TOKENS:  # said now, not first at a training start that refuses it
         txt = any(".txt" in str(i).lower() for i in args.inputs)  # (a hint about .txt files for .txt inputs)
         print(f"note: the held-out split is {va['tokens']:,} tokens; a run evaluates on it only at train.seq_len <= "
               f"that; hold out more (--val-fraction) or give more documents ({m['input_documents']:,} read"

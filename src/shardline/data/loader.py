@@ -116,7 +116,7 @@ class DataBundle:
 
 
 def split_documents(docs: list, val_fraction: float, seed: int) -> tuple[list, list]:
-    """Hold out a seeded random share of documents (at least one) for validation.
+    """Hold out a seeded random share of documents (at least one; none at `val_fraction` 0) for validation.
 
     A single document is split by characters instead, so one big .txt file still works.
     `shardline prepare` splits a stream the same way (`held_out`), document by document.
@@ -131,8 +131,8 @@ def split_documents(docs: list, val_fraction: float, seed: int) -> tuple[list, l
 
 
 def held_out(num_docs: int, val_fraction: float, seed: int = 0) -> np.ndarray:
-    """Sorted indices of the held-out documents among `num_docs` (at least one)."""
-    n_val = max(1, round(num_docs * val_fraction))
+    """Sorted indices of the held-out documents among `num_docs` (at least one; none at `val_fraction` 0)."""
+    n_val = max(1, round(num_docs * val_fraction)) if val_fraction else 0
     order = np.random.default_rng([seed, 0x5EED]).permutation(num_docs)
     return np.sort(order[:n_val])
 
@@ -170,9 +170,9 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
         return prepared.tokenizer, prepared.train, prepared.val
     chat = d.format == "chat"
     docs = read_documents(path, "messages" if chat else d.text_field, left_out, key)
-    if chat and len(docs) < 2:
-        raise DataError(f"{key}={path!r} holds {len(docs)} conversation; chat data needs at least two "
-                        "(one is held out)")
+    if chat and len(docs) < (2 if d.val_fraction else 1):
+        raise DataError(f"{key}={path!r} holds {len(docs)} conversations; chat data needs at least "
+                        + ("two (one is held out)" if d.val_fraction else "one"))
     if chat:
         check_replies(f"{key}={path!r}", {m["role"] for messages in docs for m in messages})
     # The split depends on the data only (fixed seed), not on train.seed, so runs with
@@ -208,7 +208,13 @@ def _check_sizes(where: str, train, val, cfg: Config) -> None:
                         f"train.seq_len={t.seq_len}; add data or lower train.seq_len")
     if t.eval_interval and len(val) == 0:
         # A prepared folder's split was made by `prepare`: data.val_fraction does not apply to it.
-        more = ("prepare it again with a larger --val-fraction" if is_prepared(where) else "raise data.val_fraction")
+        prepared = is_prepared(where)
+        more = "prepare it again with a larger --val-fraction" if prepared else "raise data.val_fraction"
+        if val.num_tokens == 0:  # nothing held out at all
+            how = ("prepared with --val-fraction 0", "prepare it again with --val-fraction in (0, 0.5)") if prepared \
+                else ("data.val_fraction=0", "a data.val_fraction in (0, 0.5)")
+            raise DataError(f"{where} holds nothing out to evaluate on ({how[0]}): set train.eval_interval=0 "
+                            f"(no evaluation), or {how[1]}")
         raise DataError(f"{where} holds out {val.num_tokens} validation tokens: too few for one sequence "
                         f"of train.seq_len={t.seq_len}; {more} or set train.eval_interval=0")
 

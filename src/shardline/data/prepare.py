@@ -176,8 +176,9 @@ def _keep_side_files(tokenizer: str, root: Path) -> None:
 def _check_options(opts: PrepareOptions) -> None:
     if opts.format not in FORMATS:
         raise DataError(f"--format={opts.format!r} is invalid: one of {', '.join(FORMATS)}")
-    if not 0 < opts.val_fraction < 0.5:
-        raise DataError(f"--val-fraction={opts.val_fraction!r} is invalid: must be in (0, 0.5)")
+    if not 0 <= opts.val_fraction < 0.5:
+        raise DataError(f"--val-fraction={opts.val_fraction!r} is invalid: must be in [0, 0.5) (0 holds nothing "
+                        "out: runs on the folder then set train.eval_interval=0)")
     if opts.workers < 1 or opts.shard_tokens < 1:
         raise DataError("--workers and --shard-tokens must be >= 1")
     if not opts.inputs:
@@ -247,7 +248,7 @@ def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
             roles.update(m["role"] for m in doc)
     if count == 0:
         raise DataError(f"{', '.join(opts.inputs)} contains no text (all documents are empty)")
-    if count == 1 and opts.format == "chat":
+    if count == 1 and opts.format == "chat" and opts.val_fraction:
         raise DataError(f"{', '.join(opts.inputs)} holds one conversation; chat data needs at least two "
                         "(one is held out)")
     if opts.format == "chat":
