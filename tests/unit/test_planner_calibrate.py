@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import re
 
 import pytest
 import torch
 
+from shardline.errors import ShardlineError
 from shardline.planner.calibrate import ops
 from shardline.planner.calibrate import run as cal
 from shardline.planner.calibrate.comm import fit_alpha_beta, measure_collectives, op_factors
@@ -108,6 +110,18 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, monkeypatch, cap
     assert "shardline hardware profile" in capsys.readouterr().out
     with pytest.raises(Exception, match="describes 'cpu'"):
         get_hardware("h100-sxm", out)
+
+
+def test_a_profile_the_planner_would_refuse_is_refused_by_calibrate_and_kept(tmp_path, monkeypatch, capsys):
+    """A measured figure out of the planner's range (a link measured above its bandwidth on a noisy
+    machine) is said by calibrate itself, not first by `plan --profile`; the file keeps the points."""
+    fields = {"base": "cpu", "mem_bw_gbs": 12.5, "network": {"bw_efficiency": 1.3}}
+    monkeypatch.setattr(cal, "measure", lambda **kw: (fields, {"allreduce_gbs": [1.0, 2.0]}))
+    out = tmp_path / "cpu.toml"
+    with pytest.raises(ShardlineError, match=re.escape("the profile it wrote is not usable (") + ".*bw_efficiency=1.3 "
+                       "must be at most 1.*keeps the measurements"):
+        cal.calibrate(out)
+    assert "allreduce_gbs" in out.read_text()
 
 
 @pytest.mark.alone  # times the wrappers against the plain block

@@ -37,13 +37,13 @@ from pathlib import Path
 
 import torch
 
-from shardline.errors import ShardlineError
+from shardline.errors import ConfigError, ShardlineError
 from shardline.planner.calibrate import ops
 from shardline.planner.calibrate.comm import measure_collectives
 from shardline.planner.calibrate.corun import measure_corun
 from shardline.planner.calibrate.dist import measure_wrappers
-from shardline.planner.hardware import (Hardware, cpu_cores, cpu_hardware, detected_gpu, get_hardware, to_toml,
-                                        with_local_memory)
+from shardline.planner.hardware import (Hardware, cpu_cores, cpu_hardware, detected_gpu, get_hardware,
+                                        read_profile, to_toml, with_local_memory)
 
 # (m tokens, n out, k in); the first eight are the quick set
 GEMMS = [(4096, 256, 256), (4096, 768, 256), (4096, 256, 768), (4096, 128, 128), (2048, 64, 256), (512, 128, 128),
@@ -210,7 +210,19 @@ def _calibrate(out: str | Path, quick: bool, comm: bool) -> dict:
     except OSError as e:
         raise ShardlineError(f"calibrate: cannot write {out}: {e}") from None
     print(text)
+    _check_readable(out)
     return fields
+
+
+def _check_readable(out: str | Path) -> None:
+    """Read the written profile back as `plan --profile` will, so a figure it refuses is said now,
+    not at the first plan. The file stays: its [measured] points are what a look needs."""
+    try:
+        profile = read_profile(out)
+        get_hardware(profile["base"], out)
+    except ConfigError as e:
+        raise ShardlineError(f"calibrate: the profile it wrote is not usable ({e}); {out} keeps the "
+                             "measurements ([measured]) for a look; calibrate again on an idle machine") from None
 
 
 def _flat(raw: dict) -> dict:
