@@ -155,6 +155,7 @@ class Generator:
                  system: str = "") -> str:
         """The text generated after `prompt` (end tokens and markers left out). Decoded with the
         prompt and cut after it: decoded alone, a SentencePiece continuation loses its leading space."""
+        opts.check()  # (the CLI checked them already; a caller from Python gets the same one line)
         check_chat_flags(bos, chat, system)
         prompt_ids = self.chat_ids(prompt, system) if chat else self.encode(prompt, bos)
         self.prompt_tokens = len(prompt_ids)

@@ -319,6 +319,22 @@ def test_bad_options_are_one_line_errors(trained_run, capsys, argv, message):
     assert message in err and err.count("\n") == 1, err
 
 
+def test_the_python_entry_points_check_what_the_cli_checks(trained_run):
+    """Called from Python, without the CLI's argument parsing in front: the same one-line errors,
+    not a sampling kernel's RuntimeError or a from-hf conversion of a run dir."""
+    from shardline.errors import ConfigError
+    from shardline.interop.convert import convert
+
+    gen = load_generator(str(trained_run))
+    with pytest.raises(ConfigError, match=re.escape("--top-p=0.0 is invalid: must be in (0, 1]")):
+        gen.complete(PROMPT, SampleOptions(top_p=0.0, temperature=1.0))
+    with pytest.raises(ConfigError, match="--max-new-tokens=0 is invalid"):
+        gen.complete(PROMPT, SampleOptions(max_new_tokens=0))
+    with pytest.raises(ConfigError, match="convert direction 'tohf' is invalid: one of to-hf, from-hf"):
+        convert("tohf", str(trained_run), str(trained_run.parent / "never"))
+    assert not (trained_run.parent / "never").exists()
+
+
 def test_a_tiny_temperature_samples_the_likeliest_token():
     """logits / 1e-45 overflowed to inf and the softmax to NaN (a multinomial traceback)."""
     logits = torch.tensor([1.0, 3.0, 2.0, float("-inf")])

@@ -215,3 +215,38 @@ def test_a_stray_argument_is_read_as_what_it_likely_meant(capsys):
         main(["generate", "runs/x", "--top_k", "5"])
     err = capsys.readouterr().err
     assert "`shardline generate --help` lists its options" in err and "section.key" not in err
+
+
+@pytest.mark.parametrize("section,key,value,message", [
+    ("train", "compile", "false", "train.compile='false' has the wrong type: expected true or false"),
+    ("train", "steps", 4.5, "train.steps=4.5 has the wrong type: expected int"),
+    ("train", "seq_len", "64", "train.seq_len='64' has the wrong type: expected int"),
+    ("train", "stepz", 5, "unknown config key train.stepz; valid keys: steps, stop_at_step"),
+    ("data", "mix", [{"path": "a"}], "data.mix[0]={'path': 'a'} has the wrong type: expected a MixSource"),
+    ("moe", "capacity_factor", "1.5", "moe.capacity_factor='1.5' has the wrong type: expected float"),
+])
+def test_values_set_in_code_are_checked_as_a_files_are(section, key, value, message):
+    """A config built in Python and changed by attribute gets the reader's one-line errors from
+    check_sections (which Trainer and the dry run call): the string "false" would otherwise switch
+    compile on, and 4.5 steps train 5 and save a config.toml no launch reads back."""
+    cfg = load_config(None)
+    cfg.check_sections()
+    setattr(getattr(cfg, section), key, value)
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace("[", r"\[")):
+        cfg.check_sections()
+
+
+def test_values_of_the_right_type_set_in_code_pass():
+    cfg = load_config(None, ["data.mix=[{path = 'a', weight = 1}, {path = 'b', weight = 3}]"])
+    cfg.optim.lr, cfg.train.compile, cfg.model.tie_embeddings = 1, True, 1  # an int for a float; a switch's int
+    cfg.check_sections()
+
+
+def test_a_home_path_set_in_code_is_expanded_by_the_trainer(tmp_path, monkeypatch):
+    """load_config expands a leading ~; one set in code afterwards made a folder named "~"."""
+    from shardline.trainer import Trainer
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None)
+    cfg.run.dir = "~/runs/nb"
+    assert Trainer(cfg).run_dir == tmp_path / "runs" / "nb" and cfg.run.dir == str(tmp_path / "runs" / "nb")

@@ -177,3 +177,24 @@ def test_a_lock_that_cannot_be_written_leaves_none_and_an_empty_old_one_is_free(
     old = time.time() - 120
     os.utime(tmp_path / LOCK, (old, old))
     assert RunLock(tmp_path).acquire().startswith("an empty lock a minute old")
+
+
+def test_a_later_trainer_of_one_process_takes_the_dir_and_the_earlier_refuses_to_train(tiny_config, tmp_path):
+    """Within one process the pid says nothing, and a Trainer built and dropped unclosed (a notebook
+    rebinding its name) cannot free its lock: a later one takes the dir over, and the earlier one
+    refuses to train instead of training over the later one's checkpoints (both trained from step
+    0, the second overwriting the first's saves). close() frees the dir and is idempotent."""
+    cfg = tiny_config("train.steps=2", "train.eval_interval=0", run_dir=tmp_path / "run")
+    earlier = Trainer(cfg).build()
+    later = Trainer(cfg).build()
+    with pytest.raises(ConfigError, match="was taken over since this Trainer was built"):
+        earlier.train()
+    later.train()
+    earlier.close()  # (its release leaves a lock that is not its own: none now, none deleted wrongly)
+    with Trainer(cfg).build() as looked_at:  # built, looked at, not trained: leaving the block frees the dir
+        assert looked_at.step == 2 and (tmp_path / "run" / LOCK).exists()
+    assert not (tmp_path / "run" / LOCK).exists()
+    looked_at.close()
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["reason"] for e in events if e.get("event") == "run_dir_lock_taken_over"] == [
+        "this process: an earlier Trainer in it, ended or not closed, which now refuses to train"]

@@ -49,6 +49,7 @@ class Config:
         """Each section's own rules, and those between sections that need nothing else (an evaluation
         with something to evaluate on); those involving the layout are shardline.layout's."""
         for section in dataclasses.fields(self):
+            reader.check_types(getattr(self, section.name), section.name)  # (values set in code)
             getattr(self, section.name).check()
         if not self.data.val_fraction and self.train.eval_interval:
             every = self.train.eval_interval
@@ -129,7 +130,7 @@ def _overridden(raw: dict[str, Any], overrides: list[str]) -> Config:
     cfg = from_dict(raw)
     for item in overrides:
         apply_override(cfg, item)
-    _expand_home(cfg)
+    expand_home(cfg)
     return cfg
 
 
@@ -139,7 +140,9 @@ _PATH_KEYS = (("run", "dir"), ("run", "resume"), ("model", "hf_path"), ("model",
               ("data", "path"), ("data", "tokenizer"), ("checkpoint", "memory_dir"))
 
 
-def _expand_home(cfg: Config) -> None:
+def expand_home(cfg: Config) -> None:
+    """A leading ~ of every path key as the user's home (load_config does it; a Trainer does it
+    again for paths set in code)."""
     for section, key in _PATH_KEYS:
         holder = getattr(cfg, section)
         setattr(holder, key, _home(getattr(holder, key)))

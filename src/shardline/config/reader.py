@@ -88,6 +88,30 @@ def updated(obj: Any, raw: dict[str, Any], where: str, kind: str = "config key")
     return dataclasses.replace(obj, **changes)
 
 
+def check_types(obj: Any, where: str) -> None:
+    """Every field of dataclass `obj` of its declared type, and no attribute that is not a field: what
+    reading a file guarantees, for values set in code too (where the string "false" would read as
+    true, and 4.5 steps would train 5). `where` names the section in the one-line error."""
+    hints, names = typing.get_type_hints(type(obj)), field_names(obj)
+    extra = [k for k in vars(obj) if k not in names and not k.startswith("_")]
+    if extra:
+        raise ConfigError(f"unknown config key {where}.{extra[0]}; valid keys: {', '.join(names)}")
+    for f in dataclasses.fields(obj):
+        value, key, hint = getattr(obj, f.name), f"{where}.{f.name}", hints[f.name]
+        item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
+        if dataclasses.is_dataclass(value):
+            check_types(value, key)
+        elif dataclasses.is_dataclass(item) and isinstance(value, list):  # a list of tables: data.mix
+            for i, v in enumerate(value):
+                if not isinstance(v, item):
+                    raise ConfigError(f"{key}[{i}]={v!r} has the wrong type: expected a {item.__name__}")
+                check_types(v, f"{key}[{i}]")
+        elif not (f.metadata.get("switch") and isinstance(value, bool)):  # (a switch takes true/false)
+            read = coerce(key, value, hint, value)
+            if isinstance(value, str) and not isinstance(read, str):  # "1.5": a number on a command line only
+                raise ConfigError(f"{key}={value!r} has the wrong type: expected {type(read).__name__}")
+
+
 _DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 

@@ -21,7 +21,7 @@ import torch
 
 from shardline.data.encode import CHATML_TEMPLATE, chat_template_for, reply_prompt
 from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
-from shardline.errors import CheckpointError, DataError
+from shardline.errors import CheckpointError, ConfigError, DataError
 from shardline.interop.hf import empty_model, from_hf_pretrained, to_hf_pretrained
 from shardline.interop.hf_config import EXPORT_DTYPES, KEPT_FIELDS, read_hf_fields
 from shardline.interop.hf_files import (
@@ -41,7 +41,14 @@ from shardline.resilience.checkpoint import (
 )
 
 
+DIRECTIONS = ("to-hf", "from-hf")
+
+
 def convert(direction: str, src: str, dst: str, dtype: str = "", tokenizer: str = "") -> Path:
+    """`to-hf`: a run dir's newest valid checkpoint (or a checkpoint folder) as a Hugging Face folder;
+    `from-hf`: a Hugging Face folder as a checkpoint. Returns the folder written."""
+    if direction not in DIRECTIONS:
+        raise ConfigError(f"convert direction {direction!r} is invalid: one of {', '.join(DIRECTIONS)}")
     if direction == "to-hf":
         return checkpoint_to_hf(Path(src), Path(dst), dtype, tokenizer)
     return hf_to_checkpoint(Path(src), Path(dst))

@@ -14,6 +14,11 @@ and torchrun restarts (TORCHELASTIC_RUN_ID, when not under Slurm) keep their id.
 cannot be checked from here; its error says how to remove it once that job is known
 to be gone. A takeover renames the lock aside before removing it, so two runs racing
 for one stale lock never both hold it.
+
+Within one process (a notebook building Trainers) the pid says nothing, and a Trainer built and
+dropped unclosed cannot free its lock: a later Trainer of the process takes it over, and the
+earlier one, should it be asked to train, finds the lock no longer its own (`still_held`) and
+refuses instead of training over the later one's checkpoints.
 """
 
 from __future__ import annotations
@@ -217,6 +222,10 @@ class RunLock:
             self.held = False
         atexit.unregister(self.release)  # a process that runs many trainers keeps no stale handlers
 
+    def still_held(self) -> bool:
+        """The lock file is still the one this object wrote (nobody took it over since)."""
+        return self.held and self._read() == self.mine
+
     def _read(self) -> dict:
         try:
             return json.loads(self.path.read_text())
@@ -234,7 +243,7 @@ def _why_free(holder: dict, me: dict) -> str | None:
     if not same_host:
         return None
     if holder.get("pid") == me["pid"] and holder.get("start") == me["start"]:
-        return "this process: an earlier run in it ended without releasing"
+        return "this process: an earlier Trainer in it, ended or not closed, which now refuses to train"
     started = start_time_of(int(holder.get("pid", -1)))
     if started is None:
         return f"stale: pid {holder.get('pid')} on {holder['host']} is gone"

@@ -22,13 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardline.config import Config, save_config
-from shardline.data import tokenizer_file
+from shardline.config import Config, expand_home
 from shardline.data.sampler import batch_index, eval_micro_batches
 from shardline.devices import peak_tflops
-from shardline.errors import Preempted
-from shardline.interop.weights import copy_starting_files, load_starting_weights, starting_hf_fields
-from shardline.metrics import MetricsLogger, mfu, peak_memory_gib
+from shardline.errors import ConfigError, Preempted
+from shardline.interop.weights import load_starting_weights, starting_hf_fields
+from shardline.metrics import mfu, peak_memory_gib
 from shardline.models.attention import resolve_attention
 from shardline.models.flops import flops_per_token, num_params
 from shardline.models.llama.parallelize import build_model
@@ -43,15 +42,14 @@ from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.pipeline import tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler
-from shardline.launch_notes import launch_notes
 from shardline.preflight import gone_start_checkpoint
-from shardline.profiling import StepProfiler, configure_allocator
+from shardline.profiling import configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import (agree_on_resume, memory_tier_resumable, rank0_decides,
-                                          refuse_fresh_over_invalid, restarted)
+                                          refuse_fresh_over_invalid)
 from shardline.resilience.run_lock import RunLock
 from shardline.trainer.anomalies import AnomalyResponse
 from shardline.trainer.state import SavedState
@@ -62,6 +60,7 @@ from shardline.trainer.step import StepRunner
 class Trainer(SavedState, AnomalyResponse, StopOnRequest):
     def __init__(self, cfg: Config):
         cfg.check_sections()  # those that involve the layout, the data and the model come in build()
+        expand_home(cfg)  # (load_config did; paths set in code since have not been)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.device = pick_device(cfg.run.device)
@@ -147,42 +146,6 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
             raise
         return self
 
-    def _open_run_dir(self, resumed: str | None) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, self.run_dir / "config.toml")
-        self.data.tokenizer.save(str(self.run_dir / "tokenizer.json"))
-        copy_starting_files(self.cfg.model, tokenizer_file(self.cfg.data), self.run_dir)
-        self.metrics = MetricsLogger(self.run_dir, self.cfg.metrics.progress, self.cfg.metrics.tensorboard,
-                                     self.cfg.train.steps, self.step, enabled=self.proc.is_main)
-        for problem in self._invalid_checkpoints:
-            self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
-        if self._stand_in:
-            self.metrics.event("starting_weights_gone", step=self.step, note=self._stand_in)
-        if self._set_aside:  # newer ones: a history this run leaves
-            self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in self._set_aside])
-        self.guard.open(self.run_dir, self.metrics.event, fresh=resumed is None and not restarted())
-        if self.allocator:
-            self.metrics.event("allocator", step=self.step, setting=self.allocator)
-        gpu = (torch.cuda.get_device_name(self.device), torch.cuda.device_count()) if self.device.type == "cuda" else ()
-        for note, fields in launch_notes(self.cfg, self.device.type, self.peak_tflops, self.proc.world_size, *gpu,
-                                         model=self.model_args, tokenizer=self.data.tokenizer,
-                                         resumed=resumed is not None, layout=self.dims.layout):
-            self.metrics.event(note, step=self.step, **fields)
-        self.metrics.event("data", step=self.step, **self.data.describe(self.cfg.train.steps))
-        self.profiler = StepProfiler(self.cfg.metrics.profile_steps, self.run_dir, self.proc.rank, self.device,
-                                     self.step, self.cfg.train.steps, self.metrics.event)
-        if self._lock_taken_over:
-            self.metrics.event("run_dir_lock_taken_over", step=self.step, reason=self._lock_taken_over)
-        if resumed is not None:
-            done = {"note": "train.steps (or stop_at_step) reached: nothing to train"} if (
-                self.step >= self.last_step) else {}  # said, not silent
-            self.metrics.event("resume", step=self.step, checkpoint=resumed,
-                               recomputed_steps=self.guard.goodput.recomputed_from(self.step), **done)
-            if self._optim_changes:  # {key: [saved, now]}: the config's values apply from here on
-                self.metrics.event("optim_changed", step=self.step, **self._optim_changes)
-            if self._config_changes:  # {section.key: [saved, now]}: what else this launch changed
-                self.metrics.event("config_changed", step=self.step, **self._config_changes)
-
     # ---- the loop -------------------------------------------------------------------
 
     @property
@@ -192,20 +155,38 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
 
     def train(self) -> dict:
         """Train to train.steps (or stop_at_step); returns the last logged metrics."""
+        agreed(self._check_lock_held, self.proc.world_size)  # a refusal on rank 0 is every rank's
         try:
             return self._train()
         except BaseException:
             if self.proc.world_size == 1:  # a save in flight is still worth finishing: a rerun resumes from it
                 with contextlib.suppress(Exception):  # (not with ranks: its collectives may wait on a lost peer)
                     self.guard.drain(self.step)
-            # An error, a halt or Ctrl-C: the watchdog (its last reports; this rank failed) and handlers go, then the
-            # trace so far and the log; each one's own failure must not keep the next, the lock's release or the error.
-            failed = lambda: self.guard.stop_watching(failed=True)  # noqa: E731
-            for close in (failed, lambda: self.profiler.close(self.step), self.metrics.close):
-                with contextlib.suppress(Exception):
-                    close()
-            self.lock.release()
+            self.close(failed=True)  # an error, a halt or Ctrl-C
             raise
+
+    def close(self, failed: bool = False) -> None:
+        """Free what build() took: the watchdog (its last reports; `failed`: this rank failed) and the
+        signal handlers, the trace so far, the log's files (TensorBoard's writer thread) and the run
+        dir's lock; each one's own failure keeps none of the next. train() closes on its way out; a
+        Trainer built and not trained (a look at the model) is closed here or by `with`. Idempotent."""
+        for close in (lambda: self.guard.stop_watching(failed=failed), lambda: self.profiler.close(self.step),
+                      lambda: self.metrics.close()):
+            with contextlib.suppress(Exception):  # (AttributeError: a build that stopped before it made one)
+                close()
+        if getattr(self, "lock", None) is not None:
+            self.lock.release()
+
+    def _check_lock_held(self) -> None:
+        if self.proc.is_main and not self.lock.still_held():  # (taken over by a later Trainer of this process)
+            raise ConfigError(f"run dir {self.run_dir} was taken over since this Trainer was built (by a later one, "
+                              "or another run): build a new Trainer to train in it")
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.close(failed=kind is not None)
 
     def _train(self) -> dict:
         cfg = self.cfg

@@ -5,7 +5,8 @@ schedule, loss scaler, anomaly detector, data position and RNG. A resumed run mu
 exactly, so everything a step depends on is in `_trainer_state`, and `_restore` checks
 that the saved position still means the same data before it goes on from it. What a start
 checks before it chooses and puts back a state (`_check_inputs`: its files, data, layout and
-the checkpoint to resume) is here too, run by every rank before its first collective.
+the checkpoint to resume) is here too, run by every rank before its first collective, and what
+it writes to the run dir then (`_open_run_dir`).
 """
 
 from __future__ import annotations
@@ -14,17 +15,24 @@ import hashlib
 import json
 from pathlib import Path
 
-from shardline.data import build_data
+import torch
+
+from shardline.config import save_config
+from shardline.data import build_data, tokenizer_file
 from shardline.errors import ConfigError, DataError, on_every_rank
+from shardline.interop.weights import copy_starting_files
+from shardline.launch_notes import launch_notes
+from shardline.metrics import MetricsLogger
 from shardline.models.factory import args_to_json
 from shardline.optim import apply_hyperparameters, schedule_settings
 from shardline.parallel.distributed import agreed, ranks_differing
 from shardline.parallel.float8 import precompute_scales
+from shardline.profiling import StepProfiler
 from shardline.preflight import (Preflight, bos_setting, check_config, check_device, check_layout_before_data,
                                  check_resume_fits, check_rollback_target, preflight, use_model_tokenizer)
 from shardline.resilience.recovery import (check_data_position, check_saved_position, check_skip_batches,
-                                          check_steps_ahead, data_changes, get_rng_state, resume_path, set_rng_state,
-                                          settings_changed)
+                                          check_steps_ahead, data_changes, get_rng_state, restarted, resume_path,
+                                          set_rng_state, settings_changed)
 from shardline.resilience.run_lock import launcher_ids
 
 
@@ -103,6 +111,44 @@ class SavedState:
                           data_changed=data_changes(found, self.cfg, bool(self._stand_in)))
         check_saved_position(found, self.cfg, len(self.data.train), self.data.position_state(), bool(self._stand_in))
         return found
+
+    def _open_run_dir(self, resumed: str | None) -> None:
+        """Written once the lock is held and the state put back: the config, the tokenizer and the
+        starting weights' files; the log, opened with what this launch found and chose."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.run_dir / "config.toml")
+        self.data.tokenizer.save(str(self.run_dir / "tokenizer.json"))
+        copy_starting_files(self.cfg.model, tokenizer_file(self.cfg.data), self.run_dir)
+        self.metrics = MetricsLogger(self.run_dir, self.cfg.metrics.progress, self.cfg.metrics.tensorboard,
+                                     self.cfg.train.steps, self.step, enabled=self.proc.is_main)
+        for problem in self._invalid_checkpoints:
+            self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
+        if self._stand_in:
+            self.metrics.event("starting_weights_gone", step=self.step, note=self._stand_in)
+        if self._set_aside:  # newer ones: a history this run leaves
+            self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in self._set_aside])
+        self.guard.open(self.run_dir, self.metrics.event, fresh=resumed is None and not restarted())
+        if self.allocator:
+            self.metrics.event("allocator", step=self.step, setting=self.allocator)
+        gpu = (torch.cuda.get_device_name(self.device), torch.cuda.device_count()) if self.device.type == "cuda" else ()
+        for note, fields in launch_notes(self.cfg, self.device.type, self.peak_tflops, self.proc.world_size, *gpu,
+                                         model=self.model_args, tokenizer=self.data.tokenizer,
+                                         resumed=resumed is not None, layout=self.dims.layout):
+            self.metrics.event(note, step=self.step, **fields)
+        self.metrics.event("data", step=self.step, **self.data.describe(self.cfg.train.steps))
+        self.profiler = StepProfiler(self.cfg.metrics.profile_steps, self.run_dir, self.proc.rank, self.device,
+                                     self.step, self.cfg.train.steps, self.metrics.event)
+        if self._lock_taken_over:
+            self.metrics.event("run_dir_lock_taken_over", step=self.step, reason=self._lock_taken_over)
+        if resumed is not None:
+            done = {"note": "train.steps (or stop_at_step) reached: nothing to train"} if (
+                self.step >= self.last_step) else {}  # said, not silent
+            self.metrics.event("resume", step=self.step, checkpoint=resumed,
+                               recomputed_steps=self.guard.goodput.recomputed_from(self.step), **done)
+            if self._optim_changes:  # {key: [saved, now]}: the config's values apply from here on
+                self.metrics.event("optim_changed", step=self.step, **self._optim_changes)
+            if self._config_changes:  # {section.key: [saved, now]}: what else this launch changed
+                self.metrics.event("config_changed", step=self.step, **self._config_changes)
 
     def _layout_fingerprint(self) -> str:
         """What in-memory snapshots (local shards) are only valid for: this layout and model
