@@ -322,6 +322,58 @@ def test_a_halt_with_nothing_on_disk_keeps_the_ram_snapshot_for_the_rerun(tiny_c
     assert _memory_run(tiny_config, tmp_path, *memory).step == 3
 
 
+def test_snapshots_that_cannot_be_used_are_said_and_a_memory_only_run_is_not_started_over(tiny_config, tmp_path):
+    """A memory-only run (no disk saves) whose snapshot is damaged, or of another layout (relaunched
+    on more ranks), started again from step 0 in silence, its logged history superseded: refused
+    now in one line naming the snapshot, which stays. With a disk checkpoint to fall back on, the
+    run resumes from it and the passed-over snapshot is an invalid_checkpoint event."""
+    import json
+
+    memory = ["checkpoint.interval=0", "checkpoint.memory_interval=3"]
+    with pytest.raises(RuntimeError, match="injected"):
+        _crashing(_memory_run(tiny_config, tmp_path, *memory), at_step=8).train()
+    assert _held_steps(tmp_path / "shm") == {6}
+    with pytest.raises(CheckpointError, match=r"nothing to resume in .*: the in-memory snapshot of step 6 \(rank 0\) "
+                                              r"is written under another layout .*relaunch with the layout"):
+        _memory_run(tiny_config, tmp_path, *memory, "parallel.pp_microbatches=4")
+    snapshot = next((tmp_path / "shm").rglob("own-000006.bin"))
+    with open(snapshot, "r+b") as f:  # one byte flipped: the RAM went bad, or a write was torn
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match=r"the in-memory snapshot of step 6 \(rank 0\) is damaged: its size or "
+                                              r"CRC-32 is not the one recorded"):
+        _memory_run(tiny_config, tmp_path, *memory)
+    assert _held_steps(tmp_path / "shm") == {6}  # (kept for a look, or for the layout that wrote it)
+    with pytest.raises(RuntimeError, match="injected"):  # disk at 4, RAM at 6, damaged again below
+        _crashing(_memory_run(tiny_config, tmp_path, "checkpoint.interval=4", "checkpoint.memory_interval=3",
+                              "run.resume=never"), at_step=8).train()
+    snapshot = next((tmp_path / "shm").rglob("own-000006.bin"))
+    snapshot.write_bytes(snapshot.read_bytes()[:-10])
+    resumed = _memory_run(tiny_config, tmp_path, "checkpoint.interval=4", "checkpoint.memory_interval=3")
+    resumed.close()
+    assert resumed.step == 4
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    said = [e["error"] for e in events if e.get("event") == "invalid_checkpoint"]
+    assert said == ["the in-memory snapshot of step 6 (rank 0) is damaged: its size or CRC-32 is not the one recorded"]
+
+
+def test_a_damaged_checkpoint_passed_over_for_ram_is_not_counted_by_pruning(tiny_config, tmp_path):
+    """Disk 4 and 8 (keep 2), RAM 9; step 8 damaged: the resume from RAM left step 8 in place, and
+    the next save's pruning counted it among the two kept and deleted the valid step 4. It stays in
+    place (a start finding no valid state is still refused over it), not counted."""
+    tiers = ["train.steps=12", "checkpoint.interval=4", "checkpoint.keep=2", "checkpoint.memory_interval=3"]
+    with pytest.raises(RuntimeError, match="injected"):
+        _crashing(_memory_run(tiny_config, tmp_path, *tiers), at_step=10).train()
+    held = tmp_path / "run" / "checkpoints"
+    (held / "step-000008" / "meta.json").write_text("{}")
+    resumed = _memory_run(tiny_config, tmp_path, *tiers)
+    assert resumed.step == 9
+    resumed.train()
+    assert sorted(p.name for p in held.iterdir()) == ["step-000004", "step-000008", "step-000012"]
+
+
 def test_a_memory_dir_that_cannot_be_made_is_one_line(tiny_config, tmp_path):
     """checkpoint.memory_dir is a folder of each node's own: one that cannot be made there (a file
     in the way, no permission) stops the start in one line naming the key and the way out."""

@@ -296,6 +296,26 @@ def test_a_new_run_in_a_run_dir_without_checkpoints_starts_a_new_goodput_account
     assert end["total_s"] == pytest.approx(end["this_launch_s"], abs=0.5)
 
 
+def test_relaunching_a_finished_run_leaves_its_account_as_it_was(tiny_config):
+    """A requeue loop relaunching a run that had finished: each launch found nothing to train and
+    still added its start-up, lowering the run's goodput every time (0.90 -> 0.87 -> 0.85)."""
+    import json
+
+    from shardline.trainer import Trainer
+
+    settings = ["train.steps=3", "train.eval_interval=0", "checkpoint.interval=3"]
+    Trainer(tiny_config(*settings)).build().train()
+    run = Path(tiny_config(*settings).run.dir)
+    before = json.loads((run / "progress.json").read_text())
+    again = Trainer(tiny_config(*settings)).build()
+    again.train()
+    assert json.loads((run / "progress.json").read_text()) == before
+    ends = [r for r in records(run) if r.get("event") == "end"]
+    first, last = ends[0]["seconds"], ends[-1]["seconds"]
+    assert ends[-1]["goodput"] == pytest.approx(ends[0]["goodput"], abs=1e-3) and last["startup"] == first["startup"]
+    assert last["other"] == pytest.approx(first["other"], abs=0.05)  # (its wall read a moment apart)
+
+
 def test_a_relaunch_after_a_crash_before_any_save_keeps_the_account(tiny_config):
     """Nothing to resume, but the run before did not finish (a crash before its first save, a
     relaunch by hand or a script): its time is this run's history, not a new account."""

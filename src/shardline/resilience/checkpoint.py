@@ -12,7 +12,8 @@ Layout of one checkpoint, `<run_dir>/checkpoints/step-000020/`:
 
 It is written to `step-000020.tmp/` and renamed when complete, so a crash mid-save
 leaves the previous checkpoints untouched; a folder without a valid manifest is
-never loaded. Only the newest `keep` checkpoints are kept.
+never loaded. Only the newest `keep` checkpoints are kept (not counting one a start found
+invalid, left in place: it would cost a valid one).
 """
 
 from __future__ import annotations
@@ -115,22 +116,16 @@ def verify(path: Path) -> dict[str, Any]:
 def write_checkpoint(final: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                      trainer_state: dict[str, Any] | None, meta: dict[str, Any], rank: int = 0,
                      is_writer: bool = True, before_seal=None) -> None:
-    """Write a checkpoint folder atomically. Without an optimizer it holds weights only.
-
-    `meta` (JSON: the model shape, the config) goes to meta.json so tools such as
-    `shardline convert` can rebuild the model without the run's config.
-    """
+    """Write a checkpoint folder atomically; without an optimizer, weights only. `meta` (JSON: the model
+    shape, the config) goes to meta.json: tools such as `convert` rebuild the model without the run's config."""
     write_state(final, step, capture_state(model, optimizer), trainer_state, meta, rank, is_writer, before_seal)
 
 
 def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: dict[str, Any] | None,
                 meta: dict[str, Any], rank: int = 0, is_writer: bool = True, before_seal=None,
                 group: dist.ProcessGroup | None = None) -> None:
-    """Write captured state as the checkpoint folder `final` (all ranks call it).
-
-    `group` carries this save's collectives: an asynchronous save passes its own, so
-    its background thread never shares a process group with training.
-    """
+    """Write captured state as the checkpoint folder `final` (all ranks call it). `group` carries this
+    save's collectives: an asynchronous save passes its own, so its thread never shares one with training."""
     tmp = final.with_name(final.name + ".tmp")
     try:
         failure = None
@@ -266,6 +261,7 @@ class Checkpointer:
         self.root = Path(run_dir) / "checkpoints"
         self.keep, self.rank, self.is_writer = keep, rank, is_writer
         self._verified: dict[str, tuple[tuple, dict[str, Any]]] = {}  # path: (files' stat, manifest)
+        self.failed: set[str] = set()  # folders latest_valid found invalid: not counted by prune (module doc)
 
     def verify(self, path: Path) -> dict[str, Any]:
         """verify(path), hashed once while its files stay as they were: a resume asks three times
@@ -301,6 +297,7 @@ class Checkpointer:
             except CheckpointUnreadable:
                 raise  # passing over it would resume an older one, or start over and set the history aside
             except CheckpointError as e:
+                self.failed.add(str(path))
                 if on_invalid is not None:
                     on_invalid(path, e)
         return None
@@ -391,7 +388,8 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - unchecked: one may be a step's only copy
             asides = []
         with contextlib.suppress(Exception):  # a listing the storage refuses (a stale handle): next time
-            for old in [p for p in self.list()[: -self.keep] if p != written]:
+            counted = [p for p in self.list() if str(p) not in self.failed or p == written]  # (written: saved again)
+            for old in [p for p in counted[: -self.keep] if p != written]:
                 with contextlib.suppress(OSError):
                     old.rename(old.with_name(old.name + PRUNING))
             cut = [t for t in self.root.glob("step-*.tmp") if written and step_of(t) < step_of(written)]  # (repaired)

@@ -50,6 +50,7 @@ class Goodput:
         self.high_water = 0
         self._recent: dict[int, tuple[str, float]] = {}  # step -> (category, seconds), for reclassify()
         self.unwritten = ""  # why progress.json could not be written, once it could not (persist)
+        self.counted = True  # this launch is part of the run's account (not one that found nothing to train)
         previous = self._read()
         if previous and fresh and previous.get("finished"):
             previous = None
@@ -100,8 +101,13 @@ class Goodput:
         """Steps a run resuming after `step` will do again."""
         return max(0, self.high_water - step)
 
+    def leave_out_this_launch(self) -> None:
+        """A launch with nothing to train (a finished run relaunched, a requeue loop's extra start): the
+        run's account is left as it was, not lowered by a start-up that trained nothing."""
+        self.counted = False
+
     def summary(self) -> dict:
-        wall = self.wall_before + time.time() - self.started
+        wall = self.wall_before + (time.time() - self.started if self.counted else 0.0)
         total = wall + self.seconds["restart_gap"]
         seconds = {k: round(v, 3) for k, v in self.seconds.items()}
         seconds["other"] = round(max(0.0, total - sum(self.seconds.values())), 3)
@@ -112,7 +118,7 @@ class Goodput:
     def persist(self, finished: bool = False) -> None:
         """Rewrite progress.json. A write the storage refuses (a disk a checkpoint filled) is kept in
         `unwritten` and training goes on: accounting must never stop a run; the next write retries."""
-        if not self.enabled:
+        if not self.enabled or not self.counted:
             return
         record = {"high_water_step": self.high_water, "time": time.time(), "finished": finished,
                   "wall_s": self.wall_before + time.time() - self.started,

@@ -94,9 +94,13 @@ class RunGuard:
         self._held = []
         self.tiers.report_stale_memory()
 
-    def start(self) -> None:
-        """Training begins: the start-up time is accounted and stop signals are caught."""
-        self.goodput.add("startup", time.time() - self.started)
+    def start(self, nothing_to_train: bool = False) -> None:
+        """Training begins: the start-up time is accounted (not for a launch with `nothing_to_train`,
+        left out of the run's account) and stop signals are caught."""
+        if nothing_to_train:
+            self.goodput.leave_out_this_launch()
+        else:
+            self.goodput.add("startup", time.time() - self.started)
         self.watchdog.start()
         self.stops.install()
 

@@ -116,11 +116,24 @@ def choose_step(reports: list[dict], world: int, ranks_per_node: int, mode: str)
     return None, {}
 
 
+def _unusable(side: dict, data: np.ndarray, fingerprint: str) -> str | None:
+    """Why a snapshot cannot be used (None: it can; "": it is another run's). The fingerprint is
+    the layout's, then a line naming the run (tiers.py)."""
+    if side["fingerprint"] != fingerprint:
+        same_run = side["fingerprint"].rsplit("\n", 1)[-1] == fingerprint.rsplit("\n", 1)[-1]
+        return ("written under another layout (ranks or parallel degrees), which alone can read it back"
+                if same_run else "")
+    if len(data) != side["size"] or zlib.crc32(data.data) != side["crc"]:
+        return "damaged: its size or CRC-32 is not the one recorded"
+    return None
+
+
 class MemoryTier:
     def __init__(self, root: Path, rank: int, world: int, ranks_per_node: int, mode: str, fingerprint: str):
         self.dir = self.rank_dir(root, rank)
         self.root, self.rank, self.world, self.mode = Path(root), rank, world, mode
         self.ranks_per_node, self.fingerprint = ranks_per_node, fingerprint
+        self.unusable: dict[int, str] = {}  # step -> why: this run's own snapshots the last inventory passed over
         self.group = self.parity_members = self.parity_group = None
         self._work = BackgroundWork("shardline-memory-snapshot")
         if world > 1:
@@ -179,8 +192,10 @@ class MemoryTier:
         return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r+"))
 
     def inventory(self) -> dict[str, dict[int, dict]]:
-        """What this rank holds intact for this layout: {kind: {step: sidecar}}."""
+        """What this rank holds intact for this layout: {kind: {step: sidecar}}. Its own snapshots of
+        this run that cannot be used (damaged, or of another layout) go to `unusable`, to be said."""
         held: dict[str, dict[int, dict]] = {k: {} for k in KINDS}
+        self.unusable = {}
         if not self.dir.is_dir():
             return held
         for side_path in self.dir.glob("*-*.json"):
@@ -190,9 +205,13 @@ class MemoryTier:
                 data = self._read(kind, step).numpy()
             except (OSError, ValueError, KeyError):
                 continue  # half-written or removed: not a usable snapshot
-            if kind in held and side["fingerprint"] == self.fingerprint and len(data) == side["size"] \
-                    and zlib.crc32(data.data) == side["crc"]:
+            if kind not in held:
+                continue
+            why = _unusable(side, data, self.fingerprint)
+            if why is None:
                 held[kind][step] = side
+            elif kind == "own" and why:  # ("": another run's, cleared when this one started)
+                self.unusable[step] = why
         return held
 
     def _prune(self, keep_step: int) -> None:

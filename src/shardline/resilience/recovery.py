@@ -52,8 +52,12 @@ def resume_path(cfg: Config, checkpointer: Checkpointer, repaired: bool = False)
 
 def refuse_fresh_over_invalid(mode: str, found, invalid: list[str], root: Path) -> None:
     """Under run.resume=auto, a start that found no state (no valid checkpoint, no snapshot in
-    RAM) where checkpoints failed to verify is refused: a fresh start would set them aside and
-    train over the run's history from step 0."""
+    RAM) where checkpoints failed to verify, or the RAM tier's snapshots could not be used, is
+    refused: a fresh start would set them aside and train over the run's history from step 0."""
+    if mode == "auto" and found is None and invalid and all(p.startswith("the in-memory snapshot") for p in invalid):
+        raise CheckpointError(f"nothing to resume in {root.parent}: {'; '.join(invalid)}, and there is no valid "
+                              "checkpoint on disk; no fresh start over the run's history: relaunch with the layout "
+                              "that wrote it, or start over (run.resume=never, or another run.dir)")
     if mode == "auto" and found is None and invalid:
         raise CheckpointError(f"{root} holds checkpoints but none is valid ({'; '.join(invalid)}): nothing to "
                               "resume, and no fresh start over them; fix or restore them and rerun, or start over "

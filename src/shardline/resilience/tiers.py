@@ -196,7 +196,7 @@ class StateTiers:
 
     # ---- restoring --------------------------------------------------------------------
 
-    def resume_source(self, disk: Path | None, use_memory: bool, check=None):
+    def resume_source(self, disk: Path | None, use_memory: bool, check=None, passed_over: list | None = None):
         """What a starting run restores (see newest()); `use_memory` false (a fresh run, or a
         first start from a named checkpoint: recovery.memory_tier_resumable) clears the
         snapshots held, which are of a history the run leaves. Called with the run dir locked."""
@@ -206,7 +206,7 @@ class StateTiers:
             use_memory = use_memory and not new
             if not use_memory:
                 self.memory.clear()
-        return self.newest(disk, use_memory=use_memory, check=check)
+        return self.newest(disk, use_memory=use_memory, check=check, passed_over=passed_over)
 
     def _run_id(self) -> tuple[str, bool]:
         """(the run dir's id, whether it was just made). The snapshots are keyed by the run
@@ -244,9 +244,11 @@ class StateTiers:
             return f"cannot write {path} ({e.strerror or e}), which names the run its in-memory snapshots belong to"
         return run_id, True
 
-    def newest(self, disk: Path | None, use_memory: bool = True, check=None):
+    def newest(self, disk: Path | None, use_memory: bool = True, check=None, passed_over: list | None = None):
         """The in-memory snapshot (step, payload, sources) when it is at least as new as
-        the disk checkpoint `disk`, else `disk` (None when there is neither).
+        the disk checkpoint `disk`, else `disk` (None when there is neither). `passed_over` gets
+        this rank's snapshots newer than that which could not be used (damaged, another layout),
+        before `check` judges what was found: a start that falls back past them says so.
 
         Collective when the memory tier is on: every rank reports what it holds and
         lost snapshots are rebuilt from the survivors.
@@ -256,6 +258,10 @@ class StateTiers:
         # (agreed: a rank whose view of the shared storage lags fails with its peers, not alone)
         disk_step = agreed(lambda: self.checkpointer.verify(disk)["step"], self.proc.world_size) if disk else 0
         found = memory if memory is not None and memory[0] >= disk_step else disk
+        if self.memory is not None and use_memory and passed_over is not None:  # (recover() took stock)
+            after = memory[0] if found is memory and memory is not None else disk_step
+            passed_over += [f"the in-memory snapshot of step {step} (rank {self.proc.rank}) is {why}"
+                            for step, why in sorted(self.memory.unusable.items()) if step > after]
         if check is not None:  # a refusal of what was found (agreed) comes before any snapshot is dropped
             agreed(lambda: check(found), self.proc.world_size)
         if self.memory is not None:  # newer snapshots (partial, or of another layout): a history left

@@ -133,7 +133,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
                 # read (hashed: cached where this rank chose it) by every rank before the tiers' collectives
                 agreed(lambda: resume_from is None or self.checkpointer.verify(resume_from), self.proc.world_size)
                 found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg), check=lambda got: (
-                    refuse_fresh_over_invalid(cfg.run.resume, got, self._invalid_checkpoints, self.checkpointer.root)))
+                    refuse_fresh_over_invalid(cfg.run.resume, got, self._invalid_checkpoints, self.checkpointer.root)),
+                    passed_over=self._invalid_checkpoints)  # (unusable snapshots: said, and refused as those)
                 self._set_aside = agreed(lambda: self._set_aside_newer(found), self.proc.world_size)  # before it
                 resumed = self._restore(found) if found is not None else None
                 if found is None and not starting_loaded:  # the checkpoint chosen before the lock is gone:
@@ -199,7 +200,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
                            compile=describe_compile(cfg.train.compile, self.dims.layout,
                                                     cfg.memory.activation_checkpoint, self.model_args.moe),
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
-        self.guard.start()
+        self.guard.start(nothing_to_train=self.step >= stop)
         if self.eval_owed and cfg.train.eval_interval and self.step < stop:  # what a stop skipped (for its save)
             self.guard.watched("eval", self.step, "eval", self.evaluate)
             self.eval_owed = False
