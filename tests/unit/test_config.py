@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 
 import pytest
@@ -236,10 +237,30 @@ def test_values_set_in_code_are_checked_as_a_files_are(section, key, value, mess
         cfg.check_sections()
 
 
-def test_values_of_the_right_type_set_in_code_pass():
+def test_values_of_the_right_type_set_in_code_pass_as_a_file_would_give_them(tmp_path):
+    """numpy's numbers and tuples pass, put back as Python's and lists: saved as they were, the
+    run's config.toml (np.float64(0.0003)) could not be read back by a relaunch."""
+    import numpy as np
+
     cfg = load_config(None, ["data.mix=[{path = 'a', weight = 1}, {path = 'b', weight = 3}]"])
     cfg.optim.lr, cfg.train.compile, cfg.model.tie_embeddings = 1, True, 1  # an int for a float; a switch's int
+    cfg.optim.beta2, cfg.train.steps, cfg.train.skip_batches = np.float64(0.95), np.int64(7), (3, np.int64(4))
     cfg.check_sections()
+    assert type(cfg.optim.beta2) is float and type(cfg.train.steps) is int and cfg.train.skip_batches == [3, 4]
+    save_config(cfg, tmp_path / "config.toml")
+    back = load_config(tmp_path / "config.toml")
+    assert back.optim.beta2 == 0.95 and back.train.steps == 7 and back.train.skip_batches == [3, 4]
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("optimizer", 1, "unknown config section 'optimizer'; valid: run, model, moe, train"),
+    ("train", {"steps": 5}, "config section train is a dict, not a TrainConfig"),
+])
+def test_a_section_set_wrong_in_code_is_one_line(name, value, message):
+    cfg = load_config(None)
+    setattr(cfg, name, value)
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        cfg.check_sections()
 
 
 def test_a_home_path_set_in_code_is_expanded_by_the_trainer(tmp_path, monkeypatch):

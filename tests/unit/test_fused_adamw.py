@@ -56,10 +56,10 @@ def test_the_clip_in_the_fused_kernel_is_the_clip_apart(fp16_scaler):
     loss scaler, which sets grad_scale and found_inf around the step."""
     def make_scaler():
         return AgreedGradScaler(torch.device("cpu"), agree=False, init_scale=2.0 ** 8) if fp16_scaler else None
-    max_norms = [0.5, 0.5, 1e6, 0.0]
+    max_norms = [0.5, 1e6, 0.0, 0.5]  # the last clipped: the gradients compared are those the kernel wrote back
     (plain_ps, plain, plain_norms), (ours_ps, ours, our_norms) = (
         run(cls, max_norms, make_scaler()) for cls in (torch.optim.AdamW, FusedAdamW))
-    assert plain_norms == our_norms and plain_norms[0] > 10  # the first two clipped
+    assert plain_norms == our_norms and min(plain_norms[0], plain_norms[3]) > 10  # those two clipped
     for a, b in zip(plain_ps, ours_ps):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-9)  # the kernel writes them back clipped

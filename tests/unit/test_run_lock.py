@@ -189,8 +189,11 @@ def test_a_later_trainer_of_one_process_takes_the_dir_and_the_earlier_refuses_to
     later = Trainer(cfg).build()
     with pytest.raises(ConfigError, match="was taken over since this Trainer was built"):
         earlier.train()
+    earlier.close()  # its release leaves the lock, which is not its own
+    assert json.loads((tmp_path / "run" / LOCK).read_text())["since"] == later.lock.mine["since"]
     later.train()
-    earlier.close()  # (its release leaves a lock that is not its own: none now, none deleted wrongly)
+    with pytest.raises(ConfigError, match="this Trainer has trained or was closed, freeing its run dir"):
+        later.train()
     with Trainer(cfg).build() as looked_at:  # built, looked at, not trained: leaving the block frees the dir
         assert looked_at.step == 2 and (tmp_path / "run" / LOCK).exists()
     assert not (tmp_path / "run" / LOCK).exists()

@@ -48,9 +48,17 @@ class Config:
     def check_sections(self) -> None:
         """Each section's own rules, and those between sections that need nothing else (an evaluation
         with something to evaluate on); those involving the layout are shardline.layout's."""
+        sections = typing.get_type_hints(Config)
+        unknown = [name for name in vars(self) if name not in sections and not name.startswith("_")]
+        if unknown:  # (set in code: a file's unknown section is the reader's error)
+            raise ConfigError(f"unknown config section {unknown[0]!r}; valid: {', '.join(sections)}")
         for section in dataclasses.fields(self):
-            reader.check_types(getattr(self, section.name), section.name)  # (values set in code)
-            getattr(self, section.name).check()
+            value = getattr(self, section.name)
+            if not isinstance(value, sections[section.name]):
+                raise ConfigError(f"config section {section.name} is a {type(value).__name__}, not a "
+                                  f"{sections[section.name].__name__} (set its keys one by one, or use load_config)")
+            reader.check_types(value, section.name)  # (values set in code)
+            value.check()
         if not self.data.val_fraction and self.train.eval_interval:
             every = self.train.eval_interval
             raise ConfigError(f"data.val_fraction=0 holds nothing out for train.eval_interval={every} "

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import math
+import numbers
 import re
 import tomllib
 import types
@@ -91,7 +92,9 @@ def updated(obj: Any, raw: dict[str, Any], where: str, kind: str = "config key")
 def check_types(obj: Any, where: str) -> None:
     """Every field of dataclass `obj` of its declared type, and no attribute that is not a field: what
     reading a file guarantees, for values set in code too (where the string "false" would read as
-    true, and 4.5 steps would train 5). `where` names the section in the one-line error."""
+    true, and 4.5 steps would train 5). Each value is put back as the reader would have made it (a
+    numpy number as a Python one, a tuple as a list), so the config saved with a run reads back.
+    `where` names the section in the one-line error."""
     hints, names = typing.get_type_hints(type(obj)), field_names(obj)
     extra = [k for k in vars(obj) if k not in names and not k.startswith("_")]
     if extra:
@@ -107,9 +110,21 @@ def check_types(obj: Any, where: str) -> None:
                     raise ConfigError(f"{key}[{i}]={v!r} has the wrong type: expected a {item.__name__}")
                 check_types(v, f"{key}[{i}]")
         elif not (f.metadata.get("switch") and isinstance(value, bool)):  # (a switch takes true/false)
-            read = coerce(key, value, hint, value)
+            read = coerce(key, _plain(value), hint, value)
             if isinstance(value, str) and not isinstance(read, str):  # "1.5": a number on a command line only
                 raise ConfigError(f"{key}={value!r} has the wrong type: expected {type(read).__name__}")
+            setattr(obj, f.name, read)
+
+
+def _plain(value: Any) -> Any:
+    """A value set in code as a file would give it: numpy's numbers as Python's, a tuple as a list."""
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, int)):
+        return float(value)
+    return value
 
 
 _DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")

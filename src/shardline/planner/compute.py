@@ -25,7 +25,8 @@
   fused kernels, each reading and writing once (`compiled_elementwise_bytes_per_token`),
   and the cross-entropy reads its compute-dtype logits twice forward and once backward.
 * Optimizer: fused AdamW + grad-norm clipping over the rank's (sharded) parameters,
-  `optimizer_bytes_per_param` of memory traffic each.
+  `optimizer_bytes_per_param` of memory traffic each (ZeRO-1's AdamW clips in a pass of its own:
+  `ZERO1_CLIP_BYTES` more).
 * Distributed wrappers' host time: planner/host.py; the optimizer step's on DTensor
   parameters, per tensor, here.
 
@@ -317,7 +318,11 @@ def loss_recompute_time(work: Workload, layout: Layout, hw: Hardware, stage: str
     return (gemm + loss_fwd) * (2 if layout.split_backward else 1)
 
 
-def optimizer_time(params: float, hw: Hardware, layout: Layout, tensors: int = 0) -> float:
+ZERO1_CLIP_BYTES = 8.0  # the clip's multiply as a pass of its own: read and write each gradient
+
+
+def optimizer_time(params: float, hw: Hardware, layout: Layout, tensors: int = 0,
+                   clip_in_optimizer: bool = True) -> float:
     """AdamW + clipping over `params` local parameters (memory-bound) in `tensors` tensors.
 
     Parameters that are DTensors (FSDP, TP) add `dtensor_param_overhead_us` each.
@@ -325,7 +330,9 @@ def optimizer_time(params: float, hw: Hardware, layout: Layout, tensors: int = 0
     bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get("fp32", 0.7) * share(hw, layout, "memory")  # fp32 states
     dtensor = layout.tp > 1 or layout.shard_degree > 1
     host = tensors * hw.cpu.dtensor_param_overhead_us * 1e-6 / share(hw, layout) if dtensor else 0.0
-    return params * hw.optimizer_bytes_per_param / bw + host
+    # ZeRO-1's AdamW takes no clip scale (nor did other systems'): the clip's multiply is a pass of its own
+    apart = ZERO1_CLIP_BYTES if layout.dp_mode == "zero1" or not clip_in_optimizer else 0.0
+    return params * (hw.optimizer_bytes_per_param + apart) / bw + host
 
 
 def recompute_fraction(mode: str, every: int) -> tuple[float, float]:

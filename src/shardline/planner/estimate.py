@@ -253,4 +253,4 @@ def _optimizer(work: Workload, layout: Layout, hw: Hardware) -> float:
     if layout.cpu_offload:
         return params * 28 / CPU_ADAM_BYTES_PER_S
     tensors = max(stage_tensors(work, r) for r in distinct_ranks(work, layout))
-    return cmp.optimizer_time(params, hw, layout, tensors)
+    return cmp.optimizer_time(params, hw, layout, tensors, work.runtime.clip_in_optimizer)

@@ -137,7 +137,9 @@ class Hardware:
     # mem_bw_gbs that norms, casts and adds reach when the compute dtype is this one
     loss_eff: float = 1.0  # share of that rate softmax + cross-entropy reach (exp/log: slower on CPUs)
     op_overhead_us: float = 3.0  # per launched op: launch gap on GPU, dispatcher time on CPU
-    optimizer_bytes_per_param: float = 40.0  # fused AdamW (28 B) + grad-norm clip (12 B), memory traffic
+    # Memory traffic of AdamW + clipping a parameter: fused AdamW with the clip's scale in its kernel (reads
+    # weight, gradient, two moments; writes them back: 32 B) + the norm's read (4 B). ZeRO-1 clips apart (+8 B).
+    optimizer_bytes_per_param: float = 36.0
     cpu: CpuRanks = field(default_factory=CpuRanks)  # [cpu]: ranks sharing a host's cores (gloo on CPU)
 
     def peak(self, dtype: str) -> float:

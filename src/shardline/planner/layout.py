@@ -44,6 +44,8 @@ class Runtime:
     tp_backward_overlap: float = 0.0  # share of the backward TP collectives hidden under the weight-gradient
     # GEMMs (Megatron with sequence parallelism overlaps them; eager DTensor does not: 0)
     pp_scatter_gather: bool = False  # TP ranks each send 1/tp of a stage's output, all-gathered over NVLink
+    clip_in_optimizer: bool = True  # the clip's scale applied inside the fused AdamW step (shardline, but
+    # under ZeRO-1); False: the clip multiplies every gradient in a pass of its own (Megatron's)
     block: str = "llama"  # activation accounting: "llama" (shardline's, counted) or "gpt" (Korthikanti's)
     attention: str = "flash"  # "flash": fused kernel (SDPA); "math": QK^T and AV GEMMs with the scores
     # materialised (softmax and dropout over heads x s per token: Megatron before flash attention)

@@ -388,7 +388,8 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - unchecked: one may be a step's only copy
             asides = []
         with contextlib.suppress(Exception):  # a listing the storage refuses (a stale handle): next time
-            counted = [p for p in self.list() if str(p) not in self.failed or p == written]  # (written: saved again)
+            self.failed.discard(str(written))  # (saved again: this one is valid)
+            counted = [p for p in self.list() if str(p) not in self.failed]
             for old in [p for p in counted[: -self.keep] if p != written]:
                 with contextlib.suppress(OSError):
                     old.rename(old.with_name(old.name + PRUNING))

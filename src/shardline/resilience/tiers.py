@@ -260,8 +260,13 @@ class StateTiers:
         found = memory if memory is not None and memory[0] >= disk_step else disk
         if self.memory is not None and use_memory and passed_over is not None:  # (recover() took stock)
             after = memory[0] if found is memory and memory is not None else disk_step
-            passed_over += [f"the in-memory snapshot of step {step} (rank {self.proc.rank}) is {why}"
-                            for step, why in sorted(self.memory.unusable.items()) if step > after]
+            mine = [f"the in-memory snapshot of step {step} (rank {self.proc.rank}) is {why}"
+                    for step, why in sorted(self.memory.unusable.items()) if step > after]
+            if self.proc.world_size > 1:  # every rank's, for rank 0's log (a refusal is agreed apart)
+                everyone: list = [None] * self.proc.world_size
+                dist.all_gather_object(everyone, mine, group=self.memory.group)
+                mine = [problem for problems in everyone for problem in problems]
+            passed_over += mine
         if check is not None:  # a refusal of what was found (agreed) comes before any snapshot is dropped
             agreed(lambda: check(found), self.proc.world_size)
         if self.memory is not None:  # newer snapshots (partial, or of another layout): a history left

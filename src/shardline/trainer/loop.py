@@ -1,7 +1,7 @@
 """The training loop: data -> forward/backward -> optimizer -> metrics -> checkpoint.
 
 Read `build()` (the model, optimizer, data and the state a run resumes), then `_train()`,
-the loop (`train()` wraps it with the cleanup an error needs); what one rank
+the loop (`train()` wraps it with the cleanup an error needs, `close()`); what one rank
 computes of a step (forward, loss, backward) is step.py's StepRunner, what a checkpoint
 holds beyond the weights and how a run is put back from one is state.py's, and what is
 done with an anomalous step (skip, rollback, halt) is anomalies.py's, and what a stop request
@@ -179,6 +179,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
             self.lock.release()
 
     def _check_lock_held(self) -> None:
+        if self.proc.is_main and not self.lock.held:
+            raise ConfigError("this Trainer has trained or was closed, freeing its run dir: build a new one to train")
         if self.proc.is_main and not self.lock.still_held():  # (taken over by a later Trainer of this process)
             raise ConfigError(f"run dir {self.run_dir} was taken over since this Trainer was built (by a later one, "
                               "or another run): build a new Trainer to train in it")
