@@ -51,6 +51,7 @@ class Goodput:
         self._recent: dict[int, tuple[str, float]] = {}  # step -> (category, seconds), for reclassify()
         self.unwritten = ""  # why progress.json could not be written, once it could not (persist)
         self.counted = True  # this launch is part of the run's account (not one that found nothing to train)
+        self._gap = 0.0  # the restart gap before this launch, added to the account
         previous = self._read()
         if previous and fresh and previous.get("finished"):
             previous = None
@@ -60,7 +61,8 @@ class Goodput:
             for k, v in previous["seconds"].items():
                 self.seconds[k] = self.seconds.get(k, 0.0) + v
             if not previous["finished"]:
-                self.seconds["restart_gap"] += max(0.0, self.started - previous["time"])
+                self._gap = max(0.0, self.started - previous["time"])
+                self.seconds["restart_gap"] += self._gap
 
     def _read(self) -> dict | None:
         try:
@@ -105,6 +107,7 @@ class Goodput:
         """A launch with nothing to train (a finished run relaunched, a requeue loop's extra start): the
         run's account is left as it was, not lowered by a start-up that trained nothing."""
         self.counted = False
+        self.seconds["restart_gap"] -= self._gap
 
     def summary(self) -> dict:
         wall = self.wall_before + (time.time() - self.started if self.counted else 0.0)
