@@ -10,13 +10,18 @@ in cache. Three ways, alternating step by step in one process so machine noise h
 
 * torch: torch.nn.utils.clip_grad_norm_, then torch's AdamW (foreach);
 * apart: shardline's clip_grad_norm multiplying in place, then WindowedAdamW;
-* folded: shardline's clip_grad_norm handing the scale to WindowedAdamW.
+* folded: shardline's clip_grad_norm handing the scale to WindowedAdamW;
+* fused_apart: shardline's clip_grad_norm multiplying in place, then torch's fused AdamW (the GPU
+  trainer's optimizer before its clip went into the kernel);
+* fused_in_kernel: the scale handed to FusedAdamW, which divides by its reciprocal as the fused
+  kernel loads each gradient (what the trainer does on a GPU; here torch's fused CPU kernel, a proxy:
+  both kernels take the same grad_scale input).
 
 Every step clips: the gradients are standard normal, so their norm (about the square root of the
 parameter count) is far above max_norm 1. The parameters of `apart` and `folded` are checked
-equal bit for bit at the end.
+equal bit for bit at the end, those of the two fused ones to 1e-6 (a division by the reciprocal).
 
-    python benchmarks/clip_fold.py                 # ~30 s on 2 CPU cores, 64 M parameters
+    python benchmarks/clip_fold.py                 # ~50 s on 2 CPU cores, 64 M parameters
     python benchmarks/clip_fold.py --params 256e6 --json out.json
 """
 
@@ -30,11 +35,12 @@ import time
 import torch
 
 from shardline.layout import Layout
+from shardline.optim.fused import FusedAdamW
 from shardline.optim.windowed import WindowedAdamW
 from shardline.parallel.collectives import clip_grad_norm
 from shardline.parallel.dims import ParallelDims
 
-VARIANTS = ("torch", "apart", "folded")
+VARIANTS = ("torch", "apart", "folded", "fused_apart", "fused_in_kernel")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,8 +57,10 @@ def build(variant: str, args) -> tuple[torch.nn.ParameterList, torch.optim.Optim
     size = int(args.params) // args.tensors
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(size, generator=gen))
                                     for _ in range(args.tensors)])
-    opt = (torch.optim.AdamW(model, lr=1e-3, foreach=True) if variant == "torch"
-           else WindowedAdamW(model, lr=1e-3, foreach=True))
+    opt = {"torch": lambda: torch.optim.AdamW(model, lr=1e-3, foreach=True),
+           "fused_apart": lambda: torch.optim.AdamW(model, lr=1e-3, fused=True),
+           "fused_in_kernel": lambda: FusedAdamW(model, lr=1e-3)}.get(
+        variant, lambda: WindowedAdamW(model, lr=1e-3, foreach=True))()
     return model, opt
 
 
@@ -66,7 +74,7 @@ def step(variant: str, model: torch.nn.ParameterList, opt: torch.optim.Optimizer
     if variant == "torch":
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
     else:
-        clip_grad_norm(model, 1.0, dims, defer_to=opt if variant == "folded" else None)
+        clip_grad_norm(model, 1.0, dims, defer_to=opt if variant in ("folded", "fused_in_kernel") else None)
     opt.step()
     return time.perf_counter() - start
 
@@ -82,16 +90,21 @@ def main(argv=None) -> dict:
             if i:
                 times[v].append(seconds)
     same = all(torch.equal(a, b) for a, b in zip(runs["apart"][0], runs["folded"][0]))
+    close = all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(runs["fused_apart"][0],
+                                                                        runs["fused_in_kernel"][0]))
     median = {v: statistics.median(t) for v, t in times.items()}
     out = {"params": int(args.params), "tensors": args.tensors, "steps": args.steps, "threads": torch.get_num_threads(),
            "median_ms": {v: round(m * 1e3, 1) for v, m in median.items()},
            "vs_torch": {v: round(median[v] / median["torch"], 3) for v in VARIANTS},
-           "folded_vs_apart": round(median["folded"] / median["apart"], 3), "apart_equals_folded": same}
+           "folded_vs_apart": round(median["folded"] / median["apart"], 3), "apart_equals_folded": same,
+           "fused_in_kernel_vs_apart": round(median["fused_in_kernel"] / median["fused_apart"], 3),
+           "fused_close": close}
     print(f"{int(args.params):,} parameters in {args.tensors} tensors, {torch.get_num_threads()} threads, "
           f"median of {args.steps} clipped steps")
     for v in VARIANTS:
         print(f"  {v:<7} {out['median_ms'][v]:>8.1f} ms   {out['vs_torch'][v]:.2f}x torch")
     print(f"  folded / apart: {out['folded_vs_apart']:.3f}; parameters bit for bit equal: {same}")
+    print(f"  fused_in_kernel / fused_apart: {out['fused_in_kernel_vs_apart']:.3f}; parameters within 1e-6: {close}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
