@@ -408,6 +408,28 @@ def test_a_damaged_manifest_makes_the_checkpoint_invalid_not_a_crash(trained, ma
     assert Checkpointer(trained, keep=3).latest_valid().name == "step-000006"
 
 
+@pytest.mark.parametrize("how", ["manifest edited", "folder renamed"])
+def test_a_checkpoint_whose_name_and_manifest_disagree_is_passed_over_and_nothing_moved(trained, tiny_config, how):
+    """step-000012 saying step 3 inside: the resume took its manifest's step (3) and set aside every
+    folder named after it (6 too, the valid one), then failed to load the moved folder; a rerun
+    started over at step 0. Now it is an invalid checkpoint: passed over and named; the valid one
+    is resumed and stays, the invalid one is set aside as newer ones are."""
+    import json
+
+    held = trained / "checkpoints"
+    if how == "manifest edited":
+        manifest = json.loads((held / "step-000012" / "manifest.json").read_text())
+        (held / "step-000012" / "manifest.json").write_text(json.dumps({**manifest, "step": 3}))
+    else:
+        (held / "step-000012").rename(held / "step-000020")
+    trainer = Trainer(tiny_config("train.steps=12"))
+    trainer.build().close()
+    assert trainer.step == 6 and (held / "step-000006").is_dir()
+    assert [p.name for p in (held / "set-aside").iterdir()] == ["step-000012" if how == "manifest edited" else
+                                                                 "step-000020"]
+    assert any("says step" in p for p in trainer._invalid_checkpoints)
+
+
 def test_a_prune_keeps_the_folder_just_written_beside_a_newer_one(trained):
     """An anomaly halt re-saves the older step it rolled back to; a newer folder that failed to
     verify (why the rollback went further back) ranked above it, and with keep=1 the re-save was
