@@ -128,8 +128,27 @@ def check_config(cfg: Config) -> None:
     _raise(float8.config_problem(cfg.train.precision, cfg.parallel.pp, cfg.parallel.pp_schedule))
     _raise(named_resume_problem(cfg.run.resume) if not restarted() else None)  # a restart may go on from its own
     _raise(init_from_problem(cfg.model.init_from))
+    _raise(run_dir_problem(cfg.run.dir))
     if cfg.train.precision == "fp8":
         float8.require_torchao()  # (parallel/float8.py: its install line)
+
+
+# What a run keeps in its run dir, and whether each is a folder: something else of that name is refused up front.
+RUN_DIR_ENTRIES = {"checkpoints": True, "config.toml": False, "metrics.jsonl": False, "tokenizer.json": False}
+
+
+def run_dir_problem(run_dir: str) -> str | None:
+    """run.dir naming another tool's folder, whose files a run would overwrite (its tokenizer.json, a
+    config.toml): a Hugging Face model, a prepared data folder, a checkpoint."""
+    path = Path(run_dir)
+    what = ("a Hugging Face model folder (config.json)" if (path / "config.json").is_file() else
+            "a prepared data folder" if is_prepared(run_dir) else
+            "a checkpoint (manifest.json)" if (path / MANIFEST).is_file() else None)
+    if what:
+        return f"run.dir={run_dir!r} is {what}: a run would write over its files; use another run.dir"
+    wrong = [(n, dir) for n, dir in RUN_DIR_ENTRIES.items() if (path / n).exists() and (path / n).is_dir() != dir]
+    return (f"run.dir={run_dir!r}: its {wrong[0][0]} is a {'file' if wrong[0][1] else 'folder'}, where a run keeps "
+            f"its {'checkpoint folders' if wrong[0][1] else 'file of that name'}; move it away") if wrong else None
 
 
 def init_from_problem(init_from: str) -> str | None:

@@ -271,3 +271,32 @@ def test_a_home_path_set_in_code_is_expanded_by_the_trainer(tmp_path, monkeypatc
     cfg = load_config(None)
     cfg.run.dir = "~/runs/nb"
     assert Trainer(cfg).run_dir == tmp_path / "runs" / "nb" and cfg.run.dir == str(tmp_path / "runs" / "nb")
+
+
+def test_a_run_dir_that_is_another_tools_folder_is_refused_before_anything_is_written(tmp_path, small_prepared):
+    """A prepared data folder or an HF model given as run.dir had its tokenizer.json replaced by the
+    run's (the prepared folder no longer opened: its tokenizer's hash had changed)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in small_prepared.iterdir() if p.is_file()}
+    for folder, what in [(hf, "a Hugging Face model folder (config.json)"), (small_prepared, "a prepared data folder")]:
+        with pytest.raises(ConfigError, match=re.escape(f"run.dir={str(folder)!r} is {what}: a run would write over")):
+            check_config(load_config(None, [f"run.dir={folder}"]))
+    assert {p.name: p.read_bytes() for p in small_prepared.iterdir() if p.is_file()} == before
+    check_config(load_config(None, [f"run.dir={tmp_path / 'new'}"]))  # a new folder, or a run dir, passes
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "checkpoints").write_text("")  # a run trained to its end, then failed every save
+    with pytest.raises(ConfigError, match=re.escape("its checkpoints is a file, where a run keeps its checkpoint")):
+        check_config(load_config(None, [f"run.dir={tmp_path / 'odd'}"]))
+    (tmp_path / "odd" / "checkpoints").unlink()
+    (tmp_path / "odd" / "config.toml").mkdir()  # a traceback at the config's save, after the lock
+    with pytest.raises(ConfigError, match=re.escape("its config.toml is a folder, where a run keeps its file")):
+        check_config(load_config(None, [f"run.dir={tmp_path / 'odd'}"]))
+
+
+def test_a_vocabulary_too_large_to_train_is_one_line_not_an_abort():
+    """data.vocab_size=99999999999 reached the BPE trainer, which aborted the process (exit 134)
+    asking for 4.5 TB."""
+    with pytest.raises(ConfigError, match=r"^data.vocab_size=99999999999 is invalid: must be <= 1048576 for a BPE"):
+        load_config(None, ["data.vocab_size=99999999999"]).check_sections()

@@ -307,3 +307,17 @@ def test_null_chat_rows_are_counted_as_empty_documents(tmp_path):
     pq.write_table(pa.table({"messages": [talk, None, talk, talk]}), tmp_path / "c.parquet")
     left: dict = {}
     assert len(read_documents(str(tmp_path / "c.parquet"), "messages", left)) == 3 and left["empty_documents"] == 1
+
+
+def test_a_tokenizer_that_reads_but_cannot_encode_is_one_line(tmp_path):
+    """A WordLevel tokenizer.json without its [UNK] token loads, then fails on the first word it
+    lacks: that was a traceback from train, prepare and generate alike."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from shardline.data.tokenizer import load_tokenizer
+
+    tok = Tokenizer(models.WordLevel({"hello": 0}))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(DataError, match=r"^--tokenizer='.*tokenizer.json' cannot encode text: .*UNK"):
+        load_tokenizer(str(tmp_path / "tokenizer.json"), key="--tokenizer")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from shardline.errors import require
 
 SWITCH = "-1 (the preset's or the starting weights'), 0 or false (off), 1 or true (on)"  # what a yes/no model key takes
+MAX_TRAINED_VOCAB = 1 << 20  # data.vocab_size: past any real vocabulary (256k); far past it the BPE trainer aborts
 SWITCH_FIELD = {"valid": SWITCH, "switch": True}  # the metadata of such a key (the reader takes true/false as 1/0)
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -213,6 +214,8 @@ class DataConfig:
 
     def check(self) -> None:
         _require(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (256 bytes + specials)")
+        _require(self.vocab_size <= MAX_TRAINED_VOCAB, "data.vocab_size", self.vocab_size,  # (the trainer aborts)
+                 f"must be <= {MAX_TRAINED_VOCAB} for a BPE trained here; a larger one comes with data.tokenizer")
         _require(0 <= self.val_fraction < 0.5, "data.val_fraction", self.val_fraction,
                  "must be in [0, 0.5) (0 holds nothing out: no evaluation)")
         _require(bool(self.text_field), "data.text_field", self.text_field, "must be a field name")

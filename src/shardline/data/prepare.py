@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from shardline.config.sections import MAX_TRAINED_VOCAB
 from shardline.data.encode import (CHAT_MASK_RULE, ChatTemplate, chat_template_for, check_replies, render_chat,
                                    template_sha256)
 from shardline.data.loader import held_out, split_single
@@ -185,8 +186,9 @@ def _check_options(opts: PrepareOptions) -> None:
         raise DataError("shardline prepare needs at least one input file or folder")
     if opts.tokenizer and not Path(opts.tokenizer).is_file():
         raise DataError(f"--tokenizer {opts.tokenizer} is not a file; give a tokenizer.json")
-    if not opts.tokenizer and opts.vocab_size < 260:
-        raise DataError(f"--vocab-size={opts.vocab_size} is invalid: must be >= 260 (256 bytes + specials)")
+    if not opts.tokenizer and not 260 <= opts.vocab_size <= MAX_TRAINED_VOCAB:
+        raise DataError(f"--vocab-size={opts.vocab_size} is invalid: must be in [260, {MAX_TRAINED_VOCAB}] "
+                        "(256 bytes + specials; a larger vocabulary comes with --tokenizer)")
 
 
 def _check_out(root: Path, files: list[Path]) -> None:
@@ -222,7 +224,7 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
         request["chat"] = {"mask_rule": CHAT_MASK_RULE,
                            "template_sha256": template_sha256(template)}
     elif opts.add_bos and opts.tokenizer:  # (the trained BPE has no BOS)
-        bos = bos_prefix(load_tokenizer(opts.tokenizer))
+        bos = bos_prefix(load_tokenizer(opts.tokenizer, key="--tokenizer"))
         if bos:  # absent otherwise, as in folders prepared before BOS was added
             request["bos"] = bos
     return request
@@ -261,7 +263,7 @@ def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
 def _tokenizer(opts: PrepareOptions, stream: _Stream, template: ChatTemplate | None) -> Tokenizer:
     """Pass 2 (without --tokenizer): the BPE the raw-text path would train on the same data."""
     if opts.tokenizer:
-        return load_tokenizer(opts.tokenizer)
+        return load_tokenizer(opts.tokenizer, key="--tokenizer")
     _say(opts, f"training a byte-level BPE of {opts.vocab_size} tokens on the training documents")
     return get_tokenizer(stream.training_texts(opts.format == "chat", template), "", opts.vocab_size)
 

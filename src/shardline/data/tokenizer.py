@@ -48,9 +48,14 @@ def load_tokenizer(path: str, key: str = "data.tokenizer") -> Tokenizer:
         raise DataError(f"{what} is a folder: give the tokenizer.json in it "
                         f"({os.path.join(path, 'tokenizer.json')})")
     try:
-        return Tokenizer.from_file(path)
+        tok = Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception for bad files
         raise DataError(f"{what} cannot be read as a tokenizer.json: {e}") from None
+    try:  # one that reads but cannot encode (a WordLevel vocabulary without its [UNK]) fails here, not mid-data
+        tok.encode("The quick brown fox, 42.")
+    except Exception as e:
+        raise DataError(f"{what} cannot encode text: {e}") from None
+    return tok
 
 
 def get_tokenizer(documents, tokenizer_path: str, vocab_size: int) -> Tokenizer:
