@@ -321,3 +321,18 @@ def test_a_tokenizer_that_reads_but_cannot_encode_is_one_line(tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(DataError, match=r"^--tokenizer='.*tokenizer.json' cannot encode text: .*UNK"):
         load_tokenizer(str(tmp_path / "tokenizer.json"), key="--tokenizer")
+
+
+def test_a_data_file_that_links_to_nothing_is_refused_not_skipped(tmp_path, small_corpus):
+    """A folder (or a pattern) holding a link to a missing file (a Hugging Face cache with a blob
+    gone) trained on the other files alone, without a word."""
+    from shardline.data.sources import input_files
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_bytes(small_corpus.read_bytes())
+    (tmp_path / "data" / "b.jsonl").symlink_to(tmp_path / "gone" / "b.jsonl")
+    for given in (tmp_path / "data", tmp_path / "data" / "*.jsonl"):
+        with pytest.raises(DataError, match=r"b.jsonl is a link to .*gone/b.jsonl, which does not exist"):
+            input_files(str(given))
+    (tmp_path / "data" / "b.jsonl").unlink()
+    assert [f.name for f in input_files(str(tmp_path / "data"))] == ["a.jsonl"]

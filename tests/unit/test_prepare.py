@@ -979,3 +979,19 @@ def test_a_folder_prepared_before_fingerprints_gets_one_when_prepared_again(tmp_
     assert again["train_fingerprint"] == made["train_fingerprint"]
     assert json.loads((out / "manifest.json").read_text())["train_fingerprint"] == made["train_fingerprint"]
     assert data(out).describe(steps=1)["fingerprint"] == made["train_fingerprint"]
+
+
+def test_a_shard_damaged_in_place_is_one_line_at_the_batch_not_an_index_error(tmp_path, small_prepared):
+    """Bytes of a shard changed, its size kept (a launch checks sizes, not hashes): token ids past the
+    vocabulary reached the embedding as an IndexError traceback mid-run."""
+    damaged = tmp_path / "prep"
+    shutil.copytree(small_prepared, damaged)
+    shard = next((damaged / "train").glob("*.bin"))
+    tokens = np.fromfile(shard, dtype=np.uint16)
+    tokens[::7] = np.iinfo(np.uint16).max
+    tokens.tofile(shard)
+    bundle = data(damaged)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(damaged))} holds token id 65535, past its tokenizer's "
+                                        r"\d+: its shards are damaged; `shardline prepare --verify --out"):
+        bundle.train.batch(np.arange(len(bundle.train)))
+    assert data(small_prepared).train.batch(np.arange(4))["input_ids"].max() < 512

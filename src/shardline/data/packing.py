@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shardline.errors import DataError
 from shardline.models.loss import IGNORE_INDEX  # the label the loss skips: one value for both sides
 
 
@@ -39,6 +40,8 @@ class PackedSequences:
     def _init(self, tokens, doc_starts, seq_len: int, mask) -> None:
         self.tokens, self.doc_starts, self.mask, self.seq_len = tokens, doc_starts, mask, seq_len
         self.fingerprint: str | None = None  # of the token stream (shards.token_fingerprint), where known
+        self.id_bound: int | None = None  # a prepared folder's: one past its tokenizer's largest id (batch checks)
+        self.where = ""  # the folder, for that error
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +77,9 @@ class PackedSequences:
         s = self.seq_len
         starts = np.asarray(indices, dtype=np.int64) * s
         toks = _take(self.tokens, starts, s + 1).astype(np.int64)
+        if self.id_bound is not None and toks.size and int(toks.max()) >= self.id_bound:  # (the embedding's IndexError)
+            raise DataError(f"{self.where} holds token id {int(toks.max())}, past its tokenizer's {self.id_bound - 1}: "
+                            f"its shards are damaged; `shardline prepare --verify --out {self.where}` names them")
         docs = self.doc_ids(starts[:, None] + np.arange(s + 1))
         keep = docs[:, 1:] == docs[:, :-1]
         if self.mask is not None:

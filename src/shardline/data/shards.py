@@ -202,6 +202,8 @@ def open_prepared(path: str, seq_len: int, tokenizer_path: str = "", fmt: str = 
     _check_bos(path, manifest, tok, add_bos and fmt == "text")
     splits = [_open_split(root, manifest, name, seq_len) for name in SPLITS]
     splits[0].fingerprint = manifest.get("train_fingerprint")  # (folders prepared before it: None, not compared)
+    for split in splits:  # what a token id past the tokenizer's says (shards damaged in place, their sizes kept)
+        split.id_bound, split.where = id_bound(tok), path
     return PreparedData(tok, splits[0], splits[1], manifest)
 
 

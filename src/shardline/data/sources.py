@@ -20,6 +20,7 @@ import gzip
 import io
 import itertools
 import json
+import os
 import re
 import zlib
 from collections.abc import Iterator
@@ -95,6 +96,7 @@ def input_files(path: str, key: str = "data.path") -> list[Path]:
     if root.is_dir() and (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
         root = root / "train"  # a save_to_disk DatasetDict: train on its train split
     files = sorted(p for p in root.rglob("*") if _kind(p)) if root.is_dir() else [root]
+    _refuse_broken_links(path, root.rglob("*") if root.is_dir() else [], key)
     if not files:
         raise DataError(f"{key}={path!r} holds no {', '.join(SUFFIXES)} files")
     _refuse_held_out(path, root if root.is_dir() else root.parent, files, key)
@@ -144,6 +146,7 @@ def _matched_files(pattern: str, key: str) -> list[Path]:
     pattern's fixed folder, so `data/*` beside `data/validation.jsonl` is refused as the
     folder `data` is."""
     matches = [Path(m) for m in sorted(glob.glob(pattern, recursive=True))]
+    _refuse_broken_links(pattern, [f for m in matches for f in (m.rglob("*") if m.is_dir() else [m])], key)
     files = sorted({f for m in matches for f in (m.rglob("*") if m.is_dir() else [m]) if _kind(f)})
     prepared = [m for m in matches if m.is_dir() and is_prepared(str(m))]
     if prepared:  # a prepared folder holds shards, not text, and a mixture is how several are combined
@@ -154,6 +157,15 @@ def _matched_files(pattern: str, key: str) -> list[Path]:
         raise DataError(f"{key}={pattern!r} {what} (a pattern: the path does not exist as written)")
     _refuse_held_out(pattern, _fixed_part(pattern), files, key)
     return files
+
+
+def _refuse_broken_links(path: str, entries, key: str) -> None:
+    """A data file that is a link to nothing (a Hugging Face cache with a blob missing) was skipped in
+    silence, its documents not trained on: refused, named."""
+    for entry in entries:
+        if entry.is_symlink() and not entry.exists() and entry.name.lower().removesuffix(".gz").endswith(SUFFIXES):
+            raise DataError(f"{key}={path!r}: {entry} is a link to {os.readlink(entry)}, which does not exist; "
+                            "restore its target or remove the link")
 
 
 def _refuse_held_out(path: str, root: Path, files: list[Path], key: str) -> None:
