@@ -336,3 +336,14 @@ def test_a_data_file_that_links_to_nothing_is_refused_not_skipped(tmp_path, smal
             input_files(str(given))
     (tmp_path / "data" / "b.jsonl").unlink()
     assert [f.name for f in input_files(str(tmp_path / "data"))] == ["a.jsonl"]
+
+
+def test_a_byte_order_mark_is_read_past_not_refused(tmp_path):
+    """Files saved by some Windows editors start with a UTF-8 byte-order mark: refused before with
+    Python's own "Unexpected UTF-8 BOM (decode using utf-8-sig)"."""
+    from shardline.data.sources import read_documents
+
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + b'{"text": "first"}\n{"text": "second"}\n')
+    (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfone\n\n\ntwo")
+    assert read_documents(str(tmp_path / "a.jsonl")) == ["first", "second"]
+    assert read_documents(str(tmp_path / "b.txt")) == ["one", "two"]

@@ -235,7 +235,7 @@ def _split_txt(f: Path) -> Iterator[str]:
     long document is kept as pieces joined once: linear time however long it is.
     """
     with _open(f) as raw:
-        text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
+        text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")  # (a byte-order mark some editors write)
         pieces: list[str] = []  # the current document so far, less `tail`
         tail = ""  # the whitespace it ends with, where the next break may start
         while chunk := text.read(_CHUNK):
@@ -261,7 +261,7 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
     with _open(f) as raw:
         for n, line in enumerate(raw, start=1):
             try:
-                line = line.decode("utf-8")
+                line = line.decode("utf-8-sig" if n == 1 else "utf-8")  # (a byte-order mark some editors write)
             except UnicodeDecodeError as e:
                 raise DataError(f"data file {f} line {n} is not UTF-8 text ({e.reason})") from None
             if not line.strip():

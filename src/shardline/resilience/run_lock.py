@@ -260,7 +260,8 @@ def _alive(holder: dict) -> bool:
 
 def _held_message(path: Path, holder: dict) -> str:
     if not holder:
-        return f"run dir {path.parent} is locked by another run ({path} exists); use another run.dir"
+        return (f"run dir {path.parent} is locked by another run ({path} exists, unreadable or empty); use another "
+                f"run.dir, or delete {path} if no run is using the dir")
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
     return (f"run dir {path.parent} is in use by another run (pid {holder.get('pid')} on {holder.get('host')}, "
             f"since {since}); use another run.dir, or delete {path} if that run is gone")
