@@ -428,6 +428,10 @@ def test_a_checkpoint_whose_name_and_manifest_disagree_is_passed_over_and_nothin
     assert [p.name for p in (held / "set-aside").iterdir()] == ["step-000012" if how == "manifest edited" else
                                                                  "step-000020"]
     assert any("says step" in p for p in trainer._invalid_checkpoints)
+    import shutil  # a folder of the user's own name (a date, a size: "1.5b") is no step's, whatever it holds
+
+    shutil.copytree(held / "step-000006", trained / "1.5b")
+    assert verify(trained / "1.5b")["step"] == 6
 
 
 def test_a_prune_keeps_the_folder_just_written_beside_a_newer_one(trained):

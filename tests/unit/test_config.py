@@ -245,8 +245,10 @@ def test_values_of_the_right_type_set_in_code_pass_as_a_file_would_give_them(tmp
     cfg = load_config(None, ["data.mix=[{path = 'a', weight = 1}, {path = 'b', weight = 3}]"])
     cfg.optim.lr, cfg.train.compile, cfg.model.tie_embeddings = 1, True, 1  # an int for a float; a switch's int
     cfg.optim.beta2, cfg.train.steps, cfg.train.skip_batches = np.float64(0.95), np.int64(7), (3, np.int64(4))
+    cfg.metrics.profile_steps, cfg.train.compile = list(np.array([2, 3])), np.bool_(True)
     cfg.check_sections()
     assert type(cfg.optim.beta2) is float and type(cfg.train.steps) is int and cfg.train.skip_batches == [3, 4]
+    assert type(cfg.metrics.profile_steps[0]) is int and cfg.train.compile is True
     save_config(cfg, tmp_path / "config.toml")
     back = load_config(tmp_path / "config.toml")
     assert back.optim.beta2 == 0.95 and back.train.steps == 7 and back.train.skip_batches == [3, 4]

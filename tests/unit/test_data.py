@@ -309,18 +309,24 @@ def test_null_chat_rows_are_counted_as_empty_documents(tmp_path):
     assert len(read_documents(str(tmp_path / "c.parquet"), "messages", left)) == 3 and left["empty_documents"] == 1
 
 
-def test_a_tokenizer_that_reads_but_cannot_encode_is_one_line(tmp_path):
+def test_a_tokenizer_that_cannot_encode_the_data_is_one_line_and_a_closed_vocabulary_works(tmp_path):
     """A WordLevel tokenizer.json without its [UNK] token loads, then fails on the first word it
-    lacks: that was a traceback from train, prepare and generate alike."""
+    lacks: that was a traceback (from the BOS probe's "a") in train and prepare alike. Text made
+    of its own words encodes."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from shardline.data.tokenizer import load_tokenizer
+    from shardline.data.encode import encode_documents
+    from shardline.data.tokenizer import bos_prefix, load_tokenizer
 
-    tok = Tokenizer(models.WordLevel({"hello": 0}))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
-    with pytest.raises(DataError, match=r"^--tokenizer='.*tokenizer.json' cannot encode text: .*UNK"):
-        load_tokenizer(str(tmp_path / "tokenizer.json"), key="--tokenizer")
+    closed = Tokenizer(models.WordLevel({"hello": 0, "world": 1}))
+    closed.pre_tokenizer = pre_tokenizers.Whitespace()
+    closed.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert bos_prefix(tok) == []
+    tokens, lengths, _ = encode_documents(tok, ["hello world", "world hello hello"], None, None, False, [])
+    assert list(tokens) == [0, 1, 1, 0, 0] and list(lengths) == [2, 3]
+    with pytest.raises(DataError, match=r"^the tokenizer cannot encode this data: .*UNK.* \(a vocabulary without"):
+        encode_documents(tok, ["hello there"], None, None, False, [])
 
 
 def test_a_data_file_that_links_to_nothing_is_refused_not_skipped(tmp_path, small_corpus):
@@ -344,6 +350,4 @@ def test_a_byte_order_mark_is_read_past_not_refused(tmp_path):
     from shardline.data.sources import read_documents
 
     (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + b'{"text": "first"}\n{"text": "second"}\n')
-    (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfone\n\n\ntwo")
     assert read_documents(str(tmp_path / "a.jsonl")) == ["first", "second"]
-    assert read_documents(str(tmp_path / "b.txt")) == ["one", "two"]

@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import math
-import numbers
 import re
 import tomllib
 import types
@@ -117,13 +116,12 @@ def check_types(obj: Any, where: str) -> None:
 
 
 def _plain(value: Any) -> Any:
-    """A value set in code as a file would give it: numpy's numbers as Python's, a tuple as a list."""
-    if isinstance(value, tuple):
+    """A value set in code as a file would give it: numpy's scalars (numbers, bool_) as Python's, a
+    tuple or a list of them as a list."""
+    if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    if isinstance(value, numbers.Real) and not isinstance(value, (bool, int)):
-        return float(value)
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):  # (np.generic: np.int64, np.bool_, ...)
+        return value.item()
     return value
 
 

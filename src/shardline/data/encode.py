@@ -80,7 +80,7 @@ def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template:
     if chat:
         segments = [chat_segments(messages, chat_template) for messages in docs]
         texts = ["".join(text for text, _ in s) for s in segments]
-        encoded = tok.encode_batch(texts, add_special_tokens=False)
+        encoded = _encode_batch(tok, texts, offsets=True)
         ids = [e.ids for e in encoded]
         masks = [_segment_mask(text, e.offsets, s) for text, e, s in zip(texts, encoded, segments)]
     else:
@@ -112,10 +112,15 @@ def _closed(rows: list, keep: list[int], close):
         yield close(i)
 
 
-def _encode_batch(tok: Tokenizer, texts: list[str]) -> list:
-    """encode_batch without character offsets (not needed here; the same ids, less work)."""
-    fast = getattr(tok, "encode_batch_fast", None)  # tokenizers >= 0.20
-    return fast(texts, add_special_tokens=False) if fast else tok.encode_batch(texts, add_special_tokens=False)
+def _encode_batch(tok: Tokenizer, texts: list[str], offsets: bool = False) -> list:
+    """encode_batch, without character offsets unless asked (the same ids, less work). A tokenizer
+    that cannot encode the text (a closed vocabulary without an unknown token) is one line."""
+    fast = None if offsets else getattr(tok, "encode_batch_fast", None)  # tokenizers >= 0.20
+    try:
+        return fast(texts, add_special_tokens=False) if fast else tok.encode_batch(texts, add_special_tokens=False)
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise DataError(f"the tokenizer cannot encode this data: {e} (a vocabulary without an unknown token "
+                        "takes only text made of its own tokens)") from None
 
 
 def template_sha256(template: ChatTemplate | str | None) -> str | None:

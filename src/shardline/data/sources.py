@@ -235,7 +235,7 @@ def _split_txt(f: Path) -> Iterator[str]:
     long document is kept as pieces joined once: linear time however long it is.
     """
     with _open(f) as raw:
-        text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")  # (a byte-order mark some editors write)
+        text = io.TextIOWrapper(raw, encoding="utf-8", newline="")  # (a BOM stays: runs fingerprinted it)
         pieces: list[str] = []  # the current document so far, less `tail`
         tail = ""  # the whitespace it ends with, where the next break may start
         while chunk := text.read(_CHUNK):

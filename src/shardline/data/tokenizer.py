@@ -25,8 +25,11 @@ def bos_prefix(tok: Tokenizer) -> list[int]:
     <|begin_of_text|>, Llama 2's and Mistral's <s>; what HF's `tokenizer(text)` starts a document
     with, and what such a model was pretrained with before each. Empty for a tokenizer without
     them (shardline's trained BPE, Qwen's)."""
-    plain = tok.encode("a", add_special_tokens=False).ids
-    full = tok.encode("a", add_special_tokens=True).ids
+    try:
+        plain = tok.encode("a", add_special_tokens=False).ids
+        full = tok.encode("a", add_special_tokens=True).ids
+    except Exception:  # noqa: BLE001 - a closed vocabulary without "a" nor an unknown token: none known
+        return []
     for start in range(len(full) - len(plain) + 1):
         if full[start:start + len(plain)] == plain:
             return full[:start]
@@ -51,10 +54,6 @@ def load_tokenizer(path: str, key: str = "data.tokenizer") -> Tokenizer:
         tok = Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception for bad files
         raise DataError(f"{what} cannot be read as a tokenizer.json: {e}") from None
-    try:  # one that reads but cannot encode (a WordLevel vocabulary without its [UNK]) fails here, not mid-data
-        tok.encode("The quick brown fox, 42.")
-    except Exception as e:
-        raise DataError(f"{what} cannot encode text: {e}") from None
     return tok
 
 

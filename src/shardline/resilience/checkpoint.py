@@ -98,7 +98,7 @@ def verify(path: Path) -> dict[str, Any]:
             raise ValueError(f"step {manifest['step']!r} is not a step number")
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:  # ValueError: bad JSON or bytes
         raise CheckpointError(f"checkpoint {path} has a malformed {MANIFEST}: {type(e).__name__}: {e}") from None
-    if step_of(path) not in (-1, manifest["step"]):  # (a folder renamed, or its manifest edited: which step is it?)
+    if path.name.startswith("step-") and step_of(path) not in (-1, manifest["step"]):  # (renamed, or edited)
         raise CheckpointError(f"checkpoint {path}: its {MANIFEST} says step {manifest['step']}, its name another")
     for rel, (size, sha256) in files.items():
         f = path / rel
