@@ -160,9 +160,9 @@ def test_split_backward_reports_its_variants_with_eager_gradients(tmp_path):
     assert "split/one" in proc.stdout
 
 
-def test_clip_fold_times_five_ways_and_finds_the_folded_clips_equal(tmp_path):
+def test_clip_fold_times_six_ways_and_finds_the_folded_clips_equal(tmp_path):
     res, proc = run_benchmark("clip_fold.py", ["--params", "2e5", "--tensors", "4", "--steps", "2"], tmp_path)
-    assert set(res["median_ms"]) == {"torch", "apart", "folded", "fused_apart", "fused_in_kernel"}
+    assert set(res["median_ms"]) == {"torch", "apart", "folded", "folded_fused", "fused_apart", "fused_in_kernel"}
     assert all(map(positive, res["median_ms"].values()))
     assert res["apart_equals_folded"] is True and "bit for bit equal: True" in proc.stdout
     assert res["fused_close"] is True and "within 1e-6: True" in proc.stdout

@@ -38,10 +38,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     impl = cfg.implementation
     if impl == "auto":
-        # The fused kernel is fastest on GPU; on CPU foreach is the well-trodden path. Where the
-        # parameters are, not the device: under CPU offload they (and the states) are on the host.
-        on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in decay + no_decay)
-        impl = "fused" if on_gpu else "foreach"
+        # The fused kernel, on a GPU and on the host alike (a CPU run, CPU offload's states): torch's fused
+        # CPU kernel steps windows in about half foreach's time (benchmarks/clip_fold.py). ZeRO-1's strided
+        # slices, which no fused kernel takes, fall back to foreach below.
+        impl = "fused"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
     if zero1_mesh is None:
