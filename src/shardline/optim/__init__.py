@@ -1,7 +1,8 @@
 """AdamW and learning-rate schedules (linear warmup, then cosine / linear / WSD / constant).
 
-Which AdamW: torch's on a GPU; on the host (a CPU run, or CPU offload) the same AdamW stepped a
-cache-sized window at a time (windowed.py); with `memory.ssd_offload_dir`, that one with its
+Which AdamW (the fused kernel unless optim.implementation says otherwise): torch's on a GPU, the
+clip's scale inside its kernel (fused.py); on the host (a CPU run, or CPU offload) the same AdamW
+stepped a cache-sized window at a time (windowed.py); with `memory.ssd_offload_dir`, that one with its
 moments in files on an SSD (ssd_offload.py); under ZeRO-1, parallel/zero1.py's.
 """
 
