@@ -11,8 +11,8 @@ in cache. Three ways, alternating step by step in one process so machine noise h
 * torch: torch.nn.utils.clip_grad_norm_, then torch's AdamW (foreach);
 * apart: shardline's clip_grad_norm multiplying in place, then WindowedAdamW;
 * folded: shardline's clip_grad_norm handing the scale to WindowedAdamW (foreach);
-* folded_fused: the same with WindowedAdamW on torch's fused CPU kernel (what optim.implementation=auto
-  runs on the host);
+* folded_fused: the same with WindowedAdamW on torch's fused CPU kernel (optim.implementation=fused
+  on the host; auto takes foreach there);
 * fused_apart: shardline's clip_grad_norm multiplying in place, then torch's fused AdamW (the GPU
   trainer's optimizer before its clip went into the kernel);
 * fused_in_kernel: the scale handed to FusedAdamW, which divides by its reciprocal as the fused
@@ -108,7 +108,7 @@ def main(argv=None) -> dict:
         print(f"  {v:<16} {out['median_ms'][v]:>8.1f} ms   {out['vs_torch'][v]:.2f}x torch")
     print(f"  folded / apart: {out['folded_vs_apart']:.3f}; parameters bit for bit equal: {same}")
     print(f"  fused_in_kernel / fused_apart: {out['fused_in_kernel_vs_apart']:.3f}; parameters within 1e-6: {close}")
-    print(f"  folded_fused / folded (the host's auto AdamW against foreach): {out['folded_fused_vs_folded']:.3f}")
+    print(f"  folded_fused / folded (the fused kernel against foreach, windowed): {out['folded_fused_vs_folded']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

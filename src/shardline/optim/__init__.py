@@ -1,9 +1,9 @@
 """AdamW and learning-rate schedules (linear warmup, then cosine / linear / WSD / constant).
 
-Which AdamW (the fused kernel unless optim.implementation says otherwise): torch's on a GPU, the
-clip's scale inside its kernel (fused.py); on the host (a CPU run, or CPU offload) the same AdamW
-stepped a cache-sized window at a time (windowed.py); with `memory.ssd_offload_dir`, that one with its
-moments in files on an SSD (ssd_offload.py); under ZeRO-1, parallel/zero1.py's.
+Which AdamW: torch's on a GPU (fused, the clip's scale inside its kernel: fused.py); on the host (a
+CPU run, or CPU offload) the same AdamW stepped a cache-sized window at a time (windowed.py); with
+`memory.ssd_offload_dir`, that one with its moments in files on an SSD (ssd_offload.py); under
+ZeRO-1, parallel/zero1.py's.
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     impl = cfg.implementation
     if impl == "auto":
-        # The fused kernel, on a GPU and on the host alike (a CPU run, CPU offload's states): torch's fused
-        # CPU kernel steps windows in about half foreach's time (benchmarks/clip_fold.py). ZeRO-1's strided
-        # slices, which no fused kernel takes, fall back to foreach below.
-        impl = "fused"
+        # The fused kernel is fastest on GPU. On the host it steps in about half foreach's time
+        # (benchmarks/clip_fold.py) but is not taken yet: torch's fused CPU kernel ignores strides and reads
+        # an fp16 scaler's found_inf copied from the GPU without a sync. Where the parameters are, not the
+        # device: under CPU offload they (and the states) are on the host.
+        on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in decay + no_decay)
+        impl = "fused" if on_gpu else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
     if zero1_mesh is None:

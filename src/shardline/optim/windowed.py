@@ -1,6 +1,6 @@
 """AdamW on the host, stepped a cache-sized window of elements at a time.
 
-torch's foreach AdamW makes each of its passes over every tensor before the
+torch's foreach AdamW (the host's default) makes each of its passes over every tensor before the
 next pass starts: exp_avg's lerp over all of it, then exp_avg_sq's multiply, its addcmul, a
 square root into a temporary as large as the moments, a divide, an add, then the update of the
 weights. Where the states live in host RAM (a CPU run, a GPU run with CPU offload) each pass
@@ -10,10 +10,8 @@ moments and temporaries of one window fit a CPU's last-level cache) before the n
 torch's own functional adam on views: the same arithmetic element for element, so the same
 bits, with the memory read about once a step and a window's temporaries. The for-loop
 implementation finishes one tensor before the next, so windows help it only inside large
-tensors; the fused kernel (what optim.implementation=auto takes, about half foreach's time on the
-host: benchmarks/clip_fold.py) makes one pass per element already, so they buy it nothing but the
-calls (it gets the same bits either way); the clip's multiply and SSD offload's prefetch still run
-window by window.
+tensors; the fused kernel makes one pass per element already, so they buy it nothing but the
+calls (it gets the same bits either way).
 
 Gradient clipping's multiply runs here too, window by window, when the clip hands its scale over
 (`clip_scale`, parallel/collectives.clip_grad_norm's `defer_to`): the same multiply of the same

@@ -207,11 +207,10 @@ def cpu_hardware() -> Hardware:
         matmul_eff_max={"fp32": 0.5, "bf16": 0.1 * per["bf16"], "fp16": 0.05 * per["fp16"]}, matmul_half_dim=64.0,
         attn_eff={"fp32": 0.25, "bf16": 0.05 * per["bf16"], "fp16": 0.03 * per["fp16"]},
         elementwise_eff={"fp32": 1.0, "bf16": 0.8, "fp16": 0.5},
-        # AdamW + clipping: the host's windowed AdamW (clip folded in, the fused kernel: optim.implementation=auto)
-        # over 4 M parameters, one thread, at the 20 GB/s above: 27-29 B a parameter on a 2-core Intel VM, where
-        # foreach windows took 69-91 B (calibrate's measure_optimizer; the VM's memory speed moves). Calibrate
-        # measures yours.
-        loss_eff=0.2, op_overhead_us=10.0, optimizer_bytes_per_param=30.0,
+        # AdamW + clipping: the host's windowed AdamW (clip folded in) over 4 M parameters, one thread, at
+        # the 20 GB/s above: 55-58 B a parameter on the 2-core VM one hour, 87-91 B a few hours later
+        # (calibrate's measure_optimizer; the VM's memory speed moves); between them. Calibrate measures yours.
+        loss_eff=0.2, op_overhead_us=10.0, optimizer_bytes_per_param=75.0,
         cpu=CpuRanks(
             shared_compute=True, cores=cpu_cores(), threads=torch.get_num_threads() or 1, process_baseline_gib=0.45,
             # As `shardline calibrate` measured them on a 2-core VM (one thread per rank), rounded.

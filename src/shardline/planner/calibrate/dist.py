@@ -107,7 +107,7 @@ def _step_fn(model, ids: torch.Tensor):
 
 
 def _optimizer_fn(model, dims):
-    opt = WindowedAdamW(model.parameters(), lr=1e-4, fused=True)  # the trainer's on the host (auto: fused)
+    opt = WindowedAdamW(model.parameters(), lr=1e-4, foreach=True)  # the trainer's on the host
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
 

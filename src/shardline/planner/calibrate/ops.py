@@ -172,7 +172,7 @@ def measure_optimizer(device: torch.device, bandwidth_gbs: float, n_params: int 
     for p in params:
         p.grad = torch.randn_like(p)
     opt = (FusedAdamW(params, lr=1e-4) if device.type == "cuda"
-           else WindowedAdamW(params, lr=1e-4, fused=True))
+           else WindowedAdamW(params, lr=1e-4, foreach=True))
 
     model = torch.nn.ParameterList(params)
     dims = ParallelDims(Layout())
