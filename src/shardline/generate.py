@@ -120,7 +120,10 @@ class Generator:
     def encode(self, prompt: str, bos: bool = False) -> list[int]:
         """The prompt's ids as training saw a document's: after the BOS tokens when the run
         trained with them or `bos` asks for them."""
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        try:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        except Exception as e:  # tokenizers raises a bare Exception (a vocabulary without an unknown token)
+            raise DataError(f"the tokenizer cannot encode the prompt: {e}") from None
         if bos and not self.bos:
             raise ConfigError("--bos: this checkpoint's tokenizer has no BOS token")
         if not ids and (bos or self.trained_bos):  # an empty prompt: sampled from the start of a document

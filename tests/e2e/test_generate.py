@@ -335,6 +335,21 @@ def test_the_python_entry_points_check_what_the_cli_checks(trained_run):
     assert not (trained_run.parent / "never").exists()
 
 
+def test_a_prompt_the_tokenizer_cannot_encode_is_one_line(trained_run):
+    """A closed vocabulary without an unknown token (a WordLevel tokenizer.json) fails on a word it
+    lacks: a traceback at generate's prompt, where train and prepare say it in one line."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from shardline.errors import DataError
+
+    gen = load_generator(str(trained_run))
+    gen.tokenizer = Tokenizer(models.WordLevel({"hello": 0}))
+    gen.tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert gen.encode("hello hello") == [0, 0]
+    with pytest.raises(DataError, match="^the tokenizer cannot encode the prompt: .*UNK"):
+        gen.encode("hello there")
+
+
 def test_a_tiny_temperature_samples_the_likeliest_token():
     """logits / 1e-45 overflowed to inf and the softmax to NaN (a multinomial traceback)."""
     logits = torch.tensor([1.0, 3.0, 2.0, float("-inf")])
