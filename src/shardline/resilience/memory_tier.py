@@ -120,7 +120,7 @@ def _unusable(side: dict, data: np.ndarray, fingerprint: str) -> str | None:
     """Why a snapshot cannot be used (None: it can; "": it is another run's). The fingerprint is
     the layout's, then a line naming the run (tiers.py)."""
     if side["fingerprint"] != fingerprint:
-        same_run = side["fingerprint"].rsplit("\n", 1)[-1] == fingerprint.rsplit("\n", 1)[-1]
+        same_run = str(side["fingerprint"]).rsplit("\n", 1)[-1] == fingerprint.rsplit("\n", 1)[-1]
         return ("written under another layout (ranks or parallel degrees), which alone can read it back"
                 if same_run else "")
     if len(data) != side["size"] or zlib.crc32(data.data) != side["crc"]:
