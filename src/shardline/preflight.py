@@ -142,7 +142,7 @@ def run_dir_problem(run_dir: str) -> str | None:
     config.toml): a Hugging Face model, a prepared data folder, a checkpoint."""
     path = Path(run_dir)
     what = ("a Hugging Face model folder (config.json)" if (path / "config.json").is_file() else
-            "a prepared data folder" if (path / "train" / "docs.idx").is_file() else
+            "a prepared data folder" if is_prepared(run_dir) else
             "a checkpoint (manifest.json)" if (path / MANIFEST).is_file() else None)
     if what:
         return f"run.dir={run_dir!r} is {what}: a run would write over its files; use another run.dir"

@@ -38,10 +38,20 @@ _OPEN_MAPS = 64  # memory maps kept open at once (each holds a file descriptor)
 
 
 def is_prepared(path: str) -> bool:
-    """A folder made (or being made) by `shardline prepare`."""
+    """A folder made (or being made) by `shardline prepare`. A run dir's progress.json (goodput's
+    account, of the same name) does not make one."""
     p = Path(path) if path else None
-    marks = (p / MANIFEST, p / PROGRESS, p / "train" / "docs.idx") if p is not None else ()
-    return any(m.is_file() for m in marks)
+    if p is None:
+        return False
+    return (p / MANIFEST).is_file() or (p / "train" / "docs.idx").is_file() or _prepare_progress(p / PROGRESS)
+
+
+def _prepare_progress(path: Path) -> bool:
+    """A progress.json there that is not a training run's goodput account (which holds its high-water step)."""
+    try:
+        return "high_water_step" not in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return path.is_file()  # (unreadable or not an object: as before, the file's presence decides)
 
 
 def prepared_with_own_bpe(path: str) -> bool:
