@@ -11,8 +11,8 @@ in cache. Three ways, alternating step by step in one process so machine noise h
 * torch: torch.nn.utils.clip_grad_norm_, then torch's AdamW (foreach);
 * apart: shardline's clip_grad_norm multiplying in place, then WindowedAdamW;
 * folded: shardline's clip_grad_norm handing the scale to WindowedAdamW (foreach);
-* folded_fused: the same with WindowedAdamW on torch's fused CPU kernel (optim.implementation=fused
-  on the host; auto takes foreach there);
+* folded_fused: WindowedAdamW on torch's fused CPU kernel, the clip's scale inside it as its
+  grad_scale (optim.implementation auto's choice on the host since 2026-12-05);
 * fused_apart: shardline's clip_grad_norm multiplying in place, then torch's fused AdamW (the GPU
   trainer's optimizer before its clip went into the kernel);
 * fused_in_kernel: the scale handed to FusedAdamW, which divides by its reciprocal as the fused

@@ -53,7 +53,7 @@ def offload_report(trainer: Trainer) -> dict:
             "params_on_host_dtensors": all(isinstance(p, DTensor) and p.device.type == "cpu" for p in params),
             "states": len(states),
             "states_on_host_dtensors": all(isinstance(v, DTensor) and v.device.type == "cpu" for v in states),
-            "foreach": bool(trainer.optimizer.defaults.get("foreach")),
+            "optimizer": [type(trainer.optimizer).__name__, bool(trainer.optimizer.defaults.get("fused"))],
             "shard_mesh": list(next(iter(params)).device_mesh.shape)}
 
 
@@ -74,13 +74,13 @@ def _assert_offloaded(report: dict, mesh: list[int], expert_units: int = 0) -> N
     assert report["units"] == report["blocks"] + 1 + expert_units, report  # each block, the root (the experts)
     assert report["policies"] == [CPUOffloadPolicy.__name__], report
     assert report["params_on_host_dtensors"] and report["states"] and report["states_on_host_dtensors"], report
-    assert report["foreach"] and report["shard_mesh"] == mesh, report
+    assert report["optimizer"] == ["WindowedAdamW", True] and report["shard_mesh"] == mesh, report  # fused, on the host
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_prepared):
     root = tmp_path_factory.mktemp("offload")
-    # optim.implementation=auto: what the trainer picks for host states (foreach) is checked.
+    # optim.implementation=auto: what the trainer picks for host states (the windowed fused kernel) is checked.
     base = [*PARITY_OVERRIDES, "optim.implementation=auto", f"data.path={small_prepared}"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the spawned ranks run: tiny matmuls on shared cores only slow down with more

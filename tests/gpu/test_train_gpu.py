@@ -240,7 +240,7 @@ def test_the_gpu_optimizer_clips_inside_its_fused_kernel():
     for folded in (False, True):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)).cuda()
-        opt = build_optimizer(model, OptimConfig(lr=1e-2), torch.device("cuda"))
+        opt = build_optimizer(model, OptimConfig(lr=1e-2))
         assert type(opt) is FusedAdamW
         if not folded:
             opt = torch.optim.AdamW(opt.param_groups, fused=True)
@@ -253,3 +253,25 @@ def test_the_gpu_optimizer_clips_inside_its_fused_kernel():
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_the_host_optimizer_waits_for_a_gpu_verdict_before_it_steps():
+    """Under CPU offload the fused AdamW steps the host's states, while a skip verdict (an fp16
+    scaler's found_inf, the anomaly check's) is a GPU tensor still being computed: torch's fused
+    AdamW copies it to the host with non_blocking=True and its CPU kernel reads it at once. The
+    windowed AdamW copies it and waits (optim/windowed.py): a verdict of "skip" behind a long queue
+    of GPU work leaves the host's weights and step untouched."""
+    from shardline.optim.windowed import WindowedAdamW
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(256, 256))
+    before = weight.detach().clone()
+    opt = WindowedAdamW([weight], lr=1e-2, fused=True)
+    weight.grad = torch.randn(256, 256)
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(30):  # tens of milliseconds of queued work before the verdict exists
+        x = torch.tanh(x @ x)
+    opt.found_inf = (x.sum() * 0 + 1).float()  # "skip", once the queue gets there
+    opt.step()
+    assert torch.equal(weight.detach(), before)
+    assert opt.state[weight]["step"].item() == 0

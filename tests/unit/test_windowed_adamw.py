@@ -16,12 +16,14 @@ from tests.ports import free_port
 IMPLEMENTATIONS = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fused": {"fused": True}}
 
 
-def params() -> list[torch.nn.Parameter]:
+def params(contiguous: bool = False) -> list[torch.nn.Parameter]:
     """Tensors of 21000 and 33153 elements (cut across windows of ALIGN), small ones (together),
-    and a transposed one (a window of its own)."""
+    and a transposed one (a window of its own; with `contiguous`, the same values laid out plainly)."""
     torch.manual_seed(0)
     shapes = [(300, 70), (1000,), (7,), (64, 33), (129, 257)]
-    return [torch.nn.Parameter(torch.randn(*s)) for s in shapes] + [torch.nn.Parameter(torch.randn(40, 30).t())]
+    odd = torch.randn(40, 30).t()
+    return [torch.nn.Parameter(torch.randn(*s)) for s in shapes] + [
+        torch.nn.Parameter(odd.contiguous() if contiguous else odd)]
 
 
 def groups(ps: list[torch.Tensor]) -> list[dict]:
@@ -41,8 +43,10 @@ def stepped(opt: torch.optim.Optimizer, ps: list[torch.Tensor], steps: int) -> N
 
 def assert_same_as_torch(make, impl: str) -> torch.optim.Optimizer:
     """Four steps of `make(groups, **hyper)` at a window of ALIGN elements against torch's AdamW:
-    weights, moments and steps bit for bit; the windows counted through `_prefetch`."""
-    plain_params, ours_params = params(), params()
+    weights, moments and steps bit for bit; the windows counted through `_prefetch`. torch's fused
+    kernel walks memory, not strides, so its transposed tensor's update is wrong: the reference for
+    fused steps that one laid out plainly (the right update, which ours must give whatever the layout)."""
+    plain_params, ours_params = params(contiguous=impl == "fused"), params()
     plain = torch.optim.AdamW(groups(plain_params), lr=1e-2, **IMPLEMENTATIONS[impl])
     ours = make(groups(ours_params), lr=1e-2, **IMPLEMENTATIONS[impl])
     ours.window = windowed.ALIGN
@@ -50,7 +54,10 @@ def assert_same_as_torch(make, impl: str) -> torch.optim.Optimizer:
     ours._prefetch = asked.append  # called with every window but the first
     stepped(plain, plain_params, 4)
     stepped(ours, ours_params, 4)
-    assert len(asked) >= 4 * 15  # 6 + 9 windows for the two large tensors alone
+    if impl != "fused" or ours.FUSED_IN_WINDOWS:
+        assert len(asked) >= 4 * 15  # 6 + 9 windows for the two large tensors alone
+    else:  # in RAM the fused kernel takes each group's tensors at once, the transposed one apart
+        assert len(asked) == 4 * 2
     for a, b in zip(plain_params, ours_params):
         assert torch.equal(a, b)
         for key in ("exp_avg", "exp_avg_sq", "step"):
@@ -68,8 +75,9 @@ def test_the_windowed_step_is_torchs_adamw_bit_for_bit(impl):
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_the_clip_folded_into_the_step_is_the_clip_apart_bit_for_bit(impl):
     """clip_grad_norm handing its scale to WindowedAdamW (defer_to) against torch's AdamW after the
-    clip multiplied every gradient itself: weights, moments and the clipped gradients bit for bit;
-    the scale serves one step only."""
+    clip multiplied every gradient itself: weights, moments and the clipped gradients bit for bit
+    (fused: to 1e-6, its kernel divides by the scale's reciprocal, optim/fused.py); the scale serves
+    one step only."""
     from shardline.layout import Layout
     from shardline.parallel.collectives import clip_grad_norm
     from shardline.parallel.dims import ParallelDims
@@ -92,10 +100,40 @@ def test_the_clip_folded_into_the_step_is_the_clip_apart_bit_for_bit(impl):
         runs.append((ps, opt, norms))
     (plain_ps, plain, plain_norms), (ours_ps, ours, our_norms) = runs
     assert plain_norms == our_norms and plain_norms[0] > 10  # every step but the last clipped
+    same = torch.equal if impl != "fused" else lambda x, y: torch.allclose(x, y, rtol=1e-6, atol=1e-7)
     for a, b in zip(plain_ps, ours_ps):
-        assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
+        assert same(a, b) and same(a.grad, b.grad)
         for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(plain.state[a][key], ours.state[b][key]), key
+            assert same(plain.state[a][key], ours.state[b][key]), key
+
+
+def test_the_fused_kernel_steps_tensors_laid_out_unlike_their_gradients():
+    """torch's fused AdamW walks each tensor's memory, not its strides: a transposed weight with a
+    plain gradient, a plain weight with a transposed gradient and a weight with gaps (every other
+    column) would pair the wrong elements. Ours steps such a tensor through plain copies: the same
+    bits as torch's fused AdamW on the same values laid out plainly."""
+    torch.manual_seed(0)
+    values = [torch.randn(40, 30), torch.randn(30, 40), torch.randn(40, 60)]
+    gaps = torch.zeros(40, 120)
+    gaps[:, ::2] = values[2]
+    odd = [values[0].t().contiguous().t(), values[1].clone(), gaps[:, ::2]]
+    plain = [torch.nn.Parameter(v.clone()) for v in values]
+    ours = [torch.nn.Parameter(v) for v in odd]
+    assert not ours[0].is_contiguous() and not ours[2].is_contiguous()
+    reference = torch.optim.AdamW(plain, lr=1e-2, fused=True)
+    windowed_opt = WindowedAdamW(ours, lr=1e-2, fused=True)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        grads = [torch.randn(v.shape, generator=g) for v in values]
+        for p, grad in zip(plain, grads):
+            p.grad = grad.clone()
+        for i, (p, grad) in enumerate(zip(ours, grads)):
+            p.grad = grad.t().contiguous().t() if i == 1 else grad.clone()  # the second's gradient transposed
+        reference.step()
+        windowed_opt.step()
+    for a, b in zip(plain, ours):
+        assert torch.equal(a, b)
+        assert torch.equal(reference.state[a]["exp_avg_sq"], windowed_opt.state[b]["exp_avg_sq"])
 
 
 def test_a_skipped_steps_clip_scale_is_dropped_with_its_gradients():
@@ -131,12 +169,20 @@ def test_a_window_is_a_multiple_of_align_and_holds_small_tensors_together():
 
 
 def test_build_optimizer_windows_the_host_and_leaves_devices_to_torch():
-    cfg = OptimConfig()
-    on_host = build_optimizer(torch.nn.Linear(4, 4), cfg, torch.device("cpu"))
-    offloaded = build_optimizer(torch.nn.Linear(4, 4), cfg, torch.device("cuda"))  # CPU offload: on the host
-    on_device = build_optimizer(torch.nn.Linear(4, 4, device="meta"), cfg, torch.device("cuda"))
-    assert type(on_host) is WindowedAdamW and type(offloaded) is WindowedAdamW
-    assert type(on_device) is torch.optim.AdamW
+    """auto takes the fused kernel wherever the parameters are: windowed on the host (a CPU run, the
+    states of CPU offload), torch's with the clip folded in elsewhere (meta stands for a GPU here);
+    an explicit foreach is windowed on the host and torch's own elsewhere."""
+    from shardline.optim.fused import FusedAdamW
+
+    on_host = build_optimizer(torch.nn.Linear(4, 4), OptimConfig())
+    on_device = build_optimizer(torch.nn.Linear(4, 4, device="meta"), OptimConfig())
+    assert type(on_host) is WindowedAdamW and on_host.defaults["fused"]
+    assert type(on_device) is FusedAdamW
+    foreach = OptimConfig(implementation="foreach")
+    host_foreach = build_optimizer(torch.nn.Linear(4, 4), foreach)
+    device_foreach = build_optimizer(torch.nn.Linear(4, 4, device="meta"), foreach)
+    assert type(host_foreach) is WindowedAdamW and host_foreach.defaults["foreach"]
+    assert type(device_foreach) is torch.optim.AdamW and not device_foreach.defaults["fused"]
 
 
 def test_other_adamw_variants_are_refused_in_one_line():

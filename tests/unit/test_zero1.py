@@ -123,12 +123,12 @@ def _check_fused(mesh) -> list[str]:
     model, _ = _tp_models(mesh["tp"])
     problems = []
     try:
-        build_optimizer(model, OptimConfig(implementation="fused"), torch.device("cpu"), mesh, "dp_shard")
+        build_optimizer(model, OptimConfig(implementation="fused"), mesh, "dp_shard")
         problems.append("the fused AdamW was taken for strided slices")
     except ConfigError as e:
         if "optim.implementation=fused is invalid with this layout: ZeRO-1's slices of 0.weight" not in str(e):
             problems.append(f"unexpected message {e}")
-    chosen = build_optimizer(model, OptimConfig(implementation="auto"), torch.device("cpu"), mesh, "dp_shard")
+    chosen = build_optimizer(model, OptimConfig(implementation="auto"), mesh, "dp_shard")
     if chosen.defaults.get("fused") or not chosen.defaults.get("foreach"):
         problems.append(f"auto took {chosen.defaults} for strided slices")
     return problems

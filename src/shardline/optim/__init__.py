@@ -23,7 +23,7 @@ from shardline.optim.ssd_offload import SSDAdamW
 from shardline.optim.windowed import WindowedAdamW, local
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
                     zero1_mesh: DeviceMesh | None = None, zero1_dim: str = "dp_shard",
                     zero1_experts: tuple[DeviceMesh, str] | None = None, ssd_dir: str = "",
                     rank: int = 0, world_size: int = 1) -> torch.optim.AdamW:
@@ -39,12 +39,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     impl = cfg.implementation
     if impl == "auto":
-        # The fused kernel is fastest on GPU. On the host it steps in about half foreach's time
-        # (benchmarks/clip_fold.py) but is not taken yet: torch's fused CPU kernel ignores strides and reads
-        # an fp16 scaler's found_inf copied from the GPU without a sync. Where the parameters are, not the
-        # device: under CPU offload they (and the states) are on the host.
-        on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in decay + no_decay)
-        impl = "fused" if on_gpu else "foreach"
+        # The fused kernel: on a GPU, and on the host too (a CPU run, the states of CPU offload), where it
+        # steps in about half foreach's time (benchmarks/clip_fold.py); windowed.py steps a tensor laid out
+        # unlike its gradient through plain copies, as that kernel reads memory, not strides.
+        impl = "fused"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
     if zero1_mesh is None:

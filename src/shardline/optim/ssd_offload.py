@@ -106,6 +106,7 @@ class SSDAdamW(WindowedAdamW):
     """
 
     PLAIN_ONLY = "memory.ssd_offload_dir maps plain AdamW's moments"
+    FUSED_IN_WINDOWS = True  # each window's pages asked of the disk while the one before steps
 
     def __init__(self, params, folder: str, rank: int, **hyper):
         super().__init__(params, **hyper)

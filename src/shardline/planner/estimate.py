@@ -68,9 +68,9 @@ from shardline.planner.offload import host_fits, ssd_exposed
 from shardline.planner.pipeline import bubble_fraction
 from shardline.planner.step_comm import dp_tail, sync, tied_grads
 
-CPU_ADAM_BYTES_PER_S = 20e9  # host-side AdamW with offload: 28 B per parameter (read the weight, gradient
-# and moments, write the weight and moments) at this rate; the trainer's windowed AdamW ran at 21 GB/s so
-# counted on a 2-core VM (benchmarks/RESULTS.md; torch's whole-tensor foreach, 10); a server host: unmeasured
+CPU_ADAM_BYTES_PER_S = 40e9  # host-side AdamW with offload: 28 B per parameter (read the weight, gradient
+# and moments, write the weight and moments) at this rate; the trainer's host AdamW (the fused kernel) ran at
+# 44.9 GB/s so counted, foreach windows at 14.9, on a 2-core VM (benchmarks/RESULTS.md); a server host: unmeasured
 
 
 @dataclass

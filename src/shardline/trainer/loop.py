@@ -105,7 +105,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         self.model = built.model
         self.scaler = LossScaler(self.device, cfg.train.precision, agree=self.proc.world_size > 1)
         self.runner = StepRunner(cfg, built, self.dims, self.device, self.scaler)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.dims.zero1_mesh(),
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.dims.zero1_mesh(),
                                          self.dims.zero1_shard_dim, self.dims.zero1_expert_cut(),
                                          cfg.memory.ssd_offload_dir, self.proc.rank, self.proc.world_size)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
