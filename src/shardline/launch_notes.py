@@ -136,6 +136,7 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("checkpoint", ("memory_redundancy", "memory_mode", "memory_dir"), not c.memory_interval,
               "checkpoint.memory_interval=0"),
              ("watchdog", ("long_timeout_s",), not cfg.watchdog.timeout_s, "watchdog.timeout_s=0"),
+             ("data", ("text_field",), cfg.data.format == "chat", "data.format=chat reads each record's 'messages'"),
              ("parallel", ("zero",), layout is not None and layout.dp_mode in ("ddp", "single")
               and not cfg.memory.ssd_offload_dir,
               "nothing is sharded: dp_shard x cp = 1, so DDP or one rank")]

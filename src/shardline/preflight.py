@@ -142,8 +142,8 @@ def run_dir_problem(run_dir: str) -> str | None:
     config.toml): a Hugging Face model, a prepared data folder, a checkpoint."""
     path = Path(run_dir)
     what = ("a Hugging Face model folder (config.json)" if (path / "config.json").is_file() else
-            "a prepared data folder" if is_prepared(run_dir) else
-            "a checkpoint (manifest.json)" if (path / MANIFEST).is_file() else None)
+            "a checkpoint (manifest.json)" if (path / MANIFEST).is_file() and (path / "meta.json").is_file() else
+            "a prepared data folder" if is_prepared(run_dir) else None)
     if what:
         return f"run.dir={run_dir!r} is {what}: a run would write over its files; use another run.dir"
     wrong = [(n, dir) for n, dir in RUN_DIR_ENTRIES.items() if (path / n).exists() and (path / n).is_dir() != dir]
@@ -395,5 +395,4 @@ def check_device(cfg: Config, layout: Layout, on_cuda: bool, node_paths: bool = 
     _raise(ssd_offload.problem(cfg.memory, layout.zero, on_cuda, node_paths))
     if cfg.train.precision == "fp8":
         _raise(float8.capability_problem(float8.local_capability(on_cuda)) if fp8_target is None else fp8_target)
-    impl = cfg.optim.implementation
-    check_on_device(cfg, layout, impl == "fused" or (impl == "auto" and on_cuda), on_cuda)
+    check_on_device(cfg, layout, cfg.optim.implementation in ("fused", "auto"), on_cuda)  # auto: fused, host or GPU

@@ -200,7 +200,11 @@ def test_check_on_device_refuses_what_it_cannot_gate(tiny_config):
     from shardline.errors import ConfigError
 
     with pytest.raises(ConfigError, match="action is not skip.*not fused"):
-        Trainer(tiny_config("anomaly.check_on=device", "anomaly.action=rollback")).build()
+        Trainer(tiny_config("anomaly.check_on=device", "anomaly.action=rollback",
+                            "optim.implementation=foreach")).build()
+    # optim.implementation=auto is the fused kernel on the host too: preflight lets the device check be
+    with Trainer(tiny_config("anomaly.check_on=device", "anomaly.action=skip")).build() as trainer:
+        assert trainer.anomaly.on_device and trainer.optimizer.defaults["fused"]
 
 
 @pytest.mark.parametrize("where", ["host", "device"])

@@ -281,8 +281,13 @@ def test_a_run_dir_that_is_another_tools_folder_is_refused_before_anything_is_wr
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
+    step = tmp_path / "step-000004"  # a checkpoint: manifest.json (as a prepared folder has) and meta.json
+    step.mkdir()
+    (step / "manifest.json").write_text('{"step": 4, "files": {}}')
+    (step / "meta.json").write_text("{}")
     before = {p.name: p.read_bytes() for p in small_prepared.iterdir() if p.is_file()}
-    for folder, what in [(hf, "a Hugging Face model folder (config.json)"), (small_prepared, "a prepared data folder")]:
+    for folder, what in [(hf, "a Hugging Face model folder (config.json)"), (small_prepared, "a prepared data folder"),
+                         (step, "a checkpoint (manifest.json)")]:
         with pytest.raises(ConfigError, match=re.escape(f"run.dir={str(folder)!r} is {what}: a run would write over")):
             check_config(load_config(None, [f"run.dir={folder}"]))
     assert {p.name: p.read_bytes() for p in small_prepared.iterdir() if p.is_file()} == before

@@ -307,6 +307,10 @@ def test_null_chat_rows_are_counted_as_empty_documents(tmp_path):
     pq.write_table(pa.table({"messages": [talk, None, talk, talk]}), tmp_path / "c.parquet")
     left: dict = {}
     assert len(read_documents(str(tmp_path / "c.parquet"), "messages", left)) == 3 and left["empty_documents"] == 1
+    # a conversation of no messages holds nothing to train on either: counted, as the README says
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in (talk, [], talk)))
+    left = {}
+    assert len(read_documents(str(tmp_path / "c.jsonl"), "messages", left)) == 2 and left["empty_documents"] == 1
 
 
 def test_a_tokenizer_that_cannot_encode_the_data_is_one_line_and_a_closed_vocabulary_works(tmp_path):

@@ -128,6 +128,9 @@ def test_settings_a_config_never_reads_and_a_fine_tunes_lr_on_new_weights_are_na
     used = load_config(None, ["train.precision=fp8", "fp8.recipe=rowwise", "memory.activation_checkpoint=selective",
                               "memory.ac_every=3", "metrics.peak_tflops=1"])
     assert "settings_unused" not in dict(launch_notes(used, "cpu", 1.0, 1))
+    chat = load_config(None, ["data.format=chat", "data.text_field=conversations", "metrics.peak_tflops=1"])
+    assert dict(launch_notes(chat, "cpu", 1.0, 1))["settings_unused"] == {
+        "data.text_field": "data.format=chat reads each record's 'messages'"}
     from shardline import layout as layouts
 
     ddp = load_config(None, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.zero=1",

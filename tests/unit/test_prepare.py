@@ -302,6 +302,37 @@ def test_chat_loss_is_on_assistant_tokens_only(tmp_path):
     assert_same_batches(raw, data(out, "data.format=chat", seq_len=256))
 
 
+def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_continued(tmp_path):
+    """A reply learned without its prompt teaches nothing: every chat row starts at a conversation's
+    start and ends at one's end (its padding has no label and a document id of its own), a
+    conversation longer than a row is one row, cut, its rest not trained on and counted; the raw and
+    prepared paths give the same rows."""
+    rows = [json.loads(line) for line in chat_records(60).splitlines()]
+    for i in range(0, 60, 7):  # every seventh conversation far longer than a row
+        rows[i]["messages"][2]["content"] = " ".join(f"step {k} of {i}." for k in range(60))
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = data(path, "data.format=chat", "data.val_fraction=0.1", seq_len=128)
+    train = raw.train
+    ends = np.append(train.doc_starts[1:], train.num_tokens)
+    long = int(((ends - train.doc_starts) > 129).sum())
+    assert long >= 5 and train.rows.truncated == long
+    assert set(train.rows.starts.tolist()) <= set(train.doc_starts.tolist())  # each row opens a conversation
+    for start, n in zip(train.rows.starts.tolist(), train.rows.lengths.tolist()):
+        assert n == 129 or start + n in set(ends.tolist())  # ends with one, unless cut
+    batch = train.batch(np.arange(len(train)))
+    pad = np.arange(129)[None, :] >= train.rows.lengths[:, None]
+    assert pad.any() and (batch["labels"].numpy()[pad[:, 1:]] == IGNORE_INDEX).all()
+    assert (batch["input_ids"].numpy()[pad[:, :-1]] == 0).all()
+    for docs, n in zip(batch["doc_ids"].numpy(), train.rows.lengths.tolist()):
+        assert n > 128 or docs[n - 1] + 1 == docs[-1]  # padding: the document after the row's last one
+    described = raw.describe(steps=10)
+    assert described["conversations_cut"] == long and 0 < described["padding"] < 1
+    out = tmp_path / "prep"
+    prepare(PrepareOptions([str(path)], str(out), format="chat", val_fraction=0.1, workers=1, **SMALL))
+    assert_same_batches(raw, data(out, "data.format=chat", seq_len=128))
+
+
 @pytest.mark.parametrize("record, message", [
     ({"text": "no messages"}, "has no list field 'messages'"),
     ({"messages": [{"role": "user"}]}, r"messages\[0\] needs string fields 'role' and 'content'"),
@@ -325,6 +356,24 @@ def chat_with_templated_tokenizer(tmp_path) -> tuple[Path, Path]:
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return path, folder
+
+
+def test_a_dry_run_renders_chat_data_as_the_launch_would_and_names_the_template(tmp_path):
+    """The dry run passed chat data the launch then refused: a template that fails on it, data
+    without the reply role. It now checks the roles and renders the first conversations."""
+    from shardline.data.loader import data_summary
+
+    path, folder = chat_with_templated_tokenizer(tmp_path)
+    cfg = load_config(None, [f"data.path={path}", "data.format=chat", f"data.tokenizer={folder / 'tokenizer.json'}"])
+    summary, _ = data_summary(cfg)
+    assert summary.endswith(f"40 conversations, rendered with the chat template of {folder / 'tokenizer_config.json'}")
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }{% endfor %}")
+    with pytest.raises(DataError, match="chat template .* fails on a conversation .*TemplateSyntaxError"):
+        data_summary(cfg)
+    (folder / "chat_template.jinja").unlink()
+    path.write_text(path.read_text().replace('"assistant"', '"gpt"'))
+    with pytest.raises(DataError, match="has no message of role 'assistant'"):
+        data_summary(cfg)
 
 
 def test_a_chat_template_jinja_file_is_read_before_tokenizer_config(tmp_path):
@@ -415,6 +464,23 @@ def test_templates_render_as_transformers_does_with_loop_controls_and_plain_json
                 {"role": "user", "content": "never rendered"}]
     assert render_chat(messages, template) == (
         '{"role": "user", "content": "a < b & \'c\'"}\n{"role": "assistant", "content": "é"}\n')
+
+
+def test_a_templates_generation_blocks_render_their_body_and_mask_as_without_them():
+    """transformers' {% generation %} tags (its way to an assistant mask) render as their body: the
+    same text and targets as the template without them."""
+    from shardline.data.encode import chat_segments
+
+    body = ("{% for m in messages %}<|{{ m.role }}|>\n{% if m.role == 'assistant' %}{{ OPEN }}{{ m.content }}<|end|>"
+            "\n{{ CLOSE }}{% else %}{{ m.content }}<|end|>\n{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    tagged = body.replace("{{ OPEN }}", "{% generation %}").replace("{{ CLOSE }}", "{% endgeneration %}")
+    plain = body.replace("{{ OPEN }}", "").replace("{{ CLOSE }}", "")
+    talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "sure"}]
+    segments = chat_segments(talk, tagged)
+    assert segments == chat_segments(talk, plain)
+    assert [text for text, target in segments if target] == ["hello<|end|>\n", "sure<|end|>\n"]
 
 
 def test_a_tokenizers_own_chat_template_renders_and_masks(tmp_path):

@@ -43,9 +43,9 @@ def stepped(opt: torch.optim.Optimizer, ps: list[torch.Tensor], steps: int) -> N
 
 def assert_same_as_torch(make, impl: str) -> torch.optim.Optimizer:
     """Four steps of `make(groups, **hyper)` at a window of ALIGN elements against torch's AdamW:
-    weights, moments and steps bit for bit; the windows counted through `_prefetch`. torch's fused
-    kernel walks memory, not strides, so its transposed tensor's update is wrong: the reference for
-    fused steps that one laid out plainly (the right update, which ours must give whatever the layout)."""
+    weights, moments and steps bit for bit; the windows counted through `_prefetch`. The reference for
+    fused steps the transposed one laid out plainly: torch's kernel walks memory, not strides (right
+    here only because gradient and moments share the weight's layout), ours steps a plain copy of it."""
     plain_params, ours_params = params(contiguous=impl == "fused"), params()
     plain = torch.optim.AdamW(groups(plain_params), lr=1e-2, **IMPLEMENTATIONS[impl])
     ours = make(groups(ours_params), lr=1e-2, **IMPLEMENTATIONS[impl])
@@ -134,6 +134,50 @@ def test_the_fused_kernel_steps_tensors_laid_out_unlike_their_gradients():
     for a, b in zip(plain, ours):
         assert torch.equal(a, b)
         assert torch.equal(reference.state[a]["exp_avg_sq"], windowed_opt.state[b]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("unscaled_first", [True, False])
+def test_the_fused_host_step_takes_a_loss_scalers_scale_and_verdict_as_the_gpus_does(unscaled_first):
+    """Under fp16 a GradScaler hands a fused AdamW its scale and verdict (grad_scale, found_inf)
+    instead of unscaling itself: the host's windowed AdamW, the clip's scale folded in with the
+    scaler's, against FusedAdamW (the GPU's) on the same scaled gradients, with the trainer's order
+    (unscale_, then the clip) and without it: weights, moments and steps alike, and the step with
+    an inf skipped by both (nothing moves, the step count included)."""
+    from shardline.optim.fused import FusedAdamW
+
+    runs = []
+    for cls in (FusedAdamW, WindowedAdamW):
+        ps = params()[:5]  # laid out plainly: torch's fused kernel is the reference here
+        opt = cls(groups(ps), lr=1e-2, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+        for i in range(4):
+            g = torch.Generator().manual_seed(i)
+            scale = scaler.scale(torch.tensor(1.0))  # a loss of 1, scaled: the factor the gradients carry
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g) * scale
+            if i == 1:
+                ps[3].grad[0, 0] = float("inf")
+            if unscaled_first:
+                scaler.unscale_(opt)
+            opt.clip_scale = torch.tensor(0.25)  # as clip_grad_norm(defer_to=opt) leaves it
+            scaler.step(opt)
+            scaler.update()
+        runs.append((ps, opt))
+    (ref_ps, ref), (ours_ps, ours) = runs
+    for a, b in zip(ref_ps, ours_ps):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ref.state[a][key], ours.state[b][key]), key
+        assert ours.state[b]["step"].item() == 3  # four steps, one skipped
+    plain = params()[:5]  # and the clip and the scale did reach the update: not the plain AdamW's
+    unclipped = torch.optim.AdamW(groups(plain), lr=1e-2, fused=True)
+    for i in range(4):
+        g = torch.Generator().manual_seed(i)
+        for p in plain:
+            p.grad = torch.randn(p.shape, generator=g)
+        if i != 1:
+            unclipped.step()
+    assert not torch.equal(unclipped.state[plain[0]]["exp_avg"], ours.state[ours_ps[0]]["exp_avg"])
 
 
 def test_a_skipped_steps_clip_scale_is_dropped_with_its_gradients():
@@ -228,8 +272,9 @@ def _dtensor_worker(rank: int, world: int, port: int, impl: str) -> None:
                 g = torch.Generator().manual_seed(i)
                 for p, where in zip(ps, placements):
                     full = torch.randn(p.shape, generator=g)
-                    if where is None:  # plain: a transposed copy's transpose, not contiguous
-                        p.grad = full.t().contiguous().t() if full.ndim == 2 else full
+                    if where is None:  # plain: a transposed copy's transpose, not contiguous (but for the
+                        odd = full.ndim == 2 and not (cls is torch.optim.AdamW and impl == "fused")  # fused
+                        p.grad = full.t().contiguous().t() if odd else full  # reference: its kernel reads memory
                     elif where == [Partial()]:  # each rank's part: torch's AdamW sums them
                         p.grad = DTensor.from_local(full * (rank + 1), mesh, where)
                     else:
@@ -237,14 +282,14 @@ def _dtensor_worker(rank: int, world: int, port: int, impl: str) -> None:
                 # Clipped too: the windows multiply DTensor and plain gradients by the scale as the clip would.
                 clip_grad_norm(torch.nn.ParameterList(ps), 5.0, ParallelDims(Layout()), defer_to=opt)
                 opt.step()
-            assert not ps[4].grad.is_contiguous()
+            assert cls is torch.optim.AdamW or not ps[4].grad.is_contiguous()
             results.append([local(t).clone() for p in ps for t in (p, *(opt.state[p][k] for k in
                                                                        ("exp_avg", "exp_avg_sq", "step")))])
         assert all(isinstance(p, DTensor) for p in ps[:4])
-        for a, b in zip(*results):
-            assert torch.equal(a, b)
+        for a, b in zip(*results):  # (fused: the clip inside the kernel, a division by its reciprocal)
+            assert torch.equal(a, b) if impl != "fused" else torch.allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("impl", ["foreach", "for-loop"])
+@pytest.mark.parametrize("impl", ["foreach", "for-loop", "fused"])
 def test_dtensor_shards_and_odd_gradients_step_as_torchs_adamw(impl):
     start_ranks(_dtensor_worker, (2, free_port(), impl), 2)

@@ -201,7 +201,7 @@ class DataConfig:
     # "" = the shipped corpus; else a .txt/.jsonl/.parquet/.arrow file (or .gz), a folder of them,
     # or a folder made by `shardline prepare` (memory-mapped; its tokenizer and split are the folder's)
     path: str = ""
-    text_field: str = "text"  # field holding the text in .jsonl and .parquet files
+    text_field: str = "text"  # field holding the text in .jsonl, .parquet and .arrow files (chat reads "messages")
     tokenizer: str = ""  # "" = train a byte-level BPE on the data (cached); else a tokenizer.json
     vocab_size: int = 4096  # size of the trained BPE
     val_fraction: float = 0.01  # share of documents held out for evaluation (0: none, with train.eval_interval=0)

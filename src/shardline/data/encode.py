@@ -4,8 +4,8 @@ One function (`encode_documents`) serves the raw-text path at start-up and the w
 processes of `shardline prepare`, which is what makes both give the same tokens.
 
 Chat rendering: a conversation is a list of {"role", "content"} messages. When the
-tokenizer's folder has a `tokenizer_config.json` with a `chat_template` (and jinja2 is
-installed), that template renders it; otherwise the documented default, ChatML:
+tokenizer's folder has a chat template (chat_template.jinja, or tokenizer_config.json's
+`chat_template`), that template renders it; otherwise the documented default, ChatML:
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n        (for every message)
 
@@ -20,7 +20,10 @@ reply) adds to the messages before it, when the reply's rendering starts with it
 the prompt adds more than the reply shows (an opened reasoning block, say), the lines
 both begin with. A template without a generation prompt gives no header to take out, so
 its whole assistant segment is a target. Templates render as transformers renders them:
-with the bos and eos tokens tokenizer_config.json names, loop controls, and a plain tojson.
+with the bos and eos tokens tokenizer_config.json names, loop controls, a plain tojson, and
+{% generation %} blocks rendered as their body. Not `strftime_now`: a template that asks whether it
+is defined writes its fixed fallback date, so that data renders the same on every day a run
+resumes (transformers writes today's date at inference).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from itertools import chain
 from pathlib import Path
 
 import numpy as np
+from jinja2.ext import Extension
 from tokenizers import Tokenizer
 
 from shardline.errors import DataError
@@ -313,10 +317,23 @@ def _compiled(template: str):
     # jinja's plain environment lets one reach Python's internals and run code), loop controls
     # ({% break %}), and a tojson that keeps characters as they are (jinja's own escapes <, >, &
     # and ' for HTML).
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    # A {% generation %} block (which transformers uses to return an assistant mask) renders as its
+    # body: the mask here comes from the rendered replies (chat_segments), the same either way.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
     env.globals["raise_exception"] = _raise
     env.filters["tojson"] = _tojson
     return env.from_string(template).render
+
+
+class _GenerationBlock(Extension):
+    """{% generation %}...{% endgeneration %}: its body, as if the tags were not there."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 def _raise(message: str):

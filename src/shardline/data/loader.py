@@ -17,7 +17,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from shardline.config import Config
-from shardline.data.encode import chat_template_for, check_replies, encode_documents, render_chat, template_sha256
+from shardline.data.encode import (chat_segments, chat_template_for, check_replies, encode_documents, render_chat,
+                                   template_sha256)
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
@@ -48,6 +49,11 @@ class DataBundle:
                   "epochs": round(steps * self.sampler.global_batch_size / max(len(self.train), 1), 3)}
         fields["fingerprint"] = self._content() or ("none: a folder prepared before fingerprints (a resume is not "
                                                      "compared with its data; run its prepare again to add one)")
+        chat = [p for p in self._sources() if p.rows is not None]
+        if chat:  # whole conversations a sequence (data/packing.py): what that costs
+            width = sum(len(p) for p in chat) * (self.train.seq_len + 1)
+            fields["conversations_cut"] = sum(p.rows.truncated for p in chat)
+            fields["padding"] = round(1 - sum(int(p.rows.lengths.sum()) for p in chat) / width, 4) if width else 0.0
         if self.left_out.get("empty_documents"):
             fields["empty_documents_skipped"] = self.left_out["empty_documents"]
         names = self.left_out.get("files_not_read", [])
@@ -309,5 +315,20 @@ def data_summary(cfg: Config) -> tuple[str, str]:
         else:
             docs = read_documents(path, "messages" if d.format == "chat" else d.text_field, key=key)
             where = path or "the shipped corpus (a sample to try shardline on: data.path names your data)"
-            parts.append(f"{where}: {len(docs):,} documents")
+            parts.append(f"{where}: {len(docs):,} " + (_chat_checked(f"{key}={path!r}", docs, d.tokenizer)
+                                                       if d.format == "chat" else "documents"))
     return "; ".join(parts), folder_tokenizer
+
+
+DRY_RUN_RENDERS = 100  # conversations a dry run renders: a template that fails on most fails on the first
+
+
+def _chat_checked(where: str, conversations: list, tokenizer: str) -> str:
+    """A dry run's look at raw chat data as a launch would take it: the reply role is there, and the
+    first conversations render with the template the run would use; in words, which one."""
+    check_replies(where, {m["role"] for messages in conversations for m in messages})
+    template = chat_template_for(tokenizer)
+    for messages in conversations[:DRY_RUN_RENDERS]:
+        chat_segments(messages, template)
+    named = f"the chat template of {template.where}" if template else "ChatML (no chat template beside the tokenizer)"
+    return f"conversations, rendered with {named}"

@@ -9,7 +9,12 @@ last s. A label that belongs to another document than its input token is ignored
 
 Chat data adds a loss mask (1 = this token is a target, e.g. an assistant's reply);
 a label whose token is not a target is ignored too. The mask travels with the tokens,
-so packing and sampling never separate a token from its mask.
+so packing and sampling never separate a token from its mask. A reply is learned from
+the conversation before it, so chat sequences hold whole conversations: each row packs
+the next conversations that fit its s + 1 tokens, in stream order, and pads the rest
+(padding: token 0, no label, a document id of its own). A conversation longer than
+that is a row of its own, cut there; what is cut off is not trained on (`truncated`
+counts them), since without its opening a reply would be learned with no prompt.
 
 The stream can be a numpy array (raw text, tokenized at start-up) or memory-mapped
 shards of a prepared folder (`TokenShards`): a batch reads only its own windows.
@@ -39,6 +44,8 @@ class PackedSequences:
 
     def _init(self, tokens, doc_starts, seq_len: int, mask) -> None:
         self.tokens, self.doc_starts, self.mask, self.seq_len = tokens, doc_starts, mask, seq_len
+        # Chat: whole conversations a row (module doc); text: the stream cut every seq_len tokens.
+        self.rows = whole_rows(doc_starts, len(tokens), seq_len + 1) if mask is not None else None
         self.fingerprint: str | None = None  # of the token stream (shards.token_fingerprint), where known
         self.id_bound: int | None = None  # a prepared folder's: one past its tokenizer's largest id (batch checks)
         self.where = ""  # the folder, for that error
@@ -52,18 +59,28 @@ class PackedSequences:
         return len(self.doc_starts)
 
     def __len__(self) -> int:
+        if self.rows is not None:
+            return len(self.rows.starts)
         return max(0, (self.num_tokens - 1) // self.seq_len)
+
+    def spans(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """(first stream position, tokens) of each sequence: s + 1 tokens from i * s, or a chat row's."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if self.rows is not None:
+            return self.rows.starts[indices], self.rows.lengths[indices]
+        return indices * self.seq_len, np.full(len(indices), self.seq_len + 1, dtype=np.int64)
 
     def count_labels(self, indices) -> int:
         """Labelled (not ignored) tokens in the given sequences, without building them.
 
         Without a mask: s minus the document starts inside (start, start + s]. With one,
         the first token of a document is never a target (see `pack_lists`), so the mask
-        alone counts.
+        alone counts (a row's own tokens: its padding has none).
         """
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         if self.mask is not None:
-            return int(_take(self.mask, starts + 1, self.seq_len).sum())
+            starts, lengths = self.spans(indices)
+            return int(sum(_take(self.mask, np.array([a + 1]), int(n) - 1).sum() for a, n in zip(starts, lengths)))
         inside = (np.searchsorted(self.doc_starts, starts + self.seq_len, side="right")
                   - np.searchsorted(self.doc_starts, starts, side="right"))
         return int(len(starts) * self.seq_len - inside.sum())
@@ -75,15 +92,18 @@ class PackedSequences:
     def batch(self, indices) -> dict[str, torch.Tensor]:
         """Stack sequences: input_ids, labels and doc_ids, each [len(indices), seq_len]."""
         s = self.seq_len
-        starts = np.asarray(indices, dtype=np.int64) * s
-        toks = _take(self.tokens, starts, s + 1).astype(np.int64)
+        starts, lengths = self.spans(indices)
+        toks = _take_rows(self.tokens, starts, lengths, s + 1).astype(np.int64)
         if self.id_bound is not None and toks.size and int(toks.max()) >= self.id_bound:  # (the embedding's IndexError)
             raise DataError(f"{self.where} holds token id {int(toks.max())}, past its tokenizer's {self.id_bound - 1}: "
                             f"its shards are damaged; `shardline prepare --verify --out {self.where}` names them")
-        docs = self.doc_ids(starts[:, None] + np.arange(s + 1))
+        column = np.arange(s + 1)
+        padding = column >= lengths[:, None]
+        # A row's padding: the document after its last one (an id of its own in the row, in order).
+        docs = self.doc_ids(np.minimum(starts[:, None] + column, (starts + lengths - 1)[:, None])) + padding
         keep = docs[:, 1:] == docs[:, :-1]
         if self.mask is not None:
-            keep &= _take(self.mask, starts + 1, s).astype(bool)
+            keep &= _take_rows(self.mask, starts, lengths, s + 1)[:, 1:].astype(bool)
         labels = np.where(keep, toks[:, 1:], IGNORE_INDEX)
         return {
             "input_ids": torch.from_numpy(toks[:, :-1].copy()),
@@ -97,6 +117,47 @@ def _take(stream, starts: np.ndarray, length: int) -> np.ndarray:
     if isinstance(stream, np.ndarray):
         return stream[starts[:, None] + np.arange(length)]
     return stream.windows(starts, length)
+
+
+def _take_rows(stream, starts: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
+    """`_take` of `width` tokens a row where every row is that long (text), else each row's own
+    tokens and zeros after them (chat rows: the stream may end before a last row's width)."""
+    if (lengths == width).all():
+        return _take(stream, starts, width)
+    out = np.zeros((len(starts), width), dtype=stream.dtype)
+    for row, (start, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        out[row, :n] = _take(stream, np.array([start]), n)[0]
+    return out
+
+
+class Rows:
+    """Chat rows (whole_rows): where each starts in the stream, how many tokens it holds, and how
+    many conversations were cut to fit one."""
+
+    def __init__(self, starts: np.ndarray, lengths: np.ndarray, truncated: int):
+        self.starts, self.lengths, self.truncated = starts, lengths, truncated
+
+
+def whole_rows(doc_starts: np.ndarray, total: int, width: int) -> Rows:
+    """Rows of up to `width` tokens holding whole documents, packed in stream order: a row takes
+    the next document while it fits, else the next row starts with it; a document longer than a
+    row is a row of its own, cut (module doc). One pass over the documents (about a second for
+    a few million conversations)."""
+    sizes = np.diff(np.append(np.asarray(doc_starts, dtype=np.int64), total)).tolist()
+    starts, lengths, truncated = [], [], 0
+    start, held = 0, 0
+    for first, size in zip(np.asarray(doc_starts, dtype=np.int64).tolist(), sizes):
+        if held and held + size > width:
+            starts.append(start), lengths.append(held)
+            held = 0
+        if size >= width:
+            starts.append(first), lengths.append(width)
+            truncated += size > width
+            continue
+        start, held = (first, size) if not held else (start, held + size)
+    if held:
+        starts.append(start), lengths.append(held)
+    return Rows(np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64), truncated)
 
 
 def pack_lists(token_lists: list[list[int]], eos_id: int | None, masks: list[list[int]] | None = None):

@@ -51,7 +51,7 @@ def read_documents(path: str, text_field: str = "text", left_out: dict | None = 
     docs, empty = [], 0
     for f in input_files(path, key):
         for d in read_file(f, text_field):
-            if isinstance(d, str) and not d.strip():  # (a conversation is never empty: a reply is required)
+            if not d or (isinstance(d, str) and not d.strip()):  # blank text, a conversation of no messages
                 empty += 1
             else:
                 docs.append(d)

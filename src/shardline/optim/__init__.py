@@ -41,8 +41,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
     if impl == "auto":
         # The fused kernel: on a GPU, and on the host too (a CPU run, the states of CPU offload), where it
         # steps in about half foreach's time (benchmarks/clip_fold.py); windowed.py steps a tensor laid out
-        # unlike its gradient through plain copies, as that kernel reads memory, not strides.
-        impl = "fused"
+        # unlike its gradient through plain copies, as that kernel reads memory, not strides. Not for
+        # parameters on two kinds of device: torch's fused step would read one's skip verdict unwaited.
+        kinds = {local(p).device.type for p in decay + no_decay}
+        impl = "fused" if len(kinds) <= 1 else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
     if zero1_mesh is None:

@@ -21,7 +21,7 @@ separately by planner/comm.py, drop out); the size-dependent parts are lines thr
 * tp_head_overhead_us, fsdp_root_overhead_us: the same for the rest of the model (the
                           intercept: vocabulary-parallel embedding, output and loss under TP;
                           the root module's hooks under FSDP)
-* dtensor_param_overhead_us: extra CPU time per parameter tensor of foreach AdamW +
+* dtensor_param_overhead_us: extra CPU time per parameter tensor of the host's AdamW +
                           gradient clipping when parameters are DTensors (FSDP, TP)
 """
 
@@ -107,7 +107,7 @@ def _step_fn(model, ids: torch.Tensor):
 
 
 def _optimizer_fn(model, dims):
-    opt = WindowedAdamW(model.parameters(), lr=1e-4, foreach=True)  # the trainer's on the host
+    opt = WindowedAdamW(model.parameters(), lr=1e-4, fused=True)  # the trainer's on the host (auto)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
 
