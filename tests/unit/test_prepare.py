@@ -325,9 +325,19 @@ def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_con
     assert pad.any() and (batch["labels"].numpy()[pad[:, 1:]] == IGNORE_INDEX).all()
     assert (batch["input_ids"].numpy()[pad[:, :-1]] == 0).all()
     for docs, n in zip(batch["doc_ids"].numpy(), train.rows.lengths.tolist()):
-        assert n > 128 or docs[n - 1] + 1 == docs[-1]  # padding: the document after the row's last one
+        assert n >= 128 or docs[n - 1] + 1 == docs[-1]  # padding (of the inputs): the document after the last one
     described = raw.describe(steps=10)
     assert described["conversations_cut"] == long and 0 < described["padding"] < 1
+    # A chat checkpoint saved before (the same tokens cut from one stream) cannot go on: refused, naming why.
+    from shardline.errors import CheckpointError
+    from shardline.resilience.recovery import check_data_position
+
+    position = raw.position_state()
+    assert position["packing"] == "whole conversations"
+    saved = {**position, "num_samples": len(train), "seed": 0, "global_batch_size": 8}
+    check_data_position("ckpt", saved, len(train), 0, 8, position)
+    with pytest.raises(CheckpointError, match="saved when chat sequences were cut from one stream; this run packs"):
+        check_data_position("ckpt", {k: v for k, v in saved.items() if k != "packing"}, len(train), 0, 8, position)
     out = tmp_path / "prep"
     prepare(PrepareOptions([str(path)], str(out), format="chat", val_fraction=0.1, workers=1, **SMALL))
     assert_same_batches(raw, data(out, "data.format=chat", seq_len=128))

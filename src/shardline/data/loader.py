@@ -91,6 +91,9 @@ class DataBundle:
         self._vocabulary = self._vocabulary or vocabulary_fingerprint(self.tokenizer)
         fingerprint = self._content()
         content = {"content": fingerprint} if fingerprint else {}  # (a folder prepared before it: none)
+        # Chat: whole conversations a sequence (data/packing.py), since 2026-12-05; a chat checkpoint from
+        # before it cut the same tokens into other sequences.
+        content |= {"packing": "whole conversations"} if any(p.rows is not None for p in self._sources()) else {}
         if not isinstance(self.train, MixedSequences):
             return {"vocabulary": self._vocabulary, **content}
         return {"vocabulary": self._vocabulary, **content,

@@ -292,6 +292,13 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
             f"checkpoint {path} was trained on other data (tokens {saved_content}, this run's {content}): {why}; "
             "the saved position would mean other samples: train on the data it was saved with, or start a new "
             "run.dir from these weights with model.init_from")
+    packing, saved_packing = (position or {}).get("packing"), data_pos.get("packing")
+    if packing != saved_packing:  # the same tokens cut into other sequences
+        raise CheckpointError(
+            f"checkpoint {path} was saved when chat sequences were "
+            + ("cut from one stream" if saved_packing is None else f"packed as {saved_packing!r}")
+            + f"; this run packs them as {packing or 'one stream'}, so the saved position would mean other samples: "
+            "start a new run.dir from these weights with model.init_from")
     mix, saved_mix = (position or {}).get("mix"), data_pos.get("mix")
     if mix is not None and saved_mix is not None and [list(m) for m in saved_mix] != mix:
         raise CheckpointError(
