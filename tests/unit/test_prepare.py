@@ -304,9 +304,9 @@ def test_chat_loss_is_on_assistant_tokens_only(tmp_path):
 
 def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_continued(tmp_path):
     """A reply learned without its prompt teaches nothing: every chat row starts at a conversation's
-    start and ends at one's end (its padding has no label and a document id of its own), a
-    conversation longer than a row is one row, cut, its rest not trained on and counted; the raw and
-    prepared paths give the same rows."""
+    start and ends at one's end (the rest of the row is the stream that follows, other documents
+    without labels), a conversation longer than a row is one row, cut, its rest not trained on and
+    counted; the raw and prepared paths give the same rows."""
     rows = [json.loads(line) for line in chat_records(60).splitlines()]
     for i in range(0, 60, 7):  # every seventh conversation far longer than a row
         rows[i]["messages"][2]["content"] = " ".join(f"step {k} of {i}." for k in range(60))
@@ -321,11 +321,13 @@ def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_con
     for start, n in zip(train.rows.starts.tolist(), train.rows.lengths.tolist()):
         assert n == 129 or start + n in set(ends.tolist())  # ends with one, unless cut
     batch = train.batch(np.arange(len(train)))
-    pad = np.arange(129)[None, :] >= train.rows.lengths[:, None]
-    assert pad.any() and (batch["labels"].numpy()[pad[:, 1:]] == IGNORE_INDEX).all()
-    assert (batch["input_ids"].numpy()[pad[:, :-1]] == 0).all()
-    for docs, n in zip(batch["doc_ids"].numpy(), train.rows.lengths.tolist()):
-        assert n >= 128 or docs[n - 1] + 1 == docs[-1]  # padding (of the inputs): the document after the last one
+    fill = np.arange(129)[None, :] >= train.rows.lengths[:, None]
+    assert fill.any() and (batch["labels"].numpy()[fill[:, 1:]] == IGNORE_INDEX).all()
+    stream = np.asarray(train.tokens)
+    for row, (start, n) in enumerate(zip(train.rows.starts.tolist(), train.rows.lengths.tolist())):
+        docs, inputs = batch["doc_ids"][row].numpy(), batch["input_ids"][row].numpy()
+        if n < 128 and start + 128 <= len(stream):  # filled with what follows: other documents, no label
+            assert (inputs[n:] == stream[start + n:start + 128]).all() and docs[n] > docs[n - 1]
     described = raw.describe(steps=10)
     assert described["conversations_cut"] == long and 0 < described["padding"] < 1
     # A chat checkpoint saved before (the same tokens cut from one stream) cannot go on: refused, naming why.

@@ -11,10 +11,13 @@ Chat data adds a loss mask (1 = this token is a target, e.g. an assistant's repl
 a label whose token is not a target is ignored too. The mask travels with the tokens,
 so packing and sampling never separate a token from its mask. A reply is learned from
 the conversation before it, so chat sequences hold whole conversations: each row packs
-the next conversations that fit its s + 1 tokens, in stream order, and pads the rest
-(padding: token 0, no label, a document id of its own). A conversation longer than
-that is a row of its own, cut there; what is cut off is not trained on (`truncated`
-counts them), since without its opening a reply would be learned with no prompt.
+the next conversations that fit its s + 1 tokens, in stream order, and fills the rest
+with the stream that follows (the next row's opening, read twice: documents of their own,
+no labels), not padding, so that every position holds real text (an MoE router sees the
+data's tokens there, not a run of one pad token; a row at the stream's very end is padded
+with token 0). A conversation longer than that is a row of its own, cut there; what is
+cut off is not trained on (`truncated` counts them), since without its opening a reply
+would be learned with no prompt.
 
 The stream can be a numpy array (raw text, tokenized at start-up) or memory-mapped
 shards of a prepared folder (`TokenShards`): a batch reads only its own windows.
@@ -93,17 +96,17 @@ class PackedSequences:
         """Stack sequences: input_ids, labels and doc_ids, each [len(indices), seq_len]."""
         s = self.seq_len
         starts, lengths = self.spans(indices)
-        toks = _take_rows(self.tokens, starts, lengths, s + 1).astype(np.int64)
+        held = np.minimum(s + 1, self.num_tokens - starts)  # a chat row reads on into what follows (module doc)
+        toks = _take_rows(self.tokens, starts, held, s + 1).astype(np.int64)
         if self.id_bound is not None and toks.size and int(toks.max()) >= self.id_bound:  # (the embedding's IndexError)
             raise DataError(f"{self.where} holds token id {int(toks.max())}, past its tokenizer's {self.id_bound - 1}: "
                             f"its shards are damaged; `shardline prepare --verify --out {self.where}` names them")
         column = np.arange(s + 1)
-        padding = column >= lengths[:, None]
-        # A row's padding: the document after its last one (an id of its own in the row, in order).
-        docs = self.doc_ids(np.minimum(starts[:, None] + column, (starts + lengths - 1)[:, None])) + padding
-        keep = docs[:, 1:] == docs[:, :-1]
+        # Past the stream's end (a last row): the document after the last, an id of its own in the row.
+        docs = self.doc_ids(np.minimum(starts[:, None] + column, self.num_tokens - 1)) + (column >= held[:, None])
+        keep = (docs[:, 1:] == docs[:, :-1]) & (column[1:] < lengths[:, None])  # a row's own conversations only
         if self.mask is not None:
-            keep &= _take_rows(self.mask, starts, lengths, s + 1)[:, 1:].astype(bool)
+            keep &= _take_rows(self.mask, starts, held, s + 1)[:, 1:].astype(bool)
         labels = np.where(keep, toks[:, 1:], IGNORE_INDEX)
         return {
             "input_ids": torch.from_numpy(toks[:, :-1].copy()),
