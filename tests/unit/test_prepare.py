@@ -273,6 +273,19 @@ def test_mixture_errors(tmp_path, prepared, small_corpus):
         build_data(cfg)
 
 
+def test_a_mixture_of_chat_and_text_folders_is_one_error_not_two_that_contradict(tmp_path, prepared):
+    """Each folder alone said to set the other format: one line now says a mixture takes one."""
+    path = tmp_path / "chat.jsonl"
+    path.write_text(chat_records(40))
+    prepare(PrepareOptions([str(path)], str(tmp_path / "chat"), format="chat", workers=1, **SMALL))
+    for fmt in ("chat", "text"):
+        cfg = load_config(None, [f'data.mix=[{{path = "{tmp_path / "chat"}"}}, {{path = "{prepared}"}}]',
+                                 f"data.format={fmt}"])
+        with pytest.raises(DataError, match=r"^data.mix mixes chat and text sources \(.*chat: chat; .*: text\): a "
+                                            "mixture takes one data.format"):
+            build_data(cfg)
+
+
 def chat_records(n: int) -> str:
     rows = []
     for i in range(n):
@@ -463,7 +476,7 @@ def test_a_reply_that_calls_tools_reaches_the_template_whole_and_is_trained_on(t
     assert messages[2]["name"] == "weather"
     targets = [text for text, target in chat_segments(messages, template) if target]
     assert targets == ['CALL weather({"city": "Oslo"})</>', "Cold.</>"]
-    with pytest.raises(DataError, match="tool_calls needs a chat template that renders them"):
+    with pytest.raises(DataError, match=r"tool_calls \(a conversation \(opening .*\)\) needs a chat template that"):
         render_chat(messages)
 
 

@@ -160,8 +160,10 @@ def chat_segments(messages: list[dict], template: ChatTemplate | str | None = No
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            raise DataError("chat data with tool_calls needs a chat template that renders them (ChatML, used "
-                            "without one beside data.tokenizer, has no way to): use the model's tokenizer and template")
+            raise DataError(f"chat data with tool_calls (a conversation {_opening(messages)}) needs a chat template "
+                            "that renders them (ChatML, used without one beside data.tokenizer, has no way to): set "
+                            "data.tokenizer to a tokenizer.json whose folder has one (model.hf_path's is taken by "
+                            "default)")
         out.append((f"{CHAT_START}{m['role']}\n", False))
         out.append((f"{m['content']}{CHAT_END}\n", m["role"] == "assistant"))
     return out
