@@ -122,3 +122,21 @@ def test_estimate_prices_a_configs_folder_and_refuses_what_the_trainer_refuses(t
     assert "on the SSD" in out and "memory.ssd_offload_dir: AdamW's moments; the page cache holds them" in out
     assert main([*args, "--memory.cpu_offload=false"]) != 0
     assert "needs memory.cpu_offload=true on a GPU" in capsys.readouterr().err
+
+
+def test_the_host_adamw_is_priced_by_its_implementation():
+    """Offloaded AdamW steps on the host: the fused kernel (auto's choice) at its measured rate,
+    foreach at its own, slower one (optim.implementation, read from the config)."""
+    from shardline.config import load_config
+    from shardline.planner.estimate import CPU_ADAM_BYTES_PER_S, CPU_ADAM_FOREACH_BYTES_PER_S
+
+    hw = host(2048)
+    auto = Workload.from_config(load_config(None, []), PRESETS["llama3-8b"])
+    foreach = Workload.from_config(load_config(None, ["optim.implementation=foreach"]), PRESETS["llama3-8b"])
+    assert auto.host_adam_fused and not foreach.host_adam_fused
+    fast, slow = (estimate(w, OFFLOAD, hw).breakdown["optimizer"] for w in (auto, foreach))
+    assert slow / fast == pytest.approx(CPU_ADAM_BYTES_PER_S / CPU_ADAM_FOREACH_BYTES_PER_S, rel=1e-6)
+    # A GPU's AdamW is priced as the fused kernel whatever the setting (a simplification the docs name).
+    on_device = dataclasses.replace(OFFLOAD, cpu_offload=False)
+    gpu = [estimate(w, on_device, hw).breakdown["optimizer"] for w in (auto, foreach)]
+    assert gpu[0] == gpu[1] < fast

@@ -71,6 +71,7 @@ from shardline.planner.step_comm import dp_tail, sync, tied_grads
 CPU_ADAM_BYTES_PER_S = 40e9  # host-side AdamW with offload: 28 B per parameter (read the weight, gradient
 # and moments, write the weight and moments) at this rate; the trainer's host AdamW (the fused kernel) ran at
 # 44.9 GB/s so counted, foreach windows at 14.9, on a 2-core VM (benchmarks/RESULTS.md); a server host: unmeasured
+CPU_ADAM_FOREACH_BYTES_PER_S = 15e9  # the same with optim.implementation foreach (or for-loop)
 
 
 @dataclass
@@ -251,6 +252,6 @@ def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: RankStages,
 def _optimizer(work: Workload, layout: Layout, hw: Hardware) -> float:
     params = params_per_rank(work, layout)
     if layout.cpu_offload:
-        return params * 28 / CPU_ADAM_BYTES_PER_S
+        return params * 28 / (CPU_ADAM_BYTES_PER_S if work.host_adam_fused else CPU_ADAM_FOREACH_BYTES_PER_S)
     tensors = max(stage_tensors(work, r) for r in distinct_ranks(work, layout))
     return cmp.optimizer_time(params, hw, layout, tensors, work.runtime.clip_in_optimizer)

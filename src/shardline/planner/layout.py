@@ -74,6 +74,8 @@ class Workload:
     mean_doc_tokens: float = 0.0  # mean document length of the data (0: unknown, one document per row)
     compiled: bool = False  # train.compile: blocks and cross-entropy compiled (compiled_blocks, compiled_loss)
     ssd_offload_dir: str = ""  # memory.ssd_offload_dir: AdamW's moments on an SSD where AdamW steps on the host
+    host_adam_fused: bool = True  # optim.implementation auto or fused: the host's AdamW (CPU offload) on the fused
+    # kernel; foreach and for-loop step slower there
 
     @classmethod
     def from_config(cls, cfg: Config, model: ModelArgs, mean_doc_tokens: float = 0.0) -> Workload:
@@ -83,7 +85,8 @@ class Workload:
         return cls(model, t.seq_len, t.global_batch_size, t.precision, t.document_mask,
                    cfg.model.hf_path or cfg.model.preset, loss_chunk_tokens=t.loss_chunk_tokens,
                    attention=t.attention, mean_doc_tokens=mean_doc_tokens, compiled=t.compile,
-                   ssd_offload_dir=cfg.memory.ssd_offload_dir)
+                   ssd_offload_dir=cfg.memory.ssd_offload_dir,
+                   host_adam_fused=cfg.optim.implementation in ("auto", "fused"))
 
     @property
     def tokens(self) -> int:
