@@ -323,6 +323,7 @@ def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_con
     rows = [json.loads(line) for line in chat_records(60).splitlines()]
     for i in range(0, 60, 7):  # every seventh conversation far longer than a row
         rows[i]["messages"][2]["content"] = " ".join(f"step {k} of {i}." for k in range(60))
+    rows[5:5] = rows[40:40] = [{"messages": []}]  # empty: skipped alike by both paths (and counted)
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     raw = data(path, "data.format=chat", "data.val_fraction=0.1", seq_len=128)
@@ -391,7 +392,7 @@ def test_a_dry_run_renders_chat_data_as_the_launch_would_and_names_the_template(
     path, folder = chat_with_templated_tokenizer(tmp_path)
     cfg = load_config(None, [f"data.path={path}", "data.format=chat", f"data.tokenizer={folder / 'tokenizer.json'}"])
     summary, _ = data_summary(cfg)
-    assert summary.endswith(f"40 conversations, rendered with the chat template of {folder / 'tokenizer_config.json'}")
+    assert summary.endswith(f"40 conversations (rendered with the chat template of {folder / 'tokenizer_config.json'})")
     (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }{% endfor %}")
     with pytest.raises(DataError, match="chat template .* fails on a conversation .*TemplateSyntaxError"):
         data_summary(cfg)

@@ -48,6 +48,9 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
         return _verify(Path(args.out))
     from shardline.data.prepare import PrepareOptions, prepare
 
+    if args.format == "chat" and args.text_field != "text":  # (a run says so in settings_unused)
+        print(f"note: --text-field {args.text_field} is not used: --format chat reads each record's 'messages'",
+              file=sys.stderr)
     opts = PrepareOptions(inputs=args.inputs, out=args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                           workers=args.workers, val_fraction=args.val_fraction, text_field=args.text_field,
                           format=args.format, add_bos=not args.no_bos, shard_tokens=args.shard_tokens,
@@ -68,7 +71,8 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     if not args.val_fraction:
         print("note: nothing is held out (--val-fraction 0): runs on this folder set train.eval_interval=0",
               file=sys.stderr)
-    elif va["tokens"] < SHORT_VAL_TOKENS:  # said now, not first at a training start that refuses it
+    elif va["tokens"] < SHORT_VAL_TOKENS and args.format != "chat":  # said now, not at a training start that
+        # refuses it (chat: a sequence of whole conversations, held out at any train.seq_len)
         txt = any(".txt" in str(i).lower() for i in args.inputs)  # (a hint about .txt files for .txt inputs)
         print(f"note: the held-out split is {va['tokens']:,} tokens; a run evaluates on it only at train.seq_len <= "
               f"that; hold out more (--val-fraction) or give more documents ({m['input_documents']:,} read"

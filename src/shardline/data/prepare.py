@@ -85,7 +85,7 @@ class _Stream:
         held, h, i, empty = self.held, 0, 0, 0
         for f in self.files:
             for doc in read_file(f, self.field):
-                if isinstance(doc, str) and not doc.strip():
+                if not doc or (isinstance(doc, str) and not doc.strip()):  # as read_documents skips them
                     empty += 1
                     continue
                 if self.count == 1:
