@@ -334,6 +334,7 @@ def check_layout_before_data(cfg: Config, world: int) -> None:
     """The layout rules, which never read the vocabulary, before any data is read or tokenized
     (minutes on every rank for raw files): a tp that does not divide the heads fails at once.
     A vocabulary sized to the tokenizer is taken as 1 here; preflight checks it with the real one."""
+    _raise(cfg.faults.rank_problem(world))
     check_layout(cfg, world, model_shape(cfg.model, 1, cfg.moe, gone_start_checkpoint(cfg)))
 
 

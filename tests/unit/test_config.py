@@ -44,7 +44,8 @@ def test_a_relaunch_reads_the_saved_config_but_its_launch_only_settings(tmp_path
     stop, the checkpoint it resumed, its drills; run.dir is where the file was found."""
     first = load_config(None, ["run.dir=old/place", "run.resume=elsewhere/step-000004", "train.steps=50",
                                "train.stop_at_step=20", "faults.nan_step=7", "faults.slow_rank=1",
-                               "optim.lr=2e-5", "data.path=corpus dir", "metrics.profile_steps=[3, 4]"])
+                               "faults.slow_factor=2", "optim.lr=2e-5", "data.path=corpus dir",
+                               "metrics.profile_steps=[3, 4]"])
     save_config(first, tmp_path / "config.toml")
     assert [p.name for p in tmp_path.iterdir()] == ["config.toml"]  # written through a file set aside
     again = load_relaunch_config(tmp_path / "config.toml", str(tmp_path), ["train.steps=60"])
@@ -77,6 +78,9 @@ def test_a_model_switch_takes_true_and_false_as_on_and_off():
     ("optim.lr=5.e999", "optim.lr='5.e999' is not a finite number"),
     ("optim.lr=1" + "0" * 400, "is not a finite number"),
     ("faults.kill_rank=-5", "faults.kill_rank=-5 is invalid: must be a rank, or -1 (off)"),
+    ("faults.kill_step=3", "faults.kill_step=3 is invalid: needs faults.kill_rank, the rank it fires on"),
+    ("faults.hang_rank=1", "faults.hang_rank=1 is invalid: needs faults.hang_step, the step it hangs at"),
+    ("faults.slow_rank=1", "faults.slow_rank=1 is invalid: needs faults.slow_factor > 1"),
     ('data.mix=[{path = "a", weight = inf}]', "data.mix[0].weight=inf is not a finite number"),
     ("watchdog.probe_interval=-1", "watchdog.probe_interval=-1 is invalid: must be >= 0 (0 = off)"),
     ("faults.slow_in=gpu", "faults.slow_in='gpu' is invalid: must be one of ('host', 'compute', 'data')"),
@@ -307,3 +311,13 @@ def test_a_vocabulary_too_large_to_train_is_one_line_not_an_abort():
     asking for 4.5 TB."""
     with pytest.raises(ConfigError, match=r"^data.vocab_size=99999999999 is invalid: must be <= 1048576 for a BPE"):
         load_config(None, ["data.vocab_size=99999999999"]).check_sections()
+
+
+def test_a_drill_on_a_rank_the_job_lacks_is_refused_before_the_data():
+    """faults.hang_rank=9 on 8 ranks ran to its end: a drill that never fires passed as if it had."""
+    from shardline.preflight import check_layout_before_data
+
+    fits = ["train.micro_batch_size=2", "faults.hang_step=4"]  # 16 sequences on 8 ranks
+    with pytest.raises(ConfigError, match=r"^faults.hang_rank=9 is not a rank of this 8-rank job \(0-7\)$"):
+        check_layout_before_data(load_config(None, [*fits, "faults.hang_rank=9"]), 8)
+    check_layout_before_data(load_config(None, [*fits, "faults.hang_rank=7"]), 8)

@@ -91,3 +91,22 @@ class FaultsConfig:
         require(self.slow_factor >= 1, "faults.slow_factor", self.slow_factor, "must be >= 1")
         require(self.slow_in in SLOW_IN, "faults.slow_in", self.slow_in, f"must be one of {SLOW_IN}")
         require(self.hang_phase in HANG_PHASES, "faults.hang_phase", self.hang_phase, f"must be one of {HANG_PHASES}")
+        # A drill given half (a step without its rank, or the reverse) never fires: a drill that passed
+        # without anything happening.
+        for step, rank in (("kill_step", "kill_rank"), ("hang_step", "hang_rank")):
+            if getattr(self, step) and getattr(self, rank) < 0:
+                require(False, f"faults.{step}", getattr(self, step), f"needs faults.{rank}, the rank it fires on")
+        if self.kill_rank >= 0:
+            require(self.kill_step > 0, "faults.kill_rank", self.kill_rank,
+                    "needs faults.kill_step, the step it dies at")
+        if self.hang_rank >= 0 and self.hang_phase == "step":
+            require(self.hang_step > 0, "faults.hang_rank", self.hang_rank,
+                    "needs faults.hang_step, the step it hangs at (or faults.hang_phase)")
+        if self.slow_rank >= 0:
+            require(self.slow_factor > 1, "faults.slow_rank", self.slow_rank, "needs faults.slow_factor > 1")
+
+    def rank_problem(self, world: int) -> str | None:
+        """A drill's rank outside this job's ranks (it would never fire), or None."""
+        for key in ("kill_rank", "hang_rank", "slow_rank"):
+            if getattr(self, key) >= world:
+                return f"faults.{key}={getattr(self, key)} is not a rank of this {world}-rank job (0-{world - 1})"
