@@ -52,7 +52,8 @@ PEAK_TFLOPS: dict[str, tuple[str, dict[str, float]]] = {
 # (two AVX2 FMA units) over the threads torch uses. It makes CPU MFU comparable
 # between runs on one machine, not with GPUs.
 _CPU_FLOP_PER_CYCLE, _CPU_HZ = 32, 3.0e9
-CPU_PEAK_ASSUMED = ("an assumed 3 GHz x 32 fp32 FLOP/cycle per torch thread (twice that in bf16 or fp16 where the "
+CPU_PEAK_ASSUMED = ("an assumed 3 GHz x 32 fp32 FLOP/cycle per torch thread, at most a rank's share of the host's "
+                    "cores (twice that in bf16 or fp16 where the "
                     "CPU has 16-bit dot-product units: avx512_bf16, amx): the log's mfu compares runs on this "
                     "machine, not with GPUs, nor with `shardline estimate` (which prices a calibrated CPU profile); "
                     "metrics.peak_tflops sets the machine's own")
@@ -60,10 +61,18 @@ CPU_PEAK_ASSUMED = ("an assumed 3 GHz x 32 fp32 FLOP/cycle per torch thread (twi
 _CPU_HALF_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
 
 
-def cpu_peak_tflops(dtype: str = "fp32") -> float:
-    """The assumed peak of this host over the threads torch uses (CPU_PEAK_ASSUMED)."""
+def cpu_peak_tflops(dtype: str = "fp32", shared: bool = True) -> float:
+    """The assumed peak of this process over the threads torch uses (CPU_PEAK_ASSUMED), at most its
+    share of the host's cores where a job's ranks share them (torchrun's LOCAL_WORLD_SIZE): 8 ranks
+    of a thread each on 2 cores had 4x the host's peak between them, and their MFU read a quarter.
+    `shared=False`: one process's, alone (the planner's profile, which shares the cores itself)."""
     threads = torch.get_num_threads() or os.cpu_count() or 1
-    peak = threads * _CPU_FLOP_PER_CYCLE * _CPU_HZ / 1e12
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if shared else 1
+    except ValueError:
+        local = 1
+    peak = min(threads, cores / local) * _CPU_FLOP_PER_CYCLE * _CPU_HZ / 1e12
     return 2 * peak if set(_CPU_HALF_FLAGS.get(dtype, ())) & _cpu_flags() else peak
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 
@@ -174,3 +175,17 @@ def test_this_machines_card_is_estimated_at_its_own_memory(monkeypatch):
     assert with_local_memory(entry).mem_gib == pytest.approx(39.4)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=79.15 * 2**30))
     assert with_local_memory(entry) is entry
+
+
+def test_ranks_sharing_a_hosts_cores_share_its_peak(monkeypatch):
+    """8 single-thread ranks on 2 cores each claimed a whole core's peak: 4x the host's between them,
+    so their MFU could not be compared with one process's. A rank's peak is now at most its share."""
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = trainer_hw.cpu_peak_tflops()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
+    assert trainer_hw.cpu_peak_tflops() == pytest.approx(alone / 4)  # the 4 * cores ranks: the host's cores
+    assert trainer_hw.cpu_peak_tflops(shared=False) == alone  # the planner's profile shares cores itself
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    assert trainer_hw.cpu_peak_tflops() == alone  # one thread a core: each its own

@@ -192,7 +192,8 @@ def cpu_cores() -> int:
 
 def cpu_hardware() -> Hardware:
     """This host as a device: uncalibrated guesses, replaced by `shardline calibrate`."""
-    peak = {dtype: cpu_peak_tflops(dtype) for dtype in ("fp32", "bf16", "fp16")}  # the trainer's MFU peaks
+    # The trainer's MFU peaks, one process's alone: the planner shares the cores between ranks itself.
+    peak = {dtype: cpu_peak_tflops(dtype, shared=False) for dtype in ("fp32", "bf16", "fp16")}
     # The efficiencies below were measured against the fp32 figure for every dtype: kept per FLOP/s.
     per = {dtype: peak["fp32"] / peak[dtype] for dtype in peak}
     return Hardware(

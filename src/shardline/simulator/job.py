@@ -109,7 +109,7 @@ FALLBACK_MFU = 0.40  # a device the planner has no table for; Llama 3 405B: 38-4
 def peak_flops(gpu: str) -> float:
     """Dense peak FLOP/s of one accelerator (bf16; fp32 for `cpu`)."""
     if gpu == "cpu":
-        return cpu_peak_tflops() * 1e12
+        return cpu_peak_tflops(shared=False) * 1e12
     return PEAK_TFLOPS[gpu][1]["bf16"] * 1e12
 
 
