@@ -22,6 +22,7 @@ from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import read_hf_config
 from shardline.interop.hf_files import TOKENIZER_NAME
 from shardline.models.factory import args_from_json
+from shardline.resilience.recovery import restarted
 
 
 # Above this a run from trained weights likely undoes their training: fine-tunes commonly take
@@ -104,6 +105,13 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
         notes.append(("lr_low_for_new_weights", {
             "lr": cfg.optim.lr, "why": "no model.hf_path or model.init_from: the weights start at random, which "
                                        "pretraining lrs (8e-5 to 3e-3) move; a fine-tune's config needs its weights"}))
+    given, default = cfg.to_dict()["faults"], Config().to_dict()["faults"]
+    drills = sorted(k for k, v in given.items() if v != default[k])
+    if resumed and drills and not restarted():  # a torchrun restart or a requeue skips them; a hand relaunch does not
+        notes.append(("drills_armed_on_resume", {
+            "faults": ", ".join(f"faults.{k}" for k in drills),
+            "why": "a relaunch by hand is a first attempt: the drills fire again; relaunch with --run.dir alone "
+                   "(the saved config drops them) to go on without"}))
     unused = unused_settings(cfg, layout)
     if unused:
         notes.append(("settings_unused", unused))

@@ -114,6 +114,19 @@ def test_a_tokenizer_without_an_end_of_document_token_is_named(tmp_path):
         assert "no_end_of_document_token" not in dict(launch_notes(cfg, "cpu", 1.0, 1, tokenizer=known))
 
 
+def test_a_hand_relaunch_with_drills_says_they_fire_again(monkeypatch):
+    """The same command run again (resumed, not a torchrun restart) fired its kill drill again, and
+    again: said as the run starts. A first launch, or a restart (which skips them), says nothing."""
+    for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = load_config(None, ["faults.kill_rank=2", "faults.kill_step=85", "metrics.peak_tflops=1"])
+    note = dict(launch_notes(cfg, "cpu", 1.0, 8, resumed=True))["drills_armed_on_resume"]
+    assert note["faults"] == "faults.kill_rank, faults.kill_step" and "fire again" in note["why"]
+    assert "drills_armed_on_resume" not in dict(launch_notes(cfg, "cpu", 1.0, 8))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert "drills_armed_on_resume" not in dict(launch_notes(cfg, "cpu", 1.0, 8, resumed=True))
+
+
 def test_settings_a_config_never_reads_and_a_fine_tunes_lr_on_new_weights_are_named():
     """fp8.recipe with fp32, memory.ac_every without selective checkpointing passed in silence, and
     configs/finetune.toml without model.hf_path trained a random model at lr 2e-5."""
