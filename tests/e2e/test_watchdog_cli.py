@@ -49,6 +49,9 @@ def test_slow_rank_is_reported_as_straggler(tmp_path, small_prepared):
     assert out.returncode == 0, "\n".join(clues[:20]) + out.stderr[-1500:]
     stragglers = [e for e in events(run) if e["event"] == "straggler"]
     assert stragglers and {e["rank"] for e in stragglers} == {1}
+    # Rank 0 waited for it before each step: the run's account names that, not "other".
+    account = json.loads((run / "progress.json").read_text())["seconds"]
+    assert account["peer_wait"] > account["useful"], json.dumps(account)
 
 
 def _report(run) -> dict:

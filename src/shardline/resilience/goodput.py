@@ -9,8 +9,10 @@ Categories: useful steps; recomputed steps (steps done again after a restart or 
 rollback); anomaly-skipped steps; checkpoint stalls (disk saves, async snapshots,
 in-memory snapshots); evaluation; startup (launch, build, loading the resumed state);
 recovery (anomaly rollbacks); restart gap (from the previous attempt's last step to
-this attempt's process start: detection, teardown, relaunch); other (logging,
-barriers, whatever the rest do not cover). Goodput = useful / everything.
+this attempt's process start: detection, teardown, relaunch); peer wait (the per-step
+collectives outside a step's clock, the stop-request check and the watchdog's barrier:
+waiting for a slower peer, a straggler's cost); other (logging, whatever the rest do not
+cover). Goodput = useful / everything.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 PROGRESS = "progress.json"
 CATEGORIES = ("useful", "recomputed", "anomaly_skipped", "checkpoint", "eval", "startup", "recovery",
-              "restart_gap")
+              "restart_gap", "peer_wait")
 
 
 def process_start_time() -> float:

@@ -115,7 +115,9 @@ class RunGuard:
         self.watchdog.step_begin(step)
         self.faults.before_step(step)  # a killed or hung rank stops here, outside any collective
         if self.cfg.watchdog.timeout_s and self.proc.world_size > 1:
+            waited = time.perf_counter()
             dist.barrier()
+            self.goodput.add("peer_wait", time.perf_counter() - waited)  # a straggler's cost, named
         self._read_s = 0.0
         started = time.perf_counter()
         self.faults.inside_step()  # the slow-device drill: on the step's clock
@@ -169,8 +171,14 @@ class RunGuard:
             return self.timed(category, work)
 
     def stop_requested(self) -> str | None:
-        """A stop signal any rank received (the same answer on every rank; one tiny host collective)."""
-        return self.stops.agreed()
+        """A stop signal any rank received (the same answer on every rank; one tiny host collective).
+        Its time is the wait for the slowest peer's step (a rank slow in its host work after the step's
+        last collective arrives here last): goodput's peer_wait, not "other"."""
+        begin = time.perf_counter()
+        try:
+            return self.stops.agreed()
+        finally:
+            self.goodput.add("peer_wait", time.perf_counter() - begin)
 
     def stop_watching(self, failed: bool = False) -> None:
         """The watchdog thread ends and the stop signals get their previous handlers (idempotent);

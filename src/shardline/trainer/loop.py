@@ -222,6 +222,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
                     break
                 continue
             self.guard.step_done(step, started, outcome)
+            request = self.guard.stop_requested()  # the first collective after the step: a slow peer's wait here
             window_start += self.profiler.after_step(step)  # a trace written: not training either
             window_steps += 1
             if outcome == "overflow":
@@ -232,7 +233,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
             if step % cfg.metrics.log_interval == 0 or step == stop:
                 last = self._log_train(loss_value, grad_norm, self._clock() - window_start, window_steps)
                 window_start, window_steps = time.perf_counter(), 0
-            request, paused_s = self._evaluate_and_save(step, stop, self.guard.stop_requested())
+            request, paused_s = self._evaluate_and_save(step, stop, request)
             window_start += paused_s  # evaluation and saves are not training: out of the window
             self.guard.end_step(step)
             if request and step < stop:  # on the last step the run simply ends
