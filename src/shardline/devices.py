@@ -72,6 +72,8 @@ def cpu_peak_tflops(dtype: str = "fp32", shared: bool = True) -> float:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if shared else 1
     except ValueError:
         local = 1
+    if cores < (os.cpu_count() or cores):
+        local = 1  # pinned (numactl, a Slurm cpu-bind): this rank's mask is its share already
     peak = min(threads, cores / local) * _CPU_FLOP_PER_CYCLE * _CPU_HZ / 1e12
     return 2 * peak if set(_CPU_HALF_FLAGS.get(dtype, ())) & _cpu_flags() else peak
 

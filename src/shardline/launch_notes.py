@@ -105,13 +105,16 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
         notes.append(("lr_low_for_new_weights", {
             "lr": cfg.optim.lr, "why": "no model.hf_path or model.init_from: the weights start at random, which "
                                        "pretraining lrs (8e-5 to 3e-3) move; a fine-tune's config needs its weights"}))
-    given, default = cfg.to_dict()["faults"], Config().to_dict()["faults"]
-    drills = sorted(k for k, v in given.items() if v != default[k])
+    f = cfg.faults
+    drills = [k for k, armed in (("kill_step", f.kill_rank >= 0), ("hang_rank", f.hang_rank >= 0),
+                                 ("slow_rank", f.slow_rank >= 0), ("nan_step", f.nan_step),
+                                 ("spike_step", f.spike_step), ("corrupt_checkpoint_step", f.corrupt_checkpoint_step),
+                                 ("fail_save_step", f.fail_save_step)) if armed]
     if resumed and drills and not restarted():  # a torchrun restart or a requeue skips them; a hand relaunch does not
         notes.append(("drills_armed_on_resume", {
             "faults": ", ".join(f"faults.{k}" for k in drills),
-            "why": "a relaunch by hand is a first attempt: the drills fire again; relaunch with --run.dir alone "
-                   "(the saved config drops them) to go on without"}))
+            "why": "a relaunch by hand is a first attempt: the drills fire again where their step is still ahead; "
+                   "relaunch with --run.dir alone (the saved config drops them) to go on without"}))
     unused = unused_settings(cfg, layout)
     if unused:
         notes.append(("settings_unused", unused))

@@ -321,3 +321,12 @@ def test_a_drill_on_a_rank_the_job_lacks_is_refused_before_the_data():
     with pytest.raises(ConfigError, match=r"^faults.hang_rank=9 is not a rank of this 8-rank job \(0-7\)$"):
         check_layout_before_data(load_config(None, [*fits, "faults.hang_rank=9"]), 8)
     check_layout_before_data(load_config(None, [*fits, "faults.hang_rank=7"]), 8)
+
+
+def test_a_batch_that_does_not_split_says_what_fits_a_resume_too():
+    """A 3-rank resume of a run saved at global batch 16 was told to use a multiple of 24, then that
+    the checkpoint keeps 16: the message now names the micro batches that fit, or that none does."""
+    with pytest.raises(ConfigError, match=r"use a multiple of 32, or train.micro_batch_size 1 or 2 or 4 \(a resumed"):
+        load_config(None, ["train.global_batch_size=16"]).check(4)
+    with pytest.raises(ConfigError, match="no micro batch fits 16 sequences on 3 data-parallel ranks: a resumed run"):
+        load_config(None, ["train.global_batch_size=16"]).check(3)

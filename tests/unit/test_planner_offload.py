@@ -140,3 +140,17 @@ def test_the_host_adamw_is_priced_by_its_implementation():
     on_device = dataclasses.replace(OFFLOAD, cpu_offload=False)
     gpu = [estimate(w, on_device, hw).breakdown["optimizer"] for w in (auto, foreach)]
     assert gpu[0] == gpu[1] < fast
+
+
+def test_plan_prices_the_host_adamw_the_config_names(capsys):
+    """plan priced an offloaded AdamW as fused whatever optim.implementation said, then emitted a
+    config that estimate priced at foreach's rate: the same plan, two optimizer times."""
+    import json
+
+    plan = ["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "1", "--seq-len", "4096", "--global-batch",
+            "16", "--fix", "cpu_offload=true", "--top", "1", "--json"]
+    times = []
+    for impl in ("auto", "foreach"):
+        assert main([*plan, f"--optim.implementation={impl}"]) == 0
+        times.append(json.loads(capsys.readouterr().out)["candidates"][0]["breakdown"]["time_s"]["optimizer"])
+    assert times[1] / times[0] == pytest.approx(40 / 15, rel=1e-3)

@@ -180,6 +180,25 @@ def test_a_stop_skips_the_due_evaluation_and_every_eval_and_save_is_a_watched_ph
     assert evaluated == [2]
 
 
+def test_a_signal_that_lands_while_a_step_is_logged_still_skips_the_evaluation(tiny_config):
+    """The stop is asked right after a step (its wait is a slow peer's); a signal landing after that,
+    while the step is logged, is asked for again before an evaluation or save that is due."""
+    from shardline.trainer import Trainer
+
+    trainer = Trainer(tiny_config("train.steps=8", "train.eval_interval=2", "checkpoint.interval=2")).build()
+    phases = record_phases(trainer)
+    asked = []
+
+    def stop_requested():  # at step 4: nothing at the first ask, the signal at the second
+        asked.append(trainer.step)
+        return "SIGTERM" if asked.count(4) >= 2 else None
+
+    trainer.guard.stop_requested = stop_requested
+    with pytest.raises(Preempted, match="SIGTERM at step 4; state saved"):
+        trainer.train()
+    assert [p for p in phases if p[0] != "drain"] == [("eval", 2), ("save", 2), ("save", 4)]  # no eval at 4
+
+
 @pytest.mark.parametrize("memory", [False, True])
 def test_the_evaluation_a_stop_skipped_is_made_up_by_the_resumed_run(tiny_config, tmp_path, memory):
     """Stopped at step 4, an eval step: the rerun evaluates step 4 before its first step, from a

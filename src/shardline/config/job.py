@@ -71,10 +71,16 @@ class Config:
         t = self.train
         per_step = t.micro_batch_size * dp_world
         if t.global_batch_size % per_step:
+            # A resumed run keeps its global batch: say what else fits, not only a batch it cannot take.
+            fits = [m for m in range(1, t.global_batch_size + 1) if t.global_batch_size % (m * dp_world) == 0]
+            other = (f", or train.micro_batch_size {' or '.join(map(str, fits[-3:]))} (a resumed run keeps its "
+                     "global batch)" if fits else f"; no micro batch fits {t.global_batch_size} sequences on "
+                     f"{dp_world} data-parallel ranks: a resumed run keeps its global batch, so it needs a number of "
+                     f"ranks whose data-parallel degree divides {t.global_batch_size}")
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} is not divisible by "
                 f"train.micro_batch_size={t.micro_batch_size} x {dp_world} data-parallel rank(s) = {per_step}; "
-                f"use a multiple of {per_step}"
+                f"use a multiple of {per_step}{other}"
             )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -252,7 +252,7 @@ def _mixture_tokenizer(cfg: Config) -> Tokenizer:
     """data.tokenizer, else the first prepared source's; raw-only mixtures need data.tokenizer. First,
     prepared sources of both formats are one error (each alone would say to set the other format)."""
     formats = {s.path: read_manifest(Path(s.path)).get("format") for s in cfg.data.mix if is_prepared(s.path)}
-    if len(set(formats.values())) > 1:
+    if None not in formats.values() and len(set(formats.values())) > 1:  # (None: damaged, open_prepared says)
         raise DataError("data.mix mixes chat and text sources (" + "; ".join(f"{p}: {f}" for p, f in formats.items())
                         + "): a mixture takes one data.format for all its sources; prepare them in one format, or "
                         "train on them in turn (model.init_from)")

@@ -258,14 +258,16 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         and is asked again after them (a signal usually lands during them). Returns the request
         and the seconds they took."""
         cfg = self.cfg
+        due = bool(cfg.train.eval_interval) and (step % cfg.train.eval_interval == 0 or step == stop)
+        save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
+        snapshot = cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0
+        if not request and step < stop and (due or save or snapshot):  # asked right after the step, then
+            request = self.guard.stop_requested()  # again: a signal that landed while it was logged skips the eval
         stopping = bool(request) and step < stop
         self.tiers.ending_at = step if stopping or step == stop else None  # no next interval retries its save
-        due = bool(cfg.train.eval_interval) and (step % cfg.train.eval_interval == 0 or step == stop)
         evaluate, self.eval_owed = due and not stopping, due and stopping  # (what a save here records)
-        save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
         # Stopping with a disk save to come: no snapshot before it, the grace before the kill is short.
-        snapshot = cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0 \
-            and not (stopping and cfg.checkpoint.interval)
+        snapshot = snapshot and not (stopping and cfg.checkpoint.interval)
         if not (evaluate or save or snapshot):
             return request, 0.0
         paused = self._clock()
