@@ -78,7 +78,7 @@ class PackedSequences:
 
         Without a mask: s minus the document starts inside (start, start + s]. With one,
         the first token of a document is never a target (see `pack_lists`), so the mask
-        alone counts (a row's own tokens: its padding has none).
+        alone counts (a chat row's own tokens: its fill has none).
         """
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         if self.mask is not None:
