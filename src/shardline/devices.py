@@ -72,10 +72,20 @@ def cpu_peak_tflops(dtype: str = "fp32", shared: bool = True) -> float:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if shared else 1
     except ValueError:
         local = 1
-    if cores < (os.cpu_count() or cores):
+    if local > 1 and cores < _launcher_cores():
         local = 1  # pinned (numactl, a Slurm cpu-bind): this rank's mask is its share already
     peak = min(threads, cores / local) * _CPU_FLOP_PER_CYCLE * _CPU_HZ / 1e12
     return 2 * peak if set(_CPU_HALF_FLAGS.get(dtype, ())) & _cpu_flags() else peak
+
+
+def _launcher_cores() -> int:
+    """The cores the process that started this one may use (torchrun's agent): a rank with fewer was
+    pinned to its own; one with as many shares them with its peers (a job's cpuset, which every rank
+    inherits, is no pinning). Unknown: this rank's own, so it shares."""
+    try:
+        return len(os.sched_getaffinity(os.getppid()))
+    except (AttributeError, OSError):
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _cpu_flags() -> set[str]:

@@ -106,14 +106,15 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             "lr": cfg.optim.lr, "why": "no model.hf_path or model.init_from: the weights start at random, which "
                                        "pretraining lrs (8e-5 to 3e-3) move; a fine-tune's config needs its weights"}))
     f = cfg.faults
-    drills = [k for k, armed in (("kill_step", f.kill_rank >= 0), ("hang_rank", f.hang_rank >= 0),
+    drills = [k for k, armed in (("kill_rank", f.kill_rank >= 0), ("hang_rank", f.hang_rank >= 0),
                                  ("slow_rank", f.slow_rank >= 0), ("nan_step", f.nan_step),
                                  ("spike_step", f.spike_step), ("corrupt_checkpoint_step", f.corrupt_checkpoint_step),
                                  ("fail_save_step", f.fail_save_step)) if armed]
     if resumed and drills and not restarted():  # a torchrun restart or a requeue skips them; a hand relaunch does not
         notes.append(("drills_armed_on_resume", {
             "faults": ", ".join(f"faults.{k}" for k in drills),
-            "why": "a relaunch by hand is a first attempt: the drills fire again where their step is still ahead; "
+            "why": "a relaunch by hand is a first attempt: the drills fire again (a step's where it is still ahead, a "
+                   "phase's, faults.hang_phase, at once); "
                    "relaunch with --run.dir alone (the saved config drops them) to go on without"}))
     unused = unused_settings(cfg, layout)
     if unused:

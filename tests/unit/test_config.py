@@ -330,3 +330,6 @@ def test_a_batch_that_does_not_split_says_what_fits_a_resume_too():
         load_config(None, ["train.global_batch_size=16"]).check(4)
     with pytest.raises(ConfigError, match="no micro batch fits 16 sequences on 3 data-parallel ranks: a resumed run"):
         load_config(None, ["train.global_batch_size=16"]).check(3)
+    # the ones nearest the micro batch asked for (its memory), not the largest that divide
+    with pytest.raises(ConfigError, match=r"multiple of 24, or train.micro_batch_size 1 or 2 or 4 \("):
+        load_config(None, ["train.global_batch_size=512", "train.micro_batch_size=3"]).check(8)

@@ -121,7 +121,7 @@ def test_a_hand_relaunch_with_drills_says_they_fire_again(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     cfg = load_config(None, ["faults.kill_rank=2", "faults.kill_step=85", "metrics.peak_tflops=1"])
     note = dict(launch_notes(cfg, "cpu", 1.0, 8, resumed=True))["drills_armed_on_resume"]
-    assert note["faults"] == "faults.kill_step" and "fire again" in note["why"]
+    assert note["faults"] == "faults.kill_rank" and "fire again" in note["why"]
     unarmed = load_config(None, ["faults.slow_in=data", "faults.kill_wipes_memory=true", "metrics.peak_tflops=1"])
     assert "drills_armed_on_resume" not in dict(launch_notes(unarmed, "cpu", 1.0, 8, resumed=True))  # nothing fires
     assert "drills_armed_on_resume" not in dict(launch_notes(cfg, "cpu", 1.0, 8))

@@ -189,3 +189,8 @@ def test_ranks_sharing_a_hosts_cores_share_its_peak(monkeypatch):
     assert trainer_hw.cpu_peak_tflops(shared=False) == alone  # the planner's profile shares cores itself
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
     assert trainer_hw.cpu_peak_tflops() == alone  # one thread a core: each its own
+    # A rank pinned to fewer cores than its launcher's (numactl, a cpu-bind) has its share already; a
+    # job's cpuset, which every rank inherits from the launcher, is no pinning (shared, as above).
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
+    monkeypatch.setattr(trainer_hw, "_launcher_cores", lambda: cores + 1)
+    assert trainer_hw.cpu_peak_tflops() == alone

@@ -72,8 +72,9 @@ class Config:
         per_step = t.micro_batch_size * dp_world
         if t.global_batch_size % per_step:
             # A resumed run keeps its global batch: say what else fits, not only a batch it cannot take.
-            fits = [m for m in range(1, t.global_batch_size + 1) if t.global_batch_size % (m * dp_world) == 0]
-            other = (f", or train.micro_batch_size {' or '.join(map(str, fits[-3:]))} (a resumed run keeps its "
+            fits = _divisors(t.global_batch_size // dp_world) if t.global_batch_size % dp_world == 0 else []
+            near = sorted(sorted(fits, key=lambda m: abs(m - t.micro_batch_size))[:3])  # about the memory asked
+            other = (f", or train.micro_batch_size {' or '.join(map(str, near))} (a resumed run keeps its "
                      "global batch)" if fits else f"; no micro batch fits {t.global_batch_size} sequences on "
                      f"{dp_world} data-parallel ranks: a resumed run keeps its global batch, so it needs a number of "
                      f"ranks whose data-parallel degree divides {t.global_batch_size}")
@@ -85,6 +86,12 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+
+def _divisors(n: int) -> list[int]:
+    """n's divisors in order, in O(sqrt n): a global batch given in tokens by mistake is large."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

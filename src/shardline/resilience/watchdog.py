@@ -260,10 +260,10 @@ class Watchdog:
                   "detected_by": self.rank}
         ranks = {r: {**{k: v for k, v in records.get(r, {}).items() if k not in ("times", "probes", "reads")},
                      "dumped": r in dumps, **dumps.get(r, {})} for r in range(self.world)}
-        # found_stuck: the ranks past their limit as the hang was declared (the hung one, or those waiting
-        # for it inside a collective); stopped_ranks, from the stacks and records, names the hung ones.
+        # suspects: the ranks found past their limit or silent as the hang was declared (the hung one, or
+        # those waiting for it inside a collective); stopped_ranks, from the stacks and records, names the hung.
         write_report(folder, {**fields, "timeout_s": self.timeout, "detected_at": incident["at"],
-                              "found_stuck": incident["suspects"], "ranks": ranks})
+                              "suspects": incident["suspects"], "ranks": ranks})
         outcome = {"event": fields, "answered": sorted(dumps)}
         self._safe(self.store.set, _key("done"), json.dumps(outcome))
         return outcome
