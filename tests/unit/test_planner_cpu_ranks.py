@@ -269,3 +269,15 @@ def test_ddp_buckets_are_the_gradients_unless_the_runtime_copies_them():
     copying = dataclasses.replace(wide, runtime=dataclasses.replace(wide.runtime, ddp_grad_copy=True))
     copied = memory_breakdown(copying, Layout(dp_replicate=2, micro_batch_size=4), cpu())
     assert copied["buffers"] - ddp["buffers"] == pytest.approx(ddp["grads"])  # fp32 gradients, bucketed once more
+
+
+def test_ranks_sharing_the_cores_report_mfu_against_their_share_as_the_trainer_logs_it():
+    """8 one-thread ranks on 2 cores: the trainer's log counts each rank's peak as a quarter core
+    (devices.cpu_peak_tflops), so the estimate's MFU must too, or the two read 4x apart."""
+    from shardline.models.flops import flops_per_token
+
+    hw = cpu(cores=2, threads=1)
+    for world in (1, 2, 8):
+        e = estimate(WORK, Layout(dp_shard=world, micro_batch_size=1), hw)
+        host = hw.peak("fp32") * min(world, 2)  # the cores the ranks use between them
+        assert e.mfu == pytest.approx(e.tokens_per_s * flops_per_token(TINY, 128) / host, rel=1e-9)

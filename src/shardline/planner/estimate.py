@@ -148,7 +148,9 @@ def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]
     breakdown = {k: v for k, v in breakdown.items() if v > 0 or k in ("compute", "dp_comm")}
     step = sum(breakdown.values())
     tokens_per_s = work.tokens / step
-    peak = hw.peak(mfu_peak_dtype(work.precision)) * layout.world  # fp8: the bf16 peak, as the trainer's log
+    # fp8: the bf16 peak, as the trainer's log; CPU ranks sharing a node's cores: each its share, as the trainer's
+    # log since it caps a rank's assumed peak so (devices.cpu_peak_tflops)
+    peak = hw.peak(mfu_peak_dtype(work.precision)) * layout.world * cmp.share(hw, layout)
     mfu = tokens_per_s * flops_per_token(work.model, work.seq_len) / peak
     info = {"bubble_fraction": round(bubble, 5), "micro_batches_per_step": n_micro,
             "dp_comm_total_s": round(dp_total, 6), "algorithms": algos}
