@@ -7,6 +7,7 @@ overrides the peak the trainer uses.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -72,8 +73,9 @@ def cpu_peak_tflops(dtype: str = "fp32", shared: bool = True) -> float:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if shared else 1
     except ValueError:
         local = 1
-    if local > 1 and cores < _launcher_cores():
-        local = 1  # pinned (numactl, a Slurm cpu-bind): this rank's mask is its share already
+    launcher = _launcher_cores() if local > 1 else cores
+    if cores < launcher:  # pinned (numactl, a cpu-bind, a NUMA node's cores): the ranks sharing this mask
+        local = max(1, math.ceil(local * cores / launcher))
     peak = min(threads, cores / local) * _CPU_FLOP_PER_CYCLE * _CPU_HZ / 1e12
     return 2 * peak if set(_CPU_HALF_FLAGS.get(dtype, ())) & _cpu_flags() else peak
 

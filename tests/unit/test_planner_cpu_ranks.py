@@ -281,3 +281,7 @@ def test_ranks_sharing_the_cores_report_mfu_against_their_share_as_the_trainer_l
         e = estimate(WORK, Layout(dp_shard=world, micro_batch_size=1), hw)
         host = hw.peak("fp32") * min(world, 2)  # the cores the ranks use between them
         assert e.mfu == pytest.approx(e.tokens_per_s * flops_per_token(TINY, 128) / host, rel=1e-9)
+    # More threads than cores: a process's peak is the cores' already (as the trainer's), not cut again.
+    wide = cpu(cores=2, threads=8)
+    e = estimate(WORK, Layout(micro_batch_size=1), wide)
+    assert e.mfu == pytest.approx(e.tokens_per_s * flops_per_token(TINY, 128) / wide.peak("fp32"), rel=1e-9)

@@ -182,6 +182,7 @@ def test_ranks_sharing_a_hosts_cores_share_its_peak(monkeypatch):
     so their MFU could not be compared with one process's. A rank's peak is now at most its share."""
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(trainer_hw, "_launcher_cores", lambda: cores)  # not pinned: as the test's own launcher
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     alone = trainer_hw.cpu_peak_tflops()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
@@ -192,5 +193,7 @@ def test_ranks_sharing_a_hosts_cores_share_its_peak(monkeypatch):
     # A rank pinned to fewer cores than its launcher's (numactl, a cpu-bind) has its share already; a
     # job's cpuset, which every rank inherits from the launcher, is no pinning (shared, as above).
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
-    monkeypatch.setattr(trainer_hw, "_launcher_cores", lambda: cores + 1)
+    monkeypatch.setattr(trainer_hw, "_launcher_cores", lambda: 4 * cores)  # each rank pinned to its own core
     assert trainer_hw.cpu_peak_tflops() == alone
+    monkeypatch.setattr(trainer_hw, "_launcher_cores", lambda: 2 * cores)  # a NUMA node's cores, 2 ranks a core
+    assert trainer_hw.cpu_peak_tflops() == pytest.approx(alone / 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import typing
@@ -90,7 +91,7 @@ class Config:
 
 def _divisors(n: int) -> list[int]:
     """n's divisors in order, in O(sqrt n): a global batch given in tokens by mistake is large."""
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
 

@@ -148,9 +148,7 @@ def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]
     breakdown = {k: v for k, v in breakdown.items() if v > 0 or k in ("compute", "dp_comm")}
     step = sum(breakdown.values())
     tokens_per_s = work.tokens / step
-    # fp8: the bf16 peak, as the trainer's log; CPU ranks sharing a node's cores: each its share, as the trainer's
-    # log since it caps a rank's assumed peak so (devices.cpu_peak_tflops)
-    peak = hw.peak(mfu_peak_dtype(work.precision)) * layout.world * cmp.share(hw, layout)
+    peak = hw.peak(mfu_peak_dtype(work.precision)) * layout.world * _peak_share(hw, layout)  # fp8: the bf16 peak
     mfu = tokens_per_s * flops_per_token(work.model, work.seq_len) / peak
     info = {"bubble_fraction": round(bubble, 5), "micro_batches_per_step": n_micro,
             "dp_comm_total_s": round(dp_total, 6), "algorithms": algos}
@@ -249,6 +247,19 @@ def _microbatch(work: Workload, layout: Layout, hw: Hardware, stage: RankStages,
             "fsdp_comm": fsdp_exposed(work, layout, hw, lt, stage, block.fsdp),
             "pp_comm": block.pp,
             "offload": block.offload}
+
+
+def _peak_share(hw: Hardware, layout: Layout) -> float:
+    """Each rank's share of the peak its MFU is read against, as the trainer's log reads it
+    (devices.cpu_peak_tflops): CPU ranks sharing a node's cores get cores / ranks of a process's
+    peak, which is already no more than the cores; 1 on a GPU."""
+    cpu = hw.cpu
+    if not cpu.shared_compute:
+        return 1.0
+    ranks = min(layout.world, hw.network.gpus_per_node)
+    if cpu.cores <= 0:
+        return 1.0 / ranks
+    return min(1.0, cpu.cores / (ranks * min(max(1, cpu.threads), cpu.cores)))
 
 
 def _optimizer(work: Workload, layout: Layout, hw: Hardware) -> float:
