@@ -68,7 +68,7 @@ def cpu_peak_tflops(dtype: str = "fp32", shared: bool = True) -> float:
     of a thread each on 2 cores had 4x the host's peak between them, and their MFU read a quarter.
     `shared=False`: one process's, alone (the planner's profile, which shares the cores itself)."""
     threads = torch.get_num_threads() or os.cpu_count() or 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpu_cores()
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if shared else 1
     except ValueError:
@@ -80,14 +80,20 @@ def cpu_peak_tflops(dtype: str = "fp32", shared: bool = True) -> float:
     return 2 * peak if set(_CPU_HALF_FLAGS.get(dtype, ())) & _cpu_flags() else peak
 
 
+def cpu_cores(pid: int = 0) -> int:
+    """Cores process `pid` (0: this one) may run on: its affinity mask, else this process's (a pid
+    not ours to read), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(pid))
+    except (AttributeError, OSError):
+        return cpu_cores() if pid else os.cpu_count() or 1
+
+
 def _launcher_cores() -> int:
     """The cores the process that started this one may use (torchrun's agent): a rank with fewer was
     pinned to its own; one with as many shares them with its peers (a job's cpuset, which every rank
     inherits, is no pinning). Unknown: this rank's own, so it shares."""
-    try:
-        return len(os.sched_getaffinity(os.getppid()))
-    except (AttributeError, OSError):
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpu_cores(os.getppid())
 
 
 def _cpu_flags() -> set[str]:

@@ -396,4 +396,4 @@ def check_device(cfg: Config, layout: Layout, on_cuda: bool, node_paths: bool = 
     _raise(ssd_offload.problem(cfg.memory, layout.zero, on_cuda, node_paths))
     if cfg.train.precision == "fp8":
         _raise(float8.capability_problem(float8.local_capability(on_cuda)) if fp8_target is None else fp8_target)
-    check_on_device(cfg, layout, cfg.optim.implementation in ("fused", "auto"), on_cuda)  # auto: fused, host or GPU
+    check_on_device(cfg, layout, cfg.optim.fused, on_cuda)

@@ -73,7 +73,7 @@ class Config:
         per_step = t.micro_batch_size * dp_world
         if t.global_batch_size % per_step:
             # A resumed run keeps its global batch: say what else fits, not only a batch it cannot take.
-            fits = _divisors(t.global_batch_size // dp_world) if t.global_batch_size % dp_world == 0 else []
+            fits = divisors(t.global_batch_size // dp_world) if t.global_batch_size % dp_world == 0 else []
             near = sorted(sorted(fits, key=lambda m: abs(m - t.micro_batch_size))[:3])  # about the memory asked
             other = (f", or train.micro_batch_size {' or '.join(map(str, near))} (a resumed run keeps its "
                      "global batch)" if fits else f"; no micro batch fits {t.global_batch_size} sequences on "
@@ -89,8 +89,9 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _divisors(n: int) -> list[int]:
-    """n's divisors in order, in O(sqrt n): a global batch given in tokens by mistake is large."""
+def divisors(n: int) -> list[int]:
+    """n's divisors in order, in O(sqrt n) (a global batch given in tokens by mistake is large; the
+    planner's degrees use it too)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 

@@ -170,6 +170,12 @@ class OptimConfig:
     decay_fraction: float = 0.2  # wsd: share of the steps spent decaying at the end
     implementation: str = "auto"  # auto | fused | foreach | for-loop
 
+    @property
+    def fused(self) -> bool:
+        """AdamW on torch's fused kernel: fused, or auto (which builds foreach only where parameters sit
+        on two kinds of device, or ZeRO-1's slices are strided)."""
+        return self.implementation in ("auto", "fused")
+
     def check(self) -> None:
         _require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
         _require(self.eps > 0, "optim.eps", self.eps, "must be > 0 (e.g. 1e-8)")

@@ -152,7 +152,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     work = dataclasses.replace(_workload(args), attention=base.train.attention, compiled=base.train.compile,
                                loss_chunk_tokens=base.train.loss_chunk_tokens,  # as the emitted config runs
                                ssd_offload_dir=args.ssd_offload_dir or base.memory.ssd_offload_dir,
-                               host_adam_fused=base.optim.implementation in ("auto", "fused"))
+                               host_adam_fused=base.optim.fused)
     result = search(work, hw, args.gpus, parse_fix(args.fix), runnable_only=args.runnable_only)
     if not result.candidates:
         raise ConfigError(f"{work.model_ref} on {args.gpus} x {hw.name}: {explain_no_fit(work, hw, args.gpus, result)}")

@@ -253,13 +253,8 @@ def _peak_share(hw: Hardware, layout: Layout) -> float:
     """Each rank's share of the peak its MFU is read against, as the trainer's log reads it
     (devices.cpu_peak_tflops): CPU ranks sharing a node's cores get cores / ranks of a process's
     peak, which is already no more than the cores; 1 on a GPU."""
-    cpu = hw.cpu
-    if not cpu.shared_compute:
-        return 1.0
-    ranks = min(layout.world, hw.network.gpus_per_node)
-    if cpu.cores <= 0:
-        return 1.0 / ranks
-    return min(1.0, cpu.cores / (ranks * min(max(1, cpu.threads), cpu.cores)))
+    capped = hw.with_cpu(threads=hw.cpu.cores) if 0 < hw.cpu.cores < hw.cpu.threads else hw
+    return cmp.share(capped, layout)
 
 
 def _optimizer(work: Workload, layout: Layout, hw: Hardware) -> float:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from shardline.config import reader
-from shardline.devices import DATASHEETS, cpu_peak_tflops, local_datasheet
+from shardline.devices import DATASHEETS, cpu_cores, cpu_peak_tflops, local_datasheet
 from shardline.errors import ConfigError
 from shardline.parallel.distributed import check_card
 
@@ -180,14 +180,6 @@ def _host_memory_gib() -> float:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
         return 16.0
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on (its affinity mask, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def cpu_hardware() -> Hardware:

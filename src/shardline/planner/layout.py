@@ -86,7 +86,7 @@ class Workload:
                    cfg.model.hf_path or cfg.model.preset, loss_chunk_tokens=t.loss_chunk_tokens,
                    attention=t.attention, mean_doc_tokens=mean_doc_tokens, compiled=t.compile,
                    ssd_offload_dir=cfg.memory.ssd_offload_dir,
-                   host_adam_fused=cfg.optim.implementation in ("auto", "fused"))
+                   host_adam_fused=cfg.optim.fused)
 
     @property
     def tokens(self) -> int:

@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from shardline.config.job import divisors
 from shardline.errors import ConfigError
 from shardline.planner.estimate import Estimate, timed
 from shardline.planner.hardware import Hardware
@@ -59,10 +60,6 @@ class SearchResult:
     seconds: float = 0.0
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _options(key: str, default: list, fixed: dict) -> list:
     return [fixed[key]] if key in fixed else default
 
@@ -85,7 +82,7 @@ def _dp_variants(dp: int, tp: int, cp: int, gpn: int, fixed: dict) -> list[dict]
         out = [{"dp_replicate": dp, "dp_shard": 1, "zero": zero, "cpu_offload": False}]
         for z in (1, 2, 3):
             out.append({"dp_replicate": 1, "dp_shard": dp, "zero": z, "cpu_offload": False})
-        for shard in _divisors(dp)[1:-1]:
+        for shard in divisors(dp)[1:-1]:
             span = shard * tp * cp
             if span <= gpn or span % gpn == 0:
                 out.append({"dp_replicate": dp // shard, "dp_shard": shard, "zero": zero, "cpu_offload": False})
@@ -101,14 +98,14 @@ def _dp_variants(dp: int, tp: int, cp: int, gpn: int, fixed: dict) -> list[dict]
 def _structures(work: Workload, hw: Hardware, gpus: int, fixed: dict):
     """(tp, cp, pp) triples that divide the world, with their dp degree."""
     gpn, m = hw.network.gpus_per_node, work.model
-    tps = _options("tp", [t for t in _divisors(min(gpn, gpus)) if gpus % t == 0], fixed)
+    tps = _options("tp", [t for t in divisors(min(gpn, gpus)) if gpus % t == 0], fixed)
     cps = _options("cp", [c for c in CP_DEGREES if work.seq_len // c >= 1024 or c == 1], fixed)
     for tp in tps:
         for cp in cps:
             if gpus % (tp * cp):
                 continue
             rest = gpus // (tp * cp)
-            pps = _options("pp", [p for p in _divisors(rest) if p <= m.n_layers], fixed)
+            pps = _options("pp", [p for p in divisors(rest) if p <= m.n_layers], fixed)
             for pp in pps:
                 if rest % pp == 0:
                     yield tp, cp, pp, rest // pp
