@@ -168,6 +168,17 @@ def test_clip_fold_times_six_ways_and_finds_the_folded_clips_equal(tmp_path):
     assert res["fused_close"] is True and "within 1e-6: True" in proc.stdout
 
 
+def test_chat_packing_packs_every_mix_both_ways_and_best_fit_fills_less(tmp_path):
+    res, proc = run_benchmark("chat_packing.py", ["--conversations", "3000", "--repeat", "1"], tmp_path)
+    assert len(res["mixes"]) == 4
+    for name, mix in res["mixes"].items():
+        ours, base = mix["best_fit"], mix["next_fit"]
+        assert 0 <= ours["fill"] < base["fill"] and ours["sequences"] < base["sequences"], name
+        assert positive(ours["pack_s"]) and mix["useful_tokens_ratio"] > 1, name
+    assert positive(res["reads"]["chat_batches_per_s"]) and positive(res["reads"]["text_batches_per_s"])
+    assert "useful x" in proc.stdout
+
+
 def test_profile_kinds_of_the_kernels_an_h200_ran():
     """gpu_train --profile's buckets, on kernel names from its first H200 profile: inductor names a
     fused kernel after the ops it holds, so fp8's casts (`..._scaled_mm_...`) must not count as GEMMs,

@@ -315,12 +315,28 @@ def test_chat_loss_is_on_assistant_tokens_only(tmp_path):
     assert_same_batches(raw, data(out, "data.format=chat", seq_len=256))
 
 
+def _next_fit_rows(sizes, width: int) -> int:
+    """How many rows packing in stream order (each row takes the next conversation while it fits) needs."""
+    rows, held = 0, 0
+    for size in sizes:
+        if held and held + size > width:
+            rows, held = rows + 1, 0
+        if size >= width:
+            rows += 1
+        else:
+            held += size
+    return rows + (held > 0)
+
+
 def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_continued(tmp_path):
-    """A reply learned without its prompt teaches nothing: every chat row starts at a conversation's
-    start and ends at one's end (the rest of the row is the stream that follows, other documents
-    without labels), a conversation longer than a row is one row, cut, its rest not trained on and
-    counted; the raw and prepared paths give the same rows."""
+    """A reply learned without its prompt teaches nothing: every conversation is in exactly one
+    row, whole and in stream order (the rest of the row is the stream after its last one, other
+    documents without labels), packed best-fit into fewer rows than stream order needs; one longer
+    than a row is a row of its own, cut, its rest not trained on and counted; the raw and prepared
+    paths give the same rows."""
     rows = [json.loads(line) for line in chat_records(60).splitlines()]
+    for i in range(1, 60, 2):  # short and long in turn: no two neighbours fit a row, two short ones do
+        rows[i]["messages"] = rows[i]["messages"][:3]
     for i in range(0, 60, 7):  # every seventh conversation far longer than a row
         rows[i]["messages"][2]["content"] = " ".join(f"step {k} of {i}." for k in range(60))
     rows[5:5] = rows[40:40] = [{"messages": []}]  # empty: skipped alike by both paths (and counted)
@@ -328,32 +344,40 @@ def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_con
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     raw = data(path, "data.format=chat", "data.val_fraction=0.1", seq_len=128)
     train = raw.train
-    ends = np.append(train.doc_starts[1:], train.num_tokens)
-    long = int(((ends - train.doc_starts) > 129).sum())
-    assert long >= 5 and train.rows.truncated == long
-    assert set(train.rows.starts.tolist()) <= set(train.doc_starts.tolist())  # each row opens a conversation
-    for start, n in zip(train.rows.starts.tolist(), train.rows.lengths.tolist()):
-        assert n == 129 or start + n in set(ends.tolist())  # ends with one, unless cut
+    stream, packed = np.asarray(train.tokens), train.rows
+    sizes = np.diff(np.append(train.doc_starts, train.num_tokens))
+    long = int((sizes > 129).sum())
+    assert long >= 5 and packed.truncated == long
+    assert sorted(packed.docs.tolist()) == list(range(train.num_documents))  # each conversation once
+    assert len(train) < _next_fit_rows(sizes.tolist(), 129)
     batch = train.batch(np.arange(len(train)))
-    fill = np.arange(129)[None, :] >= train.rows.lengths[:, None]
-    assert fill.any() and (batch["labels"].numpy()[fill[:, 1:]] == IGNORE_INDEX).all()
-    stream = np.asarray(train.tokens)
-    for row, (start, n) in enumerate(zip(train.rows.starts.tolist(), train.rows.lengths.tolist())):
-        docs, inputs = batch["doc_ids"][row].numpy(), batch["input_ids"][row].numpy()
-        if n < 128 and start + 128 <= len(stream):  # filled with what follows: other documents, no label
-            assert (inputs[n:] == stream[start + n:start + 128]).all() and docs[n] > docs[n - 1]
+    for row in range(len(train)):
+        docs = packed.docs[packed.first[row]:packed.first[row + 1]]
+        assert (np.diff(docs) > 0).all() and packed.lengths[row] <= 129
+        assert len(docs) == 1 or (sizes[docs] < 129).all()  # whole, or one cut conversation alone
+        held = int(packed.lengths[row])
+        own = np.concatenate([stream[train.doc_starts[d]:train.doc_starts[d] + min(sizes[d], 129)] for d in docs])
+        inputs, ids = batch["input_ids"][row].numpy(), batch["doc_ids"][row].numpy()
+        labels = batch["labels"][row].numpy()
+        assert (inputs[:min(held, 128)] == own[:128]).all() and (np.diff(ids) >= 0).all()
+        assert (labels[held - 1:] == IGNORE_INDEX).all()  # the fill: no labels
+        after = train.doc_starts[docs[-1]] + sizes[docs[-1]]
+        if held < 128 and after + 128 - held <= len(stream):  # filled with the stream after its last conversation
+            assert (inputs[held:] == stream[after:after + 128 - held]).all() and ids[held] > ids[held - 1]
     described = raw.describe(steps=10)
     assert described["conversations_cut"] == long and 0 < described["padding"] < 1
-    # A chat checkpoint saved before (the same tokens cut from one stream) cannot go on: refused, naming why.
+    # A chat checkpoint of another packing (cut from one stream, or next-fit) cannot go on: refused, naming why.
     from shardline.errors import CheckpointError
     from shardline.resilience.recovery import check_data_position
 
     position = raw.position_state()
-    assert position["packing"] == "whole conversations"
+    assert position["packing"] == "whole conversations, best fit"
     saved = {**position, "num_samples": len(train), "seed": 0, "global_batch_size": 8}
     check_data_position("ckpt", saved, len(train), 0, 8, position)
     with pytest.raises(CheckpointError, match="saved when chat sequences were cut from one stream; this run packs"):
         check_data_position("ckpt", {k: v for k, v in saved.items() if k != "packing"}, len(train), 0, 8, position)
+    with pytest.raises(CheckpointError, match="packed as 'whole conversations'; this run packs them as whole conv"):
+        check_data_position("ckpt", {**saved, "packing": "whole conversations"}, len(train), 0, 8, position)
     out = tmp_path / "prep"
     prepare(PrepareOptions([str(path)], str(out), format="chat", val_fraction=0.1, workers=1, **SMALL))
     assert_same_batches(raw, data(out, "data.format=chat", seq_len=128))

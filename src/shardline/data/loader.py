@@ -91,9 +91,10 @@ class DataBundle:
         self._vocabulary = self._vocabulary or vocabulary_fingerprint(self.tokenizer)
         fingerprint = self._content()
         content = {"content": fingerprint} if fingerprint else {}  # (a folder prepared before it: none)
-        # Chat: whole conversations a sequence (data/packing.py), since 2026-12-05; a chat checkpoint from
-        # before it cut the same tokens into other sequences.
-        content |= {"packing": "whole conversations"} if any(p.rows is not None for p in self._sources()) else {}
+        # Chat: whole conversations a sequence, best fit (data/packing.py), since 2026-12-05; a chat checkpoint
+        # from before it put the same conversations into other sequences (cut from one stream, or next-fit).
+        chat = any(p.rows is not None for p in self._sources())
+        content |= {"packing": "whole conversations, best fit"} if chat else {}
         if not isinstance(self.train, MixedSequences):
             return {"vocabulary": self._vocabulary, **content}
         return {"vocabulary": self._vocabulary, **content,

@@ -10,14 +10,16 @@ last s. A label that belongs to another document than its input token is ignored
 Chat data adds a loss mask (1 = this token is a target, e.g. an assistant's reply);
 a label whose token is not a target is ignored too. The mask travels with the tokens,
 so packing and sampling never separate a token from its mask. A reply is learned from
-the conversation before it, so chat sequences hold whole conversations: each row packs
-the next conversations that fit its s + 1 tokens, in stream order, and fills the rest
-with the stream that follows (the next row's opening, read twice: documents of their own,
-no labels), not padding, so that every position holds real text (an MoE router sees the
-data's tokens there, not a run of one pad token; a row at the stream's very end is padded
-with token 0). A conversation longer than that is a row of its own, cut there; what is
-cut off is not trained on (`truncated` counts them), since without its opening a reply
-would be learned with no prompt.
+the conversation before it, so chat sequences hold whole conversations, packed best-fit
+(`pack_rows`: longest first, each into the row it fills most closely; next-fit in
+stream order left 12-22% of the positions unused on realistic length mixes). A row
+lays its conversations out in stream order and fills the rest with the stream that
+follows its last one (documents of their own, no labels), not padding, so that every
+position holds real text (an MoE router sees the data's tokens there, not a run of one
+pad token; a row at the stream's very end is padded with token 0); document ids rise
+along a row, as the attention kernels' block masks need. A conversation longer than a
+row is a row of its own, cut there; what is cut off is not trained on (`truncated`
+counts them), since without its opening a reply would be learned with no prompt.
 
 The stream can be a numpy array (raw text, tokenized at start-up) or memory-mapped
 shards of a prepared folder (`TokenShards`): a batch reads only its own windows.
@@ -48,7 +50,7 @@ class PackedSequences:
     def _init(self, tokens, doc_starts, seq_len: int, mask) -> None:
         self.tokens, self.doc_starts, self.mask, self.seq_len = tokens, doc_starts, mask, seq_len
         # Chat: whole conversations a row (module doc); text: the stream cut every seq_len tokens.
-        self.rows = whole_rows(doc_starts, len(tokens), seq_len + 1) if mask is not None else None
+        self.rows = pack_rows(doc_starts, len(tokens), seq_len + 1) if mask is not None else None
         self.fingerprint: str | None = None  # of the token stream (shards.token_fingerprint), where known
         self.id_bound: int | None = None  # a prepared folder's: one past its tokenizer's largest id (batch checks)
         self.where = ""  # the folder, for that error
@@ -63,27 +65,19 @@ class PackedSequences:
 
     def __len__(self) -> int:
         if self.rows is not None:
-            return len(self.rows.starts)
+            return len(self.rows.lengths)
         return max(0, (self.num_tokens - 1) // self.seq_len)
-
-    def spans(self, indices) -> tuple[np.ndarray, np.ndarray]:
-        """(first stream position, tokens) of each sequence: s + 1 tokens from i * s, or a chat row's."""
-        indices = np.asarray(indices, dtype=np.int64)
-        if self.rows is not None:
-            return self.rows.starts[indices], self.rows.lengths[indices]
-        return indices * self.seq_len, np.full(len(indices), self.seq_len + 1, dtype=np.int64)
 
     def count_labels(self, indices) -> int:
         """Labelled (not ignored) tokens in the given sequences, without building them.
 
         Without a mask: s minus the document starts inside (start, start + s]. With one,
         the first token of a document is never a target (see `pack_lists`), so the mask
-        alone counts (a chat row's own tokens: its fill has none).
+        over a chat row's conversations alone counts (its fill has none).
         """
-        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         if self.mask is not None:
-            starts, lengths = self.spans(indices)
-            return int(sum(_take(self.mask, np.array([a + 1]), int(n) - 1).sum() for a, n in zip(starts, lengths)))
+            return int(_gather(self.mask, self.rows.positions(indices)).sum())
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         inside = (np.searchsorted(self.doc_starts, starts + self.seq_len, side="right")
                   - np.searchsorted(self.doc_starts, starts, side="right"))
         return int(len(starts) * self.seq_len - inside.sum())
@@ -94,19 +88,23 @@ class PackedSequences:
 
     def batch(self, indices) -> dict[str, torch.Tensor]:
         """Stack sequences: input_ids, labels and doc_ids, each [len(indices), seq_len]."""
-        s = self.seq_len
-        starts, lengths = self.spans(indices)
-        held = np.minimum(s + 1, self.num_tokens - starts)  # a chat row reads on into what follows (module doc)
-        toks = _take_rows(self.tokens, starts, held, s + 1).astype(np.int64)
+        s, indices = self.seq_len, np.asarray(indices, dtype=np.int64)
+        if self.rows is None:  # text: s + 1 tokens from i * s
+            positions, held = indices[:, None] * s + np.arange(s + 1), np.full(len(indices), s + 1)
+            toks = _take(self.tokens, indices * s, s + 1).astype(np.int64)
+        else:  # chat: a row's conversations, then the stream after its last one (module doc)
+            positions, held = self.rows.laid_out(indices, s + 1), self.rows.lengths[indices]
+            toks = np.where(positions < self.num_tokens,
+                            _gather(self.tokens, np.minimum(positions, self.num_tokens - 1)), 0).astype(np.int64)
         if self.id_bound is not None and toks.size and int(toks.max()) >= self.id_bound:  # (the embedding's IndexError)
             raise DataError(f"{self.where} holds token id {int(toks.max())}, past its tokenizer's {self.id_bound - 1}: "
                             f"its shards are damaged; `shardline prepare --verify --out {self.where}` names them")
         column = np.arange(s + 1)
-        # Past the stream's end (a last row): the document after the last, an id of its own in the row.
-        docs = self.doc_ids(np.minimum(starts[:, None] + column, self.num_tokens - 1)) + (column >= held[:, None])
-        keep = (docs[:, 1:] == docs[:, :-1]) & (column[1:] < lengths[:, None])  # a row's own conversations only
+        # Past the stream's end (a last chat row): the document after the last, an id of its own in the row.
+        docs = self.doc_ids(np.minimum(positions, self.num_tokens - 1)) + (positions >= self.num_tokens)
+        keep = (docs[:, 1:] == docs[:, :-1]) & (column[1:] < held[:, None])  # a row's own conversations only
         if self.mask is not None:
-            keep &= _take_rows(self.mask, starts, held, s + 1)[:, 1:].astype(bool)
+            keep &= _gather(self.mask, np.minimum(positions, self.num_tokens - 1))[:, 1:].astype(bool)
         labels = np.where(keep, toks[:, 1:], IGNORE_INDEX)
         return {
             "input_ids": torch.from_numpy(toks[:, :-1].copy()),
@@ -122,45 +120,89 @@ def _take(stream, starts: np.ndarray, length: int) -> np.ndarray:
     return stream.windows(starts, length)
 
 
-def _take_rows(stream, starts: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
-    """`_take` of `width` tokens a row where every row is that long (text), else each row's own
-    tokens and zeros after them (chat rows: the stream may end before a last row's width)."""
-    if (lengths == width).all():
-        return _take(stream, starts, width)
-    out = np.zeros((len(starts), width), dtype=stream.dtype)
-    for row, (start, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
-        out[row, :n] = _take(stream, np.array([start]), n)[0]
-    return out
+def _gather(stream, positions: np.ndarray) -> np.ndarray:
+    """stream[positions] (any shape, all inside the stream), from an array or `TokenShards`."""
+    return stream[positions] if isinstance(stream, np.ndarray) else stream.at(positions)
 
 
 class Rows:
-    """Chat rows (whole_rows): where each starts in the stream, how many tokens it holds, and how
-    many conversations were cut to fit one."""
+    """Chat rows (pack_rows): row r holds the conversations (documents) `docs[first[r]:first[r + 1]]`,
+    in stream order, each `pieces` tokens from its start (all of it, or a row's worth when cut),
+    `lengths[r]` tokens in all; `truncated` conversations were cut to fit a row."""
 
-    def __init__(self, starts: np.ndarray, lengths: np.ndarray, truncated: int):
-        self.starts, self.lengths, self.truncated = starts, lengths, truncated
+    def __init__(self, doc_starts: np.ndarray, docs: np.ndarray, first: np.ndarray, pieces: np.ndarray,
+                 truncated: int):
+        self.docs, self.first, self.pieces, self.truncated = docs, first, pieces, truncated
+        self.starts = np.asarray(doc_starts)[docs]
+        self.lengths = np.add.reduceat(pieces, first[:-1]) if len(pieces) else np.zeros(0, np.int64)
+
+    def positions(self, rows) -> np.ndarray:
+        """The stream positions of these rows' conversations, one after another."""
+        picked = [np.arange(self.first[r], self.first[r + 1]) for r in np.asarray(rows, dtype=np.int64).tolist()]
+        picked = np.concatenate(picked) if picked else np.zeros(0, np.int64)
+        return _runs(self.starts[picked], self.pieces[picked])
+
+    def laid_out(self, rows, width: int) -> np.ndarray:
+        """[len(rows), width] stream positions: each row's conversations, then the stream after its last."""
+        out = np.empty((len(rows), width), dtype=np.int64)
+        for i, r in enumerate(np.asarray(rows, dtype=np.int64).tolist()):
+            a, b = self.first[r], self.first[r + 1]
+            held = int(self.lengths[r])
+            out[i, :held] = _runs(self.starts[a:b], self.pieces[a:b])
+            out[i, held:] = self.starts[b - 1] + self.pieces[b - 1] + np.arange(width - held)
+        return out
 
 
-def whole_rows(doc_starts: np.ndarray, total: int, width: int) -> Rows:
-    """Rows of up to `width` tokens holding whole documents, packed in stream order: a row takes
-    the next document while it fits, else the next row starts with it; a document longer than a
-    row is a row of its own, cut (module doc). One pass over the documents (about a second for
-    a few million conversations)."""
-    sizes = np.diff(np.append(np.asarray(doc_starts, dtype=np.int64), total)).tolist()
-    starts, lengths, truncated = [], [], 0
-    start, held = 0, 0
-    for first, size in zip(np.asarray(doc_starts, dtype=np.int64).tolist(), sizes):
-        if held and held + size > width:
-            starts.append(start), lengths.append(held)
-            held = 0
+def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """start, start + 1, ..., start + length - 1 for each (start, length), concatenated."""
+    ends = np.cumsum(lengths)
+    return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if len(ends) else 0)
+
+
+def pack_rows(doc_starts: np.ndarray, total: int, width: int) -> Rows:
+    """Rows of up to `width` tokens holding whole documents, best-fit decreasing: the longest
+    document first, each into the open row whose room it fills most closely (a new row when none
+    has room); a document of `width` or more is a row of its own, cut (module doc). Rows are
+    ordered by their first document, so the first rows (what an evaluation of part of a split
+    reads) are the stream's opening. The open rows are kept by their room, a bit set over the
+    rooms finding the closest in one shift: about 1.3 s a million conversations on one core."""
+    starts = np.asarray(doc_starts, dtype=np.int64)
+    sizes = np.diff(np.append(starts, total))
+    row_of, rows = [0] * len(sizes), 0  # each document's row; how many rows
+    by_room: dict[int, list[int]] = {}  # room left -> the open rows with that much
+    rooms, truncated = 0, 0  # rooms: bit k set when some open row has k tokens of room
+    sizes_of = sizes.tolist()
+    for d in np.argsort(-sizes, kind="stable").tolist():
+        size = sizes_of[d]
         if size >= width:
-            starts.append(first), lengths.append(width)
-            truncated += size > width
+            row_of[d], rows, truncated = rows, rows + 1, truncated + (size > width)
             continue
-        start, held = (first, size) if not held else (start, held + size)
-    if held:
-        starts.append(start), lengths.append(held)
-    return Rows(np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64), truncated)
+        fits = rooms >> size
+        if fits:
+            room = size + (fits & -fits).bit_length() - 1  # the least room that holds it
+            open_rows = by_room[room]
+            row = open_rows.pop()
+            if not open_rows:
+                rooms ^= 1 << room
+        else:
+            row, room, rows = rows, width, rows + 1
+        row_of[d] = row
+        left = room - size
+        if left:
+            if left in by_room:
+                by_room[left].append(row)
+            else:
+                by_room[left] = [row]
+            rooms |= 1 << left
+    # Rows in the order of their first documents, each one's documents in stream order.
+    row_of = np.asarray(row_of, dtype=np.int64)
+    _, opening = np.unique(row_of, return_index=True)  # each row's first document
+    renamed = np.empty(rows, dtype=np.int64)
+    renamed[np.argsort(opening, kind="stable")] = np.arange(rows)
+    row_of = renamed[row_of]
+    docs = np.argsort(row_of, kind="stable")
+    first = np.concatenate([[0], np.cumsum(np.bincount(row_of, minlength=rows))]).astype(np.int64)
+    return Rows(starts, docs, first, np.minimum(sizes[docs], width), truncated)
 
 
 def pack_lists(token_lists: list[list[int]], eos_id: int | None, masks: list[list[int]] | None = None):

@@ -131,6 +131,16 @@ class TokenShards:
                 pos, k = pos + take, k + 1
         return out
 
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """stream[positions], any shape (a chat row's conversations come from all over the stream)."""
+        flat = np.asarray(positions, dtype=np.int64).ravel()
+        shard = np.searchsorted(self.bounds, flat, side="right") - 1
+        out = np.empty(len(flat), dtype=self.dtype)
+        for k in np.unique(shard).tolist():
+            picked = shard == k
+            out[picked] = self._map(k)[flat[picked] - self.bounds[k]]
+        return out.reshape(np.shape(positions))
+
 
 class SplitWriter:
     """Appends one split's documents to its shards; `flush` commits the buffered ones as a shard."""

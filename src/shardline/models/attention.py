@@ -15,7 +15,7 @@ of its own document. Three ways to compute that:
   cumulative lengths, causal inside each. CUDA and half precision only.
 
 Document ids are contiguous runs, non-decreasing along a row (data/packing.py numbers
-documents in stream order): the block classification and the cumulative lengths rely
+documents in stream order and lays a chat row's out in it): the block classification and the cumulative lengths rely
 on it. The builder (models/llama/parallelize.py) installs the choice the way context
 parallelism installs its own: `model.attention_mask` and every `Attention.core`.
 """
