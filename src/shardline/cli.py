@@ -342,11 +342,29 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error as Python exits)
         return 0
     except BaseException as e:  # a Ctrl-C inside torch's checkpoint writer comes back wrapped in its error
+        if _said_peer_lost(e):
+            return 1
         if not any(isinstance(cause, KeyboardInterrupt) for cause in _causes(e)):
             raise
         print("shardline: interrupted (a checkpoint being written was abandoned; the newest finished one stays)",
               file=sys.stderr)
         return 130
+
+
+def _said_peer_lost(error: BaseException) -> bool:
+    """One line, not a traceback, where a collective failed because another rank went away
+    (parallel.distributed.lost_peer): with N ranks, one's death otherwise prints N - 1 long
+    tracebacks of the same collective. SHARDLINE_TRACEBACK=1 keeps the traceback."""
+    if os.environ.get("SHARDLINE_TRACEBACK") or "torch.distributed" not in sys.modules:
+        return False
+    from shardline.parallel.distributed import lost_peer
+
+    lost = next(filter(None, map(lost_peer, _causes(error))), None)
+    if lost:
+        print(f"shardline: rank {os.environ.get('RANK', '?')} lost a peer: {lost}: another rank failed or stopped "
+              "answering first (torchrun's summary names its root cause; SHARDLINE_TRACEBACK=1 prints this rank's "
+              "traceback)", file=sys.stderr)
+    return lost is not None
 
 
 def _causes(error: BaseException) -> list[BaseException]:

@@ -35,7 +35,8 @@ def train_losses(run) -> dict[int, float]:
 
 KILL_STEP = 8
 # Each rank's last exception (torch prefixes a rank's traceback with [rankN]:), or shardline's one line.
-RANK_ERROR = re.compile(r"\[(rank\d+)\]:\s*([\w.]+(?:Error|Exception|Interrupt|Exit)\b.*|shardline: \w+: .*)")
+RANK_ERROR = re.compile(r"\[(rank\d+)\]:\s*([\w.]+(?:Error|Exception|Interrupt|Exit)\b.*|shardline: \w+: .*)"
+                        r"|shardline: (rank \d+) (lost a peer: .*)")  # (the one line of a rank whose peer died)
 LAUNCHER = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+|Worker group FAILED.*|[Ss]ignal \d+.*")
 
 
@@ -45,7 +46,7 @@ def ranks_errors(stderr: str) -> list[str]:
     for line in stderr.splitlines():
         m = RANK_ERROR.search(line)
         if m:
-            last[m.group(1)] = m.group(2)[:300]
+            last[m.group(1) or m.group(3)] = (m.group(2) or m.group(4))[:300]
     return [f"{rank}: {text}" for rank, text in sorted(last.items())] + LAUNCHER.findall(stderr)[:4]
 
 

@@ -36,6 +36,23 @@ def test_torchrun_impossible_degrees_fail_clearly(tmp_path, small_corpus):
     assert not run.exists()
 
 
+def test_a_dead_rank_leaves_its_peers_one_line_each_not_a_traceback(tmp_path, small_prepared):
+    """A rank killed mid-run: its peer's collective fails; the peer says so in one line, naming the
+    collective, instead of a traceback through FSDP and c10d, and torchrun's summary names the
+    killed rank as the root cause. (torchrun stops the peer as soon as it sees the death: where
+    that comes first, the peer says nothing at all, which is no traceback either.)"""
+    run = tmp_path / "run"
+    out = torchrun(2, *[f"--{o}" for o in tiny_overrides(run, small_prepared, "train.eval_interval=0",
+                                                         "faults.kill_rank=1", "faults.kill_step=3")])
+    assert out.returncode != 0 and "faults.kill_step=3 kills rank 1" in out.stderr, out.stderr[-3000:]
+    assert "[rank0]: Traceback" not in out.stderr, out.stderr[-3000:]
+    said = [line for line in out.stderr.splitlines() if line.startswith("shardline: rank 0 lost a peer: ")]
+    stopped_first = "rank      : 0 (local_rank: 0)\n  exitcode  : -15" in out.stderr
+    assert said or stopped_first, out.stderr[-3000:]
+    assert not said or ("another rank failed or stopped answering first" in said[0]
+                        and "Connection" in said[0]), said
+
+
 def test_torchrun_context_parallel_matches_one_process(tmp_path, small_prepared):
     # The user's path for long sequences: the same command with --parallel.cp=2 under
     # torchrun splits every sequence over the two ranks and trains like one process: its

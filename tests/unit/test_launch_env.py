@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch.distributed as dist
 
 from shardline.errors import ConfigError
 from shardline.parallel.distributed import check_launch_env
@@ -167,3 +168,30 @@ def test_convert_says_an_export_warning_in_one_line(monkeypatch, capsys, tmp_pat
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     err = capsys.readouterr().err
     assert err == "shardline: warning: the routers' balancing bias is not zero\n", err
+
+
+def test_only_a_collective_whose_peer_went_away_is_said_in_one_line(monkeypatch):
+    """lost_peer: gloo's reset connection, NCCL's remote error and a timeout are a peer's doing (one
+    line names the collective and the failure, gloo's source location dropped); any other error
+    in a collective (a shape mismatch: a fault of the program) and any error of one process keep
+    their traceback."""
+    from shardline.parallel.distributed import lost_peer
+
+    def raised(text: str, error_type=RuntimeError) -> BaseException:
+        def all_gather_into_tensor():  # named as the collective it stands for, in no c10d file: not named
+            raise error_type(text)
+        try:
+            all_gather_into_tensor()
+        except BaseException as e:
+            return e
+
+    reset = raised("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:101: "
+                   "Connection reset by peer. This is typically caused by a remote worker hanging")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert lost_peer(reset) == "a collective: Read error [127.0.0.1]:101: Connection reset by peer"
+    assert lost_peer(raised("NCCL error: remote process exited or there was a network error", dist.DistBackendError))
+    assert lost_peer(raised("[pair.cc:1] Timed out waiting 1800000ms for recv operation to complete"))
+    assert lost_peer(raised("Tensors must be the same size: [4] vs [8]")) is None
+    assert lost_peer(raised("Connection reset by peer", ValueError)) is None
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert lost_peer(reset) is None

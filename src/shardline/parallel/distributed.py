@@ -219,3 +219,41 @@ def ranks_differing(value, world_size: int) -> list[tuple[int, object, object]]:
 
 def _local_world_size(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+# What a collective's error says when the other end went away (gloo, NCCL, the store), not a
+# fault of this rank's own: a peer killed, crashed or stopped answering.
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+             "remote process exited", "ncclRemoteError", "communicator was aborted", "Socket Timeout",
+             "Timed out waiting")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """'<the collective>: <what failed>' when `error` is a collective failing because another
+    rank went away (in a world of several), else None. One rank's death then leaves every other
+    rank with the same long traceback of its collective; each says this in one line instead
+    (cli.main), and torchrun's summary names the rank that failed first."""
+    if _world_size() < 2 or not isinstance(error, (RuntimeError, dist.DistError)):
+        return None
+    text = str(error).strip()
+    if not any(mark in text for mark in PEER_GONE):
+        return None
+    codes = [tb.tb_frame.f_code for tb in _frames(error.__traceback__)]
+    ops = [c.co_name for c in codes if c.co_filename.endswith("distributed_c10d.py") and not c.co_name.startswith("_")]
+    what = text.split("\n")[0]
+    what = what.split("] ", 1)[1] if what.startswith("[") and "] " in what else what  # gloo's source location
+    what = what.split(". ", 1)[0]
+    return f"{ops[-1] if ops else 'a collective'}: {what[:200]}"
+
+
+def _frames(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
