@@ -73,15 +73,16 @@ def pack_mix(sizes: np.ndarray, seq_len: int, repeat: int) -> dict:
             "useful_tokens_ratio": round((1 - ours_fill) / (1 - base_fill), 4)}
 
 
-def batch_speed(sizes: np.ndarray, seq_len: int, batch: int, repeat: int) -> dict:
-    """Micro-batches a second from four memory-mapped shards: chat rows (gathered) vs text windows."""
+def batch_speed(sizes: np.ndarray, seq_len: int, batch: int, shards: int, repeat: int) -> dict:
+    """Micro-batches a second from `shards` memory-mapped shards, chat rows (gathered) against text
+    windows, and the time to count the labels of a global batch of 512 chat rows (every step does)."""
     total = int(sizes.sum())
     stream = np.random.default_rng(1).integers(0, 32_000, total).astype(np.uint16)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     with tempfile.TemporaryDirectory() as tmp:
-        bounds = np.linspace(0, total, 5).astype(np.int64)
+        bounds = np.linspace(0, total, shards + 1).astype(np.int64)
         paths = []
-        for k in range(4):
+        for k in range(shards):
             path = Path(tmp) / f"shard{k}.bin"
             stream[bounds[k]:bounds[k + 1]].tofile(path)
             paths.append(path)
@@ -94,8 +95,11 @@ def batch_speed(sizes: np.ndarray, seq_len: int, batch: int, repeat: int) -> dic
         picks = [rng.choice(min(len(chat), len(text)), batch, replace=False) for _ in range(20)]
         chat_s, _ = timed(lambda: [chat.batch(p) for p in picks], repeat)
         text_s, _ = timed(lambda: [text.batch(p) for p in picks], repeat)
-    return {"batch": batch, "chat_batches_per_s": round(20 / chat_s, 1), "text_batches_per_s": round(20 / text_s, 1),
-            "chat_vs_text": round(text_s / chat_s, 3)}
+        step = rng.choice(len(chat), min(512, len(chat)), replace=False)
+        count_s, _ = timed(lambda: chat.count_labels(step), repeat)
+    return {"batch": batch, "shards": shards, "chat_batches_per_s": round(20 / chat_s, 1),
+            "text_batches_per_s": round(20 / text_s, 1), "chat_vs_text": round(text_s / chat_s, 3),
+            "count_labels_512_rows_ms": round(count_s * 1e3, 1)}
 
 
 def main() -> None:
@@ -103,6 +107,8 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=2_000_000, help="per length mix")
     parser.add_argument("--repeat", type=int, default=3, help="medians of this many packings")
     parser.add_argument("--batch", type=int, default=8, help="sequences a micro-batch, for the read speed")
+    parser.add_argument("--shards", type=int, nargs="+", default=[4, 256],
+                        help="shard counts to read micro-batches from (a prepared folder's are 32 M tokens each)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -116,10 +122,11 @@ def main() -> None:
         print(f"{name:<36} {b['sequences']:>8}/{n['sequences']:<8} {b['fill']:>10.2%} {n['fill']:>10.2%} "
               f"{r['useful_tokens_ratio']:>9.3f} {b['pack_s']:>8.2f}/{n['pack_s']:<8.2f}")
     sizes, seq_len = length_mixes(min(args.conversations, 200_000), rng)["lognormal (median ~260), seq 4096"]
-    results["reads"] = batch_speed(sizes, seq_len, args.batch, args.repeat)
-    r = results["reads"]
-    print(f"micro-batches of {r['batch']} x {seq_len} from shards: chat {r['chat_batches_per_s']}/s, "
-          f"text {r['text_batches_per_s']}/s ({r['chat_vs_text']:.2f}x)")
+    results["reads"] = [batch_speed(sizes, seq_len, args.batch, n, args.repeat) for n in args.shards]
+    for r in results["reads"]:
+        print(f"micro-batches of {r['batch']} x {seq_len} from {r['shards']} shards: chat {r['chat_batches_per_s']}/s, "
+              f"text {r['text_batches_per_s']}/s ({r['chat_vs_text']:.2f}x); count_labels of 512 chat rows "
+              f"{r['count_labels_512_rows_ms']} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -175,7 +175,8 @@ def test_chat_packing_packs_every_mix_both_ways_and_best_fit_fills_less(tmp_path
         ours, base = mix["best_fit"], mix["next_fit"]
         assert 0 <= ours["fill"] < base["fill"] and ours["sequences"] < base["sequences"], name
         assert positive(ours["pack_s"]) and mix["useful_tokens_ratio"] > 1, name
-    assert positive(res["reads"]["chat_batches_per_s"]) and positive(res["reads"]["text_batches_per_s"])
+    assert [r["shards"] for r in res["reads"]] == [4, 256]
+    assert all(positive(r["chat_batches_per_s"]) and positive(r["text_batches_per_s"]) for r in res["reads"])
     assert "useful x" in proc.stdout
 
 

@@ -13,7 +13,7 @@ import pytest
 from shardline.config import load_config
 from shardline.data import GlobalBatchSampler, build_data
 from shardline.data.loader import split_documents
-from shardline.data.packing import IGNORE_INDEX, PackedSequences
+from shardline.data.packing import IGNORE_INDEX, PackedSequences, pack_rows
 from shardline.data.sources import read_documents
 from shardline.data.tokenizer import load_tokenizer
 from shardline.errors import DataError
@@ -355,3 +355,21 @@ def test_a_byte_order_mark_is_read_past_not_refused(tmp_path):
 
     (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + b'{"text": "first"}\n{"text": "second"}\n')
     assert read_documents(str(tmp_path / "a.jsonl")) == ["first", "second"]
+
+
+def test_chat_rows_come_in_an_order_blind_to_what_they_hold():
+    """An evaluation of part of a held-out split reads its first rows: they must hold a fair sample
+    of its conversations. Best-fit rows sorted by their first conversation put rows of many short
+    ones first (16.6 conversations a row in the first 16, against 9.9 overall, on this mix)."""
+    rng = np.random.default_rng(3)
+    sizes = np.minimum(rng.lognormal(5.5, 1.0, 20_000).astype(np.int64) + 16, 5000)
+    rows = pack_rows(np.cumsum(sizes) - sizes, int(sizes.sum()), 4097)
+    held = np.diff(rows.first)  # conversations a row
+    assert abs(np.corrcoef(np.arange(len(held)), held)[0, 1]) < 0.05
+    assert abs(held[:len(held) // 10].mean() / held.mean() - 1) < 0.1
+    assert sorted(rows.docs.tolist()) == list(range(len(sizes)))
+
+
+def test_no_chat_documents_make_no_rows():
+    empty = PackedSequences([], 8, 0, masks=[])
+    assert len(empty) == 0 and empty.count_labels([]) == 0

@@ -538,7 +538,7 @@ def test_a_tokenizers_own_chat_template_renders_and_masks(tmp_path):
     d = data(path, "data.format=chat", f"data.tokenizer={folder / 'tokenizer.json'}", "train.eval_interval=0",
              seq_len=128)
     seq = d.train.batch([0])
-    first = seq["doc_ids"][0] == 0
+    first = seq["doc_ids"][0] == seq["doc_ids"][0][0]  # the row's first conversation
     labels = seq["labels"][0][first]
     text = d.tokenizer.decode(labels[labels != IGNORE_INDEX].tolist()[:-1])
     assert re.fullmatch(r"\[assistant\] It is \d+\.\n\[assistant\] You are welcome, number \d+\.\n", text), text

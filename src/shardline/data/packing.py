@@ -11,8 +11,8 @@ Chat data adds a loss mask (1 = this token is a target, e.g. an assistant's repl
 a label whose token is not a target is ignored too. The mask travels with the tokens,
 so packing and sampling never separate a token from its mask. A reply is learned from
 the conversation before it, so chat sequences hold whole conversations, packed best-fit
-(`pack_rows`: longest first, each into the row it fills most closely; next-fit in
-stream order left 12-22% of the positions unused on realistic length mixes). A row
+(`pack_rows`: longest first, each into the row it fills most closely: 0.01-0.2% of the
+positions left to fill, where next-fit in stream order left 11-21%). A row
 lays its conversations out in stream order and fills the rest with the stream that
 follows its last one (documents of their own, no labels), not padding, so that every
 position holds real text (an MoE router sees the data's tokens there, not a run of one
@@ -75,8 +75,10 @@ class PackedSequences:
         the first token of a document is never a target (see `pack_lists`), so the mask
         over a chat row's conversations alone counts (its fill has none).
         """
-        if self.mask is not None:
-            return int(_gather(self.mask, self.rows.positions(indices)).sum())
+        if self.mask is not None:  # (read in stream order: a shard's conversations together)
+            starts, pieces = self.rows.pieces_of(indices)
+            order = np.argsort(starts)
+            return int(_read(self.mask, starts[order], pieces[order]).sum(dtype=np.int64))
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         inside = (np.searchsorted(self.doc_starts, starts + self.seq_len, side="right")
                   - np.searchsorted(self.doc_starts, starts, side="right"))
@@ -93,9 +95,8 @@ class PackedSequences:
             positions, held = indices[:, None] * s + np.arange(s + 1), np.full(len(indices), s + 1)
             toks = _take(self.tokens, indices * s, s + 1).astype(np.int64)
         else:  # chat: a row's conversations, then the stream after its last one (module doc)
-            positions, held = self.rows.laid_out(indices, s + 1), self.rows.lengths[indices]
-            toks = np.where(positions < self.num_tokens,
-                            _gather(self.tokens, np.minimum(positions, self.num_tokens - 1)), 0).astype(np.int64)
+            positions, toks, mask = self._chat_rows(indices)
+            held = self.rows.lengths[indices]
         if self.id_bound is not None and toks.size and int(toks.max()) >= self.id_bound:  # (the embedding's IndexError)
             raise DataError(f"{self.where} holds token id {int(toks.max())}, past its tokenizer's {self.id_bound - 1}: "
                             f"its shards are damaged; `shardline prepare --verify --out {self.where}` names them")
@@ -104,13 +105,30 @@ class PackedSequences:
         docs = self.doc_ids(np.minimum(positions, self.num_tokens - 1)) + (positions >= self.num_tokens)
         keep = (docs[:, 1:] == docs[:, :-1]) & (column[1:] < held[:, None])  # a row's own conversations only
         if self.mask is not None:
-            keep &= _gather(self.mask, np.minimum(positions, self.num_tokens - 1))[:, 1:].astype(bool)
+            keep &= mask[:, 1:].astype(bool)
         labels = np.where(keep, toks[:, 1:], IGNORE_INDEX)
         return {
             "input_ids": torch.from_numpy(toks[:, :-1].copy()),
             "labels": torch.from_numpy(labels),
             "doc_ids": torch.from_numpy(docs[:, :-1].copy()),
         }
+
+
+    def _chat_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Stream positions, tokens and loss mask of these chat rows, each [len(indices), s + 1]: a row's
+        runs (Rows.runs) end to end; past the stream's end, position num_tokens, token and mask 0."""
+        width = self.seq_len + 1
+        positions = np.full((len(indices), width), self.num_tokens, dtype=np.int64)
+        toks = np.zeros((len(indices), width), dtype=np.int64)
+        mask = None if self.mask is None else np.zeros((len(indices), width), dtype=np.uint8)
+        for i, row in enumerate(indices.tolist()):
+            starts, lengths = self.rows.runs(row)
+            got = int(lengths.sum())
+            positions[i, :got] = _runs(starts, lengths)
+            toks[i, :got] = _read(self.tokens, starts, lengths)
+            if mask is not None:
+                mask[i, :got] = _read(self.mask, starts, lengths)
+        return positions, toks, mask
 
 
 def _take(stream, starts: np.ndarray, length: int) -> np.ndarray:
@@ -120,37 +138,47 @@ def _take(stream, starts: np.ndarray, length: int) -> np.ndarray:
     return stream.windows(starts, length)
 
 
-def _gather(stream, positions: np.ndarray) -> np.ndarray:
-    """stream[positions] (any shape, all inside the stream), from an array or `TokenShards`."""
-    return stream[positions] if isinstance(stream, np.ndarray) else stream.at(positions)
+def _read(stream, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """stream[start : start + length] for each (start, length), concatenated (a chat row's
+    conversations come from all over the stream), from an array or `TokenShards`."""
+    if not isinstance(stream, np.ndarray):
+        return stream.runs(starts, lengths)
+    parts = [stream[a:a + n] for a, n in zip(starts.tolist(), lengths.tolist())]
+    return np.concatenate(parts) if parts else stream[:0]
 
 
 class Rows:
     """Chat rows (pack_rows): row r holds the conversations (documents) `docs[first[r]:first[r + 1]]`,
-    in stream order, each `pieces` tokens from its start (all of it, or a row's worth when cut),
-    `lengths[r]` tokens in all; `truncated` conversations were cut to fit a row."""
+    in stream order, each all of it or a row's worth (`width` tokens) when cut, `lengths[r]` tokens
+    in all; `truncated` conversations were cut to fit a row. Where each conversation starts and how
+    long it is are read from the document starts when a batch needs them, so what a rank keeps is
+    4 bytes a conversation (its index) and 16 a row."""
 
-    def __init__(self, doc_starts: np.ndarray, docs: np.ndarray, first: np.ndarray, pieces: np.ndarray,
-                 truncated: int):
-        self.docs, self.first, self.pieces, self.truncated = docs, first, pieces, truncated
-        self.starts = np.asarray(doc_starts)[docs]
-        self.lengths = np.add.reduceat(pieces, first[:-1]) if len(pieces) else np.zeros(0, np.int64)
+    def __init__(self, doc_starts, total: int, width: int, docs: np.ndarray, first: np.ndarray,
+                 lengths: np.ndarray, truncated: int):
+        self.doc_starts, self.total, self.width = doc_starts, total, width
+        self.docs, self.first, self.lengths, self.truncated = docs, first, lengths, truncated
 
-    def positions(self, rows) -> np.ndarray:
-        """The stream positions of these rows' conversations, one after another."""
-        picked = [np.arange(self.first[r], self.first[r + 1]) for r in np.asarray(rows, dtype=np.int64).tolist()]
-        picked = np.concatenate(picked) if picked else np.zeros(0, np.int64)
-        return _runs(self.starts[picked], self.pieces[picked])
+    def _pieces(self, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(stream start, tokens a row holds) of these documents."""
+        starts = np.asarray(self.doc_starts[docs], dtype=np.int64)
+        after = docs.astype(np.int64) + 1
+        ends = np.asarray(self.doc_starts[np.minimum(after, len(self.doc_starts) - 1)], dtype=np.int64)
+        ends = np.where(after < len(self.doc_starts), ends, self.total)
+        return starts, np.minimum(ends - starts, self.width)
 
-    def laid_out(self, rows, width: int) -> np.ndarray:
-        """[len(rows), width] stream positions: each row's conversations, then the stream after its last."""
-        out = np.empty((len(rows), width), dtype=np.int64)
-        for i, r in enumerate(np.asarray(rows, dtype=np.int64).tolist()):
-            a, b = self.first[r], self.first[r + 1]
-            held = int(self.lengths[r])
-            out[i, :held] = _runs(self.starts[a:b], self.pieces[a:b])
-            out[i, held:] = self.starts[b - 1] + self.pieces[b - 1] + np.arange(width - held)
-        return out
+    def pieces_of(self, rows) -> tuple[np.ndarray, np.ndarray]:
+        """(stream start, tokens) of these rows' conversations, one row after another."""
+        picked = [self.docs[self.first[r]:self.first[r + 1]] for r in np.asarray(rows, dtype=np.int64).tolist()]
+        return self._pieces(np.concatenate(picked) if picked else np.zeros(0, np.int64))
+
+    def runs(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """(stream start, tokens) of the runs that make up `row`: its conversations, then the stream
+        after its last up to the row's width, or to the stream's end (what is left is padding)."""
+        starts, pieces = self._pieces(self.docs[self.first[row]:self.first[row + 1]])
+        end = int(starts[-1] + pieces[-1])
+        fill = min(self.width - int(pieces.sum()), self.total - end)
+        return np.append(starts, end), np.append(pieces, fill)
 
 
 def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -159,50 +187,59 @@ def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if len(ends) else 0)
 
 
-def pack_rows(doc_starts: np.ndarray, total: int, width: int) -> Rows:
+ROW_ORDER_SEED = 0  # rows in one fixed shuffled order (pack_rows): the same for the raw and prepared paths
+_PACK_CHUNK = 1 << 20  # conversations a pass of pack_rows' loop holds as Python ints
+
+
+def pack_rows(doc_starts, total: int, width: int) -> Rows:
     """Rows of up to `width` tokens holding whole documents, best-fit decreasing: the longest
     document first, each into the open row whose room it fills most closely (a new row when none
-    has room); a document of `width` or more is a row of its own, cut (module doc). Rows are
-    ordered by their first document, so the first rows (what an evaluation of part of a split
-    reads) are the stream's opening. The open rows are kept by their room, a bit set over the
-    rooms finding the closest in one shift: about 1.3 s a million conversations on one core."""
+    has room); a document of `width` or more is a row of its own, cut (module doc).
+
+    The open rows are kept by their room, a bit set (a Python int `width` bits wide) finding the
+    closest in one shift: 0.4-0.7 s a million conversations at seq_len 512-4096, rising with the
+    width (~5 s at 128k); some 50 bytes a conversation at its peak. Rows come in a fixed shuffled order, not their documents': the first
+    rows, what an evaluation of part of a held-out split reads, are then a fair sample of the
+    split, where rows sorted by their first document put rows of many short conversations first."""
     starts = np.asarray(doc_starts, dtype=np.int64)
     sizes = np.diff(np.append(starts, total))
-    row_of, rows = [0] * len(sizes), 0  # each document's row; how many rows
+    order = np.argsort(-sizes, kind="stable")
+    row_of, rows = np.empty(len(sizes), dtype=np.int64), 0  # each document's row; how many rows
     by_room: dict[int, list[int]] = {}  # room left -> the open rows with that much
     rooms, truncated = 0, 0  # rooms: bit k set when some open row has k tokens of room
-    sizes_of = sizes.tolist()
-    for d in np.argsort(-sizes, kind="stable").tolist():
-        size = sizes_of[d]
-        if size >= width:
-            row_of[d], rows, truncated = rows, rows + 1, truncated + (size > width)
-            continue
-        fits = rooms >> size
-        if fits:
-            room = size + (fits & -fits).bit_length() - 1  # the least room that holds it
-            open_rows = by_room[room]
-            row = open_rows.pop()
-            if not open_rows:
-                rooms ^= 1 << room
-        else:
-            row, room, rows = rows, width, rows + 1
-        row_of[d] = row
-        left = room - size
-        if left:
-            if left in by_room:
-                by_room[left].append(row)
+    for lo in range(0, len(order), _PACK_CHUNK):  # (a chunk at a time: Python ints cost ~40 bytes each)
+        placed = []
+        for size in sizes[order[lo:lo + _PACK_CHUNK]].tolist():
+            if size >= width:
+                placed.append(rows)
+                rows, truncated = rows + 1, truncated + (size > width)
+                continue
+            fits = rooms >> size
+            if fits:
+                room = size + (fits & -fits).bit_length() - 1  # the least room that holds it
+                open_rows = by_room[room]
+                row = open_rows.pop()
+                if not open_rows:
+                    rooms ^= 1 << room
             else:
-                by_room[left] = [row]
-            rooms |= 1 << left
-    # Rows in the order of their first documents, each one's documents in stream order.
-    row_of = np.asarray(row_of, dtype=np.int64)
-    _, opening = np.unique(row_of, return_index=True)  # each row's first document
-    renamed = np.empty(rows, dtype=np.int64)
-    renamed[np.argsort(opening, kind="stable")] = np.arange(rows)
-    row_of = renamed[row_of]
-    docs = np.argsort(row_of, kind="stable")
-    first = np.concatenate([[0], np.cumsum(np.bincount(row_of, minlength=rows))]).astype(np.int64)
-    return Rows(starts, docs, first, np.minimum(sizes[docs], width), truncated)
+                row, room, rows = rows, width, rows + 1
+            placed.append(row)
+            left = room - size
+            if left:
+                if left in by_room:
+                    by_room[left].append(row)
+                else:
+                    by_room[left] = [row]
+                rooms |= 1 << left
+        row_of[order[lo:lo + _PACK_CHUNK]] = placed
+    del order
+    row_of = np.random.default_rng(ROW_ORDER_SEED).permutation(rows)[row_of]  # rows renamed: shuffled
+    docs = np.argsort(row_of, kind="stable")  # grouped by row, each row's in stream order
+    counts = np.bincount(row_of, minlength=rows)
+    lengths = np.bincount(row_of, weights=np.minimum(sizes, width), minlength=rows).astype(np.int64)
+    docs = docs.astype(np.int32) if len(docs) < 2**31 else docs
+    first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return Rows(doc_starts, total, width, docs, first, lengths, truncated)
 
 
 def pack_lists(token_lists: list[list[int]], eos_id: int | None, masks: list[list[int]] | None = None):
@@ -217,7 +254,7 @@ def pack_lists(token_lists: list[list[int]], eos_id: int | None, masks: list[lis
     token_lists = [token_lists[i] for i in keep]
     masks = None if masks is None else [masks[i] for i in keep]
     lengths = np.array([len(t) + (eos_id is not None) for t in token_lists], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    starts = (np.cumsum(lengths) - lengths).astype(np.int64)  # (no documents: no starts)
     tokens = np.empty(int(lengths.sum()), dtype=np.int64)
     mask = None if masks is None else np.zeros(len(tokens), dtype=np.uint8)
     for i, (toks, pos) in enumerate(zip(token_lists, starts)):
