@@ -342,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error as Python exits)
         return 0
     except BaseException as e:  # a Ctrl-C inside torch's checkpoint writer comes back wrapped in its error
-        if _said_peer_lost(e):
-            return 1
         if not any(isinstance(cause, KeyboardInterrupt) for cause in _causes(e)):
+            if _said_peer_lost(e):
+                return 1
             raise
         print("shardline: interrupted (a checkpoint being written was abandoned; the newest finished one stays)",
               file=sys.stderr)
@@ -359,7 +359,7 @@ def _said_peer_lost(error: BaseException) -> bool:
         return False
     from shardline.parallel.distributed import lost_peer
 
-    lost = next(filter(None, map(lost_peer, _causes(error))), None)
+    lost = lost_peer(error)  # (the error itself: one wrapping several ranks' failures says more as it is)
     if lost:
         print(f"shardline: rank {os.environ.get('RANK', '?')} lost a peer: {lost}: another rank failed or stopped "
               "answering first (torchrun's summary names its root cause; SHARDLINE_TRACEBACK=1 prints this rank's "

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+from shardline.parallel.distributed import PEER_GONE
 from tests.conftest import tiny_overrides
 from tests.ports import free_port
 
@@ -50,7 +51,9 @@ def test_a_dead_rank_leaves_its_peers_one_line_each_not_a_traceback(tmp_path, sm
     stopped_first = "rank      : 0 (local_rank: 0)\n  exitcode  : -15" in out.stderr
     assert said or stopped_first, out.stderr[-3000:]
     assert not said or ("another rank failed or stopped answering first" in said[0]
-                        and "Connection" in said[0]), said
+                        and any(mark in said[0] for mark in PEER_GONE)), said
+    root = out.stderr.split("Root Cause", 1)[-1]
+    assert "rank      : 1 (local_rank: 1)" in root and "SIGKILL" in root, out.stderr[-3000:]
 
 
 def test_torchrun_context_parallel_matches_one_process(tmp_path, small_prepared):

@@ -170,28 +170,35 @@ def test_convert_says_an_export_warning_in_one_line(monkeypatch, capsys, tmp_pat
     assert err == "shardline: warning: the routers' balancing bias is not zero\n", err
 
 
-def test_only_a_collective_whose_peer_went_away_is_said_in_one_line(monkeypatch):
-    """lost_peer: gloo's reset connection, NCCL's remote error and a timeout are a peer's doing (one
-    line names the collective and the failure, gloo's source location dropped); any other error
-    in a collective (a shape mismatch: a fault of the program) and any error of one process keep
-    their traceback."""
+def test_only_a_collective_whose_peer_went_away_is_said_in_one_line(monkeypatch, tmp_path):
+    """lost_peer: a collective failing on gloo's reset connection or NCCL's remote error is a peer's
+    doing (one line names the collective and the failure, gloo's source location dropped). A
+    timeout (every waiting rank gets one: a hang's traceback shows where), an error in setting up
+    the group, another error in a collective (a fault of the program) and any error outside one
+    keep their traceback."""
     from shardline.parallel.distributed import lost_peer
 
-    def raised(text: str, error_type=RuntimeError) -> BaseException:
-        def all_gather_into_tensor():  # named as the collective it stands for, in no c10d file: not named
-            raise error_type(text)
+    # Raised from a function of a file named as torch's c10d module, as torch's own would be.
+    c10d = tmp_path / "distributed_c10d.py"
+    c10d.write_text("def all_gather_into_tensor(e):\n    raise e\n\ndef init_process_group(e):\n    raise e\n")
+    scope: dict = {}
+    exec(compile(c10d.read_text(), str(c10d), "exec"), scope)
+
+    def raised(text: str, error_type=RuntimeError, where="all_gather_into_tensor") -> BaseException:
         try:
-            all_gather_into_tensor()
+            scope[where](error_type(text))
         except BaseException as e:
             return e
 
-    reset = raised("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:101: "
-                   "Connection reset by peer. This is typically caused by a remote worker hanging")
+    text = ("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:101: "
+            "Connection reset by peer. This is typically caused by a remote worker hanging")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert lost_peer(reset) == "a collective: Read error [127.0.0.1]:101: Connection reset by peer"
+    assert lost_peer(raised(text)) == "all_gather_into_tensor: Read error [127.0.0.1]:101: Connection reset by peer"
     assert lost_peer(raised("NCCL error: remote process exited or there was a network error", dist.DistBackendError))
-    assert lost_peer(raised("[pair.cc:1] Timed out waiting 1800000ms for recv operation to complete"))
+    assert lost_peer(raised("[pair.cc:1] Timed out waiting 1800000ms for recv operation to complete")) is None
     assert lost_peer(raised("Tensors must be the same size: [4] vs [8]")) is None
-    assert lost_peer(raised("Connection reset by peer", ValueError)) is None
+    assert lost_peer(raised(text, where="init_process_group")) is None
+    assert lost_peer(RuntimeError(text)) is None  # not raised in a collective
+    assert lost_peer(raised(text, ValueError)) is None
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert lost_peer(reset) is None
+    assert lost_peer(raised(text)) is None

@@ -113,7 +113,6 @@ class PackedSequences:
             "doc_ids": torch.from_numpy(docs[:, :-1].copy()),
         }
 
-
     def _chat_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Stream positions, tokens and loss mask of these chat rows, each [len(indices), s + 1]: a row's
         runs (Rows.runs) end to end; past the stream's end, position num_tokens, token and mask 0."""
@@ -198,9 +197,11 @@ def pack_rows(doc_starts, total: int, width: int) -> Rows:
 
     The open rows are kept by their room, a bit set (a Python int `width` bits wide) finding the
     closest in one shift: 0.4-0.7 s a million conversations at seq_len 512-4096, rising with the
-    width (~5 s at 128k); some 50 bytes a conversation at its peak. Rows come in a fixed shuffled order, not their documents': the first
-    rows, what an evaluation of part of a held-out split reads, are then a fair sample of the
-    split, where rows sorted by their first document put rows of many short conversations first."""
+    width (~5 s at 128k); some 50 bytes a conversation at its peak.
+
+    Rows come in a fixed shuffled order, not their documents': the first rows, what an evaluation
+    of part of a held-out split reads, are then a fair sample of the split, where rows sorted by
+    their first document put rows of many short conversations first."""
     starts = np.asarray(doc_starts, dtype=np.int64)
     sizes = np.diff(np.append(starts, total))
     order = np.argsort(-sizes, kind="stable")

@@ -221,11 +221,12 @@ def _local_world_size(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
-# What a collective's error says when the other end went away (gloo, NCCL, the store), not a
-# fault of this rank's own: a peer killed, crashed or stopped answering.
-PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
-             "remote process exited", "ncclRemoteError", "communicator was aborted", "Socket Timeout",
-             "Timed out waiting")
+# What a collective's error says when the other end went away (gloo, NCCL): a peer killed or
+# crashed. Not a timeout (every waiting rank gets one at once, and a hang's traceback is where it
+# stopped), nor a refused connection (setting up, on every rank: this node's network).
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited",
+             "ncclRemoteError")
+NOT_A_PEER = ("init_process_group", "new_group", "new_subgroups")  # setting up: every rank alike
 
 
 def lost_peer(error: BaseException) -> str | None:
@@ -236,14 +237,13 @@ def lost_peer(error: BaseException) -> str | None:
     if _world_size() < 2 or not isinstance(error, (RuntimeError, dist.DistError)):
         return None
     text = str(error).strip()
-    if not any(mark in text for mark in PEER_GONE):
-        return None
     codes = [tb.tb_frame.f_code for tb in _frames(error.__traceback__)]
     ops = [c.co_name for c in codes if c.co_filename.endswith("distributed_c10d.py") and not c.co_name.startswith("_")]
+    if not ops or ops[-1] in NOT_A_PEER or not any(mark in text for mark in PEER_GONE):
+        return None
     what = text.split("\n")[0]
     what = what.split("] ", 1)[1] if what.startswith("[") and "] " in what else what  # gloo's source location
-    what = what.split(". ", 1)[0]
-    return f"{ops[-1] if ops else 'a collective'}: {what[:200]}"
+    return f"{ops[-1]}: {what.split('. ', 1)[0][:200]}"
 
 
 def _frames(tb):
