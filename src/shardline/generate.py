@@ -304,6 +304,9 @@ def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "a
     text = gen.complete(prompt, opts, bos, chat, system)
     if Path(gen.checkpoint) != Path(src):  # a run dir: which of its checkpoints spoke
         say(f"sampled {gen.checkpoint}")
+    if not text:  # (a blank line alone reads as a failure to run)
+        say("the model ended its " + ("reply" if chat else "continuation") + " at once: its first token was a stop "
+            "token (common after little training; a JSON 'completion' is then \"\")")
     if as_json:
         stop, stop_text = gen.turn_end() if chat else (gen.stop, "")
         shown = {"chat_prompt": gen.chat_prompt(prompt, system), "stop_text": stop_text} if chat else {}

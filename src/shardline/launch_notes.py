@@ -11,7 +11,7 @@ from pathlib import Path
 from shardline.config import Config
 from shardline.data import tokenizer_file
 from shardline.data.encode import CHAT_END, CHAT_START, chat_template_for
-from shardline.data.shards import tokenizer_hash
+from shardline.data.shards import is_prepared, tokenizer_hash
 from shardline.data.tokenizer import KNOWN_EOS, eos_id, load_tokenizer
 from shardline.devices import CPU_PEAK_ASSUMED, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
@@ -138,6 +138,7 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
     `layout`: the one resolved on the launch's world (parallel.zero where nothing is sharded)."""
     given, default = cfg.to_dict(), Config().to_dict()
     c, p = cfg.checkpoint, cfg.parallel
+    paths = [s.path for s in cfg.data.mix] or [cfg.data.path]
     rules = [("fp8", ("recipe", "fsdp_all_gather"), cfg.train.precision != "fp8", "train.precision is not fp8"),
              ("memory", ("ac_every",), cfg.memory.activation_checkpoint != "selective",
               "memory.activation_checkpoint is not selective"),
@@ -149,6 +150,9 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
               "checkpoint.memory_interval=0"),
              ("watchdog", ("long_timeout_s",), not cfg.watchdog.timeout_s, "watchdog.timeout_s=0"),
              ("data", ("text_field",), cfg.data.format == "chat", "data.format=chat reads each record's 'messages'"),
+             ("data", ("val_fraction", "vocab_size"), all(map(is_prepared, paths)),
+              "the data is prepared: `shardline prepare` fixed its held-out split and tokenizer"),
+             ("data", ("vocab_size",), bool(cfg.data.tokenizer), "data.tokenizer gives the vocabulary"),
              ("parallel", ("zero",), layout is not None and layout.dp_mode in ("ddp", "single")
               and not cfg.memory.ssd_offload_dir,
               "nothing is sharded: dp_shard x cp = 1, so DDP or one rank")]

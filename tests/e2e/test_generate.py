@@ -173,6 +173,9 @@ def test_chat_renders_the_template_beside_the_tokenizer_and_stops_at_its_turn_en
     assert out["chat_prompt"] == rendered and out["completion"]  # no turn end yet: six tokens of reply
     (run / "tokenizer_config.json").write_text(json.dumps({"chat_template": template,
                                                            "eos_token": gen.tokenizer.id_to_token(first)}))
+    assert main(["generate", *argv]) == 0  # printed: a blank line, and on stderr why
+    printed = capsys.readouterr()
+    assert printed.out == "\n" and "the model ended its reply at once: its first token was a stop" in printed.err
     assert _generate(capsys, *argv)["completion"] == ""
 
 

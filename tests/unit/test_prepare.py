@@ -408,6 +408,60 @@ def chat_with_templated_tokenizer(tmp_path) -> tuple[Path, Path]:
     return path, folder
 
 
+def test_chat_sequences_too_short_for_any_reply_are_refused_and_the_share_without_one_said(tmp_path):
+    """A seq_len shorter than the prompts cuts every conversation before its reply: the run learned
+    nothing, logged a loss of 0 and evaluated a perfect model. Refused in one line, for the training
+    split and for the held-out sequences an evaluation reads; a seq_len where some rows hold no reply
+    says how many in the data event."""
+    from shardline.data.loader import _check_replies_fit
+    from shardline.data.packing import PackedSequences
+
+    rows = [json.loads(line) for line in chat_records(60).splitlines()]
+    for row in rows[::2]:  # every other one a short question and its answer, no system prompt
+        row["messages"] = row["messages"][1:3]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"none of \d+ sequences of train.seq_len=8 holds a reply token to learn "
+                                        r"\(\d+ of its \d+ training conversations are longer than a sequence"):
+        data(path, "data.format=chat", seq_len=8)
+    some = data(path, "data.format=chat", "train.eval_interval=0", seq_len=32).describe(steps=1)
+    assert 0 < some["sequences_without_replies"] < 1
+    assert data(path, "data.format=chat", seq_len=128).describe(steps=1)["sequences_without_replies"] == 0
+    cfg = load_config(None, ["train.seq_len=4"])
+    replies = PackedSequences([[5, 6, 7, 8]] * 40, 4, 0, masks=[[0, 1, 1, 1]] * 40)
+    late = PackedSequences([[5, 6, 7, 8, 9, 10, 11]] * 40, 4, 0, masks=[[0, 0, 0, 0, 0, 1, 1]] * 40)
+    _check_replies_fit("d", replies, replies, cfg)
+    with pytest.raises(DataError, match="the held-out sequences an evaluation reads hold no reply token"):
+        _check_replies_fit("d", replies, late, cfg)
+    _check_replies_fit("d", replies, late, load_config(None, ["train.seq_len=4", "train.eval_interval=0"]))
+
+
+def test_a_prepared_chat_folder_refuses_a_tokenizer_with_another_template(tmp_path):
+    """The run trains on the folder's rendering but writes, exports and generates with the template
+    beside the tokenizer it takes: one beside data.tokenizer (or the starting weights') that differs
+    is refused, by the launch and by the dry run; the folder's own tokenizer passes."""
+    from shardline.data.loader import data_summary
+
+    path, folder = chat_with_templated_tokenizer(tmp_path)
+    out = tmp_path / "prep"
+    prepare(PrepareOptions([str(path)], str(out), format="chat", val_fraction=0.1, workers=1,
+                           tokenizer=str(folder / "tokenizer.json"), **SMALL))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())  # the same tokenizer
+    (other / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    for given in (other, out):
+        overrides = [f"data.path={out}", "data.format=chat", f"data.tokenizer={given / 'tokenizer.json'}"]
+        if given == other:
+            for check in (lambda: build_data(load_config(None, overrides)),
+                          lambda: data_summary(load_config(None, overrides))):
+                with pytest.raises(DataError, match="was rendered with the chat template [0-9a-f]{12}, but the "
+                                                    "tokenizer this run takes .* carries template"):
+                    check()
+        else:
+            assert len(build_data(load_config(None, overrides)).train) > 0
+
+
 def test_a_dry_run_renders_chat_data_as_the_launch_would_and_names_the_template(tmp_path):
     """The dry run passed chat data the launch then refused: a template that fails on it, data
     without the reply role. It now checks the roles and renders the first conversations."""

@@ -54,6 +54,9 @@ class DataBundle:
             width = sum(len(p) for p in chat) * (self.train.seq_len + 1)
             fields["conversations_cut"] = sum(p.rows.truncated for p in chat)
             fields["padding"] = round(1 - sum(int(p.rows.lengths.sum()) for p in chat) / width, 4) if width else 0.0
+            sample = range(min(len(self.train), REPLY_SAMPLE))  # (rows come shuffled: a fair sample)
+            bare = sum(self.train.count_labels([i]) == 0 for i in sample)
+            fields["sequences_without_replies"] = round(bare / max(len(sample), 1), 4)
         if self.left_out.get("empty_documents"):
             fields["empty_documents_skipped"] = self.left_out["empty_documents"]
         names = self.left_out.get("files_not_read", [])
@@ -160,6 +163,7 @@ def build_data(cfg: Config) -> DataBundle:
     left_out: dict = {}
     tok, train, val = load_source(d.path, cfg, left_out=left_out)
     _check_sizes(d.path or "the shipped corpus", train, val, cfg)
+    _check_replies_fit(d.path, train, val, cfg)
     return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.seed),
                       left_out=left_out)
 
@@ -172,6 +176,7 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
     if is_prepared(path):
         prepared = open_prepared(path, seq_len, d.tokenizer, d.format, d.add_bos)
         _check_mixture_tokenizer(path, tok, prepared.tokenizer)
+        _check_folder_template(path, prepared.manifest, d.tokenizer)
         if left_out is not None:
             left_out["empty_documents"] = (left_out.get("empty_documents", 0)
                                            + prepared.manifest.get("empty_documents", 0))
@@ -229,6 +234,28 @@ def _check_sizes(where: str, train, val, cfg: Config) -> None:
                         f"of train.seq_len={t.seq_len}; {more} or set train.eval_interval=0")
 
 
+REPLY_SAMPLE = 256  # chat sequences a start counts the targets of (rows come shuffled: a fair sample)
+
+
+def _check_replies_fit(where: str, train: PackedSequences, val: PackedSequences, cfg: Config) -> None:
+    """Chat: the sequences hold reply tokens to learn. A train.seq_len shorter than the prompts cuts
+    every conversation before its reply: the run would learn nothing (weight decay alone moving the
+    weights) and an evaluation of no targets would log a loss of 0."""
+    if train.rows is None:
+        return
+    seq_len, eval_rows = cfg.train.seq_len, cfg.train.eval_batches * cfg.train.global_batch_size
+    cut = f"{train.rows.truncated:,} of its {train.num_documents:,} training conversations are longer than a sequence"
+    if train.count_labels(np.arange(min(len(train), REPLY_SAMPLE))) == 0:
+        raise DataError(f"{where or 'data.path'}: none of {min(len(train), REPLY_SAMPLE)} sequences of "
+                        f"train.seq_len={seq_len} holds a reply token to learn ({cut}, each cut before its reply); "
+                        "raise train.seq_len")
+    if cfg.train.eval_interval and len(val) and val.count_labels(np.arange(min(len(val), eval_rows,
+                                                                                 REPLY_SAMPLE))) == 0:
+        raise DataError(f"{where or 'data.path'}: the held-out sequences an evaluation reads hold no reply token at "
+                        f"train.seq_len={seq_len} (their conversations are cut before it), so it would log a loss "
+                        "of 0; raise train.seq_len, or set train.eval_interval=0")
+
+
 def _build_mixture(cfg: Config) -> DataBundle:
     """Every source of data.mix, with one tokenizer; train and val mixed by the weights."""
     t, mix = cfg.train, cfg.data.mix
@@ -239,6 +266,7 @@ def _build_mixture(cfg: Config) -> DataBundle:
     for i, source in enumerate(mix):
         tok, train, val = load_source(source.path, cfg, tok, left_out, key=f"data.mix[{i}].path")
         _check_sizes(source.path, train, val, cfg)
+        _check_replies_fit(source.path, train, val, cfg)
         trains.append(train)
         vals.append(val)
     weights = [s.weight for s in mix]
@@ -273,6 +301,22 @@ def _check_mixture_tokenizer(path: str, tok: Tokenizer | None, own: Tokenizer) -
     if tok is not None and tokenizer_hash(tok) != tokenizer_hash(own):
         raise DataError(f"data.mix source {path} was prepared with another tokenizer than the first "
                         "source; prepare every source with the same --tokenizer")
+
+
+def _check_folder_template(path: str, manifest: dict, tokenizer_path: str) -> None:
+    """A prepared chat folder was rendered with one template; a run writes, exports and generates
+    with the one beside the tokenizer it takes (data.tokenizer, or its starting weights'): the same."""
+    chat = manifest.get("request", {}).get("chat") if manifest.get("format") == "chat" else None
+    if not tokenizer_path or not isinstance(chat, dict):  # (prepared before templates were recorded: not known)
+        return
+    own, given = chat.get("template_sha256"), template_sha256(chat_template_for(tokenizer_path))
+    if own != given:
+        def named(sha):
+            return f"template {sha[:12]}" if sha else "ChatML (no template)"
+        raise DataError(f"{path} was rendered with the chat {named(own)}, but the tokenizer this run takes "
+                        f"({tokenizer_path}) carries {named(given)}: the run would train on the folder's rendering "
+                        f"and write, export and generate with the other; prepare it again with --tokenizer "
+                        f"{tokenizer_path}, or set data.tokenizer={os.path.join(path, 'tokenizer.json')}")
 
 
 def _check_one_chat_template(cfg: Config) -> None:
@@ -318,6 +362,7 @@ def data_summary(cfg: Config) -> tuple[str, str]:
         if is_prepared(path):
             p = open_prepared(path, cfg.train.seq_len, d.tokenizer, d.format, d.add_bos)
             _check_mixture_tokenizer(path, tok, p.tokenizer)
+            _check_folder_template(path, p.manifest, d.tokenizer)
             _check_sizes(path, p.train, p.val, cfg)
             parts.append(f"{path}: prepared folder, {p.train.num_documents:,} + {p.val.num_documents:,} held-out "
                          f"documents, {p.train.num_tokens:,} training tokens")
