@@ -249,8 +249,12 @@ def test_a_restart_that_saved_nothing_newer_still_starts_from_the_named_checkpoi
     # The named one pruned since (keep < the saves after it): the job's own newest, not a config error.
     pruned = tmp_path / "pruned" / "step-000003"
     assert Trainer(tiny_config("train.steps=12", f"run.resume={pruned}", run_dir=older)).build().step == 6
-    with pytest.raises(ConfigError, match="is not a checkpoint folder"):
+    with pytest.raises(ConfigError, match=r"does not exist \(a checkpoint pruned by checkpoint.keep\?\)"):
         Trainer(tiny_config("train.steps=12", f"run.resume={pruned}", run_dir=tmp_path / "nothing")).build()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match="is not a checkpoint folder"):
+        Trainer(tiny_config("train.steps=12", f"run.resume={a_file}", run_dir=tmp_path / "nothing")).build()
 
 
 def test_a_resume_folder_holding_no_checkpoint_is_one_line_before_the_run_dir(tiny_config, tmp_path, trained):

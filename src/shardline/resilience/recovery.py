@@ -71,8 +71,9 @@ def named_resume_problem(mode: str) -> str | None:
         return None
     named = Path(mode)
     if not named.is_dir():
-        return (f"run.resume={mode!r} is not a checkpoint folder; valid: auto, latest, never, "
-                "or the path of a checkpoint folder")
+        gone = "does not exist (a checkpoint pruned by checkpoint.keep?)" if not named.exists() else \
+            "is not a checkpoint folder"
+        return f"run.resume={mode!r} {gone}; valid: auto, latest, never, or the path of a checkpoint folder"
     if (named / MANIFEST).is_file():
         return None
     if (named / "checkpoints").is_dir():
