@@ -305,8 +305,8 @@ def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "a
     if Path(gen.checkpoint) != Path(src):  # a run dir: which of its checkpoints spoke
         say(f"sampled {gen.checkpoint}")
     if not text:  # (a blank line alone reads as a failure to run)
-        say("the model ended its " + ("reply" if chat else "continuation") + " at once: its first token was a stop "
-            "token (common after little training; a JSON 'completion' is then \"\")")
+        say("the model's " + ("reply" if chat else "continuation") + " is empty: it ended at once, or wrote only "
+            "tokens that decode to nothing (common after little training; a JSON 'completion' is then \"\")")
     if as_json:
         stop, stop_text = gen.turn_end() if chat else (gen.stop, "")
         shown = {"chat_prompt": gen.chat_prompt(prompt, system), "stop_text": stop_text} if chat else {}

@@ -150,9 +150,8 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
               "checkpoint.memory_interval=0"),
              ("watchdog", ("long_timeout_s",), not cfg.watchdog.timeout_s, "watchdog.timeout_s=0"),
              ("data", ("text_field",), cfg.data.format == "chat", "data.format=chat reads each record's 'messages'"),
-             ("data", ("val_fraction", "vocab_size"), all(map(is_prepared, paths)),
-              "the data is prepared: `shardline prepare` fixed its held-out split and tokenizer"),
-             ("data", ("vocab_size",), bool(cfg.data.tokenizer), "data.tokenizer gives the vocabulary"),
+             ("data", ("val_fraction",), all(map(is_prepared, paths)),
+              "the data is prepared: `shardline prepare --val-fraction` fixed its held-out split"),
              ("parallel", ("zero",), layout is not None and layout.dp_mode in ("ddp", "single")
               and not cfg.memory.ssd_offload_dir,
               "nothing is sharded: dp_shard x cp = 1, so DDP or one rank")]

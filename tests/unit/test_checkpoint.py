@@ -255,6 +255,8 @@ def test_a_restart_that_saved_nothing_newer_still_starts_from_the_named_checkpoi
     a_file.write_text("x")
     with pytest.raises(ConfigError, match="is not a checkpoint folder"):
         Trainer(tiny_config("train.steps=12", f"run.resume={a_file}", run_dir=tmp_path / "nothing")).build()
+    with pytest.raises(ConfigError, match="run.resume='lastest' is not a checkpoint folder; valid: auto, latest"):
+        Trainer(tiny_config("train.steps=12", "run.resume=lastest", run_dir=tmp_path / "nothing")).build()
 
 
 def test_a_resume_folder_holding_no_checkpoint_is_one_line_before_the_run_dir(tiny_config, tmp_path, trained):

@@ -146,16 +146,10 @@ def test_settings_a_config_never_reads_and_a_fine_tunes_lr_on_new_weights_are_na
     chat = load_config(None, ["data.format=chat", "data.text_field=conversations", "metrics.peak_tflops=1"])
     assert dict(launch_notes(chat, "cpu", 1.0, 1))["settings_unused"] == {
         "data.text_field": "data.format=chat reads each record's 'messages'"}
-    # A prepared folder's split and tokenizer were fixed by prepare; a given tokenizer has its vocabulary.
-    prepared = load_config(None, [f"data.path={small_prepared}", "data.val_fraction=0.1", "data.vocab_size=2000",
-                                  "metrics.peak_tflops=1"])
+    # A prepared folder's held-out split was fixed by prepare.
+    prepared = load_config(None, [f"data.path={small_prepared}", "data.val_fraction=0.1", "metrics.peak_tflops=1"])
     assert dict(launch_notes(prepared, "cpu", 1.0, 1))["settings_unused"] == {
-        k: "the data is prepared: `shardline prepare` fixed its held-out split and tokenizer"
-        for k in ("data.val_fraction", "data.vocab_size")}
-    given = load_config(None, [f"data.tokenizer={small_prepared}/tokenizer.json", "data.vocab_size=2000",
-                               "metrics.peak_tflops=1"])
-    assert dict(launch_notes(given, "cpu", 1.0, 1))["settings_unused"] == {
-        "data.vocab_size": "data.tokenizer gives the vocabulary"}
+        "data.val_fraction": "the data is prepared: `shardline prepare --val-fraction` fixed its held-out split"}
     from shardline import layout as layouts
 
     ddp = load_config(None, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.zero=1",

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from shardline.config import load_config
 from shardline.data import build_data
+from shardline.data.mixture import MixedSequences
 from shardline.data.packing import IGNORE_INDEX
 from shardline.data.pool import EncodeJob, encode_chunk
 from shardline.data.prepare import PrepareOptions, PrepareStopped, prepare
@@ -413,7 +414,7 @@ def test_chat_sequences_too_short_for_any_reply_are_refused_and_the_share_withou
     nothing, logged a loss of 0 and evaluated a perfect model. Refused in one line, for the training
     split and for the held-out sequences an evaluation reads; a seq_len where some rows hold no reply
     says how many in the data event."""
-    from shardline.data.loader import _check_replies_fit
+    from shardline.data.chat_checks import check_replies_fit
     from shardline.data.packing import PackedSequences
 
     rows = [json.loads(line) for line in chat_records(60).splitlines()]
@@ -430,10 +431,14 @@ def test_chat_sequences_too_short_for_any_reply_are_refused_and_the_share_withou
     cfg = load_config(None, ["train.seq_len=4"])
     replies = PackedSequences([[5, 6, 7, 8]] * 40, 4, 0, masks=[[0, 1, 1, 1]] * 40)
     late = PackedSequences([[5, 6, 7, 8, 9, 10, 11]] * 40, 4, 0, masks=[[0, 0, 0, 0, 0, 1, 1]] * 40)
-    _check_replies_fit("d", replies, replies, cfg)
+    check_replies_fit([("d", replies)], replies, cfg)
     with pytest.raises(DataError, match="the held-out sequences an evaluation reads hold no reply token"):
-        _check_replies_fit("d", replies, late, cfg)
-    _check_replies_fit("d", replies, late, load_config(None, ["train.seq_len=4", "train.eval_interval=0"]))
+        check_replies_fit([("d", replies)], late, cfg)
+    check_replies_fit([("d", replies)], late, load_config(None, ["train.seq_len=4", "train.eval_interval=0"]))
+    # A mixture learns while one source does; its evaluation is over the mixed held-out sequences.
+    check_replies_fit([("a", late), ("b", replies)], MixedSequences([late, replies], [1, 1], interleave=True), cfg)
+    with pytest.raises(DataError, match="a, b: none of 40 sequences of train.seq_len=4 holds a reply token"):
+        check_replies_fit([("a", late), ("b", late)], replies, cfg)
 
 
 def test_a_prepared_chat_folder_refuses_a_tokenizer_with_another_template(tmp_path):
@@ -460,6 +465,21 @@ def test_a_prepared_chat_folder_refuses_a_tokenizer_with_another_template(tmp_pa
                     check()
         else:
             assert len(build_data(load_config(None, overrides)).train) > 0
+    # A ChatML folder (no template) and an HF export of a run on it, whose tokenizer_config.json spells
+    # ChatML out (and names <|im_end|> its eos): they render alike, so a fine-tune from it passes.
+    from shardline.data.encode import CHATML_TEMPLATE
+
+    chatml, export = tmp_path / "chatml", tmp_path / "export"
+    prepare(PrepareOptions([str(path)], str(chatml), format="chat", val_fraction=0.1, workers=1, **SMALL))
+    export.mkdir()
+    (export / "tokenizer.json").write_bytes((chatml / "tokenizer.json").read_bytes())
+    (export / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_TEMPLATE,
+                                                              "eos_token": "<|im_end|>"}))
+    spelled = [f"data.path={chatml}", "data.format=chat", f"data.tokenizer={export / 'tokenizer.json'}"]
+    assert len(build_data(load_config(None, spelled)).train) > 0
+    (export / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_TEMPLATE.replace("\\n", " ")}))
+    with pytest.raises(DataError, match=r"rendered with the chat ChatML \(no template\), but .* renders otherwise"):
+        build_data(load_config(None, spelled))
 
 
 def test_a_dry_run_renders_chat_data_as_the_launch_would_and_names_the_template(tmp_path):
@@ -947,10 +967,10 @@ def test_nothing_held_out_trains_on_every_document_without_evaluation(tmp_path, 
     lone = tmp_path / "one.jsonl"  # one conversation is enough when none is held out
     lone.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                              {"role": "assistant", "content": "hello there"}]}) + "\n")
-    chat = data(lone, "data.format=chat", "data.val_fraction=0", "train.eval_interval=0", seq_len=8)
+    chat = data(lone, "data.format=chat", "data.val_fraction=0", "train.eval_interval=0", seq_len=64)
     assert len(chat.train) > 0 and len(chat.val) == 0
     with pytest.raises(DataError, match="holds 1 conversations; chat data needs at least two"):
-        data(lone, "data.format=chat", "train.eval_interval=0", seq_len=8)
+        data(lone, "data.format=chat", "train.eval_interval=0", seq_len=64)
 
 
 @pytest.fixture(scope="module")

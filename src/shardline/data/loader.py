@@ -17,13 +17,14 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from shardline.config import Config
-from shardline.data.encode import (chat_segments, chat_template_for, check_replies, encode_documents, render_chat,
-                                   template_sha256)
+from shardline.data.encode import (chat_template_for, check_replies, encode_documents, render_chat)
+from shardline.data.chat_checks import (chat_checked, check_folder_template, check_one_chat_template,
+                                        check_replies_fit, without_replies)
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
-from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_manifest, token_fingerprint,
-                                   tokenizer_hash)
+from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_manifest,
+                                   token_fingerprint, tokenizer_hash)
 from shardline.data.sources import SUFFIXES, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
 from shardline.errors import DataError
@@ -54,9 +55,9 @@ class DataBundle:
             width = sum(len(p) for p in chat) * (self.train.seq_len + 1)
             fields["conversations_cut"] = sum(p.rows.truncated for p in chat)
             fields["padding"] = round(1 - sum(int(p.rows.lengths.sum()) for p in chat) / width, 4) if width else 0.0
-            sample = range(min(len(self.train), REPLY_SAMPLE))  # (rows come shuffled: a fair sample)
-            bare = sum(self.train.count_labels([i]) == 0 for i in sample)
-            fields["sequences_without_replies"] = round(bare / max(len(sample), 1), 4)
+            shares = self.train.counts if isinstance(self.train, MixedSequences) else [len(self.train)]
+            fields["sequences_without_replies"] = round(  # (a mixture's: its sources' by their shares)
+                sum(without_replies(p) * n for p, n in zip(chat, shares)) / max(sum(shares), 1), 4)
         if self.left_out.get("empty_documents"):
             fields["empty_documents_skipped"] = self.left_out["empty_documents"]
         names = self.left_out.get("files_not_read", [])
@@ -163,7 +164,7 @@ def build_data(cfg: Config) -> DataBundle:
     left_out: dict = {}
     tok, train, val = load_source(d.path, cfg, left_out=left_out)
     _check_sizes(d.path or "the shipped corpus", train, val, cfg)
-    _check_replies_fit(d.path, train, val, cfg)
+    check_replies_fit([(d.path, train)], val, cfg)
     return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.seed),
                       left_out=left_out)
 
@@ -176,7 +177,7 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
     if is_prepared(path):
         prepared = open_prepared(path, seq_len, d.tokenizer, d.format, d.add_bos)
         _check_mixture_tokenizer(path, tok, prepared.tokenizer)
-        _check_folder_template(path, prepared.manifest, d.tokenizer)
+        check_folder_template(path, prepared.manifest, d.tokenizer)
         if left_out is not None:
             left_out["empty_documents"] = (left_out.get("empty_documents", 0)
                                            + prepared.manifest.get("empty_documents", 0))
@@ -234,45 +235,24 @@ def _check_sizes(where: str, train, val, cfg: Config) -> None:
                         f"of train.seq_len={t.seq_len}; {more} or set train.eval_interval=0")
 
 
-REPLY_SAMPLE = 256  # chat sequences a start counts the targets of (rows come shuffled: a fair sample)
-
-
-def _check_replies_fit(where: str, train: PackedSequences, val: PackedSequences, cfg: Config) -> None:
-    """Chat: the sequences hold reply tokens to learn. A train.seq_len shorter than the prompts cuts
-    every conversation before its reply: the run would learn nothing (weight decay alone moving the
-    weights) and an evaluation of no targets would log a loss of 0."""
-    if train.rows is None:
-        return
-    seq_len, eval_rows = cfg.train.seq_len, cfg.train.eval_batches * cfg.train.global_batch_size
-    cut = f"{train.rows.truncated:,} of its {train.num_documents:,} training conversations are longer than a sequence"
-    if train.count_labels(np.arange(min(len(train), REPLY_SAMPLE))) == 0:
-        raise DataError(f"{where or 'data.path'}: none of {min(len(train), REPLY_SAMPLE)} sequences of "
-                        f"train.seq_len={seq_len} holds a reply token to learn ({cut}, each cut before its reply); "
-                        "raise train.seq_len")
-    if cfg.train.eval_interval and len(val) and val.count_labels(np.arange(min(len(val), eval_rows,
-                                                                                 REPLY_SAMPLE))) == 0:
-        raise DataError(f"{where or 'data.path'}: the held-out sequences an evaluation reads hold no reply token at "
-                        f"train.seq_len={seq_len} (their conversations are cut before it), so it would log a loss "
-                        "of 0; raise train.seq_len, or set train.eval_interval=0")
-
-
 def _build_mixture(cfg: Config) -> DataBundle:
     """Every source of data.mix, with one tokenizer; train and val mixed by the weights."""
     t, mix = cfg.train, cfg.data.mix
     tok = _mixture_tokenizer(cfg)
     if cfg.data.format == "chat":
-        _check_one_chat_template(cfg)
+        check_one_chat_template(cfg)
     trains, vals, left_out = [], [], {}
     for i, source in enumerate(mix):
         tok, train, val = load_source(source.path, cfg, tok, left_out, key=f"data.mix[{i}].path")
         _check_sizes(source.path, train, val, cfg)
-        _check_replies_fit(source.path, train, val, cfg)
         trains.append(train)
         vals.append(val)
     weights = [s.weight for s in mix]
     train = MixedSequences(trains, weights)
     names = _source_names([s.path for s in mix])
-    return DataBundle(tok, train, MixedSequences(vals, weights, interleave=True),
+    val = MixedSequences(vals, weights, interleave=True)
+    check_replies_fit([(s.path, p) for s, p in zip(mix, trains)], val, cfg)
+    return DataBundle(tok, train, val,
                       GlobalBatchSampler(len(train), t.global_batch_size, t.seed, tag_passes=True), names,
                       left_out=left_out)
 
@@ -303,43 +283,6 @@ def _check_mixture_tokenizer(path: str, tok: Tokenizer | None, own: Tokenizer) -
                         "source; prepare every source with the same --tokenizer")
 
 
-def _check_folder_template(path: str, manifest: dict, tokenizer_path: str) -> None:
-    """A prepared chat folder was rendered with one template; a run writes, exports and generates
-    with the one beside the tokenizer it takes (data.tokenizer, or its starting weights'): the same."""
-    chat = manifest.get("request", {}).get("chat") if manifest.get("format") == "chat" else None
-    if not tokenizer_path or not isinstance(chat, dict):  # (prepared before templates were recorded: not known)
-        return
-    own, given = chat.get("template_sha256"), template_sha256(chat_template_for(tokenizer_path))
-    if own != given:
-        def named(sha):
-            return f"template {sha[:12]}" if sha else "ChatML (no template)"
-        raise DataError(f"{path} was rendered with the chat {named(own)}, but the tokenizer this run takes "
-                        f"({tokenizer_path}) carries {named(given)}: the run would train on the folder's rendering "
-                        f"and write, export and generate with the other; prepare it again with --tokenizer "
-                        f"{tokenizer_path}, or set data.tokenizer={os.path.join(path, 'tokenizer.json')}")
-
-
-def _check_one_chat_template(cfg: Config) -> None:
-    """Every chat source of a mixture rendered with one template. A raw source is rendered with
-    data.tokenizer's template (ChatML without one); a prepared folder was, with its own."""
-    raw_id = template_sha256(chat_template_for(cfg.data.tokenizer))
-    used = {}
-    for source in cfg.data.mix:
-        if is_prepared(source.path):
-            chat = read_manifest(Path(source.path)).get("request", {}).get("chat")
-            if chat is None:  # prepared before the template was recorded: nothing to compare
-                continue
-            used[source.path] = chat["template_sha256"]
-        else:
-            used[source.path] = raw_id
-    if len(set(used.values())) > 1:
-        raise DataError("data.mix renders its chat sources with different templates ("
-                        + "; ".join(f"{p}: " + (f"template {sha[:12]}" if sha else "ChatML (no template)")
-                                    for p, sha in used.items())
-                        + "); prepare every source with the same --tokenizer, and set data.tokenizer to it "
-                        "for raw sources")
-
-
 def _source_names(paths: list[str]) -> list[str]:
     """Short names for the log: each path's last part, numbered when two are alike."""
     names = [os.path.basename(os.path.normpath(p)) or p for p in paths]
@@ -356,35 +299,26 @@ def data_summary(cfg: Config) -> tuple[str, str]:
     parts, folder_tokenizer = [], ""
     tok = _mixture_tokenizer(cfg) if d.mix else None  # the mixture's checks, as _build_mixture runs them
     if d.mix and d.format == "chat":
-        _check_one_chat_template(cfg)
+        check_one_chat_template(cfg)
     keys = [f"data.mix[{i}].path" for i in range(len(d.mix))] or ["data.path"]
+    opened = []  # (path, train, val) of the prepared sources: their replies checked as a launch does
     for key, path in zip(keys, [s.path for s in d.mix] or [d.path]):
         if is_prepared(path):
             p = open_prepared(path, cfg.train.seq_len, d.tokenizer, d.format, d.add_bos)
             _check_mixture_tokenizer(path, tok, p.tokenizer)
-            _check_folder_template(path, p.manifest, d.tokenizer)
+            check_folder_template(path, p.manifest, d.tokenizer)
             _check_sizes(path, p.train, p.val, cfg)
+            opened.append((path, p.train, p.val))
             parts.append(f"{path}: prepared folder, {p.train.num_documents:,} + {p.val.num_documents:,} held-out "
                          f"documents, {p.train.num_tokens:,} training tokens")
             folder_tokenizer = folder_tokenizer or os.path.join(path, "tokenizer.json")
         else:
             docs = read_documents(path, "messages" if d.format == "chat" else d.text_field, key=key)
             where = path or "the shipped corpus (a sample to try shardline on: data.path names your data)"
-            parts.append(f"{where}: {len(docs):,} " + (_chat_checked(f"{key}={path!r}", docs, d.tokenizer)
+            parts.append(f"{where}: {len(docs):,} " + (chat_checked(f"{key}={path!r}", docs, d.tokenizer)
                                                        if d.format == "chat" else "documents"))
+    if opened and len(opened) == len(keys):  # (raw data is not tokenized by a dry run)
+        vals = [val for _, _, val in opened]
+        val = MixedSequences(vals, [s.weight for s in d.mix], interleave=True) if d.mix else vals[0]
+        check_replies_fit([(path, train) for path, train, _ in opened], val, cfg)
     return "; ".join(parts), folder_tokenizer
-
-
-DRY_RUN_RENDERS = 100  # conversations a dry run renders: a template that fails on most fails on the first
-
-
-def _chat_checked(where: str, conversations: list, tokenizer: str) -> str:
-    """A dry run's look at raw chat data as a launch would take it: the reply role is there, and the
-    first conversations render with the template the run would use; in words, which one."""
-    check_replies(where, {m["role"] for messages in conversations for m in messages})
-    template = chat_template_for(tokenizer)
-    for messages in conversations[:DRY_RUN_RENDERS]:
-        chat_segments(messages, template)
-    named = f"the chat template of {template.where}" if template else "ChatML (no chat template beside the tokenizer)"
-    shown = "" if len(conversations) <= DRY_RUN_RENDERS else f"the first {DRY_RUN_RENDERS} "
-    return f"conversations ({shown}rendered with {named})"

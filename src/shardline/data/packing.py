@@ -54,6 +54,7 @@ class PackedSequences:
         self.fingerprint: str | None = None  # of the token stream (shards.token_fingerprint), where known
         self.id_bound: int | None = None  # a prepared folder's: one past its tokenizer's largest id (batch checks)
         self.where = ""  # the folder, for that error
+        self.without_replies: float | None = None  # chat: the share of a sample holding no target (data.loader)
 
     @property
     def num_tokens(self) -> int:

@@ -71,8 +71,8 @@ def named_resume_problem(mode: str) -> str | None:
         return None
     named = Path(mode)
     if not named.is_dir():
-        gone = "does not exist (a checkpoint pruned by checkpoint.keep?)" if not named.exists() else \
-            "is not a checkpoint folder"
+        pruned = not named.exists() and named.parent != Path(".")  # (a bare word: likely a keyword mistyped)
+        gone = "does not exist (a checkpoint pruned by checkpoint.keep?)" if pruned else "is not a checkpoint folder"
         return f"run.resume={mode!r} {gone}; valid: auto, latest, never, or the path of a checkpoint folder"
     if (named / MANIFEST).is_file():
         return None

@@ -1,0 +1,127 @@
+"""Checks of chat data as a run opens it: replies inside its sequences, one chat template for the
+data and the run, and a dry run's rendering of raw conversations (data/loader.py calls them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from shardline.config import Config
+from shardline.data.encode import (chat_segments, chat_template_for, check_replies, render_chat, reply_prompt,
+                                   template_sha256)
+from shardline.data.packing import PackedSequences
+from shardline.data.sampler import eval_micro_batches
+from shardline.data.shards import TOKENIZER, is_prepared, read_manifest
+from shardline.errors import DataError
+
+
+REPLY_SAMPLE = 256  # chat sequences a start looks at for replies (rows come shuffled: a fair sample)
+
+
+def without_replies(seqs: PackedSequences) -> float:
+    """The share of a sample of chat sequences that hold no reply token to learn (worked out once)."""
+    if seqs.without_replies is None:
+        n = min(len(seqs), REPLY_SAMPLE)
+        seqs.without_replies = sum(seqs.count_labels([i]) == 0 for i in range(n)) / n if n else 0.0
+    return seqs.without_replies
+
+
+def check_replies_fit(sources: list[tuple[str, PackedSequences]], val, cfg: Config) -> None:
+    """Chat: the sequences hold reply tokens to learn. A train.seq_len shorter than the prompts cuts
+    every conversation before its reply: the run would learn nothing (weight decay alone moving the
+    weights), and an evaluation of no targets would log a loss of 0. Refused where no source's
+    sample holds a reply, or the held-out sequences an evaluation reads hold none."""
+    chat = [(where or "data.path", p) for where, p in sources if p.rows is not None]
+    t = cfg.train
+    if not chat:
+        return
+    if all(without_replies(p) == 1 for _, p in chat):
+        where, p = chat[0]
+        why = (f"{p.rows.truncated:,} of its {p.num_documents:,} training conversations are longer than a sequence, "
+               "each cut before its reply; raise train.seq_len" if p.rows.truncated else
+               "none is cut: the chat template marks no reply; check it")
+        raise DataError(f"{', '.join(w for w, _ in chat)}: none of {min(len(p), REPLY_SAMPLE)} sequences of "
+                        f"train.seq_len={t.seq_len} holds a reply token to learn ({why})")
+    if t.eval_interval and len(val):
+        read = np.concatenate(eval_micro_batches(len(val), t.eval_batches * t.global_batch_size, t.micro_batch_size))
+        if val.count_labels(read) == 0:
+            raise DataError(f"{', '.join(w for w, _ in chat)}: the held-out sequences an evaluation reads hold no "
+                            f"reply token at train.seq_len={t.seq_len} (their conversations are cut before it), so "
+                            "it would log a loss of 0; raise train.seq_len, or set train.eval_interval=0")
+
+
+def check_folder_template(path: str, manifest: dict, tokenizer_path: str) -> None:
+    """A prepared chat folder was rendered with one template; a run writes, exports and generates
+    with the one beside the tokenizer it takes (data.tokenizer, or its starting weights'): they must
+    render alike. Another file that renders the same (a ChatML folder fine-tuned from its own HF
+    export, whose tokenizer_config.json spells ChatML out) passes."""
+    chat = manifest.get("request", {}).get("chat") if manifest.get("format") == "chat" else None
+    if not tokenizer_path or not isinstance(chat, dict):  # (prepared before templates were recorded: not known)
+        return
+    recorded, given = chat.get("template_sha256"), chat_template_for(tokenizer_path)
+    if template_sha256(given) == recorded:
+        return
+    own = chat_template_for(os.path.join(path, TOKENIZER))  # (prepare keeps the template beside its tokenizer)
+    if template_sha256(own) == recorded and _renders_alike(own, given):
+        return
+
+    def named(sha):
+        return f"template {sha[:12]}" if sha else "ChatML (no template)"
+    folder_tokenizer = os.path.join(path, TOKENIZER)
+    raise DataError(f"{path} was rendered with the chat {named(recorded)}, but the tokenizer this run takes "
+                    f"({tokenizer_path}) carries {named(template_sha256(given))}, which renders otherwise: the run "
+                    "would train on the folder's rendering and write, export and generate with the other; prepare "
+                    f"it again with --tokenizer {tokenizer_path}, or set data.tokenizer={folder_tokenizer}")
+
+
+# A conversation both templates render, to tell whether two template files mean the same.
+PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"},
+         {"role": "assistant", "content": "Goodbye."}]
+
+
+def _renders_alike(a, b) -> bool:
+    """Whether templates a and b (None: ChatML) render PROBE alike, and its reply prompt."""
+    try:
+        return (render_chat(PROBE, a) == render_chat(PROBE, b)
+                and reply_prompt(PROBE[:4], a) == reply_prompt(PROBE[:4], b))
+    except DataError:
+        return False
+
+
+def check_one_chat_template(cfg: Config) -> None:
+    """Every chat source of a mixture rendered with one template. A raw source is rendered with
+    data.tokenizer's template (ChatML without one); a prepared folder was, with its own."""
+    raw_id = template_sha256(chat_template_for(cfg.data.tokenizer))
+    used = {}
+    for source in cfg.data.mix:
+        if is_prepared(source.path):
+            chat = read_manifest(Path(source.path)).get("request", {}).get("chat")
+            if chat is None:  # prepared before the template was recorded: nothing to compare
+                continue
+            used[source.path] = chat["template_sha256"]
+        else:
+            used[source.path] = raw_id
+    if len(set(used.values())) > 1:
+        raise DataError("data.mix renders its chat sources with different templates ("
+                        + "; ".join(f"{p}: " + (f"template {sha[:12]}" if sha else "ChatML (no template)")
+                                    for p, sha in used.items())
+                        + "); prepare every source with the same --tokenizer, and set data.tokenizer to it "
+                        "for raw sources")
+
+
+DRY_RUN_RENDERS = 100  # conversations a dry run renders: a template that fails on most fails on the first
+
+
+def chat_checked(where: str, conversations: list, tokenizer: str) -> str:
+    """A dry run's look at raw chat data as a launch would take it: the reply role is there, and the
+    first conversations render with the template the run would use; in words, which one."""
+    check_replies(where, {m["role"] for messages in conversations for m in messages})
+    template = chat_template_for(tokenizer)
+    for messages in conversations[:DRY_RUN_RENDERS]:
+        chat_segments(messages, template)
+    named = f"the chat template of {template.where}" if template else "ChatML (no chat template beside the tokenizer)"
+    shown = "" if len(conversations) <= DRY_RUN_RENDERS else f"the first {DRY_RUN_RENDERS} "
+    return f"conversations ({shown}rendered with {named})"
