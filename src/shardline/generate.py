@@ -304,9 +304,9 @@ def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "a
     text = gen.complete(prompt, opts, bos, chat, system)
     if Path(gen.checkpoint) != Path(src):  # a run dir: which of its checkpoints spoke
         say(f"sampled {gen.checkpoint}")
-    if not text:  # (a blank line alone reads as a failure to run)
-        say("the model's " + ("reply" if chat else "continuation") + " is empty: it ended at once, or wrote only "
-            "tokens that decode to nothing (common after little training; a JSON 'completion' is then \"\")")
+    if not text.strip():  # (a blank line alone reads as a failure to run)
+        say("the model's " + ("reply" if chat else "continuation") + " is blank: it ended at once, or wrote only "
+            "whitespace or tokens that decode to nothing (common after little training)")
     if as_json:
         stop, stop_text = gen.turn_end() if chat else (gen.stop, "")
         shown = {"chat_prompt": gen.chat_prompt(prompt, system), "stop_text": stop_text} if chat else {}

@@ -175,7 +175,7 @@ def test_chat_renders_the_template_beside_the_tokenizer_and_stops_at_its_turn_en
                                                            "eos_token": gen.tokenizer.id_to_token(first)}))
     assert main(["generate", *argv]) == 0  # printed: a blank line, and on stderr why
     printed = capsys.readouterr()
-    assert printed.out == "\n" and "the model's reply is empty: it ended at once" in printed.err
+    assert printed.out == "\n" and "the model's reply is blank: it ended at once" in printed.err
     assert _generate(capsys, *argv)["completion"] == ""
 
 

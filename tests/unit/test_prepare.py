@@ -437,8 +437,21 @@ def test_chat_sequences_too_short_for_any_reply_are_refused_and_the_share_withou
     check_replies_fit([("d", replies)], late, load_config(None, ["train.seq_len=4", "train.eval_interval=0"]))
     # A mixture learns while one source does; its evaluation is over the mixed held-out sequences.
     check_replies_fit([("a", late), ("b", replies)], MixedSequences([late, replies], [1, 1], interleave=True), cfg)
-    with pytest.raises(DataError, match="a, b: none of 40 sequences of train.seq_len=4 holds a reply token"):
+    with pytest.raises(DataError, match="a, b: none of 80 sequences of train.seq_len=4 holds a reply token"):
         check_replies_fit([("a", late), ("b", late)], replies, cfg)
+    # The data event's share: a mixture's sources weighed by their shares (3:1 here).
+    from shardline.data import GlobalBatchSampler
+    from shardline.data.loader import DataBundle
+
+    mixed = MixedSequences([late, replies], [3, 1])
+    bundle = DataBundle(None, mixed, replies, GlobalBatchSampler(len(mixed), 8, 0), ["a", "b"])
+    assert bundle.describe(steps=1)["sequences_without_replies"] == pytest.approx(0.75, abs=0.02)
+    # The dry run refuses a prepared folder as the launch does (raw data it does not tokenize).
+    from shardline.data.loader import data_summary
+
+    prepare(PrepareOptions([str(path)], str(tmp_path / "prep"), format="chat", val_fraction=0.1, workers=1, **SMALL))
+    with pytest.raises(DataError, match="holds a reply token to learn"):
+        data_summary(load_config(None, [f"data.path={tmp_path / 'prep'}", "data.format=chat", "train.seq_len=8"]))
 
 
 def test_a_prepared_chat_folder_refuses_a_tokenizer_with_another_template(tmp_path):
@@ -477,6 +490,20 @@ def test_a_prepared_chat_folder_refuses_a_tokenizer_with_another_template(tmp_pa
                                                               "eos_token": "<|im_end|>"}))
     spelled = [f"data.path={chatml}", "data.format=chat", f"data.tokenizer={export / 'tokenizer.json'}"]
     assert len(build_data(load_config(None, spelled)).train) > 0
+    # Qwen's way: a default system prompt where a conversation has none. Alike on conversations with
+    # one, not on those without: refused.
+    qwen = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\\nYou are helpful.<|im_end|>\\n{% endif %}"
+            + CHATML_TEMPLATE)
+    (export / "tokenizer_config.json").write_text(json.dumps({"chat_template": qwen}))
+    with pytest.raises(DataError, match="renders otherwise"):
+        build_data(load_config(None, spelled))
+    # A folder whose kept template file was changed since is known by its recorded hash alone: a template
+    # that renders as the recorded one but is another file is then refused (as it passes while intact).
+    (export / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_TEMPLATE + "{# mine #}"}))
+    assert len(build_data(load_config(None, spelled)).train) > 0
+    (chatml / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    with pytest.raises(DataError, match="renders otherwise"):
+        build_data(load_config(None, spelled))
     (export / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_TEMPLATE.replace("\\n", " ")}))
     with pytest.raises(DataError, match=r"rendered with the chat ChatML \(no template\), but .* renders otherwise"):
         build_data(load_config(None, spelled))

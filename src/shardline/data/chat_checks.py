@@ -38,12 +38,12 @@ def check_replies_fit(sources: list[tuple[str, PackedSequences]], val, cfg: Conf
     if not chat:
         return
     if all(without_replies(p) == 1 for _, p in chat):
-        where, p = chat[0]
-        why = (f"{p.rows.truncated:,} of its {p.num_documents:,} training conversations are longer than a sequence, "
-               "each cut before its reply; raise train.seq_len" if p.rows.truncated else
-               "none is cut: the chat template marks no reply; check it")
-        raise DataError(f"{', '.join(w for w, _ in chat)}: none of {min(len(p), REPLY_SAMPLE)} sequences of "
-                        f"train.seq_len={t.seq_len} holds a reply token to learn ({why})")
+        cut, total = sum(p.rows.truncated for _, p in chat), sum(p.num_documents for _, p in chat)
+        why = (f"{cut:,} of its {total:,} training conversations are longer than a sequence, each cut before its "
+               "reply; raise train.seq_len" if cut else "none is cut: the chat template marks no reply; check it")
+        looked = sum(min(len(p), REPLY_SAMPLE) for _, p in chat)
+        raise DataError(f"{', '.join(w for w, _ in chat)}: none of {looked} sequences of train.seq_len={t.seq_len} "
+                        f"holds a reply token to learn ({why})")
     if t.eval_interval and len(val):
         read = np.concatenate(eval_micro_batches(len(val), t.eval_batches * t.global_batch_size, t.micro_batch_size))
         if val.count_labels(read) == 0:
@@ -57,59 +57,100 @@ def check_folder_template(path: str, manifest: dict, tokenizer_path: str) -> Non
     with the one beside the tokenizer it takes (data.tokenizer, or its starting weights'): they must
     render alike. Another file that renders the same (a ChatML folder fine-tuned from its own HF
     export, whose tokenizer_config.json spells ChatML out) passes."""
-    chat = manifest.get("request", {}).get("chat") if manifest.get("format") == "chat" else None
-    if not tokenizer_path or not isinstance(chat, dict):  # (prepared before templates were recorded: not known)
+    recorded = _recorded(path, manifest)
+    if not tokenizer_path or recorded is None:  # (prepared before templates were recorded: not known)
         return
-    recorded, given = chat.get("template_sha256"), chat_template_for(tokenizer_path)
-    if template_sha256(given) == recorded:
+    given = chat_template_for(tokenizer_path)
+    if _alike(recorded, given):
         return
-    own = chat_template_for(os.path.join(path, TOKENIZER))  # (prepare keeps the template beside its tokenizer)
-    if template_sha256(own) == recorded and _renders_alike(own, given):
-        return
-
-    def named(sha):
-        return f"template {sha[:12]}" if sha else "ChatML (no template)"
     folder_tokenizer = os.path.join(path, TOKENIZER)
-    raise DataError(f"{path} was rendered with the chat {named(recorded)}, but the tokenizer this run takes "
-                    f"({tokenizer_path}) carries {named(template_sha256(given))}, which renders otherwise: the run "
-                    "would train on the folder's rendering and write, export and generate with the other; prepare "
-                    f"it again with --tokenizer {tokenizer_path}, or set data.tokenizer={folder_tokenizer}")
-
-
-# A conversation both templates render, to tell whether two template files mean the same.
-PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
-         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"},
-         {"role": "assistant", "content": "Goodbye."}]
-
-
-def _renders_alike(a, b) -> bool:
-    """Whether templates a and b (None: ChatML) render PROBE alike, and its reply prompt."""
-    try:
-        return (render_chat(PROBE, a) == render_chat(PROBE, b)
-                and reply_prompt(PROBE[:4], a) == reply_prompt(PROBE[:4], b))
-    except DataError:
-        return False
+    raise DataError(f"{path} was rendered with the chat {_named(recorded)}, but the tokenizer this run takes "
+                    f"({tokenizer_path}) carries {_named(given)}, which renders otherwise: the run would train on the "
+                    "folder's rendering and write, export and generate with the other; prepare it again with "
+                    f"--tokenizer {tokenizer_path}, or set data.tokenizer={folder_tokenizer}")
 
 
 def check_one_chat_template(cfg: Config) -> None:
-    """Every chat source of a mixture rendered with one template. A raw source is rendered with
-    data.tokenizer's template (ChatML without one); a prepared folder was, with its own."""
-    raw_id = template_sha256(chat_template_for(cfg.data.tokenizer))
+    """Every chat source of a mixture rendered with one template (alike, as check_folder_template
+    tells). A raw source is rendered with data.tokenizer's template (ChatML without one); a prepared
+    folder was, with its own."""
     used = {}
     for source in cfg.data.mix:
         if is_prepared(source.path):
-            chat = read_manifest(Path(source.path)).get("request", {}).get("chat")
-            if chat is None:  # prepared before the template was recorded: nothing to compare
-                continue
-            used[source.path] = chat["template_sha256"]
+            recorded = _recorded(source.path, read_manifest(Path(source.path)))
+            if recorded is not None:
+                used[source.path] = recorded
         else:
-            used[source.path] = raw_id
-    if len(set(used.values())) > 1:
+            used[source.path] = chat_template_for(cfg.data.tokenizer)
+    first = next(iter(used.values()), None)
+    if any(not _alike(first, other) for other in used.values()):
         raise DataError("data.mix renders its chat sources with different templates ("
-                        + "; ".join(f"{p}: " + (f"template {sha[:12]}" if sha else "ChatML (no template)")
-                                    for p, sha in used.items())
+                        + "; ".join(f"{p}: {_named(t)}" for p, t in used.items())
                         + "); prepare every source with the same --tokenizer, and set data.tokenizer to it "
                         "for raw sources")
+
+
+class _Recorded:
+    """A prepared folder's chat template as its manifest recorded it: the template itself where the
+    file kept beside the folder's tokenizer is that one, else its hash alone."""
+
+    def __init__(self, sha: str | None, template):
+        self.sha, self.template = sha, template
+
+
+def _recorded(path: str, manifest: dict) -> _Recorded | None:
+    chat = manifest.get("request", {}).get("chat") if manifest.get("format") == "chat" else None
+    if not isinstance(chat, dict):
+        return None
+    own = chat_template_for(os.path.join(path, TOKENIZER))  # (prepare keeps the template beside its tokenizer)
+    sha = chat.get("template_sha256")
+    return _Recorded(sha, own if template_sha256(own) == sha else _UNKNOWN)
+
+
+_UNKNOWN = object()  # a folder whose template file is gone or was changed since: known by its hash only
+
+
+def _alike(a, b) -> bool:
+    """Whether two templates (a folder's `_Recorded`, or a template, None: ChatML) render alike: the
+    same hash, or the same text of every PROBES conversation and its reply prompt."""
+    sha = [x.sha if isinstance(x, _Recorded) else template_sha256(x) for x in (a, b)]
+    if sha[0] == sha[1]:
+        return True
+    a, b = (x.template if isinstance(x, _Recorded) else x for x in (a, b))
+    return _UNKNOWN not in (a, b) and _renders_alike(a, b)
+
+
+def _named(template) -> str:
+    sha = template.sha if isinstance(template, _Recorded) else template_sha256(template)
+    return f"template {sha[:12]}" if sha else "ChatML (no template)"
+
+
+# Conversations two templates render, to tell whether their files mean the same: with and without a
+# system prompt (a template may add a default one), one turn and two, contents with spaces and newlines.
+PROBES = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"},
+     {"role": "assistant", "content": "Goodbye."}],
+    [{"role": "user", "content": " What is 2 + 2?\n"}, {"role": "assistant", "content": "\n4 \n"}],
+]
+
+
+def _renders_alike(a, b) -> bool:
+    """Whether templates a and b (None: ChatML) render every probe alike, and its reply prompt; a probe
+    both refuse (a template that takes no system prompt) tells nothing, one refused by one of them
+    tells they differ, and at least one must render."""
+    rendered = 0
+    for probe in PROBES:
+        sides = []
+        for template in (a, b):
+            try:
+                sides.append((render_chat(probe, template), reply_prompt(probe[:-1], template)))
+            except DataError:
+                sides.append(None)
+        if sides[0] != sides[1]:
+            return False
+        rendered += sides[0] is not None
+    return rendered > 0
 
 
 DRY_RUN_RENDERS = 100  # conversations a dry run renders: a template that fails on most fails on the first

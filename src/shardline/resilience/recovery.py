@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import random
@@ -71,7 +72,8 @@ def named_resume_problem(mode: str) -> str | None:
         return None
     named = Path(mode)
     if not named.is_dir():
-        pruned = not named.exists() and named.parent != Path(".")  # (a bare word: likely a keyword mistyped)
+        typo = difflib.get_close_matches(mode, ("auto", "latest", "never"), n=1)  # (a keyword mistyped)
+        pruned = not named.exists() and not typo
         gone = "does not exist (a checkpoint pruned by checkpoint.keep?)" if pruned else "is not a checkpoint folder"
         return f"run.resume={mode!r} {gone}; valid: auto, latest, never, or the path of a checkpoint folder"
     if (named / MANIFEST).is_file():
