@@ -17,14 +17,13 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from shardline.config import Config
-from shardline.data.encode import (chat_template_for, check_replies, encode_documents, render_chat)
 from shardline.data.chat_checks import (chat_checked, check_folder_template, check_one_chat_template,
                                         check_replies_fit, without_replies)
+from shardline.data.encode import chat_template_for, check_replies, encode_documents, render_chat
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
-from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_manifest,
-                                   token_fingerprint, tokenizer_hash)
+from shardline.data.shards import id_bound, is_prepared, open_prepared, read_manifest, token_fingerprint, tokenizer_hash
 from shardline.data.sources import SUFFIXES, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
 from shardline.errors import DataError

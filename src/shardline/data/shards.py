@@ -13,8 +13,8 @@ Layout of a folder:
 the tokenizer and checks every file's size; it reads no token. A batch then reads only
 its own windows from the page cache, so start-up time and memory per rank do not grow
 with the corpus (but for the sampler's permutation: 8 bytes per sequence; and for chat data,
-packing its conversations into rows: data/packing.py `pack_rows`, ~0.6 s and 4 bytes kept a
-conversation, 16 a row). Checksums
+packing its conversations into rows: data/packing.py `pack_rows`, ~0.6 s a million conversations,
+4 bytes kept a conversation and 16 a row). Checksums
 are checked by `shardline prepare --verify DIR` (that reads everything).
 """
 
