@@ -317,16 +317,14 @@ def test_chat_loss_is_on_assistant_tokens_only(tmp_path):
 
 
 def _next_fit_rows(sizes, width: int) -> int:
-    """How many rows packing in stream order (each row takes the next conversation while it fits) needs."""
-    rows, held = 0, 0
-    for size in sizes:
-        if held and held + size > width:
-            rows, held = rows + 1, 0
-        if size >= width:
-            rows += 1
-        else:
-            held += size
-    return rows + (held > 0)
+    """How many rows packing in stream order needs: benchmarks/chat_packing.py's baseline, the one definition."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chat_packing", Path(__file__).parents[2] / "benchmarks" /
+                                                  "chat_packing.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.next_fit_rows(sizes, width)
 
 
 def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_continued(tmp_path):
