@@ -81,6 +81,10 @@ def test_a_model_switch_takes_true_and_false_as_on_and_off():
     ("faults.kill_step=3", "faults.kill_step=3 is invalid: needs faults.kill_rank, the rank it fires on"),
     ("faults.hang_rank=1", "faults.hang_rank=1 is invalid: needs faults.hang_step, the step it hangs at"),
     ("faults.slow_rank=1", "faults.slow_rank=1 is invalid: needs faults.slow_factor > 1"),
+    ("faults.nan_step=201", "faults.nan_step=201 is past train.steps=200: the drill would never fire; give a step in "
+                            "1..200"),
+    ("faults.spike_step=20", "faults.spike_step=20 comes before the spike detector judges any step: it needs "
+                             "anomaly.min_history=20 healthy steps first"),
     ('data.mix=[{path = "a", weight = inf}]', "data.mix[0].weight=inf is not a finite number"),
     ("watchdog.probe_interval=-1", "watchdog.probe_interval=-1 is invalid: must be >= 0 (0 = off)"),
     ("faults.slow_in=gpu", "faults.slow_in='gpu' is invalid: must be one of ('host', 'compute', 'data')"),

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline.config import reader
-from shardline.config.resilience import AnomalyConfig, FaultsConfig, WatchdogConfig
+from shardline.config.resilience import DRILL_STEPS, AnomalyConfig, FaultsConfig, WatchdogConfig
 from shardline.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -60,11 +60,25 @@ class Config:
                                   f"{sections[section.name].__name__} (set its keys one by one, or use load_config)")
             reader.check_types(value, section.name)  # (values set in code)
             value.check()
+        self._check_drills()
         if not self.data.val_fraction and self.train.eval_interval:
             every = self.train.eval_interval
             raise ConfigError(f"data.val_fraction=0 holds nothing out for train.eval_interval={every} "
                               "to evaluate on: set train.eval_interval=0 (no evaluation), or a data.val_fraction in "
                               "(0, 0.5)")
+
+    def _check_drills(self) -> None:
+        """A drill that can never fire passed as if it had: one at a step past train.steps, or a loss
+        spike before the detector judges any (it needs anomaly.min_history healthy steps first)."""
+        f, steps = self.faults, self.train.steps
+        for key in DRILL_STEPS:
+            if getattr(f, key) > steps:
+                raise ConfigError(f"faults.{key}={getattr(f, key)} is past train.steps={steps}: the drill would "
+                                  f"never fire; give a step in 1..{steps}")
+        if f.spike_step and f.spike_step <= self.anomaly.min_history:
+            raise ConfigError(f"faults.spike_step={f.spike_step} comes before the spike detector judges any step: it "
+                              f"needs anomaly.min_history={self.anomaly.min_history} healthy steps first; give a "
+                              "later step, or a lower anomaly.min_history")
 
     def check(self, dp_world: int = 1) -> None:
         """check_sections(), and a global batch that splits over `dp_world` ranks."""

@@ -62,6 +62,9 @@ class WatchdogConfig:
         return self.long_timeout_s or 10 * self.timeout_s
 
 
+DRILL_STEPS = ("kill_step", "nan_step", "spike_step", "hang_step", "corrupt_checkpoint_step", "fail_save_step")
+
+
 @dataclass
 class FaultsConfig:
     """Fault injection for tests and drills; off by default, fires on the first attempt only."""
@@ -84,7 +87,7 @@ class FaultsConfig:
     fail_save_step: int = 0  # die in the middle of writing this step's checkpoint
 
     def check(self) -> None:
-        for key in ("kill_step", "nan_step", "spike_step", "hang_step", "corrupt_checkpoint_step", "fail_save_step"):
+        for key in DRILL_STEPS:
             require(getattr(self, key) >= 0, f"faults.{key}", getattr(self, key), "must be >= 0 (0 = off)")
         for key in ("kill_rank", "hang_rank", "slow_rank"):
             require(getattr(self, key) >= -1, f"faults.{key}", getattr(self, key), "must be a rank, or -1 (off)")

@@ -71,10 +71,16 @@ class AnomalyResponse:
 
     def _handle_anomaly(self, step: int, kind: str, value: float, loss: float) -> bool:
         """Apply anomaly.action; True when the run rolled back (the step is redone)."""
-        action = self.cfg.anomaly.action
+        action, spent = self.cfg.anomaly.action, None
         if action == "rollback" and self.rollbacks >= self.cfg.anomaly.max_rollbacks:
             action = "halt"  # the fault keeps coming back: stop instead of looping
+            most = self.cfg.anomaly.max_rollbacks
+            spent = ("anomaly.max_rollbacks=0 allows no rollback" if not most else
+                     f"the run has rolled back anomaly.max_rollbacks={most} times: the fault keeps coming back; "
+                     "look at the data and settings, or raise it")
         event = {"step": step, "anomaly": kind, "value": value, "action": action}
+        if spent:
+            event["reason"] = spent
         if kind == "loss_spike":  # its value is the z-score, not the loss the log shows
             event["loss"] = loss
         if action == "skip" and self._skips_stuck(step):
