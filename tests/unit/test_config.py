@@ -146,6 +146,13 @@ def test_paths_given_as_numbers_stay_as_written():
     assert (cfg.run.dir, cfg.data.path, cfg.run.resume) == ("2024-06-01", "12:00:00", "runs/x/step-000010")
 
 
+def test_a_hang_drill_in_another_phase_is_not_held_to_train_steps():
+    """hang_step counts only where the hang is a step's: a drain or restore hang fires where it is."""
+    with pytest.raises(ConfigError, match="faults.hang_step=300 is past train.steps=200: the drill would never fire"):
+        load_config(None, ["faults.hang_rank=0", "faults.hang_step=300"]).check()
+    load_config(None, ["faults.hang_rank=0", "faults.hang_step=300", "faults.hang_phase=drain"]).check()
+
+
 def test_bad_toml_file(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[train\nsteps=")

@@ -72,6 +72,8 @@ class Config:
         spike before the detector judges any (it needs anomaly.min_history healthy steps first)."""
         f, steps = self.faults, self.train.steps
         for key in DRILL_STEPS:
+            if key == "hang_step" and f.hang_phase != "step":  # (another phase's hang fires where it is)
+                continue
             if getattr(f, key) > steps:
                 raise ConfigError(f"faults.{key}={getattr(f, key)} is past train.steps={steps}: the drill would "
                                   f"never fire; give a step in 1..{steps}")

@@ -76,8 +76,8 @@ class AnomalyResponse:
             action = "halt"  # the fault keeps coming back: stop instead of looping
             most = self.cfg.anomaly.max_rollbacks
             spent = ("anomaly.max_rollbacks=0 allows no rollback" if not most else
-                     f"the run has rolled back anomaly.max_rollbacks={most} times: the fault keeps coming back; "
-                     "look at the data and settings, or raise it")
+                     f"the run has rolled back {self.rollbacks} times (anomaly.max_rollbacks={most}): the fault "
+                     "keeps coming back; look at the data and settings, or raise it")
         event = {"step": step, "anomaly": kind, "value": value, "action": action}
         if spent:
             event["reason"] = spent
