@@ -55,6 +55,8 @@ def format_line(rec: dict[str, Any], total_steps: int) -> str:
         if rec.get("mfu") is not None:
             parts.append(f"mfu {100 * rec['mfu']:.1f}%")
         parts += [_memory_part(rec), f"{rec['step_time_s']:.3f} s/step"]
+        if "loss_scale" in rec:  # fp16
+            parts.append(f"loss scale {rec['loss_scale']:g}")
         if "expert_load_max" in rec:  # a mixture-of-experts model
             parts.append(f"experts load max/mean {rec['expert_load_max']:.2f} aux {rec['aux_loss']:.4f} "
                          f"dropped {rec['dropped_tokens']:,.0f}")

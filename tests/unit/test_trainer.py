@@ -116,6 +116,12 @@ def test_fp16_overflow_skips_the_step(tiny_config, tmp_path):
     assert "skipped_step" in events
     end = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "end"][-1]
     assert end["overflow_skipped_steps"] == 1  # the scaler's skips, apart from the anomalies' (its own count)
+    # The train record carries the loss scale (halved by the overflow), not only the skip's event.
+    assert [r["loss_scale"] for r in read_records(tmp_path / "run", "train")] == [2.0**39]
+    from shardline.metrics import format_line
+
+    logged = {**read_records(tmp_path / "run", "train")[0], "grad_norm": math.inf}  # (the file's is "Infinity")
+    assert format_line(logged, 1).endswith("| loss scale 5.49756e+11")
 
 
 def test_a_resume_applies_the_configs_optimizer_settings(tiny_config, tmp_path):

@@ -378,5 +378,6 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
             **peaks, step_time_s=seconds / steps,
             epoch=self.data.sampler.epoch_of(batch_index(self.step, self.skipped_batches)),  # batches drawn
-            **(self.experts.log_values() if self.experts else {}))
+            **(self.experts.log_values() if self.experts else {}),
+            **({"loss_scale": self.scaler.scaler.get_scale()} if self.scaler.enabled else {}))  # fp16's, now
 
