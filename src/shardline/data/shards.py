@@ -123,15 +123,8 @@ class TokenShards:
 
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Rows stream[start : start + length], read from the shards that hold them."""
-        out = np.empty((len(starts), length), dtype=self.dtype)
-        for row, start in enumerate(np.asarray(starts, dtype=np.int64)):
-            k, pos = int(np.searchsorted(self.bounds, start, side="right")) - 1, 0
-            while pos < length:
-                lo = int(start) + pos - int(self.bounds[k])
-                take = min(length - pos, self.sizes[k] - lo)
-                out[row, pos : pos + take] = self._map(k)[lo : lo + take]
-                pos, k = pos + take, k + 1
-        return out
+        starts = np.asarray(starts, dtype=np.int64)
+        return self.runs(starts, np.full(len(starts), length, dtype=np.int64)).reshape(len(starts), length)
 
     def runs(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """stream[start : start + length] for each (start, length), concatenated: contiguous reads (a
