@@ -49,17 +49,24 @@ PEAK_TFLOPS: dict[str, tuple[str, dict[str, float]]] = {
     name: (s.marker, dict(s.peak_tflops)) for name, s in DATASHEETS.items()
 }
 
-# A CPU has no datasheet peak we can read; assume 3 GHz x 32 fp32 FLOP/cycle per core
-# (two AVX2 FMA units) over the threads torch uses. It makes CPU MFU comparable
-# between runs on one machine, not with GPUs.
-_CPU_FLOP_PER_CYCLE, _CPU_HZ = 32, 3.0e9
-CPU_PEAK_ASSUMED = ("an assumed 3 GHz x 32 fp32 FLOP/cycle per torch thread, at most a rank's share of the host's "
-                    "cores (twice that in bf16 or fp16 where the "
+# A CPU has no datasheet peak we can read; assume 3 GHz x 32 fp32 FLOP/cycle per core (two FMA units
+# of 8 lanes: AVX2), 64 where the CPU has AVX-512 (two units of 16 lanes; a part with one unit reads
+# half its MFU), over the threads torch uses. It makes CPU MFU comparable between runs on one machine,
+# not with GPUs.
+AVX2_FLOP_PER_CYCLE, _AVX512_FLOP_PER_CYCLE, _CPU_HZ = 32, 64, 3.0e9
+CPU_PEAK_ASSUMED = ("an assumed 3 GHz x 32 fp32 FLOP/cycle per torch thread (64 where the CPU has avx512f), at most "
+                    "a rank's share of the host's cores (twice that in bf16 or fp16 where the "
                     "CPU has 16-bit dot-product units: avx512_bf16, amx): the log's mfu compares runs on this "
                     "machine, not with GPUs, nor with `shardline estimate` (which prices a calibrated CPU profile); "
                     "metrics.peak_tflops sets the machine's own")
 # CPU flags whose 16-bit dot products do twice an fp32 FMA's work a lane (a bf16 run's MFU passed 100% without).
 _CPU_HALF_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
+
+
+def cpu_flop_per_cycle() -> int:
+    """fp32 FLOP a core may do a cycle, by its vector width: an AVX-512 host's fp32 MFU read ~2x high
+    against AVX2's 32 (a 20-step tiny run logged 97%). Hosts without x86 flags (ARM) keep 32."""
+    return _AVX512_FLOP_PER_CYCLE if "avx512f" in _cpu_flags() else AVX2_FLOP_PER_CYCLE
 
 
 def cpu_peak_tflops(dtype: str = "fp32", shared: bool = True) -> float:
@@ -76,7 +83,7 @@ def cpu_peak_tflops(dtype: str = "fp32", shared: bool = True) -> float:
     launcher = _launcher_cores() if local > 1 else cores
     if cores < launcher:  # pinned (numactl, a cpu-bind, a NUMA node's cores): the ranks sharing this mask
         local = max(1, math.ceil(local * cores / launcher))
-    peak = min(threads, cores / local) * _CPU_FLOP_PER_CYCLE * _CPU_HZ / 1e12
+    peak = min(threads, cores / local) * cpu_flop_per_cycle() * _CPU_HZ / 1e12
     return 2 * peak if set(_CPU_HALF_FLAGS.get(dtype, ())) & _cpu_flags() else peak
 
 

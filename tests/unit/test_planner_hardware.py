@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import tomllib
@@ -53,8 +54,8 @@ def test_trainer_peak_reads_the_same_table():
 
 def test_a_cpu_with_16_bit_dot_products_has_twice_the_peak_in_them(monkeypatch):
     """A bf16 run on an avx512_bf16 CPU logged mfu 103% against the fp32 peak."""
-    fp32 = trainer_hw.cpu_peak_tflops()
     monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    fp32 = trainer_hw.cpu_peak_tflops()
     assert trainer_hw.peak_tflops(torch.device("cpu"), "bf16") == 2 * fp32
     assert trainer_hw.peak_tflops(torch.device("cpu"), "fp16") == fp32  # no avx512_fp16 / amx_fp16
     from shardline.planner.compute import matmul_time
@@ -62,10 +63,35 @@ def test_a_cpu_with_16_bit_dot_products_has_twice_the_peak_in_them(monkeypatch):
 
     flagged = cpu_hardware()  # the planner divides MFU by the trainer's peak; its predicted times stay
     assert flagged.peak_tflops["bf16"] == 2 * fp32 == trainer_hw.peak_tflops(torch.device("cpu"), "bf16")
-    monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: {"avx2", "avx512f"})  # no 16-bit dot products
     assert trainer_hw.peak_tflops(torch.device("cpu"), "bf16") == fp32
     plain = cpu_hardware()
     assert matmul_time(flagged, "bf16", 512, 512, 512) == pytest.approx(matmul_time(plain, "bf16", 512, 512, 512))
+
+
+def test_an_avx512_cpu_has_twice_avx2s_fp32_peak_and_the_planner_the_same_times(monkeypatch):
+    """A 20-step fp32 run on an AVX-512 host logged mfu 97% against AVX2's 32 FLOP/cycle; the planner's
+    uncalibrated CPU efficiencies were measured against that figure, so its times must not move."""
+    from shardline.models import PRESETS
+    from shardline.planner.compute import matmul_time
+    from shardline.planner.hardware import cpu_hardware
+    from shardline.planner.layout import Workload
+    from shardline.planner.search import search
+
+    monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: {"fma", "avx2"})
+    avx2, plain = trainer_hw.cpu_peak_tflops(), cpu_hardware()
+    monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: {"fma", "avx2", "avx512f"})
+    assert trainer_hw.cpu_peak_tflops() == 2 * avx2
+    wide = cpu_hardware()
+    assert wide.peak_tflops["fp32"] == 2 * plain.peak_tflops["fp32"]
+    assert wide.matmul_eff_max["fp32"] == plain.matmul_eff_max["fp32"] / 2
+    for dtype in ("fp32", "bf16"):
+        assert matmul_time(wide, dtype, 512, 512, 512) == pytest.approx(matmul_time(plain, dtype, 512, 512, 512))
+        work = Workload(dataclasses.replace(PRESETS["tiny"], vocab_size=512), 256, 8, dtype)
+        fast, slow = (search(work, hw, 2).candidates[0] for hw in (wide, plain))
+        assert fast.step_time_s == pytest.approx(slow.step_time_s) and fast.mfu == pytest.approx(slow.mfu / 2)
+    monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: set())  # no x86 flags (ARM): AVX2's figure
+    assert trainer_hw.cpu_peak_tflops() == avx2
 
 
 def test_overrides_from_toml(tmp_path):

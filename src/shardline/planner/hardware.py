@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 from shardline.config import reader
-from shardline.devices import DATASHEETS, cpu_cores, cpu_peak_tflops, local_datasheet
+from shardline.devices import (AVX2_FLOP_PER_CYCLE, DATASHEETS, cpu_cores, cpu_flop_per_cycle, cpu_peak_tflops,
+                               local_datasheet)
 from shardline.errors import ConfigError
 from shardline.parallel.distributed import check_card
 
@@ -186,8 +187,10 @@ def cpu_hardware() -> Hardware:
     """This host as a device: uncalibrated guesses, replaced by `shardline calibrate`."""
     # The trainer's MFU peaks, one process's alone: the planner shares the cores between ranks itself.
     peak = {dtype: cpu_peak_tflops(dtype, shared=False) for dtype in ("fp32", "bf16", "fp16")}
-    # The efficiencies below were measured against the fp32 figure for every dtype: kept per FLOP/s.
-    per = {dtype: peak["fp32"] / peak[dtype] for dtype in peak}
+    # The efficiencies below were measured against the fp32 figure at AVX2's FLOP/cycle for every dtype:
+    # kept per FLOP/s, so a wider peak (AVX-512, 16-bit dot products) changes the MFU, not the times.
+    measured_against = peak["fp32"] * AVX2_FLOP_PER_CYCLE / cpu_flop_per_cycle()
+    per = {dtype: measured_against / peak[dtype] for dtype in peak}
     return Hardware(
         name="cpu", marker="", peak_tflops=peak,
         mem_gib=_host_memory_gib(), mem_bw_gbs=20.0, reserved_gib=0.0, fragmentation=0.15,
@@ -197,8 +200,9 @@ def cpu_hardware() -> Hardware:
                         # moments under memory pressure reached ~0.5 (benchmarks/ssd_pressure.py; dd wrote 1.1)
                         ssd_read_gbs=1.5, ssd_write_gbs=0.5,
                         op_factor={"all_reduce": 0.9, "all_gather": 1.1, "reduce_scatter": 2.0}),
-        matmul_eff_max={"fp32": 0.5, "bf16": 0.1 * per["bf16"], "fp16": 0.05 * per["fp16"]}, matmul_half_dim=64.0,
-        attn_eff={"fp32": 0.25, "bf16": 0.05 * per["bf16"], "fp16": 0.03 * per["fp16"]},
+        matmul_eff_max={"fp32": 0.5 * per["fp32"], "bf16": 0.1 * per["bf16"], "fp16": 0.05 * per["fp16"]},
+        matmul_half_dim=64.0,
+        attn_eff={"fp32": 0.25 * per["fp32"], "bf16": 0.05 * per["bf16"], "fp16": 0.03 * per["fp16"]},
         elementwise_eff={"fp32": 1.0, "bf16": 0.8, "fp16": 0.5},
         # AdamW + clipping: the host's windowed AdamW (clip folded in) over 4 M parameters, one thread, at
         # the 20 GB/s above: 55-58 B a parameter on the 2-core VM one hour, 87-91 B a few hours later
