@@ -39,6 +39,7 @@ import torch
 
 from shardline.data.encode import (ChatTemplate, chat_template_for, encode_reply_prompt, reply_prompt, turn_end_text,
                                    with_bos)
+from shardline.config import saved_formats
 from shardline.errors import CheckpointError, ConfigError, DataError
 from shardline.models.llama.kv_cache import KVCache
 
@@ -252,21 +253,24 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     seq_len = context or run.get("train", {}).get("seq_len") or args.max_seq_len
     bos = bos_prefix(tokenizer) or sorted(_ids(hf.get("bos_token_id")))  # what --bos puts first
     data = run.get("data", {})
+    formats = saved_formats(data)  # each source's ("text", "chat"); [] for weights converted from HF
+    run_format = "chat" if "chat" in formats else "text" if formats else ""
     # A run's own setting; weights converted from HF (no run) were pretrained as their tokenizer starts a text
-    trained_bos = bool(bos_prefix(tokenizer)) and (data.get("add_bos", False) and data.get("format") == "text"
+    trained_bos = bool(bos_prefix(tokenizer)) and (data.get("add_bos", False) and "text" in formats
                                                    if run else True)
     try:
         template, problem = chat_template_for(str(tok_path)), ""
     except DataError as e:  # (a plain prompt needs no template)
         template, problem = None, str(e)
-    if data.get("format") == "chat" and template is not None and bos_prefix(tokenizer):  # the template wrote the
+    chat_only = bool(formats) and "text" not in formats
+    if chat_only and template is not None and bos_prefix(tokenizer):  # the template wrote the
         try:  # BOS each conversation starts with (one that cannot render this: --chat says so, a plain prompt not)
             head = encode_reply_prompt(tokenizer, _messages("x", ""), template)
             trained_bos = head[:len(bos_prefix(tokenizer))] == bos_prefix(tokenizer)
         except DataError:
             pass
     return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, bos, trained_bos, template, problem,
-                     str(ckpt), data.get("format", ""))
+                     str(ckpt), run_format)
 
 
 def say(line: str) -> None:

@@ -73,12 +73,12 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if device_type == "cuda" and world_size == 1 and gpus > 1:
         notes.append(("one_gpu_of_several", {"gpus": gpus, "fix": f"torchrun --nproc_per_node={gpus} -m shardline "
                                              "train ... trains on all of them"}))
-    if tokenizer is not None and eos_id(tokenizer) is None and cfg.data.format != "chat":  # (chat: the template's)
+    if tokenizer is not None and eos_id(tokenizer) is None and "text" in cfg.data.formats():  # (chat: the template's)
         notes.append(("no_end_of_document_token", {
             "tokenizer": cfg.data.tokenizer or "the run's own",
             "why": f"none of {', '.join(KNOWN_EOS)} is a token of it: documents are packed with nothing between "
                    "them, and generate stops only at its length (an eos_token in tokenizer_config.json is not read)"}))
-    if cfg.data.format == "chat" and tokenizer is not None and _no_template(tokenizer_file(cfg.data)):
+    if cfg.data.chat and tokenizer is not None and _no_template(tokenizer_file(cfg.data)):
         pieces = [m for m in (CHAT_START, CHAT_END) if tokenizer.token_to_id(m) is None]
         notes.append(("chat_as_chatml", {
             "why": "no chat template beside the tokenizer (tokenizer_config.json's chat_template, chat_template.jinja)",
@@ -149,7 +149,7 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("checkpoint", ("memory_redundancy", "memory_mode", "memory_dir"), not c.memory_interval,
               "checkpoint.memory_interval=0"),
              ("watchdog", ("long_timeout_s",), not cfg.watchdog.timeout_s, "watchdog.timeout_s=0"),
-             ("data", ("text_field",), cfg.data.format == "chat", "data.format=chat reads each record's 'messages'"),
+             ("data", ("text_field",), "text" not in cfg.data.formats(), "chat data reads each record's 'messages'"),
              ("data", ("val_fraction",), all(map(is_prepared, paths)),
               "the data is prepared: `shardline prepare --val-fraction` fixed its held-out split"),
              ("parallel", ("zero",), layout is not None and layout.dp_mode in ("ddp", "single")

@@ -275,7 +275,7 @@ def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, add_bos: b
 
 def bos_setting(cfg: Config, tokenizer) -> bool | None:
     """data.add_bos where it decides tokens (text documents, a tokenizer with BOS tokens), else None."""
-    return cfg.data.add_bos if cfg.data.format == "text" and bos_prefix(tokenizer) else None
+    return cfg.data.add_bos if "text" in cfg.data.formats() and bos_prefix(tokenizer) else None
 
 
 def _check_same_bos(path: Path, add_bos: bool | None) -> None:

@@ -19,6 +19,7 @@ from shardline.data.loader import build_data
 from shardline.data.prepare import PrepareOptions, prepare
 from shardline.models.loss import IGNORE_INDEX
 from shardline.trainer import Trainer
+from tests.conftest import write_small_corpus
 from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, losses, run_world
 
 # A conversation of 1-3 exchanges with replies of 1-12 words: rows hold unequal label counts.
@@ -31,6 +32,9 @@ LAYOUTS = {
     "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"],
     "tp2_loss_parallel": ["parallel.tp=2"],
 }
+# Chat with text replayed (a third of the sequences): rows of all labels beside rows of a few.
+MIXED = {"fsdp2_mixed": LAYOUTS["fsdp2"], "ddp2_accum_mixed": LAYOUTS["ddp2_accum"]}
+SINGLE = {False: "single", True: "single_mixed"}
 
 
 def _conversations(n: int) -> str:
@@ -45,9 +49,11 @@ def _conversations(n: int) -> str:
     return "".join(rows)
 
 
-def _base(root: Path) -> list[str]:
-    return [*PARITY_OVERRIDES, "model.n_layers=2", f"train.seq_len={SEQ_LEN}", f"data.path={root / 'prepared'}",
-            "data.format=chat"]
+def _base(root: Path, mixed: bool = False) -> list[str]:
+    """The chat folder alone, or (`mixed`) with a text folder replayed beside it (data.mix[i].format)."""
+    data = ([f'data.mix=[{{path = "{root / "prepared"}", format = "chat"}}, {{path = "{root / "text"}", '
+             'weight = 0.5}]'] if mixed else [f"data.path={root / 'prepared'}", "data.format=chat"])
+    return [*PARITY_OVERRIDES, "model.n_layers=2", f"train.seq_len={SEQ_LEN}", *data]
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +64,13 @@ def chat_runs(tmp_path_factory):
     raw.write_text(_conversations(300))
     prepare(PrepareOptions([str(raw)], str(root / "prepared"), format="chat", val_fraction=0.1, vocab_size=512,
                            progress=False))
-    base = _base(root)
-    single = root / "single"
-    Trainer(load_config(None, [*base, f"run.dir={single}"])).build().train()
-    run_world(2, [(root / name, [*base, *extra]) for name, extra in LAYOUTS.items()])
-    return single, root
+    prepare(PrepareOptions([str(write_small_corpus(root))], str(root / "text"), vocab_size=512, progress=False,
+                           tokenizer=str(root / "prepared" / "tokenizer.json")))
+    for mixed in (False, True):
+        Trainer(load_config(None, [*_base(root, mixed), f"run.dir={root / SINGLE[mixed]}"])).build().train()
+    run_world(2, [(root / name, [*_base(root), *extra]) for name, extra in LAYOUTS.items()]
+              + [(root / name, [*_base(root, mixed=True), *extra]) for name, extra in MIXED.items()])
+    return root / SINGLE[False], root
 
 
 def test_the_setting_holds_what_it_claims(chat_runs):
@@ -86,3 +94,9 @@ def test_the_setting_holds_what_it_claims(chat_runs):
 def test_a_chat_run_on_two_ranks_matches_one_process(chat_runs, layout):
     single, root = chat_runs
     assert_same_run(root / layout, single)
+
+
+@pytest.mark.parametrize("layout", list(MIXED))
+def test_chat_with_text_replayed_on_two_ranks_matches_one_process(chat_runs, layout):
+    _, root = chat_runs
+    assert_same_run(root / layout, root / SINGLE[True])

@@ -145,7 +145,7 @@ def test_settings_a_config_never_reads_and_a_fine_tunes_lr_on_new_weights_are_na
     assert "settings_unused" not in dict(launch_notes(used, "cpu", 1.0, 1))
     chat = load_config(None, ["data.format=chat", "data.text_field=conversations", "metrics.peak_tflops=1"])
     assert dict(launch_notes(chat, "cpu", 1.0, 1))["settings_unused"] == {
-        "data.text_field": "data.format=chat reads each record's 'messages'"}
+        "data.text_field": "chat data reads each record's 'messages'"}
     # A prepared folder's held-out split was fixed by prepare.
     prepared = load_config(None, [f"data.path={small_prepared}", "data.val_fraction=0.1", "metrics.peak_tflops=1"])
     assert dict(launch_notes(prepared, "cpu", 1.0, 1))["settings_unused"] == {

@@ -274,17 +274,42 @@ def test_mixture_errors(tmp_path, prepared, small_corpus):
         build_data(cfg)
 
 
-def test_a_mixture_of_chat_and_text_folders_is_one_error_not_two_that_contradict(tmp_path, prepared):
-    """Each folder alone said to set the other format: one line now says a mixture takes one."""
+def test_a_mixture_holds_chat_and_text_sources_each_in_its_own_format(tmp_path, prepared, small_corpus):
+    """Chat fine-tuning with text replayed: data.mix[i].format gives a source its own format. Chat rows
+    keep their prompts unlabelled, text rows label every token but a document's first, the mixture
+    counts both alike, raw = prepared, and a source asked for in the wrong format is named."""
+    tok = str(prepared / "tokenizer.json")
     path = tmp_path / "chat.jsonl"
-    path.write_text(chat_records(40))
-    prepare(PrepareOptions([str(path)], str(tmp_path / "chat"), format="chat", workers=1, **SMALL))
-    for fmt in ("chat", "text"):
-        cfg = load_config(None, [f'data.mix=[{{path = "{tmp_path / "chat"}"}}, {{path = "{prepared}"}}]',
-                                 f"data.format={fmt}"])
-        with pytest.raises(DataError, match=r"^data.mix mixes chat and text sources \(.*chat: chat; .*: text\): a "
-                                            "mixture takes one data.format"):
-            build_data(cfg)
+    path.write_text(chat_records(60))
+    prepare(PrepareOptions([str(path)], str(tmp_path / "chat"), format="chat", tokenizer=tok, workers=1, **SMALL))
+    mix = f'data.mix=[{{path = "{tmp_path / "chat"}", format = "chat", weight = 0.5}}, {{path = "{prepared}"}}]'
+    common = ["train.seq_len=256", "train.global_batch_size=16"]
+    d = build_data(load_config(None, [mix, *common]))
+    rows = np.arange(len(d.train))
+    src, _ = d.train.locate(rows)
+    batch = d.train.batch(rows)
+    labelled = (batch["labels"] != IGNORE_INDEX).sum(dim=1).numpy()
+    docs = batch["doc_ids"]
+    starts = (docs[:, 1:] != docs[:, :-1]).sum(dim=1).numpy()  # text: a document's first token is not a target
+    assert (src == 0).any() and (src == 1).any()
+    assert (labelled[src == 0] < 0.6 * 256).all()  # prompts and system turns unlabelled
+    gap = 256 - starts[src == 1] - labelled[src == 1]  # (1 where the next document opens at the last label)
+    assert ((gap == 0) | (gap == 1)).all()
+    assert d.train.count_labels(rows) == labelled.sum()
+    event = d.describe(10)
+    assert event["sequences_without_replies"] == 0 and event["conversations_cut"] == 0, event
+    raw = f'data.mix=[{{path = "{path}", format = "chat", weight = 0.5}}, {{path = "{small_corpus}"}}]'
+    assert_same_batches(d, build_data(load_config(None, [raw, *common, f"data.tokenizer={tok}"])))
+    # data.format=chat with the text source's own format: the same mixture
+    flipped = f'data.mix=[{{path = "{tmp_path / "chat"}", weight = 0.5}}, {{path = "{prepared}", format = "text"}}]'
+    assert_same_batches(d, build_data(load_config(None, [flipped, "data.format=chat", *common])))
+    wrong = f'data.mix=[{{path = "{tmp_path / "chat"}"}}, {{path = "{prepared}", format = "chat"}}]'
+    with pytest.raises(DataError, match=r"^data.mix: data.format='text' but .*chat was prepared as 'chat' data; "
+                                        r"data.mix\[1\].format='chat' but .*prep was prepared as 'text' data; set "
+                                        r"each source's format"):
+        build_data(load_config(None, [wrong, *common]))
+    with pytest.raises(ConfigError, match=r"data.mix\[0\].format"):
+        load_config(None, [f'data.mix=[{{path = "{prepared}", format = "json"}}]']).data.check()
 
 
 def chat_records(n: int) -> str:

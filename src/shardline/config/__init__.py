@@ -26,6 +26,7 @@ from shardline.config.sections import (
     ParallelConfig,
     RunConfig,
     TrainConfig,
+    saved_formats,
 )
 
 __all__ = [
@@ -33,5 +34,5 @@ __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "FaultsConfig", "MemoryConfig", "MetricsConfig", "ModelConfig",
     "MoEConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig", "WatchdogConfig", "apply_override",
     "config_changes", "expand_home", "from_dict", "load_config", "load_relaunch_config", "read_toml", "save_config",
-    "to_toml",
+    "saved_formats", "to_toml",
 ]

@@ -200,6 +200,7 @@ class MixSource:
 
     path: str = ""
     weight: float = 1.0
+    format: str = ""  # text | chat; "" = data.format (chat SFT with text replay: one source of each)
 
 
 @dataclass
@@ -225,13 +226,33 @@ class DataConfig:
         _require(0 <= self.val_fraction < 0.5, "data.val_fraction", self.val_fraction,
                  "must be in [0, 0.5) (0 holds nothing out: no evaluation)")
         _require(bool(self.text_field), "data.text_field", self.text_field, "must be a field name")
-        _require(self.format == "chat" or self.text_field != "messages", "data.text_field", self.text_field,
-                 "holds conversations (role, content): set data.format=chat, which reads them")
         _require(self.format in DATA_FORMATS, "data.format", self.format, f"one of {', '.join(DATA_FORMATS)}")
         _require(not (self.mix and self.path), "data.mix", "[...]", "set data.path or data.mix, not both")
         for i, source in enumerate(self.mix):
             _require(bool(source.path), f"data.mix[{i}].path", source.path, "a data path or prepared folder")
             _require(source.weight > 0, f"data.mix[{i}].weight", source.weight, "must be > 0")
+            _require(source.format in ("", *DATA_FORMATS), f"data.mix[{i}].format", source.format,
+                     f"one of {', '.join(DATA_FORMATS)} (or unset: data.format)")
+        _require("text" not in self.formats() or self.text_field != "messages", "data.text_field", self.text_field,
+                 "holds conversations (role, content): set data.format=chat, which reads them")
+
+    def formats(self) -> list[str]:
+        """Each source's format, in data.mix order (data.path's alone): its own, else data.format."""
+        return [s.format or self.format for s in self.mix] or [self.format]
+
+    @property
+    def chat(self) -> bool:
+        """Whether any source is chat: the run renders with a chat template, exports and generates with it."""
+        return "chat" in self.formats()
+
+
+def saved_formats(data: dict) -> list[str]:
+    """DataConfig.formats of a run's saved `data` section (a checkpoint's config, as a dict); [] where
+    none was saved (weights converted from HF)."""
+    if not data:
+        return []
+    default = data.get("format", "text")
+    return [s.get("format") or default for s in data.get("mix", []) if isinstance(s, dict)] or [default]
 
 
 @dataclass

@@ -75,7 +75,7 @@ def check_one_chat_template(cfg: Config) -> None:
     tells). A raw source is rendered with data.tokenizer's template (ChatML without one); a prepared
     folder was, with its own."""
     used = {}
-    for source in cfg.data.mix:
+    for source in (s for s, fmt in zip(cfg.data.mix, cfg.data.formats()) if fmt == "chat"):
         if is_prepared(source.path):
             recorded = _recorded(source.path, read_manifest(Path(source.path)))
             if recorded is not None:

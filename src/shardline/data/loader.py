@@ -55,8 +55,9 @@ class DataBundle:
             fields["conversations_cut"] = sum(p.rows.truncated for p in chat)
             fields["padding"] = round(1 - sum(int(p.rows.lengths.sum()) for p in chat) / width, 4) if width else 0.0
             shares = self.train.counts if isinstance(self.train, MixedSequences) else [len(self.train)]
-            fields["sequences_without_replies"] = round(  # (a mixture's: its sources' by their shares)
-                sum(without_replies(p) * n for p, n in zip(chat, shares)) / max(sum(shares), 1), 4)
+            share = {id(p): int(n) for p, n in zip(self._sources(), shares)}
+            fields["sequences_without_replies"] = round(  # (a mixture's: its chat sources' by their shares)
+                sum(without_replies(p) * share[id(p)] for p in chat) / max(sum(share[id(p)] for p in chat), 1), 4)
         if self.left_out.get("empty_documents"):
             fields["empty_documents_skipped"] = self.left_out["empty_documents"]
         names = self.left_out.get("files_not_read", [])
@@ -169,12 +170,13 @@ def build_data(cfg: Config) -> DataBundle:
 
 
 def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: dict | None = None,
-                key: str = "data.path"):
+                index: int | None = None):
     """(tokenizer, train, val) of one source: a prepared folder or raw files. `left_out` gets what
-    reading skipped (a prepared folder's, as its manifest recorded it); `key` names the source in errors."""
+    reading skipped (a prepared folder's, as its manifest recorded it); `index`: data.mix's, None for data.path."""
     d, seq_len = cfg.data, cfg.train.seq_len
+    fmt, key = d.formats()[index or 0], "data.path" if index is None else f"data.mix[{index}].path"
     if is_prepared(path):
-        prepared = open_prepared(path, seq_len, d.tokenizer, d.format, d.add_bos)
+        prepared = open_prepared(path, seq_len, d.tokenizer, fmt, d.add_bos, _format_key(cfg, index))
         _check_mixture_tokenizer(path, tok, prepared.tokenizer)
         check_folder_template(path, prepared.manifest, d.tokenizer)
         if left_out is not None:
@@ -183,7 +185,7 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
             left_out["files_not_read"] = left_out.get("files_not_read", []) + prepared.manifest.get(
                 "files_not_read", [])
         return prepared.tokenizer, prepared.train, prepared.val
-    chat = d.format == "chat"
+    chat = fmt == "chat"
     docs = read_documents(path, "messages" if chat else d.text_field, left_out, key)
     if chat and len(docs) < (2 if d.val_fraction else 1):
         raise DataError(f"{key}={path!r} holds {len(docs)} conversations; chat data needs at least "
@@ -199,6 +201,12 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
         tok = get_tokenizer(texts, d.tokenizer, d.vocab_size)
     eos, bos = eos_id(tok), bos_prefix(tok) if d.add_bos and not chat else []
     return tok, *(_pack(tok, part, eos, seq_len, template, chat, bos) for part in (train_docs, val_docs))
+
+
+def _format_key(cfg: Config, index: int | None) -> str:
+    """The setting that gives source `index` its format (data.mix[i].format where the source sets one)."""
+    own = index is not None and cfg.data.mix[index].format
+    return f"data.mix[{index}].format" if own else "data.format"
 
 
 def _pack(tok: Tokenizer, docs: list, eos: int | None, seq_len: int, template, chat: bool,
@@ -238,11 +246,11 @@ def _build_mixture(cfg: Config) -> DataBundle:
     """Every source of data.mix, with one tokenizer; train and val mixed by the weights."""
     t, mix = cfg.train, cfg.data.mix
     tok = _mixture_tokenizer(cfg)
-    if cfg.data.format == "chat":
+    if cfg.data.chat:
         check_one_chat_template(cfg)
     trains, vals, left_out = [], [], {}
     for i, source in enumerate(mix):
-        tok, train, val = load_source(source.path, cfg, tok, left_out, key=f"data.mix[{i}].path")
+        tok, train, val = load_source(source.path, cfg, tok, left_out, index=i)
         _check_sizes(source.path, train, val, cfg)
         trains.append(train)
         vals.append(val)
@@ -258,17 +266,22 @@ def _build_mixture(cfg: Config) -> DataBundle:
 
 def _mixture_tokenizer(cfg: Config) -> Tokenizer:
     """data.tokenizer, else the first prepared source's; raw-only mixtures need data.tokenizer. First,
-    prepared sources of both formats are one error (each alone would say to set the other format)."""
-    formats = {s.path: read_manifest(Path(s.path)).get("format") for s in cfg.data.mix if is_prepared(s.path)}
-    if None not in formats.values() and len(set(formats.values())) > 1:  # (None: damaged, open_prepared says)
-        raise DataError("data.mix mixes chat and text sources (" + "; ".join(f"{p}: {f}" for p, f in formats.items())
-                        + "): a mixture takes one data.format for all its sources; prepare them in one format, or "
-                        "train on them in turn (model.init_from)")
-    if cfg.data.tokenizer:
-        return load_tokenizer(cfg.data.tokenizer)
-    prepared = [s.path for s in cfg.data.mix if is_prepared(s.path)]
+    prepared sources whose format is not the one asked of them are one error naming them all."""
+    d = cfg.data
+    wrong = [(i, fmt, read_manifest(Path(s.path)).get("format")) for i, (s, fmt) in enumerate(zip(d.mix, d.formats()))
+             if is_prepared(s.path)]
+    wrong = [(i, fmt, has) for i, fmt, has in wrong if has is not None and has != fmt]  # (None: open_prepared says)
+    if wrong:
+        raise DataError("data.mix: " + "; ".join(f"{_format_key(cfg, i)}={fmt!r} but {d.mix[i].path} was prepared as "
+                                                 f"{has!r} data" for i, fmt, has in wrong)
+                        + "; set each source's format (data.mix[i].format: a mixture may hold both, as chat "
+                        "fine-tuning with text replayed) or prepare it again in the other")
+    if d.tokenizer:
+        return load_tokenizer(d.tokenizer)
+    prepared = [i for i, s in enumerate(d.mix) if is_prepared(s.path)]
     if prepared:
-        return open_prepared(prepared[0], cfg.train.seq_len, "", cfg.data.format, cfg.data.add_bos).tokenizer
+        i = prepared[0]
+        return open_prepared(d.mix[i].path, cfg.train.seq_len, "", d.formats()[i], d.add_bos).tokenizer
     raise DataError("data.mix of raw files needs one tokenizer for all: set data.tokenizer, or prepare the "
                     "sources with `shardline prepare --tokenizer`")
 
@@ -297,13 +310,14 @@ def data_summary(cfg: Config) -> tuple[str, str]:
     d = cfg.data
     parts, folder_tokenizer = [], ""
     tok = _mixture_tokenizer(cfg) if d.mix else None  # the mixture's checks, as _build_mixture runs them
-    if d.mix and d.format == "chat":
+    if d.mix and d.chat:
         check_one_chat_template(cfg)
     keys = [f"data.mix[{i}].path" for i in range(len(d.mix))] or ["data.path"]
     opened = []  # (path, train, val) of the prepared sources: their replies checked as a launch does
-    for key, path in zip(keys, [s.path for s in d.mix] or [d.path]):
+    for i, (key, path, fmt) in enumerate(zip(keys, [s.path for s in d.mix] or [d.path], d.formats())):
         if is_prepared(path):
-            p = open_prepared(path, cfg.train.seq_len, d.tokenizer, d.format, d.add_bos)
+            p = open_prepared(path, cfg.train.seq_len, d.tokenizer, fmt, d.add_bos,
+                              _format_key(cfg, i if d.mix else None))
             _check_mixture_tokenizer(path, tok, p.tokenizer)
             check_folder_template(path, p.manifest, d.tokenizer)
             _check_sizes(path, p.train, p.val, cfg)
@@ -312,10 +326,10 @@ def data_summary(cfg: Config) -> tuple[str, str]:
                          f"documents, {p.train.num_tokens:,} training tokens")
             folder_tokenizer = folder_tokenizer or os.path.join(path, "tokenizer.json")
         else:
-            docs = read_documents(path, "messages" if d.format == "chat" else d.text_field, key=key)
+            docs = read_documents(path, "messages" if fmt == "chat" else d.text_field, key=key)
             where = path or "the shipped corpus (a sample to try shardline on: data.path names your data)"
             parts.append(f"{where}: {len(docs):,} " + (chat_checked(f"{key}={path!r}", docs, d.tokenizer)
-                                                       if d.format == "chat" else "documents"))
+                                                       if fmt == "chat" else "documents"))
     if opened and len(opened) == len(keys):  # (raw data is not tokenized by a dry run)
         vals = [val for _, _, val in opened]
         val = MixedSequences(vals, [s.weight for s in d.mix], interleave=True) if d.mix else vals[0]

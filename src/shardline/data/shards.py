@@ -206,16 +206,16 @@ class PreparedData:
 
 
 def open_prepared(path: str, seq_len: int, tokenizer_path: str = "", fmt: str = "text",
-                  add_bos: bool = True) -> PreparedData:
+                  add_bos: bool = True, format_key: str = "data.format") -> PreparedData:
     """The splits of a prepared folder as sequences over its memory-mapped shards; `add_bos`:
-    data.add_bos, which the folder's documents must agree with."""
+    data.add_bos, which the folder's documents must agree with; `format_key` the setting that asked for `fmt`."""
     root = Path(path)
     manifest = read_manifest(root)
     _check_keys(root, manifest)
     tok = _folder_tokenizer(root, manifest, tokenizer_path)
     if manifest["format"] != fmt:
-        raise DataError(f"data.format={fmt!r} but {path} was prepared as {manifest['format']!r} data; set "
-                        f"data.format={manifest['format']} or prepare again with --format {fmt}")
+        raise DataError(f"{format_key}={fmt!r} but {path} was prepared as {manifest['format']!r} data; set "
+                        f"{format_key}={manifest['format']} or prepare again with --format {fmt}")
     _check_bos(path, manifest, tok, add_bos and fmt == "text")
     splits = [_open_split(root, manifest, name, seq_len) for name in SPLITS]
     splits[0].fingerprint = manifest.get("train_fingerprint")  # (folders prepared before it: None, not compared)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from shardline.config import saved_formats
 from shardline.data.encode import CHATML_TEMPLATE, chat_template_for, reply_prompt
 from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
 from shardline.errors import CheckpointError, ConfigError, DataError
@@ -98,7 +99,7 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
         bos = prefix[0] if bos is None and len(prefix) == 1 else bos
     # A run that trained on chat data without a chat template rendered it as ChatML: its export says so, so
     # transformers' apply_chat_template renders what it learned.
-    chatml = meta.get("config", {}).get("data", {}).get("format") == "chat" and tokenizer is not None \
+    chatml = "chat" in saved_formats(meta.get("config", {}).get("data", {})) and tokenizer is not None \
         and chat_template_for(str(tokenizer)) is None
     return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=dtype,
                             bos_token_id=bos, eos_token_id=eos,
