@@ -19,6 +19,7 @@ from pathlib import Path
 from shardline import layout as layouts
 from shardline.optim import ssd_offload
 from shardline.config import Config, ModelConfig, MoEConfig
+from shardline.data.loader import held_out_problem
 from shardline.data.shards import is_prepared, prepared_with_own_bpe
 from shardline.data.tokenizer import bos_prefix
 from shardline.errors import CheckpointError, ConfigError
@@ -127,8 +128,8 @@ def check_config(cfg: Config) -> None:
     _raise(compile_problem(cfg.train.compile, cfg.parallel.pp, cfg.parallel.pp_schedule))
     _raise(float8.config_problem(cfg.train.precision, cfg.parallel.pp, cfg.parallel.pp_schedule))
     _raise(named_resume_problem(cfg.run.resume) if not restarted() else None)  # a restart may go on from its own
-    _raise(init_from_problem(cfg.model.init_from))
-    _raise(run_dir_problem(cfg.run.dir))
+    for problem in (init_from_problem(cfg.model.init_from), run_dir_problem(cfg.run.dir), held_out_problem(cfg)):
+        _raise(problem)
     if cfg.train.precision == "fp8":
         float8.require_torchao()  # (parallel/float8.py: its install line)
 

@@ -27,6 +27,7 @@ from shardline.data.prepare import PrepareOptions, PrepareStopped, prepare
 from shardline.data.shards import verify
 from shardline.data.sources import read_documents, read_file
 from shardline.errors import ConfigError, DataError
+from shardline.preflight import check_config
 
 SMALL = dict(vocab_size=512, progress=False, chunk_bytes=30_000)
 
@@ -1011,7 +1012,13 @@ def test_nothing_held_out_trains_on_every_document_without_evaluation(tmp_path, 
         data(tmp_path / "prep")
     with pytest.raises(ConfigError, match=re.escape("data.val_fraction=0 holds nothing out for train.eval_interval=50 "
                                                     "to evaluate on: set train.eval_interval=0")):
-        load_config(None, ["data.val_fraction=0"]).check_sections()  # (before any data is read)
+        check_config(load_config(None, ["data.val_fraction=0"]))  # (before any data is read)
+    # A prepared folder's split is its own: data.val_fraction=0 asks nothing of it (it holds one here).
+    held = tmp_path / "held"
+    prepare(PrepareOptions([str(small_corpus)], str(held), val_fraction=0.05, **SMALL))
+    cfg = load_config(None, [f"data.path={held}", "data.val_fraction=0"])
+    check_config(cfg)
+    assert len(build_data(cfg).val) > 0
     with pytest.raises(DataError, match=re.escape("holds nothing out to evaluate on (data.val_fraction=0): set")):
         data(small_corpus, "data.val_fraction=0")  # (the loader's own check, for a config never checked)
     lone = tmp_path / "one.jsonl"  # one conversation is enough when none is held out

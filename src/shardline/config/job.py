@@ -47,8 +47,8 @@ class Config:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def check_sections(self) -> None:
-        """Each section's own rules, and those between sections that need nothing else (an evaluation
-        with something to evaluate on); those involving the layout are shardline.layout's."""
+        """Each section's own rules, and those between sections that need nothing else; those involving
+        the layout are shardline.layout's, the data's (an evaluation with something to evaluate on) preflight's."""
         sections = typing.get_type_hints(Config)
         unknown = [name for name in vars(self) if name not in sections and not name.startswith("_")]
         if unknown:  # (set in code: a file's unknown section is the reader's error)
@@ -61,11 +61,6 @@ class Config:
             reader.check_types(value, section.name)  # (values set in code)
             value.check()
         self._check_drills()
-        if not self.data.val_fraction and self.train.eval_interval:
-            every = self.train.eval_interval
-            raise ConfigError(f"data.val_fraction=0 holds nothing out for train.eval_interval={every} "
-                              "to evaluate on: set train.eval_interval=0 (no evaluation), or a data.val_fraction in "
-                              "(0, 0.5)")
 
     def _check_drills(self) -> None:
         """A drill that can never fire passed as if it had: one at a step past train.steps, or a loss

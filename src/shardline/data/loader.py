@@ -224,6 +224,17 @@ def tokenizer_file(d) -> str:
     return os.path.join(prepared[0], "tokenizer.json") if prepared else ""
 
 
+def held_out_problem(cfg: Config) -> str | None:
+    """An evaluation asked of raw data that holds nothing out (data.val_fraction=0), said before any
+    data is read. A prepared folder holds the split `prepare` made, which data.val_fraction does not
+    touch: opening it says whether it holds one (_check_sizes)."""
+    d, every = cfg.data, cfg.train.eval_interval
+    if d.val_fraction or not every or all(map(is_prepared, [s.path for s in d.mix] or [d.path])):
+        return None
+    return (f"data.val_fraction=0 holds nothing out for train.eval_interval={every} to evaluate on: set "
+            "train.eval_interval=0 (no evaluation), or a data.val_fraction in (0, 0.5)")
+
+
 def _check_sizes(where: str, train, val, cfg: Config) -> None:
     t = cfg.train
     if len(train) == 0:
