@@ -25,6 +25,7 @@ from shardline.errors import AnomalyHalt, Preempted, ShardlineError
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    _adopt_srun_tasks()
     if args.resume is not None:
         given = [o for o in overrides if o.removeprefix("--").startswith("run.resume=")]
         if given:
@@ -51,7 +52,6 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     if args.world_size is not None or args.gpu is not None:
         raise ShardlineError("--world-size and --gpu go with --dry-run; a launch takes its world size from torchrun")
-    _refuse_srun_tasks(os.environ)
     from shardline.parallel.distributed import shutdown_distributed
     from shardline.trainer import Trainer
 
@@ -83,17 +83,12 @@ def _relaunch_config(config: str | None, overrides: list[str]):
     return load_relaunch_config(saved, cfg.run.dir, overrides)
 
 
-def _refuse_srun_tasks(env) -> None:
-    """`srun --ntasks-per-node=8 shardline train` (no torchrun) starts 8 one-process runs on one
-    run dir: one trains, the others stop at its lock. Refused in one line."""
-    tasks = env.get("SLURM_STEP_NUM_TASKS", "1")
-    # torchrun sets RANK and WORLD_SIZE in each worker; one of them exported by an sbatch script is not a launch
-    launched = "RANK" in env and "WORLD_SIZE" in env
-    if tasks.isdigit() and int(tasks) > 1 and not launched and env.get("WORLD_SIZE") != "1":
-        raise ShardlineError(f"srun started {tasks} tasks, each its own one-process run; start one torchrun "
-                             "per node instead (srun --ntasks-per-node=1 torchrun --nproc_per_node=... -m "
-                             "shardline train ...; the README's Slurm example), or set WORLD_SIZE=1 for one "
-                             "process inside a step of several tasks")
+def _adopt_srun_tasks() -> None:
+    """`srun --ntasks-per-node=8 shardline train` (no torchrun): srun's tasks are the ranks, given
+    torchrun's variables from Slurm's (parallel/slurm.py) before anything reads them."""
+    from shardline.parallel.slurm import torchrun_env
+
+    os.environ.update(torchrun_env(os.environ))
 
 
 def _env_world_size() -> int:
@@ -109,6 +104,7 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.parallel.distributed import shutdown_distributed
     from shardline.resilience.health import CHECK_FAILED_EXIT, check
 
+    _adopt_srun_tasks()
     cfg = load_config(args.config, overrides)
     cfg.check_sections()
     report, healthy = check(cfg, size=args.size, slow_factor=args.slow_factor)

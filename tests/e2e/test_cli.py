@@ -139,20 +139,25 @@ def test_usage_and_environment_mistakes_are_one_line(tmp_path, small_corpus, cap
     assert "WORLD_SIZE='two' in the environment is not a positive integer" in err and "Traceback" not in err
 
 
-def test_srun_tasks_without_torchrun_are_refused_and_a_ranked_dry_run_prints_once(tmp_path, small_corpus, capsys,
-                                                                                  monkeypatch):
-    """`srun --ntasks-per-node=8 shardline train` would start 8 one-process runs on one run dir;
-    under torchrun a dry run on every rank would print the report 8 times."""
+def test_srun_tasks_that_cannot_be_ranks_are_one_line_and_a_ranked_dry_run_prints_once(tmp_path, small_corpus,
+                                                                                       capsys, monkeypatch):
+    """srun's tasks are the ranks (parallel/slurm.py; launched for real in tests/e2e/test_torchrun.py):
+    a step without the task ids, or an sbatch export that disagrees with them, is one line before
+    anything is written; under torchrun a dry run on every rank would print the report 8 times."""
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
     assert main(["train", *overrides(tmp_path / "run", small_corpus)]) == 2
     err = capsys.readouterr().err
-    assert "srun started 8 tasks" in err and len(err.strip().splitlines()) == 1
+    assert "srun started 8 tasks but SLURM_PROCID/SLURM_LOCALID are not set" in err
+    assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
-    for exported in ("WORLD_SIZE", "RANK"):  # an sbatch script's export of one is not torchrun's launch
-        monkeypatch.setenv(exported, "8" if exported == "WORLD_SIZE" else "3")
-        assert main(["train", *overrides(tmp_path / "run", small_corpus)]) == 2
-        assert "srun started 8 tasks" in capsys.readouterr().err and not (tmp_path / "run").exists()
-        monkeypatch.delenv(exported)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    monkeypatch.setenv("RANK", "0")  # an sbatch script's export
+    assert main(["train", *overrides(tmp_path / "run", small_corpus)]) == 2
+    assert "RANK=0 is set in the environment but srun started this task as RANK=3" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    for key in ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID", "RANK"):
+        monkeypatch.delenv(key)
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's worker: the dry run checks, rank 1 stays quiet
     monkeypatch.setenv("RANK", "1")
     assert main(["train", "--dry-run", *overrides(tmp_path / "run", small_corpus)]) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,3 +75,31 @@ def test_torchrun_context_parallel_matches_one_process(tmp_path, small_prepared)
                                                          "parallel.dp_shard=1")])
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_run(split, single, evaluated=False)
+
+
+def test_srun_tasks_train_as_ranks_like_one_process(tmp_path, small_prepared):
+    """`srun --ntasks-per-node=2 python -m shardline train ...` without torchrun: each task takes
+    its rank from Slurm's variables (parallel/slurm.py; rank 0's host from the step's node list),
+    and FSDP 2 over them trains like one process. The two tasks are started here as srun would,
+    with the variables it sets."""
+    from shardline.config import load_config
+    from shardline.trainer import Trainer
+    from tests.distributed.harness import assert_same_run
+
+    short = ["train.eval_interval=0", "train.steps=4", "checkpoint.interval=4", "optim.eps=1e-6"]
+    single, tasks = tmp_path / "single", tmp_path / "srun"
+    Trainer(load_config(None, tiny_overrides(single, small_prepared, *short))).build().train()
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "0",
+             "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": str(free_port())}
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    cmd = [sys.executable, "-m", "shardline", "train", *[f"--{o}" for o in tiny_overrides(tasks, small_prepared, *short,
+                                                                                       "parallel.dp_shard=2")]]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**base, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
+                                   "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    start = next(json.loads(line) for line in (tasks / "metrics.jsonl").read_text().splitlines()
+                 if '"event": "start"' in line)
+    assert start["world_size"] == 2, start
+    assert_same_run(tasks, single, evaluated=False)

@@ -4,6 +4,7 @@ work is one line before anything waits on it, not a CUDA or rendezvous traceback
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch.distributed as dist
@@ -202,3 +203,54 @@ def test_only_a_collective_whose_peer_went_away_is_said_in_one_line(monkeypatch,
     assert lost_peer(raised(text, ValueError)) is None
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert lost_peer(raised(text)) is None
+
+
+# ---- srun's tasks as the ranks (parallel/slurm.py) ----------------------------------------------
+SRUN = {"SLURM_STEP_NUM_TASKS": "6", "SLURM_PROCID": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "3(x2)", "SLURM_STEP_NODELIST": "gpu-a[07-08]", "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0"}
+
+
+def test_an_srun_task_gets_torchruns_variables_from_slurms():
+    from shardline.parallel.slurm import PORT_BASE, PORT_SPAN, torchrun_env
+
+    env = torchrun_env(SRUN)
+    assert env == {"RANK": "4", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "1",
+                   "MASTER_ADDR": "gpu-a07", "MASTER_PORT": env["MASTER_PORT"]}
+    assert PORT_BASE <= int(env["MASTER_PORT"]) < PORT_BASE + PORT_SPAN
+    assert torchrun_env({**SRUN, "SLURM_STEP_ID": "1"})["MASTER_PORT"] != env["MASTER_PORT"]  # another step
+    given = torchrun_env({**SRUN, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29400", "RANK": "4", "WORLD_SIZE": "6"})
+    assert (given["MASTER_ADDR"], given["MASTER_PORT"]) == ("10.0.0.7", "29400")  # the user's, and agreeing exports
+    # nothing to translate: one task, a torchrun worker inside the step, one process on purpose, a batch shell
+    for env in ({**SRUN, "SLURM_STEP_NUM_TASKS": "1"}, {**SRUN, "TORCHELASTIC_RUN_ID": "x", **TORCHRUN},
+                {**SRUN, "WORLD_SIZE": "1"}, {"SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}):
+        assert torchrun_env(env) == {}
+    check_launch_env({**SRUN, **torchrun_env(SRUN)}, gpus=8)  # what the launch check then sees passes
+    with pytest.raises(ConfigError, match="LOCAL_RANK=1 but this node shows 1 GPU.*let every srun task see"):
+        check_launch_env({**SRUN, **torchrun_env(SRUN), "CUDA_VISIBLE_DEVICES": "5"}, gpus=1)  # --gpus-per-task=1
+
+
+@pytest.mark.parametrize("nodes, first", [("node1", "node1"), ("gpu[03-05,9],cpu1", "gpu03"),
+                                          ("rack[2-3]-n[010-012]", "rack2-n010"), ("a,b[1-2]", "a"), ("", "")])
+def test_the_first_host_of_a_slurm_host_list(nodes, first):
+    from shardline.parallel.slurm import first_host
+
+    assert first_host(nodes) == first
+
+
+def test_tasks_on_a_node_from_slurms_tasks_per_node():
+    from shardline.parallel.slurm import tasks_on_node
+
+    assert [tasks_on_node("4(x2),3", n) for n in range(4)] == [4, 4, 3, 0]
+    assert tasks_on_node("", 0) == tasks_on_node("weird", 0) == 0
+
+
+@pytest.mark.parametrize("env, says", [
+    ({**SRUN, "SLURM_PROCID": ""}, "SLURM_PROCID/SLURM_LOCALID are not set"),
+    ({**SRUN, "WORLD_SIZE": "8"}, "WORLD_SIZE=8 is set in the environment but srun started this task as WORLD_SIZE=6"),
+])
+def test_an_srun_task_that_cannot_be_a_rank_is_one_line(env, says):
+    from shardline.parallel.slurm import torchrun_env
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        torchrun_env(env)

@@ -97,9 +97,11 @@ def check_launch_env(env, gpus: int) -> None:
     local = env.get("LOCAL_RANK", "0")
     if gpus and local.isdigit() and int(local) >= gpus:
         shown = env.get("CUDA_VISIBLE_DEVICES")
+        srun = "SLURM_STEP_NUM_TASKS" in env and "TORCHELASTIC_RUN_ID" not in env  # (parallel/slurm.py's ranks)
+        fix = ("let every srun task see the node's GPUs (no --gpus-per-task or --gpu-bind: a task takes its local "
+               "rank's)" if srun else f"start at most {gpus} ranks a node (torchrun --nproc_per_node={gpus})")
         raise ConfigError(f"LOCAL_RANK={local} but this node shows {gpus} GPU(s)"
-                          + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else "")
-                          + f": start at most {gpus} ranks a node (torchrun --nproc_per_node={gpus})")
+                          + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else "") + f": {fix}")
 
 
 def init_one_process_group(device: torch.device) -> None:
