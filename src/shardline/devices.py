@@ -50,11 +50,13 @@ PEAK_TFLOPS: dict[str, tuple[str, dict[str, float]]] = {
 }
 
 # A CPU has no datasheet peak we can read; assume 3 GHz x 32 fp32 FLOP/cycle per core (two FMA units
-# of 8 lanes: AVX2), 64 where the CPU has AVX-512 (two units of 16 lanes; a part with one unit reads
-# half its MFU), over the threads torch uses. It makes CPU MFU comparable between runs on one machine,
+# of 8 lanes: AVX2), 64 where the CPU has AVX-512 on 512-bit units (two of 16 lanes; an Intel part
+# with one unit reads half its MFU; AMD's Zen 4 runs AVX-512 on 256-bit units: 32), over the
+# threads torch uses. It makes CPU MFU comparable between runs on one machine,
 # not with GPUs.
 AVX2_FLOP_PER_CYCLE, _AVX512_FLOP_PER_CYCLE, _CPU_HZ = 32, 64, 3.0e9
-CPU_PEAK_ASSUMED = ("an assumed 3 GHz x 32 fp32 FLOP/cycle per torch thread (64 where the CPU has avx512f), at most "
+CPU_PEAK_ASSUMED = ("an assumed 3 GHz x 32 fp32 FLOP/cycle per torch thread (64 where it has avx512f, but AMD before "
+                    "Zen 5), at most "
                     "a rank's share of the host's cores (twice that in bf16 or fp16 where the "
                     "CPU has 16-bit dot-product units: avx512_bf16, amx): the log's mfu compares runs on this "
                     "machine, not with GPUs, nor with `shardline estimate` (which prices a calibrated CPU profile); "
@@ -65,8 +67,12 @@ _CPU_HALF_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", 
 
 def cpu_flop_per_cycle() -> int:
     """fp32 FLOP a core may do a cycle, by its vector width: an AVX-512 host's fp32 MFU read ~2x high
-    against AVX2's 32 (a 20-step tiny run logged 97%). Hosts without x86 flags (ARM) keep 32."""
-    return _AVX512_FLOP_PER_CYCLE if "avx512f" in _cpu_flags() else AVX2_FLOP_PER_CYCLE
+    against AVX2's 32 (a 20-step tiny run logged 97%). AMD before Zen 5 (family 26) runs AVX-512 on
+    256-bit units, so Zen 4 keeps 32; hosts without x86 flags (ARM) too."""
+    if "avx512f" not in _cpu_flags():
+        return AVX2_FLOP_PER_CYCLE
+    vendor, family = _cpu_vendor_family()
+    return AVX2_FLOP_PER_CYCLE if vendor == "AuthenticAMD" and family < 26 else _AVX512_FLOP_PER_CYCLE
 
 
 def cpu_peak_tflops(dtype: str = "fp32", shared: bool = True) -> float:
@@ -105,11 +111,29 @@ def _launcher_cores() -> int:
 
 def _cpu_flags() -> set[str]:
     """This CPU's feature flags (Linux's /proc/cpuinfo; none elsewhere)."""
+    return set(_cpuinfo().get("flags", "").split())
+
+
+def _cpu_vendor_family() -> tuple[str, int]:
+    """This CPU's vendor_id and cpu family ("", 0 where /proc/cpuinfo does not say)."""
+    info = _cpuinfo()
+    family = info.get("cpu family", "").strip()
+    return info.get("vendor_id", "").strip(), int(family) if family.isdigit() else 0
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
-        return set()
+        pass
+    return fields
 
 
 def local_datasheet(name: str) -> Datasheet | None:

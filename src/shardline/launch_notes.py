@@ -150,6 +150,8 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
               "checkpoint.memory_interval=0"),
              ("watchdog", ("long_timeout_s",), not cfg.watchdog.timeout_s, "watchdog.timeout_s=0"),
              ("data", ("text_field",), "text" not in cfg.data.formats(), "chat data reads each record's 'messages'"),
+             ("data", ("format",), bool(cfg.data.mix) and all(s.format for s in cfg.data.mix),
+              "every data.mix source sets its own format"),
              ("data", ("val_fraction",), all(map(is_prepared, paths)),
               "the data is prepared: `shardline prepare --val-fraction` fixed its held-out split"),
              ("parallel", ("zero",), layout is not None and layout.dp_mode in ("ddp", "single")

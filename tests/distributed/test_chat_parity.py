@@ -20,7 +20,7 @@ from shardline.data.prepare import PrepareOptions, prepare
 from shardline.models.loss import IGNORE_INDEX
 from shardline.trainer import Trainer
 from tests.conftest import write_small_corpus
-from tests.distributed.harness import PARITY_OVERRIDES, assert_same_run, losses, run_world
+from tests.distributed.harness import PARITY_OVERRIDES, PARITY_STEPS, assert_same_run, losses, run_world
 
 # A conversation of 1-3 exchanges with replies of 1-12 words: rows hold unequal label counts.
 WORDS = "sun moon river stone cloud field wind rain snow tree leaf bird".split()
@@ -76,13 +76,25 @@ def chat_runs(tmp_path_factory):
 def test_the_setting_holds_what_it_claims(chat_runs):
     """Rows of several whole conversations, unequal label counts with unlabelled prompts, and a
     loss that moves: without them the parity below would test text data again."""
-    single, _ = chat_runs
-    cfg = load_config(None, [*_base(single.parent), f"run.dir={single}"])
+    single, root = chat_runs
+    cfg = load_config(None, [*_base(root), f"run.dir={single}"])
     bundle = build_data(cfg)
-    rows = bundle.train.batch(list(range(cfg.train.global_batch_size)))
+    first = bundle.sampler.global_batch(0)  # step 1's sequences
+    rows = bundle.train.batch(first)
     labelled = (rows["labels"] != IGNORE_INDEX).sum(dim=1).tolist()
     assert len(set(labelled)) > 3 and max(labelled) < 0.8 * cfg.train.seq_len, labelled
     assert max(len(set(docs.tolist())) for docs in rows["doc_ids"]) >= 3
+    mbs = cfg.train.micro_batch_size  # each dp rank's share of step 1 holds its own count of labels
+    halves = [sum(bundle.train.count_labels(m) for m in bundle.sampler.rank_micro_batches(0, r, 2, mbs))
+              for r in range(2)]
+    assert halves[0] != halves[1] and sum(halves) == sum(labelled), halves
+    mixed = build_data(load_config(None, [*_base(root, mixed=True), f"run.dir={root / SINGLE[True]}"]))
+    for step in range(PARITY_STEPS):  # text rows (nearly all labelled) beside chat rows in every step
+        batch = mixed.sampler.global_batch(step)
+        assert (mixed.train.sequences_per_source(batch) > 0).all(), step
+    src, _ = mixed.train.locate(batch)
+    counts = (mixed.train.batch(batch)["labels"] != IGNORE_INDEX).sum(dim=1).numpy()
+    assert counts[src == 1].min() > counts[src == 0].max(), (src, counts)
     records = [json.loads(line) for line in (single / "metrics.jsonl").read_text().splitlines()]
     data = next(r for r in records if r.get("event") == "data")
     assert data["conversations_cut"] < 0.2 * data["documents"] and data["sequences_without_replies"] == 0, data

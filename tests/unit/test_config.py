@@ -218,6 +218,12 @@ def test_config_changes_name_what_a_resume_changed_beside_one_launchs_own_settin
     del old["data"]["path"]  # a key saved before it existed is no change
     assert config_changes(old, now) == {"train.precision": ["fp32", "bf16"]}
     assert config_changes({}, now) == {}
+    # a mixture saved before its sources had a format: the same mixture, and a format given is a change
+    mixed = load_config(None, ['data.mix=[{path = "a"}, {path = "b", weight = 0.5}]']).to_dict()
+    before = {"data": {"mix": [{"path": "a", "weight": 1.0}, {"path": "b", "weight": 0.5}]}}
+    assert config_changes(before, mixed) == {}
+    mixed["data"]["mix"][1]["format"] = "chat"
+    assert list(config_changes(before, mixed)) == ["data.mix"]
 
 
 def test_a_stray_argument_is_read_as_what_it_likely_meant(capsys):

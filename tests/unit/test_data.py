@@ -258,10 +258,13 @@ def test_conversations_read_as_text_are_refused_pointing_at_the_chat_format(tmp_
 
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    with pytest.raises(DataError, match="its 'messages' are a conversation: data.format=chat"):
+    with pytest.raises(DataError, match="its 'messages' are a conversation: read it as chat \\(data.format=chat, "
+                                        "or in data.mix the source's format = \"chat\""):
         read_documents(str(chat))
     with pytest.raises(ConfigError, match="data.text_field='messages'.*set data.format=chat"):
         load_config(None, ["data.text_field=messages"]).check()
+    with pytest.raises(ConfigError, match="or format = \"chat\" on the data.mix sources that hold them"):
+        load_config(None, ["data.text_field=messages", f'data.mix=[{{path = "{chat}"}}]']).check()
     with pytest.raises(DataError, match="--text-field messages .* --format chat"):
         PrepareOptions(inputs=[str(chat)], out=str(tmp_path / "out"), text_field="messages").read_field()
 

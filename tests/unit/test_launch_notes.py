@@ -146,6 +146,10 @@ def test_settings_a_config_never_reads_and_a_fine_tunes_lr_on_new_weights_are_na
     chat = load_config(None, ["data.format=chat", "data.text_field=conversations", "metrics.peak_tflops=1"])
     assert dict(launch_notes(chat, "cpu", 1.0, 1))["settings_unused"] == {
         "data.text_field": "chat data reads each record's 'messages'"}
+    own = load_config(None, ["data.format=chat", "metrics.peak_tflops=1", f'data.mix=[{{path = "{small_prepared}", '
+                             'format = "text"}]'])  # (notes read no data: the folder is only named)
+    assert dict(launch_notes(own, "cpu", 1.0, 1))["settings_unused"]["data.format"] == (
+        "every data.mix source sets its own format")
     # A prepared folder's held-out split was fixed by prepare.
     prepared = load_config(None, [f"data.path={small_prepared}", "data.val_fraction=0.1", "metrics.peak_tflops=1"])
     assert dict(launch_notes(prepared, "cpu", 1.0, 1))["settings_unused"] == {

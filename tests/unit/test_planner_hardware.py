@@ -78,6 +78,7 @@ def test_an_avx512_cpu_has_twice_avx2s_fp32_peak_and_the_planner_the_same_times(
     from shardline.planner.layout import Workload
     from shardline.planner.search import search
 
+    monkeypatch.setattr(trainer_hw, "_cpu_vendor_family", lambda: ("GenuineIntel", 6))
     monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: {"fma", "avx2"})
     avx2, plain = trainer_hw.cpu_peak_tflops(), cpu_hardware()
     monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: {"fma", "avx2", "avx512f"})
@@ -90,6 +91,10 @@ def test_an_avx512_cpu_has_twice_avx2s_fp32_peak_and_the_planner_the_same_times(
         work = Workload(dataclasses.replace(PRESETS["tiny"], vocab_size=512), 256, 8, dtype)
         fast, slow = (search(work, hw, 2).candidates[0] for hw in (wide, plain))
         assert fast.step_time_s == pytest.approx(slow.step_time_s) and fast.mfu == pytest.approx(slow.mfu / 2)
+    monkeypatch.setattr(trainer_hw, "_cpu_vendor_family", lambda: ("AuthenticAMD", 25))  # Zen 4: 256-bit units
+    assert trainer_hw.cpu_peak_tflops() == avx2
+    monkeypatch.setattr(trainer_hw, "_cpu_vendor_family", lambda: ("AuthenticAMD", 26))  # Zen 5: 512-bit
+    assert trainer_hw.cpu_peak_tflops() == 2 * avx2
     monkeypatch.setattr(trainer_hw, "_cpu_flags", lambda: set())  # no x86 flags (ARM): AVX2's figure
     assert trainer_hw.cpu_peak_tflops() == avx2
 

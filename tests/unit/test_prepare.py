@@ -676,10 +676,23 @@ def test_a_chat_mixture_renders_every_source_with_one_template(tmp_path):
     prepare(PrepareOptions([str(path)], str(prep), format="chat", tokenizer=str(folder / "tokenizer.json"), **SMALL))
     common = [f'data.mix=[{{path = "{prep}"}}, {{path = "{path}"}}]', "data.format=chat", "train.seq_len=128",
               "train.eval_interval=0"]
-    # Without data.tokenizer the raw source would be ChatML beside the folder's own template.
-    with pytest.raises(DataError, match=r"different templates \(.*prep: template .*chat.jsonl: ChatML \(no template\)"):
-        build_data(load_config(None, common))
-    assert len(build_data(load_config(None, [*common, f"data.tokenizer={folder / 'tokenizer.json'}"])).train) > 0
+    given = [*common, f"data.tokenizer={folder / 'tokenizer.json'}"]
+    # Without data.tokenizer the run takes the folder's tokenizer and its template, and renders the raw source with it
+    assert_same_batches(build_data(load_config(None, common)), build_data(load_config(None, given)))
+    # A text folder first, prepared with the same vocabulary but no template beside it: its tokenizer is the run's,
+    # which would export and generate ChatML after training on the chat folder's template.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(folder / "tokenizer.json", bare / "tokenizer.json")
+    (tmp_path / "text.txt").write_text("Plain text replayed beside the conversations. " * 400)
+    prepare(PrepareOptions([str(tmp_path / "text.txt")], str(tmp_path / "text"), tokenizer=str(bare / "tokenizer.json"),
+                           **SMALL))
+    text_first = [f'data.mix=[{{path = "{tmp_path / "text"}", format = "text"}}, {{path = "{prep}"}}]',
+                  "data.format=chat", "train.seq_len=128", "train.eval_interval=0"]
+    with pytest.raises(DataError, match=r"different templates \(.*text.tokenizer.json \(the run's tokenizer\): ChatML "
+                                        r"\(no template\); .*prep: template .*export and generate with another"):
+        build_data(load_config(None, text_first))
+    assert len(build_data(load_config(None, [*text_first, f"data.tokenizer={folder / 'tokenizer.json'}"])).train)
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused_not_duplicated(tmp_path):
@@ -790,7 +803,7 @@ def test_a_typo_of_the_assistant_role_is_one_line_in_both_paths(tmp_path):
 
 def test_chat_data_from_plain_text_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("user: hi\nassistant: hello\n")
-    with pytest.raises(DataError, match="is plain text, but data.format='chat' reads conversations"):
+    with pytest.raises(DataError, match="is plain text, but the chat format reads conversations"):
         data(tmp_path / "notes.txt", "data.format=chat")
 
 

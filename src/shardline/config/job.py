@@ -19,6 +19,7 @@ from shardline.config.sections import (
     Float8Config,
     MemoryConfig,
     MetricsConfig,
+    MixSource,
     ModelConfig,
     MoEConfig,
     OptimConfig,
@@ -129,9 +130,16 @@ def config_changes(saved: dict, now: dict) -> dict[str, list]:
         for key, value in table.items():
             if key in launch_only or (section, key) == ("run", "dir") or key not in saved[section]:
                 continue
-            if saved[section][key] != value:
+            if _filled(section, key, saved[section][key]) != _filled(section, key, value):
                 out[f"{section}.{key}"] = [saved[section][key], value]
     return out
+
+
+def _filled(section: str, key: str, value):
+    """data.mix's entries with the keys a config saved before them lacks at their defaults (format)."""
+    if (section, key) != ("data", "mix") or not isinstance(value, list):
+        return value
+    return [{**dataclasses.asdict(MixSource()), **entry} if isinstance(entry, dict) else entry for entry in value]
 
 
 def load_relaunch_config(saved: str | Path, run_dir: str, overrides: list[str] = ()) -> Config:

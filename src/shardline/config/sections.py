@@ -234,7 +234,8 @@ class DataConfig:
             _require(source.format in ("", *DATA_FORMATS), f"data.mix[{i}].format", source.format,
                      f"one of {', '.join(DATA_FORMATS)} (or unset: data.format)")
         _require("text" not in self.formats() or self.text_field != "messages", "data.text_field", self.text_field,
-                 "holds conversations (role, content): set data.format=chat, which reads them")
+                 "holds conversations (role, content): set data.format=chat, which reads them"
+                 + (" (or format = \"chat\" on the data.mix sources that hold them)" if self.mix else ""))
 
     def formats(self) -> list[str]:
         """Each source's format, in data.mix order (data.path's alone): its own, else data.format."""

@@ -13,7 +13,7 @@ from shardline.data.encode import (chat_segments, chat_template_for, check_repli
                                    template_sha256)
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import eval_micro_batches
-from shardline.data.shards import TOKENIZER, is_prepared, read_manifest
+from shardline.data.shards import TOKENIZER, is_prepared, read_manifest, tokenizer_file
 from shardline.errors import DataError
 
 
@@ -72,22 +72,24 @@ def check_folder_template(path: str, manifest: dict, tokenizer_path: str) -> Non
 
 def check_one_chat_template(cfg: Config) -> None:
     """Every chat source of a mixture rendered with one template (alike, as check_folder_template
-    tells). A raw source is rendered with data.tokenizer's template (ChatML without one); a prepared
-    folder was, with its own."""
-    used = {}
+    tells), the one beside the run's tokenizer too (tokenizer_file: data.tokenizer, else the first
+    prepared folder's, a text folder's maybe), which the run copies, exports and generates with. A
+    raw source is rendered with that one (ChatML without one); a prepared folder was, with its own."""
+    run_tokenizer = tokenizer_file(cfg.data)
+    used = {f"{run_tokenizer} (the run's tokenizer)": chat_template_for(run_tokenizer)} if run_tokenizer else {}
     for source in (s for s, fmt in zip(cfg.data.mix, cfg.data.formats()) if fmt == "chat"):
         if is_prepared(source.path):
             recorded = _recorded(source.path, read_manifest(Path(source.path)))
             if recorded is not None:
                 used[source.path] = recorded
         else:
-            used[source.path] = chat_template_for(cfg.data.tokenizer)
+            used[source.path] = chat_template_for(run_tokenizer)
     first = next(iter(used.values()), None)
     if any(not _alike(first, other) for other in used.values()):
         raise DataError("data.mix renders its chat sources with different templates ("
                         + "; ".join(f"{p}: {_named(t)}" for p, t in used.items())
-                        + "); prepare every source with the same --tokenizer, and set data.tokenizer to it "
-                        "for raw sources")
+                        + "): the run would train on one rendering and export and generate with another; prepare "
+                        "every chat source with the same --tokenizer, and set data.tokenizer to it")
 
 
 class _Recorded:

@@ -23,7 +23,8 @@ from shardline.data.encode import chat_template_for, check_replies, encode_docum
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
-from shardline.data.shards import id_bound, is_prepared, open_prepared, read_manifest, token_fingerprint, tokenizer_hash
+from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_manifest, token_fingerprint,
+                                   tokenizer_file, tokenizer_hash)
 from shardline.data.sources import SUFFIXES, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
 from shardline.errors import DataError
@@ -195,7 +196,7 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
     # The split depends on the data only (fixed seed), not on train.seed, so runs with
     # different seeds are evaluated on the same held-out documents.
     train_docs, val_docs = split_documents(docs, d.val_fraction, seed=0)
-    template = chat_template_for(d.tokenizer) if chat else None
+    template = chat_template_for(tokenizer_file(d)) if chat else None  # (a mixture's: the run's, it exports it)
     if tok is None:
         texts = [render_chat(m, template) for m in train_docs] if chat else train_docs
         tok = get_tokenizer(texts, d.tokenizer, d.vocab_size)
@@ -213,15 +214,6 @@ def _pack(tok: Tokenizer, docs: list, eos: int | None, seq_len: int, template, c
           bos: list[int]) -> PackedSequences:
     tokens, lengths, mask = encode_documents(tok, docs, eos, template, chat, bos)
     return PackedSequences.from_stream(tokens, np.cumsum(lengths) - lengths, seq_len, mask)
-
-
-def tokenizer_file(d) -> str:
-    """The tokenizer.json a run's tokenizer comes from, whose side files (settings, chat template)
-    go with it: data.tokenizer, else the first prepared folder's; "" for a BPE trained at start-up."""
-    if d.tokenizer:
-        return d.tokenizer
-    prepared = [path for path in [s.path for s in d.mix] or [d.path] if is_prepared(path)]
-    return os.path.join(prepared[0], "tokenizer.json") if prepared else ""
 
 
 def held_out_problem(cfg: Config) -> str | None:
@@ -339,7 +331,7 @@ def data_summary(cfg: Config) -> tuple[str, str]:
         else:
             docs = read_documents(path, "messages" if fmt == "chat" else d.text_field, key=key)
             where = path or "the shipped corpus (a sample to try shardline on: data.path names your data)"
-            parts.append(f"{where}: {len(docs):,} " + (chat_checked(f"{key}={path!r}", docs, d.tokenizer)
+            parts.append(f"{where}: {len(docs):,} " + (chat_checked(f"{key}={path!r}", docs, tokenizer_file(d))
                                                        if fmt == "chat" else "documents"))
     if opened and len(opened) == len(keys):  # (raw data is not tokenized by a dry run)
         vals = [val for _, _, val in opened]

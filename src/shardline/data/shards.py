@@ -358,3 +358,13 @@ def _matches(path: Path, sha256: str | None) -> bool:
         return file_sha256(path) == sha256
     except OSError:  # deleted or unreadable: as bad as a changed byte
         return False
+
+
+def tokenizer_file(d) -> str:
+    """The tokenizer.json a run's tokenizer comes from (`d`: its DataConfig), whose side files
+    (settings, chat template) go with it into the run dir and its exports: data.tokenizer, else the
+    first prepared folder's; "" for a BPE trained at start-up."""
+    if d.tokenizer:
+        return d.tokenizer
+    prepared = [path for path in [s.path for s in d.mix] or [d.path] if is_prepared(path)]
+    return str(Path(prepared[0]) / TOKENIZER) if prepared else ""

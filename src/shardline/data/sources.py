@@ -200,7 +200,7 @@ def read_file(f: Path, field: str) -> Iterator:
         raise DataError(f"data file {f} has an unsupported type; use {', '.join(SUFFIXES)} (optionally .gz)")
     if kind == ".txt":
         if field == CHAT_FIELD:  # plain text holds no roles to mask by
-            raise DataError(f"data file {f} is plain text, but data.format='chat' reads conversations: a "
+            raise DataError(f"data file {f} is plain text, but the chat format reads conversations: a "
                             f"'{CHAT_FIELD}' list of {{role, content}} per record of a .jsonl, .parquet or .arrow file")
         return _read_txt(f)
     if kind == ".jsonl":
@@ -281,8 +281,9 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
             else:
                 chat = isinstance(obj, dict) and isinstance(obj.get(CHAT_FIELD), list)  # a conversation, not text
                 raise DataError(f"data file {f} line {n} has no string field {field!r} (set data.text_field; "
-                                "prepare: --text-field)" + ("; its 'messages' are a conversation: data.format=chat "
-                                                            "(prepare: --format chat)" if chat else ""))
+                                "prepare: --text-field)" + ("; its 'messages' are a conversation: read it as chat "
+                                                            "(data.format=chat, or in data.mix the source's format = "
+                                                            "\"chat\"; prepare: --format chat)" if chat else ""))
 
 
 def _encodable(f: Path, n: int, text: str) -> str:

@@ -134,6 +134,8 @@ def measure(quick: bool = False, comm: bool = True, dtypes: tuple[str, ...] = ("
     gemms, attn = (GEMMS[:8], ATTENTION[:3]) if quick else (GEMMS, ATTENTION)
     pts = _median_rounds([_one_round(device, hw, dtypes, gemms, attn, clock) for _ in range(rounds)])
     fields: dict = {"base": hw.name, "matmul_eff_max": {}, "attn_eff": {}, "elementwise_eff": {}}
+    if device.type == "cpu":  # the efficiencies are relative to this host's assumed peak: kept with them, so they
+        fields["peak_tflops"] = dict(hw.peak_tflops)  # mean the same FLOP/s where another assumes another
     raw: dict = {}
     d0 = s0 = None  # the shape curves are fitted on the first dtype (fp32, training's) and shared
     for dtype in dtypes:
@@ -192,9 +194,8 @@ def _calibrate(out: str | Path, quick: bool, comm: bool) -> dict:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     start = time.perf_counter()
     fields, raw = measure(quick=quick, comm=comm, clock=clock)
-    if on_cpu:  # the efficiencies are relative to this thread count's nominal peak: keep it with them
+    if on_cpu:  # (measure keeps the peak of this thread count with the efficiencies)
         host = cpu_hardware()
-        fields["peak_tflops"] = dict(host.peak_tflops)
         fields["cpu"] = {**fields.get("cpu", {}), "threads": host.cpu.threads, "cores": host.cpu.cores}
     busy = (f"\nWARNING: the machine was busy (load average {load:.1f} on {os.cpu_count()} CPUs): multi-threaded "
             "timings are inflated; calibrate on an idle machine, or with --threads 1") if (
