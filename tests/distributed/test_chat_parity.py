@@ -112,3 +112,16 @@ def test_a_chat_run_on_two_ranks_matches_one_process(chat_runs, layout):
 def test_chat_with_text_replayed_on_two_ranks_matches_one_process(chat_runs, layout):
     _, root = chat_runs
     assert_same_run(root / layout, root / SINGLE[True])
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_dry_run_of_a_chat_runs_resume_passes_as_the_launch_does(chat_runs, mixed, capsys):
+    """The dry run checks a resume before reading the data: it refused every chat run's, comparing
+    the checkpoint's packing with the packing of data it had not read."""
+    from shardline.cli import main
+
+    _, root = chat_runs
+    run = root / SINGLE[mixed]
+    assert main(["train", "--dry-run", f"--run.dir={run}", f"--train.steps={PARITY_STEPS + 3}"]) == 0, \
+        capsys.readouterr().err
+    assert f"resumes from {run / 'checkpoints'}" in capsys.readouterr().out

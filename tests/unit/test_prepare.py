@@ -497,8 +497,8 @@ def test_a_prepared_chat_folder_refuses_a_tokenizer_with_another_template(tmp_pa
         if given == other:
             for check in (lambda: build_data(load_config(None, overrides)),
                           lambda: data_summary(load_config(None, overrides))):
-                with pytest.raises(DataError, match="was rendered with the chat template [0-9a-f]{12}, but the "
-                                                    "tokenizer this run takes .* carries template"):
+                with pytest.raises(DataError, match="was rendered with chat template [0-9a-f]{12}, but the "
+                                                    "tokenizer this run takes .* carries chat template"):
                     check()
         else:
             assert len(build_data(load_config(None, overrides)).train) > 0
@@ -529,7 +529,7 @@ def test_a_prepared_chat_folder_refuses_a_tokenizer_with_another_template(tmp_pa
     with pytest.raises(DataError, match="renders otherwise"):
         build_data(load_config(None, spelled))
     (export / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_TEMPLATE.replace("\\n", " ")}))
-    with pytest.raises(DataError, match=r"rendered with the chat ChatML \(no template\), but .* renders otherwise"):
+    with pytest.raises(DataError, match=r"rendered with ChatML \(no chat template\), but .* renders otherwise"):
         build_data(load_config(None, spelled))
 
 
@@ -690,7 +690,8 @@ def test_a_chat_mixture_renders_every_source_with_one_template(tmp_path):
     text_first = [f'data.mix=[{{path = "{tmp_path / "text"}", format = "text"}}, {{path = "{prep}"}}]',
                   "data.format=chat", "train.seq_len=128", "train.eval_interval=0"]
     with pytest.raises(DataError, match=r"different templates \(.*text.tokenizer.json \(the run's tokenizer\): ChatML "
-                                        r"\(no template\); .*prep: template .*export and generate with another"):
+                                        r"\(no chat template\); .*prep: chat template .*export and generate with "
+                                        r"another"):
         build_data(load_config(None, text_first))
     assert len(build_data(load_config(None, [*text_first, f"data.tokenizer={folder / 'tokenizer.json'}"])).train)
 

@@ -106,7 +106,7 @@ def check_types(obj: Any, where: str) -> None:
         elif dataclasses.is_dataclass(item) and isinstance(value, list):  # a list of tables: data.mix
             for i, v in enumerate(value):
                 if not isinstance(v, item):
-                    raise ConfigError(f"{key}[{i}]={v!r} has the wrong type: expected a {item.__name__}")
+                    raise ConfigError(f"{key}[{i}]={v!r} has the wrong type: expected {_kind(item, one=True)}")
                 check_types(v, f"{key}[{i}]")
         elif not (f.metadata.get("switch") and isinstance(value, bool)):  # (a switch takes true/false)
             read = coerce(key, _plain(value), hint, value)
@@ -148,7 +148,7 @@ def coerce(key: str, value: Any, hint: Any, current: Any = None) -> Any:
         item = typing.get_args(hint)[0]
         if isinstance(value, list):
             return [coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-        raise ConfigError(f"{key}={value!r} has the wrong type: expected a list of {item.__name__}")
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected a list of {_kind(item)}")
     if origin is dict:
         item = typing.get_args(hint)[1]
         if isinstance(value, dict):
@@ -227,3 +227,11 @@ class OnlyOnce(argparse.Action):
             parser.error(f"{option_string} given twice ({earlier}, {values}): give one file and override its "
                          "keys with --section.key=value")
         setattr(namespace, self.dest, values)
+
+
+def _kind(item, one: bool = False) -> str:
+    """What a list's items are (`one`: what one item is), in a config's words: a table and its keys
+    for a section-like dataclass (data.mix's {path, weight, format}), else the type's name."""
+    if dataclasses.is_dataclass(item):
+        return ("a table {" if one else "tables {") + ", ".join(f.name for f in dataclasses.fields(item)) + "}"
+    return getattr(item, "__name__", str(item))

@@ -64,7 +64,7 @@ def check_folder_template(path: str, manifest: dict, tokenizer_path: str) -> Non
     if _alike(recorded, given):
         return
     folder_tokenizer = os.path.join(path, TOKENIZER)
-    raise DataError(f"{path} was rendered with the chat {_named(recorded)}, but the tokenizer this run takes "
+    raise DataError(f"{path} was rendered with {_named(recorded)}, but the tokenizer this run takes "
                     f"({tokenizer_path}) carries {_named(given)}, which renders otherwise: the run would train on the "
                     "folder's rendering and write, export and generate with the other; prepare it again with "
                     f"--tokenizer {tokenizer_path}, or set data.tokenizer={folder_tokenizer}")
@@ -124,7 +124,7 @@ def _alike(a, b) -> bool:
 
 def _named(template) -> str:
     sha = template.sha if isinstance(template, _Recorded) else template_sha256(template)
-    return f"template {sha[:12]}" if sha else "ChatML (no template)"
+    return f"chat template {sha[:12]}" if sha else "ChatML (no chat template)"
 
 
 # Conversations two templates render, to tell whether their files mean the same: with and without a

@@ -314,8 +314,9 @@ def _strings(value) -> Iterator[str]:
 def _conversation(f: Path, where: str, value) -> list[dict]:
     """A chat record's messages, each with a string role and content, or a DataError naming the line."""
     if not isinstance(value, list):
-        raise DataError(f"data file {f} {where} has no list field 'messages' (data.format=chat reads "
-                        "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]})")
+        raise DataError(f"data file {f} {where} has no list field 'messages' (the chat format reads "
+                        "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]}; text is read with data.format=text, "
+                        "or in data.mix the source's format = \"text\")")
     out = []
     for i, m in enumerate(value):
         calls = isinstance(m, dict) and bool(m.get("tool_calls"))  # a reply that calls tools may hold no text

@@ -296,7 +296,7 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
             "the saved position would mean other samples: train on the data it was saved with, or start a new "
             "run.dir from these weights with model.init_from")
     packing, saved_packing = (position or {}).get("packing"), data_pos.get("packing")
-    if packing != saved_packing:  # the same tokens cut into other sequences
+    if position is not None and packing != saved_packing:  # the same tokens cut into other sequences
         raise CheckpointError(
             f"checkpoint {path} was saved when chat sequences were "
             + ("cut from one stream" if saved_packing is None else f"packed as {saved_packing!r}")
