@@ -325,8 +325,8 @@ def data_summary(cfg: Config) -> tuple[str, str]:
             check_folder_template(path, p.manifest, d.tokenizer)
             _check_sizes(path, p.train, p.val, cfg)
             opened.append((path, p.train, p.val))
-            parts.append(f"{path}: prepared folder, {p.train.num_documents:,} + {p.val.num_documents:,} held-out "
-                         f"documents, {p.train.num_tokens:,} training tokens")
+            parts.append(f"{path}: prepared {fmt} folder, {p.train.num_documents:,} + {p.val.num_documents:,} "
+                         f"held-out documents, {p.train.num_tokens:,} training tokens")
             folder_tokenizer = folder_tokenizer or os.path.join(path, "tokenizer.json")
         else:
             docs = read_documents(path, "messages" if fmt == "chat" else d.text_field, key=key)
