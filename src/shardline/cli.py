@@ -11,6 +11,7 @@ can fix (config, data, checkpoint) print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import importlib
@@ -25,7 +26,6 @@ from shardline.errors import AnomalyHalt, Preempted, ShardlineError
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    _adopt_srun_tasks()
     if args.resume is not None:
         given = [o for o in overrides if o.removeprefix("--").startswith("run.resume=")]
         if given:
@@ -83,12 +83,33 @@ def _relaunch_config(config: str | None, overrides: list[str]):
     return load_relaunch_config(saved, cfg.run.dir, overrides)
 
 
-def _adopt_srun_tasks() -> None:
+# The commands whose processes may be ranks of a job (started by torchrun, or as srun's tasks).
+RANKED = ("train", "check")
+
+
+@contextlib.contextmanager
+def _srun_ranks(command: str):
     """`srun --ntasks-per-node=8 shardline train` (no torchrun): srun's tasks are the ranks, given
-    torchrun's variables from Slurm's (parallel/slurm.py) before anything reads them."""
+    torchrun's variables from Slurm's (parallel/slurm.py) before anything reads them, for the
+    command's length (its error handling included; an in-process caller of main() keeps its
+    environment). Yields the one-line error of a task that cannot be a rank, else None."""
     from shardline.parallel.slurm import torchrun_env
 
-    os.environ.update(torchrun_env(os.environ))
+    try:
+        added = torchrun_env(os.environ, os.getpid()) if command in RANKED else {}
+    except ShardlineError as e:
+        yield e
+        return
+    before = {key: os.environ.get(key) for key in added}
+    os.environ.update(added)
+    try:
+        yield None
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _env_world_size() -> int:
@@ -104,7 +125,6 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.parallel.distributed import shutdown_distributed
     from shardline.resilience.health import CHECK_FAILED_EXIT, check
 
-    _adopt_srun_tasks()
     cfg = load_config(args.config, overrides)
     cfg.check_sections()
     report, healthy = check(cfg, size=args.size, slow_factor=args.slow_factor)
@@ -318,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = [u for u in unknown if not (u.startswith("--") and "." in u.split("=", 1)[0])]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)} ({_override_hint(args.command, unknown, bad[0])})")
+    with _srun_ranks(args.command) as refusal:
+        return _leave(refusal, "error", 2) if refusal is not None else _run(args, unknown)
+
+
+def _run(args: argparse.Namespace, unknown: list[str]) -> int:
+    """The command, its errors said as one line each (exit codes in the module doc and README)."""
     try:
         code = args.func(args, unknown)
         if args.command in REPORTS:  # inside the try: a reader gone early is handled below, not at exit

@@ -142,21 +142,28 @@ def test_usage_and_environment_mistakes_are_one_line(tmp_path, small_corpus, cap
 def test_srun_tasks_that_cannot_be_ranks_are_one_line_and_a_ranked_dry_run_prints_once(tmp_path, small_corpus,
                                                                                        capsys, monkeypatch):
     """srun's tasks are the ranks (parallel/slurm.py; launched for real in tests/e2e/test_torchrun.py):
-    a step without the task ids, or an sbatch export that disagrees with them, is one line before
-    anything is written; under torchrun a dry run on every rank would print the report 8 times."""
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    a process below a task (a shell of `srun --pty bash`), or an sbatch export that disagrees with
+    the task's ids, is one line before anything is written, where it would wait for peers; a task's
+    ranks last as long as the command (main() called in-process keeps its environment); under
+    torchrun a dry run on every rank would print the report 8 times."""
+    slurm = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+             "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost", "SLURM_TASK_PID": "1"}
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
     assert main(["train", *overrides(tmp_path / "run", small_corpus)]) == 2
     err = capsys.readouterr().err
-    assert "srun started 8 tasks but SLURM_PROCID/SLURM_LOCALID are not set" in err
-    assert len(err.strip().splitlines()) == 1
+    assert "srun started 2 tasks, and this process is not one of them" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
-    monkeypatch.setenv("SLURM_PROCID", "3")
-    monkeypatch.setenv("SLURM_LOCALID", "3")
-    monkeypatch.setenv("RANK", "0")  # an sbatch script's export
+    monkeypatch.setenv("SLURM_TASK_PID", str(os.getpid()))  # srun's task itself
+    monkeypatch.setenv("RANK", "1")  # an sbatch script's export
     assert main(["train", *overrides(tmp_path / "run", small_corpus)]) == 2
-    assert "RANK=0 is set in the environment but srun started this task as RANK=3" in capsys.readouterr().err
+    assert "RANK=1 is set in the environment but srun started this task as RANK=0" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
-    for key in ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID", "RANK"):
+    monkeypatch.delenv("RANK")
+    assert main(["train", "--dry-run", *overrides(tmp_path / "run", small_corpus)]) == 0  # rank 0 of 2: it prints
+    assert "layout" in capsys.readouterr().out
+    assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ  # the command's ranks are gone with it
+    for key in slurm:
         monkeypatch.delenv(key)
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's worker: the dry run checks, rank 1 stays quiet
     monkeypatch.setenv("RANK", "1")

@@ -92,8 +92,9 @@ def test_srun_tasks_train_as_ranks_like_one_process(tmp_path, small_prepared):
     slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "0",
              "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": str(free_port())}
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    cmd = [sys.executable, "-m", "shardline", "train", *[f"--{o}" for o in tiny_overrides(tasks, small_prepared, *short,
-                                                                                       "parallel.dp_shard=2")]]
+    train = [sys.executable, "-m", "shardline", "train",
+             *[f"--{o}" for o in tiny_overrides(tasks, small_prepared, *short, "parallel.dp_shard=2")]]
+    cmd = ["sh", "-c", 'SLURM_TASK_PID=$$ exec "$@"', "task", *train]  # srun's task: its pid is SLURM_TASK_PID
     procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**base, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
                                    "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}) for r in range(2)]

@@ -208,26 +208,33 @@ def test_only_a_collective_whose_peer_went_away_is_said_in_one_line(monkeypatch,
 # ---- srun's tasks as the ranks (parallel/slurm.py) ----------------------------------------------
 SRUN = {"SLURM_STEP_NUM_TASKS": "6", "SLURM_PROCID": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
         "SLURM_STEP_TASKS_PER_NODE": "3(x2)", "SLURM_STEP_NODELIST": "gpu-a[07-08]", "SLURM_JOB_ID": "4242",
-        "SLURM_STEP_ID": "0"}
+        "SLURM_STEP_ID": "0", "SLURM_TASK_PID": "777"}
+TASK = 777  # this process's pid, as srun's task
 
 
 def test_an_srun_task_gets_torchruns_variables_from_slurms():
     from shardline.parallel.slurm import PORT_BASE, PORT_SPAN, torchrun_env
 
-    env = torchrun_env(SRUN)
+    env = torchrun_env(SRUN, TASK)
     assert env == {"RANK": "4", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "1",
                    "MASTER_ADDR": "gpu-a07", "MASTER_PORT": env["MASTER_PORT"]}
     assert PORT_BASE <= int(env["MASTER_PORT"]) < PORT_BASE + PORT_SPAN
-    assert torchrun_env({**SRUN, "SLURM_STEP_ID": "1"})["MASTER_PORT"] != env["MASTER_PORT"]  # another step
-    given = torchrun_env({**SRUN, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29400", "RANK": "4", "WORLD_SIZE": "6"})
+    ports = {torchrun_env({**SRUN, "SLURM_JOB_ID": str(job), "SLURM_STEP_ID": str(step)}, TASK)["MASTER_PORT"]
+             for job in (4242, 4243) for step in (0, 1, 31)}
+    assert len(ports) == 6  # neighbouring jobs and steps apart
+    given = torchrun_env({**SRUN, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29400", "RANK": "4", "WORLD_SIZE": "6"},
+                         TASK)
     assert (given["MASTER_ADDR"], given["MASTER_PORT"]) == ("10.0.0.7", "29400")  # the user's, and agreeing exports
-    # nothing to translate: one task, a torchrun worker inside the step, one process on purpose, a batch shell
-    for env in ({**SRUN, "SLURM_STEP_NUM_TASKS": "1"}, {**SRUN, "TORCHELASTIC_RUN_ID": "x", **TORCHRUN},
-                {**SRUN, "WORLD_SIZE": "1"}, {"SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}):
-        assert torchrun_env(env) == {}
-    check_launch_env({**SRUN, **torchrun_env(SRUN)}, gpus=8)  # what the launch check then sees passes
+    # nothing to translate: one task, a torchrun worker inside the step, one process on purpose, a batch shell, a
+    # process below the task that another launcher ranked (deepspeed, an mpirun wrapper)
+    for env, pid in (({**SRUN, "SLURM_STEP_NUM_TASKS": "1"}, TASK),
+                     ({**SRUN, "TORCHELASTIC_RUN_ID": "x", **TORCHRUN}, 9),
+                     ({**SRUN, "WORLD_SIZE": "1"}, TASK), ({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}, TASK),
+                     ({**SRUN, "RANK": "9", "WORLD_SIZE": "16"}, 9)):
+        assert torchrun_env(env, pid) == {}
+    check_launch_env({**SRUN, **torchrun_env(SRUN, TASK)}, gpus=8)  # what the launch check then sees passes
     with pytest.raises(ConfigError, match="LOCAL_RANK=1 but this node shows 1 GPU.*let every srun task see"):
-        check_launch_env({**SRUN, **torchrun_env(SRUN), "CUDA_VISIBLE_DEVICES": "5"}, gpus=1)  # --gpus-per-task=1
+        check_launch_env({**SRUN, **torchrun_env(SRUN, TASK), "CUDA_VISIBLE_DEVICES": "5"}, gpus=1)
 
 
 @pytest.mark.parametrize("nodes, first", [("node1", "node1"), ("gpu[03-05,9],cpu1", "gpu03"),
@@ -238,19 +245,26 @@ def test_the_first_host_of_a_slurm_host_list(nodes, first):
     assert first_host(nodes) == first
 
 
-def test_tasks_on_a_node_from_slurms_tasks_per_node():
-    from shardline.parallel.slurm import tasks_on_node
+def test_tasks_per_node_from_slurms_list():
+    from shardline.parallel.slurm import tasks_per_node
 
-    assert [tasks_on_node("4(x2),3", n) for n in range(4)] == [4, 4, 3, 0]
-    assert tasks_on_node("", 0) == tasks_on_node("weird", 0) == 0
+    assert tasks_per_node("4(x2),3") == [4, 4, 3] and tasks_per_node("2") == [2]
+    assert tasks_per_node("") == tasks_per_node("weird") == []
 
 
-@pytest.mark.parametrize("env, says", [
-    ({**SRUN, "SLURM_PROCID": ""}, "SLURM_PROCID/SLURM_LOCALID are not set"),
-    ({**SRUN, "WORLD_SIZE": "8"}, "WORLD_SIZE=8 is set in the environment but srun started this task as WORLD_SIZE=6"),
+@pytest.mark.parametrize("env, pid, says", [
+    # `srun --pty bash`, then shardline in that shell: it would be rank 4 of 6 and wait for peers that never come
+    (SRUN, 12345, "this process is not one of them (SLURM_TASK_PID=777, this one 12345: a shell or script below"),
+    ({**SRUN, "SLURM_PROCID": ""}, TASK, "SLURM_PROCID, SLURM_LOCALID or SLURM_NODEID is not set"),
+    ({**SRUN, "WORLD_SIZE": "8"}, TASK, "WORLD_SIZE=8 is set in the environment but srun started this task as "
+                                        "WORLD_SIZE=6"),
+    ({**SRUN, "SLURM_HET_SIZE": "2"}, TASK, "heterogeneous job (SLURM_HET_SIZE=2)"),
+    ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "4,2"}, TASK, "placed its 6 tasks 4,2 over the nodes"),  # uneven
+    ({**SRUN, "SLURM_PROCID": "3"}, TASK, "task 3 as local task 1 of node 1"),  # cyclic: rank 3 on node 1
+    ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": ""}, TASK, "in an unknown layout"),
 ])
-def test_an_srun_task_that_cannot_be_a_rank_is_one_line(env, says):
+def test_an_srun_task_that_cannot_be_a_rank_is_one_line(env, pid, says):
     from shardline.parallel.slurm import torchrun_env
 
     with pytest.raises(ConfigError, match=re.escape(says)):
-        torchrun_env(env)
+        torchrun_env(env, pid)

@@ -88,8 +88,10 @@ def check_one_chat_template(cfg: Config) -> None:
     if any(not _alike(first, other) for other in used.values()):
         raise DataError("data.mix renders its chat sources with different templates ("
                         + "; ".join(f"{p}: {_named(t)}" for p, t in used.items())
-                        + "): the run would train on one rendering and export and generate with another; prepare "
-                        "every chat source with the same --tokenizer, and set data.tokenizer to it")
+                        + "): the run would train on one rendering and export and generate with another; set "
+                        "data.tokenizer to the tokenizer.json whose template the chat sources should render with (the "
+                        "run's is data.tokenizer, else the first prepared folder's), and prepare every chat source "
+                        "with it")
 
 
 class _Recorded:
