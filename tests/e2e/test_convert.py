@@ -409,6 +409,16 @@ def test_a_chatml_run_exports_the_chatml_template_transformers_renders_as_it_tra
     assert hf_tok.eos_token == "<|im_end|>" and hf_tok.eos_token_id == end
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert generation["eos_token_id"] == sorted({end, tok.token_to_id("<|endoftext|>")})
+    # A base model's tokenizer (its own settings, no template): the export's generate stops at <|im_end|> too
+    base = tmp_path / "base"
+    base.mkdir()
+    tok.save(str(base / "tokenizer.json"))
+    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    Trainer(tiny_config(f"data.path={chats}", "data.format=chat", f"data.tokenizer={base / 'tokenizer.json'}",
+                        "train.steps=2", "train.eval_interval=0", run_dir=tmp_path / "run2")).build().train()
+    assert main(["convert", "to-hf", str(tmp_path / "run2"), str(tmp_path / "hf2")]) == 0
+    generation = json.loads((tmp_path / "hf2" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == sorted({end, tok.token_to_id("<|endoftext|>")})
 
 
 def test_an_export_of_a_run_from_scratch_names_its_special_tokens(tiny_config, tmp_path):

@@ -351,3 +351,11 @@ def test_a_batch_that_does_not_split_says_what_fits_a_resume_too():
     # the ones nearest the micro batch asked for (its memory), not the largest that divide
     with pytest.raises(ConfigError, match=r"multiple of 24, or train.micro_batch_size 1 or 2 or 4 \("):
         load_config(None, ["train.global_batch_size=512", "train.micro_batch_size=3"]).check(8)
+
+
+def test_a_mixture_written_as_json_on_the_command_line_says_to_write_toml():
+    """`--data.mix='[{"path": "a"}]'` (JSON) is no TOML: it was read as a string and refused as the wrong type."""
+    with pytest.raises(ConfigError, match=r"data.mix='\[\{\"path\": \"a\"\}\]' is not TOML: write a list of inline "
+                                          r"tables, \[\{path = \.\.\., weight = \.\.\., format = \.\.\.\}, \.\.\.\]"):
+        load_config(None, ['data.mix=[{"path": "a"}]'])
+    assert load_config(None, ['data.mix=[{path = "a", format = "chat"}]']).data.mix[0].format == "chat"

@@ -299,6 +299,11 @@ def test_a_mixture_holds_chat_and_text_sources_each_in_its_own_format(tmp_path, 
     assert d.train.count_labels(rows) == labelled.sum()
     event = d.describe(10)
     assert event["sequences_without_replies"] == 0 and event["conversations_cut"] == 0, event
+    assert event["chat_template"] == "ChatML (no chat template)"  # what the run renders, exports and generates with
+    chat, text = event["sources"].values()  # each source's share of the sequences and of the loss (labelled tokens)
+    assert chat["sequences"] + text["sequences"] == pytest.approx(1, abs=1e-3)
+    assert chat["loss"] + text["loss"] == pytest.approx(1, abs=1e-3) and text["loss"] > text["sequences"]
+    assert chat["reads_per_pass"] == pytest.approx(int(d.train.counts[0]) / len(d.train.sources[0]), abs=1e-3)
     raw = f'data.mix=[{{path = "{path}", format = "chat", weight = 0.5}}, {{path = "{small_corpus}"}}]'
     assert_same_batches(d, build_data(load_config(None, [raw, *common, f"data.tokenizer={tok}"])))
     # data.format=chat with the text source's own format: the same mixture

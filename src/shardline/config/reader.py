@@ -148,6 +148,10 @@ def coerce(key: str, value: Any, hint: Any, current: Any = None) -> Any:
         item = typing.get_args(hint)[0]
         if isinstance(value, list):
             return [coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+        if isinstance(value, str) and value.lstrip().startswith("[") and dataclasses.is_dataclass(item):
+            example = ", ".join(f"{f.name} = ..." for f in dataclasses.fields(item))
+            raise ConfigError(f"{key}={value!r} is not TOML: write a list of inline tables, [{{{example}}}, ...] "
+                              "(TOML's key = \"value\", not JSON's \"key\": \"value\")")
         raise ConfigError(f"{key}={value!r} has the wrong type: expected a list of {_kind(item)}")
     if origin is dict:
         item = typing.get_args(hint)[1]

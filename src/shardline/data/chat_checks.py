@@ -94,6 +94,13 @@ def check_one_chat_template(cfg: Config) -> None:
                         "with it")
 
 
+def rendering(cfg: Config) -> str:
+    """The chat template a chat run renders with (and exports and generates with), in words: its hash
+    and file, or ChatML; the `data` event says it, so a run's log tells what it trained on."""
+    template = chat_template_for(tokenizer_file(cfg.data))
+    return f"{_named(template)} ({template.where})" if template else _named(template)
+
+
 class _Recorded:
     """A prepared folder's chat template as its manifest recorded it: the template itself where the
     file kept beside the folder's tokenizer is that one, else its hash alone."""

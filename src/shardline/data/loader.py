@@ -17,8 +17,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from shardline.config import Config
-from shardline.data.chat_checks import (chat_checked, check_folder_template, check_one_chat_template,
-                                        check_replies_fit, without_replies)
+from shardline.data.chat_checks import (REPLY_SAMPLE, chat_checked, check_folder_template, check_one_chat_template,
+                                        check_replies_fit, rendering, without_replies)
 from shardline.data.encode import chat_template_for, check_replies, encode_documents, render_chat
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
@@ -40,6 +40,7 @@ class DataBundle:
     _seen: tuple[int, tuple, np.ndarray] | None = None  # (step, skipped, sequences per source before it): a cache
     _vocabulary: str = ""  # vocabulary_fingerprint(tokenizer): a cache
     left_out: dict = field(default_factory=dict)  # what reading skipped: see read_documents
+    chat_template: str = ""  # a chat run's rendering template in words (chat_checks.rendering); "" for text
 
     def describe(self, steps: int) -> dict:
         """The `data` event's fields: what the run trains on, how many passes over it `steps` make,
@@ -50,8 +51,11 @@ class DataBundle:
                   "epochs": round(steps * self.sampler.global_batch_size / max(len(self.train), 1), 3)}
         fields["fingerprint"] = self._content() or ("none: a folder prepared before fingerprints (a resume is not "
                                                      "compared with its data; run its prepare again to add one)")
+        if isinstance(self.train, MixedSequences):
+            fields["sources"] = self._shares()
         chat = [p for p in self._sources() if p.rows is not None]
         if chat:  # whole conversations a sequence (data/packing.py): what that costs
+            fields["chat_template"] = self.chat_template
             width = sum(len(p) for p in chat) * (self.train.seq_len + 1)
             fields["conversations_cut"] = sum(p.rows.truncated for p in chat)
             fields["padding"] = round(1 - sum(int(p.rows.lengths.sum()) for p in chat) / width, 4) if width else 0.0
@@ -66,6 +70,18 @@ class DataBundle:
             fields["files_not_read"] = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             fields["reads"] = f"{', '.join(SUFFIXES)} files (optionally .gz)"
         return fields
+
+    def _shares(self) -> dict:
+        """Each mixture source's share of the sequences, of the loss (its labelled tokens: a chat
+        sequence labels its replies only, a text one nearly every token; from a sample of each), and
+        how many times a pass over the mixture reads it (under 1: part of it, moving on each pass)."""
+        mix, n = self.train, len(self.train)
+        rates = [p.count_labels(np.arange(min(len(p), REPLY_SAMPLE))) / max(min(len(p), REPLY_SAMPLE), 1)
+                 for p in mix.sources]
+        labelled = sum(int(c) * r for c, r in zip(mix.counts, rates)) or 1
+        return {name: {"sequences": round(int(c) / n, 4), "loss": round(int(c) * r / labelled, 4),
+                       "reads_per_pass": round(int(c) / max(int(size), 1), 3)}
+                for name, c, r, size in zip(self.source_names, mix.counts, rates, mix.sizes)}
 
     @property
     def vocab_size(self) -> int:
@@ -167,7 +183,7 @@ def build_data(cfg: Config) -> DataBundle:
     _check_sizes(d.path or "the shipped corpus", train, val, cfg)
     check_replies_fit([(d.path, train)], val, cfg)
     return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.seed),
-                      left_out=left_out)
+                      left_out=left_out, chat_template=rendering(cfg) if d.chat else "")
 
 
 def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: dict | None = None,
@@ -264,7 +280,7 @@ def _build_mixture(cfg: Config) -> DataBundle:
     check_replies_fit([(s.path, p) for s, p in zip(mix, trains)], val, cfg)
     return DataBundle(tok, train, val,
                       GlobalBatchSampler(len(train), t.global_batch_size, t.seed, tag_passes=True), names,
-                      left_out=left_out)
+                      left_out=left_out, chat_template=rendering(cfg) if cfg.data.chat else "")
 
 
 def _mixture_tokenizer(cfg: Config) -> Tokenizer:

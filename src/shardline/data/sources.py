@@ -316,7 +316,7 @@ def _conversation(f: Path, where: str, value) -> list[dict]:
     if not isinstance(value, list):
         raise DataError(f"data file {f} {where} has no list field 'messages' (the chat format reads "
                         "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]}; text is read with data.format=text, "
-                        "or in data.mix the source's format = \"text\")")
+                        "or in data.mix the source's format = \"text\"; prepare: --format text)")
     out = []
     for i, m in enumerate(value):
         calls = isinstance(m, dict) and bool(m.get("tool_calls"))  # a reply that calls tools may hold no text

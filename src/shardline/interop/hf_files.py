@@ -166,12 +166,40 @@ def _write_tokenizer_settings(folder: Path, tokenizer: Path, config: dict[str, A
         return
     named = {key: tok.id_to_token(config[f"{key}_id"]) for key in ("bos_token", "eos_token")
              if isinstance(config.get(f"{key}_id"), int) and tok.id_to_token(config[f"{key}_id"]) is not None}
-    end = tok.token_to_id(CHAT_END) if chat_template else None
-    if end is not None:
+    if chat_template and tok.token_to_id(CHAT_END) is not None:
         named["eos_token"] = CHAT_END
-        ends = sorted({end, *([config["eos_token_id"]] if isinstance(config.get("eos_token_id"), int) else [])})
-        _write_json(folder / GENERATION_NAME, {"eos_token_id": ends})
     _write_json(folder / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **named})
+
+
+def _stop_at_chat_end(folder: Path, tokenizer: Path, config: dict[str, Any]) -> None:
+    """A run that learned ChatML ends a reply with <|im_end|>: generation_config.json (the one the
+    export carries, or a new one) stops transformers' generate there too, beside the eos, as
+    `shardline generate --chat` stops; else an export of a base model's tokenizer ran on past it."""
+    from tokenizers import Tokenizer
+
+    from shardline.data.encode import CHAT_END
+
+    try:
+        end = Tokenizer.from_file(str(tokenizer)).token_to_id(CHAT_END)
+    except Exception:  # (tokenizers raises a bare Exception) the copied file is the user's to fix
+        return
+    if end is None:  # ChatML's markers are pieces of text in this vocabulary: no one token to stop at
+        return
+    path = folder / GENERATION_NAME
+    try:
+        generation = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        generation = {}
+    generation = generation if isinstance(generation, dict) else {}
+    ends = {end} | _token_ids(generation.get("eos_token_id")) | _token_ids(config.get("eos_token_id"))
+    _write_json(path, {**generation, "eos_token_id": sorted(ends)})
+
+
+def _token_ids(found) -> set[int]:
+    """An eos_token_id as HF writes it (an id, a list of them, or none) as a set."""
+    if isinstance(found, int):
+        return {found}
+    return {i for i in found if isinstance(i, int)} if isinstance(found, list) else set()
 
 
 def _add_chat_template(settings_path: Path, template: str) -> None:
@@ -276,6 +304,8 @@ def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype:
             copy_side_files(side["generation_config"].parent, tmp, names=(GENERATION_NAME,))
         if side.get("chat_template"):
             _add_chat_template(tmp / "tokenizer_config.json", side["chat_template"])
+            if side.get("tokenizer") is not None:
+                _stop_at_chat_end(tmp, side["tokenizer"], config)
         _write_json(tmp / EXPORT_MARK, {"written_by": "shardline", **provenance})
         _swap_into_place(tmp, dest)
     except BaseException:
