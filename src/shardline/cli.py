@@ -1,7 +1,7 @@
 """Command line: train LLMs and plan their layouts (`shardline COMMAND --help` for each).
 
 Commands: train, check, convert, prepare, plan, estimate, calibrate, comm-bench, simulate,
-generate.
+generate, eval.
 
 `shardline train` with no arguments trains the tiny preset on the shipped corpus.
 Config: `--config FILE.toml` then `--section.key=value` overrides. Mistakes the user
@@ -84,7 +84,7 @@ def _relaunch_config(config: str | None, overrides: list[str]):
 
 
 # The commands whose processes may be ranks of a job (started by torchrun, or as srun's tasks).
-RANKED = ("train", "check")
+RANKED = ("train", "check", "eval")
 
 
 @contextlib.contextmanager
@@ -174,7 +174,8 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
 
 # Subcommands that live beside their feature: each module has `register(subparsers)`,
 # which adds its parser and sets `func(args, overrides) -> int`.
-_FEATURE_COMMANDS = ("shardline.data.cli", "shardline.planner.cli", "shardline.simulator.cli", "shardline.generate")
+_FEATURE_COMMANDS = ("shardline.data.cli", "shardline.planner.cli", "shardline.simulator.cli", "shardline.generate",
+                     "shardline.evaluate")
 
 
 def _register_feature_commands(sub) -> None:
@@ -317,7 +318,7 @@ def _leave(error: ShardlineError, what: str, code: int) -> int:
 # The commands that print a report and end: a reader that closes their pipe early is no failure.
 REPORTS = ("generate", "plan", "estimate", "simulate", "convert")
 # The commands that take --section.key=value config overrides (the others refuse them).
-TAKES_OVERRIDES = ("train", "check", "plan", "estimate", "simulate")
+TAKES_OVERRIDES = ("train", "check", "plan", "estimate", "simulate", "eval")
 
 
 def _override_hint(command: str, unknown: list[str], stray: str) -> str:

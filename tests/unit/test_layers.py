@@ -29,7 +29,7 @@ LAYERS = [
     {"preflight"},
     {"launch_notes"},
     {"trainer", "planner"},
-    {"simulator", "dry_run", "generate"},
+    {"simulator", "dry_run", "generate", "evaluate"},
     {"cli"},
     {"__main__", "__init__"},
 ]

@@ -1,0 +1,145 @@
+"""`shardline eval`: a checkpoint's loss and perplexity on held-out data, as training evaluates.
+
+Training evaluates every train.eval_interval steps on the first train.eval_batches global
+batches of the held-out split. This command runs that evaluation on any checkpoint, later: on
+its run's own held-out data by default (the number the run logged at that step), or on other
+data given as overrides (`--data.path=...`: its held-out split), over as many batches as asked
+(`--batches 0`: all of it), in one process or on torchrun's (or srun's) ranks in any layout.
+
+It is the trainer's own evaluation: a new run built from the checkpoint's weights
+(model.init_from) in a temporary folder, so precision, kernels and layout are what training
+uses, and the checkpoint's run dir is only read. The checkpoint's run config gives the data and
+train settings; its parallel, memory, checkpoint, anomaly and fault settings are left at their
+defaults (they described the training job's ranks, not this one's), unless given here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shardline.config import Config, apply_override, from_dict
+from shardline.data.sampler import eval_micro_batches
+from shardline.errors import ConfigError
+
+# The sections of the checkpoint's run config an evaluation keeps: what its data and model read.
+KEPT_SECTIONS = ("run", "model", "moe", "data", "train", "fp8")
+# Settings the command owns: the weights come from SRC, the run dir is a temporary one.
+OWN_KEYS = ("model.init_from", "model.hf_path", "run.dir", "run.resume")
+
+
+@dataclass
+class Evaluation:
+    checkpoint: str
+    step: int
+    loss: float
+    sequences: int
+    labelled_tokens: int
+    data: str
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 50.0))
+
+    def line(self) -> str:
+        return (f"eval {self.checkpoint} (step {self.step}): loss {self.loss:.4f} | ppl {self.perplexity:.2f} | "
+                f"{self.sequences:,} held-out sequences, {self.labelled_tokens:,} labelled tokens of {self.data}")
+
+    def as_json(self) -> str:
+        return json.dumps({"checkpoint": self.checkpoint, "step": self.step, "loss": self.loss,
+                           "perplexity": self.perplexity, "sequences": self.sequences,
+                           "labelled_tokens": self.labelled_tokens, "data": self.data})
+
+
+def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[Config, Path, int]:
+    """(the evaluation's config, the checkpoint, its step): the checkpoint's run config (its kept
+    sections), the overrides, and the settings this command owns."""
+    from shardline.interop.convert import resolve_checkpoint
+    from shardline.resilience.checkpoint import read_meta, step_of, verify
+
+    given = Path(src)
+    ckpt = resolve_checkpoint(given)  # a run dir's newest valid one: verified there
+    if ckpt == given:
+        verify(ckpt)
+    meta = read_meta(ckpt)
+    saved = meta.get("config") or {}  # none for a checkpoint converted from HF: the defaults, and the overrides
+    cfg = from_dict({name: table for name, table in saved.items() if name in KEPT_SECTIONS})
+    for item in overrides:
+        key = item.removeprefix("--").split("=", 1)[0]
+        if key in OWN_KEYS:
+            raise ConfigError(f"eval sets {key} itself (the weights are SRC's, the run dir a temporary one); drop "
+                              f"--{key}")
+        apply_override(cfg, item)
+    cfg.model.init_from, cfg.model.hf_path = str(ckpt), ""
+    cfg.run.dir, cfg.run.resume = str(run_dir), "never"
+    cfg.checkpoint.interval, cfg.checkpoint.memory_interval = 0, 0
+    cfg.metrics.tensorboard, cfg.metrics.progress, cfg.metrics.profile_steps = False, "none", []
+    cfg.train.eval_interval = max(cfg.train.eval_interval, 1)  # (an evaluation needs a held-out split)
+    return cfg, ckpt, step_of(ckpt)
+
+
+def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = None) -> Evaluation:
+    """The loss of checkpoint `src` (a run dir: its newest valid one) on the held-out split the
+    config reads, over `batches` global batches (None: train.eval_batches; 0: all of it)."""
+    from shardline.trainer import Trainer
+
+    if batches is not None and batches < 0:
+        raise ConfigError(f"--batches={batches} is invalid: a number of global batches, or 0 for every held-out "
+                          "sequence")
+    cfg, ckpt, step = eval_config(src, list(overrides), work_dir())
+    trainer = Trainer(cfg).build()
+    try:
+        t, held_out = trainer.cfg.train, len(trainer.data.val)
+        if batches is not None:
+            t.eval_batches = -(-held_out // t.global_batch_size) if batches == 0 else batches
+        read = eval_micro_batches(held_out, t.eval_batches * t.global_batch_size, t.micro_batch_size)
+        loss = trainer.evaluate()
+        labelled = trainer.data.val.count_labels(np.concatenate(read)) if read else 0
+    finally:
+        trainer.close()
+    data = " + ".join(s.path for s in cfg.data.mix) or cfg.data.path or "the shipped corpus"
+    return Evaluation(str(ckpt), step, loss, sum(map(len, read)), labelled, data)
+
+
+def work_dir() -> Path:
+    """The evaluation's run dir: a temporary folder of this process, or of this job where ranks must
+    name one run dir alike (torchrun's run id and port; srun's job and step)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        job = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_PORT"))
+    else:
+        job = str(os.getpid())
+    return Path(tempfile.gettempdir()) / f"shardline-eval-{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}"
+
+
+def register(sub) -> None:
+    """The `eval` subcommand (cli.py's feature commands)."""
+    p = sub.add_parser("eval", help="a checkpoint's loss and perplexity on held-out data, as training evaluates",
+                       epilog="overrides (--data.path=..., --train.seq_len=..., --parallel.tp=2) change what the "
+                              "checkpoint's run config gives; under torchrun every rank takes part")
+    p.add_argument("src", help="a run dir (its newest valid checkpoint) or a checkpoint folder")
+    p.add_argument("--batches", type=int, default=None,
+                   help="global batches of the held-out split to read (default: the run's train.eval_batches; "
+                        "0: every held-out sequence)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the line")
+    p.set_defaults(func=_command)
+
+
+def _command(args, overrides: list[str]) -> int:
+    from shardline.parallel.distributed import shutdown_distributed
+
+    try:
+        result = evaluate(args.src, overrides, args.batches)
+        if os.environ.get("RANK", "0") == "0":
+            print(result.as_json() if args.json else result.line(), flush=True)
+        shutdown_distributed()  # (every rank done with the run dir before it goes)
+    finally:
+        shutil.rmtree(work_dir(), ignore_errors=True)
+    return 0

@@ -1,0 +1,76 @@
+"""`shardline eval`: a checkpoint's held-out loss, as its run's training evaluated it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from shardline.cli import main
+from shardline.trainer import Trainer
+from tests.ports import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, small_prepared):
+    """A tiny run of 4 steps that evaluated at its last step, on the prepared small corpus."""
+    from tests.conftest import tiny_overrides
+    from shardline.config import load_config
+
+    run = tmp_path_factory.mktemp("eval") / "run"
+    Trainer(load_config(None, tiny_overrides(run, small_prepared, "train.steps=4", "train.eval_interval=4",
+                                             "checkpoint.interval=4", "train.eval_batches=2"))).build().train()
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return run, next(r for r in logged if r["kind"] == "eval" and r["step"] == 4)
+
+
+def _eval(capsys, *args: str) -> dict:
+    assert main(["eval", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_eval_gives_the_loss_the_run_logged_at_that_step(trained, capsys, small_corpus):
+    run, logged = trained
+    got = _eval(capsys, str(run))
+    assert got["step"] == 4 and got["checkpoint"] == str(run / "checkpoints" / "step-000004")
+    assert got["loss"] == pytest.approx(logged["eval_loss"], rel=1e-6) and got["sequences"] == logged["eval_sequences"]
+    assert got["perplexity"] == pytest.approx(logged["eval_ppl"], rel=1e-6) and got["labelled_tokens"] > 0
+    everything = _eval(capsys, str(run / "checkpoints" / "step-000004"), "--batches", "0")  # a checkpoint folder
+    assert everything["sequences"] > got["sequences"] and everything["loss"] != got["loss"]
+    # Other data given as an override: the raw file the folder was prepared from holds out the same documents
+    raw = _eval(capsys, str(run), f"--data.path={small_corpus}", "--batches", "0")
+    assert raw["loss"] == pytest.approx(everything["loss"], rel=1e-6) and raw["data"] == str(small_corpus)
+    assert not (Path(tempfile.gettempdir()) / f"shardline-eval-{os.getpid()}").exists()  # its run dir removed
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--model.init_from=elsewhere"], "eval sets model.init_from itself"),
+    (["--batches", "-1"], "--batches=-1 is invalid"),
+    (["--train.seq_len=4096"], "too few for one sequence of train.seq_len=4096"),
+])
+def test_eval_mistakes_are_one_line(trained, capsys, args, says):
+    run, _ = trained
+    assert main(["eval", str(run), *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_eval_on_two_ranks_gives_one_process_loss(trained):
+    """Under torchrun every rank takes part (FSDP over both by default; tp 2 given): the same loss."""
+    run, logged = trained
+    for layout in ([], ["--parallel.tp=2"]):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
+               f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "shardline", "eval", str(run), "--json", *layout]
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+        assert len(lines) == 1, out.stdout  # rank 0 says it
+        assert json.loads(lines[0])["loss"] == pytest.approx(logged["eval_loss"], rel=1e-5)
