@@ -28,6 +28,7 @@ import numpy as np
 
 from shardline.config import Config, apply_override, from_dict
 from shardline.data.sampler import eval_micro_batches
+from shardline.data.shards import is_prepared
 from shardline.errors import ConfigError
 
 # The sections of the checkpoint's run config an evaluation keeps: what its data and model read.
@@ -83,6 +84,10 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     cfg.checkpoint.interval, cfg.checkpoint.memory_interval = 0, 0
     cfg.metrics.tensorboard, cfg.metrics.progress, cfg.metrics.profile_steps = False, "none", []
     cfg.train.eval_interval = max(cfg.train.eval_interval, 1)  # (an evaluation needs a held-out split)
+    if not cfg.data.val_fraction and not all(map(is_prepared, [s.path for s in cfg.data.mix] or [cfg.data.path])):
+        raise ConfigError("data.val_fraction=0: the data holds nothing out to evaluate on (the run trained on all of "
+                          "it); give other data (--data.path=...), or --data.val_fraction=0.01 for a share of it "
+                          "(documents the run trained on: a training loss)")
     return cfg, ckpt, step_of(ckpt)
 
 
