@@ -88,7 +88,7 @@ RANKED = ("train", "check", "eval")
 
 
 @contextlib.contextmanager
-def _srun_ranks(command: str):
+def _srun_ranks(args: argparse.Namespace):
     """`srun --ntasks-per-node=8 shardline train` (no torchrun): srun's tasks are the ranks, given
     torchrun's variables from Slurm's (parallel/slurm.py) before anything reads them, for the
     command's length (its error handling included; an in-process caller of main() keeps its
@@ -96,7 +96,8 @@ def _srun_ranks(command: str):
     from shardline.parallel.slurm import torchrun_env
 
     try:
-        added = torchrun_env(os.environ, os.getpid()) if command in RANKED else {}
+        strict = not getattr(args, "dry_run", False)  # (a dry run starts no group: it may run in any shell)
+        added = torchrun_env(os.environ, os.getpid(), strict) if args.command in RANKED else {}
     except ShardlineError as e:
         yield e
         return
@@ -282,9 +283,13 @@ def _io_fault(error: BaseException | None) -> bool:
 
 
 def _another_local_rank() -> bool:
-    """A torchrun worker that is not its node's first (LOCAL_RANK > 0, in a world of several)."""
+    """A torchrun worker that is not its node's first (LOCAL_RANK > 0, in a world of several), or an
+    srun task that is not (SLURM_LOCALID > 0: a step refused before its tasks became ranks)."""
+    env = os.environ
     try:
-        return int(os.environ.get("LOCAL_RANK", "0")) > 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if "LOCAL_RANK" not in env and env.get("SLURM_TASK_PID") == str(os.getpid()):
+            return int(env.get("SLURM_LOCALID", "0")) > 0 and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1
+        return int(env.get("LOCAL_RANK", "0")) > 0 and int(env.get("WORLD_SIZE", "1")) > 1
     except ValueError:
         return False
 
@@ -339,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [u for u in unknown if not (u.startswith("--") and "." in u.split("=", 1)[0])]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)} ({_override_hint(args.command, unknown, bad[0])})")
-    with _srun_ranks(args.command) as refusal:
+    with _srun_ranks(args) as refusal:
         return _leave(refusal, "error", 2) if refusal is not None else _run(args, unknown)
 
 

@@ -154,11 +154,17 @@ def test_srun_tasks_that_cannot_be_ranks_are_one_line_and_a_ranked_dry_run_print
     err = capsys.readouterr().err
     assert "srun started 2 tasks, and this process is not one of them" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+    assert main(["train", "--dry-run", *overrides(tmp_path / "run", small_corpus)]) == 0  # a dry run: one process
+    assert "dry run: 1 rank(s)" in capsys.readouterr().out
     monkeypatch.setenv("SLURM_TASK_PID", str(os.getpid()))  # srun's task itself
     monkeypatch.setenv("RANK", "1")  # an sbatch script's export
     assert main(["train", *overrides(tmp_path / "run", small_corpus)]) == 2
-    assert "RANK=1 is set in the environment but srun started this task as RANK=0" in capsys.readouterr().err
+    assert "RANK set in the environment of srun's tasks (an sbatch export?)" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("SLURM_LOCALID", "1")  # ... said by the node's first task only
+    assert main(["train", *overrides(tmp_path / "run", small_corpus)]) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("SLURM_LOCALID", "0")
     monkeypatch.delenv("RANK")
     assert main(["train", "--dry-run", *overrides(tmp_path / "run", small_corpus)]) == 0  # rank 0 of 2: it prints
     assert "layout" in capsys.readouterr().out

@@ -222,16 +222,21 @@ def test_an_srun_task_gets_torchruns_variables_from_slurms():
     ports = {torchrun_env({**SRUN, "SLURM_JOB_ID": str(job), "SLURM_STEP_ID": str(step)}, TASK)["MASTER_PORT"]
              for job in (4242, 4243) for step in (0, 1, 31)}
     assert len(ports) == 6  # neighbouring jobs and steps apart
-    given = torchrun_env({**SRUN, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29400", "RANK": "4", "WORLD_SIZE": "6"},
-                         TASK)
-    assert (given["MASTER_ADDR"], given["MASTER_PORT"]) == ("10.0.0.7", "29400")  # the user's, and agreeing exports
+    given = torchrun_env({**SRUN, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29400"}, TASK)
+    assert (given["MASTER_ADDR"], given["MASTER_PORT"]) == ("10.0.0.7", "29400")  # the user's
+    # Ranks in node blocks whatever order srun numbered its tasks in (cyclic: task 3 is node 1's second)
+    assert torchrun_env({**SRUN, "SLURM_PROCID": "3"}, TASK)["RANK"] == "4"
+    # A wrapper that forks python below the task (apptainer, nsys), said to be the task's rank
+    assert torchrun_env({**SRUN, "SHARDLINE_SRUN_RANK": "1"}, 12345)["RANK"] == "4"
     # nothing to translate: one task, a torchrun worker inside the step, one process on purpose, a batch shell, a
-    # process below the task that another launcher ranked (deepspeed, an mpirun wrapper)
-    for env, pid in (({**SRUN, "SLURM_STEP_NUM_TASKS": "1"}, TASK),
-                     ({**SRUN, "TORCHELASTIC_RUN_ID": "x", **TORCHRUN}, 9),
-                     ({**SRUN, "WORLD_SIZE": "1"}, TASK), ({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}, TASK),
-                     ({**SRUN, "RANK": "9", "WORLD_SIZE": "16"}, 9)):
-        assert torchrun_env(env, pid) == {}
+    # process below the task that another launcher ranked (deepspeed, an mpirun wrapper), a dry run below a task
+    for env, pid, strict in (({**SRUN, "SLURM_STEP_NUM_TASKS": "1"}, TASK, True),
+                             ({**SRUN, "TORCHELASTIC_RUN_ID": "x", **TORCHRUN}, 9, True),
+                             ({**SRUN, "WORLD_SIZE": "1"}, TASK, True),
+                             ({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}, TASK, True),
+                             ({**SRUN, "RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1"}, 9, True),
+                             (SRUN, 12345, False)):
+        assert torchrun_env(env, pid, strict) == {}
     check_launch_env({**SRUN, **torchrun_env(SRUN, TASK)}, gpus=8)  # what the launch check then sees passes
     with pytest.raises(ConfigError, match="LOCAL_RANK=1 but this node shows 1 GPU.*let every srun task see"):
         check_launch_env({**SRUN, **torchrun_env(SRUN, TASK), "CUDA_VISIBLE_DEVICES": "5"}, gpus=1)
@@ -255,16 +260,19 @@ def test_tasks_per_node_from_slurms_list():
 @pytest.mark.parametrize("env, pid, says", [
     # `srun --pty bash`, then shardline in that shell: it would be rank 4 of 6 and wait for peers that never come
     (SRUN, 12345, "this process is not one of them (SLURM_TASK_PID=777, this one 12345: a shell or script below"),
-    ({**SRUN, "SLURM_PROCID": ""}, TASK, "SLURM_PROCID, SLURM_LOCALID or SLURM_NODEID is not set"),
-    ({**SRUN, "WORLD_SIZE": "8"}, TASK, "WORLD_SIZE=8 is set in the environment but srun started this task as "
-                                        "WORLD_SIZE=6"),
+    # an sbatch script's export reaching a script below the task: without LOCAL_RANK no launcher ranked it
+    ({**SRUN, "RANK": "0", "WORLD_SIZE": "16"}, 12345, "this process is not one of them"),
+    ({**SRUN, "SLURM_LOCALID": ""}, TASK, "SLURM_LOCALID or SLURM_NODEID is not set"),
+    ({**SRUN, "WORLD_SIZE": "8"}, TASK, "WORLD_SIZE set in the environment of srun's tasks (an sbatch export?)"),
+    ({**SRUN, "RANK": "4"}, TASK, "RANK set in the environment of srun's tasks"),
     ({**SRUN, "SLURM_HET_SIZE": "2"}, TASK, "heterogeneous job (SLURM_HET_SIZE=2)"),
     ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "4,2"}, TASK, "placed its 6 tasks 4,2 over the nodes"),  # uneven
-    ({**SRUN, "SLURM_PROCID": "3"}, TASK, "task 3 as local task 1 of node 1"),  # cyclic: rank 3 on node 1
     ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": ""}, TASK, "in an unknown layout"),
 ])
 def test_an_srun_task_that_cannot_be_a_rank_is_one_line(env, pid, says):
     from shardline.parallel.slurm import torchrun_env
 
-    with pytest.raises(ConfigError, match=re.escape(says)):
+    with pytest.raises(ConfigError, match=re.escape(says)) as refused:
         torchrun_env(env, pid)
+    # what every task meets alike is said by each node's first; a process below a task says its own
+    assert getattr(refused.value, "node_alike", False) == (pid == TASK)

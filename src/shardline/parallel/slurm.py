@@ -22,52 +22,60 @@ from shardline.errors import ConfigError
 PORT_BASE, PORT_SPAN = 20000, 10000
 
 
-def torchrun_env(env, pid: int) -> dict[str, str]:
+def torchrun_env(env, pid: int, strict: bool = True) -> dict[str, str]:
     """torchrun's variables for srun's task `pid` (this process), {} where there is nothing to
     translate: not a step of several tasks, WORLD_SIZE=1 (one process inside a step of several, on
     purpose), or a process below a task that another launcher ranked (torchrun's workers, or any
-    that set both RANK and WORLD_SIZE). Refused in one line: a process below a task that nothing
-    ranked (a shell of `srun --pty bash`, a sweep's script: every such process would be the task's
-    rank and wait for peers), exports that disagree with srun's, and placements whose ranks are not
-    in node blocks of one size (node-local groups and peer replicas assume torchrun's layout)."""
+    that set RANK, WORLD_SIZE and LOCAL_RANK). A process below a task that nothing ranked (a shell
+    of `srun --pty bash`, a sweep's script: each would take the task's rank and wait for peers) is
+    refused in one line, unless SHARDLINE_SRUN_RANK=1 says it is its task's rank (a wrapper that
+    forks: apptainer, nsys), or not `strict` (a dry run, which starts no group: one process).
+    Refused alike on every task: a RANK or WORLD_SIZE exported to the tasks, uneven task counts.
+    Ranks are numbered in node blocks (node x tasks a node + local id), as torchrun numbers them,
+    whatever order srun gave its tasks (cyclic, plane)."""
     tasks = env.get("SLURM_STEP_NUM_TASKS", "1")
     if not tasks.isdigit() or int(tasks) <= 1 or env.get("WORLD_SIZE") == "1" or "TORCHELASTIC_RUN_ID" in env:
         return {}
     task_pid = env.get("SLURM_TASK_PID", "")
-    if task_pid != str(pid):  # below a task: ranked by its launcher, or not at all
-        if "RANK" in env and "WORLD_SIZE" in env:
+    if task_pid != str(pid) and env.get("SHARDLINE_SRUN_RANK") != "1":  # below a task
+        if all(key in env for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) or not strict:
             return {}
         raise ConfigError(f"srun started {tasks} tasks, and this process is not one of them (SLURM_TASK_PID="
                           f"{task_pid or 'unset'}, this one {pid}: a shell or script below a task): run shardline as "
-                          "srun's task itself (srun ... python -m shardline train ...), start one torchrun per node "
-                          "(srun --ntasks-per-node=1 torchrun --nproc_per_node=... -m shardline train ...), or set "
-                          "WORLD_SIZE=1 for one process")
-    ours = {"RANK": env.get("SLURM_PROCID", ""), "WORLD_SIZE": tasks, "LOCAL_RANK": env.get("SLURM_LOCALID", "")}
-    node = env.get("SLURM_NODEID", "")
-    if not (ours["RANK"].isdigit() and ours["LOCAL_RANK"].isdigit() and node.isdigit()):
-        raise ConfigError(f"srun started {tasks} tasks but SLURM_PROCID, SLURM_LOCALID or SLURM_NODEID is not set: "
-                          "start one torchrun per node instead (srun --ntasks-per-node=1 torchrun ...)")
+                          "srun's task itself (srun ... python -m shardline train ..., or a script that ends in "
+                          "`exec python ...`), set SHARDLINE_SRUN_RANK=1 where a wrapper forks it (apptainer, "
+                          "nsys), start one torchrun per node, or set WORLD_SIZE=1 for one process")
+    exported = [key for key in ("RANK", "WORLD_SIZE") if key in env]
+    if exported:
+        raise _alike(f"{' and '.join(exported)} set in the environment of srun's tasks (an sbatch export?): srun "
+                     f"starts the {tasks} ranks itself; unset {' and '.join(exported)}")
+    local_id, node = env.get("SLURM_LOCALID", ""), env.get("SLURM_NODEID", "")
+    if not (local_id.isdigit() and node.isdigit()):
+        raise _alike(f"srun started {tasks} tasks but SLURM_LOCALID or SLURM_NODEID is not set: start one torchrun "
+                     "per node instead (srun --ntasks-per-node=1 torchrun ...)")
     if env.get("SLURM_HET_SIZE", "1") not in ("", "1"):
-        raise ConfigError("srun's tasks span the components of a heterogeneous job (SLURM_HET_SIZE="
-                          f"{env['SLURM_HET_SIZE']}): start one torchrun per node instead")
-    for key in ("RANK", "WORLD_SIZE"):
-        if key in env and env[key] != ours[key]:
-            raise ConfigError(f"{key}={env[key]} is set in the environment but srun started this task as "
-                              f"{key}={ours[key]}: unset {key} (an sbatch export) and srun's tasks are the ranks")
+        raise _alike("srun's tasks may span the components of a heterogeneous job (SLURM_HET_SIZE="
+                     f"{env['SLURM_HET_SIZE']}): start one torchrun per node instead")
     spec = env.get("SLURM_STEP_TASKS_PER_NODE", "")
     counts = tasks_per_node(spec)
-    local = counts[int(node)] if int(node) < len(counts) else 0
-    if len(set(counts)) != 1 or not local or int(ours["RANK"]) != int(node) * local + int(ours["LOCAL_RANK"]):
-        raise ConfigError(f"srun placed its {tasks} tasks {spec or 'in an unknown layout'} over the nodes, task "
-                          f"{ours['RANK']} as local task {ours['LOCAL_RANK']} of node {node}: shardline needs the "
-                          "same number of tasks on every node, in blocks (srun --ntasks-per-node=N "
-                          "--distribution=block), or one torchrun per node")
+    if len(set(counts)) != 1 or sum(counts) != int(tasks) or int(node) >= len(counts):
+        raise _alike(f"srun placed its {tasks} tasks {spec or 'in an unknown layout'} over the nodes: shardline "
+                     "needs the same number on every node (srun --ntasks-per-node=N), or one torchrun per node")
+    local = counts[0]
     job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "")
     port = PORT_BASE + zlib.crc32(f"{job}.{step}".encode()) % PORT_SPAN
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-    return {**ours, "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": node,
+    return {"RANK": str(int(node) * local + int(local_id)), "WORLD_SIZE": tasks, "LOCAL_RANK": local_id,
+            "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": node,
             "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodes) or "127.0.0.1",
             "MASTER_PORT": env.get("MASTER_PORT") or str(port)}
+
+
+def _alike(line: str) -> ConfigError:
+    """A refusal every task of the step meets alike: said by each node's first task (cli's node_alike)."""
+    error = ConfigError(line)
+    error.node_alike = True
+    return error
 
 
 def first_host(nodelist: str) -> str:
