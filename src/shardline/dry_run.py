@@ -72,8 +72,9 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]
     target = ("" if cfg.run.device != "auto" or torch.cuda.is_available() else
               " (as a CUDA launch: run.device=auto, and this machine has no GPU, where it would train on the "
               "CPU; --run.device=cpu checks that)")
-    raw = "" if prepared else (" (raw data: the launch, which tokenizes it, checks its held-out size and chat "
-                               "reply tokens)")
+    raw = "" if prepared else (" (raw data: the launch, which tokenizes it, checks its held-out size"
+                               + (", its chat reply tokens" if cfg.data.chat else "")
+                               + (", and its tokens against the checkpoint's" if resume and not changed else "") + ")")
     lines = [f"dry run: {world} rank(s); config, data and layout pass the launch checks{target}{raw}",
              _model_line(cfg, launch), f"data      {data}; "
              f"tokenizer {tokenizer}",

@@ -495,3 +495,26 @@ def test_a_broken_chat_template_is_named_by_its_file_and_a_run_tokenizer_not_as_
     err = capsys.readouterr().err
     assert f"the tokenizer {tmp_path / 'run' / 'tokenizer.json'} cannot be read as a tokenizer.json" in err, err
     assert "data.tokenizer" not in err
+
+
+def test_a_chatml_exports_generation_config_keeps_its_keys_and_adds_the_turn_end(tmp_path, small_prepared):
+    """The export's generation_config.json (a starting model's, copied) keeps its keys and eos ids
+    (an int or a list) and gains <|im_end|>; a vocabulary without it as one token is left as it was."""
+    from tokenizers import Tokenizer
+
+    from shardline.interop.hf_files import _stop_at_chat_end
+
+    tok = Tokenizer.from_file(str(small_prepared / "tokenizer.json"))
+    plain = tmp_path / "plain.json"
+    tok.save(str(plain))
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    chatml = tmp_path / "chatml.json"
+    tok.save(str(chatml))
+    written = {"eos_token_id": [5, 9], "temperature": 0.6, "top_p": 0.9}
+    (tmp_path / "generation_config.json").write_text(json.dumps(written))
+    _stop_at_chat_end(tmp_path, plain, {"eos_token_id": 7})
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == written
+    _stop_at_chat_end(tmp_path, chatml, {"eos_token_id": 7})
+    end = tok.token_to_id("<|im_end|>")
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {**written,
+                                                                             "eos_token_id": sorted({5, 9, 7, end})}
