@@ -321,7 +321,7 @@ def _leave(error: ShardlineError, what: str, code: int) -> int:
 
 
 # The commands that print a report and end: a reader that closes their pipe early is no failure.
-REPORTS = ("generate", "plan", "estimate", "simulate", "convert")
+REPORTS = ("generate", "plan", "estimate", "simulate", "convert", "eval")
 # The commands that take --section.key=value config overrides (the others refuse them).
 TAKES_OVERRIDES = ("train", "check", "plan", "estimate", "simulate", "eval")
 

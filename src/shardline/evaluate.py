@@ -29,7 +29,8 @@ import numpy as np
 from shardline.config import Config, apply_override, from_dict
 from shardline.data.sampler import eval_micro_batches
 from shardline.data.shards import is_prepared
-from shardline.errors import ConfigError
+from shardline.errors import ConfigError, on_every_rank
+from shardline.parallel.distributed import agreed, init_distributed, pick_device, ranks_differing
 
 # The sections of the checkpoint's run config an evaluation keeps: what its data and model read.
 KEPT_SECTIONS = ("run", "model", "moe", "data", "train", "fp8")
@@ -63,16 +64,19 @@ class Evaluation:
 def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[Config, Path, int]:
     """(the evaluation's config, the checkpoint, its step): the checkpoint's run config (its kept
     sections), the overrides, and the settings this command owns."""
-    from shardline.interop.convert import resolve_checkpoint
-    from shardline.resilience.checkpoint import read_meta, step_of, verify
+    from shardline.interop.convert import checkpoint_tokenizer, resolve_checkpoint
+    from shardline.resilience.checkpoint import read_meta, step_of
 
-    given = Path(src)
-    ckpt = resolve_checkpoint(given)  # a run dir's newest valid one: verified there
-    if ckpt == given:
-        verify(ckpt)
-    meta = read_meta(ckpt)
-    saved = meta.get("config") or {}  # none for a checkpoint converted from HF: the defaults, and the overrides
+    ckpt = resolve_checkpoint(Path(src))  # a run dir's newest valid one (a folder named is verified as it loads)
+    saved = read_meta(ckpt).get("config") or {}  # none for a checkpoint converted from HF: the defaults
     cfg = from_dict({name: table for name, table in saved.items() if name in KEPT_SECTIONS})
+    if isinstance(saved.get("data"), dict) and "add_bos" not in saved["data"]:  # saved before it: no BOS, as a
+        cfg.data.add_bos = False  # resume reads it (config.load_relaunch_config)
+    # The tokenizer the run trained with, as the checkpoint keeps it beside it or in its run dir: the saved
+    # data.tokenizer may name a starting model's file since removed, or a path relative to another directory.
+    own = checkpoint_tokenizer(ckpt)
+    if own is not None:
+        cfg.data.tokenizer = str(own)
     for item in overrides:
         key = item.removeprefix("--").split("=", 1)[0]
         if key in OWN_KEYS:
@@ -99,7 +103,10 @@ def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = N
     if batches is not None and batches < 0:
         raise ConfigError(f"--batches={batches} is invalid: a number of global batches, or 0 for every held-out "
                           "sequence")
-    cfg, ckpt, step = eval_config(src, list(overrides), work_dir())
+    proc, (cfg, ckpt, step) = _agreed_config(src, list(overrides))
+    if ranks_differing(str(ckpt), proc.world_size):  # a run still saving: its newest is not every rank's alike
+        raise on_every_rank(ConfigError(f"the ranks found different newest checkpoints in {src} (a run saving "
+                                        "now?): name one checkpoint folder (RUN/checkpoints/step-N)"))
     trainer = Trainer(cfg).build()
     try:
         t, held_out = trainer.cfg.train, len(trainer.data.val)
@@ -114,14 +121,35 @@ def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = N
     return Evaluation(str(ckpt), step, loss, sum(map(len, read)), labelled, data)
 
 
+def _agreed_config(src: str | Path, overrides: list[str]):
+    """(this process in its job, eval_config's answer), agreed by every rank: a refusal on some
+    ranks (a checkpoint missing on one node) is every rank's one line, not a wait at a collective."""
+    try:
+        found, failure = eval_config(src, overrides, work_dir()), None
+    except Exception as e:  # (raised again below, on every rank)
+        found, failure = None, e
+    proc = init_distributed(pick_device(found[0].run.device if found else "auto"))
+
+    def check():
+        if failure is not None:
+            raise failure
+        return found
+
+    return proc, agreed(check, proc.world_size)
+
+
 def work_dir() -> Path:
-    """The evaluation's run dir: a temporary folder of this process, or of this job where ranks must
-    name one run dir alike (torchrun's run id and port; srun's job and step)."""
+    """The evaluation's run dir, named alike by the job's ranks (every rank's config must say the
+    same run.dir): under /tmp (TMPDIR may differ between nodes), by user and by this process, or
+    this job where there are ranks (torchrun's run id and rendezvous port, unique on a host while it
+    runs; srun's job)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        job = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_PORT"))
+        job = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR",
+                                                       "MASTER_PORT"))
     else:
         job = str(os.getpid())
-    return Path(tempfile.gettempdir()) / f"shardline-eval-{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}"
+    base = Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())
+    return base / f"shardline-eval-{os.getuid() if hasattr(os, 'getuid') else 0}-{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}"
 
 
 def register(sub) -> None:
@@ -142,9 +170,9 @@ def _command(args, overrides: list[str]) -> int:
 
     try:
         result = evaluate(args.src, overrides, args.batches)
-        if os.environ.get("RANK", "0") == "0":
-            print(result.as_json() if args.json else result.line(), flush=True)
-        shutdown_distributed()  # (every rank done with the run dir before it goes)
+        shutdown_distributed()  # (every rank done with the run dir before it goes, and before a reader may go)
     finally:
         shutil.rmtree(work_dir(), ignore_errors=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(result.as_json() if args.json else result.line(), flush=True)
     return 0

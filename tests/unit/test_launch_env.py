@@ -235,6 +235,7 @@ def test_an_srun_task_gets_torchruns_variables_from_slurms():
                              ({**SRUN, "WORLD_SIZE": "1"}, TASK, True),
                              ({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}, TASK, True),
                              ({**SRUN, "RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1"}, 9, True),
+                             ({**SRUN, "RANK": "4", "WORLD_SIZE": "6", "LOCAL_RANK": "1"}, TASK, True),  # exec'd
                              (SRUN, 12345, False)):
         assert torchrun_env(env, pid, strict) == {}
     check_launch_env({**SRUN, **torchrun_env(SRUN, TASK)}, gpus=8)  # what the launch check then sees passes

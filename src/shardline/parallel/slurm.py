@@ -25,8 +25,8 @@ PORT_BASE, PORT_SPAN = 20000, 10000
 def torchrun_env(env, pid: int, strict: bool = True) -> dict[str, str]:
     """torchrun's variables for srun's task `pid` (this process), {} where there is nothing to
     translate: not a step of several tasks, WORLD_SIZE=1 (one process inside a step of several, on
-    purpose), or a process below a task that another launcher ranked (torchrun's workers, or any
-    that set RANK, WORLD_SIZE and LOCAL_RANK). A process below a task that nothing ranked (a shell
+    purpose), or a process that a launcher or script ranked (torchrun's workers, or any process
+    whose RANK, WORLD_SIZE and LOCAL_RANK are set). A process below a task that nothing ranked (a shell
     of `srun --pty bash`, a sweep's script: each would take the task's rank and wait for peers) is
     refused in one line, unless SHARDLINE_SRUN_RANK=1 says it is its task's rank (a wrapper that
     forks: apptainer, nsys), or not `strict` (a dry run, which starts no group: one process).
@@ -36,9 +36,11 @@ def torchrun_env(env, pid: int, strict: bool = True) -> dict[str, str]:
     tasks = env.get("SLURM_STEP_NUM_TASKS", "1")
     if not tasks.isdigit() or int(tasks) <= 1 or env.get("WORLD_SIZE") == "1" or "TORCHELASTIC_RUN_ID" in env:
         return {}
+    if all(key in env for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):  # ranked by a launcher, or a script that
+        return {}  # sets them from SLURM_PROCID and execs python (Megatron's way): theirs stand
     task_pid = env.get("SLURM_TASK_PID", "")
     if task_pid != str(pid) and env.get("SHARDLINE_SRUN_RANK") != "1":  # below a task
-        if all(key in env for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) or not strict:
+        if not strict:
             return {}
         raise ConfigError(f"srun started {tasks} tasks, and this process is not one of them (SLURM_TASK_PID="
                           f"{task_pid or 'unset'}, this one {pid}: a shell or script below a task): run shardline as "
