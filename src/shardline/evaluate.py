@@ -15,11 +15,13 @@ defaults (they described the training job's ranks, not this one's), unless given
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +67,7 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     """(the evaluation's config, the checkpoint, its step): the checkpoint's run config (its kept
     sections), the overrides, and the settings this command owns."""
     from shardline.interop.convert import checkpoint_tokenizer, resolve_checkpoint
-    from shardline.resilience.checkpoint import read_meta, step_of
+    from shardline.resilience.checkpoint import read_meta
 
     ckpt = resolve_checkpoint(Path(src))  # a run dir's newest valid one (a folder named is verified as it loads)
     saved = read_meta(ckpt).get("config") or {}  # none for a checkpoint converted from HF: the defaults
@@ -75,8 +77,13 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     # The tokenizer the run trained with, as the checkpoint keeps it beside it or in its run dir: the saved
     # data.tokenizer may name a starting model's file since removed, or a path relative to another directory.
     own = checkpoint_tokenizer(ckpt)
+    given = {item.removeprefix("--").split("=", 1)[0] for item in overrides}
     if own is not None:
         cfg.data.tokenizer = str(own)
+    elif "data.tokenizer" not in given and not os.path.isfile(cfg.data.tokenizer):
+        raise ConfigError(f"{ckpt} has no tokenizer.json beside it or in a run dir above it (a checkpoint moved out of "
+                          "its run?): give the one it was trained with, --data.tokenizer=PATH")
+    _check_saved_paths(cfg, given)
     for item in overrides:
         key = item.removeprefix("--").split("=", 1)[0]
         if key in OWN_KEYS:
@@ -89,10 +96,33 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     cfg.metrics.tensorboard, cfg.metrics.progress, cfg.metrics.profile_steps = False, "none", []
     cfg.train.eval_interval = max(cfg.train.eval_interval, 1)  # (an evaluation needs a held-out split)
     if not cfg.data.val_fraction and not all(map(is_prepared, [s.path for s in cfg.data.mix] or [cfg.data.path])):
-        raise ConfigError("data.val_fraction=0: the data holds nothing out to evaluate on (the run trained on all of "
-                          "it); give other data (--data.path=...), or --data.val_fraction=0.01 for a share of it "
-                          "(documents the run trained on: a training loss)")
-    return cfg, ckpt, step_of(ckpt)
+        raise ConfigError("data.val_fraction=0: the data holds nothing out to evaluate on; give other data "
+                          "(--data.path=...), or --data.val_fraction=0.01 for a share of it (where the run held "
+                          "nothing out, documents it trained on: a training loss)")
+    return cfg, ckpt, _step(ckpt)
+
+
+def _step(ckpt: Path) -> int:
+    """The checkpoint's step, as its manifest records it (a folder renamed or converted keeps it)."""
+    from shardline.resilience.checkpoint import MANIFEST, step_of
+
+    try:
+        return int(json.loads((ckpt / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return step_of(ckpt)
+
+
+def _check_saved_paths(cfg: Config, given: set[str]) -> None:
+    """The data paths the run's saved config names, relative to where it trained, are found from
+    here, or one line saying so (the data's own error would not say where the path came from)."""
+    if "data.path" in given or "data.mix" in given:
+        return
+    keys = [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [("data.path", cfg.data.path)]
+    for key, path in keys:
+        if path and not os.path.isabs(path) and not glob.glob(path):
+            raise ConfigError(f"{key}={path!r} (from the run's saved config: relative to the directory it trained "
+                              f"in) is not found from {os.getcwd()}: run eval from there, or give the data again "
+                              f"(--{key.split('[')[0]}=...)")
 
 
 def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = None) -> Evaluation:
@@ -168,11 +198,27 @@ def register(sub) -> None:
 def _command(args, overrides: list[str]) -> int:
     from shardline.parallel.distributed import shutdown_distributed
 
+    previous = _stop_on_sigterm()
     try:
         result = evaluate(args.src, overrides, args.batches)
         shutdown_distributed()  # (every rank done with the run dir before it goes, and before a reader may go)
     finally:
         shutil.rmtree(work_dir(), ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if os.environ.get("RANK", "0") == "0":
         print(result.as_json() if args.json else result.line(), flush=True)
     return 0
+
+
+def _stop_on_sigterm():
+    """SIGTERM (a job cancelled, `timeout`) ends the evaluation through its cleanup, which removes
+    the temporary run dir (its default action would leave it in /tmp); the handler it replaced, or
+    None off the main thread (an in-process caller's), where signals cannot be set."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        return signal.signal(signal.SIGTERM, stop)
+    except ValueError:
+        return None

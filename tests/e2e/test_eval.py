@@ -75,3 +75,30 @@ def test_eval_on_two_ranks_gives_one_process_loss(trained):
         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
         assert len(lines) == 1, out.stdout  # rank 0 says it
         assert json.loads(lines[0])["loss"] == pytest.approx(logged["eval_loss"], rel=1e-5)
+
+
+def test_a_renamed_checkpoint_keeps_its_step_and_a_relative_data_path_is_named(trained, tmp_path, capsys, monkeypatch,
+                                                                                small_prepared):
+    """The step comes from the manifest (a folder copied under another name read -1); the saved
+    config's relative data path is relative to where the run trained: said as such from elsewhere."""
+    import shutil
+
+    from shardline.config import load_config
+    from tests.conftest import tiny_overrides
+
+    run, logged = trained
+    shutil.copytree(run / "checkpoints" / "step-000004", tmp_path / "kept")
+    assert main(["eval", str(tmp_path / "kept")]) == 2  # moved out of its run: which tokenizer is not known
+    assert "has no tokenizer.json beside it or in a run dir above it" in capsys.readouterr().err
+    assert _eval(capsys, str(tmp_path / "kept"), f"--data.tokenizer={run / 'tokenizer.json'}")["step"] == 4
+    monkeypatch.chdir(small_prepared.parent)
+    relative = tmp_path / "relative"
+    overrides = [o for o in tiny_overrides(relative, small_prepared, "train.steps=2", "train.eval_interval=2")
+                 if not o.startswith("data.path=")]
+    Trainer(load_config(None, [*overrides, f"data.path={small_prepared.name}"])).build().train()
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", str(relative)]) == 2
+    err = capsys.readouterr().err
+    assert f"data.path='{small_prepared.name}' (from the run's saved config: relative to the directory it trained " \
+           f"in) is not found from {tmp_path}" in err
+    assert _eval(capsys, str(relative), f"--data.path={small_prepared}")["step"] == 2
