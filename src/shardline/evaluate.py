@@ -22,15 +22,18 @@ import os
 import re
 import shutil
 import signal
+import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch.distributed
 
 from shardline.config import Config, apply_override, from_dict
 from shardline.data.sampler import eval_micro_batches
-from shardline.data.shards import is_prepared
+from shardline.data.shards import is_prepared, tokenizer_file
 from shardline.errors import ConfigError, on_every_rank
 from shardline.parallel.distributed import agreed, init_distributed, pick_device, ranks_differing
 
@@ -78,9 +81,10 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     # data.tokenizer may name a starting model's file since removed, or a path relative to another directory.
     own = checkpoint_tokenizer(ckpt)
     given = {item.removeprefix("--").split("=", 1)[0] for item in overrides}
-    if own is not None:
+    own = own or (tokenizer_file(cfg.data) if given.isdisjoint({"data.path", "data.mix"}) else None)  # the run's
+    if own:  # own data fixes its tokenizer (a prepared folder's), which it trained with
         cfg.data.tokenizer = str(own)
-    elif "data.tokenizer" not in given and not os.path.isfile(cfg.data.tokenizer):
+    elif "data.tokenizer" not in given:  # (raw data or other data: a BPE trained anew would mean other ids)
         raise ConfigError(f"{ckpt} has no tokenizer.json beside it or in a run dir above it (a checkpoint moved out of "
                           "its run?): give the one it was trained with, --data.tokenizer=PATH")
     _check_saved_paths(cfg, given)
@@ -119,7 +123,7 @@ def _check_saved_paths(cfg: Config, given: set[str]) -> None:
         return
     keys = [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [("data.path", cfg.data.path)]
     for key, path in keys:
-        if path and not os.path.isabs(path) and not glob.glob(path):
+        if path and not os.path.isabs(path) and not (os.path.exists(path) or glob.glob(path, recursive=True)):
             raise ConfigError(f"{key}={path!r} (from the run's saved config: relative to the directory it trained "
                               f"in) is not found from {os.getcwd()}: run eval from there, or give the data again "
                               f"(--{key.split('[')[0]}=...)")
@@ -133,32 +137,41 @@ def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = N
     if batches is not None and batches < 0:
         raise ConfigError(f"--batches={batches} is invalid: a number of global batches, or 0 for every held-out "
                           "sequence")
-    proc, (cfg, ckpt, step) = _agreed_config(src, list(overrides))
-    if ranks_differing(str(ckpt), proc.world_size):  # a run still saving: its newest is not every rank's alike
-        raise on_every_rank(ConfigError(f"the ranks found different newest checkpoints in {src} (a run saving "
-                                        "now?): name one checkpoint folder (RUN/checkpoints/step-N)"))
-    trainer = Trainer(cfg).build()
+    run_dir = work_dir()
     try:
-        t, held_out = trainer.cfg.train, len(trainer.data.val)
-        if batches is not None:
-            t.eval_batches = -(-held_out // t.global_batch_size) if batches == 0 else batches
-        read = eval_micro_batches(held_out, t.eval_batches * t.global_batch_size, t.micro_batch_size)
-        loss = trainer.evaluate()
-        labelled = trainer.data.val.count_labels(np.concatenate(read)) if read else 0
+        proc, (cfg, ckpt, step) = _agreed_config(src, list(overrides), run_dir)
+        if ranks_differing(str(ckpt), proc.world_size):  # a run still saving: its newest is not every rank's alike
+            raise on_every_rank(ConfigError(f"the ranks found different newest checkpoints in {src} (a run saving "
+                                            "now?): name one checkpoint folder (RUN/checkpoints/step-N)"))
+        trainer = Trainer(cfg).build()
+        try:
+            t, held_out = trainer.cfg.train, len(trainer.data.val)
+            if batches is not None:
+                t.eval_batches = -(-held_out // t.global_batch_size) if batches == 0 else batches
+            read = eval_micro_batches(held_out, t.eval_batches * t.global_batch_size, t.micro_batch_size)
+            loss = trainer.evaluate()
+            labelled = trainer.data.val.count_labels(np.concatenate(read)) if read else 0
+        finally:
+            trainer.close()
+        if proc.world_size > 1:
+            torch.distributed.barrier()  # every rank done with the run dir before it goes
     finally:
-        trainer.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
     data = " + ".join(s.path for s in cfg.data.mix) or cfg.data.path or "the shipped corpus"
     return Evaluation(str(ckpt), step, loss, sum(map(len, read)), labelled, data)
 
 
-def _agreed_config(src: str | Path, overrides: list[str]):
+def _agreed_config(src: str | Path, overrides: list[str], run_dir: Path):
     """(this process in its job, eval_config's answer), agreed by every rank: a refusal on some
-    ranks (a checkpoint missing on one node) is every rank's one line, not a wait at a collective."""
+    ranks (a checkpoint missing on one node) is every rank's one line, not a wait at a collective.
+    (A rank that cannot read the run's config takes its device from --run.device, else auto: where
+    the run's own said cpu on a GPU host, its peers start another backend and wait for it.)"""
     try:
-        found, failure = eval_config(src, overrides, work_dir()), None
+        found, failure = eval_config(src, overrides, run_dir), None
     except Exception as e:  # (raised again below, on every rank)
         found, failure = None, e
-    proc = init_distributed(pick_device(found[0].run.device if found else "auto"))
+    given = [o.split("=", 1)[1] for o in overrides if o.removeprefix("--").startswith("run.device=")]
+    proc = init_distributed(pick_device(found[0].run.device if found else (given or ["auto"])[-1]))
 
     def check():
         if failure is not None:
@@ -169,17 +182,33 @@ def _agreed_config(src: str | Path, overrides: list[str]):
 
 
 def work_dir() -> Path:
-    """The evaluation's run dir, named alike by the job's ranks (every rank's config must say the
-    same run.dir): under /tmp (TMPDIR may differ between nodes), by user and by this process, or
-    this job where there are ranks (torchrun's run id and rendezvous port, unique on a host while it
-    runs; srun's job)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        job = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR",
-                                                       "MASTER_PORT"))
-    else:
-        job = str(os.getpid())
+    """The evaluation's run dir under /tmp (TMPDIR may differ between nodes): a new one of this
+    process's own, or, where there are ranks, one every rank names alike (each rank's config must
+    say the same run.dir) from the job (torchrun's run id and rendezvous port, unique on a host
+    while it runs; srun's job), whose leftovers from killed evaluations of this user are removed."""
     base = Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())
-    return base / f"shardline-eval-{os.getuid() if hasattr(os, 'getuid') else 0}-{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}"
+    prefix = f"shardline-eval-{os.getuid() if hasattr(os, 'getuid') else 0}-"
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    _remove_stale(base, prefix)
+    job = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR",
+                                                   "MASTER_PORT"))
+    return base / (prefix + re.sub(r"[^A-Za-z0-9_.-]", "_", job))
+
+
+def _remove_stale(base: Path, prefix: str) -> None:
+    """Run dirs of this user's evaluations killed before their cleanup (SIGKILL): their lock's process
+    on this host is gone, or they hold no lock and are a day old."""
+    from shardline.resilience.run_lock import LOCK, start_time_of
+
+    for folder in base.glob(prefix + "*"):
+        try:
+            holder = json.loads((folder / LOCK).read_text())
+            gone = holder.get("host") == socket.gethostname() and start_time_of(int(holder.get("pid", -1))) is None
+        except (OSError, ValueError, TypeError):
+            gone = time.time() - folder.stat().st_mtime > 86400 if folder.exists() else False
+        if gone:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def register(sub) -> None:
@@ -198,12 +227,11 @@ def register(sub) -> None:
 def _command(args, overrides: list[str]) -> int:
     from shardline.parallel.distributed import shutdown_distributed
 
-    previous = _stop_on_sigterm()
+    previous = _stop_on_sigterm() if int(os.environ.get("WORLD_SIZE", "1")) <= 1 else None
     try:
         result = evaluate(args.src, overrides, args.batches)
-        shutdown_distributed()  # (every rank done with the run dir before it goes, and before a reader may go)
+        shutdown_distributed()  # (before the line: a reader gone early leaves no rank waiting)
     finally:
-        shutil.rmtree(work_dir(), ignore_errors=True)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     if os.environ.get("RANK", "0") == "0":
@@ -212,9 +240,11 @@ def _command(args, overrides: list[str]) -> int:
 
 
 def _stop_on_sigterm():
-    """SIGTERM (a job cancelled, `timeout`) ends the evaluation through its cleanup, which removes
+    """SIGTERM (`timeout`, a kill) ends a one-process evaluation through its cleanup, which removes
     the temporary run dir (its default action would leave it in /tmp); the handler it replaced, or
-    None off the main thread (an in-process caller's), where signals cannot be set."""
+    None off the main thread (an in-process caller's), where signals cannot be set. (Not with ranks:
+    a handler runs only once a blocked collective returns, so SIGTERM would wait out its timeout;
+    their dir, left by a kill, goes with the user's next ranked evaluation on the host.)"""
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 

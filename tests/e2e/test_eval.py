@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,9 +35,14 @@ def _eval(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_eval_gives_the_loss_the_run_logged_at_that_step(trained, capsys, small_corpus):
+def test_eval_gives_the_loss_the_run_logged_at_that_step(trained, capsys, small_corpus, monkeypatch):
+    from shardline import evaluate
+
     run, logged = trained
+    made, original = [], evaluate.work_dir
+    monkeypatch.setattr(evaluate, "work_dir", lambda: made.append(original()) or made[-1])
     got = _eval(capsys, str(run))
+    assert made and not made[-1].exists() and made[-1].name.startswith("shardline-eval-")  # its run dir removed
     assert got["step"] == 4 and got["checkpoint"] == str(run / "checkpoints" / "step-000004")
     assert got["loss"] == pytest.approx(logged["eval_loss"], rel=1e-6) and got["sequences"] == logged["eval_sequences"]
     assert got["perplexity"] == pytest.approx(logged["eval_ppl"], rel=1e-6) and got["labelled_tokens"] > 0
@@ -47,7 +51,6 @@ def test_eval_gives_the_loss_the_run_logged_at_that_step(trained, capsys, small_
     # Other data given as an override: the raw file the folder was prepared from holds out the same documents
     raw = _eval(capsys, str(run), f"--data.path={small_corpus}", "--batches", "0")
     assert raw["loss"] == pytest.approx(everything["loss"], rel=1e-6) and raw["data"] == str(small_corpus)
-    assert not (Path(tempfile.gettempdir()) / f"shardline-eval-{os.getpid()}").exists()  # its run dir removed
 
 
 @pytest.mark.parametrize("args, says", [
@@ -78,7 +81,7 @@ def test_eval_on_two_ranks_gives_one_process_loss(trained):
 
 
 def test_a_renamed_checkpoint_keeps_its_step_and_a_relative_data_path_is_named(trained, tmp_path, capsys, monkeypatch,
-                                                                                small_prepared):
+                                                                                small_prepared, small_corpus):
     """The step comes from the manifest (a folder copied under another name read -1); the saved
     config's relative data path is relative to where the run trained: said as such from elsewhere."""
     import shutil
@@ -88,9 +91,11 @@ def test_a_renamed_checkpoint_keeps_its_step_and_a_relative_data_path_is_named(t
 
     run, logged = trained
     shutil.copytree(run / "checkpoints" / "step-000004", tmp_path / "kept")
-    assert main(["eval", str(tmp_path / "kept")]) == 2  # moved out of its run: which tokenizer is not known
+    assert _eval(capsys, str(tmp_path / "kept"))["step"] == 4  # moved out of its run: the folder's tokenizer
+    assert main(["eval", str(tmp_path / "kept"), f"--data.path={small_corpus}"]) == 2  # raw: none known
     assert "has no tokenizer.json beside it or in a run dir above it" in capsys.readouterr().err
-    assert _eval(capsys, str(tmp_path / "kept"), f"--data.tokenizer={run / 'tokenizer.json'}")["step"] == 4
+    assert _eval(capsys, str(tmp_path / "kept"), f"--data.path={small_corpus}",
+                 f"--data.tokenizer={run / 'tokenizer.json'}")["step"] == 4
     monkeypatch.chdir(small_prepared.parent)
     relative = tmp_path / "relative"
     overrides = [o for o in tiny_overrides(relative, small_prepared, "train.steps=2", "train.eval_interval=2")

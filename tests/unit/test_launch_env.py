@@ -266,6 +266,8 @@ def test_tasks_per_node_from_slurms_list():
     ({**SRUN, "SLURM_LOCALID": ""}, TASK, "SLURM_LOCALID or SLURM_NODEID is not set"),
     ({**SRUN, "WORLD_SIZE": "8"}, TASK, "WORLD_SIZE set in the environment of srun's tasks (an sbatch export?)"),
     ({**SRUN, "RANK": "4"}, TASK, "RANK set in the environment of srun's tasks"),
+    # all three exported by the batch script, worked out once: every task would be rank 0
+    ({**SRUN, "RANK": "0", "WORLD_SIZE": "6", "LOCAL_RANK": "0"}, TASK, "RANK and WORLD_SIZE set in the environment"),
     ({**SRUN, "SLURM_HET_SIZE": "2"}, TASK, "heterogeneous job (SLURM_HET_SIZE=2)"),
     ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "4,2"}, TASK, "placed its 6 tasks 4,2 over the nodes"),  # uneven
     ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": ""}, TASK, "in an unknown layout"),

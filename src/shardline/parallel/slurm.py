@@ -36,9 +36,10 @@ def torchrun_env(env, pid: int, strict: bool = True) -> dict[str, str]:
     tasks = env.get("SLURM_STEP_NUM_TASKS", "1")
     if not tasks.isdigit() or int(tasks) <= 1 or env.get("WORLD_SIZE") == "1" or "TORCHELASTIC_RUN_ID" in env:
         return {}
-    if all(key in env for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):  # ranked by a launcher, or a script that
-        return {}  # sets them from SLURM_PROCID and execs python (Megatron's way): theirs stand
     task_pid = env.get("SLURM_TASK_PID", "")
+    ranked = all(key in env for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if ranked and (task_pid != str(pid) or _agree(env, tasks)):  # ranked by a launcher below the task, or by a
+        return {}  # script that set them from SLURM_PROCID and exec'd python (Megatron's way): theirs stand
     if task_pid != str(pid) and env.get("SHARDLINE_SRUN_RANK") != "1":  # below a task
         if not strict:
             return {}
@@ -71,6 +72,13 @@ def torchrun_env(env, pid: int, strict: bool = True) -> dict[str, str]:
             "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": node,
             "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodes) or "127.0.0.1",
             "MASTER_PORT": env.get("MASTER_PORT") or str(port)}
+
+
+def _agree(env, tasks: str) -> bool:
+    """RANK, WORLD_SIZE and LOCAL_RANK set on srun's task say what Slurm says of it (a batch script's
+    export, worked out once for every task, does not)."""
+    return (env["WORLD_SIZE"] == tasks and env["LOCAL_RANK"] == env.get("SLURM_LOCALID")
+            and env["RANK"] == env.get("SLURM_PROCID"))
 
 
 def _alike(line: str) -> ConfigError:
