@@ -93,6 +93,9 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
         if key in OWN_KEYS:
             raise ConfigError(f"eval sets {key} itself (the weights are SRC's, the run dir a temporary one); drop "
                               f"--{key}")
+        if key.startswith("model."):  # (a preset or shape given here was read as the checkpoint's, in silence)
+            raise ConfigError(f"--{key}: eval takes the model, its shape and weights, from the checkpoint {ckpt}; "
+                              "drop it")
         apply_override(cfg, item)
     cfg.model.init_from, cfg.model.hf_path = str(ckpt), ""
     cfg.run.dir, cfg.run.resume = str(run_dir), "never"

@@ -152,6 +152,8 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("data", ("text_field",), "text" not in cfg.data.formats(), "chat data reads each record's 'messages'"),
              ("data", ("format",), bool(cfg.data.mix) and all(s.format for s in cfg.data.mix),
               "every data.mix source sets its own format"),
+             ("model", ("preset",), bool(cfg.model.hf_path or cfg.model.init_from),
+              "the starting weights (model.hf_path, model.init_from) give the model's shape"),
              ("data", ("val_fraction",), all(map(is_prepared, paths)),
               "the data is prepared: `shardline prepare --val-fraction` fixed its held-out split"),
              ("parallel", ("zero",), layout is not None and layout.dp_mode in ("ddp", "single")

@@ -150,6 +150,10 @@ def test_settings_a_config_never_reads_and_a_fine_tunes_lr_on_new_weights_are_na
                              'format = "text"}]'])  # (notes read no data: the folder is only named)
     assert dict(launch_notes(own, "cpu", 1.0, 1))["settings_unused"]["data.format"] == (
         "every data.mix source sets its own format")
+    # a preset beside starting weights: their shape is the model's (a tiny-moe preset was read as the dense one's)
+    started = load_config(None, ["model.init_from=runs/x/checkpoints/step-000010", "model.preset=tiny-moe",
+                                 "metrics.peak_tflops=1"])  # (notes read no weights: the folder is only named)
+    assert "model.preset" in dict(launch_notes(started, "cpu", 1.0, 1))["settings_unused"]
     # A prepared folder's held-out split was fixed by prepare.
     prepared = load_config(None, [f"data.path={small_prepared}", "data.val_fraction=0.1", "metrics.peak_tflops=1"])
     assert dict(launch_notes(prepared, "cpu", 1.0, 1))["settings_unused"] == {
