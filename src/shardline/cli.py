@@ -11,7 +11,6 @@ can fix (config, data, checkpoint) print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import importlib
@@ -85,32 +84,6 @@ def _relaunch_config(config: str | None, overrides: list[str]):
 
 # The commands whose processes may be ranks of a job (started by torchrun, or as srun's tasks).
 RANKED = ("train", "check", "eval")
-
-
-@contextlib.contextmanager
-def _srun_ranks(args: argparse.Namespace):
-    """`srun --ntasks-per-node=8 shardline train` (no torchrun): srun's tasks are the ranks, given
-    torchrun's variables from Slurm's (parallel/slurm.py) before anything reads them, for the
-    command's length (its error handling included; an in-process caller of main() keeps its
-    environment). Yields the one-line error of a task that cannot be a rank, else None."""
-    from shardline.parallel.slurm import torchrun_env
-
-    try:
-        strict = not getattr(args, "dry_run", False)  # (a dry run starts no group: it may run in any shell)
-        added = torchrun_env(os.environ, os.getpid(), strict) if args.command in RANKED else {}
-    except ShardlineError as e:
-        yield e
-        return
-    before = {key: os.environ.get(key) for key in added}
-    os.environ.update(added)
-    try:
-        yield None
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _env_world_size() -> int:
@@ -344,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [u for u in unknown if not (u.startswith("--") and "." in u.split("=", 1)[0])]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)} ({_override_hint(args.command, unknown, bad[0])})")
-    with _srun_ranks(args) as refusal:
+    from shardline.parallel.slurm import srun_ranks
+
+    strict = not getattr(args, "dry_run", False)  # (a dry run starts no group: it may run in any shell)
+    with srun_ranks(os.environ, args.command in RANKED, strict) as refusal:
         return _leave(refusal, "error", 2) if refusal is not None else _run(args, unknown)
 
 

@@ -12,6 +12,8 @@ without being a rank of its own.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import zlib
 
@@ -20,6 +22,29 @@ from shardline.errors import ConfigError
 # MASTER_PORT where the environment gives none: a hash of the job and step ids, so two steps of one
 # allocation (or two jobs on a node) seldom meet; MASTER_PORT set by the user wins.
 PORT_BASE, PORT_SPAN = 20000, 10000
+
+
+@contextlib.contextmanager
+def srun_ranks(environ, ranked: bool, strict: bool = True):
+    """srun's tasks as the ranks of a command (`ranked`: one whose processes may be a job's ranks):
+    torchrun's variables (torchrun_env) set in `environ` (os.environ) before anything reads them, for
+    the command's length, its error handling included (an in-process caller of the command keeps
+    its environment). Yields the one-line error of a task that cannot be a rank, else None."""
+    try:
+        added = torchrun_env(environ, os.getpid(), strict) if ranked else {}
+    except ConfigError as e:
+        yield e
+        return
+    before = {key: environ.get(key) for key in added}
+    environ.update(added)
+    try:
+        yield None
+    finally:
+        for key, value in before.items():
+            if value is None:
+                environ.pop(key, None)
+            else:
+                environ[key] = value
 
 
 def torchrun_env(env, pid: int, strict: bool = True) -> dict[str, str]:
