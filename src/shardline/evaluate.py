@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -202,14 +201,14 @@ def work_dir() -> Path:
 def _remove_stale(base: Path, prefix: str) -> None:
     """Run dirs of this user's evaluations killed before their cleanup (SIGKILL): their lock's process
     on this host is gone, or they hold no lock and are a day old."""
-    from shardline.resilience.run_lock import LOCK, start_time_of
+    from shardline.resilience.run_lock import LOCK, RunLock
 
     for folder in base.glob(prefix + "*"):
         try:
-            holder = json.loads((folder / LOCK).read_text())
-            gone = holder.get("host") == socket.gethostname() and start_time_of(int(holder.get("pid", -1))) is None
-        except (OSError, ValueError, TypeError):
-            gone = time.time() - folder.stat().st_mtime > 86400 if folder.exists() else False
+            gone = RunLock(folder).abandoned() if (folder / LOCK).exists() else \
+                time.time() - folder.stat().st_mtime > 86400
+        except OSError:
+            gone = False
         if gone:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -55,6 +55,19 @@ def test_a_dead_holders_lock_is_taken_over_and_released(tmp_path, other_process)
     assert not (tmp_path / LOCK).exists()
 
 
+def test_an_abandoned_lock_is_one_whose_holder_here_is_gone(tmp_path, other_process):
+    """What `shardline eval` removes a killed evaluation's folder by: its holder on this host gone."""
+    live, dead, elsewhere = (tmp_path / name for name in ("live", "dead", "elsewhere"))
+    write_lock(live, other_process.pid)
+    write_lock(elsewhere, other_process.pid, host="another-host")
+    write_lock(dead, other_process.pid)
+    assert not RunLock(live).abandoned() and not RunLock(elsewhere).abandoned()
+    other_process.kill()
+    other_process.wait()
+    assert RunLock(dead).abandoned() and not RunLock(elsewhere).abandoned()
+    assert not RunLock(tmp_path / "none").abandoned()
+
+
 def test_a_reused_pid_is_another_process(tmp_path, other_process):
     write_lock(tmp_path, other_process.pid, start=1.0)  # the pid's process started at another time
     assert "is another process now" in RunLock(tmp_path).acquire()

@@ -252,8 +252,8 @@ def saved_formats(data: dict) -> list[str]:
     none was saved (weights converted from HF)."""
     if not data:
         return []
-    default = data.get("format", "text")
-    return [s.get("format") or default for s in data.get("mix", []) if isinstance(s, dict)] or [default]
+    mix = [MixSource(format=s.get("format") or "") for s in data.get("mix", []) if isinstance(s, dict)]
+    return DataConfig(format=data.get("format", "text"), mix=mix).formats()
 
 
 @dataclass

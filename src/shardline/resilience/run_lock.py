@@ -226,6 +226,12 @@ class RunLock:
         """The lock file is still the one this object wrote (nobody took it over since)."""
         return self.held and self._read() == self.mine
 
+    def abandoned(self) -> bool:
+        """The lock's holder ran on this host and is gone (or its pid is another process now): the run
+        was killed before it could release it. False for no lock, or one of another host."""
+        holder = self._read()
+        return bool(holder) and holder.get("host") == socket.gethostname() and not _alive(holder)
+
     def _read(self) -> dict:
         try:
             return json.loads(self.path.read_text())
