@@ -52,3 +52,16 @@ def test_a_slow_rank_is_measured_against_the_others_not_a_median_that_holds_it()
     report, healthy = _verdict([RankResult(0, "h", 1.6, 42.0, True, 1.0), RankResult(1, "h", 1.0, 42.0, True, 1.0)],
                                slow_factor=1.5)
     assert not healthy and "FAILED: rank 1\n" in report and "0.62x the median" in report
+
+
+def test_a_drill_rank_past_the_job_is_refused_not_passed_in_silence():
+    """One process with a slow-rank drill on rank 1: the drill could never fire, so "all ranks ok"
+    would claim a check it did not make; refused in one line, as training refuses it."""
+    cmd = [sys.executable, "-m", "shardline", "check", "--run.device=cpu", "--size", "64",
+           "--faults.slow_rank=1", "--faults.slow_factor=4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "faults.slow_rank=1 is not a rank of this 1-rank job (0-0)" in done.stderr
+    assert "all ranks ok" not in done.stdout and "Traceback" not in done.stderr
