@@ -185,11 +185,20 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
     return [f"memory    per rank on {hw.name}, planner estimate (GiB): {parts}",
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
-            + _compile_pricing(work, launch.layout),
+            + _compile_pricing(work, launch.layout) + _cpu_guess(hw),
             f"          {MEMORY_TERMS}",
             f"          {mfu_words(work)}",
             f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}"
             ], e.fits
+
+
+def _cpu_guess(hw: Hardware) -> str:
+    """A CPU's speeds are the planner's uncalibrated guesses, off by a few times from host to host
+    (a GPU's come from its datasheet and measured efficiencies): said where the figure is."""
+    if hw.name != "cpu":
+        return ""
+    return (" (this CPU's speed is an uncalibrated guess, often a few times off: `shardline calibrate` "
+            "measures it, `shardline estimate --profile` prices with that)")
 
 
 def _mean_doc_tokens(cfg: Config) -> tuple[float, str]:

@@ -339,10 +339,15 @@ def test_a_dry_run_whose_memory_estimate_does_not_fit_exits_1(capsys, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="says what a machine without a GPU checks")
 def test_a_dry_run_on_a_machine_without_a_gpu_says_it_checked_a_cuda_launch(capsys, tmp_path):
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}"]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
-    assert "(as a CUDA launch: run.device=auto, and this machine has no GPU" in first
+    cuda = capsys.readouterr().out
+    assert "(as a CUDA launch: run.device=auto, and this machine has no GPU" in cuda.splitlines()[0]
+    assert "predicted" in cuda and "uncalibrated guess" not in cuda  # (an assumed H100: its datasheet's speeds)
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--run.device=cpu"]) == 0
-    assert "as a CUDA launch" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "as a CUDA launch" not in out
+    # A CPU's predicted speed is a guess, often a few times off this host's: said beside it.
+    (line,) = [x for x in out.splitlines() if "predicted" in x]
+    assert "this CPU's speed is an uncalibrated guess" in line and "shardline calibrate" in line
 
 
 def test_an_fp8_dry_run_on_a_cpu_prices_its_gemms_at_bf16(capsys, tmp_path):
