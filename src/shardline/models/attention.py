@@ -4,7 +4,8 @@ it needs, and the core that runs it.
 A packed sequence holds several documents and a token attends only to earlier tokens
 of its own document. Three ways to compute that:
 
-- sdpa: F.scaled_dot_product_attention with a dense [b, 1, s, s] boolean mask, or
+- sdpa: F.scaled_dot_product_attention with a dense [b, 1, s, s] mask (additive fp32 on a
+  CPU, shared by every layer; boolean elsewhere), or
   is_causal without documents (the model's own core, models/llama/model.py). Runs
   anywhere; but on CUDA a mask rules out the flash kernel, and the mask is O(s^2).
 - flex: FlexAttention with a BlockMask made once per forward from the document ids
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from shardline.models.llama.model import document_causal_mask, sdpa_attention
+from shardline.models.llama.model import sdpa_attention, sdpa_document_mask
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -120,7 +121,7 @@ class DenseAttention:
     as an object with the others' `mask` / `attend`."""
 
     def mask(self, doc_ids: torch.Tensor | None) -> torch.Tensor | None:
-        return document_causal_mask(doc_ids) if doc_ids is not None else None
+        return sdpa_document_mask(doc_ids) if doc_ids is not None else None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return sdpa_attention(q, k, v, mask)

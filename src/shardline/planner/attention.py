@@ -6,8 +6,9 @@ it prices (a GPU entry of the table is CUDA, "cpu" is not), so the two cannot di
 
 Work is counted in 128 x 128 tiles, the granularity the kernels skip at:
 
-* sdpa with a document mask: a dense [b, 1, s, s] boolean mask, so the efficient-attention
-  kernel computes every score (fraction 1) and the mask is an activation of b·s² bytes.
+* sdpa with a document mask: a dense [b, 1, s, s] mask, so the efficient-attention kernel
+  computes every score (fraction 1) and the mask is an activation of b·s² bytes on a GPU
+  (boolean), 4·b·s² on a CPU (additive fp32, shared by the layers).
 * a cp ring (parallel/context/ring.py): chunk pairs wholly in the future are skipped, with or
   without documents, and a pair inside one document runs unmasked or causal: half the
   scores for one document per row (more skipped with several, which is not priced).

@@ -272,8 +272,8 @@ def transient_bytes(work: Workload, layout: Layout, tokens: int, psi: float = 0.
 
 
 def activation_bytes(work: Workload, layout: Layout, stage: RankStages, on_cuda: bool = True) -> dict[str, float]:
-    """Activation bytes on one pipeline rank; the [b, 1, s, s] boolean document mask counts only
-    where the kernel `work.attention` resolves to on the target needs it (planner/attention.py)."""
+    """Activation bytes on one pipeline rank; the [b, 1, s, s] document mask counts only where the
+    kernel `work.attention` resolves to on the target needs it (planner/attention.py)."""
     m, s = work.model, work.seq_len
     tokens = layout.micro_batch_size * s // layout.cp
     mode = layout.activation_checkpoint
@@ -282,7 +282,9 @@ def activation_bytes(work: Workload, layout: Layout, stage: RankStages, on_cuda:
                                 stage.rank)
     ring = layout.cp_degrees[0]  # under Ulysses alone the mask spans the gathered sequence
     kernel = resolve_attention(work.attention, work.document_mask, on_cuda, ring)
-    mask = layout.micro_batch_size * (s // ring) * s if dense_mask(kernel, work.document_mask) else 0.0
+    # The dense mask a score: a CPU's is additive fp32 (models/llama sdpa_document_mask), a GPU's boolean.
+    mask_bytes = 1.0 if on_cuda else 4.0
+    mask = mask_bytes * layout.micro_batch_size * (s // ring) * s if dense_mask(kernel, work.document_mask) else 0.0
     if work.runtime.block == "gpt":
         whole = act.gpt_layer_bytes_per_token(m.dim, m.n_heads, s, layout.tp, layout.sp, "none", 1)
         transient = whole if mode in ("full", "selective") else 0.0

@@ -154,7 +154,8 @@ class Attention(nn.Module):
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention of q [b, h, s, d] on k/v [b, hk, s, d]; mask [b, 1, s, s] (None: causal)."""
+    """Causal attention of q [b, h, s, d] on k/v [b, hk, s, d]; mask [b, 1, s, s], boolean or
+    additive (sdpa_document_mask; None: causal)."""
     # The number of heads is read from the tensors, not from the config, so a
     # tensor-parallel shard (fewer local heads) runs this same code.
     group = q.shape[1] // k.shape[1]
@@ -256,7 +257,7 @@ class Llama(nn.Module):
     def attention_mask(self, doc_ids: torch.Tensor | None):
         """What each attention core gets as its mask, made once per forward for every layer; the
         builder replaces this with the mask its core needs (it goes with Attention.core)."""
-        return document_causal_mask(doc_ids) if doc_ids is not None else None
+        return sdpa_document_mask(doc_ids) if doc_ids is not None else None
 
     def rotary(self, positions: torch.Tensor, device: torch.device):
         pos = positions.to(device=device, dtype=torch.float32)
@@ -314,3 +315,16 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
     return (same_doc & causal)[:, None]
+
+
+def sdpa_document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """The document mask SDPA gets, made once per forward for every layer. On a CPU an additive
+    fp32 mask [b, 1, s, s] (0 where attended, -inf elsewhere): torch's CPU kernel turns a boolean
+    mask into that itself in each call and keeps each layer's copy for backward, 4 bytes a score
+    a layer (a 2-layer model at seq 32768 held 8 GiB of them); given one, every layer shares it,
+    with the same results bit for bit. Elsewhere the boolean mask (on CUDA, the fp32 mask's
+    dtype against half-precision queries is not checked here)."""
+    mask = document_causal_mask(doc_ids)
+    if mask.device.type != "cpu":
+        return mask
+    return torch.where(mask, 0.0, float("-inf"))
