@@ -32,7 +32,7 @@ from shardline.parallel.compile import describe as describe_compile
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import Hardware, cuda_index, get_hardware, with_local_memory
 from shardline.planner.layout import Workload
-from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_words
+from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_over_words, mfu_words
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE
 from shardline.resilience.checkpoint import MANIFEST
@@ -187,7 +187,7 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
             + _compile_pricing(work, launch.layout) + _cpu_guess(hw),
             f"          {MEMORY_TERMS}",
-            f"          {mfu_words(work)}",
+            f"          {mfu_words(work)}", *(f"          {line}" for line in mfu_over_words(e.mfu)),
             f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}"
             ], e.fits
 

@@ -181,3 +181,18 @@ def test_plan_refuses_a_negative_mean_document_length(capsys):
     code = main(["plan", "--model", "tiny", "--gpu", "h100-sxm", "--gpus", "1", "--seq-len", "256",
                  "--global-batch", "8", "--mean-doc-tokens", "-5"])
     assert code == 2 and "--mean-doc-tokens -5.0 must be >= 0" in capsys.readouterr().err
+
+
+def test_an_mfu_above_100_percent_is_explained_where_it_is_printed(capsys):
+    """Model FLOPs count every score of a row; flex skips those between documents, so at long
+    sequences of short documents MFU passes 100% (188% for a 1B model at 128k): said below it."""
+    from shardline.cli import main
+
+    argv = ["--model", "llama3.2-1b", "--gpu", "h100-sxm", "--gpus", "8", "--seq-len", "131072",
+            "--global-batch", "8", "--runnable-only"]
+    assert main(["plan", *argv, "--mean-doc-tokens", "4096"]) == 0
+    skipped = capsys.readouterr().out
+    rows = [float(line.split("%")[0].split()[-1]) for line in skipped.splitlines() if "% " in line and "cp" in line]
+    assert rows and max(rows) > 100 and "MFU above 100%: the kernel skips the scores between documents" in skipped
+    assert main(["plan", *argv]) == 0  # one document a row: every score computed, no such line
+    assert "MFU above 100%" not in capsys.readouterr().out

@@ -50,6 +50,14 @@ def mfu_words(work: Workload) -> str:
             f"score counted, as PaLM's MFU) / the {mfu_peak_dtype(work.precision)} dense peak, as the trainer logs it")
 
 
+def mfu_over_words(mfu: float) -> list[str]:
+    """A line for an MFU above 100%, which model FLOPs give where the kernel skips work they count."""
+    if mfu <= 1.0:
+        return []
+    return ["(MFU above 100%: the kernel skips the scores between documents that model FLOPs count, every score "
+            "of a row; tokens/s is the figure to compare)"]
+
+
 def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, shown: list[Estimate],
                not_runnable: dict[int, str]) -> str:
     pruned = ", ".join(f"{k} {v:,}" for k, v in result.pruned.most_common())
@@ -68,6 +76,7 @@ def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, sh
         mark = "*" if i - 1 in not_runnable else " "
         lines.append(f"{i:>2}{mark} {e.layout.describe():<{width}} {e.tokens_per_s:>12,.0f} {100 * e.mfu:>5.1f}% "
                      f"{e.step_time_s:>8.2f} {e.memory['total'] / GiB:>8.1f}  {_why(e)}")
+    lines += mfu_over_words(max((e.mfu for e in shown), default=0.0))
     if not_runnable:
         reasons = sorted(set(not_runnable.values()))
         lines += ["", "* `shardline train` cannot run this layout yet: " + "; ".join(reasons)]
@@ -84,7 +93,7 @@ def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
              f"layout: {e.layout.describe()}  ({e.info['micro_batches_per_step']} micro-batches per rank per step)",
              "",
              f"step time {e.step_time_s:.4g} s   tokens/s {e.tokens_per_s:,.0f} (global)   MFU {100 * e.mfu:.1f}%",
-             f"({mfu_words(work)})",
+             f"({mfu_words(work)})", *mfu_over_words(e.mfu),
              "",
              "time per step (s):"]
     for key, value in sorted(e.breakdown.items(), key=lambda kv: -kv[1]):
