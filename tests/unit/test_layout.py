@@ -372,6 +372,8 @@ def test_an_fp8_dry_run_on_a_cpu_prices_its_gemms_at_bf16(capsys, tmp_path):
     (["--memory.cpu_offload=true", "--parallel.zero=1", "--world-size", "2"], "zero=1 keeps parameters replicated"),
     (["--world-size", "2", "--parallel.cp=2", "--train.seq_len=250"], "train.seq_len=250 must be divisible by 4"),
     (["--world-size", "2", "--parallel.cp=2", "--parallel.cp_mode=spiral"], "parallel.cp_mode='spiral' is invalid"),
+    (["--world-size", "64", "--train.global_batch_size=8"],  # (a long-context run: cp takes the ranks batch cannot)
+     "use a multiple of 512, or give ranks to parallel.tp, cp or pp, which leaves fewer to data parallelism"),
 ])
 def test_dry_run_fails_as_a_launch_would(capsys, tmp_path, argv, message):
     code = main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", *argv])

@@ -102,7 +102,9 @@ def _batch(lay: Layout, job: Job) -> Problem | None:
     if job.global_batch % per_step:
         return "batch", (f"train.global_batch_size={job.global_batch} is not divisible by "
                          f"train.micro_batch_size={lay.micro_batch_size} x {lay.dp} data-parallel rank(s) = "
-                         f"{per_step}; use a multiple of {per_step}")
+                         f"{per_step}; use a multiple of {per_step}"
+                         + (", or give ranks to parallel.tp, cp or pp, which leaves fewer to data parallelism"
+                            if lay.dp > 1 else ""))
     return None
 
 
