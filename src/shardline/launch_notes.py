@@ -145,6 +145,8 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("optim", ("decay_fraction",), cfg.optim.schedule != "wsd", "optim.schedule is not wsd"),
              *(("parallel", keys, getattr(p, degree) == 1, f"parallel.{degree}=1")
                for degree, keys in IDLE_AT_DEGREE_ONE.items()),
+             ("parallel", ("cp_balance",), p.cp > 1 and p.cp_mode == "ulysses",
+              "parallel.cp_mode=ulysses has no ring to balance"),
              ("checkpoint", ("keep", "mode", "on_error"), not c.interval, "checkpoint.interval=0"),
              ("checkpoint", ("memory_redundancy", "memory_mode", "memory_dir"), not c.memory_interval,
               "checkpoint.memory_interval=0"),
