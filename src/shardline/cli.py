@@ -21,7 +21,7 @@ import time
 import warnings
 
 from shardline.config.reader import OnlyOnce
-from shardline.errors import AnomalyHalt, Preempted, ShardlineError
+from shardline.errors import AnomalyHalt, ConfigError, Preempted, ShardlineError
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -101,6 +101,11 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> int:
 
     cfg = load_config(args.config, overrides)
     cfg.check_sections()
+    drill = cfg.faults.rank_problem(_env_world_size())  # (before the group: a drill that never fires passes)
+    if drill:
+        error = ConfigError(drill)
+        error.node_alike = True  # the command line's: said once a node
+        raise error
     report, healthy = check(cfg, size=args.size, slow_factor=args.slow_factor)
     if os.environ.get("RANK", "0") == "0":
         print(report)

@@ -65,3 +65,6 @@ def test_a_drill_rank_past_the_job_is_refused_not_passed_in_silence():
     assert done.returncode == 2, done.stdout + done.stderr
     assert "faults.slow_rank=1 is not a rank of this 1-rank job (0-0)" in done.stderr
     assert "all ranks ok" not in done.stdout and "Traceback" not in done.stderr
+    two = check(2, "--faults.slow_rank=2", "--faults.slow_factor=4", "--size", "64")  # said once, before any group
+    assert two.returncode != 0 and two.stderr.count("faults.slow_rank=2 is not a rank of this 2-rank job (0-1)") == 1
+    assert "all ranks ok" not in two.stdout

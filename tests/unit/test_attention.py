@@ -144,9 +144,9 @@ def _tiny_model(attention: str):
     return model
 
 
-def _saved_masks(model, ids, doc_ids) -> tuple[torch.Tensor, list[torch.Tensor], set[tuple[int, int]]]:
+def _saved_masks(model, ids, doc_ids, autocast: bool) -> tuple[torch.Tensor, list[torch.Tensor], set[tuple[int, int]]]:
     """(loss, parameter gradients, the distinct storages of [.., s, s] tensors the forward saved
-    for backward: (address, bytes))."""
+    for backward: (address, bytes)), the forward under bf16 autocast or not."""
     s, found = ids.shape[1], set()
 
     def keep(t):
@@ -154,37 +154,40 @@ def _saved_masks(model, ids, doc_ids) -> tuple[torch.Tensor, list[torch.Tensor],
             found.add((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = model(ids, doc_ids=doc_ids, labels=ids)
     return loss, list(torch.autograd.grad(loss, list(model.parameters()))), found
 
 
-def test_a_cpu_forward_keeps_one_document_mask_for_every_layer_as_the_planner_prices_it():
-    """torch's CPU SDPA turns a boolean mask into an fp32 one in every call and keeps each layer's
-    copy for backward: 4 bytes a score a layer (a 2-layer model at seq 16384 peaked 1 GiB above
-    what the planner said; at 32768, 7 GiB). The model hands every layer one additive fp32 mask,
-    which they share, with the same loss and gradients bit for bit; the planner prices that mask."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_cpu_forward_keeps_one_document_mask_for_every_layer_as_the_planner_prices_it(precision):
+    """torch's CPU SDPA turns a boolean mask into an additive one in every call (and autocast casts
+    an fp32 one) and keeps each layer's copy for backward: 2-4 bytes a score a layer (a 2-layer
+    model at seq 16384 peaked 1 GiB above what the planner said; at 32768, 7 GiB). The model hands
+    every layer one additive mask in the compute dtype, which they share, with the same loss and
+    gradients bit for bit; the planner prices that mask."""
     args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=128)
     model = build_model_on(args, "cpu")
     model.init_weights(seed=3)
-    b, s = 2, 96  # (no other dimension of 96: a saved [.., s, s] tensor is a mask)
+    b, s, autocast, width = 2, 96, precision == "bf16", 4 if precision == "fp32" else 2
     ids = torch.randint(0, 97, (b, s), generator=torch.Generator().manual_seed(1))
-    doc_ids = _docs([[40, 56], [96]])
-    loss, grads, masks = _saved_masks(model, ids, doc_ids)
-    assert len(masks) == 1 and {n for _, n in masks} == {4 * b * s * s}
+    doc_ids = _docs([[40, 56], [96]])  # (no other dimension of 96: a saved [.., s, s] tensor is a mask)
+    loss, grads, masks = _saved_masks(model, ids, doc_ids, autocast)
+    assert len(masks) == 1 and {n for _, n in masks} == {width * b * s * s}
     model.attention_mask = document_causal_mask  # the boolean mask, as it was
-    bool_loss, bool_grads, bool_masks = _saved_masks(model, ids, doc_ids)
+    bool_loss, bool_grads, bool_masks = _saved_masks(model, ids, doc_ids, autocast)
     assert len(bool_masks) == args.n_layers  # (what the test would see without the shared mask)
     assert torch.equal(loss, bool_loss) and all(torch.equal(g, h) for g, h in zip(grads, bool_grads))
     # The planner: a document mask adds the mask's bytes to one rank's activations, once.
     from shardline.planner.layout import Layout as PlannerLayout
     from shardline.planner.memory import activation_bytes, ranks
 
-    work = Workload(args, s, b, "fp32")
+    work = Workload(args, s, b, precision)
     lay = PlannerLayout(micro_batch_size=b)
     with_mask = activation_bytes(work, lay, ranks(work, lay)[0], on_cuda=False)["activations"]
-    without = activation_bytes(Workload(args, s, b, "fp32", False), lay, ranks(work, lay)[0], on_cuda=False)
-    assert with_mask - without["activations"] == 4 * b * s * s
+    without = activation_bytes(Workload(args, s, b, precision, False), lay, ranks(work, lay)[0], on_cuda=False)
+    assert with_mask - without["activations"] == width * b * s * s
 
 
 @torch.no_grad()

@@ -8,7 +8,8 @@ Work is counted in 128 x 128 tiles, the granularity the kernels skip at:
 
 * sdpa with a document mask: a dense [b, 1, s, s] mask, so the efficient-attention kernel
   computes every score (fraction 1) and the mask is an activation of b·s² bytes on a GPU
-  (boolean), 4·b·s² on a CPU (additive fp32, shared by the layers).
+  (boolean), 4·b·s² on a CPU (additive in the compute dtype, shared by the layers; 2·b·s² under
+  bf16 or fp16).
 * a cp ring (parallel/context/ring.py): chunk pairs wholly in the future are skipped, with or
   without documents, and a pair inside one document runs unmasked or causal: half the
   scores for one document per row (more skipped with several, which is not priced).
@@ -71,7 +72,7 @@ def computed_fraction(kernel_: str, seq_len: int, document_mask: bool, mean_doc_
 
 
 def dense_mask(kernel_: str, document_mask: bool) -> bool:
-    """Whether the kernel needs the [b, 1, s, s] boolean mask (flex's BlockMask and varlen's
+    """Whether the kernel needs the dense [b, 1, s, s] mask (flex's BlockMask and varlen's
     cumulative lengths are O(b (s/128)²) and O(documents): nothing to count; a cp ring builds a
     chunk pair's mask as the pair runs and again in its backward, and holds none)."""
     return document_mask and kernel_ == "sdpa"

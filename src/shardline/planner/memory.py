@@ -280,11 +280,12 @@ def activation_bytes(work: Workload, layout: Layout, stage: RankStages, on_cuda:
     per_layer = _layer_bytes_per_token(work, layout) * tokens
     inflight = inflight_on_rank(layout.pp_schedule, layout.pp, layout.pp_microbatches, layout.pp_virtual_stages,
                                 stage.rank)
-    ring = layout.cp_degrees[0]  # under Ulysses alone the mask spans the gathered sequence
-    kernel = resolve_attention(work.attention, work.document_mask, on_cuda, ring)
-    # The dense mask a score: a CPU's is additive fp32 (models/llama sdpa_document_mask), a GPU's boolean.
-    mask_bytes = 1.0 if on_cuda else 4.0
-    mask = mask_bytes * layout.micro_batch_size * (s // ring) * s if dense_mask(kernel, work.document_mask) else 0.0
+    # A ring holds no dense mask (it builds each chunk pair's as it runs); under Ulysses alone the
+    # mask spans the gathered sequence, s x s on every rank. A score's bytes: a CPU's mask is
+    # additive in the compute dtype (models/llama sdpa_document_mask), a GPU's boolean.
+    kernel = resolve_attention(work.attention, work.document_mask, on_cuda, layout.cp_degrees[0])
+    mask_bytes = 1.0 if on_cuda else act.dtype_bytes(work.precision)
+    mask = mask_bytes * layout.micro_batch_size * s * s if dense_mask(kernel, work.document_mask) else 0.0
     if work.runtime.block == "gpt":
         whole = act.gpt_layer_bytes_per_token(m.dim, m.n_heads, s, layout.tp, layout.sp, "none", 1)
         transient = whole if mode in ("full", "selective") else 0.0

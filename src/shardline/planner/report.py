@@ -54,8 +54,8 @@ def mfu_over_words(mfu: float) -> list[str]:
     """A line for an MFU above 100%, which model FLOPs give where the kernel skips work they count."""
     if mfu <= 1.0:
         return []
-    return ["(MFU above 100%: the kernel skips the scores between documents that model FLOPs count, every score "
-            "of a row; tokens/s is the figure to compare)"]
+    return ["(MFU above 100%: model FLOPs count every score of a row, and the kernel skips those in the future "
+            "and between documents, which at long sequences is most of the work; tokens/s is the figure to compare)"]
 
 
 def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, shown: list[Estimate],

@@ -97,6 +97,8 @@ def measure_attention(dtype: str, device: torch.device, peak: float, shapes, clo
                    for _ in range(3))
         docs = torch.arange(s, device=device) * 2 // s  # two documents per sequence
         mask = (docs[:, None] == docs[None, :]) & torch.ones(s, s, dtype=torch.bool, device=device).tril()
+        if torch.device(device).type == "cpu":  # the trainer's CPU mask: additive in the compute dtype
+            mask = torch.zeros(s, s, dtype=DTYPES[dtype]).masked_fill_(~mask, float("-inf"))
         t = time_it(functools.partial(_attention_step, q, k, v, mask), device, clock=clock)
         flops = 3.5 * 4 * b * s * s * heads * hd  # forward + 2.5x backward, no causal skipping
         out.append({"b": b, "s": s, "heads": heads, "head_dim": hd, "seconds": t, "eff": flops / t / peak})
