@@ -69,9 +69,11 @@ def test_a_cpu_with_16_bit_dot_products_has_twice_the_peak_in_them(monkeypatch):
     assert matmul_time(flagged, "bf16", 512, 512, 512) == pytest.approx(matmul_time(plain, "bf16", 512, 512, 512))
 
 
-def test_an_avx512_cpu_has_twice_avx2s_fp32_peak_and_the_planner_the_same_times(monkeypatch):
-    """A 20-step fp32 run on an AVX-512 host logged mfu 97% against AVX2's 32 FLOP/cycle; the planner's
-    uncalibrated CPU efficiencies were measured against that figure, so its times must not move."""
+def test_an_avx512_cpu_has_twice_avx2s_fp32_peak_and_the_planner_prices_it_faster(monkeypatch):
+    """A 20-step fp32 run on an AVX-512 host logged mfu 97% against AVX2's 32 FLOP/cycle. The
+    planner's uncalibrated CPU efficiencies are shares of the host's own peak, so its GEMMs run
+    twice as fast there (that host's measured 0.94 of the doubled peak; kept at AVX2's FLOP/s the
+    planner said a tiny run makes 1,320 tokens/s where it made 6,300)."""
     from shardline.models import PRESETS
     from shardline.planner.compute import matmul_time
     from shardline.planner.hardware import cpu_hardware
@@ -85,12 +87,12 @@ def test_an_avx512_cpu_has_twice_avx2s_fp32_peak_and_the_planner_the_same_times(
     assert trainer_hw.cpu_peak_tflops() == 2 * avx2
     wide = cpu_hardware()
     assert wide.peak_tflops["fp32"] == 2 * plain.peak_tflops["fp32"]
-    assert wide.matmul_eff_max["fp32"] == plain.matmul_eff_max["fp32"] / 2
+    assert wide.matmul_eff_max == plain.matmul_eff_max and wide.attn_eff == plain.attn_eff
     for dtype in ("fp32", "bf16"):
-        assert matmul_time(wide, dtype, 512, 512, 512) == pytest.approx(matmul_time(plain, dtype, 512, 512, 512))
+        assert matmul_time(wide, dtype, 512, 512, 512) == pytest.approx(matmul_time(plain, dtype, 512, 512, 512) / 2)
         work = Workload(dataclasses.replace(PRESETS["tiny"], vocab_size=512), 256, 8, dtype)
         fast, slow = (search(work, hw, 2).candidates[0] for hw in (wide, plain))
-        assert fast.step_time_s == pytest.approx(slow.step_time_s) and fast.mfu == pytest.approx(slow.mfu / 2)
+        assert fast.step_time_s < 0.8 * slow.step_time_s
     monkeypatch.setattr(trainer_hw, "_cpu_vendor_family", lambda: ("AuthenticAMD", 25))  # Zen 4: 256-bit units
     assert trainer_hw.cpu_peak_tflops() == avx2
     monkeypatch.setattr(trainer_hw, "_cpu_vendor_family", lambda: ("AuthenticAMD", 26))  # Zen 5: 512-bit
