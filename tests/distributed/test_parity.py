@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardline.cli import main
 from shardline.config import load_config
@@ -154,6 +155,30 @@ def _from_hf(root: Path) -> list[str]:
     return [SHALLOW, f"model.hf_path={root / 'hf'}"]
 
 
+def _as_phi3(llama: Path, out: Path) -> None:
+    """A Llama HF folder rewritten as Phi-3 stores it: per layer one q/k/v tensor (rows q, k, v)
+    and one gate/up tensor (rows gate, up), model_type phi3; its tokenizer files copied."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(llama, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json", "config.json"))
+    tensors = {}
+    for file in sorted(llama.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    fused = {}
+    for name, tensor in tensors.items():
+        prefix = name.rsplit(".", 2)[0]  # model.layers.i.self_attn / .mlp
+        if name.endswith("self_attn.q_proj.weight"):
+            fused[f"{prefix}.qkv_proj.weight"] = torch.cat([tensors[f"{prefix}.{p}_proj.weight"] for p in "qkv"])
+        elif name.endswith("mlp.gate_proj.weight"):
+            fused[f"{prefix}.gate_up_proj.weight"] = torch.cat([tensor, tensors[f"{prefix}.up_proj.weight"]])
+        elif not name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")) or "gate_up" in name:
+            fused[name] = tensor
+    save_file({k: v.contiguous() for k, v in fused.items()}, out / "model.safetensors")
+    config = json.loads((llama / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "model_type": "phi3",
+                                                 "architectures": ["Phi3ForCausalLM"]}))
+
+
 def _model(overrides: list[str]) -> tuple[str, ...]:
     """The model overrides of a layout's run: what its one-process reference must share."""
     return tuple(o for o in overrides if o.startswith("model."))
@@ -191,6 +216,10 @@ def world2(tmp_path_factory, small_prepared, single):
     jobs.append((root / "zero3_from_hf", [*_base(small_prepared), *_from_hf(root), "parallel.dp_shard=2"]))
     # ... and into tensor-parallel shards (vocab-parallel embedding, column and row-parallel projections)
     jobs.append((root / "tp2_from_hf", [*_base(small_prepared), *_from_hf(root), "parallel.tp=2"]))
+    # The same weights as a Phi-3 folder (q/k/v and gate/up fused): each tp rank reads its rows of the parts
+    _as_phi3(root / "hf", root / "phi3")
+    jobs.append((root / "tp2_from_phi3", [*_base(small_prepared), SHALLOW, f"model.hf_path={root / 'phi3'}",
+                                          "parallel.tp=2"]))
     tied = [*_base(small_prepared), SHALLOW, TIE]
     for name, first, second in TIED_RESHARD_2:
         jobs += [(root / name, [*tied, *first]), (root / name, [*tied, *second])]
@@ -277,7 +306,7 @@ def test_world2_layout_matches_single_process(world2, single, layout):
     assert_same_run(world2 / layout, single(*_model(LAYOUTS_2[layout])))
 
 
-@pytest.mark.parametrize("layout", ["zero3_from_hf", "tp2_from_hf"])
+@pytest.mark.parametrize("layout", ["zero3_from_hf", "tp2_from_hf", "tp2_from_phi3"])
 def test_hf_weights_load_into_fsdp_and_tp_shards_as_into_one_process(world2, single, layout):
     reference = single(*_from_hf(world2))
     assert_same_run(world2 / layout, reference)

@@ -201,6 +201,43 @@ def test_mistral_and_qwen3_folders_read_as_the_llama_they_are(tmp_path, transfor
     assert read_hf_config(out) == args
 
 
+def test_a_phi3_folder_reads_its_fused_tensors_as_llamas_parts_and_exports_as_llama(tmp_path, transformers):
+    """Phi-3 (and Phi-4) is Llama's math with q/k/v and gate/up each one tensor a layer: loaded with
+    its transformers class's logits, whole or a sharded run's parameters at a time (each part's rows
+    read from the fused tensor), exported as Llama (as Mistral is); a fused tensor whose rows do not
+    match the config's shape is named."""
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64,
+        rms_norm_eps=1e-5, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, attn_implementation="eager"))
+    _spread(hf, seed=5)
+    folder = tmp_path / "phi3"
+    hf.eval().save_pretrained(folder, max_shard_size="30KB")
+    assert "model.layers.1.self_attn.qkv_proj.weight" in json.loads((folder / INDEX_NAME).read_text())["weight_map"]
+    model, args = from_hf_pretrained(folder)
+    assert (args.kv_heads, args.ffn_dim, args.tie_embeddings, args.qkv_bias) == (2, 96, False, False)
+    fused = hf.model.layers[1].self_attn.qkv_proj.weight
+    assert torch.equal(model.layers["1"].attention.wk.weight, fused[64:96])  # rows: q 64, k 32, v 32
+    assert torch.equal(model.layers["1"].feed_forward.w3.weight, hf.model.layers[1].mlp.gate_up_proj.weight[96:])
+    with torch.no_grad():
+        _logits_equal(model.eval()(_ids()), hf(_ids()).logits)
+    from shardline.interop.hf import hf_state_dict_chunks
+
+    want = dict(model.named_parameters())
+    got = {n: t for chunk in hf_state_dict_chunks(folder, set(want), max_bytes=40_000) for n, t in chunk.items()}
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n].detach()) for n in want)
+    out = to_hf_pretrained(model, tmp_path / "back")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    with torch.no_grad():
+        _logits_equal(back.eval()(_ids(1)).logits, model(_ids(1)))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 1}))
+    with pytest.raises(CheckpointError, match=r"qkv_proj.weight in .* has 128 rows where the config's shape gives "
+                                              r"64 \+ 16 \+ 16 = 96"):
+        from_hf_pretrained(folder)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_qwen2_folder_reads_as_llama_with_qkv_biases_and_exports_as_qwen2(tmp_path, transformers, tied):
     """Qwen2 (and Qwen2.5, tied at its small sizes) is Llama with bias terms on the query, key
@@ -391,7 +428,13 @@ def test_reads_transformers5_config_layout(tmp_path):
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear' is not supported"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"model_type": "gemma"}, "model_type='gemma'; only Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE folders"),
+    ({"model_type": "gemma"},
+     "model_type='gemma'; only Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE folders"),
+    ({"model_type": "phi3", "sliding_window": 2047, "max_position_embeddings": 4096},  # Phi-3-mini-4k's window
+     "sliding_window=2047 is not supported"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+     "'longrope' is not supported"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75 is not supported"),
     ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16 is not supported"),
     ({"model_type": "mistral", "max_position_embeddings": 8192},  # MistralConfig's window when left out
      "sliding_window=4096 is not supported"),

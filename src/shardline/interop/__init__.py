@@ -1,2 +1,2 @@
 """Reading and writing model formats of other tools (Hugging Face Llama, Mistral,
-Qwen3, Mixtral and Qwen3-MoE folders)."""
+Qwen2, Qwen3, Phi-3, Mixtral and Qwen3-MoE folders)."""

@@ -1,9 +1,10 @@
-"""Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE folders <-> shardline models,
+"""Hugging Face Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral and Qwen3-MoE folders <-> shardline models,
 without importing transformers.
 
 An HF folder is `config.json` plus safetensors weights: one `model.safetensors`, or
 shards listed in `model.safetensors.index.json`. Tensor names map through the model
-family's adapter: one to one for Llama (models/llama/hf_adapter.py), and for the MoE
+family's adapter: one to one for Llama (models/llama/hf_adapter.py; Phi-3's fused q/k/v and
+gate/up tensors are read as those parts, fused.py), and for the MoE
 families (models/moe/hf_adapter.py) one stacked experts parameter to one HF tensor per
 expert. Llama's names:
 
@@ -32,7 +33,9 @@ import torch
 from torch import nn
 
 from shardline.errors import CheckpointError
-from shardline.interop.hf_config import CONFIG_NAME, _hf_folder, hf_config_dict, read_hf_config
+from shardline.interop.fused import split_view
+from shardline.interop.hf_config import (CONFIG_NAME, FUSED_FAMILIES, _hf_folder, hf_config_dict, hf_model_type,
+                                         read_hf_config)
 from shardline.interop.hf_files import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
@@ -188,9 +191,11 @@ def _checked_folder(folder: Path, model: Llama, tied: bool):
     meta too): names, then each tensor's dtype and shape from the headers, a tied lm_head's values."""
     files = _weight_files(folder)
     expected = _hf_slots(model, skip_output=tied)  # a tied output is filled from the embedding
-    names = _match_names(folder, files, expected, tied)
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(files.values()))}
+        if hf_model_type(folder) in FUSED_FAMILIES:  # Phi-3: q/k/v and gate/up read as Llama's parts
+            files, handles = split_view(files, handles, model.args, folder)
+        names = _match_names(folder, files, expected, tied)
         _check_headers(folder, files, handles, names, expected, model.tok_embeddings.weight)
         if tied and "lm_head.weight" in files:
             _check_tied_head(folder, files, handles)

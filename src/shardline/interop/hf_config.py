@@ -1,5 +1,5 @@
-"""HF config.json <-> ModelArgs for Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE, in transformers < 5 and >= 5
-layouts.
+"""HF config.json <-> ModelArgs for Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral and Qwen3-MoE, in transformers < 5
+and >= 5 layouts.
 
 transformers < 5 writes `rope_theta` at the top level and the scaling dict (or null)
 under `rope_scaling`; transformers 5 writes a single `rope_parameters` dict holding
@@ -95,19 +95,21 @@ def _read_rope(cfg: dict, where: Path, max_pos: int,
 # (rope_theta, rms_norm_eps, max_position_embeddings, num_key_value_heads; None: n_heads).
 # Mistral is Llama's math and tensor names (without a sliding window); Qwen2 is Llama with bias
 # terms on the query, key and value projections; Qwen3 is Llama with a norm on each query and
-# key head.
+# key head; Phi-3 (and Phi-4) is Llama's math with q/k/v and gate/up each stored as one tensor.
 _DEFAULTS = {
     "llama": (10000.0, 1e-6, 2048, None),
     "mistral": (10000.0, 1e-6, 4096 * 32, 8),
     "qwen2": (10000.0, 1e-6, 32768, 32),
     "qwen3": (10000.0, 1e-6, 32768, 32),
+    "phi3": (10000.0, 1e-5, 4096, None),
     "mixtral": (1e6, 1e-5, 4096 * 32, 8),
     "qwen3_moe": (10000.0, 1e-6, 32768, 4),
 }
-_DENSE = ("llama", "mistral", "qwen2", "qwen3")
+_DENSE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FUSED_FAMILIES = ("phi3",)  # q/k/v and gate/up stored fused (interop/fused.py)
 _QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json leaves it out (not hidden / heads)
-_DISPLAY = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
-            "qwen3_moe": "Qwen3-MoE"}
+_DISPLAY = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi-3",
+            "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
 
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what to-hf writes on request
@@ -115,6 +117,15 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what to-hf writes on reque
 
 # config.json keys the shardline model does not determine, written back as the source folder had them.
 KEPT_FIELDS = ("pad_token_id", "router_aux_loss_coef", "initializer_range")
+
+
+def hf_model_type(path: str | os.PathLike) -> str | None:
+    """The model_type an HF folder's config.json names (None: none readable; read_hf_config says why)."""
+    try:
+        cfg = json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return cfg.get("model_type") if isinstance(cfg, dict) else None
 
 
 def read_hf_fields(path: str | os.PathLike) -> dict[str, Any]:
@@ -151,7 +162,7 @@ def read_hf_config(path: str | os.PathLike) -> ModelArgs:
                               "float weights: start from the unquantized release, or dequantize it first")
     args = _dense_args(cfg, where, family)
     _check_layer_types(cfg, where)
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "phi3"):
         _check_window(cfg, where, args.max_seq_len, default=4096 if family == "mistral" else None)
     if family in ("qwen2", "qwen3", "qwen3_moe"):
         _check_qwen_attention(cfg, where)

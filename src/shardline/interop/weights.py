@@ -1,6 +1,6 @@
 """Starting weights: the one loader for a run that begins from existing weights.
 
-`model.hf_path` names an HF Llama, Mistral, Qwen3, Mixtral or Qwen3-MoE folder,
+`model.hf_path` names an HF Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral or Qwen3-MoE folder,
 `model.init_from` a shardline checkpoint.
 The model arrives laid out (sharded, split into pipeline stages) and initialised; the
 loader overwrites its weights, each rank keeping only its own shard. Parallelization
