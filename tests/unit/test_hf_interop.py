@@ -236,6 +236,20 @@ def test_a_phi3_folder_reads_its_fused_tensors_as_llamas_parts_and_exports_as_ll
     with pytest.raises(CheckpointError, match=r"qkv_proj.weight in .* has 128 rows where the config's shape gives "
                                               r"64 \+ 16 \+ 16 = 96"):
         from_hf_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    # A folder's faults named as the folder holds its tensors, fused, not as the parts they are read as.
+    index = json.loads((folder / INDEX_NAME).read_text())
+    fused_name = "model.layers.1.mlp.gate_up_proj.weight"
+    shard = index["weight_map"][fused_name]
+    other = next(f for f in sorted(set(index["weight_map"].values())) if f != shard)
+    for weight_map, message in (
+            ({k: v for k, v in index["weight_map"].items() if k != fused_name}, f"lacks tensor {fused_name}"),
+            ({**index["weight_map"], fused_name: other}, f"places tensor {fused_name} in {other}, which does not"),
+            ({**index["weight_map"], "model.layers.1.mlp.up_proj.weight": shard},
+             f"holds both {fused_name} and model.layers.1.mlp.up_proj.weight")):
+        (folder / INDEX_NAME).write_text(json.dumps({**index, "weight_map": weight_map}))
+        with pytest.raises(CheckpointError, match=message):
+            from_hf_pretrained(folder)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -435,6 +449,7 @@ def test_reads_transformers5_config_layout(tmp_path):
     ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
      "'longrope' is not supported"),
     ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75 is not supported"),
+    ({"model_type": "phi3", "rope_scaling": dict(LLAMA3)}, "a Phi-3 config with llama3 RoPE scaling"),
     ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16 is not supported"),
     ({"model_type": "mistral", "max_position_embeddings": 8192},  # MistralConfig's window when left out
      "sliding_window=4096 is not supported"),

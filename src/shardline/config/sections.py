@@ -42,7 +42,7 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
-    hf_path: str = ""  # start from this HF folder (Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE), not a preset
+    hf_path: str = ""  # start from this HF folder (Llama, Mistral, Qwen2/3, Phi-3/4, Mixtral, Qwen3-MoE), not a preset
     init_from: str = ""  # start from the weights of this shardline checkpoint (fresh optimizer, step 0)
     # Shape overrides on top of the preset (0 / -1 = keep the preset's value).
     dim: int = 0

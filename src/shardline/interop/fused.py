@@ -34,6 +34,18 @@ def split_view(files: dict[str, Path], handles: dict, args: ModelArgs, folder: P
     rows = {"self_attn.qkv_proj": (args.n_heads * args.head_size, args.kv_heads * args.head_size,
                                    args.kv_heads * args.head_size),
             "mlp.gate_up_proj": (args.ffn_dim, args.ffn_dim)}
+    for i in range(args.n_layers):  # named as the folder would hold them, not as their parts
+        for kind, names in _PARTS.items():
+            fused, split = f"model.layers.{i}.{kind}.weight", [f"model.layers.{i}.{p}.weight" for p in names]
+            if fused not in files:
+                raise CheckpointError(f"{folder} lacks tensor {fused}, which the model needs (its Phi-3 config "
+                                      f"says {args.n_layers} layers)")
+            found = [name for name in split if name in files]
+            if found:
+                raise CheckpointError(f"{folder} holds both {fused} and {found[0]}, one of its parts: a Phi-3 folder "
+                                      "holds the fused tensor alone")
+            if fused not in handles[files[fused]].keys():
+                raise CheckpointError(f"{folder} places tensor {fused} in {files[fused].name}, which does not hold it")
     out_files, parts = {}, {}
     for name, file in files.items():
         match = _FUSED.fullmatch(name)
@@ -41,7 +53,7 @@ def split_view(files: dict[str, Path], handles: dict, args: ModelArgs, folder: P
             out_files[name] = file
             continue
         prefix, kind = match.groups()
-        total = handles[file].get_slice(name).get_shape()[0] if name in handles[file].keys() else sum(rows[kind])
+        total = handles[file].get_slice(name).get_shape()[0]
         if total != sum(rows[kind]):
             raise CheckpointError(f"tensor {name} in {file} has {total} rows where the config's shape gives "
                                   f"{' + '.join(map(str, rows[kind]))} = {sum(rows[kind])}; the folder does not "

@@ -142,8 +142,9 @@ def read_hf_fields(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_hf_config(path: str | os.PathLike) -> ModelArgs:
-    """ModelArgs of the HF Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE folder `path`, read
-    from its config.json."""
+    """ModelArgs of the HF Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral or Qwen3-MoE folder `path`,
+    read from its config.json. (Dropout keys are not read: shardline trains without dropout, as
+    every release of these families is configured.)"""
     folder = _hf_folder(path)
     where = folder / CONFIG_NAME
     if not where.is_file():
@@ -164,6 +165,9 @@ def read_hf_config(path: str | os.PathLike) -> ModelArgs:
     _check_layer_types(cfg, where)
     if family in ("mistral", "mixtral", "phi3"):
         _check_window(cfg, where, args.max_seq_len, default=4096 if family == "mistral" else None)
+    if family == "phi3" and args.rope_scaling is not None:  # (Phi3Config itself refuses it)
+        raise CheckpointError(f"{where}: a Phi-3 config with llama3 RoPE scaling is not one transformers reads "
+                              "(Phi-3 takes default or longrope RoPE)")
     if family in ("qwen2", "qwen3", "qwen3_moe"):
         _check_qwen_attention(cfg, where)
         args = dataclasses.replace(args, **({"qkv_bias": True} if family == "qwen2" else {"qk_norm": True}))
