@@ -141,9 +141,10 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.direction == "to-hf":  # which checkpoint a run dir gave (its newest valid one)
         from shardline.interop.hf_files import EXPORT_MARK
 
-        try:
-            what = f"an HF folder of {json.loads((written / EXPORT_MARK).read_text())['checkpoint']}"
-        except (OSError, ValueError, KeyError, TypeError):  # written all the same: not worth a traceback
+        try:  # (the class it loads as: a Phi-3 run's is Llama's, or Mistral's with a window)
+            what = (f"an HF {json.loads((written / 'config.json').read_text())['architectures'][0]} folder of "
+                    f"{json.loads((written / EXPORT_MARK).read_text())['checkpoint']}")
+        except (OSError, ValueError, KeyError, TypeError, IndexError):  # written all the same: not worth a traceback
             what = "an HF folder"
     if args.direction == "to-hf" and not (written / "tokenizer.json").is_file():
         what += ", without a tokenizer: none beside the checkpoint or in its run dir; give --tokenizer"

@@ -250,7 +250,11 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     if context > args.max_seq_len:
         raise ConfigError(f"--context={context} is past this model's maximum of {args.max_seq_len} positions "
                           "(what it was trained and scaled for): give at most that")
-    seq_len = context or run.get("train", {}).get("seq_len") or args.max_seq_len
+    window = args.sliding_window or args.max_seq_len  # (the model attends to the whole context: held to its window)
+    if context > window:
+        raise ConfigError(f"--context={context} is past this model's sliding window of {window} tokens, which "
+                          "shardline does not build: give at most that")
+    seq_len = min(context or run.get("train", {}).get("seq_len") or args.max_seq_len, window)
     bos = bos_prefix(tokenizer) or sorted(_ids(hf.get("bos_token_id")))  # what --bos puts first
     data = run.get("data", {})
     formats = saved_formats(data)  # each source's ("text", "chat"); [] for weights converted from HF

@@ -35,7 +35,7 @@ def test_checkpoint_to_hf_and_back(tiny_config, tmp_path, monkeypatch, capsys):
     assert hashed.count("meta.json") == 1  # the checkpoint's files hashed once (three times: minutes at 70B)
     # which checkpoint of the run dir it exported (its newest valid one)
     newest = (tmp_path / "run" / "checkpoints" / "step-000006").resolve()
-    assert f"(an HF folder of {newest})" in capsys.readouterr().out
+    assert f"(an HF LlamaForCausalLM folder of {newest})" in capsys.readouterr().out
     monkeypatch.undo()
     # a checkpoint folder named directly is checked too (a run dir's newest is checked as it is chosen)
     named = tmp_path / "named"

@@ -252,6 +252,44 @@ def test_a_phi3_folder_reads_its_fused_tensors_as_llamas_parts_and_exports_as_ll
             from_hf_pretrained(folder)
 
 
+def test_a_sliding_window_is_kept_held_to_and_written_back_as_mistral(tmp_path, transformers):
+    """Phi-3-mini's window (2047 of 4096 positions) and Mistral 7B v0.1's (4096 of 32768): a token
+    attends to itself and the window - 1 before it, so a sequence no longer than the window sees what
+    the whole sequence gives it. The window is read, a launch is held to it (one line past it), and
+    the export is Mistral with the window, whose logits match within it."""
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=16, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, attn_implementation="eager"))
+    _spread(hf, seed=7)
+    hf.eval().save_pretrained(tmp_path / "phi3")
+    model, args = from_hf_pretrained(tmp_path / "phi3")
+    assert args.sliding_window == 16
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids), hf(ids).logits, atol=ATOL, rtol=0)
+        past = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(2))
+        assert (model(past) - hf(past).logits).abs().max() > 1e-2  # one past it: the window matters
+    out = to_hf_pretrained(model, tmp_path / "back")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MistralForCausalLM"] and config["sliding_window"] == 16
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(past).logits, hf(past).logits, atol=ATOL, rtol=0)
+    assert read_hf_config(out) == args
+    assert read_hf_config(_write_config(tmp_path / "m", model_type="mistral", max_position_embeddings=8192)
+                          ).sliding_window == 4096  # MistralConfig's window when config.json leaves it out
+    assert read_hf_config(_write_config(tmp_path / "n", model_type="mistral", sliding_window=4096)).sliding_window \
+        is None  # a window as long as the context is none
+    from shardline.config import load_config
+    from shardline.errors import ConfigError
+    from shardline.preflight import check_layout  # (what a launch, a dry run and the planner check)
+
+    check_layout(load_config(None, ["train.seq_len=16"]), 1, args)
+    with pytest.raises(ConfigError, match="train.seq_len=32 is longer than the model's sliding window of 16 tokens"):
+        check_layout(load_config(None, ["train.seq_len=32"]), 1, args)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_qwen2_folder_reads_as_llama_with_qkv_biases_and_exports_as_qwen2(tmp_path, transformers, tied):
     """Qwen2 (and Qwen2.5, tied at its small sizes) is Llama with bias terms on the query, key
@@ -444,15 +482,13 @@ def test_reads_transformers5_config_layout(tmp_path):
     ({"mlp_bias": True}, "mlp_bias=true"),
     ({"model_type": "gemma"},
      "model_type='gemma'; only Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE folders"),
-    ({"model_type": "phi3", "sliding_window": 2047, "max_position_embeddings": 4096},  # Phi-3-mini-4k's window
-     "sliding_window=2047 is not supported"),
+    ({"model_type": "mixtral", "sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+     "sliding_window=16 is not supported for Mixtral"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window=0 must be >= 1"),
     ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
      "'longrope' is not supported"),
     ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75 is not supported"),
     ({"model_type": "phi3", "rope_scaling": dict(LLAMA3)}, "a Phi-3 config with llama3 RoPE scaling"),
-    ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16 is not supported"),
-    ({"model_type": "mistral", "max_position_embeddings": 8192},  # MistralConfig's window when left out
-     "sliding_window=4096 is not supported"),
     ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]},
      "'sliding_attention'] is not supported"),
     ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window=true is not supported"),

@@ -1261,3 +1261,26 @@ def test_a_shard_damaged_in_place_is_one_line_at_the_batch_not_an_index_error(tm
                                         r"\d+: its shards are damaged; `shardline prepare --verify --out"):
         bundle.train.batch(np.arange(len(bundle.train)))
     assert data(small_prepared).train.batch(np.arange(4))["input_ids"].max() < 512
+
+
+def test_a_template_that_closes_the_conversation_with_eos_is_masked_by_turns():
+    """Phi-3's template ends a conversation with eos where no generation prompt follows, so a
+    prefix's rendering is no prefix of the next one's (it was refused as a rewriting template).
+    The closing comes off each prefix's last piece: the pieces make the whole conversation's
+    rendering, each reply and its <|end|> are targets, the headers and prompts are not, and the
+    closing eos ends the last reply."""
+    from shardline.data.encode import ChatTemplate, chat_segments
+
+    template = ChatTemplate(PHI3_LIKE.replace("SEP", "'\\n'"), eos_token="<|endoftext|>")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"},
+                {"role": "assistant", "content": "farewell"}]
+    pieces = chat_segments(messages, template)
+    assert pieces == [("<|system|>\nbe brief<|end|>\n", False), ("<|user|>\nhi<|end|>\n", False),
+                      ("<|assistant|>\n", False), ("hello<|end|>\n", True), ("<|user|>\nbye<|end|>\n", False),
+                      ("<|assistant|>\n", False), ("farewell<|end|>\n<|endoftext|>", True)]
+    from shardline.data.encode import _render
+
+    assert "".join(text for text, _ in pieces) == _render(template, messages)
+    ends_with_user = chat_segments(messages[:2], template)  # (a closing after a prompt is not a target)
+    assert ends_with_user[-1] == ("<|user|>\nhi<|end|>\n<|endoftext|>", False)

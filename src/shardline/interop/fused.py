@@ -14,6 +14,7 @@ read from the file without reading the rest. Exports are written as Llama, as Mi
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -25,6 +26,16 @@ from shardline.models.llama import ModelArgs
 _FUSED = re.compile(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight")
 _PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def stores_fused(folder: Path) -> bool:
+    """Whether an HF folder's config.json names a family that stores q/k/v and gate/up fused
+    (Phi-3's); False where it cannot be read (read_hf_config says why)."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("model_type") == "phi3"
 
 
 def split_view(files: dict[str, Path], handles: dict, args: ModelArgs, folder: Path) -> tuple[dict, dict]:

@@ -33,9 +33,8 @@ import torch
 from torch import nn
 
 from shardline.errors import CheckpointError
-from shardline.interop.fused import split_view
-from shardline.interop.hf_config import (CONFIG_NAME, FUSED_FAMILIES, _hf_folder, hf_config_dict, hf_model_type,
-                                         read_hf_config)
+from shardline.interop.fused import split_view, stores_fused
+from shardline.interop.hf_config import CONFIG_NAME, _hf_folder, hf_config_dict, read_hf_config
 from shardline.interop.hf_files import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
@@ -193,7 +192,7 @@ def _checked_folder(folder: Path, model: Llama, tied: bool):
     expected = _hf_slots(model, skip_output=tied)  # a tied output is filled from the embedding
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(files.values()))}
-        if hf_model_type(folder) in FUSED_FAMILIES:  # Phi-3: q/k/v and gate/up read as Llama's parts
+        if stores_fused(folder):  # Phi-3: q/k/v and gate/up read as Llama's parts
             files, handles = split_view(files, handles, model.args, folder)
         names = _match_names(folder, files, expected, tied)
         _check_headers(folder, files, handles, names, expected, model.tok_embeddings.weight)

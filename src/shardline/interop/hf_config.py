@@ -106,7 +106,6 @@ _DEFAULTS = {
     "qwen3_moe": (10000.0, 1e-6, 32768, 4),
 }
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-FUSED_FAMILIES = ("phi3",)  # q/k/v and gate/up stored fused (interop/fused.py)
 _QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json leaves it out (not hidden / heads)
 _DISPLAY = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi-3",
             "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
@@ -117,15 +116,6 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what to-hf writes on reque
 
 # config.json keys the shardline model does not determine, written back as the source folder had them.
 KEPT_FIELDS = ("pad_token_id", "router_aux_loss_coef", "initializer_range")
-
-
-def hf_model_type(path: str | os.PathLike) -> str | None:
-    """The model_type an HF folder's config.json names (None: none readable; read_hf_config says why)."""
-    try:
-        cfg = json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return cfg.get("model_type") if isinstance(cfg, dict) else None
 
 
 def read_hf_fields(path: str | os.PathLike) -> dict[str, Any]:
@@ -164,7 +154,11 @@ def read_hf_config(path: str | os.PathLike) -> ModelArgs:
     args = _dense_args(cfg, where, family)
     _check_layer_types(cfg, where)
     if family in ("mistral", "mixtral", "phi3"):
-        _check_window(cfg, where, args.max_seq_len, default=4096 if family == "mistral" else None)
+        window = _window(cfg, where, args.max_seq_len, default=4096 if family == "mistral" else None)
+        if window is not None and family == "mixtral":
+            raise CheckpointError(f"{where}: sliding_window={window} is not supported for Mixtral; shardline "
+                                  "attends to the whole sequence (null, or >= max_position_embeddings, is valid)")
+        args = dataclasses.replace(args, sliding_window=window)
     if family == "phi3" and args.rope_scaling is not None:  # (Phi3Config itself refuses it)
         raise CheckpointError(f"{where}: a Phi-3 config with llama3 RoPE scaling is not one transformers reads "
                               "(Phi-3 takes default or longrope RoPE)")
@@ -246,13 +240,18 @@ def _with_moe(args: ModelArgs, cfg: dict, where: Path, family: str) -> ModelArgs
     return dataclasses.replace(args, moe=moe)
 
 
-def _check_window(cfg: dict, where: Path, max_pos: int, default: int | None) -> None:
-    """Mistral and Mixtral: a sliding window shorter than the model's context is not built
-    (`default`: the config class's window when config.json leaves the key out)."""
+def _window(cfg: dict, where: Path, max_pos: int, default: int | None) -> int | None:
+    """Mistral's, Mixtral's and Phi-3's sliding window where it is shorter than the model's
+    context, else None (`default`: the config class's window when config.json leaves the key out).
+    A token attends to itself and the window - 1 before it, so sequences of at most the window's
+    length see what the whole sequence gives them: the launch holds train.seq_len to it."""
     window = cfg.get("sliding_window", default)
-    if window is not None and _number({"sliding_window": window}, "sliding_window", where, int) < max_pos:
-        raise CheckpointError(f"{where}: sliding_window={window} is not supported; shardline attends to the "
-                              "whole sequence (null, or >= max_position_embeddings, is valid)")
+    if window is None:
+        return None
+    window = _number({"sliding_window": window}, "sliding_window", where, int)
+    if window < 1:
+        raise CheckpointError(f"{where}: sliding_window={window} must be >= 1 (or null)")
+    return window if window < max_pos else None
 
 
 def _check_qwen_attention(cfg: dict, where: Path) -> None:
@@ -340,6 +339,9 @@ def hf_config_dict(args: ModelArgs, tied: bool, dtype: torch.dtype,
         config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
                       sliding_window=None, max_window_layers=args.n_layers,
                       layer_types=["full_attention"] * args.n_layers)
+    if args.sliding_window is not None:  # Mistral: Llama's math and names, with the window the weights had
+        config = {k: v for k, v in config.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")}
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=args.sliding_window)
     if args.qk_norm:  # Qwen3: Llama's keys but the MLP bias flags, plus its (unused) window
         config = {k: v for k, v in config.items() if k not in ("mlp_bias", "pretraining_tp")}
         config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False,
@@ -351,6 +353,9 @@ def hf_config_dict(args: ModelArgs, tied: bool, dtype: torch.dtype,
 def hf_export_problem(args: ModelArgs) -> str | None:
     """Why no Hugging Face family holds this shape (the export refuses it; a launch says so as
     it starts), or None."""
+    if args.sliding_window is not None and (args.qkv_bias or args.qk_norm or args.moe is not None):
+        return ("no Hugging Face family this exporter writes has a sliding window together with "
+                f"{'q/k/v biases' if args.qkv_bias else 'per-head q/k norms' if args.qk_norm else 'routed experts'}")
     if args.qkv_bias and (args.qk_norm or args.moe is not None):
         return ("no Hugging Face family has bias terms on q, k and v (Qwen2's) together with "
                 f"{'a norm on each query and key head' if args.qk_norm else 'routed experts'}")

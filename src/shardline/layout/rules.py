@@ -224,10 +224,21 @@ def _not_built_zero1_tp_bias(lay: Layout, job: Job) -> Problem | None:
     return None
 
 
+def _not_built_window(lay: Layout, job: Job) -> Problem | None:
+    """A sliding window (Mistral 7B v0.1, Phi-3-mini) is not built: the model attends to the whole
+    sequence, which gives the window's result only for sequences no longer than the window."""
+    window = getattr(job.model, "sliding_window", None)
+    if window is not None and job.seq_len > window:
+        return "window", (f"train.seq_len={job.seq_len} is longer than the model's sliding window of {window} tokens, "
+                          "which is not built (shardline attends to the whole sequence, the same within the "
+                          f"window): use train.seq_len <= {window}")
+    return None
+
+
 Rule = Callable[[Layout, Job], "Problem | None"]
 RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_split, _ep_ranks, _batch, _fp8_tokens, _offload, _pp_stages,
                            _pp_microbatches, _ac_split_backward)
-NOT_BUILT: tuple[Rule, ...] = (_not_built_cp_attention, _not_built_moe, _not_built_zero1_tp_bias)
+NOT_BUILT: tuple[Rule, ...] = (_not_built_window, _not_built_cp_attention, _not_built_moe, _not_built_zero1_tp_bias)
 
 
 def first_problem(lay: Layout, job: Job, runnable: bool = True) -> Problem | None:

@@ -44,6 +44,10 @@ class ModelArgs:
     qk_norm: bool = False  # RMSNorm on each query and key head before the rotary embedding (Qwen3)
     qkv_bias: bool = False  # bias terms on the query, key and value projections (Qwen2)
     moe: MoEArgs | None = None  # a routed feed-forward (models/moe); None: dense
+    # Attention to the last this many tokens only (Mistral 7B v0.1's 4096, Phi-3-mini's 2047), as the
+    # weights were trained; None: the whole sequence. The model attends to the whole sequence, which
+    # is the window's result for sequences of at most this many tokens: runs are held to that.
+    sliding_window: int | None = None
 
     @property
     def n_experts(self) -> int:
@@ -76,6 +80,8 @@ class ModelArgs:
             problems.append(f"head_dim={self.head_size} must be even for rotary embeddings")
         if self.moe is not None:
             problems += self.moe.validate(self.n_layers)
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window={self.sliding_window} must be >= 1 (or none)")
         return problems
 
 
