@@ -13,7 +13,7 @@ from shardline.data import tokenizer_file
 from shardline.data.encode import CHAT_END, CHAT_START, chat_template_for
 from shardline.data.shards import is_prepared, tokenizer_hash
 from shardline.data.tokenizer import KNOWN_EOS, eos_id, load_tokenizer
-from shardline.devices import CPU_PEAK_ASSUMED, mfu_peak_dtype
+from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
 from shardline.interop.hf_config import hf_export_problem
 from shardline.layout import IDLE_AT_DEGREE_ONE, Layout
@@ -61,10 +61,11 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
         notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
     if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's
         notes.append(("mfu_peak_assumed", {"peak_tflops": peak, "why": CPU_PEAK_ASSUMED}))
-    if device_type == "cpu" and cfg.train.precision in ("bf16", "fp16"):  # allowed: it runs what a GPU runs
+    if device_type == "cpu" and cfg.train.precision in ("bf16", "fp16") and not cpu_has_amx(cfg.train.precision):
+        # (allowed: it runs what a GPU runs; with AMX tiles for the dtype it is the faster one)
         notes.append(("half_precision_on_cpu", {"precision": cfg.train.precision, "why": "often slower than fp32 "
-                      "here: the casts and the element-wise work cost more than the 16-bit matmuls save, where the CPU "
-                      "has units for them at all (train.precision=fp32 on a CPU)"}))
+                      "on a CPU without AMX tiles for it: the casts and the element-wise work cost more than the "
+                      "16-bit matmuls save (train.precision=fp32 on a CPU)"}))
     if peak is None and device_type == "cuda":
         notes.append(("mfu_unknown", {"device": gpu_name,
                                       "fix": f"set metrics.peak_tflops to its dense "
