@@ -121,7 +121,7 @@ class PlainLoop:
         self.model.init_weights(seed=self.t.seed, device=self.device)
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.ndim < 2]
-        # Same kernel choice as the trainer's optimizer (foreach on CPU, fused on CUDA).
+        # Same kernel choice as the trainer's optimizer (fused where it chose fused; its clip rides in the kernel).
         impl = {k: trainer.optimizer.defaults[k] for k in ("foreach", "fused") if k in trainer.optimizer.defaults}
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.optim_cfg.weight_decay},
