@@ -311,6 +311,22 @@ def test_the_request_line_gives_a_small_model_in_millions(capsys):
     assert out.splitlines()[1].startswith("priced by uncalibrated guesses for this CPU (`shardline calibrate`")
 
 
+def test_a_calibrated_cpu_profile_says_how_far_it_was_found_off(capsys, tmp_path):
+    """A user read a calibrated estimate as exact; it was 20-37% under two ranks' steps."""
+    from pathlib import Path
+
+    from shardline.cli import main
+
+    profile = tmp_path / "cpu.toml"
+    profile.write_text('base = "cpu"\nmatmul_half_dim = 16.0\n[matmul_eff_max]\nfp32 = 0.9\n')
+    config = str(Path(__file__).parents[2] / "configs" / "tiny.toml")
+    assert main(["estimate", "--config", config, "--profile", str(profile)]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert "from the profile" in line and "within ~10% of the measured ones and several ranks' 15-40% under" in line
+    assert main(["estimate", "--config", config, "--gpu", "h100-sxm", "--profile", str(profile)]) in (0, 2)
+    assert "15-40% under" not in capsys.readouterr().out  # (a GPU profile's: not measured here)
+
+
 def test_a_report_piped_into_head_ends_quietly(tmp_path):
     """`plan ... | head` printed a BrokenPipeError traceback (and "Exception ignored" at exit)."""
     import subprocess

@@ -111,7 +111,9 @@ def _priced_by(args: argparse.Namespace, hw: Hardware) -> str:
     if args.profile:  # (a comm-bench profile holds [network] alone: the rest is the base's)
         given = sorted(read_profile(args.profile)) if Path(args.profile).is_file() else []
         tables = ", ".join(k for k in given if k != "base") or "nothing"
-        return f"the {hw.name} figures, with {tables} from the profile {args.profile}"
+        trust = ("; on the CPUs checked, a calibrated profile put one process's steps within ~10% of the measured "
+                 "ones and several ranks' 15-40% under them (docs/planner.md)" if hw.name == "cpu" else "")
+        return f"the {hw.name} figures, with {tables} from the profile {args.profile}{trust}"
     if hw.name == "cpu":
         return "uncalibrated guesses for this CPU (`shardline calibrate` measures it, --profile reads that)"
     return f"the {hw.name} datasheet and the table's efficiencies (a --profile from calibrate or comm-bench: measured)"
