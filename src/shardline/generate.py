@@ -105,7 +105,7 @@ class Generator:
         # Ids past the tokenizer's are rows a vocabulary padded for speed (Qwen's 151,936 for
         # ~151,665 tokens): drawn, they would decode to nothing.
         no_token = min(max(self.tokenizer.get_vocab().values()) + 1, rows)
-        with torch.no_grad(), KVCache(self.model, self.device) as cache:
+        with torch.no_grad(), KVCache(self.model, self.device, self.model.args.sliding_window) as cache:
             for _ in range(opts.max_new_tokens):
                 if len(ids) > self.context:  # the window slides: its positions start at 0 again
                     cache.clear()
@@ -250,11 +250,7 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     if context > args.max_seq_len:
         raise ConfigError(f"--context={context} is past this model's maximum of {args.max_seq_len} positions "
                           "(what it was trained and scaled for): give at most that")
-    window = args.sliding_window or args.max_seq_len  # (the model attends to the whole context: held to its window)
-    if context > window:
-        raise ConfigError(f"--context={context} is past this model's sliding window of {window} tokens, which "
-                          "shardline does not build: give at most that")
-    seq_len = min(context or run.get("train", {}).get("seq_len") or args.max_seq_len, window)
+    seq_len = context or run.get("train", {}).get("seq_len") or args.max_seq_len
     bos = bos_prefix(tokenizer) or sorted(_ids(hf.get("bos_token_id")))  # what --bos puts first
     data = run.get("data", {})
     formats = saved_formats(data)  # each source's ("text", "chat"); [] for weights converted from HF

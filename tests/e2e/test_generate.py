@@ -13,7 +13,6 @@ from shardline.cli import main
 from shardline.config import load_config
 from shardline.data.encode import encode_chat
 from shardline.data.tokenizer import eos_id
-from shardline.errors import ConfigError
 from shardline.generate import KVCache, SampleOptions, generate, load_generator, next_token
 from shardline.models.llama.model import sdpa_attention
 from shardline.trainer import Trainer
@@ -513,10 +512,12 @@ def test_weights_converted_from_hf_prompt_with_the_bos_their_tokenizer_starts_a_
     assert gen.trained_bos and gen.encode(PROMPT) == tok.encode(PROMPT).ids  # as HF encodes it
 
 
-def test_a_sliding_window_model_sees_its_window_as_transformers_does(trained_run, tmp_path):
-    """Weights with a sliding window (Mistral 7B v0.1's, Phi-3-mini's) generate with the window as
-    their context: each new token sees the window's last tokens, as transformers' windowed attention
-    gives it (greedy tokens past the window checked against its logits); a longer --context is refused."""
+def test_a_sliding_window_model_generates_as_transformers_windowed_attention_does(trained_run, tmp_path):
+    """Weights with a sliding window (Mistral 7B v0.1's, Phi-3-mini's) attend, in every layer, to
+    each token and the window - 1 before it: the cache keeps those alone, a prompt longer than the
+    window is masked to it, and every next-token logit past the window equals transformers' (a
+    deeper layer's early window tokens carry what came before them, which re-running the window
+    afresh would lose: that cache's logits differ)."""
     hf_dir = tmp_path / "windowed"
     shutil.copytree(trained_run.parent / "hf", hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -524,15 +525,21 @@ def test_a_sliding_window_model_sees_its_window_as_transformers_does(trained_run
     (hf_dir / "config.json").write_text(json.dumps(config))
     assert main(["convert", "from-hf", str(hf_dir), str(tmp_path / "ck")]) == 0
     gen = load_generator(tmp_path / "ck", "cpu", tokenizer=str(hf_dir / "tokenizer.json"))
-    assert gen.context == 8
-    with pytest.raises(ConfigError, match="--context=16 is past this model's sliding window of 8 tokens"):
-        load_generator(tmp_path / "ck", "cpu", context=16, tokenizer=str(hf_dir / "tokenizer.json"))
-    prompt = gen.tokenizer.encode(PROMPT + " earth and the heavens", add_special_tokens=False).ids
+    assert gen.model.args.sliding_window == 8
+    prompt = gen.tokenizer.encode(PROMPT + " earth and the heavens and", add_special_tokens=False).ids
+    assert len(prompt) > 8  # the prompt alone is past the window
     new = gen.sample(prompt, SampleOptions(max_new_tokens=10, temperature=0), stop=frozenset())
-    assert len(prompt) + len(new) > 12  # well past the window
+    ids = prompt + new
     hf = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + new])).logits[0]
-    for i, token in enumerate(new):
-        step = logits[len(prompt) - 1 + i]
-        assert step[token] >= step.max() - 1e-4, (i, token, int(step.argmax()))
+        want = hf(torch.tensor([ids])).logits[0]
+        with KVCache(gen.model, torch.device("cpu"), window=8) as cache:
+            got = [cache.next_logits(ids[:t]) for t in range(len(prompt), len(ids) + 1)]
+        wrong = []
+        with KVCache(gen.model, torch.device("cpu"), window=8) as afresh:  # the window re-run from scratch
+            for t in range(len(prompt), len(ids) + 1):
+                afresh.clear()
+                wrong.append(afresh.next_logits(ids[t - 8:t]))
+    for t, logits in zip(range(len(prompt), len(ids) + 1), got):
+        torch.testing.assert_close(logits, want[t - 1], atol=1e-4, rtol=0)
+    assert max((w - want[t - 1]).abs().max() for t, w in zip(range(len(prompt), len(ids) + 1), wrong)) > 1e-3

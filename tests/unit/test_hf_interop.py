@@ -280,7 +280,9 @@ def test_a_sliding_window_is_kept_held_to_and_written_back_as_mistral(tmp_path, 
     assert read_hf_config(_write_config(tmp_path / "m", model_type="mistral", max_position_embeddings=8192)
                           ).sliding_window == 4096  # MistralConfig's window when config.json leaves it out
     assert read_hf_config(_write_config(tmp_path / "n", model_type="mistral", sliding_window=4096)).sliding_window \
-        is None  # a window as long as the context is none
+        == 4096  # as long as the context: kept, so a run past the context is held to it too
+    assert read_hf_config(_write_config(tmp_path / "o", model_type="mistral", sliding_window=None)).sliding_window \
+        is None
     from shardline.config import load_config
     from shardline.errors import ConfigError
     from shardline.preflight import check_layout  # (what a launch, a dry run and the planner check)
@@ -288,6 +290,9 @@ def test_a_sliding_window_is_kept_held_to_and_written_back_as_mistral(tmp_path, 
     check_layout(load_config(None, ["train.seq_len=16"]), 1, args)
     with pytest.raises(ConfigError, match="train.seq_len=32 is longer than the model's sliding window of 16 tokens"):
         check_layout(load_config(None, ["train.seq_len=32"]), 1, args)
+    odd = dataclasses.replace(args, sliding_window=15)  # (Phi-3-mini's 2047 is odd too)
+    with pytest.raises(ConfigError, match=r"use train.seq_len <= 15 \(14 is the longest this layout also takes\)"):
+        check_layout(load_config(None, ["train.seq_len=32", "parallel.tp=2"]), 2, odd)  # sequence parallel: even
 
 
 @pytest.mark.parametrize("tied", [False, True])

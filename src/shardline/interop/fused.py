@@ -8,8 +8,8 @@ stored as one tensor each per layer:
 
 The loader (hf.py) checks and copies tensors by their Llama names; `split_view` gives it the
 folder as if each fused tensor were its parts: a part's header (dtype, shape) and its rows,
-read from the file without reading the rest. Exports are written as Llama, as Mistral's are
-(the same math and tensor names; transformers and inference servers load them alike).
+read from the file without reading the rest. Exports are written as Llama (or, with a sliding
+window, Mistral): the same math and tensor names, which transformers and inference servers load.
 """
 
 from __future__ import annotations

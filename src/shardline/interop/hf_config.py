@@ -93,7 +93,7 @@ def _read_rope(cfg: dict, where: Path, max_pos: int,
 
 # Per family: what its transformers config class assumes for a key config.json leaves out
 # (rope_theta, rms_norm_eps, max_position_embeddings, num_key_value_heads; None: n_heads).
-# Mistral is Llama's math and tensor names (without a sliding window); Qwen2 is Llama with bias
+# Mistral is Llama's math and tensor names (a sliding window: ModelArgs); Qwen2 is Llama with bias
 # terms on the query, key and value projections; Qwen3 is Llama with a norm on each query and
 # key head; Phi-3 (and Phi-4) is Llama's math with q/k/v and gate/up each stored as one tensor.
 _DEFAULTS = {
@@ -155,10 +155,10 @@ def read_hf_config(path: str | os.PathLike) -> ModelArgs:
     _check_layer_types(cfg, where)
     if family in ("mistral", "mixtral", "phi3"):
         window = _window(cfg, where, args.max_seq_len, default=4096 if family == "mistral" else None)
-        if window is not None and family == "mixtral":
+        if window is not None and family == "mixtral" and window < args.max_seq_len:
             raise CheckpointError(f"{where}: sliding_window={window} is not supported for Mixtral; shardline "
                                   "attends to the whole sequence (null, or >= max_position_embeddings, is valid)")
-        args = dataclasses.replace(args, sliding_window=window)
+        args = dataclasses.replace(args, sliding_window=None if family == "mixtral" else window)
     if family == "phi3" and args.rope_scaling is not None:  # (Phi3Config itself refuses it)
         raise CheckpointError(f"{where}: a Phi-3 config with llama3 RoPE scaling is not one transformers reads "
                               "(Phi-3 takes default or longrope RoPE)")
@@ -241,17 +241,18 @@ def _with_moe(args: ModelArgs, cfg: dict, where: Path, family: str) -> ModelArgs
 
 
 def _window(cfg: dict, where: Path, max_pos: int, default: int | None) -> int | None:
-    """Mistral's, Mixtral's and Phi-3's sliding window where it is shorter than the model's
-    context, else None (`default`: the config class's window when config.json leaves the key out).
-    A token attends to itself and the window - 1 before it, so sequences of at most the window's
-    length see what the whole sequence gives them: the launch holds train.seq_len to it."""
+    """Mistral's, Mixtral's and Phi-3's sliding window, or None (`default`: the config class's window
+    when config.json leaves the key out). A token attends to itself and the window - 1 before it, so
+    sequences of at most the window's length see what the whole sequence gives them: the launch
+    holds train.seq_len to it (a window as long as the context too: a run past the context would
+    pass it). Mixtral's, where shorter than the context, is refused by the caller."""
     window = cfg.get("sliding_window", default)
     if window is None:
         return None
     window = _number({"sliding_window": window}, "sliding_window", where, int)
     if window < 1:
         raise CheckpointError(f"{where}: sliding_window={window} must be >= 1 (or null)")
-    return window if window < max_pos else None
+    return window
 
 
 def _check_qwen_attention(cfg: dict, where: Path) -> None:

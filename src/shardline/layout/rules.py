@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -228,11 +229,17 @@ def _not_built_window(lay: Layout, job: Job) -> Problem | None:
     """A sliding window (Mistral 7B v0.1, Phi-3-mini) is not built: the model attends to the whole
     sequence, which gives the window's result only for sequences no longer than the window."""
     window = getattr(job.model, "sliding_window", None)
-    if window is not None and job.seq_len > window:
-        return "window", (f"train.seq_len={job.seq_len} is longer than the model's sliding window of {window} tokens, "
-                          "which is not built (shardline attends to the whole sequence, the same within the "
-                          f"window): use train.seq_len <= {window}")
-    return None
+    if window is None or job.seq_len <= window:
+        return None
+    # The longest length within it that this layout's other rules take (Phi-3-mini's 2047 is odd: tp with
+    # sequence parallelism, cp and fp8 each want a multiple).
+    takes = next(s for s in range(window, 0, -1)
+                 if not any(rule(lay, dataclasses.replace(job, seq_len=s)) for rule in (_tp_sequence, _cp_split,
+                                                                                         _fp8_tokens)))
+    longest = f" ({takes} is the longest this layout also takes)" if takes < window else ""
+    return "window", (f"train.seq_len={job.seq_len} is longer than the model's sliding window of {window} tokens, "
+                      "which is not built (shardline attends to the whole sequence, the same within the "
+                      f"window): use train.seq_len <= {window}{longest}")
 
 
 Rule = Callable[[Layout, Job], "Problem | None"]

@@ -13,8 +13,11 @@ class KVCache:
     text. Installed, for a `with`, as each block's attention core (the seam the model keeps
     for another kernel)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.model, self.device = model, device
+    def __init__(self, model: torch.nn.Module, device: torch.device, window: int | None = None):
+        """`window`: the model's sliding window (ModelArgs.sliding_window): each token attends to
+        itself and the window - 1 tokens before it, in every layer, and the cache keeps those alone,
+        as the weights were trained (Mistral 7B v0.1, Phi-3-mini)."""
+        self.model, self.device, self.window = model, device, window
         self.blocks = [block.attention for block in model.layers.values()]
         self.clear()
 
@@ -47,13 +50,16 @@ class KVCache:
     def _attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.keys[i] is not None:
             k, v = torch.cat((self.keys[i], k), dim=2), torch.cat((self.values[i], v), dim=2)
-        self.keys[i], self.values[i] = k, v
-        # Query j is at position past + j and sees keys 0..past + j. SDPA's is_causal would align
-        # the two at the top left instead (the new token seeing the first key only).
+        keep = k.shape[2] if self.window is None else self.window - 1  # what the next token may see
+        self.keys[i], self.values[i] = k[:, :, k.shape[2] - keep:], v[:, :, v.shape[2] - keep:]
+        # Query j is at key index past + j and sees keys 0..past + j (within the window: from
+        # past + j - window + 1). SDPA's is_causal would align the two at the top left instead.
         past = k.shape[2] - q.shape[2]
-        if past == 0:  # a prompt, nothing cached: plain causal attention, no [tokens, tokens] mask
+        if past == 0 and (self.window is None or q.shape[2] <= self.window):  # a prompt: plain causal
             return sdpa_attention(q, k, v, None)
         seen = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past)
+        if self.window is not None:
+            seen &= torch.ones_like(seen).triu(past - self.window + 1)
         return sdpa_attention(q, k, v, seen[None, None])
 
 
