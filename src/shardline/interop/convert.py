@@ -1,5 +1,5 @@
 """`shardline convert`: shardline checkpoints <-> HF Llama, Qwen2, Qwen3, Mixtral and Qwen3-MoE
-folders (a Mistral or Phi-3 folder comes back as Llama: the same model).
+folders (a Mistral or Phi-3 folder comes back as Llama: the same model; with a sliding window, as Mistral).
 
 to-hf:   a checkpoint folder (or a run dir: its newest valid checkpoint) -> an HF
          folder that transformers loads, with the checkpoint's tokenizer files (see

@@ -233,9 +233,9 @@ def _not_built_window(lay: Layout, job: Job) -> Problem | None:
         return None
     # The longest length within it that this layout's other rules take (Phi-3-mini's 2047 is odd: tp with
     # sequence parallelism, cp and fp8 each want a multiple).
-    takes = next(s for s in range(window, 0, -1)
-                 if not any(rule(lay, dataclasses.replace(job, seq_len=s)) for rule in (_tp_sequence, _cp_split,
-                                                                                         _fp8_tokens)))
+    takes = next((s for s in range(window, 0, -1)
+                  if not any(rule(lay, dataclasses.replace(job, seq_len=s)) for rule in (_tp_sequence, _cp_split,
+                                                                                          _fp8_tokens))), window)
     longest = f" ({takes} is the longest this layout also takes)" if takes < window else ""
     return "window", (f"train.seq_len={job.seq_len} is longer than the model's sliding window of {window} tokens, "
                       "which is not built (shardline attends to the whole sequence, the same within the "
