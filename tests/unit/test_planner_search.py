@@ -328,3 +328,17 @@ def test_an_emitted_config_leaves_a_base_configs_idle_settings_at_their_defaults
     assert code == 0, out
     cfg = load_config(path)
     assert cfg.memory.activation_checkpoint == "full" and cfg.memory.ac_every == 2 and unused_settings(cfg) == {}
+
+
+def test_a_request_only_the_trainers_rules_refuse_says_why():
+    """Weights with a sliding window shorter than the sequence: every layout fits and none can be
+    trained (the window is not built), so `plan --runnable-only` said only {'trainer': N}."""
+    model = dataclasses.replace(PRESETS["llama3.2-1b"], sliding_window=2047)
+    work = Workload(model, 4096, 64, "bf16")
+    hw = get_hardware("h100-sxm")
+    result = search(work, hw, 8, runnable_only=True)
+    assert not result.candidates and set(result.pruned) >= {"trainer"}
+    message = explain_no_fit(work, hw, 8, result)
+    assert ("layouts that fit `shardline train` cannot run: train.seq_len=4096 is longer than the model's sliding "
+            "window") in message
+    assert search(dataclasses.replace(work, seq_len=2046), hw, 8, runnable_only=True).candidates  # within it: runs

@@ -55,6 +55,7 @@ class SearchResult:
     smallest_offload: tuple[float, Layout, dict] | None = None  # the same, among layouts with CPU offload
     smallest_host: tuple[float, Layout] | None = None  # (host bytes per node, layout) of the leanest offload
     first_problem: str = ""  # the rule broken by the most model-parallel layout tried (the fewest dp ranks)
+    trainer_problem: str = ""  # why `shardline train` cannot run the first fitting layout it pruned (runnable_only)
     _problem_dp: int = 0  # that layout's data-parallel degree
     pinned: dict = field(default_factory=dict)  # the --fix keys the search held
     seconds: float = 0.0
@@ -217,8 +218,10 @@ def search(work: Workload, hw: Hardware, gpus: int, fixed: dict | None = None,
             result.pruned["host memory"] += 1
             _keep_smallest(result, layout, memory, hw)
             continue
-        if runnable_only and runnable_problem(work, layout):
+        unrunnable = runnable_problem(work, layout) if runnable_only else None
+        if unrunnable:
             result.pruned["trainer"] += 1
+            result.trainer_problem = result.trainer_problem or unrunnable
             continue
         result.candidates.append(timed(work, layout, hw, memory))
     result.candidates.sort(key=lambda e: (-e.tokens_per_s, e.memory["total"]))
@@ -267,14 +270,22 @@ def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult
             pins = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in result.pinned.items())
             return (f"no layout of {gpus} devices has every pinned key (--fix {pins}); pin fewer keys "
                     "or other values")
-        return f"no layout of {gpus} devices can run this request ({dict(result.pruned)})"
+        return f"no layout of {gpus} devices can run this request ({dict(result.pruned)}){_unrunnable(result)}"
     parts = [_device_text(hw, device)] if device is not None else []
     if result.smallest_unfit is not None and result.smallest_offload is not None:
         need, layout, _ = result.smallest_offload
         parts.append(f"with CPU offload the leanest ({layout.describe()}) needs {need / GiB:.1f} GiB per device")
     if result.smallest_host is not None:
         parts.append(_host_text(work, hw, result.smallest_host, alone=device is None))
-    return "; ".join(parts)
+    return "; ".join(parts) + _unrunnable(result)
+
+
+def _unrunnable(result: SearchResult) -> str:
+    """What kept the layouts that fit from being offered (runnable_only), in the trainer's words."""
+    if not result.trainer_problem:
+        return ""
+    return (f"; {result.pruned['trainer']:,} layouts that fit `shardline train` cannot run: "
+            f"{result.trainer_problem}")
 
 
 def _device_text(hw: Hardware, misfit: tuple[float, Layout, dict]) -> str:
