@@ -14,13 +14,13 @@ window, Mistral): the same math and tensor names, which transformers and inferen
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
 from shardline.errors import CheckpointError
+from shardline.interop.hf_config import CONFIG_NAME, _load_json
 from shardline.models.llama import ModelArgs
 
 _FUSED = re.compile(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight")
@@ -32,8 +32,8 @@ def stores_fused(folder: Path) -> bool:
     """Whether an HF folder's config.json names a family that stores q/k/v and gate/up fused
     (Phi-3's); False where it cannot be read (read_hf_config says why)."""
     try:
-        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        cfg = _load_json(folder / CONFIG_NAME)
+    except CheckpointError:
         return False
     return isinstance(cfg, dict) and cfg.get("model_type") == "phi3"
 

@@ -323,16 +323,18 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal)[:, None]
 
 
-def sdpa_document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+def sdpa_document_mask(doc_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The document mask SDPA gets, made once per forward for every layer. On a CPU an additive
     mask [b, 1, s, s] (0 where attended, -inf elsewhere) in the dtype SDPA computes in (autocast's,
     else fp32): torch's CPU kernel turns a boolean mask into that itself in each call, and autocast
     casts an fp32 one, and either keeps each layer's copy for backward, 2-4 bytes a score a layer
     (a 2-layer model at seq 32768 held 8 GiB of them); given one of its own dtype, every layer
     shares it, with the same results bit for bit. Elsewhere the boolean mask (on CUDA, an additive
-    mask's kernels and memory are not checked here)."""
+    mask's kernels and memory are not checked here). `dtype`: the compute dtype, where no autocast
+    says it (calibrate's timed kernel)."""
     mask = document_causal_mask(doc_ids)
     if mask.device.type != "cpu":
         return mask
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
+    if dtype is None:
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
     return torch.where(mask, torch.zeros((), dtype=dtype), torch.full((), float("-inf"), dtype=dtype))

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardline.devices import synchronize
 from shardline.layout import Layout
+from shardline.models.llama.model import sdpa_document_mask
 from shardline.optim.fused import FusedAdamW
 from shardline.optim.windowed import WindowedAdamW
 from shardline.parallel.collectives import clip_grad_norm
@@ -95,10 +96,8 @@ def measure_attention(dtype: str, device: torch.device, peak: float, shapes, clo
     for b, heads, s, hd in shapes:
         q, k, v = (torch.randn(b, heads, s, hd, device=device, dtype=DTYPES[dtype], requires_grad=True)
                    for _ in range(3))
-        docs = torch.arange(s, device=device) * 2 // s  # two documents per sequence
-        mask = (docs[:, None] == docs[None, :]) & torch.ones(s, s, dtype=torch.bool, device=device).tril()
-        if torch.device(device).type == "cpu":  # the trainer's CPU mask: additive in the compute dtype
-            mask = torch.zeros(s, s, dtype=DTYPES[dtype]).masked_fill_(~mask, float("-inf"))
+        docs = torch.arange(s, device=device)[None] * 2 // s  # two documents per sequence
+        mask = sdpa_document_mask(docs, DTYPES[dtype])  # the trainer's: additive on a CPU, boolean on a GPU
         t = time_it(functools.partial(_attention_step, q, k, v, mask), device, clock=clock)
         flops = 3.5 * 4 * b * s * s * heads * hd  # forward + 2.5x backward, no causal skipping
         out.append({"b": b, "s": s, "heads": heads, "head_dim": hd, "seconds": t, "eff": flops / t / peak})
