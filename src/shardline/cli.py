@@ -52,9 +52,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.world_size is not None or args.gpu is not None:
         raise ShardlineError("--world-size and --gpu go with --dry-run; a launch takes its world size from torchrun")
     from shardline.parallel.distributed import shutdown_distributed
+    from shardline.resilience.goodput import process_start_time
     from shardline.trainer import Trainer
 
-    Trainer(cfg).build().train()  # (a stop, a halt or a refusal alike on every rank: main() leaves together)
+    # (a stop, a halt or a refusal alike on every rank: main() leaves together)
+    Trainer(cfg, started=process_start_time()).build().train()
     shutdown_distributed()
     return 0
 

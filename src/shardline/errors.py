@@ -45,6 +45,11 @@ class Preempted(ShardlineError):
     every_rank = True
 
 
+class Interrupted(Preempted, KeyboardInterrupt):
+    """A Preempted on Ctrl-C (SIGINT): in a notebook or script, `except KeyboardInterrupt` catches it
+    as it would catch an interrupt that saved nothing."""
+
+
 def on_every_rank(error: ShardlineError, alike: bool = True) -> ShardlineError:
     """`error`, marked (when `alike`) as raised alike on every rank: see ShardlineError.every_rank."""
     error.every_rank = alike

@@ -54,18 +54,27 @@ class SampleOptions:
     top_p: float = 1.0  # then among the likeliest whose probabilities sum to top_p; 1: all of them
     seed: int = 0
 
-    def check(self) -> None:
-        """A ConfigError naming the flag and its valid values."""
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens={self.max_new_tokens} is invalid: must be >= 1")
-        if not 0 <= self.temperature < math.inf:  # (NaN too)
-            raise ConfigError(f"--temperature={self.temperature} is invalid: must be a finite number >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise ConfigError(f"--top-k={self.top_k} is invalid: must be >= 0 (0 = all tokens)")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top-p={self.top_p} is invalid: must be in (0, 1] (1 = all tokens)")
-        if not -2**63 <= self.seed < 2**64:  # what torch's generator takes
-            raise ConfigError(f"--seed={self.seed} is invalid: must be in [-2**63, 2**64)")
+    def __post_init__(self) -> None:
+        check_options(vars(self))  # (a caller from Python hears of a bad option where it made it)
+
+
+# Each option's rule: a test of its value, and the words that say the valid ones.
+_OPTION_RULES = {
+    "max_new_tokens": (lambda v: v >= 1, "must be >= 1"),
+    "temperature": (lambda v: 0 <= v < math.inf, "must be a finite number >= 0 (0 = greedy)"),  # (NaN fails it)
+    "top_k": (lambda v: v >= 0, "must be >= 0 (0 = all tokens)"),
+    "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = all tokens)"),
+    "seed": (lambda v: -2**63 <= v < 2**64, "must be in [-2**63, 2**64)"),  # what torch's generator takes
+}
+
+
+def check_options(values: dict, flags: bool = False) -> None:
+    """A ConfigError naming the first invalid sampling option and its valid values: as SampleOptions'
+    field (top_p=0.0), or with `flags` as the CLI's flag (--top-p=0.0)."""
+    for name, (valid, rule) in _OPTION_RULES.items():
+        if not valid(values[name]):
+            shown = "--" + name.replace("_", "-") if flags else name
+            raise ConfigError(f"{shown}={values[name]} is invalid: {rule}")
 
 
 @dataclass
@@ -159,7 +168,6 @@ class Generator:
                  system: str = "") -> str:
         """The text generated after `prompt` (end tokens and markers left out). Decoded with the
         prompt and cut after it: decoded alone, a SentencePiece continuation loses its leading space."""
-        opts.check()  # (the CLI checked them already; a caller from Python gets the same one line)
         check_chat_flags(bos, chat, system)
         prompt_ids = self.chat_ids(prompt, system) if chat else self.encode(prompt, bos)
         self.prompt_tokens = len(prompt_ids)
@@ -302,7 +310,6 @@ def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "a
              tokenizer: str = "") -> str:
     """`shardline generate`'s output: the prompt and its continuation (with --chat, the reply
     alone), or one JSON object (with --chat, the rendered prompt the model was given too)."""
-    opts.check()
     check_chat_flags(bos, chat, system)  # before the weights are read
     gen = load_generator(src, device, dtype, context, tokenizer)
     text = gen.complete(prompt, opts, bos, chat, system)
@@ -354,7 +361,9 @@ def register(sub) -> None:
 def _command(args, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"generate takes no config overrides, got {' '.join(overrides)}")
-    opts = SampleOptions(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    values = {name: getattr(args, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")}
+    check_options(values, flags=True)  # (said as the flags the user typed)
+    opts = SampleOptions(**values)
     text = generate(args.src, args.prompt, opts, args.device, args.json, args.dtype, args.bos, args.chat, args.system,
                     args.context, args.tokenizer)
     print(text, flush=True)

@@ -138,7 +138,8 @@ def history(path: Path | str) -> list[dict[str, Any]]:
     the `train` and `eval` records of the steps past s logged before them (a resume from an older
     checkpoint, a new run in a run dir whose checkpoints are gone, a rollback), as TensorBoard
     drops its superseded points. Events stay: they say what happened. A last line not ended (a
-    run writing it, or killed) is left out."""
+    run writing it, or killed) is left out. `path` may be the run dir that holds it."""
+    path = Path(path) / "metrics.jsonl" if Path(path).is_dir() else path
     kept: list[dict[str, Any]] = []
     with open(path) as f:
         for line in f:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 import shutil
 
@@ -328,11 +330,12 @@ def test_the_python_entry_points_check_what_the_cli_checks(trained_run):
     from shardline.errors import ConfigError
     from shardline.interop.convert import convert
 
-    gen = load_generator(str(trained_run))
-    with pytest.raises(ConfigError, match=re.escape("--top-p=0.0 is invalid: must be in (0, 1]")):
-        gen.complete(PROMPT, SampleOptions(top_p=0.0, temperature=1.0))
-    with pytest.raises(ConfigError, match="--max-new-tokens=0 is invalid"):
-        gen.complete(PROMPT, SampleOptions(max_new_tokens=0))
+    with pytest.raises(ConfigError, match=re.escape("top_p=0.0 is invalid: must be in (0, 1]")):
+        SampleOptions(top_p=0.0, temperature=1.0)  # where it is made, named as Python names it
+    with pytest.raises(ConfigError, match="^max_new_tokens=0 is invalid"):
+        SampleOptions(max_new_tokens=0)
+    with pytest.raises(ConfigError, match="^temperature=nan is invalid"):
+        dataclasses.replace(SampleOptions(), temperature=math.nan)
     with pytest.raises(ConfigError, match="convert direction 'tohf' is invalid: one of to-hf, from-hf"):
         convert("tohf", str(trained_run), str(trained_run.parent / "never"))
     assert not (trained_run.parent / "never").exists()

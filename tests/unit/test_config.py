@@ -276,6 +276,39 @@ def test_values_of_the_right_type_set_in_code_pass_as_a_file_would_give_them(tmp
     assert back.optim.beta2 == 0.95 and back.train.steps == 7 and back.train.skip_batches == [3, 4]
 
 
+def test_paths_and_one_override_string_from_python_read_as_a_files_strings(tmp_path):
+    """A notebook passes pathlib.Paths and often one override: a Path was refused as "the wrong type:
+    expected str" (run.dir, which load_relaunch_config sets), one string read character by character."""
+    cfg = load_config(None, "train.steps=5")
+    assert cfg.train.steps == 5
+    cfg.run.dir, cfg.data.path = tmp_path / "run", tmp_path / "data.jsonl"
+    cfg.check_sections()
+    assert cfg.run.dir == str(tmp_path / "run") and type(cfg.data.path) is str
+    save_config(cfg, tmp_path / "config.toml")
+    again = load_relaunch_config(tmp_path / "config.toml", tmp_path / "moved", "train.steps=7")
+    again.check_sections()
+    assert again.run.dir == str(tmp_path / "moved") and again.train.steps == 7
+    cfg.train.steps = tmp_path  # a Path where a number belongs: still the wrong type
+    with pytest.raises(ConfigError, match="^train.steps=.* has the wrong type: expected int"):
+        cfg.check_sections()
+
+
+def test_a_trainer_trained_before_it_is_built_says_so_and_is_charged_from_its_making(tmp_path):
+    """train() before build() was an AttributeError ('proc'); a notebook's Trainer was charged the
+    whole process's age as start-up (an idle kernel's hour read as goodput near 0)."""
+    import time
+
+    from shardline.trainer import Trainer
+
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}"])
+    before = time.time()
+    trainer = Trainer(cfg)
+    assert before <= trainer.started <= time.time()
+    assert Trainer(cfg, started=12.5).started == 12.5  # (the CLI's: the process's start)
+    with pytest.raises(ConfigError, match=re.escape("this Trainer is not built: call build() first")):
+        trainer.train()
+
+
 @pytest.mark.parametrize("name,value,message", [
     ("optimizer", 1, "unknown config section 'optimizer'; valid: run, model, moe, train"),
     ("train", {"steps": 5}, "config section train is a dict, not a TrainConfig"),

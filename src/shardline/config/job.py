@@ -108,8 +108,9 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the TOML file, then `section.key=value` overrides (validated by check())."""
+def load_config(path: str | Path | None = None, overrides: list[str] | str = ()) -> Config:
+    """Defaults, then the TOML file, then `section.key=value` overrides (a list of them, or one
+    string; validated by check())."""
     return _overridden(reader.read_toml(path) if path is not None else {}, overrides)
 
 
@@ -142,7 +143,7 @@ def _filled(section: str, key: str, value):
     return [{**dataclasses.asdict(MixSource()), **entry} if isinstance(entry, dict) else entry for entry in value]
 
 
-def load_relaunch_config(saved: str | Path, run_dir: str, overrides: list[str] = ()) -> Config:
+def load_relaunch_config(saved: str | Path, run_dir: str | Path, overrides: list[str] | str = ()) -> Config:
     """A run's saved config.toml as a relaunch reads it: its LAUNCH_ONLY settings back to their
     defaults, run.dir the folder it was found in (a run dir may move), then the overrides."""
     raw = reader.read_toml(saved)
@@ -153,7 +154,7 @@ def load_relaunch_config(saved: str | Path, run_dir: str, overrides: list[str] =
         elif isinstance(table, dict):
             for key in keys:
                 table.pop(key, None)
-    raw.setdefault("run", {})["dir"] = run_dir
+    raw.setdefault("run", {})["dir"] = os.fspath(run_dir)
     if isinstance(raw.get("data"), dict):  # saved before data.add_bos existed: its run had no BOS
         raw["data"].setdefault("add_bos", False)
     return _overridden(raw, overrides)
@@ -168,9 +169,9 @@ def save_config(cfg: Config, path: Path) -> None:
     tmp.replace(path)
 
 
-def _overridden(raw: dict[str, Any], overrides: list[str]) -> Config:
+def _overridden(raw: dict[str, Any], overrides: list[str] | str) -> Config:
     cfg = from_dict(raw)
-    for item in overrides:
+    for item in [overrides] if isinstance(overrides, str) else overrides:  # (one string: not its characters)
         apply_override(cfg, item)
     expand_home(cfg)
     return cfg

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import tomllib
 import types
@@ -109,15 +110,18 @@ def check_types(obj: Any, where: str) -> None:
                     raise ConfigError(f"{key}[{i}]={v!r} has the wrong type: expected {_kind(item, one=True)}")
                 check_types(v, f"{key}[{i}]")
         elif not (f.metadata.get("switch") and isinstance(value, bool)):  # (a switch takes true/false)
-            read = coerce(key, _plain(value), hint, value)
-            if isinstance(value, str) and not isinstance(read, str):  # "1.5": a number on a command line only
+            plain = _plain(value)
+            read = coerce(key, plain, hint, value)
+            if isinstance(plain, str) and not isinstance(read, str):  # "1.5": a number on a command line only
                 raise ConfigError(f"{key}={value!r} has the wrong type: expected {type(read).__name__}")
             setattr(obj, f.name, read)
 
 
 def _plain(value: Any) -> Any:
     """A value set in code as a file would give it: numpy's scalars (numbers, bool_) as Python's, a
-    tuple or a list of them as a list."""
+    tuple or a list of them as a list, a pathlib.Path as its string."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     if type(value).__module__ == "numpy" and hasattr(value, "item"):  # (np.generic: np.int64, np.bool_, ...)

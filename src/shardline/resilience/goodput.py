@@ -111,22 +111,27 @@ class Goodput:
         self.counted = False
         self.seconds["restart_gap"] -= self._gap
 
-    def summary(self) -> dict:
-        wall = self.wall_before + (time.time() - self.started if self.counted else 0.0)
+    def summary(self, now: float | None = None) -> dict:
+        """The account at `now` (default: this moment; the run's end gives persist()'s, so that what
+        the `end` event says is what a relaunch reads back)."""
+        now = time.time() if now is None else now
+        wall = self.wall_before + (now - self.started if self.counted else 0.0)
         total = wall + self.seconds["restart_gap"]
         seconds = {k: round(v, 3) for k, v in self.seconds.items()}
         seconds["other"] = round(max(0.0, total - sum(self.seconds.values())), 3)
         return {"goodput": round(self.seconds["useful"] / total, 4) if total > 0 else 0.0,
                 "total_s": round(total, 3),  # every launch of the run, and the gaps between them
-                "this_launch_s": round(time.time() - self.started, 3), "seconds": seconds}
+                "this_launch_s": round(now - self.started, 3), "seconds": seconds}
 
-    def persist(self, finished: bool = False) -> None:
-        """Rewrite progress.json. A write the storage refuses (a disk a checkpoint filled) is kept in
-        `unwritten` and training goes on: accounting must never stop a run; the next write retries."""
+    def persist(self, finished: bool = False, now: float | None = None) -> None:
+        """Rewrite progress.json (as of `now`, default this moment). A write the storage refuses (a disk
+        a checkpoint filled) is kept in `unwritten` and training goes on: accounting must never stop a
+        run; the next write retries."""
         if not self.enabled or not self.counted:
             return
-        record = {"high_water_step": self.high_water, "time": time.time(), "finished": finished,
-                  "wall_s": self.wall_before + time.time() - self.started,
+        now = time.time() if now is None else now
+        record = {"high_water_step": self.high_water, "time": now, "finished": finished,
+                  "wall_s": self.wall_before + now - self.started,
                   "seconds": dict(self.seconds)}
         tmp = self.path.with_name(PROGRESS + ".tmp")
         try:

@@ -201,5 +201,6 @@ class RunGuard:
         with self.phase("drain", step):
             self.timed("checkpoint", lambda: self.tiers.finish(complete))
         self.stop_watching()
-        self.goodput.persist(finished=complete)
-        return self.goodput.summary()
+        now = time.time()
+        self.goodput.persist(finished=complete, now=now)
+        return self.goodput.summary(now)

@@ -25,7 +25,7 @@ import torch
 from shardline.config import Config, expand_home
 from shardline.data.sampler import batch_index, eval_micro_batches
 from shardline.devices import peak_tflops
-from shardline.errors import ConfigError, Preempted
+from shardline.errors import ConfigError, Interrupted, Preempted
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.metrics import mfu, peak_memory_gib
 from shardline.models.attention import resolve_attention
@@ -46,7 +46,6 @@ from shardline.preflight import gone_start_checkpoint
 from shardline.profiling import configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer
-from shardline.resilience.goodput import process_start_time
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import (agree_on_resume, memory_tier_resumable, rank0_decides,
                                           refuse_fresh_over_invalid)
@@ -58,7 +57,13 @@ from shardline.trainer.step import StepRunner
 
 
 class Trainer(SavedState, AnomalyResponse, StopOnRequest):
-    def __init__(self, cfg: Config):
+    """One run of a config: `Trainer(cfg).build()` sets up the layout, model, data and run dir (and
+    resumes what the dir holds), `train()` trains to train.steps. See the module docstring."""
+
+    def __init__(self, cfg: Config, started: float | None = None):
+        """`started`: when this launch began, for the run's goodput account (its start-up time): the
+        CLI gives the process's start, imports included; by default, now (a notebook's Trainer is not
+        charged for the time the kernel sat idle before it)."""
         cfg.check_sections()  # those that involve the layout, the data and the model come in build()
         expand_home(cfg)  # (load_config did; paths set in code since have not been)
         self.cfg = cfg
@@ -66,7 +71,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         self.device = pick_device(cfg.run.device)
         self.allocator = configure_allocator(self.device, cfg.memory.expandable_segments)  # before CUDA starts
         self.step = 0  # optimizer updates completed
-        self.started = process_start_time()
+        self.started = time.time() if started is None else started
         self._invalid_checkpoints: list[str] = []
         self._optim_changes: dict[str, list] = {}
         self._config_changes: dict[str, list] = {}
@@ -156,6 +161,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
 
     def train(self) -> dict:
         """Train to train.steps (or stop_at_step); returns the last logged metrics."""
+        if not hasattr(self, "proc"):
+            raise ConfigError("this Trainer is not built: call build() first (Trainer(cfg).build().train())")
         agreed(self._check_lock_held, self.proc.world_size)  # a refusal on rank 0 is every rank's
         try:
             return self._train()
@@ -248,7 +255,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         self.metrics.close()
         self.lock.release()
         if stopped:
-            raise Preempted(stopped)
+            raise (Interrupted if request == "SIGINT" else Preempted)(stopped)
         return last
 
     def _evaluate_and_save(self, step: int, stop: int, request: str | None) -> tuple[str | None, float]:

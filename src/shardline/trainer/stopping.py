@@ -38,4 +38,5 @@ class StopOnRequest:
             return (f"{signal_name} at step {self.step}; its checkpoint could not be written (see checkpoint_failed)"
                     + self._unsaved_rollback())
         self.metrics.event("preempted", step=self.step, signal=signal_name, checkpoint=str(path))
-        return f"{signal_name} at step {self.step}; state saved; rerun the same command to resume"
+        return (f"{signal_name} at step {self.step}; state saved; rerun the same command (from Python: train a new "
+                "Trainer of the same config) to resume")
