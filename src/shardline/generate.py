@@ -253,7 +253,8 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     load_weights(ckpt, model, verified=True)
     hf = meta.get("hf", {})
     generation = beside_checkpoint(ckpt, GENERATION_NAME)
-    stop = _ids(eos_id(tokenizer), hf.get("eos_token_id"), _generation_eos(generation) if generation else None)
+    stop = _ids(eos_id(tokenizer, tok_path), hf.get("eos_token_id"),
+                _generation_eos(generation) if generation else None)
     run = meta.get("config", {})  # the run's config; none in a checkpoint converted from HF
     if context > args.max_seq_len:
         raise ConfigError(f"--context={context} is past this model's maximum of {args.max_seq_len} positions "

@@ -74,11 +74,12 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if device_type == "cuda" and world_size == 1 and gpus > 1:
         notes.append(("one_gpu_of_several", {"gpus": gpus, "fix": f"torchrun --nproc_per_node={gpus} -m shardline "
                                              "train ... trains on all of them"}))
-    if tokenizer is not None and eos_id(tokenizer) is None and "text" in cfg.data.formats():  # (chat: the template's)
+    no_eos = tokenizer is not None and eos_id(tokenizer, tokenizer_file(cfg.data)) is None
+    if no_eos and "text" in cfg.data.formats():  # (chat: the template's)
         notes.append(("no_end_of_document_token", {
             "tokenizer": cfg.data.tokenizer or "the run's own",
-            "why": f"none of {', '.join(KNOWN_EOS)} is a token of it: documents are packed with nothing between "
-                   "them, and generate stops only at its length (an eos_token in tokenizer_config.json is not read)"}))
+            "why": f"none of {', '.join(KNOWN_EOS)} is a token of it, nor an eos_token its tokenizer_config.json "
+                   "names: documents are packed with nothing between them, and generate stops only at its length"}))
     if cfg.data.chat and tokenizer is not None and _no_template(tokenizer_file(cfg.data)):
         pieces = [m for m in (CHAT_START, CHAT_END) if tokenizer.token_to_id(m) is None]
         notes.append(("chat_as_chatml", {

@@ -1284,3 +1284,47 @@ def test_a_template_that_closes_the_conversation_with_eos_is_masked_by_turns():
     assert "".join(text for text, _ in pieces) == _render(template, messages)
     ends_with_user = chat_segments(messages[:2], template)  # (a closing after a prompt is not a target)
     assert ends_with_user[-1] == ("<|user|>\nhi<|end|>\n<|endoftext|>", False)
+
+
+def test_an_end_of_document_token_only_tokenizer_config_names_separates_documents(tmp_path):
+    """A tokenizer whose end of text has a name we do not know ([EOT]) packed documents with nothing
+    between them although its tokenizer_config.json names it: read there, raw and prepared alike."""
+    from tokenizers import models, pre_tokenizers
+
+    from shardline.data.tokenizer import eos_id
+    from shardline.launch_notes import launch_notes
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "[EOT]": 1, "a": 2, "b": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    text = tmp_path / "docs.jsonl"
+    text.write_text("".join(json.dumps({"text": " ".join("ab"[(i + j) % 2] for j in range(5 + i % 3))}) + "\n"
+                            for i in range(40)))
+    settings = ["data.val_fraction=0.1", "train.seq_len=16", "train.eval_interval=0", "metrics.peak_tflops=1"]
+
+    def raw_and_note():
+        cfg = load_config(None, [f"data.path={text}", f"data.tokenizer={folder / 'tokenizer.json'}", *settings])
+        notes = dict(launch_notes(cfg, "cpu", 1.0, 1, tokenizer=tok))
+        return build_data(cfg).train, notes
+
+    unnamed, notes = raw_and_note()
+    assert eos_id(tok, folder / "tokenizer.json") is None and "no_end_of_document_token" in notes
+    assert 1 not in unnamed.tokens
+    for named in ("[EOT]", {"content": "[EOT]", "special": True}):  # as transformers writes it, either way
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": named}))
+        assert eos_id(tok, folder / "tokenizer.json") == 1 and eos_id(tok) is None
+        packed, notes = raw_and_note()
+        assert "no_end_of_document_token" not in notes
+        assert int((np.asarray(packed.tokens) == 1).sum()) == packed.num_documents  # one after each document
+    manifest = prepare(PrepareOptions([str(text)], str(tmp_path / "prep"), tokenizer=str(folder / "tokenizer.json"),
+                                      val_fraction=0.1, progress=False))
+    assert manifest["eos_id"] == 1
+    cfg = load_config(None, [f"data.path={tmp_path / 'prep'}", *settings])
+    prepared = build_data(cfg).train
+    every = np.arange(len(packed))
+    assert len(prepared) == len(packed)
+    assert all(np.array_equal(prepared.batch(every)[k], packed.batch(every)[k]) for k in ("input_ids", "labels"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|not_a_token|>"}))
+    assert eos_id(tok, folder / "tokenizer.json") is None

@@ -216,7 +216,7 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
     if tok is None:
         texts = [render_chat(m, template) for m in train_docs] if chat else train_docs
         tok = get_tokenizer(texts, d.tokenizer, d.vocab_size)
-    eos, bos = eos_id(tok), bos_prefix(tok) if d.add_bos and not chat else []
+    eos, bos = eos_id(tok, tokenizer_file(d)), bos_prefix(tok) if d.add_bos and not chat else []
     return tok, *(_pack(tok, part, eos, seq_len, template, chat, bos) for part in (train_docs, val_docs))
 
 

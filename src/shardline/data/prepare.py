@@ -318,7 +318,7 @@ def _finish(root: Path, request: dict, writers: dict, tok: Tokenizer, stream: _S
         splits[name] = {**w.state(), "docs_sha256": file_sha256(root / name / "docs.idx")}
     manifest = {"format_version": FORMAT_VERSION, "format": request["format"], "request": request,
                 "tokenizer_sha256": request["tokenizer_sha256"], "vocab_size": tok.get_vocab_size(),
-                "eos_id": eos_id(tok), "bos_ids": request.get("bos", []),
+                "eos_id": eos_id(tok, root / TOKENIZER), "bos_ids": request.get("bos", []),
                 "dtype": np.dtype(writers["train"].dtype).name, "val_fraction": request["val_fraction"],
                 "input_documents": stream.count, "empty_documents": stream.empty,
                 "train_fingerprint": _train_fingerprint(root, splits["train"]["shards"], writers["train"].dtype),

@@ -96,13 +96,30 @@ def train_bpe(documents, vocab_size: int) -> Tokenizer:
     return tok
 
 
-def eos_id(tok: Tokenizer) -> int | None:
-    """The end-of-document token id, or None when the tokenizer has none we know."""
+def eos_id(tok: Tokenizer, tokenizer_path: str | os.PathLike = "") -> int | None:
+    """The end-of-document token id: the first of KNOWN_EOS the vocabulary holds (a base model's
+    end of text, where an instruct model's tokenizer_config.json names its turn end), else the
+    eos_token of the tokenizer_config.json beside `tokenizer_path`; None when neither is a token."""
     for name in KNOWN_EOS:
         idx = tok.token_to_id(name)
         if idx is not None:
             return idx
-    return None
+    named = settings_token(tokenizer_path, "eos_token")
+    return tok.token_to_id(named) if named else None
+
+
+def settings_token(tokenizer_path: str | os.PathLike, key: str) -> str:
+    """A special token (`key`: "eos_token", "bos_token") as the tokenizer_config.json beside a
+    tokenizer.json names it (a string, or {"content": ...}); "" where there is none to read."""
+    if not tokenizer_path:
+        return ""
+    try:
+        settings = json.loads((Path(tokenizer_path).parent / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    value = settings.get(key) if isinstance(settings, dict) else None
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else ""
 
 
 def vocabulary_fingerprint(tok: Tokenizer) -> str:

@@ -94,7 +94,7 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
     if tokenizer is not None:  # a run's own tokenizer: its end-of-document token, and the one BOS it starts texts with
         tok = load_tokenizer(str(tokenizer), key="")
         _check_template(tokenizer)
-        eos = eos_id(tok) if eos is None else eos
+        eos = eos_id(tok, tokenizer) if eos is None else eos
         prefix = bos_prefix(tok)
         bos = prefix[0] if bos is None and len(prefix) == 1 else bos
     # A run that trained on chat data without a chat template rendered it as ChatML: its export says so, so
