@@ -30,8 +30,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         if given:
             raise ShardlineError(f"--resume and --{given[0].removeprefix('--')} both say what to resume; give one")
         overrides = [*overrides, f"run.resume={args.resume}"]
+    from shardline.resilience.relaunch import relaunch_config
+
     try:
-        cfg = _relaunch_config(args.config, overrides)
+        cfg = relaunch_config(args.config, overrides)
     except ShardlineError as e:  # the command line and the files: alike on a node's ranks, said once there;
         e.node_alike = not _io_fault(e.__context__)  # not a read the storage refused (maybe one rank's alone)
         raise
@@ -59,29 +61,6 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     Trainer(cfg, started=process_start_time()).build().train()
     shutdown_distributed()
     return 0
-
-
-def _relaunch_config(config: str | None, overrides: list[str]):
-    """The config a launch reads: --config's file and the overrides; without a file, when run.dir
-    holds a checkpoint to resume and the config.toml its last launch saved, that file (its
-    per-launch settings afresh, config.LAUNCH_ONLY), so a relaunch need not repeat the run's
-    settings: `--run.dir=runs/x` resumes runs/x as its last launch ran it."""
-    from pathlib import Path
-
-    from shardline.config import load_config, load_relaunch_config
-    from shardline.resilience.checkpoint import Checkpointer
-
-    cfg = load_config(config, overrides)
-    saved = Path(cfg.run.dir) / "config.toml"
-    if config is not None or cfg.run.resume == "never" or not saved.is_file():
-        return cfg
-    held = Checkpointer(Path(cfg.run.dir), keep=1, is_writer=False)
-    if not held.list() and not held.interrupted_seals():  # (a seal the trainer repairs holds one too)
-        return cfg
-    if os.environ.get("RANK", "0") == "0":
-        print(f"shardline: {cfg.run.dir} holds checkpoints: resuming with the config.toml it saved and the "
-              "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
-    return load_relaunch_config(saved, cfg.run.dir, overrides)
 
 
 # The commands whose processes may be ranks of a job (started by torchrun, or as srun's tasks).

@@ -68,7 +68,7 @@ def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_p
     """A run dir whose only checkpoint a crash left renamed aside (the trainer repairs it and
     resumes it) counts; one with a config.toml and no checkpoint, a --config, or
     run.resume=never does not."""
-    from shardline.cli import _relaunch_config
+    from shardline.resilience.relaunch import relaunch_config as _relaunch_config
     from shardline.config import load_config, save_config
 
     run = tmp_path / "run"
@@ -80,6 +80,28 @@ def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_p
     assert _relaunch_config(None, [f"run.dir={run}", "run.resume=never"]).optim.lr == 3e-3
     (tmp_path / "other.toml").write_text("[optim]\nlr = 0.001\n")
     assert _relaunch_config(str(tmp_path / "other.toml"), [f"run.dir={run}"]).optim.lr == 0.001
+
+
+def test_a_relaunch_of_a_run_kept_in_memory_alone_takes_its_saved_config(tmp_path, capsys):
+    """checkpoint.interval=0 with in-memory snapshots: stopped at step 8, `--run.dir` alone started a
+    new run over it with the defaults (its snapshots orphaned). The run dir's account says it trained."""
+    import json
+
+    from shardline.config import load_config, save_config
+    from shardline.resilience.relaunch import relaunch_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(load_config(None, ["optim.lr=0.002", "checkpoint.interval=0", "checkpoint.memory_interval=3"]),
+                run / "config.toml")
+    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3  # it trained nothing yet
+    (run / "progress.json").write_text(json.dumps({"high_water_step": 8, "finished": False}))
+    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002
+    assert "holds a run kept in in-memory snapshots: resuming with the config.toml" in capsys.readouterr().out
+    save_config(load_config(None, ["optim.lr=0.002", "checkpoint.interval=0"]), run / "config.toml")
+    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3  # no snapshots kept: nothing to resume
+    (run / "progress.json").write_text("{torn")
+    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -35,7 +35,10 @@ def events(run) -> list[dict]:
 
 def test_a_full_disk_is_one_line_leaves_nothing_and_training_goes_on(tiny_config, small_disk):
     run = small_disk / "run"
-    Trainer(tiny_config("train.steps=12", "checkpoint.keep=3", run_dir=run)).build().train()
+    # Trained to its end, its last state not kept: not a success for the scheduler (it exited 0)
+    with pytest.raises(CheckpointError, match=r"^checkpoint of step 12 failed: no space left on .*; the run ends "
+                                              r"here; a rerun resumes step-000006 .*: free space and rerun"):
+        Trainer(tiny_config("train.steps=12", "checkpoint.keep=3", run_dir=run)).build().train()
     failed = [e for e in events(run) if e["event"] == "checkpoint_failed"]
     assert failed and failed[0]["step"] == 12
     assert failed[0]["error"].startswith(f"no space left on {run / 'checkpoints'} (needs ~")
@@ -55,7 +58,8 @@ def test_a_finished_run_whose_last_save_the_disk_refused_keeps_its_newer_ram_sna
     last step is on disk, the snapshots go."""
     run, shm = small_disk / "run", tmp_path / "shm"
     tiers = ["train.steps=12", "checkpoint.keep=3", "checkpoint.memory_interval=4", f"checkpoint.memory_dir={shm}"]
-    Trainer(tiny_config(*tiers, run_dir=run)).build().train()
+    with pytest.raises(CheckpointError, match="checkpoint of step 12 failed"):
+        Trainer(tiny_config(*tiers, run_dir=run)).build().train()
     assert [e["step"] for e in events(run) if e["event"] == "checkpoint_failed"] == [12]
     held = {f.name for f in shm.rglob("own-*.bin")}
     assert held and all("-000012" in name or "-12." in name for name in held), held
@@ -167,7 +171,8 @@ def test_a_disk_filled_by_something_else_never_stops_the_run(tiny_config, small_
     trainer = Trainer(tiny_config("train.steps=8", "checkpoint.interval=4", "metrics.log_interval=1",
                                   "metrics.tensorboard=true", run_dir=run)).build()
     _fill(small_disk)
-    trainer.train()
+    with pytest.raises(CheckpointError, match="checkpoint of step 8 failed: no space left"):
+        trainer.train()
     assert trainer.step == 8
     err = capsys.readouterr().err
     assert err.count("metrics.jsonl cannot be written") == 1, err

@@ -410,3 +410,23 @@ def test_a_run_whose_disk_checkpoints_are_all_damaged_resumes_from_a_newer_ram_s
     shutil.rmtree(tmp_path / "shm")  # with no state left at all, the start is refused
     with pytest.raises(CheckpointError, match="holds checkpoints but none is valid"):
         Trainer(tiny_config(*common)).build()
+
+
+def test_a_memory_only_run_stopped_at_a_step_goes_on_from_ram(tiny_config, tmp_path):
+    """checkpoint.interval=0: a launch ending at train.stop_at_step freed its snapshots as if the
+    run were over, so the next launch started again at step 0. It now snapshots the step it stops
+    at and keeps it; the next launch goes on from there with the losses of one uninterrupted run."""
+    from shardline.metrics import history
+    from shardline.trainer import Trainer
+
+    shm = f"checkpoint.memory_dir={tmp_path / 'shm'}"
+    common = ["train.steps=8", "checkpoint.interval=0", "checkpoint.memory_interval=3", "train.eval_interval=0", shm]
+    Trainer(tiny_config(*common, "train.stop_at_step=5")).build().train()
+    resumed = Trainer(tiny_config(*common)).build()
+    assert resumed.step == 5
+    resumed.train()
+    losses = {r["step"]: r["loss"] for r in history(tmp_path / "run") if r["kind"] == "train"}
+    whole = tiny_config(*common, f"run.dir={tmp_path / 'whole'}", f"checkpoint.memory_dir={tmp_path / 'shm2'}")
+    Trainer(whole).build().train()
+    assert losses == {r["step"]: r["loss"] for r in history(tmp_path / "whole") if r["kind"] == "train"}
+    assert not any((tmp_path / "shm").rglob("*.bin"))  # the run over: its RAM given back

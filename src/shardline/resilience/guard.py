@@ -193,13 +193,14 @@ class RunGuard:
         with self.phase("drain", step):
             self.tiers.drain()
 
-    def finish(self, step: int, complete: bool = True) -> dict:
+    def finish(self, step: int, complete: bool = True, last: bool = True) -> dict:
         """The run is over: saves drained (watched), the memory tier's RAM freed, the watchdog
         stopped; returns goodput's summary. Not `complete` (stopped by a signal, to be rerun):
         the time until the rerun starts counts as a restart gap, and snapshots newer than the
-        newest checkpoint on disk are kept for it."""
+        newest checkpoint on disk are kept for it; so they are where this launch ends before the
+        run's `last` step (train.stop_at_step: a later launch goes on)."""
         with self.phase("drain", step):
-            self.timed("checkpoint", lambda: self.tiers.finish(complete))
+            self.timed("checkpoint", lambda: self.tiers.finish(complete and last))
         self.stop_watching()
         now = time.time()
         self.goodput.persist(finished=complete, now=now)

@@ -60,6 +60,7 @@ class StateTiers:
         self.ending_at: int | None = None  # the step the run ends after (its last, a stop's, a halt's): set by the
         # trainer; a save of it that the storage refuses has no next interval to retry it
         self.held = 0  # memory snapshots known to be held (an async one once every rank holds it)
+        self.unsaved_end = ""  # why the step the run ends after could not be saved (the storage refused it)
         self.memory = None
         if c.memory_interval:
             self.memory = MemoryTier(run_root(Path(cfg.run.dir), c.memory_dir), proc.rank, proc.world_size,
@@ -112,8 +113,10 @@ class StateTiers:
             action = "continue; retried at the next interval"
         else:  # no next interval: what a rerun would resume is older (or in RAM: the memory tier keeps it)
             saved = self.checkpointer.list()
+            fix = "free space" if cause.errno == errno.ENOSPC else "make it writable"
             action = (f"none: the run ends here; a rerun resumes {saved[-1].name if saved else 'nothing on disk'} "
-                      "(or a newer in-memory snapshot): free space and rerun to save this state")
+                      f"(or a newer in-memory snapshot): {fix} and rerun to save this state")
+            self.unsaved_end = f"checkpoint of step {step} failed: {what}; {action.removeprefix('none: ')}"
         self.log("checkpoint_failed", step=step, error=what, action=action)
 
     def _checkpoint_bytes(self, model) -> float:

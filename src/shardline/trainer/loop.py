@@ -25,7 +25,7 @@ import torch
 from shardline.config import Config, expand_home
 from shardline.data.sampler import batch_index, eval_micro_batches
 from shardline.devices import peak_tflops
-from shardline.errors import ConfigError, Interrupted, Preempted
+from shardline.errors import CheckpointError, ConfigError, Interrupted, Preempted
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.metrics import mfu, peak_memory_gib
 from shardline.models.attention import resolve_attention
@@ -249,13 +249,15 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
                 break
         self.profiler.close(self.step)  # a run stopped inside the profiled steps writes those it ran
         self.report_device_anomalies()
-        summary = self.guard.finish(self.step, complete=stopped is None)
+        summary = self.guard.finish(self.step, complete=stopped is None, last=self.step >= cfg.train.steps)
         self.metrics.event("end", step=self.step, overflow_skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
         self.metrics.close()
         self.lock.release()
         if stopped:
             raise (Interrupted if request == "SIGINT" else Preempted)(stopped)
+        if self.tiers.unsaved_end:  # (checkpoint.on_error=continue): trained, but what it trained is not kept
+            raise CheckpointError(self.tiers.unsaved_end)
         return last
 
     def _evaluate_and_save(self, step: int, stop: int, request: str | None) -> tuple[str | None, float]:
@@ -267,7 +269,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         cfg = self.cfg
         due = bool(cfg.train.eval_interval) and (step % cfg.train.eval_interval == 0 or step == stop)
         save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
-        snapshot = cfg.checkpoint.memory_interval and step % cfg.checkpoint.memory_interval == 0
+        snapshot = cfg.checkpoint.memory_interval and (step % cfg.checkpoint.memory_interval == 0 or (
+            step == stop < cfg.train.steps and not cfg.checkpoint.interval))  # (a stop_at_step: RAM alone holds it)
         if not request and step < stop and (due or save or snapshot):  # asked right after the step, then
             request = self.guard.stop_requested()  # again: a signal that landed while it was logged skips the eval
         stopping = bool(request) and step < stop

@@ -1,0 +1,48 @@
+"""Which config a relaunch reads: `shardline train --run.dir=runs/x` without --config resumes runs/x
+with the config.toml its last launch saved, where the dir holds a run to resume (the CLI's choice,
+made before any process group exists: from files every node sees alike)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from shardline.config import Config, load_config, load_relaunch_config, reader
+from shardline.errors import ShardlineError
+from shardline.resilience.checkpoint import Checkpointer
+from shardline.resilience.goodput import PROGRESS
+
+
+def relaunch_config(config: str | None, overrides: list[str]) -> Config:
+    """The config a launch reads: --config's file and the overrides; without a file, when run.dir
+    holds a run to resume and the config.toml its last launch saved, that file (its per-launch
+    settings afresh, config.LAUNCH_ONLY), so a relaunch need not repeat the run's settings:
+    `--run.dir=runs/x` resumes runs/x as its last launch ran it."""
+    cfg = load_config(config, overrides)
+    saved = Path(cfg.run.dir) / "config.toml"
+    if config is not None or cfg.run.resume == "never" or not saved.is_file():
+        return cfg
+    held = resumable(Path(cfg.run.dir), saved)
+    if not held:
+        return cfg
+    if os.environ.get("RANK", "0") == "0":
+        print(f"shardline: {cfg.run.dir} holds {held}: resuming with the config.toml it saved and the "
+              "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
+    return load_relaunch_config(saved, cfg.run.dir, overrides)
+
+
+def resumable(run_dir: Path, saved: Path) -> str:
+    """What run_dir holds that a relaunch resumes ("" if nothing): checkpoints on disk (or a seal the
+    trainer repairs), or, for a run that keeps in-memory snapshots, the steps its account says it
+    trained (the snapshots are in RAM on each node, which one node cannot see for all: the run
+    dir's record decides alike on every node; the trainer then restores what the nodes hold)."""
+    held = Checkpointer(run_dir, keep=1, is_writer=False)
+    if held.list() or held.interrupted_seals():
+        return "checkpoints"
+    try:
+        memory = reader.read_toml(saved).get("checkpoint", {}).get("memory_interval", 0)
+        trained = json.loads((run_dir / PROGRESS).read_text()).get("high_water_step", 0)
+    except (ShardlineError, OSError, ValueError, AttributeError):  # (a damaged file: nothing to go on)
+        return ""
+    return "a run kept in in-memory snapshots" if memory and trained else ""
