@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardline.cli import main
+from shardline.errors import ConfigError
 from tests.conftest import tiny_overrides
 
 REPO = Path(__file__).parents[2]
@@ -80,6 +82,13 @@ def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_p
     assert _relaunch_config(None, [f"run.dir={run}", "run.resume=never"]).optim.lr == 3e-3
     (tmp_path / "other.toml").write_text("[optim]\nlr = 0.001\n")
     assert _relaunch_config(str(tmp_path / "other.toml"), [f"run.dir={run}"]).optim.lr == 0.001
+    # Degrees a launch with another world size gave and saved: the refusal says where they come from
+    save_config(load_config(None, ["parallel.tp=2", "parallel.pp=2"]), run / "config.toml")
+    with pytest.raises(ConfigError, match=re.escape(f"(parallel.tp=2 parallel.pp=2 from {run / 'config.toml'}, the "
+                                                    "run's saved config a relaunch takes over: give --parallel.tp "
+                                                    "or --parallel.pp for this world size)")):
+        _relaunch_config(None, [f"run.dir={run}"], world=1)
+    assert _relaunch_config(None, [f"run.dir={run}", "parallel.tp=1", "parallel.pp=1"], world=1).parallel.tp == 1
 
 
 def test_a_relaunch_of_a_run_kept_in_memory_alone_takes_its_saved_config(tmp_path, capsys):

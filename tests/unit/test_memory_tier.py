@@ -430,3 +430,20 @@ def test_a_memory_only_run_stopped_at_a_step_goes_on_from_ram(tiny_config, tmp_p
     Trainer(whole).build().train()
     assert losses == {r["step"]: r["loss"] for r in history(tmp_path / "whole") if r["kind"] == "train"}
     assert not any((tmp_path / "shm").rglob("*.bin"))  # the run over: its RAM given back
+
+
+def test_the_snapshots_of_ranks_a_shrunk_job_no_longer_has_are_dropped(tmp_path):
+    """2 ranks killed at step 7, resumed on 1: rank 1's folder (its own and its peer's replica, 60 MB
+    in a walkthrough) stayed in RAM for good, since only a rank's own folder was ever cleared."""
+    root = tmp_path / "shm"
+    gone = MemoryTier.rank_dir(root, 1)
+    gone.mkdir(parents=True)
+    (gone / "own-000007.bin").write_bytes(b"x" * 64)
+    (root / "rankings").mkdir()  # (not a rank's folder: left alone)
+    tier = MemoryTier(root, 0, 1, 1, "replica", fingerprint="f")
+    tier.discard_after(4)  # the resume's: a history the run left
+    assert not gone.exists() and tier.dir.is_dir() and (root / "rankings").is_dir()
+    gone.mkdir()
+    (root / "rankings").rmdir()
+    tier.clear()  # the run's end
+    assert not root.exists()

@@ -168,12 +168,7 @@ def resolve(cfg: Config, world: int | None) -> Layout:
     is a ConfigError naming the degrees.
     """
     p, m = cfg.parallel, cfg.memory
-    fixed = p.dp_replicate * p.cp * p.tp * p.pp
-    dp_shard = p.dp_shard
-    if dp_shard == -1:
-        dp_shard = 1 if world is None else max(world // fixed, 1)
-    if world is not None and fixed * dp_shard != world:
-        raise ConfigError(_product_message(cfg, world, fixed if p.dp_shard == -1 else fixed * dp_shard))
+    dp_shard = shard_degree(cfg, world)
     lay = Layout(dp_replicate=p.dp_replicate, dp_shard=dp_shard, zero=p.zero, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
                  cp_mode=p.cp_mode, cp_ulysses=p.cp_ulysses, cp_balance=p.cp_balance,
                  sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, pp_schedule=p.pp_schedule,
@@ -182,6 +177,19 @@ def resolve(cfg: Config, world: int | None) -> Layout:
                  micro_batch_size=cfg.train.micro_batch_size)
     n_mb = lay.micro_batches(cfg.train.global_batch_size) if p.pp > 1 else 1
     return dataclasses.replace(lay, pp_microbatches=p.pp_microbatches or max(n_mb, 1))
+
+
+def shard_degree(cfg: Config, world: int | None) -> int:
+    """dp_shard on `world` processes (-1: what the other degrees leave; 1 when world is None); a
+    product of the degrees that is not the world size is a ConfigError naming them."""
+    p = cfg.parallel
+    fixed = p.dp_replicate * p.cp * p.tp * p.pp
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
+        dp_shard = 1 if world is None else max(world // fixed, 1)
+    if world is not None and fixed * dp_shard != world:
+        raise ConfigError(_product_message(cfg, world, fixed if p.dp_shard == -1 else fixed * dp_shard))
+    return dp_shard
 
 
 def _stages_per_rank(pp: int, schedule: str, virtual: int) -> int:

@@ -223,6 +223,7 @@ class MemoryTier:
         would replace them file by file, and a crash midway could mix the two histories."""
         self.wait()
         self._drop(lambda held: held > step)
+        self._drop_departed()
 
     def discard_through(self, step: int) -> None:
         """Drop every snapshot file of `step` and before: a state saved to disk since supersedes them
@@ -238,6 +239,14 @@ class MemoryTier:
                     f.unlink(missing_ok=True)
             except (ValueError, OSError):  # not a snapshot's name, or not removable: no sidecar lists it
                 continue
+
+    def _drop_departed(self) -> None:
+        """Remove the folders of ranks past this job's world on this node (a job that shrank): no rank
+        reads them again, and they hold RAM."""
+        for folder in self.root.glob("rank*"):
+            index = folder.name.removeprefix("rank")
+            if index.isdigit() and int(index) >= self.world:
+                shutil.rmtree(folder, ignore_errors=True)
 
     def newest_held(self) -> int | None:
         """The newest step this rank holds its own intact snapshot of, if any."""
@@ -259,6 +268,7 @@ class MemoryTier:
         """Remove this rank's snapshots (the run ended, or a fresh run reuses the run dir)."""
         self.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+        self._drop_departed()
         for empty in (self.root, self.root.parent):
             try:
                 empty.rmdir()  # the last rank out removes the run's folder

@@ -8,17 +8,18 @@ import json
 import os
 from pathlib import Path
 
-from shardline.config import Config, load_config, load_relaunch_config, reader
-from shardline.errors import ShardlineError
+from shardline.config import Config, ParallelConfig, load_config, load_relaunch_config, reader
+from shardline.errors import ConfigError, ShardlineError
+from shardline.layout.degrees import shard_degree
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.goodput import PROGRESS
 
 
-def relaunch_config(config: str | None, overrides: list[str]) -> Config:
+def relaunch_config(config: str | None, overrides: list[str], world: int | None = None) -> Config:
     """The config a launch reads: --config's file and the overrides; without a file, when run.dir
     holds a run to resume and the config.toml its last launch saved, that file (its per-launch
     settings afresh, config.LAUNCH_ONLY), so a relaunch need not repeat the run's settings:
-    `--run.dir=runs/x` resumes runs/x as its last launch ran it."""
+    `--run.dir=runs/x` resumes runs/x as its last launch ran it. `world`: the processes it runs on."""
     cfg = load_config(config, overrides)
     saved = Path(cfg.run.dir) / "config.toml"
     if config is not None or cfg.run.resume == "never" or not saved.is_file():
@@ -29,7 +30,18 @@ def relaunch_config(config: str | None, overrides: list[str]) -> Config:
     if os.environ.get("RANK", "0") == "0":
         print(f"shardline: {cfg.run.dir} holds {held}: resuming with the config.toml it saved and the "
               "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
-    return load_relaunch_config(saved, cfg.run.dir, overrides)
+    cfg = load_relaunch_config(saved, cfg.run.dir, overrides)
+    try:
+        shard_degree(cfg, world)  # (the launch checks it again: here to say where degrees it refuses came from)
+    except ConfigError as e:
+        default = ParallelConfig()
+        keys = [k for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+                if getattr(cfg.parallel, k) != getattr(default, k)]
+        given = " ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in keys)
+        fix = " or ".join(f"--parallel.{k}" for k in keys)
+        raise ConfigError(f"{e} ({given} from {saved}, the run's saved config a relaunch takes over: give {fix} "
+                          "for this world size)") from None
+    return cfg
 
 
 def resumable(run_dir: Path, saved: Path) -> str:
