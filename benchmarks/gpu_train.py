@@ -68,7 +68,7 @@ import torch
 from shardline.config import load_config
 from shardline.devices import peak_tflops
 from shardline.models import flops_per_token, get_preset, num_params
-from shardline.preflight import model_shape
+from shardline.interop.model_shape import model_shape
 from shardline.models.llama import ModelArgs
 
 ALL_VARIANTS = ("shardline-compile", "shardline-eager", "shardline-fp8", "hf-eager", "hf-compile", "shardline-cudnn",

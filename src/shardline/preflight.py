@@ -18,29 +18,25 @@ from pathlib import Path
 
 from shardline import layout as layouts
 from shardline.optim import ssd_offload
-from shardline.config import Config, ModelConfig, MoEConfig
+from shardline.config import Config
 from shardline.data.loader import held_out_problem
 from shardline.data.shards import is_prepared, prepared_with_own_bpe
 from shardline.data.tokenizer import bos_prefix
 from shardline.errors import CheckpointError, ConfigError
 from shardline.interop.convert import checkpoint_tokenizer
-from shardline.interop.hf_config import read_hf_config
 from shardline.interop.hf_files import TOKENIZER_NAME
+from shardline.interop.model_shape import model_shape, weight_changes
 from shardline.layout import Job, Layout
 from shardline.models import attention
 from shardline.models.factory import args_from_json
 from shardline.models.llama import ModelArgs
-from shardline.models.moe import MoEArgs
-from shardline.models.presets import PRESETS, get_preset
+from shardline.models.presets import PRESETS
 from shardline.parallel import float8
 from shardline.parallel.compile import config_problem as compile_problem
 from shardline.resilience.anomaly import check_on_device
-from shardline.resilience.checkpoint import MANIFEST, Checkpointer, read_meta
+from shardline.resilience.checkpoint import MANIFEST, Checkpointer
 from shardline.resilience.recovery import (check_saved_position, check_steps_ahead, named_resume_problem, restarted,
                                           resume_path)
-
-_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "rope_theta")
-
 
 @dataclass(frozen=True)
 class Preflight:
@@ -168,73 +164,6 @@ def init_from_problem(init_from: str) -> str | None:
     return None
 
 
-def starting_shape(m: ModelConfig, stand_in: Path | None = None) -> ModelArgs | None:
-    """The shape of the weights a run starts from (an HF folder or a checkpoint), else None;
-    `stand_in` (gone_start_checkpoint): a checkpoint of the run, when they are gone since."""
-    if stand_in is not None:
-        return args_from_json(json.loads((stand_in / "meta.json").read_text())["model_args"])
-    if m.hf_path:
-        return read_hf_config(m.hf_path)
-    if m.init_from:
-        return args_from_json(read_meta(Path(m.init_from))["model_args"])
-    return None
-
-
-def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = None,
-                stand_in: Path | None = None) -> ModelArgs:
-    """Preset (or the starting weights' shape) + [model] and [moe] overrides, checked against the tokenizer."""
-    start = starting_shape(m, stand_in)
-    args = start or get_preset(m.preset)
-    changes = {k: getattr(m, k) for k in _SHAPE_KEYS if getattr(m, k)}
-    if moe is not None and moe.overrides():
-        changes["moe"] = moe_shape(args.moe, moe.overrides())
-    for key in ("tie_embeddings", "qk_norm", "qkv_bias"):
-        if getattr(m, key) >= 0:
-            changes[key] = bool(getattr(m, key))
-    if start is not None:
-        _check_weights_fit(m, start, dataclasses.replace(start, **changes))
-    if not args.vocab_size and "vocab_size" not in changes:
-        changes["vocab_size"] = tokenizer_vocab  # tiny presets size their vocabulary to the tokenizer
-    args = dataclasses.replace(args, **changes)
-    problems = args.validate()
-    if problems:
-        raise ConfigError(f"[model] shape is invalid: {'; '.join(problems)}")
-    if args.moe is not None and args.moe.top_k == 1 and args.moe.norm_topk:
-        raise ConfigError("moe.top_k=1 with renormalised weights gives every token the weight 1, so the "
-                          "router would learn nothing from the loss; set moe.norm_topk=0 (the Switch "
-                          "Transformer's gate: the chosen expert's score)")
-    if args.vocab_size < tokenizer_vocab and start is not None:  # the weights' rows are fixed: the tokenizer is wrong
-        raise ConfigError(f"the starting weights have {args.vocab_size} vocabulary rows, fewer than the tokenizer's "
-                          f"{tokenizer_vocab} tokens: that tokenizer (data.tokenizer, or the prepared data's) is not "
-                          "their model's; use the tokenizer.json they came with")
-    if args.vocab_size < tokenizer_vocab:
-        raise ConfigError(f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
-                          f"{tokenizer_vocab} tokens; set model.vocab_size >= {tokenizer_vocab}")
-    return args
-
-
-# What decides which tensors a model has and their shapes: the starting weights must fill
-# exactly these (rope_theta, max_seq_len, norm_eps and the router's settings may change).
-_WEIGHT_KEYS = (*(k for k in _SHAPE_KEYS if k != "rope_theta"), "tie_embeddings", "qk_norm", "qkv_bias")
-_EFFECTIVE = {"n_kv_heads": "kv_heads", "head_dim": "head_size"}  # None there means the default
-_MOE_WEIGHT_KEYS = ("n_experts", "expert_ffn_dim", "shared_experts", "first_dense_layers")
-
-
-def _weight_changes(start: ModelArgs, wanted: ModelArgs) -> list[str]:
-    """What differs between two shapes in the tensors the weights hold ("key=old -> new")."""
-    def value(args: ModelArgs, key: str):
-        return getattr(args, _EFFECTIVE.get(key, key))  # head_dim None means dim / n_heads: compare that
-
-    changed = [f"{k}={value(start, k)} -> {value(wanted, k)}" for k in _WEIGHT_KEYS
-               if value(start, k) != value(wanted, k)]
-    if (start.moe is None) != (wanted.moe is None):
-        changed.append("dense -> mixture of experts" if start.moe is None else "mixture of experts -> dense")
-    elif start.moe is not None:
-        changed += [f"moe.{k}={getattr(start.moe, k)} -> {getattr(wanted.moe, k)}" for k in _MOE_WEIGHT_KEYS
-                    if getattr(start.moe, k) != getattr(wanted.moe, k)]
-    return changed
-
-
 def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, add_bos: bool | None = None,
                       vocab_known: bool = True, data_changed: str = "") -> None:
     """A checkpoint to resume (None: none) is not past train.steps (`steps`) and holds weights of
@@ -259,7 +188,7 @@ def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, add_bos: b
         return
     if not vocab_known:
         args = dataclasses.replace(args, vocab_size=saved.vocab_size)
-    changed = _weight_changes(saved, args)
+    changed = weight_changes(saved, args)
     if not changed:
         return
     vocab = any(c.startswith("vocab_size") for c in changed)
@@ -299,28 +228,6 @@ def _read_json(path: Path, key: str):
         return json.loads(path.read_text())[key]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def _check_weights_fit(m: ModelConfig, start: ModelArgs, wanted: ModelArgs) -> None:
-    """A [model] or [moe] override that changes the weights' shapes would leave tensors the
-    starting weights cannot fill (random under a sharded load): refused, naming the keys."""
-    changed = _weight_changes(start, wanted)
-    if changed:
-        source = f"model.hf_path={m.hf_path!r}" if m.hf_path else f"model.init_from={m.init_from!r}"
-        raise ConfigError(f"{source} holds weights of another shape than the overrides ask for "
-                          f"({', '.join(changed)}); drop those [model]/[moe] overrides to start from these weights")
-
-
-def moe_shape(base: MoEArgs | None, changes: dict) -> MoEArgs:
-    """The model's MoE shape with [moe] overrides; a dense model needs the three sizes to become one."""
-    if base is None:
-        missing = [k for k in ("n_experts", "top_k", "expert_ffn_dim") if k not in changes]
-        if missing:
-            keys = ", ".join("moe.num_experts" if k == "n_experts" else f"moe.{k}" for k in missing)
-            raise ConfigError(f"the model is dense: [moe] overrides make it a mixture of experts only with "
-                              f"moe.num_experts, moe.top_k and moe.expert_ffn_dim set (missing {keys})")
-        return MoEArgs(**changes)
-    return dataclasses.replace(base, **changes)
 
 
 def check_layout(cfg: Config, world: int, args: ModelArgs) -> Layout:

@@ -15,7 +15,8 @@ from shardline.data.prepare import PrepareOptions, prepare
 from shardline.data.tokenizer import load_tokenizer, train_bpe
 from shardline.errors import ConfigError
 from shardline.models.factory import args_from_json
-from shardline.preflight import model_shape, use_model_tokenizer
+from shardline.interop.model_shape import model_shape
+from shardline.preflight import use_model_tokenizer
 from shardline.resilience.checkpoint import read_meta
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -389,3 +390,22 @@ def test_an_export_keeps_the_starting_folders_balance_weight_unless_the_run_set_
         out = to_hf_pretrained(model, tmp_path / f"hf-{coef}", kept_fields={"router_aux_loss_coef": 0.001})
         written[coef] = json.loads((out / "config.json").read_text())["router_aux_loss_coef"]
     assert written == {0.0: 0.001, 0.01: pytest.approx(balance_coef_to_hf(0.01, 2, 2))}
+
+
+@pytest.mark.parametrize("override, named", [("moe.route_scale=2.5", "route_scale=2.5"),
+                                             ("moe.router=sigmoid", "router='sigmoid'")])
+def test_router_overrides_an_hf_starts_tensor_names_cannot_carry_are_refused_before_the_launch(tmp_path, override,
+                                                                                               named):
+    """The dry run passed them; the launch then failed while loading the weights, with a message about
+    export. The shape check names the folder and the overrides to drop."""
+    from shardline.config import load_config
+    from shardline.errors import ConfigError
+    from shardline.interop.model_shape import model_shape
+
+    folder = _write_config(tmp_path, QWEN3_30B_A3B)
+    cfg = load_config(None, [f"model.hf_path={folder}", override])
+    with pytest.raises(ConfigError, match=rf"^model.hf_path='{folder}': moe {re.escape(named)} has no Hugging Face "
+                                          r"Mixtral or Qwen3-MoE counterpart .*drop those \[moe\] overrides"):
+        model_shape(cfg.model, 1000, cfg.moe)
+    fine = load_config(None, [f"model.hf_path={folder}", "moe.capacity_factor=1.25"])  # (the router's own setting)
+    assert model_shape(fine.model, 1000, fine.moe).moe.capacity_factor == 1.25

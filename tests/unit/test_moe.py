@@ -16,7 +16,7 @@ from shardline.models.llama.model import ModelArgs
 from shardline.models.moe import MoEArgs
 from shardline.models.moe.layer import MoEFeedForward, grouped_mm_usable, loop_experts, moe_layers, update_bias
 from shardline.parallel.activation_checkpoint import apply_ac
-from shardline.preflight import model_shape
+from shardline.interop.model_shape import model_shape
 
 MOE = MoEArgs(n_experts=4, top_k=2, expert_ffn_dim=8)
 ARGS = ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=32, ffn_dim=24, moe=MOE)

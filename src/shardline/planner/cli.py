@@ -272,7 +272,7 @@ def _default_device(cfg: Config, ranks: int) -> str:
 
 
 def _config_model(cfg: Config) -> ModelArgs:
-    from shardline.preflight import model_shape  # reads checkpoints and HF folders: heavy, and only here
+    from shardline.interop.model_shape import model_shape  # reads checkpoints and HF folders: heavy, and only here
 
     # A preset sized by the tokenizer takes data.vocab_size, the size of the BPE it trains.
     return model_shape(cfg.model, cfg.data.vocab_size, cfg.moe)
