@@ -178,7 +178,13 @@ class Generator:
             say(f"the prompt is {len(prompt_ids):,} tokens and the model sees the last {self.context:,} "
                 "(--context sets that, up to the model's max_seq_len)")
         stop, stop_text = self.turn_end() if chat else (self.stop, "")
-        new = [t for t in self.sample(prompt_ids, opts, stop, stop_text) if t not in stop]
+        drawn = self.sample(prompt_ids, opts, stop, stop_text)
+        if len(prompt_ids) <= self.context < len(prompt_ids) + len(drawn) - 1:  # (the last token was seen by none)
+            say(f"the text grew past the context of {self.context:,} tokens after "
+                f"{self.context - len(prompt_ids) + 1:,} new ones: from there the model saw the last {self.context:,} "
+                "(a model without that limit, such as the HF export's, continues otherwise; --context sets it, up to "
+                "the model's max_seq_len)")
+        new = [t for t in drawn if t not in stop]
         head, whole = self.tokenizer.decode(prompt_ids), self.tokenizer.decode(prompt_ids + new)
         text = whole[len(head):] if whole.startswith(head) else self.tokenizer.decode(new)
         return text.split(stop_text)[0] if stop_text else text

@@ -472,6 +472,21 @@ def test_a_chat_run_whose_template_writes_a_bos_prompts_with_it(trained_run, tmp
     assert isinstance(broken.complete(PROMPT, SampleOptions(max_new_tokens=1, temperature=0)), str)  # no DataError
 
 
+def test_a_text_that_grows_past_the_context_says_so_once_at_the_token_it_did(trained_run, capsys):
+    """Within the context the cache equals transformers; past it the window slides and the text
+    parts from what the HF export (no such limit) continues with: it did so unsaid."""
+    gen = load_generator(str(trained_run))
+    gen.stop = frozenset()  # (no end token cuts it short)
+    prompt = gen.encode(PROMPT)
+    fits = gen.context - len(prompt) + 1  # the last token drawn from a whole window
+    gen.complete(PROMPT, SampleOptions(max_new_tokens=fits, temperature=0))
+    assert "grew past the context" not in capsys.readouterr().err
+    gen.complete(PROMPT, SampleOptions(max_new_tokens=fits + 1, temperature=0))
+    err = capsys.readouterr().err
+    assert err.count("grew past the context") == 1
+    assert f"the text grew past the context of 32 tokens after {fits} new ones" in err, err
+
+
 def test_what_was_sampled_and_what_the_model_saw_are_said(trained_run, tmp_path, capsys):
     """A run dir's newest valid checkpoint was taken in silence (a corrupt newer one passed over
     unsaid; a run whose only checkpoint was corrupt read as one with none); a prompt longer than
