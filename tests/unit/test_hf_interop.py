@@ -496,8 +496,10 @@ def test_reads_transformers5_config_layout(tmp_path):
     ({"model_type": "phi3", "rope_scaling": dict(LLAMA3)}, "a Phi-3 config with llama3 RoPE scaling"),
     ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]},
      "'sliding_attention'] is not supported"),
-    ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window=true is not supported"),
-    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true is not supported"),
+    ({"model_type": "qwen3", "use_sliding_window": True, "max_window_layers": 1}, "use_sliding_window=true is not"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 0, "sliding_window": 16},
+     "use_sliding_window=true is not supported"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "num_hidden_layers": 30}, "use_sliding_window=true"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"num_attention_heads": None}, "lacks 'num_attention_heads'"),
     ({"num_key_value_heads": 3}, "not divisible"),
@@ -663,3 +665,25 @@ def test_module_does_not_import_transformers():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")})
     assert result.returncode == 0, result.stderr
+
+
+def test_a_qwen2_window_asked_for_in_no_layer_reads_as_whole_sequence_attention(tmp_path, transformers):
+    """use_sliding_window=true with max_window_layers >= its layers windows no layer in transformers:
+    it was refused as a window. Read, its logits are transformers' past a window of 4 tokens."""
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64,
+        rms_norm_eps=1e-5, num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+        max_window_layers=2, attn_implementation="eager"))
+    _spread(hf, seed=3)
+    hf.eval().save_pretrained(tmp_path / "qwen2")
+    model, _ = from_hf_pretrained(tmp_path / "qwen2")
+    with torch.no_grad():
+        _logits_equal(model.eval()(_ids()), hf(_ids()).logits)
+    hf.config.max_window_layers = 1  # the second layer windowed: refused, as before
+    hf.config.layer_types = None
+    hf.config.save_pretrained(tmp_path / "windowed")
+    config = json.loads((tmp_path / "windowed" / "config.json").read_text())
+    config.pop("layer_types", None)
+    (tmp_path / "windowed" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="use_sliding_window=true is not supported"):
+        read_hf_config(tmp_path / "windowed")

@@ -163,7 +163,7 @@ def read_hf_config(path: str | os.PathLike) -> ModelArgs:
         raise CheckpointError(f"{where}: a Phi-3 config with llama3 RoPE scaling is not one transformers reads "
                               "(Phi-3 takes default or longrope RoPE)")
     if family in ("qwen2", "qwen3", "qwen3_moe"):
-        _check_qwen_attention(cfg, where)
+        _check_qwen_attention(cfg, where, family)
         args = dataclasses.replace(args, **({"qkv_bias": True} if family == "qwen2" else {"qk_norm": True}))
     if family not in _DENSE:
         args = _with_moe(args, cfg, where, family)
@@ -255,11 +255,15 @@ def _window(cfg: dict, where: Path, max_pos: int, default: int | None) -> int | 
     return window
 
 
-def _check_qwen_attention(cfg: dict, where: Path) -> None:
-    """Qwen2, Qwen3 and Qwen3-MoE window their attention only when asked to, which is not built."""
-    if cfg.get("use_sliding_window"):
-        raise CheckpointError(f"{where}: use_sliding_window=true is not supported; shardline attends to the "
-                              "whole sequence")
+def _check_qwen_attention(cfg: dict, where: Path, family: str) -> None:
+    """Windowed attention (not built), where asked for: Qwen3-MoE's in every layer, Qwen2's and Qwen3's
+    from layer max_window_layers (28) on, or where layer_types (checked apart) says."""
+    first = cfg.get("max_window_layers", 28) if isinstance(cfg.get("max_window_layers", 28), int) else 0
+    if not cfg.get("use_sliding_window") or not cfg.get("sliding_window", 4096) or family != "qwen3_moe" and (
+            isinstance(cfg.get("layer_types"), list) or first >= _number(cfg, "num_hidden_layers", where, int)):
+        return
+    raise CheckpointError(f"{where}: use_sliding_window=true is not supported; shardline attends to the "
+                          "whole sequence (false, or Qwen2/Qwen3's max_window_layers >= num_hidden_layers, is valid)")
 
 
 def _check_layer_types(cfg: dict, where: Path) -> None:
