@@ -281,6 +281,10 @@ def test_a_run_from_converted_weights_tokenizes_with_their_tokenizer_and_exports
             "generation_config.json": {"eos_token_id": 2, "temperature": 0.6}}
     for name, content in side.items():
         (hf / name).write_text(json.dumps(content))
+    # The slow tokenizer's files (Qwen2Tokenizer's; other tools read them): they travel as well
+    side |= {"vocab.json": {"a": 0}, "merges.txt": "#version: 0.2\na b"}
+    (hf / "vocab.json").write_text(json.dumps(side["vocab.json"]))
+    (hf / "merges.txt").write_text(side["merges.txt"])
     assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck")]) == 0
     run = tmp_path / "run"
     trainer = Trainer(load_config(None, tiny_overrides(run, small_corpus, "train.steps=1", "train.eval_interval=0",

@@ -12,9 +12,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from shardline.errors import DataError
 
 EOS = "<|endoftext|>"
-# The files beside an HF tokenizer.json that go with it: its settings (special tokens) and chat
-# template. `prepare` keeps them in its folder, a run in its run dir, `convert to-hf` in the export.
-TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# The files beside an HF tokenizer.json that go with it: its settings (special tokens), chat
+# template, and the slow tokenizer's files of the same vocabulary (BPE's vocab.json and merges.txt,
+# SentencePiece's tokenizer.model) that other tools read. `prepare` keeps them in its folder, a run
+# in its run dir, `convert to-hf` in the export.
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json",
+                        "merges.txt", "tokenizer.model")
 # End-of-document tokens of common tokenizers, tried in order for a user's tokenizer: GPT-2's,
 # Qwen's, Phi's, OLMo's; Llama 3's; Llama 2's, Mistral's; Gemma's; DeepSeek's; ChatML's.
 KNOWN_EOS = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<|im_end|>")
