@@ -57,6 +57,11 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
                 else "no state is saved at all")
         notes.append(("no_disk_checkpoints", {"reason": f"checkpoint.interval=0: nothing is written to disk and "
                                                         f"{kept}: the trained weights are not kept"}))
+    if cfg.checkpoint.memory_interval and world_size == 1:  # (allowed: RAM outlives the process, a restart reads it)
+        notes.append(("memory_snapshots_unguarded", {
+            "memory_redundancy": cfg.checkpoint.memory_redundancy, "why": "one process has no peer to hold a "
+            "replica or parity: each snapshot is held once, in this node's RAM (a crash of the process leaves it, "
+            "a loss of the node does not)"}))
     if cfg.optim.warmup_steps >= cfg.train.steps:  # the lr peaks at the last step, never decays (equal: as well)
         notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
     if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's

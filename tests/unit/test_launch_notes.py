@@ -108,6 +108,15 @@ def test_a_run_that_saves_nothing_to_disk_says_so():
     assert launch_notes(load_config(None, ["metrics.peak_tflops=1"]), "cpu", 1.0, 1) == []
 
 
+def test_in_memory_snapshots_on_one_process_say_they_have_no_replica():
+    """memory_snapshot_held said redundancy=replica with 0 MiB of it: read as a guard it was not."""
+    cfg = load_config(None, ["checkpoint.memory_interval=10", "metrics.peak_tflops=1"])
+    alone = dict(launch_notes(cfg, "cpu", 1.0, 1))
+    assert alone["memory_snapshots_unguarded"]["memory_redundancy"] == "replica"
+    assert "no peer to hold a replica or parity" in alone["memory_snapshots_unguarded"]["why"]
+    assert "memory_snapshots_unguarded" not in dict(launch_notes(cfg, "cpu", 1.0, 2))
+
+
 def test_a_tokenizer_without_an_end_of_document_token_is_named(tmp_path):
     """Its documents were packed with nothing between them and generate never stopped, in silence."""
     from tokenizers import Tokenizer, models

@@ -352,3 +352,22 @@ def test_a_relaunch_after_a_crash_before_any_save_keeps_the_account(tiny_config)
     again.train()
     end = [r for r in records(again.run_dir) if r.get("event") == "end"][-1]
     assert end["seconds"]["recomputed"] > 0 and end["total_s"] > end["this_launch_s"], end
+
+
+def test_the_half_saved_drill_says_so_and_a_rerun_resumes_the_save_before(tmp_path, small_prepared):
+    """faults.fail_save_step ended the process midway through a save with no word (exit 1, nothing
+    printed, a .tmp folder left): read as a crash of the run's own. It says it is the drill."""
+    run = tmp_path / "run"
+    args = [f"--{o}" for o in tiny_overrides(run, small_prepared, "train.steps=6", "checkpoint.interval=2",
+                                             "train.eval_interval=0")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    died = subprocess.run([sys.executable, "-m", "shardline", "train", *args, "--faults.fail_save_step=4"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert died.returncode == 1
+    assert "drill: faults.fail_save_step=4 ends rank 0 midway through the save" in died.stderr, died.stderr[-2000:]
+    assert [p.name for p in (run / "checkpoints").glob("step-*.tmp")] == ["step-000004.tmp"]
+    again = subprocess.run([sys.executable, "-m", "shardline", "train", f"--run.dir={run}"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    starts = [r for r in records(run) if r.get("event") == "start"]
+    assert starts[-1]["step"] == 2 and not list((run / "checkpoints").glob("*.tmp"))

@@ -110,6 +110,8 @@ class FaultInjector:
     def during_save(self, step: int) -> None:
         """Called after the state is written and before the manifest: die half-saved."""
         if self._fire("fail_save", step, self.cfg.fail_save_step):
+            print(f"shardline: drill: faults.fail_save_step={step} ends rank {self.rank} midway through the save "
+                  "(exit 1, a half-written checkpoint left)", file=sys.stderr, flush=True)
             os._exit(1)
 
     def after_save(self, step: int, path: Path) -> None:

@@ -166,7 +166,8 @@ class StateTiers:
             return
         self.held += 1
         extra = {"background_s": round(stats["background_s"], 3)} if "background_s" in stats else {}
-        self.log("memory_snapshot_held", step=stats["step"], redundancy=self.cfg.checkpoint.memory_redundancy,
+        redundancy = self.cfg.checkpoint.memory_redundancy if self.proc.world_size > 1 else "none (one process)"
+        self.log("memory_snapshot_held", step=stats["step"], redundancy=redundancy,
                  own_mib=round(stats["own_bytes"] / 2**20, 2),
                  redundancy_mib=round(stats["redundancy_bytes"] / 2**20, 2), **extra)
 
