@@ -367,6 +367,9 @@ def test_world8_layout_matches_single_process(world8, single, layout):
 def test_zero1_tp2_checkpoint_resumes_in_one_process(world4, single):
     assert sorted(losses(world4 / ZERO1_TO_SINGLE)) == ALL_STEPS  # two halves, one log
     assert_same_run(world4 / ZERO1_TO_SINGLE, single(SHALLOW))
+    records = map(json.loads, (world4 / ZERO1_TO_SINGLE / "metrics.jsonl").read_text().splitlines())
+    (changed,) = [r for r in records if r.get("event") == "config_changed"]
+    assert changed["world_size"] == [4, 1], changed  # (with dp_shard=-1 no degree key says it)
 
 
 @pytest.mark.slow

@@ -1284,6 +1284,12 @@ def test_a_template_that_closes_the_conversation_with_eos_is_masked_by_turns():
     assert "".join(text for text, _ in pieces) == _render(template, messages)
     ends_with_user = chat_segments(messages[:2], template)  # (a closing after a prompt is not a target)
     assert ends_with_user[-1] == ("<|user|>\nhi<|end|>\n<|endoftext|>", False)
+    # A closing of eos and a newline (it was refused as a template that rewrites earlier turns)
+    newline = ChatTemplate(PHI3_LIKE.replace("SEP", "'\\n'").replace("{{ eos_token }}", "{{ eos_token + '\\n' }}"),
+                           eos_token="<|endoftext|>")
+    pieces = chat_segments(messages, newline)
+    assert pieces[3] == ("hello<|end|>\n", True) and pieces[-1] == ("farewell<|end|>\n<|endoftext|>\n", True)
+    assert "".join(text for text, _ in pieces) == _render(newline, messages)
 
 
 def test_an_end_of_document_token_only_tokenizer_config_names_separates_documents(tmp_path):

@@ -255,16 +255,17 @@ def _segment_mask(text: str, offsets: list[tuple[int, int]], segments: list[tupl
 
 def _template_segments(messages: list[dict], template: ChatTemplate) -> list[tuple[str, bool]]:
     """(text, is_target) pieces of one conversation by rendering each prefix of it. A template may
-    close a whole conversation with its eos token, which more messages replace (Phi-3's): that
-    closing is taken off a prefix's last piece when the next message's rendering goes on before
-    it, so it ends the last piece only (a reply's there: the model learns to end the conversation)."""
+    close a whole conversation with its eos token (and blanks after it), which more messages
+    replace (Phi-3's): that closing is taken off a prefix's last piece when the next message's
+    rendering goes on before it, so it ends the last piece only (a reply's there: the model learns
+    to end the conversation)."""
     out, before = [], ""
     for i, m in enumerate(messages):
         text = _render(template, messages[: i + 1])
-        eos = template.eos_token or ""
-        closed = eos and out and out[-1][0].endswith(eos) and not text.startswith(before)
-        if closed and text.startswith(before[:-len(eos)]):
-            before, out[-1] = before[:-len(eos)], (out[-1][0][:-len(eos)], out[-1][1])
+        eos, body = template.eos_token or "", out[-1][0].rstrip() if out else ""
+        closing = out[-1][0][len(body) - len(eos):] if eos and body.endswith(eos) else ""
+        if closing and not text.startswith(before) and text.startswith(before[:-len(closing)]):
+            before, out[-1] = before[:-len(closing)], (out[-1][0][:-len(closing)], out[-1][1])
         if not text.startswith(before):  # taking it whole would repeat the conversation so far in the stream
             raise DataError(f"the tokenizer's chat_template renders the first {i} messages of a conversation "
                             f"{_opening(messages)} differently once message {i + 1} follows (e.g. it drops earlier "

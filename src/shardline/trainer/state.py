@@ -174,6 +174,8 @@ class SavedState:
         said = {*self._optim_changes, *(f"optim.{k}" for k in self._optim_changes)}  # (optim_changed's)
         self._config_changes = {k: v for k, v in settings_changed(state.get("config", {}), self.cfg,
                                                                   bool(self._stand_in)).items() if k not in said}
+        if state.get("world_size", self.proc.world_size) != self.proc.world_size:  # (dp_shard=-1 hides it)
+            self._config_changes["world_size"] = [state["world_size"], self.proc.world_size]
         self.scaler.load_state_dict(state["scaler"])
         self.anomaly.load_state_dict(state.get("anomaly", {}))
         # The run's rollback budget and skip streak go on across restarts (a requeued job must not get a
@@ -209,4 +211,4 @@ class SavedState:
                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict(),
                 "anomaly_handling": {"rollbacks": self.rollbacks, "streak": list(self._anomaly_streak)},
                 "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim), "eval_owed": self.eval_owed,
-                "config": self.cfg.to_dict()}
+                "config": self.cfg.to_dict(), "world_size": self.proc.world_size}
