@@ -55,7 +55,11 @@ class SampleOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_options(vars(self))  # (a caller from Python hears of a bad option where it made it)
+        self.check()  # (a caller from Python hears of a bad option where it made it)
+
+    def check(self) -> None:
+        """A ConfigError naming the first invalid option and its valid values."""
+        check_options(vars(self))
 
 
 # Each option's rule: a test of its value, and the words that say the valid ones.

@@ -89,6 +89,11 @@ def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_p
                                                     "or --parallel.pp for this world size)")):
         _relaunch_config(None, [f"run.dir={run}"], world=1)
     assert _relaunch_config(None, [f"run.dir={run}", "parallel.tp=1", "parallel.pp=1"], world=1).parallel.tp == 1
+    with pytest.raises(ConfigError, match=r"does not divide the world size 1 .*\(parallel.pp=2 from .*give "
+                                          r"--parallel.pp for"):  # (the command line's tp is not blamed on the file)
+        _relaunch_config(None, [f"run.dir={run}", "parallel.tp=1"], world=1)
+    with pytest.raises(ConfigError, match="parallel.tp=0 is invalid"):  # (was a ZeroDivisionError)
+        _relaunch_config(None, [f"run.dir={run}", "parallel.tp=0"], world=1)
 
 
 def test_a_relaunch_of_a_run_kept_in_memory_alone_takes_its_saved_config(tmp_path, capsys):
@@ -107,6 +112,10 @@ def test_a_relaunch_of_a_run_kept_in_memory_alone_takes_its_saved_config(tmp_pat
     (run / "progress.json").write_text(json.dumps({"high_water_step": 8, "finished": False}))
     assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002
     assert "holds a run kept in in-memory snapshots: resuming with the config.toml" in capsys.readouterr().out
+    (run / "progress.json").write_text(json.dumps({"high_water_step": 200, "finished": True}))
+    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3  # trained to its end: its RAM given back
+    (run / "progress.json").write_text(json.dumps({"high_water_step": 100, "finished": True}))  # a stop_at_step's
+    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002
     save_config(load_config(None, ["optim.lr=0.002", "checkpoint.interval=0"]), run / "config.toml")
     assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3  # no snapshots kept: nothing to resume
     (run / "progress.json").write_text("{torn")

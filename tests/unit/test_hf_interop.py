@@ -500,6 +500,8 @@ def test_reads_transformers5_config_layout(tmp_path):
     ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 0, "sliding_window": 16},
      "use_sliding_window=true is not supported"),
     ({"model_type": "qwen2", "use_sliding_window": True, "num_hidden_layers": 30}, "use_sliding_window=true"),
+    ({"model_type": "qwen3_moe", "use_sliding_window": True, "max_window_layers": 99, "num_experts": 4,
+      "num_experts_per_tok": 2, "moe_intermediate_size": 32}, "use_sliding_window=true"),  # (every layer there)
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"num_attention_heads": None}, "lacks 'num_attention_heads'"),
     ({"num_key_value_heads": 3}, "not divisible"),
@@ -687,3 +689,12 @@ def test_a_qwen2_window_asked_for_in_no_layer_reads_as_whole_sequence_attention(
     (tmp_path / "windowed" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="use_sliding_window=true is not supported"):
         read_hf_config(tmp_path / "windowed")
+
+
+@pytest.mark.parametrize("fields", [{"max_window_layers": 99}, {"max_window_layers": 2}, {"sliding_window": None},
+                                    {"layer_types": ["full_attention", "full_attention"], "max_window_layers": 0}])
+def test_a_qwen_window_that_windows_no_layer_is_read(fields, tmp_path):
+    """transformers windows a Qwen2/Qwen3 layer only from max_window_layers on, with a window, unless
+    layer_types says otherwise: none here (each branch of the rule apart)."""
+    for family in ("qwen2", "qwen3"):
+        read_hf_config(_write_config(tmp_path / family, model_type=family, use_sliding_window=True, **fields))

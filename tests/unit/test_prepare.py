@@ -1326,7 +1326,7 @@ def test_an_end_of_document_token_only_tokenizer_config_names_separates_document
         assert int((np.asarray(packed.tokens) == 1).sum()) == packed.num_documents  # one after each document
     manifest = prepare(PrepareOptions([str(text)], str(tmp_path / "prep"), tokenizer=str(folder / "tokenizer.json"),
                                       val_fraction=0.1, progress=False))
-    assert manifest["eos_id"] == 1
+    assert manifest["eos_id"] == 1 and manifest["request"]["eos"] == 1  # (a prepare begun without it starts over)
     cfg = load_config(None, [f"data.path={tmp_path / 'prep'}", *settings])
     prepared = build_data(cfg).train
     every = np.arange(len(packed))

@@ -227,6 +227,10 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
         bos = bos_prefix(load_tokenizer(opts.tokenizer, key="--tokenizer"))
         if bos:  # absent otherwise, as in folders prepared before BOS was added
             request["bos"] = bos
+    if opts.tokenizer and opts.format == "text":  # an end of text only tokenizer_config.json names (absent
+        tok = load_tokenizer(opts.tokenizer, key="--tokenizer")  # otherwise, as before it was read there)
+        if eos_id(tok) is None and eos_id(tok, opts.tokenizer) is not None:
+            request["eos"] = eos_id(tok, opts.tokenizer)
     return request
 
 

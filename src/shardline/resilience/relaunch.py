@@ -14,6 +14,8 @@ from shardline.layout.degrees import shard_degree
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.goodput import PROGRESS
 
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # whose product is the world size
+
 
 def relaunch_config(config: str | None, overrides: list[str], world: int | None = None) -> Config:
     """The config a launch reads: --config's file and the overrides; without a file, when run.dir
@@ -31,15 +33,19 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         print(f"shardline: {cfg.run.dir} holds {held}: resuming with the config.toml it saved and the "
               "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
     cfg = load_relaunch_config(saved, cfg.run.dir, overrides)
+    cfg.parallel.check()  # (a degree of 0 or less: its own one line)
     try:
         shard_degree(cfg, world)  # (the launch checks it again: here to say where degrees it refuses came from)
     except ConfigError as e:
-        default = ParallelConfig()
-        keys = [k for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
-                if getattr(cfg.parallel, k) != getattr(default, k)]
-        given = " ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in keys)
+        given = {o.removeprefix("--").split("=")[0] for o in ([overrides] if isinstance(overrides, str) else overrides)}
+        held, default = reader.read_toml(saved).get("parallel", {}), ParallelConfig()  # (it saves every key)
+        keys = [k for k in DEGREES if held.get(k, getattr(default, k)) != getattr(default, k)
+                and f"parallel.{k}" not in given]
+        if not keys:  # the command line's own degrees: its error as it is
+            raise
+        named = " ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in keys)
         fix = " or ".join(f"--parallel.{k}" for k in keys)
-        raise ConfigError(f"{e} ({given} from {saved}, the run's saved config a relaunch takes over: give {fix} "
+        raise ConfigError(f"{e} ({named} from {saved}, the run's saved config a relaunch takes over: give {fix} "
                           "for this world size)") from None
     return cfg
 
@@ -53,8 +59,13 @@ def resumable(run_dir: Path, saved: Path) -> str:
     if held.list() or held.interrupted_seals():
         return "checkpoints"
     try:
-        memory = reader.read_toml(saved).get("checkpoint", {}).get("memory_interval", 0)
-        trained = json.loads((run_dir / PROGRESS).read_text()).get("high_water_step", 0)
-    except (ShardlineError, OSError, ValueError, AttributeError):  # (a damaged file: nothing to go on)
+        settings = reader.read_toml(saved)
+        memory = settings.get("checkpoint", {}).get("memory_interval", 0)
+        steps = settings.get("train", {}).get("steps", 0)
+        account = json.loads((run_dir / PROGRESS).read_text())
+        trained = account.get("high_water_step", 0)
+        over = account.get("finished") and trained >= steps
+    except (ShardlineError, OSError, ValueError, AttributeError, KeyError, TypeError):  # (damaged: nothing to go on)
         return ""
-    return "a run kept in in-memory snapshots" if memory and trained else ""
+    # (a run that trained to its end gave its snapshots back: nothing of it is left to resume)
+    return "a run kept in in-memory snapshots" if memory and trained and not over else ""

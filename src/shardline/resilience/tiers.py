@@ -108,7 +108,8 @@ class StateTiers:
             what = f"cannot write {root}: {cause.strerror or cause}"
         message = f"checkpoint of step {step} failed: {what}"
         if self.cfg.checkpoint.on_error == "stop":
-            raise CheckpointError(message + "; stopping (checkpoint.on_error=stop), earlier checkpoints are intact")
+            raise on_every_rank(CheckpointError(message + "; stopping (checkpoint.on_error=stop), earlier checkpoints "
+                                                "are intact"))  # (a save the storage refuses fails on every rank)
         if step != self.ending_at:
             action = "continue; retried at the next interval"
         else:  # no next interval: what a rerun would resume is older (or in RAM: the memory tier keeps it)

@@ -25,7 +25,7 @@ import torch
 from shardline.config import Config, expand_home
 from shardline.data.sampler import batch_index, eval_micro_batches
 from shardline.devices import peak_tflops
-from shardline.errors import CheckpointError, ConfigError, Interrupted, Preempted
+from shardline.errors import CheckpointError, ConfigError, Interrupted, Preempted, on_every_rank
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.metrics import mfu, peak_memory_gib
 from shardline.models.attention import resolve_attention
@@ -161,8 +161,9 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
 
     def train(self) -> dict:
         """Train to train.steps (or stop_at_step); returns the last logged metrics."""
-        if not hasattr(self, "proc"):
-            raise ConfigError("this Trainer is not built: call build() first (Trainer(cfg).build().train())")
+        if getattr(self, "lock", None) is None:  # (never built, or its build() failed before the run dir's lock)
+            raise ConfigError("this Trainer is not built: call build() first (Trainer(cfg).build().train()); after "
+                              "a build() that failed, build a new one")
         agreed(self._check_lock_held, self.proc.world_size)  # a refusal on rank 0 is every rank's
         try:
             return self._train()
@@ -257,7 +258,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         if stopped:
             raise (Interrupted if request == "SIGINT" else Preempted)(stopped)
         if self.tiers.unsaved_end:  # (checkpoint.on_error=continue): trained, but what it trained is not kept
-            raise CheckpointError(self.tiers.unsaved_end)
+            raise on_every_rank(CheckpointError(self.tiers.unsaved_end))  # (a refused save fails on every rank)
         return last
 
     def _evaluate_and_save(self, step: int, stop: int, request: str | None) -> tuple[str | None, float]:
