@@ -335,6 +335,7 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> int:
     except BaseException as e:  # a Ctrl-C inside torch's checkpoint writer comes back wrapped in its error
         if not any(isinstance(cause, KeyboardInterrupt) for cause in _causes(e)):
             if _said_peer_lost(e):
+                _leave_a_stuck_save(1)
                 return 1
             raise
         print("shardline: interrupted (a checkpoint being written was abandoned; the newest finished one stays)",
@@ -356,6 +357,18 @@ def _said_peer_lost(error: BaseException) -> bool:
               "answering first (torchrun's summary names its root cause; SHARDLINE_TRACEBACK=1 prints this rank's "
               "traceback)", file=sys.stderr)
     return lost is not None
+
+
+def _leave_a_stuck_save(code: int) -> None:
+    """Exit now where a background save or snapshot is still inside a collective with the lost peer:
+    it never returns, and Python's exit would tear its process group down under it, which aborts
+    the process (SIGABRT in torchrun's summary, not the exit code)."""
+    from shardline.resilience.background import busy
+
+    if busy():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _causes(error: BaseException) -> list[BaseException]:

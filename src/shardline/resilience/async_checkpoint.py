@@ -38,7 +38,7 @@ def snapshot(obj: Any) -> Any:
 class AsyncSaver:
     def __init__(self, checkpointer: Checkpointer, group=None):
         self.checkpointer, self.group = checkpointer, group
-        self._work = BackgroundWork("shardline-async-save")
+        self._work = BackgroundWork("async-save")
 
     def save(self, step: int, model, optimizer, trainer_state: dict, meta: dict,
              before_seal=None) -> tuple[Path, float]:

@@ -12,9 +12,19 @@ import time
 from typing import Callable
 
 
+# Every BackgroundWork thread's name starts so (busy() finds those still running).
+THREAD_PREFIX = "shardline-background-"
+
+
+def busy() -> list[str]:
+    """The names of this process's background saves still running (their threads are daemons: the
+    interpreter's exit does not wait for them)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.is_alive()]
+
+
 class BackgroundWork:
     def __init__(self, name: str):
-        self.name = name
+        self.name = THREAD_PREFIX + name
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._finished: list[dict] = []

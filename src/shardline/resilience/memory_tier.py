@@ -135,7 +135,7 @@ class MemoryTier:
         self.ranks_per_node, self.fingerprint = ranks_per_node, fingerprint
         self.unusable: dict[int, str] = {}  # step -> why: this run's own snapshots the last inventory passed over
         self.group = self.parity_members = self.parity_group = None
-        self._work = BackgroundWork("shardline-memory-snapshot")
+        self._work = BackgroundWork("memory-snapshot")
         if world > 1:
             # Host-memory collectives on groups of their own: never interleaved with
             # training's (NCCL on GPU) or an asynchronous disk save's.
