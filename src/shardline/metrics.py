@@ -153,6 +153,18 @@ def history(path: Path | str) -> list[dict[str, Any]]:
     return kept
 
 
+def append_event(run_dir: Path, event: str, **fields: Any) -> None:
+    """One event record appended to <run_dir>/metrics.jsonl as MetricsLogger writes it, without one:
+    for a process that exits before its log opens (a hang while it restores). A write that fails
+    is let go: the exit it precedes is the news."""
+    rec = {"kind": "event", "time": round(time.time(), 3), "event": event, **fields}
+    try:
+        with open(Path(run_dir) / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(_strict(rec), allow_nan=False, default=_jsonable) + "\n")
+    except OSError:
+        pass
+
+
 class MetricsLogger:
     """Fans records out to the console, <run_dir>/metrics.jsonl and TensorBoard."""
 

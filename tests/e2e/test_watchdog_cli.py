@@ -72,6 +72,8 @@ def test_hang_while_restoring_is_reported_by_phase(tmp_path, small_prepared):
     report = _report(run)
     assert (report["phase"], report["stopped_ranks"], report["limit_s"]) == ("restore", [0], 2.0)
     assert "in_phase" in (next(run.glob("hang-*")) / "rank0.txt").read_text()
+    # The run's log was not open yet: the event was held for it, and lost with the exit
+    assert [e["phase"] for e in events(run) if e["event"] == "hang"] == ["restore"]
 
 
 def test_hang_in_the_final_drain_is_reported_by_phase(tmp_path, small_prepared):

@@ -71,7 +71,7 @@ class FaultsConfig:
 
     kill_rank: int = -1
     kill_step: int = 0
-    kill_wipes_memory: bool = False  # the killed rank's in-memory snapshots go too (its node is lost)
+    kill_wipes_memory: bool = False  # the killed rank's in-memory snapshots go too (its own folder, as if lost)
     nan_step: int = 0  # the loss of this step becomes NaN
     spike_step: int = 0  # the loss of this step is multiplied by 100
     hang_rank: int = -1

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardline.config import Config
+from shardline.metrics import append_event
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import ProcessInfo
 from shardline.resilience.checkpoint import Checkpointer
@@ -59,8 +60,12 @@ class RunGuard:
         self._step_s = 0.0  # this step's own time, taken in step_done
 
     def event(self, name: str, **fields: Any) -> None:
-        """An event for the metrics log (held until open())."""
-        if self._log is None:
+        """An event for the metrics log (held until open(); a hang's, whose exit comes first, is
+        appended to the run dir's log at once: a requeue script reads it there)."""
+        if self._log is None and name == "hang":
+            if self.proc.is_main:
+                append_event(Path(self.cfg.run.dir), name, **fields)
+        elif self._log is None:
             self._held.append((name, fields))
         else:
             self._log(name, **fields)

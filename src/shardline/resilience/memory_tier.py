@@ -265,10 +265,12 @@ class MemoryTier:
         return total
 
     def clear(self) -> None:
-        """Remove this rank's snapshots (the run ended, or a fresh run reuses the run dir)."""
+        """Remove the run's snapshots on this node (the run ended, or a fresh run reuses the run dir:
+        every rank clears alike): this rank's, and those of ranks it no longer has here (a job that
+        shrank, or whose nodes came back in another order: a rank reads only its own folder)."""
         self.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self._drop_departed()
+        for folder in self.root.glob("rank*"):
+            shutil.rmtree(folder, ignore_errors=True)
         for empty in (self.root, self.root.parent):
             try:
                 empty.rmdir()  # the last rank out removes the run's folder
