@@ -11,6 +11,8 @@ can fix (config, data, checkpoint) print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import math
 import importlib
@@ -362,12 +364,16 @@ def _said_peer_lost(error: BaseException) -> bool:
 def _leave_a_stuck_save(code: int) -> None:
     """Exit now where a background save or snapshot is still inside a collective with the lost peer:
     it never returns, and Python's exit would tear its process group down under it, which aborts
-    the process (SIGABRT in torchrun's summary, not the exit code)."""
+    the process (SIGABRT in torchrun's summary, not the exit code). A Python caller of main() ends
+    with it: the process is a rank whose job is over."""
     from shardline.resilience.background import busy
 
     if busy():
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with contextlib.suppress(Exception):  # what a normal exit runs first: the run dir's lock, a hang
+            atexit._run_exitfuncs()  # report's hold (which exits 4 itself)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
         os._exit(code)
 
 

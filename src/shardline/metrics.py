@@ -159,6 +159,7 @@ def append_event(run_dir: Path, event: str, **fields: Any) -> None:
     is let go: the exit it precedes is the news."""
     rec = {"kind": "event", "time": round(time.time(), 3), "event": event, **fields}
     try:
+        _drop_torn_line(Path(run_dir) / "metrics.jsonl")  # (a killed launch's last line: not one to append to)
         with open(Path(run_dir) / "metrics.jsonl", "a") as f:
             f.write(json.dumps(_strict(rec), allow_nan=False, default=_jsonable) + "\n")
     except OSError:

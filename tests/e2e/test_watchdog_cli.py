@@ -72,7 +72,7 @@ def test_hang_while_restoring_is_reported_by_phase(tmp_path, small_prepared):
     report = _report(run)
     assert (report["phase"], report["stopped_ranks"], report["limit_s"]) == ("restore", [0], 2.0)
     assert "in_phase" in (next(run.glob("hang-*")) / "rank0.txt").read_text()
-    # The run's log was not open yet: the event was held for it, and lost with the exit
+    # The run's log was not open yet: rank 0 appended the event itself (it was held for the log, and lost)
     assert [e["phase"] for e in events(run) if e["event"] == "hang"] == ["restore"]
 
 

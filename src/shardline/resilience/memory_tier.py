@@ -270,7 +270,8 @@ class MemoryTier:
         shrank, or whose nodes came back in another order: a rank reads only its own folder)."""
         self.wait()
         for folder in self.root.glob("rank*"):
-            shutil.rmtree(folder, ignore_errors=True)
+            if folder.name.removeprefix("rank").isdigit():
+                shutil.rmtree(folder, ignore_errors=True)
         for empty in (self.root, self.root.parent):
             try:
                 empty.rmdir()  # the last rank out removes the run's folder

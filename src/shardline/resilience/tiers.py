@@ -206,20 +206,23 @@ class StateTiers:
         first start from a named checkpoint: recovery.memory_tier_resumable) clears the
         snapshots held, which are of a history the run leaves. Called with the run dir locked."""
         if self.memory is not None:
-            run_id, new = self._run_id()
+            run_id, new, use_memory = self._run_id(use_memory)
             self.memory.fingerprint = f"{self.fingerprint}\nrun {run_id}"
             use_memory = use_memory and not new
             if not use_memory:
                 self.memory.clear()
         return self.newest(disk, use_memory=use_memory, check=check, passed_over=passed_over)
 
-    def _run_id(self) -> tuple[str, bool]:
-        """(the run dir's id, whether it was just made). The snapshots are keyed by the run
-        dir's path, which outlives the folder: a run dir deleted and made again is a new run,
-        not one to resume from RAM. Rank 0 reads or writes it; every rank gets its answer."""
+    def _run_id(self, use_memory: bool) -> tuple[str, bool, bool]:
+        """(the run dir's id, whether it was just made, `use_memory` as rank 0 has it). The snapshots
+        are keyed by the run dir's path, which outlives the folder: a run dir deleted and made again
+        is a new run, not one to resume from RAM. Rank 0 reads or writes it; every rank gets its
+        answer, and rank 0's `use_memory` (a restart as each agent counts it: a node relaunched by
+        hand beside restarted ones counts none, and its ranks must not clear while theirs recover)."""
         answer: list = [None]
         if self.proc.rank == 0:
             answer[0] = self._read_or_make_run_id(Path(self.cfg.run.dir) / RUN_ID)
+            answer[0] = answer[0] if isinstance(answer[0], str) else (*answer[0], use_memory)
         if self.proc.world_size > 1:
             torch.distributed.broadcast_object_list(answer, src=0, group=self.memory.group)
         if isinstance(answer[0], str):  # on every rank alike
