@@ -328,9 +328,11 @@ def test_relaunching_a_finished_run_leaves_its_account_as_it_was(tiny_config):
     Trainer(tiny_config(*settings)).build().train()
     run = Path(tiny_config(*settings).run.dir)
     before = json.loads((run / "progress.json").read_text())
-    again = Trainer(tiny_config(*settings)).build()
+    saved = (run / "config.toml").read_text()
+    again = Trainer(tiny_config(*settings, "train.micro_batch_size=2")).build()
     again.train()
     assert json.loads((run / "progress.json").read_text()) == before
+    assert (run / "config.toml").read_text() == saved  # its overrides were kept for the next relaunch
     ends = [r for r in records(run) if r.get("event") == "end"]
     first, last = ends[0]["seconds"], ends[-1]["seconds"]
     assert ends[-1]["goodput"] == pytest.approx(ends[0]["goodput"], abs=1e-3) and last["startup"] == first["startup"]

@@ -116,7 +116,8 @@ class SavedState:
         """Written once the lock is held and the state put back: the config, the tokenizer and the
         starting weights' files; the log, opened with what this launch found and chose."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, self.run_dir / "config.toml")
+        if resumed is None or self.step < self.last_step:  # (a launch with nothing to train leaves the run's own)
+            save_config(self.cfg, self.run_dir / "config.toml")
         self.data.tokenizer.save(str(self.run_dir / "tokenizer.json"))
         copy_starting_files(self.cfg.model, tokenizer_file(self.cfg.data), self.run_dir)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.metrics.progress, self.cfg.metrics.tensorboard,
