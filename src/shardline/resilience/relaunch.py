@@ -38,8 +38,8 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         shard_degree(cfg, world)  # (the launch checks it again: here to say where degrees it refuses came from)
     except ConfigError as e:
         given = {o.removeprefix("--").split("=")[0] for o in ([overrides] if isinstance(overrides, str) else overrides)}
-        held, default = reader.read_toml(saved).get("parallel", {}), ParallelConfig()  # (it saves every key)
-        keys = [k for k in DEGREES if held.get(k, getattr(default, k)) != getattr(default, k)
+        kept, default = reader.read_toml(saved).get("parallel", {}), ParallelConfig()  # (it saves every key)
+        keys = [k for k in DEGREES if kept.get(k, getattr(default, k)) != getattr(default, k)
                 and f"parallel.{k}" not in given]
         if not keys:  # the command line's own degrees: its error as it is
             raise
