@@ -1334,3 +1334,29 @@ def test_an_end_of_document_token_only_tokenizer_config_names_separates_document
     assert all(np.array_equal(prepared.batch(every)[k], packed.batch(every)[k]) for k in ("input_ids", "labels"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|not_a_token|>"}))
     assert eos_id(tok, folder / "tokenizer.json") is None
+
+
+def test_a_folder_reads_alike_for_train_and_prepare_past_links_and_hidden_files(tmp_path):
+    """A linked folder was skipped in silence (documents not trained on), a file linked twice was
+    read twice by a run but once by prepare (raw and prepared batches differed), and .git,
+    .ipynb_checkpoints or a macOS ._ file were trained on (or stopped the run)."""
+    from shardline.data.sources import files_not_read, input_files, read_documents
+
+    elsewhere = tmp_path / "more"
+    elsewhere.mkdir()
+    (elsewhere / "b.jsonl").write_text(json.dumps({"text": "linked folder text"}) + "\n")
+    folder = tmp_path / "data"
+    (folder / ".git").mkdir(parents=True)
+    (folder / ".ipynb_checkpoints").mkdir()
+    (folder / "a.jsonl").write_text(json.dumps({"text": "own text"}) + "\n")
+    (folder / ".git" / "notes.txt").write_text("git internals")
+    (folder / ".ipynb_checkpoints" / "a-checkpoint.jsonl").write_text(json.dumps({"text": "a copy"}) + "\n")
+    (folder / "._a.jsonl").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    (folder / "twice.jsonl").symlink_to(folder / "a.jsonl")
+    (folder / "more").symlink_to(elsewhere)
+    (folder / "loop").symlink_to(folder)  # (a link back up: no loop)
+    assert [f.name for f in input_files(str(folder))] == ["a.jsonl", "b.jsonl"]
+    assert sorted(read_documents(str(folder), "text")) == ["linked folder text", "own text"]
+    assert files_not_read(str(folder)) == []
+    manifest = prepare(PrepareOptions([str(folder)], str(tmp_path / "prep"), val_fraction=0.0, **SMALL))
+    assert manifest["input_documents"] == 2

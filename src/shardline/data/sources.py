@@ -76,8 +76,24 @@ def files_not_read(path: str) -> list[Path]:
         return []
     if (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
         root = root / "train"
-    return sorted(p for p in root.rglob("*") if p.is_file() and not _kind(p) and p.name not in _DATASET_METADATA
-                  and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    return [p for p in folder_entries(root) if p.is_file() and not _kind(p) and p.name not in _DATASET_METADATA]
+
+
+def folder_entries(root: Path) -> list[Path]:
+    """The files under folder `root` (and links to nothing), sorted: linked folders followed, each
+    real folder once (a link back up is no loop); hidden files and folders left out (.git,
+    .ipynb_checkpoints, macOS's ._ files: not the user's data); a file linked twice read once."""
+    found, walked = [], set()
+    for top, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(top)
+        dirs[:] = [] if real in walked else sorted(d for d in dirs if not d.startswith("."))
+        if real not in walked:
+            found += [Path(top) / n for n in names if not n.startswith(".")]
+        walked.add(real)
+    unique: dict[Path, Path] = {}
+    for f in sorted(found):
+        unique.setdefault(f.resolve() if f.exists() else f, f)
+    return list(unique.values())
 
 
 def input_files(path: str, key: str = "data.path") -> list[Path]:
@@ -95,8 +111,9 @@ def input_files(path: str, key: str = "data.path") -> list[Path]:
                         f"optionally .gz), a folder of them, a glob pattern of them{prepared}")
     if root.is_dir() and (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
         root = root / "train"  # a save_to_disk DatasetDict: train on its train split
-    files = sorted(p for p in root.rglob("*") if _kind(p)) if root.is_dir() else [root]
-    _refuse_broken_links(path, root.rglob("*") if root.is_dir() else [], key)
+    entries = folder_entries(root) if root.is_dir() else []
+    files = [p for p in entries if _kind(p)] if root.is_dir() else [root]
+    _refuse_broken_links(path, entries, key)
     if not files:
         raise DataError(f"{key}={path!r} holds no {', '.join(SUFFIXES)} files")
     _refuse_held_out(path, root if root.is_dir() else root.parent, files, key)
@@ -146,8 +163,9 @@ def _matched_files(pattern: str, key: str) -> list[Path]:
     pattern's fixed folder, so `data/*` beside `data/validation.jsonl` is refused as the
     folder `data` is."""
     matches = [Path(m) for m in sorted(glob.glob(pattern, recursive=True))]
-    _refuse_broken_links(pattern, [f for m in matches for f in (m.rglob("*") if m.is_dir() else [m])], key)
-    files = sorted({f for m in matches for f in (m.rglob("*") if m.is_dir() else [m]) if _kind(f)})
+    entries = [f for m in matches for f in (folder_entries(m) if m.is_dir() else [m])]
+    _refuse_broken_links(pattern, entries, key)
+    files = sorted({f for f in entries if _kind(f)})
     prepared = [m for m in matches if m.is_dir() and is_prepared(str(m))]
     if prepared:  # a prepared folder holds shards, not text, and a mixture is how several are combined
         raise DataError(f"{key}={pattern!r} matches the prepared folder {prepared[0]}: give a prepared folder "
