@@ -392,3 +392,10 @@ def test_a_mixture_written_as_json_on_the_command_line_says_to_write_toml():
                                           r"tables, \[\{path = \.\.\., weight = \.\.\., format = \.\.\.\}, \.\.\.\]"):
         load_config(None, ['data.mix=[{"path": "a"}]'])
     assert load_config(None, ['data.mix=[{path = "a", format = "chat"}]']).data.mix[0].format == "chat"
+
+
+def test_a_config_file_with_a_byte_order_mark_reads(tmp_path):
+    """Windows Notepad writes one: it was "not valid TOML (at line 1, column 1)"."""
+    path = tmp_path / "bom.toml"
+    path.write_bytes("\ufeff[train]\r\nsteps = 7\r\n".encode())
+    assert load_config(path).train.steps == 7

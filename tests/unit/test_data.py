@@ -376,3 +376,18 @@ def test_chat_rows_come_in_an_order_blind_to_what_they_hold():
 def test_no_chat_documents_make_no_rows():
     empty = PackedSequences([], 8, 0, masks=[])
     assert len(empty) == 0 and empty.count_labels([]) == 0
+
+
+def test_a_tokenizer_cache_that_cannot_be_written_costs_a_training_not_the_run(tmp_path, monkeypatch, capsys):
+    """SHARDLINE_CACHE naming a file (or an unwritable home) stopped the run with NotADirectoryError
+    after the tokenizer was trained; a `~` in it made a folder named `~`."""
+    from shardline.data.tokenizer import cache_dir, get_tokenizer
+
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("SHARDLINE_CACHE", str(tmp_path / "afile"))
+    tok = get_tokenizer(["some text to learn from"] * 20, "", 300)
+    assert tok.get_vocab_size() > 0
+    assert "the tokenizer cache" in capsys.readouterr().err
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("SHARDLINE_CACHE", "~/cache")
+    assert cache_dir() == tmp_path / "cache"

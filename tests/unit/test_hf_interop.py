@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -633,6 +634,17 @@ def test_destination_rules(tmp_path, monkeypatch):
     to_hf_pretrained(model, folder)
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", WEIGHTS_NAME, EXPORT_MARK]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "hf", "precious"]
+    # Given through a link (a shared drive's folder linked in): the folder it names is replaced, the link kept
+    (tmp_path / "link").symlink_to(folder)
+    to_hf_pretrained(model, tmp_path / "link", max_shard_size_bytes=40_000)
+    assert (tmp_path / "link").is_symlink() and (folder / INDEX_NAME).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "hf", "link", "precious"]
+    (tmp_path / "link").unlink()
+    long = tmp_path / ("h" * 250)  # (the temporary folder's name once added to it: "File name too long")
+    to_hf_pretrained(model, long)
+    assert (long / WEIGHTS_NAME).is_file()
+    shutil.rmtree(long)
+    to_hf_pretrained(model, folder)
     # ... unless it holds what no export writes: a user's notes, a checkpoint or run dir put inside.
     for extra in ("README.md", "ckpt/step-000006"):
         (folder / extra).parent.mkdir(parents=True, exist_ok=True)

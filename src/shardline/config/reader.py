@@ -31,7 +31,7 @@ from shardline.errors import ConfigError
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     """A TOML file as a dict; a missing, unreadable or malformed file is a ConfigError naming it (as `what`)."""
     try:
-        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        return tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))  # (a byte-order mark some editors write)
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist") from None
     except IsADirectoryError:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -40,10 +42,12 @@ def bos_prefix(tok: Tokenizer) -> list[int]:
 
 
 def cache_dir() -> Path:
+    """$SHARDLINE_CACHE, else $XDG_CACHE_HOME/shardline, else ~/.cache/shardline (a leading ~ read as
+    the home folder, as a shell would have)."""
     root = os.environ.get("SHARDLINE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardline"
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "shardline"
     )
-    return Path(root)
+    return Path(os.path.expanduser(root))
 
 
 def load_tokenizer(path: str, key: str = "data.tokenizer") -> Tokenizer:
@@ -71,16 +75,21 @@ def get_tokenizer(documents, tokenizer_path: str, vocab_size: int) -> Tokenizer:
     for doc in documents:
         digest.update(hashlib.sha256(doc.encode()).digest())
     cached = cache_dir() / "tokenizers" / f"bpe{vocab_size}-{digest.hexdigest()[:16]}.json"
-    if cached.exists():
-        try:
+    try:
+        if cached.exists():
             return Tokenizer.from_file(str(cached))
-        except Exception:  # a damaged cache entry (the user never named it): train again
+    except Exception:  # noqa: BLE001 - a damaged or unreadable entry (the user never named it): train again
+        with contextlib.suppress(OSError):
             cached.unlink(missing_ok=True)
     tok = train_bpe(documents, vocab_size)
-    cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_suffix(f".tmp{os.getpid()}")
-    tok.save(str(tmp))
-    tmp.replace(cached)  # atomic: concurrent ranks never read a half-written file
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tok.save(str(tmp))
+        tmp.replace(cached)  # atomic: concurrent ranks never read a half-written file
+    except Exception as e:  # noqa: BLE001 - a cache that cannot be written costs the next run a training, no more
+        print(f"shardline: warning: the tokenizer cache {cached.parent} cannot be written ({e}); the tokenizer is "
+              "trained again next time (SHARDLINE_CACHE or XDG_CACHE_HOME name another folder)", file=sys.stderr)
     return tok
 
 

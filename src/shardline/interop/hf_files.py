@@ -240,7 +240,7 @@ def _swap_into_place(tmp: Path, dest: Path) -> None:
         dest.rmdir()
         os.replace(tmp, dest)
         return
-    old = dest.parent / f".{dest.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    old = dest.parent / f".shardline-old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.replace(dest, old)
     try:
         os.replace(tmp, dest)
@@ -290,8 +290,9 @@ def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype:
     export leaves neither a half folder nor a lost old one."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards = _plan_shards(tensors, itemsize, max_shard_size_bytes)
+    dest = dest.resolve() if dest.is_symlink() else dest  # a link to the folder: its target is replaced, not it
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = dest.parent / f".shardline-export-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # (no longer than a name allows)
     tmp.mkdir()
     try:
         _write_weights(tmp, tensors, shards, dtype)
