@@ -222,14 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="convert between shardline checkpoints and HF folders")
     convert.add_argument("direction", choices=["to-hf", "from-hf"],
                          help="to-hf: checkpoint (or run dir) -> HF folder; from-hf: HF folder -> checkpoint")
-    convert.add_argument("src", help="to-hf: a run dir (its newest valid checkpoint) or a checkpoint folder; "
-                                     "from-hf: an HF model folder")
-    convert.add_argument("dst", help="to-hf: the HF folder to write (an earlier export there is replaced); "
-                                     "from-hf: a new or empty folder for the checkpoint")
+    convert.add_argument("src", type=os.path.expanduser,
+                         help="to-hf: a run dir (its newest valid checkpoint) or a checkpoint folder; "
+                              "from-hf: an HF model folder")
+    convert.add_argument("dst", type=os.path.expanduser,
+                         help="to-hf: the HF folder to write (an earlier export there is replaced); "
+                              "from-hf: a new or empty folder for the checkpoint")
     convert.add_argument("--dtype", default="",
                          help="to-hf: the weights' dtype on disk, float32, bfloat16 or float16 (default: the HF "
                               "folder's the checkpoint came from, else float32)")
-    convert.add_argument("--tokenizer", default="",
+    convert.add_argument("--tokenizer", type=os.path.expanduser, default="",
                          help="to-hf: the tokenizer.json (or its folder) to export with, its side files too "
                               "(default: the one beside the checkpoint, else its run dir's)")
     convert.set_defaults(func=_convert)

@@ -218,7 +218,8 @@ def register(sub) -> None:
     p = sub.add_parser("eval", help="a checkpoint's loss and perplexity on held-out data, as training evaluates",
                        epilog="overrides (--data.path=..., --train.seq_len=..., --parallel.tp=2) change what the "
                               "checkpoint's run config gives; under torchrun every rank takes part")
-    p.add_argument("src", help="a run dir (its newest valid checkpoint) or a checkpoint folder")
+    p.add_argument("src", type=os.path.expanduser,
+                   help="a run dir (its newest valid checkpoint) or a checkpoint folder")
     p.add_argument("--batches", type=int, default=None,
                    help="global batches of the held-out split to read (default: the run's train.eval_batches; "
                         "0: every held-out sequence)")

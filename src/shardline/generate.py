@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -341,7 +342,8 @@ def register(sub) -> None:
     """The `generate` subcommand (cli.py's feature commands)."""
     p = sub.add_parser("generate", help="sample text from a checkpoint (or a run dir's newest) to read what it learned",
                        epilog="one process, one prompt: a look at a checkpoint; for serving, convert to-hf")
-    p.add_argument("src", help="a run dir (its newest valid checkpoint) or a checkpoint folder")
+    p.add_argument("src", type=os.path.expanduser,
+                   help="a run dir (its newest valid checkpoint) or a checkpoint folder")
     p.add_argument("--prompt", default="The", help="the text to continue (default 'The'); with --chat, the user's "
                                                    "message")
     p.add_argument("--max-new-tokens", type=int, default=SampleOptions.max_new_tokens,
@@ -363,8 +365,9 @@ def register(sub) -> None:
                                                        "tokenizer (for a checkpoint pretrained with one)")
     p.add_argument("--context", type=int, default=0, help="tokens the model sees at most (default: the run's "
                                                            "train.seq_len; up to the model's max_seq_len)")
-    p.add_argument("--tokenizer", default="", help="the tokenizer.json (or its folder) the checkpoint was trained "
-                                                   "with (default: the one beside it, else its run dir's)")
+    p.add_argument("--tokenizer", type=os.path.expanduser, default="",
+                   help="the tokenizer.json (or its folder) the checkpoint was trained with (default: the one "
+                        "beside it, else its run dir's)")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt, completion, options")
     p.set_defaults(func=_command)
 

@@ -60,3 +60,18 @@ def test_a_short_held_out_split_is_named_when_prepared(tmp_path, capsys):
     assert main(["prepare", str(spaced), "--out", str(tmp_path / "prep2"), "--vocab-size", "300", "--val-fraction",
                  "0.1", "--quiet"]) == 0
     assert "note: the held-out split" not in capsys.readouterr().err
+
+
+def test_a_home_path_on_the_command_line_is_the_home_folder_as_in_a_config(tmp_path, small_corpus, monkeypatch,
+                                                                          capsys):
+    """A quoted `~/prep` made a folder named `~` in the current one, and prepare's hint then named a
+    path that a run (which expands `~` in config keys) did not find."""
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    shutil.copy(small_corpus, tmp_path / "home" / "corpus.jsonl")
+    assert main(["prepare", "~/corpus.jsonl", "--out", "~/my prep", "--vocab-size", "512", "--quiet"]) == 0
+    assert (tmp_path / "home" / "my prep" / "manifest.json").is_file() and not (tmp_path / "~").exists()
+    assert f"train with '--data.path={tmp_path / 'home' / 'my prep'}'" in capsys.readouterr().out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -16,11 +17,12 @@ from shardline.errors import DataError
 def register(sub) -> None:
     p = sub.add_parser("prepare", help="tokenize a corpus once into memory-mapped token shards (data.path = DIR)",
                        epilog="then train with --data.path=DIR; a rerun resumes an interrupted prepare")
-    p.add_argument("inputs", nargs="*", metavar="INPUT",
+    p.add_argument("inputs", type=os.path.expanduser, nargs="*", metavar="INPUT",
                    help=".txt/.jsonl/.parquet/.arrow files (optionally .gz), folders of them, or datasets "
                         "save_to_disk folders")
-    p.add_argument("--out", required=True, metavar="DIR", help="the prepared folder to write (or resume)")
-    p.add_argument("--tokenizer", default="", metavar="T",
+    p.add_argument("--out", type=os.path.expanduser,
+                   required=True, metavar="DIR", help="the prepared folder to write (or resume)")
+    p.add_argument("--tokenizer", type=os.path.expanduser, default="", metavar="T",
                    help="a tokenizer.json (default: train the byte-level BPE a raw-text run would)")
     p.add_argument("--vocab-size", type=int, default=4096, help="size of the trained BPE (default 4096)")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
@@ -59,7 +61,7 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     tr, va = m["splits"]["train"], m["splits"]["val"]
     print(f"prepared {args.out}: train {tr['documents']:,} documents / {tr['tokens']:,} tokens in "
           f"{len(tr['shards'])} shard(s), val {va['documents']:,} / {va['tokens']:,}; {m['dtype']}, "
-          f"vocab {m['vocab_size']:,}; train with --data.path={args.out}")
+          f"vocab {m['vocab_size']:,}; train with {shlex.quote('--data.path=' + args.out)}")
     left_out = [f"{m['empty_documents']:,} empty or null documents"] if m.get("empty_documents") else []
     names = m.get("files_not_read", [])
     if names:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from shardline.config import Config, DataConfig, load_config, to_toml
@@ -62,7 +63,8 @@ def register(sub) -> None:
     est.set_defaults(func=_estimate)
 
     cal = sub.add_parser("calibrate", help="measure this machine and write a hardware profile")
-    cal.add_argument("--out", default="calibration.toml", help="profile to write (default calibration.toml)")
+    cal.add_argument("--out", type=os.path.expanduser,
+                     default="calibration.toml", help="profile to write (default calibration.toml)")
     cal.add_argument("--quick", action="store_true", help="fewer sizes (~5 min on 2 cores, the full run ~21 min)")
     cal.add_argument("--no-comm", action="store_true", help="skip the gloo collective measurements")
     cal.add_argument("--threads", type=int, metavar="N",
