@@ -41,6 +41,7 @@ def test_a_full_disk_is_one_line_leaves_nothing_and_training_goes_on(tiny_config
         Trainer(tiny_config("train.steps=12", "checkpoint.keep=3", run_dir=run)).build().train()
     failed = [e for e in events(run) if e["event"] == "checkpoint_failed"]
     assert failed and failed[0]["step"] == 12
+    assert json.loads((run / "progress.json").read_text())["finished"] is False  # its last state is not kept
     assert failed[0]["error"].startswith(f"no space left on {run / 'checkpoints'} (needs ~")
     assert " MB, " in failed[0]["error"] and " GB" not in failed[0]["error"]  # 1.7 MB, not "0.00 GB"
     # The last step's save has no next interval to retry it: the line says what a rerun resumes.
@@ -72,10 +73,14 @@ def test_a_finished_run_whose_last_save_the_disk_refused_keeps_its_newer_ram_sna
 
 def test_on_error_stop_stops_with_the_reason(tiny_config, small_disk):
     run = small_disk / "run"
-    with pytest.raises(CheckpointError, match="no space left on .*checkpoint.on_error=stop"):
+    with pytest.raises(CheckpointError, match="no space left on .*checkpoint.on_error=stop.*earlier checkpoints are "
+                                              "intact"):
         Trainer(tiny_config("train.steps=12", "checkpoint.on_error=stop", run_dir=run)).build().train()
     assert not list((run / "checkpoints").glob("*.tmp"))
     assert not (run / ".lock").exists()
+    # The run's log says why it ended (it ended at `start`: the reason was on stderr alone)
+    (failed,) = [e for e in events(run) if e["event"] == "checkpoint_failed"]
+    assert failed["step"] == 12 and failed["action"] == "stop (checkpoint.on_error=stop)"
 
 
 def test_read_only_run_dir_or_checkpoints_folder_is_one_line_before_training(tiny_config, small_disk):

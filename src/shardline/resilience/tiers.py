@@ -107,9 +107,10 @@ class StateTiers:
         else:
             what = f"cannot write {root}: {cause.strerror or cause}"
         message = f"checkpoint of step {step} failed: {what}"
-        if self.cfg.checkpoint.on_error == "stop":
-            raise on_every_rank(CheckpointError(message + "; stopping (checkpoint.on_error=stop), earlier checkpoints "
-                                                "are intact"))  # (a save the storage refuses fails on every rank)
+        if self.cfg.checkpoint.on_error == "stop":  # (the event first: a requeue script reads why the run ended)
+            self.log("checkpoint_failed", step=step, error=what, action="stop (checkpoint.on_error=stop)")
+            kept = "earlier checkpoints are intact" if self.checkpointer.list() else "none was saved before it"
+            raise on_every_rank(CheckpointError(f"{message}; stopping (checkpoint.on_error=stop), {kept}"))
         if step != self.ending_at:
             action = "continue; retried at the next interval"
         else:  # no next interval: what a rerun would resume is older (or in RAM: the memory tier keeps it)
