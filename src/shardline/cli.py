@@ -11,11 +11,10 @@ can fix (config, data, checkpoint) print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
 import json
 import math
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -85,6 +84,9 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     cfg.check_sections()
     drill = cfg.faults.rank_problem(_env_world_size())  # (before the group: a drill that never fires passes)
+    if not drill and cfg.faults.slow_rank >= 0 and _env_world_size() == 1:
+        drill = (f"faults.slow_rank={cfg.faults.slow_rank} on one process: check names a rank slower than its "
+                 "peers, and it has none, so the drill would pass unseen; run it under torchrun on 2 or more")
     if drill:
         error = ConfigError(drill)
         error.node_alike = True  # the command line's: said once a node
@@ -194,8 +196,17 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), or "unknown" for a source tree on PYTHONPATH."""
+    try:
+        return importlib.metadata.version("shardline")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="shardline", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"shardline {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (default: tiny preset on the shipped corpus)",
                            epilog="any config key can be overridden as --section.key=value, e.g. --train.steps=50")
@@ -339,7 +350,9 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> int:
     except BaseException as e:  # a Ctrl-C inside torch's checkpoint writer comes back wrapped in its error
         if not any(isinstance(cause, KeyboardInterrupt) for cause in _causes(e)):
             if _said_peer_lost(e):
-                _leave_a_stuck_save(1)
+                from shardline.resilience.background import leave_if_busy
+
+                leave_if_busy(1)
                 return 1
             raise
         print("shardline: interrupted (a checkpoint being written was abandoned; the newest finished one stays)",
@@ -361,22 +374,6 @@ def _said_peer_lost(error: BaseException) -> bool:
               "answering first (torchrun's summary names its root cause; SHARDLINE_TRACEBACK=1 prints this rank's "
               "traceback)", file=sys.stderr)
     return lost is not None
-
-
-def _leave_a_stuck_save(code: int) -> None:
-    """Exit now where a background save or snapshot is still inside a collective with the lost peer:
-    it never returns, and Python's exit would tear its process group down under it, which aborts
-    the process (SIGABRT in torchrun's summary, not the exit code). A Python caller of main() ends
-    with it: the process is a rank whose job is over."""
-    from shardline.resilience.background import busy
-
-    if busy():
-        with contextlib.suppress(Exception):  # what a normal exit runs first: the run dir's lock, a hang
-            atexit._run_exitfuncs()  # report's hold (which exits 4 itself)
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
 
 
 def _causes(error: BaseException) -> list[BaseException]:

@@ -68,3 +68,14 @@ def test_a_drill_rank_past_the_job_is_refused_not_passed_in_silence():
     two = check(2, "--faults.slow_rank=2", "--faults.slow_factor=4", "--size", "64")  # said once, before any group
     assert two.returncode != 0 and two.stderr.count("faults.slow_rank=2 is not a rank of this 2-rank job (0-1)") == 1
     assert "all ranks ok" not in two.stdout
+
+
+def test_a_slow_rank_drill_on_one_process_is_refused_and_the_version_is_said(capsys):
+    """One process has no peer to be slower than: the drill passed as "all ranks ok"."""
+    from shardline.cli import main
+
+    assert main(["check", "--faults.slow_rank=0", "--faults.slow_factor=4"]) == 2
+    assert "faults.slow_rank=0 on one process" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("shardline ")

@@ -62,6 +62,8 @@ def test_text_output_says_what_the_optimum_and_the_failures_assume(capsys):
     assert main([*SMALL, "--step-time", "2", "--failure-scale", "0", "--failures.planned_per_day=0"]) == 0
     out = capsys.readouterr().out
     assert "optimal         none: no failures to recover from" in out and "steps (Young" not in out
+    none = run_json(capsys, "--failure-scale", "0", "--failures.planned_per_day=0")
+    assert none["optimal_checkpoint_interval_s"] is none["optimal_checkpoint_interval_steps"] is None  # (was the run)
     assert main([*SMALL, "--step-time", "2", "--save-time", "200000"]) == 0
     out = capsys.readouterr().out
     assert "(async: held at the write time" in out and "takes longer than the job's MTBF" in out

@@ -7,6 +7,10 @@ thread from wait().
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
+import sys
 import threading
 import time
 from typing import Callable
@@ -20,6 +24,21 @@ def busy() -> list[str]:
     """The names of this process's background saves still running (their threads are daemons: the
     interpreter's exit does not wait for them)."""
     return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.is_alive()]
+
+
+def leave_if_busy(code: int) -> None:
+    """Exit with `code` now where a background save or snapshot still runs: after a peer was lost it
+    waits in a collective with that peer, which never returns, and Python's own exit would tear its
+    process group down under it, which aborts the process (SIGABRT in torchrun's summary, not the
+    exit code). The atexit handlers run first (the run dir's lock, a hang report's hold, which exits
+    with its own code). The CLI's, for a rank whose job is over: a Python caller ends with it."""
+    if busy():
+        with contextlib.suppress(Exception):
+            atexit._run_exitfuncs()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
 
 
 class BackgroundWork:

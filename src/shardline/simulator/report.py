@@ -56,7 +56,8 @@ def build_report(setup: Setup, summary: dict, seeds: int, sweeps: dict[str, list
         "lost_gpu_hours_by_cause": summary["lost_gpu_hours"],  # its older, misleading name, kept for scripts
         "lost_gpu_hours_by_failure": summary["lost_gpu_hours_by_failure"],
         "optimal_checkpoint_interval_s": _finite(setup.optimal_s(mode)),
-        "optimal_checkpoint_interval_steps": setup.steps_for(setup.optimal_s(mode)),
+        "optimal_checkpoint_interval_steps": (None if math.isinf(setup.optimal_s(mode))  # (null as its seconds)
+                                              else setup.steps_for(setup.optimal_s(mode))),
         "young_interval_s": _finite(setup.young_s(mode)),
         "daly_interval_s": _finite(setup.daly_s(mode)),
     }
