@@ -347,6 +347,11 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> int:
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error as Python exits)
         return 0
+    except OSError as e:  # a path the file system refuses (read-only, missing, a name too long): one line
+        if args.command in RANKED or os.environ.get("SHARDLINE_TRACEBACK"):  # (a rank's: its traceback, as before)
+            raise
+        print(f"shardline: error: {e}", file=sys.stderr)
+        return 2
     except BaseException as e:  # a Ctrl-C inside torch's checkpoint writer comes back wrapped in its error
         if not any(isinstance(cause, KeyboardInterrupt) for cause in _causes(e)):
             if _said_peer_lost(e):

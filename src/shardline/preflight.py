@@ -124,10 +124,23 @@ def check_config(cfg: Config) -> None:
     _raise(compile_problem(cfg.train.compile, cfg.parallel.pp, cfg.parallel.pp_schedule))
     _raise(float8.config_problem(cfg.train.precision, cfg.parallel.pp, cfg.parallel.pp_schedule))
     _raise(named_resume_problem(cfg.run.resume) if not restarted() else None)  # a restart may go on from its own
-    for problem in (init_from_problem(cfg.model.init_from), run_dir_problem(cfg.run.dir), held_out_problem(cfg)):
+    for problem in (init_from_problem(cfg.model.init_from), run_dir_problem(cfg.run.dir), held_out_problem(cfg),
+                    _run_dir_in_data(cfg)):
         _raise(problem)
     if cfg.train.precision == "fp8":
         float8.require_torchao()  # (parallel/float8.py: its install line)
+
+
+def _run_dir_in_data(cfg: Config) -> str | None:
+    """A run dir inside a raw data folder: the next launch would read the run's own files
+    (metrics.jsonl, a .txt it holds) as documents."""
+    run = Path(cfg.run.dir).resolve()
+    sources = [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [("data.path", cfg.data.path)]
+    for key, path in sources:
+        if path and Path(path).is_dir() and not is_prepared(path) and run.is_relative_to(Path(path).resolve()):
+            return (f"run.dir={cfg.run.dir!r} is inside {key}={path!r}: the run's own files (metrics.jsonl) would be "
+                    "read as documents by its next launch; put the run dir outside the data folder")
+    return None
 
 
 # What a run keeps in its run dir, and whether each is a folder: something else of that name is refused up front.

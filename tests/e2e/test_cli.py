@@ -218,3 +218,22 @@ def test_srun_tasks_that_cannot_be_ranks_are_one_line_and_a_ranked_dry_run_print
     monkeypatch.setenv("RANK", "0")
     assert main(["train", "--dry-run", *overrides(tmp_path / "run", small_corpus)]) == 0
     assert "layout" in capsys.readouterr().out
+
+
+def test_a_relaunch_from_another_folder_names_the_saved_relative_data_path(tmp_path, monkeypatch):
+    """`--run.dir` from another folder: the saved relative data.path was "does not exist", not
+    where it came from."""
+    from shardline.config import load_config, save_config
+    from shardline.resilience.relaunch import relaunch_config
+
+    (tmp_path / "proj" / "corpus").mkdir(parents=True)
+    run = tmp_path / "proj" / "run"
+    (run / "checkpoints" / "step-000004.deleting").mkdir(parents=True)  # (a checkpoint held: see above)
+    save_config(load_config(None, ["data.path=corpus"]), run / "config.toml")
+    monkeypatch.chdir(tmp_path / "proj")
+    assert relaunch_config(None, [f"run.dir={run}"]).data.path == "corpus"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^data.path='corpus' \(from .*config.toml, the run's saved config: a "
+                                          r"relative path, read from where the run was launched\) does not exist"):
+        relaunch_config(None, [f"run.dir={run}"])
+    assert relaunch_config(None, [f"run.dir={run}", f"data.path={tmp_path / 'proj' / 'corpus'}"]).data.path

@@ -75,3 +75,9 @@ def test_a_home_path_on_the_command_line_is_the_home_folder_as_in_a_config(tmp_p
     assert main(["prepare", "~/corpus.jsonl", "--out", "~/my prep", "--vocab-size", "512", "--quiet"]) == 0
     assert (tmp_path / "home" / "my prep" / "manifest.json").is_file() and not (tmp_path / "~").exists()
     assert f"train with '--data.path={tmp_path / 'home' / 'my prep'}'" in capsys.readouterr().out
+
+
+def test_a_folder_the_file_system_refuses_is_one_line_not_a_traceback(tmp_path, small_corpus, capsys):
+    assert main(["prepare", str(small_corpus), "--out", "/proc/shardline-prep", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardline: error: ") and "/proc/shardline-prep" in err and err.count("\n") == 1, err

@@ -399,3 +399,17 @@ def test_a_config_file_with_a_byte_order_mark_reads(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes("\ufeff[train]\r\nsteps = 7\r\n".encode())
     assert load_config(path).train.steps == 7
+
+
+def test_a_run_dir_inside_its_raw_data_folder_is_refused(tmp_path, small_corpus):
+    """It trained once, then its next launch read its own metrics.jsonl as a data file (an error
+    about data.text_field); a .txt it held would have been trained on."""
+    import shutil
+
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(small_corpus, data / "corpus.jsonl")
+    inside = load_config(None, [f"data.path={data}", f"run.dir={data / 'runs' / 'a'}"])
+    with pytest.raises(ConfigError, match=r"run.dir=.* is inside data.path=.*: the run's own files"):
+        check_config(inside)
+    check_config(load_config(None, [f"data.path={data}", f"run.dir={tmp_path / 'runs' / 'a'}"]))

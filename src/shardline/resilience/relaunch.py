@@ -4,6 +4,7 @@ made before any process group exists: from files every node sees alike)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from pathlib import Path
@@ -33,11 +34,12 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         print(f"shardline: {cfg.run.dir} holds {held}: resuming with the config.toml it saved and the "
               "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
     cfg = load_relaunch_config(saved, cfg.run.dir, overrides)
+    given = {o.removeprefix("--").split("=")[0] for o in ([overrides] if isinstance(overrides, str) else overrides)}
+    _check_relative_data(cfg, saved, given)
     cfg.parallel.check()  # (a degree of 0 or less: its own one line)
     try:
         shard_degree(cfg, world)  # (the launch checks it again: here to say where degrees it refuses came from)
     except ConfigError as e:
-        given = {o.removeprefix("--").split("=")[0] for o in ([overrides] if isinstance(overrides, str) else overrides)}
         kept, default = reader.read_toml(saved).get("parallel", {}), ParallelConfig()  # (it saves every key)
         keys = [k for k in DEGREES if kept.get(k, getattr(default, k)) != getattr(default, k)
                 and f"parallel.{k}" not in given]
@@ -48,6 +50,21 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         raise ConfigError(f"{e} ({named} from {saved}, the run's saved config a relaunch takes over: give {fix} "
                           "for this world size)") from None
     return cfg
+
+
+def _check_relative_data(cfg: Config, saved: Path, given: set[str]) -> None:
+    """A relative data path the saved config holds is read from where the run was launched: from
+    another folder it is missing (or another folder's), and the launch's "does not exist" did not
+    say where it came from. (The starting weights' paths are left to the launch: a resume goes on
+    without them where its checkpoints stand in.)"""
+    keys = [("data.path", cfg.data.path), ("data.tokenizer", cfg.data.tokenizer),
+            *((f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix))]
+    for key, value in keys:
+        if value and not os.path.isabs(value) and key.split("[")[0] not in given and not Path(value).exists() \
+                and not glob.glob(value):
+            raise ConfigError(f"{key}={value!r} (from {saved}, the run's saved config: a relative path, read from "
+                              f"where the run was launched) does not exist from {os.getcwd()}: launch from that "
+                              f"folder, or give --{key.split('[')[0]}")
 
 
 def resumable(run_dir: Path, saved: Path) -> str:
