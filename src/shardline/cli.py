@@ -348,7 +348,7 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error as Python exits)
         return 0
     except OSError as e:  # a path the file system refuses (read-only, missing, a name too long): one line
-        if args.command in RANKED or os.environ.get("SHARDLINE_TRACEBACK"):  # (a rank's: its traceback, as before)
+        if args.command in (*RANKED, "comm-bench") or os.environ.get("SHARDLINE_TRACEBACK"):  # (a rank's: as before)
             raise
         print(f"shardline: error: {e}", file=sys.stderr)
         return 2

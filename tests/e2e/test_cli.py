@@ -112,10 +112,12 @@ def test_a_relaunch_of_a_run_kept_in_memory_alone_takes_its_saved_config(tmp_pat
     (run / "progress.json").write_text(json.dumps({"high_water_step": 8, "finished": False}))
     assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002
     assert "holds a run kept in in-memory snapshots: resuming with the config.toml" in capsys.readouterr().out
-    (run / "progress.json").write_text(json.dumps({"high_water_step": 200, "finished": True}))
+    (run / "progress.json").write_text(json.dumps({"high_water_step": 200, "finished": True}))  # (an older file)
     assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3  # trained to its end: its RAM given back
     (run / "progress.json").write_text(json.dumps({"high_water_step": 100, "finished": True}))  # a stop_at_step's
     assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002
+    (run / "progress.json").write_text(json.dumps({"high_water_step": 200, "finished": True, "run_complete": False}))
+    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002  # (its last state not kept: a rerun)
     save_config(load_config(None, ["optim.lr=0.002", "checkpoint.interval=0"]), run / "config.toml")
     assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3  # no snapshots kept: nothing to resume
     (run / "progress.json").write_text("{torn")

@@ -413,3 +413,4 @@ def test_a_run_dir_inside_its_raw_data_folder_is_refused(tmp_path, small_corpus)
     with pytest.raises(ConfigError, match=r"run.dir=.* is inside data.path=.*: the run's own files"):
         check_config(inside)
     check_config(load_config(None, [f"data.path={data}", f"run.dir={tmp_path / 'runs' / 'a'}"]))
+    check_config(load_config(None, [f"data.path={data}", f"run.dir={data / '.runs' / 'a'}"]))  # (hidden: not read)

@@ -41,7 +41,8 @@ def test_a_full_disk_is_one_line_leaves_nothing_and_training_goes_on(tiny_config
         Trainer(tiny_config("train.steps=12", "checkpoint.keep=3", run_dir=run)).build().train()
     failed = [e for e in events(run) if e["event"] == "checkpoint_failed"]
     assert failed and failed[0]["step"] == 12
-    assert json.loads((run / "progress.json").read_text())["finished"] is False  # its last state is not kept
+    account = json.loads((run / "progress.json").read_text())  # its last state is not kept: to be rerun
+    assert account["finished"] is False and account["run_complete"] is False
     assert failed[0]["error"].startswith(f"no space left on {run / 'checkpoints'} (needs ~")
     assert " MB, " in failed[0]["error"] and " GB" not in failed[0]["error"]  # 1.7 MB, not "0.00 GB"
     # The last step's save has no next interval to retry it: the line says what a rerun resumes.

@@ -423,7 +423,8 @@ def test_a_memory_only_run_stopped_at_a_step_goes_on_from_ram(tiny_config, tmp_p
     shm = f"checkpoint.memory_dir={tmp_path / 'shm'}"
     common = ["train.steps=8", "checkpoint.interval=0", "checkpoint.memory_interval=3", "train.eval_interval=0", shm]
     Trainer(tiny_config(*common, "train.stop_at_step=5")).build().train()
-    assert json.loads((tmp_path / "run" / "progress.json").read_text())["finished"] is False  # (a wrapper reads it)
+    account = json.loads((tmp_path / "run" / "progress.json").read_text())  # (a wrapper reads it)
+    assert account["finished"] is True and account["run_complete"] is False  # a planned stop: more to train
     resumed = Trainer(tiny_config(*common)).build()
     assert resumed.step == 5
     resumed.train()
@@ -431,7 +432,7 @@ def test_a_memory_only_run_stopped_at_a_step_goes_on_from_ram(tiny_config, tmp_p
     whole = tiny_config(*common, f"run.dir={tmp_path / 'whole'}", f"checkpoint.memory_dir={tmp_path / 'shm2'}")
     Trainer(whole).build().train()
     assert losses == {r["step"]: r["loss"] for r in history(tmp_path / "whole") if r["kind"] == "train"}
-    assert json.loads((tmp_path / "run" / "progress.json").read_text())["finished"] is True
+    assert json.loads((tmp_path / "run" / "progress.json").read_text())["run_complete"] is True
     assert not any((tmp_path / "shm").rglob("*.bin"))  # the run over: its RAM given back
 
 

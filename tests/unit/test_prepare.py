@@ -1360,3 +1360,20 @@ def test_a_folder_reads_alike_for_train_and_prepare_past_links_and_hidden_files(
     assert files_not_read(str(folder)) == []
     manifest = prepare(PrepareOptions([str(folder)], str(tmp_path / "prep"), val_fraction=0.0, **SMALL))
     assert manifest["input_documents"] == 2
+
+
+def test_a_plain_folder_reads_in_the_order_it_always_did_and_a_link_inside_adds_nothing(tmp_path):
+    """The order decides the documents' order, hence the data fingerprint an existing run's resume
+    compares: a plain tree reads as sorted(rglob) did; a link to a folder inside it (current -> v2)
+    neither reads it twice nor moves its files ahead of v1's."""
+    from shardline.data.sources import input_files
+
+    folder = tmp_path / "d"
+    for name in ("a.jsonl", "a-b/x.jsonl", "a.txt", "B/y.jsonl", "v1/z.jsonl", "v2/z.jsonl", "a-b/c/w.txt",
+                 "v1/sub/k.jsonl"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(json.dumps({"text": name}) + "\n")
+    old = sorted(p for p in folder.rglob("*") if p.is_file())
+    assert input_files(str(folder)) == old
+    (folder / "current").symlink_to(folder / "v2")
+    assert input_files(str(folder)) == old

@@ -80,20 +80,22 @@ def files_not_read(path: str) -> list[Path]:
 
 
 def folder_entries(root: Path) -> list[Path]:
-    """The files under folder `root` (and links to nothing), sorted: linked folders followed, each
-    real folder once (a link back up is no loop); hidden files and folders left out (.git,
-    .ipynb_checkpoints, macOS's ._ files: not the user's data); a file linked twice read once."""
-    found, walked = [], set()
-    for top, dirs, names in os.walk(root, followlinks=True):
-        real = os.path.realpath(top)
-        dirs[:] = [] if real in walked else sorted(d for d in dirs if not d.startswith("."))
-        if real not in walked:
-            found += [Path(top) / n for n in names if not n.startswith(".")]
-        walked.add(real)
-    unique: dict[Path, Path] = {}
-    for f in sorted(found):
-        unique.setdefault(f.resolve() if f.exists() else f, f)
-    return list(unique.values())
+    """The files under folder `root` (and links to nothing), sorted as paths; hidden ones left out (.git,
+    .ipynb_checkpoints, macOS's ._ files). The folder's own tree first, then the folders linked into
+    it, each real folder once (a link back up, or to a folder inside, adds nothing); a file reached
+    again through a link is read once, under its own path."""
+    plain, linked, walked, links = {}, [], set(), [Path(root)]
+    while links:
+        for top, dirs, names in os.walk(links.pop(0)):
+            real = os.path.realpath(top)
+            dirs[:] = [] if real in walked else sorted(d for d in dirs if not d.startswith("."))
+            links += [Path(top) / d for d in dirs if os.path.islink(os.path.join(top, d))]  # (walked after)
+            for path in ([] if real in walked else [Path(top) / n for n in names if not n.startswith(".")]):
+                (linked.append(path) if path.is_symlink() else plain.setdefault(os.path.join(real, path.name), path))
+            walked.add(real)
+    for path in sorted(linked):  # a link to a file: read once, and not where its target is read already
+        plain.setdefault(os.path.realpath(path) if path.exists() else str(path), path)
+    return sorted(plain.values())
 
 
 def input_files(path: str, key: str = "data.path") -> list[Path]:

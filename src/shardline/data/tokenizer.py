@@ -88,8 +88,11 @@ def get_tokenizer(documents, tokenizer_path: str, vocab_size: int) -> Tokenizer:
         tok.save(str(tmp))
         tmp.replace(cached)  # atomic: concurrent ranks never read a half-written file
     except Exception as e:  # noqa: BLE001 - a cache that cannot be written costs the next run a training, no more
-        print(f"shardline: warning: the tokenizer cache {cached.parent} cannot be written ({e}); the tokenizer is "
-              "trained again next time (SHARDLINE_CACHE or XDG_CACHE_HOME name another folder)", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # (once a node)
+            print(f"shardline: warning: the tokenizer cache {cached.parent} cannot be written ({e}); the tokenizer "
+                  "is trained again next time (SHARDLINE_CACHE or XDG_CACHE_HOME name another folder)", file=sys.stderr)
     return tok
 
 

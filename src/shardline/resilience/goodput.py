@@ -123,14 +123,14 @@ class Goodput:
                 "total_s": round(total, 3),  # every launch of the run, and the gaps between them
                 "this_launch_s": round(now - self.started, 3), "seconds": seconds}
 
-    def persist(self, finished: bool = False, now: float | None = None) -> None:
+    def persist(self, finished: bool = False, now: float | None = None, run_complete: bool = False) -> None:
         """Rewrite progress.json (as of `now`, default this moment). A write the storage refuses (a disk
         a checkpoint filled) is kept in `unwritten` and training goes on: accounting must never stop a
         run; the next write retries."""
         if not self.enabled or not self.counted:
             return
         now = time.time() if now is None else now
-        record = {"high_water_step": self.high_water, "time": now, "finished": finished,
+        record = {"high_water_step": self.high_water, "time": now, "finished": finished, "run_complete": run_complete,
                   "wall_s": self.wall_before + now - self.started,
                   "seconds": dict(self.seconds)}
         tmp = self.path.with_name(PROGRESS + ".tmp")

@@ -203,11 +203,13 @@ class RunGuard:
         stopped; returns goodput's summary. Not `complete` (stopped by a signal, to be rerun):
         the time until the rerun starts counts as a restart gap, and snapshots newer than the
         newest checkpoint on disk are kept for it; so they are where this launch ends before the
-        run's `last` step (train.stop_at_step: a later launch goes on). progress.json says the run
-        finished only where it trained to its last step and kept that state."""
+        run's `last` step (train.stop_at_step: a later launch goes on). progress.json's `finished`:
+        the launch ended as planned (no restart gap before the next); `run_complete`: the run trained
+        to its last step and no save of it was refused (nothing left to requeue)."""
         with self.phase("drain", step):
             self.timed("checkpoint", lambda: self.tiers.finish(complete and last))
         self.stop_watching()
         now = time.time()
-        self.goodput.persist(finished=complete and last and not self.tiers.unsaved_end, now=now)
+        ended = complete and not self.tiers.unsaved_end
+        self.goodput.persist(finished=ended, now=now, run_complete=ended and last)
         return self.goodput.summary(now)

@@ -17,6 +17,7 @@ are only used by a job with the same layout (the fingerprint); otherwise disk.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import hashlib
 import json
@@ -240,12 +241,12 @@ class MemoryTier:
             except (ValueError, OSError):  # not a snapshot's name, or not removable: no sidecar lists it
                 continue
 
-    def _drop_departed(self) -> None:
-        """Remove the folders of ranks past this job's world on this node (a job that shrank): no rank
-        reads them again, and they hold RAM."""
+    def _drop_departed(self, everyone: bool = False) -> None:
+        """Remove the folders of ranks past this job's world on this node (a job that shrank: no rank
+        reads them again, and they hold RAM), or with `everyone` every rank's folder here."""
         for folder in self.root.glob("rank*"):
             index = folder.name.removeprefix("rank")
-            if index.isdigit() and int(index) >= self.world:
+            if index.isdigit() and (everyone or int(index) >= self.world):
                 shutil.rmtree(folder, ignore_errors=True)
 
     def newest_held(self) -> int | None:
@@ -257,11 +258,8 @@ class MemoryTier:
         """Bytes held in RAM by other runs' snapshots under the same base (e.g. crashed runs)."""
         total = 0
         for f in self.root.parent.glob("*/rank*/*"):
-            if not f.is_relative_to(self.root):
-                try:
-                    total += f.stat().st_size
-                except OSError:
-                    continue
+            with contextlib.suppress(OSError):
+                total += f.stat().st_size if not f.is_relative_to(self.root) else 0
         return total
 
     def clear(self) -> None:
@@ -269,9 +267,7 @@ class MemoryTier:
         every rank clears alike): this rank's, and those of ranks it no longer has here (a job that
         shrank, or whose nodes came back in another order: a rank reads only its own folder)."""
         self.wait()
-        for folder in self.root.glob("rank*"):
-            if folder.name.removeprefix("rank").isdigit():
-                shutil.rmtree(folder, ignore_errors=True)
+        self._drop_departed(everyone=True)
         for empty in (self.root, self.root.parent):
             try:
                 empty.rmdir()  # the last rank out removes the run's folder

@@ -57,8 +57,9 @@ def _check_relative_data(cfg: Config, saved: Path, given: set[str]) -> None:
     another folder it is missing (or another folder's), and the launch's "does not exist" did not
     say where it came from. (The starting weights' paths are left to the launch: a resume goes on
     without them where its checkpoints stand in.)"""
-    keys = [("data.path", cfg.data.path), ("data.tokenizer", cfg.data.tokenizer),
-            *((f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix))]
+    keys = [("data.path", cfg.data.path), *((f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)),
+            *([] if cfg.model.hf_path or cfg.model.init_from else [("data.tokenizer", cfg.data.tokenizer)])]
+    # (the starting weights' tokenizer, saved as data.tokenizer, may be gone with them: the run dir's copy stands in)
     for key, value in keys:
         if value and not os.path.isabs(value) and key.split("[")[0] not in given and not Path(value).exists() \
                 and not glob.glob(value):
@@ -81,7 +82,7 @@ def resumable(run_dir: Path, saved: Path) -> str:
         steps = settings.get("train", {}).get("steps", 0)
         account = json.loads((run_dir / PROGRESS).read_text())
         trained = account.get("high_water_step", 0)
-        over = account.get("finished") and trained >= steps
+        over = account.get("run_complete", account.get("finished") and trained >= steps)  # (older files: finished)
     except (ShardlineError, OSError, ValueError, AttributeError, KeyError, TypeError):  # (damaged: nothing to go on)
         return ""
     # (a run that trained to its end gave its snapshots back: nothing of it is left to resume)
