@@ -137,7 +137,8 @@ def _run_dir_in_data(cfg: Config) -> str | None:
     run = Path(cfg.run.dir).resolve()
     sources = [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [("data.path", cfg.data.path)]
     for key, path in sources:
-        read = Path(path) / "train" if (Path(path) / "dataset_dict.json").is_file() else Path(path)  # (its split)
+        split = (Path(path) / "dataset_dict.json").is_file() and (Path(path) / "train").is_dir()
+        read = Path(path) / "train" if split else Path(path)  # (a DatasetDict: its train split, as input_files reads)
         inside = path and read.is_dir() and not is_prepared(path) and run.is_relative_to(read.resolve())
         if inside and not any(part.startswith(".") for part in run.relative_to(read.resolve()).parts):
             return (f"run.dir={cfg.run.dir!r} is inside {key}={path!r}: the run's own files (metrics.jsonl) would be "

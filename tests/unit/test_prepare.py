@@ -1377,3 +1377,14 @@ def test_a_plain_folder_reads_in_the_order_it_always_did_and_a_link_inside_adds_
     assert input_files(str(folder)) == old
     (folder / "current").symlink_to(folder / "v2")
     assert input_files(str(folder)) == old
+
+
+def test_a_link_to_a_folder_above_the_data_is_not_followed(tmp_path):
+    """`up -> ..` read everything beside the data folder (a run dir there: its metrics.jsonl)."""
+    from shardline.data.sources import input_files
+
+    (tmp_path / "beside.jsonl").write_text(json.dumps({"text": "not data"}) + "\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text(json.dumps({"text": "data"}) + "\n")
+    (tmp_path / "data" / "up").symlink_to(tmp_path)
+    assert [f.name for f in input_files(str(tmp_path / "data"))] == ["a.jsonl"]

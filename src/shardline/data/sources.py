@@ -83,13 +83,14 @@ def folder_entries(root: Path) -> list[Path]:
     """The files under folder `root` (and links to nothing), sorted as paths; hidden ones left out (.git,
     .ipynb_checkpoints, macOS's ._ files). The folder's own tree first, then the folders linked into
     it, each real folder once (a link back up, or to a folder inside, adds nothing); a file reached
-    again through a link is read once, under its own path."""
-    plain, linked, walked, links = {}, [], set(), [Path(root)]
+    again through a link is read once, under its own path; a link to a folder above it is not followed."""
+    plain, linked, walked, links, above = {}, [], set(), [Path(root)], Path(os.path.realpath(root)).parents
     while links:
         for top, dirs, names in os.walk(links.pop(0)):
             real = os.path.realpath(top)
             dirs[:] = [] if real in walked else sorted(d for d in dirs if not d.startswith("."))
-            links += [Path(top) / d for d in dirs if os.path.islink(os.path.join(top, d))]  # (walked after)
+            links += [Path(top) / d for d in dirs if os.path.islink(os.path.join(top, d))  # (walked after)
+                      and Path(os.path.realpath(os.path.join(top, d))) not in above]
             for path in ([] if real in walked else [Path(top) / n for n in names if not n.startswith(".")]):
                 (linked.append(path) if path.is_symlink() else plain.setdefault(os.path.join(real, path.name), path))
             walked.add(real)

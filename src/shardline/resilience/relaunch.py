@@ -57,8 +57,9 @@ def _check_relative_data(cfg: Config, saved: Path, given: set[str]) -> None:
     another folder it is missing (or another folder's), and the launch's "does not exist" did not
     say where it came from. (The starting weights' paths are left to the launch: a resume goes on
     without them where its checkpoints stand in.)"""
+    weights = cfg.model.hf_path or cfg.model.init_from
     keys = [("data.path", cfg.data.path), *((f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)),
-            *([] if cfg.model.hf_path or cfg.model.init_from else [("data.tokenizer", cfg.data.tokenizer)])]
+            *([] if weights and not Path(weights).exists() else [("data.tokenizer", cfg.data.tokenizer)])]
     # (the starting weights' tokenizer, saved as data.tokenizer, may be gone with them: the run dir's copy stands in)
     for key, value in keys:
         if value and not os.path.isabs(value) and key.split("[")[0] not in given and not Path(value).exists() \
