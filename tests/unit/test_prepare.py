@@ -1388,3 +1388,19 @@ def test_a_link_to_a_folder_above_the_data_is_not_followed(tmp_path):
     (tmp_path / "data" / "a.jsonl").write_text(json.dumps({"text": "data"}) + "\n")
     (tmp_path / "data" / "up").symlink_to(tmp_path)
     assert [f.name for f in input_files(str(tmp_path / "data"))] == ["a.jsonl"]
+
+
+def test_a_glob_pattern_reads_a_file_once_as_prepare_does(tmp_path):
+    """A pattern deduped by path: `data/*.jsonl` over a file linked twice, or `data/*` over a folder and
+    a link to it, read files twice in a run where prepare (by real file) read them once."""
+    from shardline.data.sources import input_files, inputs_files
+
+    data = tmp_path / "data"
+    (data / "v2").mkdir(parents=True)
+    (data / "a.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    (data / "v2" / "b.jsonl").write_text(json.dumps({"text": "b"}) + "\n")
+    (data / "twice.jsonl").symlink_to(data / "a.jsonl")
+    (data / "current").symlink_to(data / "v2")
+    for pattern in (f"{data}/*.jsonl", f"{data}/*"):
+        assert input_files(pattern) == inputs_files([pattern], "INPUT")
+    assert [f.name for f in input_files(f"{data}/*")] == ["a.jsonl", "b.jsonl"]

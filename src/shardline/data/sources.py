@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
+from shardline.data.folders import folder_entries, read_once
 from shardline.data.shards import is_prepared
 from shardline.errors import DataError
 
@@ -77,26 +78,6 @@ def files_not_read(path: str) -> list[Path]:
     if (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
         root = root / "train"
     return [p for p in folder_entries(root) if p.is_file() and not _kind(p) and p.name not in _DATASET_METADATA]
-
-
-def folder_entries(root: Path) -> list[Path]:
-    """The files under folder `root` (and links to nothing), sorted as paths; hidden ones left out (.git,
-    .ipynb_checkpoints, macOS's ._ files). The folder's own tree first, then the folders linked into
-    it, each real folder once (a link back up, or to a folder inside, adds nothing); a file reached
-    again through a link is read once, under its own path; a link to a folder above it is not followed."""
-    plain, linked, walked, links, above = {}, [], set(), [Path(root)], Path(os.path.realpath(root)).parents
-    while links:
-        for top, dirs, names in os.walk(links.pop(0)):
-            real = os.path.realpath(top)
-            dirs[:] = [] if real in walked else sorted(d for d in dirs if not d.startswith("."))
-            links += [Path(top) / d for d in dirs if os.path.islink(os.path.join(top, d))  # (walked after)
-                      and Path(os.path.realpath(os.path.join(top, d))) not in above]
-            for path in ([] if real in walked else [Path(top) / n for n in names if not n.startswith(".")]):
-                (linked.append(path) if path.is_symlink() else plain.setdefault(os.path.join(real, path.name), path))
-            walked.add(real)
-    for path in sorted(linked):  # a link to a file: read once, and not where its target is read already
-        plain.setdefault(os.path.realpath(path) if path.exists() else str(path), path)
-    return sorted(plain.values())
 
 
 def input_files(path: str, key: str = "data.path") -> list[Path]:
@@ -168,7 +149,7 @@ def _matched_files(pattern: str, key: str) -> list[Path]:
     matches = [Path(m) for m in sorted(glob.glob(pattern, recursive=True))]
     entries = [f for m in matches for f in (folder_entries(m) if m.is_dir() else [m])]
     _refuse_broken_links(pattern, entries, key)
-    files = sorted({f for f in entries if _kind(f)})
+    files = read_once(f for f in entries if _kind(f))  # (a folder and a link to it both matched: its files once)
     prepared = [m for m in matches if m.is_dir() and is_prepared(str(m))]
     if prepared:  # a prepared folder holds shards, not text, and a mixture is how several are combined
         raise DataError(f"{key}={pattern!r} matches the prepared folder {prepared[0]}: give a prepared folder "
