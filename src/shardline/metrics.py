@@ -157,13 +157,21 @@ def append_event(run_dir: Path, event: str, **fields: Any) -> None:
     """One event record appended to <run_dir>/metrics.jsonl as MetricsLogger writes it, without one:
     for a process that exits before its log opens (a hang while it restores). A write that fails
     is let go: the exit it precedes is the news."""
-    rec = {"kind": "event", "time": round(time.time(), 3), "event": event, **fields}
     try:
         _drop_torn_line(Path(run_dir) / "metrics.jsonl")  # (a killed launch's last line: not one to append to)
         with open(Path(run_dir) / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(_strict(rec), allow_nan=False, default=_jsonable) + "\n")
+            f.write(_line(_record("event", event=event, **fields)))
     except OSError:
         pass
+
+
+def _record(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"kind": kind, "time": round(time.time(), 3), **fields}
+
+
+def _line(rec: dict[str, Any]) -> str:
+    """A record as metrics.jsonl holds it: one line of strict JSON (non-finite numbers as strings)."""
+    return json.dumps(_strict(rec), allow_nan=False, default=_jsonable) + "\n"
 
 
 class MetricsLogger:
@@ -200,11 +208,11 @@ class MetricsLogger:
                 self._unwritten(e, "TensorBoard")
 
     def log(self, kind: str, **fields: Any) -> dict[str, Any]:
-        rec = {"kind": kind, "time": round(time.time(), 3), **fields}
+        rec = _record(kind, **fields)
         if not self.enabled or self._jsonl.closed:  # closed: a watchdog report racing a failed run's end
             return rec
         try:
-            self._jsonl.write(json.dumps(_strict(rec), allow_nan=False, default=_jsonable) + "\n")
+            self._jsonl.write(_line(rec))
             self._jsonl.flush()
         except OSError as e:  # a full disk: the log is not worth the run (the next flush retries what is held)
             self._unwritten(e, self._jsonl.name)

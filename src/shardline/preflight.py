@@ -20,6 +20,7 @@ from shardline import layout as layouts
 from shardline.optim import ssd_offload
 from shardline.config import Config
 from shardline.data.loader import held_out_problem
+from shardline.data.folders import read_root
 from shardline.data.shards import is_prepared, prepared_with_own_bpe
 from shardline.data.tokenizer import bos_prefix
 from shardline.errors import CheckpointError, ConfigError
@@ -137,8 +138,7 @@ def _run_dir_in_data(cfg: Config) -> str | None:
     run = Path(cfg.run.dir).resolve()
     sources = [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [("data.path", cfg.data.path)]
     for key, path in sources:
-        split = (Path(path) / "dataset_dict.json").is_file() and (Path(path) / "train").is_dir()
-        read = Path(path) / "train" if split else Path(path)  # (a DatasetDict: its train split, as input_files reads)
+        read = read_root(Path(path))  # (a DatasetDict: its train split, as input_files reads)
         inside = path and read.is_dir() and not is_prepared(path) and run.is_relative_to(read.resolve())
         if inside and not any(part.startswith(".") for part in run.relative_to(read.resolve()).parts):
             return (f"run.dir={cfg.run.dir!r} is inside {key}={path!r}: the run's own files (metrics.jsonl) would be "

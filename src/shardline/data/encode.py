@@ -41,6 +41,7 @@ import numpy as np
 from jinja2.ext import Extension
 from tokenizers import Tokenizer
 
+from shardline.data.tokenizer import special_token
 from shardline.errors import DataError
 
 CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
@@ -375,7 +376,7 @@ def chat_template_for(tokenizer_path: str) -> ChatTemplate | None:
         source = _named_template(settings.get("chat_template"), where)
     if not isinstance(source, str):
         return None
-    return ChatTemplate(source, _special_token(settings, "bos_token"), _special_token(settings, "eos_token"),
+    return ChatTemplate(source, special_token(settings, "bos_token"), special_token(settings, "eos_token"),
                         str(where))
 
 
@@ -390,11 +391,3 @@ def _named_template(value, where: Path):
                         f"(it has {sorted(map(str, named))}); write the one to train with to chat_template.jinja "
                         "beside it")
     return named["default"]
-
-
-def _special_token(settings: dict, key: str) -> str:
-    """A token as tokenizer_config.json writes it: a string, or {"content": ...}."""
-    value = settings.get(key)
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else ""

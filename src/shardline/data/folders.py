@@ -9,6 +9,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
+def read_root(root: Path) -> Path:
+    """The folder whose files an input reads: a `datasets` save_to_disk DatasetDict's train split,
+    else the input itself."""
+    return root / "train" if (root / "dataset_dict.json").is_file() and (root / "train").is_dir() else root
+
+
 def folder_entries(root: Path) -> list[Path]:
     """The files under folder `root` (and links to nothing), sorted as paths; hidden ones left out (.git,
     .ipynb_checkpoints, macOS's ._ files). The folder's own tree first, then the folders linked into

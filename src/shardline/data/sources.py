@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
-from shardline.data.folders import folder_entries, read_once
+from shardline.data.folders import folder_entries, read_once, read_root
 from shardline.data.shards import is_prepared
 from shardline.errors import DataError
 
@@ -75,9 +75,8 @@ def files_not_read(path: str) -> list[Path]:
     root = Path(path) if path else None
     if root is None or not root.is_dir():
         return []
-    if (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
-        root = root / "train"
-    return [p for p in folder_entries(root) if p.is_file() and not _kind(p) and p.name not in _DATASET_METADATA]
+    return [p for p in folder_entries(read_root(root))
+            if p.is_file() and not _kind(p) and p.name not in _DATASET_METADATA]
 
 
 def input_files(path: str, key: str = "data.path") -> list[Path]:
@@ -93,8 +92,7 @@ def input_files(path: str, key: str = "data.path") -> list[Path]:
         prepared = " or a folder made by `shardline prepare`" if key.startswith("data.") else ""  # (prepare: not)
         raise DataError(f"{key}={path!r} does not exist; give a file ({', '.join(SUFFIXES)}, "
                         f"optionally .gz), a folder of them, a glob pattern of them{prepared}")
-    if root.is_dir() and (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
-        root = root / "train"  # a save_to_disk DatasetDict: train on its train split
+    root = read_root(root) if root.is_dir() else root  # (a save_to_disk DatasetDict: its train split)
     entries = folder_entries(root) if root.is_dir() else []
     files = [p for p in entries if _kind(p)] if root.is_dir() else [root]
     _refuse_broken_links(path, entries, key)

@@ -132,7 +132,12 @@ def settings_token(tokenizer_path: str | os.PathLike, key: str) -> str:
         settings = json.loads((Path(tokenizer_path).parent / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         return ""
-    value = settings.get(key) if isinstance(settings, dict) else None
+    return special_token(settings, key) if isinstance(settings, dict) else ""
+
+
+def special_token(settings: dict, key: str) -> str:
+    """A token as tokenizer_config.json writes it: a string, or {"content": ...}; "" for neither."""
+    value = settings.get(key)
     value = value.get("content") if isinstance(value, dict) else value
     return value if isinstance(value, str) else ""
 

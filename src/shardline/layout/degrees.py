@@ -179,6 +179,10 @@ def resolve(cfg: Config, world: int | None) -> Layout:
     return dataclasses.replace(lay, pp_microbatches=p.pp_microbatches or max(n_mb, 1))
 
 
+# The degrees whose product is the world size.
+WORLD_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+
+
 def shard_degree(cfg: Config, world: int | None) -> int:
     """dp_shard on `world` processes (-1: what the other degrees leave; 1 when world is None); a
     product of the degrees that is not the world size is a ConfigError naming them."""

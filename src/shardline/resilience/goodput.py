@@ -40,6 +40,15 @@ def process_start_time() -> float:
         return time.time()
 
 
+def read_account(run_dir: Path) -> dict | None:
+    """The run's progress.json (see Goodput.persist), or None where there is none to read."""
+    try:
+        account = json.loads((Path(run_dir) / PROGRESS).read_text())
+    except (OSError, ValueError):
+        return None
+    return account if isinstance(account, dict) else None
+
+
 class Goodput:
     def __init__(self, run_dir: Path, enabled: bool, started: float | None = None, fresh: bool = False):
         """`fresh`: a new run in this dir (nothing resumed, not a restart): after a run that finished,
@@ -67,10 +76,7 @@ class Goodput:
                 self.seconds["restart_gap"] += self._gap
 
     def _read(self) -> dict | None:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
+        return read_account(self.path.parent)
 
     def add(self, category: str, seconds: float) -> None:
         self.seconds[category] += seconds

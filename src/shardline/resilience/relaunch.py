@@ -5,17 +5,14 @@ made before any process group exists: from files every node sees alike)."""
 from __future__ import annotations
 
 import glob
-import json
 import os
 from pathlib import Path
 
 from shardline.config import Config, ParallelConfig, load_config, load_relaunch_config, reader
 from shardline.errors import ConfigError, ShardlineError
-from shardline.layout.degrees import shard_degree
+from shardline.layout.degrees import WORLD_DEGREES, shard_degree
 from shardline.resilience.checkpoint import Checkpointer
-from shardline.resilience.goodput import PROGRESS
-
-DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # whose product is the world size
+from shardline.resilience.goodput import read_account
 
 
 def relaunch_config(config: str | None, overrides: list[str], world: int | None = None) -> Config:
@@ -41,7 +38,7 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         shard_degree(cfg, world)  # (the launch checks it again: here to say where degrees it refuses came from)
     except ConfigError as e:
         kept, default = reader.read_toml(saved).get("parallel", {}), ParallelConfig()  # (it saves every key)
-        keys = [k for k in DEGREES if kept.get(k, getattr(default, k)) != getattr(default, k)
+        keys = [k for k in WORLD_DEGREES if kept.get(k, getattr(default, k)) != getattr(default, k)
                 and f"parallel.{k}" not in given]
         if not keys:  # the command line's own degrees: its error as it is
             raise
@@ -81,7 +78,7 @@ def resumable(run_dir: Path, saved: Path) -> str:
         settings = reader.read_toml(saved)
         memory = settings.get("checkpoint", {}).get("memory_interval", 0)
         steps = settings.get("train", {}).get("steps", 0)
-        account = json.loads((run_dir / PROGRESS).read_text())
+        account = read_account(run_dir) or {}
         trained = account.get("high_water_step", 0)
         over = account.get("run_complete", account.get("finished") and trained >= steps)  # (older files: finished)
     except (ShardlineError, OSError, ValueError, AttributeError, KeyError, TypeError):  # (damaged: nothing to go on)
