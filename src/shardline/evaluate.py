@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -147,6 +148,9 @@ def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = N
                                             "now?): name one checkpoint folder (RUN/checkpoints/step-N)"))
         trainer = Trainer(cfg).build()
         try:
+            own_data = {o.removeprefix("--").split("=", 1)[0] for o in overrides}.isdisjoint({"data.path", "data.mix"})
+            if own_data and proc.rank == 0:
+                _say_if_data_changed(ckpt, trainer.data.position_state())
             t, held_out = trainer.cfg.train, len(trainer.data.val)
             if batches is not None:
                 t.eval_batches = -(-held_out // t.global_batch_size) if batches == 0 else batches
@@ -161,6 +165,22 @@ def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = N
         shutil.rmtree(run_dir, ignore_errors=True)
     data = " + ".join(s.path for s in cfg.data.mix) or cfg.data.path or "the shipped corpus"
     return Evaluation(str(ckpt), step, loss, sum(map(len, read)), labelled, data)
+
+
+def _say_if_data_changed(ckpt: Path, position: dict) -> None:
+    """On stderr, where the run's own data no longer holds the tokens the checkpoint trained on
+    (edited since): its held-out split is cut from other documents, so the loss is not the one
+    the run logged and may count documents it trained on. Said, not refused: the score is still
+    the checkpoint's on the data as it is now."""
+    try:
+        saved = torch.load(ckpt / "trainer" / "rank0.pt", weights_only=True)["data"].get("content")
+    except Exception:  # (a checkpoint converted from HF, or older: nothing to compare)
+        return
+    now = position.get("content")
+    if saved and now and saved != now:
+        print(f"shardline eval: the run's data changed since {ckpt.name} was saved (training tokens {saved}, "
+              f"now {now}): its held-out split is not the one the run evaluated on, and may hold documents it "
+              "trained on", file=sys.stderr, flush=True)
 
 
 def _agreed_config(src: str | Path, overrides: list[str], run_dir: Path):

@@ -108,3 +108,23 @@ def test_a_renamed_checkpoint_keeps_its_step_and_a_relative_data_path_is_named(t
     assert f"data.path='{small_prepared.name}' (from the run's saved config: relative to the directory it trained " \
            f"in) is not found from {tmp_path}" in err
     assert _eval(capsys, str(relative), f"--data.path={small_prepared}")["step"] == 2
+
+
+def test_eval_of_a_run_whose_data_changed_since_says_so(tmp_path, small_corpus, capsys):
+    """The run's own held-out split, cut from data edited since the checkpoint: scored, and said
+    (a different split, which may hold documents the run trained on); not said where it is unchanged."""
+    from tests.conftest import tiny_overrides
+    from shardline.config import load_config
+
+    corpus, run = tmp_path / "corpus.txt", tmp_path / "run"
+    corpus.write_text(small_corpus.read_text())
+    Trainer(load_config(None, tiny_overrides(run, corpus, "train.steps=2", "checkpoint.interval=2",
+                                             "train.eval_interval=2", "train.eval_batches=1"))).build().train()
+    capsys.readouterr()
+    assert main(["eval", str(run), "--json"]) == 0
+    unchanged = capsys.readouterr()
+    assert '"loss"' in unchanged.out and "data changed" not in unchanged.err
+    corpus.write_text(small_corpus.read_text().replace("e", "a"))  # the same length, other tokens
+    assert main(["eval", str(run), "--json"]) == 0
+    said = capsys.readouterr().err
+    assert "the run's data changed since step-000002 was saved" in said and "may hold documents it trained on" in said
