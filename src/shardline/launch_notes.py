@@ -150,6 +150,7 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("memory", ("ac_every",), cfg.memory.activation_checkpoint != "selective",
               "memory.activation_checkpoint is not selective"),
              ("optim", ("decay_fraction",), cfg.optim.schedule != "wsd", "optim.schedule is not wsd"),
+             ("optim", ("min_lr_ratio",), cfg.optim.schedule == "constant", "optim.schedule=constant has no floor"),
              *(("parallel", keys, getattr(p, degree) == 1, f"parallel.{degree}=1")
                for degree, keys in IDLE_AT_DEGREE_ONE.items()),
              ("parallel", ("cp_balance",), p.cp > 1 and p.cp_mode == "ulysses",

@@ -56,6 +56,11 @@ def test_pipeline_keys_without_a_pipeline_are_named_unused(tiny_config):
     report, _ = dry_run.dry_run(tiny_config(*ulysses, "parallel.cp_mode=ulysses"), 2)
     assert "set but unused: parallel.cp_balance (parallel.cp_mode=ulysses has no ring to balance)" in report
     assert "set but unused" not in dry_run.dry_run(tiny_config(*ulysses, "parallel.cp_mode=ring"), 2)[0]
+    # A floor for a schedule that never decays
+    floor = ("run.device=cpu", "optim.min_lr_ratio=0.05")
+    report, _ = dry_run.dry_run(tiny_config(*floor, "optim.schedule=constant"), 1)
+    assert "set but unused: optim.min_lr_ratio (optim.schedule=constant has no floor)" in report
+    assert "set but unused" not in dry_run.dry_run(tiny_config(*floor, "optim.schedule=cosine"), 1)[0]
 
 
 def test_the_card_estimated_is_the_one_run_device_names(tiny_config, monkeypatch):

@@ -1,4 +1,4 @@
-"""Learning-rate schedules: a linear warmup, then cosine / linear / WSD / constant to the floor."""
+"""Learning-rate schedules: a linear warmup, then cosine / linear / WSD down to the floor, or constant."""
 
 from __future__ import annotations
 

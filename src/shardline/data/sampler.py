@@ -29,9 +29,10 @@ class GlobalBatchSampler:
             self._epoch, self._perm = epoch, rng.permutation(self.num_samples)
         return self._perm
 
-    def global_batch(self, step: int) -> np.ndarray:
-        """Sample indices of the whole global batch at `step` (0-based)."""
-        first = step * self.global_batch_size
+    def global_batch(self, index: int) -> np.ndarray:
+        """Sample indices of global batch `index` (0-based; a step's is batch_index(step, skipped),
+        which steps over the batches a run skipped)."""
+        first = index * self.global_batch_size
         positions = np.arange(first, first + self.global_batch_size)
         out = np.empty(len(positions), dtype=np.int64)
         epochs = positions // self.num_samples
@@ -42,10 +43,11 @@ class GlobalBatchSampler:
                 out[sel] += int(epoch) * self.num_samples
         return out
 
-    def rank_micro_batches(self, step: int, rank: int, world: int, micro_batch_size: int) -> list[np.ndarray]:
-        """This rank's slice of the global batch at `step`, split into micro-batches."""
-        per_rank = self.global_batch_size // world
-        mine = self.global_batch(step)[rank * per_rank : (rank + 1) * per_rank]
+    def rank_micro_batches(self, index: int, rank: int, ranks: int, micro_batch_size: int) -> list[np.ndarray]:
+        """Data-parallel rank `rank`'s slice (of `ranks`: the dp degree, not the world) of global
+        batch `index`, split into micro-batches."""
+        per_rank = self.global_batch_size // ranks
+        mine = self.global_batch(index)[rank * per_rank : (rank + 1) * per_rank]
         return [mine[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]
 
     def epoch_of(self, step: int) -> float:

@@ -1,4 +1,6 @@
-"""The few reductions the training loop needs across ranks (no-ops in one process)."""
+"""The few reductions the training loop needs across ranks (no-ops in one process): gradient
+clipping (`clip_grad_norm`: the global norm over every shard, and its scale, applied here or handed
+to an optimizer that multiplies inside its own pass), the loss and its token count."""
 
 from __future__ import annotations
 

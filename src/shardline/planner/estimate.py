@@ -41,6 +41,7 @@ from shardline.devices import mfu_peak_dtype
 from shardline.errors import ConfigError
 from shardline.models.flops import flops_per_token
 from shardline.layout import Layout, RankStages
+from shardline.metrics import mfu
 from shardline.planner import compute as cmp
 from shardline.planner import host
 from shardline.planner.hardware import Hardware
@@ -149,12 +150,12 @@ def timed(work: Workload, layout: Layout, hw: Hardware, memory: dict[str, float]
     step = sum(breakdown.values())
     tokens_per_s = work.tokens / step
     peak = hw.peak(mfu_peak_dtype(work.precision)) * layout.world * _peak_share(hw, layout)  # fp8: the bf16 peak
-    mfu = tokens_per_s * flops_per_token(work.model, work.seq_len) / peak
+    utilisation = mfu(tokens_per_s, flops_per_token(work.model, work.seq_len), peak / 1e12, 1)
     info = {"bubble_fraction": round(bubble, 5), "micro_batches_per_step": n_micro,
             "dp_comm_total_s": round(dp_total, 6), "algorithms": algos}
     if layout.pp > 1:
         info["layers_per_stage"] = [r.layers for r in ranks(work, layout)]
-    return Estimate(layout, step, tokens_per_s, mfu, memory, hw.mem_gib * GiB, breakdown, info,
+    return Estimate(layout, step, tokens_per_s, utilisation, memory, hw.mem_gib * GiB, breakdown, info,
                     host_fits(memory, layout, hw))
 
 

@@ -94,7 +94,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
         # The input checks (files, data, layout, resume, this node's device and folders): a refusal on any rank,
         # one node's missing folder say, stops every rank in one line instead of leaving them in a collective.
-        launch, resume_from = self._agreed_inputs()
+        launch, resume_from = self._agreed_inputs()  # (it reads the data: self.data, state.py's _check_inputs)
         self.model_args, self.dims = launch.model_args, ParallelDims(launch.layout)
         build = build_moe_model if self.model_args.moe else build_model  # (offload: one process gets a mesh too)
         built = build(cfg, self.model_args, self.dims, self.device)

@@ -194,6 +194,9 @@ class SavedState:
         return name
 
     def save_checkpoint(self) -> Path | None:
+        """A checkpoint of this step on disk (StateTiers.save; async where configured): the weights and
+        optimizer, the trainer state (step, data position, RNGs, detectors), and the config and model
+        shape a resume or an export reads; its path, or None where the storage refused it."""
         self.report_device_anomalies()  # the saved detector state and events agree
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields,
                 "launchers": launcher_ids()}  # a restart of a resume=never run resumes only its own job's
