@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from shardline.data.encode import (ChatTemplate, chat_template_for, encode_reply_prompt, reply_prompt, turn_end_text,
-                                   with_bos)
+from shardline.data.chat_template import ChatTemplate, chat_template_for
+from shardline.data.encode import encode_reply_prompt, reply_prompt, turn_end_text, with_bos
 from shardline.config import saved_formats
 from shardline.errors import CheckpointError, ConfigError, DataError
 from shardline.models.llama.kv_cache import KVCache

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from shardline.config import Config
 from shardline.data import tokenizer_file
-from shardline.data.encode import CHAT_END, CHAT_START, chat_template_for
+from shardline.data.chat_template import chat_template_for
+from shardline.data.encode import CHAT_END, CHAT_START
 from shardline.data.shards import is_prepared, tokenizer_hash
 from shardline.data.tokenizer import KNOWN_EOS, eos_id, load_tokenizer
 from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, mfu_peak_dtype

@@ -558,15 +558,15 @@ def test_a_dry_run_renders_chat_data_as_the_launch_would_and_names_the_template(
 
 def test_a_chat_template_jinja_file_is_read_before_tokenizer_config(tmp_path):
     """Newer transformers save the template as chat_template.jinja, and prefer it."""
-    from shardline.data import encode
+    from shardline.data import chat_template
 
     tok = str(tmp_path / "tokenizer.json")
-    assert encode.chat_template_for(tok) is None
+    assert chat_template.chat_template_for(tok) is None
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "A", "eos_token": "</s>",
                                                                 "bos_token": {"content": "<s>", "lstrip": False}}))
-    assert encode.chat_template_for(tok) == encode.ChatTemplate("A", bos_token="<s>", eos_token="</s>")
+    assert chat_template.chat_template_for(tok) == chat_template.ChatTemplate("A", bos_token="<s>", eos_token="</s>")
     (tmp_path / "chat_template.jinja").write_text("B")
-    assert encode.chat_template_for(tok) == encode.ChatTemplate("B", bos_token="<s>", eos_token="</s>")
+    assert chat_template.chat_template_for(tok) == chat_template.ChatTemplate("B", bos_token="<s>", eos_token="</s>")
 
 
 MISTRAL_LIKE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
@@ -576,7 +576,8 @@ MISTRAL_LIKE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user'
 def test_a_template_that_closes_every_reply_with_eos_trains_each_reply_to_stop(tmp_path):
     """Mistral's and Llama 2's templates write {{ eos_token }} after every reply: rendered as the
     tokenizer's eos (it was ""), each reply's eos is a target, and none is appended twice."""
-    from shardline.data.encode import ChatTemplate, encode_documents
+    from shardline.data.chat_template import ChatTemplate
+    from shardline.data.encode import encode_documents
     from shardline.data.tokenizer import EOS, eos_id
 
     path, _ = chat_with_templated_tokenizer(tmp_path)
@@ -599,7 +600,8 @@ def test_a_turn_end_is_what_every_reply_is_followed_by_not_the_last_ones_eos():
     """Phi-3 closes a turn with <|end|> and a conversation with eos: after the last reply comes
     "<|end|>\n<|endoftext|>", after another "<|end|>\n<|user|>". A reply ends at <|end|>, which a
     model writes after every reply (it once had to write the eos too, text it writes only last)."""
-    from shardline.data.encode import ChatTemplate, turn_end_text
+    from shardline.data.chat_template import ChatTemplate
+    from shardline.data.encode import turn_end_text
 
     for sep in ("'\\n'", "''"):  # with a blank after the marker, and without
         template = ChatTemplate(PHI3_LIKE.replace("SEP", sep), eos_token="<|endoftext|>")
@@ -890,7 +892,8 @@ def test_a_lone_surrogate_escape_in_jsonl_is_one_line_naming_it(tmp_path):
 def test_chat_templates_are_sandboxed_and_a_list_of_named_ones_gives_its_default(tmp_path):
     """A template comes with downloaded files: it may not reach Python's internals (transformers
     sandboxes them too). tokenizer_config.json may hold [{name, template}, ...]: "default" renders."""
-    from shardline.data.encode import chat_template_for, render_chat
+    from shardline.data.chat_template import chat_template_for
+    from shardline.data.encode import render_chat
 
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
@@ -1173,7 +1176,8 @@ def test_a_sentencepiece_tokenizer_sees_a_conversation_as_its_chat_pipeline_does
     whole now, and the mask falls on exactly the replies' tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from shardline.data.encode import ChatTemplate, encode_chat
+    from shardline.data.chat_template import ChatTemplate
+    from shardline.data.encode import encode_chat
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
@@ -1194,7 +1198,8 @@ def test_a_header_token_that_takes_in_the_replys_leading_blank_stays_the_headers
     reply's leading blank too: it is still the header, given at inference, not a target."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
-    from shardline.data.encode import ChatTemplate, encode_chat
+    from shardline.data.chat_template import ChatTemplate
+    from shardline.data.encode import encode_chat
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
@@ -1269,7 +1274,8 @@ def test_a_template_that_closes_the_conversation_with_eos_is_masked_by_turns():
     The closing comes off each prefix's last piece: the pieces make the whole conversation's
     rendering, each reply and its <|end|> are targets, the headers and prompts are not, and the
     closing eos ends the last reply."""
-    from shardline.data.encode import ChatTemplate, chat_segments
+    from shardline.data.chat_template import ChatTemplate
+    from shardline.data.encode import chat_segments
 
     template = ChatTemplate(PHI3_LIKE.replace("SEP", "'\\n'"), eos_token="<|endoftext|>")
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
@@ -1279,7 +1285,7 @@ def test_a_template_that_closes_the_conversation_with_eos_is_masked_by_turns():
     assert pieces == [("<|system|>\nbe brief<|end|>\n", False), ("<|user|>\nhi<|end|>\n", False),
                       ("<|assistant|>\n", False), ("hello<|end|>\n", True), ("<|user|>\nbye<|end|>\n", False),
                       ("<|assistant|>\n", False), ("farewell<|end|>\n<|endoftext|>", True)]
-    from shardline.data.encode import _render
+    from shardline.data.chat_template import render_template as _render
 
     assert "".join(text for text, _ in pieces) == _render(template, messages)
     ends_with_user = chat_segments(messages[:2], template)  # (a closing after a prompt is not a target)

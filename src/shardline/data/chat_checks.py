@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from shardline.config import Config
-from shardline.data.encode import (chat_segments, chat_template_for, check_replies, render_chat, reply_prompt,
-                                   template_sha256)
+from shardline.data.chat_template import chat_template_for, template_sha256
+from shardline.data.encode import chat_segments, check_replies, render_chat, reply_prompt
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import eval_micro_batches
 from shardline.data.shards import TOKENIZER, is_prepared, read_manifest, tokenizer_file

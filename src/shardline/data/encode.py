@@ -19,29 +19,19 @@ generation prompt (`add_generation_prompt`, the text a chat model is given to st
 reply) adds to the messages before it, when the reply's rendering starts with it; when
 the prompt adds more than the reply shows (an opened reasoning block, say), the lines
 both begin with. A template without a generation prompt gives no header to take out, so
-its whole assistant segment is a target. Templates render as transformers renders them:
-with the bos and eos tokens tokenizer_config.json names, loop controls, a plain tojson, and
-{% generation %} blocks rendered as their body. Not `strftime_now`: a template that asks whether it
-is defined writes its fixed fallback date, so that data renders the same on every day a run
-resumes (transformers writes today's date at inference).
+its whole assistant segment is a target. Templates render as transformers renders them (chat_template.py).
 """
 
 from __future__ import annotations
 
 import difflib
-import hashlib
-import json
 import os
-from dataclasses import dataclass, field
-from functools import lru_cache
 from itertools import chain
-from pathlib import Path
 
 import numpy as np
-from jinja2.ext import Extension
 from tokenizers import Tokenizer
 
-from shardline.data.tokenizer import special_token
+from shardline.data.chat_template import ChatTemplate, as_template, opening, render_template
 from shardline.errors import DataError
 
 CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
@@ -54,22 +44,6 @@ CHATML_TEMPLATE = ("{% for message in messages %}{{ '" + CHAT_START + "' + messa
 # tool_calls, reach the template; 4: a conversation is tokenized whole, not segment by segment):
 # `shardline prepare` starts a chat folder over when it differs.
 CHAT_MASK_RULE = 4
-
-
-@dataclass(frozen=True)
-class ChatTemplate:
-    """A tokenizer's chat template (jinja) and the special tokens it may write, as transformers
-    renders it: `{{ bos_token }}` and `{{ eos_token }}` from tokenizer_config.json (Mistral's and
-    Llama 2's templates close every reply with the eos; rendered as "" it had no target)."""
-
-    source: str
-    bos_token: str = ""
-    eos_token: str = ""
-    where: str = field(default="tokenizer_config.json", compare=False)  # the file it came from, for errors
-
-
-def _as_template(template: ChatTemplate | str | None) -> ChatTemplate | None:
-    return ChatTemplate(template) if isinstance(template, str) else template
 
 
 def encode_documents(tok: Tokenizer, docs: list, eos: int | None, chat_template: ChatTemplate | str | None = None,
@@ -128,16 +102,6 @@ def _encode_batch(tok: Tokenizer, texts: list[str], offsets: bool = False) -> li
                         "takes only text made of its own tokens)") from None
 
 
-def template_sha256(template: ChatTemplate | str | None) -> str | None:
-    """What a prepared folder records of its chat template (None: ChatML), to tell templates apart
-    (with its special tokens when it has any: they change what is rendered)."""
-    template = _as_template(template)
-    if not template or not template.source:
-        return None
-    tokens = f"\0{template.bos_token}\0{template.eos_token}" if template.bos_token or template.eos_token else ""
-    return hashlib.sha256((template.source + tokens).encode()).hexdigest()
-
-
 def check_replies(where: str, roles: set[str]) -> None:
     """Chat data trains on the replies, the messages of role "assistant": data with none of them
     (ShareGPT's "gpt", Gemini's "model") would train on nothing, every loss 0."""
@@ -155,13 +119,13 @@ def check_replies(where: str, roles: set[str]) -> None:
 
 def chat_segments(messages: list[dict], template: ChatTemplate | str | None = None) -> list[tuple[str, bool]]:
     """(text, is_target) pieces of one conversation, in order."""
-    template = _as_template(template)
+    template = as_template(template)
     if template and template.source:
         return _template_segments(messages, template)
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            raise DataError(f"chat data with tool_calls (a conversation {_opening(messages)}) needs a chat template "
+            raise DataError(f"chat data with tool_calls (a conversation {opening(messages)}) needs a chat template "
                             "that renders them (ChatML, used without one beside data.tokenizer, has no way to): set "
                             "data.tokenizer to a tokenizer.json whose folder has one (model.hf_path's is taken by "
                             "default)")
@@ -179,9 +143,9 @@ def reply_prompt(messages: list[dict], template: ChatTemplate | str | None = Non
     """The conversation as text followed by the header of the assistant's reply: what a chat
     model trained on such renderings is given to write that reply (the template's generation
     prompt; under ChatML, the assistant's opening line)."""
-    template = _as_template(template)
+    template = as_template(template)
     if template and template.source:
-        return _render(template, messages, generation_prompt=True)
+        return render_template(template, messages, generation_prompt=True)
     return render_chat(messages) + f"{CHAT_START}assistant\n"
 
 
@@ -201,7 +165,7 @@ def turn_end_text(template: ChatTemplate | str | None = None) -> str:
     "<|end|>\n<|user|>..."): then only what the two begin with, cut after its last blank or
     marker close (">"). "" when the template writes nothing there or cannot render such a
     conversation."""
-    template = _as_template(template)
+    template = as_template(template)
     last = _after_reply(template, [])
     if not last:
         return ""
@@ -218,7 +182,7 @@ def _after_reply(template: ChatTemplate | None, then: list[dict]) -> str:
     template cannot render that conversation."""
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _REPLY_PROBE}, *then]
     try:
-        text = _render(template, messages) if template and template.source else render_chat(messages)
+        text = render_template(template, messages) if template and template.source else render_chat(messages)
     except DataError:
         return ""
     return text.split(_REPLY_PROBE, 1)[1] if _REPLY_PROBE in text else ""
@@ -262,14 +226,14 @@ def _template_segments(messages: list[dict], template: ChatTemplate) -> list[tup
     to end the conversation)."""
     out, before = [], ""
     for i, m in enumerate(messages):
-        text = _render(template, messages[: i + 1])
+        text = render_template(template, messages[: i + 1])
         eos, body = template.eos_token or "", out[-1][0].rstrip() if out else ""
         closing = out[-1][0][len(body) - len(eos):] if eos and body.endswith(eos) else ""
         if closing and not text.startswith(before) and text.startswith(before[:-len(closing)]):
             before, out[-1] = before[:-len(closing)], (out[-1][0][:-len(closing)], out[-1][1])
         if not text.startswith(before):  # taking it whole would repeat the conversation so far in the stream
             raise DataError(f"the tokenizer's chat_template renders the first {i} messages of a conversation "
-                            f"{_opening(messages)} differently once message {i + 1} follows (e.g. it drops earlier "
+                            f"{opening(messages)} differently once message {i + 1} follows (e.g. it drops earlier "
                             "reasoning), so its assistant tokens cannot be found by rendering; use a template that "
                             "only appends")
         if m["role"] == "assistant":
@@ -293,7 +257,7 @@ def _reply_header(template: ChatTemplate, earlier: list[dict], before: str, text
     or fails on these messages (a template may refuse an empty conversation): then the whole
     reply segment stays a target."""
     try:
-        prompt = _render(template, earlier, generation_prompt=True)
+        prompt = render_template(template, earlier, generation_prompt=True)
     except DataError:
         return ""
     if not prompt.startswith(before):
@@ -303,91 +267,3 @@ def _reply_header(template: ChatTemplate, earlier: list[dict], before: str, text
         return added
     shared = os.path.commonprefix([added, reply])
     return shared[: shared.rfind("\n") + 1]
-
-
-def _render(template: ChatTemplate, messages: list[dict], generation_prompt: bool = False) -> str:
-    """The template applied to these messages; a template that fails is a DataError, not a traceback."""
-    try:
-        return _compiled(template.source)(messages=messages, add_generation_prompt=generation_prompt,
-                                          bos_token=template.bos_token, eos_token=template.eos_token)
-    except Exception as e:  # jinja2 raises many types (syntax, undefined, the template's own raise_exception)
-        raise DataError(f"the tokenizer's chat template ({template.where}) fails on a conversation "
-                        f"{_opening(messages)}: {type(e).__name__}: {' '.join(str(e).split())}") from None
-
-
-def _opening(messages: list[dict]) -> str:
-    """How an error points at a conversation among millions: its first words, to search the data for."""
-    first = " ".join(str(messages[0].get("content", "")).split())[:48] if messages else ""
-    return f"(opening {first!r})" if first else "(empty)"
-
-
-@lru_cache(maxsize=4)
-def _compiled(template: str):
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    # As transformers renders templates: sandboxed (a template comes with downloaded files, and
-    # jinja's plain environment lets one reach Python's internals and run code), loop controls
-    # ({% break %}), and a tojson that keeps characters as they are (jinja's own escapes <, >, &
-    # and ' for HTML).
-    # A {% generation %} block (which transformers uses to return an assistant mask) renders as its
-    # body: the mask here comes from the rendered replies (chat_segments), the same either way.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
-    env.globals["raise_exception"] = _raise
-    env.filters["tojson"] = _tojson
-    return env.from_string(template).render
-
-
-class _GenerationBlock(Extension):
-    """{% generation %}...{% endgeneration %}: its body, as if the tags were not there."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _raise(message: str):
-    raise ValueError(message)
-
-
-def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def chat_template_for(tokenizer_path: str) -> ChatTemplate | None:
-    """The chat template beside a tokenizer.json, if any: chat_template.jinja, which newer
-    transformers write and prefer, else tokenizer_config.json's chat_template (of a list of named
-    ones, "default", as transformers picks); with the bos and eos tokens tokenizer_config.json names."""
-    if not tokenizer_path:
-        return None
-    folder = Path(tokenizer_path).parent
-    try:
-        settings = json.loads((folder / "tokenizer_config.json").read_text())
-        settings = settings if isinstance(settings, dict) else {}
-    except (OSError, ValueError):
-        settings = {}
-    where = folder / "chat_template.jinja"
-    try:
-        source = where.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        where = folder / "tokenizer_config.json"
-        source = _named_template(settings.get("chat_template"), where)
-    if not isinstance(source, str):
-        return None
-    return ChatTemplate(source, special_token(settings, "bos_token"), special_token(settings, "eos_token"),
-                        str(where))
-
-
-def _named_template(value, where: Path):
-    """A chat_template entry: a template, or a list of {"name", "template"} of which "default" is
-    the one a conversation renders with (the others, such as "tool_use", need arguments we do not give)."""
-    if not isinstance(value, list):
-        return value
-    named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-    if not isinstance(named.get("default"), str):
-        raise DataError(f"{where}: chat_template is a list of named templates without a \"default\" one "
-                        f"(it has {sorted(map(str, named))}); write the one to train with to chat_template.jinja "
-                        "beside it")
-    return named["default"]

@@ -19,7 +19,8 @@ from tokenizers import Tokenizer
 from shardline.config import Config
 from shardline.data.chat_checks import (REPLY_SAMPLE, chat_checked, check_folder_template, check_one_chat_template,
                                         check_replies_fit, rendering, without_replies)
-from shardline.data.encode import chat_template_for, check_replies, encode_documents, render_chat
+from shardline.data.chat_template import chat_template_for
+from shardline.data.encode import check_replies, encode_documents, render_chat
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index

@@ -21,7 +21,8 @@ from functools import lru_cache
 import numpy as np
 from tokenizers import Tokenizer
 
-from shardline.data.encode import ChatTemplate, encode_documents
+from shardline.data.chat_template import ChatTemplate
+from shardline.data.encode import encode_documents
 from shardline.data.shards import SPLITS
 from shardline.data.tokenizer import eos_id
 from shardline.errors import DataError

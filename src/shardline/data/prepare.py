@@ -27,8 +27,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from shardline.config.sections import MAX_TRAINED_VOCAB
-from shardline.data.encode import (CHAT_MASK_RULE, ChatTemplate, chat_template_for, check_replies, render_chat,
-                                   template_sha256)
+from shardline.data.chat_template import ChatTemplate, chat_template_for, template_sha256
+from shardline.data.encode import CHAT_MASK_RULE, check_replies, render_chat
 from shardline.data.loader import held_out, split_single
 from shardline.data.pool import EncodeJob, encoded_chunks
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,

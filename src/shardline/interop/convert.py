@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from shardline.config import saved_formats
-from shardline.data.encode import CHATML_TEMPLATE, chat_template_for, reply_prompt
+from shardline.data.chat_template import chat_template_for
+from shardline.data.encode import CHATML_TEMPLATE, reply_prompt
 from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
 from shardline.errors import CheckpointError, ConfigError, DataError
 from shardline.interop.hf import empty_model, from_hf_pretrained, to_hf_pretrained
