@@ -712,6 +712,48 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_not_duplicated(tmp_pa
         chat_segments(messages, rewrites)
 
 
+# Qwen3's way with reasoning, in short: a reply after the last user message shows its <think> block
+# (an empty one where it has none), an earlier reply is rendered without it.
+QWEN3_LIKE = ("{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}"
+              "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+              "{% for m in messages %}{% set body = m.content %}{% set thought = '' %}"
+              "{% if '</think>' in body %}{% set thought = body.split('</think>')[0].split('<think>')[-1].strip() %}"
+              "{% set body = body.split('</think>')[-1].lstrip() %}{% endif %}"
+              "{{ '<|im_start|>' + m.role + '\\n' }}"
+              "{% if m.role == 'assistant' and loop.index0 > ns.last %}"
+              "{{ '<think>\\n' + thought + '\\n</think>\\n\\n' }}{% endif %}{{ body + '<|im_end|>\\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_template_that_drops_earlier_reasoning_trains_each_reply_of_its_whole_rendering():
+    """Qwen3's template renders a reply's reasoning only while no user message follows it, so a
+    conversation's prefixes are not the start of its rendering (it was refused). The whole
+    rendering is what the model is given at inference (each reply's prompt begins it): each reply
+    is a target from where its prompt ends through its turn end, the rest is not."""
+    from shardline.data.chat_template import ChatTemplate, render_template
+    from shardline.data.encode import chat_segments
+
+    template = ChatTemplate(QWEN3_LIKE, eos_token="<|im_end|>")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "<think>greet back</think>hello"}, {"role": "user", "content": "bye"},
+                {"role": "assistant", "content": "farewell"}]
+    pieces = chat_segments(messages, template)
+    header = "<|im_start|>assistant\n"
+    assert pieces == [("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n" + header, False),
+                      ("hello<|im_end|>\n", True), ("<|im_start|>user\nbye<|im_end|>\n" + header, False),
+                      ("<think>\n\n</think>\n\nfarewell<|im_end|>\n", True)]
+    assert "".join(text for text, _ in pieces) == render_template(template, messages)
+    # One reply: its reasoning is rendered, and trained on (by prefixes, as before)
+    single = chat_segments(messages[:3], template)
+    assert [text for text, target in single if target] == ["<think>\ngreet back\n</think>\n\nhello<|im_end|>\n"]
+    # A conversation that ends with a user message: its last piece is no target
+    assert chat_segments(messages[:4], template)[-1] == ("<|im_start|>user\nbye<|im_end|>\n", False)
+    # Without a generation prompt there is no header to take out (as by prefixes): the whole turn is a target
+    bare = ChatTemplate(QWEN3_LIKE.split("{% if add_generation_prompt %}")[0], eos_token="<|im_end|>")
+    assert [text for text, target in chat_segments(messages, bare) if target][0] == \
+        "<|im_start|>assistant\nhello<|im_end|>\n"
+
+
 LLAMA_LIKE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|end|>\n{{ m['content'] }}<|eot|>{% endfor %}"
               "{% if add_generation_prompt %}<|start|>assistant<|end|>\n{% endif %}")
 

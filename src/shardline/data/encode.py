@@ -12,14 +12,15 @@ tokenizer's folder has a chat template (chat_template.jinja, or tokenizer_config
 Each message becomes segments of the rendering, which is tokenized whole (as the model's own
 chat pipeline does); a token is a loss target when its first character that is not whitespace
 lies in a target segment. Under ChatML an assistant's content and end marker are targets (its
-header is not), all others are not. With a template, segment i is all that message i adds to the rendering of the
-messages before it (a template that rewrites earlier turns instead of appending is
-refused). An assistant's segment is a target but for its header: what the template's
-generation prompt (`add_generation_prompt`, the text a chat model is given to start a
-reply) adds to the messages before it, when the reply's rendering starts with it; when
-the prompt adds more than the reply shows (an opened reasoning block, say), the lines
-both begin with. A template without a generation prompt gives no header to take out, so
-its whole assistant segment is a target. Templates render as transformers renders them (chat_template.py).
+header is not), all others are not. With a template, segment i is all that message i adds to
+the rendering of the messages before it (a template that renders earlier turns otherwise once
+later ones follow, as Qwen3's does with reasoning, is cut from the whole rendering instead:
+_whole_segments). An assistant's segment is a target but for its header: what the template's
+generation prompt (`add_generation_prompt`, the text a chat model is given to start a reply)
+adds to the messages before it, when the reply's rendering starts with it; when the prompt adds
+more than the reply shows (an opened reasoning block, say), the lines both begin with. A
+template without a generation prompt gives no header to take out, so its whole assistant
+segment is a target. Templates render as transformers renders them (chat_template.py).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ CHATML_TEMPLATE = ("{% for message in messages %}{{ '" + CHAT_START + "' + messa
 # Which tokens of a conversation are targets changed with this number (2: a reply's header
 # under a template is not one; 3: a message's fields beyond role and content, such as
 # tool_calls, reach the template; 4: a conversation is tokenized whole, not segment by segment):
-# `shardline prepare` starts a chat folder over when it differs.
+# `shardline prepare` starts a chat folder over when it differs. (Cutting replies from the whole
+# rendering of a template that rewrites earlier turns, Qwen3's, took conversations refused before: no new number.)
 CHAT_MASK_RULE = 4
 
 
@@ -231,11 +233,8 @@ def _template_segments(messages: list[dict], template: ChatTemplate) -> list[tup
         closing = out[-1][0][len(body) - len(eos):] if eos and body.endswith(eos) else ""
         if closing and not text.startswith(before) and text.startswith(before[:-len(closing)]):
             before, out[-1] = before[:-len(closing)], (out[-1][0][:-len(closing)], out[-1][1])
-        if not text.startswith(before):  # taking it whole would repeat the conversation so far in the stream
-            raise DataError(f"the tokenizer's chat_template renders the first {i} messages of a conversation "
-                            f"{opening(messages)} differently once message {i + 1} follows (e.g. it drops earlier "
-                            "reasoning), so its assistant tokens cannot be found by rendering; use a template that "
-                            "only appends")
+        if not text.startswith(before):  # earlier turns rendered otherwise once this one follows (Qwen3's)
+            return _whole_segments(messages, template, i)
         if m["role"] == "assistant":
             header = _reply_header(template, messages[:i], before, text)
             if header:
@@ -244,6 +243,40 @@ def _template_segments(messages: list[dict], template: ChatTemplate) -> list[tup
         out.append((text[len(before):], m["role"] == "assistant"))
         before = text
     return out
+
+
+def _whole_segments(messages: list[dict], template: ChatTemplate, changed: int) -> list[tuple[str, bool]]:
+    """(text, is_target) pieces cut from the whole conversation's rendering, for a template that
+    renders earlier turns otherwise once later ones follow (Qwen3's drops an earlier reply's
+    reasoning block) from message `changed` on. That rendering is what the model sees at inference
+    as long as each reply's prompt (the messages before it, with the generation prompt) begins it:
+    a reply's target starts where its prompt ends (the whole lines they share, as _reply_header
+    takes them) and runs through the template's turn end (turn_end_text), or to the end of the
+    conversation for a last reply. Refused in one line where a prompt is not where the rendering
+    starts, or the template writes no turn end to find a reply's."""
+    whole, mark, out, at = render_template(template, messages), turn_end_text(template), [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        try:
+            prompt = render_template(template, messages[:i], generation_prompt=True)
+        except DataError:
+            prompt = ""
+        shared = prompt if whole.startswith(prompt) else os.path.commonprefix([prompt, whole])
+        start = len(shared) if shared == prompt else shared.rfind("\n") + 1
+        end = len(whole) if i == len(messages) - 1 else whole.find(mark, start) if mark else -1
+        if not prompt or start <= at or end < 0:
+            raise DataError(f"the tokenizer's chat_template renders the first {changed} messages of a conversation "
+                            f"{opening(messages)} differently once message {changed + 1} follows, and its reply "
+                            f"(message {i + 1}) is not found in the whole rendering by its prompt and turn end; use a "
+                            "template that only appends, or one whose prompts begin its renderings")
+        if i < len(messages) - 1:  # the turn end and the blanks after it, as a reply's own piece holds them
+            end += len(mark)
+            while end < len(whole) and whole[end].isspace():
+                end += 1
+        out += [(whole[at:start], False), (whole[start:end], True)]
+        at = end
+    return [piece for piece in [*out, (whole[at:], False)] if piece[0]]
 
 
 def _reply_header(template: ChatTemplate, earlier: list[dict], before: str, text: str) -> str:
