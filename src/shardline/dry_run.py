@@ -28,6 +28,7 @@ from shardline.launch_notes import lr_low_for_new_weights, unused_settings
 from shardline.devices import DATASHEETS, local_datasheet
 from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
+from shardline.optim import next_lr_change
 from shardline.parallel.compile import describe as describe_compile
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import Hardware, cuda_index, get_hardware, with_local_memory
@@ -101,10 +102,15 @@ def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool) -> list[str]
     config_changed events), and whether anything is left to train."""
     if resume is None:
         return []
-    changes = settings_changed(saved_config(resume), cfg, stand_in)
+    saved, step = saved_config(resume), json.loads((resume / MANIFEST).read_text())["step"]  # (verified already)
+    changes = settings_changed(saved, cfg, stand_in)
     said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
     lines = [f"          changed since it: {said}"] if changes else []
-    step, last = json.loads((resume / MANIFEST).read_text())["step"], cfg.train.last_step  # (verified already)
+    jump = next_lr_change(step, saved, cfg.train.steps, cfg.optim)
+    if jump and step < cfg.train.last_step:
+        lines.append(f"          lr of the next update (step {step + 1}): {jump[0]:.3g} -> {jump[1]:.3g} (the "
+                     "schedule is computed from step 0 with the new settings)")
+    last = cfg.train.last_step
     if step >= last:
         lines.append(f"          nothing to train: it is at step {step}, the run ends at {last} (train.steps"
                      + (", train.stop_at_step)" if cfg.train.stop_at_step else ")"))

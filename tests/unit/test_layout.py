@@ -45,7 +45,11 @@ def test_dp_shard_fills_the_rest():
 
 
 @pytest.mark.parametrize("world, overrides, message", [
-    (4, ["parallel.dp_shard=3"], "does not match the world size 4"),
+    (4, ["parallel.dp_shard=3"], "does not match the world size 4; their product must equal the number of "
+                                 "processes .or set parallel.dp_shard=-1 to take what the others leave"),
+    # DDP 2 relaunched on one process: dp_shard=-1 alone would not do, and the line says so
+    (1, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "dp_shard=-1 takes what the others leave, but their "
+                                                            "product 2 does not divide 1 either: lower them too"),
     (6, ["parallel.tp=4"], "does not divide the world size 6 .*it must be one of 1, 2, 3, 6"),
     (4, ["parallel.tp=4"], "must divide n_heads=4 and n_kv_heads=2; valid tp: 1, 2"),
     (8, ["parallel.pp=8"], "fewer than the 8 pipeline stages"),
@@ -514,6 +518,7 @@ def test_dry_run_tokenizes_a_resume_whose_data_settings_changed_and_names_them(c
     assert main([*base, "--train.precision=bf16", "--train.steps=2"]) == 0
     out = capsys.readouterr().out
     assert "changed since it: train.steps 4 -> 2, train.precision 'fp32' -> 'bf16'" in out, out
+    assert "lr of the next update" not in out  # (nothing left to train)
     assert "nothing to train: it is at step 2, the run ends at 2 (train.steps)" in out
 
 

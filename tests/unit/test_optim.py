@@ -25,3 +25,21 @@ def test_wsd_whose_warmup_overlaps_the_decay_decays_after_the_warmup_without_a_j
     curve = [lr_multiplier(step, 100, cfg) for step in range(100)]
     assert curve[89] == 1.0 and curve[-1] == pytest.approx(0.1)
     assert max(a - b for a, b in zip(curve[89:], curve[90:])) == pytest.approx(0.9 / 10)  # ten even steps
+
+
+def test_the_next_lr_a_resume_changes_is_given_before_and_after():
+    """Extending a cosine run that decayed to its floor raises the lr again (the curve is computed
+    from step 0 over the new train.steps): next_lr_change gives the two values; None where the
+    resume changes nothing of it."""
+    from dataclasses import asdict
+
+    from shardline.optim import next_lr_change
+
+    cfg = OptimConfig(lr=3e-3, warmup_steps=5, schedule="cosine", min_lr_ratio=0.1)
+    saved = {"optim": asdict(cfg), "train": {"steps": 20}}
+    old, new = next_lr_change(20, saved, 40, cfg)
+    assert old == pytest.approx(3e-4) and new == pytest.approx(3e-3 * lr_multiplier(20, 40, cfg)) and new > 6 * old
+    assert next_lr_change(10, saved, 20, cfg) is None
+    assert next_lr_change(10, saved, 20, OptimConfig(lr=1e-3, warmup_steps=5, min_lr_ratio=0.1)) == \
+        pytest.approx([3e-3 * lr_multiplier(10, 20, cfg), 1e-3 * lr_multiplier(10, 20, cfg)])
+    assert next_lr_change(10, {}, 20, cfg) is None  # (a saved config that does not say)

@@ -229,9 +229,15 @@ def test_a_resume_with_another_schedule_says_so_and_a_cut_warmup_is_named(tiny_c
     equal = dict(launch_notes(tiny_config("optim.warmup_steps=12", "metrics.peak_tflops=1"), "cpu", 1.0, 1))
     assert equal["warmup_cut"] == {"warmup_steps": 12, "steps": 12}  # the lr peaks at the last step here too
     assert "warmup_cut" not in dict(launch_notes(tiny_config("optim.warmup_steps=11"), "cpu", 1.0, 1))
-    Trainer(tiny_config("train.steps=24", "optim.warmup_steps=4", "train.eval_interval=0")).build()
+    resumed = Trainer(tiny_config("train.steps=24", "optim.warmup_steps=4", "train.eval_interval=0")).build()
     (changed,) = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "optim_changed"]
     assert (changed["train.steps"], changed["warmup_steps"]) == ([12, 24], [20, 4]) and "schedule" not in changed
+    # The lr of the next update, before (the cut warm-up's 7/12 of the peak) and now (past a 4-step warm-up)
+    from shardline.optim import lr_multiplier
+
+    lr = resumed.cfg.optim.lr
+    assert changed["next_lr"] == pytest.approx([lr * 7 / 12, lr * lr_multiplier(6, 24, resumed.cfg.optim)])
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(changed["next_lr"][1])  # what the step uses
 
 
 def test_resume_flag_without_checkpoint_fails(tiny_config):

@@ -208,6 +208,9 @@ def _product_message(cfg: Config, world: int, product: int) -> str:
         fits = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
         return (f"{degrees} give dp_replicate x cp x tp x pp = {product}, which does not divide the world size "
                 f"{world} (dp_shard=-1 takes what they leave); with {world} processes it must be one of {fits}")
+    others = p.dp_replicate * p.cp * p.tp * p.pp
+    way_out = "set parallel.dp_shard=-1 to take what the others leave" if world % others == 0 else (
+        f"parallel.dp_shard=-1 takes what the others leave, but their product {others} does not divide {world} "
+        "either: lower them too")
     return (f"{degrees} give dp_replicate x dp_shard x cp x tp x pp = {product}, which does not match the world "
-            f"size {world}; their product must equal the number of processes (or set parallel.dp_shard=-1 to take "
-            "what the others leave)")
+            f"size {world}; their product must equal the number of processes (or {way_out})")

@@ -8,6 +8,7 @@ ZeRO-1, parallel/zero1.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -100,6 +101,23 @@ def schedule_settings(total_steps: int, cfg: OptimConfig) -> dict:
     step, so a resume with other values changes the lr curve from there on (and says so)."""
     return {"train.steps": total_steps, "warmup_steps": cfg.warmup_steps, "schedule": cfg.schedule,
             "min_lr_ratio": cfg.min_lr_ratio, "decay_fraction": cfg.decay_fraction}
+
+
+def next_lr_change(step: int, saved: dict, total_steps: int, cfg: OptimConfig) -> list[float] | None:
+    """[saved, now]: the lr of the update after `step` under the lr and schedule of a checkpoint's
+    run config (`saved`, as Config.to_dict gives it) and under this config's, where they differ. A
+    resume that changes train.steps or the schedule moves the curve from there on, warm-up counted
+    from step 0 (extending a decayed cosine raises it again): the two numbers show by how much.
+    None where they agree or the saved config does not say."""
+    try:
+        kept = {k: saved["optim"][k] for k in ("lr", "warmup_steps", "schedule", "min_lr_ratio", "decay_fraction")
+                if k in saved["optim"]}
+        before = dataclasses.replace(cfg, **kept)
+        old = before.lr * lr_multiplier(step, int(saved["train"]["steps"]), before)
+    except (KeyError, TypeError, ValueError):
+        return None
+    new = cfg.lr * lr_multiplier(step, total_steps, cfg)
+    return None if math.isclose(old, new, rel_tol=1e-9) else [old, new]
 
 
 def build_scheduler(opt: torch.optim.Optimizer, total_steps: int, cfg: OptimConfig):

@@ -271,6 +271,11 @@ def _check_saved_seq_len(path: Path, seq_len: int) -> None:
                               f"{saved}, or start a new run.dir from these weights with model.init_from")
 
 
+# What a refusal's way out means for the data: a new run reads it from its first batch, where the weights
+# have been already (train.skip_batches passes over batches, counted in the new run's global batches).
+FROM_THE_START = " (a new run reads its data from the first batch: train.skip_batches passes over batches)"
+
+
 def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int,
                         global_batch_size: int, position: dict | None = None, changed: str = "") -> None:
     """The saved sample position means the same in this run, or a CheckpointError saying what changed.
@@ -295,26 +300,27 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
         raise CheckpointError(
             f"checkpoint {path} was trained on other data (tokens {saved_content}, this run's {content}): {why}; "
             "the saved position would mean other samples: train on the data it was saved with, or start a new "
-            "run.dir from these weights with model.init_from")
+            "run.dir from these weights with model.init_from" + FROM_THE_START)
     packing, saved_packing = (position or {}).get("packing"), data_pos.get("packing")
     if position is not None and packing != saved_packing:  # the same tokens cut into other sequences
         raise CheckpointError(
             f"checkpoint {path} was saved when chat sequences were "
             + ("cut from one stream" if saved_packing is None else f"packed as {saved_packing!r}")
             + f"; this run packs them as {packing or 'one stream'}, so the saved position would mean other samples: "
-            "start a new run.dir from these weights with model.init_from")
+            "start a new run.dir from these weights with model.init_from" + FROM_THE_START)
     mix, saved_mix = (position or {}).get("mix"), data_pos.get("mix")
     if mix is not None and saved_mix is not None and [list(m) for m in saved_mix] != mix:
         raise CheckpointError(
             f"checkpoint {path} was saved for a data.mix of (sequences in the mixture, source size) "
             f"{saved_mix}; this run's is {mix} (weights, sources or their order changed): resuming would "
-            "skip or repeat samples; keep data.mix, or start a new run.dir from these weights with model.init_from")
+            "skip or repeat samples; keep data.mix, or start a new run.dir from these weights with model.init_from"
+            + FROM_THE_START)
     saved = data_pos.get("global_batch_size", global_batch_size)
     if saved != global_batch_size:
         raise CheckpointError(
             f"checkpoint {path} was saved with train.global_batch_size={saved} but this run has "
             f"{global_batch_size}: resuming would skip or repeat samples; keep {saved}, or start a new "
-            "run.dir from these weights with model.init_from")
+            "run.dir from these weights with model.init_from" + FROM_THE_START)
     if data_pos["num_samples"] != num_samples or data_pos["seed"] != seed:
         raise CheckpointError(
             f"checkpoint {path} was saved for {data_pos['num_samples']} training sequences and seed "

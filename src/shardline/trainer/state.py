@@ -24,7 +24,7 @@ from shardline.interop.weights import copy_starting_files
 from shardline.launch_notes import launch_notes
 from shardline.metrics import MetricsLogger
 from shardline.models.factory import args_to_json
-from shardline.optim import apply_hyperparameters, schedule_settings
+from shardline.optim import apply_hyperparameters, next_lr_change, schedule_settings
 from shardline.parallel.distributed import agreed, ranks_differing
 from shardline.parallel.float8 import precompute_scales
 from shardline.profiling import StepProfiler
@@ -171,6 +171,9 @@ class SavedState:
         self._optim_changes = apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.optim)
         now = schedule_settings(self.cfg.train.steps, self.cfg.optim)  # the lr curve from here on
         self._optim_changes.update({k: [v, now[k]] for k, v in state.get("schedule", {}).items() if now.get(k) != v})
+        jump = next_lr_change(self.step, state.get("config", {}), self.cfg.train.steps, self.cfg.optim)
+        if jump and self._optim_changes:  # (the lr of the next update, as the saved run had it and now)
+            self._optim_changes["next_lr"] = jump
         # The rest of the config a resume changed (optim and the schedule's train.steps: said above).
         said = {*self._optim_changes, *(f"optim.{k}" for k in self._optim_changes)}  # (optim_changed's)
         self._config_changes = {k: v for k, v in settings_changed(state.get("config", {}), self.cfg,
