@@ -71,6 +71,7 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     sections), the overrides, and the settings this command owns."""
     from shardline.interop.convert import checkpoint_tokenizer, resolve_checkpoint
     from shardline.resilience.checkpoint import read_meta
+    from shardline.resilience.recovery import saved_step
 
     ckpt = resolve_checkpoint(Path(src))  # a run dir's newest valid one (a folder named is verified as it loads)
     saved = read_meta(ckpt).get("config") or {}  # none for a checkpoint converted from HF: the defaults
@@ -106,17 +107,7 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
         raise ConfigError("data.val_fraction=0: the data holds nothing out to evaluate on; give other data "
                           "(--data.path=...), or --data.val_fraction=0.01 for a share of it (where the run held "
                           "nothing out, documents it trained on: a training loss)")
-    return cfg, ckpt, _step(ckpt)
-
-
-def _step(ckpt: Path) -> int:
-    """The checkpoint's step, as its manifest records it (a folder renamed or converted keeps it)."""
-    from shardline.resilience.checkpoint import MANIFEST, step_of
-
-    try:
-        return int(json.loads((ckpt / MANIFEST).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return step_of(ckpt)
+    return cfg, ckpt, saved_step(ckpt)  # (a folder renamed or converted keeps its manifest's step)
 
 
 def _check_saved_paths(cfg: Config, given: set[str]) -> None:
@@ -148,7 +139,8 @@ def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = N
                                             "now?): name one checkpoint folder (RUN/checkpoints/step-N)"))
         trainer = Trainer(cfg).build()
         try:
-            own_data = {o.removeprefix("--").split("=", 1)[0] for o in overrides}.isdisjoint({"data.path", "data.mix"})
+            # (any data setting given here may change the tokens: only the run's own data as it saved it is compared)
+            own_data = not any(o.removeprefix("--").startswith("data.") for o in overrides)
             if own_data and proc.rank == 0:
                 _say_if_data_changed(ckpt, trainer.data.position_state())
             t, held_out = trainer.cfg.train, len(trainer.data.val)

@@ -748,6 +748,13 @@ def test_a_template_that_drops_earlier_reasoning_trains_each_reply_of_its_whole_
     assert [text for text, target in single if target] == ["<think>\ngreet back\n</think>\n\nhello<|im_end|>\n"]
     # A conversation that ends with a user message: its last piece is no target
     assert chat_segments(messages[:4], template)[-1] == ("<|im_start|>user\nbye<|im_end|>\n", False)
+    # Turns without newlines (DeepSeek's way) and a prompt that opens more than a reply shows ("<A><think>"
+    # against "<A>hello"): the lines they share end inside the system message, which no target may reach into
+    opens = ChatTemplate(QWEN3_LIKE.replace("'<|im_start|>' + m.role + '\\n'", "'<|im_start|>' + m.role")
+                         .replace("'<|im_end|>\\n'", "'<|im_end|>'")
+                         .replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant<think>\\n'"))
+    with pytest.raises(DataError, match=r"its reply \(message 3\) is not found in the whole rendering"):
+        chat_segments([{"role": "system", "content": "be\nbrief"}, *messages[1:]], opens)
     # Without a generation prompt there is no header to take out (as by prefixes): the whole turn is a target
     bare = ChatTemplate(QWEN3_LIKE.split("{% if add_generation_prompt %}")[0], eos_token="<|im_end|>")
     assert [text for text, target in chat_segments(messages, bare) if target][0] == \

@@ -252,20 +252,23 @@ def _whole_segments(messages: list[dict], template: ChatTemplate, changed: int) 
     as long as each reply's prompt (the messages before it, with the generation prompt) begins it:
     a reply's target starts where its prompt ends (the whole lines they share, as _reply_header
     takes them) and runs through the template's turn end (turn_end_text), or to the end of the
-    conversation for a last reply. Refused in one line where a prompt is not where the rendering
-    starts, or the template writes no turn end to find a reply's."""
+    conversation for a last reply. Refused in one line where the messages before a reply or its
+    prompt are not where the whole rendering starts (no target may reach into earlier messages),
+    or the template writes no turn end to find a reply's by. (A reply whose own text holds the
+    turn end is cut there.)"""
     whole, mark, out, at = render_template(template, messages), turn_end_text(template), [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        try:
+        try:  # the messages before it as the whole rendering has them, then its prompt
+            before = render_template(template, messages[:i])
             prompt = render_template(template, messages[:i], generation_prompt=True)
         except DataError:
-            prompt = ""
+            before = prompt = ""
         shared = prompt if whole.startswith(prompt) else os.path.commonprefix([prompt, whole])
         start = len(shared) if shared == prompt else shared.rfind("\n") + 1
         end = len(whole) if i == len(messages) - 1 else whole.find(mark, start) if mark else -1
-        if not prompt or start <= at or end < 0:
+        if not prompt or not whole.startswith(before) or start < len(before) or start <= at or end < 0:
             raise DataError(f"the tokenizer's chat_template renders the first {changed} messages of a conversation "
                             f"{opening(messages)} differently once message {changed + 1} follows, and its reply "
                             f"(message {i + 1}) is not found in the whole rendering by its prompt and turn end; use a "

@@ -32,7 +32,7 @@ def resume_path(cfg: Config, checkpointer: Checkpointer, repaired: bool = False)
             # newest state, not back to the named one (which pruning may have removed since),
             # unless it had saved nothing newer yet.
             own = checkpointer.latest_valid(on_invalid=lambda p, e: invalid.append(str(e)))
-            if own is not None and (not named.is_dir() or _saved_step(own) > _saved_step(named)):
+            if own is not None and (not named.is_dir() or saved_step(own) > saved_step(named)):
                 return own, invalid
         _raise(named_resume_problem(mode))
         return named, invalid
@@ -174,8 +174,9 @@ def memory_tier_resumable(cfg: Config) -> bool:
     return cfg.run.resume in ("auto", "latest") or restarted()
 
 
-def _saved_step(path: Path) -> int:
-    """The step a checkpoint holds, from its manifest (a named folder may have any name)."""
+def saved_step(path: Path) -> int:
+    """The step a checkpoint holds, from its manifest (a named, renamed or converted folder may have
+    any name); its name's where the manifest cannot be read."""
     try:
         return int(json.loads((path / MANIFEST).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):

@@ -45,10 +45,10 @@ from shardline.precision import LossScaler
 from shardline.preflight import gone_start_checkpoint
 from shardline.profiling import configure_allocator
 from shardline.resilience.anomaly import build_anomaly_check
-from shardline.resilience.checkpoint import Checkpointer, step_of
+from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import (agree_on_resume, memory_tier_resumable, rank0_decides,
-                                          refuse_fresh_over_invalid)
+                                          refuse_fresh_over_invalid, saved_step)
 from shardline.resilience.run_lock import RunLock
 from shardline.trainer.anomalies import AnomalyResponse
 from shardline.trainer.state import SavedState
@@ -133,8 +133,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
             resume_from = agreed(lambda: self._choose_resume(self.model_args, repaired=self.proc.is_main),
                                  self.proc.world_size)
             self.guard.watch(before_exit=self.lock.release)  # a hang's exit frees the run dir for the rerun
-            # a hang here is reported after the step this rank chose to resume (0: none)
-            with self.guard.phase("restore", max(step_of(resume_from), 0) if resume_from is not None else 0):
+            # a hang here is reported after the step of the checkpoint this rank chose (0: none; a newer snapshot
+            with self.guard.phase("restore", max(saved_step(resume_from), 0) if resume_from else 0):  # in RAM may win)
                 resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
                 # read (hashed: cached where this rank chose it) by every rank before the tiers' collectives
                 agreed(lambda: resume_from is None or self.checkpointer.verify(resume_from), self.proc.world_size)
