@@ -90,39 +90,46 @@ class AnomalyResponse:
         if action == "halt":
             self._halt(event)
         if action == "rollback":
-            started = time.perf_counter()
-            with self.guard.phase("restore", step):  # watched as a start-up restore is, not as a step
-                self.tiers.drain()
-                # agreed: one node's storage error (a stale handle) stops every rank, not its own alone
-                invalid: list[str] = []  # named as a resume names them: the rollback passes over them
-                latest = agreed(lambda: self.checkpointer.latest_valid(lambda p, e: invalid.append(str(e))),
-                                self.proc.world_size)
-                for problem in invalid:
-                    self.metrics.event("invalid_checkpoint", step=step, error=problem)
-                latest = agree_on_resume(latest, self.proc.rank, self.proc.world_size)
-                target = self.tiers.newest(latest)
-                if target is not None:
-                    skipped = batch_index(step - 1, self.skipped_batches)  # the batch that gave the anomaly
-                    self.skipped_batches = sorted({*self.skipped_batches, skipped})
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self.scaler.skip()
-                    name = self._restore(target)
-                    self.eval_owed = False  # this attempt computed (or resumed at and evaluated) that step
-            if target is not None:
-                self.rollbacks = self.rollbacks + 1
-                self._saves_at_rollback = (self.tiers.landed, self.tiers.held, self.step)
-                cost = time.perf_counter() - started
-                self.guard.goodput.add("recovery", cost)
-                self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
-                                   skipped_batch=skipped, cost_s=round(cost, 3))
-                self.metrics.rewind(self.step)
-                if self.cfg.checkpoint.interval:  # on disk at once: a crash before the next save lost the batch
-                    self._save_rollback()  # skipped and the budget
+            if self._roll_back(step, event):
                 return True
             event["action"] = "skip (no checkpoint to roll back to)"
         self.metrics.event("anomaly", **event)
         self.scaler.skip()
         self._end_step()
+        return False
+
+    def _roll_back(self, step: int, event: dict) -> bool:
+        """anomaly.action=rollback: the newest saved state (disk or RAM) put back, the batch that gave
+        the anomaly added to the skipped ones; False where nothing is saved to roll back to."""
+        started = time.perf_counter()
+        with self.guard.phase("restore", step):  # watched as a start-up restore is, not as a step
+            self.tiers.drain()
+            # agreed: one node's storage error (a stale handle) stops every rank, not its own alone
+            invalid: list[str] = []  # named as a resume names them: the rollback passes over them
+            latest = agreed(lambda: self.checkpointer.latest_valid(lambda p, e: invalid.append(str(e))),
+                            self.proc.world_size)
+            for problem in invalid:
+                self.metrics.event("invalid_checkpoint", step=step, error=problem)
+            latest = agree_on_resume(latest, self.proc.rank, self.proc.world_size)
+            target = self.tiers.newest(latest)
+            if target is not None:
+                skipped = batch_index(step - 1, self.skipped_batches)  # the batch that gave the anomaly
+                self.skipped_batches = sorted({*self.skipped_batches, skipped})
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scaler.skip()
+                name = self._restore(target)
+                self.eval_owed = False  # this attempt computed (or resumed at and evaluated) that step
+        if target is not None:
+            self.rollbacks = self.rollbacks + 1
+            self._saves_at_rollback = (self.tiers.landed, self.tiers.held, self.step)
+            cost = time.perf_counter() - started
+            self.guard.goodput.add("recovery", cost)
+            self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
+                               skipped_batch=skipped, cost_s=round(cost, 3))
+            self.metrics.rewind(self.step)
+            if self.cfg.checkpoint.interval:  # on disk at once: a crash before the next save lost the batch
+                self._save_rollback()  # skipped and the budget
+            return True
         return False
 
     def _save_rollback(self) -> None:
