@@ -127,8 +127,9 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
         from shardline.interop.hf_files import EXPORT_MARK
 
         try:  # (the class it loads as: a Phi-3 run's is Llama's, or Mistral's with a window)
-            what = (f"an HF {json.loads((written / 'config.json').read_text())['architectures'][0]} folder of "
-                    f"{json.loads((written / EXPORT_MARK).read_text())['checkpoint']}")
+            config, mark = (json.loads((written / name).read_text(encoding="utf-8"))
+                            for name in ("config.json", EXPORT_MARK))
+            what = f"an HF {config['architectures'][0]} folder of {mark['checkpoint']}"
         except (OSError, ValueError, KeyError, TypeError, IndexError):  # written all the same: not worth a traceback
             what = "an HF folder"
     if args.direction == "to-hf" and not (written / "tokenizer.json").is_file():

@@ -13,7 +13,6 @@ machines themselves.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -36,8 +35,7 @@ from shardline.planner.layout import Workload
 from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_over_words, mfu_words
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE
-from shardline.resilience.checkpoint import MANIFEST
-from shardline.resilience.recovery import check_saved_position, data_changes, saved_config, settings_changed
+from shardline.resilience.recovery import check_saved_position, data_changes, saved_config, saved_step, settings_changed
 from shardline.preflight import (
     Preflight,
     bos_setting,
@@ -102,7 +100,7 @@ def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool) -> list[str]
     config_changed events), and whether anything is left to train."""
     if resume is None:
         return []
-    saved, step = saved_config(resume), json.loads((resume / MANIFEST).read_text())["step"]  # (verified already)
+    saved, step = saved_config(resume), saved_step(resume)
     changes = settings_changed(saved, cfg, stand_in)
     said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
     lines = [f"          changed since it: {said}"] if changes else []

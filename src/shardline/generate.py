@@ -189,10 +189,24 @@ class Generator:
                 f"{self.context - len(prompt_ids) + 1:,} new ones: from there the model saw the last {self.context:,} "
                 "(a model without that limit, such as the HF export's, continues otherwise; --context sets it, up to "
                 "the model's max_seq_len)")
-        new = [t for t in drawn if t not in stop]
-        head, whole = self.tokenizer.decode(prompt_ids), self.tokenizer.decode(prompt_ids + new)
-        text = whole[len(head):] if whole.startswith(head) else self.tokenizer.decode(new)
+        text = self._decoded(prompt_ids, [t for t in drawn if t not in stop])
         return text.split(stop_text)[0] if stop_text else text
+
+    def _decoded(self, prompt_ids: list[int], new: list[int]) -> str:
+        """`new`'s text, decoded with the prompt and cut after it (decoded alone, a SentencePiece
+        continuation loses its leading space), less a last character the tokens end inside (a byte-level
+        BPE writes one in up to 4 byte tokens: --max-new-tokens may stop mid-way, U+FFFD), which is said."""
+        head, texts = self.tokenizer.decode(prompt_ids), []
+        for cut in range(min(len(new), 4) + 1):
+            kept = new[:len(new) - cut]
+            whole = self.tokenizer.decode(prompt_ids + kept)
+            texts.append(whole[len(head):] if whole.startswith(head) else self.tokenizer.decode(kept))
+            if not texts[-1].endswith("\ufffd"):
+                if cut:
+                    say(f"the last {cut} token(s) end inside a character (a longer --max-new-tokens completes it): "
+                        "left out")
+                return texts[-1]
+        return texts[0]  # (no cut character: the text itself ends with U+FFFD)
 
 
 def _messages(prompt: str, system: str = "") -> list[dict]:
@@ -251,7 +265,7 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     ckpt = resolve_checkpoint(Path(src))  # a run dir's newest valid one: verified there
     if ckpt == Path(src):
         verify(ckpt)
-    meta = json.loads((ckpt / "meta.json").read_text())
+    meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
     tok_path = tokenizer_file(tokenizer) if tokenizer else checkpoint_tokenizer(ckpt)
     if tok_path is None:
         raise CheckpointError(f"{ckpt}: no tokenizer.json beside it or in the run dir that saved it; give "
@@ -301,7 +315,7 @@ def say(line: str) -> None:
 def _generation_eos(path: Path):
     """generation_config.json's eos_token_id (an int, a list or None), or its one-line error."""
     try:
-        settings = json.loads(path.read_text())
+        settings = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read as JSON ({type(e).__name__}); fix or remove it") from None
     if not isinstance(settings, dict):
@@ -334,7 +348,8 @@ def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "a
         stop, stop_text = gen.turn_end() if chat else (gen.stop, "")
         shown = {"chat_prompt": gen.chat_prompt(prompt, system), "stop_text": stop_text} if chat else {}
         return json.dumps({"prompt": prompt, **shown, "completion": text, **vars(opts), "stop_ids": sorted(stop),
-                           "checkpoint": gen.checkpoint, "prompt_tokens": gen.prompt_tokens, "context": gen.context})
+                           "checkpoint": gen.checkpoint, "prompt_tokens": gen.prompt_tokens, "context": gen.context},
+                          ensure_ascii=False)  # (the text as it reads, as the plain output prints it)
     return text if chat else prompt + text
 
 

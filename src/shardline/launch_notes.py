@@ -190,7 +190,7 @@ def _trained_positions(cfg: Config) -> int:
     try:
         if m.hf_path:
             return read_hf_config(m.hf_path).max_seq_len
-        meta = json.loads((Path(m.init_from) / "meta.json").read_text())
+        meta = json.loads((Path(m.init_from) / "meta.json").read_text(encoding="utf-8"))
         recorded = args_from_json(meta["model_args"]).max_seq_len  # (an HF folder's positions, or a preset's)
         run = meta.get("config", {})  # none in a checkpoint converted from HF
         trained = run.get("train", {}).get("seq_len") or recorded

@@ -141,7 +141,7 @@ def history(path: Path | str) -> list[dict[str, Any]]:
     run writing it, or killed) is left out. `path` may be the run dir that holds it."""
     path = Path(path) / "metrics.jsonl" if Path(path).is_dir() else path
     kept: list[dict[str, Any]] = []
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         for line in f:
             if not line.endswith("\n"):  # a record being written, or cut short by a kill: not yet one
                 break
@@ -159,7 +159,7 @@ def append_event(run_dir: Path, event: str, **fields: Any) -> None:
     is let go: the exit it precedes is the news."""
     try:
         _drop_torn_line(Path(run_dir) / "metrics.jsonl")  # (a killed launch's last line: not one to append to)
-        with open(Path(run_dir) / "metrics.jsonl", "a") as f:
+        with open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(_line(_record("event", event=event, **fields)))
     except OSError:
         pass
@@ -183,7 +183,7 @@ class MetricsLogger:
         self.console = Console(mode if enabled else "none", total_steps, first_step)
         if enabled:
             _drop_torn_line(run_dir / "metrics.jsonl")
-        self._jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
         self._tb, self._said_unwritten = None, set()
         self._tb_dir = run_dir / "tensorboard"
         if enabled and tensorboard:

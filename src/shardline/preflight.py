@@ -96,7 +96,7 @@ def gone_start_checkpoint(cfg: Config) -> Path | None:
         return None
     for ckpt in reversed(Checkpointer(Path(cfg.run.dir), 0).list()):
         try:
-            named = json.loads((ckpt / "meta.json").read_text())["config"]["model"][key]
+            named = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))["config"]["model"][key]
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if named and os.path.abspath(named) == os.path.abspath(start):
@@ -241,7 +241,7 @@ def _check_same_bos(path: Path, add_bos: bool | None) -> None:
 def _read_json(path: Path, key: str):
     """`key` of the JSON file at `path`, or None where the file or key cannot be read."""
     try:
-        return json.loads(path.read_text())[key]
+        return json.loads(path.read_text(encoding="utf-8"))[key]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -561,3 +561,18 @@ def test_a_sliding_window_model_generates_as_transformers_windowed_attention_doe
     for t, logits in zip(range(len(prompt), len(ids) + 1), got):
         torch.testing.assert_close(logits, want[t - 1], atol=1e-4, rtol=0)
     assert max((w - want[t - 1]).abs().max() for t, w in zip(range(len(prompt), len(ids) + 1), wrong)) > 1e-3
+
+
+def test_a_character_the_last_tokens_end_inside_is_left_out_and_said(trained_run, capsys):
+    """A byte-level BPE writes 字 in 3 byte tokens: stopped after 2 (--max-new-tokens), the text
+    ended with U+FFFD; it ends before that character now, and stderr says so."""
+    gen = load_generator(trained_run, "cpu")
+    prompt, new = gen.encode("In the beginning"), gen.tokenizer.encode(" God 字", add_special_tokens=False).ids
+    assert gen.tokenizer.decode(prompt + new[:-1]).endswith("\ufffd")  # (the premise: a cut character)
+    capsys.readouterr()
+    assert gen._decoded(prompt, new[:-1]) == " God " and "the last 2 token(s) end inside a character" in \
+        capsys.readouterr().err
+    assert gen._decoded(prompt, new) == " God 字" and not capsys.readouterr().err
+    # --json writes the text as it reads, not as \u escapes
+    assert main(["generate", str(trained_run), "--prompt", "字", "--max-new-tokens", "1", "--json"]) == 0
+    assert '"prompt": "字"' in capsys.readouterr().out

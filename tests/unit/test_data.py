@@ -49,7 +49,7 @@ def test_txt_read_in_chunks_splits_as_the_whole_text_would(tmp_path, monkeypatch
 
     monkeypatch.setattr(sources, "_CHUNK", 7)
     rng = random.Random(0)
-    pieces = ["a", "b", " ", "\t", "\n", "\r\n", "\n\n\n", "\r"]
+    pieces = ["a", "b", " ", "\t", "\n", "\r\n", "\n\n\n", "\r", "\u3000", "\xa0", "字"]
     for _ in range(200):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 80)))
         (tmp_path / "r.txt").write_bytes(text.encode())
@@ -59,6 +59,15 @@ def test_txt_read_in_chunks_splits_as_the_whole_text_would(tmp_path, monkeypatch
 def test_txt_with_windows_line_ends_splits_into_documents(tmp_path):
     (tmp_path / "w.txt").write_bytes(b"first doc\r\n\r\n\r\nsecond doc\r\nstill second\r\n")
     assert read_documents(str(tmp_path / "w.txt")) == ["first doc", "second doc\r\nstill second\r\n"]
+
+
+def test_txt_lines_of_full_width_blanks_are_blank_and_a_byte_order_mark_is_not_text(tmp_path):
+    """Chinese text indents with U+3000, and separator lines keep it: such lines are blank (they
+    merged two chapters into one document); a BOM Notepad writes was the first document's first
+    character (and what the model learnt to open with), as .jsonl never had it."""
+    text = "\u3000\u3000第一章。\n\n\u3000\u3000\n\n\u3000\u3000第二章开始。\n\n\xa0\n\n第三章。"
+    (tmp_path / "z.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert read_documents(str(tmp_path / "z.txt")) == ["\u3000\u3000第一章。", "\u3000\u3000第二章开始。", "第三章。"]
 
 
 def _damaged_gzip() -> bytes:

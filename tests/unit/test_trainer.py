@@ -139,7 +139,8 @@ def test_a_resume_applies_the_configs_optimizer_settings(tiny_config, tmp_path):
     changed = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "optim_changed"]
     assert len(changed) == 1
     assert {k: v for k, v in changed[0].items() if k not in ("kind", "event", "step", "time")} == \
-        {"lr": [3e-3, 1e-4], "weight_decay": [0.1, 0.0], "beta2": [0.95, 0.99]}
+        {"lr": [3e-3, 1e-4], "weight_decay": [0.1, 0.0], "beta2": [0.95, 0.99],
+         "next_lr": pytest.approx([3e-3 * lr_multiplier(6, 12, optim), 1e-4 * lr_multiplier(6, 12, optim)])}
     # The rest of what the resume changed is said too (a precision change was silent); not the
     # optim keys said above, nor what one launch sets for itself (train.stop_at_step).
     (others,) = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "config_changed"]

@@ -160,12 +160,13 @@ def load_relaunch_config(saved: str | Path, run_dir: str | Path, overrides: list
     return _overridden(raw, overrides)
 
 
-def save_config(cfg: Config, path: Path) -> None:
+def save_config(cfg: Config, path: Path | str) -> None:
     """The resolved config as TOML at `path`, written whole or not at all: every rank of a
     relaunch may read it while this launch's ranks write it. Each writer has its own temporary
     file (host and process: ranks on two nodes of a shared run dir may share a process id)."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    tmp.write_text(to_toml(cfg))
+    tmp.write_text(to_toml(cfg), encoding="utf-8")
     tmp.replace(path)
 
 

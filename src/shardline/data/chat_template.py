@@ -107,7 +107,7 @@ def chat_template_for(tokenizer_path: str) -> ChatTemplate | None:
         return None
     folder = Path(tokenizer_path).parent
     try:
-        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         settings = settings if isinstance(settings, dict) else {}
     except (OSError, ValueError):
         settings = {}

@@ -69,7 +69,8 @@ def encoded_chunks(job: EncodeJob, documents: Iterable, chunk_bytes: int, worker
 def encode_chunk(job: EncodeJob, chunk: list) -> tuple[int, int, dict]:
     tok = _load_cached(job.tokenizer_file, os.stat(job.tokenizer_file).st_mtime_ns)
     eos = eos_id(tok, job.tokenizer_file)
-    n_bytes = sum(len(d.encode()) if isinstance(d, str) else len(json.dumps(d)) for _, d in chunk)
+    # UTF-8 bytes read (a conversation's as its JSON: unescaped, or a CJK character counted 6)
+    n_bytes = sum(len((d if isinstance(d, str) else json.dumps(d, ensure_ascii=False)).encode()) for _, d in chunk)
     encoded = {}
     for name in SPLITS:
         docs = [d for s, d in chunk if s == name]

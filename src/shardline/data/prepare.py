@@ -57,7 +57,7 @@ class PrepareOptions:
     format: str = "text"  # text | chat (jsonl records with "messages")
     add_bos: bool = True  # text documents start with the tokenizer's BOS tokens, if it has any (data.add_bos)
     shard_tokens: int = 1 << 25  # tokens per shard (before a commit point)
-    chunk_bytes: int = 1 << 21  # text per unit of work sent to a worker
+    chunk_bytes: int = 1 << 21  # text per unit of work sent to a worker (counted in characters)
     progress: bool = True
     stop_after_shards: int = 0  # testing aid: stop (as if killed) after this many commits; 0 = never
 
@@ -155,7 +155,7 @@ def prepare(opts: PrepareOptions) -> dict:
 def _writing(root: Path):
     """An exclusive lock on the folder's lock file, waited for: a second prepare of the same
     folder, started at once, goes on when the first is done (finding it prepared, or resuming)."""
-    with open(root / LOCK, "a") as handle:
+    with open(root / LOCK, "a", encoding="utf-8") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -237,7 +237,7 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
 def _finished(root: Path, request: dict) -> dict | None:
     """The manifest of a finished prepare of the same request (its tokenizer follows from it)."""
     try:
-        manifest = json.loads((root / MANIFEST).read_text())
+        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
         made = {k: v for k, v in manifest["request"].items() if k != "tokenizer_sha256"}
     except (OSError, ValueError, KeyError, AttributeError):
         return None
@@ -275,7 +275,7 @@ def _tokenizer(opts: PrepareOptions, stream: _Stream, template: ChatTemplate | N
 def _resume_state(root: Path, request: dict) -> dict:
     """The committed state of an interrupted prepare of the same request, else a fresh start."""
     try:
-        state = json.loads((root / PROGRESS).read_text())
+        state = json.loads((root / PROGRESS).read_text(encoding="utf-8"))
         if state.get("request") == request:
             return state
     except (OSError, ValueError):
@@ -352,7 +352,7 @@ def _with_fingerprint(root: Path, manifest: dict) -> dict:
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
 
 

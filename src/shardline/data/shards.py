@@ -51,7 +51,7 @@ def is_prepared(path: str) -> bool:
 def _prepare_progress(path: Path) -> bool:
     """A progress.json there that is not a training run's goodput account (which holds its high-water step)."""
     try:
-        return "high_water_step" not in json.loads(path.read_text())
+        return "high_water_step" not in json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, TypeError):
         return path.is_file()  # (unreadable or not an object: as before, the file's presence decides)
 
@@ -60,7 +60,7 @@ def prepared_with_own_bpe(path: str) -> bool:
     """A prepared folder whose tokenizer `shardline prepare` trained on the folder's text (no
     --tokenizer given); False where the manifest cannot tell (opening the folder says why)."""
     try:
-        request = json.loads((Path(path) / MANIFEST).read_text()).get("request", {})
+        request = json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8")).get("request", {})
         return request.get("tokenizer", [None])[0] == "bpe"
     except (OSError, ValueError, AttributeError, IndexError, TypeError):
         return False
@@ -244,7 +244,7 @@ def read_manifest(root: Path) -> dict:
         raise DataError(f"data.path={str(root)!r} is an unfinished prepared folder (no {MANIFEST}); run "
                         "`shardline prepare` with the same inputs and --out again to finish it")
     try:
-        manifest = json.loads((root / MANIFEST).read_text())
+        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
         version = manifest["format_version"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{root / MANIFEST} is damaged ({type(e).__name__}); prepare the folder again") from None

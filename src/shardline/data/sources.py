@@ -33,9 +33,9 @@ from shardline.errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
 CHAT_FIELD = "messages"  # what data.format = "chat" reads from each .jsonl record
-# Two blank lines end a document; Windows line ends (\r\n) count as line ends.
-_DOC_BREAK = re.compile(r"\r?\n[ \t\r]*\n[ \t\r]*(?:\r?\n)+")
-_BREAK_CHARS = " \t\r\n"  # all a break is made of
+# Two blank lines end a document; Windows line ends (\r\n) count as line ends, and a line of any
+# whitespace as blank (a full-width space U+3000, as Chinese text indents with, or a no-break space).
+_DOC_BREAK = re.compile(r"\r?\n[^\S\n]*\n[^\S\n]*(?:\r?\n)+")
 _CHUNK = 1 << 20  # characters of a .txt file decoded at a time
 
 
@@ -219,7 +219,8 @@ def _guarded(f: Path, lines: Iterator):
     except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:  # zlib.error: damaged compressed bytes
         raise DataError(f"cannot read data file {f}: {e}") from None
     except UnicodeDecodeError as e:
-        raise DataError(f"data file {f} is not UTF-8 text ({e.reason})") from None
+        raise DataError(f"data file {f} is not UTF-8 text ({e.reason}): convert it, e.g. iconv -f GB18030 -t UTF-8 "
+                        "(or the encoding it was written in)") from None
 
 
 def _read_txt(f: Path) -> Iterator[str]:
@@ -235,7 +236,7 @@ def _split_txt(f: Path) -> Iterator[str]:
     long document is kept as pieces joined once: linear time however long it is.
     """
     with _open(f) as raw:
-        text = io.TextIOWrapper(raw, encoding="utf-8", newline="")  # (a BOM stays: runs fingerprinted it)
+        text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")  # (a BOM some editors write: not text)
         pieces: list[str] = []  # the current document so far, less `tail`
         tail = ""  # the whitespace it ends with, where the next break may start
         while chunk := text.read(_CHUNK):
@@ -247,7 +248,7 @@ def _split_txt(f: Path) -> Iterator[str]:
                 yield "".join(pieces)
                 pieces, start = [], m.end()
             rest = buf[start:]
-            body = rest.rstrip(_BREAK_CHARS)
+            body = rest.rstrip()  # (what a break may be made of)
             pieces.append(body)
             tail = rest[len(body):]
         yield from _DOC_BREAK.split("".join(pieces) + tail)  # at the end of the file every break counts

@@ -129,7 +129,7 @@ def settings_token(tokenizer_path: str | os.PathLike, key: str) -> str:
     if not tokenizer_path:
         return ""
     try:
-        settings = json.loads((Path(tokenizer_path).parent / "tokenizer_config.json").read_text())
+        settings = json.loads((Path(tokenizer_path).parent / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return ""
     return special_token(settings, key) if isinstance(settings, dict) else ""

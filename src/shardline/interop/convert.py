@@ -85,7 +85,7 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
     ckpt = resolve_checkpoint(src)  # a run dir's newest valid one: verified there; its files hashed once
     if ckpt == src:
         verify(ckpt)
-    meta = json.loads((ckpt / "meta.json").read_text())
+    meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
     hf = meta.get("hf", {})
     dtype = explicit or _export_dtype(hf.get("dtype", "")) or torch.float32
     model = empty_model(args_from_json(meta["model_args"]), dtype)  # the checkpoint casts as it loads

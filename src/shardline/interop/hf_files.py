@@ -187,7 +187,7 @@ def _stop_at_chat_end(folder: Path, tokenizer: Path, config: dict[str, Any]) -> 
         return
     path = folder / GENERATION_NAME
     try:
-        generation = json.loads(path.read_text()) if path.is_file() else {}
+        generation = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except ValueError:
         generation = {}
     generation = generation if isinstance(generation, dict) else {}
@@ -205,7 +205,7 @@ def _token_ids(found) -> set[int]:
 def _add_chat_template(settings_path: Path, template: str) -> None:
     """tokenizer_config.json (the tokenizer's, copied, or a new one) with `template` as its chat_template."""
     try:
-        settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+        settings = json.loads(settings_path.read_text(encoding="utf-8")) if settings_path.is_file() else {}
     except ValueError:
         settings = {}
     _write_json(settings_path, {**(settings if isinstance(settings, dict) else {}), "chat_template": template})

@@ -25,7 +25,7 @@ def starting_shape(m: ModelConfig, stand_in: Path | None = None) -> ModelArgs | 
     """The shape of the weights a run starts from (an HF folder or a checkpoint), else None;
     `stand_in` (gone_start_checkpoint): a checkpoint of the run, when they are gone since."""
     if stand_in is not None:
-        return args_from_json(json.loads((stand_in / "meta.json").read_text())["model_args"])
+        return args_from_json(json.loads((stand_in / "meta.json").read_text(encoding="utf-8"))["model_args"])
     if m.hf_path:
         return read_hf_config(m.hf_path)
     if m.init_from:

@@ -54,7 +54,7 @@ def starting_hf_fields(m: ModelConfig, stand_in: Path | None = None) -> dict:
         return read_hf_fields(m.hf_path)
     if m.init_from or stand_in is not None:  # meta.json alone: loading verifies the checkpoint (hashing every file)
         try:
-            return json.loads((Path(stand_in or m.init_from) / "meta.json").read_text()).get("hf", {})
+            return json.loads((Path(stand_in or m.init_from) / "meta.json").read_text(encoding="utf-8")).get("hf", {})
         except (OSError, ValueError, AttributeError):
             return {}
     return {}

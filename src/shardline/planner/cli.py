@@ -206,7 +206,8 @@ def _emit(path: str, work: Workload, candidates: list, base: Config, args: argpa
         raise ConfigError("no plan that fits is one `shardline train` can run yet; nothing written "
                           "(see the table's * notes)")
     target = Path(path)
-    if target.exists() and (not target.is_file() or not target.read_text(errors="replace").startswith(EMITTED)):
+    if target.exists() and (not target.is_file()
+                            or not target.read_text(encoding="utf-8", errors="replace").startswith(EMITTED)):
         raise ConfigError(f"--emit-config {path} exists and was not written by shardline plan; choose another "
                           "file (a plan replaces only its own)")
     cfg = to_config(e.layout, work, base, on_cpu=args.gpu == "cpu")
@@ -223,7 +224,7 @@ def _emit(path: str, work: Workload, candidates: list, base: Config, args: argpa
               f"# run it on {e.layout.world} device(s), {launch} "
               f"-m shardline train --config {path}\n{_left_at_defaults(cfg)}")
     try:
-        Path(path).write_text(header + to_toml(cfg))
+        Path(path).write_text(header + to_toml(cfg), encoding="utf-8")
     except OSError as err:
         raise ShardlineError(f"cannot write --emit-config {path}: {err}") from None
 

@@ -92,7 +92,7 @@ def verify(path: Path) -> dict[str, Any]:
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST}")
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         files = {rel: (int(meta["size"]), str(meta["sha256"])) for rel, meta in manifest["files"].items()}
         if not isinstance(manifest["step"], int) or isinstance(manifest["step"], bool) or manifest["step"] < 0:
             raise ValueError(f"step {manifest['step']!r} is not a step number")
@@ -177,7 +177,7 @@ def _fsync(path: Path) -> None:
 def _seal(tmp: Path, final: Path, step: int, kind: str, meta: dict[str, Any], trainer_ranks: int = 0) -> None:
     """Write meta and the manifest (last), then rename the folder into place, all flushed first (DCP its
     files, each rank its trainer state). The manifest covers every file the ranks wrote (`_written`)."""
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     for f in [tmp / "meta.json", *(d for d in (tmp / "state", tmp / "trainer") if d.is_dir())]:
         _fsync(f)  # the folders' entries too: DCP renames its .metadata into place
     written = _written(tmp, trainer_ranks)
@@ -185,7 +185,7 @@ def _seal(tmp: Path, final: Path, step: int, kind: str, meta: dict[str, Any], tr
     names = {f.relative_to(tmp).as_posix() for f in tmp.rglob("*") if f.is_file()} | set(written)
     files = {name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in sorted(names)}
     manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "kind": kind, "files": files}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     _fsync(tmp / MANIFEST)
     _fsync(tmp)
     try:
@@ -237,7 +237,7 @@ def _rename_into_place(tmp: Path, final: Path) -> None:
 
 def read_meta(path: Path) -> dict[str, Any]:
     verify(path)
-    return json.loads((path / "meta.json").read_text())
+    return json.loads((path / "meta.json").read_text(encoding="utf-8"))
 
 
 def load_weights(path: Path, model: torch.nn.Module, verified: bool = False) -> None:

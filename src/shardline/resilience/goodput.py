@@ -33,8 +33,8 @@ def process_start_time() -> float:
     try:
         # Process start in clock ticks after boot, against the uptime now (10 ms
         # resolution; /proc/stat's boot time is whole seconds, too coarse here).
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        ticks = int(Path("/proc/self/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text(encoding="utf-8").split()[0])
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return time.time()
@@ -43,7 +43,7 @@ def process_start_time() -> float:
 def read_account(run_dir: Path) -> dict | None:
     """The run's progress.json (see Goodput.persist), or None where there is none to read."""
     try:
-        account = json.loads((Path(run_dir) / PROGRESS).read_text())
+        account = json.loads((Path(run_dir) / PROGRESS).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return account if isinstance(account, dict) else None
@@ -141,7 +141,7 @@ class Goodput:
                   "seconds": dict(self.seconds)}
         tmp = self.path.with_name(PROGRESS + ".tmp")
         try:
-            tmp.write_text(json.dumps(record))
+            tmp.write_text(json.dumps(record), encoding="utf-8")
             os.replace(tmp, self.path)
         except OSError as e:
             self.unwritten = self.unwritten or f"{type(e).__name__}: {e}"

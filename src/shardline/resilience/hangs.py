@@ -42,7 +42,7 @@ def dump_stacks(folder: Path, rank: int, step: int, train_thread: int | None) ->
     """Write this process's Python stacks (and the NCCL flight recorder, if any) to folder."""
     folder.mkdir(parents=True, exist_ok=True)
     frames = where(train_thread)
-    with open(folder / f"rank{rank}.txt", "w") as f:
+    with open(folder / f"rank{rank}.txt", "w", encoding="utf-8") as f:
         f.write(f"rank {rank} host {socket.gethostname()} step {step} at {time.strftime('%H:%M:%S')}\n\n")
         f.flush()  # faulthandler writes to the file descriptor, past Python's buffer
         faulthandler.dump_traceback(f, all_threads=True)
@@ -115,5 +115,5 @@ def where_stopped(stopped: list[int], records: dict[int, dict], dumps: dict[int,
 
 def write_report(folder: Path, report: dict[str, Any]) -> None:
     tmp = folder / "report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     tmp.replace(folder / "report.json")  # a reader never sees half a report

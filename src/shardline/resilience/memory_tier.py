@@ -181,7 +181,7 @@ class MemoryTier:
         written = self._read(kind, step)
         view = written.numpy().data
         side = {"step": step, "size": len(view), "crc": zlib.crc32(view), "fingerprint": self.fingerprint, **extra}
-        self._path(kind, step, ".json.tmp").write_text(json.dumps(side))
+        self._path(kind, step, ".json.tmp").write_text(json.dumps(side), encoding="utf-8")
         os.replace(self._path(kind, step, ".json.tmp"), self._path(kind, step, ".json"))
         return written
 
@@ -201,7 +201,7 @@ class MemoryTier:
             return held
         for side_path in self.dir.glob("*-*.json"):
             try:
-                side = json.loads(side_path.read_text())
+                side = json.loads(side_path.read_text(encoding="utf-8"))
                 kind, step = side_path.stem.rsplit("-", 1)[0], side["step"]
                 data = self._read(kind, step).numpy()
             except (OSError, ValueError, KeyError):

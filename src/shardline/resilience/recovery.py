@@ -159,7 +159,7 @@ def saved_by_this_job(path: Path) -> bool:
     job (meta.json holds the launchers' ids): a restart of a `resume=never` run goes on from
     those, never from another run's, such as an earlier torchrun launch of one Slurm job."""
     try:
-        saved = json.loads((path / "meta.json").read_text()).get("launchers") or {}
+        saved = json.loads((path / "meta.json").read_text(encoding="utf-8")).get("launchers") or {}
     except (OSError, ValueError, AttributeError):
         return False
     ids = launcher_ids()
@@ -178,7 +178,7 @@ def saved_step(path: Path) -> int:
     """The step a checkpoint holds, from its manifest (a named, renamed or converted folder may have
     any name); its name's where the manifest cannot be read."""
     try:
-        return int(json.loads((path / MANIFEST).read_text())["step"])
+        return int(json.loads((path / MANIFEST).read_text(encoding="utf-8"))["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return step_of(path)
 
@@ -215,7 +215,7 @@ def saved_config(path: Path | str | None) -> dict:
     """The config the run that saved checkpoint `path` launched with (its meta.json); {} where
     there is none or it cannot be read (a moved folder, an older checkpoint)."""
     try:
-        config = json.loads((Path(path) / "meta.json").read_text())["config"]
+        config = json.loads((Path(path) / "meta.json").read_text(encoding="utf-8"))["config"]
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     return config if isinstance(config, dict) else {}
@@ -296,8 +296,9 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
     content, saved_content = (position or {}).get("content"), data_pos.get("content")
     if content and saved_content and content != saved_content:  # (older checkpoints and folders hold none)
         why = back or ("its training tokens differ: the files were edited or replaced, or the tokenizer, its settings "
-                       "or chat template changed (or, for a folder that holds hidden files or links, or a tokenizer "
-                       "whose end of text only tokenizer_config.json names: since 2026-12-06 they are read otherwise)")
+                       "or chat template changed (or, for a folder that holds hidden files or links, a tokenizer "
+                       "whose end of text only tokenizer_config.json names, a .txt file with a byte-order mark or "
+                       "with lines of non-ASCII blanks between documents: since 2026-12-06 they are read otherwise)")
         raise CheckpointError(
             f"checkpoint {path} was trained on other data (tokens {saved_content}, this run's {content}): {why}; "
             "the saved position would mean other samples: train on the data it was saved with, or start a new "

@@ -66,7 +66,7 @@ def start_time_of(pid: int) -> float | None:
     """When process `pid` started (clock ticks after boot), or None if there is no such process
     (a zombie, exited and not yet reaped by its launcher, counts as none)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
         return None if fields[0] == "Z" else float(fields[19])
     except (OSError, ValueError, IndexError):
         try:
@@ -126,7 +126,7 @@ class RunLock:
         system has no hard links, an exclusive create then the write."""
         staged = self.path.with_name(f"{LOCK}.new-{uuid.uuid4().hex}")  # never another start's file
         try:
-            with os.fdopen(os.open(staged, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644), "w") as f:
+            with os.fdopen(os.open(staged, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644), "w", encoding="utf-8") as f:
                 json.dump(me, f)
             try:
                 os.link(staged, self.path)
@@ -139,7 +139,7 @@ class RunLock:
                 pass
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             try:
-                with os.fdopen(fd, "w") as f:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
                     json.dump(me, f)
             except OSError:  # ours, unwritten (not left empty to refuse every start)
                 self.path.unlink(missing_ok=True)
@@ -157,7 +157,7 @@ class RunLock:
         except OSError:  # gone already (another run took it over: try again), or not ours to move
             return False
         try:
-            text = aside.read_text()
+            text = aside.read_text(encoding="utf-8")
             matches = not text if not holder else json.loads(text) == holder  # ({}: an empty lock's)
         except (OSError, ValueError):
             matches = False
@@ -234,7 +234,7 @@ class RunLock:
 
     def _read(self) -> dict:
         try:
-            return json.loads(self.path.read_text())
+            return json.loads(self.path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return {}  # being written, or damaged: treated as held by an unknown run
 

@@ -235,7 +235,7 @@ class StateTiers:
         """The id, a new one when the file is absent or damaged, or the error (a file that exists
         but cannot be read now, e.g. a stale NFS handle, is no new run: its snapshots stay)."""
         try:
-            return str(json.loads(path.read_text())["run"]), False
+            return str(json.loads(path.read_text(encoding="utf-8"))["run"]), False
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -245,7 +245,7 @@ class StateTiers:
         run_id, tmp = uuid.uuid4().hex, path.with_name(path.name + ".tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"run": run_id}))
+            tmp.write_text(json.dumps({"run": run_id}), encoding="utf-8")
             tmp.replace(path)  # whole or absent, never torn
         except OSError as e:
             with contextlib.suppress(OSError):

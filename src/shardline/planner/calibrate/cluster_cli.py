@@ -135,7 +135,7 @@ def _write(out: Path, name: str, tables: dict, world: int, drilled: bool, failed
                "to keep a `shardline calibrate` profile's other figures, put this [network] table in it\n"
                "[measured] holds the points (tier_op: ranks, bytes, microseconds); the planner ignores it")
     try:
-        out.write_text(to_toml({"base": name, **tables}, comment))
+        out.write_text(to_toml({"base": name, **tables}, comment), encoding="utf-8")
     except OSError as e:
         raise ShardlineError(f"comm-bench: cannot write {out}: {e}") from None
     print(f"profile written to {out}")

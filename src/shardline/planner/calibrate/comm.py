@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         results = [{"op": name, "world": world, "bytes": nbytes, "seconds": statistics.median(times)}
                    for (name, nbytes), times in timings.items()]
         if rank == 0:
-            Path(out).write_text(json.dumps(results))
+            Path(out).write_text(json.dumps(results), encoding="utf-8")
     finally:
         dist.destroy_process_group()
 
@@ -92,7 +92,7 @@ def _run(world: int) -> list[dict]:
             mp.spawn(_worker, args=(world, _free_port(), out), nprocs=world, join=True)
         except (mp.ProcessRaisedException, mp.ProcessExitedException, RuntimeError, OSError) as e:
             raise ShardlineError(f"calibrate: gloo measurement with {world} processes failed: {e}") from None
-        return json.loads(Path(out).read_text())
+        return json.loads(Path(out).read_text(encoding="utf-8"))
 
 
 def _ring_terms(p: dict) -> tuple[float, float]:

@@ -177,7 +177,7 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
             if f"{name}1-vocab-wall" in t:
                 res[name]["ends_vocab_wall_s"] = t[f"{name}1-vocab-wall"] - res[name]["per_layer_wide_wall_s"]
         if rank == 0:
-            Path(out).write_text(json.dumps(res))
+            Path(out).write_text(json.dumps(res), encoding="utf-8")
     finally:
         dist.destroy_process_group()
 
@@ -197,7 +197,7 @@ def measure_wrappers(world: int = 2, rounds: int = ROUNDS) -> tuple[dict, dict]:
         except (mp.ProcessRaisedException, mp.ProcessExitedException, RuntimeError, OSError) as e:
             raise ShardlineError(f"calibrate: measuring the TP/FSDP wrappers with {world} processes "
                                  f"failed: {e}") from None
-        raw = json.loads(Path(out).read_text())
+        raw = json.loads(Path(out).read_text(encoding="utf-8"))
     plain, mb = raw["plain"], raw["sizes_mb"]
 
     def extra(name: str, key: str, plain_share: float) -> float:

@@ -207,7 +207,7 @@ def _calibrate(out: str | Path, quick: bool, comm: bool) -> dict:
                f"[measured] holds the raw points; the planner ignores it{busy}")
     text = to_toml({**fields, "measured": _flat(raw)}, comment)
     try:
-        Path(out).write_text(text)
+        Path(out).write_text(text, encoding="utf-8")
     except OSError as e:
         raise ShardlineError(f"calibrate: cannot write {out}: {e}") from None
     print(text)
