@@ -15,7 +15,8 @@ hits all three alike) measures what the training loop waits for:
           the host copy; the background time is reported beside it
 
 Reported: medians over the rounds and each as a ratio to the sync save. Disk saves go
-to --dir (default: runs/bench-checkpoint, on disk; not /dev/shm).
+to --dir (default: a fresh temporary folder, removed after; give a folder on the disk to
+measure, not a tmpfs such as /dev/shm, and check where the system's /tmp lives).
 
     .venv/bin/python benchmarks/checkpoint_stall.py                          # 10M..150M, ~3 min
     .venv/bin/python benchmarks/checkpoint_stall.py --sizes 10M,50M --world 2 --redundancy xor
@@ -24,18 +25,18 @@ to --dir (default: runs/bench-checkpoint, on disk; not /dev/shm).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import shutil
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _env import environment, header
 from shardline.models.factory import build_meta_model
 from shardline.models.flops import num_params
 from shardline.models.llama import ModelArgs
@@ -134,9 +135,9 @@ def run(opts) -> list[dict]:
 
 
 def table(rows: list[dict], opts) -> str:
+    folder = f" --dir {opts.dir}" if opts.dir else ""
     head = (f"`.venv/bin/python benchmarks/checkpoint_stall.py --sizes {opts.sizes} --rounds {opts.rounds} "
-            f"--world {opts.world} --redundancy {opts.redundancy}` on {datetime.date.today()}, host "
-            f"{platform.node()} ({os.cpu_count()} CPUs), load average {os.getloadavg()[0]:.1f}; "
+            f"--world {opts.world} --redundancy {opts.redundancy}{folder}`; "
             f"medians of {opts.rounds} rounds; state = fp32 weights + AdamW moments per rank.\n\n")
     lines = ["| size | params | state GiB | sync s | async stall s (background) | memory stall s "
              "| memory async stall s (background) | async / sync | memory / sync | memory async / sync |",
@@ -155,13 +156,16 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--world", type=int, default=1, help="gloo processes (>1 adds replica/parity exchange)")
     p.add_argument("--redundancy", choices=("replica", "xor"), default="replica")
-    p.add_argument("--dir", default=str(REPO / "runs" / "bench-checkpoint"))
+    p.add_argument("--dir", default="", help="where the disk saves go (default: a temporary folder, removed after)")
     opts = p.parse_args(argv)
     unknown = [s for s in opts.sizes.split(",") if s not in SHAPES]
     if unknown:
         p.error(f"unknown size(s) {unknown}; choose from {', '.join(SHAPES)}")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.world))
-    print(table(run(opts), opts))
+    print(header(environment()), flush=True)  # the load before the saves: what else shares the machine
+    with tempfile.TemporaryDirectory(prefix="shardline-ckpt-bench-") as tmp:
+        rows = run(argparse.Namespace(**{**vars(opts), "dir": opts.dir or tmp}))
+    print(table(rows, opts))
     return 0
 
 

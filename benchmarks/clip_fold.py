@@ -6,9 +6,13 @@ Clipping is two passes over every gradient: the norm (reads them) and the multip
 scale (reads and writes them). Stepped apart, the multiply streams every gradient through memory
 once more before AdamW streams them again; folded (`clip_grad_norm(..., defer_to=optimizer)`, what
 the trainer does on the host) WindowedAdamW multiplies each window's gradients while that window is
-in cache. Three ways, alternating step by step in one process so machine noise hits each alike:
+in cache. Seven ways, alternating step by step in one process so machine noise hits each alike
+(each step starts one variant further along the list, so none always runs first or after the same
+one):
 
 * torch: torch.nn.utils.clip_grad_norm_, then torch's AdamW (foreach);
+* torch_fused: torch.nn.utils.clip_grad_norm_, then torch's fused AdamW: the like-for-like torch
+  baseline of the fused-kernel variants below (before 2026-12-06 they were compared with `torch`);
 * apart: shardline's clip_grad_norm multiplying in place, then WindowedAdamW;
 * folded: shardline's clip_grad_norm handing the scale to WindowedAdamW (foreach);
 * folded_fused: WindowedAdamW on torch's fused CPU kernel, the clip's scale inside it as its
@@ -20,8 +24,9 @@ in cache. Three ways, alternating step by step in one process so machine noise h
   both kernels take the same grad_scale input).
 
 Every step clips: the gradients are standard normal, so their norm (about the square root of the
-parameter count) is far above max_norm 1. The parameters of `apart` and `folded` are checked
-equal bit for bit at the end, those of the two fused ones to 1e-6 (a division by the reciprocal).
+parameter count) is far above max_norm 1. Only clip + AdamW is timed: the gradients are made
+before the timer. The parameters of `apart` and `folded` are checked equal bit for bit at the
+end, those of the two fused ones to 1e-6 (a division by the reciprocal).
 
     python benchmarks/clip_fold.py                 # ~60 s on 2 CPU cores, 64 M parameters
     python benchmarks/clip_fold.py --params 256e6 --json out.json
@@ -36,13 +41,14 @@ import time
 
 import torch
 
+from _env import environment, header
 from shardline.layout import Layout
 from shardline.optim.fused import FusedAdamW
 from shardline.optim.windowed import WindowedAdamW
 from shardline.parallel.collectives import clip_grad_norm
 from shardline.parallel.dims import ParallelDims
 
-VARIANTS = ("torch", "apart", "folded", "folded_fused", "fused_apart", "fused_in_kernel")
+VARIANTS = ("torch", "torch_fused", "apart", "folded", "folded_fused", "fused_apart", "fused_in_kernel")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,6 +66,7 @@ def build(variant: str, args) -> tuple[torch.nn.ParameterList, torch.optim.Optim
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(size, generator=gen))
                                     for _ in range(args.tensors)])
     opt = {"torch": lambda: torch.optim.AdamW(model, lr=1e-3, foreach=True),
+           "torch_fused": lambda: torch.optim.AdamW(model, lr=1e-3, fused=True),
            "fused_apart": lambda: torch.optim.AdamW(model, lr=1e-3, fused=True),
            "fused_in_kernel": lambda: FusedAdamW(model, lr=1e-3),
            "folded_fused": lambda: WindowedAdamW(model, lr=1e-3, fused=True)}.get(
@@ -74,7 +81,7 @@ def step(variant: str, model: torch.nn.ParameterList, opt: torch.optim.Optimizer
     for p in model:
         p.grad = torch.randn(p.shape, generator=gen)
     start = time.perf_counter()
-    if variant == "torch":
+    if variant in ("torch", "torch_fused"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
     else:
         clip_grad_norm(model, 1.0, dims, defer_to=None if variant in ("apart", "fused_apart") else opt)
@@ -82,13 +89,22 @@ def step(variant: str, model: torch.nn.ParameterList, opt: torch.optim.Optimizer
     return time.perf_counter() - start
 
 
+def rotated(variants: tuple[str, ...], i: int) -> tuple[str, ...]:
+    """The variants starting at the i-th: over the steps each runs in every position alike (a fixed
+    order would hand one of them, every step, the caches and the machine as another left them)."""
+    k = i % len(variants)
+    return variants[k:] + variants[:k]
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    env = environment()
+    print(header(env), flush=True)
     dims = ParallelDims(Layout())
     runs = {v: build(v, args) for v in VARIANTS}
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for i in range(args.steps + 1):  # the first step of each allocates AdamW's moments: not timed
-        for v in VARIANTS:
+        for v in rotated(VARIANTS, i):
             seconds = step(v, *runs[v], dims, seed=i)
             if i:
                 times[v].append(seconds)
@@ -96,16 +112,19 @@ def main(argv=None) -> dict:
     close = all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(runs["fused_apart"][0],
                                                                         runs["fused_in_kernel"][0]))
     median = {v: statistics.median(t) for v, t in times.items()}
-    out = {"params": int(args.params), "tensors": args.tensors, "steps": args.steps, "threads": torch.get_num_threads(),
+    out = {"env": env, "params": int(args.params), "tensors": args.tensors, "steps": args.steps,
+           "threads": torch.get_num_threads(),
            "median_ms": {v: round(m * 1e3, 1) for v, m in median.items()},
            "vs_torch": {v: round(median[v] / median["torch"], 3) for v in VARIANTS},
+           "vs_torch_fused": {v: round(median[v] / median["torch_fused"], 3) for v in VARIANTS},
            "folded_vs_apart": round(median["folded"] / median["apart"], 3), "apart_equals_folded": same,
            "fused_in_kernel_vs_apart": round(median["fused_in_kernel"] / median["fused_apart"], 3),
            "fused_close": close, "folded_fused_vs_folded": round(median["folded_fused"] / median["folded"], 3)}
     print(f"{int(args.params):,} parameters in {args.tensors} tensors, {torch.get_num_threads()} threads, "
           f"median of {args.steps} clipped steps")
     for v in VARIANTS:
-        print(f"  {v:<16} {out['median_ms'][v]:>8.1f} ms   {out['vs_torch'][v]:.2f}x torch")
+        print(f"  {v:<16} {out['median_ms'][v]:>8.1f} ms   {out['vs_torch'][v]:.2f}x torch (foreach)   "
+              f"{out['vs_torch_fused'][v]:.2f}x torch_fused")
     print(f"  folded / apart: {out['folded_vs_apart']:.3f}; parameters bit for bit equal: {same}")
     print(f"  fused_in_kernel / fused_apart: {out['fused_in_kernel_vs_apart']:.3f}; parameters within 1e-6: {close}")
     print(f"  folded_fused / folded (the fused kernel against foreach, windowed): {out['folded_fused_vs_folded']:.3f}")

@@ -15,6 +15,8 @@ whose score matrix (s x s per head) is the very memory context parallelism remov
 and the comparison would flatter cp.
 
     python benchmarks/context_parallel.py [--seq-len 8192] [--repeats 3] [--threads 4] [--json]
+
+`--json` prints {"env": the machine, "rows": one per run} instead of the table.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from _env import environment, header
 
 RUNS = {"cp1": [], "cp2 ring": ["parallel.cp=2"], "cp4 ring": ["parallel.cp=4"],
         "cp4 ring (no zigzag)": ["parallel.cp=4", "parallel.cp_balance=none"],
@@ -114,6 +118,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads < 4 or args.threads % 4:
         ap.error(f"--threads={args.threads} must be a positive multiple of 4 (split evenly over cp4's ranks)")
+    env = environment()  # before the runs: the load of what else shares the cores
+    if not args.json:
+        print(header(env), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(name, extra, args.seq_len, args.repeats, Path(tmp), args.threads)
                 for name, extra in RUNS.items()]
@@ -121,7 +128,7 @@ def main() -> None:
     for r in rows:
         r["activation_vs_cp1"] = r["activation_mib_per_rank"] / base
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"env": env, "rows": rows}, indent=1))
         return
     print(f"tiny model, one sequence of {args.seq_len} tokens, fp32, CPU/gloo, {args.threads} threads a run; "
           f"medians of {args.repeats}")

@@ -6,7 +6,8 @@ All in one run on a generated corpus (English-like words drawn from the shipped
 corpus's vocabulary, documents of 200-8000 words, .jsonl); every figure is the median of
 `--repeat` measurements (3 by default):
 
-* prepare: MB/s of input text with 1 worker and with --workers N (and per worker),
+* prepare: MB/s of input text with 1 worker and with --workers N (and per worker), the
+  two interleaved (1, N, 1, N, ...) so that machine drift hits both alike,
   using one given tokenizer (a BPE trained once on the shipped corpus), so no BPE
   training is timed;
 * start-up: for each prepared size, a fresh process builds the run's data
@@ -14,8 +15,9 @@ corpus's vocabulary, documents of 200-8000 words, .jsonl); every figure is the m
   RSS (VmHWM), next to the same for the raw-text path on the smallest size; the
   RSS of a process that only imports the same modules is given as the floor;
 * loader: tokens/s of `train.batch()` for random sequences of the largest prepared
-  corpus (one thread, warm page cache), as a multiple of 60k tokens/s (what an H200
-  consumes on the 1B shape), and the CPU milliseconds that cost per 1B-shape step of
+  corpus (one thread, warm page cache), as a multiple of 63,815 tokens/s (what one H200
+  trained the 1B shape at, shardline-compile bf16: RESULTS.md's GPU table, 2026-12-04; runs
+  before 2026-12-06 used a round 60k), and the CPU milliseconds that cost per 1B-shape step of
   one rank (micro-batch 4 x 4096 tokens, 4 micro-batches).
 
     python benchmarks/data.py                                  # sizes 20 and 100 MB, 3 repeats
@@ -36,8 +38,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from _env import environment, header
+
 REPO = Path(__file__).resolve().parents[1]
-H200_1B_TOKENS_PER_S = 60_000
+H200_1B_TOKENS_PER_S = 63_815  # measured: one H200, the 1B shape, shardline-compile bf16 (RESULTS.md, 2026-12-04)
 
 
 def generate(path: Path, megabytes: float, seed: int = 0) -> int:
@@ -131,6 +135,22 @@ def loader_rate(folder: Path, tok: Path, seconds: float = 5.0, repeat: int = 1) 
     return medians(rows)
 
 
+def prepare_rates(corpus: Path, folder: Path, tok: Path, workers: int, repeat: int, nbytes: int) -> dict:
+    """Prepare MB/s with 1 worker and with `workers`, interleaved (1, N, 1, N, ...): run all of one
+    then all of the other, and a drift of the machine's load lands on one side only."""
+    counts = sorted({1, workers})
+    times: dict[int, list[float]] = {w: [] for w in counts}
+    for _ in range(repeat):
+        for w in counts:
+            times[w].append(time_prepare(corpus, folder, tok, w))
+    rates = {}
+    for w, t in times.items():
+        seconds = statistics.median(t)
+        rates[f"workers={w}"] = {"mb": nbytes / 1e6, "seconds": seconds, "mb_per_s": nbytes / 1e6 / seconds,
+                                 "mb_per_s_per_worker": nbytes / 1e6 / seconds / w}
+    return rates
+
+
 def run(args) -> dict:
     sizes = [float(s) for s in args.sizes.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="shardline-data-bench-", dir=args.tmp))
@@ -138,18 +158,15 @@ def run(args) -> dict:
     try:
         tok = tokenizer_file(tmp)
         n = args.repeat
-        res = {"sizes_mb": sizes, "workers": args.workers, "prepare": {}, "startup": {}, "cpu_count": os.cpu_count(),
+        res = {"env": environment(),
+               "sizes_mb": sizes, "workers": args.workers, "prepare": {}, "startup": {}, "cpu_count": os.cpu_count(),
                "repeat": n}
         for mb in sizes:
             corpus = tmp / f"corpus{mb:g}.jsonl"
             nbytes = generate(corpus, mb)
             folder = tmp / f"prep{mb:g}"
             if mb == max(sizes):
-                for w in sorted({1, args.workers}):
-                    seconds = statistics.median(time_prepare(corpus, folder, tok, w) for _ in range(n))
-                    res["prepare"][f"workers={w}"] = {"mb": nbytes / 1e6, "seconds": seconds,
-                                                      "mb_per_s": nbytes / 1e6 / seconds,
-                                                      "mb_per_s_per_worker": nbytes / 1e6 / seconds / w}
+                res["prepare"] = prepare_rates(corpus, folder, tok, args.workers, n, nbytes)
             else:
                 time_prepare(corpus, folder, tok, args.workers)
             res["startup"][f"prepared {mb:g} MB"] = startup(str(folder), tok, n)
@@ -163,7 +180,8 @@ def run(args) -> dict:
 
 
 def table(res: dict) -> str:
-    lines = [f"medians of {res['repeat']} measurements", f"prepare ({res['cpu_count']} cores on this machine)",
+    lines = [header(res["env"]), f"medians of {res['repeat']} measurements",
+             f"prepare ({res['cpu_count']} cores on this machine)",
              "  workers    MB    seconds   MB/s   MB/s/worker"]
     for name, r in res["prepare"].items():
         lines.append(f"  {name:<9} {r['mb']:6.1f} {r['seconds']:8.1f} {r['mb_per_s']:7.2f} "
@@ -174,13 +192,14 @@ def table(res: dict) -> str:
         lines.append(f"  {name:<17} {r['import_s']:8.2f} {r['startup_s']:10.2f} {r['peak_rss_mib']:12.0f}")
     ld = res["loader"]
     lines += ["loader (random 4 x 4096 micro-batches from the largest prepared corpus, one thread)",
-              f"  {ld['tokens_per_s']:,.0f} tokens/s = {ld['x_h200_1b']:.0f}x an H200 on the 1B shape (60k tokens/s); "
+              f"  {ld['tokens_per_s']:,.0f} tokens/s = {ld['x_h200_1b']:.0f}x an H200 on the 1B shape "
+              f"({H200_1B_TOKENS_PER_S:,} tokens/s, measured); "
               f"{ld['cpu_ms_per_1b_step']:.1f} CPU ms per rank per 1B step (4 micro-batches of 4 x 4096)"]
     return "\n".join(lines)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="20,100", help="corpus sizes in MB, comma-separated (default 20,100)")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)), help="prepare workers")
     p.add_argument("--repeat", type=int, default=3, help="measurements per figure; medians are reported (default 3)")

@@ -13,10 +13,13 @@
 #    attention kernels against the dense mask, fp8, allocator and profiler)
 #                                                                           -> gpu-tests.txt, .xml
 #
+# It first checks that this python imports torch and sees a CUDA device, and otherwise says so in
+# one line and exits 2 (ALLOW_CPU=1 runs on without one: the suite's CPU dry run, gpu_train.py --tiny).
 # RESULTS_DIR defaults to $OUT when set (the device tool's folder), else results/gpu-<time>.
-# It needs nothing from a registry: it runs with the machine's python3 and its torch
-# (>= 2.11), puts src/ on PYTHONPATH, and installs torchao and pytest from benchmarks/wheels/
-# (see benchmarks/README.md) when the machine lacks them. Budgets in seconds (env):
+# It needs nothing from a registry: it runs with the machine's python3 and its torch (>= 2.11),
+# or with the interpreter PYTHON names (PYTHON=/path/to/venv/bin/python), puts src/ on PYTHONPATH,
+# and installs torchao and pytest from benchmarks/wheels/ (see benchmarks/README.md) when the
+# machine lacks them. Budgets in seconds (env):
 # BENCH_BUDGET (default 300) and TEST_BUDGET (default 230), each ended by SIGINT and 10 s later
 # SIGKILL; the tests also stop by DEADLINE (default 560 s after the script started), so with the
 # machine probe (~10 s) and an install (at most 30 s) the whole script ends within about 9.5
@@ -62,6 +65,16 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 
     PYTHONWARNINGS=ignore::DeprecationWarning,ignore::FutureWarning NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 "$PY" -c "import sys; sys.exit(sys.version_info < (3, 11))" \
     || { echo "gpu_check: $PY is Python < 3.11; shardline needs 3.11+ (tomllib): set PYTHON=" >&2; exit 2; }
+# No torch or no CUDA device: one line, not the tracebacks of every step below.
+if [ "${ALLOW_CPU:-0}" != 1 ]; then
+    cuda=$("$PY" -c "import torch; print(torch.__version__, torch.cuda.is_available())" 2>/dev/null | tail -n 1)
+    [ -n "$cuda" ] || cuda="not importable False"
+    if [ "${cuda##* }" != True ]; then
+        echo "gpu_check.sh: no CUDA device visible to $PY (torch ${cuda% *}): this script is for a GPU machine;" \
+            "on CPU run benchmarks/gpu_train.py --tiny" >&2
+        exit 2
+    fi
+fi
 status=0
 ONLY=${ONLY:-}
 case "$ONLY" in ""|tests|bench|extras) ;; *) echo "gpu_check: ONLY=$ONLY is invalid: tests, bench, extras or unset" >&2; exit 2 ;; esac
@@ -95,7 +108,7 @@ fi
     date -u
     echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)"
     git status --short 2>/dev/null | head -n 20  # uncommitted changes the run measured, if any
-    nvidia-smi || true
+    if command -v nvidia-smi >/dev/null; then nvidia-smi || true; else echo "nvidia-smi: not on this machine"; fi
     "$PY" - <<'EOF'
 import importlib, platform, torch
 print("python", platform.python_version())

@@ -543,7 +543,9 @@ def _run_variants(args, shape: ModelArgs, fpt: float, peak: float, results: dict
 
 
 def _report(args, shape: ModelArgs, fpt: float, peak: float, device_name: str, results: dict) -> dict:
-    """The report `results` (filled in as variants finish) goes into."""
+    """The report `results` (filled in as variants finish) goes into; made before the first
+    variant, so its `env` holds the load of the machine before the run."""
+    from _env import environment  # here: the tests load this file without benchmarks/ on sys.path
     try:
         import transformers
 
@@ -553,6 +555,7 @@ def _report(args, shape: ModelArgs, fpt: float, peak: float, device_name: str, r
     return {
         "benchmark": "gpu_train",
         "date": datetime.date.today().isoformat(),
+        "env": environment(),
         "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
         "machine": {"device": str(args.device), "device_name": device_name, "cpu_count": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -583,9 +586,12 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 
 def format_table(rep: dict) -> str:
+    from _env import header
+
     c, m = rep["config"], rep["machine"]
     a = c["model_args"]
     lines = [
+        header(rep["env"]),
         f"gpu_train: preset {c['preset']}{' (--tiny)' if c['tiny'] else ''}: dim {a['dim']}, {a['n_layers']} layers, "
         f"{a['n_heads']}/{a['n_kv_heads'] or a['n_heads']} heads, ffn {a['ffn_dim']}, vocab {a['vocab_size']} "
         f"({c['params'] / 1e6:,.1f} M params); seq {c['seq_len']} x batch {c['batch']} = "

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _env import environment, header
 from shardline.models.llama.model import FeedForward, ModelArgs
 from shardline.models.moe import MoEArgs
 from shardline.models.moe.layer import MoEFeedForward, loop_experts
@@ -145,10 +146,13 @@ def main() -> None:
         parser.error(f"--tokens={args.tokens} must be a positive multiple of 256 (the rows are 256-token sequences, "
                      "spread evenly over the experts)")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    env = environment()  # before the runs: the load of what else shares the cores
+    if not args.json:
+        print(header(env), flush=True)
     rows = layer_rows(args.tokens, args.repeats)
     ep = ep_row(args.repeats)
     if args.json:
-        print(json.dumps({"layer": rows, "ep": ep}))
+        print(json.dumps({"env": env, "layer": rows, "ep": ep}))
         return
     print(f"MoE layer: dim {DIM}, {EXPERTS} experts, top {TOP_K}, expert ffn {EXPERT_FFN}, {args.tokens} tokens")
     for r in rows:

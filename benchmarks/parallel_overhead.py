@@ -11,6 +11,8 @@ share the CPU, so the figures rank the layouts' overheads (communication, reshar
 bubbles) rather than show speed-ups.
 
     python benchmarks/parallel_overhead.py [--steps 12] [--repeat 3] [--json]
+
+`--json` prints {"env": the machine, "rows": one per layout} instead of the table.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _env import environment, header
 
 MODEL = ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
          "--model.ffn_dim=384", "--data.vocab_size=2048"]
@@ -89,6 +93,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: must be at least 1")
+    env = environment()  # before the runs: the load of what else shares the cores
+    if not args.json:
+        print(header(env), flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeat):
@@ -96,7 +103,7 @@ def main() -> None:
                 runs[name].append(run_layout(name, extra, args.steps, Path(tmp) / f"round{i}"))
     rows = [summarize(name, r, runs["ddp"]) for name, r in runs.items()]
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"env": env, "rows": rows}, indent=1))
         return
     print(f"medians over {args.repeat} rounds")
     print(f"{'layout':26s} {'tokens/s':>9s} {'vs DDP':>7s} {'step s':>7s} {'spread':>7s} {'peak GiB/rank':>13s} "

@@ -138,3 +138,10 @@ def follow_ranks_cpu(proc: subprocess.Popen, metrics: Path, world: int) -> list[
         except (OSError, IndexError, ValueError):
             continue
     return marks
+
+
+if __name__ == "__main__":
+    # A library of layouts, not a benchmark of its own: a run (or --help) says where it is used.
+    print("planner_multirank.py is a library: run its layouts through `benchmarks/planner_validation.py "
+          f"--layouts NAME,...` ({', '.join(LAYOUTS)})")
+    sys.exit(0 if {"-h", "--help"} & set(sys.argv[1:]) else 2)

@@ -33,7 +33,7 @@ ranks per step divided by the cores they can use (min(ranks x threads, cores)): 
 step would take if the ranks had the cores to themselves. `peak_mem_gib` is the maximum
 over ranks. `--configs` and `--layouts` choose the two sets (`none` skips one).
 
-    .venv/bin/python benchmarks/planner_validation.py                    # 10 + 10 runs, ~10 min on 2 cores
+    .venv/bin/python benchmarks/planner_validation.py                    # 10 + 12 runs, ~10 min on 2 cores
     .venv/bin/python benchmarks/planner_validation.py --profile calibration.toml --results benchmarks/RESULTS.md
 """
 

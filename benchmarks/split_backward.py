@@ -35,6 +35,7 @@ import time
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from _env import environment, header
 from shardline.models.factory import build_model_on
 from shardline.models.llama import ModelArgs
 from shardline.parallel.compile import apply_compile, config_problem
@@ -151,15 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch._functorch.config.donated_buffer = False  # the split backward retains the graph (as train.compile sets)
     args = ModelArgs(dim=a.dim, n_layers=1, n_heads=a.heads, n_kv_heads=a.kv_heads, ffn_dim=a.ffn, vocab_size=64)
-    results = measure(args, a.seq, a.batch, device, dtype, a.repeats, variants)
+    env = environment()  # before the timings: the load of what else runs here
     out = sys.stderr if a.json == "-" else sys.stdout
+    print(header(env), file=out, flush=True)
+    results = measure(args, a.seq, a.batch, device, dtype, a.repeats, variants)
     print(f"one block: dim {a.dim}, heads {a.heads}/{a.kv_heads}, ffn {a.ffn}, seq {a.seq}, batch {a.batch}, "
           f"{device.type} {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, medians of {a.repeats}",
           file=out)
     print(table(results), file=out)
     if a.json:
-        text = json.dumps({"shape": vars(a), "device": device.type, "torch": torch.__version__, "results": results},
-                          indent=2)
+        text = json.dumps({"env": env, "shape": vars(a), "device": device.type, "torch": torch.__version__,
+                           "results": results}, indent=2)
         if a.json == "-":
             print(text)
         else:

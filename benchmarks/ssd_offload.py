@@ -3,7 +3,8 @@
 a time buys the step, what mapped moments cost it, and what they take off the host's RAM.
 
 One AdamW step (foreach, as on the host under CPU offload) over the same parameters, five ways,
-in alternating blocks in one process so machine noise hits each alike:
+in alternating blocks in one process so machine noise hits each alike; only `optimizer.step()` is
+timed (the gradients are made before the timer, `zero_grad` after it):
 
 * plain: torch's AdamW, its moments in RAM;
 * windowed: WindowedAdamW (what the trainer steps on the host), its moments in RAM: torch's
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from _env import environment, header
 from shardline.optim.ssd_offload import SSDAdamW
 from shardline.optim.windowed import WINDOW, WindowedAdamW
 
@@ -74,9 +76,15 @@ def build(variant: str, args, folder: str) -> tuple[list[torch.Tensor], torch.op
     return params, SSDAdamW(params, folder, 0, **hyper)
 
 
-def step(params, opt) -> None:
+def fill_grads(params) -> None:
+    """Gradients for the next step: made before a timed step, so that the timer holds AdamW only."""
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
+
+
+def step(params, opt) -> None:
+    """A whole step, gradients included (what the resident set's rise in a step counts)."""
+    fill_grads(params)
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -151,10 +159,13 @@ def timings(args, folder: str) -> tuple[dict[str, float], dict[str, float], dict
                 begin = time.perf_counter()
                 page_out(built[v][1])
                 writeback[v].append(time.perf_counter() - begin)
+            params, opt = built[v]
+            fill_grads(params)
             before = io_counters()
             begin = time.perf_counter()
-            step(*built[v])
+            opt.step()
             times[v].append(time.perf_counter() - begin)
+            opt.zero_grad(set_to_none=True)
             if v in COLD:
                 for k, n in io_counters().items():
                     io[v].setdefault(k, []).append(n - before[k])
@@ -169,13 +180,15 @@ def main(argv=None) -> dict:
         if args.memory_of:
             print(json.dumps(memory_of(args.memory_of, args, folder)))
             return {}
+        env = environment()
+        print(header(env), flush=True)
         child = [sys.executable, __file__, f"--params={args.params}", f"--tensors={args.tensors}",
                  f"--window={args.window}", f"--folder={folder}"]
         memory = {v: json.loads(subprocess.run([*child, f"--memory-of={v}"], check=True, capture_output=True,
                                                text=True).stdout) for v in VARIANTS}
         median, writeback, cold_io = timings(args, folder)
     moments_gib = 8 * int(args.params) / 2**30
-    result = {"params": int(args.params), "moments_gib": round(moments_gib, 3), "steps": args.steps,
+    result = {"env": env, "params": int(args.params), "moments_gib": round(moments_gib, 3), "steps": args.steps,
               "window": args.window, "step_s": {v: round(s, 4) for v, s in median.items()},
               "vs_plain": {v: round(median[v] / median["plain"], 2) for v in VARIANTS},
               "writeback_s": {v: round(s, 4) for v, s in writeback.items()},

@@ -42,6 +42,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from _env import environment, header
 from shardline.config import load_config
 from shardline.data.packing import IGNORE_INDEX
 from shardline.models import Llama, num_params
@@ -205,6 +206,7 @@ def summarize(times: list[float], tokens_per_step: int) -> dict:
 def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
+    env = environment()  # the load before the run: what else shares the cores
     device_sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     with tempfile.TemporaryDirectory(prefix="shardline-bench-") as run_dir:
         cfg = load_config(None, shardline_overrides(args, run_dir))
@@ -257,6 +259,7 @@ def run(args) -> dict:
     return {
         "benchmark": "step_overhead",
         "date": datetime.date.today().isoformat(),
+        "env": env,
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
                     "torch": torch.__version__, "device": str(trainer.device)},
@@ -291,6 +294,7 @@ def format_table(res: dict) -> str:
     c = res["config"]
     m = res["machine"]
     lines = [
+        header(res["env"]),
         f"step_overhead: preset {c['preset']} ({c['params'] / 1e6:.2f} M params), seq {c['seq_len']}, "
         f"batch {c['batch']} (micro {c['micro_batch']}), {c['precision']}, compile={c['compile']}, "
         f"document_mask={c['document_mask']}, AdamW {c['optimizer']}",

@@ -61,6 +61,7 @@ def test_gpu_check_script_runs_on_cpu_with_the_tiny_benchmark(tmp_path, small_co
     gpu_train.py runs its CPU smoke shape): a broken script must not cost a GPU session."""
     results = tmp_path / "results"
     env = {**os.environ, "PYTHON": sys.executable, "OUT": "", "TEST_BUDGET": "120", "BENCH_BUDGET": "120",
+           "ALLOW_CPU": "1",  # without it the script stops at once on a machine with no CUDA device
            "GPU_TRAIN_ARGS": f"--tiny --data {small_corpus} --threads 1 --steps 2 --warmup 1 "
                              "--variants shardline-eager,shardline-cudnn,hf-eager,hf-compile --inject-oom hf-compile "
                              f"--profile {results}"}
@@ -160,10 +161,12 @@ def test_split_backward_reports_its_variants_with_eager_gradients(tmp_path):
     assert "split/one" in proc.stdout
 
 
-def test_clip_fold_times_six_ways_and_finds_the_folded_clips_equal(tmp_path):
+def test_clip_fold_times_seven_ways_and_finds_the_folded_clips_equal(tmp_path):
     res, proc = run_benchmark("clip_fold.py", ["--params", "2e5", "--tensors", "4", "--steps", "2"], tmp_path)
-    assert set(res["median_ms"]) == {"torch", "apart", "folded", "folded_fused", "fused_apart", "fused_in_kernel"}
+    assert set(res["median_ms"]) == {"torch", "torch_fused", "apart", "folded", "folded_fused", "fused_apart",
+                                     "fused_in_kernel"}
     assert all(map(positive, res["median_ms"].values()))
+    assert res["vs_torch"]["torch"] == res["vs_torch_fused"]["torch_fused"] == 1
     assert res["apart_equals_folded"] is True and "bit for bit equal: True" in proc.stdout
     assert res["fused_close"] is True and "within 1e-6: True" in proc.stdout
 

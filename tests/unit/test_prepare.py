@@ -350,11 +350,16 @@ def test_chat_loss_is_on_assistant_tokens_only(tmp_path):
 def _next_fit_rows(sizes, width: int) -> int:
     """How many rows packing in stream order needs: benchmarks/chat_packing.py's baseline, the one definition."""
     import importlib.util
+    import sys
 
-    spec = importlib.util.spec_from_file_location("chat_packing", Path(__file__).parents[2] / "benchmarks" /
-                                                  "chat_packing.py")
+    folder = str(Path(__file__).parents[2] / "benchmarks")
+    spec = importlib.util.spec_from_file_location("chat_packing", Path(folder) / "chat_packing.py")
     bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    sys.path.insert(0, folder)  # (its sibling _env, found as when the script runs)
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(folder)
     return bench.next_fit_rows(sizes, width)
 
 
