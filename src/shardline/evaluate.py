@@ -63,7 +63,7 @@ class Evaluation:
     def as_json(self) -> str:
         return json.dumps({"checkpoint": self.checkpoint, "step": self.step, "loss": self.loss,
                            "perplexity": self.perplexity, "sequences": self.sequences,
-                           "labelled_tokens": self.labelled_tokens, "data": self.data}, ensure_ascii=False)
+                           "labelled_tokens": self.labelled_tokens, "data": self.data})
 
 
 def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[Config, Path, int]:

@@ -189,24 +189,26 @@ class Generator:
                 f"{self.context - len(prompt_ids) + 1:,} new ones: from there the model saw the last {self.context:,} "
                 "(a model without that limit, such as the HF export's, continues otherwise; --context sets it, up to "
                 "the model's max_seq_len)")
-        text = self._decoded(prompt_ids, [t for t in drawn if t not in stop])
-        return text.split(stop_text)[0] if stop_text else text
+        text = self._decoded(prompt_ids, new := [t for t in drawn if t not in stop])
+        if stop_text and stop_text in text:
+            return text.split(stop_text)[0]
+        return self._without_cut_character(prompt_ids, new, text)
 
     def _decoded(self, prompt_ids: list[int], new: list[int]) -> str:
-        """`new`'s text, decoded with the prompt and cut after it (decoded alone, a SentencePiece
-        continuation loses its leading space), less a last character the tokens end inside (a byte-level
-        BPE writes one in up to 4 byte tokens: --max-new-tokens may stop mid-way, U+FFFD), which is said."""
-        head, texts = self.tokenizer.decode(prompt_ids), []
-        for cut in range(min(len(new), 4) + 1):
-            kept = new[:len(new) - cut]
-            whole = self.tokenizer.decode(prompt_ids + kept)
-            texts.append(whole[len(head):] if whole.startswith(head) else self.tokenizer.decode(kept))
-            if not texts[-1].endswith("\ufffd"):
-                if cut:
-                    say(f"the last {cut} token(s) end inside a character (a longer --max-new-tokens completes it): "
-                        "left out")
-                return texts[-1]
-        return texts[0]  # (no cut character: the text itself ends with U+FFFD)
+        """`new`'s text, decoded with the prompt and cut after it (alone, SentencePiece drops a leading space)."""
+        head, whole = self.tokenizer.decode(prompt_ids), self.tokenizer.decode(prompt_ids + new)
+        return whole[len(head):] if whole.startswith(head) else self.tokenizer.decode(new)
+
+    def _without_cut_character(self, prompt_ids: list[int], new: list[int], text: str) -> str:
+        """`text` less the U+FFFD it ends with where that is a character the tokens stop inside (a
+        byte-level BPE writes one in up to 4 byte tokens, and the length limit may fall in it): a
+        U+FFFD that a shorter decode has not. Said where left out."""
+        if not text.endswith("\ufffd"):
+            return text
+        if any(not self._decoded(prompt_ids, new[:-cut]).endswith("\ufffd") for cut in range(1, min(len(new), 4) + 1)):
+            say("the text ends inside a character (its last bytes were not written): left out")
+            return text.rstrip("\ufffd")
+        return text
 
 
 def _messages(prompt: str, system: str = "") -> list[dict]:
@@ -348,8 +350,7 @@ def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "a
         stop, stop_text = gen.turn_end() if chat else (gen.stop, "")
         shown = {"chat_prompt": gen.chat_prompt(prompt, system), "stop_text": stop_text} if chat else {}
         return json.dumps({"prompt": prompt, **shown, "completion": text, **vars(opts), "stop_ids": sorted(stop),
-                           "checkpoint": gen.checkpoint, "prompt_tokens": gen.prompt_tokens, "context": gen.context},
-                          ensure_ascii=False)  # (the text as it reads, as the plain output prints it)
+                           "checkpoint": gen.checkpoint, "prompt_tokens": gen.prompt_tokens, "context": gen.context})
     return text if chat else prompt + text
 
 

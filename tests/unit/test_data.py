@@ -83,8 +83,9 @@ def _damaged_gzip() -> bytes:
     ("nofield.jsonl", '{"body": "x"}\n', "no string field 'text'"),
     ("empty.txt", "", "contains no text"),
     ("blank.jsonl", "\n\n", "contains no text"),
-    ("latin1.txt", b"caf\xe9", "is not UTF-8"),
-    ("latin1.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "line 2 is not UTF-8"),
+    ("latin1.txt", b"caf\xe9", "is not UTF-8 text .unexpected end of data.: convert it, e.g. iconv -f GB18030"),
+    ("gbk.jsonl", b'{"text": "ok"}\n{"text": "' + "中文".encode("gbk") + b'"}\n', "line 2 is not UTF-8 text "
+     ".invalid continuation byte.: convert it, e.g. iconv"),
     ("trunc.jsonl.gz", b"\x1f\x8b\x08\x00garbage", "cannot read data file"),
     ("bad.parquet", b"PAR1 not really", "cannot read parquet file"),
 ])

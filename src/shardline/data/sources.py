@@ -37,6 +37,7 @@ CHAT_FIELD = "messages"  # what data.format = "chat" reads from each .jsonl reco
 # whitespace as blank (a full-width space U+3000, as Chinese text indents with, or a no-break space).
 _DOC_BREAK = re.compile(r"\r?\n[^\S\n]*\n[^\S\n]*(?:\r?\n)+")
 _CHUNK = 1 << 20  # characters of a .txt file decoded at a time
+CONVERT = ": convert it, e.g. iconv -f GB18030 -t UTF-8 (or the encoding it was written in)"
 
 
 def shipped_corpus() -> Path:
@@ -219,8 +220,7 @@ def _guarded(f: Path, lines: Iterator):
     except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:  # zlib.error: damaged compressed bytes
         raise DataError(f"cannot read data file {f}: {e}") from None
     except UnicodeDecodeError as e:
-        raise DataError(f"data file {f} is not UTF-8 text ({e.reason}): convert it, e.g. iconv -f GB18030 -t UTF-8 "
-                        "(or the encoding it was written in)") from None
+        raise DataError(f"data file {f} is not UTF-8 text ({e.reason}){CONVERT}") from None
 
 
 def _read_txt(f: Path) -> Iterator[str]:
@@ -264,7 +264,7 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
             try:
                 line = line.decode("utf-8-sig" if n == 1 else "utf-8")  # (a byte-order mark some editors write)
             except UnicodeDecodeError as e:
-                raise DataError(f"data file {f} line {n} is not UTF-8 text ({e.reason})") from None
+                raise DataError(f"data file {f} line {n} is not UTF-8 text ({e.reason}){CONVERT}") from None
             if not line.strip():
                 continue
             try:

@@ -80,7 +80,7 @@ def filesystem(path: Path) -> str:
     /proc/mounts (the last listed of equals: a later mount hides an earlier one), whose paths
     escape spaces, tabs, newlines and backslashes as octal."""
     try:
-        lines = Path("/proc/mounts").read_text(encoding="utf-8").splitlines()
+        lines = Path("/proc/mounts").read_text(encoding="utf-8", errors="surrogateescape").splitlines()
     except OSError:
         return ""
     mounts = [(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1]), fields[2])

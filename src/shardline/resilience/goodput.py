@@ -33,7 +33,7 @@ def process_start_time() -> float:
     try:
         # Process start in clock ticks after boot, against the uptime now (10 ms
         # resolution; /proc/stat's boot time is whole seconds, too coarse here).
-        ticks = int(Path("/proc/self/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[19])
+        ticks = int(Path("/proc/self/stat").read_text(encoding="utf-8", errors="replace").rsplit(")", 1)[1].split()[19])
         uptime = float(Path("/proc/uptime").read_text(encoding="utf-8").split()[0])
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):

@@ -298,7 +298,8 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
         why = back or ("its training tokens differ: the files were edited or replaced, or the tokenizer, its settings "
                        "or chat template changed (or, for a folder that holds hidden files or links, a tokenizer "
                        "whose end of text only tokenizer_config.json names, a .txt file with a byte-order mark or "
-                       "with lines of non-ASCII blanks between documents: since 2026-12-06 they are read otherwise)")
+                       "with lines of other blanks (full-width spaces, form feeds) between documents: since "
+                       "2026-12-06 they are read otherwise)")
         raise CheckpointError(
             f"checkpoint {path} was trained on other data (tokens {saved_content}, this run's {content}): {why}; "
             "the saved position would mean other samples: train on the data it was saved with, or start a new "

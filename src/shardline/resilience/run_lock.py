@@ -66,7 +66,7 @@ def start_time_of(pid: int) -> float | None:
     """When process `pid` started (clock ticks after boot), or None if there is no such process
     (a zombie, exited and not yet reaped by its launcher, counts as none)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace").rsplit(")", 1)[1].split()
         return None if fields[0] == "Z" else float(fields[19])
     except (OSError, ValueError, IndexError):
         try:
