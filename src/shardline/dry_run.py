@@ -148,6 +148,15 @@ def _model_line(cfg: Config, launch: Preflight) -> str:
     return line
 
 
+def _optim_line(cfg: Config) -> str:
+    """The learning rate's curve and the seeds: what an ablation varies, said before it runs."""
+    o, t = cfg.optim, cfg.train
+    cut = " (as long as the run: the lr peaks at its last step, never decaying)" if o.warmup_steps >= t.steps else ""
+    seeds = f"seed {t.seed}" + (f", data order {t.data_seed}" if t.data_seed != -1 else " (weights and data order)")
+    floor = "" if o.schedule == "constant" else f" down to {o.min_lr_ratio:g} x lr"
+    return f"optim     lr {o.lr:g}, {o.warmup_steps} warm-up step(s){cut}, then {o.schedule}{floor}; {seeds}"
+
+
 def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
     lay, t = launch.layout, cfg.train
     lines = [f"layout    {lay.describe()}",
@@ -156,6 +165,7 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
              f"batch     {t.global_batch_size} sequences x {t.seq_len} tokens per step; each of {lay.dp} "
              f"data-parallel rank(s) runs {lay.micro_batches(t.global_batch_size)} micro-batch(es) of "
              f"{lay.micro_batch_size}",
+             _optim_line(cfg),
              f"attention {describe_attention(t.attention, t.document_mask, cfg.run.device != 'cpu', *lay.cp_degrees)}",
              f"compile   {describe_compile(t.compile, lay, cfg.memory.activation_checkpoint, launch.model_args.moe)}"]
     if lay.pp > 1:  # (pipeline keys at pp=1: the notes line names them, not refused: a pp config debugged at pp=1)

@@ -165,6 +165,15 @@ def append_event(run_dir: Path, event: str, **fields: Any) -> None:
         pass
 
 
+def trained_in(run_dir: Path | str) -> bool:
+    """Whether run_dir's metrics.jsonl holds a training step's record (read up to the first)."""
+    try:
+        with open(Path(run_dir) / "metrics.jsonl", encoding="utf-8", errors="replace") as f:
+            return any(line.startswith('{"kind": "train"') for line in f)
+    except OSError:
+        return False
+
+
 def _record(kind: str, **fields: Any) -> dict[str, Any]:
     return {"kind": kind, "time": round(time.time(), 3), **fields}
 

@@ -84,3 +84,14 @@ def test_a_card_past_the_machines_is_one_line(tiny_config, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=79.6 * 2**30))
     assert dry_run._device(tiny_config("run.device=cuda:5"), None, ranks=8).name == "h100-sxm"
+
+
+def test_the_dry_run_says_the_lr_curve_and_the_seeds(tiny_config):
+    """What an ablation varies, said before it runs: a warm-up as long as the run is named, as the
+    launch's warmup_cut note names it."""
+    report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "optim.warmup_steps=12", "train.data_seed=3"), 1)
+    line = next(x for x in report.splitlines() if x.startswith("optim"))
+    assert "12 warm-up step(s) (as long as the run" in line and "then cosine down to 0.1 x lr" in line, line
+    assert line.endswith("seed 1234, data order 3"), line
+    report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "optim.schedule=constant", "optim.warmup_steps=2"), 1)
+    assert "2 warm-up step(s), then constant; seed 1234 (weights and data order)" in report

@@ -6,6 +6,7 @@ import json
 import math
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -250,12 +251,20 @@ def test_never_resume_refuses_to_overwrite(tiny_config, tmp_path, monkeypatch):
     Trainer(tiny_config("train.steps=6")).build().train()
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         Trainer(tiny_config("run.resume=never")).build()
+    # A run that saved nothing has its records there all the same (a sweep's loop reusing a name
+    # superseded them), unless this is that job's own restart
+    bare = tmp_path / "bare"
+    Trainer(tiny_config("train.steps=4", "checkpoint.interval=0", "metrics.log_interval=1",
+                        run_dir=bare)).build().train()
+    with pytest.raises(ConfigError, match="already holds a run's training records"):
+        Trainer(tiny_config("run.resume=never", run_dir=bare)).build()
     # A restart of that refused job (torchrun restarts on any failure) is refused again: the
     # checkpoints are another run's.
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         Trainer(tiny_config("run.resume=never")).build()
+    assert Trainer(tiny_config("run.resume=never", run_dir=bare)).build().step == 0  # (a restart's own records)
     # A job that started fresh and saved: its restart reruns the same command line and goes
     # on from what the first attempt saved.
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
@@ -274,7 +283,7 @@ def test_resume_with_other_data_layout_is_refused(tiny_config):
     Trainer(tiny_config("train.steps=6")).build().train()
     with pytest.raises(CheckpointError, match="saved at train.seq_len=32; this run has 16"):
         Trainer(tiny_config("train.seq_len=16")).build()
-    with pytest.raises(CheckpointError, match="seq_len or train.seed changed"):
+    with pytest.raises(CheckpointError, match="seq_len, train.seed or train.data_seed changed"):
         Trainer(tiny_config("train.seed=7")).build()
     # The sample position is step x global batch: another batch size would skip samples.
     with pytest.raises(CheckpointError, match="global_batch_size=8 but this run has 16"):
@@ -388,3 +397,22 @@ def test_a_relaunch_of_a_finished_run_says_there_is_nothing_to_train(tiny_config
     resumed = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "resume"]
     assert [(r["step"], r.get("note", "")) for r in resumed] == [(6, "train.steps (or stop_at_step) reached: nothing "
                                                                       "to train")]
+
+
+def test_data_seed_sets_the_data_order_apart_from_the_initialisation(tiny_config, tmp_path):
+    """An ablation of the initialisation alone keeps the data order (train.data_seed), one of the
+    order alone keeps the weights (train.seed); -1, the default, reads the order from train.seed."""
+    def built(*seeds: str, name: str):
+        trainer = Trainer(tiny_config(*seeds, run_dir=tmp_path / name)).build()
+        order = np.concatenate([trainer.data.sampler.global_batch(i) for i in range(3)])
+        weights = trainer.model.tok_embeddings.weight.detach().clone()
+        trainer.close()
+        return order, weights
+
+    plain = built("train.seed=5", name="plain")
+    other_init = built("train.seed=6", "train.data_seed=5", name="init")
+    other_order = built("train.seed=5", "train.data_seed=9", name="order")
+    assert np.array_equal(plain[0], other_init[0]) and not torch.equal(plain[1], other_init[1])
+    assert not np.array_equal(plain[0], other_order[0]) and torch.equal(plain[1], other_order[1])
+    with pytest.raises(ConfigError, match=r"train.data_seed=-2 is invalid: must be -1 \(train.seed\)"):
+        Trainer(tiny_config("train.data_seed=-2"))

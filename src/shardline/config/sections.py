@@ -120,7 +120,8 @@ class TrainConfig:
     seq_len: int = 256
     global_batch_size: int = 16  # sequences per optimizer step, over all ranks
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
-    seed: int = 1234
+    seed: int = 1234  # the weights' initialisation and the data order (unless data_seed sets that apart)
+    data_seed: int = -1  # the order the training sequences are read in; -1 = train.seed
     precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (bf16 autocast, Linear layers in float8; see [fp8])
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     compile: bool = False
@@ -132,6 +133,12 @@ class TrainConfig:
     skip_batches: list[int] = field(default_factory=list)  # 0-based global batch indices never to train on
 
     @property
+    def order_seed(self) -> int:
+        """The seed of the data order: train.data_seed, or train.seed where it is -1 (an ablation of the
+        initialisation alone keeps the data order by setting data_seed, as one of the order alone sets seed)."""
+        return self.seed if self.data_seed == -1 else self.data_seed
+
+    @property
     def last_step(self) -> int:
         """The step a launch trains to: train.steps, or train.stop_at_step before it."""
         return min(self.steps, self.stop_at_step or self.steps)
@@ -139,6 +146,8 @@ class TrainConfig:
     def check(self) -> None:
         _require(self.stop_at_step >= 0, "train.stop_at_step", self.stop_at_step, "must be >= 0 (0 = train.steps)")
         _require(0 <= self.seed < 2**63, "train.seed", self.seed, "must be in [0, 2**63) (torch's generator seed)")
+        _require(-1 <= self.data_seed < 2**63, "train.data_seed", self.data_seed,
+                 "must be -1 (train.seed) or in [0, 2**63)")
         for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
             _require(getattr(self, key) > 0, f"train.{key}", getattr(self, key), "must be > 0")
         _require(self.stop_at_step <= self.steps, "train.stop_at_step", self.stop_at_step,

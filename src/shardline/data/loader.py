@@ -183,7 +183,7 @@ def build_data(cfg: Config) -> DataBundle:
     tok, train, val = load_source(d.path, cfg, left_out=left_out)
     _check_sizes(d.path or "the shipped corpus", train, val, cfg)
     check_replies_fit([(d.path, train)], val, cfg)
-    return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.seed),
+    return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed),
                       left_out=left_out, chat_template=rendering(cfg) if d.chat else "")
 
 
@@ -280,7 +280,7 @@ def _build_mixture(cfg: Config) -> DataBundle:
     val = MixedSequences(vals, weights, interleave=True)
     check_replies_fit([(s.path, p) for s, p in zip(mix, trains)], val, cfg)
     return DataBundle(tok, train, val,
-                      GlobalBatchSampler(len(train), t.global_batch_size, t.seed, tag_passes=True), names,
+                      GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed, tag_passes=True), names,
                       left_out=left_out, chat_template=rendering(cfg) if cfg.data.chat else "")
 
 

@@ -14,6 +14,7 @@ import torch
 from shardline.config import Config, config_changes
 from shardline.data.sampler import batch_index
 from shardline.errors import CheckpointError, ConfigError, on_every_rank
+from shardline.metrics import trained_in
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer, step_of
 from shardline.resilience.run_lock import launcher_ids
 
@@ -48,6 +49,9 @@ def resume_path(cfg: Config, checkpointer: Checkpointer, repaired: bool = False)
     if mode == "never" and checkpointer.list():
         raise ConfigError(f"run.resume='never' but {cfg.run.dir} already holds checkpoints that a new run "
                           "would overwrite; choose another run.dir or remove them")
+    if mode == "never" and not restarted() and trained_in(cfg.run.dir):  # (a sweep's loop reusing a name)
+        raise ConfigError(f"run.resume='never' but {cfg.run.dir} already holds a run's training records "
+                          "(metrics.jsonl) that a new run would supersede; choose another run.dir or remove it")
     return (None if mode == "never" else path), invalid
 
 
@@ -205,7 +209,7 @@ def check_saved_position(path: Path | None, cfg: Config, num_samples: int | None
     except Exception as e:  # a manifest-less folder named by --resume, say
         raise CheckpointError(f"checkpoint {path}: trainer/rank0.pt cannot be read ({type(e).__name__})") from None
     _check_saved_seq_len(path, cfg.train.seq_len)  # (a dry run, which counts no sequences, finds it too)
-    check_data_position(path, data, data["num_samples"] if num_samples is None else num_samples, cfg.train.seed,
+    check_data_position(path, data, data["num_samples"] if num_samples is None else num_samples, cfg.train.order_seed,
                         cfg.train.global_batch_size, position, data_changes(path, cfg, stand_in))
     check_skip_batches(path, step, data.get("skipped_batches", []), cfg.train.skip_batches)
     check_steps_ahead(path, step, cfg.train.steps)
@@ -326,10 +330,10 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
             "run.dir from these weights with model.init_from" + FROM_THE_START)
     if data_pos["num_samples"] != num_samples or data_pos["seed"] != seed:
         raise CheckpointError(
-            f"checkpoint {path} was saved for {data_pos['num_samples']} training sequences and seed "
+            f"checkpoint {path} was saved for {data_pos['num_samples']} training sequences and data order seed "
             f"{data_pos['seed']}; this run has {num_samples} and seed {seed} "
-            + (f"({back}, or use a new run.dir)" if back else "(data, train.seq_len or train.seed changed); use a "
-               "new run.dir"))
+            + (f"({back}, or use a new run.dir)" if back else "(data, train.seq_len, train.seed or train.data_seed "
+               "changed); use a new run.dir"))
 
 
 def check_steps_ahead(path: Path | str, step: int, steps: int) -> None:

@@ -210,7 +210,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
                                                        self.device.type == "cuda", self.dims.layout.cp_degrees[0]),
                            compile=describe_compile(cfg.train.compile, self.dims.layout,
                                                     cfg.memory.activation_checkpoint, self.model_args.moe),
-                           tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len)
+                           tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
+                           threads=torch.get_num_threads(), torch=torch.__version__)  # (both move the numbers)
         self.guard.start(nothing_to_train=self.step >= stop)
         if self.eval_owed and cfg.train.eval_interval and self.step < stop:  # what a stop skipped (for its save)
             self.guard.watched("eval", self.step, "eval", self.evaluate)

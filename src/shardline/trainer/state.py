@@ -163,7 +163,7 @@ class SavedState:
         """Load everything a saved state holds (weights, optimizer, schedule, RNG, the data position after
         checking it against the data read) and note what the config changed since; returns its name."""
         name, state = self.tiers.restore(found, self.model, self.optimizer)
-        check_data_position(name, state["data"], len(self.data.train), self.cfg.train.seed,
+        check_data_position(name, state["data"], len(self.data.train), self.cfg.train.order_seed,
                             self.cfg.train.global_batch_size, self.data.position_state())
         check_steps_ahead(name, state["step"], self.cfg.train.steps)
         self.step = state["step"]
