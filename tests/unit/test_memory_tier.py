@@ -347,6 +347,7 @@ def test_snapshots_that_cannot_be_used_are_said_and_a_memory_only_run_is_not_sta
                                               r"CRC-32 is not the one recorded"):
         _memory_run(tiny_config, tmp_path, *memory)
     assert _held_steps(tmp_path / "shm") == {6}  # (kept for a look, or for the layout that wrote it)
+    (tmp_path / "run" / "metrics.jsonl").unlink()  # (a fresh start there: run.resume=never refuses a run's records)
     with pytest.raises(RuntimeError, match="injected"):  # disk at 4, RAM at 6, damaged again below
         _crashing(_memory_run(tiny_config, tmp_path, "checkpoint.interval=4", "checkpoint.memory_interval=3",
                               "run.resume=never"), at_step=8).train()
