@@ -202,9 +202,9 @@ def work_dir() -> Path:
     while it runs; srun's job), whose leftovers from killed evaluations of this user are removed."""
     base = Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())
     prefix = f"shardline-eval-{os.getuid() if hasattr(os, 'getuid') else 0}-"
+    _remove_stale(base, prefix)  # (a killed one-process evaluation's too: SIGKILL skips any cleanup)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
-    _remove_stale(base, prefix)
     job = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR",
                                                    "MASTER_PORT"))
     return base / (prefix + re.sub(r"[^A-Za-z0-9_.-]", "_", job))

@@ -128,3 +128,31 @@ def test_eval_of_a_run_whose_data_changed_since_says_so(tmp_path, small_corpus, 
     assert main(["eval", str(run), "--json"]) == 0
     said = capsys.readouterr().err
     assert "the run's data changed since step-000002 was saved" in said and "may hold documents it trained on" in said
+
+
+def test_a_killed_one_process_evaluations_folder_goes_with_the_next_one(monkeypatch):
+    """SIGKILL skips an evaluation's cleanup: its temporary run dir stayed in /tmp for good where
+    one process ran it (only ranked ones' were swept). A folder whose lock's process is gone goes
+    with the next evaluation; a live one's stays."""
+    import socket
+
+    from shardline import evaluate
+    from shardline.resilience.run_lock import LOCK
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    made = []
+    for name, pid in (("killed", int(gone.stdout)), ("live", os.getpid())):
+        folder = Path("/tmp") / f"shardline-eval-{os.getuid()}-test-{name}-{os.getpid()}"
+        folder.mkdir()
+        (folder / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "start": -1.0}))
+        made.append(folder)
+    try:
+        fresh = evaluate.work_dir()
+        assert fresh.is_dir() and not made[0].exists() and made[1].exists()
+        fresh.rmdir()
+    finally:
+        for folder in made:
+            if folder.exists():
+                (folder / LOCK).unlink()
+                folder.rmdir()

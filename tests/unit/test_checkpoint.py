@@ -206,7 +206,9 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(trained, tiny_co
     assert verify(aside)["step"] == 12 and not (trained / "checkpoints" / "step-000012").exists()
     assert Checkpointer(trained, keep=3).latest_valid() == older
     events = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
-    assert [e["moved"] for e in events if e.get("event") == "checkpoints_set_aside"] == [[str(aside)]]
+    (said,) = [e for e in events if e.get("event") == "checkpoints_set_aside"]
+    assert said["moved"] == [str(aside)] and said["held"] == 1  # what set-aside holds in all: it only grows
+    assert said["held_gib"] == pytest.approx(sum(f.stat().st_size for f in aside.rglob("*")) / 2**30, abs=1e-3)
     trainer.train()  # saves step 12 again, beside the one set aside
     assert [p.name for p in Checkpointer(trained, keep=3).list()] == ["step-000006", "step-000012"]
     assert aside.is_dir()

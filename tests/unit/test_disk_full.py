@@ -45,6 +45,7 @@ def test_a_full_disk_is_one_line_leaves_nothing_and_training_goes_on(tiny_config
     assert account["finished"] is False and account["run_complete"] is False
     assert failed[0]["error"].startswith(f"no space left on {run / 'checkpoints'} (needs ~")
     assert " MB, " in failed[0]["error"] and " GB" not in failed[0]["error"]  # 1.7 MB, not "0.00 GB"
+    assert "with checkpoint.keep=3 the disk holds up to 4 at once" in failed[0]["error"]  # (why keep 3 did not fit)
     # The last step's save has no next interval to retry it: the line says what a rerun resumes.
     assert failed[0]["action"].startswith("none: the run ends here; a rerun resumes step-000006")
     assert not list((run / "checkpoints").glob("*.tmp"))  # the partial save is gone
@@ -213,3 +214,5 @@ def test_a_stop_says_which_refused_save_no_interval_retries(tiny_config, small_d
         trainer.train()
     failed = [(e["step"], e["action"].split(";")[0]) for e in events(run) if e["event"] == "checkpoint_failed"]
     assert failed == [(4, "continue"), (5, "none: the run ends here")], failed
+    retried = next(e["action"] for e in events(run) if e["event"] == "checkpoint_failed")
+    assert retried == "continue; retried at the next interval; newest on disk: step-000002"  # since when none saved

@@ -373,3 +373,32 @@ def test_the_half_saved_drill_says_so_and_a_rerun_resumes_the_save_before(tmp_pa
     assert again.returncode == 0, again.stderr[-2000:]
     starts = [r for r in records(run) if r.get("event") == "start"]
     assert starts[-1]["step"] == 2 and not list((run / "checkpoints").glob("*.tmp"))
+
+
+def test_progress_json_says_a_launch_began_and_which_step_it_is_at(tiny_config):
+    """A dashboard polling progress.json saw the last launch's `finished: true` (and its step) through
+    a relaunch's whole start: the file is written as training starts, with the step resumed, the
+    host and process; each step then moves `step` on."""
+    import json
+    import os
+    import socket
+
+    from shardline.trainer import Trainer
+
+    settings = ["train.steps=6", "train.eval_interval=0", "checkpoint.interval=3"]
+    Trainer(tiny_config(*settings, "train.stop_at_step=3")).build().train()
+    run = Path(tiny_config(*settings).run.dir)
+    first = json.loads((run / "progress.json").read_text())
+    assert (first["step"], first["finished"], first["pid"], first["host"]) == (3, True, os.getpid(),
+                                                                               socket.gethostname())
+    again = Trainer(tiny_config(*settings)).build()
+
+    def fail_the_first_step():  # (what a dashboard sees before this launch's first step ends)
+        raise RuntimeError(json.dumps(json.loads((run / "progress.json").read_text())))
+
+    again.compute_gradients = fail_the_first_step
+    with pytest.raises(RuntimeError) as seen:
+        again.train()
+    began = json.loads(str(seen.value))
+    assert (began["step"], began["finished"], began["high_water_step"]) == (3, False, 3)
+    assert began["time"] > first["time"]

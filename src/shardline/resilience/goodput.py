@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -59,6 +60,7 @@ class Goodput:
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.wall_before = 0.0  # wall time of earlier attempts
         self.high_water = 0
+        self.last_step = 0  # the step this launch completed last (at its start: the step it resumed)
         self._recent: dict[int, tuple[str, float]] = {}  # step -> (category, seconds), for reclassify()
         self.unwritten = ""  # why progress.json could not be written, once it could not (persist)
         self.counted = True  # this launch is part of the run's account (not one that found nothing to train)
@@ -97,7 +99,7 @@ class Goodput:
         self._recent[step] = (category, seconds)
         if len(self._recent) > 1000:  # verdicts are read at every log line; older steps are settled
             self._recent.pop(next(iter(self._recent)))
-        self.high_water = max(self.high_water, step)
+        self.high_water, self.last_step = max(self.high_water, step), step
         self.persist()
 
     def reclassify(self, step: int, category: str) -> None:
@@ -136,7 +138,8 @@ class Goodput:
         if not self.enabled or not self.counted:
             return
         now = time.time() if now is None else now
-        record = {"high_water_step": self.high_water, "time": now, "finished": finished, "run_complete": run_complete,
+        record = {"high_water_step": self.high_water, "step": self.last_step, "host": socket.gethostname(),
+                  "pid": os.getpid(), "time": now, "finished": finished, "run_complete": run_complete,
                   "wall_s": self.wall_before + now - self.started,
                   "seconds": dict(self.seconds)}
         tmp = self.path.with_name(PROGRESS + ".tmp")

@@ -99,13 +99,15 @@ class RunGuard:
         self._held = []
         self.tiers.report_stale_memory()
 
-    def start(self, nothing_to_train: bool = False) -> None:
-        """Training begins: the start-up time is accounted (not for a launch with `nothing_to_train`,
-        left out of the run's account) and stop signals are caught."""
+    def start(self, nothing_to_train: bool = False, step: int = 0) -> None:
+        """Training begins at `step`: the start-up time is accounted (not for a launch with
+        `nothing_to_train`, left out of the run's account) and stop signals are caught."""
         if nothing_to_train:
             self.goodput.leave_out_this_launch()
         else:
             self.goodput.add("startup", time.time() - self.started)
+            self.goodput.last_step = step
+            self.goodput.persist()  # (a dashboard sees this launch begin: no longer the last one's finished)
         self.watchdog.start()
         self.stops.install()
 

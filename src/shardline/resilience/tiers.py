@@ -103,7 +103,10 @@ class StateTiers:
         if cause.errno == errno.ENOSPC:
             free = shutil.disk_usage(root.parent if not root.exists() else root).free
             need = self._checkpoint_bytes(model)
-            what = f"no space left on {root} (needs ~{_size(need)}, {_size(free)} free)"
+            keep = self.cfg.checkpoint.keep
+            what = (f"no space left on {root} (needs ~{_size(need)}, {_size(free)} free; with checkpoint.keep={keep} "
+                    f"the disk holds up to {keep + 1} at once, the next written before the oldest goes: lower keep "
+                    "or free space)")
         else:
             what = f"cannot write {root}: {cause.strerror or cause}"
         message = f"checkpoint of step {step} failed: {what}"
@@ -111,8 +114,9 @@ class StateTiers:
             self.log("checkpoint_failed", step=step, error=what, action="stop (checkpoint.on_error=stop)")
             kept = "earlier checkpoints are intact" if self.checkpointer.list() else "none was saved before it"
             raise on_every_rank(CheckpointError(f"{message}; stopping (checkpoint.on_error=stop), {kept}"))
-        if step != self.ending_at:
-            action = "continue; retried at the next interval"
+        if step != self.ending_at:  # (a run going on for days without a save: the newest one says since when)
+            newest = [p.name for p in self.checkpointer.list()] or ["none"]
+            action = f"continue; retried at the next interval; newest on disk: {newest[-1]}"
         else:  # no next interval: what a rerun would resume is older (or in RAM: the memory tier keeps it)
             saved = self.checkpointer.list()
             fix = "free space" if cause.errno == errno.ENOSPC else "make it writable"

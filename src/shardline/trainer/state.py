@@ -126,8 +126,11 @@ class SavedState:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
         if self._stand_in:
             self.metrics.event("starting_weights_gone", step=self.step, note=self._stand_in)
-        if self._set_aside:  # newer ones: a history this run leaves
-            self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in self._set_aside])
+        if self._set_aside and self.proc.is_main:  # newer ones: a history this run leaves (kept: the user's to remove)
+            held = [p for p in self._set_aside[0].parent.iterdir() if p.is_dir()]
+            size = sum(f.stat().st_size for folder in held for f in folder.rglob("*") if f.is_file())
+            self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in self._set_aside],
+                               held=len(held), held_gib=round(size / 2**30, 3))
         self.guard.open(self.run_dir, self.metrics.event, fresh=resumed is None and not restarted())
         if self.allocator:
             self.metrics.event("allocator", step=self.step, setting=self.allocator)
