@@ -151,10 +151,11 @@ def _model_line(cfg: Config, launch: Preflight) -> str:
 def _optim_line(cfg: Config) -> str:
     """The learning rate's curve and the seeds: what an ablation varies, said before it runs."""
     o, t = cfg.optim, cfg.train
-    cut = " (as long as the run: the lr peaks at its last step, never decaying)" if o.warmup_steps >= t.steps else ""
     seeds = f"seed {t.seed}" + (f", data order {t.data_seed}" if t.data_seed != -1 else " (weights and data order)")
     floor = "" if o.schedule == "constant" else f" down to {o.min_lr_ratio:g} x lr"
-    return f"optim     lr {o.lr:g}, {o.warmup_steps} warm-up step(s){cut}, then {o.schedule}{floor}; {seeds}"
+    curve = (f", then {o.schedule}{floor}" if o.warmup_steps < t.steps else
+             " (as long as the run: the lr peaks at its last step, never decaying)")
+    return f"optim     lr {o.lr:g}, {o.warmup_steps} warm-up step(s){curve}; {seeds}"
 
 
 def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:

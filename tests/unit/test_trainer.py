@@ -252,7 +252,7 @@ def test_never_resume_refuses_to_overwrite(tiny_config, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         Trainer(tiny_config("run.resume=never")).build()
     # A run that saved nothing has its records there all the same (a sweep's loop reusing a name
-    # superseded them), unless this is that job's own restart
+    # superseded them)
     bare = tmp_path / "bare"
     Trainer(tiny_config("train.steps=4", "checkpoint.interval=0", "metrics.log_interval=1",
                         run_dir=bare)).build().train()
@@ -264,15 +264,20 @@ def test_never_resume_refuses_to_overwrite(tiny_config, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         Trainer(tiny_config("run.resume=never")).build()
-    assert Trainer(tiny_config("run.resume=never", run_dir=bare)).build().step == 0  # (a restart's own records)
+    with pytest.raises(ConfigError, match="already holds a run's training records"):  # (not the refused job's own)
+        Trainer(tiny_config("run.resume=never", run_dir=bare)).build()
     # A job that started fresh and saved: its restart reruns the same command line and goes
     # on from what the first attempt saved.
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setenv("SLURM_JOB_ID", "77")  # one Slurm job (no srun step) ...
     fresh = tmp_path / "fresh"
     Trainer(tiny_config("run.resume=never", "train.stop_at_step=6", run_dir=fresh)).build().train()
+    own = tmp_path / "own"  # (and one that saved nothing: its records are its restart's to go on over)
+    Trainer(tiny_config("run.resume=never", "checkpoint.interval=0", "metrics.log_interval=1",
+                        run_dir=own)).build().train()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert Trainer(tiny_config("run.resume=never", run_dir=fresh)).build().step == 6
+    assert Trainer(tiny_config("run.resume=never", run_dir=own)).build().step == 0
     # ... whose next torchrun launch (another run id) is refused, and so is its restart.
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-8")
     with pytest.raises(ConfigError, match="already holds checkpoints"):

@@ -14,7 +14,7 @@ import torch
 from shardline.config import Config, config_changes
 from shardline.data.sampler import batch_index
 from shardline.errors import CheckpointError, ConfigError, on_every_rank
-from shardline.metrics import trained_in
+from shardline.metrics import history, trained_in
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer, step_of
 from shardline.resilience.run_lock import launcher_ids
 
@@ -49,10 +49,22 @@ def resume_path(cfg: Config, checkpointer: Checkpointer, repaired: bool = False)
     if mode == "never" and checkpointer.list():
         raise ConfigError(f"run.resume='never' but {cfg.run.dir} already holds checkpoints that a new run "
                           "would overwrite; choose another run.dir or remove them")
-    if mode == "never" and not restarted() and trained_in(cfg.run.dir):  # (a sweep's loop reusing a name)
+    if mode == "never" and _trained_by_another_job(cfg.run.dir):  # (a sweep's loop reusing a name)
         raise ConfigError(f"run.resume='never' but {cfg.run.dir} already holds a run's training records "
-                          "(metrics.jsonl) that a new run would supersede; choose another run.dir or remove it")
+                          "(metrics.jsonl) that a new run would supersede; choose another run.dir")
     return (None if mode == "never" else path), invalid
+
+
+def _trained_by_another_job(run_dir: str) -> bool:
+    """The run dir's metrics.jsonl holds training records of another job than this one: a restart
+    goes on over its own first attempt's (the launchers' ids in each `start` event say whose), not
+    over those that had the first attempt refused (torchrun restarts after any failure)."""
+    if not trained_in(run_dir):
+        return False
+    ids = launcher_ids()
+    starts = [r.get("launchers") or {} for r in history(run_dir) if r.get("event") == "start"]
+    return not any(_restarted_by(counter) and ids.get(key) and ids[key] == seen.get(key)
+                   for seen in starts for key, counter in _LAUNCHERS)
 
 
 def refuse_fresh_over_invalid(mode: str, found, invalid: list[str], root: Path) -> None:
@@ -62,7 +74,7 @@ def refuse_fresh_over_invalid(mode: str, found, invalid: list[str], root: Path) 
     if mode == "auto" and found is None and invalid and all(p.startswith("the in-memory snapshot") for p in invalid):
         raise CheckpointError(f"nothing to resume in {root.parent}: {'; '.join(invalid)}, and there is no valid "
                               "checkpoint on disk; no fresh start over the run's history: relaunch with the layout "
-                              "that wrote it, or start over (run.resume=never, or another run.dir)")
+                              "that wrote it, or start over in another run.dir")
     if mode == "auto" and found is None and invalid:
         raise CheckpointError(f"{root} holds checkpoints but none is valid ({'; '.join(invalid)}): nothing to "
                               "resume, and no fresh start over them; fix or restore them and rerun, or start over "

@@ -105,8 +105,8 @@ class StateTiers:
             need = self._checkpoint_bytes(model)
             keep = self.cfg.checkpoint.keep
             what = (f"no space left on {root} (needs ~{_size(need)}, {_size(free)} free; with checkpoint.keep={keep} "
-                    f"the disk holds up to {keep + 1} at once, the next written before the oldest goes: lower keep "
-                    "or free space)")
+                    f"the disk holds up to {keep + 1} at once, the next written before the oldest goes: "
+                    + ("lower keep or " if keep > 1 else "") + "free space, e.g. in checkpoints/set-aside/)")
         else:
             what = f"cannot write {root}: {cause.strerror or cause}"
         message = f"checkpoint of step {step} failed: {what}"

@@ -49,7 +49,7 @@ from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import (agree_on_resume, memory_tier_resumable, rank0_decides,
                                           refuse_fresh_over_invalid, saved_step)
-from shardline.resilience.run_lock import RunLock
+from shardline.resilience.run_lock import RunLock, launcher_ids
 from shardline.trainer.anomalies import AnomalyResponse
 from shardline.trainer.state import SavedState
 from shardline.trainer.stopping import StopOnRequest
@@ -211,7 +211,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
                            compile=describe_compile(cfg.train.compile, self.dims.layout,
                                                     cfg.memory.activation_checkpoint, self.model_args.moe),
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
-                           threads=torch.get_num_threads(), torch=torch.__version__)  # (both move the numbers)
+                           threads=torch.get_num_threads(), torch=torch.__version__,  # (both move the numbers)
+                           launchers=launcher_ids())  # (whose records these are: a resume=never restart's own)
         self.guard.start(nothing_to_train=self.step >= stop, step=self.step)
         if self.eval_owed and cfg.train.eval_interval and self.step < stop:  # what a stop skipped (for its save)
             self.guard.watched("eval", self.step, "eval", self.evaluate)

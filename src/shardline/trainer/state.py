@@ -11,6 +11,7 @@ it writes to the run dir then (`_open_run_dir`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -127,8 +128,9 @@ class SavedState:
         if self._stand_in:
             self.metrics.event("starting_weights_gone", step=self.step, note=self._stand_in)
         if self._set_aside and self.proc.is_main:  # newer ones: a history this run leaves (kept: the user's to remove)
-            held = [p for p in self._set_aside[0].parent.iterdir() if p.is_dir()]
-            size = sum(f.stat().st_size for folder in held for f in folder.rglob("*") if f.is_file())
+            held, size = [p for p in self._set_aside[0].parent.iterdir() if p.is_dir()], 0
+            with contextlib.suppress(OSError):  # (a folder the user removes meanwhile: its size is not worth a stop)
+                size = sum(f.stat().st_size for folder in held for f in folder.rglob("*") if f.is_file())
             self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in self._set_aside],
                                held=len(held), held_gib=round(size / 2**30, 3))
         self.guard.open(self.run_dir, self.metrics.event, fresh=resumed is None and not restarted())
