@@ -212,7 +212,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
                                                     cfg.memory.activation_checkpoint, self.model_args.moe),
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
                            threads=torch.get_num_threads(), torch=torch.__version__,  # (both move the numbers)
-                           launchers=launcher_ids())  # (whose records these are: a resume=never restart's own)
+                           **({"launchers": ids} if (ids := launcher_ids()) else {}))  # (whose records: never's)
         self.guard.start(nothing_to_train=self.step >= stop, step=self.step)
         if self.eval_owed and cfg.train.eval_interval and self.step < stop:  # what a stop skipped (for its save)
             self.guard.watched("eval", self.step, "eval", self.evaluate)
