@@ -102,6 +102,12 @@ class Goodput:
         self.high_water, self.last_step = max(self.high_water, step), step
         self.persist()
 
+    def begin(self, step: int) -> None:
+        """This launch trains from `step` on: said at once (a dashboard sees it begin, no longer the
+        last launch's `finished`)."""
+        self.last_step = step
+        self.persist()
+
     def reclassify(self, step: int, category: str) -> None:
         """Move a recent step's time to another category (an anomaly found after the fact)."""
         if step in self._recent:

@@ -106,8 +106,7 @@ class RunGuard:
             self.goodput.leave_out_this_launch()
         else:
             self.goodput.add("startup", time.time() - self.started)
-            self.goodput.last_step = step
-            self.goodput.persist()  # (a dashboard sees this launch begin: no longer the last one's finished)
+            self.goodput.begin(step)
         self.watchdog.start()
         self.stops.install()
 

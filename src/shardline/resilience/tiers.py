@@ -38,6 +38,11 @@ def memory_rank_dir(cfg: Config, rank: int) -> Path | None:
     return MemoryTier.rank_dir(run_root(Path(cfg.run.dir), c.memory_dir), rank) if c.memory_interval else None
 
 
+def folder_bytes(*folders: Path) -> int:
+    """The bytes the files under these folders hold (a checkpoint's, set-aside's)."""
+    return sum(f.stat().st_size for folder in folders for f in folder.rglob("*") if f.is_file())
+
+
 def _size(n: float) -> str:
     """Bytes for a reader, in the largest unit that fits (7.4 MB, not 0.01 GB)."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -130,7 +135,7 @@ class StateTiers:
         with contextlib.suppress(OSError):  # the newest sealed one's files, not hashed (minutes at 70B)
             saved = self.checkpointer.list()
             if saved:
-                return sum(f.stat().st_size for f in saved[-1].rglob("*") if f.is_file())
+                return folder_bytes(saved[-1])
         return 16.0 * sum(p.numel() for p in model.parameters()) if model is not None else 0.0
 
     def snapshot(self, step: int, model, optimizer, trainer_state: dict) -> None:

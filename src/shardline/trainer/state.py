@@ -35,6 +35,7 @@ from shardline.resilience.recovery import (check_data_position, check_saved_posi
                                           check_steps_ahead, data_changes, get_rng_state, restarted, resume_path,
                                           set_rng_state, settings_changed)
 from shardline.resilience.run_lock import launcher_ids
+from shardline.resilience.tiers import folder_bytes
 
 
 NODE_LOCAL = {"run": ("device",), "data": ("path", "tokenizer"), "model": ("hf_path", "init_from"),
@@ -130,7 +131,7 @@ class SavedState:
         if self._set_aside and self.proc.is_main:  # newer ones: a history this run leaves (kept: the user's to remove)
             held, size = [p for p in self._set_aside[0].parent.iterdir() if p.is_dir()], 0
             with contextlib.suppress(OSError):  # (a folder the user removes meanwhile: its size is not worth a stop)
-                size = sum(f.stat().st_size for folder in held for f in folder.rglob("*") if f.is_file())
+                size = folder_bytes(*held)
             self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in self._set_aside],
                                held=len(held), held_gib=round(size / 2**30, 3))
         self.guard.open(self.run_dir, self.metrics.event, fresh=resumed is None and not restarted())
