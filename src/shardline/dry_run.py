@@ -23,7 +23,7 @@ from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
-from shardline.launch_notes import lr_low_for_new_weights, unused_settings
+from shardline.launch_notes import lr_low_for_new_weights, unused_settings, warmup_covers_run
 from shardline.devices import DATASHEETS, local_datasheet
 from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
@@ -153,8 +153,8 @@ def _optim_line(cfg: Config) -> str:
     o, t = cfg.optim, cfg.train
     seeds = f"seed {t.seed}" + (f", data order {t.data_seed}" if t.data_seed != -1 else " (weights and data order)")
     floor = "" if o.schedule == "constant" else f" down to {o.min_lr_ratio:g} x lr"
-    curve = (f", then {o.schedule}{floor}" if o.warmup_steps < t.steps else
-             " (as long as the run: the lr peaks at its last step, never decaying)")
+    curve = (" (as long as the run: the lr peaks at its last step, never decaying)" if warmup_covers_run(cfg) else
+             f", then {o.schedule}{floor}")
     return f"optim     lr {o.lr:g}, {o.warmup_steps} warm-up step(s){curve}; {seeds}"
 
 

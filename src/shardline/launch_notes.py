@@ -63,7 +63,7 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             "memory_redundancy": cfg.checkpoint.memory_redundancy, "why": "one process has no peer to hold a "
             "replica or parity: each snapshot is held once, in this node's RAM (a crash of the process leaves it, "
             "a loss of the node does not)"}))
-    if cfg.optim.warmup_steps >= cfg.train.steps:  # the lr peaks at the last step, never decays (equal: as well)
+    if warmup_covers_run(cfg):
         notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
     if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's
         notes.append(("mfu_peak_assumed", {"peak_tflops": peak, "why": CPU_PEAK_ASSUMED}))
@@ -132,6 +132,12 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
 
 # Below this a run from random weights barely moves (Llama 3 405B pretrained at 8e-5; fine-tunes take 1e-5 to 2e-5).
 PRETRAIN_LR_FLOOR = 5e-5
+
+
+def warmup_covers_run(cfg: Config) -> bool:
+    """The warm-up is as long as the run or longer: the lr peaks at the last step, never decaying
+    (the warmup_cut note, the dry run's optim line)."""
+    return cfg.optim.warmup_steps >= cfg.train.steps
 
 
 def lr_low_for_new_weights(cfg: Config, resumed: bool) -> bool:
