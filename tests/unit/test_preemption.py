@@ -402,3 +402,26 @@ def test_progress_json_says_a_launch_began_and_which_step_it_is_at(tiny_config):
     began = json.loads(str(seen.value))
     assert (began["step"], began["finished"], began["high_water_step"]) == (3, False, 3)
     assert began["time"] > first["time"]
+
+
+def test_progress_json_names_the_phase_a_launch_is_in(tiny_config):
+    """`time` is refreshed after each step only: a dashboard read a long save or evaluation as a hang.
+    Each phase is said as it begins (with a fresh `time`) and the end of the launch as `ended`."""
+    import json
+
+    from shardline.trainer import Trainer
+
+    trainer = Trainer(tiny_config("train.steps=2", "train.eval_interval=2", "checkpoint.interval=2")).build()
+    run, seen = Path(trainer.cfg.run.dir), []
+
+    def reading(work):
+        def read_then_work():
+            seen.append(json.loads((run / "progress.json").read_text()))
+            return work()
+        return read_then_work
+
+    trainer.evaluate, trainer.save_checkpoint = reading(trainer.evaluate), reading(trainer.save_checkpoint)
+    trainer.train()
+    assert [(r["phase"], r["step"]) for r in seen] == [("eval", 2), ("save", 2)]
+    assert seen[1]["time"] > seen[0]["time"]
+    assert json.loads((run / "progress.json").read_text())["phase"] == "ended"

@@ -61,6 +61,8 @@ class Goodput:
         self.wall_before = 0.0  # wall time of earlier attempts
         self.high_water = 0
         self.last_step = 0  # the step this launch completed last (at its start: the step it resumed)
+        self.phase = ""  # what this launch does (see enter), "ended" once it has
+        self._begun = False  # training began: phases are said in progress.json
         self._recent: dict[int, tuple[str, float]] = {}  # step -> (category, seconds), for reclassify()
         self.unwritten = ""  # why progress.json could not be written, once it could not (persist)
         self.counted = True  # this launch is part of the run's account (not one that found nothing to train)
@@ -105,8 +107,21 @@ class Goodput:
     def begin(self, step: int) -> None:
         """This launch trains from `step` on: said at once (a dashboard sees it begin, no longer the
         last launch's `finished`)."""
-        self.last_step = step
-        self.persist()
+        self.last_step, self._begun = step, True
+        self.enter("train")
+
+    def enter(self, phase: str) -> None:
+        """This launch now does `phase` (train, or a guard's phase: eval, save, snapshot, drain, a
+        rollback's restore, halt), said at once where training began: a dashboard reads a `time`
+        grown old in a long save or evaluation as that, not as a hang."""
+        self.phase = phase
+        if self._begun:
+            self.persist()
+
+    def end(self, finished: bool, now: float, run_complete: bool) -> None:
+        """The launch is over (see persist for the flags): its last word."""
+        self.phase = "ended"
+        self.persist(finished, now, run_complete)
 
     def reclassify(self, step: int, category: str) -> None:
         """Move a recent step's time to another category (an anomaly found after the fact)."""
@@ -145,8 +160,8 @@ class Goodput:
             return
         now = time.time() if now is None else now
         record = {"high_water_step": self.high_water, "step": self.last_step, "host": socket.gethostname(),
-                  "pid": os.getpid(), "time": now, "finished": finished, "run_complete": run_complete,
-                  "wall_s": self.wall_before + now - self.started,
+                  "pid": os.getpid(), "phase": self.phase, "time": now, "finished": finished,
+                  "run_complete": run_complete, "wall_s": self.wall_before + now - self.started,
                   "seconds": dict(self.seconds)}
         tmp = self.path.with_name(PROGRESS + ".tmp")
         try:

@@ -82,11 +82,16 @@ class RunGuard:
         self.watchdog.phase_begin(name, step)
         writing = self.stops.writing  # (a phase inside another: restored as it ends)
         self.stops.writing = writing or name in WRITING_PHASES
+        outer = self.goodput.phase if self.goodput else ""
         try:
+            if self.goodput:
+                self.goodput.enter(name)
             self.faults.in_phase(name)
             yield
         finally:
             self.stops.writing = writing
+            if self.goodput:
+                self.goodput.enter(outer)
             self.watchdog.phase_end()
 
     def open(self, run_dir: Path, log: Callable[..., None], fresh: bool = False) -> None:
@@ -212,5 +217,5 @@ class RunGuard:
         self.stop_watching()
         now = time.time()
         ended = complete and not self.tiers.unsaved_end
-        self.goodput.persist(finished=ended, now=now, run_complete=ended and last)
+        self.goodput.end(ended, now, run_complete=ended and last)
         return self.goodput.summary(now)
