@@ -528,9 +528,14 @@ def test_dry_run_tokenizes_a_resume_whose_data_settings_changed_and_names_them(c
     (8, ["parallel.cp=2", "parallel.dp_replicate=2"], "hsdp2x2xcp2 "),
     (4, ["parallel.cp=2", "parallel.zero=1"], "zero1:2xcp2 "),
     (4, [], "tp1 fsdp:4 "),  # without cp, as before
+    (8, ["parallel.cp=2", "parallel.zero=1", "parallel.dp_replicate=2"], "ddp2+zero1:2xcp2 "),  # (was zero1:2xcp2)
+    (4, ["parallel.zero=1", "parallel.dp_replicate=4", "parallel.dp_shard=1"], "ddp4 "),  # nothing sharded: DDP
+    (4, ["parallel.zero=2", "parallel.dp_replicate=2"], "hsdp2x2(zero2) "),  # (was hsdp2x2, as zero=3's)
+    (4, ["parallel.zero=3", "parallel.dp_replicate=2"], "hsdp2x2 "),
 ])
 def test_the_layout_label_counts_the_cp_ranks_fsdp_shards_over(world, overrides, label):
-    """`fsdp:16` under cp 8 read as 16 shards where there were 128."""
+    """`fsdp:16` under cp 8 read as 16 shards where there were 128; `zero1:4xcp2` on 16 ranks hid
+    ZeRO-1's 2 replicas, and HSDP's label was the same under zero=2 and zero=3."""
     assert label in layouts.resolve(load_config(None, overrides), world).describe()
 
 

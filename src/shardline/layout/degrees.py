@@ -145,8 +145,11 @@ class Layout:
             parts.append(f"ep{self.ep}")
         # FSDP shards over dp_shard x cp (the cp ranks hold the same parameters): "fsdp:4xcp2" is 8 ranks.
         shard = "x".join([str(self.dp_shard)] * (self.dp_shard > 1 or self.cp == 1) + [f"cp{self.cp}"] * (self.cp > 1))
-        dp = {"hsdp": f"hsdp{self.dp_replicate}x{shard}", "ddp": f"ddp{self.dp_replicate}",
-              "single": "dp1"}.get(self.dp_mode, f"{self.dp_mode}:{shard}")
+        # Every degree is named: ZeRO-1's replicas (each holds a copy of the shards) and HSDP's ZeRO-2.
+        dp = {"hsdp": f"hsdp{self.dp_replicate}x{shard}" + ("(zero2)" if self.zero == 2 else ""),
+              "ddp": f"ddp{self.dp_replicate}", "single": "dp1",
+              "zero1": f"ddp{self.dp_replicate}+" * (self.dp_replicate > 1) + f"zero1:{shard}"
+              }.get(self.dp_mode, f"{self.dp_mode}:{shard}")
         parts.append(dp + ("+offload" if self.cpu_offload else ""))
         ac = self.activation_checkpoint
         parts.append(f"mbs{self.micro_batch_size}")
