@@ -41,7 +41,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.dry_run:
         from shardline.dry_run import dry_run
 
-        report, fits = dry_run(cfg, args.world_size or _env_world_size(), args.gpu)
+        given = bool(args.world_size or os.environ.get("WORLD_SIZE"))
+        report, fits = dry_run(cfg, args.world_size or _env_world_size(), args.gpu, world_given=given)
         if os.environ.get("RANK", "0") != "0":  # under torchrun: every rank checks, rank 0 prints
             return 0 if fits else 1
         print(report)

@@ -25,6 +25,8 @@ from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
 from shardline.launch_notes import lr_low_for_new_weights, unused_settings, warmup_covers_run
 from shardline.devices import DATASHEETS, local_datasheet
+from shardline.errors import ConfigError
+from shardline.interop.hf import check_hf_weights
 from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
 from shardline.optim import next_lr_change
@@ -50,15 +52,22 @@ from shardline.preflight import (
 )
 
 
-def dry_run(cfg: Config, world: int, gpu: str | None = None) -> tuple[str, bool]:
+def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool = True) -> tuple[str, bool]:
     """(the report of a checked launch on `world` ranks, whether the memory estimate fits);
-    raises what the launch would raise."""
+    raises what the launch would raise (`world_given`: by --world-size or $WORLD_SIZE, else 1)."""
     check_config(cfg)
     stand_in = use_model_tokenizer(cfg)
-    check_layout_before_data(cfg, world)
+    try:
+        check_layout_before_data(cfg, world)
+    except ConfigError as e:
+        if world_given or "world size" not in str(e):
+            raise
+        raise ConfigError(f"{e} (the dry run checked one process: give --world-size N for the launch's)") from None
     data, folder_tokenizer = data_summary(cfg)
     resume = check_resume(cfg)
     check_rollback_target(cfg, resume)
+    if cfg.model.hf_path and resume is None:  # the launch reads its weights: a folder without them fails there
+        check_hf_weights(cfg.model.hf_path)
     vocab, tokenizer, add_bos = _tokenizer_vocab(cfg, folder_tokenizer)
     launch = preflight(cfg, world, vocab)
     known = bool(cfg.data.tokenizer or folder_tokenizer)  # else the size of a BPE trained at launch, estimated

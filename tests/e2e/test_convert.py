@@ -523,3 +523,22 @@ def test_a_chatml_exports_generation_config_keeps_its_keys_and_adds_the_turn_end
     end = tok.token_to_id("<|im_end|>")
     assert json.loads((tmp_path / "generation_config.json").read_text()) == {**written,
                                                                              "eos_token_id": sorted({5, 9, 7, end})}
+
+
+def test_the_dry_run_checks_the_hf_folders_weights_as_the_launch_reads_them(tmp_path, capsys):
+    """A folder with config and tokenizer but no weights passed the dry run (exit 0), and the launch
+    then refused it: a script's `--dry-run && torchrun ...` went on. A tensor of another shape too."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _bf16_hf_folder(tmp_path / "hf")
+    dry = ["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--model.hf_path={hf}"]
+    assert main(dry) == 0
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:64]
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(dry) == 2
+    assert "model.layers.1.mlp.up_proj.weight" in capsys.readouterr().err.splitlines()[-1]
+    (hf / "model.safetensors").unlink()
+    assert main(dry) == 2
+    assert f"{hf} holds neither model.safetensors nor" in capsys.readouterr().err.splitlines()[-1]

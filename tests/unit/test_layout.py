@@ -189,6 +189,11 @@ def test_interleaved_rounds_follow_torchs_rule():
 
     assert problem(4, 8) is None and problem(4, 6) is None and problem(4, 10) is None
     assert "multiple of the 2 rounds" in problem(4, 9)[1]
+    # The way out names the key's values, not micro-batch counts (2 dp ranks x 2 sequences a micro-batch).
+    lay = Layout(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, pp_microbatches=9, dp_shard=2,
+                 micro_batch_size=2)
+    assert "set train.global_batch_size=32 or 48 (8 or 12 micro-batches)" in layouts.first_problem(
+        lay, layouts.Job(PRESETS["llama3-8b"], 4096, 36))[1]
 
 
 def test_tied_embeddings_run_with_every_pipeline_layout():
@@ -322,6 +327,19 @@ def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(caps
     assert "(train.compile priced: blocks as compiled (fused element-wise work, the compiler's saved set), the " \
            "loss eager (loss parallelism)" in out
     assert not run.exists()
+
+
+def test_a_dry_run_without_a_world_size_says_how_to_give_one(capsys, tmp_path, monkeypatch):
+    """"with 1 processes it must be one of 1": the dry run checked one process, and did not say that
+    --world-size gives the launch's; with it given (or $WORLD_SIZE) the message is the launch's own."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = ["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--parallel.tp=2", "--parallel.dp_shard=1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not match the world size 1" in err and "give --world-size N for the launch's" in err, err
+    assert main([*argv, "--world-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "does not match the world size 4" in err and "--world-size" not in err, err
 
 
 def test_a_dry_run_whose_memory_estimate_does_not_fit_exits_1(capsys, tmp_path):

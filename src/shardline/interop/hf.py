@@ -225,6 +225,14 @@ def empty_model(args: ModelArgs, dtype: torch.dtype, device: str | torch.device 
     return model
 
 
+def check_hf_weights(path: str | os.PathLike) -> None:
+    """The checks a launch's load makes before it copies a tensor (the files, the names, each
+    tensor's dtype and shape from the headers, against the folder's own config): a dry run's."""
+    args = read_hf_config(path)
+    with _checked_folder(_hf_folder(path), build_meta_model(args), args.tie_embeddings):
+        pass
+
+
 def hf_state_dict_chunks(path: str | os.PathLike, wanted: set[str], max_bytes: int = 1 << 30):
     """The weights of HF folder `path` as shardline state-dict entries (full tensors in the
     folder's dtype), only the parameter names in `wanted`, in dicts of about `max_bytes`

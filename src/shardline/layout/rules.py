@@ -159,8 +159,11 @@ def _pp_microbatches(lay: Layout, job: Job) -> Problem | None:
                       "train.global_batch_size or lower train.micro_batch_size")
     rounds = max(1, n_mb // lay.pp)
     if lay.pp_schedule == "interleaved_1f1b" and n_mb % rounds:
+        per = job.global_batch // n_mb  # sequences per micro-batch across the dp ranks
+        fits = (rounds * lay.pp, (rounds + 1) * lay.pp)
         return "pp", (f"interleaved 1F1B runs {n_mb} micro-batches in rounds of pp={lay.pp}: they must be a "
-                      f"multiple of the {rounds} rounds; use {rounds * lay.pp} or {(rounds + 1) * lay.pp}")
+                      f"multiple of the {rounds} rounds; set train.global_batch_size={fits[0] * per} or "
+                      f"{fits[1] * per} ({fits[0]} or {fits[1]} micro-batches)")
     return None
 
 
