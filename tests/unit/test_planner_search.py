@@ -342,3 +342,14 @@ def test_a_request_only_the_trainers_rules_refuse_says_why():
     assert ("layouts that fit `shardline train` cannot run: train.seq_len=4096 is longer than the model's sliding "
             "window") in message
     assert search(dataclasses.replace(work, seq_len=2046), hw, 8, runnable_only=True).candidates  # within it: runs
+
+
+def test_the_plan_says_whether_it_prices_the_blocks_compiled(capsys):
+    """A torchtitan user (who compiles) got eager prices without a word, and --train.compile=true
+    ranked layouts otherwise: the request line says which, and how to ask for the other."""
+    argv = ["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "1", "--seq-len", "64", "--global-batch", "8",
+            "--top", "1"]
+    assert main(argv) == 0
+    assert "eager blocks (train.compile=false; --train.compile=true prices them compiled)" in capsys.readouterr().out
+    assert main([*argv, "--train.compile=true"]) == 0
+    assert "compiled blocks (train.compile;" in capsys.readouterr().out

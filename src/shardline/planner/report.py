@@ -22,7 +22,15 @@ def describe_request(work: Workload, hw: Hardware, gpus: int, ring: int = 1) -> 
             f"{hw.name}{nodes}, "
             f"seq {work.seq_len}, global batch {work.global_batch:,} seqs ("
             + (f"{work.tokens / 1e6:.2f} M" if work.tokens >= 1e6 else f"{work.tokens:,}") + " tokens), "
-            f"{work.precision}{', document mask' if work.document_mask else ''}; {attention_words(work, hw, ring)}")
+            f"{work.precision}{', document mask' if work.document_mask else ''}, {_compile_words(work)}; "
+            f"{attention_words(work, hw, ring)}")
+
+
+def _compile_words(work: Workload) -> str:
+    """Whether the blocks are priced compiled: it moves step time and activation memory a lot."""
+    if work.compiled:
+        return "compiled blocks (train.compile; its pricing rests on one 1B-shape run on one H200)"
+    return "eager blocks (train.compile=false; --train.compile=true prices them compiled)"
 
 
 def _count(n: int) -> str:
