@@ -37,7 +37,8 @@ from shardline.planner.layout import Workload
 from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_over_words, mfu_words
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE
-from shardline.resilience.recovery import check_saved_position, data_changes, saved_config, saved_step, settings_changed
+from shardline.resilience.recovery import (check_saved_position, data_changes, saved_config, saved_step,
+                                           saved_world_size, settings_changed)
 from shardline.preflight import (
     Preflight,
     bos_setting,
@@ -87,7 +88,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
              _model_line(cfg, launch), f"data      {data}; "
              f"tokenizer {tokenizer}",
              f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
-             *_resume_lines(cfg, resume, stand_in is not None), *_note_lines(cfg, resume is not None, launch),
+             *_resume_lines(cfg, resume, stand_in is not None, world), *_note_lines(cfg, resume is not None, launch),
              *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch)]
     memory, fits = _memory_lines(cfg, launch, gpu)
     return "\n".join([*lines, *memory]), fits
@@ -104,13 +105,15 @@ def _check_resumed_data(cfg: Config, world: int, resume: Path, changed: str, sta
     check_saved_position(resume, cfg, len(data.train), data.position_state(), stand_in)
 
 
-def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool) -> list[str]:
+def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool, world: int) -> list[str]:
     """What a resume changes from the checkpoint's run (the launch's optim_changed and
     config_changed events), and whether anything is left to train."""
     if resume is None:
         return []
     saved, step = saved_config(resume), saved_step(resume)
     changes = settings_changed(saved, cfg, stand_in)
+    if saved_world_size(resume) not in (None, world):
+        changes["world_size"] = [saved_world_size(resume), world]
     said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
     lines = [f"          changed since it: {said}"] if changes else []
     jump = next_lr_change(step, saved, cfg.train.steps, cfg.optim)

@@ -538,6 +538,8 @@ def test_dry_run_tokenizes_a_resume_whose_data_settings_changed_and_names_them(c
     assert "changed since it: train.steps 4 -> 2, train.precision 'fp32' -> 'bf16'" in out, out
     assert "lr of the next update" not in out  # (nothing left to train)
     assert "nothing to train: it is at step 2, the run ends at 2 (train.steps)" in out
+    assert main([*base, "--world-size", "2"]) == 0  # (dp_shard=-1 hides a world's change in the config)
+    assert "changed since it: world_size 1 -> 2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("world", "overrides", "label"), [

@@ -237,6 +237,15 @@ def saved_config(path: Path | str | None) -> dict:
     return config if isinstance(config, dict) else {}
 
 
+def saved_world_size(path: Path | str | None) -> int | None:
+    """The world size checkpoint `path` was saved at (its meta.json), None where not recorded."""
+    try:
+        world = json.loads((Path(path) / "meta.json").read_text(encoding="utf-8"))["world_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return world if isinstance(world, int) else None
+
+
 def settings_changed(saved: dict, cfg: Config, stand_in: bool = False) -> dict[str, list]:
     """{"section.key": [saved, now]} of what this launch changed from the config a checkpoint was
     saved under (config_changes), less the run dir's copy of the starting weights' tokenizer

@@ -208,7 +208,8 @@ class SavedState:
         shape a resume or an export reads; its path, or None where the storage refused it."""
         self.report_device_anomalies()  # the saved detector state and events agree
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields,
-                "launchers": launcher_ids()}  # a restart of a resume=never run resumes only its own job's
+                "launchers": launcher_ids(),  # a restart of a resume=never run resumes only its own job's
+                "world_size": self.proc.world_size}  # (a dry run's resume says a change: dp_shard=-1 hides it)
         return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
 
     def snapshot_to_memory(self) -> None:
