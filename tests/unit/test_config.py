@@ -75,6 +75,7 @@ def test_a_model_switch_takes_true_and_false_as_on_and_off():
     ("moe.norm_topk=yes", "moe.norm_topk='yes' has the wrong type: expected int; valid: -1 (the preset's or the "
                           "starting weights'), 0 or false (off), 1 or true (on)"),
     ("train.steps=0", "train.steps=0 is invalid: must be > 0"),
+    ("parallel.tp=-1", "parallel.tp=-1 is invalid: must be >= 1 (-1, the rest of the world size, is dp_shard's alone)"),
     ("optim.lr=5.e999", "optim.lr='5.e999' is not a finite number"),
     ("optim.lr=1" + "0" * 400, "is not a finite number"),
     ("faults.kill_rank=-5", "faults.kill_rank=-5 is invalid: must be a rank, or -1 (off)"),

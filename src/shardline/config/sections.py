@@ -337,7 +337,9 @@ class ParallelConfig:
 
     def check(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_virtual_stages"):
-            _require(getattr(self, key) >= 1, f"parallel.{key}", getattr(self, key), "must be >= 1")
+            _require(getattr(self, key) >= 1, f"parallel.{key}", getattr(self, key),
+                     "must be >= 1" + (" (-1, the rest of the world size, is dp_shard's alone)"
+                                       if getattr(self, key) == -1 else ""))
         _require(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
                  "must be >= 1, or -1 for the rest of the world size")
         _require(self.zero in (1, 2, 3), "parallel.zero", self.zero, "1, 2 or 3")

@@ -210,7 +210,8 @@ def _product_message(cfg: Config, world: int, product: int) -> str:
     if p.dp_shard == -1:  # dp_shard takes what the others leave: their product must divide the world
         fits = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
         return (f"{degrees} give dp_replicate x cp x tp x pp = {product}, which does not divide the world size "
-                f"{world} (dp_shard=-1 takes what they leave); with {world} processes it must be one of {fits}")
+                f"{world} (dp_shard=-1 takes what they leave); with {world} process{'es' * (world > 1)} it must be one "
+                f"of {fits}")
     others = p.dp_replicate * p.cp * p.tp * p.pp
     way_out = "set parallel.dp_shard=-1 to take what the others leave" if world % others == 0 else (
         f"parallel.dp_shard=-1 takes what the others leave, but their product {others} does not divide {world} "

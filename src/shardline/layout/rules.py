@@ -61,8 +61,10 @@ def _cp_split(lay: Layout, job: Job) -> Problem | None:
     chunks = 2 * lay.cp if lay.cp_balance == "zigzag" and ring > 1 else lay.cp
     if job.seq_len % chunks:
         why = "2 chunks per rank for zigzag balance" if chunks == 2 * lay.cp else "one chunk per rank"
+        plain = (", or set parallel.cp_balance='none' (one chunk per rank, which the causal mask leaves "
+                 "unbalanced)" if chunks == 2 * lay.cp and job.seq_len % lay.cp == 0 else "")
         return "cp", (f"train.seq_len={job.seq_len} must be divisible by {chunks} (parallel.cp={lay.cp}, {why}); "
-                      f"use a multiple of {chunks}")
+                      f"use a multiple of {chunks}{plain}")
     local_heads = job.model.n_heads // lay.tp
     if u > 1 and local_heads % u:
         return "cp", (f"Ulysses splits the {local_heads} attention heads per tp rank (n_heads={job.model.n_heads} / "
@@ -83,8 +85,10 @@ def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
     if lay.ep > 1 and not getattr(job.model, "n_experts", 0):
         return "ep", f"parallel.ep={lay.ep} needs a mixture-of-experts model; this model is dense"
     if lay.ep > 1 and (lay.dp_shard * lay.cp) % lay.ep:
-        return "ep", (f"parallel.ep={lay.ep} must divide dp_shard x cp = {lay.dp_shard * lay.cp} "
-                      "(expert parallelism borrows those ranks)")
+        borrow = lay.dp_shard * lay.cp
+        valid = [e for e in range(1, borrow + 1) if _ep_built(lay, e)]
+        return "ep", (f"parallel.ep={lay.ep} must divide dp_shard x cp = {borrow} (expert parallelism borrows "
+                      f"those ranks); valid: {', '.join(map(str, valid))}")
     moe, n = getattr(job.model, "moe", None), getattr(job.model, "n_experts", 0)
     if moe is not None and (moe.shared_experts * moe.expert_ffn_dim) % lay.tp:
         return "tp", (f"parallel.tp={lay.tp} must divide the shared experts' width shared_experts x expert_ffn_dim "
@@ -104,6 +108,8 @@ def _batch(lay: Layout, job: Job) -> Problem | None:
         return "batch", (f"train.global_batch_size={job.global_batch} is not divisible by "
                          f"train.micro_batch_size={lay.micro_batch_size} x {lay.dp} data-parallel rank(s) = "
                          f"{per_step}; use a multiple of {per_step}"
+                         + (f", lower train.micro_batch_size (one dividing {job.global_batch // lay.dp})"
+                            if lay.micro_batch_size > 1 and job.global_batch % lay.dp == 0 else "")
                          + (", or give ranks to parallel.tp, cp or pp, which leaves fewer to data parallelism"
                             if lay.dp > 1 else ""))
     return None
@@ -137,9 +143,14 @@ def _pp_stages(lay: Layout, job: Job) -> Problem | None:
     if s in V_SHAPED and v != 2:
         return "pp", f"parallel.pp_schedule={s!r} places exactly 2 stages per rank; set pp_virtual_stages=2"
     if job.model.n_layers < lay.n_stages:
+        ways = ["lower parallel.pp" + " or parallel.pp_virtual_stages" * (lay.pp_schedule == "interleaved_1f1b")]
+        if lay.pp_schedule in V_SHAPED:  # 2 stages a rank: pp=2 is its least, and one stage a rank may fit
+            ways = ways * (lay.pp > 2 and job.model.n_layers >= 4) + [
+                "use a schedule of one stage per rank (parallel.pp_schedule=1f1b or gpipe)"] * (
+                job.model.n_layers >= lay.pp) or ways
+        way_out = ", or ".join(ways)
         return "pp", (f"model has {job.model.n_layers} layers, fewer than the {lay.n_stages} pipeline stages "
-                      f"(pp={lay.pp} x {lay.stages_per_rank} per rank); lower parallel.pp"
-                      + (" or parallel.pp_virtual_stages" if lay.pp_schedule == "interleaved_1f1b" else ""))
+                      f"(pp={lay.pp} x {lay.stages_per_rank} per rank); {way_out}")
     return None
 
 
