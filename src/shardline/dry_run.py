@@ -212,6 +212,8 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
     return [f"memory    per rank on {hw.name}, planner estimate (GiB): {parts}",
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
+            + (f", pipeline bubble {100 * bubble / e.step_time_s:.1f}% of the step"
+               if (bubble := e.breakdown.get("pp_bubble", 0)) else "")
             + _compile_pricing(work, launch.layout) + _cpu_guess(hw),
             f"          {MEMORY_TERMS}",
             f"          {mfu_words(work)}", *(f"          {line}" for line in mfu_over_words(e.mfu)),
