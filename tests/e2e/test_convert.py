@@ -348,7 +348,7 @@ def test_weights_without_a_tokenizer_refuse_a_new_one_for_raw_text(tmp_path, sma
         assert given.data.tokenizer == str(tmp_path / "tokenizer.json")
         own_bpe = load_config(None, [start, f"data.path={small_prepared}"])
         with pytest.raises(ConfigError, match=f"has no tokenizer.json.*{hint}.*prepared with a BPE trained on its "
-                                              "own text.*prepare it again with --tokenizer"):
+                                              "own text.*prepare it again with --overwrite --tokenizer"):
             use_model_tokenizer(own_bpe)
         prepared = load_config(None, [start, f"data.path={chosen}"])
         use_model_tokenizer(prepared)

@@ -598,7 +598,7 @@ def test_dry_run_compares_a_prepared_folders_tokens_with_the_resumed_checkpoint(
     first, second = [i for i in range(len(docs)) if i not in held][:2]
     docs[first], docs[second] = docs[second], docs[first]
     text.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    prepare(PrepareOptions([str(text)], str(tmp_path / "prep"), **options))  # the same folder, other text
+    prepare(PrepareOptions([str(text)], str(tmp_path / "prep"), overwrite=True, **options))  # the same folder, edited
     assert main(base) == 2
     err = capsys.readouterr().err
     assert "was trained on other data (tokens " in err and err.count("\n") == 1, err

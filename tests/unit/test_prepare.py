@@ -197,7 +197,9 @@ def test_changed_inputs_start_over_and_same_inputs_do_nothing(tmp_path, small_co
     assert prepare(PrepareOptions([str(corpus)], str(tmp_path / "prep"), **SMALL)) == first
     assert {f: f.stat().st_mtime_ns for f in written} == written  # nothing rewritten
     corpus.write_text("".join(small_corpus.read_text().splitlines(keepends=True)[:100]))
-    again = prepare(PrepareOptions([str(corpus)], str(tmp_path / "prep"), **SMALL))
+    with pytest.raises(DataError, match="holds a finished prepare of other inputs"):  # (a slip: refused)
+        prepare(PrepareOptions([str(corpus)], str(tmp_path / "prep"), **SMALL))
+    again = prepare(PrepareOptions([str(corpus)], str(tmp_path / "prep"), overwrite=True, **SMALL))
     assert again["input_documents"] == 100 and verify(tmp_path / "prep") == []
 
 
@@ -881,7 +883,7 @@ def test_a_rerun_with_other_options_drops_the_manifest_before_any_shard(tmp_path
 
     monkeypatch.setattr(shutil, "rmtree", stopped)
     with pytest.raises(KeyboardInterrupt):
-        prepare(PrepareOptions([str(small_corpus)], str(out), **{**SMALL, "vocab_size": 300}))
+        prepare(PrepareOptions([str(small_corpus)], str(out), overwrite=True, **{**SMALL, "vocab_size": 300}))
     with pytest.raises(DataError, match="unfinished prepared folder"):
         data(out)
 
@@ -1069,7 +1071,8 @@ def test_a_table_column_that_is_not_text_is_one_line(tmp_path):
 def test_a_prepared_folder_too_small_to_evaluate_says_to_prepare_again(tmp_path, small_corpus):
     """Its split was made by prepare: raising data.val_fraction would change nothing."""
     prepare(PrepareOptions([str(small_corpus)], str(tmp_path / "prep"), val_fraction=0.001, **SMALL))
-    with pytest.raises(DataError, match="prepare it again with a larger --val-fraction or set train.eval_interval=0"):
+    with pytest.raises(DataError, match="prepare it again with --overwrite and a larger --val-fraction or set "
+                                        "train.eval_interval=0"):
         data(tmp_path / "prep", seq_len=8192)
 
 
@@ -1159,13 +1162,18 @@ def test_a_prepared_folder_and_data_add_bos_must_agree(tmp_path, small_corpus, b
     prepare(PrepareOptions([str(small_corpus)], str(with_bos), tokenizer=str(path), progress=False))
     prepare(PrepareOptions([str(small_corpus)], str(without), tokenizer=str(path), add_bos=False, progress=False))
     with pytest.raises(DataError, match=rf"data.add_bos=false but .*with was prepared with \[{bos}\] before each "
-                                        r"document; set data.add_bos=true, or prepare it again with --no-bos"):
+                                        r"document; set data.add_bos=true, or prepare it again with --overwrite "
+                                        r"--no-bos"):
         data(with_bos, "data.add_bos=false")
     with pytest.raises(DataError, match=rf"data.add_bos=true \(the default\) and the tokenizer starts a text with "
                                         rf"\[{bos}\], but .*without was prepared without it"):
         data(without)
-    manifest = prepare(PrepareOptions([str(small_corpus)], str(without), tokenizer=str(path), progress=True))
-    assert "was prepared from other inputs or options; preparing it again" in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"holds a finished prepare of other inputs or options \(bos\); preparing it "
+                                        r"again replaces its tokens, .* or --overwrite to replace it"):
+        prepare(PrepareOptions([str(small_corpus)], str(without), tokenizer=str(path), progress=True))
+    manifest = prepare(PrepareOptions([str(small_corpus)], str(without), tokenizer=str(path), progress=True,
+                                      overwrite=True))
+    assert "was prepared from other inputs or options (bos); --overwrite: replacing it" in capsys.readouterr().err
     assert manifest["bos_ids"] == [bos]
     data(without)  # agrees now
 
@@ -1464,3 +1472,24 @@ def test_a_glob_pattern_reads_a_file_once_as_prepare_does(tmp_path):
     for pattern in (f"{data}/*.jsonl", f"{data}/*"):
         assert input_files(pattern) == inputs_files([pattern], "INPUT")
     assert [f.name for f in input_files(f"{data}/*")] == ["a.jsonl", "b.jsonl"]
+
+
+def test_a_finished_folder_is_replaced_only_with_overwrite(tmp_path, small_corpus, capsys):
+    """A slip in the inputs replaced hours of tokens in silence (one info line), and the runs trained
+    on them could no longer resume. It is refused, naming what differs; --overwrite replaces it, and
+    redoes a folder of the same inputs (whose shard was damaged: "nothing to do" before)."""
+    out, short = tmp_path / "prep", tmp_path / "short.txt"
+    short.write_text("a few words\n\nand a second document\n", encoding="utf-8")
+    first = prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False))
+    before = {p.name: p.read_bytes() for p in (out / "train").iterdir()}
+    with pytest.raises(DataError, match=rf"--out {out} holds a finished prepare of other inputs or options "
+                                        r"\(inputs\); .*give another --out, or --overwrite to replace it"):
+        prepare(PrepareOptions([str(short)], str(out), vocab_size=300, progress=False))
+    assert {p.name: p.read_bytes() for p in (out / "train").iterdir()} == before  # (nothing touched)
+    small_corpus.touch()  # (the same file, edited: its time differs)
+    with pytest.raises(DataError, match=r"\(the inputs' sizes or times\)"):
+        prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False))
+    (out / "train" / "tokens-00000.bin").write_bytes(b"\0" * len(before["tokens-00000.bin"]))
+    again = prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False, overwrite=True))
+    assert {p.name: p.read_bytes() for p in (out / "train").iterdir()} == before  # the same inputs' tokens
+    assert again["train_fingerprint"] == first["train_fingerprint"]

@@ -67,7 +67,7 @@ def check_folder_template(path: str, manifest: dict, tokenizer_path: str) -> Non
     raise DataError(f"{path} was rendered with {_named(recorded)}, but the tokenizer this run takes "
                     f"({tokenizer_path}) carries {_named(given)}, which renders otherwise: the run would train on the "
                     "folder's rendering and write, export and generate with the other; prepare it again with "
-                    f"--tokenizer {tokenizer_path}, or set data.tokenizer={folder_tokenizer}")
+                    f"--overwrite --tokenizer {tokenizer_path}, or set data.tokenizer={folder_tokenizer}")
 
 
 def check_one_chat_template(cfg: Config) -> None:

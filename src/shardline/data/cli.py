@@ -36,6 +36,8 @@ def register(sub) -> None:
                    help="text documents without the BOS tokens the tokenizer puts before a text (data.add_bos=false)")
     p.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (default 33554432)")
     p.add_argument("--verify", action="store_true", help="check the checksums of an existing --out and exit")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an --out finished from other inputs or options (refused without it), or redo one")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_prepare)
 
@@ -56,7 +58,7 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     opts = PrepareOptions(inputs=args.inputs, out=args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                           workers=args.workers, val_fraction=args.val_fraction, text_field=args.text_field,
                           format=args.format, add_bos=not args.no_bos, shard_tokens=args.shard_tokens,
-                          progress=not args.quiet)
+                          progress=not args.quiet, overwrite=args.overwrite)
     m = prepare(opts)
     tr, va = m["splits"]["train"], m["splits"]["val"]
     print(f"prepared {args.out}: train {tr['documents']:,} documents / {tr['tokens']:,} tokens in "
@@ -89,7 +91,7 @@ def _verify(root: Path) -> int:
         raise DataError(f"--out {str(root)!r} does not exist or is not a folder: nothing to verify")
     bad = verify(root)
     if bad:
-        print(f"{root}: checksum mismatch in {', '.join(bad)}; prepare it again", file=sys.stderr)
+        print(f"{root}: checksum mismatch in {', '.join(bad)}; prepare it again with --overwrite", file=sys.stderr)
         return 2
     print(f"{root}: every shard matches its checksum")
     return 0

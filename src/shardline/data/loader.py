@@ -252,10 +252,11 @@ def _check_sizes(where: str, train, val, cfg: Config) -> None:
     if t.eval_interval and len(val) == 0:
         # A prepared folder's split was made by `prepare`: data.val_fraction does not apply to it.
         prepared = is_prepared(where)
-        more = "prepare it again with a larger --val-fraction" if prepared else "raise data.val_fraction"
+        more = ("prepare it again with --overwrite and a larger --val-fraction" if prepared
+                else "raise data.val_fraction")
         if val.num_tokens == 0:  # nothing held out at all
-            how = ("prepared with --val-fraction 0", "prepare it again with --val-fraction in (0, 0.5)") if prepared \
-                else ("data.val_fraction=0", "a data.val_fraction in (0, 0.5)")
+            how = ("prepared with --val-fraction 0", "prepare it again with --overwrite and --val-fraction in "
+                   "(0, 0.5)") if prepared else ("data.val_fraction=0", "a data.val_fraction in (0, 0.5)")
             raise DataError(f"{where} holds nothing out to evaluate on ({how[0]}): set train.eval_interval=0 "
                             f"(no evaluation), or {how[1]}")
         raise DataError(f"{where} holds out {val.num_tokens} validation tokens: too few for one sequence "
@@ -295,7 +296,7 @@ def _mixture_tokenizer(cfg: Config) -> Tokenizer:
         raise DataError("data.mix: " + "; ".join(f"{_format_key(cfg, i)}={fmt!r} but {d.mix[i].path} was prepared as "
                                                  f"{has!r} data" for i, fmt, has in wrong)
                         + "; set each source's format (data.mix[i].format: a mixture may hold both, as chat "
-                        "fine-tuning with text replayed) or prepare it again in the other")
+                        "fine-tuning with text replayed) or prepare it again in the other (--overwrite)")
     if d.tokenizer:
         return load_tokenizer(d.tokenizer)
     prepared = [i for i, s in enumerate(d.mix) if is_prepared(s.path)]

@@ -2,7 +2,8 @@
 
 `shardline prepare`'s third pass. Chunks are a few MB of text each; at most two per worker are
 in flight, so memory holds a few chunks whatever the corpus size. Tokens come back in the
-shard's dtype (2 bytes each for a vocabulary that fits uint16, not 8).
+shard's dtype (2 bytes each for a vocabulary that fits uint16, not 8). `Progress` is the pass's
+status line.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import sys
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -111,3 +114,31 @@ def _one_thread_per_worker():
 def _load_cached(path: str, mtime_ns: int) -> Tokenizer:
     """Each worker process loads the tokenizer once (keyed by its file's version)."""
     return Tokenizer.from_file(path)
+
+
+class Progress:
+    """One status line: documents, tokens, MB/s, ETA (at most once a second; a line per 10 s off a tty)."""
+
+    def __init__(self, enabled: bool, total_docs: int, done: int):
+        self.enabled, self.total, self.docs, self.resumed_at = enabled, total_docs, done, done
+        self.tokens = self.bytes = 0
+        self.start = self.last = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def update(self, docs: int, n_bytes: int, tokens: int) -> None:
+        self.docs, self.bytes, self.tokens = self.docs + docs, self.bytes + n_bytes, self.tokens + tokens
+        now = time.perf_counter()
+        if self.enabled and now - self.last >= (1 if self.tty else 10):
+            self.last = now
+            print(self.line(now), end="\r" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def line(self, now: float) -> str:
+        rate = self.bytes / max(now - self.start, 1e-9)
+        per_doc = (now - self.start) / max(self.docs - self.resumed_at, 1)  # this session's pace
+        eta = int(per_doc * max(self.total - self.docs, 0))
+        return (f"prepare: {self.docs:,}/{self.total:,} documents, {self.tokens:,} tokens, "
+                f"{rate / 1e6:.1f} MB/s, ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
+
+    def done(self) -> None:
+        if self.enabled:
+            print(self.line(time.perf_counter()) + " - done", file=sys.stderr, flush=True)

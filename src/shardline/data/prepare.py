@@ -18,7 +18,6 @@ import fcntl
 import json
 import shutil
 import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from shardline.config.sections import MAX_TRAINED_VOCAB
 from shardline.data.chat_template import ChatTemplate, chat_template_for, template_sha256
 from shardline.data.encode import CHAT_MASK_RULE, check_replies, render_chat
 from shardline.data.loader import held_out, split_single
-from shardline.data.pool import EncodeJob, encoded_chunks
+from shardline.data.pool import EncodeJob, Progress, encoded_chunks
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
                                    file_sha256, id_bound, token_dtype, token_fingerprint, tokenizer_hash)
 from shardline.data.sources import CHAT_FIELD, files_not_read, inputs_files, read_file
@@ -59,6 +58,7 @@ class PrepareOptions:
     shard_tokens: int = 1 << 25  # tokens per shard (before a commit point)
     chunk_bytes: int = 1 << 21  # text per unit of work sent to a worker (counted in characters)
     progress: bool = True
+    overwrite: bool = False  # replace a folder finished from other inputs or options (else refused), or redo it
     stop_after_shards: int = 0  # testing aid: stop (as if killed) after this many commits; 0 = never
 
     def read_field(self) -> str:
@@ -124,12 +124,11 @@ def prepare(opts: PrepareOptions) -> dict:
     _check_out(root, files)
     request = _request(opts, files)
     done = _finished(root, request)
-    if done is not None:
+    if done is not None and not opts.overwrite:
         _say(opts, f"{root} is already prepared from these inputs; nothing to do")
         _keep_side_files(opts.tokenizer, root)  # (tokens do not depend on them: the ones given now)
         return _with_fingerprint(root, done)
-    if (root / MANIFEST).is_file():
-        _say(opts, f"{root} was prepared from other inputs or options; preparing it again")
+    _check_replacing(root, request, opts)
     # Passes 1 and 2 before the folder is touched: bad inputs or a bad tokenizer leave it as it was.
     stream = _count(opts, files)
     template = chat_template_for(opts.tokenizer) if opts.format == "chat" else None
@@ -137,11 +136,13 @@ def prepare(opts: PrepareOptions) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     with _writing(root):  # one prepare writes a folder at a time (`srun shardline prepare` runs one a task)
         done = _finished(root, request)
-        if done is not None:  # another one finished it while this one waited
+        if done is not None and not opts.overwrite:  # another one finished it while this one waited
             _say(opts, f"{root} was prepared from these inputs meanwhile; nothing to do")
             return done
         request["tokenizer_sha256"] = tokenizer_hash(tok)
         (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
+        if opts.overwrite:  # (not an interrupted prepare's progress either: from the first document)
+            (root / PROGRESS).unlink(missing_ok=True)
         state = _resume_state(root, request)  # its progress file marks the folder as prepare's from now on
         _atomic_write(root / TOKENIZER, tok.to_str())
         _keep_side_files(opts.tokenizer, root)
@@ -234,14 +235,35 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
     return request
 
 
-def _finished(root: Path, request: dict) -> dict | None:
-    """The manifest of a finished prepare of the same request (its tokenizer follows from it)."""
+def _made(root: Path) -> tuple[dict, dict] | None:
+    """(manifest, the request it was made from) of a finished prepare there, None where none is read."""
     try:
         manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
-        made = {k: v for k, v in manifest["request"].items() if k != "tokenizer_sha256"}
+        return manifest, {k: v for k, v in manifest["request"].items() if k != "tokenizer_sha256"}
     except (OSError, ValueError, KeyError, AttributeError):
         return None
-    return manifest if made == request else None
+
+
+def _finished(root: Path, request: dict) -> dict | None:
+    """The manifest of a finished prepare of the same request (its tokenizer follows from it)."""
+    made = _made(root)
+    return made[0] if made is not None and made[1] == request else None
+
+
+def _check_replacing(root: Path, request: dict, opts: PrepareOptions) -> None:
+    """A finished folder of other inputs or options is replaced only when asked: a slip in the
+    inputs would drop tokens that took hours, which the runs trained on them resume against."""
+    made = _made(root)
+    if made is None or made[1] == request:
+        return
+    same_files = [f[0] for f in made[1].get("inputs", [])] == [f[0] for f in request["inputs"]]
+    differs = ", ".join("the inputs' sizes or times" if k == "inputs" and same_files else k
+                        for k in {**made[1], **request} if made[1].get(k) != request.get(k))
+    if not opts.overwrite:
+        raise DataError(f"--out {root} holds a finished prepare of other inputs or options ({differs}); preparing "
+                        "it again replaces its tokens, which runs trained on it resume against: give another "
+                        "--out, or --overwrite to replace it")
+    _say(opts, f"{root} was prepared from other inputs or options ({differs}); --overwrite: replacing it")
 
 
 def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
@@ -289,7 +311,7 @@ def _resume_state(root: Path, request: dict) -> dict:
 
 def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict, template) -> None:
     """Pass 3: tokenize every document not yet committed, committing after each full shard."""
-    progress = _Progress(opts, stream.pieces, state["documents_done"])
+    progress = Progress(opts.progress, stream.pieces, state["documents_done"])
     commits = 0
     job = EncodeJob(str(root / TOKENIZER), opts.format == "chat", template, writers["train"].dtype,
                     state["request"].get("bos", []))
@@ -359,31 +381,3 @@ def _atomic_write(path: Path, text: str) -> None:
 def _say(opts: PrepareOptions, message: str) -> None:
     if opts.progress:
         print(f"prepare: {message}", file=sys.stderr, flush=True)
-
-
-class _Progress:
-    """One status line: documents, tokens, MB/s, ETA (at most once a second; a line per 10 s off a tty)."""
-
-    def __init__(self, opts: PrepareOptions, total_docs: int, done: int):
-        self.enabled, self.total, self.docs, self.resumed_at = opts.progress, total_docs, done, done
-        self.tokens = self.bytes = 0
-        self.start = self.last = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-
-    def update(self, docs: int, n_bytes: int, tokens: int) -> None:
-        self.docs, self.bytes, self.tokens = self.docs + docs, self.bytes + n_bytes, self.tokens + tokens
-        now = time.perf_counter()
-        if self.enabled and now - self.last >= (1 if self.tty else 10):
-            self.last = now
-            print(self.line(now), end="\r" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def line(self, now: float) -> str:
-        rate = self.bytes / max(now - self.start, 1e-9)
-        per_doc = (now - self.start) / max(self.docs - self.resumed_at, 1)  # this session's pace
-        eta = int(per_doc * max(self.total - self.docs, 0))
-        return (f"prepare: {self.docs:,}/{self.total:,} documents, {self.tokens:,} tokens, "
-                f"{rate / 1e6:.1f} MB/s, ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
-
-    def done(self) -> None:
-        if self.enabled:
-            print(self.line(time.perf_counter()) + " - done", file=sys.stderr, flush=True)

@@ -232,9 +232,9 @@ def _check_bos(path: str, manifest: dict, tok: Tokenizer, add_bos: bool) -> None
         return
     if have:
         raise DataError(f"data.add_bos=false but {path} was prepared with {have} before each document; set "
-                        "data.add_bos=true, or prepare it again with --no-bos")
+                        "data.add_bos=true, or prepare it again with --overwrite --no-bos")
     raise DataError(f"data.add_bos=true (the default) and the tokenizer starts a text with {want}, but {path} was "
-                    "prepared without it; prepare it again (its documents then start with it), or set "
+                    "prepared without it; prepare it again with --overwrite (its documents then start with it), or set "
                     "data.add_bos=false")
 
 
@@ -250,7 +250,7 @@ def read_manifest(root: Path) -> dict:
         raise DataError(f"{root / MANIFEST} is damaged ({type(e).__name__}); prepare the folder again") from None
     if version != FORMAT_VERSION:
         raise DataError(f"{root} was prepared in format {version}; this shardline reads format "
-                        f"{FORMAT_VERSION}: prepare it again")
+                        f"{FORMAT_VERSION}: prepare it again with --overwrite")
     return manifest
 
 
@@ -299,7 +299,8 @@ def _folder_tokenizer(root: Path, manifest: dict, tokenizer_path: str) -> Tokeni
                         "folder again")
     if tokenizer_path and tokenizer_hash(load_tokenizer(tokenizer_path)) != tokenizer_hash(tok):
         raise DataError(f"data.tokenizer={tokenizer_path!r} (given, or the starting weights' own) differs from "
-                        f"the tokenizer {root} was prepared with; prepare it again with --tokenizer {tokenizer_path}")
+                        f"the tokenizer {root} was prepared with; prepare it again with --overwrite --tokenizer "
+                        f"{tokenizer_path}")
     return tok
 
 
@@ -331,10 +332,10 @@ def _check_size(root: Path, path: Path, expected: int) -> None:
         size = path.stat().st_size
     except FileNotFoundError:
         raise DataError(f"prepared folder {root} is missing {path.relative_to(root)}, which its manifest "
-                        "lists; prepare it again") from None
+                        "lists; prepare it again with --overwrite") from None
     if size != expected:
         raise DataError(f"prepared folder {root}: {path.relative_to(root)} has {size} bytes, its manifest "
-                        f"says {expected}; prepare it again")
+                        f"says {expected}; prepare it again with --overwrite")
 
 
 def verify(root: Path) -> list[str]:
