@@ -79,8 +79,8 @@ def use_model_tokenizer(cfg: Config) -> str | None:
     if own_bpe:
         raise ConfigError(f"{key}={value!r} has no {TOKENIZER_NAME}{hint}, and data {own_bpe[0]!r} was prepared "
                           "with a BPE trained on its own text, whose ids mean nothing to those weights; prepare it "
-                          "again with --overwrite --tokenizer naming the tokenizer.json they were trained with (or, if they "
-                          "were trained with this one, set data.tokenizer to it)")
+                          "again with --overwrite --tokenizer naming the tokenizer.json they were trained with (or, "
+                          "if they were trained with this one, set data.tokenizer to it)")
 
 
 def gone_start_checkpoint(cfg: Config) -> Path | None:
