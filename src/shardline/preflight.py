@@ -147,7 +147,8 @@ def _run_dir_in_data(cfg: Config) -> str | None:
 
 
 # What a run keeps in its run dir, and whether each is a folder: something else of that name is refused up front.
-RUN_DIR_ENTRIES = {"checkpoints": True, "config.toml": False, "metrics.jsonl": False, "tokenizer.json": False}
+RUN_DIR_ENTRIES = {"checkpoints": True, "config.toml": False, "metrics.jsonl": False, "tokenizer.json": False,
+                   "tensorboard": True, "progress.json": False, "checkpoints/set-aside": True}
 
 
 def run_dir_problem(run_dir: str) -> str | None:
@@ -161,7 +162,7 @@ def run_dir_problem(run_dir: str) -> str | None:
         return f"run.dir={run_dir!r} is {what}: a run would write over its files; use another run.dir"
     wrong = [(n, dir) for n, dir in RUN_DIR_ENTRIES.items() if (path / n).exists() and (path / n).is_dir() != dir]
     return (f"run.dir={run_dir!r}: its {wrong[0][0]} is a {'file' if wrong[0][1] else 'folder'}, where a run keeps "
-            f"its {'checkpoint folders' if wrong[0][1] else 'file of that name'}; move it away") if wrong else None
+            f"its {'folder' if wrong[0][1] else 'file'} of that name; move it away") if wrong else None
 
 
 def init_from_problem(init_from: str) -> str | None:

@@ -186,7 +186,10 @@ def test_a_resume_goes_on_when_the_hf_folder_is_gone(tiny_config, small_prepared
         Trainer(tiny_config("train.steps=3", *start, run_dir=tmp_path / "fresh")).build()
 
 
-def test_convert_errors_exit_2(tmp_path, capsys):
+def test_convert_errors_exit_2(tmp_path, capsys, small_prepared):
+    assert main(["convert", "to-hf", str(small_prepared), str(tmp_path / "out")]) == 2  # ("malformed manifest")
+    assert f"{small_prepared} is a prepared data folder (shardline prepare), not a checkpoint" in \
+        capsys.readouterr().err
     assert main(["convert", "to-hf", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert f"{tmp_path / 'nothing'} does not exist: give a run dir or a checkpoint folder" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 import tomllib
 
 import pytest
@@ -350,12 +352,34 @@ def test_a_run_dir_that_is_another_tools_folder_is_refused_before_anything_is_wr
     check_config(load_config(None, [f"run.dir={tmp_path / 'new'}"]))  # a new folder, or a run dir, passes
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "checkpoints").write_text("")  # a run trained to its end, then failed every save
-    with pytest.raises(ConfigError, match=re.escape("its checkpoints is a file, where a run keeps its checkpoint")):
+    with pytest.raises(ConfigError, match=re.escape("its checkpoints is a file, where a run keeps its folder of")):
         check_config(load_config(None, [f"run.dir={tmp_path / 'odd'}"]))
     (tmp_path / "odd" / "checkpoints").unlink()
     (tmp_path / "odd" / "config.toml").mkdir()  # a traceback at the config's save, after the lock
     with pytest.raises(ConfigError, match=re.escape("its config.toml is a folder, where a run keeps its file")):
         check_config(load_config(None, [f"run.dir={tmp_path / 'odd'}"]))
+    (tmp_path / "odd" / "config.toml").rmdir()
+    # A traceback once the run dir was written (TensorBoard's folder; set-aside's, past a bad checkpoint)
+    for name in ("tensorboard", "checkpoints/set-aside"):
+        (tmp_path / "odd" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "odd" / name).write_text("mine")
+        with pytest.raises(ConfigError, match=re.escape(f"its {name} is a file, where a run keeps its folder of")):
+            check_config(load_config(None, [f"run.dir={tmp_path / 'odd'}"]))
+        (tmp_path / "odd" / name).unlink()
+
+
+def test_a_garbled_progress_json_does_not_make_a_run_dir_a_data_folder(tmp_path, tiny_config):
+    """An empty or torn progress.json (goodput's account) made a run dir with checkpoints "a prepared
+    data folder": every relaunch was refused, naming the wrong cause."""
+    from shardline.trainer import Trainer
+
+    cfg = tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0")
+    Trainer(cfg).build().train()
+    (Path(cfg.run.dir) / "progress.json").write_text("garbage{")
+    again = Trainer(tiny_config("train.steps=4", "checkpoint.interval=2", "train.eval_interval=0")).build()
+    assert again.step == 2
+    again.train()
+    assert json.loads((Path(cfg.run.dir) / "progress.json").read_text())["step"] == 4
 
 
 def test_a_vocabulary_too_large_to_train_is_one_line_not_an_abort():

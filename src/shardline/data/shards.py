@@ -52,8 +52,9 @@ def _prepare_progress(path: Path) -> bool:
     """A progress.json there that is not a training run's goodput account (which holds its high-water step)."""
     try:
         return "high_water_step" not in json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):
-        return path.is_file()  # (unreadable or not an object: as before, the file's presence decides)
+    except (OSError, ValueError, TypeError):  # unreadable or not an object: prepare's, unless a run's files are
+        return path.is_file() and not ((path.parent / "checkpoints").is_dir() or  # there (a garbled account
+                                       (path.parent / "metrics.jsonl").is_file())  # made its run dir "data")
 
 
 def prepared_with_own_bpe(path: str) -> bool:

@@ -58,6 +58,9 @@ def convert(direction: str, src: str, dst: str, dtype: str = "", tokenizer: str 
 
 def resolve_checkpoint(src: Path) -> Path:
     """A checkpoint folder as given, or the newest valid checkpoint of a run dir."""
+    if (src / "manifest.json").is_file() and not (src / "meta.json").is_file() and (src / "train").is_dir():
+        raise CheckpointError(f"{src} is a prepared data folder (shardline prepare), not a checkpoint: give a run dir "
+                              "or a checkpoint folder (RUN/checkpoints/step-N)")
     if (src / "manifest.json").is_file():
         return src
     if not src.exists():
