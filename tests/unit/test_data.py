@@ -326,6 +326,18 @@ def test_null_chat_rows_are_counted_as_empty_documents(tmp_path):
     assert len(read_documents(str(tmp_path / "c.jsonl"), "messages", left)) == 2 and left["empty_documents"] == 1
 
 
+def test_a_null_jsonl_text_is_an_empty_document_as_a_parquet_null_is(tmp_path):
+    """{"text": null} stopped the run ("has no string field") where a parquet null row is counted as
+    an empty document; a record without the field is still refused (a wrong data.text_field)."""
+    (tmp_path / "t.jsonl").write_text('{"text": "some words here"}\n{"text": null}\n{"text": "and more"}\n')
+    left: dict = {}
+    assert read_documents(str(tmp_path / "t.jsonl"), "text", left) == ["some words here", "and more"]
+    assert left["empty_documents"] == 1
+    (tmp_path / "t.jsonl").write_text('{"text": "some words here"}\n{"body": "x"}\n')
+    with pytest.raises(DataError, match="line 2 has no string field 'text'"):
+        read_documents(str(tmp_path / "t.jsonl"), "text", {})
+
+
 def test_a_tokenizer_that_cannot_encode_the_data_is_one_line_and_a_closed_vocabulary_works(tmp_path):
     """A WordLevel tokenizer.json without its [UNK] token loads, then fails on the first word it
     lacks: that was a traceback (from the BOS probe's "a") in train and prepare alike. Text made

@@ -279,6 +279,8 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
                 yield conversation
             elif isinstance(value, str):
                 yield _encodable(f, n, value)
+            elif value is None and isinstance(obj, dict) and field in obj:  # null, as a parquet null row: an
+                yield ""  # empty document, counted as one (a missing field is likely the wrong data.text_field)
             else:
                 chat = isinstance(obj, dict) and isinstance(obj.get(CHAT_FIELD), list)  # a conversation, not text
                 raise DataError(f"data file {f} line {n} has no string field {field!r} (set data.text_field; "
