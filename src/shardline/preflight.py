@@ -160,6 +160,8 @@ def run_dir_problem(run_dir: str) -> str | None:
             "a prepared data folder" if is_prepared(run_dir) else None)
     if what:
         return f"run.dir={run_dir!r} is {what}: a run would write over its files; use another run.dir"
+    if path.is_file():
+        return f"run.dir={run_dir!r} is a file, not a folder; use another run.dir"
     wrong = [(n, dir) for n, dir in RUN_DIR_ENTRIES.items() if (path / n).exists() and (path / n).is_dir() != dir]
     return (f"run.dir={run_dir!r}: its {wrong[0][0]} is a {'file' if wrong[0][1] else 'folder'}, where a run keeps "
             f"its {'folder' if wrong[0][1] else 'file'} of that name; move it away") if wrong else None

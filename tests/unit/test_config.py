@@ -350,6 +350,9 @@ def test_a_run_dir_that_is_another_tools_folder_is_refused_before_anything_is_wr
             check_config(load_config(None, [f"run.dir={folder}"]))
     assert {p.name: p.read_bytes() for p in small_prepared.iterdir() if p.is_file()} == before
     check_config(load_config(None, [f"run.dir={tmp_path / 'new'}"]))  # a new folder, or a run dir, passes
+    (tmp_path / "notes.txt").write_text("mine")  # ("cannot be created: File exists")
+    with pytest.raises(ConfigError, match=re.escape(f"run.dir={str(tmp_path / 'notes.txt')!r} is a file, not a")):
+        check_config(load_config(None, [f"run.dir={tmp_path / 'notes.txt'}"]))
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "checkpoints").write_text("")  # a run trained to its end, then failed every save
     with pytest.raises(ConfigError, match=re.escape("its checkpoints is a file, where a run keeps its folder of")):
