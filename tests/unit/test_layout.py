@@ -431,6 +431,9 @@ def test_dry_run_checks_a_mixture_and_a_resume_as_the_launch_does(capsys, tmp_pa
     mix = f'--data.mix=[{{path="{tmp_path / "a.txt"}"}}, {{path="{tmp_path / "b.txt"}"}}]'
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'new'}", mix]) == 2
     assert "data.mix of raw files needs one tokenizer for all" in capsys.readouterr().err
+    gone = f'--data.mix=[{{path="{tmp_path / "a.txt"}"}}, {{path="{tmp_path / "gone.txt"}"}}]'  # said first
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'new'}", gone]) == 2
+    assert f"data.mix[1].path='{tmp_path / 'gone.txt'}' does not exist" in capsys.readouterr().err
 
     cfg = tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0")
     Trainer(cfg).build().train()

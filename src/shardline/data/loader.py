@@ -26,7 +26,7 @@ from shardline.data.packing import PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
 from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_manifest, token_fingerprint,
                                    tokenizer_file, tokenizer_hash)
-from shardline.data.sources import SUFFIXES, read_documents
+from shardline.data.sources import SUFFIXES, input_files, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
 from shardline.errors import DataError
 
@@ -303,6 +303,8 @@ def _mixture_tokenizer(cfg: Config) -> Tokenizer:
     if prepared:
         i = prepared[0]
         return open_prepared(d.mix[i].path, cfg.train.seq_len, "", d.formats()[i], d.add_bos).tokenizer
+    for i, source in enumerate(d.mix):  # a source that is not there is the first thing to say (not the tokenizer)
+        input_files(source.path, f"data.mix[{i}].path")
     raise DataError("data.mix of raw files needs one tokenizer for all: set data.tokenizer, or prepare the "
                     "sources with `shardline prepare --tokenizer`")
 
