@@ -152,7 +152,11 @@ def test_errors_are_config_errors_in_the_api(tmp_path):
         make_job("llama3-405b", "h100-pcie-2", 16384, 8, 54)
     bad = tmp_path / "bad.toml"
     bad.write_text("[cluster]\nx = 1\n")
-    with pytest.raises(ConfigError, match="unknown section"):
+    with pytest.raises(ConfigError, match=r"unknown section\(s\) cluster; valid: \[simulate\], \[failures\]$"):
+        load_settings(bad, [], {})
+    bad.write_text("[model]\npreset = 'llama3-8b'\n[parallel]\ntp = 8\n")  # a training config, given here
+    with pytest.raises(ConfigError, match="a training config: simulate takes its model as --model and its layout "
+                                          "as --fix"):
         load_settings(bad, [], {})
 
 

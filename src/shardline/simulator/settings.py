@@ -108,8 +108,11 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
     raw = reader.read_toml(path)
     unknown = set(raw) - {"simulate", "failures"}
     if unknown:
+        training = unknown & {"parallel", "train", "model"}  # a training config, given as simulate's own
         raise ConfigError(f"--config {path}: unknown section(s) {', '.join(sorted(unknown))}; "
-                          "valid: [simulate], [failures]")
+                          "valid: [simulate], [failures]" + (
+                              " (a training config: simulate takes its model as --model and its layout as --fix "
+                              "tp=...,pp=..., as plan does)" if training else ""))
     return raw
 
 
