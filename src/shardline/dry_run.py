@@ -88,7 +88,8 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
              _model_line(cfg, launch), f"data      {data}; "
              f"tokenizer {tokenizer}",
              f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
-             *_resume_lines(cfg, resume, stand_in is not None, world), *_note_lines(cfg, resume is not None, launch),
+             *_resume_lines(cfg, resume, stand_in is not None, world),
+             *_note_lines(cfg, resume is not None, launch, vocab),
              *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch)]
     memory, fits = _memory_lines(cfg, launch, gpu)
     return "\n".join([*lines, *memory]), fits
@@ -127,11 +128,16 @@ def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool, world: int) 
     return lines
 
 
-def _note_lines(cfg: Config, resumes: bool, launch: Preflight) -> list[str]:
+def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int) -> list[str]:
     """What the launch would note as likely mistakes (launch_notes: settings it never reads, a
-    fine-tune's lr on random weights, which a resume's are not)."""
+    fine-tune's lr on random weights, which a resume's are not), and a preset's vocabulary far
+    past the tokenizer's (a plan's config without the model's tokenizer: rows never trained)."""
     unused = ", ".join(f"{key} ({why})" for key, why in unused_settings(cfg, launch.layout).items())
     lines = [f"notes     set but unused: {unused}"] if unused else []
+    rows = launch.model_args.vocab_size
+    if rows > 2 * vocab and not (cfg.model.hf_path or cfg.model.init_from):
+        lines.append(f"notes     the model's vocabulary of {rows:,} rows is far past the tokenizer's {vocab:,} tokens: "
+                     "the rest are never trained (give data.tokenizer the model's own tokenizer.json)")
     if lr_low_for_new_weights(cfg, resumes):
         lines.append(f"notes     optim.lr={cfg.optim.lr:g} on random weights (no model.hf_path or model.init_from): "
                      "a fine-tune's lr, which barely moves a new model")
