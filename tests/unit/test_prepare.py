@@ -1493,3 +1493,33 @@ def test_a_finished_folder_is_replaced_only_with_overwrite(tmp_path, small_corpu
     again = prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False, overwrite=True))
     assert {p.name: p.read_bytes() for p in (out / "train").iterdir()} == before  # the same inputs' tokens
     assert again["train_fingerprint"] == first["train_fingerprint"]
+
+
+def test_a_folder_another_prepare_finishes_while_this_one_tokenizes_is_judged_again(tmp_path, small_corpus,
+                                                                                    monkeypatch):
+    """The choice was made before the folder's lock: srun's tasks with --overwrite each prepared the
+    folder again in turn, and one of other inputs finished meanwhile was replaced without --overwrite."""
+    from shardline.data import prepare as prepare_module
+
+    out, other = tmp_path / "prep", tmp_path / "other.txt"
+    other.write_text("a few words\n\nand a second document of words\n" * 30, encoding="utf-8")
+    real_count, inner = prepare_module._count, []
+
+    def another_prepare_meanwhile(opts, files):  # (as if a peer task held the lock through its prepare)
+        if not inner:
+            inner.append(None)
+            inner[0] = prepare(PrepareOptions(inner_inputs, str(out), vocab_size=300, progress=False))
+            inner.append({f: f.stat().st_mtime_ns for f in out.rglob("*.bin")})
+        return real_count(opts, files)
+
+    monkeypatch.setattr(prepare_module, "_count", another_prepare_meanwhile)
+    inner_inputs = [str(small_corpus)]  # the same inputs: taken as done, --overwrite or not
+    written = prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False, overwrite=True))
+    assert written == inner[0] and {f: f.stat().st_mtime_ns for f in out.rglob("*.bin")} == inner[1]  # not redone
+    inner.clear()
+    inner_inputs = [str(other)]  # other inputs, finished meanwhile: refused without --overwrite
+    (tmp_path / "prep2").mkdir()
+    out = tmp_path / "prep2"
+    with pytest.raises(DataError, match="holds a finished prepare of other inputs or options"):
+        prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False))
+    assert (out / "manifest.json").is_file()  # the peer's folder kept

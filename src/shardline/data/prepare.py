@@ -31,7 +31,8 @@ from shardline.data.encode import CHAT_MASK_RULE, check_replies, render_chat
 from shardline.data.loader import held_out, split_single
 from shardline.data.pool import EncodeJob, Progress, encoded_chunks
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
-                                   file_sha256, id_bound, token_dtype, token_fingerprint, tokenizer_hash)
+                                   check_manifest_keys, file_sha256, id_bound, token_dtype, token_fingerprint,
+                                   tokenizer_hash)
 from shardline.data.sources import CHAT_FIELD, files_not_read, inputs_files, read_file
 from shardline.data.tokenizer import TOKENIZER_SIDE_FILES, bos_prefix, eos_id, get_tokenizer, load_tokenizer
 from shardline.errors import DataError
@@ -127,18 +128,22 @@ def prepare(opts: PrepareOptions) -> dict:
     if done is not None and not opts.overwrite:
         _say(opts, f"{root} is already prepared from these inputs; nothing to do")
         _keep_side_files(opts.tokenizer, root)  # (tokens do not depend on them: the ones given now)
+        check_manifest_keys(root, done)  # a damaged manifest: one line, not a KeyError in the fingerprint's read
         return _with_fingerprint(root, done)
     _check_replacing(root, request, opts)
+    before = _made(root)  # (what another prepare writes while this one tokenizes or waits is judged again)
     # Passes 1 and 2 before the folder is touched: bad inputs or a bad tokenizer leave it as it was.
     stream = _count(opts, files)
     template = chat_template_for(opts.tokenizer) if opts.format == "chat" else None
     tok = _tokenizer(opts, stream, template)
     root.mkdir(parents=True, exist_ok=True)
     with _writing(root):  # one prepare writes a folder at a time (`srun shardline prepare` runs one a task)
-        done = _finished(root, request)
-        if done is not None and not opts.overwrite:  # another one finished it while this one waited
-            _say(opts, f"{root} was prepared from these inputs meanwhile; nothing to do")
-            return done
+        now = _made(root)
+        if now != before and now is not None and now[1] == request:  # another one finished it while this one
+            _say(opts, f"{root} was prepared from these inputs meanwhile; nothing to do")  # waited (srun's tasks,
+            return now[0]  # --overwrite too: one prepare, not one a task)
+        if now != before:  # another one finished it from other inputs meanwhile: judged as if found at the start
+            _check_replacing(root, request, opts)
         request["tokenizer_sha256"] = tokenizer_hash(tok)
         (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
         if opts.overwrite:  # (not an interrupted prepare's progress either: from the first document)

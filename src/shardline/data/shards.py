@@ -212,11 +212,11 @@ def open_prepared(path: str, seq_len: int, tokenizer_path: str = "", fmt: str = 
     data.add_bos, which the folder's documents must agree with; `format_key` the setting that asked for `fmt`."""
     root = Path(path)
     manifest = read_manifest(root)
-    _check_keys(root, manifest)
+    check_manifest_keys(root, manifest)
     tok = _folder_tokenizer(root, manifest, tokenizer_path)
     if manifest["format"] != fmt:
         raise DataError(f"{format_key}={fmt!r} but {path} was prepared as {manifest['format']!r} data; set "
-                        f"{format_key}={manifest['format']} or prepare again with --format {fmt}")
+                        f"{format_key}={manifest['format']} or prepare it again with --overwrite --format {fmt}")
     _check_bos(path, manifest, tok, add_bos and fmt == "text")
     splits = [_open_split(root, manifest, name, seq_len) for name in SPLITS]
     splits[0].fingerprint = manifest.get("train_fingerprint")  # (folders prepared before it: None, not compared)
@@ -248,14 +248,15 @@ def read_manifest(root: Path) -> dict:
         manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
         version = manifest["format_version"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{root / MANIFEST} is damaged ({type(e).__name__}); prepare the folder again") from None
+        raise DataError(f"{root / MANIFEST} is damaged ({type(e).__name__}); prepare the folder again with "
+                        "--overwrite") from None
     if version != FORMAT_VERSION:
         raise DataError(f"{root} was prepared in format {version}; this shardline reads format "
                         f"{FORMAT_VERSION}: prepare it again with --overwrite")
     return manifest
 
 
-def _check_keys(root: Path, manifest: dict) -> None:
+def check_manifest_keys(root: Path, manifest: dict) -> None:
     """What opening or verifying the folder reads: a missing key is damage, said here, not a
     KeyError later."""
     try:
@@ -265,10 +266,11 @@ def _check_keys(root: Path, manifest: dict) -> None:
     except AttributeError:  # splits, or a split, that is not a table
         missing = ["splits"]
     if missing:
-        raise DataError(f"{root / MANIFEST} is damaged (no {', '.join(missing)}); prepare the folder again")
+        raise DataError(f"{root / MANIFEST} is damaged (no {', '.join(missing)}); prepare the folder again with "
+                        "--overwrite")
     wrong = _wrong_values(manifest)
     if wrong:
-        raise DataError(f"{root / MANIFEST} is damaged ({wrong}); prepare the folder again")
+        raise DataError(f"{root / MANIFEST} is damaged ({wrong}); prepare the folder again with --overwrite")
 
 
 def _wrong_values(manifest: dict) -> str:
@@ -297,7 +299,7 @@ def _folder_tokenizer(root: Path, manifest: dict, tokenizer_path: str) -> Tokeni
     tok = load_tokenizer(str(root / TOKENIZER))
     if not _matches(root / TOKENIZER, manifest["tokenizer_sha256"]):  # its bytes: the same under any version
         raise DataError(f"{root / TOKENIZER} does not match the manifest's tokenizer_sha256; prepare the "
-                        "folder again")
+                        "folder again with --overwrite")
     if tokenizer_path and tokenizer_hash(load_tokenizer(tokenizer_path)) != tokenizer_hash(tok):
         raise DataError(f"data.tokenizer={tokenizer_path!r} (given, or the starting weights' own) differs from "
                         f"the tokenizer {root} was prepared with; prepare it again with --overwrite --tokenizer "
@@ -343,7 +345,7 @@ def verify(root: Path) -> list[str]:
     """Files of a prepared folder whose checksum differs from the manifest's, or that are missing
     or unreadable (reads everything)."""
     manifest = read_manifest(root)
-    _check_keys(root, manifest)
+    check_manifest_keys(root, manifest)
     bad = []
     for name in SPLITS:
         split = manifest["splits"][name]
