@@ -425,3 +425,13 @@ def test_progress_json_names_the_phase_a_launch_is_in(tiny_config):
     assert [(r["phase"], r["step"]) for r in seen] == [("eval", 2), ("save", 2)]
     assert seen[1]["time"] > seen[0]["time"]
     assert json.loads((run / "progress.json").read_text())["phase"] == "ended"
+    failing = Trainer(tiny_config("train.steps=4", "train.eval_interval=2", "checkpoint.interval=2")).build()
+
+    def broken_eval():
+        raise RuntimeError("eval broke")
+
+    failing.evaluate = broken_eval  # (a halt, a crash or Ctrl-C alike: the phase it died in read "train" after)
+    with pytest.raises(RuntimeError, match="eval broke"):
+        failing.train()
+    last = json.loads((run / "progress.json").read_text())
+    assert (last["phase"], last["finished"], last["step"]) == ("failed", False, 4)

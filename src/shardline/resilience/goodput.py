@@ -118,9 +118,10 @@ class Goodput:
         if self._begun:
             self.persist()
 
-    def end(self, finished: bool, now: float, run_complete: bool) -> None:
-        """The launch is over (see persist for the flags): its last word."""
-        self.phase = "ended"
+    def end(self, finished: bool, now: float, run_complete: bool, phase: str = "ended") -> None:
+        """The launch is over (see persist for the flags): its last word; `phase` "failed" where it
+        ended by an error, a halt or an interrupt (a stale `time` is then no hang either)."""
+        self.phase = phase
         self.persist(finished, now, run_complete)
 
     def reclassify(self, step: int, category: str) -> None:
