@@ -88,7 +88,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
              _model_line(cfg, launch), f"data      {data}; "
              f"tokenizer {tokenizer}",
              f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
-             *_resume_lines(cfg, resume, stand_in is not None, world),
+             *_resume_lines(cfg, resume, stand_in is not None, world, world_given),
              *_note_lines(cfg, resume is not None, launch, vocab),
              *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch)]
     memory, fits = _memory_lines(cfg, launch, gpu)
@@ -106,17 +106,19 @@ def _check_resumed_data(cfg: Config, world: int, resume: Path, changed: str, sta
     check_saved_position(resume, cfg, len(data.train), data.position_state(), stand_in)
 
 
-def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool, world: int) -> list[str]:
+def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool, world: int, world_given: bool) -> list[str]:
     """What a resume changes from the checkpoint's run (the launch's optim_changed and
-    config_changed events), and whether anything is left to train."""
+    config_changed events; a world size only where one was given), and whether anything is left to train."""
     if resume is None:
         return []
-    saved, step = saved_config(resume), saved_step(resume)
+    saved, step, saved_world = saved_config(resume), saved_step(resume), saved_world_size(resume)
     changes = settings_changed(saved, cfg, stand_in)
-    if saved_world_size(resume) not in (None, world):
-        changes["world_size"] = [saved_world_size(resume), world]
+    if saved_world not in (None, world) and world_given:
+        changes["world_size"] = [saved_world, world]
     said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
     lines = [f"          changed since it: {said}"] if changes else []
+    if saved_world not in (None, world) and not world_given:
+        lines.append(f"          saved on {saved_world} ranks (give --world-size N to check the launch's)")
     jump = next_lr_change(step, saved, cfg.train.steps, cfg.optim)
     if jump and step < cfg.train.last_step:
         lines.append(f"          lr of the next update (step {step + 1}): {jump[0]:.3g} -> {jump[1]:.3g} (the "

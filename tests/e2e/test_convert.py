@@ -13,7 +13,7 @@ from shardline.cli import main
 from shardline.config import load_config
 from shardline.data.prepare import PrepareOptions, prepare
 from shardline.data.tokenizer import load_tokenizer, train_bpe
-from shardline.errors import ConfigError
+from shardline.errors import CheckpointError, ConfigError
 from shardline.models.factory import args_from_json
 from shardline.interop.model_shape import model_shape
 from shardline.preflight import use_model_tokenizer
@@ -545,3 +545,22 @@ def test_the_dry_run_checks_the_hf_folders_weights_as_the_launch_reads_them(tmp_
     (hf / "model.safetensors").unlink()
     assert main(dry) == 2
     assert f"{hf} holds neither model.safetensors nor" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_starting_weights_holding_nan_are_refused_at_launch(tiny_config, small_prepared, tmp_path):
+    """An HF folder (or a checkpoint) with a NaN trained with every step skipped as an anomaly and
+    exited 0: the launch refuses it, naming the parameter and the setting."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=600)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("inf")
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    start = ("train.eval_interval=0", f"model.hf_path={tmp_path / 'hf'}", _data_tokenizer(small_prepared))
+    with pytest.raises(CheckpointError, match=rf"model.hf_path='{tmp_path / 'hf'}': parameter "
+                                              r"layers\.1\.feed_forward\.w3\.weight holds NaN or inf values"):
+        Trainer(tiny_config("train.steps=2", *start)).build()
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # (before the run dir)

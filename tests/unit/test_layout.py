@@ -529,7 +529,7 @@ def test_the_schedule_and_checkpointing_names_agree_everywhere_they_are_listed()
 
 
 def test_dry_run_tokenizes_a_resume_whose_data_settings_changed_and_names_them(capsys, tmp_path, tiny_config,
-                                                                               small_corpus):
+                                                                               small_corpus, monkeypatch):
     """A dry run passed data changes (data.vocab_size, data.val_fraction) that the launch refused after
     tokenizing, and the refusals blamed [model] changes or data.tokenizer, which the user had not set.
     It also says what else the resume changes, and when nothing is left to train."""
@@ -558,6 +558,13 @@ def test_dry_run_tokenizes_a_resume_whose_data_settings_changed_and_names_them(c
     assert "nothing to train: it is at step 2, the run ends at 2 (train.steps)" in out
     assert main([*base, "--world-size", "2"]) == 0  # (dp_shard=-1 hides a world's change in the config)
     assert "changed since it: world_size 1 -> 2" in capsys.readouterr().out
+    import shardline.dry_run
+
+    monkeypatch.setattr(shardline.dry_run, "saved_world_size", lambda path: 4)  # (saved on 4 ranks)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(base) == 0  # no world size given: no change claimed, the saved one said
+    out = capsys.readouterr().out
+    assert "world_size" not in out and "saved on 4 ranks (give --world-size N to check the launch's)" in out, out
 
 
 @pytest.mark.parametrize(("world", "overrides", "label"), [

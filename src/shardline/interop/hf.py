@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardline.errors import CheckpointError
 from shardline.interop.fused import split_view, stores_fused
@@ -153,20 +154,20 @@ def _check_tied_head(folder: Path, files: dict[str, Path], handles: dict) -> Non
                               "but the model ties its output to the embedding")
 
 
-def _read(files: dict[str, Path], handles: dict, name: str) -> torch.Tensor:
-    """Tensor `name` of the folder, refused where it holds NaN or inf: a run from such weights
-    skipped every step as an anomaly and exited 0."""
-    tensor = handles[files[name]].get_tensor(name)
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        raise CheckpointError(f"{files[name]}: tensor {name} holds NaN or inf values; these weights cannot be "
-                              "trained or converted (re-save them from a healthy copy)")
-    return tensor
+def check_finite(model: nn.Module, source: str) -> None:
+    """Starting weights holding NaN or inf, refused naming a parameter: a run from them skipped every
+    step as an anomaly and exited 0. Each rank checks the part it holds, where it holds it."""
+    for name, param in _unwrap(model).named_parameters():
+        held = param.to_local() if isinstance(param, DTensor) else param
+        if held.is_floating_point() and not bool(torch.isfinite(held).all()):
+            raise CheckpointError(f"{source}: parameter {name} holds NaN or inf values; these weights cannot be "
+                                  "trained or converted (re-save them from a healthy copy)")
 
 
 def _copy_weights(model: Llama, files: dict[str, Path], handles: dict, expected: _Slots, tied: bool) -> None:
     """Copy every slot's tensor in; then restore what the HF folder cannot hold (see load_hf_weights)."""
     for hf_name, (_, param, index) in expected.items():
-        (param if index is None else param[index]).copy_(_read(files, handles, hf_name))
+        (param if index is None else param[index]).copy_(handles[files[hf_name]].get_tensor(hf_name))
     embed, output = model.tok_embeddings.weight, model.output.weight
     if tied and output is not embed:  # a tie lost (e.g. to to_empty): keep the values equal
         output.copy_(embed)
@@ -217,6 +218,7 @@ def from_hf_pretrained(path: str | os.PathLike, device: str | torch.device = "cp
     _weight_files(_hf_folder(path))  # fail on a folder without weights before allocating anything
     model = empty_model(args, torch.float32, device)
     load_hf_weights(model, path)
+    check_finite(model, str(path))
     return model, args
 
 
@@ -269,9 +271,9 @@ def hf_state_dict_chunks(path: str | os.PathLike, wanted: set[str], max_bytes: i
             if name not in wanted:
                 continue
             if parts[0][0] is None:  # one HF tensor for the parameter
-                chunk[name] = _read(files, handles, parts[0][1])
+                chunk[name] = handles[files[parts[0][1]]].get_tensor(parts[0][1])
             else:  # stacked experts, one HF tensor each
-                chunk[name] = torch.stack([_read(files, handles, h) for _, h in sorted(parts)])
+                chunk[name] = torch.stack([handles[files[h]].get_tensor(h) for _, h in sorted(parts)])
             size += chunk[name].nbytes
             if size >= max_bytes:
                 yield chunk

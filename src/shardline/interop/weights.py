@@ -13,23 +13,30 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardline.config import ModelConfig
-from shardline.interop.hf import hf_state_dict_chunks, load_hf_weights
+from shardline.interop.hf import check_finite, hf_state_dict_chunks, load_hf_weights
 from shardline.interop.convert import beside_checkpoint
 from shardline.interop.hf_config import read_hf_fields
 from shardline.interop.hf_files import GENERATION_NAME, SIDE_FILES, copy_side_files
+from shardline.parallel.distributed import agreed
 from shardline.resilience.checkpoint import load_weights
 
 
 def load_starting_weights(m: ModelConfig, model: nn.Module, sharded: bool) -> None:
-    """Load model.hf_path or model.init_from (if set) into the laid-out `model`."""
+    """Load model.hf_path or model.init_from (if set) into the laid-out `model`; weights holding NaN
+    or inf are refused on every rank (each checks its own part)."""
     if m.hf_path:
         _load_hf(model, m.hf_path, sharded)
     if m.init_from:
         load_weights(Path(m.init_from), model)  # DCP reshards to any layout
+    if m.hf_path or m.init_from:
+        key, value = ("model.init_from", m.init_from) if m.init_from else ("model.hf_path", m.hf_path)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        agreed(lambda: check_finite(model, f"{key}={value!r}"), world)
 
 
 def copy_starting_files(m: ModelConfig, tokenizer: str, run_dir: Path) -> None:
