@@ -137,7 +137,7 @@ def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int) -> li
     unused = ", ".join(f"{key} ({why})" for key, why in unused_settings(cfg, launch.layout).items())
     lines = [f"notes     set but unused: {unused}"] if unused else []
     rows = launch.model_args.vocab_size
-    if rows > 2 * vocab and not (cfg.model.hf_path or cfg.model.init_from):
+    if rows > 2 * vocab and not (cfg.model.hf_path or cfg.model.init_from or resumes):
         lines.append(f"notes     the model's vocabulary of {rows:,} rows is far past the tokenizer's {vocab:,} tokens: "
                      "the rest are never trained (give data.tokenizer the model's own tokenizer.json)")
     if lr_low_for_new_weights(cfg, resumes):
@@ -220,8 +220,7 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
     return [f"memory    per rank on {hw.name}, planner estimate (GiB): {parts}",
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
-            + (f", pipeline bubble {100 * bubble / e.step_time_s:.1f}% of the step"
-               if (bubble := e.breakdown.get("pp_bubble", 0)) else "")
+            + (f", pipeline bubble {100 * e.bubble_share:.1f}% of the step" if e.bubble_share else "")
             + _compile_pricing(work, launch.layout) + _cpu_guess(hw),
             f"          {MEMORY_TERMS}",
             f"          {mfu_words(work)}", *(f"          {line}" for line in mfu_over_words(e.mfu)),

@@ -85,7 +85,7 @@ def test_dp_shard_fills_the_rest():
      "lower parallel.pp or parallel.pp_virtual_stages"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "memory.activation_checkpoint=selective"],
      "use activation_checkpoint=none, or pp_schedule interleaved_1f1b"),
-    # Each way out is one that can work (4 layers here; pp=2, a V-shaped schedule's least: the test below)
+    # Each way out is one that can work (4 layers here; pp=2, the least pipeline: the test below)
     (4, ["parallel.pp=4", "parallel.pp_schedule=dualpipev", "train.micro_batch_size=1"],
      "(pp=4 x 2 per rank); lower parallel.pp, or use a schedule of one stage per rank"),
     (8, ["train.micro_batch_size=4", "train.global_batch_size=16"], "use a multiple of 32, lower "
@@ -109,6 +109,9 @@ def test_invalid_layouts(world, overrides, message):
      "valid ep: [4]"),
     (4, ["model.preset=tiny-moe", "parallel.ep=4", "parallel.cp=2", "parallel.dp_shard=1", "parallel.tp=2"],
      "parallel.ep=4 must divide dp_shard x cp = 2 (expert parallelism borrows those ranks); valid: 1, 2"),
+    # the valid ones hold whole experts too: of 6 experts at tp 2, ep 2 (6 % 4) is not offered
+    (4, ["model.preset=tiny-moe", "moe.num_experts=6", "parallel.tp=2", "parallel.ep=4", "parallel.dp_shard=2"],
+     "parallel.ep=4 must divide dp_shard x cp = 2 (expert parallelism borrows those ranks); valid: 1"),
     (4, ["model.preset=tiny-moe", "moe.num_experts=6", "parallel.tp=2", "parallel.ep=2", "parallel.dp_shard=2"],
      "parallel.ep=2 x tp=2 must divide the 6 experts"),
     # capacity counted on a cp rank's slice would drop other tokens than one process drops
@@ -183,9 +186,9 @@ def test_cpu_offload_is_fsdp_at_any_shard_degree(world, overrides, mode, describ
 
 
 def test_too_few_layers_for_a_v_shaped_pp_2_is_not_told_to_lower_pp():
-    """pp=2 is a V-shaped schedule's least: "lower parallel.pp" could not help 3 layers, 1f1b can."""
+    """pp=2 is the least pipeline: "lower parallel.pp" could not help 3 layers, 1f1b can."""
     with pytest.raises(ConfigError, match=r"\(pp=2 x 2 per rank\); use a schedule of one stage per rank "
-                                          r"\(parallel.pp_schedule=1f1b or gpipe\)$"):
+                                          r"\(parallel.pp_schedule=1f1b or gpipe, pp_virtual_stages=1\)$"):
         layout_for(2, "parallel.pp=2", "parallel.pp_schedule=zbv", args=dataclasses.replace(ARGS, n_layers=3))
 
 

@@ -22,6 +22,7 @@ import torch
 from shardline.config import saved_formats
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import CHATML_TEMPLATE, reply_prompt
+from shardline.data.shards import is_prepared
 from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
 from shardline.errors import CheckpointError, ConfigError, DataError
 from shardline.interop.hf import empty_model, from_hf_pretrained, to_hf_pretrained
@@ -58,7 +59,7 @@ def convert(direction: str, src: str, dst: str, dtype: str = "", tokenizer: str 
 
 def resolve_checkpoint(src: Path) -> Path:
     """A checkpoint folder as given, or the newest valid checkpoint of a run dir."""
-    if (src / "manifest.json").is_file() and not (src / "meta.json").is_file() and (src / "train").is_dir():
+    if is_prepared(str(src)) and not (src / "meta.json").is_file():  # (its manifest.json is no checkpoint's)
         raise CheckpointError(f"{src} is a prepared data folder (shardline prepare), not a checkpoint: give a run dir "
                               "or a checkpoint folder (RUN/checkpoints/step-N)")
     if (src / "manifest.json").is_file():

@@ -84,12 +84,12 @@ def _ep_built(lay: Layout, ep: int) -> bool:
 def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
     if lay.ep > 1 and not getattr(job.model, "n_experts", 0):
         return "ep", f"parallel.ep={lay.ep} needs a mixture-of-experts model; this model is dense"
-    if lay.ep > 1 and (lay.dp_shard * lay.cp) % lay.ep:
-        borrow = lay.dp_shard * lay.cp
-        valid = [e for e in range(1, borrow + 1) if _ep_built(lay, e)]
-        return "ep", (f"parallel.ep={lay.ep} must divide dp_shard x cp = {borrow} (expert parallelism borrows "
-                      f"those ranks); valid: {', '.join(map(str, valid))}")
     moe, n = getattr(job.model, "moe", None), getattr(job.model, "n_experts", 0)
+    if lay.ep > 1 and (lay.dp_shard * lay.cp) % lay.ep:
+        borrow = lay.dp_shard * lay.cp  # (the valid ones pass the experts' rule below too)
+        valid = [e for e in range(1, borrow + 1) if _ep_built(lay, e) and not (n and n % (e * lay.tp))]
+        return "ep", (f"parallel.ep={lay.ep} must divide dp_shard x cp = {borrow} (expert parallelism borrows "
+                      f"those ranks); valid: {', '.join(map(str, valid)) or 'none'}")
     if moe is not None and (moe.shared_experts * moe.expert_ffn_dim) % lay.tp:
         return "tp", (f"parallel.tp={lay.tp} must divide the shared experts' width shared_experts x expert_ffn_dim "
                       f"= {moe.shared_experts * moe.expert_ffn_dim} (they are split by columns)")
@@ -144,9 +144,9 @@ def _pp_stages(lay: Layout, job: Job) -> Problem | None:
         return "pp", f"parallel.pp_schedule={s!r} places exactly 2 stages per rank; set pp_virtual_stages=2"
     if job.model.n_layers < lay.n_stages:
         ways = ["lower parallel.pp" + " or parallel.pp_virtual_stages" * (lay.pp_schedule == "interleaved_1f1b")]
-        if lay.pp_schedule in V_SHAPED:  # 2 stages a rank: pp=2 is its least, and one stage a rank may fit
+        if lay.pp_schedule in V_SHAPED:  # 2 stages a rank: pp=2 the least of a pipeline, one stage a rank may fit
             ways = ways * (lay.pp > 2 and job.model.n_layers >= 4) + [
-                "use a schedule of one stage per rank (parallel.pp_schedule=1f1b or gpipe)"] * (
+                "use a schedule of one stage per rank (parallel.pp_schedule=1f1b or gpipe, pp_virtual_stages=1)"] * (
                 job.model.n_layers >= lay.pp) or ways
         way_out = ", or ".join(ways)
         return "pp", (f"model has {job.model.n_layers} layers, fewer than the {lay.n_stages} pipeline stages "

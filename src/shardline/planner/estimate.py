@@ -92,13 +92,18 @@ class Estimate:
     def fits(self) -> bool:
         return self.memory["total"] <= self.capacity and self.host_ok
 
+    @property
+    def bubble_share(self) -> float:
+        """The pipeline bubble's share of the step (0 without a pipeline)."""
+        return self.breakdown.get("pp_bubble", 0) / self.step_time_s if self.step_time_s else 0.0
+
     def reasons(self) -> str:
         """Why this layout ranks where it does: memory headroom, bubble, exposed communication."""
         t = self.step_time_s
         comm_parts = {k.removesuffix("_comm"): v for k, v in self.breakdown.items() if k.endswith("_comm") and v > 0}
         parts = [f"mem {self.memory['total'] / GiB:.1f}/{self.capacity / GiB:.0f} GiB"]
-        if self.breakdown.get("pp_bubble", 0) > 0:
-            parts.append(f"bubble {100 * self.breakdown['pp_bubble'] / t:.1f}%")
+        if self.bubble_share > 0:
+            parts.append(f"bubble {100 * self.bubble_share:.1f}%")
         if comm_parts:
             top = sorted(comm_parts.items(), key=lambda kv: -kv[1])[:2]
             parts.append("comm " + ", ".join(f"{k} {100 * v / t:.1f}%" for k, v in top))
