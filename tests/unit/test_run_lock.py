@@ -43,6 +43,23 @@ def test_a_live_holder_stops_a_second_run_with_one_line(tmp_path, other_process)
     assert "\n" not in text and (tmp_path / LOCK).is_file()
 
 
+def test_a_run_dir_the_lock_made_goes_with_it_where_nothing_was_written(tmp_path):
+    """A launch refused after taking the lock (a corrupt --resume PATH) left an empty run dir behind;
+    one that wrote anything, or a folder that was there before, stays."""
+    for folder, writes, kept in ((tmp_path / "new", False, False), (tmp_path / "used", True, True)):
+        lock = RunLock(folder)
+        lock.acquire()
+        if writes:
+            (folder / "config.toml").write_text("")
+        lock.release()
+        assert folder.exists() == kept
+    (tmp_path / "mine").mkdir()
+    lock = RunLock(tmp_path / "mine")
+    lock.acquire()
+    lock.release()
+    assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
+
+
 def test_a_dead_holders_lock_is_taken_over_and_released(tmp_path, other_process):
     pid = other_process.pid
     write_lock(tmp_path, pid)

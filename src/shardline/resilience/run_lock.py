@@ -24,6 +24,7 @@ refuses instead of training over the later one's checkpoints.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import json
 import os
@@ -82,6 +83,7 @@ class RunLock:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK
         self.held = False
+        self.created = False  # acquire() made the run dir: release() removes it where it is still empty
 
     def acquire(self) -> str | None:
         """Take the lock; returns what was taken over ("stale ..." / "same job ..."), else None.
@@ -91,6 +93,7 @@ class RunLock:
         me = {"host": socket.gethostname(), "pid": os.getpid(), "start": start_time_of(os.getpid()),
               "job": job_id(), "since": time.time()}
         try:
+            self.created = not self.path.parent.exists()
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"run.dir={str(self.path.parent)!r} cannot be created: {e.strerror}") from None
@@ -220,6 +223,9 @@ class RunLock:
         if self.held:
             self._remove_if_still(self.mine)  # renamed aside first: never another run's lock
             self.held = False
+            if self.created:  # a launch refused before it wrote anything leaves no folder
+                with contextlib.suppress(OSError):  # (rmdir takes an empty folder only)
+                    self.path.parent.rmdir()
         atexit.unregister(self.release)  # a process that runs many trainers keeps no stale handlers
 
     def still_held(self) -> bool:
