@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -40,10 +39,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise
     if args.dry_run:
         from shardline.dry_run import dry_run
+        from shardline.parallel.distributed import speaks_for_the_job
 
         given = bool(args.world_size or os.environ.get("WORLD_SIZE"))
         report, fits = dry_run(cfg, args.world_size or _env_world_size(), args.gpu, world_given=given)
-        if os.environ.get("RANK", "0") != "0":  # under torchrun: every rank checks, rank 0 prints
+        if not speaks_for_the_job():  # under torchrun: every rank checks, rank 0 prints
             return 0 if fits else 1
         print(report)
         if not fits:  # a script's `--dry-run && torchrun ...` stops here; a launch itself is not refused
@@ -79,7 +79,7 @@ def _env_world_size() -> int:
 
 def _check(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.config import load_config
-    from shardline.parallel.distributed import shutdown_distributed
+    from shardline.parallel.distributed import shutdown_distributed, speaks_for_the_job
     from shardline.resilience.health import CHECK_FAILED_EXIT, check
 
     cfg = load_config(args.config, overrides)
@@ -93,7 +93,7 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> int:
         error.node_alike = True  # the command line's: said once a node
         raise error
     report, healthy = check(cfg, size=args.size, slow_factor=args.slow_factor)
-    if os.environ.get("RANK", "0") == "0":
+    if speaks_for_the_job():
         print(report)
     import torch
 
@@ -316,7 +316,10 @@ def _override_hint(command: str, unknown: list[str], stray: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # (it imports torch: seconds, in which a Ctrl-C is an interrupt too)
+    except KeyboardInterrupt:
+        return print("shardline: interrupted", file=sys.stderr) or 130
     args, unknown = parser.parse_known_args(argv)
     bad = [u for u in unknown if not (u.startswith("--") and "." in u.split("=", 1)[0])]
     if bad:
@@ -332,7 +335,7 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> int:
     """The command, its errors said as one line each (exit codes in the module doc and README)."""
     try:
         code = args.func(args, unknown)
-        if args.command in REPORTS:  # inside the try: a reader gone early is handled below, not at exit
+        if args.command in REPORTS and sys.stdout:  # (None: `>&-`) in the try: a reader gone early is said below
             sys.stdout.flush()
         return code
     except AnomalyHalt as e:

@@ -35,7 +35,8 @@ from shardline.config import Config, apply_override, from_dict
 from shardline.data.sampler import eval_micro_batches
 from shardline.data.shards import is_prepared, tokenizer_file
 from shardline.errors import ConfigError, on_every_rank
-from shardline.parallel.distributed import agreed, init_distributed, pick_device, ranks_differing
+from shardline.parallel.distributed import (agreed, init_distributed, pick_device, ranks_differing,
+                                            speaks_for_the_job)
 
 # The sections of the checkpoint's run config an evaluation keeps: what its data and model read.
 KEPT_SECTIONS = ("run", "model", "moe", "data", "train", "fp8")
@@ -249,7 +250,7 @@ def _command(args, overrides: list[str]) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    if os.environ.get("RANK", "0") == "0":
+    if speaks_for_the_job():
         print(result.as_json() if args.json else result.line(), flush=True)
     return 0
 

@@ -8,6 +8,7 @@ sinks only write them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -78,6 +79,8 @@ class Console:
 
     def __init__(self, mode: str, total_steps: int, first_step: int):
         self.total = total_steps
+        if sys.stdout is None:  # (started with stdout closed, `>&-`: metrics.jsonl has every record)
+            mode = "none"
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode = mode
@@ -99,7 +102,12 @@ class Console:
     def write(self, rec: dict[str, Any]) -> None:
         if self.mode == "none":
             return
-        line = format_line(rec, self.total)
+        try:
+            self._write(format_line(rec, self.total), rec)
+        except OSError as e:  # `| tee` gone with the Ctrl-C that asks for a save, a closed ssh, a full disk
+            self._lost(e)
+
+    def _write(self, line: str, rec: dict[str, Any]) -> None:
         if self._progress is None:
             print(line, flush=True)
             return
@@ -107,6 +115,17 @@ class Console:
         self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
         if rec["kind"] == "train":
             self._progress.update(self._task, completed=rec["step"], description=f"loss {rec['loss']:.4f}")
+
+    def _lost(self, error: OSError) -> None:
+        """The console's output failed: training goes on without it (a stop's save too), said once."""
+        self.mode = "none"
+        with contextlib.suppress(Exception):
+            self.close()
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # later writes, and Python's at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # (stderr may be the same pipe)
+            print(f"shardline: the console's output failed ({error.strerror or error}); training goes on, "
+                  "every record in metrics.jsonl", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._progress is not None:

@@ -239,3 +239,26 @@ def test_a_relaunch_from_another_folder_names_the_saved_relative_data_path(tmp_p
                                           r"relative path, read from where the run was launched\) does not exist"):
         relaunch_config(None, [f"run.dir={run}"])
     assert relaunch_config(None, [f"run.dir={run}", f"data.path={tmp_path / 'proj' / 'corpus'}"]).data.path
+
+
+def test_a_closed_stdout_a_stray_rank_and_a_too_long_run_dir(tmp_path, small_corpus):
+    """Started with stdout closed (`>&-`, as some cron and daemon launchers do), train died at
+    start-up and eval after its work (sys.stdout is None); a RANK left in the shell without a
+    WORLD_SIZE made eval print nothing and exit 0; a run-dir name too long was a traceback."""
+    run = tmp_path / "run"
+    closed = subprocess.run([sys.executable, "-c", "import os, sys; os.close(1); sys.stdout = None; "
+                             "from shardline.cli import main; sys.exit(main(sys.argv[1:]))", "train",
+                             *overrides(run, small_corpus, "train.steps=2", "checkpoint.interval=2")],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert closed.returncode == 0, closed.stderr[-2000:]
+    assert (run / "checkpoints" / "step-000002").is_dir()
+    evaluated = subprocess.run([sys.executable, "-c", "import os, sys; os.close(1); sys.stdout = None; "
+                                "from shardline.cli import main; sys.exit(main(sys.argv[1:]))", "eval", str(run),
+                                "--batches", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    stray = subprocess.run([sys.executable, "-m", "shardline", "eval", str(run), "--batches", "1", "--json"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300, env={**env, "RANK": "1"})
+    assert stray.returncode == 0 and json.loads(stray.stdout.splitlines()[-1])["step"] == 2, stray.stderr[-2000:]
+    long = shardline("train", f"--run.dir={tmp_path / ('x' * 300)}", "--train.steps=1")
+    assert long.returncode == 2 and long.stderr.strip().splitlines()[-1].endswith("cannot be used: File name too long")

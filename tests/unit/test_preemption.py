@@ -97,7 +97,7 @@ def wait_for_step(run: Path, proc: subprocess.Popen, step: int) -> None:
     raise AssertionError("the run never reached step %d" % step)
 
 
-def launch(run: Path, corpus: Path, nproc: int, *extra: str) -> subprocess.Popen:
+def launch(run: Path, corpus: Path, nproc: int, *extra: str, stdout=subprocess.DEVNULL) -> subprocess.Popen:
     args = [f"--{o}" for o in tiny_overrides(run, corpus, "train.steps=100000", "checkpoint.interval=1000",
                                              "train.eval_interval=0", *extra)]
     if nproc == 1:
@@ -106,7 +106,7 @@ def launch(run: Path, corpus: Path, nproc: int, *extra: str) -> subprocess.Popen
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
                f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "shardline", "train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
 
 
 def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_prepared):
@@ -132,6 +132,29 @@ def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_prepare
     end = [r for r in records(run) if r.get("event") == "end"][-1]
     assert end["seconds"]["restart_gap"] > 0
     assert 0 < end["this_launch_s"] < end["total_s"]  # the run's total spans both launches; this one's apart
+
+
+def test_a_ctrl_c_that_takes_the_log_pipe_with_it_still_saves_and_sighup_stops_as_sigterm(tmp_path, small_prepared):
+    """`shardline train | tee log` and Ctrl-C: tee died with it, the next console line raised
+    BrokenPipeError and the run exited 1 with nothing saved; a closed terminal's SIGHUP killed the run
+    unsaved. The console goes quiet (said once on stderr), the stop saves; SIGHUP is a stop request,
+    and one the process was started ignoring (nohup) stays ignored."""
+    run = tmp_path / "run"
+    piped = launch(run, small_prepared, 1, "metrics.progress=plain", "metrics.log_interval=1", stdout=subprocess.PIPE)
+    piped.stdout.readline()  # (a line read, then the reader gone, as tee with the Ctrl-C)
+    piped.stdout.close()
+    wait_for_step(run, piped, 3)
+    piped.send_signal(signal.SIGHUP)
+    _, err = piped.communicate(timeout=120)
+    assert piped.returncode == Preempted.exit_code, err[-2000:]
+    assert "the console's output failed" in err and "stopped: SIGHUP at step" in err, err[-2000:]
+    (event,) = [r for r in records(run) if r.get("event") == "preempted"]
+    assert verify(Path(event["checkpoint"]))["step"] == event["step"]
+    ignoring = subprocess.Popen([sys.executable, "-c", "import signal, sys; from shardline.resilience.preemption "
+                                 "import StopRequests; s = StopRequests(None); s.install(); "
+                                 "sys.exit(int(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN))"],
+                                cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert ignoring.wait(timeout=120) == 1  # (nohup's SIGHUP stays ignored)
 
 
 def test_under_torchrun_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, small_prepared):

@@ -53,6 +53,12 @@ def launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+def speaks_for_the_job() -> bool:
+    """This process prints a command's report: a lone process (a RANK left in the shell without a
+    WORLD_SIZE above 1 is no rank: it printed nothing), or rank 0 of a launched job."""
+    return _world_size() <= 1 or os.environ.get("RANK", "0") == "0"
+
+
 def init_distributed(device: torch.device) -> ProcessInfo:
     """Join the job's process group if torchrun started us (idempotent); else one process."""
     if dist.is_initialized():  # someone (a test harness) set the group up already

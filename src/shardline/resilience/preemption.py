@@ -1,4 +1,6 @@
-"""Stopping on request: SIGTERM, SIGUSR1 or a first Ctrl-C finish the step, save, and exit.
+"""Stopping on request: SIGTERM, SIGUSR1, SIGHUP (the terminal closed) or a first Ctrl-C finish
+the step, save, and exit. A signal the process was started ignoring (nohup's SIGHUP, a shell's
+SIGINT for a background job) stays ignored.
 
 Slurm and Kubernetes send SIGTERM (or a chosen signal, ahead of time) before they kill
 a job. A handler here only records the request; the trainer asks `agreed()` at the end
@@ -16,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
 
 
 class StopRequests:
@@ -32,7 +34,7 @@ class StopRequests:
         """Handle the stop signals (main thread only: Python delivers signals there)."""
         for name in SIGNALS:
             sig = getattr(signal, name, None)
-            if sig is not None:
+            if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def restore(self) -> None:

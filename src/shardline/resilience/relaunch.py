@@ -11,6 +11,7 @@ from pathlib import Path
 from shardline.config import Config, ParallelConfig, load_config, load_relaunch_config, reader
 from shardline.errors import ConfigError, ShardlineError
 from shardline.layout.degrees import WORLD_DEGREES, shard_degree
+from shardline.parallel.distributed import speaks_for_the_job
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.goodput import read_account
 
@@ -22,12 +23,16 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
     `--run.dir=runs/x` resumes runs/x as its last launch ran it. `world`: the processes it runs on."""
     cfg = load_config(config, overrides)
     saved = Path(cfg.run.dir) / "config.toml"
-    if config is not None or cfg.run.resume == "never" or not saved.is_file():
+    try:
+        found = saved.is_file()
+    except OSError as e:  # a name too long, a folder of no access: the run dir's one line, not a traceback
+        raise ConfigError(f"run.dir={cfg.run.dir!r} cannot be used: {e.strerror}") from None
+    if config is not None or cfg.run.resume == "never" or not found:
         return cfg
     held = resumable(Path(cfg.run.dir), saved)
     if not held:
         return cfg
-    if os.environ.get("RANK", "0") == "0":
+    if speaks_for_the_job():
         print(f"shardline: {cfg.run.dir} holds {held}: resuming with the config.toml it saved and the "
               "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
     cfg = load_relaunch_config(saved, cfg.run.dir, overrides)
