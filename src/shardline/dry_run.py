@@ -182,7 +182,7 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
     lay, t = launch.layout, cfg.train
     lines = [f"layout    {lay.describe()}",
              f"          dp_replicate={lay.dp_replicate} dp_shard={lay.dp_shard} cp={lay.cp} tp={lay.tp} "
-             f"pp={lay.pp} ep={lay.ep} zero={lay.zero}",
+             f"pp={lay.pp} ep={lay.ep} zero={lay.zero}" + (" (nothing sharded)" * (lay.dp_mode in ("ddp", "single"))),
              f"batch     {t.global_batch_size} sequences x {t.seq_len} tokens per step; each of {lay.dp} "
              f"data-parallel rank(s) runs {lay.micro_batches(t.global_batch_size)} micro-batch(es) of "
              f"{lay.micro_batch_size}",

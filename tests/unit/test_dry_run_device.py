@@ -51,6 +51,7 @@ def test_pipeline_keys_without_a_pipeline_are_named_unused(tiny_config):
     assert ("notes     set but unused: parallel.pp_schedule (parallel.pp=1), parallel.pp_virtual_stages "
             "(parallel.pp=1)") in report
     assert "set but unused" not in dry_run.dry_run(tiny_config("run.device=cpu"), 1)[0]
+    assert "zero=3 (nothing sharded)" in report  # (the default zero, read by nothing on one process)
     # A balance for a ring that Ulysses alone does not have; the hybrid's ring reads it.
     ulysses = ("run.device=cpu", "parallel.cp=2", "parallel.dp_shard=1", "parallel.cp_balance=none")
     report, _ = dry_run.dry_run(tiny_config(*ulysses, "parallel.cp_mode=ulysses"), 2)
