@@ -11,14 +11,12 @@ can fix (config, data, checkpoint) print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import importlib.metadata
 import importlib.util
 import os
 import sys
 import time
-import warnings
 
 from shardline.config.reader import OnlyOnce
 from shardline.errors import AnomalyHalt, ConfigError, Preempted, ShardlineError
@@ -105,44 +103,10 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0 if healthy else CHECK_FAILED_EXIT
 
 
-def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardline.interop.convert import convert
-
-    if overrides:
-        raise ShardlineError(f"convert takes no config overrides, got {' '.join(overrides)}")
-    if args.dtype and args.direction != "to-hf":
-        raise ShardlineError("convert --dtype applies to to-hf only (from-hf keeps float32 master weights)")
-    if args.tokenizer and args.direction != "to-hf":
-        raise ShardlineError("convert --tokenizer applies to to-hf only (from-hf takes the HF folder's)")
-    with warnings.catch_warnings(record=True) as said:  # what the export computes otherwise: one line each
-        try:
-            written = convert(args.direction, args.src, args.dst, args.dtype, args.tokenizer)
-        finally:  # (said before an error too)
-            for w in said:  # a library's deprecations as Python shows them
-                if w.category is UserWarning:
-                    print(f"shardline: warning: {w.message}", file=sys.stderr)
-                else:
-                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    what = f"start a run with --model.init_from={written}"
-    if args.direction == "to-hf":  # which checkpoint a run dir gave (its newest valid one)
-        from shardline.interop.hf_files import EXPORT_MARK
-
-        try:  # (the class it loads as: a Phi-3 run's is Llama's, or Mistral's with a window)
-            config, mark = (json.loads((written / name).read_text(encoding="utf-8"))
-                            for name in ("config.json", EXPORT_MARK))
-            what = f"an HF {config['architectures'][0]} folder of {mark['checkpoint']}"
-        except (OSError, ValueError, KeyError, TypeError, IndexError):  # written all the same: not worth a traceback
-            what = "an HF folder"
-    if args.direction == "to-hf" and not (written / "tokenizer.json").is_file():
-        what += ", without a tokenizer: none beside the checkpoint or in its run dir; give --tokenizer"
-    print(f"wrote {written} ({what})")
-    return 0
-
-
 # Subcommands that live beside their feature: each module has `register(subparsers)`,
 # which adds its parser and sets `func(args, overrides) -> int`.
-_FEATURE_COMMANDS = ("shardline.data.cli", "shardline.planner.cli", "shardline.simulator.cli", "shardline.generate",
-                     "shardline.evaluate")
+_FEATURE_COMMANDS = ("shardline.interop.cli", "shardline.data.cli", "shardline.planner.cli", "shardline.simulator.cli",
+                     "shardline.generate", "shardline.evaluate")
 
 
 def _register_feature_commands(sub) -> None:
@@ -232,22 +196,6 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--slow-factor", type=_factor_above_one, default=1.5,
                      help="a rank below the median GEMM throughput / this is slow (default 1.5)")
     chk.set_defaults(func=_check)
-    convert = sub.add_parser("convert", help="convert between shardline checkpoints and HF folders")
-    convert.add_argument("direction", choices=["to-hf", "from-hf"],
-                         help="to-hf: checkpoint (or run dir) -> HF folder; from-hf: HF folder -> checkpoint")
-    convert.add_argument("src", type=os.path.expanduser,
-                         help="to-hf: a run dir (its newest valid checkpoint) or a checkpoint folder; "
-                              "from-hf: an HF model folder")
-    convert.add_argument("dst", type=os.path.expanduser,
-                         help="to-hf: the HF folder to write (an earlier export there is replaced); "
-                              "from-hf: a new or empty folder for the checkpoint")
-    convert.add_argument("--dtype", default="",
-                         help="to-hf: the weights' dtype on disk, float32, bfloat16 or float16 (default: the HF "
-                              "folder's the checkpoint came from, else float32)")
-    convert.add_argument("--tokenizer", type=os.path.expanduser, default="",
-                         help="to-hf: the tokenizer.json (or its folder) to export with, its side files too "
-                              "(default: the one beside the checkpoint, else its run dir's)")
-    convert.set_defaults(func=_convert)
     _register_feature_commands(sub)
     return parser
 
@@ -316,6 +264,10 @@ def _override_hint(command: str, unknown: list[str], stray: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:  # started with stdout closed (`>&-`): fd 1 held, so no file opened later takes it
+        from shardline.metrics import silence
+
+        silence(1)
     try:
         parser = build_parser()  # (it imports torch: seconds, in which a Ctrl-C is an interrupt too)
     except KeyboardInterrupt:
@@ -350,7 +302,9 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> int:
     except BrokenPipeError:  # `shardline plan ... | head`: a report's reader closed the pipe, having what it wanted
         if args.command not in REPORTS:  # a run (train, prepare) fails as it did: the pipe was its log
             raise
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error as Python exits)
+        from shardline.metrics import silence
+
+        silence(1)  # (no second error as Python exits)
         return 0
     except OSError as e:  # a path the file system refuses (read-only, missing, a name too long): one line
         if args.command in (*RANKED, "comm-bench") or os.environ.get("SHARDLINE_TRACEBACK"):  # (a rank's: as before)

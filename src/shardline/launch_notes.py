@@ -153,7 +153,6 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
     given, default = cfg.to_dict(), Config().to_dict()
     c, p = cfg.checkpoint, cfg.parallel
     paths = [s.path for s in cfg.data.mix] or [cfg.data.path]
-    reads = cfg.train.steps + len(cfg.train.skip_batches)  # the batches a run reads, those it skips included
     rules = [("fp8", ("recipe", "fsdp_all_gather"), cfg.train.precision != "fp8", "train.precision is not fp8"),
              ("memory", ("ac_every",), cfg.memory.activation_checkpoint != "selective",
               "memory.activation_checkpoint is not selective"),
@@ -174,8 +173,8 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
               "the starting weights (model.hf_path, model.init_from) give the model's shape"),
              ("data", ("val_fraction",), all(map(is_prepared, paths)),
               "the data is prepared: `shardline prepare --val-fraction` fixed its held-out split"),
-             ("train", ("skip_batches",), min(cfg.train.skip_batches, default=0) >= reads,
-              f"the run reads batches 0..{reads - 1}: every one named lies past them"),
+             ("train", ("skip_batches",), min(cfg.train.skip_batches, default=0) >= cfg.train.steps,
+              f"the run reads batches 0..{cfg.train.steps - 1}: every one named lies past them"),
              ("parallel", ("zero",), layout is not None and layout.dp_mode in ("ddp", "single")
               and not cfg.memory.ssd_offload_dir,
               "nothing is sharded: dp_shard x cp = 1, so DDP or one rank")]

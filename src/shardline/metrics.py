@@ -9,6 +9,7 @@ sinks only write them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -74,6 +75,16 @@ def _memory_part(rec: dict[str, Any]) -> str:
     return f"mem {rec['peak_mem_gib']:.2f} GiB"
 
 
+def silence(fd: int) -> None:
+    """Point file descriptor `fd` (1: stdout, 2: stderr) at /dev/null: a reader gone, a closed terminal
+    or a stdout closed at start; later writes, Python's own at exit too, go nowhere."""
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        if null != fd:  # (fd was closed: the lowest free one is now held as it)
+            os.dup2(null, fd)
+            os.close(null)
+
+
 class Console:
     """Plain lines, or a rich progress bar on a terminal; silent when mode is "none"."""
 
@@ -97,15 +108,24 @@ class Console:
             self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                       TimeRemainingColumn(), TextColumn("{task.description}"))
             self._task = self._progress.add_task("", total=total_steps, completed=first_step)
+            self._progress.console.on_broken_pipe = self._rich_pipe_broke
             self._progress.start()
+        self._broken = False
 
     def write(self, rec: dict[str, Any]) -> None:
         if self.mode == "none":
             return
         try:
             self._write(format_line(rec, self.total), rec)
+            if self._broken:
+                raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
         except OSError as e:  # `| tee` gone with the Ctrl-C that asks for a save, a closed ssh, a full disk
             self._lost(e)
+
+    def _rich_pipe_broke(self) -> None:
+        """rich's own handler exits the process (SystemExit 1), a stop's save with it: quiet instead,
+        said at the next write (its refresh thread may meet the broken pipe first)."""
+        self._progress.console.quiet, self._broken = True, True
 
     def _write(self, line: str, rec: dict[str, Any]) -> None:
         if self._progress is None:
@@ -121,11 +141,12 @@ class Console:
         self.mode = "none"
         with contextlib.suppress(Exception):
             self.close()
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # later writes, and Python's at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # (stderr may be the same pipe)
+        silence(1)  # later writes, and Python's at exit
+        try:
             print(f"shardline: the console's output failed ({error.strerror or error}); training goes on, "
                   "every record in metrics.jsonl", file=sys.stderr, flush=True)
+        except (OSError, ValueError, AttributeError):  # stderr the same pipe or terminal (`2>&1 | tee`): its
+            silence(2)  # lines to come (a stop's, a halt's) would raise there too, the exit code lost
 
     def close(self) -> None:
         if self._progress is not None:

@@ -63,10 +63,11 @@ def test_pipeline_keys_without_a_pipeline_are_named_unused(tiny_config):
     assert "set but unused: optim.min_lr_ratio (optim.schedule=constant has no floor)" in report
     assert "set but unused" not in dry_run.dry_run(tiny_config(*floor, "optim.schedule=cosine"), 1)[0]
     # Batches past the run's last (a typo's 99999 passed in silence); one the run reaches is read
-    report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=6", "train.skip_batches=[99999]"), 1)
-    assert "set but unused: train.skip_batches (the run reads batches 0..6: every one named lies past them)" in report
+    # (batches are 0-based, and a skip past the run's own batches moves none of them: 6 steps read 0..5)
+    report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=6", "train.skip_batches=[6, 99999]"), 1)
+    assert "set but unused: train.skip_batches (the run reads batches 0..5: every one named lies past them)" in report
     assert "set but unused" not in dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=6",
-                                                               "train.skip_batches=[6]"), 1)[0]
+                                                               "train.skip_batches=[5, 99999]"), 1)[0]
 
 
 def test_the_card_estimated_is_the_one_run_device_names(tiny_config, monkeypatch):

@@ -97,7 +97,8 @@ def wait_for_step(run: Path, proc: subprocess.Popen, step: int) -> None:
     raise AssertionError("the run never reached step %d" % step)
 
 
-def launch(run: Path, corpus: Path, nproc: int, *extra: str, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+def launch(run: Path, corpus: Path, nproc: int, *extra: str, stdout=subprocess.DEVNULL,
+           stderr=subprocess.PIPE) -> subprocess.Popen:
     args = [f"--{o}" for o in tiny_overrides(run, corpus, "train.steps=100000", "checkpoint.interval=1000",
                                              "train.eval_interval=0", *extra)]
     if nproc == 1:
@@ -106,7 +107,7 @@ def launch(run: Path, corpus: Path, nproc: int, *extra: str, stdout=subprocess.D
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
                f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "shardline", "train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True)
 
 
 def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_prepared):
@@ -150,11 +151,28 @@ def test_a_ctrl_c_that_takes_the_log_pipe_with_it_still_saves_and_sighup_stops_a
     assert "the console's output failed" in err and "stopped: SIGHUP at step" in err, err[-2000:]
     (event,) = [r for r in records(run) if r.get("event") == "preempted"]
     assert verify(Path(event["checkpoint"]))["step"] == event["step"]
+    assert json.loads((run / "progress.json").read_text())["phase"] == "ended"  # (a stop is no failure)
     ignoring = subprocess.Popen([sys.executable, "-c", "import signal, sys; from shardline.resilience.preemption "
                                  "import StopRequests; s = StopRequests(None); s.install(); "
                                  "sys.exit(int(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN))"],
                                 cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     assert ignoring.wait(timeout=120) == 1  # (nohup's SIGHUP stays ignored)
+
+
+def test_a_log_pipe_holding_stderr_too_gone_with_the_ctrl_c_still_exits_5(tmp_path, small_prepared):
+    """`2>&1 | tee` (or a closed ssh): stderr is the dead pipe too, so the stop's own line raised and
+    the run exited 1 after saving (a requeue keyed on 5 misfired); rich's progress bar exited the
+    process itself on a broken pipe (SystemExit 1), nothing saved."""
+    run = tmp_path / "run"
+    piped = launch(run, small_prepared, 1, "metrics.progress=rich", "metrics.log_interval=1",
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    piped.stdout.readline()
+    piped.stdout.close()
+    wait_for_step(run, piped, 3)
+    piped.send_signal(signal.SIGINT)
+    assert piped.wait(timeout=120) == Preempted.exit_code
+    (event,) = [r for r in records(run) if r.get("event") == "preempted"]
+    assert verify(Path(event["checkpoint"]))["step"] == event["step"]
 
 
 def test_under_torchrun_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, small_prepared):

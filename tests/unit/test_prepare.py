@@ -1508,14 +1508,20 @@ def test_a_folder_another_prepare_finishes_while_this_one_tokenizes_is_judged_ag
     def another_prepare_meanwhile(opts, files):  # (as if a peer task held the lock through its prepare)
         if not inner:
             inner.append(None)
-            inner[0] = prepare(PrepareOptions(inner_inputs, str(out), vocab_size=300, progress=False))
+            inner[0] = prepare(PrepareOptions(inner_inputs, str(out), vocab_size=300, progress=False,
+                                              overwrite=inner_overwrites))
             inner.append({f: f.stat().st_mtime_ns for f in out.rglob("*.bin")})
         return real_count(opts, files)
 
     monkeypatch.setattr(prepare_module, "_count", another_prepare_meanwhile)
-    inner_inputs = [str(small_corpus)]  # the same inputs: taken as done, --overwrite or not
+    inner_inputs, inner_overwrites = [str(small_corpus)], False  # the same inputs: taken as done, --overwrite or not
     written = prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False, overwrite=True))
     assert written == inner[0] and {f: f.stat().st_mtime_ns for f in out.rglob("*.bin")} == inner[1]  # not redone
+    inner.clear()  # srun's tasks, each with --overwrite, over a folder prepared before: one redoes it, not each
+    inner_overwrites = True
+    written = prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False, overwrite=True))
+    assert written == inner[0] and {f: f.stat().st_mtime_ns for f in out.rglob("*.bin")} == inner[1]
+    inner_overwrites = False
     inner.clear()
     inner_inputs = [str(other)]  # other inputs, finished meanwhile: refused without --overwrite
     (tmp_path / "prep2").mkdir()

@@ -131,18 +131,18 @@ def prepare(opts: PrepareOptions) -> dict:
         check_manifest_keys(root, done)  # a damaged manifest: one line, not a KeyError in the fingerprint's read
         return _with_fingerprint(root, done)
     _check_replacing(root, request, opts)
-    before = _made(root)  # (what another prepare writes while this one tokenizes or waits is judged again)
+    before = _written(root)  # (a manifest another prepare writes while this one tokenizes or waits: judged again)
     # Passes 1 and 2 before the folder is touched: bad inputs or a bad tokenizer leave it as it was.
     stream = _count(opts, files)
     template = chat_template_for(opts.tokenizer) if opts.format == "chat" else None
     tok = _tokenizer(opts, stream, template)
     root.mkdir(parents=True, exist_ok=True)
     with _writing(root):  # one prepare writes a folder at a time (`srun shardline prepare` runs one a task)
-        now = _made(root)
-        if now != before and now is not None and now[1] == request:  # another one finished it while this one
-            _say(opts, f"{root} was prepared from these inputs meanwhile; nothing to do")  # waited (srun's tasks,
-            return now[0]  # --overwrite too: one prepare, not one a task)
-        if now != before:  # another one finished it from other inputs meanwhile: judged as if found at the start
+        now = _made(root) if _written(root) != before else None  # another one finished it meanwhile:
+        if now is not None and now[1] == request:  # these inputs (srun's tasks, --overwrite too: one prepare,
+            _say(opts, f"{root} was prepared from these inputs meanwhile; nothing to do")  # not one a task)
+            return now[0]
+        if now is not None:  # other inputs: judged as if found at the start
             _check_replacing(root, request, opts)
         request["tokenizer_sha256"] = tokenizer_hash(tok)
         (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
@@ -247,6 +247,15 @@ def _made(root: Path) -> tuple[dict, dict] | None:
         return manifest, {k: v for k, v in manifest["request"].items() if k != "tokenizer_sha256"}
     except (OSError, ValueError, KeyError, AttributeError):
         return None
+
+
+def _written(root: Path) -> tuple[int, int] | None:
+    """Which write of the manifest is there (a rewrite is a new file: os.replace), None for none."""
+    try:
+        st = (root / MANIFEST).stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def _finished(root: Path, request: dict) -> dict | None:

@@ -118,11 +118,17 @@ class Goodput:
         if self._begun:
             self.persist()
 
-    def end(self, finished: bool, now: float, run_complete: bool, phase: str = "ended") -> None:
-        """The launch is over (see persist for the flags): its last word; `phase` "failed" where it
-        ended by an error, a halt or an interrupt (a stale `time` is then no hang either)."""
-        self.phase = phase
+    def end(self, finished: bool, now: float, run_complete: bool) -> None:
+        """The launch is over (see persist for the flags): its last word."""
+        self.phase = "ended"
         self.persist(finished, now, run_complete)
+
+    def fail(self) -> None:
+        """The launch ended by an error, a halt or an interrupt, not through end() (a stop's save and
+        exit 5 do): its last word is phase "failed", so a stale `time` reads as no hang either."""
+        if self.phase != "ended":
+            self.phase = "failed"
+            self.persist()
 
     def reclassify(self, step: int, category: str) -> None:
         """Move a recent step's time to another category (an anomaly found after the fact)."""

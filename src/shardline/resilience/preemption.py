@@ -12,6 +12,7 @@ except in a save: that finishes first, unless a third Ctrl-C comes.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 
@@ -46,8 +47,9 @@ class StopRequests:
         if signum == signal.SIGINT and self.requested:
             if self.writing and not self._held_once:  # a second Ctrl-C (often a quick double press) in a save
                 self._held_once = True  # would leave no checkpoint and a traceback: the save first, once
-                print("shardline: a checkpoint is being written; it finishes first (Ctrl-C again abandons it)",
-                      file=sys.stderr)
+                with contextlib.suppress(OSError):  # (a terminal gone: the save still comes first)
+                    print("shardline: a checkpoint is being written; it finishes first (Ctrl-C again abandons it)",
+                          file=sys.stderr)
                 return
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self.requested = self.requested or signum

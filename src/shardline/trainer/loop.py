@@ -172,8 +172,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
             if self.proc.world_size == 1:  # a save in flight is still worth finishing: a rerun resumes from it
                 with contextlib.suppress(Exception):  # (not with ranks: its collectives may wait on a lost peer)
                     self.guard.drain(self.step)
-            with contextlib.suppress(Exception):  # progress.json's last word (rank 0's)
-                self.guard.goodput.end(False, time.time(), False, phase="failed")
+            with contextlib.suppress(Exception):  # progress.json's last word (rank 0's), a stop's aside
+                self.guard.goodput.fail()
             self.close(failed=True)  # an error, a halt or Ctrl-C
             raise
 

@@ -1,0 +1,66 @@
+"""`shardline convert to-hf | from-hf`: between shardline checkpoints and Hugging Face folders.
+
+Registered by the top-level CLI (`register`); the work is done by `convert.convert`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+from shardline.errors import ShardlineError
+from shardline.interop.convert import convert
+
+
+def register(sub) -> None:
+    p = sub.add_parser("convert", help="convert between shardline checkpoints and HF folders")
+    p.add_argument("direction", choices=["to-hf", "from-hf"],
+                   help="to-hf: checkpoint (or run dir) -> HF folder; from-hf: HF folder -> checkpoint")
+    p.add_argument("src", type=os.path.expanduser,
+                   help="to-hf: a run dir (its newest valid checkpoint) or a checkpoint folder; "
+                        "from-hf: an HF model folder")
+    p.add_argument("dst", type=os.path.expanduser,
+                   help="to-hf: the HF folder to write (an earlier export there is replaced); "
+                        "from-hf: a new or empty folder for the checkpoint")
+    p.add_argument("--dtype", default="",
+                   help="to-hf: the weights' dtype on disk, float32, bfloat16 or float16 (default: the HF "
+                        "folder's the checkpoint came from, else float32)")
+    p.add_argument("--tokenizer", type=os.path.expanduser, default="",
+                   help="to-hf: the tokenizer.json (or its folder) to export with, its side files too "
+                        "(default: the one beside the checkpoint, else its run dir's)")
+    p.set_defaults(func=_convert)
+
+
+def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ShardlineError(f"convert takes no config overrides, got {' '.join(overrides)}")
+    if args.dtype and args.direction != "to-hf":
+        raise ShardlineError("convert --dtype applies to to-hf only (from-hf keeps float32 master weights)")
+    if args.tokenizer and args.direction != "to-hf":
+        raise ShardlineError("convert --tokenizer applies to to-hf only (from-hf takes the HF folder's)")
+    with warnings.catch_warnings(record=True) as said:  # what the export computes otherwise: one line each
+        try:
+            written = convert(args.direction, args.src, args.dst, args.dtype, args.tokenizer)
+        finally:  # (said before an error too)
+            for w in said:  # a library's deprecations as Python shows them
+                if w.category is UserWarning:
+                    print(f"shardline: warning: {w.message}", file=sys.stderr)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    what = f"start a run with --model.init_from={written}"
+    if args.direction == "to-hf":  # which checkpoint a run dir gave (its newest valid one)
+        from shardline.interop.hf_files import EXPORT_MARK
+
+        try:  # (the class it loads as: a Phi-3 run's is Llama's, or Mistral's with a window)
+            config, mark = (json.loads((written / name).read_text(encoding="utf-8"))
+                            for name in ("config.json", EXPORT_MARK))
+            what = f"an HF {config['architectures'][0]} folder of {mark['checkpoint']}"
+        except (OSError, ValueError, KeyError, TypeError, IndexError):  # written all the same: not worth a traceback
+            what = "an HF folder"
+    if args.direction == "to-hf" and not (written / "tokenizer.json").is_file():
+        what += ", without a tokenizer: none beside the checkpoint or in its run dir; give --tokenizer"
+    print(f"wrote {written} ({what})")
+    return 0
