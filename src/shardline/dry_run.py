@@ -113,11 +113,12 @@ def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool, world: int, 
         return []
     saved, step, saved_world = saved_config(resume), saved_step(resume), saved_world_size(resume)
     changes = settings_changed(saved, cfg, stand_in)
-    if saved_world not in (None, world) and world_given:
+    world_changed = saved_world not in (None, world)
+    if world_changed and world_given:
         changes["world_size"] = [saved_world, world]
     said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
     lines = [f"          changed since it: {said}"] if changes else []
-    if saved_world not in (None, world) and not world_given:
+    if world_changed and not world_given:
         lines.append(f"          saved on {saved_world} ranks (give --world-size N to check the launch's)")
     jump = next_lr_change(step, saved, cfg.train.steps, cfg.optim)
     if jump and step < cfg.train.last_step:

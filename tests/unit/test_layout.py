@@ -102,7 +102,7 @@ def test_invalid_layouts(world, overrides, message):
      "does not match the world size 4"),
     (6, ["model.preset=tiny-moe", "parallel.ep=3", "parallel.dp_shard=6"], "x tp=1 must divide the 8 experts"),
     # the valid values name only those the world's dp_shard x cp ranks can lend (ep 4 and 8 cannot, of 6)
-    (6, ["model.preset=tiny-moe", "parallel.ep=3", "parallel.dp_shard=6"], "dp_shard x cp = 6: [1, 2]"),
+    (6, ["model.preset=tiny-moe", "parallel.ep=3", "parallel.dp_shard=6"], "dp_shard x cp = 6: 1, 2"),
     # ep 2 would take half of the 4 cp ranks: ep borrows none or all of them
     (4, ["model.preset=tiny-moe", "parallel.ep=2", "parallel.cp=4", "parallel.dp_shard=1"],
      "would borrow part of the cp ranks, which is not built: ep must divide dp_shard or be a multiple of cp; "

@@ -60,6 +60,23 @@ def test_a_run_dir_the_lock_made_goes_with_it_where_nothing_was_written(tmp_path
     assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
 
 
+def test_a_run_dir_removed_by_a_refused_launch_as_this_one_starts_is_made_again(tmp_path, monkeypatch):
+    """Launch A, refused, removed the run dir it had made just after launch B found it there: B's lock
+    could not be written (ENOENT). B makes the folder again and takes the lock."""
+    real, calls = RunLock._publish, []
+
+    def folder_gone_first(self, me):
+        if not calls:
+            calls.append(1)
+            self.path.parent.rmdir()  # (A's release, between B's mkdir and its write)
+        return real(self, me)
+
+    monkeypatch.setattr(RunLock, "_publish", folder_gone_first)
+    lock = RunLock(tmp_path / "run")
+    assert lock.acquire() is None and lock.held and (tmp_path / "run" / LOCK).is_file()
+    lock.release()
+
+
 def test_a_dead_holders_lock_is_taken_over_and_released(tmp_path, other_process):
     pid = other_process.pid
     write_lock(tmp_path, pid)

@@ -59,7 +59,8 @@ def convert(direction: str, src: str, dst: str, dtype: str = "", tokenizer: str 
 
 def resolve_checkpoint(src: Path) -> Path:
     """A checkpoint folder as given, or the newest valid checkpoint of a run dir."""
-    if is_prepared(str(src)) and not (src / "meta.json").is_file():  # (its manifest.json is no checkpoint's)
+    # A prepared data folder holds a manifest.json too ("malformed manifest" said nothing of what it was)
+    if is_prepared(str(src)) and (src / "train").is_dir() and not (src / "meta.json").is_file():
         raise CheckpointError(f"{src} is a prepared data folder (shardline prepare), not a checkpoint: give a run dir "
                               "or a checkpoint folder (RUN/checkpoints/step-N)")
     if (src / "manifest.json").is_file():

@@ -81,24 +81,28 @@ def _ep_built(lay: Layout, ep: int) -> bool:
     return (lay.dp_shard * lay.cp) % ep == 0 and (lay.dp_shard % ep == 0 or ep % lay.cp == 0)
 
 
+def _valid_ep(lay: Layout, n_experts: int) -> list[int]:
+    """The ep degrees this layout can build that hold whole experts (each of ep x tp ranks an equal share)."""
+    return [e for e in range(1, max(n_experts, lay.dp_shard * lay.cp) + 1)
+            if _ep_built(lay, e) and n_experts % (e * lay.tp) == 0]
+
+
 def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
     if lay.ep > 1 and not getattr(job.model, "n_experts", 0):
         return "ep", f"parallel.ep={lay.ep} needs a mixture-of-experts model; this model is dense"
     moe, n = getattr(job.model, "moe", None), getattr(job.model, "n_experts", 0)
-    if lay.ep > 1 and (lay.dp_shard * lay.cp) % lay.ep:
-        borrow = lay.dp_shard * lay.cp  # (the valid ones pass the experts' rule below too)
-        valid = [e for e in range(1, borrow + 1) if _ep_built(lay, e) and not (n and n % (e * lay.tp))]
+    borrow = lay.dp_shard * lay.cp  # (expert parallelism borrows these ranks: a valid ep divides both)
+    valid = ", ".join(map(str, _valid_ep(lay, n))) or "none"
+    if lay.ep > 1 and borrow % lay.ep:
         return "ep", (f"parallel.ep={lay.ep} must divide dp_shard x cp = {borrow} (expert parallelism borrows "
-                      f"those ranks); valid: {', '.join(map(str, valid)) or 'none'}")
+                      f"those ranks); valid: {valid}")
     if moe is not None and (moe.shared_experts * moe.expert_ffn_dim) % lay.tp:
         return "tp", (f"parallel.tp={lay.tp} must divide the shared experts' width shared_experts x expert_ffn_dim "
                       f"= {moe.shared_experts * moe.expert_ffn_dim} (they are split by columns)")
     if n and n % (lay.ep * lay.tp):
-        borrow = lay.dp_shard * lay.cp  # (and ep borrows from these ranks: a valid ep divides both)
-        valid = [e for e in range(1, n + 1) if n % (e * lay.tp) == 0 and _ep_built(lay, e)]
         return "ep", (f"parallel.ep={lay.ep} x tp={lay.tp} must divide the {n} experts (each rank of ep x tp "
                       f"holds an equal share of whole experts); valid ep with this tp and dp_shard x cp = {borrow}: "
-                      f"{valid or 'none'}")
+                      f"{valid}")
     return None
 
 

@@ -112,6 +112,10 @@ class RunLock:
                     taken_over = why
                 continue
             except OSError as e:
+                if e.errno == errno.ENOENT:  # the folder went with a refused launch's lock (release): again
+                    with contextlib.suppress(OSError):
+                        self.path.parent.mkdir(parents=True, exist_ok=True)
+                    continue
                 if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                     raise ConfigError(f"run.dir={str(self.path.parent)!r} is not writable: {e.strerror}") from None
                 raise ConfigError(f"run.dir={str(self.path.parent)!r}: its lock cannot be written "
