@@ -264,12 +264,13 @@ def _override_hint(command: str, unknown: list[str], stray: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if sys.stdout is None:  # started with stdout closed (`>&-`): fd 1 held, so no file opened later takes it
-        from shardline.metrics import silence
+    try:  # (torch's import: seconds, in which a Ctrl-C is an interrupt too)
+        if sys.stdout is None:  # started with stdout closed (`>&-`): fd 1 held, so no file opened later takes
+            from shardline.metrics import silence  # it, and sys.stdout writes there (an exit's flush included)
 
-        silence(1)
-    try:
-        parser = build_parser()  # (it imports torch: seconds, in which a Ctrl-C is an interrupt too)
+            silence(1)
+            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
+        parser = build_parser()
     except KeyboardInterrupt:
         return print("shardline: interrupted", file=sys.stderr) or 130
     args, unknown = parser.parse_known_args(argv)

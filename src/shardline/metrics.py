@@ -126,6 +126,7 @@ class Console:
         """rich's own handler exits the process (SystemExit 1), a stop's save with it: quiet instead,
         said at the next write (its refresh thread may meet the broken pipe first)."""
         self._progress.console.quiet, self._broken = True, True
+        silence(1)  # (its last render, as it stops, may be what broke: Python's flush at exit must not fail)
 
     def _write(self, line: str, rec: dict[str, Any]) -> None:
         if self._progress is None:

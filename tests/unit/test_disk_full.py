@@ -43,6 +43,7 @@ def test_a_full_disk_is_one_line_leaves_nothing_and_training_goes_on(tiny_config
     assert failed and failed[0]["step"] == 12
     account = json.loads((run / "progress.json").read_text())  # its last state is not kept: to be rerun
     assert account["finished"] is False and account["run_complete"] is False
+    assert account["phase"] == "failed"  # (the refusal comes after the launch's end: an error ended it all the same)
     assert failed[0]["error"].startswith(f"no space left on {run / 'checkpoints'} (needs ~")
     assert " MB, " in failed[0]["error"] and " GB" not in failed[0]["error"]  # 1.7 MB, not "0.00 GB"
     assert "with checkpoint.keep=3 the disk holds up to 4 at once" in failed[0]["error"]  # (why keep 3 did not fit)

@@ -106,7 +106,10 @@ def test_invalid_layouts(world, overrides, message):
     # ep 2 would take half of the 4 cp ranks: ep borrows none or all of them
     (4, ["model.preset=tiny-moe", "parallel.ep=2", "parallel.cp=4", "parallel.dp_shard=1"],
      "would borrow part of the cp ranks, which is not built: ep must divide dp_shard or be a multiple of cp; "
-     "valid ep: [4]"),
+     "valid ep: 4"),
+    # ... holding whole experts: of 6, ep 4 (which cp=4 would take whole) is not offered
+    (4, ["model.preset=tiny-moe", "moe.num_experts=6", "parallel.ep=2", "parallel.cp=4", "parallel.dp_shard=1"],
+     "which is not built: ep must divide dp_shard or be a multiple of cp; valid ep: none"),
     (4, ["model.preset=tiny-moe", "parallel.ep=4", "parallel.cp=2", "parallel.dp_shard=1", "parallel.tp=2"],
      "parallel.ep=4 must divide dp_shard x cp = 2 (expert parallelism borrows those ranks); valid: 1, 2"),
     # the valid ones hold whole experts too: of 6 experts at tp 2, ep 2 (6 % 4) is not offered

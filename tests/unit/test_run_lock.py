@@ -75,6 +75,7 @@ def test_a_run_dir_removed_by_a_refused_launch_as_this_one_starts_is_made_again(
     lock = RunLock(tmp_path / "run")
     assert lock.acquire() is None and lock.held and (tmp_path / "run" / LOCK).is_file()
     lock.release()
+    assert not (tmp_path / "run").exists()  # (this launch made it again: it goes with its lock too)
 
 
 def test_a_dead_holders_lock_is_taken_over_and_released(tmp_path, other_process):

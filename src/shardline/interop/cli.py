@@ -12,7 +12,6 @@ import sys
 import warnings
 
 from shardline.errors import ShardlineError
-from shardline.interop.convert import convert
 
 
 def register(sub) -> None:
@@ -35,6 +34,8 @@ def register(sub) -> None:
 
 
 def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardline.interop.convert import convert  # (at the call: the parser is built without the models)
+
     if overrides:
         raise ShardlineError(f"convert takes no config overrides, got {' '.join(overrides)}")
     if args.dtype and args.direction != "to-hf":

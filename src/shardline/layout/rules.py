@@ -226,7 +226,7 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
     ranks = lay.dp_shard * lay.cp
     if lay.ep_borrows_cp and ranks % lay.ep == 0 and lay.ep % lay.cp:
         # ep borrows either dp_shard ranks alone or every cp rank, not part of cp.
-        valid = [e for e in range(2, ranks + 1) if _ep_built(lay, e)]
+        valid = ", ".join(str(e) for e in _valid_ep(lay, job.model.n_experts) if e > 1) or "none"
         return "ep", (f"parallel.ep={lay.ep} with dp_shard={lay.dp_shard} and cp={lay.cp} would borrow part of the "
                       f"cp ranks, which is not built: ep must divide dp_shard or be a multiple of cp; valid ep: "
                       f"{valid}")

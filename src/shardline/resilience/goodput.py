@@ -123,10 +123,11 @@ class Goodput:
         self.phase = "ended"
         self.persist(finished, now, run_complete)
 
-    def fail(self) -> None:
-        """The launch ended by an error, a halt or an interrupt, not through end() (a stop's save and
-        exit 5 do): its last word is phase "failed", so a stale `time` reads as no hang either."""
-        if self.phase != "ended":
+    def fail(self, after_end: bool = True) -> None:
+        """The launch ended by an error, a halt or an interrupt: its last word is phase "failed", so a
+        stale `time` reads as no hang either; also after end() (an unsaved last step's refusal) unless
+        not `after_end` (a stop: its save and exit 5 ended it as planned)."""
+        if after_end or self.phase != "ended":
             self.phase = "failed"
             self.persist()
 

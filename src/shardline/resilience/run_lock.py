@@ -114,7 +114,8 @@ class RunLock:
             except OSError as e:
                 if e.errno == errno.ENOENT:  # the folder went with a refused launch's lock (release): again
                     with contextlib.suppress(OSError):
-                        self.path.parent.mkdir(parents=True, exist_ok=True)
+                        self.path.parent.mkdir(parents=True)
+                        self.created = True
                     continue
                 if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                     raise ConfigError(f"run.dir={str(self.path.parent)!r} is not writable: {e.strerror}") from None
@@ -124,6 +125,8 @@ class RunLock:
             atexit.register(self.release)  # an exception that ends the process still frees it
             self._check_writable(self.path.parent / "checkpoints")
             return taken_over
+        if not self.path.parent.is_dir():
+            raise ConfigError(f"run.dir={str(self.path.parent)!r} cannot be created: it went each time it was made")
         raise ConfigError(_held_message(self.path, self._read()))
 
     def _publish(self, me: dict) -> None:

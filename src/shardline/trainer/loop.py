@@ -168,12 +168,12 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
         agreed(self._check_lock_held, self.proc.world_size)  # a refusal on rank 0 is every rank's
         try:
             return self._train()
-        except BaseException:
+        except BaseException as error:
             if self.proc.world_size == 1:  # a save in flight is still worth finishing: a rerun resumes from it
                 with contextlib.suppress(Exception):  # (not with ranks: its collectives may wait on a lost peer)
                     self.guard.drain(self.step)
-            with contextlib.suppress(Exception):  # progress.json's last word (rank 0's), a stop's aside
-                self.guard.goodput.fail()
+            with contextlib.suppress(Exception):  # progress.json's last word (rank 0's); a stop's is "ended"
+                self.guard.goodput.fail(after_end=not isinstance(error, Preempted))
             self.close(failed=True)  # an error, a halt or Ctrl-C
             raise
 
