@@ -1,6 +1,7 @@
 """Stopping on request: SIGTERM, SIGUSR1, SIGHUP (the terminal closed) or a first Ctrl-C finish
-the step, save, and exit. A signal the process was started ignoring (nohup's SIGHUP, a shell's
-SIGINT for a background job) stays ignored.
+the step, save, and exit. A SIGHUP the process was started ignoring (nohup's) stays ignored; the
+others are taken even so (a shell ignores SIGINT for its background jobs, and a `kill -INT` sent
+to one on purpose is a stop request).
 
 Slurm and Kubernetes send SIGTERM (or a chosen signal, ahead of time) before they kill
 a job. A handler here only records the request; the trainer asks `agreed()` at the end
@@ -35,7 +36,7 @@ class StopRequests:
         """Handle the stop signals (main thread only: Python delivers signals there)."""
         for name in SIGNALS:
             sig = getattr(signal, name, None)
-            if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+            if sig is not None and not (name == "SIGHUP" and signal.getsignal(sig) is signal.SIG_IGN):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def restore(self) -> None:
