@@ -58,6 +58,17 @@ def _report(run) -> dict:
     return json.loads((next(run.glob("hang-*")) / "report.json").read_text())
 
 
+def test_a_hang_in_one_process_leaves_progress_json_failed(tmp_path, small_prepared):
+    """The watchdog's exit (os._exit: no except, no atexit) left phase "train" with a heartbeat growing
+    old, which a dashboard reads as a run still training."""
+    run = tmp_path / "run"
+    out = shardline("train", *[f"--{o}" for o in tiny_overrides(
+        run, small_prepared, "watchdog.timeout_s=3", "faults.hang_rank=0", "faults.hang_step=4")])
+    assert out.returncode == 4, out.stderr[-2000:]
+    account = json.loads((run / "progress.json").read_text())
+    assert (account["phase"], account["step"], account["finished"]) == ("failed", 3, False)
+
+
 def test_hang_while_restoring_is_reported_by_phase(tmp_path, small_prepared):
     # A stuck restore (a hung filesystem, a peer that never answers) used to hang the job
     # for ever: the watchdog only started with the first step.

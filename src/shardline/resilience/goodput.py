@@ -127,7 +127,7 @@ class Goodput:
         """The launch ended by an error, a halt or an interrupt: its last word is phase "failed", so a
         stale `time` reads as no hang either; also after end() (an unsaved last step's refusal) unless
         not `after_end` (a stop: its save and exit 5 ended it as planned)."""
-        if after_end or self.phase != "ended":
+        if self._begun and (after_end or self.phase != "ended"):  # (in start-up: the last launch's record stays)
             self.phase = "failed"
             self.persist()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Callable
 
@@ -72,8 +72,16 @@ class RunGuard:
 
     def watch(self, before_exit: Callable[[], None] | None = None) -> None:
         """The run dir is locked: the watchdog starts (a hang from here on ends with a report).
-        `before_exit`: what a hang's exit does first (it skips atexit handlers), e.g. free the lock."""
-        self.watchdog.before_exit = before_exit
+        `before_exit`: what a hang's exit does first (it skips atexit handlers), e.g. free the lock;
+        progress.json's last word, phase "failed", comes before it (it read "train" after the exit)."""
+        def leave() -> None:
+            with suppress(Exception):  # (a write that blocks is the watchdog deadline's to cut)
+                if self.goodput is not None:
+                    self.goodput.fail()
+            if before_exit is not None:
+                before_exit()
+
+        self.watchdog.before_exit = leave
         self.watchdog.start()
 
     @contextmanager
