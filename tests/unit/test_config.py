@@ -442,3 +442,20 @@ def test_a_run_dir_inside_its_raw_data_folder_is_refused(tmp_path, small_corpus)
         check_config(inside)
     check_config(load_config(None, [f"data.path={data}", f"run.dir={tmp_path / 'runs' / 'a'}"]))
     check_config(load_config(None, [f"data.path={data}", f"run.dir={data / '.runs' / 'a'}"]))  # (hidden: not read)
+
+
+def test_a_run_dirs_config_of_a_launch_that_trained_nothing_is_named_where_it_is_not_read(tmp_path, capsys):
+    """A launch killed in start-up left config.toml and nothing to resume; a requeue by --run.dir alone
+    trained the defaults (200 steps, seq 256) in silence. It still takes them, and says so."""
+    from shardline.resilience.relaunch import relaunch_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(load_config(None, [f"run.dir={run}", "train.steps=12", "train.seq_len=64"]), run / "config.toml")
+    cfg = relaunch_config(None, [f"--run.dir={run}"])
+    assert (cfg.train.steps, cfg.train.seq_len) == (200, 256)  # (no run to resume: the file is not read)
+    err = capsys.readouterr().err
+    assert f"{run / 'config.toml'} is not read (its launch trained nothing to resume)" in err, err
+    assert "train.steps 12 -> 200" in err and "train.seq_len 64 -> 256" in err
+    relaunch_config(None, [f"--run.dir={run}", "--train.steps=12", "--train.seq_len=64"])  # the same: nothing said
+    assert "not read" not in capsys.readouterr().err

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 from pathlib import Path
 
-from shardline.config import Config, ParallelConfig, load_config, load_relaunch_config, reader
+from shardline.config import Config, ParallelConfig, config_changes, load_config, load_relaunch_config, reader
 from shardline.errors import ConfigError, ShardlineError
 from shardline.layout.degrees import WORLD_DEGREES, shard_degree
 from shardline.parallel.distributed import speaks_for_the_job
@@ -31,6 +32,7 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         return cfg
     held = resumable(Path(cfg.run.dir), saved)
     if not held:
+        _say_not_read(cfg, saved, overrides)
         return cfg
     if speaks_for_the_job():
         print(f"shardline: {cfg.run.dir} holds {held}: resuming with the config.toml it saved and the "
@@ -52,6 +54,22 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         raise ConfigError(f"{e} ({named} from {saved}, the run's saved config a relaunch takes over: give {fix} "
                           "for this world size)") from None
     return cfg
+
+
+def _say_not_read(cfg: Config, saved: Path, overrides: list[str]) -> None:
+    """The config.toml of a launch that trained nothing (killed in start-up) is not read: there is no
+    run to resume. A requeue by --run.dir alone then trained the defaults in silence: said, where
+    they differ from that file's settings."""
+    try:
+        theirs = load_relaunch_config(saved, cfg.run.dir, overrides)
+    except ShardlineError:  # (a damaged file, an override it refuses: nothing to compare)
+        return
+    changed = list(config_changes(theirs.to_dict(), cfg.to_dict()).items())
+    if changed and speaks_for_the_job():
+        said = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed[:4]) + ", ..." * (len(changed) > 4)
+        print(f"shardline: note: {saved} is not read (its launch trained nothing to resume): this launch takes the "
+              f"defaults and the overrides given, not its settings ({said}); --config {saved} reads them",
+              file=sys.stderr)
 
 
 def _check_relative_data(cfg: Config, saved: Path, given: set[str]) -> None:
