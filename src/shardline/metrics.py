@@ -96,6 +96,7 @@ class Console:
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode = mode
         self._progress = self._task = None
+        self._broken = False  # rich met a broken pipe (see _rich_pipe_broke)
         if mode == "rich":
             from rich.progress import (
                 BarColumn,
@@ -110,7 +111,6 @@ class Console:
             self._task = self._progress.add_task("", total=total_steps, completed=first_step)
             self._progress.console.on_broken_pipe = self._rich_pipe_broke
             self._progress.start()
-        self._broken = False
 
     def write(self, rec: dict[str, Any]) -> None:
         if self.mode == "none":

@@ -476,3 +476,29 @@ def test_progress_json_names_the_phase_a_launch_is_in(tiny_config):
         failing.train()
     last = json.loads((run / "progress.json").read_text())
     assert (last["phase"], last["finished"], last["step"]) == ("failed", False, 4)
+
+
+def test_a_failure_after_the_launchs_end_keeps_what_end_said_and_one_writer_at_a_time(tmp_path):
+    """An error after end() (a Ctrl-C as the run closes its log) wrote finished and run_complete false
+    over a complete run, and no later launch (nothing to train: left out) put them back, so a requeue
+    loop waiting for run_complete ran for ever. A hang's exit writes from the watchdog's thread: it
+    waits for the main thread's write, a little, rather than write over it."""
+    import json
+    import threading
+    import time
+
+    from shardline.resilience.goodput import Goodput
+
+    account = Goodput(tmp_path, enabled=True)
+    account.begin(0)
+    account.end(True, time.time(), run_complete=True)
+    account.fail()
+    last = json.loads((tmp_path / "progress.json").read_text())
+    assert (last["phase"], last["finished"], last["run_complete"]) == ("failed", True, True)
+    held = threading.Lock()
+    account._writing = held
+    held.acquire()  # (the main thread inside a write)
+    account.phase = "train"
+    account.fail(wait_s=0.1)  # not written over it: given up after its wait
+    assert json.loads((tmp_path / "progress.json").read_text())["time"] == last["time"]
+    held.release()

@@ -81,10 +81,11 @@ def _ep_built(lay: Layout, ep: int) -> bool:
     return (lay.dp_shard * lay.cp) % ep == 0 and (lay.dp_shard % ep == 0 or ep % lay.cp == 0)
 
 
-def _valid_ep(lay: Layout, n_experts: int) -> list[int]:
-    """The ep degrees this layout can build that hold whole experts (each of ep x tp ranks an equal share)."""
-    return [e for e in range(1, max(n_experts, lay.dp_shard * lay.cp) + 1)
-            if _ep_built(lay, e) and n_experts % (e * lay.tp) == 0]
+def _valid_ep(lay: Layout, n_experts: int, least: int = 1) -> str:
+    """The ep degrees (from `least`) this layout can build that hold whole experts (each of ep x tp
+    ranks an equal share), as a refusal names them."""
+    return ", ".join(str(e) for e in range(least, max(n_experts, lay.dp_shard * lay.cp) + 1)
+                     if _ep_built(lay, e) and n_experts % (e * lay.tp) == 0) or "none"
 
 
 def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
@@ -92,17 +93,16 @@ def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
         return "ep", f"parallel.ep={lay.ep} needs a mixture-of-experts model; this model is dense"
     moe, n = getattr(job.model, "moe", None), getattr(job.model, "n_experts", 0)
     borrow = lay.dp_shard * lay.cp  # (expert parallelism borrows these ranks: a valid ep divides both)
-    valid = ", ".join(map(str, _valid_ep(lay, n))) or "none"
     if lay.ep > 1 and borrow % lay.ep:
         return "ep", (f"parallel.ep={lay.ep} must divide dp_shard x cp = {borrow} (expert parallelism borrows "
-                      f"those ranks); valid: {valid}")
+                      f"those ranks); valid: {_valid_ep(lay, n)}")
     if moe is not None and (moe.shared_experts * moe.expert_ffn_dim) % lay.tp:
         return "tp", (f"parallel.tp={lay.tp} must divide the shared experts' width shared_experts x expert_ffn_dim "
                       f"= {moe.shared_experts * moe.expert_ffn_dim} (they are split by columns)")
     if n and n % (lay.ep * lay.tp):
         return "ep", (f"parallel.ep={lay.ep} x tp={lay.tp} must divide the {n} experts (each rank of ep x tp "
                       f"holds an equal share of whole experts); valid ep with this tp and dp_shard x cp = {borrow}: "
-                      f"{valid}")
+                      f"{_valid_ep(lay, n)}")
     return None
 
 
@@ -226,10 +226,9 @@ def _not_built_moe(lay: Layout, job: Job) -> Problem | None:
     ranks = lay.dp_shard * lay.cp
     if lay.ep_borrows_cp and ranks % lay.ep == 0 and lay.ep % lay.cp:
         # ep borrows either dp_shard ranks alone or every cp rank, not part of cp.
-        valid = ", ".join(str(e) for e in _valid_ep(lay, job.model.n_experts) if e > 1) or "none"
         return "ep", (f"parallel.ep={lay.ep} with dp_shard={lay.dp_shard} and cp={lay.cp} would borrow part of the "
                       f"cp ranks, which is not built: ep must divide dp_shard or be a multiple of cp; valid ep: "
-                      f"{valid}")
+                      f"{_valid_ep(lay, job.model.n_experts, least=2)}")
     return None
 
 

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -63,6 +64,8 @@ class Goodput:
         self.last_step = 0  # the step this launch completed last (at its start: the step it resumed)
         self.phase = ""  # what this launch does (see enter), "ended" once it has
         self._begun = False  # training began: phases are said in progress.json
+        self._ended = (False, False)  # end()'s (finished, run_complete): what a failure after it keeps
+        self._writing = threading.Lock()  # (a hang's exit writes from the watchdog's thread)
         self._recent: dict[int, tuple[str, float]] = {}  # step -> (category, seconds), for reclassify()
         self.unwritten = ""  # why progress.json could not be written, once it could not (persist)
         self.counted = True  # this launch is part of the run's account (not one that found nothing to train)
@@ -120,16 +123,17 @@ class Goodput:
 
     def end(self, finished: bool, now: float, run_complete: bool) -> None:
         """The launch is over (see persist for the flags): its last word."""
-        self.phase = "ended"
+        self.phase, self._ended = "ended", (finished, run_complete)
         self.persist(finished, now, run_complete)
 
-    def fail(self, after_end: bool = True) -> None:
-        """The launch ended by an error, a halt or an interrupt: its last word is phase "failed", so a
-        stale `time` reads as no hang either; also after end() (an unsaved last step's refusal) unless
-        not `after_end` (a stop: its save and exit 5 ended it as planned)."""
+    def fail(self, after_end: bool = True, wait_s: float = -1) -> None:
+        """The launch ended by an error, a halt, a hang or an interrupt: its last word is phase "failed",
+        so a stale `time` reads as no hang either; also after end() (an unsaved last step's refusal, with
+        end()'s flags kept: a run complete stays so) unless not `after_end` (a stop: its save and exit 5
+        ended it as planned). `wait_s`: how long a writer on another thread is waited for."""
         if self._begun and (after_end or self.phase != "ended"):  # (in start-up: the last launch's record stays)
             self.phase = "failed"
-            self.persist()
+            self.persist(self._ended[0], run_complete=self._ended[1], wait_s=wait_s)
 
     def reclassify(self, step: int, category: str) -> None:
         """Move a recent step's time to another category (an anomaly found after the fact)."""
@@ -160,12 +164,19 @@ class Goodput:
                 "total_s": round(total, 3),  # every launch of the run, and the gaps between them
                 "this_launch_s": round(now - self.started, 3), "seconds": seconds}
 
-    def persist(self, finished: bool = False, now: float | None = None, run_complete: bool = False) -> None:
+    def persist(self, finished: bool = False, now: float | None = None, run_complete: bool = False,
+                wait_s: float = -1) -> None:
         """Rewrite progress.json (as of `now`, default this moment). A write the storage refuses (a disk
         a checkpoint filled) is kept in `unwritten` and training goes on: accounting must never stop a
-        run; the next write retries."""
-        if not self.enabled or not self.counted:
+        run; the next write retries. One writer at a time (`wait_s` for the other: -1 as long as it takes)."""
+        if not self.enabled or not self.counted or not self._writing.acquire(timeout=wait_s):
             return
+        try:
+            self._write(finished, now, run_complete)
+        finally:
+            self._writing.release()
+
+    def _write(self, finished: bool, now: float | None, run_complete: bool) -> None:
         now = time.time() if now is None else now
         record = {"high_water_step": self.high_water, "step": self.last_step, "host": socket.gethostname(),
                   "pid": os.getpid(), "phase": self.phase, "time": now, "finished": finished,

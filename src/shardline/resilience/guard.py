@@ -76,8 +76,8 @@ class RunGuard:
         progress.json's last word, phase "failed", comes before it (it read "train" after the exit)."""
         def leave() -> None:
             with suppress(Exception):  # (a write that blocks is the watchdog deadline's to cut)
-                if self.goodput is not None:
-                    self.goodput.fail()
+                if self.goodput is not None:  # (the main thread may be writing it: waited for a little)
+                    self.goodput.fail(wait_s=2.0)
             if before_exit is not None:
                 before_exit()
 

@@ -57,19 +57,19 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
 
 
 def _say_not_read(cfg: Config, saved: Path, overrides: list[str]) -> None:
-    """The config.toml of a launch that trained nothing (killed in start-up) is not read: there is no
-    run to resume. A requeue by --run.dir alone then trained the defaults in silence: said, where
-    they differ from that file's settings."""
+    """The config.toml of a launch that saved nothing to resume (killed in start-up, or before its
+    first save) is not read. A requeue by --run.dir alone then trained the defaults in silence: said,
+    where they differ from that file's settings."""
     try:
         theirs = load_relaunch_config(saved, cfg.run.dir, overrides)
-    except ShardlineError:  # (a damaged file, an override it refuses: nothing to compare)
+    except (ShardlineError, TypeError, ValueError):  # (a damaged or hand-edited file: nothing to compare)
         return
     changed = list(config_changes(theirs.to_dict(), cfg.to_dict()).items())
     if changed and speaks_for_the_job():
         said = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed[:4]) + ", ..." * (len(changed) > 4)
-        print(f"shardline: note: {saved} is not read (its launch trained nothing to resume): this launch takes the "
-              f"defaults and the overrides given, not its settings ({said}); --config {saved} reads them",
-              file=sys.stderr)
+        print(f"shardline: note: {saved} is not read (its launch saved nothing to resume): this launch takes the "
+              f"defaults and the overrides given, not its settings ({said}); --config {saved} reads them (its "
+              "[faults] drills and train.stop_at_step too)", file=sys.stderr)
 
 
 def _check_relative_data(cfg: Config, saved: Path, given: set[str]) -> None:

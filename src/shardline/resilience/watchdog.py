@@ -23,6 +23,7 @@ the stopped ranks, reports, and every rank exits with exit_code.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import queue
@@ -306,17 +307,20 @@ class Watchdog:
                    f"(no progress for {fields['limit_s']:g} s); every live rank's stacks are in {folder}")
         else:
             msg = f"a hang was declared by rank {incident['by']}; this rank's stacks are in {folder}"
-        print(f"shardline watchdog (rank {self.rank}): {msg}; exiting with code {self.exit_code} "
-              "so the launcher can restart", file=sys.stderr, flush=True)
-        sys.stdout.flush()
+        with contextlib.suppress(Exception):  # (a terminal or pipe gone must not keep a hung job from exiting)
+            print(f"shardline watchdog (rank {self.rank}): {msg}; exiting with code {self.exit_code} "
+                  "so the launcher can restart", file=sys.stderr, flush=True)
+            sys.stdout.flush()
         self._before_exit()
         os._exit(self.exit_code)  # the training thread is stuck: a normal exit would wait for it
 
     def _exit_unreported(self) -> None:
         """The report did not finish by its deadline (its writes blocked): exit now, the run dir's
         lock freed if that does not block too (a few seconds' try)."""
-        os.write(2, f"shardline watchdog (rank {self.rank}): a hang was declared but its report was not written "
-                    f"in time (the run dir's storage stalled?); exiting with code {self.exit_code}\n".encode())
+        with contextlib.suppress(OSError):
+            os.write(2, f"shardline watchdog (rank {self.rank}): a hang was declared but its report was not "
+                        f"written in time (the run dir's storage stalled?); exiting with code {self.exit_code}\n"
+                        .encode())
         release = threading.Thread(target=self._before_exit, daemon=True)
         release.start()
         release.join(timeout=5.0)
