@@ -120,7 +120,7 @@ def test_a_single_document_is_split_by_characters_as_before(tmp_path, small_corp
     assert "2/2 documents" in capsys.readouterr().err  # its train and val pieces, never 2/1
 
 
-def test_an_interrupted_prepare_resumes_and_never_leaves_a_manifest_behind(tmp_path, small_corpus):
+def test_an_interrupted_prepare_resumes_and_never_leaves_a_manifest_behind(tmp_path, small_corpus, capsys):
     out, opts = tmp_path / "prep", dict(shard_tokens=30_000, **SMALL)
     with pytest.raises(PrepareStopped):
         prepare(PrepareOptions([str(small_corpus)], str(out), stop_after_shards=3, **opts))
@@ -133,8 +133,9 @@ def test_an_interrupted_prepare_resumes_and_never_leaves_a_manifest_behind(tmp_p
         f.write(b"\x00" * 24)
     progress = json.loads((out / "progress.json").read_text())
     assert 0 < progress["documents_done"] < 150
-    prepare(PrepareOptions([str(small_corpus)], str(out), workers=2, **opts))
+    prepare(PrepareOptions([str(small_corpus)], str(out), workers=2, **{**opts, "progress": True}))
     assert (out / "train" / "tokens-00000.bin").stat().st_mtime_ns == kept  # resumed, not redone
+    assert f"resuming an interrupted prepare at document {progress['documents_done']:,}" in capsys.readouterr().err
     assert not (out / "progress.json").exists() and verify(out) == []
     fresh = tmp_path / "fresh"
     prepare(PrepareOptions([str(small_corpus)], str(fresh), **opts))
@@ -871,6 +872,17 @@ def test_chat_data_from_plain_text_is_one_line(tmp_path):
         data(tmp_path / "notes.txt", "data.format=chat")
 
 
+def test_an_interrupted_prepare_of_other_options_is_said_as_it_is_started_over(tmp_path, small_corpus, capsys):
+    """Hours of committed work went without a word where anything in the request differed."""
+    out, opts = tmp_path / "prep", dict(shard_tokens=30_000, **SMALL)
+    with pytest.raises(PrepareStopped):
+        prepare(PrepareOptions([str(small_corpus)], str(out), stop_after_shards=2, **opts))
+    done = json.loads((out / "progress.json").read_text())["documents_done"]
+    prepare(PrepareOptions([str(small_corpus)], str(out), **{**opts, "vocab_size": 300, "progress": True}))
+    assert (f"the interrupted prepare in {out} was of other inputs or options (tokenizer): starting over, its "
+            f"{done:,} documents done dropped") in capsys.readouterr().err
+
+
 def test_a_rerun_with_other_options_drops_the_manifest_before_any_shard(tmp_path, small_corpus, monkeypatch):
     """Stopped while it deletes the old shards, a rerun with other options leaves a folder no one
     takes as prepared (it once left the old manifest over missing shards: "nothing to do")."""
@@ -1482,12 +1494,13 @@ def test_a_finished_folder_is_replaced_only_with_overwrite(tmp_path, small_corpu
     short.write_text("a few words\n\nand a second document\n", encoding="utf-8")
     first = prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False))
     before = {p.name: p.read_bytes() for p in (out / "train").iterdir()}
-    with pytest.raises(DataError, match=rf"--out {out} holds a finished prepare of other inputs or options "
-                                        r"\(inputs\); .*give another --out, or --overwrite to replace it"):
+    with pytest.raises(DataError, match=re.escape(f"--out {out} holds a finished prepare of other inputs or options "
+                                                  f"(inputs: + {short.resolve()}, - {small_corpus.resolve()});")
+                       + ".*give another --out, or --overwrite to replace it"):  # (each file named)
         prepare(PrepareOptions([str(short)], str(out), vocab_size=300, progress=False))
     assert {p.name: p.read_bytes() for p in (out / "train").iterdir()} == before  # (nothing touched)
     small_corpus.touch()  # (the same file, edited: its time differs)
-    with pytest.raises(DataError, match=r"\(the inputs' sizes or times\)"):
+    with pytest.raises(DataError, match=re.escape(f"(inputs: {small_corpus.resolve()} changed (size or time))")):
         prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False))
     (out / "train" / "tokens-00000.bin").write_bytes(b"\0" * len(before["tokens-00000.bin"]))
     again = prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False, overwrite=True))
@@ -1529,3 +1542,46 @@ def test_a_folder_another_prepare_finishes_while_this_one_tokenizes_is_judged_ag
     with pytest.raises(DataError, match="holds a finished prepare of other inputs or options"):
         prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False))
     assert (out / "manifest.json").is_file()  # the peer's folder kept
+
+
+def test_a_killed_prepares_workers_go_with_it_and_a_waiting_rerun_says_so(tmp_path):
+    """SIGKILL (or SIGTERM) to a prepare of 2 workers left them running, holding the folder's lock
+    they had inherited: the rerun waited for ever, and said nothing."""
+    import fcntl
+    import subprocess
+    import sys
+    import time
+
+    text, small = tmp_path / "big.txt", tmp_path / "small.txt"
+    text.write_text("".join(f"document {i}: " + "words of the corpus and more words " * 60 + "\n\n"
+                            for i in range(6000)), encoding="utf-8")
+    small.write_text("a few words\n\nand a second document\n", encoding="utf-8")
+    out, repo = tmp_path / "prep", Path(__file__).parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "shardline", "prepare", str(text), "--out", str(out), "--workers",
+                             "2", "--vocab-size", "300", "--shard-tokens", "20000", "--quiet"], cwd=repo)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "progress.json").is_file():
+        time.sleep(0.1)
+    time.sleep(1.0)  # (its workers tokenizing)
+    assert proc.poll() is None and not (out / "manifest.json").exists(), "the prepare ended before the kill"
+    proc.kill()
+    proc.wait()
+    with open(out / "prepare.lock", "a", encoding="utf-8") as handle:
+        for _ in range(100):  # free within seconds: no orphan holds it
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the killed prepare's workers still hold its lock")
+        said = tmp_path / "said.txt"  # (this test holds the lock now: a rerun waits, and says so)
+        with open(said, "w", encoding="utf-8") as err:
+            rerun = subprocess.Popen([sys.executable, "-m", "shardline", "prepare", str(small), "--out", str(out),
+                                      "--vocab-size", "300"], cwd=repo, stderr=err)
+            deadline = time.time() + 60
+            while time.time() < deadline and "waiting for it" not in said.read_text(encoding="utf-8"):
+                time.sleep(0.1)
+            rerun.kill()
+            rerun.wait()
+        assert f"another prepare of {out} holds its prepare.lock; waiting for it" in said.read_text(encoding="utf-8")

@@ -30,6 +30,7 @@ from shardline.data.chat_template import ChatTemplate, chat_template_for, templa
 from shardline.data.encode import CHAT_MASK_RULE, check_replies, render_chat
 from shardline.data.loader import held_out, split_single
 from shardline.data.pool import EncodeJob, Progress, encoded_chunks
+from shardline.data.prepare_out import LOCK, check_out, check_replacing, differs, finished, made, written
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
                                    check_manifest_keys, file_sha256, id_bound, token_dtype, token_fingerprint,
                                    tokenizer_hash)
@@ -38,7 +39,6 @@ from shardline.data.tokenizer import TOKENIZER_SIDE_FILES, bos_prefix, eos_id, g
 from shardline.errors import DataError
 
 FORMATS = ("text", "chat")
-LOCK = "prepare.lock"  # held while a prepare writes the folder; empty, and left in place
 
 
 class PrepareStopped(Exception):
@@ -122,33 +122,33 @@ def prepare(opts: PrepareOptions) -> dict:
     _check_options(opts)
     files = inputs_files(opts.inputs, key="prepare INPUT")
     root = Path(opts.out)
-    _check_out(root, files)
+    check_out(root, files)
     request = _request(opts, files)
-    done = _finished(root, request)
+    done = finished(root, request)
     if done is not None and not opts.overwrite:
         _say(opts, f"{root} is already prepared from these inputs; nothing to do")
         _keep_side_files(opts.tokenizer, root)  # (tokens do not depend on them: the ones given now)
         check_manifest_keys(root, done)  # a damaged manifest: one line, not a KeyError in the fingerprint's read
         return _with_fingerprint(root, done)
-    _check_replacing(root, request, opts)
-    before = _written(root)  # (a manifest another prepare writes while this one tokenizes or waits: judged again)
+    _say(opts, check_replacing(root, request, opts.overwrite))
+    before = written(root)  # (a manifest another prepare writes while this one tokenizes or waits: judged again)
     # Passes 1 and 2 before the folder is touched: bad inputs or a bad tokenizer leave it as it was.
     stream = _count(opts, files)
     template = chat_template_for(opts.tokenizer) if opts.format == "chat" else None
     tok = _tokenizer(opts, stream, template)
     root.mkdir(parents=True, exist_ok=True)
     with _writing(root):  # one prepare writes a folder at a time (`srun shardline prepare` runs one a task)
-        now = _made(root) if _written(root) != before else None  # another one finished it meanwhile:
+        now = made(root) if written(root) != before else None  # another one finished it meanwhile:
         if now is not None and now[1] == request:  # these inputs (srun's tasks, --overwrite too: one prepare,
             _say(opts, f"{root} was prepared from these inputs meanwhile; nothing to do")  # not one a task)
             return now[0]
         if now is not None:  # other inputs: judged as if found at the start
-            _check_replacing(root, request, opts)
+            _say(opts, check_replacing(root, request, opts.overwrite))
         request["tokenizer_sha256"] = tokenizer_hash(tok)
         (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
         if opts.overwrite:  # (not an interrupted prepare's progress either: from the first document)
             (root / PROGRESS).unlink(missing_ok=True)
-        state = _resume_state(root, request)  # its progress file marks the folder as prepare's from now on
+        state = _resume_state(root, request, opts)  # its progress file marks the folder as prepare's from now on
         _atomic_write(root / TOKENIZER, tok.to_str())
         _keep_side_files(opts.tokenizer, root)
         writers = {name: SplitWriter(root, name, token_dtype(id_bound(tok)), opts.format == "chat",
@@ -162,7 +162,11 @@ def _writing(root: Path):
     """An exclusive lock on the folder's lock file, waited for: a second prepare of the same
     folder, started at once, goes on when the first is done (finding it prepared, or resuming)."""
     with open(root / LOCK, "a", encoding="utf-8") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # (it waited in silence)
+            print(f"prepare: another prepare of {root} holds its {LOCK}; waiting for it", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -197,28 +201,6 @@ def _check_options(opts: PrepareOptions) -> None:
                         "(256 bytes + specials; a larger vocabulary comes with --tokenizer)")
 
 
-def _check_out(root: Path, files: list[Path]) -> None:
-    """--out must be new, empty or a prepared folder: prepare deletes what it finds unfinished there.
-    A prepared folder holds a manifest (finished) or a progress file (from the first write on):
-    a train/ or val/ folder without either is someone's data, not ours."""
-    if root.exists() and not root.is_dir():
-        raise DataError(f"--out {root} is a file; give a folder")
-    ours = {*SPLITS, MANIFEST, PROGRESS, TOKENIZER, LOCK, *TOKENIZER_SIDE_FILES} | {
-        f"{n}.tmp" for n in (MANIFEST, PROGRESS, TOKENIZER)}
-    held = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
-    others = [name for name in held if name not in ours]
-    if others:
-        raise DataError(f"--out {root} holds {others[0]}, which a prepared folder does not: give a new or empty "
-                        "folder (prepare deletes what it finds unfinished there)")
-    marks = {MANIFEST, PROGRESS, LOCK, f"{MANIFEST}.tmp", f"{PROGRESS}.tmp"}
-    if held and not marks & set(held):
-        raise DataError(f"--out {root} holds {held[0]} but no {MANIFEST} or {PROGRESS}: it was not made by "
-                        "shardline prepare; give a new or empty folder")
-    inside = [f for f in files if root.resolve() in f.resolve().parents]
-    if inside:
-        raise DataError(f"--out {root} holds input {inside[0]}; write the prepared folder elsewhere")
-
-
 def _request(opts: PrepareOptions, files: list[Path]) -> dict:
     """What the folder's content depends on: a rerun with another request starts over."""
     inputs = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
@@ -238,46 +220,6 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
         if eos_id(tok) is None and eos_id(tok, opts.tokenizer) is not None:
             request["eos"] = eos_id(tok, opts.tokenizer)
     return request
-
-
-def _made(root: Path) -> tuple[dict, dict] | None:
-    """(manifest, the request it was made from) of a finished prepare there, None where none is read."""
-    try:
-        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
-        return manifest, {k: v for k, v in manifest["request"].items() if k != "tokenizer_sha256"}
-    except (OSError, ValueError, KeyError, AttributeError):
-        return None
-
-
-def _written(root: Path) -> tuple[int, int] | None:
-    """Which write of the manifest is there (a rewrite is a new file: os.replace), None for none."""
-    try:
-        st = (root / MANIFEST).stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns
-
-
-def _finished(root: Path, request: dict) -> dict | None:
-    """The manifest of a finished prepare of the same request (its tokenizer follows from it)."""
-    made = _made(root)
-    return made[0] if made is not None and made[1] == request else None
-
-
-def _check_replacing(root: Path, request: dict, opts: PrepareOptions) -> None:
-    """A finished folder of other inputs or options is replaced only when asked: a slip in the
-    inputs would drop tokens that took hours, which the runs trained on them resume against."""
-    made = _made(root)
-    if made is None or made[1] == request:
-        return
-    same_files = [f[0] for f in made[1].get("inputs", [])] == [f[0] for f in request["inputs"]]
-    differs = ", ".join("the inputs' sizes or times" if k == "inputs" and same_files else k
-                        for k in {**made[1], **request} if made[1].get(k) != request.get(k))
-    if not opts.overwrite:
-        raise DataError(f"--out {root} holds a finished prepare of other inputs or options ({differs}); preparing "
-                        "it again replaces its tokens, which runs trained on it resume against: give another "
-                        "--out, or --overwrite to replace it")
-    _say(opts, f"{root} was prepared from other inputs or options ({differs}); --overwrite: replacing it")
 
 
 def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
@@ -308,13 +250,20 @@ def _tokenizer(opts: PrepareOptions, stream: _Stream, template: ChatTemplate | N
     return get_tokenizer(stream.training_texts(opts.format == "chat", template), "", opts.vocab_size)
 
 
-def _resume_state(root: Path, request: dict) -> dict:
-    """The committed state of an interrupted prepare of the same request, else a fresh start."""
+def _resume_state(root: Path, request: dict, opts: PrepareOptions) -> dict:
+    """The committed state of an interrupted prepare of the same request, else a fresh start (what
+    an interrupted one of another request had done is said as it is dropped)."""
     try:
         state = json.loads((root / PROGRESS).read_text(encoding="utf-8"))
         if state.get("request") == request:
+            if state.get("documents_done"):
+                _say(opts, f"resuming an interrupted prepare at document {state['documents_done']:,}")
             return state
-    except (OSError, ValueError):
+        if state.get("documents_done"):
+            _say(opts, f"the interrupted prepare in {root} was of other inputs or options "
+                       f"({differs(state['request'], request)}): starting over, its "
+                       f"{state['documents_done']:,} documents done dropped")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         pass
     state = {"request": request, "documents_done": 0, "splits": {}}
     _atomic_write(root / PROGRESS, json.dumps(state))  # before anything is deleted or written
@@ -393,5 +342,5 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def _say(opts: PrepareOptions, message: str) -> None:
-    if opts.progress:
+    if opts.progress and message:
         print(f"prepare: {message}", file=sys.stderr, flush=True)
