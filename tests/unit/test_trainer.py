@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -421,3 +423,22 @@ def test_data_seed_sets_the_data_order_apart_from_the_initialisation(tiny_config
     assert not np.array_equal(plain[0], other_order[0]) and torch.equal(plain[1], other_order[1])
     with pytest.raises(ConfigError, match=r"train.data_seed=-2 is invalid: must be -1 \(train.seed\)"):
         Trainer(tiny_config("train.data_seed=-2"))
+
+
+def test_a_folder_prepared_again_with_a_new_bpe_is_told_to_take_the_runs_tokenizer(tiny_config, tmp_path,
+                                                                                   small_corpus):
+    """A document fixed, the folder prepared again (--overwrite, no --tokenizer): prepare trained a new
+    BPE, and the refusal said "keep data.tokenizer", which the user had never set."""
+    from shardline.data.prepare import PrepareOptions, prepare
+
+    text, out = tmp_path / "c.jsonl", tmp_path / "prep"
+    text.write_text(small_corpus.read_text(encoding="utf-8"), encoding="utf-8")
+    prepare(PrepareOptions([str(text)], str(out), vocab_size=512, progress=False))
+    common = [f"data.path={out}", "train.eval_interval=0", "checkpoint.interval=3"]
+    run = Trainer(tiny_config(*common, "train.stop_at_step=3"))
+    run.build().train()
+    text.write_text(text.read_text(encoding="utf-8").replace("the", "thy"), encoding="utf-8")
+    prepare(PrepareOptions([str(text)], str(out), vocab_size=512, progress=False, overwrite=True))
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"prepare it with --tokenizer {Path(run.cfg.run.dir) / 'tokenizer.json'}, the run's copy")):
+        Trainer(tiny_config(*common)).build()

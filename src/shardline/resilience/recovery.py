@@ -313,7 +313,8 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
     back = f"the data settings changed since it ({changed}): set them back" if changed else ""
     vocabulary, saved_vocabulary = (position or {}).get("vocabulary"), data_pos.get("vocabulary")
     if vocabulary and saved_vocabulary and vocabulary != saved_vocabulary:  # (older checkpoints hold none)
-        keep = "keep data.tokenizer (or the prepared folder's)"
+        keep = ("keep data.tokenizer (or the prepared folder's: one prepared again without --tokenizer has a new "
+                f"BPE; prepare it with --tokenizer {Path(path).parent.parent / 'tokenizer.json'}, the run's copy)")
         raise CheckpointError(
             f"checkpoint {path} was trained with another tokenizer (vocabulary {saved_vocabulary}, this run's "
             f"{vocabulary}): its embeddings mean other tokens; {back or keep}, or start a new run.dir from these "
