@@ -440,5 +440,6 @@ def test_a_folder_prepared_again_with_a_new_bpe_is_told_to_take_the_runs_tokeniz
     text.write_text(text.read_text(encoding="utf-8").replace("the", "thy"), encoding="utf-8")
     prepare(PrepareOptions([str(text)], str(out), vocab_size=512, progress=False, overwrite=True))
     with pytest.raises(CheckpointError, match=re.escape(
-            f"prepare it with --tokenizer {Path(run.cfg.run.dir) / 'tokenizer.json'}, the run's copy")):
+            f"prepare it again with --overwrite --tokenizer {Path(run.cfg.run.dir) / 'tokenizer.json'}, the run's "
+            "copy")):
         Trainer(tiny_config(*common)).build()

@@ -45,9 +45,11 @@ class EncodeJob:
     bos: list[int] = field(default_factory=list)
 
 
-def encoded_chunks(job: EncodeJob, documents: Iterable, chunk_bytes: int, workers: int) -> Iterator[tuple]:
+def encoded_chunks(job: EncodeJob, documents: Iterable, chunk_bytes: int, workers: int,
+                   inherited: tuple[int, ...] = ()) -> Iterator[tuple]:
     """(input documents, bytes, {split: (tokens, lengths, mask)}) per chunk of `documents`
-    ((index, split, document) triples), in input order; workers > 1 run that many processes.
+    ((index, split, document) triples), in input order; workers > 1 run that many processes, which
+    close the file descriptors `inherited` (a lock the caller holds: forked, they held it too).
 
     An executor, not a multiprocessing Pool: a worker the OOM killer takes (a document of
     gigabytes is tokenized whole) fails its chunk here, where a Pool waits for it forever."""
@@ -55,8 +57,8 @@ def encoded_chunks(job: EncodeJob, documents: Iterable, chunk_bytes: int, worker
     if workers == 1:
         yield from (encode_chunk(job, chunk) for chunk in chunks)
         return
-    with _one_thread_per_worker(), ProcessPoolExecutor(workers, mp.get_context("fork"),
-                                                       initializer=_die_with_parent) as pool:
+    with _one_thread_per_worker(), ProcessPoolExecutor(workers, mp.get_context("fork"), initializer=_worker_start,
+                                                       initargs=(os.getpid(), inherited)) as pool:
         pending: deque = deque()
         try:
             for chunk in chunks:
@@ -73,13 +75,16 @@ def encoded_chunks(job: EncodeJob, documents: Iterable, chunk_bytes: int, worker
             pool.shutdown(wait=False, cancel_futures=True)  # stopped early: the queued chunks are not wanted
 
 
-def _die_with_parent() -> None:
-    """A worker goes with the prepare that forked it: a SIGTERM or SIGKILL to the prepare left its
-    workers running, holding the folder's lock (inherited), and a rerun waited for ever. Linux's
-    parent-death signal; elsewhere the workers outlive it as before."""
+def _worker_start(parent: int, inherited: tuple[int, ...]) -> None:
+    """A worker lets go of the caller's lock (forked, it held it: a SIGTERM or SIGKILL to the prepare
+    left its workers running with it, and a rerun waited for ever), and goes with the prepare that
+    forked it (Linux's parent-death signal; elsewhere an orphan finishes its chunk and idles)."""
+    for fd in inherited:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # (the worker's copy: the caller's lock stays held)
     with contextlib.suppress(OSError, AttributeError, TypeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # (gone before the signal was asked for)
+    if os.getppid() != parent:  # (gone before the signal was asked for; a prepare that is PID 1 is no orphan's)
         os._exit(1)
 
 

@@ -137,7 +137,7 @@ def prepare(opts: PrepareOptions) -> dict:
     template = chat_template_for(opts.tokenizer) if opts.format == "chat" else None
     tok = _tokenizer(opts, stream, template)
     root.mkdir(parents=True, exist_ok=True)
-    with _writing(root):  # one prepare writes a folder at a time (`srun shardline prepare` runs one a task)
+    with _writing(root) as lock_fd:  # one prepare writes a folder at a time (srun's prepare runs one a task)
         now = made(root) if written(root) != before else None  # another one finished it meanwhile:
         if now is not None and now[1] == request:  # these inputs (srun's tasks, --overwrite too: one prepare,
             _say(opts, f"{root} was prepared from these inputs meanwhile; nothing to do")  # not one a task)
@@ -153,7 +153,7 @@ def prepare(opts: PrepareOptions) -> dict:
         _keep_side_files(opts.tokenizer, root)
         writers = {name: SplitWriter(root, name, token_dtype(id_bound(tok)), opts.format == "chat",
                                      state["splits"].get(name)) for name in SPLITS}
-        _tokenize_all(opts, root, stream, writers, state, template)
+        _tokenize_all(opts, root, stream, writers, state, template, lock_fd)
         return _finish(root, request, writers, tok, stream)
 
 
@@ -168,7 +168,7 @@ def _writing(root: Path):
             print(f"prepare: another prepare of {root} holds its {LOCK}; waiting for it", file=sys.stderr, flush=True)
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
+            yield handle.fileno()
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
@@ -272,13 +272,14 @@ def _resume_state(root: Path, request: dict, opts: PrepareOptions) -> dict:
     return state
 
 
-def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict, template) -> None:
+def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict, template, lock_fd: int) -> None:
     """Pass 3: tokenize every document not yet committed, committing after each full shard."""
     progress = Progress(opts.progress, stream.pieces, state["documents_done"])
     commits = 0
     job = EncodeJob(str(root / TOKENIZER), opts.format == "chat", template, writers["train"].dtype,
                     state["request"].get("bos", []))
-    chunks = encoded_chunks(job, stream.documents(state["documents_done"]), opts.chunk_bytes, opts.workers)
+    chunks = encoded_chunks(job, stream.documents(state["documents_done"]), opts.chunk_bytes, opts.workers,
+                            inherited=(lock_fd,))  # (a worker holding the lock kept it past a killed prepare)
     for n_docs, n_bytes, encoded in chunks:
         for name, (tokens, lengths, mask) in encoded.items():
             writers[name].add(tokens, lengths, mask)

@@ -73,7 +73,7 @@ def differs(before: dict, request: dict) -> str:
              "the inputs' order"] if old != new or list(old) != list(new) else []
     options = [k for k in {**before, **request}  # (the tokenizer's hash follows from the tokenizer)
                if k not in ("inputs", "tokenizer_sha256") and before.get(k) != request.get(k)]
-    return "; ".join(parts + ([", ".join(options)] if options else []))
+    return "; ".join(parts + ([", ".join(options)] if options else [])) or "the trained tokenizer's bytes"
 
 
 def check_replacing(root: Path, request: dict, overwrite: bool) -> str:

@@ -183,10 +183,9 @@ def saved_by_this_job(path: Path) -> bool:
 
 
 def memory_tier_resumable(cfg: Config) -> bool:
-    """Whether the in-memory snapshots may be resumed from: by `auto`/`latest`, and by any
-    restart of the job (its snapshots are of this job: taken after the named checkpoint, or
-    since the fresh start of `never`). A first start, fresh or from a named checkpoint, leaves
-    their history."""
+    """Whether the in-memory snapshots may be resumed from: by `auto`/`latest`, and by any restart of the
+    job (its snapshots are of this job: taken after the named checkpoint, or since the fresh start of
+    `never`). A first start, fresh or from a named checkpoint, leaves their history."""
     return cfg.run.resume in ("auto", "latest") or restarted()
 
 
@@ -297,8 +296,7 @@ def _check_saved_seq_len(path: Path, seq_len: int) -> None:
                               f"{saved}, or start a new run.dir from these weights with model.init_from")
 
 
-# What a refusal's way out means for the data: a new run reads it from its first batch, where the weights
-# have been already (train.skip_batches passes over batches, counted in the new run's global batches).
+# A refusal's way out for the data: a new run reads it from its first batch (skips: in its own global batches).
 FROM_THE_START = " (a new run reads its data from the first batch: train.skip_batches passes over batches)"
 
 
@@ -313,8 +311,10 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
     back = f"the data settings changed since it ({changed}): set them back" if changed else ""
     vocabulary, saved_vocabulary = (position or {}).get("vocabulary"), data_pos.get("vocabulary")
     if vocabulary and saved_vocabulary and vocabulary != saved_vocabulary:  # (older checkpoints hold none)
+        run = Path(str(path)).parent.parent if Path(str(path)).parent.name == "checkpoints" else None
+        copy = run / "tokenizer.json" if run and (run / "tokenizer.json").is_file() else "RUN/tokenizer.json"
         keep = ("keep data.tokenizer (or the prepared folder's: one prepared again without --tokenizer has a new "
-                f"BPE; prepare it with --tokenizer {Path(path).parent.parent / 'tokenizer.json'}, the run's copy)")
+                f"BPE; prepare it again with --overwrite --tokenizer {copy}, the run's copy)")
         raise CheckpointError(
             f"checkpoint {path} was trained with another tokenizer (vocabulary {saved_vocabulary}, this run's "
             f"{vocabulary}): its embeddings mean other tokens; {back or keep}, or start a new run.dir from these "
