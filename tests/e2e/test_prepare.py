@@ -81,3 +81,19 @@ def test_a_folder_the_file_system_refuses_is_one_line_not_a_traceback(tmp_path, 
     assert main(["prepare", str(small_corpus), "--out", "/proc/shardline-prep", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardline: error: ") and "/proc/shardline-prep" in err and err.count("\n") == 1, err
+
+
+def test_verify_tells_a_missing_shard_from_a_changed_one(tmp_path, small_prepared, capsys):
+    """A deleted shard was reported as a checksum mismatch, and the way out was to prepare again,
+    where the inputs may not be on this machine (a folder copied between machines)."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(small_prepared, copy)
+    (copy / "train" / "tokens-00000.bin").unlink()
+    with open(copy / "val" / "docs.idx", "ab") as f:
+        f.write(b"\0")
+    assert main(["prepare", "--out", str(copy), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert (f"{copy}: missing: train/tokens-00000.bin; checksum mismatch in val/docs.idx; copy the folder again from "
+            "a good copy, or prepare it again with --overwrite") in err, err

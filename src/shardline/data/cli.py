@@ -91,7 +91,12 @@ def _verify(root: Path) -> int:
         raise DataError(f"--out {str(root)!r} does not exist or is not a folder: nothing to verify")
     bad = verify(root)
     if bad:
-        print(f"{root}: checksum mismatch in {', '.join(bad)}; prepare it again with --overwrite", file=sys.stderr)
+        gone = [name for name in bad if not (root / name).exists()]
+        changed = [name for name in bad if name not in gone]
+        said = "; ".join([f"missing: {', '.join(gone)}"] * bool(gone)
+                         + [f"checksum mismatch in {', '.join(changed)}"] * bool(changed))
+        print(f"{root}: {said}; copy the folder again from a good copy, or prepare it again with --overwrite",
+              file=sys.stderr)
         return 2
     print(f"{root}: every shard matches its checksum")
     return 0

@@ -75,6 +75,9 @@ def encoded_chunks(job: EncodeJob, documents: Iterable, chunk_bytes: int, worker
             pool.shutdown(wait=False, cancel_futures=True)  # stopped early: the queued chunks are not wanted
 
 
+PR_SET_PDEATHSIG = 1  # (linux/prctl.h)
+
+
 def _worker_start(parent: int, inherited: tuple[int, ...]) -> None:
     """A worker lets go of the caller's lock (forked, it held it: a SIGTERM or SIGKILL to the prepare
     left its workers running with it, and a rerun waited for ever), and goes with the prepare that
@@ -86,9 +89,6 @@ def _worker_start(parent: int, inherited: tuple[int, ...]) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # (gone before the signal was asked for; a prepare that is PID 1 is no orphan's)
         os._exit(1)
-
-
-PR_SET_PDEATHSIG = 1
 
 
 def encode_chunk(job: EncodeJob, chunk: list) -> tuple[int, int, dict]:
