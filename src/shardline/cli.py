@@ -288,7 +288,7 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> int:
     """The command, its errors said as one line each (exit codes in the module doc and README)."""
     try:
         code = args.func(args, unknown)
-        if args.command in REPORTS and sys.stdout:  # (None: `>&-`) in the try: a reader gone early is said below
+        if args.command in REPORTS:  # inside the try: a reader gone early is handled below, not at exit
             sys.stdout.flush()
         return code
     except AnomalyHalt as e:

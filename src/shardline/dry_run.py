@@ -26,6 +26,7 @@ from shardline.data.tokenizer import load_tokenizer
 from shardline.launch_notes import lr_low_for_new_weights, unused_settings, warmup_covers_run
 from shardline.devices import DATASHEETS, local_datasheet
 from shardline.errors import ConfigError
+from shardline.layout.degrees import shard_degree
 from shardline.interop.hf import check_hf_weights
 from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
@@ -58,12 +59,12 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
     raises what the launch would raise (`world_given`: by --world-size or $WORLD_SIZE, else 1)."""
     check_config(cfg)
     stand_in = use_model_tokenizer(cfg)
-    try:
-        check_layout_before_data(cfg, world)
-    except ConfigError as e:
-        if world_given or "world size" not in str(e):
-            raise
-        raise ConfigError(f"{e} (the dry run checked one process: give --world-size N for the launch's)") from None
+    if not world_given:  # degrees that need more processes than the one assumed: say how to give them
+        try:
+            shard_degree(cfg, world)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (the dry run checked one process: give --world-size N for the launch's)") from None
+    check_layout_before_data(cfg, world)
     data, folder_tokenizer = data_summary(cfg)
     resume = check_resume(cfg)
     check_rollback_target(cfg, resume)
