@@ -561,6 +561,7 @@ def test_starting_weights_holding_nan_are_refused_at_launch(tiny_config, small_p
     save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     start = ("train.eval_interval=0", f"model.hf_path={tmp_path / 'hf'}", _data_tokenizer(small_prepared))
     with pytest.raises(CheckpointError, match=rf"model.hf_path='{tmp_path / 'hf'}': parameter "
-                                              r"layers\.1\.feed_forward\.w3\.weight holds NaN or inf values"):
+                                              r"layers\.1\.feed_forward\.w3\.weight \(read from tensor "
+                                              r"model\.layers\.1\.mlp\.up_proj\.weight\) holds NaN or inf values"):
         Trainer(tiny_config("train.steps=2", *start)).build()
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # (before the run dir)

@@ -570,14 +570,25 @@ def test_missing_tensor_is_named(tmp_path):
         from_hf_pretrained(folder)
 
 
-def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(tmp_path):
-    """A folder with NaN weights trained with every step skipped as an anomaly, and exited 0."""
+def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(tmp_path, transformers):
+    """A folder with NaN weights trained with every step skipped as an anomaly, and exited 0. The
+    refusal names the parameter and the tensor of the folder it came from (Phi-3's fused one)."""
     _, folder = _exported(tmp_path)
     tensors = load_file(folder / WEIGHTS_NAME)
     tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
     save_file(tensors, folder / WEIGHTS_NAME)
-    with pytest.raises(CheckpointError, match=r"parameter layers\.1\.feed_forward\.w3\.weight holds NaN or inf"):
+    with pytest.raises(CheckpointError, match=r"parameter layers\.1\.feed_forward\.w3\.weight \(read from tensor "
+                                              r"model\.layers\.1\.mlp\.up_proj\.weight\) holds NaN or inf"):
         from_hf_pretrained(folder)
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        hf.model.layers[0].self_attn.qkv_proj.weight[70, 1] = float("inf")  # a row of k (q has 64)
+    hf.save_pretrained(tmp_path / "phi3")
+    with pytest.raises(CheckpointError, match=r"parameter layers\.0\.attention\.wk\.weight \(read from tensor "
+                                              r"model\.layers\.0\.self_attn\.qkv_proj\.weight\) holds NaN"):
+        from_hf_pretrained(tmp_path / "phi3")
 
 
 def test_missing_lm_head_of_untied_model_is_named(tmp_path):

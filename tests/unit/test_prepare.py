@@ -1585,3 +1585,35 @@ def test_a_killed_prepares_workers_go_with_it_and_a_waiting_rerun_says_so(tmp_pa
             rerun.kill()
             rerun.wait()
         assert f"another prepare of {out} holds its prepare.lock; waiting for it" in said.read_text(encoding="utf-8")
+
+
+def test_a_prepare_stopped_by_sigterm_says_so_and_the_same_command_resumes_it(tmp_path, small_prepared):
+    """SIGTERM to a prepare's process group (scancel, a container's stop) ended it with no word: it
+    now says it stopped and that the same command resumes it, exits 143, and keeps what it committed
+    (a resume from it: test_an_interrupted_prepare_resumes_and_never_leaves_a_manifest_behind)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    text = tmp_path / "big.txt"
+    text.write_text("".join(f"document {i}: " + "words of the corpus and more words " * 20 + "\n\n\n"
+                            for i in range(20000)), encoding="utf-8")  # (documents end at two blank lines)
+    out, repo = tmp_path / "prep", Path(__file__).parents[2]
+    command = [sys.executable, "-m", "shardline", "prepare", str(text), "--out", str(out), "--workers", "2",
+               "--tokenizer", str(small_prepared / "tokenizer.json"), "--shard-tokens", "20000", "--quiet"]
+    proc = subprocess.Popen(command, cwd=repo, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline, done = time.time() + 120, 0
+    while time.time() < deadline and not done and proc.poll() is None:
+        time.sleep(0.1)
+        try:
+            done = json.loads((out / "progress.json").read_text(encoding="utf-8")).get("documents_done", 0)
+        except (OSError, ValueError):
+            pass
+    assert proc.poll() is None and done, "the prepare ended before it committed a chunk and was stopped"
+    os.killpg(proc.pid, signal.SIGTERM)  # (the prepare and its workers, as scancel sends it)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "shardline: prepare stopped by SIGTERM; the same command resumes it" in err and "Traceback" not in err
+    state = json.loads((out / "progress.json").read_text(encoding="utf-8"))
+    assert state["documents_done"] >= done and not (out / "manifest.json").exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -59,7 +60,9 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
                           workers=args.workers, val_fraction=args.val_fraction, text_field=args.text_field,
                           format=args.format, add_bos=not args.no_bos, shard_tokens=args.shard_tokens,
                           progress=not args.quiet, overwrite=args.overwrite)
-    m = prepare(opts)
+    m = _stoppable(prepare, opts)
+    if isinstance(m, int):
+        return m
     tr, va = m["splits"]["train"], m["splits"]["val"]
     print(f"prepared {args.out}: train {tr['documents']:,} documents / {tr['tokens']:,} tokens in "
           f"{len(tr['shards'])} shard(s), val {va['documents']:,} / {va['tokens']:,}; {m['dtype']}, "
@@ -82,6 +85,30 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
               f"that; hold out more (--val-fraction) or give more documents ({m['input_documents']:,} read"
               + ("; a .txt file's documents end at two blank lines)" if txt else ")"), file=sys.stderr)
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM during a prepare (scancel, a container's stop, `kill`)."""
+
+
+def _stoppable(prepare, opts) -> dict | int:
+    """`prepare(opts)`, or the exit code of a prepare ended by SIGTERM (143) or Ctrl-C (130), said in
+    one line with what a rerun does: a SIGTERM killed it with no word, and the chunks it committed
+    are kept for the rerun of the same command to resume from."""
+    def stop(signum, frame):
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)  # (the workers take the default back: pool._worker_start)
+    try:
+        return prepare(opts)
+    except (_Terminated, KeyboardInterrupt) as e:
+        how = "stopped by SIGTERM" if isinstance(e, _Terminated) else "interrupted"
+        again = ("the same command without --overwrite resumes it (with --overwrite it starts over)" if opts.overwrite
+                 else "the same command resumes it")
+        print(f"shardline: prepare {how}; {again}, keeping the documents it committed", file=sys.stderr)
+        return 143 if isinstance(e, _Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _verify(root: Path) -> int:

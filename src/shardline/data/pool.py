@@ -85,6 +85,7 @@ def _worker_start(parent: int, inherited: tuple[int, ...]) -> None:
     for fd in inherited:
         with contextlib.suppress(OSError):
             os.close(fd)  # (the worker's copy: the caller's lock stays held)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the caller's handler raises in its own main thread only)
     with contextlib.suppress(OSError, AttributeError, TypeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # (gone before the signal was asked for; a prepare that is PID 1 is no orphan's)

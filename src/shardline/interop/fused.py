@@ -38,6 +38,15 @@ def stores_fused(folder: Path) -> bool:
     return isinstance(cfg, dict) and cfg.get("model_type") == "phi3"
 
 
+def fused_name(name: str) -> str:
+    """The fused tensor a Llama-named part `name` lies in (`name` itself where it is no part)."""
+    for kind, parts in _PARTS.items():
+        for part in parts:
+            if name.endswith(f".{part}.weight") and name.startswith("model.layers."):
+                return name.removesuffix(f"{part}.weight") + f"{kind}.weight"
+    return name
+
+
 def split_view(files: dict[str, Path], handles: dict, args: ModelArgs, folder: Path) -> tuple[dict, dict]:
     """(files, handles) where each fused tensor of `files` is replaced by its parts under Llama's
     names, each part's rows taken from the fused tensor as `args` lays them out; a fused tensor

@@ -23,7 +23,6 @@ config.json is read and written by hf_config.py.
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from contextlib import ExitStack, contextmanager
@@ -34,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardline.errors import CheckpointError
-from shardline.interop.fused import split_view, stores_fused
+from shardline.interop.fused import fused_name, split_view, stores_fused
 from shardline.interop.hf_config import CONFIG_NAME, _hf_folder, hf_config_dict, read_hf_config
 from shardline.interop.hf_files import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -77,20 +76,31 @@ def _hf_slots(model: Llama, skip_output: bool) -> _Slots:
     The family's adapter names each parameter; a stacked experts parameter is n_experts
     HF tensors, expert j being its slice [j].
     """
-    args = model.args
-    names = hf_param_name
-    if args.moe is not None:
-        names = functools.partial(hf_param_names, family=hf_family(args), n_experts=args.moe.n_experts)
     slots = {}
     for name, param in model.named_parameters():
         if skip_output and name == "output.weight":
             continue
-        hf = names(name)
+        hf = _hf_names(model.args, name)
         if isinstance(hf, str):
             slots[hf] = (name, param, None)
         else:
             slots.update((h, (name, param, j)) for j, h in enumerate(hf))
     return slots
+
+
+def _hf_names(args: ModelArgs, name: str) -> str | list[str]:
+    """The HF tensor name of parameter `name`, or one per expert of a stacked experts parameter."""
+    if args.moe is None:
+        return hf_param_name(name)
+    return hf_param_names(name, family=hf_family(args), n_experts=args.moe.n_experts)
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without the wrappers' parts (torch.compile, activation checkpointing)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
 def _describe(names: list[str]) -> str:
@@ -154,14 +164,31 @@ def _check_tied_head(folder: Path, files: dict[str, Path], handles: dict) -> Non
                               "but the model ties its output to the embedding")
 
 
-def check_finite(model: nn.Module, source: str) -> None:
-    """Starting weights holding NaN or inf, refused naming a parameter: a run from them skipped every
-    step as an anomaly and exited 0. Each rank checks the part it holds, where it holds it."""
-    for name, param in _unwrap(model).named_parameters():
+def check_finite(model: nn.Module, source: str, hf_folder: Path | None = None) -> None:
+    """Starting weights holding NaN or inf, refused naming a parameter (and, read from HF folder
+    `hf_folder`, the tensor there): a run from them skipped every step as an anomaly and exited 0.
+    Each rank checks the part it holds, where it holds it."""
+    model = _unwrap(model)
+    for name, param in model.named_parameters():
         held = param.to_local() if isinstance(param, DTensor) else param
         if held.is_floating_point() and not bool(torch.isfinite(held).all()):
-            raise CheckpointError(f"{source}: parameter {name} holds NaN or inf values; these weights cannot be "
-                                  "trained or converted (re-save them from a healthy copy)")
+            name = plain_name(name)
+            origin = f" (read from {_hf_origin(model.args, name, hf_folder)})" if hf_folder is not None else ""
+            raise CheckpointError(f"{source}: parameter {name}{origin} holds NaN or inf values; these weights "
+                                  "cannot be trained or converted (re-save them from a healthy copy)")
+
+
+def _hf_origin(args: ModelArgs, name: str, folder: Path) -> str:
+    """The HF tensor(s) parameter `name` was read from, as the folder names them, for a message."""
+    try:
+        hf = _hf_names(args, name)
+    except CheckpointError:  # (a name no adapter knows: the parameter's own name says it)
+        return "the folder"
+    hf = [hf] if isinstance(hf, str) else hf
+    if stores_fused(folder):  # Phi-3's q/k/v and gate/up are parts of one tensor each
+        hf = [fused_name(h) for h in hf]
+    more = f", one of {len(hf)} experts' tensors" if len(hf) > 1 else ""
+    return f"tensor {hf[0]}{more}"
 
 
 def _copy_weights(model: Llama, files: dict[str, Path], handles: dict, expected: _Slots, tied: bool) -> None:
@@ -218,7 +245,7 @@ def from_hf_pretrained(path: str | os.PathLike, device: str | torch.device = "cp
     _weight_files(_hf_folder(path))  # fail on a folder without weights before allocating anything
     model = empty_model(args, torch.float32, device)
     load_hf_weights(model, path)
-    check_finite(model, str(path))
+    check_finite(model, str(path), _hf_folder(path))
     return model, args
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardline.config import ModelConfig
-from shardline.interop.hf import check_finite, hf_state_dict_chunks, load_hf_weights
+from shardline.interop.hf import check_finite, hf_state_dict_chunks, load_hf_weights, plain_name
 from shardline.interop.convert import beside_checkpoint
 from shardline.interop.hf_config import read_hf_fields
 from shardline.interop.hf_files import GENERATION_NAME, SIDE_FILES, copy_side_files
@@ -36,7 +36,8 @@ def load_starting_weights(m: ModelConfig, model: nn.Module, sharded: bool) -> No
     if m.hf_path or m.init_from:
         key, value = ("model.init_from", m.init_from) if m.init_from else ("model.hf_path", m.hf_path)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        agreed(lambda: check_finite(model, f"{key}={value!r}"), world)
+        hf = Path(m.hf_path) if m.hf_path and not m.init_from else None  # (init_from wins, as above)
+        agreed(lambda: check_finite(model, f"{key}={value!r}", hf), world)
 
 
 def copy_starting_files(m: ModelConfig, tokenizer: str, run_dir: Path) -> None:
@@ -75,7 +76,7 @@ def _load_hf(model: nn.Module, path: str, sharded: bool) -> None:
     # its own shard of each in, without a collective: host memory holds a chunk per rank, not
     # a copy of the model (8 fp32 copies of a 70B model would not fit a node). Every rank
     # reads from storage (the page cache serves a node's ranks).
-    params = {_plain_name(name): p for name, p in model.named_parameters(remove_duplicate=False)}
+    params = {plain_name(name): p for name, p in model.named_parameters(remove_duplicate=False)}
     for chunk in hf_state_dict_chunks(path, set(params), max_bytes=HF_CHUNK_BYTES):
         for name, full in chunk.items():
             _copy_full(params[name], full)
@@ -99,9 +100,3 @@ def _copy_full(param: nn.Parameter, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def _plain_name(name: str) -> str:
-    """A parameter's name without the wrappers' parts (torch.compile, activation checkpointing)."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
-
-
-_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
