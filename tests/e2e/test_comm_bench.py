@@ -145,7 +145,8 @@ def test_without_a_ring_op_the_table_prints_and_no_profile_is_written(tmp_path):
                     "--max-size", "16K", "--rounds", "1", "--iters", "1")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "world      2  all_to_all" in run.stdout
-    assert "no profile written: no link was fitted (it needs all_gather or reduce_scatter in --ops" in run.stdout
+    assert "fit intra: not measured (needs all-gather or reduce-scatter in the world tier" in run.stdout
+    assert "no profile written: no link was fitted (the `fit` lines above say why)" in run.stdout
     assert not (tmp_path / "p.toml").exists()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,6 +135,25 @@ def test_one_node_keeps_the_bases_network_rate():
     assert notes[2].startswith("inter: not measured")
 
 
+def test_times_that_do_not_grow_with_size_fit_no_link_and_small_messages_are_said():
+    """A noisy pair of points (the larger message faster) wrote a profile at the fit's 1000 GB/s
+    ceiling in silence; a fit of messages far below a MiB is latency's, said beside the fit."""
+    noisy = [Point("world", "all_gather", 2, 2, 4096, 2395e-6), Point("world", "all_gather", 2, 2, 16384, 370e-6)]
+    fields, notes = cluster_fit.fit_links(noisy, Network(), nodes=1, per_node=2)
+    assert "intra_latency_us" not in fields and "bw_by_world_gbs" not in fields  # (the base's rate kept)
+    assert notes[1] == ("intra: not fitted: the world tier's times do not grow with the message size (noise: more "
+                        "--rounds, or a larger --max-size); the base's figures kept")
+    small = [Point("world", "all_gather", 2, 2, nbytes, _ring_seconds("all_gather", 2, nbytes, 10e-6, 1e9))
+             for nbytes in (8, 96)]
+    fields, notes = cluster_fit.fit_links(small, Network(), nodes=1, per_node=2)
+    assert fields["intra_bw_gbs"] == pytest.approx(1.0, rel=1e-6)
+    assert notes[1].endswith("; its largest message, 96 B, is mostly latency: give --max-size 1 MiB or more for a "
+                             "bandwidth to plan with")
+    big = [Point("world", "all_gather", 2, 2, nbytes, _ring_seconds("all_gather", 2, nbytes, 10e-6, 1e9))
+           for nbytes in (4096, 1 << 20)]
+    assert "mostly latency" not in cluster_fit.fit_links(big, Network(), nodes=1, per_node=2)[1][1]
+
+
 def test_sizes():
     assert cluster.parse_size("4096", "--min-size") == 4096
     assert cluster.parse_size("64K", "--min-size") == 64 << 10 and cluster.parse_size("2g", "x") == 2 << 30
@@ -223,3 +243,13 @@ def test_of_two_groups_each_is_judged_against_the_other():
     named = [x.split(":")[1] for x in cluster.slow_groups(points, every, layout, factor=1.5)]
     assert named == [" node group of ranks 0,1", " rail group of ranks 0,2",
                      " rank(s) 0 in a slow group inside its node and in a slow rail"]
+
+
+def test_an_out_the_file_system_refuses_is_found_by_trying_it(tmp_path):
+    """Permission bits said yes to root on /proc: the profile failed only after the whole benchmark."""
+    from shardline.planner.calibrate.cluster_cli import out_problem
+
+    assert out_problem(Path("/proc/shardline-profile.toml")) is not None
+    assert out_problem(tmp_path / "p.toml") is None and not (tmp_path / "p.toml").exists()  # (the try removed)
+    (tmp_path / "old.toml").write_text("kept", encoding="utf-8")
+    assert out_problem(tmp_path / "old.toml") is None and (tmp_path / "old.toml").read_text() == "kept"

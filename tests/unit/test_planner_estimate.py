@@ -318,11 +318,13 @@ def test_a_calibrated_cpu_profile_says_how_far_it_was_found_off(capsys, tmp_path
     from shardline.cli import main
 
     profile = tmp_path / "cpu.toml"
-    profile.write_text('base = "cpu"\nmatmul_half_dim = 16.0\n[matmul_eff_max]\nfp32 = 0.9\n')
+    profile.write_text('base = "cpu"\nmatmul_half_dim = 16.0\n[matmul_eff_max]\nfp32 = 0.9\n'
+                       '[measured]\nworld_all_gather = [[2, 4096, 100.0]]\n')  # (comm-bench's record: not a figure)
     config = str(Path(__file__).parents[2] / "configs" / "tiny.toml")
     assert main(["estimate", "--config", config, "--profile", str(profile)]) == 0
     line = capsys.readouterr().out.splitlines()[1]
-    assert "from the profile" in line and "within ~10% of the measured ones and several ranks' 15-40% under" in line
+    assert "with matmul_eff_max, matmul_half_dim from the profile" in line
+    assert "within ~10% of the measured ones and several ranks' 15-40% under" in line
     assert main(["estimate", "--config", config, "--gpu", "h100-sxm", "--profile", str(profile)]) in (0, 2)
     assert "15-40% under" not in capsys.readouterr().out  # (a GPU profile's: not measured here)
 

@@ -112,7 +112,7 @@ def _priced_by(args: argparse.Namespace, hw: Hardware) -> str:
     """What the figures the prediction rests on come from: a profile, or the table's own."""
     if args.profile:  # (a comm-bench profile holds [network] alone: the rest is the base's)
         given = sorted(read_profile(args.profile)) if Path(args.profile).is_file() else []
-        tables = ", ".join(k for k in given if k != "base") or "nothing"
+        tables = ", ".join(k for k in given if k not in ("base", "measured")) or "nothing"  # ([measured]: a record)
         trust = ("; on the CPUs checked, a calibrated profile put one process's steps within ~10% of the measured "
                  "ones and several ranks' 15-40% under them (docs/planner.md)" if hw.name == "cpu" else "")
         return f"the {hw.name} figures, with {tables} from the profile {args.profile}{trust}"

@@ -127,8 +127,7 @@ def _write(out: Path, name: str, tables: dict, world: int, drilled: bool, failed
                                          "a collective gave wrong results (FAILED above)"))
         return
     if not any(f"{link}_latency_us" in tables["network"] for link in ("intra", "inter")):
-        print("no profile written: no link was fitted (it needs all_gather or reduce_scatter in --ops, at two "
-              "sizes or more)")
+        print("no profile written: no link was fitted (the `fit` lines above say why)")
         return
     comment = (f"shardline network profile, written by `shardline comm-bench` on {world} ranks\n"
                f"use: shardline plan|estimate|simulate ... --gpu {name} --profile {out}\n"
@@ -143,12 +142,18 @@ def _write(out: Path, name: str, tables: dict, world: int, drilled: bool, failed
 
 def out_problem(out: Path) -> str | None:
     """Why `--out` cannot be written as a file (a path the file system refuses to look at counts),
-    or None; for calibrate's --out too."""
+    or None; for calibrate's --out too. Tried by opening it (a new file is removed again):
+    permission bits say yes to root where the file system says no (/proc, a read-only mount)."""
     try:
-        if out.exists():
-            bad = out.is_dir() or not os.access(out, os.W_OK)
+        existed = out.exists()
+        if out.is_dir():
+            bad = True
         else:
-            bad = not out.parent.is_dir() or not os.access(out.parent, os.W_OK)
-    except OSError:  # permission denied on the way, a name too long, ...
+            with open(out, "a", encoding="utf-8"):
+                pass
+            bad = False
+            if not existed:
+                out.unlink()
+    except OSError:  # permission denied on the way, a name too long, a read-only file system ...
         bad = True
     return f"--out {out} cannot be written: give a file in an existing, writable folder" if bad else None

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass
 
 from shardline.planner import comm
-from shardline.planner.calibrate.comm import fit_alpha_beta, op_factors
+from shardline.planner.calibrate.comm import fit_alpha_beta, op_factors, seconds_per_byte
 from shardline.planner.hardware import Network
 
 LINK_OPS = ("all_gather", "reduce_scatter")  # the links are fitted to these, as rings
@@ -111,11 +111,21 @@ def _fit_tier(points: list[Point], tier: str | None, link: str, notes: list[str]
         notes.append(f"{link}: not measured (needs all-gather or reduce-scatter in the {tier} tier at two sizes "
                      "or more); the base's figures kept")
         return None
-    alpha, bw = fit_alpha_beta([{"op": p.op, "world": p.ranks, "bytes": p.nbytes, "seconds": p.seconds}
-                                for p in chosen])
+    measured = [{"op": p.op, "world": p.ranks, "bytes": p.nbytes, "seconds": p.seconds} for p in chosen]
+    if seconds_per_byte(measured) <= 0:  # (a fit would give its 1000 GB/s ceiling, and the profile would say so)
+        notes.append(f"{link}: not fitted: the {tier} tier's times do not grow with the message size (noise: "
+                     "more --rounds, or a larger --max-size); the base's figures kept")
+        return None
+    alpha, bw = fit_alpha_beta(measured)
+    largest = max(p.nbytes for p in chosen)
+    small = (f"; its largest message, {human(largest)}, is mostly latency: give --max-size {human(BANDWIDTH_SIZE)} "
+             "or more for a bandwidth to plan with") if largest < BANDWIDTH_SIZE else ""
     notes.append(f"{link}: {alpha * 1e6:.2f} us + {bw / 1e9:.5g} GB/s from the {tier} tier "
-                 f"({len(chosen)} points of {', '.join(sorted({p.op for p in chosen}))})")
+                 f"({len(chosen)} points of {', '.join(sorted({p.op for p in chosen}))}){small}")
     return chosen[0].ranks, alpha, bw
+
+
+BANDWIDTH_SIZE = 1 << 20  # a fit whose largest message is smaller says its bandwidth is mostly latency's
 
 
 def predict(point: Point, net: Network) -> float:
@@ -138,7 +148,7 @@ def report(points: list[Point], notes: list[str], fitted: Network, base: tuple[s
     for p in points:
         model = predict(p, fitted)
         lines.append(f"{p.tier:<6} {p.ranks:>5}  {p.op:<15} {human(p.nbytes):>10} {p.seconds * 1e6:>10.1f} "
-                     f"{p.algbw_gbs:>11.3f} {p.busbw_gbs:>11.3f} {model * 1e6:>10.1f} {model / p.seconds - 1:>+7.0%}")
+                     f"{p.algbw_gbs:>11.4g} {p.busbw_gbs:>11.4g} {model * 1e6:>10.1f} {model / p.seconds - 1:>+7.0%}")
     lines += [f"fit {note}" for note in notes]
     world = [p for p in points if p.tier == "world"]
     if world and any(p.tier == "node" for p in points):

@@ -102,7 +102,18 @@ def _ring_terms(p: dict) -> tuple[float, float]:
 
 
 def fit_alpha_beta(points: list[dict]) -> tuple[float, float]:
-    """Least squares of t = steps·alpha + volume/B over the points: (alpha s, B bytes/s)."""
+    """Least squares of t = steps·alpha + volume/B over the points: (alpha s, B bytes/s), each held
+    to a floor (a time that does not grow with size gives 1e12 B/s: see seconds_per_byte)."""
+    alpha, inv_bw = _least_squares(points)
+    return max(alpha, 1e-7), 1.0 / max(inv_bw, 1e-12)
+
+
+def seconds_per_byte(points: list[dict]) -> float:
+    """The fit's 1/B before its floor: not above zero where the times do not grow with size."""
+    return _least_squares(points)[1]
+
+
+def _least_squares(points: list[dict]) -> tuple[float, float]:
     rows = [(*_ring_terms(p), p["seconds"]) for p in points]
     # Normal equations of the 2-parameter model, weighted by 1/t so small messages count.
     saa = sum(a * a / t ** 2 for a, _, t in rows)
@@ -111,9 +122,7 @@ def fit_alpha_beta(points: list[dict]) -> tuple[float, float]:
     sat = sum(a / t for a, _, t in rows)
     sbt = sum(b / t for _, b, t in rows)
     det = saa * sbb - sab * sab
-    alpha = (sat * sbb - sbt * sab) / det
-    inv_bw = (saa * sbt - sab * sat) / det
-    return max(alpha, 1e-7), 1.0 / max(inv_bw, 1e-12)
+    return (sat * sbb - sbt * sab) / det, (saa * sbt - sab * sat) / det
 
 
 def measure_collectives(world_sizes=(2, 4)) -> tuple[dict, dict]:
