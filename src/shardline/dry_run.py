@@ -30,7 +30,7 @@ from shardline.layout.degrees import shard_degree
 from shardline.interop.hf import check_hf_weights
 from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
-from shardline.optim import next_lr_change
+from shardline.optim import next_lr_change, wsd_decay_steps
 from shardline.parallel.compile import describe as describe_compile
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import Hardware, cuda_index, get_hardware, with_local_memory
@@ -177,6 +177,10 @@ def _optim_line(cfg: Config) -> str:
     floor = "" if o.schedule == "constant" else f" down to {o.min_lr_ratio:g} x lr"
     curve = (" (as long as the run: the lr peaks at its last step, never decaying)" if warmup_covers_run(cfg) else
              f", then {o.schedule}{floor}")
+    if o.schedule == "wsd" and not warmup_covers_run(cfg):
+        asked, given = wsd_decay_steps(t.steps, o)
+        curve += f" over the last {given} step(s)" + (f" ({asked} asked: the decay starts after the warm-up)"
+                                                       if given < asked else "")
     return f"optim     lr {o.lr:g}, {o.warmup_steps} warm-up step(s){curve}; {seeds}"
 
 

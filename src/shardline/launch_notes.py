@@ -19,6 +19,7 @@ from shardline.errors import DataError, ShardlineError
 from shardline.interop.hf_config import hf_export_problem
 from shardline.layout import IDLE_AT_DEGREE_ONE, Layout
 from shardline.models.llama import ModelArgs
+from shardline.optim import wsd_decay_steps
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import read_hf_config
 from shardline.interop.hf_files import TOKENIZER_NAME
@@ -65,6 +66,10 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             "a loss of the node does not)"}))
     if warmup_covers_run(cfg):
         notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
+    elif cfg.optim.schedule == "wsd" and (decay := wsd_decay_steps(cfg.train.steps, cfg.optim))[1] < decay[0]:
+        notes.append(("wsd_decay_cut", {"decay_steps": decay[1], "asked": decay[0], "why": (
+            f"optim.decay_fraction={cfg.optim.decay_fraction} asks for {decay[0]} decay steps of {cfg.train.steps}; "
+            f"the decay starts after the {cfg.optim.warmup_steps} warm-up steps, so it takes {decay[1]}")}))
     if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's
         notes.append(("mfu_peak_assumed", {"peak_tflops": peak, "why": CPU_PEAK_ASSUMED}))
     if device_type == "cpu" and cfg.train.precision in ("bf16", "fp16") and not cpu_has_amx(cfg.train.precision):

@@ -102,3 +102,7 @@ def test_the_dry_run_says_the_lr_curve_and_the_seeds(tiny_config):
     assert line.endswith("seed 1234, data order 3"), line
     report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "optim.schedule=constant", "optim.warmup_steps=2"), 1)
     assert "2 warm-up step(s), then constant; seed 1234 (weights and data order)" in report
+    # A WSD decay the warm-up shortens (5 of 10 steps asked, 8 warming up), as the wsd_decay_cut note says it
+    report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=10", "optim.schedule=wsd",
+                                            "optim.warmup_steps=8", "optim.decay_fraction=0.5"), 1)
+    assert "then wsd down to 0.1 x lr over the last 2 step(s) (5 asked: the decay starts after the warm-up)" in report

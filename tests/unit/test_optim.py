@@ -27,6 +27,26 @@ def test_wsd_whose_warmup_overlaps_the_decay_decays_after_the_warmup_without_a_j
     assert max(a - b for a, b in zip(curve[89:], curve[90:])) == pytest.approx(0.9 / 10)  # ten even steps
 
 
+def test_the_wsd_decay_rounds_half_up_and_a_warmup_that_shortens_it_is_noted(tiny_config):
+    """decay_fraction 0.25 of 10 steps asked 2 decay steps (Python's round: half to even) and of 14
+    steps 4; a decay the warm-up shortened was not said."""
+    from shardline.launch_notes import launch_notes
+    from shardline.optim import wsd_decay_steps
+
+    for steps, want in ((10, 3), (14, 4), (18, 5), (2, 1)):
+        assert wsd_decay_steps(steps, OptimConfig(schedule="wsd", warmup_steps=0, decay_fraction=0.25)) == (want, want)
+        curve = [lr_multiplier(s, steps, OptimConfig(schedule="wsd", warmup_steps=0, decay_fraction=0.25))
+                 for s in range(steps)]
+        assert sum(m < 1.0 for m in curve) == want and curve[-1] == pytest.approx(0.1)
+    assert wsd_decay_steps(10, OptimConfig(schedule="wsd", warmup_steps=8, decay_fraction=0.5)) == (5, 2)
+    notes = dict(launch_notes(tiny_config("train.steps=10", "optim.schedule=wsd", "optim.warmup_steps=8",
+                                          "optim.decay_fraction=0.5", "metrics.peak_tflops=1"), "cpu", 1.0, 1))
+    assert notes["wsd_decay_cut"]["decay_steps"] == 2 and notes["wsd_decay_cut"]["asked"] == 5
+    assert "wsd_decay_cut" not in dict(launch_notes(tiny_config("train.steps=10", "optim.schedule=wsd",
+                                                                "optim.warmup_steps=5", "optim.decay_fraction=0.5"),
+                                                    "cpu", 1.0, 1))
+
+
 def test_the_next_lr_a_resume_changes_is_given_before_and_after():
     """Extending a cosine run that decayed to its floor raises the lr again (the curve is computed
     from step 0 over the new train.steps): next_lr_change gives the two values; None where the

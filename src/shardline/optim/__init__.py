@@ -84,9 +84,7 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimConfig) -> float:
     if cfg.schedule == "constant":
         return 1.0
     if cfg.schedule == "wsd":  # warmup-stable-decay: flat, then linear decay at the end
-        # The decay starts after the warmup even where decay_fraction asks for more steps
-        # than the warmup leaves (the multiplier never jumps down).
-        decay_start = max(warmup, total_steps - max(1, round(total_steps * cfg.decay_fraction)))
+        decay_start = total_steps - wsd_decay_steps(total_steps, cfg)[1]
         if step < decay_start:
             return 1.0
         return 1.0 - (1.0 - floor) * min(1.0, (step - decay_start + 1) / max(1, total_steps - decay_start))
@@ -94,6 +92,14 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimConfig) -> float:
     if cfg.schedule == "linear":
         return 1.0 - (1.0 - floor) * progress
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def wsd_decay_steps(total_steps: int, cfg: OptimConfig) -> tuple[int, int]:
+    """(asked, given): the updates of a WSD decay that decay_fraction asks for (a half rounded up, at
+    least one), and those it gets. The decay starts after the warm-up even where that leaves fewer
+    (the multiplier never jumps down); the launch says so (the wsd_decay_cut note)."""
+    asked = max(1, math.floor(total_steps * cfg.decay_fraction + 0.5))
+    return asked, min(asked, total_steps - min(cfg.warmup_steps, total_steps))
 
 
 def schedule_settings(total_steps: int, cfg: OptimConfig) -> dict:
