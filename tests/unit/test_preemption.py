@@ -242,6 +242,38 @@ def test_a_signal_that_lands_while_a_step_is_logged_still_skips_the_evaluation(t
     assert [p for p in phases if p[0] != "drain"] == [("eval", 2), ("save", 2), ("save", 4)]  # no eval at 4
 
 
+def test_a_signal_that_lands_during_an_evaluation_ends_it_and_the_resumed_run_makes_it_up(tiny_config, tmp_path):
+    """A long evaluation (many eval_batches) ran to its end before the stop's save, eating the grace
+    before the kill: it now ends between its micro-batches, logs nothing, and is owed to the rerun,
+    which evaluates that step first, as the uninterrupted run did."""
+    from shardline.trainer import Trainer
+
+    settings = ["train.steps=6", "train.eval_interval=2", "checkpoint.interval=2", "train.eval_batches=2"]
+    trainer = Trainer(tiny_config(*settings)).build()
+    phases = record_phases(trainer)
+    asked = []
+
+    def stop_requested():  # at step 4: after the step, before the eval, then inside it (before micro-batch 2)
+        asked.append(trainer.step)
+        return "SIGTERM" if asked.count(4) >= 3 else None
+
+    trainer.guard.stop_requested = stop_requested
+    with pytest.raises(Preempted, match="SIGTERM at step 4; state saved"):
+        trainer.train()
+    assert asked.count(4) == 4  # after the step, before the eval, in it before its 2nd micro-batch of 4, after it
+    assert [p for p in phases if p[0] != "drain"] == [("eval", 2), ("save", 2), ("eval", 4), ("save", 4)]
+    assert [r["step"] for r in records(trainer.run_dir) if r["kind"] == "eval"] == [2]  # nothing logged at 4
+    rerun = Trainer(tiny_config(*settings)).build()
+    phases = record_phases(rerun)
+    rerun.train()
+    assert [p for p in phases if p[0] == "eval"] == [("eval", 4), ("eval", 6)]
+    whole = Trainer(tiny_config(*settings, run_dir=tmp_path / "whole")).build()
+    whole.train()
+    losses = {run: [(r["step"], r["eval_loss"]) for r in records(run) if r["kind"] == "eval"]
+              for run in (trainer.run_dir, whole.run_dir)}
+    assert losses[trainer.run_dir] == losses[whole.run_dir] and [s for s, _ in losses[whole.run_dir]] == [2, 4, 6]
+
+
 @pytest.mark.parametrize("memory", [False, True])
 def test_the_evaluation_a_stop_skipped_is_made_up_by_the_resumed_run(tiny_config, tmp_path, memory):
     """Stopped at step 4, an eval step: the rerun evaluates step 4 before its first step, from a
@@ -456,9 +488,9 @@ def test_progress_json_names_the_phase_a_launch_is_in(tiny_config):
     run, seen = Path(trainer.cfg.run.dir), []
 
     def reading(work):
-        def read_then_work():
+        def read_then_work(*args):
             seen.append(json.loads((run / "progress.json").read_text()))
-            return work()
+            return work(*args)
         return read_then_work
 
     trainer.evaluate, trainer.save_checkpoint = reading(trainer.evaluate), reading(trainer.save_checkpoint)
@@ -468,7 +500,7 @@ def test_progress_json_names_the_phase_a_launch_is_in(tiny_config):
     assert json.loads((run / "progress.json").read_text())["phase"] == "ended"
     failing = Trainer(tiny_config("train.steps=4", "train.eval_interval=2", "checkpoint.interval=2")).build()
 
-    def broken_eval():
+    def broken_eval(*args):
         raise RuntimeError("eval broke")
 
     failing.evaluate = broken_eval  # (a halt, a crash or Ctrl-C alike: the phase it died in read "train" after)

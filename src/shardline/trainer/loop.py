@@ -4,8 +4,8 @@ Read `build()` (the model, optimizer, data and the state a run resumes), then `_
 the loop (`train()` wraps it with the cleanup an error needs, `close()`); what one rank
 computes of a step (forward, loss, backward) is step.py's StepRunner, what a checkpoint
 holds beyond the weights and how a run is put back from one is state.py's, and what is
-done with an anomalous step (skip, rollback, halt) is anomalies.py's, and what a stop request
-saves is stopping.py's. The loss of a step
+done with an anomalous step (skip, rollback, halt) is anomalies.py's, the evaluation, save and
+memory snapshot due after a step are intervals.py's, and what a stop request saves is stopping.py's. The loss of a step
 is the mean over every labelled token of the global batch, whatever the micro-batching,
 so neither gradient accumulation nor any parallel layout changes a number.
 """
@@ -13,7 +13,6 @@ so neither gradient accumulation nor any parallel layout changes a number.
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 import time
 import warnings
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 
 from shardline.config import Config, expand_home
-from shardline.data.sampler import batch_index, eval_micro_batches
+from shardline.data.sampler import batch_index
 from shardline.devices import peak_tflops
 from shardline.errors import CheckpointError, ConfigError, Interrupted, Preempted, on_every_rank
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
@@ -51,12 +50,13 @@ from shardline.resilience.recovery import (agree_on_resume, memory_tier_resumabl
                                           refuse_fresh_over_invalid, saved_step)
 from shardline.resilience.run_lock import RunLock, launcher_ids
 from shardline.trainer.anomalies import AnomalyResponse
+from shardline.trainer.intervals import IntervalWork
 from shardline.trainer.state import SavedState
 from shardline.trainer.stopping import StopOnRequest
 from shardline.trainer.step import StepRunner
 
 
-class Trainer(SavedState, AnomalyResponse, StopOnRequest):
+class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
     """One run of a config: `Trainer(cfg).build()` sets up the layout, model, data and run dir (and
     resumes what the dir holds), `train()` trains to train.steps. See the module docstring."""
 
@@ -266,37 +266,6 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
             raise on_every_rank(CheckpointError(self.tiers.unsaved_end))  # (a refused save fails on every rank)
         return last
 
-    def _evaluate_and_save(self, step: int, stop: int, request: str | None) -> tuple[str | None, float]:
-        """The evaluation, save and memory snapshot due after `step`, each a watched phase
-        (watchdog.long_timeout_s: a first eval that compiles, or a slow save, is not a hung
-        step). A stop request skips the evaluation (the grace before the kill is for the save)
-        and is asked again after them (a signal usually lands during them). Returns the request
-        and the seconds they took."""
-        cfg = self.cfg
-        due = bool(cfg.train.eval_interval) and (step % cfg.train.eval_interval == 0 or step == stop)
-        save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
-        snapshot = cfg.checkpoint.memory_interval and (step % cfg.checkpoint.memory_interval == 0 or (
-            step == stop < cfg.train.steps and not cfg.checkpoint.interval))  # (a stop_at_step: RAM alone holds it)
-        if not request and step < stop and (due or save or snapshot):  # asked right after the step, then
-            request = self.guard.stop_requested()  # again: a signal that landed while it was logged skips the eval
-        stopping = bool(request) and step < stop
-        self.tiers.ending_at = step if stopping or step == stop else None  # no next interval retries its save
-        evaluate, self.eval_owed = due and not stopping, due and stopping  # (what a save here records)
-        # Stopping with a disk save to come: no snapshot before it, the grace before the kill is short.
-        snapshot = snapshot and not (stopping and cfg.checkpoint.interval)
-        if not (evaluate or save or snapshot):
-            return request, 0.0
-        paused = self._clock()
-        if evaluate:
-            self.guard.watched("eval", step, "eval", self.evaluate)
-        if save:
-            self.guard.watched("save", step, "checkpoint", self.save_checkpoint)
-        if snapshot:
-            self.guard.watched("snapshot", step, "checkpoint", self.snapshot_to_memory)
-        if not request and step < stop:
-            request = self.guard.stop_requested()
-        return request, self._clock() - paused
-
     def train_step(self) -> tuple[float | torch.Tensor, torch.Tensor, str]:
         """One step: gradients, the anomaly check, then the update (or the anomaly's action).
 
@@ -362,18 +331,6 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest):
             # warns about that order, which is intended here.
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
-
-    def evaluate(self) -> float:
-        """Mean loss over the held-out split's first eval_batches global batches (eval_micro_batches), shared
-        by the data-parallel ranks: the same sequences, so the same number, whatever the layout."""
-        t = self.cfg.train
-        self.model.eval()
-        batches = eval_micro_batches(len(self.data.val), t.eval_batches * t.global_batch_size, t.micro_batch_size)
-        total = self.runner.eval_loss_total(batches, self.data.val.batch)
-        loss = total.item() / max(self.data.val.count_labels(np.concatenate(batches)), 1)
-        self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)),
-                         eval_sequences=sum(map(len, batches)))
-        return loss
 
     def _clock(self) -> float:
         """The time once the device ran what the host queued (a step without a host sync returns at its launches)."""

@@ -120,8 +120,10 @@ class StepRunner:
         return shard_batch(batch, self.context.local_positions(self.device))  # (no host copy per micro-batch)
 
     @torch.no_grad()
-    def eval_loss_total(self, batches: list[np.ndarray], batch_of: Callable[[np.ndarray], Batch]) -> torch.Tensor:
-        """Summed cross-entropy of the eval batches over every rank.
+    def eval_loss_total(self, batches: list[np.ndarray], batch_of: Callable[[np.ndarray], Batch],
+                        stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+        """Summed cross-entropy of the eval batches over every rank; None where `stop`, asked before
+        each micro-batch after the first (a collective: every rank asks as often), said to stop.
 
         The data-parallel ranks share the batches (batch i goes to dp rank i mod dp).
         Every rank runs the same number of forward passes, since sharded parameters
@@ -131,6 +133,8 @@ class StepRunner:
         dp, dp_rank = self.dims.dp, self.dims.dp_rank()
         total = torch.zeros((), device=self.device)
         for i in range(dp_rank, -(-len(batches) // dp) * dp, dp):
+            if stop is not None and i >= dp and stop():
+                return None
             batch = self.to_device(batch_of(batches[min(i, len(batches) - 1)]))
             weight = 1.0 if i < len(batches) else 0.0
             total += weight * self._eval_loss_sum(batch)

@@ -1,0 +1,66 @@
+"""What is due after a step: the evaluation, the checkpoint save and the memory snapshot, and
+how a stop request changes them (skipped, or an evaluation ended between its micro-batches:
+the grace before a kill is the save's).
+
+A mixin of Trainer (trainer/loop.py), whose state it works on: the config, the data, the step
+runner, the watchdog guard and the metrics log.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from shardline.data.sampler import eval_micro_batches
+
+
+class IntervalWork:
+    def _evaluate_and_save(self, step: int, stop: int, request: str | None) -> tuple[str | None, float]:
+        """The evaluation, save and memory snapshot due after `step`, each a watched phase
+        (watchdog.long_timeout_s: a first eval that compiles, or a slow save, is not a hung
+        step). A stop request skips the evaluation (the grace before the kill is for the save),
+        or ends it between its micro-batches, and is asked again after them. Returns the request
+        and the seconds they took."""
+        cfg = self.cfg
+        due = bool(cfg.train.eval_interval) and (step % cfg.train.eval_interval == 0 or step == stop)
+        save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
+        snapshot = cfg.checkpoint.memory_interval and (step % cfg.checkpoint.memory_interval == 0 or (
+            step == stop < cfg.train.steps and not cfg.checkpoint.interval))  # (a stop_at_step: RAM alone holds it)
+        if not request and step < stop and (due or save or snapshot):  # asked right after the step, then
+            request = self.guard.stop_requested()  # again: a signal that landed while it was logged skips the eval
+        stopping = bool(request) and step < stop
+        self.tiers.ending_at = step if stopping or step == stop else None  # no next interval retries its save
+        evaluate, self.eval_owed = due and not stopping, due and stopping  # (what a save here records)
+        # Stopping with a disk save to come: no snapshot before it, the grace before the kill is short.
+        snapshot = snapshot and not (stopping and cfg.checkpoint.interval)
+        if not (evaluate or save or snapshot):
+            return request, 0.0
+        paused = self._clock()
+        if evaluate:  # (abandoned where a stop comes in it: owed, as if skipped, and the save comes at once)
+            stoppable = (lambda: self.guard.stop_requested() is not None) if step < stop else None
+            if self.guard.watched("eval", step, "eval", lambda: self.evaluate(stoppable)) is None:
+                self.eval_owed = True
+        if save:
+            self.guard.watched("save", step, "checkpoint", self.save_checkpoint)
+        if snapshot:
+            self.guard.watched("snapshot", step, "checkpoint", self.snapshot_to_memory)
+        if not request and step < stop:
+            request = self.guard.stop_requested()
+        return request, self._clock() - paused
+
+    def evaluate(self, stop: Callable[[], bool] | None = None) -> float | None:
+        """Mean loss over the held-out split's first eval_batches global batches (eval_micro_batches), shared
+        by the data-parallel ranks: the same sequences, so the same number, whatever the layout. None,
+        logging nothing, where `stop` (asked of every rank alike between micro-batches) said to stop."""
+        t = self.cfg.train
+        self.model.eval()
+        batches = eval_micro_batches(len(self.data.val), t.eval_batches * t.global_batch_size, t.micro_batch_size)
+        total = self.runner.eval_loss_total(batches, self.data.val.batch, stop)
+        if total is None:
+            return None
+        loss = total.item() / max(self.data.val.count_labels(np.concatenate(batches)), 1)
+        self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)),
+                         eval_sequences=sum(map(len, batches)))
+        return loss
