@@ -1617,3 +1617,29 @@ def test_a_prepare_stopped_by_sigterm_says_so_and_the_same_command_resumes_it(tm
     assert "shardline: prepare stopped by SIGTERM; the same command resumes it" in err and "Traceback" not in err
     state = json.loads((out / "progress.json").read_text(encoding="utf-8"))
     assert state["documents_done"] >= done and not (out / "manifest.json").exists()
+
+
+def test_a_folder_a_run_reads_is_not_replaced_under_it(tmp_path, small_corpus):
+    """`prepare --overwrite` replaced a folder under a running job: its held-out split, mapped at the
+    first evaluation, was the new folder's (another tokenizer's), and the eval losses logged were
+    those of other data. A reader's shared lock on the manifest makes the overwrite refuse; one
+    that holds it makes a new reader refuse, and a folder no run reads is replaced as before."""
+    import gc
+
+    from shardline.data.readers import unread
+    from shardline.data.shards import open_prepared
+
+    out = tmp_path / "prep"
+    prepare(PrepareOptions([str(small_corpus)], str(out), **SMALL))
+    data = open_prepared(str(out), 32)
+    with pytest.raises(DataError, match=re.escape(f"{out} is being read by a run (train or eval on it): "
+                                                  "replacing it would change that run's data under it; stop the run")):
+        prepare(PrepareOptions([str(small_corpus)], str(out), overwrite=True, **SMALL))
+    assert (out / "manifest.json").is_file() and len(data.val)  # untouched
+    del data
+    gc.collect()
+    with unread(out):
+        with pytest.raises(DataError, match=re.escape(f"{out} is being prepared again (a `shardline prepare "
+                                                      "--overwrite` holds it)")):
+            open_prepared(str(out), 32)
+    prepare(PrepareOptions([str(small_corpus)], str(out), overwrite=True, **SMALL))  # no reader now

@@ -30,6 +30,7 @@ from shardline.data.chat_template import ChatTemplate, chat_template_for, templa
 from shardline.data.encode import CHAT_MASK_RULE, check_replies, render_chat
 from shardline.data.loader import held_out, split_single
 from shardline.data.pool import EncodeJob, Progress, encoded_chunks
+from shardline.data.readers import unread
 from shardline.data.prepare_out import LOCK, check_out, check_replacing, differs, finished, made, written
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
                                    check_manifest_keys, file_sha256, id_bound, token_dtype, token_fingerprint,
@@ -131,6 +132,8 @@ def prepare(opts: PrepareOptions) -> dict:
         check_manifest_keys(root, done)  # a damaged manifest: one line, not a KeyError in the fingerprint's read
         return _with_fingerprint(root, done)
     _say(opts, check_replacing(root, request, opts.overwrite))
+    with unread(root):  # said before the passes below (again under the folder's lock, where it counts)
+        pass
     before = written(root)  # (a manifest another prepare writes while this one tokenizes or waits: judged again)
     # Passes 1 and 2 before the folder is touched: bad inputs or a bad tokenizer leave it as it was.
     stream = _count(opts, files)
@@ -145,7 +148,8 @@ def prepare(opts: PrepareOptions) -> dict:
         if now is not None:  # other inputs: judged as if found at the start
             _say(opts, check_replacing(root, request, opts.overwrite))
         request["tokenizer_sha256"] = tokenizer_hash(tok)
-        (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
+        with unread(root):  # (no run starts on it meanwhile)
+            (root / MANIFEST).unlink(missing_ok=True)  # from here on the folder is incomplete until the end
         if opts.overwrite:  # (not an interrupted prepare's progress either: from the first document)
             (root / PROGRESS).unlink(missing_ok=True)
         state = _resume_state(root, request, opts)  # its progress file marks the folder as prepare's from now on

@@ -30,10 +30,11 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from shardline.data.packing import PackedSequences
+from shardline.data.readers import MANIFEST, reading
 from shardline.data.tokenizer import bos_prefix, load_tokenizer
 from shardline.errors import DataError
 
-MANIFEST, PROGRESS, TOKENIZER = "manifest.json", "progress.json", "tokenizer.json"
+PROGRESS, TOKENIZER = "progress.json", "tokenizer.json"  # (MANIFEST: readers.py's, which locks it)
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 _OPEN_MAPS = 64  # memory maps kept open at once (each holds a file descriptor)
@@ -211,6 +212,7 @@ def open_prepared(path: str, seq_len: int, tokenizer_path: str = "", fmt: str = 
     """The splits of a prepared folder as sequences over its memory-mapped shards; `add_bos`:
     data.add_bos, which the folder's documents must agree with; `format_key` the setting that asked for `fmt`."""
     root = Path(path)
+    held = reading(root)  # (kept by the splits: prepare --overwrite waits for no reader, it refuses)
     manifest = read_manifest(root)
     check_manifest_keys(root, manifest)
     tok = _folder_tokenizer(root, manifest, tokenizer_path)
@@ -221,7 +223,7 @@ def open_prepared(path: str, seq_len: int, tokenizer_path: str = "", fmt: str = 
     splits = [_open_split(root, manifest, name, seq_len) for name in SPLITS]
     splits[0].fingerprint = manifest.get("train_fingerprint")  # (folders prepared before it: None, not compared)
     for split in splits:  # what a token id past the tokenizer's says (shards damaged in place, their sizes kept)
-        split.id_bound, split.where = id_bound(tok), path
+        split.id_bound, split.where, split.reading = id_bound(tok), path, held
     return PreparedData(tok, splits[0], splits[1], manifest)
 
 
