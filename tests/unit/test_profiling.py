@@ -137,7 +137,7 @@ def test_a_run_failing_between_profiled_steps_writes_the_steps_it_ran(tiny_confi
     the trace of the steps before it is still written."""
     trainer = Trainer(tiny_config(*FAST, "train.eval_interval=1", "metrics.profile_steps=[1, 3]")).build()
 
-    def broken_eval():
+    def broken_eval(*args):
         raise RuntimeError("evaluation failed")
 
     monkeypatch.setattr(trainer, "evaluate", broken_eval)

@@ -122,6 +122,14 @@ class DataBundle:
         return {"vocabulary": self._vocabulary, **content,
                 "mix": [[int(c), int(n)] for c, n in zip(self.train.counts, self.train.sizes)]}
 
+    def release(self) -> None:
+        """Let go of the prepared folders' reader locks (data/readers.py): a closed run reads no more,
+        and a `prepare --overwrite` in the same process (a notebook) may replace them."""
+        for split in (self.train, self.val):
+            for source in split.sources if isinstance(split, MixedSequences) else [split]:
+                if getattr(source, "reading", None) is not None:
+                    source.reading.close()
+
     def _sources(self) -> list[PackedSequences]:
         """The training split's sources: a mixture's, or the one."""
         return self.train.sources if isinstance(self.train, MixedSequences) else [self.train]

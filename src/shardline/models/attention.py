@@ -51,9 +51,9 @@ def resolve_attention(choice: str, document_mask: bool, on_cuda: bool, ring: int
     after the all-to-all, and the kernel chosen here runs on it.
 
     auto: on CUDA, flex for packed documents and SDPA's causal flash kernel without them;
-    on CPU, SDPA. Flex rather than varlen for documents: neither has been benchmarked
-    against the other here (no GPU where this was written); flex also takes fp32, and its
-    block mask needs no host sync where varlen needs the longest document's length.
+    on CPU, SDPA. Flex rather than varlen for documents: on one H200 at the 1B shape they ran
+    within 1% of each other (benchmarks/RESULTS.md), and flex also takes fp32, and its block
+    mask needs no host sync where varlen needs the longest document's length.
     """
     if ring > 1:
         return "context"

@@ -179,11 +179,12 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
 
     def close(self, failed: bool = False) -> None:
         """Free what build() took: the watchdog (its last reports; `failed`: this rank failed) and the
-        signal handlers, the trace so far, the log's files (TensorBoard's writer thread) and the run
-        dir's lock; each one's own failure keeps none of the next. train() closes on its way out; a
-        Trainer built and not trained (a look at the model) is closed here or by `with`. Idempotent."""
+        signal handlers, the trace so far, the log's files (TensorBoard's writer thread), the data
+        folders' reader locks and the run dir's lock; each one's own failure keeps none of the next.
+        train() closes on its way out; a Trainer built and not trained (a look at the model) is closed
+        here or by `with`. Idempotent."""
         for close in (lambda: self.guard.stop_watching(failed=failed), lambda: self.profiler.close(self.step),
-                      lambda: self.metrics.close()):
+                      lambda: self.metrics.close(), lambda: self.data.release()):
             with contextlib.suppress(Exception):  # (AttributeError: a build that stopped before it made one)
                 close()
         if getattr(self, "lock", None) is not None:
@@ -259,6 +260,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.metrics.event("end", step=self.step, overflow_skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
         self.metrics.close()
+        self.data.release()
         self.lock.release()
         if stopped:
             raise (Interrupted if request == "SIGINT" else Preempted)(stopped)
