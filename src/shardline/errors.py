@@ -60,3 +60,13 @@ def require(ok: bool, key: str, value, valid: str) -> None:
     """Raise ConfigError `key=value is invalid: valid` unless ok."""
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {valid}")
+
+
+def outside_folder(name: object) -> bool:
+    """Whether a file name a manifest gives (a prepared folder's shard, a checkpoint's file) would
+    reach outside its folder: absolute, or climbing with '..'. A folder someone else gave names
+    its own files only: a crafted one mapped /etc files as training tokens, or stat'ed and hashed
+    them."""
+    from pathlib import PurePath
+
+    return not isinstance(name, str) or PurePath(name).is_absolute() or ".." in PurePath(name).parts

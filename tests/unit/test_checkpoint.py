@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -505,3 +506,64 @@ def test_a_save_removes_the_half_written_folders_of_older_saves_a_crash_left(tin
     (root / "step-000009.tmp").mkdir()
     trainer.train()
     assert not (root / "step-000001.tmp").exists() and (root / "step-000009.tmp").is_dir()
+
+
+class _Payload:
+    """What a crafted checkpoint hid: unpickling it writes a marker file (os.system's stand-in)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _resealed(folder, changed: str) -> None:
+    """The checkpoint's manifest made to agree with its edited file, as a crafted one's maker would."""
+    import hashlib
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    data = (folder / changed).read_bytes()
+    manifest["files"][changed] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_someone_crafted_runs_no_code_when_it_is_read(trained, tiny_config, tmp_path):
+    """torch's DCP unpickled a checkpoint's .metadata, and its non-tensor items, with plain pickle:
+    a crafted checkpoint given as model.init_from, --resume, eval or convert ran what it named (its
+    manifest's hashes, written by its maker, prove nothing). The metadata is now read by an unpickler
+    of DCP's own classes, and each item with weights_only=True, before DCP reads them."""
+    import io
+    import pickle
+    from types import SimpleNamespace
+
+    import torch
+
+    from shardline.resilience.safe_load import _CheckedPlanner
+
+    folder, marker = trained / "checkpoints" / "step-000012", tmp_path / "ran"
+    real = (folder / "state" / ".metadata").read_bytes()
+    (folder / "state" / ".metadata").write_bytes(pickle.dumps((_Payload(marker), pickle.loads(real))))
+    _resealed(folder, "state/.metadata")
+    with pytest.raises(CheckpointError, match=r"\.metadata names io\.open, which a checkpoint's metadata "
+                                              r"never holds; not loaded \(reading it would run code\)"):
+        Trainer(tiny_config("train.steps=2", f"model.init_from={folder}", run_dir=tmp_path / "new")).build()
+    assert not marker.exists()
+    item, buffer = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr")), io.BytesIO()
+    torch.save(_Payload(marker), buffer)
+    buffer.seek(0)
+    with pytest.raises(CheckpointError, match=r"a checkpoint item \(optim\.param_groups\.0\.lr\) holds more than"):
+        _CheckedPlanner().load_bytes(item, buffer)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["/etc/hostname", "../../outside.bin", "state/../../x"])
+def test_a_manifest_naming_a_file_outside_its_checkpoint_is_malformed(trained, name):
+    """Each file a manifest named was stat'ed and hashed, wherever it was."""
+    folder = trained / "checkpoints" / "step-000012"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name] = {"size": 1, "sha256": "00"}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=f"malformed manifest.json: ValueError: it names a file outside the "
+                                              f"checkpoint \\('{re.escape(name)}'\\)"):
+        verify(folder)

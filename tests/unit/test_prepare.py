@@ -1643,3 +1643,23 @@ def test_a_folder_a_run_reads_is_not_replaced_under_it(tmp_path, small_corpus):
                                                       "--overwrite` holds it)")):
             open_prepared(str(out), 32)
     prepare(PrepareOptions([str(small_corpus)], str(out), overwrite=True, **SMALL))  # no reader now
+
+
+@pytest.mark.parametrize("name", ["../victim.bin", "/etc/hostname"])
+def test_a_manifest_naming_a_shard_outside_its_folder_is_refused(tmp_path, small_corpus, name):
+    """A crafted manifest mapped any file as training tokens (`../` or absolute), and `--verify`
+    hashed it; an absolute one's size check ended in a traceback."""
+    import json
+
+    from shardline.data.shards import open_prepared, verify
+
+    out = tmp_path / "prep"
+    prepare(PrepareOptions([str(small_corpus)], str(out), **SMALL))
+    (tmp_path / "victim.bin").write_bytes(b"\0\0" * 100)
+    manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    manifest["splits"]["train"]["shards"][0]["file"] = name
+    (out / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    for read in (lambda: open_prepared(str(out), 32), lambda: verify(out)):
+        with pytest.raises(DataError, match=re.escape(f"{out / 'manifest.json'} is damaged (splits.train.shards[0] "
+                                                      "names a file outside the folder); prepare the folder again")):
+            read()

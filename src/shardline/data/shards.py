@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from shardline.data.packing import PackedSequences
 from shardline.data.readers import MANIFEST, reading
 from shardline.data.tokenizer import bos_prefix, load_tokenizer
-from shardline.errors import DataError
+from shardline.errors import DataError, outside_folder
 
 PROGRESS, TOKENIZER = "progress.json", "tokenizer.json"  # (MANIFEST: readers.py's, which locks it)
 FORMAT_VERSION = 1
@@ -289,6 +289,8 @@ def _wrong_values(manifest: dict) -> str:
             if not (isinstance(shard, dict) and _is_count(shard.get("tokens"))
                     and all(isinstance(shard.get(k), str) for k in keys)):
                 return f"splits.{name}.shards[{i}] needs {', '.join(keys)} and a token count"
+            if any(outside_folder(shard[k]) for k in ("file", "mask") if k in shard):  # (it names its own files)
+                return f"splits.{name}.shards[{i}] names a file outside the folder"
     return ""
 
 

@@ -13,7 +13,9 @@ Layout of one checkpoint, `<run_dir>/checkpoints/step-000020/`:
 It is written to `step-000020.tmp/` and renamed when complete, so a crash mid-save
 leaves the previous checkpoints untouched; a folder without a valid manifest is
 never loaded. Only the newest `keep` checkpoints are kept (not counting one a start found
-invalid, left in place: it would cost a valid one).
+invalid, left in place: it would cost a valid one). Its tensors are read through safe_load.py,
+so that a checkpoint someone else gave runs no code; a manifest naming a file outside its folder
+is malformed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import json
 import os
 import shutil
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from shardline.errors import CheckpointError, CheckpointUnreadable
+from shardline.errors import CheckpointError, CheckpointUnreadable, outside_folder
 from shardline.resilience.model_state import capture_state, keep_own_group_names, restore_state
+from shardline.resilience.safe_load import load_state, single_process_ok
 from shardline.resilience.save_failures import agree_on_failure, storage_error
 
 MANIFEST = "manifest.json"
@@ -49,20 +51,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-@contextlib.contextmanager
-def _single_process_ok():
-    """DCP warns when no process group exists; one process is a supported layout here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def _last_line(e: BaseException) -> str:
-    """DCP wraps the real error (e.g. a size mismatch) in a multi-line report: keep its last line."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__
 
 
 DELETING = ".deleting"  # a save's older folder of the same step, renamed aside (_rename_into_place)
@@ -94,6 +82,8 @@ def verify(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         files = {rel: (int(meta["size"]), str(meta["sha256"])) for rel, meta in manifest["files"].items()}
+        if any(outside_folder(rel) for rel in files):
+            raise ValueError(f"it names a file outside the checkpoint ({next(filter(outside_folder, files))!r})")
         if not isinstance(manifest["step"], int) or isinstance(manifest["step"], bool) or manifest["step"] < 0:
             raise ValueError(f"step {manifest['step']!r} is not a step number")
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:  # ValueError: bad JSON or bytes
@@ -138,7 +128,7 @@ def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: di
         except Exception as e:
             failure = e
         agree_on_failure(failure, group)  # the folder exists before any rank writes into it
-        with _single_process_ok():
+        with single_process_ok():
             dcp.save(state, checkpoint_id=str(tmp / "state"), process_group=group)  # agrees on its own errors
         failure = None
         try:
@@ -246,16 +236,8 @@ def load_weights(path: Path, model: torch.nn.Module, verified: bool = False) -> 
     if not verified:
         verify(path)
     state = {"model": get_model_state_dict(model)}
-    _dcp_load(path, state)
+    load_state(path, state)
     set_model_state_dict(model, state["model"])
-
-
-def _dcp_load(path: Path, state: dict[str, Any]) -> None:
-    try:
-        with _single_process_ok():
-            dcp.load(state, checkpoint_id=str(path / "state"))
-    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: {_last_line(e)}") from None
 
 
 class Checkpointer:
@@ -321,7 +303,7 @@ class Checkpointer:
                                   f"--model.init_from={path} instead of resuming")
         state = capture_state(model, optimizer)
         own_groups = [g["params"] for g in state["optim"]["param_groups"]]
-        _dcp_load(path, state)
+        load_state(path, state)
         keep_own_group_names(state["optim"], own_groups)
         restore_state(model, optimizer, state)
         rank_file = path / "trainer" / f"rank{self.rank}.pt"

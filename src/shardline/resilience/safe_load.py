@@ -1,0 +1,98 @@
+"""Reading a checkpoint's tensors (torch DCP) so that a checkpoint someone else gave runs no code.
+
+`--resume PATH`, `model.init_from`, `shardline eval` and `convert to-hf` read a folder that may
+come from anyone. DCP reads the folder's `.metadata` with a plain pickle.load, and each of its
+non-tensor items (the optimizer's hyper-parameters) with torch.load(weights_only=False): a
+crafted checkpoint ran whatever it named, and its manifest's hashes, which its maker writes,
+proved nothing. Here the metadata is unpickled first by an unpickler that builds DCP's own
+metadata classes and torch's sizes, dtypes and layouts only, and each non-tensor item is first
+read with weights_only=True; anything else is refused in one line before DCP reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from shardline.errors import CheckpointError
+
+# What a DCP .metadata file builds: DCP's metadata classes (any name of that module) and these.
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+                     ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("builtins", "set"),
+                     ("builtins", "frozenset")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module == "torch.distributed.checkpoint.metadata" or dtype or (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def _check_metadata(path: Path) -> None:
+    """A checkpoint's .metadata holds DCP's metadata and nothing that could run code."""
+    file = path / "state" / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        return  # (DCP's own error names it)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"checkpoint {path}: {file.name} names {e}, which a checkpoint's metadata never "
+                              "holds; not loaded (reading it would run code)") from None
+    except Exception as e:  # (truncated or garbled: said as the damage it is)
+        raise CheckpointError(f"checkpoint {path}: {file.name} is damaged ({type(e).__name__})") from None
+
+
+class _CheckedPlanner(DefaultLoadPlanner):
+    """DCP's planner, reading each non-tensor item with weights_only=True first."""
+
+    refused: CheckpointError | None = None
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:
+            self.refused = CheckpointError(f"a checkpoint item ({read_item.dest_index.fqn}) holds more than data: "
+                                           f"not loaded (reading it would run code): {type(e).__name__}")
+            raise self.refused from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+@contextlib.contextmanager
+def single_process_ok():
+    """DCP warns when no process group exists; one process is a supported layout here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def load_state(path: Path, state: dict[str, Any]) -> None:
+    """Fill `state` (a state dict laid out as this rank holds it) from checkpoint folder `path`."""
+    _check_metadata(path)
+    planner = _CheckedPlanner()
+    try:
+        with single_process_ok():
+            dcp.load(state, checkpoint_id=str(path / "state"), planner=planner)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        if planner.refused is not None:
+            raise planner.refused from None
+        raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: {_last_line(e)}") from None
+
+
+def _last_line(e: BaseException) -> str:
+    """DCP wraps the real error (e.g. a size mismatch) in a multi-line report: keep its last line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
