@@ -208,7 +208,12 @@ def work_dir() -> Path:
         return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
     job = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR",
                                                    "MASTER_PORT"))
-    return base / (prefix + re.sub(r"[^A-Za-z0-9_.-]", "_", job))
+    from shardline.resilience.own_folder import make_own
+
+    folder = base / (prefix + re.sub(r"[^A-Za-z0-9_.-]", "_", job))  # (a name another user can work out)
+    make_own(folder, base, "shardline eval", "launch it again with another torchrun --rdzv-id or master port, "
+             "which names another folder")
+    return folder
 
 
 def _remove_stale(base: Path, prefix: str) -> None:
@@ -218,8 +223,9 @@ def _remove_stale(base: Path, prefix: str) -> None:
 
     for folder in base.glob(prefix + "*"):
         try:
-            gone = RunLock(folder).abandoned() if (folder / LOCK).exists() else \
-                time.time() - folder.stat().st_mtime > 86400
+            mine = folder.is_dir() and not folder.is_symlink() and folder.lstat().st_uid == os.getuid()
+            gone = mine and (RunLock(folder).abandoned() if (folder / LOCK).exists() else
+                             time.time() - folder.stat().st_mtime > 86400)
         except OSError:
             gone = False
         if gone:

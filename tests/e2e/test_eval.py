@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,3 +157,33 @@ def test_a_killed_one_process_evaluations_folder_goes_with_the_next_one(monkeypa
             if folder.exists():
                 (folder / LOCK).unlink()
                 folder.rmdir()
+
+
+def test_a_ranked_evaluations_folder_planted_by_another_is_refused(tmp_path, monkeypatch):
+    """Under torchrun the evaluation's run dir in /tmp has a name another user can work out from the
+    job: a link planted there is refused in one line, and a stale-folder sweep leaves what is not
+    this user's own folder alone."""
+    import uuid
+
+    from shardline import evaluate
+    from shardline.errors import CheckpointError
+
+    job = uuid.uuid4().hex[:8]
+    for key, value in (("WORLD_SIZE", "2"), ("TORCHELASTIC_RUN_ID", job), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    planted = Path("/tmp") / f"shardline-eval-{os.getuid()}-{job}--h-1"
+    (tmp_path / "theirs").mkdir()
+    planted.symlink_to(tmp_path / "theirs")
+    try:
+        with pytest.raises(CheckpointError, match=re.escape(f"shardline eval: {planted} is a symbolic link, not a "
+                                                            "folder of this user's own")):
+            evaluate.work_dir()
+        assert planted.is_symlink() and (tmp_path / "theirs").is_dir()  # (the sweep passed it over)
+    finally:
+        planted.unlink()
+    folder = evaluate.work_dir()
+    try:
+        assert folder == planted and folder.is_dir() and oct(folder.stat().st_mode & 0o777) == "0o700"
+    finally:
+        folder.rmdir()

@@ -3,6 +3,7 @@ parity and replica codes on real gloo ranks, and the files' integrity checks."""
 
 from __future__ import annotations
 
+import re
 import json
 import os
 import shutil
@@ -452,3 +453,38 @@ def test_the_snapshots_of_ranks_a_shrunk_job_no_longer_has_are_dropped(tmp_path)
     MemoryTier.rank_dir(root, 0).mkdir(exist_ok=True)
     tier.clear()  # the run's end: every snapshot folder of the run on this node goes
     assert not gone.exists() and not tier.dir.exists() and (root / "rankings").is_dir()
+
+
+def test_a_planted_link_or_another_users_folder_under_the_memory_dir_is_refused(tiny_config, tmp_path):
+    """The snapshots' folders have names anyone can work out (/dev/shm/shardline-<user>/<hash>/rankN):
+    a link planted as rank0 had a run remove files of the linked folder as old snapshots and write
+    its state there. A link, or a folder of another user's, is refused in one line; nothing in the
+    linked folder is touched."""
+    import os
+
+    from shardline.errors import CheckpointError
+    from shardline.resilience.memory_tier import run_root
+    from shardline.trainer import Trainer
+
+    shm, victim = tmp_path / "shm", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "report-1.txt").write_text("kept")
+    root = run_root(tmp_path / "run", str(shm))
+    root.mkdir(parents=True)
+    (root / "rank0").symlink_to(victim)
+    settings = ("checkpoint.memory_interval=1", f"checkpoint.memory_dir={shm}", "train.steps=2")
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint.memory_dir: {root / 'rank0'} is a symbolic "
+                                                        "link, not a folder of this user's own")):
+        Trainer(tiny_config(*settings)).build()
+    assert [p.name for p in victim.iterdir()] == ["report-1.txt"]
+    (root / "rank0").unlink()
+    if os.getuid() == 0:  # (only root can give a folder to another user)
+        os.chown(root, 4242, 4242)
+        with pytest.raises(CheckpointError, match=re.escape(f"{root} is another user's (uid 4242)")):
+            Trainer(tiny_config(*settings)).build()
+        os.chown(root, 0, 0)
+    Trainer(tiny_config(*settings)).build().train()  # its own folders: as before
+    from shardline.resilience.own_folder import make_own
+
+    make_own(tmp_path / "shared" / "a" / "b", tmp_path, "checkpoint.memory_dir", "")  # made private
+    assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path / "shared", tmp_path / "shared" / "a" / "b")} == {"0o700"}

@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shardline.errors import CheckpointError
 from shardline.parallel.distributed import agreed
 from shardline.resilience import redundancy, snapshot_format
 from shardline.resilience.background import BackgroundWork
 from shardline.resilience.model_state import capture_state, restore_state
+from shardline.resilience.own_folder import make_own
 from shardline.resilience.save_failures import any_rank
 
 KINDS = ("own", "replica", "parity")
@@ -50,10 +50,14 @@ def run_root(run_dir: Path, base: str = "") -> Path:
 
     Keyed by the run dir, so two runs sharing a base never read each other's snapshots.
     """
-    if not base:
-        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        base = str(shm / f"shardline-{getpass.getuser()}")
-    return Path(base) / hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return Path(base or default_base()) / hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
+def default_base() -> Path:
+    """This user's folder in the node's shared memory (else the temp dir): made private, and refused
+    where it is another user's (own_folder.py)."""
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return shm / f"shardline-{getpass.getuser()}"
 
 
 def to_local(obj: Any, copy: bool = False) -> Any:
@@ -146,13 +150,10 @@ class MemoryTier:
             self.parity_members = next(g for g in groups if rank in g)
         agreed(self._make_dir, world)  # a node-local folder: one node's refusal is every rank's
 
-    def _make_dir(self) -> None:
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"checkpoint.memory_dir: cannot create {self.dir} on this node ({e.strerror}); "
-                                  "name a writable folder (a tmpfs such as /dev/shm) or set "
-                                  "checkpoint.memory_interval=0") from e
+    def _make_dir(self) -> None:  # (from the shared place down: the default base included, a given one not)
+        base = self.root.parent
+        make_own(self.dir, base.parent if base == default_base() else base, "checkpoint.memory_dir",
+                 "name a folder of your own (on a tmpfs such as /dev/shm) or set checkpoint.memory_interval=0")
 
     @staticmethod
     def rank_dir(root: Path, rank: int) -> Path:
@@ -171,7 +172,7 @@ class MemoryTier:
         write is never listed.
         """
         tmp = self._path(kind, step, ".bin.tmp")
-        self.dir.mkdir(parents=True, exist_ok=True)  # clear() may have removed it
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # clear() may have removed it
         if isinstance(data, torch.Tensor):
             with open(tmp, "wb") as f:
                 f.write(data.numpy().data)
