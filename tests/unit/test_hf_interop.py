@@ -731,3 +731,26 @@ def test_a_qwen_window_that_windows_no_layer_is_read(fields, tmp_path):
     layer_types says otherwise: none here (each branch of the rule apart)."""
     for family in ("qwen2", "qwen3"):
         read_hf_config(_write_config(tmp_path / family, model_type=family, use_sliding_window=True, **fields))
+
+
+def test_a_side_file_linked_out_of_its_folder_is_not_copied(tmp_path):
+    """A folder someone gave, holding `special_tokens_map.json -> ~/.ssh/id_rsa`, had that file copied
+    by content into the run dir and every export, readable by all. Links into the folder, and into
+    the Hugging Face cache's blobs beside a snapshot, are followed as before."""
+    from shardline.interop.hf_files import copy_side_files
+
+    secret = tmp_path / "secret"
+    secret.write_text("-----BEGIN PRIVATE KEY-----")
+    snapshot = tmp_path / "models--org--m" / "snapshots" / "abc"
+    (tmp_path / "models--org--m" / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--org--m" / "blobs" / "f00").write_text('{"model_max_length": 8}')
+    (snapshot / "tokenizer_config.json").symlink_to("../../blobs/f00")  # (the hub cache's own links)
+    (snapshot / "special_tokens_map.json").symlink_to(secret)
+    (snapshot / "merges.txt").write_text("#version: 0.2\n")
+    (snapshot / "vocab.json").symlink_to(snapshot / "merges.txt")  # (a link inside the folder)
+    out = tmp_path / "out"
+    out.mkdir()
+    copy_side_files(snapshot, out)
+    assert sorted(p.name for p in out.iterdir()) == ["merges.txt", "tokenizer_config.json", "vocab.json"]
+    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 8}'

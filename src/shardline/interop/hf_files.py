@@ -138,8 +138,22 @@ def copy_side_files(source: Path, folder: Path, names: tuple[str, ...] = SIDE_FI
     GENERATION_NAME alone: the generation settings of the weights there (their end tokens,
     sampling defaults), which go with the weights whichever tokenizer travels with them."""
     for name in names:
-        if (source / name).is_file() and (source / name).resolve() != (folder / name).resolve():
+        if _held_by(source, name) and (source / name).resolve() != (folder / name).resolve():
             shutil.copyfile(source / name, folder / name)
+
+
+def _held_by(source: Path, name: str) -> bool:
+    """Whether `source` holds file `name` of its own: a file, or a link into the folder or into the
+    Hugging Face cache's blobs beside it (models--*/snapshots/REV/NAME -> ../../blobs/SHA). A link to
+    anywhere else is passed over: a folder someone gave, holding `special_tokens_map.json -> ~/.ssh/
+    id_rsa`, had that file copied into the run dir and every export, readable by all."""
+    file = source / name
+    if not file.is_file():
+        return False
+    if not file.is_symlink():
+        return True
+    target, home = file.resolve(), source.resolve()
+    return target.is_relative_to(home) or target.is_relative_to(home.parent.parent / "blobs")
 
 
 def tokenizer_file(tokenizer_path: str | os.PathLike) -> Path:
