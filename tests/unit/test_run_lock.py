@@ -249,3 +249,21 @@ def test_a_later_trainer_of_one_process_takes_the_dir_and_the_earlier_refuses_to
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [e["reason"] for e in events if e.get("event") == "run_dir_lock_taken_over"] == [
         "this process: an earlier Trainer in it, ended or not closed, which now refuses to train"]
+
+
+def test_a_relaunch_on_a_run_dir_in_use_says_nothing_of_resuming_before_its_refusal(tiny_config, tmp_path,
+                                                                                    other_process, capsys):
+    """`--run.dir` alone on a dir another live run holds printed "holds checkpoints: resuming with the
+    config.toml it saved" and then refused it: two lines, the first untrue."""
+    from shardline.cli import main
+
+    run = tmp_path / "run"
+    Trainer(tiny_config("train.steps=6", run_dir=run)).build().train()
+    capsys.readouterr()
+    write_lock(run, other_process.pid)
+    assert main(["train", f"--run.dir={run}"]) == 2
+    out, err = capsys.readouterr()
+    assert "resuming with the config.toml" not in out and "is in use by another run" in err
+    (run / LOCK).unlink()
+    assert main(["train", f"--run.dir={run}", "--dry-run"]) == 0
+    assert "resuming with the config.toml it saved" in capsys.readouterr().out  # (free: said as before)

@@ -15,6 +15,7 @@ from shardline.layout.degrees import WORLD_DEGREES, shard_degree
 from shardline.parallel.distributed import speaks_for_the_job
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.goodput import read_account
+from shardline.resilience.run_lock import RunLock
 
 
 def relaunch_config(config: str | None, overrides: list[str], world: int | None = None) -> Config:
@@ -34,7 +35,7 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
     if not held:
         _say_not_read(cfg, saved, overrides)
         return cfg
-    if speaks_for_the_job():
+    if speaks_for_the_job() and not RunLock(Path(cfg.run.dir)).running_here():  # (else refused: no "resuming")
         print(f"shardline: {cfg.run.dir} holds {held}: resuming with the config.toml it saved and the "
               "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
     cfg = load_relaunch_config(saved, cfg.run.dir, overrides)

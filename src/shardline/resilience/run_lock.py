@@ -245,6 +245,11 @@ class RunLock:
         holder = self._read()
         return bool(holder) and holder.get("host") == socket.gethostname() and not _alive(holder)
 
+    def running_here(self) -> bool:
+        """The lock's holder runs on this host now: a launch on its run dir is about to be refused."""
+        holder = self._read()
+        return bool(holder) and holder.get("host") == socket.gethostname() and _alive(holder)
+
     def _read(self) -> dict:
         try:
             return json.loads(self.path.read_text(encoding="utf-8"))
