@@ -219,13 +219,13 @@ def work_dir() -> Path:
 def _remove_stale(base: Path, prefix: str) -> None:
     """Run dirs of this user's evaluations killed before their cleanup (SIGKILL): their lock's process
     on this host is gone, or they hold no lock and are a day old."""
+    from shardline.resilience.own_folder import is_own
     from shardline.resilience.run_lock import LOCK, RunLock
 
     for folder in base.glob(prefix + "*"):
         try:
-            mine = folder.is_dir() and not folder.is_symlink() and folder.lstat().st_uid == os.getuid()
-            gone = mine and (RunLock(folder).abandoned() if (folder / LOCK).exists() else
-                             time.time() - folder.stat().st_mtime > 86400)
+            gone = is_own(folder.lstat()) and (RunLock(folder).abandoned() if (folder / LOCK).exists()
+                                               else time.time() - folder.stat().st_mtime > 86400)
         except OSError:
             gone = False
         if gone:

@@ -549,6 +549,27 @@ def test_a_checkpoint_someone_crafted_runs_no_code_when_it_is_read(trained, tiny
                                               r"never holds; not loaded \(reading it would run code\)"):
         Trainer(tiny_config("train.steps=2", f"model.init_from={folder}", run_dir=tmp_path / "new")).build()
     assert not marker.exists()
+
+    def text(s: str) -> bytes:
+        return b"\x8c" + bytes([len(s.encode())]) + s.encode()
+
+    # A dotted name reaches through a module's own imports (metadata's `os`): refused, not followed
+    crafted = b"\x80\x04" + text("torch.distributed.checkpoint.metadata") + text("os.mkdir") + b"\x93" + \
+        text(str(marker)) + b"\x85R."
+    (folder / "state" / ".metadata").write_bytes(crafted)
+    _resealed(folder, "state/.metadata")
+    with pytest.raises(CheckpointError, match=r"names torch\.distributed\.checkpoint\.metadata\.os\.mkdir"):
+        Trainer(tiny_config("train.steps=2", f"model.init_from={folder}", run_dir=tmp_path / "new")).build()
+    assert not marker.exists()
+    import dataclasses
+
+    metadata = pickle.loads(real)  # (a data file placed outside the checkpoint: read as its tensors)
+    key = next(iter(metadata.storage_data))
+    metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], relative_path="../../../x.distcp")
+    (folder / "state" / ".metadata").write_bytes(pickle.dumps(metadata))
+    _resealed(folder, "state/.metadata")
+    with pytest.raises(CheckpointError, match=r"places data in '\.\./\.\./\.\./x\.distcp', outside the checkpoint"):
+        Trainer(tiny_config("train.steps=2", f"model.init_from={folder}", run_dir=tmp_path / "new")).build()
     item, buffer = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr")), io.BytesIO()
     torch.save(_Payload(marker), buffer)
     buffer.seek(0)

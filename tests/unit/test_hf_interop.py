@@ -733,7 +733,7 @@ def test_a_qwen_window_that_windows_no_layer_is_read(fields, tmp_path):
         read_hf_config(_write_config(tmp_path / family, model_type=family, use_sliding_window=True, **fields))
 
 
-def test_a_side_file_linked_out_of_its_folder_is_not_copied(tmp_path):
+def test_a_side_file_linked_out_of_its_folder_is_not_copied(tmp_path, capsys):
     """A folder someone gave, holding `special_tokens_map.json -> ~/.ssh/id_rsa`, had that file copied
     by content into the run dir and every export, readable by all. Links into the folder, and into
     the Hugging Face cache's blobs beside a snapshot, are followed as before."""
@@ -754,3 +754,5 @@ def test_a_side_file_linked_out_of_its_folder_is_not_copied(tmp_path):
     copy_side_files(snapshot, out)
     assert sorted(p.name for p in out.iterdir()) == ["merges.txt", "tokenizer_config.json", "vocab.json"]
     assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 8}'
+    assert f"note: {snapshot / 'special_tokens_map.json'} links to {secret}, outside its folder: not copied" \
+        in capsys.readouterr().err

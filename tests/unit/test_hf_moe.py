@@ -409,3 +409,14 @@ def test_router_overrides_an_hf_starts_tensor_names_cannot_carry_are_refused_bef
         model_shape(cfg.model, 1000, cfg.moe)
     fine = load_config(None, [f"model.hf_path={folder}", "moe.capacity_factor=1.25"])  # (the router's own setting)
     assert model_shape(fine.model, 1000, fine.moe).moe.capacity_factor == 1.25
+
+
+def test_a_nan_in_one_expert_is_named_by_that_experts_tensor(tmp_path, transformers):
+    """The refusal named expert 0's tensor whichever expert held the NaN."""
+    _hf_model(transformers, "mixtral").save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / WEIGHTS_NAME)
+    tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"][5, 1] = float("nan")
+    save_file(tensors, tmp_path / WEIGHTS_NAME)
+    with pytest.raises(CheckpointError, match=r"parameter layers\.1\.feed_forward\.experts\.w3 \(read from "
+                                              r"tensor model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight\)"):
+        from_hf_pretrained(tmp_path)

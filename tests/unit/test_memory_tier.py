@@ -486,5 +486,7 @@ def test_a_planted_link_or_another_users_folder_under_the_memory_dir_is_refused(
     Trainer(tiny_config(*settings)).build().train()  # its own folders: as before
     from shardline.resilience.own_folder import make_own
 
+    (tmp_path / "shared" / "a").mkdir(parents=True, mode=0o755)  # (an earlier version's, open to all)
     make_own(tmp_path / "shared" / "a" / "b", tmp_path, "checkpoint.memory_dir", "")  # made private
-    assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path / "shared", tmp_path / "shared" / "a" / "b")} == {"0o700"}
+    folders = (tmp_path / "shared", tmp_path / "shared" / "a", tmp_path / "shared" / "a" / "b")
+    assert {oct(p.stat().st_mode & 0o777) for p in folders} == {"0o700"}

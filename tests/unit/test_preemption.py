@@ -253,11 +253,11 @@ def test_a_signal_that_lands_during_an_evaluation_ends_it_and_the_resumed_run_ma
     phases = record_phases(trainer)
     asked = []
 
-    def stop_requested():  # at step 4: after the step, before the eval, then inside it (before micro-batch 2)
+    def agreed():  # at step 4: after the step, before the eval, then inside it (before micro-batch 2)
         asked.append(trainer.step)
         return "SIGTERM" if asked.count(4) >= 3 else None
 
-    trainer.guard.stop_requested = stop_requested
+    trainer.guard.stops.agreed = agreed
     with pytest.raises(Preempted, match="SIGTERM at step 4; state saved"):
         trainer.train()
     assert asked.count(4) == 4  # after the step, before the eval, in it before its 2nd micro-batch of 4, after it
@@ -272,6 +272,28 @@ def test_a_signal_that_lands_during_an_evaluation_ends_it_and_the_resumed_run_ma
     losses = {run: [(r["step"], r["eval_loss"]) for r in records(run) if r["kind"] == "eval"]
               for run in (trainer.run_dir, whole.run_dir)}
     assert losses[trainer.run_dir] == losses[whole.run_dir] and [s for s, _ in losses[whole.run_dir]] == [2, 4, 6]
+
+
+def test_a_stop_during_an_evaluation_takes_no_memory_snapshot_before_its_disk_save(tiny_config, tmp_path):
+    """The grace before the kill is the save's: a stop that ended an evaluation went on to the memory
+    snapshot due at that step first, as a stop asked before the evaluation does not."""
+    from shardline.trainer import Trainer
+
+    trainer = Trainer(tiny_config("train.steps=6", "train.eval_interval=2", "checkpoint.interval=3",
+                                  "checkpoint.memory_interval=2", f"checkpoint.memory_dir={tmp_path / 'shm'}",
+                                  "train.eval_batches=2")).build()
+    phases = record_phases(trainer)
+    asked = []
+
+    def agreed():  # at step 4: after the step, before the eval, then inside it (before micro-batch 2)
+        asked.append(trainer.step)
+        return "SIGTERM" if asked.count(4) >= 3 else None
+
+    trainer.guard.stops.agreed = agreed
+    with pytest.raises(Preempted, match="SIGTERM at step 4; state saved"):
+        trainer.train()
+    assert [p for p in phases if p[0] != "drain"] == [("eval", 2), ("snapshot", 2), ("save", 3), ("eval", 4),
+                                                      ("save", 4)]
 
 
 @pytest.mark.parametrize("memory", [False, True])

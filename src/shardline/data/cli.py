@@ -87,8 +87,9 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-class _Terminated(Exception):
-    """SIGTERM during a prepare (scancel, a container's stop, `kill`)."""
+class _Terminated(BaseException):
+    """SIGTERM during a prepare (scancel, a container's stop, `kill`): not an Exception, which the
+    readers' handlers would report as a file they could not read."""
 
 
 def _stoppable(prepare, opts) -> dict | int:

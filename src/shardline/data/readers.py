@@ -47,9 +47,9 @@ def reading(root: Path) -> IO | None:
 def unread(root: Path):
     """Inside: no run reads folder `root` (its manifest held exclusively, so none starts), or a
     DataError naming the way out; for prepare --overwrite, before it removes anything."""
-    try:
-        handle = open(root / MANIFEST, encoding="utf-8")
-    except OSError:  # no manifest: nothing reads an unfinished folder
+    try:  # (read-write: NFS emulates flock with fcntl locks, whose exclusive kind needs a write open)
+        handle = open(root / MANIFEST, "r+", encoding="utf-8")
+    except OSError:  # no manifest (nothing reads an unfinished folder), or one prepare cannot replace anyway
         yield
         return
     with handle:

@@ -172,14 +172,16 @@ def check_finite(model: nn.Module, source: str, hf_folder: Path | None = None) -
     for name, param in model.named_parameters():
         held = param.to_local() if isinstance(param, DTensor) else param
         if held.is_floating_point() and not bool(torch.isfinite(held).all()):
-            name = plain_name(name)
-            origin = f" (read from {_hf_origin(model.args, name, hf_folder)})" if hf_folder is not None else ""
+            name, whole = plain_name(name), None if isinstance(param, DTensor) else held
+            origin = f" (read from {_hf_origin(model.args, name, hf_folder, whole)})" if hf_folder else ""
             raise CheckpointError(f"{source}: parameter {name}{origin} holds NaN or inf values; these weights "
                                   "cannot be trained or converted (re-save them from a healthy copy)")
 
 
-def _hf_origin(args: ModelArgs, name: str, folder: Path) -> str:
-    """The HF tensor(s) parameter `name` was read from, as the folder names them, for a message."""
+def _hf_origin(args: ModelArgs, name: str, folder: Path, whole: torch.Tensor | None) -> str:
+    """The HF tensor(s) parameter `name` was read from, as the folder names them, for a message;
+    `whole`: its values where this rank holds all of them (a stacked experts parameter's first
+    expert holding NaN or inf is then named; a part's offset is not worked out here)."""
     try:
         hf = _hf_names(args, name)
     except CheckpointError:  # (a name no adapter knows: the parameter's own name says it)
@@ -187,7 +189,9 @@ def _hf_origin(args: ModelArgs, name: str, folder: Path) -> str:
     hf = [hf] if isinstance(hf, str) else hf
     if stores_fused(folder):  # Phi-3's q/k/v and gate/up are parts of one tensor each
         hf = [fused_name(h) for h in hf]
-    more = f", one of {len(hf)} experts' tensors" if len(hf) > 1 else ""
+    if len(hf) > 1 and whole is not None:
+        return f"tensor {hf[int((~torch.isfinite(whole)).reshape(len(hf), -1).any(1).nonzero()[0])]}"
+    more = f", or another of its {len(hf)} experts' tensors" if len(hf) > 1 else ""
     return f"tensor {hf[0]}{more}"
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -143,17 +144,22 @@ def copy_side_files(source: Path, folder: Path, names: tuple[str, ...] = SIDE_FI
 
 
 def _held_by(source: Path, name: str) -> bool:
-    """Whether `source` holds file `name` of its own: a file, or a link into the folder or into the
-    Hugging Face cache's blobs beside it (models--*/snapshots/REV/NAME -> ../../blobs/SHA). A link to
-    anywhere else is passed over: a folder someone gave, holding `special_tokens_map.json -> ~/.ssh/
-    id_rsa`, had that file copied into the run dir and every export, readable by all."""
+    """Whether `source` holds file `name` of its own: a file, or a link into the folder or into a
+    Hugging Face cache's blobs (a snapshot's, or `--local-dir` download's links: .../blobs/SHA). A
+    link to anywhere else is passed over, and said: a folder someone gave, holding
+    `special_tokens_map.json -> ~/.ssh/id_rsa`, had that file copied into the run dir and every
+    export, readable by all."""
     file = source / name
     if not file.is_file():
         return False
     if not file.is_symlink():
         return True
-    target, home = file.resolve(), source.resolve()
-    return target.is_relative_to(home) or target.is_relative_to(home.parent.parent / "blobs")
+    target = file.resolve()
+    if target.is_relative_to(source.resolve()) or target.parent.name == "blobs":
+        return True
+    print(f"note: {file} links to {target}, outside its folder: not copied (copy the file itself into the "
+          "folder to keep it)", file=sys.stderr)
+    return False
 
 
 def tokenizer_file(tokenizer_path: str | os.PathLike) -> Path:

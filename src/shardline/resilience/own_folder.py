@@ -28,9 +28,16 @@ def make_own(folder: Path, shared: Path, key: str, way_out: str) -> None:
             info = path.lstat()
         except OSError as e:
             raise CheckpointError(f"{key}: cannot create {path} on this node ({e.strerror}); {way_out}") from e
-        uid = os.getuid() if hasattr(os, "getuid") else info.st_uid
-        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+        if not is_own(info):
             what = "a symbolic link" if stat.S_ISLNK(info.st_mode) else (
                 "not a folder" if not stat.S_ISDIR(info.st_mode) else f"another user's (uid {info.st_uid})")
             raise CheckpointError(f"{key}: {path} is {what}, not a folder of this user's own: another user may "
                                   f"have made it to read or place what is written there; {way_out}")
+        if info.st_mode & 0o077:  # (made open by an earlier version, or by hand)
+            path.chmod(0o700)
+
+
+def is_own(info: os.stat_result) -> bool:
+    """Whether an lstat result is a folder of this user's (not a link to one)."""
+    uid = os.getuid() if hasattr(os, "getuid") else info.st_uid
+    return stat.S_ISDIR(info.st_mode) and not stat.S_ISLNK(info.st_mode) and info.st_uid == uid

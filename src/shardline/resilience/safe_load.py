@@ -23,29 +23,43 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from shardline.errors import CheckpointError
+from shardline.errors import CheckpointError, outside_folder
 
-# What a DCP .metadata file builds: DCP's metadata classes (any name of that module) and these.
+# What a DCP .metadata file builds besides DCP's metadata classes (_dcp_class): sizes, dtypes and
+# layouts, and the paths DCP records (Python 3.13 pickles a PosixPath as pathlib._local's).
 _METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
-                     ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("builtins", "set"),
-                     ("builtins", "frozenset")}
+                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("builtins", "set"),
+                     ("builtins", "frozenset"), *((module, name) for module in ("pathlib", "pathlib._local")
+                                                  for name in ("PosixPath", "PurePosixPath", "WindowsPath"))}
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if module == "torch.distributed.checkpoint.metadata" or dtype or (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
+        if "." not in name and (_dcp_class(module, name) or (module, name) in _METADATA_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)  # (a dotted name would reach through a module's imports)
         raise pickle.UnpicklingError(f"{module}.{name}")
 
 
+def _dcp_class(module: str, name: str) -> bool:
+    """A class DCP's metadata module defines itself (not one it imports)."""
+    if module != _DCP_METADATA:
+        return False
+    import importlib
+
+    found = getattr(importlib.import_module(module), name, None)
+    return isinstance(found, type) and found.__module__ == module
+
+
 def _check_metadata(path: Path) -> None:
-    """A checkpoint's .metadata holds DCP's metadata and nothing that could run code."""
+    """A checkpoint's .metadata holds DCP's metadata and nothing that could run code, and names no
+    data file outside the checkpoint."""
     file = path / "state" / ".metadata"
     try:
         with open(file, "rb") as f:
-            _MetadataUnpickler(f).load()
+            metadata = _MetadataUnpickler(f).load()
+        files = {str(getattr(info, "relative_path", "")) for info in (metadata.storage_data or {}).values()}
     except FileNotFoundError:
         return  # (DCP's own error names it)
     except pickle.UnpicklingError as e:
@@ -53,6 +67,10 @@ def _check_metadata(path: Path) -> None:
                               "holds; not loaded (reading it would run code)") from None
     except Exception as e:  # (truncated or garbled: said as the damage it is)
         raise CheckpointError(f"checkpoint {path}: {file.name} is damaged ({type(e).__name__})") from None
+    outside = sorted(name for name in files if outside_folder(name))
+    if outside:
+        raise CheckpointError(f"checkpoint {path}: {file.name} places data in {outside[0]!r}, outside the checkpoint; "
+                              "not loaded")
 
 
 class _CheckedPlanner(DefaultLoadPlanner):

@@ -38,10 +38,11 @@ class IntervalWork:
         if not (evaluate or save or snapshot):
             return request, 0.0
         paused = self._clock()
-        if evaluate:  # (abandoned where a stop comes in it: owed, as if skipped, and the save comes at once)
-            stoppable = (lambda: self.guard.stop_requested() is not None) if step < stop else None
+        if evaluate:  # (ended where a stop comes in it: owed, as if skipped; the stop's save comes next, no snapshot)
+            stoppable = (lambda: self.guard.stops.agreed() is not None) if step < stop else None  # (eval's time)
             if self.guard.watched("eval", step, "eval", lambda: self.evaluate(stoppable)) is None:
-                self.eval_owed = True
+                self.eval_owed, self.tiers.ending_at = True, step
+                snapshot = snapshot and not cfg.checkpoint.interval
         if save:
             self.guard.watched("save", step, "checkpoint", self.save_checkpoint)
         if snapshot:

@@ -83,7 +83,16 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
     # ---- building -------------------------------------------------------------------
 
     def build(self) -> "Trainer":
-        """Everything that can fail on user input happens here, before the run dir is touched."""
+        """Everything that can fail on user input happens here, before the run dir is touched. A build
+        that fails lets go of what it took (the data folders' reader locks, the run dir's lock)."""
+        try:
+            return self._build()
+        except BaseException:
+            if getattr(self, "data", None) is not None:  # (a notebook keeps the failed Trainer in its traceback)
+                self.data.release()
+            raise
+
+    def _build(self) -> "Trainer":
         cfg = self.cfg
         self.proc = init_distributed(self.device)
         if self.device.type == "cuda" and (self.device.index is None or self.proc.world_size > 1):

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass
 
 from shardline.planner import comm
-from shardline.planner.calibrate.comm import fit_alpha_beta, op_factors, seconds_per_byte
+from shardline.planner.calibrate.comm import MIN_SECONDS_PER_BYTE, fit_alpha_beta, op_factors, seconds_per_byte
 from shardline.planner.hardware import Network
 
 LINK_OPS = ("all_gather", "reduce_scatter")  # the links are fitted to these, as rings
@@ -112,7 +112,7 @@ def _fit_tier(points: list[Point], tier: str | None, link: str, notes: list[str]
                      "or more); the base's figures kept")
         return None
     measured = [{"op": p.op, "world": p.ranks, "bytes": p.nbytes, "seconds": p.seconds} for p in chosen]
-    if seconds_per_byte(measured) <= 0:  # (a fit would give its 1000 GB/s ceiling, and the profile would say so)
+    if seconds_per_byte(measured) <= MIN_SECONDS_PER_BYTE:  # (a fit would give its ceiling, and the profile say so)
         notes.append(f"{link}: not fitted: the {tier} tier's times do not grow with the message size (noise: "
                      "more --rounds, or a larger --max-size); the base's figures kept")
         return None

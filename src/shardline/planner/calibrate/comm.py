@@ -105,11 +105,15 @@ def fit_alpha_beta(points: list[dict]) -> tuple[float, float]:
     """Least squares of t = steps·alpha + volume/B over the points: (alpha s, B bytes/s), each held
     to a floor (a time that does not grow with size gives 1e12 B/s: see seconds_per_byte)."""
     alpha, inv_bw = _least_squares(points)
-    return max(alpha, 1e-7), 1.0 / max(inv_bw, 1e-12)
+    return max(alpha, 1e-7), 1.0 / max(inv_bw, MIN_SECONDS_PER_BYTE)
+
+
+MIN_SECONDS_PER_BYTE = 1e-12  # the fit's floor: 1000 GB/s, past any link's
 
 
 def seconds_per_byte(points: list[dict]) -> float:
-    """The fit's 1/B before its floor: not above zero where the times do not grow with size."""
+    """The fit's 1/B before its floor (MIN_SECONDS_PER_BYTE or below where the times do not grow
+    with the size: noise)."""
     return _least_squares(points)[1]
 
 
