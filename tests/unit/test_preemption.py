@@ -242,6 +242,20 @@ def test_a_signal_that_lands_while_a_step_is_logged_still_skips_the_evaluation(t
     assert [p for p in phases if p[0] != "drain"] == [("eval", 2), ("save", 2), ("save", 4)]  # no eval at 4
 
 
+def stop_inside_the_eval_at_step_4(trainer) -> list[int]:
+    """Every rank's stop answer (StopRequests.agreed) says SIGTERM from its third ask at step 4 on:
+    after the step, before the eval, then inside it (before its second micro-batch). Returns the
+    steps each ask came at."""
+    asked = []
+
+    def agreed():
+        asked.append(trainer.step)
+        return "SIGTERM" if asked.count(4) >= 3 else None
+
+    trainer.guard.stops.agreed = agreed
+    return asked
+
+
 def test_a_signal_that_lands_during_an_evaluation_ends_it_and_the_resumed_run_makes_it_up(tiny_config, tmp_path):
     """A long evaluation (many eval_batches) ran to its end before the stop's save, eating the grace
     before the kill: it now ends between its micro-batches, logs nothing, and is owed to the rerun,
@@ -251,13 +265,7 @@ def test_a_signal_that_lands_during_an_evaluation_ends_it_and_the_resumed_run_ma
     settings = ["train.steps=6", "train.eval_interval=2", "checkpoint.interval=2", "train.eval_batches=2"]
     trainer = Trainer(tiny_config(*settings)).build()
     phases = record_phases(trainer)
-    asked = []
-
-    def agreed():  # at step 4: after the step, before the eval, then inside it (before micro-batch 2)
-        asked.append(trainer.step)
-        return "SIGTERM" if asked.count(4) >= 3 else None
-
-    trainer.guard.stops.agreed = agreed
+    asked = stop_inside_the_eval_at_step_4(trainer)
     with pytest.raises(Preempted, match="SIGTERM at step 4; state saved"):
         trainer.train()
     assert asked.count(4) == 4  # after the step, before the eval, in it before its 2nd micro-batch of 4, after it
@@ -283,13 +291,7 @@ def test_a_stop_during_an_evaluation_takes_no_memory_snapshot_before_its_disk_sa
                                   "checkpoint.memory_interval=2", f"checkpoint.memory_dir={tmp_path / 'shm'}",
                                   "train.eval_batches=2")).build()
     phases = record_phases(trainer)
-    asked = []
-
-    def agreed():  # at step 4: after the step, before the eval, then inside it (before micro-batch 2)
-        asked.append(trainer.step)
-        return "SIGTERM" if asked.count(4) >= 3 else None
-
-    trainer.guard.stops.agreed = agreed
+    stop_inside_the_eval_at_step_4(trainer)
     with pytest.raises(Preempted, match="SIGTERM at step 4; state saved"):
         trainer.train()
     assert [p for p in phases if p[0] != "drain"] == [("eval", 2), ("snapshot", 2), ("save", 3), ("eval", 4),
