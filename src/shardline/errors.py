@@ -70,3 +70,11 @@ def outside_folder(name: object) -> bool:
     from pathlib import PurePath
 
     return not isinstance(name, str) or PurePath(name).is_absolute() or ".." in PurePath(name).parts
+
+
+def links_outside(root, path) -> bool:
+    """Whether `path`, a file of folder `root`, resolves (through links inside the folder) to a file
+    outside it: a folder someone gave, holding `shard.bin -> /home/you/secret`, read that file."""
+    from pathlib import Path
+
+    return not Path(path).resolve().is_relative_to(Path(root).resolve())

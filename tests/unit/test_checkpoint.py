@@ -588,3 +588,41 @@ def test_a_manifest_naming_a_file_outside_its_checkpoint_is_malformed(trained, n
     with pytest.raises(CheckpointError, match=f"malformed manifest.json: ValueError: it names a file outside the "
                                               f"checkpoint \\('{re.escape(name)}'\\)"):
         verify(folder)
+
+
+def test_a_checkpoint_cannot_send_dcp_to_another_metadata_file_or_outside_its_folder(trained, tiny_config, tmp_path):
+    """A re-test of the guard found DCP reading a rank's `__0.metadata` (plain pickle) where `.metadata`
+    was missing or an empty look-alike, a path object standing for `relative_path` (its parts set to
+    anything), and data files linked out of the folder: each is refused before DCP reads anything."""
+    import pickle
+    import shutil
+    from pathlib import PosixPath
+
+    folder, marker = trained / "checkpoints" / "step-000012", tmp_path / "ran"
+    real = (folder / "state" / ".metadata").read_bytes()
+    start = ("train.steps=2", f"model.init_from={folder}")
+
+    def refused(match: str) -> None:
+        _resealed(folder, "state/.metadata") if (folder / "state" / ".metadata").exists() else None
+        with pytest.raises(CheckpointError, match=match):
+            Trainer(tiny_config(*start, run_dir=tmp_path / "new")).build()
+        assert not marker.exists()
+
+    (folder / "state" / "__0.metadata").write_bytes(pickle.dumps((_Payload(marker), pickle.loads(real))))
+    refused(r"is not the metadata DCP writes \(beside it: __0\.metadata, which a checkpoint never holds\)")
+    (folder / "state" / ".metadata").write_bytes(b"\x80\x02ccollections\nOrderedDict\n)R}X\x0c\x00\x00\x00"
+                                                 b"storage_dataNsb.")  # (an empty look-alike: falsy to DCP)
+    refused(r"\.metadata is not the metadata DCP writes")
+    (folder / "state" / "__0.metadata").unlink()
+    metadata = pickle.loads(real)
+    for key, info in metadata.storage_data.items():
+        metadata.storage_data[key] = type(info)(PosixPath(info.relative_path), info.offset, info.length,
+                                                info.transform_descriptors)
+    (folder / "state" / ".metadata").write_bytes(pickle.dumps(metadata))
+    refused(r"places data in PosixPath\('__0_0\.distcp'\), outside the checkpoint")
+    (folder / "state" / ".metadata").write_bytes(real)
+    _resealed(folder, "state/.metadata")
+    shutil.move(folder / "state" / "__0_0.distcp", tmp_path / "elsewhere.distcp")
+    (folder / "state" / "__0_0.distcp").symlink_to(tmp_path / "elsewhere.distcp")
+    with pytest.raises(CheckpointError, match=r"state/__0_0\.distcp links to .*elsewhere\.distcp, outside the "):
+        verify(folder)

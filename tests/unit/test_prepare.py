@@ -1663,3 +1663,31 @@ def test_a_manifest_naming_a_shard_outside_its_folder_is_refused(tmp_path, small
         with pytest.raises(DataError, match=re.escape(f"{out / 'manifest.json'} is damaged (splits.train.shards[0] "
                                                       "names a file outside the folder); prepare the folder again")):
             read()
+
+
+def test_a_shard_linked_out_of_its_folder_is_refused_and_side_files_linked_out_are_not_copied(
+        tmp_path, small_corpus, small_prepared, capsys):
+    """A prepared folder holding `train/tokens-00000.bin -> a file of yours` trained on that file; a
+    --tokenizer folder holding `merges.txt -> ~/.ssh/id_rsa` had it copied into the prepared folder
+    (and on into run dirs and exports), readable by all."""
+    import shutil
+
+    from shardline.data.shards import open_prepared, verify
+
+    out = tmp_path / "prep"
+    prepare(PrepareOptions([str(small_corpus)], str(out), **SMALL))
+    shard = next((out / "train").glob("*.bin"))
+    shutil.move(shard, tmp_path / "yours.bin")
+    shard.symlink_to(tmp_path / "yours.bin")
+    with pytest.raises(DataError, match=rf"train/{shard.name} links to .*yours\.bin, outside the folder"):
+        open_prepared(str(out), 32)
+    assert f"train/{shard.name}" in verify(out)
+    given, secret = tmp_path / "given", tmp_path / "id_rsa"
+    given.mkdir()
+    secret.write_text("-----BEGIN PRIVATE KEY-----")
+    shutil.copy(small_prepared / "tokenizer.json", given / "tokenizer.json")
+    (given / "merges.txt").symlink_to(secret)
+    prepare(PrepareOptions([str(small_corpus)], str(tmp_path / "prep2"), tokenizer=str(given / "tokenizer.json"),
+                           **{**SMALL, "vocab_size": 0}))
+    assert not (tmp_path / "prep2" / "merges.txt").exists()
+    assert f"note: {given / 'merges.txt'} links to {secret}, outside its folder: not copied" in capsys.readouterr().err

@@ -36,7 +36,8 @@ from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, T
                                    check_manifest_keys, file_sha256, id_bound, token_dtype, token_fingerprint,
                                    tokenizer_hash)
 from shardline.data.sources import CHAT_FIELD, files_not_read, inputs_files, read_file
-from shardline.data.tokenizer import TOKENIZER_SIDE_FILES, bos_prefix, eos_id, get_tokenizer, load_tokenizer
+from shardline.data.tokenizer import (TOKENIZER_SIDE_FILES, bos_prefix, eos_id, get_tokenizer, load_tokenizer,
+                                      side_file_held)
 from shardline.errors import DataError
 
 FORMATS = ("text", "chat")
@@ -182,7 +183,7 @@ def _keep_side_files(tokenizer: str, root: Path) -> None:
     keeps them (`generate --chat`, `convert to-hf`); ones a former tokenizer left there go."""
     for name in TOKENIZER_SIDE_FILES:
         source = Path(tokenizer).parent / name if tokenizer else None
-        if source is None or not source.is_file():
+        if source is None or not side_file_held(source.parent, name):
             (root / name).unlink(missing_ok=True)
         elif source.resolve() != (root / name).resolve():  # (--tokenizer may be the folder's own)
             shutil.copyfile(source, root / name)

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from shardline.data.packing import PackedSequences
 from shardline.data.readers import MANIFEST, reading
 from shardline.data.tokenizer import bos_prefix, load_tokenizer
-from shardline.errors import DataError, outside_folder
+from shardline.errors import DataError, links_outside, outside_folder
 
 PROGRESS, TOKENIZER = "progress.json", "tokenizer.json"  # (MANIFEST: readers.py's, which locks it)
 FORMAT_VERSION = 1
@@ -335,6 +335,9 @@ def _checked(root: Path, shards: list[dict], kind: str, dtype: np.dtype) -> list
 
 
 def _check_size(root: Path, path: Path, expected: int) -> None:
+    if links_outside(root, path):
+        raise DataError(f"prepared folder {root}: {path.relative_to(root)} links to {path.resolve()}, outside the "
+                        "folder; a prepared folder holds its own files: copy them in, or prepare it again")
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -354,8 +357,8 @@ def verify(root: Path) -> list[str]:
     for name in SPLITS:
         split = manifest["splits"][name]
         for shard in split["shards"]:
-            bad += [shard[k] for k in ("file", "mask") if k in shard
-                    and not _matches(root / shard[k], shard.get(f"{k}_sha256"))]
+            bad += [shard[k] for k in ("file", "mask") if k in shard and (links_outside(root, root / shard[k])
+                    or not _matches(root / shard[k], shard.get(f"{k}_sha256")))]
         if not _matches(root / name / "docs.idx", split.get("docs_sha256")):
             bad.append(f"{name}/docs.idx")
     return bad

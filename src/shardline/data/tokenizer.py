@@ -20,6 +20,28 @@ EOS = "<|endoftext|>"
 # in its run dir, `convert to-hf` in the export.
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json",
                         "merges.txt", "tokenizer.model")
+
+
+def side_file_held(source: Path, name: str) -> bool:
+    """Whether folder `source` holds side file `name` of its own, to be copied with its tokenizer: a
+    file, or a link into the folder or into a Hugging Face cache's blobs (a snapshot's, or a
+    `--local-dir` download's links: .../models--ORG--NAME/blobs/SHA). A link to anywhere else is
+    passed over, and said: a folder someone gave, holding `special_tokens_map.json -> ~/.ssh/id_rsa`,
+    had that file copied into the prepared folder, the run dir and every export, readable by all."""
+    file = Path(source) / name
+    if not file.is_file():
+        return False
+    if not file.is_symlink():
+        return True
+    target = file.resolve()
+    if target.is_relative_to(Path(source).resolve()) or (
+            target.parent.name == "blobs" and target.parent.parent.name.startswith(("models--", "datasets--"))):
+        return True
+    print(f"note: {file} links to {target}, outside its folder: not copied (copy the file itself into the "
+          "folder to keep it)", file=sys.stderr)
+    return False
+
+
 # End-of-document tokens of common tokenizers, tried in order for a user's tokenizer: GPT-2's,
 # Qwen's, Phi's, OLMo's; Llama 3's; Llama 2's, Mistral's; Gemma's; DeepSeek's; ChatML's.
 KNOWN_EOS = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<|im_end|>")

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardline.data.tokenizer import TOKENIZER_SIDE_FILES
+from shardline.data.tokenizer import TOKENIZER_SIDE_FILES, side_file_held
 from shardline.errors import CheckpointError, DataError
 from shardline.interop.hf_config import CONFIG_NAME, _load_json
 
@@ -139,27 +138,8 @@ def copy_side_files(source: Path, folder: Path, names: tuple[str, ...] = SIDE_FI
     GENERATION_NAME alone: the generation settings of the weights there (their end tokens,
     sampling defaults), which go with the weights whichever tokenizer travels with them."""
     for name in names:
-        if _held_by(source, name) and (source / name).resolve() != (folder / name).resolve():
+        if side_file_held(source, name) and (source / name).resolve() != (folder / name).resolve():
             shutil.copyfile(source / name, folder / name)
-
-
-def _held_by(source: Path, name: str) -> bool:
-    """Whether `source` holds file `name` of its own: a file, or a link into the folder or into a
-    Hugging Face cache's blobs (a snapshot's, or `--local-dir` download's links: .../blobs/SHA). A
-    link to anywhere else is passed over, and said: a folder someone gave, holding
-    `special_tokens_map.json -> ~/.ssh/id_rsa`, had that file copied into the run dir and every
-    export, readable by all."""
-    file = source / name
-    if not file.is_file():
-        return False
-    if not file.is_symlink():
-        return True
-    target = file.resolve()
-    if target.is_relative_to(source.resolve()) or target.parent.name == "blobs":
-        return True
-    print(f"note: {file} links to {target}, outside its folder: not copied (copy the file itself into the "
-          "folder to keep it)", file=sys.stderr)
-    return False
 
 
 def tokenizer_file(tokenizer_path: str | os.PathLike) -> Path:

@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from shardline.errors import CheckpointError, CheckpointUnreadable, outside_folder
+from shardline.errors import CheckpointError, CheckpointUnreadable, links_outside, outside_folder
 from shardline.resilience.model_state import capture_state, keep_own_group_names, restore_state
 from shardline.resilience.safe_load import load_state, single_process_ok
 from shardline.resilience.save_failures import agree_on_failure, storage_error
@@ -95,6 +95,8 @@ def verify(path: Path) -> dict[str, Any]:
         try:
             if not f.is_file():
                 raise CheckpointError(f"checkpoint {path} is missing {rel}")
+            if links_outside(path, f):  # (its manifest's hashes, its maker's, would vouch for any file)
+                raise CheckpointError(f"checkpoint {path}: {rel} links to {f.resolve()}, outside the checkpoint")
             if f.stat().st_size != size:
                 raise CheckpointError(f"checkpoint {path}: {rel} is {f.stat().st_size} bytes, manifest says {size}")
             if _sha256(f) != sha256:

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from shardline.errors import CheckpointError, outside_folder
+from shardline.errors import CheckpointError, links_outside, outside_folder
 
 # What a DCP .metadata file builds besides DCP's metadata classes (_dcp_class): sizes, dtypes and
 # layouts, and the paths DCP records (Python 3.13 pickles a PosixPath as pathlib._local's).
@@ -53,24 +53,31 @@ def _dcp_class(module: str, name: str) -> bool:
 
 
 def _check_metadata(path: Path) -> None:
-    """A checkpoint's .metadata holds DCP's metadata and nothing that could run code, and names no
-    data file outside the checkpoint."""
-    file = path / "state" / ".metadata"
+    """A checkpoint's state/.metadata is DCP's Metadata and nothing that could run code, and places
+    its data in files of the folder. DCP reads another metadata file where this one is missing or
+    empty (a rank's `__N.metadata`), which no shardline checkpoint holds: refused too."""
+    state = path / "state"
+    file = state / ".metadata"
     try:
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
-        files = {str(getattr(info, "relative_path", "")) for info in (metadata.storage_data or {}).values()}
-    except FileNotFoundError:
-        return  # (DCP's own error names it)
+        others = sorted(p.name for p in state.glob("__*.metadata"))
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"checkpoint {path}: {file.name} names {e}, which a checkpoint's metadata never "
                               "holds; not loaded (reading it would run code)") from None
-    except Exception as e:  # (truncated or garbled: said as the damage it is)
-        raise CheckpointError(f"checkpoint {path}: {file.name} is damaged ({type(e).__name__})") from None
-    outside = sorted(name for name in files if outside_folder(name))
-    if outside:
-        raise CheckpointError(f"checkpoint {path}: {file.name} places data in {outside[0]!r}, outside the checkpoint; "
-                              "not loaded")
+    except Exception as e:  # (missing, truncated or garbled: said as the damage it is)
+        raise CheckpointError(f"checkpoint {path}: {file.name} is missing or damaged ({type(e).__name__})") from None
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if type(metadata) is not Metadata or not isinstance(metadata.storage_data, dict) or others:
+        raise CheckpointError(f"checkpoint {path}: {file.name} is not the metadata DCP writes"
+                              + (f" (beside it: {others[0]}, which a checkpoint never holds)" if others else "")
+                              + "; not loaded")
+    for info in metadata.storage_data.values():  # (a str: a path object's parts could be set to anything)
+        name = getattr(info, "relative_path", None)
+        if type(name) is not str or outside_folder(name) or links_outside(state, state / name):
+            raise CheckpointError(f"checkpoint {path}: {file.name} places data in {name!r}, outside the "
+                                  "checkpoint; not loaded")
 
 
 class _CheckedPlanner(DefaultLoadPlanner):
