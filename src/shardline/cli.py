@@ -186,10 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "the memory estimate does not fit)")
     train.add_argument("--world-size", type=_positive_int, metavar="N",
                        help="with --dry-run: the number of ranks to check for (default $WORLD_SIZE or 1)")
-    train.add_argument("--gpu", metavar="TYPE", help="with --dry-run: the device type of the memory estimate")
+    train.add_argument("--gpu", metavar="TYPE", help="with --dry-run: the device type of the memory estimate "
+                                                     "(default: this machine's GPU, else h100-sxm assumed; "
+                                                     "cpu with --run.device=cpu)")
     train.set_defaults(func=_train)
     chk = sub.add_parser("check", help="test every rank (GEMM result and speed, all-reduce) before a long job",
-                         epilog="run under torchrun for all ranks; exit code 6 names a faulty or slow rank")
+                         epilog="run under torchrun for all ranks; exit code 6 names a faulty or slow rank; "
+                                "config overrides (--section.key=value, e.g. --run.device=cpu) as train takes them")
     chk.add_argument("--config", action=OnlyOnce, help="TOML config (its run.device and [faults] drills apply)")
     chk.add_argument("--size", type=_positive_int, default=512,
                      help="GEMM dimension (default 512 everywhere; pass ~8192 on GPUs, where 512 times launches)")
@@ -255,7 +258,7 @@ def _override_hint(command: str, unknown: list[str], stray: str) -> str:
     """What a stray argument likely meant: the value of an override written `--section.key value`,
     or an option of another command."""
     if command not in TAKES_OVERRIDES:
-        return f"`shardline {command} --help` lists its options"
+        return f"`shardline {command}` takes no config overrides"
     at = unknown.index(stray)
     before = unknown[at - 1] if at else ""
     if before.startswith("--") and "." in before and "=" not in before:
@@ -275,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         return print("shardline: interrupted", file=sys.stderr) or 130
     args, unknown = parser.parse_known_args(argv)
     bad = [u for u in unknown if not (u.startswith("--") and "." in u.split("=", 1)[0])]
-    if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)} ({_override_hint(args.command, unknown, bad[0])})")
+    if bad:  # (said by the command's own parser: its --help lists its options)
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        commands[args.command].error(f"unrecognized arguments: {' '.join(bad)} "
+                                     f"({_override_hint(args.command, unknown, bad[0])})")
     from shardline.parallel.slurm import srun_ranks
 
     strict = not getattr(args, "dry_run", False)  # (a dry run starts no group: it may run in any shell)

@@ -109,6 +109,7 @@ def test_bad_launches_fail_in_one_line(tmp_path, capsys):
     for args, message in ((["--ops", "all_reduce,broadcast"], "--ops 'all_reduce,broadcast': give a comma"),
                           (["--min-size", "1M", "--max-size", "64K"], "--min-size 1048576 is above --max-size"),
                           (["--rounds", "0"], "--rounds 0 and --iters 5 must be >= 1"),
+                          (["--iters", "0"], "--rounds 5 and --iters 0 must be >= 1"),  # (was read as the default)
                           (["--slow-factor", "0.5"], "--slow-factor 0.5 must be a number > 1"),
                           (["--drill-delay-ms", "nan", "--drill-rank", "0"], "--drill-delay-ms nan must be a number"),
                           (["--gpu", "tpu"], "unknown device type 'tpu'")):

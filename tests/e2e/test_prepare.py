@@ -97,3 +97,15 @@ def test_verify_tells_a_missing_shard_from_a_changed_one(tmp_path, small_prepare
     err = capsys.readouterr().err
     assert (f"{copy}: missing: train/tokens-00000.bin; checksum mismatch in val/docs.idx; copy the folder again from "
             "a good copy, or prepare it again with --overwrite") in err, err
+
+
+def test_options_a_prepare_does_not_read_are_said(tmp_path, small_prepared, small_corpus, capsys):
+    """`--verify` with inputs checked the folder alone, and --vocab-size beside --tokenizer was unused,
+    each without a word."""
+    assert main(["prepare", str(small_corpus), "--out", str(small_prepared), "--verify"]) == 0
+    assert f"note: --verify checks {small_prepared} as it was prepared; the inputs given are not read" in \
+        capsys.readouterr().err
+    out = tmp_path / "prep"
+    assert main(["prepare", str(small_corpus), "--out", str(out), "--tokenizer", str(small_prepared / "tokenizer.json"),
+                 "--vocab-size", "999", "--quiet"]) == 0
+    assert "note: --vocab-size 999 is not used: --tokenizer gives the vocabulary" in capsys.readouterr().err

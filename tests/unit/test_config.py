@@ -238,8 +238,12 @@ def test_a_stray_argument_is_read_as_what_it_likely_meant(capsys):
     assert "give --train.steps=40: config overrides take their value after '='" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "runs/x", "--top_k", "5"])
-    err = capsys.readouterr().err
-    assert "`shardline generate --help` lists its options" in err and "section.key" not in err
+    err = capsys.readouterr().err  # (said by the command's parser, which points at its own --help)
+    assert "`shardline generate` takes no config overrides) (see shardline generate --help)" in err
+    assert "section.key" not in err
+    with pytest.raises(SystemExit):
+        main(["train", "--bogus"])
+    assert capsys.readouterr().err.rstrip().endswith("(see shardline train --help)")
 
 
 @pytest.mark.parametrize("section,key,value,message", [

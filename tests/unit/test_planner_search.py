@@ -126,6 +126,12 @@ def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
     assert len(left) == 1 and "optim.lr = 0.003 (the tiny preset's)" in left[0] and "data.path = ''" in left[0]
     assert run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(path), "--optim.lr=3e-4")[0] == 0
     assert "optim.lr" not in path.read_text().split("\n[")[0] and "train.steps = 200" in path.read_text()
+    # An override of what the plan chooses was dropped from the file without a word: refused, naming the option
+    for override, way in (("--parallel.tp=2", "--fix tp=..."), ("--train.seq_len=64", "--seq-len"),
+                          ("--train.precision=bf16", "--precision")):
+        code, _, err = run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(path), override)
+        assert code == 2 and f"{override.split('=')[0]} is one of the settings the plan chooses" in err
+        assert err.rstrip().endswith(f"give it to the search as {way}")
     mine = tmp_path / "mine.toml"
     mine.write_text("[train]\nsteps = 5\n")
     code, _, err = run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(mine))
@@ -322,9 +328,12 @@ def test_an_emitted_config_leaves_a_base_configs_idle_settings_at_their_defaults
     then named it unused."""
     from shardline.launch_notes import unused_settings
 
-    path = tmp_path / "plan.toml"  # (a plan's base config: its overrides)
-    code, out, _ = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--memory.ac_every=4",
+    path = tmp_path / "plan.toml"  # (a plan's base config: its overrides; one the plan sets is refused)
+    code, _, err = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--memory.ac_every=4",
                            "--fix", "activation_checkpoint=full", "--emit-config", str(path))
+    assert code == 2 and err.rstrip().endswith("give it to the search as --fix ac_every=...")
+    code, out, _ = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--fix",
+                           "activation_checkpoint=full,ac_every=4", "--emit-config", str(path))
     assert code == 0, out
     cfg = load_config(path)
     assert cfg.memory.activation_checkpoint == "full" and cfg.memory.ac_every == 2 and unused_settings(cfg) == {}

@@ -46,6 +46,8 @@ def test_step_time_source_names_the_planned_layout(capsys):
     report = run_json(capsys, "--fix", "tp=8")
     assert report["step_time_source"].startswith("planner: tp8 ")
     assert report["step_time_s"] > 0
+    report = run_json(capsys, "--fix", "tp=8", "--mfu", "0.4")  # (accepted and unused, in silence)
+    assert report["step_time_source"].endswith("(--mfu 0.4 not used: it prices a job the planner has no layout for)")
 
 
 def test_text_output_and_fixed_interval(capsys):

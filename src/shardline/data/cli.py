@@ -19,8 +19,8 @@ def register(sub) -> None:
     p = sub.add_parser("prepare", help="tokenize a corpus once into memory-mapped token shards (data.path = DIR)",
                        epilog="then train with --data.path=DIR; a rerun resumes an interrupted prepare")
     p.add_argument("inputs", type=os.path.expanduser, nargs="*", metavar="INPUT",
-                   help=".txt/.jsonl/.parquet/.arrow files (optionally .gz), folders of them, or datasets "
-                        "save_to_disk folders")
+                   help=".txt/.jsonl/.parquet/.arrow files (optionally .gz), folders of them, glob patterns "
+                        "of them (quoted), or datasets save_to_disk folders")
     p.add_argument("--out", type=os.path.expanduser,
                    required=True, metavar="DIR", help="the prepared folder to write (or resume)")
     p.add_argument("--tokenizer", type=os.path.expanduser, default="", metavar="T",
@@ -30,7 +30,8 @@ def register(sub) -> None:
                    help="tokenizer processes (default: cores - 1)")
     p.add_argument("--val-fraction", type=float, default=0.01,
                    help="share of documents held out (default 0.01; 0: none, for runs without evaluation)")
-    p.add_argument("--text-field", default="text", help="field with the text in .jsonl/.parquet/.arrow")
+    p.add_argument("--text-field", default="text",
+                   help="field with the text in .jsonl/.parquet/.arrow (default text)")
     p.add_argument("--format", default="text", choices=["text", "chat"],
                    help="chat: .jsonl records with messages; loss on assistant tokens only")
     p.add_argument("--no-bos", action="store_true",
@@ -50,7 +51,12 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise DataError(f"prepare takes no config overrides, got {' '.join(overrides)}")
     if args.verify:
+        if args.inputs:  # (a folder is checked against its own manifest)
+            print(f"note: --verify checks {args.out} as it was prepared; the inputs given are not read",
+                  file=sys.stderr)
         return _verify(Path(args.out))
+    if args.tokenizer and args.vocab_size != 4096:
+        print(f"note: --vocab-size {args.vocab_size} is not used: --tokenizer gives the vocabulary", file=sys.stderr)
     from shardline.data.prepare import PrepareOptions, prepare
 
     if args.format == "chat" and args.text_field != "text":  # (a run says so in settings_unused)

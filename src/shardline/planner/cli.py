@@ -25,16 +25,18 @@ from shardline.planner.calibrate.cluster_cli import out_problem
 from shardline.planner.hardware import (DEVICE_NAMES, Hardware, cuda_index, detected_gpu, get_hardware,
                                         read_profile, with_local_memory)
 from shardline.layout import resolve
-from shardline.planner.layout import Workload, parse_fix, to_config
+from shardline.planner.layout import FIX_KEYS, Workload, parse_fix, to_config
 
 
 def register(sub) -> None:
     plan = sub.add_parser("plan", help="search parallel layouts for a model on N devices",
                           description="Rank parallel layouts by predicted throughput. Config overrides "
-                                      "(--section.key=value) go into the --emit-config file.")
+                                      "(--section.key=value) go into the --emit-config file, but for those the "
+                                      "plan chooses (batch, precision, [parallel], activation checkpointing: "
+                                      "give them as plan options, --fix among them).")
     plan.add_argument("--model", required=True, help="preset name or Hugging Face model folder")
     _device_args(plan, required=True)
-    plan.add_argument("--seq-len", type=int, required=True)
+    plan.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (train.seq_len)")
     batch = plan.add_mutually_exclusive_group(required=True)
     batch.add_argument("--global-batch", type=int, metavar="SEQS", help="sequences per optimizer step")
     batch.add_argument("--global-batch-tokens", type=int, metavar="T", help="tokens per optimizer step")
@@ -50,16 +52,17 @@ def register(sub) -> None:
     plan.add_argument("--fix", default="", metavar="KEY=V,...", help="pin [parallel]/[memory] keys (dp = plain DDP)")
     plan.add_argument("--runnable-only", action="store_true",
                       help="only layouts `shardline train` builds today (see layout.NOT_BUILT)")
-    plan.add_argument("--top", type=int, default=10, metavar="K")
-    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--top", type=int, default=10, metavar="K", help="layouts shown (default 10)")
+    plan.add_argument("--json", action="store_true", help="the candidates as JSON (docs/planner.md) instead of a table")
     plan.add_argument("--emit-config", metavar="FILE", help="write the best plan that `shardline train` runs")
     plan.set_defaults(func=_plan)
 
-    est = sub.add_parser("estimate", help="memory breakdown and step time of a config")
+    est = sub.add_parser("estimate", help="memory breakdown and step time of a config",
+                         epilog="config overrides (--section.key=value) change the --config file's settings")
     est.add_argument("--config", required=True, action=OnlyOnce, help="TOML config (as `shardline train` takes)")
     _device_args(est, required=False)
     _doc_arg(est)
-    est.add_argument("--json", action="store_true")
+    est.add_argument("--json", action="store_true", help="the estimate as JSON instead of text")
     est.set_defaults(func=_estimate)
 
     cal = sub.add_parser("calibrate", help="measure this machine and write a hardware profile")
@@ -77,7 +80,8 @@ def register(sub) -> None:
 def _device_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--gpu", required=required, metavar="TYPE", help=f"device type: {', '.join(DEVICE_NAMES)}")
     p.add_argument("--gpus", type=int, required=required, metavar="N", help="number of devices")
-    p.add_argument("--gpus-per-node", type=int, metavar="G", help="devices per node (default: the table's, 8)")
+    p.add_argument("--gpus-per-node", type=int, metavar="G",
+                   help="devices per node (default: the profile's, else the table's: 8 for GPUs, all one node for cpu)")
     p.add_argument("--profile", metavar="FILE", help="hardware profile/override TOML (e.g. from calibrate)")
 
 
@@ -141,11 +145,31 @@ def resolve_model(name: str) -> tuple[ModelArgs, str, bool]:
     raise ConfigError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a Hugging Face folder")
 
 
+# Keys --emit-config writes from the plan itself, each with the plan's option that sets it: an
+# override of one was dropped from the file without a word.
+_PLAN_SETS = {"train.seq_len": "--seq-len", "train.global_batch_size": "--global-batch",
+              "train.micro_batch_size": "--fix micro_batch_size=N", "train.precision": "--precision",
+              "train.document_mask": "--document-mask or --no-document-mask", "model.preset": "--model",
+              "model.hf_path": "--model",
+              **{f"memory.{k}": f"--fix {k}=..." for k in ("activation_checkpoint", "ac_every", "cpu_offload")},
+              **{f"parallel.{k}": f"--fix {k}=..." for k in FIX_KEYS if k != "dp"}}
+
+
+def _refuse_what_the_plan_sets(overrides: list[str]) -> None:
+    given = [o.removeprefix("--").split("=", 1)[0] for o in overrides]
+    taken = [key for key in given if key in _PLAN_SETS or key.startswith("parallel.")]
+    if taken:
+        way = _PLAN_SETS.get(taken[0], "--fix KEY=V")
+        raise ConfigError(f"--{taken[0]} is one of the settings the plan chooses and --emit-config writes itself "
+                          f"(it would be dropped): give it to the search as {way}")
+
+
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.planner import report
     from shardline.planner.search import explain_no_fit, runnable_problem, search
 
     base = load_config(None, overrides)  # fails early on a bad override
+    _refuse_what_the_plan_sets(overrides)
     hw = _hardware(args, args.gpu)
     gpn = hw.network.gpus_per_node
     if args.gpus > gpn and args.gpus % gpn and hw.name != "cpu":

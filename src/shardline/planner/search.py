@@ -173,7 +173,7 @@ def _ep_options(work: Workload, tp: int, ranks: int, gpn: int, fixed: dict) -> l
 
 def candidates(work: Workload, hw: Hardware, gpus: int, fixed: dict):
     """Every layout of the search space (valid or not) for `gpus` devices."""
-    base = {k: fixed[k] for k in ("sequence_parallel", "loss_parallel", "ac_every") if k in fixed}
+    base = {k: fixed[k] for k in ("sequence_parallel", "loss_parallel") if k in fixed}  # (ac_every: acs's)
     acs = [(a, fixed.get("ac_every", e)) for a, e in AC_OPTIONS if fixed.get("activation_checkpoint", a) == a]
     for tp, cp, pp, dp in _structures(work, hw, gpus, fixed):
         local = work.global_batch // dp if work.global_batch % dp == 0 else 0

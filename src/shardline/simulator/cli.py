@@ -59,7 +59,7 @@ def register(subparsers) -> None:
     p.add_argument("--straggler-slowdown", type=float, metavar="F", help="slowed step time factor (default 2)")
     p.add_argument("--seq-len", type=int, help="for the step-time estimate (default min(max_seq_len, 8192))")
     p.add_argument("--global-batch-tokens", type=int,
-                   help="for the step-time estimate (default one sequence per GPU, at most 2048)")
+                   help="for the step-time estimate (default one sequence per GPU, at most 2048 sequences)")
     p.add_argument("--mfu", type=float, help="where the planner has no plan (the job does not fit, say): simulate it "
                    "anyway, the step time from FLOPs at this MFU (e.g. 0.4)")
     p.set_defaults(func=run)

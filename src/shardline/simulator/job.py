@@ -128,7 +128,8 @@ def step_time_s(job: Job, settings: Settings) -> tuple[float, str]:
     seconds, how = planned_step(job.model, job.gpu, job.gpus, job.gpus_per_node, seq_len(job, settings),
                                 tokens_per_step(job, settings), settings.fix, job.profile)
     if seconds is not None:
-        return seconds, how
+        return seconds, how + (f" (--mfu {settings.mfu} not used: it prices a job the planner has no layout for)"
+                               if settings.mfu is not None else "")
     if settings.mfu is None and job.gpu in DEVICE_NAMES:  # the planner says it cannot run: a goodput of what?
         raise ConfigError(f"{job.model_name} on {job.gpus:,} x {job.gpu}: {how}; to simulate it anyway, give "
                           "--step-time S, or --mfu X for a step time from FLOPs at that MFU")

@@ -22,12 +22,15 @@ def register(sub) -> None:
     cb.add_argument("--out", type=os.path.expanduser,
                     default="comm.toml", help="profile to write on rank 0 (default comm.toml)")
     cb.add_argument("--gpu", metavar="TYPE", help="the table entry the profile refines (default: this machine's)")
-    cb.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    cb.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="gloo on the host or NCCL on each rank's GPU (default auto: cuda where there is one)")
     cb.add_argument("--min-size", default=None, metavar="BYTES", help="smallest message (K, M, G: powers of "
                                                                       "1024; default 8K, on a CPU 4K)")
     cb.add_argument("--max-size", default=None, metavar="BYTES", help="largest (default 256M, on a CPU 4M)")
     cb.add_argument("--factor", type=int, default=4, help="each size this many times the last (default 4)")
-    cb.add_argument("--ops", default=",".join(cluster.OPS))
+    cb.add_argument("--ops", default=",".join(cluster.OPS),
+                    help=f"collectives to time, comma-separated (default {','.join(cluster.OPS)}); the profile's "
+                         "links are fitted from all_gather and reduce_scatter: without either, none is written")
     cb.add_argument("--rounds", type=int, default=5, help="timed rounds a point (default 5; the median is kept)")
     cb.add_argument("--iters", type=int, default=None, help="calls a round (default 20, on a CPU 5)")
     cb.add_argument("--subnode", action=argparse.BooleanOptionalAction, default=True,
@@ -86,7 +89,7 @@ def _settings(args: argparse.Namespace, overrides: list[str]) -> dict:
     ops = args.ops.split(",")
     if any(op not in cluster.OPS for op in ops):
         raise ConfigError(f"--ops {args.ops!r}: give a comma-separated list of {', '.join(cluster.OPS)}")
-    rounds, iters = args.rounds, args.iters or (5 if cpu else 20)
+    rounds, iters = args.rounds, args.iters if args.iters is not None else (5 if cpu else 20)
     if rounds < 1 or iters < 1:
         raise ConfigError(f"--rounds {rounds} and --iters {iters} must be >= 1")
     if not (args.slow_factor == 0 or (math.isfinite(args.slow_factor) and args.slow_factor > 1)):
