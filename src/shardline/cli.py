@@ -255,10 +255,10 @@ TAKES_OVERRIDES = ("train", "check", "plan", "estimate", "simulate", "eval")
 
 
 def _override_hint(command: str, unknown: list[str], stray: str) -> str:
-    """What a stray argument likely meant: the value of an override written `--section.key value`,
-    or an option of another command."""
+    """What a stray argument likely meant, where the command takes overrides: the value of one
+    written `--section.key value`, or an override's shape ("": nothing to add)."""
     if command not in TAKES_OVERRIDES:
-        return f"`shardline {command}` takes no config overrides"
+        return ""  # (the command's own parser points at its --help)
     at = unknown.index(stray)
     before = unknown[at - 1] if at else ""
     if before.startswith("--") and "." in before and "=" not in before:
@@ -280,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [u for u in unknown if not (u.startswith("--") and "." in u.split("=", 1)[0])]
     if bad:  # (said by the command's own parser: its --help lists its options)
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-        commands[args.command].error(f"unrecognized arguments: {' '.join(bad)} "
-                                     f"({_override_hint(args.command, unknown, bad[0])})")
+        hint = _override_hint(args.command, unknown, bad[0])
+        commands[args.command].error(f"unrecognized arguments: {' '.join(bad)}" + (f" ({hint})" if hint else ""))
     from shardline.parallel.slurm import srun_ranks
 
     strict = not getattr(args, "dry_run", False)  # (a dry run starts no group: it may run in any shell)

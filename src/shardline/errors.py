@@ -73,8 +73,19 @@ def outside_folder(name: object) -> bool:
 
 
 def links_outside(root, path) -> bool:
-    """Whether `path`, a file of folder `root`, resolves (through links inside the folder) to a file
-    outside it: a folder someone gave, holding `shard.bin -> /home/you/secret`, read that file."""
+    """Whether `path`, a file of folder `root`, resolves (through links) to a file outside it, other
+    than into a content-addressed store (an HF cache's models--*/blobs, DVC's .dvc/cache, git-annex's
+    objects: a download's links; a name there is its content's hash, which a folder's maker cannot
+    aim at a file of yours): a folder someone gave, holding `shard.bin -> /home/you/secret`, read
+    that file. A link loop counts as outside."""
     from pathlib import Path
 
-    return not Path(path).resolve().is_relative_to(Path(root).resolve())
+    try:
+        target, home = Path(path).resolve(), Path(root).resolve()
+    except (RuntimeError, OSError):  # (a loop: RuntimeError before Python 3.13)
+        return True
+    parts = target.parts
+    stored = (target.parent.name == "blobs" and target.parent.parent.name.startswith(("models--", "datasets--"))
+              or any(parts[i:i + 2] == (".dvc", "cache") for i in range(len(parts)))
+              or any(parts[i:i + 3] == (".git", "annex", "objects") for i in range(len(parts))))
+    return not (target.is_relative_to(home) or stored)

@@ -568,7 +568,7 @@ def test_a_checkpoint_someone_crafted_runs_no_code_when_it_is_read(trained, tiny
     metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], relative_path="../../../x.distcp")
     (folder / "state" / ".metadata").write_bytes(pickle.dumps(metadata))
     _resealed(folder, "state/.metadata")
-    with pytest.raises(CheckpointError, match=r"places data in '\.\./\.\./\.\./x\.distcp', outside the checkpoint"):
+    with pytest.raises(CheckpointError, match=r"names '\.\./\.\./\.\./x\.distcp' as a data file, which is not a file "):
         Trainer(tiny_config("train.steps=2", f"model.init_from={folder}", run_dir=tmp_path / "new")).build()
     item, buffer = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr")), io.BytesIO()
     torch.save(_Payload(marker), buffer)
@@ -603,23 +603,30 @@ def test_a_checkpoint_cannot_send_dcp_to_another_metadata_file_or_outside_its_fo
     start = ("train.steps=2", f"model.init_from={folder}")
 
     def refused(match: str) -> None:
-        _resealed(folder, "state/.metadata") if (folder / "state" / ".metadata").exists() else None
+        if (folder / "state" / ".metadata").exists():
+            _resealed(folder, "state/.metadata")
+        else:  # (dropped from the manifest too, as a crafted checkpoint's maker would)
+            manifest = json.loads((folder / "manifest.json").read_text())
+            manifest["files"].pop("state/.metadata", None)
+            (folder / "manifest.json").write_text(json.dumps(manifest))
         with pytest.raises(CheckpointError, match=match):
             Trainer(tiny_config(*start, run_dir=tmp_path / "new")).build()
         assert not marker.exists()
 
     (folder / "state" / "__0.metadata").write_bytes(pickle.dumps((_Payload(marker), pickle.loads(real))))
-    refused(r"is not the metadata DCP writes \(beside it: __0\.metadata, which a checkpoint never holds\)")
+    refused(r"state/__0\.metadata is a file a checkpoint never holds \(DCP would read it, with plain pickle")
+    (folder / "state" / ".metadata").unlink()
+    refused(r"\.metadata is missing or damaged \(FileNotFoundError\)")  # (DCP read __0.metadata instead)
+    (folder / "state" / "__0.metadata").unlink()
     (folder / "state" / ".metadata").write_bytes(b"\x80\x02ccollections\nOrderedDict\n)R}X\x0c\x00\x00\x00"
                                                  b"storage_dataNsb.")  # (an empty look-alike: falsy to DCP)
-    refused(r"\.metadata is not the metadata DCP writes")
-    (folder / "state" / "__0.metadata").unlink()
+    refused(r"\.metadata is not the metadata DCP writes; not loaded")
     metadata = pickle.loads(real)
     for key, info in metadata.storage_data.items():
         metadata.storage_data[key] = type(info)(PosixPath(info.relative_path), info.offset, info.length,
                                                 info.transform_descriptors)
     (folder / "state" / ".metadata").write_bytes(pickle.dumps(metadata))
-    refused(r"places data in PosixPath\('__0_0\.distcp'\), outside the checkpoint")
+    refused(r"names PosixPath\('__0_0\.distcp'\) as a data file, which is not a file of the checkpoint")
     (folder / "state" / ".metadata").write_bytes(real)
     _resealed(folder, "state/.metadata")
     shutil.move(folder / "state" / "__0_0.distcp", tmp_path / "elsewhere.distcp")

@@ -239,7 +239,7 @@ def test_a_stray_argument_is_read_as_what_it_likely_meant(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "runs/x", "--top_k", "5"])
     err = capsys.readouterr().err  # (said by the command's parser, which points at its own --help)
-    assert "`shardline generate` takes no config overrides) (see shardline generate --help)" in err
+    assert "unrecognized arguments: --top_k 5 (see shardline generate --help)" in err
     assert "section.key" not in err
     with pytest.raises(SystemExit):
         main(["train", "--bogus"])

@@ -332,11 +332,19 @@ def test_an_emitted_config_leaves_a_base_configs_idle_settings_at_their_defaults
     code, _, err = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--memory.ac_every=4",
                            "--fix", "activation_checkpoint=full", "--emit-config", str(path))
     assert code == 2 and err.rstrip().endswith("give it to the search as --fix ac_every=...")
-    code, out, _ = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--fix",
+    code, _, err = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--fix",
                            "activation_checkpoint=full,ac_every=4", "--emit-config", str(path))
+    assert code == 2 and "--fix ac_every=4 is read by selective checkpointing only" in err  # (it crashed, then
+    code, out, _ = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--fix",  # was dropped)
+                           "activation_checkpoint=full", "--emit-config", str(path))
     assert code == 0, out
     cfg = load_config(path)
     assert cfg.memory.activation_checkpoint == "full" and cfg.memory.ac_every == 2 and unused_settings(cfg) == {}
+    code, out, _ = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--fix",
+                           "activation_checkpoint=selective,ac_every=4", "--emit-config", str(path))
+    assert code == 0, out
+    assert load_config(path).memory.ac_every == 4
+    assert run_cli(capsys, *PLAN_8B, "--fix", "ac_every=0")[0] == 2  # (a ZeroDivisionError in the search)
 
 
 def test_a_request_only_the_trainers_rules_refuse_says_why():

@@ -12,6 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
+from shardline.config import DataConfig
 from shardline.errors import DataError
 
 
@@ -25,7 +26,7 @@ def register(sub) -> None:
                    required=True, metavar="DIR", help="the prepared folder to write (or resume)")
     p.add_argument("--tokenizer", type=os.path.expanduser, default="", metavar="T",
                    help="a tokenizer.json (default: train the byte-level BPE a raw-text run would)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="size of the trained BPE (default 4096)")
+    p.add_argument("--vocab-size", type=int, help=f"size of the trained BPE (default {DataConfig().vocab_size})")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="tokenizer processes (default: cores - 1)")
     p.add_argument("--val-fraction", type=float, default=0.01,
@@ -55,8 +56,9 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"note: --verify checks {args.out} as it was prepared; the inputs given are not read",
                   file=sys.stderr)
         return _verify(Path(args.out))
-    if args.tokenizer and args.vocab_size != 4096:
+    if args.tokenizer and args.vocab_size is not None:
         print(f"note: --vocab-size {args.vocab_size} is not used: --tokenizer gives the vocabulary", file=sys.stderr)
+    args.vocab_size = DataConfig().vocab_size if args.vocab_size is None else args.vocab_size  # (data.vocab_size's)
     from shardline.data.prepare import PrepareOptions, prepare
 
     if args.format == "chat" and args.text_field != "text":  # (a run says so in settings_unused)
@@ -125,10 +127,13 @@ def _verify(root: Path) -> int:
         raise DataError(f"--out {str(root)!r} does not exist or is not a folder: nothing to verify")
     bad = verify(root)
     if bad:
+        from shardline.errors import links_outside
+
         gone = [name for name in bad if not (root / name).exists()]
-        changed = [name for name in bad if name not in gone]
-        said = "; ".join([f"missing: {', '.join(gone)}"] * bool(gone)
-                         + [f"checksum mismatch in {', '.join(changed)}"] * bool(changed))
+        out = [name for name in bad if name not in gone and links_outside(root, root / name)]
+        changed = [name for name in bad if name not in gone and name not in out]
+        said = "; ".join(f"{what}{', '.join(names)}" for what, names in (
+            ("missing: ", gone), ("linked outside the folder: ", out), ("checksum mismatch in ", changed)) if names)
         print(f"{root}: {said}; copy the folder again from a good copy, or prepare it again with --overwrite",
               file=sys.stderr)
         return 2

@@ -359,7 +359,8 @@ def verify(root: Path) -> list[str]:
         for shard in split["shards"]:
             bad += [shard[k] for k in ("file", "mask") if k in shard and (links_outside(root, root / shard[k])
                     or not _matches(root / shard[k], shard.get(f"{k}_sha256")))]
-        if not _matches(root / name / "docs.idx", split.get("docs_sha256")):
+        index = root / name / "docs.idx"
+        if links_outside(root, index) or not _matches(index, split.get("docs_sha256")):
             bad.append(f"{name}/docs.idx")
     return bad
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from shardline.errors import DataError
+from shardline.errors import DataError, links_outside
 
 EOS = "<|endoftext|>"
 # The files beside an HF tokenizer.json that go with it: its settings (special tokens), chat
@@ -24,21 +24,17 @@ TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "cha
 
 def side_file_held(source: Path, name: str) -> bool:
     """Whether folder `source` holds side file `name` of its own, to be copied with its tokenizer: a
-    file, or a link into the folder or into a Hugging Face cache's blobs (a snapshot's, or a
-    `--local-dir` download's links: .../models--ORG--NAME/blobs/SHA). A link to anywhere else is
-    passed over, and said: a folder someone gave, holding `special_tokens_map.json -> ~/.ssh/id_rsa`,
-    had that file copied into the prepared folder, the run dir and every export, readable by all."""
+    file, or a link into the folder or into a download's content-addressed store (errors.links_outside:
+    an HF cache's models--ORG--NAME/blobs/SHA, say). A link to anywhere else is passed over, and
+    said: a folder someone gave, holding `special_tokens_map.json -> ~/.ssh/id_rsa`, had that file
+    copied into the prepared folder, the run dir and every export, readable by all."""
     file = Path(source) / name
     if not file.is_file():
         return False
-    if not file.is_symlink():
+    if not links_outside(source, file):
         return True
-    target = file.resolve()
-    if target.is_relative_to(Path(source).resolve()) or (
-            target.parent.name == "blobs" and target.parent.parent.name.startswith(("models--", "datasets--"))):
-        return True
-    print(f"note: {file} links to {target}, outside its folder: not copied (copy the file itself into the "
-          "folder to keep it)", file=sys.stderr)
+    print(f"note: {file} links to {file.resolve()}, outside its folder: not copied (copy the file itself into "
+          "the folder to keep it)", file=sys.stderr)
     return False
 
 

@@ -249,9 +249,12 @@ def _leaner(kept: tuple | None, new: tuple) -> tuple:
 
 def _check_fixed(fixed: dict, gpus: int) -> None:
     degrees = {k: fixed[k] for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp") if k in fixed}
-    for key, value in degrees.items():
+    for key, value in (*degrees.items(), *((k, fixed[k]) for k in ("ac_every", "micro_batch_size") if k in fixed)):
         if value < 1:
             raise ConfigError(f"--fix {key}={value} must be >= 1")
+    if "ac_every" in fixed and fixed.get("activation_checkpoint", "selective") != "selective":
+        raise ConfigError(f"--fix ac_every={fixed['ac_every']} is read by selective checkpointing only, not "
+                          f"activation_checkpoint={fixed['activation_checkpoint']}")
     product = 1
     for value in degrees.values():
         product *= value

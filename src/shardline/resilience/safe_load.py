@@ -69,15 +69,17 @@ def _check_metadata(path: Path) -> None:
         raise CheckpointError(f"checkpoint {path}: {file.name} is missing or damaged ({type(e).__name__})") from None
     from torch.distributed.checkpoint.metadata import Metadata
 
-    if type(metadata) is not Metadata or not isinstance(metadata.storage_data, dict) or others:
-        raise CheckpointError(f"checkpoint {path}: {file.name} is not the metadata DCP writes"
-                              + (f" (beside it: {others[0]}, which a checkpoint never holds)" if others else "")
-                              + "; not loaded")
-    for info in metadata.storage_data.values():  # (a str: a path object's parts could be set to anything)
-        name = getattr(info, "relative_path", None)
+    if others:
+        raise CheckpointError(f"checkpoint {path}: {state.name}/{others[0]} is a file a checkpoint never holds "
+                              "(DCP would read it, with plain pickle, where .metadata fails); not loaded")
+    if type(metadata) is not Metadata or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"checkpoint {path}: {file.name} is not the metadata DCP writes; not loaded")
+    names = [getattr(info, "relative_path", None) for info in metadata.storage_data.values()]
+    odd = [n for n in names if type(n) is not str]  # (a path object's parts could be set to anything)
+    for name in odd[:1] + sorted(set(names) - set(odd) if not odd else []):  # (a few files, each once)
         if type(name) is not str or outside_folder(name) or links_outside(state, state / name):
-            raise CheckpointError(f"checkpoint {path}: {file.name} places data in {name!r}, outside the "
-                                  "checkpoint; not loaded")
+            raise CheckpointError(f"checkpoint {path}: {file.name} names {name!r} as a data file, which is not a "
+                                  "file of the checkpoint; not loaded")
 
 
 class _CheckedPlanner(DefaultLoadPlanner):
