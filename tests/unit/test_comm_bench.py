@@ -149,6 +149,12 @@ def test_times_that_do_not_grow_with_size_fit_no_link_and_small_messages_are_sai
     assert fields["intra_bw_gbs"] == pytest.approx(1.0, rel=1e-6)
     assert notes[1].endswith("; its largest message, 96 B, is mostly latency: give --max-size 1 MiB or more for a "
                              "bandwidth to plan with")
+    # Pairs inside a node of 4 that noise leaves unfitted: the node's fit and op factors still come
+    pairs = [Point("node2", "all_gather", 2, 2, 4096, 2e-3), Point("node2", "all_gather", 2, 2, 1 << 20, 1e-3)]
+    node = [Point("world", op, 4, 4, nbytes, _ring_seconds(op, 4, nbytes, 10e-6, 1e9))
+            for op in cluster_fit.LINK_OPS for nbytes in (4096, 1 << 20)]
+    fields, notes = cluster_fit.fit_links(pairs + node, Network(), nodes=1, per_node=4)  # (a KeyError before)
+    assert set(fields["bw_by_world_gbs"]) == {"4"} and "not fitted" in notes[1] and "op_factor" in fields
     big = [Point("world", "all_gather", 2, 2, nbytes, _ring_seconds("all_gather", 2, nbytes, 10e-6, 1e9))
            for nbytes in (4096, 1 << 20)]
     assert "mostly latency" not in cluster_fit.fit_links(big, Network(), nodes=1, per_node=2)[1][1]

@@ -86,7 +86,8 @@ def fit_links(points: list[Point], base: Network, nodes: int, per_node: int,
         # Pooled over every group size inside a node, each under its own fit: the planner
         # multiplies the factor into any group that stays inside one.
         fields["op_factor"] = op_factors([{"op": p.op, "world": p.ranks, "bytes": p.nbytes, "seconds": p.seconds}
-                                          for p in points if p.tier in inside and p.op in FACTORED], fits)
+                                          for p in points if p.tier in inside and p.op in FACTORED
+                                          and p.ranks in fits], fits)  # (a tier whose fit was refused: none)
     fit = _fit_tier(points, inter, "inter", notes)
     if fit:
         fields.update(inter_latency_us=fit[1] * 1e6, inter_bw_gbs=fit[2] / 1e9 * base.oversubscription)
