@@ -49,6 +49,16 @@ def launch(tmp_path: Path, nnodes: int, *args: str, launcher: tuple[str, ...] = 
             for a, (out, err) in zip(agents, logs)]
 
 
+def fitted_launch(tmp_path: Path, nnodes: int, *args: str, nproc: int = 2) -> list[subprocess.CompletedProcess]:
+    """launch(), again (up to 3 tries) where noise left a tier's times not growing with the size, which
+    fits no link (said in a `fit` line): a machine running other tests beside these ranks."""
+    for _ in range(3):
+        runs = launch(tmp_path, nnodes, *args, nproc=nproc)
+        if not any("times do not grow with the message size" in r.stdout for r in runs):
+            break
+    return runs
+
+
 def _rows(table: str) -> dict[tuple, list[float]]:
     """(tier, ranks, op, size in bytes) -> [time us, algbw, busbw, model us] of each table row."""
     units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}
@@ -69,8 +79,8 @@ def _fit(table: str, link: str) -> tuple[float, float]:
 
 def test_two_nodes_every_tier_measured_and_a_profile_the_planner_reads(tmp_path):
     profile = tmp_path / "comm.toml"
-    runs = launch(tmp_path, 2, "--out", str(profile), "--min-size", "64K", "--max-size", "1M", "--rounds", "3",
-                  "--iters", "2")
+    runs = fitted_launch(tmp_path, 2, "--out", str(profile), "--min-size", "64K", "--max-size", "1M", "--rounds",
+                         "3", "--iters", "2")
     assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
     (table,) = [r.stdout for r in runs if "shardline comm-bench:" in r.stdout]  # rank 0's agent prints
     assert table.startswith("shardline comm-bench: 4 ranks, 2 node(s) x 2 (gloo, cpu)")
@@ -155,8 +165,8 @@ def test_one_node_of_four_fits_pairs_apart_from_the_node(tmp_path):
     """Four ranks on one node: the pairs (node2) and the whole node (world) each get their own fit,
     which the planner then picks by group size."""
     profile = tmp_path / "comm.toml"
-    (run,) = launch(tmp_path, 1, "--out", str(profile), "--ops", "all_gather,reduce_scatter", "--min-size", "64K",
-                    "--max-size", "1M", "--rounds", "3", "--iters", "2", nproc=4)
+    (run,) = fitted_launch(tmp_path, 1, "--out", str(profile), "--ops", "all_gather,reduce_scatter", "--min-size",
+                           "64K", "--max-size", "1M", "--rounds", "3", "--iters", "2", nproc=4)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = _rows(run.stdout)
     assert {(tier, n) for tier, n, *_ in rows} == {("node2", 2), ("world", 4)}
