@@ -187,3 +187,17 @@ def test_a_ranked_evaluations_folder_planted_by_another_is_refused(tmp_path, mon
         assert folder == planted and folder.is_dir() and oct(folder.stat().st_mode & 0o777) == "0o700"
     finally:
         folder.rmdir()
+
+
+def test_a_run_whose_checkpoints_folder_links_to_another_disk_finds_its_tokenizer(tiny_config, tmp_path, capsys):
+    """`<run>/checkpoints` a link to another disk: eval said "no tokenizer.json beside it or in a run dir
+    above it", and `convert to-hf` wrote an export without a tokenizer, exit 0."""
+    run, disk = tmp_path / "run", tmp_path / "other_disk" / "ck"
+    disk.mkdir(parents=True)
+    run.mkdir()
+    (run / "checkpoints").symlink_to(disk)
+    Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build().train()
+    capsys.readouterr()
+    assert main(["eval", str(run), "--batches", "1"]) == 0
+    assert main(["convert", "to-hf", str(run), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() and "without a tokenizer" not in capsys.readouterr().err

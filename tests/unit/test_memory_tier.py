@@ -490,3 +490,23 @@ def test_a_planted_link_or_another_users_folder_under_the_memory_dir_is_refused(
     make_own(tmp_path / "shared" / "a" / "b", tmp_path, "checkpoint.memory_dir", "")  # made private
     folders = (tmp_path / "shared", tmp_path / "shared" / "a", tmp_path / "shared" / "a" / "b")
     assert {oct(p.stat().st_mode & 0o777) for p in folders} == {"0o700"}
+
+
+def test_the_snapshot_folders_made_again_after_a_fresh_runs_clear_stay_private(tiny_config, tmp_path):
+    """A fresh run clears the tier's folders after making them; its first snapshot made them again with
+    the umask's 0755 (and followed whatever another user had put there), and a memory_dir the user
+    named was removed as an empty parent."""
+    from shardline.trainer import Trainer
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    trainer = Trainer(tiny_config("checkpoint.memory_interval=1", f"checkpoint.memory_dir={shm}",
+                                  "train.steps=2", "checkpoint.interval=0")).build()
+    tier = trainer.tiers.memory
+    tier.clear()
+    assert shm.is_dir() and not tier.root.exists()  # (the user's folder stays)
+    trainer.step = 1
+    trainer.snapshot_to_memory()
+    tier.wait()
+    assert {oct(p.stat().st_mode & 0o777) for p in (tier.root, tier.dir)} == {"0o700"}
+    trainer.close()

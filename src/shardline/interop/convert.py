@@ -13,6 +13,7 @@ from-hf: an HF folder -> a weights-only shardline checkpoint, which a run starts
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -134,10 +135,12 @@ def checkpoint_tokenizer(ckpt: Path) -> Path | None:
 
 
 def beside_checkpoint(ckpt: Path, name: str) -> Path | None:
-    """The file `name` beside a checkpoint's files, else in the run dir that saved it; None when neither."""
-    ckpt = ckpt.resolve()
-    runs = [folder.parent for folder in ckpt.parents[:2] if folder.name == "checkpoints"]
-    return next((t for t in [ckpt / name, *(r / name for r in runs)] if t.is_file()), None)
+    """The file `name` beside a checkpoint's files, else in the run dir that saved it; None when neither.
+    The run dir is looked for along the path as given and as resolved: `<run>/checkpoints` may be a
+    link to another disk, whose resolved path has no run dir above it."""
+    paths = [Path(os.path.abspath(ckpt)), ckpt.resolve()]
+    runs = [folder.parent for path in paths for folder in path.parents[:2] if folder.name == "checkpoints"]
+    return next((t for t in [paths[1] / name, *(r / name for r in runs)] if t.is_file()), None)
 
 
 def _export_dtype(name: str) -> torch.dtype | None:

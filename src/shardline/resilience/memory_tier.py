@@ -172,7 +172,7 @@ class MemoryTier:
         write is never listed.
         """
         tmp = self._path(kind, step, ".bin.tmp")
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # clear() may have removed it
+        self._make_dir()  # clear() may have removed it: made again as this user's own, checked
         if isinstance(data, torch.Tensor):
             with open(tmp, "wb") as f:
                 f.write(data.numpy().data)
@@ -269,8 +269,8 @@ class MemoryTier:
         shrank, or whose nodes came back in another order: a rank reads only its own folder)."""
         self.wait()
         self._drop_departed(everyone=True)
-        for empty in (self.root, self.root.parent):
-            try:
+        for empty in (self.root, self.root.parent)[:2 if self.root.parent == default_base() else 1]:
+            try:  # (a checkpoint.memory_dir the user named stays)
                 empty.rmdir()  # the last rank out removes the run's folder
             except OSError:
                 break
