@@ -171,9 +171,14 @@ def test_one_node_of_four_fits_pairs_apart_from_the_node(tmp_path):
     rows = _rows(run.stdout)
     assert {(tier, n) for tier, n, *_ in rows} == {("node2", 2), ("world", 4)}
     net = get_hardware("cpu", profile).network
-    assert set(net.latency_by_world_us) == {"2", "4"} == set(net.bw_by_world_gbs)
+    # (gloo pairs on 2 busy cores: scheduling noise of milliseconds against a 1 MiB copy's fraction of
+    # one; where every try left the pairs' times not growing, their fit is refused, and said)
+    pairs = "fit intra: not fitted: the node2 tier's times do not grow" not in run.stdout
+    assert set(net.latency_by_world_us) == ({"2", "4"} if pairs else {"4"}) == set(net.bw_by_world_gbs)
     assert net.intra_latency_us == net.latency_by_world_us["4"]
     assert net.gpus_per_node == get_hardware("cpu").network.gpus_per_node  # one node: not written
+    if not pairs:
+        return
     size = SIZES[-1]  # the pair's model column: the pair's own fit, times the op's factor
     alpha, bw = net.latency_by_world_us["2"] * 1e-6, net.bw_by_world_gbs["2"] * 1e9
     pair = (alpha + size / 2 / bw) * net.op_factor["all_gather"]
