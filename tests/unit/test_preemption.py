@@ -242,6 +242,21 @@ def test_a_signal_that_lands_while_a_step_is_logged_still_skips_the_evaluation(t
     assert [p for p in phases if p[0] != "drain"] == [("eval", 2), ("save", 2), ("save", 4)]  # no eval at 4
 
 
+def rerun_makes_up_the_eval_at_step_4(tiny_config, settings: list[str], run_dir: Path, whole: Path) -> None:
+    """The rerun of a run stopped at step 4 (of 6, evaluating every 2) evaluates step 4 before its
+    first step, and its eval losses are an uninterrupted run's (in `whole`), step for step."""
+    from shardline.trainer import Trainer
+
+    rerun = Trainer(tiny_config(*settings)).build()
+    phases = record_phases(rerun)
+    rerun.train()
+    assert [p for p in phases if p[0] == "eval"] == [("eval", 4), ("eval", 6)]
+    Trainer(tiny_config(*settings, run_dir=whole)).build().train()
+    losses = {run: [(r["step"], r["eval_loss"]) for r in records(run) if r["kind"] == "eval"]
+              for run in (run_dir, whole)}
+    assert losses[run_dir] == losses[whole] and [s for s, _ in losses[whole]] == [2, 4, 6]
+
+
 def stop_inside_the_eval_at_step_4(trainer) -> list[int]:
     """Every rank's stop answer (StopRequests.agreed) says SIGTERM from its third ask at step 4 on:
     after the step, before the eval, then inside it (before its second micro-batch). Returns the
@@ -271,15 +286,7 @@ def test_a_signal_that_lands_during_an_evaluation_ends_it_and_the_resumed_run_ma
     assert asked.count(4) == 4  # after the step, before the eval, in it before its 2nd micro-batch of 4, after it
     assert [p for p in phases if p[0] != "drain"] == [("eval", 2), ("save", 2), ("eval", 4), ("save", 4)]
     assert [r["step"] for r in records(trainer.run_dir) if r["kind"] == "eval"] == [2]  # nothing logged at 4
-    rerun = Trainer(tiny_config(*settings)).build()
-    phases = record_phases(rerun)
-    rerun.train()
-    assert [p for p in phases if p[0] == "eval"] == [("eval", 4), ("eval", 6)]
-    whole = Trainer(tiny_config(*settings, run_dir=tmp_path / "whole")).build()
-    whole.train()
-    losses = {run: [(r["step"], r["eval_loss"]) for r in records(run) if r["kind"] == "eval"]
-              for run in (trainer.run_dir, whole.run_dir)}
-    assert losses[trainer.run_dir] == losses[whole.run_dir] and [s for s, _ in losses[whole.run_dir]] == [2, 4, 6]
+    rerun_makes_up_the_eval_at_step_4(tiny_config, settings, trainer.run_dir, tmp_path / "whole")
 
 
 def test_a_stop_during_an_evaluation_takes_no_memory_snapshot_before_its_disk_save(tiny_config, tmp_path):
@@ -312,15 +319,7 @@ def test_the_evaluation_a_stop_skipped_is_made_up_by_the_resumed_run(tiny_config
     trainer.guard.stop_requested = lambda: "SIGTERM" if trainer.step == 4 else None
     with pytest.raises(Preempted, match="SIGTERM at step 4"):
         trainer.train()
-    rerun = Trainer(tiny_config(*settings)).build()
-    phases = record_phases(rerun)
-    rerun.train()
-    assert [p for p in phases if p[0] == "eval"] == [("eval", 4), ("eval", 6)]
-    whole = Trainer(tiny_config(*settings, run_dir=tmp_path / "whole")).build()
-    whole.train()
-    losses = {run: [(r["step"], r["eval_loss"]) for r in records(run) if r["kind"] == "eval"]
-              for run in (trainer.run_dir, whole.run_dir)}
-    assert losses[trainer.run_dir] == losses[whole.run_dir] and [s for s, _ in losses[whole.run_dir]] == [2, 4, 6]
+    rerun_makes_up_the_eval_at_step_4(tiny_config, settings, trainer.run_dir, tmp_path / "whole")
 
 
 def test_a_stop_during_rollbacks_stops_there_with_the_rolled_back_state_saved(tiny_config):
