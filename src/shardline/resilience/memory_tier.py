@@ -46,16 +46,13 @@ KINDS = ("own", "replica", "parity")
 
 
 def run_root(run_dir: Path, base: str = "") -> Path:
-    """The run's own folder under `base` (default: the node's shared memory, else the temp dir).
-
-    Keyed by the run dir, so two runs sharing a base never read each other's snapshots.
-    """
+    """The run's own folder under `base` (default_base()), keyed by the run dir: two runs sharing a
+    base never read each other's snapshots."""
     return Path(base or default_base()) / hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
 def default_base() -> Path:
-    """This user's folder in the node's shared memory (else the temp dir): made private, and refused
-    where it is another user's (own_folder.py)."""
+    """This user's folder in the node's shared memory (else the temp dir): private (own_folder.py)."""
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     return shm / f"shardline-{getpass.getuser()}"
 
@@ -243,9 +240,12 @@ class MemoryTier:
                 continue
 
     def _drop_departed(self, everyone: bool = False) -> None:
-        """Remove the folders of ranks past this job's world on this node (a job that shrank: no rank
-        reads them again, and they hold RAM), or with `everyone` every rank's folder here."""
-        for folder in self.root.glob("rank*"):
+        """Remove the folders of ranks past this job's world here (a job that shrank), or every one."""
+        try:  # (another rank's clear() may remove the run's folder meanwhile)
+            folders = list(self.root.glob("rank*"))
+        except FileNotFoundError:
+            return
+        for folder in folders:
             index = folder.name.removeprefix("rank")
             if index.isdigit() and (everyone or int(index) >= self.world):
                 shutil.rmtree(folder, ignore_errors=True)
@@ -258,15 +258,15 @@ class MemoryTier:
     def others_bytes(self) -> int:
         """Bytes held in RAM by other runs' snapshots under the same base (e.g. crashed runs)."""
         total = 0
-        for f in self.root.parent.glob("*/rank*/*"):
-            with contextlib.suppress(OSError):
-                total += f.stat().st_size if not f.is_relative_to(self.root) else 0
+        with contextlib.suppress(FileNotFoundError):  # (a folder another run removes while it is listed)
+            for f in self.root.parent.glob("*/rank*/*"):
+                with contextlib.suppress(OSError):
+                    total += f.stat().st_size if not f.is_relative_to(self.root) else 0
         return total
 
     def clear(self) -> None:
-        """Remove the run's snapshots on this node (the run ended, or a fresh run reuses the run dir:
-        every rank clears alike): this rank's, and those of ranks it no longer has here (a job that
-        shrank, or whose nodes came back in another order: a rank reads only its own folder)."""
+        """Remove the run's snapshots on this node (the run ended, or a fresh run reuses the run dir: every
+        rank clears alike), those of ranks it no longer has here included (a rank reads its own alone)."""
         self.wait()
         self._drop_departed(everyone=True)
         for empty in (self.root, self.root.parent)[:2 if self.root.parent == default_base() else 1]:
