@@ -84,8 +84,6 @@ def links_outside(root, path) -> bool:
         target, home = Path(path).resolve(), Path(root).resolve()
     except (RuntimeError, OSError):  # (a loop: RuntimeError before Python 3.13)
         return True
-    parts = target.parts
     stored = (target.parent.name == "blobs" and target.parent.parent.name.startswith(("models--", "datasets--"))
-              or any(parts[i:i + 2] == (".dvc", "cache") for i in range(len(parts)))
-              or any(parts[i:i + 3] == (".git", "annex", "objects") for i in range(len(parts))))
+              or any(store in target.as_posix() for store in ("/.dvc/cache/", "/.git/annex/objects/")))
     return not (target.is_relative_to(home) or stored)

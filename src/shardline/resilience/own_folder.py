@@ -21,9 +21,11 @@ def make_own(folder: Path, shared: Path, key: str, way_out: str) -> None:
     `way_out` where one is a link, not a folder, or not this user's, or cannot be made."""
     folder, shared = Path(folder), Path(shared)
     chain = [folder, *folder.parents[:len(folder.relative_to(shared).parts) - 1]][::-1]
-    for path in chain:
+    for path in [shared, *chain]:
         try:
-            shared.mkdir(parents=True, exist_ok=True)
+            if path == shared:  # (the place itself: the user's, made as any folder)
+                shared.mkdir(parents=True, exist_ok=True)
+                continue
             path.mkdir(mode=0o700, exist_ok=True)
             info = path.lstat()
         except OSError as e:
