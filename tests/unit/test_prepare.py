@@ -1691,3 +1691,34 @@ def test_a_shard_linked_out_of_its_folder_is_refused_and_side_files_linked_out_a
                            **{**SMALL, "vocab_size": 0}))
     assert not (tmp_path / "prep2" / "merges.txt").exists()
     assert f"note: {given / 'merges.txt'} links to {secret}, outside its folder: not copied" in capsys.readouterr().err
+
+
+def test_what_a_stopped_prepare_says_a_rerun_does_follows_the_folder_it_left(tmp_path, small_corpus, capsys):
+    """A `prepare --overwrite` stopped in its first passes (counting, training the tokenizer) had
+    replaced nothing, yet said "the same command without --overwrite resumes it": that rerun is
+    refused on the earlier finished prepare still there. What it says now follows the folder."""
+    from shardline.data.cli import _stoppable
+
+    def interrupted(opts):
+        raise KeyboardInterrupt
+
+    other = tmp_path / "other.txt"
+    other.write_text(small_corpus.read_text(encoding="utf-8")[: 20_000], encoding="utf-8")
+    out = tmp_path / "prep"
+    prepare(PrepareOptions([str(small_corpus)], str(out), **SMALL))
+    assert _stoppable(interrupted, PrepareOptions([str(other)], str(out), overwrite=True, **SMALL)) == 130
+    err = capsys.readouterr().err
+    assert f"prepare interrupted; nothing in {out} was replaced (it holds its earlier prepare)" in err, err
+    assert "resumes" not in err
+    with pytest.raises(DataError, match="holds a finished prepare of other inputs"):  # (why "resumes" was wrong)
+        prepare(PrepareOptions([str(other)], str(out), **SMALL))
+
+    fresh = tmp_path / "fresh"
+    assert _stoppable(interrupted, PrepareOptions([str(other)], str(fresh), **SMALL)) == 130
+    assert "nothing was committed; the same command starts again" in capsys.readouterr().err
+
+    with pytest.raises(PrepareStopped):  # committed chunks, no manifest: a rerun resumes
+        prepare(PrepareOptions([str(small_corpus)], str(fresh), shard_tokens=30_000, stop_after_shards=2, **SMALL))
+    assert _stoppable(interrupted, PrepareOptions([str(small_corpus)], str(fresh), overwrite=True, **SMALL)) == 130
+    assert ("the same command without --overwrite resumes it (with --overwrite it starts over), keeping the "
+            "documents it committed") in capsys.readouterr().err

@@ -112,12 +112,25 @@ def _stoppable(prepare, opts) -> dict | int:
         return prepare(opts)
     except (_Terminated, KeyboardInterrupt) as e:
         how = "stopped by SIGTERM" if isinstance(e, _Terminated) else "interrupted"
-        again = ("the same command without --overwrite resumes it (with --overwrite it starts over)" if opts.overwrite
-                 else "the same command resumes it")
-        print(f"shardline: prepare {how}; {again}, keeping the documents it committed", file=sys.stderr)
+        print(f"shardline: prepare {how}; {_what_a_rerun_does(Path(opts.out), opts.overwrite)}", file=sys.stderr)
         return 143 if isinstance(e, _Terminated) else 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _what_a_rerun_does(root: Path, overwrite: bool) -> str:
+    """Told from the folder as the stop left it: a stop before the tokens were touched (still in the
+    passes that count the inputs and train the tokenizer) left an earlier finished prepare in place,
+    which a rerun without --overwrite is refused on; one after it left committed chunks to resume."""
+    from shardline.data.shards import MANIFEST, PROGRESS
+
+    if (root / MANIFEST).is_file():
+        return f"nothing in {root} was replaced (it holds its earlier prepare); the same command starts again"
+    if not (root / PROGRESS).is_file():
+        return "nothing was committed; the same command starts again"
+    again = ("the same command without --overwrite resumes it (with --overwrite it starts over)" if overwrite
+             else "the same command resumes it")
+    return f"{again}, keeping the documents it committed"
 
 
 def _verify(root: Path) -> int:
