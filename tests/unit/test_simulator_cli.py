@@ -98,10 +98,25 @@ def test_plot_never_overwrites_a_file_that_is_not_a_png(tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text("[model]\npreset = 'tiny'\n")
     assert main([*SMALL, "--plot", str(config)]) == 2
-    assert "exists and is not a PNG" in capsys.readouterr().err
+    assert "give a file name ending in" in capsys.readouterr().err
     assert config.read_text() == "[model]\npreset = 'tiny'\n"
+    named = tmp_path / "notes.png"  # (a file named like a plot that is none)
+    named.write_text("my notes\n")
+    assert main([*SMALL, "--plot", str(named)]) == 2
+    assert "exists and is not a PNG" in capsys.readouterr().err
+    assert named.read_text() == "my notes\n"
     assert main([*SMALL, "--plot", str(tmp_path / "missing" / "g.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main([*SMALL, "--plot", str(tmp_path / "p.txt")]) == 2  # (it wrote a PNG under that name)
+    assert "p.txt: give a file name ending in .png, .svg, .pdf" in capsys.readouterr().err
+    assert not (tmp_path / "p.txt").exists()
+
+
+def test_plot_kind_follows_the_file_name(tmp_path, capsys):
+    svg = tmp_path / "goodput.svg"
+    run_json(capsys, "--plot", str(svg))
+    assert svg.read_bytes().startswith(b"<?xml") and b"<svg" in svg.read_bytes()[:2000]
+    run_json(capsys, "--plot", str(svg))  # its own earlier plot is replaced
 
 
 @pytest.mark.parametrize("changes, message", [

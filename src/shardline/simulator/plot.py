@@ -1,4 +1,4 @@
-"""The goodput-vs-checkpoint-interval plot (matplotlib, PNG)."""
+"""The goodput-vs-checkpoint-interval plot (matplotlib: PNG, SVG or PDF, by the file name)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,26 @@ from shardline.errors import ConfigError
 from shardline.simulator.montecarlo import Setup
 
 _COLORS = {"sync": "tab:red", "async": "tab:blue", "memory": "tab:green"}
-_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_KINDS = {".png": b"\x89PNG\r\n\x1a\n", ".svg": b"<?xml", ".pdf": b"%PDF"}  # what each kind's file starts with
 
 
 def check_plot_path(path: str | Path) -> None:
-    """Refuse a --plot target before the minutes of simulating: a missing folder, a folder,
-    or an existing file that is not a PNG (a mistyped config path would be overwritten)."""
+    """Refuse a --plot target before the minutes of simulating: a missing folder, a folder, a name
+    whose ending is no image kind written (p.txt got a PNG), or an existing file that is not such
+    an image already (a mistyped config path would be overwritten)."""
     target = Path(path)
     if target.is_dir():
         raise ConfigError(f"--plot {path}: is a folder; give a file name such as goodput.png")
+    magic = _KINDS.get(target.suffix.lower())
+    if magic is None:
+        raise ConfigError(f"--plot {path}: give a file name ending in {', '.join(_KINDS)} (the kind of image written)")
     if not target.parent.is_dir():
         raise ConfigError(f"--plot {path}: folder {target.parent} does not exist")
     if target.exists():
         with open(target, "rb") as f:
-            if f.read(len(_PNG_MAGIC)) != _PNG_MAGIC:
-                raise ConfigError(f"--plot {path}: exists and is not a PNG; refusing to overwrite it")
+            if f.read(len(magic)) != magic:
+                raise ConfigError(f"--plot {path}: exists and is not a {target.suffix[1:].upper()}; "
+                                  "refusing to overwrite it")
 
 
 def plot_sweeps(path: str | Path, setup: Setup, sweeps: dict[str, list[dict[str, float]]]) -> None:
@@ -57,6 +62,6 @@ def plot_sweeps(path: str | Path, setup: Setup, sweeps: dict[str, list[dict[str,
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     try:
-        fig.savefig(path, format="png")
+        fig.savefig(path, format=Path(path).suffix[1:].lower())
     except OSError as e:
         raise ConfigError(f"--plot {path}: cannot write ({e.strerror})") from None
