@@ -142,7 +142,7 @@ def test_a_resume_applies_the_configs_optimizer_settings(tiny_config, tmp_path):
     changed = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "optim_changed"]
     assert len(changed) == 1
     assert {k: v for k, v in changed[0].items() if k not in ("kind", "event", "step", "time")} == \
-        {"lr": [3e-3, 1e-4], "weight_decay": [0.1, 0.0], "beta2": [0.95, 0.99],
+        {"optim.lr": [3e-3, 1e-4], "optim.weight_decay": [0.1, 0.0], "optim.beta2": [0.95, 0.99],
          "next_lr": pytest.approx([3e-3 * lr_multiplier(6, 12, optim), 1e-4 * lr_multiplier(6, 12, optim)])}
     # The rest of what the resume changed is said too (a precision change was silent); not the
     # optim keys said above, nor what one launch sets for itself (train.stop_at_step).
@@ -235,7 +235,8 @@ def test_a_resume_with_another_schedule_says_so_and_a_cut_warmup_is_named(tiny_c
     assert "warmup_cut" not in dict(launch_notes(tiny_config("optim.warmup_steps=11"), "cpu", 1.0, 1))
     resumed = Trainer(tiny_config("train.steps=24", "optim.warmup_steps=4", "train.eval_interval=0")).build()
     (changed,) = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "optim_changed"]
-    assert (changed["train.steps"], changed["warmup_steps"]) == ([12, 24], [20, 4]) and "schedule" not in changed
+    assert (changed["train.steps"], changed["optim.warmup_steps"]) == ([12, 24], [20, 4])
+    assert "optim.schedule" not in changed
     # The lr of the next update, before (the cut warm-up's 7/12 of the peak) and now (past a 4-step warm-up)
     from shardline.optim import lr_multiplier
 

@@ -178,12 +178,14 @@ class SavedState:
         now = schedule_settings(self.cfg.train.steps, self.cfg.optim)  # the lr curve from here on
         self._optim_changes.update({k: [v, now[k]] for k, v in state.get("schedule", {}).items() if now.get(k) != v})
         jump = next_lr_change(self.step, state.get("config", {}), self.cfg.train.steps, self.cfg.optim)
+        # Named as config_changed names keys (optim.lr, train.steps): the saved schedule's names stay bare
+        self._optim_changes = {k if "." in k else f"optim.{k}": v for k, v in self._optim_changes.items()}
         if jump and self._optim_changes:  # (the lr of the next update, as the saved run had it and now)
             self._optim_changes["next_lr"] = jump
         # The rest of the config a resume changed (optim and the schedule's train.steps: said above).
-        said = {*self._optim_changes, *(f"optim.{k}" for k in self._optim_changes)}  # (optim_changed's)
         self._config_changes = {k: v for k, v in settings_changed(state.get("config", {}), self.cfg,
-                                                                  bool(self._stand_in)).items() if k not in said}
+                                                                  bool(self._stand_in)).items()
+                                if k not in self._optim_changes}
         if state.get("world_size", self.proc.world_size) != self.proc.world_size:  # (dp_shard=-1 hides it)
             self._config_changes["world_size"] = [state["world_size"], self.proc.world_size]
         self.scaler.load_state_dict(state["scaler"])
