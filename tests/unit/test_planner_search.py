@@ -126,6 +126,13 @@ def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
     assert len(left) == 1 and "optim.lr = 0.003 (the tiny preset's)" in left[0] and "data.path = ''" in left[0]
     assert run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(path), "--optim.lr=3e-4")[0] == 0
     assert "optim.lr" not in path.read_text().split("\n[")[0] and "train.steps = 200" in path.read_text()
+    # A shape override reached the file while the search priced the preset as it is: now it prices it
+    code, out, _ = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--emit-config", str(path),
+                           "--model.n_layers=16")
+    half = json.loads(out)["candidates"][0]
+    assert code == 0 and load_config(path).model.n_layers == 16 and half["step_time_s"] < 0.7 * best["step_time_s"]
+    code, out, _ = run_cli(capsys, "estimate", "--config", str(path), "--gpu", "h100-sxm", "--json")
+    assert json.loads(out)["step_time_s"] == pytest.approx(half["step_time_s"], rel=1e-6)
     # An override of what the plan chooses was dropped from the file without a word: refused, naming the option
     for override, way in (("--parallel.tp=2", "--fix tp=..."), ("--train.seq_len=64", "--seq-len"),
                           ("--train.precision=bf16", "--precision")):

@@ -181,6 +181,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
                                loss_chunk_tokens=base.train.loss_chunk_tokens,  # as the emitted config runs
                                ssd_offload_dir=args.ssd_offload_dir or base.memory.ssd_offload_dir,
                                host_adam_fused=base.optim.fused)
+    work = _with_shape_overrides(work, base, overrides)
     result = search(work, hw, args.gpus, parse_fix(args.fix), runnable_only=args.runnable_only)
     if not result.candidates:
         raise ConfigError(f"{work.model_ref} on {args.gpus} x {hw.name}: {explain_no_fit(work, hw, args.gpus, result)}")
@@ -214,6 +215,19 @@ def _workload(args: argparse.Namespace) -> Workload:
     precision = args.precision or ("fp32" if args.gpu == "cpu" else "bf16")
     return Workload(model, args.seq_len, batch, precision, args.document_mask, ref, from_tok,
                     mean_doc_tokens=_mean_doc_tokens(args), ssd_offload_dir=args.ssd_offload_dir)
+
+
+def _with_shape_overrides(work: Workload, base: Config, overrides: list[str]) -> Workload:
+    """The model the search prices, with the [model] and [moe] overrides the emitted config carries
+    (`--model.n_layers=16`): they reached the file, but the search priced `--model` as it is."""
+    if not any(o.removeprefix("--").startswith(("model.", "moe.")) for o in overrides):
+        return work
+    from shardline.interop.model_shape import model_shape  # reads HF folders: only here
+
+    ref = work.model_ref
+    m = dataclasses.replace(base.model, hf_path=ref[3:] if ref.startswith("hf:") else "",
+                            preset=base.model.preset if ref.startswith("hf:") else ref)
+    return dataclasses.replace(work, model=model_shape(m, base.data.vocab_size, base.moe))
 
 
 EMITTED = "# written by: shardline plan"  # the first line of an emitted config

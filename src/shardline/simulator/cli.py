@@ -45,7 +45,8 @@ def register(subparsers) -> None:
     p.add_argument("--fix", metavar="KEY=V,...", help="pin planner layout keys for the step time (as plan --fix)")
     p.add_argument("--seeds", type=int, default=8, help="Monte Carlo runs (default 8)")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
-    p.add_argument("--plot", metavar="FILE", help="write a plot of goodput vs checkpoint interval (all modes); FILE ends in .png, .svg or .pdf")
+    p.add_argument("--plot", metavar="FILE",
+                   help="write a plot of goodput vs checkpoint interval (all modes); FILE ends in .png, .svg or .pdf")
     p.add_argument("--sweep", action="store_true", help="also sweep the interval and report the simulated optimum")
     p.add_argument("--config", action=OnlyOnce, metavar="FILE",
                    help="TOML with [simulate] settings and [failures] rates")
