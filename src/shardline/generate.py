@@ -40,7 +40,7 @@ import torch
 
 from shardline.data.chat_template import ChatTemplate, chat_template_for
 from shardline.data.encode import encode_reply_prompt, reply_prompt, turn_end_text, with_bos
-from shardline.config import saved_formats
+from shardline.config import DTYPE_NAMES, saved_formats
 from shardline.errors import CheckpointError, ConfigError, DataError
 from shardline.models.llama.kv_cache import KVCache
 
@@ -254,7 +254,7 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     from shardline.models.factory import args_from_json
     from shardline.resilience.checkpoint import load_weights, verify
 
-    if dtype not in DTYPES:
+    if DTYPE_NAMES.get(dtype, dtype) not in DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is invalid: one of {', '.join(DTYPES)}")
     if context < 0:
         raise ConfigError(f"--context={context} is invalid: a number of tokens, or 0 for the run's train.seq_len")
@@ -276,7 +276,7 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     args = args_from_json(meta["model_args"])
     if args.moe is not None:  # dropless (module doc); the weights do not depend on it
         args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, capacity_factor=0.0))
-    model = empty_model(args, getattr(torch, dtype), dev)
+    model = empty_model(args, getattr(torch, DTYPE_NAMES.get(dtype, dtype)), dev)
     load_weights(ckpt, model, verified=True)
     hf = meta.get("hf", {})
     generation = beside_checkpoint(ckpt, GENERATION_NAME)
@@ -376,7 +376,7 @@ def register(sub) -> None:
     p.add_argument("--system", default="", help="with --chat, a system message before the user's")
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", help=f"the weights' dtype in memory, one of {', '.join(DTYPES)} "
-                                                      "(default float32; bfloat16 halves the memory)")
+                                                      "(or bf16; default float32; bfloat16 halves the memory)")
     p.add_argument("--bos", action="store_true", help="start the prompt with the BOS token of an HF model's "
                                                        "tokenizer (for a checkpoint pretrained with one)")
     p.add_argument("--context", type=int, default=0, help="tokens the model sees at most (default: the run's "

@@ -250,10 +250,10 @@ def test_hf_to_checkpoint_and_back_keeps_dtype_special_tokens_and_tokenizer(tmp_
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
     source, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert source.keys() == back.keys() and all(torch.equal(source[k], back[k]) for k in source)
-    assert main(["convert", "to-hf", "ck", "out32", "--dtype", "float32"]) == 0
+    assert main(["convert", "to-hf", "ck", "out32", "--dtype", "fp32"]) == 0  # (train.precision's name too)
     assert json.loads((tmp_path / "out32" / "config.json").read_text())["dtype"] == "float32"
     assert main(["convert", "to-hf", "ck", "out8", "--dtype", "int8"]) == 2 and not (tmp_path / "out8").exists()
-    assert "--dtype='int8' is invalid: one of float32, bfloat16, float16" in capsys.readouterr().err
+    assert "--dtype='int8' is invalid: one of float32, bfloat16, float16 (or fp32, bf16" in capsys.readouterr().err
 
     (tmp_path / "a-file").write_text("x")
     assert main(["convert", "from-hf", "hf", "a-file"]) == 2

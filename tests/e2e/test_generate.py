@@ -302,6 +302,16 @@ def test_a_mixture_of_experts_samples_dropless(tmp_path, small_prepared):
     assert gen.sample(gen.encode(PROMPT), SampleOptions(max_new_tokens=3, temperature=0))
 
 
+def test_bfloat16_weights_by_either_name(trained_run):
+    """--dtype bfloat16 (or train.precision's bf16) holds the weights in bf16 and writes the same text."""
+    texts = []
+    for name in ("bfloat16", "bf16"):
+        gen = load_generator(trained_run, "cpu", name)
+        assert {p.dtype for p in gen.model.parameters()} == {torch.bfloat16}
+        texts.append(gen.sample(gen.encode(PROMPT), SampleOptions(max_new_tokens=4, temperature=0)))
+    assert texts[0] == texts[1] and texts[0]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--temperature", "-1"], "--temperature=-1.0 is invalid: must be a finite number >= 0 (0 = greedy)"),
     (["--top-k", "-2"], "--top-k=-2 is invalid: must be >= 0 (0 = all tokens)"),
@@ -309,6 +319,7 @@ def test_a_mixture_of_experts_samples_dropless(tmp_path, small_prepared):
     (["--prompt", ""], "--prompt encodes to no token: give some text"),
     (["--train.steps=3"], "generate takes no config overrides, got --train.steps=3"),
     (["--dtype", "float16"], "--dtype='float16' is invalid: one of float32, bfloat16"),
+    (["--dtype", "fp16"], "--dtype='fp16' is invalid: one of float32, bfloat16"),
     (["--bos"], "--bos: this checkpoint's tokenizer has no BOS token"),
     (["--top-p", "0"], "--top-p=0.0 is invalid: must be in (0, 1] (1 = all tokens)"),
     (["--temperature", "inf"], "--temperature=inf is invalid: must be a finite number >= 0 (0 = greedy)"),

@@ -13,6 +13,7 @@ from shardline.config.sections import (
     AC_MODES,
     CP_BALANCES,
     CP_MODES,
+    DTYPE_NAMES,
     PP_SCHEDULES,
     PRECISIONS,
     SCHEDULES,
@@ -30,9 +31,9 @@ from shardline.config.sections import (
 )
 
 __all__ = [
-    "AC_MODES", "CP_BALANCES", "LAUNCH_ONLY", "CP_MODES", "PP_SCHEDULES", "PRECISIONS", "SCHEDULES", "AnomalyConfig",
-    "CheckpointConfig", "Config", "DataConfig", "FaultsConfig", "MemoryConfig", "MetricsConfig", "ModelConfig",
-    "MoEConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig", "WatchdogConfig", "apply_override",
-    "config_changes", "expand_home", "from_dict", "load_config", "load_relaunch_config", "read_toml", "save_config",
-    "saved_formats", "to_toml",
+    "AC_MODES", "CP_BALANCES", "LAUNCH_ONLY", "CP_MODES", "DTYPE_NAMES", "PP_SCHEDULES", "PRECISIONS", "SCHEDULES",
+    "AnomalyConfig", "CheckpointConfig", "Config", "DataConfig", "FaultsConfig", "MemoryConfig", "MetricsConfig",
+    "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig", "WatchdogConfig",
+    "apply_override", "config_changes", "expand_home", "from_dict", "load_config", "load_relaunch_config", "read_toml",
+    "save_config", "saved_formats", "to_toml",
 ]

@@ -18,6 +18,8 @@ MAX_TRAINED_VOCAB = 1 << 20  # data.vocab_size: past any real vocabulary (256k);
 SWITCH_FIELD = {"valid": SWITCH, "switch": True}  # the metadata of such a key (the reader takes true/false as 1/0)
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+# A weights' dtype (convert and generate --dtype) by torch's name or train.precision's short one
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ATTENTION_KERNELS = ("auto", "sdpa", "flex", "varlen")
 FP8_RECIPES = ("tensorwise", "rowwise")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")

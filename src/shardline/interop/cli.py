@@ -25,8 +25,8 @@ def register(sub) -> None:
                    help="to-hf: the HF folder to write (an earlier export there is replaced); "
                         "from-hf: a new or empty folder for the checkpoint")
     p.add_argument("--dtype", default="",
-                   help="to-hf: the weights' dtype on disk, float32, bfloat16 or float16 (default: the HF "
-                        "folder's the checkpoint came from, else float32)")
+                   help="to-hf: the weights' dtype on disk, float32, bfloat16 or float16 (or fp32, bf16, fp16; "
+                        "default: the HF folder's the checkpoint came from, else float32)")
     p.add_argument("--tokenizer", type=os.path.expanduser, default="",
                    help="to-hf: the tokenizer.json (or its folder) to export with, its side files too "
                         "(default: the one beside the checkpoint, else its run dir's)")

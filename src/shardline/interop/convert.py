@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from shardline.config import saved_formats
+from shardline.config import DTYPE_NAMES, saved_formats
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import CHATML_TEMPLATE, reply_prompt
 from shardline.data.shards import is_prepared
@@ -146,9 +146,9 @@ def beside_checkpoint(ckpt: Path, name: str) -> Path | None:
 def _export_dtype(name: str) -> torch.dtype | None:
     if not name:
         return None
-    if name not in EXPORT_DTYPES:
-        raise CheckpointError(f"--dtype={name!r} is invalid: one of {', '.join(EXPORT_DTYPES)}")
-    return getattr(torch, name)
+    if DTYPE_NAMES.get(name, name) not in EXPORT_DTYPES:
+        raise CheckpointError(f"--dtype={name!r} is invalid: one of {', '.join(EXPORT_DTYPES)} (or fp32, bf16, fp16)")
+    return getattr(torch, DTYPE_NAMES.get(name, name))
 
 
 def hf_to_checkpoint(src: Path, dst: Path) -> Path:
