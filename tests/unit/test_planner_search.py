@@ -135,10 +135,12 @@ def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
     assert json.loads(out)["step_time_s"] == pytest.approx(half["step_time_s"], rel=1e-6)
     # An override of what the plan chooses was dropped from the file without a word: refused, naming the option
     for override, way in (("--parallel.tp=2", "--fix tp=..."), ("--train.seq_len=64", "--seq-len"),
-                          ("--train.precision=bf16", "--precision")):
+                          ("--train.precision=fp32", "--precision")):
         code, _, err = run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(path), override)
         assert code == 2 and f"{override.split('=')[0]} is one of the settings the plan chooses" in err
         assert err.rstrip().endswith(f"give it to the search as {way}")
+    # ... unless it says what the plan's own option does (a script's shared overrides)
+    assert run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(path), "--train.seq_len=4096")[0] == 0
     mine = tmp_path / "mine.toml"
     mine.write_text("[train]\nsteps = 5\n")
     code, _, err = run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(mine))

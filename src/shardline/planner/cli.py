@@ -155,9 +155,13 @@ _PLAN_SETS = {"train.seq_len": "--seq-len", "train.global_batch_size": "--global
               **{f"parallel.{k}": f"--fix {k}=..." for k in FIX_KEYS if k != "dp"}}
 
 
-def _refuse_what_the_plan_sets(overrides: list[str]) -> None:
+def _refuse_what_the_plan_sets(overrides: list[str], base: Config, work: Workload) -> None:
+    """Refused unless it says what the plan's own option does (a script's `--train.seq_len` equal to `--seq-len`)."""
+    same = {"train.seq_len": base.train.seq_len == work.seq_len,
+            "train.precision": base.train.precision == work.precision,
+            "train.global_batch_size": base.train.global_batch_size == work.global_batch}
     given = [o.removeprefix("--").split("=", 1)[0] for o in overrides]
-    taken = [key for key in given if key in _PLAN_SETS or key.startswith("parallel.")]
+    taken = [key for key in given if (key in _PLAN_SETS or key.startswith("parallel.")) and not same.get(key)]
     if taken:
         way = _PLAN_SETS.get(taken[0], "--fix KEY=V")
         raise ConfigError(f"--{taken[0]} is one of the settings the plan chooses and --emit-config writes itself "
@@ -169,7 +173,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.planner.search import explain_no_fit, runnable_problem, search
 
     base = load_config(None, overrides)  # fails early on a bad override
-    _refuse_what_the_plan_sets(overrides)
+    _refuse_what_the_plan_sets(overrides, base, _workload(args))
     hw = _hardware(args, args.gpu)
     gpn = hw.network.gpus_per_node
     if args.gpus > gpn and args.gpus % gpn and hw.name != "cpu":
