@@ -14,6 +14,7 @@ final weights (and, under ZeRO-1, gradient norms), also when a run is resumed un
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -267,3 +268,35 @@ def test_fused_zero1_is_refused_alike_on_every_pipeline_stage(small_prepared, tm
     assert len(outcomes) == 1, outcomes
     assert outcomes.pop().startswith("ConfigError: optim.implementation=fused is invalid with this layout: ZeRO-1's "
                                      "slices of layers.2.")
+
+
+def _nan_in_a_held_expert(rank: int, world: int, port: int, root: str) -> None:
+    """Experts 2 and 3 on rank 1 (ep 2 of 4 experts), expert 3's w3 holding a NaN; each rank
+    checks the experts it holds, as a run from an HF folder does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shardline.interop.hf import check_finite
+    from shardline.models.factory import build_model_on
+
+    with gloo_rank(rank, world, port, timeout_s=30):
+        model = build_model_on(dataclasses.replace(ARGS, moe=dataclasses.replace(ARGS.moe, shared_experts=0)), "cpu")
+        model.init_weights(seed=0)  # (a Mixtral shape: no shared experts)
+        experts = model.layers["0"].feed_forward.experts
+        whole = experts.w3.detach().clone()
+        whole[3, 1, 0] = float("nan")
+        mesh = init_device_mesh("cpu", (world,))
+        experts.w3 = torch.nn.Parameter(distribute_tensor(whole, mesh, [Shard(0)], src_data_rank=None))
+        ended = outcome(lambda: (check_finite(model, "weights", Path(root)), "finite")[1])
+        Path(root, f"rank{rank}.json").write_text(json.dumps(ended))
+
+
+def test_a_nan_in_an_expert_another_rank_holds_is_named_by_its_own_tensor(tmp_path):
+    """Under ep the refusal said "expert 0's tensor, or another of its 4 experts'": the rank holding
+    the NaN now names its expert (3, its second), as one process does."""
+    start_ranks(_nan_in_a_held_expert, (2, free_port(), str(tmp_path)), nprocs=2)
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert said[0] == "finite"
+    assert said[1] == ("CheckpointError: weights: parameter layers.0.feed_forward.experts.w3 (read from tensor "
+                       "model.layers.0.block_sparse_moe.experts.3.w3.weight) holds NaN or inf values; these weights "
+                       "cannot be trained or converted (re-save them from a healthy copy)"), said[1]

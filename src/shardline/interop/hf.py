@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as local_offset
 
 from shardline.errors import CheckpointError
 from shardline.interop.fused import fused_name, split_view, stores_fused
@@ -172,16 +173,14 @@ def check_finite(model: nn.Module, source: str, hf_folder: Path | None = None) -
     for name, param in model.named_parameters():
         held = param.to_local() if isinstance(param, DTensor) else param
         if held.is_floating_point() and not bool(torch.isfinite(held).all()):
-            name, whole = plain_name(name), None if isinstance(param, DTensor) else held
-            origin = f" (read from {_hf_origin(model.args, name, hf_folder, whole)})" if hf_folder else ""
+            name = plain_name(name)
+            origin = f" (read from {_hf_origin(model.args, name, hf_folder, param)})" if hf_folder else ""
             raise CheckpointError(f"{source}: parameter {name}{origin} holds NaN or inf values; these weights "
                                   "cannot be trained or converted (re-save them from a healthy copy)")
 
 
-def _hf_origin(args: ModelArgs, name: str, folder: Path, whole: torch.Tensor | None) -> str:
-    """The HF tensor(s) parameter `name` was read from, as the folder names them, for a message;
-    `whole`: its values where this rank holds all of them (a stacked experts parameter's first
-    expert holding NaN or inf is then named; a part's offset is not worked out here)."""
+def _hf_origin(args: ModelArgs, name: str, folder: Path, param: torch.Tensor) -> str:
+    """The HF tensor `name` was read from, for a message (of experts, the first this rank holds with NaN or inf)."""
     try:
         hf = _hf_names(args, name)
     except CheckpointError:  # (a name no adapter knows: the parameter's own name says it)
@@ -189,10 +188,11 @@ def _hf_origin(args: ModelArgs, name: str, folder: Path, whole: torch.Tensor | N
     hf = [hf] if isinstance(hf, str) else hf
     if stores_fused(folder):  # Phi-3's q/k/v and gate/up are parts of one tensor each
         hf = [fused_name(h) for h in hf]
-    if len(hf) > 1 and whole is not None:
-        return f"tensor {hf[int((~torch.isfinite(whole)).reshape(len(hf), -1).any(1).nonzero()[0])]}"
-    more = f", or another of its {len(hf)} experts' tensors" if len(hf) > 1 else ""
-    return f"tensor {hf[0]}{more}"
+    held, first = param, 0
+    if isinstance(param, DTensor):  # (under ep, or FSDP, a rank holds some of the experts: the first of them)
+        held, first = param.to_local(), local_offset(param.shape, param.device_mesh, param.placements)[1][0]
+    row = int((~torch.isfinite(held)).reshape(len(held), -1).any(1).nonzero()[0]) if len(hf) > 1 else 0
+    return f"tensor {hf[first + row]}"
 
 
 def _copy_weights(model: Llama, files: dict[str, Path], handles: dict, expected: _Slots, tied: bool) -> None:
