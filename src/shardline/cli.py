@@ -11,13 +11,13 @@ can fix (config, data, checkpoint) print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
-import math
-import importlib.metadata
 import importlib.util
+import math
 import os
 import sys
 import time
 
+from shardline import version
 from shardline.config.reader import OnlyOnce
 from shardline.errors import AnomalyHalt, ConfigError, Preempted, ShardlineError
 
@@ -162,17 +162,9 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _version() -> str:
-    """The installed distribution's version (pyproject.toml's), or "unknown" for a source tree on PYTHONPATH."""
-    try:
-        return importlib.metadata.version("shardline")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="shardline", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"shardline {_version()}")
+    parser.add_argument("--version", action="version", version=f"shardline {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (default: tiny preset on the shipped corpus)",
                            epilog="any config key can be overridden as --section.key=value, e.g. --train.steps=50")

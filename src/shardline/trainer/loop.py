@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardline import version
 from shardline.config import Config, expand_home
 from shardline.data.sampler import batch_index
 from shardline.devices import peak_tflops
@@ -224,6 +225,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
                                                     cfg.memory.activation_checkpoint, self.model_args.moe),
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
                            threads=torch.get_num_threads(), torch=torch.__version__,  # (both move the numbers)
+                           shardline=version(),  # (the code that trained it: a commit where run from a checkout)
                            **({"launchers": ids} if (ids := launcher_ids()) else {}))  # (whose records: never's)
         self.guard.start(nothing_to_train=self.step >= stop, step=self.step)
         if self.eval_owed and cfg.train.eval_interval and self.step < stop:  # what a stop skipped (for its save)
