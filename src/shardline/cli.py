@@ -18,6 +18,7 @@ import sys
 import time
 
 from shardline import version
+from shardline.config import to_toml
 from shardline.config.reader import OnlyOnce
 from shardline.errors import AnomalyHalt, ConfigError, Preempted, ShardlineError
 
@@ -35,6 +36,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     except ShardlineError as e:  # the command line and the files: alike on a node's ranks, said once there;
         e.node_alike = not _io_fault(e.__context__)  # not a read the storage refused (maybe one rank's alone)
         raise
+    if args.print_config:  # a whole config to start from where no example file is at hand (an installed package)
+        if args.dry_run:
+            raise ShardlineError("--print-config and --dry-run: give one")
+        print(f"# shardline {version()}: the config `shardline train --config FILE` reads\n{to_toml(cfg)}", end="")
+        return 0
     if args.dry_run:
         from shardline.dry_run import dry_run
         from shardline.parallel.distributed import speaks_for_the_job
@@ -176,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="check config, data and layout as a launch would, print the layout, the pipeline "
                             "placement and the memory per rank, and exit (no process group, no run dir; exit 1 when "
                             "the memory estimate does not fit)")
+    train.add_argument("--print-config", action="store_true",
+                       help="print the config this command would train with (defaults, --config, overrides; a run "
+                            "dir's saved one on a relaunch) as TOML that --config reads, and exit")
     train.add_argument("--world-size", type=_positive_int, metavar="N",
                        help="with --dry-run: the number of ranks to check for (default $WORLD_SIZE or 1)")
     train.add_argument("--gpu", metavar="TYPE", help="with --dry-run: the device type of the memory estimate "

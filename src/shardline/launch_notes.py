@@ -113,7 +113,7 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if start and cfg.optim.lr > FINE_TUNE_LR_LIMIT:
         notes.append(("lr_high_for_trained_weights", {
             "lr": cfg.optim.lr, "weights": start,
-            "fix": "fine-tunes commonly take optim.lr 1e-5 to 1e-4 (configs/finetune.toml)"}))
+            "fix": "fine-tunes commonly take optim.lr 1e-5 to 1e-4"}))
     if lr_low_for_new_weights(cfg, resumed):
         notes.append(("lr_low_for_new_weights", {
             "lr": cfg.optim.lr, "why": "no model.hf_path or model.init_from: the weights start at random, which "

@@ -262,3 +262,19 @@ def test_a_closed_stdout_a_stray_rank_and_a_too_long_run_dir(tmp_path, small_cor
     assert stray.returncode == 0 and json.loads(stray.stdout.splitlines()[-1])["step"] == 2, stray.stderr[-2000:]
     long = shardline("train", f"--run.dir={tmp_path / ('x' * 300)}", "--train.steps=1")
     assert long.returncode == 2 and long.stderr.strip().splitlines()[-1].endswith("cannot be used: File name too long")
+
+
+def test_print_config_writes_a_whole_config_that_config_reads(tmp_path, capsys, monkeypatch):
+    """An installed package has no configs/ folder to start from: `train --print-config` writes
+    the config the command would train with, which --config then reads as the same config."""
+    from shardline.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    given = ["--train.steps=7", "--model.preset=tiny-moe", "--optim.lr=1e-3"]
+    assert main(["train", "--print-config", *given]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# shardline ") and not (tmp_path / "runs").exists()  # nothing run
+    (tmp_path / "my.toml").write_text(text, encoding="utf-8")
+    assert load_config(tmp_path / "my.toml") == load_config(None, [g.removeprefix("--") for g in given])
+    assert main(["train", "--print-config", "--dry-run"]) == 2
+    assert "--print-config and --dry-run: give one" in capsys.readouterr().err

@@ -30,7 +30,7 @@ def test_a_pretraining_learning_rate_on_trained_weights_is_named():
     for start in ("model.hf_path=some/hf-folder", "model.init_from=some/checkpoint"):
         notes = dict(launch_notes(load_config(None, [start]), "cpu", 0.1, 1))
         assert notes["lr_high_for_trained_weights"]["lr"] == 3e-3, start
-        assert "configs/finetune.toml" in notes["lr_high_for_trained_weights"]["fix"]
+        assert notes["lr_high_for_trained_weights"]["fix"] == "fine-tunes commonly take optim.lr 1e-5 to 1e-4"
     assert launch_notes(load_config(FINETUNE, ["model.hf_path=some/hf-folder"]), "cuda", 989.0, 8, "H100", 8) == []
 
 

@@ -99,8 +99,9 @@ def require_torchao() -> None:
     try:
         _import_quietly()
     except ImportError as exc:
-        raise ConfigError(f"train.precision=fp8 needs torchao ({exc}): pip install '{TORCHAO_PIN}' (make setup "
-                          "installs it; offline: pip install --no-deps benchmarks/wheels/torchao-*.whl)") from None
+        raise ConfigError(f"train.precision=fp8 needs torchao ({exc}): pip install '{TORCHAO_PIN}' (the fp8 extra: "
+                          "pip install 'shardline[fp8]'; its wheel declares no torch, so the installed torch stays)"
+                          ) from None
 
 
 def capability_problem(capability: tuple[int, int] | None) -> str | None:

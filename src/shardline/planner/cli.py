@@ -53,7 +53,8 @@ def register(sub) -> None:
     plan.add_argument("--runnable-only", action="store_true",
                       help="only layouts `shardline train` builds today (see layout.NOT_BUILT)")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="layouts shown (default 10)")
-    plan.add_argument("--json", action="store_true", help="the candidates as JSON (docs/planner.md) instead of a table")
+    plan.add_argument("--json", action="store_true",
+                      help="the candidates as JSON instead of a table (fields: docs/planner.md in the source tree)")
     plan.add_argument("--emit-config", metavar="FILE", help="write the best plan that `shardline train` runs")
     plan.set_defaults(func=_plan)
 
@@ -118,7 +119,8 @@ def _priced_by(args: argparse.Namespace, hw: Hardware) -> str:
         given = sorted(read_profile(args.profile)) if Path(args.profile).is_file() else []
         tables = ", ".join(k for k in given if k not in ("base", "measured")) or "nothing"  # ([measured]: a record)
         trust = ("; on the CPUs checked, a calibrated profile put one process's steps within ~10% of the measured "
-                 "ones and several ranks' 15-40% under them (docs/planner.md)" if hw.name == "cpu" else "")
+                 "ones and several ranks' 15-40% under them (docs/planner.md in the source tree)"
+                 if hw.name == "cpu" else "")
         return f"the {hw.name} figures, with {tables} from the profile {args.profile}{trust}"
     if hw.name == "cpu":
         return "uncalibrated guesses for this CPU (`shardline calibrate` measures it, --profile reads that)"

@@ -30,7 +30,7 @@ def register(subparsers) -> None:
         "simulate", help="simulate a training run under failures: goodput, lost GPU-hours, checkpoint interval",
         description=__doc__.splitlines()[0],
         epilog="settings can also come from --config FILE.toml ([simulate], [failures]) or "
-               "--simulate.KEY=VALUE / --failures.CAUSE=RATE overrides; see docs/simulator.md")
+               "--simulate.KEY=VALUE / --failures.CAUSE=RATE overrides; see docs/simulator.md in the source tree")
     p.add_argument("--model", required=True, help="model preset or HF model folder")
     p.add_argument("--gpu", required=True, help=f"accelerator: {', '.join(GPU_TYPES)}")
     p.add_argument("--gpus", required=True, type=int, help="GPUs in the job")
