@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from shardline.errors import ConfigError
+
 
 def peak_memory_gib(device: torch.device) -> dict[str, float]:
     """Peak memory of this rank, by record key: on CPU the process's peak RSS; on CUDA the
@@ -243,8 +245,11 @@ class MetricsLogger:
         """A writer whose points from step + 1 on replace those an earlier writer of the run dir
         logged there (a resume after a crash, a rollback): TensorBoard drops them on reading,
         where the curves would otherwise zigzag between the two histories."""
-        from torch.utils.tensorboard import SummaryWriter
-
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # (a dependency, missing only from a --no-deps or broken environment)
+            raise ConfigError(f"metrics.tensorboard=true needs the tensorboard package ({e}): pip install "
+                              "tensorboard, or --metrics.tensorboard=false") from None
         self._tb = SummaryWriter(log_dir=str(self._tb_dir), purge_step=step + 1)
 
     def rewind(self, step: int) -> None:

@@ -128,3 +128,17 @@ def test_the_history_that_stands_in_metrics_jsonl_is_tensorboards(tiny_config, t
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:  # a record cut short by a kill
         f.write('{"kind": "train", "step": 5, "lo')
     assert [r["step"] for r in history(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"] == [3, 4]
+
+
+def test_tensorboard_missing_is_one_line_naming_the_switch(tmp_path, monkeypatch):
+    """Without the tensorboard package (a --no-deps install) a run died in a traceback."""
+    import sys
+
+    from shardline.errors import ConfigError
+    from shardline.metrics import MetricsLogger
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # (an import of it raises ImportError)
+    with pytest.raises(ConfigError, match=r"^metrics.tensorboard=true needs the tensorboard package .*: pip install "
+                                          r"tensorboard, or --metrics.tensorboard=false$"):
+        MetricsLogger(tmp_path, "none", True, 10, 0)
+    MetricsLogger(tmp_path, "none", False, 10, 0).close()  # the switch off: no need of it
