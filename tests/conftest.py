@@ -108,6 +108,17 @@ TINY_OVERRIDES = [
 ]
 
 
+def resealed(folder: Path, changed: str) -> None:
+    """A checkpoint's manifest made to agree with its edited file `changed` (relative to `folder`),
+    as a crafted one's maker would, or as an older shardline's file reads after a test edits it."""
+    import hashlib
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    data = (folder / changed).read_bytes()
+    manifest["files"][changed] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
 def tiny_overrides(run_dir: Path, corpus: Path, *extra: str) -> list[str]:
     return [*TINY_OVERRIDES, f"run.dir={run_dir}", f"data.path={corpus}", *extra]
 

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from shardline import version
+from shardline.version import version
 from shardline.config import to_toml
 from shardline.config.reader import OnlyOnce
 from shardline.errors import AnomalyHalt, ConfigError, Preempted, ShardlineError

@@ -38,8 +38,8 @@ from shardline.planner.layout import Workload
 from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_over_words, mfu_words
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE
-from shardline.resilience.recovery import (check_saved_position, data_changes, saved_config, saved_step,
-                                           saved_world_size, settings_changed)
+from shardline.resilience.recovery import data_changes, saved_config, saved_step, saved_world_size, settings_changed
+from shardline.resilience.resume_checks import check_saved_position
 from shardline.preflight import (
     Preflight,
     bos_setting,

@@ -36,8 +36,8 @@ from shardline.parallel import float8
 from shardline.parallel.compile import config_problem as compile_problem
 from shardline.resilience.anomaly import check_on_device
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer
-from shardline.resilience.recovery import (check_saved_position, check_steps_ahead, named_resume_problem, restarted,
-                                          resume_path)
+from shardline.resilience.recovery import named_resume_problem, restarted, resume_path
+from shardline.resilience.resume_checks import check_saved_position, check_steps_ahead
 
 @dataclass(frozen=True)
 class Preflight:

@@ -12,6 +12,7 @@ from shardline.errors import CheckpointError, ConfigError
 from shardline.resilience.checkpoint import Checkpointer, step_of, verify
 from shardline.resilience.recovery import memory_tier_resumable
 from shardline.trainer import Trainer
+from tests.conftest import resealed
 
 
 @pytest.fixture
@@ -518,16 +519,6 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
-def _resealed(folder, changed: str) -> None:
-    """The checkpoint's manifest made to agree with its edited file, as a crafted one's maker would."""
-    import hashlib
-
-    manifest = json.loads((folder / "manifest.json").read_text())
-    data = (folder / changed).read_bytes()
-    manifest["files"][changed] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-
-
 def test_a_checkpoint_someone_crafted_runs_no_code_when_it_is_read(trained, tiny_config, tmp_path):
     """torch's DCP unpickled a checkpoint's .metadata, and its non-tensor items, with plain pickle:
     a crafted checkpoint given as model.init_from, --resume, eval or convert ran what it named (its
@@ -544,7 +535,7 @@ def test_a_checkpoint_someone_crafted_runs_no_code_when_it_is_read(trained, tiny
     folder, marker = trained / "checkpoints" / "step-000012", tmp_path / "ran"
     real = (folder / "state" / ".metadata").read_bytes()
     (folder / "state" / ".metadata").write_bytes(pickle.dumps((_Payload(marker), pickle.loads(real))))
-    _resealed(folder, "state/.metadata")
+    resealed(folder, "state/.metadata")
     with pytest.raises(CheckpointError, match=r"\.metadata names io\.open, which a checkpoint's metadata "
                                               r"never holds; not loaded \(reading it would run code\)"):
         Trainer(tiny_config("train.steps=2", f"model.init_from={folder}", run_dir=tmp_path / "new")).build()
@@ -557,7 +548,7 @@ def test_a_checkpoint_someone_crafted_runs_no_code_when_it_is_read(trained, tiny
     crafted = b"\x80\x04" + text("torch.distributed.checkpoint.metadata") + text("os.mkdir") + b"\x93" + \
         text(str(marker)) + b"\x85R."
     (folder / "state" / ".metadata").write_bytes(crafted)
-    _resealed(folder, "state/.metadata")
+    resealed(folder, "state/.metadata")
     with pytest.raises(CheckpointError, match=r"names torch\.distributed\.checkpoint\.metadata\.os\.mkdir"):
         Trainer(tiny_config("train.steps=2", f"model.init_from={folder}", run_dir=tmp_path / "new")).build()
     assert not marker.exists()
@@ -567,7 +558,7 @@ def test_a_checkpoint_someone_crafted_runs_no_code_when_it_is_read(trained, tiny
     key = next(iter(metadata.storage_data))
     metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], relative_path="../../../x.distcp")
     (folder / "state" / ".metadata").write_bytes(pickle.dumps(metadata))
-    _resealed(folder, "state/.metadata")
+    resealed(folder, "state/.metadata")
     with pytest.raises(CheckpointError, match=r"names '\.\./\.\./\.\./x\.distcp' as a data file, which is not a file "):
         Trainer(tiny_config("train.steps=2", f"model.init_from={folder}", run_dir=tmp_path / "new")).build()
     item, buffer = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr")), io.BytesIO()
@@ -604,7 +595,7 @@ def test_a_checkpoint_cannot_send_dcp_to_another_metadata_file_or_outside_its_fo
 
     def refused(match: str) -> None:
         if (folder / "state" / ".metadata").exists():
-            _resealed(folder, "state/.metadata")
+            resealed(folder, "state/.metadata")
         else:  # (dropped from the manifest too, as a crafted checkpoint's maker would)
             manifest = json.loads((folder / "manifest.json").read_text())
             manifest["files"].pop("state/.metadata", None)
@@ -628,7 +619,7 @@ def test_a_checkpoint_cannot_send_dcp_to_another_metadata_file_or_outside_its_fo
     (folder / "state" / ".metadata").write_bytes(pickle.dumps(metadata))
     refused(r"names PosixPath\('__0_0\.distcp'\) as a data file, which is not a file of the checkpoint")
     (folder / "state" / ".metadata").write_bytes(real)
-    _resealed(folder, "state/.metadata")
+    resealed(folder, "state/.metadata")
     shutil.move(folder / "state" / "__0_0.distcp", tmp_path / "elsewhere.distcp")
     (folder / "state" / "__0_0.distcp").symlink_to(tmp_path / "elsewhere.distcp")
     with pytest.raises(CheckpointError, match=r"state/__0_0\.distcp links to .*elsewhere\.distcp, outside the "):

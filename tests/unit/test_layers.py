@@ -1,6 +1,6 @@
 """The package's layers point down only: a module imports nothing from a layer above its own.
 
-    errors < config < layout < models < data, parallel < optim, precision, metrics, profiling
+    errors, version < config < layout < models < data, parallel < optim, precision, metrics, profiling
            < resilience < interop < preflight < trainer, planner < simulator, dry_run, generate < cli
 
 Modules of one layer do not import each other's packages either (data and parallel are
@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).parents[2] / "src" / "shardline"
 
 LAYERS = [
-    {"errors"},
+    {"errors", "version"},
     {"config"},
     {"layout"},
     {"models"},

@@ -28,6 +28,7 @@ from shardline.data.shards import verify
 from shardline.data.sources import read_documents, read_file
 from shardline.errors import ConfigError, DataError
 from shardline.preflight import check_config
+from tests.conftest import resealed
 
 SMALL = dict(vocab_size=512, progress=False, chunk_bytes=30_000)
 
@@ -406,15 +407,18 @@ def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_con
     assert described["conversations_cut"] == long and 0 < described["padding"] < 1
     # A chat checkpoint of another packing (cut from one stream, or next-fit) cannot go on: refused, naming why.
     from shardline.errors import CheckpointError
-    from shardline.resilience.recovery import check_data_position
+    from shardline.resilience.resume_checks import check_data_position
 
     position = raw.position_state()
     assert position["packing"] == "whole conversations, best fit"
     saved = {**position, "num_samples": len(train), "seed": 0, "global_batch_size": 8}
     check_data_position("ckpt", saved, len(train), 0, 8, position)
-    with pytest.raises(CheckpointError, match="saved when chat sequences were cut from one stream; this run packs"):
+    with pytest.raises(CheckpointError, match=r"saved when chat sequences were cut from one stream \(by a shardline "
+                                              r"from before 2026-12-05\); this run packs .*: finish the run with the "
+                                              "shardline that saved it"):
         check_data_position("ckpt", {k: v for k, v in saved.items() if k != "packing"}, len(train), 0, 8, position)
-    with pytest.raises(CheckpointError, match="packed as 'whole conversations'; this run packs them as whole conv"):
+    with pytest.raises(CheckpointError, match=r"packed as 'whole conversations' \(by a shardline from before "
+                                              r"2026-12-05\); this run packs them as whole conv"):
         check_data_position("ckpt", {**saved, "packing": "whole conversations"}, len(train), 0, 8, position)
     out = tmp_path / "prep"
     prepare(PrepareOptions([str(path)], str(out), format="chat", val_fraction=0.1, workers=1, **SMALL))
@@ -1722,3 +1726,33 @@ def test_what_a_stopped_prepare_says_a_rerun_does_follows_the_folder_it_left(tmp
     assert _stoppable(interrupted, PrepareOptions([str(small_corpus)], str(fresh), overwrite=True, **SMALL)) == 130
     assert ("the same command without --overwrite resumes it (with --overwrite it starts over), keeping the "
             "documents it committed") in capsys.readouterr().err
+
+
+def test_a_dry_run_refuses_a_chat_checkpoint_of_the_older_packing_as_the_launch_does(tmp_path, small_prepared):
+    """A chat checkpoint saved before whole-conversation packing (its data position names no packing)
+    on raw files: the dry run passed it, reading no data, and the launch refused it. How chat is
+    packed follows from the config, so the dry run refuses it too, saying what keeps the run."""
+    import torch
+
+    from shardline.dry_run import dry_run
+    from shardline.errors import CheckpointError
+    from shardline.trainer import Trainer
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text(chat_records(60), encoding="utf-8")
+    run = tmp_path / "run"
+    base = [f"data.path={path}", "data.format=chat", f"data.tokenizer={small_prepared / 'tokenizer.json'}",
+            f"run.dir={run}", "train.steps=4", "train.seq_len=256", "model.dim=64", "model.n_layers=1",
+            "model.n_heads=4", "model.ffn_dim=128", "checkpoint.interval=2", "train.eval_interval=0",
+            "metrics.progress=none", "data.val_fraction=0.1"]
+    Trainer(load_config(None, [*base, "train.stop_at_step=2"])).build().train()
+    dry_run(load_config(None, base), 1)  # (as this shardline saved it: it goes on)
+    state_file = run / "checkpoints" / "step-000002" / "trainer" / "rank0.pt"
+    state = torch.load(state_file, weights_only=True)
+    del state["data"]["packing"]  # as an older shardline saved it
+    torch.save(state, state_file)
+    resealed(state_file.parents[1], "trainer/rank0.pt")
+    for launch in (lambda cfg: dry_run(cfg, 1), lambda cfg: Trainer(cfg).build()):
+        with pytest.raises(CheckpointError, match=r"cut from one stream \(by a shardline from before 2026-12-05\)"
+                                                  r".*finish the run with the shardline that saved it"):
+            launch(load_config(None, base))

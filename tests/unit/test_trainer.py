@@ -96,7 +96,7 @@ def test_loss_falls_and_records_are_complete(tiny_config, tmp_path):
     assert (run / "config.toml").is_file() and (run / "tokenizer.json").is_file()
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["step-000018", "step-000024", "step-000030"]  # keep=3 of every 6 steps
-    from shardline import version
+    from shardline.version import version
 
     (start,) = [r for r in read_records(run, "event") if r["event"] == "start"]
     assert start["shardline"] == version() and start["torch"] == torch.__version__  # which code trained it

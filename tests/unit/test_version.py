@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import shardline
-from shardline import _checkout_commit, version
+from shardline.version import _checkout_commit, version
 
 A, B = "1" * 40, "2" * 40
 

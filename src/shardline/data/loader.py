@@ -22,7 +22,7 @@ from shardline.data.chat_checks import (REPLY_SAMPLE, chat_checked, check_folder
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import check_replies, encode_documents, render_chat
 from shardline.data.mixture import MixedSequences
-from shardline.data.packing import PackedSequences
+from shardline.data.packing import CHAT_PACKING, PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
 from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_manifest, token_fingerprint,
                                    tokenizer_file, tokenizer_hash)
@@ -116,7 +116,7 @@ class DataBundle:
         # Chat: whole conversations a sequence, best fit (data/packing.py), since 2026-12-05; a chat checkpoint
         # from before it put the same conversations into other sequences (cut from one stream, or next-fit).
         chat = any(p.rows is not None for p in self._sources())
-        content |= {"packing": "whole conversations, best fit"} if chat else {}
+        content |= {"packing": CHAT_PACKING} if chat else {}
         if not isinstance(self.train, MixedSequences):
             return {"vocabulary": self._vocabulary, **content}
         return {"vocabulary": self._vocabulary, **content,

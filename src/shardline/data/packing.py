@@ -187,6 +187,7 @@ def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if len(ends) else 0)
 
 
+CHAT_PACKING = "whole conversations, best fit"  # what a chat checkpoint's data position says it was packed as
 ROW_ORDER_SEED = 0  # rows in one fixed shuffled order (pack_rows): the same for the raw and prepared paths
 _PACK_CHUNK = 1 << 20  # conversations a pass of pack_rows' loop holds as Python ints
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from shardline.config import Config, config_changes
-from shardline.data.sampler import batch_index
 from shardline.errors import CheckpointError, ConfigError, on_every_rank
 from shardline.metrics import history, trained_in
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer, step_of
@@ -204,28 +203,6 @@ def restarted() -> bool:
     return any(_restarted_by(counter) for _, counter in _LAUNCHERS)
 
 
-def check_saved_position(path: Path | None, cfg: Config, num_samples: int | None = None,
-                         position: dict | None = None, stand_in: bool = False) -> None:
-    """Checkpoint `path`'s saved trainer state agrees with this config (batch size, seed, skipped
-    batches, steps) and, given them, with the data read (`num_samples` training sequences, its
-    `position`: DataBundle.position_state), or the one-line error: checked before a start takes
-    the run dir's lock and sets newer checkpoints aside for it. A dry run, which has not read the
-    data, passes no count (the saved one stands in)."""
-    state_file = Path(path) / "trainer" / "rank0.pt" if path is not None else None
-    if state_file is None or not state_file.is_file():
-        return
-    try:
-        state = torch.load(state_file, weights_only=True)
-        data, step = state["data"], state["step"]
-    except Exception as e:  # a manifest-less folder named by --resume, say
-        raise CheckpointError(f"checkpoint {path}: trainer/rank0.pt cannot be read ({type(e).__name__})") from None
-    _check_saved_seq_len(path, cfg.train.seq_len)  # (a dry run, which counts no sequences, finds it too)
-    check_data_position(path, data, data["num_samples"] if num_samples is None else num_samples, cfg.train.order_seed,
-                        cfg.train.global_batch_size, position, data_changes(path, cfg, stand_in))
-    check_skip_batches(path, step, data.get("skipped_batches", []), cfg.train.skip_batches)
-    check_steps_ahead(path, step, cfg.train.steps)
-
-
 def saved_config(path: Path | str | None) -> dict:
     """The config the run that saved checkpoint `path` launched with (its meta.json); {} where
     there is none or it cannot be read (a moved folder, an older checkpoint)."""
@@ -281,100 +258,6 @@ def _data_files(data) -> dict:
     real = lambda p: os.path.realpath(p) if isinstance(p, str) and p else p  # noqa: E731
     mix = [{**m, "path": real(m.get("path"))} if isinstance(m, dict) else m for m in data.get("mix") or []]
     return {**data, "path": real(data.get("path")), "tokenizer": real(data.get("tokenizer")), "mix": mix}
-
-
-def _check_saved_seq_len(path: Path, seq_len: int) -> None:
-    """The seq_len the checkpoint's run trained at (its meta.json's config; unreadable: not checked)
-    is this one: the launch, which counts the sequences, would refuse another."""
-    try:
-        saved = int(saved_config(path)["train"]["seq_len"])
-    except (ValueError, KeyError, TypeError):
-        return
-    if saved != seq_len:
-        raise CheckpointError(f"checkpoint {path} was saved at train.seq_len={saved}; this run has {seq_len}, which "
-                              "cuts the data into other sequences: the saved position would mean other samples; keep "
-                              f"{saved}, or start a new run.dir from these weights with model.init_from")
-
-
-# A refusal's way out for the data: a new run reads it from its first batch (skips: in its own global batches).
-FROM_THE_START = " (a new run reads its data from the first batch: train.skip_batches passes over batches)"
-
-
-def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int,
-                        global_batch_size: int, position: dict | None = None, changed: str = "") -> None:
-    """The saved sample position means the same in this run, or a CheckpointError saying what changed.
-
-    The position is step x global batch: another batch size would skip or repeat samples.
-    `position`: the data's own (DataBundle.position_state), e.g. a mixture's sources; `changed`:
-    the data settings changed since the checkpoint (data_changes), which the refusals name.
-    """
-    back = f"the data settings changed since it ({changed}): set them back" if changed else ""
-    vocabulary, saved_vocabulary = (position or {}).get("vocabulary"), data_pos.get("vocabulary")
-    if vocabulary and saved_vocabulary and vocabulary != saved_vocabulary:  # (older checkpoints hold none)
-        run = Path(str(path)).parent.parent if Path(str(path)).parent.name == "checkpoints" else None
-        copy = run / "tokenizer.json" if run and (run / "tokenizer.json").is_file() else "RUN/tokenizer.json"
-        keep = ("keep data.tokenizer (or the prepared folder's: one prepared again without --tokenizer has a new "
-                f"BPE; prepare it again with --overwrite --tokenizer {copy}, the run's copy)")
-        raise CheckpointError(
-            f"checkpoint {path} was trained with another tokenizer (vocabulary {saved_vocabulary}, this run's "
-            f"{vocabulary}): its embeddings mean other tokens; {back or keep}, or start a new run.dir from these "
-            "weights with model.init_from")
-    content, saved_content = (position or {}).get("content"), data_pos.get("content")
-    if content and saved_content and content != saved_content:  # (older checkpoints and folders hold none)
-        why = back or ("its training tokens differ: the files were edited or replaced, or the tokenizer, its settings "
-                       "or chat template changed (or, for a folder that holds hidden files or links, a tokenizer "
-                       "whose end of text only tokenizer_config.json names, a .txt file with a byte-order mark or "
-                       "with lines of other blanks (full-width spaces, form feeds) between documents: since "
-                       "2026-12-06 they are read otherwise)")
-        raise CheckpointError(
-            f"checkpoint {path} was trained on other data (tokens {saved_content}, this run's {content}): {why}; "
-            "the saved position would mean other samples: train on the data it was saved with, or start a new "
-            "run.dir from these weights with model.init_from" + FROM_THE_START)
-    packing, saved_packing = (position or {}).get("packing"), data_pos.get("packing")
-    if position is not None and packing != saved_packing:  # the same tokens cut into other sequences
-        raise CheckpointError(
-            f"checkpoint {path} was saved when chat sequences were "
-            + ("cut from one stream" if saved_packing is None else f"packed as {saved_packing!r}")
-            + f"; this run packs them as {packing or 'one stream'}, so the saved position would mean other samples: "
-            "start a new run.dir from these weights with model.init_from" + FROM_THE_START)
-    mix, saved_mix = (position or {}).get("mix"), data_pos.get("mix")
-    if mix is not None and saved_mix is not None and [list(m) for m in saved_mix] != mix:
-        raise CheckpointError(
-            f"checkpoint {path} was saved for a data.mix of (sequences in the mixture, source size) "
-            f"{saved_mix}; this run's is {mix} (weights, sources or their order changed): resuming would "
-            "skip or repeat samples; keep data.mix, or start a new run.dir from these weights with model.init_from"
-            + FROM_THE_START)
-    saved = data_pos.get("global_batch_size", global_batch_size)
-    if saved != global_batch_size:
-        raise CheckpointError(
-            f"checkpoint {path} was saved with train.global_batch_size={saved} but this run has "
-            f"{global_batch_size}: resuming would skip or repeat samples; keep {saved}, or start a new "
-            "run.dir from these weights with model.init_from" + FROM_THE_START)
-    if data_pos["num_samples"] != num_samples or data_pos["seed"] != seed:
-        raise CheckpointError(
-            f"checkpoint {path} was saved for {data_pos['num_samples']} training sequences and data order seed "
-            f"{data_pos['seed']}; this run has {num_samples} and seed {seed} "
-            + (f"({back}, or use a new run.dir)" if back else "(data, train.seq_len, train.seed or train.data_seed "
-               "changed); use a new run.dir"))
-
-
-def check_steps_ahead(path: Path | str, step: int, steps: int) -> None:
-    """A checkpoint past train.steps leaves nothing to train (a shorter run asked of a run dir
-    that holds a longer one): a ConfigError, not a run that exits having done nothing. One at
-    train.steps is a finished run, which a rerun (a requeue) may simply find finished."""
-    if step > steps:
-        raise ConfigError(f"train.steps={steps} is behind {path}, saved at step {step}: nothing to train; "
-                          f"set train.steps above {step} to continue it, or start a new run in another run.dir")
-
-
-def check_skip_batches(path: Path | str, step: int, saved: list[int], wanted: list[int]) -> None:
-    """train.skip_batches may only name batches a resumed run has not trained on yet: skipping
-    an earlier one would shift every later batch by one instead (a ConfigError naming them)."""
-    next_batch = batch_index(step, saved)
-    trained = sorted(b for b in wanted if b < next_batch and b not in saved)
-    if trained:
-        raise ConfigError(f"train.skip_batches={trained} names batches already trained on before {path} (the "
-                          f"run resumes at batch {next_batch}); only batches from {next_batch} on can be skipped")
 
 
 def get_rng_state() -> dict:

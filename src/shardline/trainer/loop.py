@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardline import version
+from shardline.version import version
 from shardline.config import Config, expand_home
 from shardline.data.sampler import batch_index
 from shardline.devices import peak_tflops

@@ -31,9 +31,10 @@ from shardline.parallel.float8 import precompute_scales
 from shardline.profiling import StepProfiler
 from shardline.preflight import (Preflight, bos_setting, check_config, check_device, check_layout_before_data,
                                  check_resume_fits, check_rollback_target, preflight, use_model_tokenizer)
-from shardline.resilience.recovery import (check_data_position, check_saved_position, check_skip_batches,
-                                          check_steps_ahead, data_changes, get_rng_state, restarted, resume_path,
-                                          set_rng_state, settings_changed)
+from shardline.resilience.recovery import (data_changes, get_rng_state, restarted, resume_path, set_rng_state,
+                                          settings_changed)
+from shardline.resilience.resume_checks import (check_data_position, check_saved_position, check_skip_batches,
+                                               check_steps_ahead)
 from shardline.resilience.run_lock import launcher_ids
 from shardline.resilience.tiers import folder_bytes
 

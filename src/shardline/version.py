@@ -1,0 +1,43 @@
+"""Which shardline this is: the release number and, run from a git checkout, its commit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__version__ = "0.1.0"
+
+
+def version() -> str:
+    """This shardline's version, with the commit of the git checkout it runs from where it runs
+    from one (`0.1.0+git.1a2b3c4d5e`): the number alone stays the same from commit to commit, and
+    a run's `start` event records this to say which code trained it."""
+    commit = _checkout_commit(Path(__file__).resolve().parents[2] / ".git")  # (src/shardline/ in a checkout)
+    return f"{__version__}+git.{commit[:10]}" if commit else __version__
+
+
+def _checkout_commit(git: Path) -> str:
+    """The commit a checkout's HEAD names, read from its files (no git process); "" where there is
+    none (an installed package) or it cannot be read."""
+    try:
+        if git.is_file():  # a worktree's or submodule's pointer: "gitdir: PATH"
+            git = (git.parent / git.read_text(encoding="utf-8").split(":", 1)[1].strip()).resolve()
+        head = (git / "HEAD").read_text(encoding="utf-8").strip()
+        if not head.startswith("ref: "):
+            return head  # a detached HEAD: the commit itself
+        ref = head[5:]
+        for root in (git, _common_dir(git)):
+            if (root / ref).is_file():
+                return (root / ref).read_text(encoding="utf-8").strip()
+            if (root / "packed-refs").is_file():
+                for line in (root / "packed-refs").read_text(encoding="utf-8").splitlines():
+                    if line.endswith(" " + ref):
+                        return line.split(" ", 1)[0]
+    except (OSError, IndexError, UnicodeDecodeError):
+        pass
+    return ""
+
+
+def _common_dir(git: Path) -> Path:
+    """A worktree's shared git folder (where its branches are), else the folder itself."""
+    common = git / "commondir"
+    return (git / common.read_text(encoding="utf-8").strip()).resolve() if common.is_file() else git
