@@ -71,7 +71,9 @@ def use_model_tokenizer(cfg: Config) -> str | None:
         return None
     paths = [s.path for s in d.mix] if d.mix else [d.path]
     hint = " (its tokenizer.model is not read: save it as tokenizer.json with transformers)" if (
-        m.hf_path and (Path(m.hf_path) / "tokenizer.model").is_file()) else ""
+        m.hf_path and (Path(m.hf_path) / "tokenizer.model").is_file()) else (
+        " (`convert from-hf` before 2026-12-03 copied none, even from an HF folder with one: convert it again)"
+        if m.init_from else "")
     if any(not is_prepared(path) for path in paths):
         raise ConfigError(f"{key}={value!r} has no {TOKENIZER_NAME}{hint}, and a new tokenizer's ids would mean "
                           "nothing to its weights; set data.tokenizer to the tokenizer.json they were trained with")

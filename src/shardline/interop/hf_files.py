@@ -114,9 +114,10 @@ def _check_destination(dest: Path) -> None:
         raise CheckpointError(f"{dest} is an earlier export but also holds {other}, which no export writes; replacing "
                               "the export would delete it: move it out first, or choose another destination")
     if _is_hf_folder(dest):
-        raise CheckpointError(f"{dest} is a Hugging Face model folder without {EXPORT_MARK} (not an export of "
-                              "this shardline: maybe the folder a run started from); replacing it would delete its "
-                              "other files: choose another destination, or delete it first")
+        raise CheckpointError(f"{dest} is a Hugging Face model folder without {EXPORT_MARK} (not marked as an "
+                              "export: maybe the folder a run started from, or an export by a shardline from before "
+                              "2026-12-03, which wrote no mark); replacing it would delete its other files: choose "
+                              "another destination, or delete it first")
     raise CheckpointError(f"{dest} exists, is not empty and is not a Hugging Face model folder; "
                           "refusing to overwrite it (choose another destination or empty it)")
 
