@@ -32,13 +32,14 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.resilience.relaunch import relaunch_config
 
     try:
-        cfg = relaunch_config(args.config, overrides, (args.world_size if args.dry_run else None) or _env_world_size())
+        cfg = relaunch_config(args.config, overrides, (args.world_size if args.dry_run else None) or _env_world_size(),
+                              say=not args.print_config)  # (its stdout is the config)
     except ShardlineError as e:  # the command line and the files: alike on a node's ranks, said once there;
         e.node_alike = not _io_fault(e.__context__)  # not a read the storage refused (maybe one rank's alone)
         raise
     if args.print_config:  # a whole config to start from where no example file is at hand (an installed package)
-        if args.dry_run:
-            raise ShardlineError("--print-config and --dry-run: give one")
+        if args.dry_run or args.world_size is not None or args.gpu is not None:
+            raise ShardlineError("--print-config takes no --dry-run, --world-size or --gpu: it prints the config alone")
         print(f"# shardline {version()}: the config `shardline train --config FILE` reads\n{to_toml(cfg)}", end="")
         return 0
     if args.dry_run:

@@ -288,15 +288,25 @@ def _nan_in_a_held_expert(rank: int, world: int, port: int, root: str) -> None:
         mesh = init_device_mesh("cpu", (world,))
         experts.w3 = torch.nn.Parameter(distribute_tensor(whole, mesh, [Shard(0)], src_data_rank=None))
         ended = outcome(lambda: (check_finite(model, "weights", Path(root)), "finite")[1])
-        Path(root, f"rank{rank}.json").write_text(json.dumps(ended))
+        # A plain weight sharded as FSDP shards it, its NaN in rank 1's rows (an IndexError there, once)
+        experts.w3 = torch.nn.Parameter(distribute_tensor(whole.nan_to_num(), mesh, [Shard(0)], src_data_rank=None))
+        wq = model.layers["0"].attention.wq
+        rows = wq.weight.detach().clone()
+        rows[-1, 0] = float("inf")
+        wq.weight = torch.nn.Parameter(distribute_tensor(rows, mesh, [Shard(0)], src_data_rank=None))
+        plain = outcome(lambda: (check_finite(model, "weights", Path(root)), "finite")[1])
+        Path(root, f"rank{rank}.json").write_text(json.dumps([ended, plain]))
 
 
 def test_a_nan_in_an_expert_another_rank_holds_is_named_by_its_own_tensor(tmp_path):
     """Under ep the refusal said "expert 0's tensor, or another of its 4 experts'": the rank holding
-    the NaN now names its expert (3, its second), as one process does."""
+    the NaN now names its expert (3, its second), as one process does; a plain weight's shard is
+    named by the weight's one tensor."""
     start_ranks(_nan_in_a_held_expert, (2, free_port(), str(tmp_path)), nprocs=2)
-    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert said[0] == "finite"
-    assert said[1] == ("CheckpointError: weights: parameter layers.0.feed_forward.experts.w3 (read from tensor "
-                       "model.layers.0.block_sparse_moe.experts.3.w3.weight) holds NaN or inf values; these weights "
-                       "cannot be trained or converted (re-save them from a healthy copy)"), said[1]
+    (experts0, plain0), (experts1, plain1) = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert experts0 == plain0 == "finite"
+    assert experts1 == ("CheckpointError: weights: parameter layers.0.feed_forward.experts.w3 (read from tensor "
+                        "model.layers.0.block_sparse_moe.experts.3.w3.weight) holds NaN or inf values; these weights "
+                        "cannot be trained or converted (re-save them from a healthy copy)"), experts1
+    assert plain1.startswith("CheckpointError: weights: parameter layers.0.attention.wq.weight (read from tensor "
+                             "model.layers.0.self_attn.q_proj.weight) holds NaN or inf"), plain1

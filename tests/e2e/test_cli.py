@@ -264,10 +264,11 @@ def test_a_closed_stdout_a_stray_rank_and_a_too_long_run_dir(tmp_path, small_cor
     assert long.returncode == 2 and long.stderr.strip().splitlines()[-1].endswith("cannot be used: File name too long")
 
 
-def test_print_config_writes_a_whole_config_that_config_reads(tmp_path, capsys, monkeypatch):
+def test_print_config_writes_a_whole_config_that_config_reads(tmp_path, capsys, monkeypatch, small_prepared):
     """An installed package has no configs/ folder to start from: `train --print-config` writes
     the config the command would train with, which --config then reads as the same config."""
     from shardline.config import load_config
+    from shardline.trainer import Trainer
 
     monkeypatch.chdir(tmp_path)
     given = ["--train.steps=7", "--model.preset=tiny-moe", "--optim.lr=1e-3"]
@@ -277,4 +278,13 @@ def test_print_config_writes_a_whole_config_that_config_reads(tmp_path, capsys, 
     (tmp_path / "my.toml").write_text(text, encoding="utf-8")
     assert load_config(tmp_path / "my.toml") == load_config(None, [g.removeprefix("--") for g in given])
     assert main(["train", "--print-config", "--dry-run"]) == 2
-    assert "--print-config and --dry-run: give one" in capsys.readouterr().err
+    assert "--print-config takes no --dry-run, --world-size or --gpu" in capsys.readouterr().err
+    # A run dir holding a run: the config its relaunch trains with, and nothing else on stdout (the
+    # relaunch's "resuming" note made the file unreadable)
+    run = tmp_path / "run"
+    Trainer(load_config(None, tiny_overrides(run, small_prepared, "train.steps=2", "checkpoint.interval=2",
+                                             "train.eval_interval=0"))).build().train()
+    assert main(["train", "--print-config", f"--run.dir={run}", "--train.steps=4"]) == 0
+    (tmp_path / "relaunch.toml").write_text(capsys.readouterr().out, encoding="utf-8")
+    relaunch = load_config(tmp_path / "relaunch.toml")
+    assert relaunch.train.steps == 4 and relaunch.data.path == str(small_prepared)

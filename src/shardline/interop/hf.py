@@ -185,14 +185,14 @@ def _hf_origin(args: ModelArgs, name: str, folder: Path, param: torch.Tensor) ->
         hf = _hf_names(args, name)
     except CheckpointError:  # (a name no adapter knows: the parameter's own name says it)
         return "the folder"
-    hf = [hf] if isinstance(hf, str) else hf
-    if stores_fused(folder):  # Phi-3's q/k/v and gate/up are parts of one tensor each
-        hf = [fused_name(h) for h in hf]
+    fused = stores_fused(folder)  # Phi-3's q/k/v and gate/up are parts of one tensor each
+    hf = [fused_name(h) if fused else h for h in ([hf] if isinstance(hf, str) else hf)]
+    if len(hf) == 1:
+        return f"tensor {hf[0]}"
     held, first = param, 0
     if isinstance(param, DTensor):  # (under ep, or FSDP, a rank holds some of the experts: the first of them)
         held, first = param.to_local(), local_offset(param.shape, param.device_mesh, param.placements)[1][0]
-    row = int((~torch.isfinite(held)).reshape(len(held), -1).any(1).nonzero()[0]) if len(hf) > 1 else 0
-    return f"tensor {hf[first + row]}"
+    return f"tensor {hf[first + int((~torch.isfinite(held)).reshape(len(held), -1).any(1).nonzero()[0])]}"
 
 
 def _copy_weights(model: Llama, files: dict[str, Path], handles: dict, expected: _Slots, tied: bool) -> None:

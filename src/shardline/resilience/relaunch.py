@@ -18,7 +18,7 @@ from shardline.resilience.goodput import read_account
 from shardline.resilience.run_lock import RunLock
 
 
-def relaunch_config(config: str | None, overrides: list[str], world: int | None = None) -> Config:
+def relaunch_config(config: str | None, overrides: list[str], world: int | None = None, say: bool = True) -> Config:
     """The config a launch reads: --config's file and the overrides; without a file, when run.dir
     holds a run to resume and the config.toml its last launch saved, that file (its per-launch
     settings afresh, config.LAUNCH_ONLY), so a relaunch need not repeat the run's settings:
@@ -35,7 +35,7 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
     if not held:
         _say_not_read(cfg, saved, overrides)
         return cfg
-    if speaks_for_the_job() and not RunLock(Path(cfg.run.dir)).running_here():  # (else refused: no "resuming")
+    if say and speaks_for_the_job() and not RunLock(Path(cfg.run.dir)).running_here():  # (refused: no "resuming")
         print(f"shardline: {cfg.run.dir} holds {held}: resuming with the config.toml it saved and the "
               "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
     cfg = load_relaunch_config(saved, cfg.run.dir, overrides)
