@@ -226,6 +226,16 @@ def _line(rec: dict[str, Any]) -> str:
     return json.dumps(_strict(rec), allow_nan=False, default=_jsonable) + "\n"
 
 
+def require_tensorboard() -> None:
+    """One line, on every rank before the run starts (preflight), where the tensorboard package is
+    missing (a --no-deps or broken environment): rank 0 alone died in a traceback at its writer."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"metrics.tensorboard=true needs the tensorboard package ({e}): pip install "
+                          "tensorboard, or --metrics.tensorboard=false") from None
+
+
 class MetricsLogger:
     """Fans records out to the console, <run_dir>/metrics.jsonl and TensorBoard."""
 
@@ -245,11 +255,9 @@ class MetricsLogger:
         """A writer whose points from step + 1 on replace those an earlier writer of the run dir
         logged there (a resume after a crash, a rollback): TensorBoard drops them on reading,
         where the curves would otherwise zigzag between the two histories."""
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:  # (a dependency, missing only from a --no-deps or broken environment)
-            raise ConfigError(f"metrics.tensorboard=true needs the tensorboard package ({e}): pip install "
-                              "tensorboard, or --metrics.tensorboard=false") from None
+        require_tensorboard()
+        from torch.utils.tensorboard import SummaryWriter
+
         self._tb = SummaryWriter(log_dir=str(self._tb_dir), purge_step=step + 1)
 
     def rewind(self, step: int) -> None:

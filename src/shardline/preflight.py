@@ -26,6 +26,7 @@ from shardline.data.tokenizer import bos_prefix
 from shardline.errors import CheckpointError, ConfigError
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_files import TOKENIZER_NAME
+from shardline.metrics import require_tensorboard
 from shardline.interop.model_shape import model_shape, weight_changes
 from shardline.layout import Job, Layout
 from shardline.models import attention
@@ -132,6 +133,8 @@ def check_config(cfg: Config) -> None:
         _raise(problem)
     if cfg.train.precision == "fp8":
         float8.require_torchao()  # (parallel/float8.py: its install line)
+    if cfg.metrics.tensorboard:
+        require_tensorboard()
 
 
 def _run_dir_in_data(cfg: Config) -> str | None:

@@ -137,8 +137,14 @@ def test_tensorboard_missing_is_one_line_naming_the_switch(tmp_path, monkeypatch
     from shardline.errors import ConfigError
     from shardline.metrics import MetricsLogger
 
+    from shardline.config import load_config
+    from shardline.preflight import check_config
+
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # (an import of it raises ImportError)
-    with pytest.raises(ConfigError, match=r"^metrics.tensorboard=true needs the tensorboard package .*: pip install "
-                                          r"tensorboard, or --metrics.tensorboard=false$"):
-        MetricsLogger(tmp_path, "none", True, 10, 0)
-    MetricsLogger(tmp_path, "none", False, 10, 0).close()  # the switch off: no need of it
+    for check in (lambda: check_config(load_config(None, [f"run.dir={tmp_path / 'run'}"])),  # every rank, at start
+                  lambda: MetricsLogger(tmp_path, "none", True, 10, 0)):
+        with pytest.raises(ConfigError, match=r"^metrics.tensorboard=true needs the tensorboard package .*: pip "
+                                              r"install tensorboard, or --metrics.tensorboard=false$"):
+            check()
+    check_config(load_config(None, [f"run.dir={tmp_path / 'run'}", "metrics.tensorboard=false"]))  # not needed
+    MetricsLogger(tmp_path, "none", False, 10, 0).close()

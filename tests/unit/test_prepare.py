@@ -413,10 +413,16 @@ def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_con
     assert position["packing"] == "whole conversations, best fit"
     saved = {**position, "num_samples": len(train), "seed": 0, "global_batch_size": 8}
     check_data_position("ckpt", saved, len(train), 0, 8, position)
-    with pytest.raises(CheckpointError, match=r"saved when chat sequences were cut from one stream \(by a shardline "
+    with pytest.raises(CheckpointError, match=r"saved when its sequences were cut from one stream \(by a shardline "
                                               r"from before 2026-12-05\); this run packs .*: finish the run with the "
                                               "shardline that saved it"):
         check_data_position("ckpt", {k: v for k, v in saved.items() if k != "packing"}, len(train), 0, 8, position)
+    # A text checkpoint resumed as chat (data.format changed): that change is the reason, not a version
+    with pytest.raises(CheckpointError, match=r"cut from one stream; this run packs them as whole conversations, best "
+                                              r"fit, .*: the data settings changed since it \(data.format\): set "
+                                              r"them back, or start a new run.dir"):
+        check_data_position("ckpt", {k: v for k, v in saved.items() if k != "packing"}, len(train), 0, 8,
+                            {"packing": position["packing"]}, changed="data.format")
     with pytest.raises(CheckpointError, match=r"packed as 'whole conversations' \(by a shardline from before "
                                               r"2026-12-05\); this run packs them as whole conv"):
         check_data_position("ckpt", {**saved, "packing": "whole conversations"}, len(train), 0, 8, position)

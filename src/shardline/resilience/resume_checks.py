@@ -89,14 +89,16 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
             "run.dir from these weights with model.init_from" + FROM_THE_START)
     packing, saved_packing = (position or {}).get("packing"), data_pos.get("packing")
     if position is not None and packing != saved_packing:  # the same tokens cut into other sequences
+        older = packing == CHAT_PACKING and not changed  # the same chat data, packed by an earlier shardline
+        way = back or ("finish the run with the shardline that saved it (which keeps its optimizer, schedule and "
+                       "data position)" if older else "")
         raise CheckpointError(
-            f"checkpoint {path} was saved when chat sequences were "
+            f"checkpoint {path} was saved when its sequences were "
             + ("cut from one stream" if saved_packing is None else f"packed as {saved_packing!r}")
-            + (" (by a shardline from before 2026-12-05)" if packing == CHAT_PACKING else "")
+            + (" (by a shardline from before 2026-12-05)" if older else "")
             + f"; this run packs them as {packing or 'one stream'}, so the saved position would mean other samples: "
-            + ("finish the run with the shardline that saved it (which keeps its optimizer, schedule and data "
-               "position), or " if packing == CHAT_PACKING else "")
-            + "start a new run.dir from these weights with model.init_from" + FROM_THE_START)
+            + (f"{way}, or " if way else "") + "start a new run.dir from these weights with model.init_from"
+            + FROM_THE_START)
     mix, saved_mix = (position or {}).get("mix"), data_pos.get("mix")
     if mix is not None and saved_mix is not None and [list(m) for m in saved_mix] != mix:
         raise CheckpointError(
