@@ -13,6 +13,7 @@ machines themselves.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from shardline.layout.degrees import shard_degree
 from shardline.interop.hf import check_hf_weights
 from shardline.models.attention import describe_attention
 from shardline.models.flops import num_params
-from shardline.optim import next_lr_change, wsd_decay_steps
+from shardline.optim import lr_multiplier, next_lr_change, wsd_decay_steps
 from shardline.parallel.compile import describe as describe_compile
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import Hardware, cuda_index, get_hardware, with_local_memory
@@ -181,6 +182,12 @@ def _optim_line(cfg: Config) -> str:
         asked, given = wsd_decay_steps(t.steps, o)
         curve += f" over the last {given} step(s)" + (f" ({asked} asked: the decay starts after the warm-up)"
                                                        if given < asked else "")
+    if o.schedule == "rsqrt" and not warmup_covers_run(cfg):  # a floor it may never reach, not an end point
+        at = math.ceil(o.warmup_steps / o.min_lr_ratio ** 2) if o.min_lr_ratio > 0 else 0
+        reach = f"from step {at}" if at <= t.steps else f"not reached by step {t.steps}"
+        last = lr_multiplier(t.steps - 1, t.steps, o)
+        curve = (f", then rsqrt (lr x sqrt({o.warmup_steps} / step)) to {last:.3g} x lr at the last step, "
+                 + (f"floor {o.min_lr_ratio:g} x lr {reach}" if at else "no floor"))
     return f"optim     lr {o.lr:g}, {o.warmup_steps} warm-up step(s){curve}; {seeds}"
 
 

@@ -114,6 +114,13 @@ def test_bad_values_raise_config_error(override, message):
     assert "\n" not in str(err.value)
 
 
+def test_rsqrt_without_a_warmup_is_refused_in_one_line():
+    """lr x sqrt(warmup_steps / step) is 0 with no warm-up: the key is named, not a flat run at the floor."""
+    with pytest.raises(ConfigError, match=r"^optim.warmup_steps=0 is invalid: optim.schedule=rsqrt needs >= 1"):
+        load_config(None, ["optim.schedule=rsqrt", "optim.warmup_steps=0"]).check()
+    load_config(None, ["optim.schedule=rsqrt", "optim.warmup_steps=1"]).check()
+
+
 def test_a_file_s_unquoted_number_for_a_text_key_is_refused_not_rewritten(tmp_path):
     """TOML reads `dir = 2024.10` as the number 2024.1: taken as text it named another folder."""
     path = tmp_path / "c.toml"

@@ -106,3 +106,12 @@ def test_the_dry_run_says_the_lr_curve_and_the_seeds(tiny_config):
     report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=10", "optim.schedule=wsd",
                                             "optim.warmup_steps=8", "optim.decay_fraction=0.5"), 1)
     assert "then wsd down to 0.1 x lr over the last 2 step(s) (5 asked: the decay starts after the warm-up)" in report
+    # rsqrt's min_lr_ratio is a floor it reaches (1 / 0.1**2 = 100 of 200 steps) or not, not where it ends
+    report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=200", "optim.schedule=rsqrt",
+                                            "optim.warmup_steps=1"), 1)
+    assert "1 warm-up step(s), then rsqrt (lr x sqrt(1 / step)) to 0.1 x lr at the last step, floor 0.1 x lr from " \
+           "step 100; seed" in report
+    report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=200", "optim.schedule=rsqrt",
+                                            "optim.warmup_steps=20"), 1)
+    assert "then rsqrt (lr x sqrt(20 / step)) to 0.316 x lr at the last step, floor 0.1 x lr not reached by step " \
+           "200" in report and "set but unused" not in report

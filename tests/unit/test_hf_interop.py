@@ -143,6 +143,21 @@ def test_rotary_frequencies_are_bit_identical_to_hfs(preset, transformers):
     assert torch.equal(rope_frequencies(args), want)
 
 
+def test_the_smollm_preset_counts_as_many_parameters_as_hfs_model_of_its_shape(transformers):
+    """smollm-135m is HuggingFaceTB/SmolLM-135M's config.json: the planner's and the dry run's count
+    (num_params) and the model built from the preset hold as many parameters as HF's model, tied output included."""
+    args = PRESETS["smollm-135m"]
+    cfg = transformers.LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                   intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                                   rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-5)
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(cfg)
+    want = sum(p.numel() for p in hf.parameters())  # a tied weight is one parameter here as well
+    assert want == 134_515_008
+    assert num_params(args) == want == sum(p.numel() for p in build_meta_model(args).parameters())
+    assert (args.head_size, args.max_seq_len, args.tie_embeddings) == (64, 2048, True)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_load_into_meta_built_model_as_the_trainer_does(tied, tmp_path, transformers):
     hf = _hf_model(transformers, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)

@@ -19,7 +19,7 @@ def small_model(**changes) -> Llama:
     return model
 
 
-@pytest.mark.parametrize("name, billions", [("llama3.2-1b", 1.236), ("llama3-8b", 8.030),
+@pytest.mark.parametrize("name, billions", [("smollm-135m", 0.135), ("llama3.2-1b", 1.236), ("llama3-8b", 8.030),
                                             ("llama3-70b", 70.554), ("llama3-405b", 405.853)])
 def test_presets_match_published_sizes_on_meta(name, billions):
     args = PRESETS[name]

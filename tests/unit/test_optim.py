@@ -1,4 +1,5 @@
-"""Learning-rate schedules: a linear warmup, then cosine / linear / WSD down to the floor, or constant."""
+"""Learning-rate schedules: a linear warmup, then cosine / linear / WSD down to the floor, constant, or an
+inverse square root that stops at the floor."""
 
 from __future__ import annotations
 
@@ -18,6 +19,19 @@ def test_warmup_then_the_schedule_to_its_floor(schedule):
     assert after[-1] == pytest.approx(1.0 if schedule == "constant" else 0.1)
     if schedule == "wsd":  # flat until the last 20% of the steps
         assert set(curve[9:80]) == {1.0} and curve[80] < 1.0
+
+
+def test_rsqrt_falls_as_one_over_the_square_root_of_the_update_and_stops_at_the_floor():
+    """Update k of T past W warm-up steps takes lr x sqrt(W / k): the peak at k = W, no jump after it,
+    and min_lr_ratio a floor it may reach (here at k = W / 0.1**2 = 400) rather than an end point."""
+    cfg = OptimConfig(schedule="rsqrt", warmup_steps=4, min_lr_ratio=0.1)
+    curve = [lr_multiplier(step, 1000, cfg) for step in range(1000)]
+    assert curve[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert curve[4] == pytest.approx((4 / 5) ** 0.5) and curve[15] == pytest.approx(0.5)  # k = 16: sqrt(4 / 16)
+    assert all(a >= b for a, b in zip(curve[3:], curve[4:]))
+    assert min(curve) == pytest.approx(0.1) and curve[398] > 0.1 and curve[399:] == pytest.approx([0.1] * 601)
+    # The curve does not depend on train.steps (beyond a warm-up it cuts), so a longer resume keeps it
+    assert [lr_multiplier(s, 50, cfg) for s in range(50)] == curve[:50]
 
 
 def test_wsd_whose_warmup_overlaps_the_decay_decays_after_the_warmup_without_a_jump():
@@ -63,3 +77,16 @@ def test_the_next_lr_a_resume_changes_is_given_before_and_after():
     assert next_lr_change(10, saved, 20, OptimConfig(lr=1e-3, warmup_steps=5, min_lr_ratio=0.1)) == \
         pytest.approx([3e-3 * lr_multiplier(10, 20, cfg), 1e-3 * lr_multiplier(10, 20, cfg)])
     assert next_lr_change(10, {}, 20, cfg) is None  # (a saved config that does not say)
+
+
+def test_every_listed_schedule_has_its_own_curve():
+    """A name added to config.SCHEDULES without a curve in lr_multiplier fell through to cosine and
+    trained as it in silence: each now has a curve of its own, and an unknown name is refused."""
+    from shardline.config import SCHEDULES
+    from shardline.errors import ConfigError
+
+    curves = {name: tuple(lr_multiplier(s, 100, OptimConfig(schedule=name, warmup_steps=5)) for s in range(100))
+              for name in SCHEDULES}
+    assert len(set(curves.values())) == len(SCHEDULES), curves.keys()
+    with pytest.raises(ConfigError, match="optim.schedule='rsqrtt' has no learning-rate curve"):
+        lr_multiplier(50, 100, OptimConfig(schedule="rsqrtt", warmup_steps=5))

@@ -311,6 +311,21 @@ def test_the_request_line_gives_a_small_model_in_millions(capsys):
     assert out.splitlines()[1].startswith("priced by uncalibrated guesses for this CPU (`shardline calibrate`")
 
 
+def test_the_smollm_preset_is_counted_alike_by_the_plan_and_the_dry_run(capsys, tiny_config):
+    """smollm-135m's 134,515,008 parameters (HF's count of that shape: test_hf_interop) as both say them."""
+    from shardline import dry_run
+    from shardline.cli import main
+
+    assert main(["plan", "--model", "smollm-135m", "--gpu", "h100-sxm", "--gpus", "8", "--seq-len", "2048",
+                 "--global-batch", "256", "--top", "1"]) == 0
+    assert "plan: smollm-135m (134.5 M params) on 8 x h100-sxm" in capsys.readouterr().out
+    # (the tiny test config's shape overrides given back as 0: the preset's own)
+    cfg = tiny_config("run.device=cpu", "model.preset=smollm-135m", *(f"model.{key}=0" for key in
+                      ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")))
+    report, _ = dry_run.dry_run(cfg, 1)
+    assert "model     smollm-135m: 134.5 M parameters, 30 layers, dim 576, 9 heads (3 kv), vocab 49,152" in report
+
+
 def test_a_calibrated_cpu_profile_says_how_far_it_was_found_off(capsys, tmp_path):
     """A user read a calibrated estimate as exact; it was 20-37% under two ranks' steps."""
     from pathlib import Path

@@ -22,7 +22,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ATTENTION_KERNELS = ("auto", "sdpa", "flex", "varlen")
 FP8_RECIPES = ("tensorwise", "rowwise")
-SCHEDULES = ("cosine", "linear", "wsd", "constant")
+SCHEDULES = ("cosine", "linear", "wsd", "constant", "rsqrt")
 
 
 _require = require
@@ -176,7 +176,7 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    schedule: str = "cosine"  # cosine | linear | wsd | constant, after a linear warmup
+    schedule: str = "cosine"  # cosine | linear | wsd | constant | rsqrt, after a linear warmup
     warmup_steps: int = 20
     decay_fraction: float = 0.2  # wsd: share of the steps spent decaying at the end
     implementation: str = "auto"  # auto | fused | foreach | for-loop
@@ -196,6 +196,8 @@ class OptimConfig:
             _require(0 <= getattr(self, key) < 1, f"optim.{key}", getattr(self, key), "must be in [0, 1)")
         _require(self.schedule in SCHEDULES, "optim.schedule", self.schedule, f"one of {', '.join(SCHEDULES)}")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(self.schedule != "rsqrt" or self.warmup_steps > 0, "optim.warmup_steps", self.warmup_steps,
+                 "optim.schedule=rsqrt needs >= 1: its lr after the warm-up is lr x sqrt(warmup_steps / step)")
         _require(0 < self.decay_fraction <= 1, "optim.decay_fraction", self.decay_fraction, "must be in (0, 1]")
         impls = ("auto", "fused", "foreach", "for-loop")
         _require(self.implementation in impls, "optim.implementation", self.implementation,

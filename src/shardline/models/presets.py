@@ -32,6 +32,9 @@ PRESETS: dict[str, ModelArgs] = {
     "llama3.2-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
                              ffn_dim=8192, rope_theta=500000.0, rope_scaling=_LLAMA32_SCALING,
                              max_seq_len=131072, tie_embeddings=True),
+    # HuggingFaceTB/SmolLM-135M: a Llama shape, 134.5 M parameters (its output tied to the embedding).
+    "smollm-135m": ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152, ffn_dim=1536,
+                             rope_theta=10000.0, max_seq_len=2048, tie_embeddings=True),
     "llama3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                            ffn_dim=14336, rope_theta=500000.0, max_seq_len=8192),
     "llama3-70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,

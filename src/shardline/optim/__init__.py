@@ -1,4 +1,5 @@
-"""AdamW and learning-rate schedules (linear warmup, then cosine / linear / WSD / constant).
+"""AdamW and learning-rate schedules (linear warmup, then cosine / linear / WSD / constant /
+inverse square root).
 
 Which AdamW: torch's on a GPU (fused, the clip's scale inside its kernel: fused.py); on the host (a
 CPU run, or CPU offload) the same AdamW stepped a cache-sized window at a time (windowed.py); with
@@ -83,6 +84,8 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimConfig) -> float:
     floor = cfg.min_lr_ratio
     if cfg.schedule == "constant":
         return 1.0
+    if cfg.schedule == "rsqrt":  # inverse square root of the update's number, never under the floor
+        return max(floor, math.sqrt(warmup / (step + 1)))
     if cfg.schedule == "wsd":  # warmup-stable-decay: flat, then linear decay at the end
         decay_start = total_steps - wsd_decay_steps(total_steps, cfg)[1]
         if step < decay_start:
@@ -91,7 +94,10 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimConfig) -> float:
     progress = min(1.0, (step - warmup + 1) / max(1, total_steps - warmup))
     if cfg.schedule == "linear":
         return 1.0 - (1.0 - floor) * progress
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if cfg.schedule == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    # A name config.SCHEDULES lists without a curve here trained as cosine in silence: a new one needs both
+    raise ConfigError(f"optim.schedule={cfg.schedule!r} has no learning-rate curve (optim.lr_multiplier)")
 
 
 def wsd_decay_steps(total_steps: int, cfg: OptimConfig) -> tuple[int, int]:
