@@ -126,7 +126,8 @@ def tiny_overrides(run_dir: Path, corpus: Path, *extra: str) -> list[str]:
 @pytest.fixture
 def tiny_config(tmp_path, small_prepared):
     """The tiny run's config, on the prepared corpus (the raw file's batches without tokenizing
-    it again for every run: ~0.4 s a run here)."""
+    it again for every run: ~0.4 s a run here). TINY_OVERRIDES' shape (64 wide, 2 layers) and 12
+    steps lie over any preset given: `model.dim=0` and the like give a preset its own shape back."""
     def make(*extra: str, run_dir: Path | None = None) -> Config:
         return load_config(None, tiny_overrides(run_dir or tmp_path / "run", small_prepared, *extra))
 
