@@ -74,7 +74,7 @@ def use_model_tokenizer(cfg: Config) -> str | None:
     hint = " (its tokenizer.model is not read: save it as tokenizer.json with transformers)" if (
         m.hf_path and (Path(m.hf_path) / "tokenizer.model").is_file()) else (
         " (`convert from-hf` before 2026-12-03 copied none, even from an HF folder with one: convert it again)"
-        if m.init_from else "")
+        if m.init_from and _converted_from_hf(m.init_from) else "")
     if any(not is_prepared(path) for path in paths):
         raise ConfigError(f"{key}={value!r} has no {TOKENIZER_NAME}{hint}, and a new tokenizer's ids would mean "
                           "nothing to its weights; set data.tokenizer to the tokenizer.json they were trained with")
@@ -117,6 +117,14 @@ def _tokenizer_of_stand_in(cfg: Config, stand_in: Path, start: str) -> str:
                               "to the tokenizer.json this run trained with")
         cfg.data.tokenizer = str(kept)
     return f"{start} is gone; the run resumes with the shape and tokenizer its checkpoints keep ({stand_in.name})"
+
+
+def _converted_from_hf(checkpoint: str) -> bool:
+    """Whether a checkpoint was made by `convert from-hf` (its meta.json names the HF fields it kept)."""
+    try:
+        return "hf" in json.loads((Path(checkpoint) / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def check_config(cfg: Config) -> None:

@@ -11,30 +11,37 @@ def version() -> str:
     """This shardline's version, with the commit of the git checkout it runs from where it runs
     from one (`0.1.0+git.1a2b3c4d5e`): the number alone stays the same from commit to commit, and
     a run's `start` event records this to say which code trained it."""
-    commit = _checkout_commit(Path(__file__).resolve().parents[2] / ".git")  # (src/shardline/ in a checkout)
+    here = Path(__file__).resolve().parents  # src/shardline/ of a checkout: not a copy inside another repo
+    ours = here[1].name == "src" and (here[2] / "pyproject.toml").is_file()
+    commit = _checkout_commit(here[2] / ".git") if ours else ""
     return f"{__version__}+git.{commit[:10]}" if commit else __version__
 
 
 def _checkout_commit(git: Path) -> str:
     """The commit a checkout's HEAD names, read from its files (no git process); "" where there is
-    none (an installed package) or it cannot be read."""
+    none (an installed package) or it cannot be read as a commit's hex name."""
     try:
         if git.is_file():  # a worktree's or submodule's pointer: "gitdir: PATH"
             git = (git.parent / git.read_text(encoding="utf-8").split(":", 1)[1].strip()).resolve()
         head = (git / "HEAD").read_text(encoding="utf-8").strip()
         if not head.startswith("ref: "):
-            return head  # a detached HEAD: the commit itself
+            return _commit(head)  # a detached HEAD: the commit itself
         ref = head[5:]
         for root in (git, _common_dir(git)):
             if (root / ref).is_file():
-                return (root / ref).read_text(encoding="utf-8").strip()
+                return _commit((root / ref).read_text(encoding="utf-8").strip())
             if (root / "packed-refs").is_file():
                 for line in (root / "packed-refs").read_text(encoding="utf-8").splitlines():
                     if line.endswith(" " + ref):
-                        return line.split(" ", 1)[0]
+                        return _commit(line.split(" ", 1)[0])
     except (OSError, IndexError, UnicodeDecodeError):
         pass
     return ""
+
+
+def _commit(text: str) -> str:
+    """`text` where it is a commit's name (40 hex digits, 64 under SHA-256), else ""."""
+    return text if len(text) in (40, 64) and all(c in "0123456789abcdef" for c in text) else ""
 
 
 def _common_dir(git: Path) -> Path:

@@ -140,7 +140,14 @@ def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
         assert code == 2 and f"{override.split('=')[0]} is one of the settings the plan chooses" in err
         assert err.rstrip().endswith(f"give it to the search as {way}")
     # ... unless it says what the plan's own option does (a script's shared overrides)
-    assert run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(path), "--train.seq_len=4096")[0] == 0
+    assert run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(path), "--train.seq_len=4096",
+                   "--model.preset=llama3-8b", "--train.document_mask=true")[0] == 0
+    # Starting weights named for the run are not read by the search, which prices --model (a checkpoint
+    # on the training cluster, not on the planning host)
+    code, out, _ = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--emit-config", str(path),
+                           f"--model.init_from={tmp_path / 'not-here'}")
+    assert code == 0 and json.loads(out)["candidates"][0]["step_time_s"] == pytest.approx(best["step_time_s"])
+    assert load_config(path).model.init_from == str(tmp_path / "not-here")
     mine = tmp_path / "mine.toml"
     mine.write_text("[train]\nsteps = 5\n")
     code, _, err = run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(mine))

@@ -38,6 +38,9 @@ def test_head_on_a_branch_a_packed_branch_a_detached_head_and_a_worktree(tmp_pat
     assert _checkout_commit(tmp_path / "none" / ".git") == ""  # an installed package
     (git / "HEAD").write_text("ref: refs/heads/gone\n")
     assert _checkout_commit(git) == ""
+    (git / "refs" / "heads" / "sym").write_text("ref: refs/heads/main\n")  # a symbolic branch: not a commit
+    (git / "HEAD").write_text("ref: refs/heads/sym\n")
+    assert _checkout_commit(git) == ""
 
 
 def test_this_checkouts_version_names_its_commit():

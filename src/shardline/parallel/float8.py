@@ -99,8 +99,9 @@ def require_torchao() -> None:
     try:
         _import_quietly()
     except ImportError as exc:
-        raise ConfigError(f"train.precision=fp8 needs torchao ({exc}): pip install '{TORCHAO_PIN}' (the fp8 extra: "
-                          "pip install 'shardline[fp8]'; its wheel declares no torch, so the installed torch stays)"
+        raise ConfigError(f"train.precision=fp8 needs torchao ({exc}): pip install '{TORCHAO_PIN}' (in a source tree, "
+                          "the fp8 extra: pip install '.[fp8]'; its wheel declares no torch, so the installed torch "
+                          "stays)"
                           ) from None
 
 

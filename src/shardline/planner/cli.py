@@ -161,7 +161,9 @@ def _refuse_what_the_plan_sets(overrides: list[str], base: Config, work: Workloa
     """Refused unless it says what the plan's own option does (a script's `--train.seq_len` equal to `--seq-len`)."""
     same = {"train.seq_len": base.train.seq_len == work.seq_len,
             "train.precision": base.train.precision == work.precision,
-            "train.global_batch_size": base.train.global_batch_size == work.global_batch}
+            "train.global_batch_size": base.train.global_batch_size == work.global_batch,
+            "train.document_mask": base.train.document_mask == work.document_mask,
+            "model.preset": base.model.preset == work.model_ref}
     given = [o.removeprefix("--").split("=", 1)[0] for o in overrides]
     taken = [key for key in given if (key in _PLAN_SETS or key.startswith("parallel.")) and not same.get(key)]
     if taken:
@@ -226,12 +228,14 @@ def _workload(args: argparse.Namespace) -> Workload:
 def _with_shape_overrides(work: Workload, base: Config, overrides: list[str]) -> Workload:
     """The model the search prices, with the [model] and [moe] overrides the emitted config carries
     (`--model.n_layers=16`): they reached the file, but the search priced `--model` as it is."""
-    if not any(o.removeprefix("--").startswith(("model.", "moe.")) for o in overrides):
+    shaping = [o for o in overrides if o.removeprefix("--").startswith(("model.", "moe."))
+               and not o.removeprefix("--").startswith(("model.preset", "model.init_from"))]
+    if not shaping:
         return work
     from shardline.interop.model_shape import model_shape  # reads HF folders: only here
 
-    ref = work.model_ref
-    m = dataclasses.replace(base.model, hf_path=ref[3:] if ref.startswith("hf:") else "",
+    ref = work.model_ref  # (--model's shape, not model.init_from's: a checkpoint the planning host may not hold)
+    m = dataclasses.replace(base.model, hf_path=ref[3:] if ref.startswith("hf:") else "", init_from="",
                             preset=base.model.preset if ref.startswith("hf:") else ref)
     return dataclasses.replace(work, model=model_shape(m, base.data.vocab_size, base.moe))
 
