@@ -62,5 +62,5 @@ PRESETS: dict[str, ModelArgs] = {
 
 def get_preset(name: str) -> ModelArgs:
     if name not in PRESETS:
-        raise ConfigError(f"model.preset={name!r} is not a preset; valid: {', '.join(PRESETS)}")
+        raise ConfigError(f"model.preset={name!r} is invalid: one of {', '.join(PRESETS)}")  # (as preflight's)
     return PRESETS[name]
