@@ -184,6 +184,8 @@ def _optim_line(cfg: Config) -> str:
                                                        if given < asked else "")
     if o.schedule == "rsqrt" and not warmup_covers_run(cfg):  # a floor it may never reach, not an end point
         at = math.ceil(o.warmup_steps / o.min_lr_ratio ** 2) if o.min_lr_ratio > 0 else 0
+        if at > 1 and lr_multiplier(at - 2, t.steps, o) <= o.min_lr_ratio:  # (the ceiling of a rounded-up ratio)
+            at -= 1
         reach = f"from step {at}" if at <= t.steps else f"not reached by step {t.steps}"
         last = lr_multiplier(t.steps - 1, t.steps, o)
         curve = (f", then rsqrt (lr x sqrt({o.warmup_steps} / step)) to {last:.3g} x lr at the last step, "

@@ -120,9 +120,11 @@ def _tokenizer_of_stand_in(cfg: Config, stand_in: Path, start: str) -> str:
 
 
 def _converted_from_hf(checkpoint: str) -> bool:
-    """Whether a checkpoint was made by `convert from-hf` (its meta.json names the HF fields it kept)."""
+    """Whether a checkpoint was made by `convert from-hf`: its meta.json names the folder it came from
+    and holds no run config (a training checkpoint's has one, and an `hf` section too)."""
     try:
-        return "hf" in json.loads((Path(checkpoint) / "meta.json").read_text(encoding="utf-8"))
+        meta = json.loads((Path(checkpoint) / "meta.json").read_text(encoding="utf-8"))
+        return "source" in meta and "config" not in meta
     except (OSError, ValueError, TypeError):
         return False
 

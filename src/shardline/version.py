@@ -12,9 +12,17 @@ def version() -> str:
     from one (`0.1.0+git.1a2b3c4d5e`): the number alone stays the same from commit to commit, and
     a run's `start` event records this to say which code trained it."""
     here = Path(__file__).resolve().parents  # src/shardline/ of a checkout: not a copy inside another repo
-    ours = here[1].name == "src" and (here[2] / "pyproject.toml").is_file()
+    ours = here[1].name == "src" and _names_shardline(here[2] / "pyproject.toml")
     commit = _checkout_commit(here[2] / ".git") if ours else ""
     return f"{__version__}+git.{commit[:10]}" if commit else __version__
+
+
+def _names_shardline(pyproject: Path) -> bool:
+    """Whether `pyproject` is shardline's own (not another project's that holds a copy of it)."""
+    try:
+        return 'name = "shardline"' in pyproject.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _checkout_commit(git: Path) -> str:

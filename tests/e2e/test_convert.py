@@ -337,6 +337,9 @@ def test_weights_without_a_tokenizer_refuse_a_new_one_for_raw_text(tmp_path, sma
     hf = _bf16_hf_folder(tmp_path / "hf")
     (hf / "tokenizer.json").rename(tmp_path / "tokenizer.json")
     assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck")]) == 0
+    from shardline.preflight import _converted_from_hf
+
+    assert _converted_from_hf(str(tmp_path / "ck"))  # (a training checkpoint is not: test_checkpoint)
     (hf / "tokenizer.model").write_bytes(b"")  # a SentencePiece model, which shardline does not read
     chosen = tmp_path / "prepared"  # with the weights' tokenizer, as their user would
     prepare(PrepareOptions(inputs=[str(small_corpus)], out=str(chosen), tokenizer=str(tmp_path / "tokenizer.json"),

@@ -624,3 +624,12 @@ def test_a_checkpoint_cannot_send_dcp_to_another_metadata_file_or_outside_its_fo
     (folder / "state" / "__0_0.distcp").symlink_to(tmp_path / "elsewhere.distcp")
     with pytest.raises(CheckpointError, match=r"state/__0_0\.distcp links to .*elsewhere\.distcp, outside the "):
         verify(folder)
+
+
+def test_a_training_checkpoint_is_not_taken_for_a_converted_one(trained):
+    """The hint that an old `convert from-hf` copied no tokenizer showed for training checkpoints
+    too: their meta.json holds an `hf` section as well (empty from scratch)."""
+    from shardline.preflight import _converted_from_hf
+
+    meta = json.loads((trained / "checkpoints" / "step-000012" / "meta.json").read_text(encoding="utf-8"))
+    assert "hf" in meta and not _converted_from_hf(str(trained / "checkpoints" / "step-000012"))

@@ -115,3 +115,7 @@ def test_the_dry_run_says_the_lr_curve_and_the_seeds(tiny_config):
                                             "optim.warmup_steps=20"), 1)
     assert "then rsqrt (lr x sqrt(20 / step)) to 0.316 x lr at the last step, floor 0.1 x lr not reached by step " \
            "200" in report and "set but unused" not in report
+    # 98 / 0.7**2 is 200.00000000000003 in floats: the floor is reached at update 200, as the curve has it
+    report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=200", "optim.schedule=rsqrt",
+                                            "optim.warmup_steps=98", "optim.min_lr_ratio=0.7"), 1)
+    assert "floor 0.7 x lr from step 200;" in report

@@ -88,5 +88,9 @@ def test_every_listed_schedule_has_its_own_curve():
     curves = {name: tuple(lr_multiplier(s, 100, OptimConfig(schedule=name, warmup_steps=5)) for s in range(100))
               for name in SCHEDULES}
     assert len(set(curves.values())) == len(SCHEDULES), curves.keys()
-    with pytest.raises(ConfigError, match="optim.schedule='rsqrtt' has no learning-rate curve"):
+    with pytest.raises(ConfigError, match="optim.schedule='rsqrtt' has no learning-rate curve here: one of cosine"):
         lr_multiplier(50, 100, OptimConfig(schedule="rsqrtt", warmup_steps=5))
+    # A checkpoint's saved schedule this shardline does not know: no lr to compare with, not a refusal
+    from shardline.optim import next_lr_change
+
+    assert next_lr_change(50, {"optim": {"schedule": "foo"}, "train": {"steps": 100}}, 100, OptimConfig()) is None

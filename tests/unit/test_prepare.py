@@ -423,6 +423,9 @@ def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_con
                                               r"them back, or start a new run.dir"):
         check_data_position("ckpt", {k: v for k, v in saved.items() if k != "packing"}, len(train), 0, 8,
                             {"packing": position["packing"]}, changed="data.format")
+    with pytest.raises(CheckpointError, match=r"\(by a shardline from before 2026-12-05\).*finish the run with"):
+        check_data_position("ckpt", {k: v for k, v in saved.items() if k != "packing"}, len(train), 0, 8,
+                            {"packing": position["packing"]}, changed="data.val_fraction=0.01 -> 0.1")  # (not why)
     with pytest.raises(CheckpointError, match=r"packed as 'whole conversations' \(by a shardline from before "
                                               r"2026-12-05\); this run packs them as whole conv"):
         check_data_position("ckpt", {**saved, "packing": "whole conversations"}, len(train), 0, 8, position)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardline.config import OptimConfig
+from shardline.config import SCHEDULES, OptimConfig
 from shardline.errors import ConfigError, on_every_rank
 from shardline.parallel.distributed import agreed
 from shardline.parallel.zero1 import StridedSlices, Zero1AdamW
@@ -97,7 +97,8 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimConfig) -> float:
     if cfg.schedule == "cosine":
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     # A name config.SCHEDULES lists without a curve here trained as cosine in silence: a new one needs both
-    raise ConfigError(f"optim.schedule={cfg.schedule!r} has no learning-rate curve (optim.lr_multiplier)")
+    raise ConfigError(f"optim.schedule={cfg.schedule!r} has no learning-rate curve here: one of "
+                      f"{', '.join(SCHEDULES)}")
 
 
 def wsd_decay_steps(total_steps: int, cfg: OptimConfig) -> tuple[int, int]:
@@ -126,7 +127,7 @@ def next_lr_change(step: int, saved: dict, total_steps: int, cfg: OptimConfig) -
                 if k in saved["optim"]}
         before = dataclasses.replace(cfg, **kept)
         old = before.lr * lr_multiplier(step, int(saved["train"]["steps"]), before)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, ConfigError):  # (a schedule this shardline has no curve for)
         return None
     new = cfg.lr * lr_multiplier(step, total_steps, cfg)
     return None if math.isclose(old, new, rel_tol=1e-9) else [old, new]
