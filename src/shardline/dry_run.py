@@ -142,7 +142,8 @@ def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int) -> li
     rows = launch.model_args.vocab_size
     if rows > 2 * vocab and not (cfg.model.hf_path or cfg.model.init_from or resumes):
         lines.append(f"notes     the model's vocabulary of {rows:,} rows is far past the tokenizer's {vocab:,} tokens: "
-                     "the rest are never trained (give data.tokenizer the model's own tokenizer.json)")
+                     "the rest are never trained (give data.tokenizer the model's own tokenizer.json, or "
+                     f"data.vocab_size={rows} for a BPE of that size)")
     if lr_low_for_new_weights(cfg, resumes):
         lines.append(f"notes     optim.lr={cfg.optim.lr:g} on random weights (no model.hf_path or model.init_from): "
                      "a fine-tune's lr, which barely moves a new model")

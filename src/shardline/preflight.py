@@ -73,8 +73,7 @@ def use_model_tokenizer(cfg: Config) -> str | None:
     paths = [s.path for s in d.mix] if d.mix else [d.path]
     hint = " (its tokenizer.model is not read: save it as tokenizer.json with transformers)" if (
         m.hf_path and (Path(m.hf_path) / "tokenizer.model").is_file()) else (
-        " (`convert from-hf` before 2026-12-03 copied none, even from an HF folder with one: convert it again)"
-        if m.init_from and _converted_from_hf(m.init_from) else "")
+        _init_from_hint(m.init_from) if m.init_from else "")
     if any(not is_prepared(path) for path in paths):
         raise ConfigError(f"{key}={value!r} has no {TOKENIZER_NAME}{hint}, and a new tokenizer's ids would mean "
                           "nothing to its weights; set data.tokenizer to the tokenizer.json they were trained with")
@@ -119,14 +118,24 @@ def _tokenizer_of_stand_in(cfg: Config, stand_in: Path, start: str) -> str:
     return f"{start} is gone; the run resumes with the shape and tokenizer its checkpoints keep ({stand_in.name})"
 
 
-def _converted_from_hf(checkpoint: str) -> bool:
-    """Whether a checkpoint was made by `convert from-hf`: its meta.json names the folder it came from
-    and holds no run config (a training checkpoint's has one, and an `hf` section too)."""
+def _converted_from_hf(checkpoint: str) -> str:
+    """The HF folder a checkpoint was made from by `convert from-hf` (its meta.json names it and holds
+    no run config: a training checkpoint's has one, and an `hf` section too), else ""."""
     try:
         meta = json.loads((Path(checkpoint) / "meta.json").read_text(encoding="utf-8"))
-        return "source" in meta and "config" not in meta
-    except (OSError, ValueError, TypeError):
-        return False
+        return str(meta["source"]) if "source" in meta and "config" not in meta else ""
+    except (OSError, ValueError, TypeError, KeyError):
+        return ""
+
+
+def _init_from_hint(checkpoint: str) -> str:
+    """Why a checkpoint `convert from-hf` made holds no tokenizer, and where its own is."""
+    source = _converted_from_hf(checkpoint)
+    if not source:
+        return ""
+    if (Path(source) / TOKENIZER_NAME).is_file():  # (a convert before 2026-12-03 copied none)
+        return f" (the HF folder it was converted from holds {Path(source) / TOKENIZER_NAME}: give that)"
+    return f" (converted from {source}, which held no {TOKENIZER_NAME})"
 
 
 def check_config(cfg: Config) -> None:

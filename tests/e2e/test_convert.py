@@ -329,7 +329,7 @@ def test_generation_settings_come_with_the_weights_not_with_a_tokenizer_from_els
     assert not (tmp_path / "c" / "generation_config.json").exists()
 
 
-def test_weights_without_a_tokenizer_refuse_a_new_one_for_raw_text(tmp_path, small_corpus, small_prepared):
+def test_weights_without_a_tokenizer_refuse_a_new_one_for_raw_text(tmp_path, small_corpus, small_prepared, capsys):
     """Starting weights with no tokenizer.json: raw text would get a newly trained tokenizer, so
     the run is refused in one line, and so is a folder prepared with a BPE trained on its text,
     unless data.tokenizer names one or the folder was prepared with a tokenizer its preparer
@@ -337,15 +337,16 @@ def test_weights_without_a_tokenizer_refuse_a_new_one_for_raw_text(tmp_path, sma
     hf = _bf16_hf_folder(tmp_path / "hf")
     (hf / "tokenizer.json").rename(tmp_path / "tokenizer.json")
     assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck")]) == 0
+    assert "the HF folder holds no tokenizer.json, so give that run data.tokenizer" in capsys.readouterr().out
     from shardline.preflight import _converted_from_hf
 
-    assert _converted_from_hf(str(tmp_path / "ck"))  # (a training checkpoint is not: test_checkpoint)
+    assert _converted_from_hf(str(tmp_path / "ck")) == str(hf)  # (a training checkpoint is not: test_checkpoint)
     (hf / "tokenizer.model").write_bytes(b"")  # a SentencePiece model, which shardline does not read
     chosen = tmp_path / "prepared"  # with the weights' tokenizer, as their user would
     prepare(PrepareOptions(inputs=[str(small_corpus)], out=str(chosen), tokenizer=str(tmp_path / "tokenizer.json"),
                            progress=False))
     for start, hint in ((f"model.hf_path={hf}", "its tokenizer.model is not read"),
-                        (f"model.init_from={tmp_path / 'ck'}", "before 2026-12-03 copied none")):
+                        (f"model.init_from={tmp_path / 'ck'}", f"converted from {hf}, which held no")):
         cfg = load_config(None, [start, f"data.path={small_corpus}"])
         with pytest.raises(ConfigError, match=f"has no tokenizer.json.*{hint}.*set data.tokenizer"):
             use_model_tokenizer(cfg)
@@ -359,6 +360,10 @@ def test_weights_without_a_tokenizer_refuse_a_new_one_for_raw_text(tmp_path, sma
         prepared = load_config(None, [start, f"data.path={chosen}"])
         use_model_tokenizer(prepared)
         assert prepared.data.tokenizer == ""
+    # As a convert before 2026-12-03 left one: no tokenizer in the checkpoint, one in its HF folder
+    (tmp_path / "tokenizer.json").rename(hf / "tokenizer.json")
+    with pytest.raises(ConfigError, match=f"the HF folder it was converted from holds {hf / 'tokenizer.json'}"):
+        use_model_tokenizer(load_config(None, [f"model.init_from={tmp_path / 'ck'}", f"data.path={small_corpus}"]))
 
 
 def test_init_from_naming_an_hf_folder_or_a_run_dir_says_which_key_or_path_takes_it(tiny_config, tmp_path):

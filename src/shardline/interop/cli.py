@@ -61,6 +61,8 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
             what = f"an HF {config['architectures'][0]} folder of {mark['checkpoint']}"
         except (OSError, ValueError, KeyError, TypeError, IndexError):  # written all the same: not worth a traceback
             what = "an HF folder"
+    if args.direction == "from-hf" and not (written / "tokenizer.json").is_file():
+        what += "; the HF folder holds no tokenizer.json, so give that run data.tokenizer"
     if args.direction == "to-hf" and not (written / "tokenizer.json").is_file():
         what += ", without a tokenizer: none beside the checkpoint or in its run dir; give --tokenizer"
     print(f"wrote {written} ({what})")

@@ -91,8 +91,8 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
     if position is not None and packing != saved_packing:  # the same tokens cut into other sequences
         # The same chat data, packed by an earlier shardline, where no change of format or mixture explains it
         older = packing == CHAT_PACKING and not any(key in changed for key in ("data.format", "data.mix"))
-        way = ("finish the run with the shardline that saved it (which keeps its optimizer, schedule and data "
-               "position)") if older else back
+        way = ("finish the run with the shardline that saved it, a checkout from before commit cf5adb7 (which "
+               "keeps its optimizer, schedule and data position)") if older else back
         raise CheckpointError(
             f"checkpoint {path} was saved when its sequences were "
             + ("cut from one stream" if saved_packing is None else f"packed as {saved_packing!r}")
