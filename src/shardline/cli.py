@@ -272,6 +272,9 @@ def _override_hint(command: str, unknown: list[str], stray: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == ["--version"]:  # (before the commands' parsers import torch)
+        print(f"shardline {version()}")
+        return 0
     try:  # (torch's import: seconds, in which a Ctrl-C is an interrupt too)
         if sys.stdout is None:  # started with stdout closed (`>&-`): fd 1 held, so no file opened later takes
             from shardline.metrics import silence  # it, and sys.stdout writes there (an exit's flush included)

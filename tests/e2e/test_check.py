@@ -76,6 +76,4 @@ def test_a_slow_rank_drill_on_one_process_is_refused_and_the_version_is_said(cap
 
     assert main(["check", "--faults.slow_rank=0", "--faults.slow_factor=4"]) == 2
     assert "faults.slow_rank=0 on one process" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as done:
-        main(["--version"])
-    assert done.value.code == 0 and capsys.readouterr().out.startswith("shardline ")
+    assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("shardline ")  # (no torch imported)
