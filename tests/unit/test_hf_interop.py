@@ -143,6 +143,20 @@ def test_rotary_frequencies_are_bit_identical_to_hfs(preset, transformers):
     assert torch.equal(rope_frequencies(args), want)
 
 
+@pytest.mark.parametrize("name", [n for n, a in PRESETS.items() if a.vocab_size])  # (tiny ones: sized at launch)
+def test_every_preset_counts_as_many_parameters_as_hfs_model_of_its_export_config(name, transformers):
+    """The planner's, MFU's and the dry run's count (num_params) of each preset is the count of the
+    model transformers builds from the config.json an export of it writes (on the meta device)."""
+    from shardline.interop.hf_config import hf_config_dict
+
+    args = PRESETS[name]
+    fields = hf_config_dict(args, args.tie_embeddings, torch.float32, None, None)
+    config = transformers.AutoConfig.for_model(**fields)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    assert num_params(args) == sum(p.numel() for p in hf.parameters()), name
+
+
 def test_the_smollm_preset_counts_as_many_parameters_as_hfs_model_of_its_shape(transformers):
     """smollm-135m is HuggingFaceTB/SmolLM-135M's config.json: the planner's and the dry run's count
     (num_params) and the model built from the preset hold as many parameters as HF's model, tied output included."""
