@@ -40,9 +40,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.print_config:  # a whole config to start from where no example file is at hand (an installed package)
         if args.dry_run or args.world_size is not None or args.gpu is not None:
             raise ShardlineError("--print-config takes no --dry-run, --world-size or --gpu: it prints the config alone")
-        from shardline.preflight import check_config
+        from shardline.preflight import check_values
 
-        check_config(cfg)  # (the config's own checks: a file that fails on first use is no start)
+        check_values(cfg)  # (a file that fails on first use is no start; what it names may be on another host)
         print(f"# shardline {version()}: the config `shardline train --config FILE` reads\n{to_toml(cfg)}", end="")
         return 0
     if args.dry_run:

@@ -91,7 +91,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
              f"tokenizer {tokenizer}",
              f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
              *_resume_lines(cfg, resume, stand_in is not None, world, world_given),
-             *_note_lines(cfg, resume is not None, launch, vocab),
+             *_note_lines(cfg, resume is not None, launch, vocab, known),
              *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch)]
     memory, fits = _memory_lines(cfg, launch, gpu)
     return "\n".join([*lines, *memory]), fits
@@ -133,7 +133,7 @@ def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool, world: int, 
     return lines
 
 
-def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int) -> list[str]:
+def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int, known: bool) -> list[str]:
     """What the launch would note as likely mistakes (launch_notes: settings it never reads, a
     fine-tune's lr on random weights, which a resume's are not), and a preset's vocabulary far
     past the tokenizer's (a plan's config without the model's tokenizer: rows never trained)."""
@@ -142,8 +142,8 @@ def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int) -> li
     rows = launch.model_args.vocab_size
     if rows > 2 * vocab and not (cfg.model.hf_path or cfg.model.init_from or resumes):
         lines.append(f"notes     the model's vocabulary of {rows:,} rows is far past the tokenizer's {vocab:,} tokens: "
-                     "the rest are never trained (give data.tokenizer the model's own tokenizer.json, or "
-                     f"data.vocab_size={rows} for a BPE of that size)")
+                     "the rest are never trained (give data.tokenizer the model's own tokenizer.json"
+                     + (f", or data.vocab_size={rows} for a BPE trained up to that size)" if not known else ")"))
     if lr_low_for_new_weights(cfg, resumes):
         lines.append(f"notes     optim.lr={cfg.optim.lr:g} on random weights (no model.hf_path or model.init_from): "
                      "a fine-tune's lr, which barely moves a new model")
@@ -185,7 +185,7 @@ def _optim_line(cfg: Config) -> str:
                                                        if given < asked else "")
     if o.schedule == "rsqrt" and not warmup_covers_run(cfg):  # a floor it may never reach, not an end point
         at = math.ceil(o.warmup_steps / o.min_lr_ratio ** 2) if o.min_lr_ratio > 0 else 0
-        if at > 1 and lr_multiplier(at - 2, t.steps, o) <= o.min_lr_ratio:  # (the ceiling of a rounded-up ratio)
+        if at - 1 > o.warmup_steps and lr_multiplier(at - 2, t.steps, o) <= o.min_lr_ratio:  # (a rounded-up ratio)
             at -= 1
         reach = f"from step {at}" if at <= t.steps else f"not reached by step {t.steps}"
         last = lr_multiplier(t.steps - 1, t.steps, o)

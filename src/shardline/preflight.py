@@ -135,20 +135,30 @@ def _init_from_hint(checkpoint: str) -> str:
         return ""
     if (Path(source) / TOKENIZER_NAME).is_file():  # (a convert before 2026-12-03 copied none)
         return f" (the HF folder it was converted from holds {Path(source) / TOKENIZER_NAME}: give that)"
-    return f" (converted from {source}, which held no {TOKENIZER_NAME})"
+    if not Path(source).is_dir():
+        return (f" (converted from {source}, not found here; a convert before 2026-12-03 copied no "
+                f"{TOKENIZER_NAME}: give that folder's, or convert it again)")
+    return f" (converted from {source}, which holds no {TOKENIZER_NAME})"
 
 
-def check_config(cfg: Config) -> None:
-    """The checks of the config alone: each section, a known model, what the trainer builds."""
+def check_values(cfg: Config) -> None:
+    """The checks of the config's values alone, on any host: each section, a known model, what the
+    trainer builds (`train --print-config` runs these: a file may be written for another machine)."""
     cfg.check_sections()
     if not cfg.model.hf_path:
         get_preset(cfg.model.preset)  # (its one line: "is invalid: one of ...")
     _raise(attention.config_problem(cfg.train.attention, cfg.train.precision))
     _raise(compile_problem(cfg.train.compile, cfg.parallel.pp, cfg.parallel.pp_schedule))
     _raise(float8.config_problem(cfg.train.precision, cfg.parallel.pp, cfg.parallel.pp_schedule))
+    _raise(held_out_problem(cfg))
+
+
+def check_config(cfg: Config) -> None:
+    """The config's values, then what they name on this host: the run dir, starting weights, a
+    checkpoint to resume, the packages fp8 and TensorBoard need."""
+    check_values(cfg)
     _raise(named_resume_problem(cfg.run.resume) if not restarted() else None)  # a restart may go on from its own
-    for problem in (init_from_problem(cfg.model.init_from), run_dir_problem(cfg.run.dir), held_out_problem(cfg),
-                    _run_dir_in_data(cfg)):
+    for problem in (init_from_problem(cfg.model.init_from), run_dir_problem(cfg.run.dir), _run_dir_in_data(cfg)):
         _raise(problem)
     if cfg.train.precision == "fp8":
         float8.require_torchao()  # (parallel/float8.py: its install line)

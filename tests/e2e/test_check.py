@@ -76,4 +76,10 @@ def test_a_slow_rank_drill_on_one_process_is_refused_and_the_version_is_said(cap
 
     assert main(["check", "--faults.slow_rank=0", "--faults.slow_factor=4"]) == 2
     assert "faults.slow_rank=0 on one process" in capsys.readouterr().err
-    assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("shardline ")  # (no torch imported)
+    assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("shardline ")
+    import subprocess
+    import sys
+
+    said = subprocess.run([sys.executable, "-c", "import sys; from shardline.cli import main; main(['--version']); "
+                           "print('torch' in sys.modules)"], capture_output=True, text=True, check=True).stdout
+    assert said.split() == ["shardline", said.split()[1], "False"]  # answered before torch's import (seconds)

@@ -279,6 +279,9 @@ def test_print_config_writes_a_whole_config_that_config_reads(tmp_path, capsys, 
     assert load_config(tmp_path / "my.toml") == load_config(None, [g.removeprefix("--") for g in given])
     assert main(["train", "--print-config", "--optim.schedule=rsqrt", "--optim.warmup_steps=0"]) == 2
     assert "optim.warmup_steps=0 is invalid" in capsys.readouterr().err  # (no file that fails on first use)
+    # What the config names on another host (a checkpoint to resume there) is not this host's to check
+    assert main(["train", "--print-config", f"--run.resume={tmp_path / 'on-the-cluster'}"]) == 0
+    assert 'resume = "' in capsys.readouterr().out
     assert main(["train", "--print-config", "--dry-run"]) == 2
     assert "--print-config takes no --dry-run, --world-size or --gpu" in capsys.readouterr().err
     # A run dir holding a run: the config its relaunch trains with, and nothing else on stdout (the

@@ -346,7 +346,7 @@ def test_weights_without_a_tokenizer_refuse_a_new_one_for_raw_text(tmp_path, sma
     prepare(PrepareOptions(inputs=[str(small_corpus)], out=str(chosen), tokenizer=str(tmp_path / "tokenizer.json"),
                            progress=False))
     for start, hint in ((f"model.hf_path={hf}", "its tokenizer.model is not read"),
-                        (f"model.init_from={tmp_path / 'ck'}", f"converted from {hf}, which held no")):
+                        (f"model.init_from={tmp_path / 'ck'}", f"converted from {hf}, which holds no")):
         cfg = load_config(None, [start, f"data.path={small_corpus}"])
         with pytest.raises(ConfigError, match=f"has no tokenizer.json.*{hint}.*set data.tokenizer"):
             use_model_tokenizer(cfg)

@@ -119,3 +119,6 @@ def test_the_dry_run_says_the_lr_curve_and_the_seeds(tiny_config):
     report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=200", "optim.schedule=rsqrt",
                                             "optim.warmup_steps=98", "optim.min_lr_ratio=0.7"), 1)
     assert "floor 0.7 x lr from step 200;" in report
+    report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=200", "optim.schedule=rsqrt",
+                                            "optim.warmup_steps=10", "optim.min_lr_ratio=1"), 1)
+    assert "floor 1 x lr from step 10;" in report  # (the warm-up's last step: not one before it)

@@ -344,7 +344,7 @@ def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(caps
     assert "pp rank 0: stages [0, 4]" in out and "+ embedding" in out and "+ output" in out
     assert "per rank on h100-sxm" in out and "fits" in out
     assert "the model's vocabulary of 128,256 rows is far past the tokenizer's 4,096 tokens" in out  # (a preset's)
-    assert "or data.vocab_size=128256 for a BPE of that size" in out
+    assert "or data.vocab_size=128256 for a BPE trained up to that size" in out
     assert re.search(r"MFU \d+\.\d%, pipeline bubble \d+\.\d% of the step", out), out  # (which schedule: its cost)
     assert "(train.compile priced: blocks as compiled (fused element-wise work, the compiler's saved set), the " \
            "loss eager (loss parallelism)" in out

@@ -413,9 +413,9 @@ def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_con
     assert position["packing"] == "whole conversations, best fit"
     saved = {**position, "num_samples": len(train), "seed": 0, "global_batch_size": 8}
     check_data_position("ckpt", saved, len(train), 0, 8, position)
-    with pytest.raises(CheckpointError, match=r"saved when its sequences were cut from one stream \(by a shardline "
-                                              r"from before 2026-12-05\); this run packs .*: finish the run with the "
-                                              "shardline that saved it"):
+    with pytest.raises(CheckpointError, match=r"saved when its sequences were cut from one stream \(by an earlier "
+                                              r"shardline\); this run packs .*: finish the run with the shardline "
+                                              r"that saved it \(a checkout from before commit 3aba73f"):
         check_data_position("ckpt", {k: v for k, v in saved.items() if k != "packing"}, len(train), 0, 8, position)
     # A text checkpoint resumed as chat (data.format changed): that change is the reason, not a version
     with pytest.raises(CheckpointError, match=r"cut from one stream; this run packs them as whole conversations, best "
@@ -423,12 +423,15 @@ def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_con
                                               r"them back, or start a new run.dir"):
         check_data_position("ckpt", {k: v for k, v in saved.items() if k != "packing"}, len(train), 0, 8,
                             {"packing": position["packing"]}, changed="data.format")
-    with pytest.raises(CheckpointError, match=r"\(by a shardline from before 2026-12-05\).*finish the run with"):
+    with pytest.raises(CheckpointError, match=r"\(by an earlier shardline\).*finish the run with"):
         check_data_position("ckpt", {k: v for k, v in saved.items() if k != "packing"}, len(train), 0, 8,
                             {"packing": position["packing"]}, changed="data.val_fraction=0.01 -> 0.1")  # (not why)
-    with pytest.raises(CheckpointError, match=r"packed as 'whole conversations' \(by a shardline from before "
-                                              r"2026-12-05\); this run packs them as whole conv"):
+    with pytest.raises(CheckpointError, match=r"packed as 'whole conversations' \(by an earlier shardline\); "
+                                              r"this run packs them as whole conv.*from commit 968f87f to adf1abc"):
         check_data_position("ckpt", {**saved, "packing": "whole conversations"}, len(train), 0, 8, position)
+    with pytest.raises(CheckpointError) as newer:  # a packing this shardline does not know: no older checkout to name
+        check_data_position("ckpt", {**saved, "packing": "a later packing"}, len(train), 0, 8, position)
+    assert "earlier shardline" not in str(newer.value) and "start a new run.dir" in str(newer.value)
     out = tmp_path / "prep"
     prepare(PrepareOptions([str(path)], str(out), format="chat", val_fraction=0.1, workers=1, **SMALL))
     assert_same_batches(raw, data(out, "data.format=chat", seq_len=128))
@@ -1762,6 +1765,6 @@ def test_a_dry_run_refuses_a_chat_checkpoint_of_the_older_packing_as_the_launch_
     torch.save(state, state_file)
     resealed(state_file.parents[1], "trainer/rank0.pt")
     for launch in (lambda cfg: dry_run(cfg, 1), lambda cfg: Trainer(cfg).build()):
-        with pytest.raises(CheckpointError, match=r"cut from one stream \(by a shardline from before 2026-12-05\)"
+        with pytest.raises(CheckpointError, match=r"cut from one stream \(by an earlier shardline\)"
                                                   r".*finish the run with the shardline that saved it"):
             launch(load_config(None, base))

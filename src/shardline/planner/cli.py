@@ -164,7 +164,8 @@ def _refuse_what_the_plan_sets(overrides: list[str], base: Config, work: Workloa
             "train.global_batch_size": base.train.global_batch_size == work.global_batch,
             "train.document_mask": base.train.document_mask == work.document_mask,
             "model.preset": base.model.preset == work.model_ref,
-            "model.hf_path": work.model_ref == f"hf:{base.model.hf_path}"}
+            "model.hf_path": work.model_ref.startswith("hf:") and bool(base.model.hf_path)
+            and Path(work.model_ref[3:]).resolve() == Path(base.model.hf_path).resolve()}
     given = [o.removeprefix("--").split("=", 1)[0] for o in overrides]
     taken = [key for key in given if (key in _PLAN_SETS or key.startswith("parallel.")) and not same.get(key)]
     if taken:

@@ -89,14 +89,17 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
             "run.dir from these weights with model.init_from" + FROM_THE_START)
     packing, saved_packing = (position or {}).get("packing"), data_pos.get("packing")
     if position is not None and packing != saved_packing:  # the same tokens cut into other sequences
-        # The same chat data, packed by an earlier shardline, where no change of format or mixture explains it
-        older = packing == CHAT_PACKING and not any(key in changed for key in ("data.format", "data.mix"))
-        way = ("finish the run with the shardline that saved it, a checkout from before commit cf5adb7 (which "
-               "keeps its optimizer, schedule and data position)") if older else back
+        # The same chat data packed by an earlier shardline (no change of format or mixture explains it): the
+        # checkouts that pack it so, where they resume it with its optimizer, schedule and data position
+        older = {None: "a checkout from before commit 3aba73f",
+                 "whole conversations": "a checkout from commit 968f87f to adf1abc"}.get(saved_packing, "") \
+            if packing == CHAT_PACKING and not any(key in changed for key in ("data.format", "data.mix")) else ""
+        way = (f"finish the run with the shardline that saved it ({older}, which keeps its optimizer, schedule and "
+               "data position)") if older else back
         raise CheckpointError(
             f"checkpoint {path} was saved when its sequences were "
             + ("cut from one stream" if saved_packing is None else f"packed as {saved_packing!r}")
-            + (" (by a shardline from before 2026-12-05)" if older else "")
+            + (" (by an earlier shardline)" if older else "")
             + f"; this run packs them as {packing or 'one stream'}, so the saved position would mean other samples: "
             + (f"{way}, or " if way else "") + "start a new run.dir from these weights with model.init_from"
             + FROM_THE_START)
