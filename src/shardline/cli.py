@@ -17,10 +17,10 @@ import os
 import sys
 import time
 
-from shardline.version import version
 from shardline.config import to_toml
 from shardline.config.reader import OnlyOnce
 from shardline.errors import AnomalyHalt, ConfigError, Preempted, ShardlineError
+from shardline.version import version
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
