@@ -71,51 +71,73 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return mask[:, None]
 
 
-@pytest.mark.parametrize("tied, document_mask_on", [(False, False), (True, True)],
-                         ids=["untied-no-doc-mask", "tied-doc-mask"])
-def test_training_matches_a_plain_loop_over_hf_llama(tmp_path, verses, tied, document_mask_on):
-    run = tmp_path / "run"
-    cfg = load_config(None, tiny_overrides(
-        run, verses, f"train.seq_len={SEQ}", f"train.global_batch_size={GLOBAL}",
-        f"train.micro_batch_size={MICRO}", f"train.steps={STEPS}", f"optim.warmup_steps={WARMUP}",
-        "optim.schedule=cosine", f"optim.lr={LR}", f"optim.weight_decay={WD}", f"train.grad_clip={CLIP}",
-        "train.eval_interval=0", "data.val_fraction=0", f"checkpoint.interval={STEPS}", "train.precision=fp32",
-        f"model.tie_embeddings={int(tied)}", f"train.document_mask={str(document_mask_on).lower()}"))
+def reference_overrides(run, corpus, *extra: str) -> list[str]:
+    """The run both tests train: STEPS fp32 steps of GLOBAL sequences in micro-batches of MICRO,
+    cosine after WARMUP, every step clipped, nothing held out, one checkpoint at the end."""
+    return tiny_overrides(
+        run, corpus, f"train.seq_len={SEQ}", f"train.global_batch_size={GLOBAL}", f"train.micro_batch_size={MICRO}",
+        f"train.steps={STEPS}", f"optim.warmup_steps={WARMUP}", "optim.schedule=cosine", f"optim.lr={LR}",
+        f"optim.weight_decay={WD}", f"train.grad_clip={CLIP}", "train.eval_interval=0", "data.val_fraction=0",
+        f"checkpoint.interval={STEPS}", "train.precision=fp32", *extra)
+
+
+def train_and_export(cfg, tmp_path):
+    """Train `cfg`; returns the weights its first step started from (an HF folder), its data, its
+    train records by step, and its last checkpoint exported as users export it (HF tensors)."""
     trainer = Trainer(cfg).build()
     init = to_hf_pretrained(trainer.model, tmp_path / "init")  # the weights the run's first step starts from
     data = trainer.data
     trainer.train()
-    logged = {r["step"]: r for r in history(run) if r["kind"] == "train"}
+    logged = {r["step"]: r for r in history(cfg.run.dir) if r["kind"] == "train"}
     assert sorted(logged) == list(range(1, STEPS + 1))
-    convert("to-hf", str(run), str(tmp_path / "final"))  # the run's last checkpoint, as users export it
-    final = safetensors.load_file(str(tmp_path / "final" / "model.safetensors"))
+    convert("to-hf", str(cfg.run.dir), str(tmp_path / "final"))
+    return init, data, logged, safetensors.load_file(str(tmp_path / "final" / "model.safetensors"))
+
+
+def reference_adamw(hf, cfg, norms: int) -> torch.optim.AdamW:
+    """torch's AdamW as the README says ours decays: every matrix (embedding, output, experts, router
+    included), not the `norms` norm weights."""
+    decayed = [p for n, p in hf.named_parameters() if not n.endswith("norm.weight")]
+    kept = [p for n, p in hf.named_parameters() if n.endswith("norm.weight")]
+    assert len(kept) == norms
+    o = cfg.optim
+    return torch.optim.AdamW([{"params": decayed, "weight_decay": WD}, {"params": kept, "weight_decay": 0.0}],
+                             lr=LR, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+
+
+def step_batches(data, step: int, opt, cfg) -> tuple[list[dict], int, float]:
+    """Step `step`'s micro-batches as the run read them, their labelled tokens, and the README's lr,
+    set on `opt` (and checked against the run's own curve)."""
+    lr = readme_lr(step + 1, cfg)
+    assert lr == pytest.approx(LR * lr_multiplier(step, STEPS, cfg.optim), rel=1e-12)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    indices = data.sampler.global_batch(batch_index(step, []))
+    batches = [data.train.batch(indices[i:i + MICRO]) for i in range(0, GLOBAL, MICRO)]
+    return batches, sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches), lr
+
+
+@pytest.mark.parametrize("tied, document_mask_on", [(False, False), (True, True)],
+                         ids=["untied-no-doc-mask", "tied-doc-mask"])
+def test_training_matches_a_plain_loop_over_hf_llama(tmp_path, verses, tied, document_mask_on):
+    cfg = load_config(None, reference_overrides(tmp_path / "run", verses, f"model.tie_embeddings={int(tied)}",
+                                                f"train.document_mask={str(document_mask_on).lower()}"))
+    init, data, logged, final = train_and_export(cfg, tmp_path)
 
     hf = transformers.LlamaForCausalLM.from_pretrained(init, attn_implementation="sdpa").float().train()
     assert hf.config.tie_word_embeddings == tied
     assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied
-    names = [n for n, _ in hf.named_parameters()]
-    decayed = [p for n, p in hf.named_parameters() if not n.endswith("norm.weight")]
-    kept = [p for n, p in hf.named_parameters() if n.endswith("norm.weight")]
-    assert len(kept) == 2 * 2 + 1 and len(decayed) + len(kept) == len(names)
-    o = cfg.optim
-    opt = torch.optim.AdamW([{"params": decayed, "weight_decay": WD}, {"params": kept, "weight_decay": 0.0}],
-                            lr=LR, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+    opt = reference_adamw(hf, cfg, norms=2 * 2 + 1)
 
     several_documents = False
     for step in range(STEPS):
         k = step + 1
-        lr = readme_lr(k, cfg)
-        assert lr == pytest.approx(LR * lr_multiplier(step, STEPS, cfg.optim), rel=1e-12)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        indices = data.sampler.global_batch(batch_index(step, []))
-        batches = [data.train.batch(indices[i:i + MICRO]) for i in range(0, GLOBAL, MICRO)]
+        batches, n_tokens, lr = step_batches(data, step, opt, cfg)
         for b in batches:  # next-token labels, ignored only where the next token opens another document
             x, y, docs = b["input_ids"], b["labels"], b["doc_ids"]
             same = docs[:, 1:] == docs[:, :-1]
             assert torch.equal(y[:, :-1][same], x[:, 1:][same]) and (y[:, :-1][~same] == IGNORE_INDEX).all()
             several_documents |= bool((~same).any())
-        n_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
         opt.zero_grad(set_to_none=True)
         loss_total = 0.0
         for b in batches:

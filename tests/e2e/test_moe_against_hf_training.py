@@ -37,15 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from shardline.config import load_config
-from shardline.data.sampler import batch_index
-from shardline.interop.convert import convert
-from shardline.interop.hf import to_hf_pretrained
-from shardline.metrics import history
 from shardline.models.loss import IGNORE_INDEX
-from shardline.optim import lr_multiplier
-from shardline.trainer import Trainer
-from tests.conftest import tiny_overrides
-from tests.e2e.test_against_hf_training import CLIP, GLOBAL, LR, MICRO, SEQ, STEPS, WARMUP, WD, readme_lr, verses
+from tests.e2e.test_against_hf_training import (CLIP, GLOBAL, STEPS, reference_adamw, reference_overrides,
+                                                step_batches, train_and_export, verses)
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -72,21 +66,9 @@ def balance_loss(router_logits, batch: int, seq: int, coef: float) -> torch.Tens
 
 @pytest.mark.parametrize("aux", [0.0, 0.05], ids=["balance-off", "balance-on"])
 def test_moe_training_matches_a_plain_loop_over_hf_mixtral(tmp_path, verses, aux):
-    run = tmp_path / "run"
-    cfg = load_config(None, tiny_overrides(
-        run, verses, f"train.seq_len={SEQ}", f"train.global_batch_size={GLOBAL}",
-        f"train.micro_batch_size={MICRO}", f"train.steps={STEPS}", f"optim.warmup_steps={WARMUP}",
-        "optim.schedule=cosine", f"optim.lr={LR}", f"optim.weight_decay={WD}", f"train.grad_clip={CLIP}",
-        "train.eval_interval=0", "data.val_fraction=0", f"checkpoint.interval={STEPS}", "train.precision=fp32",
-        "train.document_mask=false", *MIXTRAL, f"moe.aux_loss_coef={aux}"))
-    trainer = Trainer(cfg).build()
-    init = to_hf_pretrained(trainer.model, tmp_path / "init")  # the weights the run's first step starts from
-    data = trainer.data
-    trainer.train()
-    logged = {r["step"]: r for r in history(run) if r["kind"] == "train"}
-    assert sorted(logged) == list(range(1, STEPS + 1))
-    convert("to-hf", str(run), str(tmp_path / "final"))  # the run's last checkpoint, as users export it
-    final = safetensors.load_file(str(tmp_path / "final" / "model.safetensors"))
+    cfg = load_config(None, reference_overrides(tmp_path / "run", verses, "train.document_mask=false", *MIXTRAL,
+                                                f"moe.aux_loss_coef={aux}"))
+    init, data, logged, final = train_and_export(cfg, tmp_path)
     start = safetensors.load_file(str(init / "model.safetensors"))
 
     hf = transformers.MixtralForCausalLM.from_pretrained(init, attn_implementation="sdpa").float().train()
@@ -95,23 +77,12 @@ def test_moe_training_matches_a_plain_loop_over_hf_mixtral(tmp_path, verses, aux
         "mixtral", EXPERTS, TOP_K, EXPERT_FFN, LAYERS)
     assert c.router_jitter_noise == 0 and not c.tie_word_embeddings
     assert c.router_aux_loss_coef == pytest.approx(aux * LAYERS / TOP_K)  # exported in HF's normalisation
-    decayed = [p for n, p in hf.named_parameters() if not n.endswith("norm.weight")]
-    kept = [p for n, p in hf.named_parameters() if n.endswith("norm.weight")]
-    assert len(kept) == 2 * LAYERS + 1
-    o = cfg.optim
-    opt = torch.optim.AdamW([{"params": decayed, "weight_decay": WD}, {"params": kept, "weight_decay": 0.0}],
-                            lr=LR, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+    opt = reference_adamw(hf, cfg, norms=2 * LAYERS + 1)
 
     loads = torch.zeros(EXPERTS)
     for step in range(STEPS):
         k = step + 1
-        lr = readme_lr(k, cfg)
-        assert lr == pytest.approx(LR * lr_multiplier(step, STEPS, cfg.optim), rel=1e-12)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        indices = data.sampler.global_batch(batch_index(step, []))
-        batches = [data.train.batch(indices[i:i + MICRO]) for i in range(0, GLOBAL, MICRO)]
-        n_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        batches, n_tokens, lr = step_batches(data, step, opt, cfg)
         opt.zero_grad(set_to_none=True)
         loss_total = aux_total = 0.0
         for b in batches:
