@@ -12,7 +12,7 @@ def version() -> str:
     from one (`0.1.0+git.1a2b3c4d5e`): the number alone stays the same from commit to commit, and
     a run's `start` event records this to say which code trained it."""
     here = Path(__file__).resolve().parents  # src/shardline/ of a checkout: not a copy inside another repo
-    ours = len(here) > 2 and here[1].name == "src" and _names_shardline(here[2] / "pyproject.toml")
+    ours = here[1].name == "src" and _names_shardline(here[2] / "pyproject.toml")  # (src is never the root)
     commit = _checkout_commit(here[2] / ".git") if ours else ""
     return f"{__version__}+git.{commit[:10]}" if commit else __version__
 

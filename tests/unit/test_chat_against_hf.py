@@ -103,9 +103,8 @@ def folders(tmp_path_factory):
         folder = tmp_path_factory.mktemp(name)
         tok.save(str(folder / "tokenizer.json"))
         settings = {"tokenizer_class": "PreTrainedTokenizerFast", **config}
-        if name == "llama3":
-            settings["chat_template"] = template
-        else:
+        settings["chat_template"] = template  # (transformers before ~4.50 reads it here only)
+        if name != "llama3":  # ... and the file, which shardline and later transformers read first
             (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
         (folder / "tokenizer_config.json").write_text(json.dumps(settings), encoding="utf-8")
         out[name] = folder
