@@ -121,11 +121,9 @@ def _tokenizer_of_stand_in(cfg: Config, stand_in: Path, start: str) -> str:
 def _converted_from_hf(checkpoint: str) -> str:
     """The HF folder a checkpoint was made from by `convert from-hf` (its meta.json names it and holds
     no run config: a training checkpoint's has one, and an `hf` section too), else ""."""
-    try:
-        meta = json.loads((Path(checkpoint) / "meta.json").read_text(encoding="utf-8"))
-        return str(meta["source"]) if "source" in meta and "config" not in meta else ""
-    except (OSError, ValueError, TypeError, KeyError):
-        return ""
+    meta = Path(checkpoint) / "meta.json"
+    source = _read_json(meta, "source")
+    return str(source) if source is not None and _read_json(meta, "config") is None else ""
 
 
 def _init_from_hint(checkpoint: str) -> str:

@@ -234,12 +234,10 @@ def _with_shape_overrides(work: Workload, base: Config, overrides: list[str]) ->
                and not o.removeprefix("--").startswith(("model.preset", "model.init_from"))]
     if not shaping:
         return work
-    from shardline.interop.model_shape import model_shape  # reads HF folders: only here
-
     ref = work.model_ref  # (--model's shape, not model.init_from's: a checkpoint the planning host may not hold)
     m = dataclasses.replace(base.model, hf_path=ref[3:] if ref.startswith("hf:") else "", init_from="",
                             preset=base.model.preset if ref.startswith("hf:") else ref)
-    return dataclasses.replace(work, model=model_shape(m, base.data.vocab_size, base.moe))
+    return dataclasses.replace(work, model=_config_model(dataclasses.replace(base, model=m)))  # (as estimate does)
 
 
 EMITTED = "# written by: shardline plan"  # the first line of an emitted config
