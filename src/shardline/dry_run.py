@@ -24,7 +24,7 @@ from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
-from shardline.launch_notes import lr_low_for_new_weights, unused_settings, warmup_covers_run
+from shardline.launch_notes import lr_low_for_new_weights, unused_settings, vocab_rows_added, warmup_covers_run
 from shardline.devices import DATASHEETS, local_datasheet
 from shardline.errors import ConfigError
 from shardline.layout.degrees import shard_degree
@@ -144,6 +144,10 @@ def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int, known
         lines.append(f"notes     the model's vocabulary of {rows:,} rows is far past the tokenizer's {vocab:,} tokens: "
                      "the rest are never trained (give data.tokenizer the model's own tokenizer.json"
                      + (f", or data.vocab_size={rows} for a BPE trained up to that size)" if not known else ")"))
+    added = vocab_rows_added(cfg, launch.model_args, resumes)
+    if added:
+        lines.append(f"notes     {added[1] - added[0]:,} vocabulary rows added to the starting weights' {added[0]:,} "
+                     "(the embedding's and the output's, at the mean of theirs)")
     if lr_low_for_new_weights(cfg, resumes):
         lines.append(f"notes     optim.lr={cfg.optim.lr:g} on random weights (no model.hf_path or model.init_from): "
                      "a fine-tune's lr, which barely moves a new model")

@@ -23,6 +23,7 @@ from shardline.optim import wsd_decay_steps
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import read_hf_config
 from shardline.interop.hf_files import TOKENIZER_NAME
+from shardline.interop.model_shape import starting_shape
 from shardline.models.factory import args_from_json
 from shardline.resilience.recovery import restarted
 
@@ -105,11 +106,17 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             "note": "past the positions the starting weights were trained for (no RoPE scaling is added); the "
                     "export records the longer max_position_embeddings"}))
     own = _own_tokenizer(cfg) if start and cfg.data.tokenizer else None
-    if own is not None and _differ(own, Path(cfg.data.tokenizer)):  # the user's choice, but rarely meant
+    if own is not None and _differ(own, Path(cfg.data.tokenizer)) and not _extends(Path(cfg.data.tokenizer), own):
         notes.append(("tokenizer_not_the_weights", {
             "tokenizer": cfg.data.tokenizer, "theirs": str(own),
             "why": "its ids may name other rows of the embedding than the weights learned; unset data.tokenizer "
                    "to use theirs"}))
+    rows = vocab_rows_added(cfg, model, resumed)
+    if rows:  # asked for; but how the rows start is ours to say
+        notes.append(("vocab_grown", {
+            "rows": f"{rows[0]} -> {rows[1]}", "weights": start,
+            "new_rows": "the embedding's and the output's start at the mean of the weights' rows, as transformers' "
+                        "resize_token_embeddings starts them; the export's config.json says the new vocab_size"}))
     if start and cfg.optim.lr > FINE_TUNE_LR_LIMIT:
         notes.append(("lr_high_for_trained_weights", {
             "lr": cfg.optim.lr, "weights": start,
@@ -218,6 +225,26 @@ def _own_tokenizer(cfg: Config) -> Path | None:
     m = cfg.model
     own = Path(m.hf_path) / TOKENIZER_NAME if m.hf_path else checkpoint_tokenizer(Path(m.init_from))
     return own if own is not None and own.is_file() else None
+
+
+def vocab_rows_added(cfg: Config, model: ModelArgs | None, resumed: bool) -> tuple[int, int] | None:
+    """(the starting weights' vocabulary rows, the model's) where the start adds rows, else None."""
+    if model is None or resumed or not (cfg.model.hf_path or cfg.model.init_from):
+        return None
+    try:
+        rows = starting_shape(cfg.model).vocab_size
+    except (OSError, ValueError, KeyError, TypeError, ShardlineError):
+        return None
+    return (rows, model.vocab_size) if model.vocab_size > rows else None
+
+
+def _extends(tokenizer: Path, theirs: Path) -> bool:
+    """Whether `tokenizer` holds every token of `theirs` at the same id (theirs with tokens added)."""
+    try:
+        mine, own = load_tokenizer(str(tokenizer)).get_vocab(), load_tokenizer(str(theirs)).get_vocab()
+    except (OSError, ShardlineError):
+        return False
+    return len(mine) > len(own) and all(mine.get(token) == i for token, i in own.items())
 
 
 def _differ(a: Path, b: Path) -> bool:

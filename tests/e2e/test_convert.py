@@ -261,10 +261,10 @@ def test_hf_to_checkpoint_and_back_keeps_dtype_special_tokens_and_tokenizer(tmp_
 
 
 @pytest.mark.parametrize("override, change", [("model.n_layers=3", "n_layers=2 -> 3"),
-                                              ("model.vocab_size=640", "vocab_size=600 -> 640"),
                                               ("model.tie_embeddings=1", "tie_embeddings=False -> True")])
 def test_overrides_that_reshape_the_starting_weights_are_refused(tmp_path, override, change):
-    """An override the weights cannot fill would leave tensors random under a sharded load."""
+    """An override the weights cannot fill would leave tensors random under a sharded load (but for
+    more vocabulary rows, which the load adds: tests/e2e/test_vocab_growth.py)."""
     hf = _bf16_hf_folder(tmp_path / "hf")
     cfg = load_config(None, [f"model.hf_path={hf}", override])
     with pytest.raises(ConfigError, match=f"holds weights of another shape than the overrides ask for .*{change}"):
@@ -272,6 +272,8 @@ def test_overrides_that_reshape_the_starting_weights_are_refused(tmp_path, overr
     same = load_config(None, [f"model.hf_path={hf}", "model.n_layers=2", "model.head_dim=16", "model.n_kv_heads=2",
                               "model.rope_theta=50000"])  # head_dim 16 = 64 / 4 heads: the folder's own
     assert model_shape(same.model, 600, same.moe).rope_theta == 50000  # the same shape, other frequencies
+    grown = load_config(None, [f"model.hf_path={hf}", "model.vocab_size=640"])
+    assert model_shape(grown.model, 600, grown.moe).vocab_size == 640
 
 
 def test_a_run_from_converted_weights_tokenizes_with_their_tokenizer_and_exports_its_files(tmp_path, small_corpus):
@@ -382,8 +384,9 @@ def test_init_from_naming_an_hf_folder_or_a_run_dir_says_which_key_or_path_takes
     check_config(tiny_config(f"model.init_from={run / 'checkpoints' / 'step-000006'}", run_dir=tmp_path / "other"))
 
 
-def test_a_tokenizer_larger_than_the_starting_weights_is_named_as_not_theirs(tiny_config, tmp_path, capsys):
-    """The advice was to raise model.vocab_size, which the weights then refused: a circle."""
+def test_a_tokenizer_larger_than_the_starting_weights_names_both_readings(tiny_config, tmp_path, capsys):
+    """It may be another model's tokenizer, or theirs with tokens added: the line says which setting
+    serves the second (model.vocab_size, which the weights once refused: a circle)."""
     from tokenizers import Tokenizer, models
 
     hf = _bf16_hf_folder(tmp_path / "hf")  # 600 rows
@@ -393,8 +396,9 @@ def test_a_tokenizer_larger_than_the_starting_weights_is_named_as_not_theirs(tin
                  f"--data.tokenizer={big}"]) == 2
     last = capsys.readouterr().err.splitlines()[-1]  # (torchao and the HF folder's writer may log lines first)
     assert last.startswith("shardline: error: the starting weights have 600 vocabulary rows, fewer than the "
-                           "tokenizer's 1000 tokens: that tokenizer (data.tokenizer, or the prepared data's) is not "
-                           "their model's"), last
+                           "tokenizer's 1000 tokens: if that tokenizer (data.tokenizer, or the prepared data's) is "
+                           "theirs with tokens added, set model.vocab_size=1000 (or more) to add rows, which start "
+                           "at the mean of theirs; else use the tokenizer.json they came with"), last
 
 
 def test_a_chatml_run_exports_the_chatml_template_transformers_renders_as_it_trained(tiny_config, tmp_path,

@@ -1,6 +1,7 @@
 """The model shape a run trains: a preset, or the weights it starts from (an HF folder, a
 checkpoint), with the config's [model] and [moe] overrides; overrides that change the tensors
-those weights hold are refused, as are router settings an HF start's tensor names cannot carry."""
+those weights hold are refused (but for a larger model.vocab_size, which adds vocabulary rows for
+tokens added to their tokenizer), as are router settings an HF start's tensor names cannot carry."""
 
 from __future__ import annotations
 
@@ -62,10 +63,11 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
         raise ConfigError("moe.top_k=1 with renormalised weights gives every token the weight 1, so the "
                           "router would learn nothing from the loss; set moe.norm_topk=0 (the Switch "
                           "Transformer's gate: the chosen expert's score)")
-    if args.vocab_size < tokenizer_vocab and start is not None:  # the weights' rows are fixed: the tokenizer is wrong
+    if args.vocab_size < tokenizer_vocab and start is not None:  # another tokenizer, or theirs with tokens added
         raise ConfigError(f"the starting weights have {args.vocab_size} vocabulary rows, fewer than the tokenizer's "
-                          f"{tokenizer_vocab} tokens: that tokenizer (data.tokenizer, or the prepared data's) is not "
-                          "their model's; use the tokenizer.json they came with")
+                          f"{tokenizer_vocab} tokens: if that tokenizer (data.tokenizer, or the prepared data's) is "
+                          f"theirs with tokens added, set model.vocab_size={tokenizer_vocab} (or more) to add rows, "
+                          "which start at the mean of theirs; else use the tokenizer.json they came with")
     if args.vocab_size < tokenizer_vocab:
         raise ConfigError(f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer_vocab} tokens; set model.vocab_size >= {tokenizer_vocab}")
@@ -96,10 +98,15 @@ def weight_changes(start: ModelArgs, wanted: ModelArgs) -> list[str]:
 
 def _check_weights_fit(m: ModelConfig, start: ModelArgs, wanted: ModelArgs) -> None:
     """A [model] or [moe] override that changes the weights' shapes would leave tensors the
-    starting weights cannot fill (random under a sharded load): refused, naming the keys."""
-    changed = weight_changes(start, wanted)
+    starting weights cannot fill (random under a sharded load): refused, naming the keys. A larger
+    vocab_size is taken: the loader adds the rows (weights.py), a smaller one would cut trained rows."""
+    source = f"model.hf_path={m.hf_path!r}" if m.hf_path else f"model.init_from={m.init_from!r}"
+    if wanted.vocab_size < start.vocab_size:
+        raise ConfigError(f"model.vocab_size={wanted.vocab_size} is below the {start.vocab_size} vocabulary rows of "
+                          f"{source}: their rows are not cut (another model's tokenizer?); unset model.vocab_size, "
+                          "or set it above theirs to add rows")
+    changed = weight_changes(start, dataclasses.replace(wanted, vocab_size=start.vocab_size))  # grown: see weights.py
     if changed:
-        source = f"model.hf_path={m.hf_path!r}" if m.hf_path else f"model.init_from={m.init_from!r}"
         raise ConfigError(f"{source} holds weights of another shape than the overrides ask for "
                           f"({', '.join(changed)}); drop those [model]/[moe] overrides to start from these weights")
 

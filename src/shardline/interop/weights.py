@@ -1,7 +1,8 @@
 """Starting weights: the one loader for a run that begins from existing weights.
 
 `model.hf_path` names an HF Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral or Qwen3-MoE folder,
-`model.init_from` a shardline checkpoint.
+`model.init_from` a shardline checkpoint; a larger `model.vocab_size` adds vocabulary rows to
+either, for tokens added to their tokenizer.
 The model arrives laid out (sharded, split into pipeline stages) and initialised; the
 loader overwrites its weights, each rank keeping only its own shard. Parallelization
 knows nothing of where weights come from.
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardline.config import ModelConfig
@@ -23,16 +25,24 @@ from shardline.interop.convert import beside_checkpoint
 from shardline.interop.hf_config import read_hf_fields
 from shardline.interop.hf_files import GENERATION_NAME, SIDE_FILES, copy_side_files
 from shardline.parallel.distributed import agreed
-from shardline.resilience.checkpoint import load_weights
+from shardline.interop.model_shape import starting_shape
+from shardline.resilience.checkpoint import load_weights, verify
+from shardline.resilience.safe_load import load_state
 
 
 def load_starting_weights(m: ModelConfig, model: nn.Module, sharded: bool) -> None:
     """Load model.hf_path or model.init_from (if set) into the laid-out `model`; weights holding NaN
-    or inf are refused on every rank (each checks its own part)."""
+    or inf are refused on every rank (each checks its own part). A model.vocab_size above their
+    rows (model_shape allows no other change) adds rows at the mean of theirs (grow_rows)."""
+    stored = starting_shape(m).vocab_size if (m.hf_path or m.init_from) else 0
+    grown = bool(m.vocab_size) and m.vocab_size > stored  # (the same on every rank: from the config and files)
     if m.hf_path:
-        _load_hf(model, m.hf_path, sharded)
+        _load_hf(model, m.hf_path, sharded or grown)
     if m.init_from:
-        load_weights(Path(m.init_from), model)  # DCP reshards to any layout
+        if grown:
+            _load_checkpoint_grown(model, Path(m.init_from), stored)
+        else:
+            load_weights(Path(m.init_from), model)  # DCP reshards to any layout
     if m.hf_path or m.init_from:
         key, value = ("model.init_from", m.init_from) if m.init_from else ("model.hf_path", m.hf_path)
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -68,8 +78,8 @@ def starting_hf_fields(m: ModelConfig, stand_in: Path | None = None) -> dict:
     return {}
 
 
-def _load_hf(model: nn.Module, path: str, sharded: bool) -> None:
-    if not sharded:
+def _load_hf(model: nn.Module, path: str, chunked: bool) -> None:
+    if not chunked:  # one process, the folder's shapes: in place, tensor by tensor
         load_hf_weights(model, path)
         return
     # Each rank reads the tensors of the parameters it holds, a chunk at a time, and copies
@@ -79,13 +89,42 @@ def _load_hf(model: nn.Module, path: str, sharded: bool) -> None:
     params = {plain_name(name): p for name, p in model.named_parameters(remove_duplicate=False)}
     for chunk in hf_state_dict_chunks(path, set(params), max_bytes=HF_CHUNK_BYTES):
         for name, full in chunk.items():
-            _copy_full(params[name], full)
+            _copy_full(params[name], grow_rows(full, params[name].shape[0]) if name in VOCAB_ROWS else full)
     for name, buffer in model.named_buffers():
         if name.endswith("router.expert_bias"):  # HF models have no balancing bias: route as they do
             buffer.zero_()
 
 
 HF_CHUNK_BYTES = 1 << 30  # what a sharded load reads before copying it in
+VOCAB_ROWS = ("tok_embeddings.weight", "output.weight")  # a row per token: what a larger vocab_size grows
+
+
+def grow_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
+    """`full` with rows added up to `rows`, each the mean of its rows (in fp32): a token added to
+    the tokenizer starts where the average token is, so its logit starts near the average one and
+    the model's predictions barely move (transformers' resize_token_embeddings does the same, and
+    adds noise of 1e-9 times the rows' covariance). Every rank computes it from the whole tensor,
+    so the rows are the same in any layout."""
+    if rows <= len(full):
+        return full
+    mean = full.float().mean(0, keepdim=True).to(full.dtype)
+    return torch.cat([full, mean.expand(rows - len(full), *full.shape[1:])])
+
+
+def _load_checkpoint_grown(model: nn.Module, path: Path, stored: int) -> None:
+    """load_weights, but for a model with more vocabulary rows than checkpoint `path`: its
+    embedding and output are read whole (every rank: one tensor each) and grown."""
+    verify(path)
+    state = get_model_state_dict(model)
+    vocab = {k: torch.empty((stored, *v.shape[1:]), dtype=v.dtype) for k, v in state.items()
+             if plain_name(k) in VOCAB_ROWS}
+    rest = {k: v for k, v in state.items() if k not in vocab}
+    load_state(path, {"model": {**rest, **vocab}})
+    set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
+    params = {plain_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    with torch.no_grad():
+        for key, full in vocab.items():
+            _copy_full(params[plain_name(key)], grow_rows(full, params[plain_name(key)].shape[0]))
 
 
 @torch.no_grad()

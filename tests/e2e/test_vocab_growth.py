@@ -1,0 +1,151 @@
+"""A fine-tune whose tokenizer has tokens added (chat markers, say): a model.vocab_size above the
+starting weights' rows adds rows at the mean of theirs, as transformers' resize_token_embeddings
+does; checked against transformers' own resize, through training and the export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardline.cli import main
+from shardline.data.sources import read_documents
+from shardline.data.tokenizer import train_bpe
+from shardline.errors import ConfigError
+from shardline.trainer import Trainer
+
+transformers = pytest.importorskip("transformers")
+
+ADDED = ["<|im_start|>", "<|im_end|>", "<|tool|>"]
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory, small_corpus):
+    """HF folders (untied, tied) whose rows are their tokenizer's tokens, that tokenizer with three
+    tokens added, and text that holds them."""
+    root = tmp_path_factory.mktemp("grow")
+    tok = train_bpe(read_documents(str(small_corpus)), 300)
+    rows = tok.get_vocab_size()
+    for tied in (False, True):
+        folder = root / f"hf_tied{int(tied)}"
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=rows,
+                                       tie_word_embeddings=tied)
+        torch.manual_seed(tied)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+        tok.save(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(ADDED)
+    (root / "added").mkdir()
+    tok.save(str(root / "added" / "tokenizer.json"))
+    lines = [json.loads(line)["text"] for line in small_corpus.read_text().splitlines()[:60]]
+    (root / "chat.jsonl").write_text("".join(
+        json.dumps({"text": f"{ADDED[0]}{t[:400]}{ADDED[1]}{ADDED[2]}"}) + "\n" for t in lines))
+    return root, rows
+
+
+def _resized_reference(folder, rows: int):
+    """transformers' model resized to `rows`, its new embedding and head rows set to the mean of the old."""
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    old = hf.get_input_embeddings().weight.detach().clone(), hf.get_output_embeddings().weight.detach().clone()
+    hf.resize_token_embeddings(rows, mean_resizing=False)
+    with torch.no_grad():
+        for weight, before in zip((hf.get_input_embeddings().weight, hf.get_output_embeddings().weight), old):
+            weight[len(before):] = before.mean(0)
+    return hf
+
+
+def _config(tiny_config, start, *extra):
+    root, _ = start
+    return tiny_config("train.steps=2", "train.eval_interval=0", "checkpoint.interval=2",
+                       f"data.path={root / 'chat.jsonl'}", f"data.tokenizer={root / 'added' / 'tokenizer.json'}",
+                       *extra)
+
+
+@pytest.mark.parametrize("source, tied, sharded", [("hf", False, False), ("hf", True, True),
+                                                    ("checkpoint", False, False), ("checkpoint", True, True)])
+def test_added_rows_start_at_the_mean_as_transformers_resize_does(tiny_config, start, tmp_path, source, tied,
+                                                                  sharded):
+    """From an HF folder or a checkpoint, in place or (under CPU offload, FSDP2 on a one-rank mesh)
+    sharded: the grown model's logits equal transformers' resized model's, the added tokens' too;
+    it trains on the added tokens and exports with the larger vocabulary."""
+    root, rows = start
+    folder = root / f"hf_tied{int(tied)}"
+    key = f"model.hf_path={folder}"
+    if source == "checkpoint":
+        assert main(["convert", "from-hf", str(folder), str(tmp_path / "ckpt")]) == 0
+        key = f"model.init_from={tmp_path / 'ckpt'}"
+    grown = rows + len(ADDED) + 3  # rows no token uses yet too (a multiple of 8 for the kernels, say)
+    extra = ["memory.cpu_offload=true"] if sharded else []
+    try:
+        trainer = Trainer(_config(tiny_config, start, key, f"model.vocab_size={grown}", *extra)).build()
+        assert (trainer.dims.mesh is not None) == sharded and trainer.model_args.vocab_size == grown
+        hf = _resized_reference(folder, grown)
+        ids = torch.tensor([[5, rows, 17, rows + 1, rows + 2, grown - 1, 9, 3]])
+        with torch.no_grad():
+            torch.testing.assert_close(trainer.model.eval()(ids), hf(ids).logits, rtol=0, atol=1e-5)
+        trainer.model.train()
+        trainer.train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    out = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert out.config.vocab_size == grown and out.config.tie_word_embeddings == tied
+    assert all(token in (tmp_path / "out" / "tokenizer.json").read_text() for token in ADDED)  # the run's tokenizer
+    embed = out.get_input_embeddings().weight
+    assert not torch.equal(embed[rows], embed[rows + 1])  # trained apart: the text holds both tokens
+    assert torch.equal(embed[rows + len(ADDED)], embed[grown - 1])  # rows no token uses get no gradient in
+    with torch.no_grad():
+        torch.testing.assert_close(out(ids).logits, trainer.model.eval()(ids).float(), rtol=0, atol=1e-5)
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["rows"] for e in events if e.get("event") == "vocab_grown"] == [f"{rows} -> {grown}"]
+    if not sharded:  # the run resumes its grown weights (the shape check takes them), and says nothing again
+        assert main(["train", f"--run.dir={tmp_path / 'run'}", "--train.steps=3"]) == 0
+        events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [e.get("step") for e in events if e.get("event") == "resume"] == [2]
+        assert len([e for e in events if e.get("event") == "vocab_grown"]) == 1
+
+
+def test_a_tokenizer_larger_than_the_rows_names_the_setting_and_fewer_rows_are_refused(tiny_config, start):
+    root, rows = start
+    folder = root / "hf_tied0"
+    with pytest.raises(ConfigError, match=f"set model.vocab_size={rows + len(ADDED)} \\(or more\\) to add rows"):
+        Trainer(_config(tiny_config, start, f"model.hf_path={folder}")).build()
+    with pytest.raises(ConfigError, match=f"model.vocab_size={rows - 1} is below the {rows} vocabulary rows"):
+        Trainer(_config(tiny_config, start, f"model.hf_path={folder}", f"model.vocab_size={rows - 1}",
+                        f"data.tokenizer={folder / 'tokenizer.json'}")).build()
+
+
+def test_the_launch_says_the_rows_it_adds_and_not_that_the_tokenizer_is_anothers(start):
+    """Theirs with tokens added is not "another tokenizer" (that note stays for one that moves their ids)."""
+    from shardline.config import load_config
+    from shardline.interop.model_shape import model_shape
+    from shardline.launch_notes import launch_notes
+
+    root, rows = start
+    cfg = load_config(None, [f"model.hf_path={root / 'hf_tied0'}", f"model.vocab_size={rows + 8}",
+                             f"data.tokenizer={root / 'added' / 'tokenizer.json'}"])
+    model = model_shape(cfg.model, rows + len(ADDED), cfg.moe)
+    notes = dict(launch_notes(cfg, "cuda", 989.0, 1, model=model))
+    assert notes["vocab_grown"]["rows"] == f"{rows} -> {rows + 8}" and "tokenizer_not_the_weights" not in notes
+    assert "vocab_grown" not in dict(launch_notes(cfg, "cuda", 989.0, 1, model=model, resumed=True))
+    moved = json.loads((root / "added" / "tokenizer.json").read_text())
+    vocab = moved["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two of their tokens swap ids
+    (root / "moved.json").write_text(json.dumps(moved))
+    cfg.data.tokenizer = str(root / "moved.json")
+    assert "tokenizer_not_the_weights" in dict(launch_notes(cfg, "cuda", 989.0, 1, model=model))
+
+
+def test_the_dry_run_says_the_rows_it_would_add(start, tmp_path, capsys):
+    root, rows = start
+    args = ["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--model.hf_path={root / 'hf_tied1'}",
+            f"--data.path={root / 'chat.jsonl'}", f"--data.tokenizer={root / 'added' / 'tokenizer.json'}",
+            "--optim.lr=2e-5"]
+    assert main([*args, f"--model.vocab_size={rows + 5}"]) == 0
+    assert f"notes     5 vocabulary rows added to the starting weights' {rows}" in capsys.readouterr().out
+    assert main([*args, f"--model.vocab_size={rows}"]) == 2  # the tokenizer's 3 added tokens need rows
+    assert f"set model.vocab_size={rows + 3} (or more)" in capsys.readouterr().err
