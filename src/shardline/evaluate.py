@@ -3,7 +3,8 @@
 Training evaluates every train.eval_interval steps on the first train.eval_batches global
 batches of the held-out split. This command runs that evaluation on any checkpoint, later: on
 its run's own held-out data by default (the number the run logged at that step), or on other
-data given as overrides (`--data.path=...`: its held-out split), over as many batches as asked
+data given as overrides (`--data.val_path=...`: all of it; `--data.path=...`: its held-out split),
+over as many batches as asked
 (`--batches 0`: all of it), in one process or on torchrun's (or srun's) ranks in any layout.
 
 It is the trainer's own evaluation: a new run built from the checkpoint's weights
@@ -104,19 +105,20 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     cfg.checkpoint.interval, cfg.checkpoint.memory_interval = 0, 0
     cfg.metrics.tensorboard, cfg.metrics.progress, cfg.metrics.profile_steps = False, "none", []
     cfg.train.eval_interval = max(cfg.train.eval_interval, 1)  # (an evaluation needs a held-out split)
-    if not cfg.data.val_fraction and not all(map(is_prepared, [s.path for s in cfg.data.mix] or [cfg.data.path])):
-        raise ConfigError("data.val_fraction=0: the data holds nothing out to evaluate on; give other data "
-                          "(--data.path=...), or --data.val_fraction=0.01 for a share of it (where the run held "
-                          "nothing out, documents it trained on: a training loss)")
+    if not (cfg.data.val_fraction or cfg.data.val_path) and not all(
+            map(is_prepared, [s.path for s in cfg.data.mix] or [cfg.data.path])):
+        raise ConfigError("data.val_fraction=0: the data holds nothing out to evaluate on; give data to evaluate "
+                          "on (--data.val_path=...), or --data.val_fraction=0.01 for a share of it (where the run "
+                          "held nothing out, documents it trained on: a training loss)")
     return cfg, ckpt, saved_step(ckpt)  # (a folder renamed or converted keeps its manifest's step)
 
 
 def _check_saved_paths(cfg: Config, given: set[str]) -> None:
     """The data paths the run's saved config names, relative to where it trained, are found from
     here, or one line saying so (the data's own error would not say where the path came from)."""
-    if "data.path" in given or "data.mix" in given:
-        return
-    keys = [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [("data.path", cfg.data.path)]
+    keys = [] if "data.path" in given or "data.mix" in given else (
+        [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [("data.path", cfg.data.path)])
+    keys += [] if "data.val_path" in given else [("data.val_path", cfg.data.val_path)]
     for key, path in keys:
         if path and not os.path.isabs(path) and not (os.path.exists(path) or glob.glob(path, recursive=True)):
             raise ConfigError(f"{key}={path!r} (from the run's saved config: relative to the directory it trained "
@@ -156,7 +158,7 @@ def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = N
             torch.distributed.barrier()  # every rank done with the run dir before it goes
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    data = " + ".join(s.path for s in cfg.data.mix) or cfg.data.path or "the shipped corpus"
+    data = cfg.data.val_path or " + ".join(s.path for s in cfg.data.mix) or cfg.data.path or "the shipped corpus"
     return Evaluation(str(ckpt), step, loss, sum(map(len, read)), labelled, data)
 
 

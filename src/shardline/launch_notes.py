@@ -183,7 +183,8 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
               "every data.mix source sets its own format"),
              ("model", ("preset",), bool(cfg.model.hf_path or cfg.model.init_from),
               "the starting weights (model.hf_path, model.init_from) give the model's shape"),
-             ("data", ("val_fraction",), all(map(is_prepared, paths)),
+             ("data", ("val_fraction",), all(map(is_prepared, paths)) or bool(cfg.data.val_path),
+              "data.val_path is the held-out data" if cfg.data.val_path else
               "the data is prepared: `shardline prepare --val-fraction` fixed its held-out split"),
              ("train", ("skip_batches",), min(cfg.train.skip_batches, default=0) >= cfg.train.steps,
               f"the run reads batches 0..{cfg.train.steps - 1}: every one named lies past them"),

@@ -19,7 +19,7 @@ from pathlib import Path
 from shardline import layout as layouts
 from shardline.optim import ssd_offload
 from shardline.config import Config
-from shardline.data.loader import held_out_problem
+from shardline.data.validation import held_out_problem
 from shardline.data.folders import read_root
 from shardline.data.shards import is_prepared, prepared_with_own_bpe
 from shardline.data.tokenizer import bos_prefix

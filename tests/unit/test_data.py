@@ -12,7 +12,7 @@ import pytest
 
 from shardline.config import load_config
 from shardline.data import GlobalBatchSampler, build_data
-from shardline.data.loader import split_documents
+from shardline.data.validation import split_documents
 from shardline.data.packing import IGNORE_INDEX, PackedSequences, pack_rows
 from shardline.data.sources import read_documents
 from shardline.data.tokenizer import load_tokenizer

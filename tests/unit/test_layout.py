@@ -595,7 +595,7 @@ def test_dry_run_compares_a_prepared_folders_tokens_with_the_resumed_checkpoint(
                                                                                small_corpus, small_prepared):
     """A folder prepared again from edited text, at the same settings: the launch refused it, the dry
     run passed it (a prepared folder's fingerprint is in its manifest: no tokenizing needed)."""
-    from shardline.data.loader import held_out
+    from shardline.data.validation import held_out
     from shardline.data.prepare import PrepareOptions, prepare
     from shardline.data.sources import read_documents
     from shardline.trainer import Trainer

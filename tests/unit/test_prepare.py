@@ -1115,7 +1115,7 @@ def test_nothing_held_out_trains_on_every_document_without_evaluation(tmp_path, 
     prepared = data(tmp_path / "prep", "train.eval_interval=0")
     assert len(prepared.val) == 0 and prepared.train.num_tokens == everything.train.num_tokens
     with pytest.raises(DataError, match=re.escape("holds nothing out to evaluate on (prepared with --val-fraction "
-                                                  "0): set train.eval_interval=0 (no evaluation), or prepare")):
+                                                  "0): set train.eval_interval=0 (no evaluation), prepare it again")):
         data(tmp_path / "prep")
     with pytest.raises(ConfigError, match=re.escape("data.val_fraction=0 holds nothing out for train.eval_interval=50 "
                                                     "to evaluate on: set train.eval_interval=0")):

@@ -225,6 +225,9 @@ class DataConfig:
     tokenizer: str = ""  # "" = train a byte-level BPE on the data (cached); else a tokenizer.json
     vocab_size: int = 4096  # size of the trained BPE
     val_fraction: float = 0.01  # share of documents held out for evaluation (0: none, with train.eval_interval=0)
+    # "" = evaluate on the held-out share; else data to evaluate on alone, read whole (as path takes:
+    # files, a folder, a pattern or a prepared folder), and the training data holds nothing out
+    val_path: str = ""
     format: str = "text"  # text | chat (.jsonl "messages"; loss on assistant tokens only)
     # Text documents start with the tokens the tokenizer's post-processor puts first (Llama's
     # <|begin_of_text|>, Mistral's <s>), as HF's tokenizer(text) starts them; none for a tokenizer

@@ -28,6 +28,7 @@ from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_ma
                                    tokenizer_file, tokenizer_hash)
 from shardline.data.sources import SUFFIXES, input_files, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
+from shardline.data.validation import check_sizes, check_val_size, split_documents, training_val_fraction
 from shardline.errors import DataError
 
 
@@ -155,41 +156,14 @@ class DataBundle:
                 + (f", mixture {position['mix']}" if "mix" in position else ""))
 
 
-def split_documents(docs: list, val_fraction: float, seed: int) -> tuple[list, list]:
-    """Hold out a seeded random share of documents (at least one; none at `val_fraction` 0) for validation.
-
-    A single document is split by characters instead, so one big .txt file still works.
-    `shardline prepare` splits a stream the same way (`held_out`), document by document.
-    """
-    if len(docs) == 1:
-        train, val = split_single(docs[0], val_fraction)
-        return [train], [val]
-    val_set = set(held_out(len(docs), val_fraction, seed).tolist())
-    train = [d for i, d in enumerate(docs) if i not in val_set]
-    val = [d for i, d in enumerate(docs) if i in val_set]
-    return train, val
-
-
-def held_out(num_docs: int, val_fraction: float, seed: int = 0) -> np.ndarray:
-    """Sorted indices of the held-out documents among `num_docs` (at least one; none at `val_fraction` 0)."""
-    n_val = max(1, round(num_docs * val_fraction)) if val_fraction else 0
-    order = np.random.default_rng([seed, 0x5EED]).permutation(num_docs)
-    return np.sort(order[:n_val])
-
-
-def split_single(doc, val_fraction: float):
-    """A lone document's (train, val) parts: its characters cut at 1 - val_fraction."""
-    cut = int(len(doc) * (1 - val_fraction))
-    return doc[:cut], doc[cut:]
-
-
 def build_data(cfg: Config) -> DataBundle:
     d, t = cfg.data, cfg.train
     if d.mix:
         return _build_mixture(cfg)
     left_out: dict = {}
     tok, train, val = load_source(d.path, cfg, left_out=left_out)
-    _check_sizes(d.path or "the shipped corpus", train, val, cfg)
+    check_sizes(d.path or "the shipped corpus", train, val, cfg)
+    val = load_val(cfg, tok) if d.val_path else val
     check_replies_fit([(d.path, train)], val, cfg)
     return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed),
                       left_out=left_out, chat_template=rendering(cfg) if d.chat else "")
@@ -213,20 +187,48 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
         return prepared.tokenizer, prepared.train, prepared.val
     chat = fmt == "chat"
     docs = read_documents(path, "messages" if chat else d.text_field, left_out, key)
-    if chat and len(docs) < (2 if d.val_fraction else 1):
+    fraction = training_val_fraction(cfg)
+    if chat and len(docs) < (2 if fraction else 1):
         raise DataError(f"{key}={path!r} holds {len(docs)} conversations; chat data needs at least "
-                        + ("two (one is held out)" if d.val_fraction else "one"))
+                        + ("two (one is held out)" if fraction else "one"))
     if chat:
         check_replies(f"{key}={path!r}", {m["role"] for messages in docs for m in messages})
     # The split depends on the data only (fixed seed), not on train.seed, so runs with
     # different seeds are evaluated on the same held-out documents.
-    train_docs, val_docs = split_documents(docs, d.val_fraction, seed=0)
+    train_docs, val_docs = split_documents(docs, fraction, seed=0)
     template = chat_template_for(tokenizer_file(d)) if chat else None  # (a mixture's: the run's, it exports it)
     if tok is None:
         texts = [render_chat(m, template) for m in train_docs] if chat else train_docs
         tok = get_tokenizer(texts, d.tokenizer, d.vocab_size)
     eos, bos = eos_id(tok, tokenizer_file(d)), bos_prefix(tok) if d.add_bos and not chat else []
     return tok, *(_pack(tok, part, eos, seq_len, template, chat, bos) for part in (train_docs, val_docs))
+
+
+def load_val(cfg: Config, tok: Tokenizer) -> PackedSequences | MixedSequences:
+    """data.val_path, whole: raw files tokenized with the run's tokenizer, or a prepared folder
+    (both its splits) prepared with it; in data.format."""
+    d, key, path = cfg.data, "data.val_path", cfg.data.val_path
+    if (Path(path) / "dataset_dict.json").is_file():  # (data.path reads such a folder's train split)
+        splits = sorted(p.name for p in Path(path).iterdir() if p.is_dir() and p.name != "train")
+        raise DataError(f"{key}={path!r} is a datasets DatasetDict: name the folder of its split to evaluate on "
+                        f"({', '.join(f'{path}/{s}' for s in splits) or 'it has no split besides train'})")
+    if is_prepared(path):
+        prepared = open_prepared(path, cfg.train.seq_len, "", d.format, d.add_bos)  # (its own, compared here)
+        if tokenizer_hash(prepared.tokenizer) != tokenizer_hash(tok):
+            raise DataError(f"{key}={path!r} was prepared with another tokenizer than the run's; prepare it with "
+                            "--tokenizer naming the run's tokenizer.json (or give it raw)")
+        parts = [p for p in (prepared.train, prepared.val) if len(p)] or [prepared.train]
+        val = parts[0] if len(parts) == 1 else MixedSequences(parts, [len(p) for p in parts])
+    else:
+        chat = d.format == "chat"
+        docs = read_documents(path, "messages" if chat else d.text_field, key=key)
+        if chat:
+            check_replies(f"{key}={path!r}", {m["role"] for messages in docs for m in messages})
+        template = chat_template_for(tokenizer_file(d)) if chat else None
+        eos, bos = eos_id(tok, tokenizer_file(d)), bos_prefix(tok) if d.add_bos and not chat else []
+        val = _pack(tok, docs, eos, cfg.train.seq_len, template, chat, bos)
+    check_val_size(val, cfg)
+    return val
 
 
 def _format_key(cfg: Config, index: int | None) -> str:
@@ -241,36 +243,6 @@ def _pack(tok: Tokenizer, docs: list, eos: int | None, seq_len: int, template, c
     return PackedSequences.from_stream(tokens, np.cumsum(lengths) - lengths, seq_len, mask)
 
 
-def held_out_problem(cfg: Config) -> str | None:
-    """An evaluation asked of raw data that holds nothing out (data.val_fraction=0), said before any
-    data is read. A prepared folder holds the split `prepare` made, which data.val_fraction does not
-    touch: opening it says whether it holds one (_check_sizes)."""
-    d, every = cfg.data, cfg.train.eval_interval
-    if d.val_fraction or not every or all(map(is_prepared, [s.path for s in d.mix] or [d.path])):
-        return None
-    return (f"data.val_fraction=0 holds nothing out for train.eval_interval={every} to evaluate on: set "
-            "train.eval_interval=0 (no evaluation), or a data.val_fraction in (0, 0.5)")
-
-
-def _check_sizes(where: str, train, val, cfg: Config) -> None:
-    t = cfg.train
-    if len(train) == 0:
-        raise DataError(f"{where} has {train.num_tokens} training tokens: too few for one sequence of "
-                        f"train.seq_len={t.seq_len}; add data or lower train.seq_len")
-    if t.eval_interval and len(val) == 0:
-        # A prepared folder's split was made by `prepare`: data.val_fraction does not apply to it.
-        prepared = is_prepared(where)
-        more = ("prepare it again with --overwrite and a larger --val-fraction" if prepared
-                else "raise data.val_fraction")
-        if val.num_tokens == 0:  # nothing held out at all
-            how = ("prepared with --val-fraction 0", "prepare it again with --overwrite and --val-fraction in "
-                   "(0, 0.5)") if prepared else ("data.val_fraction=0", "a data.val_fraction in (0, 0.5)")
-            raise DataError(f"{where} holds nothing out to evaluate on ({how[0]}): set train.eval_interval=0 "
-                            f"(no evaluation), or {how[1]}")
-        raise DataError(f"{where} holds out {val.num_tokens} validation tokens: too few for one sequence "
-                        f"of train.seq_len={t.seq_len}; {more} or set train.eval_interval=0")
-
-
 def _build_mixture(cfg: Config) -> DataBundle:
     """Every source of data.mix, with one tokenizer; train and val mixed by the weights."""
     t, mix = cfg.train, cfg.data.mix
@@ -280,13 +252,13 @@ def _build_mixture(cfg: Config) -> DataBundle:
     trains, vals, left_out = [], [], {}
     for i, source in enumerate(mix):
         tok, train, val = load_source(source.path, cfg, tok, left_out, index=i)
-        _check_sizes(source.path, train, val, cfg)
+        check_sizes(source.path, train, val, cfg)
         trains.append(train)
         vals.append(val)
     weights = [s.weight for s in mix]
     train = MixedSequences(trains, weights)
     names = _source_names([s.path for s in mix])
-    val = MixedSequences(vals, weights, interleave=True)
+    val = load_val(cfg, tok) if cfg.data.val_path else MixedSequences(vals, weights, interleave=True)
     check_replies_fit([(s.path, p) for s, p in zip(mix, trains)], val, cfg)
     return DataBundle(tok, train, val,
                       GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed, tag_passes=True), names,
@@ -351,7 +323,7 @@ def data_summary(cfg: Config) -> tuple[str, str]:
                               _format_key(cfg, i if d.mix else None))
             _check_mixture_tokenizer(path, tok, p.tokenizer)
             check_folder_template(path, p.manifest, d.tokenizer)
-            _check_sizes(path, p.train, p.val, cfg)
+            check_sizes(path, p.train, p.val, cfg)
             opened.append((path, p.train, p.val))
             parts.append(f"{path}: prepared {fmt} folder, {p.train.num_documents:,} + {p.val.num_documents:,} "
                          f"held-out documents, {p.train.num_tokens:,} training tokens")
@@ -361,8 +333,22 @@ def data_summary(cfg: Config) -> tuple[str, str]:
             where = path or "the shipped corpus (a sample to try shardline on: data.path names your data)"
             parts.append(f"{where}: {len(docs):,} " + (chat_checked(f"{key}={path!r}", docs, tokenizer_file(d))
                                                        if fmt == "chat" else "documents"))
+    if d.val_path:
+        parts.append(_val_summary(cfg))
     if opened and len(opened) == len(keys):  # (raw data is not tokenized by a dry run)
         vals = [val for _, _, val in opened]
         val = MixedSequences(vals, [s.weight for s in d.mix], interleave=True) if d.mix else vals[0]
         check_replies_fit([(path, train) for path, train, _ in opened], val, cfg)
     return "; ".join(parts), folder_tokenizer
+
+
+def _val_summary(cfg: Config) -> str:
+    """data.val_path in words, read as a launch reads it (its tokenizer and size: by the launch)."""
+    d, path = cfg.data, cfg.data.val_path
+    if is_prepared(path):
+        p = open_prepared(path, cfg.train.seq_len, "", d.format, d.add_bos)
+        return (f"evaluates on {path}: prepared {d.format} folder, "
+                f"{p.train.num_documents + p.val.num_documents:,} documents")
+    chat = d.format == "chat"
+    docs = read_documents(path, "messages" if chat else d.text_field, key="data.val_path")
+    return f"evaluates on {path}: {len(docs):,} " + ("conversations" if chat else "documents")

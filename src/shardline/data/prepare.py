@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from shardline.config.sections import MAX_TRAINED_VOCAB
 from shardline.data.chat_template import ChatTemplate, chat_template_for, template_sha256
 from shardline.data.encode import CHAT_MASK_RULE, check_replies, render_chat
-from shardline.data.loader import held_out, split_single
+from shardline.data.validation import held_out, split_single
 from shardline.data.pool import EncodeJob, Progress, encoded_chunks
 from shardline.data.readers import unread
 from shardline.data.prepare_out import LOCK, check_out, check_replacing, differs, finished, made, written

@@ -176,7 +176,8 @@ def _refuse_held_out(path: str, root: Path, files: list[Path], key: str) -> None
         names = ", ".join(str(f.relative_to(root)) for f in held_out[:3]) + (" ..." if len(held_out) > 3 else "")
         raise DataError(f"{key}={path!r} holds held-out files ({names}) beside the training files, and every file "
                         f"of a folder is trained on: point {key} at the training files' own file or folder "
-                        "(a share of them is held out for evaluation: data.val_fraction, prepare's --val-fraction)")
+                        "(a share of them is held out for evaluation: data.val_fraction, prepare's --val-fraction; "
+                        "or evaluate on the held-out files themselves: data.val_path)")
 
 
 _HELD_OUT = {"val", "valid", "validation", "test", "testing", "dev", "eval", "evaluation", "heldout"}

@@ -233,7 +233,7 @@ def settings_changed(saved: dict, cfg: Config, stand_in: bool = False) -> dict[s
 
 
 # The data settings that decide which tokens and sequences a run reads.
-DATA_KEYS = ("path", "mix", "tokenizer", "vocab_size", "val_fraction", "text_field", "format", "add_bos")
+DATA_KEYS = ("path", "mix", "tokenizer", "vocab_size", "val_fraction", "val_path", "text_field", "format", "add_bos")
 
 
 def data_changes(path: Path | str | None, cfg: Config, stand_in: bool = False) -> str:
@@ -257,7 +257,8 @@ def _data_files(data) -> dict:
         return {}
     real = lambda p: os.path.realpath(p) if isinstance(p, str) and p else p  # noqa: E731
     mix = [{**m, "path": real(m.get("path"))} if isinstance(m, dict) else m for m in data.get("mix") or []]
-    return {**data, "path": real(data.get("path")), "tokenizer": real(data.get("tokenizer")), "mix": mix}
+    return {**data, "path": real(data.get("path")), "tokenizer": real(data.get("tokenizer")), "mix": mix,
+            **({"val_path": real(data["val_path"])} if "val_path" in data else {})}
 
 
 def get_rng_state() -> dict:

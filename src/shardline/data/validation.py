@@ -1,0 +1,83 @@
+"""What a run evaluates on: a held-out share of its training documents (data.val_fraction,
+seeded by the data alone, so runs with other seeds evaluate on the same documents), or data
+given for that alone (data.val_path), read whole while the training data holds nothing out.
+And the checks that there is enough of it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shardline.config import Config
+from shardline.data.shards import is_prepared
+from shardline.errors import DataError
+
+
+def training_val_fraction(cfg: Config) -> float:
+    """The share of the training data held out: none where data.val_path gives the held-out data."""
+    return 0.0 if cfg.data.val_path else cfg.data.val_fraction
+
+
+def split_documents(docs: list, val_fraction: float, seed: int) -> tuple[list, list]:
+    """Hold out a seeded random share of documents (at least one; none at `val_fraction` 0) for validation.
+
+    A single document is split by characters instead, so one big .txt file still works.
+    `shardline prepare` splits a stream the same way (`held_out`), document by document.
+    """
+    if len(docs) == 1:
+        train, val = split_single(docs[0], val_fraction)
+        return [train], [val]
+    val_set = set(held_out(len(docs), val_fraction, seed).tolist())
+    train = [d for i, d in enumerate(docs) if i not in val_set]
+    val = [d for i, d in enumerate(docs) if i in val_set]
+    return train, val
+
+
+def held_out(num_docs: int, val_fraction: float, seed: int = 0) -> np.ndarray:
+    """Sorted indices of the held-out documents among `num_docs` (at least one; none at `val_fraction` 0)."""
+    n_val = max(1, round(num_docs * val_fraction)) if val_fraction else 0
+    order = np.random.default_rng([seed, 0x5EED]).permutation(num_docs)
+    return np.sort(order[:n_val])
+
+
+def split_single(doc, val_fraction: float):
+    """A lone document's (train, val) parts: its characters cut at 1 - val_fraction."""
+    cut = int(len(doc) * (1 - val_fraction))
+    return doc[:cut], doc[cut:]
+
+
+def held_out_problem(cfg: Config) -> str | None:
+    """An evaluation asked of raw data that holds nothing out (data.val_fraction=0, no data.val_path),
+    said before any data is read. A prepared folder holds the split `prepare` made, which
+    data.val_fraction does not touch: opening it says whether it holds one (check_sizes)."""
+    d, every = cfg.data, cfg.train.eval_interval
+    if d.val_path or d.val_fraction or not every or all(map(is_prepared, [s.path for s in d.mix] or [d.path])):
+        return None
+    return (f"data.val_fraction=0 holds nothing out for train.eval_interval={every} to evaluate on: set "
+            "train.eval_interval=0 (no evaluation), a data.val_fraction in (0, 0.5), or data.val_path")
+
+
+def check_sizes(where: str, train, val, cfg: Config) -> None:
+    """A source with too little to train on; or, held out from it, too little to evaluate on."""
+    t = cfg.train
+    if len(train) == 0:
+        raise DataError(f"{where} has {train.num_tokens} training tokens: too few for one sequence of "
+                        f"train.seq_len={t.seq_len}; add data or lower train.seq_len")
+    if t.eval_interval and len(val) == 0 and not cfg.data.val_path:  # (data.val_path's: check_val_size)
+        # A prepared folder's split was made by `prepare`: data.val_fraction does not apply to it.
+        prepared = is_prepared(where)
+        more = ("prepare it again with --overwrite and a larger --val-fraction" if prepared
+                else "raise data.val_fraction")
+        if val.num_tokens == 0:  # nothing held out at all
+            how = ("prepared with --val-fraction 0", "prepare it again with --overwrite and --val-fraction in "
+                   "(0, 0.5)") if prepared else ("data.val_fraction=0", "a data.val_fraction in (0, 0.5)")
+            raise DataError(f"{where} holds nothing out to evaluate on ({how[0]}): set train.eval_interval=0 "
+                            f"(no evaluation), {how[1]}, or data.val_path")
+        raise DataError(f"{where} holds out {val.num_tokens} validation tokens: too few for one sequence "
+                        f"of train.seq_len={t.seq_len}; {more} or set train.eval_interval=0")
+
+
+def check_val_size(val, cfg: Config) -> None:
+    """data.val_path's data holds at least one sequence (where the run evaluates)."""
+    if cfg.train.eval_interval and len(val) == 0:
+        raise DataError(f"data.val_path={cfg.data.val_path!r} holds {val.num_tokens} tokens: too few for one "
+                        f"sequence of train.seq_len={cfg.train.seq_len}; give more data or set train.eval_interval=0")

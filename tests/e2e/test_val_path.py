@@ -1,0 +1,120 @@
+"""data.val_path: a dataset's own validation file evaluated on whole, during training and by
+`shardline eval`, while the training data holds nothing out."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from shardline.cli import main
+from shardline.config import load_config
+from shardline.data import build_data
+from shardline.data.prepare import PrepareOptions, prepare
+from shardline.errors import DataError
+from shardline.launch_notes import unused_settings
+from shardline.trainer import Trainer
+from tests.conftest import tiny_overrides
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory, small_corpus, small_prepared):
+    """The small corpus cut into train.jsonl and validation.jsonl (a dataset's two files), and the tokenizer."""
+    root = tmp_path_factory.mktemp("valpath")
+    lines = small_corpus.read_text().splitlines()
+    (root / "train.jsonl").write_text("\n".join(lines[:120]) + "\n")
+    (root / "validation.jsonl").write_text("\n".join(lines[120:126]) + "\n")
+    return root, str(small_prepared / "tokenizer.json")
+
+
+def _cfg(tmp_path, data: str, tokenizer: str, *extra: str):
+    return load_config(None, tiny_overrides(tmp_path / "run", data, f"data.tokenizer={tokenizer}", *extra))
+
+
+def _tokens(seqs) -> np.ndarray:
+    return np.concatenate([seqs.batch([i])["input_ids"].numpy().ravel() for i in range(len(seqs))])
+
+
+def test_the_validation_file_is_read_whole_and_the_training_file_holds_nothing_out(split, tmp_path):
+    root, tok = split
+    data = build_data(_cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={root / 'validation.jsonl'}"))
+    alone = build_data(_cfg(tmp_path, root / "validation.jsonl", tok, "data.val_fraction=0", "train.eval_interval=0"))
+    whole = build_data(_cfg(tmp_path, root / "train.jsonl", tok, "data.val_fraction=0", "train.eval_interval=0"))
+    held = build_data(_cfg(tmp_path, root / "train.jsonl", tok))
+    assert np.array_equal(_tokens(data.val), _tokens(alone.train))  # all of it, packed as a training file is
+    assert len(data.train) == len(whole.train) > len(held.train)  # every training document trains
+    assert data.describe(4)["held_out_sequences"] == len(alone.train)
+
+
+def test_a_prepared_validation_folder_is_read_whole_and_must_share_the_tokenizer(split, tmp_path):
+    root, tok = split
+    folder = tmp_path / "val_prepared"
+    prepare(PrepareOptions(inputs=[str(root / "validation.jsonl")], out=str(folder), tokenizer=tok,
+                           val_fraction=0.2, progress=False))  # (both of its splits are evaluated on)
+    data = build_data(_cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={folder}"))
+    raw = build_data(_cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={root / 'validation.jsonl'}"))
+    assert sum(p.num_documents for p in data.val.sources) == 6
+    assert sum(p.num_tokens for p in data.val.sources) == raw.val.num_tokens
+    other = tmp_path / "other_prepared"
+    prepare(PrepareOptions(inputs=[str(root / "validation.jsonl")], out=str(other), vocab_size=300, progress=False))
+    with pytest.raises(DataError, match="data.val_path=.* was prepared with another tokenizer than the run's"):
+        build_data(_cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={other}"))
+
+
+def test_mistakes_name_data_val_path(split, tmp_path):
+    root, tok = split
+    (tmp_path / "tiny.jsonl").write_text(json.dumps({"text": "too short"}) + "\n")
+    with pytest.raises(DataError, match=r"data.val_path=.*tiny.jsonl' holds \d+ tokens: too few for one sequence"):
+        build_data(_cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={tmp_path / 'tiny.jsonl'}"))
+    with pytest.raises(DataError, match="data.val_path='.*nowhere.jsonl'"):
+        build_data(_cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={tmp_path / 'nowhere.jsonl'}"))
+    ds = tmp_path / "ds"
+    (ds / "train").mkdir(parents=True), (ds / "validation").mkdir(), (ds / "dataset_dict.json").write_text("{}")
+    with pytest.raises(DataError, match=f"is a datasets DatasetDict: name the folder of its split to evaluate on "
+                                        f"\\({ds}/validation\\)"):
+        build_data(_cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={ds}"))
+    cfg = _cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={root / 'validation.jsonl'}",
+               "data.val_fraction=0.1")
+    assert "data.val_fraction" in unused_settings(cfg)
+
+
+def test_a_run_evaluates_on_it_and_eval_gives_the_logged_loss(split, tmp_path, capsys):
+    """The logged eval loss is the validation file's (equal to eval's), and eval takes another
+    validation file for a run that held out a share (no "data changed" warning: the held-out data
+    is the file's, not cut from the run's data)."""
+    root, tok = split
+    val = f"data.val_path={root / 'validation.jsonl'}"
+    Trainer(_cfg(tmp_path, root / "train.jsonl", tok, val, "train.steps=2", "train.eval_interval=2",
+                 "checkpoint.interval=2", "train.eval_batches=100")).build().train()
+    logged = next(json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line)["kind"] == "eval")
+    alone = build_data(_cfg(tmp_path, root / "validation.jsonl", tok, "data.val_fraction=0", "train.eval_interval=0"))
+    assert logged["eval_sequences"] == len(alone.train)  # the whole file (100 batches ask for more)
+    assert main(["eval", str(tmp_path / "run"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["loss"] == pytest.approx(logged["eval_loss"], rel=1e-6) and got["data"] == str(root / "validation.jsonl")
+
+    other = tmp_path / "other"
+    Trainer(_cfg(other, root / "train.jsonl", tok, "train.steps=2", "train.eval_interval=0",
+                 "checkpoint.interval=2")).build().train()
+    assert main(["eval", str(other / "run"), f"--{val}", "--batches", "0", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["sequences"] == len(alone.train) and "changed" not in err
+
+
+def test_adding_it_to_a_run_that_held_out_a_share_is_refused_naming_it(split, tmp_path):
+    """Its training documents would change under the saved data position (the held-out share would train)."""
+    root, tok = split
+    Trainer(_cfg(tmp_path, root / "train.jsonl", tok, "train.steps=2", "train.eval_interval=0",
+                 "checkpoint.interval=2")).build().train()
+    with pytest.raises(Exception, match="data.val_path="):
+        Trainer(_cfg(tmp_path, root / "train.jsonl", tok, "train.steps=4", "train.eval_interval=0",
+                     f"data.val_path={root / 'validation.jsonl'}")).build()
+
+
+def test_the_dry_run_says_what_it_evaluates_on(split, tmp_path, capsys):
+    root, tok = split
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--data.path={root / 'train.jsonl'}",
+                 f"--data.tokenizer={tok}", f"--data.val_path={root / 'validation.jsonl'}"]) == 0
+    assert f"evaluates on {root / 'validation.jsonl'}: 6 documents" in capsys.readouterr().out
