@@ -23,7 +23,7 @@ from shardline.optim import wsd_decay_steps
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import read_hf_config
 from shardline.interop.hf_files import TOKENIZER_NAME
-from shardline.interop.model_shape import starting_shape
+from shardline.interop.model_shape import starting_rows
 from shardline.models.factory import args_from_json
 from shardline.resilience.recovery import restarted
 
@@ -230,22 +230,24 @@ def _own_tokenizer(cfg: Config) -> Path | None:
 
 def vocab_rows_added(cfg: Config, model: ModelArgs | None, resumed: bool) -> tuple[int, int] | None:
     """(the starting weights' vocabulary rows, the model's) where the start adds rows, else None."""
-    if model is None or resumed or not (cfg.model.hf_path or cfg.model.init_from):
+    if model is None or resumed or not cfg.model.vocab_size or not (cfg.model.hf_path or cfg.model.init_from):
         return None
     try:
-        rows = starting_shape(cfg.model).vocab_size
+        rows = starting_rows(cfg.model)
     except (OSError, ValueError, KeyError, TypeError, ShardlineError):
         return None
     return (rows, model.vocab_size) if model.vocab_size > rows else None
 
 
 def _extends(tokenizer: Path, theirs: Path) -> bool:
-    """Whether `tokenizer` holds every token of `theirs` at the same id (theirs with tokens added)."""
+    """Whether `tokenizer` is `theirs` with tokens added: the same model, normalizer, pre-tokenizer
+    and the rest, and added tokens beyond theirs, each of theirs at its id."""
     try:
-        mine, own = load_tokenizer(str(tokenizer)).get_vocab(), load_tokenizer(str(theirs)).get_vocab()
-    except (OSError, ShardlineError):
+        mine, own = (json.loads(load_tokenizer(str(p)).to_str()) for p in (tokenizer, theirs))
+    except (OSError, ValueError, ShardlineError):
         return False
-    return len(mine) > len(own) and all(mine.get(token) == i for token, i in own.items())
+    added = [{t["content"]: t["id"] for t in j.pop("added_tokens", None) or []} for j in (mine, own)]
+    return mine == own and len(added[0]) > len(added[1]) and all(added[0].get(c) == i for c, i in added[1].items())
 
 
 def _differ(a: Path, b: Path) -> bool:

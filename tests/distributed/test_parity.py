@@ -158,11 +158,18 @@ def _from_hf(root: Path) -> list[str]:
 
 def _grown(root: Path, single) -> dict[str, list[str]]:
     """Starts with 6 vocabulary rows added (at the mean of the others; a tp rank holds some of both):
-    from the HF folder, and from the checkpoint the folder was exported from."""
-    rows = json.loads((root / "hf" / "config.json").read_text())["vocab_size"] + 6
-    checkpoint = single(SHALLOW) / "checkpoints" / f"step-{PARITY_STEPS:06d}"
-    return {"tp2_from_hf_grown": [*_from_hf(root), f"model.vocab_size={rows}"],
-            "zero3_from_checkpoint_grown": [SHALLOW, f"model.init_from={checkpoint}", f"model.vocab_size={rows}"]}
+    from the HF folder, and from the checkpoints of one-process runs (untied; tied, whose pipeline's
+    last stage holds a copy named output.weight)."""
+    rows = f"model.vocab_size={json.loads((root / 'hf' / 'config.json').read_text())['vocab_size'] + 6}"
+    step = f"step-{PARITY_STEPS:06d}"
+    return {"tp2_from_hf_grown": [*_from_hf(root), rows],
+            "zero3_from_checkpoint_grown": [SHALLOW, f"model.init_from={single(SHALLOW) / 'checkpoints' / step}", rows],
+            "pp2_tied_from_checkpoint_grown": [SHALLOW, TIE, rows,
+                                               f"model.init_from={single(SHALLOW, TIE) / 'checkpoints' / step}"]}
+
+
+GROWN_LAYOUTS = {"tp2_from_hf_grown": "parallel.tp=2", "zero3_from_checkpoint_grown": "parallel.dp_shard=2",
+                 "pp2_tied_from_checkpoint_grown": "parallel.pp=2"}
 
 
 def _as_phi3(llama: Path, out: Path) -> None:
@@ -226,10 +233,8 @@ def world2(tmp_path_factory, small_prepared, single):
     jobs.append((root / "zero3_from_hf", [*_base(small_prepared), *_from_hf(root), "parallel.dp_shard=2"]))
     # ... and into tensor-parallel shards (vocab-parallel embedding, column and row-parallel projections)
     jobs.append((root / "tp2_from_hf", [*_base(small_prepared), *_from_hf(root), "parallel.tp=2"]))
-    grown = _grown(root, single)
-    jobs.append((root / "tp2_from_hf_grown", [*_base(small_prepared), *grown["tp2_from_hf_grown"], "parallel.tp=2"]))
-    jobs.append((root / "zero3_from_checkpoint_grown", [*_base(small_prepared), *grown["zero3_from_checkpoint_grown"],
-                                                        "parallel.dp_shard=2"]))
+    jobs += [(root / name, [*_base(small_prepared), *model, GROWN_LAYOUTS[name]])
+             for name, model in _grown(root, single).items()]
     # The same weights as a Phi-3 folder (q/k/v and gate/up fused): each tp rank reads its rows of the parts
     _as_phi3(root / "hf", root / "phi3")
     jobs.append((root / "tp2_from_phi3", [*_base(small_prepared), SHALLOW, f"model.hf_path={root / 'phi3'}",
@@ -327,7 +332,7 @@ def test_hf_weights_load_into_fsdp_and_tp_shards_as_into_one_process(world2, sin
     assert losses(reference)[1] < losses(single(SHALLOW))[1]  # it starts from the trained weights
 
 
-@pytest.mark.parametrize("layout", ["tp2_from_hf_grown", "zero3_from_checkpoint_grown"])
+@pytest.mark.parametrize("layout", list(GROWN_LAYOUTS))
 def test_vocabulary_rows_added_to_starting_weights_are_the_same_in_shards(world2, single, layout):
     assert_same_run(world2 / layout, single(*_grown(world2, single)[layout]))
 

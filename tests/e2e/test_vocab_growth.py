@@ -148,4 +148,55 @@ def test_the_dry_run_says_the_rows_it_would_add(start, tmp_path, capsys):
     assert main([*args, f"--model.vocab_size={rows + 5}"]) == 0
     assert f"notes     5 vocabulary rows added to the starting weights' {rows}" in capsys.readouterr().out
     assert main([*args, f"--model.vocab_size={rows}"]) == 2  # the tokenizer's 3 added tokens need rows
+    assert f"model.vocab_size={rows} is smaller than the tokenizer's {rows + 3} tokens; set model.vocab_size >= " \
+           f"{rows + 3}" in capsys.readouterr().err
+    assert main(args) == 2  # not set: it may be another model's tokenizer, or theirs grown
     assert f"set model.vocab_size={rows + 3} (or more)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grow", [False, True])
+def test_a_checkpoint_start_is_hashed_no_more_for_the_rows(tiny_config, tmp_path, monkeypatch, grow):
+    """Hashing a 70B checkpoint takes minutes: finding its rows reads meta.json alone (it was
+    verified twice more, grown or not, by the loader and the launch notes)."""
+    from shardline.resilience import checkpoint
+
+    Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0")).build().train()
+    start = tmp_path / "run" / "checkpoints" / "step-000002"
+    hashed, sha256 = [], checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda path: hashed.append(path.name) or sha256(path))
+    extra = ["model.vocab_size=520"] if grow else []
+    Trainer(tiny_config("train.steps=3", "train.eval_interval=0", f"model.init_from={start}", *extra,
+                        run_dir=tmp_path / "tuned")).build().close()
+    assert hashed.count("meta.json") <= 3  # (the input checks, the shape's read, the load)
+
+
+def test_rows_added_to_bf16_weights_are_their_fp32_mean_not_rounded_again(tiny_config, start, tmp_path):
+    """The mean is taken, and kept, in the parameters' dtype: a bf16 folder and its fp32 convert start alike."""
+    root, rows = start
+    hf = transformers.LlamaForCausalLM.from_pretrained(root / "hf_tied0").to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "bf16")
+    (tmp_path / "bf16" / "tokenizer.json").write_text((root / "hf_tied0" / "tokenizer.json").read_text())
+    trainer = Trainer(_config(tiny_config, start, f"model.hf_path={tmp_path / 'bf16'}",
+                              f"model.vocab_size={rows + 4}")).build()
+    stored = hf.get_input_embeddings().weight.detach().float()
+    added = trainer.model.tok_embeddings.weight.detach()[rows:]
+    torch.testing.assert_close(added, stored.mean(0).expand(4, -1), rtol=0, atol=1e-7)
+    assert not torch.equal(added[0], stored.mean(0).bfloat16().float())
+
+
+def test_theirs_with_another_normalizer_is_still_named_as_another_tokenizer(start, tmp_path):
+    from tokenizers import normalizers
+
+    from shardline.config import load_config
+    from shardline.data.tokenizer import load_tokenizer
+    from shardline.interop.model_shape import model_shape
+    from shardline.launch_notes import launch_notes
+
+    root, rows = start
+    tok = load_tokenizer(str(root / "added" / "tokenizer.json"))
+    tok.normalizer = normalizers.Lowercase()  # the same ids, other tokens for the same text
+    tok.save(str(tmp_path / "lower.json"))
+    cfg = load_config(None, [f"model.hf_path={root / 'hf_tied0'}", f"model.vocab_size={rows + 8}",
+                             f"data.tokenizer={tmp_path / 'lower.json'}"])
+    notes = dict(launch_notes(cfg, "cuda", 989.0, 1, model=model_shape(cfg.model, rows + len(ADDED), cfg.moe)))
+    assert "tokenizer_not_the_weights" in notes and "vocab_grown" in notes

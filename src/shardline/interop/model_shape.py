@@ -34,6 +34,17 @@ def starting_shape(m: ModelConfig, stand_in: Path | None = None) -> ModelArgs | 
     return None
 
 
+def starting_rows(m: ModelConfig) -> int:
+    """The vocabulary rows of the weights a run starts from, from their config.json or meta.json
+    alone (nothing hashed: loading them verifies them); 0 for a run from scratch."""
+    if m.hf_path:
+        return read_hf_config(m.hf_path).vocab_size
+    if m.init_from:
+        meta = json.loads((Path(m.init_from) / "meta.json").read_text(encoding="utf-8"))
+        return int(meta["model_args"]["vocab_size"])
+    return 0
+
+
 def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = None,
                 stand_in: Path | None = None) -> ModelArgs:
     """Preset (or the starting weights' shape) + [model] and [moe] overrides, checked against the tokenizer."""
@@ -46,7 +57,7 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
         if getattr(m, key) >= 0:
             changes[key] = bool(getattr(m, key))
     if start is not None:
-        _check_weights_fit(m, start, dataclasses.replace(start, **changes))
+        _check_weights_fit(m, start, dataclasses.replace(start, **changes), stand_in)
     if m.hf_path and start.moe is not None:  # its tensors are named as its family's: the router must fit it too
         try:
             hf_family(dataclasses.replace(start, **changes))
@@ -63,13 +74,14 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
         raise ConfigError("moe.top_k=1 with renormalised weights gives every token the weight 1, so the "
                           "router would learn nothing from the loss; set moe.norm_topk=0 (the Switch "
                           "Transformer's gate: the chosen expert's score)")
-    if args.vocab_size < tokenizer_vocab and start is not None:  # another tokenizer, or theirs with tokens added
+    if args.vocab_size < tokenizer_vocab and start is not None and not m.vocab_size:  # another's, or theirs grown
         raise ConfigError(f"the starting weights have {args.vocab_size} vocabulary rows, fewer than the tokenizer's "
                           f"{tokenizer_vocab} tokens: if that tokenizer (data.tokenizer, or the prepared data's) is "
                           f"theirs with tokens added, set model.vocab_size={tokenizer_vocab} (or more) to add rows, "
                           "which start at the mean of theirs; else use the tokenizer.json they came with")
     if args.vocab_size < tokenizer_vocab:
-        raise ConfigError(f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
+        named = "model.vocab_size" if m.vocab_size else "the model's vocab_size"
+        raise ConfigError(f"{named}={args.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer_vocab} tokens; set model.vocab_size >= {tokenizer_vocab}")
     return args
 
@@ -96,15 +108,19 @@ def weight_changes(start: ModelArgs, wanted: ModelArgs) -> list[str]:
     return changed
 
 
-def _check_weights_fit(m: ModelConfig, start: ModelArgs, wanted: ModelArgs) -> None:
+def _check_weights_fit(m: ModelConfig, start: ModelArgs, wanted: ModelArgs, stand_in: Path | None) -> None:
     """A [model] or [moe] override that changes the weights' shapes would leave tensors the
     starting weights cannot fill (random under a sharded load): refused, naming the keys. A larger
-    vocab_size is taken: the loader adds the rows (weights.py), a smaller one would cut trained rows."""
+    vocab_size is taken: the loader adds the rows (weights.py), a smaller one would cut trained rows.
+    `stand_in`: the run's checkpoint whose shape stands in for the starting weights, gone since."""
     source = f"model.hf_path={m.hf_path!r}" if m.hf_path else f"model.init_from={m.init_from!r}"
+    if stand_in is not None:
+        source = f"the run's checkpoint {stand_in} (standing in for {source}, gone since)"
     if wanted.vocab_size < start.vocab_size:
+        fix = (f"set it to {start.vocab_size} to resume" if stand_in is not None else
+               "unset model.vocab_size, or set it above theirs to add rows")
         raise ConfigError(f"model.vocab_size={wanted.vocab_size} is below the {start.vocab_size} vocabulary rows of "
-                          f"{source}: their rows are not cut (another model's tokenizer?); unset model.vocab_size, "
-                          "or set it above theirs to add rows")
+                          f"{source}: trained rows are not cut (another model's tokenizer?); {fix}")
     changed = weight_changes(start, dataclasses.replace(wanted, vocab_size=start.vocab_size))  # grown: see weights.py
     if changed:
         raise ConfigError(f"{source} holds weights of another shape than the overrides ask for "

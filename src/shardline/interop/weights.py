@@ -25,7 +25,7 @@ from shardline.interop.convert import beside_checkpoint
 from shardline.interop.hf_config import read_hf_fields
 from shardline.interop.hf_files import GENERATION_NAME, SIDE_FILES, copy_side_files
 from shardline.parallel.distributed import agreed
-from shardline.interop.model_shape import starting_shape
+from shardline.interop.model_shape import starting_rows
 from shardline.resilience.checkpoint import load_weights, verify
 from shardline.resilience.safe_load import load_state
 
@@ -34,8 +34,8 @@ def load_starting_weights(m: ModelConfig, model: nn.Module, sharded: bool) -> No
     """Load model.hf_path or model.init_from (if set) into the laid-out `model`; weights holding NaN
     or inf are refused on every rank (each checks its own part). A model.vocab_size above their
     rows (model_shape allows no other change) adds rows at the mean of theirs (grow_rows)."""
-    stored = starting_shape(m).vocab_size if (m.hf_path or m.init_from) else 0
-    grown = bool(m.vocab_size) and m.vocab_size > stored  # (the same on every rank: from the config and files)
+    stored = starting_rows(m) if m.vocab_size else 0  # (nothing hashed: the load verifies a checkpoint)
+    grown = 0 < stored < m.vocab_size  # (the same on every rank: from the config and files)
     if m.hf_path:
         _load_hf(model, m.hf_path, sharded or grown)
     if m.init_from:
@@ -88,8 +88,9 @@ def _load_hf(model: nn.Module, path: str, chunked: bool) -> None:
     # reads from storage (the page cache serves a node's ranks).
     params = {plain_name(name): p for name, p in model.named_parameters(remove_duplicate=False)}
     for chunk in hf_state_dict_chunks(path, set(params), max_bytes=HF_CHUNK_BYTES):
-        for name, full in chunk.items():
-            _copy_full(params[name], grow_rows(full, params[name].shape[0]) if name in VOCAB_ROWS else full)
+        for name, full in chunk.items():  # (grown in the parameter's dtype: the same rows from a bf16 folder)
+            _copy_full(params[name], grow_rows(full.to(params[name].dtype), params[name].shape[0])
+                       if name in VOCAB_ROWS else full)
     for name, buffer in model.named_buffers():
         if name.endswith("router.expert_bias"):  # HF models have no balancing bias: route as they do
             buffer.zero_()
@@ -107,13 +108,13 @@ def grow_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
     so the rows are the same in any layout."""
     if rows <= len(full):
         return full
-    mean = full.float().mean(0, keepdim=True).to(full.dtype)
+    mean = full.mean(0, keepdim=True, dtype=torch.float32).to(full.dtype)
     return torch.cat([full, mean.expand(rows - len(full), *full.shape[1:])])
 
 
 def _load_checkpoint_grown(model: nn.Module, path: Path, stored: int) -> None:
     """load_weights, but for a model with more vocabulary rows than checkpoint `path`: its
-    embedding and output are read whole (every rank: one tensor each) and grown."""
+    embedding and output are read whole (every rank: one tensor each, a tied one once) and grown."""
     verify(path)
     state = get_model_state_dict(model)
     vocab = {k: torch.empty((stored, *v.shape[1:]), dtype=v.dtype) for k, v in state.items()
@@ -122,9 +123,13 @@ def _load_checkpoint_grown(model: nn.Module, path: Path, stored: int) -> None:
     load_state(path, {"model": {**rest, **vocab}})
     set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
     params = {plain_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    filled: set[int] = set()
     with torch.no_grad():
-        for key, full in vocab.items():
-            _copy_full(params[plain_name(key)], grow_rows(full, params[plain_name(key)].shape[0]))
+        for key in list(vocab):
+            full, param = vocab.pop(key), params[plain_name(key)]  # (each let go once copied)
+            if id(param) not in filled:  # a tied weight under both names: once
+                _copy_full(param, grow_rows(full.to(param.dtype), param.shape[0]))
+                filled.add(id(param))
 
 
 @torch.no_grad()
