@@ -146,8 +146,9 @@ def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int, known
                      + (f", or data.vocab_size={rows} for a BPE trained up to that size)" if not known else ")"))
     added = vocab_rows_added(cfg, launch.model_args, resumes)
     if added:
+        unused = f"; {added[1] - vocab:,} rows no token of the tokenizer uses" if vocab < added[1] else ""
         lines.append(f"notes     {added[1] - added[0]:,} vocabulary rows added to the starting weights' {added[0]:,} "
-                     "(the embedding's and the output's, at the mean of theirs)")
+                     f"(the embedding's and the output's, at the mean of theirs){unused}")
     if lr_low_for_new_weights(cfg, resumes):
         lines.append(f"notes     optim.lr={cfg.optim.lr:g} on random weights (no model.hf_path or model.init_from): "
                      "a fine-tune's lr, which barely moves a new model")

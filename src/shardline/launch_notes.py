@@ -13,7 +13,7 @@ from shardline.data import tokenizer_file
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import CHAT_END, CHAT_START
 from shardline.data.shards import is_prepared, tokenizer_hash
-from shardline.data.tokenizer import KNOWN_EOS, eos_id, load_tokenizer
+from shardline.data.tokenizer import KNOWN_EOS, eos_id, extends, load_tokenizer
 from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
 from shardline.interop.hf_config import hf_export_problem
@@ -116,7 +116,10 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
         notes.append(("vocab_grown", {
             "rows": f"{rows[0]} -> {rows[1]}", "weights": start,
             "new_rows": "the embedding's and the output's start at the mean of the weights' rows, as transformers' "
-                        "resize_token_embeddings starts them; the export's config.json says the new vocab_size"}))
+                        "resize_token_embeddings starts them; the export's config.json says the new vocab_size",
+            **({"unused_rows": f"{rows[1] - tokens} rows no token of the tokenizer ({tokens} tokens) uses: rounding "
+                               "up, or is data.tokenizer the one with the added tokens?"}
+               if tokenizer is not None and (tokens := tokenizer.get_vocab_size()) < rows[1] else {})}))
     if start and cfg.optim.lr > FINE_TUNE_LR_LIMIT:
         notes.append(("lr_high_for_trained_weights", {
             "lr": cfg.optim.lr, "weights": start,
@@ -240,14 +243,11 @@ def vocab_rows_added(cfg: Config, model: ModelArgs | None, resumed: bool) -> tup
 
 
 def _extends(tokenizer: Path, theirs: Path) -> bool:
-    """Whether `tokenizer` is `theirs` with tokens added: the same model, normalizer, pre-tokenizer
-    and the rest, and added tokens beyond theirs, each of theirs at its id."""
+    """Whether the file `tokenizer` holds `theirs` with tokens added (tokenizer.extends)."""
     try:
-        mine, own = (json.loads(load_tokenizer(str(p)).to_str()) for p in (tokenizer, theirs))
+        return extends(load_tokenizer(str(tokenizer)), load_tokenizer(str(theirs)))
     except (OSError, ValueError, ShardlineError):
         return False
-    added = [{t["content"]: t["id"] for t in j.pop("added_tokens", None) or []} for j in (mine, own)]
-    return mine == own and len(added[0]) > len(added[1]) and all(added[0].get(c) == i for c, i in added[1].items())
 
 
 def _differ(a: Path, b: Path) -> bool:

@@ -22,8 +22,8 @@ from shardline.config import Config
 from shardline.data.validation import held_out_problem
 from shardline.data.folders import read_root
 from shardline.data.shards import is_prepared, prepared_with_own_bpe
-from shardline.data.tokenizer import bos_prefix
-from shardline.errors import CheckpointError, ConfigError
+from shardline.data.tokenizer import bos_prefix, extends, load_tokenizer
+from shardline.errors import CheckpointError, ConfigError, ShardlineError
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_files import TOKENIZER_NAME
 from shardline.metrics import require_tensorboard
@@ -68,7 +68,8 @@ def use_model_tokenizer(cfg: Config) -> str | None:
         return None
     found = Path(m.hf_path) / TOKENIZER_NAME if m.hf_path else checkpoint_tokenizer(Path(m.init_from))
     if found is not None and found.is_file():
-        d.tokenizer = str(found)
+        if not _prepared_with_theirs_extended(cfg, found):  # (then the folders' own: it has the added tokens)
+            d.tokenizer = str(found)
         return None
     paths = [s.path for s in d.mix] if d.mix else [d.path]
     hint = " (its tokenizer.model is not read: save it as tokenizer.json with transformers)" if (
@@ -83,6 +84,19 @@ def use_model_tokenizer(cfg: Config) -> str | None:
                           "with a BPE trained on its own text, whose ids mean nothing to those weights; prepare it "
                           "again with --overwrite --tokenizer naming the tokenizer.json they were trained with (or, "
                           "if they were trained with this one, set data.tokenizer to it)")
+
+
+def _prepared_with_theirs_extended(cfg: Config, theirs: Path) -> bool:
+    """The data is prepared folders whose tokenizer is the starting weights' with tokens added
+    (chat markers; model.vocab_size gives them rows): the folders' own tokenizer is the run's."""
+    paths = [s.path for s in cfg.data.mix] or [cfg.data.path]
+    if not all(map(is_prepared, paths)):
+        return False
+    try:
+        own = load_tokenizer(str(theirs))
+        return all(extends(load_tokenizer(str(Path(p) / TOKENIZER_NAME)), own) for p in paths)
+    except (OSError, ValueError, ShardlineError):
+        return False
 
 
 def gone_start_checkpoint(cfg: Config) -> Path | None:

@@ -522,7 +522,7 @@ def test_a_chatml_exports_generation_config_keeps_its_keys_and_adds_the_turn_end
     (an int or a list) and gains <|im_end|>; a vocabulary without it as one token is left as it was."""
     from tokenizers import Tokenizer
 
-    from shardline.interop.hf_files import _stop_at_chat_end
+    from shardline.interop.hf_files import _stop_at_turn_end
 
     tok = Tokenizer.from_file(str(small_prepared / "tokenizer.json"))
     plain = tmp_path / "plain.json"
@@ -532,9 +532,9 @@ def test_a_chatml_exports_generation_config_keeps_its_keys_and_adds_the_turn_end
     tok.save(str(chatml))
     written = {"eos_token_id": [5, 9], "temperature": 0.6, "top_p": 0.9}
     (tmp_path / "generation_config.json").write_text(json.dumps(written))
-    _stop_at_chat_end(tmp_path, plain, {"eos_token_id": 7})
+    _stop_at_turn_end(tmp_path, plain, {"eos_token_id": 7}, "<|im_end|>")
     assert json.loads((tmp_path / "generation_config.json").read_text()) == written
-    _stop_at_chat_end(tmp_path, chatml, {"eos_token_id": 7})
+    _stop_at_turn_end(tmp_path, chatml, {"eos_token_id": 7}, "<|im_end|>")
     end = tok.token_to_id("<|im_end|>")
     assert json.loads((tmp_path / "generation_config.json").read_text()) == {**written,
                                                                              "eos_token_id": sorted({5, 9, 7, end})}

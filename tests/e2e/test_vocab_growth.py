@@ -146,7 +146,8 @@ def test_the_dry_run_says_the_rows_it_would_add(start, tmp_path, capsys):
             f"--data.path={root / 'chat.jsonl'}", f"--data.tokenizer={root / 'added' / 'tokenizer.json'}",
             "--optim.lr=2e-5"]
     assert main([*args, f"--model.vocab_size={rows + 5}"]) == 0
-    assert f"notes     5 vocabulary rows added to the starting weights' {rows}" in capsys.readouterr().out
+    assert f"notes     5 vocabulary rows added to the starting weights' {rows} (the embedding's and the output's, " \
+           "at the mean of theirs); 2 rows no token of the tokenizer uses" in capsys.readouterr().out
     assert main([*args, f"--model.vocab_size={rows}"]) == 2  # the tokenizer's 3 added tokens need rows
     assert f"model.vocab_size={rows} is smaller than the tokenizer's {rows + 3} tokens; set model.vocab_size >= " \
            f"{rows + 3}" in capsys.readouterr().err
@@ -200,3 +201,33 @@ def test_theirs_with_another_normalizer_is_still_named_as_another_tokenizer(star
                              f"data.tokenizer={tmp_path / 'lower.json'}"])
     notes = dict(launch_notes(cfg, "cuda", 989.0, 1, model=model_shape(cfg.model, rows + len(ADDED), cfg.moe)))
     assert "tokenizer_not_the_weights" in notes and "vocab_grown" in notes
+
+
+def test_a_folder_prepared_with_theirs_extended_trains_and_a_chat_export_stops_at_the_turn_end(tiny_config, start,
+                                                                                              tmp_path):
+    """The folder's tokenizer is theirs with tokens added: the run takes it (the weights' own would not
+    fit the folder's ids). The chat template beside it ends a turn with <|tool|>: the export's
+    generation_config.json stops there too, as `shardline generate --chat` does."""
+    root, rows = start
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|tool|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text((root / "added" / "tokenizer.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    lines = [json.loads(line)["text"] for line in (root / "chat.jsonl").read_text().splitlines()]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": t[:12]}, {"role": "assistant", "content": t[12:200]}]}) + "\n" for t in lines))
+    prepared = tmp_path / "prepared"
+    assert main(["prepare", str(tmp_path / "chat.jsonl"), "--out", str(prepared), "--format", "chat",
+                 "--tokenizer", str(tok / "tokenizer.json")]) == 0
+    cfg = ["train.steps=2", "train.eval_interval=0", "checkpoint.interval=2", "data.format=chat", "train.seq_len=128",
+           f"data.path={prepared}", f"model.hf_path={root / 'hf_tied0'}"]
+    with pytest.raises(ConfigError, match=f"set model.vocab_size={rows + len(ADDED)} \\(or more\\)"):
+        Trainer(tiny_config(*cfg)).build()
+    trainer = Trainer(tiny_config(*cfg, f"model.vocab_size={rows + len(ADDED)}"))
+    trainer.build().train()
+    assert trainer.data.vocab_size == rows + len(ADDED)
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert rows + ADDED.index("<|tool|>") in generation["eos_token_id"]

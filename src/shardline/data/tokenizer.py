@@ -167,3 +167,11 @@ def vocabulary_fingerprint(tok: Tokenizer) -> str:
     table = sorted(tok.get_vocab(with_added_tokens=True).items())
     return hashlib.sha256(json.dumps(table, ensure_ascii=False).encode()).hexdigest()[:16]
 
+
+
+def extends(tok: Tokenizer, theirs: Tokenizer) -> bool:
+    """Whether `tok` is `theirs` with tokens added (chat markers, say): the same model, normalizer,
+    pre-tokenizer and the rest, and added tokens beyond theirs, each of theirs at its id."""
+    mine, own = json.loads(tok.to_str()), json.loads(theirs.to_str())
+    added = [{t["content"]: t["id"] for t in j.pop("added_tokens", None) or []} for j in (mine, own)]
+    return mine == own and len(added[0]) > len(added[1]) and all(added[0].get(c) == i for c, i in added[1].items())

@@ -22,7 +22,7 @@ import torch
 
 from shardline.config import DTYPE_NAMES, saved_formats
 from shardline.data.chat_template import chat_template_for
-from shardline.data.encode import CHATML_TEMPLATE, reply_prompt
+from shardline.data.encode import CHATML_TEMPLATE, reply_prompt, turn_end_text
 from shardline.data.shards import is_prepared
 from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
 from shardline.errors import CheckpointError, ConfigError, DataError
@@ -106,14 +106,17 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
         bos = prefix[0] if bos is None and len(prefix) == 1 else bos
     # A run that trained on chat data without a chat template rendered it as ChatML: its export says so, so
     # transformers' apply_chat_template renders what it learned.
-    chatml = "chat" in saved_formats(meta.get("config", {}).get("data", {})) and tokenizer is not None \
-        and chat_template_for(str(tokenizer)) is None
+    chat = "chat" in saved_formats(meta.get("config", {}).get("data", {})) and tokenizer is not None
+    template = chat_template_for(str(tokenizer)) if chat else None
+    chatml = chat and template is None
+    turn_end = turn_end_text(CHATML_TEMPLATE if chatml else template) if chat else ""  # (a stop of the export's)
     return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=dtype,
                             bos_token_id=bos, eos_token_id=eos,
                             provenance={"checkpoint": str(ckpt.resolve())},
                             kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf},
                             generation_config=beside_checkpoint(ckpt, GENERATION_NAME),
-                            chat_template=CHATML_TEMPLATE if chatml else "")
+                            chat_template=CHATML_TEMPLATE if chatml else "",
+                            turn_end=turn_end)
 
 
 def _check_template(tokenizer: Path) -> None:

@@ -172,19 +172,18 @@ def _write_tokenizer_settings(folder: Path, tokenizer: Path, config: dict[str, A
     _write_json(folder / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **named})
 
 
-def _stop_at_chat_end(folder: Path, tokenizer: Path, config: dict[str, Any]) -> None:
-    """A run that learned ChatML ends a reply with <|im_end|>: generation_config.json (the one the
-    export carries, or a new one) stops transformers' generate there too, beside the eos, as
-    `shardline generate --chat` stops; else an export of a base model's tokenizer ran on past it."""
+def _stop_at_turn_end(folder: Path, tokenizer: Path, config: dict[str, Any], turn_end: str) -> None:
+    """A chat run ends a reply with its template's turn end (ChatML's <|im_end|>, Llama 3's
+    <|eot_id|>): generation_config.json (the one the export carries, or a new one) stops
+    transformers' generate there too, beside the eos, as `shardline generate --chat` stops; else
+    an export of a base model's settings ran on past it."""
     from tokenizers import Tokenizer
 
-    from shardline.data.encode import CHAT_END
-
     try:
-        end = Tokenizer.from_file(str(tokenizer)).token_to_id(CHAT_END)
+        end = Tokenizer.from_file(str(tokenizer)).token_to_id(turn_end)
     except Exception:  # (tokenizers raises a bare Exception) the copied file is the user's to fix
         return
-    if end is None:  # ChatML's markers are pieces of text in this vocabulary: no one token to stop at
+    if end is None:  # the marker is pieces of text in this vocabulary: no one token to stop at
         return
     path = folder / GENERATION_NAME
     try:
@@ -306,8 +305,8 @@ def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype:
             copy_side_files(side["generation_config"].parent, tmp, names=(GENERATION_NAME,))
         if side.get("chat_template"):
             _add_chat_template(tmp / "tokenizer_config.json", side["chat_template"])
-            if side.get("tokenizer") is not None:
-                _stop_at_chat_end(tmp, side["tokenizer"], config)
+        if side.get("turn_end") and side.get("tokenizer") is not None:
+            _stop_at_turn_end(tmp, side["tokenizer"], config, side["turn_end"])
         _write_json(tmp / EXPORT_MARK, {"written_by": "shardline", **provenance})
         _swap_into_place(tmp, dest)
     except BaseException:
