@@ -5,16 +5,26 @@ from __future__ import annotations
 from pathlib import Path
 
 __version__ = "0.1.0"
+BUILD_COMMIT_FILE = "build_commit.txt"  # an installed package's commit, written by setup.py's build hook
 
 
 def version() -> str:
     """This shardline's version, with the commit of the git checkout it runs from where it runs
-    from one (`0.1.0+git.1a2b3c4d5e`): the number alone stays the same from commit to commit, and
-    a run's `start` event records this to say which code trained it."""
+    from one (`0.1.0+git.1a2b3c4d5e`), else of the checkout an installed package was built from:
+    the number alone stays the same from commit to commit, and a run's `start` event records
+    this to say which code trained it."""
     here = Path(__file__).resolve().parents  # src/shardline/ of a checkout: not a copy inside another repo
     ours = here[1].name == "src" and _names_shardline(here[2] / "pyproject.toml")  # (src is never the root)
-    commit = _checkout_commit(here[2] / ".git") if ours else ""
+    commit = _checkout_commit(here[2] / ".git") if ours else _built_commit(here[0] / BUILD_COMMIT_FILE)
     return f"{__version__}+git.{commit[:10]}" if commit else __version__
+
+
+def _built_commit(file: Path) -> str:
+    """The commit an installed package was built from (setup.py's hook wrote it), else ""."""
+    try:
+        return _commit(file.read_text(encoding="utf-8").strip())
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def _names_shardline(pyproject: Path) -> bool:

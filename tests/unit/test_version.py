@@ -50,3 +50,22 @@ def test_this_checkouts_version_names_its_commit():
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
     assert version() == f"{shardline.__version__}+git.{head[:10]}"
+
+
+def test_an_installed_package_names_the_commit_it_was_built_from(tmp_path):
+    """setup.py's build hook writes the checkout's commit beside the built version.py, which an
+    installed package (no checkout above it) reads; a build without one says the number alone."""
+    import runpy
+    import sys
+
+    repo = Path(shardline.__file__).resolve().parents[2]
+    if not (repo / ".git").exists():
+        pytest.skip("not run from a git checkout")
+    built = tmp_path / "lib"
+    done = subprocess.run([sys.executable, str(repo / "setup.py"), "-q", "build_py", "--build-lib", str(built)],
+                          cwd=repo, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    installed = runpy.run_path(str(built / "shardline" / "version.py"))
+    assert installed["version"]() == version()  # the checkout's own commit
+    (built / "shardline" / "build_commit.txt").write_text("not a commit\n")
+    assert runpy.run_path(str(built / "shardline" / "version.py"))["version"]() == shardline.__version__
