@@ -39,6 +39,7 @@ from shardline.planner.layout import Workload
 from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_over_words, mfu_words
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE
+from shardline.resilience.checkpoint import verify
 from shardline.resilience.recovery import data_changes, saved_config, saved_step, saved_world_size, settings_changed
 from shardline.resilience.resume_checks import check_saved_position
 from shardline.preflight import (
@@ -71,6 +72,8 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
     check_rollback_target(cfg, resume)
     if cfg.model.hf_path and resume is None:  # the launch reads its weights: a folder without them fails there
         check_hf_weights(cfg.model.hf_path)
+    if cfg.model.init_from and resume is None and stand_in is None:  # ... and verifies a checkpoint's files
+        verify(Path(cfg.model.init_from))
     vocab, tokenizer, add_bos = _tokenizer_vocab(cfg, folder_tokenizer)
     launch = preflight(cfg, world, vocab)
     known = bool(cfg.data.tokenizer or folder_tokenizer)  # else the size of a BPE trained at launch, estimated

@@ -90,6 +90,8 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     elif "data.tokenizer" not in given:  # (raw data or other data: a BPE trained anew would mean other ids)
         raise ConfigError(f"{ckpt} has no tokenizer.json beside it or in a run dir above it (a checkpoint moved out of "
                           "its run?): give the one it was trained with, --data.tokenizer=PATH")
+    if not given.isdisjoint({"data.path", "data.mix"}) and "data.val_path" not in given:
+        cfg.data.val_path = ""  # other data given: its held-out split, not the run's validation file
     _check_saved_paths(cfg, given)
     for item in overrides:
         key = item.removeprefix("--").split("=", 1)[0]
@@ -142,8 +144,9 @@ def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = N
                                             "now?): name one checkpoint folder (RUN/checkpoints/step-N)"))
         trainer = Trainer(cfg).build()
         try:
-            # (any data setting given here may change the tokens: only the run's own data as it saved it is compared)
-            own_data = not any(o.removeprefix("--").startswith("data.") for o in overrides)
+            # (any data setting given here may change the tokens: only the run's own data as it saved it is compared;
+            # a validation file is not cut from the training data)
+            own_data = not any(o.removeprefix("--").startswith("data.") for o in overrides) and not cfg.data.val_path
             if own_data and proc.rank == 0:
                 _say_if_data_changed(ckpt, trainer.data.position_state())
             t, held_out = trainer.cfg.train, len(trainer.data.val)

@@ -13,6 +13,7 @@ from shardline.data import tokenizer_file
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import CHAT_END, CHAT_START
 from shardline.data.shards import is_prepared, tokenizer_hash
+from shardline.data.validation import val_format
 from shardline.data.tokenizer import KNOWN_EOS, eos_id, extends, load_tokenizer
 from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
@@ -139,6 +140,10 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             "why": "a relaunch by hand is a first attempt: the drills fire again (a step's where it is still ahead, a "
                    "phase's, faults.hang_phase, at once); "
                    "relaunch with --run.dir alone (the saved config drops them) to go on without"}))
+    inside = _val_path_in_training_data(cfg)
+    if inside:  # allowed (a training loss measured on purpose), but rarely meant
+        notes.append(("evaluates_on_training_data", {"val_path": cfg.data.val_path, "inside": inside,
+                                                      "why": "the eval loss is then a training loss"}))
     unused = unused_settings(cfg, layout)
     if unused:
         notes.append(("settings_unused", unused))
@@ -181,8 +186,10 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("checkpoint", ("memory_redundancy", "memory_mode", "memory_dir"), not c.memory_interval,
               "checkpoint.memory_interval=0"),
              ("watchdog", ("long_timeout_s",), not cfg.watchdog.timeout_s, "watchdog.timeout_s=0"),
-             ("data", ("text_field",), "text" not in cfg.data.formats(), "chat data reads each record's 'messages'"),
-             ("data", ("format",), bool(cfg.data.mix) and all(s.format for s in cfg.data.mix),
+             ("data", ("text_field",), "text" not in cfg.data.formats() and not (
+                 cfg.data.val_path and val_format(cfg) == "text"), "chat data reads each record's 'messages'"),
+             ("data", ("format",), bool(cfg.data.mix) and all(s.format for s in cfg.data.mix) and not (
+                 cfg.data.val_path and len(set(cfg.data.formats())) > 1),  # (data.val_path's, then)
               "every data.mix source sets its own format"),
              ("model", ("preset",), bool(cfg.model.hf_path or cfg.model.init_from),
               "the starting weights (model.hf_path, model.init_from) give the model's shape"),
@@ -196,6 +203,18 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
               "nothing is sharded: dp_shard x cp = 1, so DDP or one rank")]
     return {f"{section}.{key}": why for section, keys, idle, why in rules if idle
             for key in keys if given[section][key] != default[section][key]}
+
+
+def _val_path_in_training_data(cfg: Config) -> str:
+    """The training source data.val_path is (or lies inside), as `key=path`; "" for none."""
+    if not cfg.data.val_path:
+        return ""
+    val = Path(cfg.data.val_path).resolve()
+    for key, path in [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [
+            ("data.path", cfg.data.path)]:
+        if path and Path(path).exists() and val.is_relative_to(Path(path).resolve()):
+            return f"{key}={path}"
+    return ""
 
 
 def _no_template(tokenizer_path: str) -> bool:

@@ -87,10 +87,11 @@ def use_model_tokenizer(cfg: Config) -> str | None:
 
 
 def _prepared_with_theirs_extended(cfg: Config, theirs: Path) -> bool:
-    """The data is prepared folders whose tokenizer is the starting weights' with tokens added
-    (chat markers; model.vocab_size gives them rows): the folders' own tokenizer is the run's."""
-    paths = [s.path for s in cfg.data.mix] or [cfg.data.path]
-    if not all(map(is_prepared, paths)):
+    """The data's prepared folders were made with the starting weights' tokenizer with tokens added
+    (chat markers; model.vocab_size gives them rows): their own tokenizer is the run's (a mixture's
+    raw sources are tokenized with the first prepared folder's)."""
+    paths = [p for p in [s.path for s in cfg.data.mix] or [cfg.data.path] if is_prepared(p)]
+    if not paths:
         return False
     try:
         own = load_tokenizer(str(theirs))
@@ -183,7 +184,7 @@ def _run_dir_in_data(cfg: Config) -> str | None:
     (metrics.jsonl, a .txt it holds) as documents."""
     run = Path(cfg.run.dir).resolve()
     sources = [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [("data.path", cfg.data.path)]
-    for key, path in sources:
+    for key, path in [*sources, *([("data.val_path", cfg.data.val_path)] if cfg.data.val_path else [])]:
         read = read_root(Path(path))  # (a DatasetDict: its train split, as input_files reads)
         inside = path and read.is_dir() and not is_prepared(path) and run.is_relative_to(read.resolve())
         if inside and not any(part.startswith(".") for part in run.relative_to(read.resolve()).parts):

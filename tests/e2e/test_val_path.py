@@ -95,12 +95,55 @@ def test_a_run_evaluates_on_it_and_eval_gives_the_logged_loss(split, tmp_path, c
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["loss"] == pytest.approx(logged["eval_loss"], rel=1e-6) and got["data"] == str(root / "validation.jsonl")
 
+    train = _eval_json(capsys, str(tmp_path / "run"), f"--data.path={root / 'train.jsonl'}")
+    assert train["data"] == str(root / "train.jsonl")  # other data given: its held-out split, not the run's file
+
     other = tmp_path / "other"
     Trainer(_cfg(other, root / "train.jsonl", tok, "train.steps=2", "train.eval_interval=0",
                  "checkpoint.interval=2")).build().train()
     assert main(["eval", str(other / "run"), f"--{val}", "--batches", "0", "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out.strip().splitlines()[-1])["sequences"] == len(alone.train) and "changed" not in err
+
+
+def _eval_json(capsys, *args: str) -> dict:
+    assert main(["eval", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_chat_mixture_reads_it_as_chat_and_a_folder_of_both_kinds_is_named(split, tmp_path):
+    """Every source of a mixture sets format chat (data.format left at text): the validation file is
+    chat too. A val folder holding training files beside its held-out ones is refused as such."""
+    root, tok = split
+    texts = [json.loads(line)["text"] for line in (root / "train.jsonl").read_text().splitlines()]
+    for name, part in (("a", texts[:40]), ("b", texts[40:80]), ("val", texts[80:90])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"messages": [
+            {"role": "user", "content": t[:20]}, {"role": "assistant", "content": t[20:120]}]}) + "\n" for t in part))
+    mix = ['data.mix=[{path="%s", format="chat"}, {path="%s", format="chat"}]' % (tmp_path / "a.jsonl",
+                                                                               tmp_path / "b.jsonl")]
+    cfg = load_config(None, [*tiny_overrides(tmp_path / "run", "", f"data.tokenizer={tok}", "train.seq_len=64",
+                                             f"data.val_path={tmp_path / 'val.jsonl'}"), *mix])
+    cfg.data.path = ""
+    data = build_data(cfg)
+    assert data.val.count_labels(np.arange(len(data.val))) < len(data.val) * 64 * 0.9  # replies only: chat
+    assert "data.format" not in unused_settings(cfg) or cfg.data.format == "text"
+    folder = tmp_path / "valdir"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text((root / "train.jsonl").read_text())
+    (folder / "validation.jsonl").write_text((root / "validation.jsonl").read_text())
+    with pytest.raises(DataError, match="holds training files beside its held-out files .* every file of a folder is "
+                                        "evaluated on"):
+        build_data(_cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={folder}"))
+
+
+def test_a_validation_file_inside_the_training_data_is_said(split, tmp_path):
+    from shardline.launch_notes import launch_notes
+
+    root, tok = split
+    cfg = _cfg(tmp_path, root, tok, f"data.val_path={root / 'validation.jsonl'}")
+    assert dict(launch_notes(cfg, "cpu", 1.0, 1))["evaluates_on_training_data"]["inside"] == f"data.path={root}"
+    assert "evaluates_on_training_data" not in dict(launch_notes(
+        _cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={root / 'validation.jsonl'}"), "cpu", 1.0, 1))
 
 
 def test_adding_it_to_a_run_that_held_out_a_share_is_refused_naming_it(split, tmp_path):

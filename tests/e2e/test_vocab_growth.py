@@ -157,8 +157,9 @@ def test_the_dry_run_says_the_rows_it_would_add(start, tmp_path, capsys):
 
 @pytest.mark.parametrize("grow", [False, True])
 def test_a_checkpoint_start_is_hashed_no_more_for_the_rows(tiny_config, tmp_path, monkeypatch, grow):
-    """Hashing a 70B checkpoint takes minutes: finding its rows reads meta.json alone (it was
-    verified twice more, grown or not, by the loader and the launch notes)."""
+    """Hashing a 70B checkpoint takes minutes: its shape and rows are read from meta.json alone, and
+    its load verifies it once (a start hashed it five times: the input checks twice, the loader's
+    row count, the launch notes, the load)."""
     from shardline.resilience import checkpoint
 
     Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0")).build().train()
@@ -168,7 +169,24 @@ def test_a_checkpoint_start_is_hashed_no_more_for_the_rows(tiny_config, tmp_path
     extra = ["model.vocab_size=520"] if grow else []
     Trainer(tiny_config("train.steps=3", "train.eval_interval=0", f"model.init_from={start}", *extra,
                         run_dir=tmp_path / "tuned")).build().close()
-    assert hashed.count("meta.json") <= 3  # (the input checks, the shape's read, the load)
+    assert hashed.count("meta.json") == 1  # the load's (the input checks and the shape read meta.json alone)
+
+
+def test_the_dry_run_still_verifies_a_checkpoint_to_start_from(tiny_config, tmp_path, capsys):
+    import shutil
+
+    Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0")).build().train()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step-000002", damaged)
+    shard = max((damaged / "state").iterdir(), key=lambda f: f.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    args = ["train", "--dry-run", f"--run.dir={tmp_path / 'tuned'}", f"--model.init_from={damaged}",
+            f"--data.path={tiny_config().data.path}", f"--data.tokenizer={tmp_path / 'run' / 'tokenizer.json'}",
+            "--optim.lr=2e-5"]
+    assert main(args) == 2
+    assert str(shard.name) in capsys.readouterr().err
 
 
 def test_rows_added_to_bf16_weights_are_their_fp32_mean_not_rounded_again(tiny_config, start, tmp_path):
@@ -231,3 +249,28 @@ def test_a_folder_prepared_with_theirs_extended_trains_and_a_chat_export_stops_a
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert rows + ADDED.index("<|tool|>") in generation["eos_token_id"]
+
+
+def test_theirs_extended_by_transformers_save_pretrained_counts_as_theirs(start, tmp_path):
+    """transformers writes its tokenizer back with the padding and truncation of its last call."""
+    from shardline.data.tokenizer import extends, load_tokenizer
+
+    root, _ = start
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(root / "hf_tied0" / "tokenizer.json"))
+    theirs.add_special_tokens({"pad_token": "<pad>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    theirs(["In the beginning", "God"], padding=True, truncation=True, max_length=8)
+    theirs.save_pretrained(tmp_path / "saved")
+    own = load_tokenizer(str(root / "hf_tied0" / "tokenizer.json"))
+    assert extends(load_tokenizer(str(tmp_path / "saved" / "tokenizer.json")), own)
+    assert not extends(own, own)  # nothing added
+
+
+def test_a_turn_end_that_is_the_eos_writes_no_generation_config(tmp_path, start):
+    from shardline.interop.hf_files import _stop_at_turn_end
+
+    root, rows = start
+    end = rows + ADDED.index("<|im_end|>")
+    _stop_at_turn_end(tmp_path, root / "added" / "tokenizer.json", {"eos_token_id": end}, "<|im_end|>")
+    assert not (tmp_path / "generation_config.json").exists()  # (transformers takes config.json's then)
+    _stop_at_turn_end(tmp_path, root / "added" / "tokenizer.json", {"eos_token_id": 0}, "<|im_end|>")
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == [0, end]

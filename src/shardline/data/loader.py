@@ -28,7 +28,8 @@ from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_ma
                                    tokenizer_file, tokenizer_hash)
 from shardline.data.sources import SUFFIXES, input_files, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
-from shardline.data.validation import check_sizes, check_val_size, split_documents, training_val_fraction
+from shardline.data.validation import (check_sizes, check_val_size, split_documents, training_val_fraction,
+                                      val_format)
 from shardline.errors import DataError
 
 
@@ -206,21 +207,18 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
 
 def load_val(cfg: Config, tok: Tokenizer) -> PackedSequences | MixedSequences:
     """data.val_path, whole: raw files tokenized with the run's tokenizer, or a prepared folder
-    (both its splits) prepared with it; in data.format."""
-    d, key, path = cfg.data, "data.val_path", cfg.data.val_path
-    if (Path(path) / "dataset_dict.json").is_file():  # (data.path reads such a folder's train split)
-        splits = sorted(p.name for p in Path(path).iterdir() if p.is_dir() and p.name != "train")
-        raise DataError(f"{key}={path!r} is a datasets DatasetDict: name the folder of its split to evaluate on "
-                        f"({', '.join(f'{path}/{s}' for s in splits) or 'it has no split besides train'})")
+    (both its splits) prepared with it; in val_format."""
+    d, key, path, fmt = cfg.data, "data.val_path", cfg.data.val_path, val_format(cfg)
+    _refuse_dataset_dict(path)
     if is_prepared(path):
-        prepared = open_prepared(path, cfg.train.seq_len, "", d.format, d.add_bos)  # (its own, compared here)
+        prepared = open_prepared(path, cfg.train.seq_len, "", fmt, d.add_bos)  # (its own, compared here)
         if tokenizer_hash(prepared.tokenizer) != tokenizer_hash(tok):
             raise DataError(f"{key}={path!r} was prepared with another tokenizer than the run's; prepare it with "
                             "--tokenizer naming the run's tokenizer.json (or give it raw)")
         parts = [p for p in (prepared.train, prepared.val) if len(p)] or [prepared.train]
         val = parts[0] if len(parts) == 1 else MixedSequences(parts, [len(p) for p in parts])
     else:
-        chat = d.format == "chat"
+        chat = fmt == "chat"
         docs = read_documents(path, "messages" if chat else d.text_field, key=key)
         if chat:
             check_replies(f"{key}={path!r}", {m["role"] for messages in docs for m in messages})
@@ -229,6 +227,15 @@ def load_val(cfg: Config, tok: Tokenizer) -> PackedSequences | MixedSequences:
         val = _pack(tok, docs, eos, cfg.train.seq_len, template, chat, bos)
     check_val_size(val, cfg)
     return val
+
+
+def _refuse_dataset_dict(path: str) -> None:
+    """A datasets DatasetDict folder given as data.val_path: data.path reads its train split, which is
+    not what to evaluate on; the line names its other splits' folders."""
+    if (Path(path) / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in Path(path).iterdir() if p.is_dir() and p.name != "train")
+        raise DataError(f"data.val_path={path!r} is a datasets DatasetDict: name the folder of its split to evaluate "
+                        f"on ({', '.join(f'{path}/{s}' for s in splits) or 'it has no split besides train'})")
 
 
 def _format_key(cfg: Config, index: int | None) -> str:
@@ -335,7 +342,7 @@ def data_summary(cfg: Config) -> tuple[str, str]:
                                                        if fmt == "chat" else "documents"))
     if d.val_path:
         parts.append(_val_summary(cfg))
-    if opened and len(opened) == len(keys):  # (raw data is not tokenized by a dry run)
+    if opened and len(opened) == len(keys) and not d.val_path:  # (raw data is not tokenized by a dry run)
         vals = [val for _, _, val in opened]
         val = MixedSequences(vals, [s.weight for s in d.mix], interleave=True) if d.mix else vals[0]
         check_replies_fit([(path, train) for path, train, _ in opened], val, cfg)
@@ -344,11 +351,12 @@ def data_summary(cfg: Config) -> tuple[str, str]:
 
 def _val_summary(cfg: Config) -> str:
     """data.val_path in words, read as a launch reads it (its tokenizer and size: by the launch)."""
-    d, path = cfg.data, cfg.data.val_path
+    d, path, fmt = cfg.data, cfg.data.val_path, val_format(cfg)
+    _refuse_dataset_dict(path)
     if is_prepared(path):
-        p = open_prepared(path, cfg.train.seq_len, "", d.format, d.add_bos)
-        return (f"evaluates on {path}: prepared {d.format} folder, "
+        p = open_prepared(path, cfg.train.seq_len, "", fmt, d.add_bos)
+        return (f"evaluates on {path}: prepared {fmt} folder, "
                 f"{p.train.num_documents + p.val.num_documents:,} documents")
-    chat = d.format == "chat"
+    chat = fmt == "chat"
     docs = read_documents(path, "messages" if chat else d.text_field, key="data.val_path")
     return f"evaluates on {path}: {len(docs):,} " + ("conversations" if chat else "documents")

@@ -174,6 +174,10 @@ def _refuse_held_out(path: str, root: Path, files: list[Path], key: str) -> None
     held_out = [f for f in files if _held_out_name(f.relative_to(root))]
     if held_out and len(held_out) < len(files):
         names = ", ".join(str(f.relative_to(root)) for f in held_out[:3]) + (" ..." if len(held_out) > 3 else "")
+        if key == "data.val_path":  # (the reverse mistake: training files evaluated on)
+            raise DataError(f"{key}={path!r} holds training files beside its held-out files ({names}), and every "
+                            f"file of a folder is evaluated on: point {key} at the held-out files' own file or "
+                            "folder (or a glob pattern of them)")
         raise DataError(f"{key}={path!r} holds held-out files ({names}) beside the training files, and every file "
                         f"of a folder is trained on: point {key} at the training files' own file or folder "
                         "(a share of them is held out for evaluation: data.val_fraction, prepare's --val-fraction; "

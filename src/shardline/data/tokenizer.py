@@ -171,7 +171,11 @@ def vocabulary_fingerprint(tok: Tokenizer) -> str:
 
 def extends(tok: Tokenizer, theirs: Tokenizer) -> bool:
     """Whether `tok` is `theirs` with tokens added (chat markers, say): the same model, normalizer,
-    pre-tokenizer and the rest, and added tokens beyond theirs, each of theirs at its id."""
-    mine, own = json.loads(tok.to_str()), json.loads(theirs.to_str())
+    pre-tokenizer and the rest, and added tokens beyond theirs, each of theirs at its id. Aside: the
+    padding and truncation a transformers tokenizer saves with its last call's settings, and the
+    post-processor it writes (one adding nothing), compared by the BOS tokens it starts a text with."""
+    aside = ("padding", "truncation", "post_processor")
+    mine, own = ({k: v for k, v in json.loads(t.to_str()).items() if k not in aside} for t in (tok, theirs))
     added = [{t["content"]: t["id"] for t in j.pop("added_tokens", None) or []} for j in (mine, own)]
-    return mine == own and len(added[0]) > len(added[1]) and all(added[0].get(c) == i for c, i in added[1].items())
+    return (mine == own and bos_prefix(tok) == bos_prefix(theirs) and len(added[0]) > len(added[1])
+            and all(added[0].get(c) == i for c, i in added[1].items()))

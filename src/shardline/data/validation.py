@@ -17,6 +17,13 @@ def training_val_fraction(cfg: Config) -> float:
     return 0.0 if cfg.data.val_path else cfg.data.val_fraction
 
 
+def val_format(cfg: Config) -> str:
+    """The format data.val_path is read in: the sources' own where they agree (a mixture's may each
+    set one), else data.format (chat SFT with text replayed: the user says which)."""
+    formats = set(cfg.data.formats())
+    return formats.pop() if len(formats) == 1 else cfg.data.format
+
+
 def split_documents(docs: list, val_fraction: float, seed: int) -> tuple[list, list]:
     """Hold out a seeded random share of documents (at least one; none at `val_fraction` 0) for validation.
 

@@ -192,6 +192,8 @@ def _stop_at_turn_end(folder: Path, tokenizer: Path, config: dict[str, Any], tur
         generation = {}
     generation = generation if isinstance(generation, dict) else {}
     ends = {end} | _token_ids(generation.get("eos_token_id")) | _token_ids(config.get("eos_token_id"))
+    if end in _token_ids(generation.get("eos_token_id") if generation else config.get("eos_token_id")):
+        return  # it stops there already (a turn end that is the eos: Llama 2's </s>): no file to write
     _write_json(path, {**generation, "eos_token_id": sorted(ends)})
 
 
