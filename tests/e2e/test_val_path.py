@@ -126,7 +126,6 @@ def test_a_chat_mixture_reads_it_as_chat_and_a_folder_of_both_kinds_is_named(spl
     cfg.data.path = ""
     data = build_data(cfg)
     assert data.val.count_labels(np.arange(len(data.val))) < len(data.val) * 64 * 0.9  # replies only: chat
-    assert "data.format" not in unused_settings(cfg) or cfg.data.format == "text"
     folder = tmp_path / "valdir"
     folder.mkdir()
     (folder / "train.jsonl").write_text((root / "train.jsonl").read_text())
