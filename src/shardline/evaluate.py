@@ -92,6 +92,9 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
                           "its run?): give the one it was trained with, --data.tokenizer=PATH")
     if not given.isdisjoint({"data.path", "data.mix"}) and "data.val_path" not in given:
         cfg.data.val_path = ""  # other data given: its held-out split, not the run's validation file
+    elif "data.val_path" in given and given.isdisjoint({"data.path", "data.mix"}):  # that file alone: the run's
+        cfg.data.mix = []  # training data is neither found nor tokenized (the evaluation reads none of it)
+        cfg.data.path = next(o.split("=", 1)[1] for o in overrides if o.removeprefix("--").startswith("data.val_path="))
     _check_saved_paths(cfg, given)
     for item in overrides:
         key = item.removeprefix("--").split("=", 1)[0]

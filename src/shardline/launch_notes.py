@@ -196,6 +196,7 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("data", ("val_fraction",), all(map(is_prepared, paths)) or bool(cfg.data.val_path),
               "data.val_path is the held-out data" if cfg.data.val_path else
               "the data is prepared: `shardline prepare --val-fraction` fixed its held-out split"),
+             ("data", ("val_path",), not cfg.train.eval_interval, "train.eval_interval=0: nothing is evaluated"),
              ("train", ("skip_batches",), min(cfg.train.skip_batches, default=0) >= cfg.train.steps,
               f"the run reads batches 0..{cfg.train.steps - 1}: every one named lies past them"),
              ("parallel", ("zero",), layout is not None and layout.dp_mode in ("ddp", "single")

@@ -106,6 +106,32 @@ def test_a_run_evaluates_on_it_and_eval_gives_the_logged_loss(split, tmp_path, c
     assert json.loads(out.strip().splitlines()[-1])["sequences"] == len(alone.train) and "changed" not in err
 
 
+def test_eval_on_a_validation_file_alone_needs_no_training_data(split, tmp_path, capsys):
+    """The run's training file gone (another machine, another directory): --data.val_path suffices."""
+    root, tok = split
+    train = tmp_path / "train.jsonl"
+    train.write_text((root / "train.jsonl").read_text())
+    Trainer(_cfg(tmp_path, train, tok, "train.steps=2", "train.eval_interval=2", "checkpoint.interval=2",
+                 f"data.val_path={root / 'validation.jsonl'}")).build().train()
+    logged = next(json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line)["kind"] == "eval")
+    train.unlink()
+    got = _eval_json(capsys, str(tmp_path / "run"), f"--data.val_path={root / 'validation.jsonl'}")
+    assert got["loss"] == pytest.approx(logged["eval_loss"], rel=1e-6) and got["data"] == str(root / "validation.jsonl")
+
+
+def test_the_dry_run_refuses_a_folder_prepared_with_another_tokenizer_and_unused_is_said(split, tmp_path, capsys):
+    root, tok = split
+    other = tmp_path / "other_prepared"
+    prepare(PrepareOptions(inputs=[str(root / "validation.jsonl")], out=str(other), vocab_size=300, progress=False))
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--data.path={root / 'train.jsonl'}",
+                 f"--data.tokenizer={tok}", f"--data.val_path={other}"]) == 2
+    assert "was prepared with another tokenizer than the run's" in capsys.readouterr().err
+    cfg = _cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={root / 'validation.jsonl'}",
+               "train.eval_interval=0")
+    assert "data.val_path" in unused_settings(cfg) and len(build_data(cfg).val) == 0  # (not read)
+
+
 def _eval_json(capsys, *args: str) -> dict:
     assert main(["eval", *args, "--json"]) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])

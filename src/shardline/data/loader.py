@@ -164,7 +164,7 @@ def build_data(cfg: Config) -> DataBundle:
     left_out: dict = {}
     tok, train, val = load_source(d.path, cfg, left_out=left_out)
     check_sizes(d.path or "the shipped corpus", train, val, cfg)
-    val = load_val(cfg, tok) if d.val_path else val
+    val = load_val(cfg, tok) if d.val_path and t.eval_interval else val  # (nothing evaluated: not read)
     check_replies_fit([(d.path, train)], val, cfg)
     return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed),
                       left_out=left_out, chat_template=rendering(cfg) if d.chat else "")
@@ -212,9 +212,7 @@ def load_val(cfg: Config, tok: Tokenizer) -> PackedSequences | MixedSequences:
     _refuse_dataset_dict(path)
     if is_prepared(path):
         prepared = open_prepared(path, cfg.train.seq_len, "", fmt, d.add_bos)  # (its own, compared here)
-        if tokenizer_hash(prepared.tokenizer) != tokenizer_hash(tok):
-            raise DataError(f"{key}={path!r} was prepared with another tokenizer than the run's; prepare it with "
-                            "--tokenizer naming the run's tokenizer.json (or give it raw)")
+        _check_val_tokenizer(prepared.tokenizer, tok, path)
         parts = [p for p in (prepared.train, prepared.val) if len(p)] or [prepared.train]
         val = parts[0] if len(parts) == 1 else MixedSequences(parts, [len(p) for p in parts])
     else:
@@ -227,6 +225,13 @@ def load_val(cfg: Config, tok: Tokenizer) -> PackedSequences | MixedSequences:
         val = _pack(tok, docs, eos, cfg.train.seq_len, template, chat, bos)
     check_val_size(val, cfg)
     return val
+
+
+def _check_val_tokenizer(own: Tokenizer, run: Tokenizer, path: str) -> None:
+    """A prepared data.val_path folder holds the ids of the run's tokenizer."""
+    if tokenizer_hash(own) != tokenizer_hash(run):
+        raise DataError(f"data.val_path={path!r} was prepared with another tokenizer than the run's; prepare it with "
+                        "--tokenizer naming the run's tokenizer.json (or give it raw)")
 
 
 def _refuse_dataset_dict(path: str) -> None:
@@ -265,7 +270,8 @@ def _build_mixture(cfg: Config) -> DataBundle:
     weights = [s.weight for s in mix]
     train = MixedSequences(trains, weights)
     names = _source_names([s.path for s in mix])
-    val = load_val(cfg, tok) if cfg.data.val_path else MixedSequences(vals, weights, interleave=True)
+    val = load_val(cfg, tok) if cfg.data.val_path and t.eval_interval else MixedSequences(vals, weights,
+                                                                                           interleave=True)
     check_replies_fit([(s.path, p) for s, p in zip(mix, trains)], val, cfg)
     return DataBundle(tok, train, val,
                       GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed, tag_passes=True), names,
@@ -341,7 +347,7 @@ def data_summary(cfg: Config) -> tuple[str, str]:
             parts.append(f"{where}: {len(docs):,} " + (chat_checked(f"{key}={path!r}", docs, tokenizer_file(d))
                                                        if fmt == "chat" else "documents"))
     if d.val_path:
-        parts.append(_val_summary(cfg))
+        parts.append(_val_summary(cfg, d.tokenizer or folder_tokenizer))
     if opened and len(opened) == len(keys) and not d.val_path:  # (raw data is not tokenized by a dry run)
         vals = [val for _, _, val in opened]
         val = MixedSequences(vals, [s.weight for s in d.mix], interleave=True) if d.mix else vals[0]
@@ -349,12 +355,15 @@ def data_summary(cfg: Config) -> tuple[str, str]:
     return "; ".join(parts), folder_tokenizer
 
 
-def _val_summary(cfg: Config) -> str:
-    """data.val_path in words, read as a launch reads it (its tokenizer and size: by the launch)."""
+def _val_summary(cfg: Config, tokenizer: str) -> str:
+    """data.val_path in words, read as a launch reads it (a prepared folder's tokenizer compared with
+    the run's `tokenizer` where that is known before the launch; its size: by the launch)."""
     d, path, fmt = cfg.data, cfg.data.val_path, val_format(cfg)
     _refuse_dataset_dict(path)
     if is_prepared(path):
         p = open_prepared(path, cfg.train.seq_len, "", fmt, d.add_bos)
+        if tokenizer:
+            _check_val_tokenizer(p.tokenizer, load_tokenizer(tokenizer), path)
         return (f"evaluates on {path}: prepared {fmt} folder, "
                 f"{p.train.num_documents + p.val.num_documents:,} documents")
     chat = fmt == "chat"
