@@ -198,7 +198,7 @@ def test_a_resume_onto_edited_data_is_refused_even_at_the_same_settings(tiny_con
               "checkpoint.interval=3"]
     Trainer(tiny_config(*common, "train.stop_at_step=3")).build().train()
     assert Trainer(tiny_config(*common)).build().step == 3  # the same data: resumed
-    from shardline.data.loader import held_out
+    from shardline.data.validation import held_out
 
     held = set(held_out(len(docs), 0.01).tolist())
     first, second = [i for i in range(len(docs)) if i not in held][:2]  # two training documents trade places:
