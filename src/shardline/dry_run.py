@@ -52,6 +52,7 @@ from shardline.preflight import (
     check_rollback_target,
     check_resume_fits,
     preflight,
+    resolve_epochs,
     use_model_tokenizer,
 )
 
@@ -68,6 +69,8 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
             raise ConfigError(f"{e} (the dry run checked one process: give --world-size N for the launch's)") from None
     check_layout_before_data(cfg, world)
     data, folder_tokenizer = data_summary(cfg)
+    if cfg.train.epochs:  # the steps follow from the sequences: read (and tokenize) the data as the launch does
+        resolve_epochs(cfg, len(build_data(cfg).train))
     resume = check_resume(cfg)
     check_rollback_target(cfg, resume)
     if cfg.model.hf_path and resume is None:  # the launch reads its weights: a folder without them fails there
@@ -209,7 +212,7 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
              f"pp={lay.pp} ep={lay.ep} zero={lay.zero}" + (" (nothing sharded)" * (lay.dp_mode in ("ddp", "single"))),
              f"batch     {t.global_batch_size} sequences x {t.seq_len} tokens per step; each of {lay.dp} "
              f"data-parallel rank(s) runs {lay.micro_batches(t.global_batch_size)} micro-batch(es) of "
-             f"{lay.micro_batch_size}",
+             f"{lay.micro_batch_size}; {t.steps} steps" + (f" (train.epochs={t.epochs:g})" if t.epochs else ""),
              _optim_line(cfg),
              f"attention {describe_attention(t.attention, t.document_mask, cfg.run.device != 'cpu', *lay.cp_degrees)}",
              f"compile   {describe_compile(t.compile, lay, cfg.memory.activation_checkpoint, launch.model_args.moe)}"]

@@ -108,6 +108,7 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     cfg.model.init_from, cfg.model.hf_path = str(ckpt), ""
     cfg.run.dir, cfg.run.resume = str(run_dir), "never"
     cfg.checkpoint.interval, cfg.checkpoint.memory_interval = 0, 0
+    cfg.train.epochs = 0.0  # (nothing is trained: the saved train.steps stand, whatever data is given)
     cfg.metrics.tensorboard, cfg.metrics.progress, cfg.metrics.profile_steps = False, "none", []
     cfg.train.eval_interval = max(cfg.train.eval_interval, 1)  # (an evaluation needs a held-out split)
     if not (cfg.data.val_fraction or cfg.data.val_path) and not all(

@@ -140,6 +140,9 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             "why": "a relaunch by hand is a first attempt: the drills fire again (a step's where it is still ahead, a "
                    "phase's, faults.hang_phase, at once); "
                    "relaunch with --run.dir alone (the saved config drops them) to go on without"}))
+    if cfg.train.epochs:  # (a train.steps given too is replaced)
+        notes.append(("steps_from_epochs", {"epochs": cfg.train.epochs, "steps": cfg.train.steps,
+                                            "why": "train.epochs sets the run's length; train.steps follows"}))
     inside = _val_path_in_training_data(cfg)
     if inside:  # allowed (a training loss measured on purpose), but rarely meant
         notes.append(("evaluates_on_training_data", {"val_path": cfg.data.val_path, "inside": inside,

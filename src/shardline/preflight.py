@@ -166,6 +166,18 @@ def check_values(cfg: Config) -> None:
     _raise(held_out_problem(cfg))
 
 
+def resolve_epochs(cfg: Config, sequences: int) -> None:
+    """train.epochs, once the data is read (its `sequences` training sequences): train.steps for that
+    many passes, and the checks of values the config's own checks left to it (stop_at_step, the drills')."""
+    t = cfg.train
+    if t.epochs:
+        t.steps = t.steps_for_epochs(sequences)
+        if t.stop_at_step > t.steps:
+            raise ConfigError(f"train.stop_at_step={t.stop_at_step} is invalid: must be <= train.steps ({t.steps}), "
+                              f"which train.epochs={t.epochs:g} gives over {sequences:,} training sequences")
+        cfg.check_drills(steps_known=True)
+
+
 def check_config(cfg: Config) -> None:
     """The config's values, then what they name on this host: the run dir, starting weights, a
     checkpoint to resume, the packages fp8 and TensorBoard need."""

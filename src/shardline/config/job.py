@@ -61,13 +61,14 @@ class Config:
                                   f"{sections[section.name].__name__} (set its keys one by one, or use load_config)")
             reader.check_types(value, section.name)  # (values set in code)
             value.check()
-        self._check_drills()
+        self.check_drills()
 
-    def _check_drills(self) -> None:
+    def check_drills(self, steps_known: bool = False) -> None:
         """A drill that can never fire passed as if it had: one at a step past train.steps, or a loss
-        spike before the detector judges any (it needs anomaly.min_history healthy steps first)."""
+        spike before the detector judges any (it needs anomaly.min_history healthy steps first).
+        Under train.epochs the steps are known once the data is read (`steps_known`)."""
         f, steps = self.faults, self.train.steps
-        for key in DRILL_STEPS:
+        for key in DRILL_STEPS if steps_known or not self.train.epochs else ():
             if key == "hang_step" and f.hang_phase != "step":  # (another phase's hang fires where it is)
                 continue
             if getattr(f, key) > steps:

@@ -8,6 +8,8 @@ world size live with the layout (`shardline.layout`) and the launch checks.
 
 from __future__ import annotations
 
+import math
+
 import re
 from dataclasses import dataclass, field
 
@@ -119,6 +121,9 @@ class MoEConfig:
 class TrainConfig:
     steps: int = 200  # length of the run (and of the learning-rate schedule)
     stop_at_step: int = 0  # stop early at this step, e.g. to fit a time slot; 0 = run to train.steps
+    # > 0: the run's length in passes over the training sequences instead (fine-tuning's way to say
+    # it); train.steps is then derived at launch, once the data is read: ceil(epochs x sequences / batch)
+    epochs: float = 0.0
     seq_len: int = 256
     global_batch_size: int = 16  # sequences per optimizer step, over all ranks
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
@@ -140,6 +145,10 @@ class TrainConfig:
         initialisation alone keeps the data order by setting data_seed, as one of the order alone sets seed)."""
         return self.seed if self.data_seed == -1 else self.data_seed
 
+    def steps_for_epochs(self, sequences: int) -> int:
+        """train.steps for train.epochs passes over `sequences` training sequences (at least one step)."""
+        return max(1, math.ceil(self.epochs * sequences / self.global_batch_size))
+
     @property
     def last_step(self) -> int:
         """The step a launch trains to: train.steps, or train.stop_at_step before it."""
@@ -152,8 +161,9 @@ class TrainConfig:
                  "must be -1 (train.seed) or in [0, 2**63)")
         for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
             _require(getattr(self, key) > 0, f"train.{key}", getattr(self, key), "must be > 0")
-        _require(self.stop_at_step <= self.steps, "train.stop_at_step", self.stop_at_step,
-                 f"must be <= train.steps ({self.steps}), the run's end (0 = train.steps)")
+        _require(self.epochs >= 0, "train.epochs", self.epochs, "must be >= 0 (0: train.steps gives the length)")
+        _require(self.stop_at_step <= self.steps or bool(self.epochs), "train.stop_at_step", self.stop_at_step,
+                 f"must be <= train.steps ({self.steps}), the run's end (0 = train.steps)")  # (epochs: checked again)
         _require(self.precision in PRECISIONS, "train.precision", self.precision, f"one of {', '.join(PRECISIONS)}")
         _require(self.attention in ATTENTION_KERNELS, "train.attention", self.attention,
                  f"one of {', '.join(ATTENTION_KERNELS)}")

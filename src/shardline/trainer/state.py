@@ -30,7 +30,8 @@ from shardline.parallel.distributed import agreed, ranks_differing
 from shardline.parallel.float8 import precompute_scales
 from shardline.profiling import StepProfiler
 from shardline.preflight import (Preflight, bos_setting, check_config, check_device, check_layout_before_data,
-                                 check_resume_fits, check_rollback_target, preflight, use_model_tokenizer)
+                                 check_resume_fits, check_rollback_target, preflight, resolve_epochs,
+                                 use_model_tokenizer)
 from shardline.resilience.recovery import (data_changes, get_rng_state, restarted, resume_path, set_rng_state,
                                           settings_changed)
 from shardline.resilience.resume_checks import (check_data_position, check_saved_position, check_skip_batches,
@@ -100,6 +101,7 @@ class SavedState:
         self._stand_in = use_model_tokenizer(cfg)  # the starting weights gone: this run's checkpoint stands in
         check_layout_before_data(cfg, self.proc.world_size)  # a wrong layout fails before the data is read
         self.data = build_data(cfg)
+        resolve_epochs(cfg, len(self.data.train))  # (train.epochs: the steps of that many passes)
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
         found = self._choose_resume(launch.model_args)
         check_rollback_target(cfg, found)
