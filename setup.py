@@ -15,10 +15,13 @@ ROOT = Path(__file__).resolve().parent
 class BuildPyWithCommit(build_py):
     def run(self):
         super().run()
+        if getattr(self, "editable_mode", False) or self.dry_run:  # an editable install reads the checkout's .git
+            return
         version = runpy.run_path(str(ROOT / "src" / "shardline" / "version.py"))
         commit = version["_checkout_commit"](ROOT / ".git")
         target = Path(self.build_lib) / "shardline" / version["BUILD_COMMIT_FILE"]
-        if commit and not self.dry_run:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if commit:
             target.write_text(commit + "\n", encoding="utf-8")
         elif target.exists():  # (a build dir reused from a build that had one)
             target.unlink()

@@ -34,6 +34,7 @@ import torch.distributed
 
 from shardline.config import Config, apply_override, from_dict
 from shardline.data.sampler import eval_micro_batches
+from shardline.data.validation import val_format
 from shardline.data.shards import is_prepared, tokenizer_file
 from shardline.errors import ConfigError, on_every_rank
 from shardline.parallel.distributed import (agreed, init_distributed, pick_device, ranks_differing,
@@ -92,9 +93,6 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
                           "its run?): give the one it was trained with, --data.tokenizer=PATH")
     if not given.isdisjoint({"data.path", "data.mix"}) and "data.val_path" not in given:
         cfg.data.val_path = ""  # other data given: its held-out split, not the run's validation file
-    elif "data.val_path" in given and given.isdisjoint({"data.path", "data.mix"}):  # that file alone: the run's
-        cfg.data.mix = []  # training data is neither found nor tokenized (the evaluation reads none of it)
-        cfg.data.path = next(o.split("=", 1)[1] for o in overrides if o.removeprefix("--").startswith("data.val_path="))
     _check_saved_paths(cfg, given)
     for item in overrides:
         key = item.removeprefix("--").split("=", 1)[0]
@@ -105,6 +103,8 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
             raise ConfigError(f"--{key}: eval takes the model, its shape and weights, from the checkpoint {ckpt}; "
                               "drop it")
         apply_override(cfg, item)
+    if "data.val_path" in given and given.isdisjoint({"data.path", "data.mix"}):
+        _val_path_alone(cfg)
     cfg.model.init_from, cfg.model.hf_path = str(ckpt), ""
     cfg.run.dir, cfg.run.resume = str(run_dir), "never"
     cfg.checkpoint.interval, cfg.checkpoint.memory_interval = 0, 0
@@ -119,10 +119,21 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     return cfg, ckpt, saved_step(ckpt)  # (a folder renamed or converted keeps its manifest's step)
 
 
+def _val_path_alone(cfg: Config) -> None:
+    """--data.val_path without other data: the evaluation reads that file alone, so the run's
+    training data stands in by it (neither found nor tokenized), read in the format val_path is."""
+    if not cfg.data.val_path:
+        raise ConfigError("--data.val_path= is empty: omit it to evaluate on the run's own held-out data")
+    cfg.data.format = val_format(cfg)
+    cfg.data.path, cfg.data.mix = cfg.data.val_path, []
+
+
 def _check_saved_paths(cfg: Config, given: set[str]) -> None:
     """The data paths the run's saved config names, relative to where it trained, are found from
-    here, or one line saying so (the data's own error would not say where the path came from)."""
-    keys = [] if "data.path" in given or "data.mix" in given else (
+    here, or one line saying so (the data's own error would not say where the path came from);
+    the training data's not where --data.val_path alone is evaluated on."""
+    alone = "data.val_path" in given
+    keys = [] if "data.path" in given or "data.mix" in given or alone else (
         [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [("data.path", cfg.data.path)])
     keys += [] if "data.val_path" in given else [("data.val_path", cfg.data.val_path)]
     for key, path in keys:

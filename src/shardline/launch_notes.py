@@ -5,6 +5,7 @@ preflight.py's)."""
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from shardline.config import Config
 from shardline.data import tokenizer_file
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import CHAT_END, CHAT_START
+from shardline.data.folders import read_root
 from shardline.data.shards import is_prepared, tokenizer_hash
 from shardline.data.validation import val_format
 from shardline.data.tokenizer import KNOWN_EOS, eos_id, extends, load_tokenizer
@@ -210,13 +212,15 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
 
 
 def _val_path_in_training_data(cfg: Config) -> str:
-    """The training source data.val_path is (or lies inside), as `key=path`; "" for none."""
-    if not cfg.data.val_path:
+    """The training source data.val_path is (or lies inside), as `key=path`, where it is evaluated
+    on; "" for none. A source is what it reads: a DatasetDict's train split, a pattern's matches."""
+    if not cfg.data.val_path or not cfg.train.eval_interval:
         return ""
     val = Path(cfg.data.val_path).resolve()
     for key, path in [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [
             ("data.path", cfg.data.path)]:
-        if path and Path(path).exists() and val.is_relative_to(Path(path).resolve()):
+        read = [read_root(Path(path))] if path and Path(path).exists() else [Path(m) for m in glob.glob(path or "")]
+        if any(val.is_relative_to(r.resolve()) or r.resolve().is_relative_to(val) for r in read):
             return f"{key}={path}"
     return ""
 

@@ -130,6 +130,8 @@ def test_the_dry_run_refuses_a_folder_prepared_with_another_tokenizer_and_unused
     cfg = _cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={root / 'validation.jsonl'}",
                "train.eval_interval=0")
     assert "data.val_path" in unused_settings(cfg) and len(build_data(cfg).val) == 0  # (not read)
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--data.path={root / 'train.jsonl'}",
+                 f"--data.tokenizer={tok}", f"--data.val_path={other}", "--train.eval_interval=0"]) == 0  # nor here
 
 
 def _eval_json(capsys, *args: str) -> dict:
@@ -137,7 +139,7 @@ def _eval_json(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_a_chat_mixture_reads_it_as_chat_and_a_folder_of_both_kinds_is_named(split, tmp_path):
+def test_a_chat_mixture_reads_it_as_chat_and_a_folder_of_both_kinds_is_named(split, tmp_path, capsys):
     """Every source of a mixture sets format chat (data.format left at text): the validation file is
     chat too. A val folder holding training files beside its held-out ones is refused as such."""
     root, tok = split
@@ -152,6 +154,15 @@ def test_a_chat_mixture_reads_it_as_chat_and_a_folder_of_both_kinds_is_named(spl
     cfg.data.path = ""
     data = build_data(cfg)
     assert data.val.count_labels(np.arange(len(data.val))) < len(data.val) * 64 * 0.9  # replies only: chat
+    run = [*tiny_overrides(tmp_path / "run", "", f"data.tokenizer={tok}", "train.seq_len=64", "train.steps=2",
+                           f"data.val_path={tmp_path / 'val.jsonl'}", "train.eval_interval=2", "checkpoint.interval=2")]
+    Trainer(load_config(None, [*run, *mix])).build().train()
+    logged = next(json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line)["kind"] == "eval")
+    got = _eval_json(capsys, str(tmp_path / "run"), f"--data.val_path={tmp_path / 'val.jsonl'}")  # read as chat
+    assert got["loss"] == pytest.approx(logged["eval_loss"], rel=1e-6)
+    assert main(["eval", str(tmp_path / "run"), "--data.val_path="]) == 2
+    assert "--data.val_path= is empty: omit it" in capsys.readouterr().err
     folder = tmp_path / "valdir"
     folder.mkdir()
     (folder / "train.jsonl").write_text((root / "train.jsonl").read_text())
@@ -169,6 +180,17 @@ def test_a_validation_file_inside_the_training_data_is_said(split, tmp_path):
     assert dict(launch_notes(cfg, "cpu", 1.0, 1))["evaluates_on_training_data"]["inside"] == f"data.path={root}"
     assert "evaluates_on_training_data" not in dict(launch_notes(
         _cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={root / 'validation.jsonl'}"), "cpu", 1.0, 1))
+    glob = _cfg(tmp_path, f"{root}/*.jsonl", tok, f"data.val_path={root / 'validation.jsonl'}")
+    inside = dict(launch_notes(glob, "cpu", 1.0, 1))["evaluates_on_training_data"]["inside"]
+    assert inside == f"data.path={root}/*.jsonl"
+    glob.train.eval_interval = 0  # nothing evaluated: nothing to say
+    assert "evaluates_on_training_data" not in dict(launch_notes(glob, "cpu", 1.0, 1))
+    ds = tmp_path / "ds"  # a DatasetDict's validation split beside the train split the run reads
+    (ds / "train").mkdir(parents=True), (ds / "validation").mkdir(), (ds / "dataset_dict.json").write_text("{}")
+    (ds / "train" / "t.jsonl").write_text((root / "train.jsonl").read_text())
+    (ds / "validation" / "v.jsonl").write_text((root / "validation.jsonl").read_text())
+    split_dd = _cfg(tmp_path, ds, tok, f"data.val_path={ds / 'validation'}")
+    assert "evaluates_on_training_data" not in dict(launch_notes(split_dd, "cpu", 1.0, 1))
 
 
 def test_adding_it_to_a_run_that_held_out_a_share_is_refused_naming_it(split, tmp_path):

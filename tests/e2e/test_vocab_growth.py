@@ -13,7 +13,7 @@ import torch.distributed as dist
 from shardline.cli import main
 from shardline.data.sources import read_documents
 from shardline.data.tokenizer import train_bpe
-from shardline.errors import ConfigError
+from shardline.errors import CheckpointError, ConfigError
 from shardline.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -187,6 +187,10 @@ def test_the_dry_run_still_verifies_a_checkpoint_to_start_from(tiny_config, tmp_
             "--optim.lr=2e-5"]
     assert main(args) == 2
     assert str(shard.name) in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match=shard.name):  # and the launch, every rank agreeing, before the lock
+        Trainer(tiny_config(f"model.init_from={damaged}", f"data.tokenizer={tmp_path / 'run' / 'tokenizer.json'}",
+                            run_dir=tmp_path / "tuned")).build()
+    assert not (tmp_path / "tuned" / ".lock").exists()
 
 
 def test_rows_added_to_bf16_weights_are_their_fp32_mean_not_rounded_again(tiny_config, start, tmp_path):
@@ -263,6 +267,11 @@ def test_theirs_extended_by_transformers_save_pretrained_counts_as_theirs(start,
     own = load_tokenizer(str(root / "hf_tied0" / "tokenizer.json"))
     assert extends(load_tokenizer(str(tmp_path / "saved" / "tokenizer.json")), own)
     assert not extends(own, own)  # nothing added
+    from tokenizers import processors
+
+    ending = load_tokenizer(str(tmp_path / "saved" / "tokenizer.json"))  # ... but it ends a text with <pad>
+    ending.post_processor = processors.TemplateProcessing(single="$A <pad>", special_tokens=[("<pad>", 300)])
+    assert not extends(ending, own)
 
 
 def test_a_turn_end_that_is_the_eos_writes_no_generation_config(tmp_path, start):

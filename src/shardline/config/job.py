@@ -182,7 +182,7 @@ def _overridden(raw: dict[str, Any], overrides: list[str] | str) -> Config:
 # The path keys: a leading ~ is the user's home, as a shell would expand it (a TOML value, or
 # a quoted or `--key=~/x` argument, reaches us unexpanded; a folder named "~" is never meant).
 _PATH_KEYS = (("run", "dir"), ("run", "resume"), ("model", "hf_path"), ("model", "init_from"),
-              ("data", "path"), ("data", "tokenizer"), ("checkpoint", "memory_dir"))
+              ("data", "path"), ("data", "val_path"), ("data", "tokenizer"), ("checkpoint", "memory_dir"))
 
 
 def expand_home(cfg: Config) -> None:

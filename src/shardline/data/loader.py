@@ -346,12 +346,12 @@ def data_summary(cfg: Config) -> tuple[str, str]:
             where = path or "the shipped corpus (a sample to try shardline on: data.path names your data)"
             parts.append(f"{where}: {len(docs):,} " + (chat_checked(f"{key}={path!r}", docs, tokenizer_file(d))
                                                        if fmt == "chat" else "documents"))
-    if d.val_path:
+    if d.val_path and cfg.train.eval_interval:  # (nothing evaluated: the launch does not read it)
         parts.append(_val_summary(cfg, d.tokenizer or folder_tokenizer))
-    if opened and len(opened) == len(keys) and not d.val_path:  # (raw data is not tokenized by a dry run)
+    if opened and len(opened) == len(keys):  # (raw data is not tokenized by a dry run)
         vals = [val for _, _, val in opened]
         val = MixedSequences(vals, [s.weight for s in d.mix], interleave=True) if d.mix else vals[0]
-        check_replies_fit([(path, train) for path, train, _ in opened], val, cfg)
+        check_replies_fit([(path, train) for path, train, _ in opened], [] if d.val_path else val, cfg)
     return "; ".join(parts), folder_tokenizer
 
 

@@ -173,9 +173,18 @@ def extends(tok: Tokenizer, theirs: Tokenizer) -> bool:
     """Whether `tok` is `theirs` with tokens added (chat markers, say): the same model, normalizer,
     pre-tokenizer and the rest, and added tokens beyond theirs, each of theirs at its id. Aside: the
     padding and truncation a transformers tokenizer saves with its last call's settings, and the
-    post-processor it writes (one adding nothing), compared by the BOS tokens it starts a text with."""
+    post-processor it writes (one adding nothing), compared by what it adds to a text and a pair."""
     aside = ("padding", "truncation", "post_processor")
     mine, own = ({k: v for k, v in json.loads(t.to_str()).items() if k not in aside} for t in (tok, theirs))
     added = [{t["content"]: t["id"] for t in j.pop("added_tokens", None) or []} for j in (mine, own)]
-    return (mine == own and bos_prefix(tok) == bos_prefix(theirs) and len(added[0]) > len(added[1])
+    framed = [_framing(t) for t in (tok, theirs)]
+    return (mine == own and framed[0] == framed[1] and len(added[0]) > len(added[1])
             and all(added[0].get(c) == i for c, i in added[1].items()))
+
+
+def _framing(tok: Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids of a text and of a pair as `tok` encodes them with its special tokens (a copy, with no
+    truncation or padding: transformers saves its last call's)."""
+    tok = Tokenizer.from_str(tok.to_str())
+    tok.no_truncation(), tok.no_padding()
+    return tok.encode("In the beginning").ids, tok.encode("In the", "beginning").ids

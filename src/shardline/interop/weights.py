@@ -36,16 +36,17 @@ def load_starting_weights(m: ModelConfig, model: nn.Module, sharded: bool) -> No
     rows (model_shape allows no other change) adds rows at the mean of theirs (grow_rows)."""
     stored = starting_rows(m) if m.vocab_size else 0  # (nothing hashed: the load verifies a checkpoint)
     grown = 0 < stored < m.vocab_size  # (the same on every rank: from the config and files)
+    world = dist.get_world_size() if dist.is_initialized() else 1
     if m.hf_path:
         _load_hf(model, m.hf_path, sharded or grown)
-    if m.init_from:
+    if m.init_from:  # verified on every rank first, a refusal agreed (one node's damaged copy, not a hang)
+        agreed(lambda: verify(Path(m.init_from)), world)
         if grown:
             _load_checkpoint_grown(model, Path(m.init_from), stored)
         else:
-            load_weights(Path(m.init_from), model)  # DCP reshards to any layout
+            load_weights(Path(m.init_from), model, verified=True)  # DCP reshards to any layout
     if m.hf_path or m.init_from:
         key, value = ("model.init_from", m.init_from) if m.init_from else ("model.hf_path", m.hf_path)
-        world = dist.get_world_size() if dist.is_initialized() else 1
         hf = Path(m.hf_path) if m.hf_path and not m.init_from else None  # (init_from wins, as above)
         agreed(lambda: check_finite(model, f"{key}={value!r}", hf), world)
 
@@ -114,8 +115,8 @@ def grow_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _load_checkpoint_grown(model: nn.Module, path: Path, stored: int) -> None:
     """load_weights, but for a model with more vocabulary rows than checkpoint `path`: its
-    embedding and output are read whole (every rank: one tensor each, a tied one once) and grown."""
-    verify(path)
+    embedding and output are read whole (every rank: one tensor each, a tied one once) and grown.
+    The caller has verified it."""
     state = get_model_state_dict(model)
     vocab = {k: torch.empty((stored, *v.shape[1:]), dtype=v.dtype) for k, v in state.items()
              if plain_name(k) in VOCAB_ROWS}
