@@ -81,7 +81,8 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
     launch = preflight(cfg, world, vocab)
     known = bool(cfg.data.tokenizer or folder_tokenizer)  # else the size of a BPE trained at launch, estimated
     changed = data_changes(resume, cfg, stand_in is not None)
-    check_resume_fits(resume, launch.model_args, cfg.train.steps, add_bos, vocab_known=known, data_changed=changed)
+    check_resume_fits(resume, launch.model_args, cfg.train.steps, add_bos, vocab_known=known, data_changed=changed,
+                      epochs=cfg.train.epochs)
     prepared = all(is_prepared(path) for path in [s.path for s in cfg.data.mix] or [cfg.data.path])
     if resume and (changed or prepared):  # data settings changed (tokenized here), or shards read at no cost:
         _check_resumed_data(cfg, world, resume, changed, stand_in is not None)  # compared as the launch does
@@ -89,9 +90,10 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
     target = ("" if cfg.run.device != "auto" or torch.cuda.is_available() else
               " (as a CUDA launch: run.device=auto, and this machine has no GPU, where it would train on the "
               "CPU; --run.device=cpu checks that)")
-    raw = "" if prepared else (" (raw data: the launch, which tokenizes it, checks its held-out size"
-                               + (", its chat reply tokens" if cfg.data.chat else "")
-                               + (", and its tokens against the checkpoint's" if resume and not changed else "") + ")")
+    read = prepared or (cfg.train.epochs and not resume)  # (train.epochs: the data was read and checked above)
+    raw = "" if read else (" (raw data: the launch, which tokenizes it, checks its held-out size"
+                           + (", its chat reply tokens" if cfg.data.chat else "")
+                           + (", and its tokens against the checkpoint's" if resume and not changed else "") + ")")
     lines = [f"dry run: {world} rank(s); config, data and layout pass the launch checks{target}{raw}",
              _model_line(cfg, launch), f"data      {data}; "
              f"tokenizer {tokenizer}",
@@ -110,7 +112,8 @@ def _check_resumed_data(cfg: Config, world: int, resume: Path, changed: str, sta
     launch, minutes later, refused). Raw files edited in place are found by the launch only."""
     data = build_data(cfg)
     args = preflight(cfg, world, data.vocab_size).model_args
-    check_resume_fits(resume, args, cfg.train.steps, bos_setting(cfg, data.tokenizer), data_changed=changed)
+    check_resume_fits(resume, args, cfg.train.steps, bos_setting(cfg, data.tokenizer), data_changed=changed,
+                      epochs=cfg.train.epochs)
     check_saved_position(resume, cfg, len(data.train), data.position_state(), stand_in)
 
 

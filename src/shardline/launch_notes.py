@@ -219,7 +219,8 @@ def _val_path_in_training_data(cfg: Config) -> str:
     val = Path(cfg.data.val_path).resolve()
     for key, path in [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [
             ("data.path", cfg.data.path)]:
-        read = [read_root(Path(path))] if path and Path(path).exists() else [Path(m) for m in glob.glob(path or "")]
+        read = [read_root(Path(path))] if path and Path(path).exists() else [
+            Path(m) for m in glob.glob(path or "", recursive=True)]
         if any(val.is_relative_to(r.resolve()) or r.resolve().is_relative_to(val) for r in read):
             return f"{key}={path}"
     return ""

@@ -243,7 +243,7 @@ def init_from_problem(init_from: str) -> str | None:
 
 
 def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, add_bos: bool | None = None,
-                      vocab_known: bool = True, data_changed: str = "") -> None:
+                      vocab_known: bool = True, data_changed: str = "", epochs: float = 0.0) -> None:
     """A checkpoint to resume (None: none) is not past train.steps (`steps`) and holds weights of
     this model's shape, or the one-line error, before the model is built and the state loaded
     (the load would fail later, or load minutes of state to train nothing). The checkpoint was
@@ -255,7 +255,7 @@ def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, add_bos: b
         return
     step = _read_json(Path(path) / MANIFEST, "step")
     if isinstance(step, int) and not isinstance(step, bool):
-        check_steps_ahead(path, step, steps)
+        check_steps_ahead(path, step, steps, epochs)
     _check_same_bos(path, add_bos)
     saved = _read_json(Path(path) / "meta.json", "model_args")
     try:

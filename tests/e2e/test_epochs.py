@@ -47,3 +47,24 @@ def test_values_that_depend_on_the_steps_are_checked_once_they_are_known(tiny_co
             "--train.epochs=0.02", "--train.global_batch_size=8", "--train.seq_len=32"]
     assert main(args) == 0
     assert "steps (train.epochs=0.02)" in capsys.readouterr().out
+
+
+def test_a_relaunch_names_epochs_where_steps_would_be_replaced_or_run_behind(tiny_config, tmp_path, capsys):
+    run = ["train", f"--run.dir={tmp_path / 'run'}", f"--data.path={tiny_config().data.path}", "--train.seq_len=32",
+           "--train.global_batch_size=8", "--train.micro_batch_size=4", "--model.dim=64", "--model.n_layers=2",
+           "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128", "--train.eval_interval=0",
+           "--metrics.tensorboard=false", "--metrics.progress=none", "--data.vocab_size=512", "--train.epochs=0.003",
+           "--checkpoint.interval=4"]
+    assert main(run) == 0
+    assert main(["train", f"--run.dir={tmp_path / 'run'}", "--train.steps=40"]) == 2  # an extension that would not
+    assert "--train.steps=40 would be replaced: train.epochs=0.003 derives the run's steps" in capsys.readouterr().err
+    assert main(["train", f"--run.dir={tmp_path / 'run'}", "--train.epochs=0.001"]) == 2  # behind the saved step
+    assert "train.epochs=0.001 gives train.steps=2, behind" in capsys.readouterr().err
+    assert main(["train", f"--run.dir={tmp_path / 'run'}", "--train.epochs=0.006"]) == 0  # more passes: it goes on
+    ends = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in ends if e.get("kind") == "train"][-1] == math.ceil(0.006 * 8242 / 8)
+
+
+def test_the_steps_are_not_one_more_for_a_float_product(tiny_config):
+    train = tiny_config("train.epochs=0.07", "train.global_batch_size=8").train
+    assert train.steps_for_epochs(800) == 7  # (0.07 x 800 is 56.000000000000007)

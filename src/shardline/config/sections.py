@@ -147,7 +147,7 @@ class TrainConfig:
 
     def steps_for_epochs(self, sequences: int) -> int:
         """train.steps for train.epochs passes over `sequences` training sequences (at least one step)."""
-        return max(1, math.ceil(self.epochs * sequences / self.global_batch_size))
+        return max(1, math.ceil(round(self.epochs * sequences / self.global_batch_size, 9)))  # (0.07 x 800 / 8: 7)
 
     @property
     def last_step(self) -> int:

@@ -177,14 +177,18 @@ def extends(tok: Tokenizer, theirs: Tokenizer) -> bool:
     aside = ("padding", "truncation", "post_processor")
     mine, own = ({k: v for k, v in json.loads(t.to_str()).items() if k not in aside} for t in (tok, theirs))
     added = [{t["content"]: t["id"] for t in j.pop("added_tokens", None) or []} for j in (mine, own)]
-    framed = [_framing(t) for t in (tok, theirs)]
-    return (mine == own and framed[0] == framed[1] and len(added[0]) > len(added[1])
-            and all(added[0].get(c) == i for c, i in added[1].items()))
+    if mine != own or len(added[0]) <= len(added[1]) or any(added[0].get(c) != i for c, i in added[1].items()):
+        return False
+    framed = _framing(tok)
+    return framed is not None and framed == _framing(theirs)
 
 
-def _framing(tok: Tokenizer) -> tuple[list[int], list[int]]:
+def _framing(tok: Tokenizer) -> tuple[list[int], list[int]] | None:
     """The ids of a text and of a pair as `tok` encodes them with its special tokens (a copy, with no
-    truncation or padding: transformers saves its last call's)."""
-    tok = Tokenizer.from_str(tok.to_str())
-    tok.no_truncation(), tok.no_padding()
-    return tok.encode("In the beginning").ids, tok.encode("In the", "beginning").ids
+    truncation or padding: transformers saves its last call's); None where it cannot encode them."""
+    try:
+        tok = Tokenizer.from_str(tok.to_str())
+        tok.no_truncation(), tok.no_padding()
+        return tok.encode("In the beginning").ids, tok.encode("In the", "beginning").ids
+    except Exception:  # (tokenizers raises a bare Exception: a word-level vocabulary without an unknown token)
+        return None

@@ -23,7 +23,7 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
     holds a run to resume and the config.toml its last launch saved, that file (its per-launch
     settings afresh, config.LAUNCH_ONLY), so a relaunch need not repeat the run's settings:
     `--run.dir=runs/x` resumes runs/x as its last launch ran it. `world`: the processes it runs on."""
-    cfg = load_config(config, overrides)
+    cfg = _steps_not_replaced(load_config(config, overrides), overrides)
     saved = Path(cfg.run.dir) / "config.toml"
     try:
         found = saved.is_file()
@@ -38,8 +38,8 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
     if say and speaks_for_the_job() and not RunLock(Path(cfg.run.dir)).running_here():  # (refused: no "resuming")
         print(f"shardline: {cfg.run.dir} holds {held}: resuming with the config.toml it saved and the "
               "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
-    cfg = load_relaunch_config(saved, cfg.run.dir, overrides)
-    given = {o.removeprefix("--").split("=")[0] for o in ([overrides] if isinstance(overrides, str) else overrides)}
+    cfg = _steps_not_replaced(load_relaunch_config(saved, cfg.run.dir, overrides), overrides)
+    given = _given(overrides)
     _check_relative_data(cfg, saved, given)
     cfg.parallel.check()  # (a degree of 0 or less: its own one line)
     try:
@@ -54,6 +54,21 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         fix = " or ".join(f"--parallel.{k}" for k in keys)
         raise ConfigError(f"{e} ({named} from {saved}, the run's saved config a relaunch takes over: give {fix} "
                           "for this world size)") from None
+    return cfg
+
+
+def _given(overrides) -> set[str]:
+    return {o.removeprefix("--").split("=")[0] for o in ([overrides] if isinstance(overrides, str) else overrides)}
+
+
+def _steps_not_replaced(cfg: Config, overrides) -> Config:
+    """A --train.steps given where train.epochs (from the file, or a run's saved config) derives the
+    steps would be replaced in silence: a relaunch meant to extend a run trained to its old end."""
+    given = _given(overrides)
+    if cfg.train.epochs and "train.steps" in given and "train.epochs" not in given:
+        raise ConfigError(f"--train.steps={cfg.train.steps} would be replaced: train.epochs={cfg.train.epochs:g} "
+                          "derives the run's steps from its data; give --train.epochs=N (more passes), or "
+                          "--train.epochs=0 with --train.steps")
     return cfg
 
 

@@ -37,7 +37,7 @@ def check_saved_position(path: Path | None, cfg: Config, num_samples: int | None
     check_data_position(path, data, data["num_samples"] if num_samples is None else num_samples, cfg.train.order_seed,
                         cfg.train.global_batch_size, position, data_changes(path, cfg, stand_in))
     check_skip_batches(path, step, data.get("skipped_batches", []), cfg.train.skip_batches)
-    check_steps_ahead(path, step, cfg.train.steps)
+    check_steps_ahead(path, step, cfg.train.steps, cfg.train.epochs)
 
 
 def _check_saved_seq_len(path: Path, seq_len: int) -> None:
@@ -124,10 +124,14 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
                "changed); use a new run.dir"))
 
 
-def check_steps_ahead(path: Path | str, step: int, steps: int) -> None:
+def check_steps_ahead(path: Path | str, step: int, steps: int, epochs: float = 0.0) -> None:
     """A checkpoint past train.steps leaves nothing to train (a shorter run asked of a run dir
     that holds a longer one): a ConfigError, not a run that exits having done nothing. One at
-    train.steps is a finished run, which a rerun (a requeue) may simply find finished."""
+    train.steps is a finished run, which a rerun (a requeue) may simply find finished. `epochs`:
+    train.epochs, which gave `steps` (the setting to raise)."""
+    if step > steps and epochs:
+        raise ConfigError(f"train.epochs={epochs:g} gives train.steps={steps}, behind {path}, saved at step {step}: "
+                          "nothing to train; raise train.epochs to continue it, or start a new run in another run.dir")
     if step > steps:
         raise ConfigError(f"train.steps={steps} is behind {path}, saved at step {step}: nothing to train; "
                           f"set train.steps above {step} to continue it, or start a new run in another run.dir")

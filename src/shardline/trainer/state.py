@@ -53,6 +53,8 @@ def shared_settings(cfg) -> dict:
         for key in keys:
             settings[section].pop(key, None)
     settings["data"]["mix"] = [source["weight"] for source in settings["data"]["mix"]]
+    if cfg.train.epochs:  # derived from the data read: a rank that read other data is named as such (identity)
+        settings["train"].pop("steps", None)
     return settings
 
 
@@ -112,9 +114,15 @@ class SavedState:
         """The checkpoint to resume (resume_path), checked to fit this run (check_resume_fits);
         rank 0's choice is made every rank's later (agree_on_resume)."""
         found, self._invalid_checkpoints = resume_path(self.cfg, self.checkpointer, repaired=repaired)
+        position = lambda: check_saved_position(found, self.cfg, len(self.data.train),  # noqa: E731
+                                                self.data.position_state(), bool(self._stand_in))
+        if self.cfg.train.epochs:  # (its steps follow the data and batch: a change of those is the cause to name)
+            position()
         check_resume_fits(found, model_args, self.cfg.train.steps, bos_setting(self.cfg, self.data.tokenizer),
-                          data_changed=data_changes(found, self.cfg, bool(self._stand_in)))
-        check_saved_position(found, self.cfg, len(self.data.train), self.data.position_state(), bool(self._stand_in))
+                          data_changed=data_changes(found, self.cfg, bool(self._stand_in)),
+                          epochs=self.cfg.train.epochs)
+        if not self.cfg.train.epochs:
+            position()
         return found
 
     def _open_run_dir(self, resumed: str | None) -> None:
@@ -174,7 +182,7 @@ class SavedState:
         name, state = self.tiers.restore(found, self.model, self.optimizer)
         check_data_position(name, state["data"], len(self.data.train), self.cfg.train.order_seed,
                             self.cfg.train.global_batch_size, self.data.position_state())
-        check_steps_ahead(name, state["step"], self.cfg.train.steps)
+        check_steps_ahead(name, state["step"], self.cfg.train.steps, self.cfg.train.epochs)
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
         self._optim_changes = apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.optim)
