@@ -24,7 +24,8 @@ from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
-from shardline.launch_notes import lr_low_for_new_weights, unused_settings, vocab_rows_added, warmup_covers_run
+from shardline.launch_notes import (lr_low_for_new_weights, unused_settings, val_path_in_training_data,
+                                    vocab_rows_added, warmup_covers_run)
 from shardline.devices import DATASHEETS, local_datasheet
 from shardline.errors import ConfigError
 from shardline.layout.degrees import shard_degree
@@ -153,6 +154,10 @@ def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int, known
         lines.append(f"notes     the model's vocabulary of {rows:,} rows is far past the tokenizer's {vocab:,} tokens: "
                      "the rest are never trained (give data.tokenizer the model's own tokenizer.json"
                      + (f", or data.vocab_size={rows} for a BPE trained up to that size)" if not known else ")"))
+    inside = val_path_in_training_data(cfg)
+    if inside:
+        lines.append(f"notes     data.val_path={cfg.data.val_path} is (inside) {inside}: the eval loss is a "
+                     "training loss")
     added = vocab_rows_added(cfg, launch.model_args, resumes)
     if added:
         unused = f"; {added[1] - vocab:,} rows no token of the tokenizer uses" if vocab < added[1] else ""

@@ -145,7 +145,7 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if cfg.train.epochs:  # (a train.steps given too is replaced)
         notes.append(("steps_from_epochs", {"epochs": cfg.train.epochs, "steps": cfg.train.steps,
                                             "why": "train.epochs sets the run's length; train.steps follows"}))
-    inside = _val_path_in_training_data(cfg)
+    inside = val_path_in_training_data(cfg)
     if inside:  # allowed (a training loss measured on purpose), but rarely meant
         notes.append(("evaluates_on_training_data", {"val_path": cfg.data.val_path, "inside": inside,
                                                       "why": "the eval loss is then a training loss"}))
@@ -211,7 +211,7 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
             for key in keys if given[section][key] != default[section][key]}
 
 
-def _val_path_in_training_data(cfg: Config) -> str:
+def val_path_in_training_data(cfg: Config) -> str:
     """The training source data.val_path is (or lies inside), as `key=path`, where it is evaluated
     on; "" for none. A source is what it reads: a DatasetDict's train split, a pattern's matches."""
     if not cfg.data.val_path or not cfg.train.eval_interval:

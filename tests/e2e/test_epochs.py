@@ -58,6 +58,8 @@ def test_a_relaunch_names_epochs_where_steps_would_be_replaced_or_run_behind(tin
     assert main(run) == 0
     assert main(["train", f"--run.dir={tmp_path / 'run'}", "--train.steps=40"]) == 2  # an extension that would not
     assert "--train.steps=40 would be replaced: train.epochs=0.003 derives the run's steps" in capsys.readouterr().err
+    assert main(["train", f"--run.dir={tmp_path / 'run'}", "--train.steps=40", "--train.epochs=0.006"]) == 2
+    assert "--train.steps=40 and --train.epochs=0.006 both give the run's length: give one" in capsys.readouterr().err
     assert main(["train", f"--run.dir={tmp_path / 'run'}", "--train.epochs=0.001"]) == 2  # behind the saved step
     assert "train.epochs=0.001 gives train.steps=2, behind" in capsys.readouterr().err
     assert main(["train", f"--run.dir={tmp_path / 'run'}", "--train.epochs=0.006"]) == 0  # more passes: it goes on

@@ -172,12 +172,15 @@ def test_a_chat_mixture_reads_it_as_chat_and_a_folder_of_both_kinds_is_named(spl
         build_data(_cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={folder}"))
 
 
-def test_a_validation_file_inside_the_training_data_is_said(split, tmp_path):
+def test_a_validation_file_inside_the_training_data_is_said(split, tmp_path, capsys):
     from shardline.launch_notes import launch_notes
 
     root, tok = split
     cfg = _cfg(tmp_path, root, tok, f"data.val_path={root / 'validation.jsonl'}")
     assert dict(launch_notes(cfg, "cpu", 1.0, 1))["evaluates_on_training_data"]["inside"] == f"data.path={root}"
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'dry'}", f"--data.path={root / 'train.jsonl'}",
+                 f"--data.tokenizer={tok}", f"--data.val_path={root / 'train.jsonl'}"]) == 0  # the dry run says it
+    assert f"is (inside) data.path={root / 'train.jsonl'}: the eval loss is a training loss" in capsys.readouterr().out
     assert "evaluates_on_training_data" not in dict(launch_notes(
         _cfg(tmp_path, root / "train.jsonl", tok, f"data.val_path={root / 'validation.jsonl'}"), "cpu", 1.0, 1))
     glob = _cfg(tmp_path, f"{root}/*.jsonl", tok, f"data.val_path={root / 'validation.jsonl'}")

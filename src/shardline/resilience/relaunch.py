@@ -65,6 +65,9 @@ def _steps_not_replaced(cfg: Config, overrides) -> Config:
     """A --train.steps given where train.epochs (from the file, or a run's saved config) derives the
     steps would be replaced in silence: a relaunch meant to extend a run trained to its old end."""
     given = _given(overrides)
+    if cfg.train.epochs and {"train.steps", "train.epochs"} <= given:
+        raise ConfigError(f"--train.steps={cfg.train.steps} and --train.epochs={cfg.train.epochs:g} both give the "
+                          "run's length: give one (train.epochs derives the steps from the data)")
     if cfg.train.epochs and "train.steps" in given and "train.epochs" not in given:
         raise ConfigError(f"--train.steps={cfg.train.steps} would be replaced: train.epochs={cfg.train.epochs:g} "
                           "derives the run's steps from its data; give --train.epochs=N (more passes), or "
