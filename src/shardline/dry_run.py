@@ -70,9 +70,10 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
             raise ConfigError(f"{e} (the dry run checked one process: give --world-size N for the launch's)") from None
     check_layout_before_data(cfg, world)
     data, folder_tokenizer = data_summary(cfg)
-    if cfg.train.epochs:  # the steps follow from the sequences: read (and tokenize) the data as the launch does
-        resolve_epochs(cfg, len(build_data(cfg).train))
-    resume = check_resume(cfg)
+    bundle = build_data(cfg) if cfg.train.epochs else None  # the steps follow from the sequences: read (and
+    if bundle is not None:  # tokenize) the data as the launch does; a resume's position is then checked with it
+        resolve_epochs(cfg, len(bundle.train))
+    resume = check_resume(cfg, bundle, stand_in is not None)
     check_rollback_target(cfg, resume)
     if cfg.model.hf_path and resume is None:  # the launch reads its weights: a folder without them fails there
         check_hf_weights(cfg.model.hf_path)
@@ -85,8 +86,8 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
     check_resume_fits(resume, launch.model_args, cfg.train.steps, add_bos, vocab_known=known, data_changed=changed,
                       epochs=cfg.train.epochs)
     prepared = all(is_prepared(path) for path in [s.path for s in cfg.data.mix] or [cfg.data.path])
-    if resume and (changed or prepared):  # data settings changed (tokenized here), or shards read at no cost:
-        _check_resumed_data(cfg, world, resume, changed, stand_in is not None)  # compared as the launch does
+    if resume and (changed or prepared) and bundle is None:  # data settings changed (tokenized here), or shards
+        _check_resumed_data(cfg, world, resume, changed, stand_in is not None)  # read at no cost: as the launch
     check_device(cfg, launch.layout, on_cuda=cfg.run.device != "cpu", node_paths=False, fp8_target=_fp8_target(gpu))
     target = ("" if cfg.run.device != "auto" or torch.cuda.is_available() else
               " (as a CUDA launch: run.device=auto, and this machine has no GPU, where it would train on the "
@@ -138,7 +139,8 @@ def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool, world: int, 
                      "schedule is computed from step 0 with the new settings)")
     last = cfg.train.last_step
     if step >= last:
-        lines.append(f"          nothing to train: it is at step {step}, the run ends at {last} (train.steps"
+        given = f"train.steps, from train.epochs={cfg.train.epochs:g}" if cfg.train.epochs else "train.steps"
+        lines.append(f"          nothing to train: it is at step {step}, the run ends at {last} ({given}"
                      + (", train.stop_at_step)" if cfg.train.stop_at_step else ")"))
     return lines
 

@@ -16,7 +16,7 @@ from shardline.data.encode import CHAT_END, CHAT_START
 from shardline.data.folders import read_root
 from shardline.data.shards import is_prepared, tokenizer_hash
 from shardline.data.validation import val_format
-from shardline.data.tokenizer import KNOWN_EOS, eos_id, extends, load_tokenizer
+from shardline.data.tokenizer import KNOWN_EOS, eos_id, extends_file, load_tokenizer
 from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
 from shardline.interop.hf_config import hf_export_problem
@@ -109,7 +109,7 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             "note": "past the positions the starting weights were trained for (no RoPE scaling is added); the "
                     "export records the longer max_position_embeddings"}))
     own = _own_tokenizer(cfg) if start and cfg.data.tokenizer else None
-    if own is not None and _differ(own, Path(cfg.data.tokenizer)) and not _extends(Path(cfg.data.tokenizer), own):
+    if own is not None and _differ(own, Path(cfg.data.tokenizer)) and not extends_file(cfg.data.tokenizer, own):
         notes.append(("tokenizer_not_the_weights", {
             "tokenizer": cfg.data.tokenizer, "theirs": str(own),
             "why": "its ids may name other rows of the embedding than the weights learned; unset data.tokenizer "
@@ -201,7 +201,6 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("data", ("val_fraction",), all(map(is_prepared, paths)) or bool(cfg.data.val_path),
               "data.val_path is the held-out data" if cfg.data.val_path else
               "the data is prepared: `shardline prepare --val-fraction` fixed its held-out split"),
-             ("data", ("val_path",), not cfg.train.eval_interval, "train.eval_interval=0: nothing is evaluated"),
              ("train", ("skip_batches",), min(cfg.train.skip_batches, default=0) >= cfg.train.steps,
               f"the run reads batches 0..{cfg.train.steps - 1}: every one named lies past them"),
              ("parallel", ("zero",), layout is not None and layout.dp_mode in ("ddp", "single")
@@ -268,14 +267,6 @@ def vocab_rows_added(cfg: Config, model: ModelArgs | None, resumed: bool) -> tup
     except (OSError, ValueError, KeyError, TypeError, ShardlineError):
         return None
     return (rows, model.vocab_size) if model.vocab_size > rows else None
-
-
-def _extends(tokenizer: Path, theirs: Path) -> bool:
-    """Whether the file `tokenizer` holds `theirs` with tokens added (tokenizer.extends)."""
-    try:
-        return extends(load_tokenizer(str(tokenizer)), load_tokenizer(str(theirs)))
-    except (OSError, ValueError, ShardlineError):
-        return False
 
 
 def _differ(a: Path, b: Path) -> bool:

@@ -22,8 +22,8 @@ from shardline.config import Config
 from shardline.data.validation import held_out_problem
 from shardline.data.folders import read_root
 from shardline.data.shards import is_prepared, prepared_with_own_bpe
-from shardline.data.tokenizer import bos_prefix, extends, load_tokenizer
-from shardline.errors import CheckpointError, ConfigError, ShardlineError
+from shardline.data.tokenizer import bos_prefix, extends_file
+from shardline.errors import CheckpointError, ConfigError
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_files import TOKENIZER_NAME
 from shardline.metrics import require_tensorboard
@@ -93,11 +93,7 @@ def _prepared_with_theirs_extended(cfg: Config, theirs: Path) -> bool:
     paths = [p for p in [s.path for s in cfg.data.mix] or [cfg.data.path] if is_prepared(p)]
     if not paths:
         return False
-    try:
-        own = load_tokenizer(str(theirs))
-        return all(extends(load_tokenizer(str(Path(p) / TOKENIZER_NAME)), own) for p in paths)
-    except (OSError, ValueError, ShardlineError):
-        return False
+    return all(extends_file(Path(p) / TOKENIZER_NAME, theirs) for p in paths)
 
 
 def gone_start_checkpoint(cfg: Config) -> Path | None:
@@ -250,7 +246,8 @@ def check_resume_fits(path: Path | None, args: ModelArgs, steps: int, add_bos: b
     verified when chosen; its manifest and meta.json are read as they are (unreadable ones are
     left to the load to report). `vocab_known` False: the vocabulary is a dry run's estimate
     (a BPE trained at launch), not compared. `data_changed`: the data settings changed since the
-    checkpoint (recovery.data_changes), which a vocabulary's change comes from."""
+    checkpoint (recovery.data_changes), which a vocabulary's change comes from. `epochs`:
+    train.epochs, which derived `steps` (what a run behind the checkpoint is told to raise)."""
     if path is None:
         return
     step = _read_json(Path(path) / MANIFEST, "step")
@@ -341,17 +338,21 @@ def _raise(problem: str | None) -> None:
         raise ConfigError(problem)
 
 
-def check_resume(cfg: Config) -> Path | None:
+def check_resume(cfg: Config, data=None, stand_in: bool = False) -> Path | None:
     """The checkpoint a launch would resume from (None: a new run), or the error it would stop
     with: no valid one, or one whose batch size, seed or skipped batches this config contradicts.
-    (The launch also compares the number of training sequences, which needs the data tokenized.)"""
+    `data` (a DataBundle: read for train.epochs) adds what the launch compares with the data read
+    (the number of training sequences, its position): without it, that needs the data tokenized."""
     if Path(cfg.run.dir).exists() and not Path(cfg.run.dir).is_dir():
         raise ConfigError(f"run.dir={cfg.run.dir!r} is a file; give a folder")
     checkpointer = Checkpointer(Path(cfg.run.dir), cfg.checkpoint.keep)
     path = resume_path(cfg, checkpointer)[0]
     if path is not None and cfg.run.resume not in ("auto", "latest", "never"):
         checkpointer.verify(path)  # a named one is not chosen among valid ones: check it as the load would
-    check_saved_position(path, cfg)
+    if data is None:
+        check_saved_position(path, cfg)
+    else:
+        check_saved_position(path, cfg, len(data.train), data.position_state(), stand_in)
     return path
 
 

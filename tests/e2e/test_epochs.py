@@ -70,3 +70,22 @@ def test_a_relaunch_names_epochs_where_steps_would_be_replaced_or_run_behind(tin
 def test_the_steps_are_not_one_more_for_a_float_product(tiny_config):
     train = tiny_config("train.epochs=0.07", "train.global_batch_size=8").train
     assert train.steps_for_epochs(800) == 7  # (0.07 x 800 is 56.000000000000007)
+
+
+def test_the_dry_run_names_shrunk_data_before_the_steps_it_gives(tmp_path, capsys, small_corpus, small_prepared):
+    """Under epochs the steps follow the data: a resume onto fewer sequences is that change (as the
+    launch says it), not a run behind its checkpoint to be given more epochs."""
+    data = tmp_path / "data.jsonl"
+    lines = small_corpus.read_text().splitlines()
+    data.write_text("\n".join(lines) + "\n")
+    args = ["train", f"--run.dir={tmp_path / 'run'}", f"--data.path={data}",
+            f"--data.tokenizer={small_prepared / 'tokenizer.json'}",
+            "--train.seq_len=32", "--train.global_batch_size=8", "--train.micro_batch_size=4", "--model.dim=64",
+            "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
+            "--train.eval_interval=0", "--metrics.tensorboard=false", "--metrics.progress=none",
+            "--train.epochs=0.004", "--checkpoint.interval=4"]
+    assert main(args) == 0
+    data.write_text("\n".join(lines[:40]) + "\n")  # a quarter of the text: fewer steps than saved
+    assert main([*args, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "was trained on other data" in err and "raise train.epochs" not in err

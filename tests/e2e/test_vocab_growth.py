@@ -96,7 +96,6 @@ def test_added_rows_start_at_the_mean_as_transformers_resize_does(tiny_config, s
     assert all(token in (tmp_path / "out" / "tokenizer.json").read_text() for token in ADDED)  # the run's tokenizer
     embed = out.get_input_embeddings().weight
     assert not torch.equal(embed[rows], embed[rows + 1])  # trained apart: the text holds both tokens
-    assert torch.equal(embed[rows + len(ADDED)], embed[grown - 1])  # rows no token uses get no gradient in
     with torch.no_grad():
         torch.testing.assert_close(out(ids).logits, trainer.model.eval()(ids).float(), rtol=0, atol=1e-5)
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

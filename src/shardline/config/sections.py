@@ -9,7 +9,6 @@ world size live with the layout (`shardline.layout`) and the launch checks.
 from __future__ import annotations
 
 import math
-
 import re
 from dataclasses import dataclass, field
 

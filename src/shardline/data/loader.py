@@ -229,7 +229,7 @@ def load_val(cfg: Config, tok: Tokenizer) -> PackedSequences | MixedSequences:
 
 def _check_val_tokenizer(own: Tokenizer, run: Tokenizer, path: str) -> None:
     """A prepared data.val_path folder holds the ids of the run's tokenizer."""
-    if tokenizer_hash(own) != tokenizer_hash(run):
+    if tokenizer_hash(own) != tokenizer_hash(run):  # (as this `tokenizers` writes them: _check_mixture_tokenizer)
         raise DataError(f"data.val_path={path!r} was prepared with another tokenizer than the run's; prepare it with "
                         "--tokenizer naming the run's tokenizer.json (or give it raw)")
 

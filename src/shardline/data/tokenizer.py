@@ -168,7 +168,6 @@ def vocabulary_fingerprint(tok: Tokenizer) -> str:
     return hashlib.sha256(json.dumps(table, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-
 def extends(tok: Tokenizer, theirs: Tokenizer) -> bool:
     """Whether `tok` is `theirs` with tokens added (chat markers, say): the same model, normalizer,
     pre-tokenizer and the rest, and added tokens beyond theirs, each of theirs at its id. Aside: the
@@ -181,6 +180,14 @@ def extends(tok: Tokenizer, theirs: Tokenizer) -> bool:
         return False
     framed = _framing(tok)
     return framed is not None and framed == _framing(theirs)
+
+
+def extends_file(path: str | os.PathLike, theirs: str | os.PathLike) -> bool:
+    """extends() of two tokenizer.json files; False where either cannot be read."""
+    try:
+        return extends(load_tokenizer(str(path)), load_tokenizer(str(theirs)))
+    except (OSError, ValueError, DataError):
+        return False
 
 
 def _framing(tok: Tokenizer) -> tuple[list[int], list[int]] | None:

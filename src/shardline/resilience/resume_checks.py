@@ -21,8 +21,8 @@ def check_saved_position(path: Path | None, cfg: Config, num_samples: int | None
     """Checkpoint `path`'s saved trainer state agrees with this config (batch size, seed, skipped
     batches, steps) and, given them, with the data read (`num_samples` training sequences, its
     `position`: DataBundle.position_state), or the one-line error: checked before a start takes
-    the run dir's lock and sets newer checkpoints aside for it. A dry run, which has not read the
-    data, passes no count (the saved one stands in)."""
+    the run dir's lock and sets newer checkpoints aside for it. A dry run that has not read the
+    data (it reads it for train.epochs) passes no count (the saved one stands in)."""
     state_file = Path(path) / "trainer" / "rank0.pt" if path is not None else None
     if state_file is None or not state_file.is_file():
         return

@@ -111,8 +111,9 @@ class SavedState:
         return launch, found
 
     def _choose_resume(self, model_args, repaired: bool = False) -> Path | None:
-        """The checkpoint to resume (resume_path), checked to fit this run (check_resume_fits);
-        rank 0's choice is made every rank's later (agree_on_resume)."""
+        """The checkpoint to resume (resume_path), checked to fit this run (check_resume_fits) and
+        its data (check_saved_position; first under train.epochs, whose steps follow the data and
+        batch: a change of those is the cause to name); rank 0's choice is every rank's later."""
         found, self._invalid_checkpoints = resume_path(self.cfg, self.checkpointer, repaired=repaired)
         position = lambda: check_saved_position(found, self.cfg, len(self.data.train),  # noqa: E731
                                                 self.data.position_state(), bool(self._stand_in))
