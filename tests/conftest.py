@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from shardline.config import Config, load_config
 from shardline.data.sources import shipped_corpus
@@ -145,3 +147,14 @@ def autograd_nodes(out) -> list:
             nodes.append(node)
             stack.extend(next_node for next_node, _ in node.next_functions)
     return nodes
+
+
+@contextlib.contextmanager
+def no_group_left():
+    """A one-process run under CPU offload makes the process its own one-rank group: destroyed on
+    the way out, for the next test in this worker."""
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

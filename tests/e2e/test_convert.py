@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from shardline.cli import main
 from shardline.config import load_config
@@ -19,7 +18,7 @@ from shardline.interop.model_shape import model_shape
 from shardline.preflight import use_model_tokenizer
 from shardline.resilience.checkpoint import read_meta
 from shardline.trainer import Trainer
-from tests.conftest import tiny_overrides
+from tests.conftest import no_group_left, tiny_overrides
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,7 +111,7 @@ def test_train_from_hf_folder(tiny_config, small_prepared, tmp_path, monkeypatch
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.save_pretrained(tmp_path / "hf")
     extra = ["memory.cpu_offload=true"] if sharded else []
-    try:  # offload makes the process its own one-rank group: gone after, for the next test in this worker
+    with no_group_left():
         trainer = Trainer(tiny_config("train.steps=2", f"model.hf_path={tmp_path / 'hf'}", *extra,
                                       _data_tokenizer(small_prepared))).build()
         assert (trainer.dims.mesh is not None) == sharded
@@ -122,9 +121,6 @@ def test_train_from_hf_folder(tiny_config, small_prepared, tmp_path, monkeypatch
             torch.testing.assert_close(trainer.model.eval()(ids), hf(ids).logits, rtol=0, atol=1e-4)
         trainer.model.train()
         trainer.train()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def test_a_resume_does_not_read_the_hf_weights_again(tiny_config, small_prepared, tmp_path):

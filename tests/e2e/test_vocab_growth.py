@@ -8,13 +8,13 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from shardline.cli import main
 from shardline.data.sources import read_documents
 from shardline.data.tokenizer import train_bpe
 from shardline.errors import CheckpointError, ConfigError
 from shardline.trainer import Trainer
+from tests.conftest import no_group_left
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,7 +78,7 @@ def test_added_rows_start_at_the_mean_as_transformers_resize_does(tiny_config, s
         key = f"model.init_from={tmp_path / 'ckpt'}"
     grown = rows + len(ADDED) + 3  # rows no token uses yet too (a multiple of 8 for the kernels, say)
     extra = ["memory.cpu_offload=true"] if sharded else []
-    try:
+    with no_group_left():
         trainer = Trainer(_config(tiny_config, start, key, f"model.vocab_size={grown}", *extra)).build()
         assert (trainer.dims.mesh is not None) == sharded and trainer.model_args.vocab_size == grown
         hf = _resized_reference(folder, grown)
@@ -87,9 +87,6 @@ def test_added_rows_start_at_the_mean_as_transformers_resize_does(tiny_config, s
             torch.testing.assert_close(trainer.model.eval()(ids), hf(ids).logits, rtol=0, atol=1e-5)
         trainer.model.train()
         trainer.train()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     out = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert out.config.vocab_size == grown and out.config.tie_word_embeddings == tied

@@ -39,14 +39,9 @@ def starting_shape(m: ModelConfig, stand_in: Path | None = None) -> ModelArgs | 
 
 
 def starting_rows(m: ModelConfig) -> int:
-    """The vocabulary rows of the weights a run starts from, from their config.json or meta.json
-    alone (nothing hashed: loading them verifies them); 0 for a run from scratch."""
-    if m.hf_path:
-        return read_hf_config(m.hf_path).vocab_size
-    if m.init_from:
-        meta = json.loads((Path(m.init_from) / "meta.json").read_text(encoding="utf-8"))
-        return int(meta["model_args"]["vocab_size"])
-    return 0
+    """The vocabulary rows of the weights a run starts from (their starting_shape); 0 for a run from scratch."""
+    start = starting_shape(m)
+    return start.vocab_size if start is not None else 0
 
 
 def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = None,
