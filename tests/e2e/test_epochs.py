@@ -89,3 +89,22 @@ def test_the_dry_run_names_shrunk_data_before_the_steps_it_gives(tmp_path, capsy
     assert main([*args, "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "was trained on other data" in err and "raise train.epochs" not in err
+
+
+def test_a_printed_or_saved_config_says_its_steps_are_the_epochs_to_set(tiny_config, tmp_path, capsys):
+    """Under train.epochs, train.steps in a printed config (or plan --emit-config's) is a default the
+    launch replaces: its line says so, and the file still reads as the same config."""
+    from shardline.config import load_config
+
+    assert main(["train", "--print-config", "--train.epochs=2"]) == 0
+    text = capsys.readouterr().out
+    steps_line = next(line for line in text.splitlines() if line.startswith("steps = "))
+    assert steps_line.endswith("# train.epochs=2 sets this at launch, from the data")
+    (tmp_path / "my.toml").write_text(text, encoding="utf-8")
+    assert load_config(tmp_path / "my.toml") == load_config(None, ["train.epochs=2"])
+    assert main(["train", "--print-config"]) == 0  # (without epochs: no remark)
+    assert "sets this at launch" not in capsys.readouterr().out
+    trainer = Trainer(tiny_config("train.epochs=0.01", "train.eval_interval=0")).build()
+    saved = (tmp_path / "run" / "config.toml").read_text(encoding="utf-8")
+    assert f"steps = {trainer.cfg.train.steps}  # train.epochs=0.01 sets" in saved
+    assert load_config(tmp_path / "run" / "config.toml").train.steps == trainer.cfg.train.steps

@@ -250,5 +250,8 @@ def _set_section(cfg: Config, name: str, values: Any) -> None:
 
 
 def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML (saved in the run dir so a run can be repeated)."""
-    return reader.to_toml(cfg)
+    """The resolved config as TOML (saved in the run dir so a run can be repeated). Under
+    train.epochs, train.steps is the launch's to derive: its line says so, lest it be read as the length."""
+    remarks = {"train.steps": f"train.epochs={cfg.train.epochs:g} sets this at launch, from the data"
+               } if cfg.train.epochs else None
+    return reader.to_toml(cfg, remarks=remarks)

@@ -199,17 +199,24 @@ def _finite(key: str, value: Any) -> float:
     return number
 
 
-def to_toml(obj: Any, comment: str = "") -> str:
-    """A dataclass (or a dict) as TOML: scalars first, then one table per nested dataclass or dict."""
+def to_toml(obj: Any, comment: str = "", remarks: dict[str, str] | None = None) -> str:
+    """A dataclass (or a dict) as TOML: scalars first, then one table per nested dataclass or dict.
+    `remarks`: a comment at the end of a key's line, by "table.key" (a value a reader would misread)."""
     values = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else dict(obj)
+    remarks = remarks or {}
+
+    def entry(key: str, v: Any, table: str = "") -> str:
+        remark = remarks.get(f"{table}.{key}" if table else key)
+        return f"{key} = {toml_value(v)}" + (f"  # {remark}" if remark else "")
+
     lines = [f"# {line}" for line in comment.splitlines()]
-    lines += [f"{k} = {toml_value(v)}" for k, v in values.items() if v is not None and not isinstance(v, dict)]
+    lines += [entry(k, v) for k, v in values.items() if v is not None and not isinstance(v, dict)]
     for name, table in values.items():
         if isinstance(table, dict):
             if lines:
                 lines.append("")
             lines.append(f"[{name}]")
-            lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]
+            lines += [entry(k, v, name) for k, v in table.items() if v is not None]
     return "\n".join(lines) + "\n"
 
 
