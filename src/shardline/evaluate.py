@@ -73,11 +73,14 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     """(the evaluation's config, the checkpoint, its step): the checkpoint's run config (its kept
     sections), the overrides, and the settings this command owns."""
     from shardline.interop.convert import checkpoint_tokenizer, resolve_checkpoint
-    from shardline.resilience.checkpoint import read_meta
+    from shardline.resilience.checkpoint import verify
     from shardline.resilience.recovery import saved_step
 
-    ckpt = resolve_checkpoint(Path(src))  # a run dir's newest valid one (a folder named is verified as it loads)
-    saved = read_meta(ckpt).get("config") or {}  # none for a checkpoint converted from HF: the defaults
+    ckpt = resolve_checkpoint(Path(src))  # a run dir's newest valid one: verified as it was chosen
+    if ckpt == Path(src):  # a folder named: verified here, and the load does not hash it again (minutes at 70B)
+        verify(ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))  # (verified: read as it is)
+    saved = meta.get("config") or {}  # none for a checkpoint converted from HF: the defaults
     cfg = from_dict({name: table for name, table in saved.items() if name in KEPT_SECTIONS})
     if isinstance(saved.get("data"), dict) and "add_bos" not in saved["data"]:  # saved before it: no BOS, as a
         cfg.data.add_bos = False  # resume reads it (config.load_relaunch_config)
@@ -157,7 +160,7 @@ def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = N
         if ranks_differing(str(ckpt), proc.world_size):  # a run still saving: its newest is not every rank's alike
             raise on_every_rank(ConfigError(f"the ranks found different newest checkpoints in {src} (a run saving "
                                             "now?): name one checkpoint folder (RUN/checkpoints/step-N)"))
-        trainer = Trainer(cfg).build()
+        trainer = Trainer(cfg, start_verified=True).build()  # (by eval_config, on every rank)
         try:
             # (any data setting given here may change the tokens: only the run's own data as it saved it is compared;
             # a validation file is not cut from the training data)

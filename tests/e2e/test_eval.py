@@ -201,3 +201,17 @@ def test_a_run_whose_checkpoints_folder_links_to_another_disk_finds_its_tokenize
     assert main(["eval", str(run), "--batches", "1"]) == 0
     assert main(["convert", "to-hf", str(run), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").is_file() and "without a tokenizer" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["run dir", "checkpoint"])
+def test_a_checkpoint_is_hashed_once_by_an_evaluation(trained, capsys, monkeypatch, given):
+    """Hashing a large checkpoint takes minutes: a run dir's newest valid one is verified as it is
+    chosen, and not again as it loads (it was twice); a checkpoint named is verified by its load."""
+    from shardline.resilience import checkpoint
+
+    run, logged = trained
+    hashed, sha256 = [], checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda path: hashed.append(path.name) or sha256(path))
+    src = run if given == "run dir" else run / "checkpoints" / "step-000004"
+    assert _eval(capsys, str(src))["loss"] == pytest.approx(logged["eval_loss"], rel=1e-6)
+    assert hashed.count("meta.json") == 1

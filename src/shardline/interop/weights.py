@@ -30,17 +30,19 @@ from shardline.resilience.checkpoint import load_weights, verify
 from shardline.resilience.safe_load import load_state
 
 
-def load_starting_weights(m: ModelConfig, model: nn.Module, sharded: bool) -> None:
+def load_starting_weights(m: ModelConfig, model: nn.Module, sharded: bool, verified: bool = False) -> None:
     """Load model.hf_path or model.init_from (if set) into the laid-out `model`; weights holding NaN
     or inf are refused on every rank (each checks its own part). A model.vocab_size above their
-    rows (model_shape allows no other change) adds rows at the mean of theirs (grow_rows)."""
+    rows (model_shape allows no other change) adds rows at the mean of theirs (grow_rows).
+    `verified`: every rank verified init_from already (eval chose a run dir's newest valid one)."""
     stored = starting_rows(m) if m.vocab_size else 0  # (nothing hashed: the load verifies a checkpoint)
     grown = 0 < stored < m.vocab_size  # (the same on every rank: from the config and files)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if m.hf_path:
         _load_hf(model, m.hf_path, sharded or grown)
     if m.init_from:  # verified on every rank first, a refusal agreed (one node's damaged copy, not a hang)
-        agreed(lambda: verify(Path(m.init_from)), world)
+        if not verified:
+            agreed(lambda: verify(Path(m.init_from)), world)
         if grown:
             _load_checkpoint_grown(model, Path(m.init_from), stored)
         else:

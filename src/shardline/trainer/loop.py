@@ -61,10 +61,11 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
     """One run of a config: `Trainer(cfg).build()` sets up the layout, model, data and run dir (and
     resumes what the dir holds), `train()` trains to train.steps. See the module docstring."""
 
-    def __init__(self, cfg: Config, started: float | None = None):
+    def __init__(self, cfg: Config, started: float | None = None, start_verified: bool = False):
         """`started`: when this launch began, for the run's goodput account (its start-up time): the
         CLI gives the process's start, imports included; by default, now (a notebook's Trainer is not
-        charged for the time the kernel sat idle before it)."""
+        charged for the time the kernel sat idle before it). `start_verified`: every rank has verified
+        model.init_from already (shardline eval's choice of a run dir's newest valid checkpoint hashed it)."""
         cfg.check_sections()  # those that involve the layout, the data and the model come in build()
         expand_home(cfg)  # (load_config did; paths set in code since have not been)
         self.cfg = cfg
@@ -73,6 +74,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.allocator = configure_allocator(self.device, cfg.memory.expandable_segments)  # before CUDA starts
         self.step = 0  # optimizer updates completed
         self.started = time.time() if started is None else started
+        self.start_verified = start_verified
         self._invalid_checkpoints: list[str] = []
         self._optim_changes: dict[str, list] = {}
         self._config_changes: dict[str, list] = {}
@@ -112,7 +114,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         # loads now, so a bad folder fails before the lock; a resume does not load what it replaces.
         starting_loaded = rank0_decides(resume_from is None, self.proc.rank, self.proc.world_size)
         if starting_loaded:
-            load_starting_weights(cfg.model, built.model, sharded=self.dims.mesh is not None)
+            load_starting_weights(cfg.model, built.model, self.dims.mesh is not None, self.start_verified)
         self.hf_fields = starting_hf_fields(cfg.model, gone_start_checkpoint(cfg))  # dtype, special tokens: for export
         # The parameters (optimizer, checkpoints, clipping), and how to run them (runner): a
         # module to call (DDP-wrapped or not; train.compile compiled its blocks) or, under pp,
@@ -154,7 +156,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
                 self._set_aside = agreed(lambda: self._set_aside_newer(found), self.proc.world_size)  # before it
                 resumed = self._restore(found) if found is not None else None
                 if found is None and not starting_loaded:  # the checkpoint chosen before the lock is gone:
-                    load_starting_weights(cfg.model, self.model, sharded=self.dims.mesh is not None)  # (as above)
+                    load_starting_weights(cfg.model, self.model, self.dims.mesh is not None, self.start_verified)
             self._open_run_dir(resumed)
         except BaseException:
             with contextlib.suppress(Exception):  # the error that stopped the start is the one to report
