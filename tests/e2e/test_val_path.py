@@ -106,7 +106,7 @@ def test_a_run_evaluates_on_it_and_eval_gives_the_logged_loss(split, tmp_path, c
     assert json.loads(out.strip().splitlines()[-1])["sequences"] == len(alone.train) and "changed" not in err
 
 
-def test_eval_on_a_validation_file_alone_needs_no_training_data(split, tmp_path, capsys):
+def test_eval_on_a_validation_file_alone_needs_no_training_data(split, tmp_path, capsys, monkeypatch):
     """The run's training file gone (another machine, another directory): --data.val_path suffices."""
     root, tok = split
     train = tmp_path / "train.jsonl"
@@ -116,8 +116,18 @@ def test_eval_on_a_validation_file_alone_needs_no_training_data(split, tmp_path,
     logged = next(json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
                   if json.loads(line)["kind"] == "eval")
     train.unlink()
+    from shardline.data import loader
+
+    reads, read_documents = [], loader.read_documents
+    monkeypatch.setattr(loader, "read_documents", lambda path, *a, **k: reads.append(path) or read_documents(
+        path, *a, **k))
     got = _eval_json(capsys, str(tmp_path / "run"), f"--data.val_path={root / 'validation.jsonl'}")
     assert got["loss"] == pytest.approx(logged["eval_loss"], rel=1e-6) and got["data"] == str(root / "validation.jsonl")
+    assert reads == [str(root / "validation.jsonl")]  # read and tokenized once (it was twice: as stand-in data too)
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"text": "a few words"}) + "\n", encoding="utf-8")
+    assert main(["eval", str(tmp_path / "run"), f"--data.val_path={short}"]) == 2
+    assert f"data.val_path={str(short)!r} holds" in capsys.readouterr().err  # (not "training tokens")
 
 
 def test_the_dry_run_refuses_a_folder_prepared_with_another_tokenizer_and_unused_is_said(split, tmp_path, capsys):

@@ -162,9 +162,17 @@ def build_data(cfg: Config) -> DataBundle:
     if d.mix:
         return _build_mixture(cfg)
     left_out: dict = {}
+    # data.val_path the training file itself (eval's stand-in for the run's data, or a run evaluating on its
+    # training data), read alike: its packed sequences serve both, tokenized once
+    same = (d.val_path == d.path and t.eval_interval and not is_prepared(d.path) and val_format(cfg) == d.formats()[0])
+    if same:
+        _refuse_dataset_dict(d.val_path)
     tok, train, val = load_source(d.path, cfg, left_out=left_out)
+    if same:
+        check_val_size(train, cfg)  # (named as the validation file, before check_sizes names it training data)
     check_sizes(d.path or "the shipped corpus", train, val, cfg)
-    val = load_val(cfg, tok) if d.val_path and t.eval_interval else val  # (nothing evaluated: not read)
+    if d.val_path and t.eval_interval:  # (nothing evaluated: not read)
+        val = train if same else load_val(cfg, tok)
     check_replies_fit([(d.path, train)], val, cfg)
     return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed),
                       left_out=left_out, chat_template=rendering(cfg) if d.chat else "")
