@@ -115,14 +115,36 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> int:
 
 # Subcommands that live beside their feature: each module has `register(subparsers)`,
 # which adds its parser and sets `func(args, overrides) -> int`.
-_FEATURE_COMMANDS = ("shardline.interop.cli", "shardline.data.cli", "shardline.planner.cli", "shardline.simulator.cli",
-                     "shardline.generate", "shardline.evaluate")
+# The commands whose code lives with their feature: the module that builds each one's parser, and its
+# line in `shardline --help`. Only the command given has its module imported (they import torch, seconds):
+# the others are listed by name and line, so `shardline --help` and `train --help` answer at once.
+FEATURE_COMMANDS = {
+    "convert": ("shardline.interop.cli", "convert between shardline checkpoints and HF folders"),
+    "prepare": ("shardline.data.cli", "tokenize a corpus once into memory-mapped token shards (data.path = DIR)"),
+    "plan": ("shardline.planner.cli", "search parallel layouts for a model on N devices"),
+    "estimate": ("shardline.planner.cli", "memory breakdown and step time of a config"),
+    "calibrate": ("shardline.planner.cli", "measure this machine and write a hardware profile"),
+    "comm-bench": ("shardline.planner.cli", "under torchrun: time the job's collectives inside nodes and across "
+                                            "them, and write a [network] profile for plan and estimate"),
+    "simulate": ("shardline.simulator.cli", "simulate a training run under failures: goodput, lost GPU-hours, "
+                                            "checkpoint interval"),
+    "generate": ("shardline.generate", "sample text from a checkpoint (or a run dir's newest) to read what it learned"),
+    "eval": ("shardline.evaluate", "a checkpoint's loss and perplexity on held-out data, as training evaluates"),
+}
 
 
-def _register_feature_commands(sub) -> None:
-    for name in _FEATURE_COMMANDS:
-        if importlib.util.find_spec(name.rsplit(".", 1)[0]) and importlib.util.find_spec(name):
-            importlib.import_module(name).register(sub)
+def _register_feature_commands(sub, given: str | None) -> None:
+    """The `given` command's parser, built by its module (its page opens with its line), and the
+    others listed by name and line (not parsed: not the command given)."""
+    if given in FEATURE_COMMANDS:
+        module = FEATURE_COMMANDS[given][0]
+        importlib.import_module(module).register(sub)
+        for name, (owner, line) in FEATURE_COMMANDS.items():
+            if owner == module:
+                sub.choices[name].description = sub.choices[name].description or line
+    for name, (_, line) in FEATURE_COMMANDS.items():
+        if name not in sub.choices:
+            sub.add_parser(name, help=line)
 
 
 def _positive_int(text: str) -> int:
@@ -172,11 +194,15 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser for `argv` (None: sys.argv's): the command it gives is built whole."""
+    argv = sys.argv[1:] if argv is None else argv
+    given = next((a for a in argv if not a.startswith("-")), None)  # (the top level's options take no value)
     parser = _OneLineParser(prog="shardline", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"shardline {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model (default: tiny preset on the shipped corpus)",
+    line = "train a model (default: tiny preset on the shipped corpus)"
+    train = sub.add_parser("train", help=line, description=line,
                            epilog="any config key can be overridden as --section.key=value, e.g. --train.steps=50")
     train.add_argument("--config", action=OnlyOnce, help="TOML config file")
     train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
@@ -195,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(default: this machine's GPU, else h100-sxm assumed; "
                                                      "cpu with --run.device=cpu)")
     train.set_defaults(func=_train)
-    chk = sub.add_parser("check", help="test every rank (GEMM result and speed, all-reduce) before a long job",
+    line = "test every rank (GEMM result and speed, all-reduce) before a long job"
+    chk = sub.add_parser("check", help=line, description=line,
                          epilog="run under torchrun for all ranks; exit code 6 names a faulty or slow rank; "
                                 "config overrides (--section.key=value, e.g. --run.device=cpu) as train takes them")
     chk.add_argument("--config", action=OnlyOnce, help="TOML config (its run.device and [faults] drills apply)")
@@ -204,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--slow-factor", type=_factor_above_one, default=1.5,
                      help="a rank below the median GEMM throughput / this is slow (default 1.5)")
     chk.set_defaults(func=_check)
-    _register_feature_commands(sub)
+    _register_feature_commands(sub, given)
     return parser
 
 
@@ -281,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
             silence(1)
             sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-        parser = build_parser()
+        parser = build_parser(argv)
     except KeyboardInterrupt:
         return print("shardline: interrupted", file=sys.stderr) or 130
     args, unknown = parser.parse_known_args(argv)

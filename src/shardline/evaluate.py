@@ -257,9 +257,8 @@ def _remove_stale(base: Path, prefix: str) -> None:
 
 def register(sub) -> None:
     """The `eval` subcommand (cli.py's feature commands)."""
-    p = sub.add_parser("eval", help="a checkpoint's loss and perplexity on held-out data, as training evaluates",
-                       epilog="overrides (--data.path=..., --train.seq_len=..., --parallel.tp=2) change what the "
-                              "checkpoint's run config gives; under torchrun every rank takes part")
+    p = sub.add_parser("eval", epilog="overrides (--data.path=..., --train.seq_len=..., --parallel.tp=2) change what "
+                                      "the checkpoint's run config gives; under torchrun every rank takes part")
     p.add_argument("src", type=os.path.expanduser,
                    help="a run dir (its newest valid checkpoint) or a checkpoint folder")
     p.add_argument("--batches", type=int, default=None,

@@ -356,8 +356,7 @@ def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "a
 
 def register(sub) -> None:
     """The `generate` subcommand (cli.py's feature commands)."""
-    p = sub.add_parser("generate", help="sample text from a checkpoint (or a run dir's newest) to read what it learned",
-                       epilog="one process, one prompt: a look at a checkpoint; for serving, convert to-hf")
+    p = sub.add_parser("generate", epilog="one process, one prompt: a look at a checkpoint; for serving, convert to-hf")
     p.add_argument("src", type=os.path.expanduser,
                    help="a run dir (its newest valid checkpoint) or a checkpoint folder")
     p.add_argument("--prompt", default="The", help="the text to continue (default 'The'); with --chat, the user's "

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-import shardline.cli
 from shardline.cli import main
 from shardline.errors import ConfigError
 from shardline.simulator.cli import simulate
@@ -14,13 +13,6 @@ from shardline.simulator.job import make_job
 from shardline.simulator.settings import load_settings
 
 SMALL = ["simulate", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "1024", "--days", "10", "--seeds", "2"]
-
-
-@pytest.fixture(autouse=True)
-def _only_the_simulate_command(monkeypatch):
-    # Other feature commands (the planner) are built beside this one; keep these tests
-    # independent of their state.
-    monkeypatch.setattr(shardline.cli, "_FEATURE_COMMANDS", ("shardline.simulator.cli",))
 
 
 def run_json(capsys, *args: str) -> dict:

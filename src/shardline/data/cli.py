@@ -17,8 +17,7 @@ from shardline.errors import DataError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("prepare", help="tokenize a corpus once into memory-mapped token shards (data.path = DIR)",
-                       epilog="then train with --data.path=DIR; a rerun resumes an interrupted prepare")
+    p = sub.add_parser("prepare", epilog="then train with --data.path=DIR; a rerun resumes an interrupted prepare")
     p.add_argument("inputs", type=os.path.expanduser, nargs="*", metavar="INPUT",
                    help=".txt/.jsonl/.parquet/.arrow files (optionally .gz), folders of them, glob patterns "
                         "of them (quoted), or datasets save_to_disk folders")

@@ -15,7 +15,7 @@ from shardline.errors import ShardlineError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("convert", help="convert between shardline checkpoints and HF folders")
+    p = sub.add_parser("convert")
     p.add_argument("direction", choices=["to-hf", "from-hf"],
                    help="to-hf: checkpoint (or run dir) -> HF folder; from-hf: HF folder -> checkpoint")
     p.add_argument("src", type=os.path.expanduser,

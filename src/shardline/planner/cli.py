@@ -29,8 +29,7 @@ from shardline.planner.layout import FIX_KEYS, Workload, parse_fix, to_config
 
 
 def register(sub) -> None:
-    plan = sub.add_parser("plan", help="search parallel layouts for a model on N devices",
-                          description="Rank parallel layouts by predicted throughput. Config overrides "
+    plan = sub.add_parser("plan", description="Rank parallel layouts by predicted throughput. Config overrides "
                                       "(--section.key=value) go into the --emit-config file, but for those the "
                                       "plan chooses (batch, precision, [parallel], activation checkpointing: "
                                       "give them as plan options, --fix among them).")
@@ -58,7 +57,7 @@ def register(sub) -> None:
     plan.add_argument("--emit-config", metavar="FILE", help="write the best plan that `shardline train` runs")
     plan.set_defaults(func=_plan)
 
-    est = sub.add_parser("estimate", help="memory breakdown and step time of a config",
+    est = sub.add_parser("estimate",
                          epilog="config overrides (--section.key=value) change the --config file's settings")
     est.add_argument("--config", required=True, action=OnlyOnce, help="TOML config (as `shardline train` takes)")
     _device_args(est, required=False)
@@ -66,7 +65,7 @@ def register(sub) -> None:
     est.add_argument("--json", action="store_true", help="the estimate as JSON instead of text")
     est.set_defaults(func=_estimate)
 
-    cal = sub.add_parser("calibrate", help="measure this machine and write a hardware profile")
+    cal = sub.add_parser("calibrate")
     cal.add_argument("--out", type=os.path.expanduser,
                      default="calibration.toml", help="profile to write (default calibration.toml)")
     cal.add_argument("--quick", action="store_true", help="fewer sizes (~5 min on 2 cores, the full run ~21 min)")

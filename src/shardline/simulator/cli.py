@@ -27,7 +27,7 @@ _FLAG_KEYS = {
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "simulate", help="simulate a training run under failures: goodput, lost GPU-hours, checkpoint interval",
+        "simulate",
         description=__doc__.splitlines()[0],
         epilog="settings can also come from --config FILE.toml ([simulate], [failures]) or "
                "--simulate.KEY=VALUE / --failures.CAUSE=RATE overrides; see docs/simulator.md in the source tree")

@@ -17,8 +17,7 @@ from shardline.planner.hardware import detected_gpu, get_hardware, to_toml
 
 
 def register(sub) -> None:
-    cb = sub.add_parser("comm-bench", help="under torchrun: time the job's collectives inside nodes and across "
-                                           "them, and write a [network] profile for plan and estimate")
+    cb = sub.add_parser("comm-bench")
     cb.add_argument("--out", type=os.path.expanduser,
                     default="comm.toml", help="profile to write on rank 0 (default comm.toml)")
     cb.add_argument("--gpu", metavar="TYPE", help="the table entry the profile refines (default: this machine's)")
