@@ -134,7 +134,7 @@ def test_a_save_that_fails_on_one_rank_fails_on_both(tmp_path):
 
 
 def _start_refused_on_one_node(rank: int, world: int, port: int, nodes: tuple, name: str, root: str,
-                               rank1_extra: tuple = ()) -> None:
+                               rank1_extra: tuple = (), every_extra: tuple = ()) -> None:
     """Each rank reads data.path=`name` relative to its own node's folder (`nodes`: node-local
     storage): rank 1's may lack the file or hold a shorter copy, or rank 1 reads another config:
     its start fails there alone, or it differs from its peers."""
@@ -142,7 +142,7 @@ def _start_refused_on_one_node(rank: int, world: int, port: int, nodes: tuple, n
 
     os.chdir(nodes[rank])
     with gloo_rank(rank, world, port, timeout_s=30):
-        extra = rank1_extra if rank == 1 else ()
+        extra = [*every_extra, *(rank1_extra if rank == 1 else ())]
         cfg = load_config(None, [*PARITY_OVERRIDES, f"data.path={name}", f"run.dir={root}/run", *extra])
         ended = outcome(lambda: (Trainer(cfg).build(), "built")[1])
         (Path(root) / f"start{rank}.json").write_text(json.dumps(ended))
@@ -179,6 +179,34 @@ def test_ranks_that_read_other_data_are_refused_on_every_rank(tmp_path, small_co
     assert re.fullmatch(r"DataError: rank 1 read other data than rank 0 \(\d+ training and \d+ held-out sequences, "
                         r"vocabulary \w+, tokens \w+; rank 0: .*\): the data must be the same files on every node .*",
                         outcomes[0])
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_start_checkpoint_damaged_on_one_node_is_refused_on_every_rank(tmp_path, small_corpus):
+    """model.init_from is verified on every rank before its load (a collective), the refusal agreed:
+    one node's damaged copy stops every rank with one line, not a hang in the load."""
+    import shutil
+
+    from shardline.trainer import Trainer
+
+    first = tmp_path / "first"
+    Trainer(load_config(None, [*PARITY_OVERRIDES, f"data.path={small_corpus}", f"run.dir={first}",
+                               "train.eval_interval=0"])).build().train()
+    nodes = _two_nodes(tmp_path, small_corpus, small_corpus.read_text())
+    for node in nodes[1], tmp_path / "node0":
+        shutil.copytree(first, Path(node) / "first")
+    start = "first/checkpoints/step-000003"
+    shard = next((tmp_path / "node1" / start / "state").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    shutil.copy(small_corpus, tmp_path / "node0" / small_corpus.name)
+    nodes = (str(tmp_path / "node0"), nodes[1])
+    start_ranks(_start_refused_on_one_node, (2, free_port(), nodes, small_corpus.name, str(tmp_path), (),
+                                             (f"model.init_from={start}",)), nprocs=2)
+    outcomes = [json.loads((tmp_path / f"start{r}.json").read_text()) for r in range(2)]
+    assert outcomes[1].startswith("CheckpointError: ") and "corrupted (sha256 mismatch)" in outcomes[1]
+    assert outcomes[0] == f"CheckpointError: on rank 1: {outcomes[1].removeprefix('CheckpointError: ')}"
     assert not (tmp_path / "run").exists()
 
 

@@ -15,6 +15,7 @@ import torch
 
 from shardline.cli import main
 from shardline.config import load_config
+from shardline.data import build_data
 from shardline.interop.convert import checkpoint_to_hf
 from shardline.trainer import Trainer
 from tests.distributed.harness import (
@@ -239,6 +240,10 @@ def world2(tmp_path_factory, small_prepared, single):
     _as_phi3(root / "hf", root / "phi3")
     jobs.append((root / "tp2_from_phi3", [*_base(small_prepared), SHALLOW, f"model.hf_path={root / 'phi3'}",
                                           "parallel.tp=2"]))
+    # train.epochs derives the steps from the data each rank read: PARITY_STEPS' worth, as one process trains them
+    sequences = len(build_data(load_config(None, _base(small_prepared))).train)
+    epochs = f"train.epochs={(PARITY_STEPS - 0.5) * 8 / sequences:.9f}"  # (ceil: PARITY_STEPS steps of 8 sequences)
+    jobs.append((root / "zero3_epochs", [*_base(small_prepared), SHALLOW, "parallel.dp_shard=2", epochs]))
     tied = [*_base(small_prepared), SHALLOW, TIE]
     for name, first, second in TIED_RESHARD_2:
         jobs += [(root / name, [*tied, *first]), (root / name, [*tied, *second])]
@@ -335,6 +340,12 @@ def test_hf_weights_load_into_fsdp_and_tp_shards_as_into_one_process(world2, sin
 @pytest.mark.parametrize("layout", list(GROWN_LAYOUTS))
 def test_vocabulary_rows_added_to_starting_weights_are_the_same_in_shards(world2, single, layout):
     assert_same_run(world2 / layout, single(*_grown(world2, single)[layout]))
+
+
+def test_a_length_in_epochs_gives_sharded_ranks_the_steps_of_one_process(world2, single):
+    events = [json.loads(line) for line in (world2 / "zero3_epochs" / "metrics.jsonl").read_text().splitlines()]
+    assert next(e for e in events if e.get("event") == "steps_from_epochs")["steps"] == PARITY_STEPS
+    assert_same_run(world2 / "zero3_epochs", single(SHALLOW))
 
 
 @pytest.mark.parametrize("layout", list(TIED_2))
