@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from shardline.errors import AnomalyHalt, CheckpointError, ConfigError
+from shardline.errors import AnomalyHalt, CheckpointError, ConfigError, ShardlineError
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.trainer import Trainer
 
@@ -217,3 +217,72 @@ def test_a_stop_says_which_refused_save_no_interval_retries(tiny_config, small_d
     assert failed == [(4, "continue"), (5, "none: the run ends here")], failed
     retried = next(e["action"] for e in events(run) if e["event"] == "checkpoint_failed")
     assert retried == "continue; retried at the next interval; newest on disk: step-000002"  # since when none saved
+
+
+def _fill_but(disk, leave: int) -> None:
+    """Fill the file system of `disk` but for `leave` bytes."""
+    with open(disk / "filler", "wb") as f:
+        f.write(b"\0" * (shutil.disk_usage(disk).free - leave))
+
+
+def test_torch_s_writer_cut_short_by_a_full_disk_is_the_storage_s(small_disk):
+    """torch.save to a path reports a full disk as a RuntimeError ("unexpected pos", an iostream
+    error), not an OSError: a save failing so (DCP writes its tensors with it) stopped a run with a
+    traceback. It is a full disk where the folder's file system is nearly full, else an I/O error."""
+    import errno
+
+    import torch
+
+    from shardline.resilience.save_failures import storage_error
+
+    _fill_but(small_disk, 4096)
+    raised = []
+    for name, size in [("big", 100_000), ("small", 10)]:
+        try:
+            torch.save(torch.zeros(size), small_disk / f"{name}.pt")
+        except Exception as e:  # noqa: BLE001 (whatever torch raises: each must read as the storage's)
+            raised.append(e)
+    assert len(raised) == 2 and any(isinstance(e, RuntimeError) for e in raised)  # (what torch 2.x raises)
+    assert [storage_error(e, small_disk).errno for e in raised] == [errno.ENOSPC] * 2
+    runtime = next(e for e in raised if isinstance(e, RuntimeError))
+    assert storage_error(runtime).errno == errno.EIO  # (no folder to look at: the storage's all the same)
+    (small_disk / "filler").unlink()
+    assert storage_error(runtime, small_disk).errno == errno.EIO  # room enough: not a full disk
+    assert storage_error(RuntimeError("CUDA error: an illegal memory access")) is None  # not the storage's
+
+
+def test_a_save_torch_s_writer_fails_on_a_full_disk_is_said_as_a_full_disk(tiny_config, small_disk, monkeypatch):
+    """Where torch's writer is cut short (which write that is depends on the bytes left: the test
+    above shows torch raising so on this disk), the run says one line, leaves no partial folder and
+    trains on to its end (a two-rank run stopped with a traceback). torch.save here raises as it
+    does when a write is cut short (DCP writes its tensors with it), before any Python-level write
+    meets the full disk with an OSError."""
+    import torch
+
+    run = small_disk / "run"
+
+    def cut_short(*args, **kwargs):  # (the disk is full: what torch raises where its write is cut short)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    trainer = Trainer(tiny_config("train.steps=4", "checkpoint.interval=2", "train.eval_interval=0",
+                                  run_dir=run)).build()
+    _fill_but(small_disk, 4096)
+    monkeypatch.setattr(torch, "save", cut_short)
+    with pytest.raises(CheckpointError, match=r"^checkpoint of step 4 failed: no space left on "):
+        trainer.train()
+    failed = [e for e in events(run) if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == [2, 4] and failed[0]["action"].startswith("continue")
+    assert not list((run / "checkpoints").glob("*.tmp"))
+
+
+def test_a_relaunch_on_a_disk_still_full_is_one_line_and_leaves_nothing(tiny_config, small_disk):
+    """A rerun before space is freed stopped with a traceback writing config.toml, and left its
+    temporary file behind."""
+    run = small_disk / "run"
+    Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build().train()
+    before = sorted(p.name for p in run.iterdir())
+    _fill_but(small_disk, 4096)  # (a page: the run's lock is written, its config is not)
+    with pytest.raises(ShardlineError, match=r"No space left on device: cannot write the run's files into "
+                                             rf"{run} \(free space there, or give another run.dir\)"):
+        Trainer(tiny_config("train.steps=4", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build()
+    assert sorted(p.name for p in run.iterdir()) == before  # (no .config.toml.*.tmp)

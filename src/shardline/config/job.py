@@ -167,8 +167,12 @@ def save_config(cfg: Config, path: Path | str) -> None:
     file (host and process: ranks on two nodes of a shared run dir may share a process id)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    tmp.write_text(to_toml(cfg), encoding="utf-8")
-    tmp.replace(path)
+    try:
+        tmp.write_text(to_toml(cfg), encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # (a full disk: nothing of this launch's left behind)
+        raise
 
 
 def _overridden(raw: dict[str, Any], overrides: list[str] | str) -> Config:

@@ -56,7 +56,7 @@ class AsyncSaver:
         try:
             write_state(final, step, state, trainer_state, meta, c.rank, c.is_writer, before_seal, self.group)
         except (Exception, CheckpointException) as e:
-            if storage_error(e) is None:
+            if storage_error(e, final) is None:
                 raise
             return {"step": step, "path": str(final), "error": e}  # the disk refused it: the caller decides
         if c.is_writer:

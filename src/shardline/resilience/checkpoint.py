@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from shardline.errors import CheckpointError, CheckpointUnreadable, links_outside, outside_folder
 from shardline.resilience.model_state import capture_state, keep_own_group_names, restore_state
 from shardline.resilience.safe_load import load_state, single_process_ok
-from shardline.resilience.save_failures import agree_on_failure, storage_error
+from shardline.resilience.save_failures import WriteCutShort, agree_on_failure, storage_error
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -129,7 +129,7 @@ def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: di
                 tmp.mkdir(parents=True)
         except Exception as e:
             failure = e
-        agree_on_failure(failure, group)  # the folder exists before any rank writes into it
+        agree_on_failure(failure, group, tmp)  # the folder exists before any rank writes into it
         with single_process_ok():
             dcp.save(state, checkpoint_id=str(tmp / "state"), process_group=group)  # agrees on its own errors
         failure = None
@@ -140,7 +140,7 @@ def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: di
                 _fsync(tmp / "trainer" / f"rank{rank}.pt")  # by its writer: the sealer's listing may not show it
         except Exception as e:
             failure = e
-        agree_on_failure(failure, group)  # every rank's files are on disk before the manifest lists them
+        agree_on_failure(failure, group, tmp)  # every rank's files are on disk before the manifest lists them
         failure = None
         try:
             if before_seal is not None:
@@ -150,10 +150,15 @@ def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: di
                 _seal(tmp, final, step, "full" if "optim" in state else "weights", meta, ranks)
         except Exception as e:
             failure = e
-        agree_on_failure(failure, group)  # nobody moves on (or reads it back) before it is complete
+        agree_on_failure(failure, group, tmp)  # nobody moves on (or reads it back) before it is complete
     except (Exception, CheckpointException) as e:
-        if is_writer and storage_error(e) is not None:
+        cause = storage_error(e, tmp)  # (told now: the partial folder's removal frees the space that ran out)
+        if cause is None:
+            raise
+        if is_writer:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
+        if isinstance(cause, WriteCutShort):
+            raise cause from e  # (torch's writer's RuntimeError: the OSError it stands for)
         raise
 
 

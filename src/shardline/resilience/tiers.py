@@ -101,10 +101,10 @@ class StateTiers:
         """A save the storage refused (disk full, read-only, ...): its partial folder is already
         gone; log it and go on (the next interval retries), or stop, by checkpoint.on_error.
         Errors that are not the storage's propagate unchanged."""
-        cause = storage_error(error)
+        root = self.checkpointer.root
+        cause = storage_error(error, root)
         if cause is None:
             raise error
-        root = self.checkpointer.root
         if cause.errno == errno.ENOSPC:
             free = shutil.disk_usage(root.parent if not root.exists() else root).free
             need = self._checkpoint_bytes(model)

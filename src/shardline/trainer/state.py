@@ -126,14 +126,22 @@ class SavedState:
             position()
         return found
 
+    def _write_run_files(self, resumed: str | None) -> None:
+        """The config, the tokenizer and the starting weights' files, into the run dir."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if resumed is None or self.step < self.last_step:  # (a launch with nothing to train leaves the run's)
+                save_config(self.cfg, self.run_dir / "config.toml")
+            self.data.tokenizer.save(str(self.run_dir / "tokenizer.json"))
+            copy_starting_files(self.cfg.model, tokenizer_file(self.cfg.data), self.run_dir)
+        except OSError as e:  # (the storage's: a full disk, a read-only folder)
+            raise OSError(e.errno, f"{e.strerror or e}: cannot write the run's files into {self.run_dir} (free "
+                                   "space there, or give another run.dir)") from e
+
     def _open_run_dir(self, resumed: str | None) -> None:
         """Written once the lock is held and the state put back: the config, the tokenizer and the
         starting weights' files; the log, opened with what this launch found and chose."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resumed is None or self.step < self.last_step:  # (a launch with nothing to train leaves the run's own)
-            save_config(self.cfg, self.run_dir / "config.toml")
-        self.data.tokenizer.save(str(self.run_dir / "tokenizer.json"))
-        copy_starting_files(self.cfg.model, tokenizer_file(self.cfg.data), self.run_dir)
+        agreed(lambda: self._write_run_files(resumed), self.proc.world_size)  # (a full disk: one line, every rank)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.metrics.progress, self.cfg.metrics.tensorboard,
                                      self.cfg.train.steps, self.step, enabled=self.proc.is_main)
         for problem in self._invalid_checkpoints:
