@@ -12,7 +12,7 @@ from shardline.cli import main
 from shardline.config import load_config
 from shardline.data import build_data
 from shardline.data.prepare import PrepareOptions, prepare
-from shardline.errors import DataError
+from shardline.errors import CheckpointError, DataError
 from shardline.launch_notes import unused_settings
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides
@@ -207,14 +207,34 @@ def test_a_validation_file_inside_the_training_data_is_said(split, tmp_path, cap
     assert "evaluates_on_training_data" not in dict(launch_notes(split_dd, "cpu", 1.0, 1))
 
 
-def test_adding_it_to_a_run_that_held_out_a_share_is_refused_naming_it(split, tmp_path):
+def test_adding_it_to_a_run_that_held_out_a_share_is_refused_naming_it(split, tmp_path, capsys):
     """Its training documents would change under the saved data position (the held-out share would train)."""
     root, tok = split
     Trainer(_cfg(tmp_path, root / "train.jsonl", tok, "train.steps=2", "train.eval_interval=0",
                  "checkpoint.interval=2")).build().train()
-    with pytest.raises(Exception, match="data.val_path="):
+    val = root / "validation.jsonl"
+    said = (r"trained holding out data.val_fraction=0.01 of its documents; with data.val_path those would train .*"
+            rf"`shardline eval RUN --data.val_path={val}`")
+    with pytest.raises(CheckpointError, match=said):
         Trainer(_cfg(tmp_path, root / "train.jsonl", tok, "train.steps=4", "train.eval_interval=0",
-                     f"data.val_path={root / 'validation.jsonl'}")).build()
+                     f"data.val_path={val}")).build()
+    # ... with the BPE trained on the training documents (no data.tokenizer): named as such, not as another
+    # tokenizer (the documents that would train make another BPE); the dry run says so too
+    bpe = tmp_path / "bpe"
+    given = [f"--data.path={root / 'train.jsonl'}", "--data.vocab_size=300", "--train.eval_interval=0",
+             "--checkpoint.interval=2", "--model.preset=tiny", "--train.seq_len=32", "--train.global_batch_size=4",
+             "--train.micro_batch_size=4", f"--run.dir={bpe}"]
+    assert main(["train", *given, "--train.steps=2"]) == 0
+    for dry in ([], ["--dry-run"]):
+        assert main(["train", *given, "--train.steps=4", f"--data.val_path={val}", *dry]) == 2
+        assert "trained holding out data.val_fraction=0.01" in capsys.readouterr().err
+    # A run that evaluated on it, relaunched without it: part of its training data would be held out
+    assert main(["train", *given, f"--run.dir={tmp_path / 'with'}", "--train.steps=2", f"--data.val_path={val}",
+                 "--train.eval_interval=2"]) == 0
+    assert main(["train", *given, f"--run.dir={tmp_path / 'with'}", "--train.steps=4", "--data.val_path="]) == 2
+    assert "give data.val_path again (any file" in capsys.readouterr().err
+    assert main(["train", *given, f"--run.dir={tmp_path / 'with'}", "--train.steps=4",
+                 f"--data.val_path={root / 'train.jsonl'}", "--train.eval_interval=2"]) == 0  # another file: fine
 
 
 def test_the_dry_run_says_what_it_evaluates_on(split, tmp_path, capsys):

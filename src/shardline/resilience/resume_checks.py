@@ -32,6 +32,7 @@ def check_saved_position(path: Path | None, cfg: Config, num_samples: int | None
     except Exception as e:  # a manifest-less folder named by --resume, say
         raise CheckpointError(f"checkpoint {path}: trainer/rank0.pt cannot be read ({type(e).__name__})") from None
     _check_saved_seq_len(path, cfg.train.seq_len)  # (a dry run, which counts no sequences, finds it too)
+    _check_held_out_kept(path, cfg)  # (before the tokenizer and tokens it changes are named)
     if position is None:  # (a dry run, which read no data: how chat is packed follows from the config alone)
         position = {"packing": CHAT_PACKING} if cfg.data.chat else {}
     check_data_position(path, data, data["num_samples"] if num_samples is None else num_samples, cfg.train.order_seed,
@@ -51,6 +52,28 @@ def _check_saved_seq_len(path: Path, seq_len: int) -> None:
         raise CheckpointError(f"checkpoint {path} was saved at train.seq_len={saved}; this run has {seq_len}, which "
                               "cuts the data into other sequences: the saved position would mean other samples; keep "
                               f"{saved}, or start a new run.dir from these weights with model.init_from")
+
+
+def _check_held_out_kept(path: Path, cfg: Config) -> None:
+    """A run that held out data.val_fraction of its documents is not given data.val_path on a
+    resume (those documents would train, and a trained BPE change with them), nor one that evaluated
+    on data.val_path left without it (documents would leave its training data)."""
+    saved = saved_config(path).get("data")
+    if not isinstance(saved, dict):
+        return
+    fraction = saved.get("val_fraction", 0.01)  # (held out where no val_path was given: none at 0)
+    if not saved.get("val_path") and cfg.data.val_path and isinstance(fraction, (int, float)) and fraction:
+        raise CheckpointError(
+            f"checkpoint {path} was trained holding out data.val_fraction={fraction:g} of its documents; with "
+            f"data.val_path those would train (other training data under the saved position): evaluate on the "
+            f"file with `shardline eval RUN --data.val_path={cfg.data.val_path}`, or start a new run.dir from "
+            "these weights with model.init_from")
+    if saved.get("val_path") and not cfg.data.val_path and cfg.data.val_fraction:
+        raise CheckpointError(
+            f"checkpoint {path} was trained evaluating on data.val_path={saved['val_path']!r}, its training data "
+            f"whole; without it data.val_fraction={cfg.data.val_fraction:g} of that data would be held out (other "
+            "training data under the saved position): give data.val_path again (any file: it changes what is "
+            "evaluated, not what trains), or data.val_fraction=0 with train.eval_interval=0")
 
 
 # A refusal's way out for the data: a new run reads it from its first batch (skips: in its own global batches).
