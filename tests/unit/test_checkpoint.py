@@ -633,3 +633,37 @@ def test_a_training_checkpoint_is_not_taken_for_a_converted_one(trained):
 
     meta = json.loads((trained / "checkpoints" / "step-000012" / "meta.json").read_text(encoding="utf-8"))
     assert "hf" in meta and not _converted_from_hf(str(trained / "checkpoints" / "step-000012"))
+
+
+def test_a_checkpoint_a_run_prunes_while_it_is_read_is_not_called_damaged(trained, tiny_config, monkeypatch,
+                                                                          capsys):
+    """convert, eval and generate read a live run's newest checkpoint while its trainer may prune it
+    (checkpoint.keep): a folder renamed away while verified is passed over in silence (the newest
+    still there is found), and one gone while loaded is said to be, not "does not match"."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardline.interop.convert import resolve_checkpoint
+    from shardline.resilience import checkpoint
+    from shardline.resilience.safe_load import load_state
+
+    run = trained
+    newest = Checkpointer(run, keep=9).list()[-1]
+    real_verify = checkpoint.verify
+
+    def pruned_first(path):  # the trainer's prune renames the folder away as it is verified
+        if path == newest and newest.exists():
+            newest.rename(newest.with_name(newest.name + ".pruning"))
+        return real_verify(path)
+
+    monkeypatch.setattr(checkpoint, "verify", pruned_first)
+    chosen = resolve_checkpoint(run)
+    assert chosen != newest and chosen.exists() and "passed over" not in capsys.readouterr().err
+    monkeypatch.setattr(checkpoint, "verify", real_verify)
+
+    def pruned_while_loading(state, checkpoint_id, planner):
+        chosen.rename(chosen.with_name(chosen.name + ".pruning"))
+        raise FileNotFoundError(f"{checkpoint_id}/__0_0.distcp")
+
+    monkeypatch.setattr(dcp, "load", pruned_while_loading)
+    with pytest.raises(CheckpointError, match=r"was removed while it was read \(a run pruning its older checkpoints"):
+        load_state(chosen, {"model": {}})

@@ -68,8 +68,12 @@ def resolve_checkpoint(src: Path) -> Path:
         return src
     if not src.exists():
         raise CheckpointError(f"{src} does not exist: give a run dir or a checkpoint folder (RUN/checkpoints/step-N)")
-    passed: list[str] = []  # newer ones that fail verification: named, as a resume names them
-    latest = Checkpointer(src, keep=1).latest_valid(on_invalid=lambda path, e: passed.append(f"{path.name}: {e}"))
+    for _ in range(3):  # a run saving and pruning meanwhile: folders gone while looked at are no damage
+        passed, gone = [], []  # newer ones that fail verification: named, as a resume names them
+        latest = Checkpointer(src, keep=1).latest_valid(on_invalid=lambda path, e: (
+            gone if not path.exists() else passed).append(f"{path.name}: {e}"))
+        if not gone:
+            break
     if latest is None and (src / "config.json").is_file():
         raise CheckpointError(f"{src} is a Hugging Face folder, not a checkpoint: `shardline convert from-hf {src} "
                               "DIR` makes one (or train from it with model.hf_path)")
