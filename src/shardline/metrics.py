@@ -71,6 +71,18 @@ def format_line(rec: dict[str, Any], total_steps: int) -> str:
     return f"[{rec['event']}] {fields}"
 
 
+def _duration(seconds: float) -> str:
+    """12s, 4m05s, 3h25m, 2d04h: two units at most."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 def _memory_part(rec: dict[str, Any]) -> str:
     if "peak_reserved_gib" in rec:  # CUDA: allocated / reserved since the last line
         return f"mem {rec['peak_mem_gib']:.2f}/{rec['peak_reserved_gib']:.2f} GiB alloc/reserved"
@@ -99,6 +111,7 @@ class Console:
         self.mode = mode
         self._progress = self._task = None
         self._broken = False  # rich met a broken pipe (see _rich_pipe_broke)
+        self._first: tuple[float, int] | None = None  # (time, step) of this launch's first train line: the ETA's
         if mode == "rich":
             from rich.progress import (
                 BarColumn,
@@ -131,13 +144,26 @@ class Console:
         silence(1)  # (its last render, as it stops, may be what broke: Python's flush at exit must not fail)
 
     def _write(self, line: str, rec: dict[str, Any]) -> None:
-        if self._progress is None:
-            print(line, flush=True)
+        if self._progress is None:  # (plain lines: a log file's reader has no bar; the time left ends the line)
+            print(line + (self._eta(rec) if rec["kind"] == "train" else ""), flush=True)
             return
         # "[resume] ..." is no style tag; a record stays one line (a pipe's 80 columns cut it into several)
         self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
         if rec["kind"] == "train":
             self._progress.update(self._task, completed=rec["step"], description=f"loss {rec['loss']:.4f}")
+
+    def _eta(self, rec: dict[str, Any]) -> str:
+        """The line's end, " | eta 1h05m": the steps left at this launch's pace since its first line
+        (evaluations and saves included; the first line, before any pace is known: its own step
+        time); none at the run's last step."""
+        now, step, left = time.monotonic(), rec["step"], self.total - rec["step"]
+        if self._first is None:
+            self._first = (now, step)
+        if left <= 0:
+            return ""
+        since, first = self._first
+        per_step = (now - since) / (step - first) if step > first else rec["step_time_s"]
+        return f" | eta {_duration(per_step * left)}"
 
     def _lost(self, error: OSError) -> None:
         """The console's output failed: training goes on without it (a stop's save too), said once."""

@@ -1,0 +1,32 @@
+"""The plain log line's time left: a log file under nohup, torchrun or Slurm has no progress bar."""
+
+from __future__ import annotations
+
+from shardline import metrics
+from shardline.metrics import Console
+
+
+def _train(step: int) -> dict:
+    return {"kind": "train", "step": step, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0,
+            "mfu": None, "peak_mem_gib": 1.0, "step_time_s": 0.5}
+
+
+def test_a_plain_train_line_ends_with_the_time_left_at_the_launch_s_pace(monkeypatch, capsys):
+    clock = iter([100.0, 160.0, 400.0, 401.0])
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    console = Console("plain", total_steps=1000, first_step=200)  # a resumed launch: its own pace
+    for step in (210, 220, 260):
+        console.write(_train(step))
+    console.write({"kind": "eval", "step": 260, "eval_loss": 2.0, "eval_ppl": 7.39})
+    console.write(_train(1000))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| 0.500 s/step | eta 6m35s")  # first line: its step time, 790 steps left
+    assert lines[1].endswith("| eta 1h18m")  # 60 s for 10 steps: 780 left at 6 s
+    assert lines[2].endswith("| eta 1h14m")  # 300 s for 50 steps: 740 left at 6 s
+    assert lines[3].startswith("eval step 260") and "eta" not in lines[3]
+    assert lines[4].endswith("s/step")  # the last step: nothing left
+
+
+def test_durations_read_in_two_units():
+    assert [metrics._duration(s) for s in (0, 59.4, 61, 3599, 3600, 86399, 90061)] == [
+        "0s", "59s", "1m01s", "59m59s", "1h00m", "23h59m", "1d01h"]
