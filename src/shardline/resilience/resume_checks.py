@@ -139,12 +139,26 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
             f"checkpoint {path} was saved with train.global_batch_size={saved} but this run has "
             f"{global_batch_size}: resuming would skip or repeat samples; keep {saved}, or start a new "
             "run.dir from these weights with model.init_from" + FROM_THE_START)
+    if data_pos["num_samples"] == num_samples and data_pos["seed"] != seed and (key := _order_seed_key(path)):
+        raise CheckpointError(
+            f"checkpoint {path} was saved reading its sequences in the order of seed {data_pos['seed']} ({key}); "
+            f"this run's order seed is {seed}: resuming would skip or repeat samples; set {key}={data_pos['seed']} "
+            "again, or start a new run.dir from these weights with model.init_from" + FROM_THE_START)
     if data_pos["num_samples"] != num_samples or data_pos["seed"] != seed:
         raise CheckpointError(
             f"checkpoint {path} was saved for {data_pos['num_samples']} training sequences and data order seed "
             f"{data_pos['seed']}; this run has {num_samples} and seed {seed} "
             + (f"({back}, or use a new run.dir)" if back else "(data, train.seq_len, train.seed or train.data_seed "
                "changed); use a new run.dir"))
+
+
+def _order_seed_key(path: Path | str) -> str:
+    """The key that set the data order of checkpoint `path`'s run (train.data_seed, or train.seed where
+    that was -1), from its saved config; "" where it cannot be read."""
+    train = saved_config(path).get("train")
+    if not isinstance(train, dict) or not isinstance(train.get("seed"), int):
+        return ""
+    return "train.seed" if train.get("data_seed", -1) == -1 else "train.data_seed"
 
 
 def check_steps_ahead(path: Path | str, step: int, steps: int, epochs: float = 0.0) -> None:
