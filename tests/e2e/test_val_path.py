@@ -241,4 +241,11 @@ def test_the_dry_run_says_what_it_evaluates_on(split, tmp_path, capsys):
     root, tok = split
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--data.path={root / 'train.jsonl'}",
                  f"--data.tokenizer={tok}", f"--data.val_path={root / 'validation.jsonl'}"]) == 0
-    assert f"evaluates on {root / 'validation.jsonl'}: 6 documents" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"evaluates on {root / 'validation.jsonl'}: 6 documents" in out and "held out" not in out
+    # (the training file holds nothing out then; without it, the dry run counts what the launch holds out)
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--data.path={root / 'train.jsonl'}",
+                 f"--data.tokenizer={tok}"]) == 0
+    out = capsys.readouterr().out
+    documents = len((root / "train.jsonl").read_text().splitlines())
+    assert f"{root / 'train.jsonl'}: {documents:,} documents ({max(1, round(documents * 0.01))} of them held out" in out
