@@ -282,6 +282,13 @@ def test_print_config_writes_a_whole_config_that_config_reads(tmp_path, capsys, 
     # What the config names on another host (a checkpoint to resume there) is not this host's to check
     assert main(["train", "--print-config", f"--run.resume={tmp_path / 'on-the-cluster'}"]) == 0
     assert 'resume = "' in capsys.readouterr().out
+    # One launch's settings (an early stop, a drill) say on their line that a relaunch drops them
+    assert main(["train", "--print-config", "--train.stop_at_step=5", "--faults.nan_step=3"]) == 0
+    text = capsys.readouterr().out
+    assert "\nstop_at_step = 5  # this launch's alone: a relaunch from the run dir starts without it\n" in text
+    assert "\nnan_step = 3  # this launch's alone" in text and "steps = 200  #" not in text
+    (tmp_path / "launch.toml").write_text(text, encoding="utf-8")
+    assert load_config(tmp_path / "launch.toml") == load_config(None, ["train.stop_at_step=5", "faults.nan_step=3"])
     assert main(["train", "--print-config", "--dry-run"]) == 2
     assert "--print-config takes no --dry-run, --world-size or --gpu" in capsys.readouterr().err
     # A run dir holding a run: the config its relaunch trains with, and nothing else on stdout (the

@@ -254,8 +254,15 @@ def _set_section(cfg: Config, name: str, values: Any) -> None:
 
 
 def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML (saved in the run dir so a run can be repeated). Under
-    train.epochs, train.steps is the launch's to derive: its line says so, lest it be read as the length."""
+    """The resolved config as TOML (saved in the run dir so a run can be repeated). Values a reader
+    would misread say so on their line: under train.epochs, train.steps is the launch's to derive;
+    a LAUNCH_ONLY setting given (an early stop, the checkpoint resumed, a drill) is that launch's."""
     remarks = {"train.steps": f"train.epochs={cfg.train.epochs:g} sets this at launch, from the data"
-               } if cfg.train.epochs else None
+               } if cfg.train.epochs else {}
+    defaults = Config().to_dict()
+    for section, table in cfg.to_dict().items():
+        keys = LAUNCH_ONLY.get(section, ())
+        for key in table if keys is None else keys:
+            if table[key] != defaults[section][key]:
+                remarks[f"{section}.{key}"] = "this launch's alone: a relaunch from the run dir starts without it"
     return reader.to_toml(cfg, remarks=remarks)
