@@ -286,3 +286,22 @@ def test_a_relaunch_on_a_disk_still_full_is_one_line_and_leaves_nothing(tiny_con
                                              rf"{run} \(free space there, or give another run.dir\)"):
         Trainer(tiny_config("train.steps=4", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build()
     assert sorted(p.name for p in run.iterdir()) == before  # (no .config.toml.*.tmp)
+
+
+def test_a_run_dir_s_tokenizer_is_replaced_whole_or_not_at_all(tiny_config, small_disk):
+    """The run dir's tokenizer.json (eval and export read it) was rewritten in place: a full disk
+    left it cut short. Now a launch that cannot write it leaves the old one whole and says so in one
+    line; one whose copy is already the same writes nothing (a relaunch on a nearly full disk)."""
+    run = small_disk / "run"
+    Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build().train()
+    own = run / "tokenizer.json"
+    stamp = own.stat().st_mtime_ns
+    Trainer(tiny_config("train.steps=4", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build().close()
+    assert own.stat().st_mtime_ns == stamp  # the same tokenizer: not written again
+    fresh = small_disk / "fresh"  # a launch that died before it saved anything left another tokenizer there
+    fresh.mkdir()
+    (fresh / "tokenizer.json").write_text('{"stale": true}', encoding="utf-8")
+    _fill_but(small_disk, 8192)  # the lock's page and the config's; not the tokenizer's
+    with pytest.raises(ShardlineError, match=r"No space left on device: cannot write the run's files into "):
+        Trainer(tiny_config("train.steps=4", "train.eval_interval=0", run_dir=fresh)).build()
+    assert (fresh / "tokenizer.json").read_text() == '{"stale": true}' and not list(fresh.glob(".tokenizer.json.*"))

@@ -114,6 +114,23 @@ def get_tokenizer(documents, tokenizer_path: str, vocab_size: int) -> Tokenizer:
     return tok
 
 
+def save_tokenizer(tok: Tokenizer, path: Path) -> None:
+    """`tok` as tokenizer.json at `path` (as Tokenizer.save writes it), whole or not at all: a full
+    disk left a run dir's copy, which eval and export read, cut short. A copy already the same is
+    left as it is (a relaunch on a nearly full disk rewrites nothing)."""
+    text = tok.to_str(pretty=True)
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        if path.is_file() and path.read_text(encoding="utf-8") == text:
+            return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def train_bpe(documents, vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

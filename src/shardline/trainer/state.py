@@ -20,6 +20,7 @@ import torch
 
 from shardline.config import save_config
 from shardline.data import build_data, tokenizer_file
+from shardline.data.tokenizer import save_tokenizer
 from shardline.errors import ConfigError, DataError, on_every_rank
 from shardline.interop.weights import copy_starting_files
 from shardline.launch_notes import launch_notes
@@ -132,7 +133,7 @@ class SavedState:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if resumed is None or self.step < self.last_step:  # (a launch with nothing to train leaves the run's)
                 save_config(self.cfg, self.run_dir / "config.toml")
-            self.data.tokenizer.save(str(self.run_dir / "tokenizer.json"))
+            save_tokenizer(self.data.tokenizer, self.run_dir / "tokenizer.json")
             copy_starting_files(self.cfg.model, tokenizer_file(self.cfg.data), self.run_dir)
         except OSError as e:  # (the storage's: a full disk, a read-only folder)
             raise OSError(e.errno, f"{e.strerror or e}: cannot write the run's files into {self.run_dir} (free "
