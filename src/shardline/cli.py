@@ -197,7 +197,10 @@ class _OneLineParser(argparse.ArgumentParser):
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The command line's parser for `argv` (None: sys.argv's): the command it gives is built whole."""
     argv = sys.argv[1:] if argv is None else argv
-    given = next((a for a in argv if not a.startswith("-")), None)  # (the top level's options take no value)
+    # The command: the first word (the top level's options take no value); none after the top level's --help,
+    # which lists every command with its line
+    first = next((a for a in argv if a in ("-h", "--help") or not a.startswith("-")), None)
+    given = None if first in ("-h", "--help") else first
     parser = _OneLineParser(prog="shardline", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"shardline {version()}")
     sub = parser.add_subparsers(dest="command", required=True)

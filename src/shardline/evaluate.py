@@ -74,12 +74,16 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     sections), the overrides, and the settings this command owns."""
     from shardline.interop.convert import checkpoint_tokenizer, resolve_checkpoint
     from shardline.resilience.checkpoint import verify
+    from shardline.resilience.safe_load import removed_while_read
     from shardline.resilience.recovery import saved_step
 
     ckpt = resolve_checkpoint(Path(src))  # a run dir's newest valid one: verified as it was chosen
     if ckpt == Path(src):  # a folder named: verified here, and the load does not hash it again (minutes at 70B)
         verify(ckpt)
-    meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))  # (verified: read as it is)
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))  # (verified: read as it is)
+    except FileNotFoundError:  # (a live run's prune since it was chosen)
+        raise removed_while_read(ckpt) from None
     saved = meta.get("config") or {}  # none for a checkpoint converted from HF: the defaults
     cfg = from_dict({name: table for name, table in saved.items() if name in KEPT_SECTIONS})
     if isinstance(saved.get("data"), dict) and "add_bos" not in saved["data"]:  # saved before it: no BOS, as a

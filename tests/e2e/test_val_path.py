@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -235,6 +236,14 @@ def test_adding_it_to_a_run_that_held_out_a_share_is_refused_naming_it(split, tm
     assert "give data.val_path again (any file" in capsys.readouterr().err
     assert main(["train", *given, f"--run.dir={tmp_path / 'with'}", "--train.steps=4",
                  f"--data.val_path={root / 'train.jsonl'}", "--train.eval_interval=2"]) == 0  # another file: fine
+    # A prepared folder's split is prepare's, which data.val_fraction never cuts: adding it changes no training data
+    folder = tmp_path / "folder"
+    prepared = str(Path(tok).parent)
+    first = _cfg(folder, prepared, tok, "train.steps=2", "train.eval_interval=0", "checkpoint.interval=2")
+    Trainer(first).build().train()
+    resumed = Trainer(_cfg(folder, prepared, tok, "train.steps=4", "train.eval_interval=2", f"data.val_path={val}"))
+    assert resumed.build().step == 2
+    resumed.close()
 
 
 def test_the_dry_run_says_what_it_evaluates_on(split, tmp_path, capsys):

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from shardline.errors import CheckpointError, ConfigError
+from shardline.errors import CheckpointError, CheckpointUnreadable, ConfigError
 from shardline.resilience.checkpoint import Checkpointer, step_of, verify
 from shardline.resilience.recovery import memory_tier_resumable
 from shardline.trainer import Trainer
@@ -658,6 +658,17 @@ def test_a_checkpoint_a_run_prunes_while_it_is_read_is_not_called_damaged(traine
     monkeypatch.setattr(checkpoint, "verify", pruned_first)
     chosen = resolve_checkpoint(run)
     assert chosen != newest and chosen.exists() and "passed over" not in capsys.readouterr().err
+    # ... also where the rename lands mid-read, which verify takes for the storage failing
+    newest.with_name(newest.name + ".pruning").rename(newest)
+
+    def pruned_mid_read(path):
+        if path == newest and newest.exists():
+            newest.rename(newest.with_name(newest.name + ".pruning"))
+            raise CheckpointUnreadable(f"checkpoint {path}: the storage failed reading it (FileNotFoundError)")
+        return real_verify(path)
+
+    monkeypatch.setattr(checkpoint, "verify", pruned_mid_read)
+    assert resolve_checkpoint(run) == chosen and "passed over" not in capsys.readouterr().err
     monkeypatch.setattr(checkpoint, "verify", real_verify)
 
     def pruned_while_loading(state, checkpoint_id, planner):

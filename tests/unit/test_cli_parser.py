@@ -27,6 +27,15 @@ def test_the_listing_and_train_help_import_no_torch(argv):
     assert "usage: shardline" in done.stdout or "shardline " in done.stdout
 
 
+def test_help_before_a_command_lists_every_command_with_its_line(capsys):
+    from shardline.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help", "plan"])
+    out = capsys.readouterr().out
+    assert all(line in " ".join(out.split()) for _, line in FEATURE_COMMANDS.values())
+
+
 def test_every_command_is_listed_with_its_line_and_built_whole_when_given():
     listed = build_parser([])
     lines = {a.dest: a.help for a in next(a for a in listed._actions

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from shardline import metrics
 from shardline.metrics import Console
 
@@ -12,7 +14,7 @@ def _train(step: int) -> dict:
 
 
 def test_a_plain_train_line_ends_with_the_time_left_at_the_launch_s_pace(monkeypatch, capsys):
-    clock = iter([100.0, 160.0, 400.0, 401.0])
+    clock = itertools.chain([100.0, 160.0, 400.0], itertools.repeat(401.0))  # (any other reader: a late time)
     monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
     console = Console("plain", total_steps=1000, first_step=200)  # a resumed launch: its own pace
     for step in (210, 220, 260):

@@ -283,7 +283,7 @@ def test_a_relaunch_on_a_disk_still_full_is_one_line_and_leaves_nothing(tiny_con
     before = sorted(p.name for p in run.iterdir())
     _fill_but(small_disk, 4096)  # (a page: the run's lock is written, its config is not)
     with pytest.raises(ShardlineError, match=r"No space left on device: cannot write the run's files into "
-                                             rf"{run} \(free space there, or give another run.dir\)"):
+                                             rf"{run}: free space there, or give another run.dir"):
         Trainer(tiny_config("train.steps=4", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build()
     assert sorted(p.name for p in run.iterdir()) == before  # (no .config.toml.*.tmp)
 

@@ -144,6 +144,11 @@ class TrainConfig:
         initialisation alone keeps the data order by setting data_seed, as one of the order alone sets seed)."""
         return self.seed if self.data_seed == -1 else self.data_seed
 
+    @property
+    def order_seed_key(self) -> str:
+        """The key that gives order_seed (what a refusal of another data order asks to set back)."""
+        return "train.seed" if self.data_seed == -1 else "train.data_seed"
+
     def steps_for_epochs(self, sequences: int) -> int:
         """train.steps for train.epochs passes over `sequences` training sequences (at least one step)."""
         return max(1, math.ceil(round(self.epochs * sequences / self.global_batch_size, 9)))  # (0.07 x 800 / 8: 7)

@@ -164,7 +164,8 @@ def build_data(cfg: Config) -> DataBundle:
     left_out: dict = {}
     # data.val_path the training file itself (eval's stand-in for the run's data, or a run evaluating on its
     # training data), read alike: its packed sequences serve both, tokenized once
-    same = (d.val_path == d.path and t.eval_interval and not is_prepared(d.path) and val_format(cfg) == d.formats()[0])
+    same = (bool(d.val_path) and d.val_path == d.path and bool(t.eval_interval) and not is_prepared(d.path)
+            and val_format(cfg) == d.formats()[0])
     if same:
         _refuse_dataset_dict(d.val_path)
     tok, train, val = load_source(d.path, cfg, left_out=left_out)

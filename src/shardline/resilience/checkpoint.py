@@ -285,8 +285,11 @@ class Checkpointer:
             try:
                 self.verify(path)
                 return path
-            except CheckpointUnreadable:
-                raise  # passing over it would resume an older one, or start over and set the history aside
+            except CheckpointUnreadable as e:
+                if path.exists():
+                    raise  # passing over it would resume an older one, or start over and set the history aside
+                if on_invalid is not None:  # (gone while read: renamed away by a prune, not the storage failing)
+                    on_invalid(path, e)
             except CheckpointError as e:
                 self.failed.add(str(path))
                 if on_invalid is not None:

@@ -12,6 +12,7 @@ import torch
 from shardline.config import Config
 from shardline.data.packing import CHAT_PACKING
 from shardline.data.sampler import batch_index
+from shardline.data.shards import is_prepared
 from shardline.errors import CheckpointError, ConfigError
 from shardline.resilience.recovery import data_changes, saved_config
 
@@ -36,7 +37,8 @@ def check_saved_position(path: Path | None, cfg: Config, num_samples: int | None
     if position is None:  # (a dry run, which read no data: how chat is packed follows from the config alone)
         position = {"packing": CHAT_PACKING} if cfg.data.chat else {}
     check_data_position(path, data, data["num_samples"] if num_samples is None else num_samples, cfg.train.order_seed,
-                        cfg.train.global_batch_size, position, data_changes(path, cfg, stand_in))
+                        cfg.train.global_batch_size, position, data_changes(path, cfg, stand_in),
+                        cfg.train.order_seed_key)
     check_skip_batches(path, step, data.get("skipped_batches", []), cfg.train.skip_batches)
     check_steps_ahead(path, step, cfg.train.steps, cfg.train.epochs)
 
@@ -59,8 +61,8 @@ def _check_held_out_kept(path: Path, cfg: Config) -> None:
     resume (those documents would train, and a trained BPE change with them), nor one that evaluated
     on data.val_path left without it (documents would leave its training data)."""
     saved = saved_config(path).get("data")
-    if not isinstance(saved, dict):
-        return
+    if not isinstance(saved, dict) or all(map(is_prepared, [s.path for s in cfg.data.mix] or [cfg.data.path])):
+        return  # (a prepared folder holds the split `prepare` made: data.val_fraction never cuts it)
     fraction = saved.get("val_fraction", 0.01)  # (held out where no val_path was given: none at 0)
     if not saved.get("val_path") and cfg.data.val_path and isinstance(fraction, (int, float)) and fraction:
         raise CheckpointError(
@@ -81,12 +83,14 @@ FROM_THE_START = " (a new run reads its data from the first batch: train.skip_ba
 
 
 def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int,
-                        global_batch_size: int, position: dict | None = None, changed: str = "") -> None:
+                        global_batch_size: int, position: dict | None = None, changed: str = "",
+                        seed_key: str = "train.seed") -> None:
     """The saved sample position means the same in this run, or a CheckpointError saying what changed.
 
     The position is step x global batch: another batch size would skip or repeat samples.
     `position`: the data's own (DataBundle.position_state), e.g. a mixture's sources; `changed`:
-    the data settings changed since the checkpoint (data_changes), which the refusals name.
+    the data settings changed since the checkpoint (data_changes), which the refusals name;
+    `seed_key`: the key that gives `seed` (train.order_seed_key), which a refusal of the order names.
     """
     back = f"the data settings changed since it ({changed}): set them back" if changed else ""
     vocabulary, saved_vocabulary = (position or {}).get("vocabulary"), data_pos.get("vocabulary")
@@ -139,26 +143,17 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
             f"checkpoint {path} was saved with train.global_batch_size={saved} but this run has "
             f"{global_batch_size}: resuming would skip or repeat samples; keep {saved}, or start a new "
             "run.dir from these weights with model.init_from" + FROM_THE_START)
-    if data_pos["num_samples"] == num_samples and data_pos["seed"] != seed and (key := _order_seed_key(path)):
+    if data_pos["num_samples"] == num_samples and data_pos["seed"] != seed:
         raise CheckpointError(
-            f"checkpoint {path} was saved reading its sequences in the order of seed {data_pos['seed']} ({key}); "
-            f"this run's order seed is {seed}: resuming would skip or repeat samples; set {key}={data_pos['seed']} "
-            "again, or start a new run.dir from these weights with model.init_from" + FROM_THE_START)
+            f"checkpoint {path} was saved reading its sequences in the order of seed {data_pos['seed']}; this run's "
+            f"order seed is {seed} ({seed_key}): resuming would skip or repeat samples; set {seed_key}="
+            f"{data_pos['seed']}, or start a new run.dir from these weights with model.init_from" + FROM_THE_START)
     if data_pos["num_samples"] != num_samples or data_pos["seed"] != seed:
         raise CheckpointError(
             f"checkpoint {path} was saved for {data_pos['num_samples']} training sequences and data order seed "
             f"{data_pos['seed']}; this run has {num_samples} and seed {seed} "
             + (f"({back}, or use a new run.dir)" if back else "(data, train.seq_len, train.seed or train.data_seed "
                "changed); use a new run.dir"))
-
-
-def _order_seed_key(path: Path | str) -> str:
-    """The key that set the data order of checkpoint `path`'s run (train.data_seed, or train.seed where
-    that was -1), from its saved config; "" where it cannot be read."""
-    train = saved_config(path).get("train")
-    if not isinstance(train, dict) or not isinstance(train.get("seed"), int):
-        return ""
-    return "train.seed" if train.get("data_seed", -1) == -1 else "train.data_seed"
 
 
 def check_steps_ahead(path: Path | str, step: int, steps: int, epochs: float = 0.0) -> None:

@@ -117,10 +117,14 @@ def load_state(path: Path, state: dict[str, Any]) -> None:
         if planner.refused is not None:
             raise planner.refused from None
         if not (path / "manifest.json").is_file():  # gone while read: a run pruning it (checkpoint.keep), not damage
-            raise CheckpointError(f"checkpoint {path} was removed while it was read (a run pruning its older "
-                                  "checkpoints, checkpoint.keep?): run this again, or name a checkpoint the run "
-                                  "keeps (or a copy of one)") from None
+            raise removed_while_read(path) from None
         raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: {_last_line(e)}") from None
+
+
+def removed_while_read(path: Path) -> CheckpointError:
+    """The error for checkpoint `path` gone while a command read it: a live run's prune, not damage."""
+    return CheckpointError(f"checkpoint {path} was removed while it was read (a run pruning its older checkpoints, "
+                           "checkpoint.keep?): run this again, or name a checkpoint the run keeps (or a copy of one)")
 
 
 def _last_line(e: BaseException) -> str:

@@ -12,6 +12,7 @@ it writes to the run dir then (`_open_run_dir`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 from pathlib import Path
@@ -135,9 +136,11 @@ class SavedState:
                 save_config(self.cfg, self.run_dir / "config.toml")
             save_tokenizer(self.data.tokenizer, self.run_dir / "tokenizer.json")
             copy_starting_files(self.cfg.model, tokenizer_file(self.cfg.data), self.run_dir)
-        except OSError as e:  # (the storage's: a full disk, a read-only folder)
-            raise OSError(e.errno, f"{e.strerror or e}: cannot write the run's files into {self.run_dir} (free "
-                                   "space there, or give another run.dir)") from e
+        except OSError as e:  # (the storage's: a full disk, a read-only folder; or a starting file unreadable)
+            space = "free space there, or give another run.dir"
+            fix = {errno.ENOSPC: space, errno.EDQUOT: space, errno.EROFS: "give a writable run.dir"}.get(e.errno)
+            raise OSError(e.errno, f"{e.strerror or e}: cannot write the run's files into {self.run_dir}"
+                                   + (f" ({e.filename})" if e.filename else "") + (f": {fix}" if fix else "")) from e
 
     def _open_run_dir(self, resumed: str | None) -> None:
         """Written once the lock is held and the state put back: the config, the tokenizer and the
@@ -191,7 +194,8 @@ class SavedState:
         checking it against the data read) and note what the config changed since; returns its name."""
         name, state = self.tiers.restore(found, self.model, self.optimizer)
         check_data_position(name, state["data"], len(self.data.train), self.cfg.train.order_seed,
-                            self.cfg.train.global_batch_size, self.data.position_state())
+                            self.cfg.train.global_batch_size, self.data.position_state(),
+                            seed_key=self.cfg.train.order_seed_key)
         check_steps_ahead(name, state["step"], self.cfg.train.steps, self.cfg.train.epochs)
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
