@@ -154,3 +154,18 @@ def test_plan_prices_the_host_adamw_the_config_names(capsys):
         assert main([*plan, f"--optim.implementation={impl}"]) == 0
         times.append(json.loads(capsys.readouterr().out)["candidates"][0]["breakdown"]["time_s"]["optimizer"])
     assert times[1] / times[0] == pytest.approx(40 / 15, rel=1e-3)
+
+
+def test_cpu_ranks_of_one_host_share_its_memory():
+    """Each CPU rank "fitting" the host's memory is no plan where four of them run on it: a layout
+    whose ranks together hold more than its usable memory is pruned for host memory."""
+    cpu = get_hardware("cpu")
+    work = Workload(PRESETS["tiny"], 256, 8, "fp32")
+    one = memory_breakdown(work, Layout(), cpu)["total"]
+    small = dataclasses.replace(cpu, mem_gib=3.5 * one / GiB,
+                                network=dataclasses.replace(cpu.network, host_mem_gib=3.5 * one / GiB))
+    assert host_fits(memory_breakdown(work, Layout(), small), Layout(), small)
+    replicas = Layout(dp_replicate=4, dp_shard=1)
+    assert not host_fits(memory_breakdown(work, replicas, small), replicas, small)  # 4 x one > 90% of 3.5 x one
+    found = search(work, small, 4, {"dp_replicate": 4, "dp_shard": 1})
+    assert not found.candidates and found.pruned["host memory"] > 0

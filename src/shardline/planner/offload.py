@@ -62,8 +62,10 @@ def node_ranks(layout: Layout, hw: Hardware) -> int:
 
 
 def host_fits(memory: dict[str, float], layout: Layout, hw: Hardware) -> bool:
-    """Whether the offloaded states of one node's ranks fit its host memory (90% usable)."""
-    return memory.get("host_offload", 0.0) * node_ranks(layout, hw) <= HOST_USABLE * hw.network.host_mem_gib * GiB
+    """Whether what one node's ranks hold in its host memory fits it (90% usable): their offloaded
+    states, and on a CPU device all they hold (four ranks of a host each "fitting" its whole memory
+    do not fit it together)."""
+    return _host_held(memory, hw) * node_ranks(layout, hw) <= HOST_USABLE * hw.network.host_mem_gib * GiB
 
 
 def _host_held(memory: dict[str, float], hw: Hardware) -> float:
