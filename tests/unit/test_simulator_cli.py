@@ -55,7 +55,7 @@ def test_text_output_says_what_the_optimum_and_the_failures_assume(capsys):
     optimum held at it, are named; planned stops are a rate a day whatever the job's size."""
     assert main([*SMALL, "--step-time", "2", "--failure-scale", "0", "--failures.planned_per_day=0"]) == 0
     out = capsys.readouterr().out
-    assert "optimal         none: no failures to recover from" in out and "steps (Young" not in out
+    assert "optimal         none: no failures to recover from" in out and "Young" not in out
     none = run_json(capsys, "--failure-scale", "0", "--failures.planned_per_day=0")
     assert none["optimal_checkpoint_interval_s"] is none["optimal_checkpoint_interval_steps"] is None  # (was the run)
     assert main([*SMALL, "--step-time", "2", "--save-time", "200000"]) == 0
@@ -226,3 +226,19 @@ def test_mode_settings_are_refused_only_where_no_simulated_mode_reads_them():
     check_mode_keys(async_, MODES)
     with pytest.raises(ConfigError, match="persist_every"):
         check_mode_keys(async_, ("async",))
+
+
+def test_the_text_names_the_batch_it_priced_and_the_whole_steps_of_its_interval(capsys):
+    """The step time is the planner's for a batch the simulator chose (one sequence a GPU): the line
+    says which, as a plan of another batch prices another step; the optimum in seconds is rounded to
+    whole steps, whose own seconds are said too; large seconds read as seconds."""
+    from shardline.simulator.report import _secs
+
+    assert main([*SMALL, "--fix", "tp=1,pp=1"]) == 0
+    out = capsys.readouterr().out
+    assert "a step of 1,024 sequences of 8,192 tokens (--global-batch-tokens, --seq-len))" in out
+    line = next(x for x in out.splitlines() if x.startswith("optimal"))
+    step = float(next(x for x in out.splitlines() if x.startswith("step time")).split()[2])
+    steps, seconds = line.split("~ ")[1].split(" steps (")
+    assert float(seconds.split(" s)")[0]) == pytest.approx(int(steps) * step, rel=2e-3)
+    assert (_secs(1950.4), _secs(153.2), _secs(None)) == ("1,950 s", "153 s", "none")

@@ -170,7 +170,8 @@ def planned_step(model: ModelArgs, gpu: str, gpus: int, gpus_per_node: int, seq:
     pinned = (f", --fix {fix}" if fix else "") + (f", --profile {profile[0]}" if profile else "")
     return best.step_time_s, (f"planner: {best.layout.describe()}{pinned}, MFU {100 * best.mfu:.1f}%, "
                               f"{best.memory['total'] / 2**30:.1f} GiB/GPU; best of {len(result.candidates):,} "
-                              f"fitting layouts")
+                              f"fitting layouts; a step of {tokens // seq:,} sequences of {seq:,} tokens "
+                              "(--global-batch-tokens, --seq-len)")
 
 
 def state_bytes(job: Job, settings: Settings) -> float:

@@ -74,7 +74,9 @@ def _hardware_share(by_cause: dict[str, float]) -> float | None:
 
 
 def _secs(x: float | None) -> str:
-    return "none" if x is None else f"{x:.3g} s"
+    if x is None:
+        return "none"
+    return f"{x:,.0f} s" if x >= 1000 else f"{x:.3g} s"  # (1,950 s, not 1.95e+03 s)
 
 
 def _optimal_line(r: dict[str, Any]) -> str:
@@ -83,7 +85,8 @@ def _optimal_line(r: dict[str, Any]) -> str:
         return "optimal         none: no failures to recover from (each checkpoint costs its stall, and saves nothing)"
     held = (" (async: held at the write time, a snapshot waits for the last write)"
             if ck["mode"] == "async" and r["daly_interval_s"] is not None and optimal > r["daly_interval_s"] else "")
-    return (f"optimal         {_secs(optimal)} = {r['optimal_checkpoint_interval_steps']} steps "
+    steps = r["optimal_checkpoint_interval_steps"]  # (whole steps: their seconds near, not at, the optimum)
+    return (f"optimal         {_secs(optimal)} ~ {steps} steps ({_secs(steps * r['step_time_s'])}) "
             f"(Young {_secs(r['young_interval_s'])}, Daly {_secs(r['daly_interval_s'])}){held}")
 
 
