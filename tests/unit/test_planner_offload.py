@@ -64,6 +64,9 @@ def test_a_host_too_small_for_offload_fits_with_the_moments_on_an_ssd():
     assert to_config(best.layout, ON_SSD).memory.ssd_offload_dir == "/nvme/shardline"
     assert to_config(Layout(dp_shard=8), ON_SSD).memory.ssd_offload_dir == ""  # AdamW on the GPUs
     assert to_config(Layout(), ON_SSD, on_cpu=True).memory.ssd_offload_dir == "/nvme/shardline"
+    # a plan for CPU ranks runs them on the CPU (auto would take a GPU there, and its dry run price one)
+    assert (to_config(Layout(), ON_SSD, on_cpu=True).run.device, to_config(Layout(), ON_SSD).run.device) == (
+        "cpu", "auto")
 
 
 def test_the_ssd_costs_a_step_only_beyond_the_page_cache_and_what_hides_it():

@@ -178,6 +178,8 @@ def to_config(layout: Layout, work: Workload, base: Config | None = None, on_cpu
     # The folder where this layout can use it (the trainer refuses it elsewhere); else the plan does not.
     usable = ssd_offload.usable(layout.zero, layout.cpu_offload, on_cuda=not on_cpu)
     cfg.memory.ssd_offload_dir = work.ssd_offload_dir if usable else ""
+    if on_cpu:  # (auto would take a GPU where the file runs, and its dry run prices one)
+        cfg.run.device = "cpu"
     cfg.check(dp_world=layout.dp)
     return cfg
 
