@@ -305,3 +305,16 @@ def test_a_run_dir_s_tokenizer_is_replaced_whole_or_not_at_all(tiny_config, smal
     with pytest.raises(ShardlineError, match=r"No space left on device: cannot write the run's files into "):
         Trainer(tiny_config("train.steps=4", "train.eval_interval=0", run_dir=fresh)).build()
     assert (fresh / "tokenizer.json").read_text() == '{"stale": true}' and not list(fresh.glob(".tokenizer.json.*"))
+
+
+def test_an_async_save_the_disk_refuses_says_what_it_needs(tiny_config, small_disk):
+    """A background save refused before any checkpoint was on disk said "needs ~0 B": its size is
+    the model's (~16 bytes a parameter), as a synchronous one's."""
+    run = small_disk / "run"
+    trainer = Trainer(tiny_config("train.steps=4", "checkpoint.interval=2", "checkpoint.mode=async",
+                                  "train.eval_interval=0", run_dir=run)).build()
+    _fill_but(small_disk, 256 << 10)  # (room for the log, not a checkpoint)
+    with pytest.raises(CheckpointError, match="checkpoint of step 4 failed: no space left on "):
+        trainer.train()
+    needs = [e["error"].split("needs ~")[1].split(",")[0] for e in events(run) if e["event"] == "checkpoint_failed"]
+    assert needs and all(n != "0 B" and n.endswith("MB") for n in needs), needs

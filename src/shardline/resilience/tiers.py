@@ -65,6 +65,7 @@ class StateTiers:
         self.ending_at: int | None = None  # the step the run ends after (its last, a stop's, a halt's): set by the
         # trainer; a save of it that the storage refuses has no next interval to retry it
         self.held = 0  # memory snapshots known to be held (an async one once every rank holds it)
+        self._saved_model = None  # the model an async save is writing (its size, where the storage refuses it)
         self.unsaved_end = ""  # why the step the run ends after could not be saved (the storage refused it)
         self.memory = None
         if c.memory_interval:
@@ -92,6 +93,7 @@ class StateTiers:
             self.faults.after_save(step, path)
             return path
         self._drain_disk()
+        self._saved_model = model  # (a save refused in the background: its size, said by _refused)
         path, stall = self.saver.save(step, model, optimizer, trainer_state, meta, fail_midway)
         self.log("checkpoint", step=step, path=str(path), mode="async", stall_s=round(stall, 4),
                  on_disk=False)  # (yet: checkpoint_persisted says when it is; a kill before leaves none)
@@ -155,7 +157,7 @@ class StateTiers:
     def _drain_disk(self) -> None:
         for done in self.saver.wait() if self.saver is not None else ():
             if "error" in done:
-                self._refused(done["step"], done["error"], None)
+                self._refused(done["step"], done["error"], self._saved_model)
                 continue
             self.log("checkpoint_persisted", step=done["step"], path=done["path"],
                      background_s=round(done["background_s"], 3))
