@@ -678,3 +678,26 @@ def test_a_checkpoint_a_run_prunes_while_it_is_read_is_not_called_damaged(traine
     monkeypatch.setattr(dcp, "load", pruned_while_loading)
     with pytest.raises(CheckpointError, match=r"was removed while it was read \(a run pruning its older checkpoints"):
         load_state(chosen, {"model": {}})
+
+
+def test_a_run_dir_moved_while_the_run_trains_stops_it_before_a_save_lands_apart(tiny_config, tmp_path):
+    """A save recreated the old path's folder: the run split in two, its log in one and its newer
+    checkpoints in the other, and it exited 0. It stops at that save now, on every rank."""
+    trainer = Trainer(tiny_config("train.steps=12", "train.eval_interval=0")).build()  # (checkpoints at 6, 12)
+    moved = tmp_path / "moved"
+    original = trainer.save_checkpoint
+
+    def move_then_save():
+        if trainer.step == 12:
+            (tmp_path / "run").rename(moved)
+        return original()
+
+    trainer.save_checkpoint = move_then_save
+    with pytest.raises(CheckpointError, match=rf"the run dir {tmp_path / 'run'} was moved or removed while the run "
+                                              "trained .*relaunch with --run.dir where it is now"):
+        trainer.train()
+    trainer.close()
+    assert not (tmp_path / "run").exists() and Checkpointer(moved, keep=9).latest_valid().name == "step-000006"
+    resumed = Trainer(tiny_config("train.steps=12", run_dir=moved)).build()
+    assert resumed.step == 6
+    resumed.close()

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from shardline.config import save_config
 from shardline.data import build_data, tokenizer_file
 from shardline.data.tokenizer import save_tokenizer
-from shardline.errors import ConfigError, DataError, on_every_rank
+from shardline.errors import CheckpointError, ConfigError, DataError, on_every_rank
 from shardline.interop.weights import copy_starting_files
 from shardline.launch_notes import launch_notes
 from shardline.metrics import MetricsLogger
@@ -146,6 +147,7 @@ class SavedState:
         """Written once the lock is held and the state put back: the config, the tokenizer and the
         starting weights' files; the log, opened with what this launch found and chose."""
         agreed(lambda: self._write_run_files(resumed), self.proc.world_size)  # (a full disk: one line, every rank)
+        self._run_dir_id = _identity(self.run_dir)  # (each save checks the run dir is still this folder)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.metrics.progress, self.cfg.metrics.tensorboard,
                                      self.cfg.train.steps, self.step, enabled=self.proc.is_main)
         for problem in self._invalid_checkpoints:
@@ -234,10 +236,20 @@ class SavedState:
         optimizer, the trainer state (step, data position, RNGs, detectors), and the config and model
         shape a resume or an export reads; its path, or None where the storage refused it."""
         self.report_device_anomalies()  # the saved detector state and events agree
+        agreed(self._check_run_dir, self.proc.world_size)
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields,
                 "launchers": launcher_ids(),  # a restart of a resume=never run resumes only its own job's
                 "world_size": self.proc.world_size}  # (a dry run's resume says a change: dp_shard=-1 hides it)
         return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
+
+    def _check_run_dir(self) -> None:
+        """The run dir is still the folder this launch opened: one moved or removed while the run
+        trained would have its next save recreate an empty folder at the old path, the run split in
+        two (its log, config and checkpoints in one, the newer checkpoints in the other)."""
+        if _identity(self.run_dir) != self._run_dir_id:
+            raise CheckpointError(f"the run dir {self.run_dir} was moved or removed while the run trained (its log "
+                                  "and checkpoints went with it): stopping before a save lands apart from them; "
+                                  "relaunch with --run.dir where it is now, which resumes its newest checkpoint")
 
     def snapshot_to_memory(self) -> None:
         """This step into the in-memory tier, its detector state and events current, as a save's."""
@@ -253,3 +265,12 @@ class SavedState:
                 "anomaly_handling": {"rollbacks": self.rollbacks, "streak": list(self._anomaly_streak)},
                 "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim), "eval_owed": self.eval_owed,
                 "config": self.cfg.to_dict(), "world_size": self.proc.world_size}
+
+
+def _identity(folder: Path) -> tuple[int, int] | None:
+    """(device, inode) of `folder`, None where it is gone: the same path naming another folder is not it."""
+    try:
+        found = os.stat(folder)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
