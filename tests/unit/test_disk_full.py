@@ -318,3 +318,15 @@ def test_an_async_save_the_disk_refuses_says_what_it_needs(tiny_config, small_di
         trainer.train()
     needs = [e["error"].split("needs ~")[1].split(",")[0] for e in events(run) if e["event"] == "checkpoint_failed"]
     assert needs and all(n != "0 B" and n.endswith("MB") for n in needs), needs
+
+
+def test_an_export_to_a_full_disk_is_one_line_and_leaves_no_folder(tiny_config, small_disk, tmp_path, capsys):
+    """safetensors reports a full disk as its own error ("... (os error 28)"): a traceback, where
+    the storage's refusal is one line."""
+    from shardline.cli import main
+
+    Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0")).build().train()
+    _fill_but(small_disk, 400 << 10)
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(small_disk / "hf")]) == 2
+    assert "No space left on device: writing " in capsys.readouterr().err
+    assert not (small_disk / "hf").exists() and [p.name for p in small_disk.iterdir()] == ["filler"]

@@ -272,7 +272,13 @@ def _write_weights(folder: Path, tensors: list[tuple[str, torch.Tensor]],
                 raise CheckpointError(f"{name} is not finite as {str(dtype).removeprefix('torch.')}: " + (
                     "its values pass float16's range (65504); export with --dtype bfloat16 or float32" if past else
                     "the weights themselves hold NaN or inf (a diverged run: export an earlier checkpoint)"))
-        save_file(chunk, str(folder / file), metadata={"format": "pt"})
+        try:
+            save_file(chunk, str(folder / file), metadata={"format": "pt"})
+        except Exception as e:  # safetensors reports the OS's refusal (a full disk) as its own error: "(os error 28)"
+            code = re.search(r"\(os error (\d+)\)", str(e))
+            if isinstance(e, OSError) or code is None:
+                raise
+            raise OSError(int(code.group(1)), f"{os.strerror(int(code.group(1)))}: writing {folder / file}") from e
         os.chmod(folder / file, _file_mode())  # safetensors writes owner-only; exports are shared
         for name, t in chunk.items():
             weight_map[name] = file
