@@ -330,3 +330,20 @@ def test_an_export_to_a_full_disk_is_one_line_and_leaves_no_folder(tiny_config, 
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(small_disk / "hf")]) == 2
     assert "No space left on device: writing " in capsys.readouterr().err
     assert not (small_disk / "hf").exists() and [p.name for p in small_disk.iterdir()] == ["filler"]
+
+
+def test_a_prepare_the_disk_fills_under_says_so_and_resumes(small_disk, small_corpus, capsys):
+    """numpy's refused write says "N requested and M written": the line names the full disk, the
+    folder and what a rerun does, and the rerun once space is freed finishes it."""
+    from shardline.cli import main
+
+    out = small_disk / "prep"
+    args = ["prepare", str(small_corpus), "--out", str(out), "--vocab-size", "512", "--quiet", "--shard-tokens", "4096"]
+    _fill_but(small_disk, 48 << 10)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"shardline: error: prepare: the disk holding {out} is full (" in err and "free space, then the same " \
+        "command" in err, err
+    (small_disk / "filler").unlink()
+    assert main(args) == 0
+    assert main(["prepare", "--verify", "--out", str(out)]) == 0

@@ -6,8 +6,10 @@ Registered by the top-level CLI (`register`); the work is done by `prepare.prepa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -113,8 +115,24 @@ def _stoppable(prepare, opts) -> dict | int:
         how = "stopped by SIGTERM" if isinstance(e, _Terminated) else "interrupted"
         print(f"shardline: prepare {how}; {_what_a_rerun_does(Path(opts.out), opts.overwrite)}", file=sys.stderr)
         return 143 if isinstance(e, _Terminated) else 130
+    except OSError as e:  # a write the storage refused: numpy's says "N requested and M written", no errno
+        full = _free_bytes(Path(opts.out)) < FULL_BYTES
+        why = f"the disk holding {opts.out} is full ({e})" if full else f"writing {opts.out} failed: {e}"
+        raise DataError(f"prepare: {why}; {'free space, then ' if full else ''}"
+                        f"{_what_a_rerun_does(Path(opts.out), opts.overwrite)}") from e
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+FULL_BYTES = 64 << 20  # free space below which a refused write is taken for a full disk
+
+
+def _free_bytes(folder: Path) -> int:
+    """Free bytes on the file system of `folder` (or its nearest existing parent); large where unknown."""
+    for where in (folder, *folder.parents):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(where).free
+    return 1 << 62
 
 
 def _what_a_rerun_does(root: Path, overwrite: bool) -> str:
