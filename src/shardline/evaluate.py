@@ -36,7 +36,7 @@ from shardline.config import Config, apply_override, from_dict
 from shardline.data.sampler import eval_micro_batches
 from shardline.data.validation import val_format
 from shardline.data.shards import is_prepared, tokenizer_file
-from shardline.errors import ConfigError, on_every_rank
+from shardline.errors import ConfigError, ShardlineError, on_every_rank
 from shardline.parallel.distributed import (agreed, init_distributed, pick_device, ranks_differing,
                                             speaks_for_the_job)
 
@@ -283,7 +283,13 @@ def _command(args, overrides: list[str]) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     if speaks_for_the_job():
-        print(result.as_json() if args.json else result.line(), flush=True)
+        try:
+            print(result.as_json() if args.json else result.line(), flush=True)
+        except BrokenPipeError:
+            raise  # (a reader gone early: no failure, cli says)
+        except OSError as e:  # stdout into a full disk: the result lost, said in one line (the job is done)
+            raise ShardlineError(f"the evaluation's result could not be written to stdout ({e.strerror or e}): "
+                                 f"loss {result.loss:.6f} at step {result.step}") from None
     return 0
 
 

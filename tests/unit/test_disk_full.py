@@ -347,3 +347,17 @@ def test_a_prepare_the_disk_fills_under_says_so_and_resumes(small_disk, small_co
     (small_disk / "filler").unlink()
     assert main(args) == 0
     assert main(["prepare", "--verify", "--out", str(out)]) == 0
+
+
+def test_an_evaluation_whose_stdout_is_a_full_disk_says_so_in_one_line(tiny_config, small_disk, tmp_path):
+    import os
+    import sys
+
+    Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=2")).build().train()
+    _fill(small_disk)
+    with open(small_disk / "out.json", "w") as out:
+        done = subprocess.run([sys.executable, "-m", "shardline", "eval", str(tmp_path / "run"), "--json"], stdout=out,
+                              stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "the evaluation's result could not be written to stdout (No space left on device): loss " in done.stderr
