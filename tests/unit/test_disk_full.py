@@ -361,3 +361,18 @@ def test_an_evaluation_whose_stdout_is_a_full_disk_says_so_in_one_line(tiny_conf
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "the evaluation's result could not be written to stdout (No space left on device): loss " in done.stderr
+
+
+def test_a_run_whose_progress_file_the_full_disk_froze_says_so_at_its_end(tiny_config, small_disk, capsys):
+    """progress.json, which a requeue script reads, could not be written after the disk filled: it
+    still said step 0, unfinished, and the run ended with a single progress_not_written event."""
+    import json as _json
+
+    run = small_disk / "run"
+    trainer = Trainer(tiny_config("train.steps=3", "checkpoint.interval=0", "train.eval_interval=0", run_dir=run))
+    trainer.build()
+    _fill(small_disk)
+    trainer.train()
+    assert f"shardline: warning: {run / 'progress.json'} could not be written at the end (" in capsys.readouterr().err
+    progress = run / "progress.json"  # (never written, or an earlier state: what the warning is for)
+    assert not progress.exists() or _json.loads(progress.read_text())["phase"] != "ended"

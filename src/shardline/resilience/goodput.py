@@ -68,6 +68,7 @@ class Goodput:
         self._writing = threading.Lock()  # (a hang's exit writes from the watchdog's thread)
         self._recent: dict[int, tuple[str, float]] = {}  # step -> (category, seconds), for reclassify()
         self.unwritten = ""  # why progress.json could not be written, once it could not (persist)
+        self.stale = ""  # why its last write failed ("" where it succeeded): the file no longer says the run
         self.counted = True  # this launch is part of the run's account (not one that found nothing to train)
         self._gap = 0.0  # the restart gap before this launch, added to the account
         previous = self._read()
@@ -186,7 +187,9 @@ class Goodput:
         try:
             tmp.write_text(json.dumps(record), encoding="utf-8")
             os.replace(tmp, self.path)
+            self.stale = ""
         except OSError as e:
             self.unwritten = self.unwritten or f"{type(e).__name__}: {e}"
+            self.stale = f"{type(e).__name__}: {e}"
             with contextlib.suppress(OSError):
                 tmp.unlink()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+import sys
 import warnings
 from pathlib import Path
 
@@ -272,6 +273,9 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         summary = self.guard.finish(self.step, complete=stopped is None, last=self.step >= cfg.train.steps)
         self.metrics.event("end", step=self.step, overflow_skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
+        if self.guard.goodput and self.guard.goodput.stale:  # (rank 0's) a requeue script would read an older state
+            print(f"shardline: warning: {self.run_dir / 'progress.json'} could not be written at the end "
+                  f"({self.guard.goodput.stale}): it still says an earlier state of this run", file=sys.stderr)
         self.metrics.close()
         self.data.release()
         self.lock.release()
