@@ -386,3 +386,16 @@ def test_the_plan_says_whether_it_prices_the_blocks_compiled(capsys):
     assert "eager blocks (train.compile=false; --train.compile=true prices them compiled)" in capsys.readouterr().out
     assert main([*argv, "--train.compile=true"]) == 0
     assert "compiled blocks (train.compile;" in capsys.readouterr().out
+
+
+def test_a_plan_whose_layouts_use_a_cp_ring_names_its_attention_too(capsys):
+    """The header priced flex for the request while the layouts shown ran a cp ring (another kernel)."""
+    from shardline.cli import main
+
+    assert main(["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "64", "--seq-len", "8192",
+                 "--global-batch", "512", "--top", "3", "--fix", "cp=2"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "attention flex: " in head and head.endswith("; with cp > 1, context parallelism's ring: 50% of them")
+    assert main(["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "64", "--seq-len", "8192",
+                 "--global-batch", "512", "--top", "3", "--fix", "cp=1"]) == 0
+    assert "context parallelism's ring" not in capsys.readouterr().out.splitlines()[0]

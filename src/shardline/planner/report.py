@@ -69,7 +69,12 @@ def mfu_over_words(mfu: float) -> list[str]:
 def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, shown: list[Estimate],
                not_runnable: dict[int, str]) -> str:
     pruned = ", ".join(f"{k} {v:,}" for k, v in result.pruned.most_common())
-    lines = [f"plan: {describe_request(work, hw, gpus)}",
+    ring = next((e.layout.cp_degrees[0] for e in shown if e.layout.cp_degrees[0] > 1), 1)
+    ringed = attention.kernel(work, hw, ring)  # (the layouts shown with cp > 1 run another kernel: say which)
+    share = attention.computed_fraction(ringed, work.seq_len, work.document_mask, work.mean_doc_tokens)
+    rings = (f"; with cp > 1, context parallelism's ring: {100 * share:.0f}% of them"
+             if ring > 1 and ringed != attention.kernel(work, hw) else "")
+    lines = [f"plan: {describe_request(work, hw, gpus)}{rings}",
              f"searched {result.evaluated:,} layouts in {result.seconds:.1f} s: {len(result.candidates):,} fit"
              + (f"; pruned by the rule they broke (memory: did not fit): {pruned}" if pruned else ""),
              mfu_words(work),
