@@ -31,8 +31,8 @@ from shardline.planner.layout import FIX_KEYS, Workload, parse_fix, to_config
 def register(sub) -> None:
     plan = sub.add_parser("plan", description="Rank parallel layouts by predicted throughput. Config overrides "
                                       "(--section.key=value) go into the --emit-config file, but for those the "
-                                      "plan chooses (batch, precision, [parallel], activation checkpointing: "
-                                      "give them as plan options, --fix among them).")
+                                      "plan chooses (batch, precision, [parallel], activation checkpointing), "
+                                      "which are refused: give them as plan options, --fix among them.")
     plan.add_argument("--model", required=True, help="preset name or Hugging Face model folder")
     _device_args(plan, required=True)
     plan.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (train.seq_len)")
@@ -48,7 +48,8 @@ def register(sub) -> None:
     plan.add_argument("--ssd-offload-dir", default="", metavar="DIR",
                       help="a folder on each node's local SSD: layouts that step AdamW on the host (CPU offload) "
                            "keep its moments there (memory.ssd_offload_dir)")
-    plan.add_argument("--fix", default="", metavar="KEY=V,...", help="pin [parallel]/[memory] keys (dp = plain DDP)")
+    plan.add_argument("--fix", default="", metavar="KEY=V,...",
+                      help=f"pin layout keys, e.g. tp=8,pp=4 (dp = plain DDP); keys: {', '.join(FIX_KEYS)}")
     plan.add_argument("--runnable-only", action="store_true",
                       help="only layouts `shardline train` builds today (see layout.NOT_BUILT)")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="layouts shown (default 10)")
