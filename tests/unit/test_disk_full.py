@@ -376,3 +376,15 @@ def test_a_run_whose_progress_file_the_full_disk_froze_says_so_at_its_end(tiny_c
     assert f"shardline: warning: {run / 'progress.json'} could not be written at the end (" in capsys.readouterr().err
     progress = run / "progress.json"  # (never written, or an earlier state: what the warning is for)
     assert not progress.exists() or _json.loads(progress.read_text())["phase"] != "ended"
+
+
+def test_a_last_snapshot_refused_under_no_disk_saves_says_nothing_is_kept(tiny_config, small_disk, tmp_path):
+    """Under checkpoint.interval=0 a run that trains to its end lets its snapshots go: its last
+    one refused said "a rerun resumes an older snapshot", which the end had just removed."""
+    run = tmp_path / "run"
+    Trainer(tiny_config("train.steps=4", "checkpoint.interval=0", "checkpoint.memory_interval=2",
+                        "train.eval_interval=0", f"checkpoint.memory_dir={small_disk}", run_dir=run)).build().train()
+    failed = [e for e in events(run) if e["event"] == "memory_snapshot_failed"]
+    assert [e["step"] for e in failed] == [4], failed
+    assert failed[0]["action"].startswith("none: the run ends here, trained to its end (checkpoint.interval=0")
+    assert not list(small_disk.rglob("own-*.bin"))  # (what the line says: nothing kept)

@@ -174,6 +174,8 @@ class StateTiers:
             self.log("memory_snapshot_failed", step=stats["step"], error=stats["error"],
                      action="none: the run ends here; a rerun resumes its disk save of this step if one "
                      "lands, else an older snapshot" if last and self.cfg.checkpoint.interval else
+                     "none: the run ends here, trained to its end (checkpoint.interval=0: its snapshots go with "
+                     "it, nothing is kept)" if last and stats["step"] >= self.cfg.train.steps else
                      "none: the run ends here; a rerun resumes an older snapshot" if last else
                      "continue; the next snapshot tries again")
             return
