@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import shlex
 import shutil
@@ -115,8 +116,10 @@ def _stoppable(prepare, opts) -> dict | int:
         how = "stopped by SIGTERM" if isinstance(e, _Terminated) else "interrupted"
         print(f"shardline: prepare {how}; {_what_a_rerun_does(Path(opts.out), opts.overwrite)}", file=sys.stderr)
         return 143 if isinstance(e, _Terminated) else 130
+    except BrokenPipeError:
+        raise  # (its reader gone: not the folder's storage)
     except OSError as e:  # a write the storage refused: numpy's says "N requested and M written", no errno
-        full = _free_bytes(Path(opts.out)) < FULL_BYTES
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT) or (e.errno is None and _free_bytes(Path(opts.out)) < FULL_BYTES)
         why = f"the disk holding {opts.out} is full ({e})" if full else f"writing {opts.out} failed: {e}"
         raise DataError(f"prepare: {why}; {'free space, then ' if full else ''}"
                         f"{_what_a_rerun_does(Path(opts.out), opts.overwrite)}") from e

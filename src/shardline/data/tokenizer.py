@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -122,8 +123,8 @@ def save_tokenizer(tok: Tokenizer, path: Path) -> None:
     with contextlib.suppress(OSError, UnicodeDecodeError):
         if path.is_file() and path.read_text(encoding="utf-8") == text:
             return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # (ranks of two nodes share a
+    try:  # run dir on shared storage, and may share a process id)
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
     except OSError:

@@ -286,7 +286,7 @@ class Checkpointer:
                 self.verify(path)
                 return path
             except CheckpointUnreadable as e:
-                if path.exists():
+                if path.exists() or not self.root.is_dir():  # (the folder gone, not its mount: a prune's rename)
                     raise  # passing over it would resume an older one, or start over and set the history aside
                 if on_invalid is not None:  # (gone while read: renamed away by a prune, not the storage failing)
                     on_invalid(path, e)

@@ -13,9 +13,10 @@ so neither gradient accumulation nor any parallel layout changes a number.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
-import time
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -202,6 +203,10 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
                 close()
         if getattr(self, "lock", None) is not None:
             self.lock.release()
+        if getattr(self, "_run_dir_fd", None) is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._run_dir_fd)
+            self._run_dir_fd = None
 
     def _check_lock_held(self) -> None:
         if self.proc.is_main and not self.lock.held:
@@ -273,7 +278,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         summary = self.guard.finish(self.step, complete=stopped is None, last=self.step >= cfg.train.steps)
         self.metrics.event("end", step=self.step, overflow_skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
-        if self.guard.goodput and self.guard.goodput.stale:  # (rank 0's) a requeue script would read an older state
+        if self.guard.goodput and self.guard.goodput.stale and not self.tiers.unsaved_end:  # (rank 0's: else exit 2)
             print(f"shardline: warning: {self.run_dir / 'progress.json'} could not be written at the end "
                   f"({self.guard.goodput.stale}): it still says an earlier state of this run", file=sys.stderr)
         self.metrics.close()

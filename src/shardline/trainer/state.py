@@ -138,6 +138,8 @@ class SavedState:
             save_tokenizer(self.data.tokenizer, self.run_dir / "tokenizer.json")
             copy_starting_files(self.cfg.model, tokenizer_file(self.cfg.data), self.run_dir)
         except OSError as e:  # (the storage's: a full disk, a read-only folder; or a starting file unreadable)
+            if e.filename and not Path(e.filename).is_relative_to(self.run_dir):  # (a starting file, read)
+                raise OSError(e.errno, f"{e.strerror or e}: cannot copy {e.filename} into the run dir") from e
             space = "free space there, or give another run.dir"
             fix = {errno.ENOSPC: space, errno.EDQUOT: space, errno.EROFS: "give a writable run.dir"}.get(e.errno)
             raise OSError(e.errno, f"{e.strerror or e}: cannot write the run's files into {self.run_dir}"
@@ -147,7 +149,9 @@ class SavedState:
         """Written once the lock is held and the state put back: the config, the tokenizer and the
         starting weights' files; the log, opened with what this launch found and chose."""
         agreed(lambda: self._write_run_files(resumed), self.proc.world_size)  # (a full disk: one line, every rank)
-        self._run_dir_id = _identity(self.run_dir)  # (each save checks the run dir is still this folder)
+        # Held open, so the folder's identity holds where a file system renumbers what it forgets (FUSE, autofs):
+        # each save checks the path still names it
+        self._run_dir_fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.metrics.progress, self.cfg.metrics.tensorboard,
                                      self.cfg.train.steps, self.step, enabled=self.proc.is_main)
         for problem in self._invalid_checkpoints:
@@ -246,7 +250,12 @@ class SavedState:
         """The run dir is still the folder this launch opened: one moved or removed while the run
         trained would have its next save recreate an empty folder at the old path, the run split in
         two (its log, config and checkpoints in one, the newer checkpoints in the other)."""
-        if _identity(self.run_dir) != self._run_dir_id:
+        try:
+            held, now = os.fstat(self._run_dir_fd), os.stat(self.run_dir)
+            same = (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+        except OSError:
+            same = False
+        if not same:
             raise CheckpointError(f"the run dir {self.run_dir} was moved or removed while the run trained (its log "
                                   "and checkpoints went with it): stopping before a save lands apart from them; "
                                   "relaunch with --run.dir where it is now, which resumes its newest checkpoint")
@@ -265,12 +274,3 @@ class SavedState:
                 "anomaly_handling": {"rollbacks": self.rollbacks, "streak": list(self._anomaly_streak)},
                 "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim), "eval_owed": self.eval_owed,
                 "config": self.cfg.to_dict(), "world_size": self.proc.world_size}
-
-
-def _identity(folder: Path) -> tuple[int, int] | None:
-    """(device, inode) of `folder`, None where it is gone: the same path naming another folder is not it."""
-    try:
-        found = os.stat(folder)
-    except OSError:
-        return None
-    return found.st_dev, found.st_ino
