@@ -89,6 +89,46 @@ def _memory_part(rec: dict[str, Any]) -> str:
     return f"mem {rec['peak_mem_gib']:.2f} GiB"
 
 
+class _KeptErrors:
+    """TensorBoard writes its events on a thread of its own, whose storage error (a full disk, the
+    run dir moved) Python printed as a thread's traceback before the next flush raised it again: the
+    record writer that thread calls keeps the error instead, for the flush to say in one line."""
+
+    def __init__(self, inner):
+        self.inner, self.error = inner, None
+
+    @classmethod
+    def around(cls, tb) -> _KeptErrors | None:
+        """Wrap `tb`'s record writer (torch's SummaryWriter over tensorboard's async writer); None where
+        another version lays it out otherwise (its thread then prints as before)."""
+        worker = getattr(getattr(getattr(getattr(tb, "file_writer", None), "event_writer", None), "_async_writer",
+                                 None), "_worker", None)
+        if worker is None or not hasattr(worker, "_record_writer"):
+            return None
+        worker._record_writer = kept = cls(worker._record_writer)
+        return kept
+
+    def _kept(self, call, *args) -> None:
+        if self.error is None:  # (after an error: nothing more, the run's log goes on without its curves)
+            try:
+                call(*args)
+            except OSError as e:
+                self.error = e
+
+    def write(self, data) -> None:
+        self._kept(self.inner.write, data)
+
+    def flush(self) -> None:
+        self._kept(self.inner.flush)
+
+    def close(self) -> None:
+        self._kept(self.inner.close)
+
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
+
+
 def silence(fd: int) -> None:
     """Point file descriptor `fd` (1: stdout, 2: stderr) at /dev/null: a reader gone, a closed terminal
     or a stdout closed at start; later writes, Python's own at exit too, go nowhere."""
@@ -285,6 +325,7 @@ class MetricsLogger:
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(log_dir=str(self._tb_dir), purge_step=step + 1)
+        self._tb_writes = _KeptErrors.around(self._tb)
 
     def rewind(self, step: int) -> None:
         """The run went back to `step` (a rollback): the steps it logs again replace the old ones."""
@@ -312,6 +353,8 @@ class MetricsLogger:
                     if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                         self._tb.add_scalar(f"{kind}/{key}", value, fields["step"])
                 self._tb.flush()  # on disk a line at a time, as metrics.jsonl: a killed run loses none of its curves
+                if self._tb_writes is not None and self._tb_writes.error is not None:
+                    raise self._tb_writes.error
             except OSError as e:
                 self._unwritten(e, "TensorBoard")
         return rec

@@ -388,3 +388,22 @@ def test_a_last_snapshot_refused_under_no_disk_saves_says_nothing_is_kept(tiny_c
     assert [e["step"] for e in failed] == [4], failed
     assert failed[0]["action"].startswith("none: the run ends here, trained to its end (checkpoint.interval=0")
     assert not list(small_disk.rglob("own-*.bin"))  # (what the line says: nothing kept)
+
+
+def test_tensorboard_s_writer_thread_meeting_a_full_disk_is_one_warning(tiny_config, small_disk, capsys,
+                                                                         monkeypatch):
+    """TensorBoard's own writer thread raised the disk's error, which Python printed as a thread's
+    traceback before the log's one-line warning."""
+    run = small_disk / "run"
+    trainer = Trainer(tiny_config("train.steps=40", "checkpoint.interval=0", "train.eval_interval=0",
+                                  "metrics.tensorboard=true", "metrics.log_interval=1", run_dir=run)).build()
+    import threading
+
+    raised = []  # (what Python would print as "Exception in thread ...")
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    _fill(small_disk)  # (the files' last pages fill first: 40 logged steps pass them)
+    trainer.train()
+    assert not raised, raised
+    err = capsys.readouterr().err
+    assert "shardline: warning: TensorBoard cannot be written (" in err
+    assert "Exception in thread" not in err and "Traceback" not in err, err
