@@ -219,7 +219,7 @@ def test_a_named_checkpoint_the_config_contradicts_is_refused_before_newer_ones_
     before = sorted(p.name for p in checkpoints.iterdir())
     named = f"run.resume={checkpoints / 'step-000003'}"
     for change, says in [("train.global_batch_size=16", "train.global_batch_size=8 but this run has 16"),
-                         ("train.seed=7", "and seed 7"), ("train.skip_batches=[1]", r"train.skip_batches=\[1\]")]:
+                         ("train.seed=7", "order seed is 7"), ("train.skip_batches=[1]", r"train.skip_batches=\[1\]")]:
         with pytest.raises((CheckpointError, ConfigError), match=says):
             Trainer(tiny_config(*common, named, change)).build()
         assert sorted(p.name for p in checkpoints.iterdir()) == before, change
