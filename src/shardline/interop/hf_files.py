@@ -5,6 +5,7 @@ tensors to a shardline model's parameters is hf.py's job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -299,6 +300,7 @@ def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype:
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards = _plan_shards(tensors, itemsize, max_shard_size_bytes)
     dest = dest.resolve() if dest.is_symlink() else dest  # a link to the folder: its target is replaced, not it
+    made = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]  # (a failed export removes them too)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".shardline-export-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # (no longer than a name allows)
     tmp.mkdir()
@@ -317,6 +319,11 @@ def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype:
             _stop_at_turn_end(tmp, side["tokenizer"], config, side["turn_end"])
         _write_json(tmp / EXPORT_MARK, {"written_by": "shardline", **provenance})
         _swap_into_place(tmp, dest)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        for folder in made:  # (innermost first; one not empty, another's since, stays)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        if isinstance(e, OSError) and not e.filename and "writing" not in str(e):  # (a write names no file)
+            raise OSError(e.errno, f"{e.strerror or e}: writing the export into {dest}") from e
         raise
