@@ -172,3 +172,16 @@ def test_cpu_ranks_of_one_host_share_its_memory():
     assert not host_fits(memory_breakdown(work, replicas, small), replicas, small)  # 4 x one > 90% of 3.5 x one
     found = search(work, small, 4, {"dp_replicate": 4, "dp_shard": 1})
     assert not found.candidates and found.pruned["host memory"] > 0
+
+
+def test_cpu_ranks_that_fit_alone_but_not_together_are_said_so(capsys):
+    """The refusal said the ranks' per-device need against the host's whole memory, and advised more
+    devices, which on one host only divides it further."""
+    cpu = get_hardware("cpu")
+    work = Workload(PRESETS["tiny"], 256, 8, "fp32")
+    one = memory_breakdown(work, Layout(dp_replicate=4, dp_shard=1), cpu)["total"]
+    small = dataclasses.replace(cpu, mem_gib=3.5 * one / GiB,
+                                network=dataclasses.replace(cpu.network, host_mem_gib=3.5 * one / GiB))
+    found = search(work, small, 4, {"dp_replicate": 4, "dp_shard": 1, "activation_checkpoint": "none"})
+    said = explain_no_fit(work, small, 4, found)
+    assert "GiB for the 4 ranks sharing this host, more than 90% of its" in said and "more devices" not in said

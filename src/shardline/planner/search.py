@@ -38,7 +38,7 @@ from shardline.layout import Layout
 from shardline.parallel import float8
 from shardline.planner.layout import Workload, layout_problem
 from shardline.planner.memory import GiB, largest_term, memory_breakdown
-from shardline.planner.offload import host_fits
+from shardline.planner.offload import HOST_USABLE, host_fits, node_ranks
 from shardline.planner.pipeline import VIRTUAL_STAGES
 
 AC_OPTIONS = (("none", 1), ("op", 1), ("selective", 2), ("full", 1))
@@ -295,6 +295,13 @@ def _device_text(hw: Hardware, misfit: tuple[float, Layout, dict]) -> str:
     """The leanest layout's device memory, term by term, against the device's."""
     need, layout, mem = misfit
     have = hw.mem_gib * GiB
+    ranks = node_ranks(layout, hw)
+    if hw.name == "cpu" and need <= have and ranks > 1:  # (each rank fits the host; together they do not)
+        return (f"does not fit: the leanest layout ({layout.describe()}) needs {need / GiB:.1f} GiB per rank, "
+                f"{ranks * need / GiB:.1f} GiB for the {ranks} ranks sharing this host, more than "
+                f"{100 * HOST_USABLE:.0f}% of its {hw.network.host_mem_gib:.1f} GiB; fewer ranks (--gpus), "
+                + ("" if layout.activation_checkpoint == "full" else "activation_checkpoint=full, ")
+                + "a shorter sequence or a smaller model")
     states = sum(mem.get(k, 0.0) for k in ("params", "grads", "optimizer"))
     more = max(2, int(-(-need // have)))
     big, big_bytes = largest_term(mem)
