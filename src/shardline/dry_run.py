@@ -39,7 +39,7 @@ from shardline.planner.hardware import Hardware, cuda_index, get_hardware, with_
 from shardline.planner.layout import Workload
 from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_over_words, mfu_words
 from shardline.planner.memory import GiB
-from shardline.planner.offload import OUTSIDE_DEVICE
+from shardline.planner.offload import OUTSIDE_DEVICE, node_ranks
 from shardline.resilience.checkpoint import verify
 from shardline.resilience.recovery import data_changes, saved_config, saved_step, saved_world_size, settings_changed
 from shardline.resilience.resume_checks import check_saved_position
@@ -254,6 +254,11 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
     e = estimate(work, launch.layout, hw)
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.memory.items() if k not in OUTSIDE_DEVICE)
     fits = "fits" if e.fits else "DOES NOT FIT"
+    if not e.host_ok and e.memory["total"] <= e.capacity:  # (each rank fits; the node's host memory does not)
+        ranks = node_ranks(launch.layout, hw)
+        host = hw.network.host_mem_gib
+        fits += (f" the host: {ranks} ranks share its {host:.1f} GiB (90% usable)" if hw.name == "cpu" else
+                 f" the host memory of a node ({host:.0f} GiB) with its {ranks} ranks' offloaded states")
     return [f"memory    per rank on {hw.name}, planner estimate (GiB): {parts}",
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"

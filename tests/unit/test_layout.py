@@ -620,3 +620,14 @@ def test_dry_run_compares_a_prepared_folders_tokens_with_the_resumed_checkpoint(
     assert main(base) == 2
     err = capsys.readouterr().err
     assert "was trained on other data (tokens " in err and err.count("\n") == 1, err
+
+
+def test_a_cpu_dry_run_whose_ranks_fit_alone_but_not_together_says_the_host(capsys, tmp_path, monkeypatch):
+    """Its line read "total 0.6 of 23.5: DOES NOT FIT", a figure that fits: the ranks share the host."""
+    from shardline.planner import hardware
+
+    monkeypatch.setattr(hardware, "_host_memory_gib", lambda: 1.0)
+    argv = ["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--run.device=cpu", "--world-size", "4",
+            "--parallel.dp_shard=1", "--parallel.dp_replicate=4", "--train.micro_batch_size=2"]
+    assert main(argv) == 1
+    assert "DOES NOT FIT the host: 4 ranks share its 1.0 GiB (90% usable)" in capsys.readouterr().out
