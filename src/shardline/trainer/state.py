@@ -258,7 +258,8 @@ class SavedState:
         if not same:
             raise CheckpointError(f"the run dir {self.run_dir} was moved or removed while the run trained (its log "
                                   "and checkpoints went with it): stopping before a save lands apart from them; "
-                                  "relaunch with --run.dir where it is now (it resumes the newest checkpoint there, if any)")
+                                  "relaunch with --run.dir where it is now (it resumes the newest checkpoint "
+                                  "there, if any)")
 
     def snapshot_to_memory(self) -> None:
         """This step into the in-memory tier, its detector state and events current, as a save's."""
