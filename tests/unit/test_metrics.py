@@ -148,3 +148,23 @@ def test_tensorboard_missing_is_one_line_naming_the_switch(tmp_path, monkeypatch
             check()
     check_config(load_config(None, [f"run.dir={tmp_path / 'run'}", "metrics.tensorboard=false"]))  # not needed
     MetricsLogger(tmp_path, "none", False, 10, 0).close()
+
+
+def test_a_launch_s_event_file_sorts_after_the_last_launch_s(tmp_path):
+    """TensorBoard reads event files in name order, <second>.<host>.<pid>.<n>: a writer opened in
+    the second of the last one could sort before it ("...pid.10" before "...pid.9", as two quick
+    launches in one process made it in a suite) and its purge be read first. The next writer waits
+    past that second, for at most a bound (another host's clock may be ahead)."""
+    import time
+
+    from shardline.metrics.tb_writer import after_newest_event_file
+
+    now = int(time.time())
+    (tmp_path / f"events.out.tfevents.{now}.host.12.9").write_bytes(b"")
+    after_newest_event_file(tmp_path)
+    assert time.time() >= now + 1
+    (tmp_path / f"events.out.tfevents.{now + 3600}.host.12.10").write_bytes(b"")  # a clock an hour ahead
+    began = time.monotonic()
+    after_newest_event_file(tmp_path, most_s=0.3)
+    assert time.monotonic() - began < 1.0
+    after_newest_event_file(tmp_path / "none")  # (no folder yet: nothing to wait for)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from shardline.errors import ConfigError
+from shardline.metrics.tb_writer import KeptErrors, after_newest_event_file
 
 
 def peak_memory_gib(device: torch.device) -> dict[str, float]:
@@ -87,46 +88,6 @@ def _memory_part(rec: dict[str, Any]) -> str:
     if "peak_reserved_gib" in rec:  # CUDA: allocated / reserved since the last line
         return f"mem {rec['peak_mem_gib']:.2f}/{rec['peak_reserved_gib']:.2f} GiB alloc/reserved"
     return f"mem {rec['peak_mem_gib']:.2f} GiB"
-
-
-class _KeptErrors:
-    """TensorBoard writes its events on a thread of its own, whose storage error (a full disk, the
-    run dir moved) Python printed as a thread's traceback before the next flush raised it again: the
-    record writer that thread calls keeps the error instead, for the flush to say in one line."""
-
-    def __init__(self, inner):
-        self.inner, self.error = inner, None
-
-    @classmethod
-    def around(cls, tb) -> _KeptErrors | None:
-        """Wrap `tb`'s record writer (torch's SummaryWriter over tensorboard's async writer); None where
-        another version lays it out otherwise (its thread then prints as before)."""
-        worker = getattr(getattr(getattr(getattr(tb, "file_writer", None), "event_writer", None), "_async_writer",
-                                 None), "_worker", None)
-        if worker is None or not hasattr(worker, "_record_writer"):
-            return None
-        worker._record_writer = kept = cls(worker._record_writer)
-        return kept
-
-    def _kept(self, call, *args) -> None:
-        if self.error is None:  # (after an error: nothing more, the run's log goes on without its curves)
-            try:
-                call(*args)
-            except OSError as e:
-                self.error = e
-
-    def write(self, data) -> None:
-        self._kept(self.inner.write, data)
-
-    def flush(self) -> None:
-        self._kept(self.inner.flush)
-
-    def close(self) -> None:
-        self._kept(self.inner.close)
-
-    @property
-    def closed(self) -> bool:
-        return self.inner.closed
 
 
 def silence(fd: int) -> None:
@@ -324,8 +285,9 @@ class MetricsLogger:
         require_tensorboard()
         from torch.utils.tensorboard import SummaryWriter
 
+        after_newest_event_file(self._tb_dir)
         self._tb = SummaryWriter(log_dir=str(self._tb_dir), purge_step=step + 1)
-        self._tb_writes = _KeptErrors.around(self._tb)
+        self._tb_writes = KeptErrors.around(self._tb)
 
     def rewind(self, step: int) -> None:
         """The run went back to `step` (a rollback): the steps it logs again replace the old ones."""
