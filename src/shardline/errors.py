@@ -87,3 +87,22 @@ def links_outside(root, path) -> bool:
     stored = (target.parent.name == "blobs" and target.parent.parent.name.startswith(("models--", "datasets--"))
               or any(store in target.as_posix() for store in ("/.dvc/cache/", "/.git/annex/objects/")))
     return not (target.is_relative_to(home) or stored)
+
+
+NEARLY_FULL_BYTES = 64 << 20  # free space below which (or below 5% of the disk) a refused write means a full disk
+
+
+def nearly_full(folder) -> bool:
+    """Whether the file system holding `folder` (or its nearest existing parent) has almost no space
+    left: what a write refused without an errno (numpy's "N requested and M written", torch's
+    writer's RuntimeError) is taken for. False where no parent can be asked."""
+    import shutil
+    from pathlib import Path
+
+    for where in (Path(folder), *Path(folder).parents):
+        try:
+            usage = shutil.disk_usage(where)
+        except OSError:
+            continue
+        return usage.free < min(NEARLY_FULL_BYTES, usage.total // 20)
+    return False

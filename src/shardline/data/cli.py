@@ -6,17 +6,15 @@ Registered by the top-level CLI (`register`); the work is done by `prepare.prepa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import os
 import shlex
-import shutil
 import signal
 import sys
 from pathlib import Path
 
 from shardline.config import DataConfig
-from shardline.errors import DataError
+from shardline.errors import DataError, nearly_full
 
 
 def register(sub) -> None:
@@ -119,23 +117,12 @@ def _stoppable(prepare, opts) -> dict | int:
     except BrokenPipeError:
         raise  # (its reader gone: not the folder's storage)
     except OSError as e:  # a write the storage refused: numpy's says "N requested and M written", no errno
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT) or (e.errno is None and _free_bytes(Path(opts.out)) < FULL_BYTES)
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT) or (e.errno is None and nearly_full(opts.out))
         why = f"the disk holding {opts.out} is full ({e})" if full else f"writing {opts.out} failed: {e}"
         raise DataError(f"prepare: {why}; {'free space, then ' if full else ''}"
                         f"{_what_a_rerun_does(Path(opts.out), opts.overwrite)}") from e
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-FULL_BYTES = 64 << 20  # free space below which a refused write is taken for a full disk
-
-
-def _free_bytes(folder: Path) -> int:
-    """Free bytes on the file system of `folder` (or its nearest existing parent); large where unknown."""
-    for where in (folder, *folder.parents):
-        with contextlib.suppress(OSError):
-            return shutil.disk_usage(where).free
-    return 1 << 62
 
 
 def _what_a_rerun_does(root: Path, overwrite: bool) -> str:

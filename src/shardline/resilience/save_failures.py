@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardline.errors import CheckpointError
+from shardline.errors import CheckpointError, nearly_full
 
 
 def agree_on_failure(failure: BaseException | None, group: dist.ProcessGroup | None = None,
@@ -69,7 +68,7 @@ def storage_error(e: BaseException, where: Path | None = None) -> OSError | None
         seen += [x for x in (err.__cause__, err.__context__) if x is not None]
     for err in chain:
         if isinstance(err, RuntimeError) and any(mark in str(err) for mark in WRITER_FAILURES):
-            code = errno.ENOSPC if where is not None and _nearly_full(where) else errno.EIO
+            code = errno.ENOSPC if where is not None and nearly_full(where) else errno.EIO
             return WriteCutShort(code, f"{os.strerror(code)} (torch's file writer: {str(err).strip()[:200]})")
     return None
 
@@ -81,15 +80,3 @@ class WriteCutShort(OSError):
 
 # torch's zip writer, a write cut short: its position check, its own error, or the C++ stream's
 WRITER_FAILURES = ("inline_container.cc", "PytorchStreamWriter", "basic_ios::clear")
-NEARLY_FULL_BYTES = 64 << 20  # free space below which a cut-short write is taken for a full disk (or 5%)
-
-
-def _nearly_full(where: Path) -> bool:
-    """Whether the file system holding `where` (or its nearest existing parent) has almost no space left."""
-    for folder in (where, *where.parents):
-        try:
-            usage = shutil.disk_usage(folder)
-        except OSError:
-            continue
-        return usage.free < min(NEARLY_FULL_BYTES, usage.total // 20)
-    return False
