@@ -34,8 +34,8 @@ import torch.distributed
 
 from shardline.config import Config, apply_override, from_dict
 from shardline.data.sampler import eval_micro_batches
-from shardline.data.validation import val_format
-from shardline.data.shards import is_prepared, tokenizer_file
+from shardline.data.validation import split_by_prepare, val_format
+from shardline.data.shards import tokenizer_file
 from shardline.errors import ConfigError, ShardlineError, on_every_rank
 from shardline.parallel.distributed import (agreed, init_distributed, pick_device, ranks_differing,
                                             speaks_for_the_job)
@@ -118,8 +118,7 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     cfg.train.epochs = 0.0  # (nothing is trained: the saved train.steps stand, whatever data is given)
     cfg.metrics.tensorboard, cfg.metrics.progress, cfg.metrics.profile_steps = False, "none", []
     cfg.train.eval_interval = max(cfg.train.eval_interval, 1)  # (an evaluation needs a held-out split)
-    if not (cfg.data.val_fraction or cfg.data.val_path) and not all(
-            map(is_prepared, [s.path for s in cfg.data.mix] or [cfg.data.path])):
+    if not (cfg.data.val_fraction or cfg.data.val_path) and not split_by_prepare(cfg):
         raise ConfigError("data.val_fraction=0: the data holds nothing out to evaluate on; give data to evaluate "
                           "on (--data.val_path=...), or --data.val_fraction=0.01 for a share of it (where the run "
                           "held nothing out, documents it trained on: a training loss)")

@@ -14,8 +14,8 @@ from shardline.data import tokenizer_file
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import CHAT_END, CHAT_START
 from shardline.data.folders import read_root
-from shardline.data.shards import is_prepared, tokenizer_hash
-from shardline.data.validation import val_format
+from shardline.data.shards import tokenizer_hash
+from shardline.data.validation import split_by_prepare, val_format
 from shardline.data.tokenizer import KNOWN_EOS, eos_id, extends_file, load_tokenizer
 from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
@@ -177,7 +177,6 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
     `layout`: the one resolved on the launch's world (parallel.zero where nothing is sharded)."""
     given, default = cfg.to_dict(), Config().to_dict()
     c, p = cfg.checkpoint, cfg.parallel
-    paths = [s.path for s in cfg.data.mix] or [cfg.data.path]
     rules = [("fp8", ("recipe", "fsdp_all_gather"), cfg.train.precision != "fp8", "train.precision is not fp8"),
              ("memory", ("ac_every",), cfg.memory.activation_checkpoint != "selective",
               "memory.activation_checkpoint is not selective"),
@@ -198,7 +197,7 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
               "every data.mix source sets its own format"),
              ("model", ("preset",), bool(cfg.model.hf_path or cfg.model.init_from),
               "the starting weights (model.hf_path, model.init_from) give the model's shape"),
-             ("data", ("val_fraction",), all(map(is_prepared, paths)) or bool(cfg.data.val_path),
+             ("data", ("val_fraction",), split_by_prepare(cfg) or bool(cfg.data.val_path),
               "data.val_path is the held-out data" if cfg.data.val_path else
               "the data is prepared: `shardline prepare --val-fraction` fixed its held-out split"),
              ("train", ("skip_batches",), min(cfg.train.skip_batches, default=0) >= cfg.train.steps,

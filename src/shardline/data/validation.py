@@ -52,12 +52,18 @@ def split_single(doc, val_fraction: float):
     return doc[:cut], doc[cut:]
 
 
+def split_by_prepare(cfg: Config) -> bool:
+    """Whether every training source is a prepared folder: its held-out split is the one `prepare`
+    made, which data.val_fraction does not cut."""
+    return all(map(is_prepared, [s.path for s in cfg.data.mix] or [cfg.data.path]))
+
+
 def held_out_problem(cfg: Config) -> str | None:
     """An evaluation asked of raw data that holds nothing out (data.val_fraction=0, no data.val_path),
     said before any data is read. A prepared folder holds the split `prepare` made, which
     data.val_fraction does not touch: opening it says whether it holds one (check_sizes)."""
     d, every = cfg.data, cfg.train.eval_interval
-    if d.val_path or d.val_fraction or not every or all(map(is_prepared, [s.path for s in d.mix] or [d.path])):
+    if d.val_path or d.val_fraction or not every or split_by_prepare(cfg):
         return None
     return (f"data.val_fraction=0 holds nothing out for train.eval_interval={every} to evaluate on: set "
             "train.eval_interval=0 (no evaluation), a data.val_fraction in (0, 0.5), or data.val_path")

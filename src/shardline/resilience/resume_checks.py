@@ -12,7 +12,7 @@ import torch
 from shardline.config import Config
 from shardline.data.packing import CHAT_PACKING
 from shardline.data.sampler import batch_index
-from shardline.data.shards import is_prepared
+from shardline.data.validation import split_by_prepare
 from shardline.errors import CheckpointError, ConfigError
 from shardline.resilience.recovery import data_changes, saved_config
 
@@ -61,7 +61,7 @@ def _check_held_out_kept(path: Path, cfg: Config) -> None:
     resume (those documents would train, and a trained BPE change with them), nor one that evaluated
     on data.val_path left without it (documents would leave its training data)."""
     saved = saved_config(path).get("data")
-    if not isinstance(saved, dict) or all(map(is_prepared, [s.path for s in cfg.data.mix] or [cfg.data.path])):
+    if not isinstance(saved, dict) or split_by_prepare(cfg):
         return  # (a prepared folder holds the split `prepare` made: data.val_fraction never cuts it)
     fraction = saved.get("val_fraction", 0.01)  # (held out where no val_path was given: none at 0)
     if not saved.get("val_path") and cfg.data.val_path and isinstance(fraction, (int, float)) and fraction:
