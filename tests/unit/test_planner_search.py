@@ -307,11 +307,12 @@ def test_no_layout_names_the_rule_of_the_most_model_parallel_layout():
 
 def test_an_abbreviated_or_misspelt_option_is_named(capsys):
     """`simulate --global-batch` was taken as --global-batch-tokens (sequences read as tokens, a
-    goodput for a fraction of a sequence); a misspelt `--seqlen` was reported as --seq-len missing."""
+    goodput for a fraction of a sequence; it is its own option now): no option is abbreviated; a
+    misspelt `--seqlen` was reported as --seq-len missing."""
     with pytest.raises(SystemExit) as stop:
         main(["simulate", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--days", "1",
-              "--global-batch", "2048"])
-    assert stop.value.code == 2 and "unrecognized arguments: --global-batch 2048" in capsys.readouterr().err
+              "--global-batch-tok", "2048"])
+    assert stop.value.code == 2 and "unrecognized arguments: --global-batch-tok 2048" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--seqlen", "4096",
               "--global-batch", "8"])

@@ -236,9 +236,35 @@ def test_the_text_names_the_batch_it_priced_and_the_whole_steps_of_its_interval(
 
     assert main([*SMALL, "--fix", "tp=1,pp=1"]) == 0
     out = capsys.readouterr().out
-    assert "a step of 1,024 sequences of 8,192 tokens (--global-batch-tokens, --seq-len))" in out
+    assert "a step of 1,024 sequences of 8,192 tokens (--global-batch or --global-batch-tokens, --seq-len))" in out
     line = next(x for x in out.splitlines() if x.startswith("optimal"))
     step = float(next(x for x in out.splitlines() if x.startswith("step time")).split()[2])
     steps, seconds = line.split("~ ")[1].split(" steps (")
-    assert float(seconds.split(" s)")[0]) == pytest.approx(int(steps) * step, rel=2e-3)
+    assert float(seconds.split(" s)")[0].replace(",", "")) == pytest.approx(int(steps.replace(",", "")) * step,
+                                                                             rel=2e-3)
+    assert "e+0" not in out
     assert (_secs(1950.4), _secs(153.2), _secs(None)) == ("1,950 s", "153 s", "none")
+
+
+def test_the_batch_is_given_in_sequences_or_in_tokens_once(capsys, tmp_path):
+    """`--global-batch SEQS` prices the step `--global-batch-tokens` does for as many tokens (plan
+    takes both; simulate took tokens alone); a later source's batch replaces a file's in either unit,
+    both in one source are refused, and neither goes with a given step time."""
+    by_seqs = run_json(capsys, "--fix", "tp=1,pp=1", "--seq-len", "4096", "--global-batch", "256")
+    by_tokens = run_json(capsys, "--fix", "tp=1,pp=1", "--seq-len", "4096", "--global-batch-tokens", str(256 * 4096))
+    assert by_seqs["step_time_s"] == by_tokens["step_time_s"]
+    assert "a step of 256 sequences of 4,096 tokens" in by_seqs["step_time_source"]
+    config = tmp_path / "sim.toml"
+    config.write_text("[simulate]\nglobal_batch_tokens = 1000\n", encoding="utf-8")
+    settings = load_settings(config, [], {"global_batch": 64})
+    assert (settings.global_batch, settings.global_batch_tokens) == (64, None)
+    settings = load_settings(config, ["--simulate.global_batch=8"], {})
+    assert (settings.global_batch, settings.global_batch_tokens) == (8, None)
+    config.write_text("[simulate]\nglobal_batch_tokens = 1000\nglobal_batch = 8\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="simulate.global_batch .sequences. and simulate.global_batch_tokens both"):
+        load_settings(config, [], {})
+    assert main([*SMALL, "--step-time", "2", "--global-batch", "64"]) == 2
+    assert "--global-batch shapes the step-time estimate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*SMALL, "--global-batch", "64", "--global-batch-tokens", "100"])
+    assert "not allowed with argument --global-batch" in capsys.readouterr().err

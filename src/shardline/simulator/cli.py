@@ -21,7 +21,8 @@ _FLAG_KEYS = {
     "step_time": "step_time_s", "save_time": "save_s", "snapshot_time": "snapshot_s",
     "detection_time": "detection_s", "restart_time": "restart_s", "persist_every": "persist_every",
     "straggler_prob": "straggler_prob", "straggler_slowdown": "straggler_slowdown",
-    "seq_len": "seq_len", "global_batch_tokens": "global_batch_tokens", "mfu": "mfu", "fix": "fix",
+    "seq_len": "seq_len", "global_batch": "global_batch", "global_batch_tokens": "global_batch_tokens", "mfu": "mfu",
+    "fix": "fix",
 }
 
 
@@ -59,8 +60,11 @@ def register(subparsers) -> None:
     p.add_argument("--straggler-prob", type=float, metavar="P", help="per GPU per step (default 5e-7)")
     p.add_argument("--straggler-slowdown", type=float, metavar="F", help="slowed step time factor (default 2)")
     p.add_argument("--seq-len", type=int, help="for the step-time estimate (default min(max_seq_len, 8192))")
-    p.add_argument("--global-batch-tokens", type=int,
-                   help="for the step-time estimate (default one sequence per GPU, at most 2048 sequences)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch", type=int, metavar="SEQS", help="sequences a step, for the step-time estimate "
+                       "(default one per GPU, at most 2048)")
+    batch.add_argument("--global-batch-tokens", type=int, metavar="T",
+                       help="or tokens a step (--global-batch x --seq-len)")
     p.add_argument("--mfu", type=float, help="where the planner has no plan (the job does not fit, say): simulate it "
                    "anyway, the step time from FLOPs at this MFU (e.g. 0.4)")
     p.set_defaults(func=run)
@@ -73,9 +77,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         from shardline.simulator.plot import check_plot_path
 
         check_plot_path(args.plot)
-    unused = [flag for flag, value in (("--fix", args.fix), ("--mfu", args.mfu), ("--seq-len", args.seq_len),
-                                       ("--global-batch-tokens", args.global_batch_tokens), ("--profile", args.profile))
-              if value is not None]
+    shaping = (("--fix", args.fix), ("--mfu", args.mfu), ("--seq-len", args.seq_len),
+               ("--global-batch", args.global_batch), ("--global-batch-tokens", args.global_batch_tokens),
+               ("--profile", args.profile))
+    unused = [flag for flag, value in shaping if value is not None]
     if args.step_time is not None and unused:
         verb = "shapes" if len(unused) == 1 else "shape"
         raise ConfigError(f"{', '.join(unused)} {verb} the step-time estimate, which --step-time replaces; "

@@ -118,7 +118,8 @@ def seq_len(job: Job, settings: Settings) -> int:
 
 
 def tokens_per_step(job: Job, settings: Settings) -> int:
-    return settings.global_batch_tokens or min(job.gpus, MAX_SEQS_PER_STEP) * seq_len(job, settings)
+    sequences = settings.global_batch or min(job.gpus, MAX_SEQS_PER_STEP)
+    return settings.global_batch_tokens or sequences * seq_len(job, settings)
 
 
 def step_time_s(job: Job, settings: Settings) -> tuple[float, str]:
@@ -171,7 +172,7 @@ def planned_step(model: ModelArgs, gpu: str, gpus: int, gpus_per_node: int, seq:
     return best.step_time_s, (f"planner: {best.layout.describe()}{pinned}, MFU {100 * best.mfu:.1f}%, "
                               f"{best.memory['total'] / 2**30:.1f} GiB/GPU; best of {len(result.candidates):,} "
                               f"fitting layouts; a step of {tokens // seq:,} sequences of {seq:,} tokens "
-                              "(--global-batch-tokens, --seq-len)")
+                              "(--global-batch or --global-batch-tokens, --seq-len)")
 
 
 def state_bytes(job: Job, settings: Settings) -> float:

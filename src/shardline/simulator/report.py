@@ -86,32 +86,32 @@ def _optimal_line(r: dict[str, Any]) -> str:
     held = (" (async: held at the write time, a snapshot waits for the last write)"
             if ck["mode"] == "async" and r["daly_interval_s"] is not None and optimal > r["daly_interval_s"] else "")
     steps = r["optimal_checkpoint_interval_steps"]  # (whole steps: their seconds near, not at, the optimum)
-    return (f"optimal         {_secs(optimal)} ~ {steps} steps ({_secs(steps * r['step_time_s'])}) "
+    return (f"optimal         {_secs(optimal)} ~ {steps:,} steps ({_secs(steps * r['step_time_s'])}) "
             f"(Young {_secs(r['young_interval_s'])}, Daly {_secs(r['daly_interval_s'])}){held}")
 
 
 def format_text(r: dict[str, Any]) -> str:
     ck, total = r["checkpoint"], r["gpu_hours"]
     mtbf = "no unexpected failures" if r["mtbf_hours"] is None else f"job MTBF {r['mtbf_hours']:.3g} h"
-    write = "" if ck["mode"] == "sync" else f", persistent write {ck['save_s']:.3g} s"
+    write = "" if ck["mode"] == "sync" else f", persistent write {_secs(ck['save_s'])}"
     if ck["mode"] == "memory":
         write += f" every {ck['persist_every']} snapshot(s)"
     expected = r["expected_interruptions"]
     lines = [
         (f"{r['model']} on {r['gpus']:,} {r['gpu']} ({r['nodes']:,} nodes x {r['gpus_per_node']}), "
          f"{r['days']:g} days, {r['seeds']} seeds"),
-        f"step time       {r['step_time_s']:.3g} s ({r['step_time_source']})",
+        f"step time       {_secs(r['step_time_s'])} ({r['step_time_source']})",
         (f"failures        {mtbf} ({r['failure_rate_per_gpu_hour']:.3g} per GPU-hour; "
          f"{expected['unexpected']:.1f} unexpected + {expected['planned']:.1f} planned expected: planned stops "
          f"{expected['planned'] / r['days']:.2f} a day whatever the job's size, --failures.planned_per_day)"),
-        (f"checkpoint      {ck['mode']} every {ck['interval_steps']} steps ({ck['interval_s']:.3g} s): "
-         f"stall {ck['stall_s']:.3g} s{write}"),
+        (f"checkpoint      {ck['mode']} every {ck['interval_steps']:,} steps ({_secs(ck['interval_s'])}): "
+         f"stall {_secs(ck['stall_s'])}{write}"),
         _optimal_line(r),
     ]
     mtbf_s = None if r["mtbf_hours"] is None else 3600 * r["mtbf_hours"]
     if mtbf_s is not None and ck["save_s"] >= mtbf_s:
-        lines.append(f"note            one checkpoint write ({ck['save_s']:.3g} s) takes longer than the job's MTBF "
-                     f"({mtbf_s:.3g} s): most of the run is recovery; a faster store, or --checkpoint-mode memory")
+        lines.append(f"note            one checkpoint write ({_secs(ck['save_s'])}) takes longer than the job's MTBF "
+                     f"({_secs(mtbf_s)}): most of the run is recovery; a faster store, or --checkpoint-mode memory")
     if "simulated_optimum_interval_s" in r:
         lines.append(f"simulated best  {_secs(r['simulated_optimum_interval_s'])} (sweep of {ck['mode']})")
     lines += [

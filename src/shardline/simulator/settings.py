@@ -27,7 +27,8 @@ class Settings:
     step_time_s: float | None = None
     fix: str = ""  # planner --fix keys, e.g. "tp=8,pp=16"
     seq_len: int | None = None  # None: min(model max_seq_len, 8192)
-    global_batch_tokens: int | None = None  # None: one sequence per GPU, at most 2048 sequences
+    global_batch: int | None = None  # sequences a step; None: one per GPU, at most 2048
+    global_batch_tokens: int | None = None  # or the step's tokens (global_batch x seq_len): one of the two
     mfu: float | None = None  # a step time from FLOPs at this MFU where the planner has no plan (job.step_time_s)
     # Failure handling.
     detection_s: float = 120.0  # from the fault to the job noticing it (watchdog/heartbeat)
@@ -58,7 +59,8 @@ _KEYS = [f.name for f in fields(Settings) if f.name != "failures"]  # of [simula
 
 # key: (lowest allowed, strictly greater?); the type (integer, number or None) is the field's
 _RULES: dict[str, tuple[float, bool]] = {
-    "step_time_s": (0, True), "seq_len": (0, True), "global_batch_tokens": (0, True), "mfu": (0, True),
+    "step_time_s": (0, True), "seq_len": (0, True), "global_batch": (0, True), "global_batch_tokens": (0, True),
+    "mfu": (0, True),
     "detection_s": (0, False), "restart_s": (0, False), "load_s": (0, False), "memory_load_s": (0, False),
     "planned_downtime_s": (0, False), "save_s": (0, False), "snapshot_s": (0, False), "persist_every": (1, False),
     "persist_interval_s": (0, True), "state_bytes_per_param": (0, True), "storage_gbps_per_node": (0, True),
@@ -116,6 +118,9 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
     return raw
 
 
+_BATCH_KEYS = ("global_batch", "global_batch_tokens")
+
+
 def apply_table(settings: Settings, section: str, table: dict[str, Any], where: str) -> Settings:
     """`settings` with one table set: names and types by the config reader, ranges checked here."""
     if section == "failures":
@@ -123,6 +128,12 @@ def apply_table(settings: Settings, section: str, table: dict[str, Any], where: 
     for key in table:
         if key not in _KEYS:
             raise ConfigError(f"simulate.{key} is not a simulator setting; valid keys: {', '.join(_KEYS)}")
+    batch = [key for key in _BATCH_KEYS if key in table]
+    if len(batch) == 2:
+        raise ConfigError("simulate.global_batch (sequences) and simulate.global_batch_tokens both set the "
+                          "step's batch; give one or the other")
+    if batch:  # a later source's batch replaces an earlier one's, in either unit
+        settings = replace(settings, **{key: None for key in _BATCH_KEYS})
     if "checkpoint_interval" in table:  # "optimal" or steps, as a number or a string (a CLI flag)
         table = {**table, "checkpoint_interval": parse_interval(table["checkpoint_interval"])}
     typed = reader.updated(settings, table, "simulate", kind="simulator setting")
@@ -155,7 +166,8 @@ def _check_step_time(settings: Settings) -> None:
     ignored (from any source: file, override or flag)."""
     if settings.step_time_s is None:
         return
-    unused = [f"simulate.{key}" for key in ("fix", "seq_len", "global_batch_tokens") if getattr(settings, key)]
+    unused = [f"simulate.{key}" for key in ("fix", "seq_len", "global_batch", "global_batch_tokens")
+              if getattr(settings, key)]
     unused += ["simulate.mfu"] if settings.mfu is not None else []
     if unused:
         raise ConfigError(f"{', '.join(unused)} {'shapes' if len(unused) == 1 else 'shape'} the step-time "
