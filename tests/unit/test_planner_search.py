@@ -94,6 +94,19 @@ def test_batch_in_tokens_must_be_whole_sequences(capsys):
     assert code == 2 and "use a multiple of 4096" in err
 
 
+def test_an_indivisible_batch_is_advised_within_the_search(capsys):
+    """The layout a batch refusal names has the fewest data-parallel ranks the search tried: its
+    advice to give ranks to tp, cp or pp (the trainer's, for one config) is no way out; pinned
+    degrees are named as such."""
+    base = ["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "64", "--seq-len", "4096",
+            "--global-batch", "100"]
+    code, _, err = run_cli(capsys, *base, "--fix", "tp=1,pp=1,cp=1")
+    assert code == 2 and "use a multiple of 64, or fewer --gpus (or unpin tp, cp, pp in --fix)" in err
+    assert "give ranks to" not in err
+    code, _, err = run_cli(capsys, *base, "--fix", "tp=2,pp=1")
+    assert code == 2 and "use a multiple of 8, or fewer --gpus (or unpin tp, pp in --fix)" in err
+
+
 def test_a_model_that_fits_nowhere_says_what_is_missing(capsys):
     code, _, err = run_cli(capsys, "plan", "--model", "llama3-405b", "--gpu", "h100-sxm", "--gpus", "8",
                            "--seq-len", "8192", "--global-batch", "8")

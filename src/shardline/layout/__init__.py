@@ -24,10 +24,11 @@ The package: `degrees` (Layout, resolve), `rules` (first_problem, check, NOT_BUI
 
 from shardline.layout.degrees import (IDLE_AT_DEGREE_ONE, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, Layout, ModelShape,
                                       Problem, resolve)
-from shardline.layout.rules import NOT_BUILT, RULES, Job, check, first_problem
+from shardline.layout.rules import NOT_BUILT, RULES, Job, check, first_problem, model_parallel_hint
 from shardline.layout.stages import (RankStages, head_cost, pipeline_ranks, split_layers, stage_layer_counts,
                                      stages_of_rank)
 
 __all__ = ["IDLE_AT_DEGREE_ONE", "NOT_BUILT", "RULES", "SINGLE_STAGE", "SPLIT_BACKWARD", "V_SHAPED", "Job", "Layout",
+           "model_parallel_hint",
            "ModelShape", "Problem", "RankStages", "check", "first_problem", "head_cost", "pipeline_ranks", "resolve",
            "split_layers", "stage_layer_counts", "stages_of_rank"]

@@ -106,6 +106,11 @@ def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
     return None
 
 
+def model_parallel_hint() -> str:
+    """The batch rule's way out through model parallelism (the planner, which tried those, words its own)."""
+    return ", or give ranks to parallel.tp, cp or pp, which leaves fewer to data parallelism"
+
+
 def _batch(lay: Layout, job: Job) -> Problem | None:
     per_step = lay.micro_batch_size * lay.dp
     if job.global_batch % per_step:
@@ -114,8 +119,7 @@ def _batch(lay: Layout, job: Job) -> Problem | None:
                          f"{per_step}; use a multiple of {per_step}"
                          + (f", lower train.micro_batch_size (one dividing {job.global_batch // lay.dp})"
                             if lay.micro_batch_size > 1 and job.global_batch % lay.dp == 0 else "")
-                         + (", or give ranks to parallel.tp, cp or pp, which leaves fewer to data parallelism"
-                            if lay.dp > 1 else ""))
+                         + (model_parallel_hint() if lay.dp > 1 else ""))
     return None
 
 

@@ -34,7 +34,7 @@ from shardline.config.job import divisors
 from shardline.errors import ConfigError
 from shardline.planner.estimate import Estimate, timed
 from shardline.planner.hardware import Hardware
-from shardline.layout import Layout
+from shardline.layout import Layout, model_parallel_hint
 from shardline.parallel import float8
 from shardline.planner.layout import Workload, layout_problem
 from shardline.planner.memory import GiB, largest_term, memory_breakdown
@@ -268,7 +268,7 @@ def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult
     device = result.smallest_unfit or result.smallest_offload
     if device is None and result.smallest_host is None:
         if result.first_problem:
-            return f"no valid layout for {gpus} devices: {result.first_problem}"
+            return f"no valid layout for {gpus} devices: {_within_search(result.first_problem, result.pinned)}"
         if not result.evaluated and result.pinned:
             pins = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in result.pinned.items())
             return (f"no layout of {gpus} devices has every pinned key (--fix {pins}); pin fewer keys "
@@ -281,6 +281,15 @@ def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult
     if result.smallest_host is not None:
         parts.append(_host_text(work, hw, result.smallest_host, alone=device is None))
     return "; ".join(parts) + _unrunnable(result)
+
+
+def _within_search(problem: str, pinned: dict) -> str:
+    """A batch rule's advice to give ranks to tp, cp or pp, as the planner's: the layout it names has
+    the fewest data-parallel ranks the search tried (the most model parallelism the model, the
+    sequence and --fix allow), so fewer --gpus is the way out left."""
+    held = [k for k in ("tp", "cp", "pp") if k in pinned]
+    return problem.replace(model_parallel_hint(), ", or fewer --gpus" + (
+        f" (or unpin {', '.join(held)} in --fix)" if held else ""))
 
 
 def _unrunnable(result: SearchResult) -> str:
