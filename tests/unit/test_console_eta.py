@@ -29,6 +29,18 @@ def test_a_plain_train_line_ends_with_the_time_left_at_the_launch_s_pace(monkeyp
     assert lines[4].endswith("s/step")  # the last step: nothing left
 
 
+def test_the_pace_is_the_last_lines_so_a_slowdown_shows(monkeypatch, capsys):
+    """A run that slows (a straggling node, a throttled disk) or speeds up after a slow start shows
+    it within ETA_LINES lines, not diluted by the whole launch's history."""
+    times = iter([10.0 * k for k in range(40)] + [400.0 + 100.0 * k for k in range(1, 41)])
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(times))
+    console = Console("plain", total_steps=100_000, first_step=0)
+    for line in range(80):
+        console.write(_train(10 * (line + 1)))  # 1 s a step for 40 lines, then 10 s a step
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.endswith(f"| eta {metrics._duration(10.0 * (100_000 - 800))}"), last
+
+
 def test_durations_read_in_two_units():
     assert [metrics._duration(s) for s in (0, 59.4, 61, 3599, 3600, 86399, 90061)] == [
         "0s", "59s", "1m01s", "59m59s", "1h00m", "23h59m", "1d01h"]

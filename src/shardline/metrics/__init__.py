@@ -8,6 +8,7 @@ sinks only write them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import json
@@ -23,6 +24,8 @@ import torch
 
 from shardline.errors import ConfigError
 from shardline.metrics.tb_writer import KeptErrors, after_newest_event_file
+
+ETA_LINES = 20  # the plain line's time left: the pace of the last this many train lines (200 steps at log_interval 10)
 
 
 def peak_memory_gib(device: torch.device) -> dict[str, float]:
@@ -112,7 +115,7 @@ class Console:
         self.mode = mode
         self._progress = self._task = None
         self._broken = False  # rich met a broken pipe (see _rich_pipe_broke)
-        self._first: tuple[float, int] | None = None  # (time, step) of this launch's first train line: the ETA's
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=ETA_LINES + 1)  # (time, step)
         if mode == "rich":
             from rich.progress import (
                 BarColumn,
@@ -154,15 +157,15 @@ class Console:
             self._progress.update(self._task, completed=rec["step"], description=f"loss {rec['loss']:.4f}")
 
     def _eta(self, rec: dict[str, Any]) -> str:
-        """The line's end, " | eta 1h05m": the steps left at this launch's pace since its first line
-        (evaluations and saves included; the first line, before any pace is known: its own step
-        time); none at the run's last step."""
+        """The line's end, " | eta 1h05m": the steps left at this launch's pace over its last
+        ETA_LINES train lines (evaluations and saves between them included; a slowdown, or a faster
+        pace after a slow start, shows within that many lines; the first line, before any pace is
+        known: its own step time); none at the run's last step."""
         now, step, left = time.monotonic(), rec["step"], self.total - rec["step"]
-        if self._first is None:
-            self._first = (now, step)
+        self._recent.append((now, step))
         if left <= 0:
             return ""
-        since, first = self._first
+        since, first = self._recent[0]
         per_step = (now - since) / (step - first) if step > first else rec["step_time_s"]
         return f" | eta {_duration(per_step * left)}"
 
