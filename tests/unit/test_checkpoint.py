@@ -701,3 +701,23 @@ def test_a_run_dir_moved_while_the_run_trains_stops_it_before_a_save_lands_apart
     resumed = Trainer(tiny_config("train.steps=12", run_dir=moved)).build()
     assert resumed.step == 6
     resumed.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_run_dir_moved_just_after_the_check_fails_that_save_not_recreating_it(tiny_config, tmp_path, mode):
+    """The move can land between the check before a save and its write (an async save writes later,
+    on its own thread): the save made its folder with parents, the old path again. It fails now,
+    as a save the storage refused, and the next save's check stops the run."""
+    trainer = Trainer(tiny_config("train.steps=12", "train.eval_interval=0", f"checkpoint.mode={mode}")).build()
+    moved, check = tmp_path / "moved", trainer._check_run_dir
+
+    def check_then_move():
+        check()
+        if trainer.step == 6:
+            (tmp_path / "run").rename(moved)
+
+    trainer._check_run_dir = check_then_move
+    with pytest.raises(CheckpointError, match="was moved or removed while the run trained"):
+        trainer.train()
+    trainer.close()
+    assert not (tmp_path / "run").exists() and Checkpointer(moved, keep=9).latest_valid() is None

@@ -54,7 +54,8 @@ class AsyncSaver:
     def _write(self, final, step, state, trainer_state, meta, before_seal) -> dict:
         c = self.checkpointer
         try:
-            write_state(final, step, state, trainer_state, meta, c.rank, c.is_writer, before_seal, self.group)
+            write_state(final, step, state, trainer_state, meta, c.rank, c.is_writer, before_seal, self.group,
+                        parents=False)  # (a run dir moved while it was due: this save fails, the next stops the run)
         except (Exception, CheckpointException) as e:
             if storage_error(e, final) is None:
                 raise

@@ -109,24 +109,29 @@ def verify(path: Path) -> dict[str, Any]:
 
 def write_checkpoint(final: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                      trainer_state: dict[str, Any] | None, meta: dict[str, Any], rank: int = 0,
-                     is_writer: bool = True, before_seal=None) -> None:
+                     is_writer: bool = True, before_seal=None, parents: bool = True) -> None:
     """Write a checkpoint folder atomically; without an optimizer, weights only. `meta` (JSON: the model
     shape, the config) goes to meta.json: tools such as `convert` rebuild the model without the run's config."""
-    write_state(final, step, capture_state(model, optimizer), trainer_state, meta, rank, is_writer, before_seal)
+    write_state(final, step, capture_state(model, optimizer), trainer_state, meta, rank, is_writer, before_seal,
+                parents=parents)
 
 
 def write_state(final: Path, step: int, state: dict[str, Any], trainer_state: dict[str, Any] | None,
                 meta: dict[str, Any], rank: int = 0, is_writer: bool = True, before_seal=None,
-                group: dist.ProcessGroup | None = None) -> None:
+                group: dist.ProcessGroup | None = None, parents: bool = True) -> None:
     """Write captured state as the checkpoint folder `final` (all ranks call it). `group` carries this
-    save's collectives: an asynchronous save passes its own, so its thread never shares one with training."""
+    save's collectives: an asynchronous save passes its own, so its thread never shares one with training.
+    parents=False makes the folder above `final` (a run's checkpoints/) but not its own parent: a run dir
+    moved or removed while a save was due fails the save instead of being recreated at the old path."""
     tmp = final.with_name(final.name + ".tmp")
     try:
         failure = None
         try:
             if is_writer:
                 shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash mid-save
-                tmp.mkdir(parents=True)
+                if not parents:
+                    tmp.parent.mkdir(exist_ok=True)
+                tmp.mkdir(parents=parents)
         except Exception as e:
             failure = e
         agree_on_failure(failure, group, tmp)  # the folder exists before any rank writes into it
@@ -301,7 +306,8 @@ class Checkpointer:
         """Write the checkpoint of `step`; returns its path and the seconds it took."""
         begin = time.perf_counter()
         final = self.root / step_dir_name(step)
-        write_checkpoint(final, step, model, optimizer, trainer_state, meta, self.rank, self.is_writer, before_seal)
+        write_checkpoint(final, step, model, optimizer, trainer_state, meta, self.rank, self.is_writer, before_seal,
+                         parents=False)  # (the run dir is the launch's: never made again by a save)
         if self.is_writer:
             self.prune(final)
         return final, time.perf_counter() - begin
