@@ -22,7 +22,7 @@ from shardline.config import Config
 from shardline.data.validation import held_out_problem
 from shardline.data.folders import read_root
 from shardline.data.shards import is_prepared, prepared_with_own_bpe
-from shardline.data.tokenizer import bos_prefix, extends_file
+from shardline.data.tokenizer import bos_prefix, extends_file, tokenizer_json
 from shardline.errors import CheckpointError, ConfigError
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_files import TOKENIZER_NAME
@@ -56,6 +56,7 @@ def use_model_tokenizer(cfg: Config) -> str | None:
     When they have gone since and a resume goes on without them (gone_start_checkpoint), the
     run dir's copy of their tokenizer stands in, and the line saying so is returned."""
     m, d = cfg.model, cfg.data
+    d.tokenizer = tokenizer_json(d.tokenizer)  # (an HF folder given: its tokenizer.json)
     if not (m.hf_path or m.init_from):
         return None
     key, value = ("model.hf_path", m.hf_path) if m.hf_path else ("model.init_from", m.init_from)

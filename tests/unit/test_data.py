@@ -251,12 +251,24 @@ def test_count_labels_matches_batches(small_corpus):
     assert ignored == int((train.batch(every)["labels"] == IGNORE_INDEX).sum()) > 0
 
 
-def test_a_tokenizer_folder_given_as_data_tokenizer_names_the_file_to_give(tmp_path):
+def test_a_tokenizer_folder_is_read_as_its_tokenizer_json(tmp_path, small_corpus):
+    """Users point at an HF model folder (`generate --tokenizer` took one; data.tokenizer and
+    `prepare --tokenizer` refused it): a folder holding a tokenizer.json names that file, so its side
+    files (a chat template) are read beside it; a folder without one is still refused."""
+    from shardline.data.cli import _tokenizer_arg
     from shardline.data.tokenizer import load_tokenizer
+    from shardline.preflight import use_model_tokenizer
 
-    with pytest.raises(DataError, match=rf"data.tokenizer='{tmp_path}' is a folder: give the tokenizer.json in it "
-                                        rf"\({tmp_path / 'tokenizer.json'}\)"):
+    with pytest.raises(DataError, match=rf"data.tokenizer='{tmp_path}' is a folder without a tokenizer.json"):
         load_tokenizer(str(tmp_path))
+    cfg = load_config(None, [f"data.path={small_corpus}", "data.vocab_size=300"])
+    build_data(cfg).tokenizer.save(str(tmp_path / "tokenizer.json"))
+    given = load_config(None, [f"data.path={small_corpus}", f"data.tokenizer={tmp_path}"])
+    use_model_tokenizer(given)  # (what a launch, its dry run and eval each call first)
+    assert given.data.tokenizer == str(tmp_path / "tokenizer.json")
+    assert build_data(given).tokenizer.get_vocab_size() == 300
+    assert _tokenizer_arg(str(tmp_path)) == str(tmp_path / "tokenizer.json")
+    assert _tokenizer_arg(str(tmp_path / "other.json")) == str(tmp_path / "other.json")
 
 
 def test_conversations_read_as_text_are_refused_pointing_at_the_chat_format(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 from shardline.config import load_config
 from shardline.devices import CPU_PEAK_ASSUMED
 from shardline.launch_notes import launch_notes
+from shardline.trainer import Trainer
 
 FINETUNE = Path(__file__).parents[2] / "configs" / "finetune.toml"
 
@@ -40,7 +41,6 @@ def test_a_shape_no_hf_family_has_is_named_at_the_start_not_at_the_export(tiny_c
     import json
 
     from shardline.models import get_preset
-    from shardline.trainer import Trainer
 
     tiny = get_preset("tiny")
     assert launch_notes(load_config(None, []), "cuda", 989.0, 1, model=replace(tiny, qkv_bias=True)) == []
@@ -106,6 +106,15 @@ def test_a_run_that_saves_nothing_to_disk_says_so():
     none = dict(launch_notes(load_config(None, ["checkpoint.interval=0", "metrics.peak_tflops=1"]), "cpu", 1.0, 1))
     assert "no state is saved at all" in none["no_disk_checkpoints"]["reason"]
     assert launch_notes(load_config(None, ["metrics.peak_tflops=1"]), "cpu", 1.0, 1) == []
+
+
+def test_a_run_that_saved_nothing_says_so_as_it_ends(tiny_config, capsys):
+    """The start's event scrolls away (a fine-tune read interval=0 as "at the end only" and found no
+    weights): the end says it again, last."""
+    trainer = Trainer(tiny_config("train.steps=2", "checkpoint.interval=0", "train.eval_interval=0")).build()
+    trainer.train()
+    trainer.close()
+    assert "checkpoint.interval=0: the weights trained to step 2 were not saved" in capsys.readouterr().err
 
 
 def test_in_memory_snapshots_on_one_process_say_they_have_no_replica():

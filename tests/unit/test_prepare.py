@@ -165,7 +165,8 @@ def test_a_damaged_or_mismatched_folder_is_one_clear_error(tmp_path, prepared, s
     data(small_corpus, "data.vocab_size=300").tokenizer.save(str(other))
     with pytest.raises(DataError, match="differs from the tokenizer .* was prepared with") as err:
         data(prepared, f"data.tokenizer={other}")
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value)  # (the folder's own first: one prepared with added tokens keeps them)
+    assert f"to train with the folder's, set data.tokenizer={prepared / 'tokenizer.json'}" in str(err.value)
     with pytest.raises(DataError, match="data.format='chat' but .* was prepared as 'text'"):
         data(prepared, "data.format=chat")
 
@@ -870,13 +871,14 @@ def test_a_typo_of_the_assistant_role_is_one_line_in_both_paths(tmp_path):
     path = tmp_path / "typo.jsonl"
     records = chat_records(4).splitlines()
     path.write_text("\n".join([*records[:-1], records[-1].replace('"assistant"', '"assitant"')]) + "\n")
-    message = r"has messages of role 'assitant': a typo of 'assistant'\? .*\(roles found: assistant, assitant"
+    message = (r"has messages of role 'assitant', the first \(opening 'It is 6.'\): a typo of "
+               r"'assistant'\? .*\(roles found: assistant, assitant")
     with pytest.raises(DataError, match=message):
         data(path, "data.format=chat")
     with pytest.raises(DataError, match=message):
         prepare(PrepareOptions([str(path)], str(tmp_path / "prep"), format="chat", **SMALL))
     path.write_text("\n".join([*records[:-1], records[-1].replace('"assistant"', '"Assistant"')]) + "\n")
-    with pytest.raises(DataError, match="has messages of role 'Assistant': a typo of 'assistant'"):
+    with pytest.raises(DataError, match="has messages of role 'Assistant', the first .*: a typo of 'assistant'"):
         data(path, "data.format=chat")
     for role in ("ipython", "assistant_1", "System", "user2", "tools"):  # agents, context: taken as they are
         path.write_text("\n".join([*records[:-1], records[-1].replace('"user"', f'"{role}"')]) + "\n")

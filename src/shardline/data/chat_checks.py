@@ -10,7 +10,7 @@ import numpy as np
 
 from shardline.config import Config
 from shardline.data.chat_template import chat_template_for, template_sha256
-from shardline.data.encode import chat_segments, check_replies, render_chat, reply_prompt
+from shardline.data.encode import chat_segments, check_replies, render_chat, reply_prompt, roles_of
 from shardline.data.packing import PackedSequences
 from shardline.data.sampler import eval_micro_batches
 from shardline.data.shards import TOKENIZER, is_prepared, read_manifest, tokenizer_file
@@ -170,7 +170,7 @@ DRY_RUN_RENDERS = 100  # conversations a dry run renders: a template that fails 
 def chat_checked(where: str, conversations: list, tokenizer: str) -> str:
     """A dry run's look at raw chat data as a launch would take it: the reply role is there, and the
     first conversations render with the template the run would use; in words, which one."""
-    check_replies(where, {m["role"] for messages in conversations for m in messages})
+    check_replies(where, roles_of(conversations))
     template = chat_template_for(tokenizer)
     for messages in conversations[:DRY_RUN_RENDERS]:
         chat_segments(messages, template)

@@ -17,6 +17,12 @@ from shardline.config import DataConfig
 from shardline.errors import DataError, nearly_full
 
 
+def _tokenizer_arg(text: str) -> str:
+    from shardline.data.tokenizer import tokenizer_json  # (the parser is built without tokenizers)
+
+    return tokenizer_json(os.path.expanduser(text))
+
+
 def register(sub) -> None:
     p = sub.add_parser("prepare", epilog="then train with --data.path=DIR; a rerun resumes an interrupted prepare")
     p.add_argument("inputs", type=os.path.expanduser, nargs="*", metavar="INPUT",
@@ -24,8 +30,9 @@ def register(sub) -> None:
                         "of them (quoted), or datasets save_to_disk folders")
     p.add_argument("--out", type=os.path.expanduser,
                    required=True, metavar="DIR", help="the prepared folder to write (or resume)")
-    p.add_argument("--tokenizer", type=os.path.expanduser, default="", metavar="T",
-                   help="a tokenizer.json (default: train the byte-level BPE a raw-text run would)")
+    p.add_argument("--tokenizer", type=_tokenizer_arg, default="", metavar="T",
+                   help="a tokenizer.json, or a folder holding one (default: train the byte-level BPE a raw-text run "
+                        "would)")
     p.add_argument("--vocab-size", type=int, help=f"size of the trained BPE (default {DataConfig().vocab_size})")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="tokenizer processes (default: cores - 1)")

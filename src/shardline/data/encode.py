@@ -104,19 +104,36 @@ def _encode_batch(tok: Tokenizer, texts: list[str], offsets: bool = False) -> li
                         "takes only text made of its own tokens)") from None
 
 
-def check_replies(where: str, roles: set[str]) -> None:
+def note_roles(roles: dict[str, str], messages: list[dict]) -> None:
+    """Add the roles of one conversation to `roles`, each with the opening words of its first message
+    (where an error about it points, in data of millions: a conversation's first message is often
+    the same system prompt in all of them)."""
+    for m in messages:
+        if m["role"] not in roles:
+            roles[m["role"]] = opening([m])
+
+
+def roles_of(conversations) -> dict[str, str]:
+    roles: dict[str, str] = {}
+    for messages in conversations:
+        note_roles(roles, messages)
+    return roles
+
+
+def check_replies(where: str, roles: dict[str, str]) -> None:
     """Chat data trains on the replies, the messages of role "assistant": data with none of them
-    (ShareGPT's "gpt", Gemini's "model") would train on nothing, every loss 0."""
+    (ShareGPT's "gpt", Gemini's "model") would train on nothing, every loss 0. `roles`: note_roles'."""
     if "assistant" not in roles:
         raise DataError(f"{where} has no message of role 'assistant' (the replies the loss is on); roles found: "
                         f"{', '.join(sorted(roles)) or 'none'}; rename the reply role to 'assistant'")
     # A role a letter or two off "assistant" ("assitant", "Assistant") is a typo: those replies would
     # train on nothing, in silence. (Other roles render as context whatever their spelling, and
     # "assistant_1" or "assistantB" name agents: left as they are.)
-    for role in sorted(roles - {"assistant"}):
+    for role in sorted(set(roles) - {"assistant"}):
         if not role.startswith("assistant") and difflib.get_close_matches(role.lower(), ["assistant"], cutoff=0.8):
-            raise DataError(f"{where} has messages of role {role!r}: a typo of 'assistant'? Their replies would "
-                            f"train on nothing (roles found: {', '.join(sorted(roles))}); fix those messages' role")
+            raise DataError(f"{where} has messages of role {role!r}, the first {roles[role]}: "
+                            f"a typo of 'assistant'? Their replies would train on nothing (roles found: "
+                            f"{', '.join(sorted(roles))}); fix those messages' role")
 
 
 def chat_segments(messages: list[dict], template: ChatTemplate | str | None = None) -> list[tuple[str, bool]]:

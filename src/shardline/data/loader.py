@@ -20,7 +20,7 @@ from shardline.config import Config
 from shardline.data.chat_checks import (REPLY_SAMPLE, chat_checked, check_folder_template, check_one_chat_template,
                                         check_replies_fit, rendering, without_replies)
 from shardline.data.chat_template import chat_template_for
-from shardline.data.encode import check_replies, encode_documents, render_chat
+from shardline.data.encode import check_replies, encode_documents, render_chat, roles_of
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import CHAT_PACKING, PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
@@ -202,7 +202,7 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
         raise DataError(f"{key}={path!r} holds {len(docs)} conversations; chat data needs at least "
                         + ("two (one is held out)" if fraction else "one"))
     if chat:
-        check_replies(f"{key}={path!r}", {m["role"] for messages in docs for m in messages})
+        check_replies(f"{key}={path!r}", roles_of(docs))
     # The split depends on the data only (fixed seed), not on train.seed, so runs with
     # different seeds are evaluated on the same held-out documents.
     train_docs, val_docs = split_documents(docs, fraction, seed=0)
@@ -228,7 +228,7 @@ def load_val(cfg: Config, tok: Tokenizer) -> PackedSequences | MixedSequences:
         chat = fmt == "chat"
         docs = read_documents(path, "messages" if chat else d.text_field, key=key)
         if chat:
-            check_replies(f"{key}={path!r}", {m["role"] for messages in docs for m in messages})
+            check_replies(f"{key}={path!r}", roles_of(docs))
         template = chat_template_for(tokenizer_file(d)) if chat else None
         eos, bos = eos_id(tok, tokenizer_file(d)), bos_prefix(tok) if d.add_bos and not chat else []
         val = _pack(tok, docs, eos, cfg.train.seq_len, template, chat, bos)

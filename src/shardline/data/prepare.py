@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from shardline.config.sections import MAX_TRAINED_VOCAB
 from shardline.data.chat_template import ChatTemplate, chat_template_for, template_sha256
-from shardline.data.encode import CHAT_MASK_RULE, check_replies, render_chat
+from shardline.data.encode import CHAT_MASK_RULE, check_replies, note_roles, render_chat
 from shardline.data.validation import held_out, split_single
 from shardline.data.pool import EncodeJob, Progress, encoded_chunks
 from shardline.data.readers import unread
@@ -230,11 +230,11 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
 def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
     """Pass 1: the number of documents (the held-out split depends on it)."""
     stream = _Stream(files, opts.read_field(), count=-1, val_fraction=opts.val_fraction)
-    count, roles = 0, set()
+    count, roles = 0, {}
     for _, _, doc in stream.documents():
         count += 1
         if opts.format == "chat":
-            roles.update(m["role"] for m in doc)
+            note_roles(roles, doc)
     if count == 0:
         raise DataError(f"{', '.join(opts.inputs)} contains no text (all documents are empty)")
     if count == 1 and opts.format == "chat" and opts.val_fraction:

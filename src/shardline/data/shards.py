@@ -304,10 +304,13 @@ def _folder_tokenizer(root: Path, manifest: dict, tokenizer_path: str) -> Tokeni
     if not _matches(root / TOKENIZER, manifest["tokenizer_sha256"]):  # its bytes: the same under any version
         raise DataError(f"{root / TOKENIZER} does not match the manifest's tokenizer_sha256; prepare the "
                         "folder again with --overwrite")
-    if tokenizer_path and tokenizer_hash(load_tokenizer(tokenizer_path)) != tokenizer_hash(tok):
+    other = load_tokenizer(tokenizer_path) if tokenizer_path else None
+    if other is not None and tokenizer_hash(other) != tokenizer_hash(tok):  # (the folder's may hold added tokens)
         raise DataError(f"data.tokenizer={tokenizer_path!r} (given, or the starting weights' own) differs from "
-                        f"the tokenizer {root} was prepared with; prepare it again with --overwrite --tokenizer "
-                        f"{tokenizer_path}")
+                        f"the tokenizer {root} was prepared with ({other.get_vocab_size():,} and "
+                        f"{tok.get_vocab_size():,} tokens); to train with the folder's, set data.tokenizer="
+                        f"{root / TOKENIZER} (or leave it unset where you gave it); to train with this one, prepare "
+                        f"the folder again with --overwrite --tokenizer {tokenizer_path}")
     return tok
 
 

@@ -69,13 +69,19 @@ def cache_dir() -> Path:
     return Path(os.path.expanduser(root))
 
 
+def tokenizer_json(path: str) -> str:
+    """`path`, or, where it is a folder holding a tokenizer.json (an HF model folder, given as users give
+    one), that file: the setting then names the file, whose folder holds the side files read with it."""
+    inside = os.path.join(path, "tokenizer.json") if path else ""
+    return inside if inside and os.path.isdir(path) and os.path.isfile(inside) else path
+
+
 def load_tokenizer(path: str, key: str = "data.tokenizer") -> Tokenizer:
     """The tokenizer.json at `path`; errors name it as `key` (the setting that gave it; "": a file
     the user did not name, such as a run dir's own)."""
     what = f"{key}={path!r}" if key else f"the tokenizer {path}"
-    if os.path.isdir(path):  # (a folder is the natural thing to give: say which file in it)
-        raise DataError(f"{what} is a folder: give the tokenizer.json in it "
-                        f"({os.path.join(path, 'tokenizer.json')})")
+    if os.path.isdir(path):  # (a folder holding one is read as it: tokenizer_json)
+        raise DataError(f"{what} is a folder without a tokenizer.json: give the tokenizer.json to use")
     try:
         tok = Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception for bad files
