@@ -78,11 +78,11 @@ class AnomalyResponse:
             spent = ("anomaly.max_rollbacks=0 allows no rollback" if not most else
                      f"the run has rolled back {self.rollbacks} times (anomaly.max_rollbacks={most}): the fault "
                      "keeps coming back; look at the data and settings, or raise it")
-        event = {"step": step, "anomaly": kind, "value": value, "action": action}
+        spike = kind == "loss_spike"  # (its measure is the z-score, beside the loss the log shows)
+        event = {"step": step, "anomaly": kind, **({"zscore": value, "loss": loss} if spike else {"value": value}),
+                 "action": action}
         if spent:
             event["reason"] = spent
-        if kind == "loss_spike":  # its value is the z-score, not the loss the log shows
-            event["loss"] = loss
         if action == "skip" and self._skips_stuck(step):
             event.update(action="halt", reason=self._stuck_reason(kind))
             action = "halt"
@@ -219,7 +219,7 @@ class AnomalyResponse:
         self.lock.release()
         why = f"; {event['reason']}" if "reason" in event else ""
         batch = batch_index(event["step"] - 1, self.skipped_batches)  # what train.skip_batches takes, not the step
-        value = f"z-score {event['value']:.4g}, loss {event['loss']:.4g}" if "loss" in event else \
+        value = f"z-score {event['zscore']:.4g}, loss {event['loss']:.4g}" if "zscore" in event else \
             f"value {event['value']:.4g}"
         raise AnomalyHalt(f"{event['anomaly']} ({value}) at step {event['step']}; "
                           f"{where}; anomalies this run: {len(self.anomaly_events)}{why}; the step's batch: {batch} "
