@@ -70,8 +70,14 @@ def test_dp_shard_fills_the_rest():
     (4, ["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=4"], "valid: [2]"),
     (4, ["parallel.cp=4", "parallel.cp_mode=hybrid"], "needs parallel.cp_ulysses to divide parallel.cp=4"),
     (4, ["parallel.cp=4", "parallel.cp_ulysses=2"], "applies to cp_mode='hybrid' only (here cp_mode='ring'"),
-    (8, ["parallel.cp=8", "parallel.cp_mode=ulysses"], "Ulysses splits the 4 attention heads per tp rank"),
-    (8, ["parallel.cp=4", "parallel.tp=2", "parallel.cp_mode=ulysses"], "Ulysses splits the 2 attention heads"),
+    (8, ["parallel.cp=8", "parallel.cp_mode=ulysses"], "parallel.cp=8 splits the 4 attention heads per tp rank "
+     "(n_heads=4 / tp=1) over 8 Ulysses ranks: they must divide evenly; valid: [2, 4]; or keep this cp with "
+     "cp_mode='ring'"),
+    (8, ["parallel.cp=4", "parallel.tp=2", "parallel.cp_mode=ulysses"], "parallel.cp=4 splits the 2 attention heads "
+     "per tp rank (n_heads=4 / tp=2) over 4 Ulysses ranks: they must divide evenly; valid: [2]"),
+    (16, ["parallel.cp=8", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=4", "parallel.tp=2"],
+     "parallel.cp_ulysses=4 splits the 2 attention heads per tp rank (n_heads=4 / tp=2) over 4 Ulysses ranks: they "
+     "must divide evenly; valid: [2]"),
     (2, ["parallel.ep=2"], "parallel.ep=2 needs a mixture-of-experts model; this model is dense"),
     (2, ["parallel.tp=2", "train.seq_len=33"], "must be divisible by parallel.tp=2"),
     (2, ["memory.cpu_offload=true", "parallel.zero=1"], "zero=1 keeps parameters replicated"),

@@ -105,3 +105,50 @@ def test_the_split_backward_of_zero_bubble_schedules_recomputes_each_chunk_in_bo
     _, groups = stage_backward_input([loss], None, [hidden], head.parameters())
     stage_backward_weight(head.parameters(), groups)
     assert len(projections) == chunks * (3 if chunk else 1)  # forward, input pass, weight pass
+
+
+VIEW_WARNING = """
+import sys, warnings
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from shardline.trainer.step import _VIEW_OUTPUT
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+
+
+class Head(torch.nn.Module):  # returns a view, as tp's replicated logits are (a DTensor's local tensor)
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x).view(-1)
+
+
+model = fully_shard(Head())
+counts = []
+for filtered in (False, True):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if filtered:
+            warnings.filterwarnings("ignore", message=_VIEW_OUTPUT)
+        model(torch.ones(2, 4))
+    counts.append(sum("returned a view tensor" in str(w.message) for w in seen))
+print(counts)
+dist.destroy_process_group()
+"""
+
+
+def test_the_filter_of_fsdp_view_output_warning_matches_torchs_message():
+    """FSDP2 warned on every rank, every step, that a root's view output could get wrong gradients
+    (tp without loss parallel under FSDP: the logits); the trainer's scoped filter must match the
+    message this torch writes, and nothing else is silenced with it."""
+    import subprocess
+    import sys
+
+    from tests.ports import free_port
+
+    done = subprocess.run([sys.executable, "-c", VIEW_WARNING, str(free_port())], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[1, 0]"

@@ -67,8 +67,13 @@ def _cp_split(lay: Layout, job: Job) -> Problem | None:
                       f"use a multiple of {chunks}{plain}")
     local_heads = job.model.n_heads // lay.tp
     if u > 1 and local_heads % u:
-        return "cp", (f"Ulysses splits the {local_heads} attention heads per tp rank (n_heads={job.model.n_heads} / "
-                      f"tp={lay.tp}) over {u} ranks: they must be divisible by it; lower the Ulysses degree")
+        key = "parallel.cp_ulysses" if lay.cp_mode == "hybrid" else "parallel.cp"
+        fits = [d for d in range(2, local_heads + 1) if local_heads % d == 0 and (
+            lay.cp % d == 0 and d < lay.cp if lay.cp_mode == "hybrid" else True)]
+        other = ("" if lay.cp_mode == "hybrid" else
+                 "; or keep this cp with cp_mode='ring' (or 'hybrid', whose Ulysses part is such a divisor)")
+        return "cp", (f"{key}={u} splits the {local_heads} attention heads per tp rank (n_heads={job.model.n_heads} / "
+                      f"tp={lay.tp}) over {u} Ulysses ranks: they must divide evenly; valid: {fits or 'none'}{other}")
     if lay.sp and (job.seq_len // lay.cp) % lay.tp:
         return "cp", (f"each cp rank's {job.seq_len // lay.cp} tokens must split over parallel.tp={lay.tp} with "
                       "sequence_parallel; change train.seq_len")

@@ -9,6 +9,7 @@ gradient of the global mean as one process computes it.
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -25,6 +26,11 @@ from shardline.parallel.pipeline import sync_tied_gradient
 from shardline.precision import LossScaler, autocast
 
 Batch = dict[str, torch.Tensor]
+
+# FSDP2 warns when its root returns a view: an in-place write to it would skip the gradient's hook.
+# Under tp without loss parallel the logits are one (a replicated DTensor's local tensor); the loss
+# reads them into new tensors and nothing writes them, so the warning (on every rank) is a false alarm.
+_VIEW_OUTPUT = r"FSDP2-wrapped module \([^)]*\) returned a view tensor"
 
 
 class StepRunner:
@@ -95,7 +101,9 @@ class StepRunner:
         with autocast(self.device, self.cfg.train.precision):
             if self.loss_in_model:
                 return self.forward(batch["input_ids"], doc_ids, batch.get("positions"), labels=batch["labels"])
-            logits = self.forward(batch["input_ids"], doc_ids, batch.get("positions"))
+            with warnings.catch_warnings():  # (scoped: the logits are not written in place, see _VIEW_OUTPUT)
+                warnings.filterwarnings("ignore", message=_VIEW_OUTPUT)
+                logits = self.forward(batch["input_ids"], doc_ids, batch.get("positions"))
         return self.model.loss.score(logits, batch["labels"])
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
