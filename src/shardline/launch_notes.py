@@ -190,8 +190,8 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("checkpoint", ("memory_redundancy", "memory_mode", "memory_dir"), not c.memory_interval,
               "checkpoint.memory_interval=0"),
              ("watchdog", ("long_timeout_s",), not cfg.watchdog.timeout_s, "watchdog.timeout_s=0"),
-             ("data", ("text_field",), "text" not in cfg.data.formats() and not (
-                 cfg.data.val_path and val_format(cfg) == "text"), "chat data reads each record's 'messages'"),
+             ("data", ("text_field",), not _reads_text_field(cfg), "chat data reads each record's 'messages'"
+              if "text" not in cfg.data.formats() else "each text source of data.mix names its own text_field"),
              ("data", ("format",), bool(cfg.data.mix) and all(s.format for s in cfg.data.mix) and not (
                  cfg.data.val_path and len(set(cfg.data.formats())) > 1),  # (data.val_path's, then)
               "every data.mix source sets its own format"),
@@ -207,6 +207,15 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
               "nothing is sharded: dp_shard x cp = 1, so DDP or one rank")]
     return {f"{section}.{key}": why for section, keys, idle, why in rules if idle
             for key in keys if given[section][key] != default[section][key]}
+
+
+def _reads_text_field(cfg: Config) -> bool:
+    """Whether any source reads data.text_field: a text one without a text_field of its own in data.mix,
+    or a text data.val_path."""
+    d = cfg.data
+    own = [s.text_field for s in d.mix] or [""]
+    return any(fmt == "text" and not name for fmt, name in zip(d.formats(), own)) or bool(
+        d.val_path and val_format(cfg) == "text")
 
 
 def val_path_in_training_data(cfg: Config) -> str:

@@ -259,7 +259,7 @@ def test_a_stray_argument_is_read_as_what_it_likely_meant(capsys):
     ("train", "seq_len", "64", "train.seq_len='64' has the wrong type: expected int"),
     ("train", "stepz", 5, "unknown config key train.stepz; valid keys: steps, stop_at_step"),
     ("data", "mix", [{"path": "a"}],
-     "data.mix[0]={'path': 'a'} has the wrong type: expected a table {path, weight, format}"),
+     "data.mix[0]={'path': 'a'} has the wrong type: expected a table {path, weight, format, text_field}"),
     ("moe", "capacity_factor", "1.5", "moe.capacity_factor='1.5' has the wrong type: expected float"),
 ])
 def test_values_set_in_code_are_checked_as_a_files_are(section, key, value, message):
@@ -428,7 +428,8 @@ def test_a_batch_that_does_not_split_says_what_fits_a_resume_too():
 def test_a_mixture_written_as_json_on_the_command_line_says_to_write_toml():
     """`--data.mix='[{"path": "a"}]'` (JSON) is no TOML: it was read as a string and refused as the wrong type."""
     with pytest.raises(ConfigError, match=r"data.mix='\[\{\"path\": \"a\"\}\]' is not TOML: write a list of inline "
-                                          r"tables, \[\{path = \.\.\., weight = \.\.\., format = \.\.\.\}, \.\.\.\]"):
+                                          r"tables, \[\{path = \.\.\., weight = \.\.\., format = \.\.\., "
+                                          r"text_field = \.\.\.\}, \.\.\.\]"):
         load_config(None, ['data.mix=[{"path": "a"}]'])
     assert load_config(None, ['data.mix=[{path = "a", format = "chat"}]']).data.mix[0].format == "chat"
 

@@ -27,6 +27,7 @@ from shardline.data.prepare import PrepareOptions, PrepareStopped, prepare
 from shardline.data.shards import verify
 from shardline.data.sources import read_documents, read_file
 from shardline.errors import ConfigError, DataError
+from shardline.launch_notes import unused_settings
 from shardline.preflight import check_config
 from tests.conftest import resealed
 
@@ -278,6 +279,36 @@ def test_mixture_errors(tmp_path, prepared, small_corpus):
     cfg = load_config(None, [f'data.mix=[{{path = "{tmp_path / "blank.jsonl"}"}}]', f"data.tokenizer={tok}"])
     with pytest.raises(DataError, match=r"^data.mix\[0\].path=.* contains no text"):
         build_data(cfg)
+
+
+def test_a_mixture_source_reads_its_own_text_field(tmp_path, prepared, small_corpus):
+    """Sources written by different tools name their text differently ("text", "content"): one
+    data.text_field for all refused the mixture. data.mix[i].text_field gives a source its own; the
+    batches equal the same mixture with the field renamed; misnamed, the error points at it."""
+    tok = str(prepared / "tokenizer.json")
+    rows = [f"Record {i}: " + "numbers and words " * 20 for i in range(200)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"content": r[::-1]}) + "\n" for r in rows))
+    (tmp_path / "b_text.jsonl").write_text("".join(json.dumps({"text": r[::-1]}) + "\n" for r in rows))
+    common = ["train.seq_len=64", "train.global_batch_size=16", f"data.tokenizer={tok}"]
+    mix = (f'data.mix=[{{path = "{tmp_path / "a.jsonl"}"}}, '
+           f'{{path = "{tmp_path / "b.jsonl"}", text_field = "content", weight = 2}}]')
+    same = f'data.mix=[{{path = "{tmp_path / "a.jsonl"}"}}, {{path = "{tmp_path / "b_text.jsonl"}", weight = 2}}]'
+    own, renamed = build_data(load_config(None, [mix, *common])), build_data(load_config(None, [same, *common]))
+    for step in range(3):
+        idx = own.sampler.global_batch(step)
+        assert own.train.batch(idx)["input_ids"].equal(renamed.train.batch(idx)["input_ids"])
+    assert len(own.val) == len(renamed.val) > 0
+    with pytest.raises(DataError, match=r"b.jsonl line 1 has no string field 'text' \(set data.text_field, or in "
+                                        r"data.mix the source's text_field"):
+        build_data(load_config(None, [mix.replace(', text_field = "content"', ""), *common]))
+    with pytest.raises(ConfigError, match=r"data.mix\[1\].text_field='messages' is invalid: holds conversations"):
+        load_config(None, [mix.replace('"content"', '"messages"'), *common]).check()
+    assert unused_settings(load_config(None, [mix.replace(f'"{tmp_path / "a.jsonl"}"}}',
+                                                          f'"{tmp_path / "a.jsonl"}", text_field = "text"}}'),
+                                              *common, "data.text_field=body"]))["data.text_field"] == \
+        "each text source of data.mix names its own text_field"
+    assert "data.text_field" not in unused_settings(load_config(None, [mix, *common, "data.text_field=body"]))
 
 
 def test_a_mixture_holds_chat_and_text_sources_each_in_its_own_format(tmp_path, prepared, small_corpus):

@@ -1,12 +1,13 @@
 """Typed configuration: dataclass sections, TOML files, `--section.key=value` overrides.
 
 `reader` is the typed TOML reader every settings file of shardline goes through;
-`sections` and `resilience` hold the sections of the training config; `job` puts
+`sections`, `data_section` and `resilience` hold the sections of the training config; `job` puts
 them together as `Config`. The config imports no feature: features read it.
 """
 
 from shardline.config.job import (LAUNCH_ONLY, Config, apply_override, config_changes, expand_home, from_dict,
                                   load_config, load_relaunch_config, save_config, to_toml)
+from shardline.config.data_section import DataConfig, saved_formats
 from shardline.config.reader import read_toml
 from shardline.config.resilience import AnomalyConfig, FaultsConfig, WatchdogConfig
 from shardline.config.sections import (
@@ -18,7 +19,6 @@ from shardline.config.sections import (
     PRECISIONS,
     SCHEDULES,
     CheckpointConfig,
-    DataConfig,
     MemoryConfig,
     MetricsConfig,
     ModelConfig,
@@ -27,7 +27,6 @@ from shardline.config.sections import (
     ParallelConfig,
     RunConfig,
     TrainConfig,
-    saved_formats,
 )
 
 __all__ = [

@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from shardline.config import reader
+from shardline.config.data_section import DataConfig, MixSource
 from shardline.config.resilience import DRILL_STEPS, AnomalyConfig, FaultsConfig, WatchdogConfig
 from shardline.config.sections import (
     CheckpointConfig,
-    DataConfig,
     Float8Config,
     MemoryConfig,
     MetricsConfig,
-    MixSource,
     ModelConfig,
     MoEConfig,
     OptimConfig,

@@ -246,7 +246,7 @@ class OnlyOnce(argparse.Action):
 
 def _kind(item, one: bool = False) -> str:
     """What a list's items are (`one`: what one item is), in a config's words: a table and its keys
-    for a section-like dataclass (data.mix's {path, weight, format}), else the type's name."""
+    for a section-like dataclass (data.mix's {path, weight, format, text_field}), else the type's name."""
     if dataclasses.is_dataclass(item):
         return ("a table {" if one else "tables {") + ", ".join(f.name for f in dataclasses.fields(item)) + "}"
     return getattr(item, "__name__", str(item))

@@ -196,7 +196,7 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
                 "files_not_read", [])
         return prepared.tokenizer, prepared.train, prepared.val
     chat = fmt == "chat"
-    docs = read_documents(path, "messages" if chat else d.text_field, left_out, key)
+    docs = read_documents(path, "messages" if chat else d.text_fields()[index or 0], left_out, key)
     fraction = training_val_fraction(cfg)
     if chat and len(docs) < (2 if fraction else 1):
         raise DataError(f"{key}={path!r} holds {len(docs)} conversations; chat data needs at least "
@@ -351,7 +351,7 @@ def data_summary(cfg: Config) -> tuple[str, str]:
                          f"held-out documents, {p.train.num_tokens:,} training tokens")
             folder_tokenizer = folder_tokenizer or os.path.join(path, "tokenizer.json")
         else:
-            docs = read_documents(path, "messages" if fmt == "chat" else d.text_field, key=key)
+            docs = read_documents(path, "messages" if fmt == "chat" else d.text_fields()[i], key=key)
             where = path or "the shipped corpus (a sample to try shardline on: data.path names your data)"
             kept = len(held_out(len(docs), training_val_fraction(cfg))) if len(docs) > 1 else 0  # (as the launch)
             parts.append(f"{where}: {len(docs):,} " + (chat_checked(f"{key}={path!r}", docs, tokenizer_file(d))

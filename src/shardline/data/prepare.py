@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from shardline.config.sections import MAX_TRAINED_VOCAB
+from shardline.config.data_section import MAX_TRAINED_VOCAB
 from shardline.data.chat_template import ChatTemplate, chat_template_for, template_sha256
 from shardline.data.encode import CHAT_MASK_RULE, check_replies, note_roles, render_chat
 from shardline.data.validation import held_out, split_single

@@ -288,10 +288,10 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
                 yield ""  # empty document, counted as one (a missing field is likely the wrong data.text_field)
             else:
                 chat = isinstance(obj, dict) and isinstance(obj.get(CHAT_FIELD), list)  # a conversation, not text
-                raise DataError(f"data file {f} line {n} has no string field {field!r} (set data.text_field; "
-                                "prepare: --text-field)" + ("; its 'messages' are a conversation: read it as chat "
-                                                            "(data.format=chat, or in data.mix the source's format = "
-                                                            "\"chat\"; prepare: --format chat)" if chat else ""))
+                conversation = ("; its 'messages' are a conversation: read it as chat (data.format=chat, or in "
+                                "data.mix the source's format = \"chat\"; prepare: --format chat)" if chat else "")
+                raise DataError(f"data file {f} line {n} has no string field {field!r} (set data.text_field, or "
+                                f"in data.mix the source's text_field; prepare: --text-field){conversation}")
 
 
 def _encodable(f: Path, n: int, text: str) -> str:
@@ -349,7 +349,8 @@ def _read_table(f: Path, field: str, kind: str) -> Iterator:
             wrong = next((v for v in values if not isinstance(v, str)), None)
             if wrong is not None:
                 raise DataError(f"data file {f}: column {field!r} holds {type(wrong).__name__} values, not text "
-                                "(set data.text_field to a text column; prepare: --text-field)")
+                                "(set data.text_field, or in data.mix the source's text_field, to a text column; "
+                                "prepare: --text-field)")
             yield from values
     except DataError:
         raise
@@ -383,5 +384,5 @@ def _arrow_batches(f: Path, field: str, kind: str) -> Iterator:
 
 def _require_column(f: Path, field: str, columns: list[str]) -> None:
     if field not in columns:
-        raise DataError(f"data file {f} has no column {field!r} (set data.text_field; prepare: --text-field; it "
-                        f"has {', '.join(columns[:8])})")
+        raise DataError(f"data file {f} has no column {field!r} (set data.text_field, or in data.mix the "
+                        f"source's text_field; prepare: --text-field; it has {', '.join(columns[:8])})")
