@@ -41,6 +41,19 @@ def test_the_pace_is_the_last_lines_so_a_slowdown_shows(monkeypatch, capsys):
     assert last.endswith(f"| eta {metrics._duration(10.0 * (100_000 - 800))}"), last
 
 
+def test_a_rollback_starts_the_pace_again(monkeypatch, capsys):
+    """An anomaly's rollback logs lower steps again: lines of steps ahead of the one logged made
+    the pace 4x too slow for 20 lines."""
+    times = iter([float(10 * k) for k in range(60)])
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(times))
+    console = Console("plain", total_steps=10_000, first_step=0)
+    for step in [*range(10, 310, 10), *range(160, 460, 10)]:  # 1 s a step; back from 300 to 150
+        console.write(_train(step))
+    lines = capsys.readouterr().out.splitlines()
+    assert all(line.endswith(f"| eta {metrics._duration(10_000 - step)}")
+               for line, step in zip(lines[31:], range(170, 460, 10))), lines[31:34]
+
+
 def test_durations_read_in_two_units():
     assert [metrics._duration(s) for s in (0, 59.4, 61, 3599, 3600, 86399, 90061)] == [
         "0s", "59s", "1m01s", "59m59s", "1h00m", "23h59m", "1d01h"]

@@ -166,8 +166,18 @@ def test_a_damaged_or_mismatched_folder_is_one_clear_error(tmp_path, prepared, s
     data(small_corpus, "data.vocab_size=300").tokenizer.save(str(other))
     with pytest.raises(DataError, match="differs from the tokenizer .* was prepared with") as err:
         data(prepared, f"data.tokenizer={other}")
-    assert "\n" not in str(err.value)  # (the folder's own first: one prepared with added tokens keeps them)
-    assert f"to train with the folder's, set data.tokenizer={prepared / 'tokenizer.json'}" in str(err.value)
+    assert "\n" not in str(err.value) and "set data.tokenizer=" not in str(err.value)  # (another BPE: re-prepare)
+    # The folder's is the given one with tokens added (chat markers): its own offered first, as a
+    # re-prepare with the given one would lose the added tokens.
+    ext = Tokenizer.from_file(str(prepared / "tokenizer.json"))
+    ext.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    ext.save(str(tmp_path / "ext.json"))
+    extended = tmp_path / "extended"
+    prepare(PrepareOptions([str(small_corpus)], str(extended), tokenizer=str(tmp_path / "ext.json"), **SMALL))
+    with pytest.raises(DataError, match=re.escape(
+            f"(512 tokens; the folder's 514); the folder's is this one with tokens added: to train with it, set "
+            f"data.tokenizer={extended / 'tokenizer.json'}")):
+        data(extended, f"data.tokenizer={prepared / 'tokenizer.json'}")
     with pytest.raises(DataError, match="data.format='chat' but .* was prepared as 'text'"):
         data(prepared, "data.format=chat")
 

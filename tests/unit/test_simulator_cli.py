@@ -243,7 +243,8 @@ def test_the_text_names_the_batch_it_priced_and_the_whole_steps_of_its_interval(
     assert float(seconds.split(" s)")[0].replace(",", "")) == pytest.approx(int(steps.replace(",", "")) * step,
                                                                              rel=2e-3)
     assert "e+0" not in out
-    assert (_secs(1950.4), _secs(153.2), _secs(None)) == ("1,950 s", "153 s", "none")
+    assert (_secs(1950.4), _secs(999.7), _secs(999.4), _secs(153.2), _secs(None)) == (
+        "1,950 s", "1,000 s", "999 s", "153 s", "none")
 
 
 def test_the_batch_is_given_in_sequences_or_in_tokens_once(capsys, tmp_path):
@@ -263,6 +264,8 @@ def test_the_batch_is_given_in_sequences_or_in_tokens_once(capsys, tmp_path):
     config.write_text("[simulate]\nglobal_batch_tokens = 1000\nglobal_batch = 8\n", encoding="utf-8")
     with pytest.raises(ConfigError, match="simulate.global_batch .sequences. and simulate.global_batch_tokens both"):
         load_settings(config, [], {})
+    with pytest.raises(ConfigError, match="simulate.global_batch .sequences. and simulate.global_batch_tokens both"):
+        load_settings(None, ["--simulate.global_batch=8", "--simulate.global_batch_tokens=32768"], {})
     assert main([*SMALL, "--step-time", "2", "--global-batch", "64"]) == 2
     assert "--global-batch shapes the step-time estimate" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 
 from shardline.data.packing import PackedSequences
 from shardline.data.readers import MANIFEST, reading
-from shardline.data.tokenizer import bos_prefix, load_tokenizer
+from shardline.data.tokenizer import bos_prefix, extends, load_tokenizer
 from shardline.errors import DataError, links_outside, outside_folder
 
 PROGRESS, TOKENIZER = "progress.json", "tokenizer.json"  # (MANIFEST: readers.py's, which locks it)
@@ -305,12 +305,14 @@ def _folder_tokenizer(root: Path, manifest: dict, tokenizer_path: str) -> Tokeni
         raise DataError(f"{root / TOKENIZER} does not match the manifest's tokenizer_sha256; prepare the "
                         "folder again with --overwrite")
     other = load_tokenizer(tokenizer_path) if tokenizer_path else None
-    if other is not None and tokenizer_hash(other) != tokenizer_hash(tok):  # (the folder's may hold added tokens)
+    if other is not None and tokenizer_hash(other) != tokenizer_hash(tok):
+        again = f"prepare the folder again with --overwrite --tokenizer {tokenizer_path}"
         raise DataError(f"data.tokenizer={tokenizer_path!r} (given, or the starting weights' own) differs from "
-                        f"the tokenizer {root} was prepared with ({other.get_vocab_size():,} and "
-                        f"{tok.get_vocab_size():,} tokens); to train with the folder's, set data.tokenizer="
-                        f"{root / TOKENIZER} (or leave it unset where you gave it); to train with this one, prepare "
-                        f"the folder again with --overwrite --tokenizer {tokenizer_path}")
+                        f"the tokenizer {root} was prepared with ({other.get_vocab_size():,} tokens; the folder's "
+                        f"{tok.get_vocab_size():,}); " + (
+                            f"the folder's is this one with tokens added: to train with it, set data.tokenizer="
+                            f"{root / TOKENIZER} (or leave it unset where you gave it), or {again}"
+                            if extends(tok, other) else again))
     return tok
 
 

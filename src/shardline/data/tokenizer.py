@@ -80,6 +80,7 @@ def load_tokenizer(path: str, key: str = "data.tokenizer") -> Tokenizer:
     """The tokenizer.json at `path`; errors name it as `key` (the setting that gave it; "": a file
     the user did not name, such as a run dir's own)."""
     what = f"{key}={path!r}" if key else f"the tokenizer {path}"
+    path = tokenizer_json(path)  # (a caller that did not resolve a folder given: read what it holds)
     if os.path.isdir(path):  # (a folder holding one is read as it: tokenizer_json)
         raise DataError(f"{what} is a folder without a tokenizer.json: give the tokenizer.json to use")
     try:

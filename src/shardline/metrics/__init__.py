@@ -162,6 +162,8 @@ class Console:
         pace after a slow start, shows within that many lines; the first line, before any pace is
         known: its own step time); none at the run's last step."""
         now, step, left = time.monotonic(), rec["step"], self.total - rec["step"]
+        if self._recent and step <= self._recent[-1][1]:  # a rollback: the pace starts again from here
+            self._recent.clear()
         self._recent.append((now, step))
         if left <= 0:
             return ""

@@ -25,7 +25,7 @@ class DeviceAnomalyCheck:
         self.history = torch.full((cfg.window,), float("inf"), device=device)  # inf marks an empty slot
         self.count = torch.zeros((), dtype=torch.long, device=device)  # healthy losses seen (capped at window)
         self.next = torch.zeros((), dtype=torch.long, device=device)  # ring position of the next one
-        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, [bad, kind, value]) not yet read
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, [bad, kind, value, loss]) not yet read
 
     def gate(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """1.0 when this step is anomalous, else 0.0 (a device tensor); records a healthy loss."""
@@ -38,7 +38,7 @@ class DeviceAnomalyCheck:
         kind = torch.where(bad_loss, 1, torch.where(bad_norm, 2, torch.where(spike, 3, 0)))
         value = torch.where(bad_loss, loss, torch.where(bad_norm, grad_norm, z))
         self._accept(loss, ~bad)
-        self.pending.append((step, torch.stack([bad.float(), kind.float(), value])))
+        self.pending.append((step, torch.stack([bad.float(), kind.float(), value, loss])))
         return bad.float()
 
     def _zscore(self, loss: torch.Tensor) -> torch.Tensor:
@@ -65,8 +65,8 @@ class DeviceAnomalyCheck:
         verdicts = torch.stack([v for _, v in self.pending]).cpu().tolist()
         self.pending = []
         kinds = {1: "nonfinite_loss", 2: "nonfinite_grad_norm", 3: "loss_spike"}
-        return [{"step": s, "anomaly": kinds[int(k)], "value": v}
-                for s, (bad, k, v) in zip(steps, verdicts) if bad]
+        return [{"step": s, "anomaly": kinds[int(k)], **({"zscore": v, "loss": loss} if k == 3 else {"value": v})}
+                for s, (bad, k, v, loss) in zip(steps, verdicts) if bad]  # (as the host check's events name them)
 
     def state_dict(self) -> dict:
         """The healthy-loss history, oldest first, as the host detector keeps it."""

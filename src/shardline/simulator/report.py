@@ -76,7 +76,7 @@ def _hardware_share(by_cause: dict[str, float]) -> float | None:
 def _secs(x: float | None) -> str:
     if x is None:
         return "none"
-    return f"{x:,.0f} s" if x >= 1000 else f"{x:.3g} s"  # (1,950 s, not 1.95e+03 s)
+    return f"{x:,.0f} s" if x >= 999.5 else f"{x:.3g} s"  # (1,950 s, not 1.95e+03 s; 999.7 s rounds to 1,000)
 
 
 def _optimal_line(r: dict[str, Any]) -> str:

@@ -150,11 +150,15 @@ def load_settings(path: str | Path | None, overrides: list[str], flags: dict[str
             if not isinstance(table, dict):
                 raise ConfigError(f"--config {path}: [{section}] must be a table")
             settings = apply_table(settings, section, table, section)
-    for item in overrides:
+    given_overrides: dict[str, dict[str, Any]] = {"simulate": {}, "failures": {}}
+    for item in overrides:  # (one table a section: the batch in both units on one command line is refused)
         section, key, value = reader.split_override(item)
-        if section not in ("simulate", "failures"):
+        if section not in given_overrides:
             raise ConfigError(f"override {item!r}: use --simulate.KEY=VALUE or --failures.KEY=VALUE")
-        settings = apply_table(settings, section, {key: value}, section)
+        given_overrides[section][key] = value
+    for section, table in given_overrides.items():
+        if table:
+            settings = apply_table(settings, section, table, section)
     given = {k: v for k, v in flags.items() if v is not None}
     settings = apply_table(settings, "simulate", given, "simulate")
     _check_step_time(settings)

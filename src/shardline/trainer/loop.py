@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -281,9 +279,9 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if self.guard.goodput and self.guard.goodput.stale and not self.tiers.unsaved_end:  # (rank 0's: else exit 2)
             print(f"shardline: warning: {self.run_dir / 'progress.json'} could not be written at the end "
                   f"({self.guard.goodput.stale}): it still says an earlier state of this run", file=sys.stderr)
-        if not cfg.checkpoint.interval and stopped is None and self.proc.is_main:  # (said at the start too)
+        if not cfg.checkpoint.interval and stopped is None and self.step >= first and self.proc.is_main:
             print(f"shardline: note: checkpoint.interval=0: the weights trained to step {self.step} were not saved",
-                  file=sys.stderr, flush=True)
+                  file=sys.stderr, flush=True)  # (said at the start too, and by a stop's line)
         self.metrics.close()
         self.data.release()
         self.lock.release()
@@ -353,11 +351,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
 
     def _end_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            # A skipped update still advances the schedule (it is indexed by step); torch
-            # warns about that order, which is intended here.
-            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
-            self.scheduler.step()
+        self.scheduler.step()  # (after a skipped update too: torch's warning of that order is filtered, see step.py)
 
     def _clock(self) -> float:
         """The time once the device ran what the host queued (a step without a host sync returns at its launches)."""

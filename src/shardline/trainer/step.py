@@ -9,6 +9,7 @@ gradient of the global mean as one process computes it.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Callable
 
@@ -31,6 +32,16 @@ Batch = dict[str, torch.Tensor]
 # Under tp without loss parallel the logits are one (a replicated DTensor's local tensor); the loss
 # reads them into new tensors and nothing writes them, so the warning (on every rank) is a false alarm.
 _VIEW_OUTPUT = r"FSDP2-wrapped module \([^)]*\) returned a view tensor"
+# A skipped update (an anomaly, an fp16 overflow) still advances the schedule, indexed by step:
+# torch warns of that order, which is intended here.
+_SCHEDULER_ORDER = re.escape("Detected call of `lr_scheduler.step()` before `optimizer.step()`")
+
+
+def ignore_false_alarms() -> None:
+    """Filter the two warnings above, once a process. (Not per step under catch_warnings: leaving
+    it resets Python's record of warnings shown, so every once-only warning was shown each step.)"""
+    for message in (_VIEW_OUTPUT, _SCHEDULER_ORDER):
+        warnings.filterwarnings("ignore", message=message)  # (the same filter again replaces itself)
 
 
 class StepRunner:
@@ -44,6 +55,7 @@ class StepRunner:
         if self.pipeline is not None:
             self.pipeline.build_schedule(device, dims.submesh("pp").get_group(), self._pipeline_loss)
         self._first_scales = cfg.train.precision == "fp8"  # due before the first pass, after every load
+        ignore_false_alarms()
 
     def _scales_once(self) -> None:
         """fp8: the float8-gathered weights' first scales, those of the whole weights as after every
@@ -101,9 +113,7 @@ class StepRunner:
         with autocast(self.device, self.cfg.train.precision):
             if self.loss_in_model:
                 return self.forward(batch["input_ids"], doc_ids, batch.get("positions"), labels=batch["labels"])
-            with warnings.catch_warnings():  # (scoped: the logits are not written in place, see _VIEW_OUTPUT)
-                warnings.filterwarnings("ignore", message=_VIEW_OUTPUT)
-                logits = self.forward(batch["input_ids"], doc_ids, batch.get("positions"))
+            logits = self.forward(batch["input_ids"], doc_ids, batch.get("positions"))
         return self.model.loss.score(logits, batch["labels"])
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
