@@ -135,7 +135,8 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     drills = [k for k, armed in (("kill_rank", f.kill_rank >= 0), ("hang_rank", f.hang_rank >= 0),
                                  ("slow_rank", f.slow_rank >= 0), ("nan_step", f.nan_step),
                                  ("spike_step", f.spike_step), ("corrupt_checkpoint_step", f.corrupt_checkpoint_step),
-                                 ("fail_save_step", f.fail_save_step)) if armed]
+                                 ("fail_save_step", f.fail_save_step), ("refuse_save_step", f.refuse_save_step))
+              if armed]
     if resumed and drills and not restarted():  # a torchrun restart or a requeue skips them; a hand relaunch does not
         notes.append(("drills_armed_on_resume", {
             "faults": ", ".join(f"faults.{k}" for k in drills),

@@ -407,3 +407,22 @@ def test_tensorboard_s_writer_thread_meeting_a_full_disk_is_one_warning(tiny_con
     err = capsys.readouterr().err
     assert "shardline: warning: TensorBoard cannot be written (" in err
     assert "Exception in thread" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_refused_save_drill_takes_the_on_error_path(tiny_config, tmp_path, mode):
+    """faults.fail_save_step kills the rank mid-save (a crash): checkpoint.on_error had no drill short
+    of filling a disk. faults.refuse_save_step has the storage refuse that step's save: `continue`
+    goes on (the next save lands), `stop` ends the run in one line, and nothing is left half-written."""
+    drill = ["train.steps=12", "train.eval_interval=0", "faults.refuse_save_step=6", f"checkpoint.mode={mode}"]
+    Trainer(tiny_config(*drill, run_dir=tmp_path / "go_on")).build().train()
+    (failed,) = [e for e in events(tmp_path / "go_on") if e["event"] == "checkpoint_failed"]
+    assert failed["step"] == 6 and "the storage refused the write (drill: faults.refuse_save_step)" in failed["error"]
+    assert failed["action"].startswith("continue; retried at the next interval")
+    assert [p.name for p in Checkpointer(tmp_path / "go_on", keep=3).list()] == ["step-000012"]
+    assert not list((tmp_path / "go_on" / "checkpoints").glob("*.tmp"))
+    with pytest.raises(CheckpointError, match=r"^checkpoint of step 6 failed: cannot write .*drill: "
+                                              r"faults.refuse_save_step\); stopping \(checkpoint.on_error=stop\), "
+                                              r"none was saved before it"):
+        Trainer(tiny_config(*drill, "checkpoint.on_error=stop", run_dir=tmp_path / "stop")).build().train()
+    assert not list((tmp_path / "stop" / "checkpoints").glob("*"))

@@ -133,6 +133,12 @@ def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_prepare
     end = [r for r in records(run) if r.get("event") == "end"][-1]
     assert end["seconds"]["restart_gap"] > 0
     assert 0 < end["this_launch_s"] < end["total_s"]  # the run's total spans both launches; this one's apart
+    # progress.json's total is the end event's (its categories summed to more than its wall_s, the gap left out)
+    progress = json.loads((run / "progress.json").read_text())
+    assert progress["total_s"] == pytest.approx(progress["wall_s"] + progress["seconds"]["restart_gap"])
+    assert progress["total_s"] == pytest.approx(end["total_s"], abs=1e-3)
+    assert progress["total_s"] >= sum(progress["seconds"].values())
+    assert progress["goodput"] == pytest.approx(end["goodput"], abs=1e-4)
 
 
 def test_a_ctrl_c_that_takes_the_log_pipe_with_it_still_saves_and_sighup_stops_as_sigterm(tmp_path, small_prepared):

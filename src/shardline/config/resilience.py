@@ -62,7 +62,8 @@ class WatchdogConfig:
         return self.long_timeout_s or 10 * self.timeout_s
 
 
-DRILL_STEPS = ("kill_step", "nan_step", "spike_step", "hang_step", "corrupt_checkpoint_step", "fail_save_step")
+DRILL_STEPS = ("kill_step", "nan_step", "spike_step", "hang_step", "corrupt_checkpoint_step", "fail_save_step",
+               "refuse_save_step")
 
 
 @dataclass
@@ -85,6 +86,7 @@ class FaultsConfig:
     slow_in: str = "host"
     corrupt_checkpoint_step: int = 0  # flip bytes in the checkpoint saved at this step
     fail_save_step: int = 0  # die in the middle of writing this step's checkpoint
+    refuse_save_step: int = 0  # the storage refuses this step's checkpoint (an I/O error): checkpoint.on_error's drill
 
     def check(self) -> None:
         for key in DRILL_STEPS:

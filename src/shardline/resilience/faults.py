@@ -7,6 +7,7 @@ the 1-based step numbers of the log.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -108,7 +109,10 @@ class FaultInjector:
         return loss
 
     def during_save(self, step: int) -> None:
-        """Called after the state is written and before the manifest: die half-saved."""
+        """Called after the state is written and before the manifest: die half-saved, or have the
+        storage refuse the save (the path checkpoint.on_error takes, short of filling a disk)."""
+        if self._fire("refuse_save", step, self.cfg.refuse_save_step):
+            raise OSError(errno.EIO, "the storage refused the write (drill: faults.refuse_save_step)")
         if self._fire("fail_save", step, self.cfg.fail_save_step):
             print(f"shardline: drill: faults.fail_save_step={step} ends rank {self.rank} midway through the save "
                   "(exit 1, a half-written checkpoint left)", file=sys.stderr, flush=True)

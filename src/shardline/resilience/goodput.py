@@ -143,6 +143,17 @@ class Goodput:
             self.seconds[old] -= seconds
             self.seconds[category] += seconds
 
+    def waited_within(self, step: int, seconds: float) -> None:
+        """Move up to `seconds` of a recent step's time to peer_wait: the part by which this rank's step
+        took longer than the fastest rank's. A straggling rank 0, whose account the run dir keeps,
+        waited for no peer: its own slowness is the cost its peers waited out."""
+        if seconds > 0 and step in self._recent:
+            category, had = self._recent[step]
+            moved = min(seconds, had)
+            self.seconds[category] -= moved
+            self.seconds["peer_wait"] += moved
+            self._recent[step] = (category, had - moved)
+
     def recomputed_from(self, step: int) -> int:
         """Steps a run resuming after `step` will do again."""
         return max(0, self.high_water - step)
@@ -179,10 +190,12 @@ class Goodput:
 
     def _write(self, finished: bool, now: float | None, run_complete: bool) -> None:
         now = time.time() if now is None else now
+        wall = self.wall_before + now - self.started
+        total = wall + self.seconds["restart_gap"]  # (what `seconds` sum to, with what no category took)
         record = {"high_water_step": self.high_water, "step": self.last_step, "host": socket.gethostname(),
                   "pid": os.getpid(), "phase": self.phase, "time": now, "finished": finished,
-                  "run_complete": run_complete, "wall_s": self.wall_before + now - self.started,
-                  "seconds": dict(self.seconds)}
+                  "run_complete": run_complete, "wall_s": wall, "total_s": total,
+                  "goodput": self.seconds["useful"] / total if total > 0 else 0.0, "seconds": dict(self.seconds)}
         tmp = self.path.with_name(PROGRESS + ".tmp")
         try:
             tmp.write_text(json.dumps(record), encoding="utf-8")

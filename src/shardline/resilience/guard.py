@@ -57,7 +57,7 @@ class RunGuard:
         self._log: Callable[..., None] | None = None
         self._held: list[tuple[str, dict[str, Any]]] = []
         self._read_s = 0.0  # this step's time in reads()
-        self._step_s = 0.0  # this step's own time, taken in step_done
+        self._step_s, self._step = 0.0, 0  # this step's own time and number, taken in step_done
 
     def event(self, name: str, **fields: Any) -> None:
         """An event for the metrics log (held until open(); a hang's, whose exit comes first, is
@@ -137,7 +137,7 @@ class RunGuard:
             waited = time.perf_counter()
             dist.barrier()
             self.goodput.add("peer_wait", time.perf_counter() - waited)  # a straggler's cost, named
-        self._read_s = 0.0
+        self._read_s, self._step_s = 0.0, 0.0  # (a step rolled back has no time of its own to compare)
         started = time.perf_counter()
         self.faults.inside_step()  # the slow-device drill: on the step's clock
         return started
@@ -162,6 +162,7 @@ class RunGuard:
         The slow-host drill sleeps here, as such work would."""
         self.faults.after_step(time.perf_counter() - started)
         self._step_s = seconds = time.perf_counter() - started
+        self._step = step
         self.goodput.step(step, seconds, outcome)
         if self.goodput.unwritten and not self._said_unwritten:  # once: the run goes on (a full disk, say)
             self._said_unwritten = True
@@ -195,9 +196,11 @@ class RunGuard:
         last collective arrives here last): goodput's peer_wait, not "other"."""
         begin = time.perf_counter()
         try:
-            return self.stops.agreed()
+            return self.stops.agreed(self._step_s)
         finally:
             self.goodput.add("peer_wait", time.perf_counter() - begin)
+            if self.stops.fastest_s is not None:  # this rank the straggler: its excess is its peers' wait
+                self.goodput.waited_within(self._step, self._step_s - self.stops.fastest_s)
 
     def stop_watching(self, failed: bool = False) -> None:
         """The watchdog thread ends and the stop signals get their previous handlers (idempotent);

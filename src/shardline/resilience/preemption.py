@@ -28,6 +28,7 @@ class StopRequests:
         """group: a gloo group of every rank used for nothing else (None in one process)."""
         self.group = group
         self.requested = 0  # the signal number asked for, 0 = none
+        self.fastest_s: float | None = None  # the least step time over the ranks, as the last agreed() heard
         self.writing = False  # a checkpoint (or its drain) is being written: set by the guard's phases
         self._held_once = False
         self._previous: dict[int, object] = {}
@@ -55,11 +56,14 @@ class StopRequests:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self.requested = self.requested or signum
 
-    def agreed(self) -> str | None:
-        """The name of a stop signal any rank received, the same answer on every rank."""
-        flag = self.requested
+    def agreed(self, step_s: float | None = None) -> str | None:
+        """The name of a stop signal any rank received, the same answer on every rank. `step_s` (every
+        rank gives one, or none does): this rank's step time, whose least over the ranks the same
+        all-reduce carries, as `fastest_s` after it."""
+        flag, self.fastest_s = self.requested, step_s
         if self.group is not None:
-            t = torch.tensor([flag], dtype=torch.int64)
+            t = torch.tensor([flag] + ([] if step_s is None else [-round(step_s * 1e6)]), dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            flag = int(t.item())
+            flag = int(t[0])
+            self.fastest_s = None if step_s is None else -int(t[1]) / 1e6
         return signal.Signals(flag).name if flag else None
