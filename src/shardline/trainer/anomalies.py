@@ -55,11 +55,13 @@ class AnomalyResponse:
 
     def _stuck_reason(self, kind: str) -> str:
         step, run = self._anomaly_streak
+        streak = f"{run} anomalous steps in a row (steps {step - run + 1}-{step})" if run > 1 else \
+            f"an anomalous step (step {step}; anomaly.max_consecutive=1)"
         if kind.startswith("nonfinite"):  # no threshold makes a NaN healthy: the weights or the lr diverged
-            return (f"{run} anomalous steps in a row (steps {step - run + 1}-{step}), the last non-finite: "
+            return (f"{streak}, the last non-finite: "
                     "skipping cannot get past weights or a learning rate that diverged; use anomaly.action=rollback, "
                     "a lower optim.lr, or train.grad_clip")
-        return (f"{run} anomalous steps in a row (steps {step - run + 1}-{step}): skipping cannot get past a loss "
+        return (f"{streak}: skipping cannot get past a loss "
                 "level that moved; use anomaly.action=rollback, a higher anomaly.spike_zscore, or "
                 "anomaly.max_consecutive=0 to keep skipping")
 
