@@ -241,13 +241,15 @@ def _split_txt(f: Path) -> Iterator[str]:
     long document is kept as pieces joined once: linear time however long it is.
     """
     with _open(f) as raw:
-        text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")  # (a BOM some editors write: not text)
+        # (a BOM some editors write: not text; Windows' and old Macs' line ends read as "\n", as Python's
+        # open() and HF's text loader read them: a model does not learn to write "\r")
+        text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None)
         pieces: list[str] = []  # the current document so far, less `tail`
         tail = ""  # the whitespace it ends with, where the next break may start
         while chunk := text.read(_CHUNK):
             buf, start = tail + chunk, 0
             for m in _DOC_BREAK.finditer(buf):
-                if m.end() >= len(buf) - (buf[-1] == "\r"):  # a last "\r" may be a line end's first half
+                if m.end() >= len(buf):
                     break
                 pieces.append(buf[start : m.start()])
                 yield "".join(pieces)
