@@ -137,12 +137,20 @@ def test_an_interrupted_prepare_resumes_and_never_leaves_a_manifest_behind(tmp_p
     assert 0 < progress["documents_done"] < 150
     prepare(PrepareOptions([str(small_corpus)], str(out), workers=2, **{**opts, "progress": True}))
     assert (out / "train" / "tokens-00000.bin").stat().st_mtime_ns == kept  # resumed, not redone
-    assert f"resuming an interrupted prepare at document {progress['documents_done']:,}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"resuming an interrupted prepare at document {progress['documents_done']:,}" in err
+    # Its BPE is the one the interrupted prepare trained: not trained again (a pass over the corpus)
+    assert "using the byte-level BPE the interrupted prepare trained" in err and "training a byte-level" not in err
     assert not (out / "progress.json").exists() and verify(out) == []
     fresh = tmp_path / "fresh"
     prepare(PrepareOptions([str(small_corpus)], str(fresh), **opts))
     assert (json.loads((out / "manifest.json").read_text())["splits"]
             == json.loads((fresh / "manifest.json").read_text())["splits"])
+    assert (out / "tokenizer.json").read_bytes() == (fresh / "tokenizer.json").read_bytes()
+    # The resumed prepare's last line counts the whole job's tokens, as its documents (not this session's)
+    total = sum(shard["tokens"] for split in json.loads((out / "manifest.json").read_text())["splits"].values()
+                for shard in split["shards"])
+    assert f"documents, {total:,} tokens" in err.strip().splitlines()[-1], err
 
 
 @pytest.fixture(scope="module")

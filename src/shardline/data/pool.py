@@ -142,9 +142,11 @@ def _load_cached(path: str, mtime_ns: int) -> Tokenizer:
 class Progress:
     """One status line: documents, tokens, MB/s, ETA (at most once a second; a line per 10 s off a tty)."""
 
-    def __init__(self, enabled: bool, total_docs: int, done: int):
+    def __init__(self, enabled: bool, total_docs: int, done: int, tokens_done: int = 0):
+        """`done` documents and `tokens_done` tokens an interrupted prepare committed: the line counts the
+        whole job's (its pace and ETA are this session's)."""
         self.enabled, self.total, self.docs, self.resumed_at = enabled, total_docs, done, done
-        self.tokens = self.bytes = 0
+        self.tokens, self.bytes = tokens_done, 0
         self.start = self.last = time.perf_counter()
         self.tty = sys.stderr.isatty()
 

@@ -139,7 +139,7 @@ def prepare(opts: PrepareOptions) -> dict:
     # Passes 1 and 2 before the folder is touched: bad inputs or a bad tokenizer leave it as it was.
     stream = _count(opts, files)
     template = chat_template_for(opts.tokenizer) if opts.format == "chat" else None
-    tok = _tokenizer(opts, stream, template)
+    tok = _tokenizer(opts, stream, template, None if opts.overwrite else _interrupted_bpe(root, request))
     root.mkdir(parents=True, exist_ok=True)
     with _writing(root) as lock_fd:  # one prepare writes a folder at a time (srun's prepare runs one a task)
         now = made(root) if written(root) != before else None  # another one finished it meanwhile:
@@ -247,12 +247,32 @@ def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
     return stream
 
 
-def _tokenizer(opts: PrepareOptions, stream: _Stream, template: ChatTemplate | None) -> Tokenizer:
-    """Pass 2 (without --tokenizer): the BPE the raw-text path would train on the same data."""
+def _tokenizer(opts: PrepareOptions, stream: _Stream, template: ChatTemplate | None,
+               trained: Tokenizer | None) -> Tokenizer:
+    """Pass 2 (without --tokenizer): the BPE the raw-text path would train on the same data, or the
+    one an interrupted prepare of this request trained (`trained`)."""
     if opts.tokenizer:
         return load_tokenizer(opts.tokenizer, key="--tokenizer")
+    if trained is not None:
+        _say(opts, "using the byte-level BPE the interrupted prepare trained (its tokenizer.json)")
+        return trained
     _say(opts, f"training a byte-level BPE of {opts.vocab_size} tokens on the training documents")
     return get_tokenizer(stream.training_texts(opts.format == "chat", template), "", opts.vocab_size)
+
+
+def _interrupted_bpe(root: Path, request: dict) -> Tokenizer | None:
+    """The BPE an interrupted prepare of this request trained, which its progress file names by hash:
+    the rerun that resumes it reads its documents once more to train it again, otherwise."""
+    try:
+        state = json.loads((root / PROGRESS).read_text(encoding="utf-8"))
+        saved = dict(state["request"])
+        sha = saved.pop("tokenizer_sha256")
+        if saved != request or request["tokenizer"][0] != "bpe" or not state.get("documents_done"):
+            return None
+        tok = load_tokenizer(str(root / TOKENIZER), key="")
+        return tok if tokenizer_hash(tok) == sha else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, DataError):
+        return None
 
 
 def _resume_state(root: Path, request: dict, opts: PrepareOptions) -> dict:
@@ -279,7 +299,7 @@ def _resume_state(root: Path, request: dict, opts: PrepareOptions) -> dict:
 
 def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict, template, lock_fd: int) -> None:
     """Pass 3: tokenize every document not yet committed, committing after each full shard."""
-    progress = Progress(opts.progress, stream.pieces, state["documents_done"])
+    progress = Progress(opts.progress, stream.pieces, state["documents_done"], sum(w.tokens for w in writers.values()))
     commits = 0
     job = EncodeJob(str(root / TOKENIZER), opts.format == "chat", template, writers["train"].dtype,
                     state["request"].get("bos", []))
