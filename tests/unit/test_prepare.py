@@ -1820,3 +1820,12 @@ def test_a_dry_run_refuses_a_chat_checkpoint_of_the_older_packing_as_the_launch_
         with pytest.raises(CheckpointError, match=r"cut from one stream \(by an earlier shardline\)"
                                                   r".*finish the run with the shardline that saved it"):
             launch(load_config(None, base))
+
+
+def test_shard_tokens_sets_the_shards_size_near_what_it_asks(tmp_path, small_corpus):
+    """A shard commits at the first unit of work (2 MB of text) past --shard-tokens: asking for 100k
+    gave shards of ~510k tokens. Units of work shrink with it; a shard stays whole documents."""
+    out = tmp_path / "prep"
+    prepare(PrepareOptions([str(small_corpus)], str(out), shard_tokens=20_000, vocab_size=512, progress=False))
+    sizes = [s["tokens"] for s in json.loads((out / "manifest.json").read_text())["splits"]["train"]["shards"]]
+    assert len(sizes) > 2 and all(20_000 <= n <= 5 * 20_000 for n in sizes[:-1]), sizes

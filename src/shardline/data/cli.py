@@ -44,7 +44,9 @@ def register(sub) -> None:
                    help="chat: .jsonl records with messages; loss on assistant tokens only")
     p.add_argument("--no-bos", action="store_true",
                    help="text documents without the BOS tokens the tokenizer puts before a text (data.add_bos=false)")
-    p.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (default 33554432)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 25,
+                   help="tokens per shard, whole documents: a shard ends at the first unit of work past it (default "
+                        "33554432; each is a point an interrupted prepare resumes from)")
     p.add_argument("--verify", action="store_true", help="check the checksums of an existing --out and exit")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an --out finished from other inputs or options (refused without it), or redo one")

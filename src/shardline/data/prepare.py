@@ -303,7 +303,10 @@ def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict,
     commits = 0
     job = EncodeJob(str(root / TOKENIZER), opts.format == "chat", template, writers["train"].dtype,
                     state["request"].get("bos", []))
-    chunks = encoded_chunks(job, stream.documents(state["documents_done"]), opts.chunk_bytes, opts.workers,
+    # A shard commits at the first chunk past shard_tokens (whole documents): chunks of text no
+    # larger than ~4 characters a token of it keep a small --shard-tokens near what it asks
+    chunk = min(opts.chunk_bytes, max(1 << 16, 4 * opts.shard_tokens))
+    chunks = encoded_chunks(job, stream.documents(state["documents_done"]), chunk, opts.workers,
                             inherited=(lock_fd,))  # (a worker holding the lock kept it past a killed prepare)
     for n_docs, n_bytes, encoded in chunks:
         for name, (tokens, lengths, mask) in encoded.items():
