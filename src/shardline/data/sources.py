@@ -1,21 +1,21 @@
 """Read documents from the shipped corpus or a user's files, as a stream.
 
-Accepted: `.txt` (documents separated by two or more blank lines), `.jsonl` (one
-object per line with a text field), `.parquet` (a text column), `.arrow` (the files of
-a Hugging Face `datasets.save_to_disk` folder; read with pyarrow, `datasets` itself is
-not needed), each optionally gzipped (`.gz`), a folder holding such files (read in
-sorted order; a `save_to_disk` DatasetDict folder reads its `train` split), or a glob
-pattern of them (`data/train-*.parquet`).
+Accepted: `.txt` (documents separated by two or more blank lines), `.jsonl` (one object per
+line with a text field), `.parquet` (a text column), `.arrow` (the files of a Hugging Face
+`datasets.save_to_disk` folder; read with pyarrow, `datasets` itself is not needed), each
+optionally gzipped (`.gz`), a folder holding such files (read in sorted order; a `save_to_disk`
+DatasetDict folder reads its `train` split), or a glob pattern of them (`data/train-*.parquet`).
 
-Every reader streams: memory holds one line, one parquet batch or one .txt document,
-whatever the file size, so `shardline prepare` can read corpora larger than RAM. The
-training path and `prepare` read through the same functions, so they see the same
-documents in the same order.
+Every reader streams: memory holds one line, one parquet batch or one .txt document, whatever
+the file size, so `shardline prepare` can read corpora larger than RAM. The training path and
+`prepare` read through the same functions, so they see the same documents in the same order.
 """
 
 from __future__ import annotations
 
 import glob
+import codecs
+import contextlib
 import gzip
 import io
 import itertools
@@ -38,6 +38,7 @@ CHAT_FIELD = "messages"  # what data.format = "chat" reads from each .jsonl reco
 _DOC_BREAK = re.compile(r"\r?\n[^\S\n]*\n[^\S\n]*(?:\r?\n)+")
 _CHUNK = 1 << 20  # characters of a .txt file decoded at a time
 CONVERT = ": convert it, e.g. iconv -f GB18030 -t UTF-8 (or the encoding it was written in)"
+_GLOB = re.compile(r"[*?[]")
 
 
 def shipped_corpus() -> Path:
@@ -81,11 +82,10 @@ def files_not_read(path: str) -> list[Path]:
 
 
 def input_files(path: str, key: str = "data.path") -> list[Path]:
-    """The data files under `path` in reading order, or a DataError naming the path as `key`
-    (the config key, or `shardline prepare`'s input). A path
-    that does not exist as written but holds glob characters (`data/train-*.parquet`,
-    `shards/**/*.jsonl`) is a pattern: the data files it matches, and those under the
-    folders it matches, in sorted order."""
+    """The data files under `path` in reading order, or a DataError naming the path as `key` (the config
+    key, or `shardline prepare`'s input). A path that does not exist as written but holds glob characters
+    (`data/train-*.parquet`, `shards/**/*.jsonl`) is a pattern: the data files it matches, and those
+    under the folders it matches, in sorted order."""
     root = Path(path) if path else shipped_corpus()
     if not root.exists() and _GLOB.search(path):
         return _matched_files(path, key)
@@ -138,13 +138,9 @@ def _fixed_part(pattern: str) -> Path:
     return Path(*[part for part in itertools.takewhile(lambda q: not _GLOB.search(q), Path(pattern).parts)])
 
 
-_GLOB = re.compile(r"[*?[]")
-
-
 def _matched_files(pattern: str, key: str) -> list[Path]:
-    """The data files a glob pattern names. The held-out check reads the names below the
-    pattern's fixed folder, so `data/*` beside `data/validation.jsonl` is refused as the
-    folder `data` is."""
+    """The data files a glob pattern names. The held-out check reads the names below the pattern's
+    fixed folder, so `data/*` beside `data/validation.jsonl` is refused as the folder `data` is."""
     matches = [Path(m) for m in sorted(glob.glob(pattern, recursive=True))]
     entries = [f for m in matches for f in (folder_entries(m) if m.is_dir() else [m])]
     _refuse_broken_links(pattern, entries, key)
@@ -225,7 +221,24 @@ def _guarded(f: Path, lines: Iterator):
     except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:  # zlib.error: damaged compressed bytes
         raise DataError(f"cannot read data file {f}: {e}") from None
     except UnicodeDecodeError as e:
-        raise DataError(f"data file {f} is not UTF-8 text ({e.reason}){CONVERT}") from None
+        raise DataError(f"data file {f} is not UTF-8 text{_where_not_utf8(f)} ({e.reason}){CONVERT}") from None
+
+
+def _where_not_utf8(f: Path) -> str:
+    """' at line N (byte B)': where `f` first is not UTF-8 (its text is decoded in chunks, which know no line)."""
+    decoder, line, offset = codecs.getincrementaldecoder("utf-8")(), 1, 0
+    with contextlib.suppress(OSError, EOFError, zlib.error), _open(f) as raw:
+        while True:
+            block, held = raw.read(1 << 20), len(decoder.getstate()[0])  # (held: a sequence the last cut in two)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                at = line + block.count(b"\n", 0, max(e.start - held, 0))
+                return f" at line {at:,} (byte {offset - held + e.start:,})"
+            if not block:
+                return ""
+            line, offset = line + block.count(b"\n"), offset + len(block)
+    return ""
 
 
 def _read_txt(f: Path) -> Iterator[str]:
@@ -312,13 +325,8 @@ def _strings(value) -> Iterator[str]:
     """Every string in a JSON value, keys included."""
     if isinstance(value, str):
         yield value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _strings(k)
-            yield from _strings(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _strings(v)
+    for item in value.items() if isinstance(value, dict) else value if isinstance(value, list) else ():
+        yield from _strings(list(item) if isinstance(value, dict) else item)
 
 
 def _conversation(f: Path, where: str, value) -> list[dict]:
