@@ -637,3 +637,15 @@ def test_a_cpu_dry_run_whose_ranks_fit_alone_but_not_together_says_the_host(caps
             "--parallel.dp_shard=1", "--parallel.dp_replicate=4", "--train.micro_batch_size=2"]
     assert main(argv) == 1
     assert "DOES NOT FIT the host: 4 ranks share its 1.0 GiB (90% usable)" in capsys.readouterr().out
+
+
+def test_a_dry_run_refuses_text_too_short_for_one_sequence(capsys, tmp_path):
+    """The dry run, which does not tokenize raw text, said the launch checks passed for a file the
+    launch refuses as too short: text shorter than a sequence even at a token a byte is refused."""
+    (tmp_path / "tiny.jsonl").write_text('{"text": "hi there"}\n{"text": "bye"}\n', encoding="utf-8")
+    argv = ["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--data.path={tmp_path / 'tiny.jsonl'}",
+            "--train.eval_interval=0", "--data.val_fraction=0"]
+    assert main([*argv, "--train.seq_len=64"]) == 2
+    assert "has at most 19 training tokens (a token a byte, and its document markers): too few for one sequence " \
+           "of train.seq_len=64" in capsys.readouterr().err
+    assert main([*argv, "--train.seq_len=16"]) == 0  # (19 bytes may hold a sequence of 16: the launch judges)
