@@ -620,8 +620,8 @@ def test_a_dry_run_renders_chat_data_as_the_launch_would_and_names_the_template(
     path, folder = chat_with_templated_tokenizer(tmp_path)
     cfg = load_config(None, [f"data.path={path}", "data.format=chat", f"data.tokenizer={folder / 'tokenizer.json'}"])
     summary, _ = data_summary(cfg)
-    assert summary.endswith(f"40 conversations (rendered with the chat template of {folder / 'tokenizer_config.json'}) "
-                            "(1 of them held out for evaluation)")
+    assert summary.endswith(f"40 conversations (rendered with the chat template of {folder / 'tokenizer_config.json'}; "
+                            "this dry run rendered each) (1 of them held out for evaluation)")
     (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }{% endfor %}")
     with pytest.raises(DataError, match="chat template .* fails on a conversation .*TemplateSyntaxError"):
         data_summary(cfg)

@@ -175,5 +175,5 @@ def chat_checked(where: str, conversations: list, tokenizer: str) -> str:
     for messages in conversations[:DRY_RUN_RENDERS]:
         chat_segments(messages, template)
     named = f"the chat template of {template.where}" if template else "ChatML (no chat template beside the tokenizer)"
-    shown = "" if len(conversations) <= DRY_RUN_RENDERS else f"the first {DRY_RUN_RENDERS} "
-    return f"conversations ({shown}rendered with {named})"
+    tried = "each" if len(conversations) <= DRY_RUN_RENDERS else f"the first {DRY_RUN_RENDERS}"
+    return f"conversations (rendered with {named}; this dry run rendered {tried})"
