@@ -17,7 +17,8 @@ def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPar
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["--version"]])
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["--version"], ["prepare", "--help"],
+                                  ["convert", "--help"]])
 def test_the_listing_and_train_help_import_no_torch(argv):
     code = ("import sys\nfrom shardline.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('shardline'))")
