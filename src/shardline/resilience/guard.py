@@ -58,6 +58,7 @@ class RunGuard:
         self._held: list[tuple[str, dict[str, Any]]] = []
         self._read_s = 0.0  # this step's time in reads()
         self._step_s, self._step = 0.0, 0  # this step's own time and number, taken in step_done
+        self._compared_s = 0.0  # the same time, until the next stop request compares it with the other ranks
 
     def event(self, name: str, **fields: Any) -> None:
         """An event for the metrics log (held until open(); a hang's, whose exit comes first, is
@@ -137,7 +138,7 @@ class RunGuard:
             waited = time.perf_counter()
             dist.barrier()
             self.goodput.add("peer_wait", time.perf_counter() - waited)  # a straggler's cost, named
-        self._read_s, self._step_s = 0.0, 0.0  # (a step rolled back has no time of its own to compare)
+        self._read_s, self._compared_s = 0.0, 0.0  # (a step rolled back has no time of its own to compare)
         started = time.perf_counter()
         self.faults.inside_step()  # the slow-device drill: on the step's clock
         return started
@@ -161,7 +162,7 @@ class RunGuard:
         optimizer step on the host) wait for it: taken after them, every rank's time was the same.
         The slow-host drill sleeps here, as such work would."""
         self.faults.after_step(time.perf_counter() - started)
-        self._step_s = seconds = time.perf_counter() - started
+        self._step_s = self._compared_s = seconds = time.perf_counter() - started
         self._step = step
         self.goodput.step(step, seconds, outcome)
         if self.goodput.unwritten and not self._said_unwritten:  # once: the run goes on (a full disk, say)
@@ -196,11 +197,12 @@ class RunGuard:
         last collective arrives here last): goodput's peer_wait, not "other"."""
         begin = time.perf_counter()
         try:
-            return self.stops.agreed(self._step_s)
+            return self.stops.agreed(self._compared_s)
         finally:
             self.goodput.add("peer_wait", time.perf_counter() - begin)
-            if self.stops.fastest_s is not None:  # this rank the straggler: its excess is its peers' wait
-                self.goodput.waited_within(self._step, self._step_s - self.stops.fastest_s)
+            if self.stops.fastest_s is not None and self._compared_s:  # this rank the straggler: its excess
+                self.goodput.waited_within(self._step, self._compared_s - self.stops.fastest_s)  # is peer_wait
+            self._compared_s = 0.0  # (once: a step's evaluation and save ask again, every rank alike)
 
     def stop_watching(self, failed: bool = False) -> None:
         """The watchdog thread ends and the stop signals get their previous handlers (idempotent);
