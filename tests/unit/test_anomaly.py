@@ -252,6 +252,13 @@ def test_skipping_non_finite_steps_halts_with_advice_for_a_divergence(tiny_confi
                                           r"lower optim.lr, or train.grad_clip") as halted:
         trainer.train()
     assert "spike_zscore" not in str(halted.value)
+    # max_consecutive=1 halts at the first: no streak to speak of ("1 anomalous steps in a row (steps 3-3)")
+    trainer = Trainer(tiny_config("anomaly.action=skip", "anomaly.max_consecutive=1", "train.eval_interval=0",
+                                  "checkpoint.interval=0", run_dir=tmp_path / "one")).build()
+    trainer.guard.faults.corrupt_loss = lambda step, loss: float("nan") if step >= 3 else loss
+    with pytest.raises(AnomalyHalt, match=r"anomaly.max_consecutive=1 halts at the first anomalous step \(step 3: "
+                                          r"non-finite\); raise it to skip such steps"):
+        trainer.train()
 
 
 def test_the_rollback_budget_and_skip_streak_go_on_across_a_restart(tiny_config, tmp_path):

@@ -163,6 +163,18 @@ def test_a_hang_drill_in_another_phase_is_not_held_to_train_steps():
     load_config(None, ["faults.hang_rank=0", "faults.hang_step=300", "faults.hang_phase=drain"]).check()
 
 
+def test_a_save_drill_at_a_step_with_no_save_is_refused():
+    """faults.refuse_save_step, fail_save_step and corrupt_checkpoint_step fire in a disk save: at a
+    step with none (between intervals, or checkpoint.interval=0) they passed as if drilled."""
+    with pytest.raises(ConfigError, match=r"faults.refuse_save_step=7 is no step a checkpoint is saved at: the drill "
+                                          r"would never fire; give a multiple of checkpoint.interval=5 or the run's"):
+        load_config(None, ["faults.refuse_save_step=7", "checkpoint.interval=5", "train.steps=20"]).check()
+    with pytest.raises(ConfigError, match="faults.fail_save_step=5 would never fire: checkpoint.interval=0 saves no"):
+        load_config(None, ["faults.fail_save_step=5", "checkpoint.interval=0"]).check()
+    for at in ("faults.corrupt_checkpoint_step=10", "faults.refuse_save_step=18", "faults.fail_save_step=12"):
+        load_config(None, [at, "checkpoint.interval=5", "train.steps=18", "train.stop_at_step=12"]).check()
+
+
 def test_bad_toml_file(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[train\nsteps=")

@@ -88,9 +88,9 @@ def _damaged_gzip() -> bytes:
     ("nofield.jsonl", '{"body": "x"}\n', "no string field 'text'"),
     ("empty.txt", "", "contains no text"),
     ("blank.jsonl", "\n\n", "contains no text"),
-    ("latin1.txt", b"caf\xe9", "is not UTF-8 text at line 1 .byte 3. .unexpected end of data.: convert it, e.g. "
+    ("latin1.txt", b"caf\xe9", "is not UTF-8 text at line 1 .byte offset 3. .unexpected end of data.: convert it, e.g. "
      "iconv -f GB18030"),
-    ("stray.txt", "第一行\n".encode() * 3 + b"\xff\nrest\n", r"is not UTF-8 text at line 4 \(byte 30\)"),
+    ("stray.txt", "第一行\n".encode() * 3 + b"\xff\nrest\n", r"is not UTF-8 text at line 4 \(byte offset 30\)"),
     ("gbk.jsonl", b'{"text": "ok"}\n{"text": "' + "中文".encode("gbk") + b'"}\n', "line 2 is not UTF-8 text "
      ".invalid continuation byte.: convert it, e.g. iconv"),
     ("trunc.jsonl.gz", b"\x1f\x8b\x08\x00garbage", "cannot read data file"),

@@ -73,6 +73,14 @@ class Config:
             if getattr(f, key) > steps:
                 raise ConfigError(f"faults.{key}={getattr(f, key)} is past train.steps={steps}: the drill would "
                                   f"never fire; give a step in 1..{steps}")
+        every, ends = self.checkpoint.interval, {steps, self.train.stop_at_step}
+        for key in ("fail_save_step", "refuse_save_step", "corrupt_checkpoint_step"):  # (a disk save's drills)
+            step = getattr(f, key)
+            if step and not every:
+                raise ConfigError(f"faults.{key}={step} would never fire: checkpoint.interval=0 saves no checkpoint")
+            if step and step % every and step not in ends and (steps_known or not self.train.epochs):
+                raise ConfigError(f"faults.{key}={step} is no step a checkpoint is saved at: the drill would never "
+                                  f"fire; give a multiple of checkpoint.interval={every} or the run's last step")
         if f.spike_step and f.spike_step <= self.anomaly.min_history:
             raise ConfigError(f"faults.spike_step={f.spike_step} comes before the spike detector judges any step: it "
                               f"needs anomaly.min_history={self.anomaly.min_history} healthy steps first; give a "

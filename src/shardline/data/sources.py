@@ -225,7 +225,7 @@ def _guarded(f: Path, lines: Iterator):
 
 
 def _where_not_utf8(f: Path) -> str:
-    """' at line N (byte B)': where `f` first is not UTF-8 (its text is decoded in chunks, which know no line)."""
+    """' at line N (byte offset B)': where `f` first is not UTF-8 (its text is decoded in chunks, knowing no line)."""
     decoder, line, offset = codecs.getincrementaldecoder("utf-8")(), 1, 0
     with contextlib.suppress(OSError, EOFError, zlib.error), _open(f) as raw:
         while True:
@@ -234,7 +234,7 @@ def _where_not_utf8(f: Path) -> str:
                 decoder.decode(block, final=not block)
             except UnicodeDecodeError as e:
                 at = line + block.count(b"\n", 0, max(e.start - held, 0))
-                return f" at line {at:,} (byte {offset - held + e.start:,})"
+                return f" at line {at:,} (byte offset {offset - held + e.start:,})"
             if not block:
                 return ""
             line, offset = line + block.count(b"\n"), offset + len(block)

@@ -145,8 +145,8 @@ class Goodput:
 
     def waited_within(self, step: int, seconds: float) -> None:
         """Move up to `seconds` of a recent step's time to peer_wait: the part by which this rank's step
-        took longer than the fastest rank's. A straggling rank 0, whose account the run dir keeps,
-        waited for no peer: its own slowness is the cost its peers waited out."""
+        took longer than the fastest rank's (a useful step is the fastest rank's). A straggling rank 0,
+        whose account the run dir keeps, waited for no peer: its own slowness is what its peers waited out."""
         if seconds > 0 and step in self._recent:
             category, had = self._recent[step]
             moved = min(seconds, had)

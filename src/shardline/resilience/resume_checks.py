@@ -98,7 +98,8 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
         run = Path(str(path)).parent.parent if Path(str(path)).parent.name == "checkpoints" else None
         copy = run / "tokenizer.json" if run and (run / "tokenizer.json").is_file() else "RUN/tokenizer.json"
         keep = ("keep data.tokenizer (or the prepared folder's: one prepared again without --tokenizer has a new "
-                f"BPE; prepare it again with --overwrite --tokenizer {copy}, the run's copy)")
+                f"BPE; prepare it again with --overwrite --tokenizer {copy}, the run's copy; a BPE trained on .txt "
+                "files with \\r\\n or \\r line ends differs since 2026-12-07, which reads them as newlines)")
         raise CheckpointError(
             f"checkpoint {path} was trained with another tokenizer (vocabulary {saved_vocabulary}, this run's "
             f"{vocabulary}): its embeddings mean other tokens; {back or keep}, or start a new run.dir from these "
@@ -109,7 +110,8 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
                        "or chat template changed (or, for a folder that holds hidden files or links, a tokenizer "
                        "whose end of text only tokenizer_config.json names, a .txt file with a byte-order mark or "
                        "with lines of other blanks (full-width spaces, form feeds) between documents: since "
-                       "2026-12-06 they are read otherwise)")
+                       "2026-12-06 they are read otherwise; a .txt file with \\r\\n or \\r line ends: read as "
+                       "newlines since 2026-12-07)")
         raise CheckpointError(
             f"checkpoint {path} was trained on other data (tokens {saved_content}, this run's {content}): {why}; "
             "the saved position would mean other samples: train on the data it was saved with, or start a new "

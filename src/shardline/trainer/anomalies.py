@@ -55,8 +55,11 @@ class AnomalyResponse:
 
     def _stuck_reason(self, kind: str) -> str:
         step, run = self._anomaly_streak
-        streak = f"{run} anomalous steps in a row (steps {step - run + 1}-{step})" if run > 1 else \
-            f"an anomalous step (step {step}; anomaly.max_consecutive=1)"
+        if run == 1:  # (no streak to judge: the setting halts at the first)
+            what = "non-finite" if kind.startswith("nonfinite") else "a loss spike"
+            return (f"anomaly.max_consecutive=1 halts at the first anomalous step (step {step}: {what}); raise it "
+                    "to skip such steps, or use anomaly.action=rollback")
+        streak = f"{run} anomalous steps in a row (steps {step - run + 1}-{step})"
         if kind.startswith("nonfinite"):  # no threshold makes a NaN healthy: the weights or the lr diverged
             return (f"{streak}, the last non-finite: "
                     "skipping cannot get past weights or a learning rate that diverged; use anomaly.action=rollback, "
