@@ -33,7 +33,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     try:
         cfg = relaunch_config(args.config, overrides, (args.world_size if args.dry_run else None) or _env_world_size(),
-                              say=not args.print_config)  # (its stdout is the config)
+                              printing=args.print_config)  # (its stdout is the config)
     except ShardlineError as e:  # the command line and the files: alike on a node's ranks, said once there;
         e.node_alike = not _io_fault(e.__context__)  # not a read the storage refused (maybe one rank's alone)
         raise

@@ -55,13 +55,12 @@ PEAK_TFLOPS: dict[str, tuple[str, dict[str, float]]] = {
 # threads torch uses. It makes CPU MFU comparable between runs on one machine,
 # not with GPUs.
 AVX2_FLOP_PER_CYCLE, _AVX512_FLOP_PER_CYCLE, _CPU_HZ = 32, 64, 3.0e9
-CPU_PEAK_ASSUMED = ("an assumed 3 GHz x 32 fp32 FLOP/cycle per torch thread (64 where it has avx512f, but AMD before "
-                    "Zen 5), at most "
-                    "a rank's share of the host's cores (twice that in bf16 or fp16 where the "
-                    "CPU has 16-bit dot products, avx512_bf16 or avx512_fp16; 2048 where it has AMX tiles for the "
-                    "dtype, amx_bf16 or amx_fp16): the log's mfu compares runs on this "
-                    "machine, not with GPUs, nor with `shardline estimate` (which prices a calibrated CPU profile); "
-                    "metrics.peak_tflops sets the machine's own")
+# The launch's line: short, a newcomer's first. The rule in full: 3 GHz x 32 fp32 FLOP/cycle a torch
+# thread (64 with avx512f, but AMD before Zen 5), at most a rank's share of the host's cores; twice that
+# in bf16 or fp16 where the CPU has 16-bit dot products (avx512_bf16, avx512_fp16), 2048 with AMX tiles
+# for the dtype (amx_bf16, amx_fp16). `shardline estimate` prices the same peak unless given a profile.
+CPU_PEAK_ASSUMED = ("a peak assumed from the CPU's vector units and the threads torch uses: the log's mfu compares "
+                    "runs on this machine, not with GPUs; metrics.peak_tflops sets the machine's own")
 # CPU flags whose 16-bit dot products do twice an fp32 FMA's work a lane (a bf16 run's MFU passed 100% without).
 _CPU_HALF_FLAGS = {"bf16": ("avx512_bf16",), "fp16": ("avx512_fp16",)}
 # AMX: a core's tile unit does 1024 16-bit multiply-adds a cycle (Intel's figure for Sapphire Rapids):

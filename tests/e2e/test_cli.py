@@ -297,6 +297,10 @@ def test_print_config_writes_a_whole_config_that_config_reads(tmp_path, capsys, 
     Trainer(load_config(None, tiny_overrides(run, small_prepared, "train.steps=2", "checkpoint.interval=2",
                                              "train.eval_interval=0"))).build().train()
     assert main(["train", "--print-config", f"--run.dir={run}", "--train.steps=4"]) == 0
-    (tmp_path / "relaunch.toml").write_text(capsys.readouterr().out, encoding="utf-8")
+    printed = capsys.readouterr()
+    (tmp_path / "relaunch.toml").write_text(printed.out, encoding="utf-8")
+    # ... said on stderr: a user who wanted the defaults got the saved run's (its steps, its paths) in silence
+    assert f"{run} holds " in printed.err and "this is the config.toml it saved, as a relaunch there reads it " \
+        "(another --run.dir prints the defaults)" in printed.err
     relaunch = load_config(tmp_path / "relaunch.toml")
     assert relaunch.train.steps == 4 and relaunch.data.path == str(small_prepared)

@@ -130,7 +130,9 @@ def next_lr_change(step: int, saved: dict, total_steps: int, cfg: OptimConfig) -
     except (KeyError, TypeError, ValueError, ConfigError):  # (a schedule this shardline has no curve for)
         return None
     new = cfg.lr * lr_multiplier(step, total_steps, cfg)
-    return None if math.isclose(old, new, rel_tol=1e-9) else [old, new]
+    if math.isclose(old, new, rel_tol=1e-9):
+        return None
+    return [float(f"{x:.12g}") for x in (old, new)]  # (read by eye: 0.0003, not 0.00030000000000000003)
 
 
 def build_scheduler(opt: torch.optim.Optimizer, total_steps: int, cfg: OptimConfig):

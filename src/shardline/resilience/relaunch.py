@@ -18,11 +18,13 @@ from shardline.resilience.goodput import read_account
 from shardline.resilience.run_lock import RunLock
 
 
-def relaunch_config(config: str | None, overrides: list[str], world: int | None = None, say: bool = True) -> Config:
+def relaunch_config(config: str | None, overrides: list[str], world: int | None = None, say: bool = True,
+                    printing: bool = False) -> Config:
     """The config a launch reads: --config's file and the overrides; without a file, when run.dir
     holds a run to resume and the config.toml its last launch saved, that file (its per-launch
     settings afresh, config.LAUNCH_ONLY), so a relaunch need not repeat the run's settings:
-    `--run.dir=runs/x` resumes runs/x as its last launch ran it. `world`: the processes it runs on."""
+    `--run.dir=runs/x` resumes runs/x as its last launch ran it. `world`: the processes it runs on;
+    `printing`: for --print-config, whose stdout is the config (the note goes to stderr)."""
     cfg = _steps_not_replaced(load_config(config, overrides), overrides)
     saved = Path(cfg.run.dir) / "config.toml"
     try:
@@ -35,7 +37,10 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
     if not held:
         _say_not_read(cfg, saved, overrides)
         return cfg
-    if say and speaks_for_the_job() and not RunLock(Path(cfg.run.dir)).running_here():  # (refused: no "resuming")
+    if printing:  # (a config printed to start from: not the defaults, where a run is there)
+        print(f"shardline: {cfg.run.dir} holds {held}: this is the config.toml it saved, as a relaunch there reads "
+              "it (another --run.dir prints the defaults)", file=sys.stderr)
+    elif say and speaks_for_the_job() and not RunLock(Path(cfg.run.dir)).running_here():  # (refused: no "resuming")
         print(f"shardline: {cfg.run.dir} holds {held}: resuming with the config.toml it saved and the "
               "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
     cfg = _steps_not_replaced(load_relaunch_config(saved, cfg.run.dir, overrides), overrides)

@@ -222,7 +222,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
     def _train(self) -> dict:
         cfg = self.cfg
         stop = self.last_step
-        self.metrics.event("start", step=self.step, params=num_params(self.model_args),  # the whole model's
+        self.metrics.event("start", step=self.step, run_dir=str(self.run_dir),  # (where its files go: said first)
+                           params=num_params(self.model_args),  # the whole model's
                            world_size=self.proc.world_size, layout=self.dims.layout.describe(),
                            device=str(self.device), precision=cfg.train.precision,
                            attention=resolve_attention(cfg.train.attention, cfg.train.document_mask,
