@@ -68,6 +68,7 @@ def build(name: str):
 
 def measure(name: str, rounds: int, disk: Path, redundancy: str, rank: int, world: int) -> dict:
     args, model, opt = build(name)
+    (disk / name).mkdir(parents=True, exist_ok=True)  # (a run's saves make checkpoints/, not its run dir)
     ckpt = Checkpointer(disk / name, keep=1, rank=rank, is_writer=rank == 0)
     saver = AsyncSaver(ckpt, dist.new_group(backend="gloo") if world > 1 else None)
     tier = MemoryTier(run_root(disk / name), rank, world, world, redundancy, fingerprint=name)
