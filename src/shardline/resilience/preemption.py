@@ -5,7 +5,7 @@ to one on purpose is a stop request).
 
 Slurm and Kubernetes send SIGTERM (or a chosen signal, ahead of time) before they kill
 a job. A handler here only records the request; the trainer asks `agreed()` at the end
-of every step, which every rank answers together (a one-int MAX all-reduce on a gloo
+of every step, which every rank answers together (a small MAX all-reduce on a gloo
 group of its own, on the host: no device sync), so all ranks stop after the same step,
 save the same checkpoint and exit with Preempted.exit_code (5). A second Ctrl-C stops at once,
 except in a save: that finishes first, unless a third Ctrl-C comes.
