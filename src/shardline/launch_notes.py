@@ -26,7 +26,7 @@ from shardline.optim import wsd_decay_steps
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_config import read_hf_config
 from shardline.interop.hf_files import TOKENIZER_NAME
-from shardline.interop.model_shape import starting_rows
+from shardline.interop.model_shape import starting_rows, starting_shape
 from shardline.models.factory import args_from_json
 from shardline.resilience.recovery import restarted
 
@@ -104,10 +104,14 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     start = cfg.model.hf_path or cfg.model.init_from
     trained = _trained_positions(cfg) if start and Path(start).is_dir() else 0
     if trained and cfg.train.seq_len > trained:  # allowed: RoPE reaches any position, as configured
+        theta = (f"model.rope_theta={cfg.model.rope_theta:g} raises RoPE's base frequency for them" if
+                 cfg.model.rope_theta else "RoPE as the weights had it: model.rope_theta raises its base frequency "
+                 "(the adjusted-base-frequency recipe)")
         notes.append(("context_extended", {
             "seq_len": cfg.train.seq_len, "trained_positions": trained,
-            "note": "past the positions the starting weights were trained for (no RoPE scaling is added); the "
-                    "export records the longer max_position_embeddings"}))
+            "note": f"past the positions the starting weights were trained for; {theta}, and no RoPE scaling is "
+                    "added; the export records the longer max_position_embeddings"}))
+    notes += _routing_notes(model, start_moe(cfg) if start else None)
     own = _own_tokenizer(cfg) if start and cfg.data.tokenizer else None
     if own is not None and _differ(own, Path(cfg.data.tokenizer)) and not extends_file(cfg.data.tokenizer, own):
         notes.append(("tokenizer_not_the_weights", {
@@ -217,6 +221,37 @@ def _reads_text_field(cfg: Config) -> bool:
     own = [s.text_field for s in d.mix] or [""]
     return any(fmt == "text" and not name for fmt, name in zip(d.formats(), own)) or bool(
         d.val_path and val_format(cfg) == "text")
+
+
+ROUTING = ("top_k", "norm_topk", "router", "route_scale", "capacity_factor")  # what mixes the experts' outputs
+
+
+def start_moe(cfg: Config):
+    """The starting weights' router settings (MoEArgs), None for a dense start or none that can be read."""
+    try:
+        shape = starting_shape(cfg.model)
+    except (OSError, ValueError, KeyError, TypeError, ShardlineError):
+        return None
+    return shape.moe if shape is not None else None
+
+
+def _routing_notes(model: ModelArgs | None, theirs) -> list[tuple[str, dict]]:
+    """[moe] overrides that change how starting weights mix their experts (their outputs change before
+    any step, where [model] shape overrides are refused), and a renormalised top-1 router, which the
+    loss cannot move (every token's weight is 1): only a balance loss trains it, as in transformers."""
+    if model is None or model.moe is None or theirs is None:
+        return []
+    mine, notes = model.moe, []
+    changed = {k: [getattr(theirs, k), getattr(mine, k)] for k in ROUTING if getattr(theirs, k) != getattr(mine, k)}
+    if changed:
+        notes.append(("routing_changed", {**changed, "why": "the starting weights mix their experts otherwise now: "
+                                                            "their outputs change before the first step"}))
+    if mine.top_k == 1 and mine.norm_topk:
+        notes.append(("router_trained_by_balance_alone", {
+            "why": "top_k=1 with renormalised weights gives every token the weight 1, so the loss cannot move the "
+                   "router: " + ("moe.aux_loss_coef or moe.z_loss_coef trains it" if mine.aux_loss_coef or
+                                 mine.z_loss_coef else "it stays as the starting weights have it (no balance loss)")}))
+    return notes
 
 
 def val_path_in_training_data(cfg: Config) -> str:

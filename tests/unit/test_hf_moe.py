@@ -420,3 +420,27 @@ def test_a_nan_in_one_expert_is_named_by_that_experts_tensor(tmp_path, transform
     with pytest.raises(CheckpointError, match=r"parameter layers\.1\.feed_forward\.experts\.w3 \(read from "
                                               r"tensor model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight\)"):
         from_hf_pretrained(tmp_path)
+
+
+def test_routing_overrides_on_starting_weights_and_a_top_1_start_are_noted(tmp_path):
+    """A top-1 HF folder (renormalised: every token's weight 1) could not be fine-tuned: refused, and
+    its suggested way out (norm_topk=0) changed the model's outputs in silence, as any routing
+    override on starting weights did. A top-1 start now trains as transformers trains it, noted; a
+    routing override is noted as changing the start's outputs."""
+    from shardline.config import load_config
+    from shardline.interop.model_shape import model_shape
+    from shardline.launch_notes import launch_notes
+
+    def notes(folder, *overrides):
+        cfg = load_config(None, [f"model.hf_path={folder}", "metrics.peak_tflops=1", *overrides])
+        return dict(launch_notes(cfg, "cpu", 1.0, 1, model=model_shape(cfg.model, 1000, cfg.moe)))
+
+    top1 = _write_config(tmp_path / "top1", {**QWEN3_30B_A3B, "num_experts_per_tok": 1})
+    said = notes(top1)
+    assert "routing_changed" not in said and "the loss cannot move the router" in \
+        said["router_trained_by_balance_alone"]["why"]
+    top8 = _write_config(tmp_path / "top8", QWEN3_30B_A3B)
+    assert "routing_changed" not in notes(top8) and "router_trained_by_balance_alone" not in notes(top8)
+    changed = notes(top8, "moe.top_k=2", "moe.norm_topk=0")
+    assert changed["routing_changed"]["top_k"] == [8, 2] and changed["routing_changed"]["norm_topk"] == [True, False]
+    assert "their outputs change before the first step" in changed["routing_changed"]["why"]
