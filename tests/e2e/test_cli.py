@@ -94,6 +94,14 @@ def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_p
         _relaunch_config(None, [f"run.dir={run}", "parallel.tp=1"], world=1)
     with pytest.raises(ConfigError, match="parallel.tp=0 is invalid"):  # (was a ZeroDivisionError)
         _relaunch_config(None, [f"run.dir={run}", "parallel.tp=0"], world=1)
+    # ... and an expert-parallel degree a smaller world cannot hold (dp_shard -1 follows the world)
+    save_config(load_config(None, ["model.preset=tiny-moe", "parallel.ep=2"]), run / "config.toml")
+    with pytest.raises(ConfigError, match=re.escape(f"parallel.ep=2 (from {run / 'config.toml'}, the run's saved "
+                                                    "config a relaunch takes over) must divide dp_shard x cp = 1 on "
+                                                    "1 process(es): give --parallel.ep")):
+        _relaunch_config(None, [f"run.dir={run}"], world=1)
+    assert _relaunch_config(None, [f"run.dir={run}"], world=2).parallel.ep == 2
+    assert _relaunch_config(None, [f"run.dir={run}", "parallel.ep=1"], world=1).parallel.ep == 1
 
 
 def test_a_relaunch_of_a_run_kept_in_memory_alone_takes_its_saved_config(tmp_path, capsys):

@@ -48,7 +48,7 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
     _check_relative_data(cfg, saved, given)
     cfg.parallel.check()  # (a degree of 0 or less: its own one line)
     try:
-        shard_degree(cfg, world)  # (the launch checks it again: here to say where degrees it refuses came from)
+        shards = shard_degree(cfg, world)  # (the launch checks it again: here to say where refused degrees came from)
     except ConfigError as e:
         kept, default = reader.read_toml(saved).get("parallel", {}), ParallelConfig()  # (it saves every key)
         keys = [k for k in WORLD_DEGREES if kept.get(k, getattr(default, k)) != getattr(default, k)
@@ -59,6 +59,11 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         fix = " or ".join(f"--parallel.{k}" for k in keys)
         raise ConfigError(f"{e} ({named} from {saved}, the run's saved config a relaunch takes over: give {fix} "
                           "for this world size)") from None
+    ep = cfg.parallel.ep  # (it borrows dp_shard x cp, which a smaller world may not hold)
+    if world is not None and ep > 1 and (shards * cfg.parallel.cp) % ep and "parallel.ep" not in given:
+        raise ConfigError(f"parallel.ep={ep} (from {saved}, the run's saved config a relaunch takes over) must divide "
+                          f"dp_shard x cp = {shards * cfg.parallel.cp} on {world} process(es): give --parallel.ep "
+                          "for this world size (1: no expert parallelism)")
     return cfg
 
 
