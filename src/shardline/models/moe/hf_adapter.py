@@ -53,18 +53,17 @@ def hf_family(args: ModelArgs) -> str:
         ("shared_experts", m.shared_experts, m.shared_experts == 0),
         ("router", m.router, m.router == "softmax"),
         ("route_scale", m.route_scale, m.route_scale == 1.0)) if not ok]
-    if unsupported:
+    mixed = (f"; and first_dense_layers={m.first_dense_layers}, norm_topk={m.norm_topk} without qk_norm fit "
+             "neither (Mixtral has no dense layers and normalises top-k; Qwen3-MoE has qk_norm=true): train with "
+             "moe.first_dense_layers=0 and moe.norm_topk=1 for Mixtral, or model.qk_norm=1 for Qwen3-MoE"
+             if not args.qk_norm and (m.first_dense_layers or not m.norm_topk) else "")
+    if unsupported:  # (every blocker at once: one retrained for the first met the next)
         raise CheckpointError(f"moe {', '.join(unsupported)} has no Hugging Face Mixtral or Qwen3-MoE "
                               "counterpart (they need shared_experts=0, router='softmax', route_scale=1: train "
-                              "with moe.shared_experts=0, moe.router='softmax', moe.route_scale=1)")
-    if args.qk_norm:
-        return "qwen3_moe"
-    if m.first_dense_layers or not m.norm_topk:
-        raise CheckpointError(f"moe first_dense_layers={m.first_dense_layers}, norm_topk={m.norm_topk} without "
-                              "qk_norm fits neither Mixtral (no dense layers, normalised top-k) nor Qwen3-MoE "
-                              "(which has qk_norm=true): train with moe.first_dense_layers=0 and moe.norm_topk=1 "
-                              "for Mixtral, or model.qk_norm=1 for Qwen3-MoE")
-    return "mixtral"
+                              f"with moe.shared_experts=0, moe.router='softmax', moe.route_scale=1){mixed}")
+    if mixed:
+        raise CheckpointError(f"moe {mixed.removeprefix('; and ')}")
+    return "qwen3_moe" if args.qk_norm else "mixtral"
 
 
 def hf_param_names(name: str, family: str, n_experts: int) -> str | list[str]:
