@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -76,13 +77,36 @@ def init_distributed(device: torch.device) -> ProcessInfo:
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
     store, rank, world = next(dist.rendezvous("env://"))
-    # Keys of each restart under their own prefix: a restarted job may otherwise read the
-    # addresses its dead predecessors published and fail to connect.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"shardline/attempt{attempt}/", store)
+    # This set of processes' keys under a prefix of its own: a restarted job may otherwise read the
+    # addresses its dead predecessors published and fail to connect (agents' restart counts are no
+    # such prefix: a node's agent relaunched beside living ones starts at 0, and the ranks never met).
+    store = dist.PrefixStore(f"shardline/attempt-{_fresh_prefix(store, rank, world)}/", store)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
                             device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)
     return ProcessInfo(rank, world, local_rank, store, _local_world_size(world))
+
+
+def _fresh_prefix(store, rank: int, world: int) -> str:
+    """A name rank 0 makes up for this set of processes, which every rank learns through the job's
+    store though keys a dead predecessor left are still there: each rank asks under a name of its
+    own making (never stale), rank 0 answers whatever asks it sees until every rank has said it
+    heard the answer, which names itself (never stale either)."""
+    if rank:
+        token = f"{os.getpid()}-{os.urandom(8).hex()}"
+        store.set(f"shardline/asks/{rank}", token)
+        prefix = store.get(f"shardline/answer/{token}").decode()  # (blocks until rank 0 answers it)
+        store.set(f"shardline/heard/{prefix}/{rank}", "")
+        return prefix
+    prefix, waiting = f"{os.getpid()}-{os.urandom(8).hex()}", set(range(1, world))
+    while waiting:
+        for r in list(waiting):
+            if store.check([f"shardline/heard/{prefix}/{r}"]):
+                waiting.discard(r)
+            elif store.check([f"shardline/asks/{r}"]):  # (maybe a dead predecessor's: answered all the same)
+                store.set(f"shardline/answer/{store.get(f'shardline/asks/{r}').decode()}", prefix)
+        if waiting:
+            time.sleep(0.01)
+    return prefix
 
 
 def check_launch_env(env, gpus: int) -> None:
