@@ -279,3 +279,35 @@ def test_an_srun_task_that_cannot_be_a_rank_is_one_line(env, pid, says):
         torchrun_env(env, pid)
     # what every task meets alike is said by each node's first; a process below a task says its own
     assert getattr(refused.value, "node_alike", False) == (pid == TASK)
+
+
+def test_the_ranks_agree_on_a_fresh_key_prefix_though_a_dead_sets_keys_remain():
+    """The set-up keys were named by the agent's restart count, which differs between a node's
+    relaunched agent (0) and living ones: the ranks never met. Rank 0 now names each set of processes;
+    a dead predecessor's keys (its asks, answers, acknowledgements) do not mislead the next set."""
+    import threading
+
+    import torch.distributed as dist
+
+    from shardline.parallel.distributed import _fresh_prefix
+
+    store, world = dist.HashStore(), 3
+
+    def one_set() -> list[str]:
+        got = [""] * world
+
+        def rank(r):
+            got[r] = _fresh_prefix(store, r, world)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (2, 1, 0)]  # (rank 0 last: asks wait)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        return got
+
+    first = one_set()
+    assert len(set(first)) == 1 and first[0]
+    store.set("shardline/asks/1", "a-dead-rank-1s-token")  # (a rank that died after asking)
+    second = one_set()
+    assert len(set(second)) == 1 and second[0] != first[0]
