@@ -104,9 +104,12 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     start = cfg.model.hf_path or cfg.model.init_from
     trained = _trained_positions(cfg) if start and Path(start).is_dir() else 0
     if trained and cfg.train.seq_len > trained:  # allowed: RoPE reaches any position, as configured
-        theta = (f"model.rope_theta={cfg.model.rope_theta:g} raises RoPE's base frequency for them" if
-                 cfg.model.rope_theta else "RoPE as the weights had it: model.rope_theta raises its base frequency "
-                 "(the adjusted-base-frequency recipe)")
+        own = _start_theta(cfg)
+        theta = ("RoPE as the weights had it: a higher model.rope_theta raises its base frequency (the adjusted-"
+                 "base-frequency recipe)" if not cfg.model.rope_theta or cfg.model.rope_theta == own else
+                 f"model.rope_theta={cfg.model.rope_theta:g} " + ("raises" if own and cfg.model.rope_theta > own
+                                                                 else "sets") + " RoPE's base frequency"
+                 + (f" (theirs: {own:g})" if own else ""))
         notes.append(("context_extended", {
             "seq_len": cfg.train.seq_len, "trained_positions": trained,
             "note": f"past the positions the starting weights were trained for; {theta}, and no RoPE scaling is "
@@ -224,6 +227,14 @@ def _reads_text_field(cfg: Config) -> bool:
 
 
 ROUTING = ("top_k", "norm_topk", "router", "route_scale", "capacity_factor")  # what mixes the experts' outputs
+
+
+def _start_theta(cfg: Config) -> float:
+    try:
+        shape = starting_shape(cfg.model)
+    except (OSError, ValueError, KeyError, TypeError, ShardlineError):
+        return 0.0
+    return float(shape.rope_theta) if shape is not None else 0.0
 
 
 def start_moe(cfg: Config):

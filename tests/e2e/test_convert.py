@@ -458,6 +458,13 @@ def test_a_seq_len_past_the_starting_weights_positions_is_named_at_the_start(tmp
                                989.0, 1))
     assert longer["context_extended"]["trained_positions"] == trained
     assert longer["context_extended"]["seq_len"] == 2 * trained
+    assert "a higher model.rope_theta raises its base frequency" in longer["context_extended"]["note"]
+    theta = json.loads((hf / "config.json").read_text()).get("rope_theta", 10000.0)
+    for given, said in ((4 * theta, f"model.rope_theta={4 * theta:g} raises RoPE's base frequency (theirs: {theta:g})"),
+                        (theta / 2, f"model.rope_theta={theta / 2:g} sets RoPE's base frequency (theirs: {theta:g})")):
+        noted = dict(launch_notes(load_config(None, [f"model.hf_path={hf}", f"train.seq_len={2 * trained}",
+                                                     f"model.rope_theta={given}"]), "cuda", 989.0, 1))
+        assert said in noted["context_extended"]["note"]
     within = load_config(None, [f"model.hf_path={hf}", f"train.seq_len={trained}"])
     assert "context_extended" not in dict(launch_notes(within, "cuda", 989.0, 1))
     # a checkpoint: the seq_len its run trained at (not the preset's maximum), read from meta.json alone

@@ -430,6 +430,7 @@ def test_routing_overrides_on_starting_weights_and_a_top_1_start_are_noted(tmp_p
     override on starting weights did. A top-1 start now trains as transformers trains it, noted; a
     routing override is noted as changing the start's outputs."""
     from shardline.config import load_config
+    from shardline.errors import ConfigError
     from shardline.interop.model_shape import model_shape
     from shardline.launch_notes import launch_notes
 
@@ -443,6 +444,8 @@ def test_routing_overrides_on_starting_weights_and_a_top_1_start_are_noted(tmp_p
         said["router_trained_by_balance_alone"]["why"]
     top8 = _write_config(tmp_path / "top8", QWEN3_30B_A3B)
     assert "routing_changed" not in notes(top8) and "router_trained_by_balance_alone" not in notes(top8)
+    with pytest.raises(ConfigError, match="moe.top_k=1 with renormalised weights"):  # (theirs are not top-1)
+        notes(top8, "moe.top_k=1")
     changed = notes(top8, "moe.top_k=2", "moe.norm_topk=0")
     assert changed["routing_changed"]["top_k"] == [8, 2] and changed["routing_changed"]["norm_topk"] == [True, False]
     assert "their outputs change before the first step" in changed["routing_changed"]["why"]

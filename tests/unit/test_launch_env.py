@@ -299,11 +299,12 @@ def test_the_ranks_agree_on_a_fresh_key_prefix_though_a_dead_sets_keys_remain():
         def rank(r):
             got[r] = _fresh_prefix(store, r, world)
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in (2, 1, 0)]  # (rank 0 last: asks wait)
+        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (2, 1, 0)]  # (rank 0 last)
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=30)
+        assert not any(t.is_alive() for t in threads), "the set-up handshake hung"
         return got
 
     first = one_set()
@@ -311,3 +312,15 @@ def test_the_ranks_agree_on_a_fresh_key_prefix_though_a_dead_sets_keys_remain():
     store.set("shardline/asks/1", "a-dead-rank-1s-token")  # (a rank that died after asking)
     second = one_set()
     assert len(set(second)) == 1 and second[0] != first[0]
+    # A rank that never comes, or a rank 0 that never answers: one line each after the store's timeout
+    from datetime import timedelta
+
+    from shardline.errors import ShardlineError
+
+    lonely = dist.HashStore()
+    lonely.set_timeout(timedelta(seconds=1))
+    with pytest.raises(ShardlineError, match=r"rank 0: 1 rank\(s\) did not take part in this job's set-up in "
+                                             r"0:00:01 \(never asked: ranks \[1\]\)"):
+        _fresh_prefix(lonely, 0, 2)
+    with pytest.raises(ShardlineError, match="rank 1: rank 0 did not name this job's set-up keys in 0:00:01"):
+        _fresh_prefix(lonely, 1, 2)

@@ -69,7 +69,9 @@ def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = No
     problems = args.validate()
     if problems:
         raise ConfigError(f"[model] shape is invalid: {'; '.join(problems)}")
-    if args.moe is not None and args.moe.top_k == 1 and args.moe.norm_topk and start is None:  # (theirs: noted)
+    theirs = start.moe if start is not None else None  # (a top-1 renormalised start trains as transformers does)
+    if args.moe is not None and args.moe.top_k == 1 and args.moe.norm_topk and not (
+            theirs is not None and theirs.top_k == 1 and theirs.norm_topk):
         raise ConfigError("moe.top_k=1 with renormalised weights gives every token the weight 1, so the "
                           "router would learn nothing from the loss; set moe.norm_topk=0 (the Switch "
                           "Transformer's gate: the chosen expert's score)")

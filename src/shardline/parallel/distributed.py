@@ -89,23 +89,37 @@ def init_distributed(device: torch.device) -> ProcessInfo:
 def _fresh_prefix(store, rank: int, world: int) -> str:
     """A name rank 0 makes up for this set of processes, which every rank learns through the job's
     store though keys a dead predecessor left are still there: each rank asks under a name of its
-    own making (never stale), rank 0 answers whatever asks it sees until every rank has said it
-    heard the answer, which names itself (never stale either)."""
+    own making (never stale), rank 0 answers the asks it sees until a count under the answer (never
+    stale either) says every rank heard it. A rank that never comes is one line after the store's
+    timeout, on either side, not a wait without end."""
+    limit = getattr(store, "timeout", None)
+    deadline = time.monotonic() + (limit.total_seconds() if limit else 1800.0)
     if rank:
         token = f"{os.getpid()}-{os.urandom(8).hex()}"
         store.set(f"shardline/asks/{rank}", token)
-        prefix = store.get(f"shardline/answer/{token}").decode()  # (blocks until rank 0 answers it)
-        store.set(f"shardline/heard/{prefix}/{rank}", "")
+        try:
+            prefix = store.get(f"shardline/answer/{token}").decode()  # (blocks until rank 0 answers it)
+        except dist.DistStoreError:
+            raise errors.ShardlineError(f"rank {rank}: rank 0 did not name this job's set-up keys in "
+                                        f"{limit}; is it running (its log names why not)?") from None
+        store.add(f"shardline/heard/{prefix}", 1)
         return prefix
-    prefix, waiting = f"{os.getpid()}-{os.urandom(8).hex()}", set(range(1, world))
-    while waiting:
-        for r in list(waiting):
-            if store.check([f"shardline/heard/{prefix}/{r}"]):
-                waiting.discard(r)
-            elif store.check([f"shardline/asks/{r}"]):  # (maybe a dead predecessor's: answered all the same)
-                store.set(f"shardline/answer/{store.get(f'shardline/asks/{r}').decode()}", prefix)
-        if waiting:
-            time.sleep(0.01)
+    prefix, answered, swept = f"{os.getpid()}-{os.urandom(8).hex()}", {}, 0.0
+    while store.add(f"shardline/heard/{prefix}", 0) < world - 1:
+        again = time.monotonic() - swept > 2.0  # (now and then every rank: one may have restarted since)
+        for r in range(1, world):
+            if (again or r not in answered) and store.check([f"shardline/asks/{r}"]):
+                token = store.get(f"shardline/asks/{r}").decode()  # (maybe a dead predecessor's: answered too)
+                if answered.get(r) != token:
+                    store.set(f"shardline/answer/{token}", prefix)
+                    answered[r] = token
+        swept = time.monotonic() if again else swept
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(1, world)) - set(answered))
+            raise errors.ShardlineError(f"rank 0: {world - 1 - store.add(f'shardline/heard/{prefix}', 0)} rank(s) "
+                                        f"did not take part in this job's set-up in {limit}" + (
+                                            f" (never asked: ranks {missing[:8]})" if missing else ""))
+        time.sleep(0.01)
     return prefix
 
 

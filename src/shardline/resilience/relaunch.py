@@ -37,7 +37,7 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
     if not held:
         _say_not_read(cfg, saved, overrides)
         return cfg
-    if printing:  # (a config printed to start from: not the defaults, where a run is there)
+    if printing and speaks_for_the_job():  # (a config printed to start from: not the defaults, where a run is there)
         print(f"shardline: {cfg.run.dir} holds {held}: this is the config.toml it saved, as a relaunch there reads "
               "it (another --run.dir prints the defaults)", file=sys.stderr)
     elif say and speaks_for_the_job() and not RunLock(Path(cfg.run.dir)).running_here():  # (refused: no "resuming")
