@@ -229,20 +229,22 @@ def _reads_text_field(cfg: Config) -> bool:
 ROUTING = ("top_k", "norm_topk", "router", "route_scale", "capacity_factor")  # what mixes the experts' outputs
 
 
-def _start_theta(cfg: Config) -> float:
+def _start_shape(cfg: Config) -> ModelArgs | None:
+    """The starting weights' shape, None for none or one that cannot be read (the launch says why)."""
     try:
-        shape = starting_shape(cfg.model)
+        return starting_shape(cfg.model)
     except (OSError, ValueError, KeyError, TypeError, ShardlineError):
-        return 0.0
+        return None
+
+
+def _start_theta(cfg: Config) -> float:
+    shape = _start_shape(cfg)
     return float(shape.rope_theta) if shape is not None else 0.0
 
 
 def start_moe(cfg: Config):
     """The starting weights' router settings (MoEArgs), None for a dense start or none that can be read."""
-    try:
-        shape = starting_shape(cfg.model)
-    except (OSError, ValueError, KeyError, TypeError, ShardlineError):
-        return None
+    shape = _start_shape(cfg)
     return shape.moe if shape is not None else None
 
 
