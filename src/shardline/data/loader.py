@@ -28,7 +28,7 @@ from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_ma
                                    tokenizer_file, tokenizer_hash)
 from shardline.data.sources import SUFFIXES, input_files, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
-from shardline.data.validation import (check_sizes, check_val_size, held_out, split_documents,
+from shardline.data.validation import (check_sizes, check_val_size, held_out, refuse_too_short, split_documents,
                                       training_val_fraction, val_format)
 from shardline.errors import DataError
 
@@ -353,7 +353,7 @@ def data_summary(cfg: Config) -> tuple[str, str]:
         else:
             docs = read_documents(path, "messages" if fmt == "chat" else d.text_fields()[i], key=key)
             if fmt == "text":
-                _refuse_too_short(f"{key}={path!r}", docs, cfg.train.seq_len)
+                refuse_too_short(f"{key}={path!r}", docs, cfg.train.seq_len)
             where = path or "the shipped corpus (a sample to try shardline on: data.path names your data)"
             kept = len(held_out(len(docs), training_val_fraction(cfg))) if len(docs) > 1 else 0  # (as the launch)
             parts.append(f"{where}: {len(docs):,} " + (chat_checked(f"{key}={path!r}", docs, tokenizer_file(d))
@@ -366,15 +366,6 @@ def data_summary(cfg: Config) -> tuple[str, str]:
         val = MixedSequences(vals, [s.weight for s in d.mix], interleave=True) if d.mix else vals[0]
         check_replies_fit([(path, train) for path, train, _ in opened], [] if d.val_path else val, cfg)
     return "; ".join(parts), folder_tokenizer
-
-
-def _refuse_too_short(where: str, docs: list[str], seq_len: int) -> None:
-    """Text a dry run (which does not tokenize it) can tell holds no sequence: fewer tokens than
-    seq_len even at a token a byte, with its document markers, which no tokenizer exceeds."""
-    if sum(map(len, docs)) < seq_len and (most := sum(len(t.encode()) + 4 for t in docs)) < seq_len:
-        raise DataError(f"{where} has at most {most:,} training tokens (a token a byte, and its document "
-                        f"markers): too few for one sequence of train.seq_len={seq_len}; add data or lower "
-                        "train.seq_len")
 
 
 def _val_summary(cfg: Config, tokenizer: str) -> str:

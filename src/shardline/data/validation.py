@@ -89,6 +89,15 @@ def check_sizes(where: str, train, val, cfg: Config) -> None:
                         f"of train.seq_len={t.seq_len}; {more} or set train.eval_interval=0")
 
 
+def refuse_too_short(where: str, docs: list[str], seq_len: int) -> None:
+    """Text a dry run (which does not tokenize it) can tell holds no sequence: fewer tokens than
+    seq_len even at a token a byte, with its document markers, which no tokenizer exceeds."""
+    if sum(map(len, docs)) < seq_len and (most := sum(len(t.encode()) + 4 for t in docs)) < seq_len:
+        raise DataError(f"{where} has at most {most:,} training tokens (a token a byte, and its document "
+                        f"markers): too few for one sequence of train.seq_len={seq_len}; add data or lower "
+                        "train.seq_len")
+
+
 def check_val_size(val, cfg: Config) -> None:
     """data.val_path's data holds at least one sequence (where the run evaluates)."""
     if cfg.train.eval_interval and len(val) == 0:

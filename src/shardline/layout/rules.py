@@ -80,10 +80,15 @@ def _cp_split(lay: Layout, job: Job) -> Problem | None:
     return None
 
 
+def ep_borrows(ep: int, dp_shard: int, cp: int) -> bool:
+    """Whether expert parallelism of degree `ep` divides the ranks it borrows, dp_shard x cp."""
+    return (dp_shard * cp) % ep == 0
+
+
 def _ep_built(lay: Layout, ep: int) -> bool:
     """Whether expert parallelism `ep` can borrow its ranks here: it divides dp_shard x cp, and takes
     either dp_shard's ranks alone or every cp rank (part of cp is not built)."""
-    return (lay.dp_shard * lay.cp) % ep == 0 and (lay.dp_shard % ep == 0 or ep % lay.cp == 0)
+    return ep_borrows(ep, lay.dp_shard, lay.cp) and (lay.dp_shard % ep == 0 or ep % lay.cp == 0)
 
 
 def _valid_ep(lay: Layout, n_experts: int, least: int = 1) -> str:
@@ -98,7 +103,7 @@ def _ep_ranks(lay: Layout, job: Job) -> Problem | None:
         return "ep", f"parallel.ep={lay.ep} needs a mixture-of-experts model; this model is dense"
     moe, n = getattr(job.model, "moe", None), getattr(job.model, "n_experts", 0)
     borrow = lay.dp_shard * lay.cp  # (expert parallelism borrows these ranks: a valid ep divides both)
-    if lay.ep > 1 and borrow % lay.ep:
+    if lay.ep > 1 and not ep_borrows(lay.ep, lay.dp_shard, lay.cp):
         return "ep", (f"parallel.ep={lay.ep} must divide dp_shard x cp = {borrow} (expert parallelism borrows "
                       f"those ranks); valid: {_valid_ep(lay, n)}")
     if moe is not None and (moe.shared_experts * moe.expert_ffn_dim) % lay.tp:

@@ -12,6 +12,7 @@ from pathlib import Path
 from shardline.config import Config, ParallelConfig, config_changes, load_config, load_relaunch_config, reader
 from shardline.errors import ConfigError, ShardlineError
 from shardline.layout.degrees import WORLD_DEGREES, shard_degree
+from shardline.layout.rules import ep_borrows
 from shardline.parallel.distributed import speaks_for_the_job
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.goodput import read_account
@@ -60,7 +61,7 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         raise ConfigError(f"{e} ({named} from {saved}, the run's saved config a relaunch takes over: give {fix} "
                           "for this world size)") from None
     ep = cfg.parallel.ep  # (it borrows dp_shard x cp, which a smaller world may not hold)
-    if world is not None and ep > 1 and (shards * cfg.parallel.cp) % ep and "parallel.ep" not in given:
+    if world is not None and ep > 1 and not ep_borrows(ep, shards, cfg.parallel.cp) and "parallel.ep" not in given:
         raise ConfigError(f"parallel.ep={ep} (from {saved}, the run's saved config a relaunch takes over) must divide "
                           f"dp_shard x cp = {shards * cfg.parallel.cp} on {world} process(es): give --parallel.ep "
                           "for this world size (1: no expert parallelism)")
