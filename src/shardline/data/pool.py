@@ -50,6 +50,7 @@ def encoded_chunks(job: EncodeJob, documents: Iterable, chunk_bytes: int, worker
     """(input documents, bytes, {split: (tokens, lengths, mask)}) per chunk of `documents`
     ((index, split, document) triples), in input order; workers > 1 run that many processes, which
     close the file descriptors `inherited` (a lock the caller holds: forked, they held it too).
+    A chunk ends at the first document that takes it to `chunk_bytes` of UTF-8.
 
     An executor, not a multiprocessing Pool: a worker the OOM killer takes (a document of
     gigabytes is tokenized whole) fails its chunk here, where a Pool waits for it forever."""
@@ -95,8 +96,7 @@ def _worker_start(parent: int, inherited: tuple[int, ...]) -> None:
 def encode_chunk(job: EncodeJob, chunk: list) -> tuple[int, int, dict]:
     tok = _load_cached(job.tokenizer_file, os.stat(job.tokenizer_file).st_mtime_ns)
     eos = eos_id(tok, job.tokenizer_file)
-    # UTF-8 bytes read (a conversation's as its JSON: unescaped, or a CJK character counted 6)
-    n_bytes = sum(len((d if isinstance(d, str) else json.dumps(d, ensure_ascii=False)).encode()) for _, d in chunk)
+    n_bytes = sum(utf8_bytes(d) for _, d in chunk)  # (as the chunk was measured)
     encoded = {}
     for name in SPLITS:
         docs = [d for s, d in chunk if s == name]
@@ -111,12 +111,17 @@ def _chunks(documents: Iterable, chunk_bytes: int) -> Iterator[list]:
     chunk, size = [], 0
     for _, split, doc in documents:
         chunk.append((split, doc))
-        size += len(doc) if isinstance(doc, str) else sum(len(str(m.get("content", ""))) for m in doc)
+        size += utf8_bytes(doc)
         if size >= chunk_bytes:
             yield chunk
             chunk, size = [], 0
     if chunk:
         yield chunk
+
+
+def utf8_bytes(doc: str | list) -> int:
+    """A document's UTF-8 bytes (a conversation's as its JSON, unescaped: a CJK character 3, not 6)."""
+    return len((doc if isinstance(doc, str) else json.dumps(doc, ensure_ascii=False)).encode())
 
 
 @contextmanager

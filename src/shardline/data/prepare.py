@@ -29,7 +29,7 @@ from shardline.config.data_section import MAX_TRAINED_VOCAB
 from shardline.data.chat_template import ChatTemplate, chat_template_for, template_sha256
 from shardline.data.encode import CHAT_MASK_RULE, check_replies, note_roles, render_chat
 from shardline.data.validation import held_out, split_single
-from shardline.data.pool import EncodeJob, Progress, encoded_chunks
+from shardline.data.pool import EncodeJob, Progress, encode_chunk, encoded_chunks, utf8_bytes
 from shardline.data.readers import unread
 from shardline.data.prepare_out import LOCK, check_out, check_replacing, differs, finished, made, written
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
@@ -59,7 +59,7 @@ class PrepareOptions:
     format: str = "text"  # text | chat (jsonl records with "messages")
     add_bos: bool = True  # text documents start with the tokenizer's BOS tokens, if it has any (data.add_bos)
     shard_tokens: int = 1 << 25  # tokens per shard (before a commit point)
-    chunk_bytes: int = 1 << 21  # text per unit of work sent to a worker (counted in characters)
+    chunk_bytes: int = 1 << 21  # the most text (UTF-8 bytes) a unit of work sent to a worker holds
     progress: bool = True
     overwrite: bool = False  # replace a folder finished from other inputs or options (else refused), or redo it
     stop_after_shards: int = 0  # testing aid: stop (as if killed) after this many commits; 0 = never
@@ -303,10 +303,8 @@ def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict,
     commits = 0
     job = EncodeJob(str(root / TOKENIZER), opts.format == "chat", template, writers["train"].dtype,
                     state["request"].get("bos", []))
-    # A shard commits at the first chunk past shard_tokens (whole documents): chunks of text no
-    # larger than ~4 characters a token of it keep a small --shard-tokens near what it asks
-    chunk = min(opts.chunk_bytes, max(1 << 16, 4 * opts.shard_tokens))
-    chunks = encoded_chunks(job, stream.documents(state["documents_done"]), chunk, opts.workers,
+    unit = _unit_of_work(opts, job, stream)
+    chunks = encoded_chunks(job, stream.documents(state["documents_done"]), unit, opts.workers,
                             inherited=(lock_fd,))  # (a worker holding the lock kept it past a killed prepare)
     for n_docs, n_bytes, encoded in chunks:
         for name, (tokens, lengths, mask) in encoded.items():
@@ -320,6 +318,26 @@ def _tokenize_all(opts, root: Path, stream: _Stream, writers: dict, state: dict,
                 raise PrepareStopped(f"stopped after {commits} shard(s), as asked")
     _commit(root, writers, state)
     progress.done()
+
+
+def _unit_of_work(opts, job: EncodeJob, stream: _Stream) -> int:
+    """The UTF-8 bytes of text sent to a worker at a time. A shard commits at the first unit past
+    --shard-tokens (whole documents), so a unit holds about a quarter of a shard's tokens at the tokens
+    a byte of the corpus's first 64 KB (English through a large BPE ~0.25; CJK through a small one up
+    to 1): units of a fixed 4 bytes a token made a small --shard-tokens's shards of CJK text 3-12x what
+    it asked. Read from the corpus's head, not from what this pass has seen: a resumed prepare, and
+    one with other --workers, cut the same shards."""
+    if opts.shard_tokens >= 4 * opts.chunk_bytes or stream.count == 1:  # (the default; a lone document)
+        return opts.chunk_bytes
+    head, size = [], 0
+    for _, split, doc in stream.documents():
+        head.append((split, doc[: 1 << 16] if isinstance(doc, str) else doc))  # (a first document of GBs)
+        size += utf8_bytes(head[-1][1])
+        if size >= 1 << 16:
+            break
+    _, n_bytes, encoded = encode_chunk(job, head)
+    per_byte = sum(len(e[0]) for e in encoded.values()) / n_bytes if n_bytes else 1.0
+    return int(min(opts.chunk_bytes, max(1 << 12, opts.shard_tokens / 4 / max(per_byte, 1e-3))))
 
 
 def _commit(root: Path, writers: dict, state: dict) -> None:
