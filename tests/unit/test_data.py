@@ -91,6 +91,10 @@ def _damaged_gzip() -> bytes:
     ("latin1.txt", b"caf\xe9", "is not UTF-8 text at line 1 .byte offset 3. .unexpected end of data.: convert it, e.g. "
      "iconv -f GB18030"),
     ("stray.txt", "第一行\n".encode() * 3 + b"\xff\nrest\n", r"is not UTF-8 text at line 4 \(byte offset 30\)"),
+    ("mac.txt", b"one\rtwo\rthree\r\xff\r", r"is not UTF-8 text at line 4 \(byte offset 14\)"),  # lone \r ends
+    ("crlf.txt", b"one\r\ntwo\r\n\xff", r"is not UTF-8 text at line 3 \(byte offset 10\)"),
+    ("seam.txt", b"a" * ((1 << 20) - 1) + b"\r\nb\n\xff",  # a \r\n cut by the 1 MiB read: one line end
+     rf"is not UTF-8 text at line 3 \(byte offset {(1 << 20) + 3:,}\)"),
     ("gbk.jsonl", b'{"text": "ok"}\n{"text": "' + "中文".encode("gbk") + b'"}\n', "line 2 is not UTF-8 text "
      ".invalid continuation byte.: convert it, e.g. iconv"),
     ("trunc.jsonl.gz", b"\x1f\x8b\x08\x00garbage", "cannot read data file"),

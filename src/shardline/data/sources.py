@@ -33,9 +33,9 @@ from shardline.errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
 CHAT_FIELD = "messages"  # what data.format = "chat" reads from each .jsonl record
-# Two blank lines end a document; Windows line ends (\r\n) count as line ends, and a line of any
-# whitespace as blank (a full-width space U+3000, as Chinese text indents with, or a no-break space).
-_DOC_BREAK = re.compile(r"\r?\n[^\S\n]*\n[^\S\n]*(?:\r?\n)+")
+# Two blank lines end a document (in text read with universal newlines); a line of any whitespace is blank
+_DOC_BREAK = re.compile(r"\n[^\S\n]*\n[^\S\n]*\n+")  # (a full-width space U+3000 as Chinese indents, a no-break space)
+_LINE_END = re.compile(rb"\r\n?|\n")  # (as universal newlines end lines: \n, \r\n or a lone \r, an old Mac's)
 _CHUNK = 1 << 20  # characters of a .txt file decoded at a time
 CONVERT = ": convert it, e.g. iconv -f GB18030 -t UTF-8 (or the encoding it was written in)"
 _GLOB = re.compile(r"[*?[]")
@@ -226,18 +226,20 @@ def _guarded(f: Path, lines: Iterator):
 
 def _where_not_utf8(f: Path) -> str:
     """' at line N (byte offset B)': where `f` first is not UTF-8 (its text is decoded in chunks, knowing no line)."""
-    decoder, line, offset = codecs.getincrementaldecoder("utf-8")(), 1, 0
+    decoder, line, offset, after_cr = codecs.getincrementaldecoder("utf-8")(), 1, 0, False
     with contextlib.suppress(OSError, EOFError, zlib.error), _open(f) as raw:
         while True:
             block, held = raw.read(1 << 20), len(decoder.getstate()[0])  # (held: a sequence the last cut in two)
+            seam = after_cr and block.startswith(b"\n")  # a \r\n the read cut in two: counted at its \r
             try:
                 decoder.decode(block, final=not block)
             except UnicodeDecodeError as e:
-                at = line + block.count(b"\n", 0, max(e.start - held, 0))
+                at = line + len(_LINE_END.findall(block, 0, max(e.start - held, 0))) - seam
                 return f" at line {at:,} (byte offset {offset - held + e.start:,})"
             if not block:
                 return ""
-            line, offset = line + block.count(b"\n"), offset + len(block)
+            line, offset = line + len(_LINE_END.findall(block)) - seam, offset + len(block)
+            after_cr = block.endswith(b"\r")
     return ""
 
 
