@@ -21,20 +21,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardline.version import version
 from shardline.config import Config, expand_home
 from shardline.data.sampler import batch_index
 from shardline.devices import peak_tflops
 from shardline.errors import CheckpointError, ConfigError, Interrupted, Preempted, on_every_rank
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.metrics import mfu, peak_memory_gib
-from shardline.models.attention import resolve_attention
-from shardline.models.flops import flops_per_token, num_params
+from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
 from shardline.models.moe.parallelize import build_model as build_moe_model
 from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
 from shardline.parallel.collectives import clip_grad_norm, reduce_over
-from shardline.parallel.compile import describe as describe_compile
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import agreed, init_distributed, pick_device
 from shardline.parallel.expert.balance import ExpertBalance
@@ -49,7 +46,7 @@ from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.guard import RunGuard
 from shardline.resilience.recovery import (agree_on_resume, memory_tier_resumable, rank0_decides,
                                           refuse_fresh_over_invalid, saved_step)
-from shardline.resilience.run_lock import RunLock, launcher_ids
+from shardline.resilience.run_lock import RunLock
 from shardline.trainer.anomalies import AnomalyResponse
 from shardline.trainer.intervals import IntervalWork
 from shardline.trainer.state import SavedState
@@ -222,18 +219,6 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
     def _train(self) -> dict:
         cfg = self.cfg
         stop = self.last_step
-        self.metrics.event("start", step=self.step, run_dir=str(self.run_dir),  # (where its files go: said first)
-                           params=num_params(self.model_args),  # the whole model's
-                           world_size=self.proc.world_size, layout=self.dims.layout.describe(),
-                           device=str(self.device), precision=cfg.train.precision,
-                           attention=resolve_attention(cfg.train.attention, cfg.train.document_mask,
-                                                       self.device.type == "cuda", self.dims.layout.cp_degrees[0]),
-                           compile=describe_compile(cfg.train.compile, self.dims.layout,
-                                                    cfg.memory.activation_checkpoint, self.model_args.moe),
-                           tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
-                           threads=torch.get_num_threads(), torch=torch.__version__,  # (both move the numbers)
-                           shardline=version(),  # (the code that trained it: a commit where run from a checkout)
-                           **({"launchers": ids} if (ids := launcher_ids()) else {}))  # (whose records: never's)
         self.guard.start(nothing_to_train=self.step >= stop, step=self.step)
         if self.eval_owed and cfg.train.eval_interval and self.step < stop:  # what a stop skipped (for its save)
             self.guard.watched("eval", self.step, "eval", self.evaluate)

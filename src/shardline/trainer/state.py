@@ -27,8 +27,11 @@ from shardline.errors import CheckpointError, ConfigError, DataError, on_every_r
 from shardline.interop.weights import copy_starting_files
 from shardline.launch_notes import launch_notes
 from shardline.metrics import MetricsLogger
+from shardline.models.attention import resolve_attention
+from shardline.models.flops import num_params
 from shardline.models.factory import args_to_json
 from shardline.optim import apply_hyperparameters, next_lr_change, schedule_settings
+from shardline.parallel.compile import describe as describe_compile
 from shardline.parallel.distributed import agreed, ranks_differing
 from shardline.parallel.float8 import precompute_scales
 from shardline.profiling import StepProfiler
@@ -41,6 +44,7 @@ from shardline.resilience.resume_checks import (check_data_position, check_saved
                                                check_steps_ahead)
 from shardline.resilience.run_lock import launcher_ids
 from shardline.resilience.tiers import folder_bytes
+from shardline.version import version
 
 
 NODE_LOCAL = {"run": ("device",), "data": ("path", "tokenizer"), "model": ("hf_path", "init_from"),
@@ -152,8 +156,21 @@ class SavedState:
         # Held open, so the folder's identity holds where a file system renumbers what it forgets (FUSE, autofs):
         # each save checks the path still names it
         self._run_dir_fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
-        self.metrics = MetricsLogger(self.run_dir, self.cfg.metrics.progress, self.cfg.metrics.tensorboard,
-                                     self.cfg.train.steps, self.step, enabled=self.proc.is_main)
+        cfg = self.cfg
+        self.metrics = MetricsLogger(self.run_dir, cfg.metrics.progress, cfg.metrics.tensorboard,
+                                     cfg.train.steps, self.step, enabled=self.proc.is_main)
+        self.metrics.event("start", step=self.step, run_dir=str(self.run_dir),  # (the launch's first record)
+                           params=num_params(self.model_args),  # the whole model's
+                           world_size=self.proc.world_size, layout=self.dims.layout.describe(),
+                           device=str(self.device), precision=cfg.train.precision,
+                           attention=resolve_attention(cfg.train.attention, cfg.train.document_mask,
+                                                       self.device.type == "cuda", self.dims.layout.cp_degrees[0]),
+                           compile=describe_compile(cfg.train.compile, self.dims.layout,
+                                                    cfg.memory.activation_checkpoint, self.model_args.moe),
+                           tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
+                           threads=torch.get_num_threads(), torch=torch.__version__,  # (both move the numbers)
+                           shardline=version(),  # (the code that trained it: a commit where run from a checkout)
+                           **({"launchers": ids} if (ids := launcher_ids()) else {}))  # (whose records: never's)
         for problem in self._invalid_checkpoints:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
         if self._stand_in:
