@@ -138,6 +138,7 @@ def machine_profile(args: argparse.Namespace, names: list[str], layouts: list[st
 
 def predict(overrides: list[str], hw, world: int = 1) -> dict:
     cfg = load_config(None, overrides)
+    cfg.train.settle_precision(on_gpu=False)  # (these runs are this machine's CPU ranks)
     work = Workload.from_config(cfg, _config_model(cfg))
     e = estimate(work, resolve(cfg, world), hw)
     return {"step_time_s": e.step_time_s, "peak_gib": e.memory["total"] / GiB,

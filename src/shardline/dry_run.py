@@ -24,7 +24,7 @@ from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
-from shardline.launch_notes import (lr_low_for_new_weights, unused_settings, val_path_in_training_data,
+from shardline.launch_notes import (FP32_ON_GPU, lr_low_for_new_weights, unused_settings, val_path_in_training_data,
                                     vocab_rows_added, warmup_covers_run)
 from shardline.devices import DATASHEETS, local_datasheet
 from shardline.errors import ConfigError
@@ -61,6 +61,8 @@ from shardline.preflight import (
 def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool = True) -> tuple[str, bool]:
     """(the report of a checked launch on `world` ranks, whether the memory estimate fits);
     raises what the launch would raise (`world_given`: by --world-size or $WORLD_SIZE, else 1)."""
+    asked, on_gpu = cfg.train.precision, _gpu_with_bf16(cfg, gpu)
+    cfg.train.settle_precision(*on_gpu)
     check_config(cfg)
     stand_in = use_model_tokenizer(cfg)
     if not world_given:  # degrees that need more processes than the one assumed: say how to give them
@@ -102,7 +104,8 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
              f"run       {cfg.run.dir}: " + (f"resumes from {resume}" if resume else "starts at step 0"),
              *_resume_lines(cfg, resume, stand_in is not None, world, world_given),
              *_note_lines(cfg, resume is not None, launch, vocab, known),
-             *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch)]
+             *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch),
+             _precision_line(asked, cfg.train.precision, on_gpu[0])]
     memory, fits = _memory_lines(cfg, launch, gpu)
     return "\n".join([*lines, *memory]), fits
 
@@ -215,6 +218,14 @@ def _optim_line(cfg: Config) -> str:
     return f"optim     lr {o.lr:g}, {o.warmup_steps} warm-up step(s){curve}; {seeds}"
 
 
+def _precision_line(asked: str, settled: str, on_gpu: bool) -> str:
+    if asked == "auto":
+        return f"precision {settled} (train.precision=auto: bf16 on a GPU with it, else fp32)"
+    if settled == "fp32" and on_gpu:  # (as the launch notes it: fp32_on_gpu)
+        return f"precision fp32 ({FP32_ON_GPU})"
+    return f"precision {settled}"
+
+
 def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
     lay, t = launch.layout, cfg.train
     lines = [f"layout    {lay.describe()}",
@@ -301,6 +312,16 @@ def _fp8_target(gpu: str | None) -> str | None:
         return ""
     return (f"train.precision=fp8 needs float8 GEMMs (compute capability >= 8.9, Ada/Hopper); --gpu {gpu} has "
             "none; use train.precision=bf16")
+
+
+def _gpu_with_bf16(cfg: Config, gpu: str | None) -> tuple[bool, bool]:
+    """(whether the launch trains on a GPU, whether that GPU has bf16): train.precision=auto's choice,
+    for the device the estimate prices (_device: --gpu's, else this machine's, else an assumed H100)."""
+    if gpu:
+        return gpu != "cpu", bool(get_hardware(gpu).peak_tflops.get("bf16"))
+    if cfg.run.device == "cpu":
+        return False, False
+    return True, cfg.train.precision != "auto" or not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
 
 
 def _device(cfg: Config, gpu: str | None, ranks: int = 1) -> Hardware:

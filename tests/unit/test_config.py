@@ -94,7 +94,7 @@ def test_a_model_switch_takes_true_and_false_as_on_and_off():
     ("train.stop_at_step=300", "train.stop_at_step=300 is invalid: must be <= train.steps (200)"),
     ("train.skip_batches=[5, 5]", "train.skip_batches=[5, 5] is invalid: must name each batch once"),
     ("train.seed=99999999999999999999", "train.seed=99999999999999999999 is invalid: must be in [0, 2**63)"),
-    ("train.precision=fp4", "one of fp32, bf16, fp16, fp8"),
+    ("train.precision=fp4", "one of auto, fp32, bf16, fp16, fp8"),
     ("train.attention=flash3", "one of auto, sdpa, flex, varlen"),
     ("fp8.recipe=blockwise", "one of tensorwise, rowwise"),
     ("metrics.profile_steps=[3]", "[first, last]"),

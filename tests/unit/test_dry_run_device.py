@@ -122,3 +122,23 @@ def test_the_dry_run_says_the_lr_curve_and_the_seeds(tiny_config):
     report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=200", "optim.schedule=rsqrt",
                                             "optim.warmup_steps=10", "optim.min_lr_ratio=1"), 1)
     assert "floor 1 x lr from step 10;" in report  # (the warm-up's last step: not one before it)
+
+
+def test_precision_auto_is_bf16_on_a_gpu_and_fp32_on_a_cpu(tiny_config, capsys):
+    """train.precision's default: a GPU launch from a config that never named it trained in fp32, ~15x
+    under the bf16 peak, and the dry run said so only inside its MFU line."""
+    cfg = tiny_config()
+    assert cfg.train.precision == "auto"
+    report, _ = dry_run.dry_run(cfg, 1, "h100-sxm")
+    assert cfg.train.precision == "bf16" and "/ the bf16 dense peak" in report
+    assert "precision bf16 (train.precision=auto: bf16 on a GPU with it, else fp32)" in report
+    report, _ = dry_run.dry_run(tiny_config("run.device=cpu"), 1)
+    assert "precision fp32 (train.precision=auto" in report and "/ the fp32 dense peak" in report
+    report, _ = dry_run.dry_run(tiny_config("train.precision=fp32"), 1, "h100-sxm")  # asked for: said
+    assert "precision fp32 (train.precision=fp32 on a GPU: its matmuls run at the fp32 peak" in report
+    report, _ = dry_run.dry_run(tiny_config("train.precision=fp16"), 1, "h100-sxm")
+    assert "\nprecision fp16\n" in report
+    from shardline.cli import main  # estimate prices the GPU it is given in bf16 too
+
+    assert main(["estimate", "--config", "configs/tiny.toml", "--gpu", "h100-sxm", "--train.precision=auto"]) == 0
+    assert "(4,096 tokens), bf16, document mask" in capsys.readouterr().out

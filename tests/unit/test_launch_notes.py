@@ -17,6 +17,7 @@ def test_an_unknown_gpu_and_idle_gpus_are_named_with_their_fix():
     plain = load_config(None, [])
     assert launch_notes(plain, "cpu", 0.1, 1) == [("mfu_peak_assumed", {"peak_tflops": 0.1, "why": CPU_PEAK_ASSUMED})]
     assert launch_notes(load_config(None, ["metrics.peak_tflops=0.5"]), "cpu", 0.5, 1) == []  # the machine's own
+    plain.train.settle_precision(on_gpu=True)  # (as a launch on a GPU settles auto before its notes)
     notes = dict(launch_notes(plain, "cuda", None, 1, "NVIDIA L40S", 4))
     assert notes.keys() == {"mfu_unknown", "one_gpu_of_several"}
     assert notes["mfu_unknown"]["device"] == "NVIDIA L40S" and "metrics.peak_tflops" in notes["mfu_unknown"]["fix"]
@@ -77,6 +78,14 @@ def test_half_precision_on_a_cpu_is_named_as_likely_slower(monkeypatch):
                                                             989.0, 1))
     assert "half_precision_on_cpu" not in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cpu",
                                                             0.1, 1))
+
+
+def test_fp32_on_a_gpu_is_named_with_its_cost():
+    """Allowed (a numerics check), but a run at ~1/15 of the bf16 peak is worth a word; auto gives bf16 there."""
+    notes = dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cuda", 67.0, 1))
+    assert "~15x under the bf16 one" in notes["fp32_on_gpu"]["why"]
+    assert "fp32_on_gpu" not in dict(launch_notes(load_config(None, ["train.precision=bf16"]), "cuda", 989.0, 1))
+    assert "fp32_on_gpu" not in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cpu", 0.1, 1))
 
 
 def test_chat_data_without_a_template_is_named_as_chatml(tmp_path):

@@ -134,8 +134,9 @@ def test_the_host_adamw_is_priced_by_its_implementation():
     from shardline.planner.estimate import CPU_ADAM_BYTES_PER_S, CPU_ADAM_FOREACH_BYTES_PER_S
 
     hw = host(2048)
-    auto = Workload.from_config(load_config(None, []), PRESETS["llama3-8b"])
-    foreach = Workload.from_config(load_config(None, ["optim.implementation=foreach"]), PRESETS["llama3-8b"])
+    auto = Workload.from_config(load_config(None, ["train.precision=bf16"]), PRESETS["llama3-8b"])
+    foreach = Workload.from_config(load_config(None, ["optim.implementation=foreach", "train.precision=bf16"]),
+                                   PRESETS["llama3-8b"])
     assert auto.host_adam_fused and not foreach.host_adam_fused
     fast, slow = (estimate(w, OFFLOAD, hw).breakdown["optimizer"] for w in (auto, foreach))
     assert slow / fast == pytest.approx(CPU_ADAM_BYTES_PER_S / CPU_ADAM_FOREACH_BYTES_PER_S, rel=1e-6)

@@ -101,6 +101,8 @@ def test_loss_falls_and_records_are_complete(tiny_config, tmp_path):
     (start,) = [r for r in read_records(run, "event") if r["event"] == "start"]
     assert start["shardline"] == version() and start["torch"] == torch.__version__  # which code trained it
     assert start["run_dir"] == str(run)  # where its files go, said at the start (a newcomer read it at the end)
+    # train.precision=auto, settled by the device before anything reads it: fp32 on a CPU, as the run dir saves it
+    assert start["precision"] == "fp32" and 'precision = "fp32"' in (run / "config.toml").read_text(encoding="utf-8")
     # The launch's first record: a tool that splits the log at `start` gives its notes to this launch
     assert json.loads((run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()[0])["event"] == "start"
 

@@ -17,7 +17,7 @@ from shardline.errors import require
 SWITCH = "-1 (the preset's or the starting weights'), 0 or false (off), 1 or true (on)"  # what a yes/no model key takes
 SWITCH_FIELD = {"valid": SWITCH, "switch": True}  # the metadata of such a key (the reader takes true/false as 1/0)
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")
 # A weights' dtype (convert and generate --dtype) by torch's name or train.precision's short one
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ATTENTION_KERNELS = ("auto", "sdpa", "flex", "varlen")
@@ -127,7 +127,9 @@ class TrainConfig:
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
     seed: int = 1234  # the weights' initialisation and the data order (unless data_seed sets that apart)
     data_seed: int = -1  # the order the training sequences are read in; -1 = train.seed
-    precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (bf16 autocast, Linear layers in float8; see [fp8])
+    # auto (bf16 on a GPU that has it, else fp32: settle_precision) | fp32 | bf16 | fp16 | fp8 (bf16 autocast,
+    # Linear layers in float8; see [fp8])
+    precision: str = "auto"
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     compile: bool = False
     document_mask: bool = True  # tokens attend only within their own packed document
@@ -156,6 +158,13 @@ class TrainConfig:
     def last_step(self) -> int:
         """The step a launch trains to: train.steps, or train.stop_at_step before it."""
         return min(self.steps, self.stop_at_step or self.steps)
+
+    def settle_precision(self, on_gpu: bool, gpu_bf16: bool = True) -> None:
+        """precision = "auto" as the device decides it, before anything reads it: bf16 on a GPU with bf16
+        (Ampere and newer; fp32 there ran ~14x under the bf16 peak), fp32 on a CPU (whose 16-bit matmuls
+        are often slower) and on an older GPU (whose fp16 needs loss scaling: asked for by name)."""
+        if self.precision == "auto":
+            self.precision = "bf16" if on_gpu and gpu_bf16 else "fp32"
 
     def check(self) -> None:
         _require(self.stop_at_step >= 0, "train.stop_at_step", self.stop_at_step, "must be >= 0 (0 = train.steps)")

@@ -301,6 +301,7 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     _check_gpus(args)  # before the layout, which would blame the degrees
     layout = resolve(cfg, args.gpus)
     hw = _hardware(args, args.gpu or _default_device(cfg, layout.world))
+    cfg.train.settle_precision(hw.name != "cpu", bool(hw.peak_tflops.get("bf16")))  # (auto: bf16 on a GPU)
     if not args.gpu and hw.name != "cpu" and "mem_gib" not in (read_profile(args.profile) if args.profile else {}):
         hw = with_local_memory(hw, cuda_index(cfg.run.device, layout.world))  # this machine's card, as it is
     problem = ssd_offload.problem(cfg.memory, layout.zero, on_cuda=hw.name != "cpu", node_paths=False)

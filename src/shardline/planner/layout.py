@@ -82,6 +82,8 @@ class Workload:
         """What a trainer config runs, for `model` (the shape the config resolves to): `shardline
         estimate`, `train --dry-run` and the benchmarks price a config through this one reading."""
         t = cfg.train
+        if t.precision == "auto":  # (a programming slip, not the user's: the caller knows the device)
+            raise ValueError("train.precision=auto: settle it for the device first (TrainConfig.settle_precision)")
         return cls(model, t.seq_len, t.global_batch_size, t.precision, t.document_mask,
                    cfg.model.hf_path or cfg.model.preset, loss_chunk_tokens=t.loss_chunk_tokens,
                    attention=t.attention, mean_doc_tokens=mean_doc_tokens, compiled=t.compile,

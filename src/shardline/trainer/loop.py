@@ -68,6 +68,9 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.device = pick_device(cfg.run.device)
+        if cfg.train.precision == "auto":  # bf16 on a GPU that has it, else fp32
+            cfg.train.settle_precision(self.device.type == "cuda", torch.cuda.is_available() and
+                                       torch.cuda.is_bf16_supported())
         self.allocator = configure_allocator(self.device, cfg.memory.expandable_segments)  # before CUDA starts
         self.step = 0  # optimizer updates completed
         self.started = time.time() if started is None else started
