@@ -109,7 +109,7 @@ def test_varlen_matches_dense_sdpa_forward_and_backward_in_bf16(with_docs):
     _assert_matches_reference(varlen.attend, varlen.mask(doc_ids), doc_ids)
 
 
-CUDA = ["run.device=cuda", "train.steps=2", "train.eval_interval=0", "checkpoint.interval=100",
+CUDA = ["run.device=cuda", "train.precision=fp32", "train.steps=2", "train.eval_interval=0", "checkpoint.interval=100",
         "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384", "train.seq_len=512",
         "train.precision=bf16"]
 

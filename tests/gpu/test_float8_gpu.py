@@ -25,7 +25,7 @@ pytestmark = pytest.mark.gpu
 # Every block projection's dims are multiples of 16 (dim 128, 4 heads of 32, 2 kv heads, ffn 384).
 # SDPA: the attention kernel is not what these test (tests/gpu/test_attention_gpu.py does), and
 # flex would cost each configuration a compile.
-CUDA = ["run.device=cuda", "train.steps=8", "train.eval_interval=0", "checkpoint.interval=0",
+CUDA = ["run.device=cuda", "train.precision=fp32", "train.steps=8", "train.eval_interval=0", "checkpoint.interval=0",
         "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384", "train.seq_len=128",
         "train.attention=sdpa"]
 

@@ -22,7 +22,7 @@ from tests.conftest import tiny_overrides
 
 pytestmark = pytest.mark.gpu
 
-CUDA = ["run.device=cuda", "train.steps=4", "train.eval_interval=0", "checkpoint.interval=0",
+CUDA = ["run.device=cuda", "train.precision=fp32", "train.steps=4", "train.eval_interval=0", "checkpoint.interval=0",
         "metrics.log_interval=2", "train.attention=sdpa"]  # no flex compile: not what is tested here
 
 # Run in a fresh process: torch reads the allocator setting once, when CUDA first

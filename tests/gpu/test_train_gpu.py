@@ -28,7 +28,7 @@ pytestmark = pytest.mark.gpu
 # sdpa: auto would take compiled flex attention (packed documents on CUDA), a compile per graph
 # (training, no-grad eval, checkpointed blocks, fp32): test_attention_gpu.py checks flex, and
 # benchmarks/gpu_train.py trains with it.
-CUDA = ["run.device=cuda", "train.steps=8", "train.eval_interval=0", "checkpoint.interval=0",
+CUDA = ["run.device=cuda", "train.precision=fp32", "train.steps=8", "train.eval_interval=0", "checkpoint.interval=0",
         "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384", "train.seq_len=128",
         "train.attention=sdpa"]
 BF16 = (*CUDA, "train.precision=bf16")
@@ -190,8 +190,9 @@ def test_one_gpu_offload_starts_an_moe_run_from_an_hf_folder(tmp_path, small_cor
     train_bpe(small_corpus.read_text().split("\n"), 512).save(str(tmp_path / "hf" / "tokenizer.json"))
     ids = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(0))
     try:
-        cfg = load_config(None, tiny_overrides(tmp_path / "run", small_corpus, "run.device=cuda", "train.steps=2",
-                                               "train.eval_interval=0", "checkpoint.interval=0",
+        cfg = load_config(None, tiny_overrides(tmp_path / "run", small_corpus, "run.device=cuda",
+                                               "train.precision=fp32", "train.steps=2", "train.eval_interval=0",
+                                               "checkpoint.interval=0",
                                                "memory.cpu_offload=true", f"model.hf_path={tmp_path / 'hf'}"))
         trainer = Trainer(cfg).build()
         with torch.no_grad():
