@@ -260,6 +260,22 @@ def test_a_run_dir_made_again_is_a_fresh_run_not_one_resumed_from_ram(tiny_confi
     assert _held_steps(tmp_path / "shm") == set()
 
 
+def test_a_memory_only_run_whose_snapshots_are_gone_is_refused_not_started_again(tiny_config, tmp_path):
+    """A reboot empties RAM: the relaunch of a run kept in snapshots alone found nothing to resume and
+    trained from step 0 over its history, without a word. Refused, as a run dir of damaged checkpoints is."""
+    import shutil
+
+    from shardline.errors import CheckpointError
+
+    memory = ["checkpoint.interval=0", "checkpoint.memory_interval=2"]
+    with pytest.raises(RuntimeError, match="injected"):
+        _crashing(_memory_run(tiny_config, tmp_path, *memory), at_step=6).train()
+    shutil.rmtree(tmp_path / "shm")
+    with pytest.raises(CheckpointError, match=r"in-memory snapshots \(to step 4\), which no node holds now"):
+        _memory_run(tiny_config, tmp_path, *memory)
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()  # nothing of it touched
+
+
 def test_a_run_id_that_cannot_be_read_stops_the_start_and_keeps_the_snapshots(tiny_config, tmp_path):
     """Only an absent (or damaged) id file means a new run; one that exists but cannot be read
     now (a stale NFS handle, EIO; here a folder in its place) once made the run new and

@@ -15,6 +15,7 @@ from shardline.config import Config, config_changes
 from shardline.errors import CheckpointError, ConfigError, on_every_rank
 from shardline.metrics import history, trained_in
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer, step_of
+from shardline.resilience.goodput import read_account
 from shardline.resilience.run_lock import launcher_ids
 
 
@@ -78,6 +79,25 @@ def refuse_fresh_over_invalid(mode: str, found, invalid: list[str], root: Path) 
         raise CheckpointError(f"{root} holds checkpoints but none is valid ({'; '.join(invalid)}): nothing to "
                               "resume, and no fresh start over them; fix or restore them and rerun, or start over "
                               "in another run.dir")
+    if mode == "auto" and found is None and (step := snapshots_gone(root.parent)):
+        raise CheckpointError(f"nothing to resume in {root.parent}: it kept its state in in-memory snapshots (to "
+                              f"step {step}), which no node holds now (a reboot empties RAM), and has no checkpoint "
+                              "on disk; no fresh start over the run's history: start over in another run.dir")
+
+
+def snapshots_gone(run_dir: Path) -> int:
+    """The newest step this run snapshotted in RAM since its last start from step 0, where its account
+    says it is unfinished (a finished run gave its snapshots back); 0 if none. Asked where nothing was
+    found to resume: a memory-only run whose snapshots went with a reboot started again from step 0
+    without a word."""
+    try:
+        records = history(run_dir)
+    except (OSError, ValueError):  # (no log: a fresh run dir)
+        return 0
+    fresh = max((i for i, r in enumerate(records) if r.get("event") == "start" and r.get("step") == 0), default=0)
+    steps = [r.get("step", 0) for r in records[fresh:] if r.get("event") == "memory_snapshot"]
+    account = read_account(run_dir) or {}
+    return 0 if account.get("run_complete") or not steps else max(steps)
 
 
 def named_resume_problem(mode: str) -> str | None:
