@@ -331,6 +331,8 @@ def test_a_crash_between_a_second_saves_two_renames_loses_neither(trained, tiny_
     shutil.rmtree(root / "step-000006")  # keep=1: the only checkpoint is the one cut off
     trainer = Trainer(tiny_config("train.steps=12", "checkpoint.keep=1", "run.resume=latest")).build()
     assert trainer.step == 12 and (verify(root / "step-000012")["time"] == 1.0) == new_one_sealed
+    events = [json.loads(line) for line in (trained / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["checkpoint"] for r in events if r.get("event") == "checkpoint_repaired"] == [str(root / "step-000012")]
     trainer.checkpointer.prune()
     assert sorted(p.name for p in root.iterdir()) == ["step-000012"] + (["step-000012.tmp"] * (not new_one_sealed))
 

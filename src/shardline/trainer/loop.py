@@ -76,6 +76,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.started = time.time() if started is None else started
         self.start_verified = start_verified
         self._invalid_checkpoints: list[str] = []
+        self._repaired: list[Path] = []  # checkpoint folders a save cut between its two renames left, put back
         self._optim_changes: dict[str, list] = {}
         self._config_changes: dict[str, list] = {}
         self.anomaly_events: list[dict] = []
@@ -139,7 +140,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.lock = RunLock(self.run_dir)  # restored (the resume is chosen again: the checkpoints may have changed)
         self._lock_taken_over = self.lock.acquire_for_job(self.proc.is_main, self.proc.world_size)
         try:
-            agreed(self.checkpointer.repair_interrupted_seal, self.proc.world_size)  # a crash between two renames
+            self._repaired = agreed(self.checkpointer.repair_interrupted_seal, self.proc.world_size)
             # Chosen again, by every rank, a refusal agreed: a run finishing in this dir may have saved since, or
             # the repair put one back (what was hashed then is not hashed again).
             resume_from = agreed(lambda: self._choose_resume(self.model_args, repaired=self.proc.is_main),

@@ -173,6 +173,9 @@ class SavedState:
                            **({"launchers": ids} if (ids := launcher_ids()) else {}))  # (whose records: never's)
         for problem in self._invalid_checkpoints:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
+        for folder in self._repaired:  # (rank 0's list: the writer repairs)
+            self.metrics.event("checkpoint_repaired", step=self.step, checkpoint=str(folder),
+                               why="a save was cut between its two renames: the folder put back in place")
         if self._stand_in:
             self.metrics.event("starting_weights_gone", step=self.step, note=self._stand_in)
         if self._set_aside and self.proc.is_main:  # newer ones: a history this run leaves (kept: the user's to remove)
