@@ -101,6 +101,22 @@ def test_no_layout_fits_message_names_the_largest_term():
     assert f"largest term {name} {size / GiB:.1f} GiB" in explain_no_fit(work, hw, 64, result)
 
 
+def test_a_no_fit_line_adds_up_and_offers_the_chunked_loss_for_logits():
+    """Its terms left out recompute, fragmentation and the reserve (843 GiB named, 826 listed); where the
+    logits were the largest, the chunked loss, which the planner prices, was never offered."""
+    import re
+
+    from shardline.models.presets import PRESETS
+    from shardline.planner.hardware import get_hardware
+    from shardline.planner.layout import Workload
+
+    work, hw = Workload(PRESETS["llama3-8b"], 1_000_000, 8, "bf16", True, "llama3-8b"), get_hardware("h100-sxm")
+    text = explain_no_fit(work, hw, 8, search(work, hw, 8, {}))
+    need, terms = re.search(r"needs ([\d.]+) GiB per device, largest term logits [\d.]+ GiB \(([^)]*)\)", text).groups()
+    assert sum(float(t.rsplit(" ", 1)[1]) for t in terms.split(", ")) == pytest.approx(float(need), abs=0.3), text
+    assert "the logits go with --train.loss_chunk_tokens=4096" in text
+
+
 def test_bloom_stages_follow_megatron_deepspeeds_embedding_partition():
     # tr11-176B-ml/README.md: [embed | 5 blocks], 6 blocks x 10, [5 blocks | embed].
     run = next(r for r in pb.load_runs() if r.id == "bloom-176b")

@@ -38,8 +38,10 @@ from shardline.layout import Layout, model_parallel_hint
 from shardline.parallel import float8
 from shardline.planner.layout import Workload, layout_problem
 from shardline.planner.memory import GiB, largest_term, memory_breakdown
-from shardline.planner.offload import HOST_USABLE, host_fits, node_ranks
+from shardline.planner.offload import HOST_USABLE, OUTSIDE_DEVICE, host_fits, node_ranks
 from shardline.planner.pipeline import VIRTUAL_STAGES
+
+STATES = ("params", "grads", "optimizer")  # a does-not-fit line's model states
 
 AC_OPTIONS = (("none", 1), ("op", 1), ("selective", 2), ("full", 1))
 MAX_MBS = 16
@@ -274,7 +276,7 @@ def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult
             return (f"no layout of {gpus} devices has every pinned key (--fix {pins}); pin fewer keys "
                     "or other values")
         return f"no layout of {gpus} devices can run this request ({dict(result.pruned)}){_unrunnable(result)}"
-    parts = [_device_text(hw, device)] if device is not None else []
+    parts = [_device_text(work, hw, device)] if device is not None else []
     if result.smallest_unfit is not None and result.smallest_offload is not None:
         need, layout, _ = result.smallest_offload
         parts.append(f"with CPU offload the leanest ({layout.describe()}) needs {need / GiB:.1f} GiB per device")
@@ -300,7 +302,7 @@ def _unrunnable(result: SearchResult) -> str:
             f"{result.trainer_problem}")
 
 
-def _device_text(hw: Hardware, misfit: tuple[float, Layout, dict]) -> str:
+def _device_text(work: Workload, hw: Hardware, misfit: tuple[float, Layout, dict]) -> str:
     """The leanest layout's device memory, term by term, against the device's."""
     need, layout, mem = misfit
     have = hw.mem_gib * GiB
@@ -311,7 +313,7 @@ def _device_text(hw: Hardware, misfit: tuple[float, Layout, dict]) -> str:
                 f"{100 * HOST_USABLE:.0f}% of its {hw.network.host_mem_gib:.1f} GiB; fewer ranks (--gpus), "
                 + ("" if layout.activation_checkpoint == "full" else "activation_checkpoint=full, ")
                 + "a shorter sequence or a smaller model")
-    states = sum(mem.get(k, 0.0) for k in ("params", "grads", "optimizer"))
+    states = sum(mem.get(k, 0.0) for k in STATES)
     more = max(2, int(-(-need // have)))
     big, big_bytes = largest_term(mem)
     advice = f"use about {more}x more devices, a shorter sequence or a smaller model"
@@ -320,11 +322,13 @@ def _device_text(hw: Hardware, misfit: tuple[float, Layout, dict]) -> str:
                   "or cp, activation_checkpoint=full (if pinned otherwise), or a shorter sequence")
         if layout.dp == 1:  # tp x cp x pp holds every device: larger degrees need more of them
             advice += f"; at this world size, larger ones need about {more}x more devices"
+    if big == "logits" and not work.loss_chunk_tokens:  # (the planner prices it: it holds no batch's logits)
+        advice = ("the logits go with --train.loss_chunk_tokens=4096 (the output projection and loss a chunk of "
+                  f"tokens at a time); beyond them, {advice}")
+    terms = ", ".join(f"{k} {v / GiB:.1f}" for k, v in mem.items() if k not in (*OUTSIDE_DEVICE, *STATES) and v)
     return (f"does not fit: the leanest layout ({layout.describe()}) needs {need / GiB:.1f} GiB per device, "
-            f"largest term {big} {big_bytes / GiB:.1f} GiB "
-            f"(model states {states / GiB:.1f}, activations {mem['activations'] / GiB:.1f}, logits "
-            f"{mem['logits'] / GiB:.1f}, buffers {mem['buffers'] / GiB:.1f}) but a {hw.name} has "
-            f"{hw.mem_gib:.1f} GiB; {advice}")
+            f"largest term {big} {big_bytes / GiB:.1f} GiB (model states {states / GiB:.1f}, {terms}) but a "
+            f"{hw.name} has {hw.mem_gib:.1f} GiB; {advice}")
 
 
 def _host_text(work: Workload, hw: Hardware, host: tuple[float, Layout], alone: bool) -> str:
