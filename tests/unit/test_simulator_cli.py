@@ -62,6 +62,11 @@ def test_text_output_says_what_the_optimum_and_the_failures_assume(capsys):
     out = capsys.readouterr().out
     assert "(async: held at the write time" in out and "takes longer than the job's MTBF" in out
     assert "planned stops 0.87 a day whatever the job's size" in out
+    assert "priced from: write --save-time, given; stall 1 s + " in out  # what each time rests on, and its keys
+    assert main([*SMALL, "--step-time", "2", "--simulate.storage_gbps_total=3"]) == 0
+    out = capsys.readouterr().out
+    assert "TB (12 B a parameter) at 3 GB/s (min of 1 a node, 3 in all); stall" in out, out
+    assert "storage_gbps_total, host_copy_gbps, save_overhead_s change them" in out
 
 
 def test_toml_config_and_overrides_change_the_failure_model(tmp_path, capsys):

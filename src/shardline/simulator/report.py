@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from shardline.simulator.failures import LLAMA3_CAUSES
+from shardline.simulator.job import state_bytes
 from shardline.simulator.montecarlo import Setup
 
 _BUCKET_LABELS = {
@@ -35,7 +36,7 @@ def build_report(setup: Setup, summary: dict, seeds: int, sweeps: dict[str, list
         "checkpoint": {"mode": mode, "interval_steps": pol.interval_steps,
                        "interval_s": pol.interval_steps * setup.step_s, "stall_s": pol.stall_s,
                        "save_s": setup.save_s, "snapshot_s": setup.snapshot_s,
-                       "persist_every": pol.persist_every},
+                       "persist_every": pol.persist_every, "priced_from": _checkpoint_pricing(setup)},
         "mtbf_hours": _finite(setup.mtbf_s / 3600.0),
         "failure_rate_per_gpu_hour": s.failures.per_gpu_hour(job.gpus_per_node),
         "expected_interruptions": {"unexpected": expected_unexpected,
@@ -90,6 +91,21 @@ def _optimal_line(r: dict[str, Any]) -> str:
             f"(Young {_secs(r['young_interval_s'])}, Daly {_secs(r['daly_interval_s'])}){held}")
 
 
+def _checkpoint_pricing(setup: Setup) -> str:
+    """What the save and stall times rest on, with the keys that change them: their sizes and speeds
+    are assumptions (the Llama 3 store's 2 TB/s), which a measured --save-time or --snapshot-time replaces."""
+    job, s = setup.job, setup.settings
+    size = state_bytes(job, s)
+    write = ("--save-time, given" if s.save_s is not None else
+             f"{s.save_overhead_s:g} s + {size / 1e12:.3g} TB ({s.state_bytes_per_param:g} B a parameter) at "
+             f"{min(job.nodes * s.storage_gbps_per_node, s.storage_gbps_total):,.4g} GB/s (min of "
+             f"{s.storage_gbps_per_node:g} a node, {s.storage_gbps_total:,g} in all)")
+    stall = ("--snapshot-time, given" if s.snapshot_s is not None else
+             f"{s.snapshot_overhead_s:g} s + {size / job.gpus / 1e9:.3g} GB a GPU at {s.host_copy_gbps:g} GB/s to host")
+    return (f"write {write}; stall {stall}; --simulate.state_bytes_per_param, storage_gbps_per_node, "
+            "storage_gbps_total, host_copy_gbps, save_overhead_s change them")
+
+
 def format_text(r: dict[str, Any]) -> str:
     ck, total = r["checkpoint"], r["gpu_hours"]
     mtbf = "no unexpected failures" if r["mtbf_hours"] is None else f"job MTBF {r['mtbf_hours']:.3g} h"
@@ -106,6 +122,7 @@ def format_text(r: dict[str, Any]) -> str:
          f"{expected['planned'] / r['days']:.2f} a day whatever the job's size, --failures.planned_per_day)"),
         (f"checkpoint      {ck['mode']} every {ck['interval_steps']:,} steps ({_secs(ck['interval_s'])}): "
          f"stall {_secs(ck['stall_s'])}{write}"),
+        f"                priced from: {ck['priced_from']}",
         _optimal_line(r),
     ]
     mtbf_s = None if r["mtbf_hours"] is None else 3600 * r["mtbf_hours"]
@@ -119,7 +136,9 @@ def format_text(r: dict[str, Any]) -> str:
         (f"goodput         {r['goodput']:.4f} ± {r['goodput_std']:.4f} "
          f"(min {r['goodput_min']:.4f}, max {r['goodput_max']:.4f})"),
         (f"interruptions   {r['interruptions']:.1f} ± {r['interruptions_std']:.1f} "
-         f"({r['interruptions_unexpected']:.1f} unexpected, {r['interruptions_planned']:.1f} planned)"),
+         f"({r['interruptions_unexpected']:.1f} unexpected, {r['interruptions_planned']:.1f} planned"
+         + ("; below the expected: a failure while a planned stop has the job down is no interruption"
+            if r["interruptions_planned"] and r["interruptions_unexpected"] < expected["unexpected"] else "") + ")"),
         f"lost GPU-hours  {r['lost_gpu_hours']:,.0f} of {total:,.0f} ({100 * r['lost_gpu_hours'] / total:.1f}%)",
     ]
     for key, label in _BUCKET_LABELS.items():
