@@ -137,7 +137,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.experts = ExpertBalance(self.model, self.dims, cfg.train.global_batch_size) if moe else None
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
         # One run per run dir: locked once every input check has passed, before anything there is written or
-        self.lock = RunLock(self.run_dir)  # restored (the resume is chosen again: the checkpoints may have changed)
+        # restored (the resume is chosen again: the checkpoints may have changed)
+        self.lock = RunLock(self.run_dir)
         self._lock_taken_over = self.lock.acquire_for_job(self.proc.is_main, self.proc.world_size)
         try:
             self._repaired = agreed(self.checkpointer.repair_interrupted_seal, self.proc.world_size)
@@ -146,8 +147,9 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             resume_from = agreed(lambda: self._choose_resume(self.model_args, repaired=self.proc.is_main),
                                  self.proc.world_size)
             self.guard.watch(before_exit=self.lock.release)  # a hang's exit frees the run dir for the rerun
-            # a hang here is reported after the step of the checkpoint this rank chose (0: none; a newer snapshot
-            with self.guard.phase("restore", max(saved_step(resume_from), 0) if resume_from else 0):  # in RAM may win)
+            # A hang here is reported after the step of the checkpoint this rank chose (0: none; a newer snapshot
+            # in RAM may win).
+            with self.guard.phase("restore", max(saved_step(resume_from), 0) if resume_from else 0):
                 resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
                 # read (hashed: cached where this rank chose it) by every rank before the tiers' collectives
                 agreed(lambda: resume_from is None or self.checkpointer.verify(resume_from), self.proc.world_size)
@@ -352,11 +354,10 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
     def _log_train(self, loss: float | torch.Tensor, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
         self.report_device_anomalies()
         lr = self.scheduler.base_lrs[0] * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
-        # Under the device anomaly check, the steps' only host sync: the values read at a logging step.
         tokens_per_s = steps * self.cfg.train.global_batch_size * self.cfg.train.seq_len / seconds
         memory = peak_memory_gib(self.device)  # the maximum over ranks of each figure
         peaks = dict(zip(memory, reduce_over(self.dims, None, torch.tensor([*memory.values()]), "max").tolist()))
-        return self.metrics.log(
+        return self.metrics.log(  # (float(loss), .item(): under the device anomaly check the steps' only host sync)
             "train", step=self.step, loss=float(loss), lr=lr, **self.data.log_fields(self.step, self.skipped_batches),
             grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
