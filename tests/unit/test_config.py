@@ -58,6 +58,19 @@ def test_a_relaunch_reads_the_saved_config_but_its_launch_only_settings(tmp_path
     assert again.metrics.profile_steps == first.metrics.profile_steps
 
 
+
+def test_a_hand_broken_saved_config_names_its_file_and_an_override_mends_it(tmp_path):
+    """`steps = "lots"` in a run's config.toml: the relaunch's `--train.steps=6` was refused as
+    'train.steps='lots' has the wrong type', naming neither the file nor a way past it."""
+    saved = tmp_path / "config.toml"
+    save_config(load_config(None, ["train.steps=4"]), saved)
+    saved.write_text(saved.read_text(encoding="utf-8").replace("steps = 4", 'steps = "lots"'), encoding="utf-8")
+    assert load_relaunch_config(saved, str(tmp_path), ["--train.steps=6"]).train.steps == 6
+    with pytest.raises(ConfigError, match=rf"train.steps='lots' has the wrong type.*\(in {re.escape(str(saved))}, the "
+                                          r"run's saved config: fix it there, or give --train.steps=VALUE\)$"):
+        load_relaunch_config(saved, str(tmp_path), ["optim.lr=1e-4"])
+
+
 def test_a_model_switch_takes_true_and_false_as_on_and_off():
     """qk_norm, qkv_bias, tie_embeddings and moe.norm_topk are -1/0/1 (-1 keeps the preset's):
     `--model.qk_norm=true` was refused as a wrong type."""
@@ -77,6 +90,7 @@ def test_a_model_switch_takes_true_and_false_as_on_and_off():
     ("moe.norm_topk=yes", "moe.norm_topk='yes' has the wrong type: expected int; valid: -1 (the preset's or the "
                           "starting weights'), 0 or false (off), 1 or true (on)"),
     ("train.steps=0", "train.steps=0 is invalid: must be > 0"),
+    ("train.steps=99999999999999999999999", "is invalid: must be > 0 (and < 2**63)"),  # (was trained, lr stuck)
     ("parallel.tp=-1", "parallel.tp=-1 is invalid: must be >= 1 (-1, the rest of the world size, is dp_shard's alone)"),
     ("optim.lr=5.e999", "optim.lr='5.e999' is not a finite number"),
     ("optim.lr=1" + "0" * 400, "is not a finite number"),
@@ -368,7 +382,8 @@ def test_a_run_dir_that_is_another_tools_folder_is_refused_before_anything_is_wr
     (step / "meta.json").write_text("{}")
     before = {p.name: p.read_bytes() for p in small_prepared.iterdir() if p.is_file()}
     for folder, what in [(hf, "a Hugging Face model folder (config.json)"), (small_prepared, "a prepared data folder"),
-                         (step, "a checkpoint (manifest.json)")]:
+                         (step, "a checkpoint (manifest.json)"),
+                         (tmp_path, "a run's checkpoints folder (step-N checkpoints)")]:  # (another run's history)
         with pytest.raises(ConfigError, match=re.escape(f"run.dir={str(folder)!r} is {what}: a run would write over")):
             check_config(load_config(None, [f"run.dir={folder}"]))
     assert {p.name: p.read_bytes() for p in small_prepared.iterdir() if p.is_file()} == before

@@ -165,7 +165,18 @@ def load_relaunch_config(saved: str | Path, run_dir: str | Path, overrides: list
     raw.setdefault("run", {})["dir"] = os.fspath(run_dir)
     if isinstance(raw.get("data"), dict):  # saved before data.add_bos existed: its run had no BOS
         raw["data"].setdefault("add_bos", False)
-    return _overridden(raw, overrides)
+    given = [overrides] if isinstance(overrides, str) else list(overrides)
+    for item in given:  # what an override sets replaces the file's value: a broken one there is mended so
+        section, _, key = item.removeprefix("--").split("=", 1)[0].partition(".")
+        if isinstance(raw.get(section), dict):
+            raw[section].pop(key, None)
+    try:
+        cfg = from_dict(raw)
+    except ConfigError as e:  # (a hand-edited file: the line named the key, not where it came from)
+        key = _key_of(e)
+        raise ConfigError(f"{e} (in {saved}, the run's saved config: fix it there"
+                          + (f", or give --{key}=VALUE)" if key else ")")) from None
+    return _overridden(cfg, given)
 
 
 def save_config(cfg: Config, path: Path | str) -> None:
@@ -182,8 +193,14 @@ def save_config(cfg: Config, path: Path | str) -> None:
         raise
 
 
-def _overridden(raw: dict[str, Any], overrides: list[str] | str) -> Config:
-    cfg = from_dict(raw)
+def _key_of(error: ConfigError) -> str:
+    """The section.key a config error's line opens with ("train.steps='lots' ..."), else ""."""
+    head = str(error).split("=", 1)[0].split()[0] if "=" in str(error) else ""
+    return head if head.count(".") == 1 and head.replace(".", "").replace("_", "").isalnum() else ""
+
+
+def _overridden(raw: dict[str, Any] | Config, overrides: list[str] | str) -> Config:
+    cfg = raw if isinstance(raw, Config) else from_dict(raw)
     for item in [overrides] if isinstance(overrides, str) else overrides:  # (one string: not its characters)
         apply_override(cfg, item)
     expand_home(cfg)

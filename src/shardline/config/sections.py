@@ -172,7 +172,7 @@ class TrainConfig:
         _require(-1 <= self.data_seed < 2**63, "train.data_seed", self.data_seed,
                  "must be -1 (train.seed) or in [0, 2**63)")
         for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
-            _require(getattr(self, key) > 0, f"train.{key}", getattr(self, key), "must be > 0")
+            _require(0 < getattr(self, key) < 2**63, f"train.{key}", getattr(self, key), "must be > 0 (and < 2**63)")
         _require(self.epochs >= 0, "train.epochs", self.epochs, "must be >= 0 (0: train.steps gives the length)")
         _require(self.stop_at_step <= self.steps or bool(self.epochs), "train.stop_at_step", self.stop_at_step,
                  f"must be <= train.steps ({self.steps}), the run's end (0 = train.steps)")  # (epochs: checked again)
