@@ -69,6 +69,10 @@ def test_a_hand_broken_saved_config_names_its_file_and_an_override_mends_it(tmp_
     with pytest.raises(ConfigError, match=rf"train.steps='lots' has the wrong type.*\(in {re.escape(str(saved))}, the "
                                           r"run's saved config: fix it there, or give --train.steps=VALUE\)$"):
         load_relaunch_config(saved, str(tmp_path), ["optim.lr=1e-4"])
+    saved.write_text("[train]\nsteps", encoding="utf-8")  # cut short
+    with pytest.raises(ConfigError, match=r"is not valid TOML.*\(the run's saved config: fix it there, or give "
+                                          r"--config FILE\)$"):
+        load_relaunch_config(saved, str(tmp_path))
 
 
 def test_a_model_switch_takes_true_and_false_as_on_and_off():

@@ -154,7 +154,10 @@ def _filled(section: str, key: str, value):
 def load_relaunch_config(saved: str | Path, run_dir: str | Path, overrides: list[str] | str = ()) -> Config:
     """A run's saved config.toml as a relaunch reads it: its LAUNCH_ONLY settings back to their
     defaults, run.dir the folder it was found in (a run dir may move), then the overrides."""
-    raw = reader.read_toml(saved)
+    try:
+        raw = reader.read_toml(saved)
+    except ConfigError as e:  # (a truncated or hand-broken file: where it came from, and the ways past it)
+        raise ConfigError(f"{e} (the run's saved config: fix it there, or give --config FILE)") from None
     for section, keys in LAUNCH_ONLY.items():
         table = raw.get(section)
         if keys is None:  # the whole section

@@ -66,6 +66,11 @@ def mfu_over_words(mfu: float) -> list[str]:
             "and between documents, which at long sequences is most of the work; tokens/s is the figure to compare)"]
 
 
+PLAN_CAVEAT = ("predicted by the cost model (within 15% on 14 of 16 published GPU runs of other trainers: "
+               "docs/planner.md); this trainer has run on one GPU, not yet on many (pipeline schedules, cp and ep on "
+               "CPU ranks only): run the top rows a few steps each before a long run")
+
+
 def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, shown: list[Estimate],
                not_runnable: dict[int, str]) -> str:
     pruned = ", ".join(f"{k} {v:,}" for k, v in result.pruned.most_common())
@@ -90,6 +95,8 @@ def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, sh
         lines.append(f"{i:>2}{mark} {e.layout.describe():<{width}} {e.tokens_per_s:>12,.0f} {100 * e.mfu:>5.1f}% "
                      f"{e.step_time_s:>8.2f} {e.memory['total'] / GiB:>8.1f}  {_why(e)}")
     lines += mfu_over_words(max((e.mfu for e in shown), default=0.0))
+    if hw.name != "cpu" and shown:  # (no layout of many GPUs has run this trainer: a ranking to measure, not a fact)
+        lines += ["", PLAN_CAVEAT]
     if not_runnable:
         reasons = sorted(set(not_runnable.values()))
         lines += ["", "* `shardline train` cannot run this layout yet: " + "; ".join(reasons)]
