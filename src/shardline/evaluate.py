@@ -5,7 +5,7 @@ batches of the held-out split. This command runs that evaluation on any checkpoi
 its run's own held-out data by default (the number the run logged at that step), or on other
 data given as overrides (`--data.val_path=...`: all of it; `--data.path=...`: its held-out split),
 over as many batches as asked
-(`--batches 0`: all of it), in one process or on torchrun's (or srun's) ranks in any layout.
+(`--batches 0`: every sequence of it, as packed: a last part too short for a window is not scored), in one process or on torchrun's (or srun's) ranks in any layout.
 
 It is the trainer's own evaluation: a new run built from the checkpoint's weights
 (model.init_from) in a temporary folder, so precision, kernels and layout are what training
@@ -151,7 +151,7 @@ def _check_saved_paths(cfg: Config, given: set[str]) -> None:
 
 def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = None) -> Evaluation:
     """The loss of checkpoint `src` (a run dir: its newest valid one) on the held-out split the
-    config reads, over `batches` global batches (None: train.eval_batches; 0: all of it)."""
+    config reads, over `batches` global batches (None: train.eval_batches; 0: every sequence)."""
     from shardline.trainer import Trainer
 
     if batches is not None and batches < 0:
