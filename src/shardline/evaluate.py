@@ -4,8 +4,8 @@ Training evaluates every train.eval_interval steps on the first train.eval_batch
 batches of the held-out split. This command runs that evaluation on any checkpoint, later: on
 its run's own held-out data by default (the number the run logged at that step), or on other
 data given as overrides (`--data.val_path=...`: all of it; `--data.path=...`: its held-out split),
-over as many batches as asked
-(`--batches 0`: every sequence of it, as packed: a last part too short for a window is not scored), in one process or on torchrun's (or srun's) ranks in any layout.
+over as many batches as asked (`--batches 0`: every sequence of it, as packed: a last part too
+short for a window is not scored), in one process or on torchrun's (or srun's) ranks in any layout.
 
 It is the trainer's own evaluation: a new run built from the checkpoint's weights
 (model.init_from) in a temporary folder, so precision, kernels and layout are what training

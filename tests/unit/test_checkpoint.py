@@ -412,7 +412,8 @@ def test_checkpoints_order_by_step_past_six_digits(tmp_path):
 
 
 @pytest.mark.parametrize("manifest", [b"\xff\xfe not text", b'{"files": {"state/x": {"sha256": "00"}}}',
-                                      b'{"files": ["state/x"]}', b'{"files": {}}', b'{"step": "12", "files": {}}'])
+                                      b'{"files": ["state/x"]}', b'{"files": {}}', b'{"step": "12", "files": {}}',
+                                      b'{"step": 12, "kind": "fulm", "files": {}}'])  # (load said "weights only")
 def test_a_damaged_manifest_makes_the_checkpoint_invalid_not_a_crash(trained, manifest):
     (trained / "checkpoints" / "step-000012" / "manifest.json").write_bytes(manifest)
     with pytest.raises(CheckpointError, match="malformed manifest.json"):

@@ -86,6 +86,8 @@ def verify(path: Path) -> dict[str, Any]:
             raise ValueError(f"it names a file outside the checkpoint ({next(filter(outside_folder, files))!r})")
         if not isinstance(manifest["step"], int) or isinstance(manifest["step"], bool) or manifest["step"] < 0:
             raise ValueError(f"step {manifest['step']!r} is not a step number")
+        if manifest.get("kind", "full") not in ("full", "weights"):  # (what load reads: an edit there misled it)
+            raise ValueError(f"kind {manifest['kind']!r} is neither full nor weights")
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:  # ValueError: bad JSON or bytes
         raise CheckpointError(f"checkpoint {path} has a malformed {MANIFEST}: {type(e).__name__}: {e}") from None
     if path.name.startswith("step-") and step_of(path) not in (-1, manifest["step"]):  # (renamed, or edited)
