@@ -590,3 +590,18 @@ def test_a_straggling_rank_0s_excess_is_peer_wait_once_a_step(tmp_path):
             RunGuard.stop_requested(guard)
     assert guard.goodput.seconds["useful"] == pytest.approx(0.25 + 0.2)
     assert guard.goodput.seconds["peer_wait"] == pytest.approx(0.75, abs=0.01)  # (+ the calls' own microseconds)
+
+
+def test_a_damaged_progress_file_is_said_as_the_account_starts_again(tiny_config):
+    """`xx{` in progress.json: the resume was right, but the earlier launches' time left the account
+    with no word (wall_s 7 s where it had 42 s)."""
+    from shardline.trainer import Trainer
+
+    settings = ["train.steps=6", "train.eval_interval=0", "checkpoint.interval=3"]
+    Trainer(tiny_config(*settings, "train.stop_at_step=3")).build().train()
+    run = Path(tiny_config(*settings).run.dir)
+    assert not [r for r in records(run) if r.get("event") == "progress_reset"]  # (a readable one: no word)
+    (run / "progress.json").write_text("xx{")
+    Trainer(tiny_config(*settings)).build().train()
+    (reset,) = [r for r in records(run) if r.get("event") == "progress_reset"]
+    assert reset["step"] == 3 and "did not read as an account" in reset["reason"]

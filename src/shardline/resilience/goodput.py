@@ -72,6 +72,8 @@ class Goodput:
         self.counted = True  # this launch is part of the run's account (not one that found nothing to train)
         self._gap = 0.0  # the restart gap before this launch, added to the account
         previous = self._read()
+        # A file there that does not read (damaged, hand-edited): the account starts over, said (progress_reset)
+        self.reset = "" if previous or not self.path.exists() else f"{self.path} did not read as an account"
         if previous and fresh and previous.get("finished"):
             previous = None
         if previous:

@@ -185,6 +185,9 @@ class SavedState:
             self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in self._set_aside],
                                held=len(held), held_gib=round(size / 2**30, 3))
         self.guard.open(self.run_dir, self.metrics.event, fresh=resumed is None and not restarted())
+        if self.guard.goodput.reset:  # the earlier launches' time is not in this account
+            self.metrics.event("progress_reset", step=self.step, reason=self.guard.goodput.reset,
+                               note="the goodput account starts again from this launch")
         if self.allocator:
             self.metrics.event("allocator", step=self.step, setting=self.allocator)
         gpu = (torch.cuda.get_device_name(self.device), torch.cuda.device_count()) if self.device.type == "cuda" else ()
