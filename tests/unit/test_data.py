@@ -86,6 +86,7 @@ def _damaged_gzip() -> bytes:
     pytest.param("flipped.jsonl.gz", _damaged_gzip(), "cannot read data file", id="flipped.jsonl.gz"),
     ("bad.jsonl", '{"text": "ok"}\n{"text": broken\n', "line 2 is not valid JSON"),
     ("nofield.jsonl", '{"body": "x"}\n', "no string field 'text'"),
+    ("numtext.jsonl", '{"text": 5}\n', r"has no string field 'text' \(its value: 5\) \(set data.text_field"),
     ("empty.txt", "", "contains no text"),
     ("blank.jsonl", "\n\n", "contains no text"),
     ("latin1.txt", b"caf\xe9", "is not UTF-8 text at line 1 .byte offset 3. .unexpected end of data.: convert it, e.g. "

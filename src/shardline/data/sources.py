@@ -66,8 +66,7 @@ def read_documents(path: str, text_field: str = "text", left_out: dict | None = 
     return docs
 
 
-# What a Hugging Face `save_to_disk` folder holds beside its data: its own metadata, not text.
-_DATASET_METADATA = {"dataset_info.json", "state.json", "dataset_dict.json"}
+_DATASET_METADATA = {"dataset_info.json", "state.json", "dataset_dict.json"}  # a save_to_disk folder's own: not text
 
 
 def files_not_read(path: str) -> list[Path]:
@@ -307,8 +306,9 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
                 chat = isinstance(obj, dict) and isinstance(obj.get(CHAT_FIELD), list)  # a conversation, not text
                 conversation = ("; its 'messages' are a conversation: read it as chat (data.format=chat, or in "
                                 "data.mix the source's format = \"chat\"; prepare: --format chat)" if chat else "")
-                raise DataError(f"data file {f} line {n} has no string field {field!r} (set data.text_field, or "
-                                f"in data.mix the source's text_field; prepare: --text-field){conversation}")
+                held = f" (its value: {json.dumps(value)[:40]})" if value is not None else ""  # (a number, a list)
+                raise DataError(f"data file {f} line {n} has no string field {field!r}{held} (set data.text_field, "
+                                f"or in data.mix the source's text_field; prepare: --text-field){conversation}")
 
 
 def _encodable(f: Path, n: int, text: str) -> str:
