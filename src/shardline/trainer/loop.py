@@ -68,9 +68,6 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.device = pick_device(cfg.run.device)
-        if cfg.train.precision == "auto":  # bf16 on a GPU that has it, else fp32
-            cfg.train.settle_precision(self.device.type == "cuda", torch.cuda.is_available() and
-                                       torch.cuda.is_bf16_supported())
         self.allocator = configure_allocator(self.device, cfg.memory.expandable_segments)  # before CUDA starts
         self.step = 0  # optimizer updates completed
         self.started = time.time() if started is None else started
@@ -103,6 +100,9 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             self.device = torch.device("cuda", self.proc.local_rank)  # one GPU a rank; cuda:N picks one alone
         if self.device.type == "cuda":  # FSDP2 and float8 read the current device
             torch.cuda.set_device(self.device)
+        if cfg.train.precision == "auto":  # bf16 on a GPU that has it, else fp32: asked of this rank's own card,
+            on_gpu = self.device.type == "cuda"  # once the allocator is configured (CUDA starts here)
+            cfg.train.settle_precision(on_gpu, on_gpu and torch.cuda.is_bf16_supported())
         torch.manual_seed(cfg.train.seed)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
         # The input checks (files, data, layout, resume, this node's device and folders): a refusal on any rank,
