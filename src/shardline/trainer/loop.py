@@ -54,6 +54,21 @@ from shardline.trainer.stopping import StopOnRequest
 from shardline.trainer.step import StepRunner
 
 
+class LogWindow:
+    """The training time between two log lines, which tokens/s and MFU are measured over: evaluation,
+    saves and profiler traces are taken out, and a launch's first step (compile, caches) unless logged."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self, at: float | None = None) -> None:
+        self.start, self.steps = time.perf_counter() if at is None else at, 0
+
+    def took(self, steps: int, paused_s: float = 0.0) -> None:
+        self.steps += steps
+        self.start += paused_s
+
+
 class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
     """One run of a config: `Trainer(cfg).build()` sets up the layout, model, data and run dir (and
     resumes what the dir holds), `train()` trains to train.steps. See the module docstring."""
@@ -229,7 +244,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if self.eval_owed and cfg.train.eval_interval and self.step < stop:  # what a stop skipped (for its save)
             self.guard.watched("eval", self.step, "eval", self.evaluate)
             self.eval_owed = False
-        window_start, window_steps, last, stopped, first = time.perf_counter(), 0, {}, None, self.step + 1
+        window, last, stopped, request, first = LogWindow(), {}, None, None, self.step + 1
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
             started, accounted = self.guard.begin_step(step), self.guard.goodput.accounted()
@@ -239,49 +254,54 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
                 rollback = self.guard.goodput.accounted() - accounted  # (its restore and re-save)
                 self.guard.goodput.add("anomaly_skipped", time.perf_counter() - started - rollback)  # the bad step
                 self.profiler.after_step(step)  # a window ending here is written: the steps that led to it
-                window_start, window_steps, request = time.perf_counter(), 0, self.guard.stop_requested()
+                window.restart()
+                request = self.guard.stop_requested()
                 if request:  # (by rollbacks to come): that state saved again, with the batch it skips
                     stopped = self._stop_on_request(request, saved=None)  # (unless the rollback's re-save landed)
                     break
                 continue
             self.guard.step_done(step, started, outcome)
             request = self.guard.stop_requested()  # the first collective after the step: a slow peer's wait here
-            window_start += self.profiler.after_step(step)  # a trace written: not training either
-            window_steps += 1
+            window.took(1, paused_s=self.profiler.after_step(step))  # a trace written: not training either
             if outcome == "overflow":
                 self.metrics.event("skipped_step", step=step, reason="fp16 overflow",
                                    loss_scale=self.scaler.scaler.get_scale())
             if step == first and step % cfg.metrics.log_interval and step != stop:  # warm-up (compile, caches):
-                window_start, window_steps = self._clock(), 0  # the first window starts after it
+                window.restart(self._clock())  # the first window starts after it
             if step % cfg.metrics.log_interval == 0 or step == stop:
-                last = self._log_train(loss_value, grad_norm, self._clock() - window_start, window_steps)
-                window_start, window_steps = time.perf_counter(), 0
+                last = self._log_train(loss_value, grad_norm, self._clock() - window.start, window.steps)
+                window.restart()
             request, paused_s = self._evaluate_and_save(step, stop, request)
-            window_start += paused_s  # evaluation and saves are not training: out of the window
+            window.took(0, paused_s)  # evaluation and saves are not training: out of the window
             self.guard.end_step(step)
             if request and step < stop:  # on the last step the run simply ends
                 every = cfg.checkpoint.interval
                 stopped = self._stop_on_request(request, saved=bool(every) and step % every == 0)
                 break
-        self.profiler.close(self.step)  # a run stopped inside the profiled steps writes those it ran
-        self.report_device_anomalies()
-        summary = self.guard.finish(self.step, complete=stopped is None, last=self.step >= cfg.train.steps)
-        self.metrics.event("end", step=self.step, overflow_skipped_steps=self.scaler.skipped_steps,
-                           anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
-        if self.guard.goodput and self.guard.goodput.stale and not self.tiers.unsaved_end:  # (rank 0's: else exit 2)
-            print(f"shardline: warning: {self.run_dir / 'progress.json'} could not be written at the end "
-                  f"({self.guard.goodput.stale}): it still says an earlier state of this run", file=sys.stderr)
-        if not cfg.checkpoint.interval and stopped is None and self.step >= first and self.proc.is_main:
-            print(f"shardline: note: checkpoint.interval=0: the weights trained to step {self.step} were not saved",
-                  file=sys.stderr, flush=True)  # (said at the start too, and by a stop's line)
-        self.metrics.close()
-        self.data.release()
-        self.lock.release()
+        self._finish(stopped, first)
         if stopped:
             raise (Interrupted if request == "SIGINT" else Preempted)(stopped)
         if self.tiers.unsaved_end:  # (checkpoint.on_error=continue): trained, but what it trained is not kept
             raise on_every_rank(CheckpointError(self.tiers.unsaved_end))  # (a refused save fails on every rank)
         return last
+
+    def _finish(self, stopped: str | None, first: int) -> None:
+        """The launch's end: its account (the end event), what it leaves unsaid otherwise, and what it
+        lets go of (the log, the data's readers, the run dir's lock)."""
+        self.profiler.close(self.step)  # a run stopped inside the profiled steps writes those it ran
+        self.report_device_anomalies()
+        summary = self.guard.finish(self.step, complete=stopped is None, last=self.step >= self.cfg.train.steps)
+        self.metrics.event("end", step=self.step, overflow_skipped_steps=self.scaler.skipped_steps,
+                           anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
+        if self.guard.goodput and self.guard.goodput.stale and not self.tiers.unsaved_end:  # (rank 0's: else exit 2)
+            print(f"shardline: warning: {self.run_dir / 'progress.json'} could not be written at the end "
+                  f"({self.guard.goodput.stale}): it still says an earlier state of this run", file=sys.stderr)
+        if not self.cfg.checkpoint.interval and stopped is None and self.step >= first and self.proc.is_main:
+            print(f"shardline: note: checkpoint.interval=0: the weights trained to step {self.step} were not saved",
+                  file=sys.stderr, flush=True)  # (said at the start too, and by a stop's line)
+        self.metrics.close()
+        self.data.release()
+        self.lock.release()
 
     def train_step(self) -> tuple[float | torch.Tensor, torch.Tensor, str]:
         """One step: gradients, the anomaly check, then the update (or the anomaly's action).
