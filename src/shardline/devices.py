@@ -176,6 +176,12 @@ def mfu_peak_dtype(precision: str) -> str:
     return {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}[precision]
 
 
+def native_bf16() -> bool:
+    """Whether the current CUDA card computes in bf16 itself (Ampere and newer, compute capability 8.0):
+    torch's is_bf16_supported() also says yes for a V100 or T4, which emulate it, slower than fp32."""
+    return torch.cuda.get_device_capability() >= (8, 0)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op off CUDA), so host timers measure it."""
     if device.type == "cuda":

@@ -26,7 +26,7 @@ from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
 from shardline.launch_notes import (FP32_ON_GPU, lr_low_for_new_weights, unused_settings, val_path_in_training_data,
                                     vocab_rows_added, warmup_covers_run)
-from shardline.devices import DATASHEETS, local_datasheet
+from shardline.devices import DATASHEETS, local_datasheet, native_bf16
 from shardline.errors import ConfigError
 from shardline.layout.degrees import shard_degree
 from shardline.interop.hf import check_hf_weights
@@ -321,7 +321,7 @@ def _gpu_with_bf16(cfg: Config, gpu: str | None) -> tuple[bool, bool]:
         return gpu != "cpu", bool(get_hardware(gpu).peak_tflops.get("bf16"))
     if cfg.run.device == "cpu":
         return False, False
-    return True, cfg.train.precision != "auto" or not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+    return True, cfg.train.precision != "auto" or not torch.cuda.is_available() or native_bf16()
 
 
 def _device(cfg: Config, gpu: str | None, ranks: int = 1) -> Hardware:

@@ -83,7 +83,8 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
         notes.append(("half_precision_on_cpu", {"precision": cfg.train.precision, "why": "often slower than fp32 "
                       "on a CPU without AMX tiles for it: the casts and the element-wise work cost more than the "
                       "16-bit matmuls save (train.precision=fp32 on a CPU)"}))
-    if device_type == "cuda" and cfg.train.precision == "fp32":  # (allowed: a numerics check, say)
+    # (allowed: a numerics check, say; a card the table lacks may have no bf16 of its own, where auto gives fp32)
+    if device_type == "cuda" and cfg.train.precision == "fp32" and peak is not None:
         notes.append(("fp32_on_gpu", {"why": FP32_ON_GPU}))
     if peak is None and device_type == "cuda":
         notes.append(("mfu_unknown", {"device": gpu_name,

@@ -82,6 +82,11 @@ def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_p
     assert _relaunch_config(None, [f"run.dir={run}", "run.resume=never"]).optim.lr == 3e-3
     (tmp_path / "other.toml").write_text("[optim]\nlr = 0.001\n")
     assert _relaunch_config(str(tmp_path / "other.toml"), [f"run.dir={run}"]).optim.lr == 0.001
+    # train.precision=auto, from a file that never names it: the run's saved precision on a resume (an fp32 run
+    # of before auto was the default went on in bf16 on a GPU), by the device for a new run (nothing held there)
+    save_config(load_config(None, ["train.precision=fp32"]), run / "config.toml")
+    assert _relaunch_config(str(tmp_path / "other.toml"), [f"run.dir={run}"]).train.precision == "fp32"
+    assert _relaunch_config(str(tmp_path / "other.toml"), [f"run.dir={tmp_path / 'new'}"]).train.precision == "auto"
     # Degrees a launch with another world size gave and saved: the refusal says where they come from
     save_config(load_config(None, ["parallel.tp=2", "parallel.pp=2"]), run / "config.toml")
     with pytest.raises(ConfigError, match=re.escape(f"(parallel.tp=2 parallel.pp=2 from {run / 'config.toml'}, the "

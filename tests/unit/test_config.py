@@ -500,5 +500,7 @@ def test_a_run_dirs_config_of_a_launch_that_trained_nothing_is_named_where_it_is
     err = capsys.readouterr().err
     assert f"{run / 'config.toml'} is not read (its launch saved nothing to resume)" in err, err
     assert "train.steps 12 -> 200" in err and "train.seq_len 64 -> 256" in err
+    save_config(load_config(None, [f"run.dir={run}", "train.steps=12", "train.seq_len=64", "train.precision=bf16"]),
+                run / "config.toml")  # (as a GPU launch settles auto: 'auto' settles at launch, maybe to it)
     relaunch_config(None, [f"--run.dir={run}", "--train.steps=12", "--train.seq_len=64"])  # the same: nothing said
     assert "not read" not in capsys.readouterr().err

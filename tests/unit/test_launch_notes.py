@@ -86,6 +86,9 @@ def test_fp32_on_a_gpu_is_named_with_its_cost():
     assert "~15x under the bf16 one" in notes["fp32_on_gpu"]["why"]
     assert "fp32_on_gpu" not in dict(launch_notes(load_config(None, ["train.precision=bf16"]), "cuda", 989.0, 1))
     assert "fp32_on_gpu" not in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cpu", 0.1, 1))
+    # A card the table lacks (a V100: no bf16 of its own, where auto settles fp32) is not told to use bf16
+    assert "fp32_on_gpu" not in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cuda", None, 1,
+                                                  "Tesla V100-SXM2-32GB", 1))
 
 
 def test_chat_data_without_a_template_is_named_as_chatml(tmp_path):

@@ -271,8 +271,14 @@ def test_a_memory_only_run_whose_snapshots_are_gone_is_refused_not_started_again
     with pytest.raises(RuntimeError, match="injected"):
         _crashing(_memory_run(tiny_config, tmp_path, *memory), at_step=6).train()
     shutil.rmtree(tmp_path / "shm")
-    with pytest.raises(CheckpointError, match=r"in-memory snapshots \(to step 4\), which no node holds now"):
+    with pytest.raises(CheckpointError, match=r"in-memory snapshots \(held to step 4\), which no node holds now"):
         _memory_run(tiny_config, tmp_path, *memory)
+    with pytest.raises(CheckpointError, match=r"which this launch does not read \(checkpoint.memory_interval=0"):
+        _memory_run(tiny_config, tmp_path, "checkpoint.interval=0")  # (the tier off: not the RAM's fault)
+    shutil.rmtree(tmp_path / "run")  # a run that crashed before its first snapshot was held starts again
+    with pytest.raises(RuntimeError, match="injected"):
+        _crashing(_memory_run(tiny_config, tmp_path, *memory), at_step=2).train()
+    assert _memory_run(tiny_config, tmp_path, *memory).step == 0  # (no snapshot held: nothing of it to lose)
     assert (tmp_path / "run" / "metrics.jsonl").is_file()  # nothing of it touched
 
 

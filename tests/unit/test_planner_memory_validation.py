@@ -115,6 +115,7 @@ def test_a_no_fit_line_adds_up_and_offers_the_chunked_loss_for_logits():
     need, terms = re.search(r"needs ([\d.]+) GiB per device, largest term logits [\d.]+ GiB \(([^)]*)\)", text).groups()
     assert sum(float(t.rsplit(" ", 1)[1]) for t in terms.split(", ")) == pytest.approx(float(need), abs=0.3), text
     assert "the logits go with --train.loss_chunk_tokens=4096" in text
+    assert "loss_chunk_tokens" not in explain_no_fit(work, hw, 8, search(work, hw, 8, {}), overrides=False)  # simulate
 
 
 def test_bloom_stages_follow_megatron_deepspeeds_embedding_partition():

@@ -66,7 +66,10 @@ def test_text_output_says_what_the_optimum_and_the_failures_assume(capsys):
     assert main([*SMALL, "--step-time", "2", "--simulate.storage_gbps_total=3"]) == 0
     out = capsys.readouterr().out
     assert "TB (12 B a parameter) at 3 GB/s (min of 1 a node, 3 in all); stall" in out, out
-    assert "storage_gbps_total, host_copy_gbps, save_overhead_s change them" in out
+    assert "save_overhead_s, host_copy_gbps, snapshot_overhead_s change them" in out
+    assert main([*SMALL, "--step-time", "2", "--checkpoint-mode", "sync"]) == 0  # (its stall is the write)
+    out = capsys.readouterr().out
+    assert "priced from: write (the stall) 10 s + " in out and "host_copy" not in out, out
 
 
 def test_toml_config_and_overrides_change_the_failure_model(tmp_path, capsys):

@@ -120,8 +120,10 @@ def _chunks(documents: Iterable, chunk_bytes: int) -> Iterator[list]:
 
 
 def utf8_bytes(doc: str | list) -> int:
-    """A document's UTF-8 bytes (a conversation's as its JSON, unescaped: a CJK character 3, not 6)."""
-    return len((doc if isinstance(doc, str) else json.dumps(doc, ensure_ascii=False)).encode())
+    """A document's UTF-8 bytes (a conversation's as its JSON, unescaped: a CJK character 3, not 6); ASCII
+    text's without a copy (its length: a document of GBs is not encoded once more here)."""
+    text = doc if isinstance(doc, str) else json.dumps(doc, ensure_ascii=False)
+    return len(text) if text.isascii() else len(text.encode())
 
 
 @contextmanager

@@ -265,8 +265,9 @@ def _check_fixed(fixed: dict, gpus: int) -> None:
                           f"{product}, which does not divide --gpus {gpus}")
 
 
-def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult) -> str:
-    """The message for a request no layout satisfies: what is missing, in numbers."""
+def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult, overrides: bool = True) -> str:
+    """The message for a request no layout satisfies: what is missing, in numbers. `overrides`: the
+    command takes config overrides (plan does, simulate does not), so the advice may name one."""
     device = result.smallest_unfit or result.smallest_offload
     if device is None and result.smallest_host is None:
         if result.first_problem:
@@ -276,7 +277,7 @@ def explain_no_fit(work: Workload, hw: Hardware, gpus: int, result: SearchResult
             return (f"no layout of {gpus} devices has every pinned key (--fix {pins}); pin fewer keys "
                     "or other values")
         return f"no layout of {gpus} devices can run this request ({dict(result.pruned)}){_unrunnable(result)}"
-    parts = [_device_text(work, hw, device)] if device is not None else []
+    parts = [_device_text(work, hw, device, overrides)] if device is not None else []
     if result.smallest_unfit is not None and result.smallest_offload is not None:
         need, layout, _ = result.smallest_offload
         parts.append(f"with CPU offload the leanest ({layout.describe()}) needs {need / GiB:.1f} GiB per device")
@@ -302,7 +303,7 @@ def _unrunnable(result: SearchResult) -> str:
             f"{result.trainer_problem}")
 
 
-def _device_text(work: Workload, hw: Hardware, misfit: tuple[float, Layout, dict]) -> str:
+def _device_text(work: Workload, hw: Hardware, misfit: tuple[float, Layout, dict], overrides: bool) -> str:
     """The leanest layout's device memory, term by term, against the device's."""
     need, layout, mem = misfit
     have = hw.mem_gib * GiB
@@ -322,7 +323,7 @@ def _device_text(work: Workload, hw: Hardware, misfit: tuple[float, Layout, dict
                   "or cp, activation_checkpoint=full (if pinned otherwise), or a shorter sequence")
         if layout.dp == 1:  # tp x cp x pp holds every device: larger degrees need more of them
             advice += f"; at this world size, larger ones need about {more}x more devices"
-    if big == "logits" and not work.loss_chunk_tokens:  # (the planner prices it: it holds no batch's logits)
+    if big == "logits" and not work.loss_chunk_tokens and overrides:  # (priced: it holds no batch's logits)
         advice = ("the logits go with --train.loss_chunk_tokens=4096 (the output projection and loss a chunk of "
                   f"tokens at a time); beyond them, {advice}")
     terms = ", ".join(f"{k} {v / GiB:.1f}" for k, v in mem.items() if k not in (*OUTSIDE_DEVICE, *STATES) and v)

@@ -45,7 +45,7 @@ def resume_path(cfg: Config, checkpointer: Checkpointer, repaired: bool = False)
         raise CheckpointError(f"--resume given but {checkpointer.root} holds no valid checkpoint"
                               + (f" ({'; '.join(invalid)})" if invalid else ""))
     if settled and not cfg.checkpoint.memory_interval:  # no RAM tier to ask: refused before any weight is read
-        refuse_fresh_over_invalid(mode, None, invalid, checkpointer.root)
+        refuse_fresh_over_invalid(mode, None, invalid, checkpointer.root, reads_memory=False)
     if mode == "never" and checkpointer.list():
         raise ConfigError(f"run.resume='never' but {cfg.run.dir} already holds checkpoints that a new run "
                           "would overwrite; choose another run.dir or remove them")
@@ -67,10 +67,11 @@ def _trained_by_another_job(run_dir: str) -> bool:
                    for seen in starts for key, counter in _LAUNCHERS)
 
 
-def refuse_fresh_over_invalid(mode: str, found, invalid: list[str], root: Path) -> None:
+def refuse_fresh_over_invalid(mode: str, found, invalid: list[str], root: Path, reads_memory: bool = True) -> None:
     """Under run.resume=auto, a start that found no state (no valid checkpoint, no snapshot in
-    RAM) where checkpoints failed to verify, or the RAM tier's snapshots could not be used, is
-    refused: a fresh start would set them aside and train over the run's history from step 0."""
+    RAM) where checkpoints failed to verify, the RAM tier's snapshots could not be used, or a run
+    kept in RAM alone held snapshots no node has now, is refused: a fresh start would set them aside
+    and train over the run's history from step 0. `reads_memory`: this launch asks the RAM tier."""
     if mode == "auto" and found is None and invalid and all(p.startswith("the in-memory snapshot") for p in invalid):
         raise CheckpointError(f"nothing to resume in {root.parent}: {'; '.join(invalid)}, and there is no valid "
                               "checkpoint on disk; no fresh start over the run's history: relaunch with the layout "
@@ -80,13 +81,16 @@ def refuse_fresh_over_invalid(mode: str, found, invalid: list[str], root: Path) 
                               "resume, and no fresh start over them; fix or restore them and rerun, or start over "
                               "in another run.dir")
     if mode == "auto" and found is None and (step := snapshots_gone(root.parent)):
-        raise CheckpointError(f"nothing to resume in {root.parent}: it kept its state in in-memory snapshots (to "
-                              f"step {step}), which no node holds now (a reboot empties RAM), and has no checkpoint "
-                              "on disk; no fresh start over the run's history: start over in another run.dir")
+        where = ("no node holds now (a reboot empties RAM; a moved run dir, or another checkpoint.memory_dir, "
+                 "looks elsewhere)" if reads_memory else "this launch does not read (checkpoint.memory_interval=0: "
+                 "set it, and checkpoint.memory_dir, as the run had them)")
+        raise CheckpointError(f"nothing to resume in {root.parent}: it kept its state in in-memory snapshots (held "
+                              f"to step {step}), which {where}, and has no checkpoint on disk; no fresh start over "
+                              "the run's history: start over in another run.dir")
 
 
 def snapshots_gone(run_dir: Path) -> int:
-    """The newest step this run snapshotted in RAM since its last start from step 0, where its account
+    """The newest step this run held in RAM snapshots since its last start from step 0, where its account
     says it is unfinished (a finished run gave its snapshots back); 0 if none. Asked where nothing was
     found to resume: a memory-only run whose snapshots went with a reboot started again from step 0
     without a word."""
@@ -95,7 +99,7 @@ def snapshots_gone(run_dir: Path) -> int:
     except (OSError, ValueError):  # (no log: a fresh run dir)
         return 0
     fresh = max((i for i, r in enumerate(records) if r.get("event") == "start" and r.get("step") == 0), default=0)
-    steps = [r.get("step", 0) for r in records[fresh:] if r.get("event") == "memory_snapshot"]
+    steps = [r.get("step", 0) for r in records[fresh:] if r.get("event") == "memory_snapshot_held"]  # (not begun)
     account = read_account(run_dir) or {}
     return 0 if account.get("run_complete") or not steps else max(steps)
 

@@ -4,12 +4,14 @@ made before any process group exists: from files every node sees alike)."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import sys
 from pathlib import Path
 
-from shardline.config import Config, ParallelConfig, config_changes, load_config, load_relaunch_config, reader
+from shardline.config import (PRECISIONS, Config, ParallelConfig, config_changes, load_config, load_relaunch_config,
+                              reader)
 from shardline.errors import ConfigError, ShardlineError
 from shardline.layout.degrees import WORLD_DEGREES, shard_degree
 from shardline.layout.rules import ep_borrows
@@ -32,6 +34,8 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         found = saved.is_file()
     except OSError as e:  # a name too long, a folder of no access: the run dir's one line, not a traceback
         raise ConfigError(f"run.dir={cfg.run.dir!r} cannot be used: {e.strerror}") from None
+    if config is not None and found and cfg.train.precision == "auto" and cfg.run.resume != "never":
+        _keep_saved_precision(cfg, saved)
     if config is not None or cfg.run.resume == "never" or not found:
         return cfg
     held = resumable(Path(cfg.run.dir), saved)
@@ -68,6 +72,18 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
     return cfg
 
 
+def _keep_saved_precision(cfg: Config, saved: Path) -> None:
+    """train.precision=auto (a --config file that never names it) resuming a run goes on in the precision
+    the run trained in: auto settles by the device for a new run only (an fp32 run of before auto was the
+    default switched to bf16 in mid-run on a GPU)."""
+    if not resumable(Path(cfg.run.dir), saved):
+        return
+    with contextlib.suppress(ShardlineError, OSError, AttributeError):  # (damaged: the launch's checks say it)
+        kept = reader.read_toml(saved).get("train", {}).get("precision")
+        if kept in PRECISIONS and kept != "auto":
+            cfg.train.precision = kept
+
+
 def _given(overrides) -> set[str]:
     return {o.removeprefix("--").split("=")[0] for o in ([overrides] if isinstance(overrides, str) else overrides)}
 
@@ -94,7 +110,8 @@ def _say_not_read(cfg: Config, saved: Path, overrides: list[str]) -> None:
         theirs = load_relaunch_config(saved, cfg.run.dir, overrides)
     except (ShardlineError, TypeError, ValueError):  # (a damaged or hand-edited file: nothing to compare)
         return
-    changed = list(config_changes(theirs.to_dict(), cfg.to_dict()).items())
+    changed = [(k, v) for k, v in config_changes(theirs.to_dict(), cfg.to_dict()).items()
+               if (k, v[1]) != ("train.precision", "auto")]  # (auto settles at launch: maybe to theirs)
     if changed and speaks_for_the_job():
         said = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed[:4]) + ", ..." * (len(changed) > 4)
         print(f"shardline: note: {saved} is not read (its launch saved nothing to resume): this launch takes the "

@@ -166,7 +166,7 @@ def planned_step(model: ModelArgs, gpu: str, gpus: int, gpus_per_node: int, seq:
     except ConfigError as e:
         return None, str(e)
     if not result.candidates:
-        return None, explain_no_fit(work, hw, gpus, result)
+        return None, explain_no_fit(work, hw, gpus, result, overrides=False)
     best = result.candidates[0]
     pinned = (f", --fix {fix}" if fix else "") + (f", --profile {profile[0]}" if profile else "")
     return best.step_time_s, (f"planner: {best.layout.describe()}{pinned}, MFU {100 * best.mfu:.1f}%, "

@@ -93,17 +93,20 @@ def _optimal_line(r: dict[str, Any]) -> str:
 
 def _checkpoint_pricing(setup: Setup) -> str:
     """What the save and stall times rest on, with the keys that change them: their sizes and speeds
-    are assumptions (the Llama 3 store's 2 TB/s), which a measured --save-time or --snapshot-time replaces."""
-    job, s = setup.job, setup.settings
+    are assumptions (the Llama 3 store's 2 TB/s), which a measured --save-time or --snapshot-time replaces.
+    A sync save's stall is its write; async and memory saves stall for the copy to the host."""
+    job, s, mode = setup.job, setup.settings, setup.policy.mode
     size = state_bytes(job, s)
     write = ("--save-time, given" if s.save_s is not None else
              f"{s.save_overhead_s:g} s + {size / 1e12:.3g} TB ({s.state_bytes_per_param:g} B a parameter) at "
              f"{min(job.nodes * s.storage_gbps_per_node, s.storage_gbps_total):,.4g} GB/s (min of "
              f"{s.storage_gbps_per_node:g} a node, {s.storage_gbps_total:,g} in all)")
+    keys = "state_bytes_per_param, storage_gbps_per_node, storage_gbps_total, save_overhead_s"
+    if mode == "sync":
+        return f"write (the stall) {write}; --simulate.{keys} change it"
     stall = ("--snapshot-time, given" if s.snapshot_s is not None else
              f"{s.snapshot_overhead_s:g} s + {size / job.gpus / 1e9:.3g} GB a GPU at {s.host_copy_gbps:g} GB/s to host")
-    return (f"write {write}; stall {stall}; --simulate.state_bytes_per_param, storage_gbps_per_node, "
-            "storage_gbps_total, host_copy_gbps, save_overhead_s change them")
+    return f"write {write}; stall {stall}; --simulate.{keys}, host_copy_gbps, snapshot_overhead_s change them"
 
 
 def format_text(r: dict[str, Any]) -> str:

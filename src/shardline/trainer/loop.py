@@ -23,7 +23,7 @@ import torch
 
 from shardline.config import Config, expand_home
 from shardline.data.sampler import batch_index
-from shardline.devices import peak_tflops
+from shardline.devices import native_bf16, peak_tflops
 from shardline.errors import CheckpointError, ConfigError, Interrupted, Preempted, on_every_rank
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.metrics import mfu, peak_memory_gib
@@ -117,7 +117,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             torch.cuda.set_device(self.device)
         if cfg.train.precision == "auto":  # bf16 on a GPU that has it, else fp32: asked of this rank's own card,
             on_gpu = self.device.type == "cuda"  # once the allocator is configured (CUDA starts here)
-            cfg.train.settle_precision(on_gpu, on_gpu and torch.cuda.is_bf16_supported())
+            cfg.train.settle_precision(on_gpu, on_gpu and native_bf16())
         torch.manual_seed(cfg.train.seed)
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self.proc.rank, self.proc.is_main)
         # The input checks (files, data, layout, resume, this node's device and folders): a refusal on any rank,
