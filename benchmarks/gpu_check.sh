@@ -14,7 +14,7 @@
 #                                                                           -> gpu-tests.txt, .xml
 #
 # It first checks that this python imports torch and sees a CUDA device, and otherwise says so in
-# one line and exits 2 (ALLOW_CPU=1 runs on without one: the suite's CPU dry run, gpu_train.py --tiny).
+# one line and exits 2 (ALLOW_CPU=1 GPU_TRAIN_ARGS=--tiny runs on without one, as the suite's CPU dry run does).
 # RESULTS_DIR defaults to $OUT when set (the device tool's folder), else results/gpu-<time>.
 # It needs nothing from a registry: it runs with the machine's python3 and its torch (>= 2.11),
 # or with the interpreter PYTHON names (PYTHON=/path/to/venv/bin/python), puts src/ on PYTHONPATH,

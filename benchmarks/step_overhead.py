@@ -18,7 +18,8 @@ hits both equally. Reported: the median step time of each, their ratio and the
 overhead in percent (target of the issue: <= 3%), plus the median of the per-round
 ratios as a second, paired estimate.
 
-    python benchmarks/step_overhead.py                 # ~1 min on 2 CPU cores
+    python benchmarks/step_overhead.py --threads 1     # ~1 min on 2 idle cores (2 threads on a busy
+                                                       # machine: minutes, and noise the verdict names)
     python benchmarks/step_overhead.py --steps 200 --json results.json
 """
 
