@@ -176,6 +176,11 @@ def mfu_peak_dtype(precision: str) -> str:
     return {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}[precision]
 
 
+def cpu_load() -> float:
+    """The host's 1-minute load average (0 where the system keeps none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
 def native_bf16() -> bool:
     """Whether the current CUDA card computes in bf16 itself (Ampere and newer, compute capability 8.0):
     torch's is_bf16_supported() also says yes for a V100 or T4, which emulate it, slower than fp32."""

@@ -17,7 +17,7 @@ from shardline.data.folders import read_root
 from shardline.data.shards import tokenizer_hash
 from shardline.data.validation import split_by_prepare, val_format
 from shardline.data.tokenizer import KNOWN_EOS, eos_id, extends_file, load_tokenizer
-from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, mfu_peak_dtype
+from shardline.devices import CPU_PEAK_ASSUMED, cpu_cores, cpu_has_amx, cpu_load, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
 from shardline.interop.hf_config import hf_export_problem
 from shardline.layout import IDLE_AT_DEGREE_ONE, Layout
@@ -78,6 +78,9 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             f"the decay starts after the {cfg.optim.warmup_steps} warm-up steps, so it takes {decay[1]}")}))
     if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's
         notes.append(("mfu_peak_assumed", {"peak_tflops": peak, "why": CPU_PEAK_ASSUMED}))
+    if device_type == "cpu" and (load := cpu_load()) > cpu_cores():  # (a step's time then moved 17x on 2 cores)
+        notes.append(("cpu_busy", {"load": round(load, 2), "cores": cpu_cores(), "why": "other processes share "
+                                   "the cores: tokens/s and mfu move with them (a benchmark wants idle cores)"}))
     if device_type == "cpu" and cfg.train.precision in ("bf16", "fp16") and not cpu_has_amx(cfg.train.precision):
         # (allowed: it runs what a GPU runs; with AMX tiles for the dtype it is the faster one)
         notes.append(("half_precision_on_cpu", {"precision": cfg.train.precision, "why": "often slower than fp32 "

@@ -5,12 +5,30 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from shardline.config import load_config
 from shardline.devices import CPU_PEAK_ASSUMED
 from shardline.launch_notes import launch_notes
 from shardline.trainer import Trainer
 
 FINETUNE = Path(__file__).parents[2] / "configs" / "finetune.toml"
+
+
+@pytest.fixture(autouse=True)
+def idle_host(monkeypatch):
+    """The notes as an idle host gives them (this machine's load would add cpu_busy to some)."""
+    monkeypatch.setattr("shardline.launch_notes.cpu_load", lambda: 0.0)
+
+
+def test_a_busy_host_is_named_beside_its_mfu(monkeypatch):
+    """Two threads on two shared cores moved a step's time 17x: the log's tokens/s and mfu said nothing of it."""
+    from shardline.devices import cpu_cores
+
+    monkeypatch.setattr("shardline.launch_notes.cpu_load", lambda: cpu_cores() + 1.5)
+    note = dict(launch_notes(load_config(None, []), "cpu", 0.1, 1))["cpu_busy"]
+    assert note["load"] == cpu_cores() + 1.5 and "tokens/s and mfu move with them" in note["why"]
+    assert "cpu_busy" not in dict(launch_notes(load_config(None, ["train.precision=bf16"]), "cuda", 989.0, 1))
 
 
 def test_an_unknown_gpu_and_idle_gpus_are_named_with_their_fix():
