@@ -154,7 +154,8 @@ def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
         assert err.rstrip().endswith(f"give it to the search as {way}")
     # ... unless it says what the plan's own option does (a script's shared overrides)
     assert run_cli(capsys, *PLAN_8B, "--runnable-only", "--emit-config", str(path), "--train.seq_len=4096",
-                   "--model.preset=llama3-8b", "--train.document_mask=true")[0] == 0
+                   "--model.preset=llama3-8b", "--train.document_mask=true", "--train.precision=auto")[0] == 0
+    assert load_config(path).train.precision == "bf16"  # (auto: the plan's own choice on a GPU, written)
     # Starting weights named for the run are not read by the search, which prices --model (a checkpoint
     # on the training cluster, not on the planning host)
     code, out, _ = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--emit-config", str(path),

@@ -39,8 +39,9 @@ def register(sub) -> None:
     batch = plan.add_mutually_exclusive_group(required=True)
     batch.add_argument("--global-batch", type=int, metavar="SEQS", help="sequences per optimizer step")
     batch.add_argument("--global-batch-tokens", type=int, metavar="T", help="tokens per optimizer step")
-    plan.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp8"),
-                      help="compute dtype (default bf16 on accelerators, fp32 on cpu; fp8: float8 Linear GEMMs)")
+    plan.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32", "fp8"), default="auto",
+                      help="compute dtype (auto, the default: bf16 on accelerators, fp32 on cpu, as "
+                           "train.precision=auto; fp8: float8 Linear GEMMs)")
     plan.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=True,
                       help="attend within packed documents (the trainer's default); the kernel is "
                            "--train.attention's (auto: flex on GPUs, SDPA's dense mask on cpu)")
@@ -160,7 +161,7 @@ _PLAN_SETS = {"train.seq_len": "--seq-len", "train.global_batch_size": "--global
 def _refuse_what_the_plan_sets(overrides: list[str], base: Config, work: Workload) -> None:
     """Refused unless it says what the plan's own option does (a script's `--train.seq_len` equal to `--seq-len`)."""
     same = {"train.seq_len": base.train.seq_len == work.seq_len,
-            "train.precision": base.train.precision == work.precision,
+            "train.precision": base.train.precision in ("auto", work.precision),
             "train.global_batch_size": base.train.global_batch_size == work.global_batch,
             "train.document_mask": base.train.document_mask == work.document_mask,
             "model.preset": base.model.preset == work.model_ref,
@@ -222,7 +223,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         batch = args.global_batch
     if batch < 1:
         raise ConfigError(f"--global-batch {batch} must be >= 1")
-    precision = args.precision or ("fp32" if args.gpu == "cpu" else "bf16")
+    precision = args.precision if args.precision != "auto" else ("fp32" if args.gpu == "cpu" else "bf16")
     return Workload(model, args.seq_len, batch, precision, args.document_mask, ref, from_tok,
                     mean_doc_tokens=_mean_doc_tokens(args), ssd_offload_dir=args.ssd_offload_dir)
 
