@@ -1848,3 +1848,23 @@ def test_shard_tokens_holds_for_cjk_text(tmp_path):
     prepare(PrepareOptions([str(corpus)], str(out), shard_tokens=20_000, vocab_size=300, progress=False))
     sizes = [s["tokens"] for s in json.loads((out / "manifest.json").read_text())["splits"]["train"]["shards"]]
     assert len(sizes) > 2 and all(20_000 <= n <= 1.3 * 20_000 for n in sizes[:-1]), sizes
+
+
+def _worker_signals(parent: int, out) -> None:
+    from shardline.data.pool import _worker_start
+
+    _worker_start(parent, ())
+    out.put((signal.getsignal(signal.SIGINT) == signal.SIG_IGN, signal.getsignal(signal.SIGTERM) == signal.SIG_DFL))
+
+
+def test_a_tokenizing_worker_leaves_ctrl_c_to_the_prepare():
+    """A terminal's Ctrl-C reaches every process of the group: a worker raising KeyboardInterrupt while it
+    held the pool's queue lock left `prepare --workers 2` waiting for ever (1 in ~27 tries)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_worker_signals, args=(os.getpid(), out))
+    child.start()
+    assert out.get(timeout=60) == (True, True)
+    child.join(timeout=60)

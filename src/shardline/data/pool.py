@@ -81,12 +81,16 @@ PR_SET_PDEATHSIG = 1  # (linux/prctl.h)
 
 def _worker_start(parent: int, inherited: tuple[int, ...]) -> None:
     """A worker lets go of the caller's lock (forked, it held it: a SIGTERM or SIGKILL to the prepare
-    left its workers running with it, and a rerun waited for ever), and goes with the prepare that
-    forked it (Linux's parent-death signal; elsewhere an orphan finishes its chunk and idles)."""
+    left its workers running with it, and a rerun waited for ever), leaves Ctrl-C to the prepare, and
+    goes with the prepare that forked it (Linux's parent-death signal; elsewhere an orphan finishes
+    its chunk and idles)."""
     for fd in inherited:
         with contextlib.suppress(OSError):
             os.close(fd)  # (the worker's copy: the caller's lock stays held)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the caller's handler raises in its own main thread only)
+    # A terminal's Ctrl-C reaches the whole group: a worker's KeyboardInterrupt, raised while it held the
+    # pool's queue lock, left the prepare waiting for ever at its exit. The prepare alone stops on it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError, TypeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # (gone before the signal was asked for; a prepare that is PID 1 is no orphan's)
