@@ -1562,6 +1562,8 @@ def test_a_finished_folder_is_replaced_only_with_overwrite(tmp_path, small_corpu
     short.write_text("a few words\n\nand a second document\n", encoding="utf-8")
     first = prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300, progress=False))
     before = {p.name: p.read_bytes() for p in (out / "train").iterdir()}
+    prepare(PrepareOptions([str(small_corpus)], str(out), vocab_size=300))  # (a rerun reads no shard: it says so)
+    assert "nothing to do (its shards are not read again: --verify checks them)" in capsys.readouterr().err
     with pytest.raises(DataError, match=re.escape(f"--out {out} holds a finished prepare of other inputs or options "
                                                   f"(inputs: + {short.resolve()}, - {small_corpus.resolve()});")
                        + ".*give another --out, or --overwrite to replace it"):  # (each file named)

@@ -128,7 +128,8 @@ def prepare(opts: PrepareOptions) -> dict:
     request = _request(opts, files)
     done = finished(root, request)
     if done is not None and not opts.overwrite:
-        _say(opts, f"{root} is already prepared from these inputs; nothing to do")
+        _say(opts, f"{root} is already prepared from these inputs; nothing to do (its shards are not read again: "
+                   "--verify checks them)")
         _keep_side_files(opts.tokenizer, root)  # (tokens do not depend on them: the ones given now)
         check_manifest_keys(root, done)  # a damaged manifest: one line, not a KeyError in the fingerprint's read
         return _with_fingerprint(root, done)
