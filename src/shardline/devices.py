@@ -178,7 +178,10 @@ def mfu_peak_dtype(precision: str) -> str:
 
 def cpu_load() -> float:
     """The host's 1-minute load average (0 where the system keeps none)."""
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # (no getloadavg here, or the system keeps no load)
+        return 0.0
 
 
 def native_bf16() -> bool:

@@ -40,11 +40,12 @@ FP32_ON_GPU = ("train.precision=fp32 on a GPU: its matmuls run at the fp32 peak,
 
 def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: int, gpu_name: str = "",
                  gpus: int = 0, model: ModelArgs | None = None, tokenizer=None,
-                 resumed: bool = False, layout: Layout | None = None) -> list[tuple[str, dict]]:
+                 resumed: bool = False, layout: Layout | None = None, gpu_bf16: bool = True) -> list[tuple[str, dict]]:
     """(event, fields) of what a launch does that its user may not expect, logged as it starts:
     nothing is refused. `peak`: the device's peak TFLOP/s (None: unknown, so no MFU); on CUDA,
-    `gpu_name` is the device's name and `gpus` the number of GPUs the machine shows; `model`
-    the shape the run trains; `tokenizer` the one it tokenizes with; `resumed`: it resumes a checkpoint."""
+    `gpu_name` is the device's name, `gpus` the number of GPUs the machine shows and `gpu_bf16` whether
+    it computes bf16 itself (devices.native_bf16); `model` the shape the run trains; `tokenizer` the one
+    it tokenizes with; `resumed`: it resumes a checkpoint."""
     notes = []
     problem = hf_export_problem(model) if model is not None else None
     if problem:  # it trains, but only the export would say so, after the run
@@ -78,16 +79,16 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             f"the decay starts after the {cfg.optim.warmup_steps} warm-up steps, so it takes {decay[1]}")}))
     if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's
         notes.append(("mfu_peak_assumed", {"peak_tflops": peak, "why": CPU_PEAK_ASSUMED}))
-    if device_type == "cpu" and (load := cpu_load()) > cpu_cores():  # (a step's time then moved 17x on 2 cores)
-        notes.append(("cpu_busy", {"load": round(load, 2), "cores": cpu_cores(), "why": "other processes share "
-                                   "the cores: tokens/s and mfu move with them (a benchmark wants idle cores)"}))
+    if device_type == "cpu" and (load := cpu_load()) >= cpu_cores() + 1:  # (a step's time moved 17x on 2 cores)
+        notes.append(("cpu_busy", {"load": round(load, 2), "cores": cpu_cores(), "why": "more runnable work than "
+                                   "cores (this job's own ranks and workers count too): tokens/s and mfu move with "
+                                   "it (a benchmark wants idle cores)"}))
     if device_type == "cpu" and cfg.train.precision in ("bf16", "fp16") and not cpu_has_amx(cfg.train.precision):
         # (allowed: it runs what a GPU runs; with AMX tiles for the dtype it is the faster one)
         notes.append(("half_precision_on_cpu", {"precision": cfg.train.precision, "why": "often slower than fp32 "
                       "on a CPU without AMX tiles for it: the casts and the element-wise work cost more than the "
                       "16-bit matmuls save (train.precision=fp32 on a CPU)"}))
-    # (allowed: a numerics check, say; a card the table lacks may have no bf16 of its own, where auto gives fp32)
-    if device_type == "cuda" and cfg.train.precision == "fp32" and peak is not None:
+    if device_type == "cuda" and cfg.train.precision == "fp32" and gpu_bf16:  # (allowed: a numerics check, say)
         notes.append(("fp32_on_gpu", {"why": FP32_ON_GPU}))
     if peak is None and device_type == "cuda":
         notes.append(("mfu_unknown", {"device": gpu_name,

@@ -27,7 +27,9 @@ def test_a_busy_host_is_named_beside_its_mfu(monkeypatch):
 
     monkeypatch.setattr("shardline.launch_notes.cpu_load", lambda: cpu_cores() + 1.5)
     note = dict(launch_notes(load_config(None, []), "cpu", 0.1, 1))["cpu_busy"]
-    assert note["load"] == cpu_cores() + 1.5 and "tokens/s and mfu move with them" in note["why"]
+    assert note["load"] == cpu_cores() + 1.5 and "tokens/s and mfu move with it" in note["why"]
+    monkeypatch.setattr("shardline.launch_notes.cpu_load", lambda: cpu_cores() + 0.5)  # (its own rank's load)
+    assert "cpu_busy" not in dict(launch_notes(load_config(None, []), "cpu", 0.1, 1))
     assert "cpu_busy" not in dict(launch_notes(load_config(None, ["train.precision=bf16"]), "cuda", 989.0, 1))
 
 
@@ -104,9 +106,12 @@ def test_fp32_on_a_gpu_is_named_with_its_cost():
     assert "~15x under the bf16 one" in notes["fp32_on_gpu"]["why"]
     assert "fp32_on_gpu" not in dict(launch_notes(load_config(None, ["train.precision=bf16"]), "cuda", 989.0, 1))
     assert "fp32_on_gpu" not in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cpu", 0.1, 1))
-    # A card the table lacks (a V100: no bf16 of its own, where auto settles fp32) is not told to use bf16
-    assert "fp32_on_gpu" not in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cuda", None, 1,
-                                                  "Tesla V100-SXM2-32GB", 1))
+    # A card with no bf16 of its own (a V100, where auto settles fp32) is not told to use bf16; an L40S,
+    # which the table lacks, is
+    assert "fp32_on_gpu" not in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cuda", 125.0, 1,
+                                                  "Tesla V100-SXM2-32GB", 1, gpu_bf16=False))
+    assert "fp32_on_gpu" in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cuda", None, 1,
+                                              "NVIDIA L40S", 1))
 
 
 def test_chat_data_without_a_template_is_named_as_chatml(tmp_path):

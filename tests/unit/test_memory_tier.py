@@ -271,7 +271,7 @@ def test_a_memory_only_run_whose_snapshots_are_gone_is_refused_not_started_again
     with pytest.raises(RuntimeError, match="injected"):
         _crashing(_memory_run(tiny_config, tmp_path, *memory), at_step=6).train()
     shutil.rmtree(tmp_path / "shm")
-    with pytest.raises(CheckpointError, match=r"in-memory snapshots \(held to step 4\), which no node holds now"):
+    with pytest.raises(CheckpointError, match=r"in-memory snapshots \(taken to step 4\), which no node holds now"):
         _memory_run(tiny_config, tmp_path, *memory)
     with pytest.raises(CheckpointError, match=r"which this launch does not read \(checkpoint.memory_interval=0"):
         _memory_run(tiny_config, tmp_path, "checkpoint.interval=0")  # (the tier off: not the RAM's fault)
@@ -532,3 +532,21 @@ def test_the_snapshot_folders_made_again_after_a_fresh_runs_clear_stay_private(t
     tier.wait()
     assert {oct(p.stat().st_mode & 0o777) for p in (tier.root, tier.dir)} == {"0o700"}
     trainer.close()
+
+
+def test_an_async_snapshot_a_reboot_cut_before_its_held_record_still_counts(tmp_path):
+    """Under memory_mode=async a snapshot's `memory_snapshot_held` is logged as the next one starts: a reboot
+    before that left only `memory_snapshot`, and counting held ones alone let that run start again from 0."""
+    import json
+
+    from shardline.resilience.recovery import snapshots_gone
+
+    def log(*records):
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"kind": "event", "time": 0.0, **r}) + "\n"
+                                                        for r in records))
+
+    log({"event": "start", "step": 0}, {"event": "memory_snapshot", "step": 500})
+    assert snapshots_gone(tmp_path) == 500
+    log({"event": "start", "step": 0}, {"event": "memory_snapshot", "step": 500},
+        {"event": "memory_snapshot_failed", "step": 500})  # (/dev/shm full: nothing held)
+    assert snapshots_gone(tmp_path) == 0

@@ -70,6 +70,8 @@ def test_text_output_says_what_the_optimum_and_the_failures_assume(capsys):
     assert main([*SMALL, "--step-time", "2", "--checkpoint-mode", "sync"]) == 0  # (its stall is the write)
     out = capsys.readouterr().out
     assert "priced from: write (the stall) 10 s + " in out and "host_copy" not in out, out
+    assert main([*SMALL, "--step-time", "2", "--save-time", "30", "--snapshot-time", "2"]) == 0  # (both given)
+    assert "priced from: write --save-time, given; stall --snapshot-time, given\n" in capsys.readouterr().out
 
 
 def test_toml_config_and_overrides_change_the_failure_model(tmp_path, capsys):

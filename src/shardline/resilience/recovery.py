@@ -84,13 +84,13 @@ def refuse_fresh_over_invalid(mode: str, found, invalid: list[str], root: Path, 
         where = ("no node holds now (a reboot empties RAM; a moved run dir, or another checkpoint.memory_dir, "
                  "looks elsewhere)" if reads_memory else "this launch does not read (checkpoint.memory_interval=0: "
                  "set it, and checkpoint.memory_dir, as the run had them)")
-        raise CheckpointError(f"nothing to resume in {root.parent}: it kept its state in in-memory snapshots (held "
+        raise CheckpointError(f"nothing to resume in {root.parent}: it kept its state in in-memory snapshots (taken "
                               f"to step {step}), which {where}, and has no checkpoint on disk; no fresh start over "
                               "the run's history: start over in another run.dir")
 
 
 def snapshots_gone(run_dir: Path) -> int:
-    """The newest step this run held in RAM snapshots since its last start from step 0, where its account
+    """The newest step this run snapshotted in RAM since its last start from step 0, where its account
     says it is unfinished (a finished run gave its snapshots back); 0 if none. Asked where nothing was
     found to resume: a memory-only run whose snapshots went with a reboot started again from step 0
     without a word."""
@@ -99,7 +99,12 @@ def snapshots_gone(run_dir: Path) -> int:
     except (OSError, ValueError):  # (no log: a fresh run dir)
         return 0
     fresh = max((i for i, r in enumerate(records) if r.get("event") == "start" and r.get("step") == 0), default=0)
-    steps = [r.get("step", 0) for r in records[fresh:] if r.get("event") == "memory_snapshot_held"]  # (not begun)
+    # Taken and not failed (an async snapshot's `held` is logged only as the next one starts: a reboot before
+    # that leaves none, so a snapshot taken counts; one killed in its first seconds is counted too, a refusal
+    # where nothing was held, rather than a fresh start over what was)
+    failed = {r.get("step") for r in records[fresh:] if r.get("event") == "memory_snapshot_failed"}
+    steps = [r.get("step", 0) for r in records[fresh:] if r.get("event") == "memory_snapshot"
+             and r.get("step") not in failed]
     account = read_account(run_dir) or {}
     return 0 if account.get("run_complete") or not steps else max(steps)
 

@@ -101,12 +101,17 @@ def _checkpoint_pricing(setup: Setup) -> str:
              f"{s.save_overhead_s:g} s + {size / 1e12:.3g} TB ({s.state_bytes_per_param:g} B a parameter) at "
              f"{min(job.nodes * s.storage_gbps_per_node, s.storage_gbps_total):,.4g} GB/s (min of "
              f"{s.storage_gbps_per_node:g} a node, {s.storage_gbps_total:,g} in all)")
-    keys = "state_bytes_per_param, storage_gbps_per_node, storage_gbps_total, save_overhead_s"
+    keys = [] if s.save_s is not None else ["storage_gbps_per_node", "storage_gbps_total", "save_overhead_s"]
     if mode == "sync":
-        return f"write (the stall) {write}; --simulate.{keys} change it"
-    stall = ("--snapshot-time, given" if s.snapshot_s is not None else
-             f"{s.snapshot_overhead_s:g} s + {size / job.gpus / 1e9:.3g} GB a GPU at {s.host_copy_gbps:g} GB/s to host")
-    return f"write {write}; stall {stall}; --simulate.{keys}, host_copy_gbps, snapshot_overhead_s change them"
+        text = f"write (the stall) {write}"
+    else:
+        stall = ("--snapshot-time, given" if s.snapshot_s is not None else
+                 f"{s.snapshot_overhead_s:g} s + {size / job.gpus / 1e9:.3g} GB a GPU at {s.host_copy_gbps:g} GB/s "
+                 "to host")
+        keys += [] if s.snapshot_s is not None else ["host_copy_gbps", "snapshot_overhead_s"]
+        text = f"write {write}; stall {stall}"
+    keys = ["state_bytes_per_param"] * bool(keys) + keys  # (the size: in any term priced, not given)
+    return text + (f"; --simulate.{', '.join(keys)} change {'them' if mode != 'sync' else 'it'}" if keys else "")
 
 
 def format_text(r: dict[str, Any]) -> str:

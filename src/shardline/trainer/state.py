@@ -25,6 +25,7 @@ from shardline.data import build_data, tokenizer_file
 from shardline.data.tokenizer import save_tokenizer
 from shardline.errors import CheckpointError, ConfigError, DataError, on_every_rank
 from shardline.interop.weights import copy_starting_files
+from shardline.devices import native_bf16
 from shardline.launch_notes import launch_notes
 from shardline.metrics import MetricsLogger
 from shardline.models.attention import resolve_attention
@@ -193,7 +194,8 @@ class SavedState:
         gpu = (torch.cuda.get_device_name(self.device), torch.cuda.device_count()) if self.device.type == "cuda" else ()
         for note, fields in launch_notes(self.cfg, self.device.type, self.peak_tflops, self.proc.world_size, *gpu,
                                          model=self.model_args, tokenizer=self.data.tokenizer,
-                                         resumed=resumed is not None, layout=self.dims.layout):
+                                         resumed=resumed is not None, layout=self.dims.layout,
+                                         gpu_bf16=self.device.type == "cuda" and native_bf16()):
             self.metrics.event(note, step=self.step, **fields)
         self.metrics.event("data", step=self.step, **self.data.describe(self.cfg.train.steps))
         self.profiler = StepProfiler(self.cfg.metrics.profile_steps, self.run_dir, self.proc.rank, self.device,
