@@ -108,7 +108,7 @@ def test_a_model_switch_takes_true_and_false_as_on_and_off():
                              "anomaly.min_history=20 healthy steps first"),
     ('data.mix=[{path = "a", weight = inf}]', "data.mix[0].weight=inf is not a finite number"),
     ("watchdog.probe_interval=-1", "watchdog.probe_interval=-1 is invalid: must be >= 0 (0 = off)"),
-    ("faults.slow_in=gpu", "faults.slow_in='gpu' is invalid: must be one of ('host', 'compute', 'data')"),
+    ("faults.slow_in=gpu", "faults.slow_in='gpu' is invalid: one of host, compute, data"),  # (was a tuple)
     ("train.stop_at_step=300", "train.stop_at_step=300 is invalid: must be <= train.steps (200)"),
     ("train.skip_batches=[5, 5]", "train.skip_batches=[5, 5] is invalid: must name each batch once"),
     ("train.seed=99999999999999999999", "train.seed=99999999999999999999 is invalid: must be in [0, 2**63)"),

@@ -140,5 +140,5 @@ def test_precision_auto_is_bf16_on_a_gpu_and_fp32_on_a_cpu(tiny_config, capsys):
     assert "\nprecision fp16\n" in report
     from shardline.cli import main  # estimate prices the GPU it is given in bf16 too
 
-    assert main(["estimate", "--config", "configs/tiny.toml", "--gpu", "h100-sxm", "--train.precision=auto"]) == 0
+    assert main(["estimate", "--config", "configs/tiny.toml", "--gpu", "h100-sxm"]) == 0  # (the file: auto too)
     assert "(4,096 tokens), bf16, document mask" in capsys.readouterr().out

@@ -94,8 +94,9 @@ class FaultsConfig:
         for key in ("kill_rank", "hang_rank", "slow_rank"):
             require(getattr(self, key) >= -1, f"faults.{key}", getattr(self, key), "must be a rank, or -1 (off)")
         require(self.slow_factor >= 1, "faults.slow_factor", self.slow_factor, "must be >= 1")
-        require(self.slow_in in SLOW_IN, "faults.slow_in", self.slow_in, f"must be one of {SLOW_IN}")
-        require(self.hang_phase in HANG_PHASES, "faults.hang_phase", self.hang_phase, f"must be one of {HANG_PHASES}")
+        require(self.slow_in in SLOW_IN, "faults.slow_in", self.slow_in, f"one of {', '.join(SLOW_IN)}")
+        require(self.hang_phase in HANG_PHASES, "faults.hang_phase", self.hang_phase,
+                f"one of {', '.join(HANG_PHASES)}")
         # A drill given half (a step without its rank, or the reverse) never fires: a drill that passed
         # without anything happening.
         for step, rank in (("kill_step", "kill_rank"), ("hang_step", "hang_rank")):
