@@ -342,6 +342,8 @@ def test_a_stop_during_rollbacks_stops_there_with_the_rolled_back_state_saved(ti
     assert [r["step"] for r in records(trainer.run_dir) if r["kind"] == "train"] == [1, 2, 3, 4]
     saved = torch.load(trainer.run_dir / "checkpoints" / step_dir_name(3) / "trainer" / "rank0.pt", weights_only=False)
     assert saved["data"]["skipped_batches"] == [4]
+    progress = json.loads((trainer.run_dir / "progress.json").read_text(encoding="utf-8"))
+    assert (progress["step"], progress["high_water_step"]) == (3, 4)  # (the state it went back to, saved: was 4)
 
 
 @pytest.mark.parametrize("interval, snapshots", [(4, [1, 2]), (0, [1, 2, 3])])

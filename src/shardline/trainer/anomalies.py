@@ -129,6 +129,7 @@ class AnomalyResponse:
             self._saves_at_rollback = (self.tiers.landed, self.tiers.held, self.step)
             cost = time.perf_counter() - started
             self.guard.goodput.add("recovery", cost)
+            self.guard.goodput.last_step = self.step  # (progress.json's step: the state it went back to)
             self.metrics.event("anomaly", **event, to_step=self.step, checkpoint=name,
                                skipped_batch=skipped, cost_s=round(cost, 3))
             self.metrics.rewind(self.step)
