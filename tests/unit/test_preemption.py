@@ -607,3 +607,28 @@ def test_a_damaged_progress_file_is_said_as_the_account_starts_again(tiny_config
     Trainer(tiny_config(*settings)).build().train()
     (reset,) = [r for r in records(run) if r.get("event") == "progress_reset"]
     assert reset["step"] == 3 and "did not read as an account" in reset["reason"]
+
+
+def test_a_restart_with_nothing_saved_says_it_starts_over(tiny_config):
+    """A first attempt killed before its first save landed (an async save in flight): the restart went back
+    to step 0 with no word, though goodput counted those steps as recomputed."""
+    from shardline.trainer import Trainer
+
+    settings = ["train.steps=8", "train.eval_interval=0", "checkpoint.interval=6"]
+    trainer = Trainer(tiny_config(*settings)).build()
+    compute = trainer.compute_gradients
+
+    def crash():
+        if trainer.step == 4:
+            raise RuntimeError("injected crash")
+        return compute()
+
+    trainer.compute_gradients = crash
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.train()
+    run = trainer.run_dir
+    assert not [r for r in records(run) if r.get("event") == "starts_over"]
+    again = Trainer(tiny_config(*settings)).build()
+    assert again.step == 0
+    (said,) = [r for r in records(run) if r.get("event") == "starts_over"]
+    assert said["recomputed_steps"] == 4 and "trained again" in said["why"]
