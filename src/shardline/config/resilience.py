@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from shardline.errors import require
 
 ACTIONS = ("skip", "rollback", "halt")
-HANG_PHASES = ("step", "restore", "drain", "halt")  # where faults.hang_phase can stop a rank
+HANG_PHASES = ("step", "restore", "eval", "save", "snapshot", "drain", "halt")  # where faults.hang_phase stops a rank
 SLOW_IN = ("host", "compute", "data")  # where faults.slow_rank is slow
 
 
@@ -77,7 +77,9 @@ class FaultsConfig:
     spike_step: int = 0  # the loss of this step is multiplied by 100
     hang_rank: int = -1
     hang_step: int = 0
-    hang_phase: str = "step"  # where hang_rank hangs: a step (hang_step), "restore", "drain" or an anomaly "halt"
+    # Where hang_rank hangs: a step (hang_step), or the first phase of that name (its watchdog limit is
+    # long_timeout_s): "restore", "eval", "save", "snapshot", "drain" or an anomaly "halt"
+    hang_phase: str = "step"
     slow_rank: int = -1
     slow_factor: float = 1.0
     # Where slow_rank is slow: "host" sleeps after its step (outside the collectives: host work);
