@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 from pathlib import Path
 
 from shardline.config import Config
@@ -17,7 +18,7 @@ from shardline.data.folders import read_root
 from shardline.data.shards import tokenizer_hash
 from shardline.data.validation import split_by_prepare, val_format
 from shardline.data.tokenizer import KNOWN_EOS, eos_id, extends_file, load_tokenizer
-from shardline.devices import CPU_PEAK_ASSUMED, cpu_cores, cpu_has_amx, cpu_load, mfu_peak_dtype
+from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, cpu_load, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
 from shardline.interop.hf_config import hf_export_problem
 from shardline.layout import IDLE_AT_DEGREE_ONE, Layout
@@ -40,7 +41,7 @@ FP32_ON_GPU = ("train.precision=fp32 on a GPU: its matmuls run at the fp32 peak,
 
 def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: int, gpu_name: str = "",
                  gpus: int = 0, model: ModelArgs | None = None, tokenizer=None,
-                 resumed: bool = False, layout: Layout | None = None, gpu_bf16: bool = True) -> list[tuple[str, dict]]:
+                 resumed: bool = False, layout: Layout | None = None, gpu_bf16: bool = False) -> list[tuple[str, dict]]:
     """(event, fields) of what a launch does that its user may not expect, logged as it starts:
     nothing is refused. `peak`: the device's peak TFLOP/s (None: unknown, so no MFU); on CUDA,
     `gpu_name` is the device's name, `gpus` the number of GPUs the machine shows and `gpu_bf16` whether
@@ -79,8 +80,9 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             f"the decay starts after the {cfg.optim.warmup_steps} warm-up steps, so it takes {decay[1]}")}))
     if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's
         notes.append(("mfu_peak_assumed", {"peak_tflops": peak, "why": CPU_PEAK_ASSUMED}))
-    if device_type == "cpu" and (load := cpu_load()) >= cpu_cores() + 1:  # (a step's time moved 17x on 2 cores)
-        notes.append(("cpu_busy", {"load": round(load, 2), "cores": cpu_cores(), "why": "more runnable work than "
+    host = os.cpu_count() or 1  # (the load average is the host's: its cores, not this process's affinity)
+    if device_type == "cpu" and (load := cpu_load()) >= host + 1:  # (a step's time moved 17x on 2 cores)
+        notes.append(("cpu_busy", {"load": round(load, 2), "cores": host, "why": "more runnable work than "
                                    "cores (this job's own ranks and workers count too): tokens/s and mfu move with "
                                    "it (a benchmark wants idle cores)"}))
     if device_type == "cpu" and cfg.train.precision in ("bf16", "fp16") and not cpu_has_amx(cfg.train.precision):

@@ -102,17 +102,18 @@ def test_hang_in_the_final_drain_is_reported_by_phase(tmp_path, small_prepared):
     assert [(e["phase"], e["step"]) for e in hang] == [("drain", 3)]  # the log was open: the event is there
 
 
-@pytest.mark.parametrize("phase", ["eval", "save"])
-def test_a_hang_in_an_evaluation_or_a_save_is_reported_by_phase(tmp_path, small_prepared, phase):
+@pytest.mark.parametrize("phase, from_step, at", [("eval", 0, 2), ("save", 3, 4)])
+def test_a_hang_in_an_evaluation_or_a_save_is_reported_by_phase(tmp_path, small_prepared, phase, from_step, at):
     """Phases the watchdog watches under long_timeout_s that no drill reached (a SIGSTOP in an eval was
-    found as a step's hang)."""
+    found as a step's hang); faults.hang_step picks the first such phase from that step on."""
     run = tmp_path / "run"
     hung = shardline("train", *[f"--{o}" for o in tiny_overrides(
-        run, small_prepared, "train.steps=4", "checkpoint.interval=2", "train.eval_interval=2",
-        "watchdog.timeout_s=30", "watchdog.long_timeout_s=2", "faults.hang_rank=0", f"faults.hang_phase={phase}")])
+        run, small_prepared, "train.steps=4", "checkpoint.interval=2", f"train.eval_interval={2 * (phase == 'eval')}",
+        "watchdog.timeout_s=30", "watchdog.long_timeout_s=2", "faults.hang_rank=0", f"faults.hang_phase={phase}",
+        f"faults.hang_step={from_step}")])
     assert hung.returncode == 4, hung.stderr[-2000:]
     report = _report(run)
-    assert (report["phase"], report["step"], report["stopped_ranks"], report["limit_s"]) == (phase, 2, [0], 2.0)
+    assert (report["phase"], report["step"], report["stopped_ranks"], report["limit_s"]) == (phase, at, [0], 2.0)
 
 
 def test_a_hang_in_an_anomaly_halts_save_is_reported_by_phase(tmp_path, small_prepared):

@@ -174,11 +174,22 @@ def test_paths_given_as_numbers_stay_as_written():
     assert (cfg.run.dir, cfg.data.path, cfg.run.resume) == ("2024-06-01", "12:00:00", "runs/x/step-000010")
 
 
-def test_a_hang_drill_in_another_phase_is_not_held_to_train_steps():
-    """hang_step counts only where the hang is a step's: a drain or restore hang fires where it is."""
-    with pytest.raises(ConfigError, match="faults.hang_step=300 is past train.steps=200: the drill would never fire"):
-        load_config(None, ["faults.hang_rank=0", "faults.hang_step=300"]).check()
-    load_config(None, ["faults.hang_rank=0", "faults.hang_step=300", "faults.hang_phase=drain"]).check()
+def test_a_hang_drill_that_could_never_fire_is_refused():
+    """A phase's hang fires at the first such phase from hang_step on (a save's, an eval's recur): past
+    train.steps, or in a phase the run never has (no evaluation, no save, no snapshot, no anomaly to halt
+    on), it passed as if drilled."""
+    for phase in ("step", "drain"):
+        with pytest.raises(ConfigError, match="faults.hang_step=300 is past train.steps=200: the drill would never"):
+            load_config(None, ["faults.hang_rank=0", "faults.hang_step=300", f"faults.hang_phase={phase}"]).check()
+    load_config(None, ["faults.hang_rank=0", "faults.hang_phase=drain"]).check()
+    for phase, off, key in (("eval", "train.eval_interval=0", "train.eval_interval"),
+                            ("save", "checkpoint.interval=0", "checkpoint.interval"),
+                            ("snapshot", "checkpoint.memory_interval=0", "checkpoint.memory_interval"),
+                            ("halt", "faults.nan_step=0", "faults.nan_step or faults.spike_step")):
+        with pytest.raises(ConfigError, match=rf"faults.hang_phase={phase} would never fire: this run has no {phase} "
+                                              rf"phase; set {re.escape(key)}"):
+            load_config(None, ["faults.hang_rank=0", f"faults.hang_phase={phase}", off]).check()
+    load_config(None, ["faults.hang_rank=0", "faults.hang_phase=snapshot", "checkpoint.memory_interval=5"]).check()
 
 
 def test_a_save_drill_at_a_step_with_no_save_is_refused():

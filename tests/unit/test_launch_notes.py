@@ -23,12 +23,12 @@ def idle_host(monkeypatch):
 
 def test_a_busy_host_is_named_beside_its_mfu(monkeypatch):
     """Two threads on two shared cores moved a step's time 17x: the log's tokens/s and mfu said nothing of it."""
-    from shardline.devices import cpu_cores
+    import os
 
-    monkeypatch.setattr("shardline.launch_notes.cpu_load", lambda: cpu_cores() + 1.5)
+    monkeypatch.setattr("shardline.launch_notes.cpu_load", lambda: os.cpu_count() + 1.5)
     note = dict(launch_notes(load_config(None, []), "cpu", 0.1, 1))["cpu_busy"]
-    assert note["load"] == cpu_cores() + 1.5 and "tokens/s and mfu move with it" in note["why"]
-    monkeypatch.setattr("shardline.launch_notes.cpu_load", lambda: cpu_cores() + 0.5)  # (its own rank's load)
+    assert note["load"] == os.cpu_count() + 1.5 and "tokens/s and mfu move with it" in note["why"]
+    monkeypatch.setattr("shardline.launch_notes.cpu_load", lambda: os.cpu_count() + 0.5)  # (its own rank's load)
     assert "cpu_busy" not in dict(launch_notes(load_config(None, []), "cpu", 0.1, 1))
     assert "cpu_busy" not in dict(launch_notes(load_config(None, ["train.precision=bf16"]), "cuda", 989.0, 1))
 
@@ -102,7 +102,7 @@ def test_half_precision_on_a_cpu_is_named_as_likely_slower(monkeypatch):
 
 def test_fp32_on_a_gpu_is_named_with_its_cost():
     """Allowed (a numerics check), but a run at ~1/15 of the bf16 peak is worth a word; auto gives bf16 there."""
-    notes = dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cuda", 67.0, 1))
+    notes = dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cuda", 67.0, 1, gpu_bf16=True))
     assert "~15x under the bf16 one" in notes["fp32_on_gpu"]["why"]
     assert "fp32_on_gpu" not in dict(launch_notes(load_config(None, ["train.precision=bf16"]), "cuda", 989.0, 1))
     assert "fp32_on_gpu" not in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cpu", 0.1, 1))
@@ -111,7 +111,7 @@ def test_fp32_on_a_gpu_is_named_with_its_cost():
     assert "fp32_on_gpu" not in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cuda", 125.0, 1,
                                                   "Tesla V100-SXM2-32GB", 1, gpu_bf16=False))
     assert "fp32_on_gpu" in dict(launch_notes(load_config(None, ["train.precision=fp32"]), "cuda", None, 1,
-                                              "NVIDIA L40S", 1))
+                                              "NVIDIA L40S", 1, gpu_bf16=True))
 
 
 def test_chat_data_without_a_template_is_named_as_chatml(tmp_path):

@@ -68,8 +68,6 @@ class Config:
         Under train.epochs the steps are known once the data is read (`steps_known`)."""
         f, steps = self.faults, self.train.steps
         for key in DRILL_STEPS if steps_known or not self.train.epochs else ():
-            if key == "hang_step" and f.hang_phase != "step":  # (another phase's hang fires where it is)
-                continue
             if getattr(f, key) > steps:
                 raise ConfigError(f"faults.{key}={getattr(f, key)} is past train.steps={steps}: the drill would "
                                   f"never fire; give a step in 1..{steps}")
@@ -81,6 +79,12 @@ class Config:
             if step and step % every and step not in ends and (steps_known or not self.train.epochs):
                 raise ConfigError(f"faults.{key}={step} is no step a checkpoint is saved at: the drill would never "
                                   f"fire; give a multiple of checkpoint.interval={every} or the run's last step")
+        phases = {"eval": ("train.eval_interval", self.train.eval_interval), "save": ("checkpoint.interval", every),
+                  "snapshot": ("checkpoint.memory_interval", self.checkpoint.memory_interval),
+                  "halt": ("faults.nan_step or faults.spike_step (an anomaly to halt on)", f.nan_step or f.spike_step)}
+        if f.hang_rank >= 0 and f.hang_phase in phases and not phases[f.hang_phase][1]:
+            raise ConfigError(f"faults.hang_phase={f.hang_phase} would never fire: this run has no {f.hang_phase} "
+                              f"phase; set {phases[f.hang_phase][0]}")
         if f.spike_step and f.spike_step <= self.anomaly.min_history:
             raise ConfigError(f"faults.spike_step={f.spike_step} comes before the spike detector judges any step: it "
                               f"needs anomaly.min_history={self.anomaly.min_history} healthy steps first; give a "

@@ -48,9 +48,10 @@ class FaultInjector:
         if c.hang_phase == "step" and self._fire("hang", step, c.hang_step, c.hang_rank):
             _hang()
 
-    def in_phase(self, phase: str) -> None:
-        """Called as a phase outside steps begins ("restore", "drain"): the hang drill there."""
-        if self.cfg.hang_phase == phase and self._fire("hang", 1, 1, self.cfg.hang_rank):
+    def in_phase(self, phase: str, step: int) -> None:
+        """Called as a phase outside steps begins (restore, eval, save, snapshot, drain, halt) after `step`:
+        the hang drill there, at the first such phase from faults.hang_step on (0: the first)."""
+        if self.cfg.hang_phase == phase and step >= self.cfg.hang_step and self._fire("hang", 1, 1, self.cfg.hang_rank):
             _hang()
 
     def _slow(self, where: str) -> bool:

@@ -72,6 +72,7 @@ class Goodput:
         self.counted = True  # this launch is part of the run's account (not one that found nothing to train)
         self._gap = 0.0  # the restart gap before this launch, added to the account
         previous = self._read()
+        self.was_complete = bool(previous and previous.get("run_complete"))  # (a restart after it trained to its end)
         # A file there that does not read (damaged, hand-edited): the account starts over, said (progress_reset)
         self.reset = "" if previous or not self.path.exists() else f"{self.path} did not read as an account"
         if previous and fresh and previous.get("finished"):

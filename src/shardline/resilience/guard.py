@@ -95,7 +95,7 @@ class RunGuard:
         try:
             if self.goodput:
                 self.goodput.enter(name)
-            self.faults.in_phase(name)
+            self.faults.in_phase(name, step)
             yield
         finally:
             self.stops.writing = writing

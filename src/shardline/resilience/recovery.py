@@ -102,9 +102,12 @@ def snapshots_gone(run_dir: Path) -> int:
     # Taken and not failed (an async snapshot's `held` is logged only as the next one starts: a reboot before
     # that leaves none, so a snapshot taken counts; one killed in its first seconds is counted too, a refusal
     # where nothing was held, rather than a fresh start over what was)
-    failed = {r.get("step") for r in records[fresh:] if r.get("event") == "memory_snapshot_failed"}
-    steps = [r.get("step", 0) for r in records[fresh:] if r.get("event") == "memory_snapshot"
-             and r.get("step") not in failed]
+    steps: list[int] = []
+    for r in records[fresh:]:  # (in order: a failure cancels the latest snapshot of its step, not a later one)
+        if r.get("event") == "memory_snapshot":
+            steps.append(r.get("step", 0))
+        elif r.get("event") == "memory_snapshot_failed" and r.get("step") in steps:
+            del steps[len(steps) - 1 - steps[::-1].index(r["step"])]
     account = read_account(run_dir) or {}
     return 0 if account.get("run_complete") or not steps else max(steps)
 

@@ -111,7 +111,8 @@ def _checkpoint_pricing(setup: Setup) -> str:
         keys += [] if s.snapshot_s is not None else ["host_copy_gbps", "snapshot_overhead_s"]
         text = f"write {write}; stall {stall}"
     keys = ["state_bytes_per_param"] * bool(keys) + keys  # (the size: in any term priced, not given)
-    return text + (f"; --simulate.{', '.join(keys)} change {'them' if mode != 'sync' else 'it'}" if keys else "")
+    priced = (s.save_s is None) + (mode != "sync" and s.snapshot_s is None)  # (the terms the keys price)
+    return text + (f"; --simulate.{', '.join(keys)} change {'them' if priced > 1 else 'it'}" if keys else "")
 
 
 def format_text(r: dict[str, Any]) -> str:

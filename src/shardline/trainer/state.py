@@ -212,9 +212,10 @@ class SavedState:
             if self._config_changes:  # {section.key: [saved, now]}: what else this launch changed
                 self.metrics.event("config_changed", step=self.step, **self._config_changes)
         elif self.guard.goodput.high_water:  # this run's account goes on (a restart), with nothing saved to resume
-            self.metrics.event("starts_over", step=0, recomputed_steps=self.guard.goodput.high_water,
-                               why="no saved state of this run was found (none was saved, or a save in flight "
-                                   "when it stopped never landed): its steps are trained again")
+            self.metrics.event("starts_over", step=0, recomputed_steps=self.guard.goodput.high_water, why=(
+                "no saved state of this run was found (none was saved or kept, or a save in flight when it stopped "
+                "never landed, or it was removed): its steps are trained again") + (
+                "; it had trained to its end" if self.guard.goodput.was_complete else ""))
 
     def _layout_fingerprint(self) -> str:
         """What in-memory snapshots (local shards) are only valid for: this layout and model
