@@ -210,7 +210,7 @@ RUN_DIR_ENTRIES = {"checkpoints": True, "config.toml": False, "metrics.jsonl": F
 def run_dir_problem(run_dir: str) -> str | None:
     """run.dir naming another tool's folder, whose files a run would overwrite (its tokenizer.json, a
     config.toml): a Hugging Face model, a prepared data folder, a checkpoint, a run's checkpoints
-    folder (a run written there was taken for that run's history by nothing, and cluttered it)."""
+    folder (a run written there mixed its files into that run's history)."""
     path = Path(run_dir)
     what = ("a Hugging Face model folder (config.json)" if (path / "config.json").is_file() else
             "a checkpoint (manifest.json)" if (path / MANIFEST).is_file() and (path / "meta.json").is_file() else
