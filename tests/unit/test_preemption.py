@@ -632,3 +632,17 @@ def test_a_restart_with_nothing_saved_says_it_starts_over(tiny_config):
     assert again.step == 0
     (said,) = [r for r in records(run) if r.get("event") == "starts_over"]
     assert said["recomputed_steps"] == 4 and "trained again" in said["why"]
+
+
+def test_a_restart_after_a_run_ended_with_nothing_kept_says_so(tiny_config, monkeypatch):
+    """A run of checkpoint.interval=0 trained to its end, then a torchrun restart (a worker failed in its
+    teardown): nothing to resume, and starts_over said its save never landed."""
+    from shardline.trainer import Trainer, state
+
+    settings = ["train.steps=3", "train.eval_interval=0", "checkpoint.interval=0"]
+    first = Trainer(tiny_config(*settings)).build()
+    first.train()
+    monkeypatch.setattr(state, "restarted", lambda: True)
+    Trainer(tiny_config(*settings)).build()
+    (said,) = [r for r in records(first.run_dir) if r.get("event") == "starts_over"]
+    assert said["recomputed_steps"] == 3 and said["why"].endswith("; it had trained to its end")
