@@ -160,11 +160,8 @@ class TrainConfig:
         return min(self.steps, self.stop_at_step or self.steps)
 
     def settle_precision(self, on_gpu: bool, gpu_bf16: bool = True) -> None:
-        """precision = "auto" as the device decides it, before anything reads it: bf16 on a GPU with bf16
-        (Ampere and newer; fp32 there ran ~14x under the bf16 peak), fp32 on a CPU (whose 16-bit matmuls
-        are often slower) and on an older GPU (whose fp16 needs loss scaling: asked for by name)."""
-        if self.precision == "auto":
-            self.precision = "bf16" if on_gpu and gpu_bf16 else "fp32"
+        """precision = "auto" as the device decides it (settled_precision), before anything reads it."""
+        self.precision = settled_precision(self.precision, on_gpu, gpu_bf16)
 
     def check(self) -> None:
         _require(self.stop_at_step >= 0, "train.stop_at_step", self.stop_at_step, "must be >= 0 (0 = train.steps)")
@@ -188,6 +185,16 @@ class TrainConfig:
                  "batch indices must be >= 0")
         _require(len(set(self.skip_batches)) == len(self.skip_batches), "train.skip_batches", self.skip_batches,
                  "must name each batch once (a repeated index would shift the batches after it once more)")
+
+
+def settled_precision(asked: str, on_gpu: bool, gpu_bf16: bool = True) -> str:
+    """`asked`, or for "auto" what the device decides: bf16 on a GPU with bf16 (Ampere and newer; fp32
+    there ran ~14x under the bf16 peak), fp32 on a CPU (whose 16-bit matmuls are often slower) and on an
+    older GPU (whose fp16 needs loss scaling: asked for by name). The trainer, the dry run, estimate and
+    plan all settle it here."""
+    if asked != "auto":
+        return asked
+    return "bf16" if on_gpu and gpu_bf16 else "fp32"
 
 
 @dataclass

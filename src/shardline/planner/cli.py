@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from shardline.config import Config, DataConfig, load_config, to_toml
+from shardline.config.sections import settled_precision
 from shardline.config.reader import OnlyOnce
 from shardline.errors import ConfigError, ShardlineError
 from shardline.models.llama import ModelArgs
@@ -223,7 +224,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         batch = args.global_batch
     if batch < 1:
         raise ConfigError(f"--global-batch {batch} must be >= 1")
-    precision = args.precision if args.precision != "auto" else ("fp32" if args.gpu == "cpu" else "bf16")
+    precision = settled_precision(args.precision, on_gpu=args.gpu != "cpu")
     return Workload(model, args.seq_len, batch, precision, args.document_mask, ref, from_tok,
                     mean_doc_tokens=_mean_doc_tokens(args), ssd_offload_dir=args.ssd_offload_dir)
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from shardline.devices import cpu_load
 from shardline.errors import ConfigError, ShardlineError
 from shardline.planner.calibrate import ops
 from shardline.planner.calibrate.comm import measure_collectives
@@ -191,7 +192,7 @@ def _calibrate(out: str | Path, quick: bool, comm: bool) -> dict:
     on_cpu = not torch.cuda.is_available()
     # One thread on a CPU: time with the thread's CPU clock, which other processes do not stretch.
     clock = time.thread_time if on_cpu and torch.get_num_threads() == 1 else time.perf_counter
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    load = cpu_load()
     start = time.perf_counter()
     fields, raw = measure(quick=quick, comm=comm, clock=clock)
     if on_cpu:  # (measure keeps the peak of this thread count with the efficiencies)
