@@ -184,10 +184,11 @@ def cpu_load() -> float:
         return 0.0
 
 
-def native_bf16() -> bool:
-    """Whether the current CUDA card computes in bf16 itself (Ampere and newer, compute capability 8.0):
-    torch's is_bf16_supported() also says yes for a V100 or T4, which emulate it, slower than fp32."""
-    return torch.cuda.get_device_capability() >= (8, 0)
+def native_bf16(device: torch.device | str | None = None) -> bool:
+    """Whether the CUDA card (`device`, else the current one) computes in bf16 itself (Ampere and newer,
+    compute capability 8.0): torch's is_bf16_supported() also says yes for a V100 or T4, which emulate it,
+    slower than fp32."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def synchronize(device: torch.device) -> None:

@@ -61,8 +61,8 @@ from shardline.preflight import (
 def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool = True) -> tuple[str, bool]:
     """(the report of a checked launch on `world` ranks, whether the memory estimate fits);
     raises what the launch would raise (`world_given`: by --world-size or $WORLD_SIZE, else 1)."""
-    asked, on_gpu = cfg.train.precision, _gpu_with_bf16(cfg, gpu)
-    cfg.train.settle_precision(*on_gpu)
+    asked, (on_gpu, gpu_bf16) = cfg.train.precision, _gpu_with_bf16(cfg, gpu)
+    cfg.train.settle_precision(on_gpu, gpu_bf16)
     check_config(cfg)
     stand_in = use_model_tokenizer(cfg)
     if not world_given:  # degrees that need more processes than the one assumed: say how to give them
@@ -105,7 +105,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
              *_resume_lines(cfg, resume, stand_in is not None, world, world_given),
              *_note_lines(cfg, resume is not None, launch, vocab, known),
              *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch),
-             _precision_line(asked, cfg.train.precision, on_gpu[0])]
+             _precision_line(asked, cfg.train.precision, on_gpu and gpu_bf16)]
     memory, fits = _memory_lines(cfg, launch, gpu)
     return "\n".join([*lines, *memory]), fits
 
@@ -218,10 +218,12 @@ def _optim_line(cfg: Config) -> str:
     return f"optim     lr {o.lr:g}, {o.warmup_steps} warm-up step(s){curve}; {seeds}"
 
 
-def _precision_line(asked: str, settled: str, on_gpu: bool) -> str:
+def _precision_line(asked: str, settled: str, gpu_bf16: bool) -> str:
+    """The precision the launch trains in; fp32 on a GPU with bf16 of its own gets the launch note's advice
+    (not on an older card, where bf16 is emulated and slower than fp32)."""
     if asked == "auto":
         return f"precision {settled} (train.precision=auto: bf16 on a GPU with it, else fp32)"
-    if settled == "fp32" and on_gpu:  # (as the launch notes it: fp32_on_gpu)
+    if settled == "fp32" and gpu_bf16:  # (as the launch notes it: fp32_on_gpu)
         return f"precision fp32 ({FP32_ON_GPU})"
     return f"precision {settled}"
 
@@ -321,7 +323,10 @@ def _gpu_with_bf16(cfg: Config, gpu: str | None) -> tuple[bool, bool]:
         return gpu != "cpu", bool(get_hardware(gpu).peak_tflops.get("bf16"))
     if cfg.run.device == "cpu":
         return False, False
-    return True, cfg.train.precision != "auto" or not torch.cuda.is_available() or native_bf16()
+    if not torch.cuda.is_available():  # (priced as an assumed H100)
+        return True, True
+    index = torch.device(cfg.run.device).index if cfg.run.device.startswith("cuda") else None
+    return True, native_bf16(index if index is not None and index < torch.cuda.device_count() else None)
 
 
 def _device(cfg: Config, gpu: str | None, ranks: int = 1) -> Hardware:

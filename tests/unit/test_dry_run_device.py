@@ -142,3 +142,20 @@ def test_precision_auto_is_bf16_on_a_gpu_and_fp32_on_a_cpu(tiny_config, capsys):
 
     assert main(["estimate", "--config", "configs/tiny.toml", "--gpu", "h100-sxm"]) == 0  # (the file: auto too)
     assert "(4,096 tokens), bf16, document mask" in capsys.readouterr().out
+
+
+def test_an_older_card_is_not_advised_bf16_and_its_own_card_is_asked(tiny_config, monkeypatch):
+    """A V100 (compute capability 7.0) emulates bf16, slower than fp32: a dry run there with fp32 asked for
+    gave the launch note's advice to use bf16 all the same. And run.device=cuda:1's card is the one asked,
+    not card 0."""
+    _card(monkeypatch, "Tesla V100-SXM2-32GB", 31.7)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    asked = []
+    cards = {0: (9, 0), 1: (7, 0)}  # card 0 an H100, card 1 a V100
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: asked.append(d) or cards[d or 0])
+    report, _ = dry_run.dry_run(tiny_config("train.precision=fp32", "run.device=cuda:1"), 1)
+    assert "\nprecision fp32\n" in report and asked == [1]
+    report, _ = dry_run.dry_run(tiny_config("run.device=cuda:1"), 1)
+    assert "precision fp32 (train.precision=auto" in report  # auto there: fp32 too
+    report, _ = dry_run.dry_run(tiny_config("train.precision=fp32", "run.device=cuda:0"), 1)
+    assert "precision fp32 (train.precision=fp32 on a GPU: its matmuls run at the fp32 peak" in report

@@ -181,15 +181,15 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.planner.search import explain_no_fit, runnable_problem, search
 
     base = load_config(None, overrides)  # fails early on a bad override
-    _refuse_what_the_plan_sets(overrides, base, _workload(args))
     hw = _hardware(args, args.gpu)
+    _refuse_what_the_plan_sets(overrides, base, _workload(args, hw))
     gpn = hw.network.gpus_per_node
     if args.gpus > gpn and args.gpus % gpn and hw.name != "cpu":
         raise ConfigError(f"--gpus {args.gpus} is not a whole number of {gpn}-device nodes; "
                           f"use a multiple of {gpn} or set --gpus-per-node")
     if args.top < 1:
         raise ConfigError(f"--top {args.top} must be >= 1")
-    work = dataclasses.replace(_workload(args), attention=base.train.attention, compiled=base.train.compile,
+    work = dataclasses.replace(_workload(args, hw), attention=base.train.attention, compiled=base.train.compile,
                                loss_chunk_tokens=base.train.loss_chunk_tokens,  # as the emitted config runs
                                ssd_offload_dir=args.ssd_offload_dir or base.memory.ssd_offload_dir,
                                host_adam_fused=base.optim.fused)
@@ -211,7 +211,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _workload(args: argparse.Namespace) -> Workload:
+def _workload(args: argparse.Namespace, hw: Hardware) -> Workload:
     model, ref, from_tok = resolve_model(args.model)
     if args.seq_len < 1:
         raise ConfigError(f"--seq-len {args.seq_len} must be >= 1")
@@ -224,7 +224,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         batch = args.global_batch
     if batch < 1:
         raise ConfigError(f"--global-batch {batch} must be >= 1")
-    precision = settled_precision(args.precision, on_gpu=args.gpu != "cpu")
+    precision = settled_precision(args.precision, hw.name != "cpu", bool(hw.peak_tflops.get("bf16")))
     return Workload(model, args.seq_len, batch, precision, args.document_mask, ref, from_tok,
                     mean_doc_tokens=_mean_doc_tokens(args), ssd_offload_dir=args.ssd_offload_dir)
 
