@@ -8,8 +8,8 @@ tokenizer is the one beside it or in the run dir that saved it, as `convert to-h
 The prompt is encoded as the data pipeline encodes a document and is a document of its
 own, at positions from 0: after the tokenizer's BOS tokens when the run trained with them
 (data.add_bos for text; for chat data, where the chat template writes them at each
-conversation's start); a checkpoint converted from an HF model, which has no run config to
-say so, takes them with `--bos`. With
+conversation's start), and for a checkpoint converted from an HF model, which has no run
+config to say so, as HF's tokenizer starts a text; `--bos` adds them to any other. With
 `--chat` the prompt is a user's message instead (after `--system`'s, if given), rendered
 as chat training renders a conversation (the chat template beside the tokenizer, else
 ChatML) and followed by the header of the assistant's reply; the reply ends at the end
@@ -179,6 +179,10 @@ class Generator:
         if chat and self.run_format == "text":
             say(f"{self.checkpoint} was trained on text, not conversations: its replies follow the chat template "
                 "only as far as that text taught it")
+        if not chat and self.run_format == "chat":  # (HF's generate on the export starts the text with its BOS)
+            say(f"{self.checkpoint} was trained on conversations: the prompt is plain text" + (
+                " with no BOS (--bos adds it)" if self.bos and not bos and not self.trained_bos else "")
+                + "; --chat renders it as a user's message")
         if len(prompt_ids) > self.context:
             say(f"the prompt is {len(prompt_ids):,} tokens and the model sees the last {self.context:,} "
                 "(--context sets that, up to the model's max_seq_len)")
@@ -376,8 +380,9 @@ def register(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", help=f"the weights' dtype in memory, one of {', '.join(DTYPES)} "
                                                       "(or bf16; default float32; bfloat16 halves the memory)")
-    p.add_argument("--bos", action="store_true", help="start the prompt with the BOS token of an HF model's "
-                                                       "tokenizer (for a checkpoint pretrained with one)")
+    p.add_argument("--bos", action="store_true", help="start the prompt with the tokenizer's BOS token(s) (a "
+                                                       "prompt starts with them already where the run trained with "
+                                                       "them, and for a checkpoint converted from HF)")
     p.add_argument("--context", type=int, default=0, help="tokens the model sees at most (default: the run's "
                                                            "train.seq_len; up to the model's max_seq_len)")
     p.add_argument("--tokenizer", type=os.path.expanduser, default="",

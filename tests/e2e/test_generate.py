@@ -440,7 +440,7 @@ def test_a_checkpoint_moved_from_its_run_generates_with_a_given_tokenizer(traine
                                                "cpu") + "\n"
 
 
-def test_a_chat_run_whose_template_writes_a_bos_prompts_with_it(trained_run, tmp_path):
+def test_a_chat_run_whose_template_writes_a_bos_prompts_with_it(trained_run, tmp_path, capsys):
     """Chat training takes the BOS from the template (data.add_bos is text's): a plain prompt to
     a run whose conversations each began with it starts with it too, as HF's tokenizer(text)
     does for such a model (without, generate and the export disagreed from the first token)."""
@@ -473,7 +473,17 @@ def test_a_chat_run_whose_template_writes_a_bos_prompts_with_it(trained_run, tmp
     assert gen.trained_bos and gen.encode(PROMPT)[0] == eos
     (run / "tokenizer_config.json").write_text(json.dumps({"chat_template": template.replace("{{ bos_token }}", ""),
                                                            "bos_token": bos}))
-    assert not load_generator(run, "cpu").trained_bos  # a template that writes none: none
+    bare = load_generator(run, "cpu")
+    assert not bare.trained_bos  # a template that writes none: none
+    capsys.readouterr()
+    bare.complete(PROMPT, SampleOptions(max_new_tokens=1, temperature=0))  # a plain prompt to a chat run: said
+    assert "was trained on conversations: the prompt is plain text with no BOS (--bos adds it); --chat " \
+           "renders it as a user's message" in capsys.readouterr().err
+    gen.complete(PROMPT, SampleOptions(max_new_tokens=1, temperature=0), bos=False)
+    err = capsys.readouterr().err  # (its BOS there: only the plain text said)
+    assert "trained on conversations: the prompt is plain text; --chat" in err, err
+    gen.complete(PROMPT, SampleOptions(max_new_tokens=1, temperature=0), chat=True)
+    assert "trained on conversations" not in capsys.readouterr().err
     # one that cannot render a reply prompt: --chat's problem, not a plain prompt's
     (run / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if add_generation_prompt %}"
                                                                             "{{ no_such_function() }}{% endif %}",
