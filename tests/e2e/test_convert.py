@@ -11,7 +11,7 @@ import torch
 from shardline.cli import main
 from shardline.config import load_config
 from shardline.data.prepare import PrepareOptions, prepare
-from shardline.data.tokenizer import load_tokenizer, train_bpe
+from shardline.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from shardline.errors import CheckpointError, ConfigError
 from shardline.models.factory import args_from_json
 from shardline.interop.model_shape import model_shape
@@ -295,8 +295,12 @@ def test_a_run_from_converted_weights_tokenizes_with_their_tokenizer_and_exports
     out = tmp_path / "out"
     assert main(["convert", "to-hf", str(run), str(out)]) == 0
     assert load_tokenizer(str(out / "tokenizer.json")).to_str() == trainer.data.tokenizer.to_str()
-    for name in side:
+    for name in set(side) - {"generation_config.json"}:
         assert (out / name).read_bytes() == (hf / name).read_bytes(), name
+    # its settings kept, and a stop at the end-of-document token the run trained its texts to end with
+    doc_end = eos_id(trainer.data.tokenizer)
+    assert doc_end != 2 and json.loads((out / "generation_config.json").read_text()) == {
+        "eos_token_id": sorted([2, doc_end]), "temperature": 0.6}
     assert main(["convert", "to-hf", str(run), str(hf)]) == 2
     assert sorted(p.name for p in hf.iterdir()) == sorted(["config.json", "model.safetensors", "tokenizer.json", *side])
 
@@ -522,10 +526,12 @@ def test_a_broken_chat_template_is_named_by_its_file_and_a_run_tokenizer_not_as_
 
 def test_a_chatml_exports_generation_config_keeps_its_keys_and_adds_the_turn_end(tmp_path, small_prepared):
     """The export's generation_config.json (a starting model's, copied) keeps its keys and eos ids
-    (an int or a list) and gains <|im_end|>; a vocabulary without it as one token is left as it was."""
+    (an int or a list) and gains <|im_end|>; a vocabulary without it as one token is left as it was.
+    The end-of-document token the run trained with is a stop too where HF's eos is another (a tokenizer
+    holding <|end_of_text|> whose eos_token is <|im_end|>: generate stopped there, HF's ran on)."""
     from tokenizers import Tokenizer
 
-    from shardline.interop.hf_files import _stop_at_turn_end
+    from shardline.interop.hf_files import _stop_where_the_run_did as stops
 
     tok = Tokenizer.from_file(str(small_prepared / "tokenizer.json"))
     plain = tmp_path / "plain.json"
@@ -535,12 +541,17 @@ def test_a_chatml_exports_generation_config_keeps_its_keys_and_adds_the_turn_end
     tok.save(str(chatml))
     written = {"eos_token_id": [5, 9], "temperature": 0.6, "top_p": 0.9}
     (tmp_path / "generation_config.json").write_text(json.dumps(written))
-    _stop_at_turn_end(tmp_path, plain, {"eos_token_id": 7}, "<|im_end|>")
+    stops(tmp_path, plain, {"eos_token_id": 7}, "<|im_end|>", 9)
     assert json.loads((tmp_path / "generation_config.json").read_text()) == written
-    _stop_at_turn_end(tmp_path, chatml, {"eos_token_id": 7}, "<|im_end|>")
+    stops(tmp_path, chatml, {"eos_token_id": 7}, "<|im_end|>", 9)
     end = tok.token_to_id("<|im_end|>")
     assert json.loads((tmp_path / "generation_config.json").read_text()) == {**written,
                                                                              "eos_token_id": sorted({5, 9, 7, end})}
+    (tmp_path / "generation_config.json").unlink()
+    stops(tmp_path, plain, {"eos_token_id": 7}, "", 7)  # the run's document end is HF's eos: no file
+    assert not (tmp_path / "generation_config.json").exists()
+    stops(tmp_path, plain, {"eos_token_id": 7}, "", 2)  # another: both
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": [2, 7]}
 
 
 def test_the_dry_run_checks_the_hf_folders_weights_as_the_launch_reads_them(tmp_path, capsys):

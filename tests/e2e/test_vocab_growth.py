@@ -271,11 +271,11 @@ def test_theirs_extended_by_transformers_save_pretrained_counts_as_theirs(start,
 
 
 def test_a_turn_end_that_is_the_eos_writes_no_generation_config(tmp_path, start):
-    from shardline.interop.hf_files import _stop_at_turn_end
+    from shardline.interop.hf_files import _stop_where_the_run_did
 
     root, rows = start
     end = rows + ADDED.index("<|im_end|>")
-    _stop_at_turn_end(tmp_path, root / "added" / "tokenizer.json", {"eos_token_id": end}, "<|im_end|>")
+    _stop_where_the_run_did(tmp_path, root / "added" / "tokenizer.json", {"eos_token_id": end}, "<|im_end|>", end)
     assert not (tmp_path / "generation_config.json").exists()  # (transformers takes config.json's then)
-    _stop_at_turn_end(tmp_path, root / "added" / "tokenizer.json", {"eos_token_id": 0}, "<|im_end|>")
+    _stop_where_the_run_did(tmp_path, root / "added" / "tokenizer.json", {"eos_token_id": 0}, "<|im_end|>", None)
     assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == [0, end]

@@ -101,11 +101,12 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
     model = empty_model(args_from_json(meta["model_args"]), dtype)  # the checkpoint casts as it loads
     load_weights(ckpt, model, verified=True)
     tokenizer = given or checkpoint_tokenizer(ckpt)
-    bos, eos = hf.get("bos_token_id"), hf.get("eos_token_id")
+    bos, eos, doc_end = hf.get("bos_token_id"), hf.get("eos_token_id"), None
     if tokenizer is not None:  # a run's own tokenizer: its end-of-document token, and the one BOS it starts texts with
         tok = load_tokenizer(str(tokenizer), key="")
         _check_template(tokenizer)
-        eos = eos_id(tok, tokenizer) if eos is None else eos
+        doc_end = eos_id(tok, tokenizer)  # (what training put after each document: a stop of the export's)
+        eos = doc_end if eos is None else eos
         prefix = bos_prefix(tok)
         bos = prefix[0] if bos is None and len(prefix) == 1 else bos
     # A run that trained on chat data without a chat template rendered it as ChatML: its export says so, so
@@ -120,7 +121,7 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
                             kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf},
                             generation_config=beside_checkpoint(ckpt, GENERATION_NAME),
                             chat_template=CHATML_TEMPLATE if chatml else "",
-                            turn_end=turn_end)
+                            turn_end=turn_end, doc_end=doc_end)
 
 
 def _check_template(tokenizer: Path) -> None:

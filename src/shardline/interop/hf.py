@@ -361,7 +361,7 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
                      eos_token_id: int | list[int] | None = None,
                      provenance: dict | None = None, kept_fields: dict | None = None,
                      generation_config: str | os.PathLike | None = None, chat_template: str = "",
-                     turn_end: str = "") -> Path:
+                     turn_end: str = "", doc_end: int | None = None) -> Path:
     """Write `model` as an HF folder at `path` that transformers' LlamaForCausalLM,
     Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM (by the model's shape) loads.
 
@@ -375,8 +375,8 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
     values of the folder the weights came from (hf_config.KEPT_FIELDS) replacing the written defaults.
     `generation_config`: a generation_config.json to write (it describes the weights: written with
     or without a tokenizer, over one beside the tokenizer). `chat_template`: one to write into the export's
-    tokenizer_config.json (a run that chatted without one rendered ChatML); `turn_end`: the text
-    a chat run's replies end with, a stop of generation_config.json's where it is one token."""
+    tokenizer_config.json (a run that chatted without one rendered ChatML); `turn_end`: the text a chat run's
+    replies end with, and `doc_end` the end-of-document token it trained with: generation_config.json's stops."""
     model = _unwrap(model)
     dest = Path(path)
     if max_shard_size_bytes <= 0:
@@ -395,6 +395,6 @@ def to_hf_pretrained(model: nn.Module, path: str | os.PathLike,
         kept.pop("router_aux_loss_coef", None)  # (else the starting folder's, which a run from it leaves at 0)
     config.update(kept)
     side = {"tokenizer": tokenizer, "generation_config": None if generation_config is None else Path(generation_config),
-            "chat_template": chat_template or None, "turn_end": turn_end or None}
+            "chat_template": chat_template or None, "turn_end": turn_end or None, "doc_end": doc_end}
     _write_hf_folder(dest, tensors, dtype, max_shard_size_bytes, config, side, provenance or {})
     return dest

@@ -173,28 +173,31 @@ def _write_tokenizer_settings(folder: Path, tokenizer: Path, config: dict[str, A
     _write_json(folder / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **named})
 
 
-def _stop_at_turn_end(folder: Path, tokenizer: Path, config: dict[str, Any], turn_end: str) -> None:
-    """A chat run ends a reply with its template's turn end (ChatML's <|im_end|>, Llama 3's
-    <|eot_id|>): generation_config.json (the one the export carries, or a new one) stops
-    transformers' generate there too, beside the eos, as `shardline generate --chat` stops; else
-    an export of a base model's settings ran on past it."""
+def _stop_where_the_run_did(folder: Path, tokenizer: Path, config: dict[str, Any], turn_end: str,
+                            doc_end: int | None) -> None:
+    """generation_config.json (the one the export carries, or a new one) stops transformers' generate
+    where `shardline generate` stops: at a chat run's turn end (ChatML's <|im_end|>, Llama 3's <|eot_id|>)
+    where it is one token, and at the end-of-document token the run put after each document where HF's
+    eos is another (a tokenizer holding <|end_of_text|> whose eos_token is <|im_end|>); else generate on the
+    export ran on past what the run learned to end with."""
     from tokenizers import Tokenizer
 
-    try:
-        end = Tokenizer.from_file(str(tokenizer)).token_to_id(turn_end)
-    except Exception:  # (tokenizers raises a bare Exception) the copied file is the user's to fix
-        return
-    if end is None:  # the marker is pieces of text in this vocabulary: no one token to stop at
-        return
+    ends = {doc_end} if doc_end is not None else set()
+    if turn_end:
+        try:
+            end = Tokenizer.from_file(str(tokenizer)).token_to_id(turn_end)
+        except Exception:  # (tokenizers raises a bare Exception) the copied file is the user's to fix
+            end = None
+        ends |= {end} if end is not None else set()  # (none: the marker is pieces of text in this vocabulary)
     path = folder / GENERATION_NAME
     try:
         generation = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except ValueError:
         generation = {}
     generation = generation if isinstance(generation, dict) else {}
-    ends = {end} | _token_ids(generation.get("eos_token_id")) | _token_ids(config.get("eos_token_id"))
-    if end in _token_ids(generation.get("eos_token_id") if generation else config.get("eos_token_id")):
+    if ends <= _token_ids(generation.get("eos_token_id") if generation else config.get("eos_token_id")):
         return  # it stops there already (a turn end that is the eos: Llama 2's </s>): no file to write
+    ends |= _token_ids(generation.get("eos_token_id")) | _token_ids(config.get("eos_token_id"))
     _write_json(path, {**generation, "eos_token_id": sorted(ends)})
 
 
@@ -315,8 +318,8 @@ def _write_hf_folder(dest: Path, tensors: list[tuple[str, torch.Tensor]], dtype:
             copy_side_files(side["generation_config"].parent, tmp, names=(GENERATION_NAME,))
         if side.get("chat_template"):
             _add_chat_template(tmp / "tokenizer_config.json", side["chat_template"])
-        if side.get("turn_end") and side.get("tokenizer") is not None:
-            _stop_at_turn_end(tmp, side["tokenizer"], config, side["turn_end"])
+        if side.get("tokenizer") is not None:
+            _stop_where_the_run_did(tmp, side["tokenizer"], config, side.get("turn_end") or "", side.get("doc_end"))
         _write_json(tmp / EXPORT_MARK, {"written_by": "shardline", **provenance})
         _swap_into_place(tmp, dest)
     except BaseException as e:
