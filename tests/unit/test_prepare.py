@@ -186,6 +186,21 @@ def test_a_damaged_or_mismatched_folder_is_one_clear_error(tmp_path, prepared, s
             f"(512 tokens; the folder's 514); the folder's is this one with tokens added: to train with it, set "
             f"data.tokenizer={extended / 'tokenizer.json'}")):
         data(extended, f"data.tokenizer={prepared / 'tokenizer.json'}")
+    # Tokens added to another framing (one starting a text with a BOS): re-preparing with the given one
+    # would lose them; what differs is said (it was offered as the only way).
+    from tokenizers import processors
+
+    start = ext.token_to_id("<|im_start|>")
+    ext.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                       special_tokens=[("<|im_start|>", start)])
+    ext.save(str(tmp_path / "framed.json"))
+    framed = tmp_path / "framed"
+    prepare(PrepareOptions([str(small_corpus)], str(framed), tokenizer=str(tmp_path / "framed.json"), **SMALL))
+    with pytest.raises(DataError, match=re.escape(
+            "the folder's is not this one with tokens added (it starts or ends a text with other special tokens (a "
+            "BOS its post-processor adds, say)): add them to this one and prepare with that, or prepare the folder "
+            f"again with --overwrite --tokenizer {prepared / 'tokenizer.json'}")):
+        data(framed, f"data.tokenizer={prepared / 'tokenizer.json'}")
     with pytest.raises(DataError, match="data.format='chat' but .* was prepared as 'text'"):
         data(prepared, "data.format=chat")
 

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 
 from shardline.data.packing import PackedSequences
 from shardline.data.readers import MANIFEST, reading
-from shardline.data.tokenizer import bos_prefix, extends, load_tokenizer
+from shardline.data.tokenizer import bos_prefix, extension_gap, load_tokenizer
 from shardline.errors import DataError, links_outside, outside_folder
 
 PROGRESS, TOKENIZER = "progress.json", "tokenizer.json"  # (MANIFEST: readers.py's, which locks it)
@@ -306,14 +306,25 @@ def _folder_tokenizer(root: Path, manifest: dict, tokenizer_path: str) -> Tokeni
                         "folder again with --overwrite")
     other = load_tokenizer(tokenizer_path) if tokenizer_path else None
     if other is not None and tokenizer_hash(other) != tokenizer_hash(tok):
-        again = f"prepare the folder again with --overwrite --tokenizer {tokenizer_path}"
         raise DataError(f"data.tokenizer={tokenizer_path!r} (given, or the starting weights' own) differs from "
                         f"the tokenizer {root} was prepared with ({other.get_vocab_size():,} tokens; the folder's "
-                        f"{tok.get_vocab_size():,}); " + (
-                            f"the folder's is this one with tokens added: to train with it, set data.tokenizer="
-                            f"{root / TOKENIZER} (or leave it unset where you gave it), or {again}"
-                            if extends(tok, other) else again))
+                        f"{tok.get_vocab_size():,}); {_what_to_do(root, tok, other, tokenizer_path)}")
     return tok
+
+
+def _what_to_do(root: Path, tok: Tokenizer, other: Tokenizer, tokenizer_path: str) -> str:
+    """The way out where a folder was prepared with another tokenizer than data.tokenizer: the folder's own
+    where it is that one with tokens added, else a prepare with data.tokenizer's; where the folder's has more
+    tokens but is not that one grown (another's with tokens added), what differs, as preparing again with
+    data.tokenizer would drop the tokens added."""
+    again, gap = f"prepare the folder again with --overwrite --tokenizer {tokenizer_path}", extension_gap(tok, other)
+    if not gap:
+        return (f"the folder's is this one with tokens added: to train with it, set data.tokenizer={root / TOKENIZER} "
+                f"(or leave it unset where you gave it), or {again}")
+    if tok.get_vocab_size() > other.get_vocab_size():
+        return f"the folder's is not this one with tokens added ({gap}): add them to this one and prepare with that, " \
+               f"or {again}"
+    return again
 
 
 def _open_split(root: Path, manifest: dict, name: str, seq_len: int) -> PackedSequences:

@@ -194,17 +194,30 @@ def vocabulary_fingerprint(tok: Tokenizer) -> str:
 
 
 def extends(tok: Tokenizer, theirs: Tokenizer) -> bool:
-    """Whether `tok` is `theirs` with tokens added (chat markers, say): the same model, normalizer,
-    pre-tokenizer and the rest, and added tokens beyond theirs, each of theirs at its id. Aside: the
-    padding and truncation a transformers tokenizer saves with its last call's settings, and the
-    post-processor it writes (one adding nothing), compared by what it adds to a text and a pair."""
+    """Whether `tok` is `theirs` with tokens added (chat markers, say): see extension_gap."""
+    return not extension_gap(tok, theirs)
+
+
+def extension_gap(tok: Tokenizer, theirs: Tokenizer) -> str:
+    """Why `tok` is not `theirs` with tokens added ("" where it is): an extension has the same model,
+    normalizer, pre-tokenizer and the rest, and added tokens beyond theirs, each of theirs at its id.
+    Aside: the padding and truncation a transformers tokenizer saves with its last call's settings, and
+    the post-processor it writes (one adding nothing), compared by what it adds to a text and a pair."""
     aside = ("padding", "truncation", "post_processor")
     mine, own = ({k: v for k, v in json.loads(t.to_str()).items() if k not in aside} for t in (tok, theirs))
     added = [{t["content"]: t["id"] for t in j.pop("added_tokens", None) or []} for j in (mine, own)]
-    if mine != own or len(added[0]) <= len(added[1]) or any(added[0].get(c) != i for c, i in added[1].items()):
-        return False
+    differ = [k for k in sorted(set(mine) | set(own)) if mine.get(k) != own.get(k)]
+    moved = [c for c, i in added[1].items() if added[0].get(c) != i]
+    if differ:
+        return f"their {', '.join(differ)} differ"
+    if len(added[0]) <= len(added[1]):
+        return "it adds no token to theirs"
+    if moved:
+        return f"their token {moved[0]!r} is at another id"
     framed = _framing(tok)
-    return framed is not None and framed == _framing(theirs)
+    if framed is None or framed != _framing(theirs):
+        return "it starts or ends a text with other special tokens (a BOS its post-processor adds, say)"
+    return ""
 
 
 def extends_file(path: str | os.PathLike, theirs: str | os.PathLike) -> bool:
