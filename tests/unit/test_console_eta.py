@@ -57,3 +57,17 @@ def test_a_rollback_starts_the_pace_again(monkeypatch, capsys):
 def test_durations_read_in_two_units():
     assert [metrics._duration(s) for s in (0, 59.4, 61, 3599, 3600, 86399, 90061)] == [
         "0s", "59s", "1m01s", "59m59s", "1h00m", "23h59m", "1d01h"]
+
+
+def test_a_launch_stopping_early_counts_the_time_left_to_its_stop(monkeypatch, capsys):
+    """train.stop_at_step=120 of 400: the time left counted the 280 steps after the launch's end, and its
+    last line still had one."""
+    times = iter([float(k) for k in range(20)])
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(times))
+    console = Console("plain", total_steps=400, first_step=0, last_step=120)
+    for step in (10, 20, 120):
+        console.write(_train(step))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("step 10/400") and lines[0].endswith("| eta 55s to step 120")  # 110 x 0.5 s
+    assert lines[1].endswith("| eta 10s to step 120")  # (1 s for 10 steps: 100 left)
+    assert lines[2].endswith("s/step")

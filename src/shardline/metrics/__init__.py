@@ -106,8 +106,9 @@ def silence(fd: int) -> None:
 class Console:
     """Plain lines, or a rich progress bar on a terminal; silent when mode is "none"."""
 
-    def __init__(self, mode: str, total_steps: int, first_step: int):
-        self.total = total_steps
+    def __init__(self, mode: str, total_steps: int, first_step: int, last_step: int = 0):
+        self.total = total_steps  # the run's steps, each line's "step N/total"
+        self.last = last_step or total_steps  # the step this launch stops at (train.stop_at_step): the time left's
         if sys.stdout is None:  # (started with stdout closed, `>&-`: metrics.jsonl has every record)
             mode = "none"
         if mode == "auto":
@@ -127,7 +128,7 @@ class Console:
 
             self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                       TimeRemainingColumn(), TextColumn("{task.description}"))
-            self._task = self._progress.add_task("", total=total_steps, completed=first_step)
+            self._task = self._progress.add_task("", total=self.last, completed=first_step)
             self._progress.console.on_broken_pipe = self._rich_pipe_broke
             self._progress.start()
 
@@ -160,8 +161,9 @@ class Console:
         """The line's end, " | eta 1h05m": the steps left at this launch's pace over its last
         ETA_LINES train lines (evaluations and saves between them included; a slowdown, or a faster
         pace after a slow start, shows within that many lines; the first line, before any pace is
-        known: its own step time); none at the run's last step."""
-        now, step, left = time.monotonic(), rec["step"], self.total - rec["step"]
+        known: its own step time), to this launch's last step (named where it stops before the run's
+        end: train.stop_at_step); none at that step."""
+        now, step, left = time.monotonic(), rec["step"], self.last - rec["step"]
         if self._recent and step <= self._recent[-1][1]:  # a rollback: the pace starts again from here
             self._recent.clear()
         self._recent.append((now, step))
@@ -169,7 +171,7 @@ class Console:
             return ""
         since, first = self._recent[0]
         per_step = (now - since) / (step - first) if step > first else rec["step_time_s"]
-        return f" | eta {_duration(per_step * left)}"
+        return f" | eta {_duration(per_step * left)}" + (f" to step {self.last}" if self.last < self.total else "")
 
     def _lost(self, error: OSError) -> None:
         """The console's output failed: training goes on without it (a stop's save too), said once."""
@@ -272,9 +274,9 @@ class MetricsLogger:
     """Fans records out to the console, <run_dir>/metrics.jsonl and TensorBoard."""
 
     def __init__(self, run_dir: Path, mode: str, tensorboard: bool, total_steps: int, first_step: int,
-                 enabled: bool = True):
+                 enabled: bool = True, last_step: int = 0):
         self.enabled = enabled  # only one rank writes; the others keep the same code path
-        self.console = Console(mode if enabled else "none", total_steps, first_step)
+        self.console = Console(mode if enabled else "none", total_steps, first_step, last_step)
         if enabled:
             _drop_torn_line(run_dir / "metrics.jsonl")
         self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None

@@ -159,7 +159,7 @@ class SavedState:
         self._run_dir_fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
         cfg = self.cfg
         self.metrics = MetricsLogger(self.run_dir, cfg.metrics.progress, cfg.metrics.tensorboard,
-                                     cfg.train.steps, self.step, enabled=self.proc.is_main)
+                                     cfg.train.steps, self.step, self.proc.is_main, cfg.train.last_step)
         self.metrics.event("start", step=self.step, run_dir=str(self.run_dir),  # (the launch's first record)
                            params=num_params(self.model_args),  # the whole model's
                            world_size=self.proc.world_size, layout=self.dims.layout.describe(),
