@@ -148,6 +148,23 @@ def config_changes(saved: dict, now: dict) -> dict[str, list]:
     return out
 
 
+# The settings whose change makes a launch another run, not the same one trained again: what it trains
+# (the model, the data) and on which batches (their size, length and order).
+WHAT_IS_TRAINED = ("model.", "moe.", "data.", "train.seq_len", "train.global_batch_size", "train.seed",
+                   "train.data_seed")
+
+
+def another_run(saved: str | Path, cfg: Config) -> list[str]:
+    """The settings (WHAT_IS_TRAINED) in which `cfg` differs from the config.toml a launch saved at `saved`
+    (none where it cannot be read): a launch from nothing over a launch that saved nothing trains another
+    run where there are any, not the steps of the same one again."""
+    try:
+        theirs = load_relaunch_config(saved, cfg.run.dir).to_dict()
+    except (ConfigError, OSError, TypeError, ValueError):  # (a damaged or hand-edited file: nothing to compare)
+        return []
+    return [key for key in config_changes(theirs, cfg.to_dict()) if key.startswith(WHAT_IS_TRAINED)]
+
+
 def _filled(section: str, key: str, value):
     """data.mix's entries with the keys a config saved before them lacks at their defaults (format)."""
     if (section, key) != ("data", "mix") or not isinstance(value, list):

@@ -52,10 +52,12 @@ def read_account(run_dir: Path) -> dict | None:
 
 
 class Goodput:
-    def __init__(self, run_dir: Path, enabled: bool, started: float | None = None, fresh: bool = False):
+    def __init__(self, run_dir: Path, enabled: bool, started: float | None = None, fresh: bool = False,
+                 other_run: str = ""):
         """`fresh`: a new run in this dir (nothing resumed, not a restart): after a run that finished,
         its account starts anew (that run's progress.json is not its history); after one that did
-        not, it goes on (a relaunch by hand or by a script after a crash before any save)."""
+        not, it goes on (a relaunch by hand or by a script after a crash before any save), unless this
+        launch trains another run than that one did (`other_run`: what differs; said as a reset)."""
         self.path, self.enabled = Path(run_dir) / PROGRESS, enabled
         self.started = started if started is not None else process_start_time()
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
@@ -75,7 +77,9 @@ class Goodput:
         self.was_complete = bool(previous and previous.get("run_complete"))  # (a restart after it trained to its end)
         # A file there that does not read (damaged, hand-edited): the account starts over, said (progress_reset)
         self.reset = "" if previous or not self.path.exists() else f"{self.path} did not read as an account"
-        if previous and fresh and previous.get("finished"):
+        if previous and fresh and other_run and not previous.get("finished"):
+            self.reset = f"this launch trains another run than the one before it, which saved nothing ({other_run})"
+        if previous and fresh and (previous.get("finished") or other_run):
             previous = None
         if previous:
             self.high_water = previous["high_water_step"]
