@@ -96,7 +96,7 @@ class Generator:
     template: ChatTemplate | None = None  # --chat's rendering; None: ChatML
     template_error: str = ""  # why the template beside the tokenizer cannot render: --chat alone fails on it
     checkpoint: str = ""  # the folder sampled (a run dir's newest valid one)
-    run_format: str = ""  # the run's data.format ("text", "chat"); "": not known (converted from HF)
+    run_format: str = ""  # the run's data.format ("text", "chat"; "mixed": a mixture of both); "": not known (from HF)
     prompt_tokens: int = 0  # the last prompt's, as the model was given it
 
     def sample(self, prompt_ids: list[int], opts: SampleOptions, stop: frozenset[int] | None = None,
@@ -294,7 +294,7 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     bos = bos_prefix(tokenizer) or sorted(_ids(hf.get("bos_token_id")))  # what --bos puts first
     data = run.get("data", {})
     formats = saved_formats(data)  # each source's ("text", "chat"); [] for weights converted from HF
-    run_format = "chat" if "chat" in formats else "text" if formats else ""
+    run_format = "mixed" if len(set(formats)) > 1 else formats[0] if formats else ""
     # A run's own setting; weights converted from HF (no run) were pretrained as their tokenizer starts a text
     trained_bos = bool(bos_prefix(tokenizer)) and (data.get("add_bos", False) and "text" in formats
                                                    if run else True)
