@@ -61,7 +61,7 @@ from shardline.preflight import (
 def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool = True) -> tuple[str, bool]:
     """(the report of a checked launch on `world` ranks, whether the memory estimate fits);
     raises what the launch would raise (`world_given`: by --world-size or $WORLD_SIZE, else 1)."""
-    asked, (on_gpu, gpu_bf16) = cfg.train.precision, _gpu_with_bf16(cfg, gpu)
+    asked, (on_gpu, gpu_bf16) = cfg.train.precision, _gpu_with_bf16(cfg, gpu, world)
     cfg.train.settle_precision(on_gpu, gpu_bf16)
     check_config(cfg)
     stand_in = use_model_tokenizer(cfg)
@@ -316,7 +316,7 @@ def _fp8_target(gpu: str | None) -> str | None:
             "none; use train.precision=bf16")
 
 
-def _gpu_with_bf16(cfg: Config, gpu: str | None) -> tuple[bool, bool]:
+def _gpu_with_bf16(cfg: Config, gpu: str | None, ranks: int = 1) -> tuple[bool, bool]:
     """(whether the launch trains on a GPU, whether that GPU has bf16): train.precision=auto's choice,
     for the device the estimate prices (_device: --gpu's, else this machine's, else an assumed H100)."""
     if gpu:
@@ -325,8 +325,7 @@ def _gpu_with_bf16(cfg: Config, gpu: str | None) -> tuple[bool, bool]:
         return False, False
     if not torch.cuda.is_available():  # (priced as an assumed H100)
         return True, True
-    index = torch.device(cfg.run.device).index if cfg.run.device.startswith("cuda") else None
-    return True, native_bf16(index if index is not None and index < torch.cuda.device_count() else None)
+    return True, native_bf16(cuda_index(cfg.run.device, ranks))  # (the card _device prices)
 
 
 def _device(cfg: Config, gpu: str | None, ranks: int = 1) -> Hardware:

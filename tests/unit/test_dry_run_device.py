@@ -38,6 +38,7 @@ def test_fp8_is_judged_on_the_target_gpu_given(tiny_config, monkeypatch):
     cfg = tiny_config("train.precision=fp8", "run.device=cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))  # this machine: an A100
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert "on h100-sxm" in dry_run.dry_run(cfg, 1, "h100-sxm")[0]  # an A100 login node checks an H100 launch
     with pytest.raises(ConfigError, match="--gpu a100-80gb has none"):
         dry_run.dry_run(cfg, 1, "a100-80gb")
@@ -159,3 +160,6 @@ def test_an_older_card_is_not_advised_bf16_and_its_own_card_is_asked(tiny_config
     assert "precision fp32 (train.precision=auto" in report  # auto there: fp32 too
     report, _ = dry_run.dry_run(tiny_config("train.precision=fp32", "run.device=cuda:0"), 1)
     assert "precision fp32 (train.precision=fp32 on a GPU: its matmuls run at the fp32 peak" in report
+    asked.clear()  # two ranks: each takes its local rank's card, whatever cuda:N says; card 0 is priced
+    report, _ = dry_run.dry_run(tiny_config("run.device=cuda:1"), 2)
+    assert asked[0] == 0 and "precision bf16 (train.precision=auto" in report

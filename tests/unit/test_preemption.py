@@ -634,32 +634,44 @@ def test_a_restart_with_nothing_saved_says_it_starts_over(tiny_config):
     assert said["recomputed_steps"] == 4 and "trained again" in said["why"]
 
 
-def test_a_launch_of_another_model_over_one_that_saved_nothing_starts_a_new_account(tiny_config):
-    """A launch killed before its first save, then one with another model in that run dir (its config.toml is
-    not read): starts_over counted the first one's steps as recomputed and goodput summed the two runs."""
-    from shardline.trainer import Trainer
-
-    settings = ["train.steps=8", "train.eval_interval=0", "checkpoint.interval=6"]
-    trainer = Trainer(tiny_config(*settings)).build()
+def _crashing_at(trainer, step: int):
+    """`trainer`, whose gradients fail at `step` (a crash before anything is saved)."""
     compute = trainer.compute_gradients
 
     def crash():
-        if trainer.step == 4:
+        if trainer.step == step:
             raise RuntimeError("injected crash")
         return compute()
 
     trainer.compute_gradients = crash
+    return trainer
+
+
+def test_a_launch_of_another_model_over_one_that_saved_nothing_starts_a_new_account(tiny_config):
+    """A launch killed before its first save, then one with another model in that run dir (its config.toml is
+    not read): starts_over counted the first one's steps as recomputed and goodput summed the two runs. The
+    same run launched again (its data path spelled otherwise) still trains its steps again."""
+    from shardline.trainer import Trainer
+
+    settings = ["train.steps=8", "train.eval_interval=0", "checkpoint.interval=6"]
+    first = _crashing_at(Trainer(tiny_config(*settings)).build(), 4)
     with pytest.raises(RuntimeError, match="injected"):
-        trainer.train()
-    run = trainer.run_dir
+        first.train()
+    run, data = first.run_dir, first.cfg.data.path
+    spelled = os.path.relpath(data) if os.path.isabs(data) else os.path.abspath(data)
+    again = _crashing_at(Trainer(tiny_config(*settings, f"data.path={spelled}", "train.steps=5")).build(), 3)
+    with pytest.raises(RuntimeError, match="injected"):
+        again.train()
+    (said,) = [r for r in records(run) if r.get("event") == "starts_over"]
+    assert said["recomputed_steps"] == 4
     Trainer(tiny_config(*settings, "model.n_layers=1", "train.steps=2")).build().train()
-    assert not [r for r in records(run) if r.get("event") == "starts_over"]
+    assert len([r for r in records(run) if r.get("event") == "starts_over"]) == 1
     (reset,) = [r for r in records(run) if r.get("event") == "progress_reset"]
-    assert reset["reason"] == ("this launch trains another run than the one before it, which saved nothing "
-                               "(model.n_layers)") and reset["step"] == 0
+    assert reset["reason"] == ("this launch resumes nothing and trains another run than the account's "
+                               "(model.n_layers differ)") and reset["step"] == 0
     account = json.loads((run / "progress.json").read_text())
     assert account["high_water_step"] == 2 and account["seconds"]["recomputed"] == 0
-    assert account["seconds"]["restart_gap"] == 0
+    assert account["seconds"]["restart_gap"] == 0 and account["trains"]["model.n_layers"] == 1
 
 
 def test_a_restart_after_a_run_ended_with_nothing_kept_says_so(tiny_config, monkeypatch):

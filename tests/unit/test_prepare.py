@@ -201,6 +201,12 @@ def test_a_damaged_or_mismatched_folder_is_one_clear_error(tmp_path, prepared, s
             "BOS its post-processor adds, say)): add them to this one and prepare with that, or prepare the folder "
             f"again with --overwrite --tokenizer {prepared / 'tokenizer.json'}")):
         data(framed, f"data.tokenizer={prepared / 'tokenizer.json'}")
+    from shardline.data.shards import _what_to_do  # another BPE with more tokens: nothing to add them to
+
+    bigger = data(small_corpus, "data.vocab_size=600").tokenizer
+    assert bigger.get_vocab_size() > 514
+    assert _what_to_do(framed, bigger, Tokenizer.from_file(str(prepared / "tokenizer.json")), "t.json") == \
+        "prepare the folder again with --overwrite --tokenizer t.json"
     with pytest.raises(DataError, match="data.format='chat' but .* was prepared as 'text'"):
         data(prepared, "data.format=chat")
 

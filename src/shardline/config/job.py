@@ -152,17 +152,22 @@ def config_changes(saved: dict, now: dict) -> dict[str, list]:
 # (the model, the data) and on which batches (their size, length and order).
 WHAT_IS_TRAINED = ("model.", "moe.", "data.", "train.seq_len", "train.global_batch_size", "train.seed",
                    "train.data_seed")
+_TRAINED_PATHS = ("model.hf_path", "model.init_from", "data.path", "data.val_path", "data.tokenizer")
 
 
-def another_run(saved: str | Path, cfg: Config) -> list[str]:
-    """The settings (WHAT_IS_TRAINED) in which `cfg` differs from the config.toml a launch saved at `saved`
-    (none where it cannot be read): a launch from nothing over a launch that saved nothing trains another
-    run where there are any, not the steps of the same one again."""
-    try:
-        theirs = load_relaunch_config(saved, cfg.run.dir).to_dict()
-    except (ConfigError, OSError, TypeError, ValueError):  # (a damaged or hand-edited file: nothing to compare)
-        return []
-    return [key for key in config_changes(theirs, cfg.to_dict()) if key.startswith(WHAT_IS_TRAINED)]
+def trained_settings(cfg: Config) -> dict[str, Any]:
+    """{"section.key": value} of WHAT_IS_TRAINED, paths made absolute (a relaunch from another folder, or by
+    another spelling of the same path, trains the same run): the goodput account keeps it, so a launch from
+    nothing over one that saved nothing knows whether it trains that run again or another."""
+    out = {}
+    for section, table in cfg.to_dict().items():
+        for key, value in table.items():
+            name = f"{section}.{key}"
+            if name.startswith(WHAT_IS_TRAINED):
+                out[name] = os.path.realpath(value) if name in _TRAINED_PATHS and value else value
+    out["data.mix"] = [{**s, "path": os.path.realpath(s["path"]) if s.get("path") else s.get("path")}
+                       for s in out.get("data.mix", [])]
+    return out
 
 
 def _filled(section: str, key: str, value):

@@ -315,13 +315,14 @@ def _folder_tokenizer(root: Path, manifest: dict, tokenizer_path: str) -> Tokeni
 def _what_to_do(root: Path, tok: Tokenizer, other: Tokenizer, tokenizer_path: str) -> str:
     """The way out where a folder was prepared with another tokenizer than data.tokenizer: the folder's own
     where it is that one with tokens added, else a prepare with data.tokenizer's; where the folder's has more
-    tokens but is not that one grown (another's with tokens added), what differs, as preparing again with
-    data.tokenizer would drop the tokens added."""
-    again, gap = f"prepare the folder again with --overwrite --tokenizer {tokenizer_path}", extension_gap(tok, other)
+    tokens and is built on that one, but is not it grown (tokens added to it with another BOS), what differs,
+    as preparing again with data.tokenizer would drop the tokens added."""
+    again, (gap, built_on) = f"prepare the folder again with --overwrite --tokenizer {tokenizer_path}", \
+        extension_gap(tok, other)
     if not gap:
         return (f"the folder's is this one with tokens added: to train with it, set data.tokenizer={root / TOKENIZER} "
                 f"(or leave it unset where you gave it), or {again}")
-    if tok.get_vocab_size() > other.get_vocab_size():
+    if built_on and tok.get_vocab_size() > other.get_vocab_size():
         return f"the folder's is not this one with tokens added ({gap}): add them to this one and prepare with that, " \
                f"or {again}"
     return again

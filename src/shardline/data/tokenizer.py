@@ -195,29 +195,30 @@ def vocabulary_fingerprint(tok: Tokenizer) -> str:
 
 def extends(tok: Tokenizer, theirs: Tokenizer) -> bool:
     """Whether `tok` is `theirs` with tokens added (chat markers, say): see extension_gap."""
-    return not extension_gap(tok, theirs)
+    return not extension_gap(tok, theirs)[0]
 
 
-def extension_gap(tok: Tokenizer, theirs: Tokenizer) -> str:
-    """Why `tok` is not `theirs` with tokens added ("" where it is): an extension has the same model,
-    normalizer, pre-tokenizer and the rest, and added tokens beyond theirs, each of theirs at its id.
-    Aside: the padding and truncation a transformers tokenizer saves with its last call's settings, and
-    the post-processor it writes (one adding nothing), compared by what it adds to a text and a pair."""
+def extension_gap(tok: Tokenizer, theirs: Tokenizer) -> tuple[str, bool]:
+    """(why `tok` is not `theirs` with tokens added, "" where it is; whether it is built on theirs all the
+    same: their model, normalizer, pre-tokenizer and the rest, with tokens added at other ids or another
+    framing). An extension has added tokens beyond theirs, each of theirs at its id. Aside: the padding and
+    truncation a transformers tokenizer saves with its last call's settings, and the post-processor it
+    writes (one adding nothing), compared by what it adds to a text and a pair."""
     aside = ("padding", "truncation", "post_processor")
     mine, own = ({k: v for k, v in json.loads(t.to_str()).items() if k not in aside} for t in (tok, theirs))
     added = [{t["content"]: t["id"] for t in j.pop("added_tokens", None) or []} for j in (mine, own)]
     differ = [k for k in sorted(set(mine) | set(own)) if mine.get(k) != own.get(k)]
     moved = [c for c, i in added[1].items() if added[0].get(c) != i]
     if differ:
-        return f"their {', '.join(differ)} differ"
+        return f"the {', '.join(differ)} {'differ' if len(differ) > 1 else 'differs'}", False
     if len(added[0]) <= len(added[1]):
-        return "it adds no token to theirs"
+        return "it adds no token to theirs", True
     if moved:
-        return f"their token {moved[0]!r} is at another id"
+        return f"their token {moved[0]!r} is at another id", True
     framed = _framing(tok)
     if framed is None or framed != _framing(theirs):
-        return "it starts or ends a text with other special tokens (a BOS its post-processor adds, say)"
-    return ""
+        return "it starts or ends a text with other special tokens (a BOS its post-processor adds, say)", True
+    return "", True
 
 
 def extends_file(path: str | os.PathLike, theirs: str | os.PathLike) -> bool:

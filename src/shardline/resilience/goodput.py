@@ -53,11 +53,12 @@ def read_account(run_dir: Path) -> dict | None:
 
 class Goodput:
     def __init__(self, run_dir: Path, enabled: bool, started: float | None = None, fresh: bool = False,
-                 other_run: str = ""):
+                 trains: dict | None = None):
         """`fresh`: a new run in this dir (nothing resumed, not a restart): after a run that finished,
         its account starts anew (that run's progress.json is not its history); after one that did
         not, it goes on (a relaunch by hand or by a script after a crash before any save), unless this
-        launch trains another run than that one did (`other_run`: what differs; said as a reset)."""
+        launch trains another run than the account's (`trains`: what it trains, kept in the account
+        as config.job.trained_settings gives it; a key the account lacks is no difference)."""
         self.path, self.enabled = Path(run_dir) / PROGRESS, enabled
         self.started = started if started is not None else process_start_time()
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
@@ -77,9 +78,13 @@ class Goodput:
         self.was_complete = bool(previous and previous.get("run_complete"))  # (a restart after it trained to its end)
         # A file there that does not read (damaged, hand-edited): the account starts over, said (progress_reset)
         self.reset = "" if previous or not self.path.exists() else f"{self.path} did not read as an account"
-        if previous and fresh and other_run and not previous.get("finished"):
-            self.reset = f"this launch trains another run than the one before it, which saved nothing ({other_run})"
-        if previous and fresh and (previous.get("finished") or other_run):
+        self.trains = json.loads(json.dumps(trains or {}))  # (as the account reads back: lists, not tuples)
+        kept = previous.get("trains") if previous and isinstance(previous.get("trains"), dict) else {}
+        other = [k for k, v in self.trains.items() if k in kept and kept[k] != v]
+        if previous and fresh and other and not previous.get("finished"):
+            self.reset = (f"this launch resumes nothing and trains another run than the account's ({', '.join(other)} "
+                          "differ)")
+        if previous and fresh and (previous.get("finished") or other):
             previous = None
         if previous:
             self.high_water = previous["high_water_step"]
@@ -202,7 +207,8 @@ class Goodput:
         record = {"high_water_step": self.high_water, "step": self.last_step, "host": socket.gethostname(),
                   "pid": os.getpid(), "phase": self.phase, "time": now, "finished": finished,
                   "run_complete": run_complete, "wall_s": wall, "total_s": total,
-                  "goodput": self.seconds["useful"] / total if total > 0 else 0.0, "seconds": dict(self.seconds)}
+                  "goodput": self.seconds["useful"] / total if total > 0 else 0.0, "seconds": dict(self.seconds),
+                  "trains": self.trains}
         tmp = self.path.with_name(PROGRESS + ".tmp")
         try:
             tmp.write_text(json.dumps(record), encoding="utf-8")

@@ -103,10 +103,10 @@ class RunGuard:
                 self.goodput.enter(outer)
             self.watchdog.phase_end()
 
-    def open(self, run_dir: Path, log: Callable[..., None], fresh: bool = False, other_run: str = "") -> None:
+    def open(self, run_dir: Path, log: Callable[..., None], fresh: bool = False, trains: dict | None = None) -> None:
         """Start goodput accounting in the opened run dir (`fresh`: nothing resumed, not a restart:
         a new account after a finished run or before another run, see Goodput); log held events."""
-        self.goodput = Goodput(run_dir, self.proc.is_main, self.started, fresh, other_run)
+        self.goodput = Goodput(run_dir, self.proc.is_main, self.started, fresh, trains)
         self._log, self._said_unwritten = log, False
         for name, fields in self._held:
             log(name, **fields)

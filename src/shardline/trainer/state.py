@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from shardline.config import save_config
-from shardline.config.job import another_run
+from shardline.config.job import trained_settings
 from shardline.data import build_data, tokenizer_file
 from shardline.data.tokenizer import save_tokenizer
 from shardline.errors import CheckpointError, ConfigError, DataError, on_every_rank
@@ -154,9 +154,6 @@ class SavedState:
     def _open_run_dir(self, resumed: str | None) -> None:
         """Written once the lock is held and the state put back: the config, the tokenizer and the
         starting weights' files; the log, opened with what this launch found and chose."""
-        # Read before this launch's config replaces it: a launch from nothing over one that saved nothing trains
-        # another run where the model, data or batches differ (its goodput account starts anew)
-        other_run = ", ".join(another_run(self.run_dir / "config.toml", self.cfg)) if resumed is None else ""
         agreed(lambda: self._write_run_files(resumed), self.proc.world_size)  # (a full disk: one line, every rank)
         # Held open, so the folder's identity holds where a file system renumbers what it forgets (FUSE, autofs):
         # each save checks the path still names it
@@ -189,7 +186,7 @@ class SavedState:
                 size = folder_bytes(*held)
             self.metrics.event("checkpoints_set_aside", step=self.step, moved=[str(p) for p in self._set_aside],
                                held=len(held), held_gib=round(size / 2**30, 3))
-        self.guard.open(self.run_dir, self.metrics.event, resumed is None and not restarted(), other_run)
+        self.guard.open(self.run_dir, self.metrics.event, resumed is None and not restarted(), trained_settings(cfg))
         if self.guard.goodput.reset:  # the earlier launches' time is not in this account
             self.metrics.event("progress_reset", step=self.step, reason=self.guard.goodput.reset,
                                note="the goodput account starts again from this launch")
