@@ -54,8 +54,10 @@ def _autograd_saved_bytes_per_token(args: ModelArgs, precision: str, b: int = 2,
                                     float8: bool = False) -> float:
     """Bytes of the distinct tensors one real block saves for backward (weights, RoPE tables excluded;
     autocast's weight copies go to `copies`, storage -> bytes, when it is given)."""
+    from shardline.models.moe.model import MoETransformer
+
     torch.manual_seed(0)
-    model = Llama(args)
+    model = (MoETransformer if args.moe is not None else Llama)(args)
     apply_ac(model, ac)  # eagerly, the checkpoint's own hooks would hide what it keeps: compiled only
     if float8:  # emulated on the CPU; its per-tensor scales (0-dim) are not counted
         from shardline.parallel.float8 import convert
@@ -127,7 +129,32 @@ def test_compiled_block_constants_match_what_a_compiled_block_saves():
     dense = dataclasses.replace(moe, moe=None, ffn_dim=act.ffn_width(moe))
     routed = act.routed_ffn_width(moe)
     assert routed > 0 and act.block_bytes_per_token(act.llama_compiled_block(moe, "bf16")) == pytest.approx(
-        act.block_bytes_per_token(act.llama_compiled_block(dense, "bf16")) + 2 * routed)
+        act.block_bytes_per_token(act.llama_compiled_block(dense, "bf16")) + 2 * routed
+        + act.block_bytes_per_token(act.routed_saved(moe, "bf16", compiled=True)))
+    # A compiled MoE block (fp32: the CPU's grouped GEMM) keeps each slot's gathered row and output, to a few
+    # bytes a token (the router's small tensors as the compiler partitions them)
+    for top_k in (1, 4):
+        one = _moe_block(top_k)
+        assert _autograd_saved_bytes_per_token(one, "fp32", compiled=True) == pytest.approx(
+            act.block_bytes_per_token(act.llama_compiled_block(one, "fp32")), rel=1e-3)
+
+
+def _moe_block(top_k: int, shared: int = 0) -> ModelArgs:
+    """One MoE block of tiny-moe's shape with `top_k` routed slots a token."""
+    base = PRESETS["tiny-moe"]
+    moe = dataclasses.replace(base.moe, top_k=top_k, first_dense_layers=0, shared_experts=shared, aux_loss_coef=0.0)
+    return dataclasses.replace(base, dim=128, n_layers=1, moe=moe)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_an_moe_block_keeps_each_slots_rows_as_autograd_saves_them(top_k):
+    """An MoE block keeps, for each routed slot, its gathered input, its output and the gate-weighted output
+    (three rows of dim) beside the experts' SwiGLU: the estimate counted the SwiGLU alone, so a run at
+    top_k 8 measured more than the dry run said, and one at top_k 2 less (fp32: the CPU's grouped GEMM)."""
+    args = _moe_block(top_k, shared=top_k % 2)  # (a shared expert beside the routed ones, at top_k 1)
+    saved = _autograd_saved_bytes_per_token(args, "fp32")
+    assert saved == pytest.approx(act.block_bytes_per_token(act.llama_block(args, "fp32")), rel=1e-3)
+    assert act.block_bytes_per_token(act.routed_saved(args, "fp32")) > 12 * top_k * args.dim
 
 
 @pytest.mark.slow

@@ -109,7 +109,31 @@ def llama_block(model: ModelArgs, precision: str) -> list[Saved]:
     saved += [Saved("sdpa q, k, v, out", 2 * c * (q + kv), "tp"),
               Saved("sdpa logsumexp", 4 * a, "tp"),
               Saved("swiglu w1 out, silu out, w3 out, product", 4 * c * f, "tp")]
-    return saved
+    return saved + routed_saved(model, precision)
+
+
+def routed_saved(model: ModelArgs, precision: str, compiled: bool = False, op_ac: bool = False) -> list[Saved]:
+    """What an MoE block keeps beyond the SwiGLU widths ffn_width counts, per token averaged over the blocks
+    (first_dense_layers keep none). Each routed slot's gathered input row, in the compute dtype as the
+    grouped GEMM takes it; eagerly also its output in fp32 as the gate weight scales it and that weighted
+    row (index_add's source), where a compiled block keeps the output alone; the router's fp32 scores,
+    choices and weights, the slots' order and token ids (int64), and under mixed precision with shared
+    experts the router's own fp32 input beside their casts (counted with hooks on a block: the test of
+    the planner's memory). `op_ac`: op-level checkpointing keeps the grouped GEMMs' outputs instead
+    (w2's per slot: w1's and w3's are in ffn_width) and the router's logits."""
+    moe = getattr(model, "moe", None)
+    if moe is None:
+        return []
+    share, c, k, h = (model.n_layers - moe.first_dense_layers) / model.n_layers, dtype_bytes(precision), moe.top_k, \
+        model.dim
+    if op_ac:
+        return [Saved("routed w2 outputs", share * k * c * h, "tp"), Saved("router logits", share * 4 * moe.n_experts,
+                                                                            "lin_in")]
+    router = 4 * moe.n_experts + 32 * k + 4 * moe.norm_topk + (4 * h if precision != "fp32" and moe.shared_experts
+                                                                else 0)
+    return [Saved("routed rows: gathered input; output (eagerly in fp32, and weighted)",
+                  share * k * (2 * c if compiled else c + 8) * h, "tp"),
+            Saved("router scores, choices, weights; slot order and token ids", share * router, "lin_in")]
 
 
 def routed_ffn_width(model: ModelArgs) -> float:
@@ -135,13 +159,15 @@ def llama_compiled_block(model: ModelArgs, precision: str) -> list[Saved]:
                 Saved("sdpa q, k, v, out", 2 * c * (q + kv), "tp"),
                 Saved("sdpa logsumexp", 4 * a, "tp"),
                 Saved("wo input (the attention output, contiguous)", c * q, "tp"),
-                Saved("swiglu w1 out, w3 out", 2 * c * (f - routed) + 4 * c * routed, "tp")]
+                Saved("swiglu w1 out, w3 out", 2 * c * (f - routed) + 4 * c * routed, "tp"),
+                *routed_saved(model, precision, compiled=True)]
     return [Saved("block input (fp32 residual), rsqrt of both norms", 4 * h + 8, "seq"),
             Saved("both norms' outputs as linear inputs", 2 * c * h, "lin_in"),
             Saved("sdpa q, k, v, out", 2 * c * (q + kv), "tp"),
             Saved("sdpa logsumexp", 4 * a, "tp"),
             Saved("wo input (the attention output, contiguous)", c * q, "tp"),
-            Saved("swiglu w1 out, w3 out, product", 3 * c * (f - routed) + 4 * c * routed, "tp")]
+            Saved("swiglu w1 out, w3 out, product", 3 * c * (f - routed) + 4 * c * routed, "tp"),
+            *routed_saved(model, precision, compiled=True)]
 
 
 def whole_block(model: ModelArgs, precision: str, compiled: bool, tp: int = 1) -> list[Saved]:
@@ -182,7 +208,7 @@ def llama_op_ac_block(model: ModelArgs, precision: str, compiled: bool = False) 
             Saved("wq, wk, wv outputs", c * (q + 2 * kv), "tp"),
             Saved("sdpa out + logsumexp", c * q + 4 * a, "tp"),
             Saved("wo, w2 outputs (partial sums)", (1 if compiled else 2) * c * h, "partial"),
-            Saved("w1, w3 outputs", 2 * c * f, "tp")]
+            Saved("w1, w3 outputs", 2 * c * f, "tp"), *routed_saved(model, precision, op_ac=True)]
 
 
 def gpt_block(h: int, a: int, seq_len: int) -> list[Saved]:
