@@ -112,7 +112,10 @@ def test_the_same_job_restarting_takes_its_lock_other_hosts_are_not_guessed(tmp_
     write_lock(tmp_path, 1, host="node-7", job="TORCHELASTIC_RUN_ID=job42")
     with pytest.raises(ConfigError, match=f"delete {tmp_path / LOCK} if that run is gone"):
         RunLock(tmp_path).acquire()
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")  # a first attempt given the same --rdzv-id: another run
+    with pytest.raises(ConfigError, match=f"delete {tmp_path / LOCK} if that run is gone"):
+        RunLock(tmp_path).acquire()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert RunLock(tmp_path).acquire() == "same job (TORCHELASTIC_RUN_ID=job42): a restart"
 
 

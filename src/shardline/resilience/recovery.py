@@ -16,7 +16,7 @@ from shardline.errors import CheckpointError, ConfigError, on_every_rank
 from shardline.metrics import history, trained_in
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer, step_of
 from shardline.resilience.goodput import read_account
-from shardline.resilience.run_lock import launcher_ids
+from shardline.resilience.run_lock import LAUNCHERS, restarted_by, launcher_ids, restarted
 
 
 def resume_path(cfg: Config, checkpointer: Checkpointer, repaired: bool = False) -> tuple[Path | None, list[str]]:
@@ -63,8 +63,8 @@ def _trained_by_another_job(run_dir: str) -> bool:
         return False
     ids = launcher_ids()
     starts = [r.get("launchers") or {} for r in history(run_dir) if r.get("event") == "start"]
-    return not any(_restarted_by(counter) and ids.get(key) and ids[key] == seen.get(key)
-                   for seen in starts for key, counter in _LAUNCHERS)
+    return not any(restarted_by(counter) and ids.get(key) and ids[key] == seen.get(key)
+                   for seen in starts for key, counter in LAUNCHERS)
 
 
 def refuse_fresh_over_invalid(mode: str, found, invalid: list[str], root: Path, reads_memory: bool = True) -> None:
@@ -193,14 +193,6 @@ def rank0_decides(value, rank: int, world_size: int):
 
 
 # Each launcher's job id and the count of its restarts (run_lock.launcher_ids names the ids).
-_LAUNCHERS = (("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"), ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"))
-
-
-def _restarted_by(counter: str) -> bool:
-    count = os.environ.get(counter, "0")
-    return count.isdigit() and int(count) > 0
-
-
 def saved_by_this_job(path: Path) -> bool:
     """Whether the checkpoint was saved by this job as the launcher that restarted it knows the
     job (meta.json holds the launchers' ids): a restart of a `resume=never` run goes on from
@@ -210,7 +202,7 @@ def saved_by_this_job(path: Path) -> bool:
     except (OSError, ValueError, AttributeError):
         return False
     ids = launcher_ids()
-    return any(_restarted_by(counter) and ids.get(key) and saved.get(key) == ids[key] for key, counter in _LAUNCHERS)
+    return any(restarted_by(counter) and ids.get(key) and saved.get(key) == ids[key] for key, counter in LAUNCHERS)
 
 
 def memory_tier_resumable(cfg: Config) -> bool:
@@ -227,12 +219,6 @@ def saved_step(path: Path) -> int:
         return int(json.loads((path / MANIFEST).read_text(encoding="utf-8"))["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return step_of(path)
-
-
-def restarted() -> bool:
-    """This process is a restart of the job (torchrun --max-restarts, a Slurm requeue), which
-    runs the first attempt's command line again."""
-    return any(_restarted_by(counter) for _, counter in _LAUNCHERS)
 
 
 def saved_config(path: Path | str | None) -> dict:

@@ -55,6 +55,20 @@ def launcher_ids() -> dict[str, str]:
     return ids
 
 
+LAUNCHERS = (("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"), ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"))
+
+
+def restarted_by(counter: str) -> bool:
+    count = os.environ.get(counter, "0")
+    return count.isdigit() and int(count) > 0
+
+
+def restarted() -> bool:
+    """This process is a restart of the job (torchrun --max-restarts, a Slurm requeue), which
+    runs the first attempt's command line again."""
+    return any(restarted_by(counter) for _, counter in LAUNCHERS)
+
+
 def job_id() -> str:
     """The job's id for its run-dir lock ("" when there is none): Slurm's first, as a requeue
     keeps it while torchrun --standalone draws a new run id at every launch."""
@@ -262,7 +276,9 @@ def _why_free(holder: dict, me: dict) -> str | None:
     if not holder:
         return None
     same_host = holder.get("host") == me["host"]
-    if holder.get("job") and holder["job"] == me["job"] and not (same_host and _alive(holder)):
+    # The same job's lock on another host is taken only by a restart of it: two launches given one --rdzv-id
+    # (a script's fixed one) are two runs, and a first attempt cannot tell the other host's holder is gone
+    if holder.get("job") and holder["job"] == me["job"] and (not _alive(holder) if same_host else restarted()):
         return f"same job ({me['job']}): a restart"
     if not same_host:
         return None
