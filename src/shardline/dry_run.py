@@ -24,8 +24,8 @@ from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
-from shardline.launch_notes import (FP32_ON_GPU, lr_low_for_new_weights, unused_settings, val_path_in_training_data,
-                                    vocab_rows_added, warmup_covers_run)
+from shardline.launch_notes import (FP32_ON_GPU, context_extension, lr_low_for_new_weights, unused_settings,
+                                    val_path_in_training_data, vocab_rows_added, warmup_covers_run)
 from shardline.devices import DATASHEETS, local_datasheet, native_bf16
 from shardline.errors import ConfigError
 from shardline.layout.degrees import shard_degree
@@ -168,6 +168,10 @@ def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int, known
         unused = f"; {added[1] - vocab:,} rows no token of the tokenizer uses" if vocab < added[1] else ""
         lines.append(f"notes     {added[1] - added[0]:,} vocabulary rows added to the starting weights' {added[0]:,} "
                      f"(the embedding's and the output's, at the mean of theirs){unused}")
+    extended = context_extension(cfg)  # (as the launch notes it)
+    if extended:
+        lines.append(f"notes     train.seq_len={extended['seq_len']:,} is {extended['note']} (trained for "
+                     f"{extended['trained_positions']:,})")
     if lr_low_for_new_weights(cfg, resumes):
         lines.append(f"notes     optim.lr={cfg.optim.lr:g} on random weights (no model.hf_path or model.init_from): "
                      "a fine-tune's lr, which barely moves a new model")

@@ -39,6 +39,24 @@ FP32_ON_GPU = ("train.precision=fp32 on a GPU: its matmuls run at the fp32 peak,
                "(TF32 is off); train.precision=bf16 (or auto) is the usual choice")
 
 
+def context_extension(cfg: Config) -> dict | None:
+    """The context_extended note's fields where train.seq_len is past the positions the starting weights
+    were trained for (model.hf_path or init_from), else None: RoPE as the config sets it, no scaling added."""
+    start = cfg.model.hf_path or cfg.model.init_from
+    trained = _trained_positions(cfg) if start and Path(start).is_dir() else 0
+    if not trained or cfg.train.seq_len <= trained:
+        return None
+    own = _start_theta(cfg)
+    theta = ("RoPE as the weights had it: a higher model.rope_theta raises its base frequency (the adjusted-"
+             "base-frequency recipe)" if not cfg.model.rope_theta or cfg.model.rope_theta == own else
+             f"model.rope_theta={cfg.model.rope_theta:g} " + ("raises" if own and cfg.model.rope_theta > own
+                                                             else "sets") + " RoPE's base frequency"
+             + (f" (theirs: {own:g})" if own else ""))
+    return {"seq_len": cfg.train.seq_len, "trained_positions": trained,
+            "note": f"past the positions the starting weights were trained for; {theta}, and no RoPE scaling is "
+                    "added; the export records the longer max_position_embeddings"}
+
+
 def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: int, gpu_name: str = "",
                  gpus: int = 0, model: ModelArgs | None = None, tokenizer=None,
                  resumed: bool = False, layout: Layout | None = None, gpu_bf16: bool = False) -> list[tuple[str, dict]]:
@@ -113,18 +131,9 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             **({"markers": f"{' and '.join(pieces)} are no tokens of this vocabulary: learned as pieces"}
                if pieces else {}), "export": "convert to-hf writes the ChatML template into the HF folder"}))
     start = cfg.model.hf_path or cfg.model.init_from
-    trained = _trained_positions(cfg) if start and Path(start).is_dir() else 0
-    if trained and cfg.train.seq_len > trained:  # allowed: RoPE reaches any position, as configured
-        own = _start_theta(cfg)
-        theta = ("RoPE as the weights had it: a higher model.rope_theta raises its base frequency (the adjusted-"
-                 "base-frequency recipe)" if not cfg.model.rope_theta or cfg.model.rope_theta == own else
-                 f"model.rope_theta={cfg.model.rope_theta:g} " + ("raises" if own and cfg.model.rope_theta > own
-                                                                 else "sets") + " RoPE's base frequency"
-                 + (f" (theirs: {own:g})" if own else ""))
-        notes.append(("context_extended", {
-            "seq_len": cfg.train.seq_len, "trained_positions": trained,
-            "note": f"past the positions the starting weights were trained for; {theta}, and no RoPE scaling is "
-                    "added; the export records the longer max_position_embeddings"}))
+    extended = context_extension(cfg)
+    if extended:  # allowed: RoPE reaches any position, as configured
+        notes.append(("context_extended", extended))
     notes += _routing_notes(model, start_moe(cfg) if start else None)
     own = _own_tokenizer(cfg) if start and cfg.data.tokenizer else None
     if own is not None and _differ(own, Path(cfg.data.tokenizer)) and not extends_file(cfg.data.tokenizer, own):

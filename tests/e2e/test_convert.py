@@ -482,6 +482,12 @@ def test_a_seq_len_past_the_starting_weights_positions_is_named_at_the_start(tmp
     assert json.loads((saved / "meta.json").read_text())["model_args"]["max_seq_len"] > 64  # the preset's
     notes = dict(launch_notes(load_config(None, [f"model.init_from={saved}", "train.seq_len=64"]), "cuda", 989.0, 1))
     assert notes["context_extended"]["trained_positions"] == 32
+    from shardline.dry_run import dry_run  # the dry run says it too (it said nothing of the positions)
+
+    report, _ = dry_run(load_config(None, [f"model.init_from={saved}", "train.seq_len=64", "run.device=cpu",
+                                           f"run.dir={tmp_path / 'longer'}"]), 1)
+    assert ("notes     train.seq_len=64 is past the positions the starting weights were trained for; RoPE as the "
+            "weights had it") in report and "(trained for 32)" in report
     assert meta["model_args"]["max_seq_len"] == trained  # (from-hf keeps the folder's positions)
     from_hf = dict(launch_notes(load_config(None, [f"model.init_from={ckpt}", f"train.seq_len={2 * trained}"]),
                                 "cuda", 989.0, 1))
