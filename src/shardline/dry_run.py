@@ -38,6 +38,7 @@ from shardline.planner.estimate import estimate
 from shardline.planner.hardware import Hardware, cuda_index, get_hardware, with_local_memory
 from shardline.planner.layout import Workload
 from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_over_words, mfu_words
+from shardline.planner.microbatch_comm import ep_placement
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE, node_ranks
 from shardline.resilience.checkpoint import verify
@@ -283,8 +284,8 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
             + _compile_pricing(work, launch.layout) + _cpu_guess(hw),
             f"          {MEMORY_TERMS}",
             f"          {mfu_words(work)}", *(f"          {line}" for line in mfu_over_words(e.mfu)),
-            f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}"
-            ], e.fits
+            f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}",
+            *([f"          {placed}"] if (placed := ep_placement(launch.layout, hw)) else [])], e.fits
 
 
 def _cpu_guess(hw: Hardware) -> str:

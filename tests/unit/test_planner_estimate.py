@@ -189,6 +189,16 @@ def test_expert_parallel_all_to_all_for_moe_shapes():
     assert not apart.ep_borrows_cp
     assert ep_layer(moe, apart, H100, cmp.layer_times(moe, apart, H100)) > \
         ep_layer(moe, Layout(ep=8, dp_shard=256, micro_batch_size=1), H100, lt) * 2  # half the tokens, cp 2
+    # ... which estimate and the dry run say (their ep_comm was 43% of a step, unexplained)
+    from shardline.planner.microbatch_comm import ep_placement
+    from shardline.planner.report import estimate_text
+
+    said = ("the 8 expert-parallel ranks sit 2 ranks apart, 4 on a node of 8: each all-to-all crosses 2 nodes over "
+            "the links between them (ep_comm); a smaller ep or one borrowing the cp ranks")
+    assert ep_placement(apart, H100).startswith(said)
+    assert said in estimate_text(moe, H100, estimate(moe, apart, H100))
+    assert ep_placement(Layout(ep=8, dp_shard=256, micro_batch_size=1), H100) == ""  # side by side: one node
+    assert ep_placement(Layout(ep=4, dp_shard=128, cp=2, micro_batch_size=1), H100) == ""  # 4 x 2 apart: one node
 
 
 def test_moe_blocks_are_priced_by_active_experts_and_held_in_full():

@@ -147,14 +147,35 @@ def ep_layer(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes, r
     """
     if layout.ep == 1 or not getattr(work.model, "n_experts", 0):
         return 0.0
-    stride = layout.tp * (1 if layout.ep_borrows_cp else layout.cp)
-    g = comm.group(layout.ep, stride, hw.network.gpus_per_node)
+    g = comm.group(layout.ep, ep_stride(layout), hw.network.gpus_per_node)
     routed = _tokens(work, layout) * getattr(work.model, "moe_top_k", 1)
     one = comm.all_to_all(routed * work.model.dim * dtype_bytes(work.precision), g, hw.network)[0]
     total = (4 + 2 * rec) * one
     if layout.pp_schedule == "dualpipev" and layout.pp > 1:
         return max(0.0, total - (lt.forward + lt.backward))
     return total
+
+
+def ep_stride(layout: Layout) -> int:
+    """How many ranks apart the ep ranks sit: tp when ep borrows the cp ranks (the mesh puts them next to
+    each other), cp x tp otherwise."""
+    return layout.tp * (1 if layout.ep_borrows_cp else layout.cp)
+
+
+def ep_placement(layout: Layout, hw: Hardware) -> str:
+    """A sentence where the expert-parallel group spans nodes (its all-to-alls then cross the slower links
+    between them), else "": what the estimate's ep_comm rests on, and how to keep the group in a node."""
+    if layout.ep == 1 or hw.name == "cpu":
+        return ""
+    stride = ep_stride(layout)
+    per_node = comm.group(layout.ep, stride, hw.network.gpus_per_node).per_node
+    if per_node >= layout.ep:
+        return ""
+    borrow = (" or one borrowing the cp ranks (a multiple of cp that dp_shard does not divide: they sit next to "
+              "each other)") if layout.cp > 1 and not layout.ep_borrows_cp else ""
+    return (f"the {layout.ep} expert-parallel ranks sit {f'{stride} ranks apart' if stride > 1 else 'side by side'}, "
+            f"{per_node} on a node of {hw.network.gpus_per_node}: each all-to-all crosses {layout.ep // per_node} "
+            f"nodes over the links between them (ep_comm); a smaller ep{borrow} keeps it inside a node")
 
 
 def fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes, stage: RankStages,

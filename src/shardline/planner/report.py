@@ -8,6 +8,7 @@ from shardline.planner.estimate import Estimate
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
 from shardline.models import num_params
+from shardline.planner.microbatch_comm import ep_placement
 from shardline.planner.memory import GiB, largest_term, total_params
 from shardline.planner.offload import OUTSIDE_DEVICE, ssd_spill
 from shardline.planner.search import SearchResult
@@ -118,6 +119,8 @@ def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
              "time per step (s):"]
     for key, value in sorted(e.breakdown.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {key:<18} {value:10.4f}  {100 * value / e.step_time_s:5.1f}%")
+    if ep_placement(e.layout, hw):
+        lines.append(f"  ({ep_placement(e.layout, hw)})")
     lines += ["", f"memory on the busiest rank at its peak (GiB; on a GPU the terms alive then), "
                   f"capacity {e.capacity / GiB:.1f} ({MEMORY_TERMS}):"]
     for key, value in e.memory.items():
