@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import sys
@@ -43,43 +42,9 @@ from shardline.data.encode import encode_reply_prompt, reply_prompt, turn_end_te
 from shardline.config import DTYPE_NAMES, saved_formats
 from shardline.errors import CheckpointError, ConfigError, DataError
 from shardline.models.llama.kv_cache import KVCache
+from shardline.models.sampling import SampleOptions, check_options, next_token
 
 DTYPES = ("float32", "bfloat16")
-
-
-@dataclass(frozen=True)
-class SampleOptions:
-    max_new_tokens: int = 64
-    temperature: float = 0.8  # 0: greedy (the most likely token each time)
-    top_k: int = 50  # sample among the k most likely tokens; 0: among all
-    top_p: float = 1.0  # then among the likeliest whose probabilities sum to top_p; 1: all of them
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        self.check()  # (a caller from Python hears of a bad option where it made it)
-
-    def check(self) -> None:
-        """A ConfigError naming the first invalid option and its valid values."""
-        check_options(vars(self))
-
-
-# Each option's rule: a test of its value, and the words that say the valid ones.
-_OPTION_RULES = {
-    "max_new_tokens": (lambda v: v >= 1, "must be >= 1"),
-    "temperature": (lambda v: 0 <= v < math.inf, "must be a finite number >= 0 (0 = greedy)"),  # (NaN fails it)
-    "top_k": (lambda v: v >= 0, "must be >= 0 (0 = all tokens)"),
-    "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = all tokens)"),
-    "seed": (lambda v: -2**63 <= v < 2**64, "must be in [-2**63, 2**64)"),  # what torch's generator takes
-}
-
-
-def check_options(values: dict, flags: bool = False) -> None:
-    """A ConfigError naming the first invalid sampling option and its valid values: as SampleOptions'
-    field (top_p=0.0), or with `flags` as the CLI's flag (--top-p=0.0)."""
-    for name, (valid, rule) in _OPTION_RULES.items():
-        if not valid(values[name]):
-            shown = "--" + name.replace("_", "-") if flags else name
-            raise ConfigError(f"{shown}={values[name]} is invalid: {rule}")
 
 
 @dataclass
@@ -179,10 +144,10 @@ class Generator:
         if chat and self.run_format == "text":
             say(f"{self.checkpoint} was trained on text, not conversations: its replies follow the chat template "
                 "only as far as that text taught it")
-        if not chat and self.run_format == "chat":  # (HF's generate on the export starts the text with its BOS)
-            say(f"{self.checkpoint} was trained on conversations: the prompt is plain text" + (
-                " with no BOS (--bos adds it)" if self.bos and not bos and not self.trained_bos else "")
-                + "; --chat renders it as a user's message")
+        if not chat and self.run_format == "chat":  # (and HF's tokenizer on the export starts a text with any BOS)
+            bare = " with no BOS (--bos adds it, as HF's tokenizer does)" * bool(bare_of_bos(self, bos))
+            say(f"{self.checkpoint} was trained on conversations: the prompt is plain text{bare}; --chat renders it "
+                "as a user's message")
         if len(prompt_ids) > self.context:
             say(f"the prompt is {len(prompt_ids):,} tokens and the model sees the last {self.context:,} "
                 "(--context sets that, up to the model's max_seq_len)")
@@ -215,6 +180,13 @@ class Generator:
         return text
 
 
+def bare_of_bos(gen: Generator, bos: bool) -> bool:
+    """Whether a plain prompt goes in without the BOS its tokenizer puts before a text (HF's does)."""
+    from shardline.data.tokenizer import bos_prefix
+
+    return not bos and not gen.trained_bos and bool(bos_prefix(gen.tokenizer))
+
+
 def _messages(prompt: str, system: str = "") -> list[dict]:
     return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": prompt}]
 
@@ -225,24 +197,6 @@ def check_chat_flags(bos: bool, chat: bool, system: str) -> None:
         raise ConfigError("--bos with --chat: the chat template writes the start of the conversation itself")
     if system and not chat:
         raise ConfigError("--system needs --chat: a plain prompt is continued as a document")
-
-
-def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator) -> int:
-    """One token from a vector of fp32 logits: the argmax at temperature 0, else a draw from the
-    softmax of logits / temperature over the top_k most likely (all with top_k 0), and of those
-    over the fewest likeliest whose probabilities sum to top_p (nucleus sampling)."""
-    if opts.temperature == 0:
-        return int(logits.argmax())
-    scaled = (logits - logits.max()) / opts.temperature  # (shifted: a tiny temperature overflows no logit)
-    if 0 < opts.top_k < scaled.numel():
-        kth = torch.topk(scaled, opts.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if opts.top_p < 1:
-        ranked, order = probs.sort(descending=True)
-        likelier = ranked.cumsum(0) - ranked  # the mass of the tokens ranked above each (0 for the first)
-        probs[order[likelier >= opts.top_p]] = 0  # multinomial takes weights: no need to renormalise
-    return int(torch.multinomial(probs, 1, generator=draw))
 
 
 def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32", context: int = 0,
@@ -380,9 +334,8 @@ def register(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", help=f"the weights' dtype in memory, one of {', '.join(DTYPES)} "
                                                       "(or bf16; default float32; bfloat16 halves the memory)")
-    p.add_argument("--bos", action="store_true", help="start the prompt with the tokenizer's BOS token(s) (a "
-                                                       "prompt starts with them already where the run trained with "
-                                                       "them, and for a checkpoint converted from HF)")
+    p.add_argument("--bos", action="store_true", help="start the prompt with the tokenizer's BOS token(s) (it has "
+                                                       "them already where the run trained with them, or from HF)")
     p.add_argument("--context", type=int, default=0, help="tokens the model sees at most (default: the run's "
                                                            "train.seq_len; up to the model's max_seq_len)")
     p.add_argument("--tokenizer", type=os.path.expanduser, default="",

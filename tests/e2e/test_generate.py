@@ -477,8 +477,8 @@ def test_a_chat_run_whose_template_writes_a_bos_prompts_with_it(trained_run, tmp
     assert not bare.trained_bos  # a template that writes none: none
     capsys.readouterr()
     bare.complete(PROMPT, SampleOptions(max_new_tokens=1, temperature=0))  # a plain prompt to a chat run: said
-    assert "was trained on conversations: the prompt is plain text with no BOS (--bos adds it); --chat " \
-           "renders it as a user's message" in capsys.readouterr().err
+    assert "was trained on conversations: the prompt is plain text with no BOS (--bos adds it, as HF's tokenizer " \
+           "does); --chat renders it as a user's message" in capsys.readouterr().err
     gen.complete(PROMPT, SampleOptions(max_new_tokens=1, temperature=0), bos=False)
     err = capsys.readouterr().err  # (its BOS there: only the plain text said)
     assert "trained on conversations: the prompt is plain text; --chat" in err, err

@@ -105,8 +105,8 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
     if tokenizer is not None:  # a run's own tokenizer: its end-of-document token, and the one BOS it starts texts with
         tok = load_tokenizer(str(tokenizer), key="")
         _check_template(tokenizer)
-        doc_end = eos_id(tok, tokenizer)  # (what training put after each document: a stop of the export's)
-        eos = doc_end if eos is None else eos
+        doc_end = eos_id(tok, tokenizer) if meta.get("config") else None  # (a run's: what it put after each document)
+        eos = eos_id(tok, tokenizer) if eos is None else eos
         prefix = bos_prefix(tok)
         bos = prefix[0] if bos is None and len(prefix) == 1 else bos
     # A run that trained on chat data without a chat template rendered it as ChatML: its export says so, so
