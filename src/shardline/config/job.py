@@ -165,8 +165,10 @@ def trained_settings(cfg: Config) -> dict[str, Any]:
             name = f"{section}.{key}"
             if name.startswith(WHAT_IS_TRAINED):
                 out[name] = os.path.realpath(value) if name in _TRAINED_PATHS and value else value
-    out["data.mix"] = [{**s, "path": os.path.realpath(s["path"]) if s.get("path") else s.get("path")}
-                       for s in out.get("data.mix", [])]
+    for i, source in enumerate(out.pop("data.mix", [])):  # each source's keys apart: one a later version adds to
+        for key, value in source.items():                 # a source is no difference in an older account
+            out[f"data.mix.{i}.{key}"] = os.path.realpath(value) if key == "path" and value else value
+    out["data.mix.sources"] = len(cfg.data.mix)
     return out
 
 
