@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -109,14 +110,46 @@ def test_a_reused_pid_is_another_process(tmp_path, other_process):
 
 
 def test_the_same_job_restarting_takes_its_lock_other_hosts_are_not_guessed(tmp_path, monkeypatch):
+    """Another host's lock of the same job is a dead holder's once it goes untouched: a live holder touches
+    it every beat (two launches given one --rdzv_id, on two hosts, trained in one run dir at once, and a
+    torchrun restart of the refused one would do the same)."""
+    from shardline.resilience import run_lock
+
+    monkeypatch.setattr(run_lock, "BEAT_S", 0.05)
     write_lock(tmp_path, 1, host="node-7", job="TORCHELASTIC_RUN_ID=job42")
     with pytest.raises(ConfigError, match=f"delete {tmp_path / LOCK} if that run is gone"):
         RunLock(tmp_path).acquire()
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")  # a first attempt given the same --rdzv-id: another run
-    with pytest.raises(ConfigError, match=f"delete {tmp_path / LOCK} if that run is gone"):
-        RunLock(tmp_path).acquire()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert RunLock(tmp_path).acquire() == "same job (TORCHELASTIC_RUN_ID=job42): a restart"
+    done = threading.Event()
+
+    def live_holder():  # node-7's run, touching its lock
+        while not done.wait(0.02):
+            os.utime(tmp_path / LOCK)
+
+    beating = threading.Thread(target=live_holder)
+    beating.start()
+    try:
+        with pytest.raises(ConfigError, match="in use by another run"):
+            RunLock(tmp_path).acquire()
+    finally:
+        done.set()
+        beating.join()
+    assert RunLock(tmp_path).acquire() == ("same job (TORCHELASTIC_RUN_ID=job42): a restart; its lock untouched "
+                                           "for 0.15 s")
+
+
+def test_a_held_lock_is_touched_each_beat_and_no_longer_once_released(tmp_path, monkeypatch):
+    from shardline.resilience import run_lock
+
+    monkeypatch.setattr(run_lock, "BEAT_S", 0.05)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    first = (tmp_path / LOCK).stat().st_mtime_ns
+    time.sleep(0.3)
+    assert (tmp_path / LOCK).stat().st_mtime_ns > first
+    lock.release()
+    assert not (tmp_path / LOCK).exists()
 
 
 def test_the_same_jobs_lock_is_not_taken_while_its_holder_runs_here(tmp_path, other_process, monkeypatch):

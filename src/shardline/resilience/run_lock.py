@@ -9,11 +9,13 @@ run ends, halts or fails.
 
 A lock left by a dead run is taken over: same host, and its pid is gone or now
 belongs to a process started at another time. A lock of the same job is taken over
-too, unless its holder still runs on this host: Slurm requeues (SLURM_JOB_ID and step)
-and torchrun restarts (TORCHELASTIC_RUN_ID, when not under Slurm) keep their id. A lock from another host
-cannot be checked from here; its error says how to remove it once that job is known
-to be gone. A takeover renames the lock aside before removing it, so two runs racing
-for one stale lock never both hold it.
+too (Slurm requeues keep SLURM_JOB_ID and step, torchrun restarts TORCHELASTIC_RUN_ID, when not
+under Slurm), unless its holder still runs: on this host its pid says so; on another, the holder
+touches its lock every BEAT_S seconds, and a lock untouched while QUIET_BEATS beats pass is a dead
+holder's (two first launches given one --rdzv_id are two live runs). Another job's lock from another
+host cannot be checked from here; its error says how to remove it once that job is known to be gone.
+A takeover renames the lock aside before removing it, so two runs racing for one stale lock never both
+hold it.
 
 Within one process (a notebook building Trainers) the pid says nothing, and a Trainer built and
 dropped unclosed cannot free its lock: a later Trainer of the process takes it over, and the
@@ -29,6 +31,7 @@ import errno
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -39,6 +42,8 @@ from shardline.errors import ConfigError, on_every_rank
 
 LOCK = ".lock"
 EMPTY_LOCK_S = 60.0  # an empty lock older than this was left by a start that died while taking it
+BEAT_S = 5.0  # the holder touches its lock this often
+QUIET_BEATS = 3  # a same-job lock of another host untouched this many beats is a dead holder's
 
 
 def launcher_ids() -> dict[str, str]:
@@ -120,6 +125,8 @@ class RunLock:
                 if not holder and not self.path.exists():
                     continue  # released meanwhile: take it now
                 why = _why_free(holder, me) or self._left_empty()
+                if why and why.startswith("same job") and holder.get("host") != me["host"]:
+                    why = self._gone_quiet(why)  # (another host's holder: alive while it touches its lock)
                 if why is None:
                     raise ConfigError(_held_message(self.path, holder)) from None
                 if self._remove_if_still(holder):
@@ -137,6 +144,8 @@ class RunLock:
                                   f"({e.strerror})") from None
             self.held, self.mine = True, me
             atexit.register(self.release)  # an exception that ends the process still frees it
+            self._beating = threading.Event()
+            threading.Thread(target=self._beat, args=(self._beating,), daemon=True, name="run-lock-beat").start()
             self._check_writable(self.path.parent / "checkpoints")
             return taken_over
         if not self.path.parent.is_dir():
@@ -195,6 +204,30 @@ class RunLock:
         aside.unlink(missing_ok=True)
         return False
 
+    def _beat(self, stop: threading.Event) -> None:
+        """Touch the lock every BEAT_S seconds while it is ours: a same-job launch on another host tells a
+        live holder from a dead one by it (see _gone_quiet)."""
+        while not stop.wait(BEAT_S):
+            if self._read() != self.mine:  # (taken over: not ours to keep alive)
+                return
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def _gone_quiet(self, why: str) -> str | None:
+        """`why`, where the lock's holder on another host has not touched it for QUIET_BEATS beats (its
+        process is gone), else None: a live run of the same job id. Its time is read on an opened file
+        (NFS revalidates a file's attributes at open, where a stat may answer from its cache)."""
+        def touched() -> float | None:
+            try:
+                with open(self.path, "rb") as f:
+                    return os.fstat(f.fileno()).st_mtime
+            except OSError:
+                return None
+
+        first = touched()
+        time.sleep(QUIET_BEATS * BEAT_S)
+        return f"{why}; its lock untouched for {QUIET_BEATS * BEAT_S:g} s" if touched() == first else None
+
     def _left_empty(self) -> str | None:
         """Why an empty lock is free: one a minute old was left by a start that died between creating
         and writing it (a younger one may still be being written)."""
@@ -242,6 +275,7 @@ class RunLock:
         """Remove the lock if it is still ours: a run of the same job on another host may have
         taken it over meanwhile, and its lock is not ours to delete."""
         if self.held:
+            self._beating.set()
             self._remove_if_still(self.mine)  # renamed aside first: never another run's lock
             self.held = False
             if self.created:  # a launch refused before it wrote anything leaves no folder
@@ -276,10 +310,8 @@ def _why_free(holder: dict, me: dict) -> str | None:
     if not holder:
         return None
     same_host = holder.get("host") == me["host"]
-    # The same job's lock on another host is taken only by a restart of it: two launches given one --rdzv-id
-    # (a script's fixed one) are two runs, and a first attempt cannot tell the other host's holder is gone
-    if holder.get("job") and holder["job"] == me["job"] and (not _alive(holder) if same_host else restarted()):
-        return f"same job ({me['job']}): a restart"
+    if holder.get("job") and holder["job"] == me["job"] and not (same_host and _alive(holder)):
+        return f"same job ({me['job']}): a restart"  # (another host's: only once its lock is quiet, see acquire)
     if not same_host:
         return None
     if holder.get("pid") == me["pid"] and holder.get("start") == me["start"]:
