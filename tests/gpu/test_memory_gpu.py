@@ -107,3 +107,22 @@ def test_the_rng_state_is_this_gpus_and_older_all_gpu_states_still_load():
     set_rng_state({**state, "cuda": older})
     assert torch.equal(torch.cuda.get_rng_state(), state["cuda"])
     set_rng_state({**state, "cuda": []})  # fewer than this rank's index: left as it is, no IndexError
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_moe_block_keeps_in_bf16_what_the_planner_counts(compiled):
+    """What the CPU suite cannot count: on CUDA the grouped GEMM takes its rows cast to bf16 (c bytes a
+    dim), where the CPU's runs them in fp32, so fp32 there cannot tell the planner's c + 8 (eagerly) or 2c
+    (compiled) bytes a routed slot from 3c or c + 4. A shared expert adds its casts beside the router's
+    fp32 input."""
+    import torch
+
+    from shardline.planner import activations as act
+    from tests.unit.test_planner_memory import _autograd_saved_bytes_per_token, _moe_block
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the grouped GEMM runs in bf16 on Hopper and newer (a loop of GEMMs before)")
+    args = _moe_block(4, shared=1)
+    saved = _autograd_saved_bytes_per_token(args, "bf16", compiled=compiled, device="cuda")
+    block = act.llama_compiled_block(args, "bf16") if compiled else act.llama_block(args, "bf16")
+    assert saved == pytest.approx(act.block_bytes_per_token(block), rel=0.02)

@@ -51,20 +51,20 @@ def test_korthikanti_gpt_formulas(s, b, h, a, t):
 
 def _autograd_saved_bytes_per_token(args: ModelArgs, precision: str, b: int = 2, s: int = 37,
                                     compiled: bool = False, copies: dict | None = None, ac: str = "none",
-                                    float8: bool = False) -> float:
+                                    float8: bool = False, device: str = "cpu") -> float:
     """Bytes of the distinct tensors one real block saves for backward (weights, RoPE tables excluded;
-    autocast's weight copies go to `copies`, storage -> bytes, when it is given)."""
+    autocast's weight copies go to `copies`, storage -> bytes, when it is given), on `device`."""
     from shardline.models.moe.model import MoETransformer
 
     torch.manual_seed(0)
-    model = (MoETransformer if args.moe is not None else Llama)(args)
+    model = (MoETransformer if args.moe is not None else Llama)(args).to(device)
     apply_ac(model, ac)  # eagerly, the checkpoint's own hooks would hide what it keeps: compiled only
     if float8:  # emulated on the CPU; its per-tensor scales (0-dim) are not counted
         from shardline.parallel.float8 import convert
 
         convert(model, "tensorwise", emulate=True, fsdp_all_gather=False)
     block = torch.compile(model.layers["0"]) if compiled else model.layers["0"]
-    x = torch.randn(b, s, args.dim, requires_grad=True)
+    x = torch.randn(b, s, args.dim, requires_grad=True, device=device)
     rotary = model.rotary
     cos, sin = rotary(torch.arange(s), x.device)
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -74,13 +74,13 @@ def _autograd_saved_bytes_per_token(args: ModelArgs, precision: str, b: int = 2,
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        copy = precision != "fp32" and t.dtype == torch.bfloat16 and t.dim() == 2 and tuple(t.shape) in shapes
+        copy = precision != "fp32" and t.dtype == torch.bfloat16 and t.dim() in (2, 3) and tuple(t.shape) in shapes
         if ptr not in exclude and t.dim() > 0:
             (copies if copy and copies is not None else saved if not copy else {})[ptr] = t.untyped_storage().nbytes()
         return t
 
     mixed = precision in ("bf16", "fp8")
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mixed else torch.autocast("cpu", enabled=False)
+    ctx = torch.autocast(device, dtype=torch.bfloat16) if mixed else torch.autocast(device, enabled=False)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
         block(x, cos, sin, None)
     return sum(saved.values()) / (b * s)
@@ -91,6 +91,8 @@ def _weight_shapes(model) -> set[tuple[int, ...]]:
     for p in model.parameters():
         if p.dim() == 2:
             shapes |= {tuple(p.shape), tuple(p.shape[::-1])}
+        if p.dim() == 3:  # (routed experts' stacked weights, cast for the grouped GEMM, and transposed)
+            shapes |= {tuple(p.shape), (p.shape[0], p.shape[2], p.shape[1])}
     return shapes
 
 
@@ -154,7 +156,10 @@ def test_an_moe_block_keeps_each_slots_rows_as_autograd_saves_them(top_k):
     args = _moe_block(top_k, shared=top_k % 2)  # (a shared expert beside the routed ones, at top_k 1)
     saved = _autograd_saved_bytes_per_token(args, "fp32")
     assert saved == pytest.approx(act.block_bytes_per_token(act.llama_block(args, "fp32")), rel=1e-3)
-    assert act.block_bytes_per_token(act.routed_saved(args, "fp32")) > 12 * top_k * args.dim
+    routed = act.routed_saved(args, "fp32")
+    assert act.block_bytes_per_token(routed) > 12 * top_k * args.dim
+    # Every tp rank routes the whole sequence and holds all its rows (its experts run on slices of them)
+    assert act.block_bytes_per_token(routed, tp=2, sp=True) == act.block_bytes_per_token(routed)
 
 
 @pytest.mark.slow
