@@ -285,7 +285,8 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
             f"          {MEMORY_TERMS}",
             f"          {mfu_words(work)}", *(f"          {line}" for line in mfu_over_words(e.mfu)),
             f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}",
-            *([f"          {placed}"] if (placed := ep_placement(launch.layout, hw)) else [])], e.fits
+            *([f"          {ep}"] if (ep := ep_placement(launch.layout, hw, getattr(work.model, "n_experts", 0)))
+              else [])], e.fits
 
 
 def _cpu_guess(hw: Hardware) -> str:

@@ -194,11 +194,17 @@ def test_expert_parallel_all_to_all_for_moe_shapes():
     from shardline.planner.report import estimate_text
 
     said = ("the 8 expert-parallel ranks sit 2 ranks apart, 4 on a node of 8: each all-to-all crosses 2 nodes over "
-            "the links between them (ep_comm); a smaller ep or one borrowing the cp ranks")
-    assert ep_placement(apart, H100).startswith(said)
+            "the links between them (ep_comm); ep=2 or 4 keeps it inside a node")
+    assert ep_placement(apart, H100, 8) == said
     assert said in estimate_text(moe, H100, estimate(moe, apart, H100))
-    assert ep_placement(Layout(ep=8, dp_shard=256, micro_batch_size=1), H100) == ""  # side by side: one node
-    assert ep_placement(Layout(ep=4, dp_shard=128, cp=2, micro_batch_size=1), H100) == ""  # 4 x 2 apart: one node
+    assert ep_placement(Layout(ep=8, dp_shard=256, micro_batch_size=1), H100, 8) == ""  # side by side: one node
+    assert ep_placement(Layout(ep=4, dp_shard=128, cp=2, micro_batch_size=1), H100, 8) == ""  # 4 x 2 apart: one node
+    # 12 side by side span two nodes (not "1"); an ep that borrows the cp ranks sits tp apart, named where it fits
+    assert "crosses 2 nodes" in ep_placement(Layout(ep=12, dp_shard=24, micro_batch_size=1), H100, 24)
+    assert ep_placement(Layout(ep=4, dp_shard=3, cp=4, tp=4, micro_batch_size=1), H100, 8).endswith(
+        "no ep the layout allows keeps it inside a node")
+    assert ep_placement(Layout(ep=4, dp_shard=4, cp=4, micro_batch_size=1), H100, 8).endswith(
+        "ep=2 or 8 keeps it inside a node")  # (8 = 2 dp_shard ranks x the 4 cp ranks, side by side)
 
 
 def test_moe_blocks_are_priced_by_active_experts_and_held_in_full():

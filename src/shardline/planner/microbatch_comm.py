@@ -162,20 +162,26 @@ def ep_stride(layout: Layout) -> int:
     return layout.tp * (1 if layout.ep_borrows_cp else layout.cp)
 
 
-def ep_placement(layout: Layout, hw: Hardware) -> str:
+def ep_placement(layout: Layout, hw: Hardware, experts: int) -> str:
     """A sentence where the expert-parallel group spans nodes (its all-to-alls then cross the slower links
-    between them), else "": what the estimate's ep_comm rests on, and how to keep the group in a node."""
+    between them), else "": what the estimate's ep_comm rests on, and the ep degrees that keep the group in
+    one node, among those the layout rules allow (ep divides dp_shard x cp and the `experts`; one that
+    dp_shard does not divide borrows every cp rank, a multiple of cp, and sits tp apart)."""
+    gpn = hw.network.gpus_per_node
     if layout.ep == 1 or hw.name == "cpu":
         return ""
     stride = ep_stride(layout)
-    per_node = comm.group(layout.ep, stride, hw.network.gpus_per_node).per_node
-    if per_node >= layout.ep:
+    group = comm.group(layout.ep, stride, gpn)
+    if group.per_node >= layout.ep:
         return ""
-    borrow = (" or one borrowing the cp ranks (a multiple of cp that dp_shard does not divide: they sit next to "
-              "each other)") if layout.cp > 1 and not layout.ep_borrows_cp else ""
+    fits = [e for e in range(2, layout.dp_shard * layout.cp + 1) if (layout.dp_shard * layout.cp) % e == 0
+            and experts % e == 0 and (layout.dp_shard % e == 0 or e % layout.cp == 0)
+            and e * layout.tp * (layout.cp if layout.dp_shard % e == 0 else 1) <= gpn]
+    way = f"ep={' or '.join(map(str, fits[-2:]))} keeps it inside a node" if fits else \
+        "no ep the layout allows keeps it inside a node"
     return (f"the {layout.ep} expert-parallel ranks sit {f'{stride} ranks apart' if stride > 1 else 'side by side'}, "
-            f"{per_node} on a node of {hw.network.gpus_per_node}: each all-to-all crosses {layout.ep // per_node} "
-            f"nodes over the links between them (ep_comm); a smaller ep{borrow} keeps it inside a node")
+            f"{group.per_node} on a node of {gpn}: each all-to-all crosses {group.nodes} nodes over the links "
+            f"between them (ep_comm); {way}")
 
 
 def fsdp_exposed(work: Workload, layout: Layout, hw: Hardware, lt: cmp.LayerTimes, stage: RankStages,

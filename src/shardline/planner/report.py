@@ -119,8 +119,8 @@ def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
              "time per step (s):"]
     for key, value in sorted(e.breakdown.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {key:<18} {value:10.4f}  {100 * value / e.step_time_s:5.1f}%")
-    if ep_placement(e.layout, hw):
-        lines.append(f"  ({ep_placement(e.layout, hw)})")
+    placed = ep_placement(e.layout, hw, getattr(work.model, "n_experts", 0))
+    lines += [f"  ({placed})"] * bool(placed)
     lines += ["", f"memory on the busiest rank at its peak (GiB; on a GPU the terms alive then), "
                   f"capacity {e.capacity / GiB:.1f} ({MEMORY_TERMS}):"]
     for key, value in e.memory.items():

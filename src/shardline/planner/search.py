@@ -162,8 +162,9 @@ def _cp_modes(work: Workload, tp: int, cp: int, fixed: dict) -> list[dict]:
 
 def _ep_options(work: Workload, tp: int, ranks: int, gpn: int, fixed: dict) -> list[int]:
     """Expert-parallel degrees worth pricing: 1, and powers of two dividing the ranks ep borrows
-    (dp_shard x cp) and the experts with ep x tp inside a node (the all-to-alls then ride the
-    node's links). Which of them the trainer builds is the layout rules' business."""
+    (dp_shard x cp) and the experts with ep x tp at most a node (beside cp its ranks sit cp x tp
+    apart and may still span nodes: ep_comm prices where they sit). Which of them the trainer
+    builds is the layout rules' business."""
     n = getattr(work.model, "n_experts", 0)
     options = [1]
     e = 2
