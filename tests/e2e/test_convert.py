@@ -301,6 +301,8 @@ def test_a_run_from_converted_weights_tokenizes_with_their_tokenizer_and_exports
     doc_end = eos_id(trainer.data.tokenizer)
     assert doc_end != 2 and json.loads((out / "generation_config.json").read_text()) == {
         "eos_token_id": sorted([2, doc_end]), "temperature": 0.6}
+    assert main(["convert", "to-hf", str(tmp_path / "ck"), str(tmp_path / "back")]) == 0  # no run: as it came
+    assert (tmp_path / "back" / "generation_config.json").read_bytes() == (hf / "generation_config.json").read_bytes()
     assert main(["convert", "to-hf", str(run), str(hf)]) == 2
     assert sorted(p.name for p in hf.iterdir()) == sorted(["config.json", "model.safetensors", "tokenizer.json", *side])
 
