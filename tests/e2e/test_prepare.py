@@ -97,6 +97,13 @@ def test_verify_tells_a_missing_shard_from_a_changed_one(tmp_path, small_prepare
     err = capsys.readouterr().err
     assert (f"{copy}: missing: train/tokens-00000.bin; checksum mismatch in val/docs.idx; copy the folder again from "
             "a good copy, or prepare it again with --overwrite") in err, err
+    # the tokenizer too, which every run checks (--verify passed a folder every run refused)
+    shutil.rmtree(copy)
+    shutil.copytree(small_prepared, copy)
+    with open(copy / "tokenizer.json", "a") as f:
+        f.write(" ")
+    assert main(["prepare", "--out", str(copy), "--verify"]) == 2
+    assert f"{copy}: checksum mismatch in tokenizer.json;" in capsys.readouterr().err
 
 
 def test_options_a_prepare_does_not_read_are_said(tmp_path, small_prepared, small_corpus, capsys):

@@ -98,8 +98,9 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     elif va["tokens"] < SHORT_VAL_TOKENS and args.format != "chat":  # said now, not at a training start that
         # refuses it (chat: a sequence of whole conversations, held out at any train.seq_len)
         txt = any(".txt" in str(i).lower() for i in args.inputs)  # (a hint about .txt files for .txt inputs)
-        print(f"note: the held-out split is {va['tokens']:,} tokens; a run evaluates on it only at train.seq_len <= "
-              f"that; hold out more (--val-fraction) or give more documents ({m['input_documents']:,} read"
+        print(f"note: the held-out split is {va['tokens']:,} tokens; a run evaluates on it only at train.seq_len < "
+              f"that (a sequence and its next token); hold out more (--val-fraction) or give more documents "
+              f"({m['input_documents']:,} read"
               + ("; a .txt file's documents end at two blank lines)" if txt else ")"), file=sys.stderr)
     return 0
 

@@ -379,7 +379,7 @@ def verify(root: Path) -> list[str]:
         index = root / name / "docs.idx"
         if links_outside(root, index) or not _matches(index, split.get("docs_sha256")):
             bad.append(f"{name}/docs.idx")
-    return bad
+    return bad + [TOKENIZER] * (not _matches(root / TOKENIZER, manifest["tokenizer_sha256"]))  # (as a run checks it)
 
 
 def _matches(path: Path, sha256: str | None) -> bool:
