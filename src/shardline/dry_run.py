@@ -24,8 +24,9 @@ from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
-from shardline.launch_notes import (FP32_ON_GPU, context_extension, lr_low_for_new_weights, unused_settings,
-                                    val_path_in_training_data, vocab_rows_added, warmup_covers_run)
+from shardline.launch_notes import (FP32_ON_GPU, OVERLAP_WHY, context_extension, lr_low_for_new_weights,
+                                    overlapping_sources, unused_settings, val_path_in_training_data,
+                                    vocab_rows_added, warmup_covers_run)
 from shardline.devices import DATASHEETS, local_datasheet, native_bf16
 from shardline.errors import ConfigError
 from shardline.layout.degrees import shard_degree
@@ -160,6 +161,9 @@ def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int, known
         lines.append(f"notes     the model's vocabulary of {rows:,} rows is far past the tokenizer's {vocab:,} tokens: "
                      "the rest are never trained (give data.tokenizer the model's own tokenizer.json"
                      + (f", or data.vocab_size={rows} for a BPE trained up to that size)" if not known else ")"))
+    overlap = overlapping_sources(cfg)
+    if overlap:
+        lines.append(f"notes     {overlap} overlap: {OVERLAP_WHY}")
     inside = val_path_in_training_data(cfg)
     if inside:
         lines.append(f"notes     data.val_path={cfg.data.val_path} is (inside) {inside}: the eval loss is a "

@@ -177,10 +177,32 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if inside:  # allowed (a training loss measured on purpose), but rarely meant
         notes.append(("evaluates_on_training_data", {"val_path": cfg.data.val_path, "inside": inside,
                                                       "why": "the eval loss is then a training loss"}))
+    overlap = overlapping_sources(cfg)
+    if overlap:  # allowed (an oversampling by paths), but rarely meant
+        notes.append(("mixture_sources_overlap", {"sources": overlap, "why": OVERLAP_WHY}))
     unused = unused_settings(cfg, layout)
     if unused:
         notes.append(("settings_unused", unused))
     return notes
+
+
+OVERLAP_WHY = ("their files are read by each: sampled more than the weights say, and each source holds out its own "
+               "documents, so one may evaluate on what another trains on")
+
+
+def overlapping_sources(cfg: Config) -> str:
+    """Two data.mix sources that read the same files (one folder inside another, the same pattern), as
+    `key=path and key=path`; "" for none."""
+    def roots(path: str) -> list[Path]:
+        return [read_root(Path(path)).resolve()] if Path(path).exists() else [
+            Path(m).resolve() for m in glob.glob(path, recursive=True)]
+
+    read = [(f"data.mix[{i}].path={s.path}", roots(s.path)) for i, s in enumerate(cfg.data.mix) if s.path]
+    for i, (key, mine) in enumerate(read):
+        for other, theirs in read[i + 1:]:
+            if any(a.is_relative_to(b) or b.is_relative_to(a) for a in mine for b in theirs):
+                return f"{key} and {other}"
+    return ""
 
 
 # Below this a run from random weights barely moves (Llama 3 405B pretrained at 8e-5; fine-tunes take 1e-5 to 2e-5).

@@ -258,3 +258,25 @@ def test_the_dry_run_says_what_it_evaluates_on(split, tmp_path, capsys):
     out = capsys.readouterr().out
     documents = len((root / "train.jsonl").read_text().splitlines())
     assert f"{root / 'train.jsonl'}: {documents:,} documents ({max(1, round(documents * 0.01))} of them held out" in out
+
+
+def test_mixture_sources_that_read_the_same_files_are_said(split, tmp_path, capsys):
+    """A folder and a file inside it as two sources: the file was sampled by both and each source held out
+    its own documents, so one evaluated on documents the other trained on, in silence."""
+    from shardline.launch_notes import launch_notes
+
+    root, tok = split
+    web = tmp_path / "web"
+    web.mkdir()
+    lines = (root / "train.jsonl").read_text().splitlines(keepends=True)
+    (web / "a.jsonl").write_text("".join(lines[::2]))
+    (web / "b.jsonl").write_text("".join(lines[1::2]))
+    both = f'data.mix=[{{path="{web}"}}, {{path="{web / "b.jsonl"}"}}]'
+    noted = dict(launch_notes(load_config(None, [both, f"data.tokenizer={tok}"]), "cpu", 1.0, 1))
+    said = noted["mixture_sources_overlap"]["sources"]
+    assert said == f"data.mix[0].path={web} and data.mix[1].path={web / 'b.jsonl'}"
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'dry'}", f"--{both}", f"--data.tokenizer={tok}"]) == 0
+    assert "overlap: their files are read by each: sampled more than the weights say" in capsys.readouterr().out
+    apart = f'data.mix=[{{path="{web / "a.jsonl"}"}}, {{path="{web / "b.jsonl"}"}}]'
+    assert "mixture_sources_overlap" not in dict(launch_notes(load_config(None, [apart, f"data.tokenizer={tok}"]),
+                                                              "cpu", 1.0, 1))
