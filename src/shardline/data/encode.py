@@ -120,6 +120,9 @@ def roles_of(conversations) -> dict[str, str]:
     return roles
 
 
+OTHER_REPLY_ROLES = ("gpt", "model", "bot", "chatbot")  # ShareGPT's, Gemini's and others' name for "assistant"
+
+
 def check_replies(where: str, roles: dict[str, str]) -> None:
     """Chat data trains on the replies, the messages of role "assistant": data with none of them
     (ShareGPT's "gpt", Gemini's "model") would train on nothing, every loss 0. `roles`: note_roles'."""
@@ -129,11 +132,15 @@ def check_replies(where: str, roles: dict[str, str]) -> None:
     # A role a letter or two off "assistant" ("assitant", "Assistant") is a typo: those replies would
     # train on nothing, in silence. (Other roles render as context whatever their spelling, and
     # "assistant_1" or "assistantB" name agents: left as they are.)
+    # Another dataset's reply role (ShareGPT's "gpt", Gemini's "model") beside "assistant" (a merged subset)
+    # is the same silence, for those conversations alone.
     for role in sorted(set(roles) - {"assistant"}):
-        if not role.startswith("assistant") and difflib.get_close_matches(role.lower(), ["assistant"], cutoff=0.8):
+        typo = not role.startswith("assistant") and difflib.get_close_matches(role.lower(), ["assistant"], cutoff=0.8)
+        if typo or role.lower() in OTHER_REPLY_ROLES:
             raise DataError(f"{where} has messages of role {role!r}, the first {roles[role]}: "
-                            f"a typo of 'assistant'? Their replies would train on nothing (roles found: "
-                            f"{', '.join(sorted(roles))}); fix those messages' role")
+                            + ("a typo of 'assistant'?" if typo else "another dataset's reply role?")
+                            + f" Their replies would train on nothing (roles found: {', '.join(sorted(roles))}); "
+                            "fix those messages' role")
 
 
 def chat_segments(messages: list[dict], template: ChatTemplate | str | None = None) -> list[tuple[str, bool]]:
