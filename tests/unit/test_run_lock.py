@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from shardline.errors import ConfigError
+from shardline.errors import CheckpointError, ConfigError
 from shardline.resilience.run_lock import LOCK, RunLock, job_id, start_time_of
 from shardline.trainer import Trainer
 from tests.conftest import tiny_overrides
@@ -109,7 +109,7 @@ def test_a_reused_pid_is_another_process(tmp_path, other_process):
     assert "is another process now" in RunLock(tmp_path).acquire()
 
 
-def test_the_same_job_restarting_takes_its_lock_other_hosts_are_not_guessed(tmp_path, monkeypatch):
+def test_the_same_jobs_lock_on_another_host_is_taken_once_quiet_other_jobs_are_not_guessed(tmp_path, monkeypatch):
     """Another host's lock of the same job is a dead holder's once it goes untouched: a live holder touches
     it every beat (two launches given one --rdzv_id, on two hosts, trained in one run dir at once, and a
     torchrun restart of the refused one would do the same)."""
@@ -135,8 +135,37 @@ def test_the_same_job_restarting_takes_its_lock_other_hosts_are_not_guessed(tmp_
     finally:
         done.set()
         beating.join()
-    assert RunLock(tmp_path).acquire() == ("same job (TORCHELASTIC_RUN_ID=job42): a restart; its lock untouched "
-                                           "for 0.15 s")
+    lock = RunLock(tmp_path)
+    assert lock.acquire() == "same job (TORCHELASTIC_RUN_ID=job42): a restart; its lock untouched for 0.15 s"
+    lock.release()
+
+
+def test_a_holder_whose_lock_another_launch_took_stops_before_it_saves(tmp_path, monkeypatch, tiny_config):
+    """Its beat sees another holder's lock: it neither touches it nor saves over that launch's checkpoints
+    (it checked the lock only as training began). A lock renamed aside and back a moment (a racing launch's
+    look) is still its own: the beat goes on."""
+    from shardline.resilience import run_lock
+
+    monkeypatch.setattr(run_lock, "BEAT_S", 0.02)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    aside = tmp_path / "aside"
+    os.rename(tmp_path / LOCK, aside)
+    time.sleep(0.1)
+    os.rename(aside, tmp_path / LOCK)
+    time.sleep(0.1)
+    assert not lock.lost and lock.still_held()
+    (tmp_path / LOCK).unlink()
+    write_lock(tmp_path, 1, host="node-7")
+    time.sleep(0.2)
+    assert lock.lost["host"] == "node-7"
+    lock.release()
+    assert json.loads((tmp_path / LOCK).read_text())["host"] == "node-7"  # (not ours to remove)
+    trainer = Trainer(tiny_config(run_dir=tmp_path / "run")).build()
+    trainer.lock.lost = {"host": "node-7", "pid": 1}
+    with pytest.raises(CheckpointError, match="another launch took the lock of .* stopping before a save lands"):
+        trainer.save_checkpoint()
+    trainer.close()
 
 
 def test_a_held_lock_is_touched_each_beat_and_no_longer_once_released(tmp_path, monkeypatch):

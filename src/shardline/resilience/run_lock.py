@@ -103,12 +103,15 @@ class RunLock:
         self.path = Path(run_dir) / LOCK
         self.held = False
         self.created = False  # acquire() made the run dir: release() removes it where it is still empty
+        self.lost: dict = {}  # the holder that took the lock over while this one held it (see _beat)
 
     def acquire(self) -> str | None:
         """Take the lock; returns what was taken over ("stale ..." / "same job ..."), else None.
 
         ConfigError (one line) when another live run holds it.
         """
+        if self.held:  # (held already: one beat, one release)
+            return None
         me = {"host": socket.gethostname(), "pid": os.getpid(), "start": start_time_of(os.getpid()),
               "job": job_id(), "since": time.time()}
         try:
@@ -206,12 +209,17 @@ class RunLock:
 
     def _beat(self, stop: threading.Event) -> None:
         """Touch the lock every BEAT_S seconds while it is ours: a same-job launch on another host tells a
-        live holder from a dead one by it (see _gone_quiet)."""
+        live holder from a dead one by it (see _gone_quiet). A lock that cannot be read this beat (renamed
+        aside a moment by a racing launch, an NFS error) is tried again at the next; another holder's lock
+        ends the beat, and says so (`lost`)."""
         while not stop.wait(BEAT_S):
-            if self._read() != self.mine:  # (taken over: not ours to keep alive)
+            holder = self._read()
+            if holder == self.mine:
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
+            elif holder:  # (taken over: not ours to keep alive)
+                self.lost = holder
                 return
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
 
     def _gone_quiet(self, why: str) -> str | None:
         """`why`, where the lock's holder on another host has not touched it for QUIET_BEATS beats (its

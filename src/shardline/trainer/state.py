@@ -286,6 +286,9 @@ class SavedState:
             same = (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
         except OSError:
             same = False
+        if self.lock.lost:  # (rank 0's: a same-job launch on another host took the lock it no longer saw touched)
+            raise CheckpointError(f"another launch took the lock of {self.run_dir} (pid {self.lock.lost.get('pid')} on "
+                                  f"{self.lock.lost.get('host')}): stopping before a save lands over its checkpoints")
         if not same:
             raise CheckpointError(f"the run dir {self.run_dir} was moved or removed while the run trained (its log "
                                   "and checkpoints went with it): stopping before a save lands apart from them; "
