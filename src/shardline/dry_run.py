@@ -24,7 +24,7 @@ from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
-from shardline.launch_notes import (FP32_ON_GPU, OVERLAP_WHY, context_extension, lr_low_for_new_weights,
+from shardline.launch_notes import (FP32_ON_GPU, context_extension, lr_low_for_new_weights,
                                     overlapping_sources, unused_settings, val_path_in_training_data,
                                     vocab_rows_added, warmup_covers_run)
 from shardline.devices import DATASHEETS, local_datasheet, native_bf16
@@ -163,7 +163,7 @@ def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int, known
                      + (f", or data.vocab_size={rows} for a BPE trained up to that size)" if not known else ")"))
     overlap = overlapping_sources(cfg)
     if overlap:
-        lines.append(f"notes     {overlap} overlap: {OVERLAP_WHY}")
+        lines.append(f"notes     two sources overlap, {overlap}")
     inside = val_path_in_training_data(cfg)
     if inside:
         lines.append(f"notes     data.val_path={cfg.data.val_path} is (inside) {inside}: the eval loss is a "

@@ -15,7 +15,7 @@ from shardline.data import tokenizer_file
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import CHAT_END, CHAT_START
 from shardline.data.folders import read_root
-from shardline.data.shards import tokenizer_hash
+from shardline.data.shards import is_prepared, tokenizer_hash
 from shardline.data.validation import split_by_prepare, val_format
 from shardline.data.tokenizer import KNOWN_EOS, eos_id, extends_file, load_tokenizer
 from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, cpu_load, mfu_peak_dtype
@@ -179,29 +179,35 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
                                                       "why": "the eval loss is then a training loss"}))
     overlap = overlapping_sources(cfg)
     if overlap:  # allowed (an oversampling by paths), but rarely meant
-        notes.append(("mixture_sources_overlap", {"sources": overlap, "why": OVERLAP_WHY}))
+        sources, why = overlap.split(": ", 1)
+        notes.append(("mixture_sources_overlap", {"sources": sources, "why": why}))
     unused = unused_settings(cfg, layout)
     if unused:
         notes.append(("settings_unused", unused))
     return notes
 
 
-OVERLAP_WHY = ("their files are read by each: sampled more than the weights say, and each source holds out its own "
-               "documents, so one may evaluate on what another trains on")
+OVERLAP_WHY = "their files are read by each: sampled more than the weights say"
+HELD_OUT_APART = ", and each source holds out its own documents, so one may evaluate on what another trains on"
 
 
 def overlapping_sources(cfg: Config) -> str:
-    """Two data.mix sources that read the same files (one folder inside another, the same pattern), as
-    `key=path and key=path`; "" for none."""
-    def roots(path: str) -> list[Path]:
-        return [read_root(Path(path)).resolve()] if Path(path).exists() else [
-            Path(m).resolve() for m in glob.glob(path, recursive=True)]
+    """Two data.mix sources that read the same files in the same way (one folder inside another, the same
+    pattern; a path through a link as its target's), as `key=path and key=path` and why it matters; "" for
+    none. Their roots are looked up with their parents in a set: two patterns of many files each cost no
+    product of the two."""
+    def roots(path: str) -> set[Path]:
+        found = [read_root(Path(path))] if Path(path).exists() else [Path(m) for m in glob.glob(path, recursive=True)]
+        return {Path(os.path.realpath(p.parent)) / p.name for p in found}  # (a link's own name: HF's cache links)
 
-    read = [(f"data.mix[{i}].path={s.path}", roots(s.path)) for i, s in enumerate(cfg.data.mix) if s.path]
-    for i, (key, mine) in enumerate(read):
-        for other, theirs in read[i + 1:]:
-            if any(a.is_relative_to(b) or b.is_relative_to(a) for a in mine for b in theirs):
-                return f"{key} and {other}"
+    read = [(f"data.mix[{i}].path={s.path}", roots(s.path), (s.format or cfg.data.format,
+             s.text_field or cfg.data.text_field)) for i, s in enumerate(cfg.data.mix) if s.path]
+    for i, (key, mine, how) in enumerate(read):
+        for other, theirs, their_how in read[i + 1:]:
+            if how == their_how and (any(not mine.isdisjoint([p, *p.parents]) for p in theirs)
+                                     or any(not theirs.isdisjoint([p, *p.parents]) for p in mine)):
+                held = "" if cfg.data.val_path or any(is_prepared(Path(r)) for r in mine) else HELD_OUT_APART
+                return f"{key} and {other}: {OVERLAP_WHY}{held}"
     return ""
 
 

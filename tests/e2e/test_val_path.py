@@ -275,8 +275,17 @@ def test_mixture_sources_that_read_the_same_files_are_said(split, tmp_path, caps
     noted = dict(launch_notes(load_config(None, [both, f"data.tokenizer={tok}"]), "cpu", 1.0, 1))
     said = noted["mixture_sources_overlap"]["sources"]
     assert said == f"data.mix[0].path={web} and data.mix[1].path={web / 'b.jsonl'}"
+    assert noted["mixture_sources_overlap"]["why"].endswith("so one may evaluate on what another trains on")
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'dry'}", f"--{both}", f"--data.tokenizer={tok}"]) == 0
-    assert "overlap: their files are read by each: sampled more than the weights say" in capsys.readouterr().out
+    assert (f"notes     two sources overlap, data.mix[0].path={web} and data.mix[1].path={web / 'b.jsonl'}: their "
+            "files are read by each: sampled more than the weights say") in capsys.readouterr().out
+    (tmp_path / "linked").symlink_to(web)  # a pattern through a link, beside the folder itself
+    linked = f'data.mix=[{{path="{web}"}}, {{path="{tmp_path / "linked"}/*.jsonl"}}]'
+    assert "mixture_sources_overlap" in dict(launch_notes(load_config(None, [linked, f"data.tokenizer={tok}"]),
+                                                          "cpu", 1.0, 1))
+    fields = f'data.mix=[{{path="{web}"}}, {{path="{web / "b.jsonl"}", text_field="title"}}]'  # other documents
+    assert "mixture_sources_overlap" not in dict(launch_notes(load_config(None, [fields, f"data.tokenizer={tok}"]),
+                                                              "cpu", 1.0, 1))
     apart = f'data.mix=[{{path="{web / "a.jsonl"}"}}, {{path="{web / "b.jsonl"}"}}]'
     assert "mixture_sources_overlap" not in dict(launch_notes(load_config(None, [apart, f"data.tokenizer={tok}"]),
                                                               "cpu", 1.0, 1))

@@ -950,10 +950,14 @@ def test_a_typo_of_the_assistant_role_is_one_line_in_both_paths(tmp_path):
     path.write_text("\n".join([*records[:-1], records[-1].replace('"assistant"', '"Assistant"')]) + "\n")
     with pytest.raises(DataError, match="has messages of role 'Assistant', the first .*: a typo of 'assistant'"):
         data(path, "data.format=chat")
-    # A merged subset whose replies keep their own dataset's role (ShareGPT's gpt, Gemini's model)
+    # A merged subset whose replies keep their own dataset's role (ShareGPT's gpt, Gemini's model); beside
+    # an 'assistant' reply in the same conversation such a role is context (a third party): taken
     path.write_text("\n".join([*records[:-1], records[-1].replace('"assistant"', '"gpt"')]) + "\n")
-    with pytest.raises(DataError, match="has messages of role 'gpt', the first .*: another dataset's reply role\\? "):
+    with pytest.raises(DataError, match="has messages of role 'gpt', the first .*, in conversations with no "
+                                        "'assistant': another dataset's reply role\\? .*roles found: assistant, gpt, "):
         data(path, "data.format=chat")
+    path.write_text("\n".join([*records[:-1], records[-1].replace('"user"', '"model"')]) + "\n")
+    data(path, "data.format=chat")
     for role in ("ipython", "assistant_1", "System", "user2", "tools"):  # agents, context: taken as they are
         path.write_text("\n".join([*records[:-1], records[-1].replace('"user"', f'"{role}"')]) + "\n")
         data(path, "data.format=chat")

@@ -111,6 +111,10 @@ def note_roles(roles: dict[str, str], messages: list[dict]) -> None:
     for m in messages:
         if m["role"] not in roles:
             roles[m["role"]] = opening([m])
+    if not any(m["role"] == "assistant" for m in messages):  # another dataset's reply role in its place?
+        for m in messages:
+            if m["role"].lower() in OTHER_REPLY_ROLES and m["role"] + REPLYLESS not in roles:
+                roles[m["role"] + REPLYLESS] = opening([m])
 
 
 def roles_of(conversations) -> dict[str, str]:
@@ -121,26 +125,30 @@ def roles_of(conversations) -> dict[str, str]:
 
 
 OTHER_REPLY_ROLES = ("gpt", "model", "bot", "chatbot")  # ShareGPT's, Gemini's and others' name for "assistant"
+REPLYLESS = "\0 with no assistant"  # note_roles' key for such a role in a conversation with no 'assistant' message
 
 
 def check_replies(where: str, roles: dict[str, str]) -> None:
     """Chat data trains on the replies, the messages of role "assistant": data with none of them
     (ShareGPT's "gpt", Gemini's "model") would train on nothing, every loss 0. `roles`: note_roles'."""
+    found = ", ".join(sorted(r for r in roles if REPLYLESS not in r)) or "none"
     if "assistant" not in roles:
         raise DataError(f"{where} has no message of role 'assistant' (the replies the loss is on); roles found: "
-                        f"{', '.join(sorted(roles)) or 'none'}; rename the reply role to 'assistant'")
+                        f"{found}; rename the reply role to 'assistant'")
     # A role a letter or two off "assistant" ("assitant", "Assistant") is a typo: those replies would
     # train on nothing, in silence. (Other roles render as context whatever their spelling, and
     # "assistant_1" or "assistantB" name agents: left as they are.)
-    # Another dataset's reply role (ShareGPT's "gpt", Gemini's "model") beside "assistant" (a merged subset)
-    # is the same silence, for those conversations alone.
-    for role in sorted(set(roles) - {"assistant"}):
+    # Another dataset's reply role (ShareGPT's "gpt", Gemini's "model") in conversations with no 'assistant'
+    # beside ones that have it (a merged subset) is the same silence, for those conversations alone; beside
+    # 'assistant' in one conversation it may be context (a third party): taken as it is.
+    for role in sorted(r for r in roles if r != "assistant" and REPLYLESS not in r):
         typo = not role.startswith("assistant") and difflib.get_close_matches(role.lower(), ["assistant"], cutoff=0.8)
-        if typo or role.lower() in OTHER_REPLY_ROLES:
-            raise DataError(f"{where} has messages of role {role!r}, the first {roles[role]}: "
-                            + ("a typo of 'assistant'?" if typo else "another dataset's reply role?")
-                            + f" Their replies would train on nothing (roles found: {', '.join(sorted(roles))}); "
-                            "fix those messages' role")
+        if typo or role + REPLYLESS in roles:
+            raise DataError(f"{where} has messages of role {role!r}, the first "
+                            + (f"{roles[role]}: a typo of 'assistant'?" if typo else
+                               f"{roles[role + REPLYLESS]}, in conversations with no 'assistant': another dataset's "
+                               "reply role?")
+                            + f" Their replies would train on nothing (roles found: {found}); fix those messages' role")
 
 
 def chat_segments(messages: list[dict], template: ChatTemplate | str | None = None) -> list[tuple[str, bool]]:

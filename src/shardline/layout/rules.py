@@ -85,7 +85,7 @@ def ep_borrows(ep: int, dp_shard: int, cp: int) -> bool:
     return (dp_shard * cp) % ep == 0
 
 
-def _ep_built(lay: Layout, ep: int) -> bool:
+def ep_built(lay: Layout, ep: int) -> bool:
     """Whether expert parallelism `ep` can borrow its ranks here: it divides dp_shard x cp, and takes
     either dp_shard's ranks alone or every cp rank (part of cp is not built)."""
     return ep_borrows(ep, lay.dp_shard, lay.cp) and (lay.dp_shard % ep == 0 or ep % lay.cp == 0)
@@ -95,7 +95,7 @@ def _valid_ep(lay: Layout, n_experts: int, least: int = 1) -> str:
     """The ep degrees (from `least`) this layout can build that hold whole experts (each of ep x tp
     ranks an equal share), as a refusal names them."""
     return ", ".join(str(e) for e in range(least, max(n_experts, lay.dp_shard * lay.cp) + 1)
-                     if _ep_built(lay, e) and n_experts % (e * lay.tp) == 0) or "none"
+                     if ep_built(lay, e) and n_experts % (e * lay.tp) == 0) or "none"
 
 
 def _ep_ranks(lay: Layout, job: Job) -> Problem | None:

@@ -120,9 +120,10 @@ def routed_saved(model: ModelArgs, precision: str, compiled: bool = False, op_ac
     choices and weights, the slots' order and token ids (int64), and under mixed precision with shared
     experts the router's own fp32 input beside their casts (counted with hooks on a block: the test of
     the planner's memory). Under tensor parallelism each tp rank routes every token of the sequence and
-    runs its own experts on a slice of the rows, so the rows are held whole on each ("partial": not divided)
-    and the experts' own tensors are a tp-th. `op_ac`: op-level checkpointing keeps the grouped GEMMs'
-    outputs instead (w2's, per slot and tp rank: w1's and w3's are in ffn_width) and the router's logits."""
+    runs its own experts on a slice of the rows: their input cast for the GEMM is a tp-th ("tp"), the
+    output summed over tp and its weighted copy whole on each ("partial": not divided). `op_ac`: op-level
+    checkpointing keeps the grouped GEMMs' outputs instead (w2's, per slot and tp rank: w1's and w3's are
+    in ffn_width) and the router's logits."""
     moe = getattr(model, "moe", None)
     if moe is None:
         return []
@@ -133,8 +134,9 @@ def routed_saved(model: ModelArgs, precision: str, compiled: bool = False, op_ac
                                                                             "lin_in")]
     router = 4 * moe.n_experts + 32 * k + 4 * moe.norm_topk + (4 * h if precision != "fp32" and moe.shared_experts
                                                                 else 0)
-    return [Saved("routed rows: gathered input; output (eagerly in fp32, and weighted)",  # every tp rank holds all:
-                  share * k * (2 * c if compiled else c + 8) * h, "partial"),  # (its experts run on slices of them)
+    return [Saved("routed rows: the experts' input", share * k * c * h, "tp"),
+            Saved("routed rows: output (eagerly in fp32, and weighted)", share * k * (c if compiled else 8) * h,
+                  "partial"),
             Saved("router scores, choices, weights; slot order and token ids", share * router, "lin_in")]
 
 

@@ -7,7 +7,10 @@ overlap with compute and how); the once-per-step communication is step_comm.py's
 
 from __future__ import annotations
 
+import dataclasses
+
 from shardline.layout import Layout, RankStages
+from shardline.layout.rules import ep_built
 from shardline.planner import comm
 from shardline.planner import compute as cmp
 from shardline.planner import host
@@ -165,8 +168,8 @@ def ep_stride(layout: Layout) -> int:
 def ep_placement(layout: Layout, hw: Hardware, experts: int) -> str:
     """A sentence where the expert-parallel group spans nodes (its all-to-alls then cross the slower links
     between them), else "": what the estimate's ep_comm rests on, and the ep degrees that keep the group in
-    one node, among those the layout rules allow (ep divides dp_shard x cp and the `experts`; one that
-    dp_shard does not divide borrows every cp rank, a multiple of cp, and sits tp apart)."""
+    one node, among those the layout rules build that hold whole experts (one that dp_shard does not divide
+    borrows every cp rank and sits tp apart)."""
     gpn = hw.network.gpus_per_node
     if layout.ep == 1 or hw.name == "cpu":
         return ""
@@ -174,9 +177,8 @@ def ep_placement(layout: Layout, hw: Hardware, experts: int) -> str:
     group = comm.group(layout.ep, stride, gpn)
     if group.per_node >= layout.ep:
         return ""
-    fits = [e for e in range(2, layout.dp_shard * layout.cp + 1) if (layout.dp_shard * layout.cp) % e == 0
-            and experts % e == 0 and (layout.dp_shard % e == 0 or e % layout.cp == 0)
-            and e * layout.tp * (layout.cp if layout.dp_shard % e == 0 else 1) <= gpn]
+    fits = [e for e in range(2, layout.dp_shard * layout.cp + 1) if ep_built(layout, e) and experts % (e * layout.tp)
+            == 0 and e * ep_stride(dataclasses.replace(layout, ep=e)) <= gpn]  # (as the layout rules allow: _valid_ep)
     way = f"ep={' or '.join(map(str, fits[-2:]))} keeps it inside a node" if fits else \
         "no ep the layout allows keeps it inside a node"
     return (f"the {layout.ep} expert-parallel ranks sit {f'{stride} ranks apart' if stride > 1 else 'side by side'}, "
