@@ -257,5 +257,13 @@ def test_an_out_the_file_system_refuses_is_found_by_trying_it(tmp_path):
 
     assert out_problem(Path("/proc/shardline-profile.toml")) is not None
     assert out_problem(tmp_path / "p.toml") is None and not (tmp_path / "p.toml").exists()  # (the try removed)
-    (tmp_path / "old.toml").write_text("kept", encoding="utf-8")
-    assert out_problem(tmp_path / "old.toml") is None and (tmp_path / "old.toml").read_text() == "kept"
+    # A file there is replaced only where the same command wrote it: a config given by mistake, or a
+    # calibrate profile (minutes of measuring) named as comm-bench's --out, was overwritten
+    (tmp_path / "old.toml").write_text("# shardline network profile, written by `shardline comm-bench`\n")
+    assert out_problem(tmp_path / "old.toml") is None and (tmp_path / "old.toml").read_text().startswith("# shardline")
+    (tmp_path / "my.toml").write_text("[train]\nsteps = 5\n", encoding="utf-8")
+    assert out_problem(tmp_path / "my.toml") == (f"--out {tmp_path / 'my.toml'} exists and was not written by "
+                                                 "shardline comm-bench: it is not replaced; give another file (or "
+                                                 "remove it)")
+    assert "not written by shardline calibrate" in out_problem(tmp_path / "old.toml", "calibrate")
+    assert (tmp_path / "my.toml").read_text() == "[train]\nsteps = 5\n"

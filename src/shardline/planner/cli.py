@@ -340,7 +340,7 @@ def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads {args.threads} must be >= 1")
     out = Path(args.out)  # checked before minutes of measuring, not when the profile is written
-    if out_problem(out):
-        raise ConfigError(out_problem(out))
+    if out_problem(out, "calibrate"):
+        raise ConfigError(out_problem(out, "calibrate"))
     calibrate(args.out, quick=args.quick, comm=not args.no_comm, threads=args.threads)
     return 0

@@ -142,12 +142,23 @@ def _write(out: Path, name: str, tables: dict, world: int, drilled: bool, failed
     print(f"profile written to {out}")
 
 
-def out_problem(out: Path) -> str | None:
+PROFILE_HEADS = {"comm-bench": "# shardline network profile", "calibrate": "# shardline hardware profile"}
+
+
+def out_problem(out: Path, command: str = "comm-bench") -> str | None:
     """Why `--out` cannot be written as a file (a path the file system refuses to look at counts),
     or None; for calibrate's --out too. Tried by opening it (a new file is removed again):
-    permission bits say yes to root where the file system says no (/proc, a read-only mount)."""
+    permission bits say yes to root where the file system says no (/proc, a read-only mount). A file
+    there that `command` did not write (a config, the other command's profile: calibrate's takes
+    minutes) is not replaced."""
     try:
         existed = out.exists()
+        if existed and out.is_file():
+            with open(out, encoding="utf-8", errors="replace") as f:
+                head = f.read(len(PROFILE_HEADS[command]))
+            if head != PROFILE_HEADS[command]:
+                return (f"--out {out} exists and was not written by shardline {command}: it is not replaced; "
+                        "give another file (or remove it)")
         if out.is_dir():
             bad = True
         else:
