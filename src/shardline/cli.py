@@ -11,6 +11,7 @@ can fix (config, data, checkpoint) print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import math
 import os
@@ -147,13 +148,13 @@ def _register_feature_commands(sub, given: str | None) -> None:
             sub.add_parser(name, help=line)
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, most: int = 0) -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    if value < 1 or (most and value > most):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer" + f" up to {most}" * bool(most))
     return value
 
 
@@ -229,7 +230,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                          epilog="run under torchrun for all ranks; exit code 6 names a faulty or slow rank; "
                                 "config overrides (--section.key=value, e.g. --run.device=cpu) as train takes them")
     chk.add_argument("--config", action=OnlyOnce, help="TOML config (its run.device and [faults] drills apply)")
-    chk.add_argument("--size", type=_positive_int, default=512,
+    chk.add_argument("--size", type=functools.partial(_positive_int, most=32768), default=512,  # (4 GiB a matrix)
                      help="GEMM dimension (default 512 everywhere; pass ~8192 on GPUs, where 512 times launches)")
     chk.add_argument("--slow-factor", type=_factor_above_one, default=1.5,
                      help="a rank below the median GEMM throughput / this is slow (default 1.5)")

@@ -168,6 +168,9 @@ def resolve_epochs(cfg: Config, sequences: int) -> None:
     many passes, and the checks of values the config's own checks left to it (stop_at_step, the drills')."""
     t = cfg.train
     if t.epochs:
+        if t.epochs * sequences / t.global_batch_size >= 2**63:  # (named on what was set, not the steps it gives)
+            raise ConfigError(f"train.epochs={t.epochs:g} is invalid: over {sequences:,} training sequences it gives "
+                              "2**63 steps or more; give fewer passes")
         t.steps = t.steps_for_epochs(sequences)
         if t.stop_at_step > t.steps:
             raise ConfigError(f"train.stop_at_step={t.stop_at_step} is invalid: must be <= train.steps ({t.steps}), "
@@ -191,7 +194,10 @@ def check_config(cfg: Config) -> None:
 def _run_dir_in_data(cfg: Config) -> str | None:
     """A run dir inside a raw data folder: the next launch would read the run's own files
     (metrics.jsonl, a .txt it holds) as documents."""
-    run = Path(cfg.run.dir).resolve()
+    try:
+        run = Path(cfg.run.dir).resolve()
+    except (RuntimeError, OSError) as e:  # (a link loop: Python raises RuntimeError)
+        return f"run.dir={cfg.run.dir!r} cannot be resolved ({e}): give a folder, not a loop of links"
     sources = [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [("data.path", cfg.data.path)]
     for key, path in [*sources, *([("data.val_path", cfg.data.val_path)] if cfg.data.val_path else [])]:
         read = read_root(Path(path))  # (a DatasetDict: its train split, as input_files reads)

@@ -371,6 +371,8 @@ def test_a_tiny_temperature_samples_the_likeliest_token():
     """logits / 1e-45 overflowed to inf and the softmax to NaN (a multinomial traceback)."""
     logits = torch.tensor([1.0, 3.0, 2.0, float("-inf")])
     assert next_token(logits, SampleOptions(temperature=1e-45), torch.Generator().manual_seed(0)) == 1
+    for tiny in (1e-46, 1e-300):  # (0 in float32: 0 / 0 was NaN, and a traceback)
+        assert next_token(logits, SampleOptions(temperature=tiny), torch.Generator().manual_seed(0)) == 1
 
 
 def test_a_bad_generation_config_or_another_models_tokenizer_is_one_line(trained_run, tmp_path, capsys):

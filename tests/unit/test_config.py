@@ -436,6 +436,11 @@ def test_a_garbled_progress_json_does_not_make_a_run_dir_a_data_folder(tmp_path,
     assert again.step == 2
     again.train()
     assert json.loads((Path(cfg.run.dir) / "progress.json").read_text())["step"] == 4
+    from shardline.data.shards import is_prepared  # other JSON than an account: a list, an object without it
+
+    for garbled in ("[1, 2]", "{}", '"text"'):
+        (Path(cfg.run.dir) / "progress.json").write_text(garbled)
+        assert not is_prepared(cfg.run.dir), garbled
 
 
 def test_a_vocabulary_too_large_to_train_is_one_line_not_an_abort():
@@ -515,3 +520,26 @@ def test_a_run_dirs_config_of_a_launch_that_trained_nothing_is_named_where_it_is
                 run / "config.toml")  # (as a GPU launch settles auto: 'auto' settles at launch, maybe to it)
     relaunch_config(None, [f"--run.dir={run}", "--train.steps=12", "--train.seq_len=64"])  # the same: nothing said
     assert "not read" not in capsys.readouterr().err
+
+
+def test_hostile_sizes_and_paths_are_one_line_errors(tmp_path, tiny_config, capsys):
+    """Each was a traceback: a model of 2**62 layers (a MemoryError building its stages), train.epochs=1e300
+    (blamed on train.steps, never set), a run.dir that is a loop of links (RuntimeError), check --size 1e8."""
+    from shardline.cli import main
+    from shardline.preflight import check_config, resolve_epochs
+
+    with pytest.raises(ConfigError, match=r"^model.n_layers=4611686018427387904 is invalid: .* at most 100000 layers"):
+        load_config(None, ["model.n_layers=4611686018427387904"]).check_sections()
+    with pytest.raises(ConfigError, match=r"^model.dim=2147483648 is invalid: .* at most 2\*\*31 - 1"):
+        load_config(None, ["model.dim=2147483648"]).check_sections()
+    cfg = tiny_config("train.epochs=1e300")
+    with pytest.raises(ConfigError, match=r"^train.epochs=1e\+300 is invalid: over 100 training sequences it gives "
+                                          r"2\*\*63 steps or more"):
+        resolve_epochs(cfg, 100)
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(ConfigError, match=r"cannot be resolved .*: give a folder, not a loop of links"):
+        check_config(tiny_config(run_dir=tmp_path / "a"))
+    with pytest.raises(SystemExit) as stop:  # (argparse's own exit 2, in one line)
+        main(["check", "--run.device=cpu", "--size", "100000000"])
+    assert stop.value.code == 2 and "is not a positive integer up to 32768" in capsys.readouterr().err

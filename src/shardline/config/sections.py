@@ -69,7 +69,9 @@ class ModelConfig:
             _require(getattr(self, key) in (-1, 0, 1), f"model.{key}", getattr(self, key), "-1, 0 or 1")
         _require(self.rope_theta >= 0, "model.rope_theta", self.rope_theta, "must be > 0 (0 keeps the preset's)")
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size"):
-            _require(getattr(self, key) >= 0, f"model.{key}", getattr(self, key), "must be > 0 (0 keeps the preset's)")
+            _require(0 <= getattr(self, key) < 2**31 and (key != "n_layers" or self.n_layers <= 100_000),
+                     f"model.{key}", getattr(self, key), "must be > 0 (0 keeps the preset's), at most "
+                     + ("100000 layers" if key == "n_layers" else "2**31 - 1"))
 
 
 MOE_ROUTERS = ("softmax", "sigmoid")

@@ -20,6 +20,7 @@ are checked by `shardline prepare --verify DIR` (that reads everything).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections import OrderedDict
@@ -50,12 +51,12 @@ def is_prepared(path: str) -> bool:
 
 
 def _prepare_progress(path: Path) -> bool:
-    """A progress.json there that is not a training run's goodput account (which holds its high-water step)."""
-    try:
-        return "high_water_step" not in json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):  # unreadable or not an object: prepare's, unless a run's files are
-        return path.is_file() and not ((path.parent / "checkpoints").is_dir() or  # there (a garbled account
-                                       (path.parent / "metrics.jsonl").is_file())  # made its run dir "data")
+    """A progress.json there that is not a training run's goodput account (which holds its high-water step,
+    beside the run's files: a garbled account, any JSON, must not make its run dir "data")."""
+    with contextlib.suppress(OSError, ValueError, TypeError):  # (a list, a string: no account)
+        if "high_water_step" in dict(json.loads(path.read_text(encoding="utf-8"))):
+            return False
+    return path.is_file() and not ((path.parent / "checkpoints").is_dir() or (path.parent / "metrics.jsonl").is_file())
 
 
 def prepared_with_own_bpe(path: str) -> bool:

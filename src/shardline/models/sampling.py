@@ -52,7 +52,8 @@ def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator)
     over the fewest likeliest whose probabilities sum to top_p (nucleus sampling)."""
     if opts.temperature == 0:
         return int(logits.argmax())
-    scaled = (logits - logits.max()) / opts.temperature  # (shifted: a tiny temperature overflows no logit)
+    # (shifted: a tiny temperature overflows no logit; in float64, where 1e-46 is no 0 as in float32)
+    scaled = (logits.double() - logits.max()) / opts.temperature
     if 0 < opts.top_k < scaled.numel():
         kth = torch.topk(scaled, opts.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
