@@ -161,9 +161,9 @@ def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int, known
         lines.append(f"notes     the model's vocabulary of {rows:,} rows is far past the tokenizer's {vocab:,} tokens: "
                      "the rest are never trained (give data.tokenizer the model's own tokenizer.json"
                      + (f", or data.vocab_size={rows} for a BPE trained up to that size)" if not known else ")"))
-    overlap = overlapping_sources(cfg)
-    if overlap:
-        lines.append(f"notes     two sources overlap, {overlap}")
+    sources, why = overlapping_sources(cfg)
+    if sources:
+        lines.append(f"notes     two sources overlap, {sources}: {why}")
     inside = val_path_in_training_data(cfg)
     if inside:
         lines.append(f"notes     data.val_path={cfg.data.val_path} is (inside) {inside}: the eval loss is a "

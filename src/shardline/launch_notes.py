@@ -177,9 +177,8 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if inside:  # allowed (a training loss measured on purpose), but rarely meant
         notes.append(("evaluates_on_training_data", {"val_path": cfg.data.val_path, "inside": inside,
                                                       "why": "the eval loss is then a training loss"}))
-    overlap = overlapping_sources(cfg)
-    if overlap:  # allowed (an oversampling by paths), but rarely meant
-        sources, why = overlap.split(": ", 1)
+    sources, why = overlapping_sources(cfg)
+    if sources:  # allowed (an oversampling by paths), but rarely meant
         notes.append(("mixture_sources_overlap", {"sources": sources, "why": why}))
     unused = unused_settings(cfg, layout)
     if unused:
@@ -191,14 +190,15 @@ OVERLAP_WHY = "their files are read by each: sampled more than the weights say"
 HELD_OUT_APART = ", and each source holds out its own documents, so one may evaluate on what another trains on"
 
 
-def overlapping_sources(cfg: Config) -> str:
+def overlapping_sources(cfg: Config) -> tuple[str, str]:
     """Two data.mix sources that read the same files in the same way (one folder inside another, the same
-    pattern; a path through a link as its target's), as `key=path and key=path` and why it matters; "" for
+    pattern; a path through a link as its target's): (`key=path and key=path`, why it matters); ("", "") for
     none. Their roots are looked up with their parents in a set: two patterns of many files each cost no
     product of the two."""
     def roots(path: str) -> set[Path]:
         found = [read_root(Path(path))] if Path(path).exists() else [Path(m) for m in glob.glob(path, recursive=True)]
-        return {Path(os.path.realpath(p.parent)) / p.name for p in found}  # (a link's own name: HF's cache links)
+        return {Path(os.path.realpath(p)) if p.is_dir() else Path(os.path.realpath(p.parent)) / p.name
+                for p in found}  # (a file link by its own name, as HF's cache links its files; a folder's target)
 
     read = [(f"data.mix[{i}].path={s.path}", roots(s.path), (s.format or cfg.data.format,
              s.text_field or cfg.data.text_field)) for i, s in enumerate(cfg.data.mix) if s.path]
@@ -207,8 +207,8 @@ def overlapping_sources(cfg: Config) -> str:
             if how == their_how and (any(not mine.isdisjoint([p, *p.parents]) for p in theirs)
                                      or any(not theirs.isdisjoint([p, *p.parents]) for p in mine)):
                 held = "" if cfg.data.val_path or any(is_prepared(Path(r)) for r in mine) else HELD_OUT_APART
-                return f"{key} and {other}: {OVERLAP_WHY}{held}"
-    return ""
+                return f"{key} and {other}", OVERLAP_WHY + held
+    return "", ""
 
 
 # Below this a run from random weights barely moves (Llama 3 405B pretrained at 8e-5; fine-tunes take 1e-5 to 2e-5).

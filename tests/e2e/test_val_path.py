@@ -283,6 +283,10 @@ def test_mixture_sources_that_read_the_same_files_are_said(split, tmp_path, caps
     linked = f'data.mix=[{{path="{web}"}}, {{path="{tmp_path / "linked"}/*.jsonl"}}]'
     assert "mixture_sources_overlap" in dict(launch_notes(load_config(None, [linked, f"data.tokenizer={tok}"]),
                                                           "cpu", 1.0, 1))
+    (tmp_path / "weblink").symlink_to(web)  # a link to the folder beside the folder
+    twice = f'data.mix=[{{path="{web}"}}, {{path="{tmp_path / "weblink"}"}}]'
+    assert "mixture_sources_overlap" in dict(launch_notes(load_config(None, [twice, f"data.tokenizer={tok}"]),
+                                                          "cpu", 1.0, 1))
     fields = f'data.mix=[{{path="{web}"}}, {{path="{web / "b.jsonl"}", text_field="title"}}]'  # other documents
     assert "mixture_sources_overlap" not in dict(launch_notes(load_config(None, [fields, f"data.tokenizer={tok}"]),
                                                               "cpu", 1.0, 1))

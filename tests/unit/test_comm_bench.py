@@ -267,3 +267,5 @@ def test_an_out_the_file_system_refuses_is_found_by_trying_it(tmp_path):
                                                  "remove it)")
     assert "not written by shardline calibrate" in out_problem(tmp_path / "old.toml", "calibrate")
     assert (tmp_path / "my.toml").read_text() == "[train]\nsteps = 5\n"
+    (tmp_path / "empty.toml").touch()  # (a placeholder: nothing to lose)
+    assert out_problem(tmp_path / "empty.toml") is None

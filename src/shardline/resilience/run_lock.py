@@ -110,7 +110,7 @@ class RunLock:
 
         ConfigError (one line) when another live run holds it.
         """
-        if self.held:  # (held already: one beat, one release)
+        if self.held and not self.lost:  # (held already: one beat, one release)
             return None
         me = {"host": socket.gethostname(), "pid": os.getpid(), "start": start_time_of(os.getpid()),
               "job": job_id(), "since": time.time()}
@@ -145,7 +145,7 @@ class RunLock:
                     raise ConfigError(f"run.dir={str(self.path.parent)!r} is not writable: {e.strerror}") from None
                 raise ConfigError(f"run.dir={str(self.path.parent)!r}: its lock cannot be written "
                                   f"({e.strerror})") from None
-            self.held, self.mine = True, me
+            self.held, self.mine, self.lost = True, me, {}
             atexit.register(self.release)  # an exception that ends the process still frees it
             self._beating = threading.Event()
             threading.Thread(target=self._beat, args=(self._beating,), daemon=True, name="run-lock-beat").start()
@@ -284,7 +284,8 @@ class RunLock:
         taken it over meanwhile, and its lock is not ours to delete."""
         if self.held:
             self._beating.set()
-            self._remove_if_still(self.mine)  # renamed aside first: never another run's lock
+            if not self.lost:  # (taken over: not ours to touch at all)
+                self._remove_if_still(self.mine)  # renamed aside first: never another run's lock
             self.held = False
             if self.created:  # a launch refused before it wrote anything leaves no folder
                 with contextlib.suppress(OSError):  # (rmdir takes an empty folder only)

@@ -156,7 +156,7 @@ def out_problem(out: Path, command: str = "comm-bench") -> str | None:
         if existed and out.is_file():
             with open(out, encoding="utf-8", errors="replace") as f:
                 head = f.read(len(PROFILE_HEADS[command]))
-            if head != PROFILE_HEADS[command]:
+            if head and head != PROFILE_HEADS[command]:  # (an empty file, a placeholder: nothing to lose)
                 return (f"--out {out} exists and was not written by shardline {command}: it is not replaced; "
                         "give another file (or remove it)")
         if out.is_dir():
