@@ -195,10 +195,9 @@ def overlapping_sources(cfg: Config) -> tuple[str, str]:
     pattern; a path through a link as its target's): (`key=path and key=path`, why it matters); ("", "") for
     none. Their roots are looked up with their parents in a set: two patterns of many files each cost no
     product of the two."""
-    def roots(path: str) -> set[Path]:
-        found = [read_root(Path(path))] if Path(path).exists() else [Path(m) for m in glob.glob(path, recursive=True)]
-        return {Path(os.path.realpath(p)) if p.is_dir() else Path(os.path.realpath(p.parent)) / p.name
-                for p in found}  # (a file link by its own name, as HF's cache links its files; a folder's target)
+    def roots(path: str) -> set[Path]:  # (a file link by its own name, as HF's cache links its files; a folder's
+        return {Path(os.path.realpath(p)) if p.is_dir() else Path(os.path.realpath(p.parent)) / p.name  # target)
+                for p in source_roots(path)}
 
     read = [(f"data.mix[{i}].path={s.path}", roots(s.path), (s.format or cfg.data.format,
              s.text_field or cfg.data.text_field)) for i, s in enumerate(cfg.data.mix) if s.path]
@@ -315,6 +314,13 @@ def _routing_notes(model: ModelArgs | None, theirs) -> list[tuple[str, dict]]:
     return notes
 
 
+def source_roots(path: str) -> list[Path]:
+    """What a data source reads, as paths: its folder or file (a DatasetDict's train split), else a pattern's
+    matches."""
+    return [read_root(Path(path))] if path and Path(path).exists() else [
+        Path(m) for m in glob.glob(path or "", recursive=True)]
+
+
 def val_path_in_training_data(cfg: Config) -> str:
     """The training source data.val_path is (or lies inside), as `key=path`, where it is evaluated
     on; "" for none. A source is what it reads: a DatasetDict's train split, a pattern's matches."""
@@ -323,8 +329,7 @@ def val_path_in_training_data(cfg: Config) -> str:
     val = Path(cfg.data.val_path).resolve()
     for key, path in [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [
             ("data.path", cfg.data.path)]:
-        read = [read_root(Path(path))] if path and Path(path).exists() else [
-            Path(m) for m in glob.glob(path or "", recursive=True)]
+        read = source_roots(path)
         if any(val.is_relative_to(r.resolve()) or r.resolve().is_relative_to(val) for r in read):
             return f"{key}={path}"
     return ""

@@ -152,7 +152,6 @@ def config_changes(saved: dict, now: dict) -> dict[str, list]:
 # (the model, the data) and on which batches (their size, length and order).
 WHAT_IS_TRAINED = ("model.", "moe.", "data.", "train.seq_len", "train.global_batch_size", "train.seed",
                    "train.data_seed")
-_TRAINED_PATHS = ("model.hf_path", "model.init_from", "data.path", "data.val_path", "data.tokenizer")
 
 
 def trained_settings(cfg: Config) -> dict[str, Any]:
@@ -164,7 +163,7 @@ def trained_settings(cfg: Config) -> dict[str, Any]:
         for key, value in table.items():
             name = f"{section}.{key}"
             if name.startswith(WHAT_IS_TRAINED):
-                out[name] = os.path.realpath(value) if name in _TRAINED_PATHS and value else value
+                out[name] = os.path.realpath(value) if (section, key) in _PATH_KEYS and value else value
     for i, source in enumerate(out.pop("data.mix", [])):  # each source's keys apart: one a later version adds to
         for key, value in source.items():                 # a source is no difference in an older account
             out[f"data.mix.{i}.{key}"] = os.path.realpath(value) if key == "path" and value else value

@@ -318,8 +318,8 @@ def _what_to_do(root: Path, tok: Tokenizer, other: Tokenizer, tokenizer_path: st
     where it is that one with tokens added, else a prepare with data.tokenizer's; where the folder's has more
     tokens and is built on that one, but is not it grown (tokens added to it with another BOS), what differs,
     as preparing again with data.tokenizer would drop the tokens added."""
-    again, (gap, built_on) = f"prepare the folder again with --overwrite --tokenizer {tokenizer_path}", \
-        extension_gap(tok, other)
+    again = f"prepare the folder again with --overwrite --tokenizer {tokenizer_path}"
+    gap, built_on = extension_gap(tok, other)
     if not gap:
         return (f"the folder's is this one with tokens added: to train with it, set data.tokenizer={root / TOKENIZER} "
                 f"(or leave it unset where you gave it), or {again}")

@@ -105,8 +105,9 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
     if tokenizer is not None:  # a run's own tokenizer: its end-of-document token, and the one BOS it starts texts with
         tok = load_tokenizer(str(tokenizer), key="")
         _check_template(tokenizer)
-        doc_end = eos_id(tok, tokenizer) if meta.get("config") else None  # (a run's: what it put after each document)
-        eos = eos_id(tok, tokenizer) if eos is None else eos
+        own_end = eos_id(tok, tokenizer)
+        doc_end = own_end if meta.get("config") else None  # (a run's: what it put after each document)
+        eos = own_end if eos is None else eos
         prefix = bos_prefix(tok)
         bos = prefix[0] if bos is None and len(prefix) == 1 else bos
     # A run that trained on chat data without a chat template rendered it as ChatML: its export says so, so

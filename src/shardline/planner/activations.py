@@ -127,8 +127,7 @@ def routed_saved(model: ModelArgs, precision: str, compiled: bool = False, op_ac
     moe = getattr(model, "moe", None)
     if moe is None:
         return []
-    share, c, k, h = (model.n_layers - moe.first_dense_layers) / model.n_layers, dtype_bytes(precision), moe.top_k, \
-        model.dim
+    share, c, k, h = _moe_share(model), dtype_bytes(precision), moe.top_k, model.dim
     if op_ac:
         return [Saved("routed w2 outputs", share * k * c * h, "tp"), Saved("router logits", share * 4 * moe.n_experts,
                                                                             "lin_in")]
@@ -146,7 +145,12 @@ def routed_ffn_width(model: ModelArgs) -> float:
     moe = getattr(model, "moe", None)
     if moe is None:
         return 0.0
-    return moe.top_k * moe.expert_ffn_dim * (model.n_layers - moe.first_dense_layers) / model.n_layers
+    return moe.top_k * moe.expert_ffn_dim * _moe_share(model)
+
+
+def _moe_share(model: ModelArgs) -> float:
+    """The share of the blocks that are MoE blocks (the first_dense_layers are not)."""
+    return (model.n_layers - model.moe.first_dense_layers) / model.n_layers
 
 
 def llama_compiled_block(model: ModelArgs, precision: str) -> list[Saved]:

@@ -2,7 +2,7 @@
 
 Each attempt adds its seconds by category; rank 0 keeps the running totals and the
 highest step ever completed in `<run_dir>/progress.json` (rewritten atomically every
-step: a few hundred bytes), so a restarted attempt knows which of its steps are
+step: a few KB, what the run trains included), so a restarted attempt knows which of its steps are
 recomputed work and how long the job was down between attempts.
 
 Categories: useful steps; recomputed steps (steps done again after a restart or a
