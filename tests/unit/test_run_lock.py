@@ -168,6 +168,35 @@ def test_a_holder_whose_lock_another_launch_took_stops_before_it_saves(tmp_path,
     trainer.close()
 
 
+def test_a_run_whose_lock_another_launch_took_stops_at_the_next_step_writing_nothing_more(tmp_path, monkeypatch,
+                                                                                           tiny_config):
+    """Not at its next save: till then it appended to the log and rewrote progress.json beside the run
+    that took the dir over (every step's record, in the new holder's account)."""
+    from shardline.resilience import run_lock
+
+    monkeypatch.setattr(run_lock, "BEAT_S", 0.02)
+    trainer = Trainer(tiny_config("--train.steps=8", "--metrics.log_interval=1", "--checkpoint.interval=6",
+                                  run_dir=tmp_path / "run")).build()
+    run_dir, train_step, seen = trainer.run_dir, trainer.train_step, {}
+
+    def step_then_taken_over():
+        out = train_step()
+        if trainer.step == 3:  # another host's launch of this job took the lock over
+            (run_dir / LOCK).unlink()
+            write_lock(run_dir, 1, host="node-7")
+            time.sleep(0.2)  # (its beats see it)
+            seen.update(log=(run_dir / "metrics.jsonl").read_text(), progress=(run_dir / "progress.json").read_text())
+        return out
+
+    trainer.train_step = step_then_taken_over
+    with pytest.raises(CheckpointError, match=r"another launch \(pid 1 on node-7\) took over the lock of run.dir="):
+        trainer.train()
+    assert trainer.step == 3 and not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+    assert (run_dir / "progress.json").read_text() == seen["progress"]
+    assert (run_dir / "metrics.jsonl").read_text() == seen["log"]
+    assert json.loads((run_dir / LOCK).read_text())["host"] == "node-7"  # (not ours to remove)
+
+
 def test_a_held_lock_is_touched_each_beat_and_no_longer_once_released(tmp_path, monkeypatch):
     from shardline.resilience import run_lock
 

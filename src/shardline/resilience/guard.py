@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardline.config import Config
+from shardline.errors import CheckpointError, on_every_rank
 from shardline.metrics import append_event
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import ProcessInfo
@@ -58,6 +59,7 @@ class RunGuard:
         self._held: list[tuple[str, dict[str, Any]]] = []
         self._read_s = 0.0  # this step's time in reads()
         self._step_s, self._step = 0.0, 0  # this step's own time and number, taken in step_done
+        self._lock_lost: Callable[[], dict] = dict  # (see watch)
         self._compared_s = 0.0  # the same time, until the next stop request compares it with the other ranks
 
     def event(self, name: str, **fields: Any) -> None:
@@ -71,10 +73,16 @@ class RunGuard:
         else:
             self._log(name, **fields)
 
-    def watch(self, before_exit: Callable[[], None] | None = None) -> None:
+    def watch(self, before_exit: Callable[[], None] | None = None,
+              lock_lost: Callable[[], dict] | None = None) -> None:
         """The run dir is locked: the watchdog starts (a hang from here on ends with a report).
         `before_exit`: what a hang's exit does first (it skips atexit handlers), e.g. free the lock;
-        progress.json's last word, phase "failed", comes before it (it read "train" after the exit)."""
+        progress.json's last word, phase "failed", comes before it (it read "train" after the exit).
+        `lock_lost`: the launch that took the lock over (rank 0's, else empty): the run stops at the
+        next stop_requested() (see there)."""
+        if lock_lost is not None:
+            self._lock_lost = lock_lost
+            self.stops.lock_lost = lambda: bool(lock_lost())
         def leave() -> None:
             with suppress(Exception):  # (a write that blocks is the watchdog deadline's to cut)
                 if self.goodput is not None:  # (the main thread may be writing it: waited for a little)
@@ -164,6 +172,8 @@ class RunGuard:
         self.faults.after_step(time.perf_counter() - started)
         self._step_s = self._compared_s = seconds = time.perf_counter() - started
         self._step = step
+        if self.stops.lock_lost():  # (rank 0's: the account is the new holder's; the stop comes next)
+            self.goodput.enabled = False
         self.goodput.step(step, seconds, outcome)
         if self.goodput.unwritten and not self._said_unwritten:  # once: the run goes on (a full disk, say)
             self._said_unwritten = True
@@ -197,12 +207,28 @@ class RunGuard:
         last collective arrives here last): goodput's peer_wait, not "other"."""
         begin = time.perf_counter()
         try:
-            return self.stops.agreed(self._compared_s)
+            request = self.stops.agreed(self._compared_s)
+            if request == "LOCK_LOST":
+                self._stop_for_lost_lock()
+            return request
         finally:
             self.goodput.add("peer_wait", time.perf_counter() - begin)
             if self.stops.fastest_s is not None and self._compared_s:  # this rank the straggler: its excess
                 self.goodput.waited_within(self._step, self._compared_s - self.stops.fastest_s)  # is peer_wait
             self._compared_s = 0.0  # (once: a step's evaluation and save ask again, every rank alike)
+
+    def _stop_for_lost_lock(self) -> None:
+        """Another launch took the run dir over (its lock untouched for a while, then taken by a launch of
+        the same job on another host): this one stops now, on every rank, writing nothing more there
+        (progress.json, a save) beside the run that now owns it."""
+        if self.goodput is not None:
+            self.goodput.enabled = False  # (the account is the new holder's now)
+        holder = self._lock_lost() if self.proc.is_main else {}
+        who = f" (pid {holder.get('pid')} on {holder.get('host')})" if holder else ""
+        raise on_every_rank(CheckpointError(
+            f"another launch{who} took over the lock of run.dir={self.cfg.run.dir!r}, presuming this one dead (its "
+            "lock went untouched: a paused process or a storage stall): this one stops, writing nothing more there; "
+            "that launch goes on with the run"))
 
     def stop_watching(self, failed: bool = False) -> None:
         """The watchdog thread ends and the stop signals get their previous handlers (idempotent);

@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
+LOCK_LOST = 255  # agreed()'s flag where rank 0's run-dir lock was taken over: above every signal, so MAX keeps it
 
 
 class StopRequests:
@@ -32,6 +34,7 @@ class StopRequests:
         self.writing = False  # a checkpoint (or its drain) is being written: set by the guard's phases
         self._held_once = False
         self._previous: dict[int, object] = {}
+        self.lock_lost: Callable[[], bool] = lambda: False  # (set by the guard once the run dir is locked)
 
     def install(self) -> None:
         """Handle the stop signals (main thread only: Python delivers signals there)."""
@@ -57,13 +60,14 @@ class StopRequests:
         self.requested = self.requested or signum
 
     def agreed(self, step_s: float | None = None) -> str | None:
-        """The name of a stop signal any rank received, the same answer on every rank. `step_s` (every
-        rank gives one, or none does): this rank's step time, whose least over the ranks the same
-        all-reduce carries, as `fastest_s` after it."""
-        flag, self.fastest_s = self.requested, step_s
+        """The name of a stop signal any rank received, the same answer on every rank ("LOCK_LOST" where
+        another launch took rank 0's run-dir lock: before any signal). `step_s` (every rank gives one, or
+        none does): this rank's step time, whose least over the ranks the same all-reduce carries, as
+        `fastest_s` after it."""
+        flag, self.fastest_s = LOCK_LOST if self.lock_lost() else self.requested, step_s
         if self.group is not None:
             t = torch.tensor([flag] + ([] if step_s is None else [-round(step_s * 1e6)]), dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             flag = int(t[0])
             self.fastest_s = None if step_s is None else -int(t[1]) / 1e6
-        return signal.Signals(flag).name if flag else None
+        return "LOCK_LOST" if flag == LOCK_LOST else signal.Signals(flag).name if flag else None
