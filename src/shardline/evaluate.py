@@ -33,6 +33,7 @@ import numpy as np
 import torch.distributed
 
 from shardline.config import Config, apply_override, from_dict
+from shardline.data.file_stamps import changed_files
 from shardline.data.sampler import eval_micro_batches
 from shardline.data.validation import split_by_prepare, val_format
 from shardline.data.shards import tokenizer_file
@@ -192,14 +193,16 @@ def _say_if_data_changed(ckpt: Path, position: dict) -> None:
     the run logged and may count documents it trained on. Said, not refused: the score is still
     the checkpoint's on the data as it is now."""
     try:
-        saved = torch.load(ckpt / "trainer" / "rank0.pt", weights_only=True)["data"].get("content")
+        data = torch.load(ckpt / "trainer" / "rank0.pt", weights_only=True)["data"]
+        saved = data.get("content")
     except Exception:  # (a checkpoint converted from HF, or older: nothing to compare)
         return
     now = position.get("content")
     if saved and now and saved != now:
+        files = changed_files(data.get("files"), position.get("files"))
         print(f"shardline eval: the run's data changed since {ckpt.name} was saved (training tokens {saved}, "
-              f"now {now}): its held-out split is not the one the run evaluated on, and may hold documents it "
-              "trained on", file=sys.stderr, flush=True)
+              f"now {now}{'; changed: ' + files if files else ''}): its held-out split is not the one the run "
+              "evaluated on, and may hold documents it trained on", file=sys.stderr, flush=True)
 
 
 def _agreed_config(src: str | Path, overrides: list[str], run_dir: Path):

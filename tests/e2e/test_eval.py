@@ -129,6 +129,7 @@ def test_eval_of_a_run_whose_data_changed_since_says_so(tmp_path, small_corpus, 
     assert main(["eval", str(run), "--json"]) == 0
     said = capsys.readouterr().err
     assert "the run's data changed since step-000002 was saved" in said and "may hold documents it trained on" in said
+    assert f"; changed: {corpus} (modified " in said, said
 
 
 def test_a_killed_one_process_evaluations_folder_goes_with_the_next_one(monkeypatch):

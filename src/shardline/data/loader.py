@@ -21,6 +21,7 @@ from shardline.data.chat_checks import (REPLY_SAMPLE, chat_checked, check_folder
                                         check_replies_fit, rendering, without_replies)
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import check_replies, encode_documents, render_chat, roles_of
+from shardline.data.file_stamps import stamp_files
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import CHAT_PACKING, PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
@@ -44,6 +45,7 @@ class DataBundle:
     _vocabulary: str = ""  # vocabulary_fingerprint(tokenizer): a cache
     left_out: dict = field(default_factory=dict)  # what reading skipped: see read_documents
     chat_template: str = ""  # a chat run's rendering template in words (chat_checks.rendering); "" for text
+    files: dict = field(default_factory=dict)  # the training files read, stamped (data/file_stamps.py)
 
     def describe(self, steps: int) -> dict:
         """The `data` event's fields: what the run trains on, how many passes over it `steps` make,
@@ -119,6 +121,7 @@ class DataBundle:
         # from before it put the same conversations into other sequences (cut from one stream, or next-fit).
         chat = any(p.rows is not None for p in self._sources())
         content |= {"packing": CHAT_PACKING} if chat else {}
+        content |= {"files": self.files} if self.files else {}  # (named where the content changed)
         if not isinstance(self.train, MixedSequences):
             return {"vocabulary": self._vocabulary, **content}
         return {"vocabulary": self._vocabulary, **content,
@@ -176,7 +179,7 @@ def build_data(cfg: Config) -> DataBundle:
         val = train if same else load_val(cfg, tok)
     check_replies_fit([(d.path, train)], val, cfg)
     return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed),
-                      left_out=left_out, chat_template=rendering(cfg) if d.chat else "")
+                      left_out=left_out, chat_template=rendering(cfg) if d.chat else "", files=stamp_files([d.path]))
 
 
 def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: dict | None = None,
@@ -284,7 +287,8 @@ def _build_mixture(cfg: Config) -> DataBundle:
     check_replies_fit([(s.path, p) for s, p in zip(mix, trains)], val, cfg)
     return DataBundle(tok, train, val,
                       GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed, tag_passes=True), names,
-                      left_out=left_out, chat_template=rendering(cfg) if cfg.data.chat else "")
+                      left_out=left_out, chat_template=rendering(cfg) if cfg.data.chat else "",
+                      files=stamp_files([s.path for s in mix]))
 
 
 def _mixture_tokenizer(cfg: Config) -> Tokenizer:
