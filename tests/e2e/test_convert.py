@@ -205,6 +205,11 @@ def test_convert_errors_exit_2(tmp_path, capsys, small_prepared):
     assert f"wrote {tmp_path / 'ck'}" in capsys.readouterr().out
     assert main(["convert", "to-hf", str(tmp_path / "ck"), str(tmp_path / "a-file" / "out")]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+    whole = (hf / "tokenizer.json").read_bytes()  # a download cut short: said now, not at the run's first eval
+    (hf / "tokenizer.json").write_bytes(whole[: len(whole) // 2])
+    assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck2")]) == 2 and not (tmp_path / "ck2").exists()
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert f"the tokenizer {hf / 'tokenizer.json'} cannot be read as a tokenizer.json" in last, last
 
 
 def _data_tokenizer(prepared) -> str:

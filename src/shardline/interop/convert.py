@@ -164,6 +164,8 @@ def hf_to_checkpoint(src: Path, dst: Path) -> Path:
     check_parents(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointError(f"{dst} exists and is not an empty folder; choose another destination")
+    if (src / TOKENIZER_NAME).is_file():  # a damaged one (a download cut short) is said now, not at a run's eval
+        load_tokenizer(str(src / TOKENIZER_NAME), key="")
     model, args = from_hf_pretrained(src)
     meta = {"model_args": args_to_json(args), "source": str(src.resolve()), "hf": read_hf_fields(src)}
     write_checkpoint(dst, 0, model, None, None, meta)
