@@ -163,35 +163,49 @@ def test_a_holder_whose_lock_another_launch_took_stops_before_it_saves(tmp_path,
     assert json.loads((tmp_path / LOCK).read_text())["host"] == "node-7"  # (not ours to remove)
     trainer = Trainer(tiny_config(run_dir=tmp_path / "run")).build()
     trainer.lock.lost = {"host": "node-7", "pid": 1}
-    with pytest.raises(CheckpointError, match="another launch took the lock of .* stopping before a save lands"):
+    with pytest.raises(CheckpointError,
+                       match=r"another launch \(pid 1 on node-7\) took over the lock of .* stopping before a save"):
         trainer.save_checkpoint()
     trainer.close()
 
 
-def test_a_run_whose_lock_another_launch_took_stops_at_the_next_step_writing_nothing_more(tmp_path, monkeypatch,
-                                                                                           tiny_config):
-    """Not at its next save: till then it appended to the log and rewrote progress.json beside the run
-    that took the dir over (every step's record, in the new holder's account)."""
+@pytest.mark.parametrize("taken_in", ["step", "eval", "save"])
+def test_a_run_whose_lock_another_launch_took_stops_writing_nothing_more(tmp_path, monkeypatch, tiny_config, taken_in):
+    """Taken over in a step, an evaluation or a save (an async save's write, as a sync one's): the run
+    stops there, not at its next save, which before then appended to the log and rewrote progress.json
+    beside the run that took the dir over; the save is not sealed."""
     from shardline.resilience import run_lock
 
     monkeypatch.setattr(run_lock, "BEAT_S", 0.02)
-    trainer = Trainer(tiny_config("--train.steps=8", "--metrics.log_interval=1", "--checkpoint.interval=6",
+    trainer = Trainer(tiny_config("--train.steps=8", "--metrics.log_interval=1", "--checkpoint.interval=3",
+                                  "--train.eval_interval=3", "--train.eval_batches=2", "--train.micro_batch_size=4",
                                   run_dir=tmp_path / "run")).build()
-    run_dir, train_step, seen = trainer.run_dir, trainer.train_step, {}
+    run_dir, seen = trainer.run_dir, {}
 
-    def step_then_taken_over():
-        out = train_step()
-        if trainer.step == 3:  # another host's launch of this job took the lock over
-            (run_dir / LOCK).unlink()
-            write_lock(run_dir, 1, host="node-7")
-            time.sleep(0.2)  # (its beats see it)
-            seen.update(log=(run_dir / "metrics.jsonl").read_text(), progress=(run_dir / "progress.json").read_text())
-        return out
+    def taken_over(work):
+        def then_taken():
+            out = work()
+            if trainer.step == 3 or taken_in != "step":  # another host's launch of this job took the lock over
+                (run_dir / LOCK).unlink()
+                write_lock(run_dir, 1, host="node-7")
+                time.sleep(0.2)  # (its beats see it)
+                seen.update(log=(run_dir / "metrics.jsonl").read_text(),
+                            progress=(run_dir / "progress.json").read_text())
+            return out
+        return then_taken
 
-    trainer.train_step = step_then_taken_over
+    if taken_in == "step":
+        trainer.train_step = taken_over(trainer.train_step)
+    elif taken_in == "eval":  # after its first micro-batch: the stop check between them finds it
+        forward = trainer.model.forward
+        trainer.model.forward = lambda *a, **k: taken_over(lambda: forward(*a, **k))() if not trainer.model.training \
+            and not seen else forward(*a, **k)
+    else:  # between the save's files and its seal
+        trainer.tiers.faults.during_save = lambda step: taken_over(lambda: None)()
     with pytest.raises(CheckpointError, match=r"another launch \(pid 1 on node-7\) took over the lock of run.dir="):
         trainer.train()
-    assert trainer.step == 3 and not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+    assert trainer.step == 3
+    assert not list((run_dir / "checkpoints").glob("step-*[0-9]")), taken_in  # (a save's .tmp may stay)
     assert (run_dir / "progress.json").read_text() == seen["progress"]
     assert (run_dir / "metrics.jsonl").read_text() == seen["log"]
     assert json.loads((run_dir / LOCK).read_text())["host"] == "node-7"  # (not ours to remove)

@@ -18,7 +18,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -281,6 +281,7 @@ class MetricsLogger:
             _drop_torn_line(run_dir / "metrics.jsonl")
         self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
         self._tb, self._said_unwritten = None, set()
+        self.unowned: Callable[[], bool] = lambda: False  # the run dir is another launch's now: the console alone
         self._tb_dir = run_dir / "tensorboard"
         if enabled and tensorboard:
             self._open_tensorboard(first_step)
@@ -309,6 +310,9 @@ class MetricsLogger:
     def log(self, kind: str, **fields: Any) -> dict[str, Any]:
         rec = _record(kind, **fields)
         if not self.enabled or self._jsonl.closed:  # closed: a watchdog report racing a failed run's end
+            return rec
+        if self.unowned():  # (its lock taken over: metrics.jsonl and the curves are the taker's)
+            self.console.write(rec)
             return rec
         try:
             self._jsonl.write(_line(rec))

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 PROGRESS = "progress.json"
 CATEGORIES = ("useful", "recomputed", "anomaly_skipped", "checkpoint", "eval", "startup", "recovery",
@@ -60,6 +61,7 @@ class Goodput:
         launch trains another run than the account's (`trains`: what it trains, kept in the account
         as config.job.trained_settings gives it; a key the account lacks is no difference)."""
         self.path, self.enabled = Path(run_dir) / PROGRESS, enabled
+        self.unowned: Callable[[], bool] = lambda: False  # the run dir is another launch's now: nothing written
         self.started = started if started is not None else process_start_time()
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.wall_before = 0.0  # wall time of earlier attempts
@@ -193,7 +195,7 @@ class Goodput:
         """Rewrite progress.json (as of `now`, default this moment). A write the storage refuses (a disk
         a checkpoint filled) is kept in `unwritten` and training goes on: accounting must never stop a
         run; the next write retries. One writer at a time (`wait_s` for the other: -1 as long as it takes)."""
-        if not self.enabled or not self.counted or not self._writing.acquire(timeout=wait_s):
+        if not self.enabled or self.unowned() or not self.counted or not self._writing.acquire(timeout=wait_s):
             return
         try:
             self._write(finished, now, run_complete)

@@ -59,7 +59,7 @@ class RunGuard:
         self._held: list[tuple[str, dict[str, Any]]] = []
         self._read_s = 0.0  # this step's time in reads()
         self._step_s, self._step = 0.0, 0  # this step's own time and number, taken in step_done
-        self._lock_lost: Callable[[], dict] = dict  # (see watch)
+        self._lock_lost: Callable[[], str] = str  # (see watch)
         self._compared_s = 0.0  # the same time, until the next stop request compares it with the other ranks
 
     def event(self, name: str, **fields: Any) -> None:
@@ -74,15 +74,16 @@ class RunGuard:
             self._log(name, **fields)
 
     def watch(self, before_exit: Callable[[], None] | None = None,
-              lock_lost: Callable[[], dict] | None = None) -> None:
+              lock_lost: Callable[[], str] | None = None) -> None:
         """The run dir is locked: the watchdog starts (a hang from here on ends with a report).
         `before_exit`: what a hang's exit does first (it skips atexit handlers), e.g. free the lock;
         progress.json's last word, phase "failed", comes before it (it read "train" after the exit).
-        `lock_lost`: the launch that took the lock over (rank 0's, else empty): the run stops at the
-        next stop_requested() (see there)."""
+        `lock_lost`: who took the run dir's lock over, in words (rank 0's; "" while it is held): from
+        then on nothing is saved there (a save in flight is not sealed) and the run stops at the next
+        stop request, on every rank (see _stop_for_lost_lock)."""
         if lock_lost is not None:
             self._lock_lost = lock_lost
-            self.stops.lock_lost = lambda: bool(lock_lost())
+            self.stops.lock_lost, self.tiers.taken_by = lambda: bool(lock_lost()), lock_lost
         def leave() -> None:
             with suppress(Exception):  # (a write that blocks is the watchdog deadline's to cut)
                 if self.goodput is not None:  # (the main thread may be writing it: waited for a little)
@@ -115,6 +116,7 @@ class RunGuard:
         """Start goodput accounting in the opened run dir (`fresh`: nothing resumed, not a restart:
         a new account after a finished run or before another run, see Goodput); log held events."""
         self.goodput = Goodput(run_dir, self.proc.is_main, self.started, fresh, trains)
+        self.goodput.unowned = lambda: self.stops.lock_lost()  # (its lock taken over: the account is the taker's)
         self._log, self._said_unwritten = log, False
         for name, fields in self._held:
             log(name, **fields)
@@ -172,8 +174,6 @@ class RunGuard:
         self.faults.after_step(time.perf_counter() - started)
         self._step_s = self._compared_s = seconds = time.perf_counter() - started
         self._step = step
-        if self.stops.lock_lost():  # (rank 0's: the account is the new holder's; the stop comes next)
-            self.goodput.enabled = False
         self.goodput.step(step, seconds, outcome)
         if self.goodput.unwritten and not self._said_unwritten:  # once: the run goes on (a full disk, say)
             self._said_unwritten = True
@@ -217,18 +217,20 @@ class RunGuard:
                 self.goodput.waited_within(self._step, self._compared_s - self.stops.fastest_s)  # is peer_wait
             self._compared_s = 0.0  # (once: a step's evaluation and save ask again, every rank alike)
 
+    def asked_to_stop(self) -> bool:
+        """stop_requested() inside longer work (an evaluation's micro-batches): the stop's own time
+        is that work's; a lost lock stops the run there too."""
+        request = self.stops.agreed()
+        if request == "LOCK_LOST":
+            self._stop_for_lost_lock()
+        return request is not None
+
     def _stop_for_lost_lock(self) -> None:
-        """Another launch took the run dir over (its lock untouched for a while, then taken by a launch of
-        the same job on another host): this one stops now, on every rank, writing nothing more there
-        (progress.json, a save) beside the run that now owns it."""
-        if self.goodput is not None:
-            self.goodput.enabled = False  # (the account is the new holder's now)
-        holder = self._lock_lost() if self.proc.is_main else {}
-        who = f" (pid {holder.get('pid')} on {holder.get('host')})" if holder else ""
-        raise on_every_rank(CheckpointError(
-            f"another launch{who} took over the lock of run.dir={self.cfg.run.dir!r}, presuming this one dead (its "
-            "lock went untouched: a paused process or a storage stall): this one stops, writing nothing more there; "
-            "that launch goes on with the run"))
+        """Another launch took the run dir over: this one stops now, on every rank (rank 0's line names
+        who), beside the run that now owns the dir; its log and progress.json took nothing since."""
+        line = self._lock_lost() or f"another launch took over the lock of run.dir={self.cfg.run.dir!r}"
+        raise on_every_rank(CheckpointError(f"{line}: this launch stops, writing nothing more there; that launch "
+                                            "goes on with the run"))
 
     def stop_watching(self, failed: bool = False) -> None:
         """The watchdog thread ends and the stop signals get their previous handlers (idempotent);

@@ -292,6 +292,16 @@ class RunLock:
                     self.path.parent.rmdir()
         atexit.unregister(self.release)  # a process that runs many trainers keeps no stale handlers
 
+    def lost_line(self) -> str:
+        """Who took this lock over while it was held, in words; "" while it is still this run's. A
+        launch of the same job takes a lock its holder left untouched for QUIET_BEATS beats: a holder
+        paused (SIGSTOP, a swapped-out host) or stalled on its storage that long loses it."""
+        if not self.lost:
+            return ""
+        return (f"another launch (pid {self.lost.get('pid')} on {self.lost.get('host')}) took over the lock of "
+                f"run.dir={str(self.path.parent)!r} (a launch of the same job takes a lock left untouched for "
+                f"{QUIET_BEATS * BEAT_S:g} s: a paused process or a storage stall)")
+
     def still_held(self) -> bool:
         """The lock file is still the one this object wrote (nobody took it over since)."""
         return self.held and self._read() == self.mine

@@ -67,6 +67,7 @@ class StateTiers:
         self.held = 0  # memory snapshots known to be held (an async one once every rank holds it)
         self._saved_model = None  # the model an async save is writing (its size, where the storage refuses it)
         self.unsaved_end = ""  # why the step the run ends after could not be saved (the storage refused it)
+        self.taken_by: Callable[[], str] = str  # who took the run dir's lock over, in words ("": none; the guard's)
         self.memory = None
         if c.memory_interval:
             self.memory = MemoryTier(run_root(Path(cfg.run.dir), c.memory_dir), proc.rank, proc.world_size,
@@ -79,7 +80,7 @@ class StateTiers:
         """A checkpoint on disk; returns once training may go on (async: after the host copy).
 
         None when the storage refused a synchronous save and checkpoint.on_error = continue."""
-        fail_midway = lambda: self.faults.during_save(step)  # noqa: E731
+        fail_midway = lambda: self._may_seal(step)  # noqa: E731
         if self.saver is None:
             try:
                 path, seconds = self.checkpointer.save(step, model, optimizer, trainer_state, meta, fail_midway)
@@ -98,6 +99,14 @@ class StateTiers:
         self.log("checkpoint", step=step, path=str(path), mode="async", stall_s=round(stall, 4),
                  on_disk=False)  # (yet: checkpoint_persisted says when it is; a kill before leaves none)
         return path
+
+    def _may_seal(self, step: int) -> None:
+        """Before a save's folder is sealed (every rank; the failure is agreed): the fault drill's crash,
+        and a run dir another launch took over meanwhile (an async save in flight then): not sealed
+        there, nor older checkpoints pruned, beside that launch's."""
+        self.faults.during_save(step)
+        if self.taken_by():
+            raise CheckpointError(f"{self.taken_by()}: the save of step {step} was not sealed, nor older ones pruned")
 
     def _refused(self, step: int, error: BaseException, model) -> None:
         """A save the storage refused (disk full, read-only, ...): its partial folder is already

@@ -39,7 +39,7 @@ class IntervalWork:
             return request, 0.0
         paused = self._clock()
         if evaluate:  # (ended where a stop comes in it: owed, as if skipped; the stop's save comes next, no snapshot)
-            stoppable = (lambda: self.guard.stops.agreed() is not None) if step < stop else None  # (eval's time)
+            stoppable = self.guard.asked_to_stop if step < stop else None  # (eval's time)
             if self.guard.watched("eval", step, "eval", lambda: self.evaluate(stoppable)) is None:
                 self.eval_owed, self.tiers.ending_at = True, step
                 snapshot = snapshot and not cfg.checkpoint.interval

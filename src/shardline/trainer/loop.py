@@ -162,7 +162,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             resume_from = agreed(lambda: self._choose_resume(self.model_args, repaired=self.proc.is_main),
                                  self.proc.world_size)
             # a hang's exit frees the run dir for the rerun; a lock taken over stops the run at once
-            self.guard.watch(before_exit=self.lock.release, lock_lost=lambda: self.lock.lost)
+            self.guard.watch(before_exit=self.lock.release, lock_lost=self.lock.lost_line)
             # A hang here is reported after the step of the checkpoint this rank chose (0: none; a newer snapshot
             # in RAM may win).
             with self.guard.phase("restore", max(saved_step(resume_from), 0) if resume_from else 0):

@@ -161,6 +161,7 @@ class SavedState:
         cfg = self.cfg
         self.metrics = MetricsLogger(self.run_dir, cfg.metrics.progress, cfg.metrics.tensorboard,
                                      cfg.train.steps, self.step, self.proc.is_main, cfg.train.last_step)
+        self.metrics.unowned = lambda: bool(self.lock.lost)
         self.metrics.event("start", step=self.step, run_dir=str(self.run_dir),  # (the launch's first record)
                            params=num_params(self.model_args),  # the whole model's
                            world_size=self.proc.world_size, layout=self.dims.layout.describe(),
@@ -287,8 +288,7 @@ class SavedState:
         except OSError:
             same = False
         if self.lock.lost:  # (rank 0's: a same-job launch on another host took the lock it no longer saw touched)
-            raise CheckpointError(f"another launch took the lock of {self.run_dir} (pid {self.lock.lost.get('pid')} on "
-                                  f"{self.lock.lost.get('host')}): stopping before a save lands over its checkpoints")
+            raise CheckpointError(f"{self.lock.lost_line()}: stopping before a save lands over its checkpoints")
         if not same:
             raise CheckpointError(f"the run dir {self.run_dir} was moved or removed while the run trained (its log "
                                   "and checkpoints went with it): stopping before a save lands apart from them; "
