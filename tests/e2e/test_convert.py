@@ -210,6 +210,11 @@ def test_convert_errors_exit_2(tmp_path, capsys, small_prepared):
     assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck2")]) == 2 and not (tmp_path / "ck2").exists()
     last = capsys.readouterr().err.splitlines()[-1]
     assert f"the tokenizer {hf / 'tokenizer.json'} cannot be read as a tokenizer.json" in last, last
+    assert last.endswith("to convert the weights alone: a run from them then needs data.tokenizer)"), last
+    (hf / "tokenizer.json").unlink()  # an HF cache's link whose blob is gone: was converted without a tokenizer
+    (hf / "tokenizer.json").symlink_to(tmp_path / "blobs" / "gone")
+    assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck2")]) == 2 and not (tmp_path / "ck2").exists()
+    assert "is a link to a file that is not there (fetch it again" in capsys.readouterr().err
 
 
 def _data_tokenizer(prepared) -> str:

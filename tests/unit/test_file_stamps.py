@@ -39,3 +39,26 @@ def test_a_corpus_past_the_bound_or_unreadable_stamps_nothing(tmp_path, monkeypa
     assert stamp_files([str(data)]) == {}
     assert stamp_files([str(tmp_path / "gone")]) == {}
     assert changed_files({}, {"x": [1, 2]}) == "" and changed_files(["not", "a dict"], {"x": [1, 2]}) == ""
+
+
+def test_a_checkpoint_from_before_stamps_or_unchanged_files_gets_the_causes_alone(tmp_path):
+    """Saved with no stamps (an older checkpoint), or files that kept theirs (the tokenizer changed):
+    no file is blamed; the changed one is named before the causes, which stay (a touched file may
+    not be the cause)."""
+    import pytest
+
+    from shardline.errors import CheckpointError
+    from shardline.resilience.resume_checks import check_data_position
+
+    data = tmp_path / "data"
+    _write(data, ["a.jsonl"])
+    stamps = stamp_files([str(data)])
+    saved = {"content": "old", "num_samples": 10, "seed": 0, "global_batch_size": 2, "samples_seen": 0}
+    for before in ({}, {"files": stamps}):
+        with pytest.raises(CheckpointError) as refused:
+            check_data_position("ck", {**saved, **before}, 10, 0, 2, {"content": "new", "files": stamps})
+        assert "its training tokens differ: the files were edited or replaced, or the tokenizer" in str(refused.value)
+    os.utime(data / "a.jsonl", ns=(0, 10**18))
+    with pytest.raises(CheckpointError, match=r"differ \(files changed since: .*a.jsonl \(modified [^)]*\)\): the "):
+        check_data_position("ck", {**saved, "files": stamps}, 10, 0, 2, {"content": "new",
+                                                                         "files": stamp_files([str(data)])})

@@ -626,7 +626,7 @@ def test_dry_run_compares_a_prepared_folders_tokens_with_the_resumed_checkpoint(
     assert main(base) == 2
     err = capsys.readouterr().err
     assert "was trained on other data (tokens " in err and err.count("\n") == 1, err
-    assert f"changed since: {tmp_path / 'prep'} (prepared again " in err, err  # (the folder, not its manifest)
+    assert f"(files changed since: {tmp_path / 'prep'} (prepared again " in err, err  # (the folder, not its manifest)
 
 
 def test_a_cpu_dry_run_whose_ranks_fit_alone_but_not_together_says_the_host(capsys, tmp_path, monkeypatch):

@@ -18,15 +18,16 @@ NAMED = 5  # changes named in one line
 
 
 def stamp_files(paths: list[str]) -> dict[str, list[int]]:
-    """{absolute path: [size, mtime_ns]} of the files the sources read: raw files, or a prepared
-    folder's manifest (a prepare writes it anew); {} past MAX_FILES or where a file cannot be read."""
+    """{real path: [size, mtime_ns]} of the files the sources read: raw files, or a prepared folder's
+    manifest (a prepare writes it anew); {} past MAX_FILES or where a file cannot be read. Taken
+    before the files are read: one edited while a long read ran is named at the next resume."""
     stamps: dict[str, list[int]] = {}
     try:
         for path in paths:
             files = [Path(path) / MANIFEST] if is_prepared(path) else input_files(path)
             for f in files:
                 info = os.stat(f)
-                stamps[os.path.abspath(f)] = [info.st_size, info.st_mtime_ns]
+                stamps[os.path.realpath(f)] = [info.st_size, info.st_mtime_ns]  # (the same file from any cwd)
                 if len(stamps) > MAX_FILES:
                     return {}
     except (OSError, DataError):

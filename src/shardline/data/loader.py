@@ -165,6 +165,7 @@ def build_data(cfg: Config) -> DataBundle:
     if d.mix:
         return _build_mixture(cfg)
     left_out: dict = {}
+    files = stamp_files([d.path])  # (before the read: see there)
     # data.val_path the training file itself (eval's stand-in for the run's data, or a run evaluating on its
     # training data), read alike: its packed sequences serve both, tokenized once
     same = (bool(d.val_path) and d.val_path == d.path and bool(t.eval_interval) and not is_prepared(d.path)
@@ -179,7 +180,7 @@ def build_data(cfg: Config) -> DataBundle:
         val = train if same else load_val(cfg, tok)
     check_replies_fit([(d.path, train)], val, cfg)
     return DataBundle(tok, train, val, GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed),
-                      left_out=left_out, chat_template=rendering(cfg) if d.chat else "", files=stamp_files([d.path]))
+                      left_out=left_out, chat_template=rendering(cfg) if d.chat else "", files=files)
 
 
 def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: dict | None = None,
@@ -274,6 +275,7 @@ def _build_mixture(cfg: Config) -> DataBundle:
     if cfg.data.chat:
         check_one_chat_template(cfg)
     trains, vals, left_out = [], [], {}
+    files = stamp_files([s.path for s in mix])  # (before the read: see there)
     for i, source in enumerate(mix):
         tok, train, val = load_source(source.path, cfg, tok, left_out, index=i)
         check_sizes(source.path, train, val, cfg)
@@ -287,8 +289,7 @@ def _build_mixture(cfg: Config) -> DataBundle:
     check_replies_fit([(s.path, p) for s, p in zip(mix, trains)], val, cfg)
     return DataBundle(tok, train, val,
                       GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed, tag_passes=True), names,
-                      left_out=left_out, chat_template=rendering(cfg) if cfg.data.chat else "",
-                      files=stamp_files([s.path for s in mix]))
+                      left_out=left_out, chat_template=rendering(cfg) if cfg.data.chat else "", files=files)
 
 
 def _mixture_tokenizer(cfg: Config) -> Tokenizer:

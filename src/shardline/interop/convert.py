@@ -160,12 +160,24 @@ def _export_dtype(name: str) -> torch.dtype | None:
     return getattr(torch, DTYPE_NAMES.get(name, name))
 
 
+def _check_hf_tokenizer(path: Path) -> None:
+    """An HF folder's tokenizer.json is read before its weights are converted: a damaged one (a download
+    cut short, a cache link whose blob is gone) is said now, not at the first evaluation of a run."""
+    try:
+        if path.is_symlink() and not path.exists():
+            raise DataError(f"the tokenizer {path} is a link to a file that is not there")
+        if path.is_file():
+            load_tokenizer(str(path), key="")
+    except DataError as e:
+        raise DataError(f"{e} (fetch it again, or move it out of {path.parent} to convert the weights alone: a run "
+                        "from them then needs data.tokenizer)") from None
+
+
 def hf_to_checkpoint(src: Path, dst: Path) -> Path:
     check_parents(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointError(f"{dst} exists and is not an empty folder; choose another destination")
-    if (src / TOKENIZER_NAME).is_file():  # a damaged one (a download cut short) is said now, not at a run's eval
-        load_tokenizer(str(src / TOKENIZER_NAME), key="")
+    _check_hf_tokenizer(src / TOKENIZER_NAME)
     model, args = from_hf_pretrained(src)
     meta = {"model_args": args_to_json(args), "source": str(src.resolve()), "hf": read_hf_fields(src)}
     write_checkpoint(dst, 0, model, None, None, meta)

@@ -108,13 +108,13 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
     content, saved_content = (position or {}).get("content"), data_pos.get("content")
     if content and saved_content and content != saved_content:  # (older checkpoints and folders hold none)
         files = changed_files(data_pos.get("files"), (position or {}).get("files"))
-        since = f"its training tokens differ; changed since: {files}" if files else ""
-        why = back or since or (
-            "its training tokens differ: the files were edited or replaced, or the tokenizer, its settings or chat "
-            "template changed (or, for a folder that holds hidden files or links, a tokenizer whose end of text only "
-            "tokenizer_config.json names, a .txt file with a byte-order mark or with lines of other blanks (full-width "
-            "spaces, form feeds) between documents: since 2026-12-06 they are read otherwise; a .txt file with \\r\\n "
-            "or \\r line ends: read as newlines since 2026-12-07)")
+        since = f" (files changed since: {files})" if files else ""
+        why = back or (
+            f"its training tokens differ{since}: the files were edited or replaced, or the tokenizer, its settings or "
+            "chat template changed (or, for a folder that holds hidden files or links, a tokenizer whose end of text "
+            "only tokenizer_config.json names, a .txt file with a byte-order mark or with lines of other blanks "
+            "(full-width spaces, form feeds) between documents: since 2026-12-06 they are read otherwise; a .txt file "
+            "with \\r\\n or \\r line ends: read as newlines since 2026-12-07)")
         raise CheckpointError(
             f"checkpoint {path} was trained on other data (tokens {saved_content}, this run's {content}): {why}; "
             "the saved position would mean other samples: train on the data it was saved with, or start a new "

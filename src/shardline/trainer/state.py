@@ -304,6 +304,8 @@ class SavedState:
         """Everything beyond model and optimizer that a resumed run needs to continue exactly."""
         data = {**self.data.sampler.state_dict(self.step), **self.data.position_state(),
                 "skipped_batches": self.skipped_batches}
+        if not self.proc.is_main:  # the files' stamps once a checkpoint (a resume's checks read rank 0's)
+            data.pop("files", None)
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict(),
                 "anomaly_handling": {"rollbacks": self.rollbacks, "streak": list(self._anomaly_streak)},
