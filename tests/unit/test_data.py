@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -437,3 +438,31 @@ def test_a_tokenizer_cache_that_cannot_be_written_costs_a_training_not_the_run(t
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("SHARDLINE_CACHE", "~/cache")
     assert cache_dir() == tmp_path / "cache"
+
+
+def test_a_few_documents_holding_out_far_more_than_val_fraction_is_said_at_launch_and_in_the_dry_run(
+        tiny_config, tmp_path, small_corpus, small_prepared, capsys):
+    """1% asked, one whole document of three held out: a third of the data never trained on, where
+    the dry run said "(1 of them held out)" and the launch nothing. Not said where the share is
+    about what was asked (the corpus), nor for a prepared folder (its split is prepare's, said there)."""
+    from shardline.cli import main
+    from shardline.data.validation import held_out_note
+    from shardline.metrics import history
+    from shardline.trainer import Trainer
+
+    text = small_corpus.read_text(encoding="utf-8")
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps({"text": text[i::3]}) + "\n" for i in range(3)), encoding="utf-8")
+    common = [f"data.tokenizer={small_prepared / 'tokenizer.json'}", "train.steps=1", "train.eval_interval=0"]
+    cfg = tiny_config(f"data.path={few}", *common)
+    Trainer(cfg).build().train()
+    said = [r for r in history(Path(cfg.run.dir) / "metrics.jsonl") if r.get("event") == "held_out_large"]
+    assert len(said) == 1 and said[0]["share"] > 0.3 and said[0]["val_fraction"] == 0.01, said
+    assert "data.val_fraction=0 with train.eval_interval=0" in said[0]["to_train_on_them"]
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'dry'}", f"--data.path={few}",
+                 *(f"--{o}" for o in common)]) == 0
+    assert "3 documents (1 of them held out for evaluation: 33% of the text, where data.val_fraction=0.01 asks " \
+           "for 1%, a whole document at least" in capsys.readouterr().out
+    for path in (small_corpus, small_prepared):  # (the corpus: ~1%; a folder: prepare's split)
+        data = build_data(tiny_config(f"data.path={path}", *common))
+        assert held_out_note(tiny_config(f"data.path={path}", *common), data.train, data.val) is None

@@ -29,8 +29,8 @@ from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_ma
                                    tokenizer_file, tokenizer_hash)
 from shardline.data.sources import SUFFIXES, input_files, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
-from shardline.data.validation import (check_sizes, check_val_size, held_out, refuse_too_short, split_documents,
-                                      training_val_fraction, val_format)
+from shardline.data.validation import (check_sizes, check_val_size, held_out, held_out_text, refuse_too_short,
+                                      split_documents, training_val_fraction, val_format)
 from shardline.errors import DataError
 
 
@@ -360,10 +360,11 @@ def data_summary(cfg: Config) -> tuple[str, str]:
             if fmt == "text":
                 refuse_too_short(f"{key}={path!r}", docs, cfg.train.seq_len)
             where = path or "the shipped corpus (a sample to try shardline on: data.path names your data)"
-            kept = len(held_out(len(docs), training_val_fraction(cfg))) if len(docs) > 1 else 0  # (as the launch)
+            kept = held_out(len(docs), training_val_fraction(cfg)) if len(docs) > 1 else []  # (as the launch)
             parts.append(f"{where}: {len(docs):,} " + (chat_checked(f"{key}={path!r}", docs, tokenizer_file(d))
                                                        if fmt == "chat" else "documents")
-                         + (f" ({kept:,} of them held out for evaluation)" if kept else ""))
+                         + (f" ({len(kept):,} of them held out for evaluation{held_out_text(docs, kept, cfg)})"
+                            if len(kept) else ""))
     if d.val_path and cfg.train.eval_interval:  # (nothing evaluated: the launch does not read it)
         parts.append(_val_summary(cfg, d.tokenizer or folder_tokenizer))
     if opened and len(opened) == len(keys):  # (raw data is not tokenized by a dry run)

@@ -103,3 +103,38 @@ def check_val_size(val, cfg: Config) -> None:
     if cfg.train.eval_interval and len(val) == 0:
         raise DataError(f"data.val_path={cfg.data.val_path!r} holds {val.num_tokens} tokens: too few for one "
                         f"sequence of train.seq_len={cfg.train.seq_len}; give more data or set train.eval_interval=0")
+
+
+def held_out_large(share: float, val_fraction: float) -> bool:
+    """Whether a held-out `share` of the training data is far above the data.val_fraction asked:
+    whole documents are held out, at least one a source, so a few documents hold out much more."""
+    return share > max(2 * val_fraction, 0.05)
+
+
+def held_out_note(cfg: Config, train, val) -> dict | None:
+    """The `held_out_large` launch note's fields, where the run's raw training data holds out far more
+    sequences than data.val_fraction says (a prepared folder's split is prepare's, which says its share);
+    None otherwise. `train`, `val`: the data's splits (a mixture's: their sources)."""
+    d = cfg.data
+    if d.val_path or not d.val_fraction or any(map(is_prepared, [s.path for s in d.mix] or [d.path])):
+        return None
+    held = sum(len(v) for v in getattr(val, "sources", [val]))
+    total = held + sum(len(t) for t in getattr(train, "sources", [train]))
+    if not total or not held_out_large(held / total, d.val_fraction):
+        return None
+    return {"held_out_sequences": held, "of": total, "share": round(held / total, 3), "val_fraction": d.val_fraction,
+            "why": "whole documents are held out, at least one a source: with few documents that is a large share",
+            "to_train_on_them": "data.val_fraction=0 with train.eval_interval=0, or data.val_path (other data to "
+                                "evaluate on)"}
+
+
+def held_out_text(docs: list, kept, cfg: Config) -> str:
+    """Where the held-out documents are far more of the text than data.val_fraction asks: the share,
+    by characters (a dry run does not tokenize), and the settings that train on them."""
+    size = [len(str(doc)) for doc in docs]
+    share = sum(size[i] for i in kept) / max(sum(size), 1)
+    if not held_out_large(share, cfg.data.val_fraction):
+        return ""
+    return (f": {share:.0%} of the text, where data.val_fraction={cfg.data.val_fraction:g} asks for "
+            f"{cfg.data.val_fraction:.0%}, a whole document at least; to train on them: data.val_fraction=0 with "
+            "train.eval_interval=0, or data.val_path")

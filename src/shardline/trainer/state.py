@@ -24,6 +24,7 @@ from shardline.config import save_config
 from shardline.config.job import trained_settings
 from shardline.data import build_data, tokenizer_file
 from shardline.data.tokenizer import save_tokenizer
+from shardline.data.validation import held_out_note
 from shardline.errors import CheckpointError, ConfigError, DataError, on_every_rank
 from shardline.interop.weights import copy_starting_files
 from shardline.devices import native_bf16
@@ -200,6 +201,9 @@ class SavedState:
                                          gpu_bf16=self.device.type == "cuda" and native_bf16()):
             self.metrics.event(note, step=self.step, **fields)
         self.metrics.event("data", step=self.step, **self.data.describe(self.cfg.train.steps))
+        held = held_out_note(self.cfg, self.data.train, self.data.val)
+        if held:
+            self.metrics.event("held_out_large", step=self.step, **held)
         self.profiler = StepProfiler(self.cfg.metrics.profile_steps, self.run_dir, self.proc.rank, self.device,
                                      self.step, self.cfg.train.steps, self.metrics.event)
         if self._lock_taken_over:
