@@ -336,6 +336,26 @@ def test_snapshots_newer_than_the_disk_checkpoint_resumed_are_dropped(tiny_confi
     assert restarted.step == 4 and _held_steps(tmp_path / "shm") == set()
 
 
+def test_a_launch_with_the_tier_off_drops_the_snapshots_an_earlier_one_left(tiny_config, tmp_path):
+    """Crashed with a snapshot newer than the disk, relaunched with checkpoint.memory_interval=0 (and
+    another lr): that launch resumes the disk and trains another history; the snapshot it could not
+    see stayed, and a third launch with the tier on resumed it, the abandoned history, in silence
+    (its RAM held past the run's end too)."""
+    from shardline.metrics import history
+
+    tiers = ["checkpoint.interval=4", "checkpoint.memory_interval=3"]
+    with pytest.raises(RuntimeError, match="injected"):
+        _crashing(_memory_run(tiny_config, tmp_path, *tiers), at_step=7).train()
+    assert _held_steps(tmp_path / "shm") == {6}  # and step 4 on disk
+    off = _memory_run(tiny_config, tmp_path, "checkpoint.interval=4", "checkpoint.memory_interval=0",
+                      "optim.lr=1e-3", "train.stop_at_step=5")
+    assert off.step == 4 and _held_steps(tmp_path / "shm") == set()
+    off.train()  # (saves step 5)
+    dropped = [r for r in history(tmp_path / "run" / "metrics.jsonl") if r.get("event") == "memory_snapshots_dropped"]
+    assert len(dropped) == 1 and dropped[0]["steps"] == [6] and dropped[0]["step"] == 4, dropped
+    assert _memory_run(tiny_config, tmp_path, *tiers, "optim.lr=1e-3").step == 5  # the disk, not step 6's RAM
+
+
 def test_a_halt_with_nothing_on_disk_keeps_the_ram_snapshot_for_the_rerun(tiny_config, tmp_path):
     from shardline.trainer.anomalies import AnomalyHalt
 

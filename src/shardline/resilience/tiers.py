@@ -234,7 +234,26 @@ class StateTiers:
             use_memory = use_memory and not new
             if not use_memory:
                 self.memory.clear()
-        return self.newest(disk, use_memory=use_memory, check=check, passed_over=passed_over)
+        found = self.newest(disk, use_memory=use_memory, check=check, passed_over=passed_over)
+        if self.memory is None:
+            self._drop_left_snapshots(found)
+        return found
+
+    def _drop_left_snapshots(self, found: Path | None) -> None:
+        """This launch keeps no snapshots (checkpoint.memory_interval=0): those an earlier launch of the
+        run dir left in this node's RAM go (every rank removes the run's folder here). Newer than what it
+        resumes, they are a history it leaves, which a later launch with the tier on would resume; older,
+        RAM held for nothing past the run's end. Said where they were newer."""
+        root = run_root(Path(self.cfg.run.dir), self.cfg.checkpoint.memory_dir)
+        with contextlib.suppress(OSError):
+            steps = sorted({int(f.name[4:10]) for f in root.glob("rank*/own-*.json") if f.name[4:10].isdigit()})
+            shutil.rmtree(root, ignore_errors=True)
+            resumed = self.checkpointer.verify(found)["step"] if found is not None else 0
+            newer = [step for step in steps if step > resumed]
+            if newer:
+                self.log("memory_snapshots_dropped", step=resumed, steps=newer, folder=str(root),
+                         why="checkpoint.memory_interval=0 in this launch: it resumed what is on disk, and the "
+                             "snapshots of an earlier launch newer than that are a history it leaves")
 
     def _run_id(self, use_memory: bool) -> tuple[str, bool, bool]:
         """(the run dir's id, whether it was just made, `use_memory` as rank 0 has it). The snapshots
