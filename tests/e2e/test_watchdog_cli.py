@@ -81,7 +81,8 @@ def test_hang_while_restoring_is_reported_by_phase(tmp_path, small_prepared):
         run, small_prepared, "train.steps=4", "checkpoint.interval=2", "train.eval_interval=0",
         "watchdog.timeout_s=1", "watchdog.long_timeout_s=2", "faults.hang_rank=0", "faults.hang_phase=restore")])
     assert hung.returncode == 4, hung.stderr[-2000:]
-    assert "stopped in restore (after step 2)" in hung.stderr  # the step it was restoring, not 0
+    assert "stopped in restore (after step 2): no progress for " in hung.stderr  # the step it restored, not 0
+    assert "(hung, or slower than watchdog.long_timeout_s allows: its stacks tell which)" in hung.stderr
     report = _report(run)
     assert (report["phase"], report["step"], report["stopped_ranks"], report["limit_s"]) == ("restore", 2, [0], 2.0)
     assert "in_phase" in (next(run.glob("hang-*")) / "rank0.txt").read_text()

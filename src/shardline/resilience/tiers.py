@@ -119,10 +119,11 @@ class StateTiers:
         if cause.errno == errno.ENOSPC:
             free = shutil.disk_usage(root.parent if not root.exists() else root).free
             need = self._checkpoint_bytes(model)
-            keep = self.cfg.checkpoint.keep
+            keep, held = self.cfg.checkpoint.keep, len(self.checkpointer.list())
             what = (f"no space left on {root} (needs ~{_size(need)}, {_size(free)} free; with checkpoint.keep={keep} "
                     f"the disk holds up to {keep + 1} at once, the next written before the oldest goes: "
-                    + ("lower keep or " if keep > 1 else "") + "free space, e.g. in checkpoints/set-aside/)")
+                    + ("lower keep or " if keep > 1 and held > 1 else "")  # (one held: a lower keep frees nothing)
+                    + "free space, e.g. in checkpoints/set-aside/)")
         else:
             what = f"cannot write {root}: {cause.strerror or cause}"
         message = f"checkpoint of step {step} failed: {what}"
@@ -136,8 +137,9 @@ class StateTiers:
         else:  # no next interval: what a rerun would resume is older (or in RAM: the memory tier keeps it)
             saved = self.checkpointer.list()
             fix = "free space" if cause.errno == errno.ENOSPC else "make it writable"
-            action = (f"none: the run ends here; a rerun resumes {saved[-1].name if saved else 'nothing on disk'} "
-                      f"(or a newer in-memory snapshot): {fix} and rerun to save this state")
+            action = (f"none: the run ends here; a rerun resumes {saved[-1].name if saved else 'nothing on disk'}"
+                      + (" (or a newer in-memory snapshot)" if self.memory is not None else "")
+                      + f": {fix} and rerun to save this state")
             self.unsaved_end = f"checkpoint of step {step} failed: {what}; {action.removeprefix('none: ')}"
         self.log("checkpoint_failed", step=step, error=what, action=action)
 

@@ -303,8 +303,10 @@ class Watchdog:
         if leader and fields is not None:
             where = f"at step {fields['step']}" if fields["phase"] == "step" else \
                 f"in {fields['phase']} (after step {fields['step']})"
-            msg = (f"rank(s) {fields['stopped_ranks']} stopped {where} "
-                   f"(no progress for {fields['limit_s']:g} s); every live rank's stacks are in {folder}")
+            limit = "watchdog.timeout_s" if fields["phase"] == "step" else "watchdog.long_timeout_s"
+            msg = (f"rank(s) {fields['stopped_ranks']} stopped {where}: no progress for {fields['limit_s']:g} s "
+                   f"(hung, or slower than {limit} allows: its stacks tell which); every live rank's stacks are "
+                   f"in {folder}")
         else:
             msg = f"a hang was declared by rank {incident['by']}; this rank's stacks are in {folder}"
         with contextlib.suppress(Exception):  # (a terminal or pipe gone must not keep a hung job from exiting)
