@@ -24,7 +24,7 @@ from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
-from shardline.launch_notes import (FP32_ON_GPU, context_extension, lr_low_for_new_weights,
+from shardline.launch_notes import (FP32_ON_GPU, context_extension, lr_high_for_trained_weights, lr_low_for_new_weights,
                                     overlapping_sources, unused_settings, val_path_in_training_data,
                                     vocab_rows_added, warmup_covers_run)
 from shardline.devices import DATASHEETS, local_datasheet, native_bf16
@@ -177,6 +177,10 @@ def _note_lines(cfg: Config, resumes: bool, launch: Preflight, vocab: int, known
     if extended:
         lines.append(f"notes     train.seq_len={extended['seq_len']:,} is {extended['note']} (trained for "
                      f"{extended['trained_positions']:,})")
+    if lr_high_for_trained_weights(cfg):
+        start = cfg.model.hf_path or cfg.model.init_from
+        lines.append(f"notes     optim.lr={cfg.optim.lr:g} on trained weights ({start}): a pretraining lr, which "
+                     "undoes what they learned; fine-tunes commonly take 1e-5 to 1e-4 (configs/finetune.toml)")
     if lr_low_for_new_weights(cfg, resumes):
         lines.append(f"notes     optim.lr={cfg.optim.lr:g} on random weights (no model.hf_path or model.init_from): "
                      "a fine-tune's lr, which barely moves a new model")

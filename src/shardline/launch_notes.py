@@ -150,7 +150,7 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             **({"unused_rows": f"{rows[1] - tokens} rows no token of the tokenizer ({tokens} tokens) uses: rounding "
                                "up, or is data.tokenizer the one with the added tokens?"}
                if tokenizer is not None and (tokens := tokenizer.get_vocab_size()) < rows[1] else {})}))
-    if start and cfg.optim.lr > FINE_TUNE_LR_LIMIT:
+    if lr_high_for_trained_weights(cfg):
         notes.append(("lr_high_for_trained_weights", {
             "lr": cfg.optim.lr, "weights": start,
             "fix": "fine-tunes commonly take optim.lr 1e-5 to 1e-4"}))
@@ -218,6 +218,12 @@ def warmup_covers_run(cfg: Config) -> bool:
     """The warm-up is as long as the run or longer: the lr peaks at the last step, never decaying
     (the warmup_cut note, the dry run's optim line)."""
     return cfg.optim.warmup_steps >= cfg.train.steps
+
+
+def lr_high_for_trained_weights(cfg: Config) -> bool:
+    """A pretraining lr on trained weights (the launch note and the dry run's line): the fine-tune's
+    config forgotten, most likely; such an lr undoes what the weights learned in a few steps."""
+    return bool(cfg.model.hf_path or cfg.model.init_from) and cfg.optim.lr > FINE_TUNE_LR_LIMIT
 
 
 def lr_low_for_new_weights(cfg: Config, resumed: bool) -> bool:

@@ -580,6 +580,9 @@ def test_the_dry_run_checks_the_hf_folders_weights_as_the_launch_reads_them(tmp_
     hf = _bf16_hf_folder(tmp_path / "hf")
     dry = ["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--model.hf_path={hf}"]
     assert main(dry) == 0
+    out = capsys.readouterr().out  # (the default lr, 3e-3: the launch's lr_high_for_trained_weights, said here too)
+    assert f"notes     optim.lr=0.003 on trained weights ({hf}): a pretraining lr, which undoes what they" in out
+    assert main([*dry, "--optim.lr=5e-5"]) == 0 and "on trained weights" not in capsys.readouterr().out
     tensors = load_file(hf / "model.safetensors")
     tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:64]
     save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
