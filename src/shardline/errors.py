@@ -4,6 +4,8 @@ Each is raised for a mistake the user can fix (a config key, a data file, a
 checkpoint); the CLI prints the message on one line and exits with code 2.
 """
 
+import difflib
+
 
 class ShardlineError(Exception):
     """Base class: a user-facing error with a one-line message."""
@@ -54,6 +56,13 @@ def on_every_rank(error: ShardlineError, alike: bool = True) -> ShardlineError:
     """`error`, marked (when `alike`) as raised alike on every rank: see ShardlineError.every_rank."""
     error.every_rank = alike
     return error
+
+
+def did_you_mean(name: str, options, prefix: str = "") -> str:
+    """" (did you mean PREFIX+option?)" for the option closest to a mistyped `name`, else "": a typo
+    is found in the line, not by reading the list of every valid name."""
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.75)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def require(ok: bool, key: str, value, valid: str) -> None:

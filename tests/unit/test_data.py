@@ -86,6 +86,9 @@ def _damaged_gzip() -> bytes:
 @pytest.mark.parametrize("name, content, message", [
     pytest.param("flipped.jsonl.gz", _damaged_gzip(), "cannot read data file", id="flipped.jsonl.gz"),
     ("bad.jsonl", '{"text": "ok"}\n{"text": broken\n', "line 2 is not valid JSON"),
+    ("lines.json", '{"text": "ok"}\n', r"unsupported type; use .* \(optionally .gz\); JSON lines in a .json file are "
+                                       "read once it is named .jsonl$"),
+    ("table.csv", "text\nok\n", r"unsupported type; use .* \(optionally .gz\)$"),
     ("nofield.jsonl", '{"body": "x"}\n', "no string field 'text'"),
     ("numtext.jsonl", '{"text": 5}\n', r"has no string field 'text' \(its value: 5\) \(set data.text_field"),
     ("empty.txt", "", "contains no text"),

@@ -26,7 +26,7 @@ from shardline.config.sections import (
     RunConfig,
     TrainConfig,
 )
-from shardline.errors import ConfigError
+from shardline.errors import ConfigError, did_you_mean
 
 
 @dataclass
@@ -52,7 +52,8 @@ class Config:
         sections = typing.get_type_hints(Config)
         unknown = [name for name in vars(self) if name not in sections and not name.startswith("_")]
         if unknown:  # (set in code: a file's unknown section is the reader's error)
-            raise ConfigError(f"unknown config section {unknown[0]!r}; valid: {', '.join(sections)}")
+            raise ConfigError(f"unknown config section {unknown[0]!r}{did_you_mean(unknown[0], sections)}; valid: "
+                              f"{', '.join(sections)}")
         for section in dataclasses.fields(self):
             value = getattr(self, section.name)
             if not isinstance(value, sections[section.name]):
@@ -122,8 +123,15 @@ def divisors(n: int) -> list[int]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | str = ()) -> Config:
     """Defaults, then the TOML file, then `section.key=value` overrides (a list of them, or one
-    string; validated by check())."""
-    return _overridden(reader.read_toml(path) if path is not None else {}, overrides)
+    string; validated by check()). A file's own mistakes name the file (an override's are named
+    as given)."""
+    if path is None:
+        return _overridden({}, overrides)
+    try:
+        cfg = from_dict(reader.read_toml(path))
+    except ConfigError as e:
+        raise ConfigError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
+    return _overridden(cfg, overrides)
 
 
 # What the config of one launch says about that launch alone, not the run: a relaunch from the
@@ -295,7 +303,8 @@ def _set_section(cfg: Config, name: str, values: Any) -> None:
             hint = f"; it belongs under [{owners[0]}]" if owners else ""
             raise ConfigError(f"config key {name} = {values!r} is outside any [section]{hint}; "
                               f"valid sections: {', '.join(names)}")
-        raise ConfigError(f"unknown config section [{name}]; valid sections: {', '.join(names)}")
+        raise ConfigError(f"unknown config section [{name}]{did_you_mean(name, names)}; valid sections: "
+                          f"{', '.join(names)}")
     if isinstance(values, dict):  # a key placed under another section: say where it belongs
         for key in values:
             owners = [n for n in names if n != name and key in reader.field_names(getattr(cfg, n))]

@@ -25,7 +25,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import ConfigError
+from shardline.errors import ConfigError, did_you_mean
 
 
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
@@ -78,7 +78,8 @@ def updated(obj: Any, raw: dict[str, Any], where: str, kind: str = "config key")
     changes = {}
     for key, value in raw.items():
         if key not in fields:
-            raise ConfigError(f"unknown {kind} {where}.{key}; valid keys: {', '.join(fields)}")
+            raise ConfigError(f"unknown {kind} {where}.{key}{did_you_mean(key, fields, f'{where}.')}; valid keys: "
+                              f"{', '.join(fields)}")
         if fields[key].metadata.get("switch") and isinstance(value, bool):
             value = int(value)  # a -1/0/1 switch (-1: keep the preset's) takes true and false as 1 and 0
         try:
@@ -98,7 +99,8 @@ def check_types(obj: Any, where: str) -> None:
     hints, names = typing.get_type_hints(type(obj)), field_names(obj)
     extra = [k for k in vars(obj) if k not in names and not k.startswith("_")]
     if extra:
-        raise ConfigError(f"unknown config key {where}.{extra[0]}; valid keys: {', '.join(names)}")
+        raise ConfigError(f"unknown config key {where}.{extra[0]}{did_you_mean(extra[0], names, f'{where}.')}; "
+                          f"valid keys: {', '.join(names)}")
     for f in dataclasses.fields(obj):
         value, key, hint = getattr(obj, f.name), f"{where}.{f.name}", hints[f.name]
         item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None

@@ -127,9 +127,7 @@ def _input_root(path: str) -> Path | None:
     p = Path(path)
     if p.is_dir():
         return p
-    if not p.exists() and _GLOB.search(path):
-        return _fixed_part(path)
-    return None
+    return _fixed_part(path) if not p.exists() and _GLOB.search(path) else None
 
 
 def _fixed_part(pattern: str) -> Path:
@@ -198,7 +196,8 @@ def read_file(f: Path, field: str) -> Iterator:
     """The values of `field` in one file (for .txt: its documents), streamed."""
     kind = _kind(f)
     if kind is None:
-        raise DataError(f"data file {f} has an unsupported type; use {', '.join(SUFFIXES)} (optionally .gz)")
+        raise DataError(f"data file {f} has an unsupported type; use {', '.join(SUFFIXES)} (optionally .gz)"
+                        + ("; JSON lines in a .json file are read once it is named .jsonl" * (f.suffix == ".json")))
     if kind == ".txt":
         if field == CHAT_FIELD:  # plain text holds no roles to mask by
             raise DataError(f"data file {f} is plain text, but the chat format reads conversations: a "
