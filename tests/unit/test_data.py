@@ -469,3 +469,16 @@ def test_a_few_documents_holding_out_far_more_than_val_fraction_is_said_at_launc
     for path in (small_corpus, small_prepared):  # (the corpus: ~1%; a folder: prepare's split)
         data = build_data(tiny_config(f"data.path={path}", *common))
         assert held_out_note(tiny_config(f"data.path={path}", *common), data.train, data.val) is None
+
+
+def test_the_dry_run_names_the_files_a_folder_holds_that_are_not_read(tmp_path, small_corpus, capsys):
+    """The launch's data line named them (files_not_read); the dry run, the check before it, did not."""
+    from shardline.cli import main
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "corpus.txt").write_text(small_corpus.read_text(encoding="utf-8"), encoding="utf-8")
+    (folder / "README.md").write_text("about this data\n")
+    (folder / "meta.json").write_text("{}\n")
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--data.path={folder}"]) == 0
+    assert "(not read: README.md, meta.json; it reads .txt, .jsonl, .parquet, .arrow files)" in capsys.readouterr().out

@@ -27,7 +27,7 @@ from shardline.data.packing import CHAT_PACKING, PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
 from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_manifest, token_fingerprint,
                                    tokenizer_file, tokenizer_hash)
-from shardline.data.sources import SUFFIXES, input_files, read_documents
+from shardline.data.sources import SUFFIXES, files_not_read, input_files, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
 from shardline.data.validation import (check_sizes, check_val_size, held_out, held_out_text, refuse_too_short,
                                       split_documents, training_val_fraction, val_format)
@@ -365,6 +365,9 @@ def data_summary(cfg: Config) -> tuple[str, str]:
                                                        if fmt == "chat" else "documents")
                          + (f" ({len(kept):,} of them held out for evaluation{held_out_text(docs, kept, cfg)})"
                             if len(kept) else ""))
+            skipped = [f.name for f in files_not_read(path)]  # (the launch's data line names them too)
+            parts[-1] += (f" (not read: {', '.join(skipped[:5])}{' and more' * (len(skipped) > 5)}; it reads "
+                          f"{', '.join(SUFFIXES)} files)") * bool(skipped)
     if d.val_path and cfg.train.eval_interval:  # (nothing evaluated: the launch does not read it)
         parts.append(_val_summary(cfg, d.tokenizer or folder_tokenizer))
     if opened and len(opened) == len(keys):  # (raw data is not tokenized by a dry run)
