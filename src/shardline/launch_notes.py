@@ -91,7 +91,9 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             "replica or parity: each snapshot is held once, in this node's RAM (a crash of the process leaves it, "
             "a loss of the node does not)"}))
     if warmup_covers_run(cfg):
-        notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps}))
+        notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps,
+                                     "why": "the lr still rises at the last step: it never decays (lower "
+                                            "optim.warmup_steps)"}))
     elif cfg.optim.schedule == "wsd" and (decay := wsd_decay_steps(cfg.train.steps, cfg.optim))[1] < decay[0]:
         notes.append(("wsd_decay_cut", {"decay_steps": decay[1], "asked": decay[0], "why": (
             f"optim.decay_fraction={cfg.optim.decay_fraction} asks for {decay[0]} decay steps of {cfg.train.steps}; "

@@ -168,3 +168,12 @@ def test_a_launch_s_event_file_sorts_after_the_last_launch_s(tmp_path):
     after_newest_event_file(tmp_path, most_s=0.3)
     assert time.monotonic() - began < 1.0
     after_newest_event_file(tmp_path / "none")  # (no folder yet: nothing to wait for)
+
+
+def test_an_event_holding_a_table_reads_as_keys_and_values_on_the_console():
+    """The end event's goodput `seconds` printed as a Python dict's repr ({'useful': 128.6, ...})."""
+    from shardline.metrics import format_line
+
+    line = format_line({"kind": "event", "event": "end", "time": 0.0, "step": 3,
+                        "seconds": {"useful": 1.5, "eval": 0.0}, "sources": {"a": {"loss": 0.5}}, "ids": [1, 2]}, 5)
+    assert line == "[end] step=3 seconds=(useful=1.5, eval=0.0) sources=(a=(loss=0.5)) ids=[1, 2]"

@@ -71,8 +71,13 @@ def format_line(rec: dict[str, Any], total_steps: int) -> str:
         return " | ".join(parts)
     if rec["kind"] == "eval":
         return f"eval step {rec['step']} | loss {rec['eval_loss']:.4f} | ppl {rec['eval_ppl']:.2f}"
-    fields = " ".join(f"{k}={v}" for k, v in rec.items() if k not in ("kind", "event", "time"))
+    fields = " ".join(f"{k}={_value(v)}" for k, v in rec.items() if k not in ("kind", "event", "time"))
     return f"[{rec['event']}] {fields}"
+
+
+def _value(v: Any) -> str:
+    """An event field on the console: a table as (key=value, ...), not a Python dict's repr."""
+    return f"({', '.join(f'{k}={_value(x)}' for k, x in v.items())})" if isinstance(v, dict) else str(v)
 
 
 def _duration(seconds: float) -> str:
