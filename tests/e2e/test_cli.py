@@ -288,6 +288,12 @@ def test_print_config_writes_a_whole_config_that_config_reads(tmp_path, capsys, 
     assert main(["train", "--print-config", *given]) == 0
     text = capsys.readouterr().out
     assert text.startswith("# shardline ") and not (tmp_path / "runs").exists()  # nothing run
+    # An override left unset says what its 0 or -1 means; one given says nothing (0.0 is dropless there)
+    assert "\ndim = 0  # unset: keeps the preset's (or the starting weights')\n" in text
+    assert "\nqk_norm = -1  # unset: keeps the preset's" in text
+    assert '\nrouter = ""  # unset: keeps the model\'s' in text
+    assert main(["train", "--print-config", "--moe.capacity_factor=0"]) == 0
+    assert "\ncapacity_factor = 0.0\n" in capsys.readouterr().out
     (tmp_path / "my.toml").write_text(text, encoding="utf-8")
     assert load_config(tmp_path / "my.toml") == load_config(None, [g.removeprefix("--") for g in given])
     assert main(["train", "--print-config", "--optim.schedule=rsqrt", "--optim.warmup_steps=0"]) == 2

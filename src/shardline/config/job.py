@@ -322,8 +322,12 @@ def to_toml(cfg: Config) -> str:
     a LAUNCH_ONLY setting given (an early stop, the checkpoint resumed, a drill) is that launch's."""
     remarks = {"train.steps": f"train.epochs={cfg.train.epochs:g} sets this at launch, from the data"
                } if cfg.train.epochs else {}
-    defaults = Config().to_dict()
-    for section, table in cfg.to_dict().items():
+    settings, defaults = cfg.to_dict(), Config().to_dict()
+    for section, whose in (("model", "the preset's (or the starting weights')"), ("moe", "the model's")):
+        for key, value in settings[section].items():  # (an override's default, 0, -1 or "", is "not set")
+            if key not in ("preset", "hf_path", "init_from") and value == defaults[section][key]:
+                remarks[f"{section}.{key}"] = f"unset: keeps {whose}"
+    for section, table in settings.items():
         keys = LAUNCH_ONLY.get(section, ())
         for key in table if keys is None else keys:
             if table[key] != defaults[section][key]:
