@@ -59,10 +59,13 @@ def on_every_rank(error: ShardlineError, alike: bool = True) -> ShardlineError:
 
 
 def did_you_mean(name: str, options, prefix: str = "") -> str:
-    """" (did you mean PREFIX+option?)" for the option closest to a mistyped `name`, else "": a typo
-    is found in the line, not by reading the list of every valid name."""
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.75)
-    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+    """" (did you mean PREFIX+option?)" for the option closest to a mistyped `name` (two, where they are
+    about as close: batch_size is micro_batch_size or global_batch_size), else "": a typo is found in
+    the line, not by reading the list of every valid name."""
+    scored = sorted(((difflib.SequenceMatcher(None, name, o).ratio(), o) for o in options), reverse=True)
+    best = scored[0][0] if scored else 0.0
+    close = [o for score, o in scored[:2] if best >= 0.75 and score >= best - 0.05]
+    return f" (did you mean {' or '.join(prefix + o for o in close)}?)" if close else ""
 
 
 def require(ok: bool, key: str, value, valid: str) -> None:

@@ -92,8 +92,9 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             "a loss of the node does not)"}))
     if warmup_covers_run(cfg):
         notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps,
-                                     "why": "the lr still rises at the last step: it never decays (lower "
-                                            "optim.warmup_steps)"}))
+                                     "why": "the warm-up covers every step: the lr reaches its peak only at "
+                                            "the end" + (", never decaying" * (cfg.optim.schedule != "constant"))
+                                            + " (lower optim.warmup_steps)"}))
     elif cfg.optim.schedule == "wsd" and (decay := wsd_decay_steps(cfg.train.steps, cfg.optim))[1] < decay[0]:
         notes.append(("wsd_decay_cut", {"decay_steps": decay[1], "asked": decay[0], "why": (
             f"optim.decay_fraction={cfg.optim.decay_fraction} asks for {decay[0]} decay steps of {cfg.train.steps}; "
@@ -250,8 +251,8 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("parallel", ("cp_balance",), p.cp > 1 and p.cp_mode == "ulysses",
               "parallel.cp_mode=ulysses has no ring to balance"),
              ("checkpoint", ("keep", "mode", "on_error"), not c.interval, "checkpoint.interval=0"),
-             ("checkpoint", ("memory_redundancy", "memory_mode", "memory_dir"), not c.memory_interval,
-              "checkpoint.memory_interval=0"),
+             ("checkpoint", ("memory_redundancy", "memory_mode"), not c.memory_interval,  # (memory_dir: read to
+              "checkpoint.memory_interval=0"),  # drop an earlier launch's snapshots there)
              ("watchdog", ("long_timeout_s",), not cfg.watchdog.timeout_s, "watchdog.timeout_s=0"),
              ("data", ("text_field",), not _reads_text_field(cfg), "chat data reads each record's 'messages'"
               if "text" not in cfg.data.formats() else "each text source of data.mix names its own text_field"),

@@ -86,6 +86,8 @@ def test_a_model_switch_takes_true_and_false_as_on_and_off():
 @pytest.mark.parametrize("override, message", [
     ("train.stepz=3", "unknown config key train.stepz (did you mean train.steps?); valid keys: steps"),
     ("train.bogus=3", "unknown config key train.bogus; valid keys: steps"),  # (nothing close: no guess)
+    ("train.batch_size=8", "unknown config key train.batch_size (did you mean train.micro_batch_size or "
+                           "train.global_batch_size?)"),  # (about as close: both, not the one that wins by 0.03)
     ("train.warmup_steps=5", "unknown config key train.warmup_steps; it belongs under [optim] (optim.warmup_steps)"),
     ("trian.steps=3", "unknown config section [trian] (did you mean train?)"),
     ("train.steps=many", "train.steps='many' has the wrong type: expected int"),

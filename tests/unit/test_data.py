@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -460,7 +461,8 @@ def test_a_few_documents_holding_out_far_more_than_val_fraction_is_said_at_launc
     cfg = tiny_config(f"data.path={few}", *common)
     Trainer(cfg).build().train()
     said = [r for r in history(Path(cfg.run.dir) / "metrics.jsonl") if r.get("event") == "held_out_large"]
-    assert len(said) == 1 and said[0]["share"] > 0.3 and said[0]["val_fraction"] == 0.01, said
+    assert len(said) == 1 and said[0]["val_fraction"] == 0.01, said
+    assert re.fullmatch(r"[\d,]+ of [\d,]+ sequences \((3\d|4\d)%\)", said[0]["held_out"][str(few)]), said
     assert "data.val_fraction=0 with train.eval_interval=0" in said[0]["to_train_on_them"]
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'dry'}", f"--data.path={few}",
                  *(f"--{o}" for o in common)]) == 0
@@ -469,6 +471,12 @@ def test_a_few_documents_holding_out_far_more_than_val_fraction_is_said_at_launc
     for path in (small_corpus, small_prepared):  # (the corpus: ~1%; a folder: prepare's split)
         data = build_data(tiny_config(f"data.path={path}", *common))
         assert held_out_note(tiny_config(f"data.path={path}", *common), data.train, data.val) is None
+    # In a mixture beside a large source (the sum's share is small) and a prepared folder: named alone
+    mix = f'data.mix=[{{path = "{small_corpus}", weight = 1}}, {{path = "{few}", weight = 1}}, ' \
+          f'{{path = "{small_prepared}", weight = 1}}]'
+    cfg = tiny_config(mix, *common)
+    data = build_data(cfg)
+    assert list(held_out_note(cfg, data.train, data.val)["held_out"]) == [str(few)]
 
 
 def test_the_dry_run_names_the_files_a_folder_holds_that_are_not_read(tmp_path, small_corpus, capsys):

@@ -123,8 +123,8 @@ def divisors(n: int) -> list[int]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | str = ()) -> Config:
     """Defaults, then the TOML file, then `section.key=value` overrides (a list of them, or one
-    string; validated by check()). A file's own mistakes name the file (an override's are named
-    as given)."""
+    string; validated by check()). A file's unknown keys and wrong types name the file (an
+    override's are named as given; a value check() refuses names its key alone)."""
     if path is None:
         return _overridden({}, overrides)
     try:

@@ -112,17 +112,22 @@ def held_out_large(share: float, val_fraction: float) -> bool:
 
 
 def held_out_note(cfg: Config, train, val) -> dict | None:
-    """The `held_out_large` launch note's fields, where the run's raw training data holds out far more
-    sequences than data.val_fraction says (a prepared folder's split is prepare's, which says its share);
-    None otherwise. `train`, `val`: the data's splits (a mixture's: their sources)."""
+    """The `held_out_large` launch note's fields, where a raw training source holds out far more of its
+    sequences than data.val_fraction says (a prepared folder's split is prepare's, which says its
+    share), each such source named; None otherwise. `train`, `val`: the data's splits (a mixture's:
+    their sources, in data.mix order)."""
     d = cfg.data
-    if d.val_path or not d.val_fraction or any(map(is_prepared, [s.path for s in d.mix] or [d.path])):
+    if d.val_path or not d.val_fraction:
         return None
-    held = sum(len(v) for v in getattr(val, "sources", [val]))
-    total = held + sum(len(t) for t in getattr(train, "sources", [train]))
-    if not total or not held_out_large(held / total, d.val_fraction):
+    paths = [s.path for s in d.mix] or [d.path]
+    large = {}
+    for path, t, v in zip(paths, getattr(train, "sources", [train]), getattr(val, "sources", [val])):
+        total = len(t) + len(v)
+        if not is_prepared(path) and total and held_out_large(len(v) / total, d.val_fraction):
+            large[path or "the shipped corpus"] = f"{len(v):,} of {total:,} sequences ({len(v) / total:.0%})"
+    if not large:
         return None
-    return {"held_out_sequences": held, "of": total, "share": round(held / total, 3), "val_fraction": d.val_fraction,
+    return {"held_out": large, "val_fraction": d.val_fraction,
             "why": "whole documents are held out, at least one a source: with few documents that is a large share",
             "to_train_on_them": "data.val_fraction=0 with train.eval_interval=0, or data.val_path (other data to "
                                 "evaluate on)"}

@@ -304,7 +304,7 @@ class MetricsLogger:
 
     def rewind(self, step: int) -> None:
         """The run went back to `step` (a rollback): the steps it logs again replace the old ones."""
-        if self._tb is not None:
+        if self._tb is not None and not self.unowned():  # (a new writer would purge the taker's points)
             try:
                 self._tb.close()
                 self._open_tensorboard(step)

@@ -109,7 +109,7 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
     if content and saved_content and content != saved_content:  # (older checkpoints and folders hold none)
         files = changed_files(data_pos.get("files"), (position or {}).get("files"))
         since = f" (files changed since: {files})" if files else ""
-        why = back or (
+        why = back + since if back else (
             f"its training tokens differ{since}: the files were edited or replaced, or the tokenizer, its settings or "
             "chat template changed (or, for a folder that holds hidden files or links, a tokenizer whose end of text "
             "only tokenizer_config.json names, a .txt file with a byte-order mark or with lines of other blanks "

@@ -243,19 +243,30 @@ class StateTiers:
 
     def _drop_left_snapshots(self, found: Path | None) -> None:
         """This launch keeps no snapshots (checkpoint.memory_interval=0): those an earlier launch of the
-        run dir left in this node's RAM go (every rank removes the run's folder here). Newer than what it
-        resumes, they are a history it leaves, which a later launch with the tier on would resume; older,
-        RAM held for nothing past the run's end. Said where they were newer."""
+        run dir left in this node's RAM, under the same checkpoint.memory_dir, go. Newer than what it
+        resumes, they are a history it leaves, which a later launch with the tier on would resume;
+        older, RAM held for nothing past the run's end. Every rank lists its node's before any removes
+        the run's folder there; rank 0 says which were newer, on any node."""
         root = run_root(Path(self.cfg.run.dir), self.cfg.checkpoint.memory_dir)
-        with contextlib.suppress(OSError):
-            steps = sorted({int(f.name[4:10]) for f in root.glob("rank*/own-*.json") if f.name[4:10].isdigit()})
-            shutil.rmtree(root, ignore_errors=True)
-            resumed = self.checkpointer.verify(found)["step"] if found is not None else 0
-            newer = [step for step in steps if step > resumed]
-            if newer:
-                self.log("memory_snapshots_dropped", step=resumed, steps=newer, folder=str(root),
-                         why="checkpoint.memory_interval=0 in this launch: it resumed what is on disk, and the "
-                             "snapshots of an earlier launch newer than that are a history it leaves")
+
+        def held() -> list[int]:
+            with contextlib.suppress(OSError):
+                return sorted({int(f.stem.split("-", 1)[1]) for f in root.glob("rank*/own-*.json")
+                               if f.stem.split("-", 1)[1].isdigit()})
+            return []
+        steps = held()
+        if self.proc.world_size > 1:  # (a collective: listed everywhere before any removal)
+            everyone: list = [None] * self.proc.world_size
+            dist.all_gather_object(everyone, steps, group=self._group)
+            steps = sorted({step for listed in everyone for step in listed})
+        shutil.rmtree(root, ignore_errors=True)
+        resumed = step_of(found) if found is not None else 0
+        newer = [step for step in steps if step > resumed]
+        if newer:
+            self.log("memory_snapshots_dropped", step=resumed, steps=newer, folder=str(root),
+                     why="checkpoint.memory_interval=0 in this launch, which " + (
+                         f"resumed step {resumed} from disk" if found is not None else "starts from step 0")
+                     + ": the snapshots an earlier launch took after that are a history it leaves")
 
     def _run_id(self, use_memory: bool) -> tuple[str, bool, bool]:
         """(the run dir's id, whether it was just made, `use_memory` as rank 0 has it). The snapshots

@@ -303,7 +303,8 @@ class Watchdog:
         if leader and fields is not None:
             where = f"at step {fields['step']}" if fields["phase"] == "step" else \
                 f"in {fields['phase']} (after step {fields['step']})"
-            limit = "watchdog.timeout_s" if fields["phase"] == "step" else "watchdog.long_timeout_s"
+            short = fields["phase"] == "step" and fields["limit_s"] == self.timeout  # (a first step: the long one)
+            limit = "watchdog.timeout_s" if short else "watchdog.long_timeout_s"
             msg = (f"rank(s) {fields['stopped_ranks']} stopped {where}: no progress for {fields['limit_s']:g} s "
                    f"(hung, or slower than {limit} allows: its stacks tell which); every live rank's stacks are "
                    f"in {folder}")
