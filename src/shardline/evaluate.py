@@ -150,7 +150,7 @@ def _check_saved_paths(cfg: Config, given: set[str]) -> None:
                               f"(--{key.split('[')[0]}=...)")
 
 
-def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = None) -> Evaluation:
+def evaluate(src: str | Path, overrides: list[str] | str = (), batches: int | None = None) -> Evaluation:
     """The loss of checkpoint `src` (a run dir: its newest valid one) on the held-out split the
     config reads, over `batches` global batches (None: train.eval_batches; 0: every sequence)."""
     from shardline.trainer import Trainer
@@ -160,7 +160,8 @@ def evaluate(src: str | Path, overrides: list[str] = (), batches: int | None = N
                           "sequence")
     run_dir = work_dir()
     try:
-        proc, (cfg, ckpt, step) = _agreed_config(src, list(overrides), run_dir)
+        given = [overrides] if isinstance(overrides, str) else list(overrides)  # (one string: not its characters)
+        proc, (cfg, ckpt, step) = _agreed_config(src, given, run_dir)
         if ranks_differing(str(ckpt), proc.world_size):  # a run still saving: its newest is not every rank's alike
             raise on_every_rank(ConfigError(f"the ranks found different newest checkpoints in {src} (a run saving "
                                             "now?): name one checkpoint folder (RUN/checkpoints/step-N)"))

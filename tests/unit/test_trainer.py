@@ -465,3 +465,29 @@ def test_a_folder_prepared_again_with_a_new_bpe_is_told_to_take_the_runs_tokeniz
             f"prepare it again with --overwrite --tokenizer {Path(run.cfg.run.dir) / 'tokenizer.json'}, the run's "
             "copy")):
         Trainer(tiny_config(*common)).build()
+
+
+def test_a_config_changed_after_build_is_refused_by_train_which_frees_the_run_dir(tiny_config, tmp_path):
+    """Set in a notebook between build() and train(): train.steps was half used (a 3-step schedule run to
+    step 6, logged at another lr) and optim.lr not at all. Refused in one line; the lock is let go."""
+    cfg = tiny_config("train.steps=3", "train.eval_interval=0")
+    trainer = Trainer(cfg).build()
+    cfg.train.steps, cfg.optim.lr = 6, 1.0
+    with pytest.raises(ConfigError, match=r"^the config was changed after build\(\) \(train.steps, optim.lr\): "):
+        trainer.train()
+    assert not (tmp_path / "run" / ".lock").exists()
+    assert Trainer(cfg).build().train()["step"] == 6  # (a new Trainer of it trains it)
+
+
+def test_a_relative_run_dir_is_the_folder_meant_at_construction_whatever_the_cwd_later(tiny_config, tmp_path,
+                                                                                       monkeypatch):
+    """A notebook's chdir between build() and train() made the lock look lost ("taken over since this
+    Trainer was built"), and the refusal left the lock held."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    trainer = Trainer(tiny_config("train.steps=2", "train.eval_interval=0", run_dir=Path("run"))).build()
+    monkeypatch.chdir(tmp_path / "b")
+    assert trainer.train()["step"] == 2
+    assert (tmp_path / "a" / "run" / "checkpoints").is_dir() and not (tmp_path / "b" / "run").exists()
+    assert not (tmp_path / "a" / "run" / ".lock").exists()

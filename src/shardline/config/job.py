@@ -127,6 +127,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str = ())
     override's are named as given; a value check() refuses names its key alone)."""
     if path is None:
         return _overridden({}, overrides)
+    if not isinstance(path, (str, os.PathLike)):  # (a dict of sections is from_dict's)
+        raise ConfigError(f"load_config takes a TOML file's path, not a {type(path).__name__}: a dict of sections "
+                          "is from_dict's (from shardline.config import from_dict)")
     try:
         cfg = from_dict(reader.read_toml(path))
     except ConfigError as e:

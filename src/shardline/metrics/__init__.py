@@ -221,7 +221,9 @@ def history(path: Path | str) -> list[dict[str, Any]]:
     checkpoint, a new run in a run dir whose checkpoints are gone, a rollback), as TensorBoard
     drops its superseded points. Events stay: they say what happened. A last line not ended (a
     run writing it, or killed) is left out. `path` may be the run dir that holds it."""
-    path = Path(path) / "metrics.jsonl" if Path(path).is_dir() else path
+    path = Path(path) / "metrics.jsonl" if Path(path).is_dir() else Path(path)
+    if not path.is_file():  # (a run dir that trained nothing, a typo: one line, not open()'s traceback)
+        raise ConfigError(f"{path} does not exist: give a run dir that has trained, or its metrics.jsonl")
     kept: list[dict[str, Any]] = []
     with open(path, encoding="utf-8") as f:
         for line in f:

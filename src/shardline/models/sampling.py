@@ -41,9 +41,14 @@ def check_options(values: dict, flags: bool = False) -> None:
     """A ConfigError naming the first invalid sampling option and its valid values: as SampleOptions'
     field (top_p=0.0), or with `flags` as the CLI's flag (--top-p=0.0)."""
     for name, (valid, rule) in _OPTION_RULES.items():
-        if not valid(values[name]):
+        value = values[name]
+        whole = name in ("max_new_tokens", "top_k", "seed")  # (a float there failed deep in the sampling)
+        kinds = (int,) if whole else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not valid(value):
             shown = "--" + name.replace("_", "-") if flags else name
-            raise ConfigError(f"{shown}={values[name]} is invalid: {rule}")
+            rule = rule if isinstance(value, kinds) and not isinstance(value, bool) else (
+                f"must be {'an integer' if whole else 'a number'}: {rule}")
+            raise ConfigError(f"{shown}={value!r} is invalid: {rule}")
 
 
 def next_token(logits: torch.Tensor, opts: SampleOptions, draw: torch.Generator) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 from typing import Callable
 
 import torch
@@ -37,7 +38,10 @@ class StopRequests:
         self.lock_lost: Callable[[], bool] = lambda: False  # (set by the guard once the run dir is locked)
 
     def install(self) -> None:
-        """Handle the stop signals (main thread only: Python delivers signals there)."""
+        """Handle the stop signals (main thread only: Python delivers signals there; a Trainer run on
+        another thread, a notebook's background one, takes none: a Ctrl-C reaches the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         for name in SIGNALS:
             sig = getattr(signal, name, None)
             if sig is not None and not (name == "SIGHUP" and signal.getsignal(sig) is signal.SIG_IGN):

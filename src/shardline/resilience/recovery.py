@@ -96,7 +96,7 @@ def snapshots_gone(run_dir: Path) -> int:
     without a word."""
     try:
         records = history(run_dir)
-    except (OSError, ValueError):  # (no log: a fresh run dir)
+    except (OSError, ValueError, ConfigError):  # (no log: a fresh run dir)
         return 0
     fresh = max((i for i, r in enumerate(records) if r.get("event") == "start" and r.get("step") == 0), default=0)
     # Taken and not failed (an async snapshot's `held` is logged only as the next one starts: a reboot before

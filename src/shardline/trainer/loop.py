@@ -13,6 +13,7 @@ so neither gradient accumulation nor any parallel layout changes a number.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import time
@@ -78,8 +79,12 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         CLI gives the process's start, imports included; by default, now (a notebook's Trainer is not
         charged for the time the kernel sat idle before it). `start_verified`: every rank has verified
         model.init_from already (shardline eval's choice of a run dir's newest valid checkpoint hashed it)."""
+        if not isinstance(cfg, Config):  # (a dict of sections: an AttributeError on its first use)
+            raise ConfigError(f"Trainer takes a Config (load_config(...), or from_dict(...) of a dict of sections), "
+                              f"not a {type(cfg).__name__}")
         cfg.check_sections()  # those that involve the layout, the data and the model come in build()
         expand_home(cfg)  # (load_config did; paths set in code since have not been)
+        cfg.run.dir = os.path.abspath(cfg.run.dir)  # the folder meant now: a notebook's later chdir moves it not
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.device = pick_device(cfg.run.device)
@@ -182,6 +187,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
                 self.guard.stop_watching(failed=True)
             self.lock.release()
             raise
+        self._as_built = copy.deepcopy(cfg)  # what train() trains: a change after build() is refused there
         return self
 
     # ---- the loop -------------------------------------------------------------------
@@ -196,7 +202,11 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if getattr(self, "lock", None) is None:  # (never built, or its build() failed before the run dir's lock)
             raise ConfigError("this Trainer is not built: call build() first (Trainer(cfg).build().train()); after "
                               "a build() that failed, build a new one")
-        agreed(self._check_lock_held, self.proc.world_size)  # a refusal on rank 0 is every rank's
+        try:
+            agreed(self._check_lock_held, self.proc.world_size)  # a refusal on rank 0 is every rank's
+        except ConfigError:
+            self.close()  # (what it still holds: a lock taken over is not ours to remove, see RunLock.release)
+            raise
         try:
             return self._train()
         except BaseException as error:
@@ -226,6 +236,11 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             self._run_dir_fd = None
 
     def _check_lock_held(self) -> None:
+        changed = [f"{section}.{key}" for section, table in self.cfg.to_dict().items()
+                   for key, value in table.items() if self._as_built.to_dict()[section][key] != value]
+        if changed:  # (the model, data and schedule were built from the config as it was: partly used, mislogged)
+            raise ConfigError(f"the config was changed after build() ({', '.join(changed[:5])}): build() reads it "
+                              "and train() trains what was built; build a new Trainer of the changed config")
         if self.proc.is_main and not self.lock.held:
             raise ConfigError("this Trainer has trained or was closed, freeing its run dir: build a new one to train")
         if self.proc.is_main and not self.lock.still_held():  # (taken over by a later Trainer of this process)

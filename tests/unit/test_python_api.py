@@ -1,0 +1,65 @@
+"""The Python API's mistakes are one-line ShardlineErrors, as the CLI's are: a dict for a Config,
+a history of a run that logged nothing, a sampling option of the wrong type; and a Trainer runs
+on a notebook's background thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from shardline.config import from_dict, load_config
+from shardline.errors import ConfigError
+from shardline.metrics import history
+from shardline.models.sampling import SampleOptions
+from shardline.trainer import Trainer
+
+
+def test_a_dict_where_a_config_belongs_is_one_line_naming_from_dict():
+    with pytest.raises(ConfigError, match=r"^Trainer takes a Config \(load_config\(...\), or from_dict\(...\)"):
+        Trainer({"train": {"steps": 5}})  # (an AttributeError on check_sections)
+    with pytest.raises(ConfigError, match=r"^load_config takes a TOML file's path, not a dict: .* from_dict's"):
+        load_config({"train": {"steps": 5}})  # (a TypeError from the TOML reader)
+    assert from_dict({"train": {"steps": 5}}).train.steps == 5
+
+
+def test_the_history_of_a_run_that_logged_nothing_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope/metrics.jsonl does not exist|nope does not exist"):
+        history(tmp_path / "nope")
+    (tmp_path / "run").mkdir()
+    with pytest.raises(ConfigError, match=r"run/metrics.jsonl does not exist: give a run dir that has trained"):
+        history(tmp_path / "run")
+
+
+@pytest.mark.parametrize("option, says", [
+    ({"max_new_tokens": 5.5}, "max_new_tokens=5.5 is invalid: must be an integer: must be >= 1"),
+    ({"temperature": "0"}, "temperature='0' is invalid: must be a number: must be a finite number >= 0"),
+    ({"top_k": True}, "top_k=True is invalid: must be an integer"),
+])
+def test_a_sampling_option_of_the_wrong_type_is_refused_where_it_is_made(option, says):
+    """A float token count failed deep in the sampling with a TypeError; a string temperature too."""
+    with pytest.raises(ConfigError, match="^" + says.replace("(", r"\(").replace(")", r"\)")):
+        SampleOptions(**option)
+    assert SampleOptions(temperature=0, top_p=1).temperature == 0  # (an int where a float belongs: a number)
+
+
+def test_a_trainer_trains_on_a_background_thread(tiny_config):
+    """Stop signals are the main thread's to take: installing them elsewhere raised ValueError."""
+    done = {}
+    thread = threading.Thread(target=lambda: done.update(Trainer(tiny_config("train.steps=2",
+                                                                             "train.eval_interval=0")).build().train()))
+    thread.start()
+    thread.join()
+    assert done.get("step") == 2, done
+
+
+def test_evaluate_from_python_takes_one_override_string_as_load_config_does(tiny_config, tmp_path):
+    """`evaluate(run, "train.eval_batches=1")` read the string a character at a time ("override 't'")."""
+    from shardline.evaluate import evaluate
+
+    cfg = tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=2", "train.eval_batches=1")
+    Trainer(cfg).build().train()
+    logged = [r for r in history(cfg.run.dir) if r["kind"] == "eval"][-1]["eval_loss"]
+    one = evaluate(cfg.run.dir, "train.eval_batches=1")
+    assert one.step == 2 and one.loss == pytest.approx(logged, abs=1e-6)
+    assert evaluate(cfg.run.dir, ["train.eval_batches=1"]).loss == one.loss
