@@ -309,7 +309,8 @@ def test_a_stray_argument_is_read_as_what_it_likely_meant(capsys):
     ("train", "seq_len", "64", "train.seq_len='64' has the wrong type: expected int"),
     ("train", "stepz", 5, "unknown config key train.stepz (did you mean train.steps?); valid keys: steps"),
     ("data", "mix", [{"path": "a"}],
-     "data.mix[0]={'path': 'a'} has the wrong type: expected a table {path, weight, format, text_field}"),
+     "data.mix[0]={'path': 'a'} has the wrong type: expected a table {path, weight, format, text_field} (in code: "
+     "MixSource(...), from shardline.config)"),
     ("moe", "capacity_factor", "1.5", "moe.capacity_factor='1.5' has the wrong type: expected float"),
 ])
 def test_values_set_in_code_are_checked_as_a_files_are(section, key, value, message):

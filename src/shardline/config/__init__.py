@@ -7,7 +7,7 @@ them together as `Config`. The config imports no feature: features read it.
 
 from shardline.config.job import (LAUNCH_ONLY, Config, apply_override, config_changes, expand_home, from_dict,
                                   load_config, load_relaunch_config, save_config, to_toml)
-from shardline.config.data_section import DataConfig, saved_formats
+from shardline.config.data_section import DataConfig, MixSource, saved_formats
 from shardline.config.reader import read_toml
 from shardline.config.resilience import AnomalyConfig, FaultsConfig, WatchdogConfig
 from shardline.config.sections import (
@@ -32,7 +32,7 @@ from shardline.config.sections import (
 __all__ = [
     "AC_MODES", "CP_BALANCES", "LAUNCH_ONLY", "CP_MODES", "DTYPE_NAMES", "PP_SCHEDULES", "PRECISIONS", "SCHEDULES",
     "AnomalyConfig", "CheckpointConfig", "Config", "DataConfig", "FaultsConfig", "MemoryConfig", "MetricsConfig",
-    "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig", "WatchdogConfig",
-    "apply_override", "config_changes", "expand_home", "from_dict", "load_config", "load_relaunch_config", "read_toml",
-    "save_config", "saved_formats", "to_toml",
+    "MixSource", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig",
+    "WatchdogConfig", "apply_override", "config_changes", "expand_home", "from_dict", "load_config",
+    "load_relaunch_config", "read_toml", "save_config", "saved_formats", "to_toml",
 ]

@@ -108,8 +108,9 @@ def check_types(obj: Any, where: str) -> None:
             check_types(value, key)
         elif dataclasses.is_dataclass(item) and isinstance(value, list):  # a list of tables: data.mix
             for i, v in enumerate(value):
-                if not isinstance(v, item):
-                    raise ConfigError(f"{key}[{i}]={v!r} has the wrong type: expected {_kind(item, one=True)}")
+                if not isinstance(v, item):  # (set in code: a dict is a file's table, not the object code makes)
+                    raise ConfigError(f"{key}[{i}]={v!r} has the wrong type: expected {_kind(item, one=True)} "
+                                      f"(in code: {item.__name__}(...), from shardline.config)")
                 check_types(v, f"{key}[{i}]")
         elif not (f.metadata.get("switch") and isinstance(value, bool)):  # (a switch takes true/false)
             plain = _plain(value)
