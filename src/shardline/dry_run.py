@@ -107,7 +107,7 @@ def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool =
              *_resume_lines(cfg, resume, stand_in is not None, world, world_given),
              *_note_lines(cfg, resume is not None, launch, vocab, known),
              *([f"          {stand_in}"] if stand_in else []), *_layout_lines(cfg, launch),
-             _precision_line(asked, cfg.train.precision, on_gpu and gpu_bf16)]
+             _precision_line(cfg, asked, on_gpu, gpu_bf16)]
     memory, fits = _memory_lines(cfg, launch, gpu)
     return "\n".join([*lines, *memory]), fits
 
@@ -231,14 +231,23 @@ def _optim_line(cfg: Config) -> str:
     return f"optim     lr {o.lr:g}, {o.warmup_steps} warm-up step(s){curve}; {seeds}"
 
 
-def _precision_line(asked: str, settled: str, gpu_bf16: bool) -> str:
-    """The precision the launch trains in; fp32 on a GPU with bf16 of its own gets the launch note's advice
+def _precision_line(cfg: Config, asked: str, on_gpu: bool, gpu_bf16: bool) -> str:
+    """The precision the launch trains in, with what comes with it (fp16's loss scaling, fp8's recipe and
+    a CPU's emulation) and a chunked loss; fp32 on a GPU with bf16 of its own gets the launch note's advice
     (not on an older card, where bf16 is emulated and slower than fp32)."""
+    settled, chunk = cfg.train.precision, cfg.train.loss_chunk_tokens
+    loss = f"; the loss {chunk:,} tokens at a time (train.loss_chunk_tokens: no whole fp32 logits)" if chunk else ""
     if asked == "auto":
-        return f"precision {settled} (train.precision=auto: bf16 on a GPU with it, else fp32)"
-    if settled == "fp32" and gpu_bf16:  # (as the launch notes it: fp32_on_gpu)
-        return f"precision fp32 ({FP32_ON_GPU})"
-    return f"precision {settled}"
+        return f"precision {settled} (train.precision=auto: bf16 on a GPU with it, else fp32){loss}"
+    if settled == "fp32" and on_gpu and gpu_bf16:  # (as the launch notes it: fp32_on_gpu)
+        return f"precision fp32 ({FP32_ON_GPU}){loss}"
+    if settled == "fp16":
+        return ("precision fp16 (dynamic loss scaling from 2**16: an overflowing step is skipped, the scale "
+                f"halved){loss}")
+    if settled == "fp8":
+        return (f"precision fp8 (torchao float8, fp8.recipe={cfg.fp8.recipe}; the output layer and the router in bf16"
+                + ("; emulated on a CPU: for testing only)" if not on_gpu else ")") + loss)
+    return f"precision {settled}{loss}"
 
 
 def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:

@@ -169,7 +169,7 @@ def evaluate(src: str | Path, overrides: list[str] | str = (), batches: int | No
         try:
             # (any data setting given here may change the tokens: only the run's own data as it saved it is compared;
             # a validation file is not cut from the training data)
-            own_data = not any(o.removeprefix("--").startswith("data.") for o in overrides) and not cfg.data.val_path
+            own_data = not any(o.removeprefix("--").startswith("data.") for o in given) and not cfg.data.val_path
             if own_data and proc.rank == 0:
                 _say_if_data_changed(ckpt, trainer.data.position_state())
             t, held_out = trainer.cfg.train, len(trainer.data.val)

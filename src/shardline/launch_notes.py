@@ -20,12 +20,11 @@ from shardline.data.validation import split_by_prepare, val_format
 from shardline.data.tokenizer import KNOWN_EOS, eos_id, extends_file, load_tokenizer
 from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, cpu_load, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
-from shardline.interop.hf_config import hf_export_problem
+from shardline.interop.hf_config import hf_export_problem, read_hf_config
 from shardline.layout import IDLE_AT_DEGREE_ONE, Layout
 from shardline.models.llama import ModelArgs
 from shardline.optim import wsd_decay_steps
 from shardline.interop.convert import checkpoint_tokenizer
-from shardline.interop.hf_config import read_hf_config
 from shardline.interop.hf_files import TOKENIZER_NAME
 from shardline.interop.model_shape import starting_rows, starting_shape
 from shardline.models.factory import args_from_json
@@ -92,9 +91,9 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             "a loss of the node does not)"}))
     if warmup_covers_run(cfg):
         notes.append(("warmup_cut", {"warmup_steps": cfg.optim.warmup_steps, "steps": cfg.train.steps,
-                                     "why": "the warm-up covers every step: the lr reaches its peak only at "
-                                            "the end" + (", never decaying" * (cfg.optim.schedule != "constant"))
-                                            + " (lower optim.warmup_steps)"}))
+                                     "why": "the warm-up covers every step: the lr is still rising at the last "
+                                            "step (at most peaking there)" + (", never decaying" * (
+                                                cfg.optim.schedule != "constant")) + " (lower optim.warmup_steps)"}))
     elif cfg.optim.schedule == "wsd" and (decay := wsd_decay_steps(cfg.train.steps, cfg.optim))[1] < decay[0]:
         notes.append(("wsd_decay_cut", {"decay_steps": decay[1], "asked": decay[0], "why": (
             f"optim.decay_fraction={cfg.optim.decay_fraction} asks for {decay[0]} decay steps of {cfg.train.steps}; "
@@ -111,6 +110,9 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
         notes.append(("half_precision_on_cpu", {"precision": cfg.train.precision, "why": "often slower than fp32 "
                       "on a CPU without AMX tiles for it: the casts and the element-wise work cost more than the "
                       "16-bit matmuls save (train.precision=fp32 on a CPU)"}))
+    if device_type == "cpu" and cfg.train.precision == "fp8":  # (allowed: the float8 path, checked on a CPU)
+        notes.append(("fp8_emulated", {"why": "float8 matmuls are emulated on a CPU (quantised, multiplied in fp32): "
+                      "for testing only, slower than fp32; real fp8 needs a GPU of compute capability >= 8.9"}))
     if device_type == "cuda" and cfg.train.precision == "fp32" and gpu_bf16:  # (allowed: a numerics check, say)
         notes.append(("fp32_on_gpu", {"why": FP32_ON_GPU}))
     if peak is None and device_type == "cuda":

@@ -273,7 +273,9 @@ def test_flex_and_varlen_with_a_context_parallel_ring_are_refused_and_under_ulys
 
 
 def test_varlen_in_fp32_is_refused():
-    assert "train.precision" in _one_line_error(check_config, _config("train.attention=varlen", "train.precision=fp32"))
+    said = _one_line_error(check_config, _config("train.attention=varlen", "train.precision=fp32"))
+    assert "train.precision" in said  # (and the device with it: a CPU's auto settles fp32, and its way out,
+    assert "and a CUDA device (train.precision=auto settles fp32 on a CPU)" in said  # bf16, refused next)
 
 
 def test_dry_run_names_the_kernel_and_refuses_as_a_launch_would(capsys, tmp_path):

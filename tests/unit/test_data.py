@@ -462,7 +462,7 @@ def test_a_few_documents_holding_out_far_more_than_val_fraction_is_said_at_launc
     Trainer(cfg).build().train()
     said = [r for r in history(Path(cfg.run.dir) / "metrics.jsonl") if r.get("event") == "held_out_large"]
     assert len(said) == 1 and said[0]["val_fraction"] == 0.01, said
-    assert re.fullmatch(r"[\d,]+ of [\d,]+ sequences \((3\d|4\d)%\)", said[0]["held_out"][str(few)]), said
+    assert re.fullmatch(r"[\d,]+ of [\d,]+ sequences \((3\d|4\d)%\)", said[0]["held_out"][f"data.path={few}"]), said
     assert "data.val_fraction=0 with train.eval_interval=0" in said[0]["to_train_on_them"]
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'dry'}", f"--data.path={few}",
                  *(f"--{o}" for o in common)]) == 0
@@ -476,7 +476,7 @@ def test_a_few_documents_holding_out_far_more_than_val_fraction_is_said_at_launc
           f'{{path = "{small_prepared}", weight = 1}}]'
     cfg = tiny_config(mix, *common)
     data = build_data(cfg)
-    assert list(held_out_note(cfg, data.train, data.val)["held_out"]) == [str(few)]
+    assert list(held_out_note(cfg, data.train, data.val)["held_out"]) == [f"data.mix[1].path={few}"]
 
 
 def test_the_dry_run_names_the_files_a_folder_holds_that_are_not_read(tmp_path, small_corpus, capsys):

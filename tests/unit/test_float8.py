@@ -146,6 +146,18 @@ def test_tp_passes_preflight(tiny_config, recipe):
     assert launch.layout.tp == 2
 
 
+def test_fp8_where_no_layer_can_run_in_float8_is_refused_not_trained_in_bf16(tiny_config):
+    """model.dim=40 (or 48 under tp 2): no projection converted, and the run logged precision=fp8 while
+    its losses were bf16's bit for bit."""
+    shape = ["model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96"]
+    with pytest.raises(ConfigError, match=r"^train.precision='fp8' would run no layer in float8: every projection "
+                                          r"has model.dim=40 as a side.* \(so 16\); it would train in bf16"):
+        preflight(tiny_config("train.precision=fp8", "model.dim=40", *shape), 1, 512)
+    with pytest.raises(ConfigError, match=r"x parallel.tp=2 \(so 32\).*multiple of 32, or a lower parallel.tp$"):
+        preflight(tiny_config("train.precision=fp8", "model.dim=48", "parallel.tp=2", *shape), 2, 512)
+    assert preflight(tiny_config("train.precision=fp8", "model.dim=48", *shape), 1, 512).layout.tp == 1
+
+
 @pytest.mark.parametrize("version, schedule, refused", [("2.11.0+cu130", "zbv", True), ("2.11.0", "dualpipev", True),
                                                         ("2.11.0", "interleaved_1f1b", False),
                                                         ("2.13.0+cpu", "zbv", False), ("2.14.1", "dualpipev", False)])

@@ -228,3 +228,9 @@ def test_settings_a_config_never_reads_and_a_fine_tunes_lr_on_new_weights_are_na
     ssd = load_config(None, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.zero=1",
                              "memory.ssd_offload_dir=/tmp/x", "metrics.peak_tflops=1"])
     assert "settings_unused" not in dict(launch_notes(ssd, "cpu", 1.0, 2, layout=layouts.resolve(ssd, 2)))  # read there
+
+
+def test_fp8_on_a_cpu_is_said_once_as_a_note_not_by_every_rank_on_stderr():
+    notes = dict(launch_notes(load_config(None, ["train.precision=fp8"]), "cpu", 0.1, 2))
+    assert notes["fp8_emulated"]["why"].startswith("float8 matmuls are emulated on a CPU")
+    assert "fp8_emulated" not in dict(launch_notes(load_config(None, ["train.precision=bf16"]), "cpu", 0.1, 2))

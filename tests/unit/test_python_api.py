@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
 from shardline.config import from_dict, load_config
@@ -16,7 +17,7 @@ from shardline.trainer import Trainer
 
 
 def test_a_dict_where_a_config_belongs_is_one_line_naming_from_dict():
-    with pytest.raises(ConfigError, match=r"^Trainer takes a Config \(load_config\(...\), or from_dict\(...\)"):
+    with pytest.raises(ConfigError, match=r"^Trainer takes a Config \(load_config, or from_dict of a dict\), not dict"):
         Trainer({"train": {"steps": 5}})  # (an AttributeError on check_sections)
     with pytest.raises(ConfigError, match=r"^load_config takes a TOML file's path, not a dict: .* from_dict's"):
         load_config({"train": {"steps": 5}})  # (a TypeError from the TOML reader)
@@ -32,15 +33,17 @@ def test_the_history_of_a_run_that_logged_nothing_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("option, says", [
-    ({"max_new_tokens": 5.5}, "max_new_tokens=5.5 is invalid: must be an integer: must be >= 1"),
-    ({"temperature": "0"}, "temperature='0' is invalid: must be a number: must be a finite number >= 0"),
-    ({"top_k": True}, "top_k=True is invalid: must be an integer"),
+    ({"max_new_tokens": 5.5}, "max_new_tokens=5.5 is invalid: an integer (must be >= 1)"),
+    ({"temperature": "0"}, "temperature='0' is invalid: a number (must be a finite number >= 0"),
+    ({"top_k": True}, "top_k=True is invalid: an integer (must be >= 0"),
 ])
 def test_a_sampling_option_of_the_wrong_type_is_refused_where_it_is_made(option, says):
     """A float token count failed deep in the sampling with a TypeError; a string temperature too."""
     with pytest.raises(ConfigError, match="^" + says.replace("(", r"\(").replace(")", r"\)")):
         SampleOptions(**option)
     assert SampleOptions(temperature=0, top_p=1).temperature == 0  # (an int where a float belongs: a number)
+    numpy = SampleOptions(max_new_tokens=np.int64(5), temperature=np.float32(0.5))  # (a sweep's values: taken)
+    assert (type(numpy.max_new_tokens), type(numpy.temperature), numpy.temperature) == (int, float, 0.5)
 
 
 def test_a_trainer_trains_on_a_background_thread(tiny_config):

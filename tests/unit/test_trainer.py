@@ -247,8 +247,8 @@ def test_a_resume_with_another_schedule_says_so_and_a_cut_warmup_is_named(tiny_c
 
     equal = dict(launch_notes(tiny_config("optim.warmup_steps=12", "metrics.peak_tflops=1"), "cpu", 1.0, 1))
     assert equal["warmup_cut"] == {"warmup_steps": 12, "steps": 12,  # the lr peaks at the last step here too
-                                   "why": "the warm-up covers every step: the lr reaches its peak only at "
-                                          "the end, never decaying (lower optim.warmup_steps)"}
+                                   "why": "the warm-up covers every step: the lr is still rising at the last "
+                                          "step (at most peaking there), never decaying (lower optim.warmup_steps)"}
     assert "warmup_cut" not in dict(launch_notes(tiny_config("optim.warmup_steps=11"), "cpu", 1.0, 1))
     resumed = Trainer(tiny_config("train.steps=24", "optim.warmup_steps=4", "train.eval_interval=0")).build()
     (changed,) = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "optim_changed"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -140,6 +141,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str = ())
 # What the config of one launch says about that launch alone, not the run: a relaunch from the
 # run's saved config starts them afresh (an early stop, the checkpoint a launch resumed, drills).
 LAUNCH_ONLY = {"run": ("resume",), "train": ("stop_at_step",), "faults": None}
+
+
+def refuse_changed_since_build(built: Config | None, now: Config) -> None:
+    """A Trainer's config changed between build() and train(): the model, data and schedule were built
+    from it as it was, so a change was partly used and mislogged (train.steps) or not at all (optim.lr).
+    `built` None: no build finished, nothing to compare."""
+    changed = changed_keys(built, now) if built is not None else []
+    if changed:
+        raise ConfigError(f"the config was changed after build() ({', '.join(changed[:5])}): build() reads it and "
+                          "train() trains what was built; build a new Trainer of the changed config")
+
+
+def changed_keys(before: Config, now: Config) -> list[str]:
+    """The "section.key"s whose values differ between two configs, each read as a file's values are
+    (a Path and its string, numpy's numbers and Python's, are alike; check_types on copies)."""
+    plain = []
+    for cfg in (before, now):
+        read = copy.deepcopy(cfg)
+        read.check_sections()  # (a value set wrong since: its one-line error)
+        plain.append(read.to_dict())
+    return [f"{section}.{key}" for section, table in plain[1].items() for key, value in table.items()
+            if plain[0][section][key] != value]
 
 
 def config_changes(saved: dict, now: dict) -> dict[str, list]:

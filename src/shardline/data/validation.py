@@ -119,12 +119,13 @@ def held_out_note(cfg: Config, train, val) -> dict | None:
     d = cfg.data
     if d.val_path or not d.val_fraction:
         return None
-    paths = [s.path for s in d.mix] or [d.path]
+    keys = [f"data.mix[{i}].path={s.path}" for i, s in enumerate(d.mix)] or [f"data.path={d.path}"]
     large = {}
-    for path, t, v in zip(paths, getattr(train, "sources", [train]), getattr(val, "sources", [val])):
+    for key, path, t, v in zip(keys, [s.path for s in d.mix] or [d.path], getattr(train, "sources", [train]),
+                               getattr(val, "sources", [val])):
         total = len(t) + len(v)
         if not is_prepared(path) and total and held_out_large(len(v) / total, d.val_fraction):
-            large[path or "the shipped corpus"] = f"{len(v):,} of {total:,} sequences ({len(v) / total:.0%})"
+            large[key] = f"{len(v):,} of {total:,} sequences ({len(v) / total:.0%})"
     if not large:
         return None
     return {"held_out": large, "val_fraction": d.val_fraction,

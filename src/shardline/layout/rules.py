@@ -148,6 +148,20 @@ def _fp8_tokens(lay: Layout, job: Job) -> Problem | None:
                      "weight-gradient GEMM multiplies over them; change train.seq_len or train.micro_batch_size")
 
 
+def _fp8_no_layer(lay: Layout, job: Job) -> Problem | None:
+    """fp8 where no Linear can run in float8: each projection has model.dim as one of its sides, and a
+    float8 GEMM's sides are multiples of 16 on each rank (x tp, either side may be the one split).
+    The run trained in bf16, logging precision=fp8: the same losses bit for bit."""
+    multiple = FP8_GEMM_MULTIPLE * lay.tp
+    if job.precision != "fp8" or job.model.dim % multiple == 0:
+        return None
+    return "fp8", (f"train.precision='fp8' would run no layer in float8: every projection has model.dim="
+                   f"{job.model.dim} as a side, and a float8 GEMM's sides are multiples of {FP8_GEMM_MULTIPLE}"
+                   + (f" x parallel.tp={lay.tp}" if lay.tp > 1 else "") + f" (so {multiple}); it would train in "
+                   f"bf16: use train.precision=bf16, or a model.dim that is a multiple of {multiple}"
+                   + (", or a lower parallel.tp" if lay.tp > 1 and job.model.dim % FP8_GEMM_MULTIPLE == 0 else ""))
+
+
 def _pp_stages(lay: Layout, job: Job) -> Problem | None:
     """Stages per rank that each schedule runs, and enough layers for every stage."""
     if lay.pp == 1:
@@ -274,8 +288,8 @@ def _not_built_window(lay: Layout, job: Job) -> Problem | None:
 
 
 Rule = Callable[[Layout, Job], "Problem | None"]
-RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_split, _ep_ranks, _batch, _fp8_tokens, _offload, _pp_stages,
-                           _pp_microbatches, _ac_split_backward)
+RULES: tuple[Rule, ...] = (_tp_heads, _tp_sequence, _cp_split, _ep_ranks, _batch, _fp8_tokens, _fp8_no_layer, _offload,
+                           _pp_stages, _pp_microbatches, _ac_split_backward)
 NOT_BUILT: tuple[Rule, ...] = (_not_built_window, _not_built_cp_attention, _not_built_moe, _not_built_zero1_tp_bias)
 
 

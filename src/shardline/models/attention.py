@@ -81,7 +81,8 @@ def config_problem(choice: str, precision: str) -> str | None:
                 f"{torch.__version__}); use one of auto, sdpa, flex")
     if choice == "varlen" and precision == "fp32":
         return ("train.attention='varlen' needs train.precision bf16, fp16 or fp8 (its flash kernel has no "
-                "fp32); use one of auto, sdpa, flex")
+                "fp32) and a CUDA device (train.precision=auto settles fp32 on a CPU); use one of auto, sdpa, flex "
+                "(on a CPU: auto, sdpa)")
     return None
 
 

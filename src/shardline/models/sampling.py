@@ -4,8 +4,10 @@ with the options' rules (what `shardline generate` draws each token with)."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shardline.errors import ConfigError
@@ -21,6 +23,8 @@ class SampleOptions:
 
     def __post_init__(self) -> None:
         self.check()  # (a caller from Python hears of a bad option where it made it)
+        for name, value in vars(self).items():  # numpy's numbers (a sweep over np.arange) as Python's
+            object.__setattr__(self, name, float(value) if name in ("temperature", "top_p") else int(value))
 
     def check(self) -> None:
         """A ConfigError naming the first invalid option and its valid values."""
@@ -43,11 +47,11 @@ def check_options(values: dict, flags: bool = False) -> None:
     for name, (valid, rule) in _OPTION_RULES.items():
         value = values[name]
         whole = name in ("max_new_tokens", "top_k", "seed")  # (a float there failed deep in the sampling)
-        kinds = (int,) if whole else (int, float)
-        if isinstance(value, bool) or not isinstance(value, kinds) or not valid(value):
+        kind = numbers.Integral if whole else numbers.Real  # (numpy's too; not a bool)
+        typed = isinstance(value, kind) and not isinstance(value, (bool, np.bool_))
+        if not typed or not valid(value):
             shown = "--" + name.replace("_", "-") if flags else name
-            rule = rule if isinstance(value, kinds) and not isinstance(value, bool) else (
-                f"must be {'an integer' if whole else 'a number'}: {rule}")
+            rule = rule if typed else f"{'an integer' if whole else 'a number'} ({rule})"
             raise ConfigError(f"{shown}={value!r} is invalid: {rule}")
 
 

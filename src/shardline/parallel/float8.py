@@ -182,10 +182,7 @@ def convert(model: nn.Module, recipe: str, emulate: bool, fsdp_all_gather: bool,
         for module in model.modules():
             if isinstance(module, Float8Linear):
                 module.forward = functools.partial(_split_backward_forward, module)  # picklable, copyable
-    if emulate:
-        log.warning("train.precision=fp8 on CPU: float8 matmuls are emulated (quantised, multiplied in fp32): "
-                    "for testing only, slower than fp32; real fp8 needs a GPU of compute capability >= 8.9")
-    return chosen
+    return chosen  # (emulated on a CPU: the launch's fp8_emulated note says so, once)
 
 
 def precompute_scales(model: nn.Module) -> None:

@@ -161,11 +161,16 @@ class Goodput:
         """Move up to `seconds` of a recent step's time to peer_wait: the part by which this rank's step
         took longer than the fastest rank's (a useful step is the fastest rank's). A straggling rank 0,
         whose account the run dir keeps, waited for no peer: its own slowness is what its peers waited out."""
+        self.move_within(step, seconds, "peer_wait")
+
+    def move_within(self, step: int, seconds: float, to: str) -> None:
+        """Move up to `seconds` of a recent step's time to category `to` (waited_within's peer wait, a
+        compiled launch's first step's compilation: start-up)."""
         if seconds > 0 and step in self._recent:
             category, had = self._recent[step]
             moved = min(seconds, had)
             self.seconds[category] -= moved
-            self.seconds["peer_wait"] += moved
+            self.seconds[to] += moved
             self._recent[step] = (category, had - moved)
 
     def recomputed_from(self, step: int) -> int:

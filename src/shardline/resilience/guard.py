@@ -60,6 +60,7 @@ class RunGuard:
         self._read_s = 0.0  # this step's time in reads()
         self._step_s, self._step = 0.0, 0  # this step's own time and number, taken in step_done
         self._lock_lost: Callable[[], str] = str  # (see watch)
+        self._first_step: tuple | None = None  # this launch's first step (number, seconds) under compile; () done
         self._compared_s = 0.0  # the same time, until the next stop request compares it with the other ranks
 
     def event(self, name: str, **fields: Any) -> None:
@@ -175,10 +176,22 @@ class RunGuard:
         self._step_s = self._compared_s = seconds = time.perf_counter() - started
         self._step = step
         self.goodput.step(step, seconds, outcome)
+        self._count_compilation(step, seconds)
         if self.goodput.unwritten and not self._said_unwritten:  # once: the run goes on (a full disk, say)
             self._said_unwritten = True
             self._log("progress_not_written", step=step, error=self.goodput.unwritten)
         self.faults.step_computed(seconds)
+
+    def _count_compilation(self, step: int, seconds: float) -> None:
+        """Under train.compile a launch's first step compiles the model: its excess over the next step's
+        time is start-up, not useful training (a short run read a goodput of half)."""
+        if self._first_step is None and self.cfg.train.compile:
+            self._first_step = (step, seconds)
+        elif self._first_step and self._first_step[0] == step - 1:
+            self.goodput.move_within(step - 1, self._first_step[1] - seconds, "startup")
+            self._first_step = ()
+        else:
+            self._first_step = ()  # (a rollback between them: nothing to compare)
 
     def end_step(self, step: int) -> None:
         """The step and its saves are over: the watchdog's record (the step's own time, from

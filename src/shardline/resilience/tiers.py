@@ -24,7 +24,7 @@ from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import ProcessInfo, agreed
 from shardline.resilience.async_checkpoint import AsyncSaver
 from shardline.resilience.checkpoint import Checkpointer, step_of
-from shardline.resilience.recovery import rank0_decides
+from shardline.resilience.recovery import rank0_decides, saved_step
 from shardline.resilience.save_failures import any_rank, storage_error
 from shardline.resilience.faults import FaultInjector
 from shardline.resilience.memory_tier import MemoryTier, run_root
@@ -260,7 +260,7 @@ class StateTiers:
             dist.all_gather_object(everyone, steps, group=self._group)
             steps = sorted({step for listed in everyone for step in listed})
         shutil.rmtree(root, ignore_errors=True)
-        resumed = step_of(found) if found is not None else 0
+        resumed = saved_step(found) if found is not None else 0
         newer = [step for step in steps if step > resumed]
         if newer:
             self.log("memory_snapshots_dropped", step=resumed, steps=newer, folder=str(root),

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardline.config import Config, expand_home
+from shardline.config import Config, expand_home, refuse_changed_since_build
 from shardline.data.sampler import batch_index
 from shardline.devices import native_bf16, peak_tflops
-from shardline.errors import CheckpointError, ConfigError, Interrupted, Preempted, on_every_rank
+from shardline.errors import CheckpointError, ConfigError, Interrupted, Preempted, ShardlineError, on_every_rank
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.metrics import mfu, peak_memory_gib
 from shardline.models.flops import flops_per_token
@@ -80,11 +80,11 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         charged for the time the kernel sat idle before it). `start_verified`: every rank has verified
         model.init_from already (shardline eval's choice of a run dir's newest valid checkpoint hashed it)."""
         if not isinstance(cfg, Config):  # (a dict of sections: an AttributeError on its first use)
-            raise ConfigError(f"Trainer takes a Config (load_config(...), or from_dict(...) of a dict of sections), "
-                              f"not a {type(cfg).__name__}")
+            raise ConfigError(f"Trainer takes a Config (load_config, or from_dict of a dict), not {type(cfg).__name__}")
         cfg.check_sections()  # those that involve the layout, the data and the model come in build()
         expand_home(cfg)  # (load_config did; paths set in code since have not been)
-        cfg.run.dir = os.path.abspath(cfg.run.dir)  # the folder meant now: a notebook's later chdir moves it not
+        self._run_dir_as_given = str(cfg.run.dir)  # (the ranks compare it as given: their cwds may be spelled apart)
+        cfg.run.dir = os.path.join(os.getcwd(), cfg.run.dir)  # the folder meant now, whatever a notebook's chdir
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.device = pick_device(cfg.run.device)
@@ -204,7 +204,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
                               "a build() that failed, build a new one")
         try:
             agreed(self._check_lock_held, self.proc.world_size)  # a refusal on rank 0 is every rank's
-        except ConfigError:
+        except ShardlineError:
             self.close()  # (what it still holds: a lock taken over is not ours to remove, see RunLock.release)
             raise
         try:
@@ -236,16 +236,12 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             self._run_dir_fd = None
 
     def _check_lock_held(self) -> None:
-        changed = [f"{section}.{key}" for section, table in self.cfg.to_dict().items()
-                   for key, value in table.items() if self._as_built.to_dict()[section][key] != value]
-        if changed:  # (the model, data and schedule were built from the config as it was: partly used, mislogged)
-            raise ConfigError(f"the config was changed after build() ({', '.join(changed[:5])}): build() reads it "
-                              "and train() trains what was built; build a new Trainer of the changed config")
         if self.proc.is_main and not self.lock.held:
             raise ConfigError("this Trainer has trained or was closed, freeing its run dir: build a new one to train")
         if self.proc.is_main and not self.lock.still_held():  # (taken over by a later Trainer of this process)
             raise ConfigError(f"run dir {self.run_dir} was taken over since this Trainer was built (by a later one, "
                               "or another run): build a new Trainer to train in it")
+        refuse_changed_since_build(getattr(self, "_as_built", None), self.cfg)  # (None: a failed build)
 
     def __enter__(self) -> "Trainer":
         return self

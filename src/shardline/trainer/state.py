@@ -86,6 +86,7 @@ class SavedState:
         gave a rank another layout (a hang) or other batches than its peers (in silence)."""
         launch, found = agreed(self._check_inputs, self.proc.world_size)
         settings = shared_settings(self.cfg)
+        settings["run"]["dir"] = self._run_dir_as_given  # (made absolute here, against each rank's own cwd)
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
         if ranks_differing(digest, self.proc.world_size):
             whole = ranks_differing(settings, self.proc.world_size)  # (rarely: the whole settings)
