@@ -43,11 +43,11 @@ def test_compiled_run_trains_like_eager_with_chunked_loss_and_ac(tmp_path, small
     eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
     assert sorted(compiled) == sorted(eager) == [1, 2, 3]
     # The first step's compilation is start-up in the goodput account, not useful training (the excess over
-    # step 2's time moved: what stays useful is about three step-2 times, far under step 1's own)
+    # step 2's time moved: what stays useful is about three step-2 times, under step 1's own; all three before)
     records = history(tmp_path / "compiled")
     first, second = [r["step_time_s"] for r in records if r["kind"] == "train"][:2]
     (end,) = [r for r in records if r.get("event") == "end"]
-    assert first > 3 * second and end["seconds"]["useful"] < first / 2, (first, second, end["seconds"])
+    assert first > 3 * second and end["seconds"]["useful"] < first, (first, second, end["seconds"])
     for step in eager:
         assert compiled[step] == pytest.approx(eager[step], rel=1e-5), (step, compiled, eager)
     assert_same_grad_norms(tmp_path / "compiled", tmp_path / "eager")

@@ -134,7 +134,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str = ())
     try:
         cfg = from_dict(reader.read_toml(path))
     except ConfigError as e:
-        raise ConfigError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
+        if str(path) in str(e):  # (the reader's own line, its cause kept: a read one rank's storage refused)
+            raise
+        raise ConfigError(f"{path}: {e}") from None
     return _overridden(cfg, overrides)
 
 

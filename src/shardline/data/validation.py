@@ -119,7 +119,8 @@ def held_out_note(cfg: Config, train, val) -> dict | None:
     d = cfg.data
     if d.val_path or not d.val_fraction:
         return None
-    keys = [f"data.mix[{i}].path={s.path}" for i, s in enumerate(d.mix)] or [f"data.path={d.path}"]
+    keys = [f"data.mix[{i}].path={s.path}" for i, s in enumerate(d.mix)] or [
+        f"data.path={d.path}" if d.path else "data.path='' (the shipped corpus)"]
     large = {}
     for key, path, t, v in zip(keys, [s.path for s in d.mix] or [d.path], getattr(train, "sources", [train]),
                                getattr(val, "sources", [val])):

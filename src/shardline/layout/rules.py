@@ -150,8 +150,8 @@ def _fp8_tokens(lay: Layout, job: Job) -> Problem | None:
 
 def _fp8_no_layer(lay: Layout, job: Job) -> Problem | None:
     """fp8 where no Linear can run in float8: each projection has model.dim as one of its sides, and a
-    float8 GEMM's sides are multiples of 16 on each rank (x tp, either side may be the one split).
-    The run trained in bf16, logging precision=fp8: the same losses bit for bit."""
+    float8 Linear's sides are each a multiple of 16 x tp (parallel/float8.converts' rule, which asks it
+    of both sides though tp splits one). The run trained in bf16, logging precision=fp8."""
     multiple = FP8_GEMM_MULTIPLE * lay.tp
     if job.precision != "fp8" or job.model.dim % multiple == 0:
         return None

@@ -53,7 +53,7 @@ Hardware: float8 GEMMs need compute capability >= 8.9 (Ada, Hopper and newer). O
 the run is *allowed* in torchao's emulation mode (operands quantised to float8 and
 multiplied back in fp32): the same conversion, recipes, FSDP all-gather and scale
 updates run end to end, so CPU tests and CI cover the whole path. It is slower than
-fp32 and gains nothing, which the log line at conversion says; it is for testing.
+fp32 and gains nothing, which the launch's fp8_emulated note says; it is for testing.
 """
 
 from __future__ import annotations

@@ -163,12 +163,12 @@ class Goodput:
         whose account the run dir keeps, waited for no peer: its own slowness is what its peers waited out."""
         self.move_within(step, seconds, "peer_wait")
 
-    def move_within(self, step: int, seconds: float, to: str) -> None:
-        """Move up to `seconds` of a recent step's time to category `to` (waited_within's peer wait, a
-        compiled launch's first step's compilation: start-up)."""
-        if seconds > 0 and step in self._recent:
+    def move_within(self, step: int, seconds: float, to: str, keep: float | None = None) -> None:
+        """Move up to `seconds` of a recent step's time to category `to` (waited_within's peer wait), or
+        what it holds past `keep` seconds (a compiled launch's first step: its compilation, start-up)."""
+        if step in self._recent:
             category, had = self._recent[step]
-            moved = min(seconds, had)
+            moved = max(0.0, min(seconds, had) if keep is None else had - keep)
             self.seconds[category] -= moved
             self.seconds[to] += moved
             self._recent[step] = (category, had - moved)

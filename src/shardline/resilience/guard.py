@@ -188,7 +188,7 @@ class RunGuard:
         if self._first_step is None and self.cfg.train.compile:
             self._first_step = (step, seconds)
         elif self._first_step and self._first_step[0] == step - 1:
-            self.goodput.move_within(step - 1, self._first_step[1] - seconds, "startup")
+            self.goodput.move_within(step - 1, 0.0, "startup", keep=seconds)  # (less what went to peer_wait)
             self._first_step = ()
         else:
             self._first_step = ()  # (a rollback between them: nothing to compare)

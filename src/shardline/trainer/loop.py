@@ -25,7 +25,7 @@ import torch
 from shardline.config import Config, expand_home, refuse_changed_since_build
 from shardline.data.sampler import batch_index
 from shardline.devices import native_bf16, peak_tflops
-from shardline.errors import CheckpointError, ConfigError, Interrupted, Preempted, ShardlineError, on_every_rank
+from shardline.errors import CheckpointError, ConfigError, Interrupted, Preempted, on_every_rank
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.metrics import mfu, peak_memory_gib
 from shardline.models.flops import flops_per_token
@@ -84,7 +84,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         cfg.check_sections()  # those that involve the layout, the data and the model come in build()
         expand_home(cfg)  # (load_config did; paths set in code since have not been)
         self._run_dir_as_given = str(cfg.run.dir)  # (the ranks compare it as given: their cwds may be spelled apart)
-        cfg.run.dir = os.path.join(os.getcwd(), cfg.run.dir)  # the folder meant now, whatever a notebook's chdir
+        cfg.run.dir = os.path.abspath(cfg.run.dir)  # the folder meant now, whatever a notebook's later chdir
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.device = pick_device(cfg.run.device)
@@ -204,7 +204,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
                               "a build() that failed, build a new one")
         try:
             agreed(self._check_lock_held, self.proc.world_size)  # a refusal on rank 0 is every rank's
-        except ShardlineError:
+        except Exception:
             self.close()  # (what it still holds: a lock taken over is not ours to remove, see RunLock.release)
             raise
         try:
