@@ -372,3 +372,23 @@ def test_a_report_piped_into_head_ends_quietly(tmp_path):
     done = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).parents[2])
     assert done.stdout.strip() == "0" and err.read_text() == "", (done.stdout, err.read_text())
+
+
+def test_estimate_says_what_it_assumed_and_exits_1_where_it_does_not_fit(capsys):
+    """On a machine without a GPU it priced the CPU for a config a dry run prices as an H100, exited 0
+    on DOES NOT FIT (a script's `estimate && torchrun` went on), and priced a dp_shard=-1 config left
+    without --gpus on the other degrees' ranks alone, in silence."""
+    from pathlib import Path
+
+    from shardline.cli import main
+
+    configs = Path(__file__).parents[2] / "configs"
+    assert main(["estimate", "--config", str(configs / "tiny.toml")]) == 0
+    assert "priced on this machine's CPU (no GPU here, run.device=auto): --gpu TYPE" in capsys.readouterr().err
+    gpu = ["estimate", "--config", str(configs / "llama3.2-1b-gpu.toml"), "--gpu", "h100-sxm"]
+    assert main([*gpu, "--gpus", "1"]) == 0 and capsys.readouterr().err == ""
+    assert main([*gpu, "--gpus", "1", "--train.micro_batch_size=8"]) == 1
+    out, err = capsys.readouterr()
+    assert "DOES NOT FIT" in out and "the memory estimate does not fit h100-sxm (exit 1)" in err
+    assert main([*gpu, "--parallel.tp=2"]) == 0
+    assert "--gpus not given: parallel.dp_shard=-1 taken as 1, the job priced on 2 devices" in capsys.readouterr().err

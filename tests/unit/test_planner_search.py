@@ -428,3 +428,14 @@ def test_a_gpu_plan_says_what_its_ranking_rests_on(capsys):
     assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "1", "--seq-len", "64", "--global-batch",
                  "8"]) == 0
     assert PLAN_CAVEAT not in capsys.readouterr().out  # (a CPU plan: the runs here measure it)
+
+
+def test_a_pinned_pipeline_schedule_asks_for_a_pipeline():
+    """`--fix pp_schedule=zbv` was met by layouts without one (pp=1 keeps any schedule name), so a
+    pinned schedule with full activation checkpointing, which zbv refuses, listed ten pp=1 rows."""
+    work, hw = Workload(PRESETS["llama3-8b"], 8192, 32, "bf16"), get_hardware("h100-sxm")
+    found = search(work, hw, 8, {"pp_schedule": "zbv"}).candidates
+    assert found and {e.layout.pp_schedule for e in found} == {"zbv"} and min(e.layout.pp for e in found) > 1
+    refused = search(work, hw, 8, {"pp_schedule": "zbv", "activation_checkpoint": "full"})
+    assert not refused.candidates and "zbv" in refused.first_problem
+    assert search(work, hw, 8, {"pp_schedule": "zbv", "pp": 1}).candidates  # (pp pinned too: as asked)

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 from shardline.config import Config, DataConfig, load_config, to_toml
@@ -61,7 +62,8 @@ def register(sub) -> None:
     plan.set_defaults(func=_plan)
 
     est = sub.add_parser("estimate",
-                         epilog="config overrides (--section.key=value) change the --config file's settings")
+                         epilog="config overrides (--section.key=value) change the --config file's settings; "
+                                "exit 1 where the memory estimate does not fit the device (as the dry run's)")
     est.add_argument("--config", required=True, action=OnlyOnce, help="TOML config (as `shardline train` takes)")
     _device_args(est, required=False)
     _doc_arg(est)
@@ -313,7 +315,24 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     e = estimate(work, layout, hw)
     print(json.dumps({**e.to_json(), "priced_by": _priced_by(args, hw)}, indent=1) if args.json
           else _with_source(report.estimate_text(work, hw, e), args, hw))
-    return 0
+    for note in _estimate_notes(args, cfg, layout, hw, e.fits):
+        print(f"shardline estimate: {note}", file=sys.stderr)
+    return 0 if e.fits else 1  # (`estimate && torchrun ...` stops where the dry run's would)
+
+
+def _estimate_notes(args: argparse.Namespace, cfg: Config, layout, hw: Hardware, fits: bool) -> list[str]:
+    """What the estimate assumed that its user may not have meant: this machine's CPU for a config that
+    would train on a GPU, the world size where dp_shard=-1 was left to --gpus; and a layout that does not fit."""
+    notes = []
+    if not args.gpu and hw.name == "cpu" and cfg.run.device != "cpu":
+        notes.append("priced on this machine's CPU (no GPU here, run.device=auto): --gpu TYPE prices a GPU launch "
+                     "(a dry run assumes an H100)")
+    if args.gpus is None and cfg.parallel.dp_shard == -1 and layout.world > 1:
+        notes.append(f"--gpus not given: parallel.dp_shard=-1 taken as 1, the job priced on {layout.world} devices "
+                     "(give --gpus N for its size)")
+    if not fits:
+        notes.append(f"the memory estimate does not fit {hw.name} (exit 1)")
+    return notes
 
 
 def _default_device(cfg: Config, ranks: int) -> str:

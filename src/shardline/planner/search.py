@@ -109,6 +109,8 @@ def _structures(work: Workload, hw: Hardware, gpus: int, fixed: dict):
                 continue
             rest = gpus // (tp * cp)
             pps = _options("pp", [p for p in divisors(rest) if p <= m.n_layers], fixed)
+            if "pp" not in fixed and ("pp_schedule" in fixed or "pp_virtual_stages" in fixed):
+                pps = [p for p in pps if p > 1]  # (a pinned schedule asks for a pipeline: pp=1 has none to run)
             for pp in pps:
                 if rest % pp == 0:
                     yield tp, cp, pp, rest // pp
