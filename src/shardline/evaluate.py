@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch.distributed
 
-from shardline.config import Config, apply_override, from_dict
+from shardline.config import Config, apply_override, from_dict, override_list
 from shardline.data.file_stamps import changed_files
 from shardline.data.sampler import eval_micro_batches
 from shardline.data.validation import split_by_prepare, val_format
@@ -155,12 +155,14 @@ def evaluate(src: str | Path, overrides: list[str] | str = (), batches: int | No
     config reads, over `batches` global batches (None: train.eval_batches; 0: every sequence)."""
     from shardline.trainer import Trainer
 
-    if batches is not None and batches < 0:
-        raise ConfigError(f"--batches={batches} is invalid: a number of global batches, or 0 for every held-out "
+    if batches is not None and (not isinstance(batches, int) or isinstance(batches, bool) or batches < 0):
+        raise ConfigError(f"--batches={batches!r} is invalid: a number of global batches, or 0 for every held-out "
                           "sequence")
+    if not isinstance(src, (str, os.PathLike)):
+        raise ConfigError(f"evaluate takes a checkpoint folder or a run dir, not {src!r}")
     run_dir = work_dir()
     try:
-        given = [overrides] if isinstance(overrides, str) else list(overrides)  # (one string: not its characters)
+        given = override_list(overrides)  # (one string: one override)
         proc, (cfg, ckpt, step) = _agreed_config(src, given, run_dir)
         if ranks_differing(str(ckpt), proc.world_size):  # a run still saving: its newest is not every rank's alike
             raise on_every_rank(ConfigError(f"the ranks found different newest checkpoints in {src} (a run saving "

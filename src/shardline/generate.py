@@ -134,10 +134,15 @@ class Generator:
         stop = self.stop | (ends - {None})
         return stop, marker if marker and self.tokenizer.token_to_id(marker) is None else ""
 
-    def complete(self, prompt: str, opts: SampleOptions, bos: bool = False, chat: bool = False,
+    def complete(self, prompt: str, opts: SampleOptions | None = None, bos: bool = False, chat: bool = False,
                  system: str = "") -> str:
-        """The text generated after `prompt` (end tokens and markers left out). Decoded with the
-        prompt and cut after it: decoded alone, a SentencePiece continuation loses its leading space."""
+        """The text generated after `prompt` (end tokens and markers left out; `opts` None: the defaults).
+        Decoded with the prompt and cut after it: decoded alone, a SentencePiece continuation loses its
+        leading space."""
+        opts = SampleOptions() if opts is None else opts
+        if not isinstance(opts, SampleOptions) or not isinstance(prompt, str):
+            raise ConfigError(f"complete(prompt, opts) takes a string and a SampleOptions (SampleOptions(**a_dict) "
+                              f"from a dict), not {type(prompt).__name__} and {type(opts).__name__}")
         check_chat_flags(bos, chat, system)
         prompt_ids = self.chat_ids(prompt, system) if chat else self.encode(prompt, bos)
         self.prompt_tokens = len(prompt_ids)

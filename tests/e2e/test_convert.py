@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -211,6 +212,16 @@ def test_convert_errors_exit_2(tmp_path, capsys, small_prepared):
     last = capsys.readouterr().err.splitlines()[-1]
     assert f"the tokenizer {hf / 'tokenizer.json'} cannot be read as a tokenizer.json" in last, last
     assert last.endswith("to convert the weights alone: a run from them then needs data.tokenizer)"), last
+    (hf / "tokenizer.json").write_bytes(whole)
+    config = (hf / "config.json").read_text()  # JSON's NaN and Infinity, a negative theta: a traceback, or NaN losses
+    for bad, says in [('"num_hidden_layers": NaN', "num_hidden_layers=nan is not an integer"),
+                      ('"rope_theta": Infinity', "rope_theta=inf is not a finite number"),
+                      ('"rope_theta": -5.0', "rope_theta=-5.0 and norm_eps=1e-06 must be > 0")]:
+        key = bad.split(":")[0]
+        (hf / "config.json").write_text(re.sub(key + r": [^,}]+", bad, config))
+        assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck2")]) == 2 and not (tmp_path / "ck2").exists()
+        assert says in capsys.readouterr().err, bad
+    (hf / "config.json").write_text(config)
     (hf / "tokenizer.json").unlink()  # an HF cache's link whose blob is gone: was converted without a tokenizer
     (hf / "tokenizer.json").symlink_to(tmp_path / "blobs" / "gone")
     assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck2")]) == 2 and not (tmp_path / "ck2").exists()

@@ -315,7 +315,8 @@ def test_bfloat16_weights_by_either_name(trained_run):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--temperature", "-1"], "--temperature=-1.0 is invalid: must be a finite number >= 0 (0 = greedy)"),
     (["--top-k", "-2"], "--top-k=-2 is invalid: must be >= 0 (0 = all tokens)"),
-    (["--max-new-tokens", "0"], "--max-new-tokens=0 is invalid: must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens=0 is invalid: must be in [1, 2**20]"),
+    (["--max-new-tokens", "99999999999999999999"], "--max-new-tokens=99999999999999999999 is invalid: must be in [1, "),
     (["--prompt", ""], "--prompt encodes to no token: give some text"),
     (["--train.steps=3"], "generate takes no config overrides, got --train.steps=3"),
     (["--dtype", "float16"], "--dtype='float16' is invalid: one of float32, bfloat16"),

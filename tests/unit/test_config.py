@@ -85,6 +85,8 @@ def test_a_model_switch_takes_true_and_false_as_on_and_off():
 
 @pytest.mark.parametrize("override, message", [
     ("train.stepz=3", "unknown config key train.stepz (did you mean train.steps?); valid keys: steps"),
+    ("run.dir=a\0b", "run.dir='a\\x00b' is invalid: must be a non-empty path (no NUL byte)"),  # (a traceback)
+    ("checkpoint.memory_dir=\0", "checkpoint.memory_dir='\\x00' is invalid: a folder path (no NUL byte)"),
     ("train.bogus=3", "unknown config key train.bogus; valid keys: steps"),  # (nothing close: no guess)
     ("train.batch_size=8", "unknown config key train.batch_size (did you mean train.micro_batch_size or "
                            "train.global_batch_size?)"),  # (about as close: both, not the one that wins by 0.03)

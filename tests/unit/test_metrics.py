@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from shardline.metrics import MetricsLogger
@@ -177,3 +179,17 @@ def test_an_event_holding_a_table_reads_as_keys_and_values_on_the_console():
     line = format_line({"kind": "event", "event": "end", "time": 0.0, "step": 3,
                         "seconds": {"useful": 1.5, "eval": 0.0}, "sources": {"a": {"loss": 0.5}}, "ids": [1, 2]}, 5)
     assert line == "[end] step=3 seconds=(useful=1.5, eval=0.0) sources=(a=(loss=0.5)) ids=[1, 2]"
+
+
+def test_history_leaves_out_lines_that_are_no_record(tmp_path):
+    """A line damaged by hand or by the storage (a launch appends after it all the same) raised a
+    JSONDecodeError, a KeyError or an AttributeError from history() for the whole run."""
+    from shardline.metrics import history
+
+    good = [{"kind": "event", "event": "start", "step": 0, "time": 0.0},
+            {"kind": "train", "step": 1, "loss": 5.0, "time": 1.0}, {"kind": "eval", "step": 1, "eval_loss": 5.5}]
+    damage = ["garbage", "[1, 2]", '{"step": 3}', '{"kind": "train", "step": "x"}', "", '{"kind": "event", '
+              '"event": "start", "step": "0"}']
+    lines = [json.dumps(good[0]), *damage[:3], json.dumps(good[1]), *damage[3:], json.dumps(good[2])]
+    (tmp_path / "metrics.jsonl").write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe\n")
+    assert history(tmp_path) == good

@@ -4,6 +4,7 @@ on a notebook's background thread."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -33,13 +34,13 @@ def test_the_history_of_a_run_that_logged_nothing_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("option, says", [
-    ({"max_new_tokens": 5.5}, "max_new_tokens=5.5 is invalid: an integer (must be >= 1)"),
+    ({"max_new_tokens": 5.5}, "max_new_tokens=5.5 is invalid: an integer (must be in [1, 2**20])"),
     ({"temperature": "0"}, "temperature='0' is invalid: a number (must be a finite number >= 0"),
     ({"top_k": True}, "top_k=True is invalid: an integer (must be >= 0"),
 ])
 def test_a_sampling_option_of_the_wrong_type_is_refused_where_it_is_made(option, says):
     """A float token count failed deep in the sampling with a TypeError; a string temperature too."""
-    with pytest.raises(ConfigError, match="^" + says.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match="^" + re.escape(says)):
         SampleOptions(**option)
     assert SampleOptions(temperature=0, top_p=1).temperature == 0  # (an int where a float belongs: a number)
     numpy = SampleOptions(max_new_tokens=np.int64(5), temperature=np.float32(0.5))  # (a sweep's values: taken)
@@ -66,3 +67,32 @@ def test_evaluate_from_python_takes_one_override_string_as_load_config_does(tiny
     one = evaluate(cfg.run.dir, "train.eval_batches=1")
     assert one.step == 2 and one.loss == pytest.approx(logged, abs=1e-6)
     assert evaluate(cfg.run.dir, ["train.eval_batches=1"]).loss == one.loss
+    from shardline.generate import load_generator
+
+    gen = load_generator(cfg.run.dir)
+    assert isinstance(gen.complete("the", None), str)  # (None: the default options)
+    with pytest.raises(ConfigError, match=r"takes a string and a SampleOptions \(SampleOptions\(\*\*a_dict\)"):
+        gen.complete("the", {"max_new_tokens": 3})
+
+
+def test_arguments_of_the_wrong_kind_are_one_line_and_from_dict_reads_as_code_sets():
+    """None or a number as the overrides, a list or None for from_dict's dict, a str batch count, no
+    source: raw TypeErrors and AttributeErrors. A Path and numpy's numbers, which attributes take,
+    were refused by from_dict."""
+    from pathlib import Path
+
+    from shardline.evaluate import evaluate
+
+    assert load_config(None, None).train.steps == load_config(None).train.steps  # (None: no overrides)
+    for overrides in (5, [5], [Path("train.steps=3")]):
+        with pytest.raises(ConfigError, match=r"^overrides are 'section.key=value' strings, a list of them or one"):
+            load_config(None, overrides)
+    for raw in (None, [1], "train", {1: {"steps": 5}}):
+        with pytest.raises(ConfigError, match=r"^from_dict takes a dict of sections"):
+            from_dict(raw)
+    cfg = from_dict({"run": {"dir": Path("x")}, "train": {"steps": np.int64(5)}})
+    assert (cfg.run.dir, cfg.train.steps, type(cfg.train.steps)) == ("x", 5, int)
+    with pytest.raises(ConfigError, match=r"^--batches='2' is invalid"):
+        evaluate("somewhere", batches="2")
+    with pytest.raises(ConfigError, match=r"^evaluate takes a checkpoint folder or a run dir, not None"):
+        evaluate(None)

@@ -6,7 +6,8 @@ them together as `Config`. The config imports no feature: features read it.
 """
 
 from shardline.config.job import (LAUNCH_ONLY, Config, apply_override, config_changes, expand_home, from_dict,
-                                  load_config, load_relaunch_config, refuse_changed_since_build, save_config, to_toml)
+                                  load_config, load_relaunch_config, override_list, refuse_changed_since_build,
+                                  save_config, to_toml)
 from shardline.config.data_section import DataConfig, MixSource, saved_formats
 from shardline.config.reader import read_toml
 from shardline.config.resilience import AnomalyConfig, FaultsConfig, WatchdogConfig
@@ -34,5 +35,6 @@ __all__ = [
     "AnomalyConfig", "CheckpointConfig", "Config", "DataConfig", "FaultsConfig", "MemoryConfig", "MetricsConfig",
     "MixSource", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig",
     "WatchdogConfig", "apply_override", "config_changes", "expand_home", "from_dict", "load_config",
-    "load_relaunch_config", "read_toml", "refuse_changed_since_build", "save_config", "saved_formats", "to_toml",
+    "load_relaunch_config", "override_list", "read_toml", "refuse_changed_since_build", "save_config",
+    "saved_formats", "to_toml",
 ]

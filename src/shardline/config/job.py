@@ -231,7 +231,7 @@ def load_relaunch_config(saved: str | Path, run_dir: str | Path, overrides: list
     raw.setdefault("run", {})["dir"] = os.fspath(run_dir)
     if isinstance(raw.get("data"), dict):  # saved before data.add_bos existed: its run had no BOS
         raw["data"].setdefault("add_bos", False)
-    given = [overrides] if isinstance(overrides, str) else list(overrides)
+    given = override_list(overrides)
     for item in given:  # what an override sets replaces the file's value: a broken one there is mended so
         section, _, key = item.removeprefix("--").split("=", 1)[0].partition(".")
         if isinstance(raw.get(section), dict):
@@ -267,7 +267,7 @@ def _key_of(error: ConfigError) -> str:
 
 def _overridden(raw: dict[str, Any] | Config, overrides: list[str] | str) -> Config:
     cfg = raw if isinstance(raw, Config) else from_dict(raw)
-    for item in [overrides] if isinstance(overrides, str) else overrides:  # (one string: not its characters)
+    for item in override_list(overrides):
         apply_override(cfg, item)
     expand_home(cfg)
     return cfg
@@ -299,7 +299,19 @@ def _home(path: str) -> str:
                           "give the full path") from None
 
 
+def override_list(overrides: list[str] | str | None) -> list[str]:
+    """`section.key=value` overrides as a list: one string is one override (not its characters), None
+    none; anything else but strings is a one-line ConfigError (a Python caller's, where the CLI's are text)."""
+    items = [] if overrides is None else [overrides] if isinstance(overrides, str) else overrides
+    if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
+        raise ConfigError(f"overrides are 'section.key=value' strings, a list of them or one, not {overrides!r}")
+    return list(items)
+
+
 def from_dict(raw: dict[str, Any]) -> Config:
+    """A config from a dict of sections ({"train": {"steps": 5}}), read as a TOML file's tables are."""
+    if not isinstance(raw, dict) or not all(isinstance(name, str) for name in raw):
+        raise ConfigError(f"from_dict takes a dict of sections ({{'train': {{'steps': 5}}}}), not {raw!r:.80}")
     cfg = Config()
     for section_name, values in raw.items():
         _set_section(cfg, section_name, values)

@@ -30,6 +30,8 @@ from shardline.errors import ConfigError, did_you_mean
 
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     """A TOML file as a dict; a missing, unreadable or malformed file is a ConfigError naming it (as `what`)."""
+    if not str(path).strip():  # ("" is the working directory: "a folder", which it was not given as)
+        raise ConfigError(f"{what} path is empty: give a .toml file")
     try:
         return tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))  # (a byte-order mark some editors write)
     except FileNotFoundError:
@@ -83,7 +85,7 @@ def updated(obj: Any, raw: dict[str, Any], where: str, kind: str = "config key")
         if fields[key].metadata.get("switch") and isinstance(value, bool):
             value = int(value)  # a -1/0/1 switch (-1: keep the preset's) takes true and false as 1 and 0
         try:
-            changes[key] = coerce(f"{where}.{key}", value, hints[key], getattr(obj, key))
+            changes[key] = coerce(f"{where}.{key}", _plain(value), hints[key], getattr(obj, key))  # (from_dict's Path)
         except ConfigError as e:  # a field may say what its values mean (a -1/0/1 switch is no bool)
             valid = fields[key].metadata.get("valid")
             raise ConfigError(f"{e}; valid: {valid}" if valid else str(e)) from None

@@ -35,7 +35,7 @@ class RunConfig:
     resume: str = "auto"  # auto (if the run dir has a checkpoint) | latest (insist on one) | never | <checkpoint dir>
 
     def check(self) -> None:
-        _require(bool(self.dir), "run.dir", self.dir, "must be a non-empty path")
+        _require(bool(self.dir) and "\0" not in self.dir, "run.dir", self.dir, "must be a non-empty path (no NUL byte)")
         _require(bool(self.resume), "run.resume", self.resume, "one of auto, latest, never or a checkpoint folder")
         ok = self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None
         _require(ok, "run.device", self.device, "use auto, cpu, cuda or cuda:N")
@@ -256,6 +256,7 @@ class CheckpointConfig:
                  self.memory_redundancy, "replica or xor")
         _require(self.memory_mode in ("sync", "async"), "checkpoint.memory_mode", self.memory_mode, "sync or async")
         _require(self.on_error in ("continue", "stop"), "checkpoint.on_error", self.on_error, "continue or stop")
+        _require("\0" not in self.memory_dir, "checkpoint.memory_dir", self.memory_dir, "a folder path (no NUL byte)")
 
 
 @dataclass

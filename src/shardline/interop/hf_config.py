@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,7 @@ def _hf_folder(path: str | os.PathLike) -> Path:
     if not folder.exists():
         raise CheckpointError(f"Hugging Face folder {folder} does not exist")
     if not folder.is_dir():
-        raise CheckpointError(f"{folder} is not a folder; expected a Hugging Face model folder "
-                              f"holding {CONFIG_NAME} and safetensors weights")
+        raise CheckpointError(f"{folder} is not a folder; expected a Hugging Face model folder holding {CONFIG_NAME}")
     return folder
 
 
@@ -51,8 +51,9 @@ def _number(cfg: dict, key: str, where: Path, kind: type, default: Any = None) -
         if default is None:
             raise CheckpointError(f"{where} lacks {key!r}, which shardline needs to build the model")
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise CheckpointError(f"{where}: {key}={value!r} is not {'an integer' if kind is int else 'a number'}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or (kind is int and value != int(value))):  # (JSON's NaN and Infinity: no size, no theta)
+        raise CheckpointError(f"{where}: {key}={value!r} is not {'an integer' if kind is int else 'a finite number'}")
     return kind(value)
 
 
@@ -374,8 +375,7 @@ def hf_export_problem(args: ModelArgs) -> str | None:
 
 def hf_balance_coef(args: ModelArgs) -> float:
     """moe.aux_loss_coef as HF's router_aux_loss_coef (see models/moe/args.py)."""
-    m = args.moe
-    return balance_coef_to_hf(m.aux_loss_coef, m.top_k, args.n_layers - m.first_dense_layers)
+    return balance_coef_to_hf(args.moe.aux_loss_coef, args.moe.top_k, args.n_layers - args.moe.first_dense_layers)
 
 
 def _moe_config_dict(args: ModelArgs, llama: dict[str, Any]) -> dict[str, Any]:

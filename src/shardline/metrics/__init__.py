@@ -220,18 +220,25 @@ def history(path: Path | str) -> list[dict[str, Any]]:
     the `train` and `eval` records of the steps past s logged before them (a resume from an older
     checkpoint, a new run in a run dir whose checkpoints are gone, a rollback), as TensorBoard
     drops its superseded points. Events stay: they say what happened. A last line not ended (a
-    run writing it, or killed) is left out. `path` may be the run dir that holds it."""
+    run writing it, or killed) is left out, and so is a line that is no record (damaged by hand or by
+    the storage: a launch appends after it all the same). `path` may be the run dir that holds it."""
     path = Path(path) / "metrics.jsonl" if Path(path).is_dir() else Path(path)
     if not path.is_file():  # (a run dir that trained nothing, a typo: one line, not open()'s traceback)
         raise ConfigError(f"{path} does not exist: give a run dir that has trained, or its metrics.jsonl")
     kept: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             if not line.endswith("\n"):  # a record being written, or cut short by a kill: not yet one
                 break
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict) or rec.get("kind") not in ("train", "eval", "event") or not isinstance(
+                    rec.get("step", 0), int):
+                continue
             cut = {"start": rec.get("step"), "anomaly": rec.get("to_step")}.get(rec.get("event"))
-            if cut is not None:
+            if isinstance(cut, int):
                 kept = [r for r in kept if r["kind"] == "event" or r["step"] <= cut]
             kept.append(rec)
     return kept

@@ -33,7 +33,7 @@ class SampleOptions:
 
 # Each option's rule: a test of its value, and the words that say the valid ones.
 _OPTION_RULES = {
-    "max_new_tokens": (lambda v: v >= 1, "must be >= 1"),
+    "max_new_tokens": (lambda v: 1 <= v <= 2**20, "must be in [1, 2**20]"),  # (printed at the end: a typo hung)
     "temperature": (lambda v: 0 <= v < math.inf, "must be a finite number >= 0 (0 = greedy)"),  # (NaN fails it)
     "top_k": (lambda v: v >= 0, "must be >= 0 (0 = all tokens)"),
     "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = all tokens)"),
