@@ -215,8 +215,10 @@ def test_convert_errors_exit_2(tmp_path, capsys, small_prepared):
     (hf / "tokenizer.json").write_bytes(whole)
     config = (hf / "config.json").read_text()  # JSON's NaN and Infinity, a negative theta: a traceback, or NaN losses
     for bad, says in [('"num_hidden_layers": NaN', "num_hidden_layers=nan is not an integer"),
-                      ('"rope_theta": Infinity', "rope_theta=inf is not a finite number"),
-                      ('"rope_theta": -5.0', "rope_theta=-5.0 and norm_eps=1e-06 must be > 0")]:
+                      ('"rope_theta": Infinity', "rope_theta=inf is not finite"),
+                      ('"rope_theta": -5.0', "rope_theta=-5.0 must be > 0"),
+                      ('"num_hidden_layers": 1' + "0" * 400, "num_hidden_layers=1000000000"),  # (a traceback)
+                      ('"rms_norm_eps": -1', "norm_eps=-1.0 must be > 0 (rms_norm_eps in HF's config.json)")]:
         key = bad.split(":")[0]
         (hf / "config.json").write_text(re.sub(key + r": [^,}]+", bad, config))
         assert main(["convert", "from-hf", str(hf), str(tmp_path / "ck2")]) == 2 and not (tmp_path / "ck2").exists()

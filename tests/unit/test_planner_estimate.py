@@ -389,6 +389,6 @@ def test_estimate_says_what_it_assumed_and_exits_1_where_it_does_not_fit(capsys)
     assert main([*gpu, "--gpus", "1"]) == 0 and capsys.readouterr().err == ""
     assert main([*gpu, "--gpus", "1", "--train.micro_batch_size=8"]) == 1
     out, err = capsys.readouterr()
-    assert "DOES NOT FIT" in out and "the memory estimate does not fit h100-sxm (exit 1)" in err
+    assert "DOES NOT FIT" in out and "the memory estimate does not fit h100-sxm or its host (exit 1)" in err
     assert main([*gpu, "--parallel.tp=2"]) == 0
-    assert "--gpus not given: parallel.dp_shard=-1 taken as 1, the job priced on 2 devices" in capsys.readouterr().err
+    assert "--gpus not given: parallel.dp_shard=-1 taken as 1, the job priced on 2 device(s)" in capsys.readouterr().err

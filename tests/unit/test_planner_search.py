@@ -175,8 +175,9 @@ def test_estimate_needs_a_world_size_for_dp_shard_minus_one(capsys, tmp_path):
                     'micro_batch_size = 2\nprecision = "bf16"\n[parallel]\ntp = 2\ndp_shard = -1\n')
     code, out, _ = run_cli(capsys, "estimate", "--config", str(path), "--gpu", "h100-sxm", "--gpus", "16")
     assert code == 0 and "tp2 fsdp:8" in out and "memory on the busiest rank" in out
-    code, out, _ = run_cli(capsys, "estimate", "--config", str(path), "--gpu", "h100-sxm")
-    assert code == 0 and "tp2 dp1" in out  # without --gpus, dp_shard=-1 counts as 1
+    code, out, err = run_cli(capsys, "estimate", "--config", str(path), "--gpu", "h100-sxm")
+    assert "tp2 dp1" in out  # without --gpus, dp_shard=-1 counts as 1: said, and the 2-device job does not fit
+    assert code == 1 and "--gpus not given: parallel.dp_shard=-1 taken as 1, the job priced on 2 device(s)" in err
     code, _, err = run_cli(capsys, "estimate", "--config", str(path), "--gpu", "h100-sxm", "--gpus", "6")
     assert code == 2 and "not divisible" in err
 
@@ -439,3 +440,5 @@ def test_a_pinned_pipeline_schedule_asks_for_a_pipeline():
     refused = search(work, hw, 8, {"pp_schedule": "zbv", "activation_checkpoint": "full"})
     assert not refused.candidates and "zbv" in refused.first_problem
     assert search(work, hw, 8, {"pp_schedule": "zbv", "pp": 1}).candidates  # (pp pinned too: as asked)
+    for plain in ({"pp_schedule": "1f1b"}, {"pp_virtual_stages": 1}):  # (what pp=1 runs: no pipeline asked for)
+        assert 1 in {e.layout.pp for e in search(work, hw, 8, plain).candidates}, plain

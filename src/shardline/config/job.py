@@ -304,7 +304,7 @@ def override_list(overrides: list[str] | str | None) -> list[str]:
     none; anything else but strings is a one-line ConfigError (a Python caller's, where the CLI's are text)."""
     items = [] if overrides is None else [overrides] if isinstance(overrides, str) else overrides
     if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
-        raise ConfigError(f"overrides are 'section.key=value' strings, a list of them or one, not {overrides!r}")
+        raise ConfigError(f"overrides are 'section.key=value' strings, a list of them or one, not {overrides!r:.80}")
     return list(items)
 
 

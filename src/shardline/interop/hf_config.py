@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -51,9 +50,10 @@ def _number(cfg: dict, key: str, where: Path, kind: type, default: Any = None) -
         if default is None:
             raise CheckpointError(f"{where} lacks {key!r}, which shardline needs to build the model")
         return default
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or (kind is int and value != int(value))):  # (JSON's NaN and Infinity: no size, no theta)
-        raise CheckpointError(f"{where}: {key}={value!r} is not {'an integer' if kind is int else 'a finite number'}")
+    bound = 2**31 if kind is int else 1e300  # (JSON's NaN and Infinity, 10**400: no size, no theta)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < bound
+    if not number or (kind is int and value != int(value)):
+        raise CheckpointError(f"{where}: {key}={value!r:.40} is not {'an integer' if kind is int else 'finite'}")
     return kind(value)
 
 

@@ -235,7 +235,7 @@ def history(path: Path | str) -> list[dict[str, Any]]:
             except ValueError:
                 continue
             if not isinstance(rec, dict) or rec.get("kind") not in ("train", "eval", "event") or not isinstance(
-                    rec.get("step", 0), int):
+                    rec.get("step", 0 if rec.get("kind") == "event" else None), int):
                 continue
             cut = {"start": rec.get("step"), "anomaly": rec.get("to_step")}.get(rec.get("event"))
             if isinstance(cut, int):

@@ -325,13 +325,13 @@ def _estimate_notes(args: argparse.Namespace, cfg: Config, layout, hw: Hardware,
     would train on a GPU, the world size where dp_shard=-1 was left to --gpus; and a layout that does not fit."""
     notes = []
     if not args.gpu and hw.name == "cpu" and cfg.run.device != "cpu":
-        notes.append("priced on this machine's CPU (no GPU here, run.device=auto): --gpu TYPE prices a GPU launch "
-                     "(a dry run assumes an H100)")
-    if args.gpus is None and cfg.parallel.dp_shard == -1 and layout.world > 1:
-        notes.append(f"--gpus not given: parallel.dp_shard=-1 taken as 1, the job priced on {layout.world} devices "
+        notes.append(f"priced on this machine's CPU (no GPU here, run.device={cfg.run.device}): --gpu TYPE prices a "
+                     "GPU launch (a dry run assumes an H100)")
+    if args.gpus is None and cfg.parallel.dp_shard == -1 and (layout.world > 1 or not fits):
+        notes.append(f"--gpus not given: parallel.dp_shard=-1 taken as 1, the job priced on {layout.world} device(s) "
                      "(give --gpus N for its size)")
     if not fits:
-        notes.append(f"the memory estimate does not fit {hw.name} (exit 1)")
+        notes.append(f"the memory estimate does not fit {hw.name} or its host (exit 1)")
     return notes
 
 

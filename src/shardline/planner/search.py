@@ -109,8 +109,9 @@ def _structures(work: Workload, hw: Hardware, gpus: int, fixed: dict):
                 continue
             rest = gpus // (tp * cp)
             pps = _options("pp", [p for p in divisors(rest) if p <= m.n_layers], fixed)
-            if "pp" not in fixed and ("pp_schedule" in fixed or "pp_virtual_stages" in fixed):
-                pps = [p for p in pps if p > 1]  # (a pinned schedule asks for a pipeline: pp=1 has none to run)
+            piped = fixed.get("pp_schedule", "1f1b") != "1f1b" or fixed.get("pp_virtual_stages", 1) > 1
+            if piped and "pp" not in fixed:  # (a pinned schedule that pp=1 cannot run asks for a pipeline)
+                pps = [p for p in pps if p > 1]
             for pp in pps:
                 if rest % pp == 0:
                     yield tp, cp, pp, rest // pp

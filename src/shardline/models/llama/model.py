@@ -80,8 +80,10 @@ class ModelArgs:
             problems.append(f"head_dim={self.head_size} must be even for rotary embeddings")
         if self.moe is not None:
             problems += self.moe.validate(self.n_layers)
-        if not (self.rope_theta > 0 and self.norm_eps > 0):  # (NaN fails too: a run of NaN losses, skipped each step)
-            problems.append(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be > 0")
+        for name in ("rope_theta", "norm_eps"):  # (NaN fails too: a run of NaN losses, each step skipped)
+            if not getattr(self, name) > 0:
+                problems.append(f"{name}={getattr(self, name)} must be > 0" + " (rms_norm_eps in HF's config.json)"
+                                * (name == "norm_eps"))
         if self.sliding_window is not None and self.sliding_window < 1:
             problems.append(f"sliding_window={self.sliding_window} must be >= 1 (or none)")
         return problems
