@@ -136,6 +136,13 @@ def _batch(lay: Layout, job: Job) -> Problem | None:
 FP8_GEMM_MULTIPLE = 16  # torch._scaled_mm: a float8 GEMM's dims are multiples of 16
 
 
+def fp8_aligned(tp: int, *dims: int) -> bool:
+    """Whether a Linear of these dims can run in float8 under tensor parallelism tp: each a multiple
+    of FP8_GEMM_MULTIPLE x tp (parallel/float8.converts' rule; the planner prices with it, and
+    _fp8_no_layer refuses fp8 where model.dim, a side of every projection, fails it)."""
+    return all(d % (FP8_GEMM_MULTIPLE * tp) == 0 for d in dims)
+
+
 def _fp8_tokens(lay: Layout, job: Job) -> Problem | None:
     """fp8: the weight gradient's float8 GEMM multiplies over the tokens a rank holds of a
     micro-batch, its inner dim too. A CPU's emulation runs any count; a GPU failed at the first
@@ -153,7 +160,7 @@ def _fp8_no_layer(lay: Layout, job: Job) -> Problem | None:
     float8 Linear's sides are each a multiple of 16 x tp (parallel/float8.converts' rule, which asks it
     of both sides though tp splits one). The run trained in bf16, logging precision=fp8."""
     multiple = FP8_GEMM_MULTIPLE * lay.tp
-    if job.precision != "fp8" or job.model.dim % multiple == 0:
+    if job.precision != "fp8" or fp8_aligned(lay.tp, job.model.dim):
         return None
     return "fp8", (f"train.precision='fp8' would run no layer in float8: every projection has model.dim="
                    f"{job.model.dim} as a side, and a float8 GEMM's sides are multiples of {FP8_GEMM_MULTIPLE}"

@@ -67,14 +67,13 @@ from torch import nn
 
 from shardline.errors import ConfigError
 from shardline.layout import SPLIT_BACKWARD
-from shardline.layout.rules import FP8_GEMM_MULTIPLE
+from shardline.layout.rules import fp8_aligned as aligned
 from shardline.parallel.pipeline import split_backward_takes_custom_nodes
 
 log = logging.getLogger(__name__)
 
 TORCHAO_PIN = "torchao==0.18.0"
 MIN_CAPABILITY = (8, 9)
-GEMM_MULTIPLE = FP8_GEMM_MULTIPLE  # torch._scaled_mm: both dims of a float8 weight are multiples of 16
 SKIPPED = ("output",)  # module names never converted (see the module doc)
 SKIPPED_PARTS = ("router",)  # nor any Linear below a module of these names
 
@@ -135,19 +134,13 @@ def local_capability(on_cuda: bool) -> tuple[int, int] | None:
 
 def converts(module: nn.Module, fqn: str, tp: int = 1) -> bool:
     """Whether the Linear at `fqn` runs in float8 (see the module doc for what is kept). Its
-    dims must be multiples of GEMM_MULTIPLE on each rank: under tensor parallelism of
-    GEMM_MULTIPLE x tp (either dim may be the one split), so that every shard stays aligned."""
+    dims must be multiples of FP8_GEMM_MULTIPLE (16) on each rank: under tensor parallelism of 16 x tp
+    (either dim may be the one split), so that every shard stays aligned (layout.rules.fp8_aligned)."""
     if not isinstance(module, nn.Linear) or fqn in SKIPPED:
         return False
     if any(part in SKIPPED_PARTS for part in fqn.split(".")):
         return False
     return aligned(tp, module.in_features, module.out_features)
-
-
-def aligned(tp: int, *dims: int) -> bool:
-    """Whether a Linear of these dims can run in float8 under tensor parallelism tp: each a
-    multiple of GEMM_MULTIPLE x tp (converts' rule; the planner prices with it too)."""
-    return all(d % (GEMM_MULTIPLE * tp) == 0 for d in dims)
 
 
 def linear_config(recipe: str, emulate: bool, fsdp_all_gather: bool):

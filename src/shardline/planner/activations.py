@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from shardline.models.flops import ffn_width
 from shardline.models.llama import ModelArgs
 from shardline.parallel.data_parallel import gather_dtype
-from shardline.parallel.float8 import aligned as float8_aligned
+from shardline.layout.rules import fp8_aligned as float8_aligned
 
 REGIONS = ("seq", "lin_in", "tp", "score", "partial")
 
@@ -189,7 +189,7 @@ def whole_block(model: ModelArgs, precision: str, compiled: bool, tp: int = 1) -
 
 
 def float8_every_linear(model: ModelArgs, tp: int) -> bool:
-    """Whether float8 converts every Linear of a block (parallel/float8.aligned) with no routed
+    """Whether float8 converts every Linear of a block (layout.rules.fp8_aligned) with no routed
     experts beside them (an MoE's experts cast their weights to bf16 and keep those copies and
     their input). Then, eager or compiled, no block weight has an autocast copy (peak.py) and the
     backward casts the Linear inputs and weights to float8 again from what the forward kept:

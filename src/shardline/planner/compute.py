@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 
 from shardline.models.flops import ffn_width
-from shardline.parallel.float8 import aligned as float8_aligned
+from shardline.layout.rules import fp8_aligned as float8_aligned
 from shardline.planner import attention as attn_kernel
 from shardline.planner.activations import (
     autocast_fsdp_copies,
@@ -167,7 +167,7 @@ def layer_gemms(work: Workload, tp: int, tokens: int) -> list[tuple[int, float, 
 
 def layer_gemm_dtypes(work: Workload, tp: int, tokens: int) -> list[tuple[str, int, float, float]]:
     """(dtype, m, n, k) of a block's forward GEMMs: under fp8, those float8 converts (a weight
-    whose dims are multiples of GEMM_MULTIPLE x tp) at "fp8", the routed experts' share of the
+    whose dims are multiples of FP8_GEMM_MULTIPLE x tp) at "fp8", the routed experts' share of the
     feed-forward width (grouped weights, not nn.Linear) at bf16."""
     gemms = layer_gemms(work, tp, tokens)
     if work.precision != "fp8":
