@@ -73,6 +73,9 @@ def test_a_hand_broken_saved_config_names_its_file_and_an_override_mends_it(tmp_
     with pytest.raises(ConfigError, match=r"is not valid TOML.*\(the run's saved config: fix it there, or give "
                                           r"--config FILE\)$"):
         load_relaunch_config(saved, str(tmp_path))
+    saved.write_text("", encoding="utf-8")  # emptied (a crash after the rename, before the data reached the disk)
+    with pytest.raises(ConfigError, match=r"holds no \[model\] table .*give --config FILE"):  # (read as the defaults)
+        load_relaunch_config(saved, str(tmp_path), ["--train.steps=6"])
 
 
 def test_a_model_switch_takes_true_and_false_as_on_and_off():
@@ -324,6 +327,25 @@ def test_values_set_in_code_are_checked_as_a_files_are(section, key, value, mess
     setattr(getattr(cfg, section), key, value)
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
         cfg.check_sections()
+
+
+def test_a_value_check_refuses_names_the_file_that_set_it(tmp_path):
+    """`steps = -3` in a config file was refused naming the key alone: with --config and a saved
+    config.toml in play, not where to mend it. An override's value, or one set in code since, is not the file's."""
+    path = tmp_path / "my.toml"
+    path.write_text("[train]\nsteps = -3\n[model]\ndim = 64\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=re.escape(f"train.steps=-3 is invalid: must be > 0 (and < 2**63) "
+                                                    f"(set in {path})")):
+        load_config(path).check()
+    for cfg in (load_config(path, ["train.steps=-4"]), load_config(path)):
+        cfg.train.steps = cfg.train.steps if cfg.train.steps == -4 else -9
+        with pytest.raises(ConfigError, match=r"must be > 0 \(and < 2\*\*63\)$"):
+            cfg.check()
+    saved = tmp_path / "config.toml"
+    save_config(load_config(None, ["train.steps=4"]), saved)
+    saved.write_text(saved.read_text(encoding="utf-8").replace("steps = 4", "steps = -4"), encoding="utf-8")
+    with pytest.raises(ConfigError, match=re.escape(f"(set in {saved}, the run's saved config)")):
+        load_relaunch_config(saved, str(tmp_path)).check()
 
 
 def test_values_of_the_right_type_set_in_code_pass_as_a_file_would_give_them(tmp_path):

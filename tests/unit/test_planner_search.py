@@ -40,6 +40,8 @@ def test_plan_json_contract(capsys):
         assert lay["dp_replicate"] * lay["dp_shard"] * lay["tp"] * lay["pp"] * lay["cp"] == 16
         assert c["tokens_per_s"] * c["step_time_s"] == pytest.approx(64 * 4096, rel=1e-4)  # global tokens/s
         assert c["memory_gib_per_gpu"] <= 79.6 and 0 < c["mfu"] < 1
+        # (full AC said ac_every 1 where the emitted config writes its unread default)
+        assert (lay["ac_every"] is None) == (lay["activation_checkpoint"] != "selective")
     rates = [c["tokens_per_s"] for c in cands]
     assert rates == sorted(rates, reverse=True)
 

@@ -61,8 +61,20 @@ class Config:
                 raise ConfigError(f"config section {section.name} is a {type(value).__name__}, not a "
                                   f"{sections[section.name].__name__} (set its keys one by one, or use load_config)")
             reader.check_types(value, section.name)  # (values set in code)
-            value.check()
-        self.check_drills()
+            self._named_where_set(value.check)
+        self._named_where_set(self.check_drills)
+
+    def _named_where_set(self, check) -> None:
+        """check(); its error names the file that set the key it names, where the value is still the file's
+        (`_file`: load_config's record; not an override's value, nor one set in code since)."""
+        try:
+            check()
+        except ConfigError as e:
+            path, values = getattr(self, "_file", ("", {}))
+            key = reader.key_of(e)
+            if key not in values or getattr(getattr(self, key.split(".")[0]), key.split(".")[1]) != values[key]:
+                raise
+            raise ConfigError(f"{e} (set in {path})") from None
 
     def check_drills(self, steps_known: bool = False) -> None:
         """A drill that can never fire passed as if it had: one at a step past train.steps, or a loss
@@ -124,20 +136,28 @@ def divisors(n: int) -> list[int]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | str = ()) -> Config:
     """Defaults, then the TOML file, then `section.key=value` overrides (a list of them, or one
-    string; validated by check()). A file's unknown keys and wrong types name the file (an
-    override's are named as given; a value check() refuses names its key alone)."""
+    string; validated by check()). A file's unknown keys and wrong types name the file, and so does
+    a value check() refuses while it is still the file's (an override's are named as given)."""
     if path is None:
         return _overridden({}, overrides)
     if not isinstance(path, (str, os.PathLike)):  # (a dict of sections is from_dict's)
         raise ConfigError(f"load_config takes a TOML file's path, not a {type(path).__name__}: a dict of sections "
                           "is from_dict's (from shardline.config import from_dict)")
     try:
-        cfg = from_dict(reader.read_toml(path))
+        raw = reader.read_toml(path)
+        cfg = from_dict(raw)
     except ConfigError as e:
         if str(path) in str(e):  # (the reader's own line, its cause kept: a read one rank's storage refused)
             raise
         raise ConfigError(f"{path}: {e}") from None
+    cfg._file = (os.fspath(path), _file_values(cfg, raw))
     return _overridden(cfg, overrides)
+
+
+def _file_values(cfg: Config, raw: dict) -> dict[str, Any]:
+    """Each "section.key" a file set, with its value as read (copied: a list set in place is a change)."""
+    return {f"{s}.{k}": copy.deepcopy(getattr(getattr(cfg, s), k)) for s, table in raw.items()
+            if isinstance(table, dict) and hasattr(cfg, s) for k in table if hasattr(getattr(cfg, s), k)}
 
 
 # What the config of one launch says about that launch alone, not the run: a relaunch from the
@@ -221,6 +241,10 @@ def load_relaunch_config(saved: str | Path, run_dir: str | Path, overrides: list
         raw = reader.read_toml(saved)
     except ConfigError as e:  # (a truncated or hand-broken file: where it came from, and the ways past it)
         raise ConfigError(f"{e} (the run's saved config: fix it there, or give --config FILE)") from None
+    if not isinstance(raw.get("model"), dict):  # (every save writes each section: an emptied file is no config)
+        raise ConfigError(f"{saved}, the run's saved config, holds no [model] table (emptied by a crash or by "
+                          "hand?): the defaults would resume this run's checkpoints; give --config FILE with the run's "
+                          "settings")
     for section, keys in LAUNCH_ONLY.items():
         table = raw.get(section)
         if keys is None:  # the whole section
@@ -239,9 +263,10 @@ def load_relaunch_config(saved: str | Path, run_dir: str | Path, overrides: list
     try:
         cfg = from_dict(raw)
     except ConfigError as e:  # (a hand-edited file: the line named the key, not where it came from)
-        key = _key_of(e)
+        key = reader.key_of(e)
         raise ConfigError(f"{e} (in {saved}, the run's saved config: fix it there"
                           + (f", or give --{key}=VALUE)" if key else ")")) from None
+    cfg._file = (f"{saved}, the run's saved config", _file_values(cfg, raw))  # (its values check() refuses)
     return _overridden(cfg, given)
 
 
@@ -252,17 +277,14 @@ def save_config(cfg: Config, path: Path | str) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(to_toml(cfg), encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(to_toml(cfg))
+            f.flush()
+            os.fsync(f.fileno())  # (else a power loss after the rename can leave an empty file)
         tmp.replace(path)
     except OSError:
         tmp.unlink(missing_ok=True)  # (a full disk: nothing of this launch's left behind)
         raise
-
-
-def _key_of(error: ConfigError) -> str:
-    """The section.key a config error's line opens with ("train.steps='lots' ..."), else ""."""
-    head = str(error).split("=", 1)[0].split()[0] if "=" in str(error) else ""
-    return head if head.count(".") == 1 and head.replace(".", "").replace("_", "").isalnum() else ""
 
 
 def _overridden(raw: dict[str, Any] | Config, overrides: list[str] | str) -> Config:

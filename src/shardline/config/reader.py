@@ -255,3 +255,9 @@ def _kind(item, one: bool = False) -> str:
     if dataclasses.is_dataclass(item):
         return ("a table {" if one else "tables {") + ", ".join(f.name for f in dataclasses.fields(item)) + "}"
     return getattr(item, "__name__", str(item))
+
+
+def key_of(error: ConfigError) -> str:
+    """The section.key a config error's line opens with ("train.steps='lots' ..."), else ""."""
+    head = str(error).split("=", 1)[0].split()[0] if "=" in str(error) else ""
+    return head if head.count(".") == 1 and head.replace(".", "").replace("_", "").isalnum() else ""

@@ -157,7 +157,12 @@ class Layout:
         return " ".join(parts)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields; ac_every null where no selective checkpointing reads it (as an emitted config
+        leaves it at its default)."""
+        fields = dataclasses.asdict(self)
+        if self.activation_checkpoint != "selective":
+            fields["ac_every"] = None
+        return fields
 
 
 # ---- from a config ------------------------------------------------------------------
