@@ -297,7 +297,7 @@ def test_conversations_read_as_text_are_refused_pointing_at_the_chat_format(tmp_
 
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    with pytest.raises(DataError, match="its 'messages' are a conversation: read it as chat \\(data.format=chat, "
+    with pytest.raises(DataError, match="it holds a conversation: read it as chat \\(data.format=chat, "
                                         "or in data.mix the source's format = \"chat\""):
         read_documents(str(chat))
     with pytest.raises(ConfigError, match="data.text_field='messages'.*set data.format=chat"):

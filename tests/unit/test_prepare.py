@@ -508,6 +508,26 @@ def test_a_chat_sequence_holds_whole_conversations_and_a_long_one_is_cut_not_con
     assert_same_batches(raw, data(out, "data.format=chat", seq_len=128))
 
 
+def test_sharegpt_conversations_read_as_the_same_messages(tmp_path):
+    """ShareGPT's layout ({"conversations": [{"from": "human"|"gpt"|"system", "value"}]}), as most
+    published chat sets come, was refused as having no 'messages': read as the same conversations,
+    raw (.jsonl, .parquet) and prepared."""
+    records = [json.loads(line) for line in chat_records(30).splitlines()]
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    shared = [{"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in r["messages"]]}
+              for r in records]
+    (tmp_path / "chat.jsonl").write_text(chat_records(30))
+    (tmp_path / "sharegpt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shared))
+    pq.write_table(pa.Table.from_pylist(shared), tmp_path / "sharegpt.parquet")
+    plain = data(tmp_path / "chat.jsonl", "data.format=chat", seq_len=128)
+    for name in ("sharegpt.jsonl", "sharegpt.parquet"):
+        assert_same_batches(plain, data(tmp_path / name, "data.format=chat", seq_len=128))
+    prepare(PrepareOptions([str(tmp_path / "sharegpt.jsonl")], str(tmp_path / "prep"), format="chat", workers=1,
+                           **SMALL))
+    raw = data(tmp_path / "sharegpt.jsonl", "data.format=chat", seq_len=128)
+    assert_same_batches(raw, data(tmp_path / "prep", "data.format=chat", seq_len=128))
+
+
 @pytest.mark.parametrize("record, message", [
     ({"text": "no messages"}, "has no list field 'messages'"),
     ({"messages": [{"role": "user"}]}, r"messages\[0\] needs string fields 'role' and 'content'"),

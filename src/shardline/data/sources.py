@@ -27,12 +27,12 @@ from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
+from shardline.data.conversation import CHAT_FIELD, SHAREGPT_FIELD, conversation, record_messages, strings
 from shardline.data.folders import folder_entries, read_once, read_root
 from shardline.data.shards import is_prepared
 from shardline.errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
-CHAT_FIELD = "messages"  # what data.format = "chat" reads from each .jsonl record
 # Two blank lines end a document (in text read with universal newlines); a line of any whitespace is blank
 _DOC_BREAK = re.compile(r"\n[^\S\n]*\n[^\S\n]*\n+")  # (a full-width space U+3000 as Chinese indents, a no-break space)
 _LINE_END = re.compile(rb"\r\n?|\n")  # (as universal newlines end lines: \n, \r\n or a lone \r, an old Mac's)
@@ -293,21 +293,21 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
                 raise DataError(f"data file {f} line {n} is not valid JSON: {e.msg} (column {e.colno})") from None
             value = obj.get(field) if isinstance(obj, dict) else None
             if field == CHAT_FIELD:
-                conversation = _conversation(f, f"line {n}", value)
-                for text in _strings(conversation):  # tool calls and other fields reach the template too
+                messages = conversation(f, f"line {n}", record_messages(obj))
+                for text in strings(messages):  # tool calls and other fields reach the template too
                     _encodable(f, n, text)
-                yield conversation
+                yield messages
             elif isinstance(value, str):
                 yield _encodable(f, n, value)
             elif value is None and isinstance(obj, dict) and field in obj:  # null, as a parquet null row: an
                 yield ""  # empty document, counted as one (a missing field is likely the wrong data.text_field)
             else:
-                chat = isinstance(obj, dict) and isinstance(obj.get(CHAT_FIELD), list)  # a conversation, not text
-                conversation = ("; its 'messages' are a conversation: read it as chat (data.format=chat, or in "
-                                "data.mix the source's format = \"chat\"; prepare: --format chat)" if chat else "")
+                chat = isinstance(record_messages(obj), list)  # a conversation, not text
+                said = ("; it holds a conversation: read it as chat (data.format=chat, or in "
+                        "data.mix the source's format = \"chat\"; prepare: --format chat)" if chat else "")
                 held = f" (its value: {json.dumps(value)[:40]})" if value is not None else ""  # (a number, a list)
                 raise DataError(f"data file {f} line {n} has no string field {field!r}{held} (set data.text_field, "
-                                f"or in data.mix the source's text_field; prepare: --text-field){conversation}")
+                                f"or in data.mix the source's text_field; prepare: --text-field){said}")
 
 
 def _encodable(f: Path, n: int, text: str) -> str:
@@ -322,39 +322,13 @@ def _encodable(f: Path, n: int, text: str) -> str:
     return text
 
 
-def _strings(value) -> Iterator[str]:
-    """Every string in a JSON value, keys included."""
-    if isinstance(value, str):
-        yield value
-    for item in value.items() if isinstance(value, dict) else value if isinstance(value, list) else ():
-        yield from _strings(list(item) if isinstance(value, dict) else item)
-
-
-def _conversation(f: Path, where: str, value) -> list[dict]:
-    """A chat record's messages, each with a string role and content, or a DataError naming the line."""
-    if not isinstance(value, list):
-        raise DataError(f"data file {f} {where} has no list field 'messages' (the chat format reads "
-                        "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]}; text is read with data.format=text, "
-                        "or in data.mix the source's format = \"text\"; prepare: --format text)")
-    out = []
-    for i, m in enumerate(value):
-        calls = isinstance(m, dict) and bool(m.get("tool_calls"))  # a reply that calls tools may hold no text
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and (isinstance(m.get("content"), str) or calls and m.get("content") is None)):
-            raise DataError(f"data file {f} {where}: messages[{i}] needs string fields 'role' and 'content'")
-        # Every other field goes to the chat template as transformers passes it (tool_calls, name,
-        # reasoning_content, ...); a table's unset struct fields are None there, as absent.
-        out.append({**{k: v for k, v in m.items() if v is not None}, "content": m.get("content") or ""})
-    return out
-
-
 def _read_table(f: Path, field: str, kind: str) -> Iterator:
     try:
         batches = _arrow_batches(f, field, kind)
         for batch in batches:
             values = batch.column(0).to_pylist()
             if field == CHAT_FIELD:  # a null row holds no conversation: an empty document, counted as one
-                yield from ("" if v is None else _conversation(f, "a row", v) for v in values)
+                yield from ("" if v is None else conversation(f, "a row", v) for v in values)
                 continue
             values = ["" if v is None else v for v in values]  # a null row: an empty document, counted as one
             wrong = next((v for v in values if not isinstance(v, str)), None)
@@ -378,8 +352,7 @@ def _arrow_batches(f: Path, field: str, kind: str) -> Iterator:
     source = pa.BufferReader(gzip.decompress(f.read_bytes())) if f.name.lower().endswith(".gz") else str(f)
     if kind == ".parquet":
         reader = pq.ParquetFile(source)
-        _require_column(f, field, reader.schema_arrow.names)
-        return reader.iter_batches(batch_size=1024, columns=[field])
+        return reader.iter_batches(batch_size=1024, columns=[_column(f, field, reader.schema_arrow.names)])
     stream = pa.memory_map(source) if isinstance(source, str) else source
     try:
         reader = ipc.open_stream(stream)
@@ -387,13 +360,17 @@ def _arrow_batches(f: Path, field: str, kind: str) -> Iterator:
         stream.seek(0)
         file_reader = ipc.open_file(stream)
         reader = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
-        _require_column(f, field, file_reader.schema.names)
-        return (b.select([field]) for b in reader)
-    _require_column(f, field, reader.schema.names)
-    return (b.select([field]) for b in reader)
+        column = _column(f, field, file_reader.schema.names)
+        return (b.select([column]) for b in reader)
+    column = _column(f, field, reader.schema.names)
+    return (b.select([column]) for b in reader)
 
 
-def _require_column(f: Path, field: str, columns: list[str]) -> None:
+def _column(f: Path, field: str, columns: list[str]) -> str:
+    """The column to read for `field`: itself, or ShareGPT's conversations where chat's messages are not."""
+    if field == CHAT_FIELD and field not in columns and SHAREGPT_FIELD in columns:
+        return SHAREGPT_FIELD
     if field not in columns:
         raise DataError(f"data file {f} has no column {field!r} (set data.text_field, or in data.mix the "
                         f"source's text_field; prepare: --text-field; it has {', '.join(columns[:8])})")
+    return field

@@ -1,0 +1,53 @@
+"""A chat record's conversation as the chat path reads it: `{"messages": [{"role", "content"}, ...]}`,
+or ShareGPT's layout, `{"conversations": [{"from", "value"}, ...]}`, read as the same messages
+(human -> user, gpt -> assistant; any other `from` is kept as the role, where the reply checks
+judge it). A record that is neither is a DataError naming the line."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from shardline.errors import DataError
+
+CHAT_FIELD = "messages"  # what data.format = "chat" reads from each record
+SHAREGPT_FIELD = "conversations"  # ShareGPT's name for it, each message {"from", "value"}
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # ("system" is the same name in both)
+
+
+def record_messages(obj) -> object:
+    """The record's messages (a JSON object's), ShareGPT's `conversations` where it has no `messages`."""
+    if not isinstance(obj, dict):
+        return None
+    return obj.get(CHAT_FIELD) if CHAT_FIELD in obj or SHAREGPT_FIELD not in obj else obj[SHAREGPT_FIELD]
+
+
+def conversation(f: Path, where: str, value) -> list[dict]:
+    """A chat record's messages, each with a string role and content, or a DataError naming the line."""
+    if not isinstance(value, list):
+        raise DataError(f"data file {f} {where} has no list field 'messages' (the chat format reads "
+                        "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]}, or ShareGPT's {\"conversations\": "
+                        "[{\"from\": ..., \"value\": ...}, ...]}; text is read with data.format=text, or in data.mix "
+                        "the source's format = \"text\"; prepare: --format text)")
+    out = []
+    for i, m in enumerate(value):
+        if isinstance(m, dict) and "role" not in m and isinstance(m.get("from"), str) and "value" in m:
+            m = {"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"],
+                 **{k: v for k, v in m.items() if k not in ("from", "value")}}
+        calls = isinstance(m, dict) and bool(m.get("tool_calls"))  # a reply that calls tools may hold no text
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and (isinstance(m.get("content"), str) or calls and m.get("content") is None)):
+            raise DataError(f"data file {f} {where}: messages[{i}] needs string fields 'role' and 'content' "
+                            "(ShareGPT's: 'from' and 'value')")
+        # Every other field goes to the chat template as transformers passes it (tool_calls, name,
+        # reasoning_content, ...); a table's unset struct fields are None there, as absent.
+        out.append({**{k: v for k, v in m.items() if v is not None}, "content": m.get("content") or ""})
+    return out
+
+
+def strings(value) -> Iterator[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        yield value
+    for item in value.items() if isinstance(value, dict) else value if isinstance(value, list) else ():
+        yield from strings(list(item) if isinstance(value, dict) else item)
