@@ -107,6 +107,12 @@ def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_p
         _relaunch_config(None, [f"run.dir={run}"], world=1)
     assert _relaunch_config(None, [f"run.dir={run}"], world=2).parallel.ep == 2
     assert _relaunch_config(None, [f"run.dir={run}", "parallel.ep=1"], world=1).parallel.ep == 1
+    # A hybrid run relaunched as Ulysses: its saved cp_ulysses (hybrid's alone) was refused, a key not given
+    save_config(load_config(None, ["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=2"]),
+                run / "config.toml")
+    again = _relaunch_config(None, [f"run.dir={run}", "parallel.cp=2", "parallel.cp_mode=ulysses"], world=2)
+    assert (again.parallel.cp_mode, again.parallel.cp_ulysses) == ("ulysses", 0)
+    assert _relaunch_config(None, [f"run.dir={run}", "parallel.cp=2"], world=2).parallel.cp_ulysses == 2  # (mode kept)
 
 
 def test_a_relaunch_of_a_run_kept_in_memory_alone_takes_its_saved_config(tmp_path, capsys):

@@ -444,3 +444,13 @@ def test_a_pinned_pipeline_schedule_asks_for_a_pipeline():
     assert search(work, hw, 8, {"pp_schedule": "zbv", "pp": 1}).candidates  # (pp pinned too: as asked)
     for plain in ({"pp_schedule": "1f1b"}, {"pp_virtual_stages": 1}):  # (what pp=1 runs: no pipeline asked for)
         assert 1 in {e.layout.pp for e in search(work, hw, 8, plain).candidates}, plain
+
+
+def test_an_odd_sequence_that_does_not_fit_is_not_told_to_use_a_larger_tp_or_cp(capsys):
+    """seq 131071 (prime) did not fit, and the advice was "a larger tp or cp": neither splits an odd
+    length (the search offers none), so the line names the length and an even one."""
+    code, _, err = run_cli(capsys, "plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "64", "--seq-len",
+                           "131071", "--global-batch", "64", "--train.loss_chunk_tokens=4096")
+    assert code != 0
+    assert "no tp (sequence parallel) or cp splits seq 131071, an odd length: a seq_len such as 131072" in err
+    assert "a larger tp or cp" not in err

@@ -50,6 +50,8 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
               "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
     cfg = _steps_not_replaced(load_relaunch_config(saved, cfg.run.dir, overrides), overrides)
     given = _given(overrides)
+    if "parallel.cp_mode" in given and "parallel.cp_ulysses" not in given and cfg.parallel.cp_mode != "hybrid":
+        cfg.parallel.cp_ulysses = ParallelConfig().cp_ulysses  # (the saved hybrid's split: no other mode reads it)
     _check_relative_data(cfg, saved, given)
     cfg.parallel.check()  # (a degree of 0 or less: its own one line)
     try:
