@@ -38,7 +38,7 @@ from shardline.parallel.compile import describe as describe_compile
 from shardline.planner.estimate import estimate
 from shardline.planner.hardware import Hardware, cuda_index, get_hardware, with_local_memory
 from shardline.planner.layout import Workload
-from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_over_words, mfu_words
+from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_over_words, mfu_words, scores_words
 from shardline.planner.microbatch_comm import ep_placement
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE, node_ranks
@@ -300,7 +300,8 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
             + (f", pipeline bubble {100 * e.bubble_share:.1f}% of the step" if e.bubble_share else "")
             + _compile_pricing(work, launch.layout) + _cpu_guess(hw),
             f"          {MEMORY_TERMS}",
-            f"          {mfu_words(work)}", *(f"          {line}" for line in mfu_over_words(e.mfu)),
+            f"          {mfu_words(work)}", *(f"          {line}" for line in mfu_over_words(e.mfu)
+                                              + scores_words(work, hw, launch.layout.cp_degrees[0])),
             f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}",
             *([f"          {ep}"] if (ep := ep_placement(launch.layout, hw, getattr(work.model, "n_experts", 0)))
               else [])], e.fits

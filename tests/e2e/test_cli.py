@@ -113,6 +113,17 @@ def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_p
     again = _relaunch_config(None, [f"run.dir={run}", "parallel.cp=2", "parallel.cp_mode=ulysses"], world=2)
     assert (again.parallel.cp_mode, again.parallel.cp_ulysses) == ("ulysses", 0)
     assert _relaunch_config(None, [f"run.dir={run}", "parallel.cp=2"], world=2).parallel.cp_ulysses == 2  # (mode kept)
+    # A run that trained to its end and saved no checkpoint: --run.dir alone trained the defaults into it
+    done = tmp_path / "done"
+    done.mkdir()
+    save_config(load_config(None, ["model.dim=64", "train.steps=12"]), done / "config.toml")
+    (done / "progress.json").write_text('{"run_complete": true, "high_water_step": 12}')
+    with pytest.raises(ConfigError, match=re.escape(f"run.dir={done} holds a run that trained to its end (step 12) "
+                                                    "and holds no checkpoint of it: nothing to resume or extend")):
+        _relaunch_config(None, [f"run.dir={done}", "train.steps=20"])
+    assert _relaunch_config(None, [f"run.dir={done}", "run.resume=never"]).model.dim == 0  # (asked: another run)
+    (done / "progress.json").write_text('{"run_complete": false, "high_water_step": 5}')  # (cut short: the note)
+    assert _relaunch_config(None, [f"run.dir={done}"]).model.dim == 0
 
 
 def test_a_relaunch_of_a_run_kept_in_memory_alone_takes_its_saved_config(tmp_path, capsys):

@@ -454,3 +454,14 @@ def test_an_odd_sequence_that_does_not_fit_is_not_told_to_use_a_larger_tp_or_cp(
     assert code != 0
     assert "no tp (sequence parallel) or cp splits seq 131071, an odd length: a seq_len such as 131072" in err
     assert "a larger tp or cp" not in err
+
+
+def test_a_long_sequence_plan_says_how_much_of_the_counted_flops_the_devices_run(capsys):
+    """At 128k tokens the table showed 58.9% MFU for 8B where the devices run about 35% of peak: the
+    scores are 82% of the model FLOPs, and a causal kernel computes half of them."""
+    code, out, _ = run_cli(capsys, "plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "64", "--seq-len",
+                           "131072", "--global-batch", "64", "--top", "1")
+    assert code == 0
+    assert ("at seq 131,072 the scores are 82% of the FLOPs MFU counts and the cp ring computes 50% of them: the "
+            "devices run about 59% of the FLOPs counted") in out
+    assert "the scores are" not in run_cli(capsys, *PLAN_8B, "--top", "1")[1]  # (seq 4096: 6N is most of them)

@@ -80,6 +80,8 @@ def test_the_first_step_is_warm_up_not_throughput(tiny_config, tmp_path):
     trainer.train()
     train = read_records(tmp_path / "run", "train")
     assert [r["step"] for r in train] == [3, 6]
+    per_step = trainer.cfg.train.global_batch_size * trainer.cfg.train.seq_len  # (runs compared by tokens trained)
+    assert [r["tokens"] for r in train] == [3 * per_step, 6 * per_step]
     # steps 2 and 3 only, as steps 4 to 6 (with step 1 in it: 1 s more)
     assert train[0]["step_time_s"] < train[1]["step_time_s"] + 0.5, train
 

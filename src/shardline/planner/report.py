@@ -8,6 +8,7 @@ from shardline.planner.estimate import Estimate
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
 from shardline.models import num_params
+from shardline.models.flops import flops_per_token, matmul_params
 from shardline.planner.microbatch_comm import ep_placement
 from shardline.planner.memory import GiB, largest_term, total_params
 from shardline.planner.offload import OUTSIDE_DEVICE, ssd_spill
@@ -67,6 +68,21 @@ def mfu_over_words(mfu: float) -> list[str]:
             "and between documents, which at long sequences is most of the work; tokens/s is the figure to compare)"]
 
 
+def scores_words(work: Workload, hw: Hardware, ring: int = 1) -> list[str]:
+    """A line where the scores are a large part of the FLOPs MFU counts: the kernel computes a share of
+    them (causal: about half), so at long sequences the hardware does much less work than MFU counts."""
+    counted = flops_per_token(work.model, work.seq_len)
+    scores = counted - 6.0 * matmul_params(work.model)
+    if scores < 0.25 * counted:
+        return []
+    kernel = attention.kernel(work, hw, ring)
+    share = attention.computed_fraction(kernel, work.seq_len, work.document_mask, work.mean_doc_tokens)
+    run = (counted - scores * (1 - share)) / counted
+    return [f"(at seq {work.seq_len:,} the scores are {100 * scores / counted:.0f}% of the FLOPs MFU counts and "
+            f"{'the cp ring' if kernel == 'context' else kernel} computes {100 * share:.0f}% of them: the devices run about {100 * run:.0f}% of the FLOPs "
+            "counted, recomputation aside; compare tokens/s)"]
+
+
 PLAN_CAVEAT = ("predicted by the cost model (within 15% on 14 of 16 published GPU runs of other trainers: "
                "docs/planner.md); this trainer has run on one GPU, not yet on many (pipeline schedules, cp and ep on "
                "CPU ranks only): run the top rows a few steps each before a long run")
@@ -83,7 +99,7 @@ def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, sh
     lines = [f"plan: {describe_request(work, hw, gpus)}{rings}",
              f"searched {result.evaluated:,} layouts in {result.seconds:.1f} s: {len(result.candidates):,} fit"
              + (f"; pruned by the rule they broke (memory: did not fit): {pruned}" if pruned else ""),
-             mfu_words(work),
+             mfu_words(work), *scores_words(work, hw, shown[0].layout.cp_degrees[0] if shown else 1),
              f"GiB/dev: the peak per device of {hw.mem_gib:.1f}, with {100 * hw.fragmentation:.0f}% allocator slack "
              f"and {hw.reserved_gib:g} GiB outside it (CUDA context, NCCL) counted; to keep more free, a --profile "
              "with a lower mem_gib",
@@ -114,7 +130,7 @@ def estimate_text(work: Workload, hw: Hardware, e: Estimate) -> str:
              f"layout: {e.layout.describe()}  ({e.info['micro_batches_per_step']} micro-batches per rank per step)",
              "",
              f"step time {e.step_time_s:.4g} s   tokens/s {e.tokens_per_s:,.0f} (global)   MFU {100 * e.mfu:.1f}%",
-             f"({mfu_words(work)})", *mfu_over_words(e.mfu),
+             f"({mfu_words(work)})", *mfu_over_words(e.mfu), *scores_words(work, hw, e.layout.cp_degrees[0]),
              "",
              "time per step (s):"]
     for key, value in sorted(e.breakdown.items(), key=lambda kv: -kv[1]):

@@ -40,6 +40,7 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         return cfg
     held = resumable(Path(cfg.run.dir), saved)
     if not held:
+        _refuse_a_finished_run(Path(cfg.run.dir))
         _say_not_read(cfg, saved, overrides)
         return cfg
     if printing and speaks_for_the_job():  # (a config printed to start from: not the defaults, where a run is there)
@@ -102,6 +103,17 @@ def _steps_not_replaced(cfg: Config, overrides) -> Config:
                           "derives the run's steps from its data; give --train.epochs=N (more passes), or "
                           "--train.epochs=0 with --train.steps")
     return cfg
+
+
+def _refuse_a_finished_run(run_dir: Path) -> None:
+    """A run that trained to its end and saved no checkpoint, relaunched by --run.dir alone: the
+    defaults trained into its folder (another model, its history cut) where nothing was left to do."""
+    account = read_account(run_dir) or {}  # (damaged: _say_not_read's note is all there is to say)
+    if account.get("run_complete") is True:
+        raise ConfigError(f"run.dir={run_dir} holds a run that trained to its end (step "
+                          f"{account.get('high_water_step', '?')}) and holds no checkpoint of it: nothing to resume or "
+                          "extend; another --run.dir trains anew (--config FILE or --run.resume=never: another run "
+                          "in this folder, whose records follow this one's)")
 
 
 def _say_not_read(cfg: Config, saved: Path, overrides: list[str]) -> None:

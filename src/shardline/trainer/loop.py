@@ -1,13 +1,12 @@
 """The training loop: data -> forward/backward -> optimizer -> metrics -> checkpoint.
 
-Read `build()` (the model, optimizer, data and the state a run resumes), then `_train()`,
-the loop (`train()` wraps it with the cleanup an error needs, `close()`); what one rank
-computes of a step (forward, loss, backward) is step.py's StepRunner, what a checkpoint
-holds beyond the weights and how a run is put back from one is state.py's, and what is
-done with an anomalous step (skip, rollback, halt) is anomalies.py's, the evaluation, save and
-memory snapshot due after a step are intervals.py's, and what a stop request saves is stopping.py's. The loss of a step
-is the mean over every labelled token of the global batch, whatever the micro-batching,
-so neither gradient accumulation nor any parallel layout changes a number.
+Read `build()` (the model, optimizer, data and the state a run resumes), then `_train()`, the loop (`train()` wraps
+it with the cleanup an error needs, `close()`); what one rank computes of a step (forward, loss, backward) is
+step.py's StepRunner, what a checkpoint holds beyond the weights and how a run is put back from one is state.py's,
+and what is done with an anomalous step (skip, rollback, halt) is anomalies.py's, the evaluation, save and memory
+snapshot due after a step are intervals.py's, and what a stop request saves is stopping.py's. The loss of a step is
+the mean over every labelled token of the global batch, whatever the micro-batching, so neither gradient
+accumulation nor any parallel layout changes a number.
 """
 
 from __future__ import annotations
@@ -386,12 +385,13 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
     def _log_train(self, loss: float | torch.Tensor, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
         self.report_device_anomalies()
         lr = self.scheduler.base_lrs[0] * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
-        tokens_per_s = steps * self.cfg.train.global_batch_size * self.cfg.train.seq_len / seconds
+        per_step = self.cfg.train.global_batch_size * self.cfg.train.seq_len  # (a resume keeps both)
+        tokens_per_s = steps * per_step / seconds
         memory = peak_memory_gib(self.device)  # the maximum over ranks of each figure
         peaks = dict(zip(memory, reduce_over(self.dims, None, torch.tensor([*memory.values()]), "max").tolist()))
         return self.metrics.log(  # (float(loss), .item(): under the device anomaly check the steps' only host sync)
             "train", step=self.step, loss=float(loss), lr=lr, **self.data.log_fields(self.step, self.skipped_batches),
-            grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s,
+            grad_norm=grad_norm.item(), tokens=self.step * per_step, tokens_per_s=tokens_per_s,  # (tokens: trained)
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
             **peaks, step_time_s=seconds / steps,
             epoch=self.data.sampler.epoch_of(batch_index(self.step, self.skipped_batches)),  # batches drawn
