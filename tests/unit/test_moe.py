@@ -257,6 +257,11 @@ def test_top_1_routing_with_renormalised_weights_is_refused_since_the_router_wou
         cfg = load_config(None, [f"model.preset={preset}", "moe.num_experts=4", "moe.top_k=1", "moe.expert_ffn_dim=64"])
         with pytest.raises(ConfigError, match="moe.top_k=1 with renormalised weights .* set moe.norm_topk=0"):
             model_shape(cfg.model, 512, cfg.moe)
+    # Every block dense: the dry run said "8 experts, top 2" of a dense model, and ep laid out none
+    cfg = load_config(None, ["model.preset=tiny-moe", "model.n_layers=4", "moe.first_dense_layers=4"])
+    with pytest.raises(ConfigError, match=r"first_dense_layers=4 must be in 0..3 \(below n_layers=4, which would "
+                                          "leave no MoE block"):
+        model_shape(cfg.model, 512, cfg.moe)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -144,32 +144,33 @@ def matmul_time(hw: Hardware, dtype: str, m: float, n: float, k: float, share_: 
     return 2.0 * m * n * k / (hw.peak(dtype) * share_ * matmul_efficiency(hw, dtype, m, n, k))
 
 
-# Mixture of experts, dropless: the busiest rank's routed tokens over the mean, with
-# balancing on. An assumption (per-layer max/mean loads of about 1.1-1.3 are what
-# balanced MoE runs report), not a measurement of ours; it scales the routed experts'
-# share of a block's feed-forward GEMMs.
+# Mixture of experts, dropless, under expert parallelism: the busiest rank's routed tokens
+# over the mean, with balancing on (without ep every rank runs top_k slots of each of its
+# own tokens, however they route: no rank waits on another's load). An assumption (per-layer
+# max/mean loads of about 1.1-1.3 are what balanced MoE runs report), not a measurement of
+# ours; it scales the routed experts' share of a block's feed-forward GEMMs.
 EXPERT_LOAD_ALLOWANCE = 1.15
 
 
-def ffn_compute_width(model) -> float:
+def ffn_compute_width(model, ep: int = 1) -> float:
     """The feed-forward width a block's GEMMs are priced at: the active width, with the
-    routed experts' part scaled by EXPERT_LOAD_ALLOWANCE."""
-    return ffn_width(model) + (EXPERT_LOAD_ALLOWANCE - 1) * routed_ffn_width(model)
+    routed experts' part scaled by EXPERT_LOAD_ALLOWANCE under expert parallelism (ep > 1)."""
+    return ffn_width(model) + (EXPERT_LOAD_ALLOWANCE - 1) * routed_ffn_width(model) * (ep > 1)
 
 
-def layer_gemms(work: Workload, tp: int, tokens: int) -> list[tuple[int, float, float]]:
+def layer_gemms(work: Workload, tp: int, tokens: int, ep: int = 1) -> list[tuple[int, float, float]]:
     """(m, n, k) of the forward GEMMs of one block on one TP rank: wq, wk, wv, wo, w1, w3, w2."""
     mdl = work.model
-    h, q, kv, f = mdl.dim, mdl.n_heads * mdl.head_size, mdl.kv_heads * mdl.head_size, ffn_compute_width(mdl)
+    h, q, kv, f = mdl.dim, mdl.n_heads * mdl.head_size, mdl.kv_heads * mdl.head_size, ffn_compute_width(mdl, ep)
     return [(tokens, h, q / tp), (tokens, h, kv / tp), (tokens, h, kv / tp), (tokens, q / tp, h),
             (tokens, h, f / tp), (tokens, h, f / tp), (tokens, f / tp, h)]
 
 
-def layer_gemm_dtypes(work: Workload, tp: int, tokens: int) -> list[tuple[str, int, float, float]]:
+def layer_gemm_dtypes(work: Workload, tp: int, tokens: int, ep: int = 1) -> list[tuple[str, int, float, float]]:
     """(dtype, m, n, k) of a block's forward GEMMs: under fp8, those float8 converts (a weight
     whose dims are multiples of FP8_GEMM_MULTIPLE x tp) at "fp8", the routed experts' share of the
     feed-forward width (grouped weights, not nn.Linear) at bf16."""
-    gemms = layer_gemms(work, tp, tokens)
+    gemms = layer_gemms(work, tp, tokens, ep)
     if work.precision != "fp8":
         return [(work.precision, *g) for g in gemms]
     m = work.model
@@ -178,7 +179,7 @@ def layer_gemm_dtypes(work: Workload, tp: int, tokens: int) -> list[tuple[str, i
     ffn = m.ffn_dim if moe is None else math.gcd(m.ffn_dim, moe.expert_ffn_dim)  # both widths aligned
     out = [(_fp8_if_aligned(tp, h, width), *g) for width, g in zip((q, kv, kv, q), gemms[:4])]
     linear = _linear_ffn_width(m)
-    for dtype, width in ((_fp8_if_aligned(tp, h, ffn), linear), ("bf16", ffn_compute_width(m) - linear)):
+    for dtype, width in ((_fp8_if_aligned(tp, h, ffn), linear), ("bf16", ffn_compute_width(m, ep) - linear)):
         if width > 0:
             out += [(dtype, tokens, h, width / tp), (dtype, tokens, h, width / tp), (dtype, tokens, width / tp, h)]
     return out
@@ -230,7 +231,7 @@ def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
     dtype, s = compute_dtype(work.precision), work.seq_len
     tokens = layout.micro_batch_size * s // layout.cp
     sh, sh_mem, sh_ops = (share(hw, layout, kind) for kind in ("matmul", "memory", "dispatch"))
-    mm = sum(matmul_time(hw, d, *g, sh) for d, *g in layer_gemm_dtypes(work, layout.tp, tokens))
+    mm = sum(matmul_time(hw, d, *g, sh) for d, *g in layer_gemm_dtypes(work, layout.tp, tokens, layout.ep))
     q_width = work.model.n_heads * work.model.head_size / layout.tp
     bw = hw.mem_bw_gbs * 1e9 * hw.elementwise_eff.get(dtype, 0.7) * sh_mem
     if work.runtime.attention == "math":
@@ -253,7 +254,7 @@ def layer_times(work: Workload, layout: Layout, hw: Hardware) -> LayerTimes:
     # bytes); FSDP's mixed precision casts while gathering instead (not fp16's: it gathers fp32).
     casts = 6 * layer_params(work, layout.tp) / bw if autocast_casts else 0.0
     if work.precision == "fp8":  # float8's Linear layers cast their own weights (not autocast)
-        act_fwd, act_bwd, params = float8_cast_bytes(work, layer_gemm_dtypes(work, layout.tp, 1))
+        act_fwd, act_bwd, params = float8_cast_bytes(work, layer_gemm_dtypes(work, layout.tp, 1, layout.ep))
         weight_src = 4 if autocast_casts else 2  # fp32 weights, or FSDP's gathered bf16 ones
         f8_fwd = (act_fwd * tokens + (2 * weight_src + 1) * params) / bw
         # The backward casts the Linear inputs and weights to float8 again, eager (torchao keeps

@@ -79,8 +79,8 @@ def scores_words(work: Workload, hw: Hardware, ring: int = 1) -> list[str]:
     share = attention.computed_fraction(kernel, work.seq_len, work.document_mask, work.mean_doc_tokens)
     run = (counted - scores * (1 - share)) / counted
     return [f"(at seq {work.seq_len:,} the scores are {100 * scores / counted:.0f}% of the FLOPs MFU counts and "
-            f"{'the cp ring' if kernel == 'context' else kernel} computes {100 * share:.0f}% of them: the devices run about {100 * run:.0f}% of the FLOPs "
-            "counted, recomputation aside; compare tokens/s)"]
+            f"{'the cp ring' if kernel == 'context' else kernel} computes {100 * share:.0f}% of them: the devices run "
+            f"about {100 * run:.0f}% of the FLOPs counted, recomputation aside; compare tokens/s)"]
 
 
 PLAN_CAVEAT = ("predicted by the cost model (within 15% on 14 of 16 published GPU runs of other trainers: "
@@ -99,7 +99,8 @@ def plan_table(work: Workload, hw: Hardware, gpus: int, result: SearchResult, sh
     lines = [f"plan: {describe_request(work, hw, gpus)}{rings}",
              f"searched {result.evaluated:,} layouts in {result.seconds:.1f} s: {len(result.candidates):,} fit"
              + (f"; pruned by the rule they broke (memory: did not fit): {pruned}" if pruned else ""),
-             mfu_words(work), *scores_words(work, hw, shown[0].layout.cp_degrees[0] if shown else 1),
+             mfu_words(work),
+             *scores_words(work, hw, shown[0].layout.cp_degrees[0] if shown else 1),
              f"GiB/dev: the peak per device of {hw.mem_gib:.1f}, with {100 * hw.fragmentation:.0f}% allocator slack "
              f"and {hw.reserved_gib:g} GiB outside it (CUDA context, NCCL) counted; to keep more free, a --profile "
              "with a lower mem_gib",

@@ -43,8 +43,10 @@ class MoEArgs:
             problems.append(f"moe top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
         if self.router not in ROUTERS:
             problems.append(f"moe router={self.router!r} must be one of {', '.join(ROUTERS)}")
-        if not 0 <= self.first_dense_layers <= n_layers:
-            problems.append(f"moe first_dense_layers={self.first_dense_layers} must be in 0..n_layers={n_layers}")
+        if not 0 <= self.first_dense_layers < n_layers:  # (all of them dense: an MoE model of no MoE block)
+            problems.append(f"moe first_dense_layers={self.first_dense_layers} must be in 0..{n_layers - 1} (below "
+                            f"n_layers={n_layers}, which would leave no MoE block: a dense model is a preset "
+                            "without [moe])")
         for key in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "shared_experts"):
             if getattr(self, key) < 0:
                 problems.append(f"moe {key}={getattr(self, key)} must be >= 0")
