@@ -279,7 +279,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
                                    loss_scale=self.scaler.scaler.get_scale())
             if step == first and step % cfg.metrics.log_interval and step != stop:  # warm-up (compile, caches):
                 window.restart(self._clock())  # the first window starts after it
-            if step % cfg.metrics.log_interval == 0 or step == stop:
+            if step % cfg.metrics.log_interval == 0 or step == stop or request:  # (a stop's steps logged too)
                 last = self._log_train(loss_value, grad_norm, self._clock() - window.start, window.steps)
                 window.restart()
             request, paused_s = self._evaluate_and_save(step, stop, request)
