@@ -122,8 +122,13 @@ def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_p
                                                     "and holds no checkpoint of it: nothing to resume or extend")):
         _relaunch_config(None, [f"run.dir={done}", "train.steps=20"])
     assert _relaunch_config(None, [f"run.dir={done}", "run.resume=never"]).model.dim == 0  # (asked: another run)
+    (tmp_path / "ckpt").mkdir()  # (a checkpoint named: the launch's own word)
+    assert _relaunch_config(None, [f"run.dir={done}", f"run.resume={tmp_path / 'ckpt'}"]).run.resume.endswith("ckpt")
     (done / "progress.json").write_text('{"run_complete": false, "high_water_step": 5}')  # (cut short: the note)
     assert _relaunch_config(None, [f"run.dir={done}"]).model.dim == 0
+    (done / "config.toml").write_text("")  # emptied by a crash: an in-memory snapshot run's went on as the defaults
+    with pytest.raises(ConfigError, match="holds no \\[model\\] table"):
+        _relaunch_config(None, [f"run.dir={done}"])
 
 
 def test_a_relaunch_of_a_run_kept_in_memory_alone_takes_its_saved_config(tmp_path, capsys):

@@ -335,7 +335,7 @@ def test_a_value_check_refuses_names_the_file_that_set_it(tmp_path):
     path = tmp_path / "my.toml"
     path.write_text("[train]\nsteps = -3\n[model]\ndim = 64\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=re.escape(f"train.steps=-3 is invalid: must be > 0 (and < 2**63) "
-                                                    f"(set in {path})")):
+                                                    f"(train.steps from {path})")):
         load_config(path).check()
     for cfg in (load_config(path, ["train.steps=-4"]), load_config(path)):
         cfg.train.steps = cfg.train.steps if cfg.train.steps == -4 else -9
@@ -344,7 +344,7 @@ def test_a_value_check_refuses_names_the_file_that_set_it(tmp_path):
     saved = tmp_path / "config.toml"
     save_config(load_config(None, ["train.steps=4"]), saved)
     saved.write_text(saved.read_text(encoding="utf-8").replace("steps = 4", "steps = -4"), encoding="utf-8")
-    with pytest.raises(ConfigError, match=re.escape(f"(set in {saved}, the run's saved config)")):
+    with pytest.raises(ConfigError, match=re.escape(f"(train.steps from {saved}, the run's saved config)")):
         load_relaunch_config(saved, str(tmp_path)).check()
 
 

@@ -259,8 +259,8 @@ def test_top_1_routing_with_renormalised_weights_is_refused_since_the_router_wou
             model_shape(cfg.model, 512, cfg.moe)
     # Every block dense: the dry run said "8 experts, top 2" of a dense model, and ep laid out none
     cfg = load_config(None, ["model.preset=tiny-moe", "model.n_layers=4", "moe.first_dense_layers=4"])
-    with pytest.raises(ConfigError, match=r"first_dense_layers=4 must be in 0..3 \(below n_layers=4, which would "
-                                          "leave no MoE block"):
+    with pytest.raises(ConfigError, match=r"moe.first_dense_layers=4 must be in 0..3, below model.n_layers=4: at 4 "
+                                          "no block has experts"):
         model_shape(cfg.model, 512, cfg.moe)
 
 

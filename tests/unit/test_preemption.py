@@ -63,24 +63,28 @@ def test_a_double_ctrl_c_during_a_save_lets_the_save_finish(tiny_config, capsys)
     assert verify(trainer.run_dir / "checkpoints" / "step-000004")["step"] == 4
 
 
-def test_the_steps_a_stop_ends_are_logged(tiny_config):
+@pytest.mark.parametrize("at, in_save", [(3, False), (1, False), (4, True)])
+def test_the_steps_a_stop_ends_are_logged(tiny_config, tmp_path, at, in_save):
     """A SIGTERM at step 3 under metrics.log_interval=5: the run saved step 3 and resumed at 4, and
-    the losses of steps 1-3 were in no record (at step 23 of a 10-step interval: 21-23, for good)."""
+    the losses of steps 1-3 were in no record (at step 23 of a 10-step interval: 21-23, for good).
+    In a launch's first step (whose time the first window leaves out) and in a save, too."""
     from shardline.trainer import Trainer
 
-    trainer = Trainer(tiny_config("train.steps=12", "metrics.log_interval=5", "train.eval_interval=0")).build()
-    compute, calls = trainer.compute_gradients, []
+    trainer = Trainer(tiny_config("train.steps=12", "metrics.log_interval=5", "train.eval_interval=0",
+                                  "checkpoint.interval=4", run_dir=tmp_path / f"run{at}")).build()
+    name = "save_checkpoint" if in_save else "compute_gradients"
+    inner, calls = getattr(trainer, name), []
 
-    def stopped_in_the_third():
+    def stopped_in_it():
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == (1 if in_save else at):
             os.kill(os.getpid(), signal.SIGTERM)
-        return compute()
+        return inner()
 
-    trainer.compute_gradients = stopped_in_the_third
-    with pytest.raises(Preempted, match="SIGTERM at step 3"):
+    setattr(trainer, name, stopped_in_it)
+    with pytest.raises(Preempted, match=f"SIGTERM at step {at}"):
         trainer.train()
-    assert [r["step"] for r in records(trainer.run_dir) if r.get("kind") == "train"] == [3]
+    assert [r["step"] for r in records(trainer.run_dir) if r.get("kind") == "train"] == [at]
 
 
 def test_a_third_ctrl_c_in_a_save_or_a_ctrl_c_inside_torchs_writer_is_an_interrupt():

@@ -519,8 +519,16 @@ def test_sharegpt_conversations_read_as_the_same_messages(tmp_path):
     (tmp_path / "chat.jsonl").write_text(chat_records(30))
     (tmp_path / "sharegpt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shared))
     pq.write_table(pa.Table.from_pylist(shared), tmp_path / "sharegpt.parquet")
+    # Merged sets: rows of either layout in one table (the other column null), or turns of both in one list
+    merged = [{"messages": None, **r} if i % 2 else {"messages": records[i]["messages"], "conversations": None}
+              for i, r in enumerate(shared)]
+    pq.write_table(pa.Table.from_pylist(merged), tmp_path / "merged.parquet")
+    turns = [{"conversations": [*r["conversations"][:2], *records[i]["messages"][2:]]} for i, r in enumerate(shared)]
+    table = pa.Table.from_pylist(turns)  # (its struct holds from, value, role and content, each null where unset)
+    with pa.ipc.new_stream(tmp_path / "turns.arrow", table.schema) as out:
+        out.write_table(table)
     plain = data(tmp_path / "chat.jsonl", "data.format=chat", seq_len=128)
-    for name in ("sharegpt.jsonl", "sharegpt.parquet"):
+    for name in ("sharegpt.jsonl", "sharegpt.parquet", "merged.parquet", "turns.arrow"):
         assert_same_batches(plain, data(tmp_path / name, "data.format=chat", seq_len=128))
     prepare(PrepareOptions([str(tmp_path / "sharegpt.jsonl")], str(tmp_path / "prep"), format="chat", workers=1,
                            **SMALL))

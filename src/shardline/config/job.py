@@ -65,7 +65,7 @@ class Config:
         self._named_where_set(self.check_drills)
 
     def _named_where_set(self, check) -> None:
-        """check(); its error names the file that set the key it names, where the value is still the file's
+        """check(); its error names the file that set the key it opens with, where the value is still the file's
         (`_file`: load_config's record; not an override's value, nor one set in code since)."""
         try:
             check()
@@ -74,7 +74,7 @@ class Config:
             key = reader.key_of(e)
             if key not in values or getattr(getattr(self, key.split(".")[0]), key.split(".")[1]) != values[key]:
                 raise
-            raise ConfigError(f"{e} (set in {path})") from None
+            raise ConfigError(f"{e} ({key} from {path})") from None  # (maybe beside another's value: not blamed)
 
     def check_drills(self, steps_known: bool = False) -> None:
         """A drill that can never fire passed as if it had: one at a step past train.steps, or a loss

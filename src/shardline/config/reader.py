@@ -259,5 +259,6 @@ def _kind(item, one: bool = False) -> str:
 
 def key_of(error: ConfigError) -> str:
     """The section.key a config error's line opens with ("train.steps='lots' ..."), else ""."""
-    head = str(error).split("=", 1)[0].split()[0] if "=" in str(error) else ""
+    words = str(error).split("=", 1)[0].split() if "=" in str(error) else []
+    head = words[0] if words else ""
     return head if head.count(".") == 1 and head.replace(".", "").replace("_", "").isalnum() else ""

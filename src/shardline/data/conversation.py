@@ -31,9 +31,9 @@ def conversation(f: Path, where: str, value) -> list[dict]:
                         "the source's format = \"text\"; prepare: --format text)")
     out = []
     for i, m in enumerate(value):
-        if isinstance(m, dict) and "role" not in m and isinstance(m.get("from"), str) and "value" in m:
-            m = {"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"],
-                 **{k: v for k, v in m.items() if k not in ("from", "value")}}
+        if isinstance(m, dict) and m.get("role") is None and isinstance(m.get("from"), str):  # (a table's null role)
+            m = {**{k: v for k, v in m.items() if k not in ("from", "value", "role", "content")},
+                 "role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
         calls = isinstance(m, dict) and bool(m.get("tool_calls"))  # a reply that calls tools may hold no text
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                 and (isinstance(m.get("content"), str) or calls and m.get("content") is None)):

@@ -201,7 +201,8 @@ def read_file(f: Path, field: str) -> Iterator:
     if kind == ".txt":
         if field == CHAT_FIELD:  # plain text holds no roles to mask by
             raise DataError(f"data file {f} is plain text, but the chat format reads conversations: a "
-                            f"'{CHAT_FIELD}' list of {{role, content}} per record of a .jsonl, .parquet or .arrow file")
+                            f"'{CHAT_FIELD}' list of {{role, content}} (or ShareGPT's 'conversations' of "
+                            "{from, value}) per record of a .jsonl, .parquet or .arrow file")
         return _read_txt(f)
     if kind == ".jsonl":
         return _read_jsonl(f, field)
@@ -328,6 +329,8 @@ def _read_table(f: Path, field: str, kind: str) -> Iterator:
         for batch in batches:
             values = batch.column(0).to_pylist()
             if field == CHAT_FIELD:  # a null row holds no conversation: an empty document, counted as one
+                if batch.num_columns == 2:  # (messages and ShareGPT's conversations, as merged sets hold them)
+                    values = [m if m is not None else c for m, c in zip(values, batch.column(1).to_pylist())]
                 yield from ("" if v is None else conversation(f, "a row", v) for v in values)
                 continue
             values = ["" if v is None else v for v in values]  # a null row: an empty document, counted as one
@@ -352,7 +355,7 @@ def _arrow_batches(f: Path, field: str, kind: str) -> Iterator:
     source = pa.BufferReader(gzip.decompress(f.read_bytes())) if f.name.lower().endswith(".gz") else str(f)
     if kind == ".parquet":
         reader = pq.ParquetFile(source)
-        return reader.iter_batches(batch_size=1024, columns=[_column(f, field, reader.schema_arrow.names)])
+        return reader.iter_batches(batch_size=1024, columns=_columns(f, field, reader.schema_arrow.names))
     stream = pa.memory_map(source) if isinstance(source, str) else source
     try:
         reader = ipc.open_stream(stream)
@@ -360,17 +363,18 @@ def _arrow_batches(f: Path, field: str, kind: str) -> Iterator:
         stream.seek(0)
         file_reader = ipc.open_file(stream)
         reader = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
-        column = _column(f, field, file_reader.schema.names)
-        return (b.select([column]) for b in reader)
-    column = _column(f, field, reader.schema.names)
-    return (b.select([column]) for b in reader)
+        columns = _columns(f, field, file_reader.schema.names)
+        return (b.select(columns) for b in reader)
+    columns = _columns(f, field, reader.schema.names)
+    return (b.select(columns) for b in reader)
 
 
-def _column(f: Path, field: str, columns: list[str]) -> str:
-    """The column to read for `field`: itself, or ShareGPT's conversations where chat's messages are not."""
-    if field == CHAT_FIELD and field not in columns and SHAREGPT_FIELD in columns:
-        return SHAREGPT_FIELD
+def _columns(f: Path, field: str, columns: list[str]) -> list[str]:
+    """The columns to read for `field`: itself; for chat's messages, ShareGPT's conversations too where
+    the table has them (a row whose messages are null reads them)."""
+    if field == CHAT_FIELD and SHAREGPT_FIELD in columns:
+        return [c for c in (CHAT_FIELD, SHAREGPT_FIELD) if c in columns]
     if field not in columns:
         raise DataError(f"data file {f} has no column {field!r} (set data.text_field, or in data.mix the "
                         f"source's text_field; prepare: --text-field; it has {', '.join(columns[:8])})")
-    return field
+    return [field]

@@ -323,15 +323,13 @@ def _device_text(work: Workload, hw: Hardware, misfit: tuple[float, Layout, dict
     big, big_bytes = largest_term(mem)
     advice = f"use about {more}x more devices, a shorter sequence or a smaller model"
     if big in ("activations", "logits") and states < have:  # a micro-batch's: more data parallelism keeps them
-        advice = ("activations are a micro-batch's, which more data-parallel devices leave as they are: a larger tp "
-                  "or cp, activation_checkpoint=full (if pinned otherwise), or a shorter sequence")
+        split = "a larger tp or cp"
         if work.seq_len % 2:  # (no cp and no sequence-parallel tp splits an odd sequence: none was searched)
-            even = -(-work.seq_len // 1024) * 1024
-            advice = (f"activations are a micro-batch's, which more data-parallel devices leave as they are, and no "
-                      f"tp (sequence parallel) or cp splits seq {work.seq_len}, an odd length: a seq_len such as "
-                      f"{even} (cp needs a multiple of 2 x cp), activation_checkpoint=full (if pinned otherwise), "
-                      "or a shorter sequence")
-        elif layout.dp == 1:  # tp x cp x pp holds every device: larger degrees need more of them
+            split = (f"a seq_len such as {-(-work.seq_len // 1024) * 1024} with a larger tp or cp (neither splits seq "
+                     f"{work.seq_len}, an odd length)")
+        advice = (f"activations are a micro-batch's, which more data-parallel devices leave as they are: {split}, "
+                  "activation_checkpoint=full (if pinned otherwise), or a shorter sequence")
+        if layout.dp == 1:  # tp x cp x pp holds every device: larger degrees need more of them
             advice += f"; at this world size, larger ones need about {more}x more devices"
     if big == "logits" and not work.loss_chunk_tokens and overrides:  # (priced: it holds no batch's logits)
         advice = ("the logits go with --train.loss_chunk_tokens=4096 (the output projection and loss a chunk of "

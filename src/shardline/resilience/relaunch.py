@@ -40,7 +40,8 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         return cfg
     held = resumable(Path(cfg.run.dir), saved)
     if not held:
-        _refuse_a_finished_run(Path(cfg.run.dir))
+        if cfg.run.resume == "auto":  # (a checkpoint named, or latest: the launch's own word on it)
+            _refuse_a_finished_run(Path(cfg.run.dir), saved)
         _say_not_read(cfg, saved, overrides)
         return cfg
     if printing and speaks_for_the_job():  # (a config printed to start from: not the defaults, where a run is there)
@@ -105,10 +106,14 @@ def _steps_not_replaced(cfg: Config, overrides) -> Config:
     return cfg
 
 
-def _refuse_a_finished_run(run_dir: Path) -> None:
+def _refuse_a_finished_run(run_dir: Path, saved: Path) -> None:
     """A run that trained to its end and saved no checkpoint, relaunched by --run.dir alone: the
-    defaults trained into its folder (another model, its history cut) where nothing was left to do."""
+    defaults trained into its folder (another model, its history cut) where nothing was left to do.
+    And one that trained whose config.toml is emptied or broken (a crash before its data reached the
+    disk): its in-memory snapshots, which resumable() reads of that file, were passed over in silence."""
     account = read_account(run_dir) or {}  # (damaged: _say_not_read's note is all there is to say)
+    if account.get("high_water_step"):
+        load_relaunch_config(saved, run_dir)  # (its one-line refusal, naming the file)
     if account.get("run_complete") is True:
         raise ConfigError(f"run.dir={run_dir} holds a run that trained to its end (step "
                           f"{account.get('high_water_step', '?')}) and holds no checkpoint of it: nothing to resume or "

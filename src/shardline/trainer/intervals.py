@@ -1,4 +1,4 @@
-"""What is due after a step: the evaluation, the checkpoint save and the memory snapshot, and
+"""What is due after a step: its log line, the evaluation, the checkpoint save and the memory snapshot, and
 how a stop request changes them (skipped, or an evaluation ended between its micro-batches:
 the grace before a kill is the save's).
 
@@ -12,11 +12,32 @@ import math
 from typing import Callable
 
 import numpy as np
+import torch
 
-from shardline.data.sampler import eval_micro_batches
+from shardline.data.sampler import batch_index, eval_micro_batches
+from shardline.metrics import mfu, peak_memory_gib
+from shardline.optim import lr_multiplier
+from shardline.parallel.collectives import reduce_over
 
 
 class IntervalWork:
+    def _log_train(self, loss: float | torch.Tensor, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
+        """The train record of the `steps` since the last one, trained in `seconds` (evaluations and saves out)."""
+        self.report_device_anomalies()
+        lr = self.scheduler.base_lrs[0] * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
+        per_step = self.cfg.train.global_batch_size * self.cfg.train.seq_len  # (a resume keeps both)
+        tokens_per_s = steps * per_step / seconds
+        memory = peak_memory_gib(self.device)  # the maximum over ranks of each figure
+        peaks = dict(zip(memory, reduce_over(self.dims, None, torch.tensor([*memory.values()]), "max").tolist()))
+        return self.metrics.log(  # (float(loss), .item(): under the device anomaly check the steps' only host sync)
+            "train", step=self.step, loss=float(loss), lr=lr, **self.data.log_fields(self.step, self.skipped_batches),
+            grad_norm=grad_norm.item(), tokens=self.step * per_step, tokens_per_s=tokens_per_s,  # (tokens: trained)
+            mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
+            **peaks, step_time_s=seconds / steps,
+            epoch=self.data.sampler.epoch_of(batch_index(self.step, self.skipped_batches)),  # batches drawn
+            **(self.experts.log_values() if self.experts else {}),
+            **({"loss_scale": self.scaler.scaler.get_scale()} if self.scaler.enabled else {}))  # fp16's, now
+
     def _evaluate_and_save(self, step: int, stop: int, request: str | None) -> tuple[str | None, float]:
         """The evaluation, save and memory snapshot due after `step`, each a watched phase
         (watchdog.long_timeout_s: a first eval that compiles, or a slow save, is not a hung

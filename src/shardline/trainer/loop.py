@@ -3,9 +3,9 @@
 Read `build()` (the model, optimizer, data and the state a run resumes), then `_train()`, the loop (`train()` wraps
 it with the cleanup an error needs, `close()`); what one rank computes of a step (forward, loss, backward) is
 step.py's StepRunner, what a checkpoint holds beyond the weights and how a run is put back from one is state.py's,
-and what is done with an anomalous step (skip, rollback, halt) is anomalies.py's, the evaluation, save and memory
-snapshot due after a step are intervals.py's, and what a stop request saves is stopping.py's. The loss of a step is
-the mean over every labelled token of the global batch, whatever the micro-batching, so neither gradient
+and what is done with an anomalous step (skip, rollback, halt) is anomalies.py's, the log line, evaluation, save and
+memory snapshot due after a step are intervals.py's, and what a stop request saves is stopping.py's. The loss of a
+step is the mean over every labelled token of the global batch, whatever the micro-batching, so neither gradient
 accumulation nor any parallel layout changes a number.
 """
 
@@ -26,12 +26,11 @@ from shardline.data.sampler import batch_index
 from shardline.devices import native_bf16, peak_tflops
 from shardline.errors import CheckpointError, ConfigError, Interrupted, Preempted, on_every_rank
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
-from shardline.metrics import mfu, peak_memory_gib
 from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
 from shardline.models.moe.parallelize import build_model as build_moe_model
-from shardline.optim import build_optimizer, build_scheduler, lr_multiplier
-from shardline.parallel.collectives import clip_grad_norm, reduce_over
+from shardline.optim import build_optimizer, build_scheduler
+from shardline.parallel.collectives import clip_grad_norm
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import agreed, init_distributed, pick_device
 from shardline.parallel.expert.balance import ExpertBalance
@@ -277,15 +276,18 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             if outcome == "overflow":
                 self.metrics.event("skipped_step", step=step, reason="fp16 overflow",
                                    loss_scale=self.scaler.scaler.get_scale())
-            if step == first and step % cfg.metrics.log_interval and step != stop:  # warm-up (compile, caches):
-                window.restart(self._clock())  # the first window starts after it
-            if step % cfg.metrics.log_interval == 0 or step == stop or request:  # (a stop's steps logged too)
+            if step == first and step % cfg.metrics.log_interval and step != stop and not request:  # warm-up
+                window.restart(self._clock())  # (compile, caches): the first window starts after it
+            logged = step % cfg.metrics.log_interval == 0 or step == stop or bool(request)  # (a stop's steps too)
+            if logged:
                 last = self._log_train(loss_value, grad_norm, self._clock() - window.start, window.steps)
                 window.restart()
             request, paused_s = self._evaluate_and_save(step, stop, request)
             window.took(0, paused_s)  # evaluation and saves are not training: out of the window
             self.guard.end_step(step)
             if request and step < stop:  # on the last step the run simply ends
+                if not logged:  # (asked in the evaluation or the save: the steps since the last line)
+                    last = self._log_train(loss_value, grad_norm, self._clock() - window.start, window.steps)
                 every = cfg.checkpoint.interval
                 stopped = self._stop_on_request(request, saved=bool(every) and step % every == 0)
                 break
@@ -382,19 +384,4 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _log_train(self, loss: float | torch.Tensor, grad_norm: torch.Tensor, seconds: float, steps: int) -> dict:
-        self.report_device_anomalies()
-        lr = self.scheduler.base_lrs[0] * lr_multiplier(self.step - 1, self.cfg.train.steps, self.cfg.optim)
-        per_step = self.cfg.train.global_batch_size * self.cfg.train.seq_len  # (a resume keeps both)
-        tokens_per_s = steps * per_step / seconds
-        memory = peak_memory_gib(self.device)  # the maximum over ranks of each figure
-        peaks = dict(zip(memory, reduce_over(self.dims, None, torch.tensor([*memory.values()]), "max").tolist()))
-        return self.metrics.log(  # (float(loss), .item(): under the device anomaly check the steps' only host sync)
-            "train", step=self.step, loss=float(loss), lr=lr, **self.data.log_fields(self.step, self.skipped_batches),
-            grad_norm=grad_norm.item(), tokens=self.step * per_step, tokens_per_s=tokens_per_s,  # (tokens: trained)
-            mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, self.proc.world_size),
-            **peaks, step_time_s=seconds / steps,
-            epoch=self.data.sampler.epoch_of(batch_index(self.step, self.skipped_batches)),  # batches drawn
-            **(self.experts.log_values() if self.experts else {}),
-            **({"loss_scale": self.scaler.scaler.get_scale()} if self.scaler.enabled else {}))  # fp16's, now
 

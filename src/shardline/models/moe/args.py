@@ -44,9 +44,9 @@ class MoEArgs:
         if self.router not in ROUTERS:
             problems.append(f"moe router={self.router!r} must be one of {', '.join(ROUTERS)}")
         if not 0 <= self.first_dense_layers < n_layers:  # (all of them dense: an MoE model of no MoE block)
-            problems.append(f"moe first_dense_layers={self.first_dense_layers} must be in 0..{n_layers - 1} (below "
-                            f"n_layers={n_layers}, which would leave no MoE block: a dense model is a preset "
-                            "without [moe])")
+            problems.append(f"moe.first_dense_layers={self.first_dense_layers} must be in 0..{n_layers - 1}, below "
+                            f"model.n_layers={n_layers}: at {n_layers} no block has experts (lower it, or train a "
+                            "dense preset)")
         for key in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "shared_experts"):
             if getattr(self, key) < 0:
                 problems.append(f"moe {key}={getattr(self, key)} must be >= 0")
