@@ -95,14 +95,15 @@ def _damaged_gzip() -> bytes:
     ("empty.txt", "", "contains no text"),
     ("blank.jsonl", "\n\n", "contains no text"),
     ("latin1.txt", b"caf\xe9", "is not UTF-8 text at line 1 .byte offset 3. .unexpected end of data.: convert it, e.g. "
-     "iconv -f GB18030"),
+     "iconv -f WINDOWS-1252"),  # (GB18030, named for any file, would garble Western European text)
+    ("latin1.jsonl", '{"text": "café naïve"}\n'.encode("latin-1"), "iconv -f WINDOWS-1252 -t UTF-8"),
     ("stray.txt", "第一行\n".encode() * 3 + b"\xff\nrest\n", r"is not UTF-8 text at line 4 \(byte offset 30\)"),
     ("mac.txt", b"one\rtwo\rthree\r\xff\r", r"is not UTF-8 text at line 4 \(byte offset 14\)"),  # lone \r ends
     ("crlf.txt", b"one\r\ntwo\r\n\xff", r"is not UTF-8 text at line 3 \(byte offset 10\)"),
     ("seam.txt", b"a" * ((1 << 20) - 1) + b"\r\nb\n\xff",  # a \r\n cut by the 1 MiB read: one line end
      rf"is not UTF-8 text at line 3 \(byte offset {(1 << 20) + 3:,}\)"),
     ("gbk.jsonl", b'{"text": "ok"}\n{"text": "' + "中文".encode("gbk") + b'"}\n', "line 2 is not UTF-8 text "
-     ".invalid continuation byte.: convert it, e.g. iconv"),
+     ".invalid continuation byte.: convert it, e.g. iconv -f GB18030 -t UTF-8"),
     ("trunc.jsonl.gz", b"\x1f\x8b\x08\x00garbage", "cannot read data file"),
     ("bad.parquet", b"PAR1 not really", "cannot read parquet file"),
 ])
@@ -342,6 +343,18 @@ def test_what_reading_skips_is_counted_and_the_run_covers_its_epochs(tmp_path):
     cfg = load_config(None, [f"data.path={clean}", "train.seq_len=16", "data.vocab_size=300", "data.val_fraction=0.2"])
     fields = build_data(cfg).describe(steps=10)
     assert "empty_documents_skipped" not in fields and "files_not_read" not in fields
+
+
+def test_blank_lines_around_a_txt_files_documents_are_no_empty_document(tmp_path):
+    """A .txt file ending (or opening) with blank lines counted an "empty or null document" skipped:
+    on every such corpus, sending users looking for bad records that were not there."""
+    path = tmp_path / "t.txt"
+    path.write_text("\n\n\n\ndoc one\n\n\n  \n\n\ndoc two\n\n\n")
+    left = {}
+    assert read_documents(str(path), left_out=left) == ["doc one", "doc two"] and left["empty_documents"] == 0
+    path.write_text("\n\n\n   \n")
+    with pytest.raises(DataError, match="contains no text"):
+        read_documents(str(path))
 
 
 def test_null_chat_rows_are_counted_as_empty_documents(tmp_path):

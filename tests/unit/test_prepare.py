@@ -1927,3 +1927,16 @@ def test_a_tokenizing_worker_leaves_ctrl_c_to_the_prepare():
     child.start()
     assert out.get(timeout=60) == (True, True)
     child.join(timeout=60)
+
+
+def test_a_bpe_smaller_than_asked_is_said(tmp_path, capsys):
+    """--vocab-size 2048 on a small corpus printed "training a byte-level BPE of 2048 tokens", then
+    vocab 359, nothing else: the model's vocabulary silently became 359."""
+    from shardline.cli import main
+
+    (tmp_path / "a.txt").write_text("\n\n\n".join(f"a short document number {i}" for i in range(40)))
+    assert main(["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "prep"), "--vocab-size", "2048",
+                 "--val-fraction", "0.1", "--quiet"]) == 0
+    learned = json.loads((tmp_path / "prep" / "manifest.json").read_text())["vocab_size"]
+    assert learned < 2048
+    assert f"note: the BPE learned {learned:,} tokens, not --vocab-size 2,048" in capsys.readouterr().err

@@ -92,6 +92,9 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
                         ".txt, .jsonl, .parquet, .arrow, optionally .gz)")
     if left_out:
         print(f"note: skipped {' and '.join(left_out)}", file=sys.stderr)
+    if not args.tokenizer and m["vocab_size"] < args.vocab_size:  # (the run's vocabulary: model.vocab_size follows)
+        print(f"note: the BPE learned {m['vocab_size']:,} tokens, not --vocab-size {args.vocab_size:,}: the training "
+              "documents hold no more merges to learn (more text gives more)", file=sys.stderr)
     if not args.val_fraction:
         print("note: nothing is held out (--val-fraction 0): runs on this folder set train.eval_interval=0",
               file=sys.stderr)

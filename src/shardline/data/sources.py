@@ -37,7 +37,6 @@ SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
 _DOC_BREAK = re.compile(r"\n[^\S\n]*\n[^\S\n]*\n+")  # (a full-width space U+3000 as Chinese indents, a no-break space)
 _LINE_END = re.compile(rb"\r\n?|\n")  # (as universal newlines end lines: \n, \r\n or a lone \r, an old Mac's)
 _CHUNK = 1 << 20  # characters of a .txt file decoded at a time
-CONVERT = ": convert it, e.g. iconv -f GB18030 -t UTF-8 (or the encoding it was written in)"
 _GLOB = re.compile(r"[*?[]")
 
 
@@ -220,7 +219,19 @@ def _guarded(f: Path, lines: Iterator):
     except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:  # zlib.error: damaged compressed bytes
         raise DataError(f"cannot read data file {f}: {e}") from None
     except UnicodeDecodeError as e:
-        raise DataError(f"data file {f} is not UTF-8 text{_where_not_utf8(f)} ({e.reason}){CONVERT}") from None
+        raise DataError(f"data file {f} is not UTF-8 text{_where_not_utf8(f)} ({e.reason}){convert_hint(e)}") from None
+
+
+def convert_hint(error: UnicodeDecodeError) -> str:
+    """iconv advice naming a likely encoding of the bytes that failed: GB18030 where they read as it
+    (Chinese), else Windows-1252 (Western European: an é of one byte, which GB18030 would garble)."""
+    sample = error.object[error.start : error.start + 256]
+    try:
+        sample[: max(len(sample) - 3, 1)].decode("gb18030")  # (less a character the sample may cut)
+        guess = "GB18030"
+    except UnicodeDecodeError:
+        guess = "WINDOWS-1252"
+    return f": convert it, e.g. iconv -f {guess} -t UTF-8 (or the encoding it was written in)"
 
 
 def _where_not_utf8(f: Path) -> str:
@@ -266,13 +277,21 @@ def _split_txt(f: Path) -> Iterator[str]:
                 if m.end() >= len(buf):
                     break
                 pieces.append(buf[start : m.start()])
-                yield "".join(pieces)
+                yield from _unless_blank("".join(pieces))
                 pieces, start = [], m.end()
             rest = buf[start:]
             body = rest.rstrip()  # (what a break may be made of)
             pieces.append(body)
             tail = rest[len(body):]
-        yield from _DOC_BREAK.split("".join(pieces) + tail)  # at the end of the file every break counts
+        for doc in _DOC_BREAK.split("".join(pieces) + tail):  # at the end of the file every break counts
+            yield from _unless_blank(doc)
+
+
+def _unless_blank(doc: str) -> Iterator[str]:
+    """A .txt document, unless blank: blank lines before the first or after the last are no empty
+    record (a run's empty_documents_skipped sent users looking for bad records that were not there)."""
+    if doc.strip():
+        yield doc
 
 
 def _read_jsonl(f: Path, field: str) -> Iterator:
@@ -285,7 +304,7 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
             try:
                 line = line.decode("utf-8-sig" if n == 1 else "utf-8")  # (a byte-order mark some editors write)
             except UnicodeDecodeError as e:
-                raise DataError(f"data file {f} line {n} is not UTF-8 text ({e.reason}){CONVERT}") from None
+                raise DataError(f"data file {f} line {n} is not UTF-8 text ({e.reason}){convert_hint(e)}") from None
             if not line.strip():
                 continue
             try:
