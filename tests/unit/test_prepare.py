@@ -1940,3 +1940,24 @@ def test_a_bpe_smaller_than_asked_is_said(tmp_path, capsys):
     learned = json.loads((tmp_path / "prep" / "manifest.json").read_text())["vocab_size"]
     assert learned < 2048
     assert f"note: the BPE learned {learned:,} tokens, not --vocab-size 2,048" in capsys.readouterr().err
+
+
+def test_held_out_documents_the_training_split_also_holds_are_counted(tmp_path, capsys):
+    """Three copies of one file: every held-out document was also trained on, word for word, and
+    nothing said so (the eval loss was a training loss). Counted, raw and prepared alike."""
+    from shardline.cli import main
+
+    docs = [f"document {i} about topic {i % 7} with words {i * 3}" for i in range(200)]
+    src = tmp_path / "src"
+    src.mkdir()
+    for k in range(3):
+        (src / f"p{k}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    raw = data(src, "data.val_fraction=0.05").describe(steps=1)
+    assert raw["held_out_in_training"] == 30  # (all 30 held out: each has two copies in training)
+    assert main(["prepare", str(src), "--out", str(tmp_path / "prep"), "--vocab-size", "300", "--val-fraction",
+                 "0.05", "--quiet"]) == 0
+    assert "note: 30 of the 30 held-out documents are also in the training split" in capsys.readouterr().err
+    assert data(tmp_path / "prep").describe(steps=1)["held_out_in_training"] == 30
+    (src / "p1.jsonl").unlink()
+    (src / "p2.jsonl").unlink()
+    assert "held_out_in_training" not in data(src, "data.val_fraction=0.05").describe(steps=1)

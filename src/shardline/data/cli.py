@@ -92,6 +92,10 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
                         ".txt, .jsonl, .parquet, .arrow, optionally .gz)")
     if left_out:
         print(f"note: skipped {' and '.join(left_out)}", file=sys.stderr)
+    if m.get("held_out_in_training"):
+        print(f"note: {m['held_out_in_training']:,} of the {va['documents']:,} held-out documents are also in the "
+              "training split, word for word (copied files or merged sets?): their eval loss is a training loss",
+              file=sys.stderr)
     if not args.tokenizer and m["vocab_size"] < args.vocab_size:  # (the run's vocabulary: model.vocab_size follows)
         print(f"note: the BPE learned {m['vocab_size']:,} tokens, not --vocab-size {args.vocab_size:,}: the training "
               "documents hold no more merges to learn (more text gives more)", file=sys.stderr)

@@ -30,7 +30,7 @@ from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_ma
 from shardline.data.sources import SUFFIXES, files_not_read, input_files, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
 from shardline.data.validation import (check_sizes, check_val_size, held_out, held_out_text, refuse_too_short,
-                                      split_documents, training_val_fraction, val_format)
+                                      held_out_copies, split_documents, training_val_fraction, val_format)
 from shardline.errors import DataError
 
 
@@ -70,6 +70,8 @@ class DataBundle:
                 sum(without_replies(p) * share[id(p)] for p in chat) / max(sum(share[id(p)] for p in chat), 1), 4)
         if self.left_out.get("empty_documents"):
             fields["empty_documents_skipped"] = self.left_out["empty_documents"]
+        if self.left_out.get("held_out_in_training"):  # (word for word: their eval loss is a training loss)
+            fields["held_out_in_training"] = self.left_out["held_out_in_training"]
         names = self.left_out.get("files_not_read", [])
         if names:
             fields["files_not_read"] = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -198,6 +200,8 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
                                            + prepared.manifest.get("empty_documents", 0))
             left_out["files_not_read"] = left_out.get("files_not_read", []) + prepared.manifest.get(
                 "files_not_read", [])
+            left_out["held_out_in_training"] = (left_out.get("held_out_in_training", 0)
+                                                + prepared.manifest.get("held_out_in_training", 0))
         return prepared.tokenizer, prepared.train, prepared.val
     chat = fmt == "chat"
     docs = read_documents(path, "messages" if chat else d.text_fields()[index or 0], left_out, key)
@@ -210,6 +214,8 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
     # The split depends on the data only (fixed seed), not on train.seed, so runs with
     # different seeds are evaluated on the same held-out documents.
     train_docs, val_docs = split_documents(docs, fraction, seed=0)
+    if left_out is not None:  # (held-out documents that training also holds, word for word)
+        left_out["held_out_in_training"] = left_out.get("held_out_in_training", 0) + held_out_copies(docs, fraction)
     template = chat_template_for(tokenizer_file(d)) if chat else None  # (a mixture's: the run's, it exports it)
     if tok is None:
         texts = [render_chat(m, template) for m in train_docs] if chat else train_docs

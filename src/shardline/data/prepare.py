@@ -18,6 +18,7 @@ import fcntl
 import json
 import shutil
 import sys
+from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from tokenizers import Tokenizer
 from shardline.config.data_section import MAX_TRAINED_VOCAB
 from shardline.data.chat_template import ChatTemplate, chat_template_for, template_sha256
 from shardline.data.encode import CHAT_MASK_RULE, check_replies, note_roles, render_chat
-from shardline.data.validation import held_out, split_single
+from shardline.data.validation import digest, held_out, held_out_in_training, split_single
 from shardline.data.pool import EncodeJob, Progress, encode_chunk, encoded_chunks, utf8_bytes
 from shardline.data.readers import unread
 from shardline.data.prepare_out import LOCK, check_out, check_replacing, differs, finished, made, written
@@ -81,6 +82,7 @@ class _Stream:
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     val_fraction: float = 0.01
     empty: int = 0  # the null, empty or blank texts a whole pass skipped
+    duplicated: int = 0  # held-out documents the training split holds word for word
     not_read: list = field(default_factory=list)  # the inputs' files no reader takes
 
     def documents(self, skip: int = 0):
@@ -231,9 +233,10 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
 def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
     """Pass 1: the number of documents (the held-out split depends on it)."""
     stream = _Stream(files, opts.read_field(), count=-1, val_fraction=opts.val_fraction)
-    count, roles = 0, {}
+    count, roles, digests = 0, {}, array("Q")
     for _, _, doc in stream.documents():
         count += 1
+        digests.append(digest(doc))
         if opts.format == "chat":
             note_roles(roles, doc)
     if count == 0:
@@ -245,6 +248,7 @@ def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
         check_replies(", ".join(opts.inputs), roles)
     stream.count, stream.not_read = count, [str(f) for path in opts.inputs for f in files_not_read(path)]
     stream.held = held_out(count, opts.val_fraction) if count > 1 else stream.held
+    stream.duplicated = held_out_in_training(digests, stream.held)
     return stream
 
 
@@ -358,6 +362,7 @@ def _finish(root: Path, request: dict, writers: dict, tok: Tokenizer, stream: _S
                 "eos_id": eos_id(tok, root / TOKENIZER), "bos_ids": request.get("bos", []),
                 "dtype": np.dtype(writers["train"].dtype).name, "val_fraction": request["val_fraction"],
                 "input_documents": stream.count, "empty_documents": stream.empty,
+                "held_out_in_training": stream.duplicated,
                 "train_fingerprint": _train_fingerprint(root, splits["train"]["shards"], writers["train"].dtype),
                 "files_not_read": stream.not_read,
                 "splits": splits}
