@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 from shardline.config.data_section import MAX_TRAINED_VOCAB
 from shardline.data.chat_template import ChatTemplate, chat_template_for, template_sha256
 from shardline.data.encode import CHAT_MASK_RULE, check_replies, note_roles, render_chat
-from shardline.data.validation import digest, held_out, held_out_in_training, split_single
+from shardline.data.validation import COPIES_CHECKED_UP_TO, digest, held_out, held_out_in_training, split_single
 from shardline.data.pool import EncodeJob, Progress, encode_chunk, encoded_chunks, utf8_bytes
 from shardline.data.readers import unread
 from shardline.data.prepare_out import LOCK, check_out, check_replacing, differs, finished, made, written
@@ -82,7 +82,7 @@ class _Stream:
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     val_fraction: float = 0.01
     empty: int = 0  # the null, empty or blank texts a whole pass skipped
-    duplicated: int = 0  # held-out documents the training split holds word for word
+    duplicated: int | None = 0  # held-out documents the training split holds word for word (None: not checked)
     not_read: list = field(default_factory=list)  # the inputs' files no reader takes
 
     def documents(self, skip: int = 0):
@@ -236,7 +236,8 @@ def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
     count, roles, digests = 0, {}, array("Q")
     for _, _, doc in stream.documents():
         count += 1
-        digests.append(digest(doc))
+        if count <= COPIES_CHECKED_UP_TO:  # (8 bytes a document, in RAM: a web-scale corpus is not checked)
+            digests.append(digest(doc))
         if opts.format == "chat":
             note_roles(roles, doc)
     if count == 0:
@@ -248,7 +249,7 @@ def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
         check_replies(", ".join(opts.inputs), roles)
     stream.count, stream.not_read = count, [str(f) for path in opts.inputs for f in files_not_read(path)]
     stream.held = held_out(count, opts.val_fraction) if count > 1 else stream.held
-    stream.duplicated = held_out_in_training(digests, stream.held)
+    stream.duplicated = held_out_in_training(digests, stream.held) if count <= COPIES_CHECKED_UP_TO else None
     return stream
 
 

@@ -43,6 +43,9 @@ def split_documents(docs: list, val_fraction: float, seed: int) -> tuple[list, l
     return train, val
 
 
+COPIES_CHECKED_UP_TO = 50_000_000  # documents whose held-out copies prepare counts (their digests: 400 MB)
+
+
 def digest(doc) -> int:
     """8 bytes of a document's exact content (a conversation's as JSON), to find held-out documents
     that the training split holds too (copied files, merged sets: their eval loss is a training loss)."""
