@@ -324,3 +324,22 @@ def test_the_ranks_agree_on_a_fresh_key_prefix_though_a_dead_sets_keys_remain():
         _fresh_prefix(lonely, 0, 2)
     with pytest.raises(ShardlineError, match="rank 1: rank 0 did not name this job's set-up keys in 0:00:01"):
         _fresh_prefix(lonely, 1, 2)
+
+
+def test_a_rank_running_other_code_than_rank_0_is_one_line():
+    """Node 1 on a 40-commit-older shardline: its first collective was not rank 0's, and both hung
+    without a word for the process group's 30-minute timeout. Compared through the job's store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shardline.errors import ShardlineError
+    from shardline.parallel.distributed import same_code
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    same_code(store, 0, "shardline 0.1.0+git.aaaa with torch 2.13.0")
+    same_code(store, 1, "shardline 0.1.0+git.aaaa with torch 2.13.0")
+    with pytest.raises(ShardlineError, match=r"^rank 2 runs shardline 0.1.0\+git.bbbb with torch 2.13.0, rank 0 "
+                                             r"shardline 0.1.0\+git.aaaa with torch 2.13.0: every node of a job must"):
+        same_code(store, 2, "shardline 0.1.0+git.bbbb with torch 2.13.0")

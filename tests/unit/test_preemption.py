@@ -710,3 +710,18 @@ def test_a_restart_after_a_run_ended_with_nothing_kept_says_so(tiny_config, monk
     Trainer(tiny_config(*settings)).build()
     (said,) = [r for r in records(first.run_dir) if r.get("event") == "starts_over"]
     assert said["recomputed_steps"] == 3 and said["why"].endswith("; it had trained to its end")
+
+
+def test_a_stop_at_step_behind_the_resumed_step_is_named(tiny_config):
+    """A requeue's stale --train.stop_at_step=2 over a run saved at step 4: exit 0 with "train.steps
+    (or stop_at_step) reached", as if the run had ended."""
+    from shardline.trainer import Trainer
+
+    Trainer(tiny_config("train.steps=8", "checkpoint.interval=4", "train.stop_at_step=4",
+                        "train.eval_interval=0")).build().train()
+    trainer = Trainer(tiny_config("train.steps=8", "checkpoint.interval=4", "train.stop_at_step=2",
+                                  "train.eval_interval=0")).build()
+    trainer.train()
+    (resume,) = [r for r in records(trainer.run_dir) if r.get("event") == "resume"]
+    assert resume["note"] == "train.stop_at_step=2 is behind the step resumed: nothing to train (raise it, or 0: to " \
+                             "train.steps)"

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from shardline import errors
 from shardline.errors import ConfigError
+from shardline.version import version
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,21 @@ def init_distributed(device: torch.device) -> ProcessInfo:
     # addresses its dead predecessors published and fail to connect (agents' restart counts are no
     # such prefix: a node's agent relaunched beside living ones starts at 0, and the ranks never met).
     store = dist.PrefixStore(f"shardline/attempt-{_fresh_prefix(store, rank, world)}/", store)
+    same_code(store, rank, f"shardline {version()} with torch {torch.__version__}")
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
                             device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)
     return ProcessInfo(rank, world, local_rank, store, _local_world_size(world))
+
+
+def same_code(store, rank: int, code: str) -> None:
+    """One line on a rank whose code is not rank 0's (a node updated, another not): their first
+    collectives differed and the job hung in silence, for the process group's 30-minute timeout.
+    Rank 0 publishes its code; every other rank compares (rank 0 then loses a peer, said as such)."""
+    if rank == 0:
+        store.set("shardline/code", code)
+    elif (theirs := store.get("shardline/code").decode()) != code:
+        raise errors.ShardlineError(f"rank {rank} runs {code}, rank 0 {theirs}: every node of a job must run the "
+                                    "same shardline and torch (install the same commit on each, or share one checkout)")
 
 
 def _fresh_prefix(store, rank: int, world: int) -> str:
