@@ -126,8 +126,11 @@ def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_p
     assert _relaunch_config(None, [f"run.dir={done}", f"run.resume={tmp_path / 'ckpt'}"]).run.resume.endswith("ckpt")
     (done / "progress.json").write_text('{"run_complete": false, "high_water_step": 5}')  # (cut short: the note)
     assert _relaunch_config(None, [f"run.dir={done}"]).model.dim == 0
+    (done / "config.toml").write_text("[train]\nsteps = 12\nunknown_later_key = 1\n[model]\n")  # (another
+    assert _relaunch_config(None, [f"run.dir={done}"]).model.dim == 0  # shardline's key: not read, the note says so)
     (done / "config.toml").write_text("")  # emptied by a crash: an in-memory snapshot run's went on as the defaults
-    with pytest.raises(ConfigError, match="holds no \\[model\\] table"):
+    with pytest.raises(ConfigError, match=re.escape(f"{done / 'config.toml'}, the config of a run that trained (to "
+                                                    "step 5), is emptied or cut short")):
         _relaunch_config(None, [f"run.dir={done}"])
 
 

@@ -446,7 +446,7 @@ def test_a_pinned_pipeline_schedule_asks_for_a_pipeline():
         assert 1 in {e.layout.pp for e in search(work, hw, 8, plain).candidates}, plain
 
 
-def test_an_odd_sequence_that_does_not_fit_is_not_told_to_use_a_larger_tp_or_cp(capsys):
+def test_an_odd_sequence_that_does_not_fit_is_told_that_no_tp_or_cp_splits_it(capsys):
     """seq 131071 (prime) did not fit, and the advice was "a larger tp or cp": neither splits an odd
     length (the search offers none), so the line names the length and an even one."""
     code, _, err = run_cli(capsys, "plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "64", "--seq-len",

@@ -1961,3 +1961,15 @@ def test_held_out_documents_the_training_split_also_holds_are_counted(tmp_path, 
     (src / "p1.jsonl").unlink()
     (src / "p2.jsonl").unlink()
     assert "held_out_in_training" not in data(src, "data.val_fraction=0.05").describe(steps=1)
+
+
+def test_a_conversation_holding_values_json_cannot_write_has_a_digest():
+    """A parquet's messages may carry timestamps or bytes beside role and content: the held-out copy
+    count's digest raised a TypeError there, on every chat launch and prepare."""
+    import datetime
+
+    from shardline.data.validation import digest
+
+    chat = [{"role": "user", "content": "hi", "ts": datetime.datetime(2026, 1, 2)}]
+    assert digest(chat) == digest([{"role": "user", "content": "hi", "ts": datetime.datetime(2026, 1, 2)}])
+    assert digest(chat) != digest([{"role": "user", "content": "hi", "ts": datetime.datetime(2026, 1, 3)}])

@@ -200,8 +200,8 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
                                            + prepared.manifest.get("empty_documents", 0))
             left_out["files_not_read"] = left_out.get("files_not_read", []) + prepared.manifest.get(
                 "files_not_read", [])
-            left_out["held_out_in_training"] = (left_out.get("held_out_in_training", 0)  # (null: not checked)
-                                                + (prepared.manifest.get("held_out_in_training") or 0))
+            left_out["held_out_in_training"] = (left_out.get("held_out_in_training", 0) + (  # (null: not checked)
+                prepared.manifest.get("held_out_in_training") or 0) * (not cfg.data.val_path))  # (evaluated: not)
         return prepared.tokenizer, prepared.train, prepared.val
     chat = fmt == "chat"
     docs = read_documents(path, "messages" if chat else d.text_fields()[index or 0], left_out, key)

@@ -109,16 +109,26 @@ def _steps_not_replaced(cfg: Config, overrides) -> Config:
 def _refuse_a_finished_run(run_dir: Path, saved: Path) -> None:
     """A run that trained to its end and saved no checkpoint, relaunched by --run.dir alone: the
     defaults trained into its folder (another model, its history cut) where nothing was left to do.
-    And one that trained whose config.toml is emptied or broken (a crash before its data reached the
-    disk): its in-memory snapshots, which resumable() reads of that file, were passed over in silence."""
+    And one that trained whose config.toml is emptied or cut short (a crash before its data reached
+    the disk): its in-memory snapshots, which resumable() reads of that file, were passed over in silence."""
     account = read_account(run_dir) or {}  # (damaged: _say_not_read's note is all there is to say)
-    if account.get("high_water_step"):
-        load_relaunch_config(saved, run_dir)  # (its one-line refusal, naming the file)
+    if account.get("high_water_step") and not _whole(saved):
+        raise ConfigError(f"{saved}, the config of a run that trained (to step {account['high_water_step']}), is "
+                          "emptied or cut short (a crash?): what it resumes cannot be read from it; give --config "
+                          "FILE with the run's settings (--run.resume=never: another run in this folder)")
     if account.get("run_complete") is True:
         raise ConfigError(f"run.dir={run_dir} holds a run that trained to its end (step "
                           f"{account.get('high_water_step', '?')}) and holds no checkpoint of it: nothing to resume or "
                           "extend; another --run.dir trains anew (--config FILE or --run.resume=never: another run "
                           "in this folder, whose records follow this one's)")
+
+
+def _whole(saved: Path) -> bool:
+    """Whether a saved config.toml reads as TOML and holds its [model] table (every save writes it)."""
+    try:
+        return isinstance(reader.read_toml(saved).get("model"), dict)
+    except ConfigError:
+        return False
 
 
 def _say_not_read(cfg: Config, saved: Path, overrides: list[str]) -> None:

@@ -254,7 +254,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if self.eval_owed and cfg.train.eval_interval and self.step < stop:  # what a stop skipped (for its save)
             self.guard.watched("eval", self.step, "eval", self.evaluate)
             self.eval_owed = False
-        window, last, stopped, request, first = LogWindow(), {}, None, None, self.step + 1
+        window, last, stopped, request, first, warm_s = LogWindow(), {}, None, None, self.step + 1, 0.0
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
             started, accounted = self.guard.begin_step(step), self.guard.goodput.accounted()
@@ -277,6 +277,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
                 self.metrics.event("skipped_step", step=step, reason="fp16 overflow",
                                    loss_scale=self.scaler.scaler.get_scale())
             if step == first and step % cfg.metrics.log_interval and step != stop and not request:  # warm-up
+                warm_s = self._clock() - window.start  # (its own time: a stop asked in its eval or save logs it)
                 window.restart(self._clock())  # (compile, caches): the first window starts after it
             logged = step % cfg.metrics.log_interval == 0 or step == stop or bool(request)  # (a stop's steps too)
             if logged:
@@ -287,7 +288,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             self.guard.end_step(step)
             if request and step < stop:  # on the last step the run simply ends
                 if not logged:  # (asked in the evaluation or the save: the steps since the last line)
-                    last = self._log_train(loss_value, grad_norm, self._clock() - window.start, window.steps)
+                    seconds, steps = (self._clock() - window.start, window.steps) if window.steps else (warm_s, 1)
+                    last = self._log_train(loss_value, grad_norm, seconds, steps)
                 every = cfg.checkpoint.interval
                 stopped = self._stop_on_request(request, saved=bool(every) and step % every == 0)
                 break
