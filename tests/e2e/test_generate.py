@@ -559,7 +559,8 @@ def test_a_sliding_window_model_generates_as_transformers_windowed_attention_doe
     each token and the window - 1 before it: the cache keeps those alone, a prompt longer than the
     window is masked to it, and every next-token logit past the window equals transformers' (a
     deeper layer's early window tokens carry what came before them, which re-running the window
-    afresh would lose: that cache's logits differ)."""
+    afresh would lose: that cache's logits differ). From a short prompt too: a cache of more than half
+    the window and less than all of it kept its last few keys alone (Mistral 7B from ~2k tokens)."""
     hf_dir = tmp_path / "windowed"
     shutil.copytree(trained_run.parent / "hf", hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -568,23 +569,28 @@ def test_a_sliding_window_model_generates_as_transformers_windowed_attention_doe
     assert main(["convert", "from-hf", str(hf_dir), str(tmp_path / "ck")]) == 0
     gen = load_generator(tmp_path / "ck", "cpu", tokenizer=str(hf_dir / "tokenizer.json"))
     assert gen.model.args.sliding_window == 8
-    prompt = gen.tokenizer.encode(PROMPT + " earth and the heavens and", add_special_tokens=False).ids
-    assert len(prompt) > 8  # the prompt alone is past the window
+    long = gen.tokenizer.encode(PROMPT + " earth and the heavens and", add_special_tokens=False).ids
+    assert len(long) > 8  # the prompt alone is past the window
+    hf = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    for prompt in (long, long[:2]):
+        _same_as_windowed_transformers(gen, hf, prompt)
+
+
+def _same_as_windowed_transformers(gen, hf, prompt: list[int]) -> None:
     new = gen.sample(prompt, SampleOptions(max_new_tokens=10, temperature=0), stop=frozenset())
     ids = prompt + new
-    hf = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
         with KVCache(gen.model, torch.device("cpu"), window=8) as cache:
             got = [cache.next_logits(ids[:t]) for t in range(len(prompt), len(ids) + 1)]
-        wrong = []
+        wrong = {}
         with KVCache(gen.model, torch.device("cpu"), window=8) as afresh:  # the window re-run from scratch
-            for t in range(len(prompt), len(ids) + 1):
+            for t in range(max(len(prompt), 9), len(ids) + 1):  # (past the window)
                 afresh.clear()
-                wrong.append(afresh.next_logits(ids[t - 8:t]))
+                wrong[t] = afresh.next_logits(ids[t - 8:t])
     for t, logits in zip(range(len(prompt), len(ids) + 1), got):
         torch.testing.assert_close(logits, want[t - 1], atol=1e-4, rtol=0)
-    assert max((w - want[t - 1]).abs().max() for t, w in zip(range(len(prompt), len(ids) + 1), wrong)) > 1e-3
+    assert max((w - want[t - 1]).abs().max() for t, w in wrong.items()) > 1e-3
 
 
 def test_a_character_the_last_tokens_end_inside_is_left_out_and_said(trained_run, capsys):

@@ -51,7 +51,8 @@ class KVCache:
         if self.keys[i] is not None:
             k, v = torch.cat((self.keys[i], k), dim=2), torch.cat((self.values[i], v), dim=2)
         keep = k.shape[2] if self.window is None else self.window - 1  # what the next token may see
-        self.keys[i], self.values[i] = k[:, :, k.shape[2] - keep:], v[:, :, v.shape[2] - keep:]
+        start = max(k.shape[2] - keep, 0)  # (fewer keys than that: all of them; a negative start kept the last few)
+        self.keys[i], self.values[i] = k[:, :, start:], v[:, :, start:]
         # Query j is at key index past + j and sees keys 0..past + j (within the window: from
         # past + j - window + 1). SDPA's is_causal would align the two at the top left instead.
         past = k.shape[2] - q.shape[2]
