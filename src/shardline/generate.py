@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from shardline.data.chat_template import ChatTemplate, chat_template_for
-from shardline.data.encode import encode_reply_prompt, reply_prompt, turn_end_text, with_bos
+from shardline.data.encode import CHAT_END, encode_reply_prompt, reply_prompt, turn_end_text, with_bos
 from shardline.config import DTYPE_NAMES, saved_formats
 from shardline.errors import CheckpointError, ConfigError, DataError
 from shardline.models.llama.kv_cache import KVCache
@@ -63,6 +63,7 @@ class Generator:
     checkpoint: str = ""  # the folder sampled (a run dir's newest valid one)
     run_format: str = ""  # the run's data.format ("text", "chat"; "mixed": a mixture of both); "": not known (from HF)
     prompt_tokens: int = 0  # the last prompt's, as the model was given it
+    document_end: int | None = None  # the end of text a text run put between documents: one starts after it
 
     def sample(self, prompt_ids: list[int], opts: SampleOptions, stop: frozenset[int] | None = None,
                stop_text: str = "") -> list[int]:
@@ -108,6 +109,8 @@ class Generator:
             raise ConfigError("--bos: this checkpoint's tokenizer has no BOS token")
         if not ids and (bos or self.trained_bos):  # an empty prompt: sampled from the start of a document
             return list(self.bos)
+        if not ids and self.document_end is not None:  # (no BOS: a document starts after another's end)
+            return [self.document_end]
         return with_bos(ids, self.bos) if bos or self.trained_bos else ids
 
     def chat_prompt(self, prompt: str, system: str = "") -> str:
@@ -269,7 +272,7 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
         except DataError:
             pass
     return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, bos, trained_bos, template, problem,
-                     str(ckpt), run_format)
+                     str(ckpt), run_format, document_end=eos_id(tokenizer, tok_path) if "text" in formats else None)
 
 
 def say(line: str) -> None:
@@ -307,8 +310,11 @@ def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "a
     if Path(gen.checkpoint) != Path(src):  # a run dir: which of its checkpoints spoke
         say(f"sampled {gen.checkpoint}")
     if not text.strip():  # (a blank line alone reads as a failure to run)
+        split = chat and gen.template is None and gen.tokenizer.token_to_id(CHAT_END) is None  # (ChatML in pieces)
         say("the model's " + ("reply" if chat else "continuation") + " is blank: it ended at once, or wrote only "
-            "whitespace or tokens that decode to nothing (common after little training)")
+            "whitespace or tokens that decode to nothing (common after little training" + (
+                f"; and ChatML's {CHAT_END} is no token of this vocabulary: each turn ended in pieces, then a newline "
+                "and the end of text, which a reply's header resembles" if split else "") + ")")
     if as_json:
         stop, stop_text = gen.turn_end() if chat else (gen.stop, "")
         shown = {"chat_prompt": gen.chat_prompt(prompt, system), "stop_text": stop_text} if chat else {}

@@ -13,7 +13,7 @@ import torch
 
 from shardline.cli import main
 from shardline.config import load_config
-from shardline.data.encode import encode_chat
+from shardline.data.encode import encode_chat, reply_prompt
 from shardline.data.tokenizer import eos_id
 from shardline.generate import KVCache, SampleOptions, generate, load_generator, next_token
 from shardline.models.llama.model import sdpa_attention
@@ -155,7 +155,8 @@ def test_a_prompt_projects_its_last_position_only_and_padded_vocabulary_rows_are
     assert len(drawn) == 60 and max(drawn) < 64
 
 
-def test_chat_renders_the_template_beside_the_tokenizer_and_stops_at_its_turn_end(trained_run, tmp_path, capsys):
+def test_chat_renders_the_template_beside_the_tokenizer_and_stops_at_its_turn_end(trained_run, tmp_path, capsys,
+                                                                                  monkeypatch):
     """--chat renders system and user messages with the run's chat template and its reply
     header; the reply ends at the template's end-of-turn token (here the token the model writes
     first, so the reply is empty)."""
@@ -178,7 +179,21 @@ def test_chat_renders_the_template_beside_the_tokenizer_and_stops_at_its_turn_en
     assert main(["generate", *argv]) == 0  # printed: a blank line, and on stderr why
     printed = capsys.readouterr()
     assert printed.out == "\n" and "the model's reply is blank: it ended at once" in printed.err
+    assert "ChatML" not in printed.err  # (its own template's turn end)
     assert _generate(capsys, *argv)["completion"] == ""
+    # Under ChatML, whose markers this vocabulary splits, a blank reply names that too (a newline, then the
+    # end of text, closed every turn in training: the reply's header ends alike)
+    chatml = gen.tokenizer.encode(reply_prompt([{"role": "user", "content": "history"}], None),
+                                  add_special_tokens=False).ids
+    (run / "tokenizer_config.json").unlink()
+    plain = load_generator(run, "cpu")
+    assert plain.template is None  # (ChatML)
+    plain.stop = frozenset({*plain.stop, plain.sample(chatml, SampleOptions(max_new_tokens=1, temperature=0))[0]})
+    import shardline.generate as generate_module
+
+    monkeypatch.setattr(generate_module, "load_generator", lambda *args: plain)  # (its first reply token ends it)
+    assert main(["generate", str(run), "--chat", "--prompt", "history", "--temperature", "0"]) == 0
+    assert "and ChatML's <|im_end|> is no token of this vocabulary" in capsys.readouterr().err
 
 
 def test_a_run_trained_with_bos_prompts_with_it(trained_run, tmp_path):
@@ -200,7 +215,7 @@ def test_a_run_trained_with_bos_prompts_with_it(trained_run, tmp_path):
     assert gen.trained_bos and gen.encode(PROMPT) == [eos, *plain.encode(PROMPT)]
     assert gen.chat_ids("hi") == plain.chat_ids("hi") and gen.chat_ids("hi")[0] != eos
     assert gen.encode("") == [eos]  # an empty prompt samples from a document's start (it was refused)
-    assert plain.encode("") == [] and plain.encode("", bos=False) == []
+    assert plain.encode("") == [eos]  # (no BOS: a document starts after another's end of text)
     fed = []
     hook = gen.model.register_forward_pre_hook(lambda module, args: fed.append(args[0][0].tolist()))
     try:
@@ -302,6 +317,15 @@ def test_a_mixture_of_experts_samples_dropless(tmp_path, small_prepared):
     assert gen.sample(gen.encode(PROMPT), SampleOptions(max_new_tokens=3, temperature=0))
 
 
+def test_an_empty_prompt_starts_after_a_documents_end_where_there_is_no_bos(trained_run, capsys):
+    """The shipped BPE has no BOS, and an unconditional sample was refused ("--prompt encodes to no
+    token"): training puts the end-of-text token between documents, so one starts after it."""
+    gen = load_generator(trained_run, "cpu")
+    assert not gen.bos and gen.encode("") == [gen.document_end] and gen.document_end in gen.stop
+    assert main(["generate", str(trained_run), "--prompt", "", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
 def test_bfloat16_weights_by_either_name(trained_run):
     """--dtype bfloat16 (or train.precision's bf16) holds the weights in bf16 and writes the same text."""
     texts = []
@@ -317,7 +341,6 @@ def test_bfloat16_weights_by_either_name(trained_run):
     (["--top-k", "-2"], "--top-k=-2 is invalid: must be >= 0 (0 = all tokens)"),
     (["--max-new-tokens", "0"], "--max-new-tokens=0 is invalid: must be in [1, 2**20]"),
     (["--max-new-tokens", "99999999999999999999"], "--max-new-tokens=99999999999999999999 is invalid: must be in [1, "),
-    (["--prompt", ""], "--prompt encodes to no token: give some text"),
     (["--train.steps=3"], "generate takes no config overrides, got --train.steps=3"),
     (["--dtype", "float16"], "--dtype='float16' is invalid: one of float32, bfloat16"),
     (["--dtype", "fp16"], "--dtype='fp16' is invalid: one of float32, bfloat16"),
