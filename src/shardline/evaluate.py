@@ -111,6 +111,10 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
             raise ConfigError(f"--{key}: eval takes the model, its shape and weights, from the checkpoint {ckpt}; "
                               "drop it")
         apply_override(cfg, item)
+    trained_at = saved.get("train", {}).get("seq_len") if isinstance(saved.get("train"), dict) else None
+    if trained_at and cfg.train.seq_len != trained_at and speaks_for_the_job():  # (other windows, another number)
+        print(f"shardline: note: evaluated in windows of train.seq_len={cfg.train.seq_len} tokens, where the run "
+              f"evaluated in {trained_at}: not comparable to its logged eval loss", file=sys.stderr)
     if "data.val_path" in given and given.isdisjoint({"data.path", "data.mix"}):
         _val_path_alone(cfg)
     cfg.model.init_from, cfg.model.hf_path = str(ckpt), ""
