@@ -264,6 +264,8 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
         template, problem = chat_template_for(str(tok_path)), ""
     except DataError as e:  # (a plain prompt needs no template)
         template, problem = None, str(e)
+    own = checkpoint_tokenizer(ckpt) if "chat" in formats else None  # (another one given: its template said)
+    _say_other_template(own if own and Path(own).resolve() != Path(tok_path).resolve() else None, template)
     chat_only = bool(formats) and "text" not in formats
     if chat_only and template is not None and bos_prefix(tokenizer):  # the template wrote the
         try:  # BOS each conversation starts with (one that cannot render this: --chat says so, a plain prompt not)
@@ -273,6 +275,18 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
             pass
     return Generator(model.eval(), tokenizer, frozenset(stop), int(seq_len), dev, bos, trained_bos, template, problem,
                      str(ckpt), run_format, document_end=eos_id(tokenizer, tok_path) if "text" in formats else None)
+
+
+def _say_other_template(own, given) -> None:
+    """--tokenizer, on a chat run, with a chat template other than the one it trained with (`own`: the
+    run's tokenizer.json; falsy: nothing to compare): --chat renders what the run never saw."""
+    try:
+        theirs = chat_template_for(str(own)) if own else given
+    except DataError:
+        return
+    if (theirs and theirs.source) != (given and given.source):
+        say(f"--tokenizer's chat template is not the one the run trained with ({'ChatML' if theirs is None else own}'s)"
+            ": --chat renders conversations as the run never saw them")
 
 
 def say(line: str) -> None:

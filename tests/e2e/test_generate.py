@@ -497,6 +497,17 @@ def test_a_chat_run_whose_template_writes_a_bos_prompts_with_it(trained_run, tmp
     shutil.copyfile(tok_dir / "tokenizer_config.json", run / "tokenizer_config.json")
     gen = load_generator(run, "cpu")
     assert gen.trained_bos and gen.encode(PROMPT)[0] == eos
+    # --tokenizer with another chat template: --chat would render what the run never saw (it did, in silence)
+    other = tmp_path / "other_tok"
+    other.mkdir()
+    shutil.copyfile(run / "tokenizer.json", other / "tokenizer.json")
+    hashes = "{% for m in messages %}### {{ m.role }}: {{ m.content }}{% endfor %}"
+    (other / "tokenizer_config.json").write_text(json.dumps({"chat_template": hashes}))
+    capsys.readouterr()
+    load_generator(run, "cpu", tokenizer=str(other))
+    assert "--tokenizer's chat template is not the one the run trained with" in capsys.readouterr().err
+    load_generator(run, "cpu", tokenizer=str(run))
+    assert "chat template is not" not in capsys.readouterr().err
     (run / "tokenizer_config.json").write_text(json.dumps({"chat_template": template.replace("{{ bos_token }}", ""),
                                                            "bos_token": bos}))
     bare = load_generator(run, "cpu")
