@@ -608,6 +608,8 @@ def test_a_sliding_window_model_generates_as_transformers_windowed_attention_doe
     hf = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     for prompt in (long, long[:2]):
         _same_as_windowed_transformers(gen, hf, prompt)
+    with pytest.raises(ValueError, match="tokens are past this model's sliding window of 8: it attends to the whole"):
+        gen.model(torch.tensor([long]))  # (outside the cache, which masks to the window: logits far from HF's)
 
 
 def _same_as_windowed_transformers(gen, hf, prompt: list[int]) -> None:

@@ -29,7 +29,7 @@ class KVCache:
     def __enter__(self) -> KVCache:
         self.saved = [block.core for block in self.blocks], self.model.output
         for i, block in enumerate(self.blocks):
-            block.core = lambda q, k, v, mask, i=i: self._attend(i, q, k, v)
+            block.core = self._core(i)
         # Logits of the last position only: a prompt's [tokens, vocab] in fp32 is gigabytes.
         self.model.output = _LastPosition(self.model.output)
         return self
@@ -38,6 +38,13 @@ class KVCache:
         cores, self.model.output = self.saved
         for block, core in zip(self.blocks, cores):
             block.core = core
+
+    def _core(self, i: int):
+        def core(q, k, v, mask):
+            return self._attend(i, q, k, v)
+
+        core.windowed = self.window is not None  # (a longer sequence than the window is its to mask)
+        return core
 
     def next_logits(self, ids: list[int]) -> torch.Tensor:
         """The logits of the token after `ids` (whose first `length` are the cached ones)."""

@@ -150,9 +150,14 @@ class Attention(nn.Module):
         # kernel (models/attention.py) or a parallel plan's (context parallelism installs one
         # that spans the ranks holding the rest of the sequence).
         self.core = sdpa_attention
+        self.window = args.sliding_window
 
     def forward(self, x, cos, sin, mask):
         b, s, _ = x.shape
+        if self.window is not None and s > self.window and not getattr(self.core, "windowed", False):
+            raise ValueError(f"{s} tokens are past this model's sliding window of {self.window}: it attends to the "
+                             f"whole sequence, the window's result up to {self.window} tokens only (generate's cache "
+                             "applies the window)")
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
