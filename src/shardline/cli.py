@@ -379,9 +379,8 @@ def _said_peer_lost(error: BaseException) -> bool:
 
     lost = lost_peer(error)  # (the error itself: one wrapping several ranks' failures says more as it is)
     if lost:
-        summary = ("torchrun's summary names its root cause" if "TORCHELASTIC_RUN_ID" in os.environ else
-                   "srun's log names the task that ended first, its own lines why" if "SLURM_PROCID" in os.environ
-                   else "the log of the rank that ended first says why")
+        summary = ("torchrun's summary names its root cause" if "TORCHELASTIC_RUN_ID" in os.environ else "srun's "
+                   "log names the task that ended first" if "SLURM_PROCID" in os.environ else "its log says why")
         print(f"shardline: rank {os.environ.get('RANK', '?')} lost a peer: {lost}: another rank failed or stopped "
               f"answering first ({summary}; SHARDLINE_TRACEBACK=1 prints this rank's traceback)", file=sys.stderr)
     return lost is not None

@@ -284,7 +284,7 @@ def _say_other_template(own, given) -> None:
         theirs = chat_template_for(str(own)) if own else given
     except DataError:
         return
-    if (theirs and theirs.source) != (given and given.source):
+    if theirs != given:  # (its bos and eos tokens too: a template may write them)
         say(f"--tokenizer's chat template is not the one the run trained with ({'ChatML' if theirs is None else own}'s)"
             ": --chat renders conversations as the run never saw them")
 
@@ -327,8 +327,8 @@ def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "a
         split = chat and gen.template is None and gen.tokenizer.token_to_id(CHAT_END) is None  # (ChatML in pieces)
         say("the model's " + ("reply" if chat else "continuation") + " is blank: it ended at once, or wrote only "
             "whitespace or tokens that decode to nothing (common after little training" + (
-                f"; and ChatML's {CHAT_END} is no token of this vocabulary: each turn ended in pieces, then a newline "
-                "and the end of text, which a reply's header resembles" if split else "") + ")")
+                f"; and ChatML's {CHAT_END} is no token of this vocabulary: the model learned turn ends in pieces, "
+                "and may take a reply's header for one" if split else "") + ")")
     if as_json:
         stop, stop_text = gen.turn_end() if chat else (gen.stop, "")
         shown = {"chat_prompt": gen.chat_prompt(prompt, system), "stop_text": stop_text} if chat else {}

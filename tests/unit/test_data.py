@@ -99,6 +99,8 @@ def _damaged_gzip() -> bytes:
      "iconv -f WINDOWS-1252"),  # (GB18030, named for any file, would garble Western European text)
     ("latin1.jsonl", '{"text": "café naïve"}\n'.encode("latin-1"), "iconv -f WINDOWS-1252 -t UTF-8"),
     ("cp1252.txt", "Straße und Köln sind schön\n".encode("cp1252"), "iconv -f WINDOWS-1252"),  # (ß and ö read as GB)
+    ("stray.jsonl", '{"text": "Café crème, déjà vu"}\n'.encode() + '{"text": "Müller"}\n'.encode("cp1252"),
+     "iconv -f WINDOWS-1252"),  # (UTF-8's é before the bad byte come in pairs: not GB18030's)
     ("stray.txt", "第一行\n".encode() * 3 + b"\xff\nrest\n", r"is not UTF-8 text at line 4 \(byte offset 30\)"),
     ("mac.txt", b"one\rtwo\rthree\r\xff\r", r"is not UTF-8 text at line 4 \(byte offset 14\)"),  # lone \r ends
     ("crlf.txt", b"one\r\ntwo\r\n\xff", r"is not UTF-8 text at line 3 \(byte offset 10\)"),

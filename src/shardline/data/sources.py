@@ -226,7 +226,7 @@ def convert_hint(error: UnicodeDecodeError) -> str:
     """iconv advice naming a likely encoding of the bytes that failed: GB18030 where their bytes above
     ASCII come in pairs (Chinese), else Windows-1252 (Western European: an ö of one byte between ASCII
     letters, which GB18030 reads, with the letter after it, as a Chinese character: garbled)."""
-    sample = bytes(error.object[max(error.start - 64, 0) : error.start + 256])
+    sample = bytes(error.object[error.start : error.start + 256])  # (from the first bad byte: UTF-8 before it)
     high = [i for i, b in enumerate(sample) if b >= 0x80]
     alone = sum(1 for i in high if (i == 0 or sample[i - 1] < 0x80) and (i + 1 == len(sample) or sample[i + 1] < 0x80))
     guess = "WINDOWS-1252" if alone * 2 > len(high) else "GB18030"

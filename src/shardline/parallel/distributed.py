@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -82,21 +83,48 @@ def init_distributed(device: torch.device) -> ProcessInfo:
     # addresses its dead predecessors published and fail to connect (agents' restart counts are no
     # such prefix: a node's agent relaunched beside living ones starts at 0, and the ranks never met).
     store = dist.PrefixStore(f"shardline/attempt-{_fresh_prefix(store, rank, world)}/", store)
-    same_code(store, rank, f"shardline {version()} with torch {torch.__version__}")
+    same_code(store, rank, world, f"shardline {version()} with torch {torch.__version__.split('+')[0]}")
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
                             device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)
     return ProcessInfo(rank, world, local_rank, store, _local_world_size(world))
 
 
-def same_code(store, rank: int, code: str) -> None:
-    """One line on a rank whose code is not rank 0's (a node updated, another not): their first
+def same_code(store, rank: int, world: int, code: str) -> None:
+    """One line where a rank's code is not rank 0's (a node updated, another not): their first
     collectives differed and the job hung in silence, for the process group's 30-minute timeout.
-    Rank 0 publishes its code; every other rank compares (rank 0 then loses a peer, said as such)."""
-    if rank == 0:
+    Rank 0 publishes its code, every other rank compares and counts itself in, naming a mismatch;
+    rank 0 waits for the count (a rank that refuses is said there too, not waited out). A version
+    without a commit (a wheel built without .git) is compared by its number alone."""
+    limit = getattr(store, "timeout", None)
+    if rank:
+        try:
+            theirs = store.get("shardline/code").decode()
+        except dist.DistStoreError:
+            raise errors.ShardlineError(f"rank {rank}: rank 0 did not say its code in {limit}: did it fail (its log "
+                                        "says why), or run a shardline from before this check?") from None
+        if _comparable(theirs, code) != _comparable(code, theirs):
+            store.set("shardline/code_refused", f"rank {rank} runs {code}, rank 0 {theirs}")
+        store.add("shardline/code_checked", 1)
+    else:
         store.set("shardline/code", code)
-    elif (theirs := store.get("shardline/code").decode()) != code:
-        raise errors.ShardlineError(f"rank {rank} runs {code}, rank 0 {theirs}: every node of a job must run the "
-                                    "same shardline and torch (install the same commit on each, or share one checkout)")
+        deadline = time.monotonic() + (limit.total_seconds() if limit else 1800.0)
+        while (checked := store.add("shardline/code_checked", 0)) < world - 1:
+            if time.monotonic() > deadline:  # (the process group's set-up would wait as long, then hang: named)
+                raise errors.ShardlineError(f"rank 0: {world - 1 - checked} rank(s) did not compare their code with "
+                                            f"this one's in {limit}: a node running a shardline from before this "
+                                            "check, or a rank that failed (its log says why)")
+            time.sleep(0.01)
+    if store.check(["shardline/code_refused"]):
+        error = errors.ShardlineError(f"{store.get('shardline/code_refused').decode()}: every node of a job must run "
+                                      "the same shardline and torch (install the same commit on each, or share one "
+                                      "checkout)")
+        error.node_alike = True  # (a node's ranks all see it: said once there)
+        raise error
+
+
+def _comparable(code: str, other: str) -> str:
+    """`code` as compared with `other`: without its commit where `other` names none."""
+    return code if "+git." in other else re.sub(r"\+git\.[0-9a-f]+", "", code)
 
 
 def _fresh_prefix(store, rank: int, world: int) -> str:

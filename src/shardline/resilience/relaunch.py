@@ -137,7 +137,11 @@ def _say_not_read(cfg: Config, saved: Path, overrides: list[str]) -> None:
     where they differ from that file's settings."""
     try:
         theirs = load_relaunch_config(saved, cfg.run.dir, overrides)
-    except (ShardlineError, TypeError, ValueError):  # (a damaged or hand-edited file: nothing to compare)
+    except (ShardlineError, TypeError, ValueError) as e:  # (a damaged or hand-edited file: nothing to compare)
+        if speaks_for_the_job():
+            print(f"shardline: note: {saved} is not read (its launch saved nothing to resume, and it does not read "
+                  f"as a config: {str(e)[:200]}): this launch takes the defaults and the overrides given",
+                  file=sys.stderr)
         return
     changed = [(k, v) for k, v in config_changes(theirs.to_dict(), cfg.to_dict()).items()
                if (k, v[1]) != ("train.precision", "auto")]  # (auto settles at launch: maybe to theirs)

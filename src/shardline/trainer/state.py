@@ -210,7 +210,7 @@ class SavedState:
         if self._lock_taken_over:
             self.metrics.event("run_dir_lock_taken_over", step=self.step, reason=self._lock_taken_over)
         if resumed is not None:
-            behind = 0 < self.cfg.train.stop_at_step < self.step  # (a requeue's stale early stop)
+            behind = 0 < self.cfg.train.stop_at_step < self.step < self.cfg.train.steps  # (a stale early stop)
             done = {"note": f"train.stop_at_step={self.cfg.train.stop_at_step} is behind the step resumed: nothing to "
                             "train (raise it, or 0: to train.steps)" if behind else
                     "train.steps (or stop_at_step) reached: nothing to train"} if self.step >= self.last_step else {}
