@@ -95,3 +95,24 @@ def test_invalid_shape_is_reported():
     bad = dataclasses.replace(SMALL, n_heads=6, n_kv_heads=4)
     problems = bad.validate()
     assert any("not divisible by n_kv_heads" in p for p in problems)
+
+
+def test_a_module_the_parameter_count_misses_is_refused_at_build(tiny_config, monkeypatch):
+    """A researcher's added norm held 128 parameters that models/flops.num_params did not count: the
+    start event's `params`, MFU and the planner read the formula, and were off in silence."""
+    import torch
+
+    from shardline.models.llama import parallelize
+    from shardline.trainer import Trainer
+
+    built = parallelize.build_meta_model
+
+    def with_an_extra_norm(args):
+        model = built(args)
+        model.extra_norm = torch.nn.LayerNorm(args.dim, device="meta")
+        return model
+
+    monkeypatch.setattr(parallelize, "build_meta_model", with_an_extra_norm)
+    with pytest.raises(ValueError, match="parameters where models/flops.num_params counts .*: a module added to the "
+                                         "model needs its count there too"):
+        Trainer(tiny_config("train.steps=1")).build()

@@ -37,6 +37,7 @@ from shardline.config import Config
 from shardline.layout import V_SHAPED
 from shardline.models.attention import attention_core, resolve_attention, use_attention
 from shardline.models.factory import build_meta_model
+from shardline.models.flops import num_params
 from shardline.models.llama.model import FeedForward, Llama, ModelArgs
 from shardline.models.loss import LinearCrossEntropy
 from shardline.parallel import float8
@@ -57,6 +58,10 @@ def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, device: torch.
     Llama's blocks adds (e.g. expert parallelism), run after tensor parallelism, before
     activation checkpointing wraps the blocks and data parallelism shards them."""
     model = build_meta_model(args)
+    held, counted = sum(p.numel() for p in model.parameters()), num_params(args)  # (on meta: no memory)
+    if held != counted:  # (a module added to the model, not to the count: MFU, the planner and the logs read it)
+        raise ValueError(f"the model holds {held:,} parameters where models/flops.num_params counts {counted:,}: "
+                         "a module added to the model needs its count there too")
     if dims.needs_mesh:
         # Tied ends on two pp ranks need a group to sum the tied gradient (V-shaped
         # schedules put both ends on pp rank 0, where the tie stays one parameter).
