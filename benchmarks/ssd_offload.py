@@ -176,6 +176,8 @@ def timings(args, folder: str) -> tuple[dict[str, float], dict[str, float], dict
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.folder and not Path(args.folder).is_dir():  # (a FileNotFoundError traceback from tempfile)
+        raise SystemExit(f"ssd_offload: --folder {args.folder} is not a folder: make it first, or leave it out")
     with tempfile.TemporaryDirectory(dir=args.folder or None) as folder:
         if args.memory_of:
             print(json.dumps(memory_of(args.memory_of, args, folder)))
