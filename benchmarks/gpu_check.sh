@@ -105,16 +105,12 @@ fi
     || echo "gpu_check: WARNING: no torchao (carry benchmarks/wheels): shardline-fp8 and the fp8 tests will fail" >&2
 # shardline's own requirements (pyproject.toml): a machine with torch alone lacks them, and every
 # shardline step then failed in an ImportError (an image with transformers brings most of them).
-# Said in one line each, with the way past: their wheels in benchmarks/wheels/ (pip download --no-deps).
+# Said, not installed: they have dependencies of their own and platform wheels (tensorboard's
+# writer needs protobuf), which a --no-deps install from carried wheels would leave half there.
 for pkg in tokenizers safetensors numpy rich tensorboard pyarrow jinja2; do
-    "$PY" -c "import $pkg" 2>/dev/null && continue
-    wheel=$(ls benchmarks/wheels/"$pkg"-*.whl 2>/dev/null | head -n 1)
-    if [ -n "$wheel" ] && timeout 60 "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$wheel"; then
-        export PYTHONPATH="$PYTHONPATH:$SITE"
-    else
-        echo "gpu_check: WARNING: $pkg is missing (shardline needs it; carry its wheel in benchmarks/wheels/):" \
-             "the shardline steps will fail" >&2
-    fi
+    "$PY" -c "import $pkg" 2>/dev/null \
+        || echo "gpu_check: WARNING: $pkg is missing: shardline needs it (pip install it, with its dependencies," \
+                "where the machine can), and the shardline steps will fail" >&2
 done
 
 {

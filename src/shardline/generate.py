@@ -284,9 +284,17 @@ def _say_other_template(own, given) -> None:
         theirs = chat_template_for(str(own)) if own else given
     except DataError:
         return
-    if theirs != given:  # (its bos and eos tokens too: a template may write them)
+    if _renders(theirs) != _renders(given):
         say(f"--tokenizer's chat template is not the one the run trained with ({'ChatML' if theirs is None else own}'s)"
             ": --chat renders conversations as the run never saw them")
+
+
+def _renders(template) -> tuple | None:
+    """What a template renders by: its source, and the bos/eos tokens it writes (only where it names them)."""
+    if template is None:
+        return None
+    return (template.source, template.bos_token * ("bos_token" in template.source),
+            template.eos_token * ("eos_token" in template.source))
 
 
 def say(line: str) -> None:

@@ -223,13 +223,13 @@ def _guarded(f: Path, lines: Iterator):
 
 
 def convert_hint(error: UnicodeDecodeError) -> str:
-    """iconv advice naming a likely encoding of the bytes that failed: GB18030 where their bytes above
-    ASCII come in pairs (Chinese), else Windows-1252 (Western European: an ö of one byte between ASCII
-    letters, which GB18030 reads, with the letter after it, as a Chinese character: garbled)."""
-    sample = bytes(error.object[error.start : error.start + 256])  # (from the first bad byte: UTF-8 before it)
-    high = [i for i, b in enumerate(sample) if b >= 0x80]
-    alone = sum(1 for i in high if (i == 0 or sample[i - 1] < 0x80) and (i + 1 == len(sample) or sample[i + 1] < 0x80))
-    guess = "WINDOWS-1252" if alone * 2 > len(high) else "GB18030"
+    """iconv advice naming a likely encoding of the bytes that failed: GB18030 where the run of bytes
+    above ASCII at the first bad one is of whole pairs (Chinese), else Windows-1252 (Western European:
+    an ü of one byte, which GB18030 reads with the letter after it as a Chinese character: garbled).
+    The run alone: UTF-8 text around a stray line is no evidence either way."""
+    sample = bytes(error.object[error.start : error.start + 64])
+    run = len(sample) - len(sample.lstrip(bytes(range(0x80, 0x100))))
+    guess = "GB18030" if run >= 2 and run % 2 == 0 else "WINDOWS-1252"
     return f": convert it, e.g. iconv -f {guess} -t UTF-8 (or the encoding it was written in)"
 
 

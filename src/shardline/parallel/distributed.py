@@ -92,32 +92,34 @@ def init_distributed(device: torch.device) -> ProcessInfo:
 def same_code(store, rank: int, world: int, code: str) -> None:
     """One line where a rank's code is not rank 0's (a node updated, another not): their first
     collectives differed and the job hung in silence, for the process group's 30-minute timeout.
-    Rank 0 publishes its code, every other rank compares and counts itself in, naming a mismatch;
-    rank 0 waits for the count (a rank that refuses is said there too, not waited out). A version
-    without a commit (a wheel built without .git) is compared by its number alone."""
+    Rank 0 publishes its code; every other rank compares, counts itself in (naming a mismatch) and
+    waits for rank 0's verdict, which rank 0 gives once all are in: every rank goes on, or every
+    rank stops with the same line. A version without a commit (a wheel built without .git) is
+    compared by its number alone."""
     limit = getattr(store, "timeout", None)
     if rank:
         try:
             theirs = store.get("shardline/code").decode()
+            if _comparable(theirs, code) != _comparable(code, theirs):
+                store.set("shardline/code_refused", f"rank {rank} runs {code}, rank 0 {theirs}")
+            store.add("shardline/code_checked", 1)
+            verdict = store.get("shardline/code_verdict").decode()
         except dist.DistStoreError:
-            raise errors.ShardlineError(f"rank {rank}: rank 0 did not say its code in {limit}: did it fail (its log "
-                                        "says why), or run a shardline from before this check?") from None
-        if _comparable(theirs, code) != _comparable(code, theirs):
-            store.set("shardline/code_refused", f"rank {rank} runs {code}, rank 0 {theirs}")
-        store.add("shardline/code_checked", 1)
+            raise errors.ShardlineError(f"rank {rank}: rank 0 did not answer on the ranks' code in {limit}: did it "
+                                        "fail (its log says why), or run a shardline from before this check?") from None
     else:
         store.set("shardline/code", code)
         deadline = time.monotonic() + (limit.total_seconds() if limit else 1800.0)
-        while (checked := store.add("shardline/code_checked", 0)) < world - 1:
-            if time.monotonic() > deadline:  # (the process group's set-up would wait as long, then hang: named)
-                raise errors.ShardlineError(f"rank 0: {world - 1 - checked} rank(s) did not compare their code with "
-                                            f"this one's in {limit}: a node running a shardline from before this "
-                                            "check, or a rank that failed (its log says why)")
+        while (checked := store.add("shardline/code_checked", 0)) < world - 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-    if store.check(["shardline/code_refused"]):
-        error = errors.ShardlineError(f"{store.get('shardline/code_refused').decode()}: every node of a job must run "
-                                      "the same shardline and torch (install the same commit on each, or share one "
-                                      "checkout)")
+        verdict = ("ok" if checked >= world - 1 and not store.check(["shardline/code_refused"]) else
+                   store.get("shardline/code_refused").decode() if store.check(["shardline/code_refused"]) else
+                   f"{world - 1 - checked} rank(s) did not compare their code with rank 0's in {limit} (a node "
+                   "running a shardline from before this check, or a rank that failed: its log says why)")
+        store.set("shardline/code_verdict", verdict)  # (the ones that came: each stops with this line too)
+    if verdict != "ok":
+        error = errors.ShardlineError(f"{verdict}: every node of a job must run the same shardline and torch "
+                                      "(install the same commit on each, or share one checkout)")
         error.node_alike = True  # (a node's ranks all see it: said once there)
         raise error
 

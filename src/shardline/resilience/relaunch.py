@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -139,9 +140,10 @@ def _say_not_read(cfg: Config, saved: Path, overrides: list[str]) -> None:
         theirs = load_relaunch_config(saved, cfg.run.dir, overrides)
     except (ShardlineError, TypeError, ValueError) as e:  # (a damaged or hand-edited file: nothing to compare)
         if speaks_for_the_job():
-            print(f"shardline: note: {saved} is not read (its launch saved nothing to resume, and it does not read "
-                  f"as a config: {str(e)[:200]}): this launch takes the defaults and the overrides given",
-                  file=sys.stderr)
+            first = re.split(r" [(]|; ", str(e))[0]  # (its key, not the list of valid ones)
+            why = "emptied or cut short" if not _whole(saved) else f"not this shardline's: {first}"
+            print(f"shardline: note: {saved} is not read (its launch saved nothing to resume, and it is {why}): "
+                  "this launch takes the defaults and the overrides given", file=sys.stderr)
         return
     changed = [(k, v) for k, v in config_changes(theirs.to_dict(), cfg.to_dict()).items()
                if (k, v[1]) != ("train.precision", "auto")]  # (auto settles at launch: maybe to theirs)
