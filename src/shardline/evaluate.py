@@ -111,10 +111,6 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
             raise ConfigError(f"--{key}: eval takes the model, its shape and weights, from the checkpoint {ckpt}; "
                               "drop it")
         apply_override(cfg, item)
-    trained_at = saved.get("train", {}).get("seq_len") if isinstance(saved.get("train"), dict) else None
-    if trained_at and cfg.train.seq_len != trained_at and speaks_for_the_job():  # (other windows, another number)
-        print(f"shardline: note: evaluated in windows of train.seq_len={cfg.train.seq_len} tokens, where the run "
-              f"evaluated in {trained_at}: not comparable to its logged eval loss", file=sys.stderr)
     if "data.val_path" in given and given.isdisjoint({"data.path", "data.mix"}):
         _val_path_alone(cfg)
     cfg.model.init_from, cfg.model.hf_path = str(ckpt), ""
@@ -184,6 +180,8 @@ def evaluate(src: str | Path, overrides: list[str] | str = (), batches: int | No
             read = eval_micro_batches(held_out, t.eval_batches * t.global_batch_size, t.micro_batch_size)
             loss = trainer.evaluate()
             labelled = trainer.data.val.count_labels(np.concatenate(read)) if read else 0
+            if proc.rank == 0:
+                _say_if_other_windows(ckpt, t.seq_len)
         finally:
             trainer.close()
         if proc.world_size > 1:
@@ -192,6 +190,18 @@ def evaluate(src: str | Path, overrides: list[str] | str = (), batches: int | No
         shutil.rmtree(run_dir, ignore_errors=True)
     data = cfg.data.val_path or " + ".join(s.path for s in cfg.data.mix) or cfg.data.path or "the shipped corpus"
     return Evaluation(str(ckpt), step, loss, sum(map(len, read)), labelled, data)
+
+
+def _say_if_other_windows(ckpt: Path, seq_len: int) -> None:
+    """On stderr, where --train.seq_len gave other windows than the run evaluated in: another number,
+    which reads as the logged eval loss's drift."""
+    try:
+        trained_at = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))["config"]["train"]["seq_len"]
+    except (OSError, ValueError, KeyError, TypeError):  # (a checkpoint converted from HF: no run to compare)
+        return
+    if trained_at != seq_len:
+        print(f"shardline: note: evaluated in windows of train.seq_len={seq_len} tokens, where the run evaluated in "
+              f"{trained_at}: not comparable to its logged eval loss", file=sys.stderr)
 
 
 def _say_if_data_changed(ckpt: Path, position: dict) -> None:
