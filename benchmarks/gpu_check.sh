@@ -108,7 +108,9 @@ fi
 # Said, not installed: they have dependencies of their own and platform wheels (tensorboard's
 # writer needs protobuf), which a --no-deps install from carried wheels would leave half there.
 for pkg in tokenizers safetensors numpy rich tensorboard pyarrow jinja2; do
-    "$PY" -c "import $pkg" 2>/dev/null \
+    probe="import $pkg"
+    [ "$pkg" = tensorboard ] && probe="from torch.utils.tensorboard import SummaryWriter"  # (protobuf's too)
+    "$PY" -c "$probe" 2>/dev/null \
         || echo "gpu_check: WARNING: $pkg is missing: shardline needs it (pip install it, with its dependencies," \
                 "where the machine can), and the shardline steps will fail" >&2
 done

@@ -129,8 +129,8 @@ def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_p
     (done / "config.toml").write_text("[train]\nsteps = 12\nunknown_later_key = 1\n[model]\n")  # (another
     capsys.readouterr()
     assert _relaunch_config(None, [f"run.dir={done}"]).model.dim == 0  # shardline's key: not read, the note says so)
-    assert "is not read (its launch saved nothing to resume, and it is not this shardline's: unknown config key " \
-           "train.unknown_later_key): this launch takes the defaults" in capsys.readouterr().err
+    assert "is not read (its launch saved nothing to resume, and it is not a config this shardline reads: " \
+           "unknown config key train.unknown_later_key): this launch takes the defaults" in capsys.readouterr().err
     (done / "config.toml").write_text("")  # emptied by a crash: an in-memory snapshot run's went on as the defaults
     with pytest.raises(ConfigError, match=re.escape(f"{done / 'config.toml'}, the config of a run that trained (to "
                                                     "step 5), is emptied or cut short")):

@@ -101,6 +101,7 @@ def _damaged_gzip() -> bytes:
     ("cp1252.txt", "Straße und Köln sind schön\n".encode("cp1252"), "iconv -f WINDOWS-1252"),  # (ß and ö read as GB)
     ("stray.jsonl", '{"text": "Café crème, déjà vu"}\n'.encode() + '{"text": "Müller"}\n'.encode("cp1252"),
      "iconv -f WINDOWS-1252"),  # (UTF-8's é before the bad byte come in pairs: not GB18030's)
+    ("pt.txt", "informações e ação\n".encode("cp1252"), "iconv -f WINDOWS-1252"),  # (two letters: not GB18030's)
     ("stray2.jsonl", '{"text": "Müller"}\n'.encode("cp1252") + '{"text": "déjà vu, été"}\n'.encode(),
      "iconv -f WINDOWS-1252"),  # (nor after it)
     ("stray.txt", "第一行\n".encode() * 3 + b"\xff\nrest\n", r"is not UTF-8 text at line 4 \(byte offset 30\)"),

@@ -340,12 +340,14 @@ def test_a_rank_running_other_code_than_rank_0_is_one_line():
     from shardline.errors import ShardlineError
     from shardline.parallel.distributed import same_code
 
-    def job(codes: list[str]) -> dict[int, str]:
+    def job(codes: list[str | None], timeout: float = 10) -> dict[int, str]:
         store, said = dist.HashStore(), {}
-        store.set_timeout(timedelta(seconds=10))
+        store.set_timeout(timedelta(seconds=timeout))
 
         def rank(r: int) -> None:
             time.sleep(0.3 * (r == len(codes) - 1 > 1))  # (the odd one last: the others were in, and went on)
+            if codes[r] is None:  # (a node too old to take part, or a rank that failed)
+                return
             try:
                 same_code(store, r, len(codes), codes[r])
             except ShardlineError as e:
@@ -365,3 +367,6 @@ def test_a_rank_running_other_code_than_rank_0_is_one_line():
     said = job([ours, ours, older])
     line = f"rank 2 runs {older}, rank 0 {ours}: every node of a job must run the same shardline and torch"
     assert said[0] == said[1] == said[2] and said[0].startswith(line)  # (each rank stops: none waits on the others)
+    said = job([ours, ours, None], timeout=2)  # (rank 0 answers before the others' wait runs out: one line)
+    assert said[0] == said[1] == "1 rank(s) did not compare their code with rank 0's in time (a node running a " \
+                                 "shardline from before this check, or a rank that failed: its log says why)"

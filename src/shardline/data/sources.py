@@ -223,13 +223,13 @@ def _guarded(f: Path, lines: Iterator):
 
 
 def convert_hint(error: UnicodeDecodeError) -> str:
-    """iconv advice naming a likely encoding of the bytes that failed: GB18030 where the run of bytes
-    above ASCII at the first bad one is of whole pairs (Chinese), else Windows-1252 (Western European:
-    an ü of one byte, which GB18030 reads with the letter after it as a Chinese character: garbled).
-    The run alone: UTF-8 text around a stray line is no evidence either way."""
+    """iconv advice naming a likely encoding of the bytes that failed: GB18030 where bytes above ASCII
+    come in runs of two characters or more (Chinese), else Windows-1252 (Western European: an ü or a
+    "çõ" between ASCII letters, which GB18030 would read as Chinese characters: garbled). From the
+    first bad byte on: UTF-8 text before a stray line is no evidence either way."""
     sample = bytes(error.object[error.start : error.start + 64])
-    run = len(sample) - len(sample.lstrip(bytes(range(0x80, 0x100))))
-    guess = "GB18030" if run >= 2 and run % 2 == 0 else "WINDOWS-1252"
+    longest = max(len(run) for run in re.split(rb"[\x00-\x7f]+", sample))
+    guess = "GB18030" if longest >= 4 else "WINDOWS-1252"
     return f": convert it, e.g. iconv -f {guess} -t UTF-8 (or the encoding it was written in)"
 
 

@@ -105,21 +105,23 @@ def same_code(store, rank: int, world: int, code: str) -> None:
             store.add("shardline/code_checked", 1)
             verdict = store.get("shardline/code_verdict").decode()
         except dist.DistStoreError:
-            raise errors.ShardlineError(f"rank {rank}: rank 0 did not answer on the ranks' code in {limit}: did it "
+            raise errors.ShardlineError(f"rank {rank}: rank 0 gave no word on the ranks' code in {limit}: did it "
                                         "fail (its log says why), or run a shardline from before this check?") from None
     else:
         store.set("shardline/code", code)
-        deadline = time.monotonic() + (limit.total_seconds() if limit else 1800.0)
+        # (answered before the others' own timeout on the verdict runs out: they stop with this line too)
+        deadline = time.monotonic() + 0.8 * (limit.total_seconds() if limit else 1800.0)
         while (checked := store.add("shardline/code_checked", 0)) < world - 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        verdict = ("ok" if checked >= world - 1 and not store.check(["shardline/code_refused"]) else
-                   store.get("shardline/code_refused").decode() if store.check(["shardline/code_refused"]) else
-                   f"{world - 1 - checked} rank(s) did not compare their code with rank 0's in {limit} (a node "
-                   "running a shardline from before this check, or a rank that failed: its log says why)")
-        store.set("shardline/code_verdict", verdict)  # (the ones that came: each stops with this line too)
+        refused = store.check(["shardline/code_refused"])
+        verdict = ("ok" if checked >= world - 1 and not refused else
+                   store.get("shardline/code_refused").decode() + ": every node of a job must run the same shardline "
+                   "and torch (install the same commit on each, or share one checkout)" if refused else
+                   f"{world - 1 - checked} rank(s) did not compare their code with rank 0's in time (a node running a "
+                   "shardline from before this check, or a rank that failed: its log says why)")
+        store.set("shardline/code_verdict", verdict)
     if verdict != "ok":
-        error = errors.ShardlineError(f"{verdict}: every node of a job must run the same shardline and torch "
-                                      "(install the same commit on each, or share one checkout)")
+        error = errors.ShardlineError(verdict)
         error.node_alike = True  # (a node's ranks all see it: said once there)
         raise error
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -140,8 +139,9 @@ def _say_not_read(cfg: Config, saved: Path, overrides: list[str]) -> None:
         theirs = load_relaunch_config(saved, cfg.run.dir, overrides)
     except (ShardlineError, TypeError, ValueError) as e:  # (a damaged or hand-edited file: nothing to compare)
         if speaks_for_the_job():
-            first = re.split(r" [(]|; ", str(e))[0]  # (its key, not the list of valid ones)
-            why = "emptied or cut short" if not _whole(saved) else f"not this shardline's: {first}"
+            first = str(e).split("; valid")[0]  # (its key, not the list of valid ones)
+            why = ("emptied, cut short or not TOML" if not _whole(saved) else
+                   f"not a config this shardline reads: {first}")
             print(f"shardline: note: {saved} is not read (its launch saved nothing to resume, and it is {why}): "
                   "this launch takes the defaults and the overrides given", file=sys.stderr)
         return
