@@ -493,3 +493,22 @@ def test_a_relative_run_dir_is_the_folder_meant_at_construction_whatever_the_cwd
     assert trainer.train()["step"] == 2
     assert (tmp_path / "a" / "run" / "checkpoints").is_dir() and not (tmp_path / "b" / "run").exists()
     assert not (tmp_path / "a" / "run" / ".lock").exists()
+
+
+def test_a_run_that_fails_says_so_in_its_log(tiny_config, tmp_path):
+    """A crash (a lost node, an error in a step) left metrics.jsonl ending on its last train record:
+    to a requeue script reading the run dir, a cut-off log. A stop and a halt have their own events."""
+    trainer = Trainer(tiny_config("train.steps=6", "train.eval_interval=0")).build()
+    compute, calls = trainer.compute_gradients, []
+
+    def broken_in_the_third():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom\nits second line")
+        return compute()
+
+    trainer.compute_gradients = broken_in_the_third
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    last = read_records(tmp_path / "run", "event")[-1]
+    assert (last["event"], last["step"], last["error"], last["lost_peer"]) == ("failed", 2, "RuntimeError: boom", False)

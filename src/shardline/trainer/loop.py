@@ -24,7 +24,7 @@ import torch
 from shardline.config import Config, expand_home, refuse_changed_since_build
 from shardline.data.sampler import batch_index
 from shardline.devices import native_bf16, peak_tflops
-from shardline.errors import CheckpointError, ConfigError, Interrupted, Preempted, on_every_rank
+from shardline.errors import AnomalyHalt, CheckpointError, ConfigError, Interrupted, Preempted, on_every_rank
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
@@ -32,7 +32,7 @@ from shardline.models.moe.parallelize import build_model as build_moe_model
 from shardline.optim import build_optimizer, build_scheduler
 from shardline.parallel.collectives import clip_grad_norm
 from shardline.parallel.dims import ParallelDims
-from shardline.parallel.distributed import agreed, init_distributed, pick_device
+from shardline.parallel.distributed import agreed, init_distributed, lost_peer, pick_device
 from shardline.parallel.expert.balance import ExpertBalance
 from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.pipeline import tied_copy
@@ -213,6 +213,11 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
                     self.guard.drain(self.step)
             with contextlib.suppress(Exception):  # progress.json's last word (rank 0's); a stop's is "ended"
                 self.guard.goodput.fail(after_end=not isinstance(error, Preempted))
+            if not isinstance(error, (Preempted, AnomalyHalt, KeyboardInterrupt, SystemExit)):  # (their own events)
+                with contextlib.suppress(Exception):  # (the log's last word: a crash read as a cut-off log)
+                    first = (str(error).strip().splitlines() or [""])[0][:300]
+                    said = lost_peer(error) or f"{type(error).__name__}: {first}"
+                    self.metrics.event("failed", step=self.step, error=said, lost_peer=bool(lost_peer(error)))
             self.close(failed=True)  # an error, a halt or Ctrl-C
             raise
 
