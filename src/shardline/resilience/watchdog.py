@@ -97,6 +97,7 @@ class Watchdog:
         self._train_thread: int | None = None
         self._steps_begun = self._beat = 0
         self._store_lost = False
+        self.responding = False  # a hang's report under way: its `hang` event, not a peer's `failed`, says it
         self._store_failing_since: float | None = None  # when the store's calls began to fail
         self.before_exit: Callable[[], None] | None = None  # e.g. free the run dir's lock: os._exit skips atexit
 
@@ -229,6 +230,7 @@ class Watchdog:
     def _respond(self, incident: dict[str, Any]) -> None:
         """Dump this rank's stacks into the agreed folder, report, and exit; never returns,
         whatever fails on the way: a watchdog that dies here would leave the job hung."""
+        self.responding = True
         atexit.register(self._hold_exit)
         # The report's files are in the run dir: where a stalled file system is the hang, writing
         # them blocks too, and the job would stay hung. Exit by a deadline, whatever was written.

@@ -213,22 +213,17 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
                     self.guard.drain(self.step)
             with contextlib.suppress(Exception):  # progress.json's last word (rank 0's); a stop's is "ended"
                 self.guard.goodput.fail(after_end=not isinstance(error, Preempted))
-            if not isinstance(error, (Preempted, AnomalyHalt, KeyboardInterrupt, SystemExit)):  # (their own events)
-                with contextlib.suppress(Exception):  # (the log's last word: a crash read as a cut-off log)
-                    first = (str(error).strip().splitlines() or [""])[0][:300]
-                    said = lost_peer(error) or f"{type(error).__name__}: {first}"
-                    self.metrics.event("failed", step=self.step, error=said, lost_peer=bool(lost_peer(error)))
-            self.close(failed=True)  # an error, a halt or Ctrl-C
+            self.close(failed=True, error=error)  # an error, a halt or Ctrl-C
             raise
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, error: BaseException | None = None) -> None:
         """Free what build() took: the watchdog (its last reports; `failed`: this rank failed) and the
         signal handlers, the trace so far, the log's files (TensorBoard's writer thread), the data
         folders' reader locks and the run dir's lock; each one's own failure keeps none of the next.
         train() closes on its way out; a Trainer built and not trained (a look at the model) is closed
-        here or by `with`. Idempotent."""
+        here or by `with`. Idempotent. `error`: what ended the run, the log's last word (`failed`)."""
         for close in (lambda: self.guard.stop_watching(failed=failed), lambda: self.profiler.close(self.step),
-                      lambda: self.metrics.close(), lambda: self.data.release()):
+                      lambda: self._say_failed(error), lambda: self.metrics.close(), lambda: self.data.release()):
             with contextlib.suppress(Exception):  # (AttributeError: a build that stopped before it made one)
                 close()
         if getattr(self, "lock", None) is not None:
@@ -237,6 +232,16 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             with contextlib.suppress(OSError):
                 os.close(self._run_dir_fd)
             self._run_dir_fd = None
+
+    def _say_failed(self, error: BaseException | None) -> None:
+        """Rank 0's `failed` event: a crash read as a cut-off metrics.jsonl to a requeue script. Not for a
+        stop, a halt or a hang, which have their own (nor for a rank that lost its peer to another's hang)."""
+        if error is None or isinstance(error, (Preempted, AnomalyHalt, KeyboardInterrupt, SystemExit)) or \
+                getattr(getattr(self.guard, "watchdog", None), "responding", False):
+            return
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        said = lost_peer(error) or f"{type(error).__name__}: {first}"
+        self.metrics.event("failed", step=self.step, error=said, lost_peer=bool(lost_peer(error)))
 
     def _check_lock_held(self) -> None:
         if self.proc.is_main and not self.lock.held:
