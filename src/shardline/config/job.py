@@ -241,7 +241,7 @@ def load_relaunch_config(saved: str | Path, run_dir: str | Path, overrides: list
         raw = reader.read_toml(saved)
     except ConfigError as e:  # (a truncated or hand-broken file: where it came from, and the ways past it)
         raise ConfigError(f"{e} (the run's saved config: fix it there, or give --config FILE)") from None
-    if not isinstance(raw.get("model"), dict):  # (every save writes each section: an emptied file is no config)
+    if not reader.whole_config(raw):
         raise ConfigError(f"{saved}, the run's saved config, holds no [model] table (emptied by a crash or by "
                           "hand?): the defaults would resume this run's checkpoints; give --config FILE with the run's "
                           "settings")

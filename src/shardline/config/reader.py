@@ -262,3 +262,9 @@ def key_of(error: ConfigError) -> str:
     words = str(error).split("=", 1)[0].split() if "=" in str(error) else []
     head = words[0] if words else ""
     return head if head.count(".") == 1 and head.replace(".", "").replace("_", "").isalnum() else ""
+
+
+def whole_config(raw: dict) -> bool:
+    """Whether a saved config, as read, holds its [model] table: every save writes each section, so a
+    file without it was emptied or cut short (a crash before its data reached the disk), not a config."""
+    return isinstance(raw.get("model"), dict)

@@ -215,7 +215,8 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
     # different seeds are evaluated on the same held-out documents.
     train_docs, val_docs = split_documents(docs, fraction, seed=0)
     if left_out is not None:  # (held-out documents that training also holds, word for word)
-        left_out["held_out_in_training"] = left_out.get("held_out_in_training", 0) + held_out_copies(docs, fraction)
+        copies = held_out_copies(train_docs, val_docs)
+        left_out["held_out_in_training"] = left_out.get("held_out_in_training", 0) + copies
     template = chat_template_for(tokenizer_file(d)) if chat else None  # (a mixture's: the run's, it exports it)
     if tok is None:
         texts = [render_chat(m, template) for m in train_docs] if chat else train_docs

@@ -70,11 +70,11 @@ def held_out_in_training(digests: array, held: np.ndarray) -> int:
     return int(np.isin(every[is_val], val[copied]).sum())
 
 
-def held_out_copies(docs: list, val_fraction: float) -> int:
-    """held_out_in_training of split_documents' split of `docs` (none for a lone document's cut)."""
-    if len(docs) < 2 or not val_fraction:
+def held_out_copies(train: list, val: list) -> int:
+    """held_out_in_training of a split already made (split_documents'): its held-out documents last."""
+    if not val:
         return 0
-    return held_out_in_training(array("Q", map(digest, docs)), held_out(len(docs), val_fraction, seed=0))
+    return held_out_in_training(array("Q", map(digest, [*train, *val])), np.arange(len(train), len(train) + len(val)))
 
 
 def held_out(num_docs: int, val_fraction: float, seed: int = 0) -> np.ndarray:

@@ -124,9 +124,9 @@ def _refuse_a_finished_run(run_dir: Path, saved: Path) -> None:
 
 
 def _whole(saved: Path) -> bool:
-    """Whether a saved config.toml reads as TOML and holds its [model] table (every save writes it)."""
+    """Whether a saved config.toml reads as TOML and as a whole config (reader.whole_config)."""
     try:
-        return isinstance(reader.read_toml(saved).get("model"), dict)
+        return reader.whole_config(reader.read_toml(saved))
     except ConfigError:
         return False
 

@@ -239,9 +239,9 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if error is None or isinstance(error, (Preempted, AnomalyHalt, KeyboardInterrupt, SystemExit)) or \
                 getattr(getattr(self.guard, "watchdog", None), "responding", False):
             return
-        first = (str(error).strip().splitlines() or [""])[0][:300]
-        said = lost_peer(error) or f"{type(error).__name__}: {first}"
-        self.metrics.event("failed", step=self.step, error=said, lost_peer=bool(lost_peer(error)))
+        first, peer = (str(error).strip().splitlines() or [""])[0][:300], lost_peer(error)
+        self.metrics.event("failed", step=self.step, error=peer or f"{type(error).__name__}: {first}",
+                           lost_peer=peer is not None)
 
     def _check_lock_held(self) -> None:
         if self.proc.is_main and not self.lock.held:
