@@ -416,7 +416,9 @@ def test_a_home_path_set_in_code_is_expanded_by_the_trainer(tmp_path, monkeypatc
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = load_config(None)
     cfg.run.dir = "~/runs/nb"
-    assert Trainer(cfg).run_dir == tmp_path / "runs" / "nb" and cfg.run.dir == str(tmp_path / "runs" / "nb")
+    trainer = Trainer(cfg)
+    assert trainer.run_dir == tmp_path / "runs" / "nb" and trainer.cfg.run.dir == str(tmp_path / "runs" / "nb")
+    assert cfg.run.dir == "~/runs/nb"  # (the caller's object is not written: the Trainer works on a copy)
 
 
 def test_a_run_dir_that_is_another_tools_folder_is_refused_before_anything_is_written(tmp_path, small_prepared):

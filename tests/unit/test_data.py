@@ -40,6 +40,9 @@ def test_reads_txt_jsonl_parquet_gz_and_folders(tmp_path):
     assert docs == ["third", "fourth", "seventh"]
     (tmp_path / "c.parquet").unlink()
     assert len(read_documents(str(tmp_path))) == 5
+    (tmp_path / "e.ndjson").write_text('{"text": "eighth"}\n')  # JSON lines under their other common name
+    assert read_documents(str(tmp_path / "e.ndjson")) == ["eighth"]
+    assert len(read_documents(str(tmp_path))) == 6
 
 
 def test_txt_read_in_chunks_splits_as_the_whole_text_would(tmp_path, monkeypatch):
@@ -509,4 +512,5 @@ def test_the_dry_run_names_the_files_a_folder_holds_that_are_not_read(tmp_path, 
     (folder / "README.md").write_text("about this data\n")
     (folder / "meta.json").write_text("{}\n")
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--data.path={folder}"]) == 0
-    assert "(not read: README.md, meta.json; it reads .txt, .jsonl, .parquet, .arrow files)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "(not read: README.md, meta.json; it reads .txt, .jsonl, .parquet, .arrow, .ndjson files)" in said

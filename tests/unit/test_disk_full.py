@@ -41,6 +41,7 @@ def test_a_full_disk_is_one_line_leaves_nothing_and_training_goes_on(tiny_config
         Trainer(tiny_config("train.steps=12", "checkpoint.keep=3", run_dir=run)).build().train()
     failed = [e for e in events(run) if e["event"] == "checkpoint_failed"]
     assert failed and failed[0]["step"] == 12
+    assert events(run)[-1]["event"] == "end" and events(run)[-1]["outcome"] == "save_refused"  # (not "complete")
     account = json.loads((run / "progress.json").read_text())  # its last state is not kept: to be rerun
     assert account["finished"] is False and account["run_complete"] is False
     assert account["phase"] == "failed"  # (the refusal comes after the launch's end: an error ended it all the same)
@@ -284,9 +285,14 @@ def test_a_relaunch_on_a_disk_still_full_is_one_line_and_leaves_nothing(tiny_con
     Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build().train()
     before = sorted(p.name for p in run.iterdir())
     _fill_but(small_disk, 4096)  # (a page: the run's lock is written, its config is not)
+    # Its next save would be refused after training to it (under torchrun's restarts, again and again):
+    # refused before it trains, by the size of its newest checkpoint
+    with pytest.raises(CheckpointError, match=rf"^no space to save on {run / 'checkpoints'}: 4.1 kB free, and a "
+                                              r"checkpoint of this run takes ~1.\d MB \(step-000002\); free space "):
+        Trainer(tiny_config("train.steps=4", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build()
     with pytest.raises(ShardlineError, match=r"No space left on device: cannot write the run's files into "
                                              rf"{run}: free space there, or give another run.dir"):
-        Trainer(tiny_config("train.steps=4", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build()
+        Trainer(tiny_config("train.steps=4", "checkpoint.interval=0", "train.eval_interval=0", run_dir=run)).build()
     assert sorted(p.name for p in run.iterdir()) == before  # (no .config.toml.*.tmp)
 
 
@@ -298,7 +304,8 @@ def test_a_run_dir_s_tokenizer_is_replaced_whole_or_not_at_all(tiny_config, smal
     Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build().train()
     own = run / "tokenizer.json"
     stamp = own.stat().st_mtime_ns
-    Trainer(tiny_config("train.steps=4", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build().close()
+    # (no saves: the disk has no room for a second checkpoint, which a relaunch that saves is refused over)
+    Trainer(tiny_config("train.steps=4", "checkpoint.interval=0", "train.eval_interval=0", run_dir=run)).build().close()
     assert own.stat().st_mtime_ns == stamp  # the same tokenizer: not written again
     fresh = small_disk / "fresh"  # a launch that died before it saved anything left another tokenizer there
     fresh.mkdir()

@@ -85,6 +85,8 @@ def test_the_steps_a_stop_ends_are_logged(tiny_config, tmp_path, at, in_save):
     with pytest.raises(Preempted, match=f"SIGTERM at step {at}"):
         trainer.train()
     assert [r["step"] for r in records(trainer.run_dir) if r.get("kind") == "train"] == [at]
+    # (the log's last record: a stop's end is no run's end to a requeue script)
+    assert [r["outcome"] for r in records(trainer.run_dir) if r.get("event") == "end"] == ["stopped"]
 
 
 def test_a_third_ctrl_c_in_a_save_or_a_ctrl_c_inside_torchs_writer_is_an_interrupt():

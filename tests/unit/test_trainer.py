@@ -38,6 +38,8 @@ def test_resume_is_bit_identical(tiny_config, tmp_path):
     second = Trainer(tiny_config("train.steps=16", run_dir=tmp_path / "split")).build()  # resumes automatically
     assert second.step == 8
     second.train()
+    ends = [r["outcome"] for r in read_records(tmp_path / "split", "event") if r["event"] == "end"]
+    assert ends == ["stop_at_step", "complete"]  # (a launch's end, then the run's)
     a, b = train_losses(tmp_path / "full"), train_losses(tmp_path / "split")
     assert sorted(a) == sorted(b) == list(range(1, 17))
     assert all(a[k] == b[k] for k in a), {k: (a[k], b[k]) for k in a if a[k] != b[k]}
@@ -129,6 +131,7 @@ def test_fp16_overflow_skips_the_step(tiny_config, tmp_path):
     events = [r["event"] for r in read_records(tmp_path / "run", "event")]
     assert "skipped_step" in events
     end = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "end"][-1]
+    assert end["outcome"] == "complete"
     assert end["overflow_skipped_steps"] == 1  # the scaler's skips, apart from the anomalies' (its own count)
     # The train record carries the loss scale (halved by the overflow), not only the skip's event.
     assert [r["loss_scale"] for r in read_records(tmp_path / "run", "train")] == [2.0**39]
@@ -479,6 +482,25 @@ def test_a_config_changed_after_build_is_refused_by_train_which_frees_the_run_di
         trainer.train()
     assert not (tmp_path / "run" / ".lock").exists()
     assert Trainer(cfg).build().train()["step"] == 6  # (a new Trainer of it trains it)
+
+
+def test_trainers_made_of_one_config_object_edited_between_them_each_train_their_own(tiny_config, tmp_path):
+    """A notebook's sweep: Trainer t1 of cfg, cfg edited for t2, t2 of it. t1 refused to train ("the config
+    was changed after build()") and cfg itself was rewritten (run.dir absolute, precision settled)."""
+    cfg = tiny_config("train.steps=2", "train.eval_interval=0", "train.precision=auto", run_dir=tmp_path / "a")
+    first = Trainer(cfg).build()
+    cfg.run.dir, cfg.train.steps = str(tmp_path / "b"), 3
+    second = Trainer(cfg).build()
+    assert (first.train()["step"], second.train()["step"]) == (2, 3)
+    assert cfg.train.precision == "auto" and first.cfg.train.precision == "fp32"
+    assert first.cfg.run.dir == str(tmp_path / "a")
+    # An edit made while no later Trainer is made of the object is meant for the one made last: refused,
+    # not passed over, before build() and after it.
+    third = Trainer(cfg)
+    cfg.optim.lr = 1.0
+    with pytest.raises(ConfigError, match=r"^the config was changed after Trainer\(cfg\) was made \(optim.lr\): "
+                                          "the Trainer works on a copy made then; build a new Trainer"):
+        third.build()
 
 
 def test_a_relative_run_dir_is_the_folder_meant_at_construction_whatever_the_cwd_later(tiny_config, tmp_path,

@@ -6,8 +6,8 @@ them together as `Config`. The config imports no feature: features read it.
 """
 
 from shardline.config.job import (LAUNCH_ONLY, Config, apply_override, config_changes, expand_home, from_dict,
-                                  load_config, load_relaunch_config, override_list, refuse_changed_since_build,
-                                  save_config, to_toml)
+                                  load_config, load_relaunch_config, override_list, save_config, to_toml)
+from shardline.config.given import GivenConfig, refuse_changed_since
 from shardline.config.data_section import DataConfig, MixSource, saved_formats
 from shardline.config.reader import read_toml
 from shardline.config.resilience import AnomalyConfig, FaultsConfig, WatchdogConfig
@@ -32,9 +32,9 @@ from shardline.config.sections import (
 
 __all__ = [
     "AC_MODES", "CP_BALANCES", "LAUNCH_ONLY", "CP_MODES", "DTYPE_NAMES", "PP_SCHEDULES", "PRECISIONS", "SCHEDULES",
-    "AnomalyConfig", "CheckpointConfig", "Config", "DataConfig", "FaultsConfig", "MemoryConfig", "MetricsConfig",
-    "MixSource", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig",
-    "WatchdogConfig", "apply_override", "config_changes", "expand_home", "from_dict", "load_config",
-    "load_relaunch_config", "override_list", "read_toml", "refuse_changed_since_build", "save_config",
+    "AnomalyConfig", "CheckpointConfig", "Config", "DataConfig", "FaultsConfig", "GivenConfig", "MemoryConfig",
+    "MetricsConfig", "MixSource", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RunConfig",
+    "TrainConfig", "WatchdogConfig", "apply_override", "config_changes", "expand_home", "from_dict", "load_config",
+    "load_relaunch_config", "override_list", "read_toml", "refuse_changed_since", "save_config",
     "saved_formats", "to_toml",
 ]

@@ -165,16 +165,6 @@ def _file_values(cfg: Config, raw: dict) -> dict[str, Any]:
 LAUNCH_ONLY = {"run": ("resume",), "train": ("stop_at_step",), "faults": None}
 
 
-def refuse_changed_since_build(built: Config | None, now: Config) -> None:
-    """A Trainer's config changed between build() and train(): the model, data and schedule were built
-    from it as it was, so a change was partly used and mislogged (train.steps) or not at all (optim.lr).
-    `built` None: no build finished, nothing to compare."""
-    changed = changed_keys(built, now) if built is not None else []
-    if changed:
-        raise ConfigError(f"the config was changed after build() ({', '.join(changed[:5])}): build() reads it and "
-                          "train() trains what was built; build a new Trainer of the changed config")
-
-
 def changed_keys(before: Config, now: Config) -> list[str]:
     """The "section.key"s whose values differ between two configs, each read as a file's values are
     (a Path and its string, numpy's numbers and Python's, are alike; check_types on copies)."""

@@ -26,7 +26,7 @@ def _tokenizer_arg(text: str) -> str:
 def register(sub) -> None:
     p = sub.add_parser("prepare", epilog="then train with --data.path=DIR; a rerun resumes an interrupted prepare")
     p.add_argument("inputs", type=os.path.expanduser, nargs="*", metavar="INPUT",
-                   help=".txt/.jsonl/.parquet/.arrow files (optionally .gz), folders of them, glob patterns "
+                   help=".txt/.jsonl/.ndjson/.parquet/.arrow files (optionally .gz), folders of them, glob patterns "
                         "of them (quoted), or datasets save_to_disk folders")
     p.add_argument("--out", type=os.path.expanduser,
                    required=True, metavar="DIR", help="the prepared folder to write (or resume)")
@@ -89,7 +89,7 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     if names:
         more = " ..." if len(names) > 3 else ""
         left_out.append(f"{len(names)} file(s) of no type it reads ({', '.join(names[:3])}{more}; it reads "
-                        ".txt, .jsonl, .parquet, .arrow, optionally .gz)")
+                        ".txt, .jsonl, .ndjson, .parquet, .arrow, optionally .gz)")
     if left_out:
         print(f"note: skipped {' and '.join(left_out)}", file=sys.stderr)
     if m.get("held_out_in_training"):

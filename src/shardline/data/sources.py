@@ -1,7 +1,7 @@
 """Read documents from the shipped corpus or a user's files, as a stream.
 
-Accepted: `.txt` (documents separated by two or more blank lines), `.jsonl` (one object per
-line with a text field), `.parquet` (a text column), `.arrow` (the files of a Hugging Face
+Accepted: `.txt` (documents separated by two or more blank lines), `.jsonl` or `.ndjson` (one
+object per line with a text field), `.parquet` (a text column), `.arrow` (the files of a Hugging Face
 `datasets.save_to_disk` folder; read with pyarrow, `datasets` itself is not needed), each
 optionally gzipped (`.gz`), a folder holding such files (read in sorted order; a `save_to_disk`
 DatasetDict folder reads its `train` split), or a glob pattern of them (`data/train-*.parquet`).
@@ -32,7 +32,7 @@ from shardline.data.folders import folder_entries, read_once, read_root
 from shardline.data.shards import is_prepared
 from shardline.errors import DataError
 
-SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
+SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow", ".ndjson")  # (.ndjson: JSON lines too)
 # Two blank lines end a document (in text read with universal newlines); a line of any whitespace is blank
 _DOC_BREAK = re.compile(r"\n[^\S\n]*\n[^\S\n]*\n+")  # (a full-width space U+3000 as Chinese indents, a no-break space)
 _LINE_END = re.compile(rb"\r\n?|\n")  # (as universal newlines end lines: \n, \r\n or a lone \r, an old Mac's)
@@ -203,7 +203,7 @@ def read_file(f: Path, field: str) -> Iterator:
                             f"'{CHAT_FIELD}' list of {{role, content}} (or ShareGPT's 'conversations' of "
                             "{from, value}) per record of a .jsonl, .parquet or .arrow file")
         return _read_txt(f)
-    if kind == ".jsonl":
+    if kind in (".jsonl", ".ndjson"):
         return _read_jsonl(f, field)
     return _read_table(f, field, kind)
 

@@ -198,7 +198,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     work = _with_shape_overrides(work, base, overrides)
     result = search(work, hw, args.gpus, parse_fix(args.fix), runnable_only=args.runnable_only)
     if not result.candidates:
-        raise ConfigError(f"{work.model_ref} on {args.gpus} x {hw.name}: {explain_no_fit(work, hw, args.gpus, result)}")
+        raise ConfigError(f"{work.label} on {args.gpus} x {hw.name}: {explain_no_fit(work, hw, args.gpus, result)}")
     shown = result.candidates[:args.top]
     not_runnable = {i: p for i, e in enumerate(shown) if (p := runnable_problem(work, e.layout))}
     if args.emit_config:
@@ -241,7 +241,8 @@ def _with_shape_overrides(work: Workload, base: Config, overrides: list[str]) ->
     ref = work.model_ref  # (--model's shape, not model.init_from's: a checkpoint the planning host may not hold)
     m = dataclasses.replace(base.model, hf_path=ref[3:] if ref.startswith("hf:") else "", init_from="",
                             preset=base.model.preset if ref.startswith("hf:") else ref)
-    return dataclasses.replace(work, model=_config_model(dataclasses.replace(base, model=m)))  # (as estimate does)
+    return dataclasses.replace(work, model=_config_model(dataclasses.replace(base, model=m)),  # (as estimate does)
+                               reshaped_by=tuple(o.removeprefix("--") for o in shaping))
 
 
 EMITTED = "# written by: shardline plan"  # the first line of an emitted config

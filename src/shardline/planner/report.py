@@ -20,7 +20,7 @@ def describe_request(work: Workload, hw: Hardware, gpus: int, ring: int = 1) -> 
     n = gpus // gpn
     nodes = f" ({n} node{'s' if n > 1 else ''} x {gpn})" if gpus >= gpn and gpus % gpn == 0 and hw.name != "cpu" else ""
     active = f", {_count(num_params(work.model, active=True))} active" if work.model.moe else ""
-    return (f"{work.model_ref or 'model'} ({_count(total_params(work))} params{active}) on {gpus:,} x "
+    return (f"{work.label} ({_count(total_params(work))} params{active}) on {gpus:,} x "
             f"{hw.name}{nodes}, "
             f"seq {work.seq_len}, global batch {work.global_batch:,} seqs ("
             + (f"{work.tokens / 1e6:.2f} M" if work.tokens >= 1e6 else f"{work.tokens:,}") + " tokens), "
@@ -171,7 +171,8 @@ def plan_json(work: Workload, hw: Hardware, gpus: int, result: SearchResult, sho
             item["not_runnable_reason"] = not_runnable[i]
         candidates.append(item)
     return {"candidates": candidates,
-            "request": {"model": work.model_ref, "params": total_params(work), "gpu": hw.name, "gpus": gpus,
+            "request": {"model": work.model_ref, "reshaped_by": list(work.reshaped_by), "params": total_params(work),
+                        "gpu": hw.name, "gpus": gpus,
                         "gpus_per_node": hw.network.gpus_per_node, "seq_len": work.seq_len,
                         "global_batch": work.global_batch, "global_batch_tokens": work.tokens,
                         "precision": work.precision, "document_mask": work.document_mask,

@@ -9,6 +9,7 @@ runner, the watchdog guard and the metrics log.
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import numpy as np
@@ -18,6 +19,21 @@ from shardline.data.sampler import batch_index, eval_micro_batches
 from shardline.metrics import mfu, peak_memory_gib
 from shardline.optim import lr_multiplier
 from shardline.parallel.collectives import reduce_over
+
+
+class LogWindow:
+    """The training time between two log lines, which tokens/s and MFU are measured over: evaluation,
+    saves and profiler traces are taken out, and a launch's first step (compile, caches) unless logged."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self, at: float | None = None) -> None:
+        self.start, self.steps = time.perf_counter() if at is None else at, 0
+
+    def took(self, steps: int, paused_s: float = 0.0) -> None:
+        self.steps += steps
+        self.start += paused_s
 
 
 class IntervalWork:

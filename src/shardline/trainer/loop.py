@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardline.config import Config, expand_home, refuse_changed_since_build
+from shardline.config import Config, GivenConfig, expand_home, refuse_changed_since
 from shardline.data.sampler import batch_index
 from shardline.devices import native_bf16, peak_tflops
 from shardline.errors import AnomalyHalt, CheckpointError, ConfigError, Interrupted, Preempted, on_every_rank
@@ -47,25 +47,10 @@ from shardline.resilience.recovery import (agree_on_resume, memory_tier_resumabl
                                           refuse_fresh_over_invalid, saved_step)
 from shardline.resilience.run_lock import RunLock
 from shardline.trainer.anomalies import AnomalyResponse
-from shardline.trainer.intervals import IntervalWork
+from shardline.trainer.intervals import IntervalWork, LogWindow
 from shardline.trainer.state import SavedState
 from shardline.trainer.stopping import StopOnRequest
 from shardline.trainer.step import StepRunner
-
-
-class LogWindow:
-    """The training time between two log lines, which tokens/s and MFU are measured over: evaluation,
-    saves and profiler traces are taken out, and a launch's first step (compile, caches) unless logged."""
-
-    def __init__(self):
-        self.restart()
-
-    def restart(self, at: float | None = None) -> None:
-        self.start, self.steps = time.perf_counter() if at is None else at, 0
-
-    def took(self, steps: int, paused_s: float = 0.0) -> None:
-        self.steps += steps
-        self.start += paused_s
 
 
 class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
@@ -80,6 +65,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if not isinstance(cfg, Config):  # (a dict of sections: an AttributeError on its first use)
             raise ConfigError(f"Trainer takes a Config (load_config, or from_dict of a dict), not {type(cfg).__name__}")
         cfg.check_sections()  # those that involve the layout, the data and the model come in build()
+        self._given, cfg = GivenConfig(cfg), copy.deepcopy(cfg)  # (the caller's object is never written)
         expand_home(cfg)  # (load_config did; paths set in code since have not been)
         self._run_dir_as_given = str(cfg.run.dir)  # (the ranks compare it as given: their cwds may be spelled apart)
         cfg.run.dir = os.path.abspath(cfg.run.dir)  # the folder meant now, whatever a notebook's later chdir
@@ -104,6 +90,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
     def build(self) -> "Trainer":
         """Everything that can fail on user input happens here, before the run dir is touched. A build
         that fails lets go of what it took (the data folders' reader locks, the run dir's lock)."""
+        self._given.refuse_changed("Trainer(cfg) was made")  # (an edit meant for this Trainer, not passed over)
         try:
             return self._build()
         except BaseException:
@@ -249,7 +236,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if self.proc.is_main and not self.lock.still_held():  # (taken over by a later Trainer of this process)
             raise ConfigError(f"run dir {self.run_dir} was taken over since this Trainer was built (by a later one, "
                               "or another run): build a new Trainer to train in it")
-        refuse_changed_since_build(getattr(self, "_as_built", None), self.cfg)  # (None: a failed build)
+        self._given.refuse_changed("build()")  # (the caller's object: the Trainer trains its own copy)
+        refuse_changed_since(getattr(self, "_as_built", None), self.cfg)  # (None: a failed build)
 
     def __enter__(self) -> "Trainer":
         return self
@@ -315,8 +303,12 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         lets go of (the log, the data's readers, the run dir's lock)."""
         self.profiler.close(self.step)  # a run stopped inside the profiled steps writes those it ran
         self.report_device_anomalies()
-        summary = self.guard.finish(self.step, complete=stopped is None, last=self.step >= self.cfg.train.steps)
-        self.metrics.event("end", step=self.step, overflow_skipped_steps=self.scaler.skipped_steps,
+        last = self.step >= self.cfg.train.steps
+        summary = self.guard.finish(self.step, complete=stopped is None, last=last)
+        # (what a requeue script reads: the end of a stop or of a refused last save is no run's end)
+        outcome = "stopped" if stopped else "save_refused" if self.tiers.unsaved_end else \
+            "complete" if last else "stop_at_step"
+        self.metrics.event("end", step=self.step, outcome=outcome, overflow_skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
         if self.guard.goodput and self.guard.goodput.stale and not self.tiers.unsaved_end:  # (rank 0's: else exit 2)
             print(f"shardline: warning: {self.run_dir / 'progress.json'} could not be written at the end "

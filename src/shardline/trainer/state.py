@@ -46,7 +46,7 @@ from shardline.resilience.recovery import (data_changes, get_rng_state, restarte
 from shardline.resilience.resume_checks import (check_data_position, check_saved_position, check_skip_batches,
                                                check_steps_ahead)
 from shardline.resilience.run_lock import launcher_ids
-from shardline.resilience.tiers import folder_bytes
+from shardline.resilience.tiers import folder_bytes, refuse_no_room
 from shardline.version import version
 
 
@@ -117,6 +117,7 @@ class SavedState:
         resolve_epochs(cfg, len(self.data.train))  # (train.epochs: the steps of that many passes)
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
         found = self._choose_resume(launch.model_args)
+        refuse_no_room(cfg, found, self.checkpointer.root)  # (its next save would be refused, after training to it)
         check_rollback_target(cfg, found)
         check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
         return launch, found

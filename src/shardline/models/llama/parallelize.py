@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -96,6 +96,8 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
         apply_tp(model, dims.submesh("tp"), p.sequence_parallel, p.loss_parallel)
     if family_plan is not None:
         family_plan(model)
+    if dims.tp > 1 and p.sequence_parallel:
+        refuse_unplanned(model)
     # Compile after AC (the checkpoint traced with the block), except under tp, where the
     # checkpoint wraps the compiled forward (parallel/compile.py); always before FSDP (hooks outside).
     compiled = compile_options(dims.layout, cfg.memory.activation_checkpoint)
@@ -115,6 +117,19 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
         move_buffers(model, device)
     forward = None if pipeline else (apply_ddp(model, dims, device) if use_ddp else model)
     return BuiltModel(model, forward, pipeline, context)
+
+
+def refuse_unplanned(model: nn.Module) -> None:
+    """Under sequence parallelism every parameter is a DTensor its plan laid out. One no style
+    reached stays a plain tensor on each rank whose module sees this rank's tokens alone, so its
+    gradient differs across the tp ranks and their copies drift apart, in silence. (Without it the
+    norms stay plain on the replicated stream, as one process computes them.)"""
+    plain = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
+    if plain:
+        raise ValueError(f"parameter {plain[0]} has no tensor-parallel layout ({len(plain)} such): a module added "
+                         "to the model needs its entry in apply_tp's sequence-parallel plan in "
+                         "models/llama/parallelize.py (a norm: SequenceParallel; a projection: ColwiseParallel or "
+                         "RowwiseParallel), or parallel.sequence_parallel=false")
 
 
 def move_buffers(model: nn.Module, device: torch.device) -> None:
