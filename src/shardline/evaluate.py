@@ -20,6 +20,7 @@ import glob
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -152,7 +153,18 @@ def _check_saved_paths(cfg: Config, given: set[str]) -> None:
 
 def evaluate(src: str | Path, overrides: list[str] | str = (), batches: int | None = None) -> Evaluation:
     """The loss of checkpoint `src` (a run dir: its newest valid one) on the held-out split the
-    config reads, over `batches` global batches (None: train.eval_batches; 0: every sequence)."""
+    config reads, over `batches` global batches (None: train.eval_batches; 0: every sequence).
+    torch's and Python's generators are left as found: the build seeds them with train.seed, and a
+    notebook's own draws after an evaluation followed from that seed."""
+    state, gpus = random.getstate(), range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=gpus):
+        try:
+            return _evaluate(src, overrides, batches)
+        finally:
+            random.setstate(state)
+
+
+def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) -> Evaluation:
     from shardline.trainer import Trainer
 
     if batches is not None and (not isinstance(batches, int) or isinstance(batches, bool) or batches < 0):

@@ -67,6 +67,16 @@ def test_evaluate_from_python_takes_one_override_string_as_load_config_does(tiny
     one = evaluate(cfg.run.dir, "train.eval_batches=1")
     assert one.step == 2 and one.loss == pytest.approx(logged, abs=1e-6)
     assert evaluate(cfg.run.dir, ["train.eval_batches=1"]).loss == one.loss
+    # A notebook's own draws after an evaluation: not reseeded by its build to train.seed
+    import random
+
+    import torch
+
+    torch.manual_seed(99), random.seed(99)
+    evaluate(cfg.run.dir, "train.eval_batches=1")
+    after = (torch.rand(1).item(), random.random())
+    torch.manual_seed(99), random.seed(99)
+    assert after == (torch.rand(1).item(), random.random())
     from shardline.generate import load_generator
 
     gen = load_generator(cfg.run.dir)

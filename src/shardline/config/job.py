@@ -136,8 +136,10 @@ def divisors(n: int) -> list[int]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | str = ()) -> Config:
     """Defaults, then the TOML file, then `section.key=value` overrides (a list of them, or one
-    string; validated by check()). A file's unknown keys and wrong types name the file, and so does
-    a value check() refuses while it is still the file's (an override's are named as given)."""
+    string). Keys and types are checked here, values by check_sections() when a Trainer is made (call
+    it to check them sooner): a relaunch reads its overrides before the run's saved config they
+    complete, whose train.steps a drill's step is checked against. A file's unknown keys and wrong
+    types name the file, and so does a value refused while it is still the file's."""
     if path is None:
         return _overridden({}, overrides)
     if not isinstance(path, (str, os.PathLike)):  # (a dict of sections is from_dict's)
