@@ -156,7 +156,7 @@ def evaluate(src: str | Path, overrides: list[str] | str = (), batches: int | No
     config reads, over `batches` global batches (None: train.eval_batches; 0: every sequence).
     torch's and Python's generators are left as found: the build seeds them with train.seed, and a
     notebook's own draws after an evaluation followed from that seed."""
-    state, gpus = random.getstate(), range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+    state, gpus = random.getstate(), range(torch.cuda.device_count()) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=gpus):
         try:
             return _evaluate(src, overrides, batches)

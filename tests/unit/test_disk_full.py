@@ -294,6 +294,8 @@ def test_a_relaunch_on_a_disk_still_full_is_one_line_and_leaves_nothing(tiny_con
                                              rf"{run}: free space there, or give another run.dir"):
         Trainer(tiny_config("train.steps=4", "checkpoint.interval=0", "train.eval_interval=0", run_dir=run)).build()
     assert sorted(p.name for p in run.iterdir()) == before  # (no .config.toml.*.tmp)
+    # A relaunch with nothing left to train saves nothing: not refused (a requeue of a finished run)
+    Trainer(tiny_config("train.steps=2", "checkpoint.interval=2", "train.eval_interval=0", run_dir=run)).build().close()
 
 
 def test_a_run_dir_s_tokenizer_is_replaced_whole_or_not_at_all(tiny_config, small_disk):

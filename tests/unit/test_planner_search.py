@@ -146,9 +146,9 @@ def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
                            "--model.n_layers=16")
     half = json.loads(out)["candidates"][0]
     assert code == 0 and load_config(path).model.n_layers == 16 and half["step_time_s"] < 0.7 * best["step_time_s"]
-    assert json.loads(out)["request"]["reshaped_by"] == ["model.n_layers=16"]  # (the header named the preset alone)
+    assert json.loads(out)["request"]["model_overrides"] == ["model.n_layers=16"]  # (the header named the preset alone)
     code, out, _ = run_cli(capsys, *PLAN_8B, "--runnable-only", "--model.n_layers=16")
-    assert out.startswith("plan: llama3-8b reshaped by model.n_layers=16 (")
+    assert out.startswith("plan: llama3-8b with model.n_layers=16 (")
     code, out, _ = run_cli(capsys, "estimate", "--config", str(path), "--gpu", "h100-sxm", "--json")
     assert json.loads(out)["step_time_s"] == pytest.approx(half["step_time_s"], rel=1e-6)
     # An override of what the plan chooses was dropped from the file without a word: refused, naming the option

@@ -1,7 +1,7 @@
 """The config a Trainer was made of, as the caller holds it.
 
-A Trainer works on a copy of it, so the object given is never written (its run.dir made absolute,
-its precision settled): a notebook makes several Trainers of one object, edited between them. An
+A Trainer works on a copy of it, so what the Trainer settles (its run.dir made absolute, its
+precision) is not written back: a notebook makes several Trainers of one object, edited between them. An
 edit of that object made while no later Trainer was made of it was meant for this one: it is
 refused, not passed over, as an edit of the Trainer's own config after build() is.
 """

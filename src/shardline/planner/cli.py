@@ -242,7 +242,7 @@ def _with_shape_overrides(work: Workload, base: Config, overrides: list[str]) ->
     m = dataclasses.replace(base.model, hf_path=ref[3:] if ref.startswith("hf:") else "", init_from="",
                             preset=base.model.preset if ref.startswith("hf:") else ref)
     return dataclasses.replace(work, model=_config_model(dataclasses.replace(base, model=m)),  # (as estimate does)
-                               reshaped_by=tuple(o.removeprefix("--") for o in shaping))
+                               model_overrides=tuple(o.removeprefix("--") for o in shaping))
 
 
 EMITTED = "# written by: shardline plan"  # the first line of an emitted config

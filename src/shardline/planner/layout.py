@@ -76,12 +76,12 @@ class Workload:
     ssd_offload_dir: str = ""  # memory.ssd_offload_dir: AdamW's moments on an SSD where AdamW steps on the host
     host_adam_fused: bool = True  # optim.implementation auto or fused: the host's AdamW (CPU offload) on the fused
     # kernel; foreach and for-loop step slower there
-    reshaped_by: tuple[str, ...] = ()  # the [model]/[moe] overrides that changed model_ref's shape ("model.dim=7168")
+    model_overrides: tuple[str, ...] = ()  # the [model]/[moe] overrides priced over model_ref's ("model.dim=7168")
 
     @property
     def label(self) -> str:
-        """The model as the reports name it: its reference, and the overrides that reshaped it."""
-        return (self.model_ref or "model") + (f" reshaped by {' '.join(self.reshaped_by)}" if self.reshaped_by else "")
+        """The model as the reports name it: its reference, and the overrides priced over it."""
+        return (self.model_ref or "model") + (f" with {' '.join(self.model_overrides)}" if self.model_overrides else "")
 
     @classmethod
     def from_config(cls, cfg: Config, model: ModelArgs, mean_doc_tokens: float = 0.0) -> Workload:

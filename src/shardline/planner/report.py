@@ -171,8 +171,8 @@ def plan_json(work: Workload, hw: Hardware, gpus: int, result: SearchResult, sho
             item["not_runnable_reason"] = not_runnable[i]
         candidates.append(item)
     return {"candidates": candidates,
-            "request": {"model": work.model_ref, "reshaped_by": list(work.reshaped_by), "params": total_params(work),
-                        "gpu": hw.name, "gpus": gpus,
+            "request": {"model": work.model_ref, "model_overrides": list(work.model_overrides),
+                        "params": total_params(work), "gpu": hw.name, "gpus": gpus,
                         "gpus_per_node": hw.network.gpus_per_node, "seq_len": work.seq_len,
                         "global_batch": work.global_batch, "global_batch_tokens": work.tokens,
                         "precision": work.precision, "document_mask": work.document_mask,

@@ -47,15 +47,17 @@ def folder_bytes(*folders: Path) -> int:
 def refuse_no_room(cfg: Config, found: Path | None, root: Path) -> None:
     """A resumed run whose checkpoint disk has less space free than its newest checkpoint holds: its
     next save would be refused after training to it, as the last launch's likely was, and under
-    torchrun's restarts the same steps trained again and again. Refused before it trains (the
-    partial saves a start removes, step-*.tmp, count as free)."""
-    if found is None or not cfg.checkpoint.interval or not found.is_dir() or not os.access(root, os.W_OK):
+    torchrun's restarts the same steps trained again and again. Refused before it trains; not a run
+    with nothing left to train, nor where the file system reports no size (some FUSE mounts)."""
+    if found is None or not cfg.checkpoint.interval or not found.is_dir() or step_of(found) >= cfg.train.last_step \
+            or not os.access(root, os.W_OK):
         return  # (a folder not writable: the lock's check says so)
     try:
-        need, free = folder_bytes(found), shutil.disk_usage(root).free + folder_bytes(*root.glob("step-*.tmp"))
+        need, usage = folder_bytes(found), shutil.disk_usage(root)
     except OSError:  # (a listing the storage refuses: the save says so, as before)
         return
-    if free < need:
+    free = usage.free
+    if usage.total and free < need:
         raise CheckpointError(f"no space to save on {root}: {_size(free)} free, and a checkpoint of this run takes "
                               f"~{_size(need)} ({found.name}); free space (e.g. in checkpoints/set-aside/) and rerun, "
                               "or train without saving (checkpoint.interval=0)")

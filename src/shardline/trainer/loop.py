@@ -65,7 +65,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if not isinstance(cfg, Config):  # (a dict of sections: an AttributeError on its first use)
             raise ConfigError(f"Trainer takes a Config (load_config, or from_dict of a dict), not {type(cfg).__name__}")
         cfg.check_sections()  # those that involve the layout, the data and the model come in build()
-        self._given, cfg = GivenConfig(cfg), copy.deepcopy(cfg)  # (the caller's object is never written)
+        self._given, cfg = GivenConfig(cfg), copy.deepcopy(cfg)  # (what it settles: not the caller's)
         expand_home(cfg)  # (load_config did; paths set in code since have not been)
         self._run_dir_as_given = str(cfg.run.dir)  # (the ranks compare it as given: their cwds may be spelled apart)
         cfg.run.dir = os.path.abspath(cfg.run.dir)  # the folder meant now, whatever a notebook's later chdir
@@ -93,9 +93,10 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self._given.refuse_changed("Trainer(cfg) was made")  # (an edit meant for this Trainer, not passed over)
         try:
             return self._build()
-        except BaseException:
+        except BaseException as error:
             if getattr(self, "data", None) is not None:  # (a notebook keeps the failed Trainer in its traceback)
                 self.data.release()
+            self._say_refused(error)  # (the log's last word, for a requeue script: not a crash's cut-off log)
             raise
 
     def _build(self) -> "Trainer":
