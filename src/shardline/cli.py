@@ -20,7 +20,7 @@ import time
 
 from shardline.config import to_toml
 from shardline.config.reader import OnlyOnce
-from shardline.errors import AnomalyHalt, ConfigError, Preempted, ShardlineError
+from shardline.errors import AnomalyHalt, ConfigError, Preempted, ShardlineError, interrupted
 from shardline.version import version
 
 
@@ -357,7 +357,7 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> int:
         print(f"shardline: error: {e}", file=sys.stderr)
         return 2
     except BaseException as e:  # a Ctrl-C inside torch's checkpoint writer comes back wrapped in its error
-        if not any(isinstance(cause, KeyboardInterrupt) for cause in _causes(e)):
+        if not interrupted(e):
             if _said_peer_lost(e):
                 from shardline.resilience.background import leave_if_busy
 
@@ -384,17 +384,3 @@ def _said_peer_lost(error: BaseException) -> bool:
         print(f"shardline: rank {os.environ.get('RANK', '?')} lost a peer: {lost}: another rank failed or stopped "
               f"answering first ({summary}; SHARDLINE_TRACEBACK=1 prints this rank's traceback)", file=sys.stderr)
     return lost is not None
-
-
-def _causes(error: BaseException) -> list[BaseException]:
-    """The error, what it was raised from (not what it was raised while handling: an error in a
-    cleanup after a Ctrl-C is that error), and the failures a distributed checkpoint error carries
-    (torch.distributed.checkpoint's CheckpointException: {rank: (exception, traceback)})."""
-    found, seen = [], set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        found.append(error)
-        for failure in (getattr(error, "failures", None) or {}).values():
-            found.append(failure[0] if isinstance(failure, tuple) else failure)
-        error = error.__cause__
-    return found

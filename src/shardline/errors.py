@@ -118,3 +118,22 @@ def nearly_full(folder) -> bool:
             continue
         return usage.free < min(NEARLY_FULL_BYTES, usage.total // 20)
     return False
+
+
+def causes(error: BaseException) -> list[BaseException]:
+    """The error, what it was raised from (not what it was raised while handling: an error in a
+    cleanup after a Ctrl-C is that error), and the failures a distributed checkpoint error carries
+    (torch.distributed.checkpoint's CheckpointException: {rank: (exception, traceback)})."""
+    found, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        found.append(error)
+        for failure in (getattr(error, "failures", None) or {}).values():
+            found.append(failure[0] if isinstance(failure, tuple) else failure)
+        error = error.__cause__
+    return found
+
+
+def interrupted(error: BaseException) -> bool:
+    """A Ctrl-C, maybe inside torch's checkpoint writer, which comes back wrapped in its error."""
+    return any(isinstance(cause, KeyboardInterrupt) for cause in causes(error))

@@ -535,3 +535,14 @@ def test_a_run_that_fails_says_so_in_its_log(tiny_config, tmp_path):
         trainer.train()
     last = read_records(tmp_path / "run", "event")[-1]
     assert (last["event"], last["step"], last["error"], last["lost_peer"]) == ("failed", 2, "RuntimeError: boom", False)
+
+
+def test_a_ctrl_c_inside_torchs_checkpoint_writer_is_no_failure_in_the_log(tiny_config, tmp_path):
+    """torch's writer hands a Ctrl-C back wrapped in its CheckpointException: the CLI said "interrupted",
+    the log said `failed`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    for n, (inner, said) in enumerate([(KeyboardInterrupt(), []), (OSError("disk"), ["failed"])]):
+        trainer = Trainer(tiny_config("train.steps=2", "train.eval_interval=0", run_dir=tmp_path / str(n))).build()
+        trainer.close(failed=True, error=CheckpointException("save failed", {0: (inner, None)}))
+        assert [e["event"] for e in read_records(tmp_path / str(n), "event") if e["event"] == "failed"] == said

@@ -24,7 +24,8 @@ import torch
 from shardline.config import Config, GivenConfig, expand_home, refuse_changed_since
 from shardline.data.sampler import batch_index
 from shardline.devices import native_bf16, peak_tflops
-from shardline.errors import AnomalyHalt, CheckpointError, ConfigError, Interrupted, Preempted, on_every_rank
+from shardline.errors import (AnomalyHalt, CheckpointError, ConfigError, Interrupted, Preempted, interrupted,
+                              on_every_rank)
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
@@ -224,7 +225,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
     def _say_failed(self, error: BaseException | None) -> None:
         """Rank 0's `failed` event: a crash read as a cut-off metrics.jsonl to a requeue script. Not for a
         stop, a halt or a hang, which have their own (nor for a rank that lost its peer to another's hang)."""
-        if error is None or isinstance(error, (Preempted, AnomalyHalt, KeyboardInterrupt, SystemExit)) or \
+        if error is None or isinstance(error, (Preempted, AnomalyHalt, SystemExit)) or interrupted(error) or \
                 getattr(getattr(self.guard, "watchdog", None), "responding", False):
             return
         first, peer = (str(error).strip().splitlines() or [""])[0][:300], lost_peer(error)
