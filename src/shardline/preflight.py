@@ -353,8 +353,10 @@ def check_resume(cfg: Config, data=None, stand_in: bool = False) -> Path | None:
     with: no valid one, or one whose batch size, seed or skipped batches this config contradicts.
     `data` (a DataBundle: read for train.epochs) adds what the launch compares with the data read
     (the number of training sequences, its position): without it, that needs the data tokenized."""
-    if Path(cfg.run.dir).exists() and not Path(cfg.run.dir).is_dir():
-        raise ConfigError(f"run.dir={cfg.run.dir!r} is a file; give a folder")
+    held = next((p for p in (Path(cfg.run.dir), *Path(cfg.run.dir).parents) if p.exists()), None)  # (or a parent)
+    if held is not None and not held.is_dir():
+        raise ConfigError(f"run.dir={cfg.run.dir!r} is a file; give a folder" if held == Path(cfg.run.dir) else
+                          f"run.dir={cfg.run.dir!r} cannot be created: {held} is a file")
     checkpointer = Checkpointer(Path(cfg.run.dir), cfg.checkpoint.keep)
     path = resume_path(cfg, checkpointer)[0]
     if path is not None and cfg.run.resume not in ("auto", "latest", "never"):

@@ -543,6 +543,7 @@ def test_reads_transformers5_config_layout(tmp_path):
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method='gptq'"),
     ({"num_attention_heads": 0}, "num_attention_heads=0 must be >= 1"),  # (was a ZeroDivisionError)
     ({"head_dim": 0}, "head_dim=0 must be >= 1"),  # (was taken for "not set")
+    ({"max_position_embeddings": -5}, "max_position_embeddings=-5 must be >= 1"),  # (saved as max_seq_len -5)
 ])
 def test_unsupported_configs_are_clear_errors(fields, message, tmp_path):
     with pytest.raises(CheckpointError, match=message):

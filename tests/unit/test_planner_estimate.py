@@ -394,3 +394,16 @@ def test_estimate_says_what_it_assumed_and_exits_1_where_it_does_not_fit(capsys)
     assert "DOES NOT FIT" in out and "the memory estimate does not fit h100-sxm or its host (exit 1)" in err
     assert main([*gpu, "--parallel.tp=2"]) == 0
     assert "--gpus not given: parallel.dp_shard=-1 taken as 1, the job priced on 2 device(s)" in capsys.readouterr().err
+
+
+def test_estimate_refuses_devices_that_are_no_whole_number_of_nodes_as_plan_does(capsys):
+    """8 GPUs at 3 a node: plan and simulate refused it, estimate priced it."""
+    from pathlib import Path
+
+    from shardline.cli import main
+
+    config = str(Path(__file__).parents[2] / "configs" / "tiny.toml")
+    base = ["estimate", "--config", config, "--gpu", "h100-sxm", "--train.global_batch_size=96"]
+    assert main([*base, "--gpus", "8", "--gpus-per-node", "3"]) == 2
+    assert "--gpus 8 is not a whole number of 3-device nodes" in capsys.readouterr().err
+    assert main([*base, "--gpus", "6", "--gpus-per-node", "3", "--train.micro_batch_size=4"]) in (0, 1)

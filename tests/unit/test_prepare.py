@@ -1973,3 +1973,16 @@ def test_a_conversation_holding_values_json_cannot_write_has_a_digest():
     chat = [{"role": "user", "content": "hi", "ts": datetime.datetime(2026, 1, 2)}]
     assert digest(chat) == digest([{"role": "user", "content": "hi", "ts": datetime.datetime(2026, 1, 2)}])
     assert digest(chat) != digest([{"role": "user", "content": "hi", "ts": datetime.datetime(2026, 1, 3)}])
+
+
+def test_workers_past_the_cores_run_as_many_as_the_cores(capsys, small_corpus, tmp_path):
+    """`--workers 300` forked 300 processes on 2 cores (a number a few digits long: that many)."""
+    import os
+
+    from shardline.data.pool import worker_count
+
+    cores = len(os.sched_getaffinity(0))
+    assert worker_count(1) == 1 and worker_count(10**6) == cores
+    assert f"--workers 1000000 is more than the {cores} cores here: {cores} run" in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"^--workers=0 is invalid: a number of processes, >= 1$"):
+        prepare(PrepareOptions([str(small_corpus)], str(tmp_path / "out"), workers=0))

@@ -375,3 +375,14 @@ def test_a_relaunch_on_a_run_dir_in_use_says_nothing_of_resuming_before_its_refu
     (run / LOCK).unlink()
     assert main(["train", f"--run.dir={run}", "--dry-run"]) == 0
     assert "resuming with the config.toml it saved" in capsys.readouterr().out  # (free: said as before)
+
+
+def test_the_dry_run_refuses_a_run_dir_under_a_file_as_the_launch_does(tmp_path, capsys):
+    """A parent of run.dir that is a file: the launch could not create it, the dry run said it passed."""
+    from shardline.cli import main
+
+    (tmp_path / "notes").write_text("a file")
+    for dry in (["--dry-run"], []):
+        assert main(["train", f"--run.dir={tmp_path / 'notes' / 'run'}", "--run.device=cpu", *dry]) == 2
+        err = capsys.readouterr().err
+        assert f"run.dir='{tmp_path / 'notes' / 'run'}' cannot be created: " in err, err

@@ -126,6 +126,7 @@ def test_plot_kind_follows_the_file_name(tmp_path, capsys):
     ({"--days": "-3"}, "--days -3.0 must be a finite number > 0"),
     ({"--days": "inf"}, "--days inf must be a finite number > 0"),
     ({"--failure-scale": "-1"}, "--failure-scale -1.0 must be a finite number >= 0"),
+    ({"--failure-scale": "1e12"}, "expected failures in"),  # (ran for minutes, in silence)
     ({"--gpu": "h300"}, "not a known accelerator"),
     ({"--model": "llama9-1t"}, "neither a preset"),
     ({"--checkpoint-interval": "0"}, "positive number of steps or 'optimal'"),
@@ -136,6 +137,7 @@ def test_plot_kind_follows_the_file_name(tmp_path, capsys):
     ({"--straggler-slowdown": "0.5"}, "straggler_slowdown=0.5 must be >= 1"),
     ({"--step-time": "1e-6", "--checkpoint-interval": "1"}, "use an interval of at least"),
     ({"--fix": "tq=8"}, "--fix key 'tq' is unknown"),
+    ({"--fix": "tp=2,tp=4"}, "--fix gives tp twice (tp=2, tp=4): give it once"),
     ({"--simulate.fix=tp=x": None}, "--fix tp='x' must be an integer"),
     ({"--step-time": "2", "--mfu": "0.5"}, "--mfu shapes the step-time estimate, which --step-time replaces"),
     ({"--step-time": "2", "--simulate.seq_len=4096": None, "--simulate.fix=tp=8": None},

@@ -45,6 +45,22 @@ class EncodeJob:
     bos: list[int] = field(default_factory=list)
 
 
+def check_workers(workers: int) -> None:
+    """--workers >= 1 (each a process, forked at once: encoded_chunks runs no more than the cores)."""
+    if workers < 1:
+        raise DataError(f"--workers={workers} is invalid: a number of processes, >= 1")
+
+
+def worker_count(workers: int) -> int:
+    """--workers, no more than the cores this process may run on (said on stderr where cut): past them
+    the processes share the cores, and a number a few digits long forked that many, for nothing."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if workers > cores:
+        print(f"shardline: note: --workers {workers} is more than the {cores} cores here: {cores} run",
+              file=sys.stderr)
+    return min(workers, cores)
+
+
 def encoded_chunks(job: EncodeJob, documents: Iterable, chunk_bytes: int, workers: int,
                    inherited: tuple[int, ...] = ()) -> Iterator[tuple]:
     """(input documents, bytes, {split: (tokens, lengths, mask)}) per chunk of `documents`
@@ -54,7 +70,7 @@ def encoded_chunks(job: EncodeJob, documents: Iterable, chunk_bytes: int, worker
 
     An executor, not a multiprocessing Pool: a worker the OOM killer takes (a document of
     gigabytes is tokenized whole) fails its chunk here, where a Pool waits for it forever."""
-    chunks = _chunks(documents, chunk_bytes)
+    chunks, workers = _chunks(documents, chunk_bytes), worker_count(workers)
     if workers == 1:
         yield from (encode_chunk(job, chunk) for chunk in chunks)
         return

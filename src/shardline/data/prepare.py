@@ -30,7 +30,7 @@ from shardline.config.data_section import MAX_TRAINED_VOCAB
 from shardline.data.chat_template import ChatTemplate, chat_template_for, template_sha256
 from shardline.data.encode import CHAT_MASK_RULE, check_replies, note_roles, render_chat
 from shardline.data.validation import COPIES_CHECKED_UP_TO, digest, held_out, held_out_in_training, split_single
-from shardline.data.pool import EncodeJob, Progress, encode_chunk, encoded_chunks, utf8_bytes
+from shardline.data.pool import EncodeJob, Progress, check_workers, encode_chunk, encoded_chunks, utf8_bytes
 from shardline.data.readers import unread
 from shardline.data.prepare_out import LOCK, check_out, check_replacing, differs, finished, made, written
 from shardline.data.shards import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, TOKENIZER, SplitWriter,
@@ -198,8 +198,9 @@ def _check_options(opts: PrepareOptions) -> None:
     if not 0 <= opts.val_fraction < 0.5:
         raise DataError(f"--val-fraction={opts.val_fraction!r} is invalid: must be in [0, 0.5) (0 holds nothing "
                         "out: runs on the folder then set train.eval_interval=0)")
-    if opts.workers < 1 or opts.shard_tokens < 1:
-        raise DataError("--workers and --shard-tokens must be >= 1")
+    if opts.shard_tokens < 1:
+        raise DataError(f"--shard-tokens={opts.shard_tokens} is invalid: a number of tokens, >= 1")
+    check_workers(opts.workers)
     if not opts.inputs:
         raise DataError("shardline prepare needs at least one input file or folder")
     if opts.tokenizer and not Path(opts.tokenizer).is_file():
@@ -217,8 +218,7 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
                "tokenizer": tok, "shard_tokens": opts.shard_tokens, "format_version": FORMAT_VERSION}
     if opts.format == "chat":  # the loss mask depends on the template and on the rule that reads it
         template = chat_template_for(opts.tokenizer)
-        request["chat"] = {"mask_rule": CHAT_MASK_RULE,
-                           "template_sha256": template_sha256(template)}
+        request["chat"] = {"mask_rule": CHAT_MASK_RULE, "template_sha256": template_sha256(template)}
     elif opts.add_bos and opts.tokenizer:  # (the trained BPE has no BOS)
         bos = bos_prefix(load_tokenizer(opts.tokenizer, key="--tokenizer"))
         if bos:  # absent otherwise, as in folders prepared before BOS was added

@@ -188,14 +188,15 @@ def _dense_args(cfg: dict, where: Path, family: str) -> ModelArgs:
     n_heads = _number(cfg, "num_attention_heads", where, int)
     n_kv_heads = _number(cfg, "num_key_value_heads", where, int, default=default_kv or n_heads)
     head_dim = _number(cfg, "head_dim", where, int, default=_QWEN3_HEAD_DIM if family == "qwen3" else -1)
-    for key, value in (("hidden_size", dim), ("num_attention_heads", n_heads), ("num_key_value_heads", n_kv_heads)):
-        if value < 1:  # (a 0 divided by later, or taken for "not set")
+    max_pos = _number(cfg, "max_position_embeddings", where, int, default=default_max_pos)
+    for key, value in (("hidden_size", dim), ("num_attention_heads", n_heads), ("num_key_value_heads", n_kv_heads),
+                       ("max_position_embeddings", max_pos)):
+        if value < 1:  # (a 0 divided by later, or taken for "not set"; a model of no positions)
             raise CheckpointError(f"{where}: {key}={value} must be >= 1")
     if head_dim == 0 or head_dim < -1:
         raise CheckpointError(f"{where}: head_dim={head_dim} must be >= 1")
     if head_dim == -1 or (n_heads > 0 and dim % n_heads == 0 and head_dim == dim // n_heads):
         head_dim = None  # the default, dim // n_heads
-    max_pos = _number(cfg, "max_position_embeddings", where, int, default=default_max_pos)
     theta, scaling = _read_rope(cfg, where, max_pos, default_theta)
     tie = cfg.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
@@ -209,8 +210,7 @@ def _dense_args(cfg: dict, where: Path, family: str) -> ModelArgs:
         head_dim=head_dim,
         ffn_dim=_number(cfg, "intermediate_size", where, int),
         norm_eps=_number(cfg, "rms_norm_eps", where, float, default=default_eps),
-        rope_theta=theta,
-        rope_scaling=scaling,
+        rope_theta=theta, rope_scaling=scaling,
         max_seq_len=max_pos,
         tie_embeddings=tie,
     )

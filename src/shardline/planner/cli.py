@@ -186,9 +186,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     hw = _hardware(args, args.gpu)
     _refuse_what_the_plan_sets(overrides, base, _workload(args, hw))
     gpn = hw.network.gpus_per_node
-    if args.gpus > gpn and args.gpus % gpn and hw.name != "cpu":
-        raise ConfigError(f"--gpus {args.gpus} is not a whole number of {gpn}-device nodes; "
-                          f"use a multiple of {gpn} or set --gpus-per-node")
+    _refuse_part_nodes(args.gpus, hw)
     if args.top < 1:
         raise ConfigError(f"--top {args.top} must be >= 1")
     work = dataclasses.replace(_workload(args, hw), attention=base.train.attention, compiled=base.train.compile,
@@ -211,6 +209,14 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         if args.emit_config:
             print(f"\nwrote {args.emit_config}")
     return 0
+
+
+def _refuse_part_nodes(gpus: int, hw: Hardware) -> None:
+    """A job of more than a node's devices on whole nodes (the network model prices each node's)."""
+    gpn = hw.network.gpus_per_node
+    if gpus > gpn and gpus % gpn and hw.name != "cpu":
+        raise ConfigError(f"--gpus {gpus} is not a whole number of {gpn}-device nodes; "
+                          f"use a multiple of {gpn} or set --gpus-per-node")
 
 
 def _workload(args: argparse.Namespace, hw: Hardware) -> Workload:
@@ -306,6 +312,7 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     _check_gpus(args)  # before the layout, which would blame the degrees
     layout = resolve(cfg, args.gpus)
     hw = _hardware(args, args.gpu or _default_device(cfg, layout.world))
+    _refuse_part_nodes(layout.world, hw)  # (as plan: a node's devices share its links)
     cfg.train.settle_precision(hw.name != "cpu", bool(hw.peak_tflops.get("bf16")))  # (auto: bf16 on a GPU)
     if not args.gpu and hw.name != "cpu" and "mem_gib" not in (read_profile(args.profile) if args.profile else {}):
         hw = with_local_memory(hw, cuda_index(cfg.run.device, layout.world))  # this machine's card, as it is

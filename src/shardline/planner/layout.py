@@ -126,6 +126,8 @@ def parse_fix(text: str) -> dict:
         key, value = (s.strip() for s in item.split("=", 1))
         if key not in FIX_KEYS:
             raise ConfigError(f"--fix key {key!r} is unknown; valid: {', '.join(FIX_KEYS)}")
+        if key in out:  # (tp=2,tp=4 priced tp=4 in silence)
+            raise ConfigError(f"--fix gives {key} twice ({key}={out[key]}, {item}): give it once")
         kind = "int" if key == "dp" else types[key]
         out[key] = _parse_value(key, value, kind)
     if "dp" in out:

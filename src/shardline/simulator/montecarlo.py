@@ -19,6 +19,7 @@ from shardline.simulator.interval import (
 from shardline.simulator.settings import Settings
 
 MAX_SEGMENTS = 20_000_000  # checkpoints per simulated run; beyond this a run takes too long
+MAX_FAILURES = 100_000  # expected failures per simulated run (Llama 3 405B's 54 days: 419); each is simulated
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ def prepare(job: jobs.Job, settings: Settings) -> Setup:
     step_s, source = jobs.step_time_s(job, settings)
     rates = settings.failures.job_rates_per_hour(job.gpus, job.gpus_per_node)
     total = sum(rates.values())
+    expected = total * job.duration_s / 3600
+    if expected > MAX_FAILURES:  # (1e10 x the rates ran for minutes, in silence, to report nonsense)
+        raise ConfigError(f"the failure rates give {expected:,.0f} expected failures in {job.days:g} days on "
+                          f"{job.gpus:,} GPUs, one every {3600 / total:.3g} s; a simulation takes up to "
+                          f"{MAX_FAILURES:,}: lower --failure-scale or the [failures] rates")
     setup = Setup(job, settings, step_s, source, jobs.save_cost_s(job, settings), jobs.snapshot_cost_s(job, settings),
                   rates, 3600.0 / total if total > 0 else math.inf, policy=None)  # set just below
     mode, interval = settings.checkpoint_mode, settings.checkpoint_interval
