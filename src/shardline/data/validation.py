@@ -124,7 +124,8 @@ def check_sizes(where: str, train, val, cfg: Config) -> None:
             raise DataError(f"{where} holds nothing out to evaluate on ({how[0]}): set train.eval_interval=0 "
                             f"(no evaluation), {how[1]}, or data.val_path")
         raise DataError(f"{where} holds out {val.num_tokens} validation tokens: too few for one sequence "
-                        f"of train.seq_len={t.seq_len}; {more} or set train.eval_interval=0")
+                        f"of train.seq_len={t.seq_len}; {more}, evaluate on all of a file (data.val_path), or "
+                        "set train.eval_interval=0 (no evaluation)")
 
 
 def refuse_too_short(where: str, docs: list[str], seq_len: int) -> None:
