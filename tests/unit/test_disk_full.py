@@ -437,3 +437,28 @@ def test_the_refused_save_drill_takes_the_on_error_path(tiny_config, tmp_path, m
                                               r"none was saved before it"):
         Trainer(tiny_config(*drill, "checkpoint.on_error=stop", run_dir=tmp_path / "stop")).build().train()
     assert not list((tmp_path / "stop" / "checkpoints").glob("*"))
+
+
+def test_the_no_room_check_counts_a_save_cut_at_the_step_it_saves_next_as_free(tmp_path, monkeypatch):
+    """A save killed mid-write leaves step-N.tmp, which the relaunch's save of step N removes first: its
+    bytes are free to that save (a leftover of another step is not: nothing removes it before)."""
+    from collections import namedtuple
+
+    from shardline.config import load_config
+    from shardline.resilience import tiers
+
+    root = tmp_path / "checkpoints"
+    (root / "step-000002").mkdir(parents=True)
+    (root / "step-000002" / "state").write_bytes(b"x" * 1000)
+    monkeypatch.setattr(tiers.shutil, "disk_usage", lambda _: namedtuple("U", "total used free")(10**6, 0, 500))
+    cfg = load_config(None, ["checkpoint.interval=2", "train.steps=6"])
+    with pytest.raises(CheckpointError, match=r"^no space to save on .*: 500 B free, and a checkpoint of this run "):
+        tiers.refuse_no_room(cfg, root / "step-000002", root)
+    for step, refused in ((6, True), (4, False)):  # (its next save: step 4)
+        (root / f"step-{step:06d}.tmp").mkdir()
+        (root / f"step-{step:06d}.tmp" / "part").write_bytes(b"x" * 800)
+        if refused:
+            with pytest.raises(CheckpointError):
+                tiers.refuse_no_room(cfg, root / "step-000002", root)
+        else:
+            tiers.refuse_no_room(cfg, root / "step-000002", root)

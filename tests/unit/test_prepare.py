@@ -1208,8 +1208,8 @@ def test_a_table_column_that_is_not_text_is_one_line(tmp_path):
 def test_a_prepared_folder_too_small_to_evaluate_says_to_prepare_again(tmp_path, small_corpus):
     """Its split was made by prepare: raising data.val_fraction would change nothing."""
     prepare(PrepareOptions([str(small_corpus)], str(tmp_path / "prep"), val_fraction=0.001, **SMALL))
-    with pytest.raises(DataError, match="prepare it again with --overwrite and a larger --val-fraction or set "
-                                        "train.eval_interval=0"):
+    with pytest.raises(DataError, match=r"prepare it again with --overwrite and a larger --val-fraction, evaluate on "
+                                        r"all of a file \(data.val_path\), or set train.eval_interval=0"):
         data(tmp_path / "prep", seq_len=8192)
 
 

@@ -34,8 +34,8 @@ def register(sub) -> None:
                    help="a tokenizer.json, or a folder holding one (default: train the byte-level BPE a raw-text run "
                         "would)")
     p.add_argument("--vocab-size", type=int, help=f"size of the trained BPE (default {DataConfig().vocab_size})")
-    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                   help="tokenizer processes (default: cores - 1)")
+    p.add_argument("--workers", type=int,
+                   help="tokenizer processes (default: the cores this process may use, less one)")
     p.add_argument("--val-fraction", type=float, default=0.01,
                    help="share of documents held out (default 0.01; 0: none, for runs without evaluation)")
     p.add_argument("--text-field", default="text",
@@ -68,13 +68,15 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.tokenizer and args.vocab_size is not None:
         print(f"note: --vocab-size {args.vocab_size} is not used: --tokenizer gives the vocabulary", file=sys.stderr)
     args.vocab_size = DataConfig().vocab_size if args.vocab_size is None else args.vocab_size  # (data.vocab_size's)
+    from shardline.data.pool import usable_cores
     from shardline.data.prepare import PrepareOptions, prepare
 
     if args.format == "chat" and args.text_field != "text":  # (a run says so in settings_unused)
         print(f"note: --text-field {args.text_field} is not used: --format chat reads each record's 'messages'",
               file=sys.stderr)
     opts = PrepareOptions(inputs=args.inputs, out=args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                          workers=args.workers, val_fraction=args.val_fraction, text_field=args.text_field,
+                          workers=max(1, usable_cores() - 1) if args.workers is None else args.workers,
+                          val_fraction=args.val_fraction, text_field=args.text_field,
                           format=args.format, add_bos=not args.no_bos, shard_tokens=args.shard_tokens,
                           progress=not args.quiet, overwrite=args.overwrite)
     m = _stoppable(prepare, opts)

@@ -51,10 +51,15 @@ def check_workers(workers: int) -> None:
         raise DataError(f"--workers={workers} is invalid: a number of processes, >= 1")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (a Slurm task's share of its node, not the node's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def worker_count(workers: int) -> int:
     """--workers, no more than the cores this process may run on (said on stderr where cut): past them
     the processes share the cores, and a number a few digits long forked that many, for nothing."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     if workers > cores:
         print(f"shardline: note: --workers {workers} is more than the {cores} cores here: {cores} run",
               file=sys.stderr)

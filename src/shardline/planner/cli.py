@@ -211,11 +211,13 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _refuse_part_nodes(gpus: int, hw: Hardware) -> None:
-    """A job of more than a node's devices on whole nodes (the network model prices each node's)."""
+def _refuse_part_nodes(gpus: int, hw: Hardware, given: bool = True) -> None:
+    """A job of more than a node's devices on whole nodes (the network model prices each node's);
+    `given`: the count is --gpus's, else the config layout's."""
     gpn = hw.network.gpus_per_node
     if gpus > gpn and gpus % gpn and hw.name != "cpu":
-        raise ConfigError(f"--gpus {gpus} is not a whole number of {gpn}-device nodes; "
+        what = f"--gpus {gpus}" if given else f"the config's layout of {gpus} ranks (no --gpus given)"
+        raise ConfigError(f"{what} is not a whole number of {gpn}-device nodes; "
                           f"use a multiple of {gpn} or set --gpus-per-node")
 
 
@@ -312,7 +314,7 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     _check_gpus(args)  # before the layout, which would blame the degrees
     layout = resolve(cfg, args.gpus)
     hw = _hardware(args, args.gpu or _default_device(cfg, layout.world))
-    _refuse_part_nodes(layout.world, hw)  # (as plan: a node's devices share its links)
+    _refuse_part_nodes(layout.world, hw, given=args.gpus is not None)  # (as plan: a node's devices share its links)
     cfg.train.settle_precision(hw.name != "cpu", bool(hw.peak_tflops.get("bf16")))  # (auto: bf16 on a GPU)
     if not args.gpu and hw.name != "cpu" and "mem_gib" not in (read_profile(args.profile) if args.profile else {}):
         hw = with_local_memory(hw, cuda_index(cfg.run.device, layout.world))  # this machine's card, as it is

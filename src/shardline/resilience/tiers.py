@@ -24,7 +24,7 @@ from shardline.optim import init_optimizer_state
 from shardline.parallel.dims import ParallelDims
 from shardline.parallel.distributed import ProcessInfo, agreed
 from shardline.resilience.async_checkpoint import AsyncSaver
-from shardline.resilience.checkpoint import Checkpointer, step_of
+from shardline.resilience.checkpoint import Checkpointer, step_dir_name, step_of
 from shardline.resilience.recovery import rank0_decides, saved_step
 from shardline.resilience.save_failures import any_rank, storage_error
 from shardline.resilience.faults import FaultInjector
@@ -48,15 +48,18 @@ def refuse_no_room(cfg: Config, found: Path | None, root: Path) -> None:
     """A resumed run whose checkpoint disk has less space free than its newest checkpoint holds: its
     next save would be refused after training to it, as the last launch's likely was, and under
     torchrun's restarts the same steps trained again and again. Refused before it trains; not a run
-    with nothing left to train, nor where the file system reports no size (some FUSE mounts)."""
+    with nothing left to train, nor where the file system reports no size (some FUSE mounts). A save
+    cut short at the step it saves next counts as free: that save removes it first."""
     if found is None or not cfg.checkpoint.interval or not found.is_dir() or step_of(found) >= cfg.train.last_step \
             or not os.access(root, os.W_OK):
         return  # (a folder not writable: the lock's check says so)
+    every, last = cfg.checkpoint.interval, cfg.train.last_step
+    cut = root / f"{step_dir_name(min(last, (max(step_of(found), 0) // every + 1) * every))}.tmp"
     try:
         need, usage = folder_bytes(found), shutil.disk_usage(root)
+        free = usage.free + (folder_bytes(cut) if cut.is_dir() else 0)
     except OSError:  # (a listing the storage refuses: the save says so, as before)
         return
-    free = usage.free
     if usage.total and free < need:
         raise CheckpointError(f"no space to save on {root}: {_size(free)} free, and a checkpoint of this run takes "
                               f"~{_size(need)} ({found.name}); free space (e.g. in checkpoints/set-aside/) and rerun, "

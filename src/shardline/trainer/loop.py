@@ -94,10 +94,9 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self._given.refuse_changed("Trainer(cfg) was made")  # (an edit meant for this Trainer, not passed over)
         try:
             return self._build()
-        except BaseException as error:
+        except BaseException:
             if getattr(self, "data", None) is not None:  # (a notebook keeps the failed Trainer in its traceback)
                 self.data.release()
-            self._say_refused(error)  # (the log's last word, for a requeue script: not a crash's cut-off log)
             raise
 
     def _build(self) -> "Trainer":

@@ -25,11 +25,11 @@ from shardline.config.job import trained_settings
 from shardline.data import build_data, tokenizer_file
 from shardline.data.tokenizer import save_tokenizer
 from shardline.data.validation import held_out_note
-from shardline.errors import CheckpointError, ConfigError, DataError, ShardlineError, on_every_rank
+from shardline.errors import CheckpointError, ConfigError, DataError, on_every_rank
 from shardline.interop.weights import copy_starting_files
 from shardline.devices import native_bf16
 from shardline.launch_notes import launch_notes
-from shardline.metrics import MetricsLogger, append_event
+from shardline.metrics import MetricsLogger
 from shardline.models.attention import resolve_attention
 from shardline.models.flops import num_params
 from shardline.models.factory import args_to_json
@@ -45,7 +45,7 @@ from shardline.resilience.recovery import (data_changes, get_rng_state, restarte
                                           settings_changed)
 from shardline.resilience.resume_checks import (check_data_position, check_saved_position, check_skip_batches,
                                                check_steps_ahead)
-from shardline.resilience.run_lock import RunLock, launcher_ids
+from shardline.resilience.run_lock import launcher_ids
 from shardline.resilience.tiers import folder_bytes, refuse_no_room
 from shardline.version import version
 
@@ -121,20 +121,6 @@ class SavedState:
         check_rollback_target(cfg, found)
         check_device(cfg, launch.layout, on_cuda=self.device.type == "cuda")
         return launch, found
-
-    def _say_refused(self, error: BaseException) -> None:
-        """A relaunch its checks refused (its checkpoints all damaged, its data changed, a layout it
-        cannot take) left metrics.jsonl as the last launch left it, which a requeue script reads as a
-        crash to requeue again: rank 0 appends a `refused` event with the line, where the run dir holds
-        a run (its log and config) and no live launch holds its lock (whose log it is)."""
-        proc = getattr(self, "proc", None)
-        main = proc.is_main if proc is not None else os.environ.get("RANK", "0") == "0"  # (refused before the group)
-        run = all((self.run_dir / name).is_file() for name in ("metrics.jsonl", "config.toml"))  # (a run's, saved)
-        if not isinstance(error, ShardlineError) or not main or not run:
-            return
-        lock = RunLock(self.run_dir)
-        if not lock.path.exists() or lock.abandoned():
-            append_event(self.run_dir, "refused", error=(str(error).strip().splitlines() or [""])[0][:300])
 
     def _choose_resume(self, model_args, repaired: bool = False) -> Path | None:
         """The checkpoint to resume (resume_path), checked to fit this run (check_resume_fits) and
