@@ -40,6 +40,8 @@ from pathlib import Path
 
 from _env import environment, header
 
+from shardline.data.pool import usable_cores, worker_count
+
 REPO = Path(__file__).resolve().parents[1]
 H200_1B_TOKENS_PER_S = 63_815  # measured: one H200, the 1B shape, shardline-compile bf16 (RESULTS.md, 2026-12-04)
 
@@ -146,8 +148,9 @@ def prepare_rates(corpus: Path, folder: Path, tok: Path, workers: int, repeat: i
     rates = {}
     for w, t in times.items():
         seconds = statistics.median(t)
-        rates[f"workers={w}"] = {"mb": nbytes / 1e6, "seconds": seconds, "mb_per_s": nbytes / 1e6 / seconds,
-                                 "mb_per_s_per_worker": nbytes / 1e6 / seconds / w}
+        ran = worker_count(w)  # (past the usable cores the library runs as many as those)
+        rates[f"workers={ran}"] = {"mb": nbytes / 1e6, "seconds": seconds, "mb_per_s": nbytes / 1e6 / seconds,
+                                   "mb_per_s_per_worker": nbytes / 1e6 / seconds / ran}
     return rates
 
 
@@ -159,7 +162,7 @@ def run(args) -> dict:
         tok = tokenizer_file(tmp)
         n = args.repeat
         res = {"env": environment(),
-               "sizes_mb": sizes, "workers": args.workers, "prepare": {}, "startup": {}, "cpu_count": os.cpu_count(),
+               "sizes_mb": sizes, "workers": args.workers, "prepare": {}, "startup": {}, "cpu_count": usable_cores(),
                "repeat": n}
         for mb in sizes:
             corpus = tmp / f"corpus{mb:g}.jsonl"
@@ -181,7 +184,7 @@ def run(args) -> dict:
 
 def table(res: dict) -> str:
     lines = [header(res["env"]), f"medians of {res['repeat']} measurements",
-             f"prepare ({res['cpu_count']} cores on this machine)",
+             f"prepare ({res['cpu_count']} cores this process may use)",
              "  workers    MB    seconds   MB/s   MB/s/worker"]
     for name, r in res["prepare"].items():
         lines.append(f"  {name:<9} {r['mb']:6.1f} {r['seconds']:8.1f} {r['mb_per_s']:7.2f} "
@@ -201,7 +204,7 @@ def table(res: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="20,100", help="corpus sizes in MB, comma-separated (default 20,100)")
-    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)), help="prepare workers")
+    p.add_argument("--workers", type=int, default=usable_cores(), help="prepare workers (default: the usable cores)")
     p.add_argument("--repeat", type=int, default=3, help="measurements per figure; medians are reported (default 3)")
     p.add_argument("--tmp", default=None, help="folder for the generated corpora (default: the system's)")
     p.add_argument("--json", nargs="?", const="-", default=None, help="write the figures as JSON (- = stdout)")

@@ -34,6 +34,13 @@ from tests.conftest import resealed
 SMALL = dict(vocab_size=512, progress=False, chunk_bytes=30_000)
 
 
+@pytest.fixture(autouse=True)
+def two_workers_run_as_two(monkeypatch):
+    """The tests' workers=2 run two processes on any host (on one core, prepare would run one: a test that
+    kills a worker then killed pytest)."""
+    monkeypatch.setattr("shardline.data.pool.usable_cores", lambda: max(2, len(os.sched_getaffinity(0))))
+
+
 def data(path, *extra, seq_len=64):
     return build_data(load_config(None, [f"data.path={path}", "data.vocab_size=512", f"train.seq_len={seq_len}",
                                          *extra]))
@@ -1977,11 +1984,10 @@ def test_a_conversation_holding_values_json_cannot_write_has_a_digest():
 
 def test_workers_past_the_cores_run_as_many_as_the_cores(capsys, small_corpus, tmp_path):
     """`--workers 300` forked 300 processes on 2 cores (a number a few digits long: that many)."""
-    import os
-
+    from shardline.data import pool
     from shardline.data.pool import worker_count
 
-    cores = len(os.sched_getaffinity(0))
+    cores = pool.usable_cores()
     assert worker_count(1) == 1 and worker_count(10**6) == cores
     assert f"--workers 1000000 is more than the {cores} cores here: {cores} run" in capsys.readouterr().err
     with pytest.raises(DataError, match=r"^--workers=0 is invalid: a number of processes, >= 1$"):

@@ -50,11 +50,12 @@ def refuse_no_room(cfg: Config, found: Path | None, root: Path) -> None:
     torchrun's restarts the same steps trained again and again. Refused before it trains; not a run
     with nothing left to train, nor where the file system reports no size (some FUSE mounts). A save
     cut short at the step it saves next counts as free: that save removes it first."""
-    if found is None or not cfg.checkpoint.interval or not found.is_dir() or step_of(found) >= cfg.train.last_step \
-            or not os.access(root, os.W_OK):
+    if found is None or not cfg.checkpoint.interval or not found.is_dir() or not os.access(root, os.W_OK):
         return  # (a folder not writable: the lock's check says so)
-    every, last = cfg.checkpoint.interval, cfg.train.last_step
-    cut = root / f"{step_dir_name(min(last, (max(step_of(found), 0) // every + 1) * every))}.tmp"
+    every, last, at = cfg.checkpoint.interval, cfg.train.last_step, saved_step(found)  # (a named folder's: manifest)
+    if at >= last:
+        return
+    cut = root / f"{step_dir_name(min(last, (max(at, 0) // every + 1) * every))}.tmp"
     try:
         need, usage = folder_bytes(found), shutil.disk_usage(root)
         free = usage.free + (folder_bytes(cut) if cut.is_dir() else 0)
