@@ -104,6 +104,9 @@ class Generator:
         try:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         except Exception as e:  # tokenizers raises a bare Exception (a vocabulary without an unknown token)
+            if prompt.encode("utf-8", "replace").decode() != prompt:  # (argv's undecodable bytes, kept as surrogates)
+                raise DataError("the prompt is not UTF-8 text (a terminal or file in another encoding?): give it as "
+                                "UTF-8") from None
             raise DataError(f"the tokenizer cannot encode the prompt: {e}") from None
         if bos and not self.bos:
             raise ConfigError("--bos: this checkpoint's tokenizer has no BOS token")
