@@ -1992,3 +1992,25 @@ def test_workers_past_the_cores_run_as_many_as_the_cores(capsys, small_corpus, t
     assert f"--workers 1000000 is more than the {cores} cores here: {cores} run" in capsys.readouterr().err
     with pytest.raises(DataError, match=r"^--workers=0 is invalid: a number of processes, >= 1$"):
         prepare(PrepareOptions([str(small_corpus)], str(tmp_path / "out"), workers=0))
+
+
+def test_a_worker_forked_as_a_sigterm_lands_goes_as_the_default_would(tmp_path):
+    """A SIGTERM to the group while the pool forked a worker ran the prepare's handler in the worker,
+    before the worker took the default back: a traceback from its fork's hooks on the prepare's stderr."""
+    import signal
+    from types import SimpleNamespace
+
+    from shardline.data.cli import _stoppable
+
+    def forking(opts):
+        pid = os.fork()
+        if pid == 0:  # (the worker: SIGTERM lands before its initializer)
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                sum(range(1000))  # (Python runs the handler between bytecodes)
+                os._exit(0)
+            except BaseException:
+                os._exit(7)  # the prepare's own handler raised in the worker
+        return {"worker": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}
+
+    assert _stoppable(forking, SimpleNamespace(out=str(tmp_path), overwrite=False)) == {"worker": 128 + signal.SIGTERM}

@@ -123,7 +123,11 @@ def _stoppable(prepare, opts) -> dict | int:
     """`prepare(opts)`, or the exit code of a prepare ended by SIGTERM (143) or Ctrl-C (130), said in
     one line with what a rerun does: a SIGTERM killed it with no word, and the chunks it committed
     are kept for the rerun of the same command to resume from."""
+    owner = os.getpid()
+
     def stop(signum, frame):
+        if os.getpid() != owner:  # a worker forked a moment before, not yet on the default (pool._worker_start):
+            os._exit(128 + signum)  # it goes as the default would, not with a traceback from its fork's hooks
         raise _Terminated()
 
     previous = signal.signal(signal.SIGTERM, stop)  # (the workers take the default back: pool._worker_start)
