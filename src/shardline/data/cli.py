@@ -65,8 +65,11 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"note: --verify checks {args.out} as it was prepared; the inputs given are not read",
                   file=sys.stderr)
         return _verify(Path(args.out))
+    if not args.text_field.strip():  # (as data.text_field: a run on the folder's raw files refuses it)
+        raise DataError(f"--text-field={args.text_field!r} is invalid: must be a field name")
     if args.tokenizer and args.vocab_size is not None:
         print(f"note: --vocab-size {args.vocab_size} is not used: --tokenizer gives the vocabulary", file=sys.stderr)
+    _say_unread_splits(args.inputs)
     args.vocab_size = DataConfig().vocab_size if args.vocab_size is None else args.vocab_size  # (data.vocab_size's)
     from shardline.data.pool import usable_cores
     from shardline.data.prepare import PrepareOptions, prepare
@@ -112,6 +115,19 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
               f"({m['input_documents']:,} read"
               + ("; a .txt file's documents end at two blank lines)" if txt else ")"), file=sys.stderr)
     return 0
+
+
+def _say_unread_splits(inputs: list[str]) -> None:
+    """A `datasets` DatasetDict folder reads its train split: its others (validation, test) are named,
+    where they were passed over in silence, with how to use one."""
+    for given in inputs:
+        root = Path(given)
+        if (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
+            others = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "train")
+            if others:
+                print(f"note: {given} is a datasets DatasetDict: its train split is read, not "
+                      f"{', '.join(others)} (prepare {root / others[0]} as a folder of its own, or give it to a run "
+                      "as data.val_path)", file=sys.stderr)
 
 
 class _Terminated(BaseException):
