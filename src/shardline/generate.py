@@ -104,9 +104,7 @@ class Generator:
         try:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         except Exception as e:  # tokenizers raises a bare Exception (a vocabulary without an unknown token)
-            if prompt.encode("utf-8", "replace").decode() != prompt:  # (argv's undecodable bytes, kept as surrogates)
-                raise DataError("the prompt is not UTF-8 text (a terminal or file in another encoding?): give it as "
-                                "UTF-8") from None
+            _check_utf8(prompt)
             raise DataError(f"the tokenizer cannot encode the prompt: {e}") from None
         if bos and not self.bos:
             raise ConfigError("--bos: this checkpoint's tokenizer has no BOS token")
@@ -129,6 +127,7 @@ class Generator:
     def chat_ids(self, prompt: str, system: str = "") -> list[int]:
         """chat_prompt's ids, encoded a message at a time as chat training encodes them."""
         self._check_template()
+        _check_utf8(prompt, system)
         return encode_reply_prompt(self.tokenizer, _messages(prompt, system), self.template)
 
     def turn_end(self) -> tuple[frozenset[int], str]:
@@ -196,6 +195,13 @@ def bare_of_bos(gen: Generator, bos: bool) -> bool:
     from shardline.data.tokenizer import bos_prefix
 
     return not bos and not gen.trained_bos and bool(bos_prefix(gen.tokenizer))
+
+
+def _check_utf8(*texts: str) -> None:
+    """A prompt (or system message) with bytes argv could not decode, kept as lone surrogates: one line,
+    where tokenizers raised "TextInputSequence must be str"."""
+    if any(t.encode("utf-8", "replace").decode() != t for t in texts):
+        raise DataError("the prompt is not UTF-8 text (a terminal or file in another encoding?): give it as UTF-8")
 
 
 def _messages(prompt: str, system: str = "") -> list[dict]:

@@ -353,6 +353,8 @@ def test_bfloat16_weights_by_either_name(trained_run):
     (["--seed", str(2**70)], f"--seed={2**70} is invalid: must be in [-2**63, 2**64)"),  # (a traceback, late)
     (["--device", "gpu"], "--device='gpu' is invalid: auto, cpu, cuda or cuda:N"),
     (["--prompt", "\udcff\udcfe"], "the prompt is not UTF-8 text"),  # (bytes argv could not decode)
+    (["--chat", "--prompt", "\udcff"], "the prompt is not UTF-8 text"),  # (a traceback there)
+    (["--chat", "--system", "\udcff"], "the prompt is not UTF-8 text"),
 ])
 def test_bad_options_are_one_line_errors(trained_run, capsys, argv, message):
     assert main(["generate", str(trained_run), *argv]) == 2

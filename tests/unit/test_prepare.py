@@ -2023,12 +2023,13 @@ def test_a_dataset_dicts_other_splits_are_named_and_an_empty_text_field_refused(
 
     ds = tmp_path / "ds"
     (ds / "train").mkdir(parents=True), (ds / "validation").mkdir(), (ds / "dataset_dict.json").write_text("{}")
+    (ds / ".cache").mkdir()  # (hf download's own: no split)
     text = small_corpus.read_text(encoding="utf-8")
     (ds / "train" / "t.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in text.split("\n\n\n")[:200]))
     (ds / "validation" / "v.jsonl").write_text(json.dumps({"text": "held out"}) + "\n")
     assert main(["prepare", str(ds), "--out", str(tmp_path / "prep"), "--vocab-size", "300", "--quiet"]) == 0
     said = capsys.readouterr().err
-    assert (f"note: {ds} is a datasets DatasetDict: its train split is read, not validation (prepare "
-            f"{ds / 'validation'} as a folder of its own, or give it to a run as data.val_path)") in said
+    assert (f"note: {ds} is a datasets DatasetDict: its train split is read, not validation (a run evaluates on "
+            f"one as data.val_path={ds / 'validation'}, tokenized with its tokenizer)") in said
     assert main(["prepare", str(ds), "--out", str(tmp_path / "p2"), "--text-field", ""]) == 2
     assert "--text-field='' is invalid: must be a field name" in capsys.readouterr().err
