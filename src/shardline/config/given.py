@@ -23,16 +23,15 @@ class GivenConfig:
         """The caller's object changed since this Trainer was made, where no later Trainer was made
         of it (whose edits those are); `since` says which step of this one would pass them over."""
         if getattr(self.held, "_trainers_made", 0) == self.nth:
-            refuse_changed_since(self.as_given, self.held, since)
+            refuse_changed_since(self.as_given, self.held, since, reads="the Trainer works on a copy made then")
 
 
-def refuse_changed_since(built: Config | None, now: Config, since: str = "build()") -> None:
+def refuse_changed_since(built: Config | None, now: Config, since: str = "build()",
+                         reads: str = "build() reads it and train() trains what was built") -> None:
     """A Trainer's config changed after `since`, build() by default (between build() and train()): the
     model, data and schedule were built from it as it was, so a change was partly used and mislogged
-    (train.steps) or not at all (optim.lr). `built` None: no build finished, nothing to compare."""
+    (train.steps) or not at all (optim.lr); `reads` says why. `built` None: no build finished, nothing to compare."""
     changed = changed_keys(built, now) if built is not None else []
     if changed:
-        reads = "build() reads it and train() trains what was built" if since == "build()" else \
-            "the Trainer works on a copy made then"
         raise ConfigError(f"the config was changed after {since} ({', '.join(changed[:5])}): {reads}; build a new "
                           "Trainer of the changed config")

@@ -120,15 +120,14 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
 def _say_unread_splits(inputs: list[str]) -> None:
     """A `datasets` DatasetDict folder reads its train split: its others (validation, test) are named,
     where they were passed over in silence, with how to use one (hidden folders, .cache, are none)."""
+    from shardline.data.folders import other_splits
+
     for given in inputs:
         root = Path(given)
-        if (root / "dataset_dict.json").is_file() and (root / "train").is_dir():
-            others = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in ("train",)
-                            and not p.name.startswith("."))
-            if others:
-                print(f"note: {given} is a datasets DatasetDict: its train split is read, not {', '.join(others)} "
-                      f"(a run evaluates on one as data.val_path={root / others[0]}, tokenized with its tokenizer)",
-                      file=sys.stderr)
+        if (root / "train").is_dir() and (others := other_splits(root)):
+            print(f"note: {given} is a datasets DatasetDict: its train split is read, not {', '.join(others)} "
+                  f"(a run evaluates on one as data.val_path={root / others[0]}, tokenized with its tokenizer)",
+                  file=sys.stderr)
 
 
 class _Terminated(BaseException):

@@ -15,6 +15,15 @@ def read_root(root: Path) -> Path:
     return root / "train" if (root / "dataset_dict.json").is_file() and (root / "train").is_dir() else root
 
 
+def other_splits(root: Path) -> list[str] | None:
+    """A `datasets` DatasetDict folder's splits besides train (validation, test), by their folders' names
+    (hidden ones, a download's .cache, are none); None where `root` is no DatasetDict."""
+    if not (Path(root) / "dataset_dict.json").is_file():
+        return None
+    return sorted(p.name for p in Path(root).iterdir()
+                  if p.is_dir() and p.name != "train" and not p.name.startswith("."))
+
+
 def folder_entries(root: Path) -> list[Path]:
     """The files under folder `root` (and links to nothing), sorted as paths; hidden ones left out (.git,
     .ipynb_checkpoints, macOS's ._ files). The folder's own tree first, then the folders linked into

@@ -22,6 +22,7 @@ from shardline.data.chat_checks import (REPLY_SAMPLE, chat_checked, check_folder
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import check_replies, encode_documents, render_chat, roles_of
 from shardline.data.file_stamps import stamp_files
+from shardline.data.folders import other_splits
 from shardline.data.mixture import MixedSequences
 from shardline.data.packing import CHAT_PACKING, PackedSequences
 from shardline.data.sampler import GlobalBatchSampler, batch_index
@@ -257,8 +258,7 @@ def _check_val_tokenizer(own: Tokenizer, run: Tokenizer, path: str) -> None:
 def _refuse_dataset_dict(path: str) -> None:
     """A datasets DatasetDict folder given as data.val_path: data.path reads its train split, which is
     not what to evaluate on; the line names its other splits' folders."""
-    if (Path(path) / "dataset_dict.json").is_file():
-        splits = sorted(p.name for p in Path(path).iterdir() if p.is_dir() and p.name != "train")
+    if (splits := other_splits(Path(path))) is not None:
         raise DataError(f"data.val_path={path!r} is a datasets DatasetDict: name the folder of its split to evaluate "
                         f"on ({', '.join(f'{path}/{s}' for s in splits) or 'it has no split besides train'})")
 
