@@ -5,7 +5,8 @@ generate, eval.
 
 `shardline train` with no arguments trains the tiny preset on the shipped corpus.
 Config: `--config FILE.toml` then `--section.key=value` overrides. Mistakes the user
-can fix (config, data, checkpoint) print one line and exit with code 2.
+can fix (config, data, checkpoint) print one line and exit with code 2; a failed storage
+or a run dir another run holds, 75 (try later). Halts 3, hangs 4, stops 5, `check` 6.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import time
 
 from shardline.config import to_toml
 from shardline.config.reader import OnlyOnce
-from shardline.errors import AnomalyHalt, ConfigError, Preempted, ShardlineError, interrupted
+from shardline.errors import (TRY_LATER, AnomalyHalt, ConfigError, Preempted, ShardlineError, exit_code, interrupted,
+                              transient)
 from shardline.version import version
 
 
@@ -336,11 +338,11 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> int:
             sys.stdout.flush()
         return code
     except AnomalyHalt as e:
-        return _leave(e, "halted", 3)
+        return _leave(e, "halted", e.exit_code)
     except Preempted as e:
-        return _leave(e, "stopped", Preempted.exit_code)
-    except ShardlineError as e:
-        return _leave(e, "error", 2)
+        return _leave(e, "stopped", e.exit_code)
+    except ShardlineError as e:  # 2, or 75 for a TryLater (the storage failed, the run dir in use)
+        return _leave(e, "error", exit_code(e))
     except KeyboardInterrupt:
         print("shardline: interrupted", file=sys.stderr)
         return 130
@@ -355,7 +357,7 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> int:
         if args.command in (*RANKED, "comm-bench") or os.environ.get("SHARDLINE_TRACEBACK"):  # (a rank's: as before)
             raise
         print(f"shardline: error: {e}", file=sys.stderr)
-        return 2
+        return TRY_LATER if transient(e) else 2
     except BaseException as e:  # a Ctrl-C inside torch's checkpoint writer comes back wrapped in its error
         if not interrupted(e):
             if _said_peer_lost(e):

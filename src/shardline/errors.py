@@ -1,14 +1,26 @@
 """Errors that speak to users.
 
 Each is raised for a mistake the user can fix (a config key, a data file, a
-checkpoint); the CLI prints the message on one line and exits with code 2.
+checkpoint); the CLI prints the message on one line and exits with code 2. A TryLater is
+no mistake of the input: the storage failed, or another live run holds the run dir. It
+exits with 75 (sysexits' EX_TEMPFAIL), so a requeue script can retry it and stop on 2,
+which the same command meets again.
 """
 
 import difflib
+import errno
+
+TRY_LATER = 75  # sysexits' EX_TEMPFAIL: the same command may pass when run again later
+# The storage's failures that say nothing about the input (an I/O error, a stale NFS handle, a timeout, a
+# busy or locked file): a permission refused, a full disk or a missing file is the same when run again.
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EBUSY, errno.EINTR,
+                              errno.ENOLCK, errno.EREMOTEIO, errno.ECONNRESET, errno.ECONNABORTED})
 
 
 class ShardlineError(Exception):
     """Base class: a user-facing error with a one-line message."""
+
+    exit_code = 2
 
     # Raised on every rank alike (a decision they share, or parallel.distributed.agreed's
     # verdict), so the ranks may leave the process group together before they exit.
@@ -27,15 +39,46 @@ class CheckpointError(ShardlineError):
     """A checkpoint that is missing, incomplete or does not match the run."""
 
 
-class CheckpointUnreadable(CheckpointError):
+class TryLater(ShardlineError):
+    """Not the input's fault, and not known to last: the storage failed (transient), or another
+    live run holds the run dir. Exit code 75, where a refused input's is 2."""
+
+    exit_code = TRY_LATER
+
+
+def transient(error: BaseException) -> bool:
+    """Whether an OSError is a failure of the storage that a later try may not meet (TRANSIENT_ERRNOS)."""
+    return isinstance(error, OSError) and error.errno in TRANSIENT_ERRNOS
+
+
+def exit_code(error: ShardlineError) -> int:
+    """The error's exit code; TRY_LATER also for one raised while handling a transient OSError (a
+    read that failed with EIO, said as the file it could not read: `raise ... from None` keeps it as
+    the context)."""
+    seen, cause = set(), error
+    while cause is not None and id(cause) not in seen and error.exit_code == 2:
+        if transient(cause):
+            return TRY_LATER
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return error.exit_code
+
+
+class CheckpointUnreadable(CheckpointError, TryLater):
     """A checkpoint the storage failed to read (EIO, a stale NFS handle): not known to be bad,
     so a resume stops instead of passing over it (a retry may read it)."""
+
+
+class RunDirInUse(ConfigError, TryLater):
+    """Another live run holds the run dir's lock: a requeued job whose last launch is still
+    leaving, or two jobs given one run.dir. The lock is free when that run ends."""
 
 
 class AnomalyHalt(ShardlineError):
     """Training stopped on an anomaly with anomaly.action = halt (exit code 3): decided on the
     global loss, by every rank."""
 
+    exit_code = 3
     every_rank = True
 
 

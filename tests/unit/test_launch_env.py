@@ -150,7 +150,7 @@ def test_a_config_file_one_rank_cannot_read_is_said_by_that_rank(monkeypatch, ca
         return read(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "read_text", stale)
-    assert main(["train", "--config", str(config)]) == 2
+    assert main(["train", "--config", str(config)]) == 75  # (a stale handle may read later: try again)
     assert "ok.toml cannot be read: Stale file handle" in capsys.readouterr().err
 
 

@@ -262,13 +262,15 @@ def agreed(check, world_size: int):
     one_line = isinstance(failure, (errors.ShardlineError, OSError))  # (else a bug: its traceback, at once)
     outcomes: list = [None] * world_size
     if world_size > 1:
-        dist.all_gather_object(outcomes, None if failure is None else (type(failure).__name__, str(failure), one_line))
+        dist.all_gather_object(outcomes, None if failure is None else (type(failure).__name__, str(failure), one_line,
+                                                                       errors.transient(failure)))
     # Every rank raises a one-line error here: they may leave the process group together (ShardlineError.every_rank).
     together = all(outcome is None or outcome[2] for outcome in outcomes) and (failure is None or one_line)
     if failure is not None:
         if isinstance(failure, OSError):  # storage, not a bug: the one line its peers print, not a traceback
             where = f"on rank {dist.get_rank()}: " if world_size > 1 else ""
-            error = errors.ShardlineError(f"{where}{type(failure).__name__}: {failure}{_also(outcomes, failure)}")
+            kind = errors.TryLater if errors.transient(failure) else errors.ShardlineError  # (its exit code)
+            error = kind(f"{where}{type(failure).__name__}: {failure}{_also(outcomes, failure)}")
             raise errors.on_every_rank(error, together) from failure
         if not one_line:
             raise failure
@@ -283,7 +285,7 @@ def agreed(check, world_size: int):
             if isinstance(kind, type) and issubclass(kind, errors.ShardlineError):
                 raise errors.on_every_rank(kind(text), together)
             text = f"on rank {rank}: {outcome[0]}: {outcome[1]}{_also(outcomes, outcome[1])}"
-            raise errors.on_every_rank(errors.ShardlineError(text), together)
+            raise errors.on_every_rank((errors.TryLater if outcome[3] else errors.ShardlineError)(text), together)
     return result
 
 

@@ -38,7 +38,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from shardline.errors import ConfigError, on_every_rank
+from shardline import errors
+from shardline.errors import ConfigError, RunDirInUse, TryLater, on_every_rank, transient
 
 LOCK = ".lock"
 EMPTY_LOCK_S = 60.0  # an empty lock older than this was left by a start that died while taking it
@@ -131,7 +132,7 @@ class RunLock:
                 if why and why.startswith("same job") and holder.get("host") != me["host"]:
                     why = self._gone_quiet(why)  # (another host's holder: alive while it touches its lock)
                 if why is None:
-                    raise ConfigError(_held_message(self.path, holder)) from None
+                    raise RunDirInUse(_held_message(self.path, holder)) from None
                 if self._remove_if_still(holder):
                     taken_over = why
                 continue
@@ -143,8 +144,8 @@ class RunLock:
                     continue
                 if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                     raise ConfigError(f"run.dir={str(self.path.parent)!r} is not writable: {e.strerror}") from None
-                raise ConfigError(f"run.dir={str(self.path.parent)!r}: its lock cannot be written "
-                                  f"({e.strerror})") from None
+                failed = TryLater if transient(e) else ConfigError
+                raise failed(f"run.dir={str(self.path.parent)!r}: its lock cannot be written ({e.strerror})") from None
             self.held, self.mine, self.lost = True, me, {}
             atexit.register(self.release)  # an exception that ends the process still frees it
             self._beating = threading.Event()
@@ -153,7 +154,7 @@ class RunLock:
             return taken_over
         if not self.path.parent.is_dir():
             raise ConfigError(f"run.dir={str(self.path.parent)!r} cannot be created: it went each time it was made")
-        raise ConfigError(_held_message(self.path, self._read()))
+        raise RunDirInUse(_held_message(self.path, self._read()))
 
     def _publish(self, me: dict) -> None:
         """Create the lock with its content at once: a file written aside, then hard-linked to the
@@ -263,20 +264,21 @@ class RunLock:
 
     def acquire_for_job(self, is_main: bool, world_size: int) -> str | None:
         """Rank 0 acquires; every rank learns the outcome (one broadcast), so all stop with the
-        same one-line ConfigError. Returns what was taken over, as acquire()."""
+        same one-line error, of the same kind (its exit code). Returns what was taken over, as acquire()."""
         outcome: list = [("ok", None)]
         if is_main:
             try:
                 outcome = [("ok", self.acquire())]
-            except ConfigError as e:
-                outcome = [("error", str(e))]
+            except errors.ShardlineError as e:
+                outcome = [(type(e).__name__, str(e))]
             except OSError as e:  # any storage error: every rank's one line, not rank 0's alone (the rest waited)
-                outcome = [("error", f"run.dir={str(self.path.parent)!r}: cannot take its lock ({e})")]
+                failed = TryLater if transient(e) else ConfigError
+                outcome = [(failed.__name__, f"run.dir={str(self.path.parent)!r}: cannot take its lock ({e})")]
         if world_size > 1:
             dist.broadcast_object_list(outcome, src=0)
         kind, text = outcome[0]
-        if kind == "error":
-            raise on_every_rank(ConfigError(text))
+        if kind != "ok":
+            raise on_every_rank(getattr(errors, kind)(text))
         return text
 
     def release(self) -> None:
