@@ -66,17 +66,17 @@ def test_a_relaunch_naming_the_run_dir_alone_resumes_with_its_saved_config(tmp_p
     assert "lr = 0.002" in saved and "weight_decay = 0.05" in saved and "stop_at_step = 0" in saved
 
 
-def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_path, capsys):
+def test_a_relaunch_takes_the_saved_config_unless_told_another(tmp_path, capsys):
     """A run dir whose only checkpoint a crash left renamed aside (the trainer repairs it and
-    resumes it) counts; one with a config.toml and no checkpoint, a --config, or
-    run.resume=never does not."""
+    resumes it) counts, and so does one with a config.toml and no checkpoint (trained again from
+    step 0); a --config or run.resume=never takes another."""
     from shardline.resilience.relaunch import relaunch_config as _relaunch_config
     from shardline.config import load_config, save_config
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     save_config(load_config(None, ["optim.lr=0.002"]), run / "config.toml")
-    assert _relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3  # nothing to resume
+    assert _relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002  # nothing to resume: trained again
     (run / "checkpoints" / "step-000004.deleting").mkdir()  # a second save's older folder, its step gone
     assert _relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002
     assert _relaunch_config(None, [f"run.dir={run}", "run.resume=never"]).optim.lr == 3e-3
@@ -124,8 +124,8 @@ def test_a_relaunch_takes_the_saved_config_only_where_a_checkpoint_is_held(tmp_p
     assert _relaunch_config(None, [f"run.dir={done}", "run.resume=never"]).model.dim == 0  # (asked: another run)
     (tmp_path / "ckpt").mkdir()  # (a checkpoint named: the launch's own word)
     assert _relaunch_config(None, [f"run.dir={done}", f"run.resume={tmp_path / 'ckpt'}"]).run.resume.endswith("ckpt")
-    (done / "progress.json").write_text('{"run_complete": false, "high_water_step": 5}')  # (cut short: the note)
-    assert _relaunch_config(None, [f"run.dir={done}"]).model.dim == 0
+    (done / "progress.json").write_text('{"run_complete": false, "high_water_step": 5}')  # (cut short: trained again)
+    assert _relaunch_config(None, [f"run.dir={done}"]).model.dim == 64
     (done / "config.toml").write_text("[train]\nsteps = 12\nunknown_later_key = 1\n[model]\n")  # (another
     capsys.readouterr()
     assert _relaunch_config(None, [f"run.dir={done}"]).model.dim == 0  # shardline's key: not read, the note says so)
@@ -149,20 +149,23 @@ def test_a_relaunch_of_a_run_kept_in_memory_alone_takes_its_saved_config(tmp_pat
     run.mkdir()
     save_config(load_config(None, ["optim.lr=0.002", "checkpoint.interval=0", "checkpoint.memory_interval=3"]),
                 run / "config.toml")
-    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3  # it trained nothing yet
+    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002  # it trained nothing yet: again from step 0
+    assert "saved nothing to resume: training it again from step 0" in capsys.readouterr().out
     (run / "progress.json").write_text(json.dumps({"high_water_step": 8, "finished": False}))
     assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002
     assert "holds a run kept in in-memory snapshots: resuming with the config.toml" in capsys.readouterr().out
     (run / "progress.json").write_text(json.dumps({"high_water_step": 200, "finished": True}))  # (an older file)
-    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3  # trained to its end: its RAM given back
+    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002  # trained to its end, RAM given back: again
+    assert "saved nothing to resume: training it again from step 0" in capsys.readouterr().out
     (run / "progress.json").write_text(json.dumps({"high_water_step": 100, "finished": True}))  # a stop_at_step's
     assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002
     (run / "progress.json").write_text(json.dumps({"high_water_step": 200, "finished": True, "run_complete": False}))
     assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002  # (its last state not kept: a rerun)
     save_config(load_config(None, ["optim.lr=0.002", "checkpoint.interval=0"]), run / "config.toml")
-    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3  # no snapshots kept: nothing to resume
+    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002  # no snapshots kept: trained again
     (run / "progress.json").write_text("{torn")
-    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 3e-3
+    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002
+    assert relaunch_config(None, [f"run.dir={run}", "run.resume=never"]).optim.lr == 3e-3  # (another run)
 
 
 @pytest.mark.parametrize("bad, message", [

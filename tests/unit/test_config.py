@@ -539,23 +539,22 @@ def test_a_run_dir_inside_its_raw_data_folder_is_refused(tmp_path, small_corpus)
     check_config(load_config(None, [f"data.path={data}", f"run.dir={data / '.runs' / 'a'}"]))  # (hidden: not read)
 
 
-def test_a_run_dirs_config_of_a_launch_that_trained_nothing_is_named_where_it_is_not_read(tmp_path, capsys):
-    """A launch killed in start-up left config.toml and nothing to resume; a requeue by --run.dir alone
-    trained the defaults (200 steps, seq 256) in silence. It still takes them, and says so."""
+def test_a_run_dirs_config_of_a_launch_that_saved_nothing_is_trained_again_by_run_dir_alone(tmp_path, capsys):
+    """A launch killed in start-up (or before its first save) left config.toml and nothing to resume;
+    a requeue by --run.dir alone trained the defaults there (another model, on the shipped corpus),
+    with a note. It trains that run again from step 0 now, with the overrides given."""
     from shardline.resilience.relaunch import relaunch_config
 
     run = tmp_path / "run"
     run.mkdir()
     save_config(load_config(None, [f"run.dir={run}", "train.steps=12", "train.seq_len=64"]), run / "config.toml")
     cfg = relaunch_config(None, [f"--run.dir={run}"])
-    assert (cfg.train.steps, cfg.train.seq_len) == (200, 256)  # (no run to resume: the file is not read)
-    err = capsys.readouterr().err
-    assert f"{run / 'config.toml'} is not read (its launch saved nothing to resume)" in err, err
-    assert "train.steps 12 -> 200" in err and "train.seq_len 64 -> 256" in err
-    save_config(load_config(None, [f"run.dir={run}", "train.steps=12", "train.seq_len=64", "train.precision=bf16"]),
-                run / "config.toml")  # (as a GPU launch settles auto: 'auto' settles at launch, maybe to it)
-    relaunch_config(None, [f"--run.dir={run}", "--train.steps=12", "--train.seq_len=64"])  # the same: nothing said
-    assert "not read" not in capsys.readouterr().err
+    assert (cfg.train.steps, cfg.train.seq_len) == (12, 64)
+    out, err = capsys.readouterr()
+    assert "saved nothing to resume: training it again from step 0 with the config.toml it saved" in out, out
+    assert err == ""
+    assert relaunch_config(None, [f"--run.dir={run}", "--train.steps=20"]).train.steps == 20
+    assert relaunch_config(None, [f"--run.dir={run}", "--run.resume=never"]).train.steps == 200  # (another run)
 
 
 def test_hostile_sizes_and_paths_are_one_line_errors(tmp_path, tiny_config, capsys):

@@ -42,6 +42,8 @@ def test_a_live_holder_stops_a_second_run_with_one_line(tmp_path, other_process)
     text = str(err.value)
     assert f"in use by another run (pid {other_process.pid} on {socket.gethostname()}" in text
     assert "\n" not in text and (tmp_path / LOCK).is_file()
+    # its pid runs here: not "delete the lock" (another host's is never guessed away, and so advised)
+    assert text.endswith("use another run.dir, or stop that run first") and "delete" not in text
 
 
 def test_a_run_dir_the_lock_made_goes_with_it_where_nothing_was_written(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -54,6 +55,15 @@ def check_card(name: str, index: int) -> None:
 
 def launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def say_for_node(proc: ProcessInfo, text: str) -> None:
+    """One line on the console of a node other than rank 0's, which logs the run: an operator tailing
+    that node's log (a Slurm task's output) saw nothing on a healthy run, and could not tell it
+    joined, nor how it ended. Said by the node's first local rank; one node's job has no other."""
+    if proc.local_rank == 0 and proc.rank != 0 and proc.world_size > proc.local_world_size:
+        print(f"shardline: {socket.gethostname()} (ranks {proc.rank}-{proc.rank + proc.local_world_size - 1}) "
+              f"{text}", flush=True)
 
 
 def speaks_for_the_job() -> bool:

@@ -1,6 +1,7 @@
 """Which config a relaunch reads: `shardline train --run.dir=runs/x` without --config resumes runs/x
-with the config.toml its last launch saved, where the dir holds a run to resume (the CLI's choice,
-made before any process group exists: from files every node sees alike)."""
+with the config.toml its last launch saved (or trains it again from step 0, where that launch saved
+nothing to resume); the CLI's choice, made before any process group exists: from files every node
+sees alike."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from shardline.config import (PRECISIONS, Config, ParallelConfig, config_changes, load_config, load_relaunch_config,
+from shardline.config import (PRECISIONS, Config, ParallelConfig, load_config, load_relaunch_config,
                               reader)
 from shardline.errors import ConfigError, ShardlineError
 from shardline.layout.degrees import WORLD_DEGREES, shard_degree
@@ -24,10 +25,10 @@ from shardline.resilience.run_lock import RunLock
 def relaunch_config(config: str | None, overrides: list[str], world: int | None = None, say: bool = True,
                     printing: bool = False) -> Config:
     """The config a launch reads: --config's file and the overrides; without a file, when run.dir
-    holds a run to resume and the config.toml its last launch saved, that file (its per-launch
-    settings afresh, config.LAUNCH_ONLY), so a relaunch need not repeat the run's settings:
-    `--run.dir=runs/x` resumes runs/x as its last launch ran it. `world`: the processes it runs on;
-    `printing`: for --print-config, whose stdout is the config (the note goes to stderr)."""
+    holds the config.toml its last launch saved, that file (its per-launch settings afresh,
+    config.LAUNCH_ONLY), so a relaunch need not repeat the run's settings: `--run.dir=runs/x`
+    resumes runs/x as its last launch ran it (from step 0 where it saved nothing). `world`: the
+    processes it runs on; `printing`: for --print-config, whose stdout is the config (the note goes to stderr)."""
     cfg = _steps_not_replaced(load_config(config, overrides), overrides)
     saved = Path(cfg.run.dir) / "config.toml"
     try:
@@ -42,14 +43,16 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
     if not held:
         if cfg.run.resume == "auto":  # (a checkpoint named, or latest: the launch's own word on it)
             _refuse_a_finished_run(Path(cfg.run.dir), saved)
-        _say_not_read(cfg, saved, overrides)
-        return cfg
+        if not _readable(cfg, saved, overrides):
+            return cfg
     if printing and speaks_for_the_job():  # (a config printed to start from: not the defaults, where a run is there)
         print(f"shardline: {cfg.run.dir} holds {held}: this is the config.toml it saved, as a relaunch there reads "
               "it (another --run.dir prints the defaults)", file=sys.stderr)
     elif say and speaks_for_the_job() and not RunLock(Path(cfg.run.dir)).running_here():  # (refused: no "resuming")
-        print(f"shardline: {cfg.run.dir} holds {held}: resuming with the config.toml it saved and the "
-              "overrides given (--config names another file)")  # stdout: stderr holds the one-line errors
+        what = (f"holds {held}: resuming" if held else "holds a run whose last launch saved nothing to resume: "
+                "training it again from step 0")
+        print(f"shardline: {cfg.run.dir} {what} with the config.toml it saved and the overrides given (--config "
+              "names another file)")  # stdout: stderr holds the one-line errors
     cfg = _steps_not_replaced(load_relaunch_config(saved, cfg.run.dir, overrides), overrides)
     given = _given(overrides)
     if "parallel.cp_mode" in given and "parallel.cp_ulysses" not in given and cfg.parallel.cp_mode != "hybrid":
@@ -131,27 +134,22 @@ def _whole(saved: Path) -> bool:
         return False
 
 
-def _say_not_read(cfg: Config, saved: Path, overrides: list[str]) -> None:
-    """The config.toml of a launch that saved nothing to resume (killed in start-up, or before its
-    first save) is not read. A requeue by --run.dir alone then trained the defaults in silence: said,
-    where they differ from that file's settings."""
+def _readable(cfg: Config, saved: Path, overrides: list[str]) -> bool:
+    """Whether the config.toml of a launch that saved nothing to resume (killed in start-up, or
+    before its first save) reads: a relaunch by --run.dir alone then trains that run again from
+    step 0 (a requeue took the defaults: another model on the shipped corpus, in its folder).
+    One damaged or hand-edited past reading is said, and the launch takes the defaults."""
     try:
-        theirs = load_relaunch_config(saved, cfg.run.dir, overrides)
-    except (ShardlineError, TypeError, ValueError) as e:  # (a damaged or hand-edited file: nothing to compare)
+        load_relaunch_config(saved, cfg.run.dir, overrides)
+        return True
+    except (ShardlineError, TypeError, ValueError) as e:
         if speaks_for_the_job():
             first = str(e).split("; valid")[0]  # (its key, not the list of valid ones)
             why = ("emptied, cut short or not TOML" if not _whole(saved) else
                    f"not a config this shardline reads: {first}")
             print(f"shardline: note: {saved} is not read (its launch saved nothing to resume, and it is {why}): "
                   "this launch takes the defaults and the overrides given", file=sys.stderr)
-        return
-    changed = [(k, v) for k, v in config_changes(theirs.to_dict(), cfg.to_dict()).items()
-               if (k, v[1]) != ("train.precision", "auto")]  # (auto settles at launch: maybe to theirs)
-    if changed and speaks_for_the_job():
-        said = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed[:4]) + ", ..." * (len(changed) > 4)
-        print(f"shardline: note: {saved} is not read (its launch saved nothing to resume): this launch takes the "
-              f"defaults and the overrides given, not its settings ({said}); --config {saved} reads them (its "
-              "[faults] drills and train.stop_at_step too)", file=sys.stderr)
+        return False
 
 
 def _check_relative_data(cfg: Config, saved: Path, given: set[str]) -> None:

@@ -356,5 +356,7 @@ def _held_message(path: Path, holder: dict) -> str:
         return (f"run dir {path.parent} is locked by another run ({path} exists, unreadable or empty); use another "
                 f"run.dir, or delete {path} if no run is using the dir")
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+    here = holder.get("host") == socket.gethostname()  # (its pid runs, as the lock says: a gone one's is taken over)
     return (f"run dir {path.parent} is in use by another run (pid {holder.get('pid')} on {holder.get('host')}, "
-            f"since {since}); use another run.dir, or delete {path} if that run is gone")
+            f"since {since}); use another run.dir, or " + ("stop that run first" if here else
+                                                            f"delete {path} if that run is gone"))

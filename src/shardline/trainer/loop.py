@@ -33,7 +33,7 @@ from shardline.models.moe.parallelize import build_model as build_moe_model
 from shardline.optim import build_optimizer, build_scheduler
 from shardline.parallel.collectives import clip_grad_norm
 from shardline.parallel.dims import ParallelDims
-from shardline.parallel.distributed import agreed, init_distributed, lost_peer, pick_device
+from shardline.parallel.distributed import agreed, init_distributed, lost_peer, pick_device, say_for_node
 from shardline.parallel.expert.balance import ExpertBalance
 from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.pipeline import tied_copy
@@ -311,6 +311,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             "complete" if last else "stop_at_step"
         self.metrics.event("end", step=self.step, outcome=outcome, overflow_skipped_steps=self.scaler.skipped_steps,
                            anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
+        say_for_node(self.proc, f"ended at step {self.step}: {outcome}")
         if self.guard.goodput and self.guard.goodput.stale and not self.tiers.unsaved_end:  # (rank 0's: else exit 2)
             print(f"shardline: warning: {self.run_dir / 'progress.json'} could not be written at the end "
                   f"({self.guard.goodput.stale}): it still says an earlier state of this run", file=sys.stderr)

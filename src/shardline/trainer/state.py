@@ -35,7 +35,7 @@ from shardline.models.flops import num_params
 from shardline.models.factory import args_to_json
 from shardline.optim import apply_hyperparameters, next_lr_change, schedule_settings
 from shardline.parallel.compile import describe as describe_compile
-from shardline.parallel.distributed import agreed, ranks_differing
+from shardline.parallel.distributed import agreed, ranks_differing, say_for_node
 from shardline.parallel.float8 import precompute_scales
 from shardline.profiling import StepProfiler
 from shardline.preflight import (Preflight, bos_setting, check_config, check_device, check_layout_before_data,
@@ -177,6 +177,8 @@ class SavedState:
                            threads=torch.get_num_threads(), torch=torch.__version__,  # (both move the numbers)
                            shardline=version(),  # (the code that trained it: a commit where run from a checkout)
                            **({"launchers": ids} if (ids := launcher_ids()) else {}))  # (whose records: never's)
+        say_for_node(self.proc, f"joined the run in {self.run_dir} at step {self.step} ({self.proc.world_size} ranks): "
+                                "rank 0's node logs its progress, and metrics.jsonl there")
         for problem in self._invalid_checkpoints:
             self.metrics.event("invalid_checkpoint", step=self.step, error=problem)
         for folder in self._repaired:  # (rank 0's list: the writer repairs)
