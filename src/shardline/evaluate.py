@@ -38,6 +38,7 @@ from shardline.data.file_stamps import changed_files
 from shardline.data.sampler import eval_micro_batches
 from shardline.data.validation import split_by_prepare, val_format
 from shardline.data.shards import tokenizer_file
+from shardline.data.sources import input_files
 from shardline.errors import ConfigError, ShardlineError, on_every_rank
 from shardline.parallel.distributed import (agreed, init_distributed, pick_device, ranks_differing,
                                             speaks_for_the_job)
@@ -74,7 +75,7 @@ class Evaluation:
 def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[Config, Path, int]:
     """(the evaluation's config, the checkpoint, its step): the checkpoint's run config (its kept
     sections), the overrides, and the settings this command owns."""
-    from shardline.interop.convert import checkpoint_tokenizer, resolve_checkpoint
+    from shardline.interop.convert import checkpoint_tokenizer, other_tokenizer, resolve_checkpoint
     from shardline.resilience.checkpoint import verify
     from shardline.resilience.safe_load import removed_while_read
     from shardline.resilience.recovery import saved_step
@@ -92,7 +93,7 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
         cfg.data.add_bos = False  # resume reads it (config.load_relaunch_config)
     # The tokenizer the run trained with, as the checkpoint keeps it beside it or in its run dir: the saved
     # data.tokenizer may name a starting model's file since removed, or a path relative to another directory.
-    own = checkpoint_tokenizer(ckpt)
+    own = kept = checkpoint_tokenizer(ckpt)
     given = {item.removeprefix("--").split("=", 1)[0] for item in overrides}
     own = own or (tokenizer_file(cfg.data) if given.isdisjoint({"data.path", "data.mix"}) else None)  # the run's
     if own:  # own data fixes its tokenizer (a prepared folder's), which it trained with
@@ -112,6 +113,9 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
             raise ConfigError(f"--{key}: eval takes the model, its shape and weights, from the checkpoint {ckpt}; "
                               "drop it")
         apply_override(cfg, item)
+    if kept and "data.tokenizer" in given and other_tokenizer(kept, Path(cfg.data.tokenizer)):
+        raise ConfigError(f"--data.tokenizer={cfg.data.tokenizer} is not the tokenizer {ckpt} was trained with "
+                          f"({kept}): its ids name other rows than the weights learned, a loss of no model; drop it")
     if "data.val_path" in given and given.isdisjoint({"data.path", "data.mix"}):
         _val_path_alone(cfg)
     cfg.model.init_from, cfg.model.hf_path = str(ckpt), ""
@@ -132,6 +136,7 @@ def _val_path_alone(cfg: Config) -> None:
     training data stands in by it (neither found nor tokenized), read in the format val_path is."""
     if not cfg.data.val_path:
         raise ConfigError("--data.val_path= is empty: omit it to evaluate on the run's own held-out data")
+    input_files(cfg.data.val_path, "data.val_path")  # (read as data.path below: its refusals named that key)
     cfg.data.format = val_format(cfg)
     cfg.data.path, cfg.data.mix = cfg.data.val_path, []
 

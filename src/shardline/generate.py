@@ -17,12 +17,11 @@ of its turn. The context is the last `train.seq_len` tokens the run trained on (
 sets another, up to the model's recorded maximum: a fine-tune of a long-context model at
 short sequences still has the base model's reach); past it the window slides, and each
 token runs the whole window again (its positions start at 0, as in training, so the cached
-keys no longer fit). Generation stops at any end token:
-the tokenizer's end-of-document token (what training put after each document) and the
-HF folder's `eos_token_id`s (config and generation_config.json). A mixture of experts
-runs dropless here whatever its `capacity_factor`: with capacity, the newest token, last
-in each expert's queue, would be the one dropped. For serving, `convert to-hf` and an
-inference engine.
+keys no longer fit). Generation stops at any end token: the tokenizer's end-of-document
+token (what training put after each document) and the HF folder's `eos_token_id`s (config and
+generation_config.json). A mixture of experts runs dropless here whatever its `capacity_factor`:
+with capacity, the newest token, last in each expert's queue, would be the one dropped. For
+serving, `convert to-hf` and an inference engine.
 """
 
 from __future__ import annotations
@@ -222,10 +221,9 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     its files hashed once. `context` (0: the run's train.seq_len): the tokens the model sees;
     `tokenizer` (a tokenizer.json or its folder; "": the one beside it or in its run dir)."""
     from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
-    from shardline.interop.convert import beside_checkpoint, checkpoint_tokenizer, resolve_checkpoint
-    from shardline.interop.hf_files import tokenizer_file
+    from shardline.interop.convert import beside_checkpoint, checkpoint_tokenizer, given_tokenizer, resolve_checkpoint
     from shardline.interop.hf import empty_model
-    from shardline.interop.hf_files import GENERATION_NAME
+    from shardline.interop.hf_files import GENERATION_NAME, tokenizer_file
     from shardline.models.factory import args_from_json
     from shardline.resilience.checkpoint import load_weights, verify
 
@@ -247,8 +245,10 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     if tok_path is None:
         raise CheckpointError(f"{ckpt}: no tokenizer.json beside it or in the run dir that saved it; give "
                               "--tokenizer (the run's tokenizer.json), or copy it into the checkpoint folder")
-    tokenizer = load_tokenizer(str(tok_path), key="--tokenizer" if tokenizer else "")
     args = args_from_json(meta["model_args"])
+    tokenizer, other = (given_tokenizer(ckpt, tok_path, args.vocab_size, "--tokenizer") if tokenizer  # (refused
+                        else (load_tokenizer(str(tok_path), key=""), ""))  # past the model's rows; another: said)
+    say(other and f"note: {other}")
     if args.moe is not None:  # dropless (module doc); the weights do not depend on it
         args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, capacity_factor=0.0))
     model = empty_model(args, getattr(torch, DTYPE_NAMES.get(dtype, dtype)), dev)
@@ -307,8 +307,9 @@ def _renders(template) -> tuple | None:
 
 
 def say(line: str) -> None:
-    """A note on stderr, apart from the text on stdout."""
-    print(f"shardline: {line}", file=sys.stderr)
+    """A note on stderr, apart from the text on stdout ("": none)."""
+    if line:
+        print(f"shardline: {line}", file=sys.stderr)
 
 
 def _generation_eos(path: Path):

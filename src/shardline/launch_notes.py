@@ -15,16 +15,16 @@ from shardline.data import tokenizer_file
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import CHAT_END, CHAT_START
 from shardline.data.folders import read_root
-from shardline.data.shards import is_prepared, tokenizer_hash
+from shardline.data.shards import is_prepared
 from shardline.data.validation import split_by_prepare, val_format
-from shardline.data.tokenizer import KNOWN_EOS, eos_id, extends_file, load_tokenizer
+from shardline.data.tokenizer import KNOWN_EOS, eos_id
 from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, cpu_load, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
 from shardline.interop.hf_config import hf_export_problem, read_hf_config
 from shardline.layout import IDLE_AT_DEGREE_ONE, Layout
 from shardline.models.llama import ModelArgs
 from shardline.optim import wsd_decay_steps
-from shardline.interop.convert import checkpoint_tokenizer
+from shardline.interop.convert import checkpoint_tokenizer, other_tokenizer
 from shardline.interop.hf_files import TOKENIZER_NAME
 from shardline.interop.model_shape import starting_rows, starting_shape
 from shardline.models.factory import args_from_json
@@ -141,7 +141,7 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
         notes.append(("context_extended", extended))
     notes += _routing_notes(model, start_moe(cfg) if start else None)
     own = _own_tokenizer(cfg) if start and cfg.data.tokenizer else None
-    if own is not None and _differ(own, Path(cfg.data.tokenizer)) and not extends_file(cfg.data.tokenizer, own):
+    if own is not None and other_tokenizer(own, Path(cfg.data.tokenizer)):
         notes.append(("tokenizer_not_the_weights", {
             "tokenizer": cfg.data.tokenizer, "theirs": str(own),
             "why": "its ids may name other rows of the embedding than the weights learned; unset data.tokenizer "
@@ -390,11 +390,3 @@ def vocab_rows_added(cfg: Config, model: ModelArgs | None, resumed: bool) -> tup
     return (rows, model.vocab_size) if model.vocab_size > rows else None
 
 
-def _differ(a: Path, b: Path) -> bool:
-    """Whether two tokenizer files hold other tokenizers (compared as this `tokenizers` writes
-    them: a copy saved again, in another layout, is the same one)."""
-    try:
-        return a.resolve() != b.resolve() and tokenizer_hash(load_tokenizer(str(a))) != \
-            tokenizer_hash(load_tokenizer(str(b)))
-    except (OSError, ShardlineError):
-        return False

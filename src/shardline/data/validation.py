@@ -141,7 +141,8 @@ def check_val_size(val, cfg: Config) -> None:
     """data.val_path's data holds at least one sequence (where the run evaluates)."""
     if cfg.train.eval_interval and len(val) == 0:
         raise DataError(f"data.val_path={cfg.data.val_path!r} holds {val.num_tokens} tokens: too few for one "
-                        f"sequence of train.seq_len={cfg.train.seq_len}; give more data or set train.eval_interval=0")
+                        f"sequence of train.seq_len={cfg.train.seq_len}; give more data or a lower train.seq_len (in "
+                        "training, train.eval_interval=0 evaluates nothing)")
 
 
 def held_out_large(share: float, val_fraction: float) -> bool:

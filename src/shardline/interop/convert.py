@@ -23,9 +23,9 @@ import torch
 from shardline.config import DTYPE_NAMES, saved_formats
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import CHATML_TEMPLATE, reply_prompt, turn_end_text
-from shardline.data.shards import is_prepared
-from shardline.data.tokenizer import bos_prefix, eos_id, load_tokenizer
-from shardline.errors import CheckpointError, ConfigError, DataError
+from shardline.data.shards import id_bound, is_prepared, tokenizer_hash
+from shardline.data.tokenizer import bos_prefix, eos_id, extends_file, load_tokenizer
+from shardline.errors import CheckpointError, ConfigError, DataError, ShardlineError
 from shardline.interop.hf import empty_model, from_hf_pretrained, to_hf_pretrained
 from shardline.interop.hf_config import EXPORT_DTYPES, KEPT_FIELDS, read_hf_fields
 from shardline.interop.hf_files import (
@@ -98,7 +98,11 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
     meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
     hf = meta.get("hf", {})
     dtype = explicit or _export_dtype(hf.get("dtype", "")) or torch.float32
-    model = empty_model(args_from_json(meta["model_args"]), dtype)  # the checkpoint casts as it loads
+    args = args_from_json(meta["model_args"])
+    other = given_tokenizer(ckpt, given, args.vocab_size, "--tokenizer")[1] if given is not None else ""
+    if other:  # (one past the model's rows: refused)
+        warnings.warn(f"exported with it: {other}", stacklevel=2)
+    model = empty_model(args, dtype)  # the checkpoint casts as it loads
     load_weights(ckpt, model, verified=True)
     tokenizer = given or checkpoint_tokenizer(ckpt)
     bos, eos, doc_end = hf.get("bos_token_id"), hf.get("eos_token_id"), None
@@ -141,6 +145,34 @@ def checkpoint_tokenizer(ckpt: Path) -> Path | None:
     copies the HF folder's there), else the one of the run that saved it
     (<run_dir>/checkpoints/step-N, or checkpoints/set-aside/step-N); None when neither is there."""
     return beside_checkpoint(ckpt, TOKENIZER_NAME)
+
+
+def given_tokenizer(ckpt: Path, path: Path, rows: int, key: str):
+    """(the tokenizer given in place of checkpoint `ckpt`'s own, loaded; why it is not that one, or
+    ""). Refused where it holds more tokens than the model's `rows`: an id past them names no row
+    (an export's forward failed in transformers, a prompt's in generate). "" where it is the
+    checkpoint's own, one that extends it (added tokens), or where the checkpoint keeps none."""
+    tok = load_tokenizer(str(path), key=key)
+    if (ids := id_bound(tok)) > rows:
+        raise DataError(f"{key}={path}: ids up to {ids - 1:,}, past the model's {rows:,} vocabulary rows (such an id "
+                        f"names no row): give the tokenizer {ckpt} was trained with")
+    own = checkpoint_tokenizer(ckpt)
+    if own is None or not other_tokenizer(own, path):
+        return tok, ""
+    return tok, (f"{key}={path} is not the tokenizer {ckpt} was trained with ({own}): its ids may name other "
+                 "rows than the weights learned")
+
+
+def other_tokenizer(own: Path, given: Path) -> bool:
+    """Whether tokenizer file `given` holds another tokenizer than `own` (compared as this
+    `tokenizers` writes them: a copy saved again, in another layout, is the same one), and not one
+    that extends it (tokens added after its own). False where either cannot be read."""
+    try:
+        same = own.resolve() == given.resolve() or tokenizer_hash(load_tokenizer(str(own))) == \
+            tokenizer_hash(load_tokenizer(str(given)))
+    except (OSError, ShardlineError):
+        return False
+    return not same and not extends_file(given, own)
 
 
 def beside_checkpoint(ckpt: Path, name: str) -> Path | None:

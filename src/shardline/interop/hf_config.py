@@ -1,11 +1,10 @@
 """HF config.json <-> ModelArgs for Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral and Qwen3-MoE, in transformers < 5
 and >= 5 layouts.
 
-transformers < 5 writes `rope_theta` at the top level and the scaling dict (or null)
-under `rope_scaling`; transformers 5 writes a single `rope_parameters` dict holding
-`rope_type`, `rope_theta` and the scaling keys. Both are read, and both are written.
-The two MoE families share Llama's fields and add the routed feed-forward's; each
-family has its own defaults for the keys a config leaves out (as its transformers class).
+transformers < 5 writes `rope_theta` at the top level and the scaling dict (or null) under `rope_scaling`;
+transformers 5 writes a single `rope_parameters` dict holding `rope_type`, `rope_theta` and the scaling
+keys. Both are read, and both are written. The two MoE families share Llama's fields and add the
+routed feed-forward's; each has its own defaults for the keys a config leaves out (as its transformers class).
 """
 
 from __future__ import annotations
@@ -136,10 +135,11 @@ def read_hf_config(path: str | os.PathLike) -> ModelArgs:
     """ModelArgs of the HF Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral or Qwen3-MoE folder `path`,
     read from its config.json. (Dropout keys are not read: shardline trains without dropout, as
     every release of these families is configured.)"""
-    folder = _hf_folder(path)
-    where = folder / CONFIG_NAME
-    if not where.is_file():
-        raise CheckpointError(f"{folder} has no {CONFIG_NAME}; it is not a Hugging Face model folder")
+    where = (folder := _hf_folder(path)) / CONFIG_NAME
+    if not where.is_file():  # (a shardline checkpoint's or run dir's own key said: a swap of the two is common)
+        ours = (folder / "meta.json").is_file() or (folder / "checkpoints").is_dir()
+        raise CheckpointError(f"{folder} has no {CONFIG_NAME}; it is not a Hugging Face model folder" + (
+            ": a shardline checkpoint or run dir (a run starts from it with model.init_from; to-hf exports it)" * ours))
     cfg = _load_json(where)
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{where} does not hold a JSON object")
