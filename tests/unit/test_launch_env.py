@@ -161,7 +161,7 @@ def test_convert_says_an_export_warning_in_one_line(monkeypatch, capsys, tmp_pat
     import shardline.interop.convert as conversion
     from shardline.cli import main
 
-    def converted(direction, src, dst, dtype, tokenizer):
+    def converted(direction, src, dst, dtype, tokenizer, drop_router_bias):
         warnings.warn("the routers' balancing bias is not zero", stacklevel=3)
         (tmp_path / "hf").mkdir()
         return tmp_path / "hf"

@@ -30,6 +30,10 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", type=os.path.expanduser, default="",
                    help="to-hf: the tokenizer.json (or its folder) to export with, its side files too "
                         "(default: the one beside the checkpoint, else its run dir's)")
+    p.add_argument("--drop-router-bias", action="store_true",
+                   help="to-hf: export a mixture of experts whose routers learned a balancing bias "
+                        "(moe.bias_update_rate), which HF models lack: refused without this, as the export chooses "
+                        "other experts for some tokens (the refusal measures how many)")
     p.set_defaults(func=_convert)
 
 
@@ -42,9 +46,11 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ShardlineError("convert --dtype applies to to-hf only (from-hf keeps float32 master weights)")
     if args.tokenizer and args.direction != "to-hf":
         raise ShardlineError("convert --tokenizer applies to to-hf only (from-hf takes the HF folder's)")
+    if args.drop_router_bias and args.direction != "to-hf":
+        raise ShardlineError("convert --drop-router-bias applies to to-hf only")
     with warnings.catch_warnings(record=True) as said:  # what the export computes otherwise: one line each
         try:
-            written = convert(args.direction, args.src, args.dst, args.dtype, args.tokenizer)
+            written = convert(args.direction, args.src, args.dst, args.dtype, args.tokenizer, args.drop_router_bias)
         finally:  # (said before an error too)
             for w in said:  # a library's deprecations as Python shows them
                 if w.category is UserWarning:

@@ -12,6 +12,7 @@ from-hf: an HF folder -> a weights-only shardline checkpoint, which a run starts
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ from shardline.config import DTYPE_NAMES, saved_formats
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import CHATML_TEMPLATE, reply_prompt, turn_end_text
 from shardline.data.shards import id_bound, is_prepared, tokenizer_hash
+from shardline.data.sources import shipped_corpus
 from shardline.data.tokenizer import bos_prefix, eos_id, extends_file, load_tokenizer
 from shardline.errors import CheckpointError, ConfigError, DataError, ShardlineError
 from shardline.interop.hf import empty_model, from_hf_pretrained, to_hf_pretrained
@@ -37,6 +39,7 @@ from shardline.interop.hf_files import (
     tokenizer_file,
 )
 from shardline.models.factory import args_from_json, args_to_json
+from shardline.models.moe.layer import choices_the_bias_changes, moe_layers
 from shardline.resilience.checkpoint import (
     Checkpointer,
     load_weights,
@@ -48,13 +51,14 @@ from shardline.resilience.checkpoint import (
 DIRECTIONS = ("to-hf", "from-hf")
 
 
-def convert(direction: str, src: str, dst: str, dtype: str = "", tokenizer: str = "") -> Path:
+def convert(direction: str, src: str, dst: str, dtype: str = "", tokenizer: str = "",
+            drop_router_bias: bool = False) -> Path:
     """`to-hf`: a run dir's newest valid checkpoint (or a checkpoint folder) as a Hugging Face folder;
     `from-hf`: a Hugging Face folder as a checkpoint. Returns the folder written."""
     if direction not in DIRECTIONS:
         raise ConfigError(f"convert direction {direction!r} is invalid: one of {', '.join(DIRECTIONS)}")
     if direction == "to-hf":
-        return checkpoint_to_hf(Path(src), Path(dst), dtype, tokenizer)
+        return checkpoint_to_hf(Path(src), Path(dst), dtype, tokenizer, drop_router_bias)
     return hf_to_checkpoint(Path(src), Path(dst))
 
 
@@ -86,10 +90,12 @@ def resolve_checkpoint(src: Path) -> Path:
     return latest
 
 
-def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "") -> Path:
+def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "",
+                     drop_router_bias: bool = False) -> Path:
     """dtype: the weights' dtype on disk; "" keeps the HF folder's a checkpoint came from
     (from-hf records it), else the checkpoint's own (float32). tokenizer: a tokenizer.json (or
-    its folder) to export with, for a checkpoint moved away from its run dir; "" finds its own."""
+    its folder) to export with, for a checkpoint moved away from its run dir; "" finds its own.
+    drop_router_bias: export a mixture of experts whose routers learned a balancing bias."""
     explicit = _export_dtype(dtype)  # a wrong --dtype fails before the checkpoint is read
     given = tokenizer_file(tokenizer) if tokenizer else None  # and a wrong --tokenizer
     ckpt = resolve_checkpoint(src)  # a run dir's newest valid one: verified there; its files hashed once
@@ -105,6 +111,8 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
     model = empty_model(args, dtype)  # the checkpoint casts as it loads
     load_weights(ckpt, model, verified=True)
     tokenizer = given or checkpoint_tokenizer(ckpt)
+    if not drop_router_bias:
+        _refuse_router_bias(ckpt, model, tokenizer)
     bos, eos, doc_end = hf.get("bos_token_id"), hf.get("eos_token_id"), None
     if tokenizer is not None:  # a run's own tokenizer: its end-of-document token, and the one BOS it starts texts with
         tok = load_tokenizer(str(tokenizer), key="")
@@ -127,6 +135,34 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "")
                             generation_config=beside_checkpoint(ckpt, GENERATION_NAME),
                             chat_template=CHATML_TEMPLATE if chatml else "",
                             turn_end=turn_end, doc_end=doc_end)
+
+
+def _refuse_router_bias(ckpt: Path, model: torch.nn.Module, tokenizer: Path | None) -> None:
+    """A mixture of experts that balanced its load with a routing bias (moe.bias_update_rate) routes
+    otherwise without it, and HF's MoE models have none: the export is another model, which a
+    warning alone let through. Refused, with the share of a sample's tokens whose experts change."""
+    if not any(layer.moe.bias_update_rate and bool(layer.router.expert_bias.any()) for layer in moe_layers(model)):
+        return  # (a bias the run stopped updating is not added to the scores: it routes as HF's does)
+    tokens, sample = _sample_tokens(model.args, tokenizer)
+    shares = choices_the_bias_changes(model, tokens)
+    worst = max(range(len(shares)), key=shares.__getitem__)
+    raise CheckpointError(f"{ckpt}: its routers learned a balancing bias (moe.bias_update_rate), which HF's MoE models "
+                          f"have no place for: without it, {shares[worst]:.1%} of {sample} choose other experts in MoE "
+                          f"layer {worst} ({sum(shares) / len(shares):.1%} over all {len(shares)}); give "
+                          "--drop-router-bias to export it so")
+
+
+def _sample_tokens(args, tokenizer: Path | None, n: int = 256) -> tuple[torch.Tensor, str]:
+    """([1, n] token ids, what they are): the shipped corpus's opening text in the run's tokenizer,
+    else (no tokenizer) seeded random ids; n at most the model's context."""
+    n = min(n, args.max_seq_len)
+    if tokenizer is not None:
+        with gzip.open(shipped_corpus(), "rt", encoding="utf-8") as f:
+            text = " ".join(json.loads(line)["text"] for line, _ in zip(f, range(64)))
+        ids = [i for i in load_tokenizer(str(tokenizer), key="").encode(text).ids if i < args.vocab_size][:n]
+        if len(ids) == n:
+            return torch.tensor([ids]), f"{n} tokens of the shipped corpus"
+    return torch.randint(args.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)), f"{n} random tokens"
 
 
 def _check_template(tokenizer: Path) -> None:

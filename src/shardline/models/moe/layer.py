@@ -257,3 +257,25 @@ def update_bias(layer: MoEFeedForward, load: torch.Tensor, flagged: torch.Tensor
     bias = layer.router.expert_bias
     step = layer.moe.bias_update_rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype)
     bias += step if flagged is None else torch.where(flagged.to(bias.device) > 0, torch.zeros_like(step), step)
+
+
+@torch.no_grad()
+def choices_the_bias_changes(model: nn.Module, tokens: torch.Tensor) -> list[float]:
+    """For each MoE layer, the share of `tokens` ([B, S] ids) whose chosen experts differ without
+    the routers' balancing bias, on the model's own forward (its bias kept): what an export to a
+    format with no such bias (HF's Mixtral, Qwen3-MoE) changes. A hook on each router compares
+    the top-k of its scores alone with the top-k it chose."""
+    shares: list[float] = []
+
+    def compare(router: Router, inputs, out) -> None:
+        scores, chosen = out[1], out[2]
+        bare = scores.topk(router.moe.top_k, dim=-1).indices
+        shares.append((bare.sort(-1).values != chosen.sort(-1).values).any(-1).float().mean().item())
+
+    hooks = [layer.router.register_forward_hook(compare) for layer in moe_layers(model)]
+    try:
+        model(tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return shares
