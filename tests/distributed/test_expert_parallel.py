@@ -221,7 +221,7 @@ def test_world4_moe_matches_single_process(moe_world4, moe_reference, run):
 
 
 def _same_bookkeeping(run: Path, reference: Path) -> None:
-    for key in ("expert_load_max", "aux_loss", "dropped_tokens"):
+    for key in ("expert_load_max", "aux_loss", "dropped_tokens", "dropped_share"):
         got, want = losses(run, key=key), losses(reference, key=key)
         assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 1e-5 * max(1, abs(want[s])) for s in want), \
             (key, got, want)

@@ -302,3 +302,26 @@ def test_a_shape_inference_forward_on_garbage_leaves_the_steps_balance_loss_fini
     plain.end_step()
     assert torch.isfinite(layer.aux_value) and layer.aux_value.item() == pytest.approx(expected.aux_value.item())
     assert torch.equal(balance.loads[0], expected.load)
+
+
+def test_the_dropped_slots_are_logged_with_their_share_of_the_steps(tiny_config, tmp_path):
+    """"dropped 4,261" had no denominator: 69% of a step's (token, slot) pairs read as a few."""
+    import json
+
+    from shardline.metrics import format_line
+    from shardline.trainer import Trainer
+
+    cfg = tiny_config("model.preset=tiny-moe", "moe.capacity_factor=0.5", "train.steps=2", "train.eval_interval=0",
+                      "metrics.log_interval=1", "checkpoint.interval=0")
+    trainer = Trainer(cfg).build()
+    args = trainer.model_args  # (the shape it trains: TINY_OVERRIDES over the preset)
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r["kind"] == "train"]
+    slots = cfg.train.global_batch_size * cfg.train.seq_len * args.moe.top_k * (args.n_layers
+                                                                                 - args.moe.first_dense_layers)
+    assert len(trained) == 2
+    for record in trained:
+        assert record["dropped_tokens"] > 0
+        assert record["dropped_share"] == pytest.approx(record["dropped_tokens"] / slots)
+        assert f"({100 * record['dropped_share']:.1f}%)" in format_line(record, 2)

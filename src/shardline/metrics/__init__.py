@@ -67,7 +67,8 @@ def format_line(rec: dict[str, Any], total_steps: int) -> str:
             parts.append(f"loss scale {rec['loss_scale']:g}")
         if "expert_load_max" in rec:  # a mixture-of-experts model
             parts.append(f"experts load max/mean {rec['expert_load_max']:.2f} aux {rec['aux_loss']:.4f} "
-                         f"dropped {rec['dropped_tokens']:,.0f}")
+                         f"dropped {rec['dropped_tokens']:,.0f}"
+                         + (f" ({100 * rec['dropped_share']:.1f}%)" if "dropped_share" in rec else ""))
         return " | ".join(parts)
     if rec["kind"] == "eval":
         return f"eval step {rec['step']} | loss {rec['eval_loss']:.4f} | ppl {rec['eval_ppl']:.2f}"

@@ -23,9 +23,11 @@ from shardline.parallel.dims import ParallelDims
 
 
 class ExpertBalance:
-    def __init__(self, model: nn.Module, dims: ParallelDims, global_batch: int):
+    def __init__(self, model: nn.Module, dims: ParallelDims, global_batch: int, slots_per_sequence: int = 0):
         self.layers = moe_layers(model)  # this rank's (a pipeline stage holds some of them)
         self.dims, self.global_batch = dims, global_batch
+        # (token, slot) pairs a step routes over every MoE layer: what dropped_share counts the dropped against
+        self.slots = global_batch * slots_per_sequence
         self.forwards = dims.layout.micro_batches(global_batch)  # counted forwards per layer and step
         self.loads: torch.Tensor | None = None  # [layers, experts] of the last step, summed over ranks
 
@@ -62,7 +64,8 @@ class ExpertBalance:
                 update_bias(layer, load, flagged)
 
     def log_values(self) -> dict[str, float]:
-        """The last step's load imbalance, dropped slots and mean balance loss per sequence (all ranks)."""
+        """The last step's load imbalance, dropped slots (and their share of the step's) and mean
+        balance loss per sequence (all ranks)."""
         device = self.layers[0].load.device if self.layers else torch.device("cpu")
         imbalance = torch.zeros((), device=device)
         sums = torch.zeros(2, device=device)
@@ -75,4 +78,5 @@ class ExpertBalance:
             imbalance = reduce_over(self.dims, "pp", imbalance, "max")
             sums = reduce_over(self.dims, "pp", sums, "sum")
         return {"expert_load_max": imbalance.item(), "dropped_tokens": sums[0].item(),
+                **({"dropped_share": sums[0].item() / self.slots} if self.slots else {}),
                 "aux_loss": sums[1].item() / self.global_batch}
