@@ -261,6 +261,8 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
              _optim_line(cfg),
              f"attention {describe_attention(t.attention, t.document_mask, cfg.run.device != 'cpu', *lay.cp_degrees)}",
              f"compile   {describe_compile(t.compile, lay, cfg.memory.activation_checkpoint, launch.model_args.moe)}"]
+    if launch.model_args.moe is not None:
+        lines.append(_experts_line(launch.model_args.moe, lay))
     if lay.pp > 1:  # (pipeline keys at pp=1: the notes line names them, not refused: a pp config debugged at pp=1)
         lines.append(f"pipeline  {lay.pp_schedule}, {lay.n_stages} stages, {lay.pp_microbatches} micro-batches "
                      "per step")
@@ -269,6 +271,18 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
             lines.append(f"  pp rank {r.rank}: stages {list(r.stages)}, layers {_ranges(r.layer_ids)}"
                          + (f" + {ends}" if ends else ""))
     return lines
+
+
+def _experts_line(moe, lay) -> str:
+    """Where a mixture's routed experts live: how many a rank holds (ep), the ranks their weights
+    (or ZeRO-1's optimizer states) are cut over (efsdp: dp_shard x cp / ep), and how they route."""
+    how = ("dropless" if not moe.capacity_factor else f"capacity x{moe.capacity_factor:g}") + \
+        f", {moe.shared_experts} shared" * bool(moe.shared_experts)
+    held = (f"{moe.n_experts // lay.ep} a rank over ep={lay.ep} (tokens reach them by all-to-all)" if lay.ep > 1
+            else "not split by expert (parallel.ep=1): laid out as the other weights")
+    efsdp, cut = lay.dp_shard * lay.cp // lay.ep, "optimizer states" if lay.dp_mode == "zero1" else "weights"
+    where = f"; their {cut} cut over efsdp={efsdp} rank(s)" if efsdp > 1 and lay.ep > 1 else ""
+    return f"experts   {moe.n_experts} routed, top-{moe.top_k}, {how}; {held}{where}"
 
 
 def _compile_pricing(work: Workload, layout) -> str:

@@ -337,6 +337,23 @@ def _shape_fields(shape: ModelArgs) -> dict:
 # ---- train --dry-run ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--parallel.ep=2"], "8 routed, top-2, dropless, 1 shared; 4 a rank over ep=2 (tokens reach them by all-to-all); "
+                          "their weights cut over efsdp=2 rank(s)"),
+    (["--parallel.ep=2", "--parallel.zero=1", "--moe.capacity_factor=1.25"],
+     "capacity x1.25, 1 shared; 4 a rank over ep=2 (tokens reach them by all-to-all); their optimizer states cut over "
+     "efsdp=2 rank(s)"),
+    (["--parallel.ep=4"], "2 a rank over ep=4 (tokens reach them by all-to-all)\n"),
+    ([], "not split by expert (parallel.ep=1): laid out as the other weights\n"),
+])
+def test_dry_run_says_where_the_experts_live(capsys, tmp_path, extra, says):
+    """The layout line said "ep8" alone: not how many experts a rank holds, nor what their weights are cut over."""
+    assert main(["train", "--dry-run", "--world-size", "4", f"--run.dir={tmp_path / 'run'}", "--model.preset=tiny-moe",
+                 "--train.micro_batch_size=2", *extra]) == 0
+    out = capsys.readouterr().out
+    assert "experts   8 routed, top-2, " in out and says in out, out
+
+
 def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(capsys, tmp_path):
     run = tmp_path / "run"
     code = main(["train", "--dry-run", "--world-size", "512", f"--run.dir={run}", "--model.preset=llama3-8b",
