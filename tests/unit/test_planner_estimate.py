@@ -316,6 +316,23 @@ def test_tied_embedding_gradient_sum_crosses_nodes_by_the_first_and_last_stage()
     assert tied_grads(W70, lay, H100) == 0.0  # untied: no sum
 
 
+def test_the_request_line_names_the_overrides_of_the_presets_shape(capsys):
+    """A config's [moe] table over another preset priced another model under the preset's name alone:
+    "mixtral-8x7b (2.66 B params)" was tiny-moe's experts in Mixtral's attention."""
+    from pathlib import Path
+
+    from shardline.cli import main
+
+    moe = str(Path(__file__).parents[2] / "configs" / "tiny-moe.toml")
+    assert main(["estimate", "--config", moe, "--model.preset=mixtral-8x7b", "--gpu", "h100-sxm", "--gpus", "8",
+                 "--parallel.ep=8", "--train.micro_batch_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("estimate: mixtral-8x7b with moe.expert_ffn_dim=256 moe.shared_experts=1 "
+                          "moe.first_dense_layers=1 "), out
+    assert main(["estimate", "--config", moe, "--moe.bias_update_rate=0", "--model.n_layers=6"]) == 0
+    assert capsys.readouterr().out.startswith("estimate: tiny-moe with model.n_layers=6 (")  # (the preset's own: none)
+
+
 def test_the_request_line_gives_a_small_model_in_millions(capsys):
     """The tiny preset read "tiny (0.01 B params) ... (0.00 M tokens)"."""
     from shardline.cli import main

@@ -44,6 +44,20 @@ def starting_rows(m: ModelConfig) -> int:
     return start.vocab_size if start is not None else 0
 
 
+def shape_overrides(m: ModelConfig, moe: MoEConfig | None = None) -> tuple[str, ...]:
+    """The [model] and [moe] settings that change the preset's (or the starting weights') shape, as
+    "model.n_layers=16", "moe.expert_ffn_dim=256": what a report names beside the preset (a config's
+    [moe] table over another preset priced another model under that preset's name)."""
+    base = starting_shape(m) or get_preset(m.preset)
+    said = [f"model.{k}={getattr(m, k)}" for k in SHAPE_KEYS if getattr(m, k) and getattr(m, k) != getattr(base, k)]
+    said += [f"model.{k}={getattr(m, k)}" for k in ("tie_embeddings", "qk_norm", "qkv_bias")
+             if getattr(m, k) >= 0 and bool(getattr(m, k)) != getattr(base, k)]
+    for key, value in (moe.overrides() if moe is not None else {}).items():
+        if base.moe is None or getattr(base.moe, key) != value:
+            said.append(f"moe.{'num_experts' if key == 'n_experts' else key}={value}")
+    return tuple(said)
+
+
 def model_shape(m: ModelConfig, tokenizer_vocab: int, moe: MoEConfig | None = None,
                 stand_in: Path | None = None) -> ModelArgs:
     """Preset (or the starting weights' shape) + [model] and [moe] overrides, checked against the tokenizer."""

@@ -305,6 +305,7 @@ def _left_at_defaults(cfg: Config) -> str:
 
 
 def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardline.interop.model_shape import shape_overrides
     from shardline.optim import ssd_offload
     from shardline.planner import report
     from shardline.planner.estimate import estimate
@@ -321,7 +322,8 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     problem = ssd_offload.problem(cfg.memory, layout.zero, on_cuda=hw.name != "cpu", node_paths=False)
     if problem:  # what the trainer refuses is not priced as if it ran
         raise ConfigError(problem)
-    work = Workload.from_config(cfg, _config_model(cfg), _mean_doc_tokens(args))
+    work = dataclasses.replace(Workload.from_config(cfg, _config_model(cfg), _mean_doc_tokens(args)),
+                               model_overrides=shape_overrides(cfg.model, cfg.moe))  # (named beside the preset)
     e = estimate(work, layout, hw)
     print(json.dumps({**e.to_json(), "priced_by": _priced_by(args, hw)}, indent=1) if args.json
           else _with_source(report.estimate_text(work, hw, e), args, hw))
