@@ -225,6 +225,9 @@ def _same_bookkeeping(run: Path, reference: Path) -> None:
         got, want = losses(run, key=key), losses(reference, key=key)
         assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 1e-5 * max(1, abs(want[s])) for s in want), \
             (key, got, want)
+    got, want = losses(run, key="expert_load_by_layer"), losses(reference, key="expert_load_by_layer")
+    assert got.keys() == want.keys() and all(got[s].keys() == want[s].keys() for s in want), (got, want)
+    assert all(abs(got[s][i] - want[s][i]) <= 1e-4 * max(1, want[s][i]) for s in want for i in want[s]), (got, want)
 
 
 @pytest.mark.parametrize("run", list(MOE_2))

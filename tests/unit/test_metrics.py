@@ -32,6 +32,20 @@ def test_steps_logged_again_replace_the_old_history_in_tensorboard(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 10  # the jsonl keeps every record
 
 
+def test_a_records_table_of_numbers_is_a_curve_each_in_tensorboard(tmp_path):
+    """A mixture's tokens by source and an MoE's load by layer were left out of TensorBoard."""
+    logger = MetricsLogger(tmp_path, "none", True, 10, 0)
+    for step in (1, 2):
+        logger.log("train", step=step, loss=1.0, expert_load_by_layer={"1": 1.5 * step, "3": 2.0},
+                   tokens_by_source={"web": 100 * step, "code": 50 * step})
+    logger.close()
+    seen = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    seen.Reload()
+    assert [(e.step, e.value) for e in seen.Scalars("train/expert_load_by_layer/1")] == [(1, 1.5), (2, 3.0)]
+    assert [e.value for e in seen.Scalars("train/tokens_by_source/code")] == [50.0, 100.0]
+    assert "train/loss" in seen.Tags()["scalars"]
+
+
 KILLED_AFTER_LOGGING = """
 import os, sys
 from pathlib import Path

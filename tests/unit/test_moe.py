@@ -304,8 +304,9 @@ def test_a_shape_inference_forward_on_garbage_leaves_the_steps_balance_loss_fini
     assert torch.equal(balance.loads[0], expected.load)
 
 
-def test_the_dropped_slots_are_logged_with_their_share_of_the_steps(tiny_config, tmp_path):
-    """"dropped 4,261" had no denominator: 69% of a step's (token, slot) pairs read as a few."""
+def test_the_dropped_slots_are_logged_with_their_share_of_the_steps_and_each_layers_load(tiny_config, tmp_path):
+    """"dropped 4,261" had no denominator: 69% of a step's (token, slot) pairs read as a few; and the
+    load was the worst layer's alone, which did not say which layer collapsed."""
     import json
 
     from shardline.metrics import format_line
@@ -325,3 +326,7 @@ def test_the_dropped_slots_are_logged_with_their_share_of_the_steps(tiny_config,
         assert record["dropped_tokens"] > 0
         assert record["dropped_share"] == pytest.approx(record["dropped_tokens"] / slots)
         assert f"({100 * record['dropped_share']:.1f}%)" in format_line(record, 2)
+        # each MoE layer's own imbalance, by its index (the first block is dense): the worst is the logged max
+        assert list(record["expert_load_by_layer"]) == [str(i) for i in range(args.moe.first_dense_layers,
+                                                                              args.n_layers)]
+        assert max(record["expert_load_by_layer"].values()) == pytest.approx(record["expert_load_max"], abs=1e-4)

@@ -337,9 +337,10 @@ class MetricsLogger:
         self.console.write(rec)
         if self._tb is not None and kind in ("train", "eval"):
             try:  # (its writer thread keeps a write error and raises it at the next add_scalar)
-                for key, value in fields.items():
-                    if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                        self._tb.add_scalar(f"{kind}/{key}", value, fields["step"])
+                for key, value in fields.items():  # (a table's numbers each a curve: a layer's, a source's)
+                    for tag, x in (value.items() if isinstance(value, dict) else [("", value)]):
+                        if key != "step" and isinstance(x, (int, float)) and math.isfinite(x):
+                            self._tb.add_scalar(f"{kind}/{key}" + f"/{tag}" * bool(tag), x, fields["step"])
                 self._tb.flush()  # on disk a line at a time, as metrics.jsonl: a killed run loses none of its curves
                 if self._tb_writes is not None and self._tb_writes.error is not None:
                     raise self._tb_writes.error

@@ -140,8 +140,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.skipped_batches, self.rollbacks = list(cfg.train.skip_batches), 0
         self.flops_per_token = flops_per_token(self.model_args, cfg.train.seq_len)  # active parameters under MoE
         moe = self.model_args.moe
-        self.experts = ExpertBalance(self.model, self.dims, cfg.train.global_batch_size, cfg.train.seq_len * moe.top_k
-                                     * (self.model_args.n_layers - moe.first_dense_layers)) if moe else None
+        self.experts = ExpertBalance(self.model, self.dims, cfg.train.global_batch_size, self.model_args,
+                                     cfg.train.seq_len) if moe else None
         self.peak_tflops = cfg.metrics.peak_tflops or peak_tflops(self.device, cfg.train.precision)
         # One run per run dir: locked once every input check has passed, before anything there is written or
         # restored (the resume is chosen again: the checkpoints may have changed)

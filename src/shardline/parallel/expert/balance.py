@@ -17,17 +17,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardline.models.llama import ModelArgs
 from shardline.models.moe.layer import moe_layers, update_bias
 from shardline.parallel.collectives import reduce_over
 from shardline.parallel.dims import ParallelDims
 
 
 class ExpertBalance:
-    def __init__(self, model: nn.Module, dims: ParallelDims, global_batch: int, slots_per_sequence: int = 0):
+    def __init__(self, model: nn.Module, dims: ParallelDims, global_batch: int, args: ModelArgs | None = None,
+                 seq_len: int = 0):
         self.layers = moe_layers(model)  # this rank's (a pipeline stage holds some of them)
         self.dims, self.global_batch = dims, global_batch
-        # (token, slot) pairs a step routes over every MoE layer: what dropped_share counts the dropped against
-        self.slots = global_batch * slots_per_sequence
+        index = {id(m): int(name) for name, block in getattr(model, "layers", {}).items() for m in block.modules()}
+        self.ids = [index.get(id(layer)) for layer in self.layers]  # (global: a stage keeps model.layers' keys)
+        self.n_layers = args.n_layers if args is not None and None not in self.ids else 0
+        # (token, slot) pairs a step routes over every MoE layer (the whole model's, whichever stage logs): what
+        # dropped_share counts the dropped against
+        moe = args.moe if args is not None else None
+        self.slots = global_batch * seq_len * moe.top_k * (args.n_layers - moe.first_dense_layers) if moe else 0
         self.forwards = dims.layout.micro_batches(global_batch)  # counted forwards per layer and step
         self.loads: torch.Tensor | None = None  # [layers, experts] of the last step, summed over ranks
 
@@ -63,6 +70,17 @@ class ExpertBalance:
             if layer.moe.bias_update_rate:
                 update_bias(layer, load, flagged)
 
+    def _by_layer(self, device: torch.device) -> torch.Tensor | None:
+        """[n_layers] the busiest expert's load over the mean in each of this rank's MoE layers, at its
+        global index (0 elsewhere: a pipeline's stages sum theirs, a stage of dense layers alone adding
+        zeros); None, alike on every rank, where the model does not say its layers' indices."""
+        if not self.n_layers:
+            return None
+        out = torch.zeros(self.n_layers, device=device)
+        if self.layers and self.loads is not None:
+            out[self.ids] = self.loads.max(1).values / self.loads.mean(1).clamp(min=1e-9)
+        return out
+
     def log_values(self) -> dict[str, float]:
         """The last step's load imbalance, dropped slots (and their share of the step's) and mean
         balance loss per sequence (all ranks)."""
@@ -74,9 +92,13 @@ class ExpertBalance:
             sums = torch.stack([sum(layer.dropped for layer in self.layers),
                                 sum(layer.aux_value for layer in self.layers)]).float()
             sums = reduce_over(self.dims, self.dims.batch_dim, sums, "sum")
+        by_layer = self._by_layer(device)
         if self.dims.pp > 1:  # each stage holds other layers
             imbalance = reduce_over(self.dims, "pp", imbalance, "max")
             sums = reduce_over(self.dims, "pp", sums, "sum")
+            by_layer = reduce_over(self.dims, "pp", by_layer, "sum") if by_layer is not None else None
         return {"expert_load_max": imbalance.item(), "dropped_tokens": sums[0].item(),
+                **({"expert_load_by_layer": {str(i): round(v, 4) for i, v in enumerate(by_layer.tolist()) if v}}
+                   if by_layer is not None else {}),
                 **({"dropped_share": sums[0].item() / self.slots} if self.slots else {}),
                 "aux_loss": sums[1].item() / self.global_batch}
