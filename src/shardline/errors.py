@@ -70,8 +70,9 @@ class CheckpointUnreadable(CheckpointError, TryLater):
 
 
 class RunDirInUse(ConfigError, TryLater):
-    """Another live run holds the run dir's lock: a requeued job whose last launch is still
-    leaving, or two jobs given one run.dir. The lock is free when that run ends."""
+    """The same job's last launch still holds the run dir's lock (a requeue or restart whose
+    previous launch is still leaving): free when it ends. Another job's lock is a ConfigError (2):
+    two jobs given one run.dir, which a retry would only race."""
 
 
 class AnomalyHalt(ShardlineError):

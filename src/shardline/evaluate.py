@@ -39,6 +39,7 @@ from shardline.data.sampler import eval_micro_batches
 from shardline.data.validation import split_by_prepare, val_format
 from shardline.data.shards import tokenizer_file
 from shardline.data.sources import input_files
+from shardline.data.tokenizer import extends_file
 from shardline.errors import ConfigError, ShardlineError, on_every_rank
 from shardline.parallel.distributed import (agreed, init_distributed, pick_device, ranks_differing,
                                             speaks_for_the_job)
@@ -113,7 +114,8 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
             raise ConfigError(f"--{key}: eval takes the model, its shape and weights, from the checkpoint {ckpt}; "
                               "drop it")
         apply_override(cfg, item)
-    if kept and "data.tokenizer" in given and other_tokenizer(kept, Path(cfg.data.tokenizer)):
+    if kept and "data.tokenizer" in given and other_tokenizer(kept, Path(cfg.data.tokenizer)) and \
+            not extends_file(kept, cfg.data.tokenizer):  # (the base of the run's own, tokens added: its rows alike)
         raise ConfigError(f"--data.tokenizer={cfg.data.tokenizer} is not the tokenizer {ckpt} was trained with "
                           f"({kept}): its ids name other rows than the weights learned, a loss of no model; drop it")
     if "data.val_path" in given and given.isdisjoint({"data.path", "data.mix"}):

@@ -155,8 +155,8 @@ def test_a_relaunch_of_a_run_kept_in_memory_alone_takes_its_saved_config(tmp_pat
     assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002
     assert "holds a run kept in in-memory snapshots: resuming with the config.toml" in capsys.readouterr().out
     (run / "progress.json").write_text(json.dumps({"high_water_step": 200, "finished": True}))  # (an older file)
-    assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002  # trained to its end, RAM given back: again
-    assert "saved nothing to resume: training it again from step 0" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="holds a run that trained to its end"):  # (its RAM given back: nothing
+        relaunch_config(None, [f"run.dir={run}"])                                 # to resume or extend)
     (run / "progress.json").write_text(json.dumps({"high_water_step": 100, "finished": True}))  # a stop_at_step's
     assert relaunch_config(None, [f"run.dir={run}"]).optim.lr == 0.002
     (run / "progress.json").write_text(json.dumps({"high_water_step": 200, "finished": True, "run_complete": False}))

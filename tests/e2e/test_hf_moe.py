@@ -60,8 +60,8 @@ def test_an_export_whose_routers_learned_a_balancing_bias_is_refused_with_how_ma
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     said = re.search(r"learned a balancing bias \(moe.bias_update_rate\), which HF's MoE models have no place for: "
-                     r"without it, (\d+\.\d)% of 256 tokens of the shipped corpus choose other experts in MoE layer "
-                     r"\d \((\d+\.\d)% over all 2\); give --drop-router-bias", err)
+                     r"without it, (\d+\.\d)% of 256 tokens of the shipped corpus choose other experts in layer "
+                     r"\d \((\d+\.\d)% over all 2 MoE layers\); give --drop-router-bias", err)
     assert said and float(said[1]) > 0, err
     assert not (tmp_path / "out").exists()
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--drop-router-bias"]) == 0

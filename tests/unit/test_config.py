@@ -555,6 +555,9 @@ def test_a_run_dirs_config_of_a_launch_that_saved_nothing_is_trained_again_by_ru
     assert err == ""
     assert relaunch_config(None, [f"--run.dir={run}", "--train.steps=20"]).train.steps == 20
     assert relaunch_config(None, [f"--run.dir={run}", "--run.resume=never"]).train.steps == 200  # (another run)
+    relaunch_config(None, [f"--run.dir={run}"], printing=True)  # --print-config: what it prints is that file
+    assert "holds a run whose last launch saved nothing to resume: this is the config.toml it saved" in \
+        capsys.readouterr().err
 
 
 def test_hostile_sizes_and_paths_are_one_line_errors(tmp_path, tiny_config, capsys):

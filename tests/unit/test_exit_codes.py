@@ -59,20 +59,49 @@ def test_a_checks_storage_error_keeps_whether_it_may_pass_later(code, kind):
     assert type(raised.value) is kind and "the storage said no" in str(raised.value)
 
 
-def test_a_run_dir_another_live_run_holds_exits_75_and_a_bad_key_2(tmp_path):
+def test_a_run_dir_this_jobs_last_launch_still_holds_exits_75_another_jobs_2(tmp_path, monkeypatch):
+    """A requeue whose last launch is still leaving may pass later; another job given the same
+    run.dir would only race it on each retry."""
+    from shardline.cli import main
+
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     try:
-        write_lock(tmp_path / "run", other.pid)
+        write_lock(tmp_path / "run", other.pid, job="SLURM_JOB_ID=42")
         with pytest.raises(errors.RunDirInUse):
             RunLock(tmp_path / "run").acquire_for_job(is_main=True, world_size=1)
-        from shardline.cli import main
-
         assert main(["train", f"--run.dir={tmp_path / 'run'}", "--train.steps=2"]) == TRY_LATER
         assert main(["train", f"--run.dir={tmp_path / 'run'}", "--train.stepz=2"]) == 2
+        write_lock(tmp_path / "run", other.pid, job="SLURM_JOB_ID=7")  # another job's
+        assert main(["train", f"--run.dir={tmp_path / 'run'}", "--train.steps=2"]) == 2
+        monkeypatch.delenv("SLURM_JOB_ID")
+        write_lock(tmp_path / "run", other.pid)  # no launcher: two shells' runs
+        assert main(["train", f"--run.dir={tmp_path / 'run'}", "--train.steps=2"]) == 2
         assert (tmp_path / "run" / LOCK).is_file()
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_refusal_raised_on_a_failed_write_keeps_its_code_through_the_lock_broadcast(tmp_path, monkeypatch):
+    """The checkpoints folder's write probe failed with EIO: acquire() said 75, but the broadcast
+    every rank raises from rebuilt a plain ConfigError, 2."""
+    from pathlib import Path
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    write = Path.write_bytes
+
+    def failing(self, data):
+        if ".write-probe-" in self.name:
+            raise OSError(errno.EIO, "Input/output error")
+        return write(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", failing)
+    with pytest.raises(errors.ShardlineError, match="is not writable \\(Input/output error\\)") as raised:
+        RunLock(tmp_path / "run").acquire_for_job(is_main=True, world_size=1)
+    assert exit_code(raised.value) == TRY_LATER
 
 
 def test_a_resume_the_storage_fails_to_read_exits_75(trained, monkeypatch, capsys):

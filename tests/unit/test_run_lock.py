@@ -276,7 +276,7 @@ def test_trainer_refuses_a_run_dir_in_use_and_writes_nothing(tiny_config, tmp_pa
 
 
 def test_two_real_runs_on_one_run_dir(tmp_path, small_prepared):
-    """A runs; B on the same dir exits 75 (try later) with one line; A is killed; C takes the stale lock."""
+    """A runs; B on the same dir exits 2 with one line; A is killed; C takes the stale lock."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "shardline", "train"]
     args = [f"--{o}" for o in tiny_overrides(run, small_prepared, "checkpoint.interval=0", "train.eval_interval=0")]
@@ -289,7 +289,7 @@ def test_two_real_runs_on_one_run_dir(tmp_path, small_prepared):
             time.sleep(0.2)
         assert (run / LOCK).exists(), "the first run never took the lock"
         b = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=300)
-        assert b.returncode == 75 and "is in use by another run" in b.stderr
+        assert b.returncode == 2 and "is in use by another run" in b.stderr
         assert len(b.stderr.strip().splitlines()) == 1
     finally:
         a.send_signal(signal.SIGKILL)
@@ -371,7 +371,7 @@ def test_a_relaunch_on_a_run_dir_in_use_says_nothing_of_resuming_before_its_refu
     Trainer(tiny_config("train.steps=6", run_dir=run)).build().train()
     capsys.readouterr()
     write_lock(run, other_process.pid)
-    assert main(["train", f"--run.dir={run}"]) == 75  # (try later)
+    assert main(["train", f"--run.dir={run}"]) == 2
     out, err = capsys.readouterr()
     assert "resuming with the config.toml" not in out and "is in use by another run" in err
     (run / LOCK).unlink()

@@ -29,7 +29,7 @@ from shardline.data.sources import shipped_corpus
 from shardline.data.tokenizer import bos_prefix, eos_id, extends_file, load_tokenizer
 from shardline.errors import CheckpointError, ConfigError, DataError, ShardlineError
 from shardline.interop.hf import empty_model, from_hf_pretrained, to_hf_pretrained
-from shardline.interop.hf_config import EXPORT_DTYPES, KEPT_FIELDS, read_hf_fields
+from shardline.interop.hf_config import EXPORT_DTYPES, KEPT_FIELDS, hf_export_problem, read_hf_fields
 from shardline.interop.hf_files import (
     GENERATION_NAME,
     TOKENIZER_NAME,
@@ -105,6 +105,8 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "",
     hf = meta.get("hf", {})
     dtype = explicit or _export_dtype(hf.get("dtype", "")) or torch.float32
     args = args_from_json(meta["model_args"])
+    if hf_export_problem(args):  # (said before the weights are read, and before the balancing bias's refusal)
+        raise CheckpointError(f"{hf_export_problem(args)}; this model cannot be written as an HF folder")
     other = given_tokenizer(ckpt, given, args.vocab_size, "--tokenizer")[1] if given is not None else ""
     if other:  # (one past the model's rows: refused)
         warnings.warn(f"exported with it: {other}", stacklevel=2)
@@ -140,16 +142,23 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "",
 def _refuse_router_bias(ckpt: Path, model: torch.nn.Module, tokenizer: Path | None) -> None:
     """A mixture of experts that balanced its load with a routing bias (moe.bias_update_rate) routes
     otherwise without it, and HF's MoE models have none: the export is another model, which a
-    warning alone let through. Refused, with the share of a sample's tokens whose experts change."""
+    warning alone let through. Refused, with the share of a sample's tokens whose experts change
+    (none in the sample: exported, with that warning). Not measured in float16, whose CPU forward
+    may overflow."""
     if not any(layer.moe.bias_update_rate and bool(layer.router.expert_bias.any()) for layer in moe_layers(model)):
         return  # (a bias the run stopped updating is not added to the scores: it routes as HF's does)
+    why = "; give --drop-router-bias to export it so"
+    if next(model.parameters()).dtype == torch.float16:
+        raise CheckpointError(f"{ckpt}: its routers learned a balancing bias (moe.bias_update_rate), which HF's MoE "
+                              f"models have no place for: without it some tokens choose other experts{why}")
     tokens, sample = _sample_tokens(model.args, tokenizer)
     shares = choices_the_bias_changes(model, tokens)
     worst = max(range(len(shares)), key=shares.__getitem__)
-    raise CheckpointError(f"{ckpt}: its routers learned a balancing bias (moe.bias_update_rate), which HF's MoE models "
-                          f"have no place for: without it, {shares[worst]:.1%} of {sample} choose other experts in MoE "
-                          f"layer {worst} ({sum(shares) / len(shares):.1%} over all {len(shares)}); give "
-                          "--drop-router-bias to export it so")
+    if shares[worst]:
+        raise CheckpointError(f"{ckpt}: its routers learned a balancing bias (moe.bias_update_rate), which HF's MoE "
+                              f"models have no place for: without it, {shares[worst]:.1%} of {sample} choose other "
+                              f"experts in layer {model.args.moe.first_dense_layers + worst} "
+                              f"({sum(shares) / len(shares):.1%} over all {len(shares)} MoE layers){why}")
 
 
 def _sample_tokens(args, tokenizer: Path | None, n: int = 256) -> tuple[torch.Tensor, str]:

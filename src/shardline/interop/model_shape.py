@@ -45,9 +45,9 @@ def starting_rows(m: ModelConfig) -> int:
 
 
 def shape_overrides(m: ModelConfig, moe: MoEConfig | None = None) -> tuple[str, ...]:
-    """The [model] and [moe] settings that change the preset's (or the starting weights') shape, as
-    "model.n_layers=16", "moe.expert_ffn_dim=256": what a report names beside the preset (a config's
-    [moe] table over another preset priced another model under that preset's name)."""
+    """The [model] and [moe] settings that differ from the preset's (or the starting weights'), as
+    "model.n_layers=16", "moe.expert_ffn_dim=256" (the balancing coefficients too): what a report names
+    beside the preset (a config's [moe] table over another preset priced another model under its name)."""
     base = starting_shape(m) or get_preset(m.preset)
     said = [f"model.{k}={getattr(m, k)}" for k in SHAPE_KEYS if getattr(m, k) and getattr(m, k) != getattr(base, k)]
     said += [f"model.{k}={getattr(m, k)}" for k in ("tie_embeddings", "qk_norm", "qkv_bias")

@@ -272,8 +272,10 @@ def agreed(check, world_size: int):
     one_line = isinstance(failure, (errors.ShardlineError, OSError))  # (else a bug: its traceback, at once)
     outcomes: list = [None] * world_size
     if world_size > 1:
+        later = errors.transient(failure) or (isinstance(failure, errors.ShardlineError)
+                                              and errors.exit_code(failure) == errors.TRY_LATER)
         dist.all_gather_object(outcomes, None if failure is None else (type(failure).__name__, str(failure), one_line,
-                                                                       errors.transient(failure)))
+                                                                       later))
     # Every rank raises a one-line error here: they may leave the process group together (ShardlineError.every_rank).
     together = all(outcome is None or outcome[2] for outcome in outcomes) and (failure is None or one_line)
     if failure is not None:
@@ -293,7 +295,8 @@ def agreed(check, world_size: int):
             kind = getattr(errors, outcome[0], None)
             text = f"on rank {rank}: {outcome[1]}{_also(outcomes, outcome[1])}"
             if isinstance(kind, type) and issubclass(kind, errors.ShardlineError):
-                raise errors.on_every_rank(kind(text), together)
+                later = outcome[3] and errors.exit_code(kind(text)) != errors.TRY_LATER  # (its code, as its rank's)
+                raise errors.on_every_rank((errors.TryLater if later else kind)(text), together)
             text = f"on rank {rank}: {outcome[0]}: {outcome[1]}{_also(outcomes, outcome[1])}"
             raise errors.on_every_rank((errors.TryLater if outcome[3] else errors.ShardlineError)(text), together)
     return result

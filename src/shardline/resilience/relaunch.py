@@ -46,7 +46,8 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         if not _readable(cfg, saved, overrides):
             return cfg
     if printing and speaks_for_the_job():  # (a config printed to start from: not the defaults, where a run is there)
-        print(f"shardline: {cfg.run.dir} holds {held}: this is the config.toml it saved, as a relaunch there reads "
+        print(f"shardline: {cfg.run.dir} holds {held or 'a run whose last launch saved nothing to resume'}: this is "
+              "the config.toml it saved, as a relaunch there reads "
               "it (another --run.dir prints the defaults)", file=sys.stderr)
     elif say and speaks_for_the_job() and not RunLock(Path(cfg.run.dir)).running_here():  # (refused: no "resuming")
         what = (f"holds {held}: resuming" if held else "holds a run whose last launch saved nothing to resume: "
@@ -114,12 +115,13 @@ def _refuse_a_finished_run(run_dir: Path, saved: Path) -> None:
     defaults trained into its folder (another model, its history cut) where nothing was left to do.
     And one that trained whose config.toml is emptied or cut short (a crash before its data reached
     the disk): its in-memory snapshots, which resumable() reads of that file, were passed over in silence."""
-    account = read_account(run_dir) or {}  # (damaged: _say_not_read's note is all there is to say)
+    account = read_account(run_dir) or {}  # (damaged: _readable's note is all there is to say)
     if account.get("high_water_step") and not _whole(saved):
         raise ConfigError(f"{saved}, the config of a run that trained (to step {account['high_water_step']}), is "
                           "emptied or cut short (a crash?): what it resumes cannot be read from it; give --config "
                           "FILE with the run's settings (--run.resume=never: another run in this folder)")
-    if account.get("run_complete") is True:
+    steps = reader.read_toml(saved).get("train", {}).get("steps", 0) if _whole(saved) else 0
+    if account.get("run_complete", account.get("finished") and account.get("high_water_step", 0) >= steps) is True:
         raise ConfigError(f"run.dir={run_dir} holds a run that trained to its end (step "
                           f"{account.get('high_water_step', '?')}) and holds no checkpoint of it: nothing to resume or "
                           "extend; another --run.dir trains anew (--config FILE or --run.resume=never: another run "

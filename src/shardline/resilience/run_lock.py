@@ -132,7 +132,7 @@ class RunLock:
                 if why and why.startswith("same job") and holder.get("host") != me["host"]:
                     why = self._gone_quiet(why)  # (another host's holder: alive while it touches its lock)
                 if why is None:
-                    raise RunDirInUse(_held_message(self.path, holder)) from None
+                    raise _held(holder, me)(_held_message(self.path, holder)) from None
                 if self._remove_if_still(holder):
                     taken_over = why
                 continue
@@ -154,7 +154,7 @@ class RunLock:
             return taken_over
         if not self.path.parent.is_dir():
             raise ConfigError(f"run.dir={str(self.path.parent)!r} cannot be created: it went each time it was made")
-        raise RunDirInUse(_held_message(self.path, self._read()))
+        raise _held(holder := self._read(), me)(_held_message(self.path, holder))
 
     def _publish(self, me: dict) -> None:
         """Create the lock with its content at once: a file written aside, then hard-linked to the
@@ -269,8 +269,8 @@ class RunLock:
         if is_main:
             try:
                 outcome = [("ok", self.acquire())]
-            except errors.ShardlineError as e:
-                outcome = [(type(e).__name__, str(e))]
+            except errors.ShardlineError as e:  # (one raised on a transient storage error: try later on every rank)
+                outcome = [(type(e).__name__ if errors.exit_code(e) == e.exit_code else "TryLater", str(e))]
             except OSError as e:  # any storage error: every rank's one line, not rank 0's alone (the rest waited)
                 failed = TryLater if transient(e) else ConfigError
                 outcome = [(failed.__name__, f"run.dir={str(self.path.parent)!r}: cannot take its lock ({e})")]
@@ -349,6 +349,12 @@ def _alive(holder: dict) -> bool:
     """The holder's process (on this host) still runs: its pid started when the lock says."""
     started = start_time_of(int(holder.get("pid", -1)))
     return started is not None and (started == -1.0 or holder.get("start") in (None, -1.0, started))
+
+
+def _held(holder: dict, me: dict) -> type[ConfigError]:
+    """The refusal's kind: this job's own lock (a requeue whose last launch is still leaving) is freed
+    when that launch ends, so try later (75); another job's (two jobs given one run.dir) stays, 2."""
+    return RunDirInUse if holder.get("job") and holder.get("job") == me["job"] else ConfigError
 
 
 def _held_message(path: Path, holder: dict) -> str:

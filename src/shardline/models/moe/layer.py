@@ -264,8 +264,10 @@ def choices_the_bias_changes(model: nn.Module, tokens: torch.Tensor) -> list[flo
     """For each MoE layer, the share of `tokens` ([B, S] ids) whose chosen experts differ without
     the routers' balancing bias, on the model's own forward (its bias kept): what an export to a
     format with no such bias (HF's Mixtral, Qwen3-MoE) changes. A hook on each router compares
-    the top-k of its scores alone with the top-k it chose."""
+    the top-k of its scores alone with the top-k it chose. Run in eval mode (dropless, as HF's
+    models are; the step's bookkeeping untouched), the model's mode put back after."""
     shares: list[float] = []
+    training = model.training
 
     def compare(router: Router, inputs, out) -> None:
         scores, chosen = out[1], out[2]
@@ -274,8 +276,9 @@ def choices_the_bias_changes(model: nn.Module, tokens: torch.Tensor) -> list[flo
 
     hooks = [layer.router.register_forward_hook(compare) for layer in moe_layers(model)]
     try:
-        model(tokens)
+        model.eval()(tokens)
     finally:
+        model.train(training)
         for hook in hooks:
             hook.remove()
     return shares
