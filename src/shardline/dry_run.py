@@ -24,9 +24,9 @@ from shardline.data import build_data
 from shardline.data.loader import data_summary
 from shardline.data.shards import id_bound, is_prepared, read_manifest
 from shardline.data.tokenizer import load_tokenizer
+from shardline.data.overlaps import overlapping_sources, val_path_in_training_data
 from shardline.launch_notes import (FP32_ON_GPU, context_extension, lr_high_for_trained_weights, lr_low_for_new_weights,
-                                    overlapping_sources, unused_settings, val_path_in_training_data,
-                                    vocab_rows_added, warmup_covers_run)
+                                    unused_settings, vocab_rows_added, warmup_covers_run)
 from shardline.devices import DATASHEETS, local_datasheet, native_bf16
 from shardline.errors import ConfigError
 from shardline.layout.degrees import shard_degree

@@ -5,7 +5,6 @@ preflight.py's)."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from pathlib import Path
@@ -14,8 +13,7 @@ from shardline.config import Config
 from shardline.data import tokenizer_file
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import CHAT_END, CHAT_START
-from shardline.data.folders import read_root
-from shardline.data.shards import is_prepared
+from shardline.data.overlaps import overlapping_sources, val_path_in_training_data
 from shardline.data.validation import split_by_prepare, val_format
 from shardline.data.tokenizer import KNOWN_EOS, eos_id
 from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, cpu_load, mfu_peak_dtype
@@ -191,30 +189,6 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     return notes
 
 
-OVERLAP_WHY = "their files are read by each: sampled more than the weights say"
-HELD_OUT_APART = ", and each source holds out its own documents, so one may evaluate on what another trains on"
-
-
-def overlapping_sources(cfg: Config) -> tuple[str, str]:
-    """Two data.mix sources that read the same files in the same way (one folder inside another, the same
-    pattern; a path through a link as its target's): (`key=path and key=path`, why it matters); ("", "") for
-    none. Their roots are looked up with their parents in a set: two patterns of many files each cost no
-    product of the two."""
-    def roots(path: str) -> set[Path]:  # (a file link by its own name, as HF's cache links its files; a folder's
-        return {Path(os.path.realpath(p)) if p.is_dir() else Path(os.path.realpath(p.parent)) / p.name  # target)
-                for p in source_roots(path)}
-
-    read = [(f"data.mix[{i}].path={s.path}", roots(s.path), (s.format or cfg.data.format,
-             s.text_field or cfg.data.text_field)) for i, s in enumerate(cfg.data.mix) if s.path]
-    for i, (key, mine, how) in enumerate(read):
-        for other, theirs, their_how in read[i + 1:]:
-            if how == their_how and (any(not mine.isdisjoint([p, *p.parents]) for p in theirs)
-                                     or any(not theirs.isdisjoint([p, *p.parents]) for p in mine)):
-                held = "" if cfg.data.val_path or any(is_prepared(Path(r)) for r in mine) else HELD_OUT_APART
-                return f"{key} and {other}", OVERLAP_WHY + held
-    return "", ""
-
-
 # Below this a run from random weights barely moves (Llama 3 405B pretrained at 8e-5; fine-tunes take 1e-5 to 2e-5).
 PRETRAIN_LR_FLOOR = 5e-5
 
@@ -323,27 +297,6 @@ def _routing_notes(model: ModelArgs | None, theirs) -> list[tuple[str, dict]]:
                    "router: " + ("moe.aux_loss_coef or moe.z_loss_coef trains it" if mine.aux_loss_coef or
                                  mine.z_loss_coef else "it stays as the starting weights have it (no balance loss)")}))
     return notes
-
-
-def source_roots(path: str) -> list[Path]:
-    """What a data source reads, as paths: its folder or file (a DatasetDict's train split), else a pattern's
-    matches."""
-    return [read_root(Path(path))] if path and Path(path).exists() else [
-        Path(m) for m in glob.glob(path or "", recursive=True)]
-
-
-def val_path_in_training_data(cfg: Config) -> str:
-    """The training source data.val_path is (or lies inside), as `key=path`, where it is evaluated
-    on; "" for none. A source is what it reads: a DatasetDict's train split, a pattern's matches."""
-    if not cfg.data.val_path or not cfg.train.eval_interval:
-        return ""
-    val = Path(cfg.data.val_path).resolve()
-    for key, path in [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [
-            ("data.path", cfg.data.path)]:
-        read = source_roots(path)
-        if any(val.is_relative_to(r.resolve()) or r.resolve().is_relative_to(val) for r in read):
-            return f"{key}={path}"
-    return ""
 
 
 def _no_template(tokenizer_path: str) -> bool:

@@ -126,9 +126,9 @@ def test_a_save_that_fails_on_one_rank_fails_on_both(tmp_path):
     both = ["ConfigError: bad key here; also on rank 1: no data there (every_rank=True)",
             "DataError: no data there; also on rank 0: bad key here (every_rank=True)"]
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [
-        [*first, "CheckpointError", "step-000003", blind, True, never, f"ShardlineError: on rank 1: {stale}", both[0],
+        [*first, "CheckpointError", "step-000003", blind, True, never, f"TryLater: on rank 1: {stale}", both[0],
          1],
-        [*first, "ValueError", "step-000003", blind, True, f"on rank 0: {never}", f"ShardlineError: on rank 1: {stale}",
+        [*first, "ValueError", "step-000003", blind, True, f"on rank 0: {never}", f"TryLater: on rank 1: {stale}",
          both[1], 1]]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["run", "step-000001", "step-000003"]
 
@@ -296,7 +296,7 @@ def test_a_rollback_whose_listing_fails_on_one_rank_stops_every_rank(tmp_path, s
     that rank's exit and its peers' wait in the next collective."""
     start_ranks(_rollback_listing_fails_on_rank1, (2, free_port(), str(small_prepared), str(tmp_path)), nprocs=2)
     outcomes = [json.loads((tmp_path / f"rollback{r}.json").read_text()) for r in range(2)]
-    assert outcomes == ["ShardlineError: on rank 1: OSError: [Errno 116] Stale file handle"] * 2, outcomes
+    assert outcomes == ["TryLater: on rank 1: OSError: [Errno 116] Stale file handle"] * 2, outcomes
 
 
 def _zero1_save_before_any_update(rank: int, world: int, port: int, corpus: str, root: str) -> None:

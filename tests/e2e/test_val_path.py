@@ -260,6 +260,34 @@ def test_the_dry_run_says_what_it_evaluates_on(split, tmp_path, capsys):
     assert f"{root / 'train.jsonl'}: {documents:,} documents ({max(1, round(documents * 0.01))} of them held out" in out
 
 
+def test_a_prepared_folder_overlaps_the_files_it_was_prepared_from_and_a_folder_prepared_alike(split, tmp_path):
+    """A prepared folder beside a file it was prepared from, or beside a copy of itself, or evaluated on that
+    file: its held-out documents were trained on, or everything read twice, and no note said so."""
+    from shardline.launch_notes import launch_notes
+
+    root, tok = split
+    lines = (root / "train.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "a.jsonl").write_text("".join(lines[::2]))
+    (tmp_path / "b.jsonl").write_text("".join(lines[1::2]))
+    for out in ("prep", "copy"):
+        prepare(PrepareOptions(inputs=[str(tmp_path / "a.jsonl")], out=str(tmp_path / out), tokenizer=str(tok),
+                               progress=False))
+
+    def noted(*overrides: str) -> dict:
+        return dict(launch_notes(load_config(None, [*overrides, f"data.tokenizer={tok}"]), "cpu", 1.0, 1))
+
+    prep, copy, a, b = (tmp_path / n for n in ("prep", "copy", "a.jsonl", "b.jsonl"))
+    said = noted(f'data.mix=[{{path="{prep}"}}, {{path="{a}"}}]')["mixture_sources_overlap"]
+    assert said["sources"] == f"data.mix[0].path={prep} and data.mix[1].path={a}"
+    assert said["why"].endswith("so one may evaluate on what another trains on")
+    said = noted(f'data.mix=[{{path="{prep}"}}, {{path="{copy}"}}]')["mixture_sources_overlap"]  # (one split)
+    assert said["why"] == "their files are read by each: sampled more than the weights say"
+    assert "mixture_sources_overlap" not in noted(f'data.mix=[{{path="{prep}"}}, {{path="{b}"}}]')
+    inside = noted(f"data.path={prep}", f"data.val_path={a}")["evaluates_on_training_data"]["inside"]
+    assert inside == f"data.path={prep}"
+    assert "evaluates_on_training_data" not in noted(f"data.path={prep}", f"data.val_path={b}")
+
+
 def test_mixture_sources_that_read_the_same_files_are_said(split, tmp_path, capsys):
     """A folder and a file inside it as two sources: the file was sampled by both and each source held out
     its own documents, so one evaluated on documents the other trained on, in silence."""
