@@ -14,6 +14,7 @@ from shardline.data import tokenizer_file
 from shardline.data.chat_template import chat_template_for
 from shardline.data.encode import CHAT_END, CHAT_START
 from shardline.data.overlaps import overlapping_sources, val_path_in_training_data
+from shardline.data.shards import is_prepared
 from shardline.data.validation import split_by_prepare, val_format
 from shardline.data.tokenizer import KNOWN_EOS, eos_id
 from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, cpu_load, mfu_peak_dtype
@@ -231,7 +232,8 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
               "checkpoint.memory_interval=0"),  # drop an earlier launch's snapshots there)
              ("watchdog", ("long_timeout_s",), not cfg.watchdog.timeout_s, "watchdog.timeout_s=0"),
              ("data", ("text_field",), not _reads_text_field(cfg), "chat data reads each record's 'messages'"
-              if "text" not in cfg.data.formats() else "each text source of data.mix names its own text_field"),
+              if "text" not in cfg.data.formats() else "the data is prepared: `shardline prepare --text-field` read "
+              "its text" if split_by_prepare(cfg) else "each text source of data.mix names its own text_field"),
              ("data", ("format",), bool(cfg.data.mix) and all(s.format for s in cfg.data.mix) and not (
                  cfg.data.val_path and len(set(cfg.data.formats())) > 1),  # (data.val_path's, then)
               "every data.mix source sets its own format"),
@@ -250,12 +252,12 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
 
 
 def _reads_text_field(cfg: Config) -> bool:
-    """Whether any source reads data.text_field: a text one without a text_field of its own in data.mix,
-    or a text data.val_path."""
+    """Whether any source reads data.text_field: a raw text one without a text_field of its own in
+    data.mix (a prepared folder's text was read by prepare), or a text data.val_path."""
     d = cfg.data
-    own = [s.text_field for s in d.mix] or [""]
-    return any(fmt == "text" and not name for fmt, name in zip(d.formats(), own)) or bool(
-        d.val_path and val_format(cfg) == "text")
+    sources = [(s.path, s.text_field) for s in d.mix] or [(d.path, "")]
+    return any(fmt == "text" and not name and not is_prepared(path) for fmt, (path, name) in
+               zip(d.formats(), sources)) or bool(d.val_path and val_format(cfg) == "text")
 
 
 ROUTING = ("top_k", "norm_topk", "router", "route_scale", "capacity_factor")  # what mixes the experts' outputs

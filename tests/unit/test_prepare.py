@@ -355,6 +355,11 @@ def test_a_mixture_source_reads_its_own_text_field(tmp_path, prepared, small_cor
                                               *common, "data.text_field=body"]))["data.text_field"] == \
         "each text source of data.mix names its own text_field"
     assert "data.text_field" not in unused_settings(load_config(None, [mix, *common, "data.text_field=body"]))
+    # a prepared folder's text was read by prepare: a text_field given for it reads nothing
+    assert unused_settings(load_config(None, [f"data.path={prepared}", "data.text_field=body"]))["data.text_field"] \
+        == "the data is prepared: `shardline prepare --text-field` read its text"
+    with_raw = f'data.mix=[{{path = "{prepared}"}}, {{path = "{tmp_path / "a.jsonl"}"}}]'  # (the raw source reads it)
+    assert "data.text_field" not in unused_settings(load_config(None, [with_raw, *common, "data.text_field=body"]))
 
 
 def test_a_mixture_holds_chat_and_text_sources_each_in_its_own_format(tmp_path, prepared, small_corpus):

@@ -310,7 +310,9 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"data file {f} line {n} is not valid JSON: {e.msg} (column {e.colno})") from None
-            value = obj.get(field) if isinstance(obj, dict) else None
+            if not isinstance(obj, dict):  # (a list or a bare string: JSON lines hold one record, an object, a line)
+                raise DataError(f"data file {f} line {n} is a JSON {type(obj).__name__}, not an object with {field!r}")
+            value = obj.get(field)
             if field == CHAT_FIELD:
                 messages = conversation(f, f"line {n}", record_messages(obj))
                 for text in strings(messages):  # tool calls and other fields reach the template too
