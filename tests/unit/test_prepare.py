@@ -1479,6 +1479,23 @@ def test_a_shard_damaged_in_place_is_one_line_at_the_batch_not_an_index_error(tm
     assert data(small_prepared).train.batch(np.arange(4))["input_ids"].max() < 512
 
 
+@pytest.mark.parametrize("edit", ["zeroed", "past_the_end", "first_not_zero"])
+def test_a_document_index_edited_in_place_is_one_line_at_the_launch(tmp_path, small_prepared, edit):
+    """An offset of docs.idx changed, its size kept: the run trained with other document masks, in silence."""
+    damaged = tmp_path / "prep"
+    shutil.copytree(small_prepared, damaged)
+    index = damaged / "train" / "docs.idx"
+    starts = np.fromfile(index, dtype=np.int64)
+    at = {"zeroed": len(starts) // 2, "past_the_end": len(starts) - 1, "first_not_zero": 0}[edit]
+    starts[at] = {"zeroed": 0, "past_the_end": 10**12, "first_not_zero": 1}[edit]
+    starts.tofile(index)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(index))}: its document starts do not rise from 0 inside "
+                                        r"the [\d,]+ tokens \(edited or damaged after prepare\?\); prepare the folder "
+                                        "again with --overwrite$"):
+        data(damaged)
+    data(small_prepared)  # (the folder as prepare wrote it)
+
+
 def test_a_template_that_closes_the_conversation_with_eos_is_masked_by_turns():
     """Phi-3's template ends a conversation with eos where no generation prompt follows, so a
     prefix's rendering is no prefix of the next one's (it was refused as a rewriting template).

@@ -34,6 +34,19 @@ from shardline.errors import DataError
 from shardline.models.loss import IGNORE_INDEX  # the label the loss skips: one value for both sides
 
 
+def check_starts(starts: np.ndarray, total: int, where: str, chunk: int = 1 << 22) -> None:
+    """Document starts that rise from 0 and stay inside the stream of `total` tokens, or a DataError
+    naming `where`: an index edited in place (its size unchanged) moved the document masks in silence.
+    Read by chunks: a memory-mapped index of 10^8 documents is not copied whole."""
+    last = 0
+    for i in range(0, len(starts), chunk):
+        part = np.asarray(starts[i:i + chunk])
+        if (i == 0 and part[0] != 0) or part[0] < last or (np.diff(part) < 0).any() or part[-1] >= max(total, 1):
+            raise DataError(f"{where}: its document starts do not rise from 0 inside the {total:,} tokens (edited "
+                            "or damaged after prepare?); prepare the folder again with --overwrite")
+        last = int(part[-1])
+
+
 class PackedSequences:
     def __init__(self, token_lists: list[list[int]], seq_len: int, eos_id: int | None,
                  masks: list[list[int]] | None = None):
@@ -41,8 +54,11 @@ class PackedSequences:
         self._init(tokens, starts, seq_len, mask)
 
     @classmethod
-    def from_stream(cls, tokens, doc_starts: np.ndarray, seq_len: int, mask=None) -> "PackedSequences":
-        """Sequences over an existing stream (an array or `TokenShards`) and its document starts."""
+    def from_stream(cls, tokens, doc_starts: np.ndarray, seq_len: int, mask=None, where: str = "") -> "PackedSequences":
+        """Sequences over an existing stream (an array or `TokenShards`) and its document starts; `where`:
+        the file they were read from, whose starts are checked (check_starts)."""
+        if where:
+            check_starts(doc_starts, len(tokens), where)
         self = cls.__new__(cls)
         self._init(tokens, doc_starts, seq_len, mask)
         return self

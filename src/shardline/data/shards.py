@@ -342,7 +342,7 @@ def _open_split(root: Path, manifest: dict, name: str, seq_len: int) -> PackedSe
     _check_size(root, index, split["documents"] * 8)
     starts = np.memmap(index, dtype=np.int64, mode="r", shape=(split["documents"],)) \
         if split["documents"] else np.zeros(0, np.int64)
-    return PackedSequences.from_stream(tokens, starts, seq_len, mask)
+    return PackedSequences.from_stream(tokens, starts, seq_len, mask, where=str(index))
 
 
 def _checked(root: Path, shards: list[dict], kind: str, dtype: np.dtype) -> list[Path]:
