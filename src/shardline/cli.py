@@ -6,7 +6,8 @@ generate, eval.
 `shardline train` with no arguments trains the tiny preset on the shipped corpus.
 Config: `--config FILE.toml` then `--section.key=value` overrides. Mistakes the user
 can fix (config, data, checkpoint) print one line and exit with code 2; a failed storage
-or a run dir another run holds, 75 (try later). Halts 3, hangs 4, stops 5, `check` 6.
+or a run dir the same job's last launch still holds, 75 (try later). Halts 3, hangs 4,
+stops 5, `check` 6.
 """
 
 from __future__ import annotations
@@ -341,7 +342,7 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> int:
         return _leave(e, "halted", e.exit_code)
     except Preempted as e:
         return _leave(e, "stopped", e.exit_code)
-    except ShardlineError as e:  # 2, or 75 for a TryLater (the storage failed, the run dir in use)
+    except ShardlineError as e:  # 2, or 75 to try later (errors.exit_code)
         return _leave(e, "error", exit_code(e))
     except KeyboardInterrupt:
         print("shardline: interrupted", file=sys.stderr)

@@ -2,9 +2,9 @@
 
 Each is raised for a mistake the user can fix (a config key, a data file, a
 checkpoint); the CLI prints the message on one line and exits with code 2. A TryLater is
-no mistake of the input: the storage failed, or another live run holds the run dir. It
-exits with 75 (sysexits' EX_TEMPFAIL), so a requeue script can retry it and stop on 2,
-which the same command meets again.
+no mistake of the input: the storage failed, or the same job's last launch still holds the
+run dir. It exits with 75 (sysexits' EX_TEMPFAIL), so a requeue script can retry it and
+stop on 2, which the same command meets again.
 """
 
 import difflib
@@ -40,8 +40,8 @@ class CheckpointError(ShardlineError):
 
 
 class TryLater(ShardlineError):
-    """Not the input's fault, and not known to last: the storage failed (transient), or another
-    live run holds the run dir. Exit code 75, where a refused input's is 2."""
+    """Not the input's fault, and not known to last: the storage failed (transient), or the same
+    job's last launch still holds the run dir. Exit code 75, where a refused input's is 2."""
 
     exit_code = TRY_LATER
 

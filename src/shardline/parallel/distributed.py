@@ -295,7 +295,7 @@ def agreed(check, world_size: int):
             kind = getattr(errors, outcome[0], None)
             text = f"on rank {rank}: {outcome[1]}{_also(outcomes, outcome[1])}"
             if isinstance(kind, type) and issubclass(kind, errors.ShardlineError):
-                later = outcome[3] and errors.exit_code(kind(text)) != errors.TRY_LATER  # (its code, as its rank's)
+                later = outcome[3] and not issubclass(kind, errors.TryLater)  # (its code, as on its own rank)
                 raise errors.on_every_rank((errors.TryLater if later else kind)(text), together)
             text = f"on rank {rank}: {outcome[0]}: {outcome[1]}{_also(outcomes, outcome[1])}"
             raise errors.on_every_rank((errors.TryLater if outcome[3] else errors.ShardlineError)(text), together)

@@ -120,12 +120,18 @@ def _refuse_a_finished_run(run_dir: Path, saved: Path) -> None:
         raise ConfigError(f"{saved}, the config of a run that trained (to step {account['high_water_step']}), is "
                           "emptied or cut short (a crash?): what it resumes cannot be read from it; give --config "
                           "FILE with the run's settings (--run.resume=never: another run in this folder)")
-    steps = reader.read_toml(saved).get("train", {}).get("steps", 0) if _whole(saved) else 0
-    if account.get("run_complete", account.get("finished") and account.get("high_water_step", 0) >= steps) is True:
+    if _trained_to_its_end(account, reader.read_toml(saved).get("train", {}).get("steps", 0) if _whole(saved) else 0):
         raise ConfigError(f"run.dir={run_dir} holds a run that trained to its end (step "
                           f"{account.get('high_water_step', '?')}) and holds no checkpoint of it: nothing to resume or "
                           "extend; another --run.dir trains anew (--config FILE or --run.resume=never: another run "
                           "in this folder, whose records follow this one's)")
+
+
+def _trained_to_its_end(account: dict, steps: int) -> bool:
+    """Whether the run dir's account says its run trained to its end (`steps`: its train.steps, for an
+    account written before run_complete was, which says `finished` alone)."""
+    return account.get("run_complete", bool(account.get("finished")) and account.get("high_water_step", 0) >= steps) \
+        is True
 
 
 def _whole(saved: Path) -> bool:
@@ -185,7 +191,7 @@ def resumable(run_dir: Path, saved: Path) -> str:
         steps = settings.get("train", {}).get("steps", 0)
         account = read_account(run_dir) or {}
         trained = account.get("high_water_step", 0)
-        over = account.get("run_complete", account.get("finished") and trained >= steps)  # (older files: finished)
+        over = _trained_to_its_end(account, steps)
     except (ShardlineError, OSError, ValueError, AttributeError, KeyError, TypeError):  # (damaged: nothing to go on)
         return ""
     # (a run that trained to its end gave its snapshots back: nothing of it is left to resume)
