@@ -96,6 +96,8 @@ def test_dp_shard_fills_the_rest():
      "(pp=4 x 2 per rank); lower parallel.pp, or use a schedule of one stage per rank"),
     (8, ["train.micro_batch_size=4", "train.global_batch_size=16"], "use a multiple of 32, lower "
                                                                     "train.micro_batch_size (one dividing 2), or"),
+    (8, ["train.micro_batch_size=4", "train.global_batch_size=8"], "use a multiple of 32, lower "
+                                                                   "train.micro_batch_size to 1, or"),
     (2, ["parallel.cp=2", "train.seq_len=30"], "or set parallel.cp_balance='none' (one chunk per rank"),
 ])
 def test_invalid_layouts(world, overrides, message):

@@ -127,7 +127,8 @@ def _batch(lay: Layout, job: Job) -> Problem | None:
         return "batch", (f"train.global_batch_size={job.global_batch} is not divisible by "
                          f"train.micro_batch_size={lay.micro_batch_size} x {lay.dp} data-parallel rank(s) = "
                          f"{per_step}; use a multiple of {per_step}"
-                         + (f", lower train.micro_batch_size (one dividing {job.global_batch // lay.dp})"
+                         + (", lower train.micro_batch_size " + (f"(one dividing {job.global_batch // lay.dp})"
+                                                                  if job.global_batch > lay.dp else "to 1")
                             if lay.micro_batch_size > 1 and job.global_batch % lay.dp == 0 else "")
                          + (model_parallel_hint() if lay.dp > 1 else ""))
     return None
