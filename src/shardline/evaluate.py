@@ -39,6 +39,7 @@ from shardline.data.sampler import eval_micro_batches
 from shardline.data.validation import split_by_prepare, val_format
 from shardline.data.shards import tokenizer_file
 from shardline.data.sources import input_files
+from shardline.data.overlaps import split_apart
 from shardline.data.tokenizer import extends_file
 from shardline.errors import ConfigError, ShardlineError, on_every_rank
 from shardline.parallel.distributed import (agreed, init_distributed, pick_device, ranks_differing,
@@ -120,6 +121,8 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
                           f"({kept}): its ids name other rows than the weights learned, a loss of no model; drop it")
     if "data.val_path" in given and given.isdisjoint({"data.path", "data.mix"}):
         _val_path_alone(cfg)
+    elif not given.isdisjoint({"data.path", "data.mix"}) and "data.val_path" not in given:  # (its split: on it)
+        _say_if_split_apart(saved.get("data") or {}, cfg)
     cfg.model.init_from, cfg.model.hf_path = str(ckpt), ""
     cfg.run.dir, cfg.run.resume = str(run_dir), "never"
     cfg.checkpoint.interval, cfg.checkpoint.memory_interval = 0, 0
@@ -131,6 +134,17 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
                           "on (--data.val_path=...), or --data.val_fraction=0.01 for a share of it (where the run "
                           "held nothing out, documents it trained on: a training loss)")
     return cfg, ckpt, saved_step(ckpt)  # (a folder renamed or converted keeps its manifest's step)
+
+
+def _say_if_split_apart(trained: dict, cfg: Config) -> None:
+    """On stderr, where the data given to evaluate on reads files the run trained on, split apart from
+    the run's split (a folder prepared again with files added holds out other documents): its held-out
+    documents may be ones the run trained on, a training loss."""
+    theirs = [s.get("path", "") for s in trained.get("mix") or [] if isinstance(s, dict)] or [trained.get("path", "")]
+    found = split_apart([s.path for s in cfg.data.mix] or [cfg.data.path], theirs)
+    if found and speaks_for_the_job():
+        print(f"shardline eval: note: {found[0]} reads files the run trained on (its data {found[1]}), with a "
+              "held-out split of its own: the documents it holds out may be ones the run trained on", file=sys.stderr)
 
 
 def _val_path_alone(cfg: Config) -> None:

@@ -81,3 +81,17 @@ def val_path_in_training_data(cfg: Config) -> str:
                 val_print and val_print == fingerprint):
             return f"{key}={path}"
     return ""
+
+
+def split_apart(evaluated: list[str], trained: list[str]) -> tuple[str, str] | None:
+    """A source evaluated on that reads files a run trained on, split by its own held-out rule (another
+    folder prepared from some of them, a raw file the run read through a folder): (it, the trained
+    source), else None. The same source, or a folder prepared alike, is split alike: none."""
+    for mine in filter(None, evaluated):
+        reads, fingerprint = _reads(mine)
+        for theirs in filter(None, trained):
+            their_reads, their_print = _reads(theirs)
+            same = os.path.realpath(mine) == os.path.realpath(theirs) or (fingerprint and fingerprint == their_print)
+            if not same and _meet(reads, their_reads):
+                return mine, theirs
+    return None
