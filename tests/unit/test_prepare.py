@@ -281,6 +281,22 @@ def test_mixture_follows_the_weights_deterministically(tmp_path, prepared, small
     assert eval_sources.min() >= 1  # the held-out mixture's first batches hold both sources
 
 
+def test_a_source_with_no_sequences_has_no_block_in_a_mixture():
+    """A held-out mixture of data.val_fraction=0: "held_out_sequences=2" said of none, and an index
+    error where read; a held-out source of none beside one of some gave that one's reads to it."""
+    from shardline.data.mixture import MixedSequences
+    from shardline.data.packing import PackedSequences
+
+    def source(n_sequences: int) -> PackedSequences:
+        return PackedSequences([list(range(4 * n_sequences + 1))] if n_sequences else [], seq_len=4, eos_id=None)
+
+    assert len(MixedSequences([source(0), source(0)], [0.7, 0.3], interleave=True)) == 0
+    mix = MixedSequences([source(0), source(5)], [0.7, 0.3], interleave=True)
+    assert list(mix.counts) == [0, 5]
+    src, local = mix.locate(np.arange(len(mix)))
+    assert set(src.tolist()) == {1} and sorted(local.tolist()) == [0, 1, 2, 3, 4]
+
+
 def test_each_pass_draws_other_sequences_of_a_down_weighted_source_and_repeats_an_up_weighted_one_evenly():
     from shardline.data.mixture import MixedSequences
     from shardline.data.packing import PackedSequences

@@ -29,7 +29,11 @@ class MixedSequences:
     def __init__(self, sources: list[PackedSequences], weights: list[float], interleave: bool = False):
         self.sources, self.seq_len = sources, sources[0].seq_len
         sizes = np.array([len(s) for s in sources], dtype=np.int64)
-        self.counts = _apportion(np.asarray(weights, dtype=np.float64), int(sizes.sum()))
+        # A source with no sequences has no block (a held-out mixture of data.val_fraction=0 had one of a
+        # sequence each: two held-out sequences said, an index error where read)
+        live, self.counts = sizes > 0, np.zeros(len(sources), dtype=np.int64)
+        if live.any():
+            self.counts[live] = _apportion(np.asarray(weights, dtype=np.float64)[live], int(sizes.sum()))
         self.sizes = sizes
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)])
         self._order = _interleaved(self.counts) if interleave else None
