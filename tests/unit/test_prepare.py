@@ -432,6 +432,27 @@ def chat_records(n: int) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
+def test_a_run_on_conversations_without_replies_says_so(tmp_path, tiny_config, small_prepared):
+    """Half the conversations held no assistant turn: packed together, their rows trained nothing, said only
+    as a share in the data event, which read as "cut before theirs"."""
+    from shardline.trainer import Trainer
+
+    records = [json.loads(line) for line in chat_records(60).splitlines()]
+    for r in records[::2]:
+        r["messages"] = r["messages"][:2]  # system and user alone
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    common = [f"data.path={tmp_path / 'chat.jsonl'}", "data.format=chat", "train.steps=1", "train.eval_interval=0",
+              "train.seq_len=128",
+              f"data.tokenizer={small_prepared / 'tokenizer.json'}", "checkpoint.interval=0"]
+    Trainer(tiny_config(*common)).build().train()
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    said = [e for e in events if e.get("event") == "replies_missing"]
+    assert len(said) == 1 and said[0]["share"] >= 0.1 and "no assistant turn" in said[0]["why"], said
+    (tmp_path / "chat.jsonl").write_text(chat_records(60))
+    Trainer(tiny_config(*common, run_dir=tmp_path / "all")).build().train()
+    assert "replies_missing" not in (tmp_path / "all" / "metrics.jsonl").read_text()
+
+
 def test_chat_loss_is_on_assistant_tokens_only(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text(chat_records(200))

@@ -49,6 +49,8 @@ from shardline.resilience.run_lock import launcher_ids
 from shardline.resilience.tiers import folder_bytes, refuse_no_room
 from shardline.version import version
 
+REPLIES_MISSING = 0.1  # the share of chat sequences without a reply token past which a launch says so
+
 
 NODE_LOCAL = {"run": ("device",), "data": ("path", "tokenizer"), "model": ("hf_path", "init_from"),
               "memory": ("ssd_offload_dir",), "checkpoint": ("memory_dir",)}
@@ -204,7 +206,13 @@ class SavedState:
                                          resumed=resumed is not None, layout=self.dims.layout,
                                          gpu_bf16=self.device.type == "cuda" and native_bf16()):
             self.metrics.event(note, step=self.step, **fields)
-        self.metrics.event("data", step=self.step, **self.data.describe(self.cfg.train.steps))
+        described = self.data.describe(self.cfg.train.steps)
+        self.metrics.event("data", step=self.step, **described)
+        if described.get("sequences_without_replies", 0) >= REPLIES_MISSING:  # (a share of steps that train nothing)
+            self.metrics.event("replies_missing", step=self.step, share=described["sequences_without_replies"],
+                               conversations_cut=described["conversations_cut"],
+                               why="those sequences hold conversations with no assistant turn, or cut before their "
+                                   "reply (train.seq_len): they cost steps and train nothing")
         held = held_out_note(self.cfg, self.data.train, self.data.val)
         if held:
             self.metrics.event("held_out_large", step=self.step, **held)
