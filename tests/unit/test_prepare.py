@@ -448,6 +448,11 @@ def test_a_run_on_conversations_without_replies_says_so(tmp_path, tiny_config, s
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     said = [e for e in events if e.get("event") == "replies_missing"]
     assert len(said) == 1 and said[0]["share"] >= 0.1 and "no assistant turn" in said[0]["why"], said
+    # each train record says how many of the step's tokens were targets (replies alone, here under half)
+    cfg = tiny_config(*common)
+    trained = [e for e in events if e["kind"] == "train"]
+    assert trained and all(0 < e["labelled_tokens"] < cfg.train.global_batch_size * cfg.train.seq_len / 2
+                           for e in trained), trained
     (tmp_path / "chat.jsonl").write_text(chat_records(60))
     Trainer(tiny_config(*common, run_dir=tmp_path / "all")).build().train()
     assert "replies_missing" not in (tmp_path / "all" / "metrics.jsonl").read_text()

@@ -52,6 +52,7 @@ class IntervalWork:
             **peaks, step_time_s=seconds / steps,
             epoch=self.data.sampler.epoch_of(batch_index(self.step, self.skipped_batches)),  # batches drawn
             **(self.experts.log_values() if self.experts else {}),
+            **({"labelled_tokens": self.labelled_tokens} if self.data.chat_template else {}),  # (the last step's)
             **({"loss_scale": self.scaler.scaler.get_scale()} if self.scaler.enabled else {}))  # fp16's, now
 
     def _evaluate_and_save(self, step: int, stop: int, request: str | None) -> tuple[str | None, float]:

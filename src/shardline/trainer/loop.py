@@ -350,6 +350,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         """
         self.model.train()
         micro, n_tokens = self.guard.reads(self._step_batch)()  # it reads too: the labels it counts
+        self.labelled_tokens = n_tokens  # (the log's, for chat data: the targets among the step's tokens)
         if self.experts:  # the balancing losses' gradients are scaled as the loss's are
             self.experts.begin_step(self.scaler.scale(torch.ones((), device=self.device)))
         loss = self.runner.forward_backward_step(micro, self.guard.reads(self.data.train.batch), n_tokens)
