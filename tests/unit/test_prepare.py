@@ -454,8 +454,13 @@ def test_a_run_on_conversations_without_replies_says_so(tmp_path, tiny_config, s
     assert trained and all(0 < e["labelled_tokens"] < cfg.train.global_batch_size * cfg.train.seq_len / 2
                            for e in trained), trained
     (tmp_path / "chat.jsonl").write_text(chat_records(60))
-    Trainer(tiny_config(*common, run_dir=tmp_path / "all")).build().train()
+    Trainer(tiny_config(*common, "train.seq_len=256", run_dir=tmp_path / "all")).build().train()
     assert "replies_missing" not in (tmp_path / "all" / "metrics.jsonl").read_text()
+    assert "conversations_cut_many" not in (tmp_path / "all" / "metrics.jsonl").read_text()
+    Trainer(tiny_config(*common, run_dir=tmp_path / "short")).build().train()  # (128: each cut, its first reply kept)
+    cut = [json.loads(line) for line in (tmp_path / "short" / "metrics.jsonl").read_text().splitlines()
+           if "conversations_cut_many" in line]
+    assert len(cut) == 1 and cut[0]["cut"] >= 0.1 * cut[0]["of"], cut
 
 
 def test_chat_loss_is_on_assistant_tokens_only(tmp_path):

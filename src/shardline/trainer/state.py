@@ -213,6 +213,10 @@ class SavedState:
                                conversations_cut=described["conversations_cut"],
                                why="those sequences hold conversations with no assistant turn, or cut before their "
                                    "reply (train.seq_len): they cost steps and train nothing")
+        if described.get("conversations_cut", 0) >= REPLIES_MISSING * described["documents"]:
+            self.metrics.event("conversations_cut_many", step=self.step, cut=described["conversations_cut"],
+                               of=described["documents"], why="longer than a sequence: their rest past train.seq_len "
+                                                              "is not trained on (a later reply lost)")
         held = held_out_note(self.cfg, self.data.train, self.data.val)
         if held:
             self.metrics.event("held_out_large", step=self.step, **held)
