@@ -40,6 +40,7 @@ from shardline.planner.hardware import Hardware, cuda_index, get_hardware, with_
 from shardline.planner.layout import Workload
 from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_over_words, mfu_words, scores_words
 from shardline.planner.microbatch_comm import ep_placement
+from shardline.planner.attention import mask_hint
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OUTSIDE_DEVICE, node_ranks
 from shardline.resilience.checkpoint import verify
@@ -317,8 +318,8 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
             f"          {mfu_words(work)}", *(f"          {line}" for line in mfu_over_words(e.mfu)
                                               + scores_words(work, hw, launch.layout.cp_degrees[0])),
             f"          {attention_words(work, hw, launch.layout.cp_degrees[0])}{doc_source if doc_tokens else ''}",
-            *([f"          {ep}"] if (ep := ep_placement(launch.layout, hw, getattr(work.model, "n_experts", 0)))
-              else [])], e.fits
+            *(f"          {x}" for x in (ep_placement(launch.layout, hw, getattr(work.model, "n_experts", 0)), "" if
+              e.fits else mask_hint(work, launch.layout, hw.name != "cpu", e.memory["total"])) if x)], e.fits
 
 
 def _cpu_guess(hw: Hardware) -> str:

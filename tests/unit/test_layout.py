@@ -356,6 +356,21 @@ def test_dry_run_says_where_the_experts_live(capsys, tmp_path, extra, says):
     assert "experts   8 routed, top-2, " in out and says in out, out
 
 
+def test_a_misfit_the_dense_document_mask_makes_names_what_shrinks_it(capsys, tmp_path):
+    """Under Ulysses the s x s mask is whole on every rank: the misfit line's ways (checkpointing, a chunked
+    loss, more cp) left it at 16 GiB; a ring, or no document mask, is what fits."""
+    common = ["train", "--dry-run", "--world-size", "2", f"--run.dir={tmp_path / 'run'}", "--run.device=cpu",
+              "--parallel.cp=2", "--train.seq_len=65536", "--train.global_batch_size=2", "--train.micro_batch_size=1"]
+    assert main([*common, "--parallel.cp_mode=ulysses"]) == 1
+    assert ("the dense s x s document mask takes 16.00 GiB of it, whole on each rank but under a ring: "
+            "parallel.cp_mode=ring builds it") in capsys.readouterr().out
+    assert main([*common, "--parallel.cp_mode=ring"]) == 0
+    assert "document mask takes" not in capsys.readouterr().out
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'big'}", "--run.device=cpu", "--model.preset=llama3-70b",
+                 "--train.seq_len=256"]) == 1  # (a misfit of the weights: no word of the mask)
+    assert "document mask takes" not in capsys.readouterr().out
+
+
 def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(capsys, tmp_path):
     run = tmp_path / "run"
     code = main(["train", "--dry-run", "--world-size", "512", f"--run.dir={run}", "--model.preset=llama3-8b",

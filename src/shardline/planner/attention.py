@@ -46,6 +46,8 @@ import functools
 import math
 
 from shardline.models.attention import BLOCK, resolve_attention
+from shardline.layout import Layout
+from shardline.planner.activations import dtype_bytes
 from shardline.planner.hardware import Hardware
 from shardline.planner.layout import Workload
 
@@ -76,6 +78,28 @@ def dense_mask(kernel_: str, document_mask: bool) -> bool:
     cumulative lengths are O(b (s/128)²) and O(documents): nothing to count; a cp ring builds a
     chunk pair's mask as the pair runs and again in its backward, and holds none)."""
     return document_mask and kernel_ == "sdpa"
+
+
+def document_mask_bytes(work: Workload, layout: Layout, on_cuda: bool) -> float:
+    """A micro-batch's dense [b, 1, s, s] document mask, where the kernel `work.attention` resolves to
+    needs one. A ring holds none (it builds each chunk pair's as it runs); under Ulysses alone the mask
+    spans the gathered sequence, s x s on every rank, however many. A score's bytes: a CPU's mask is
+    additive in the compute dtype (models/llama sdpa_document_mask), a GPU's boolean."""
+    kernel = resolve_attention(work.attention, work.document_mask, on_cuda, layout.cp_degrees[0])
+    score = 1.0 if on_cuda else dtype_bytes(work.precision)
+    return score * layout.micro_batch_size * work.seq_len ** 2 if dense_mask(kernel, work.document_mask) else 0.0
+
+
+def mask_hint(work: Workload, layout: Layout, on_cuda: bool, total: float) -> str:
+    """Where the dense document mask is a quarter or more of a rank's memory, what shrinks it (the
+    other ways a misfit line names, activation checkpointing, a chunked loss, more cp under Ulysses,
+    leave it whole); "" elsewhere."""
+    mask = document_mask_bytes(work, layout, on_cuda)
+    if mask < total / 4:
+        return ""
+    return (f"the dense s x s document mask takes {mask / 2**30:.2f} GiB of it, whole on each rank but under a ring: "
+            "parallel.cp_mode=ring builds it a chunk pair at a time, train.document_mask=false drops it"
+            + (", train.attention=flex or varlen needs none" if on_cuda else ""))
 
 
 def causal_tiles(seq_len: int, block: int = BLOCK) -> float:

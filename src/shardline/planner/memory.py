@@ -38,10 +38,9 @@ from __future__ import annotations
 
 import functools
 
-from shardline.models.attention import resolve_attention
 from shardline.models.flops import ffn_width, num_params
 from shardline.planner import activations as act, peak
-from shardline.planner.attention import dense_mask
+from shardline.planner.attention import document_mask_bytes
 from shardline.planner.hardware import Hardware
 from shardline.layout import Layout
 from shardline.planner.layout import Workload
@@ -280,12 +279,7 @@ def activation_bytes(work: Workload, layout: Layout, stage: RankStages, on_cuda:
     per_layer = _layer_bytes_per_token(work, layout) * tokens
     inflight = inflight_on_rank(layout.pp_schedule, layout.pp, layout.pp_microbatches, layout.pp_virtual_stages,
                                 stage.rank)
-    # A ring holds no dense mask (it builds each chunk pair's as it runs); under Ulysses alone the
-    # mask spans the gathered sequence, s x s on every rank. A score's bytes: a CPU's mask is
-    # additive in the compute dtype (models/llama sdpa_document_mask), a GPU's boolean.
-    kernel = resolve_attention(work.attention, work.document_mask, on_cuda, layout.cp_degrees[0])
-    mask_bytes = 1.0 if on_cuda else act.dtype_bytes(work.precision)
-    mask = mask_bytes * layout.micro_batch_size * s * s if dense_mask(kernel, work.document_mask) else 0.0
+    mask = document_mask_bytes(work, layout, on_cuda)
     if work.runtime.block == "gpt":
         whole = act.gpt_layer_bytes_per_token(m.dim, m.n_heads, s, layout.tp, layout.sp, "none", 1)
         transient = whole if mode in ("full", "selective") else 0.0
