@@ -14,7 +14,7 @@ Document masking is off here: with it, one process would run the dense-mask SDPA
 whose score matrix (s x s per head) is the very memory context parallelism removes,
 and the comparison would flatter cp.
 
-    python benchmarks/context_parallel.py [--seq-len 8192] [--repeats 3] [--threads 4] [--json]
+    python benchmarks/context_parallel.py [--seq-len 8192] [--repeats 3] [--threads 4] [--max-cp 2|4] [--json]
 
 `--json` prints {"env": the machine, "rows": one per run} instead of the table.
 """
@@ -113,17 +113,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=4, help="torch threads of each run in all (a multiple of 4)")
+    ap.add_argument("--max-cp", type=int, default=4, choices=(2, 4),
+                    help="the largest cp degree run: 2 runs cp1 and cp2 alone, on 2 processes at most")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of each run in all (a multiple of --max-cp; default --max-cp)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.threads < 4 or args.threads % 4:
-        ap.error(f"--threads={args.threads} must be a positive multiple of 4 (split evenly over cp4's ranks)")
+    args.threads = args.threads or args.max_cp
+    if args.threads < args.max_cp or args.threads % args.max_cp:
+        ap.error(f"--threads={args.threads} must be a positive multiple of {args.max_cp} (split evenly over the "
+                 f"ranks of cp{args.max_cp})")
+    runs = {name: extra for name, extra in RUNS.items() if int(name.split()[0][2:]) <= args.max_cp}
     env = environment()  # before the runs: the load of what else shares the cores
     if not args.json:
         print(header(env), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(name, extra, args.seq_len, args.repeats, Path(tmp), args.threads)
-                for name, extra in RUNS.items()]
+                for name, extra in runs.items()]
     base = rows[0]["activation_mib_per_rank"]
     for r in rows:
         r["activation_vs_cp1"] = r["activation_mib_per_rank"] / base

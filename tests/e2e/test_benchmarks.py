@@ -279,3 +279,14 @@ def test_ssd_pressure_runs_both_variants_beside_a_hog(tmp_path):
         else:
             assert v["read_gib"] is None and v["written_gib"] is None
     assert list(folder.iterdir()) == []  # the temporary folder and unlinked files: nothing left
+
+
+def test_context_parallel_runs_within_two_processes_with_max_cp_2():
+    """Its cp4 runs started 4 gloo processes whatever the machine: --max-cp 2 runs cp1 and cp2 alone."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "context_parallel.py"), "--max-cp", "2",
+                           "--seq-len", "512", "--repeats", "1", "--json"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert [r["run"] for r in rows] == ["cp1", "cp2 ring"]
+    assert all(positive(r["tokens_per_s"]) for r in rows) and rows[1]["activation_vs_cp1"] < 1.0, rows
