@@ -432,6 +432,24 @@ def chat_records(n: int) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
+def test_a_step_that_reads_more_sequences_than_the_data_holds_is_said(tmp_path, tiny_config, small_prepared):
+    """A seq_len past the data's length left one sequence, read twice by every step, in silence."""
+    from shardline.trainer import Trainer
+
+    (tmp_path / "few.jsonl").write_text("".join(json.dumps({"text": f"a short document number {i}"}) + "\n"
+                                                for i in range(6)))
+    common = [f"data.path={tmp_path / 'few.jsonl'}", f"data.tokenizer={small_prepared / 'tokenizer.json'}",
+              "train.steps=1", "train.eval_interval=0", "checkpoint.interval=0", "data.val_fraction=0",
+              "train.micro_batch_size=2"]
+    Trainer(tiny_config(*common, "train.seq_len=32", "train.global_batch_size=4")).build().train()
+    said = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+            if "batch_repeats_data" in line]
+    assert len(said) == 1 and said[0]["sequences"] < said[0]["global_batch_size"] == 4, said
+    Trainer(tiny_config(*common, "train.seq_len=8", "train.global_batch_size=2", run_dir=tmp_path / "ok")).build()\
+        .train()
+    assert "batch_repeats_data" not in (tmp_path / "ok" / "metrics.jsonl").read_text()
+
+
 def test_a_run_on_conversations_without_replies_says_so(tmp_path, tiny_config, small_prepared):
     """Half the conversations held no assistant turn: packed together, their rows trained nothing, said only
     as a share in the data event, which read as "cut before theirs"."""

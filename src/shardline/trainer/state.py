@@ -213,6 +213,11 @@ class SavedState:
                                conversations_cut=described["conversations_cut"],
                                why="those sequences hold conversations with no assistant turn, or cut before their "
                                    "reply (train.seq_len): they cost steps and train nothing")
+        if described["sequences"] < self.cfg.train.global_batch_size:  # (sampled again within one step)
+            self.metrics.event("batch_repeats_data", step=self.step, sequences=described["sequences"],
+                               global_batch_size=self.cfg.train.global_batch_size,
+                               why="the training data holds fewer sequences than a step reads: each step reads some "
+                                   "twice; give more data, or a smaller train.seq_len or train.global_batch_size")
         if described.get("conversations_cut", 0) >= REPLIES_MISSING * described["documents"]:
             self.metrics.event("conversations_cut_many", step=self.step, cut=described["conversations_cut"],
                                of=described["documents"], why="longer than a sequence: their rest past train.seq_len "
