@@ -33,10 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch.distributed
 
-from shardline.config import Config, apply_override, from_dict, override_list
+from shardline.config import Config, DataConfig, apply_override, from_dict, override_list
 from shardline.data.file_stamps import changed_files
 from shardline.data.sampler import eval_micro_batches
-from shardline.data.validation import split_by_prepare, val_format
+from shardline.data.validation import split_by_prepare, training_val_fraction, val_format
 from shardline.data.shards import tokenizer_file
 from shardline.data.sources import input_files
 from shardline.data.overlaps import split_apart
@@ -141,7 +141,8 @@ def _say_if_split_apart(trained: dict, cfg: Config) -> None:
     the run's split (a folder prepared again with files added holds out other documents): its held-out
     documents may be ones the run trained on, a training loss."""
     theirs = [s.get("path", "") for s in trained.get("mix") or [] if isinstance(s, dict)] or [trained.get("path", "")]
-    found = split_apart([s.path for s in cfg.data.mix] or [cfg.data.path], theirs)
+    held = 0.0 if trained.get("val_path") else trained.get("val_fraction", DataConfig().val_fraction)
+    found = split_apart([s.path for s in cfg.data.mix] or [cfg.data.path], training_val_fraction(cfg), theirs, held)
     if found and speaks_for_the_job():
         print(f"shardline eval: note: {found[0]} reads files the run trained on (its data {found[1]}), with a "
               "held-out split of its own: the documents it holds out may be ones the run trained on", file=sys.stderr)

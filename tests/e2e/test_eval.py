@@ -50,8 +50,11 @@ def test_eval_gives_the_loss_the_run_logged_at_that_step(trained, capsys, small_
     everything = _eval(capsys, str(run / "checkpoints" / "step-000004"), "--batches", "0")  # a checkpoint folder
     assert everything["sequences"] > got["sequences"] and everything["loss"] != got["loss"]
     # Other data given as an override: the raw file the folder was prepared from holds out the same documents
-    raw = _eval(capsys, str(run), f"--data.path={small_corpus}", "--batches", "0")
+    assert main(["eval", str(run), f"--data.path={small_corpus}", "--batches", "0", "--json"]) == 0
+    said = capsys.readouterr()
+    raw = json.loads(said.out.strip().splitlines()[-1])
     assert raw["loss"] == pytest.approx(everything["loss"], rel=1e-6) and raw["data"] == str(small_corpus)
+    assert "split of its own" not in said.err  # (split alike: no note of files read apart)
     # Other windows give another number, which read as the logged one's drift (said on stderr)
     assert main(["eval", str(run), "--train.seq_len=16", "--json"]) == 0
     assert "evaluated in windows of train.seq_len=16 tokens, where the run evaluated in 32: not comparable" in \

@@ -269,19 +269,24 @@ def test_a_prepared_folder_overlaps_the_files_it_was_prepared_from_and_a_folder_
     lines = (root / "train.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "a.jsonl").write_text("".join(lines[::2]))
     (tmp_path / "b.jsonl").write_text("".join(lines[1::2]))
-    for out in ("prep", "copy"):
-        prepare(PrepareOptions(inputs=[str(tmp_path / "a.jsonl")], out=str(tmp_path / out), tokenizer=str(tok),
+    for out, inputs in (("prep", ["a.jsonl"]), ("copy", ["a.jsonl"]), ("more", ["a.jsonl", "b.jsonl"])):
+        prepare(PrepareOptions(inputs=[str(tmp_path / i) for i in inputs], out=str(tmp_path / out), tokenizer=str(tok),
                                progress=False))
 
     def noted(*overrides: str) -> dict:
         return dict(launch_notes(load_config(None, [*overrides, f"data.tokenizer={tok}"]), "cpu", 1.0, 1))
 
-    prep, copy, a, b = (tmp_path / n for n in ("prep", "copy", "a.jsonl", "b.jsonl"))
+    prep, copy, more, a, b = (tmp_path / n for n in ("prep", "copy", "more", "a.jsonl", "b.jsonl"))
     said = noted(f'data.mix=[{{path="{prep}"}}, {{path="{a}"}}]')["mixture_sources_overlap"]
     assert said["sources"] == f"data.mix[0].path={prep} and data.mix[1].path={a}"
-    assert said["why"].endswith("so one may evaluate on what another trains on")
-    said = noted(f'data.mix=[{{path="{prep}"}}, {{path="{copy}"}}]')["mixture_sources_overlap"]  # (one split)
-    assert said["why"] == "their files are read by each: sampled more than the weights say"
+    alike = "their files are read by each: sampled more than the weights say"  # (the same files at one share:
+    assert said["why"] == alike                                                # one split, the same held out)
+    said = noted(f'data.mix=[{{path="{prep}"}}, {{path="{copy}"}}]')["mixture_sources_overlap"]
+    assert said["why"] == alike
+    said = noted(f'data.mix=[{{path="{prep}"}}, {{path="{more}"}}]')["mixture_sources_overlap"]  # (files added:
+    assert said["why"].endswith("so one may evaluate on what another trains on")                 # split apart)
+    said = noted(f'data.mix=[{{path="{prep}"}}, {{path="{a}"}}]', "data.val_fraction=0.2")["mixture_sources_overlap"]
+    assert said["why"].endswith("so one may evaluate on what another trains on")  # (the raw file at another share)
     assert "mixture_sources_overlap" not in noted(f'data.mix=[{{path="{prep}"}}, {{path="{b}"}}]')
     inside = noted(f"data.path={prep}", f"data.val_path={a}")["evaluates_on_training_data"]["inside"]
     assert inside == f"data.path={prep}"

@@ -96,8 +96,8 @@ def _damaged_gzip() -> bytes:
     ("table.csv", "text\nok\n", r"unsupported type; use .* \(optionally .gz\)$"),
     ("nofield.jsonl", '{"body": "x"}\n', "no string field 'text'"),
     ("numtext.jsonl", '{"text": 5}\n', r"has no string field 'text' \(its value: 5\) \(set data.text_field"),
-    ("array.jsonl", '{"text": "ok"}\n["a", "b"]\n', r"line 2 is a JSON list, not an object with 'text'$"),
-    ("bare.jsonl", '"just text"\n', r"line 1 is a JSON str, not an object with 'text'$"),
+    ("array.jsonl", '{"text": "ok"}\n["a", "b"]\n', r"line 2 is a JSON list: give one object a line$"),
+    ("bare.jsonl", '"just text"\n', r"line 1 is a JSON str: give one object a line$"),
     ("empty.txt", "", "contains no text"),
     ("blank.jsonl", "\n\n", "contains no text"),
     ("latin1.txt", b"caf\xe9", "is not UTF-8 text at line 1 .byte offset 3. .unexpected end of data.: convert it, e.g. "

@@ -366,6 +366,10 @@ def test_a_misfit_the_dense_document_mask_makes_names_what_shrinks_it(capsys, tm
             "parallel.cp_mode=ring builds it") in capsys.readouterr().out
     assert main([*common, "--parallel.cp_mode=ring"]) == 0
     assert "document mask takes" not in capsys.readouterr().out
+    assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'gpu'}", "--gpu", "h100-sxm", "--train.attention=sdpa",
+                 "--train.seq_len=65536", "--train.global_batch_size=16", "--train.micro_batch_size=16"]) == 1
+    said = capsys.readouterr().out  # (one rank: no ring to switch to; on a GPU flex or varlen needs no mask)
+    assert "parallel.cp=N with parallel.cp_mode=ring builds it" in said and "train.attention=flex or varlen" in said
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'big'}", "--run.device=cpu", "--model.preset=llama3-70b",
                  "--train.seq_len=256"]) == 1  # (a misfit of the weights: no word of the mask)
     assert "document mask takes" not in capsys.readouterr().out

@@ -1544,6 +1544,15 @@ def test_a_shard_damaged_in_place_is_one_line_at_the_batch_not_an_index_error(tm
     assert data(small_prepared).train.batch(np.arange(4))["input_ids"].max() < 512
 
 
+def test_document_starts_are_checked_across_the_chunks_they_are_read_in():
+    from shardline.data.packing import check_starts
+
+    check_starts(np.array([0, 3, 5, 9, 12], dtype=np.int64), 20, "x", chunk=2)
+    for bad in ([0, 3, 5, 4, 12], [0, 3, 2, 9, 12], [0, 3, 5, 9, 20]):  # (a drop inside a chunk, between two; past)
+        with pytest.raises(DataError, match="^x: its document starts do not rise from 0 inside the 20 tokens"):
+            check_starts(np.array(bad, dtype=np.int64), 20, "x", chunk=2)
+
+
 @pytest.mark.parametrize("edit", ["zeroed", "past_the_end", "first_not_zero"])
 def test_a_document_index_edited_in_place_is_one_line_at_the_launch(tmp_path, small_prepared, edit):
     """An offset of docs.idx changed, its size kept: the run trained with other document masks, in silence."""

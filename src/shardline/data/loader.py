@@ -61,7 +61,7 @@ class DataBundle:
             fields["sources"] = self._shares()
         chat = [p for p in self._sources() if p.rows is not None]
         if chat:  # whole conversations a sequence (data/packing.py): what that costs
-            fields["chat_template"] = self.chat_template
+            fields["chat_template"], fields["conversations"] = self.chat_template, sum(p.num_documents for p in chat)
             width = sum(len(p) for p in chat) * (self.train.seq_len + 1)
             fields["conversations_cut"] = sum(p.rows.truncated for p in chat)
             fields["padding"] = round(1 - sum(int(p.rows.lengths.sum()) for p in chat) / width, 4) if width else 0.0

@@ -13,11 +13,14 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardline.config import Config
 from shardline.data.folders import read_root
 from shardline.data.shards import is_prepared, read_manifest
+from shardline.data.sources import input_files
+from shardline.data.validation import training_val_fraction
 from shardline.errors import ShardlineError
 
 OVERLAP_WHY = "their files are read by each: sampled more than the weights say"
@@ -31,18 +34,40 @@ def source_roots(path: str) -> list[Path]:
         Path(m) for m in glob.glob(path or "", recursive=True)]
 
 
-def _reads(path: str) -> tuple[set[Path], str]:
-    """(the source's roots, a file link by its own name, as HF's cache links its files, a folder by its
-    target; with a prepared folder's input files), and a prepared folder's training fingerprint ("")."""
-    roots = {Path(os.path.realpath(p)) if p.is_dir() else Path(os.path.realpath(p.parent)) / p.name
-             for p in source_roots(path)}
-    fingerprint = ""
-    if path and is_prepared(path):
-        with contextlib.suppress(ShardlineError, OSError, ValueError, TypeError, AttributeError, IndexError):
+@dataclass
+class _Read:
+    """What a source reads: its roots (for overlaps: a folder by its target, a file by its link's name and
+    its target, a prepared folder with the files it was prepared from), those files in reading order with
+    the share held out of them (what decides its split), and a prepared folder's training fingerprint."""
+
+    roots: set[Path]
+    files: tuple[str, ...] = ()
+    fraction: float | None = None
+    fingerprint: str = ""
+
+
+def _reads(path: str, fraction: float) -> _Read:
+    """The source at `path`, read with `fraction` held out where it is raw (a prepared folder's is its own)."""
+    read = _Read(set(), fraction=fraction)
+    for p in source_roots(path):
+        read.roots |= {Path(os.path.realpath(p))} if p.is_dir() else {Path(os.path.realpath(p.parent)) / p.name,
+                                                                      Path(os.path.realpath(p))}
+    with contextlib.suppress(ShardlineError, OSError, ValueError, TypeError, AttributeError, IndexError, KeyError):
+        if path and is_prepared(path):
             manifest = read_manifest(Path(path))
-            roots |= {Path(entry[0]) for entry in manifest.get("request", {}).get("inputs", [])}
-            fingerprint = manifest.get("train_fingerprint") or ""
-    return roots, fingerprint
+            read.files = tuple(entry[0] for entry in manifest["request"]["inputs"])
+            read.roots |= set(map(Path, read.files))
+            read.fraction, read.fingerprint = manifest.get("val_fraction"), manifest.get("train_fingerprint") or ""
+        elif path:
+            read.files = tuple(str(f.resolve()) for f in input_files(path))
+    return read
+
+
+def _split_alike(a: _Read, b: _Read) -> bool:
+    """Whether two sources hold out the same documents: the same training tokens, or the same files in
+    the same order at the same share (prepare splits a stream as a run splits its raw files)."""
+    return bool(a.fingerprint and a.fingerprint == b.fingerprint) or (
+        bool(a.files) and a.files == b.files and a.fraction == b.fraction)
 
 
 def _meet(mine: set[Path], theirs: set[Path]) -> bool:
@@ -55,15 +80,16 @@ def _meet(mine: set[Path], theirs: set[Path]) -> bool:
 def overlapping_sources(cfg: Config) -> tuple[str, str]:
     """Two data.mix sources that read the same files in the same way (one folder inside another, the same
     pattern, a prepared folder and a file it was prepared from, two folders prepared alike): (`key=path and
-    key=path`, why it matters); ("", "") for none."""
-    read = [(f"data.mix[{i}].path={s.path}", *_reads(s.path), is_prepared(s.path),
+    key=path`, why it matters); ("", "") for none. Each holds out its own documents, unless split alike."""
+    fraction = training_val_fraction(cfg)
+    read = [(f"data.mix[{i}].path={s.path}", _reads(s.path, fraction),
              (s.format or cfg.data.format, s.text_field or cfg.data.text_field))
             for i, s in enumerate(cfg.data.mix) if s.path]
-    for i, (key, mine, print_, prepared, how) in enumerate(read):
-        for other, theirs, their_print, their_prepared, their_how in read[i + 1:]:
-            if (how == their_how and _meet(mine, theirs)) or (print_ and print_ == their_print):
-                # (two prepared folders' splits are prepare's: the same files give the same split)
-                held = "" if cfg.data.val_path or (prepared and their_prepared) else HELD_OUT_APART
+    for i, (key, mine, how) in enumerate(read):
+        for other, theirs, their_how in read[i + 1:]:
+            if (how == their_how and _meet(mine.roots, theirs.roots)) or (
+                    mine.fingerprint and mine.fingerprint == theirs.fingerprint):
+                held = "" if cfg.data.val_path or _split_alike(mine, theirs) else HELD_OUT_APART
                 return f"{key} and {other}", OVERLAP_WHY + held
     return "", ""
 
@@ -73,25 +99,24 @@ def val_path_in_training_data(cfg: Config) -> str:
     alike), as `key=path`, where it is evaluated on; "" for none."""
     if not cfg.data.val_path or not cfg.train.eval_interval:
         return ""
-    val, val_print = _reads(cfg.data.val_path)
+    val = _reads(cfg.data.val_path, 0.0)
     for key, path in [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [
             ("data.path", cfg.data.path)]:
-        read, fingerprint = _reads(path)
-        if any(v.is_relative_to(r) or r.is_relative_to(v) for v in val for r in read) or (
-                val_print and val_print == fingerprint):
+        read = _reads(path, 0.0)
+        if _meet(val.roots, read.roots) or (val.fingerprint and val.fingerprint == read.fingerprint):
             return f"{key}={path}"
     return ""
 
 
-def split_apart(evaluated: list[str], trained: list[str]) -> tuple[str, str] | None:
-    """A source evaluated on that reads files a run trained on, split by its own held-out rule (another
-    folder prepared from some of them, a raw file the run read through a folder): (it, the trained
-    source), else None. The same source, or a folder prepared alike, is split alike: none."""
+def split_apart(evaluated: list[str], fraction: float, trained: list[str], trained_fraction: float
+                ) -> tuple[str, str] | None:
+    """A source evaluated on (with `fraction` held out) that reads files a run trained on (with
+    `trained_fraction`), split otherwise (another folder prepared from some of them, or at another
+    share): (it, the trained source), else None. A source split alike holds out the same documents."""
+    theirs = [(path, _reads(path, trained_fraction)) for path in filter(None, trained)]
     for mine in filter(None, evaluated):
-        reads, fingerprint = _reads(mine)
-        for theirs in filter(None, trained):
-            their_reads, their_print = _reads(theirs)
-            same = os.path.realpath(mine) == os.path.realpath(theirs) or (fingerprint and fingerprint == their_print)
-            if not same and _meet(reads, their_reads):
-                return mine, theirs
+        read = _reads(mine, fraction)
+        for path, their in theirs:
+            if _meet(read.roots, their.roots) and not _split_alike(read, their):
+                return mine, path
     return None

@@ -310,8 +310,8 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"data file {f} line {n} is not valid JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(obj, dict):  # (a list or a bare string: JSON lines hold one record, an object, a line)
-                raise DataError(f"data file {f} line {n} is a JSON {type(obj).__name__}, not an object with {field!r}")
+            if not isinstance(obj, dict):  # (a list, a bare string: JSON lines hold one record, an object, a line)
+                raise DataError(f"data file {f} line {n} is a JSON {type(obj).__name__}: give one object a line")
             value = obj.get(field)
             if field == CHAT_FIELD:
                 messages = conversation(f, f"line {n}", record_messages(obj))
@@ -320,7 +320,7 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
                 yield messages
             elif isinstance(value, str):
                 yield _encodable(f, n, value)
-            elif value is None and isinstance(obj, dict) and field in obj:  # null, as a parquet null row: an
+            elif value is None and field in obj:  # null, as a parquet null row: an
                 yield ""  # empty document, counted as one (a missing field is likely the wrong data.text_field)
             else:
                 chat = isinstance(record_messages(obj), list)  # a conversation, not text

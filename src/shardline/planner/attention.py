@@ -97,8 +97,9 @@ def mask_hint(work: Workload, layout: Layout, on_cuda: bool, total: float) -> st
     mask = document_mask_bytes(work, layout, on_cuda)
     if mask < total / 4:
         return ""
+    ring = "parallel.cp_mode=ring" if layout.cp > 1 else "parallel.cp=N with parallel.cp_mode=ring"
     return (f"the dense s x s document mask takes {mask / 2**30:.2f} GiB of it, whole on each rank but under a ring: "
-            "parallel.cp_mode=ring builds it a chunk pair at a time, train.document_mask=false drops it"
+            f"{ring} builds it a chunk pair at a time, train.document_mask=false drops it"
             + (", train.attention=flex or varlen needs none" if on_cuda else ""))
 
 

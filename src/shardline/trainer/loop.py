@@ -350,7 +350,6 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         """
         self.model.train()
         micro, n_tokens = self.guard.reads(self._step_batch)()  # it reads too: the labels it counts
-        self.labelled_tokens = n_tokens  # (the log's, for chat data: the targets among the step's tokens)
         if self.experts:  # the balancing losses' gradients are scaled as the loss's are
             self.experts.begin_step(self.scaler.scale(torch.ones((), device=self.device)))
         loss = self.runner.forward_backward_step(micro, self.guard.reads(self.data.train.batch), n_tokens)
@@ -366,11 +365,13 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
 
         Every rank counts the labelled tokens of the whole global batch from the data
         itself (each holds the dataset), so the global mean needs no collective. A batch with
-        none (chat data whose windows hold no assistant turn) counts one: loss and gradients 0.
+        none (chat data whose windows hold no assistant turn) counts one: loss and gradients 0
+        (the log's labelled_tokens says 0).
         """
         sampler, batch = self.data.sampler, batch_index(self.step, self.skipped_batches)
         micro = sampler.rank_micro_batches(batch, self.dims.dp_rank(), self.dims.dp, self.cfg.train.micro_batch_size)
-        return micro, max(self.data.train.count_labels(sampler.global_batch(batch)), 1)
+        self.labelled_tokens = self.data.train.count_labels(sampler.global_batch(batch))
+        return micro, max(self.labelled_tokens, 1)
 
     def apply_update(self) -> bool:
         """Optimizer and schedule step; True when the fp16 loss scaler skipped the update."""

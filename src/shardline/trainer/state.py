@@ -218,10 +218,11 @@ class SavedState:
                                global_batch_size=self.cfg.train.global_batch_size,
                                why="the training data holds fewer sequences than a step reads: each step reads some "
                                    "twice; give more data, or a smaller train.seq_len or train.global_batch_size")
-        if described.get("conversations_cut", 0) >= REPLIES_MISSING * described["documents"]:
+        if described.get("conversations_cut", 0) >= REPLIES_MISSING * described.get("conversations", 0) > 0:
             self.metrics.event("conversations_cut_many", step=self.step, cut=described["conversations_cut"],
-                               of=described["documents"], why="longer than a sequence: their rest past train.seq_len "
-                                                              "is not trained on (a later reply lost)")
+                               of=described["conversations"],
+                               why="longer than a sequence: their rest past train.seq_len is not trained on (a later "
+                                   "reply lost)")
         held = held_out_note(self.cfg, self.data.train, self.data.val)
         if held:
             self.metrics.event("held_out_large", step=self.step, **held)
