@@ -3,9 +3,10 @@ their weights say), or data.val_path inside a training source (an eval loss that
 Allowed, but rarely meant: the launch and the dry run name them.
 
 A source reads its roots (a folder, a file, a pattern's matches; a DatasetDict's train split), a
-path through a link as its target's, and a prepared folder also the files it was prepared from (as
-its manifest lists them) and its training tokens' fingerprint: two folders prepared from the same
-files alike hold the same documents, whatever their paths.
+file by its link's name and its target, and a prepared folder also the files it was prepared from
+(as its manifest lists them) and its training tokens' fingerprint: two folders prepared from the
+same files alike hold the same documents, whatever their paths. Two sources split alike (the same
+files in order at the same share) hold out the same documents; others each their own.
 """
 
 from __future__ import annotations
