@@ -62,7 +62,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
             lower = "lower train.micro_batch_size, or " if cfg.train.micro_batch_size > 1 else ""
             print(f"shardline: the planner's memory estimate does not fit the device (exit 1); {lower}set "
                   "train.loss_chunk_tokens or memory.activation_checkpoint, or raise parallel.tp or parallel.cp "
-                  "(`shardline plan` searches them)", file=sys.stderr)
+                  "(more ranks), or offload (memory.cpu_offload) (`shardline plan` searches them)", file=sys.stderr)
             return 1
         return 0
     if args.world_size is not None or args.gpu is not None:

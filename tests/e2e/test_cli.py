@@ -119,7 +119,9 @@ def test_a_relaunch_takes_the_saved_config_unless_told_another(tmp_path, capsys)
     save_config(load_config(None, ["model.dim=64", "train.steps=12"]), done / "config.toml")
     (done / "progress.json").write_text('{"run_complete": true, "high_water_step": 12}')
     with pytest.raises(ConfigError, match=re.escape(f"run.dir={done} holds a run that trained to its end (step 12) "
-                                                    "and holds no checkpoint of it: nothing to resume or extend")):
+                                                    "and holds no checkpoint of it: nothing to resume or extend; "
+                                                    "another --run.dir trains anew (--config FILE: another run in "
+                                                    "this folder")):  # (not run.resume=never: refused over records)
         _relaunch_config(None, [f"run.dir={done}", "train.steps=20"])
     assert _relaunch_config(None, [f"run.dir={done}", "run.resume=never"]).model.dim == 0  # (asked: another run)
     (tmp_path / "ckpt").mkdir()  # (a checkpoint named: the launch's own word)
@@ -133,7 +135,7 @@ def test_a_relaunch_takes_the_saved_config_unless_told_another(tmp_path, capsys)
            "unknown config key train.unknown_later_key): this launch takes the defaults" in capsys.readouterr().err
     (done / "config.toml").write_text("")  # emptied by a crash: an in-memory snapshot run's went on as the defaults
     with pytest.raises(ConfigError, match=re.escape(f"{done / 'config.toml'}, the config of a run that trained (to "
-                                                    "step 5), is emptied or cut short")):
+                                                    "step 5), is emptied, cut short (a crash?) or not TOML")):
         _relaunch_config(None, [f"run.dir={done}"])
 
 

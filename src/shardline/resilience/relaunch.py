@@ -118,12 +118,12 @@ def _refuse_a_finished_run(run_dir: Path, saved: Path) -> None:
     account = read_account(run_dir) or {}  # (damaged: _readable's note is all there is to say)
     if account.get("high_water_step") and not _whole(saved):
         raise ConfigError(f"{saved}, the config of a run that trained (to step {account['high_water_step']}), is "
-                          "emptied or cut short (a crash?): what it resumes cannot be read from it; give --config "
-                          "FILE with the run's settings (--run.resume=never: another run in this folder)")
+                          "emptied, cut short (a crash?) or not TOML: what it resumes cannot be read from it; give "
+                          "--config FILE with the run's settings")
     if _trained_to_its_end(account, reader.read_toml(saved).get("train", {}).get("steps", 0) if _whole(saved) else 0):
         raise ConfigError(f"run.dir={run_dir} holds a run that trained to its end (step "
                           f"{account.get('high_water_step', '?')}) and holds no checkpoint of it: nothing to resume or "
-                          "extend; another --run.dir trains anew (--config FILE or --run.resume=never: another run "
+                          "extend; another --run.dir trains anew (--config FILE: another run "
                           "in this folder, whose records follow this one's)")
 
 
