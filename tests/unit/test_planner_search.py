@@ -467,3 +467,21 @@ def test_a_long_sequence_plan_says_how_much_of_the_counted_flops_the_devices_run
     assert ("at seq 131,072 the scores are 82% of the FLOPs MFU counts and the cp ring computes 50% of them: the "
             "devices run about 59% of the FLOPs counted") in out
     assert "the scores are" not in run_cli(capsys, *PLAN_8B, "--top", "1")[1]  # (seq 4096: 6N is most of them)
+
+
+def test_the_network_between_nodes_is_given_on_the_command_line(capsys):
+    """An ops engineer's cluster (a 100G NIC a GPU, a 2:1 fabric) needed a --profile file: the flags price
+    it, the report says so, and nonsense is one line."""
+    from shardline.cli import main
+
+    argv = ["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "64", "--seq-len", "8192",
+            "--global-batch", "512", "--top", "1", "--json"]
+    assert main(argv) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--inter-bw-gbs", "12.5", "--oversubscription", "2"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert slow["candidates"][0]["tokens_per_s"] < fast["candidates"][0]["tokens_per_s"]
+    assert slow["priced_by"].endswith("; between nodes --inter-bw-gbs 12.5 --oversubscription 2"), slow["priced_by"]
+    for bad, says in ((["--inter-bw-gbs", "0"], "--inter-bw-gbs 0 must be > 0"),
+                      (["--oversubscription", "0.5"], "--oversubscription 0.5 must be >= 1")):
+        assert main([*argv, *bad]) == 2 and says in capsys.readouterr().err

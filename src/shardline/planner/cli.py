@@ -87,6 +87,11 @@ def _device_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--gpus", type=int, required=required, metavar="N", help="number of devices")
     p.add_argument("--gpus-per-node", type=int, metavar="G",
                    help="devices per node (default: the profile's, else the table's: 8 for GPUs, all one node for cpu)")
+    p.add_argument("--inter-bw-gbs", type=float, metavar="GB/S",
+                   help="each device's share of the links between nodes, GB/s a direction (default: the profile's, "
+                        "else the table's: 50 for h100/h200/b200's 400G NIC a GPU)")
+    p.add_argument("--oversubscription", type=float, metavar="X",
+                   help="the fabric above the leaf switches carries 1/X of full bisection (default 1)")
     p.add_argument("--profile", metavar="FILE", help="hardware profile/override TOML (e.g. from calibrate)")
 
 
@@ -114,11 +119,24 @@ def _hardware(args: argparse.Namespace, name: str) -> Hardware:
         if args.gpus_per_node < 1:
             raise ConfigError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
         hw = dataclasses.replace(hw, network=dataclasses.replace(hw.network, gpus_per_node=args.gpus_per_node))
-    return hw
+    links = {k: v for k, v in (("inter_bw_gbs", args.inter_bw_gbs), ("oversubscription", args.oversubscription))
+             if v is not None}  # (a cluster's network said on the command line, as a profile's [network] says it)
+    for key, value in links.items():
+        if not value > 0 or (key == "oversubscription" and value < 1):
+            raise ConfigError(f"--{key.replace('_', '-')} {value:g} must be " + (">= 1" if key == "oversubscription"
+                                                                               else "> 0"))
+    return dataclasses.replace(hw, network=dataclasses.replace(hw.network, **links)) if links else hw
 
 
 def _priced_by(args: argparse.Namespace, hw: Hardware) -> str:
-    """What the figures the prediction rests on come from: a profile, or the table's own."""
+    """What the figures the prediction rests on come from (a profile, or the table's own), and the
+    network the command line gave."""
+    given = [f"--{k} {getattr(args, k.replace('-', '_')):g}" for k in ("inter-bw-gbs", "oversubscription")
+             if getattr(args, k.replace('-', '_'), None) is not None]
+    return _priced_by_tables(args, hw) + (f"; between nodes {' '.join(given)}" if given else "")
+
+
+def _priced_by_tables(args: argparse.Namespace, hw: Hardware) -> str:
     if args.profile:  # (a comm-bench profile holds [network] alone: the rest is the base's)
         given = sorted(read_profile(args.profile)) if Path(args.profile).is_file() else []
         tables = ", ".join(k for k in given if k not in ("base", "measured")) or "nothing"  # ([measured]: a record)
