@@ -35,6 +35,12 @@ class DataError(ShardlineError):
     """A data path, data file or tokenizer that cannot be read or used."""
 
 
+class ModelError(ShardlineError, ValueError):
+    """A model changed in the code but not where the system reads it: a module added to the model
+    and not to its parameter count, or to its tensor-parallel plan. Said in one line naming the
+    file to change, not a traceback per rank inside the launcher's report."""
+
+
 class CheckpointError(ShardlineError):
     """A checkpoint that is missing, incomplete or does not match the run."""
 

@@ -47,6 +47,9 @@ def test_each_kind_keeps_its_code():
     assert isinstance(CheckpointUnreadable("x"), errors.CheckpointError)  # (caught as one by the resume's search)
     assert exit_code(errors.RunDirInUse("in use")) == TRY_LATER and isinstance(errors.RunDirInUse(""), ConfigError)
     assert exit_code(_raised_while(OSError(errno.EIO, "x"), AnomalyHalt("loss is nan"))) == 3  # (not a retry)
+    # a model changed in the code but not in its count or tp plan: one line (a ValueError still, to a caller)
+    assert exit_code(errors.ModelError("parameter x has no tensor-parallel layout")) == 2
+    assert isinstance(errors.ModelError(""), ValueError)
 
 
 @pytest.mark.parametrize("code,kind", [(errno.EIO, TryLater), (errno.EACCES, errors.ShardlineError)])

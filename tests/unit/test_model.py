@@ -116,3 +116,22 @@ def test_a_module_the_parameter_count_misses_is_refused_at_build(tiny_config, mo
     with pytest.raises(ValueError, match="parameters where models/flops.num_params counts .*: a module added to the "
                                          "model needs its count there too"):
         Trainer(tiny_config("train.steps=1")).build()
+
+
+def test_every_model_key_reaches_the_model():
+    """A [model] key added to the config but not where model_shape applies the keys validated, was saved,
+    and built the preset's model in silence (a walkthrough's new switch): each key here must change it."""
+    import dataclasses
+
+    from shardline.config import ModelConfig
+    from shardline.interop.model_shape import model_shape
+
+    base = model_shape(ModelConfig(preset="tiny"), 512)
+    values = {"dim": 512, "n_layers": 3, "n_heads": 16, "n_kv_heads": 2, "head_dim": 32, "ffn_dim": 384,
+              "vocab_size": 1024, "rope_theta": 123.0}
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in ("preset", "hf_path", "init_from"):  # (where the shape comes from, not a shape)
+            continue
+        value = int(not getattr(base, f.name)) if f.default == -1 else values[f.name]  # (a switch: the other way)
+        built = model_shape(ModelConfig(preset="tiny", **{f.name: value}), 512)
+        assert built != base, f"model.{f.name}={value} builds the preset's model: apply it in interop/model_shape.py"

@@ -19,6 +19,8 @@ float8 styles are not used (their float8 all-gather cannot run on gloo; parallel
 
 from __future__ import annotations
 
+import re
+
 from typing import Callable
 
 import torch
@@ -34,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardline.config import Config
+from shardline.errors import ModelError
 from shardline.layout import V_SHAPED
 from shardline.models.attention import attention_core, resolve_attention, use_attention
 from shardline.models.factory import build_meta_model
@@ -60,7 +63,7 @@ def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, device: torch.
     model = build_meta_model(args)
     held, counted = sum(p.numel() for p in model.parameters()), num_params(args)  # (on meta: no memory)
     if held != counted:  # (a module added to the model, not to the count: MFU, the planner and the logs read it)
-        raise ValueError(f"the model holds {held:,} parameters where models/flops.num_params counts {counted:,}: "
+        raise ModelError(f"the model holds {held:,} parameters where models/flops.num_params counts {counted:,}: "
                          "a module added to the model needs its count there too")
     if dims.needs_mesh:
         # Tied ends on two pp ranks need a group to sum the tied gradient (V-shaped
@@ -96,8 +99,8 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
         apply_tp(model, dims.submesh("tp"), p.sequence_parallel, p.loss_parallel)
     if family_plan is not None:
         family_plan(model)
-    if dims.tp > 1 and p.sequence_parallel:
-        refuse_unplanned(model)
+    if dims.tp > 1:
+        refuse_unplanned(model, p.sequence_parallel)
     # Compile after AC (the checkpoint traced with the block), except under tp, where the
     # checkpoint wraps the compiled forward (parallel/compile.py); always before FSDP (hooks outside).
     compiled = compile_options(dims.layout, cfg.memory.activation_checkpoint)
@@ -119,17 +122,23 @@ def parallelize(model: Llama, args: ModelArgs, dims: ParallelDims, cfg: Config, 
     return BuiltModel(model, forward, pipeline, context)
 
 
-def refuse_unplanned(model: nn.Module) -> None:
+def refuse_unplanned(model: nn.Module, sequence_parallel: bool) -> None:
     """Under sequence parallelism every parameter is a DTensor its plan laid out. One no style
     reached stays a plain tensor on each rank whose module sees this rank's tokens alone, so its
-    gradient differs across the tp ranks and their copies drift apart, in silence. (Without it the
-    norms stay plain on the replicated stream, as one process computes them.)"""
-    plain = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
+    gradient differs across the tp ranks and their copies drift apart, in silence. Without it the
+    norms stay plain on the replicated stream, as one process computes them; but one inside a block's
+    attention or feed-forward sees this rank's heads or columns alone, and drifts the same way (a
+    module is planned by its name: a bare parameter goes in a small module of its own)."""
+    inside = re.compile(r"(^|\.)layers\.\d+\.(attention|feed_forward)\.")
+    plain = [name for name, param in model.named_parameters()
+             if not isinstance(param, DTensor) and (sequence_parallel or inside.search(name))]
     if plain:
-        raise ValueError(f"parameter {plain[0]} has no tensor-parallel layout ({len(plain)} such): a module added "
-                         "to the model needs its entry in apply_tp's sequence-parallel plan in "
-                         "models/llama/parallelize.py (a norm: SequenceParallel; a projection: ColwiseParallel or "
-                         "RowwiseParallel), or parallel.sequence_parallel=false")
+        raise ModelError(f"parameter {plain[0]} has no tensor-parallel layout ({len(plain)} such): a module added "
+                         "to the model needs its entry in apply_tp's plan in models/llama/parallelize.py (a norm: "
+                         "SequenceParallel; a projection: ColwiseParallel or RowwiseParallel; a bare parameter: "
+                         "wrapped in a module of its own)"
+                         + (", or parallel.sequence_parallel=false" if sequence_parallel and not inside.search(plain[0])
+                            else ""))
 
 
 def move_buffers(model: nn.Module, device: torch.device) -> None:
