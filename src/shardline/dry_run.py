@@ -281,8 +281,8 @@ def _experts_line(moe, lay) -> str:
         f", {moe.shared_experts} shared" * bool(moe.shared_experts)
     held = (f"{moe.n_experts // lay.ep} a rank over ep={lay.ep} (tokens reach them by all-to-all)" if lay.ep > 1
             else "not split by expert (parallel.ep=1): laid out as the other weights")
-    efsdp, cut = lay.dp_shard * lay.cp // lay.ep, "optimizer states" if lay.dp_mode == "zero1" else "weights"
-    where = f"; their {cut} cut over efsdp={efsdp} rank(s)" if efsdp > 1 and lay.ep > 1 else ""
+    cut = "optimizer states" if lay.dp_mode == "zero1" else "weights"
+    where = f"; their {cut} cut over efsdp={lay.efsdp} rank(s)" if lay.efsdp > 1 else ""
     return f"experts   {moe.n_experts} routed, top-{moe.top_k}, {how}; {held}{where}"
 
 

@@ -375,7 +375,7 @@ def hf_export_problem(args: ModelArgs) -> str | None:
 
 def hf_balance_coef(args: ModelArgs) -> float:
     """moe.aux_loss_coef as HF's router_aux_loss_coef (see models/moe/args.py)."""
-    return balance_coef_to_hf(args.moe.aux_loss_coef, args.moe.top_k, args.n_layers - args.moe.first_dense_layers)
+    return balance_coef_to_hf(args.moe.aux_loss_coef, args.moe.top_k, args.n_moe_layers)
 
 
 def _moe_config_dict(args: ModelArgs, llama: dict[str, Any]) -> dict[str, Any]:

@@ -72,6 +72,12 @@ class Layout:
         return self.dp_shard * self.cp
 
     @property
+    def efsdp(self) -> int:
+        """Ranks that hold the same routed experts but see other tokens (1 without expert parallelism):
+        the experts' weights, or ZeRO-1's states of them, are cut over these (parallel/dims.py)."""
+        return self.shard_degree // self.ep if self.ep > 1 else 1
+
+    @property
     def offload_fsdp(self) -> bool:
         """CPU offload is FSDP2's (zero 2 or 3), so it wraps the model in FSDP2 even where no
         rank shares its states: at shard degree 1 over a size-1 shard dimension (one rank, or

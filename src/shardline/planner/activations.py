@@ -150,7 +150,7 @@ def routed_ffn_width(model: ModelArgs) -> float:
 
 def _moe_share(model: ModelArgs) -> float:
     """The share of the blocks that are MoE blocks (the first_dense_layers are not)."""
-    return (model.n_layers - model.moe.first_dense_layers) / model.n_layers
+    return model.n_moe_layers / model.n_layers
 
 
 def llama_compiled_block(model: ModelArgs, precision: str) -> list[Saved]:

@@ -79,7 +79,7 @@ def expert_layer_params(work: Workload, tp: int) -> float:
     moe = getattr(m, "moe", None)
     if moe is None:
         return 0.0
-    return 3 * m.dim * moe.n_experts * moe.expert_ffn_dim * (m.n_layers - moe.first_dense_layers) / m.n_layers / tp
+    return 3 * m.dim * moe.n_experts * moe.expert_ffn_dim * m.n_moe_layers / m.n_layers / tp
 
 
 def ranks(work: Workload, layout: Layout) -> tuple[RankStages, ...]:
@@ -214,8 +214,7 @@ def zero1_step_bytes(work: Workload, layout: Layout, psi: float, away: float) ->
     # One cut gathered at a time (its buffers freed before the next): the dense parameters over
     # the shard dim, under ep this rank's experts over efsdp (nothing to gather on one rank).
     experts = away / (layout.ep - 1) if layout.ep > 1 else 0.0
-    efsdp = n // layout.ep if layout.ep > 1 else 1
-    cuts = [(held - experts, n)] + ([(experts, efsdp)] if experts and efsdp > 1 else [])
+    cuts = [(held - experts, n)] + ([(experts, layout.efsdp)] if experts and layout.efsdp > 1 else [])
     gather = max(4 * p + 8 * p / ranks for p, ranks in cuts)
     return (4 + work.runtime.grad_bytes) * held + 8 * psi / n + gather
 

@@ -39,11 +39,12 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         _keep_saved_precision(cfg, saved)
     if config is not None or cfg.run.resume == "never" or not found:
         return cfg
-    held = resumable(Path(cfg.run.dir), saved)
+    held, loaded = resumable(Path(cfg.run.dir), saved), None
     if not held:
         if cfg.run.resume == "auto":  # (a checkpoint named, or latest: the launch's own word on it)
             _refuse_a_finished_run(Path(cfg.run.dir), saved)
-        if not _readable(cfg, saved, overrides):
+        loaded = _read_saved(cfg, saved, overrides)
+        if loaded is None:
             return cfg
     if printing and speaks_for_the_job():  # (a config printed to start from: not the defaults, where a run is there)
         print(f"shardline: {cfg.run.dir} holds {held or 'a run whose last launch saved nothing to resume'}: this is "
@@ -54,7 +55,7 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
                 "training it again from step 0")
         print(f"shardline: {cfg.run.dir} {what} with the config.toml it saved and the overrides given (--config "
               "names another file)")  # stdout: stderr holds the one-line errors
-    cfg = _steps_not_replaced(load_relaunch_config(saved, cfg.run.dir, overrides), overrides)
+    cfg = _steps_not_replaced(loaded or load_relaunch_config(saved, cfg.run.dir, overrides), overrides)
     given = _given(overrides)
     if "parallel.cp_mode" in given and "parallel.cp_ulysses" not in given and cfg.parallel.cp_mode != "hybrid":
         cfg.parallel.cp_ulysses = ParallelConfig().cp_ulysses  # (the saved hybrid's split: no other mode reads it)
@@ -115,7 +116,7 @@ def _refuse_a_finished_run(run_dir: Path, saved: Path) -> None:
     defaults trained into its folder (another model, its history cut) where nothing was left to do.
     And one that trained whose config.toml is emptied or cut short (a crash before its data reached
     the disk): its in-memory snapshots, which resumable() reads of that file, were passed over in silence."""
-    account = read_account(run_dir) or {}  # (damaged: _readable's note is all there is to say)
+    account = read_account(run_dir) or {}  # (damaged: _read_saved's note is all there is to say)
     if account.get("high_water_step") and not _whole(saved):
         raise ConfigError(f"{saved}, the config of a run that trained (to step {account['high_water_step']}), is "
                           "emptied, cut short (a crash?) or not TOML: what it resumes cannot be read from it; give "
@@ -142,14 +143,13 @@ def _whole(saved: Path) -> bool:
         return False
 
 
-def _readable(cfg: Config, saved: Path, overrides: list[str]) -> bool:
-    """Whether the config.toml of a launch that saved nothing to resume (killed in start-up, or
-    before its first save) reads: a relaunch by --run.dir alone then trains that run again from
-    step 0 (a requeue took the defaults: another model on the shipped corpus, in its folder).
-    One damaged or hand-edited past reading is said, and the launch takes the defaults."""
+def _read_saved(cfg: Config, saved: Path, overrides: list[str]) -> Config | None:
+    """The config.toml of a launch that saved nothing to resume (killed in start-up, or before its
+    first save), read as a relaunch reads it: a relaunch by --run.dir alone then trains that run
+    again from step 0 (a requeue took the defaults: another model on the shipped corpus, in its
+    folder). One damaged or hand-edited past reading is said (None), and the launch takes the defaults."""
     try:
-        load_relaunch_config(saved, cfg.run.dir, overrides)
-        return True
+        return load_relaunch_config(saved, cfg.run.dir, overrides)
     except (ShardlineError, TypeError, ValueError) as e:
         if speaks_for_the_job():
             first = str(e).split("; valid")[0]  # (its key, not the list of valid ones)
@@ -157,7 +157,7 @@ def _readable(cfg: Config, saved: Path, overrides: list[str]) -> bool:
                    f"not a config this shardline reads: {first}")
             print(f"shardline: note: {saved} is not read (its launch saved nothing to resume, and it is {why}): "
                   "this launch takes the defaults and the overrides given", file=sys.stderr)
-        return False
+        return None
 
 
 def _check_relative_data(cfg: Config, saved: Path, given: set[str]) -> None:

@@ -55,6 +55,11 @@ class ModelArgs:
         return self.moe.n_experts if self.moe else 0
 
     @property
+    def n_moe_layers(self) -> int:
+        """Blocks with a routed feed-forward: all past the dense first ones (0: a dense model)."""
+        return self.n_layers - self.moe.first_dense_layers if self.moe else 0
+
+    @property
     def moe_top_k(self) -> int:
         return self.moe.top_k if self.moe else 0
 

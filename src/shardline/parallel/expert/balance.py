@@ -34,7 +34,7 @@ class ExpertBalance:
         # (token, slot) pairs a step routes over every MoE layer (the whole model's, whichever stage logs): what
         # dropped_share counts the dropped against
         moe = args.moe if args is not None else None
-        self.slots = global_batch * seq_len * moe.top_k * (args.n_layers - moe.first_dense_layers) if moe else 0
+        self.slots = global_batch * seq_len * moe.top_k * args.n_moe_layers if moe else 0
         self.forwards = dims.layout.micro_batches(global_batch)  # counted forwards per layer and step
         self.loads: torch.Tensor | None = None  # [layers, experts] of the last step, summed over ranks
 
