@@ -15,7 +15,7 @@ import torch
 
 from shardline.data.sampler import batch_index
 from shardline.errors import AnomalyHalt, CheckpointError, on_every_rank
-from shardline.parallel.distributed import agreed
+from shardline.parallel.distributed import agreed, say_for_node
 from shardline.resilience.checkpoint import step_dir_name
 from shardline.resilience.recovery import agree_on_resume, rank0_decides
 
@@ -223,6 +223,7 @@ class AnomalyResponse:
             self.metrics.event("halt", step=event["step"], checkpoint=str(saved) if written else None)
             self.metrics.close()
         self.lock.release()
+        say_for_node(self.proc, f"ended at step {self.step}: halted ({event['anomaly']} at step {event['step']})")
         why = f"; {event['reason']}" if "reason" in event else ""
         batch = batch_index(event["step"] - 1, self.skipped_batches)  # what train.skip_batches takes, not the step
         value = f"z-score {event['zscore']:.4g}, loss {event['loss']:.4g}" if "zscore" in event else \
