@@ -20,8 +20,7 @@ token runs the whole window again (its positions start at 0, as in training, so 
 keys no longer fit). Generation stops at any end token: the tokenizer's end-of-document
 token (what training put after each document) and the HF folder's `eos_token_id`s (config and
 generation_config.json). A mixture of experts runs dropless here whatever its `capacity_factor`:
-with capacity, the newest token, last in each expert's queue, would be the one dropped. For
-serving, `convert to-hf` and an inference engine.
+with capacity, the newest token, last in each expert's queue, would be the one dropped.
 """
 
 from __future__ import annotations
@@ -113,7 +112,7 @@ class Generator:
             return [self.document_end]
         return with_bos(ids, self.bos) if bos or self.trained_bos else ids
 
-    def chat_prompt(self, prompt: str, system: str = "") -> str:
+    def chat_prompt(self, prompt: str, system: str | None = None) -> str:
         """The user's message `prompt` (after the system's, if any) as chat training renders a
         conversation, then the header of the assistant's reply."""
         self._check_template()
@@ -123,10 +122,10 @@ class Generator:
         if self.template_error:
             raise DataError(self.template_error)
 
-    def chat_ids(self, prompt: str, system: str = "") -> list[int]:
+    def chat_ids(self, prompt: str, system: str | None = None) -> list[int]:
         """chat_prompt's ids, encoded a message at a time as chat training encodes them."""
         self._check_template()
-        _check_utf8(prompt, system)
+        _check_utf8(prompt, system or "")
         return encode_reply_prompt(self.tokenizer, _messages(prompt, system), self.template)
 
     def turn_end(self) -> tuple[frozenset[int], str]:
@@ -139,7 +138,7 @@ class Generator:
         return stop, marker if marker and self.tokenizer.token_to_id(marker) is None else ""
 
     def complete(self, prompt: str, opts: SampleOptions | None = None, bos: bool = False, chat: bool = False,
-                 system: str = "") -> str:
+                 system: str | None = None) -> str:
         """The text generated after `prompt` (end tokens and markers left out; `opts` None: the defaults).
         Decoded with the prompt and cut after it: decoded alone, a SentencePiece continuation loses its
         leading space."""
@@ -203,15 +202,16 @@ def _check_utf8(*texts: str) -> None:
         raise DataError("the prompt is not UTF-8 text (a terminal or file in another encoding?): give it as UTF-8")
 
 
-def _messages(prompt: str, system: str = "") -> list[dict]:
-    return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": prompt}]
+def _messages(prompt: str, system: str | None = None) -> list[dict]:
+    head = [] if system is None else [{"role": "system", "content": system}]  # "": one (no template default)
+    return [*head, {"role": "user", "content": prompt}]
 
 
-def check_chat_flags(bos: bool, chat: bool, system: str) -> None:
+def check_chat_flags(bos: bool, chat: bool, system: str | None) -> None:
     """A ConfigError for flags that do not go together."""
     if chat and bos:
         raise ConfigError("--bos with --chat: the chat template writes the start of the conversation itself")
-    if system and not chat:
+    if system is not None and not chat:
         raise ConfigError("--system needs --chat: a plain prompt is continued as a document")
 
 
@@ -332,7 +332,7 @@ def _ids(*found) -> set[int]:
 
 
 def generate(src: str | Path, prompt: str, opts: SampleOptions, device: str = "auto", as_json: bool = False,
-             dtype: str = "float32", bos: bool = False, chat: bool = False, system: str = "", context: int = 0,
+             dtype: str = "float32", bos: bool = False, chat: bool = False, system: str | None = None, context: int = 0,
              tokenizer: str = "") -> str:
     """`shardline generate`'s output: the prompt and its continuation (with --chat, the reply
     alone), or one JSON object (with --chat, the rendered prompt the model was given too)."""
@@ -373,7 +373,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     p.add_argument("--chat", action="store_true", help="the prompt is a user's message: rendered with the chat "
                                                        "template beside the tokenizer (else ChatML), the reply printed")
-    p.add_argument("--system", default="", help="with --chat, a system message before the user's")
+    p.add_argument("--system", help="with --chat, a system message before the user's (\"\": an empty one)")
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", help=f"the weights' dtype in memory, one of {', '.join(DTYPES)} "
                                                       "(or bf16; default float32; bfloat16 halves the memory)")

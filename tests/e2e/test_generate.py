@@ -168,6 +168,9 @@ def test_chat_renders_the_template_beside_the_tokenizer_and_stops_at_its_turn_en
     gen = load_generator(run, "cpu")
     rendered = "[system] be brief\n[user] history\n[assistant]"
     assert gen.chat_prompt("history", "be brief") == rendered
+    # An empty system message given is one: a template that writes a default without one is told none
+    assert gen.chat_prompt("history", "") == "[system] \n[user] history\n[assistant]"
+    assert gen.chat_prompt("history") == "[user] history\n[assistant]"
     first = gen.sample(gen.encode(rendered), SampleOptions(max_new_tokens=1, temperature=0), stop=frozenset())[0]
     assert first not in gen.stop
     argv = [str(run), "--chat", "--system", "be brief", "--prompt", "history", "--temperature", "0",
