@@ -44,23 +44,34 @@ def allocator_conf(env: Mapping[str, str], expandable: bool) -> tuple[str | None
 
 
 def configure_allocator(device: torch.device, expandable: bool,
-                        env: MutableMapping[str, str] = os.environ) -> str | None:
-    """Apply memory.expandable_segments on CUDA; returns the line to log (None off CUDA).
+                        env: MutableMapping[str, str] = os.environ) -> tuple[str | None, str | None]:
+    """Apply memory.expandable_segments on CUDA; returns the line to log (None off CUDA) and the
+    value written into `env` (None: nothing written), for forget_allocator_env at the run's end.
 
     torch reads the variable once, when CUDA first allocates, so this must run before
-    that. Where CUDA has already started (a caller that used it first), torch's
-    allocator-settings call still changes segments created from then on.
+    that. Where CUDA has already started (a caller that used it first, or an earlier run in
+    this process), torch's allocator-settings call still changes segments created from then on.
     """
     if device.type != "cuda":
-        return None
+        return None, None
     setting, note = allocator_conf(env, expandable)
     if setting is None:
-        return note
+        if not expandable and torch.cuda.is_initialized() and not any(name in env for name in ALLOC_CONF_VARS):
+            _set_allocator_settings("expandable_segments:False")  # (an earlier run here may have turned them on)
+        return note, None
     if not torch.cuda.is_initialized():
         env[ALLOC_CONF_VARS[0]] = setting
-        return f"{ALLOC_CONF_VARS[0]}={note}"
+        return f"{ALLOC_CONF_VARS[0]}={note}", setting
     _set_allocator_settings(setting)
-    return f"{note}; CUDA had already started, so set through torch's allocator API"
+    return f"{note}; CUDA had already started, so set through torch's allocator API", None
+
+
+def forget_allocator_env(written: str | None, env: MutableMapping[str, str] = os.environ) -> None:
+    """Take out the variable configure_allocator wrote, where it still holds that value: a later
+    run in this process would take it for the user's (and not apply its own setting), and the
+    processes started after the run would inherit it. This process's allocator keeps it."""
+    if written is not None and env.get(ALLOC_CONF_VARS[0]) == written:
+        del env[ALLOC_CONF_VARS[0]]
 
 
 def _set_allocator_settings(setting: str) -> None:

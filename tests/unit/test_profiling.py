@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from shardline.profiling import StepProfiler, allocator_conf, configure_allocator, profile_window
+from shardline.profiling import (StepProfiler, allocator_conf, configure_allocator, forget_allocator_env,
+                                 profile_window)
 from shardline.trainer import Trainer
 
 FAST = ("train.steps=4", "train.eval_interval=0", "checkpoint.interval=0")
@@ -110,14 +111,18 @@ def test_allocator_conf_sets_expandable_segments_only_when_nobody_else_did():
         assert setting is None and name in note and "max_split_size_mb:128" in note
 
 
-def test_configure_allocator_writes_the_env_on_cuda_only():
+def test_configure_allocator_writes_the_env_on_cuda_only_and_the_run_takes_it_out_again():
     env = {}
-    assert configure_allocator(torch.device("cpu"), True, env) is None and env == {}
+    assert configure_allocator(torch.device("cpu"), True, env) == (None, None) and env == {}
     if not torch.cuda.is_initialized():  # else the allocator API would change this process's allocator
-        assert "expandable_segments:True" in configure_allocator(torch.device("cuda"), True, env)
-        assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+        note, written = configure_allocator(torch.device("cuda"), True, env)
+        assert "expandable_segments:True" in note and env == {"PYTORCH_ALLOC_CONF": written}
+        forget_allocator_env(written, env)  # (a run's close(): a later run here would take it for the user's)
+        assert env == {}
+        assert "keeps torch's defaults" in configure_allocator(torch.device("cuda"), False, env)[0]
     user = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
-    configure_allocator(torch.device("cuda"), True, user)
+    assert configure_allocator(torch.device("cuda"), True, user)[1] is None
+    forget_allocator_env("expandable_segments:False", user)  # (another variable: the user's, left)
     assert user == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
 
 

@@ -388,3 +388,28 @@ def test_the_dry_run_refuses_a_run_dir_under_a_file_as_the_launch_does(tmp_path,
         assert main(["train", f"--run.dir={tmp_path / 'notes' / 'run'}", "--run.device=cpu", *dry]) == 2
         err = capsys.readouterr().err
         assert f"run.dir='{tmp_path / 'notes' / 'run'}' cannot be created: " in err, err
+
+
+def test_a_trainer_that_trained_leaves_no_group_and_refuses_to_evaluate_or_save(tiny_config, tmp_path):
+    """A one-process run under CPU offload made itself a one-rank group: its end takes it down (a caller's
+    own init_process_group after it failed with "initialize the default process group twice"), and
+    evaluate() or save_checkpoint() after the end are refused (they logged nowhere, and saved into a run
+    dir whose lock was let go)."""
+    import torch.distributed as dist
+
+    cfg = tiny_config("train.steps=2", "train.eval_interval=0", "checkpoint.interval=0",
+                      "memory.cpu_offload=true", run_dir=tmp_path / "run")
+    assert not dist.is_initialized()
+    try:
+        trainer = Trainer(cfg).build()
+        assert dist.is_initialized() and trainer.dims.mesh is not None
+        assert trainer.evaluate() > 0  # (built, not trained: a look at the model)
+        trainer.train()
+        assert not dist.is_initialized()
+        for call in (trainer.evaluate, trainer.save_checkpoint):
+            with pytest.raises(ConfigError, match=r"after this Trainer's train\(\) or close\(\)"):
+                call()
+        assert not list((tmp_path / "run").glob("step-*"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from shardline.data.sampler import batch_index, eval_micro_batches
+from shardline.errors import ConfigError
 from shardline.metrics import mfu, peak_memory_gib
 from shardline.optim import lr_multiplier
 from shardline.parallel.collectives import reduce_over
@@ -93,6 +94,7 @@ class IntervalWork:
         """Mean loss over the held-out split's first eval_batches global batches (eval_micro_batches), shared
         by the data-parallel ranks: the same sequences, so the same number, whatever the layout. None,
         logging nothing, where `stop` (asked of every rank alike between micro-batches) said to stop."""
+        self.refuse_ended("evaluate()")
         t = self.cfg.train
         self.model.eval()
         batches = eval_micro_batches(len(self.data.val), t.eval_batches * t.global_batch_size, t.micro_batch_size)
@@ -103,3 +105,11 @@ class IntervalWork:
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)),
                          eval_sequences=sum(map(len, batches)))
         return loss
+
+    def refuse_ended(self, what: str) -> None:
+        """After train() or close() a Trainer has let go of its log and run dir: an evaluation would log
+        nowhere, a save land in a run dir another launch may hold by now."""
+        if getattr(self, "ended", False):
+            raise ConfigError(f"{what} after this Trainer's train() or close(): it let go of its log and run dir; "
+                              "build a new Trainer on the run dir (it resumes the newest checkpoint), or run "
+                              "shardline eval on it")

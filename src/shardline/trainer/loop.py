@@ -40,7 +40,7 @@ from shardline.parallel.pipeline import tied_copy
 from shardline.parallel.zero1 import reduce_gradients
 from shardline.precision import LossScaler
 from shardline.preflight import gone_start_checkpoint
-from shardline.profiling import configure_allocator
+from shardline.profiling import configure_allocator, forget_allocator_env
 from shardline.resilience.anomaly import build_anomaly_check
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.guard import RunGuard
@@ -73,7 +73,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.device = pick_device(cfg.run.device)
-        self.allocator = configure_allocator(self.device, cfg.memory.expandable_segments)  # before CUDA starts
+        self.allocator, self._allocator_env = configure_allocator(self.device, cfg.memory.expandable_segments)
         self.step = 0  # optimizer updates completed
         self.started = time.time() if started is None else started
         self.start_verified = start_verified
@@ -97,6 +97,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         except BaseException:
             if getattr(self, "data", None) is not None:  # (a notebook keeps the failed Trainer in its traceback)
                 self.data.release()
+            if getattr(self, "dims", None) is not None:
+                self.dims.release()
             raise
 
     def _build(self) -> "Trainer":
@@ -211,8 +213,10 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         folders' reader locks and the run dir's lock; each one's own failure keeps none of the next.
         train() closes on its way out; a Trainer built and not trained (a look at the model) is closed
         here or by `with`. Idempotent. `error`: what ended the run, the log's last word (`failed`)."""
+        self.ended = True  # (evaluate() and save_checkpoint() refused from here on: no log, no lock)
         for close in (lambda: self.guard.stop_watching(failed=failed), lambda: self.profiler.close(self.step),
-                      lambda: self._say_failed(error), lambda: self.metrics.close(), lambda: self.data.release()):
+                      lambda: self._say_failed(error), lambda: self.metrics.close(), lambda: self.data.release(),
+                      lambda: self.dims.release(), lambda: forget_allocator_env(self._allocator_env)):
             with contextlib.suppress(Exception):  # (AttributeError: a build that stopped before it made one)
                 close()
         if getattr(self, "lock", None) is not None:
@@ -319,9 +323,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if not self.cfg.checkpoint.interval and stopped is None and self.step >= first and self.proc.is_main:
             print(f"shardline: note: checkpoint.interval=0: the weights trained to step {self.step} were not saved",
                   file=sys.stderr, flush=True)  # (said at the start too, and by a stop's line)
-        self.metrics.close()
-        self.data.release()
-        self.lock.release()
+        self.close()  # (the log, the data's readers, the run dir's lock: let go)
 
     def train_step(self) -> tuple[float | torch.Tensor, torch.Tensor, str]:
         """One step: gradients, the anomaly check, then the update (or the anomaly's action).

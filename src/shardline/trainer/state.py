@@ -299,6 +299,7 @@ class SavedState:
         """A checkpoint of this step on disk (StateTiers.save; async where configured): the weights and
         optimizer, the trainer state (step, data position, RNGs, detectors), and the config and model
         shape a resume or an export reads; its path, or None where the storage refused it."""
+        self.refuse_ended("save_checkpoint()")
         self.report_device_anomalies()  # the saved detector state and events agree
         agreed(self._check_run_dir, self.proc.world_size)
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields,
