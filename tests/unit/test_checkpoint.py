@@ -119,6 +119,23 @@ def test_async_checkpoints_resume_exactly_and_log_their_stall_and_write(tiny_con
     assert all(s["on_disk"] is False for s in saves)  # the line as it starts is not a checkpoint yet
 
 
+def test_an_async_save_is_said_on_disk_once_its_write_ends_not_at_the_next_save(tiny_config, tmp_path):
+    """A crash between an async save's end and the next save left the log without its
+    checkpoint_persisted (the checkpoint was sealed): the step after the write says it, once."""
+    with Trainer(tiny_config("train.steps=4", "checkpoint.mode=async", "train.eval_interval=0",
+                             run_dir=tmp_path / "run")).build() as trainer:
+        trainer.save_checkpoint()
+        trainer.tiers.saver._work._thread.join()  # (the write ended: the step's end asks without waiting)
+        trainer.guard.end_step(0)
+        said = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in said if e.get("event") == "checkpoint_persisted"] == [0]
+        assert trainer.tiers.landed == 0  # (counted at the drain, where every rank counts alike)
+        trainer.tiers.drain()
+        assert trainer.tiers.landed == 1
+    said = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in said if e.get("event") == "checkpoint_persisted"] == [0]  # (not twice)
+
+
 def test_an_interrupted_prune_leaves_no_checkpoint_that_looks_complete(trained):
     ckpts = Checkpointer(trained, keep=1)
     half = trained / "checkpoints" / "step-000006.deleting"  # renamed, then Ctrl-C before the removal

@@ -64,6 +64,10 @@ class AsyncSaver:
             c.prune(final)
         return {"step": step, "path": str(final)}
 
+    def peek(self) -> list[dict]:
+        """The saves whose writes finished since last peeked at, without waiting (wait() returns them too)."""
+        return self._work.peek()
+
     def wait(self) -> list[dict]:
         """Block until the save in flight is on disk; returns the saves completed since last asked
         ({"step", "path", "background_s"})."""

@@ -60,6 +60,14 @@ class BackgroundWork:
         except BaseException as e:  # re-raised in the training thread by wait()
             self._error = e
 
+    def peek(self) -> list[dict]:
+        """The results finished since last peeked at, without waiting; wait() still returns them
+        (marked "peeked")."""
+        fresh = [r for r in list(self._finished) if not r.get("peeked")]  # (appended by the thread: a copy)
+        for r in fresh:
+            r["peeked"] = True
+        return fresh
+
     def wait(self) -> list[dict]:
         """Block until the work in flight is done; returns the results finished since last asked."""
         if self._thread is not None:

@@ -200,6 +200,7 @@ class RunGuard:
         due = w.timeout_s and self.proc.world_size > 1 and probe_due(step, w.probe_interval)
         probe_s = probe_seconds(self.device, self.faults.slow_compute_probe) if due else None
         self.watchdog.step_end(step, self._step_s, probe_s, self._read_s)
+        self.tiers.say_landed()  # an async save's write finished: said now, not at the next save
 
     def timed(self, category: str, work: Callable[[], Any]) -> Any:
         """Run `work`, its time accounted to goodput `category` (eval, checkpoint, recovery)."""

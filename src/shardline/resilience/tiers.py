@@ -121,8 +121,21 @@ class StateTiers:
         self._saved_model = model  # (a save refused in the background: its size, said by _refused)
         path, stall = self.saver.save(step, model, optimizer, trainer_state, meta, fail_midway)
         self.log("checkpoint", step=step, path=str(path), mode="async", stall_s=round(stall, 4),
-                 on_disk=False)  # (yet: checkpoint_persisted says when it is; a kill before leaves none)
+                 on_disk=False)  # (yet: checkpoint_persisted says when it is, after the step its write ends in)
         return path
+
+    def say_landed(self) -> None:
+        """checkpoint_persisted for an async save whose write has finished, asked after each step without
+        waiting: said at the next save, a crash before it left the log saying a sealed checkpoint never
+        landed. Only the log: `landed` and the drill's after_save wait for the drain, where every rank
+        counts alike (a write ends on each rank at its own time)."""
+        for done in self.saver.peek() if self.saver is not None else ():
+            if "error" not in done:  # (a refusal is the drain's: every rank decides it at one step)
+                self._say_persisted(done)
+
+    def _say_persisted(self, done: dict) -> None:
+        self.log("checkpoint_persisted", step=done["step"], path=done["path"],
+                 background_s=round(done["background_s"], 3))
 
     def _may_seal(self, step: int) -> None:
         """Before a save's folder is sealed (every rank; the failure is agreed): the fault drill's crash,
@@ -194,8 +207,8 @@ class StateTiers:
             if "error" in done:
                 self._refused(done["step"], done["error"], self._saved_model)
                 continue
-            self.log("checkpoint_persisted", step=done["step"], path=done["path"],
-                     background_s=round(done["background_s"], 3))
+            if not done.get("peeked"):  # (said already by say_landed)
+                self._say_persisted(done)
             self.landed += 1
             self.faults.after_save(done["step"], Path(done["path"]))
 
