@@ -144,16 +144,35 @@ def variants(chunks: list[int], tokens: int, seq_len: int) -> list[dict]:
     return results
 
 
+def chunk_sizes(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """--chunks as sizes: a bad one is refused here, not as a traceback from a variant's process."""
+    parts = text.split(",")
+    if not all(part.strip().isdecimal() for part in parts):
+        parser.error(f"--chunks takes whole numbers of tokens, comma-separated (0: the plain loss), not {text!r}")
+    return [int(part) for part in parts]
+
+
+def check_batch(parser: argparse.ArgumentParser, tokens: int, seq_len: int) -> None:
+    """The batch is tokens // seq_len whole sequences: any other count would be rounded down unseen
+    (the header then reporting tokens the step never ran), or to no sequence at all."""
+    if seq_len <= 0:
+        parser.error(f"--seq-len must be positive, not {seq_len}")
+    if tokens <= 0 or tokens % seq_len:
+        parser.error(f"--tokens must be a positive multiple of --seq-len ({seq_len}), not {tokens}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens in the micro-batch")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens in the micro-batch (a multiple of --seq-len)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--chunks", default="0,1024,256", help="loss_chunk_tokens values; 0 = the plain loss")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     a = parser.parse_args()
+    chunks = chunk_sizes(parser, a.chunks)
+    check_batch(parser, a.tokens, a.seq_len)
     env = environment()
     print(header(env), flush=True)
-    results = variants([int(c) for c in a.chunks.split(",")], a.tokens, a.seq_len)
+    results = variants(chunks, a.tokens, a.seq_len)
     base = results[0]
     logits_mib = a.tokens * VOCAB * 4 / 2**20
     print(f"vocab {VOCAB}, {a.tokens} tokens (seq {a.seq_len}); fp32 logits of the batch: {logits_mib:.0f} MiB")
@@ -169,7 +188,9 @@ def main() -> None:
               f"{r['loss']:.6f} | {diff:.1e} | {r['seconds']:.2f} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"env": env, "variants": results}, f, indent=1)
+            settings = {"tokens": a.tokens, "seq_len": a.seq_len, "sequences": a.tokens // a.seq_len, "vocab": VOCAB,
+                        "chunks": chunks}
+            json.dump({"env": env, "settings": settings, "variants": results}, f, indent=1)
 
 
 if __name__ == "__main__":
