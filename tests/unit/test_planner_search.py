@@ -134,8 +134,19 @@ def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
     assert code == 0
     assert json.loads(out)["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-6)
     # A plan replaces its own earlier config, never a file it did not write (a hand-written config).
-    assert run_cli(capsys, *PLAN_8B, "--runnable-only", "--gpus-per-node", "4", "--emit-config", str(path))[0] == 0
+    code, out, _ = run_cli(capsys, *PLAN_8B, "--json", "--runnable-only", "--gpus-per-node", "4", "--emit-config",
+                           str(path))
+    assert code == 0
     assert "--nnodes 4 --nproc-per-node 4" in path.read_text()  # the hardware's GPUs a node, as given
+    # The dry run cannot be told the cluster the plan priced: the header says so, and how estimate prices it so
+    priced = [line for line in path.read_text().splitlines() if line.startswith("# priced with --gpus-per-node 4")]
+    assert len(priced) == 1 and "train --dry-run does not take" in priced[0], path.read_text()[:600]
+    command = priced[0].split(": shardline ", 1)[1].removesuffix(" prices it so").split()
+    code, est, _ = run_cli(capsys, *command, "--json")
+    assert code == 0 and command[:2] == ["estimate", "--config"]
+    assert json.loads(est)["step_time_s"] == pytest.approx(json.loads(out)["candidates"][0]["step_time_s"], rel=1e-6)
+    assert "shardline simulate --model llama3-8b --gpu h100-sxm --gpus 16 --seq-len 4096 --global-batch 64 --days D " \
+           "--gpus-per-node 4 prices an interval" in path.read_text()
     # The training settings a plan does not choose are named where left at the tiny run's (lr 3e-3 at 8B).
     left = [line for line in path.read_text().splitlines() if line.startswith("# set before a real run")]
     assert len(left) == 1 and "optim.lr = 0.003 (the tiny preset's)" in left[0] and "data.path = ''" in left[0]

@@ -16,10 +16,10 @@ import os
 import sys
 from pathlib import Path
 
-from shardline.config import Config, DataConfig, load_config, to_toml
+from shardline.config import Config, DataConfig, load_config
 from shardline.config.sections import settled_precision
 from shardline.config.reader import OnlyOnce
-from shardline.errors import ConfigError, ShardlineError
+from shardline.errors import ConfigError
 from shardline.models.llama import ModelArgs
 from shardline.models.presets import PRESETS
 from shardline.planner.calibrate import cluster_cli
@@ -27,7 +27,8 @@ from shardline.planner.calibrate.cluster_cli import out_problem
 from shardline.planner.hardware import (DEVICE_NAMES, Hardware, cuda_index, detected_gpu, get_hardware,
                                         read_profile, with_local_memory)
 from shardline.layout import resolve
-from shardline.planner.layout import FIX_KEYS, Workload, parse_fix, to_config
+from shardline.planner.emit import emit_config
+from shardline.planner.layout import FIX_KEYS, Workload, parse_fix
 
 
 def register(sub) -> None:
@@ -218,7 +219,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     shown = result.candidates[:args.top]
     not_runnable = {i: p for i, e in enumerate(shown) if (p := runnable_problem(work, e.layout))}
     if args.emit_config:
-        _emit(args.emit_config, work, result.candidates, base, args, gpn)
+        emit_config(args.emit_config, work, result.candidates, base, args, gpn)
     if args.json:
         print(json.dumps({**report.plan_json(work, hw, args.gpus, result, shown, not_runnable),
                           "priced_by": _priced_by(args, hw)}, indent=1))
@@ -271,57 +272,6 @@ def _with_shape_overrides(work: Workload, base: Config, overrides: list[str]) ->
                                model_overrides=tuple(o.removeprefix("--") for o in shaping))
 
 
-EMITTED = "# written by: shardline plan"  # the first line of an emitted config
-
-
-def _emit(path: str, work: Workload, candidates: list, base: Config, args: argparse.Namespace,
-          gpus_per_node: int) -> None:
-    from shardline.planner.search import runnable_problem
-
-    for rank, e in enumerate(candidates, 1):
-        if runnable_problem(work, e.layout) is None:
-            break
-    else:
-        raise ConfigError("no plan that fits is one `shardline train` can run yet; nothing written "
-                          "(see the table's * notes)")
-    target = Path(path)
-    if target.exists() and (not target.is_file()
-                            or not target.read_text(encoding="utf-8", errors="replace").startswith(EMITTED)):
-        raise ConfigError(f"--emit-config {path} exists and was not written by shardline plan; choose another "
-                          "file (a plan replaces only its own)")
-    cfg = to_config(e.layout, work, base, on_cpu=args.gpu == "cpu")
-    per_node = min(e.layout.world, gpus_per_node)  # the hardware's (a CPU host: all ranks on one)
-    nodes = -(-e.layout.world // per_node)
-    # several nodes: one torchrun per node, meeting at a rendezvous on the first
-    launch = (f"on each of the {nodes} nodes: torchrun --nnodes {nodes} --nproc-per-node {per_node} "
-              "--rdzv-backend c10d --rdzv-endpoint HEAD_NODE:29500 --rdzv-id JOB" if nodes > 1 else
-              f"e.g. torchrun --nproc-per-node {per_node}")
-    header = (f"{EMITTED} --model {args.model} --gpu {args.gpu} --gpus {args.gpus} "
-              f"--seq-len {args.seq_len} ...\n# plan #{rank}: {e.layout.describe()}; predicted "
-              f"{e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%, "
-              f"{e.memory['total'] / 2**30:.1f} GiB per device\n"
-              f"# run it on {e.layout.world} device(s), {launch} "
-              f"-m shardline train --config {path}\n{_left_at_defaults(cfg)}")
-    try:
-        Path(path).write_text(header + to_toml(cfg), encoding="utf-8")
-    except OSError as err:
-        raise ShardlineError(f"cannot write --emit-config {path}: {err}") from None
-
-
-def _left_at_defaults(cfg: Config) -> str:
-    """Header lines naming the training settings the plan left as the tiny run has them: a config
-    that runs as is, but on the sample text at a learning rate made for a 5M-parameter model."""
-    default = Config()
-    keys = [("data.path", cfg.data.path, default.data.path, "the shipped sample text"),
-            ("data.tokenizer", cfg.data.tokenizer, default.data.tokenizer, "a small BPE trained on it"),
-            ("optim.lr", cfg.optim.lr, default.optim.lr, "the tiny preset's"),
-            ("optim.warmup_steps", cfg.optim.warmup_steps, default.optim.warmup_steps, ""),
-            ("train.steps", cfg.train.steps, default.train.steps, ""),
-            ("watchdog.timeout_s", cfg.watchdog.timeout_s, default.watchdog.timeout_s, "hang detection off")]
-    left = [f"{key} = {value!r}{f' ({why})' if why else ''}" for key, value, was, why in keys if value == was]
-    return f"# set before a real run (left at the defaults): {'; '.join(left)}\n" if left else ""
-
-
 def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardline.interop.model_shape import shape_overrides
     from shardline.optim import ssd_offload
@@ -344,7 +294,7 @@ def _estimate(args: argparse.Namespace, overrides: list[str]) -> int:
                                model_overrides=shape_overrides(cfg.model, cfg.moe))  # (named beside the preset)
     e = estimate(work, layout, hw)
     print(json.dumps({**e.to_json(), "priced_by": _priced_by(args, hw)}, indent=1) if args.json
-          else _with_source(report.estimate_text(work, hw, e), args, hw))
+          else _with_source(report.estimate_text(work, hw, e), args, hw), flush=True)  # (before stderr's notes)
     for note in _estimate_notes(args, cfg, layout, hw, e.fits):
         print(f"shardline estimate: {note}", file=sys.stderr)
     return 0 if e.fits else 1  # (`estimate && torchrun ...` stops where the dry run's would)

@@ -162,7 +162,7 @@ def planned_step(model: ModelArgs, gpu: str, gpus: int, gpus_per_node: int, seq:
     hw = dataclasses.replace(hw, network=dataclasses.replace(hw.network, gpus_per_node=gpus_per_node))
     work = Workload(model, seq, tokens // seq, "fp32" if gpu == "cpu" else "bf16")
     try:
-        result = search(work, hw, gpus, parse_fix(fix))
+        result = search(work, hw, gpus, parse_fix(fix), runnable_only=True)  # (a layout the trainer builds)
     except ConfigError as e:
         return None, str(e)
     if not result.candidates:
