@@ -52,6 +52,12 @@ def length_mixes(n: int, rng: np.random.Generator) -> dict[str, tuple[np.ndarray
     }
 
 
+def least_conversations(batch: int) -> int:
+    """Conversations enough for `batch` rows of 4096 to read, both ways, whatever their lengths: a row holds at most
+    256 of length_mixes' shortest (16 tokens), and the text rows need batch x 4096 + 1 tokens."""
+    return 256 * batch + 1
+
+
 def timed(fn, repeat: int) -> tuple[float, object]:
     times, out = [], None
     for _ in range(repeat):
@@ -114,6 +120,13 @@ def main() -> None:
                         help="shard counts to read micro-batches from (a prepared folder's are 32 M tokens each)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: must be at least 1")
+    if args.batch < 1:
+        parser.error(f"--batch {args.batch}: must be at least 1")
+    if args.conversations < least_conversations(args.batch):  # (0: no row, every fill divides by zero)
+        parser.error(f"--conversations {args.conversations}: must be at least {least_conversations(args.batch)} "
+                     f"(256 x --batch + 1: the read timing's micro-batch of rows, however short each one is)")
     rng = np.random.default_rng(0)
     results = {"env": environment(), "mixes": {}}
     print(header(results["env"]))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 
@@ -57,7 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tensors", type=int, default=32, help="tensors they are split into (default 32)")
     p.add_argument("--steps", type=int, default=10, help="measured steps per variant (default 10)")
     p.add_argument("--json", help="write the results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tensors < 1 or args.steps < 1:
+        p.error(f"--tensors {args.tensors}, --steps {args.steps}: each must be at least 1")
+    if not math.isfinite(args.params) or int(args.params) < args.tensors:  # else empty tensors, ratios of noise
+        p.error(f"--params {args.params:g}: must be at least --tensors ({args.tensors}), one element a tensor")
+    return args
 
 
 def build(variant: str, args) -> tuple[torch.nn.ParameterList, torch.optim.Optimizer]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -154,8 +155,20 @@ def prepare_rates(corpus: Path, folder: Path, tok: Path, workers: int, repeat: i
     return rates
 
 
+def corpus_sizes(p: argparse.ArgumentParser, text: str) -> list[float]:
+    """--sizes in MB, each positive and finite: a size of 0 writes an empty corpus (prepare refuses it, a traceback
+    after the tokenizer's training), an infinite one never stops writing."""
+    try:
+        sizes = [float(s) for s in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or not all(math.isfinite(s) and s > 0 for s in sizes):
+        p.error(f"--sizes {text}: must be positive numbers of MB, comma-separated")
+    return sizes
+
+
 def run(args) -> dict:
-    sizes = [float(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     tmp = Path(tempfile.mkdtemp(prefix="shardline-data-bench-", dir=args.tmp))
     os.environ.setdefault("SHARDLINE_CACHE", str(tmp / "cache"))
     try:
@@ -211,6 +224,7 @@ def main() -> None:
     args = p.parse_args()
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: must be at least 1")
+    args.sizes = corpus_sizes(p, args.sizes)
     res = run(args)
     if args.json == "-":
         print(table(res), file=sys.stderr)

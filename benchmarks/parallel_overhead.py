@@ -29,6 +29,7 @@ from pathlib import Path
 
 from _env import environment, header
 
+WARMUP = 3  # the first train records of each run, left out of its figures (warm-up)
 MODEL = ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
          "--model.ffn_dim=384", "--data.vocab_size=2048"]
 LAYOUTS = {
@@ -63,7 +64,7 @@ def run_layout(name: str, extra: list[str], steps: int, root: Path) -> dict:
     if out.returncode:
         return {"layout": name, "error": out.stderr.strip().splitlines()[-1]}
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in recs if r["kind"] == "train"][3:]  # skip warm-up
+    train = [r for r in recs if r["kind"] == "train"][WARMUP:]
     step_s = statistics.median(r["step_time_s"] for r in train)
     return {"layout": name, "step_time_s": step_s, "tokens_per_s": 16 * 128 / step_s,
             "peak_mem_gib_per_rank": max(r["peak_mem_gib"] for r in train), "final_loss": train[-1]["loss"]}
@@ -87,12 +88,14 @@ def summarize(name: str, runs: list[dict], base: list[dict] | None) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=12, help=f"per run, the first {WARMUP} not counted")
     parser.add_argument("--repeat", type=int, default=3, help="rounds over all layouts (medians are reported)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: must be at least 1")
+    if args.steps <= WARMUP:  # no step left to count: found only after every torchrun had finished
+        parser.error(f"--steps {args.steps}: must be at least {WARMUP + 1} (the first {WARMUP} are warm-up)")
     env = environment()  # before the runs: the load of what else shares the cores
     if not args.json:
         print(header(env), flush=True)

@@ -111,7 +111,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads for calibration and training (default 1)")
     p.add_argument("--json", help="write every figure as JSON to this file")
     p.add_argument("--results", help="rewrite this script's section of a results markdown file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.configs = _names(p, args.configs, CONFIGS, "config")
+    args.layouts = _names(p, args.layouts, LAYOUTS, "layout")
+    return args
 
 
 def data_overrides(args: argparse.Namespace) -> list[str]:
@@ -195,11 +198,12 @@ def error_pct(predicted: float, measured: float) -> float:
     return 100.0 * (predicted - measured) / measured
 
 
-def _names(text: str, valid: dict, what: str) -> list[str]:
+def _names(p: argparse.ArgumentParser, text: str, valid: dict, what: str) -> list[str]:
+    """The names chosen, each known: refused while parsing, before the table's header is printed."""
     names = [n.strip() for n in text.split(",") if n.strip() and n.strip() != "none"]
     unknown = [n for n in names if n not in valid]
     if unknown:
-        raise SystemExit(f"unknown {what}(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+        p.error(f"unknown {what}(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
     return names
 
 
@@ -223,8 +227,7 @@ def _result(pred: dict, runs: list[dict], overrides: list[str], world: int, core
 
 
 def run(args: argparse.Namespace) -> dict:
-    names = _names(args.configs, CONFIGS, "config")
-    layouts = _names(args.layouts, LAYOUTS, "layout")
+    names, layouts = args.configs, args.layouts  # (lists of known names: parse_args)
     load_before = os.getloadavg()
     torch.set_num_threads(args.threads)  # the profile's peak and fits are for this many threads
     hw, calibration = machine_profile(args, names, layouts)

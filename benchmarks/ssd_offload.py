@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -56,14 +57,19 @@ COLD = ("cold", "cold_whole")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--params", type=float, default=64e6, help="parameters (default 64e6: 512 MiB of moments)")
+    p.add_argument("--params", type=float, default=64e6, help="parameters (default 64e6: 512 MB, 0.48 GiB, of moments)")
     p.add_argument("--tensors", type=int, default=32, help="tensors they are split into (default 32)")
     p.add_argument("--steps", type=int, default=8, help="measured steps per variant (default 8)")
     p.add_argument("--window", type=int, default=WINDOW, help=f"the window in elements (default {WINDOW})")
     p.add_argument("--folder", default="", help="where the moments are mapped (default: a temporary folder)")
     p.add_argument("--json", default="", help="write the results here too")
     p.add_argument("--memory-of", choices=VARIANTS, help=argparse.SUPPRESS)  # the child's job
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if min(args.tensors, args.steps, args.window) < 1:  # a window of 0 steps nothing: ratios of noise
+        p.error(f"--tensors {args.tensors}, --steps {args.steps}, --window {args.window}: each must be at least 1")
+    if not math.isfinite(args.params) or int(args.params) < args.tensors:
+        p.error(f"--params {args.params:g}: must be at least --tensors ({args.tensors}), one element a tensor")
+    return args
 
 
 def build(variant: str, args, folder: str) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:

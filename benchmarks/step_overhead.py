@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from _env import environment, header
 from shardline.config import load_config
 from shardline.data.packing import IGNORE_INDEX
-from shardline.models import Llama, num_params
+from shardline.models import PRESETS, Llama, num_params
 from shardline.optim import lr_multiplier
 from shardline.trainer import Trainer
 
@@ -77,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or args.block < 1 or args.warmup < 0:
         p.error("--steps and --block must be >= 1, --warmup >= 0")
+    if args.preset not in PRESETS:  # refused here, not in a traceback from the trainer's launch checks
+        p.error(f"--preset {args.preset!r}: one of {', '.join(PRESETS)}")
     args.micro_batch = args.micro_batch or args.batch
     return args
 

@@ -183,6 +183,21 @@ def test_chat_packing_packs_every_mix_both_ways_and_best_fit_fills_less(tmp_path
     assert "useful x" in proc.stdout
 
 
+@pytest.mark.parametrize("script, args, says", [
+    ("chat_packing.py", ["--conversations", "0"], "--conversations 0: must be at least 2049"),
+    ("clip_fold.py", ["--params", "0"], "--params 0: must be at least --tensors (32)"),
+    ("ssd_offload.py", ["--window", "0"], "--window 0: each must be at least 1"),
+    ("step_overhead.py", ["--preset", "bogus"], "--preset 'bogus': one of tiny,"),
+    ("planner_validation.py", ["--configs", "bogus"], "unknown config(s) bogus; valid: tiny-s256-b8x2,"),
+])
+def test_a_bad_argument_is_refused_in_one_line_before_any_output(script, args, says):
+    """argparse's refusal (exit 2, one line), not a traceback, a crash after the work, or ratios of nothing."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert says in proc.stderr.splitlines()[-1]
+
+
 def test_profile_kinds_of_the_kernels_an_h200_ran():
     """gpu_train --profile's buckets, on kernel names from its first H200 profile: inductor names a
     fused kernel after the ops it holds, so fp8's casts (`..._scaled_mm_...`) must not count as GEMMs,

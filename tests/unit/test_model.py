@@ -28,6 +28,16 @@ def test_presets_match_published_sizes_on_meta(name, billions):
     assert num_params(args) / 1e9 == pytest.approx(billions, abs=1e-3)
 
 
+def test_a_preset_sized_by_its_tokenizer_is_refused_without_a_vocabulary():
+    """The tiny preset's vocab_size 0 (its tokenizer's size, filled in at launch) built Embedding(0, d)
+    with a torch warning, and failed at the first forward in index_select."""
+    from shardline.errors import ModelError
+
+    with pytest.raises(ModelError, match=r"ModelArgs.vocab_size=0: give the tokenizer's size"):
+        Llama(PRESETS["tiny"])
+    assert Llama(dataclasses.replace(PRESETS["tiny"], vocab_size=97)).output.out_features == 97
+
+
 def test_flops_per_token_formula():
     args = PRESETS["llama3-8b"]
     n_matmul = num_params(args) - args.vocab_size * args.dim - (2 * args.n_layers + 1) * args.dim

@@ -244,9 +244,10 @@ def read_meta(path: Path) -> dict[str, Any]:
     return json.loads((path / "meta.json").read_text(encoding="utf-8"))
 
 
-def load_weights(path: Path, model: torch.nn.Module, verified: bool = False) -> None:
+def load_weights(path: Path | str, model: torch.nn.Module, verified: bool = False) -> None:
     """Load only the model weights of any checkpoint (full or weights-only) in place.
     `verified`: the caller has just verified it (hashing every file again takes minutes at 70B)."""
+    path = Path(path)  # (a str from a caller)
     if not verified:
         verify(path)
     state = {"model": get_model_state_dict(model)}

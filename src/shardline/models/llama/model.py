@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardline.errors import ModelError
 from shardline.models.loss import LinearCrossEntropy
 from shardline.models.moe.args import MoEArgs
 
@@ -233,6 +234,9 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
+        if args.vocab_size < 1:  # (a preset's 0: the tokenizer's size, filled in by interop.model_shape)
+            raise ModelError(f"ModelArgs.vocab_size={args.vocab_size}: give the tokenizer's size "
+                             "(dataclasses.replace(args, vocab_size=N), or model_shape(cfg.model, N))")
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed "0".."L-1" keeps parameter names stable when a pipeline
