@@ -190,7 +190,7 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
     from shardline.trainer import Trainer
 
     if batches is not None and (not isinstance(batches, int) or isinstance(batches, bool) or batches < 0):
-        raise ConfigError(f"--batches={batches!r} is invalid: a number of global batches, or 0 for every held-out "
+        raise ConfigError(f"batches={batches!r} is invalid: a number of global batches, or 0 for every held-out "
                           "sequence")
     if not isinstance(src, (str, os.PathLike)):
         raise ConfigError(f"evaluate takes a checkpoint folder or a run dir, not {src!r}")

@@ -228,15 +228,15 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
     from shardline.resilience.checkpoint import load_weights, verify
 
     if DTYPE_NAMES.get(dtype, dtype) not in DTYPES:
-        raise ConfigError(f"--dtype={dtype!r} is invalid: one of {', '.join(DTYPES)}")
+        raise ConfigError(f"dtype={dtype!r} is invalid: one of {', '.join(DTYPES)}")
     if context < 0:
-        raise ConfigError(f"--context={context} is invalid: a number of tokens, or 0 for the run's train.seq_len")
+        raise ConfigError(f"context={context} is invalid: a number of tokens, or 0 for the run's train.seq_len")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise ConfigError(f"--device={device!r} is invalid: auto, cpu, cuda or cuda:N")
+        raise ConfigError(f"device={device!r} is invalid: auto, cpu, cuda or cuda:N")
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"--device={device}: no such CUDA device here ({torch.cuda.device_count()}); use "
-                          "--device=cpu or auto")
+        raise ConfigError(f"device={device}: no such CUDA device here ({torch.cuda.device_count()}); use "
+                          "device=cpu or auto")
     ckpt = resolve_checkpoint(Path(src))  # a run dir's newest valid one: verified there
     if ckpt == Path(src):
         verify(ckpt)
@@ -259,7 +259,7 @@ def load_generator(src: str | Path, device: str = "auto", dtype: str = "float32"
                 _generation_eos(generation) if generation else None)
     run = meta.get("config", {})  # the run's config; none in a checkpoint converted from HF
     if context > args.max_seq_len:
-        raise ConfigError(f"--context={context} is past this model's maximum of {args.max_seq_len} positions "
+        raise ConfigError(f"context={context} is past this model's maximum of {args.max_seq_len} positions "
                           "(what it was trained and scaled for): give at most that")
     seq_len = context or run.get("train", {}).get("seq_len") or args.max_seq_len
     bos = bos_prefix(tokenizer) or sorted(_ids(hf.get("bos_token_id")))  # what --bos puts first

@@ -272,7 +272,7 @@ def test_hf_to_checkpoint_and_back_keeps_dtype_special_tokens_and_tokenizer(tmp_
     assert main(["convert", "to-hf", "ck", "out32", "--dtype", "fp32"]) == 0  # (train.precision's name too)
     assert json.loads((tmp_path / "out32" / "config.json").read_text())["dtype"] == "float32"
     assert main(["convert", "to-hf", "ck", "out8", "--dtype", "int8"]) == 2 and not (tmp_path / "out8").exists()
-    assert "--dtype='int8' is invalid: one of float32, bfloat16, float16 (or fp32, bf16" in capsys.readouterr().err
+    assert "dtype='int8' is invalid: one of float32, bfloat16, float16 (or fp32, bf16" in capsys.readouterr().err
 
     (tmp_path / "a-file").write_text("x")
     assert main(["convert", "from-hf", "hf", "a-file"]) == 2

@@ -345,8 +345,8 @@ def test_bfloat16_weights_by_either_name(trained_run):
     (["--max-new-tokens", "0"], "--max-new-tokens=0 is invalid: must be in [1, 2**20]"),
     (["--max-new-tokens", "99999999999999999999"], "--max-new-tokens=99999999999999999999 is invalid: must be in [1, "),
     (["--train.steps=3"], "generate takes no config overrides, got --train.steps=3"),
-    (["--dtype", "float16"], "--dtype='float16' is invalid: one of float32, bfloat16"),
-    (["--dtype", "fp16"], "--dtype='fp16' is invalid: one of float32, bfloat16"),
+    (["--dtype", "float16"], "dtype='float16' is invalid: one of float32, bfloat16"),
+    (["--dtype", "fp16"], "dtype='fp16' is invalid: one of float32, bfloat16"),
     (["--bos"], "--bos: this checkpoint's tokenizer has no BOS token"),
     (["--top-p", "0"], "--top-p=0.0 is invalid: must be in (0, 1] (1 = all tokens)"),
     (["--temperature", "inf"], "--temperature=inf is invalid: must be a finite number >= 0 (0 = greedy)"),
@@ -354,7 +354,7 @@ def test_bfloat16_weights_by_either_name(trained_run):
     (["--chat", "--bos"], "--bos with --chat: the chat template writes the start of the conversation itself"),
     (["--system", "be brief"], "--system needs --chat: a plain prompt is continued as a document"),
     (["--seed", str(2**70)], f"--seed={2**70} is invalid: must be in [-2**63, 2**64)"),  # (a traceback, late)
-    (["--device", "gpu"], "--device='gpu' is invalid: auto, cpu, cuda or cuda:N"),
+    (["--device", "gpu"], "device='gpu' is invalid: auto, cpu, cuda or cuda:N"),
     (["--prompt", "\udcff\udcfe"], "the prompt is not UTF-8 text"),  # (bytes argv could not decode)
     (["--chat", "--prompt", "\udcff"], "the prompt is not UTF-8 text"),  # (a traceback there)
     (["--chat", "--system", "\udcff"], "the prompt is not UTF-8 text"),
@@ -452,7 +452,7 @@ def test_context_sets_the_window_up_to_the_models_maximum(trained_run, capsys):
         hook.remove()
     assert len(prompt) > 48 and seen == [48]
     args = [str(trained_run), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"]
-    for bad, message in [("-1", "--context=-1 is invalid"), ("1000000", "--context=1000000 is past this model's")]:
+    for bad, message in [("-1", "context=-1 is invalid"), ("1000000", "context=1000000 is past this model's")]:
         assert main(["generate", *args, "--context", bad]) == 2
         assert message in capsys.readouterr().err
     assert main(["generate", *args, "--context", "16"]) == 0

@@ -102,7 +102,7 @@ def test_arguments_of_the_wrong_kind_are_one_line_and_from_dict_reads_as_code_se
             from_dict(raw)
     cfg = from_dict({"run": {"dir": Path("x")}, "train": {"steps": np.int64(5)}})
     assert (cfg.run.dir, cfg.train.steps, type(cfg.train.steps)) == ("x", 5, int)
-    with pytest.raises(ConfigError, match=r"^--batches='2' is invalid"):
+    with pytest.raises(ConfigError, match=r"^batches='2' is invalid"):
         evaluate("somewhere", batches="2")
     with pytest.raises(ConfigError, match=r"^evaluate takes a checkpoint folder or a run dir, not None"):
         evaluate(None)

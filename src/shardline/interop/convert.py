@@ -233,7 +233,7 @@ def _export_dtype(name: str) -> torch.dtype | None:
     if not name:
         return None
     if DTYPE_NAMES.get(name, name) not in EXPORT_DTYPES:
-        raise CheckpointError(f"--dtype={name!r} is invalid: one of {', '.join(EXPORT_DTYPES)} (or fp32, bf16, fp16)")
+        raise CheckpointError(f"dtype={name!r} is invalid: one of {', '.join(EXPORT_DTYPES)} (or fp32, bf16, fp16)")
     return getattr(torch, DTYPE_NAMES.get(name, name))
 
 
