@@ -211,7 +211,7 @@ def check_chat_flags(bos: bool, chat: bool, system: str | None) -> None:
     """A ConfigError for flags that do not go together."""
     if chat and bos:
         raise ConfigError("--bos with --chat: the chat template writes the start of the conversation itself")
-    if system is not None and not chat:
+    if system and not chat:  # ("": nothing to put anywhere)
         raise ConfigError("--system needs --chat: a plain prompt is continued as a document")
 
 

@@ -288,3 +288,15 @@ def test_dry_run_names_the_kernel_and_refuses_as_a_launch_would(capsys, tmp_path
     code = main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--run.device=cpu", "--train.attention=flex"])
     err = capsys.readouterr().err
     assert code == 2 and "train.attention='flex' trains on CUDA only" in err and err.count("\n") == 1
+
+
+def test_every_configurable_kernel_has_a_core_and_no_other_name_does():
+    """The config's list and the cores agree: a kernel added to train.attention's choices alone
+    trained as SDPA, in silence."""
+    from shardline.config.sections import ATTENTION_KERNELS
+    from shardline.models.attention import KERNELS, attention_core
+
+    assert set(ATTENTION_KERNELS) - {"auto"} == set(KERNELS)
+    assert type(attention_core("sdpa", False)).__name__ == "DenseAttention"
+    with pytest.raises(ValueError, match="attention kernel 'xformers' has no core: one of sdpa, flex, varlen"):
+        attention_core("xformers", False)

@@ -135,3 +135,12 @@ def test_the_rule_as_written_is_the_rule_tested():
     want = LAYERS[:-1]  # (the package's entry points sit on top of everything)
     assert _layer_line(__doc__) == want
     assert _layer_line((PACKAGE.parents[1] / "README.md").read_text(encoding="utf-8")) == want
+
+
+MAX_LINES = 400  # a module read in one sitting; past it, split by what its parts do
+
+
+def test_no_module_is_past_the_line_limit():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}, f"over {MAX_LINES} lines: {long}"

@@ -145,7 +145,7 @@ def _moe_block(top_k: int, shared: int = 0) -> ModelArgs:
     """One MoE block of tiny-moe's shape with `top_k` routed slots a token."""
     base = PRESETS["tiny-moe"]
     moe = dataclasses.replace(base.moe, top_k=top_k, first_dense_layers=0, shared_experts=shared, aux_loss_coef=0.0)
-    return dataclasses.replace(base, dim=128, n_layers=1, moe=moe)
+    return dataclasses.replace(base, dim=128, n_layers=1, moe=moe, vocab_size=97)  # (the preset's 0: its tokenizer's)
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 4])

@@ -145,8 +145,13 @@ def test_emitted_config_is_what_estimate_predicts(capsys, tmp_path):
     code, est, _ = run_cli(capsys, *command, "--json")
     assert code == 0 and command[:2] == ["estimate", "--config"]
     assert json.loads(est)["step_time_s"] == pytest.approx(json.loads(out)["candidates"][0]["step_time_s"], rel=1e-6)
-    assert "shardline simulate --model llama3-8b --gpu h100-sxm --gpus 16 --seq-len 4096 --global-batch 64 --days D " \
-           "--gpus-per-node 4 prices an interval" in path.read_text()
+    # ... and the simulate command that prices its checkpoint interval runs, at this plan's step time
+    simulate = path.read_text().split("(steps; shardline ", 1)[1].split(" prices an interval")[0].split()
+    step_s = json.loads(out)["candidates"][0]["step_time_s"]
+    assert simulate[:9] == ["simulate", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "16", "--gpus-per-node",
+                            "4"] and float(simulate[simulate.index("--step-time") + 1]) == pytest.approx(step_s, 1e-3)
+    code, sim, _ = run_cli(capsys, *[a if a != "D" else "2" for a in simulate], "--seeds", "1", "--json")
+    assert code == 0 and json.loads(sim)["step_time_s"] == pytest.approx(step_s, rel=1e-3), sim[:300]
     # The training settings a plan does not choose are named where left at the tiny run's (lr 3e-3 at 8B).
     left = [line for line in path.read_text().splitlines() if line.startswith("# set before a real run")]
     assert len(left) == 1 and "optim.lr = 0.003 (the tiny preset's)" in left[0] and "data.path = ''" in left[0]

@@ -409,7 +409,30 @@ def test_a_trainer_that_trained_leaves_no_group_and_refuses_to_evaluate_or_save(
         for call in (trainer.evaluate, trainer.save_checkpoint):
             with pytest.raises(ConfigError, match=r"after this Trainer's train\(\) or close\(\)"):
                 call()
-        assert not list((tmp_path / "run").glob("step-*"))
+        assert not list((tmp_path / "run" / "checkpoints").glob("step-*"))
+        # Two Trainers of one process share the group made for the first: the first's end leaves it to the other
+        first, second = (Trainer(tiny_config("train.steps=2", "train.eval_interval=0", "memory.cpu_offload=true",
+                                             run_dir=tmp_path / name)).build() for name in "ab")
+        first.train()
+        assert dist.is_initialized()
+        second.train()
+        assert not dist.is_initialized()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_build_that_fails_after_the_log_opened_lets_go_of_all_it_took(tiny_config, tmp_path, monkeypatch):
+    """A build failing late (its launch notes, here) kept the run dir's descriptor, the log's file and
+    the watchdog open until close(): a notebook keeps the failed Trainer in its traceback."""
+    import shardline.trainer.state as state
+
+    def broken_notes(*args, **kwargs):
+        raise RuntimeError("a note that failed")
+
+    monkeypatch.setattr(state, "launch_notes", broken_notes)
+    trainer = Trainer(tiny_config("train.steps=2", run_dir=tmp_path / "run"))
+    with pytest.raises(RuntimeError, match="a note that failed"):
+        trainer.build()
+    assert trainer._run_dir_fd is None and not (tmp_path / "run" / LOCK).exists()
+    assert trainer.metrics._jsonl.closed and trainer.ended

@@ -4,8 +4,8 @@ it needs, and the core that runs it.
 A packed sequence holds several documents and a token attends only to earlier tokens
 of its own document. Three ways to compute that:
 
-- sdpa: F.scaled_dot_product_attention with a dense [b, 1, s, s] mask (additive fp32 on a
-  CPU, shared by every layer; boolean elsewhere), or
+- sdpa: F.scaled_dot_product_attention with a dense [b, 1, s, s] mask (additive, in the
+  compute dtype, on a CPU, shared by every layer; boolean elsewhere), or
   is_causal without documents (the model's own core, models/llama/model.py). Runs
   anywhere; but on CUDA a mask rules out the flash kernel, and the mask is O(s^2).
 - flex: FlexAttention with a BlockMask made once per forward from the document ids
@@ -97,6 +97,8 @@ def device_problem(choice: str, on_cuda: bool) -> str | None:
 def attention_core(kernel: str, on_cuda: bool) -> "DenseAttention | FlexAttention | VarlenAttention":
     """The object behind a kernel name: `mask(doc_ids)` once per forward, `attend(q, k, v, mask)`
     in every block. Context parallelism runs it after Ulysses' all-to-all too."""
+    if kernel not in KERNELS:  # (a kernel named in the config and not here would train as SDPA, in silence)
+        raise ValueError(f"attention kernel {kernel!r} has no core: one of {', '.join(KERNELS)}")
     if kernel == "flex":
         return FlexAttention(compiled=on_cuda)
     return VarlenAttention() if kernel == "varlen" else DenseAttention()

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardline.layout import Layout
-from shardline.parallel.distributed import init_one_process_group
+from shardline.parallel.distributed import hold_one_process_group, release_one_process_group
 
 
 @dataclass
@@ -46,7 +46,7 @@ class ParallelDims:
     # (Megatron's "embedding group"), which sum the tied weight's gradient. None elsewhere.
     embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
     flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)  # flattened dimensions by name
-    made_group: bool = field(default=False, repr=False)  # build_mesh made a one-process group: release() ends it
+    made_group: bool = field(default=False, repr=False)  # build_mesh holds a one-process group: release()
 
     # ---- degrees (the layout's) ---------------------------------------------------------
 
@@ -145,20 +145,19 @@ class ParallelDims:
     # ---- meshes -----------------------------------------------------------------------
 
     def release(self) -> None:
-        """End the one-process group build_mesh made: a caller's own init_process_group after the
-        run, or a later Trainer's mesh, would find it there. A group torchrun's launch or the caller
-        made is theirs to end (shutdown_distributed)."""
-        if self.made_group and dist.is_initialized():
-            dist.destroy_process_group()
+        """Let go of the one-process group build_mesh holds (ended with its last holder: a caller's
+        own init_process_group after the run would find it). A group torchrun's launch or the
+        caller made is theirs to end (shutdown_distributed)."""
+        if self.made_group:
+            release_one_process_group()
         self.made_group = False
 
     def build_mesh(self, device: torch.device, embedding_group: bool = False) -> DeviceMesh:
         """The mesh and the groups beside it; `embedding_group`: tied embeddings whose two ends
         sit on the first and the last pp rank. One process without a group (torchrun's world
         1, or no torchrun) gets a one-rank group first."""
-        if not dist.is_initialized() and self.world_size == 1:
-            init_one_process_group(device)
-            self.made_group = True
+        if self.world_size == 1:
+            self.made_group = hold_one_process_group(device)
         ring, ulysses = self.layout.cp_degrees
         shard, shard_sizes = self._dp_shard_dims()
         names = ("pp", "dp_replicate", *shard, "cp_ring", "cp_ulysses", "tp")

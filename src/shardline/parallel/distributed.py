@@ -203,6 +203,11 @@ def check_launch_env(env, gpus: int) -> None:
                           + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else "") + f": {fix}")
 
 
+# A key of the one-process group's own store: how many of this process's runs use it (a later
+# Trainer may take over a run dir while an earlier one still holds the group).
+ONE_PROCESS_HOLDERS = "shardline/one_process_holders"
+
+
 def init_one_process_group(device: torch.device) -> None:
     """A process group of this process alone, for a one-process run that still needs a mesh
     (FSDP2's CPU offload on one GPU: layout.Layout.offload_fsdp). An in-memory store: no
@@ -210,6 +215,27 @@ def init_one_process_group(device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                             device_id=device if device.type == "cuda" else None)
+    dist.distributed_c10d._get_default_store().add(ONE_PROCESS_HOLDERS, 0)  # (marks it as made here)
+
+
+def hold_one_process_group(device: torch.device) -> bool:
+    """The one-process group a one-process mesh needs, made where there is none. True where it is
+    one made here: the caller is counted among its holders, and release_one_process_group ends it
+    with the last (a caller's own init_process_group after the run would find it). A group the
+    caller or a launcher made is theirs to end."""
+    if not dist.is_initialized():
+        init_one_process_group(device)
+    store = dist.distributed_c10d._get_default_store()
+    if not store.check([ONE_PROCESS_HOLDERS]):
+        return False
+    store.add(ONE_PROCESS_HOLDERS, 1)
+    return True
+
+
+def release_one_process_group() -> None:
+    """One holder of the group hold_one_process_group made lets go; the last ends it."""
+    if dist.is_initialized() and dist.distributed_c10d._get_default_store().add(ONE_PROCESS_HOLDERS, -1) <= 0:
+        dist.destroy_process_group()
 
 
 def shutdown_distributed() -> None:

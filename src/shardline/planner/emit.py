@@ -41,8 +41,9 @@ def emit_config(path: str, work: Workload, candidates: list, base: Config, args:
               "--rdzv-backend c10d --rdzv-endpoint HEAD_NODE:29500 --rdzv-id JOB" if nodes > 1 else
               f"e.g. torchrun --nproc-per-node {per_node}")
     priced = _pricing_flags(args)  # (what train --dry-run cannot be told)
-    simulate = (f"shardline simulate --model {args.model} --gpu {args.gpu} --gpus {args.gpus} --seq-len "
-                f"{args.seq_len} --global-batch {work.global_batch} --days D{_pricing_flags(args, simulate=True)}")
+    # (this plan's step time given: simulate's own search would price its default layout and precision)
+    simulate = (f"shardline simulate --model {args.model} --gpu {args.gpu} --gpus {args.gpus} --gpus-per-node "
+                f"{per_node} --step-time {e.step_time_s:.4g} --days D")
     header = (f"{EMITTED} --model {args.model} --gpu {args.gpu} --gpus {args.gpus} "
               f"--seq-len {args.seq_len}{priced} ...\n# plan #{rank}: {e.layout.describe()}; predicted "
               f"{e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%, "
@@ -58,12 +59,11 @@ def emit_config(path: str, work: Workload, candidates: list, base: Config, args:
         raise ShardlineError(f"cannot write --emit-config {path}: {err}") from None
 
 
-def _pricing_flags(args: argparse.Namespace, simulate: bool = False) -> str:
-    """The plan's flags that moved its figures and that the emitted config cannot hold ("" for none);
-    `simulate`: those simulate takes too."""
-    given = [("--gpus-per-node", args.gpus_per_node), ("--profile", args.profile)] + [
-        ("--inter-bw-gbs", args.inter_bw_gbs), ("--oversubscription", args.oversubscription),
-        ("--mean-doc-tokens", args.mean_doc_tokens or None)] * (not simulate)
+def _pricing_flags(args: argparse.Namespace) -> str:
+    """The plan's flags that moved its figures and that the emitted config cannot hold ("" for none)."""
+    given = [("--gpus-per-node", args.gpus_per_node), ("--profile", args.profile),
+             ("--inter-bw-gbs", args.inter_bw_gbs), ("--oversubscription", args.oversubscription),
+             ("--mean-doc-tokens", args.mean_doc_tokens or None)]
     return "".join(f" {flag} {value:g}" if isinstance(value, float) else f" {flag} {value}"
                    for flag, value in given if value is not None)
 

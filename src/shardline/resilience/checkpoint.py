@@ -247,11 +247,10 @@ def read_meta(path: Path) -> dict[str, Any]:
 def load_weights(path: Path | str, model: torch.nn.Module, verified: bool = False) -> None:
     """Load only the model weights of any checkpoint (full or weights-only) in place.
     `verified`: the caller has just verified it (hashing every file again takes minutes at 70B)."""
-    path = Path(path)  # (a str from a caller)
     if not verified:
-        verify(path)
+        verify(Path(path))  # (a str from a caller too)
     state = {"model": get_model_state_dict(model)}
-    load_state(path, state)
+    load_state(Path(path), state)
     set_model_state_dict(model, state["model"])
 
 

@@ -73,7 +73,6 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.device = pick_device(cfg.run.device)
-        self.allocator, self._allocator_env = configure_allocator(self.device, cfg.memory.expandable_segments)
         self.step = 0  # optimizer updates completed
         self.started = time.time() if started is None else started
         self.start_verified = start_verified
@@ -94,15 +93,13 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self._given.refuse_changed("Trainer(cfg) was made")  # (an edit meant for this Trainer, not passed over)
         try:
             return self._build()
-        except BaseException:
-            if getattr(self, "data", None) is not None:  # (a notebook keeps the failed Trainer in its traceback)
-                self.data.release()
-            if getattr(self, "dims", None) is not None:
-                self.dims.release()
+        except BaseException:  # (a notebook keeps the failed Trainer in its traceback: nothing held by it)
+            self.close(failed=True)  # whatever the build reached: readers, group, lock, log, watchdog
             raise
 
     def _build(self) -> "Trainer":
-        cfg = self.cfg
+        cfg = self.cfg  # the allocator before CUDA starts; in build(), whose end or failure takes it out again
+        self.allocator, self._allocator_env = configure_allocator(self.device, cfg.memory.expandable_segments)
         self.proc = init_distributed(self.device)
         if self.device.type == "cuda" and (self.device.index is None or self.proc.world_size > 1):
             self.device = torch.device("cuda", self.proc.local_rank)  # one GPU a rank; cuda:N picks one alone
@@ -149,33 +146,27 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         # restored (the resume is chosen again: the checkpoints may have changed)
         self.lock = RunLock(self.run_dir)
         self._lock_taken_over = self.lock.acquire_for_job(self.proc.is_main, self.proc.world_size)
-        try:
-            self._repaired = agreed(self.checkpointer.repair_interrupted_seal, self.proc.world_size)
-            # Chosen again, by every rank, a refusal agreed: a run finishing in this dir may have saved since, or
-            # the repair put one back (what was hashed then is not hashed again).
-            resume_from = agreed(lambda: self._choose_resume(self.model_args, repaired=self.proc.is_main),
-                                 self.proc.world_size)
-            # a hang's exit frees the run dir for the rerun; a lock taken over stops the run at once
-            self.guard.watch(before_exit=self.lock.release, lock_lost=self.lock.lost_line)
-            # A hang here is reported after the step of the checkpoint this rank chose (0: none; a newer snapshot
-            # in RAM may win).
-            with self.guard.phase("restore", max(saved_step(resume_from), 0) if resume_from else 0):
-                resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
-                # read (hashed: cached where this rank chose it) by every rank before the tiers' collectives
-                agreed(lambda: resume_from is None or self.checkpointer.verify(resume_from), self.proc.world_size)
-                found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg), check=lambda got: (
-                    refuse_fresh_over_invalid(cfg.run.resume, got, self._invalid_checkpoints, self.checkpointer.root)),
-                    passed_over=self._invalid_checkpoints)  # (unusable snapshots: said, and refused as those)
-                self._set_aside = agreed(lambda: self._set_aside_newer(found), self.proc.world_size)  # before it
-                resumed = self._restore(found) if found is not None else None
-                if found is None and not starting_loaded:  # the checkpoint chosen before the lock is gone:
-                    load_starting_weights(cfg.model, self.model, self.dims.mesh is not None, self.start_verified)
-            self._open_run_dir(resumed)
-        except BaseException:
-            with contextlib.suppress(Exception):  # the error that stopped the start is the one to report
-                self.guard.stop_watching(failed=True)
-            self.lock.release()
-            raise
+        self._repaired = agreed(self.checkpointer.repair_interrupted_seal, self.proc.world_size)
+        # Chosen again, by every rank, a refusal agreed: a run finishing in this dir may have saved since, or
+        # the repair put one back (what was hashed then is not hashed again).
+        resume_from = agreed(lambda: self._choose_resume(self.model_args, repaired=self.proc.is_main),
+                             self.proc.world_size)
+        # a hang's exit frees the run dir for the rerun; a lock taken over stops the run at once
+        self.guard.watch(before_exit=self.lock.release, lock_lost=self.lock.lost_line)
+        # A hang here is reported after the step of the checkpoint this rank chose (0: none; a newer snapshot
+        # in RAM may win).
+        with self.guard.phase("restore", max(saved_step(resume_from), 0) if resume_from else 0):
+            resume_from = agree_on_resume(resume_from, self.proc.rank, self.proc.world_size)
+            # read (hashed: cached where this rank chose it) by every rank before the tiers' collectives
+            agreed(lambda: resume_from is None or self.checkpointer.verify(resume_from), self.proc.world_size)
+            found = self.tiers.resume_source(resume_from, memory_tier_resumable(cfg), check=lambda got: (
+                refuse_fresh_over_invalid(cfg.run.resume, got, self._invalid_checkpoints, self.checkpointer.root)),
+                passed_over=self._invalid_checkpoints)  # (unusable snapshots: said, and refused as those)
+            self._set_aside = agreed(lambda: self._set_aside_newer(found), self.proc.world_size)  # before it
+            resumed = self._restore(found) if found is not None else None
+            if found is None and not starting_loaded:  # the checkpoint chosen before the lock is gone:
+                load_starting_weights(cfg.model, self.model, self.dims.mesh is not None, self.start_verified)
+        self._open_run_dir(resumed)
         self._as_built = copy.deepcopy(cfg)  # what train() trains: a change after build() is refused there
         return self
 
@@ -208,13 +199,15 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             raise
 
     def close(self, failed: bool = False, error: BaseException | None = None) -> None:
-        """Free what build() took: the watchdog (its last reports; `failed`: this rank failed) and the
-        signal handlers, the trace so far, the log's files (TensorBoard's writer thread), the data
-        folders' reader locks and the run dir's lock; each one's own failure keeps none of the next.
+        """Free what build() took: a lone process's save in flight (waited for), the watchdog (its last
+        reports; `failed`: this rank failed) and the signal handlers, the trace so far, the log's files
+        (TensorBoard's writer thread), the data folders' reader locks, a one-process group it holds, the
+        allocator variable it wrote and the run dir's lock; each one's own failure keeps none of the next.
         train() closes on its way out; a Trainer built and not trained (a look at the model) is closed
         here or by `with`. Idempotent. `error`: what ended the run, the log's last word (`failed`)."""
         self.ended = True  # (evaluate() and save_checkpoint() refused from here on: no log, no lock)
-        for close in (lambda: self.guard.stop_watching(failed=failed), lambda: self.profiler.close(self.step),
+        for close in (lambda: self.proc.world_size > 1 or self.tiers.drain(),  # (a save in flight: its group kept)
+                      lambda: self.guard.stop_watching(failed=failed), lambda: self.profiler.close(self.step),
                       lambda: self._say_failed(error), lambda: self.metrics.close(), lambda: self.data.release(),
                       lambda: self.dims.release(), lambda: forget_allocator_env(self._allocator_env)):
             with contextlib.suppress(Exception):  # (AttributeError: a build that stopped before it made one)
@@ -347,8 +340,9 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
     def compute_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over this rank's share of the step's global batch.
 
-        Returns this rank's share of the global mean loss and the global gradient norm
-        (gradients clipped in place, or by the host's AdamW as it steps: clip_grad_norm's defer_to).
+        Returns this rank's share of the global mean loss and the global gradient norm, before the
+        clip. The gradients are clipped in place, or (the default fused AdamW, on the GPU or the host)
+        left unclipped: the optimizer scales them as it steps (clip_grad_norm's defer_to, optim/fused.py).
         """
         self.model.train()
         micro, n_tokens = self.guard.reads(self._step_batch)()  # it reads too: the labels it counts
