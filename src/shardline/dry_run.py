@@ -4,7 +4,7 @@ It runs the launch's own checks (`shardline.preflight`: config, model shape, dat
 files, layout, the machine-dependent rules assuming GPUs unless run.device = cpu, and
 which checkpoint a resume would take) for N ranks without a process group, without
 writing anything, then prints the resolved layout, which layers each pipeline rank
-holds and the planner's memory estimate per rank. A mistake is the one-line error a
+holds and the planner's memory estimate of the busiest rank. A mistake is the one-line error a
 launch would stop with. Not checked: what needs the tokenized corpus (a BPE that
 would be trained at launch, and whether the data fills one sequence) and the
 machines themselves.
@@ -309,7 +309,7 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
         host = hw.network.host_mem_gib
         fits += (f" the host: {ranks} ranks share its {host:.1f} GiB (90% usable)" if hw.name == "cpu" else
                  f" the host memory of a node ({host:.0f} GiB) with its {ranks} ranks' offloaded states")
-    return [f"memory    per rank on {hw.name}, planner estimate (GiB): {parts}",
+    return [f"memory    on the busiest rank on {hw.name}, planner estimate (GiB): {parts}",
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
             f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
             + (f", pipeline bubble {100 * e.bubble_share:.1f}% of the step" if e.bubble_share else "")

@@ -348,6 +348,15 @@ def test_a_length_in_epochs_gives_sharded_ranks_the_steps_of_one_process(world2,
     assert_same_run(world2 / "zero3_epochs", single(SHALLOW))
 
 
+def test_a_pipelined_run_logs_which_layers_each_pp_rank_holds(world2):
+    """The start event places the layers (the dry run's list): a run's own log showed pp2(1f1b m4) alone."""
+    events = [json.loads(line) for line in (world2 / "pp2_gpipe" / "metrics.jsonl").read_text().splitlines()]
+    placed = next(e for e in events if e.get("event") == "start")["pipeline"]
+    assert [(p["rank"], p["embedding"], p["output"]) for p in placed] == [(0, True, False), (1, False, True)]
+    layers = [i for p in placed for i in p["layers"]]
+    assert layers == sorted(layers) and len(layers) >= 2 and all(p["layers"] for p in placed)
+
+
 @pytest.mark.parametrize("layout", list(TIED_2))
 def test_world2_tied_embeddings_match_single_process(world2, single, layout):
     reference = single(*_model(TIED_2[layout]))

@@ -386,7 +386,7 @@ def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(caps
     assert "tp8 pp4(interleaved_1f1b v2 m32) fsdp:16" in out
     assert "compile   each transformer block whole; the loss eager (loss parallelism)" in out
     assert "pp rank 0: stages [0, 4]" in out and "+ embedding" in out and "+ output" in out
-    assert "per rank on h100-sxm" in out and "fits" in out
+    assert "on the busiest rank on h100-sxm" in out and "fits" in out
     assert "the model's vocabulary of 128,256 rows is far past the tokenizer's 4,096 tokens" in out  # (a preset's)
     assert "or data.vocab_size=128256 for a BPE trained up to that size" in out
     assert re.search(r"MFU \d+\.\d%, pipeline bubble \d+\.\d% of the step", out), out  # (which schedule: its cost)
@@ -444,7 +444,7 @@ def test_an_fp8_dry_run_on_a_cpu_prices_its_gemms_at_bf16(capsys, tmp_path):
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", "--train.precision=fp8",
                  "--run.device=cpu"]) == 0
     out = capsys.readouterr().out
-    assert "per rank on cpu" in out
+    assert "on the busiest rank on cpu" in out
     assert "params: autocast's 16-bit weight copies alive at the peak (none in fp32;" in out
 
 

@@ -9,10 +9,13 @@ from shardline.layout.degrees import V_SHAPED, ModelShape
 
 # ---- pipeline stage placement ---------------------------------------------------------
 #
-# Stages are balanced by parameters, not by layer count: the output projection
-# (vocab x dim) counts as `head_cost` blocks on the last stage, which then gets fewer
-# blocks (tiny, 4 layers on 2 stages: 3 + 1). The trainer cuts the model this way and
-# the planner charges each rank what it holds.
+# Stages are balanced by compute, not by layer count: the output projection (vocab x
+# dim, a matmul a token) counts as `head_cost` blocks on the last stage, which then gets
+# fewer blocks (tiny, 4 layers on 2 stages: 3 + 1). The embedding, a lookup, costs no
+# compute and is not counted: its parameters (and their states) sit on the first stage,
+# beside the most micro-batches in flight under 1F1B, so that stage is the fullest in
+# memory (the dry run's figure is the busiest rank's). The trainer cuts the model this
+# way and the planner charges each rank what it holds.
 
 
 def head_cost(model: ModelShape) -> float:

@@ -29,6 +29,7 @@ from shardline.errors import CheckpointError, ConfigError, DataError, on_every_r
 from shardline.interop.weights import copy_starting_files
 from shardline.devices import native_bf16
 from shardline.launch_notes import launch_notes
+from shardline.layout import pipeline_ranks
 from shardline.metrics import MetricsLogger
 from shardline.models.attention import resolve_attention
 from shardline.models.flops import num_params
@@ -176,6 +177,10 @@ class SavedState:
                            compile=describe_compile(cfg.train.compile, self.dims.layout,
                                                     cfg.memory.activation_checkpoint, self.model_args.moe),
                            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
+                           **({"pipeline": [{"rank": r.rank, "layers": list(r.layer_ids), "embedding": r.first,
+                                             "output": r.last} for r in pipeline_ranks(
+                               self.model_args, lay.pp, lay.pp_virtual_stages, lay.pp_schedule)]}
+                              if (lay := self.dims.layout).pp > 1 else {}),  # (which layers each pp rank holds)
                            threads=torch.get_num_threads(), torch=torch.__version__,  # (both move the numbers)
                            shardline=version(),  # (the code that trained it: a commit where run from a checkout)
                            **({"launchers": ids} if (ids := launcher_ids()) else {}))  # (whose records: never's)
