@@ -30,12 +30,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch.distributed
 
 from shardline.config import Config, DataConfig, apply_override, from_dict, override_list
 from shardline.data.file_stamps import changed_files
-from shardline.data.sampler import eval_micro_batches
 from shardline.data.validation import split_by_prepare, training_val_fraction, val_format
 from shardline.data.shards import tokenizer_file
 from shardline.data.sources import input_files
@@ -211,9 +209,8 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
             t, held_out = trainer.cfg.train, len(trainer.data.val)
             if batches is not None:
                 t.eval_batches = -(-held_out // t.global_batch_size) if batches == 0 else batches
-            read = eval_micro_batches(held_out, t.eval_batches * t.global_batch_size, t.micro_batch_size)
             loss = trainer.evaluate()
-            labelled = trainer.data.val.count_labels(np.concatenate(read)) if read else 0
+            sequences, labelled = trainer.evaluated
             if proc.rank == 0:
                 _say_if_other_windows(ckpt, t.seq_len)
         finally:
@@ -223,7 +220,7 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     data = cfg.data.val_path or " + ".join(s.path for s in cfg.data.mix) or cfg.data.path or "the shipped corpus"
-    return Evaluation(str(ckpt), step, loss, sum(map(len, read)), labelled, data)
+    return Evaluation(str(ckpt), step, loss, sequences, labelled, data)
 
 
 def _say_if_other_windows(ckpt: Path, seq_len: int) -> None:

@@ -101,9 +101,11 @@ class IntervalWork:
         total = self.runner.eval_loss_total(batches, self.data.val.batch, stop)
         if total is None:
             return None
-        loss = total.item() / max(self.data.val.count_labels(np.concatenate(batches)), 1)
+        labelled = self.data.val.count_labels(np.concatenate(batches)) if batches else 0
+        loss = total.item() / max(labelled, 1)
+        self.evaluated = (sum(map(len, batches)), labelled)  # (sequences, tokens scored): what `shardline eval` says
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)),
-                         eval_sequences=sum(map(len, batches)))
+                         eval_sequences=self.evaluated[0])
         return loss
 
     def refuse_ended(self, what: str) -> None:
