@@ -211,12 +211,11 @@ def _model_line(cfg: Config, launch: Preflight) -> str:
 
 
 def _optim_line(cfg: Config) -> str:
-    """The learning rate's curve and the seeds: what an ablation varies, said before it runs."""
+    """The learning rate's curve, the decay, the clip and the seeds: what an ablation varies, said before it runs."""
     o, t = cfg.optim, cfg.train
     seeds = f"seed {t.seed}" + (f", data order {t.data_seed}" if t.data_seed != -1 else " (weights and data order)")
-    floor = "" if o.schedule == "constant" else f" down to {o.min_lr_ratio:g} x lr"
     curve = (" (as long as the run: the lr peaks at its last step, never decaying)" if warmup_covers_run(cfg) else
-             f", then {o.schedule}{floor}")
+             f", then {o.schedule}" + ("" if o.schedule == "constant" else f" down to {o.min_lr_ratio:g} x lr"))
     if o.schedule == "wsd" and not warmup_covers_run(cfg):
         asked, given = wsd_decay_steps(t.steps, o)
         curve += f" over the last {given} step(s)" + (f" ({asked} asked: the decay starts after the warm-up)"
@@ -229,7 +228,8 @@ def _optim_line(cfg: Config) -> str:
         last = lr_multiplier(t.steps - 1, t.steps, o)
         curve = (f", then rsqrt (lr x sqrt({o.warmup_steps} / step)) to {last:.3g} x lr at the last step, "
                  + (f"floor {o.min_lr_ratio:g} x lr {reach}" if at else "no floor"))
-    return f"optim     lr {o.lr:g}, {o.warmup_steps} warm-up step(s){curve}; {seeds}"
+    clip = f"weight decay {o.weight_decay:g}, " + (f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip")
+    return f"optim     lr {o.lr:g}, {o.warmup_steps} warm-up step(s){curve}; {clip}; {seeds}"
 
 
 def _precision_line(cfg: Config, asked: str, on_gpu: bool, gpu_bf16: bool) -> str:

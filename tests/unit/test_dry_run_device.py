@@ -102,7 +102,10 @@ def test_the_dry_run_says_the_lr_curve_and_the_seeds(tiny_config):
     assert "12 warm-up step(s) (as long as the run: the lr peaks at its last step" in line and "cosine" not in line
     assert line.endswith("seed 1234, data order 3"), line
     report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "optim.schedule=constant", "optim.warmup_steps=2"), 1)
-    assert "2 warm-up step(s), then constant; seed 1234 (weights and data order)" in report
+    assert "2 warm-up step(s), then constant; weight decay 0.1, grad clip 1; seed 1234 (weights and data order)" \
+        in report
+    report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "optim.weight_decay=0", "train.grad_clip=0"), 1)
+    assert "; weight decay 0, no grad clip; seed" in report  # (the two other settings an ablation varies)
     # A WSD decay the warm-up shortens (5 of 10 steps asked, 8 warming up), as the wsd_decay_cut note says it
     report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=10", "optim.schedule=wsd",
                                             "optim.warmup_steps=8", "optim.decay_fraction=0.5"), 1)
@@ -111,7 +114,7 @@ def test_the_dry_run_says_the_lr_curve_and_the_seeds(tiny_config):
     report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=200", "optim.schedule=rsqrt",
                                             "optim.warmup_steps=1"), 1)
     assert "1 warm-up step(s), then rsqrt (lr x sqrt(1 / step)) to 0.1 x lr at the last step, floor 0.1 x lr from " \
-           "step 100; seed" in report
+           "step 100; weight decay 0.1, grad clip 1; seed" in report
     report, _ = dry_run.dry_run(tiny_config("run.device=cpu", "train.steps=200", "optim.schedule=rsqrt",
                                             "optim.warmup_steps=20"), 1)
     assert "then rsqrt (lr x sqrt(20 / step)) to 0.316 x lr at the last step, floor 0.1 x lr not reached by step " \
