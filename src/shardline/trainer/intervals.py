@@ -111,7 +111,7 @@ class IntervalWork:
     def refuse_ended(self, what: str) -> None:
         """After train() or close() a Trainer has let go of its log and run dir: an evaluation would log
         nowhere, a save land in a run dir another launch may hold by now."""
-        if getattr(self, "ended", False):
+        if self.ended:
             raise ConfigError(f"{what} after this Trainer's train() or close(): it let go of its log and run dir; "
                               "build a new Trainer on the run dir (it resumes the newest checkpoint), or run "
                               "shardline eval on it")

@@ -84,6 +84,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self._anomaly_streak = (-1, 0)  # (last anomalous step, how many in a row up to it)
         self._saves_at_rollback: tuple | None = None  # (tiers.landed, tiers.held, its step) at the last rollback
         self.eval_owed = False  # a stop skipped this step's evaluation: a resumed run makes it up first
+        self.ended = False  # train() ended or close() ran: evaluate() and save_checkpoint() refused (intervals.py)
+        self.evaluated = (0, 0)  # the last evaluation's sequences and scored tokens (intervals.py's evaluate)
 
     # ---- building -------------------------------------------------------------------
 
