@@ -42,7 +42,7 @@ from shardline.planner.report import MEMORY_TERMS, attention_words, mfu_over_wor
 from shardline.planner.microbatch_comm import ep_placement
 from shardline.planner.attention import mask_hint
 from shardline.planner.memory import GiB
-from shardline.planner.offload import OUTSIDE_DEVICE, node_ranks
+from shardline.planner.offload import OFFLOADED, OUTSIDE_DEVICE, node_ranks
 from shardline.resilience.checkpoint import verify
 from shardline.resilience.recovery import data_changes, saved_config, saved_step, saved_world_size, settings_changed
 from shardline.resilience.resume_checks import check_saved_position
@@ -302,11 +302,11 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
     doc_tokens, doc_source = _mean_doc_tokens(cfg)
     work = Workload.from_config(cfg, launch.model_args, doc_tokens)
     e = estimate(work, launch.layout, hw)
-    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.memory.items() if k not in OUTSIDE_DEVICE)
+    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.memory.items() if k not in OUTSIDE_DEVICE) + "".join(
+        f"; offloaded to the {where} {e.memory[k] / GiB:.2f}" for k, where in OFFLOADED if e.memory.get(k))
     fits = "fits" if e.fits else "DOES NOT FIT"
     if not e.host_ok and e.memory["total"] <= e.capacity:  # (each rank fits; the node's host memory does not)
-        ranks = node_ranks(launch.layout, hw)
-        host = hw.network.host_mem_gib
+        ranks, host = node_ranks(launch.layout, hw), hw.network.host_mem_gib
         fits += (f" the host: {ranks} ranks share its {host:.1f} GiB (90% usable)" if hw.name == "cpu" else
                  f" the host memory of a node ({host:.0f} GiB) with its {ranks} ranks' offloaded states")
     return [f"memory    on the busiest rank on {hw.name}, planner estimate (GiB): {parts}",

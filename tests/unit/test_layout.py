@@ -417,6 +417,16 @@ def test_a_dry_run_whose_memory_estimate_does_not_fit_exits_1(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert "DOES NOT FIT" in out and "memory estimate does not fit the device (exit 1)" in err
     assert "lower train.micro_batch_size" in err and "parallel.tp or parallel.cp" in err
+    assert "or offload (memory.cpu_offload)" in err
+    # ... not where it is on already, nor on a CPU, where the host's memory is the device's
+    outs = []
+    for more in (["--memory.cpu_offload=true", "--parallel.dp_shard=1"], ["--run.device=cpu"]):
+        assert main([*argv, "--train.micro_batch_size=8", "--train.seq_len=65536", *more]) == 1
+        out, err = capsys.readouterr()
+        assert "does not fit" in err and "offload" not in err.split("(exit 1)")[1], err
+        outs.append(out)
+    # the offloaded states are on the memory line too: the verdict on the host's memory counts them
+    assert "; offloaded to the host " in outs[0] and "optimizer 0.00" in outs[0] and "offloaded" not in outs[1]
     # at one sequence a micro-batch, lowering it is no advice
     assert main([*argv, "--train.micro_batch_size=1", "--train.seq_len=65536", "--train.global_batch_size=64"]) == 1
     assert "lower train.micro_batch_size" not in capsys.readouterr().err

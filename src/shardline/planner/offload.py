@@ -31,6 +31,7 @@ GiB = 2**30
 MOMENT_BYTES = 8.0  # AdamW's m and v in fp32, per parameter
 HOST_USABLE = 0.9  # share of a node's host memory the states and the page cache may take
 OUTSIDE_DEVICE = ("total", "host_offload", "ssd_offload")  # memory terms not on the device
+OFFLOADED = (("host_offload", "host"), ("ssd_offload", "SSD"))  # those off it, and where they are
 
 
 def on_ssd(work: Workload, layout: Layout, hw: Hardware) -> bool:

@@ -51,7 +51,8 @@ def attention_words(work: Workload, hw: Hardware, ring: int = 1) -> str:
 
 # What two of the memory terms hold (ZeRO's accounting), which their names alone do not say.
 MEMORY_TERMS = ("params: autocast's 16-bit weight copies alive at the peak (none in fp32; FSDP's gathered weights "
-                "are in buffers); optimizer: the fp32 weights and AdamW's two moments, 12 bytes a parameter")
+                "are in buffers), and the fp32 weights where every rank keeps them whole (ZeRO-1; fp32 ZeRO-2); "
+                "optimizer: the fp32 weights and AdamW's two moments, 12 bytes a parameter (ZeRO-1: the moments, 8)")
 
 
 def mfu_words(work: Workload) -> str:
