@@ -243,8 +243,8 @@ def _precision_line(cfg: Config, asked: str, on_gpu: bool, gpu_bf16: bool) -> st
     if settled == "fp32" and on_gpu and gpu_bf16:  # (as the launch notes it: fp32_on_gpu)
         return f"precision fp32 ({FP32_ON_GPU}){loss}"
     if settled == "fp16":
-        return ("precision fp16 (dynamic loss scaling from 2**16: an overflowing step is skipped, the scale "
-                f"halved){loss}")
+        return ("precision fp16 (dynamic loss scaling from 2**16, a resume from its saved scale: an overflowing "
+                f"step is skipped, the scale halved; doubled after 2000 steps without one){loss}")
     if settled == "fp8":
         return (f"precision fp8 (torchao float8, fp8.recipe={cfg.fp8.recipe}; the output layer and the router in bf16"
                 + ("; emulated on a CPU: for testing only)" if not on_gpu else ")") + loss)

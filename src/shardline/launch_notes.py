@@ -107,8 +107,9 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if device_type == "cpu" and cfg.train.precision in ("bf16", "fp16") and not cpu_has_amx(cfg.train.precision):
         # (allowed: it runs what a GPU runs; with AMX tiles for the dtype it is the faster one)
         notes.append(("half_precision_on_cpu", {"precision": cfg.train.precision, "why": "often slower than fp32 "
-                      "on a CPU without AMX tiles for it: the casts and the element-wise work cost more than the "
-                      "16-bit matmuls save (train.precision=fp32 on a CPU)"}))
+                      "on a CPU without AMX tiles for it (fp16 matmuls without avx512_fp16 many times slower): the "
+                      "casts and the element-wise work cost more than the 16-bit matmuls save (train.precision=fp32 "
+                      "on a CPU)"}))
     if device_type == "cpu" and cfg.train.precision == "fp8":  # (allowed: the float8 path, checked on a CPU)
         notes.append(("fp8_emulated", {"why": "float8 matmuls are emulated on a CPU (quantised, multiplied in fp32): "
                       "for testing only, slower than fp32; real fp8 needs a GPU of compute capability >= 8.9"}))
@@ -165,7 +166,8 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     f = cfg.faults
     drills = [k for k, armed in (("kill_rank", f.kill_rank >= 0), ("hang_rank", f.hang_rank >= 0),
                                  ("slow_rank", f.slow_rank >= 0), ("nan_step", f.nan_step),
-                                 ("spike_step", f.spike_step), ("corrupt_checkpoint_step", f.corrupt_checkpoint_step),
+                                 ("spike_step", f.spike_step), ("overflow_step", f.overflow_step),
+                                 ("corrupt_checkpoint_step", f.corrupt_checkpoint_step),
                                  ("fail_save_step", f.fail_save_step), ("refuse_save_step", f.refuse_save_step))
               if armed]
     if resumed and drills and not restarted():  # a torchrun restart or a requeue skips them; a hand relaunch does not

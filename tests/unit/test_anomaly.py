@@ -47,6 +47,16 @@ def test_nan_with_skip_drops_that_update_and_finishes(tiny_config, tmp_path):
 
 
 
+def test_the_overflow_drill_is_a_non_finite_gradient_norm_outside_fp16(tiny_config, tmp_path):
+    """faults.overflow_step puts an inf in a gradient (as an fp16 overflow does, where the loss scaler
+    skips it: tests/distributed/test_fp16.py); in fp32 the anomaly check sees its gradient norm."""
+    trainer = Trainer(tiny_config("faults.overflow_step=5", "anomaly.action=skip")).build()
+    trainer.train()
+    events = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "anomaly"]
+    assert [(e["step"], e["anomaly"], e["action"]) for e in events] == [(5, "nonfinite_grad_norm", "skip")]
+    assert math.isfinite(params(trainer)["tok_embeddings.weight"].sum().item())  # (the update was dropped)
+
+
 def test_a_skipped_first_update_steps_the_schedule_without_torchs_warning(tiny_config, tmp_path):
     """The schedule is indexed by step, so it steps past a skipped update (torch warns where that is
     the first): filtered once a process, not per step (leaving catch_warnings each step reset

@@ -141,8 +141,9 @@ def test_precision_auto_is_bf16_on_a_gpu_and_fp32_on_a_cpu(tiny_config, capsys):
     report, _ = dry_run.dry_run(tiny_config("train.precision=fp32"), 1, "h100-sxm")  # asked for: said
     assert "precision fp32 (train.precision=fp32 on a GPU: its matmuls run at the fp32 peak" in report
     report, _ = dry_run.dry_run(tiny_config("train.precision=fp16"), 1, "h100-sxm")
-    assert "\nprecision fp16 (dynamic loss scaling from 2**16: an overflowing step is skipped, the scale halved)\n" \
-        in report  # (what comes with it: its loss scaling, fp8's recipe and emulation, a chunked loss)
+    assert "\nprecision fp16 (dynamic loss scaling from 2**16, a resume from its saved scale: an overflowing step is " \
+           "skipped, the scale halved; doubled after 2000 steps without one)\n" in report
+    # (what comes with it: its loss scaling, fp8's recipe and emulation, a chunked loss)
     report, _ = dry_run.dry_run(tiny_config("train.precision=fp8", "train.loss_chunk_tokens=64", "run.device=cpu"), 1)
     assert "\nprecision fp8 (torchao float8, fp8.recipe=tensorwise; the output layer and the router in bf16; " \
            "emulated on a CPU: for testing only); the loss 64 tokens at a time (train.loss_chunk_tokens" in report

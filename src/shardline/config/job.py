@@ -95,7 +95,8 @@ class Config:
                                   f"fire; give a multiple of checkpoint.interval={every} or the run's last step")
         phases = {"eval": ("train.eval_interval", self.train.eval_interval), "save": ("checkpoint.interval", every),
                   "snapshot": ("checkpoint.memory_interval", self.checkpoint.memory_interval),
-                  "halt": ("faults.nan_step or faults.spike_step (an anomaly to halt on)", f.nan_step or f.spike_step)}
+                  "halt": ("faults.nan_step or faults.spike_step (an anomaly to halt on)",
+                           f.nan_step or f.spike_step or (f.overflow_step and self.train.precision != "fp16"))}
         if f.hang_rank >= 0 and f.hang_phase in phases and not phases[f.hang_phase][1]:
             raise ConfigError(f"faults.hang_phase={f.hang_phase} would never fire: this run has no {f.hang_phase} "
                               f"phase; set {phases[f.hang_phase][0]}")

@@ -62,8 +62,8 @@ class WatchdogConfig:
         return self.long_timeout_s or 10 * self.timeout_s
 
 
-DRILL_STEPS = ("kill_step", "nan_step", "spike_step", "hang_step", "corrupt_checkpoint_step", "fail_save_step",
-               "refuse_save_step")
+DRILL_STEPS = ("kill_step", "nan_step", "spike_step", "overflow_step", "hang_step", "corrupt_checkpoint_step",
+               "fail_save_step", "refuse_save_step")
 
 
 @dataclass
@@ -75,6 +75,9 @@ class FaultsConfig:
     kill_wipes_memory: bool = False  # the killed rank's in-memory snapshots go too (its own folder, as if lost)
     nan_step: int = 0  # the loss of this step becomes NaN
     spike_step: int = 0  # the loss of this step is multiplied by 100
+    # rank 0's gradients of this step hold an inf, as an fp16 overflow leaves them (its peers' do not): the
+    # loss scaler skips the update on every rank (fp16), or the anomaly check sees a non-finite grad norm
+    overflow_step: int = 0
     hang_rank: int = -1
     hang_step: int = 0
     # Where hang_rank hangs: a step (hang_step), or the first phase of that name (its watchdog limit is

@@ -109,6 +109,17 @@ class FaultInjector:
             return loss * 100.0
         return loss
 
+    def corrupt_gradients(self, step: int, model) -> None:
+        """faults.overflow_step: one of rank 0's gradients (its local shard) holds an inf after the
+        backward, as an fp16 overflow leaves them; its peers' do not, so the skip must be agreed."""
+        if not self._fire("overflow", step, self.cfg.overflow_step, rank=0):
+            return
+        for param in model.parameters():
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            if grad is not None and grad.numel():
+                grad.view(-1)[0] = float("inf")
+                return
+
     def during_save(self, step: int) -> None:
         """Called after the state is written and before the manifest: die half-saved, or have the
         storage refuse the save (the path checkpoint.on_error takes, short of filling a disk)."""
