@@ -285,10 +285,24 @@ def test_the_rollback_budget_and_skip_streak_go_on_across_a_restart(tiny_config,
     with pytest.raises(AnomalyHalt, match=r"at step 8; .*; " + spent):
         again.train()  # (the halt says why a rollback run halted: its budget is spent)
     streak = tmp_path / "streak"  # a skip streak up to a saved step goes on after a restore too
-    skipping = Trainer(tiny_config(*common, "train.stop_at_step=3", run_dir=streak)).build()
-    skipping._anomaly_streak = (2, 2)
+    skipping = Trainer(tiny_config(*common, "anomaly.action=skip", "train.stop_at_step=3", run_dir=streak)).build()
+    skipping.guard.faults.corrupt_loss = lambda step, loss: float("nan") if step >= 2 else loss
     skipping.train()
-    assert Trainer(tiny_config(*common, run_dir=streak)).build()._anomaly_streak == (2, 2)
+    assert Trainer(tiny_config(*common, run_dir=streak)).build()._anomaly_streak == (3, 2)
+
+
+def test_a_relaunch_after_a_streak_halt_starts_a_new_streak(tiny_config, tmp_path):
+    """The halted step was in the saved streak, the state saved the step before it: redone healthy after
+    the relaunch, it ended no streak, and the next single anomaly halted as "3 in a row"."""
+    common = ["anomaly.action=skip", "anomaly.max_consecutive=2", "anomaly.min_history=3", "train.eval_interval=0",
+              "checkpoint.interval=3"]
+    with pytest.raises(AnomalyHalt, match=r"2 anomalous steps in a row \(steps 5-6\)"):
+        Trainer(tiny_config(*common, "faults.nan_step=5", "faults.spike_step=6")).build().train()
+    again = Trainer(tiny_config(*common, "train.skip_batches=[5]", "faults.spike_step=7")).build()
+    assert again.step == 5
+    again.train()  # step 6 redone healthy, a lone spike at 7 skipped: no halt
+    events = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "anomaly"]
+    assert [(e["step"], e["action"]) for e in events][-1] == (7, "skip")
 
 
 @pytest.mark.parametrize("ram", [False, True])

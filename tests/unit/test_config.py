@@ -140,6 +140,17 @@ def test_bad_values_raise_config_error(override, message):
     assert "\n" not in str(err.value)
 
 
+def test_a_spike_drill_after_another_anomaly_drill_needs_one_more_healthy_step():
+    """A skipped anomalous step stays out of the detector's history: a spike drill at min_history + 1
+    after one went unjudged, its loss taken in, and the drill passed in silence."""
+    with pytest.raises(ConfigError, match=r"faults.spike_step=21 comes before the spike detector judges any step: "
+                                          r"it needs anomaly.min_history=20 healthy steps first \(and faults' "
+                                          r"earlier anomalous step, which it leaves out\)"):
+        load_config(None, ["faults.spike_step=21", "faults.nan_step=5"]).check()
+    load_config(None, ["faults.spike_step=22", "faults.nan_step=5"]).check()
+    load_config(None, ["faults.spike_step=21", "faults.overflow_step=5", "train.precision=fp16"]).check()
+
+
 def test_rsqrt_without_a_warmup_is_refused_in_one_line():
     """lr x sqrt(warmup_steps / step) is 0 with no warm-up: the key is named, not a flat run at the floor."""
     with pytest.raises(ConfigError, match=r"^optim.warmup_steps=0 is invalid: optim.schedule=rsqrt needs >= 1"):

@@ -100,10 +100,13 @@ class Config:
         if f.hang_rank >= 0 and f.hang_phase in phases and not phases[f.hang_phase][1]:
             raise ConfigError(f"faults.hang_phase={f.hang_phase} would never fire: this run has no {f.hang_phase} "
                               f"phase; set {phases[f.hang_phase][0]}")
-        if f.spike_step and f.spike_step <= self.anomaly.min_history:
+        # each earlier anomaly drill is a step the detector's history lacks (its loss is not taken in)
+        earlier = sum(0 < at < f.spike_step for at in (f.nan_step, f.overflow_step * (self.train.precision != "fp16")))
+        if f.spike_step and f.spike_step <= self.anomaly.min_history + earlier:
+            lacks = f" (and faults' earlier anomalous step{'s' * (earlier > 1)}, which it leaves out)" * bool(earlier)
             raise ConfigError(f"faults.spike_step={f.spike_step} comes before the spike detector judges any step: it "
-                              f"needs anomaly.min_history={self.anomaly.min_history} healthy steps first; give a "
-                              "later step, or a lower anomaly.min_history")
+                              f"needs anomaly.min_history={self.anomaly.min_history} healthy steps first{lacks}; give "
+                              "a later step, or a lower anomaly.min_history")
 
     def check(self, dp_world: int = 1) -> None:
         """check_sections(), and a global batch that splits over `dp_world` ranks."""

@@ -336,6 +336,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if anomaly is not None and self._handle_anomaly(step, *anomaly, loss=loss_value):
             return loss_value, grad_norm, "rolled_back"
         outcome = "anomaly" if anomaly is not None else "overflow" if self.apply_update() else "updated"
+        if anomaly is None:  # a healthy step ends a streak (the halted step redone after a resume, too)
+            self._anomaly_streak = (-1, 0)
         self.step = step
         return loss_value, grad_norm, outcome
 
