@@ -60,7 +60,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(report)
         if not fits:  # a script's `--dry-run && torchrun ...` stops here; a launch itself is not refused
             lower = "lower train.micro_batch_size, or " if cfg.train.micro_batch_size > 1 else ""
-            on_gpu = bool(args.gpu) or cfg.run.device != "cpu"  # (the dry run prices a GPU launch unless told cpu)
+            on_gpu = (args.gpu or ("cpu" if cfg.run.device == "cpu" else "gpu")) != "cpu"  # (as the dry run prices)
             offload = ", or offload (memory.cpu_offload)" if on_gpu and not cfg.memory.cpu_offload else ""
             print(f"shardline: the planner's memory estimate does not fit the device (exit 1); {lower}set "
                   "train.loss_chunk_tokens or memory.activation_checkpoint, or raise parallel.tp or parallel.cp "

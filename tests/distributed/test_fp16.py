@@ -35,6 +35,12 @@ INJECT_STEP = 2
 DRILL = [f"faults.overflow_step={INJECT_STEP}"]
 
 
+def _fp32_drill(corpus):
+    """fp32 with the drill: every replica's gradients hold the inf (as an all-reduce spreads one), so every
+    rank's anomaly check skips the step (a DDP norm is reduced over no rank: rank 0's alone diverged)."""
+    return [*PARITY_OVERRIDES, f"data.path={corpus}", "train.precision=fp32", "anomaly.action=skip", *DRILL]
+
+
 def _base(corpus):
     return [*PARITY_OVERRIDES, f"data.path={corpus}", *FP16]
 
@@ -72,6 +78,7 @@ def references(tmp_path_factory, small_prepared):
     for name, drill in (("plain", []), ("inf", DRILL)):
         _train([*_base(small_prepared), *drill], root / name, rank=0)
     _train(_bf16(small_prepared), root / "bf16", rank=0)
+    _train(_fp32_drill(small_prepared), root / "fp32_drill", rank=0)
     return root
 
 
@@ -81,6 +88,8 @@ def world2(tmp_path_factory, small_prepared):
     jobs = [(str(root / name), [*_base(small_prepared), *extra]) for name, extra in LAYOUTS.items()]
     jobs += [(str(root / name), [*_base(small_prepared), *extra, *DRILL]) for name, extra in INJECTED.items()]
     jobs.append((str(root / "fsdp2_bf16"), [*_bf16(small_prepared), *LAYOUTS["fsdp2"]]))
+    jobs.append((str(root / "ddp2_fp32_drill"), [*_fp32_drill(small_prepared), "parallel.dp_replicate=2",
+                                                 "parallel.dp_shard=1"]))
     start_ranks(_worker, args=(2, free_port(), jobs), nprocs=2)
     return root
 
@@ -133,3 +142,10 @@ def test_bf16_fsdp_trains_like_single_process_to_bf16s_precision(world2, referen
     assert len(want) >= 3 and max(abs(got[s] - want[s]) for s in want) > 0  # bf16 gathers: not bit-identical
     # Gradient norms measured within 3e-3, parameters in norm within 0.035 (as under fp16 TP).
     assert_same_run(world2 / "fsdp2_bf16", references / "bf16", rtol=1e-3, grad_rtol=5e-3, params_rel=0.1)
+
+
+def test_the_overflow_drill_outside_fp16_skips_the_step_on_every_replica(world2, references):
+    events = [json.loads(line) for line in (world2 / "ddp2_fp32_drill" / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["anomaly"], e["action"]) for e in events if e.get("event") == "anomaly"] == [
+        (INJECT_STEP, "nonfinite_grad_norm", "skip")]
+    assert_same_run(world2 / "ddp2_fp32_drill", references / "fp32_drill")  # (no replica took the update)

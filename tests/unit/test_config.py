@@ -149,6 +149,9 @@ def test_a_spike_drill_after_another_anomaly_drill_needs_one_more_healthy_step()
         load_config(None, ["faults.spike_step=21", "faults.nan_step=5"]).check()
     load_config(None, ["faults.spike_step=22", "faults.nan_step=5"]).check()
     load_config(None, ["faults.spike_step=21", "faults.overflow_step=5", "train.precision=fp16"]).check()
+    load_config(None, ["faults.spike_step=21", "faults.nan_step=5", "anomaly.action=rollback"]).check()  # (restored)
+    with pytest.raises(ConfigError, match=r"healthy steps first \(and faults' earlier anomalous step,"):  # (one step)
+        load_config(None, ["faults.spike_step=21", "faults.nan_step=5", "faults.overflow_step=5"]).check()
 
 
 def test_rsqrt_without_a_warmup_is_refused_in_one_line():

@@ -420,7 +420,7 @@ def test_a_dry_run_whose_memory_estimate_does_not_fit_exits_1(capsys, tmp_path):
     assert "or offload (memory.cpu_offload)" in err
     # ... not where it is on already, nor on a CPU, where the host's memory is the device's
     outs = []
-    for more in (["--memory.cpu_offload=true", "--parallel.dp_shard=1"], ["--run.device=cpu"]):
+    for more in (["--memory.cpu_offload=true", "--parallel.dp_shard=1"], ["--run.device=cpu"], ["--gpu", "cpu"]):
         assert main([*argv, "--train.micro_batch_size=8", "--train.seq_len=65536", *more]) == 1
         out, err = capsys.readouterr()
         assert "does not fit" in err and "offload" not in err.split("(exit 1)")[1], err

@@ -100,8 +100,9 @@ class Config:
         if f.hang_rank >= 0 and f.hang_phase in phases and not phases[f.hang_phase][1]:
             raise ConfigError(f"faults.hang_phase={f.hang_phase} would never fire: this run has no {f.hang_phase} "
                               f"phase; set {phases[f.hang_phase][0]}")
-        # each earlier anomaly drill is a step the detector's history lacks (its loss is not taken in)
-        earlier = sum(0 < at < f.spike_step for at in (f.nan_step, f.overflow_step * (self.train.precision != "fp16")))
+        # an earlier anomaly drill skipped is a step the detector's history lacks (a rollback restores it)
+        drills = {f.nan_step, f.overflow_step * (self.train.precision != "fp16")}
+        earlier = sum(0 < at < f.spike_step for at in drills) if self.anomaly.action == "skip" else 0
         if f.spike_step and f.spike_step <= self.anomaly.min_history + earlier:
             lacks = f" (and faults' earlier anomalous step{'s' * (earlier > 1)}, which it leaves out)" * bool(earlier)
             raise ConfigError(f"faults.spike_step={f.spike_step} comes before the spike detector judges any step: it "

@@ -75,8 +75,8 @@ class FaultsConfig:
     kill_wipes_memory: bool = False  # the killed rank's in-memory snapshots go too (its own folder, as if lost)
     nan_step: int = 0  # the loss of this step becomes NaN
     spike_step: int = 0  # the loss of this step is multiplied by 100
-    # rank 0's gradients of this step hold an inf, as an fp16 overflow leaves them (its peers' do not): the
-    # loss scaler skips the update on every rank (fp16), or the anomaly check sees a non-finite grad norm
+    # the gradients of this step hold an inf, as an overflow leaves them: under fp16 rank 0's alone, and the
+    # loss scaler skips the update on every rank; elsewhere every rank's, the anomaly check's non-finite norm
     overflow_step: int = 0
     hang_rank: int = -1
     hang_step: int = 0

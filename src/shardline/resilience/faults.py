@@ -109,10 +109,12 @@ class FaultInjector:
             return loss * 100.0
         return loss
 
-    def corrupt_gradients(self, step: int, model) -> None:
-        """faults.overflow_step: one of rank 0's gradients (its local shard) holds an inf after the
-        backward, as an fp16 overflow leaves them; its peers' do not, so the skip must be agreed."""
-        if not self._fire("overflow", step, self.cfg.overflow_step, rank=0):
+    def corrupt_gradients(self, step: int, model, every_rank: bool) -> None:
+        """faults.overflow_step: one of this rank's gradients (its local shard) holds an inf after the
+        backward, as an overflow leaves them. Rank 0's alone under fp16, whose loss scaler must agree
+        the skip; `every_rank` elsewhere, as a data-parallel all-reduce spreads one to every replica,
+        whose anomaly checks each see it (a norm reduced over the shards only would see it on one)."""
+        if not self._fire("overflow", step, self.cfg.overflow_step, rank=None if every_rank else 0):
             return
         for param in model.parameters():
             grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad

@@ -95,6 +95,7 @@ class IntervalWork:
         by the data-parallel ranks: the same sequences, so the same number, whatever the layout. None,
         logging nothing, where `stop` (asked of every rank alike between micro-batches) said to stop."""
         self.refuse_ended("evaluate()")
+        self.evaluated = (0, 0)  # (an evaluation stopped midway scored none)
         t = self.cfg.train
         self.model.eval()
         batches = eval_micro_batches(len(self.data.val), t.eval_batches * t.global_batch_size, t.micro_batch_size)

@@ -355,7 +355,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         loss = self.runner.forward_backward_step(micro, self.guard.reads(self.data.train.batch), n_tokens)
         if self.experts:
             self.experts.end_step()
-        self.guard.faults.corrupt_gradients(self.step + 1, self.model)  # (the overflow drill; else nothing)
+        self.guard.faults.corrupt_gradients(self.step + 1, self.model, every_rank=not self.scaler.enabled)  # (drill)
         reduce_gradients(self.optimizer, self.dims.zero1_scatters)  # ZeRO-1: its slices (under tp/pp, summed)
         self.scaler.unscale_(self.optimizer)
         return loss, clip_grad_norm(self.model, self.cfg.train.grad_clip, self.dims,
