@@ -59,8 +59,9 @@ AVX2_FLOP_PER_CYCLE, _AVX512_FLOP_PER_CYCLE, _CPU_HZ = 32, 64, 3.0e9
 # thread (64 with avx512f, but AMD before Zen 5), at most a rank's share of the host's cores; twice that
 # in bf16 or fp16 where the CPU has 16-bit dot products (avx512_bf16, avx512_fp16), 2048 with AMX tiles
 # for the dtype (amx_bf16, amx_fp16). `shardline estimate` prices the same peak unless given a profile.
-CPU_PEAK_ASSUMED = ("a peak assumed from the CPU's vector units and the threads torch uses: the log's mfu compares "
-                    "runs on this machine, not with GPUs; metrics.peak_tflops sets the machine's own")
+CPU_PEAK_ASSUMED = ("a rank's peak assumed from the CPU's vector units and the threads torch uses: the log's mfu "
+                    "(over every rank's peak) compares runs on this machine, not with GPUs; metrics.peak_tflops "
+                    "sets a rank's own (its share of the machine's)")
 # CPU flags whose 16-bit dot products do twice an fp32 FMA's work a lane (a bf16 run's MFU passed 100% without).
 _CPU_HALF_FLAGS = {"bf16": ("avx512_bf16",), "fp16": ("avx512_fp16",)}
 # AMX: a core's tile unit does 1024 16-bit multiply-adds a cycle (Intel's figure for Sapphire Rapids):

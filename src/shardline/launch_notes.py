@@ -98,7 +98,8 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
             f"optim.decay_fraction={cfg.optim.decay_fraction} asks for {decay[0]} decay steps of {cfg.train.steps}; "
             f"the decay starts after the {cfg.optim.warmup_steps} warm-up steps, so it takes {decay[1]}")}))
     if device_type == "cpu" and not cfg.metrics.peak_tflops:  # so a CPU's mfu is not read as a GPU's
-        notes.append(("mfu_peak_assumed", {"peak_tflops": peak, "why": CPU_PEAK_ASSUMED}))
+        notes.append(("mfu_peak_assumed", {"peak_tflops": peak, **({"ranks": world_size, "job_peak_tflops": round(
+            peak * world_size, 4)} if world_size > 1 else {}), "why": CPU_PEAK_ASSUMED}))  # (mfu divides by the job's)
     host = os.cpu_count() or 1  # (the load average is the host's: its cores, not this process's affinity)
     if device_type == "cpu" and (load := cpu_load()) >= host + 1:  # (a step's time moved 17x on 2 cores)
         notes.append(("cpu_busy", {"load": round(load, 2), "cores": host, "why": "more runnable work than "

@@ -37,6 +37,9 @@ def test_an_unknown_gpu_and_idle_gpus_are_named_with_their_fix():
     plain = load_config(None, [])
     assert launch_notes(plain, "cpu", 0.1, 1) == [("mfu_peak_assumed", {"peak_tflops": 0.1, "why": CPU_PEAK_ASSUMED})]
     assert launch_notes(load_config(None, ["metrics.peak_tflops=0.5"]), "cpu", 0.5, 1) == []  # the machine's own
+    # several ranks on a CPU: each one's peak (its threads' share), and the job's that the log's mfu divides by
+    assert dict(launch_notes(plain, "cpu", 0.1, 4))["mfu_peak_assumed"] == {
+        "peak_tflops": 0.1, "ranks": 4, "job_peak_tflops": 0.4, "why": CPU_PEAK_ASSUMED}
     plain.train.settle_precision(on_gpu=True)  # (as a launch on a GPU settles auto before its notes)
     notes = dict(launch_notes(plain, "cuda", None, 1, "NVIDIA L40S", 4))
     assert notes.keys() == {"mfu_unknown", "one_gpu_of_several"}
