@@ -38,6 +38,7 @@ from shardline.parallel.compile import config_problem as compile_problem
 from shardline.resilience.anomaly import check_on_device
 from shardline.resilience.checkpoint import MANIFEST, Checkpointer
 from shardline.resilience.recovery import named_resume_problem, restarted, resume_path
+from shardline.resilience.relaunch import foreign_files_problem
 from shardline.resilience.resume_checks import check_saved_position, check_steps_ahead
 
 @dataclass(frozen=True)
@@ -183,7 +184,8 @@ def check_config(cfg: Config) -> None:
     checkpoint to resume, the packages fp8 and TensorBoard need."""
     check_values(cfg)
     _raise(named_resume_problem(cfg.run.resume) if not restarted() else None)  # a restart may go on from its own
-    for problem in (init_from_problem(cfg.model.init_from), run_dir_problem(cfg.run.dir), _run_dir_in_data(cfg)):
+    for problem in (init_from_problem(cfg.model.init_from), run_dir_problem(cfg.run.dir), _run_dir_in_data(cfg),
+                    foreign_files_problem(Path(cfg.run.dir))):
         _raise(problem)
     if cfg.train.precision == "fp8":
         float8.require_torchao()  # (parallel/float8.py: its install line)

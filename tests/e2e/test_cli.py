@@ -192,7 +192,7 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, small_cor
     # each); test_unknown_argument_is_rejected and the train tests run the real subprocess.
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text("precious\n")
+    (run / "metrics.jsonl").write_text('{"kind": "event", "event": "precious"}\n')  # (a run's log: its record)
     base = [o for o in overrides(run, small_corpus) if not any(o.startswith(b.split("=")[0]) for b in bad)]
     latin1 = tmp_path / "latin1.toml"
     latin1.write_bytes(b'[run]\ndir = "caf\xe9"\n')
@@ -205,7 +205,7 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, small_cor
     assert message in stderr
     assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
-    assert (run / "metrics.jsonl").read_text() == "precious\n"
+    assert (run / "metrics.jsonl").read_text() == '{"kind": "event", "event": "precious"}\n'
 
 
 def test_unknown_argument_is_rejected():

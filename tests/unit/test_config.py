@@ -435,6 +435,26 @@ def test_a_home_path_set_in_code_is_expanded_by_the_trainer(tmp_path, monkeypatc
     assert cfg.run.dir == "~/runs/nb"  # (the caller's object is not written: the Trainer works on a copy)
 
 
+def test_a_run_dir_holding_files_no_run_wrote_is_refused_before_they_are_written_over(tmp_path, capsys):
+    """A project folder's own config.toml (no [model] table) was replaced by the run's, after a note that
+    called it "emptied, cut short or not TOML"; a log of another tool had the run's records appended."""
+    from shardline.cli import main
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.toml").write_text("[server]\nport = 8080\n")
+    (project / "metrics.jsonl").write_text('{"loss": 1}\n')
+    for argv in ([], ["--config", "configs/tiny.toml"]):
+        assert main(["train", "--train.steps=2", f"--run.dir={project}", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "holds config.toml and metrics.jsonl that no shardline run wrote" in err and "not read" not in err
+    with pytest.raises(ConfigError, match="holds config.toml and metrics.jsonl that no shardline run wrote"):
+        check_config(load_config(None, [f"run.dir={project}"]))  # (the Python API's launch checks too)
+    assert (project / "config.toml").read_text() == "[server]\nport = 8080\n"
+    (project / "progress.json").write_text("{}")  # a run's folder: its own files, whatever they hold
+    check_config(load_config(None, [f"run.dir={project}"]))
+
+
 def test_a_run_dir_that_is_another_tools_folder_is_refused_before_anything_is_written(tmp_path, small_prepared):
     """A prepared data folder or an HF model given as run.dir had its tokenizer.json replaced by the
     run's (the prepared folder no longer opened: its tokenizer's hash had changed)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import sys
 from pathlib import Path
@@ -35,6 +36,8 @@ def relaunch_config(config: str | None, overrides: list[str], world: int | None 
         found = saved.is_file()
     except OSError as e:  # a name too long, a folder of no access: the run dir's one line, not a traceback
         raise ConfigError(f"run.dir={cfg.run.dir!r} cannot be used: {e.strerror}") from None
+    if found and (foreign := foreign_files_problem(Path(cfg.run.dir))):  # (before its config.toml is read)
+        raise ConfigError(foreign)
     if config is not None and found and cfg.train.precision == "auto" and cfg.run.resume != "never":
         _keep_saved_precision(cfg, saved)
     if config is not None or cfg.run.resume == "never" or not found:
@@ -133,6 +136,32 @@ def _trained_to_its_end(account: dict, steps: int) -> bool:
     account written before run_complete was, which says `finished` alone)."""
     return account.get("run_complete", bool(account.get("finished")) and account.get("high_water_step", 0) >= steps) \
         is True
+
+
+def foreign_files_problem(run_dir: Path) -> str | None:
+    """A config.toml or metrics.jsonl no run wrote (a config without its [model] table, a log whose first
+    line is no record) in a folder no run has used (no progress.json, no checkpoints): a launch would
+    write over the one (a project's own config) and append to the other."""
+    try:
+        if (run_dir / "progress.json").exists() or (run_dir / "checkpoints").exists():
+            return None
+        foreign = [name for name, ours in (("config.toml", _whole), ("metrics.jsonl", _a_log))
+                   if (run_dir / name).is_file() and not ours(run_dir / name)]
+    except OSError:  # (what cannot be read is the run dir's own check's to say)
+        return None
+    return (f"run.dir={str(run_dir)!r} holds {' and '.join(foreign)} that no shardline run wrote (no progress.json "
+            "or checkpoints beside): a run writes its own of that name there; use another run.dir, or move "
+            f"{'them' if len(foreign) > 1 else 'it'} away") if foreign else None
+
+
+def _a_log(path: Path) -> bool:
+    """Whether a metrics.jsonl is empty or starts with a record (a "kind" field)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = f.readline()
+    try:
+        return not first.strip() or "kind" in json.loads(first)
+    except (ValueError, TypeError):
+        return False
 
 
 def _whole(saved: Path) -> bool:
