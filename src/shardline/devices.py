@@ -196,3 +196,27 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op off CUDA), so host timers measure it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# fp32 weights, their gradients and AdamW's two moments: what a CPU run holds at the least, a parameter
+MODEL_STATE_BYTES = 16
+
+
+def host_memory_problem(params: int, local_ranks: int, world: int) -> str | None:
+    """A CPU run whose model states alone (MODEL_STATE_BYTES a parameter, this host's ranks' share of a
+    fully sharded run: a lower bound) pass the host's memory: the kernel ends it without a line (exit
+    137), minutes in, other processes at risk. None where it may fit (or the size is unknown)."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # (no such figure on this system)
+        return None
+    need = MODEL_STATE_BYTES * params * local_ranks / world
+    if need <= host:
+        return None
+    here = f"; {local_ranks} of its {world} ranks here" if world > 1 else ""
+    return (f"the model's weights, gradients and AdamW states alone take {need / 2**30:.1f} GiB on this host "
+            f"({MODEL_STATE_BYTES} bytes a parameter of {params / 1e9:.2f} B{here}), past its "
+            f"{host / 2**30:.1f} GiB of memory: the run would be killed without a word; train a smaller "
+            "model.preset, on more hosts, or on a GPU (`shardline train --dry-run --run.device=cpu` estimates "
+            "the whole of it)")
+

@@ -237,3 +237,25 @@ def test_fp8_on_a_cpu_is_said_once_as_a_note_not_by_every_rank_on_stderr():
     notes = dict(launch_notes(load_config(None, ["train.precision=fp8"]), "cpu", 0.1, 2))
     assert notes["fp8_emulated"]["why"].startswith("float8 matmuls are emulated on a CPU")
     assert "fp8_emulated" not in dict(launch_notes(load_config(None, ["train.precision=bf16"]), "cpu", 0.1, 2))
+
+
+def test_a_cpu_run_whose_model_states_pass_the_hosts_memory_is_refused_before_the_model_is_built(
+        tiny_config, tmp_path, monkeypatch):
+    """llama3-8b on a 23 GiB host was killed by the kernel after a minute, without a line (exit 137):
+    its weights, gradients and AdamW states alone (16 bytes a parameter) pass the host's memory."""
+    from shardline.devices import host_memory_problem
+    from shardline.errors import ConfigError
+    from shardline.trainer import Trainer
+
+    gib = 2**30
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 8 * gib // 4096}  # an 8 GiB host
+    monkeypatch.setattr("shardline.devices.os.sysconf", lambda name: pages[name])
+    said = host_memory_problem(8 * 10**9, 2, 8)  # a quarter of 128 GB on this host of 8 GiB
+    assert said.startswith("the model's weights, gradients and AdamW states alone take 29.8 GiB on this host (16 "
+                           "bytes a parameter of 8.00 B; 2 of its 8 ranks here), past its 8.0 GiB of memory")
+    assert host_memory_problem(10**8, 1, 1) is None  # 1.5 GiB of states: may fit (the dry run says more)
+    pages["SC_PHYS_PAGES"] = 2**20 // 4096  # a 1 MiB host: the test model's few MiB of states do not fit
+    with pytest.raises(ConfigError, match=r"the model's weights, gradients and AdamW states alone take .* past its "
+                                          r"0.0 GiB of memory"):
+        Trainer(tiny_config(run_dir=tmp_path / "run")).build()
+    assert not (tmp_path / "run").exists()  # (refused before the lock: nothing written)

@@ -27,7 +27,7 @@ from shardline.data.tokenizer import save_tokenizer
 from shardline.data.validation import held_out_note
 from shardline.errors import CheckpointError, ConfigError, DataError, on_every_rank
 from shardline.interop.weights import copy_starting_files
-from shardline.devices import native_bf16
+from shardline.devices import host_memory_problem, native_bf16
 from shardline.launch_notes import launch_notes
 from shardline.layout import pipeline_ranks
 from shardline.metrics import MetricsLogger
@@ -119,6 +119,9 @@ class SavedState:
         self.data = build_data(cfg)
         resolve_epochs(cfg, len(self.data.train))  # (train.epochs: the steps of that many passes)
         launch = preflight(cfg, self.proc.world_size, self.data.vocab_size)
+        if self.device.type == "cpu" and (problem := host_memory_problem(
+                num_params(launch.model_args), self.proc.local_world_size, self.proc.world_size)):
+            raise ConfigError(problem)  # (before the model is built: the kernel's kill says nothing)
         found = self._choose_resume(launch.model_args)
         refuse_no_room(cfg, found, self.checkpointer.root)  # (its next save would be refused, after training to it)
         check_rollback_target(cfg, found)
