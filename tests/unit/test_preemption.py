@@ -23,7 +23,7 @@ from tests.ports import free_port
 REPO = Path(__file__).parents[2]
 
 
-def test_a_first_ctrl_c_asks_a_second_one_stops_now():
+def test_a_first_ctrl_c_asks_a_second_one_stops_now(capsys):
     # What was there before: Python's default handler, or SIG_IGN in a job started in the
     # background by a non-interactive shell (which ignores SIGINT for it).
     before = signal.getsignal(signal.SIGINT)
@@ -33,6 +33,9 @@ def test_a_first_ctrl_c_asks_a_second_one_stops_now():
         assert stops.agreed() is None
         os.kill(os.getpid(), signal.SIGINT)
         assert stops.agreed() == "SIGINT"
+        # said at once (a long step left the first press silent, and a second one, which saves nothing, came)
+        assert "Ctrl-C: stopping after this step, with a checkpoint of it (Ctrl-C again: at once, without one)" \
+            in capsys.readouterr().err
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     finally:

@@ -61,6 +61,10 @@ class StopRequests:
                           file=sys.stderr)
                 return
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        if signum == signal.SIGINT and not self.requested and (self.group is None or dist.get_rank() == 0):
+            with contextlib.suppress(OSError):  # (said at once: a long step kept it silent, and a second press came)
+                print("shardline: Ctrl-C: stopping after this step, with a checkpoint of it (Ctrl-C again: at once, "
+                      "without one)", file=sys.stderr, flush=True)
         self.requested = self.requested or signum
 
     def agreed(self, step_s: float | None = None) -> str | None:
