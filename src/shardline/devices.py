@@ -198,6 +198,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def host_memory_bytes() -> int | None:
+    """This host's physical memory (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 # fp32 weights, their gradients and AdamW's two moments: what a CPU run holds at the least, a parameter
 MODEL_STATE_BYTES = 16
 
@@ -206,12 +214,9 @@ def host_memory_problem(params: int, local_ranks: int, world: int) -> str | None
     """A CPU run whose model states alone (MODEL_STATE_BYTES a parameter, this host's ranks' share of a
     fully sharded run: a lower bound) pass the host's memory: the kernel ends it without a line (exit
     137), minutes in, other processes at risk. None where it may fit (or the size is unknown)."""
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # (no such figure on this system)
-        return None
+    host = host_memory_bytes()
     need = MODEL_STATE_BYTES * params * local_ranks / world
-    if need <= host:
+    if host is None or need <= host:
         return None
     here = f"; {local_ranks} of its {world} ranks here" if world > 1 else ""
     return (f"the model's weights, gradients and AdamW states alone take {need / 2**30:.1f} GiB on this host "

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from shardline.errors import ConfigError
+from shardline.metrics.records import history, is_record, written_by_a_run  # noqa: F401 (the package's)
 from shardline.metrics.tb_writer import KeptErrors, after_newest_event_file
 
 ETA_LINES = 20  # the plain line's time left: the pace of the last this many train lines (200 steps at log_interval 10)
@@ -213,36 +214,6 @@ def _drop_torn_line(path: Path) -> None:
                 f.truncate(size + tail.rfind(b"\n") + 1)
     except FileNotFoundError:
         return
-
-
-def history(path: Path | str) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl that stand, in order. The file is only appended to: each
-    launch's `start` event at step s, and a rollback's `anomaly` event with `to_step` s, supersede
-    the `train` and `eval` records of the steps past s logged before them (a resume from an older
-    checkpoint, a new run in a run dir whose checkpoints are gone, a rollback), as TensorBoard
-    drops its superseded points. Events stay: they say what happened. A last line not ended (a
-    run writing it, or killed) is left out, and so is a line that is no record (damaged by hand or by
-    the storage: a launch appends after it all the same). `path` may be the run dir that holds it."""
-    path = Path(path) / "metrics.jsonl" if Path(path).is_dir() else Path(path)
-    if not path.is_file():  # (a run dir that trained nothing, a typo: one line, not open()'s traceback)
-        raise ConfigError(f"{path} does not exist: give a run dir that has trained, or its metrics.jsonl")
-    kept: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.endswith("\n"):  # a record being written, or cut short by a kill: not yet one
-                break
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(rec, dict) or rec.get("kind") not in ("train", "eval", "event") or not isinstance(
-                    rec.get("step", 0 if rec.get("kind") == "event" else None), int):
-                continue
-            cut = {"start": rec.get("step"), "anomaly": rec.get("to_step")}.get(rec.get("event"))
-            if isinstance(cut, int):
-                kept = [r for r in kept if r["kind"] == "event" or r["step"] <= cut]
-            kept.append(rec)
-    return kept
 
 
 def append_event(run_dir: Path, event: str, **fields: Any) -> None:

@@ -32,7 +32,6 @@ carry one). Unknown keys are errors, not silently ignored: a profile written bef
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from typing import Any
 import torch
 
 from shardline.config import reader
-from shardline.devices import DATASHEETS, cpu_cores, cpu_peak_tflops, local_datasheet
+from shardline.devices import DATASHEETS, cpu_cores, cpu_peak_tflops, host_memory_bytes, local_datasheet
 from shardline.errors import ConfigError
 from shardline.parallel.distributed import check_card
 
@@ -176,10 +175,8 @@ GPUS: dict[str, Hardware] = {
 DEVICE_NAMES = (*GPUS, "cpu")
 
 def _host_memory_gib() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        return 16.0
+    host = host_memory_bytes()
+    return 16.0 if host is None else host / 2**30  # (unknown: a laptop's, guessed)
 
 
 def cpu_hardware() -> Hardware:

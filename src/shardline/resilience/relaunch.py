@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from shardline.config import (PRECISIONS, Config, ParallelConfig, load_config, l
 from shardline.errors import ConfigError, ShardlineError
 from shardline.layout.degrees import WORLD_DEGREES, shard_degree
 from shardline.layout.rules import ep_borrows
+from shardline.metrics import written_by_a_run
 from shardline.parallel.distributed import speaks_for_the_job
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.resilience.goodput import read_account
@@ -145,23 +145,13 @@ def foreign_files_problem(run_dir: Path) -> str | None:
     try:
         if (run_dir / "progress.json").exists() or (run_dir / "checkpoints").exists():
             return None
-        foreign = [name for name, ours in (("config.toml", _whole), ("metrics.jsonl", _a_log))
+        foreign = [name for name, ours in (("config.toml", _whole), ("metrics.jsonl", written_by_a_run))
                    if (run_dir / name).is_file() and not ours(run_dir / name)]
     except OSError:  # (what cannot be read is the run dir's own check's to say)
         return None
     return (f"run.dir={str(run_dir)!r} holds {' and '.join(foreign)} that no shardline run wrote (no progress.json "
             "or checkpoints beside): a run writes its own of that name there; use another run.dir, or move "
             f"{'them' if len(foreign) > 1 else 'it'} away") if foreign else None
-
-
-def _a_log(path: Path) -> bool:
-    """Whether a metrics.jsonl is empty or starts with a record (a "kind" field)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        first = f.readline()
-    try:
-        return not first.strip() or "kind" in json.loads(first)
-    except (ValueError, TypeError):
-        return False
 
 
 def _whole(saved: Path) -> bool:
