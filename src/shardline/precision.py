@@ -82,6 +82,7 @@ class LossScaler:
         self.enabled = precision == "fp16"
         self.scaler = AgreedGradScaler(device, agree, enabled=self.enabled)
         self.skipped_steps = 0
+        self.launch_skipped = 0  # this launch's skips (skipped_steps is the run's, read back from a checkpoint)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """What backward runs on: the loss share x the loss scale (fp16), else the share itself."""
@@ -109,7 +110,21 @@ class LossScaler:
         self.scaler.update()
         skipped = self.scaler.get_scale() < before  # the scale only drops on overflow
         self.skipped_steps += skipped
+        self.launch_skipped += skipped
         return skipped
+
+    def overflow_warning(self, steps: int) -> str | None:
+        """The line for a launch whose `steps` were mostly skipped by overflow (None otherwise): such a
+        run ends "complete" with weights that barely moved, or not at all, and a loss that looks held."""
+        if not self.enabled or steps <= 0 or 2 * self.launch_skipped <= steps:
+            return None
+        every = self.launch_skipped == steps
+        said = "the one step this launch ran was" if steps == 1 else \
+            f"{'all' if every else f'{self.launch_skipped} of the'} {steps} steps this launch ran were"
+        moved = "did not change" if every else "barely moved"
+        return (f"{said} skipped by the fp16 loss scaler (gradients overflowed; "
+                f"the scale is now {self.scaler.get_scale():g}): the weights {moved}. Gradients beyond fp16's range: "
+                "try train.precision=bf16 or a lower optim.lr")
 
     def skip(self) -> None:
         """Drop this step's update (an anomaly); the scaler still closes its step."""

@@ -101,6 +101,7 @@ def test_a_model_switch_takes_true_and_false_as_on_and_off():
     ("model.tie_embeddings=2", "model.tie_embeddings=2 is invalid: -1, 0 or 1"),
     ("moe.norm_topk=yes", "moe.norm_topk='yes' has the wrong type: expected int; valid: -1 (the preset's or the "
                           "starting weights'), 0 or false (off), 1 or true (on)"),
+    ("parallel.zero=zero3", "parallel.zero='zero3' has the wrong type: expected int; valid: 1, 2 or 3"),
     ("train.steps=0", "train.steps=0 is invalid: must be > 0"),
     ("train.steps=99999999999999999999999", "is invalid: must be > 0 (and < 2**63)"),  # (was trained, lr stuck)
     ("parallel.tp=-1", "parallel.tp=-1 is invalid: must be >= 1 (-1, the rest of the world size, is dp_shard's alone)"),

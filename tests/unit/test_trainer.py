@@ -121,7 +121,18 @@ def test_mixed_precision_trains(tiny_config, tmp_path, precision):
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
 
 
-def test_fp16_overflow_skips_the_step(tiny_config, tmp_path):
+def test_the_overflow_warning_counts_this_launchs_steps():
+    from shardline.precision import LossScaler
+
+    scaler = LossScaler(torch.device("cpu"), "fp16")
+    scaler.skipped_steps, scaler.launch_skipped = 40, 3  # (the run's earlier launches skipped 37: not this one's)
+    assert scaler.overflow_warning(6) is None  # half: the scale finding its level, as fp16 runs start
+    assert scaler.overflow_warning(5).startswith("3 of the 5 steps this launch ran were skipped")
+    assert "the weights did not change" in scaler.overflow_warning(3)
+    assert LossScaler(torch.device("cpu"), "bf16").overflow_warning(1) is None
+
+
+def test_fp16_overflow_skips_the_step(tiny_config, tmp_path, capsys):
     trainer = Trainer(tiny_config("train.precision=fp16", "train.steps=1")).build()
     trainer.scaler.scaler._init_scale = 2.0**40  # certain overflow in fp16 on the first step
     before = params(trainer)
@@ -133,6 +144,8 @@ def test_fp16_overflow_skips_the_step(tiny_config, tmp_path):
     end = [r for r in read_records(tmp_path / "run", "event") if r["event"] == "end"][-1]
     assert end["outcome"] == "complete"
     assert end["overflow_skipped_steps"] == 1  # the scaler's skips, apart from the anomalies' (its own count)
+    # Complete, yet nothing trained: said in one line, not left to the loss curve
+    assert "warning: the one step this launch ran was skipped by the fp16 loss scaler" in capsys.readouterr().err
     # The train record carries the loss scale (halved by the overflow), not only the skip's event.
     assert [r["loss_scale"] for r in read_records(tmp_path / "run", "train")] == [2.0**39]
     from shardline.metrics import format_line

@@ -315,6 +315,9 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if self.guard.goodput and self.guard.goodput.stale and not self.tiers.unsaved_end:  # (rank 0's: else exit 2)
             print(f"shardline: warning: {self.run_dir / 'progress.json'} could not be written at the end "
                   f"({self.guard.goodput.stale}): it still says an earlier state of this run", file=sys.stderr)
+        overflowed = self.scaler.overflow_warning(self.step - first + 1)
+        if overflowed and self.proc.is_main:
+            print(f"shardline: warning: {overflowed}", file=sys.stderr, flush=True)
         if not self.cfg.checkpoint.interval and stopped is None and self.step >= first and self.proc.is_main:
             print(f"shardline: note: checkpoint.interval=0: the weights trained to step {self.step} were not saved",
                   file=sys.stderr, flush=True)  # (said at the start too, and by a stop's line)
