@@ -1,13 +1,11 @@
 """`shardline train --dry-run [--world-size N]`: a launch of N ranks checked on this machine.
 
-It runs the launch's own checks (`shardline.preflight`: config, model shape, data
-files, layout, the machine-dependent rules assuming GPUs unless run.device = cpu, and
-which checkpoint a resume would take) for N ranks without a process group, without
-writing anything, then prints the resolved layout, which layers each pipeline rank
-holds and the planner's memory estimate of the busiest rank. A mistake is the one-line error a
-launch would stop with. Not checked: what needs the tokenized corpus (a BPE that
-would be trained at launch, and whether the data fills one sequence) and the
-machines themselves.
+It runs the launch's own checks (`shardline.preflight`: config, model shape, data files, layout, the
+machine-dependent rules assuming GPUs unless run.device = cpu, and which checkpoint a resume would take)
+for N ranks without a process group, without writing anything, then prints the resolved layout, which
+layers each pipeline rank holds and the planner's memory estimate of the busiest rank. A mistake is the
+one-line error a launch would stop with. Not checked: what needs the tokenized corpus (a BPE that would
+be trained at launch, and whether the data fills one sequence) and the machines themselves.
 """
 
 from __future__ import annotations
@@ -255,7 +253,9 @@ def _layout_lines(cfg: Config, launch: Preflight) -> list[str]:
     lay, t = launch.layout, cfg.train
     lines = [f"layout    {lay.describe()}",
              f"          dp_replicate={lay.dp_replicate} dp_shard={lay.dp_shard} cp={lay.cp} tp={lay.tp} "
-             f"pp={lay.pp} ep={lay.ep} zero={lay.zero}" + (" (nothing sharded)" * (lay.dp_mode in ("ddp", "single"))),
+             f"pp={lay.pp} ep={lay.ep} zero={lay.zero}" + (" (nothing sharded)" * (lay.dp_mode in ("ddp", "single")))
+             + (f"; rank order pp, dp_replicate, dp_shard, cp, tp: a tp group is {lay.tp} consecutive ranks (one "
+                "node's, where tp divides a node's GPUs)") * (lay.tp > 1),
              f"batch     {t.global_batch_size} sequences x {t.seq_len} tokens per step; each of {lay.dp} "
              f"data-parallel rank(s) runs {lay.micro_batches(t.global_batch_size)} micro-batch(es) of "
              f"{lay.micro_batch_size}; {t.steps} steps" + (f" (train.epochs={t.epochs:g})" if t.epochs else ""),

@@ -23,6 +23,7 @@ from shardline.interop.hf_config import hf_export_problem, read_hf_config
 from shardline.layout import IDLE_AT_DEGREE_ONE, Layout
 from shardline.models.llama import ModelArgs
 from shardline.optim import wsd_decay_steps
+from shardline.parallel.slurm import tasks_left_idle
 from shardline.interop.convert import checkpoint_tokenizer, other_tokenizer
 from shardline.interop.hf_files import TOKENIZER_NAME
 from shardline.interop.model_shape import starting_rows, starting_shape
@@ -124,6 +125,10 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if device_type == "cuda" and world_size == 1 and gpus > 1:
         notes.append(("one_gpu_of_several", {"gpus": gpus, "fix": f"torchrun --nproc_per_node={gpus} -m shardline "
                                              "train ... trains on all of them"}))
+    if world_size == 1 and (tasks := tasks_left_idle(os.environ)):
+        notes.append(("slurm_tasks_unused", {"tasks": tasks, "fix": "this process runs in the batch script's own "
+                      f"shell, not as an srun task: it trains alone; `srun python -m shardline train ...` runs the "
+                      f"job's {tasks} tasks as its ranks (examples/slurm/train.sbatch)"}))
     no_eos = tokenizer is not None and eos_id(tokenizer, tokenizer_file(cfg.data)) is None
     if no_eos and "text" in cfg.data.formats():  # (chat: the template's)
         notes.append(("no_end_of_document_token", {
@@ -240,6 +245,9 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("data", ("format",), bool(cfg.data.mix) and all(s.format for s in cfg.data.mix) and not (
                  cfg.data.val_path and len(set(cfg.data.formats())) > 1),  # (data.val_path's, then)
               "every data.mix source sets its own format"),
+             ("data", ("vocab_size",), bool(cfg.data.tokenizer or cfg.model.hf_path or cfg.model.init_from),
+              "the tokenizer given (data.tokenizer, or the starting weights') has its vocabulary: data.vocab_size "
+              "sizes a BPE trained at launch (model.vocab_size: the model's rows)"),
              ("model", ("preset",), bool(cfg.model.hf_path or cfg.model.init_from),
               "the starting weights (model.hf_path, model.init_from) give the model's shape"),
              ("data", ("val_fraction",), split_by_prepare(cfg) or bool(cfg.data.val_path),

@@ -65,8 +65,8 @@ def test_eval_gives_the_loss_the_run_logged_at_that_step(trained, capsys, small_
     (["--model.init_from=elsewhere"], "eval sets model.init_from itself"),
     (["--model.preset=tiny-moe"], "--model.preset: eval takes the model, its shape and weights, from the checkpoint"),
     (["--batches", "-1"], "batches=-1 is invalid"),
-    (["--train.seq_len=4096"], "too few for one sequence of train.seq_len=4096"),  # (and its way out for eval:)
-    (["--train.seq_len=4096"], "evaluate on all of a file (data.val_path)"),
+    (["--train.seq_len=16384"], "too few for one sequence of train.seq_len=16384"),  # (and its way out for eval:)
+    (["--train.seq_len=16384"], "evaluate on all of a file (data.val_path)"),
     (["--data.path=", "--data.val_fraction=0"], "data.val_fraction=0: the data holds nothing out to evaluate on"),
 ])
 def test_eval_mistakes_are_one_line(trained, capsys, args, says):

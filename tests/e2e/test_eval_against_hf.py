@@ -61,7 +61,7 @@ def verses(tmp_path_factory):
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory):
     """Conversations of 1-2 turns, some with a system message, replies of 1-6 words: several
-    to a sequence of 64 tokens, kept apart by the document mask."""
+    to a sequence of 128 tokens, kept apart by the document mask."""
     rows, replies = [], set()
     for i in range(400):
         messages = [{"role": "system", "content": "Answer."}] if i % 5 == 0 else []
@@ -159,7 +159,7 @@ def test_text_eval_matches_hf_llama(tmp_path, verses, capsys, doc_mask):
 def test_chat_eval_matches_hf_llama(tmp_path, chats, capsys):
     path, replies = chats
     cfg = load_config(None, tiny_overrides(
-        tmp_path / "run", path, "data.format=chat", "train.seq_len=64", "optim.lr=1e-2", f"train.steps={STEPS}",
+        tmp_path / "run", path, "data.format=chat", "train.seq_len=128", "optim.lr=1e-2", f"train.steps={STEPS}",
         f"train.eval_interval={STEPS}", f"checkpoint.interval={STEPS}", f"train.eval_batches={EVAL_BATCHES}",
         f"train.global_batch_size={GLOBAL}", f"train.micro_batch_size={MICRO}",
         "data.val_fraction=0.1", "train.precision=fp32"))

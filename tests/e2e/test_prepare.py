@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from shardline.cli import main
 from shardline.config import load_config
@@ -22,6 +23,8 @@ def test_prepare_then_train_and_resume_on_two_ranks_matches_the_raw_run(tmp_path
     out = shardline("prepare", str(small_corpus), "--out", str(prep), "--vocab-size", "512", "--workers", "2")
     assert out.returncode == 0, out.stderr
     assert f"train with --data.path={prep}" in out.stdout and "150/150 documents" in out.stderr
+    # (its pace in the last line too, which a --quiet run or a log's tail keeps; a .txt file's documents counted)
+    assert re.search(r"from 150 documents of \d+ file\(s\) in [\d.]+ s \([\d,]+ tokens/s\); train with", out.stdout)
     raw, folder = tmp_path / "raw", tmp_path / "folder"
     Trainer(load_config(None, tiny_overrides(raw, small_corpus))).build().train()  # the reference, in-process
     Trainer(load_config(None, tiny_overrides(folder, prep, "train.stop_at_step=6"))).build().train()

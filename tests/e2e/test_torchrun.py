@@ -30,8 +30,8 @@ def test_torchrun_impossible_degrees_fail_clearly(tmp_path, small_corpus):
     run = tmp_path / "run"
     out = torchrun(2, *[f"--{o}" for o in tiny_overrides(run, small_corpus, "parallel.tp=3")])
     assert out.returncode != 0
-    assert ("does not divide the world size 2 (dp_shard=-1 takes what they leave); with 2 processes it must be one "
-            "of 1, 2") in out.stderr
+    assert ("does not divide the world size 2 (dp_shard=-1 takes what they leave); with 2 processes that product "
+            "must be one of 1, 2") in out.stderr
     # refused alike on every rank: rank 0 says the one line; the only stack is torchrun's own report
     assert out.stderr.count("shardline: error: parallel degrees") == 1
     assert not [line for line in out.stderr.splitlines() if line.strip().startswith("File ") and "shardline" in line]

@@ -3,6 +3,7 @@ work is one line before anything waits on it, not a CUDA or rendezvous traceback
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import time
@@ -370,3 +371,39 @@ def test_a_rank_running_other_code_than_rank_0_is_one_line():
     said = job([ours, ours, None], timeout=2)  # (rank 0 answers before the others' wait runs out: one line)
     assert said[0] == said[1] == "1 rank(s) did not compare their code with rank 0's in time (a node running a " \
                                  "shardline from before this check, or a rank that failed: its log says why)"
+
+
+def test_a_port_another_process_holds_is_one_line(monkeypatch):
+    """srun's port, derived from the job and step ids, met another job's on the node: a traceback."""
+    import socket as sockets
+
+    from shardline.parallel.rendezvous import meet
+
+    with sockets.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        with pytest.raises(ConfigError, match=rf"rank 0 cannot serve the rendezvous at 127.0.0.1:{port}: another "
+                                              "process holds that port"):
+            meet(0, datetime.timedelta(seconds=5))
+
+
+def test_a_rank_left_waiting_says_where_it_waits(monkeypatch, capsys):
+    """A rank whose peers never came waited 30 minutes in silence (srun told of 2 tasks, 1 started)."""
+    import socket as sockets
+
+    from shardline.parallel import rendezvous
+
+    with sockets.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # (closed below: nobody serves it)
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(rendezvous, "WAIT_SAID_S", 0.2)
+    with pytest.raises(Exception):  # torch's own time-out, shortened here
+        rendezvous.meet(0, datetime.timedelta(seconds=1.5))
+    assert (f"shardline: rank 1 has waited 0.2 s to meet the job's 2 ranks at 127.0.0.1:{port} (rank 0's host): "
+            "a rank that did not start") in capsys.readouterr().err

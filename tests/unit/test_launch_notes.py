@@ -33,6 +33,23 @@ def test_a_busy_host_is_named_beside_its_mfu(monkeypatch):
     assert "cpu_busy" not in dict(launch_notes(load_config(None, ["train.precision=bf16"]), "cuda", 989.0, 1))
 
 
+def test_a_batch_scripts_own_shell_holding_several_tasks_is_named(monkeypatch):
+    """`python -m shardline train` in an sbatch script of --ntasks=8 (srun forgotten): one process
+    trained, the job's other GPUs idle, and nothing said."""
+    for key in ("SLURM_STEP_NUM_TASKS", "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    cfg = load_config(None, ["metrics.peak_tflops=0.5"])
+    notes = dict(launch_notes(cfg, "cpu", 0.5, 1))
+    assert notes["slurm_tasks_unused"]["tasks"] == 8 and "srun python -m shardline train" in notes[
+        "slurm_tasks_unused"]["fix"]
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # srun's one task, on purpose
+    assert launch_notes(cfg, "cpu", 0.5, 1) == []
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
+    assert launch_notes(cfg, "cpu", 0.5, 1) == []
+
+
 def test_an_unknown_gpu_and_idle_gpus_are_named_with_their_fix():
     plain = load_config(None, [])
     assert launch_notes(plain, "cpu", 0.1, 1) == [("mfu_peak_assumed", {"peak_tflops": 0.1, "why": CPU_PEAK_ASSUMED})]
@@ -259,3 +276,12 @@ def test_a_cpu_run_whose_model_states_pass_the_hosts_memory_is_refused_before_th
                                           r"0.0 GiB of memory"):
         Trainer(tiny_config(run_dir=tmp_path / "run")).build()
     assert not (tmp_path / "run").exists()  # (refused before the lock: nothing written)
+
+
+def test_a_vocabulary_size_the_tokenizer_overrides_is_said_unused(tmp_path):
+    """data.vocab_size=8000 beside a tokenizer of 3,000 tokens: the run took 3,000, without a word."""
+    from shardline.launch_notes import unused_settings
+
+    given = load_config(None, [f"data.tokenizer={tmp_path / 'tok.json'}", "data.vocab_size=8000"])
+    assert "data.tokenizer" in unused_settings(given)["data.vocab_size"]
+    assert "data.vocab_size" not in unused_settings(load_config(None, ["data.vocab_size=8000"]))  # (a BPE's size)

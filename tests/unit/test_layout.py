@@ -50,7 +50,7 @@ def test_dp_shard_fills_the_rest():
     # DDP 2 relaunched on one process: dp_shard=-1 alone would not do, and the line says so
     (1, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "dp_shard=-1 takes what the others leave, but their "
                                                             "product 2 does not divide 1 either: lower them too"),
-    (6, ["parallel.tp=4"], "does not divide the world size 6 .*it must be one of 1, 2, 3, 6"),
+    (6, ["parallel.tp=4"], "does not divide the world size 6 .*that product must be one of 1, 2, 3, 6"),
     (4, ["parallel.tp=4"], "must divide n_heads=4 and n_kv_heads=2; valid tp: 1, 2"),
     (8, ["parallel.pp=8"], "fewer than the 8 pipeline stages"),
     (4, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=4"],
@@ -204,8 +204,24 @@ def test_too_few_layers_for_a_v_shaped_pp_2_is_not_told_to_lower_pp():
 
 
 def test_tp_must_divide_the_mlp():
-    with pytest.raises(ConfigError, match="must divide ffn_dim=130"):
+    with pytest.raises(ConfigError, match=r"must divide ffn_dim=130 \(the MLP is split by columns\); valid tp: 1, 2$"):
         layout_for(4, "parallel.tp=4", args=dataclasses.replace(ARGS, n_kv_heads=4, ffn_dim=130))
+
+
+def test_a_sequence_tp_cannot_split_names_the_lengths_near_it_and_the_way_out():
+    lay = Layout(tp=2)
+    assert layouts.first_problem(lay, layouts.Job(ARGS, 255, 16))[1] == (
+        "train.seq_len=255 must be divisible by parallel.tp=2 with sequence_parallel (e.g. 254 or 256; or "
+        "parallel.sequence_parallel=false)")
+    assert layouts.first_problem(dataclasses.replace(lay, sequence_parallel=False), layouts.Job(ARGS, 255, 16)) is None
+
+
+def test_tps_sequence_and_loss_parallelism_show_in_the_layout_where_off():
+    """Both off priced 66 GiB where both on priced 39 (llama3-8b, tp 8), and the log read "tp8" for both."""
+    assert Layout(tp=2).describe().startswith("tp2 ")
+    assert Layout(tp=2, sequence_parallel=False).describe().startswith("tp2(no-sp) ")
+    assert Layout(tp=2, sequence_parallel=False, loss_parallel=False).describe().startswith("tp2(no-sp,no-lp) ")
+    assert Layout(tp=1, sequence_parallel=False).describe().startswith("tp1 ")  # (nothing to split at tp 1)
 
 
 def test_interleaved_rounds_follow_torchs_rule():
@@ -384,6 +400,7 @@ def test_dry_run_prints_the_layout_placement_and_memory_and_touches_nothing(caps
     out = capsys.readouterr().out
     assert code == 0, out
     assert "tp8 pp4(interleaved_1f1b v2 m32) fsdp:16" in out
+    assert "a tp group is 8 consecutive ranks (one node's, where tp divides a node's GPUs)" in out  # (NVLink's)
     assert "compile   each transformer block whole; the loss eager (loss parallelism)" in out
     assert "pp rank 0: stages [0, 4]" in out and "+ embedding" in out and "+ output" in out
     assert "on the busiest rank on h100-sxm" in out and "fits" in out
@@ -649,7 +666,7 @@ def test_dry_run_compares_a_prepared_folders_tokens_with_the_resumed_checkpoint(
                                                                                small_corpus, small_prepared):
     """A folder prepared again from edited text, at the same settings: the launch refused it, the dry
     run passed it (a prepared folder's fingerprint is in its manifest: no tokenizing needed)."""
-    from shardline.data.validation import held_out
+    from shardline.data.validation import digest, held_out
     from shardline.data.prepare import PrepareOptions, prepare
     from shardline.data.sources import read_documents
     from shardline.trainer import Trainer
@@ -666,7 +683,7 @@ def test_dry_run_compares_a_prepared_folders_tokens_with_the_resumed_checkpoint(
             "--train.steps=4", f"--data.path={tmp_path / 'prep'}"]
     assert main(base) == 0
     capsys.readouterr()
-    held = set(held_out(len(docs), 0.01).tolist())
+    held = set(held_out(map(digest, docs), 0.01).tolist())
     first, second = [i for i in range(len(docs)) if i not in held][:2]
     docs[first], docs[second] = docs[second], docs[first]
     text.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))

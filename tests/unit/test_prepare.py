@@ -479,6 +479,13 @@ def test_a_run_on_conversations_without_replies_says_so(tmp_path, tiny_config, s
     cut = [json.loads(line) for line in (tmp_path / "short" / "metrics.jsonl").read_text().splitlines()
            if "conversations_cut_many" in line]
     assert len(cut) == 1 and cut[0]["cut"] >= 0.1 * cut[0]["of"], cut
+    # Padding past 30% of each sequence (one conversation a sequence, the next not fitting) is said, with the way out
+    for run in ("all", "short"):
+        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        padding = next(r["padding"] for r in records if r.get("event") == "data")
+        said = [r for r in records if r.get("event") == "padding_high"]
+        assert len(said) == (padding >= 0.3) and all("a longer train.seq_len" in r["why"] for r in said), (run, said)
+        assert run != "all" or said, padding  # (conversations of ~150 tokens in 256: one a sequence)
 
 
 def test_chat_loss_is_on_assistant_tokens_only(tmp_path):
@@ -615,6 +622,9 @@ def test_sharegpt_conversations_read_as_the_same_messages(tmp_path):
 
 @pytest.mark.parametrize("record, message", [
     ({"text": "no messages"}, "has no list field 'messages'"),
+    ({"messages": "hi"}, "line 4's 'messages' is a str, not a list"),  # (not "has no field": it has one)
+    ({"prompt": "2+2?", "completion": "4"}, r"it holds \"prompt\" and \"completion\", which shardline does not "
+                                             r"read: write each record as \{\"messages\": .* data.format=chat"),
     ({"messages": [{"role": "user"}]}, r"messages\[0\] needs string fields 'role' and 'content'"),
 ])
 def test_bad_chat_records_are_one_line(tmp_path, record, message):
@@ -1066,6 +1076,14 @@ def test_a_typo_of_the_assistant_role_is_one_line_in_both_paths(tmp_path):
     for role in ("ipython", "assistant_1", "System", "user2", "tools"):  # agents, context: taken as they are
         path.write_text("\n".join([*records[:-1], records[-1].replace('"user"', f'"{role}"')]) + "\n")
         data(path, "data.format=chat")
+    # The user's turns under another dataset's name, and none under 'user': rendered "human", prompted "user"
+    path.write_text("\n".join(r.replace('"user"', '"human"') for r in records) + "\n")
+    message = (r"has messages of role 'human', the first .*, and none of role 'user', the name chat templates and "
+               r"`generate --chat` give the user's turns .*rename those messages' role to 'user'$")
+    with pytest.raises(DataError, match=message):
+        data(path, "data.format=chat")
+    with pytest.raises(DataError, match=message):
+        prepare(PrepareOptions([str(path)], str(tmp_path / "prep"), format="chat", **SMALL))
 
 
 def test_chat_data_from_plain_text_is_one_line(tmp_path):
@@ -2045,9 +2063,10 @@ def test_a_bpe_smaller_than_asked_is_said(tmp_path, capsys):
     assert f"note: the BPE learned {learned:,} tokens, not --vocab-size 2,048" in capsys.readouterr().err
 
 
-def test_held_out_documents_the_training_split_also_holds_are_counted(tmp_path, capsys):
-    """Three copies of one file: every held-out document was also trained on, word for word, and
-    nothing said so (the eval loss was a training loss). Counted, raw and prepared alike."""
+def test_copies_of_a_document_fall_on_one_side_of_the_split(tmp_path, capsys):
+    """Three copies of one file: a split by position held out one copy and trained on the other two,
+    word for word (the eval loss was a training loss). Chosen by content, copies go together: raw and
+    prepared alike, none of the held-out documents is in training."""
     from shardline.cli import main
 
     docs = [f"document {i} about topic {i % 7} with words {i * 3}" for i in range(200)]
@@ -2055,15 +2074,30 @@ def test_held_out_documents_the_training_split_also_holds_are_counted(tmp_path, 
     src.mkdir()
     for k in range(3):
         (src / f"p{k}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    raw = data(src, "data.val_fraction=0.05").describe(steps=1)
-    assert raw["held_out_in_training"] == 30  # (all 30 held out: each has two copies in training)
+    raw = data(src, "data.val_fraction=0.05")
+    assert "held_out_in_training" not in raw.describe(steps=1)
     assert main(["prepare", str(src), "--out", str(tmp_path / "prep"), "--vocab-size", "300", "--val-fraction",
                  "0.05", "--quiet"]) == 0
-    assert "note: 30 of the 30 held-out documents are also in the training split" in capsys.readouterr().err
-    assert data(tmp_path / "prep").describe(steps=1)["held_out_in_training"] == 30
-    (src / "p1.jsonl").unlink()
-    (src / "p2.jsonl").unlink()
-    assert "held_out_in_training" not in data(src, "data.val_fraction=0.05").describe(steps=1)
+    assert "also in the training split" not in capsys.readouterr().err
+    manifest = json.loads((tmp_path / "prep" / "manifest.json").read_text())
+    assert manifest["held_out_in_training"] == 0
+    assert manifest["splits"]["val"]["documents"] % 3 == 0 and manifest["splits"]["val"]["documents"] > 0
+
+
+def test_the_held_out_documents_stay_held_out_when_documents_are_added_or_reordered():
+    """Adding 1% more documents moved 8 of 10 held-out documents into training (a split by position,
+    seeded by the count): a run continued on the grown data, or evaluated on it, scored documents it
+    had trained on. By content, every document stays on its side."""
+    from shardline.data.validation import split_documents
+
+    docs = [f"document number {i}: some words {i * 7 % 13}" for i in range(3000)]
+    _, val = split_documents(docs, 0.01)
+    _, grown_val = split_documents(docs + [f"new {i}" for i in range(300)], 0.01)
+    _, shuffled_val = split_documents(docs[::-1], 0.01)
+    assert 10 < len(val) < 50  # about 1%, not exactly
+    assert set(val) == {d for d in grown_val if d in set(docs)} == set(shuffled_val)
+    assert len(split_documents(docs[:3], 0.01)[1]) == 1  # at least one, where none falls below the share
+    assert split_documents(docs, 0.0)[1] == []
 
 
 def test_a_conversation_holding_values_json_cannot_write_has_a_digest():

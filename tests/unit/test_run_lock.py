@@ -142,6 +142,36 @@ def test_the_same_jobs_lock_on_another_host_is_taken_once_quiet_other_jobs_are_n
     lock.release()
 
 
+def test_another_jobs_lock_on_another_host_is_taken_once_long_untouched(tmp_path, monkeypatch):
+    """The job before, in a chain of Slurm jobs, SIGKILLed at its time limit: its lock (another job,
+    another host) refused every later job in one line, exit 2, which a requeue script stops on. Untouched
+    for LONG_QUIET_S, and still over QUIET_BEATS, it is a dead holder's; a live holder's beat keeps it."""
+    from shardline.resilience import run_lock
+
+    monkeypatch.setattr(run_lock, "BEAT_S", 0.05)
+    write_lock(tmp_path, 4242, host="node07", job="SLURM_JOB_ID=2002.0")
+    two_hours_ago = time.time() - 7200
+    os.utime(tmp_path / LOCK, (two_hours_ago, two_hours_ago))
+    done = threading.Event()
+
+    def live_holder():  # node07's run, alive after all (its clock, or the file server's, far behind)
+        while not done.wait(0.02):
+            os.utime(tmp_path / LOCK, (two_hours_ago, time.time() - 7200))
+
+    beating = threading.Thread(target=live_holder)
+    beating.start()
+    try:
+        with pytest.raises(ConfigError, match="in use by another run"):
+            RunLock(tmp_path).acquire()
+    finally:
+        done.set()
+        beating.join()
+    lock = RunLock(tmp_path)
+    assert lock.acquire() == ("stale: the lock of SLURM_JOB_ID=2002.0 on node07, last touched 120 min ago; its lock "
+                              "untouched for 0.15 s")
+    lock.release()
+
+
 def test_a_holder_whose_lock_another_launch_took_stops_before_it_saves(tmp_path, monkeypatch, tiny_config):
     """Its beat sees another holder's lock: it neither touches it nor saves over that launch's checkpoints
     (it checked the lock only as training began). A lock renamed aside and back a moment (a racing launch's

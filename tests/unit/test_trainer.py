@@ -221,9 +221,9 @@ def test_a_resume_onto_edited_data_is_refused_even_at_the_same_settings(tiny_con
               "checkpoint.interval=3"]
     Trainer(tiny_config(*common, "train.stop_at_step=3")).build().train()
     assert Trainer(tiny_config(*common)).build().step == 3  # the same data: resumed
-    from shardline.data.validation import held_out
+    from shardline.data.validation import digest, held_out
 
-    held = set(held_out(len(docs), 0.01).tolist())
+    held = set(held_out(map(digest, docs), 0.01).tolist())
     first, second = [i for i in range(len(docs)) if i not in held][:2]  # two training documents trade places:
     docs[first], docs[second] = docs[second], docs[first]  # the same tokens, as many sequences, other batches
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -401,10 +401,10 @@ def test_an_eval_reads_a_small_held_out_split_once_each(tiny_config, tmp_path):
     its first sequences weighted twice)."""
     import numpy as np
 
-    trainer = Trainer(tiny_config("train.eval_batches=13")).build()
+    trainer = Trainer(tiny_config("train.eval_batches=41")).build()
     val = trainer.data.val
     held_out = len(val)
-    assert held_out < 13 * 8 and (13 * 8) % held_out, held_out  # the case: asked more, not a multiple
+    assert held_out < 41 * 8 and (41 * 8) % held_out, held_out  # the case: asked more, not a multiple
     one_each = trainer.runner.eval_loss_total([np.array([i]) for i in range(held_out)], val.batch)
     expected = one_each.item() / val.count_labels(np.arange(held_out))
     trainer.metrics = type("Log", (), {"log": lambda self, kind, **f: records.append(f)})()

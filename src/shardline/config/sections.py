@@ -292,7 +292,8 @@ class ParallelConfig:
 
     dp_replicate: int = 1  # replicas (DDP, or across groups in HSDP)
     dp_shard: int = -1  # ranks that shard state (FSDP2); -1 = the rest of the world
-    zero: int = field(default=3, metadata={"valid": "1, 2 or 3"})  # what dp_shard shards: 1 optimizer states, 2 + gradients, 3 + parameters
+    # what dp_shard shards: 1 optimizer states, 2 + gradients, 3 + parameters
+    zero: int = field(default=3, metadata={"valid": "1, 2 or 3"})
     tp: int = 1  # tensor parallel (Megatron 1-D)
     pp: int = 1  # pipeline stages
     cp: int = 1  # context parallel: every sequence split over cp ranks

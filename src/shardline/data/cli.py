@@ -11,6 +11,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 from pathlib import Path
 
 from shardline.config import DataConfig
@@ -73,6 +74,7 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     args.vocab_size = DataConfig().vocab_size if args.vocab_size is None else args.vocab_size  # (data.vocab_size's)
     from shardline.data.pool import usable_cores
     from shardline.data.prepare import PrepareOptions, prepare
+    from shardline.data.shards import MANIFEST
 
     if args.format == "chat" and args.text_field != "text":  # (a run says so in settings_unused)
         print(f"note: --text-field {args.text_field} is not used: --format chat reads each record's 'messages'",
@@ -82,13 +84,20 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
                           val_fraction=args.val_fraction, text_field=args.text_field,
                           format=args.format, add_bos=not args.no_bos, shard_tokens=args.shard_tokens,
                           progress=not args.quiet, overwrite=args.overwrite)
+    started, clock = time.time(), time.perf_counter()
     m = _stoppable(prepare, opts)
     if isinstance(m, int):
         return m
     tr, va = m["splits"]["train"], m["splits"]["val"]
+    took = time.perf_counter() - clock
+    files = len(m.get("request", {}).get("inputs", []))
+    # (this run's pace where it wrote the folder: a --quiet run or a log's last line has no progress line)
+    pace = f" in {took:.1f} s ({(tr['tokens'] + va['tokens']) / took:,.0f} tokens/s)" if Path(
+        args.out, MANIFEST).stat().st_mtime >= started and took > 0 else ""
     print(f"prepared {args.out}: train {tr['documents']:,} documents / {tr['tokens']:,} tokens in "
           f"{len(tr['shards'])} shard(s), val {va['documents']:,} / {va['tokens']:,}; {m['dtype']}, "
-          f"vocab {m['vocab_size']:,}; train with {shlex.quote('--data.path=' + args.out)}")
+          f"vocab {m['vocab_size']:,}; from {m.get('input_documents', 0):,} documents of {files} file(s){pace}; "
+          f"train with {shlex.quote('--data.path=' + args.out)}")
     left_out = [f"{m['empty_documents']:,} empty or null documents"] if m.get("empty_documents") else []
     names = m.get("files_not_read", [])
     if names:

@@ -22,13 +22,28 @@ def record_messages(obj) -> object:
     return obj.get(CHAT_FIELD) if CHAT_FIELD in obj or SHAREGPT_FIELD not in obj else obj[SHAREGPT_FIELD]
 
 
-def conversation(f: Path, where: str, value) -> list[dict]:
-    """A chat record's messages, each with a string role and content, or a DataError naming the line."""
+def record_hint(obj) -> str:
+    """What a JSON record that holds neither the text field nor a conversation does hold, for its error:
+    prompt/completion pairs (OpenAI's and TRL's layout) with their conversion to chat, else its keys."""
+    if not isinstance(obj, dict) or not obj:
+        return ""
+    if all(isinstance(obj.get(k), str) for k in ("prompt", "completion")):
+        return ("; it holds \"prompt\" and \"completion\", which shardline does not read: write each record as "
+                "{\"messages\": [{\"role\": \"user\", \"content\": PROMPT}, {\"role\": \"assistant\", \"content\": "
+                "COMPLETION}]} and train with data.format=chat, whose loss is on the completion alone")
+    return f"; its keys: {', '.join(map(str, list(obj)[:8]))}{', ...' * (len(obj) > 8)}"
+
+
+def conversation(f: Path, where: str, value, hint: str = "") -> list[dict]:
+    """A chat record's messages, each with a string role and content, or a DataError naming the line
+    (`hint`: record_hint's, where the record is at hand)."""
     if not isinstance(value, list):
-        raise DataError(f"data file {f} {where} has no list field 'messages' (the chat format reads "
+        held = f"'s 'messages' is a {type(value).__name__}, not a list" if value is not None else \
+            " has no list field 'messages'"
+        raise DataError(f"data file {f} {where}{held} (the chat format reads "
                         "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]}, or ShareGPT's {\"conversations\": "
                         "[{\"from\": ..., \"value\": ...}, ...]}; text is read with data.format=text, or in data.mix "
-                        "the source's format = \"text\"; prepare: --format text)")
+                        f"the source's format = \"text\"; prepare: --format text){hint}")
     out = []
     for i, m in enumerate(value):
         if isinstance(m, dict) and m.get("role") is None and isinstance(m.get("from"), str):  # (a table's null role)

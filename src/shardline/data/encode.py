@@ -141,6 +141,13 @@ def check_replies(where: str, roles: dict[str, str]) -> None:
     # Another dataset's reply role (ShareGPT's "gpt", Gemini's "model") in conversations with no 'assistant'
     # beside ones that have it (a merged subset) is the same silence, for those conversations alone; beside
     # 'assistant' in one conversation it may be context (a third party): taken as it is.
+    # Another dataset's name for the user's turns ("human", as ShareGPT's `from` has it) where no message
+    # is 'user's: the template renders it as written, and `generate --chat` prompts as 'user' (train and use differ).
+    other_user = [r for r in roles if REPLYLESS not in r and r.lower() in ("human", "user", "usr")]
+    if "user" not in roles and other_user:
+        raise DataError(f"{where} has messages of role {other_user[0]!r}, the first {roles[other_user[0]]}, and none "
+                        f"of role 'user', the name chat templates and `generate --chat` give the user's turns (roles "
+                        f"found: {found}); rename those messages' role to 'user'")
     for role in sorted(r for r in roles if r != "assistant" and REPLYLESS not in r):
         typo = not role.startswith("assistant") and difflib.get_close_matches(role.lower(), ["assistant"], cutoff=0.8)
         if typo or role + REPLYLESS in roles:

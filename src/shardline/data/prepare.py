@@ -29,7 +29,8 @@ from tokenizers import Tokenizer
 from shardline.config.data_section import MAX_TRAINED_VOCAB
 from shardline.data.chat_template import ChatTemplate, chat_template_for, template_sha256
 from shardline.data.encode import CHAT_MASK_RULE, check_replies, note_roles, render_chat
-from shardline.data.validation import COPIES_CHECKED_UP_TO, digest, held_out, held_out_in_training, split_single
+from shardline.data.validation import (COPIES_CHECKED_UP_TO, SPLIT_RULE, HeldOut, digest, held_out_in_training,
+                                      split_single)
 from shardline.data.pool import EncodeJob, Progress, check_workers, encode_chunk, encoded_chunks, utf8_bytes
 from shardline.data.readers import unread
 from shardline.data.prepare_out import LOCK, check_out, check_replacing, differs, finished, made, written
@@ -215,7 +216,8 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
     inputs = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     tok = ["file", file_sha256(Path(opts.tokenizer))] if opts.tokenizer else ["bpe", opts.vocab_size]
     request = {"inputs": inputs, "field": opts.read_field(), "format": opts.format, "val_fraction": opts.val_fraction,
-               "tokenizer": tok, "shard_tokens": opts.shard_tokens, "format_version": FORMAT_VERSION}
+               "split": SPLIT_RULE, "tokenizer": tok, "shard_tokens": opts.shard_tokens,
+               "format_version": FORMAT_VERSION}
     if opts.format == "chat":  # the loss mask depends on the template and on the rule that reads it
         template = chat_template_for(opts.tokenizer)
         request["chat"] = {"mask_rule": CHAT_MASK_RULE, "template_sha256": template_sha256(template)}
@@ -231,13 +233,14 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
 
 
 def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
-    """Pass 1: the number of documents (the held-out split depends on it)."""
+    """Pass 1: the number of documents and the held-out ones (each chosen by its content)."""
     stream = _Stream(files, opts.read_field(), count=-1, val_fraction=opts.val_fraction)
-    count, roles, digests = 0, {}, array("Q")
+    count, roles, digests, held = 0, {}, array("Q"), HeldOut(opts.val_fraction)
     for _, _, doc in stream.documents():
         count += 1
+        held.add(doc_digest := digest(doc))
         if count <= COPIES_CHECKED_UP_TO:  # (8 bytes a document, in RAM: a web-scale corpus is not checked)
-            digests.append(digest(doc))
+            digests.append(doc_digest)
         if opts.format == "chat":
             note_roles(roles, doc)
     if count == 0:
@@ -248,7 +251,7 @@ def _count(opts: PrepareOptions, files: list[Path]) -> _Stream:
     if opts.format == "chat":
         check_replies(", ".join(opts.inputs), roles)
     stream.count, stream.not_read = count, [str(f) for path in opts.inputs for f in files_not_read(path)]
-    stream.held = held_out(count, opts.val_fraction) if count > 1 else stream.held
+    stream.held = held.result() if count > 1 else stream.held
     stream.duplicated = held_out_in_training(digests, stream.held) if count <= COPIES_CHECKED_UP_TO else None
     return stream
 
@@ -355,18 +358,14 @@ def _commit(root: Path, writers: dict, state: dict) -> None:
 
 def _finish(root: Path, request: dict, writers: dict, tok: Tokenizer, stream: _Stream) -> dict:
     """Write the manifest (atomically, last) and drop the progress file."""
-    splits = {}
-    for name, w in writers.items():
-        splits[name] = {**w.state(), "docs_sha256": file_sha256(root / name / "docs.idx")}
+    splits = {name: {**w.state(), "docs_sha256": file_sha256(root / name / "docs.idx")} for name, w in writers.items()}
     manifest = {"format_version": FORMAT_VERSION, "format": request["format"], "request": request,
                 "tokenizer_sha256": request["tokenizer_sha256"], "vocab_size": tok.get_vocab_size(),
                 "eos_id": eos_id(tok, root / TOKENIZER), "bos_ids": request.get("bos", []),
                 "dtype": np.dtype(writers["train"].dtype).name, "val_fraction": request["val_fraction"],
                 "input_documents": stream.count, "empty_documents": stream.empty,
-                "held_out_in_training": stream.duplicated,
-                "train_fingerprint": _train_fingerprint(root, splits["train"]["shards"], writers["train"].dtype),
-                "files_not_read": stream.not_read,
-                "splits": splits}
+                "held_out_in_training": stream.duplicated, "files_not_read": stream.not_read, "splits": splits,
+                "train_fingerprint": _train_fingerprint(root, splits["train"]["shards"], writers["train"].dtype)}
     _atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
     (root / PROGRESS).unlink(missing_ok=True)
     return manifest

@@ -1,14 +1,13 @@
 """Read documents from the shipped corpus or a user's files, as a stream.
 
-Accepted: `.txt` (documents separated by two or more blank lines), `.jsonl` or `.ndjson` (one
-object per line with a text field), `.parquet` (a text column), `.arrow` (the files of a Hugging Face
-`datasets.save_to_disk` folder; read with pyarrow, `datasets` itself is not needed), each
-optionally gzipped (`.gz`), a folder holding such files (read in sorted order; a `save_to_disk`
-DatasetDict folder reads its `train` split), or a glob pattern of them (`data/train-*.parquet`).
+Accepted: `.txt` (documents separated by two or more blank lines), `.jsonl` or `.ndjson` (one object per
+line with a text field), `.parquet` (a text column), `.arrow` (the files of a Hugging Face
+`datasets.save_to_disk` folder; read with pyarrow, `datasets` itself is not needed), each optionally
+gzipped (`.gz`), a folder holding such files (read in sorted order; a `save_to_disk` DatasetDict folder
+reads its `train` split), or a glob pattern of them (`data/train-*.parquet`).
 
-Every reader streams: memory holds one line, one parquet batch or one .txt document, whatever
-the file size, so `shardline prepare` can read corpora larger than RAM. The training path and
-`prepare` read through the same functions, so they see the same documents in the same order.
+Every reader streams (one line, one parquet batch or one .txt document in memory), so `prepare` reads
+corpora larger than RAM; training and `prepare` read through it alike: the same documents, in order.
 """
 
 from __future__ import annotations
@@ -27,8 +26,10 @@ from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
-from shardline.data.conversation import CHAT_FIELD, SHAREGPT_FIELD, conversation, record_messages, strings
+from shardline.data.conversation import (CHAT_FIELD, SHAREGPT_FIELD, conversation, record_hint, record_messages,
+                                         strings)
 from shardline.data.folders import folder_entries, read_once, read_root
+from shardline.data.not_text import convert_hint
 from shardline.data.shards import is_prepared
 from shardline.errors import DataError
 
@@ -222,17 +223,6 @@ def _guarded(f: Path, lines: Iterator):
         raise DataError(f"data file {f} is not UTF-8 text{_where_not_utf8(f)} ({e.reason}){convert_hint(e)}") from None
 
 
-def convert_hint(error: UnicodeDecodeError) -> str:
-    """iconv advice naming a likely encoding of the bytes that failed: GB18030 where bytes above ASCII
-    come in runs of two characters or more (Chinese), else Windows-1252 (Western European: an ü or a
-    "çõ" between ASCII letters, which GB18030 would read as Chinese characters: garbled). From the
-    first bad byte on: UTF-8 text before a stray line is no evidence either way."""
-    sample = bytes(error.object[error.start : error.start + 64])
-    longest = max(len(run) for run in re.split(rb"[\x00-\x7f]+", sample))
-    guess = "GB18030" if longest >= 4 else "WINDOWS-1252"
-    return f": convert it, e.g. iconv -f {guess} -t UTF-8 (or the encoding it was written in)"
-
-
 def _where_not_utf8(f: Path) -> str:
     """' at line N (byte offset B)': where `f` first is not UTF-8 (its text is decoded in chunks, knowing no line)."""
     decoder, line, offset, after_cr = codecs.getincrementaldecoder("utf-8")(), 1, 0, False
@@ -259,11 +249,10 @@ def _read_txt(f: Path) -> Iterator[str]:
 def _split_txt(f: Path) -> Iterator[str]:
     """Documents of a .txt file, split as `_DOC_BREAK.split(whole_text)` would, one chunk at a time.
 
-    A break is only accepted when it ends before the buffer does: the next chunk could
-    extend it (more newlines) or a longer break could start in it. A break is whitespace
-    only, so each chunk is scanned from the trailing whitespace of the text before it, and a
-    long document is kept as pieces joined once: linear time however long it is.
-    """
+    A break is only accepted when it ends before the buffer does: the next chunk could extend it (more
+    newlines) or a longer break could start in it. A break is whitespace only, so each chunk is scanned
+    from the trailing whitespace of the text before it, and a long document is kept as pieces joined
+    once: linear time however long it is."""
     with _open(f) as raw:
         # (a BOM some editors write: not text; Windows' and old Macs' line ends read as "\n", as Python's
         # open() and HF's text loader read them: a model does not learn to write "\r")
@@ -314,7 +303,7 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
                 raise DataError(f"data file {f} line {n} is a JSON {type(obj).__name__}: give one object a line")
             value = obj.get(field)
             if field == CHAT_FIELD:
-                messages = conversation(f, f"line {n}", record_messages(obj))
+                messages = conversation(f, f"line {n}", record_messages(obj), record_hint(obj))
                 for text in strings(messages):  # tool calls and other fields reach the template too
                     _encodable(f, n, text)
                 yield messages
@@ -328,7 +317,8 @@ def _jsonl_values(f: Path, field: str) -> Iterator:
                         "data.mix the source's format = \"chat\"; prepare: --format chat)" if chat else "")
                 held = f" (its value: {json.dumps(value)[:40]})" if value is not None else ""  # (a number, a list)
                 raise DataError(f"data file {f} line {n} has no string field {field!r}{held} (set data.text_field, "
-                                f"or in data.mix the source's text_field; prepare: --text-field){said}")
+                                f"or in data.mix the source's text_field; prepare: --text-field)"
+                                f"{said or record_hint(obj) * (field not in obj)}")
 
 
 def _encodable(f: Path, n: int, text: str) -> str:

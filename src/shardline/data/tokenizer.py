@@ -82,7 +82,12 @@ def load_tokenizer(path: str, key: str = "data.tokenizer") -> Tokenizer:
     what = f"{key}={path!r}" if key else f"the tokenizer {path}"
     path = tokenizer_json(path)  # (a caller that did not resolve a folder given: read what it holds)
     if os.path.isdir(path):  # (a folder holding one is read as it: tokenizer_json)
-        raise DataError(f"{what} is a folder without a tokenizer.json: give the tokenizer.json to use")
+        slow = [n for n in ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt") if os.path.isfile(
+            os.path.join(path, n))]
+        raise DataError(f"{what} is a folder without a tokenizer.json: give the tokenizer.json to use" + (
+            f" (it holds a slow tokenizer's {', '.join(slow)}, which shardline does not read: transformers writes "
+            "its tokenizer.json with AutoTokenizer.from_pretrained(folder).save_pretrained(folder), a fast "
+            "tokenizer converted from them)" if slow else ""))
     try:
         tok = Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception for bad files

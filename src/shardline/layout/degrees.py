@@ -139,7 +139,9 @@ class Layout:
         return global_batch // (self.dp * self.micro_batch_size)
 
     def describe(self) -> str:
-        parts = [f"tp{self.tp}"]
+        # (TP's sequence and loss parallelism are on by default, and unnamed then: only their absence is)
+        off = [name for name, on in (("no-sp", self.sequence_parallel), ("no-lp", self.loss_parallel)) if not on]
+        parts = [f"tp{self.tp}" + (f"({','.join(off)})" if off and self.tp > 1 else "")]
         if self.pp > 1:
             sched = self.pp_schedule + (f" v{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else "")
             parts.append(f"pp{self.pp}({sched} m{self.pp_microbatches})")
@@ -221,8 +223,8 @@ def _product_message(cfg: Config, world: int, product: int) -> str:
     if p.dp_shard == -1:  # dp_shard takes what the others leave: their product must divide the world
         fits = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
         return (f"{degrees} give dp_replicate x cp x tp x pp = {product}, which does not divide the world size "
-                f"{world} (dp_shard=-1 takes what they leave); with {world} process{'es' * (world > 1)} it must be one "
-                f"of {fits}")
+                f"{world} (dp_shard=-1 takes what they leave); with {world} process{'es' * (world > 1)} that "
+                f"product must be one of {fits}")
     others = p.dp_replicate * p.cp * p.tp * p.pp
     way_out = "set parallel.dp_shard=-1 to take what the others leave" if world % others == 0 else (
         f"parallel.dp_shard=-1 takes what the others leave, but their product {others} does not divide {world} "

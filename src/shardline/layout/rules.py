@@ -35,14 +35,18 @@ def _tp_heads(lay: Layout, job: Job) -> Problem | None:
                           if m.n_heads % d == 0 and m.kv_heads % d == 0)
         return "tp", f"parallel.tp={t} must divide n_heads={m.n_heads} and n_kv_heads={m.kv_heads}; valid tp: {valid}"
     if m.ffn_dim % t:
-        return "tp", f"parallel.tp={t} must divide ffn_dim={m.ffn_dim} (the MLP is split by columns)"
+        valid = ", ".join(str(d) for d in range(1, min(m.n_heads, m.kv_heads) + 1)
+                          if m.n_heads % d == 0 and m.kv_heads % d == 0 and m.ffn_dim % d == 0)
+        return "tp", f"parallel.tp={t} must divide ffn_dim={m.ffn_dim} (the MLP is split by columns); valid tp: {valid}"
     return None
 
 
 def _tp_sequence(lay: Layout, job: Job) -> Problem | None:
     if lay.sp and job.seq_len % lay.tp:
-        return "tp", (f"train.seq_len={job.seq_len} must be divisible by parallel.tp={lay.tp} "
-                      "with sequence_parallel")
+        below = job.seq_len - job.seq_len % lay.tp
+        near = " or ".join(str(n) for n in (below, below + lay.tp) if n > 0)
+        return "tp", (f"train.seq_len={job.seq_len} must be divisible by parallel.tp={lay.tp} with sequence_parallel "
+                      f"(e.g. {near}; or parallel.sequence_parallel=false)")
     return None
 
 

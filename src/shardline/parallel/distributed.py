@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from shardline import errors
 from shardline.errors import ConfigError
+from shardline.parallel.rendezvous import meet
 from shardline.version import version
 
 
@@ -88,7 +89,7 @@ def init_distributed(device: torch.device) -> ProcessInfo:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
-    store, rank, world = next(dist.rendezvous("env://"))
+    store, rank, world = meet(local_rank)  # (torch's env:// rendezvous, said where it waits long)
     # This set of processes' keys under a prefix of its own: a restarted job may otherwise read the
     # addresses its dead predecessors published and fail to connect (agents' restart counts are no
     # such prefix: a node's agent relaunched beside living ones starts at 0, and the ranks never met).

@@ -135,3 +135,14 @@ def tasks_per_node(spec: str) -> list[int]:
             return []
         counts += [int(m.group(1))] * int(m.group(2) or 1)
     return counts
+
+
+def tasks_left_idle(env) -> int:
+    """The task count of a Slurm job whose one process runs outside srun (a batch script's own shell,
+    which shows SLURM_NTASKS but no step), else 0: `python -m shardline train` there trains alone
+    while the job holds its other tasks' GPUs, where `srun python ...` was meant."""
+    tasks = env.get("SLURM_NTASKS", "")
+    if not tasks.isdigit() or int(tasks) <= 1 or any(k in env for k in (
+            "SLURM_STEP_NUM_TASKS", "TORCHELASTIC_RUN_ID", "WORLD_SIZE")):
+        return 0
+    return int(tasks)

@@ -13,7 +13,9 @@ too (Slurm requeues keep SLURM_JOB_ID and step, torchrun restarts TORCHELASTIC_R
 under Slurm), unless its holder still runs: on this host its pid says so; on another, the holder
 touches its lock every BEAT_S seconds, and a lock untouched while QUIET_BEATS beats pass is a dead
 holder's (two first launches given one --rdzv_id are two live runs). Another job's lock from another
-host cannot be checked from here; its error says how to remove it once that job is known to be gone.
+host (the job before, in a chain of jobs, SIGKILLed by its scheduler) is taken over once it went
+untouched for LONG_QUIET_S by this host's clock and then stays untouched for QUIET_BEATS beats: a
+clock skew below the first is harmless, and a live holder's beat shows in the second.
 A takeover renames the lock aside before removing it, so two runs racing for one stale lock never both
 hold it.
 
@@ -45,6 +47,7 @@ LOCK = ".lock"
 EMPTY_LOCK_S = 60.0  # an empty lock older than this was left by a start that died while taking it
 BEAT_S = 5.0  # the holder touches its lock this often
 QUIET_BEATS = 3  # a same-job lock of another host untouched this many beats is a dead holder's
+LONG_QUIET_S = 600.0  # another job's lock of another host untouched this long (and then QUIET_BEATS) is too
 
 
 def launcher_ids() -> dict[str, str]:
@@ -131,6 +134,9 @@ class RunLock:
                 why = _why_free(holder, me) or self._left_empty()
                 if why and why.startswith("same job") and holder.get("host") != me["host"]:
                     why = self._gone_quiet(why)  # (another host's holder: alive while it touches its lock)
+                elif why is None and holder and holder.get("host") != me["host"] and self._untouched_s() > LONG_QUIET_S:
+                    why = self._gone_quiet(f"stale: the lock of {holder.get('job') or 'a run'} on {holder['host']}, "
+                                           f"last touched {self._untouched_s() / 60:.0f} min ago")
                 if why is None:
                     raise _held(holder, me)(_held_message(self.path, holder)) from None
                 if self._remove_if_still(holder):
@@ -226,16 +232,21 @@ class RunLock:
         """`why`, where the lock's holder on another host has not touched it for QUIET_BEATS beats (its
         process is gone), else None: a live run of the same job id. Its time is read on an opened file
         (NFS revalidates a file's attributes at open, where a stat may answer from its cache)."""
-        def touched() -> float | None:
-            try:
-                with open(self.path, "rb") as f:
-                    return os.fstat(f.fileno()).st_mtime
-            except OSError:
-                return None
-
-        first = touched()
+        first = self._touched()
         time.sleep(QUIET_BEATS * BEAT_S)
-        return f"{why}; its lock untouched for {QUIET_BEATS * BEAT_S:g} s" if touched() == first else None
+        return f"{why}; its lock untouched for {QUIET_BEATS * BEAT_S:g} s" if self._touched() == first else None
+
+    def _touched(self) -> float | None:
+        try:
+            with open(self.path, "rb") as f:
+                return os.fstat(f.fileno()).st_mtime
+        except OSError:
+            return None
+
+    def _untouched_s(self) -> float:
+        """Seconds since the lock's holder last touched it, by this host's clock (0 where unreadable)."""
+        touched = self._touched()
+        return 0.0 if touched is None else time.time() - touched
 
     def _left_empty(self) -> str | None:
         """Why an empty lock is free: one a minute old was left by a start that died between creating

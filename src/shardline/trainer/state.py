@@ -51,6 +51,7 @@ from shardline.resilience.tiers import folder_bytes, refuse_no_room
 from shardline.version import version
 
 REPLIES_MISSING = 0.1  # the share of chat sequences without a reply token past which a launch says so
+PADDING_HIGH = 0.3  # the share of chat sequences' tokens that are padding past which a launch says so
 
 
 NODE_LOCAL = {"run": ("device",), "data": ("path", "tokenizer"), "model": ("hf_path", "init_from"),
@@ -231,6 +232,12 @@ class SavedState:
                                of=described["conversations"],
                                why="longer than a sequence: their rest past train.seq_len is not trained on (a later "
                                    "reply lost)")
+        if described.get("padding", 0) >= PADDING_HIGH:  # (whole conversations a sequence: the rest is padding)
+            seq, pad = self.cfg.train.seq_len, described["padding"]
+            self.metrics.event("padding_high", step=self.step, padding=pad, why=(
+                f"{pad:.0%} of the chat sequences' tokens (train.seq_len={seq}) are padding, compute spent on no "
+                "token (each holds whole conversations, and the next one did not fit): a longer train.seq_len packs "
+                "more of them into one"))
         held = held_out_note(self.cfg, self.data.train, self.data.val)
         if held:
             self.metrics.event("held_out_large", step=self.step, **held)
