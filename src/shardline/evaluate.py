@@ -34,7 +34,7 @@ import torch.distributed
 
 from shardline.config import Config, DataConfig, apply_override, from_dict, override_list
 from shardline.data.file_stamps import changed_files
-from shardline.data.validation import split_by_prepare, training_val_fraction, val_format
+from shardline.data.validation import SPLIT_CHANGED, split_by_prepare, training_val_fraction, val_format
 from shardline.data.shards import tokenizer_file
 from shardline.data.sources import input_files
 from shardline.data.overlaps import split_apart
@@ -248,9 +248,10 @@ def _say_if_data_changed(ckpt: Path, position: dict) -> None:
     now = position.get("content")
     if saved and now and saved != now:
         files = changed_files(data.get("files"), position.get("files"))
+        older = f" (or: {SPLIT_CHANGED})" if "split" not in data and not files else ""
         print(f"shardline eval: the run's data changed since {ckpt.name} was saved (training tokens {saved}, "
               f"now {now}{'; changed: ' + files if files else ''}): its held-out split is not the one the run "
-              "evaluated on, and may hold documents it trained on", file=sys.stderr, flush=True)
+              f"evaluated on, and may hold documents it trained on{older}", file=sys.stderr, flush=True)
 
 
 def _agreed_config(src: str | Path, overrides: list[str], run_dir: Path):

@@ -82,7 +82,9 @@ class LossScaler:
         self.enabled = precision == "fp16"
         self.scaler = AgreedGradScaler(device, agree, enabled=self.enabled)
         self.skipped_steps = 0
-        self.launch_skipped = 0  # this launch's skips (skipped_steps is the run's, read back from a checkpoint)
+        # this launch's steps the scaler closed and those it skipped (skipped_steps is the run's, read back from a
+        # checkpoint; the steps a rollback computed again are counted again, as their skips are)
+        self.launch_steps = self.launch_skipped = 0
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """What backward runs on: the loss share x the loss scale (fp16), else the share itself."""
@@ -106,6 +108,7 @@ class LossScaler:
             opt.step()
             return False
         before = self.scaler.get_scale()
+        self.launch_steps += 1
         self.scaler.step(opt)
         self.scaler.update()
         skipped = self.scaler.get_scale() < before  # the scale only drops on overflow
@@ -113,9 +116,10 @@ class LossScaler:
         self.launch_skipped += skipped
         return skipped
 
-    def overflow_warning(self, steps: int) -> str | None:
-        """The line for a launch whose `steps` were mostly skipped by overflow (None otherwise): such a
+    def overflow_warning(self) -> str | None:
+        """The line for a launch whose steps were mostly skipped by overflow (None otherwise): such a
         run ends "complete" with weights that barely moved, or not at all, and a loss that looks held."""
+        steps = self.launch_steps
         if not self.enabled or steps <= 0 or 2 * self.launch_skipped <= steps:
             return None
         every = self.launch_skipped == steps
@@ -129,6 +133,7 @@ class LossScaler:
     def skip(self) -> None:
         """Drop this step's update (an anomaly); the scaler still closes its step."""
         if self.enabled:
+            self.launch_steps += 1
             self.scaler.update()  # unscale_ recorded the overflow check update() needs
 
     def state_dict(self) -> dict:

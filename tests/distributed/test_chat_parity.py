@@ -43,7 +43,7 @@ def _conversations(n: int) -> str:
         messages = [{"role": "system", "content": "Answer in words."}] if i % 3 == 0 else []
         for turn in range(1 + i % 3):
             words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(1 + (7 * i + turn) % 12))
-            messages += [{"role": "user", "content": f"Name {turn + i % 5} things."},
+            messages += [{"role": "user", "content": f"Name {turn + i % 5} things ({i})."},  # (no two alike)
                          {"role": "assistant", "content": words + "."}]
         rows.append(json.dumps({"messages": messages}) + "\n")
     return "".join(rows)

@@ -142,8 +142,9 @@ def test_eval_of_a_run_whose_data_changed_since_says_so(tmp_path, small_corpus, 
 
 def test_eval_on_a_folder_prepared_from_files_the_run_trained_on_says_its_split_is_its_own(tmp_path, small_corpus,
                                                                                              small_prepared, capsys):
-    """A corpus prepared again with files added holds out other documents: eval on the old folder's held-out
-    split scored documents the run trained on (11 of 12 in a walkthrough), with no word said."""
+    """A corpus prepared again with files added held out other documents (by position): eval on the old
+    folder's held-out split scored documents the run trained on (11 of 12 in a walkthrough), with no word said.
+    By content, a folder at another share holds out others (a larger share: some the run trained on)."""
     from shardline.config import load_config
     from shardline.data.prepare import PrepareOptions, prepare
     from tests.conftest import tiny_overrides
@@ -152,9 +153,10 @@ def test_eval_on_a_folder_prepared_from_files_the_run_trained_on_says_its_split_
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[::2]))
     (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[1::2]))
     tok = str(small_prepared / "tokenizer.json")
-    for out, inputs in (("old", ["a.jsonl"]), ("new", ["a.jsonl", "b.jsonl"])):
+    for out, inputs, share in (("old", ["a.jsonl"], 0.1), ("same", ["a.jsonl"], 0.05), ("new", ["a.jsonl", "b.jsonl"],
+                                                                                      0.05)):
         prepare(PrepareOptions(inputs=[str(tmp_path / i) for i in inputs], out=str(tmp_path / out), tokenizer=tok,
-                               val_fraction=0.05, progress=False))
+                               val_fraction=share, progress=False))
     run = tmp_path / "run"
     Trainer(load_config(None, tiny_overrides(run, tmp_path / "new", "train.steps=2", "checkpoint.interval=2",
                                              "train.eval_interval=0"))).build().train()
@@ -162,8 +164,9 @@ def test_eval_on_a_folder_prepared_from_files_the_run_trained_on_says_its_split_
     assert main(["eval", str(run), f"--data.path={tmp_path / 'old'}", "--batches", "1"]) == 0
     assert (f"shardline eval: note: {tmp_path / 'old'} reads files the run trained on (its data {tmp_path / 'new'}), "
             "with a held-out split of its own") in capsys.readouterr().err
-    assert main(["eval", str(run), f"--data.path={tmp_path / 'new'}", "--batches", "1"]) == 0  # its own split
-    assert "note" not in capsys.readouterr().err
+    for alike in ("new", "same"):  # its own split; a part of its files at its share: held out as the run held them
+        assert main(["eval", str(run), f"--data.path={tmp_path / alike}", "--batches", "1"]) == 0
+        assert "note" not in capsys.readouterr().err, alike
 
 
 def test_a_killed_one_process_evaluations_folder_goes_with_the_next_one(monkeypatch):

@@ -531,3 +531,15 @@ def test_the_dry_run_names_the_files_a_folder_holds_that_are_not_read(tmp_path, 
     assert main(["train", "--dry-run", f"--run.dir={tmp_path / 'run'}", f"--data.path={folder}"]) == 0
     said = capsys.readouterr().out
     assert "(not read: README.md, meta.json; it reads .txt, .jsonl, .parquet, .arrow, .ndjson files)" in said
+
+
+def test_sources_split_by_content_at_one_share_hold_out_the_same_documents():
+    """By content, a document held out in one source is held out in any other at that share (files added or
+    not); a folder split by position (prepared before) matches only its own files in order."""
+    from shardline.data.overlaps import _Read, _split_alike
+
+    a, more = _Read(set(), files=("x",), fraction=0.05), _Read(set(), files=("x", "y"), fraction=0.05)
+    assert _split_alike(a, more) and not _split_alike(a, _Read(set(), files=("x",), fraction=0.1))
+    old = _Read(set(), files=("x",), fraction=0.05, rule=None)
+    assert not _split_alike(a, old) and _split_alike(old, _Read(set(), files=("x",), fraction=0.05, rule=None))
+    assert not _split_alike(old, _Read(set(), files=("x", "y"), fraction=0.05, rule=None))

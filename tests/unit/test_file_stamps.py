@@ -53,11 +53,16 @@ def test_a_checkpoint_from_before_stamps_or_unchanged_files_gets_the_causes_alon
     data = tmp_path / "data"
     _write(data, ["a.jsonl"])
     stamps = stamp_files([str(data)])
-    saved = {"content": "old", "num_samples": 10, "seed": 0, "global_batch_size": 2, "samples_seen": 0}
+    saved = {"content": "old", "num_samples": 10, "seed": 0, "global_batch_size": 2, "samples_seen": 0,
+             "split": "content-hash"}
     for before in ({}, {"files": stamps}):
         with pytest.raises(CheckpointError) as refused:
             check_data_position("ck", {**saved, **before}, 10, 0, 2, {"content": "new", "files": stamps})
         assert "its training tokens differ: the files were edited or replaced, or the tokenizer" in str(refused.value)
+    # Saved before the held-out split was chosen by content: the likeliest cause on raw files, named first
+    with pytest.raises(CheckpointError, match=r"its training tokens differ: the held-out documents are chosen by "
+                                              r"their content since 2026-12-07 .*; or the files were edited"):
+        check_data_position("ck", {k: v for k, v in saved.items() if k != "split"}, 10, 0, 2, {"content": "new"})
     os.utime(data / "a.jsonl", ns=(0, 10**18))
     with pytest.raises(CheckpointError, match=r"differ \(files changed since: .*a.jsonl \(modified [^)]*\)\): the "):
         check_data_position("ck", {**saved, "files": stamps}, 10, 0, 2, {"content": "new",

@@ -2084,6 +2084,24 @@ def test_copies_of_a_document_fall_on_one_side_of_the_split(tmp_path, capsys):
     assert manifest["splits"]["val"]["documents"] % 3 == 0 and manifest["splits"]["val"]["documents"] > 0
 
 
+def test_a_folder_prepared_by_position_is_named_so_when_prepared_again(tmp_path):
+    """A folder from before the rule by content (its request without "split"): preparing it again was
+    refused as of "other options (split)", an option no flag names."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(60)))
+    out = tmp_path / "prep"
+    prepare(PrepareOptions([str(src)], str(out), **SMALL))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["request"]["split"] == "content-hash"
+    del manifest["request"]["split"]  # (as a folder prepared before it holds it)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"other inputs or options \(the held-out documents' rule \(by position "
+                                        r"before 2026-12-07, by content since\)\)"):
+        prepare(PrepareOptions([str(src)], str(out), **SMALL))
+    prepare(PrepareOptions([str(src)], str(tmp_path / "none"), **{**SMALL, "val_fraction": 0.0}))
+    assert "split" not in json.loads((tmp_path / "none" / "manifest.json").read_text())["request"]  # (nothing held)
+
+
 def test_the_held_out_documents_stay_held_out_when_documents_are_added_or_reordered():
     """Adding 1% more documents moved 8 of 10 held-out documents into training (a split by position,
     seeded by the count): a run continued on the grown data, or evaluated on it, scored documents it
@@ -2097,7 +2115,11 @@ def test_the_held_out_documents_stay_held_out_when_documents_are_added_or_reorde
     assert 10 < len(val) < 50  # about 1%, not exactly
     assert set(val) == {d for d in grown_val if d in set(docs)} == set(shuffled_val)
     assert len(split_documents(docs[:3], 0.01)[1]) == 1  # at least one, where none falls below the share
+    assert len(split_documents(docs[:3], 1e-30)[1]) == 1  # (a share below one in 2**64: still one)
     assert split_documents(docs, 0.0)[1] == []
+    # never every one: two documents at 0.4 were both held out 16% of the time, nothing left to train on
+    pairs = [[f"a {i}", f"b {i}"] for i in range(200)]
+    assert all(len(split_documents(pair, 0.49)[0]) == 1 for pair in pairs)
 
 
 def test_a_conversation_holding_values_json_cannot_write_has_a_digest():

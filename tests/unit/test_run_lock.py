@@ -111,7 +111,7 @@ def test_a_reused_pid_is_another_process(tmp_path, other_process):
     assert "is another process now" in RunLock(tmp_path).acquire()
 
 
-def test_the_same_jobs_lock_on_another_host_is_taken_once_quiet_other_jobs_are_not_guessed(tmp_path, monkeypatch):
+def test_the_same_jobs_lock_on_another_host_is_taken_once_quiet(tmp_path, monkeypatch):
     """Another host's lock of the same job is a dead holder's once it goes untouched: a live holder touches
     it every beat (two launches given one --rdzv_id, on two hosts, trained in one run dir at once, and a
     torchrun restart of the refused one would do the same)."""
@@ -119,8 +119,6 @@ def test_the_same_jobs_lock_on_another_host_is_taken_once_quiet_other_jobs_are_n
 
     monkeypatch.setattr(run_lock, "BEAT_S", 0.05)
     write_lock(tmp_path, 1, host="node-7", job="TORCHELASTIC_RUN_ID=job42")
-    with pytest.raises(ConfigError, match=f"delete {tmp_path / LOCK} if that run is gone"):
-        RunLock(tmp_path).acquire()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     done = threading.Event()
@@ -142,33 +140,32 @@ def test_the_same_jobs_lock_on_another_host_is_taken_once_quiet_other_jobs_are_n
     lock.release()
 
 
-def test_another_jobs_lock_on_another_host_is_taken_once_long_untouched(tmp_path, monkeypatch):
+def test_another_jobs_lock_on_another_host_is_taken_once_untouched(tmp_path, monkeypatch):
     """The job before, in a chain of Slurm jobs, SIGKILLed at its time limit: its lock (another job,
-    another host) refused every later job in one line, exit 2, which a requeue script stops on. Untouched
-    for LONG_QUIET_S, and still over QUIET_BEATS, it is a dead holder's; a live holder's beat keeps it."""
+    another host) refused every later job in one line, exit 2, which a requeue script stops on. One that
+    stays untouched for OTHER_JOB_QUIET_BEATS beats is a dead holder's; a live holder's beat keeps it (no
+    clock compared: only whether the file changes while the launch watches)."""
     from shardline.resilience import run_lock
 
     monkeypatch.setattr(run_lock, "BEAT_S", 0.05)
     write_lock(tmp_path, 4242, host="node07", job="SLURM_JOB_ID=2002.0")
-    two_hours_ago = time.time() - 7200
-    os.utime(tmp_path / LOCK, (two_hours_ago, two_hours_ago))
     done = threading.Event()
 
-    def live_holder():  # node07's run, alive after all (its clock, or the file server's, far behind)
+    def live_holder():  # node07's run, alive (its clock, or the file server's, far behind: the times mean nothing)
         while not done.wait(0.02):
-            os.utime(tmp_path / LOCK, (two_hours_ago, time.time() - 7200))
+            os.utime(tmp_path / LOCK, (1.0, time.time() - 7200))
 
     beating = threading.Thread(target=live_holder)
     beating.start()
     try:
-        with pytest.raises(ConfigError, match="in use by another run"):
+        with pytest.raises(ConfigError, match=r"in use by another run \(pid 4242 on node07, since .*\); use another "
+                                              r"run.dir, or stop that run first$"):
             RunLock(tmp_path).acquire()
     finally:
         done.set()
         beating.join()
     lock = RunLock(tmp_path)
-    assert lock.acquire() == ("stale: the lock of SLURM_JOB_ID=2002.0 on node07, last touched 120 min ago; its lock "
-                              "untouched for 0.15 s")
+    assert lock.acquire() == "stale: the lock of SLURM_JOB_ID=2002.0 on node07; its lock untouched for 0.3 s"
     lock.release()
 
 

@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "train.sba
 
 def run_script(tmp_path: Path, codes: list[int], restarts: int = 0, *args: str) -> tuple[int, list[str], list[str]]:
     """The script's exit code, the commands its sruns ran, and scontrol's calls: each srun exits
-    with the next of `codes`."""
+    with the next of `codes`. Its output is `tmp_path / "out"`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (tmp_path / "codes").write_text("\n".join(map(str, codes)) + "\n")
@@ -29,6 +29,7 @@ def run_script(tmp_path: Path, codes: list[int], restarts: int = 0, *args: str) 
            "SLURM_JOB_NODELIST": "node[01-04]", "TRY_LATER_PAUSE_S": "0"}
     done = subprocess.run(["bash", str(SCRIPT), "my.toml", *args], env=env, capture_output=True, text=True,
                           timeout=60)
+    (tmp_path / "out").write_text(done.stdout)
     read = lambda name: (tmp_path / name).read_text().splitlines() if (tmp_path / name).exists() else []  # noqa: E731
     return done.returncode, read("srun"), read("scontrol")
 
@@ -37,7 +38,7 @@ def run_script(tmp_path: Path, codes: list[int], restarts: int = 0, *args: str) 
 def test_a_stop_a_hang_or_a_crash_is_requeued(tmp_path, code):
     rc, sruns, requeues = run_script(tmp_path, [code], 0, "--parallel.tp=8")
     assert rc == 0 and requeues == ["requeue 4242"]
-    assert len(sruns) == 1 and "-m shardline train --config my.toml" in sruns[0]
+    assert len(sruns) == 1 and "-m shardline train --config my.toml" in sruns[0] and "--kill-on-bad-exit=0" in sruns[0]
     assert sruns[0].endswith("--parallel.tp=8")
 
 
@@ -54,6 +55,8 @@ def test_try_later_is_retried_in_the_job_then_given_up(tmp_path):
     (tmp_path / "b").mkdir()
     rc, sruns, requeues = run_script(tmp_path / "b", [75] * 4)
     assert (rc, len(sruns), requeues) == (75, 4, [])  # the first try and TRY_LATER=3 retries
+    said = (tmp_path / "b" / "out").read_text()
+    assert said.count("retrying in 0 s") == 3 and "retry 3 of 3" in said  # (no pause after the last)
 
 
 def test_requeues_stop_at_their_cap(tmp_path):

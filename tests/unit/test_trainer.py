@@ -126,10 +126,12 @@ def test_the_overflow_warning_counts_this_launchs_steps():
 
     scaler = LossScaler(torch.device("cpu"), "fp16")
     scaler.skipped_steps, scaler.launch_skipped = 40, 3  # (the run's earlier launches skipped 37: not this one's)
-    assert scaler.overflow_warning(6) is None  # half: the scale finding its level, as fp16 runs start
-    assert scaler.overflow_warning(5).startswith("3 of the 5 steps this launch ran were skipped")
-    assert "the weights did not change" in scaler.overflow_warning(3)
-    assert LossScaler(torch.device("cpu"), "bf16").overflow_warning(1) is None
+    for steps, said in ((6, None), (5, "3 of the 5 steps this launch ran were skipped"), (3, "all 3 steps")):
+        scaler.launch_steps = steps  # (half skipped: the scale finding its level, as fp16 runs start)
+        warning = scaler.overflow_warning()
+        assert warning is None if said is None else said in warning, (steps, warning)
+    assert "the weights did not change" in scaler.overflow_warning()
+    assert LossScaler(torch.device("cpu"), "bf16").overflow_warning() is None
 
 
 def test_fp16_overflow_skips_the_step(tiny_config, tmp_path, capsys):

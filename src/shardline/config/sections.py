@@ -239,6 +239,7 @@ class OptimConfig:
 class CheckpointConfig:
     interval: int = 50  # save every N steps (and at the end); 0 disables
     keep: int = 3  # keep the newest K checkpoints
+    keep_best: bool = False  # also keep the lowest eval loss's: an evaluation that beats it saves its step
     mode: str = "sync"  # sync | async (snapshot to host memory, then write in the background)
     memory_interval: int = 0  # in-memory tier: snapshot into host RAM every N steps; 0 disables
     memory_redundancy: str = "replica"  # replica (a peer keeps a copy) | xor (parity across a group)
@@ -249,6 +250,8 @@ class CheckpointConfig:
     def check(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval", self.interval, "must be >= 0 (0 disables)")
         _require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
+        _require(not self.keep_best or self.interval > 0, "checkpoint.keep_best", self.keep_best,
+                 "needs checkpoint.interval > 0: it keeps a checkpoint on disk")
         _require(self.mode in ("sync", "async"), "checkpoint.mode", self.mode, "sync or async")
         _require(self.memory_interval >= 0, "checkpoint.memory_interval", self.memory_interval,
                  "must be >= 0 (0 disables)")

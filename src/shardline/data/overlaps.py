@@ -5,8 +5,9 @@ Allowed, but rarely meant: the launch and the dry run name them.
 A source reads its roots (a folder, a file, a pattern's matches; a DatasetDict's train split), a
 file by its link's name and its target, and a prepared folder also the files it was prepared from
 (as its manifest lists them) and its training tokens' fingerprint: two folders prepared from the
-same files alike hold the same documents, whatever their paths. Two sources split alike (the same
-files in order at the same share) hold out the same documents; others each their own.
+same files alike hold the same documents, whatever their paths. Two sources split alike hold out the
+same documents: both by content at the same share (a document held out in one is in the other), or,
+for folders prepared before that rule, the same files in order at the same share; others each their own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from shardline.config import Config
 from shardline.data.folders import read_root
 from shardline.data.shards import is_prepared, read_manifest
 from shardline.data.sources import input_files
-from shardline.data.validation import training_val_fraction
+from shardline.data.validation import SPLIT_RULE, training_val_fraction
 from shardline.errors import ShardlineError
 
 OVERLAP_WHY = "their files are read by each: sampled more than the weights say"
@@ -45,6 +46,7 @@ class _Read:
     files: tuple[str, ...] = ()
     fraction: float | None = None
     fingerprint: str = ""
+    rule: str | None = SPLIT_RULE  # how its documents were held out (None: by position, a folder from before)
 
 
 def _reads(path: str, fraction: float) -> _Read:
@@ -59,16 +61,20 @@ def _reads(path: str, fraction: float) -> _Read:
             read.files = tuple(entry[0] for entry in manifest["request"]["inputs"])
             read.roots |= set(map(Path, read.files))
             read.fraction, read.fingerprint = manifest.get("val_fraction"), manifest.get("train_fingerprint") or ""
+            read.rule = manifest["request"].get("split")
         elif path:
             read.files = tuple(str(f.resolve()) for f in input_files(path))
     return read
 
 
 def _split_alike(a: _Read, b: _Read) -> bool:
-    """Whether two sources hold out the same documents: the same training tokens, or the same files in
-    the same order at the same share (prepare splits a stream as a run splits its raw files)."""
-    return bool(a.fingerprint and a.fingerprint == b.fingerprint) or (
-        bool(a.files) and a.files == b.files and a.fraction == b.fraction)
+    """Whether two sources hold out the same documents: the same training tokens, or both split by content at
+    the same share, or by position (folders prepared before) from the same files in order at the same share."""
+    if a.fingerprint and a.fingerprint == b.fingerprint:
+        return True
+    if a.fraction != b.fraction or a.rule != b.rule:
+        return False
+    return a.rule == SPLIT_RULE or bool(a.files) and a.files == b.files
 
 
 def _meet(mine: set[Path], theirs: set[Path]) -> bool:

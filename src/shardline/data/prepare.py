@@ -216,8 +216,8 @@ def _request(opts: PrepareOptions, files: list[Path]) -> dict:
     inputs = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     tok = ["file", file_sha256(Path(opts.tokenizer))] if opts.tokenizer else ["bpe", opts.vocab_size]
     request = {"inputs": inputs, "field": opts.read_field(), "format": opts.format, "val_fraction": opts.val_fraction,
-               "split": SPLIT_RULE, "tokenizer": tok, "shard_tokens": opts.shard_tokens,
-               "format_version": FORMAT_VERSION}
+               **({"split": SPLIT_RULE} if opts.val_fraction else {}),  # (a folder holding nothing out: as before)
+               "tokenizer": tok, "shard_tokens": opts.shard_tokens, "format_version": FORMAT_VERSION}
     if opts.format == "chat":  # the loss mask depends on the template and on the rule that reads it
         template = chat_template_for(opts.tokenizer)
         request["chat"] = {"mask_rule": CHAT_MASK_RULE, "template_sha256": template_sha256(template)}

@@ -62,6 +62,9 @@ def finished(root: Path, request: dict) -> dict | None:
     return found[0] if found is not None and found[1] == request else None
 
 
+OPTION_WORDS = {"split": "the held-out documents' rule (by position before 2026-12-07, by content since)"}
+
+
 def differs(before: dict, request: dict) -> str:
     """What differs between the request a folder was made from and this one: the inputs file by file
     (added, gone, or changed in size or modification time: a touch or a copy counts), then the options."""
@@ -71,7 +74,7 @@ def differs(before: dict, request: dict) -> str:
              + [f"{n} changed (size or time)" for n in new if n in old and old[n] != new[n]])
     parts = [("inputs: " + ", ".join(names[:3]) + f", and {len(names) - 3} more" * (len(names) > 3)) if names else
              "the inputs' order"] if old != new or list(old) != list(new) else []
-    options = [k for k in {**before, **request}  # (the tokenizer's hash follows from the tokenizer)
+    options = [OPTION_WORDS.get(k, k) for k in {**before, **request}  # (the tokenizer's hash follows from it)
                if k not in ("inputs", "tokenizer_sha256") and before.get(k) != request.get(k)]
     return "; ".join(parts + ([", ".join(options)] if options else [])) or "the trained tokenizer's bytes"
 

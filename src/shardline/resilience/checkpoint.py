@@ -12,10 +12,9 @@ Layout of one checkpoint, `<run_dir>/checkpoints/step-000020/`:
 
 It is written to `step-000020.tmp/` and renamed when complete, so a crash mid-save
 leaves the previous checkpoints untouched; a folder without a valid manifest is
-never loaded. Only the newest `keep` checkpoints are kept (not counting one a start found
-invalid, left in place: it would cost a valid one). Its tensors are read through safe_load.py,
-so that a checkpoint someone else gave runs no code; a manifest naming a file outside its folder
-is malformed.
+never loaded. Only the newest `keep` checkpoints are kept (not counting one a start found invalid, left in
+place: it would cost a valid one), and `keep_also` (the best eval loss's). Its tensors are read through
+safe_load.py, so a checkpoint someone else gave runs no code; a manifest naming a file outside its folder is malformed.
 """
 
 from __future__ import annotations
@@ -260,6 +259,7 @@ class Checkpointer:
         self.keep, self.rank, self.is_writer = keep, rank, is_writer
         self._verified: dict[str, tuple[tuple, dict[str, Any]]] = {}  # path: (files' stat, manifest)
         self.failed: set[str] = set()  # folders latest_valid found invalid: not counted by prune (module doc)
+        self.keep_also: Path | None = None  # a folder kept past `keep` (checkpoint.keep_best's)
 
     def verify(self, path: Path) -> dict[str, Any]:
         """verify(path), hashed once while its files stay as they were: a resume asks three times
@@ -392,7 +392,7 @@ class Checkpointer:
         with contextlib.suppress(Exception):  # a listing the storage refuses (a stale handle): next time
             self.failed.discard(str(written))  # (saved again: this one is valid)
             counted = [p for p in self.list() if str(p) not in self.failed]
-            for old in [p for p in counted[: -self.keep] if p != written]:
+            for old in [p for p in counted[: -self.keep] if p not in (written, self.keep_also)]:
                 with contextlib.suppress(OSError):
                     old.rename(old.with_name(old.name + PRUNING))
             cut = [t for t in self.root.glob("step-*.tmp") if written and step_of(t) < step_of(written)]  # (repaired)

@@ -13,7 +13,7 @@ from shardline.config import Config
 from shardline.data.file_stamps import changed_files
 from shardline.data.packing import CHAT_PACKING
 from shardline.data.sampler import batch_index
-from shardline.data.validation import split_by_prepare
+from shardline.data.validation import SPLIT_CHANGED, split_by_prepare
 from shardline.errors import CheckpointError, ConfigError
 from shardline.resilience.recovery import data_changes, saved_config
 
@@ -109,12 +109,13 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
     if content and saved_content and content != saved_content:  # (older checkpoints and folders hold none)
         files = changed_files(data_pos.get("files"), (position or {}).get("files"))
         since = f" (files changed since: {files})" if files else ""
+        older = f"{SPLIT_CHANGED}; or " if "split" not in data_pos and not files else ""  # (a checkpoint from before)
         why = back + since if back else (
-            f"its training tokens differ{since}: the files were edited or replaced, or the tokenizer, its settings or "
-            "chat template changed (or, for a folder that holds hidden files or links, a tokenizer whose end of text "
-            "only tokenizer_config.json names, a .txt file with a byte-order mark or with lines of other blanks "
-            "(full-width spaces, form feeds) between documents: since 2026-12-06 they are read otherwise; a .txt file "
-            "with \\r\\n or \\r line ends: read as newlines since 2026-12-07)")
+            f"its training tokens differ{since}: {older}the files were edited or replaced, or the tokenizer, its "
+            "settings or chat template changed (or, for a folder that holds hidden files or links, a tokenizer "
+            "whose end of text only tokenizer_config.json names, a .txt file with a byte-order mark or with lines "
+            "of other blanks (full-width spaces, form feeds) between documents: since 2026-12-06 they are read "
+            "otherwise; a .txt file with \\r\\n or \\r line ends: read as newlines since 2026-12-07)")
         raise CheckpointError(
             f"checkpoint {path} was trained on other data (tokens {saved_content}, this run's {content}): {why}; "
             "the saved position would mean other samples: train on the data it was saved with, or start a new "

@@ -13,9 +13,8 @@ too (Slurm requeues keep SLURM_JOB_ID and step, torchrun restarts TORCHELASTIC_R
 under Slurm), unless its holder still runs: on this host its pid says so; on another, the holder
 touches its lock every BEAT_S seconds, and a lock untouched while QUIET_BEATS beats pass is a dead
 holder's (two first launches given one --rdzv_id are two live runs). Another job's lock from another
-host (the job before, in a chain of jobs, SIGKILLed by its scheduler) is taken over once it went
-untouched for LONG_QUIET_S by this host's clock and then stays untouched for QUIET_BEATS beats: a
-clock skew below the first is harmless, and a live holder's beat shows in the second.
+host (the job before, in a chain of jobs, SIGKILLed by its scheduler) is a dead holder's once it stays
+untouched for OTHER_JOB_QUIET_BEATS beats: no clock is compared, only whether the file changes.
 A takeover renames the lock aside before removing it, so two runs racing for one stale lock never both
 hold it.
 
@@ -47,7 +46,7 @@ LOCK = ".lock"
 EMPTY_LOCK_S = 60.0  # an empty lock older than this was left by a start that died while taking it
 BEAT_S = 5.0  # the holder touches its lock this often
 QUIET_BEATS = 3  # a same-job lock of another host untouched this many beats is a dead holder's
-LONG_QUIET_S = 600.0  # another job's lock of another host untouched this long (and then QUIET_BEATS) is too
+OTHER_JOB_QUIET_BEATS = 6  # and another job's, untouched this many (a live run's own beat goes on through them)
 
 
 def launcher_ids() -> dict[str, str]:
@@ -134,9 +133,9 @@ class RunLock:
                 why = _why_free(holder, me) or self._left_empty()
                 if why and why.startswith("same job") and holder.get("host") != me["host"]:
                     why = self._gone_quiet(why)  # (another host's holder: alive while it touches its lock)
-                elif why is None and holder and holder.get("host") != me["host"] and self._untouched_s() > LONG_QUIET_S:
-                    why = self._gone_quiet(f"stale: the lock of {holder.get('job') or 'a run'} on {holder['host']}, "
-                                           f"last touched {self._untouched_s() / 60:.0f} min ago")
+                elif why is None and holder and holder.get("host") != me["host"]:  # (another job's: watched longer)
+                    why = self._gone_quiet(f"stale: the lock of {holder.get('job') or 'a run'} on {holder['host']}",
+                                           OTHER_JOB_QUIET_BEATS)
                 if why is None:
                     raise _held(holder, me)(_held_message(self.path, holder)) from None
                 if self._remove_if_still(holder):
@@ -228,13 +227,13 @@ class RunLock:
                 self.lost = holder
                 return
 
-    def _gone_quiet(self, why: str) -> str | None:
+    def _gone_quiet(self, why: str, beats: int = QUIET_BEATS) -> str | None:
         """`why`, where the lock's holder on another host has not touched it for QUIET_BEATS beats (its
         process is gone), else None: a live run of the same job id. Its time is read on an opened file
         (NFS revalidates a file's attributes at open, where a stat may answer from its cache)."""
         first = self._touched()
-        time.sleep(QUIET_BEATS * BEAT_S)
-        return f"{why}; its lock untouched for {QUIET_BEATS * BEAT_S:g} s" if self._touched() == first else None
+        time.sleep(beats * BEAT_S)
+        return f"{why}; its lock untouched for {beats * BEAT_S:g} s" if self._touched() == first else None
 
     def _touched(self) -> float | None:
         try:
@@ -243,10 +242,6 @@ class RunLock:
         except OSError:
             return None
 
-    def _untouched_s(self) -> float:
-        """Seconds since the lock's holder last touched it, by this host's clock (0 where unreadable)."""
-        touched = self._touched()
-        return 0.0 if touched is None else time.time() - touched
 
     def _left_empty(self) -> str | None:
         """Why an empty lock is free: one a minute old was left by a start that died between creating
@@ -307,13 +302,15 @@ class RunLock:
 
     def lost_line(self) -> str:
         """Who took this lock over while it was held, in words; "" while it is still this run's. A
-        launch of the same job takes a lock its holder left untouched for QUIET_BEATS beats: a holder
+        launch on another host takes a lock its holder left untouched for QUIET_BEATS beats (its own
+        job's; OTHER_JOB_QUIET_BEATS another's): a holder
         paused (SIGSTOP, a swapped-out host) or stalled on its storage that long loses it."""
         if not self.lost:
             return ""
         return (f"another launch (pid {self.lost.get('pid')} on {self.lost.get('host')}) took over the lock of "
-                f"run.dir={str(self.path.parent)!r} (a launch of the same job takes a lock left untouched for "
-                f"{QUIET_BEATS * BEAT_S:g} s: a paused process or a storage stall)")
+                f"run.dir={str(self.path.parent)!r} (a launch on another host takes a lock left untouched for "
+                f"{QUIET_BEATS * BEAT_S:g} s, its own job's, or {OTHER_JOB_QUIET_BEATS * BEAT_S:g} s, another's: a "
+                "paused process or a storage stall)")
 
     def still_held(self) -> bool:
         """The lock file is still the one this object wrote (nobody took it over since)."""
@@ -373,7 +370,7 @@ def _held_message(path: Path, holder: dict) -> str:
         return (f"run dir {path.parent} is locked by another run ({path} exists, unreadable or empty); use another "
                 f"run.dir, or delete {path} if no run is using the dir")
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
-    here = holder.get("host") == socket.gethostname()  # (its pid runs, as the lock says: a gone one's is taken over)
+    # (its pid runs, as the lock says, or another host's holder touched it while this launch watched: a gone
+    # one's is taken over)
     return (f"run dir {path.parent} is in use by another run (pid {holder.get('pid')} on {holder.get('host')}, "
-            f"since {since}); use another run.dir, or " + ("stop that run first" if here else
-                                                            f"delete {path} if that run is gone"))
+            f"since {since}); use another run.dir, or stop that run first")

@@ -20,6 +20,7 @@ from shardline.errors import ConfigError
 from shardline.metrics import mfu, peak_memory_gib
 from shardline.optim import lr_multiplier
 from shardline.parallel.collectives import reduce_over
+from shardline.resilience.checkpoint import step_dir_name
 
 
 class LogWindow:
@@ -79,9 +80,12 @@ class IntervalWork:
         paused = self._clock()
         if evaluate:  # (ended where a stop comes in it: owed, as if skipped; the stop's save comes next, no snapshot)
             stoppable = self.guard.asked_to_stop if step < stop else None  # (eval's time)
-            if self.guard.watched("eval", step, "eval", lambda: self.evaluate(stoppable)) is None:
+            loss = self.guard.watched("eval", step, "eval", lambda: self.evaluate(stoppable))
+            if loss is None:
                 self.eval_owed, self.tiers.ending_at = True, step
                 snapshot = snapshot and not cfg.checkpoint.interval
+            elif cfg.checkpoint.keep_best and loss < self.best_eval[0]:  # (the same loss on every rank: reduced)
+                save = self._new_best(loss, step)
         if save:
             self.guard.watched("save", step, "checkpoint", self.save_checkpoint)
         if snapshot:
@@ -89,6 +93,15 @@ class IntervalWork:
         if not request and step < stop:
             request = self.guard.stop_requested()
         return request, self._clock() - paused
+
+    def _new_best(self, loss: float, step: int) -> bool:
+        """The lowest eval loss so far, at `step`: its checkpoint is kept past checkpoint.keep until a lower
+        one comes (prune), as a fine-tune's best point, which the newest checkpoints may not hold. True: save
+        this step (a save it is due anyway is the same one)."""
+        self.best_eval = (loss, step)
+        self.checkpointer.keep_also = self.checkpointer.root / step_dir_name(step)
+        self.metrics.event("best_checkpoint", step=step, eval_loss=loss, checkpoint=str(self.checkpointer.keep_also))
+        return True
 
     def evaluate(self, stop: Callable[[], bool] | None = None) -> float | None:
         """Mean loss over the held-out split's first eval_batches global batches (eval_micro_batches), shared

@@ -78,14 +78,14 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.start_verified = start_verified
         self._invalid_checkpoints: list[str] = []
         self._repaired: list[Path] = []  # checkpoint folders a save cut between its two renames left, put back
-        self._optim_changes: dict[str, list] = {}
-        self._config_changes: dict[str, list] = {}
+        self._optim_changes, self._config_changes = {}, {}  # (dict[str, list] each: what a resume changed)
         self.anomaly_events: list[dict] = []
         self._anomaly_streak = (-1, 0)  # (last anomalous step, how many in a row up to it)
         self._saves_at_rollback: tuple | None = None  # (tiers.landed, tiers.held, its step) at the last rollback
         self.eval_owed = False  # a stop skipped this step's evaluation: a resumed run makes it up first
         self.ended = False  # train() ended or close() ran: evaluate() and save_checkpoint() refused (intervals.py)
         self.evaluated = (0, 0)  # the last evaluation's sequences and scored tokens (intervals.py's evaluate)
+        self.best_eval = (float("inf"), 0)  # the lowest eval loss so far and its step (checkpoint.keep_best)
 
     # ---- building -------------------------------------------------------------------
 
@@ -315,7 +315,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if self.guard.goodput and self.guard.goodput.stale and not self.tiers.unsaved_end:  # (rank 0's: else exit 2)
             print(f"shardline: warning: {self.run_dir / 'progress.json'} could not be written at the end "
                   f"({self.guard.goodput.stale}): it still says an earlier state of this run", file=sys.stderr)
-        overflowed = self.scaler.overflow_warning(self.step - first + 1)
+        overflowed = self.scaler.overflow_warning()
         if overflowed and self.proc.is_main:
             print(f"shardline: warning: {overflowed}", file=sys.stderr, flush=True)
         if not self.cfg.checkpoint.interval and stopped is None and self.step >= first and self.proc.is_main:

@@ -46,6 +46,8 @@ from shardline.resilience.recovery import (data_changes, get_rng_state, restarte
                                           settings_changed)
 from shardline.resilience.resume_checks import (check_data_position, check_saved_position, check_skip_batches,
                                                check_steps_ahead)
+from shardline.data.validation import SPLIT_RULE
+from shardline.resilience.checkpoint import step_dir_name
 from shardline.resilience.run_lock import launcher_ids
 from shardline.resilience.tiers import folder_bytes, refuse_no_room
 from shardline.version import version
@@ -306,6 +308,9 @@ class SavedState:
         self.skipped_batches = sorted(set(saved) | set(self.skipped_batches))
         set_rng_state(state["rng"])
         self.eval_owed = state.get("eval_owed", False)
+        self.best_eval = tuple(state.get("best_eval", (float("inf"), 0)))
+        if self.cfg.checkpoint.keep_best and self.best_eval[1]:  # (its folder, where still on disk, kept on)
+            self.checkpointer.keep_also = self.checkpointer.root / step_dir_name(self.best_eval[1])
         if self.cfg.train.precision == "fp8":  # a rollback: the scales precomputed are the discarded weights'
             precompute_scales(self.model)
         return name
@@ -347,11 +352,12 @@ class SavedState:
     def _trainer_state(self) -> dict:
         """Everything beyond model and optimizer that a resumed run needs to continue exactly."""
         data = {**self.data.sampler.state_dict(self.step), **self.data.position_state(),
-                "skipped_batches": self.skipped_batches}
+                "skipped_batches": self.skipped_batches, "split": SPLIT_RULE}  # (the held-out documents' rule)
         if not self.proc.is_main:  # the files' stamps once a checkpoint (a resume's checks read rank 0's)
             data.pop("files", None)
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict(),
                 "anomaly_handling": {"rollbacks": self.rollbacks, "streak": list(self._anomaly_streak)},
                 "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim), "eval_owed": self.eval_owed,
+                "best_eval": list(self.best_eval),
                 "config": self.cfg.to_dict(), "world_size": self.proc.world_size}

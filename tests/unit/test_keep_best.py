@@ -1,0 +1,57 @@
+"""checkpoint.keep_best: the lowest eval loss's checkpoint kept past checkpoint.keep, across a resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardline.errors import ConfigError
+from shardline.trainer import Trainer
+
+# lr 2 diverges on the tiny model: its eval loss is lowest at the first evaluation, as a fine-tune
+# that overfits is at its best before its last checkpoint.
+DIVERGING = ("optim.lr=2.0", "train.steps=6", "train.eval_interval=2", "checkpoint.interval=6", "checkpoint.keep=1")
+
+
+def records(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_best_eval_losss_checkpoint_is_saved_and_kept(tiny_config, tmp_path):
+    run = tmp_path / "run"
+    Trainer(tiny_config(*DIVERGING, "checkpoint.keep_best=true")).build().train()
+    logged = records(run)
+    evals = [(r["step"], r["eval_loss"]) for r in logged if r["kind"] == "eval"]
+    best = min(evals, key=lambda e: e[1])
+    assert best[0] < 6, evals  # (the case: the best is not the newest checkpoint)
+    lowest, improved = float("inf"), []
+    for step, loss in evals:  # an event at each new lowest, naming its checkpoint
+        if loss < lowest:
+            lowest, improved = loss, [*improved, step]
+    said = [r for r in logged if r.get("event") == "best_checkpoint"]
+    assert [r["step"] for r in said] == improved
+    assert said[-1]["checkpoint"] == str(run / "checkpoints" / f"step-{best[0]:06d}")
+    # saved at its evaluation (not a multiple of checkpoint.interval) and kept beside the newest (keep=1)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{best[0]:06d}", "step-000006"]
+    # A resume knows the best so far (else its first evaluation would be a "best", and the kept folder pruned)
+    resumed = Trainer(tiny_config(*DIVERGING, "checkpoint.keep_best=true", "train.steps=10", "checkpoint.interval=2",
+                                  "train.eval_interval=4")).build()
+    assert resumed.step == 6 and resumed.best_eval == pytest.approx(best[::-1])  # (loss, step)
+    assert resumed.checkpointer.keep_also == run / "checkpoints" / f"step-{best[0]:06d}"
+    resumed.train()
+    everything = [(r["step"], r["eval_loss"]) for r in records(run) if r["kind"] == "eval"]
+    overall = min(everything, key=lambda e: e[1])[0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == sorted({f"step-{overall:06d}", "step-000010"})
+    assert all(r["eval_loss"] < best[1] for r in records(run) if r.get("event") == "best_checkpoint" and r["step"] > 6)
+
+
+def test_without_it_only_the_newest_are_kept(tiny_config, tmp_path):
+    Trainer(tiny_config(*DIVERGING)).build().train()
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000006"]
+    assert not [r for r in records(tmp_path / "run") if r.get("event") == "best_checkpoint"]
+
+
+def test_keeping_the_best_needs_saves(tiny_config):
+    with pytest.raises(ConfigError, match="checkpoint.keep_best=True is invalid: needs checkpoint.interval > 0"):
+        tiny_config("checkpoint.keep_best=true", "checkpoint.interval=0").check()
