@@ -165,6 +165,9 @@ def test_sigterm_saves_the_step_and_exits_5_then_resumes(tmp_path, small_prepare
     progress = json.loads((run / "progress.json").read_text())
     assert progress["total_s"] == pytest.approx(end["total_s"], abs=1e-3)
     assert progress["total_s"] >= sum(progress["seconds"].values())
+    # what no category took, beside them: the categories add up to total_s (a tool's first check)
+    assert sum(progress["seconds"].values()) + progress["other_s"] == pytest.approx(progress["total_s"], abs=1e-6)
+    assert progress["other_s"] == pytest.approx(end["seconds"]["other"], abs=1e-3)
     assert progress["goodput"] == pytest.approx(end["goodput"], abs=1e-4)
 
 

@@ -215,7 +215,8 @@ class Goodput:
                   "pid": os.getpid(), "phase": self.phase, "time": now, "finished": finished,
                   "run_complete": run_complete, "wall_s": wall, "total_s": total,
                   "goodput": self.seconds["useful"] / total if total > 0 else 0.0, "seconds": dict(self.seconds),
-                  "trains": self.trains}
+                  # what no category took (a hang's wait until the watchdog ends it, ...): seconds + other_s = total_s
+                  "other_s": max(0.0, total - sum(self.seconds.values())), "trains": self.trains}
         tmp = self.path.with_name(PROGRESS + ".tmp")
         try:
             tmp.write_text(json.dumps(record), encoding="utf-8")

@@ -39,24 +39,37 @@ def register(subparsers) -> None:
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the --profile's, else 8")
     p.add_argument("--profile", metavar="FILE",
                    help="hardware profile for the planner's step time (from `shardline calibrate` or `comm-bench`)")
-    p.add_argument("--checkpoint-interval", metavar="STEPS|optimal", help="default: optimal (Daly)")
+    p.add_argument("--checkpoint-interval", metavar="STEPS|optimal",
+                   help="steps between persistent saves (the report says it in seconds too); default: optimal, "
+                        "Daly's interval from the save's stall and the job's MTBF of unexpected failures (planned "
+                        "stops, which a save precedes, excluded)")
     p.add_argument("--checkpoint-mode", choices=MODES, help="default: async")
     p.add_argument("--step-time", type=float, metavar="S",
                    help="seconds per step (default: the planner's best layout; where none runs, give this or --mfu)")
     p.add_argument("--fix", metavar="KEY=V,...", help="pin planner layout keys for the step time (as plan --fix)")
-    p.add_argument("--seeds", type=int, default=8, help="Monte Carlo runs (default 8)")
+    p.add_argument("--seeds", type=int, default=8,
+                   help="Monte Carlo runs (default 8; --sweep's best moves with few: 64 narrows it)")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     p.add_argument("--plot", metavar="FILE",
                    help="write a plot of goodput vs checkpoint interval (all modes); FILE ends in .png, .svg or .pdf")
     p.add_argument("--sweep", action="store_true", help="also sweep the interval and report the simulated optimum")
     p.add_argument("--config", action=OnlyOnce, metavar="FILE",
                    help="TOML with [simulate] settings and [failures] rates")
-    p.add_argument("--save-time", type=float, metavar="S", help="measured persistent save time")
-    p.add_argument("--snapshot-time", type=float, metavar="S", help="measured async snapshot stall")
-    p.add_argument("--detection-time", type=float, metavar="S", help="fault to detection (default 120)")
-    p.add_argument("--restart-time", type=float, metavar="S", help="restart, excluding the load (default 300)")
+    p.add_argument("--save-time", type=float, metavar="S",
+                   help="seconds: a measured persistent save (a run's `checkpoint` events' stall_s in sync mode, "
+                        "checkpoint_persisted's background_s in async; default: priced from the state's size and "
+                        "the store's speed)")
+    p.add_argument("--snapshot-time", type=float, metavar="S",
+                   help="seconds: a measured async snapshot's stall (the copy to host: an async `checkpoint` "
+                        "event's stall_s)")
+    p.add_argument("--detection-time", type=float, metavar="S",
+                   help="seconds from a fault to its detection (default 120; a hang's: watchdog.timeout_s)")
+    p.add_argument("--restart-time", type=float, metavar="S",
+                   help="seconds to relaunch, excluding the checkpoint load (default 300)")
     p.add_argument("--persist-every", type=int, metavar="N", help="memory mode: snapshots per persistent save")
-    p.add_argument("--failure-scale", type=float, metavar="X", help="multiply every failure rate")
+    p.add_argument("--failure-scale", type=float, metavar="X",
+                   help="multiply every failure rate (Llama 3's table, per GPU-hour or node-hour by cause: "
+                        "docs/simulator.md; --failures.CAUSE=RATE sets one): how a job's MTBF is set")
     p.add_argument("--straggler-prob", type=float, metavar="P", help="per GPU per step (default 5e-7)")
     p.add_argument("--straggler-slowdown", type=float, metavar="F", help="slowed step time factor (default 2)")
     p.add_argument("--seq-len", type=int, help="for the step-time estimate (default min(max_seq_len, 8192))")

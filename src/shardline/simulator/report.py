@@ -115,6 +115,23 @@ def _checkpoint_pricing(setup: Setup) -> str:
     return text + (f"; --simulate.{', '.join(keys)} change {'them' if priced > 1 else 'it'}" if keys else "")
 
 
+def _hours(hours: float, total: float) -> str:
+    """GPU-hours as the job's size reads them: whole hours, with decimals for a job of few."""
+    return f"{hours:,.0f}" if total >= 100 else f"{hours:,.3g}"
+
+
+def _flat_around_best(points: list[dict], seeds: int) -> str:
+    """Where the sweep's mean goodput is within two standard errors of its best (its seeds' spread): the
+    best is one point of a flat top, which a few seeds place anywhere on it."""
+    top = max(points, key=lambda p: p["goodput"])
+    margin = 2 * top["goodput_std"] / math.sqrt(seeds)
+    flat = [p["interval_s"] for p in points if p["goodput"] >= top["goodput"] - margin]
+    if len(flat) < 2:
+        return ""
+    return (f"; goodput within two standard errors of it, {margin:.4f}, from {_secs(min(flat))} to "
+            f"{_secs(max(flat))}: more --seeds narrows that")
+
+
 def format_text(r: dict[str, Any]) -> str:
     ck, total = r["checkpoint"], r["gpu_hours"]
     mtbf = "no unexpected failures" if r["mtbf_hours"] is None else f"job MTBF {r['mtbf_hours']:.3g} h"
@@ -139,7 +156,8 @@ def format_text(r: dict[str, Any]) -> str:
         lines.append(f"note            one checkpoint write ({_secs(ck['save_s'])}) takes longer than the job's MTBF "
                      f"({_secs(mtbf_s)}): most of the run is recovery; a faster store, or --checkpoint-mode memory")
     if "simulated_optimum_interval_s" in r:
-        lines.append(f"simulated best  {_secs(r['simulated_optimum_interval_s'])} (sweep of {ck['mode']})")
+        lines.append(f"simulated best  {_secs(r['simulated_optimum_interval_s'])} (sweep of {ck['mode']}"
+                     f"{_flat_around_best(r['sweep'][ck['mode']], r['seeds'])})")
     lines += [
         "",
         (f"goodput         {r['goodput']:.4f} ± {r['goodput_std']:.4f} "
@@ -147,12 +165,14 @@ def format_text(r: dict[str, Any]) -> str:
         (f"interruptions   {r['interruptions']:.1f} ± {r['interruptions_std']:.1f} "
          f"({r['interruptions_unexpected']:.1f} unexpected, {r['interruptions_planned']:.1f} planned"
          + ("; below the expected: a failure while a planned stop has the job down is no interruption"
-            if r["interruptions_planned"] and r["interruptions_unexpected"] < expected["unexpected"] else "") + ")"),
-        f"lost GPU-hours  {r['lost_gpu_hours']:,.0f} of {total:,.0f} ({100 * r['lost_gpu_hours'] / total:.1f}%)",
+            if r["interruptions_planned"] and expected["unexpected"] - r["interruptions_unexpected"]
+            > 2 * r["interruptions_std"] / math.sqrt(r["seeds"]) else "") + ")"),  # (past the seeds' own spread)
+        f"lost GPU-hours  {_hours(r['lost_gpu_hours'], total)} of {_hours(total, total)} "
+        f"({100 * r['lost_gpu_hours'] / total:.1f}%)",
     ]
     for key, label in _BUCKET_LABELS.items():
-        hours = r["lost_gpu_hours_by_bucket"][key]
-        lines.append(f"  {label:<34}{hours:>12,.0f} {100 * hours / total:5.1f}%")
+        hours = max(r["lost_gpu_hours_by_bucket"][key], 0.0)  # (a sum that cancels to -1e-21: no time)
+        lines.append(f"  {label:<34}{_hours(hours, total):>12} {100 * hours / total:5.1f}%")
     lines.append(f"top failure causes {'interruptions':>30} {'GPU-hours lost':>15}")
     top = sorted(LLAMA3_CAUSES, key=lambda c: -r["lost_gpu_hours_by_failure"][c.name])[:5]
     for c in top:
