@@ -95,6 +95,9 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     # data.tokenizer may name a starting model's file since removed, or a path relative to another directory.
     own = kept = checkpoint_tokenizer(ckpt)
     given = {item.removeprefix("--").split("=", 1)[0] for item in overrides}
+    if not saved and given.isdisjoint({"data.path", "data.mix", "data.val_path"}):  # (the defaults: the shipped corpus)
+        raise ConfigError(f"{ckpt} holds no run's config (converted from HF?), so no data of its own: give the data "
+                          "to evaluate on, --data.path=PATH (its held-out share) or --data.val_path=PATH (all of it)")
     own = own or (tokenizer_file(cfg.data) if given.isdisjoint({"data.path", "data.mix"}) else None)  # the run's
     if own:  # own data fixes its tokenizer (a prepared folder's), which it trained with
         cfg.data.tokenizer = str(own)

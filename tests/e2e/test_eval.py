@@ -253,3 +253,16 @@ def test_a_checkpoint_is_hashed_once_by_an_evaluation(trained, capsys, monkeypat
     src = run if given == "run dir" else run / "checkpoints" / "step-000004"
     assert _eval(capsys, str(src))["loss"] == pytest.approx(logged["eval_loss"], rel=1e-6)
     assert hashed.count("meta.json") == 1
+
+
+def test_a_checkpoint_converted_from_hf_asks_for_the_data_to_evaluate_on(trained, tmp_path, capsys, small_prepared):
+    """It holds no run's config: eval took the defaults, and scored the weights on the shipped corpus (the
+    King James Bible), a number of no data the user meant."""
+    run, _ = trained
+    assert main(["convert", "to-hf", str(run), str(tmp_path / "hf")]) == 0
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "ckpt")]) == 2
+    assert "holds no run's config (converted from HF?), so no data of its own: give the data to evaluate on, " \
+           "--data.path=PATH" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "ckpt"), f"--data.path={small_prepared}", "--batches", "1"]) == 0
