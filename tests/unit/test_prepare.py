@@ -1056,12 +1056,8 @@ def test_a_typo_of_the_assistant_role_is_one_line_in_both_paths(tmp_path):
     path = tmp_path / "typo.jsonl"
     records = chat_records(4).splitlines()
     path.write_text("\n".join([*records[:-1], records[-1].replace('"assistant"', '"assitant"')]) + "\n")
-    message = (r"has messages of role 'assitant', the first \(opening 'It is 6.'\): a typo of "
-               r"'assistant'\? .*\(roles found: assistant, assitant")
-    with pytest.raises(DataError, match=message):
-        data(path, "data.format=chat")
-    with pytest.raises(DataError, match=message):
-        prepare(PrepareOptions([str(path)], str(tmp_path / "prep"), format="chat", **SMALL))
+    refused_in_both_paths(path, tmp_path, r"has messages of role 'assitant', the first \(opening 'It is 6.'\): a "
+                                          r"typo of 'assistant'\? .*\(roles found: assistant, assitant")
     path.write_text("\n".join([*records[:-1], records[-1].replace('"assistant"', '"Assistant"')]) + "\n")
     with pytest.raises(DataError, match="has messages of role 'Assistant', the first .*: a typo of 'assistant'"):
         data(path, "data.format=chat")
@@ -1078,8 +1074,13 @@ def test_a_typo_of_the_assistant_role_is_one_line_in_both_paths(tmp_path):
         data(path, "data.format=chat")
     # The user's turns under another dataset's name, and none under 'user': rendered "human", prompted "user"
     path.write_text("\n".join(r.replace('"user"', '"human"') for r in records) + "\n")
-    message = (r"has messages of role 'human', the first .*, and none of role 'user', the name chat templates and "
-               r"`generate --chat` give the user's turns .*rename those messages' role to 'user'$")
+    refused_in_both_paths(path, tmp_path, r"has messages of role 'human', the first .*, and none of role 'user', the "
+                                          r"name chat templates and `generate --chat` give the user's turns .*rename "
+                                          r"those messages' role to 'user'$")
+
+
+def refused_in_both_paths(path, tmp_path, message: str) -> None:
+    """Chat data at `path` refused alike by a run's data and by prepare."""
     with pytest.raises(DataError, match=message):
         data(path, "data.format=chat")
     with pytest.raises(DataError, match=message):

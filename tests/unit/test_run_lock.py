@@ -3,6 +3,7 @@ or the same job's after a restart, is taken over."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -111,6 +112,26 @@ def test_a_reused_pid_is_another_process(tmp_path, other_process):
     assert "is another process now" in RunLock(tmp_path).acquire()
 
 
+@contextlib.contextmanager
+def beating(lock, when=lambda: None):
+    """A live holder on another host while the block runs: its beat touches `lock` every 20 ms (`when`:
+    the time it writes, None for now)."""
+    done = threading.Event()
+
+    def beat():
+        while not done.wait(0.02):
+            t = when()
+            os.utime(lock, None if t is None else (1.0, t))
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def test_the_same_jobs_lock_on_another_host_is_taken_once_quiet(tmp_path, monkeypatch):
     """Another host's lock of the same job is a dead holder's once it goes untouched: a live holder touches
     it every beat (two launches given one --rdzv_id, on two hosts, trained in one run dir at once, and a
@@ -121,20 +142,9 @@ def test_the_same_jobs_lock_on_another_host_is_taken_once_quiet(tmp_path, monkey
     write_lock(tmp_path, 1, host="node-7", job="TORCHELASTIC_RUN_ID=job42")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    done = threading.Event()
-
-    def live_holder():  # node-7's run, touching its lock
-        while not done.wait(0.02):
-            os.utime(tmp_path / LOCK)
-
-    beating = threading.Thread(target=live_holder)
-    beating.start()
-    try:
+    with beating(tmp_path / LOCK):  # node-7's run, touching its lock
         with pytest.raises(ConfigError, match="in use by another run"):
             RunLock(tmp_path).acquire()
-    finally:
-        done.set()
-        beating.join()
     lock = RunLock(tmp_path)
     assert lock.acquire() == "same job (TORCHELASTIC_RUN_ID=job42): a restart; its lock untouched for 0.15 s"
     lock.release()
@@ -149,21 +159,10 @@ def test_another_jobs_lock_on_another_host_is_taken_once_untouched(tmp_path, mon
 
     monkeypatch.setattr(run_lock, "BEAT_S", 0.05)
     write_lock(tmp_path, 4242, host="node07", job="SLURM_JOB_ID=2002.0")
-    done = threading.Event()
-
-    def live_holder():  # node07's run, alive (its clock, or the file server's, far behind: the times mean nothing)
-        while not done.wait(0.02):
-            os.utime(tmp_path / LOCK, (1.0, time.time() - 7200))
-
-    beating = threading.Thread(target=live_holder)
-    beating.start()
-    try:
+    with beating(tmp_path / LOCK, lambda: time.time() - 7200):  # (its clock, or its file server's, far behind)
         with pytest.raises(ConfigError, match=r"in use by another run \(pid 4242 on node07, since .*\); use another "
                                               r"run.dir, or stop that run first$"):
             RunLock(tmp_path).acquire()
-    finally:
-        done.set()
-        beating.join()
     lock = RunLock(tmp_path)
     assert lock.acquire() == "stale: the lock of SLURM_JOB_ID=2002.0 on node07; its lock untouched for 0.3 s"
     lock.release()
