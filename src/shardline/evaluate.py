@@ -106,6 +106,10 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
                           "its run?): give the one it was trained with, --data.tokenizer=PATH")
     if not given.isdisjoint({"data.path", "data.mix"}) and "data.val_path" not in given:
         cfg.data.val_path = ""  # other data given: its held-out split, not the run's validation file
+    if "data.path" in given and "data.mix" not in given:  # (in place of the run's own, as one or the other)
+        cfg.data.mix = []
+    if "data.mix" in given and "data.path" not in given:
+        cfg.data.path = ""
     _check_saved_paths(cfg, given)
     for item in overrides:
         key = item.removeprefix("--").split("=", 1)[0]

@@ -266,3 +266,21 @@ def test_a_checkpoint_converted_from_hf_asks_for_the_data_to_evaluate_on(trained
     assert "holds no run's config (converted from HF?), so no data of its own: give the data to evaluate on, " \
            "--data.path=PATH" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "ckpt"), f"--data.path={small_prepared}", "--batches", "1"]) == 0
+
+
+def test_eval_of_a_mixture_run_on_one_source_and_of_a_one_source_run_on_a_mixture(trained, tmp_path, capsys,
+                                                                                    small_prepared):
+    """--data.path on a run trained on data.mix was refused, "set data.path or data.mix, not both": the run's
+    own mixture, saved, beside the data given. The data given replaces the run's, either way."""
+    from shardline.config import load_config
+    from tests.conftest import tiny_overrides
+
+    run = tmp_path / "mixed"
+    mix = f'data.mix=[{{path = "{small_prepared}"}}, {{path = "{small_prepared}", weight = 0.5}}]'
+    Trainer(load_config(None, tiny_overrides(run, small_prepared, "data.path=", mix, "train.steps=2",
+                                             "checkpoint.interval=2", "train.eval_interval=0"))).build().train()
+    capsys.readouterr()
+    assert main(["eval", str(run), f"--data.path={small_prepared}", "--batches", "1", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert one["data"] == str(small_prepared) and one["sequences"] > 0
+    assert main(["eval", str(trained[0]), f"--data.mix=[{{path = \"{small_prepared}\"}}]", "--batches", "1"]) == 0

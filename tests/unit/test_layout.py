@@ -66,6 +66,12 @@ def test_dp_shard_fills_the_rest():
      "cannot fill the pipeline: dualpipev needs at least 4 (one per stage"),
     (8, ["train.micro_batch_size=4"], "not divisible by train.micro_batch_size=4 x 8"),
     (2, ["parallel.cp=2", "train.seq_len=30"], "train.seq_len=30 must be divisible by 4 (parallel.cp=2, 2 chunks"),
+    (2, ["parallel.cp=2", "train.seq_len=30"], "use a multiple of 4 (e.g. 28 or 32)"),
+    (3, ["parallel.cp=3", "parallel.cp_mode=ulysses", "train.seq_len=30"],  # (no hybrid of 3: none offered)
+     "valid: [2, 4]; or keep this cp with cp_mode='ring'$"),
+    (4, ["parallel.cp=2", "parallel.tp=2", "parallel.cp_balance=none", "train.seq_len=30"], "each cp rank's 15 "
+     "tokens must split over parallel.tp=2 with sequence_parallel; train.seq_len=30 must be a multiple of 4 (e.g. 28 "
+     "or 32; or parallel.sequence_parallel=false)"),
     (2, ["parallel.cp=2", "parallel.cp_balance=none", "train.seq_len=31"], "divisible by 2 (parallel.cp=2, one chunk"),
     (4, ["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=4"], "valid: [2]"),
     (4, ["parallel.cp=4", "parallel.cp_mode=hybrid"], "needs parallel.cp_ulysses to divide parallel.cp=4"),

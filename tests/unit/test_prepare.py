@@ -407,6 +407,8 @@ def test_a_mixture_holds_chat_and_text_sources_each_in_its_own_format(tmp_path, 
     assert chat["sequences"] + text["sequences"] == pytest.approx(1, abs=1e-3)
     assert chat["loss"] + text["loss"] == pytest.approx(1, abs=1e-3) and text["loss"] > text["sequences"]
     assert chat["reads_per_pass"] == pytest.approx(int(d.train.counts[0]) / len(d.train.sources[0]), abs=1e-3)
+    passes = 10 * 16 / len(d.train)  # (each source's own epochs over the run: its reads a pass x the passes)
+    assert chat["epochs"] == pytest.approx(passes * chat["reads_per_pass"], rel=1e-2) and event["epochs"] > 0
     raw = f'data.mix=[{{path = "{path}", format = "chat", weight = 0.5}}, {{path = "{small_corpus}"}}]'
     assert_same_batches(d, build_data(load_config(None, [raw, *common, f"data.tokenizer={tok}"])))
     # data.format=chat with the text source's own format: the same mixture
@@ -2186,3 +2188,21 @@ def test_a_dataset_dicts_other_splits_are_named_and_an_empty_text_field_refused(
             f"one as data.val_path={ds / 'validation'}, tokenized with its tokenizer)") in said
     assert main(["prepare", str(ds), "--out", str(tmp_path / "p2"), "--text-field", ""]) == 2
     assert "--text-field='' is invalid: must be a field name" in capsys.readouterr().err
+
+
+def test_a_small_source_read_many_times_over_the_run_is_said(tmp_path, tiny_config, small_prepared):
+    """One document weighted 9 to 1 was read 130 times a pass, said only inside the data event."""
+    from shardline.trainer import Trainer
+
+    small = tmp_path / "one.jsonl"
+    small.write_text(json.dumps({"text": "a short source of a few words, read again and again. " * 12}) + "\n")
+    mix = f'data.mix=[{{path = "{small_prepared}"}}, {{path = "{small}", weight = 9}}]'
+    common = ["data.path=", mix, f"data.tokenizer={small_prepared / 'tokenizer.json'}", "train.steps=8",
+              "train.eval_interval=0", "checkpoint.interval=0", "data.val_fraction=0"]
+    Trainer(tiny_config(*common)).build().train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    sources = next(r for r in records if r.get("event") == "data")["sources"]
+    said = [r for r in records if r.get("event") == "source_repeated"]
+    assert len(said) == 1 and list(said[0]["epochs"]) == ["one.jsonl"], said
+    assert said[0]["epochs"]["one.jsonl"] == sources["one.jsonl"]["epochs"] > 4
+    assert sources[small_prepared.name]["epochs"] < 4  # (the large source: not named)

@@ -1,9 +1,8 @@
 """Build the train and validation data of a run from its config.
 
-A source is raw files (read and tokenized at start-up, as small corpora and tests
-want) or a folder made by `shardline prepare` (memory-mapped; nothing is tokenized at
-start-up). Both give the same sequences for the same text and tokenizer. `data.mix`
-combines several sources by weight (`mixture`).
+A source is raw files (read and tokenized at start-up, as small corpora and tests want) or a folder made
+by `shardline prepare` (memory-mapped; nothing is tokenized at start-up). Both give the same sequences
+for the same text and tokenizer. `data.mix` combines several sources by weight (`mixture`).
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ class DataBundle:
         fields["fingerprint"] = self._content() or ("none: a folder prepared before fingerprints (a resume is not "
                                                      "compared with its data; run its prepare again to add one)")
         if isinstance(self.train, MixedSequences):
-            fields["sources"] = self._shares()
+            fields["sources"] = self._shares(fields["epochs"])
         chat = [p for p in self._sources() if p.rows is not None]
         if chat:  # whole conversations a sequence (data/packing.py): what that costs
             fields["chat_template"], fields["conversations"] = self.chat_template, sum(p.num_documents for p in chat)
@@ -79,16 +78,17 @@ class DataBundle:
             fields["reads"] = f"{', '.join(SUFFIXES)} files (optionally .gz)"
         return fields
 
-    def _shares(self) -> dict:
-        """Each mixture source's share of the sequences, of the loss (its labelled tokens: a chat
-        sequence labels its replies only, a text one nearly every token; from a sample of each), and
-        how many times a pass over the mixture reads it (under 1: part of it, moving on each pass)."""
+    def _shares(self, passes: float) -> dict:
+        """Each mixture source's share of the sequences, of the loss (its labelled tokens, from a sample: a chat
+        sequence labels its replies only), how many times a pass over the mixture reads it (under 1: part of
+        it, moving on each pass), and its own epochs in the run's `passes` over the mixture."""
         mix, n = self.train, len(self.train)
         rates = [p.count_labels(np.arange(min(len(p), REPLY_SAMPLE))) / max(min(len(p), REPLY_SAMPLE), 1)
                  for p in mix.sources]
         labelled = sum(int(c) * r for c, r in zip(mix.counts, rates)) or 1
         return {name: {"sequences": round(int(c) / n, 4), "loss": round(int(c) * r / labelled, 4),
-                       "reads_per_pass": round(int(c) / max(int(size), 1), 3)}
+                       "reads_per_pass": round(int(c) / max(int(size), 1), 3),
+                       "epochs": round(passes * int(c) / max(int(size), 1), 3)}
                 for name, c, r, size in zip(self.source_names, mix.counts, rates, mix.sizes)}
 
     @property

@@ -43,11 +43,15 @@ def _tp_heads(lay: Layout, job: Job) -> Problem | None:
 
 def _tp_sequence(lay: Layout, job: Job) -> Problem | None:
     if lay.sp and job.seq_len % lay.tp:
-        below = job.seq_len - job.seq_len % lay.tp
-        near = " or ".join(str(n) for n in (below, below + lay.tp) if n > 0)
         return "tp", (f"train.seq_len={job.seq_len} must be divisible by parallel.tp={lay.tp} with sequence_parallel "
-                      f"(e.g. {near}; or parallel.sequence_parallel=false)")
+                      f"(e.g. {_near(job.seq_len, lay.tp)}; or parallel.sequence_parallel=false)")
     return None
+
+
+def _near(n: int, multiple: int) -> str:
+    """The multiples of `multiple` on either side of `n` ("1020 or 1024"), for a length that must be one."""
+    below = n - n % multiple
+    return " or ".join(str(m) for m in (below, below + multiple) if m > 0)
 
 
 def _cp_split(lay: Layout, job: Job) -> Problem | None:
@@ -68,19 +72,21 @@ def _cp_split(lay: Layout, job: Job) -> Problem | None:
         plain = (", or set parallel.cp_balance='none' (one chunk per rank, which the causal mask leaves "
                  "unbalanced)" if chunks == 2 * lay.cp and job.seq_len % lay.cp == 0 else "")
         return "cp", (f"train.seq_len={job.seq_len} must be divisible by {chunks} (parallel.cp={lay.cp}, {why}); "
-                      f"use a multiple of {chunks}{plain}")
+                      f"use a multiple of {chunks} (e.g. {_near(job.seq_len, chunks)}){plain}")
     local_heads = job.model.n_heads // lay.tp
     if u > 1 and local_heads % u:
         key = "parallel.cp_ulysses" if lay.cp_mode == "hybrid" else "parallel.cp"
         fits = [d for d in range(2, local_heads + 1) if local_heads % d == 0 and (
             lay.cp % d == 0 and d < lay.cp if lay.cp_mode == "hybrid" else True)]
-        other = ("" if lay.cp_mode == "hybrid" else
-                 "; or keep this cp with cp_mode='ring' (or 'hybrid', whose Ulysses part is such a divisor)")
+        hybrid = any(lay.cp % d == 0 and 1 < d < lay.cp and local_heads % d == 0 for d in range(2, lay.cp))
+        other = ("" if lay.cp_mode == "hybrid" else "; or keep this cp with cp_mode='ring'"
+                 + (" (or 'hybrid', whose Ulysses part is such a divisor)" if hybrid else ""))
         return "cp", (f"{key}={u} splits the {local_heads} attention heads per tp rank (n_heads={job.model.n_heads} / "
                       f"tp={lay.tp}) over {u} Ulysses ranks: they must divide evenly; valid: {fits or 'none'}{other}")
     if lay.sp and (job.seq_len // lay.cp) % lay.tp:
         return "cp", (f"each cp rank's {job.seq_len // lay.cp} tokens must split over parallel.tp={lay.tp} with "
-                      "sequence_parallel; change train.seq_len")
+                      f"sequence_parallel; train.seq_len={job.seq_len} must be a multiple of {chunks * lay.tp} (e.g. "
+                      f"{_near(job.seq_len, chunks * lay.tp)}; or parallel.sequence_parallel=false)")
     return None
 
 

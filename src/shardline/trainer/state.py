@@ -54,6 +54,7 @@ from shardline.version import version
 
 REPLIES_MISSING = 0.1  # the share of chat sequences without a reply token past which a launch says so
 PADDING_HIGH = 0.3  # the share of chat sequences' tokens that are padding past which a launch says so
+REPEATS_SAID = 4  # a mixture source's epochs over the run past which a launch says so
 
 
 NODE_LOCAL = {"run": ("device",), "data": ("path", "tokenizer"), "model": ("hf_path", "init_from"),
@@ -240,6 +241,11 @@ class SavedState:
                 f"{pad:.0%} of the chat sequences' tokens (train.seq_len={seq}) are padding, compute spent on no "
                 "token (each holds whole conversations, and the next one did not fit): a longer train.seq_len packs "
                 "more of them into one"))
+        repeated = {name: s["epochs"] for name, s in described.get("sources", {}).items() if s["epochs"] > REPEATS_SAID}
+        if repeated:  # (an over-weighted small source: its documents read many times, said in the data event alone)
+            self.metrics.event("source_repeated", step=self.step, epochs=repeated, why=(
+                f"read more than {REPEATS_SAID} times over the run (its weight against its size): data repeated past "
+                "~4 epochs trains less than new data does; a lower weight, or more of that data"))
         held = held_out_note(self.cfg, self.data.train, self.data.val)
         if held:
             self.metrics.event("held_out_large", step=self.step, **held)
