@@ -311,7 +311,7 @@ def _memory_lines(cfg: Config, launch: Preflight, gpu: str | None) -> tuple[list
                  f" the host memory of a node ({host:.0f} GiB) with its {ranks} ranks' offloaded states")
     return [f"memory    on the busiest rank on {hw.name}, planner estimate (GiB): {parts}",
             f"          total {e.memory['total'] / GiB:.2f} of {e.capacity / GiB:.1f}: {fits}; "
-            f"predicted {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
+            f"{'predicted' if e.fits else 'were it to fit,'} {e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%"
             + (f", pipeline bubble {100 * e.bubble_share:.1f}% of the step" if e.bubble_share else "")
             + _compile_pricing(work, launch.layout) + _cpu_guess(hw),
             f"          {MEMORY_TERMS}",

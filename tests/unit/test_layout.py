@@ -440,6 +440,7 @@ def test_a_dry_run_whose_memory_estimate_does_not_fit_exits_1(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert "DOES NOT FIT" in out and "memory estimate does not fit the device (exit 1)" in err
     assert "lower train.micro_batch_size" in err and "parallel.tp or parallel.cp" in err
+    assert "DOES NOT FIT; were it to fit, " in out and "DOES NOT FIT; predicted" not in out  # (a speed it cannot run at)
     assert "or offload (memory.cpu_offload)" in err
     # ... not where it is on already, nor on a CPU, where the host's memory is the device's
     outs = []
