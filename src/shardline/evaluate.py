@@ -212,7 +212,7 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
             # a validation file is not cut from the training data)
             own_data = not any(o.removeprefix("--").startswith("data.") for o in given) and not cfg.data.val_path
             if own_data and proc.rank == 0:
-                _say_if_data_changed(ckpt, trainer.data.position_state())
+                _say_if_data_changed(ckpt, trainer.data.position_state(), raw=not split_by_prepare(cfg))
             t, held_out = trainer.cfg.train, len(trainer.data.val)
             if batches is not None:
                 t.eval_batches = -(-held_out // t.global_batch_size) if batches == 0 else batches
@@ -242,7 +242,7 @@ def _say_if_other_windows(ckpt: Path, seq_len: int) -> None:
               f"{trained_at}: not comparable to its logged eval loss", file=sys.stderr)
 
 
-def _say_if_data_changed(ckpt: Path, position: dict) -> None:
+def _say_if_data_changed(ckpt: Path, position: dict, raw: bool) -> None:
     """On stderr, where the run's own data no longer holds the tokens the checkpoint trained on
     (edited since): its held-out split is cut from other documents, so the loss is not the one
     the run logged and may count documents it trained on. Said, not refused: the score is still
@@ -255,7 +255,7 @@ def _say_if_data_changed(ckpt: Path, position: dict) -> None:
     now = position.get("content")
     if saved and now and saved != now:
         files = changed_files(data.get("files"), position.get("files"))
-        older = f" (or: {SPLIT_CHANGED})" if "split" not in data and not files else ""
+        older = f" (or: {SPLIT_CHANGED})" if "split" not in data and not files and raw else ""
         print(f"shardline eval: the run's data changed since {ckpt.name} was saved (training tokens {saved}, "
               f"now {now}{'; changed: ' + files if files else ''}): its held-out split is not the one the run "
               f"evaluated on, and may hold documents it trained on{older}", file=sys.stderr, flush=True)

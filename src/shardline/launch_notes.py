@@ -5,6 +5,7 @@ preflight.py's)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -28,6 +29,7 @@ from shardline.interop.convert import checkpoint_tokenizer, other_tokenizer
 from shardline.interop.hf_files import TOKENIZER_NAME
 from shardline.interop.model_shape import starting_rows, starting_shape
 from shardline.models.factory import args_from_json
+from shardline.models.moe.args import balance_coef_from_hf
 from shardline.resilience.recovery import restarted
 
 
@@ -146,6 +148,7 @@ def launch_notes(cfg: Config, device_type: str, peak: float | None, world_size: 
     if extended:  # allowed: RoPE reaches any position, as configured
         notes.append(("context_extended", extended))
     notes += _routing_notes(model, start_moe(cfg) if start else None)
+    notes += _hf_balance_note(cfg, model)
     own = _own_tokenizer(cfg) if start and cfg.data.tokenizer else None
     if own is not None and other_tokenizer(own, Path(cfg.data.tokenizer)):
         notes.append(("tokenizer_not_the_weights", {
@@ -293,6 +296,23 @@ def start_moe(cfg: Config):
     """The starting weights' router settings (MoEArgs), None for a dense start or none that can be read."""
     shape = _start_shape(cfg)
     return shape.moe if shape is not None else None
+
+
+def _hf_balance_note(cfg: Config, model: ModelArgs | None) -> list[tuple[str, dict]]:
+    """An HF MoE folder's router_aux_loss_coef, which its fine-tune here does not apply (its balance loss starts
+    off): said with the moe.aux_loss_coef that weighs the same loss, where none is set (the log read aux 0)."""
+    if not cfg.model.hf_path or model is None or model.moe is None or model.moe.aux_loss_coef:
+        return []
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        theirs = json.loads((Path(cfg.model.hf_path) / "config.json").read_text(encoding="utf-8"))
+        coef = float(theirs.get("router_aux_loss_coef") or 0.0)
+        if coef > 0:
+            layers = model.n_layers - model.moe.first_dense_layers
+            return [("balance_loss_off", {"router_aux_loss_coef": coef, "why": (
+                "the HF folder's balance loss weight is not applied (transformers applies it only with "
+                f"output_router_logits): moe.aux_loss_coef={balance_coef_from_hf(coef, model.moe.top_k, layers):.4g} "
+                "weighs the same loss here")})]
+    return []
 
 
 def _routing_notes(model: ModelArgs | None, theirs) -> list[tuple[str, dict]]:

@@ -449,3 +449,8 @@ def test_routing_overrides_on_starting_weights_and_a_top_1_start_are_noted(tmp_p
     changed = notes(top8, "moe.top_k=2", "moe.norm_topk=0")
     assert changed["routing_changed"]["top_k"] == [8, 2] and changed["routing_changed"]["norm_topk"] == [True, False]
     assert "their outputs change before the first step" in changed["routing_changed"]["why"]
+    # The folder's router_aux_loss_coef (0.001) is not applied: said, with the weight of the same loss here
+    # (0.001 x top_k 8 / 48 MoE layers); not where a balance loss is set
+    off = notes(top8)["balance_loss_off"]
+    assert off["router_aux_loss_coef"] == 0.001 and "moe.aux_loss_coef=0.0001667 weighs the same loss" in off["why"]
+    assert "balance_loss_off" not in notes(top8, "moe.aux_loss_coef=0.01")

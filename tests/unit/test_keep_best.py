@@ -38,7 +38,7 @@ def test_the_best_eval_losss_checkpoint_is_saved_and_kept(tiny_config, tmp_path)
     resumed = Trainer(tiny_config(*DIVERGING, "checkpoint.keep_best=true", "train.steps=10", "checkpoint.interval=2",
                                   "train.eval_interval=4")).build()
     assert resumed.step == 6 and resumed.best_eval == pytest.approx(best[::-1])  # (loss, step)
-    assert resumed.checkpointer.keep_also == run / "checkpoints" / f"step-{best[0]:06d}"
+    assert resumed.checkpointer.keep_also == [run / "checkpoints" / f"step-{best[0]:06d}"]
     resumed.train()
     everything = [(r["step"], r["eval_loss"]) for r in records(run) if r["kind"] == "eval"]
     overall = min(everything, key=lambda e: e[1])[0]
@@ -55,3 +55,16 @@ def test_without_it_only_the_newest_are_kept(tiny_config, tmp_path):
 def test_keeping_the_best_needs_saves(tiny_config):
     with pytest.raises(ConfigError, match="checkpoint.keep_best=True is invalid: needs checkpoint.interval > 0"):
         tiny_config("checkpoint.keep_best=true", "checkpoint.interval=0").check()
+
+
+def test_a_best_whose_save_is_refused_is_no_best(tiny_config, tmp_path):
+    """The best was recorded before its save: a save the disk refused left a "best" whose folder never
+    existed, and the one before it unprotected."""
+    run = tmp_path / "run"
+    Trainer(tiny_config(*DIVERGING, "checkpoint.keep_best=true", "checkpoint.interval=2", "faults.refuse_save_step=2")
+            ).build().train()
+    logged = records(run)
+    assert any(r.get("event") == "checkpoint_failed" and r["step"] == 2 for r in logged)
+    said = [r["step"] for r in logged if r.get("event") == "best_checkpoint"]
+    assert said and 2 not in said, said
+    assert all((run / "checkpoints" / f"step-{s:06d}").is_dir() for s in said[-1:])

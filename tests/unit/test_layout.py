@@ -222,6 +222,14 @@ def test_a_sequence_tp_cannot_split_names_the_lengths_near_it_and_the_way_out():
     assert layouts.first_problem(dataclasses.replace(lay, sequence_parallel=False), layouts.Job(ARGS, 255, 16)) is None
 
 
+def test_the_length_cp_and_tp_both_cut_is_their_common_multiple():
+    """cp 2 (zigzag: 4 chunks) x tp 4 was told "a multiple of 16 (e.g. 16 or 32)", where 24 runs."""
+    job = layouts.Job(dataclasses.replace(ARGS, n_kv_heads=4), 20, 16)
+    said = layouts.first_problem(Layout(cp=2, tp=4), job)[1]
+    assert "train.seq_len=20 must be a multiple of 8 (e.g. 16 or 24;" in said, said
+    assert layouts.first_problem(Layout(cp=2, tp=4), dataclasses.replace(job, seq_len=24)) is None
+
+
 def test_tps_sequence_and_loss_parallelism_show_in_the_layout_where_off():
     """Both off priced 66 GiB where both on priced 39 (llama3-8b, tp 8), and the log read "tp8" for both."""
     assert Layout(tp=2).describe().startswith("tp2 ")
@@ -440,7 +448,7 @@ def test_a_dry_run_whose_memory_estimate_does_not_fit_exits_1(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert "DOES NOT FIT" in out and "memory estimate does not fit the device (exit 1)" in err
     assert "lower train.micro_batch_size" in err and "parallel.tp or parallel.cp" in err
-    assert "DOES NOT FIT; were it to fit, " in out and "DOES NOT FIT; predicted" not in out  # (a speed it cannot run at)
+    assert "DOES NOT FIT; were it to fit, " in out and "DOES NOT FIT; predicted" not in out  # (no speed it runs at)
     assert "or offload (memory.cpu_offload)" in err
     # ... not where it is on already, nor on a CPU, where the host's memory is the device's
     outs = []

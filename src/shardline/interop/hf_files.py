@@ -182,27 +182,23 @@ def _stop_where_the_run_did(folder: Path, tokenizer: Path, config: dict[str, Any
     export ran on past what the run learned to end with."""
     from tokenizers import Tokenizer
 
-    ends, pieces = {doc_end} if doc_end is not None else set(), []
+    ends = {doc_end} if doc_end is not None else set()
     if turn_end:
         try:
             end = Tokenizer.from_file(str(tokenizer)).token_to_id(turn_end)
         except Exception:  # (tokenizers raises a bare Exception) the copied file is the user's to fix
             end = None
-        ends |= {end} if end is not None else set()
-        pieces = [turn_end] if end is None else []  # the marker is pieces of text in this vocabulary: a stop string
+        ends |= {end} if end is not None else set()  # (none: the marker is pieces of text in this vocabulary)
     path = folder / GENERATION_NAME
     try:
         generation = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except ValueError:
         generation = {}
     generation = generation if isinstance(generation, dict) else {}
-    if not pieces and ends <= _token_ids(generation.get("eos_token_id") if generation else config.get("eos_token_id")):
+    if ends <= _token_ids(generation.get("eos_token_id") if generation else config.get("eos_token_id")):
         return  # it stops there already (a turn end that is the eos: Llama 2's </s>): no file to write
     ends |= _token_ids(generation.get("eos_token_id")) | _token_ids(config.get("eos_token_id"))
-    # (transformers' generate stops at a stop string when given the tokenizer: generate(..., tokenizer=tok))
-    theirs = generation.get("stop_strings") or []  # (HF takes one string or a list)
-    stops = {"stop_strings": sorted({*([theirs] if isinstance(theirs, str) else theirs), *pieces})} if pieces else {}
-    _write_json(path, {**generation, "eos_token_id": sorted(ends), **stops})
+    _write_json(path, {**generation, "eos_token_id": sorted(ends)})
 
 
 def _token_ids(found) -> set[int]:

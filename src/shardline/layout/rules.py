@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -84,9 +85,10 @@ def _cp_split(lay: Layout, job: Job) -> Problem | None:
         return "cp", (f"{key}={u} splits the {local_heads} attention heads per tp rank (n_heads={job.model.n_heads} / "
                       f"tp={lay.tp}) over {u} Ulysses ranks: they must divide evenly; valid: {fits or 'none'}{other}")
     if lay.sp and (job.seq_len // lay.cp) % lay.tp:
+        step = math.lcm(chunks, lay.cp * lay.tp)  # (whole chunks, and each cp rank's share whole tp pieces)
         return "cp", (f"each cp rank's {job.seq_len // lay.cp} tokens must split over parallel.tp={lay.tp} with "
-                      f"sequence_parallel; train.seq_len={job.seq_len} must be a multiple of {chunks * lay.tp} (e.g. "
-                      f"{_near(job.seq_len, chunks * lay.tp)}; or parallel.sequence_parallel=false)")
+                      f"sequence_parallel; train.seq_len={job.seq_len} must be a multiple of {step} (e.g. "
+                      f"{_near(job.seq_len, step)}; or parallel.sequence_parallel=false)")
     return None
 
 

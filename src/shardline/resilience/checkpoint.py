@@ -4,17 +4,16 @@ Layout of one checkpoint, `<run_dir>/checkpoints/step-000020/`:
 
     state/              DCP folder: model and optimizer, keyed by parameter name
                         (so a later run may load it under another parallel layout)
-    trainer/rank0.pt    per-rank trainer state: step, scheduler, loss scaler,
-                        data position, RNG states
+    trainer/rank0.pt    per-rank trainer state: step, scheduler, loss scaler, data position, RNG states
     meta.json           the model shape and the run's config (for convert and tools)
     manifest.json       written last: step, kind (full | weights), every file with
                         its size and sha256
 
-It is written to `step-000020.tmp/` and renamed when complete, so a crash mid-save
-leaves the previous checkpoints untouched; a folder without a valid manifest is
-never loaded. Only the newest `keep` checkpoints are kept (not counting one a start found invalid, left in
-place: it would cost a valid one), and `keep_also` (the best eval loss's). Its tensors are read through
-safe_load.py, so a checkpoint someone else gave runs no code; a manifest naming a file outside its folder is malformed.
+It is written to `step-000020.tmp/` and renamed when complete, so a crash mid-save leaves the previous
+checkpoints untouched; a folder without a valid manifest is never loaded. Only the newest `keep` checkpoints
+are kept (not counting one a start found invalid, left in place: it would cost a valid one), and the best
+eval loss's (`keep_also`). Its tensors are read through safe_load.py: a checkpoint someone else gave runs no
+code; a manifest naming a file outside its folder is malformed.
 """
 
 from __future__ import annotations
@@ -259,7 +258,7 @@ class Checkpointer:
         self.keep, self.rank, self.is_writer = keep, rank, is_writer
         self._verified: dict[str, tuple[tuple, dict[str, Any]]] = {}  # path: (files' stat, manifest)
         self.failed: set[str] = set()  # folders latest_valid found invalid: not counted by prune (module doc)
-        self.keep_also: Path | None = None  # a folder kept past `keep` (checkpoint.keep_best's)
+        self.keep_also: list[Path] = []  # the best eval losses' folders, oldest first (checkpoint.keep_best's)
 
     def verify(self, path: Path) -> dict[str, Any]:
         """verify(path), hashed once while its files stay as they were: a resume asks three times
@@ -377,10 +376,10 @@ class Checkpointer:
         return restored
 
     def prune(self, written: Path | None = None) -> None:
-        """Keep the newest `keep` and the folder just `written` (an anomaly halt's re-save of an older
-        step, beside a newer folder that failed to verify, was the one removed). A folder is renamed
-        before it is removed, so an interruption never leaves a half-deleted checkpoint that looks
-        complete; leftovers go next time, as do a repaired seal's asides and older saves a crash cut short.
+        """Keep the newest `keep`, the newest of `keep_also` on disk and the folder just `written` (an anomaly
+        halt's re-save of an older step, beside a newer folder that failed to verify, was the one removed). A
+        folder is renamed before it is removed, so an interruption never leaves a half-deleted checkpoint that
+        looks complete; leftovers go next time, as do a repaired seal's asides and older saves a crash cut short.
 
         Best effort, never raising: it runs on the writer alone after a save every rank agreed had
         landed (its peers wait for it). What cannot be listed, renamed or checked now stays for later."""
@@ -392,7 +391,8 @@ class Checkpointer:
         with contextlib.suppress(Exception):  # a listing the storage refuses (a stale handle): next time
             self.failed.discard(str(written))  # (saved again: this one is valid)
             counted = [p for p in self.list() if str(p) not in self.failed]
-            for old in [p for p in counted[: -self.keep] if p not in (written, self.keep_also)]:
+            best = next((p for p in reversed(self.keep_also) if p in counted), None)  # (newer: not landed, refused)
+            for old in [p for p in counted[: -self.keep] if p not in (written, best)]:
                 with contextlib.suppress(OSError):
                     old.rename(old.with_name(old.name + PRUNING))
             cut = [t for t in self.root.glob("step-*.tmp") if written and step_of(t) < step_of(written)]  # (repaired)

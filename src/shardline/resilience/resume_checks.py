@@ -85,13 +85,14 @@ FROM_THE_START = " (a new run reads its data from the first batch: train.skip_ba
 
 def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int,
                         global_batch_size: int, position: dict | None = None, changed: str = "",
-                        seed_key: str = "train.seed") -> None:
+                        seed_key: str = "train.seed", raw: bool = True) -> None:
     """The saved sample position means the same in this run, or a CheckpointError saying what changed.
 
     The position is step x global batch: another batch size would skip or repeat samples.
     `position`: the data's own (DataBundle.position_state), e.g. a mixture's sources; `changed`:
     the data settings changed since the checkpoint (data_changes), which the refusals name;
-    `seed_key`: the key that gives `seed` (train.order_seed_key), which a refusal of the order names.
+    `seed_key`: the key that gives `seed` (train.order_seed_key), which a refusal of the order names; `raw`:
+    some source is raw files, whose held-out split (and so training documents) this shardline chose anew.
     """
     back = f"the data settings changed since it ({changed}): set them back" if changed else ""
     vocabulary, saved_vocabulary = (position or {}).get("vocabulary"), data_pos.get("vocabulary")
@@ -109,7 +110,7 @@ def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed
     if content and saved_content and content != saved_content:  # (older checkpoints and folders hold none)
         files = changed_files(data_pos.get("files"), (position or {}).get("files"))
         since = f" (files changed since: {files})" if files else ""
-        older = f"{SPLIT_CHANGED}; or " if "split" not in data_pos and not files else ""  # (a checkpoint from before)
+        older = f"{SPLIT_CHANGED}; or " if "split" not in data_pos and not files and raw else ""  # (saved before it)
         why = back + since if back else (
             f"its training tokens differ{since}: {older}the files were edited or replaced, or the tokenizer, its "
             "settings or chat template changed (or, for a folder that holds hidden files or links, a tokenizer "

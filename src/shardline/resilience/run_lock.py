@@ -136,7 +136,8 @@ class RunLock:
                 elif why is None and holder and holder.get("host") != me["host"]:  # (another job's: watched longer)
                     why = self._gone_quiet(f"stale: the lock of {holder.get('job') or 'a run'} on {holder['host']}",
                                            OTHER_JOB_QUIET_BEATS)
-                if why is None:
+                if why is None:  # (read again: another launch may have taken it while this one watched)
+                    holder = self._read() or holder
                     raise _held(holder, me)(_held_message(self.path, holder)) from None
                 if self._remove_if_still(holder):
                     taken_over = why

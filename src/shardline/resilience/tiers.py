@@ -157,8 +157,10 @@ class StateTiers:
             free = shutil.disk_usage(root.parent if not root.exists() else root).free
             need = self._checkpoint_bytes(model)
             keep, held = self.cfg.checkpoint.keep, len(self.checkpointer.list())
+            best = self.cfg.checkpoint.keep_best  # (the best eval loss's folder kept beside them)
             what = (f"no space left on {root} (needs ~{_size(need)}, {_size(free)} free; with checkpoint.keep={keep} "
-                    f"the disk holds up to {keep + 1} at once, the next written before the oldest goes: "
+                    f"{'and keep_best ' * best}the disk holds up to {keep + 1 + best} at once, the next written before "
+                    "the oldest goes: "
                     + ("lower keep or " if keep > 1 and held > 1 else "")  # (one held: a lower keep frees nothing)
                     + "free space, e.g. in checkpoints/set-aside/)")
         else:

@@ -63,7 +63,7 @@ class IntervalWork:
         step). A stop request skips the evaluation (the grace before the kill is for the save),
         or ends it between its micro-batches, and is asked again after them. Returns the request
         and the seconds they took."""
-        cfg = self.cfg
+        cfg, best = self.cfg, None
         due = bool(cfg.train.eval_interval) and (step % cfg.train.eval_interval == 0 or step == stop)
         save = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or step == stop)
         snapshot = cfg.checkpoint.memory_interval and (step % cfg.checkpoint.memory_interval == 0 or (
@@ -85,23 +85,37 @@ class IntervalWork:
                 self.eval_owed, self.tiers.ending_at = True, step
                 snapshot = snapshot and not cfg.checkpoint.interval
             elif cfg.checkpoint.keep_best and loss < self.best_eval[0]:  # (the same loss on every rank: reduced)
-                save = self._new_best(loss, step)
-        if save:
-            self.guard.watched("save", step, "checkpoint", self.save_checkpoint)
+                best, save = loss, True  # (saved here, if not due anyway; the best once that save is not refused)
+        saved = save and self.guard.watched("save", step, "checkpoint", self.save_checkpoint) is not None
+        if saved and best is not None:
+            self._new_best(best, step)
         if snapshot:
             self.guard.watched("snapshot", step, "checkpoint", self.snapshot_to_memory)
         if not request and step < stop:
             request = self.guard.stop_requested()
         return request, self._clock() - paused
 
-    def _new_best(self, loss: float, step: int) -> bool:
-        """The lowest eval loss so far, at `step`: its checkpoint is kept past checkpoint.keep until a lower
-        one comes (prune), as a fine-tune's best point, which the newest checkpoints may not hold. True: save
-        this step (a save it is due anyway is the same one)."""
+    def _new_best(self, loss: float, step: int) -> None:
+        """The lowest eval loss so far, at `step`, whose save was not refused: its checkpoint is kept past
+        checkpoint.keep until a lower one's lands (prune: an async write in flight or failed keeps the one
+        before), as a fine-tune's best point, which the newest checkpoints may not hold."""
         self.best_eval = (loss, step)
-        self.checkpointer.keep_also = self.checkpointer.root / step_dir_name(step)
-        self.metrics.event("best_checkpoint", step=step, eval_loss=loss, checkpoint=str(self.checkpointer.keep_also))
-        return True
+        folder = self.checkpointer.root / step_dir_name(step)
+        self.checkpointer.keep_also.append(folder)
+        if self.checkpointer.is_writer:  # (the save's own prune kept the one before: it was the best then)
+            self.checkpointer.prune()
+        self.metrics.event("best_checkpoint", step=step, eval_loss=loss, checkpoint=str(folder))
+
+    def _evaluate_owed(self) -> None:
+        """The evaluation a stop skipped, made up first by the resumed run, and ranked as any other for
+        checkpoint.keep_best (its step's folder is the stop's save; resumed from RAM: saved now)."""
+        loss = self.guard.watched("eval", self.step, "eval", self.evaluate)
+        self.eval_owed = False
+        if loss is not None and self.cfg.checkpoint.keep_best and loss < self.best_eval[0]:
+            saved = (self.checkpointer.root / step_dir_name(self.step)).is_dir() or self.guard.watched(
+                "save", self.step, "checkpoint", self.save_checkpoint) is not None
+            if saved:
+                self._new_best(loss, self.step)
 
     def evaluate(self, stop: Callable[[], bool] | None = None) -> float | None:
         """Mean loss over the held-out split's first eval_batches global batches (eval_micro_batches), shared

@@ -251,8 +251,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         stop = self.last_step
         self.guard.start(nothing_to_train=self.step >= stop, step=self.step)
         if self.eval_owed and cfg.train.eval_interval and self.step < stop:  # what a stop skipped (for its save)
-            self.guard.watched("eval", self.step, "eval", self.evaluate)
-            self.eval_owed = False
+            self._evaluate_owed()
         window, last, stopped, request, first, warm_s = LogWindow(), {}, None, None, self.step + 1, 0.0
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged

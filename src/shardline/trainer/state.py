@@ -46,7 +46,7 @@ from shardline.resilience.recovery import (data_changes, get_rng_state, restarte
                                           settings_changed)
 from shardline.resilience.resume_checks import (check_data_position, check_saved_position, check_skip_batches,
                                                check_steps_ahead)
-from shardline.data.validation import SPLIT_RULE
+from shardline.data.validation import SPLIT_RULE, split_by_prepare
 from shardline.resilience.checkpoint import step_dir_name
 from shardline.resilience.run_lock import launcher_ids
 from shardline.resilience.tiers import folder_bytes, refuse_no_room
@@ -284,7 +284,7 @@ class SavedState:
         name, state = self.tiers.restore(found, self.model, self.optimizer)
         check_data_position(name, state["data"], len(self.data.train), self.cfg.train.order_seed,
                             self.cfg.train.global_batch_size, self.data.position_state(),
-                            seed_key=self.cfg.train.order_seed_key)
+                            seed_key=self.cfg.train.order_seed_key, raw=not split_by_prepare(self.cfg))
         check_steps_ahead(name, state["step"], self.cfg.train.steps, self.cfg.train.epochs)
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
@@ -314,9 +314,11 @@ class SavedState:
         self.skipped_batches = sorted(set(saved) | set(self.skipped_batches))
         set_rng_state(state["rng"])
         self.eval_owed = state.get("eval_owed", False)
-        self.best_eval = tuple(state.get("best_eval", (float("inf"), 0)))
-        if self.cfg.checkpoint.keep_best and self.best_eval[1]:  # (its folder, where still on disk, kept on)
-            self.checkpointer.keep_also = self.checkpointer.root / step_dir_name(self.best_eval[1])
+        best = tuple(state.get("best_eval", (float("inf"), 0)))
+        kept = self.checkpointer.root / step_dir_name(best[1])
+        # (its folder kept on; one pruned since, as a launch with keep_best off does, is no best to beat)
+        self.best_eval = best if self.cfg.checkpoint.keep_best and best[1] and kept.is_dir() else (float("inf"), 0)
+        self.checkpointer.keep_also = [kept] if self.best_eval[1] else []
         if self.cfg.train.precision == "fp8":  # a rollback: the scales precomputed are the discarded weights'
             precompute_scales(self.model)
         return name
