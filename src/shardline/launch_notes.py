@@ -255,6 +255,8 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
               "sizes a BPE trained at launch (model.vocab_size: the model's rows)"),
              ("model", ("preset",), bool(cfg.model.hf_path or cfg.model.init_from),
               "the starting weights (model.hf_path, model.init_from) give the model's shape"),
+             ("data", ("split",), split_by_prepare(cfg) or bool(cfg.data.val_path) or not cfg.data.val_fraction,
+              "the data holds nothing out here, or its prepared folder's split is its own"),
              ("data", ("val_fraction",), split_by_prepare(cfg) or bool(cfg.data.val_path),
               "data.val_path is the held-out data" if cfg.data.val_path else
               "the data is prepared: `shardline prepare --val-fraction` fixed its held-out split"),

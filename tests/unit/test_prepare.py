@@ -2087,6 +2087,29 @@ def test_copies_of_a_document_fall_on_one_side_of_the_split(tmp_path, capsys):
     assert manifest["splits"]["val"]["documents"] % 3 == 0 and manifest["splits"]["val"]["documents"] > 0
 
 
+def test_the_rule_by_position_stays_for_runs_saved_under_it(tiny_config, tmp_path, small_corpus):
+    """data.split=position: the split before 2026-12-07 (exactly round(n x share) documents, by the
+    count), which a run on raw files saved under it resumes with; its checkpoint records the rule."""
+    import torch
+
+    from shardline.data.validation import split_documents
+    from shardline.trainer import Trainer
+
+    docs = [f"document number {i}: some words {i * 7 % 13}" for i in range(3000)]
+    by_position, by_content = split_documents(docs, 0.01, "position")[1], split_documents(docs, 0.01)[1]
+    assert len(by_position) == 30 and set(by_position) != set(by_content)
+    grown = split_documents(docs + [f"new {i}" for i in range(30)], 0.01, "position")[1]
+    assert len(set(by_position) & set(grown)) < 15  # (what the rule by content was made for)
+    with pytest.raises(ConfigError, match="data.split='hash' is invalid: content or position"):
+        tiny_config("data.split=hash").check()
+    common = [f"data.path={small_corpus}", "data.split=position", "train.steps=2", "checkpoint.interval=2",
+              "train.eval_interval=0"]
+    Trainer(tiny_config(*common, "train.stop_at_step=1", "checkpoint.interval=1")).build().train()
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step-000001" / "trainer" / "rank0.pt", weights_only=True)
+    assert state["data"]["split"] == "position"
+    assert Trainer(tiny_config(*common)).build().step == 1  # (resumed: the same documents train)
+
+
 def test_a_folder_prepared_by_position_is_named_so_when_prepared_again(tmp_path):
     """A folder from before the rule by content (its request without "split"): preparing it again was
     refused as of "other options (split)", an option no flag names."""

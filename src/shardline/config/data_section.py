@@ -31,6 +31,9 @@ class DataConfig:
     tokenizer: str = ""  # "" = train a byte-level BPE on the data (cached); else a tokenizer.json
     vocab_size: int = 4096  # size of the trained BPE
     val_fraction: float = 0.01  # share of documents held out for evaluation (0: none, with train.eval_interval=0)
+    # which raw documents are held out: content (each by its hash: files added move none) | position (the
+    # rule before 2026-12-07, to resume a run on raw files saved before it); a prepared folder's is its own
+    split: str = "content"
     # "" = evaluate on the held-out share; else data to evaluate on alone, read whole (as path takes:
     # files, a folder, a pattern or a prepared folder), and the training data holds nothing out
     val_path: str = ""
@@ -47,6 +50,7 @@ class DataConfig:
                  f"must be <= {MAX_TRAINED_VOCAB} for a BPE trained here; a larger one comes with data.tokenizer")
         _require(0 <= self.val_fraction < 0.5, "data.val_fraction", self.val_fraction,
                  "must be in [0, 0.5) (0 holds nothing out: no evaluation)")
+        _require(self.split in ("content", "position"), "data.split", self.split, "content or position")
         _require(bool(self.text_field), "data.text_field", self.text_field, "must be a field name")
         _require(self.format in DATA_FORMATS, "data.format", self.format, f"one of {', '.join(DATA_FORMATS)}")
         _require(not (self.mix and self.path), "data.mix", "[...]", "set data.path or data.mix, not both")

@@ -29,7 +29,7 @@ from shardline.data.shards import (id_bound, is_prepared, open_prepared, read_ma
                                    tokenizer_file, tokenizer_hash)
 from shardline.data.sources import SUFFIXES, files_not_read, input_files, read_documents
 from shardline.data.tokenizer import bos_prefix, eos_id, get_tokenizer, load_tokenizer, vocabulary_fingerprint
-from shardline.data.validation import (check_sizes, check_val_size, digest, held_out, held_out_copies, held_out_text,
+from shardline.data.validation import (check_sizes, check_val_size, held_out_copies, held_out_docs, held_out_text,
                                       refuse_too_short, split_documents, training_val_fraction, val_format)
 from shardline.errors import DataError
 
@@ -214,7 +214,7 @@ def load_source(path: str, cfg: Config, tok: Tokenizer | None = None, left_out: 
         check_replies(f"{key}={path!r}", roles_of(docs))
     # The split depends on the documents' content only, not on train.seed or their order, so runs with
     # different seeds, or on the data with files added, are evaluated on the same held-out documents.
-    train_docs, val_docs = split_documents(docs, fraction)
+    train_docs, val_docs = split_documents(docs, fraction, d.split)
     if left_out is not None:  # (held-out documents that training also holds, word for word)
         copies = held_out_copies(train_docs, val_docs)
         left_out["held_out_in_training"] = left_out.get("held_out_in_training", 0) + copies
@@ -367,7 +367,7 @@ def data_summary(cfg: Config) -> tuple[str, str]:
             if fmt == "text":
                 refuse_too_short(f"{key}={path!r}", docs, cfg.train.seq_len)
             where = path or "the shipped corpus (a sample to try shardline on: data.path names your data)"
-            kept = held_out(map(digest, docs), training_val_fraction(cfg)) if len(docs) > 1 else []  # (as the launch)
+            kept = held_out_docs(docs, training_val_fraction(cfg), d.split) if len(docs) > 1 else []  # (as the launch)
             parts.append(f"{where}: {len(docs):,} " + (chat_checked(f"{key}={path!r}", docs, tokenizer_file(d))
                                                        if fmt == "chat" else "documents")
                          + (f" ({len(kept):,} of them held out for evaluation{held_out_text(docs, kept, cfg)})"

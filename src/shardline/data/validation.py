@@ -29,9 +29,9 @@ def val_format(cfg: Config) -> str:
     return formats.pop() if len(formats) == 1 else cfg.data.format
 
 
-def split_documents(docs: list, val_fraction: float) -> tuple[list, list]:
+def split_documents(docs: list, val_fraction: float, rule: str = "content") -> tuple[list, list]:
     """Hold out a share of documents (at least one; none at `val_fraction` 0), chosen by their content
-    (held_out), for validation.
+    (held_out) or, by data.split=position, as before 2026-12-07 (held_out_docs), for validation.
 
     A single document is split by characters instead, so one big .txt file still works.
     `shardline prepare` splits a stream the same way, document by document.
@@ -39,7 +39,7 @@ def split_documents(docs: list, val_fraction: float) -> tuple[list, list]:
     if len(docs) == 1:
         train, val = split_single(docs[0], val_fraction)
         return [train], [val]
-    val_set = set(held_out(map(digest, docs), val_fraction).tolist())
+    val_set = set(held_out_docs(docs, val_fraction, rule).tolist())
     train = [d for i, d in enumerate(docs) if i not in val_set]
     val = [d for i, d in enumerate(docs) if i in val_set]
     return train, val
@@ -83,7 +83,7 @@ def held_out_copies(train: list, val: list) -> int:
 SPLIT_RULE = "content-hash"  # what a prepared folder's request and a checkpoint's data state record
 SPLIT_CHANGED = ("the held-out documents are chosen by their content since 2026-12-07 (by their position before), so "
                  "on raw files (not a prepared folder) this shardline trains on other documents than the one that "
-                 "saved it: finish the run with a checkout from before commit 7c21b9e")  # (a state without SPLIT_RULE)
+                 "saved it: resume it with --data.split=position, the rule it was saved with")  # (no "split" saved)
 
 
 class HeldOut:
@@ -115,6 +115,16 @@ class HeldOut:
             return np.array([self.lowest[1]], np.int64)
         held = np.frombuffer(self.indices, np.int64).copy()
         return held[held != self.highest[1]] if len(held) == self.count > 1 else held
+
+
+def held_out_docs(docs: list, val_fraction: float, rule: str = "content") -> np.ndarray:
+    """Sorted indices of the held-out documents of `docs` by data.split's `rule`: by content (HeldOut), or
+    by position, a seeded permutation of the document count (the rule before 2026-12-07, which moved most
+    held-out documents into training when documents were added: kept to resume runs saved under it)."""
+    if rule == "position":
+        n_val = max(1, round(len(docs) * val_fraction)) if val_fraction else 0
+        return np.sort(np.random.default_rng([0, 0x5EED]).permutation(len(docs))[:n_val])
+    return held_out(map(digest, docs), val_fraction)
 
 
 def held_out(digests, val_fraction: float) -> np.ndarray:

@@ -360,7 +360,8 @@ class SavedState:
     def _trainer_state(self) -> dict:
         """Everything beyond model and optimizer that a resumed run needs to continue exactly."""
         data = {**self.data.sampler.state_dict(self.step), **self.data.position_state(),
-                "skipped_batches": self.skipped_batches, "split": SPLIT_RULE}  # (the held-out documents' rule)
+                "skipped_batches": self.skipped_batches,  # (and the held-out documents' rule: none saved before it)
+                "split": SPLIT_RULE if self.cfg.data.split == "content" else self.cfg.data.split}
         if not self.proc.is_main:  # the files' stamps once a checkpoint (a resume's checks read rank 0's)
             data.pop("files", None)
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
