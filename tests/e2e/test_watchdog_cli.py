@@ -40,11 +40,12 @@ def test_hang_is_detected_dumped_and_named(tmp_path, small_prepared):
 @pytest.mark.parametrize("slow", [1, 0])
 def test_slow_rank_is_reported_as_straggler(tmp_path, small_prepared, slow):
     # Rank 0's watchdog judges peers once per poll (1 s): the run must last a few polls,
-    # or a fast machine finishes before the slow steps are ever compared.
+    # or a fast machine finishes before the slow steps are ever compared (at 60 steps one clean
+    # CI run of 2026-12-07 named no straggler; 100 gives it a few more polls).
     run = tmp_path / "run"
     out = torchrun(2, *[f"--{o}" for o in tiny_overrides(
         run, small_prepared, "parallel.dp_replicate=2", "parallel.dp_shard=1", "watchdog.timeout_s=60",
-        "watchdog.straggler_steps=3", f"faults.slow_rank={slow}", "faults.slow_factor=4", "train.steps=60")])
+        "watchdog.straggler_steps=3", f"faults.slow_rank={slow}", "faults.slow_factor=4", "train.steps=100")])
     # On failure show the workers' own errors, not only torchrun's summary at the end.
     clues = [line for line in out.stderr.splitlines() if "rror" in line or "terminate" in line or "what()" in line]
     assert out.returncode == 0, "\n".join(clues[:20]) + out.stderr[-1500:]
