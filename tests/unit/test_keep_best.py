@@ -68,3 +68,18 @@ def test_a_best_whose_save_is_refused_is_no_best(tiny_config, tmp_path):
     said = [r["step"] for r in logged if r.get("event") == "best_checkpoint"]
     assert said and 2 not in said, said
     assert all((run / "checkpoints" / f"step-{s:06d}").is_dir() for s in said[-1:])
+
+
+def test_the_evaluation_a_stop_left_owed_is_ranked_too(tiny_config, tmp_path):
+    """The resumed run makes up the evaluation a stop skipped: it was never compared with the best, so a
+    best there went unkept. Its step is saved again (on every rank alike) and kept."""
+    run = tmp_path / "run"
+    Trainer(tiny_config(*DIVERGING, "checkpoint.keep_best=true", "train.stop_at_step=3", "checkpoint.interval=3")
+            ).build().train()
+    resumed = Trainer(tiny_config(*DIVERGING, "checkpoint.keep_best=true", "checkpoint.interval=3")).build()
+    assert resumed.step == 3
+    resumed.best_eval = (float("inf"), 0)  # (as if the step-2 evaluation had been a worse one)
+    resumed._evaluate_owed()
+    assert resumed.best_eval[1] == 3 and resumed.checkpointer.keep_also[-1] == run / "checkpoints" / "step-000003"
+    assert [r["step"] for r in records(run) if r.get("event") == "best_checkpoint"][-1] == 3
+    resumed.close()

@@ -108,13 +108,12 @@ class IntervalWork:
 
     def _evaluate_owed(self) -> None:
         """The evaluation a stop skipped, made up first by the resumed run, and ranked as any other for
-        checkpoint.keep_best (its step's folder is the stop's save; resumed from RAM: saved now)."""
+        checkpoint.keep_best (its step saved again, on every rank alike, whether or not the stop's save or
+        a snapshot in RAM was what the run resumed)."""
         loss = self.guard.watched("eval", self.step, "eval", self.evaluate)
         self.eval_owed = False
         if loss is not None and self.cfg.checkpoint.keep_best and loss < self.best_eval[0]:
-            saved = (self.checkpointer.root / step_dir_name(self.step)).is_dir() or self.guard.watched(
-                "save", self.step, "checkpoint", self.save_checkpoint) is not None
-            if saved:
+            if self.guard.watched("save", self.step, "checkpoint", self.save_checkpoint) is not None:
                 self._new_best(loss, self.step)
 
     def evaluate(self, stop: Callable[[], bool] | None = None) -> float | None:

@@ -314,11 +314,11 @@ class SavedState:
         self.skipped_batches = sorted(set(saved) | set(self.skipped_batches))
         set_rng_state(state["rng"])
         self.eval_owed = state.get("eval_owed", False)
+        # (a launch with keep_best off saves none: the folder it named may be pruned since. Not judged by the
+        # folder's presence, which ranks on a shared store may see apart: their saves would then differ)
         best = tuple(state.get("best_eval", (float("inf"), 0)))
-        kept = self.checkpointer.root / step_dir_name(best[1])
-        # (its folder kept on; one pruned since, as a launch with keep_best off does, is no best to beat)
-        self.best_eval = best if self.cfg.checkpoint.keep_best and best[1] and kept.is_dir() else (float("inf"), 0)
-        self.checkpointer.keep_also = [kept] if self.best_eval[1] else []
+        self.best_eval = best if self.cfg.checkpoint.keep_best and best[1] else (float("inf"), 0)
+        self.checkpointer.keep_also = [self.checkpointer.root / step_dir_name(best[1])] if self.best_eval[1] else []
         if self.cfg.train.precision == "fp8":  # a rollback: the scales precomputed are the discarded weights'
             precompute_scales(self.model)
         return name
@@ -368,5 +368,5 @@ class SavedState:
                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict(),
                 "anomaly_handling": {"rollbacks": self.rollbacks, "streak": list(self._anomaly_streak)},
                 "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim), "eval_owed": self.eval_owed,
-                "best_eval": list(self.best_eval),
+                "best_eval": list(self.best_eval) if self.cfg.checkpoint.keep_best else [float("inf"), 0],
                 "config": self.cfg.to_dict(), "world_size": self.proc.world_size}
