@@ -34,7 +34,7 @@ import torch.distributed
 
 from shardline.config import Config, DataConfig, apply_override, from_dict, override_list
 from shardline.data.file_stamps import changed_files
-from shardline.data.validation import SPLIT_CHANGED, split_by_prepare, training_val_fraction, val_format
+from shardline.data.validation import SPLIT_RULE, split_by_prepare, training_val_fraction, val_format
 from shardline.data.shards import tokenizer_file
 from shardline.data.sources import input_files
 from shardline.data.overlaps import split_apart
@@ -212,7 +212,8 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
             # a validation file is not cut from the training data)
             own_data = not any(o.removeprefix("--").startswith("data.") for o in given) and not cfg.data.val_path
             if own_data and proc.rank == 0:
-                _say_if_data_changed(ckpt, trainer.data.position_state(), raw=not split_by_prepare(cfg))
+                _say_if_data_changed(ckpt, trainer.data.position_state(), by_content=cfg.data.split == "content"
+                                     and not split_by_prepare(cfg))
             t, held_out = trainer.cfg.train, len(trainer.data.val)
             if batches is not None:
                 t.eval_batches = -(-held_out // t.global_batch_size) if batches == 0 else batches
@@ -242,7 +243,7 @@ def _say_if_other_windows(ckpt: Path, seq_len: int) -> None:
               f"{trained_at}: not comparable to its logged eval loss", file=sys.stderr)
 
 
-def _say_if_data_changed(ckpt: Path, position: dict, raw: bool) -> None:
+def _say_if_data_changed(ckpt: Path, position: dict, by_content: bool) -> None:
     """On stderr, where the run's own data no longer holds the tokens the checkpoint trained on
     (edited since): its held-out split is cut from other documents, so the loss is not the one
     the run logged and may count documents it trained on. Said, not refused: the score is still
@@ -255,10 +256,13 @@ def _say_if_data_changed(ckpt: Path, position: dict, raw: bool) -> None:
     now = position.get("content")
     if saved and now and saved != now:
         files = changed_files(data.get("files"), position.get("files"))
-        older = f" (or: {SPLIT_CHANGED})" if "split" not in data and not files and raw else ""
+        kept = by_content and data.get("split") == SPLIT_RULE  # (held out by content then and now: kept out)
         print(f"shardline eval: the run's data changed since {ckpt.name} was saved (training tokens {saved}, "
               f"now {now}{'; changed: ' + files if files else ''}): its held-out split is not the one the run "
-              f"evaluated on, and may hold documents it trained on{older}", file=sys.stderr, flush=True)
+              "evaluated on" + (": its unchanged held-out documents are held out still (by content), documents "
+                                "added or edited since are split anew, and it may hold documents it trained on, "
+                                "edited since" if kept else ", and may hold documents it trained on"),
+              file=sys.stderr, flush=True)
 
 
 def _agreed_config(src: str | Path, overrides: list[str], run_dir: Path):

@@ -59,10 +59,12 @@ def test_a_checkpoint_from_before_stamps_or_unchanged_files_gets_the_causes_alon
         with pytest.raises(CheckpointError) as refused:
             check_data_position("ck", {**saved, **before}, 10, 0, 2, {"content": "new", "files": stamps})
         assert "its training tokens differ: the files were edited or replaced, or the tokenizer" in str(refused.value)
-    # Saved before the held-out split was chosen by content: the likeliest cause on raw files, named first
-    with pytest.raises(CheckpointError, match=r"its training tokens differ: the held-out documents are chosen by "
-                                              r"their content since 2026-12-07 .*; or the files were edited"):
-        check_data_position("ck", {k: v for k, v in saved.items() if k != "split"}, 10, 0, 2, {"content": "new"})
+    # Saved before the held-out split was chosen by content (no "split"), resumed on raw files by content:
+    # that is the cause, named with the key that resumes it
+    with pytest.raises(CheckpointError, match=r"was trained with the raw documents held out by position "
+                                              r"\(data.split=position; .*resume it with --data.split=position$"):
+        check_data_position("ck", {k: v for k, v in saved.items() if k != "split"}, 10, 0, 2, {"content": "new"},
+                            split="content-hash")
     os.utime(data / "a.jsonl", ns=(0, 10**18))
     with pytest.raises(CheckpointError, match=r"differ \(files changed since: .*a.jsonl \(modified [^)]*\)\): the "):
         check_data_position("ck", {**saved, "files": stamps}, 10, 0, 2, {"content": "new",

@@ -26,7 +26,7 @@ from shardline.data.pool import EncodeJob, encode_chunk
 from shardline.data.prepare import PrepareOptions, PrepareStopped, prepare
 from shardline.data.shards import verify
 from shardline.data.sources import read_documents, read_file
-from shardline.errors import ConfigError, DataError
+from shardline.errors import CheckpointError, ConfigError, DataError
 from shardline.launch_notes import unused_settings
 from shardline.preflight import check_config
 from tests.conftest import resealed
@@ -2108,6 +2108,11 @@ def test_the_rule_by_position_stays_for_runs_saved_under_it(tiny_config, tmp_pat
     state = torch.load(tmp_path / "run" / "checkpoints" / "step-000001" / "trainer" / "rank0.pt", weights_only=True)
     assert state["data"]["split"] == "position"
     assert Trainer(tiny_config(*common)).build().step == 1  # (resumed: the same documents train)
+    # The other rule on resume: its BPE (trained on the training documents) and its tokens differ. The refusal
+    # blamed the tokenizer; it names the split and the key that resumes it
+    with pytest.raises(CheckpointError, match=r"held out by position \(data.split=position; .*resume it with "
+                                              r"--data.split=position$"):
+        Trainer(tiny_config(*[c for c in common if c != "data.split=position"])).build()
 
 
 def test_a_folder_prepared_by_position_is_named_so_when_prepared_again(tmp_path):

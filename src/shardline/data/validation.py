@@ -81,9 +81,13 @@ def held_out_copies(train: list, val: list) -> int:
 
 
 SPLIT_RULE = "content-hash"  # what a prepared folder's request and a checkpoint's data state record
-SPLIT_CHANGED = ("the held-out documents are chosen by their content since 2026-12-07 (by their position before), so "
-                 "on raw files (not a prepared folder) this shardline trains on other documents than the one that "
-                 "saved it: resume it with --data.split=position, the rule it was saved with")  # (no "split" saved)
+
+
+def split_rule(cfg: Config) -> str | None:
+    """The rule a run holds its raw documents out by, as a checkpoint records it (None: no raw source)."""
+    if split_by_prepare(cfg):
+        return None
+    return SPLIT_RULE if cfg.data.split == "content" else cfg.data.split
 
 
 class HeldOut:

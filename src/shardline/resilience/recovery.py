@@ -251,7 +251,8 @@ def settings_changed(saved: dict, cfg: Config, stand_in: bool = False) -> dict[s
 
 
 # The data settings that decide which tokens and sequences a run reads.
-DATA_KEYS = ("path", "mix", "tokenizer", "vocab_size", "val_fraction", "val_path", "text_field", "format", "add_bos")
+DATA_KEYS = ("path", "mix", "tokenizer", "vocab_size", "val_fraction", "split", "val_path", "text_field", "format",
+             "add_bos")
 
 
 def data_changes(path: Path | str | None, cfg: Config, stand_in: bool = False) -> str:

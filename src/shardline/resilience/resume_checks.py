@@ -13,7 +13,7 @@ from shardline.config import Config
 from shardline.data.file_stamps import changed_files
 from shardline.data.packing import CHAT_PACKING
 from shardline.data.sampler import batch_index
-from shardline.data.validation import SPLIT_CHANGED, split_by_prepare
+from shardline.data.validation import SPLIT_RULE, split_by_prepare, split_rule
 from shardline.errors import CheckpointError, ConfigError
 from shardline.resilience.recovery import data_changes, saved_config
 
@@ -39,7 +39,7 @@ def check_saved_position(path: Path | None, cfg: Config, num_samples: int | None
         position = {"packing": CHAT_PACKING} if cfg.data.chat else {}
     check_data_position(path, data, data["num_samples"] if num_samples is None else num_samples, cfg.train.order_seed,
                         cfg.train.global_batch_size, position, data_changes(path, cfg, stand_in),
-                        cfg.train.order_seed_key)
+                        cfg.train.order_seed_key, split_rule(cfg))
     check_skip_batches(path, step, data.get("skipped_batches", []), cfg.train.skip_batches)
     check_steps_ahead(path, step, cfg.train.steps, cfg.train.epochs)
 
@@ -85,34 +85,43 @@ FROM_THE_START = " (a new run reads its data from the first batch: train.skip_ba
 
 def check_data_position(path: Path | str, data_pos: dict, num_samples: int, seed: int,
                         global_batch_size: int, position: dict | None = None, changed: str = "",
-                        seed_key: str = "train.seed", raw: bool = True) -> None:
+                        seed_key: str = "train.seed", split: str | None = None) -> None:
     """The saved sample position means the same in this run, or a CheckpointError saying what changed.
 
     The position is step x global batch: another batch size would skip or repeat samples.
     `position`: the data's own (DataBundle.position_state), e.g. a mixture's sources; `changed`:
     the data settings changed since the checkpoint (data_changes), which the refusals name;
-    `seed_key`: the key that gives `seed` (train.order_seed_key), which a refusal of the order names; `raw`:
-    some source is raw files, whose held-out split (and so training documents) this shardline chose anew.
+    `seed_key`: the key that gives `seed` (train.order_seed_key), which a refusal of the order names; `split`:
+    the rule this run holds raw documents out by (the checkpoint's "split"; None: no raw source).
     """
     back = f"the data settings changed since it ({changed}): set them back" if changed else ""
     vocabulary, saved_vocabulary = (position or {}).get("vocabulary"), data_pos.get("vocabulary")
+    content, saved_content = (position or {}).get("content"), data_pos.get("content")
+    files = changed_files(data_pos.get("files"), (position or {}).get("files"))
+    saved_split = data_pos.get("split", "position")  # (none saved: before the rule by content)
+    differ = (vocabulary and saved_vocabulary and vocabulary != saved_vocabulary) or (
+        content and saved_content and content != saved_content)  # (older checkpoints hold neither)
+    if split and saved_split != split and not files and differ:
+        key = "content" if saved_split == SPLIT_RULE else "position"  # (a BPE trained at launch differs with them)
+        raise CheckpointError(f"checkpoint {path} was trained with the raw documents held out by {key} (data.split="
+                              f"{key}; by position was the rule before 2026-12-07), this run by the other: its "
+                              f"training documents differ; resume it with --data.split={key}")
     if vocabulary and saved_vocabulary and vocabulary != saved_vocabulary:  # (older checkpoints hold none)
         run = Path(str(path)).parent.parent if Path(str(path)).parent.name == "checkpoints" else None
         copy = run / "tokenizer.json" if run and (run / "tokenizer.json").is_file() else "RUN/tokenizer.json"
         keep = ("keep data.tokenizer (or the prepared folder's: one prepared again without --tokenizer has a new "
                 f"BPE; prepare it again with --overwrite --tokenizer {copy}, the run's copy; a BPE trained on .txt "
                 "files with \\r\\n or \\r line ends differs since 2026-12-07, which reads them as newlines)")
+        trained = (f" (files changed since: {files}; a BPE trained at launch is trained on them: give the run's, "
+                   f"--data.tokenizer={copy})") if files else ""
         raise CheckpointError(
             f"checkpoint {path} was trained with another tokenizer (vocabulary {saved_vocabulary}, this run's "
-            f"{vocabulary}): its embeddings mean other tokens; {back or keep}, or start a new run.dir from these "
-            "weights with model.init_from")
-    content, saved_content = (position or {}).get("content"), data_pos.get("content")
+            f"{vocabulary}){trained}: its embeddings mean other tokens; {back or keep}, or start a new run.dir from "
+            "these weights with model.init_from")
     if content and saved_content and content != saved_content:  # (older checkpoints and folders hold none)
-        files = changed_files(data_pos.get("files"), (position or {}).get("files"))
         since = f" (files changed since: {files})" if files else ""
-        older = f"{SPLIT_CHANGED}; or " if "split" not in data_pos and not files and raw else ""  # (saved before it)
         why = back + since if back else (
-            f"its training tokens differ{since}: {older}the files were edited or replaced, or the tokenizer, its "
+            f"its training tokens differ{since}: the files were edited or replaced, or the tokenizer, its "
             "settings or chat template changed (or, for a folder that holds hidden files or links, a tokenizer "
             "whose end of text only tokenizer_config.json names, a .txt file with a byte-order mark or with lines "
             "of other blanks (full-width spaces, form feeds) between documents: since 2026-12-06 they are read "

@@ -46,7 +46,7 @@ from shardline.resilience.recovery import (data_changes, get_rng_state, restarte
                                           settings_changed)
 from shardline.resilience.resume_checks import (check_data_position, check_saved_position, check_skip_batches,
                                                check_steps_ahead)
-from shardline.data.validation import SPLIT_RULE, split_by_prepare
+from shardline.data.validation import SPLIT_RULE, split_rule
 from shardline.resilience.checkpoint import step_dir_name
 from shardline.resilience.run_lock import launcher_ids
 from shardline.resilience.tiers import folder_bytes, refuse_no_room
@@ -284,7 +284,7 @@ class SavedState:
         name, state = self.tiers.restore(found, self.model, self.optimizer)
         check_data_position(name, state["data"], len(self.data.train), self.cfg.train.order_seed,
                             self.cfg.train.global_batch_size, self.data.position_state(),
-                            seed_key=self.cfg.train.order_seed_key, raw=not split_by_prepare(self.cfg))
+                            seed_key=self.cfg.train.order_seed_key, split=split_rule(self.cfg))
         check_steps_ahead(name, state["step"], self.cfg.train.steps, self.cfg.train.epochs)
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
@@ -360,8 +360,7 @@ class SavedState:
     def _trainer_state(self) -> dict:
         """Everything beyond model and optimizer that a resumed run needs to continue exactly."""
         data = {**self.data.sampler.state_dict(self.step), **self.data.position_state(),
-                "skipped_batches": self.skipped_batches,  # (and the held-out documents' rule: none saved before it)
-                "split": SPLIT_RULE if self.cfg.data.split == "content" else self.cfg.data.split}
+                "skipped_batches": self.skipped_batches, "split": split_rule(self.cfg) or SPLIT_RULE}  # (none before)
         if not self.proc.is_main:  # the files' stamps once a checkpoint (a resume's checks read rank 0's)
             data.pop("files", None)
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
