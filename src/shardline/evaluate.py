@@ -34,7 +34,7 @@ import torch.distributed
 
 from shardline.config import Config, DataConfig, apply_override, from_dict, override_list
 from shardline.data.file_stamps import changed_files
-from shardline.data.validation import SPLIT_RULE, split_by_prepare, training_val_fraction, val_format
+from shardline.data.validation import SPLIT_RULE, split_by_prepare, split_rule, training_val_fraction, val_format
 from shardline.data.shards import tokenizer_file
 from shardline.data.sources import input_files
 from shardline.data.overlaps import split_apart
@@ -212,8 +212,7 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
             # a validation file is not cut from the training data)
             own_data = not any(o.removeprefix("--").startswith("data.") for o in given) and not cfg.data.val_path
             if own_data and proc.rank == 0:
-                _say_if_data_changed(ckpt, trainer.data.position_state(), by_content=cfg.data.split == "content"
-                                     and not split_by_prepare(cfg))
+                _say_if_data_changed(ckpt, trainer.data.position_state(), by_content=split_rule(cfg) == SPLIT_RULE)
             t, held_out = trainer.cfg.train, len(trainer.data.val)
             if batches is not None:
                 t.eval_batches = -(-held_out // t.global_batch_size) if batches == 0 else batches

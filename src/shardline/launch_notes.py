@@ -20,7 +20,7 @@ from shardline.data.validation import split_by_prepare, val_format
 from shardline.data.tokenizer import KNOWN_EOS, eos_id
 from shardline.devices import CPU_PEAK_ASSUMED, cpu_has_amx, cpu_load, mfu_peak_dtype
 from shardline.errors import DataError, ShardlineError
-from shardline.interop.hf_config import hf_export_problem, read_hf_config
+from shardline.interop.hf_config import hf_export_problem, read_hf_config, read_hf_fields
 from shardline.layout import IDLE_AT_DEGREE_ONE, Layout
 from shardline.models.llama import ModelArgs
 from shardline.optim import wsd_decay_steps
@@ -305,9 +305,8 @@ def _hf_balance_note(cfg: Config, model: ModelArgs | None) -> list[tuple[str, di
     off): said with the moe.aux_loss_coef that weighs the same loss, where none is set (the log read aux 0)."""
     if not cfg.model.hf_path or model is None or model.moe is None or model.moe.aux_loss_coef:
         return []
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        theirs = json.loads((Path(cfg.model.hf_path) / "config.json").read_text(encoding="utf-8"))
-        coef = float(theirs.get("router_aux_loss_coef") or 0.0)
+    with contextlib.suppress(OSError, ValueError, TypeError, ShardlineError):
+        coef = float(read_hf_fields(cfg.model.hf_path).get("router_aux_loss_coef") or 0.0)
         if coef > 0:
             layers = model.n_layers - model.moe.first_dense_layers
             return [("balance_loss_off", {"router_aux_loss_coef": coef, "why": (
