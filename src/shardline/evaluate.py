@@ -147,7 +147,8 @@ def _say_if_split_apart(trained: dict, cfg: Config) -> None:
     documents may be ones the run trained on, a training loss."""
     theirs = [s.get("path", "") for s in trained.get("mix") or [] if isinstance(s, dict)] or [trained.get("path", "")]
     held = 0.0 if trained.get("val_path") else trained.get("val_fraction", DataConfig().val_fraction)
-    found = split_apart([s.path for s in cfg.data.mix] or [cfg.data.path], training_val_fraction(cfg), theirs, held)
+    found = split_apart([s.path for s in cfg.data.mix] or [cfg.data.path], training_val_fraction(cfg), theirs, held,
+                        cfg.data.split, trained.get("split", "position"))  # (none saved: a run from before it)
     if found and speaks_for_the_job():
         print(f"shardline eval: note: {found[0]} reads files the run trained on (its data {found[1]}), with a "
               "held-out split of its own: the documents it holds out may be ones the run trained on", file=sys.stderr)

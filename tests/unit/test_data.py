@@ -543,3 +543,6 @@ def test_sources_split_by_content_at_one_share_hold_out_the_same_documents():
     old = _Read(set(), files=("x",), fraction=0.05, rule=None)
     assert not _split_alike(a, old) and _split_alike(old, _Read(set(), files=("x",), fraction=0.05, rule=None))
     assert not _split_alike(old, _Read(set(), files=("x", "y"), fraction=0.05, rule=None))
+    from shardline.data.overlaps import _reads  # (a raw source under data.split=position: split as those folders)
+
+    assert _reads("", 0.05, "position").rule is None and _reads("", 0.05).rule == a.rule

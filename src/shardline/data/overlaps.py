@@ -49,9 +49,10 @@ class _Read:
     rule: str | None = SPLIT_RULE  # how its documents were held out (None: by position, a folder from before)
 
 
-def _reads(path: str, fraction: float) -> _Read:
-    """The source at `path`, read with `fraction` held out where it is raw (a prepared folder's is its own)."""
-    read = _Read(set(), fraction=fraction)
+def _reads(path: str, fraction: float, split: str = "content") -> _Read:
+    """The source at `path`, read with `fraction` held out by data.split's `split` where it is raw (a
+    prepared folder's split is its own)."""
+    read = _Read(set(), fraction=fraction, rule=SPLIT_RULE if split == "content" else None)
     for p in source_roots(path):
         read.roots |= {Path(os.path.realpath(p))} if p.is_dir() else {Path(os.path.realpath(p.parent)) / p.name,
                                                                       Path(os.path.realpath(p))}
@@ -89,7 +90,7 @@ def overlapping_sources(cfg: Config) -> tuple[str, str]:
     pattern, a prepared folder and a file it was prepared from, two folders prepared alike): (`key=path and
     key=path`, why it matters); ("", "") for none. Each holds out its own documents, unless split alike."""
     fraction = training_val_fraction(cfg)
-    read = [(f"data.mix[{i}].path={s.path}", _reads(s.path, fraction),
+    read = [(f"data.mix[{i}].path={s.path}", _reads(s.path, fraction, cfg.data.split),
              (s.format or cfg.data.format, s.text_field or cfg.data.text_field))
             for i, s in enumerate(cfg.data.mix) if s.path]
     for i, (key, mine, how) in enumerate(read):
@@ -115,14 +116,15 @@ def val_path_in_training_data(cfg: Config) -> str:
     return ""
 
 
-def split_apart(evaluated: list[str], fraction: float, trained: list[str], trained_fraction: float
-                ) -> tuple[str, str] | None:
-    """A source evaluated on (with `fraction` held out) that reads files a run trained on (with
-    `trained_fraction`), split otherwise (another folder prepared from some of them, or at another
-    share): (it, the trained source), else None. A source split alike holds out the same documents."""
-    theirs = [(path, _reads(path, trained_fraction)) for path in filter(None, trained)]
+def split_apart(evaluated: list[str], fraction: float, trained: list[str], trained_fraction: float,
+                split: str = "content", trained_split: str = "content") -> tuple[str, str] | None:
+    """A source evaluated on (with `fraction` held out by data.split's `split`) that reads files a run
+    trained on (with `trained_fraction`, by `trained_split`), split otherwise (another folder prepared from
+    some of them, another share or rule): (it, the trained source), else None. A source split alike
+    holds out the same documents."""
+    theirs = [(path, _reads(path, trained_fraction, trained_split)) for path in filter(None, trained)]
     for mine in filter(None, evaluated):
-        read = _reads(mine, fraction)
+        read = _reads(mine, fraction, split)
         for path, their in theirs:
             if _meet(read.roots, their.roots) and not _split_alike(read, their):
                 return mine, path
