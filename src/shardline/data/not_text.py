@@ -1,5 +1,5 @@
 """What a data file that is not UTF-8 text is, said in its error: a compressed file or an archive by its
-first bytes, a binary one by its NUL bytes, else text of another encoding with the iconv line that
+first bytes, a binary one by its control bytes, else text of another encoding with the iconv line that
 converts it (a gzip file without `.gz` was told to convert from WINDOWS-1252)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ CONTROLS = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # (no text of an 8-
 
 
 def convert_hint(error: UnicodeDecodeError) -> str:
-    """What the bytes that failed are (PACKED, NUL bytes), else iconv advice naming a likely encoding:
+    """What the bytes that failed are (PACKED, control bytes), else iconv advice naming a likely encoding:
     GB18030 where bytes above ASCII come in runs of two characters or more (Chinese), else Windows-1252
     (Western European: an ü or a "çõ" between ASCII letters, which GB18030 would read as Chinese
     characters: garbled). From the first bad byte on: UTF-8 text before a stray line is no evidence
