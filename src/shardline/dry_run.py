@@ -42,21 +42,12 @@ from shardline.planner.attention import mask_hint
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OFFLOADED, OUTSIDE_DEVICE, node_ranks
 from shardline.resilience.checkpoint import verify
-from shardline.resilience.recovery import data_changes, saved_config, saved_step, saved_world_size, settings_changed
+from shardline.resilience.recovery import (data_changes, saved_config, saved_evaluations_since_lowest, saved_step,
+                                          saved_world_size, settings_changed)
 from shardline.resilience.resume_checks import check_saved_position
-from shardline.preflight import (
-    Preflight,
-    bos_setting,
-    check_config,
-    check_device,
-    check_layout_before_data,
-    check_resume,
-    check_rollback_target,
-    check_resume_fits,
-    preflight,
-    resolve_epochs,
-    use_model_tokenizer,
-)
+from shardline.preflight import (Preflight, bos_setting, check_config, check_device, check_layout_before_data,
+                                 check_resume, check_rollback_target, check_resume_fits, preflight, resolve_epochs,
+                                 use_model_tokenizer)
 
 
 def dry_run(cfg: Config, world: int, gpu: str | None = None, world_given: bool = True) -> tuple[str, bool]:
@@ -137,12 +128,16 @@ def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool, world: int, 
     lines = [f"          changed since it: {said}"] if changes else []
     if world_changed and not world_given:
         lines.append(f"          saved on {saved_world} ranks (give --world-size N to check the launch's)")
+    last, patience, since = cfg.train.last_step, cfg.train.early_stop_patience, saved_evaluations_since_lowest(resume)
+    ended_early = bool(patience) and since >= patience and step < last  # (train.early_stop_patience: its run is over)
     jump = next_lr_change(step, saved, cfg.train.steps, cfg.optim)
-    if jump and step < cfg.train.last_step:
+    if jump and step < last and not ended_early:
         lines.append(f"          lr of the next update (step {step + 1}): {jump[0]:.3g} -> {jump[1]:.3g} (the "
                      "schedule is computed from step 0 with the new settings)")
-    last = cfg.train.last_step
-    if step >= last:
+    if ended_early:
+        lines.append(f"          nothing to train: it stopped early at step {step}, {since} evaluation(s) without a "
+                     f"lower eval loss (train.early_stop_patience={patience}: raise it, or 0, to train on)")
+    elif step >= last:
         given = f"train.steps, from train.epochs={cfg.train.epochs:g}" if cfg.train.epochs else "train.steps"
         lines.append(f"          nothing to train: it is at step {step}, the run ends at {last} ({given}"
                      + (", train.stop_at_step)" if cfg.train.stop_at_step else ")"))

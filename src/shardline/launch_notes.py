@@ -239,6 +239,8 @@ def unused_settings(cfg: Config, layout: Layout | None = None) -> dict[str, str]
              ("parallel", ("cp_balance",), p.cp > 1 and p.cp_mode == "ulysses",
               "parallel.cp_mode=ulysses has no ring to balance"),
              ("checkpoint", ("keep", "mode", "on_error"), not c.interval, "checkpoint.interval=0"),
+             ("train", ("early_stop_min_delta",), not cfg.train.early_stop_patience,
+              "train.early_stop_patience=0: no early stop"),
              ("checkpoint", ("keep_best",), not cfg.train.eval_interval, "train.eval_interval=0: no evaluation ranks "
               "the checkpoints"),
              ("checkpoint", ("memory_redundancy", "memory_mode"), not c.memory_interval,  # (memory_dir: read to

@@ -139,6 +139,10 @@ class TrainConfig:
     loss_chunk_tokens: int = 0  # output projection + cross-entropy this many tokens at a time; 0 = all at once
     eval_interval: int = 50  # 0 disables evaluation
     eval_batches: int = 2  # global batches of the held-out split per evaluation, whatever the layout
+    # end the run once this many evaluations in a row have not lowered the lowest eval loss (by more than
+    # early_stop_min_delta): a fine-tune past its best point; 0 = off (train to train.steps)
+    early_stop_patience: int = 0
+    early_stop_min_delta: float = 0.0
     skip_batches: list[int] = field(default_factory=list)  # 0-based global batch indices never to train on
 
     @property
@@ -181,6 +185,12 @@ class TrainConfig:
         _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0 (0 disables)")
         _require(self.eval_interval >= 0, "train.eval_interval", self.eval_interval, "must be >= 0 (0 disables)")
         _require(self.eval_batches > 0, "train.eval_batches", self.eval_batches, "must be > 0")
+        _require(self.early_stop_patience >= 0, "train.early_stop_patience", self.early_stop_patience,
+                 "must be >= 0 (evaluations without a lower eval loss; 0 = off)")
+        _require(not self.early_stop_patience or self.eval_interval > 0, "train.early_stop_patience",
+                 self.early_stop_patience, "needs train.eval_interval > 0: the evaluations decide the stop")
+        _require(self.early_stop_min_delta >= 0, "train.early_stop_min_delta", self.early_stop_min_delta,
+                 "must be >= 0 (how much lower an eval loss must be to count; e.g. 0.001)")
         _require(self.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", self.loss_chunk_tokens,
                  "must be >= 0 (0 = no chunking; e.g. 4096)")
         _require(all(b >= 0 for b in self.skip_batches), "train.skip_batches", self.skip_batches,

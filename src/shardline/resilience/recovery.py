@@ -221,23 +221,32 @@ def saved_step(path: Path) -> int:
         return step_of(path)
 
 
-def saved_config(path: Path | str | None) -> dict:
-    """The config the run that saved checkpoint `path` launched with (its meta.json); {} where
-    there is none or it cannot be read (a moved folder, an older checkpoint)."""
+def _meta_field(path: Path | str | None, key: str):
+    """`key` of the meta.json a checkpoint holds; None where there is none or it cannot be read (a moved
+    folder, an older checkpoint)."""
     try:
-        config = json.loads((Path(path) / "meta.json").read_text(encoding="utf-8"))["config"]
+        return json.loads((Path(path) / "meta.json").read_text(encoding="utf-8"))[key]
     except (OSError, ValueError, KeyError, TypeError):
-        return {}
+        return None
+
+
+def saved_config(path: Path | str | None) -> dict:
+    """The config the run that saved checkpoint `path` launched with; {} where not recorded."""
+    config = _meta_field(path, "config")
     return config if isinstance(config, dict) else {}
 
 
 def saved_world_size(path: Path | str | None) -> int | None:
-    """The world size checkpoint `path` was saved at (its meta.json), None where not recorded."""
-    try:
-        world = json.loads((Path(path) / "meta.json").read_text(encoding="utf-8"))["world_size"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    """The world size checkpoint `path` was saved at, None where not recorded."""
+    world = _meta_field(path, "world_size")
     return world if isinstance(world, int) else None
+
+
+def saved_evaluations_since_lowest(path: Path | str | None) -> int:
+    """The evaluations in a row that had not lowered the run's lowest eval loss when checkpoint `path` was
+    saved (what train.early_stop_patience counts: the dry run's "nothing to train"); 0 where not recorded."""
+    trend = _meta_field(path, "eval_trend")
+    return trend[2] if isinstance(trend, list) and len(trend) == 3 and isinstance(trend[2], int) else 0
 
 
 def settings_changed(saved: dict, cfg: Config, stand_in: bool = False) -> dict[str, list]:

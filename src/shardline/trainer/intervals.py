@@ -84,8 +84,11 @@ class IntervalWork:
             if loss is None:
                 self.eval_owed, self.tiers.ending_at = True, step
                 snapshot = snapshot and not cfg.checkpoint.interval
-            elif cfg.checkpoint.keep_best and loss < self.best_eval[0]:  # (the same loss on every rank: reduced)
-                best, save = loss, True  # (saved here, if not due anyway; the best once that save is not refused)
+            else:  # (the same loss on every rank: reduced, so the same decisions)
+                if self._stalled(loss, step) and step < stop:  # the run ends here, this step saved
+                    save, self.tiers.ending_at = bool(cfg.checkpoint.interval), step
+                if cfg.checkpoint.keep_best and loss < self.best_eval[0]:
+                    best, save = loss, True  # (saved here, if not due anyway; the best once that save is not refused)
         saved = save and self.guard.watched("save", step, "checkpoint", self.save_checkpoint) is not None
         if saved and best is not None:
             self._new_best(best, step)
@@ -112,9 +115,38 @@ class IntervalWork:
         a snapshot in RAM was what the run resumed)."""
         loss = self.guard.watched("eval", self.step, "eval", self.evaluate)
         self.eval_owed = False
-        if loss is not None and self.cfg.checkpoint.keep_best and loss < self.best_eval[0]:
-            if self.guard.watched("save", self.step, "checkpoint", self.save_checkpoint) is not None:
-                self._new_best(loss, self.step)
+        if loss is None:
+            return
+        best = self.cfg.checkpoint.keep_best and loss < self.best_eval[0]
+        ends = self._stalled(loss, self.step) and bool(self.cfg.checkpoint.interval)  # (saved again: to say so)
+        saved = (best or ends) and self.guard.watched("save", self.step, "checkpoint", self.save_checkpoint)
+        if saved is not None and best:
+            self._new_best(loss, self.step)
+
+    def _stalled(self, loss: float, step: int) -> bool:
+        """This evaluation's loss into the run's trend: a loss lower than the lowest so far by more than
+        train.early_stop_min_delta is the new lowest, any other one more evaluation without it (a NaN
+        too). True, the run ending at `step` (early_stopped_at), once train.early_stop_patience of those
+        come in a row: a fine-tune past its best point, whose later steps only overfit."""
+        t, (lowest, at, since) = self.cfg.train, self.eval_trend
+        self.eval_trend = (loss, step, 0) if loss < lowest - t.early_stop_min_delta else (lowest, at, since + 1)
+        if not t.early_stop_patience or self.eval_trend[2] < t.early_stop_patience or step >= t.steps:
+            return False  # (at the run's last step: nothing left to stop)
+        self.early_stopped_at = step
+        self.metrics.event("early_stop", step=step, lowest_eval_loss=self.eval_trend[0], lowest_at=self.eval_trend[1],
+                           evaluations_since=self.eval_trend[2], patience=t.early_stop_patience,
+                           min_delta=t.early_stop_min_delta)
+        return True
+
+    def early_stop_line(self) -> str:
+        """What ended the run early, and how to train on (the launch's last note; a resume's note)."""
+        t, (lowest, at, since) = self.cfg.train, self.eval_trend
+        margin = f" by more than {t.early_stop_min_delta:g}" if t.early_stop_min_delta else ""
+        best = self.checkpointer.root / step_dir_name(self.best_eval[1]) if self.best_eval[1] else None
+        return (f"stopped early at step {self.early_stopped_at}: {since} evaluation{'s' * (since != 1)} in a row "
+                "without an eval loss "
+                f"below {lowest:.4f} (step {at}){margin} (train.early_stop_patience={t.early_stop_patience})"
+                + (f"; the best checkpoint: {best}" if best else "") + "; to train on, raise it (or 0: off) and rerun")
 
     def evaluate(self, stop: Callable[[], bool] | None = None) -> float | None:
         """Mean loss over the held-out split's first eval_batches global batches (eval_micro_batches), shared

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from shardline.models.moe.parallelize import build_model as build_moe_model
 from shardline.optim import build_optimizer, build_scheduler
 from shardline.parallel.collectives import clip_grad_norm
 from shardline.parallel.dims import ParallelDims
-from shardline.parallel.distributed import agreed, init_distributed, lost_peer, pick_device, say_for_node
+from shardline.parallel.distributed import agreed, init_distributed, lost_peer, pick_device
 from shardline.parallel.expert.balance import ExpertBalance
 from shardline.parallel.float8 import precompute_scales
 from shardline.parallel.pipeline import tied_copy
@@ -86,6 +85,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.ended = False  # train() ended or close() ran: evaluate() and save_checkpoint() refused (intervals.py)
         self.evaluated = (0, 0)  # the last evaluation's sequences and scored tokens (intervals.py's evaluate)
         self.best_eval = (float("inf"), 0)  # the lowest eval loss so far and its step (checkpoint.keep_best)
+        self.eval_trend = (float("inf"), 0, 0)  # the lowest eval loss, its step, the evaluations since (early stop)
+        self.early_stopped_at: int | None = None  # the step train.early_stop_patience ended the run at
 
     # ---- building -------------------------------------------------------------------
 
@@ -176,8 +177,10 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
 
     @property
     def last_step(self) -> int:
-        """The step this launch trains to: train.steps, or train.stop_at_step before it."""
-        return self.cfg.train.last_step
+        """The step this launch trains to: train.steps, or train.stop_at_step before it, or the step where
+        train.early_stop_patience ended the run (a resume of it: nothing to train)."""
+        return min(self.cfg.train.last_step, self.cfg.train.steps if self.early_stopped_at is None
+                   else self.early_stopped_at)
 
     def train(self) -> dict:
         """Train to train.steps (or stop_at_step); returns the last logged metrics."""
@@ -248,10 +251,10 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
 
     def _train(self) -> dict:
         cfg = self.cfg
+        self.guard.start(nothing_to_train=self.step >= self.last_step, step=self.step)
+        if self.eval_owed and cfg.train.eval_interval and self.step < self.last_step:  # what a stop skipped
+            self._evaluate_owed()  # (for its save); it may end the run here (train.early_stop_patience)
         stop = self.last_step
-        self.guard.start(nothing_to_train=self.step >= stop, step=self.step)
-        if self.eval_owed and cfg.train.eval_interval and self.step < stop:  # what a stop skipped (for its save)
-            self._evaluate_owed()
         window, last, stopped, request, first, warm_s = LogWindow(), {}, None, None, self.step + 1, 0.0
         while self.step < stop:
             step = self.step + 1  # the 1-based number of the step being computed, as logged
@@ -284,10 +287,13 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
             request, paused_s = self._evaluate_and_save(step, stop, request)
             window.took(0, paused_s)  # evaluation and saves are not training: out of the window
             self.guard.end_step(step)
-            if request and step < stop:  # on the last step the run simply ends
+            early = self.early_stopped_at == step  # (its evaluation decided it, the same on every rank)
+            if (request or early) and step < stop:  # on the last step the run simply ends
                 if not logged:  # (asked in the evaluation or the save: the steps since the last line)
                     seconds, steps = (self._clock() - window.start, window.steps) if window.steps else (warm_s, 1)
                     last = self._log_train(loss_value, grad_norm, seconds, steps)
+                if early:  # (a stop asked as well: the run is over anyway, its step saved)
+                    break
                 every = cfg.checkpoint.interval
                 stopped = self._stop_on_request(request, saved=bool(every) and step % every == 0)
                 break
@@ -297,30 +303,6 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if self.tiers.unsaved_end:  # (checkpoint.on_error=continue): trained, but what it trained is not kept
             raise on_every_rank(CheckpointError(self.tiers.unsaved_end))  # (a refused save fails on every rank)
         return last
-
-    def _finish(self, stopped: str | None, first: int) -> None:
-        """The launch's end: its account (the end event), what it leaves unsaid otherwise, and what it
-        lets go of (the log, the data's readers, the run dir's lock)."""
-        self.profiler.close(self.step)  # a run stopped inside the profiled steps writes those it ran
-        self.report_device_anomalies()
-        last = self.step >= self.cfg.train.steps
-        summary = self.guard.finish(self.step, complete=stopped is None, last=last)
-        # (what a requeue script reads: the end of a stop or of a refused last save is no run's end)
-        outcome = "stopped" if stopped else "save_refused" if self.tiers.unsaved_end else \
-            "complete" if last else "stop_at_step"
-        self.metrics.event("end", step=self.step, outcome=outcome, overflow_skipped_steps=self.scaler.skipped_steps,
-                           anomalies=len(self.anomaly_events), rollbacks=self.rollbacks, **summary)
-        say_for_node(self.proc, f"ended at step {self.step}: {outcome}")
-        if self.guard.goodput and self.guard.goodput.stale and not self.tiers.unsaved_end:  # (rank 0's: else exit 2)
-            print(f"shardline: warning: {self.run_dir / 'progress.json'} could not be written at the end "
-                  f"({self.guard.goodput.stale}): it still says an earlier state of this run", file=sys.stderr)
-        overflowed = self.scaler.overflow_warning()
-        if overflowed and self.proc.is_main:
-            print(f"shardline: warning: {overflowed}", file=sys.stderr, flush=True)
-        if not self.cfg.checkpoint.interval and stopped is None and self.step >= first and self.proc.is_main:
-            print(f"shardline: note: checkpoint.interval=0: the weights trained to step {self.step} were not saved",
-                  file=sys.stderr, flush=True)  # (said at the start too, and by a stop's line)
-        self.close()  # (the log, the data's readers, the run dir's lock: let go)
 
     def train_step(self) -> tuple[float | torch.Tensor, torch.Tensor, str]:
         """One step: gradients, the anomaly check, then the update (or the anomaly's action).

@@ -257,6 +257,7 @@ class SavedState:
             behind = 0 < self.cfg.train.stop_at_step < self.step < self.cfg.train.steps  # (a stale early stop)
             done = {"note": f"train.stop_at_step={self.cfg.train.stop_at_step} is behind the step resumed: nothing to "
                             "train (raise it, or 0: to train.steps)" if behind else
+                    f"nothing to train: {self.early_stop_line()}" if self.early_stopped_at is not None else
                     "train.steps (or stop_at_step) reached: nothing to train"} if self.step >= self.last_step else {}
             self.metrics.event("resume", step=self.step, checkpoint=resumed,
                                recomputed_steps=self.guard.goodput.recomputed_from(self.step), **done)
@@ -319,6 +320,9 @@ class SavedState:
         best = tuple(state.get("best_eval", (float("inf"), 0)))
         self.best_eval = best if self.cfg.checkpoint.keep_best and best[1] else (float("inf"), 0)
         self.checkpointer.keep_also = [self.checkpointer.root / step_dir_name(best[1])] if self.best_eval[1] else []
+        self.eval_trend = tuple(state.get("eval_trend", (float("inf"), 0, 0)))  # (none saved before 2026-12-07)
+        patience = self.cfg.train.early_stop_patience  # a run ended early stays ended, unless this launch raised it
+        self.early_stopped_at = self.step if patience and self.eval_trend[2] >= patience else None
         if self.cfg.train.precision == "fp8":  # a rollback: the scales precomputed are the discarded weights'
             precompute_scales(self.model)
         return name
@@ -332,7 +336,8 @@ class SavedState:
         agreed(self._check_run_dir, self.proc.world_size)
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields,
                 "launchers": launcher_ids(),  # a restart of a resume=never run resumes only its own job's
-                "world_size": self.proc.world_size}  # (a dry run's resume says a change: dp_shard=-1 hides it)
+                "world_size": self.proc.world_size,  # (a dry run's resume says a change: dp_shard=-1 hides it)
+                "eval_trend": list(self.eval_trend)}  # (its early stop: the dry run's "nothing to train")
         return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
 
     def _check_run_dir(self) -> None:
@@ -367,5 +372,6 @@ class SavedState:
                 "data": data, "rng": get_rng_state(), "anomaly": self.anomaly.state_dict(),
                 "anomaly_handling": {"rollbacks": self.rollbacks, "streak": list(self._anomaly_streak)},
                 "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim), "eval_owed": self.eval_owed,
+                "eval_trend": list(self.eval_trend),
                 "best_eval": list(self.best_eval) if self.cfg.checkpoint.keep_best else [float("inf"), 0],
                 "config": self.cfg.to_dict(), "world_size": self.proc.world_size}
