@@ -1,7 +1,7 @@
 """`shardline eval`: a checkpoint's loss and perplexity on held-out data, as training evaluates.
 
-Training evaluates every train.eval_interval steps on the first train.eval_batches global
-batches of the held-out split. This command runs that evaluation on any checkpoint, later: on
+Training evaluates every train.eval_interval steps on train.eval_batches global batches of the
+held-out split, spread over it. This command runs that evaluation on any checkpoint, later: on
 its run's own held-out data by default (the number the run logged at that step), or on other
 data given as overrides (`--data.val_path=...`: all of it; `--data.path=...`: its held-out split),
 over as many batches as asked (`--batches 0`: every sequence of it, as packed: a last part too
@@ -36,8 +36,8 @@ from shardline.config import Config, DataConfig, apply_override, from_dict, over
 from shardline.data.file_stamps import changed_files
 from shardline.data.validation import SPLIT_RULE, split_by_prepare, split_rule, training_val_fraction, val_format
 from shardline.data.shards import tokenizer_file
-from shardline.data.sources import input_files
-from shardline.data.overlaps import split_apart
+from shardline.data.sources import input_files, shipped_corpus
+from shardline.data.overlaps import reads_trained_files, split_apart
 from shardline.data.tokenizer import extends_file
 from shardline.errors import ConfigError, ShardlineError, on_every_rank
 from shardline.parallel.distributed import (agreed, init_distributed, pick_device, ranks_differing,
@@ -57,6 +57,8 @@ class Evaluation:
     sequences: int
     labelled_tokens: int
     data: str
+    whole: bool  # all of the data scored (data.val_path), not its held-out split
+    seq_len: int
 
     @property
     def perplexity(self) -> float:
@@ -64,12 +66,14 @@ class Evaluation:
 
     def line(self) -> str:
         return (f"eval {self.checkpoint} (step {self.step}): loss {self.loss:.4f} | ppl {self.perplexity:.2f} | "
-                f"{self.sequences:,} held-out sequences, {self.labelled_tokens:,} labelled tokens of {self.data}")
+                f"{self.sequences:,} {'' if self.whole else 'held-out '}sequences of {self.seq_len} tokens, "
+                f"{self.labelled_tokens:,} labelled tokens of {'all of ' if self.whole else ''}{self.data}")
 
     def as_json(self) -> str:
         return json.dumps({"checkpoint": self.checkpoint, "step": self.step, "loss": self.loss,
                            "perplexity": self.perplexity, "sequences": self.sequences,
-                           "labelled_tokens": self.labelled_tokens, "data": self.data})
+                           "labelled_tokens": self.labelled_tokens, "data": self.data, "whole_data": self.whole,
+                           "seq_len": self.seq_len})
 
 
 def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[Config, Path, int]:
@@ -125,9 +129,9 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
         raise ConfigError(f"--data.tokenizer={cfg.data.tokenizer} is not the tokenizer {ckpt} was trained with "
                           f"({kept}): its ids name other rows than the weights learned, a loss of no model; drop it")
     if "data.val_path" in given and given.isdisjoint({"data.path", "data.mix"}):
-        _val_path_alone(cfg)
-    elif not given.isdisjoint({"data.path", "data.mix"}) and "data.val_path" not in given:  # (its split: on it)
-        _say_if_split_apart(saved.get("data") or {}, cfg)
+        _val_path_alone(cfg, saved.get("data") or {})
+    elif not cfg.data.val_path and not given.isdisjoint({"data.path", "data.mix", "data.val_fraction", "data.split"}):
+        _say_if_split_apart(saved.get("data") or {}, cfg)  # (a held-out split other than the run's: on it)
     cfg.model.init_from, cfg.model.hf_path = str(ckpt), ""
     cfg.run.dir, cfg.run.resume = str(run_dir), "never"
     cfg.checkpoint.interval, cfg.checkpoint.memory_interval = 0, 0
@@ -145,21 +149,39 @@ def _say_if_split_apart(trained: dict, cfg: Config) -> None:
     """On stderr, where the data given to evaluate on reads files the run trained on, split apart from
     the run's split (a folder prepared again with files added holds out other documents): its held-out
     documents may be ones the run trained on, a training loss."""
-    theirs = [s.get("path", "") for s in trained.get("mix") or [] if isinstance(s, dict)] or [trained.get("path", "")]
     held = 0.0 if trained.get("val_path") else trained.get("val_fraction", DataConfig().val_fraction)
-    found = split_apart([s.path for s in cfg.data.mix] or [cfg.data.path], training_val_fraction(cfg), theirs, held,
-                        cfg.data.split, trained.get("split", "position"))  # (none saved: a run from before it)
+    found = split_apart([s.path for s in cfg.data.mix] or [cfg.data.path or str(shipped_corpus())],
+                        training_val_fraction(cfg), _trained_paths(trained), held, cfg.data.split,
+                        trained.get("split", "position"))  # (none saved: a run from before it)
     if found and speaks_for_the_job():
-        print(f"shardline eval: note: {found[0]} reads files the run trained on (its data {found[1]}), with a "
-              "held-out split of its own: the documents it holds out may be ones the run trained on", file=sys.stderr)
+        print(f"shardline eval: note: {_named(found[0])} reads files the run trained on (its data "
+              f"{_named(found[1])}), with a held-out split of its own: the documents it holds out may be ones the run "
+              "trained on", file=sys.stderr)
 
 
-def _val_path_alone(cfg: Config) -> None:
+def _named(path: str) -> str:
+    """A data path as a note names it ("the shipped corpus" for the file a run of data.path="" reads)."""
+    return "the shipped corpus" if path == str(shipped_corpus()) else path
+
+
+def _trained_paths(trained: dict) -> list[str]:
+    """The paths of the data a run trained on, from its saved [data] (the shipped corpus's file for "")."""
+    paths = [s.get("path", "") for s in trained.get("mix") or [] if isinstance(s, dict)] or [trained.get("path", "")]
+    return [path or str(shipped_corpus()) for path in paths]
+
+
+def _val_path_alone(cfg: Config, trained: dict) -> None:
     """--data.val_path without other data: the evaluation reads that file alone, so the run's
-    training data stands in by it (neither found nor tokenized), read in the format val_path is."""
+    training data stands in by it (neither found nor tokenized), read in the format val_path is.
+    Data the run trained on is said on stderr: all of it is scored, a training loss mostly."""
     if not cfg.data.val_path:
         raise ConfigError("--data.val_path= is empty: omit it to evaluate on the run's own held-out data")
     input_files(cfg.data.val_path, "data.val_path")  # (read as data.path below: its refusals named that key)
+    within = reads_trained_files(cfg.data.val_path, _trained_paths(trained))
+    if within and speaks_for_the_job():
+        print(f"shardline eval: note: --data.val_path={cfg.data.val_path} reads files the run trained on (its data "
+              f"{_named(within)}): every document of it is scored, those it trained on too: mostly a training loss",
+              file=sys.stderr)
     cfg.data.format = val_format(cfg)
     cfg.data.path, cfg.data.mix = cfg.data.val_path, []
 
@@ -228,7 +250,7 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     data = cfg.data.val_path or " + ".join(s.path for s in cfg.data.mix) or cfg.data.path or "the shipped corpus"
-    return Evaluation(str(ckpt), step, loss, sequences, labelled, data)
+    return Evaluation(str(ckpt), step, loss, sequences, labelled, data, bool(cfg.data.val_path), t.seq_len)
 
 
 def _say_if_other_windows(ckpt: Path, seq_len: int) -> None:

@@ -169,6 +169,33 @@ def test_eval_on_a_folder_prepared_from_files_the_run_trained_on_says_its_split_
         assert "note" not in capsys.readouterr().err, alike
 
 
+def test_eval_with_another_split_or_on_the_training_file_says_it_scores_trained_documents(tmp_path, small_corpus,
+                                                                                           capsys):
+    """A walkthrough's silent cases: --data.val_fraction (a larger share) or --data.split=position on the
+    run's own raw data held out documents the run trained on, and --data.val_path on its training file scored
+    every one of them, each with no word said and a JSON alike to a held-out split's."""
+    from tests.conftest import tiny_overrides
+    from shardline.config import load_config
+
+    run = tmp_path / "run"
+    Trainer(load_config(None, tiny_overrides(run, small_corpus, "train.steps=2", "checkpoint.interval=2",
+                                             "train.eval_interval=0", "data.val_fraction=0.05"))).build().train()
+    capsys.readouterr()
+    own = _eval(capsys, str(run), "--batches", "1")
+    assert (own["whole_data"], own["seq_len"], own["data"]) == (False, 32, str(small_corpus))
+    for other in ("--data.val_fraction=0.2", "--data.split=position"):
+        assert main(["eval", str(run), other, "--batches", "1"]) == 0
+        assert (f"shardline eval: note: {small_corpus} reads files the run trained on (its data {small_corpus}), with "
+                "a held-out split of its own") in capsys.readouterr().err, other
+    for part in ("--data.val_fraction=0.01", "--data.val_fraction=0.05"):  # by content, a smaller share: held out
+        assert main(["eval", str(run), part, "--batches", "1"]) == 0
+        assert "note" not in capsys.readouterr().err, part
+    assert main(["eval", str(run), f"--data.val_path={small_corpus}", "--batches", "1"]) == 0
+    said = capsys.readouterr()
+    assert f"--data.val_path={small_corpus} reads files the run trained on" in said.err
+    assert " sequences of 32 tokens, " in said.out and f"labelled tokens of all of {small_corpus}" in said.out
+
+
 def test_a_killed_one_process_evaluations_folder_goes_with_the_next_one(monkeypatch):
     """SIGKILL skips an evaluation's cleanup: its temporary run dir stayed in /tmp for good where
     one process ran it (only ranked ones' were swept). A folder whose lock's process is gone goes

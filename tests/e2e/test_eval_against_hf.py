@@ -3,8 +3,9 @@
 The reference is written from the README's description, not from shardline's code: the run's
 last checkpoint exported as users export it (`shardline convert to-hf`), loaded by transformers'
 LlamaForCausalLM (fp32, CPU); the held-out split read through the run's own data objects
-(`trainer.data.val`), of which an evaluation takes the first `train.eval_batches` global batches
-(`eval_batches x global_batch_size` sequences; a smaller split whole, each sequence once,
+(`trainer.data.val`), of which an evaluation takes `train.eval_batches` global batches spread evenly
+over it (`eval_batches x global_batch_size` sequences, n of a split of N: sequence floor(i x N / n) for
+i < n; a smaller split whole, each sequence once,
 `eval_sequences` saying how many); the loss is the mean cross-entropy over every labelled token
 of those sequences together (not a mean of per-batch means), with attention kept within each
 packed document where `train.document_mask` is on (a 4-D mask to HF) and plain causal where it
@@ -85,9 +86,9 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def reference(hf, val, n: int, doc_mask: bool, per: int | None = None) -> float:
-    """Mean cross-entropy over all labelled tokens of held-out sequences 0..n-1 (`per`: instead the
-    mean of per-chunk means over chunks of `per` sequences, the averaging this file must reject)."""
-    b = val.batch(list(range(n)))
+    """Mean cross-entropy over all labelled tokens of n held-out sequences spread over the split (`per`:
+    instead the mean of per-chunk means over chunks of `per` sequences, the averaging this file must reject)."""
+    b = val.batch([i * len(val) // n for i in range(n)])
     mask = document_mask(b["doc_ids"]) if doc_mask else None
     logits = hf(input_ids=b["input_ids"], attention_mask=mask).logits.float()
     ce = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=IGNORE, reduction="none")

@@ -535,14 +535,17 @@ def test_the_dry_run_names_the_files_a_folder_holds_that_are_not_read(tmp_path, 
 
 def test_sources_split_by_content_at_one_share_hold_out_the_same_documents():
     """By content, a document held out in one source is held out in any other at that share (files added or
-    not); a folder split by position (prepared before) matches only its own files in order."""
-    from shardline.data.overlaps import _Read, _split_alike
+    not), or at a larger one (not the reverse: a larger share holds out documents a smaller one trains on); a
+    folder split by position (prepared before) matches only its own files in order."""
+    from shardline.data.overlaps import _Read, _held_out_within
 
     a, more = _Read(set(), files=("x",), fraction=0.05), _Read(set(), files=("x", "y"), fraction=0.05)
-    assert _split_alike(a, more) and not _split_alike(a, _Read(set(), files=("x",), fraction=0.1))
+    larger = _Read(set(), files=("x",), fraction=0.1)
+    assert _held_out_within(a, more) and _held_out_within(more, a)
+    assert _held_out_within(a, larger) and not _held_out_within(larger, a)
     old = _Read(set(), files=("x",), fraction=0.05, rule=None)
-    assert not _split_alike(a, old) and _split_alike(old, _Read(set(), files=("x",), fraction=0.05, rule=None))
-    assert not _split_alike(old, _Read(set(), files=("x", "y"), fraction=0.05, rule=None))
+    assert not _held_out_within(a, old) and _held_out_within(old, _Read(set(), files=("x",), fraction=0.05, rule=None))
+    assert not _held_out_within(old, _Read(set(), files=("x", "y"), fraction=0.05, rule=None))
     from shardline.data.overlaps import _reads  # (a raw source under data.split=position: split as those folders)
 
     assert _reads("", 0.05, "position").rule is None and _reads("", 0.05).rule == a.rule

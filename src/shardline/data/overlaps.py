@@ -68,14 +68,17 @@ def _reads(path: str, fraction: float, split: str = "content") -> _Read:
     return read
 
 
-def _split_alike(a: _Read, b: _Read) -> bool:
-    """Whether two sources hold out the same documents: the same training tokens, or both split by content at
-    the same share, or by position (folders prepared before) from the same files in order at the same share."""
+def _held_out_within(a: _Read, b: _Read) -> bool:
+    """Whether source `a` holds out only documents `b` holds out: the same training tokens, or both split by
+    content, `a` at the same share or a smaller one (the documents whose hash is below it: a part of b's), or
+    by position (folders prepared before) from the same files in order at the same share."""
     if a.fingerprint and a.fingerprint == b.fingerprint:
         return True
-    if a.fraction != b.fraction or a.rule != b.rule:
+    if a.rule != b.rule or a.fraction is None or b.fraction is None:
         return False
-    return a.rule == SPLIT_RULE or bool(a.files) and a.files == b.files
+    if a.rule == SPLIT_RULE:
+        return a.fraction <= b.fraction
+    return a.fraction == b.fraction and bool(a.files) and a.files == b.files
 
 
 def _meet(mine: set[Path], theirs: set[Path]) -> bool:
@@ -97,7 +100,8 @@ def overlapping_sources(cfg: Config) -> tuple[str, str]:
         for other, theirs, their_how in read[i + 1:]:
             if (how == their_how and _meet(mine.roots, theirs.roots)) or (
                     mine.fingerprint and mine.fingerprint == theirs.fingerprint):
-                held = "" if cfg.data.val_path or _split_alike(mine, theirs) else HELD_OUT_APART
+                alike = _held_out_within(mine, theirs) and _held_out_within(theirs, mine)  # (both ways: each trains)
+                held = "" if cfg.data.val_path or alike else HELD_OUT_APART
                 return f"{key} and {other}", OVERLAP_WHY + held
     return "", ""
 
@@ -107,12 +111,19 @@ def val_path_in_training_data(cfg: Config) -> str:
     alike), as `key=path`, where it is evaluated on; "" for none."""
     if not cfg.data.val_path or not cfg.train.eval_interval:
         return ""
-    val = _reads(cfg.data.val_path, 0.0)
-    for key, path in [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [
-            ("data.path", cfg.data.path)]:
+    keyed = [(f"data.mix[{i}].path", s.path) for i, s in enumerate(cfg.data.mix)] or [("data.path", cfg.data.path)]
+    found = reads_trained_files(cfg.data.val_path, [path for _, path in keyed])
+    return next((f"{key}={path}" for key, path in keyed if path == found), "")
+
+
+def reads_trained_files(val_path: str, trained: list[str]) -> str:
+    """The first of the `trained` sources whose files `val_path` reads (it is, or lies inside, or was
+    prepared from one, or is prepared alike); "" for none."""
+    val = _reads(val_path, 0.0)
+    for path in trained:
         read = _reads(path, 0.0)
         if _meet(val.roots, read.roots) or (val.fingerprint and val.fingerprint == read.fingerprint):
-            return f"{key}={path}"
+            return path
     return ""
 
 
@@ -126,6 +137,6 @@ def split_apart(evaluated: list[str], fraction: float, trained: list[str], train
     for mine in filter(None, evaluated):
         read = _reads(mine, fraction, split)
         for path, their in theirs:
-            if _meet(read.roots, their.roots) and not _split_alike(read, their):
+            if _meet(read.roots, their.roots) and not _held_out_within(read, their):
                 return mine, path
     return None

@@ -69,8 +69,11 @@ def batch_index(step: int, skipped: list[int]) -> int:
 
 def eval_micro_batches(held_out: int, asked: int, micro: int) -> list[np.ndarray]:
     """The held-out sequences an evaluation reads, `micro` at a time (the last may be fewer):
-    the first `asked`, or the whole split when it holds fewer, each read once. Repeating a
-    small split to make up the count weighted its first sequences twice where it did not
-    divide the count, and an eval loss should be the mean over distinct held-out text."""
-    order = np.arange(min(asked, held_out))
+    `asked` of them spread evenly over the split (sequence floor(i x held_out / asked) for i < asked,
+    in order), or the whole split when it holds no more, each read once. The first `asked` in file
+    order scored one end of the split alone (a corpus's first books, a folder's first domain);
+    repeating a small split to make up the count weighted its first sequences twice, and an eval
+    loss should be the mean over distinct held-out text."""
+    count = min(asked, held_out)
+    order = np.arange(count, dtype=np.int64) * held_out // max(count, 1)  # (count == held_out: every one)
     return [order[i:i + micro] for i in range(0, len(order), micro)]

@@ -149,7 +149,7 @@ class IntervalWork:
                 + (f"; the best checkpoint: {best}" if best else "") + "; to train on, raise it (or 0: off) and rerun")
 
     def evaluate(self, stop: Callable[[], bool] | None = None) -> float | None:
-        """Mean loss over the held-out split's first eval_batches global batches (eval_micro_batches), shared
+        """Mean loss over eval_batches global batches of the held-out split, spread over it (eval_micro_batches), shared
         by the data-parallel ranks: the same sequences, so the same number, whatever the layout. None,
         logging nothing, where `stop` (asked of every rank alike between micro-batches) said to stop."""
         self.refuse_ended("evaluate()")
