@@ -26,6 +26,7 @@ from shardline.data.tokenizer import bos_prefix, extends_file, tokenizer_json
 from shardline.errors import CheckpointError, ConfigError
 from shardline.interop.convert import checkpoint_tokenizer
 from shardline.interop.hf_files import TOKENIZER_NAME
+from shardline.interop.hub import hub_hint
 from shardline.metrics import require_tensorboard
 from shardline.interop.model_shape import model_shape, weight_changes
 from shardline.layout import Job, Layout
@@ -44,7 +45,6 @@ from shardline.resilience.resume_checks import check_saved_position, check_steps
 @dataclass(frozen=True)
 class Preflight:
     """A launch that passed every check: its layout and model shape."""
-
     layout: Layout
     model_args: ModelArgs
 
@@ -65,7 +65,7 @@ def use_model_tokenizer(cfg: Config) -> str | None:
     if stand_in is not None:
         return _tokenizer_of_stand_in(cfg, stand_in, f"{key}={value!r}")
     if not Path(value).is_dir():
-        raise ConfigError(f"{key}={value!r} does not exist or is not a folder")
+        raise ConfigError(f"{key}={value!r} does not exist or is not a folder{hub_hint(value)}")
     if d.tokenizer:
         return None
     found = Path(m.hf_path) / TOKENIZER_NAME if m.hf_path else checkpoint_tokenizer(Path(m.init_from))

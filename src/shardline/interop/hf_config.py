@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from shardline.errors import CheckpointError
+from shardline.interop.hub import hub_hint
 from shardline.models.llama import ModelArgs
 from shardline.models.moe import MoEArgs
 from shardline.models.moe.args import balance_coef_to_hf
@@ -30,7 +31,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 def _hf_folder(path: str | os.PathLike) -> Path:
     folder = Path(path)
     if not folder.exists():
-        raise CheckpointError(f"Hugging Face folder {folder} does not exist")
+        raise CheckpointError(f"Hugging Face folder {folder} does not exist{hub_hint(str(path))}")
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder; expected a Hugging Face model folder holding {CONFIG_NAME}")
     return folder
@@ -211,8 +212,7 @@ def _dense_args(cfg: dict, where: Path, family: str) -> ModelArgs:
         ffn_dim=_number(cfg, "intermediate_size", where, int),
         norm_eps=_number(cfg, "rms_norm_eps", where, float, default=default_eps),
         rope_theta=theta, rope_scaling=scaling,
-        max_seq_len=max_pos,
-        tie_embeddings=tie,
+        max_seq_len=max_pos, tie_embeddings=tie,
     )
 
 
