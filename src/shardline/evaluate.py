@@ -59,6 +59,7 @@ class Evaluation:
     data: str
     whole: bool  # all of the data scored (data.val_path), not its held-out split
     seq_len: int
+    by_source: dict[str, float]  # a mixture's held-out split: each source's loss in it
 
     @property
     def perplexity(self) -> float:
@@ -67,13 +68,14 @@ class Evaluation:
     def line(self) -> str:
         return (f"eval {self.checkpoint} (step {self.step}): loss {self.loss:.4f} | ppl {self.perplexity:.2f} | "
                 f"{self.sequences:,} {'' if self.whole else 'held-out '}sequences of {self.seq_len} tokens, "
-                f"{self.labelled_tokens:,} labelled tokens of {'all of ' if self.whole else ''}{self.data}")
+                f"{self.labelled_tokens:,} labelled tokens of {'all of ' if self.whole else ''}{self.data}"
+                + "".join(f"\n  {name}: loss {loss:.4f}" for name, loss in self.by_source.items()))
 
     def as_json(self) -> str:
         return json.dumps({"checkpoint": self.checkpoint, "step": self.step, "loss": self.loss,
                            "perplexity": self.perplexity, "sequences": self.sequences,
                            "labelled_tokens": self.labelled_tokens, "data": self.data, "whole_data": self.whole,
-                           "seq_len": self.seq_len})
+                           "seq_len": self.seq_len, **({"by_source": self.by_source} if self.by_source else {})})
 
 
 def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[Config, Path, int]:
@@ -240,7 +242,7 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
             if batches is not None:
                 t.eval_batches = -(-held_out // t.global_batch_size) if batches == 0 else batches
             loss = trainer.evaluate()
-            sequences, labelled = trainer.evaluated
+            (sequences, labelled), by_source = trainer.evaluated, trainer.evaluated_by_source
             if proc.rank == 0:
                 _say_if_other_windows(ckpt, t.seq_len)
         finally:
@@ -250,7 +252,7 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     data = cfg.data.val_path or " + ".join(s.path for s in cfg.data.mix) or cfg.data.path or "the shipped corpus"
-    return Evaluation(str(ckpt), step, loss, sequences, labelled, data, bool(cfg.data.val_path), t.seq_len)
+    return Evaluation(str(ckpt), step, loss, sequences, labelled, data, bool(cfg.data.val_path), t.seq_len, by_source)
 
 
 def _say_if_other_windows(ckpt: Path, seq_len: int) -> None:

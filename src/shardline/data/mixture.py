@@ -13,8 +13,8 @@ of it, shifted by one each pass, so all of it is seen within ceil(len_k / n_k) p
 (a fixed part would leave the rest unseen however long the run). Up-weighted, it is
 (e x n_k + j) mod len_k: every sequence equally often, the remainder rotating.
 
-`interleave` orders the blocks so that every prefix holds the sources in proportion:
-the held-out mixture uses it, since evaluation reads the first indices.
+`interleave` orders the blocks so that every prefix, and every evenly spaced subset, holds the
+sources in proportion: the held-out mixture uses it, since evaluation reads indices spread over it.
 """
 
 from __future__ import annotations
@@ -68,6 +68,12 @@ class MixedSequences:
                 rows[torch.from_numpy(np.flatnonzero(src == k))] = part[key]
             out[key] = rows
         return out
+
+    def by_source(self, indices) -> list[tuple[int, np.ndarray]]:
+        """(source, the indices of `indices` it holds, in order) for each source holding any."""
+        indices = np.asarray(indices, dtype=np.int64)
+        src = self.locate(indices)[0]
+        return [(int(k), indices[src == k]) for k in np.unique(src)]
 
     def sequences_per_source(self, indices) -> np.ndarray:
         return np.bincount(self.locate(indices)[0], minlength=len(self.sources))

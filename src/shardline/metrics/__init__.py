@@ -72,7 +72,9 @@ def format_line(rec: dict[str, Any], total_steps: int) -> str:
                          + (f" ({100 * rec['dropped_share']:.1f}%)" if "dropped_share" in rec else ""))
         return " | ".join(parts)
     if rec["kind"] == "eval":
-        return f"eval step {rec['step']} | loss {rec['eval_loss']:.4f} | ppl {rec['eval_ppl']:.2f}"
+        by_source = " ".join(f"{name} {loss:.4f}" for name, loss in rec.get("eval_loss_by_source", {}).items())
+        return f"eval step {rec['step']} | loss {rec['eval_loss']:.4f} | ppl {rec['eval_ppl']:.2f}" + (
+            f" | by source: {by_source}" if by_source else "")
     fields = " ".join(f"{k}={_value(v)}" for k, v in rec.items() if k not in ("kind", "event", "time"))
     return f"[{rec['event']}] {fields}"
 

@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from shardline.data.mixture import MixedSequences
 from shardline.data.sampler import batch_index, eval_micro_batches
 from shardline.errors import ConfigError
 from shardline.metrics import mfu, peak_memory_gib
@@ -149,22 +150,35 @@ class IntervalWork:
                 + (f"; the best checkpoint: {best}" if best else "") + "; to train on, raise it (or 0: off) and rerun")
 
     def evaluate(self, stop: Callable[[], bool] | None = None) -> float | None:
-        """Mean loss over eval_batches global batches of the held-out split, spread over it (eval_micro_batches), shared
-        by the data-parallel ranks: the same sequences, so the same number, whatever the layout. None,
-        logging nothing, where `stop` (asked of every rank alike between micro-batches) said to stop."""
+        """Mean loss over eval_batches global batches of the held-out split, spread over it (eval_micro_batches),
+        shared by the data-parallel ranks: the same sequences, so the same number, whatever the layout. A
+        mixture's sources are scored apart (each its own micro-batches), their losses logged beside the
+        whole's. None, logging nothing, where `stop` (asked of every rank alike between micro-batches) said to
+        stop."""
         self.refuse_ended("evaluate()")
-        self.evaluated = (0, 0)  # (an evaluation stopped midway scored none)
-        t = self.cfg.train
+        self.evaluated, self.evaluated_by_source = (0, 0), {}  # (an evaluation stopped midway scored none)
+        t, val = self.cfg.train, self.data.val
         self.model.eval()
-        batches = eval_micro_batches(len(self.data.val), t.eval_batches * t.global_batch_size, t.micro_batch_size)
-        total = self.runner.eval_loss_total(batches, self.data.val.batch, stop)
-        if total is None:
-            return None
-        labelled = self.data.val.count_labels(np.concatenate(batches)) if batches else 0
-        loss = total.item() / max(labelled, 1)
-        self.evaluated = (sum(map(len, batches)), labelled)  # (sequences, tokens scored): what `shardline eval` says
+        batches = eval_micro_batches(len(val), t.eval_batches * t.global_batch_size, t.micro_batch_size)
+        chosen = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
+        mixed = isinstance(val, MixedSequences) and bool(self.data.source_names) and not self.cfg.data.val_path
+        parts = val.by_source(chosen) if mixed else [(None, chosen)]
+        scored = {}  # source -> (summed loss, labelled tokens)
+        for source, part in parts:  # (the same parts on every rank: the data is every rank's)
+            micro = [part[i:i + t.micro_batch_size] for i in range(0, len(part), t.micro_batch_size)]
+            total = self.runner.eval_loss_total(micro if mixed else batches, val.batch, stop)
+            if total is None:
+                return None
+            scored[source] = (total.item(), val.count_labels(part) if len(part) else 0)
+        labelled = sum(n for _, n in scored.values())
+        loss = sum(total for total, _ in scored.values()) / max(labelled, 1)
+        self.evaluated = (len(chosen), labelled)  # (sequences, tokens scored): what `shardline eval` says
+        if mixed:
+            names = self.data.source_names
+            self.evaluated_by_source = {names[k]: total / max(n, 1) for k, (total, n) in scored.items()}
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)),
-                         eval_sequences=self.evaluated[0])
+                         eval_sequences=self.evaluated[0],
+                         **({"eval_loss_by_source": self.evaluated_by_source} if mixed else {}))
         return loss
 
     def refuse_ended(self, what: str) -> None:
