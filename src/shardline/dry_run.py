@@ -42,7 +42,7 @@ from shardline.planner.attention import mask_hint
 from shardline.planner.memory import GiB
 from shardline.planner.offload import OFFLOADED, OUTSIDE_DEVICE, node_ranks
 from shardline.resilience.checkpoint import verify
-from shardline.resilience.recovery import (data_changes, saved_config, saved_evaluations_since_lowest, saved_step,
+from shardline.resilience.recovery import (data_changes, saved_config, saved_early_stop, saved_step,
                                           saved_world_size, settings_changed)
 from shardline.resilience.resume_checks import check_saved_position
 from shardline.preflight import (Preflight, bos_setting, check_config, check_device, check_layout_before_data,
@@ -128,8 +128,8 @@ def _resume_lines(cfg: Config, resume: Path | None, stand_in: bool, world: int, 
     lines = [f"          changed since it: {said}"] if changes else []
     if world_changed and not world_given:
         lines.append(f"          saved on {saved_world} ranks (give --world-size N to check the launch's)")
-    last, patience, since = cfg.train.last_step, cfg.train.early_stop_patience, saved_evaluations_since_lowest(resume)
-    ended_early = bool(patience) and since >= patience and step < last  # (train.early_stop_patience: its run is over)
+    last, patience, since = cfg.train.last_step, cfg.train.early_stop_patience, saved_early_stop(resume)
+    ended_early = bool(patience) and since is not None and since >= patience and step < last  # (its run is over)
     jump = next_lr_change(step, saved, cfg.train.steps, cfg.optim)
     if jump and step < last and not ended_early:
         lines.append(f"          lr of the next update (step {step + 1}): {jump[0]:.3g} -> {jump[1]:.3g} (the "

@@ -24,7 +24,6 @@ import random
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -32,14 +31,14 @@ from pathlib import Path
 
 import torch.distributed
 
-from shardline.config import Config, DataConfig, apply_override, from_dict, override_list
-from shardline.data.file_stamps import changed_files
-from shardline.data.validation import SPLIT_RULE, split_by_prepare, split_rule, training_val_fraction, val_format
+from shardline.config import Config, apply_override, from_dict, override_list
+from shardline.data.validation import SPLIT_RULE, split_by_prepare, split_rule, val_format
 from shardline.data.shards import tokenizer_file
-from shardline.data.sources import input_files, shipped_corpus
-from shardline.data.overlaps import reads_trained_files, split_apart
+from shardline.data.sources import input_files
 from shardline.data.tokenizer import extends_file
 from shardline.errors import ConfigError, ShardlineError, on_every_rank
+from shardline.eval_notes import (say_if_data_changed, say_if_other_windows, say_if_split_apart,
+                                  say_if_val_path_trained_on)
 from shardline.parallel.distributed import (agreed, init_distributed, pick_device, ranks_differing,
                                             speaks_for_the_job)
 
@@ -57,7 +56,8 @@ class Evaluation:
     sequences: int
     labelled_tokens: int
     data: str
-    whole: bool  # all of the data scored (data.val_path), not its held-out split
+    validation_data: bool  # data.val_path's sequences scored, not a held-out split cut from the training data
+    all_sequences: bool  # every sequence of what was scored (--batches 0, or a split no larger than asked)
     seq_len: int
     by_source: dict[str, float]  # a mixture's held-out split: each source's loss in it
 
@@ -67,14 +67,16 @@ class Evaluation:
 
     def line(self) -> str:
         return (f"eval {self.checkpoint} (step {self.step}): loss {self.loss:.4f} | ppl {self.perplexity:.2f} | "
-                f"{self.sequences:,} {'' if self.whole else 'held-out '}sequences of {self.seq_len} tokens, "
-                f"{self.labelled_tokens:,} labelled tokens of {'all of ' if self.whole else ''}{self.data}"
+                f"{self.sequences:,} {'' if self.validation_data else 'held-out '}sequences of {self.seq_len} tokens"
+                f"{' (all of them)' if self.all_sequences else ''}, {self.labelled_tokens:,} labelled tokens of "
+                f"{'the validation data ' if self.validation_data else ''}{self.data}"
                 + "".join(f"\n  {name}: loss {loss:.4f}" for name, loss in self.by_source.items()))
 
     def as_json(self) -> str:
         return json.dumps({"checkpoint": self.checkpoint, "step": self.step, "loss": self.loss,
                            "perplexity": self.perplexity, "sequences": self.sequences,
-                           "labelled_tokens": self.labelled_tokens, "data": self.data, "whole_data": self.whole,
+                           "labelled_tokens": self.labelled_tokens, "data": self.data,
+                           "validation_data": self.validation_data, "all_sequences": self.all_sequences,
                            "seq_len": self.seq_len, **({"by_source": self.by_source} if self.by_source else {})})
 
 
@@ -133,7 +135,7 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     if "data.val_path" in given and given.isdisjoint({"data.path", "data.mix"}):
         _val_path_alone(cfg, saved.get("data") or {})
     elif not cfg.data.val_path and not given.isdisjoint({"data.path", "data.mix", "data.val_fraction", "data.split"}):
-        _say_if_split_apart(saved.get("data") or {}, cfg)  # (a held-out split other than the run's: on it)
+        say_if_split_apart(saved.get("data") or {}, cfg)  # (a held-out split other than the run's: on it)
     cfg.model.init_from, cfg.model.hf_path = str(ckpt), ""
     cfg.run.dir, cfg.run.resume = str(run_dir), "never"
     cfg.checkpoint.interval, cfg.checkpoint.memory_interval = 0, 0
@@ -147,31 +149,6 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[C
     return cfg, ckpt, saved_step(ckpt)  # (a folder renamed or converted keeps its manifest's step)
 
 
-def _say_if_split_apart(trained: dict, cfg: Config) -> None:
-    """On stderr, where the data given to evaluate on reads files the run trained on, split apart from
-    the run's split (a folder prepared again with files added holds out other documents): its held-out
-    documents may be ones the run trained on, a training loss."""
-    held = 0.0 if trained.get("val_path") else trained.get("val_fraction", DataConfig().val_fraction)
-    found = split_apart([s.path for s in cfg.data.mix] or [cfg.data.path or str(shipped_corpus())],
-                        training_val_fraction(cfg), _trained_paths(trained), held, cfg.data.split,
-                        trained.get("split", "position"))  # (none saved: a run from before it)
-    if found and speaks_for_the_job():
-        print(f"shardline eval: note: {_named(found[0])} reads files the run trained on (its data "
-              f"{_named(found[1])}), with a held-out split of its own: the documents it holds out may be ones the run "
-              "trained on", file=sys.stderr)
-
-
-def _named(path: str) -> str:
-    """A data path as a note names it ("the shipped corpus" for the file a run of data.path="" reads)."""
-    return "the shipped corpus" if path == str(shipped_corpus()) else path
-
-
-def _trained_paths(trained: dict) -> list[str]:
-    """The paths of the data a run trained on, from its saved [data] (the shipped corpus's file for "")."""
-    paths = [s.get("path", "") for s in trained.get("mix") or [] if isinstance(s, dict)] or [trained.get("path", "")]
-    return [path or str(shipped_corpus()) for path in paths]
-
-
 def _val_path_alone(cfg: Config, trained: dict) -> None:
     """--data.val_path without other data: the evaluation reads that file alone, so the run's
     training data stands in by it (neither found nor tokenized), read in the format val_path is.
@@ -179,11 +156,7 @@ def _val_path_alone(cfg: Config, trained: dict) -> None:
     if not cfg.data.val_path:
         raise ConfigError("--data.val_path= is empty: omit it to evaluate on the run's own held-out data")
     input_files(cfg.data.val_path, "data.val_path")  # (read as data.path below: its refusals named that key)
-    within = reads_trained_files(cfg.data.val_path, _trained_paths(trained))
-    if within and speaks_for_the_job():
-        print(f"shardline eval: note: --data.val_path={cfg.data.val_path} reads files the run trained on (its data "
-              f"{_named(within)}): every document of it is scored, those it trained on too: mostly a training loss",
-              file=sys.stderr)
+    say_if_val_path_trained_on(cfg.data.val_path, trained)
     cfg.data.format = val_format(cfg)
     cfg.data.path, cfg.data.mix = cfg.data.val_path, []
 
@@ -237,14 +210,14 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
             # a validation file is not cut from the training data)
             own_data = not any(o.removeprefix("--").startswith("data.") for o in given) and not cfg.data.val_path
             if own_data and proc.rank == 0:
-                _say_if_data_changed(ckpt, trainer.data.position_state(), by_content=split_rule(cfg) == SPLIT_RULE)
+                say_if_data_changed(ckpt, trainer.data.position_state(), split_rule(cfg) == SPLIT_RULE, batches == 0)
             t, held_out = trainer.cfg.train, len(trainer.data.val)
             if batches is not None:
                 t.eval_batches = -(-held_out // t.global_batch_size) if batches == 0 else batches
             loss = trainer.evaluate()
             (sequences, labelled), by_source = trainer.evaluated, trainer.evaluated_by_source
             if proc.rank == 0:
-                _say_if_other_windows(ckpt, t.seq_len)
+                say_if_other_windows(ckpt, t.seq_len)
         finally:
             trainer.close()
         if proc.world_size > 1:
@@ -252,41 +225,8 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     data = cfg.data.val_path or " + ".join(s.path for s in cfg.data.mix) or cfg.data.path or "the shipped corpus"
-    return Evaluation(str(ckpt), step, loss, sequences, labelled, data, bool(cfg.data.val_path), t.seq_len, by_source)
-
-
-def _say_if_other_windows(ckpt: Path, seq_len: int) -> None:
-    """On stderr, where --train.seq_len gave other windows than the run evaluated in: another number,
-    which reads as the logged eval loss's drift."""
-    try:
-        trained_at = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))["config"]["train"]["seq_len"]
-    except (OSError, ValueError, KeyError, TypeError):  # (a checkpoint converted from HF: no run to compare)
-        return
-    if trained_at != seq_len:
-        print(f"shardline: note: evaluated in windows of train.seq_len={seq_len} tokens, where the run evaluated in "
-              f"{trained_at}: not comparable to its logged eval loss", file=sys.stderr)
-
-
-def _say_if_data_changed(ckpt: Path, position: dict, by_content: bool) -> None:
-    """On stderr, where the run's own data no longer holds the tokens the checkpoint trained on
-    (edited since): its held-out split is cut from other documents, so the loss is not the one
-    the run logged and may count documents it trained on. Said, not refused: the score is still
-    the checkpoint's on the data as it is now."""
-    try:
-        data = torch.load(ckpt / "trainer" / "rank0.pt", weights_only=True)["data"]
-        saved = data.get("content")
-    except Exception:  # (a checkpoint converted from HF, or older: nothing to compare)
-        return
-    now = position.get("content")
-    if saved and now and saved != now:
-        files = changed_files(data.get("files"), position.get("files"))
-        kept = by_content and data.get("split") == SPLIT_RULE  # (held out by content then and now: kept out)
-        print(f"shardline eval: the run's data changed since {ckpt.name} was saved (training tokens {saved}, "
-              f"now {now}{'; changed: ' + files if files else ''}): its held-out split is not the one the run "
-              "evaluated on" + (": its unchanged held-out documents are held out still (by content), documents "
-                                "added or edited since are split anew, and it may hold documents it trained on, "
-                                "edited since" if kept else ", and may hold documents it trained on"),
-              file=sys.stderr, flush=True)
+    return Evaluation(str(ckpt), step, loss, sequences, labelled, data, bool(cfg.data.val_path), sequences >= held_out,
+                      t.seq_len, by_source)
 
 
 def _agreed_config(src: str | Path, overrides: list[str], run_dir: Path):

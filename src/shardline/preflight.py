@@ -65,7 +65,7 @@ def use_model_tokenizer(cfg: Config) -> str | None:
     if stand_in is not None:
         return _tokenizer_of_stand_in(cfg, stand_in, f"{key}={value!r}")
     if not Path(value).is_dir():
-        raise ConfigError(f"{key}={value!r} does not exist or is not a folder{hub_hint(value)}")
+        raise ConfigError(f"{key}={value!r} does not exist or is not a folder{hub_hint(value) * bool(m.hf_path)}")
     if d.tokenizer:
         return None
     found = Path(m.hf_path) / TOKENIZER_NAME if m.hf_path else checkpoint_tokenizer(Path(m.init_from))

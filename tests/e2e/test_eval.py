@@ -182,7 +182,8 @@ def test_eval_with_another_split_or_on_the_training_file_says_it_scores_trained_
                                              "train.eval_interval=0", "data.val_fraction=0.05"))).build().train()
     capsys.readouterr()
     own = _eval(capsys, str(run), "--batches", "1")
-    assert (own["whole_data"], own["seq_len"], own["data"]) == (False, 32, str(small_corpus))
+    assert (own["validation_data"], own["all_sequences"], own["seq_len"], own["data"]) == (
+        False, False, 32, str(small_corpus))
     for other in ("--data.val_fraction=0.2", "--data.split=position"):
         assert main(["eval", str(run), other, "--batches", "1"]) == 0
         assert (f"shardline eval: note: {small_corpus} reads files the run trained on (its data {small_corpus}), with "
@@ -193,7 +194,10 @@ def test_eval_with_another_split_or_on_the_training_file_says_it_scores_trained_
     assert main(["eval", str(run), f"--data.val_path={small_corpus}", "--batches", "1"]) == 0
     said = capsys.readouterr()
     assert f"--data.val_path={small_corpus} reads files the run trained on" in said.err
-    assert " sequences of 32 tokens, " in said.out and f"labelled tokens of all of {small_corpus}" in said.out
+    assert " sequences of 32 tokens, " in said.out and f"labelled tokens of the validation data {small_corpus}" in \
+        said.out
+    every = _eval(capsys, str(run), f"--data.val_path={small_corpus}", "--batches", "0")
+    assert (every["validation_data"], every["all_sequences"]) == (True, True)
 
 
 def test_a_killed_one_process_evaluations_folder_goes_with_the_next_one(monkeypatch):
@@ -293,6 +297,10 @@ def test_a_checkpoint_converted_from_hf_asks_for_the_data_to_evaluate_on(trained
     assert "holds no run's config (converted from HF?), so no data of its own: give the data to evaluate on, " \
            "--data.path=PATH" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "ckpt"), f"--data.path={small_prepared}", "--batches", "1"]) == 0
+    from shardline.data.sources import shipped_corpus  # (no run's data: nothing "it trained on" to name)
+
+    assert main(["eval", str(tmp_path / "ckpt"), f"--data.val_path={shipped_corpus()}", "--batches", "1"]) == 0
+    assert "note" not in capsys.readouterr().err
 
 
 def test_eval_of_a_mixture_run_on_one_source_and_of_a_one_source_run_on_a_mixture(trained, tmp_path, capsys,

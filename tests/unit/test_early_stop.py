@@ -73,13 +73,59 @@ def test_min_delta_counts_only_a_large_enough_drop(tiny_config, tmp_path):
     assert [r["outcome"] for r in logged if r.get("event") == "end"] == ["early_stopped"]
 
 
-def test_at_the_runs_last_step_it_is_complete(tiny_config, tmp_path):
-    """A stall reached at the last step stops nothing: the run ends there as planned."""
-    Trainer(tiny_config("optim.lr=1e-3", "train.steps=6", "train.eval_interval=2", "checkpoint.interval=0",
-                        "train.early_stop_patience=2", "train.early_stop_min_delta=100")).build().train()
+def test_at_the_runs_last_step_it_is_complete_and_an_extension_trains_on(tiny_config, tmp_path):
+    """A stall reached at the last step stops nothing: the run ends there as planned, and a relaunch that
+    extends it trains on (the review's find: its saved count read as an early stop, so it trained nothing)
+    until its next evaluation, which goes on counting."""
+    settings = ("optim.lr=1e-3", "train.eval_interval=2", "checkpoint.interval=6", "train.early_stop_patience=2",
+                "train.early_stop_min_delta=100")
+    Trainer(tiny_config(*settings, "train.steps=6")).build().train()
     logged = records(tmp_path / "run")
     assert not [r for r in logged if r.get("event") == "early_stop"]
     assert [r["outcome"] for r in logged if r.get("event") == "end"] == ["complete"]
+    longer = Trainer(tiny_config(*settings, "train.steps=12")).build()
+    assert (longer.step, longer.early_stopped_at, longer.eval_trend[2]) == (6, None, 2)
+    longer.train()
+    ends = [(r["step"], r["outcome"]) for r in records(tmp_path / "run") if r.get("event") == "end"]
+    assert ends[-1] == (8, "early_stopped")  # (its first evaluation: 3 in a row)
+
+
+def test_a_diverged_evaluation_counts_neither_way(tiny_config, tmp_path):
+    trainer = Trainer(tiny_config("train.early_stop_patience=1", "checkpoint.interval=0")).build()
+    try:
+        trainer.eval_trend = (5.0, 2, 0)
+        assert not trainer._stalled(float("nan"), 4) and not trainer._stalled(float("inf"), 4)
+        assert trainer.eval_trend == (5.0, 2, 0) and trainer.early_stopped_at is None
+        assert trainer._stalled(6.0, 6) and trainer.early_stopped_at == 6  # (a finite one above: the stop)
+    finally:
+        trainer.close()
+
+
+def test_a_checkpoint_saved_before_the_spread_evaluation_counts_anew(tiny_config, tmp_path):
+    """Its evaluations read the split's first sequences: its best loss and stall count are not compared with
+    the spread evaluation's (a false best, or one never beaten); the best's folder stays kept meanwhile."""
+    import torch
+
+    from tests.conftest import resealed
+
+    run = tmp_path / "run"
+    settings = (*DIVERGING, "checkpoint.keep_best=true", "train.early_stop_patience=5", "checkpoint.interval=4")
+    Trainer(tiny_config(*settings, "train.stop_at_step=4")).build().train()
+    meta = (run / "checkpoints" / "step-000004" / "meta.json").read_text()
+    json.loads(meta, parse_constant=lambda c: pytest.fail(f"meta.json holds {c}: not JSON"))
+    folder = run / "checkpoints" / "step-000004"
+    state = torch.load(folder / "trainer" / "rank0.pt", weights_only=True)
+    assert state.pop("eval_order") == "spread" and state["best_eval"][1] == 2 and state["eval_trend"][2] == 1
+    torch.save(state, folder / "trainer" / "rank0.pt")
+    resealed(folder, "trainer/rank0.pt")
+    resumed = Trainer(tiny_config(*settings)).build()
+    try:
+        assert resumed.best_eval[1] == 0 and resumed.eval_trend == (float("inf"), 0, 0)
+        assert resumed.checkpointer.keep_also == [run / "checkpoints" / "step-000002"]  # (kept until a new best)
+    finally:
+        resumed.close()
+    said = [r for r in records(run) if r.get("event") == "eval_changed"]
+    assert len(said) == 1 and "count anew" in said[0]["note"]
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -35,7 +35,7 @@ def test_each_sources_loss_is_its_own_sequences_mean_and_makes_up_the_whole(tiny
     trainer = Trainer(tiny_config(*settings)).build()  # (resumes the step-2 checkpoint: the weights evaluated)
     try:
         val, t = trainer.data.val, trainer.cfg.train
-        chosen = np.concatenate(eval_micro_batches(len(val), t.eval_batches * t.global_batch_size,
+        chosen = np.concatenate(eval_micro_batches(val, t.eval_batches * t.global_batch_size,
                                                    t.micro_batch_size))
         trainer.model.eval()
         sums, counts = [], []
@@ -58,3 +58,25 @@ def test_one_source_logs_no_split(tiny_config, tmp_path):
     record = next(json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
                   if '"kind": "eval"' in line)
     assert "eval_loss_by_source" not in record
+
+
+@pytest.mark.parametrize("sizes, weights, asked", [((64, 64), (1, 1), 32), ((30, 30, 30), (1, 1, 1), 30),
+                                                   ((60, 30), (2, 1), 30), ((130, 125), (1, 1), 64)])
+def test_an_evaluation_reads_each_source_in_proportion_spread_over_it(sizes, weights, asked):
+    """An even spread over the interleaved held-out mixture (A,B,A,B...) at every second index read one source
+    alone (the review's find: [64, 64] asked 32 gave [32, 0]); each source's share is spread over its own."""
+    from shardline.data.mixture import MixedSequences
+    from shardline.data.packing import PackedSequences
+
+    sources = [PackedSequences([[k + 1] * 8 for _ in range(n)], 7, None) for k, n in enumerate(sizes)]
+    sizes = [len(s) for s in sources]  # (packed: about the sizes asked, equal ones alike)
+    val = MixedSequences(sources, list(weights), interleave=True)
+    chosen = np.concatenate(eval_micro_batches(val, asked, 4))
+    assert len(set(chosen.tolist())) == len(chosen) == asked
+    src, local = val.locate(chosen)
+    got = np.bincount(src, minlength=len(sizes))
+    want = np.array(val.counts) * asked / len(val)
+    assert np.all(np.abs(got - want) <= 1), (got, want)
+    for k in range(len(sizes)):  # spread over the source: its first and last tenth both read
+        mine = local[src == k]
+        assert mine.min() < 0.1 * sizes[k] and mine.max() >= 0.9 * sizes[k] - 1, mine

@@ -1,7 +1,7 @@
 """The package's layers point down only: a module imports nothing from a layer above its own.
 
     errors, version < config < layout < models < data, parallel < optim, precision, metrics, devices, profiling
-           < resilience < interop < preflight < launch_notes < trainer, planner
+           < resilience < interop < preflight < launch_notes, eval_notes < trainer, planner
            < simulator, dry_run, generate, evaluate < cli
 
 Modules of one layer do not import each other's packages either (data and parallel are
@@ -28,7 +28,7 @@ LAYERS = [
     {"resilience"},
     {"interop"},
     {"preflight"},
-    {"launch_notes"},
+    {"launch_notes", "eval_notes"},
     {"trainer", "planner"},
     {"simulator", "dry_run", "generate", "evaluate"},
     {"cli"},

@@ -45,7 +45,7 @@ def check_replies_fit(sources: list[tuple[str, PackedSequences]], val, cfg: Conf
         raise DataError(f"{', '.join(w for w, _ in chat)}: none of {looked} sequences of train.seq_len={t.seq_len} "
                         f"holds a reply token to learn ({why})")
     if t.eval_interval and len(val):
-        read = np.concatenate(eval_micro_batches(len(val), t.eval_batches * t.global_batch_size, t.micro_batch_size))
+        read = np.concatenate(eval_micro_batches(val, t.eval_batches * t.global_batch_size, t.micro_batch_size))
         if val.count_labels(read) == 0:
             raise DataError(f"{', '.join(w for w, _ in chat)}: the held-out sequences an evaluation reads hold no "
                             f"reply token at train.seq_len={t.seq_len} (their conversations are cut before it), so "

@@ -13,8 +13,9 @@ of it, shifted by one each pass, so all of it is seen within ceil(len_k / n_k) p
 (a fixed part would leave the rest unseen however long the run). Up-weighted, it is
 (e x n_k + j) mod len_k: every sequence equally often, the remainder rotating.
 
-`interleave` orders the blocks so that every prefix, and every evenly spaced subset, holds the
-sources in proportion: the held-out mixture uses it, since evaluation reads indices spread over it.
+`interleave` orders the blocks so that every prefix holds the sources in proportion (the
+held-out mixture's). An evaluation reads `spread`: each source's share of the sequences asked,
+spread over that source's block.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from shardline.data.packing import PackedSequences
+from shardline.data.sampler import spread
 
 
 class MixedSequences:
@@ -68,6 +70,18 @@ class MixedSequences:
                 rows[torch.from_numpy(np.flatnonzero(src == k))] = part[key]
             out[key] = rows
         return out
+
+    def spread(self, asked: int) -> np.ndarray:
+        """min(asked, len) mixture indices, in order: each source's share of them by its block's size
+        (largest remainder), spread evenly over its block (an even spread over all the indices could
+        land on one source alone: A,B,A,B at every second index)."""
+        count = min(asked, len(self))
+        exact = self.counts / max(int(self.counts.sum()), 1) * count
+        shares = np.floor(exact).astype(np.int64)
+        shares[np.argsort(-(exact - shares), kind="stable")[:count - int(shares.sum())]] += 1
+        blocks = np.concatenate([self.offsets[k] + spread(int(n), int(m)) for k, (n, m) in
+                                 enumerate(zip(self.counts, shares))]) if count else np.zeros(0, dtype=np.int64)
+        return np.sort(blocks if self._order is None else np.argsort(self._order)[blocks])
 
     def by_source(self, indices) -> list[tuple[int, np.ndarray]]:
         """(source, the indices of `indices` it holds, in order) for each source holding any."""

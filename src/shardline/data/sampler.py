@@ -67,13 +67,25 @@ def batch_index(step: int, skipped: list[int]) -> int:
     return index
 
 
-def eval_micro_batches(held_out: int, asked: int, micro: int) -> list[np.ndarray]:
+# Which held-out sequences an evaluation reads, as a checkpoint records it: "spread" over the split (each
+# mixture source's share over its own); a checkpoint saved before 2026-12-07 records none (its first ones).
+EVAL_ORDER = "spread"
+
+
+def eval_micro_batches(val, asked: int, micro: int) -> list[np.ndarray]:
     """The held-out sequences an evaluation reads, `micro` at a time (the last may be fewer):
-    `asked` of them spread evenly over the split (sequence floor(i x held_out / asked) for i < asked,
-    in order), or the whole split when it holds no more, each read once. The first `asked` in file
-    order scored one end of the split alone (a corpus's first books, a folder's first domain);
-    repeating a small split to make up the count weighted its first sequences twice, and an eval
-    loss should be the mean over distinct held-out text."""
-    count = min(asked, held_out)
-    order = np.arange(count, dtype=np.int64) * held_out // max(count, 1)  # (count == held_out: every one)
+    `asked` of the split `val`, spread evenly over it, or the whole split when it holds no more,
+    each read once. The first `asked` in file order scored one end of the split alone (a corpus's
+    first books, a folder's first domain); repeating a small split to make up the count weighted
+    its first sequences twice, and an eval loss should be the mean over distinct held-out text.
+    A mixture spreads each source's share over that source (MixedSequences.spread): an even
+    spread over its interleaved blocks could land on one source alone (an A,B,A,B order at
+    every second index)."""
+    order = val.spread(asked) if hasattr(val, "spread") else spread(len(val), asked)
     return [order[i:i + micro] for i in range(0, len(order), micro)]
+
+
+def spread(size: int, asked: int) -> np.ndarray:
+    """min(asked, size) indices of range(size) spread evenly over it, in order: floor(i x size / n)."""
+    count = min(asked, size)
+    return np.arange(count, dtype=np.int64) * size // max(count, 1)

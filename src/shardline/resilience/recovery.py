@@ -242,11 +242,14 @@ def saved_world_size(path: Path | str | None) -> int | None:
     return world if isinstance(world, int) else None
 
 
-def saved_evaluations_since_lowest(path: Path | str | None) -> int:
-    """The evaluations in a row that had not lowered the run's lowest eval loss when checkpoint `path` was
-    saved (what train.early_stop_patience counts: the dry run's "nothing to train"); 0 where not recorded."""
+def saved_early_stop(path: Path | str | None) -> int | None:
+    """The evaluations in a row without a lower eval loss when checkpoint `path` was saved, where that ended
+    its run early (train.early_stop_patience: the dry run's "nothing to train"); None otherwise."""
     trend = _meta_field(path, "eval_trend")
-    return trend[2] if isinstance(trend, list) and len(trend) == 3 and isinstance(trend[2], int) else 0
+    if isinstance(trend, dict) and trend.get("early_stopped") and isinstance(trend.get("evaluations_since_lowest"),
+                                                                             int):
+        return trend["evaluations_since_lowest"]
+    return None
 
 
 def settings_changed(saved: dict, cfg: Config, stand_in: bool = False) -> dict[str, list]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from shardline.data.mixture import MixedSequences
-from shardline.data.sampler import batch_index, eval_micro_batches
+from shardline.data.sampler import EVAL_ORDER, batch_index, eval_micro_batches
 from shardline.errors import ConfigError
 from shardline.metrics import mfu, peak_memory_gib
 from shardline.optim import lr_multiplier
@@ -130,6 +130,8 @@ class IntervalWork:
         too). True, the run ending at `step` (early_stopped_at), once train.early_stop_patience of those
         come in a row: a fine-tune past its best point, whose later steps only overfit."""
         t, (lowest, at, since) = self.cfg.train, self.eval_trend
+        if not math.isfinite(loss):  # (a diverged model's: no evidence of a best point passed; the anomaly check's)
+            return False
         self.eval_trend = (loss, step, 0) if loss < lowest - t.early_stop_min_delta else (lowest, at, since + 1)
         if not t.early_stop_patience or self.eval_trend[2] < t.early_stop_patience or step >= t.steps:
             return False  # (at the run's last step: nothing left to stop)
@@ -138,6 +140,27 @@ class IntervalWork:
                            evaluations_since=self.eval_trend[2], patience=t.early_stop_patience,
                            min_delta=t.early_stop_min_delta)
         return True
+
+    def _restore_eval_record(self, state: dict) -> None:
+        """The best eval loss (checkpoint.keep_best), the trend and an early stop, from a checkpoint's trainer
+        state. A run that stopped early stays stopped while its count still reaches the patience (a launch
+        that raises it trains on); a count that reached it at the run's last step stopped nothing. A state
+        saved before the evaluation read sequences spread over the split (EVAL_ORDER) scored others: its
+        losses are not compared with this launch's (the best's folder stays kept until a new best lands)."""
+        best = tuple(state.get("best_eval", (float("inf"), 0)))
+        # (a launch with keep_best off saves none: the folder it named may be pruned since. Not judged by the
+        # folder's presence, which ranks on a shared store may see apart: their saves would then differ)
+        self.best_eval = best if self.cfg.checkpoint.keep_best and best[1] else (float("inf"), 0)
+        self.checkpointer.keep_also = [self.checkpointer.root / step_dir_name(best[1])] if self.best_eval[1] else []
+        self.eval_trend = tuple(state.get("eval_trend", (float("inf"), 0, 0)))  # (none saved before 2026-12-07)
+        if state.get("eval_order") != EVAL_ORDER and (self.best_eval[1] or self.eval_trend[1]):
+            self._eval_changed = ("the checkpoint's evaluations read the held-out split's first sequences; from here "
+                                  "on they read sequences spread over it: the best eval loss and the evaluations "
+                                  "since it (checkpoint.keep_best, train.early_stop_patience) count anew")
+            self.best_eval, self.eval_trend = (float("inf"), 0), (float("inf"), 0, 0)
+        patience = self.cfg.train.early_stop_patience
+        ended = state.get("early_stopped", False) and patience and self.eval_trend[2] >= patience
+        self.early_stopped_at = self.step if ended else None
 
     def early_stop_line(self) -> str:
         """What ended the run early, and how to train on (the launch's last note; a resume's note)."""
@@ -159,7 +182,7 @@ class IntervalWork:
         self.evaluated, self.evaluated_by_source = (0, 0), {}  # (an evaluation stopped midway scored none)
         t, val = self.cfg.train, self.data.val
         self.model.eval()
-        batches = eval_micro_batches(len(val), t.eval_batches * t.global_batch_size, t.micro_batch_size)
+        batches = eval_micro_batches(val, t.eval_batches * t.global_batch_size, t.micro_batch_size)
         chosen = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
         mixed = isinstance(val, MixedSequences) and bool(self.data.source_names) and not self.cfg.data.val_path
         parts = val.by_source(chosen) if mixed else [(None, chosen)]

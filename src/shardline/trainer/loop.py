@@ -88,6 +88,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.best_eval = (float("inf"), 0)  # the lowest eval loss so far and its step (checkpoint.keep_best)
         self.eval_trend = (float("inf"), 0, 0)  # the lowest eval loss, its step, the evaluations since (early stop)
         self.early_stopped_at: int | None = None  # the step train.early_stop_patience ended the run at
+        self._eval_changed = ""  # a resumed checkpoint's evaluation read other sequences: why its record was reset
 
     # ---- building -------------------------------------------------------------------
 

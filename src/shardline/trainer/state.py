@@ -23,6 +23,7 @@ import torch
 from shardline.config import save_config
 from shardline.config.job import trained_settings
 from shardline.data import build_data, tokenizer_file
+from shardline.data.sampler import EVAL_ORDER
 from shardline.data.tokenizer import save_tokenizer
 from shardline.data.validation import held_out_note
 from shardline.errors import CheckpointError, ConfigError, DataError, on_every_rank
@@ -47,7 +48,6 @@ from shardline.resilience.recovery import (data_changes, get_rng_state, restarte
 from shardline.resilience.resume_checks import (check_data_position, check_saved_position, check_skip_batches,
                                                check_steps_ahead)
 from shardline.data.validation import SPLIT_RULE, split_rule
-from shardline.resilience.checkpoint import step_dir_name
 from shardline.resilience.run_lock import launcher_ids
 from shardline.resilience.tiers import folder_bytes, refuse_no_room
 from shardline.version import version
@@ -261,6 +261,8 @@ class SavedState:
                     "train.steps (or stop_at_step) reached: nothing to train"} if self.step >= self.last_step else {}
             self.metrics.event("resume", step=self.step, checkpoint=resumed,
                                recomputed_steps=self.guard.goodput.recomputed_from(self.step), **done)
+            if self._eval_changed:  # (saved before the evaluation read sequences spread over the split)
+                self.metrics.event("eval_changed", step=self.step, note=self._eval_changed)
             if self._optim_changes:  # {key: [saved, now]}: the config's values apply from here on
                 self.metrics.event("optim_changed", step=self.step, **self._optim_changes)
             if self._config_changes:  # {section.key: [saved, now]}: what else this launch changed
@@ -315,14 +317,7 @@ class SavedState:
         self.skipped_batches = sorted(set(saved) | set(self.skipped_batches))
         set_rng_state(state["rng"])
         self.eval_owed = state.get("eval_owed", False)
-        # (a launch with keep_best off saves none: the folder it named may be pruned since. Not judged by the
-        # folder's presence, which ranks on a shared store may see apart: their saves would then differ)
-        best = tuple(state.get("best_eval", (float("inf"), 0)))
-        self.best_eval = best if self.cfg.checkpoint.keep_best and best[1] else (float("inf"), 0)
-        self.checkpointer.keep_also = [self.checkpointer.root / step_dir_name(best[1])] if self.best_eval[1] else []
-        self.eval_trend = tuple(state.get("eval_trend", (float("inf"), 0, 0)))  # (none saved before 2026-12-07)
-        patience = self.cfg.train.early_stop_patience  # a run ended early stays ended, unless this launch raised it
-        self.early_stopped_at = self.step if patience and self.eval_trend[2] >= patience else None
+        self._restore_eval_record(state)  # (intervals.py: the best eval loss, the trend, an early stop)
         if self.cfg.train.precision == "fp8":  # a rollback: the scales precomputed are the discarded weights'
             precompute_scales(self.model)
         return name
@@ -337,7 +332,8 @@ class SavedState:
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields,
                 "launchers": launcher_ids(),  # a restart of a resume=never run resumes only its own job's
                 "world_size": self.proc.world_size,  # (a dry run's resume says a change: dp_shard=-1 hides it)
-                "eval_trend": list(self.eval_trend)}  # (its early stop: the dry run's "nothing to train")
+                "eval_trend": {"evaluations_since_lowest": self.eval_trend[2],  # (the dry run's "nothing to
+                               "early_stopped": self.early_stopped_at is not None}}  # train" after an early stop)
         return self.tiers.save(self.step, self.model, self.optimizer, self._trainer_state(), meta)
 
     def _check_run_dir(self) -> None:
@@ -374,4 +370,5 @@ class SavedState:
                 "schedule": schedule_settings(self.cfg.train.steps, self.cfg.optim), "eval_owed": self.eval_owed,
                 "eval_trend": list(self.eval_trend),
                 "best_eval": list(self.best_eval) if self.cfg.checkpoint.keep_best else [float("inf"), 0],
+                "early_stopped": self.early_stopped_at is not None, "eval_order": EVAL_ORDER,
                 "config": self.cfg.to_dict(), "world_size": self.proc.world_size}
