@@ -121,8 +121,8 @@ def _damaged_gzip() -> bytes:
     ("zipped.jsonl", gzip.compress(b'{"text": "ok"}\n'), r"its bytes are gzip-compressed: name the file \*.gz$"),
     ("noise.txt", bytes(range(256)) * 4, r"its bytes are binary \(control bytes no text holds\)"),
     ("utf16.txt", "hello".encode("utf-16"), "its bytes are UTF-16 text: convert it, iconv -f UTF-16 -t UTF-8$"),
-    ("prompts.jsonl", '{"prompt": "2+2?", "completion": "4"}\n', r"it holds \"prompt\" and \"completion\", which "
-     r"shardline does not read: write each record as \{\"messages\""),
+    ("prompts.jsonl", '{"prompt": "2+2?", "completion": "4"}\n', r"it holds a conversation: read it as chat "
+     r"\(data.format=chat"),
     ("keys.jsonl", '{"body": "x", "id": 3}\n', r"prepare: --text-field\); its keys: body, id$"),
     ("bad.parquet", b"PAR1 not really", "cannot read parquet file"),
 ])

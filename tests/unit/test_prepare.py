@@ -622,11 +622,37 @@ def test_sharegpt_conversations_read_as_the_same_messages(tmp_path):
     assert_same_batches(raw, data(tmp_path / "prep", "data.format=chat", seq_len=128))
 
 
+def test_prompt_completion_pairs_read_as_a_user_turn_and_its_reply(tmp_path):
+    """OpenAI's and TRL's fine-tuning layout ({"prompt", "completion"}) was refused with a recipe to rewrite it
+    as messages: read as those messages (two strings: a user turn and the assistant's reply; two lists of
+    messages, TRL's conversational pairs, one after the other), raw (.jsonl, .parquet) and prepared, so the loss
+    is on the completion alone."""
+    records = [json.loads(line)["messages"] for line in chat_records(30).splitlines()]
+    pairs = [{"prompt": r[1]["content"], "completion": r[2]["content"]} for r in records]  # (one exchange)
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": r[1:3]}) + "\n" for r in records))
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    pq.write_table(pa.Table.from_pylist(pairs), tmp_path / "pairs.parquet")
+    plain = data(tmp_path / "chat.jsonl", "data.format=chat", seq_len=128)
+    for name in ("pairs.jsonl", "pairs.parquet"):
+        assert_same_batches(plain, data(tmp_path / name, "data.format=chat", seq_len=128))
+    prepare(PrepareOptions([str(tmp_path / "pairs.jsonl")], str(tmp_path / "prep"), format="chat", workers=1,
+                           **SMALL))
+    assert_same_batches(plain, data(tmp_path / "prep", "data.format=chat", seq_len=128))
+    # TRL's conversational pairs: the prompt's messages (a system turn too), then the completion's
+    (tmp_path / "whole.jsonl").write_text(chat_records(30))
+    (tmp_path / "conv.jsonl").write_text("".join(json.dumps({"prompt": r[:4], "completion": r[4:]}) + "\n"
+                                                 for r in records))
+    assert_same_batches(data(tmp_path / "whole.jsonl", "data.format=chat", seq_len=128),
+                        data(tmp_path / "conv.jsonl", "data.format=chat", seq_len=128))
+    with pytest.raises(DataError, match="it holds a conversation: read it as chat"):  # (as text: said so)
+        data(tmp_path / "pairs.jsonl")
+
+
 @pytest.mark.parametrize("record, message", [
     ({"text": "no messages"}, "has no list field 'messages'"),
     ({"messages": "hi"}, "line 4's 'messages' is a str, not a list"),  # (not "has no field": it has one)
-    ({"prompt": "2+2?", "completion": "4"}, r"it holds \"prompt\" and \"completion\", which shardline does not "
-                                             r"read: write each record as \{\"messages\": .* data.format=chat"),
+    ({"prompt": "2+2?", "completion": ["4"]}, r"it holds \"prompt\" and \"completion\": data.format=chat "
+                                               r"\(prepare: --format chat\) reads them where both are strings or both"),
     ({"messages": [{"role": "user"}]}, r"messages\[0\] needs string fields 'role' and 'content'"),
 ])
 def test_bad_chat_records_are_one_line(tmp_path, record, message):

@@ -1,7 +1,10 @@
 """A chat record's conversation as the chat path reads it: `{"messages": [{"role", "content"}, ...]}`,
 or ShareGPT's layout, `{"conversations": [{"from", "value"}, ...]}`, read as the same messages
 (human -> user, gpt -> assistant; any other `from` is kept as the role, where the reply checks
-judge it). A record that is neither is a DataError naming the line."""
+judge it), or a prompt/completion pair (OpenAI's and TRL's layout: `{"prompt", "completion"}`, two
+strings read as a user turn and the assistant's reply, or two lists of messages, TRL's conversational
+pairs, read one after the other), so the loss is on the completion. A record that is none of these is
+a DataError naming the line."""
 
 from __future__ import annotations
 
@@ -13,13 +16,28 @@ from shardline.errors import DataError
 CHAT_FIELD = "messages"  # what data.format = "chat" reads from each record
 SHAREGPT_FIELD = "conversations"  # ShareGPT's name for it, each message {"from", "value"}
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # ("system" is the same name in both)
+PAIR_FIELDS = ("prompt", "completion")  # a prompt/completion record's, read as a conversation
 
 
 def record_messages(obj) -> object:
-    """The record's messages (a JSON object's), ShareGPT's `conversations` where it has no `messages`."""
+    """The record's messages (a JSON object's): ShareGPT's `conversations` where it has no `messages`, a
+    prompt/completion pair's (pair_messages) where it has neither."""
     if not isinstance(obj, dict):
         return None
+    if CHAT_FIELD not in obj and SHAREGPT_FIELD not in obj and all(k in obj for k in PAIR_FIELDS):
+        return pair_messages(obj["prompt"], obj["completion"])
     return obj.get(CHAT_FIELD) if CHAT_FIELD in obj or SHAREGPT_FIELD not in obj else obj[SHAREGPT_FIELD]
+
+
+def pair_messages(prompt, completion) -> object:
+    """A prompt/completion pair as messages: two strings as a user turn and the assistant's reply, two lists
+    of messages (TRL's conversational pairs) one after the other; None for anything else (the record's
+    error then names what it holds)."""
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return prompt + completion
+    return None
 
 
 def record_hint(obj) -> str:
@@ -27,10 +45,9 @@ def record_hint(obj) -> str:
     prompt/completion pairs (OpenAI's and TRL's layout) with their conversion to chat, else its keys."""
     if not isinstance(obj, dict) or not obj:
         return ""
-    if all(isinstance(obj.get(k), str) for k in ("prompt", "completion")):
-        return ("; it holds \"prompt\" and \"completion\", which shardline does not read: write each record as "
-                "{\"messages\": [{\"role\": \"user\", \"content\": PROMPT}, {\"role\": \"assistant\", \"content\": "
-                "COMPLETION}]} and train with data.format=chat, whose loss is on the completion alone")
+    if all(k in obj for k in PAIR_FIELDS):
+        return ("; it holds \"prompt\" and \"completion\": data.format=chat (prepare: --format chat) reads them "
+                "where both are strings or both lists of messages, its loss on the completion alone")
     return f"; its keys: {', '.join(map(str, list(obj)[:8]))}{', ...' * (len(obj) > 8)}"
 
 

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
-from shardline.data.conversation import (CHAT_FIELD, SHAREGPT_FIELD, conversation, record_hint, record_messages,
-                                         strings)
+from shardline.data.conversation import (CHAT_FIELD, PAIR_FIELDS, SHAREGPT_FIELD, conversation, pair_messages,
+                                         record_hint, record_messages, strings)
 from shardline.data.folders import folder_entries, read_once, read_root
 from shardline.data.not_text import convert_hint
 from shardline.data.shards import is_prepared
@@ -339,8 +339,11 @@ def _read_table(f: Path, field: str, kind: str) -> Iterator:
         for batch in batches:
             values = batch.column(0).to_pylist()
             if field == CHAT_FIELD:  # a null row holds no conversation: an empty document, counted as one
-                if batch.num_columns == 2:  # (messages and ShareGPT's conversations, as merged sets hold them)
-                    values = [m if m is not None else c for m, c in zip(values, batch.column(1).to_pylist())]
+                second = batch.column(1).to_pylist() if batch.num_columns == 2 else None
+                if batch.schema.names[0] == PAIR_FIELDS[0]:  # (prompt/completion columns: a conversation a row)
+                    values = [pair_messages(p, c) for p, c in zip(values, second)]
+                elif second is not None:  # (messages and ShareGPT's conversations, as merged sets hold them)
+                    values = [m if m is not None else c for m, c in zip(values, second)]
                 yield from ("" if v is None else conversation(f, "a row", v) for v in values)
                 continue
             values = ["" if v is None else v for v in values]  # a null row: an empty document, counted as one
@@ -384,6 +387,8 @@ def _columns(f: Path, field: str, columns: list[str]) -> list[str]:
     the table has them (a row whose messages are null reads them)."""
     if field == CHAT_FIELD and SHAREGPT_FIELD in columns:
         return [c for c in (CHAT_FIELD, SHAREGPT_FIELD) if c in columns]
+    if field == CHAT_FIELD and CHAT_FIELD not in columns and all(c in columns for c in PAIR_FIELDS):
+        return list(PAIR_FIELDS)
     if field not in columns:
         raise DataError(f"data file {f} has no column {field!r} (set data.text_field, or in data.mix the "
                         f"source's text_field; prepare: --text-field; it has {', '.join(columns[:8])})")
