@@ -30,9 +30,11 @@ def say_if_split_apart(trained: dict, cfg: Config) -> None:
                         training_val_fraction(cfg), _trained_paths(trained), held, cfg.data.split,
                         trained.get("split", "position"))  # (none saved: a run from before it)
     if found and speaks_for_the_job():
+        mine = f"data.val_fraction={training_val_fraction(cfg):g} by {cfg.data.split}"
+        theirs = f"{held:g} by {'content' if trained.get('split') == 'content' else 'position'}"
         print(f"shardline eval: note: {_named(found[0])} reads files the run trained on (its data "
-              f"{_named(found[1])}), with a held-out split of its own: the documents it holds out may be ones the run "
-              "trained on", file=sys.stderr)
+              f"{_named(found[1])}), with a held-out split of its own ({mine}; the run's: {theirs}, or a folder's "
+              "own): some of the documents it holds out are likely ones the run trained on", file=sys.stderr)
 
 
 def _named(path: str) -> str:
@@ -55,7 +57,8 @@ def say_if_val_path_trained_on(val_path: str, trained: dict) -> None:
     within = reads_trained_files(val_path, _trained_paths(trained))
     if within and speaks_for_the_job():
         print(f"shardline eval: note: --data.val_path={val_path} reads files the run trained on (its data "
-              f"{_named(within)}): every document of it is scored, those it trained on too: mostly a training loss",
+              f"{_named(within)}): the documents it scores are ones the run trained on, not held out: a training "
+              "loss, mostly",
               file=sys.stderr)
 
 

@@ -294,6 +294,8 @@ def register(sub) -> None:
     p.add_argument("--batches", type=int, default=None,
                    help="global batches of the held-out split to read (default: the run's train.eval_batches; "
                         "0: every held-out sequence)")
+    p.add_argument("--best", action="store_true", help="a run dir's checkpoint of the lowest eval loss "
+                                                       "(checkpoint.keep_best), not its newest")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the line")
     p.set_defaults(func=_command)
 
@@ -303,7 +305,9 @@ def _command(args, overrides: list[str]) -> int:
 
     previous = _stop_on_sigterm() if int(os.environ.get("WORLD_SIZE", "1")) <= 1 else None
     try:
-        result = evaluate(args.src, overrides, args.batches)
+        from shardline.interop.convert import best_checkpoint
+
+        result = evaluate(best_checkpoint(Path(args.src)) if args.best else args.src, overrides, args.batches)
         shutdown_distributed()  # (before the line: a reader gone early leaves no rank waiting)
     finally:
         if previous is not None:

@@ -1,26 +1,23 @@
 """`shardline generate`: text from a checkpoint, to read what a run has learned.
 
-A look at a checkpoint, not a serving path: one process, one prompt. Each block keeps the
-keys and values of the tokens run so far (KVCache), so a new token runs through the model
-alone. The checkpoint may come from any layout (it holds full tensors by name); its
-tokenizer is the one beside it or in the run dir that saved it, as `convert to-hf` finds it.
+A look at a checkpoint, not a serving path: one process, one prompt. Each block keeps the keys and values of the
+tokens run so far (KVCache), so a new token runs through the model alone. The checkpoint may come from any
+layout (it holds full tensors by name); its tokenizer is the one beside it or in the run dir that saved it, as
+`convert to-hf` finds it.
 
-The prompt is encoded as the data pipeline encodes a document and is a document of its
-own, at positions from 0: after the tokenizer's BOS tokens when the run trained with them
-(data.add_bos for text; for chat data, where the chat template writes them at each
-conversation's start), and for a checkpoint converted from an HF model, which has no run
-config to say so, as HF's tokenizer starts a text; `--bos` adds them to any other. With
-`--chat` the prompt is a user's message instead (after `--system`'s, if given), rendered
-as chat training renders a conversation (the chat template beside the tokenizer, else
-ChatML) and followed by the header of the assistant's reply; the reply ends at the end
-of its turn. The context is the last `train.seq_len` tokens the run trained on (`--context`
-sets another, up to the model's recorded maximum: a fine-tune of a long-context model at
-short sequences still has the base model's reach); past it the window slides, and each
-token runs the whole window again (its positions start at 0, as in training, so the cached
-keys no longer fit). Generation stops at any end token: the tokenizer's end-of-document
-token (what training put after each document) and the HF folder's `eos_token_id`s (config and
-generation_config.json). A mixture of experts runs dropless here whatever its `capacity_factor`:
-with capacity, the newest token, last in each expert's queue, would be the one dropped.
+The prompt is encoded as the data pipeline encodes a document and is a document of its own, at positions from 0:
+after the tokenizer's BOS tokens when the run trained with them (data.add_bos for text; for chat data, where the
+chat template writes them at each conversation's start), and for a checkpoint converted from an HF model, which
+has no run config to say so, as HF's tokenizer starts a text; `--bos` adds them to any other. With `--chat` the
+prompt is a user's message instead (after `--system`'s, if given), rendered as chat training renders a
+conversation (the chat template beside the tokenizer, else ChatML) and followed by the header of the assistant's
+reply; the reply ends at the end of its turn. The context is the last `train.seq_len` tokens the run trained on
+(`--context` sets another, up to the model's recorded maximum: a fine-tune of a long-context model at short
+sequences still has the base model's reach); past it the window slides, and each token runs the whole window
+again (its positions start at 0, as in training, so the cached keys no longer fit). Generation stops at any end
+token: the tokenizer's end-of-document token (what training put after each document) and the HF folder's
+`eos_token_id`s (config and generation_config.json). A mixture of experts runs dropless here whatever its
+`capacity_factor`: with capacity, the newest token, last in each expert's queue, would be the one dropped.
 """
 
 from __future__ import annotations
@@ -384,6 +381,8 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", type=os.path.expanduser, default="",
                    help="the tokenizer.json (or its folder) the checkpoint was trained with (default: the one "
                         "beside it, else its run dir's)")
+    p.add_argument("--best", action="store_true", help="a run dir's checkpoint of the lowest eval loss "
+                                                       "(checkpoint.keep_best), not its newest")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt, completion, options")
     p.set_defaults(func=_command)
 
@@ -393,8 +392,9 @@ def _command(args, overrides: list[str]) -> int:
         raise ConfigError(f"generate takes no config overrides, got {' '.join(overrides)}")
     values = {name: getattr(args, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")}
     check_options(values, flags=True)  # (said as the flags the user typed)
-    opts = SampleOptions(**values)
-    text = generate(args.src, args.prompt, opts, args.device, args.json, args.dtype, args.bos, args.chat, args.system,
-                    args.context, args.tokenizer)
-    print(text, flush=True)
+    from shardline.interop.convert import best_checkpoint
+
+    src = best_checkpoint(Path(args.src)) if args.best else args.src
+    print(generate(src, args.prompt, SampleOptions(**values), args.device, args.json, args.dtype, args.bos, args.chat,
+                   args.system, args.context, args.tokenizer), flush=True)
     return 0

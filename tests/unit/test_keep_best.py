@@ -83,3 +83,30 @@ def test_the_evaluation_a_stop_left_owed_is_ranked_too(tiny_config, tmp_path):
     assert resumed.best_eval[1] == 3 and resumed.checkpointer.keep_also[-1] == run / "checkpoints" / "step-000003"
     assert [r["step"] for r in records(run) if r.get("event") == "best_checkpoint"][-1] == 3
     resumed.close()
+
+
+def test_best_gives_eval_convert_and_generate_the_best_checkpoint(tiny_config, tmp_path, capsys):
+    """A fine-tuner's "load the best model at the end": a run dir gave its newest checkpoint, past the best,
+    and the best's folder had to be found by hand."""
+    from shardline.cli import main
+
+    run = tmp_path / "run"
+    Trainer(tiny_config(*DIVERGING, "checkpoint.keep_best=true")).build().train()
+    evals = [(r["step"], r["eval_loss"]) for r in records(run) if r["kind"] == "eval"]
+    best = min(evals, key=lambda e: e[1])
+    folder = run / "checkpoints" / f"step-{best[0]:06d}"
+    assert best[0] < 6
+    capsys.readouterr()
+    assert main(["eval", str(run), "--best", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["checkpoint"] == str(folder) and got["loss"] == pytest.approx(best[1], rel=1e-6)
+    assert main(["convert", "to-hf", str(run), str(tmp_path / "hf"), "--best"]) == 0
+    assert f"of {folder})" in capsys.readouterr().out
+    assert main(["generate", str(run), "--best", "--max-new-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"] == str(folder)
+    # a checkpoint folder, or a run that kept no best: one line each
+    assert main(["eval", str(folder), "--best"]) == 2
+    assert "--best takes a run dir, not a checkpoint folder" in capsys.readouterr().err
+    Trainer(tiny_config(*DIVERGING, run_dir=tmp_path / "plain")).build().train()
+    assert main(["convert", "to-hf", str(tmp_path / "plain"), str(tmp_path / "hf2"), "--best"]) == 2
+    assert "kept no best checkpoint: its run had checkpoint.keep_best off" in capsys.readouterr().err

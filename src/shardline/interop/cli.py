@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from shardline.errors import ShardlineError
 
@@ -30,6 +31,8 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", type=os.path.expanduser, default="",
                    help="to-hf: the tokenizer.json (or its folder) to export with, its side files too "
                         "(default: the one beside the checkpoint, else its run dir's)")
+    p.add_argument("--best", action="store_true",
+                   help="to-hf: a run dir's checkpoint of the lowest eval loss (checkpoint.keep_best), not its newest")
     p.add_argument("--drop-router-bias", action="store_true",
                    help="to-hf: export a mixture of experts whose routers learned a balancing bias "
                         "(moe.bias_update_rate), which HF models lack: refused without this, as the export chooses "
@@ -48,6 +51,12 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ShardlineError("convert --tokenizer applies to to-hf only (from-hf takes the HF folder's)")
     if args.drop_router_bias and args.direction != "to-hf":
         raise ShardlineError("convert --drop-router-bias applies to to-hf only")
+    if args.best and args.direction != "to-hf":
+        raise ShardlineError("convert --best applies to to-hf only (a run dir's best checkpoint)")
+    if args.best:
+        from shardline.interop.convert import best_checkpoint
+
+        args.src = str(best_checkpoint(Path(args.src)))
     with warnings.catch_warnings(record=True) as said:  # what the export computes otherwise: one line each
         try:
             written = convert(args.direction, args.src, args.dst, args.dtype, args.tokenizer, args.drop_router_bias)

@@ -40,12 +40,7 @@ from shardline.interop.hf_files import (
 )
 from shardline.models.factory import args_from_json, args_to_json
 from shardline.models.moe.layer import choices_the_bias_changes, moe_layers
-from shardline.resilience.checkpoint import (
-    Checkpointer,
-    load_weights,
-    verify,
-    write_checkpoint,
-)
+from shardline.resilience.checkpoint import Checkpointer, load_weights, step_dir_name, verify, write_checkpoint
 
 
 DIRECTIONS = ("to-hf", "from-hf")
@@ -88,6 +83,28 @@ def resolve_checkpoint(src: Path) -> Path:
     for problem in passed:
         print(f"shardline: passed over {problem}; using {latest.name}", file=sys.stderr)
     return latest
+
+
+def best_checkpoint(run_dir: Path) -> Path:
+    """The folder of a run dir's lowest eval loss (checkpoint.keep_best), as its newest valid checkpoint
+    records it: what `--best` gives eval, convert to-hf and generate, a fine-tune's best point where the
+    newest checkpoint is past it."""
+    if (run_dir / "manifest.json").is_file():
+        raise CheckpointError(f"--best takes a run dir, not a checkpoint folder ({run_dir}): drop it to use that one")
+    newest = resolve_checkpoint(run_dir)
+    try:
+        step = int(torch.load(newest / "trainer" / "rank0.pt", weights_only=True).get("best_eval", [0, 0])[1])
+    except Exception as e:  # (a checkpoint converted from HF holds no trainer state)
+        raise CheckpointError(f"{newest} records no best checkpoint ({type(e).__name__}): --best needs a run's "
+                              "checkpoints") from None
+    if not step:
+        raise CheckpointError(f"{run_dir} kept no best checkpoint: its run had checkpoint.keep_best off, or no "
+                              f"evaluation saved one by {newest.name}; drop --best for the newest")
+    best = newest.parent / step_dir_name(step)
+    if not (best / "manifest.json").is_file():
+        raise CheckpointError(f"the best checkpoint {best} (named by {newest.name}) is gone; drop --best for the "
+                              "newest")
+    return best
 
 
 def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "",

@@ -165,12 +165,12 @@ class IntervalWork:
     def early_stop_line(self) -> str:
         """What ended the run early, and how to train on (the launch's last note; a resume's note)."""
         t, (lowest, at, since) = self.cfg.train, self.eval_trend
-        margin = f" by more than {t.early_stop_min_delta:g}" if t.early_stop_min_delta else ""
+        margin = f"more than {t.early_stop_min_delta:g} " if t.early_stop_min_delta else ""
         best = self.checkpointer.root / step_dir_name(self.best_eval[1]) if self.best_eval[1] else None
         return (f"stopped early at step {self.early_stopped_at}: {since} evaluation{'s' * (since != 1)} in a row "
-                "without an eval loss "
-                f"below {lowest:.4f} (step {at}){margin} (train.early_stop_patience={t.early_stop_patience})"
-                + (f"; the best checkpoint: {best}" if best else "") + "; to train on, raise it (or 0: off) and rerun")
+                f"without an eval loss {margin}below {lowest:.4f} (step {at}) (train.early_stop_patience="
+                f"{t.early_stop_patience}){f'; the best checkpoint: {best}' if best else ''}; to train on, raise it "
+                f"past {since} (or 0: off) and rerun")
 
     def evaluate(self, stop: Callable[[], bool] | None = None) -> float | None:
         """Mean loss over eval_batches global batches of the held-out split, spread over it (eval_micro_batches),
