@@ -62,12 +62,16 @@ def say_if_val_path_trained_on(val_path: str, trained: dict) -> None:
               file=sys.stderr)
 
 
-def say_if_other_windows(ckpt: Path, seq_len: int) -> None:
+def say_if_other_windows(ckpt: Path, seq_len: int, given: bool) -> None:
     """On stderr, where --train.seq_len gave other windows than the run evaluated in: another number,
-    which reads as the logged eval loss's drift."""
+    which reads as the logged eval loss's drift; and where a checkpoint converted from HF, with no run's
+    windows, was scored in the default ones (`given`: --train.seq_len was)."""
     try:
         trained_at = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))["config"]["train"]["seq_len"]
     except (OSError, ValueError, KeyError, TypeError):  # (a checkpoint converted from HF: no run to compare)
+        if not given:
+            print(f"shardline: note: evaluated in windows of train.seq_len={seq_len} tokens, the default: {ckpt} "
+                  "holds no run's (converted from HF?); --train.seq_len=N sets them", file=sys.stderr)
         return
     if trained_at != seq_len:
         print(f"shardline: note: evaluated in windows of train.seq_len={seq_len} tokens, where the run evaluated in "

@@ -217,7 +217,8 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
             loss = trainer.evaluate()
             (sequences, labelled), by_source = trainer.evaluated, trainer.evaluated_by_source
             if proc.rank == 0:
-                say_if_other_windows(ckpt, t.seq_len)
+                say_if_other_windows(ckpt, t.seq_len, any(o.removeprefix("--").startswith("train.seq_len")
+                                                          for o in given))
         finally:
             trainer.close()
         if proc.world_size > 1:

@@ -297,9 +297,11 @@ def test_a_checkpoint_converted_from_hf_asks_for_the_data_to_evaluate_on(trained
     assert "holds no run's config (converted from HF?), so no data of its own: give the data to evaluate on, " \
            "--data.path=PATH" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "ckpt"), f"--data.path={small_prepared}", "--batches", "1"]) == 0
+    assert "windows of train.seq_len=256 tokens, the default" in capsys.readouterr().err
     from shardline.data.sources import shipped_corpus  # (no run's data: nothing "it trained on" to name)
 
-    assert main(["eval", str(tmp_path / "ckpt"), f"--data.val_path={shipped_corpus()}", "--batches", "1"]) == 0
+    assert main(["eval", str(tmp_path / "ckpt"), f"--data.val_path={shipped_corpus()}", "--batches", "1",
+                 "--train.seq_len=32"]) == 0
     assert "note" not in capsys.readouterr().err
 
 
