@@ -364,6 +364,7 @@ def test_what_reading_skips_is_counted_and_the_run_covers_its_epochs(tmp_path):
     assert fields["documents"] == bundle.train.num_documents and fields["sequences"] == len(bundle.train)
     assert fields["epochs"] == round(50 * 4 / len(bundle.train), 3)
     assert fields["tokens"] == len(bundle.train) * 16 and fields["held_out_sequences"] == len(bundle.val)
+    assert fields["held_out_documents"] == bundle.val.num_documents > 0
     clean = tmp_path / "clean"
     clean.mkdir()
     (clean / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))

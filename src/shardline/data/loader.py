@@ -53,6 +53,7 @@ class DataBundle:
         otherwise shrink the data in silence)."""
         fields = {"documents": sum(p.num_documents for p in self._sources()), "sequences": len(self.train),
                   "tokens": len(self.train) * self.train.seq_len, "held_out_sequences": len(self.val),
+                  "held_out_documents": sum(p.num_documents for p in self._sources(self.val)),
                   "epochs": round(steps * self.sampler.global_batch_size / max(len(self.train), 1), 3)}
         fields["fingerprint"] = self._content() or ("none: a folder prepared before fingerprints (a resume is not "
                                                      "compared with its data; run its prepare again to add one)")
@@ -125,22 +126,21 @@ class DataBundle:
         chat = any(p.rows is not None for p in self._sources())
         content |= {"packing": CHAT_PACKING} if chat else {}
         content |= {"files": self.files} if self.files else {}  # (named where the content changed)
-        if not isinstance(self.train, MixedSequences):
-            return {"vocabulary": self._vocabulary, **content}
-        return {"vocabulary": self._vocabulary, **content,
-                "mix": [[int(c), int(n)] for c, n in zip(self.train.counts, self.train.sizes)]}
+        mixed = isinstance(self.train, MixedSequences)
+        mix = {"mix": [[int(c), int(n)] for c, n in zip(self.train.counts, self.train.sizes)]} if mixed else {}
+        return {"vocabulary": self._vocabulary, **content, **mix}
 
     def release(self) -> None:
         """Let go of the prepared folders' reader locks (data/readers.py): a closed run reads no more,
         and a `prepare --overwrite` in the same process (a notebook) may replace them."""
-        for split in (self.train, self.val):
-            for source in split.sources if isinstance(split, MixedSequences) else [split]:
-                if getattr(source, "reading", None) is not None:
-                    source.reading.close()
+        for source in [*self._sources(), *self._sources(self.val)]:
+            if getattr(source, "reading", None) is not None:
+                source.reading.close()
 
-    def _sources(self) -> list[PackedSequences]:
-        """The training split's sources: a mixture's, or the one."""
-        return self.train.sources if isinstance(self.train, MixedSequences) else [self.train]
+    def _sources(self, split: PackedSequences | MixedSequences | None = None) -> list[PackedSequences]:
+        """A split's sources (the training split's by default): a mixture's, or the one."""
+        split = self.train if split is None else split
+        return split.sources if isinstance(split, MixedSequences) else [split]
 
     def _content(self) -> str | None:
         """The training tokens' fingerprint (a mixture's: of its sources' in order), or None where
