@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from shardline.errors import AnomalyHalt, CheckpointError, ConfigError, ShardlineError
+from shardline.errors import TRY_LATER, AnomalyHalt, CheckpointError, ConfigError, ShardlineError, exit_code
 from shardline.resilience.checkpoint import Checkpointer
 from shardline.trainer import Trainer
 
@@ -434,9 +434,16 @@ def test_the_refused_save_drill_takes_the_on_error_path(tiny_config, tmp_path, m
     assert not list((tmp_path / "go_on" / "checkpoints").glob("*.tmp"))
     with pytest.raises(CheckpointError, match=r"^checkpoint of step 6 failed: cannot write .*drill: "
                                               r"faults.refuse_save_step\); stopping \(checkpoint.on_error=stop\), "
-                                              r"none was saved before it"):
+                                              r"none was saved before it") as stopped:
         Trainer(tiny_config(*drill, "checkpoint.on_error=stop", run_dir=tmp_path / "stop")).build().train()
     assert not list((tmp_path / "stop" / "checkpoints").glob("*"))
+    # The drill's EIO is transient: TRY_LATER (75), sync or async (a walkthrough's async run exited 2, which a
+    # requeue script stops on), and so for a refused last save under on_error=continue
+    assert exit_code(stopped.value) == TRY_LATER
+    with pytest.raises(CheckpointError, match="checkpoint of step 12 failed") as last:
+        Trainer(tiny_config(*drill[:2], "faults.refuse_save_step=12", f"checkpoint.mode={mode}",
+                            run_dir=tmp_path / "last")).build().train()
+    assert exit_code(last.value) == TRY_LATER
 
 
 def test_the_no_room_check_counts_a_save_cut_at_the_step_it_saves_next_as_free(tmp_path, monkeypatch):

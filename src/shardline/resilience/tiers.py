@@ -91,6 +91,7 @@ class StateTiers:
         self.held = 0  # memory snapshots known to be held (an async one once every rank holds it)
         self._saved_model = None  # the model an async save is writing (its size, where the storage refuses it)
         self.unsaved_end = ""  # why the step the run ends after could not be saved (the storage refused it)
+        self.unsaved_cause: OSError | None = None  # the storage's error behind it
         self.taken_by: Callable[[], str] = str  # who took the run dir's lock over, in words ("": none; the guard's)
         self.memory = None
         if c.memory_interval:
@@ -169,7 +170,9 @@ class StateTiers:
         if self.cfg.checkpoint.on_error == "stop":  # (the event first: a requeue script reads why the run ended)
             self.log("checkpoint_failed", step=step, error=what, action="stop (checkpoint.on_error=stop)")
             kept = "earlier checkpoints are intact" if self.checkpointer.list() else "none was saved before it"
-            raise on_every_rank(CheckpointError(f"{message}; stopping (checkpoint.on_error=stop), {kept}"))
+            # (from the storage's error: a transient one, EIO say, exits TRY_LATER (75) whether the save was sync,
+            # failing inside its except, or async, found at the next save)
+            raise on_every_rank(CheckpointError(f"{message}; stopping (checkpoint.on_error=stop), {kept}")) from cause
         if step != self.ending_at:  # (a run going on for days without a save: the newest one says since when)
             newest = [p.name for p in self.checkpointer.list()] or ["none"]
             action = f"continue; retried at the next interval; newest on disk: {newest[-1]}"
@@ -180,6 +183,7 @@ class StateTiers:
                       + (" (or a newer in-memory snapshot)" if self.memory is not None else "")
                       + f": {fix} and rerun to save this state")
             self.unsaved_end = f"checkpoint of step {step} failed: {what}; {action.removeprefix('none: ')}"
+            self.unsaved_cause = cause  # (the run's end raises from it: a transient one exits TRY_LATER)
         self.log("checkpoint_failed", step=step, error=what, action=action)
 
     def _checkpoint_bytes(self, model) -> float:

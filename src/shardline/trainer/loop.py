@@ -303,7 +303,8 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         if stopped:
             raise (Interrupted if request == "SIGINT" else Preempted)(stopped)
         if self.tiers.unsaved_end:  # (checkpoint.on_error=continue): trained, but what it trained is not kept
-            raise on_every_rank(CheckpointError(self.tiers.unsaved_end))  # (a refused save fails on every rank)
+            raise on_every_rank(CheckpointError(self.tiers.unsaved_end)) from self.tiers.unsaved_cause  # (all ranks;
+            # a transient cause, EIO say, exits TRY_LATER: a requeue retries it)
         return last
 
     def train_step(self) -> tuple[float | torch.Tensor, torch.Tensor, str]:
