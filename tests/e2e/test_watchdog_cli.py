@@ -69,7 +69,7 @@ def test_a_hang_in_one_process_leaves_progress_json_failed(tmp_path, small_prepa
         run, small_prepared, "watchdog.timeout_s=3", "faults.hang_rank=0", "faults.hang_step=4")])
     assert out.returncode == 4, out.stderr[-2000:]
     account = json.loads((run / "progress.json").read_text())
-    assert (account["phase"], account["step"], account["finished"]) == ("failed", 3, False)
+    assert (account["phase"], account["step"], account["finished"], account["exit_code"]) == ("failed", 3, False, 4)
     assert "stopped at step 4: no progress for 3 s (hung, or slower than watchdog.timeout_s allows" in out.stderr
     first = shardline("train", *[f"--{o}" for o in tiny_overrides(  # a first step runs under the long limit
         tmp_path / "first", small_prepared, "watchdog.timeout_s=2", "watchdog.long_timeout_s=4",

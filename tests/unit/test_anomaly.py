@@ -118,6 +118,8 @@ def test_halt_exits_3_with_a_report_and_keeps_the_state(tmp_path, small_prepared
     err = capsys.readouterr().err
     assert "halted: nonfinite_loss" in err and "at step 5" in err
     assert (run / "checkpoints" / "step-000004" / "manifest.json").is_file()  # state before the bad step
+    progress = json.loads((run / "progress.json").read_text())  # (torchrun exits 1 for any failure: this says 3)
+    assert (progress["phase"], progress["exit_code"]) == ("failed", 3)
 
 
 def test_device_check_gives_the_host_detectors_verdicts():

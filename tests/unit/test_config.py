@@ -204,7 +204,10 @@ def test_a_hang_drill_that_could_never_fire_is_refused():
     for phase in ("step", "drain"):
         with pytest.raises(ConfigError, match="faults.hang_step=300 is past train.steps=200: the drill would never"):
             load_config(None, ["faults.hang_rank=0", "faults.hang_step=300", f"faults.hang_phase={phase}"]).check()
-    load_config(None, ["faults.hang_rank=0", "faults.hang_phase=drain"]).check()
+    load_config(None, ["faults.hang_rank=0", "faults.hang_phase=drain", "watchdog.timeout_s=30"]).check()
+    with pytest.raises(ConfigError, match=r"faults.hang_rank=0 needs watchdog.timeout_s > 0: nothing would end the "
+                                          r"hang"):  # (a walkthrough's hung process outlived its SIGTERM)
+        load_config(None, ["faults.hang_rank=0", "faults.hang_phase=drain"]).check()
     for phase, off, key in (("eval", "train.eval_interval=0", "train.eval_interval"),
                             ("save", "checkpoint.interval=0", "checkpoint.interval"),
                             ("snapshot", "checkpoint.memory_interval=0", "checkpoint.memory_interval"),
@@ -212,7 +215,8 @@ def test_a_hang_drill_that_could_never_fire_is_refused():
         with pytest.raises(ConfigError, match=rf"faults.hang_phase={phase} would never fire: this run has no {phase} "
                                               rf"phase; set {re.escape(key)}"):
             load_config(None, ["faults.hang_rank=0", f"faults.hang_phase={phase}", off]).check()
-    load_config(None, ["faults.hang_rank=0", "faults.hang_phase=snapshot", "checkpoint.memory_interval=5"]).check()
+    load_config(None, ["faults.hang_rank=0", "faults.hang_phase=snapshot", "checkpoint.memory_interval=5",
+                       "watchdog.timeout_s=30"]).check()
 
 
 def test_a_save_drill_at_a_step_with_no_save_is_refused():
@@ -525,7 +529,7 @@ def test_a_drill_on_a_rank_the_job_lacks_is_refused_before_the_data():
     """faults.hang_rank=9 on 8 ranks ran to its end: a drill that never fires passed as if it had."""
     from shardline.preflight import check_layout_before_data
 
-    fits = ["train.micro_batch_size=2", "faults.hang_step=4"]  # 16 sequences on 8 ranks
+    fits = ["train.micro_batch_size=2", "faults.hang_step=4", "watchdog.timeout_s=30"]  # 16 sequences on 8 ranks
     with pytest.raises(ConfigError, match=r"^faults.hang_rank=9 is not a rank of this 8-rank job \(0-7\)$"):
         check_layout_before_data(load_config(None, [*fits, "faults.hang_rank=9"]), 8)
     check_layout_before_data(load_config(None, [*fits, "faults.hang_rank=7"]), 8)

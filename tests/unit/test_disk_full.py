@@ -444,6 +444,8 @@ def test_the_refused_save_drill_takes_the_on_error_path(tiny_config, tmp_path, m
         Trainer(tiny_config(*drill[:2], "faults.refuse_save_step=12", f"checkpoint.mode={mode}",
                             run_dir=tmp_path / "last")).build().train()
     assert exit_code(last.value) == TRY_LATER
+    progress = json.loads((tmp_path / "last" / "progress.json").read_text())  # (what a script under torchrun reads)
+    assert (progress["phase"], progress["exit_code"], progress["run_complete"]) == ("failed", TRY_LATER, False)
 
 
 def test_the_no_room_check_counts_a_save_cut_at_the_step_it_saves_next_as_free(tmp_path, monkeypatch):

@@ -38,6 +38,8 @@ def test_the_run_ends_where_the_eval_loss_stalls_and_stays_ended(tiny_config, tm
     assert max(r["step"] for r in logged if r["kind"] == "train") == stopped  # (its last step logged)
     end = [r for r in logged if r.get("event") == "end"][-1]
     assert (end["step"], end["outcome"]) == (stopped, "early_stopped")
+    progress = json.loads((run / "progress.json").read_text())
+    assert (progress["run_complete"], progress["exit_code"], progress["phase"]) == (True, 0, "ended")
     said = [r for r in logged if r.get("event") == "early_stop"]
     best = min(evals, key=lambda e: e[1])
     assert [(r["step"], r["lowest_at"], r["evaluations_since"]) for r in said] == [(stopped, best[0], 1)]

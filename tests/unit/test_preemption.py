@@ -187,7 +187,8 @@ def test_a_ctrl_c_that_takes_the_log_pipe_with_it_still_saves_and_sighup_stops_a
     assert "the console's output failed" in err and "stopped: SIGHUP at step" in err, err[-2000:]
     (event,) = [r for r in records(run) if r.get("event") == "preempted"]
     assert verify(Path(event["checkpoint"]))["step"] == event["step"]
-    assert json.loads((run / "progress.json").read_text())["phase"] == "ended"  # (a stop is no failure)
+    progress = json.loads((run / "progress.json").read_text())
+    assert (progress["phase"], progress["exit_code"]) == ("ended", Preempted.exit_code)  # (a stop is no failure)
     ignoring = subprocess.Popen([sys.executable, "-c", "import signal, sys; from shardline.resilience.preemption "
                                  "import StopRequests; s = StopRequests(None); s.install(); "
                                  "sys.exit(int(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN))"],

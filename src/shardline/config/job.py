@@ -100,6 +100,9 @@ class Config:
         if f.hang_rank >= 0 and f.hang_phase in phases and not phases[f.hang_phase][1]:
             raise ConfigError(f"faults.hang_phase={f.hang_phase} would never fire: this run has no {f.hang_phase} "
                               f"phase; set {phases[f.hang_phase][0]}")
+        if f.hang_rank >= 0 and not self.watchdog.timeout_s:  # (a hung process ignores SIGTERM: only a kill ends it)
+            raise ConfigError(f"faults.hang_rank={f.hang_rank} needs watchdog.timeout_s > 0: nothing would end the "
+                              "hang (the drill tests the watchdog; e.g. watchdog.timeout_s=30)")
         # an earlier anomaly drill skipped is a step the detector's history lacks (a rollback restores it)
         drills = {f.nan_step, f.overflow_step * (self.train.precision != "fp16")}
         earlier = sum(0 < at < f.spike_step for at in drills) if self.anomaly.action == "skip" else 0

@@ -70,6 +70,7 @@ class Goodput:
         self.phase = ""  # what this launch does (see enter), "ended" once it has
         self._begun = False  # training began: phases are said in progress.json
         self._ended = (False, False)  # end()'s (finished, run_complete): what a failure after it keeps
+        self.exit_code: int | None = None  # the launch's exit code, once it ends (None while it runs)
         self._writing = threading.Lock()  # (a hang's exit writes from the watchdog's thread)
         self._recent: dict[int, tuple[str, float]] = {}  # step -> (category, seconds), for reclassify()
         self.unwritten = ""  # why progress.json could not be written, once it could not (persist)
@@ -136,18 +137,20 @@ class Goodput:
         if self._begun:
             self.persist()
 
-    def end(self, finished: bool, now: float, run_complete: bool) -> None:
-        """The launch is over (see persist for the flags): its last word."""
-        self.phase, self._ended = "ended", (finished, run_complete)
+    def end(self, finished: bool, now: float, run_complete: bool, exit_code: int = 0) -> None:
+        """The launch is over (see persist for the flags): its last word, with the exit code it ends with
+        (5: a stop's; a failure after this one, a refused last save, writes its own)."""
+        self.phase, self._ended, self.exit_code = "ended", (finished, run_complete), exit_code
         self.persist(finished, now, run_complete)
 
-    def fail(self, after_end: bool = True, wait_s: float = -1) -> None:
+    def fail(self, after_end: bool = True, wait_s: float = -1, exit_code: int = 1) -> None:
         """The launch ended by an error, a halt, a hang or an interrupt: its last word is phase "failed",
         so a stale `time` reads as no hang either; also after end() (an unsaved last step's refusal, with
         end()'s flags kept: a run complete stays so) unless not `after_end` (a stop: its save and exit 5
-        ended it as planned). `wait_s`: how long a writer on another thread is waited for."""
+        ended it as planned). `wait_s`: how long a writer on another thread is waited for. `exit_code`: the
+        process's (a requeue script under torchrun, which exits 1 for any failure, reads it here)."""
         if self._begun and (after_end or self.phase != "ended"):  # (in start-up: the last launch's record stays)
-            self.phase = "failed"
+            self.phase, self.exit_code = "failed", exit_code
             self.persist(self._ended[0], run_complete=self._ended[1], wait_s=wait_s)
 
     def reclassify(self, step: int, category: str) -> None:
@@ -216,7 +219,8 @@ class Goodput:
                   "run_complete": run_complete, "wall_s": wall, "total_s": total,
                   "goodput": self.seconds["useful"] / total if total > 0 else 0.0, "seconds": dict(self.seconds),
                   # what no category took (a hang's wait until the watchdog ends it, ...): seconds + other_s = total_s
-                  "other_s": max(0.0, total - sum(self.seconds.values())), "trains": self.trains}
+                  "other_s": max(0.0, total - sum(self.seconds.values())), "trains": self.trains,
+                  "exit_code": self.exit_code}
         tmp = self.path.with_name(PROGRESS + ".tmp")
         try:
             tmp.write_text(json.dumps(record), encoding="utf-8")

@@ -88,7 +88,7 @@ class RunGuard:
         def leave() -> None:
             with suppress(Exception):  # (a write that blocks is the watchdog deadline's to cut)
                 if self.goodput is not None:  # (the main thread may be writing it: waited for a little)
-                    self.goodput.fail(wait_s=2.0)
+                    self.goodput.fail(wait_s=2.0, exit_code=self.watchdog.exit_code)
             if before_exit is not None:
                 before_exit()
 
@@ -259,7 +259,7 @@ class RunGuard:
         with self.phase("drain", step):
             self.tiers.drain()
 
-    def finish(self, step: int, complete: bool = True, last: bool = True) -> dict:
+    def finish(self, step: int, complete: bool = True, last: bool = True, exit_code: int = 0) -> dict:
         """The run is over: saves drained (watched), the memory tier's RAM freed, the watchdog
         stopped; returns goodput's summary. Not `complete` (stopped by a signal, to be rerun):
         the time until the rerun starts counts as a restart gap, and snapshots newer than the
@@ -272,5 +272,5 @@ class RunGuard:
         self.stop_watching()
         now = time.time()
         ended = complete and not self.tiers.unsaved_end
-        self.goodput.end(ended, now, run_complete=ended and last)
+        self.goodput.end(ended, now, run_complete=ended and last, exit_code=exit_code)
         return self.goodput.summary(now)
