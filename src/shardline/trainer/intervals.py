@@ -120,15 +120,15 @@ class IntervalWork:
             return
         best = self.cfg.checkpoint.keep_best and loss < self.best_eval[0]
         ends = self._stalled(loss, self.step) and bool(self.cfg.checkpoint.interval)  # (saved again: to say so)
-        saved = (best or ends) and self.guard.watched("save", self.step, "checkpoint", self.save_checkpoint)
-        if saved is not None and best:
+        saved = (best or ends) and self.guard.watched("save", self.step, "checkpoint", self.save_checkpoint) is not None
+        if saved and best:
             self._new_best(loss, self.step)
 
     def _stalled(self, loss: float, step: int) -> bool:
         """This evaluation's loss into the run's trend: a loss lower than the lowest so far by more than
-        train.early_stop_min_delta is the new lowest, any other one more evaluation without it (a NaN
-        too). True, the run ending at `step` (early_stopped_at), once train.early_stop_patience of those
-        come in a row: a fine-tune past its best point, whose later steps only overfit."""
+        train.early_stop_min_delta is the new lowest, any other finite one more evaluation without it. True,
+        the run ending at `step` (early_stopped_at), once train.early_stop_patience of those come in a row:
+        a fine-tune past its best point, whose later steps only overfit."""
         t, (lowest, at, since) = self.cfg.train, self.eval_trend
         if not math.isfinite(loss):  # (a diverged model's: no evidence of a best point passed; the anomaly check's)
             return False
