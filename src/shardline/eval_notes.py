@@ -83,7 +83,7 @@ def say_if_data_changed(ckpt: Path, position: dict, by_content: bool, every: boo
     (edited since): its held-out split is cut from other documents, so the loss is not the one
     the run logged and may count documents it trained on. Said, not refused: the score is still
     the checkpoint's on the data as it is now. And where the run evaluated other sequences of the
-    split than this evaluation reads (its first ones, before 2026-12-07; `every`: all are read)."""
+    split than this evaluation reads (its first ones, before 2026-12-08; `every`: all are read)."""
     try:
         state = torch.load(ckpt / "trainer" / "rank0.pt", weights_only=True)
         data, saved = state["data"], state["data"].get("content")
@@ -91,7 +91,7 @@ def say_if_data_changed(ckpt: Path, position: dict, by_content: bool, every: boo
         return
     if state.get("eval_order") != EVAL_ORDER and not every:
         print(f"shardline eval: note: the run that saved {ckpt.name} evaluated the first sequences of its held-out "
-              "split; this evaluation reads sequences spread over it (as training does since 2026-12-07): not the "
+              "split; this evaluation reads sequences spread over it (as training does since 2026-12-08): not the "
               "loss it logged (--batches 0 scores every sequence, either way)", file=sys.stderr, flush=True)
     now = position.get("content")
     if saved and now and saved != now:

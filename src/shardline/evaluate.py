@@ -80,14 +80,15 @@ class Evaluation:
                            "seq_len": self.seq_len, **({"by_source": self.by_source} if self.by_source else {})})
 
 
-def eval_config(src: str | Path, overrides: list[str], run_dir: Path) -> tuple[Config, Path, int]:
+def eval_config(src: str | Path, overrides: list[str], run_dir: Path, best: bool = False) -> tuple[Config, Path, int]:
     """(the evaluation's config, the checkpoint, its step): the checkpoint's run config (its kept
-    sections), the overrides, and the settings this command owns."""
-    from shardline.interop.convert import checkpoint_tokenizer, other_tokenizer, resolve_checkpoint
+    sections), the overrides, and the settings this command owns. `best`: a run dir's best checkpoint."""
+    from shardline.interop.convert import best_checkpoint, checkpoint_tokenizer, other_tokenizer, resolve_checkpoint
     from shardline.resilience.checkpoint import verify
     from shardline.resilience.safe_load import removed_while_read
     from shardline.resilience.recovery import saved_step
 
+    src = best_checkpoint(Path(src)) if best else src
     ckpt = resolve_checkpoint(Path(src))  # a run dir's newest valid one: verified as it was chosen
     if ckpt == Path(src):  # a folder named: verified here, and the load does not hash it again (minutes at 70B)
         verify(ckpt)
@@ -176,20 +177,22 @@ def _check_saved_paths(cfg: Config, given: set[str]) -> None:
                               f"(--{key.split('[')[0]}=...)")
 
 
-def evaluate(src: str | Path, overrides: list[str] | str = (), batches: int | None = None) -> Evaluation:
+def evaluate(src: str | Path, overrides: list[str] | str = (), batches: int | None = None,
+             best: bool = False) -> Evaluation:
     """The loss of checkpoint `src` (a run dir: its newest valid one) on the held-out split the
-    config reads, over `batches` global batches (None: train.eval_batches; 0: every sequence).
-    torch's and Python's generators are left as found: the build seeds them with train.seed, and a
-    notebook's own draws after an evaluation followed from that seed."""
+    config reads, over `batches` global batches (None: train.eval_batches; 0: every sequence); `best`:
+    of a run dir's lowest eval loss's checkpoint (checkpoint.keep_best) instead. torch's and Python's
+    generators are left as found: the build seeds them with train.seed, and a notebook's own draws after
+    an evaluation followed from that seed."""
     state, gpus = random.getstate(), range(torch.cuda.device_count()) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=gpus):
         try:
-            return _evaluate(src, overrides, batches)
+            return _evaluate(src, overrides, batches, best)
         finally:
             random.setstate(state)
 
 
-def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) -> Evaluation:
+def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None, best: bool) -> Evaluation:
     from shardline.trainer import Trainer
 
     if batches is not None and (not isinstance(batches, int) or isinstance(batches, bool) or batches < 0):
@@ -200,7 +203,7 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
     run_dir = work_dir()
     try:
         given = override_list(overrides)  # (one string: one override)
-        proc, (cfg, ckpt, step) = _agreed_config(src, given, run_dir)
+        proc, (cfg, ckpt, step) = _agreed_config(src, given, run_dir, best)
         if ranks_differing(str(ckpt), proc.world_size):  # a run still saving: its newest is not every rank's alike
             raise on_every_rank(ConfigError(f"the ranks found different newest checkpoints in {src} (a run saving "
                                             "now?): name one checkpoint folder (RUN/checkpoints/step-N)"))
@@ -230,13 +233,13 @@ def _evaluate(src: str | Path, overrides: list[str] | str, batches: int | None) 
                       t.seq_len, by_source)
 
 
-def _agreed_config(src: str | Path, overrides: list[str], run_dir: Path):
+def _agreed_config(src: str | Path, overrides: list[str], run_dir: Path, best: bool):
     """(this process in its job, eval_config's answer), agreed by every rank: a refusal on some
     ranks (a checkpoint missing on one node) is every rank's one line, not a wait at a collective.
     (A rank that cannot read the run's config takes its device from --run.device, else auto: where
     the run's own said cpu on a GPU host, its peers start another backend and wait for it.)"""
     try:
-        found, failure = eval_config(src, overrides, run_dir), None
+        found, failure = eval_config(src, overrides, run_dir, best), None
     except Exception as e:  # (raised again below, on every rank)
         found, failure = None, e
     given = [o.split("=", 1)[1] for o in overrides if o.removeprefix("--").startswith("run.device=")]
@@ -306,9 +309,7 @@ def _command(args, overrides: list[str]) -> int:
 
     previous = _stop_on_sigterm() if int(os.environ.get("WORLD_SIZE", "1")) <= 1 else None
     try:
-        from shardline.interop.convert import best_checkpoint
-
-        result = evaluate(best_checkpoint(Path(args.src)) if args.best else args.src, overrides, args.batches)
+        result = evaluate(args.src, overrides, args.batches, args.best)
         shutdown_distributed()  # (before the line: a reader gone early leaves no rank waiting)
     finally:
         if previous is not None:

@@ -122,8 +122,8 @@ def test_a_checkpoint_saved_before_the_spread_evaluation_counts_anew(tiny_config
     resealed(folder, "trainer/rank0.pt")
     resumed = Trainer(tiny_config(*settings)).build()
     try:
-        assert resumed.best_eval[1] == 0 and resumed.eval_trend == (float("inf"), 0, 0)
-        assert resumed.checkpointer.keep_also == [run / "checkpoints" / "step-000002"]  # (kept until a new best)
+        assert resumed.best_eval == (float("inf"), 2) and resumed.eval_trend == (float("inf"), 0, 0)  # (its step
+        assert resumed.checkpointer.keep_also == [run / "checkpoints" / "step-000002"]  # kept: across resumes too)
     finally:
         resumed.close()
     said = [r for r in records(run) if r.get("event") == "eval_changed"]

@@ -30,6 +30,8 @@ def test_each_sources_loss_is_its_own_sequences_mean_and_makes_up_the_whole(tiny
     by_source = record["eval_loss_by_source"]
     assert list(by_source) == [small_prepared.name, "words.jsonl"]
     assert abs(by_source[small_prepared.name] - by_source["words.jsonl"]) > 0.1, by_source  # (the case)
+    read = record["eval_sequences_by_source"]  # (each source at least one: a small one vanished from the log)
+    assert sum(read.values()) == record["eval_sequences"] and min(read.values()) >= 1, read
     # Worked out apart: the evaluation's sequences (spread over the held-out mixture), each source's scored
     # in one batch, its mean over its labelled tokens; the whole is the mean over both sources' tokens
     trainer = Trainer(tiny_config(*settings)).build()  # (resumes the step-2 checkpoint: the weights evaluated)
@@ -80,3 +82,31 @@ def test_an_evaluation_reads_each_source_in_proportion_spread_over_it(sizes, wei
     for k in range(len(sizes)):  # spread over the source: its first and last tenth both read
         mine = local[src == k]
         assert mine.min() < 0.1 * sizes[k] and mine.max() >= 0.9 * sizes[k] - 1, mine
+
+
+def test_a_mixtures_held_out_split_holds_each_sequence_once_whatever_the_weights(tiny_config, small_prepared,
+                                                                                 tmp_path):
+    """The held-out mixture was cut by the training weights: an up-weighted source's sequences were read again
+    and again (a walkthrough's 10 reads of a 20-sequence source were 4 sequences), a down-weighted one's partly
+    unread, under `--batches 0` too, which claimed every held-out sequence."""
+    from shardline.data import build_data
+
+    other = tmp_path / "words.jsonl"
+    other.write_text("".join(json.dumps({"text": " ".join(WORDS[(i + k) % 8] for k in range(40 + i % 7))}) + "\n"
+                             for i in range(600)))
+    mix = f'data.mix=[{{path = "{small_prepared}", weight = 0.1}}, {{path = "{other}", weight = 0.9}}]'
+    cfg = tiny_config("data.path=", mix, f"data.tokenizer={small_prepared / 'tokenizer.json'}",
+                      "data.val_fraction=0.05")
+    data = build_data(cfg)
+    try:
+        val = data.val
+        sizes = [len(s) for s in val.sources]
+        assert list(val.counts) == sizes and min(sizes) > 1
+        every = np.concatenate(eval_micro_batches(val, len(val), 8))  # (--batches 0)
+        src, local = val.locate(every)
+        assert sorted(zip(src.tolist(), local.tolist())) == [(k, j) for k, n in enumerate(sizes) for j in range(n)]
+        some = np.concatenate(eval_micro_batches(val, 12, 4))
+        src, local = val.locate(some)
+        assert len(set(zip(src.tolist(), local.tolist()))) == len(some) and set(src.tolist()) == {0, 1}
+    finally:
+        data.release()

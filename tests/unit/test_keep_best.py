@@ -110,3 +110,24 @@ def test_best_gives_eval_convert_and_generate_the_best_checkpoint(tiny_config, t
     Trainer(tiny_config(*DIVERGING, run_dir=tmp_path / "plain")).build().train()
     assert main(["convert", "to-hf", str(tmp_path / "plain"), str(tmp_path / "hf2"), "--best"]) == 2
     assert "kept no best checkpoint: its run had checkpoint.keep_best off" in capsys.readouterr().err
+
+
+def test_a_best_at_the_newest_checkpoint_is_named_in_its_own_state(tiny_config, tmp_path):
+    """The save of an evaluation that beats the best came before the best was recorded: that checkpoint's
+    state named the best before it, so --best on a run improving to its end gave an older, worse one (gone
+    under checkpoint.keep=1), and a resume from it compared against that older loss."""
+    from shardline.interop.convert import best_checkpoint
+
+    run = tmp_path / "run"
+    improving = ("optim.lr=1e-3", "train.steps=6", "train.eval_interval=2", "checkpoint.interval=6",
+                 "checkpoint.keep=1", "checkpoint.keep_best=true")
+    Trainer(tiny_config(*improving)).build().train()
+    evals = [r["eval_loss"] for r in records(run) if r["kind"] == "eval"]
+    assert evals == sorted(evals, reverse=True)  # (the case: each evaluation the best so far)
+    assert best_checkpoint(run) == run / "checkpoints" / "step-000006"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000006"]
+    resumed = Trainer(tiny_config(*improving[:1], "train.steps=8", *improving[2:])).build()
+    try:
+        assert resumed.best_eval == pytest.approx((evals[-1], 6))
+    finally:
+        resumed.close()

@@ -638,12 +638,23 @@ def test_prompt_completion_pairs_read_as_a_user_turn_and_its_reply(tmp_path):
     prepare(PrepareOptions([str(tmp_path / "pairs.jsonl")], str(tmp_path / "prep"), format="chat", workers=1,
                            **SMALL))
     assert_same_batches(plain, data(tmp_path / "prep", "data.format=chat", seq_len=128))
-    # TRL's conversational pairs: the prompt's messages (a system turn too), then the completion's
-    (tmp_path / "whole.jsonl").write_text(chat_records(30))
+    # TRL's conversational pairs: the prompt's messages (a system turn and a reply too), then the completion's;
+    # the loss on the completion alone: the prompt's reply is context, as a message of weight 0 is
+    context = [[*r[:2], {**r[2], "weight": 0}, *r[3:]] for r in records]
+    (tmp_path / "context.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in context))
     (tmp_path / "conv.jsonl").write_text("".join(json.dumps({"prompt": r[:4], "completion": r[4:]}) + "\n"
                                                  for r in records))
-    assert_same_batches(data(tmp_path / "whole.jsonl", "data.format=chat", seq_len=128),
-                        data(tmp_path / "conv.jsonl", "data.format=chat", seq_len=128))
+    conv = data(tmp_path / "conv.jsonl", "data.format=chat", seq_len=128)
+    assert_same_batches(data(tmp_path / "context.jsonl", "data.format=chat", seq_len=128), conv)
+    labels = conv.train.batch(np.arange(len(conv.train)))["labels"]
+    learned = conv.tokenizer.decode(labels[labels >= 0].tolist())  # (what the loss is on: the completions)
+    assert "welcome" in learned and "It is" not in learned, learned[:200]
+    # a table's half-null or mixed row is refused as a .jsonl line is (it read as an empty document)
+    for rows in ([{"prompt": "2+2?", "completion": None}], [{"prompt": [records[0][1]], "completion": "4"}]):
+        pq.write_table(pa.Table.from_pylist(pairs[:5] + rows if rows[0]["completion"] is None else rows),
+                       tmp_path / "odd.parquet")
+        with pytest.raises(DataError, match=r"a row has no list field 'messages'.*it holds \"prompt\" and "):
+            data(tmp_path / "odd.parquet", "data.format=chat", seq_len=128)
     with pytest.raises(DataError, match="it holds a conversation: read it as chat"):  # (as text: said so)
         data(tmp_path / "pairs.jsonl")
 

@@ -3,8 +3,9 @@ or ShareGPT's layout, `{"conversations": [{"from", "value"}, ...]}`, read as the
 (human -> user, gpt -> assistant; any other `from` is kept as the role, where the reply checks
 judge it), or a prompt/completion pair (OpenAI's and TRL's layout: `{"prompt", "completion"}`, two
 strings read as a user turn and the assistant's reply, or two lists of messages, TRL's conversational
-pairs, read one after the other), so the loss is on the completion. A record that is none of these is
-a DataError naming the line."""
+pairs, read one after the other, the prompt's replies given weight 0), so the loss is on the
+completion. A message's `weight` of 0 leaves a reply out of the loss (encode.trained). A record that
+is none of these is a DataError naming the line."""
 
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ def record_messages(obj) -> object:
 
 def pair_messages(prompt, completion) -> object:
     """A prompt/completion pair as messages: two strings as a user turn and the assistant's reply, two lists
-    of messages (TRL's conversational pairs) one after the other; None for anything else (the record's
-    error then names what it holds)."""
+    of messages (TRL's conversational pairs) one after the other, the prompt's replies marked weight 0 (not
+    trained: the loss is on the completion alone, as TRL's); None for anything else (the record's error
+    then names what it holds)."""
     if isinstance(prompt, str) and isinstance(completion, str):
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-    if isinstance(prompt, list) and isinstance(completion, list):
-        return prompt + completion
+    if isinstance(prompt, list) and isinstance(completion, list):  # (the prompt's replies are context: weight 0)
+        return [{**m, "weight": 0} if isinstance(m, dict) and m.get("role") == "assistant" else m
+                for m in prompt] + completion
     return None
 
 

@@ -158,6 +158,12 @@ def check_replies(where: str, roles: dict[str, str]) -> None:
                             + f" Their replies would train on nothing (roles found: {found}); fix those messages' role")
 
 
+def trained(message: dict) -> bool:
+    """Whether a message's text is a target: an assistant's reply, unless its `weight` is 0 (axolotl's key;
+    a prompt/completion pair's earlier replies, conversation.pair_messages), which leaves it as context."""
+    return message["role"] == "assistant" and message.get("weight", 1) != 0
+
+
 def chat_segments(messages: list[dict], template: ChatTemplate | str | None = None) -> list[tuple[str, bool]]:
     """(text, is_target) pieces of one conversation, in order."""
     template = as_template(template)
@@ -171,7 +177,7 @@ def chat_segments(messages: list[dict], template: ChatTemplate | str | None = No
                             "data.tokenizer to a tokenizer.json whose folder has one (model.hf_path's is taken by "
                             "default)")
         out.append((f"{CHAT_START}{m['role']}\n", False))
-        out.append((f"{m['content']}{CHAT_END}\n", m["role"] == "assistant"))
+        out.append((f"{m['content']}{CHAT_END}\n", trained(m)))
     return out
 
 
@@ -279,7 +285,7 @@ def _template_segments(messages: list[dict], template: ChatTemplate) -> list[tup
             if header:
                 out.append((header, False))
                 before += header
-        out.append((text[len(before):], m["role"] == "assistant"))
+        out.append((text[len(before):], trained(m)))
         before = text
     return out
 
@@ -297,7 +303,7 @@ def _whole_segments(messages: list[dict], template: ChatTemplate, changed: int) 
     turn end is cut there.)"""
     whole, mark, out, at = render_template(template, messages), turn_end_text(template), [], 0
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if not trained(m):
             continue
         try:  # the messages before it as the whole rendering has them, then its prompt
             before = render_template(template, messages[:i])

@@ -276,7 +276,7 @@ def _pack(tok: Tokenizer, docs: list, eos: int | None, seq_len: int, template, c
 
 
 def _build_mixture(cfg: Config) -> DataBundle:
-    """Every source of data.mix, with one tokenizer; train and val mixed by the weights."""
+    """Every source of data.mix, with one tokenizer; train mixed by the weights, val holding each source's once."""
     t, mix = cfg.train, cfg.data.mix
     tok = _mixture_tokenizer(cfg)
     if cfg.data.chat:
@@ -288,11 +288,11 @@ def _build_mixture(cfg: Config) -> DataBundle:
         check_sizes(source.path, train, val, cfg)
         trains.append(train)
         vals.append(val)
-    weights = [s.weight for s in mix]
-    train = MixedSequences(trains, weights)
+    train = MixedSequences(trains, [s.weight for s in mix])
     names = _source_names([s.path for s in mix])
-    val = load_val(cfg, tok) if cfg.data.val_path and t.eval_interval else MixedSequences(vals, weights,
-                                                                                           interleave=True)
+    # (held out: each source's sequences once, not by the weights: an up-weighted one's read twice, a down-weighted
+    val = load_val(cfg, tok) if cfg.data.val_path and t.eval_interval else MixedSequences(
+        vals, [len(v) for v in vals], interleave=True)  # one's left unread; eval_loss_by_source: each one's loss)
     check_replies_fit([(s.path, p) for s, p in zip(mix, trains)], val, cfg)
     return DataBundle(tok, train, val,
                       GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed, tag_passes=True), names,

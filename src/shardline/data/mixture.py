@@ -72,13 +72,14 @@ class MixedSequences:
         return out
 
     def spread(self, asked: int) -> np.ndarray:
-        """min(asked, len) mixture indices, in order: each source's share of them by its block's size
-        (largest remainder), spread evenly over its block (an even spread over all the indices could
-        land on one source alone: A,B,A,B at every second index)."""
-        count = min(asked, len(self))
-        exact = self.counts / max(int(self.counts.sum()), 1) * count
-        shares = np.floor(exact).astype(np.int64)
-        shares[np.argsort(-(exact - shares), kind="stable")[:count - int(shares.sum())]] += 1
+        """About min(asked, len) mixture indices, in order: each source's share of them by its block's size
+        (largest remainder, at least one each: a few more than asked where the sources outnumber them),
+        spread evenly over its block (an even spread over all the indices could land on one source
+        alone: A,B,A,B at every second index)."""
+        count, live = min(asked, len(self)), self.counts > 0
+        shares = np.zeros(len(self.counts), dtype=np.int64)  # (at least one a source: each one's loss is logged)
+        if count:
+            shares[live] = np.minimum(_apportion(self.counts[live].astype(np.float64), count), self.counts[live])
         blocks = np.concatenate([self.offsets[k] + spread(int(n), int(m)) for k, (n, m) in
                                  enumerate(zip(self.counts, shares))]) if count else np.zeros(0, dtype=np.int64)
         return np.sort(blocks if self._order is None else np.argsort(self._order)[blocks])

@@ -68,7 +68,7 @@ def batch_index(step: int, skipped: list[int]) -> int:
 
 
 # Which held-out sequences an evaluation reads, as a checkpoint records it: "spread" over the split (each
-# mixture source's share over its own); a checkpoint saved before 2026-12-07 records none (its first ones).
+# mixture source's share over its own); a checkpoint saved before 2026-12-08 records none (its first ones).
 EVAL_ORDER = "spread"
 
 

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
-from shardline.data.conversation import (CHAT_FIELD, PAIR_FIELDS, SHAREGPT_FIELD, conversation, pair_messages,
-                                         record_hint, record_messages, strings)
+from shardline.data.conversation import (CHAT_FIELD, PAIR_FIELDS, SHAREGPT_FIELD, conversation, record_hint,
+                                         record_messages, strings)
 from shardline.data.folders import folder_entries, read_once, read_root
 from shardline.data.not_text import convert_hint
 from shardline.data.shards import is_prepared
@@ -340,8 +340,10 @@ def _read_table(f: Path, field: str, kind: str) -> Iterator:
             values = batch.column(0).to_pylist()
             if field == CHAT_FIELD:  # a null row holds no conversation: an empty document, counted as one
                 second = batch.column(1).to_pylist() if batch.num_columns == 2 else None
-                if batch.schema.names[0] == PAIR_FIELDS[0]:  # (prompt/completion columns: a conversation a row)
-                    values = [pair_messages(p, c) for p, c in zip(values, second)]
+                if batch.schema.names[0] == PAIR_FIELDS[0]:  # (prompt/completion columns: a conversation a row;
+                    pairs = [{"prompt": p, "completion": c} for p, c in zip(values, second)]  # a half-null one is
+                    values = [None if p["prompt"] is None and p["completion"] is None else  # refused as a .jsonl
+                              conversation(f, "a row", record_messages(p), record_hint(p)) for p in pairs]  # line is)
                 elif second is not None:  # (messages and ShareGPT's conversations, as merged sets hold them)
                     values = [m if m is not None else c for m, c in zip(values, second)]
                 yield from ("" if v is None else conversation(f, "a row", v) for v in values)

@@ -90,9 +90,13 @@ class IntervalWork:
                     save, self.tiers.ending_at = bool(cfg.checkpoint.interval), step
                 if cfg.checkpoint.keep_best and loss < self.best_eval[0]:
                     best, save = loss, True  # (saved here, if not due anyway; the best once that save is not refused)
+        before = self.best_eval  # (a best is in the state its own save holds: a resume from it, or --best, names it)
+        self.best_eval = (best, step) if best is not None else before
         saved = save and self.guard.watched("save", step, "checkpoint", self.save_checkpoint) is not None
-        if saved and best is not None:
+        if best is not None and saved:
             self._new_best(best, step)
+        else:  # (a refused save is no best: the one before stays)
+            self.best_eval = before
         if snapshot:
             self.guard.watched("snapshot", step, "checkpoint", self.snapshot_to_memory)
         if not request and step < stop:
@@ -118,11 +122,14 @@ class IntervalWork:
         self.eval_owed = False
         if loss is None:
             return
-        best = self.cfg.checkpoint.keep_best and loss < self.best_eval[0]
+        best, before = self.cfg.checkpoint.keep_best and loss < self.best_eval[0], self.best_eval
         ends = self._stalled(loss, self.step) and bool(self.cfg.checkpoint.interval)  # (saved again: to say so)
+        self.best_eval = (loss, self.step) if best else before  # (in the state its save holds, as above)
         saved = (best or ends) and self.guard.watched("save", self.step, "checkpoint", self.save_checkpoint) is not None
-        if saved and best:
+        if best and saved:
             self._new_best(loss, self.step)
+        else:
+            self.best_eval = before
 
     def _stalled(self, loss: float, step: int) -> bool:
         """This evaluation's loss into the run's trend: a loss lower than the lowest so far by more than
@@ -152,12 +159,13 @@ class IntervalWork:
         # folder's presence, which ranks on a shared store may see apart: their saves would then differ)
         self.best_eval = best if self.cfg.checkpoint.keep_best and best[1] else (float("inf"), 0)
         self.checkpointer.keep_also = [self.checkpointer.root / step_dir_name(best[1])] if self.best_eval[1] else []
-        self.eval_trend = tuple(state.get("eval_trend", (float("inf"), 0, 0)))  # (none saved before 2026-12-07)
+        self.eval_trend = tuple(state.get("eval_trend", (float("inf"), 0, 0)))  # (none saved before 2026-12-08)
         if state.get("eval_order") != EVAL_ORDER and (self.best_eval[1] or self.eval_trend[1]):
             self._eval_changed = ("the checkpoint's evaluations read the held-out split's first sequences; from here "
                                   "on they read sequences spread over it: the best eval loss and the evaluations "
                                   "since it (checkpoint.keep_best, train.early_stop_patience) count anew")
-            self.best_eval, self.eval_trend = (float("inf"), 0), (float("inf"), 0, 0)
+            self.best_eval, self.eval_trend = (float("inf"), self.best_eval[1]), (float("inf"), 0, 0)  # (its folder
+            # stays kept, across resumes too, until a new best lands)
         patience = self.cfg.train.early_stop_patience
         ended = state.get("early_stopped", False) and patience and self.eval_trend[2] >= patience
         self.early_stopped_at = self.step if ended else None
@@ -196,12 +204,13 @@ class IntervalWork:
         labelled = sum(n for _, n in scored.values())
         loss = sum(total for total, _ in scored.values()) / max(labelled, 1)
         self.evaluated = (len(chosen), labelled)  # (sequences, tokens scored): what `shardline eval` says
+        names, counts = self.data.source_names, dict(parts)  # (how many sequences each source's loss rests on)
         if mixed:
-            names = self.data.source_names
             self.evaluated_by_source = {names[k]: total / max(n, 1) for k, (total, n) in scored.items()}
         self.metrics.log("eval", step=self.step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)),
                          eval_sequences=self.evaluated[0],
-                         **({"eval_loss_by_source": self.evaluated_by_source} if mixed else {}))
+                         **({"eval_loss_by_source": self.evaluated_by_source,
+                             "eval_sequences_by_source": {names[k]: len(counts[k]) for k in scored}} if mixed else {}))
         return loss
 
     def refuse_ended(self, what: str) -> None:
