@@ -662,8 +662,10 @@ def test_prompt_completion_pairs_read_as_a_user_turn_and_its_reply(tmp_path):
 @pytest.mark.parametrize("record, message", [
     ({"text": "no messages"}, "has no list field 'messages'"),
     ({"messages": "hi"}, "line 4's 'messages' is a str, not a list"),  # (not "has no field": it has one)
-    ({"prompt": "2+2?", "completion": ["4"]}, r"it holds \"prompt\" and \"completion\": data.format=chat "
-                                               r"\(prepare: --format chat\) reads them where both are strings or both"),
+    ({"prompt": "2+2?", "completion": ["4"]}, r"it holds \"prompt\" and \"completion\" \(str and list\): "
+                                               r"data.format=chat \(prepare: --format chat\) reads them where both"),
+    ({"prompt": "2+2?", "completion": None}, r"\(str and null\)"),
+    ({"prompt": "2+2?"}, r"it holds \"prompt\" without \"completion\" \(a prompt/completion pair needs both\)"),
     ({"messages": [{"role": "user"}]}, r"messages\[0\] needs string fields 'role' and 'content'"),
 ])
 def test_bad_chat_records_are_one_line(tmp_path, record, message):

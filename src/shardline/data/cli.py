@@ -42,7 +42,8 @@ def register(sub) -> None:
     p.add_argument("--text-field", default="text",
                    help="field with the text in .jsonl/.parquet/.arrow (default text)")
     p.add_argument("--format", default="text", choices=["text", "chat"],
-                   help="chat: .jsonl records with messages; loss on assistant tokens only")
+                   help="chat: records with messages (ShareGPT's conversations, or prompt/completion pairs), "
+                        ".jsonl, .parquet or .arrow; loss on assistant tokens only")
     p.add_argument("--no-bos", action="store_true",
                    help="text documents without the BOS tokens the tokenizer puts before a text (data.add_bos=false)")
     p.add_argument("--shard-tokens", type=int, default=1 << 25,

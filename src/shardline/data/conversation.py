@@ -48,9 +48,14 @@ def record_hint(obj) -> str:
     prompt/completion pairs (OpenAI's and TRL's layout) with their conversion to chat, else its keys."""
     if not isinstance(obj, dict) or not obj:
         return ""
-    if all(k in obj for k in PAIR_FIELDS):
-        return ("; it holds \"prompt\" and \"completion\": data.format=chat (prepare: --format chat) reads them "
-                "where both are strings or both lists of messages, its loss on the completion alone")
+    kinds = {k: "null" if obj.get(k) is None else type(obj[k]).__name__ for k in PAIR_FIELDS if k in obj}
+    if len(kinds) == 2:
+        return (f"; it holds \"prompt\" and \"completion\" ({kinds['prompt']} and {kinds['completion']}): "
+                "data.format=chat (prepare: --format chat) reads them where both are strings or both lists of "
+                "messages, its loss on the completion alone")
+    if kinds:  # (one of the pair: the other missing)
+        has, lacks = (PAIR_FIELDS if "prompt" in kinds else PAIR_FIELDS[::-1])
+        return f"; it holds \"{has}\" without \"{lacks}\" (a prompt/completion pair needs both)"
     return f"; its keys: {', '.join(map(str, list(obj)[:8]))}{', ...' * (len(obj) > 8)}"
 
 
