@@ -103,7 +103,8 @@ def test_best_gives_eval_convert_and_generate_the_best_checkpoint(tiny_config, t
     assert main(["convert", "to-hf", str(run), str(tmp_path / "hf"), "--best"]) == 0
     assert f"of {folder})" in capsys.readouterr().out
     assert main(["generate", str(run), "--best", "--max-new-tokens", "2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["checkpoint"] == str(folder)
+    said = capsys.readouterr()
+    assert json.loads(said.out)["checkpoint"] == str(folder) and f"sampled {folder}, the best" in said.err
     # a checkpoint folder, or a run that kept no best: one line each
     assert main(["eval", str(folder), "--best"]) == 2
     assert "--best takes a run dir, not a checkpoint folder" in capsys.readouterr().err

@@ -653,7 +653,7 @@ def test_prompt_completion_pairs_read_as_a_user_turn_and_its_reply(tmp_path):
     for rows in ([{"prompt": "2+2?", "completion": None}], [{"prompt": [records[0][1]], "completion": "4"}]):
         pq.write_table(pa.Table.from_pylist(pairs[:5] + rows if rows[0]["completion"] is None else rows),
                        tmp_path / "odd.parquet")
-        with pytest.raises(DataError, match=r"a row has no list field 'messages'.*it holds \"prompt\" and "):
+        with pytest.raises(DataError, match=r"a row: a prompt/completion record the chat format cannot read; it holds"):
             data(tmp_path / "odd.parquet", "data.format=chat", seq_len=128)
     with pytest.raises(DataError, match="it holds a conversation: read it as chat"):  # (as text: said so)
         data(tmp_path / "pairs.jsonl")

@@ -62,6 +62,8 @@ def record_hint(obj) -> str:
 def conversation(f: Path, where: str, value, hint: str = "") -> list[dict]:
     """A chat record's messages, each with a string role and content, or a DataError naming the line
     (`hint`: record_hint's, where the record is at hand)."""
+    if not isinstance(value, list) and '"prompt"' in hint:  # (a pair that is not one: said first, then why)
+        raise DataError(f"data file {f} {where}: a prompt/completion record the chat format cannot read{hint}")
     if not isinstance(value, list):
         held = f"'s 'messages' is a {type(value).__name__}, not a list" if value is not None else \
             " has no list field 'messages'"
