@@ -331,13 +331,14 @@ def test_a_crash_right_after_a_rollback_keeps_the_batch_it_skipped_and_its_budge
     assert again.step == 3 and again.rollbacks == 1 and again.skipped_batches == [4]
 
 
-def test_a_rollback_names_the_damaged_checkpoint_it_passes_over(tiny_config):
-    """The drill corrupts step 4's checkpoint; the NaN at step 5 rolls back to step 2, and the log
-    says why not to step 4, as a resume's does."""
+def test_a_rollback_names_the_damaged_checkpoint_it_passes_over(tiny_config, capsys):
+    """The drill corrupts step 4's checkpoint (and says so: it fired in silence, as the others do not); the
+    NaN at step 5 rolls back to step 2, and the log says why not to step 4, as a resume's does."""
     trainer = Trainer(tiny_config("anomaly.action=rollback", "anomaly.min_history=2", "checkpoint.interval=2",
                                   "train.eval_interval=0", "faults.corrupt_checkpoint_step=4", "faults.nan_step=5",
                                   "train.steps=6")).build()
     trainer.train()
+    assert "drill: faults.corrupt_checkpoint_step=4 damaged" in capsys.readouterr().err
     records = read_records(trainer.run_dir, "event")
     (rollback,) = [r for r in records if r["event"] == "anomaly"]
     assert rollback["to_step"] == 2

@@ -139,6 +139,8 @@ class FaultInjector:
             for i in range(0, len(data), max(1, len(data) // 64)):
                 data[i] ^= 0xFF
             shard.write_bytes(bytes(data))
+            print(f"shardline: drill: faults.corrupt_checkpoint_step={step} damaged {shard} (a resume finds it "
+                  "invalid and falls back)", file=sys.stderr, flush=True)  # (as the kill and save drills say)
 
 
 def _hang() -> None:
