@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from shardline.data.packing import PackedSequences
-from shardline.data.sampler import spread
+from shardline.data.sampler import even_spread
 
 
 class MixedSequences:
@@ -80,7 +80,7 @@ class MixedSequences:
         shares = np.zeros(len(self.counts), dtype=np.int64)  # (at least one a source: each one's loss is logged)
         if count:
             shares[live] = np.minimum(_apportion(self.counts[live].astype(np.float64), count), self.counts[live])
-        blocks = np.concatenate([self.offsets[k] + spread(int(n), int(m)) for k, (n, m) in
+        blocks = np.concatenate([self.offsets[k] + even_spread(int(n), int(m)) for k, (n, m) in
                                  enumerate(zip(self.counts, shares))]) if count else np.zeros(0, dtype=np.int64)
         return np.sort(blocks if self._order is None else np.argsort(self._order)[blocks])
 

@@ -81,11 +81,11 @@ def eval_micro_batches(val, asked: int, micro: int) -> list[np.ndarray]:
     A mixture spreads each source's share over that source (MixedSequences.spread): an even
     spread over its interleaved blocks could land on one source alone (an A,B,A,B order at
     every second index)."""
-    order = val.spread(asked) if hasattr(val, "spread") else spread(len(val), asked)
+    order = val.spread(asked) if hasattr(val, "spread") else even_spread(len(val), asked)
     return [order[i:i + micro] for i in range(0, len(order), micro)]
 
 
-def spread(size: int, asked: int) -> np.ndarray:
+def even_spread(size: int, asked: int) -> np.ndarray:
     """min(asked, size) indices of range(size) spread evenly over it, in order: floor(i x size / n)."""
     count = min(asked, size)
     return np.arange(count, dtype=np.int64) * size // max(count, 1)
