@@ -153,7 +153,7 @@ def eval_config(src: str | Path, overrides: list[str], run_dir: Path, best: bool
 def _val_path_alone(cfg: Config, trained: dict) -> None:
     """--data.val_path without other data: the evaluation reads that file alone, so the run's
     training data stands in by it (neither found nor tokenized), read in the format val_path is.
-    Data the run trained on is said on stderr: all of it is scored, a training loss mostly."""
+    Data the run trained on is said on stderr: what it scores was trained on, a training loss mostly."""
     if not cfg.data.val_path:
         raise ConfigError("--data.val_path= is empty: omit it to evaluate on the run's own held-out data")
     input_files(cfg.data.val_path, "data.val_path")  # (read as data.path below: its refusals named that key)
