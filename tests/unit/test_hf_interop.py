@@ -788,3 +788,23 @@ def test_a_side_file_linked_out_of_its_folder_is_not_copied(tmp_path, capsys):
     assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 8}'
     assert f"note: {snapshot / 'special_tokens_map.json'} links to {secret}, outside its folder: not copied" \
         in capsys.readouterr().err
+
+
+def test_a_qwen_folders_window_settings_survive_a_round_trip(tmp_path, transformers):
+    """A Qwen2.5 config.json names a window it leaves off (sliding_window 32768, use_sliding_window false,
+    max_window_layers 21): the export wrote null and the layer count, so a diff of the two configs flagged
+    them. They are written back as they were; the model is the same either way."""
+    from shardline.interop.convert import convert
+
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64,
+        rms_norm_eps=1e-5, num_attention_heads=4, num_key_value_heads=2))
+    hf.save_pretrained(tmp_path / "qwen2")
+    config = json.loads((tmp_path / "qwen2" / "config.json").read_text())
+    config.update(sliding_window=32768, use_sliding_window=False, max_window_layers=21)
+    (tmp_path / "qwen2" / "config.json").write_text(json.dumps(config))
+    convert("from-hf", str(tmp_path / "qwen2"), str(tmp_path / "ckpt"))
+    convert("to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back"))
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (back["sliding_window"], back["use_sliding_window"], back["max_window_layers"]) == (32768, False, 21)
+    assert read_hf_config(tmp_path / "back") == read_hf_config(tmp_path / "qwen2")

@@ -116,7 +116,7 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what to-hf writes on reque
 
 
 # config.json keys the shardline model does not determine, written back as the source folder had them.
-KEPT_FIELDS = ("pad_token_id", "router_aux_loss_coef", "initializer_range")
+KEPT_FIELDS = ("pad_token_id", "router_aux_loss_coef", "initializer_range", "sliding_window", "max_window_layers")
 
 
 def read_hf_fields(path: str | os.PathLike) -> dict[str, Any]:
