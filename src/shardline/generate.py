@@ -394,7 +394,7 @@ def _command(args, overrides: list[str]) -> int:
     check_options(values, flags=True)  # (said as the flags the user typed)
     from shardline.interop.convert import best_checkpoint
     src = best_checkpoint(Path(args.src)) if args.best else args.src
-    say(f"sampled {src}, the best checkpoint" if args.best else "")  # (a folder given is not named: this one is)
+    say(f"sampling {src}, the best checkpoint" if args.best else "")  # (a folder given is not named: this one is)
     print(generate(src, args.prompt, SampleOptions(**values), args.device, args.json, args.dtype, args.bos, args.chat,
                    args.system, args.context, args.tokenizer), flush=True)
     return 0

@@ -426,7 +426,9 @@ def test_the_refused_save_drill_takes_the_on_error_path(tiny_config, tmp_path, m
     of filling a disk. faults.refuse_save_step has the storage refuse that step's save: `continue`
     goes on (the next save lands), `stop` ends the run in one line, and nothing is left half-written."""
     drill = ["train.steps=12", "train.eval_interval=0", "faults.refuse_save_step=6", f"checkpoint.mode={mode}"]
-    Trainer(tiny_config(*drill, run_dir=tmp_path / "go_on")).build().train()
+    trainer = Trainer(tiny_config(*drill, run_dir=tmp_path / "go_on")).build()
+    trainer.train()
+    assert trainer.tiers.refused == {6}  # (what a best named there is told by: trainer/intervals.py)
     (failed,) = [e for e in events(tmp_path / "go_on") if e["event"] == "checkpoint_failed"]
     assert failed["step"] == 6 and "the storage refused the write (drill: faults.refuse_save_step)" in failed["error"]
     assert failed["action"].startswith("continue; retried at the next interval")

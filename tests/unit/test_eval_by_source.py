@@ -110,3 +110,21 @@ def test_a_mixtures_held_out_split_holds_each_sequence_once_whatever_the_weights
         assert len(set(zip(src.tolist(), local.tolist()))) == len(some) and set(src.tolist()) == {0, 1}
     finally:
         data.release()
+
+
+@pytest.mark.parametrize("sizes", [(1, 2, 2, 300), (1, 2, 46), (1, 2, 2), (3, 0, 5)])
+def test_a_held_out_mixture_reads_each_sequence_once_with_a_one_sequence_source(sizes):
+    """The review's find: 1 / 2949 x 2949 came out 0.9999..., so a one-sequence source's block got two places
+    (read twice) and another source's last sequence none; each source's share of an evaluation likewise."""
+    from shardline.data.mixture import MixedSequences
+    from shardline.data.packing import PackedSequences
+
+    sources = [PackedSequences([[k + 1] * 8 for _ in range(n)], 7, None) for k, n in enumerate(sizes)]
+    val = MixedSequences(sources, None, interleave=True)
+    sizes = [len(s) for s in sources]
+    assert list(val.counts) == sizes
+    for asked in (len(sizes), 5, len(val)):
+        src, local = val.locate(np.concatenate(eval_micro_batches(val, asked, 4)))
+        pairs = list(zip(src.tolist(), local.tolist()))
+        assert len(set(pairs)) == len(pairs) and {k for k, _ in pairs} == {k for k, n in enumerate(sizes) if n}
+    assert sorted(pairs) == [(k, j) for k, n in enumerate(sizes) for j in range(n)]  # (all of it: each once)

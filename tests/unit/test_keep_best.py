@@ -104,7 +104,7 @@ def test_best_gives_eval_convert_and_generate_the_best_checkpoint(tiny_config, t
     assert f"of {folder})" in capsys.readouterr().out
     assert main(["generate", str(run), "--best", "--max-new-tokens", "2", "--json"]) == 0
     said = capsys.readouterr()
-    assert json.loads(said.out)["checkpoint"] == str(folder) and f"sampled {folder}, the best" in said.err
+    assert json.loads(said.out)["checkpoint"] == str(folder) and f"sampling {folder}, the best" in said.err
     # a checkpoint folder, or a run that kept no best: one line each
     assert main(["eval", str(folder), "--best"]) == 2
     assert "--best takes a run dir, not a checkpoint folder" in capsys.readouterr().err
@@ -132,3 +132,19 @@ def test_a_best_at_the_newest_checkpoint_is_named_in_its_own_state(tiny_config, 
         assert resumed.best_eval == pytest.approx((evals[-1], 6))
     finally:
         resumed.close()
+
+
+def test_a_best_whose_async_write_is_refused_later_gives_way_to_the_one_before(tiny_config, tmp_path):
+    """An async save returns before its write lands: a best named there whose write the storage refused later
+    stayed the best, so later states named a folder never written (--best: "gone"), a loss between the two
+    was no new best, and a resume pruned the true best's folder."""
+    trainer = Trainer(tiny_config(*DIVERGING, "checkpoint.keep_best=true", "checkpoint.mode=async")).build()
+    try:
+        trainer.best_eval, trainer._bests_before = (1.0, 4), [(float("inf"), 0), (2.0, 2)]
+        trainer._forget_refused_best()  # (nothing refused: it stays)
+        assert trainer.best_eval == (1.0, 4)
+        trainer.tiers.refused.add(4)
+        trainer._forget_refused_best()
+        assert trainer.best_eval == (2.0, 2) and trainer._bests_before == [(float("inf"), 0)]
+    finally:
+        trainer.close()

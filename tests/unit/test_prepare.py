@@ -632,8 +632,9 @@ def test_prompt_completion_pairs_read_as_a_user_turn_and_its_reply(tmp_path):
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": r[1:3]}) + "\n" for r in records))
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     pq.write_table(pa.Table.from_pylist(pairs), tmp_path / "pairs.parquet")
+    (tmp_path / "merged.jsonl").write_text("".join(json.dumps({"messages": None, **p}) + "\n" for p in pairs))
     plain = data(tmp_path / "chat.jsonl", "data.format=chat", seq_len=128)
-    for name in ("pairs.jsonl", "pairs.parquet"):
+    for name in ("pairs.jsonl", "pairs.parquet", "merged.jsonl"):  # (merged: a set's null messages beside the pair)
         assert_same_batches(plain, data(tmp_path / name, "data.format=chat", seq_len=128))
     prepare(PrepareOptions([str(tmp_path / "pairs.jsonl")], str(tmp_path / "prep"), format="chat", workers=1,
                            **SMALL))

@@ -25,8 +25,8 @@ def record_messages(obj) -> object:
     prompt/completion pair's (pair_messages) where it has neither."""
     if not isinstance(obj, dict):
         return None
-    if CHAT_FIELD not in obj and SHAREGPT_FIELD not in obj and all(k in obj for k in PAIR_FIELDS):
-        return pair_messages(obj["prompt"], obj["completion"])
+    if obj.get(CHAT_FIELD) is None and obj.get(SHAREGPT_FIELD) is None and all(k in obj for k in PAIR_FIELDS):
+        return pair_messages(obj["prompt"], obj["completion"])  # (a merged set's null messages: its pair)
     return obj.get(CHAT_FIELD) if CHAT_FIELD in obj or SHAREGPT_FIELD not in obj else obj[SHAREGPT_FIELD]
 
 

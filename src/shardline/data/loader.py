@@ -235,7 +235,7 @@ def load_val(cfg: Config, tok: Tokenizer) -> PackedSequences | MixedSequences:
         prepared = open_prepared(path, cfg.train.seq_len, "", fmt, d.add_bos)  # (its own, compared here)
         _check_val_tokenizer(prepared.tokenizer, tok, path)
         parts = [p for p in (prepared.train, prepared.val) if len(p)] or [prepared.train]
-        val = parts[0] if len(parts) == 1 else MixedSequences(parts, [len(p) for p in parts])
+        val = parts[0] if len(parts) == 1 else MixedSequences(parts, None)
     else:
         chat = fmt == "chat"
         docs = read_documents(path, "messages" if chat else d.text_field, key=key)
@@ -292,7 +292,7 @@ def _build_mixture(cfg: Config) -> DataBundle:
     names = _source_names([s.path for s in mix])
     # (held out: each source's sequences once, not by the weights: an up-weighted one's read twice, a down-weighted
     val = load_val(cfg, tok) if cfg.data.val_path and t.eval_interval else MixedSequences(
-        vals, [len(v) for v in vals], interleave=True)  # one's left unread; eval_loss_by_source: each one's loss)
+        vals, None, interleave=True)  # one's left unread; eval_loss_by_source: each one's loss)
     check_replies_fit([(s.path, p) for s, p in zip(mix, trains)], val, cfg)
     return DataBundle(tok, train, val,
                       GlobalBatchSampler(len(train), t.global_batch_size, t.order_seed, tag_passes=True), names,

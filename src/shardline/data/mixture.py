@@ -28,13 +28,16 @@ from shardline.data.sampler import even_spread
 
 
 class MixedSequences:
-    def __init__(self, sources: list[PackedSequences], weights: list[float], interleave: bool = False):
+    def __init__(self, sources: list[PackedSequences], weights: list[float] | None, interleave: bool = False):
+        """`weights` None: each source's sequences once (a held-out mixture's blocks, exactly its sizes)."""
         self.sources, self.seq_len = sources, sources[0].seq_len
         sizes = np.array([len(s) for s in sources], dtype=np.int64)
         # A source with no sequences has no block (a held-out mixture of data.val_fraction=0 had one of a
         # sequence each: two held-out sequences said, an index error where read)
         live, self.counts = sizes > 0, np.zeros(len(sources), dtype=np.int64)
-        if live.any():
+        if weights is None:
+            self.counts = sizes.copy()
+        elif live.any():
             self.counts[live] = _apportion(np.asarray(weights, dtype=np.float64)[live], int(sizes.sum()))
         self.sizes = sizes
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)])
@@ -77,9 +80,12 @@ class MixedSequences:
         spread evenly over its block (an even spread over all the indices could land on one source
         alone: A,B,A,B at every second index)."""
         count, live = min(asked, len(self)), self.counts > 0
-        shares = np.zeros(len(self.counts), dtype=np.int64)  # (at least one a source: each one's loss is logged)
-        if count:
-            shares[live] = np.minimum(_apportion(self.counts[live].astype(np.float64), count), self.counts[live])
+        exact = self.counts * count / max(int(self.counts.sum()), 1)  # (multiplied first: 1 x 2949 / 2949 is 1)
+        shares = np.where(live, np.maximum(np.floor(exact), 1), 0).astype(np.int64)  # (at least one a source:
+        left = np.flatnonzero(shares < self.counts)[np.argsort(-(exact - shares)[shares < self.counts],  # each
+                                                               kind="stable")]  # one's loss is logged)
+        shares[left[:max(count - int(shares.sum()), 0)]] += 1  # (the largest remainders after that floor)
+        shares = np.minimum(shares, self.counts)
         blocks = np.concatenate([self.offsets[k] + even_spread(int(n), int(m)) for k, (n, m) in
                                  enumerate(zip(self.counts, shares))]) if count else np.zeros(0, dtype=np.int64)
         return np.sort(blocks if self._order is None else np.argsort(self._order)[blocks])

@@ -150,10 +150,11 @@ def checkpoint_to_hf(src: Path, dst: Path, dtype: str = "", tokenizer: str = "",
     return to_hf_pretrained(model, dst, tokenizer_path=tokenizer, dtype=dtype,
                             bos_token_id=bos, eos_token_id=eos,
                             provenance={"checkpoint": str(ckpt.resolve())},
-                            # (a window size the weights have is theirs, not the starting folder's: a Qwen
-                            # folder's size of a window it leaves off is written back as it was)
+                            # (a Qwen folder's size of a window it leaves off, use_sliding_window false, is
+                            # written back as it was; elsewhere a window is the weights' own: Mixtral's applies)
                             kept_fields={key: hf[key] for key in KEPT_FIELDS if key in hf and not (
-                                key == "sliding_window" and args.sliding_window is not None)},
+                                key == "sliding_window" and (args.sliding_window is not None or not (
+                                    args.qkv_bias or args.qk_norm)))},
                             generation_config=beside_checkpoint(ckpt, GENERATION_NAME),
                             chat_template=CHATML_TEMPLATE if chatml else "",
                             turn_end=turn_end, doc_end=doc_end)

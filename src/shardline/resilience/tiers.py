@@ -92,6 +92,7 @@ class StateTiers:
         self._saved_model = None  # the model an async save is writing (its size, where the storage refuses it)
         self.unsaved_end = ""  # why the step the run ends after could not be saved (the storage refused it)
         self.unsaved_cause: OSError | None = None  # the storage's error behind it
+        self.refused: set[int] = set()  # the steps whose saves the storage refused (an async one's found later)
         self.taken_by: Callable[[], str] = str  # who took the run dir's lock over, in words ("": none; the guard's)
         self.memory = None
         if c.memory_interval:
@@ -154,6 +155,7 @@ class StateTiers:
         cause = storage_error(error, root)
         if cause is None:
             raise error
+        self.refused.add(step)  # (a best the trainer named there is no best: trainer/intervals.py)
         if cause.errno == errno.ENOSPC:
             free = shutil.disk_usage(root.parent if not root.exists() else root).free
             need = self._checkpoint_bytes(model)
@@ -207,6 +209,10 @@ class StateTiers:
         """Wait for every save in flight and log what each one took and holds."""
         self._drain_disk()
         self._drain_memory()
+
+    def drain_disk(self) -> None:
+        """Wait for the disk save in flight, if any: its outcome known (a refusal in `refused`)."""
+        self._drain_disk()
 
     def _drain_disk(self) -> None:
         for done in self.saver.wait() if self.saver is not None else ():

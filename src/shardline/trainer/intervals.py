@@ -79,6 +79,8 @@ class IntervalWork:
         if not (evaluate or save or snapshot):
             return request, 0.0
         paused = self._clock()
+        if evaluate and cfg.checkpoint.keep_best:  # (an async save of a best the storage refused since: not one)
+            self._forget_refused_best()
         if evaluate:  # (ended where a stop comes in it: owed, as if skipped; the stop's save comes next, no snapshot)
             stoppable = self.guard.asked_to_stop if step < stop else None  # (eval's time)
             loss = self.guard.watched("eval", step, "eval", lambda: self.evaluate(stoppable))
@@ -94,7 +96,7 @@ class IntervalWork:
         self.best_eval = (best, step) if best is not None else before
         saved = save and self.guard.watched("save", step, "checkpoint", self.save_checkpoint) is not None
         if best is not None and saved:
-            self._new_best(best, step)
+            self._new_best(best, step, before)
         else:  # (a refused save is no best: the one before stays)
             self.best_eval = before
         if snapshot:
@@ -103,16 +105,24 @@ class IntervalWork:
             request = self.guard.stop_requested()
         return request, self._clock() - paused
 
-    def _new_best(self, loss: float, step: int) -> None:
+    def _new_best(self, loss: float, step: int, before: tuple[float, int]) -> None:
         """The lowest eval loss so far, at `step`, whose save was not refused: its checkpoint is kept past
         checkpoint.keep until a lower one's lands (prune: an async write in flight or failed keeps the one
-        before), as a fine-tune's best point, which the newest checkpoints may not hold."""
-        self.best_eval = (loss, step)
+        before), as a fine-tune's best point, which the newest checkpoints may not hold. `before`: the best
+        it replaces, the best again if the storage refuses this one's async write (_forget_refused_best)."""
+        self.best_eval, self._bests_before = (loss, step), [*self._bests_before, before]
         folder = self.checkpointer.root / step_dir_name(step)
         self.checkpointer.keep_also.append(folder)
         if self.checkpointer.is_writer:  # (the save's own prune kept the one before: it was the best then)
             self.checkpointer.prune()
         self.metrics.event("best_checkpoint", step=step, eval_loss=loss, checkpoint=str(folder))
+
+    def _forget_refused_best(self) -> None:
+        """The best before a best whose async write the storage refused after it was named (said by its
+        checkpoint_failed event): the save in flight waited for first, so a later state names the best on disk."""
+        self.tiers.drain_disk()
+        while self.best_eval[1] in self.tiers.refused and self._bests_before:
+            self.best_eval = self._bests_before.pop()
 
     def _evaluate_owed(self) -> None:
         """The evaluation a stop skipped, made up first by the resumed run, and ranked as any other for
@@ -127,7 +137,7 @@ class IntervalWork:
         self.best_eval = (loss, self.step) if best else before  # (in the state its save holds, as above)
         saved = (best or ends) and self.guard.watched("save", self.step, "checkpoint", self.save_checkpoint) is not None
         if best and saved:
-            self._new_best(loss, self.step)
+            self._new_best(loss, self.step, before)
         else:
             self.best_eval = before
 
@@ -158,6 +168,7 @@ class IntervalWork:
         # (a launch with keep_best off saves none: the folder it named may be pruned since. Not judged by the
         # folder's presence, which ranks on a shared store may see apart: their saves would then differ)
         self.best_eval = best if self.cfg.checkpoint.keep_best and best[1] else (float("inf"), 0)
+        self._bests_before = []  # (a rollback's state names its best: those replaced since are not the run's)
         self.checkpointer.keep_also = [self.checkpointer.root / step_dir_name(best[1])] if self.best_eval[1] else []
         self.eval_trend = tuple(state.get("eval_trend", (float("inf"), 0, 0)))  # (none saved before 2026-12-08)
         if state.get("eval_order") != EVAL_ORDER and (self.best_eval[1] or self.eval_trend[1]):

@@ -86,6 +86,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
         self.evaluated = (0, 0)  # the last evaluation's sequences and scored tokens (intervals.py's evaluate)
         self.evaluated_by_source: dict[str, float] = {}  # a mixture's: each source's eval loss in it
         self.best_eval = (float("inf"), 0)  # the lowest eval loss so far and its step (checkpoint.keep_best)
+        self._bests_before: list[tuple[float, int]] = []  # this launch's bests each replaced (an async refusal's)
         self.eval_trend = (float("inf"), 0, 0)  # the lowest eval loss, its step, the evaluations since (early stop)
         self.early_stopped_at: int | None = None  # the step train.early_stop_patience ended the run at
         self._eval_changed = ""  # a resumed checkpoint's evaluation read other sequences: why its record was reset

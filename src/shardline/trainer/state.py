@@ -329,6 +329,8 @@ class SavedState:
         self.refuse_ended("save_checkpoint()")
         self.report_device_anomalies()  # the saved detector state and events agree
         agreed(self._check_run_dir, self.proc.world_size)
+        if self.cfg.checkpoint.keep_best:  # (the state below names the best on disk: an async one refused since, not)
+            self._forget_refused_best()
         meta = {"model_args": args_to_json(self.model_args), "config": self.cfg.to_dict(), "hf": self.hf_fields,
                 "launchers": launcher_ids(),  # a restart of a resume=never run resumes only its own job's
                 "world_size": self.proc.world_size,  # (a dry run's resume says a change: dp_shard=-1 hides it)
