@@ -57,10 +57,12 @@ def transient(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in TRANSIENT_ERRNOS
 
 
-def exit_code(error: ShardlineError) -> int:
+def exit_code(error: BaseException) -> int:
     """The error's exit code; TRY_LATER also for one raised while handling a transient OSError (a
     read that failed with EIO, said as the file it could not read: `raise ... from None` keeps it as
-    the context)."""
+    the context). Not shardline's: 130 for an interrupt that saved nothing, else 1 (a crash)."""
+    if not isinstance(error, ShardlineError):
+        return 130 if interrupted(error) else 1
     seen, cause = set(), error
     while cause is not None and id(cause) not in seen and error.exit_code == 2:
         if transient(cause):

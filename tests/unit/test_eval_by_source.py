@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardline.cli import main
-from shardline.data.sampler import eval_micro_batches
+from shardline.data.sampler import eval_sequences
 from shardline.trainer import Trainer
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta".split()
@@ -37,8 +37,7 @@ def test_each_sources_loss_is_its_own_sequences_mean_and_makes_up_the_whole(tiny
     trainer = Trainer(tiny_config(*settings)).build()  # (resumes the step-2 checkpoint: the weights evaluated)
     try:
         val, t = trainer.data.val, trainer.cfg.train
-        chosen = np.concatenate(eval_micro_batches(val, t.eval_batches * t.global_batch_size,
-                                                   t.micro_batch_size))
+        chosen = eval_sequences(val, t.eval_batches * t.global_batch_size)
         trainer.model.eval()
         sums, counts = [], []
         with torch.no_grad():
@@ -73,7 +72,7 @@ def test_an_evaluation_reads_each_source_in_proportion_spread_over_it(sizes, wei
     sources = [PackedSequences([[k + 1] * 8 for _ in range(n)], 7, None) for k, n in enumerate(sizes)]
     sizes = [len(s) for s in sources]  # (packed: about the sizes asked, equal ones alike)
     val = MixedSequences(sources, list(weights), interleave=True)
-    chosen = np.concatenate(eval_micro_batches(val, asked, 4))
+    chosen = eval_sequences(val, asked)
     assert len(set(chosen.tolist())) == len(chosen) == asked
     src, local = val.locate(chosen)
     got = np.bincount(src, minlength=len(sizes))
@@ -102,10 +101,10 @@ def test_a_mixtures_held_out_split_holds_each_sequence_once_whatever_the_weights
         val = data.val
         sizes = [len(s) for s in val.sources]
         assert list(val.counts) == sizes and min(sizes) > 1
-        every = np.concatenate(eval_micro_batches(val, len(val), 8))  # (--batches 0)
+        every = eval_sequences(val, len(val))  # (--batches 0)
         src, local = val.locate(every)
         assert sorted(zip(src.tolist(), local.tolist())) == [(k, j) for k, n in enumerate(sizes) for j in range(n)]
-        some = np.concatenate(eval_micro_batches(val, 12, 4))
+        some = eval_sequences(val, 12)
         src, local = val.locate(some)
         assert len(set(zip(src.tolist(), local.tolist()))) == len(some) and set(src.tolist()) == {0, 1}
     finally:
@@ -124,7 +123,7 @@ def test_a_held_out_mixture_reads_each_sequence_once_with_a_one_sequence_source(
     sizes = [len(s) for s in sources]
     assert list(val.counts) == sizes
     for asked in (len(sizes), 5, len(val)):
-        src, local = val.locate(np.concatenate(eval_micro_batches(val, asked, 4)))
+        src, local = val.locate(eval_sequences(val, asked))
         pairs = list(zip(src.tolist(), local.tolist()))
         assert len(set(pairs)) == len(pairs) and {k for k, _ in pairs} == {k for k, n in enumerate(sizes) if n}
     assert sorted(pairs) == [(k, j) for k, n in enumerate(sizes) for j in range(n)]  # (all of it: each once)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 
 from shardline.config import Config
 from shardline.data.chat_template import chat_template_for, template_sha256
 from shardline.data.encode import chat_segments, check_replies, render_chat, reply_prompt, roles_of
 from shardline.data.packing import PackedSequences
-from shardline.data.sampler import eval_micro_batches
+from shardline.data.sampler import eval_sequences
 from shardline.data.shards import TOKENIZER, is_prepared, read_manifest, tokenizer_file
 from shardline.errors import DataError
 
@@ -45,7 +44,7 @@ def check_replies_fit(sources: list[tuple[str, PackedSequences]], val, cfg: Conf
         raise DataError(f"{', '.join(w for w, _ in chat)}: none of {looked} sequences of train.seq_len={t.seq_len} "
                         f"holds a reply token to learn ({why})")
     if t.eval_interval and len(val):
-        read = np.concatenate(eval_micro_batches(val, t.eval_batches * t.global_batch_size, t.micro_batch_size))
+        read = eval_sequences(val, t.eval_batches * t.global_batch_size)
         if val.count_labels(read) == 0:
             raise DataError(f"{', '.join(w for w, _ in chat)}: the held-out sequences an evaluation reads hold no "
                             f"reply token at train.seq_len={t.seq_len} (their conversations are cut before it), so "

@@ -80,6 +80,8 @@ class MixedSequences:
         spread evenly over its block (an even spread over all the indices could land on one source
         alone: A,B,A,B at every second index)."""
         count, live = min(asked, len(self)), self.counts > 0
+        # (not _apportion, whose ranking a training mixture's saved counts keep: there a one-sequence source's
+        # 0.9999... share, raised to 1, still ranks first for the remainder, and would be read twice)
         exact = self.counts * count / max(int(self.counts.sum()), 1)  # (multiplied first: 1 x 2949 / 2949 is 1)
         shares = np.where(live, np.maximum(np.floor(exact), 1), 0).astype(np.int64)  # (at least one a source:
         left = np.flatnonzero(shares < self.counts)[np.argsort(-(exact - shares)[shares < self.counts],  # each

@@ -72,17 +72,15 @@ def batch_index(step: int, skipped: list[int]) -> int:
 EVAL_ORDER = "spread"
 
 
-def eval_micro_batches(val, asked: int, micro: int) -> list[np.ndarray]:
-    """The held-out sequences an evaluation reads, `micro` at a time (the last may be fewer):
-    `asked` of the split `val`, spread evenly over it, or the whole split when it holds no more,
-    each read once. The first `asked` in file order scored one end of the split alone (a corpus's
-    first books, a folder's first domain); repeating a small split to make up the count weighted
-    its first sequences twice, and an eval loss should be the mean over distinct held-out text.
-    A mixture spreads each source's share over that source (MixedSequences.spread): an even
-    spread over its interleaved blocks could land on one source alone (an A,B,A,B order at
-    every second index)."""
-    order = val.spread(asked) if hasattr(val, "spread") else even_spread(len(val), asked)
-    return [order[i:i + micro] for i in range(0, len(order), micro)]
+def eval_sequences(val, asked: int) -> np.ndarray:
+    """The held-out sequences an evaluation reads, in order: `asked` of the split `val`, spread evenly
+    over it, or the whole split when it holds no more, each read once. The first `asked` in file
+    order scored one end of the split alone (a corpus's first books, a folder's first domain);
+    repeating a small split to make up the count weighted its first sequences twice, and an eval
+    loss should be the mean over distinct held-out text. A mixture spreads each source's share over
+    that source (MixedSequences.spread): an even spread over its interleaved blocks could land on
+    one source alone (an A,B,A,B order at every second index)."""
+    return val.spread(asked) if hasattr(val, "spread") else even_spread(len(val), asked)
 
 
 def even_spread(size: int, asked: int) -> np.ndarray:

@@ -12,11 +12,10 @@ import math
 import time
 from typing import Callable
 
-import numpy as np
 import torch
 
 from shardline.data.mixture import MixedSequences
-from shardline.data.sampler import EVAL_ORDER, batch_index, eval_micro_batches
+from shardline.data.sampler import EVAL_ORDER, batch_index, eval_sequences
 from shardline.errors import ConfigError
 from shardline.metrics import mfu, peak_memory_gib
 from shardline.optim import lr_multiplier
@@ -192,7 +191,7 @@ class IntervalWork:
                 f"past {since} (or 0: off) and rerun")
 
     def evaluate(self, stop: Callable[[], bool] | None = None) -> float | None:
-        """Mean loss over eval_batches global batches of the held-out split, spread over it (eval_micro_batches),
+        """Mean loss over eval_batches global batches of the held-out split, spread over it (eval_sequences),
         shared by the data-parallel ranks: the same sequences, so the same number, whatever the layout. A
         mixture's sources are scored apart (each its own micro-batches), their losses logged beside the
         whole's. None, logging nothing, where `stop` (asked of every rank alike between micro-batches) said to
@@ -201,14 +200,13 @@ class IntervalWork:
         self.evaluated, self.evaluated_by_source = (0, 0), {}  # (an evaluation stopped midway scored none)
         t, val = self.cfg.train, self.data.val
         self.model.eval()
-        batches = eval_micro_batches(val, t.eval_batches * t.global_batch_size, t.micro_batch_size)
-        chosen = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
+        chosen = eval_sequences(val, t.eval_batches * t.global_batch_size)
         mixed = isinstance(val, MixedSequences) and bool(self.data.source_names) and not self.cfg.data.val_path
         parts = val.by_source(chosen) if mixed else [(None, chosen)]
         scored = {}  # source -> (summed loss, labelled tokens)
         for source, part in parts:  # (the same parts on every rank: the data is every rank's)
             micro = [part[i:i + t.micro_batch_size] for i in range(0, len(part), t.micro_batch_size)]
-            total = self.runner.eval_loss_total(micro if mixed else batches, val.batch, stop)
+            total = self.runner.eval_loss_total(micro, val.batch, stop)
             if total is None:
                 return None
             scored[source] = (total.item(), val.count_labels(part) if len(part) else 0)

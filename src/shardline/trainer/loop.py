@@ -23,8 +23,8 @@ import torch
 from shardline.config import Config, GivenConfig, expand_home, refuse_changed_since
 from shardline.data.sampler import batch_index
 from shardline.devices import native_bf16, peak_tflops
-from shardline.errors import (AnomalyHalt, CheckpointError, ConfigError, Interrupted, Preempted, ShardlineError,
-                              exit_code, interrupted, on_every_rank)
+from shardline.errors import (AnomalyHalt, CheckpointError, ConfigError, Interrupted, Preempted, exit_code,
+                              interrupted, on_every_rank)
 from shardline.interop.weights import load_starting_weights, starting_hf_fields
 from shardline.models.flops import flops_per_token
 from shardline.models.llama.parallelize import build_model
@@ -202,8 +202,7 @@ class Trainer(SavedState, AnomalyResponse, StopOnRequest, IntervalWork):
                 with contextlib.suppress(Exception):  # (not with ranks: its collectives may wait on a lost peer)
                     self.guard.drain(self.step)
             with contextlib.suppress(Exception):  # progress.json's last word (rank 0's); a stop's is "ended"
-                code = exit_code(error) if isinstance(error, ShardlineError) else 130 if interrupted(error) else 1
-                self.guard.goodput.fail(after_end=not isinstance(error, Preempted), exit_code=code)
+                self.guard.goodput.fail(after_end=not isinstance(error, Preempted), exit_code=exit_code(error))
             self.close(failed=True, error=error)  # an error, a halt or Ctrl-C
             raise
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+from shardline.errors import Preempted
 from shardline.parallel.distributed import say_for_node
 from shardline.resilience.checkpoint import step_dir_name
 
@@ -52,7 +53,8 @@ class StopOnRequest:
         self.report_device_anomalies()
         early = self.early_stopped_at is not None  # (the run is over there: nothing left to requeue)
         last = self.step >= self.cfg.train.steps or early
-        summary = self.guard.finish(self.step, complete=stopped is None, last=last, exit_code=5 if stopped else 0)
+        summary = self.guard.finish(self.step, complete=stopped is None, last=last,
+                                    exit_code=Preempted.exit_code if stopped else 0)
         # (what a requeue script reads: the end of a stop or of a refused last save is no run's end)
         outcome = "stopped" if stopped else "save_refused" if self.tiers.unsaved_end else \
             "early_stopped" if early else "complete" if last else "stop_at_step"
