@@ -50,9 +50,10 @@ def launch(tmp_path: Path, nnodes: int, *args: str, launcher: tuple[str, ...] = 
 
 
 def fitted_launch(tmp_path: Path, nnodes: int, *args: str, nproc: int = 2) -> list[subprocess.CompletedProcess]:
-    """launch(), again (up to 3 tries) where noise left a tier's times not growing with the size, which
-    fits no link (said in a `fit` line): a machine running other tests beside these ranks."""
-    for _ in range(3):
+    """launch(), again (up to 5 tries) where noise left a tier's times not growing with the size, which
+    fits no link (said in a `fit` line): a machine running other tests beside these ranks, or 4 ranks on
+    2 cores alone (a clean CI-like run of 2026-12-08 had 3 tries of the one-node test fit nothing)."""
+    for _ in range(5):
         runs = launch(tmp_path, nnodes, *args, nproc=nproc)
         if not any("times do not grow with the message size" in r.stdout for r in runs):
             break
