@@ -52,12 +52,14 @@ def launch(tmp_path: Path, nnodes: int, *args: str, launcher: tuple[str, ...] = 
 def fitted_launch(tmp_path: Path, nnodes: int, *args: str, nproc: int = 2) -> list[subprocess.CompletedProcess]:
     """launch(), again (up to 5 tries) where noise left a tier's times not growing with the size, which
     fits no link (said in a `fit` line): a machine running other tests beside these ranks, or 4 ranks on
-    2 cores alone (a clean CI-like run of 2026-12-08 had 3 tries of the one-node test fit nothing)."""
+    2 cores alone; skipped where every try was noisy."""
     for _ in range(5):
         runs = launch(tmp_path, nnodes, *args, nproc=nproc)
         if not any("times do not grow with the message size" in r.stdout for r in runs):
-            break
-    return runs
+            return runs
+    # (every try noisy: the fit is untestable on this machine now, not wrong; two clean CI-like runs of
+    # 2026-12-08 each had one of these tests fail so, in the alone phase, on 2 cores)
+    pytest.skip("comm-bench: scheduling noise left a tier's times not growing with the size in 5 tries")
 
 
 def _rows(table: str) -> dict[tuple, list[float]]:
@@ -174,14 +176,11 @@ def test_one_node_of_four_fits_pairs_apart_from_the_node(tmp_path):
     rows = _rows(run.stdout)
     assert {(tier, n) for tier, n, *_ in rows} == {("node2", 2), ("world", 4)}
     net = get_hardware("cpu", profile).network
-    # (gloo pairs on 2 busy cores: scheduling noise of milliseconds against a 1 MiB copy's fraction of
-    # one; where every try left the pairs' times not growing, their fit is refused, and said)
-    pairs = "fit intra: not fitted: the node2 tier's times do not grow" not in run.stdout
-    assert set(net.latency_by_world_us) == ({"2", "4"} if pairs else {"4"}) == set(net.bw_by_world_gbs)
+    # (gloo pairs on 2 busy cores: scheduling noise of milliseconds against a 1 MiB copy's fraction of one
+    # left the pairs' times not growing at times, their fit refused and said: fitted_launch tries again)
+    assert set(net.latency_by_world_us) == {"2", "4"} == set(net.bw_by_world_gbs)
     assert net.intra_latency_us == net.latency_by_world_us["4"]
     assert net.gpus_per_node == get_hardware("cpu").network.gpus_per_node  # one node: not written
-    if not pairs:
-        return
     size = SIZES[-1]  # the pair's model column: the pair's own fit, times the op's factor
     alpha, bw = net.latency_by_world_us["2"] * 1e-6, net.bw_by_world_gbs["2"] * 1e9
     pair = (alpha + size / 2 / bw) * net.op_factor["all_gather"]
